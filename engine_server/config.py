@@ -1,0 +1,131 @@
+"""Frozen configuration for the engine: built once at the entry point and passed down.
+
+Values discovered at run time (number of KV blocks, eos ids read from a tokenizer) do not live here; see
+`engine_server.runtime.EngineRuntime`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+
+_HF_ARCHITECTURES: dict[str, Architecture] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style rope frequency scaling (rope_type "llama3"); other types are refused at load."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer, independent of where its weights come from."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections.
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
+    rope_scaling: RopeScaling | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in _HF_ARCHITECTURES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_HF_ARCHITECTURES)}")
+        if model_type == "mistral" and cfg.get("sliding_window"):
+            raise ValueError("Mistral with sliding-window attention is not supported")
+        arch = _HF_ARCHITECTURES[model_type]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        scaling: RopeScaling | None = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type != "default":
+            raise ValueError(f"unsupported rope type {rope_type!r}")
+        heads = int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            rope_scaling=scaling,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings. The block count is derived at start-up from `memory_bytes`."""
+
+    block_size: int = 16
+    memory_bytes: int = 2 * 1024**3  # KV pool size; on CUDA the runner may size from free memory instead.
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per step shared by decodes and chunked prefills."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's context length
+    max_waiting: int = 4096  # admission limit; beyond it new requests are refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, fixed at start-up."""
+
+    model: str = "default"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+    cache_dir: str | None = None  # where converted models live; default ~/.cache/ladle
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

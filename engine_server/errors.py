@@ -1,0 +1,27 @@
+"""Typed engine errors; the gRPC layer maps each class to one status code."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class for errors the engine reports to a caller (never a crash of the step loop)."""
+
+
+class ValidationError(EngineError, ValueError):
+    """The request is malformed or out of range (gRPC INVALID_ARGUMENT, HTTP 400).
+
+    `param` names the offending field in the caller's vocabulary (e.g. "max_tokens"), when there is one.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is over its limit (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The engine is not ready or is draining (gRPC UNAVAILABLE, HTTP 503)."""
