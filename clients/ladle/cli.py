@@ -1,2 +1,103 @@
-def main() -> None:
-    print("ladle")
+"""The `ladle` command: parses flags (each also readable from a LADLE_* variable) and hands off to a package.
+
+Heavy imports (torch, grpc servers, FastAPI) happen only inside the chosen subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+NOT_BUILT = 3  # exit status of a subcommand whose component does not exist yet
+
+
+def _env_default(flag: str, default: Any) -> Any:
+    """The value of LADLE_<FLAG> (dashes become underscores) if set, else `default`."""
+    value = os.environ.get("LADLE_" + flag.lstrip("-").replace("-", "_").upper())
+    if value is None:
+        return default
+    if isinstance(default, bool):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    return type(default)(value) if default is not None else value
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help_text: str, **kwargs: Any) -> None:
+    env_name = "LADLE_" + flag.lstrip("-").replace("-", "_").upper()
+    parser.add_argument(
+        flag, default=_env_default(flag, default), help=f"{help_text} (env {env_name}; default: %(default)s)",
+        **kwargs,
+    )
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--model", "default", "model: 'default', a .gguf file, a Hugging Face folder or dummy:<preset>")
+    _add(parser, "--device", "auto", "where to run the model", choices=["auto", "cpu", "cuda"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ladle", description="ladle: an LLM serving system.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="engine + gateway on this host with the embedded model")
+    _model_flags(serve)
+    _add(serve, "--host", "127.0.0.1", "address to listen on")
+    _add(serve, "--port", 8000, "HTTP port of the gateway", type=int)
+    _add(serve, "--grpc-port", 50051, "gRPC port of the engine", type=int)
+
+    engine = sub.add_parser("engine", help="the gRPC engine only")
+    _model_flags(engine)
+    _add(engine, "--host", "127.0.0.1", "address to listen on")
+    _add(engine, "--port", 50051, "gRPC port", type=int)
+
+    gateway = sub.add_parser("gateway", help="the OpenAI HTTP gateway only")
+    _add(gateway, "--engine", "127.0.0.1:50051", "engine address(es), HOST:PORT[,HOST:PORT...]")
+    _add(gateway, "--host", "127.0.0.1", "address to listen on")
+    _add(gateway, "--port", 8000, "HTTP port", type=int)
+
+    batch = sub.add_parser("batch", help="run an OpenAI-format batch file offline")
+    batch.add_argument("-i", "--input", required=True, help="input .jsonl")
+    batch.add_argument("-o", "--output", required=True, help="output .jsonl")
+    _model_flags(batch)
+
+    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
+    bench.add_argument("suite", choices=["offline"], help="which benchmark")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    return parser
+
+
+def _not_built(component: str, issue: str) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        print(
+            f"ladle: the {component} is not built yet ({issue}); nothing was started.\n"
+            "What works today: the offline engine API (`from engine_server import LLM`) and "
+            "`ladle bench offline`.",
+            file=sys.stderr,
+        )
+        return NOT_BUILT
+
+    return run
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from benchmarks import offline
+
+    return offline.main(list(args.args))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    handlers: dict[str, Callable[[argparse.Namespace], int]] = {
+        "serve": _not_built("gateway", "issue #5: OpenAI gateway"),
+        "engine": _not_built("gRPC engine service", "issue #4: the engine as a gRPC service"),
+        "gateway": _not_built("gateway", "issue #5: OpenAI gateway"),
+        "batch": _not_built("offline batch runner", "the batch files work of issue #5 onwards"),
+        "bench": _bench,
+    }
+    sys.exit(handlers[args.command](args))
+
+
+if __name__ == "__main__":
+    main()

