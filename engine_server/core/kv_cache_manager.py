@@ -1,0 +1,163 @@
+"""Paged KV cache bookkeeping: per-request block tables and prefix caching by chained block hashes.
+
+Block i of a request holds the K/V of token positions `[i * block_size, (i + 1) * block_size)`. A full
+block is identified by `sha256(hash(block i-1) || token ids of block i)`, so equal hashes mean equal
+whole prefixes, not just equal blocks. sha256 rather than Python's `hash()`: a 64-bit non-cryptographic
+hash can be collided on purpose, and a collision makes one request attend to another's K/V (wrong output,
+and a cross-tenant leak). With 256 bits we treat collisions as impossible and do not compare token ids.
+
+Hashes are registered when a block becomes full *at allocation time*, for the tokens being scheduled.
+A second request scheduled later in the same step can therefore share blocks the first one is only
+about to write: the runner writes all K/V of a step before any attention reads it. Only tokens whose ids
+are known at schedule time (prompt and already sampled outputs) are ever hashed. The partial last block
+of a request is never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from engine_server.core.block_pool import BlockPool
+from engine_server.core.request import Request
+
+_ROOT_HASH = b""
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: depends on the block's tokens and every block before it."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class KVCacheManager:
+    """Hands out KV blocks to requests. Owned by the scheduler; not thread-safe.
+
+    Contract with the scheduler: for a request's first allocation after (re)admission it calls
+    `get_computed_blocks` and passes the result to `allocate_slots` while `request.num_computed_tokens`
+    still excludes the cached tokens; it then advances `num_computed_tokens` itself.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        # Per request: how many leading blocks of its table are already settled for hashing
+        # (registered, a cache hit, or a duplicate left private). Keeps hashing O(new blocks) per step.
+        self._num_settled: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._pool.num_blocks - self._pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some request (free cached blocks count as unused)."""
+        return self.num_used_blocks / self._pool.num_blocks
+
+    @property
+    def pool(self) -> BlockPool:
+        """The underlying pool, for inspection (ref counts, hashes) in tests and metrics."""
+        return self._pool
+
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's live block table (empty if it holds none). Read-only for callers.
+
+        Entries never change while the request holds them; later allocations only append.
+        """
+        return self._tables.get(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Cached full blocks matching the start of `request.all_token_ids`, and the tokens they cover.
+
+        Never covers every token: at least one must be computed so the step yields logits to sample.
+        Does not take references; `allocate_slots` does, so call it before anything else allocates.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = max(0, (request.num_tokens - 1) // self.block_size)
+        self._hash_full_blocks(request, max_blocks)
+        blocks: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self._pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` after the computed ones; None if too few blocks are free.
+
+        `new_computed_blocks` are cache hits from `get_computed_blocks` (only on a first allocation).
+        On success returns the request's full block table and publishes the hashes of blocks this
+        step fills. On failure nothing changes.
+        """
+        size = self.block_size
+        table = self._tables.get(request.request_id)
+        if table is None:
+            table = self._tables[request.request_id] = []
+        num_total = request.num_computed_tokens + len(new_computed_blocks) * size + num_new_tokens
+        num_needed = -(-num_total // size) - len(table) - len(new_computed_blocks)
+        # A decode inside its last block skips this: it is most calls, every step.
+        if num_needed > 0 or new_computed_blocks:
+            # Free cached hits are counted in num_free_blocks; touching them removes them from it.
+            num_revived = sum(1 for b in new_computed_blocks if self._pool.ref_count(b) == 0)
+            if max(num_needed, 0) + num_revived > self._pool.num_free_blocks:
+                if not table:
+                    del self._tables[request.request_id]
+                return None
+            if new_computed_blocks:
+                self._pool.touch(new_computed_blocks)
+                table.extend(new_computed_blocks)
+                self._num_settled[request.request_id] = len(table)
+            if num_needed > 0:
+                table.extend(self._pool.allocate(num_needed))
+        if self.enable_prefix_caching:
+            self._publish_full_blocks(request, table, min(num_total, request.num_tokens) // size)
+        return table
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request. Cached blocks stay reusable until evicted."""
+        table = self._tables.pop(request.request_id, None)
+        self._num_settled.pop(request.request_id, None)
+        if table:
+            # Tail first: a request's last blocks are evicted before its first ones, so the shared
+            # head of a prefix chain outlives the tail that depends on it.
+            self._pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after weights change). Running requests keep their blocks."""
+        self._pool.reset_cache()
+        for request_id, table in self._tables.items():
+            self._num_settled[request_id] = len(table)
+
+    def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
+        """Extend `request.block_hashes` to cover its first `num_blocks` full blocks."""
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        size = self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else _ROOT_HASH
+            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
+
+    def _publish_full_blocks(self, request: Request, table: list[int], num_full: int) -> None:
+        settled = self._num_settled.get(request.request_id, 0)
+        if num_full <= settled:
+            return
+        self._hash_full_blocks(request, num_full)
+        for i in range(settled, num_full):
+            self._pool.register(table[i], request.block_hashes[i])
+        self._num_settled[request.request_id] = num_full

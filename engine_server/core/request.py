@@ -1,0 +1,147 @@
+"""One sequence being generated: its immutable inputs and the state the scheduler advances.
+
+A caller expands `n > 1` into n Requests, so the scheduler and the KV cache manager never see `n`. Token
+state is append-only: prompt tokens never change and output tokens are only appended, which is what lets
+the KV cache manager hash full blocks once and keep the hashes on the request (`block_hashes`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+from engine_server.sampling_params import SamplingParams
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class; a lower value is served first."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+class RequestStatus(enum.Enum):
+    """Life cycle: WAITING -> RUNNING (<-> PREEMPTED) -> one of the FINISHED_* states."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; waits at the front of its class to recompute
+    FINISHED_STOPPED = "stop"  # eos or a stop token id (or a stop string, reported by the caller)
+    FINISHED_LENGTH = "length"  # max_tokens or the context length
+    FINISHED_ABORTED = "abort"
+    FINISHED_DEADLINE = "deadline"  # deadline passed while the request was still queued
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_DEADLINE,
+    }
+)
+
+
+def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """How many tokens a request may generate: the caller's cap, bounded by what fits in the context."""
+    room = max_model_len - num_prompt_tokens
+    requested = math.inf if params.max_tokens is None else params.max_tokens
+    return max(0, int(min(requested, room)))
+
+
+class Request:
+    """State of one sequence. Mutated only by the scheduler (and the KV cache manager's hash cache).
+
+    Invariants: `0 <= num_computed_tokens <= num_tokens`; `all_token_ids == prompt_token_ids +
+    output_token_ids`; `block_hashes[i]` is the chained hash of the full block i of `all_token_ids`.
+    """
+
+    __slots__ = (
+        "_all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "deadline",
+        "eos_token_ids",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "status",
+        "stop_token_id",
+        "stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        max_model_len: int,
+        eos_token_ids: Iterable[int] = (),
+        priority: Priority = Priority.INTERACTIVE,
+        arrival_time: float | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now."""
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids)
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.deadline = deadline
+        self.max_tokens = resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
+
+        self.output_token_ids: list[int] = []
+        # Kept alongside the two parts so that reading all tokens never concatenates (it runs every step).
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_token_id: int | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs. The live list: read it, never mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

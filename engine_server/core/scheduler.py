@@ -1,0 +1,272 @@
+"""Continuous-batching scheduler: one token budget per step shared by decodes and chunked prefills.
+
+Each step serves running requests first, in priority order (INTERACTIVE before BATCH, earlier arrival
+first): a decode takes one token, a request still prefilling takes a chunk of what budget is left. Then,
+if nobody was preempted this step, waiting requests are admitted in the same order (FIFO within a class,
+preempted requests at the front of theirs) and prefill in chunks up to the budget.
+
+When the KV pool runs dry for a running request, the lowest-priority, latest-arrived running request is
+preempted by recompute: its blocks are freed (cached blocks stay reusable), `num_computed_tokens` returns
+to 0 and its outputs are kept, so it later re-prefills prompt + outputs and continues where it was. No
+request is ever failed for lack of blocks. A request that cannot fit even alone just waits: the engine
+guarantees prompt + max_tokens <= max_model_len and a pool holding one max_model_len sequence, so that
+cannot happen with a correctly sized pool.
+
+All work per step is O(running + newly admitted), plus hashing blocks that became full.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from engine_server.config import CacheConfig, SchedulerConfig
+from engine_server.core.kv_cache_manager import KVCacheManager
+from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.errors import QueueFullError
+
+_QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class Scheduler:
+    """Decides, every engine step, which tokens of which requests the model runs. Owns the KV cache manager.
+
+    Not thread-safe: call it only from the engine step loop. The loop is `schedule()`, run the model on
+    the output, then `update_from_output()` with one sampled token per `needs_sample` request.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self._waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
+        self._running: list[Request] = []  # sorted by _rank: preemption victims come from the tail
+        self._seq: dict[str, int] = {}  # admission order: the tie-break of equal arrival times
+        self._counter = itertools.count()
+        self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, seq, request_id)
+
+    # -- queries -------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_cache.usage
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # -- admission and removal -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Raises QueueFullError at `max_waiting`, ValueError on a duplicate id."""
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if self.num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"too many queued requests (max_waiting={self.config.max_waiting})")
+        seq = next(self._counter)
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self._seq[request.request_id] = seq
+        self._waiting[request.priority].append(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, seq, request.request_id))
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request in any state as FINISHED_ABORTED, freeing its blocks. None if unknown."""
+        done = self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        return done[0] if done else None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End the given unfinished requests with `status` (e.g. a stop string the caller detected)."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        done: list[Request] = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status in _QUEUED:
+                self._waiting[request.priority].remove(request)
+            request.status = status
+            self._release(request)
+            done.append(request)
+        if any(r.is_finished for r in self._running):
+            self._running = [r for r in self._running if not r.is_finished]
+        return done
+
+    def take_expired(self, now: float) -> list[Request]:
+        """Finish queued requests whose deadline is <= now as FINISHED_DEADLINE and return them."""
+        expired: list[Request] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq, request_id = heapq.heappop(self._deadlines)
+            request = self._requests.get(request_id)
+            # A stale entry (request finished, or the id reused by a later request) is dropped.
+            if request is None or self._seq[request_id] != seq or request.status not in _QUEUED:
+                continue
+            self._waiting[request.priority].remove(request)
+            request.status = RequestStatus.FINISHED_DEADLINE
+            self._release(request)
+            expired.append(request)
+        return expired
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Pick this step's batch and advance `num_computed_tokens` of every scheduled request."""
+        now = time.monotonic() if now is None else now
+        finished = self.take_expired(now)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self._running) and budget > 0:
+            request = self._running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            blocks = self._allocate_or_preempt(request, num_new, preempted)
+            if blocks is None:
+                break  # it preempted itself, so it was the tail: nothing after it is left
+            scheduled.append(self._advance(request, num_new, blocks, 0))
+            budget -= num_new
+            i += 1
+
+        # Admitting while preempting would only swap one request's blocks for another's.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, finished, now)
+
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=preempted,
+            finished=finished,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Append each sampled token, apply stop rules, free finished requests and return them.
+
+        `sampled_token_ids` must hold a token for every `needs_sample` request of `output` that is
+        still unfinished (requests aborted since `schedule()` are skipped).
+        """
+        finished: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            if not item.needs_sample or request.is_finished:
+                continue
+            token_id = sampled_token_ids[request.request_id]
+            request.append_output_token(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                request.status = status
+                self._release(request)
+                finished.append(request)
+        if finished:
+            self._running = [r for r in self._running if not r.is_finished]
+        return finished
+
+    # -- internals -----------------------------------------------------------------------------------
+
+    def _rank(self, request: Request) -> tuple[int, float, int]:
+        return (request.priority, request.arrival_time, self._seq[request.request_id])
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> list[int] | None:
+        """Allocate for a running request, preempting from the tail of `_running` until it fits."""
+        while True:
+            blocks = self.kv_cache.allocate_slots(request, num_new)
+            if blocks is not None:
+                return blocks
+            victim = self._running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], finished: list[Request], now: float
+    ) -> int:
+        """Move queued requests into running while budget, seats and blocks last; returns the budget left."""
+        for priority in Priority:
+            queue = self._waiting[priority]
+            while queue and budget > 0 and len(self._running) < self.config.max_num_seqs:
+                request = queue[0]
+                if request.deadline is not None and request.deadline <= now:
+                    # Its heap entry was dropped while it ran; it has since been preempted.
+                    queue.popleft()
+                    request.status = RequestStatus.FINISHED_DEADLINE
+                    self._release(request)
+                    finished.append(request)
+                    continue
+                cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_cached, budget)
+                blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
+                if blocks is None:
+                    return budget  # no overtaking: a later or lower-priority request must not jump ahead
+                queue.popleft()
+                if request.status is RequestStatus.WAITING:
+                    request.num_cached_tokens = num_cached
+                request.num_computed_tokens = num_cached
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self._running, request, key=self._rank)
+                scheduled.append(self._advance(request, num_new, blocks, num_cached))
+                budget -= num_new
+        return budget
+
+    def _advance(self, request: Request, num_new: int, blocks: list[int], num_cached: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        return ScheduledRequest(
+            request=request,
+            start_position=start,
+            num_new_tokens=num_new,
+            block_ids=blocks,
+            needs_sample=request.num_computed_tokens == request.num_tokens,
+            num_cached_tokens=num_cached,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self._waiting[request.priority].appendleft(request)
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        """Why the request ends after sampling `token_id`, or None to go on."""
+        params = request.sampling_params
+        is_eos = not params.ignore_eos and token_id in request.eos_token_ids
+        if request.num_output_tokens >= params.min_tokens and (is_eos or token_id in request.stop_token_ids):
+            request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _release(self, request: Request) -> None:
+        """Drop a finished request: free its blocks and forget it (it is already out of the queues)."""
+        self.kv_cache.free(request)
+        del self._requests[request.request_id]
+        del self._seq[request.request_id]

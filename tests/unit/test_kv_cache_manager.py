@@ -1,0 +1,165 @@
+"""KV cache manager and block pool: allocation, chained-hash prefix hits, ref counts, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_server.core.block_pool import BlockPool
+from engine_server.core.kv_cache_manager import KVCacheManager, hash_block
+from engine_server.core.request import Request
+from tests.unit.factories import make_request
+
+BS = 16
+
+
+def schedule_all(kv: KVCacheManager, req: Request) -> list[int]:
+    """Admit `req` the way the scheduler does and compute its whole known sequence in one chunk."""
+    blocks, num_cached = kv.get_computed_blocks(req)
+    table = kv.allocate_slots(req, req.num_tokens - num_cached, blocks)
+    assert table is not None
+    req.num_computed_tokens = req.num_tokens
+    return table
+
+
+def test_allocate_and_free_accounting() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    req = make_request("a", 40)
+    table = kv.allocate_slots(req, 40)
+    assert table is not None and len(table) == 3
+    assert kv.block_table("a") == table
+    assert (kv.num_free_blocks, kv.num_used_blocks, kv.usage) == (7, 3, pytest.approx(0.3))
+    req.num_computed_tokens = 40
+    # Growing inside the last block needs nothing new; crossing a boundary needs one more block.
+    assert kv.allocate_slots(req, 8) == table and len(table) == 3
+    req.num_computed_tokens = 48
+    assert len(kv.allocate_slots(req, 1) or []) == 4
+    kv.free(req)
+    assert kv.num_free_blocks == 10 and kv.block_table("a") == []
+
+
+def test_allocate_fails_without_side_effects() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    big = make_request("big", 100)
+    assert kv.allocate_slots(big, 100) is None
+    assert kv.num_free_blocks == 4 and kv.block_table("big") == []
+    small = make_request("small", 30)
+    assert kv.allocate_slots(small, 30) is not None
+    assert kv.allocate_slots(make_request("x", 48), 48) is None
+    assert kv.num_free_blocks == 2
+
+
+def test_prefix_hit_shares_a_long_prefix() -> None:
+    kv = KVCacheManager(num_blocks=100, block_size=BS)
+    prefix = list(range(500))
+    first = make_request("a", [*prefix, 900, 901])
+    schedule_all(kv, first)
+    second = make_request("b", [*prefix, 7, 8, 9])
+    blocks, num_cached = kv.get_computed_blocks(second)
+    assert num_cached == 496 >= 480
+    assert blocks == kv.block_table("a")[:31]
+    table = kv.allocate_slots(second, second.num_tokens - num_cached, blocks)
+    assert table is not None and table[:31] == blocks and table[31] != kv.block_table("a")[31]
+    assert all(kv.pool.ref_count(b) == 2 for b in blocks)
+
+
+def test_hashes_are_chained_not_per_block() -> None:
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    schedule_all(kv, make_request("a", [1] * BS + [2] * BS + [3]))
+    # Same second block after a different first block: no hit at all.
+    assert kv.get_computed_blocks(make_request("b", [9] * BS + [2] * BS + [3])) == ([], 0)
+    assert hash_block(hash_block(b"", [1] * BS), [2] * BS) != hash_block(hash_block(b"", [9] * BS), [2] * BS)
+
+
+def test_partial_last_block_and_whole_prompt_never_shared() -> None:
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    schedule_all(kv, make_request("a", list(range(20))))
+    assert kv.get_computed_blocks(make_request("b", list(range(20))))[1] == 16  # block 2 is partial
+    schedule_all(kv, make_request("c", list(range(100, 132))))
+    # Two full cached blocks, but the last prompt token must be computed to have logits: one hit only.
+    assert kv.get_computed_blocks(make_request("d", list(range(100, 132))))[1] == 16
+    assert kv.get_computed_blocks(make_request("e", list(range(100, 133))))[1] == 32
+
+
+def test_output_tokens_are_hashed_too() -> None:
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    req = make_request("a", list(range(10)))
+    schedule_all(kv, req)
+    for tok in range(50, 60):  # decode 10 tokens: block 0 fills with prompt + outputs
+        req.append_output_token(tok)
+        assert kv.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+    follow_up = make_request("b", [*range(10), *range(50, 60)])
+    assert kv.get_computed_blocks(follow_up) == (kv.block_table("a")[:1], 16)
+
+
+def test_freed_cached_blocks_stay_reusable_and_evict_lru() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = make_request("a", 33)  # 2 full blocks + 1 partial
+    b = make_request("b", 33)
+    table_a, table_b = schedule_all(kv, a), schedule_all(kv, b)
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 6
+    # Still cached after free: a new copy of "a" hits both full blocks.
+    again = make_request("a2", list(a.prompt_token_ids))
+    assert kv.get_computed_blocks(again) == (table_a[:2], 32)
+    # Three blocks: the two never-hashed partial ones, then the least recently freed cached block,
+    # which is a's tail (a was freed before b, tail first).
+    new = kv.allocate_slots(make_request("c", 48), 48)
+    assert new is not None and set(new) == {table_a[2], table_b[2], table_a[1]}
+    assert kv.get_computed_blocks(again) == (table_a[:1], 16)
+    assert kv.get_computed_blocks(make_request("b2", list(b.prompt_token_ids)))[1] == 32
+
+
+def test_cache_hit_on_free_block_counts_against_free_space() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=BS)
+    a = make_request("a", 33)
+    schedule_all(kv, a)
+    kv.free(a)
+    clone = make_request("clone", [*a.prompt_token_ids[:32], 5, 6, 7])
+    blocks, num_cached = kv.get_computed_blocks(clone)
+    assert num_cached == 32
+    # Reviving the two cached blocks leaves one free block: enough for 16 new tokens, not for 17.
+    assert kv.allocate_slots(clone, 17, blocks) is None
+    assert kv.num_free_blocks == 3
+    assert kv.allocate_slots(clone, 16, blocks) is not None
+    assert kv.num_free_blocks == 0 and [kv.pool.ref_count(b) for b in blocks] == [1, 1]
+
+
+def test_ref_counts_with_several_sharers() -> None:
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    reqs = [make_request(f"r{i}", list(range(40))) for i in range(3)]
+    tables = [schedule_all(kv, r) for r in reqs]
+    shared = tables[0][:2]
+    assert all(t[:2] == shared for t in tables)
+    assert len({t[2] for t in tables}) == 3  # partial tails stay private
+    assert [kv.pool.ref_count(b) for b in shared] == [3, 3]
+    kv.free(reqs[0])
+    kv.free(reqs[1])
+    assert [kv.pool.ref_count(b) for b in shared] == [1, 1]
+    assert kv.num_used_blocks == 3
+    kv.free(reqs[2])
+    assert kv.num_free_blocks == 20
+
+
+def test_reset_prefix_cache_and_disabled_caching() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    a = make_request("a", 40)
+    schedule_all(kv, a)
+    kv.reset_prefix_cache()
+    assert kv.get_computed_blocks(make_request("b", list(a.prompt_token_ids)))[1] == 0
+    kv.free(a)
+    assert kv.num_free_blocks == 10
+
+    off = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=False)
+    schedule_all(off, make_request("a", list(range(40))))
+    assert off.get_computed_blocks(make_request("b", list(range(40)))) == ([], 0)
+
+
+def test_block_pool_duplicate_hash_stays_private() -> None:
+    pool = BlockPool(4)
+    first, second = pool.allocate(2)
+    assert pool.register(first, b"h") and not pool.register(second, b"h")
+    assert pool.lookup(b"h") == first and pool.block_hash(second) is None
+    with pytest.raises(ValueError):
+        pool.allocate(3)
