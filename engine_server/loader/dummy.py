@@ -1,0 +1,72 @@
+"""`dummy:<preset>` models: named architectures with seeded random weights, for benchmarks without weights.
+
+Weights are generated lazily, one tensor at a time, each from its own generator seeded by a digest of (seed, name), so a
+tensor's values do not depend on iteration order or on which other tensors were generated.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from engine_server.config import ModelConfig, RopeScaling
+from engine_server.loader.layout import is_norm_weight, parameter_shapes
+
+INIT_STD = 0.02
+
+# Dummy models reuse the embedded SmolLM2 tokenizer, so their special ids are SmolLM2's.
+_BOS, _EOS = 1, 2
+
+DUMMY_PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:smollm2-135m",
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        attention_bias=True, bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen2.5-0.5b",
+    ),
+    "llama-3.2-1b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_scaling=RopeScaling(
+            factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:llama-3.2-1b",
+    ),
+    "qwen3-0.6b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+        qk_norm=True, bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3-0.6b",
+    ),
+}  # fmt: skip
+
+
+def dummy_config(preset: str, spec: str) -> ModelConfig:
+    """The config of a named preset; `ValueError` naming `spec` and the known presets otherwise."""
+    if preset not in DUMMY_PRESETS:
+        raise ValueError(f"model {spec!r}: unknown dummy preset {preset!r}; known: {sorted(DUMMY_PRESETS)}")
+    return DUMMY_PRESETS[preset]
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """One fp32 parameter: ones for norm scales, else N(0, INIT_STD²), seeded by (seed, name)."""
+    if is_norm_weight(name):
+        return torch.ones(shape)
+    # torch's CPU generator keeps only 32 bits of its seed, so fold seed and name into one 32-bit digest.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}\0{name}".encode()))
+    return torch.randn(shape, generator=generator).mul_(INIT_STD)
+
+
+def iter_random_weights(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every parameter of `cfg` (see `parameter_shapes`), generating each only when reached."""
+    for name, shape in parameter_shapes(cfg).items():
+        yield name, random_tensor(name, shape, seed)

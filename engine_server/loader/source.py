@@ -1,0 +1,80 @@
+"""`ModelSource`: a resolved model, i.e. its shape, where its files live and how to iterate its weights.
+
+A source never holds weights in memory: `weights()` streams `(hf_name, tensor)` pairs from safetensors files
+(memory-mapped) or, for `dummy:` presets, generates them one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine_server.config import ModelConfig
+from engine_server.loader.dummy import iter_random_weights
+from engine_server.loader.layout import parameter_shapes
+
+CACHE_DIR_ENV = "LADLE_CACHE_DIR"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models are cached: `$LADLE_CACHE_DIR`, else `~/.cache/ladle`."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ladle"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model ready for the runner to load.
+
+    Invariants:
+    - `config` describes the weights that `weights()` yields (names are Hugging Face parameter names such as
+      `model.layers.0.self_attn.q_proj.weight`; `lm_head.weight` is absent when `config.tie_word_embeddings`).
+    - `tokenizer_path` is a folder `engine_server.tokenizer.loading.load_tokenizer` can open. For real models
+      it equals `path`; for `dummy:` presets it is the embedded default model's folder, whose tokenizer only
+      emits ids < 49152 and so fits every preset's vocabulary.
+    - `random_weights=True` means `path` holds no weights for this config: `weights()` generates them from
+      `seed` (normal, std 0.02; norm weights 1), deterministically and per tensor.
+    """
+
+    config: ModelConfig
+    path: Path
+    name: str
+    tokenizer_path: Path
+    random_weights: bool = False
+    seed: int = 0
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every parameter once, in unspecified order: fp32 (converted/dummy) or the stored dtype."""
+        if self.random_weights:
+            return iter_random_weights(self.config, self.seed)
+        return iter_safetensors(self.path)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Expected parameter names and shapes for `config`, without reading or generating any weights."""
+        return parameter_shapes(self.config)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder, in shard order (the index file is only a name map)."""
+    return sorted(folder.glob("*.safetensors"))
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream tensors from every `*.safetensors` file in `folder` (memory-mapped, one tensor at a time)."""
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                yield key, handle.get_tensor(key)
+
+
+def read_hf_config(folder: Path) -> dict[str, object]:
+    """Parse `folder/config.json`."""
+    with (folder / "config.json").open(encoding="utf-8") as f:
+        data: dict[str, object] = json.load(f)
+    return data

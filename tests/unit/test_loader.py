@@ -1,0 +1,364 @@
+"""Model loading: GGUF conversion against transformers' own GGUF loader, caching, HF folders, dummy presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGUFWriter
+
+from engine_server.config import ModelConfig, RopeScaling
+from engine_server.loader import DUMMY_PRESETS, ModelSource, default_gguf_path, gguf_convert, resolve_model
+from engine_server.loader.dummy import INIT_STD, random_tensor
+from engine_server.loader.gguf_metadata import llama3_rope_factors
+from engine_server.loader.layout import parameter_shapes
+from engine_server.tokenizer.loading import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ladle-cache")
+
+
+@pytest.fixture(scope="module")
+def default_source(cache_dir: Path) -> ModelSource:
+    return resolve_model("default", cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def gguf_reference() -> Iterator[torch.nn.Module]:
+    """transformers' own GGUF loader on the embedded file: dequantized, q/k un-permuted, fp32."""
+    path = default_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
+    )
+    yield model.eval()
+
+
+def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
+    """The transformers config of `cfg`'s shape, to check our parameter layout against transformers'."""
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")  # fmt: skip
+    return transformers.AutoConfig.for_model(cfg.architecture, **{f: getattr(cfg, f) for f in fields})
+
+
+def state_shapes(model: torch.nn.Module, tied: bool) -> dict[str, tuple[int, ...]]:
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+# --- the embedded GGUF -------------------------------------------------------------------------------------
+
+
+def test_default_config_from_gguf_metadata(default_source: ModelSource, cache_dir: Path) -> None:
+    cfg = default_source.config
+    assert (cfg.architecture, cfg.hidden_size, cfg.intermediate_size) == ("llama", 576, 1536)
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        30, 9, 3, 64
+    )  # fmt: skip
+    assert (cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps) == (49152, 100000.0, 1e-5)
+    assert (cfg.max_position_embeddings, cfg.tie_word_embeddings) == (8192, True)
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, (2,))
+    assert default_source.name == cfg.name == "SmolLM2-135M-Instruct"
+    assert default_source.path.parent == cache_dir / "gguf"
+    assert default_source.tokenizer_path == default_source.path
+    assert not default_source.random_weights
+
+
+def test_dequantized_weights_equal_transformers_gguf_loader(
+    default_source: ModelSource, gguf_reference: torch.nn.Module
+) -> None:
+    reference = gguf_reference.state_dict()
+    ours = dict(default_source.weights())
+    assert set(ours) == set(default_source.weight_shapes())
+    assert set(reference) - set(ours) == {"lm_head.weight"}  # tied: transformers materialises the alias
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and tensor.shape == reference[name].shape, name
+        assert (tensor - reference[name]).abs().max().item() <= 1e-6, name
+
+
+def test_converted_folder_runs_in_transformers_like_the_gguf(
+    default_source: ModelSource, gguf_reference: torch.nn.Module
+) -> None:
+    """config.json is right: transformers on our folder gives the GGUF model's logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_source.path), dtype=torch.float32, local_files_only=True
+    ).eval()
+    ids = torch.tensor([[1, 19556, 905, 30, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, gguf_reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_tokenizer_and_chat_template_from_gguf(default_source: ModelSource) -> None:
+    tokenizer = load_tokenizer(default_source.tokenizer_path)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    assert tokenizer.model_max_length == 8192
+    ids = tokenizer.encode("Hello world")
+    assert ids == [19556, 905] and tokenizer.decode(ids) == "Hello world"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert isinstance(prompt, str)
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_second_resolve_reuses_cached_folder(
+    default_source: ModelSource, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", no_conversion)
+    again = resolve_model("default", cache_dir=cache_dir)
+    assert again == default_source
+    by_path = resolve_model(str(default_gguf_path()), cache_dir=cache_dir)
+    assert by_path.path == default_source.path and by_path.name == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_failed_conversion_leaves_no_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash_midway(gguf_path: Path, folder: Path, spec: str) -> None:
+        (folder / "model.safetensors").write_bytes(b"half a file")
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", crash_midway)
+    with pytest.raises(RuntimeError, match="killed"):
+        resolve_model("default", cache_dir=tmp_path)
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
+# --- Hugging Face folders -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_hf_folder_round_trip(architecture: str, default_source: ModelSource, tmp_path: Path) -> None:
+    tiny = ModelConfig(
+        architecture=architecture,  # type: ignore[arg-type]
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=architecture == "qwen2",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(tiny))
+    model.save_pretrained(str(tmp_path))
+    load_tokenizer(default_source.tokenizer_path).save_pretrained(str(tmp_path))
+
+    source = resolve_model(str(tmp_path))
+    assert source.path == tmp_path.resolve() and source.name == tmp_path.name
+    assert source.config.architecture == architecture
+    assert source.config.attention_bias == (architecture == "qwen2")
+    assert source.config.qk_norm == (architecture == "qwen3")
+    weights = dict(source.weights())
+    reference = model.state_dict()
+    assert set(weights) == set(reference) == set(source.weight_shapes())
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
+        assert tuple(tensor.shape) == source.weight_shapes()[name]
+    assert load_tokenizer(source.tokenizer_path).encode("Hello world") == [19556, 905]
+
+
+# --- dummy presets ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(DUMMY_PRESETS))
+def test_dummy_preset_layout_matches_transformers(
+    preset: str, default_source: ModelSource, cache_dir: Path
+) -> None:
+    source = resolve_model(f"dummy:{preset}", cache_dir=cache_dir)
+    assert source.random_weights and source.name == f"dummy:{preset}"
+    assert source.tokenizer_path == default_source.path
+    cfg = source.config
+    with torch.device("meta"):  # full-size shapes without allocating the weights
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(cfg))
+    assert source.weight_shapes() == state_shapes(model, tied=cfg.tie_word_embeddings)
+
+
+def test_dummy_weights_stream_with_declared_shapes(cache_dir: Path) -> None:
+    source = resolve_model("dummy:smollm2-135m", cache_dir=cache_dir)
+    shapes = source.weight_shapes()
+    seen = []
+    for name, tensor in source.weights():
+        assert tuple(tensor.shape) == shapes[name] and tensor.dtype == torch.float32, name
+        seen.append(name)
+    assert seen == list(shapes)
+
+
+def test_dummy_preset_configs() -> None:
+    qwen25 = DUMMY_PRESETS["qwen2.5-0.5b"]
+    assert (qwen25.hidden_size, qwen25.vocab_size, qwen25.attention_bias) == (896, 151936, True)
+    llama = DUMMY_PRESETS["llama-3.2-1b"]
+    assert llama.rope_scaling is not None and llama.rope_scaling.factor == 32.0
+    qwen3 = DUMMY_PRESETS["qwen3-0.6b"]
+    assert (qwen3.head_dim, qwen3.qk_norm, qwen3.max_position_embeddings) == (128, True, 40960)
+
+
+def test_dummy_weights_are_seeded_and_initialised(cache_dir: Path) -> None:
+    source = resolve_model("dummy:smollm2-135m", cache_dir=cache_dir, seed=7)
+    first = dict(itertools.islice(source.weights(), 4))
+    again = dict(itertools.islice(source.weights(), 4))
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    q = random_tensor("model.layers.0.self_attn.q_proj.weight", (576, 576), seed=7)
+    assert torch.equal(q, random_tensor("model.layers.0.self_attn.q_proj.weight", (576, 576), seed=7))
+    assert not torch.equal(q, random_tensor("model.layers.0.self_attn.q_proj.weight", (576, 576), seed=8))
+    assert not torch.equal(q, random_tensor("model.layers.0.self_attn.k_proj.weight", (576, 576), seed=7))
+    assert abs(q.std().item() - INIT_STD) < 0.1 * INIT_STD and abs(q.mean().item()) < 1e-3
+    assert torch.equal(first["model.layers.0.input_layernorm.weight"], torch.ones(576))
+
+
+# --- synthetic GGUF files: the other architectures and llama3 rope ---------------------------------------------
+
+_TO_GGUF = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+_LAYER_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, param = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        layer, kind = stem.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{_LAYER_TO_GGUF[kind]}.{param}"
+    return f"{_TO_GGUF[stem.removeprefix('model.')]}.{param}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama q/k rows (the inverse of what the loader must undo)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_dir: Path) -> None:
+    """A llama.cpp-style GGUF of a tiny model, with a 512-token slice of the SmolLM2 BPE vocabulary."""
+    arch = cfg.architecture
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)[: cfg.vocab_size]
+    kept = set(tokens)
+    merges = [" ".join(m) for m in vocab["merges"] if set(m) <= kept and "".join(m) in kept]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([3 if i < 17 else 1 for i in range(len(tokens))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in state.items():
+        array = tensor.numpy()
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        factors = llama3_rope_factors(
+            cfg.rope_theta, cfg.head_dim, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+            rs.original_max_position_embeddings,
+        )  # fmt: skip
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
+        writer.add_rope_scaling_orig_ctx_len(rs.original_max_position_embeddings)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+def test_synthetic_gguf_round_trip(
+    architecture: str, default_source: ModelSource, tmp_path: Path, cache_dir: Path
+) -> None:
+    """Names, q/k (un)permutation, biases, q/k norms, config and llama3 rope survive GGUF → HF folder."""
+    scaling = RopeScaling(8.0, 1.0, 4.0, 64) if architecture == "llama" else None
+    tiny = ModelConfig(
+        architecture=architecture,  # type: ignore[arg-type]
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=50000.0,
+        max_position_embeddings=1024, tie_word_embeddings=architecture != "qwen2",
+        attention_bias=architecture == "qwen2", qk_norm=architecture == "qwen3", rope_scaling=scaling,
+    )  # fmt: skip
+    state = {
+        name: random_tensor(name, shape, seed=3) + (0.5 if name.endswith("norm.weight") else 0.0)
+        for name, shape in parameter_shapes(tiny).items()
+    }
+    path = tmp_path / f"tiny-{architecture}.gguf"
+    write_tiny_gguf(path, tiny, state, default_source.tokenizer_path)
+
+    source = resolve_model(str(path), cache_dir=cache_dir)
+    expected = dataclasses.replace(tiny, bos_token_id=1, eos_token_ids=(2,), name=f"tiny-{architecture}")
+    assert source.config == expected
+    weights = dict(source.weights())
+    assert set(weights) == set(state)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, state[name]), name
+    tokenizer = load_tokenizer(source.tokenizer_path)
+    assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"
+
+
+def test_unsupported_tensor_type_is_refused(default_source: ModelSource, tmp_path: Path, cache_dir: Path) -> None:
+    tiny = dataclasses.replace(
+        DUMMY_PRESETS["smollm2-135m"], vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    # gguf can store F64 but cannot dequantize it: a stand-in for any type the loader does not support.
+    state = {n: torch.zeros(s, dtype=torch.float64 if "embed" in n else torch.float32)
+             for n, s in parameter_shapes(tiny).items()}  # fmt: skip
+    path = tmp_path / "f64.gguf"
+    write_tiny_gguf(path, tiny, state, default_source.tokenizer_path)
+    with pytest.raises(ValueError, match="unsupported quantization F64") as info:
+        resolve_model(str(path), cache_dir=cache_dir)
+    assert repr(str(path)) in str(info.value)
+    assert not any(p.name.startswith("f64") for p in (cache_dir / "gguf").iterdir())
+
+
+# --- bad specs ----------------------------------------------------------------------------------------------
+
+
+def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_bad_specs_raise_value_error_naming_the_spec(tmp_path: Path, cache_dir: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hi")
+    write_gguf(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": np.zeros((8, 4), np.float32)})
+    write_gguf(tmp_path / "bare.gguf", "llama", {"token_embd.weight": np.zeros((8, 4), np.float32)})
+    cases = {
+        "dummy:gpt-9": "unknown dummy preset",
+        str(tmp_path / "missing.gguf"): "GGUF file not found",
+        str(tmp_path / "nowhere"): "no such file or folder",
+        str(tmp_path / "notes.txt"): "not a folder or a .gguf file",
+        str(tmp_path / "empty"): "lacks config.json",
+        str(tmp_path / "gpt2.gguf"): "unsupported GGUF architecture 'gpt2'",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(ValueError, match=message) as info:
+            resolve_model(spec, cache_dir=cache_dir)
+        assert repr(spec) in str(info.value)
+    with pytest.raises(ValueError, match=r"GGUF metadata lacks llama\.embedding_length"):
+        resolve_model(str(tmp_path / "bare.gguf"), cache_dir=cache_dir)
