@@ -1,0 +1,154 @@
+"""Batch metadata for paged attention, and the layout and size of the paged KV cache.
+
+Contract shared by the runner, the model and every attention kernel:
+
+- A step's tokens are flattened into one batch of T tokens. Sequence i contributes `query_lens[i]` new tokens
+  at positions `[seq_lens[i] - query_lens[i], seq_lens[i])`; its earlier tokens are already in the cache.
+- The KV cache is one tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 = K,
+  1 = V). Token p of sequence i lives in slot `block_tables[i][p // block_size] * block_size + p % block_size`.
+- Each layer writes the K/V of all T new tokens before computing attention, so a sequence may read blocks that
+  another sequence of the same step writes (shared prefix blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from engine_server.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One sequence that has several new tokens this step (a prompt chunk), for per-sequence kernels."""
+
+    seq_index: int  # row in the batch
+    query_start: int  # first of its tokens in the flattened batch
+    query_len: int
+    seq_len: int  # context length including the new tokens
+    num_blocks: int  # blocks of its block table that hold [0, seq_len)
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """Host-derived views of one step, built once and reused by every layer of the reference attention.
+
+    Decode rows (query_len == 1) are gathered together; the other rows are listed as prefill spans.
+    """
+
+    decode_token_index: torch.Tensor  # [Bd] int64 index of each decode row's token in the flat batch
+    decode_block_ids: torch.Tensor  # [Bd * decode_blocks] int64 block ids, row-major, padded with 0
+    decode_blocks: int  # blocks gathered per decode row (enough for the longest decode context)
+    decode_mask: torch.Tensor  # [Bd, 1, 1, decode_blocks * block_size] float32 additive (0 or -inf)
+    prefills: tuple[PrefillSpan, ...]
+    all_decode: bool  # every token is a decode row, in order: decode_token_index == arange(T)
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened batch: sequence i contributes query_lens[i] new tokens at positions
+    [seq_lens[i]-query_lens[i], seq_lens[i]). Tensors live on the model's device."""
+
+    query_start_loc: torch.Tensor  # [B+1] int32 cumulative query lengths (query_start_loc[0] == 0)
+    seq_lens: torch.Tensor  # [B] int32 context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32 block ids, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 flat slot (block * block_size + offset) of each new token
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int]  # host copies, so the reference path never syncs with the device
+    seq_lens_cpu: list[int]
+    block_size: int = 16
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Build the metadata (slot mapping included) on the host and move it to `device` in one go each.
+
+        `block_tables[i]` must cover at least `ceil(seq_lens[i] / block_size)` blocks.
+        """
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        batch = len(query_lens)
+        max_blocks = max((len(bt) for bt in block_tables), default=0)
+        width = max(max_blocks, 1)
+        for i, bt in enumerate(block_tables):
+            if len(bt) * block_size < seq_lens[i]:
+                raise ValueError(f"block table of sequence {i} is too short for {seq_lens[i]} tokens")
+        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int64).view(batch, width)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = torch.zeros(batch + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        # Position of every new token: its sequence's first new position plus its offset within the chunk.
+        rows = torch.repeat_interleave(torch.arange(batch), q_lens)
+        positions = (s_lens - q_lens)[rows] + torch.arange(int(starts[-1])) - starts[:-1][rows]
+        slots = tables[rows, positions // block_size] * block_size + positions % block_size
+        return cls(
+            query_start_loc=starts.to(device=device, dtype=torch.int32),
+            seq_lens=s_lens.to(device=device, dtype=torch.int32),
+            block_tables=tables.to(device=device, dtype=torch.int32),
+            slot_mapping=slots.to(device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            block_size=block_size,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+    @cached_property
+    def reference_plan(self) -> ReferencePlan:
+        """Split the batch into decode rows and prefill spans (computed on first use, then cached)."""
+        bs = self.block_size
+        device = self.block_tables.device
+        decode_rows = [i for i, q in enumerate(self.query_lens_cpu) if q == 1]
+        starts: list[int] = [0]
+        for q in self.query_lens_cpu:
+            starts.append(starts[-1] + q)
+        prefills = tuple(
+            PrefillSpan(i, starts[i], q, self.seq_lens_cpu[i], -(-self.seq_lens_cpu[i] // bs))
+            for i, q in enumerate(self.query_lens_cpu)
+            if q > 1
+        )
+        lens = [self.seq_lens_cpu[i] for i in decode_rows]
+        nblocks = -(-max(lens, default=0) // bs)
+        rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
+        block_ids = self.block_tables.index_select(0, rows)[:, :nblocks].to(torch.int64).reshape(-1)
+        keys = torch.arange(nblocks * bs, device=device)
+        visible = keys[None, :] < torch.tensor(lens, dtype=torch.int64, device=device)[:, None]
+        mask = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, -torch.inf)
+        return ReferencePlan(
+            decode_token_index=torch.tensor([starts[i] for i in decode_rows], dtype=torch.int64, device=device),
+            decode_block_ids=block_ids,
+            decode_blocks=nblocks,
+            decode_mask=mask[:, None, None, :],
+            prefills=prefills,
+            all_decode=len(decode_rows) == len(self.query_lens_cpu),
+        )
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id costs across all layers (K and V): the unit for sizing the pool from memory."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * itemsize
+    return per_layer * config.num_hidden_layers
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

@@ -1,0 +1,77 @@
+"""The decoder stack shared by every family: embeddings, pre-norm attention + MLP blocks, final norm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_server.attention import AttentionMetadata
+from engine_server.config import ModelConfig
+from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.mlp import GatedMLP
+from engine_server.layers.norm import RMSNorm
+from engine_server.layers.ops import KernelOps
+from kernels.reference import build_cos_sin_cache
+
+
+class DecoderLayer(nn.Module):
+    """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns `(mlp output, residual stream)`; their sum is the layer's output hidden state."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden, ops)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, ops)
+        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, ops)
+        return self.mlp(hidden, ops), residual
+
+
+class DecoderModel(nn.Module):
+    """Token ids -> final normalised hidden states, reading and writing the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, o_proj_bias) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        cache = build_cos_sin_cache(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
+        )
+        # Derived from the config, not loaded: kept out of the state dict but moved with the module.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        cos_sin = self.get_buffer("cos_sin_cache")
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, cos_sin, meta, ops)
+        assert residual is not None, "a model has at least one layer"
+        hidden, _ = self.norm.add_and_norm(hidden, residual, ops)
+        return hidden

@@ -1,0 +1,23 @@
+"""Model families and the registry that maps `ModelConfig.architecture` to a model class."""
+
+from __future__ import annotations
+
+from engine_server.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from engine_server.models.base import CausalLM
+from engine_server.models.llama import LlamaForCausalLM
+from engine_server.models.qwen2 import Qwen2ForCausalLM
+from engine_server.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = ["CausalLM", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
+
+
+def get_model_class(architecture: str) -> type[CausalLM]:
+    """The class for an architecture name ("llama", "qwen2", "qwen3"); ValueError for anything else."""
+    classes: dict[str, type[CausalLM]] = {
+        "llama": LlamaForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "qwen3": Qwen3ForCausalLM,
+    }
+    if architecture not in classes:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")
+    return classes[architecture]

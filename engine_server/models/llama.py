@@ -1,0 +1,13 @@
+"""Llama family (Llama 2/3 incl. llama3 rope scaling, SmolLM2, Mistral without sliding window)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from engine_server.models.base import CausalLM
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama: `attention_bias`, when set, applies to q/k/v and o_proj alike."""
+
+    o_proj_bias_from_config: ClassVar[bool] = True

@@ -1,0 +1,171 @@
+"""Plain-torch reference ops: what the CPU path runs and what every Triton kernel is tested against.
+
+Shapes: T tokens in the flattened batch, H query heads, Hkv KV heads, D head dim. The KV cache layout and the
+metadata contract are described in `engine_server.attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, overload
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine_server.attention import AttentionMetadata
+    from engine_server.config import RopeScaling
+
+
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim: `weight * (x / sqrt(mean(x²) + eps))`, the statistic in float32.
+
+    With `residual`, first `x = x + residual` (in x's dtype) and return `(rms_norm(x), x)`: the new residual
+    stream comes back alongside the normalised value, like vLLM's fused add-norm.
+    """
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = weight * normed
+    return out if residual is None else (out, x)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Inverse frequencies `theta ** (-2i / D)` for i < D/2, float32, with Llama-3 scaling when given.
+
+    Llama 3: wavelengths `2π / f` longer than `orig_ctx / low_freq_factor` are divided by `factor`, shorter
+    than `orig_ctx / high_freq_factor` kept, and those in between interpolated with
+    `s = (orig_ctx / wavelen - low) / (high - low)`: `f' = (1 - s) * f / factor + s * f`.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    orig = scaling.original_max_position_embeddings
+    low_wavelen = orig / scaling.low_freq_factor
+    high_wavelen = orig / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (orig / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(
+    head_dim: int,
+    max_positions: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """`[max_positions, D]`: row p is `cat(cos(p * f), sin(p * f))` over the D/2 inverse frequencies f.
+
+    Angles are computed in float32 (as Hugging Face does) and the result is cast to `dtype`.
+    """
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[T, H, D]` and k `[T, Hkv, D]` by their token's position (NeoX / Hugging Face half split).
+
+    With `x = cat(x1, x2)` and `(cos, sin) = cos_sin_cache[positions]` split in halves:
+    `out = cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)`. Returns new tensors; inputs are not modified.
+    """
+    cos, sin = cos_sin_cache.index_select(0, positions).to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[..., :d]) * x[..., d:]` for x `[..., 2d]` (the fused gate/up projection of a SwiGLU MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v `[T, Hkv, D]` in place: `kv_cache[0|1].flat_slots[slot_mapping[t]] = k|v[t]`.
+
+    The cache `[2, num_blocks, block_size, Hkv, D]` must be contiguous (as `allocate_kv_cache` makes it).
+    """
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of q `[T, H, D]` over the paged cache; returns `[T, H, D]`.
+
+    For new token t of sequence i at position p: `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
+    sequence's cached positions j <= p, with K/V read through its block table from KV head `h // (H / Hkv)`
+    (grouped-query attention). The cache must already hold this step's K/V (see `write_kv_cache`).
+
+    Decode rows (one new token) are computed together: one gather of their blocks and one batched attention,
+    with the H / Hkv query heads of each KV head stacked as rows so K/V are never repeated. Rows with several
+    new tokens (prefill chunks, possibly after cached context) run one SDPA each.
+    """
+    _, _, block_size, kv_heads, dim = kv_cache.shape
+    if block_size != meta.block_size:
+        raise ValueError(f"cache block size {block_size} != metadata block size {meta.block_size}")
+    heads = q.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    mask: torch.Tensor | None
+    plan = meta.reference_plan
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+
+    rows = plan.decode_token_index.numel()
+    if rows:
+        span = plan.decode_blocks * block_size
+        # index_select on whole blocks copies contiguous runs; it is ~2x faster than advanced indexing on CPU.
+        keys = k_cache.index_select(0, plan.decode_block_ids).view(rows, span, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, plan.decode_block_ids).view(rows, span, kv_heads, dim).transpose(1, 2)
+        queries = q if plan.all_decode else q.index_select(0, plan.decode_token_index)
+        decoded = F.scaled_dot_product_attention(
+            queries.reshape(rows, kv_heads, group, dim),
+            keys,
+            values,
+            attn_mask=plan.decode_mask.to(q.dtype),
+            scale=scale,
+        ).reshape(rows, heads, dim)
+        if plan.all_decode:  # the common pure-decode step: no scatter back
+            return decoded
+        out.index_copy_(0, plan.decode_token_index, decoded)
+
+    for p in plan.prefills:
+        ids = meta.block_tables[p.seq_index, : p.num_blocks].to(torch.int64)
+        keys = k_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
+        values = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
+        queries = q[p.query_start : p.query_start + p.query_len].transpose(0, 1)
+        context = p.seq_len - p.query_len
+        mask = None
+        if context:
+            # SDPA's is_causal aligns the diagonal top-left; with cached context it must sit bottom-right.
+            mask = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril_(context)
+        o = F.scaled_dot_product_attention(
+            queries.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=not context,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
+    return out

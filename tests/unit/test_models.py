@@ -1,0 +1,206 @@
+"""Our paged-KV models against Hugging Face transformers on tiny random models: logits and greedy tokens."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from engine_server.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from engine_server.config import ModelConfig
+from engine_server.models import CausalLM, get_model_class
+
+BLOCK_SIZE = 4
+VOCAB = 128
+SMALL: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
+    "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
+    "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
+    "llama-bias": (transformers.LlamaConfig, {"attention_bias": True, "num_key_value_heads": 1}),
+    "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
+}
+MODEL_CLASSES = {
+    transformers.LlamaConfig: transformers.LlamaForCausalLM,
+    transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
+    transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+}
+
+
+def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
+    """A tiny random Hugging Face model and our model loaded from its state dict."""
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    hf_config = config_cls(**{**SMALL, **extra})
+    hf = MODEL_CLASSES[config_cls](hf_config).eval()
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0; perturb them so they are tested
+        for name, param in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    ours = get_model_class(config.architecture)(config)
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours.eval()
+
+
+@dataclass
+class PagedRunner:
+    """Drives our model like the engine would: block tables from a shuffled pool, one flattened batch a step."""
+
+    model: CausalLM
+    num_blocks: int = 64
+    computed: dict[int, int] = field(default_factory=dict)  # tokens of each sequence already in the cache
+    tables: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kv_caches = allocate_kv_cache(self.model.config, self.num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+        self.free = list(range(1, self.num_blocks))  # block 0 left unused so padding never aliases real data
+        random.Random(0).shuffle(self.free)
+
+    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Feed each `(seq_id, new_tokens)` and return the logits of every new token, `[T, vocab]`."""
+        ids, positions, q_lens, s_lens, tables = [], [], [], [], []
+        for seq, tokens in chunks:
+            start = self.computed.get(seq, 0)
+            end = start + len(tokens)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * BLOCK_SIZE < end:
+                table.append(self.free.pop())
+            ids += tokens
+            positions += list(range(start, end))
+            q_lens.append(len(tokens))
+            s_lens.append(end)
+            tables.append(list(table))
+            self.computed[seq] = end
+        meta = AttentionMetadata.build(q_lens, s_lens, tables, BLOCK_SIZE, "cpu")
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+            return self.model.compute_logits(hidden)
+
+
+def hf_logits(hf: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request: pytest.FixtureRequest) -> tuple[transformers.PreTrainedModel, CausalLM]:
+    return build_pair(request.param)
+
+
+def test_mixed_prefill_batch_matches_hf(pair: tuple[transformers.PreTrainedModel, CausalLM]) -> None:
+    hf, ours = pair
+    seqs = {0: random_tokens(5, 1), 1: random_tokens(11, 2), 2: random_tokens(1, 3), 3: random_tokens(8, 4)}
+    logits = PagedRunner(ours).step(list(seqs.items()))
+    expected = torch.cat([hf_logits(hf, tokens) for tokens in seqs.values()])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_mixed_decode_match_hf(pair: tuple[transformers.PreTrainedModel, CausalLM]) -> None:
+    hf, ours = pair
+    runner = PagedRunner(ours)
+    a, b, c = random_tokens(17, 5), random_tokens(9, 6), random_tokens(6, 7)
+    # Step 1: the first chunk of A; step 2: the rest of A (after cached context) next to all of B.
+    runner.step([(0, a[:6])])
+    out = runner.step([(1, b), (0, a[6:13])])
+    torch.testing.assert_close(out[9:], hf_logits(hf, a[:13])[6:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[:9], hf_logits(hf, b), atol=1e-4, rtol=1e-4)
+    # Decode steps for B and A (one token each), with C's prompt arriving in the middle of them.
+    b_next = random_tokens(4, 13)
+    for i in range(4):
+        chunks = [(0, [a[13 + i]]), (1, [b_next[i]])]
+        if i == 1:
+            chunks.insert(1, (2, c))
+        out = runner.step(chunks)
+        torch.testing.assert_close(out[0], hf_logits(hf, a[: 14 + i])[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out[-1], hf_logits(hf, b + b_next[: i + 1])[-1], atol=1e-4, rtol=1e-4)
+        if i == 1:
+            torch.testing.assert_close(out[1:-1], hf_logits(hf, c), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prefix_block_written_in_the_same_step(pair: tuple[transformers.PreTrainedModel, CausalLM]) -> None:
+    hf, ours = pair
+    runner = PagedRunner(ours)
+    prefix = random_tokens(BLOCK_SIZE, 8)
+    x, y = prefix + random_tokens(3, 9), prefix + random_tokens(6, 10)
+    runner.tables[1] = [runner.free.pop()]
+    runner.tables[2] = list(runner.tables[1])  # both sequences map their first block to the same id
+    out = runner.step([(1, x), (2, y)])
+    torch.testing.assert_close(out[: len(x)], hf_logits(hf, x), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[len(x) :], hf_logits(hf, y), atol=1e-4, rtol=1e-4)
+    # Y's decode reads the shared block back after X's and Y's writes of it.
+    out = runner.step([(2, [5])])
+    torch.testing.assert_close(out[0], hf_logits(hf, [*y, 5])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generation_matches_hf_generate(pair: tuple[transformers.PreTrainedModel, CausalLM]) -> None:
+    hf, ours = pair
+    prompts = [random_tokens(7, 11), random_tokens(3, 12)]
+    runner = PagedRunner(ours)
+    logits = runner.step(list(enumerate(prompts)))
+    last = torch.tensor([len(prompts[0]) - 1, len(logits) - 1])
+    generated: list[list[int]] = [[], []]
+    for _ in range(20):
+        next_tokens = logits[last].argmax(-1).tolist()
+        for seq, token in enumerate(next_tokens):
+            generated[seq].append(token)
+        logits = runner.step([(seq, [token]) for seq, token in enumerate(next_tokens)])
+        last = torch.tensor([0, 1])
+    for prompt, ours_out in zip(prompts, generated, strict=True):
+        with torch.inference_mode():
+            ids = hf.generate(  # type: ignore[operator]
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert ours_out == ids[0, len(prompt) :].tolist()
+
+
+def test_registry_and_cache_size() -> None:
+    config = ModelConfig.from_hf_config(transformers.LlamaConfig(**SMALL).to_dict())
+    assert get_model_class("llama").__name__ == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="unsupported"):
+        get_model_class("gpt2")
+    caches = allocate_kv_cache(config, num_blocks=3, block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu")
+    assert len(caches) == 2 and caches[0].shape == (2, 3, BLOCK_SIZE, 2, 16)
+    assert kv_cache_bytes_per_block(config, BLOCK_SIZE, torch.float32) == 2 * caches[0][:, 0].numel() * 4
+
+
+def test_load_weights_rejects_missing_unknown_and_misshaped() -> None:
+    hf, _ = build_pair("qwen2")
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    state = dict(hf.state_dict())
+    model = get_model_class(config.architecture)(config)
+    with pytest.raises(ValueError, match="missing"):
+        model.load_weights((k, v) for k, v in state.items() if "k_proj.bias" not in k)
+    with pytest.raises(ValueError, match="unexpected"):
+        model.load_weights([*state.items(), ("model.layers.0.mystery.weight", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape"):
+        model.load_weights([("model.norm.weight", torch.zeros(3))])

@@ -1,0 +1,155 @@
+"""The plain-torch reference ops against naive formulas and Hugging Face's own modules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from engine_server.attention import AttentionMetadata
+from engine_server.config import RopeScaling
+from kernels import reference
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+    """q `[n, H, D]` at positions context..context+n-1 over k, v `[context+n, Hkv, D]`, causally, head by head."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        visible = context + t + 1
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            weights = torch.softmax(scale * (k[:visible, kv] @ q[t, h]), dim=0)
+            out[t, h] = weights @ v[:visible, kv]
+    return out
+
+
+# (query_len, seq_len): decodes, fresh prefills, and prefill chunks after cached context, in one batch.
+MIXED_BATCH = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 7), (4, 13), (1, 4)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 8), (6, 2, 12), (9, 3, 64), (8, 1, 5)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_paged_attention_matches_naive_causal_attention(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
+    num_blocks = sum(-(-s // block_size) for _, s in MIXED_BATCH) + 3
+    pool = list(range(num_blocks))
+    random.Random(block_size).shuffle(pool)
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+    keys = [torch.randn(s, kv_heads, head_dim, generator=gen) for _, s in MIXED_BATCH]
+    values = [torch.randn(s, kv_heads, head_dim, generator=gen) for _, s in MIXED_BATCH]
+    tables = [[pool.pop() for _ in range(-(-s // block_size))] for _, s in MIXED_BATCH]
+    # The earlier context is written by a previous "step"; the new tokens by this one.
+    context_meta = AttentionMetadata.build(
+        [s - q for q, s in MIXED_BATCH], [s - q for q, s in MIXED_BATCH], tables, block_size, "cpu"
+    )
+    reference.write_kv_cache(
+        torch.cat([k[: s - q] for k, (q, s) in zip(keys, MIXED_BATCH, strict=True)]),
+        torch.cat([v[: s - q] for v, (q, s) in zip(values, MIXED_BATCH, strict=True)]),
+        cache,
+        context_meta.slot_mapping,
+    )
+    meta = AttentionMetadata.build([q for q, _ in MIXED_BATCH], [s for _, s in MIXED_BATCH], tables, block_size, "cpu")
+    reference.write_kv_cache(
+        torch.cat([k[s - q :] for k, (q, s) in zip(keys, MIXED_BATCH, strict=True)]),
+        torch.cat([v[s - q :] for v, (q, s) in zip(values, MIXED_BATCH, strict=True)]),
+        cache,
+        meta.slot_mapping,
+    )
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out = reference.paged_attention(q, cache, meta, scale)
+    start = 0
+    for (qlen, slen), k, v in zip(MIXED_BATCH, keys, values, strict=True):
+        expected = naive_attention(q[start : start + qlen], k, v, slen - qlen, scale)
+        torch.testing.assert_close(out[start : start + qlen], expected, atol=1e-5, rtol=1e-5)
+        start += qlen
+
+
+def test_metadata_slot_mapping_follows_block_tables() -> None:
+    meta = AttentionMetadata.build([2, 1, 3], [5, 1, 3], [[7, 2], [4], [0, 9]], block_size=4, device="cpu")
+    # seq 0: positions 3, 4 -> block 7 offset 3, block 2 offset 0; seq 1: position 0; seq 2: positions 0..2.
+    assert meta.slot_mapping.tolist() == [31, 8, 16, 0, 1, 2]
+    assert meta.query_start_loc.tolist() == [0, 2, 3, 6]
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0], [0, 9]]
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 5)
+    with pytest.raises(ValueError, match="too short"):
+        AttentionMetadata.build([5], [5], [[1]], block_size=4, device="cpu")
+
+
+def test_write_kv_cache_stores_each_token_in_its_slot() -> None:
+    cache = torch.zeros(2, 3, 2, 1, 4)
+    k, v = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
+    reference.write_kv_cache(k, v, cache, torch.tensor([5, 0]))
+    torch.testing.assert_close(cache[0, 2, 1], k[0])
+    torch.testing.assert_close(cache[1, 0, 0], v[1])
+    assert cache[:, 1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf_and_fuses_the_residual_add(dtype: torch.dtype) -> None:
+    x, residual = torch.randn(5, 48).to(dtype), torch.randn(5, 48).to(dtype)
+    hf_norm = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf_norm.weight.copy_(torch.randn(48))
+        torch.testing.assert_close(reference.rms_norm(x, hf_norm.weight, 1e-5), hf_norm(x))
+        out, new_residual = reference.rms_norm(x, hf_norm.weight, 1e-5, residual)
+        torch.testing.assert_close(new_residual, x + residual)
+        torch.testing.assert_close(out, hf_norm(x + residual))
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "default", "rope_theta": 500000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+    ],
+)
+def test_rotary_embedding_matches_hf(rope_parameters: dict[str, float | str]) -> None:
+    head_dim, max_positions = 32, 1024
+    hf_config = transformers.LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        rope_parameters=rope_parameters,
+    )
+    scaling = None
+    if rope_parameters["rope_type"] == "llama3":
+        scaling = RopeScaling(8.0, 1.0, 4.0, 128)
+    cache = reference.build_cos_sin_cache(head_dim, max_positions, float(rope_parameters["rope_theta"]), scaling)
+    positions = torch.tensor([0, 1, 7, 200, 513, 1023])
+    q, k = torch.randn(6, 4, head_dim), torch.randn(6, 2, head_dim)
+    q_out, k_out = reference.rotary_embedding(positions, q, k, cache)
+
+    cos, sin = LlamaRotaryEmbedding(hf_config)(q, positions[None])
+    # HF rotates [batch, heads, seq, dim]; ours is [seq, heads, dim].
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(q_out, q_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_llama3_scaling_changes_only_low_frequencies() -> None:
+    plain = reference.rope_inv_freq(64, 500000.0)
+    scaled = reference.rope_inv_freq(64, 500000.0, RopeScaling(8.0, 1.0, 4.0, 8192))
+    torch.testing.assert_close(scaled[:4], plain[:4])  # short wavelengths are kept
+    torch.testing.assert_close(scaled[-4:], plain[-4:] / 8)  # long ones divided by the factor
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(3, 10)
+    torch.testing.assert_close(reference.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
