@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from engine_server.errors import ValidationError
 
 # Documented caps; requests above them are refused with a ValidationError.
 MAX_N = 16
@@ -10,14 +15,22 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# OpenAI's documented range is [0, 2]; above 2 the distribution is close to uniform noise anyway.
+MAX_TEMPERATURE = 2.0
+# Temperatures below this are greedy: dividing logits by a denormal would overflow float32 to inf.
+GREEDY_TEMPERATURE_EPS = 1e-5
+MAX_PENALTY = 2.0  # presence / frequency, OpenAI's range [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range [-100, 100]
+SEED_LIMIT = 2**63  # seeds live in [0, 2**63): what torch.Generator.manual_seed accepts as int64
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. Defaults are the OpenAI semantic defaults.
 
-    temperature 0 means greedy. top_k <= 0 disables top-k. max_tokens None means "up to the context".
-    logprobs True returns the sampled token's log-probability; top_logprobs (0..20) adds the k best.
+    temperature 0 (below GREEDY_TEMPERATURE_EPS) means greedy. top_k <= 0 disables top-k. max_tokens None
+    means "up to the context". logprobs True returns the sampled token's log-probability; top_logprobs
+    (0..20) adds the k best.
     """
 
     n: int = 1
@@ -42,4 +55,123 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    def validate(self, *, vocab_size: int, max_model_len: int, prompt_len: int) -> None:
+        """Raise ValidationError (with the OpenAI parameter name) on the first out-of-range field.
+
+        Checks only the parameters and lengths; the prompt's token ids go through `validate_token_ids`.
+        """
+        _check_prompt_length(self.max_tokens, prompt_len, max_model_len)
+        self._validate_numbers()
+        self._validate_counts()
+        self._validate_logit_bias(vocab_size)
+        self._validate_stops(vocab_size)
+
+    def _validate_numbers(self) -> None:
+        _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValidationError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.top_k < -1:
+            raise ValidationError(
+                f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}", param="top_k"
+            )
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValidationError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}", param="repetition_penalty"
+            )
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise ValidationError(f"seed must be in [0, 2**63), got {self.seed}", param="seed")
+
+    def _validate_counts(self) -> None:
+        if not 1 <= self.n <= MAX_N:
+            raise ValidationError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValidationError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        if self.min_tokens < 0:
+            raise ValidationError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValidationError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens",
+            )
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValidationError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
+                param="top_logprobs",
+            )
+        if self.top_logprobs > 0 and not self.logprobs:
+            raise ValidationError("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValidationError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                param="logit_bias",
+            )
+        for token_id, bias in self.logit_bias.items():
+            if not _is_int(token_id) or not 0 <= token_id < vocab_size:
+                raise ValidationError(
+                    f"logit_bias key {token_id!r} is not a token id in [0, {vocab_size})", param="logit_bias"
+                )
+            _check_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+
+    def _validate_stops(self, vocab_size: int) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValidationError(
+                f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(self.stop)}", param="stop"
+            )
+        for text in self.stop:
+            if not text:
+                raise ValidationError("stop sequences must not be empty", param="stop")
+            if len(text) > MAX_STOP_STRING_LEN:
+                raise ValidationError(
+                    f"stop sequences must be at most {MAX_STOP_STRING_LEN} characters, got {len(text)}",
+                    param="stop",
+                )
+        validate_token_ids(self.stop_token_ids, vocab_size, param="stop_token_ids")
+
+
+def validate_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """Raise ValidationError unless every id is an integer (not a bool) in [0, vocab_size). Empty passes."""
+    if not ids:
+        return
+    # set(map(type)) and min/max run in C: cheap even for a 100k-token prompt.
+    ok = all(issubclass(t, numbers.Integral) and t is not bool for t in set(map(type, ids)))
+    if ok and min(ids) >= 0 and max(ids) < vocab_size:
+        return
+    bad = next(i for i in ids if not _is_int(i) or not 0 <= i < vocab_size)
+    raise ValidationError(f"token id {bad!r} in {param} is not in [0, {vocab_size})", param=param)
+
+
+def _check_prompt_length(max_tokens: int | None, prompt_len: int, max_model_len: int) -> None:
+    if prompt_len < 1:
+        raise ValidationError("empty prompt: at least one prompt token is required", param="prompt")
+    wanted = 1 if max_tokens is None else max_tokens
+    if prompt_len + wanted > max_model_len:
+        what = "1 token" if max_tokens is None else f"max_tokens={max_tokens}"
+        raise ValidationError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens and {what} were requested ({prompt_len + wanted} in all)",
+            param="prompt" if max_tokens is None else "max_tokens",
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_finite(param: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValidationError(f"{param} must be a finite number, got {value!r}", param=param)
+
+
+def _check_range(param: str, value: float, lo: float, hi: float) -> None:
+    _check_finite(param, value)
+    if not lo <= value <= hi:
+        raise ValidationError(f"{param} must be in [{lo:g}, {hi:g}], got {value}", param=param)

@@ -82,7 +82,7 @@ def _not_built(component: str, issue: str) -> Callable[[argparse.Namespace], int
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from benchmarks import offline
+    import benchmarks.offline as offline
 
     return offline.main(list(args.args))
 

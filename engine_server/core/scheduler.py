@@ -49,6 +49,7 @@ class Scheduler:
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = max_model_len
+        self.total_preemptions = 0  # since start, for metrics and tests
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
@@ -252,6 +253,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.total_preemptions += 1
         self._waiting[request.priority].appendleft(request)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -1,0 +1,174 @@
+"""Offline throughput: ladle vs Hugging Face transformers on the same model and the same token ids, one run.
+
+Workload: `--num-seqs` random-token prompts of `--input-len` tokens, `--output-len` tokens each, ignore_eos,
+greedy. Systems: ladle's offline LLM, transformers' static `generate` (the whole batch at once) and its
+continuous `generate_batch`. Each is timed after a warm-up; output tok/s = generated tokens / wall seconds.
+Results go to stdout and, with `--out`, are appended as one JSON object per run.
+
+    ladle bench offline --num-seqs 64 --input-len 128 --output-len 128 --out benchmarks/results/cpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+Workload = list[list[int]]
+
+
+def make_workload(num_seqs: int, input_len: int, vocab_limit: int, seed: int) -> Workload:
+    """Random token prompts; ids stay below `vocab_limit` so every preset's vocabulary holds them."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab_limit) for _ in range(input_len)] for _ in range(num_seqs)]
+
+
+def _timed(run: Callable[[], int]) -> dict[str, float]:
+    start = time.perf_counter()
+    tokens = run()
+    seconds = time.perf_counter() - start
+    return {"output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 2)}
+
+
+def bench_ladle(model: str, device: str, prompts: Workload, output_len: int, max_num_seqs: int) -> dict[str, Any]:
+    from engine_server import LLM, SamplingParams
+    from engine_server.config import EngineConfig, SchedulerConfig
+
+    config = EngineConfig(
+        model=model, device=device,  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
+    )
+    llm = LLM(config=config)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    def run() -> int:
+        results = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(r.choices[0].token_ids) for r in results)
+
+    return _timed(run)
+
+
+def _hf_model(model: str, device: str) -> Any:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    from engine_server.loader import resolve_model
+
+    source = resolve_model(model)
+    if not model.startswith("dummy:"):
+        hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
+        return cast(Any, hf).to(device).eval()
+    # Random weights of the same shape: throughput does not depend on the values.
+    cfg = source.config
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[cfg.architecture]
+    hf_config = config_class(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device).eval()
+
+
+def bench_hf_static(hf: Any, prompts: Workload, output_len: int) -> dict[str, Any]:
+    device = next(hf.parameters()).device
+    input_ids = torch.tensor(prompts, device=device)
+    kwargs = {"do_sample": False, "max_new_tokens": output_len, "min_new_tokens": output_len, "pad_token_id": 0}
+    with torch.inference_mode():
+        hf.generate(input_ids[:2, :16], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+
+    def run() -> int:
+        with torch.inference_mode():
+            out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+        return int((out.shape[1] - input_ids.shape[1]) * out.shape[0])
+
+    return _timed(run)
+
+
+def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+
+    def run() -> int:
+        outputs = hf.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        return sum(len(o.generated_tokens) for o in outputs.values())
+
+    return _timed(run)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    prompts = make_workload(args.num_seqs, args.input_len, 49152, args.seed)
+    systems: dict[str, dict[str, Any]] = {"ladle": bench_ladle(args.model, args.device, prompts, args.output_len,
+                                                                 max(args.num_seqs, 1))}
+    print(f"ladle: {systems['ladle']}", flush=True)
+    if not args.skip_hf:
+        hf = _hf_model(args.model, "cuda" if args.device == "cuda" else "cpu")
+        for name, bench in (("hf_static", bench_hf_static), ("hf_continuous", bench_hf_continuous)):
+            try:
+                systems[name] = bench(hf, prompts, args.output_len)
+            except Exception as exc:  # a peer that cannot run here is reported, not fatal
+                systems[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{name}: {systems[name]}", flush=True)
+    hf_rates = [s["output_tok_per_s"] for n, s in systems.items() if n.startswith("hf") and "output_tok_per_s" in s]
+    result = {
+        "benchmark": "offline",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
+        "command": args.command_line,
+        "machine": {
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+        },
+        "workload": {"model": args.model, "num_seqs": args.num_seqs, "input_len": args.input_len,
+                     "output_len": args.output_len, "ignore_eos": True, "greedy": True, "seed": args.seed},
+        "systems": systems,
+        "ratio_vs_best_hf": round(systems["ladle"]["output_tok_per_s"] / max(hf_rates), 3) if hf_rates else None,
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ladle bench offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
+    parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.command_line = "ladle bench offline " + " ".join(argv or [])
+    result = run_benchmark(args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+    return 0

@@ -1,0 +1,94 @@
+"""The engine core: scheduler + model runner behind one narrow seam (add_request / abort / step).
+
+Everything here works in token ids. Tokenization, templating, detokenization and stop strings live in front of
+the core (engine_server.frontend), so the core can run on its own thread or process without changing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_server.config import EngineConfig
+from engine_server.core.request import Request, RequestStatus
+from engine_server.core.scheduler import Scheduler
+from engine_server.loader import ModelSource
+from engine_server.runner import ModelRunner, SampledToken
+
+
+@dataclass
+class CoreOutput:
+    """What one request produced in one step.
+
+    `new_tokens` holds the token sampled this step (empty for a request that finished without sampling, e.g.
+    aborted or expired). `status` is set once the request has finished; `stop_token_id` names the eos or stop
+    token that ended it. `num_cached_tokens` is the number of prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    new_tokens: list[SampledToken] = field(default_factory=list)
+    status: RequestStatus | None = None
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is not None
+
+
+class EngineCore:
+    """Owns the scheduler and the runner; one `step()` is one scheduled forward pass. Single-threaded."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.model_config = source.config
+        limit = config.scheduler.max_model_len or source.config.max_position_embeddings
+        self.max_model_len = min(limit, source.config.max_position_embeddings)
+        self.runner = ModelRunner(source, config, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[CoreOutput]:
+        """Abort requests in any state; their blocks are free when this returns. Unknown ids are ignored."""
+        outputs: list[CoreOutput] = []
+        for request_id in request_ids:
+            request = self.scheduler.abort_request(request_id)
+            self.runner.release(request_id)
+            if request is not None:
+                outputs.append(self._finished_output(request))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule, run and sample once; return what every affected request produced."""
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled) if scheduled.scheduled else {}
+        finished = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        by_id = {request.request_id: request for request in finished}
+        outputs: list[CoreOutput] = []
+        for item in scheduled.scheduled:
+            request = item.request
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            output = CoreOutput(request.request_id, [token], num_cached_tokens=request.num_cached_tokens)
+            if request.request_id in by_id:
+                output.status, output.stop_token_id = request.status, request.stop_token_id
+            outputs.append(output)
+        for request in scheduled.finished:
+            outputs.append(self._finished_output(request))
+        for request in finished:
+            self.runner.release(request.request_id)
+        return outputs
+
+    def _finished_output(self, request: Request) -> CoreOutput:
+        return CoreOutput(
+            request.request_id,
+            status=request.status,
+            stop_token_id=request.stop_token_id,
+            num_cached_tokens=request.num_cached_tokens,
+        )

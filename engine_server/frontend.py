@@ -1,0 +1,214 @@
+"""In front of the core: prompts in (tokenize, template, validate, expand n), choices out (detokenize, stop).
+
+Both the offline `LLM` and the gRPC servicer use these pieces, so a request means the same on every path.
+None of this runs on the step loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_server.core.engine_core import CoreOutput
+from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.errors import ValidationError
+from engine_server.output import OutputProcessor, TokenTextCodec
+from engine_server.output.types import FinishReason
+from engine_server.sampling_params import SamplingParams, validate_token_ids
+from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
+
+_CORE_FINISH = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_DEADLINE: FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation to continue with the model's chat template."""
+
+    messages: Sequence[ChatMessage]
+    tools: Sequence[ChatTool] = ()
+    add_generation_prompt: bool = True
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+Prompt = str | Sequence[int] | ChatPrompt
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the best alternatives (best first)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass
+class Choice:
+    """One choice of a result; grows as tokens arrive."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerationResult:
+    """The whole result of one request: every choice, in index order, and usage."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    usage: Usage
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+
+class InputProcessor:
+    """Turns a prompt and sampling parameters into validated core Requests (one per choice)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
+        if isinstance(prompt, ChatPrompt):
+            text = render_chat(
+                self.tokenizer, prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
+            )
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValidationError("prompt must not be empty", "prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        ids = list(prompt)
+        validate_token_ids(ids, self.vocab_size, "prompt")
+        return ids
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        deadline: float | None = None,
+    ) -> list[Request]:
+        """Validate and expand into n core requests with ids `{request_id}/{i}`; raises ValidationError."""
+        params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len, prompt_len=len(prompt_token_ids))
+        requests = []
+        for i in range(params.n):
+            # Choice i of a seeded request draws from seed+i: choices differ, each one is reproducible.
+            choice_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            requests.append(
+                Request(
+                    core_request_id(request_id, i),
+                    prompt_token_ids,
+                    choice_params,
+                    max_model_len=self.max_model_len,
+                    eos_token_ids=self.eos_token_ids,
+                    priority=priority,
+                    deadline=deadline,
+                )
+            )
+        return requests
+
+
+def core_request_id(request_id: str, choice_index: int) -> str:
+    return f"{request_id}/{choice_index}"
+
+
+def split_core_request_id(core_id: str) -> tuple[str, int]:
+    request_id, _, index = core_id.rpartition("/")
+    return request_id, int(index)
+
+
+class RequestTracker:
+    """Collects the core's outputs for one request's choices into text, tokens, logprobs and usage."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        token_text: TokenTextCodec | None = None,
+    ) -> None:
+        """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches)."""
+        self.params = params
+        self.token_text = token_text or TokenTextCodec(tokenizer)
+        self.result = GenerationResult(
+            request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids))
+        )
+        self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+
+    def update(self, choice_index: int, output: CoreOutput) -> tuple[Choice, bool]:
+        """Apply one core output to a choice; returns a delta Choice and whether the core must abort it."""
+        choice = self.result.choices[choice_index]
+        new_ids = [t.token_id for t in output.new_tokens]
+        finish = _CORE_FINISH[output.status] if output.status is not None else None
+        delta = self._processors[choice_index].process(new_ids, finish, output.stop_token_id)
+        logprobs = self._logprobs(output) if self.params.logprobs else None
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        if logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + logprobs
+        if delta.finished:
+            choice.finish_reason, choice.matched_stop = delta.finish_reason, delta.matched_stop
+        usage = self.result.usage
+        usage.completion_tokens += len(delta.token_ids)
+        if choice_index == 0:
+            # Later choices share the first one's prompt blocks; the prompt's cache hits are counted once.
+            usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.num_cached_tokens)
+        step = Choice(
+            choice_index, delta.text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs
+        )
+        return step, delta.abort_core
+
+    def _logprobs(self, output: CoreOutput) -> list[TokenLogprob]:
+        result = []
+        for token in output.new_tokens:
+            sampled = token.logprobs
+            if sampled is None:
+                continue
+            ids = [sampled.token_id, *(tid for tid, _ in sampled.top)]
+            names, raw = self.token_text.token_strings(ids), self.token_text.token_bytes(ids)
+            tops = tuple(
+                TopLogprob(tid, names[i], lp, raw[i]) for i, (tid, lp) in enumerate(sampled.top, start=1)
+            )
+            result.append(TokenLogprob(sampled.token_id, names[0], sampled.logprob, raw[0], tops))
+        return result

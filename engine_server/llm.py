@@ -1,0 +1,110 @@
+"""The offline Python API: `LLM(model="default").generate(prompts, params)` runs the engine in this process."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, cast
+
+from tqdm.auto import tqdm
+
+from engine_server.config import EngineConfig
+from engine_server.core.engine_core import EngineCore
+from engine_server.core.request import Request
+from engine_server.frontend import (
+    ChatPrompt,
+    GenerationResult,
+    InputProcessor,
+    Prompt,
+    RequestTracker,
+    split_core_request_id,
+)
+from engine_server.loader import ModelSource, resolve_model
+from engine_server.output import TokenTextCodec
+from engine_server.sampling_params import SamplingParams
+from engine_server.tokenizer.loading import load_tokenizer
+
+
+def engine_eos_ids(source: ModelSource, tokenizer: Any) -> tuple[int, ...]:
+    """The model's eos ids: config.json's plus the tokenizer's own eos token."""
+    ids = set(source.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+class LLM:
+    """An engine in this process for offline generation. Not thread-safe; one `generate` call at a time."""
+
+    def __init__(self, model: str = "default", *, config: EngineConfig | None = None, device: str = "auto") -> None:
+        self.config = config or EngineConfig(model=model, device=device)  # type: ignore[arg-type]
+        source = resolve_model(self.config.model)
+        self.model_name = source.name
+        self.tokenizer = load_tokenizer(source.tokenizer_path)
+        self.core = EngineCore(self.config, source)
+        self.eos_token_ids = engine_eos_ids(source, self.tokenizer)
+        self.inputs = InputProcessor(
+            self.tokenizer, source.config.vocab_size, self.core.max_model_len, self.eos_token_ids
+        )
+        self.token_text = TokenTextCodec(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[GenerationResult]:
+        """Generate for each prompt (text, token ids or a ChatPrompt); one result per prompt, in order.
+
+        Every prompt is validated before any work starts, so a bad prompt raises ValidationError and nothing runs.
+        """
+        batch = _as_prompt_list(prompts)
+        per_prompt = [params or SamplingParams()] * len(batch) if not isinstance(params, Sequence) else list(params)
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
+        trackers: dict[str, RequestTracker] = {}
+        pending: deque[Request] = deque()
+        for prompt, sampling in zip(batch, per_prompt, strict=True):
+            request_id = f"offline-{next(self._ids)}"
+            token_ids = self.inputs.tokenize(prompt)
+            pending.extend(self.inputs.make_requests(request_id, token_ids, sampling))
+            trackers[request_id] = RequestTracker(self.tokenizer, request_id, token_ids, sampling, self.token_text)
+        self._run(pending, trackers, use_tqdm)
+        return [tracker.result for tracker in trackers.values()]
+
+    def chat(
+        self, conversations: Sequence[ChatPrompt], params: SamplingParams | None = None, *, use_tqdm: bool = True
+    ) -> list[GenerationResult]:
+        """Generate one assistant turn for each conversation."""
+        return self.generate(list(conversations), params, use_tqdm=use_tqdm)
+
+    def _run(self, pending: deque[Request], trackers: dict[str, RequestTracker], use_tqdm: bool) -> None:
+        # Feed the core gradually so that a huge offline batch never hits the waiting-queue limit.
+        window = max(self.config.scheduler.max_num_seqs * 2, 1)
+        progress = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
+        done: set[str] = set()
+        while pending or self.core.has_unfinished():
+            while pending and self.core.scheduler.num_waiting < window:
+                self.core.add_request(pending.popleft())
+            for output in self.core.step():
+                request_id, choice_index = split_core_request_id(output.request_id)
+                tracker = trackers[request_id]
+                _, abort_core = tracker.update(choice_index, output)
+                if abort_core:
+                    self.core.abort_requests([output.request_id])
+                if request_id not in done and tracker.result.finished:
+                    done.add(request_id)
+                    progress.update(1)
+        progress.close()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str | ChatPrompt):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(p, int) for p in items):
+        return [cast(list[int], items)]  # one prompt given as token ids
+    return cast(list[Prompt], items)

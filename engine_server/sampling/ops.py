@@ -1,0 +1,94 @@
+"""Pure batched logits transforms and the exponential-race draw: one row per sequence, no host syncs.
+
+Every function works on a [B, V] float32 tensor of logits (or probabilities) with per-row parameters as
+[B] tensors on the same device. Functions ending in `_` modify their first argument in place; the others
+return a new tensor and leave their inputs untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def apply_repetition_penalty_(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> None:
+    """Hugging Face semantics: for tokens in `seen` [B, V] bool, divide positive logits by the row's penalty
+    and multiply negative ones, so a penalty > 1 always makes a seen token less likely."""
+    p = penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    torch.where(seen, penalized, logits, out=logits)
+
+
+def apply_presence_frequency_(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> None:
+    """OpenAI semantics: logit -= frequency * count + presence * (count > 0), counts [B, V] over output tokens."""
+    logits.sub_(counts * frequency.unsqueeze(1))
+    logits.sub_((counts > 0).to(logits.dtype) * presence.unsqueeze(1))
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed tokens to -inf. `bitmask` is [B, ceil(V/32)] int32; bit i of word j is token 32*j+i
+    (xgrammar's layout), 1 = allowed."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, _NEG_INF)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask to -inf everything outside each row's top_k tokens, then outside its nucleus of mass top_p.
+
+    One ascending sort serves both. `top_k` holds V for rows without top-k (ties with the k-th logit are
+    kept); `top_p` holds 1.0 for rows without top-p. The most likely token always survives.
+    """
+    sorted_logits, order = logits.sort(dim=-1)
+    vocab = logits.shape[1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        # Ascending cumulative mass: a token goes when it and everything less likely sum to <= 1 - top_p,
+        # which leaves the smallest set of most likely tokens whose mass reaches top_p.
+        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        remove = cumulative <= (1.0 - top_p).unsqueeze(1)
+        remove[:, -1] = False
+        sorted_logits.masked_fill_(remove, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Top-k alone without a full sort: torch.topk of the batch's largest k (`k_max` < V, known on the host
+    so no sync), then each row's own k-th value is its threshold. Rows holding k > k_max keep everything."""
+    values = logits.topk(k_max, dim=-1).values
+    kth = values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
+    kth.masked_fill_((top_k > k_max).unsqueeze(1), _NEG_INF)
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def apply_min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Zero the probability of tokens below min_p times the row's top probability (min_p 0 keeps all)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def exponential_race(
+    probs: torch.Tensor,
+    shared: torch.Generator,
+    seeded: Sequence[tuple[int, torch.Generator]] = (),
+) -> torch.Tensor:
+    """Draw one token per row from (unnormalized) `probs`; returns [B] int64. Overwrites `probs`.
+
+    argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i / sum(p), without a
+    normalization or a multinomial call (whose CUDA kernel syncs). Rows in `seeded` take their noise from
+    their own generator, V draws per step, so their tokens do not depend on what else is in the batch.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=shared)
+    for row, generator in seeded:
+        noise[row].exponential_(generator=generator)
+    # exponential_ may return exactly 0 on some backends; 0/0 would be NaN, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)

@@ -1,0 +1,113 @@
+"""Render chat messages with the model's own chat template (transformers' sandboxed jinja environment).
+
+Templates are never taken from a request: only the model's template renders, with a short allow-list of extra
+variables a caller may set.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_server.errors import ValidationError
+
+# Extra template variables a request may set; anything else (notably a template of its own) is refused.
+ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+@dataclass(frozen=True)
+class ChatToolCall:
+    """A tool call made by an earlier assistant turn."""
+
+    id: str
+    name: str
+    arguments_json: str
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One conversation turn, in the engine's own vocabulary (independent of proto and OpenAI JSON)."""
+
+    role: str
+    content: str = ""
+    tool_calls: tuple[ChatToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ChatTool:
+    """A function the model may call; `parameters` is its JSON Schema."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _arguments(raw: str) -> Any:
+    # Templates index into the arguments (e.g. `tool_call.arguments | tojson`), so give them the parsed object.
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        return raw
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    if message.role not in CHAT_ROLES:
+        raise ValidationError(f"unknown chat role {message.role!r}; expected one of {sorted(CHAT_ROLES)}", "messages")
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments_json)}}
+            for c in message.tool_calls
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    tools: Sequence[ChatTool] = (),
+    add_generation_prompt: bool = True,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """Return the prompt text the model's chat template produces for `messages`.
+
+    Raises ValidationError for an empty conversation, an unknown role, a model without a chat template, or a
+    template variable outside ALLOWED_TEMPLATE_KWARGS.
+    """
+    if not messages:
+        raise ValidationError("messages must not be empty", "messages")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValidationError("this model has no chat template; send text or token ids instead", "messages")
+    extra = dict(template_kwargs or {})
+    refused = sorted(set(extra) - ALLOWED_TEMPLATE_KWARGS)
+    if refused:
+        raise ValidationError(
+            f"chat_template_kwargs keys {refused} are not allowed; allowed: {sorted(ALLOWED_TEMPLATE_KWARGS)}",
+            "chat_template_kwargs",
+        )
+    tool_dicts = [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in tools
+    ]
+    try:
+        text = tokenizer.apply_chat_template(
+            [_message_dict(m) for m in messages],
+            tools=tool_dicts or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **extra,
+        )
+    except ValidationError:
+        raise
+    except Exception as exc:  # a template's own `raise_exception(...)` lands here: the caller's input is at fault
+        raise ValidationError(f"the chat template rejected the messages: {exc}", "messages") from exc
+    return str(text)

@@ -1,0 +1,161 @@
+"""The whole engine on the embedded model: token-exact with transformers, batch-invariant, cache and preemption.
+
+These load SmolLM2-135M-Instruct (fp32, CPU) once per session; see the `llm` fixture in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from engine_server import LLM, ChatPrompt, SamplingParams
+from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_server.loader import default_gguf_path
+from engine_server.tokenizer.chat import ChatMessage
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23?",
+    "Give me a recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Describe the water cycle in two sentences.",
+    "Write a Python function that reverses a string.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do airplanes stay in the air?",
+    "Name the planets of the solar system in order.",
+    "What is the difference between weather and climate?",
+    "Tell me a short joke about computers.",
+]
+NUM_TOKENS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+def _chat(text: str) -> ChatPrompt:
+    return ChatPrompt([ChatMessage(role="user", content=text)])
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    """transformers' own model on the same GGUF file, fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _hf_greedy(model: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """Plain greedy decoding with transformers' KV cache: argmax of each step's logits, nothing else."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    tokens: list[int] = []
+    step_input = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+            step_input = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def test_greedy_matches_transformers_token_for_token(llm: LLM, hf_model: Any) -> None:
+    results = llm.generate([_chat(p) for p in CHAT_PROMPTS], GREEDY, use_tqdm=False)
+    mismatches = []
+    for prompt, result in zip(CHAT_PROMPTS, results, strict=True):
+        ours = result.choices[0].token_ids
+        theirs = _hf_greedy(hf_model, result.prompt_token_ids, NUM_TOKENS)
+        if ours != theirs:
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+            mismatches.append(f"{prompt!r}: first difference at token {first}")
+    assert mismatches == []
+    assert all(len(r.choices[0].token_ids) == NUM_TOKENS for r in results)
+
+
+def test_greedy_is_the_same_alone_and_in_a_batch_of_32(llm: LLM) -> None:
+    rng = random.Random(1)
+    batch = [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 200))] for _ in range(31)]
+    target = _chat("Describe a sunset over the ocean.")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    alone = llm.generate(target, params, use_tqdm=False)[0].choices[0].token_ids
+    mixed = llm.generate([*batch[:15], target, *batch[15:]], params, use_tqdm=False)
+    assert mixed[15].choices[0].token_ids == alone
+
+
+def test_shared_prefix_is_served_from_the_cache(llm: LLM) -> None:
+    rng = random.Random(2)
+    prefix = [rng.randrange(100, 40000) for _ in range(500)]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first = llm.generate([*prefix, 11, 12, 13], params, use_tqdm=False)[0]
+    second = llm.generate([*prefix, 21, 22], params, use_tqdm=False)[0]
+    assert first.usage.prompt_tokens == 503
+    assert second.usage.cached_prompt_tokens >= 480
+
+
+def test_a_small_kv_pool_preempts_and_still_gives_the_same_tokens(llm: LLM) -> None:
+    small = LLM(
+        config=EngineConfig(
+            cache=CacheConfig(block_size=16, memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4),  # 24 blocks
+            scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16),
+        )
+    )
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 40000) for _ in range(rng.randrange(40, 80))] for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = [r.choices[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    got = small.generate(prompts, params, use_tqdm=False)
+    assert [r.choices[0].token_ids for r in got] == expected
+    assert small.core.scheduler.total_preemptions > 0
+    assert small.core.scheduler.kv_cache.num_free_blocks == small.core.runner.num_blocks
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    target = _chat("Invent a name for a new color.")
+    alone = llm.generate(target, seeded, use_tqdm=False)[0].choices[0].token_ids
+    crowd = [_chat(f"Count to {i}.") for i in range(6)]
+    mixed = llm.generate([*crowd[:3], target, *crowd[3:]], [other] * 3 + [seeded] + [other] * 3, use_tqdm=False)
+    assert mixed[3].choices[0].token_ids == alone
+    unseeded = llm.generate([target, target], other, use_tqdm=False)
+    assert unseeded[0].choices[0].token_ids != alone or unseeded[1].choices[0].token_ids != alone
+
+
+def test_n_choices_share_the_prompt_and_differ(llm: LLM) -> None:
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    result = llm.generate(_chat("Name an animal."), params, use_tqdm=False)[0]
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in result.choices}) > 1
+    assert result.usage.completion_tokens == 64
+
+
+def test_stop_string_across_tokens_is_never_emitted(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = _chat("Write two sentences about the moon.")
+    full = llm.generate(prompt, greedy, use_tqdm=False)[0].choices[0]
+    stop = full.text[20:27]
+    stopped = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,)), use_tqdm=False)
+    choice = stopped[0].choices[0]
+    assert choice.text == full.text[: full.text.index(stop)]
+    assert choice.finish_reason is not None and choice.finish_reason.value == "stop"
+    assert choice.matched_stop == stop
+
+
+def test_logprobs_are_consistent_with_greedy_choice(llm: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=True, top_logprobs=5)
+    choice = llm.generate(_chat("Say hello."), params, use_tqdm=False)[0].choices[0]
+    assert choice.logprobs is not None and len(choice.logprobs) == 8
+    for entry, token_id in zip(choice.logprobs, choice.token_ids, strict=True):
+        assert entry.token_id == token_id
+        assert len(entry.top_logprobs) == 5
+        assert entry.top_logprobs[0].token_id == token_id
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
