@@ -1,0 +1,103 @@
+"""The engine's front: every bad input is refused before the step loop, and the engine keeps serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine_server import LLM, ChatPrompt, SamplingParams
+from engine_server.errors import ValidationError
+from engine_server.frontend import InputProcessor, core_request_id, split_core_request_id
+from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall, render_chat
+
+VOCAB = 49152
+MAX_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def inputs(smollm2_tokenizer: Any) -> InputProcessor:
+    return InputProcessor(smollm2_tokenizer, VOCAB, MAX_LEN, eos_token_ids=[2])
+
+
+def _refused(param: str, call: Any) -> ValidationError:
+    with pytest.raises(ValidationError) as info:
+        call()
+    assert info.value.param == param, info.value.message
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param"),
+    [
+        ("", "prompt"),
+        ([], "prompt"),
+        ([1, 2, VOCAB], "prompt"),
+        ([1, -1], "prompt"),
+        (ChatPrompt([]), "messages"),
+        (ChatPrompt([ChatMessage(role="wizard", content="hi")]), "messages"),
+        (ChatPrompt([ChatMessage("user", "hi")], template_kwargs={"chat_template": "{{ 1 }}"}), "chat_template_kwargs"),
+    ],
+)
+def test_bad_inputs_are_refused_with_their_param(inputs: InputProcessor, prompt: Any, param: str) -> None:
+    def run() -> None:
+        inputs.make_requests("r", inputs.tokenize(prompt), SamplingParams())
+
+    _refused(param, run)
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (SamplingParams(max_tokens=MAX_LEN), "max_tokens"),
+        (SamplingParams(logit_bias={VOCAB + 5: 1.0}), "logit_bias"),
+        (SamplingParams(stop_token_ids=(VOCAB,)), "stop_token_ids"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(n=17), "n"),
+        (SamplingParams(stop=tuple(str(i) for i in range(17))), "stop"),
+        (SamplingParams(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ],
+)
+def test_bad_parameters_are_refused_before_any_request_exists(
+    inputs: InputProcessor, params: SamplingParams, param: str
+) -> None:
+    _refused(param, lambda: inputs.make_requests("r", [1, 2, 3], params))
+
+
+def test_context_overflow_message_names_both_numbers(inputs: InputProcessor) -> None:
+    error = _refused("max_tokens", lambda: inputs.make_requests("r", [5] * 2000, SamplingParams(max_tokens=100)))
+    assert "2000" in error.message and str(MAX_LEN) in error.message
+
+
+def test_n_expands_into_choice_requests_with_distinct_seeds(inputs: InputProcessor) -> None:
+    requests = inputs.make_requests("req", [1, 2, 3], SamplingParams(n=3, seed=10))
+    assert [r.request_id for r in requests] == ["req/0", "req/1", "req/2"]
+    assert [r.sampling_params.seed for r in requests] == [10, 11, 12]
+    assert split_core_request_id(core_request_id("a/b", 2)) == ("a/b", 2)
+
+
+def test_chat_renders_with_the_model_template_including_tool_turns(smollm2_tokenizer: Any) -> None:
+    messages = [
+        ChatMessage("system", "You are terse."),
+        ChatMessage("user", "Weather in Paris?"),
+        ChatMessage("assistant", "", tool_calls=(ChatToolCall("call_1", "weather", '{"city": "Paris"}'),)),
+        ChatMessage("tool", "18C and sunny", tool_call_id="call_1"),
+    ]
+    tools = [ChatTool("weather", "Current weather", {"type": "object", "properties": {"city": {"type": "string"}}})]
+    text = render_chat(smollm2_tokenizer, messages, tools)
+    assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
+    assert "18C and sunny" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens(inputs: InputProcessor, smollm2_tokenizer: Any) -> None:
+    ids = inputs.tokenize("Hello there")
+    assert ids == smollm2_tokenizer.encode("Hello there", add_special_tokens=True)
+
+
+def test_a_bad_prompt_in_a_batch_fails_the_call_before_work_and_the_engine_keeps_serving(llm: LLM) -> None:
+    good = "Say yes."
+    with pytest.raises(ValidationError):
+        llm.generate([good, [1, VOCAB + 1]], SamplingParams(max_tokens=4))
+    assert not llm.core.has_unfinished()
+    result = llm.generate(good, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    assert len(result.choices[0].token_ids) >= 1
