@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -14,9 +15,25 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     (`chat_template.jinja` or inside `tokenizer_config.json`), is available as `tokenizer.chat_template`.
     """
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if _generic_fast_tokenizer(path):
+            # The generic class skips AutoTokenizer's config resolution, which imports model code (~2 s).
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"tokenizer in {path} is not a fast (tokenizers-backed) tokenizer")
     return tokenizer
+
+
+def _generic_fast_tokenizer(path: Path) -> bool:
+    """Whether the folder's tokenizer is the plain tokenizers-backed class (as in our GGUF conversions)."""
+    config_file = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not config_file.is_file():
+        return False
+    try:
+        tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class")
+    except (OSError, json.JSONDecodeError):
+        return False
+    return tokenizer_class in {"PreTrainedTokenizerFast", "TokenizersBackend"}
