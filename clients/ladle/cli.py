@@ -50,7 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="the gRPC engine only")
     _model_flags(engine)
     _add(engine, "--host", "127.0.0.1", "address to listen on")
-    _add(engine, "--port", 50051, "gRPC port", type=int)
+    _add(engine, "--port", 50051, "gRPC port (0: any free port; the address is printed)", type=int)
+    _add(engine, "--shutdown-timeout", 30.0, "seconds in-flight requests get to finish after SIGTERM", type=float)
+    _add(engine, "--max-num-seqs", 128, "most sequences generated at once", type=int)
+    _add(engine, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
 
     gateway = sub.add_parser("gateway", help="the OpenAI HTTP gateway only")
     _add(gateway, "--engine", "127.0.0.1:50051", "engine address(es), HOST:PORT[,HOST:PORT...]")
@@ -81,6 +84,32 @@ def _not_built(component: str, issue: str) -> Callable[[argparse.Namespace], int
     return run
 
 
+def _engine(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine_server.server.server import SERVICE_NAME, ServerConfig, serve
+    from ladle.log import configure_logging
+
+    configure_logging()
+    config = ServerConfig(
+        engine=EngineConfig(
+            model=args.model,
+            device=args.device,
+            cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        ),
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+    def announce(address: str) -> None:
+        print(f"ladle engine: {SERVICE_NAME} listening on {address}", flush=True)
+
+    return asyncio.run(serve(config, announce))
+
+
 def _bench(args: argparse.Namespace) -> int:
     import benchmarks.offline as offline
 
@@ -91,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
         "serve": _not_built("gateway", "issue #5: OpenAI gateway"),
-        "engine": _not_built("gRPC engine service", "issue #4: the engine as a gRPC service"),
+        "engine": _engine,
         "gateway": _not_built("gateway", "issue #5: OpenAI gateway"),
         "batch": _not_built("offline batch runner", "the batch files work of issue #5 onwards"),
         "bench": _bench,

@@ -1,0 +1,282 @@
+"""Every conversion between ladle.v1 messages and the engine's own types, as pure functions, plus status codes.
+
+Inbound functions raise ValidationError (naming the field in OpenAI's vocabulary) for input the engine types
+cannot express; range checks stay in SamplingParams.validate so every path checks the same things.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, TypeAlias, cast
+
+import grpc
+
+from engine_server.core.request import Priority
+from engine_server.errors import EngineUnavailableError, QueueFullError, ValidationError
+from engine_server.frontend import ChatPrompt, Choice, GenerationResult, Prompt, TokenLogprob, Usage
+from engine_server.output.types import FinishReason
+from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from engine_server.server.engine_loop import LoadSnapshot
+from engine_server.server.serving import GenerationInput, ModelInfo, RequestDeadlineError, TokenizeResult
+from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
+from ladle.v1 import engine_pb2, types_pb2
+
+_FINISH_REASONS = {
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
+    FinishReason.TOOL_CALLS: types_pb2.FINISH_REASON_TOOL_CALLS,
+}
+_PRIORITIES = {types_pb2.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, types_pb2.PRIORITY_BATCH: Priority.BATCH}
+
+GenerationMessage: TypeAlias = engine_pb2.GenerateRequest | engine_pb2.StreamRequest
+
+
+# -- inbound ---------------------------------------------------------------------------------------------
+
+
+def generation_input(message: GenerationMessage, default_priority: Priority) -> GenerationInput:
+    """A Generate/Stream request (or a Batch item's request) in the engine's vocabulary."""
+    if message.HasField("constraint") and message.constraint.WhichOneof("kind") is not None:
+        raise ValidationError("constrained output (constraint) is not supported by this engine yet", "constraint")
+    return GenerationInput(
+        request_id=message.request_id,
+        prompt=prompt_from_input(message.input),
+        params=sampling_params(message.sampling),
+        priority=_PRIORITIES.get(message.priority, default_priority),
+    )
+
+
+def prompt_from_input(message: types_pb2.Input) -> Prompt:
+    """Text, token ids or a ChatPrompt; an Input with nothing set is refused."""
+    kind = message.WhichOneof("kind")
+    if kind == "text":
+        return message.text
+    if kind == "token_ids":
+        return list(message.token_ids.ids)
+    if kind == "chat":
+        return chat_prompt(message.chat)
+    raise ValidationError("input must set one of text, chat or token_ids", "input")
+
+
+def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
+    if chat.HasField("tool_choice"):
+        choice = chat.tool_choice
+        forced = choice.WhichOneof("choice") == "function_name" or choice.mode == types_pb2.TOOL_CHOICE_MODE_REQUIRED
+        if forced:
+            raise ValidationError("tool_choice 'required' or a named function is not supported yet", "tool_choice")
+    kwargs: Any = {}
+    if chat.chat_template_kwargs_json:
+        kwargs = _json(chat.chat_template_kwargs_json, "chat_template_kwargs")
+        if not isinstance(kwargs, dict):
+            raise ValidationError("chat_template_kwargs_json must be a JSON object", "chat_template_kwargs")
+    return ChatPrompt(
+        messages=[
+            ChatMessage(
+                role=m.role,
+                content=m.content,
+                tool_calls=tuple(ChatToolCall(c.id, c.name, c.arguments_json) for c in m.tool_calls),
+                tool_call_id=m.tool_call_id,
+                name=m.name,
+            )
+            for m in chat.messages
+        ],
+        tools=[_tool(t) for t in chat.tools],
+        add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+        template_kwargs=kwargs,
+    )
+
+
+def _tool(tool: types_pb2.Tool) -> ChatTool:
+    if not tool.name:
+        raise ValidationError("every tool needs a name", "tools")
+    parameters = _json(tool.parameters_json, "tools") if tool.parameters_json else {}
+    if not isinstance(parameters, dict):
+        raise ValidationError(f"parameters_json of tool {tool.name!r} must be a JSON object", "tools")
+    return ChatTool(tool.name, tool.description, parameters)
+
+
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"{param} is not valid JSON: {exc}", param) from exc
+
+
+def sampling_params(message: types_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults (OpenAI's); proto3 zeros elsewhere mean 'off'."""
+    defaults = SamplingParams()
+
+    def opt(name: str, default: Any) -> Any:
+        return getattr(message, name) if message.HasField(cast(Any, name)) else default
+
+    return SamplingParams(
+        n=opt("n", defaults.n),
+        max_tokens=opt("max_tokens", None),
+        min_tokens=message.min_tokens,
+        temperature=opt("temperature", defaults.temperature),
+        top_p=opt("top_p", defaults.top_p),
+        top_k=opt("top_k", defaults.top_k),
+        min_p=opt("min_p", defaults.min_p),
+        presence_penalty=opt("presence_penalty", defaults.presence_penalty),
+        frequency_penalty=opt("frequency_penalty", defaults.frequency_penalty),
+        repetition_penalty=opt("repetition_penalty", defaults.repetition_penalty),
+        logit_bias=dict(message.logit_bias),
+        seed=opt("seed", None),
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
+        skip_special_tokens=opt("skip_special_tokens", defaults.skip_special_tokens),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+    )
+
+
+# -- outbound --------------------------------------------------------------------------------------------
+
+
+def generate_response(result: GenerationResult, model: str) -> engine_pb2.GenerateResponse:
+    return engine_pb2.GenerateResponse(
+        request_id=result.request_id,
+        choices=[choice_message(c) for c in result.choices],
+        usage=usage_message(result.usage),
+        model=model,
+    )
+
+
+def stream_response(
+    request_id: str, deltas: Sequence[Choice], model: str, usage: Usage | None = None
+) -> engine_pb2.StreamResponse:
+    """One stream message; `usage` is given on the last one only."""
+    response = engine_pb2.StreamResponse(
+        request_id=request_id, choices=[delta_message(d) for d in deltas], model=model
+    )
+    if usage is not None:
+        response.usage.CopyFrom(usage_message(usage))
+    return response
+
+
+def choice_message(choice: Choice) -> types_pb2.Choice:
+    message = types_pb2.Choice(
+        index=choice.index,
+        text=choice.text,
+        token_ids=choice.token_ids,
+        finish_reason=finish_reason(choice.finish_reason),
+        logprobs=[logprob_message(lp) for lp in choice.logprobs or ()],
+    )
+    _set_matched_stop(message.matched_stop, choice.matched_stop)
+    return message
+
+
+def delta_message(delta: Choice) -> types_pb2.ChoiceDelta:
+    message = types_pb2.ChoiceDelta(
+        index=delta.index,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=finish_reason(delta.finish_reason),
+        logprobs=[logprob_message(lp) for lp in delta.logprobs or ()],
+    )
+    if delta.finish_reason is not None:
+        _set_matched_stop(message.matched_stop, delta.matched_stop)
+    return message
+
+
+def _set_matched_stop(message: types_pb2.MatchedStop, matched: str | int | None) -> None:
+    if isinstance(matched, str):
+        message.text = matched
+    elif isinstance(matched, int):
+        message.token_id = matched
+
+
+def finish_reason(reason: FinishReason | None) -> types_pb2.FinishReason.ValueType:
+    return types_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_REASONS[reason]
+
+
+def logprob_message(logprob: TokenLogprob) -> types_pb2.TokenLogprob:
+    return types_pb2.TokenLogprob(
+        token_id=logprob.token_id,
+        token=logprob.token,
+        logprob=logprob.logprob,
+        token_bytes=logprob.token_bytes,
+        top_logprobs=[
+            types_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob, token_bytes=t.token_bytes)
+            for t in logprob.top_logprobs
+        ],
+    )
+
+
+def usage_message(usage: Usage) -> types_pb2.Usage:
+    return types_pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+    )
+
+
+def tokenize_response(result: TokenizeResult) -> engine_pb2.TokenizeResponse:
+    return engine_pb2.TokenizeResponse(token_ids=result.token_ids, tokens=result.tokens, prompt_text=result.prompt_text)
+
+
+def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
+    defaults = SamplingParams()
+    return engine_pb2.GetModelInfoResponse(
+        model_id=info.model_id,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        has_chat_template=info.has_chat_template,
+        defaults=engine_pb2.SamplingDefaults(
+            temperature=defaults.temperature,
+            top_p=defaults.top_p,
+            top_k=defaults.top_k,
+            repetition_penalty=defaults.repetition_penalty,
+            max_tokens=0,
+        ),
+        architecture=info.architecture,
+        device=info.device,
+        dtype=info.dtype,
+        limits=engine_pb2.RequestLimits(
+            max_n=MAX_N, max_stop_strings=MAX_STOP_STRINGS, max_top_logprobs=MAX_TOP_LOGPROBS
+        ),
+    )
+
+
+def load_response(load: LoadSnapshot, accepting: bool) -> engine_pb2.GetLoadResponse:
+    return engine_pb2.GetLoadResponse(
+        running=load.running,
+        waiting=load.waiting,
+        kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_total=load.kv_blocks_total,
+        kv_block_size=load.kv_block_size,
+        kv_usage=load.kv_usage,
+        accepting=accepting,
+    )
+
+
+# -- errors ----------------------------------------------------------------------------------------------
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call reports; anything unrecognised is INTERNAL."""
+    if isinstance(exc, ValidationError):
+        message = exc.message
+        if exc.param and exc.param not in message:
+            message = f"{exc.param}: {message}"
+        return grpc.StatusCode.INVALID_ARGUMENT, message
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later"
+    if isinstance(exc, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, RequestDeadlineError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the engine keeps serving"
+
+
+def item_error(exc: BaseException) -> engine_pb2.ItemError:
+    """A Batch item's failure, with the status code it would have had as a single call."""
+    code, message = status_for(exc)
+    param = (exc.param or "") if isinstance(exc, ValidationError) else ""
+    return engine_pb2.ItemError(code=code.value[0], message=message, param=param)

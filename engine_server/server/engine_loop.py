@@ -1,0 +1,231 @@
+"""The EngineCore on its own thread, behind the one seam the servicer uses: add / abort / outputs.
+
+The core thread loops: drain the command queue (adds and aborts), step while there is work, publish what the
+step produced. Outputs cross to asyncio once per step (`loop.call_soon_threadsafe`) and are routed there to one
+`RequestStream` per submitted request. Nothing on the asyncio side ever touches the core, and the core thread
+does no RPC work (no tokenizing, no detokenizing, no protobuf), so the step loop is never blocked by callers.
+The seam carries only token-level values (`Request` in, `CoreOutput` out, errors), so the core could move to
+its own process behind the same three calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from engine_server.core.engine_core import CoreOutput, EngineCore
+from engine_server.core.request import Request
+from engine_server.frontend import split_core_request_id
+
+log = structlog.get_logger(__name__)
+
+
+class EngineInternalError(Exception):
+    """The core failed while running a request (a bug); the request is dropped, the engine keeps serving."""
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The core's load after its latest iteration; replaced whole, so a reader never sees a torn value."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_block_size: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    requests: Sequence[Request]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    core_ids: Sequence[str]
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    pass
+
+
+_STOP = object()
+_Command = _Add | _Abort | _AbortAll | object
+
+
+class RequestStream:
+    """The outputs of one submitted request (all of its choices), in step order, read on the event loop.
+
+    Each `next()` returns the outputs one core step produced for this request, or raises the error the core
+    reported for it (QueueFullError, ValueError on a duplicate id, EngineInternalError).
+    """
+
+    def __init__(self, request_id: str, core_ids: Sequence[str]) -> None:
+        self.request_id = request_id
+        self.core_ids = tuple(core_ids)
+        self._queue: asyncio.Queue[list[CoreOutput] | BaseException] = asyncio.Queue()
+
+    async def next(self) -> list[CoreOutput]:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _put(self, item: list[CoreOutput] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+class EngineLoop:
+    """Runs an EngineCore on a dedicated thread. `add`, `abort` and `close` must be called on the event loop."""
+
+    def __init__(self, core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
+        self._core = core
+        self._loop = loop
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # event-loop side only
+        self._live: set[str] = set()  # core thread only: core ids added and not yet finished
+        self._load = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+
+    @property
+    def load(self) -> LoadSnapshot:
+        return self._load
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Abort everything, stop the thread and wait for it (blocking: call it through asyncio.to_thread)."""
+        self._commands.put(_AbortAll())
+        self._commands.put(_STOP)
+        self._thread.join()
+
+    def add(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
+        """Submit the core requests of one caller request; their outputs arrive on the returned stream."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = RequestStream(request_id, [r.request_id for r in requests])
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, list(requests)))
+        return stream
+
+    def abort(self, core_ids: Sequence[str]) -> None:
+        """Abort core requests in any state; unknown or finished ids are ignored."""
+        if core_ids:
+            self._commands.put(_Abort(list(core_ids)))
+
+    def abort_all(self) -> None:
+        """Abort every request in the core (each stream then sees its choices finish as aborted)."""
+        self._commands.put(_AbortAll())
+
+    def close(self, stream: RequestStream) -> None:
+        """Stop routing outputs to `stream`; later outputs for its choices are dropped."""
+        self._streams.pop(stream.request_id, None)
+
+    # -- event-loop side ---------------------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
+        grouped: dict[str, list[CoreOutput]] = {}
+        for output in outputs:
+            grouped.setdefault(split_core_request_id(output.request_id)[0], []).append(output)
+        for request_id, items in grouped.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream._put(items)
+        for request_id, error in errors.items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream._put(error)
+
+    # -- core thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            commands = self._drain(block=not self._core.has_unfinished())
+            outputs: list[CoreOutput] = []
+            errors: dict[str, BaseException] = {}
+            stopping = False
+            for command in commands:
+                if command is _STOP:
+                    stopping = True
+                else:
+                    self._apply(command, outputs, errors)
+            if not stopping and self._core.has_unfinished():
+                self._step(outputs, errors)
+            for output in outputs:
+                if output.finished:
+                    self._live.discard(output.request_id)
+            self._load = self._snapshot()
+            if outputs or errors:
+                self._publish(outputs, errors)
+            if stopping:
+                return
+
+    def _drain(self, block: bool) -> list[_Command]:
+        commands: list[_Command] = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _Command, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
+        if isinstance(command, _Add):
+            added: list[str] = []
+            try:
+                for request in command.requests:
+                    self._core.add_request(request)
+                    added.append(request.request_id)
+                    self._live.add(request.request_id)
+            except Exception as exc:  # QueueFullError, a duplicate id: this request fails, nothing else does
+                self._core.abort_requests(added)
+                self._live.difference_update(added)
+                errors[command.request_id] = exc
+        elif isinstance(command, _Abort):
+            outputs.extend(self._core.abort_requests(list(command.core_ids)))
+        elif isinstance(command, _AbortAll):
+            outputs.extend(self._core.abort_requests(sorted(self._live)))
+
+    def _step(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
+        try:
+            outputs.extend(self._core.step())
+        except Exception:
+            # A bug in a step: fail the requests that were in it rather than the process. Aborting frees
+            # their blocks, so whoever comes next starts from a clean scheduler.
+            log.exception("engine step failed; failing the requests in flight", num_requests=len(self._live))
+            failed = sorted(self._live)
+            try:
+                self._core.abort_requests(failed)
+            except Exception:
+                log.exception("aborting after a failed step failed too")
+            self._live.clear()
+            for request_id in {split_core_request_id(core_id)[0] for core_id in failed}:
+                errors[request_id] = EngineInternalError("the engine failed while running this request")
+
+    def _publish(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._dispatch, outputs, errors)
+
+    def _snapshot(self) -> LoadSnapshot:
+        scheduler = self._core.scheduler
+        kv = scheduler.kv_cache
+        return LoadSnapshot(
+            running=scheduler.num_running,
+            waiting=scheduler.num_waiting,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            kv_block_size=kv.block_size,
+        )

@@ -1,0 +1,143 @@
+"""Build, start and drain the engine's grpc.aio server: EngineService plus standard health and reflection.
+
+Lifecycle: the port is bound first and health says NOT_SERVING; the model loads (off the event loop), one tiny
+generation warms it up, then health turns SERVING. On SIGTERM or SIGINT health turns NOT_SERVING, new calls are
+refused with UNAVAILABLE, calls in flight finish (those still running after `shutdown_timeout` are aborted and
+end with finish reason ABORT), the server stops and `serve` returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_server.config import EngineConfig
+from engine_server.server.servicer import EngineServicer
+from engine_server.server.serving import ServingEngine
+from ladle.v1 import engine_pb2, engine_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME: str = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+# The longest context as token ids is ~5 bytes per id on the wire (varint): 128k tokens are ~640 KiB. 64 MiB
+# leaves room for that plus its text, and for a whole n=16 result with top_logprobs.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Clients may ping an idle channel every 20 s or more (our client pings every 30 s), so a channel left idle
+# for ten minutes behind a NAT or proxy stays open; the server never answers such pings with GOAWAY.
+MIN_CLIENT_PING_INTERVAL_MS = 20_000
+SERVER_KEEPALIVE_MS = 5 * 60 * 1000  # the server's own pings find dead peers of long idle channels
+DRAIN_ABORT_WAIT_S = 10.0  # after aborting at the shutdown timeout, how long aborted calls get to end
+STOP_GRACE_S = 1.0  # for the last messages of finished calls to leave
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how `ladle engine` serves."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free port (the chosen address is reported)
+    shutdown_timeout: float = 30.0
+
+
+def server_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+class EngineServer:
+    """One grpc.aio server for one engine. Create and use it inside a running event loop."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.server = grpc.aio.server(options=server_options())
+        self.servicer = EngineServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # aio is imported, not declared
+        self.engine: ServingEngine | None = None
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+
+    async def start(self) -> str:
+        """Bind and start serving (health NOT_SERVING); returns the address, e.g. '127.0.0.1:50051'."""
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        host = self.config.host
+        bind_host = f"[{host}]" if ":" in host else host
+        port = self.server.add_insecure_port(f"{bind_host}:{self.config.port}")
+        await self.server.start()
+        return f"{bind_host}:{port}"
+
+    async def load(self) -> None:
+        """Load the model off the event loop, warm it up, then admit calls and report SERVING."""
+        loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(ServingEngine.load, self.config.engine, loop)
+        await self.engine.warm_up()
+        self.servicer.attach(self.engine)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("engine serving", model=self.engine.info.model_id, device=self.engine.info.device)
+
+    async def drain(self) -> None:
+        """NOT_SERVING, refuse new calls, let calls in flight finish (up to the timeout), then stop."""
+        log.info("draining", in_flight=self.servicer.in_flight, timeout_s=self.config.shutdown_timeout)
+        await self.health.enter_graceful_shutdown()
+        self.servicer.start_draining()
+        try:
+            await asyncio.wait_for(self.servicer.wait_idle(), self.config.shutdown_timeout)
+        except TimeoutError:
+            log.warning("shutdown timeout reached; aborting the requests still running")
+            if self.engine is not None:
+                self.engine.loop.abort_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.servicer.wait_idle(), DRAIN_ABORT_WAIT_S)
+        await self.server.stop(STOP_GRACE_S)
+        if self.engine is not None:
+            await self.engine.close()
+        log.info("stopped")
+
+
+async def serve(config: ServerConfig, on_listening: Callable[[str], None] | None = None) -> int:
+    """Run the engine server until SIGTERM/SIGINT, then drain. Returns the process exit status."""
+    server = EngineServer(config)
+    try:
+        address = await server.start()
+    except RuntimeError as exc:  # grpc cannot bind: the port is taken or the host is not ours
+        log.error("cannot listen", host=config.host, port=config.port, error=str(exc))
+        return 2
+    if on_listening is not None:
+        on_listening(address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loading = asyncio.create_task(server.load())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        log.error("the engine failed to start", exc_info=loading.exception())
+        stopping.cancel()
+        await server.server.stop(0)
+        return 1
+    await stopping
+    loading.cancel()  # a stop during loading: nothing was admitted, so nothing to drain but the server
+    await server.drain()
+    return 0

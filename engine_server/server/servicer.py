@@ -1,0 +1,268 @@
+"""The ladle.v1.EngineService servicer: validates, converts, calls the ServingEngine, maps errors to status codes.
+
+Admission: until a model is attached, and once draining has begun, Generate / Stream / Batch / Tokenize answer
+UNAVAILABLE; GetLoad always answers (accepting=false then) so load balancers can see the state. Every failure
+leaves through `_fail`, which turns the exception into one status code with a clear message (INTERNAL for
+anything unexpected, logged with its traceback); the engine goes on serving every other call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, NoReturn
+
+import grpc
+import structlog
+
+from engine_server.core.request import Priority
+from engine_server.errors import EngineUnavailableError, ValidationError
+from engine_server.frontend import GenerationResult
+from engine_server.server import convert
+from engine_server.server.engine_loop import LoadSnapshot
+from engine_server.server.serving import GenerationInput, ServingEngine
+from ladle.v1 import engine_pb2, engine_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Serves one ServingEngine, attached once it is loaded and warm. Lives on the server's event loop."""
+
+    def __init__(self) -> None:
+        self.engine: ServingEngine | None = None
+        self._draining = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def attach(self, engine: ServingEngine) -> None:
+        """Start admitting calls to `engine`."""
+        self.engine = engine
+
+    @property
+    def accepting(self) -> bool:
+        return self.engine is not None and not self._draining.is_set()
+
+    @property
+    def in_flight(self) -> int:
+        """Generation and tokenize calls being served now."""
+        return self._in_flight
+
+    def start_draining(self) -> None:
+        """Refuse new calls from now on; calls in flight go on (a Batch call stops reading new items)."""
+        self._draining.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no call is in flight."""
+        await self._idle.wait()
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[ServingEngine]:
+        """The engine, counted as in flight until the block exits; EngineUnavailableError when not admitting."""
+        if self.engine is None:
+            raise EngineUnavailableError("the engine is still loading its model; retry shortly")
+        if self._draining.is_set():
+            raise EngineUnavailableError("the engine is shutting down; retry on another engine")
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield self.engine
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    # -- RPCs ------------------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.GenerateResponse:
+        try:
+            with self._admitted() as engine:
+                generation = _with_request_id(convert.generation_input(request, Priority.INTERACTIVE))
+                with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Generate"):
+                    result = await _run_to_end(engine, generation, _deadline(context))
+                    return convert.generate_response(result, engine.info.model_id)
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def Stream(
+        self, request: engine_pb2.StreamRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[engine_pb2.StreamResponse]:
+        try:
+            with self._admitted() as engine:
+                generation = _with_request_id(convert.generation_input(request, Priority.INTERACTIVE))
+                model = engine.info.model_id
+                with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Stream"):
+                    # aclosing: a cancelled call closes the generator at once, which aborts the request in the core.
+                    async with contextlib.aclosing(engine.generate(generation, _deadline(context))) as updates:
+                        async for update in updates:
+                            usage = update.result.usage if update.finished else None
+                            yield convert.stream_response(generation.request_id, update.deltas, model, usage)
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def Batch(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.BatchRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[engine_pb2.BatchResponse]:
+        try:
+            with self._admitted() as engine, structlog.contextvars.bound_contextvars(rpc="Batch"):
+                run = _BatchRun(engine, request_iterator, self._draining, _deadline(context))
+                async for response in run.responses():
+                    yield response
+                if run.cut_short:
+                    raise EngineUnavailableError(
+                        "the engine is shutting down: items after the last result were not run; resend them"
+                    )
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def Tokenize(
+        self, request: engine_pb2.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.TokenizeResponse:
+        try:
+            with self._admitted() as engine:
+                prompt = convert.prompt_from_input(request.input)
+                add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                return convert.tokenize_response(await engine.tokenize(prompt, add_special))
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def GetModelInfo(
+        self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.GetModelInfoResponse:
+        if self.engine is None:
+            await _fail(context, EngineUnavailableError("the engine is still loading its model; retry shortly"))
+        return convert.model_info_response(self.engine.info)
+
+    async def GetLoad(
+        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.GetLoadResponse:
+        load = self.engine.load_snapshot if self.engine is not None else LoadSnapshot()
+        return convert.load_response(load, self.accepting)
+
+
+class _BatchRun:
+    """One Batch call: reads items while fewer than `window` are unfinished or unsent, runs each concurrently,
+    and hands back each result as soon as it is ready. A bad item becomes an ItemError; the call goes on.
+    """
+
+    def __init__(
+        self,
+        engine: ServingEngine,
+        items: AsyncIterator[engine_pb2.BatchRequest],
+        draining: asyncio.Event,
+        deadline: float | None,
+    ) -> None:
+        self.engine = engine
+        self.cut_short = False  # stopped reading because the engine began draining
+        self._items = items
+        self._draining = draining
+        self._deadline = deadline
+        # Bounded by the core's seats: more unstarted items would only wait in its queue.
+        self._slots = asyncio.Semaphore(2 * engine.info.max_num_seqs)
+        self._results: asyncio.Queue[engine_pb2.BatchResponse | None] = asyncio.Queue()
+        self._seen: set[str] = set()
+
+    async def responses(self) -> AsyncIterator[engine_pb2.BatchResponse]:
+        reader = asyncio.create_task(self._read_all())
+        try:
+            while (response := await self._results.get()) is not None:
+                yield response
+                # Released only once sent, so a caller that stops reading results also stops the intake.
+                self._slots.release()
+            await reader  # re-raises a failure of the reader itself
+        finally:
+            reader.cancel()
+
+    async def _read_all(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                while True:
+                    await self._slots.acquire()
+                    item = await self._next_item()
+                    if item is None:
+                        break
+                    group.create_task(self._run_item(item))
+        finally:
+            self._results.put_nowait(None)
+
+    async def _next_item(self) -> engine_pb2.BatchRequest | None:
+        """The next item, or None at the end of the input or once draining begins."""
+        if self._draining.is_set():
+            self.cut_short = True
+            return None
+        read = asyncio.ensure_future(anext(self._items, None))
+        drain = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+        if read.done():
+            return read.result()
+        read.cancel()
+        self.cut_short = True
+        return None
+
+    async def _run_item(self, item: engine_pb2.BatchRequest) -> None:
+        response = engine_pb2.BatchResponse(item_id=item.item_id)
+        try:
+            if not item.item_id:
+                raise ValidationError("item_id must not be empty: results are matched to items by it", "item_id")
+            if item.item_id in self._seen:
+                raise ValidationError(f"item_id {item.item_id!r} was already used in this call", "item_id")
+            self._seen.add(item.item_id)
+            generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH))
+            with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id):
+                result = await _run_to_end(self.engine, generation, self._deadline)
+            response.result.CopyFrom(convert.generate_response(result, self.engine.info.model_id))
+        except Exception as exc:
+            _log_failure(exc)
+            response.error.CopyFrom(convert.item_error(exc))
+        self._results.put_nowait(response)
+
+
+async def _run_to_end(engine: ServingEngine, generation: GenerationInput, deadline: float | None) -> GenerationResult:
+    result: GenerationResult | None = None
+    async with contextlib.aclosing(engine.generate(generation, deadline)) as updates:
+        async for update in updates:
+            result = update.result
+    if result is None or not result.finished:
+        raise RuntimeError("the request ended without a finished result")
+    return result
+
+
+def _with_request_id(generation: GenerationInput) -> GenerationInput:
+    if generation.request_id:
+        return generation
+    return dataclasses.replace(generation, request_id=f"req-{uuid.uuid4().hex}")
+
+
+def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    """The call's deadline on the engine's monotonic clock, so a request still queued then never runs."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _log_failure(exc: BaseException) -> None:
+    code, message = convert.status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("request failed unexpectedly", exc_info=exc)
+    else:
+        log.info("request refused", code=code.name, reason=message)
+
+
+async def _fail(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
+    _log_failure(exc)
+    code, message = convert.status_for(exc)
+    await context.abort(code, message)
+    raise AssertionError("context.abort returned")  # it always raises; this tells type checkers so

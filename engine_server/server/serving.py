@@ -1,0 +1,234 @@
+"""The served model between the RPC layer and the core: prompts in, per-step choice deltas out.
+
+`ServingEngine` owns the tokenizer side of the frontend (InputProcessor, RequestTracker) and the `EngineLoop`.
+Tokenizing and chat templating run on one worker thread (so a long prompt never stalls the event loop, and the
+tokenizer is never used by two threads at once); detokenization and stop strings run on the event loop, per
+step. The core thread only ever sees token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from engine_server.config import EngineConfig
+from engine_server.core.engine_core import CoreOutput, EngineCore
+from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.frontend import (
+    ChatPrompt,
+    Choice,
+    GenerationResult,
+    InputProcessor,
+    Prompt,
+    RequestTracker,
+    split_core_request_id,
+)
+from engine_server.llm import engine_eos_ids
+from engine_server.loader import resolve_model
+from engine_server.output import TokenTextCodec
+from engine_server.sampling_params import SamplingParams
+from engine_server.server.engine_loop import EngineLoop, LoadSnapshot
+from engine_server.tokenizer.chat import render_chat
+from engine_server.tokenizer.loading import load_tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+class RequestDeadlineError(Exception):
+    """The request's deadline passed before it finished (a queued request then never runs)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What GetModelInfo reports; fixed once the model is loaded."""
+
+    model_id: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    device: str
+    dtype: str
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """One caller request in the engine's vocabulary; `request_id` is the caller's (may be empty)."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: Priority = Priority.INTERACTIVE
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    token_ids: list[int]
+    tokens: list[str]
+    prompt_text: str = ""
+
+
+@dataclass
+class StepUpdate:
+    """What one core step added to a request: the choices that advanced, and the whole result so far."""
+
+    deltas: list[Choice]
+    result: GenerationResult
+    finished: bool = False
+
+
+class ServingEngine:
+    """A loaded model serving requests through an EngineLoop. Use from the event loop thread only."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Any,
+        model_id: str,
+        eos: tuple[int, ...],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """Takes over `core`: from now on only the EngineLoop's thread touches it."""
+        self.tokenizer = tokenizer
+        self.inputs = InputProcessor(tokenizer, core.model_config.vocab_size, core.max_model_len, eos)
+        self.token_text = TokenTextCodec(tokenizer)
+        self.info = ModelInfo(
+            model_id=model_id,
+            architecture=core.model_config.architecture,
+            context_length=core.max_model_len,
+            vocab_size=core.model_config.vocab_size,
+            eos_token_ids=eos,
+            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            device=core.runner.device.type,
+            dtype=str(core.runner.dtype).removeprefix("torch."),
+            max_num_seqs=core.config.scheduler.max_num_seqs,
+        )
+        self.loop = EngineLoop(core, loop)
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(cls, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> ServingEngine:
+        """Resolve and load the model (blocking: seconds to minutes) and start the core thread."""
+        source = resolve_model(config.model)
+        tokenizer = load_tokenizer(source.tokenizer_path)
+        core = EngineCore(config, source)
+        engine = cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop)
+        engine.loop.start()
+        return engine
+
+    @property
+    def load_snapshot(self) -> LoadSnapshot:
+        return self.loop.load
+
+    async def warm_up(self) -> None:
+        """One tiny generation through the whole path, so the first caller does not pay for lazy setup."""
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        async for _ in self.generate(GenerationInput("warmup", "Hello", params)):
+            pass
+
+    async def close(self) -> None:
+        """Abort what is left, stop the core thread and the tokenizer worker."""
+        await asyncio.to_thread(self.loop.stop)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenizeResult:
+        """Token ids of a prompt as generation would see them; chat also returns the rendered text."""
+        text = ""
+        if isinstance(prompt, ChatPrompt):
+            text = await self._off_loop(
+                render_chat,
+                self.tokenizer,
+                prompt.messages,
+                prompt.tools,
+                prompt.add_generation_prompt,
+                prompt.template_kwargs,
+            )
+            ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=False)
+        else:
+            ids = await self._off_loop(self.inputs.tokenize, prompt, add_special_tokens)
+        return TokenizeResult(list(ids), self.token_text.token_strings(ids), text)
+
+    async def generate(
+        self, request: GenerationInput, deadline: float | None = None
+    ) -> AsyncGenerator[StepUpdate, None]:
+        """Run one request; yield once per core step that advanced it, the last update with `finished` set.
+
+        `deadline` is a `time.monotonic()` value: a request still queued then is never scheduled and this raises
+        RequestDeadlineError. Raises ValidationError before anything runs, QueueFullError when the waiting queue
+        is full. Closing the generator early (the caller cancelled) aborts the request in the core.
+        """
+        prompt_ids = await self._off_loop(self.inputs.tokenize, request.prompt)
+        internal_id = f"r{next(self._ids)}"
+        core_requests = self.inputs.make_requests(
+            internal_id, prompt_ids, request.params, request.priority, deadline
+        )
+        tracker = RequestTracker(self.tokenizer, request.request_id, prompt_ids, request.params, self.token_text)
+        stream = self.loop.add(internal_id, core_requests)
+        unfinished = set(stream.core_ids)
+        outcome = "cancelled"
+        try:
+            while unfinished:
+                deltas = self._apply(tracker, await stream.next(), unfinished)
+                if deltas:
+                    yield StepUpdate(deltas, tracker.result, finished=not unfinished)
+            outcome = "finished"
+        except BaseException as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self.loop.close(stream)
+            if unfinished:
+                self.loop.abort(sorted(unfinished))
+            _log_finished(request.request_id, internal_id, outcome, tracker, core_requests)
+
+    def _apply(self, tracker: RequestTracker, outputs: Sequence[CoreOutput], unfinished: set[str]) -> list[Choice]:
+        """Feed one step's outputs to the tracker; returns the deltas of choices that advanced."""
+        deltas: list[Choice] = []
+        for output in outputs:
+            if output.request_id not in unfinished:
+                continue  # produced before our abort landed (stop string matched): already final
+            if output.status is RequestStatus.FINISHED_DEADLINE:
+                raise RequestDeadlineError("the deadline passed while the request was queued; it never ran")
+            _, index = split_core_request_id(output.request_id)
+            delta, abort_core = tracker.update(index, output)
+            if output.finished or delta.finish_reason is not None:
+                unfinished.discard(output.request_id)
+            if abort_core:
+                self.loop.abort([output.request_id])
+            deltas.append(delta)
+        return deltas
+
+    async def _off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, lambda: fn(*args, **kwargs)
+        )
+
+
+def _log_finished(
+    request_id: str, internal_id: str, outcome: str, tracker: RequestTracker, requests: Sequence[Request]
+) -> None:
+    usage = tracker.result.usage
+    # `ran` is false when no choice was ever scheduled: e.g. its deadline passed while it was queued.
+    ran = any(r.num_computed_tokens > 0 or r.num_output_tokens > 0 for r in requests)
+    log.info(
+        "request finished",
+        request_id=request_id,
+        core_id=internal_id,
+        outcome=outcome,
+        ran=ran,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+        finish_reasons=[str(c.finish_reason) for c in tracker.result.choices],
+        at=round(time.monotonic(), 3),
+    )

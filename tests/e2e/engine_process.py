@@ -1,0 +1,59 @@
+"""Start and stop a real `ladle engine` process on a free loopback port, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ladle.client import EngineClient
+
+STARTUP_TIMEOUT_S = 240.0
+KV_CACHE_MIB = 512  # the embedded model's 8192-token context needs ~380 MiB; the default 2 GiB is wasteful here
+
+
+@dataclass
+class EngineProcess:
+    process: subprocess.Popen[str]
+    address: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def start_engine(log_path: Path, *extra_args: str) -> EngineProcess:
+    """Start `ladle engine` on a free loopback port and wait until its health is SERVING."""
+    command = [
+        sys.executable, "-m", "ladle.cli", "engine", "--model", "default", "--device", "cpu",
+        "--host", "127.0.0.1", "--port", "0", "--kv-cache-mib", str(KV_CACHE_MIB), *extra_args,
+    ]
+    env = {**os.environ, "LADLE_LOG_FORMAT": "json", "LADLE_LOG_LEVEL": "INFO"}
+    log_file = log_path.open("w")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
+    log_file.close()
+    assert process.stdout is not None
+    line = process.stdout.readline()  # printed as soon as the port is bound, before the model loads
+    if " on " not in line:
+        process.kill()
+        raise RuntimeError(f"ladle engine did not report its address: {line!r}\n{log_path.read_text()}")
+    engine = EngineProcess(process, line.rsplit(" on ", 1)[1].strip(), log_path)
+    with EngineClient(engine.address) as client:
+        try:
+            client.wait_until_serving(STARTUP_TIMEOUT_S)
+        except TimeoutError:
+            engine.stop(5)
+            raise
+    return engine
