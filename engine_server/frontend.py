@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine_server.core.engine_core import CoreOutput
 from engine_server.core.request import Priority, Request, RequestStatus
@@ -18,6 +19,9 @@ from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
+
+if TYPE_CHECKING:
+    from engine_server.structured.compiler import CompiledConstraint, GrammarCompiler
 
 _CORE_FINISH = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
@@ -97,13 +101,42 @@ class GenerationResult:
 
 
 class InputProcessor:
-    """Turns a prompt and sampling parameters into validated core Requests (one per choice)."""
+    """Turns a prompt and sampling parameters into validated core Requests (one per choice).
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, eos_token_ids: Sequence[int]) -> None:
+    Constrained requests (`SamplingParams.constraint`) need a `grammar_compiler`; their grammar is compiled
+    before the core sees them. An async caller awaits `compile_constraint(params)` (wrapped with
+    `asyncio.wrap_future`) and passes the result to `make_requests(grammar=...)`; a sync caller may let
+    `make_requests` compile, which blocks it (never the core) up to the compiler's time limit.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammar_compiler = grammar_compiler
+
+    def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
+        """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the
+        compiler's time limit; it fails with ValidationError for a bad spec or when no compiler is configured."""
+        future: Future[CompiledConstraint | None] = Future()
+        constraint = params.constraint
+        if constraint is None:
+            future.set_result(None)
+        elif self.grammar_compiler is None:
+            future.set_exception(
+                ValidationError("structured output is not enabled on this engine", param=constraint.param)
+            )
+        else:
+            return cast("Future[CompiledConstraint | None]", self.grammar_compiler.submit(constraint))
+        return future
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
@@ -127,9 +160,16 @@ class InputProcessor:
         params: SamplingParams,
         priority: Priority = Priority.INTERACTIVE,
         deadline: float | None = None,
+        grammar: CompiledConstraint | None = None,
     ) -> list[Request]:
-        """Validate and expand into n core requests with ids `{request_id}/{i}`; raises ValidationError."""
+        """Validate and expand into n core requests with ids `{request_id}/{i}`; raises ValidationError.
+
+        `grammar` is `compile_constraint(params)`'s result; when params carry a constraint and it is None,
+        the constraint is compiled here, blocking (ValidationError if it does not compile in time).
+        """
         params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len, prompt_len=len(prompt_token_ids))
+        if params.constraint is not None and grammar is None:
+            grammar = self.compile_constraint(params).result()
         requests = []
         for i in range(params.n):
             # Choice i of a seeded request draws from seed+i: choices differ, each one is reproducible.
@@ -143,6 +183,7 @@ class InputProcessor:
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     deadline=deadline,
+                    grammar=grammar if params.constraint is not None else None,
                 )
             )
         return requests

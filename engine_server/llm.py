@@ -23,6 +23,7 @@ from engine_server.frontend import (
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
+from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
 from engine_server.tokenizer.loading import load_tokenizer
 
 
@@ -37,15 +38,30 @@ def engine_eos_ids(source: ModelSource, tokenizer: Any) -> tuple[int, ...]:
 class LLM:
     """An engine in this process for offline generation. Not thread-safe; one `generate` call at a time."""
 
-    def __init__(self, model: str = "default", *, config: EngineConfig | None = None, device: str = "auto") -> None:
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        config: EngineConfig | None = None,
+        device: str = "auto",
+        grammar_config: GrammarCompilerConfig | None = None,
+    ) -> None:
+        """`grammar_config` tunes the structured-output compiler (time limit, workers, JSON whitespace)."""
         self.config = config or EngineConfig(model=model, device=device)  # type: ignore[arg-type]
         source = resolve_model(self.config.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source.tokenizer_path)
         self.core = EngineCore(self.config, source)
         self.eos_token_ids = engine_eos_ids(source, self.tokenizer)
+        self.grammar_compiler = GrammarCompiler.for_tokenizer(
+            self.tokenizer, source.config.vocab_size, self.eos_token_ids, grammar_config
+        )
         self.inputs = InputProcessor(
-            self.tokenizer, source.config.vocab_size, self.core.max_model_len, self.eos_token_ids
+            self.tokenizer,
+            source.config.vocab_size,
+            self.core.max_model_len,
+            self.eos_token_ids,
+            grammar_compiler=self.grammar_compiler,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self._ids = itertools.count()
@@ -60,6 +76,8 @@ class LLM:
         """Generate for each prompt (text, token ids or a ChatPrompt); one result per prompt, in order.
 
         Every prompt is validated before any work starts, so a bad prompt raises ValidationError and nothing runs.
+        Constraints are all compiled (in parallel, blocking this call up to the compiler's time limit) before
+        any request reaches the core; one that fails to compile raises ValidationError likewise.
         """
         batch = _as_prompt_list(prompts)
         per_prompt = [params or SamplingParams()] * len(batch) if not isinstance(params, Sequence) else list(params)
@@ -67,10 +85,12 @@ class LLM:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
         trackers: dict[str, RequestTracker] = {}
         pending: deque[Request] = deque()
-        for prompt, sampling in zip(batch, per_prompt, strict=True):
+        # Every compile starts before the first is awaited, so they overlap.
+        compiles = [self.inputs.compile_constraint(sampling) for sampling in per_prompt]
+        for prompt, sampling, grammar in zip(batch, per_prompt, compiles, strict=True):
             request_id = f"offline-{next(self._ids)}"
             token_ids = self.inputs.tokenize(prompt)
-            pending.extend(self.inputs.make_requests(request_id, token_ids, sampling))
+            pending.extend(self.inputs.make_requests(request_id, token_ids, sampling, grammar=grammar.result()))
             trackers[request_id] = RequestTracker(self.tokenizer, request_id, token_ids, sampling, self.token_text)
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]

@@ -1,7 +1,7 @@
 """The model runner: turns one SchedulerOutput into one forward pass and one batched sampling call.
 
-It owns the model weights, the paged KV cache tensors, the sampler and the per-request seeded generators. The
-scheduler decides *what* runs; the runner only executes it.
+It owns the model weights, the paged KV cache tensors, the sampler, the per-request seeded generators and the
+grammar matchers of constrained requests. The scheduler decides *what* runs; the runner only executes it.
 """
 
 from __future__ import annotations
@@ -12,20 +12,34 @@ import torch
 
 from engine_server.attention import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
+from engine_server.core.request import RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.sampling import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
+from engine_server.structured.matchers import GrammarMatchers, GrammarState
 
 _SEED_MODULUS = 2**63
+# How a grammar's state after the sampled token ends the choice (absent: it goes on).
+_GRAMMAR_FINISH = {
+    GrammarState.COMPLETE: RequestStatus.FINISHED_STOPPED,
+    GrammarState.TERMINATED: RequestStatus.FINISHED_STOPPED,
+    GrammarState.REJECTED: RequestStatus.FINISHED_ABORTED,
+}
 
 
 @dataclass(frozen=True)
 class SampledToken:
-    """The token sampled for one request in one step, with its log-probabilities when the request asked."""
+    """The token sampled for one request in one step, with its log-probabilities when the request asked.
+
+    `grammar_finish` is set when the request's grammar ends the choice with this token: FINISHED_STOPPED once
+    the output is a complete sentence that cannot grow (or the grammar accepted a stop token after one),
+    FINISHED_ABORTED if the token broke the grammar (an engine fault, logged). EngineCore applies it.
+    """
 
     token_id: int
     logprobs: TokenLogprobs | None = None
+    grammar_finish: RequestStatus | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -74,10 +88,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(source.config, self.num_blocks, self.block_size, self.dtype, self.device)
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (the seeded generator) of a finished or aborted request."""
+        """Forget per-request state (the seeded generator, the grammar matcher) of a finished or aborted request."""
         self._generators.pop(request_id, None)
+        self.grammars.release(request_id)
 
     def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
         request = scheduled.request
@@ -119,11 +135,13 @@ class ModelRunner:
             return {}
         ends = meta.query_start_loc[1:].to(torch.long) - 1
         logits = self.model.compute_logits(hidden[ends[sampling]])
-        rows = [self._row(output.scheduled[i]) for i in sampling]
+        # Filled after the forward is launched: on CUDA the host-side grammar work overlaps the GPU's.
+        bitmasks = self.grammars.bitmasks([output.scheduled[i].request for i in sampling])
+        rows = [self._row(output.scheduled[i], mask) for i, mask in zip(sampling, bitmasks, strict=True)]
         sampled = self.sampler(logits, rows)
-        return self._collect([output.scheduled[i].request.request_id for i in sampling], sampled)
+        return self._collect([output.scheduled[i] for i in sampling], sampled)
 
-    def _row(self, item: ScheduledRequest) -> SamplingRow:
+    def _row(self, item: ScheduledRequest, bitmask: torch.Tensor | None = None) -> SamplingRow:
         request = item.request
         return SamplingRow(
             params=request.sampling_params,
@@ -131,12 +149,17 @@ class ModelRunner:
             output_token_ids=request.output_token_ids,
             generator=self._generator(item),
             eos_token_ids=request.eos_token_ids,
+            allowed_token_bitmask=bitmask,
         )
 
-    @staticmethod
-    def _collect(request_ids: list[str], sampled: SamplerOutput) -> dict[str, SampledToken]:
+    def _collect(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> dict[str, SampledToken]:
+        """Per request its token; constrained requests' matchers accept it here (and only here)."""
         tokens, logprobs = sampled.token_id_list(), sampled.logprob_list()
-        return {
-            request_id: SampledToken(token, lps)
-            for request_id, token, lps in zip(request_ids, tokens, logprobs, strict=True)
-        }
+        result: dict[str, SampledToken] = {}
+        for item, token, lps in zip(items, tokens, logprobs, strict=True):
+            request_id = item.request.request_id
+            finish = None
+            if item.request.grammar is not None:
+                finish = _GRAMMAR_FINISH.get(self.grammars.accept(request_id, token))
+            result[request_id] = SampledToken(token, lps, finish)
+        return result

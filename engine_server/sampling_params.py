@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine_server.errors import ValidationError
+from engine_server.structured.constraint import Constraint
 
 # Documented caps; requests above them are refused with a ValidationError.
 MAX_N = 16
@@ -30,7 +31,8 @@ class SamplingParams:
 
     temperature 0 (below GREEDY_TEMPERATURE_EPS) means greedy. top_k <= 0 disables top-k. max_tokens None
     means "up to the context". logprobs True returns the sampled token's log-probability; top_logprobs
-    (0..20) adds the k best.
+    (0..20) adds the k best. `constraint` restricts the output to a formal language (structured output); the
+    grammar's end ends the choice with `stop` whatever min_tokens and ignore_eos say.
     """
 
     n: int = 1
@@ -52,6 +54,7 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +70,8 @@ class SamplingParams:
         self._validate_counts()
         self._validate_logit_bias(vocab_size)
         self._validate_stops(vocab_size)
+        if self.constraint is not None:
+            self.constraint.validate()
 
     def _validate_numbers(self) -> None:
         _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)

@@ -64,10 +64,15 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[CoreOutput]:
-        """Schedule, run and sample once; return what every affected request produced."""
+        """Schedule, run and sample once; return what every affected request produced.
+
+        A constrained request whose grammar ended with this step's token (SampledToken.grammar_finish) is
+        finished here, after the scheduler's own stop rules, which take precedence when both apply.
+        """
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled) if scheduled.scheduled else {}
         finished = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
+        finished += self._finish_grammars(sampled)
         by_id = {request.request_id: request for request in finished}
         outputs: list[CoreOutput] = []
         for item in scheduled.scheduled:
@@ -81,9 +86,21 @@ class EngineCore:
             outputs.append(output)
         for request in scheduled.finished:
             outputs.append(self._finished_output(request))
+            self.runner.release(request.request_id)  # it may have run (and sampled) before a preemption
         for request in finished:
             self.runner.release(request.request_id)
         return outputs
+
+    def _finish_grammars(self, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Finish the still-running requests whose grammar ended with their token this step."""
+        ended: dict[RequestStatus, list[str]] = {}
+        for request_id, token in sampled.items():
+            if token.grammar_finish is not None and self.scheduler.get_request(request_id) is not None:
+                ended.setdefault(token.grammar_finish, []).append(request_id)
+        done: list[Request] = []
+        for status, request_ids in ended.items():
+            done += self.scheduler.finish_requests(request_ids, status)
+        return done
 
     def _finished_output(self, request: Request) -> CoreOutput:
         return CoreOutput(

@@ -11,8 +11,12 @@ import enum
 import math
 import time
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from engine_server.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_server.structured.compiler import CompiledConstraint
 
 
 class Priority(enum.IntEnum):
@@ -68,6 +72,7 @@ class Request:
         "block_hashes",
         "deadline",
         "eos_token_ids",
+        "grammar",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -93,8 +98,16 @@ class Request:
         priority: Priority = Priority.INTERACTIVE,
         arrival_time: float | None = None,
         deadline: float | None = None,
+        grammar: CompiledConstraint | None = None,
     ) -> None:
-        """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now."""
+        """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now.
+
+        `grammar` is the compiled form of `sampling_params.constraint` (compiled before the request is
+        built, so the core never waits on a compile); None for an unconstrained request.
+        """
+        constraint = grammar.constraint if grammar is not None else None
+        if constraint != sampling_params.constraint:
+            raise ValueError(f"request {request_id!r}: the grammar does not match sampling_params.constraint")
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -103,6 +116,7 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.deadline = deadline
+        self.grammar = grammar
         self.max_tokens = resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
 
         self.output_token_ids: list[int] = []

@@ -1,0 +1,295 @@
+"""The grammar compile service: constraints in, xgrammar grammars out, off the step loop, cached, time-limited.
+
+Contract of `GrammarCompiler.submit`: it returns at once with a `concurrent.futures.Future` that resolves no
+later than `timeout_s` after the call, with a `CompiledConstraint` or a `ValidationError` (param = the
+constraint's kind) carrying xgrammar's reason: an invalid or unsupported spec, or one that did not compile in
+time. The engine compiles *before* a request enters the core, so a slow grammar delays only its own request.
+
+Threads: a fixed set of daemon workers compiles (xgrammar releases the GIL while it works) and one daemon
+watcher fails futures at their deadline. A compile that overruns cannot be killed inside a thread: its
+caller is answered at the limit and the worker finishes in the background. What keeps a pathological spec
+from piling up threads: the worker count is fixed, submissions of a spec already compiling join that compile
+instead of starting another, and a queued compile whose callers have all timed out is skipped. A compile that
+finishes after its callers gave up still goes into the cache, so a retry is served at once. While every
+worker is busy with overlong compiles, new specs wait in the queue and may time out; cached specs never wait.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+import xgrammar as xgr
+
+from engine_server.errors import ValidationError
+from engine_server.structured.constraint import Constraint, ConstraintKind
+
+logger = logging.getLogger(__name__)
+
+_MAX_REASON_CHARS = 500
+# xgrammar's C++ errors start with "[12:04:15] /project/cpp/file.cc:83: " and often "Check failed: (...) is
+# false: "; the caller needs the sentence after them.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
+
+
+@dataclass(frozen=True)
+class GrammarCompilerConfig:
+    """Knobs of the compile service; the defaults suit one engine."""
+
+    timeout_s: float = 10.0  # a spec not compiled this long after submit fails its request
+    num_workers: int = 2  # compiles running at once; also the most threads a slow spec can hold
+    cache_size: int = 256  # compiled grammars kept, least recently used dropped first
+    xgrammar_threads: int = 2  # threads xgrammar itself uses inside one compile
+    # Whitespace JSON output may hold between tokens. 0: compact JSON with ", " and ": " separators only,
+    # so a model cannot emit whitespace until max_tokens; N > 0: at most N whitespace characters per gap.
+    json_max_whitespace: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledConstraint:
+    """A constraint and its compiled grammar: immutable, shared by every request with the same constraint."""
+
+    constraint: Constraint
+    grammar: xgr.CompiledGrammar
+
+
+CompileFn = Callable[[Constraint], xgr.CompiledGrammar]
+
+
+def build_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of a tokenizer, sized to the model's vocabulary (which may exceed the tokenizer's).
+
+    `stop_token_ids` are the tokens that end a complete sentence (the engine's eos ids). Building it walks the
+    whole vocabulary, so do it once per tokenizer.
+    """
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices` (JSON string escapes are valid EBNF escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class XGrammarCompile:
+    """The real compile function: one `xgrammar.GrammarCompiler`, safe to call from several threads."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, config: GrammarCompilerConfig) -> None:
+        # Our own LRU caches by constraint, so xgrammar's cache would only hold a second copy.
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=config.xgrammar_threads, cache_enabled=False)
+        ws = config.json_max_whitespace
+        self._json_kwargs: dict[str, Any] = (
+            {"any_whitespace": False} if ws <= 0 else {"any_whitespace": True, "max_whitespace_cnt": ws}
+        )
+
+    def __call__(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        kind = constraint.kind
+        if kind is ConstraintKind.JSON_SCHEMA:
+            return self._compiler.compile_json_schema(constraint.spec, **self._json_kwargs)
+        if kind is ConstraintKind.JSON_OBJECT:
+            # A schema rather than xgrammar's builtin JSON grammar, whose whitespace is unbounded.
+            return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **self._json_kwargs)
+        if kind is ConstraintKind.REGEX:
+            return self._compiler.compile_regex(constraint.spec)
+        if kind is ConstraintKind.CHOICE:
+            return self._compiler.compile_grammar(choice_ebnf(constraint.choices))
+        return self._compiler.compile_grammar(constraint.spec)
+
+
+@dataclass(eq=False)
+class _Job:
+    """One compile of one constraint; every caller waiting on it holds a future in `waiters`."""
+
+    constraint: Constraint
+    waiters: list[Future[CompiledConstraint]] = field(default_factory=list)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer in worker threads, with a cache and a per-call time limit.
+
+    Thread-safe: submit from any thread or event loop (wrap the future with `asyncio.wrap_future`).
+    """
+
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        config: GrammarCompilerConfig | None = None,
+        *,
+        compile_fn: CompileFn | None = None,
+    ) -> None:
+        """`compile_fn` replaces xgrammar's compile (tests inject slow or failing ones)."""
+        self.config = config or GrammarCompilerConfig()
+        self.tokenizer_info = tokenizer_info
+        self._compile_fn = compile_fn or XGrammarCompile(self.tokenizer_info, self.config)
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[Constraint, CompiledConstraint] = OrderedDict()
+        self._inflight: dict[Constraint, _Job] = {}
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._closed = False
+        self._watch = _DeadlineWatch()
+        # Daemon threads: an overlong compile must never hold up interpreter exit.
+        self._workers = [
+            threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True)
+            for i in range(max(1, self.config.num_workers))
+        ]
+        for worker in self._workers:
+            worker.start()
+
+    @classmethod
+    def for_tokenizer(
+        cls,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        config: GrammarCompilerConfig | None = None,
+    ) -> GrammarCompiler:
+        """The compiler of one Hugging Face tokenizer; see `build_tokenizer_info` for the arguments."""
+        return cls(build_tokenizer_info(tokenizer, vocab_size, stop_token_ids), config)
+
+    def submit(self, constraint: Constraint) -> Future[CompiledConstraint]:
+        """Start (or join, or serve from cache) the compile of `constraint`; see the module docstring."""
+        future: Future[CompiledConstraint] = Future()
+        try:
+            constraint.validate()
+        except ValidationError as exc:
+            future.set_exception(exc)
+            return future
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler is closed")
+            cached = self._cache.get(constraint)
+            if cached is not None:
+                self._cache.move_to_end(constraint)
+            else:
+                job = self._inflight.get(constraint)
+                if job is None:
+                    job = self._inflight[constraint] = _Job(constraint)
+                    self._queue.put(job)
+                job.waiters.append(future)
+        if cached is not None:
+            future.set_result(cached)
+        else:
+            self._watch.add(time.monotonic() + self.config.timeout_s, future, self._timeout_error(constraint))
+        return future
+
+    def compile(self, constraint: Constraint) -> CompiledConstraint:
+        """Blocking `submit`: the compiled constraint, or ValidationError within the time limit."""
+        return self.submit(constraint).result()
+
+    def cached(self, constraint: Constraint) -> CompiledConstraint | None:
+        """The compiled constraint if it is in the cache (does not touch the LRU order)."""
+        with self._lock:
+            return self._cache.get(constraint)
+
+    def close(self) -> None:
+        """Stop the workers once their current compile ends; pending futures still resolve by their deadline."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._watch.close()
+        for _ in self._workers:
+            self._queue.put(None)
+
+    def _timeout_error(self, constraint: Constraint) -> ValidationError:
+        return ValidationError(
+            f"{constraint.kind.value} did not compile within {self.config.timeout_s:g} s; simplify it",
+            param=constraint.param,
+        )
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        constraint = job.constraint
+        with self._lock:
+            if all(w.done() for w in job.waiters):  # every caller timed out (or cancelled) while it queued
+                del self._inflight[constraint]
+                return
+        result: CompiledConstraint | None = None
+        error: ValidationError | None = None
+        started = time.monotonic()
+        try:
+            result = CompiledConstraint(constraint, self._compile_fn(constraint))
+        except Exception as exc:  # xgrammar reports every bad spec as an exception; each one is the caller's
+            error = ValidationError(f"invalid {constraint.kind.value}: {xgrammar_reason(exc)}", param=constraint.param)
+        elapsed = time.monotonic() - started
+        if elapsed > self.config.timeout_s:
+            logger.warning("grammar compile of a %s took %.1f s", constraint.kind.value, elapsed)
+        with self._lock:
+            del self._inflight[constraint]  # from here on a new submit starts afresh or hits the cache
+            if result is not None:
+                self._cache[constraint] = result
+                while len(self._cache) > self.config.cache_size:
+                    self._cache.popitem(last=False)
+            waiters = job.waiters
+        for waiter in waiters:
+            _settle(waiter, result, error)
+
+
+def xgrammar_reason(exc: BaseException) -> str:
+    """The human part of an xgrammar error message, without its C++ source prefix, bounded in length."""
+    text = _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+    # Some messages echo the whole spec after this marker; the caller sent it, so it adds only bulk.
+    text = text.split(" The JSON string is:", 1)[0].strip()
+    return text if len(text) <= _MAX_REASON_CHARS else text[: _MAX_REASON_CHARS - 3] + "..."
+
+
+def _settle(future: Future[CompiledConstraint], result: CompiledConstraint | None, error: BaseException | None) -> None:
+    """Resolve `future` unless it already is (timed out, or cancelled by an asyncio wrapper)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+    except InvalidStateError:
+        pass
+
+
+class _DeadlineWatch:
+    """One daemon thread that fails each registered future still pending at its deadline."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._heap: list[tuple[float, int, Future[CompiledConstraint], BaseException]] = []
+        self._seq = itertools.count()  # tie-break: futures do not order
+        self._closed = False
+        threading.Thread(target=self._loop, name="grammar-deadlines", daemon=True).start()
+
+    def close(self) -> None:
+        """Let the thread end once every registered future is settled."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def add(self, deadline: float, future: Future[CompiledConstraint], error: BaseException) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (deadline, next(self._seq), future, error))
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            expired: list[tuple[Future[CompiledConstraint], BaseException]] = []
+            with self._cond:
+                now = time.monotonic()
+                while self._heap and (self._heap[0][0] <= now or self._heap[0][2].done()):
+                    _, _, future, error = heapq.heappop(self._heap)
+                    expired.append((future, error))
+                if not expired and self._closed and not self._heap:
+                    return
+                if not expired:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+            # Settled outside the lock: done-callbacks run here and may submit again.
+            for future, error in expired:
+                _settle(future, None, error)
