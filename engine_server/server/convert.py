@@ -6,6 +6,7 @@ cannot express; range checks stay in SamplingParams.validate so every path check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any, TypeAlias, cast
@@ -19,6 +20,7 @@ from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import GenerationInput, ModelInfo, RequestDeadlineError, TokenizeResult
+from engine_server.structured import Constraint
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -38,14 +40,31 @@ GenerationMessage: TypeAlias = engine_pb2.GenerateRequest | engine_pb2.StreamReq
 
 def generation_input(message: GenerationMessage, default_priority: Priority) -> GenerationInput:
     """A Generate/Stream request (or a Batch item's request) in the engine's vocabulary."""
-    if message.HasField("constraint") and message.constraint.WhichOneof("kind") is not None:
-        raise ValidationError("constrained output (constraint) is not supported by this engine yet", "constraint")
+    params = sampling_params(message.sampling)
+    if message.HasField("constraint"):
+        params = dataclasses.replace(params, constraint=constraint(message.constraint))
     return GenerationInput(
         request_id=message.request_id,
         prompt=prompt_from_input(message.input),
-        params=sampling_params(message.sampling),
+        params=params,
         priority=_PRIORITIES.get(message.priority, default_priority),
     )
+
+
+def constraint(message: types_pb2.Constraint) -> Constraint | None:
+    """The engine's Constraint for a proto Constraint (None when no kind is set); the spec is checked later."""
+    kind = message.WhichOneof("kind")
+    if kind == "json_schema":
+        return Constraint.json_schema(message.json_schema)
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "regex":
+        return Constraint.regex(message.regex)
+    if kind == "choice":
+        return Constraint.choice(message.choice.choices)
+    if kind == "grammar":
+        return Constraint.grammar(message.grammar)
+    return None
 
 
 def prompt_from_input(message: types_pb2.Input) -> Prompt:

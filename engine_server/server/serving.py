@@ -35,6 +35,7 @@ from engine_server.loader import resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import EngineLoop, LoadSnapshot
+from engine_server.structured.compiler import GrammarCompiler
 from engine_server.tokenizer.chat import render_chat
 from engine_server.tokenizer.loading import load_tokenizer
 
@@ -99,7 +100,10 @@ class ServingEngine:
     ) -> None:
         """Takes over `core`: from now on only the EngineLoop's thread touches it."""
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer, core.model_config.vocab_size, core.max_model_len, eos)
+        self.grammar_compiler = GrammarCompiler.for_tokenizer(tokenizer, core.model_config.vocab_size, eos)
+        self.inputs = InputProcessor(
+            tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler
+        )
         self.token_text = TokenTextCodec(tokenizer)
         self.info = ModelInfo(
             model_id=model_id,
@@ -140,6 +144,7 @@ class ServingEngine:
         """Abort what is left, stop the core thread and the tokenizer worker."""
         await asyncio.to_thread(self.loop.stop)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self.grammar_compiler.close()
 
     async def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenizeResult:
         """Token ids of a prompt as generation would see them; chat also returns the rendered text."""
@@ -168,9 +173,11 @@ class ServingEngine:
         is full. Closing the generator early (the caller cancelled) aborts the request in the core.
         """
         prompt_ids = await self._off_loop(self.inputs.tokenize, request.prompt)
+        # Compiling runs on the compiler's workers with its own time limit; other requests keep streaming.
+        grammar = await asyncio.wrap_future(self.inputs.compile_constraint(request.params))
         internal_id = f"r{next(self._ids)}"
         core_requests = self.inputs.make_requests(
-            internal_id, prompt_ids, request.params, request.priority, deadline
+            internal_id, prompt_ids, request.params, request.priority, deadline, grammar=grammar
         )
         tracker = RequestTracker(self.tokenizer, request.request_id, prompt_ids, request.params, self.token_text)
         stream = self.loop.add(internal_id, core_requests)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from google.protobuf import empty_pb2
 
 from engine_server.core.request import Priority
 from engine_server.errors import EngineUnavailableError, QueueFullError, ValidationError
@@ -13,6 +14,7 @@ from engine_server.sampling_params import SamplingParams
 from engine_server.server import convert
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import RequestDeadlineError
+from engine_server.structured import Constraint
 from ladle.v1 import engine_pb2, types_pb2
 
 
@@ -95,11 +97,20 @@ def test_priority_defaults_depend_on_the_rpc() -> None:
     assert convert.generation_input(request, Priority.BATCH).priority is Priority.INTERACTIVE
 
 
-def test_constraints_are_refused_until_supported() -> None:
-    request = engine_pb2.GenerateRequest(input=types_pb2.Input(text="x"), constraint=types_pb2.Constraint(regex="a+"))
-    with pytest.raises(ValidationError) as error:
-        convert.generation_input(request, Priority.INTERACTIVE)
-    assert error.value.param == "constraint"
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (types_pb2.Constraint(regex="a+"), Constraint.regex("a+")),
+        (types_pb2.Constraint(json_schema='{"type": "object"}'), Constraint.json_schema('{"type": "object"}')),
+        (types_pb2.Constraint(json_object=empty_pb2.Empty()), Constraint.json_object()),
+        (types_pb2.Constraint(choice=types_pb2.ChoiceList(choices=["a", "b"])), Constraint.choice(["a", "b"])),
+        (types_pb2.Constraint(grammar='root ::= "x"'), Constraint.grammar('root ::= "x"')),
+        (types_pb2.Constraint(), None),
+    ],
+)
+def test_constraints_convert_to_the_engine_type(message: types_pb2.Constraint, expected: Constraint | None) -> None:
+    request = engine_pb2.GenerateRequest(input=types_pb2.Input(text="x"), constraint=message)
+    assert convert.generation_input(request, Priority.INTERACTIVE).params.constraint == expected
 
 
 def _result() -> GenerationResult:
