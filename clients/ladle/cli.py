@@ -12,6 +12,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 NOT_BUILT = 3  # exit status of a subcommand whose component does not exist yet
+# `ladle bench <suite>` runs the module's `main(argv) -> int`.
+BENCHMARKS = {
+    "offline": "benchmarks.offline",
+    "grpc": "benchmarks.grpc_stream",
+    "structured": "benchmarks.structured",
+}
 
 
 def _env_default(flag: str, default: Any) -> Any:
@@ -66,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(batch)
 
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
-    bench.add_argument("suite", choices=["offline"], help="which benchmark")
+    bench.add_argument("suite", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     return parser
 
@@ -75,8 +81,8 @@ def _not_built(component: str, issue: str) -> Callable[[argparse.Namespace], int
     def run(_: argparse.Namespace) -> int:
         print(
             f"ladle: the {component} is not built yet ({issue}); nothing was started.\n"
-            "What works today: the offline engine API (`from engine_server import LLM`) and "
-            "`ladle bench offline`.",
+            "What works today: `ladle engine` (gRPC), the offline engine API (`from engine_server import LLM`) "
+            "and `ladle bench`.",
             file=sys.stderr,
         )
         return NOT_BUILT
@@ -111,9 +117,10 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import benchmarks.offline as offline
+    import importlib
 
-    return offline.main(list(args.args))
+    module = importlib.import_module(BENCHMARKS[args.suite])
+    return int(module.main(list(args.args)))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
