@@ -76,6 +76,9 @@ def _offline_run(llm: Any, prompts: Workload, output_len: int, on_worker_thread:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], dataclasses.replace(params, max_tokens=WARMUP_TOKENS), use_tqdm=False)
+    # Both offline runs of a repeat share its prompts: without this the second one would find every prompt
+    # in the prefix cache and skip its prefill.
+    llm.core.scheduler.kv_cache.reset_prefix_cache()
     timing: dict[str, Any] = {}
 
     def run() -> None:
