@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import add_workload_arguments, append_result
 from benchmarks.offline import Workload, make_workload
 
 WARMUP_TOKENS = 4
@@ -145,12 +146,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grpc_stream", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--kv-cache-mib", type=int, default=2048, help="as the offline engine's default")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats, each on fresh prompts")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
@@ -161,10 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "python -m benchmarks.grpc_stream " + " ".join(argv if argv is not None else sys.argv[1:])
     result = run_benchmark(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(args.out, result)
     return 0 if result["ratio_grpc_vs_offline"] >= 0.9 else 1
 
 

@@ -22,6 +22,8 @@ from typing import Any, cast
 
 import torch
 
+from benchmarks.common import add_workload_arguments, append_result
+
 Workload = list[list[int]]
 
 
@@ -152,12 +154,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladle bench offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(parser)
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser
@@ -167,8 +164,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "ladle bench offline " + " ".join(argv or [])
     result = run_benchmark(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(args.out, result)
     return 0

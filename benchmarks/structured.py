@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import append_result
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -186,10 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "python -m benchmarks.structured " + " ".join(argv or [])
     result = run_benchmark(args)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(result) + "\n")
+    append_result(args.out, result)
     return 0
 
 
