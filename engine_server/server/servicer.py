@@ -29,6 +29,8 @@ from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+PARAM_METADATA_KEY = "ladle-param"  # trailing metadata of an INVALID_ARGUMENT: the offending field, when known
+
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one ServingEngine, attached once it is loaded and warm. Lives on the server's event loop."""
@@ -264,5 +266,7 @@ def _log_failure(exc: BaseException) -> None:
 async def _fail(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
     _log_failure(exc)
     code, message = convert.status_for(exc)
-    await context.abort(code, message)
+    # The offending field travels as trailing metadata so an HTTP front end can name it (OpenAI's `param`).
+    param = exc.param if isinstance(exc, ValidationError) else None
+    await context.abort(code, message, ((PARAM_METADATA_KEY, param),) if param else None)
     raise AssertionError("context.abort returned")  # it always raises; this tells type checkers so
