@@ -1,9 +1,11 @@
-"""What every benchmark shares: the workload flags and how a result is appended to a .jsonl file."""
+"""What every benchmark shares: workload flags, a run's provenance (commit, time), appending a result to .jsonl."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,21 @@ def add_workload_arguments(parser: argparse.ArgumentParser, num_seqs: int = 64) 
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def git_commit() -> str:
+    """The checked-out commit of this repository (`git rev-parse HEAD`), or "unknown" outside a git checkout."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return done.stdout.strip()
+
+
+def utc_timestamp() -> str:
+    """Now, as the `time` field of every result: ISO 8601 in UTC, whole seconds."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def append_result(out: Path | None, result: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "offline": "benchmarks.offline",
     "grpc": "benchmarks.grpc_stream",
     "structured": "benchmarks.structured",
+    "serve": "benchmarks.serve",
 }
 
 
@@ -43,28 +44,43 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--device", "auto", "where to run the model", choices=["auto", "cpu", "cuda"])
 
 
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--shutdown-timeout", 30.0, "seconds in-flight requests get to finish after SIGTERM", type=float)
+    _add(parser, "--max-num-seqs", 128, "most sequences generated at once", type=int)
+    _add(parser, "--max-waiting", 4096, "most queued requests; beyond it new ones get RESOURCE_EXHAUSTED", type=int)
+    _add(parser, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
+
+
+def _gateway_flags(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--served-model-name", "", "model id clients use (default: the engine's model name)")
+    _add(parser, "--api-key", "", "require 'Authorization: Bearer <key>' on every route but /health")
+    _add(parser, "--request-timeout", 600.0, "seconds an engine call may take (then HTTP 504)", type=float)
+    _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ladle", description="ladle: an LLM serving system.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="engine + gateway on this host with the embedded model")
     _model_flags(serve)
-    _add(serve, "--host", "127.0.0.1", "address to listen on")
+    _add(serve, "--host", "127.0.0.1", "address the gateway listens on (the engine listens on 127.0.0.1)")
     _add(serve, "--port", 8000, "HTTP port of the gateway", type=int)
     _add(serve, "--grpc-port", 50051, "gRPC port of the engine", type=int)
+    _engine_flags(serve)
+    _gateway_flags(serve)
 
     engine = sub.add_parser("engine", help="the gRPC engine only")
     _model_flags(engine)
     _add(engine, "--host", "127.0.0.1", "address to listen on")
     _add(engine, "--port", 50051, "gRPC port (0: any free port; the address is printed)", type=int)
-    _add(engine, "--shutdown-timeout", 30.0, "seconds in-flight requests get to finish after SIGTERM", type=float)
-    _add(engine, "--max-num-seqs", 128, "most sequences generated at once", type=int)
-    _add(engine, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
+    _engine_flags(engine)
 
     gateway = sub.add_parser("gateway", help="the OpenAI HTTP gateway only")
     _add(gateway, "--engine", "127.0.0.1:50051", "engine address(es), HOST:PORT[,HOST:PORT...]")
     _add(gateway, "--host", "127.0.0.1", "address to listen on")
-    _add(gateway, "--port", 8000, "HTTP port", type=int)
+    _add(gateway, "--port", 8000, "HTTP port (0: any free port; the URL is printed)", type=int)
+    _gateway_flags(gateway)
 
     batch = sub.add_parser("batch", help="run an OpenAI-format batch file offline")
     batch.add_argument("-i", "--input", required=True, help="input .jsonl")
@@ -103,7 +119,7 @@ def _engine(args: argparse.Namespace) -> int:
             model=args.model,
             device=args.device,
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting),
         ),
         host=args.host,
         port=args.port,
@@ -116,6 +132,43 @@ def _engine(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config, announce))
 
 
+def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
+    from gateway.config import GatewayConfig, parse_engine_addresses
+
+    return GatewayConfig(
+        engines=parse_engine_addresses(engines),
+        served_model_name=args.served_model_name or None,
+        api_key=args.api_key or None,
+        request_timeout_s=args.request_timeout,
+        max_request_bytes=int(args.max_request_mib * 1024 * 1024),
+    )
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gateway.server import serve
+    from ladle.log import configure_logging
+
+    configure_logging()
+    try:
+        config = _gateway_config(args, args.engine)
+    except ValueError as exc:
+        print(f"ladle gateway: {exc}", file=sys.stderr)
+        return 2
+
+    def announce(url: str) -> None:
+        print(f"ladle gateway: OpenAI API on {url}/v1 (engines: {', '.join(config.engines)})", flush=True)
+
+    return asyncio.run(serve(config, args.host, args.port, announce))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ladle.serve import serve_all
+
+    return serve_all(args, _gateway_config(args, f"127.0.0.1:{args.grpc_port}"))
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -126,10 +179,10 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     handlers: dict[str, Callable[[argparse.Namespace], int]] = {
-        "serve": _not_built("gateway", "issue #5: OpenAI gateway"),
+        "serve": _serve,
         "engine": _engine,
-        "gateway": _not_built("gateway", "issue #5: OpenAI gateway"),
-        "batch": _not_built("offline batch runner", "the batch files work of issue #5 onwards"),
+        "gateway": _gateway,
+        "batch": _not_built("offline batch runner", "batch files are not built yet"),
         "bench": _bench,
     }
     sys.exit(handlers[args.command](args))

@@ -25,6 +25,6 @@ def test_flags_read_ladle_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["gateway"])
+        cli.main(["batch", "-i", "in.jsonl", "-o", "out.jsonl"])
     assert exit_info.value.code == cli.NOT_BUILT
     assert "not built yet" in capsys.readouterr().err

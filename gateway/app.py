@@ -1,0 +1,42 @@
+"""`create_app`: the FastAPI application for one GatewayConfig.
+
+The lifespan opens the engine pool (channels + health polling) and closes it; routers reach it through
+dependencies. Nothing lives at module level, so tests can build as many apps as they like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from gateway.config import GatewayConfig
+from gateway.engines import EnginePool
+from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import RequestContextMiddleware
+from gateway.routers import batch_chat, chat, completions, models, operations
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    pool = EnginePool(config)
+    metrics = GatewayMetrics(pool)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(title="ladle gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+    app.state.pool = pool
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes)
+    for module in (models, chat, completions, batch_chat, operations):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,88 @@
+"""FastAPI dependencies: the app's shared objects (opened in the lifespan) and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway.config import GatewayConfig
+from gateway.engines import EnginePool
+from gateway.errors import APIError, no_engine
+from gateway.metrics import GatewayMetrics
+
+
+def get_pool(request: Request) -> EnginePool:
+    pool: EnginePool = request.app.state.pool
+    return pool
+
+
+def get_metrics(request: Request) -> GatewayMetrics:
+    metrics: GatewayMetrics = request.app.state.metrics
+    return metrics
+
+
+def get_config(request: Request) -> GatewayConfig:
+    config: GatewayConfig = request.app.state.config
+    return config
+
+
+def request_id(request: Request) -> str:
+    """The id bound by RequestContextMiddleware (the caller's X-Request-Id or a generated one)."""
+    value: str = request.state.request_id
+    return value
+
+
+def require_api_key(request: Request) -> None:
+    """401 unless the request carries `Authorization: Bearer <key>` when the gateway has a key."""
+    expected = get_config(request).api_key
+    if not expected:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # compare_digest takes the same time wherever the strings differ, so the key cannot be guessed byte by byte.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+
+
+def served_model(pool: EnginePool, requested: str) -> str:
+    """The served model id if `requested` names it; 404 for another model, 503 before any engine answered."""
+    model_id = pool.model_id
+    if model_id is None:
+        raise no_engine()
+    if requested != model_id:
+        raise APIError(404, f"The model `{requested}` does not exist; this gateway serves `{model_id}`.",
+                       param="model", code="model_not_found")
+    return model_id
+
+
+class RequestTimer:
+    """Latency and token metrics of one generation request on one route."""
+
+    def __init__(self, metrics: GatewayMetrics, route: str) -> None:
+        self.metrics = metrics
+        self.route = route
+        self.started = time.monotonic()
+        self._last: float | None = None
+
+    def token(self) -> None:
+        """A chunk with new output was sent: the first gives TTFT, later ones inter-token latency."""
+        now = time.monotonic()
+        if self._last is None:
+            self.metrics.ttft.labels(self.route).observe(now - self.started)
+        else:
+            self.metrics.itl.labels(self.route).observe(now - self._last)
+        self._last = now
+
+    def finish(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.metrics.e2e.labels(self.route).observe(time.monotonic() - self.started)
+        self.metrics.prompt_tokens.labels(self.route).inc(prompt_tokens)
+        self.metrics.completion_tokens.labels(self.route).inc(completion_tokens)
+
+
+# Annotated forms for route signatures (FastAPI's recommended style).
+Pool = Annotated[EnginePool, Depends(get_pool)]
+Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
+RequestId = Annotated[str, Depends(request_id)]

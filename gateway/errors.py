@@ -1,0 +1,145 @@
+"""Every failure the gateway reports, in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+`APIError` is raised anywhere in a request; `install_error_handlers` turns it, FastAPI's validation errors,
+unknown routes and unexpected exceptions into that shape. `from_rpc_error` maps an engine's gRPC status to the
+HTTP status a client of the OpenAI API expects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = structlog.get_logger(__name__)
+
+PARAM_METADATA_KEY = "ladle-param"  # set by the engine on INVALID_ARGUMENT (engine_server.server.servicer)
+
+
+class APIError(Exception):
+    """An error answered with `status` and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    """A 400 for a request the gateway itself refuses."""
+    return APIError(400, message, param=param)
+
+
+def no_engine(message: str = "no engine is ready to serve requests; retry shortly") -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code="engine_unavailable")
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, retry_after_s: int = 1) -> APIError:
+    """The HTTP error for an engine call that ended with a non-OK status."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    return from_status(code, details, _param(error), retry_after_s)
+
+
+def from_status(
+    code: grpc.StatusCode, details: str, param: str | None = None, retry_after_s: int = 1
+) -> APIError:
+    """The HTTP error for a gRPC status code and its message."""
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return APIError(400, details, param=param)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return APIError(
+            429, details, type="rate_limit_error", code="rate_limit_exceeded",
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return no_engine(f"the engine is unavailable: {details}")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, f"the request timed out: {details}", type="timeout_error", code="timeout")
+    if code is grpc.StatusCode.CANCELLED:
+        return APIError(499, "the request was cancelled", type="cancelled_error", code="cancelled")
+    return APIError(500, f"the engine failed: {details}", type="server_error", code="internal_error")
+
+
+def _param(error: grpc.RpcError) -> str | None:
+    trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == PARAM_METADATA_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return None
+
+
+def validation_param(loc: tuple[int | str, ...]) -> str | None:
+    """OpenAI-style param for a pydantic error location: ("body", "messages", 0, "role") -> "messages[0].role"."""
+    parts = [p for p in loc if p != "body"]
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif not part.startswith(("function-", "union[", "tagged-union[")) and "[" not in part:
+            text += f".{part}" if text else part
+    return text or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error in OpenAI's shape (never FastAPI's default 422 body)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        log.info("request refused", status=exc.status, reason=exc.message, param=exc.param)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = validation_param(tuple(first.get("loc", ())))
+        message = str(first.get("msg", "invalid request"))
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        elif tuple(first.get("loc", ())) == ("body",):
+            message, param = "the request body must be a JSON object (Content-Type: application/json)", None
+        elif param:
+            message = f"{param}: {message}"
+        log.info("request refused", status=400, reason=message, param=param)
+        return invalid(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, f"no route {request.method} {request.url.path}", code="not_found")
+        elif exc.status_code == 405:
+            error = APIError(405, f"method {request.method} is not allowed on {request.url.path}")
+        else:
+            error = APIError(exc.status_code, str(exc.detail))
+        error.headers.update(exc.headers or {})
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error", exc_info=exc)
+        return APIError(500, "internal error in the gateway", type="server_error", code="internal_error").response()

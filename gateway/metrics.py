@@ -1,0 +1,65 @@
+"""Prometheus metrics of one gateway app, in its own registry (no process-global state).
+
+Request counts by route and status, latency histograms (TTFT, inter-token latency, end-to-end), token counters
+and in-flight requests are recorded as requests are served; the engines' running / waiting / KV usage are read
+from the pool's last poll when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.engines import EnginePool
+
+# Seconds; from a few ms (one decode step on a GPU) to minutes (long CPU generations).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+
+
+class GatewayMetrics:
+    """The gateway's metrics; `render()` is the /metrics body."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ladle_gateway_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.in_flight = Gauge("ladle_gateway_requests_in_flight", "HTTP requests being served", registry=r)
+        self.ttft = Histogram("ladle_gateway_time_to_first_token_seconds", "Time to the first streamed token",
+                              ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ladle_gateway_inter_token_latency_seconds", "Time between streamed chunks",
+                             ["route"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("ladle_gateway_request_latency_seconds", "End-to-end latency of generation requests",
+                             ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ladle_gateway_prompt_tokens", "Prompt tokens processed", ["route"],
+                                     registry=r)
+        self.completion_tokens = Counter("ladle_gateway_completion_tokens", "Completion tokens generated",
+                                         ["route"], registry=r)
+        r.register(_EngineCollector(pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Per-engine gauges from the pool's last poll."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("ladle_engine_up", "1 when the engine is SERVING", labels=["engine"])
+        running = GaugeMetricFamily("ladle_engine_running", "Sequences the engine is generating", labels=["engine"])
+        waiting = GaugeMetricFamily("ladle_engine_waiting", "Sequences queued at the engine", labels=["engine"])
+        kv = GaugeMetricFamily("ladle_engine_kv_cache_usage", "Fraction of KV-cache blocks in use", labels=["engine"])
+        for engine in self.pool.engines:
+            up.add_metric([engine.address], 1.0 if engine.serving else 0.0)
+            if engine.load is not None:
+                running.add_metric([engine.address], engine.load.running)
+                waiting.add_metric([engine.address], engine.load.waiting)
+                kv.add_metric([engine.address], engine.load.kv_usage)
+        yield from (up, running, waiting, kv)

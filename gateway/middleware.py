@@ -1,0 +1,104 @@
+"""The ASGI layer around every HTTP request: request id, log context, body-size limit, request metrics.
+
+Written as plain ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and the request
+counts as in flight until its last SSE byte is sent.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import structlog
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")  # safe to echo and to use as an engine request id
+KNOWN_ROUTES = frozenset({
+    "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/health", "/metrics",
+})
+
+
+def route_label(path: str) -> str:
+    """A bounded metrics label: the route, or "other" for unknown paths and model ids."""
+    if path in KNOWN_ROUTES:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
+
+class RequestContextMiddleware:
+    """Binds a request id (the caller's X-Request-Id when valid, else a new one) into `scope["state"]`, the log
+    context and the response headers; refuses bodies over `max_request_bytes` with 413; counts requests."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        incoming = headers.get(REQUEST_ID_HEADER, "")
+        request_id = incoming if _VALID_REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        route = route_label(scope["path"])
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id, route=route):
+            started = time.monotonic()
+            self.metrics.in_flight.inc()
+            try:
+                body_receive = await self._limited(headers, receive)
+                if body_receive is None:
+                    too_large = APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
+                                         code="request_too_large")
+                    await too_large.response()(scope, receive, send_with_id)
+                else:
+                    await self.app(scope, body_receive, send_with_id)
+            finally:
+                self.metrics.in_flight.dec()
+                self.metrics.requests.labels(route, str(status)).inc()
+                log.info("request finished", method=scope["method"], path=scope["path"], status=status,
+                         duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+    async def _limited(self, headers: Headers, receive: Receive) -> Receive | None:
+        """`receive` if the body fits (None if not). A body without Content-Length is read here and replayed."""
+        length = headers.get("content-length")
+        if length is not None:
+            return receive if length.isdigit() and int(length) <= self.max_request_bytes else None
+        if "transfer-encoding" not in headers:
+            return receive
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return None
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        return replayed

@@ -1,0 +1,59 @@
+"""`POST /v1/chat/completions/batch`: a list of conversations answered independently through one Batch call.
+
+The response is one chat completion whose choice i answers conversation i, with usage summed over all of them.
+Streaming, tools, beam search and n > 1 are refused: each conversation gets exactly one choice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from gateway import calls
+from gateway.deps import Metrics, Pool, RequestId, RequestTimer, require_api_key, served_model
+from gateway.errors import invalid
+from gateway.schemas.chat import BatchChatCompletionRequest
+from gateway.translate import from_engine, to_engine
+from ladle.v1 import types_pb2
+
+ROUTE = "/v1/chat/completions/batch"
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _refuse_unsupported(body: BatchChatCompletionRequest) -> None:
+    if body.stream:
+        raise invalid("streaming is not supported by the batched endpoint; use /v1/chat/completions", "stream")
+    if body.tools or body.tool_choice not in (None, "none"):
+        raise invalid("tools are not supported by the batched endpoint; use /v1/chat/completions", "tools")
+    if body.use_beam_search:
+        raise invalid("beam search is not supported", "use_beam_search")
+    if body.n != 1:
+        raise invalid("n must be 1 here: each conversation gets one choice", "n")
+
+
+@router.post(ROUTE, response_model=None)
+async def create_batch_chat_completion(
+    body: BatchChatCompletionRequest,
+    pool: Pool,
+    metrics: Metrics,
+    rid: RequestId,
+) -> Any:
+    model = served_model(pool, body.model)
+    _refuse_unsupported(body)
+    for i, conversation in enumerate(body.messages):
+        if not conversation:
+            raise invalid(f"conversation {i} has no messages", f"messages[{i}]")
+    requests = [to_engine.chat_request(body, conv, f"{rid}-{i}") for i, conv in enumerate(body.messages)]
+    for request in requests:
+        request.priority = types_pb2.PRIORITY_INTERACTIVE  # a caller is waiting on the HTTP response
+    timer = RequestTimer(metrics, ROUTE)
+    responses = await calls.batch(pool, requests, "messages")
+    usage = [r.usage for r in responses]
+    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs) for i, r in enumerate(responses)]
+    return JSONResponse(
+        from_engine.chat_completion(f"chatcmpl-{rid}", int(time.time()), model, choices, from_engine.usage(usage))
+    )

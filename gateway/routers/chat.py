@@ -1,0 +1,42 @@
+"""`POST /v1/chat/completions`: one conversation, n choices, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway import calls, sse
+from gateway.deps import Metrics, Pool, RequestId, RequestTimer, require_api_key, served_model
+from gateway.schemas.chat import ChatCompletionRequest
+from gateway.streaming import StreamHeader, chat_chunks
+from gateway.translate import from_engine, to_engine
+
+ROUTE = "/v1/chat/completions"
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post(ROUTE, response_model=None)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    pool: Pool,
+    metrics: Metrics,
+    rid: RequestId,
+) -> Any:
+    model = served_model(pool, body.model)
+    request = to_engine.chat_request(body, body.messages, rid)
+    timer = RequestTimer(metrics, ROUTE)
+    if body.stream:
+        messages = await calls.started(calls.stream(pool, request))
+        header = StreamHeader(f"chatcmpl-{rid}", "chat.completion.chunk", model, body.include_usage, int(time.time()))
+        chunks = chat_chunks(messages, header, body.logprobs, timer)
+        return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
+    response = await calls.generate(pool, request)
+    timer.finish(response.usage.prompt_tokens, response.usage.completion_tokens)
+    choices = [from_engine.chat_choice(c, c.index, body.logprobs) for c in response.choices]
+    return JSONResponse(
+        from_engine.chat_completion(f"chatcmpl-{rid}", int(time.time()), model, choices,
+                                    from_engine.usage([response.usage]))
+    )

@@ -1,0 +1,49 @@
+"""`POST /v1/completions`: one or several prompts (text or token ids), n choices each, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway import calls, sse
+from gateway.deps import Metrics, Pool, RequestId, RequestTimer, require_api_key, served_model
+from gateway.schemas.completions import CompletionRequest
+from gateway.streaming import StreamHeader, completion_chunks
+from gateway.translate import from_engine, to_engine
+
+ROUTE = "/v1/completions"
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post(ROUTE, response_model=None)
+async def create_completion(
+    body: CompletionRequest,
+    pool: Pool,
+    metrics: Metrics,
+    rid: RequestId,
+) -> Any:
+    model = served_model(pool, body.model)
+    requests = to_engine.completion_requests(body, rid)
+    prompts = body.prompts()
+    echoes = [p if isinstance(p, str) else "" for p in prompts] if body.echo else []
+    want_logprobs = body.logprobs is not None
+    timer = RequestTimer(metrics, ROUTE)
+    if body.stream:
+        streams = await calls.started_all([calls.stream(pool, r) for r in requests])
+        header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))
+        chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echoes, timer)
+        return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
+    responses = await calls.generate_all(pool, requests)
+    usage = [r.usage for r in responses]
+    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    choices = [
+        from_engine.completion_choice(c, p * body.n + c.index, want_logprobs, echoes[p] if echoes else "")
+        for p, response in enumerate(responses)
+        for c in response.choices
+    ]
+    return JSONResponse(
+        from_engine.completion(f"cmpl-{rid}", int(time.time()), model, choices, from_engine.usage(usage))
+    )

@@ -1,0 +1,25 @@
+"""`GET /health` (200 only while an engine is SERVING; no API key) and `GET /metrics` (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.deps import Metrics, Pool, require_api_key
+from gateway.errors import no_engine
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(pool: Pool) -> JSONResponse:
+    ready = pool.ready
+    if not ready:
+        return no_engine("no engine is SERVING").response()
+    return JSONResponse({"status": "ok", "engines": [e.address for e in ready]})
+
+
+@router.get("/metrics", dependencies=[Depends(require_api_key)])
+async def metrics(metrics: Metrics) -> Response:
+    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

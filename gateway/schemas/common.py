@@ -1,0 +1,117 @@
+"""Request fields shared by chat and completions: sampling (OpenAI's and the vLLM/SGLang extras), stop
+sequences, streaming options and structured-output specs.
+
+Ranges here are OpenAI's documented ones, so a bad value is a 400 naming the field before any engine call; the
+engine checks again against the model (vocabulary, context length).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Unknown fields are ignored, as OpenAI's SDK sends newer options (store, metadata, service_tier...) that have no
+# effect on generation here.
+IGNORE_EXTRA = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = IGNORE_EXTRA
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(BaseModel):
+    """`response_format.json_schema`: a named schema; `strict` is always honoured (the output is constrained)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI `response_format`."""
+
+    model_config = IGNORE_EXTRA
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    model_config = IGNORE_EXTRA
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields common to /v1/chat/completions and /v1/completions."""
+
+    model_config = IGNORE_EXTRA
+
+    model: str
+    n: int = Field(default=1, ge=1, le=128)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM / SGLang extras.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI, vLLM (current and the older guided_* names) and SGLang spellings.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    # Refused when set: ladle samples, it does not search.
+    use_beam_search: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and any(not s for s in value):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)

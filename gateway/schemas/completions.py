@@ -1,0 +1,32 @@
+"""`POST /v1/completions` body."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from pydantic import Field
+
+from gateway.schemas.common import SamplingFields
+
+# A prompt: one string, several strings, one token-id list, or several token-id lists (OpenAI's four forms).
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of independent prompts (strings or token-id lists)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            return []
+        if all(isinstance(p, int) for p in prompt):
+            return [cast(list[int], list(prompt))]
+        return cast(list[str | list[int]], list(prompt))

@@ -1,0 +1,62 @@
+"""Run the gateway under uvicorn: bind, announce the address (port 0 picks a free one), serve until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGINT/SIGTERM end `serve` normally (exit status 0 after a graceful
+    shutdown) instead of being re-raised once uvicorn is done, which would kill the process by the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def serve(
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    announce: Callable[[str], None],
+    stop_when: Awaitable[object] | None = None,
+) -> int:
+    """Serve HTTP on host:port until SIGINT/SIGTERM or until `stop_when` completes; in-flight requests get up to
+    30 s to finish. `announce` receives the bound URL. Returns 0, or 1 if the port could not be bound."""
+    server = _Server(
+        uvicorn.Config(create_app(config), host=host, port=port, log_config=None, access_log=False,
+                       timeout_graceful_shutdown=30, lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    watcher: asyncio.Future[object] | None = None
+    if server.started:
+        bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
+        announce(f"http://{bound_host}:{bound_port}")
+        if stop_when is not None:
+            watcher = asyncio.ensure_future(stop_when)
+            watcher.add_done_callback(lambda _: setattr(server, "should_exit", True))
+    try:
+        await task
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+    return 0 if server.started else 1

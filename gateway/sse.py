@@ -1,0 +1,37 @@
+"""Server-sent events as OpenAI sends them: `data: <json>` events, `data: [DONE]` at the end, and an error
+event (then no [DONE]) when a stream fails after it started."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+
+from gateway.errors import APIError
+
+log = structlog.get_logger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def with_done(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Encode `chunks` as events and end with [DONE]; a failure mid-stream becomes an error event instead."""
+    try:
+        async for chunk in chunks:
+            yield event(chunk)
+    except APIError as error:
+        log.info("stream failed after it started", status=error.status, reason=error.message)
+        yield event(error.body())
+        return
+    except Exception as exc:
+        log.error("stream failed unexpectedly", exc_info=exc)
+        yield event(APIError(500, "internal error in the gateway", type="server_error").body())
+        return
+    yield DONE

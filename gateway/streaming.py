@@ -1,0 +1,93 @@
+"""Engine streams -> OpenAI chunk dicts for chat and completions (encoded as SSE by `gateway.sse`).
+
+Per choice, chat sends a role chunk first, then content chunks, then a chunk holding only the finish reason;
+completions sends text chunks and then the finish chunk. With `stream_options.include_usage`, every chunk has
+`"usage": null` and one last chunk with no choices carries the totals, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.deps import RequestTimer
+from gateway.translate import from_engine
+from ladle.v1 import engine_pb2, types_pb2
+
+
+@dataclass(frozen=True)
+class StreamHeader:
+    """What every chunk of one response repeats."""
+
+    response_id: str
+    object: str  # "chat.completion.chunk" or "text_completion"
+    model: str
+    include_usage: bool
+    created: int = 0
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.response_id, "object": self.object, "created": self.created or int(time.time()),
+            "model": self.model, "system_fingerprint": None, "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: list[types_pb2.Usage]) -> dict[str, Any]:
+        body = self.chunk([])
+        body["usage"] = from_engine.usage(usage)
+        return body
+
+
+async def chat_chunks(
+    messages: AsyncIterator[engine_pb2.StreamResponse], header: StreamHeader, want_logprobs: bool,
+    timer: RequestTimer,
+) -> AsyncIterator[dict[str, Any]]:
+    started: set[int] = set()
+    usage: list[types_pb2.Usage] = []
+    async for message in messages:
+        timer.token()
+        for delta in message.choices:
+            if delta.index not in started:
+                started.add(delta.index)
+                yield header.chunk([from_engine.role_delta(delta.index)])
+            if from_engine.has_content(delta):
+                yield header.chunk([from_engine.chat_delta(delta, want_logprobs)])
+            if delta.finish_reason:
+                yield header.chunk([from_engine.finish_delta(delta, delta.index, chat=True)])
+        if message.HasField("usage"):
+            usage.append(message.usage)
+    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    if header.include_usage:
+        yield header.usage_chunk(usage)
+
+
+async def completion_chunks(
+    messages: AsyncIterator[tuple[int, engine_pb2.StreamResponse]], header: StreamHeader, n: int,
+    want_logprobs: bool, echoes: list[str], timer: RequestTimer,
+) -> AsyncIterator[dict[str, Any]]:
+    """`messages` are (prompt position, engine message) pairs; choice i of prompt p has index p * n + i."""
+    offsets: dict[int, int] = {}
+    usage: list[types_pb2.Usage] = []
+    async for prompt_index, message in messages:
+        timer.token()
+        for delta in message.choices:
+            index = prompt_index * n + delta.index
+            if index not in offsets and echoes:
+                offsets[index] = len(echoes[prompt_index])
+                yield header.chunk([{"index": index, "text": echoes[prompt_index], "logprobs": None,
+                                     "finish_reason": None}])
+            offset = offsets.setdefault(index, 0)
+            if from_engine.has_content(delta):
+                yield header.chunk([from_engine.completion_delta(delta, index, want_logprobs, offset)])
+                offsets[index] = offset + len(delta.text)
+            if delta.finish_reason:
+                yield header.chunk([from_engine.finish_delta(delta, index, chat=False)])
+        if message.HasField("usage"):
+            usage.append(message.usage)
+    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    if header.include_usage:
+        yield header.usage_chunk(usage)

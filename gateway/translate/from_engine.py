@@ -1,0 +1,201 @@
+"""ladle.v1 results -> OpenAI response bodies and stream chunks. Pure functions over the engine's messages.
+
+Chat and completions differ only in how a choice looks (`message` / `delta` vs `text`) and in the logprobs
+layout; both are built here so the routers only choose which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ladle.v1.types_pb2 as types_pb2
+
+FINISH_REASONS = {
+    types_pb2.FINISH_REASON_STOP: "stop",
+    types_pb2.FINISH_REASON_LENGTH: "length",
+    types_pb2.FINISH_REASON_ABORT: "abort",
+    types_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
+
+
+def finish_reason(value: types_pb2.FinishReason.ValueType) -> str | None:
+    return FINISH_REASONS.get(value)
+
+
+def usage(messages: Iterable[types_pb2.Usage]) -> dict[str, Any]:
+    """OpenAI usage summed over one or more engine requests."""
+    prompt = completion = cached = 0
+    for u in messages:
+        prompt += u.prompt_tokens
+        completion += u.completion_tokens
+        cached += u.cached_prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def matched_stop(message: types_pb2.MatchedStop) -> str | int | None:
+    kind = message.WhichOneof("kind")
+    return None if kind is None else getattr(message, kind)
+
+
+# -- chat ----------------------------------------------------------------------------------------------------
+
+
+def tool_calls(calls: Sequence[types_pb2.ToolCall]) -> list[dict[str, Any]] | None:
+    if not calls:
+        return None
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}} for c in calls
+    ]
+
+
+def chat_logprobs(logprobs: Sequence[types_pb2.TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": list(lp.token_bytes),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)} for t in lp.top_logprobs
+                ],
+            }
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def chat_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool) -> dict[str, Any]:
+    """One finished choice as an OpenAI chat choice at position `index`."""
+    calls = tool_calls(choice.tool_calls)
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text if (choice.text or not calls) else None}
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": chat_logprobs(choice.logprobs) if want_logprobs else None,
+        "finish_reason": finish_reason(choice.finish_reason),
+        "stop_reason": matched_stop(choice.matched_stop),
+    }
+
+
+def chat_completion(
+    response_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+        "system_fingerprint": None,
+    }
+
+
+def chat_delta(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
+    """The new content of one choice's stream delta as an OpenAI chat chunk choice (its finish reason, if any,
+    goes in a chunk of its own: `finish_delta`)."""
+    body: dict[str, Any] = {}
+    if delta.text:
+        body["content"] = delta.text
+    if delta.tool_calls:
+        body["tool_calls"] = [_tool_call_delta(t) for t in delta.tool_calls]
+    return {
+        "index": delta.index,
+        "delta": body,
+        "logprobs": chat_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None,
+        "finish_reason": None,
+    }
+
+
+def has_content(delta: types_pb2.ChoiceDelta) -> bool:
+    return bool(delta.text or delta.tool_calls or delta.logprobs)
+
+
+def finish_delta(delta: types_pb2.ChoiceDelta, index: int, chat: bool) -> dict[str, Any]:
+    """The chunk choice that ends a choice: no new content, only the finish reason (and vLLM's stop_reason)."""
+    body: dict[str, Any] = {"index": index}
+    if chat:
+        body["delta"] = {}
+    else:
+        body["text"] = ""
+    body["logprobs"] = None
+    body["finish_reason"] = finish_reason(delta.finish_reason)
+    body["stop_reason"] = matched_stop(delta.matched_stop)
+    return body
+
+
+def _tool_call_delta(delta: types_pb2.ToolCallDelta) -> dict[str, Any]:
+    function: dict[str, Any] = {"arguments": delta.arguments_json_delta}
+    out: dict[str, Any] = {"index": delta.index, "function": function}
+    if delta.id:
+        out["id"] = delta.id
+        out["type"] = "function"
+    if delta.name:
+        function["name"] = delta.name
+    return out
+
+
+def role_delta(index: int) -> dict[str, Any]:
+    """The first chunk of each chat choice: the role, as OpenAI sends it."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+# -- completions ---------------------------------------------------------------------------------------------
+
+
+def completion_logprobs(logprobs: Sequence[types_pb2.TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """The legacy completions layout: parallel lists, offsets into the choice's text."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def completion_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool, echo: str = "") -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": echo + choice.text,
+        "logprobs": completion_logprobs(choice.logprobs, len(echo)) if want_logprobs else None,
+        "finish_reason": finish_reason(choice.finish_reason),
+        "stop_reason": matched_stop(choice.matched_stop),
+    }
+
+
+def completion(
+    response_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+        "system_fingerprint": None,
+    }
+
+
+def completion_delta(
+    delta: types_pb2.ChoiceDelta, index: int, want_logprobs: bool, text_offset: int
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": delta.text,
+        "logprobs": completion_logprobs(delta.logprobs, text_offset) if want_logprobs else None,
+        "finish_reason": None,
+    }

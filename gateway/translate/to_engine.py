@@ -1,0 +1,226 @@
+"""OpenAI request bodies -> ladle.v1 requests. Pure functions; a request the engine cannot express is a 400.
+
+Fields left unset in the OpenAI body stay unset in the proto, so the engine applies its (OpenAI) defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.errors import invalid
+from gateway.schemas.chat import (
+    ALLOWED_TEMPLATE_KWARGS,
+    ChatFields,
+    ChatMessage,
+    NamedToolChoice,
+    ToolDefinition,
+)
+from gateway.schemas.common import SamplingFields
+from gateway.schemas.completions import CompletionRequest
+from ladle.v1 import engine_pb2, types_pb2
+
+_TOOL_MODES = {
+    "none": types_pb2.TOOL_CHOICE_MODE_NONE,
+    "auto": types_pb2.TOOL_CHOICE_MODE_AUTO,
+    "required": types_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+def sampling(
+    body: SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int
+) -> types_pb2.SamplingParams:
+    """The engine's sampling parameters for a chat or completions body."""
+    if body.use_beam_search:
+        raise invalid("beam search is not supported; ladle samples", "use_beam_search")
+    params = types_pb2.SamplingParams(
+        n=body.n,
+        min_tokens=body.min_tokens,
+        stop=body.stop_list(),
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+    if any(t < 0 for t in params.stop_token_ids):
+        raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+    optional: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    for name, value in optional.items():
+        if value is not None:
+            setattr(params, name, value)
+    if body.seed is not None:
+        params.seed = body.seed % 2**64  # OpenAI allows negative seeds; the engine's is unsigned
+    for key, bias in (body.logit_bias or {}).items():
+        token = int(key)
+        if token < 0:
+            raise invalid(f"logit_bias key {key} is not a token id", "logit_bias")
+        params.logit_bias[token] = bias
+    return params
+
+
+def constraint(body: SamplingFields) -> types_pb2.Constraint | None:
+    """The one structured-output constraint the body asks for, in any of its spellings; 400 if several."""
+    found: list[tuple[str, types_pb2.Constraint]] = []
+
+    def add(param: str, **kind: Any) -> None:
+        found.append((param, types_pb2.Constraint(**kind)))
+
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        add("response_format", json_object={})
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise invalid("response_format.json_schema.schema is required for type json_schema", "response_format")
+        add("response_format", json_schema=json.dumps(fmt.json_schema.json_schema))
+    so = body.structured_outputs
+    if so is not None:
+        if so.json_ is not None:
+            add("structured_outputs", json_schema=_schema_text(so.json_))
+        if so.json_object:
+            add("structured_outputs", json_object={})
+        if so.regex is not None:
+            add("structured_outputs", regex=so.regex)
+        if so.choice is not None:
+            add("structured_outputs", choice=types_pb2.ChoiceList(choices=so.choice))
+        if so.grammar is not None:
+            add("structured_outputs", grammar=so.grammar)
+    for param, value in (("guided_json", body.guided_json), ("json_schema", body.json_schema)):
+        if value is not None:
+            add(param, json_schema=_schema_text(value))
+    for param, regex in (("guided_regex", body.guided_regex), ("regex", body.regex)):
+        if regex is not None:
+            add(param, regex=regex)
+    for param, grammar in (("guided_grammar", body.guided_grammar), ("ebnf", body.ebnf)):
+        if grammar is not None:
+            add(param, grammar=grammar)
+    if body.guided_choice is not None:
+        add("guided_choice", choice=types_pb2.ChoiceList(choices=body.guided_choice))
+    if len(found) > 1:
+        names = ", ".join(sorted({p for p, _ in found}))
+        raise invalid(f"give one structured-output constraint, not several ({names})", found[1][0])
+    return found[0][1] if found else None
+
+
+def _schema_text(value: dict[str, Any] | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def chat_input(body: ChatFields, messages: list[ChatMessage]) -> types_pb2.Input:
+    """A conversation with its tools and template options as the engine's chat input."""
+    chat = types_pb2.ChatInput(
+        messages=[_message(m, i) for i, m in enumerate(messages)],
+        tools=[_tool(t) for t in body.tools or []],
+        add_generation_prompt=body.add_generation_prompt,
+    )
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {t.function.name for t in body.tools or []}:
+            raise invalid(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+        chat.tool_choice.function_name = choice.function.name
+    elif choice is not None:
+        if choice != "none" and not body.tools:
+            raise invalid(f"tool_choice {choice!r} needs tools", "tool_choice")
+        chat.tool_choice.mode = _TOOL_MODES[choice]
+    if body.chat_template_kwargs:
+        refused = sorted(set(body.chat_template_kwargs) - ALLOWED_TEMPLATE_KWARGS)
+        if refused:
+            allowed = ", ".join(sorted(ALLOWED_TEMPLATE_KWARGS))
+            raise invalid(f"chat_template_kwargs keys {refused} are not allowed (allowed: {allowed})",
+                          "chat_template_kwargs")
+        chat.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+    return types_pb2.Input(chat=chat)
+
+
+def _message(message: ChatMessage, index: int) -> types_pb2.ChatMessage:
+    out = types_pb2.ChatMessage(
+        role="system" if message.role == "developer" else message.role,
+        content=_content(message, index),
+        name=message.name or "",
+        tool_call_id=message.tool_call_id or "",
+    )
+    for call in message.tool_calls or []:
+        out.tool_calls.add(id=call.id, name=call.function.name, arguments_json=call.function.arguments)
+    return out
+
+
+def _content(message: ChatMessage, index: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise invalid(f"content part type {part.type!r} is not supported; this model reads text only",
+                          f"messages[{index}].content[{j}].type")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _tool(tool: ToolDefinition) -> types_pb2.Tool:
+    fn = tool.function
+    return types_pb2.Tool(
+        name=fn.name,
+        description=fn.description or "",
+        parameters_json=json.dumps(fn.parameters or {"type": "object", "properties": {}}),
+        strict=bool(fn.strict),
+    )
+
+
+def chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str) -> engine_pb2.GenerateRequest:
+    """One engine request for one conversation of a chat body."""
+    logprobs = body.logprobs
+    if body.top_logprobs and not logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    request = engine_pb2.GenerateRequest(
+        request_id=request_id,
+        input=chat_input(body, messages),
+        sampling=sampling(body, body.completion_cap(), logprobs, body.top_logprobs or 0),
+    )
+    spec = constraint(body)
+    if spec is not None:
+        request.constraint.CopyFrom(spec)
+    return request
+
+
+def completion_requests(body: CompletionRequest, request_id: str) -> list[engine_pb2.GenerateRequest]:
+    """One engine request per prompt of a completions body (ids `{request_id}-{i}` when there are several)."""
+    if body.suffix:
+        raise invalid("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid("best_of other than n is not supported", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    prompts = body.prompts()
+    if not prompts:
+        raise invalid("prompt must not be empty", "prompt")
+    if body.echo and not isinstance(prompts[0], str):
+        raise invalid("echo is supported for text prompts only", "echo")
+    want_logprobs = body.logprobs is not None
+    params = sampling(body, body.max_tokens, want_logprobs, body.logprobs or 0)
+    spec = constraint(body)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        request = engine_pb2.GenerateRequest(request_id=one_id, input=_prompt_input(prompt), sampling=params)
+        if spec is not None:
+            request.constraint.CopyFrom(spec)
+        requests.append(request)
+    return requests
+
+
+def _prompt_input(prompt: str | list[int]) -> types_pb2.Input:
+    if isinstance(prompt, str):
+        return types_pb2.Input(text=prompt)
+    if any(t < 0 for t in prompt):
+        raise invalid("prompt token ids must be >= 0", "prompt")
+    return types_pb2.Input(token_ids=types_pb2.TokenIds(ids=prompt))

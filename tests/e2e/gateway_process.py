@@ -1,0 +1,107 @@
+"""Start and stop a real `ladle gateway` (or `ladle serve`) process on a free loopback port, for the e2e tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240.0
+
+
+@dataclass
+class GatewayProcess:
+    process: subprocess.Popen[str]
+    url: str  # http://127.0.0.1:PORT (no /v1)
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "LADLE_LOG_FORMAT": "json", "LADLE_LOG_LEVEL": "INFO", "NO_PROXY": "*"}
+
+
+def start_gateway(log_path: Path, engines: str, *extra_args: str, wait_healthy: bool = True) -> GatewayProcess:
+    """Start `ladle gateway` in front of `engines`; wait until /health is 200 unless `wait_healthy` is False."""
+    command = [sys.executable, "-m", "ladle.cli", "gateway", "--engine", engines, "--host", "127.0.0.1",
+               "--port", "0", *extra_args]
+    gateway = _start(command, log_path, "ladle gateway: OpenAI API on ")
+    if wait_healthy:
+        wait_until_healthy(gateway)
+    return gateway
+
+
+def start_serve(log_path: Path, *extra_args: str) -> tuple[GatewayProcess, list[str]]:
+    """Start `ladle serve` (engine + gateway) on free ports; returns it once it printed "ready", and its lines."""
+    grpc_port = free_port()
+    command = [sys.executable, "-m", "ladle.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+               "--grpc-port", str(grpc_port), "--kv-cache-mib", "512", *extra_args]
+    lines: list[str] = []
+    gateway = _start(command, log_path, "ladle serve: gateway (OpenAI API) on ", lines)
+    assert gateway.process.stdout is not None
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = gateway.process.stdout.readline()
+        lines.append(line)
+        if line.startswith("ladle serve: ready") or not line:
+            break
+    return gateway, lines
+
+
+def _start(command: list[str], log_path: Path, marker: str, lines: list[str] | None = None) -> GatewayProcess:
+    log_file = log_path.open("w")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=_env())
+    log_file.close()
+    assert process.stdout is not None
+    while True:
+        line = process.stdout.readline()
+        if lines is not None:
+            lines.append(line)
+        if marker in line:
+            url = line.split(marker, 1)[1].split()[0].removesuffix("/v1")
+            return GatewayProcess(process, url, log_path)
+        if not line:
+            process.kill()
+            raise RuntimeError(f"{command[3]} did not report its address\n{log_path.read_text()}")
+
+
+def wait_until_healthy(gateway: GatewayProcess, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(gateway.url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    gateway.stop(5)
+    raise TimeoutError(f"the gateway was not healthy within {timeout} s\n{gateway.log()}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,192 @@
+"""The official OpenAI SDK against real `ladle gateway` + `ladle engine` processes: every route and parameter."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _engine_chat_text(stub: engine_pb2_grpc.EngineServiceStub, content: str, max_tokens: int) -> str:
+    request = engine_pb2.GenerateRequest(
+        input=types_pb2.Input(chat=types_pb2.ChatInput(messages=[types_pb2.ChatMessage(role="user", content=content)])),
+        sampling=types_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    )
+    return stub.Generate(request, timeout=120).choices[0].text
+
+
+def test_models_list_and_retrieve(openai_client: openai.OpenAI, model_id: str) -> None:
+    assert model_id == "SmolLM2-135M-Instruct"
+    assert openai_client.models.retrieve(model_id).id == model_id
+
+
+def test_chat_greedy_matches_the_engine(
+    openai_client: openai.OpenAI, model_id: str, stub: engine_pb2_grpc.EngineServiceStub
+) -> None:
+    reply = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=24, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == _engine_chat_text(stub, QUESTION[0]["content"], 24)
+    assert choice.finish_reason in {"stop", "length"}
+    assert reply.object == "chat.completion" and reply.model == model_id
+    usage = reply.usage
+    assert usage is not None and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 < usage.completion_tokens <= 24
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chat_stream_joins_to_the_whole_answer(
+    openai_client: openai.OpenAI, model_id: str, include_usage: bool
+) -> None:
+    whole = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=24, temperature=0)
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    chunks = list(openai_client.chat.completions.create(
+        model=model_id, messages=QUESTION, max_tokens=24, temperature=0, stream=True, **options
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    if include_usage:
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+        assert all(c.usage is None for c in chunks[:-1])
+    else:
+        assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_chat_n_and_seed(openai_client: openai.OpenAI, model_id: str) -> None:
+    def ask(seed: int) -> list[str]:
+        reply = openai_client.chat.completions.create(
+            model=model_id, messages=QUESTION, max_tokens=16, temperature=1.0, n=3, seed=seed
+        )
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        return [c.message.content or "" for c in reply.choices]
+
+    first = ask(7)
+    assert ask(7) == first
+    assert len(set(first)) > 1  # the choices are sampled independently
+    assert ask(8) != first
+
+
+def test_chat_stream_n_choices(openai_client: openai.OpenAI, model_id: str) -> None:
+    chunks = list(openai_client.chat.completions.create(
+        model=model_id, messages=QUESTION, max_tokens=8, temperature=1.0, n=2, seed=1, stream=True
+    ))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = openai_client.chat.completions.create(
+        model=model_id, messages=QUESTION, max_tokens=8, temperature=1.0, n=2, seed=1
+    )
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_stop_sequences(openai_client: openai.OpenAI, model_id: str) -> None:
+    whole = openai_client.chat.completions.create(model=model_id, messages=QUESTION, max_tokens=24, temperature=0)
+    text = whole.choices[0].message.content or ""
+    word = text.split()[2]
+    stopped = openai_client.chat.completions.create(
+        model=model_id, messages=QUESTION, max_tokens=24, temperature=0, stop=[word, "zzzz"]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[: text.index(word)]
+
+
+def test_logprobs(openai_client: openai.OpenAI, model_id: str) -> None:
+    reply = openai_client.chat.completions.create(
+        model=model_id, messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the best
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+
+
+def test_max_completion_tokens_ignore_eos_and_min_tokens(openai_client: openai.OpenAI, model_id: str) -> None:
+    reply = openai_client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Say hi."}], max_completion_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.1},
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_completions_prompt_forms(openai_client: openai.OpenAI, model_id: str) -> None:
+    one = openai_client.completions.create(model=model_id, prompt="The sky is", max_tokens=6, temperature=0)
+    assert one.object == "text_completion" and len(one.choices) == 1
+    several = openai_client.completions.create(
+        model=model_id, prompt=["The sky is", "Paris is"], max_tokens=6, temperature=0, n=2
+    )
+    assert [c.index for c in several.choices] == [0, 1, 2, 3]
+    assert several.choices[0].text == several.choices[1].text == one.choices[0].text
+    assert several.usage is not None and 4 <= several.usage.completion_tokens <= 4 * 6
+    ids = openai_client.completions.create(model=model_id, prompt=[1, 504, 3384, 314], max_tokens=4, temperature=0)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 4
+    id_lists = openai_client.completions.create(
+        model=model_id, prompt=[[1, 504], [1, 3384, 314]], max_tokens=4, temperature=0
+    )
+    assert id_lists.usage is not None and id_lists.usage.prompt_tokens == 5
+    assert len(id_lists.choices) == 2
+
+
+def test_completions_stream_echo_and_logprobs(openai_client: openai.OpenAI, model_id: str) -> None:
+    whole = openai_client.completions.create(
+        model=model_id, prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2
+    )
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 8
+    assert "".join(logprobs.tokens) == whole.choices[0].text
+    assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+    chunks = list(openai_client.completions.create(
+        model=model_id, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True, echo=True
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Once upon a time" + whole.choices[0].text
+    echoed = openai_client.completions.create(
+        model=model_id, prompt="Once upon a time", max_tokens=8, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "Once upon a time" + whole.choices[0].text
+
+
+def test_batched_chat_endpoint(gateway_http: httpx.Client, model_id: str, openai_client: openai.OpenAI) -> None:
+    conversations = [
+        [{"role": "user", "content": f"Name a {thing}."}] for thing in ("color", "fruit", "city", "planet", "animal")
+    ]
+    reply = gateway_http.post("/v1/chat/completions/batch", json={
+        "model": model_id, "messages": conversations, "max_tokens": 12, "temperature": 0,
+    })
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["object"] == "chat.completion"
+    assert [c["index"] for c in body["choices"]] == list(range(5))
+    singles = [
+        openai_client.chat.completions.create(model=model_id, messages=c, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+        for c in conversations
+    ]
+    assert [c["message"]["content"] for c in body["choices"]] == [s.choices[0].message.content for s in singles]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert body["usage"][key] == sum(getattr(s.usage, key) for s in singles)
+
+
+def test_structured_output_and_extras(openai_client: openai.OpenAI, model_id: str) -> None:
+    reply = openai_client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Is the sky blue? Answer yes or no."}],
+        max_tokens=5, temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert reply.choices[0].message.content in {"yes", "no"}
+    reply = openai_client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Give a number."}],
+        max_tokens=8, temperature=0, extra_body={"regex": "[0-9]{3}"},
+    )
+    assert reply.choices[0].message.content is not None and len(reply.choices[0].message.content) == 3

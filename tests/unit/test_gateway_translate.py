@@ -1,0 +1,141 @@
+"""OpenAI bodies -> ladle.v1 requests and back: the pure conversions of the gateway."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gateway.errors import APIError, validation_param
+from gateway.schemas.chat import ChatCompletionRequest
+from gateway.schemas.completions import CompletionRequest
+from gateway.translate import from_engine, to_engine
+from ladle.v1 import types_pb2
+
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": HELLO, **fields})
+
+
+def test_unset_fields_stay_unset_so_the_engine_applies_its_defaults() -> None:
+    params = to_engine.chat_request(chat(), chat().messages, "r").sampling
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):
+        assert not params.HasField(name), name
+    assert params.n == 1 and params.skip_special_tokens
+
+
+def test_sampling_fields_and_extras_are_carried() -> None:
+    body = chat(max_tokens=5, max_completion_tokens=7, temperature=0, top_p=0.5, seed=-1, stop="END", n=2,
+                logit_bias={"42": -100}, top_k=3, min_p=0.1, repetition_penalty=1.2, min_tokens=2, ignore_eos=True,
+                stop_token_ids=[7], logprobs=True, top_logprobs=4, skip_special_tokens=False)
+    params = to_engine.chat_request(body, body.messages, "r").sampling
+    assert params.max_tokens == 7  # max_completion_tokens wins
+    assert params.HasField("temperature") and params.temperature == 0
+    assert params.seed == 2**64 - 1
+    assert list(params.stop) == ["END"] and list(params.stop_token_ids) == [7]
+    assert dict(params.logit_bias) == {42: -100.0}
+    assert (params.top_k, params.min_tokens, params.ignore_eos, params.n) == (3, 2, True, 2)
+    assert params.logprobs and params.top_logprobs == 4 and not params.skip_special_tokens
+
+
+@pytest.mark.parametrize(
+    ("fields", "kind", "value"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", None),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}},
+         "json_schema", {"type": "object"}),
+        ({"structured_outputs": {"regex": "a+"}}, "regex", "a+"),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", ["x", "y"]),
+        ({"structured_outputs": {"json": {"type": "string"}}}, "json_schema", {"type": "string"}),
+        ({"guided_grammar": "root ::= \"a\""}, "grammar", 'root ::= "a"'),
+        ({"ebnf": "root ::= \"a\""}, "grammar", 'root ::= "a"'),
+        ({"json_schema": '{"type": "integer"}'}, "json_schema", {"type": "integer"}),
+    ],
+)
+def test_every_structured_output_spelling(fields: dict[str, Any], kind: str, value: Any) -> None:
+    constraint = to_engine.constraint(chat(**fields))
+    assert constraint is not None and constraint.WhichOneof("kind") == kind
+    if kind == "json_schema":
+        assert json.loads(constraint.json_schema) == value
+    elif kind == "choice":
+        assert list(constraint.choice.choices) == value
+    elif value is not None:
+        assert getattr(constraint, kind) == value
+
+
+def test_text_format_is_no_constraint_and_two_constraints_are_refused() -> None:
+    assert to_engine.constraint(chat(response_format={"type": "text"})) is None
+    with pytest.raises(APIError) as refused:
+        to_engine.constraint(chat(regex="a", guided_choice=["b"]))
+    assert refused.value.status == 400
+
+
+def test_tools_and_tool_choice() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = chat(tools=tools, tool_choice=named)
+    request = to_engine.chat_request(body, body.messages, "r")
+    assert request.input.chat.tool_choice.function_name == "get_weather"
+    assert json.loads(request.input.chat.tools[0].parameters_json) == {"type": "object"}
+    with pytest.raises(APIError, match="not in tools") as unknown:
+        to_engine.chat_input(chat(tools=tools, tool_choice={"type": "function", "function": {"name": "x"}}), [])
+    assert unknown.value.param == "tool_choice"
+    required = to_engine.chat_input(chat(tools=tools, tool_choice="required"), [])
+    assert required.chat.tool_choice.mode == types_pb2.TOOL_CHOICE_MODE_REQUIRED
+
+
+def test_messages_developer_role_parts_and_tool_turns() -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    chat_input = to_engine.chat_input(body, body.messages).chat
+    assert [m.role for m in chat_input.messages] == ["system", "user", "assistant", "tool"]
+    assert chat_input.messages[1].content == "a\nb"
+    assert chat_input.messages[2].tool_calls[0].name == "f" and chat_input.messages[3].tool_call_id == "c1"
+
+
+def test_completion_prompt_forms_become_one_request_each() -> None:
+    def requests(prompt: Any) -> list[Any]:
+        return to_engine.completion_requests(CompletionRequest.model_validate({"model": "m", "prompt": prompt}), "r")
+
+    assert [r.input.text for r in requests("a")] == ["a"]
+    assert [r.request_id for r in requests(["a", "b"])] == ["r-0", "r-1"]
+    assert [list(r.input.token_ids.ids) for r in requests([1, 2])] == [[1, 2]]
+    assert [list(r.input.token_ids.ids) for r in requests([[1], [2, 3]])] == [[1], [2, 3]]
+    assert requests("a")[0].sampling.max_tokens == 16  # OpenAI's completions default
+    with pytest.raises(APIError):
+        requests([])
+
+
+def test_validation_param_paths() -> None:
+    assert validation_param(("body", "messages", 0, "role")) == "messages[0].role"
+    assert validation_param(("body", "tool_choice", "literal['none','auto','required']")) == "tool_choice"
+    assert validation_param(("body",)) is None
+
+
+def test_choices_and_usage_back_to_openai() -> None:
+    choice = types_pb2.Choice(index=0, text="", finish_reason=types_pb2.FINISH_REASON_TOOL_CALLS)
+    choice.tool_calls.add(id="call_1", name="f", arguments_json='{"a": 1}')
+    out = from_engine.chat_choice(choice, 0, want_logprobs=False)
+    assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+    assert out["message"]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    ]
+    usage = from_engine.usage([types_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1),
+                               types_pb2.Usage(prompt_tokens=4, completion_tokens=5)])
+    assert usage == {"prompt_tokens": 7, "completion_tokens": 7, "total_tokens": 14,
+                     "prompt_tokens_details": {"cached_tokens": 1}}
+
+
+def test_completion_logprobs_offsets_count_from_the_echo() -> None:
+    logprobs = [types_pb2.TokenLogprob(token="ab", logprob=-1.0), types_pb2.TokenLogprob(token="c", logprob=-2.0)]
+    out = from_engine.completion_logprobs(logprobs, text_offset=5)
+    assert out["text_offset"] == [5, 7] and out["tokens"] == ["ab", "c"]
