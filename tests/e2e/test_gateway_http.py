@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from ladle.v1 import engine_pb2, engine_pb2_grpc
-from tests.e2e.gateway_process import GatewayProcess
+from tests.e2e.engine_process import EngineProcess
+from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -93,3 +94,20 @@ def test_client_disconnect_aborts_the_engine_request_within_1s(
             break
         assert time.monotonic() - closed_at < 1.0, f"still running 1 s after the client left: {now}"
         time.sleep(0.02)
+
+
+def test_routes_around_an_engine_that_is_down(
+    engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory, model_id: str
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    gateway = start_gateway(tmp_path_factory.mktemp("two") / "gateway.log", f"{dead},{engine.address}")
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=120) as http:
+            assert http.get("/health").json()["engines"] == [engine.address]
+            body = {**CHAT, "model": model_id, "max_tokens": 2}
+            assert all(http.post("/v1/chat/completions", json=body).status_code == 200 for _ in range(4))
+            metrics = http.get("/metrics").text
+            assert f'ladle_engine_up{{engine="{dead}"}} 0.0' in metrics
+            assert f'ladle_engine_up{{engine="{engine.address}"}} 1.0' in metrics
+    finally:
+        assert gateway.stop() == 0
