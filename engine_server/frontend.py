@@ -19,6 +19,18 @@ from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
+from engine_server.tools import (
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolChoice,
+    ToolParsing,
+    ToolTemplate,
+    chat_for_template,
+    default_tool_choice,
+    tool_parsing,
+)
+from engine_server.tools.grammar import forced_call_constraint
 
 if TYPE_CHECKING:
     from engine_server.structured.compiler import CompiledConstraint, GrammarCompiler
@@ -33,12 +45,18 @@ _CORE_FINISH = {
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """A conversation to continue with the model's chat template."""
+    """A conversation to continue with the model's chat template; `tool_choice` None means OpenAI's default
+    (auto with tools, none without)."""
 
     messages: Sequence[ChatMessage]
     tools: Sequence[ChatTool] = ()
     add_generation_prompt: bool = True
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tool_choice: ToolChoice | None = None
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        return self.tool_choice if self.tool_choice is not None else default_tool_choice(self.tools)
 
 
 Prompt = str | Sequence[int] | ChatPrompt
@@ -65,7 +83,11 @@ class TokenLogprob:
 
 @dataclass
 class Choice:
-    """One choice of a result; grows as tokens arrive."""
+    """One choice of a result; grows as tokens arrive.
+
+    With tool calls parsed, `text` is the content outside the calls and `tool_calls` the calls (in a result);
+    a stream step carries the calls' pieces in `tool_call_deltas` instead.
+    """
 
     index: int
     text: str = ""
@@ -73,6 +95,18 @@ class Choice:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt ready for `make_requests`: its token ids, the parameters to run it with (a forced tool_choice
+    adds its grammar as the constraint), and how to read tool calls from its output (None: not read)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    tool_parsing: ToolParsing | None = None
 
 
 @dataclass
@@ -122,6 +156,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_compiler = grammar_compiler
+        self.tool_template = ToolTemplate.detect(getattr(tokenizer, "chat_template", None))
 
     def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
         """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the
@@ -138,13 +173,35 @@ class InputProcessor:
             return cast("Future[CompiledConstraint | None]", self.grammar_compiler.submit(constraint))
         return future
 
+    def render(self, prompt: ChatPrompt) -> str:
+        """The prompt text of a conversation: the model's template, given the tools as tool_choice allows (or
+        the fallback tools prompt when the template has no tool support). Raises ValidationError."""
+        choice = prompt.effective_tool_choice
+        choice.validate(prompt.tools)
+        messages, tools = chat_for_template(prompt.messages, prompt.tools, choice, self.tool_template)
+        return render_chat(self.tokenizer, messages, tools, prompt.add_generation_prompt, prompt.template_kwargs)
+
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedPrompt:
+        """Tokenize a prompt and, for a chat with tools, settle tool calling (blocking: run it off the event
+        loop). A forced tool_choice becomes the request's constraint; a request that also brings a constraint
+        of its own is refused (ValidationError, param "tool_choice")."""
+        if not isinstance(prompt, ChatPrompt):
+            return PreparedPrompt(self.tokenize(prompt), params)
+        ids = self.tokenize(prompt)
+        choice = prompt.effective_tool_choice
+        if choice.forced:
+            if params.constraint is not None:
+                raise ValidationError(
+                    "tool_choice 'required' or a named function cannot be combined with a constraint", "tool_choice"
+                )
+            constraint = forced_call_constraint(prompt.tools, choice, self.tool_template.format)
+            params = dataclasses.replace(params, constraint=constraint)
+        return PreparedPrompt(ids, params, tool_parsing(prompt.tools, choice, self.tool_template))
+
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
-            text = render_chat(
-                self.tokenizer, prompt.messages, prompt.tools, prompt.add_generation_prompt, prompt.template_kwargs
-            )
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return list(self.tokenizer.encode(self.render(prompt), add_special_tokens=False))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")
@@ -208,14 +265,17 @@ class RequestTracker:
         prompt_token_ids: list[int],
         params: SamplingParams,
         token_text: TokenTextCodec | None = None,
+        tool_parsing: ToolParsing | None = None,
     ) -> None:
-        """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches)."""
+        """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
+        `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser."""
         self.params = params
         self.token_text = token_text or TokenTextCodec(tokenizer)
         self.result = GenerationResult(
             request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids))
         )
         self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        self._tool_streams = [ToolCallStream(tool_parsing) if tool_parsing else None for _ in range(params.n)]
 
     def update(self, choice_index: int, output: CoreOutput) -> tuple[Choice, bool]:
         """Apply one core output to a choice; returns a delta Choice and whether the core must abort it."""
@@ -224,19 +284,28 @@ class RequestTracker:
         finish = _CORE_FINISH[output.status] if output.status is not None else None
         delta = self._processors[choice_index].process(new_ids, finish, output.stop_token_id)
         logprobs = self._logprobs(output) if self.params.logprobs else None
-        choice.text += delta.text
+        text, call_deltas = delta.text, list[ToolCallDelta]()
+        reason, matched = delta.finish_reason, delta.matched_stop
+        tools = self._tool_streams[choice_index]
+        if tools is not None and choice.finish_reason is None:
+            text, call_deltas = tools.feed(delta.text, final=delta.finished)
+            choice.tool_calls = list(tools.calls)
+            if reason is not None:
+                reason, matched = tools.finish(reason, matched)
+        choice.text += text
         choice.token_ids.extend(delta.token_ids)
         if logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + logprobs
-        if delta.finished:
-            choice.finish_reason, choice.matched_stop = delta.finish_reason, delta.matched_stop
+        if delta.finished and choice.finish_reason is None:
+            choice.finish_reason, choice.matched_stop = reason, matched
         usage = self.result.usage
         usage.completion_tokens += len(delta.token_ids)
         if choice_index == 0:
             # Later choices share the first one's prompt blocks; the prompt's cache hits are counted once.
             usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.num_cached_tokens)
         step = Choice(
-            choice_index, delta.text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs
+            choice_index, text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs,
+            tool_call_deltas=call_deltas,
         )
         return step, delta.abort_core
 

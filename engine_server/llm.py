@@ -85,13 +85,16 @@ class LLM:
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
         trackers: dict[str, RequestTracker] = {}
         pending: deque[Request] = deque()
+        # Chat prompts settle tool calling here: a forced tool_choice adds its grammar as the constraint.
+        prepared = [self.inputs.prepare(prompt, sampling) for prompt, sampling in zip(batch, per_prompt, strict=True)]
         # Every compile starts before the first is awaited, so they overlap.
-        compiles = [self.inputs.compile_constraint(sampling) for sampling in per_prompt]
-        for prompt, sampling, grammar in zip(batch, per_prompt, compiles, strict=True):
+        compiles = [self.inputs.compile_constraint(item.params) for item in prepared]
+        for item, grammar in zip(prepared, compiles, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            token_ids = self.inputs.tokenize(prompt)
-            pending.extend(self.inputs.make_requests(request_id, token_ids, sampling, grammar=grammar.result()))
-            trackers[request_id] = RequestTracker(self.tokenizer, request_id, token_ids, sampling, self.token_text)
+            pending.extend(self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result()))
+            trackers[request_id] = RequestTracker(
+                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing
+            )
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
 

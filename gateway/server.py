@@ -11,6 +11,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.engines import EnginePool
 
 
 class _Server(uvicorn.Server):
@@ -35,14 +36,20 @@ async def serve(
     port: int,
     announce: Callable[[str], None],
     stop_when: Awaitable[object] | None = None,
+    on_ready: Callable[[str], None] | None = None,
 ) -> int:
     """Serve HTTP on host:port until SIGINT/SIGTERM or until `stop_when` completes; in-flight requests get up to
-    30 s to finish. `announce` receives the bound URL. Returns 0, or 1 if the port could not be bound."""
+    30 s to finish. `announce` receives the bound URL; `on_ready` the model id once an engine is SERVING (and
+    so /health answers 200). Returns 0, or 1 if the port could not be bound."""
+    app = create_app(config)
     server = _Server(
-        uvicorn.Config(create_app(config), host=host, port=port, log_config=None, access_log=False,
+        uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
                        timeout_graceful_shutdown=30, lifespan="on")
     )
     task = asyncio.create_task(server.serve())
+    if on_ready is not None:
+        ready = asyncio.create_task(_when_ready(app.state.pool, on_ready))
+        task.add_done_callback(lambda _: ready.cancel())
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     watcher: asyncio.Future[object] | None = None
@@ -60,3 +67,9 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
     return 0 if server.started else 1
+
+
+async def _when_ready(pool: EnginePool, on_ready: Callable[[str], None]) -> None:
+    while not await pool.wait_ready(timeout=60.0):
+        pass
+    on_ready(pool.model_id or "")

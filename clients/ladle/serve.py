@@ -1,7 +1,8 @@
 """`ladle serve`: a `ladle engine` child process plus the gateway in this process, on one host.
 
 The engine runs in its own process so its step loop never shares an interpreter (and GIL) with HTTP work. The
-gateway starts at once and answers 503 until the engine is SERVING; a line is printed when it is. If the
+gateway starts at once and answers 503 until the engine is SERVING; a `ready` line is printed once the gateway
+itself sees it SERVING (so requests succeed from then on). If the
 engine exits, the gateway stops and `ladle serve` returns the engine's exit status; on SIGINT/SIGTERM both stop.
 """
 
@@ -9,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
 
 from gateway.config import GatewayConfig
 from gateway.server import serve
-from ladle.client import AsyncEngineClient
 from ladle.log import configure_logging
 
 
@@ -41,17 +40,12 @@ async def _serve_all(args: argparse.Namespace, config: GatewayConfig) -> int:
         print(f"ladle serve: gateway (OpenAI API) on {url}/v1 - loading the model; GET {url}/health says when "
               "it is ready", flush=True)
 
-    async def announce_ready() -> None:
-        async with AsyncEngineClient(address) as client:
-            with contextlib.suppress(TimeoutError):
-                await client.wait_until_serving(timeout=3600)
-                print(f"ladle serve: ready, model {(await client.model_info()).model_id}", flush=True)
+    def announce_ready(model_id: str) -> None:
+        print(f"ladle serve: ready, model {model_id}", flush=True)
 
-    ready = asyncio.create_task(announce_ready())
     try:
-        code = await serve(config, args.host, args.port, announce, stop_when=engine.wait())
+        code = await serve(config, args.host, args.port, announce, stop_when=engine.wait(), on_ready=announce_ready)
     finally:
-        ready.cancel()
         if engine.returncode is None:
             engine.send_signal(signal.SIGTERM)
             try:

@@ -22,6 +22,7 @@ from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import GenerationInput, ModelInfo, RequestDeadlineError, TokenizeResult
 from engine_server.structured import Constraint
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
+from engine_server.tools import ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode
 from ladle.v1 import engine_pb2, types_pb2
 
 _FINISH_REASONS = {
@@ -29,6 +30,11 @@ _FINISH_REASONS = {
     FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: types_pb2.FINISH_REASON_ABORT,
     FinishReason.TOOL_CALLS: types_pb2.FINISH_REASON_TOOL_CALLS,
+}
+_TOOL_CHOICE_MODES = {
+    types_pb2.TOOL_CHOICE_MODE_NONE: ToolChoice(ToolChoiceMode.NONE),
+    types_pb2.TOOL_CHOICE_MODE_AUTO: ToolChoice(ToolChoiceMode.AUTO),
+    types_pb2.TOOL_CHOICE_MODE_REQUIRED: ToolChoice(ToolChoiceMode.REQUIRED),
 }
 _PRIORITIES = {types_pb2.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, types_pb2.PRIORITY_BATCH: Priority.BATCH}
 
@@ -80,16 +86,17 @@ def prompt_from_input(message: types_pb2.Input) -> Prompt:
 
 
 def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
-    if chat.HasField("tool_choice"):
-        choice = chat.tool_choice
-        forced = choice.WhichOneof("choice") == "function_name" or choice.mode == types_pb2.TOOL_CHOICE_MODE_REQUIRED
-        if forced:
-            raise ValidationError("tool_choice 'required' or a named function is not supported yet", "tool_choice")
+    """The engine's ChatPrompt; a tool_choice that names an unknown function (or "required" without tools) is
+    refused here (param "tool_choice")."""
     kwargs: Any = {}
     if chat.chat_template_kwargs_json:
         kwargs = _json(chat.chat_template_kwargs_json, "chat_template_kwargs")
         if not isinstance(kwargs, dict):
             raise ValidationError("chat_template_kwargs_json must be a JSON object", "chat_template_kwargs")
+    tools = [_tool(t) for t in chat.tools]
+    choice = tool_choice(chat.tool_choice) if chat.HasField("tool_choice") else None
+    if choice is not None:
+        choice.validate(tools)
     return ChatPrompt(
         messages=[
             ChatMessage(
@@ -101,10 +108,20 @@ def chat_prompt(chat: types_pb2.ChatInput) -> ChatPrompt:
             )
             for m in chat.messages
         ],
-        tools=[_tool(t) for t in chat.tools],
+        tools=tools,
         add_generation_prompt=chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
         template_kwargs=kwargs,
+        tool_choice=choice,
     )
+
+
+def tool_choice(message: types_pb2.ToolChoice) -> ToolChoice | None:
+    """The engine's ToolChoice; None (OpenAI's default, from the tools) when neither a mode nor a name is set."""
+    if message.WhichOneof("choice") == "function_name":
+        if not message.function_name:
+            raise ValidationError("tool_choice function_name must not be empty", "tool_choice")
+        return ToolChoice.function(message.function_name)
+    return _TOOL_CHOICE_MODES.get(message.mode)
 
 
 def _tool(tool: types_pb2.Tool) -> ChatTool:
@@ -184,6 +201,7 @@ def choice_message(choice: Choice) -> types_pb2.Choice:
         token_ids=choice.token_ids,
         finish_reason=finish_reason(choice.finish_reason),
         logprobs=[logprob_message(lp) for lp in choice.logprobs or ()],
+        tool_calls=[tool_call_message(c) for c in choice.tool_calls],
     )
     _set_matched_stop(message.matched_stop, choice.matched_stop)
     return message
@@ -196,10 +214,21 @@ def delta_message(delta: Choice) -> types_pb2.ChoiceDelta:
         token_ids=delta.token_ids,
         finish_reason=finish_reason(delta.finish_reason),
         logprobs=[logprob_message(lp) for lp in delta.logprobs or ()],
+        tool_calls=[tool_call_delta_message(d) for d in delta.tool_call_deltas],
     )
     if delta.finish_reason is not None:
         _set_matched_stop(message.matched_stop, delta.matched_stop)
     return message
+
+
+def tool_call_message(call: ToolCall) -> types_pb2.ToolCall:
+    return types_pb2.ToolCall(id=call.id, name=call.name, arguments_json=call.arguments_json)
+
+
+def tool_call_delta_message(delta: ToolCallDelta) -> types_pb2.ToolCallDelta:
+    return types_pb2.ToolCallDelta(
+        index=delta.index, id=delta.id, name=delta.name, arguments_json_delta=delta.arguments_delta
+    )
 
 
 def _set_matched_stop(message: types_pb2.MatchedStop, matched: str | int | None) -> None:

@@ -268,5 +268,5 @@ async def _fail(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException)
     code, message = convert.status_for(exc)
     # The offending field travels as trailing metadata so an HTTP front end can name it (OpenAI's `param`).
     param = exc.param if isinstance(exc, ValidationError) else None
-    await context.abort(code, message, ((PARAM_METADATA_KEY, param),) if param else None)
+    await context.abort(code, message, ((PARAM_METADATA_KEY, param),) if param else ())
     raise AssertionError("context.abort returned")  # it always raises; this tells type checkers so

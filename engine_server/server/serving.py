@@ -26,6 +26,7 @@ from engine_server.frontend import (
     Choice,
     GenerationResult,
     InputProcessor,
+    PreparedPrompt,
     Prompt,
     RequestTracker,
     split_core_request_id,
@@ -36,7 +37,6 @@ from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import EngineLoop, LoadSnapshot
 from engine_server.structured.compiler import GrammarCompiler
-from engine_server.tokenizer.chat import render_chat
 from engine_server.tokenizer.loading import load_tokenizer
 
 log = structlog.get_logger(__name__)
@@ -150,14 +150,7 @@ class ServingEngine:
         """Token ids of a prompt as generation would see them; chat also returns the rendered text."""
         text = ""
         if isinstance(prompt, ChatPrompt):
-            text = await self._off_loop(
-                render_chat,
-                self.tokenizer,
-                prompt.messages,
-                prompt.tools,
-                prompt.add_generation_prompt,
-                prompt.template_kwargs,
-            )
+            text = await self._off_loop(self.inputs.render, prompt)
             ids = await self._off_loop(self.tokenizer.encode, text, add_special_tokens=False)
         else:
             ids = await self._off_loop(self.inputs.tokenize, prompt, add_special_tokens)
@@ -172,14 +165,18 @@ class ServingEngine:
         RequestDeadlineError. Raises ValidationError before anything runs, QueueFullError when the waiting queue
         is full. Closing the generator early (the caller cancelled) aborts the request in the core.
         """
-        prompt_ids = await self._off_loop(self.inputs.tokenize, request.prompt)
+        # Templating, tokenizing and building a forced tool_choice's grammar text run on the tokenizer thread.
+        prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
+        prompt_ids, params = prepared.token_ids, prepared.params
         # Compiling runs on the compiler's workers with its own time limit; other requests keep streaming.
-        grammar = await asyncio.wrap_future(self.inputs.compile_constraint(request.params))
+        grammar = await asyncio.wrap_future(self.inputs.compile_constraint(params))
         internal_id = f"r{next(self._ids)}"
         core_requests = self.inputs.make_requests(
-            internal_id, prompt_ids, request.params, request.priority, deadline, grammar=grammar
+            internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar
         )
-        tracker = RequestTracker(self.tokenizer, request.request_id, prompt_ids, request.params, self.token_text)
+        tracker = RequestTracker(
+            self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing
+        )
         stream = self.loop.add(internal_id, core_requests)
         unfinished = set(stream.core_ids)
         outcome = "cancelled"

@@ -15,6 +15,8 @@ from engine_server.server import convert
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import RequestDeadlineError
 from engine_server.structured import Constraint
+from engine_server.tokenizer.chat import ChatToolCall
+from engine_server.tools import ToolCallDelta, ToolChoice, ToolChoiceMode
 from ladle.v1 import engine_pb2, types_pb2
 
 
@@ -81,12 +83,67 @@ def test_inputs_text_token_ids_and_chat() -> None:
             types_pb2.Input(chat=types_pb2.ChatInput(tool_choice=types_pb2.ToolChoice(function_name="f"))),
             "tool_choice",
         ),
+        (
+            types_pb2.Input(chat=types_pb2.ChatInput(tool_choice=types_pb2.ToolChoice(function_name=""))),
+            "tool_choice",
+        ),
+        (
+            types_pb2.Input(
+                chat=types_pb2.ChatInput(
+                    tools=[types_pb2.Tool(name="g")], tool_choice=types_pb2.ToolChoice(function_name="f")
+                )
+            ),
+            "tool_choice",
+        ),
+        (
+            types_pb2.Input(
+                chat=types_pb2.ChatInput(
+                    tool_choice=types_pb2.ToolChoice(mode=types_pb2.TOOL_CHOICE_MODE_REQUIRED)
+                )
+            ),
+            "tool_choice",
+        ),
     ],
 )
 def test_malformed_inputs_name_the_field(message: types_pb2.Input, param: str) -> None:
     with pytest.raises(ValidationError) as error:
         convert.prompt_from_input(message)
     assert error.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (None, None),
+        (types_pb2.ToolChoice(), None),
+        (types_pb2.ToolChoice(mode=types_pb2.TOOL_CHOICE_MODE_NONE), ToolChoice(ToolChoiceMode.NONE)),
+        (types_pb2.ToolChoice(mode=types_pb2.TOOL_CHOICE_MODE_AUTO), ToolChoice(ToolChoiceMode.AUTO)),
+        (types_pb2.ToolChoice(mode=types_pb2.TOOL_CHOICE_MODE_REQUIRED), ToolChoice(ToolChoiceMode.REQUIRED)),
+        (types_pb2.ToolChoice(function_name="get"), ToolChoice.function("get")),
+    ],
+)
+def test_tool_choice_converts(message: types_pb2.ToolChoice | None, expected: ToolChoice | None) -> None:
+    chat = types_pb2.ChatInput(
+        messages=[types_pb2.ChatMessage(role="user", content="hi")], tools=[types_pb2.Tool(name="get")]
+    )
+    if message is not None:
+        chat.tool_choice.CopyFrom(message)
+    prompt = convert.prompt_from_input(types_pb2.Input(chat=chat))
+    assert isinstance(prompt, ChatPrompt) and prompt.tool_choice == expected
+
+
+def test_tool_calls_go_out_whole_in_a_choice_and_in_pieces_in_a_delta() -> None:
+    call = ChatToolCall("call_1", "get", '{"a": 1}')
+    done = Choice(0, "", [5, 2], FinishReason.TOOL_CALLS, tool_calls=[call])
+    reply = convert.choice_message(done)
+    assert reply.finish_reason == types_pb2.FINISH_REASON_TOOL_CALLS and reply.matched_stop.WhichOneof("kind") is None
+    assert [(c.id, c.name, c.arguments_json) for c in reply.tool_calls] == [("call_1", "get", '{"a": 1}')]
+    deltas = [ToolCallDelta(0, "call_1", "get"), ToolCallDelta(0, arguments_delta="{}")]
+    pieces = convert.delta_message(Choice(0, "", [2], tool_call_deltas=deltas)).tool_calls
+    assert [(d.index, d.id, d.name, d.arguments_json_delta) for d in pieces] == [
+        (0, "call_1", "get", ""),
+        (0, "", "", "{}"),
+    ]
 
 
 def test_priority_defaults_depend_on_the_rpc() -> None:

@@ -1,0 +1,38 @@
+"""Tool calling: tools into the prompt, a grammar for forced calls, and calls parsed out of the output.
+
+- `types` — ToolChoice (none / auto / required / a named function), ToolCall, ToolCallDelta.
+- `template` — what a model's chat template knows about tools, and the call format it implies.
+- `fallback` — the system prompt and plain-text history turns for templates without tool support.
+- `plan` — per request: what the template is given, and how (and whether) the output is parsed.
+- `grammar` — the xgrammar grammar that forces calls for tool_choice "required" or a named function.
+- `parsers` — Hermes `<tool_call>` and Llama 3 JSON parsers, usable on a stream of text deltas.
+- `stream` — one choice's calls as they are parsed, as OpenAI-style stream deltas.
+This package root stays light (no xgrammar import); `grammar` imports it.
+"""
+
+from __future__ import annotations
+
+from engine_server.tools.plan import ToolParsing, chat_for_template, tool_parsing
+from engine_server.tools.stream import ToolCallStream
+from engine_server.tools.template import ToolFormat, ToolTemplate
+from engine_server.tools.types import (
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
+    default_tool_choice,
+)
+
+__all__ = [
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallStream",
+    "ToolChoice",
+    "ToolChoiceMode",
+    "ToolFormat",
+    "ToolParsing",
+    "ToolTemplate",
+    "chat_for_template",
+    "default_tool_choice",
+    "tool_parsing",
+]

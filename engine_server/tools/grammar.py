@@ -1,0 +1,87 @@
+"""The grammar that forces tool calls (tool_choice "required" or a named function), as EBNF text for xgrammar.
+
+The grammar is built with xgrammar's own combinators, so each tool's JSON Schema is converted by xgrammar
+(strictly: properties the schema does not list are not generated, so every sentence validates) and rule
+names never collide:
+- one call of tool T (Hermes): `<tool_call>\n{"name": "T", "arguments": ` ARGS(T) `}\n</tool_call>`;
+- one call of tool T (Llama 3 JSON): `{"name": "T", "parameters": ` ARGS(T) `}`;
+- a named function: exactly one call of it; "required": exactly one call of any tool (a union);
+- with `parallel=True` (Hermes only), one or more calls separated by "\n".
+Why one call by default: the proto has no `parallel_tool_calls`, and small models, once inside a grammar that
+allows another call, tend to repeat calls until max_tokens cuts the last one in half. One call is always a
+valid OpenAI answer; in auto mode the model may still make several.
+The JSON has no free whitespace (", " and ": " separators), matching the engine's JSON constraints. The text
+goes through the ordinary constraint path (`Constraint.grammar`), so it is compiled off the step loop, with
+the compiler's time limit, and cached by its text: the same tools compile once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xgrammar as xgr
+
+from engine_server.errors import ValidationError
+from engine_server.structured import Constraint
+from engine_server.structured.compiler import xgrammar_reason
+from engine_server.tokenizer.chat import ChatTool
+from engine_server.tools.template import ToolFormat
+from engine_server.tools.types import ToolChoice, ToolChoiceMode
+
+_CALLS_RULE = "tool_calls"
+_CALL_SEPARATOR = "\n"
+
+
+def forced_call_constraint(
+    tools: Sequence[ChatTool], choice: ToolChoice, fmt: ToolFormat, parallel: bool = False
+) -> Constraint:
+    """The constraint for a forced `choice` (validated against `tools` first); see the module docstring.
+
+    Raises ValidationError (param "tools") when a tool's parameters schema cannot be turned into a grammar.
+    """
+    if not choice.forced:
+        raise ValueError(f"tool_choice {choice.mode} does not force a call")
+    choice.validate(tools)
+    if choice.mode is ToolChoiceMode.FUNCTION:
+        tools = [t for t in tools if t.name == choice.function_name][:1]
+    calls = [_call_grammar(t, fmt) for t in tools]
+    one = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    if not parallel or choice.mode is ToolChoiceMode.FUNCTION or fmt is not ToolFormat.HERMES:
+        return Constraint.grammar(str(one))
+    # One or more: a new root that repeats the single-call grammar's root (str() always names its root "root").
+    many = f"{one}\n{_CALLS_RULE} ::= root ({_literal(_CALL_SEPARATOR)} root)*\n"
+    return Constraint.grammar(str(xgr.Grammar.from_ebnf(many, root_rule_name=_CALLS_RULE)))
+
+
+def arguments_schema(tool: ChatTool) -> Mapping[str, Any]:
+    """The schema a call's arguments follow: the tool's parameters; no parameters means an empty object."""
+    return tool.parameters or {"type": "object", "properties": {}}
+
+
+def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
+    schema = arguments_schema(tool)
+    if schema.get("type", "object") != "object":
+        raise ValidationError(f"parameters of tool {tool.name!r} must describe a JSON object", "tools")
+    name = json.dumps(tool.name, ensure_ascii=False)
+    if fmt is ToolFormat.HERMES:
+        head, tail = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
+    else:
+        head, tail = f'{{"name": {name}, "parameters": ', "}"
+    try:
+        arguments = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
+        raise ValidationError(
+            f"parameters of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
+        ) from exc
+    return xgr.Grammar.concat(_literal_grammar(head), arguments, _literal_grammar(tail))
+
+
+def _literal(text: str) -> str:
+    # JSON string escapes are valid EBNF string escapes.
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _literal_grammar(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(f"root ::= {_literal(text)}")

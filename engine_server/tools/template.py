@@ -1,0 +1,58 @@
+"""What a model's chat template knows about tools, read once from the template text.
+
+Rules (first match wins for the format):
+- the template mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
+- it mentions `<|python_tag|>` or the `ipython` role → LLAMA3_JSON (Llama 3.1+ JSON tool calls);
+- otherwise → HERMES, the format the fallback prompt teaches.
+`native_tools` says the template renders tool definitions itself (it uses a `tools` variable); without it
+the fallback system prompt lists them. `native_history` says it renders earlier calls and tool results
+itself (it reads `tool_calls`); without it they are rewritten into plain turns (see `fallback`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
+_TOOL_CALLS_VARIABLE = re.compile(r"\btool_calls\b")
+
+
+class ToolFormat(enum.Enum):
+    """How a model writes tool calls in its output."""
+
+    # <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, once per call.
+    HERMES = "hermes"
+    # {"name": "f", "parameters": {...}} as the whole output, optionally after <|python_tag|>.
+    LLAMA3_JSON = "llama3_json"
+
+
+@dataclass(frozen=True)
+class ToolTemplate:
+    """A chat template's tool support; see the module docstring for how it is detected."""
+
+    format: ToolFormat = ToolFormat.HERMES
+    native_tools: bool = False
+    native_history: bool = False
+
+    @classmethod
+    def detect(cls, chat_template: Any) -> ToolTemplate:
+        """Read a tokenizer's `chat_template`: a string, a mapping of named templates, or None."""
+        if isinstance(chat_template, Mapping):
+            text = "\n".join(str(t) for t in chat_template.values())
+        else:
+            text = chat_template if isinstance(chat_template, str) else ""
+        if "<tool_call>" in text:
+            fmt = ToolFormat.HERMES
+        elif "<|python_tag|>" in text or "ipython" in text:
+            fmt = ToolFormat.LLAMA3_JSON
+        else:
+            fmt = ToolFormat.HERMES
+        return cls(
+            format=fmt,
+            native_tools=bool(_TOOLS_VARIABLE.search(text)),
+            native_history=bool(_TOOL_CALLS_VARIABLE.search(text)),
+        )
