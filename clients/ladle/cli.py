@@ -49,6 +49,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--max-num-seqs", 128, "most sequences generated at once", type=int)
     _add(parser, "--max-waiting", 4096, "most queued requests; beyond it new ones get RESOURCE_EXHAUSTED", type=int)
     _add(parser, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
+    _add(parser, "--grammar-timeout", 10.0, "seconds a constraint may take to compile (then INVALID_ARGUMENT)",
+         type=float)
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -108,9 +110,11 @@ def _not_built(component: str, issue: str) -> Callable[[argparse.Namespace], int
 
 def _engine(args: argparse.Namespace) -> int:
     import asyncio
+    import logging
 
     from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine_server.server.server import SERVICE_NAME, ServerConfig, serve
+    from engine_server.structured.compiler import GrammarCompilerConfig
     from ladle.log import configure_logging
 
     configure_logging()
@@ -124,12 +128,20 @@ def _engine(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         shutdown_timeout=args.shutdown_timeout,
+        grammar=GrammarCompilerConfig(timeout_s=args.grammar_timeout),
     )
 
     def announce(address: str) -> None:
         print(f"ladle engine: {SERVICE_NAME} listening on {address}", flush=True)
 
-    return asyncio.run(serve(config, announce))
+    code = asyncio.run(serve(config, announce))
+    # A grammar compile still running inside xgrammar cannot be interrupted, and a native thread that is still
+    # busy when the interpreter tears down aborts the process (SIGABRT). Everything is drained, stopped and
+    # logged by now, so leave without the teardown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _gateway_config(args: argparse.Namespace, engines: str) -> Any:

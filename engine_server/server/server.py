@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from engine_server.config import EngineConfig
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
+from engine_server.structured.compiler import GrammarCompilerConfig
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -46,6 +47,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port (the chosen address is reported)
     shutdown_timeout: float = 30.0
+    grammar: GrammarCompilerConfig = field(default_factory=GrammarCompilerConfig)  # constraint compile limits
 
 
 def server_options() -> list[tuple[str, int]]:
@@ -89,7 +91,7 @@ class EngineServer:
     async def load(self) -> None:
         """Load the model off the event loop, warm it up, then admit calls and report SERVING."""
         loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(ServingEngine.load, self.config.engine, loop)
+        self.engine = await asyncio.to_thread(ServingEngine.load, self.config.engine, loop, self.config.grammar)
         await self.engine.warm_up()
         self.servicer.attach(self.engine)
         for service in ("", SERVICE_NAME):

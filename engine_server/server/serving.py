@@ -36,7 +36,7 @@ from engine_server.loader import resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import EngineLoop, LoadSnapshot
-from engine_server.structured.compiler import GrammarCompiler
+from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
 from engine_server.tokenizer.loading import load_tokenizer
 
 log = structlog.get_logger(__name__)
@@ -97,10 +97,13 @@ class ServingEngine:
         model_id: str,
         eos: tuple[int, ...],
         loop: asyncio.AbstractEventLoop,
+        grammar_config: GrammarCompilerConfig | None = None,
     ) -> None:
         """Takes over `core`: from now on only the EngineLoop's thread touches it."""
         self.tokenizer = tokenizer
-        self.grammar_compiler = GrammarCompiler.for_tokenizer(tokenizer, core.model_config.vocab_size, eos)
+        self.grammar_compiler = GrammarCompiler.for_tokenizer(
+            tokenizer, core.model_config.vocab_size, eos, grammar_config
+        )
         self.inputs = InputProcessor(
             tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler
         )
@@ -121,12 +124,17 @@ class ServingEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def load(cls, config: EngineConfig, loop: asyncio.AbstractEventLoop) -> ServingEngine:
+    def load(
+        cls,
+        config: EngineConfig,
+        loop: asyncio.AbstractEventLoop,
+        grammar_config: GrammarCompilerConfig | None = None,
+    ) -> ServingEngine:
         """Resolve and load the model (blocking: seconds to minutes) and start the core thread."""
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source.tokenizer_path)
         core = EngineCore(config, source)
-        engine = cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop)
+        engine = cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop, grammar_config)
         engine.loop.start()
         return engine
 
