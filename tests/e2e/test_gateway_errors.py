@@ -110,11 +110,14 @@ def test_401_with_an_api_key(engine: EngineProcess, tmp_path_factory: pytest.Tem
         assert gateway.stop() == 0
 
 
-def test_413_oversized_body(engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory, model_id: str) -> None:
+def test_413_oversized_body_and_served_model_name(
+    engine: EngineProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     gateway = start_gateway(tmp_path_factory.mktemp("small") / "gateway.log", engine.address,
-                            "--max-request-mib", "0.01")
+                            "--max-request-mib", "0.01", "--served-model-name", "tiny-chat")
     try:
-        big = {"model": model_id, "messages": [{"role": "user", "content": "x" * 20_000}]}
+        assert httpx.get(gateway.url + "/v1/models", timeout=60).json()["data"][0]["id"] == "tiny-chat"
+        big = {"model": "tiny-chat", "messages": [{"role": "user", "content": "x" * 20_000}]}
         assert_error(httpx.post(gateway.url + "/v1/chat/completions", json=big, timeout=60), 413, None,
                      "request_too_large")
         chunked = httpx.post(gateway.url + "/v1/chat/completions", timeout=60,
