@@ -104,7 +104,18 @@ class EngineLoop:
         return self._load
 
     def start(self) -> None:
+        """Run the core on a new thread."""
         self._thread.start()
+
+    def use_current_thread(self) -> None:
+        """Make the calling thread the core's (instead of `start`); it must then call `run`."""
+        self._thread = threading.current_thread()
+
+    def run(self) -> None:
+        """Run the core on the calling thread until `stop` (blocks); see `use_current_thread`."""
+        if self._thread is not threading.current_thread():
+            raise RuntimeError("call use_current_thread first, on the thread that runs the core")
+        self._run()
 
     def stop(self) -> None:
         """Abort everything, stop the thread and wait for it (blocking: call it through asyncio.to_thread)."""

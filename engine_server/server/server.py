@@ -90,8 +90,7 @@ class EngineServer:
 
     async def load(self) -> None:
         """Load the model off the event loop, warm it up, then admit calls and report SERVING."""
-        loop = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(ServingEngine.load, self.config.engine, loop, self.config.grammar)
+        self.engine = await ServingEngine.start(self.config.engine, self.config.grammar)
         await self.engine.warm_up()
         self.servicer.attach(self.engine)
         for service in ("", SERVICE_NAME):

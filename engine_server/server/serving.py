@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -124,19 +125,49 @@ class ServingEngine:
         self._ids = itertools.count()
 
     @classmethod
+    async def start(cls, config: EngineConfig, grammar_config: GrammarCompilerConfig | None = None) -> ServingEngine:
+        """Load the model on a new `engine-core` thread, which then runs the core loop; returns once loaded.
+
+        Loading, warm-up and every step run on that one thread because a thread that ran parallel torch ops
+        keeps an OpenMP team: with two live teams on more threads than cores, libgomp throttles its spin-waits
+        and each parallel region of the step pays a thread wake-up (30% fewer tokens/s measured on 2 cores).
+        """
+        loop = asyncio.get_running_loop()
+        loaded: asyncio.Future[ServingEngine] = loop.create_future()
+
+        def core_thread() -> None:
+            try:
+                engine = cls._load(config, loop, grammar_config)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_settle, loaded, None, exc)
+                return
+            engine.loop.use_current_thread()
+            loop.call_soon_threadsafe(_settle, loaded, engine, None)
+            engine.loop.run()
+
+        threading.Thread(target=core_thread, name="engine-core", daemon=True).start()
+        return await loaded
+
+    @classmethod
     def load(
         cls,
         config: EngineConfig,
         loop: asyncio.AbstractEventLoop,
         grammar_config: GrammarCompilerConfig | None = None,
     ) -> ServingEngine:
-        """Resolve and load the model (blocking: seconds to minutes) and start the core thread."""
+        """Resolve and load the model here (blocking: seconds to minutes) and start the core on its own thread."""
+        engine = cls._load(config, loop, grammar_config)
+        engine.loop.start()
+        return engine
+
+    @classmethod
+    def _load(
+        cls, config: EngineConfig, loop: asyncio.AbstractEventLoop, grammar_config: GrammarCompilerConfig | None
+    ) -> ServingEngine:
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source.tokenizer_path)
         core = EngineCore(config, source)
-        engine = cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop, grammar_config)
-        engine.loop.start()
-        return engine
+        return cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop, grammar_config)
 
     @property
     def load_snapshot(self) -> LoadSnapshot:
@@ -244,3 +275,12 @@ def _log_finished(
         finish_reasons=[str(c.finish_reason) for c in tracker.result.choices],
         at=round(time.monotonic(), 3),
     )
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
