@@ -1,7 +1,8 @@
 """Plain-torch reference ops: what the CPU path runs and what every Triton kernel is tested against.
 
 Shapes: T tokens in the flattened batch, H query heads, Hkv KV heads, D head dim. The KV cache layout and the
-metadata contract are described in `engine_server.attention`.
+metadata contract are described in `engine_server.attention`. `apply_token_bitmask_` is the sampler's grammar
+mask; the other ops are the layers' (`engine_server.layers.ops.KernelOps`).
 """
 
 from __future__ import annotations
@@ -169,3 +170,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         )
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
     return out
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed tokens of logits `[B, V]` to -inf, in place. `bitmask` is `[B, W]` int32 with
+    `W >= ceil(V / 32)`; bit i of word j is token 32*j+i (xgrammar's layout), 1 = allowed."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))

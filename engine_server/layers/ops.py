@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,17 @@ REFERENCE_OPS = KernelOps(
 
 
 def select_ops(device: torch.device) -> KernelOps:
-    """The ops for tensors on `device`. Only the torch reference exists so far; a CUDA/Triton set plugs in here."""
-    del device
+    """The ops for tensors on `device`: the Triton kernels on CUDA when triton imports, else the torch reference."""
+    if device.type == "cuda":
+        return _triton_ops() or REFERENCE_OPS
     return REFERENCE_OPS
+
+
+@functools.cache
+def _triton_ops() -> KernelOps | None:
+    """`kernels.triton_ops.TRITON_OPS`, imported on first use (never on CPU-only runs), or None without triton."""
+    try:
+        from kernels.triton_ops import TRITON_OPS
+    except ImportError:
+        return None
+    return TRITON_OPS

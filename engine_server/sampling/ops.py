@@ -7,9 +7,12 @@ return a new tensor and leave their inputs untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
+
+from kernels import reference
 
 _NEG_INF = float("-inf")
 
@@ -32,11 +35,20 @@ def apply_presence_frequency_(
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set disallowed tokens to -inf. `bitmask` is [B, ceil(V/32)] int32; bit i of word j is token 32*j+i
-    (xgrammar's layout), 1 = allowed."""
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
-    logits.masked_fill_(allowed == 0, _NEG_INF)
+    (xgrammar's layout), 1 = allowed. CUDA tensors take the Triton kernel (one pass, without the [B, W, 32]
+    temporaries of the torch version); the others `kernels.reference.apply_token_bitmask_`."""
+    kernel = _triton_bitmask() if logits.is_cuda else None
+    (kernel or reference.apply_token_bitmask_)(logits, bitmask)
+
+
+@functools.cache
+def _triton_bitmask() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """The Triton bitmask launcher, or None where triton does not import (it ships for Linux only)."""
+    try:
+        from kernels.bitmask import apply_token_bitmask_
+    except ImportError:
+        return None
+    return apply_token_bitmask_
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import ladle.v1.types_pb2 as types_pb2
+from ladle.v1 import types_pb2
 
 FINISH_REASONS = {
     types_pb2.FINISH_REASON_STOP: "stop",

@@ -1,0 +1,90 @@
+"""Store a step's K/V in the paged cache through the slot mapping: one Triton program per token."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_dtype, check_same_device, unit_last_stride
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    v_offset,
+    num_slots,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """With s = slot_mapping[t] and the cache seen as `[2, num_slots, Hkv, D]` (K then V, v_offset apart):
+
+        cache[0, s] = k[t],  cache[1, s] = v[t]      (cast to the cache's dtype)
+
+    Slots outside `[0, num_slots)` are skipped rather than written out of bounds.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    # Compared as a broadcast tensor: Triton's interpreter mis-types a scalar condition and'ed into a mask.
+    slots = slot + tl.zeros([BLOCK_H, 1], tl.int64)
+    mask = (heads < num_heads) & (dims < head_dim) & (slots >= 0) & (slots < num_slots)
+    k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
+    dst = cache_ptr + slots * (num_heads * head_dim) + heads * head_dim + dims
+    dtype = cache_ptr.dtype.element_ty
+    tl.store(dst, k.to(dtype), mask=mask)
+    tl.store(dst + v_offset, v.to(dtype), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`kernels.reference.write_kv_cache` on the GPU: `kv_cache[0|1].flat_slots[slot_mapping[t]] = k|v[t]`.
+
+    k, v `[T, Hkv, D]` (any float dtype, possibly strided views), the contiguous cache
+    `[2, num_blocks, block_size, Hkv, D]`, slot_mapping `[T]` int64 (or int32). The reference raises on a slot
+    outside the cache; this kernel cannot raise without a device sync, so it skips such a token instead
+    (never writing out of bounds). Callers must not rely on either: valid slots are part of the contract.
+    """
+    check_dtype("k", k)
+    check_dtype("v", v)
+    check_dtype("kv_cache", kv_cache)
+    check_dtype("slot_mapping", slot_mapping, (torch.int64, torch.int32))
+    check_same_device(k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]; got {tuple(kv_cache.shape)}")
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping must be [T]; got {tuple(slot_mapping.shape)}")
+    _, num_blocks, block_size, num_heads, head_dim = kv_cache.shape
+    tokens = slot_mapping.shape[0]
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != (tokens, num_heads, head_dim):
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {(tokens, num_heads, head_dim)}")
+    if tokens == 0:
+        return
+    k, v = unit_last_stride(k), unit_last_stride(v)
+    _write_kv_cache_kernel[(tokens,)](
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        num_blocks * block_size,
+        num_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,215 @@
+"""Causal attention over the paged KV cache for a mixed batch (prefill chunks and decodes) in one Triton kernel.
+
+Each program takes one tile of a sequence's new tokens for one KV head and streams that sequence's keys
+through its block table with an online softmax (flash-attention style). The tile's rows are (token, query
+head) pairs: the H / Hkv query heads sharing a KV head are stacked as rows, so K/V are read once per group
+and a decode row still fills the matrix unit. The launcher needs no host sync: every size it uses is a
+shape or a host-side field of `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels._checks import check_dtype, check_same_device, unit_last_stride
+
+if TYPE_CHECKING:
+    from engine_server.attention import AttentionMetadata
+
+_LOG2E = 1.0 / math.log(2.0)
+# Rows per tile: a prefill tile holds many tokens, a decode tile one token's query heads (>= 16 for tl.dot).
+_PREFILL_ROWS, _DECODE_ROWS = 64, 16
+# Keys per step of the online softmax; float32 tiles are twice the bytes, so they take half as many keys.
+_KEYS, _KEYS_FP32 = 64, 32
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+@triton.jit
+def _find_sequence(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning global tile `tile`: sequence i's tiles are numbered from
+    `query_start[i] // BLOCK_Q + i`, an increasing sequence, so binary-search the last start <= tile."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """`a @ b` with float32 accumulation. UPCAST does it on float32 copies: Triton's interpreter cannot multiply
+    bfloat16 (numpy has no such type), and the result is the same since bf16 products are exact in float32."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    qk_scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    v_offset,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """For new token t of sequence i at position p and query head h (KV head `h // GROUP`):
+
+        out[t, h] = sum_j softmax_j(scale * q[t, h] · K[j]) V[j],   j over the sequence's positions <= p
+
+    K[j], V[j] live in slot `block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE` of the cache
+    `[2, slots, NUM_KV_HEADS, head_dim]`. The softmax runs online over BLOCK_N keys at a time, in base 2
+    (`qk_scale` = scale * log2(e)), with float32 statistics and accumulator.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    local_tile = tile - (q_start // BLOCK_Q + seq)
+    if local_tile * BLOCK_Q >= q_len:  # the grid is an upper bound on the number of tiles
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = local_tile * BLOCK_Q + rows // GROUP  # index among the sequence's new tokens
+    head = kv_head * GROUP + rows % GROUP
+    # BLOCK_M need not be a multiple of GROUP: the last partial group belongs to the next tile.
+    row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+    position = context + token
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # The tile's last token sees keys up to its own position: later keys are never loaded.
+    kv_end = context + tl.minimum(q_len, (local_tile + 1) * BLOCK_Q)
+    # A finite floor instead of -inf keeps fully masked (padding) rows free of inf - inf = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < kv_end
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + keys % BLOCK_SIZE
+        kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * head_dim + dims[None, :]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), INPUT_PRECISION, UPCAST_DOT) * qk_scale
+        visible = key_ok[None, :] & (keys[None, :] <= position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(cache_ptr + v_offset + kv_offsets, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offsets = (q_start + token).to(tl.int64)[:, None] * (NUM_KV_HEADS * GROUP * head_dim)
+    out_offsets += head[:, None] * head_dim + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`kernels.reference.paged_attention` on the GPU: causal attention of q `[T, H, D]` over the paged cache.
+
+    For new token t of sequence i at position p, `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
+    sequence's cached positions j <= p, read through its block table from KV head `h // (H / Hkv)`. The
+    contiguous cache `[2, num_blocks, block_size, Hkv, D]` must already hold this step's K/V and share q's
+    dtype; D is padded to a power of two (>= 16) with masks, so any head dim works. Returns a new contiguous
+    `[T, H, D]` tensor. q may be strided over tokens and heads.
+    """
+    _check_arguments(q, kv_cache, meta)
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    tokens, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_seqs = len(meta.query_lens_cpu)
+    if tokens == 0:
+        return out
+    q = unit_last_stride(q)
+    group = heads // kv_heads
+    block_m = max(_PREFILL_ROWS if meta.max_query_len > 1 else _DECODE_ROWS, triton.next_power_of_2(group))
+    block_q = block_m // group
+    # Sequence i gets tiles [start_i // block_q + i, start_{i+1} // block_q + i + 1): at least the
+    # ceil(query_len / block_q) it needs; the spare ones exit at once.
+    grid = (tokens // block_q + num_seqs, kv_heads)
+    block_tables = meta.block_tables
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    _paged_attention_kernel[grid](
+        q,
+        kv_cache,
+        out,
+        block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale * _LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(0),
+        head_dim,
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=_KEYS_FP32 if q.dtype == torch.float32 else _KEYS,
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        NUM_KV_HEADS=kv_heads,
+        # float32 models get full-precision dots; TF32 would cost ~1e-3 relative error.
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=q.dtype == torch.bfloat16 and isinstance(_paged_attention_kernel, InterpretedFunction),
+    )
+    return out
+
+
+def _check_arguments(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Raise ValueError unless q, the cache and the metadata fit together as the kernel reads them."""
+    check_dtype("q", q)
+    check_dtype("kv_cache", kv_cache, (q.dtype,))
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=meta.block_tables, seq_lens=meta.seq_lens)
+    check_same_device(q=q, query_start_loc=meta.query_start_loc)
+    for name, t in (("block_tables", meta.block_tables), ("seq_lens", meta.seq_lens)):
+        check_dtype(name, t, (torch.int32,))
+    check_dtype("query_start_loc", meta.query_start_loc, (torch.int32,))
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]; got {tuple(kv_cache.shape)}")
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    if block_size != meta.block_size:
+        raise ValueError(f"cache block size {block_size} != metadata block size {meta.block_size}")
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} must be [T, H, {head_dim}] with H a multiple of {kv_heads} KV heads")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens; the metadata {meta.num_tokens}")

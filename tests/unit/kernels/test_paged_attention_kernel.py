@@ -1,0 +1,124 @@
+"""The Triton paged attention against `kernels.reference.paged_attention` on mixed batches.
+
+Batches mix decodes, fresh prefills and prefill chunks after cached context of various lengths, none a
+multiple of the block size; block tables come from a shuffled pool and every unused slot of the cache holds
+random values, so reading one key too many shows up as a wrong result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine_server.attention import AttentionMetadata
+from kernels import reference
+from kernels.paged_attention import paged_attention
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Both sides accumulate in float32 and round once; the kernel also rounds the probabilities to the input dtype
+# before P @ V (as flash attention does).
+TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+}
+# (query_len, seq_len) per sequence.
+MIXED = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (4, 13), (1, 33), (23, 60)]
+DECODE = [(1, 1), (1, 17), (1, 40), (1, 16), (1, 5)]
+LONG = [(1, 150), (20, 150), (130, 130)]  # several key tiles, and a prefill of several query tiles
+
+
+def make_batch(
+    spec: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """q `[T, H, D]`, a random cache and the metadata for `spec`, blocks drawn from a shuffled pool."""
+    gen = torch.Generator().manual_seed(heads * 1000 + head_dim * 10 + len(spec))
+    blocks = [-(-seq_len // block_size) for _, seq_len in spec]
+    num_blocks = sum(blocks) + 2
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[pool.pop() for _ in range(n)] for n in blocks]
+    meta = AttentionMetadata.build([q for q, _ in spec], [s for _, s in spec], tables, block_size, device)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen).to(device, dtype)
+    return q, cache, meta
+
+
+def check(
+    spec: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int = 16,
+) -> None:
+    q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, dtype, device, block_size)
+    scale = head_dim**-0.5
+    out = paged_attention(q, cache, meta, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out, reference.paged_attention(q, cache, meta, scale), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+@pytest.mark.parametrize("spec", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_paged_attention_matches_reference(
+    device: torch.device, spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    check(spec, heads, kv_heads, head_dim, dtype, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_attention_long_contexts(device: torch.device, dtype: torch.dtype) -> None:
+    check(LONG, 6, 2, 64, dtype, device)
+
+
+@pytest.mark.parametrize("spec", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_paged_attention_wide_gqa_group(device: torch.device, spec: list[tuple[int, int]]) -> None:
+    """8 query heads per KV head, and a head dim (96) padded to 128."""
+    check(spec, 8, 1, 96, torch.float16, device)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_paged_attention_small_blocks(device: torch.device, block_size: int) -> None:
+    """Key tiles span several cache blocks when blocks are smaller than a tile."""
+    check(MIXED, 6, 2, 64, torch.float32, device, block_size)
+
+
+def test_paged_attention_strided_queries(device: torch.device) -> None:
+    q, cache, meta = make_batch(MIXED, 4, 2, 64, torch.float32, device)
+    wide = torch.cat([q, torch.randn_like(q)], dim=1)[:, :4]  # heads 4..7 are not ours
+    assert not wide.is_contiguous()
+    torch.testing.assert_close(
+        paged_attention(wide, cache, meta, 0.125),
+        reference.paged_attention(q, cache, meta, 0.125),
+        **TOLERANCES[torch.float32],
+    )
+
+
+def test_paged_attention_rejects_mismatched_arguments(device: torch.device) -> None:
+    q, cache, meta = make_batch(DECODE, 6, 2, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(q[:, :5], cache, meta, 0.125)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q.half(), cache, meta, 0.125)
+    with pytest.raises(ValueError, match="tokens"):
+        paged_attention(q[:-1], cache, meta, 0.125)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_paged_attention_at_serving_sizes(dtype: torch.dtype) -> None:
+    """Llama-8B-like heads over long contexts: the sizes the interpreter is too slow for."""
+    spec = [(1, 3001), (1, 17), (512, 512), (300, 2000)] + [(1, 100 + 37 * i) for i in range(60)]
+    check(spec, 32, 8, 128, dtype, torch.device("cuda"))
