@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
 from typing import TypeAlias
 
 import grpc
@@ -153,3 +156,32 @@ def test_batch_200_items_some_invalid(stub: Stub) -> None:
             i = int(response.item_id.split("-")[1])
             texts.setdefault((i % 4, i % 3), set()).add(response.result.choices[0].text)
     assert all(len(v) == 1 for v in texts.values())
+
+
+def test_batch_flow_control_keeps_unstarted_items_bounded(stub: Stub) -> None:
+    """The engine reads Batch items only while it has room for them (twice its 32 seats here), so however many
+    items a caller streams, the engine's queue stays bounded and every result still arrives."""
+    num_items = 300
+    loads: list[engine_pb2.GetLoadResponse] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            loads.append(stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5))
+            time.sleep(0.02)
+
+    def items() -> Iterator[engine_pb2.BatchRequest]:
+        for i in range(num_items):
+            yield engine_pb2.BatchRequest(item_id=str(i), request=generate(f"Item {i}: the answer is", 3))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        responses = list(stub.Batch(items(), timeout=300))
+    finally:
+        done.set()
+        watcher.join()
+    assert sorted(int(r.item_id) for r in responses) == list(range(num_items))
+    assert all(r.WhichOneof("outcome") == "result" for r in responses)
+    peak = max(load.running + load.waiting for load in loads)
+    assert 0 < peak <= 2 * 32, peak
