@@ -18,6 +18,7 @@ BENCHMARKS = {
     "grpc": "benchmarks.grpc_stream",
     "structured": "benchmarks.structured",
     "serve": "benchmarks.serve",
+    "gpu": "benchmarks.gpu",
 }
 
 

@@ -1,0 +1,241 @@
+"""GPU benchmark: ladle vs transformers on the same GPU and the same random-weight models, in one run.
+
+Per model (default `dummy:qwen2.5-0.5b` and `dummy:smollm2-135m`):
+- the nano-vllm workload: `--num-seqs` prompts (256) of random token ids, input and output lengths uniform in
+  [`--min-len`, `--max-len`] ([100, 1024]), ignore_eos, seed 0 — ladle's output tok/s on it is the headline;
+- the ratio to transformers' continuous batching (`generate_batch`), which takes one output length for the
+  whole batch: both systems run the same prompts with every output length set to the workload's mean, and
+  `ratio_vs_hf` is ladle / transformers on that variant;
+- single-stream decode TPOT (one request, `--tpot-tokens` tokens; prefill cancelled out by a 1-token run);
+- `roofline_fraction`: the time the workload would take if every decode step only streamed the weights and the
+  KV cache it reads at the GPU's measured copy bandwidth, over the measured time.
+
+One JSON object per run (`--out`): device, torch / triton versions, commit, command, and per model `model`,
+`output_tok_per_s` {ladle, transformers}, `ratio_vs_hf`, `roofline_fraction`, `tpot_ms_single_stream`.
+
+    ladle bench gpu --out benchmarks/results/gpu_h100.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from benchmarks.common import append_result, git_commit, utc_timestamp
+
+DEFAULT_MODELS = "dummy:qwen2.5-0.5b,dummy:smollm2-135m"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts (token ids) and each one's output length."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def with_fixed_output(self) -> Workload:
+        """The same prompts, every output length set to the mean (what transformers' batch API can express)."""
+        mean = round(self.output_tokens / len(self.output_lens))
+        return Workload(self.prompts, [mean] * len(self.prompts))
+
+
+def nano_vllm_workload(num_seqs: int, min_len: int, max_len: int, seed: int, vocab: int = 10_000) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_seqs)]
+    return Workload(prompts, [rng.randint(min_len, max_len) for _ in range(num_seqs)])
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, mib: int = 1024, repeats: int = 10) -> float:
+    """Measured device memory bandwidth in bytes/s: a large copy reads and writes every byte once."""
+    src = torch.empty(mib * 1024 * 1024, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * src.numel() * repeats / (time.perf_counter() - start)
+
+
+def roofline_seconds(workload: Workload, weight_bytes: int, kv_bytes_per_token: int, bandwidth: float) -> float:
+    """Lower bound on the decode time: all sequences start together (as with enough seats and KV), and step t
+    reads the weights once plus the KV cache of every sequence still generating."""
+    steps = max(workload.output_lens)
+    kv_tokens_read = sum(
+        sum(len(p) + t for t in range(out)) for p, out in zip(workload.prompts, workload.output_lens, strict=True)
+    )
+    return (steps * weight_bytes + kv_tokens_read * kv_bytes_per_token) / bandwidth
+
+
+class LadleRunner:
+    """ladle's offline engine on one model."""
+
+    def __init__(self, model: str, device: str, max_num_seqs: int) -> None:
+        from engine_server import LLM
+        from engine_server.config import EngineConfig, SchedulerConfig
+
+        config = EngineConfig(model=model, device=device,  # type: ignore[arg-type]
+                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+        self.llm = LLM(config=config)
+        self.device = device
+
+    def run(self, workload: Workload) -> float:
+        """Seconds to generate the whole workload (greedy, ignore_eos)."""
+        from engine_server import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+        _sync(self.device)
+        start = time.perf_counter()
+        results = self.llm.generate(workload.prompts, params, use_tqdm=False)
+        _sync(self.device)
+        seconds = time.perf_counter() - start
+        assert sum(len(r.choices[0].token_ids) for r in results) == workload.output_tokens
+        return seconds
+
+    def tpot_ms(self, tokens: int) -> float:
+        """Single-stream decode time per output token: (time for 1 + tokens) - (time for 1), over tokens."""
+        prompt = Workload([list(range(100, 228))], [1])
+        self.run(prompt)
+        first = self.run(prompt)
+        whole = self.run(Workload(prompt.prompts, [1 + tokens]))
+        return (whole - first) / tokens * 1000
+
+
+def hf_model(model: str, device: str) -> Any:
+    """transformers' model with ladle's weights for `model` (the same seeded random weights for dummy:*)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    from engine_server.loader import resolve_model
+
+    source = resolve_model(model)
+    cfg = source.config
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[cfg.architecture]
+    hf_config = config_class(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    hf.load_state_dict(dict(source.weights()), strict=False)  # a tied lm_head is not in the list
+    return cast(Any, hf).to(device).eval()
+
+
+def hf_seconds(hf: Any, workload: Workload) -> float:
+    """transformers' continuous batching (`generate_batch`, CUDA graphs where its version has them)."""
+    from transformers import GenerationConfig
+
+    (length,) = set(workload.output_lens)
+    config = GenerationConfig(max_new_tokens=length, min_new_tokens=length, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+    hf.generate_batch(inputs=workload.prompts[:2], generation_config=config, progress_bar=False)  # warm-up
+    device = str(next(hf.parameters()).device.type)
+    _sync(device)
+    start = time.perf_counter()
+    outputs = hf.generate_batch(inputs=workload.prompts, generation_config=config, progress_bar=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    assert sum(len(o.generated_tokens) for o in outputs.values()) == workload.output_tokens
+    return seconds
+
+
+def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    workload = nano_vllm_workload(args.num_seqs, args.min_len, args.max_len, args.seed)
+    fixed = workload.with_fixed_output()
+    ladle = LadleRunner(model, args.device, max_num_seqs=args.num_seqs)
+    warm = workload.prompts[:4]
+    ladle.run(Workload(warm, [8] * len(warm)))  # warm-up (kernels compiled, graphs captured)
+    seconds = ladle.run(workload)
+    fixed_seconds = ladle.run(fixed)
+    tpot = ladle.tpot_ms(args.tpot_tokens)
+    cfg = ladle.llm.core.model_config
+    dtype_bytes = torch.finfo(ladle.llm.core.runner.dtype).bits // 8
+    weight_bytes = sum(p.numel() for p in ladle.llm.core.runner.model.parameters()) * dtype_bytes
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    result: dict[str, Any] = {
+        "model": model,
+        "workload": {"num_seqs": args.num_seqs, "len_range": [args.min_len, args.max_len], "seed": args.seed,
+                     "output_tokens": workload.output_tokens, "fixed_output_len": fixed.output_lens[0]},
+        "output_tok_per_s": {"ladle": round(workload.output_tokens / seconds, 1),
+                             "ladle_fixed_output": round(fixed.output_tokens / fixed_seconds, 1)},
+        "roofline_fraction": round(
+            roofline_seconds(workload, weight_bytes, kv_bytes_per_token, bandwidth) / seconds, 4
+        ),
+        "tpot_ms_single_stream": round(tpot, 3),
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+    }
+    del ladle
+    if not args.skip_hf:
+        hf = hf_model(model, args.device)
+        hf_rate = fixed.output_tokens / hf_seconds(hf, fixed)
+        result["output_tok_per_s"]["transformers"] = round(hf_rate, 1)
+        result["ratio_vs_hf"] = round(result["output_tok_per_s"]["ladle_fixed_output"] / hf_rate, 3)
+        del hf
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ladle bench gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated model specs")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run only")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tpot-tokens", type=int, default=256)
+    parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
+    parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("ladle bench gpu: no CUDA device here", file=sys.stderr)
+        return 2
+    import triton  # noqa: F401  (version recorded below; the kernels need it)
+
+    bandwidth = copy_bandwidth(args.device, mib=1024 if args.device == "cuda" else 64)
+    result = {
+        "benchmark": "gpu",
+        "time": utc_timestamp(),
+        "commit": git_commit(),
+        "command": "ladle bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": sys.modules["triton"].__version__,
+        "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
+        "models": [bench_model(model, args, bandwidth) for model in args.models.split(",")],
+    }
+    print(json.dumps(result, indent=2))
+    append_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""The GPU benchmark's arithmetic (workload, roofline) on hand-made numbers, and one tiny run on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu
+
+
+def test_the_nano_vllm_workload_is_seeded_and_in_range() -> None:
+    workload = gpu.nano_vllm_workload(256, 100, 1024, seed=0)
+    assert workload == gpu.nano_vllm_workload(256, 100, 1024, seed=0)
+    assert len(workload.prompts) == len(workload.output_lens) == 256
+    assert all(100 <= len(p) <= 1024 for p in workload.prompts)
+    assert all(100 <= n <= 1024 for n in workload.output_lens)
+    fixed = workload.with_fixed_output()
+    assert fixed.prompts == workload.prompts and len(set(fixed.output_lens)) == 1
+    assert abs(fixed.output_tokens - workload.output_tokens) <= 256
+
+
+def test_roofline_counts_weights_once_per_step_and_the_kv_each_sequence_reads() -> None:
+    workload = gpu.Workload(prompts=[[1, 2], [3]], output_lens=[3, 1])
+    # Steps: 3. KV tokens read: seq 0 at contexts 2, 3, 4; seq 1 at context 1 -> 10 tokens.
+    seconds = gpu.roofline_seconds(workload, weight_bytes=100, kv_bytes_per_token=10, bandwidth=50.0)
+    assert seconds == pytest.approx((3 * 100 + 10 * 10) / 50.0)
+
+
+@pytest.mark.slow
+def test_a_tiny_cpu_run_writes_every_field(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.jsonl"
+    code = gpu.main(["--device", "cpu", "--models", "dummy:smollm2-135m", "--num-seqs", "2", "--min-len", "4",
+                     "--max-len", "6", "--tpot-tokens", "2", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert {"device", "torch", "triton", "commit", "command", "copy_bandwidth_gb_per_s"} <= set(result)
+    (model,) = result["models"]
+    assert model["model"] == "dummy:smollm2-135m"
+    assert {"ladle", "ladle_fixed_output", "transformers"} <= set(model["output_tok_per_s"])
+    assert model["ratio_vs_hf"] > 0 and model["roofline_fraction"] > 0 and model["tpot_ms_single_stream"] > 0
