@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,28 @@ def append_result(out: Path | None, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
         f.write(json.dumps(result) + "\n")
+
+
+def hf_model(model: str, device: str, dtype: Any) -> Any:
+    """transformers' model for a ladle model spec, holding exactly ladle's weights (for `dummy:*` the same
+    seeded random weights), so both systems run the same network. `dtype` is a torch dtype."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    from engine_server.loader import resolve_model
+
+    source = resolve_model(model)
+    cfg = source.config
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[cfg.architecture]
+    hf_config = config_class(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
+        rope_scaling=None if cfg.rope_scaling is None else {"rope_type": "llama3", **asdict(cfg.rope_scaling)},
+    )
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(dict(source.weights()), strict=False)
+    if unexpected or any(name != "lm_head.weight" for name in missing):  # a tied lm_head is not in the list
+        raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
+    return hf.to(device).eval()

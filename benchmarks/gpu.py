@@ -26,11 +26,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from benchmarks.common import append_result, git_commit, utc_timestamp
+from benchmarks.common import append_result, git_commit, hf_model, utc_timestamp
 
 DEFAULT_MODELS = "dummy:qwen2.5-0.5b,dummy:smollm2-135m"
 
@@ -120,28 +120,6 @@ class LadleRunner:
         return (whole - first) / tokens * 1000
 
 
-def hf_model(model: str, device: str) -> Any:
-    """transformers' model with ladle's weights for `model` (the same seeded random weights for dummy:*)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    from engine_server.loader import resolve_model
-
-    source = resolve_model(model)
-    cfg = source.config
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[cfg.architecture]
-    hf_config = config_class(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-    )
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    hf.load_state_dict(dict(source.weights()), strict=False)  # a tied lm_head is not in the list
-    return cast(Any, hf).to(device).eval()
-
-
 def hf_seconds(hf: Any, workload: Workload) -> float:
     """transformers' continuous batching (`generate_batch`, CUDA graphs where its version has them)."""
     from transformers import GenerationConfig
@@ -188,7 +166,7 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
     }
     del ladle
     if not args.skip_hf:
-        hf = hf_model(model, args.device)
+        hf = hf_model(model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
         hf_rate = fixed.output_tokens / hf_seconds(hf, fixed)
         result["output_tok_per_s"]["transformers"] = round(hf_rate, 1)
         result["ratio_vs_hf"] = round(result["output_tok_per_s"]["ladle_fixed_output"] / hf_rate, 3)

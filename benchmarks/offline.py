@@ -18,11 +18,11 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from benchmarks.common import add_workload_arguments, append_result
+from benchmarks.common import add_workload_arguments, append_result, hf_model
 
 Workload = list[list[int]]
 
@@ -57,27 +57,6 @@ def bench_ladle(model: str, device: str, prompts: Workload, output_len: int, max
         return sum(len(r.choices[0].token_ids) for r in results)
 
     return _timed(run)
-
-
-def _hf_model(model: str, device: str) -> Any:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    from engine_server.loader import resolve_model
-
-    source = resolve_model(model)
-    if not model.startswith("dummy:"):
-        hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32)
-        return cast(Any, hf).to(device).eval()
-    # Random weights of the same shape: throughput does not depend on the values.
-    cfg = source.config
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[cfg.architecture]
-    hf_config = config_class(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
-    )
-    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).to(device).eval()
 
 
 def bench_hf_static(hf: Any, prompts: Workload, output_len: int) -> dict[str, Any]:
@@ -123,7 +102,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                                                  max(args.num_seqs, 1))}
     print(f"ladle: {systems['ladle']}", flush=True)
     if not args.skip_hf:
-        hf = _hf_model(args.model, "cuda" if args.device == "cuda" else "cpu")
+        hf = hf_model(args.model, "cuda" if args.device == "cuda" else "cpu", torch.float32)
         for name, bench in (("hf_static", bench_hf_static), ("hf_continuous", bench_hf_continuous)):
             try:
                 systems[name] = bench(hf, prompts, args.output_len)
