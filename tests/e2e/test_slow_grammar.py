@@ -62,10 +62,13 @@ def test_a_slow_schema_fails_alone_while_16_streams_keep_going(limited_engine: E
         assert "did not compile within 1 s" in (failure.value.details() or "")
         assert LIMIT_S <= failed - submitted < LIMIT_S + 2.0
 
-        time.sleep(0.5)
-        for i, times in enumerate(arrivals):  # each stream got tokens while the grammar was compiling, and after
+        for i, times in enumerate(arrivals):  # each stream got tokens while the grammar was compiling...
             assert any(submitted < t < failed for t in times), f"stream {i} stalled during the compile"
-            assert times[-1] > failed, f"stream {i} stopped"
+        # ...and goes on after it (the abandoned compile may still hold the CPU for a while, so allow time).
+        deadline = time.monotonic() + 30
+        while not all(times[-1] > failed for times in arrivals) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(times[-1] > failed for times in arrivals), "a stream stopped after the compile failed"
         for call in calls:
             call.cancel()
         for reader in readers:
