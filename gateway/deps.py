@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Iterable
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -12,6 +13,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import APIError, no_engine
 from gateway.metrics import GatewayMetrics
+from ladle.v1 import types_pb2
 
 
 def get_pool(request: Request) -> EnginePool:
@@ -76,10 +78,12 @@ class RequestTimer:
             self.metrics.itl.labels(self.route).observe(now - self._last)
         self._last = now
 
-    def finish(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def finish(self, usage: Iterable[types_pb2.Usage]) -> None:
+        """The request ended; `usage` holds one entry per engine request it made."""
         self.metrics.e2e.labels(self.route).observe(time.monotonic() - self.started)
-        self.metrics.prompt_tokens.labels(self.route).inc(prompt_tokens)
-        self.metrics.completion_tokens.labels(self.route).inc(completion_tokens)
+        for u in usage:
+            self.metrics.prompt_tokens.labels(self.route).inc(u.prompt_tokens)
+            self.metrics.completion_tokens.labels(self.route).inc(u.completion_tokens)
 
 
 # Annotated forms for route signatures (FastAPI's recommended style).

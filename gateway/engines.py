@@ -73,11 +73,11 @@ class EnginePool:
 
     def pick(self) -> Engine:
         """The engine for the next call; HTTP 503 when none is SERVING."""
-        ready = self.ready
+        turn = next(self._turn)
+        ready = [(e.busy, (i - turn) % len(self.engines), e) for i, e in enumerate(self.engines) if e.serving]
         if not ready:
             raise no_engine()
-        turn = next(self._turn)
-        return min(ready, key=lambda e: (e.busy, (self.engines.index(e) - turn) % len(self.engines)))
+        return min(ready, key=lambda entry: entry[:2])[2]
 
     @property
     def model_id(self) -> str | None:

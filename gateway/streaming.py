@@ -60,7 +60,7 @@ async def chat_chunks(
                 yield header.chunk([from_engine.finish_delta(delta, delta.index, chat=True)])
         if message.HasField("usage"):
             usage.append(message.usage)
-    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    timer.finish(usage)
     if header.include_usage:
         yield header.usage_chunk(usage)
 
@@ -88,6 +88,6 @@ async def completion_chunks(
                 yield header.chunk([from_engine.finish_delta(delta, index, chat=False)])
         if message.HasField("usage"):
             usage.append(message.usage)
-    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    timer.finish(usage)
     if header.include_usage:
         yield header.usage_chunk(usage)

@@ -6,7 +6,6 @@ Streaming, tools, beam search and n > 1 are refused: each conversation gets exac
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -52,8 +51,8 @@ async def create_batch_chat_completion(
     timer = RequestTimer(metrics, ROUTE)
     responses = await calls.batch(pool, requests, "messages")
     usage = [r.usage for r in responses]
-    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    timer.finish(usage)
     choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs) for i, r in enumerate(responses)]
     return JSONResponse(
-        from_engine.chat_completion(f"chatcmpl-{rid}", int(time.time()), model, choices, from_engine.usage(usage))
+        from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage(usage))
     )

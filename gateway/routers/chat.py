@@ -34,9 +34,8 @@ async def create_chat_completion(
         chunks = chat_chunks(messages, header, body.logprobs, timer)
         return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
     response = await calls.generate(pool, request)
-    timer.finish(response.usage.prompt_tokens, response.usage.completion_tokens)
+    timer.finish([response.usage])
     choices = [from_engine.chat_choice(c, c.index, body.logprobs) for c in response.choices]
     return JSONResponse(
-        from_engine.chat_completion(f"chatcmpl-{rid}", int(time.time()), model, choices,
-                                    from_engine.usage([response.usage]))
+        from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage([response.usage]))
     )

@@ -38,12 +38,12 @@ async def create_completion(
         return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
     responses = await calls.generate_all(pool, requests)
     usage = [r.usage for r in responses]
-    timer.finish(sum(u.prompt_tokens for u in usage), sum(u.completion_tokens for u in usage))
+    timer.finish(usage)
     choices = [
         from_engine.completion_choice(c, p * body.n + c.index, want_logprobs, echoes[p] if echoes else "")
         for p, response in enumerate(responses)
         for c in response.choices
     ]
     return JSONResponse(
-        from_engine.completion(f"cmpl-{rid}", int(time.time()), model, choices, from_engine.usage(usage))
+        from_engine.response("text_completion", f"cmpl-{rid}", model, choices, from_engine.usage(usage))
     )

@@ -6,6 +6,7 @@ layout; both are built here so the routers only choose which.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -35,6 +36,21 @@ def usage(messages: Iterable[types_pb2.Usage]) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def response(
+    object_name: str, response_id: str, model: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    """A whole response: `object_name` is "chat.completion" or "text_completion"."""
+    return {
+        "id": response_id,
+        "object": object_name,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_body,
+        "system_fingerprint": None,
     }
 
 
@@ -85,19 +101,6 @@ def chat_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool) -> di
         "stop_reason": matched_stop(choice.matched_stop),
     }
 
-
-def chat_completion(
-    response_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_body,
-        "system_fingerprint": None,
-    }
 
 
 def chat_delta(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
@@ -175,19 +178,6 @@ def completion_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool,
         "stop_reason": matched_stop(choice.matched_stop),
     }
 
-
-def completion(
-    response_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_body,
-        "system_fingerprint": None,
-    }
 
 
 def completion_delta(

@@ -25,13 +25,18 @@ class EngineProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        return stop_process(self.process, timeout)
+
+
+def stop_process(process: subprocess.Popen[str], timeout: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; its exit status."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def start_engine(log_path: Path, *extra_args: str) -> EngineProcess:

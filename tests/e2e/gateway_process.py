@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tests.e2e.engine_process import stop_process
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -30,13 +31,7 @@ class GatewayProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        return stop_process(self.process, timeout)
 
 
 def _env() -> dict[str, str]:
