@@ -127,5 +127,9 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
     cache_dir: str | None = None  # where converted models live; default ~/.cache/ladle
+    # CUDA graphs replay decode steps when the device is CUDA, unless enforce_eager (vLLM's name) is set. One
+    # graph per batch-size bucket up to min(max_num_seqs, max_cuda_graph_batch); larger batches run eagerly.
+    enforce_eager: bool = False
+    max_cuda_graph_batch: int = 512
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

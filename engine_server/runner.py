@@ -2,23 +2,33 @@
 
 It owns the model weights, the paged KV cache tensors, the sampler, the per-request seeded generators and the
 grammar matchers of constrained requests. The scheduler decides *what* runs; the runner only executes it.
+
+On CUDA (unless `enforce_eager`) decode-only steps replay CUDA graphs captured at start-up (`cuda_graphs`);
+prefill and mixed steps, and batches above the largest graph, run eagerly. The KV cache holds one block more
+than the scheduler is given: the graphs' padding rows write there and nowhere else.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from engine_server.attention import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.core.request import RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
+from engine_server.layers.ops import REFERENCE_OPS, select_ops
 from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.sampling import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
+from engine_server.transfer import host_tensor, to_device
 
+log = structlog.get_logger(__name__)
 _SEED_MODULUS = 2**63
 # How a grammar's state after the sampled token ends the choice (absent: it goes on).
 _GRAMMAR_FINISH = {
@@ -73,22 +83,67 @@ def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.
 
 
 class ModelRunner:
-    """Executes scheduled steps on one device. Not thread-safe: the engine core's step loop owns it."""
+    """Executes scheduled steps on one device. Not thread-safe: the engine core's step loop owns it.
+
+    `num_blocks` is what the KV cache manager may hand out (ids `0..num_blocks-1`); `kv_caches` holds one more,
+    `scratch_block == num_blocks`, which only padding rows of the decode graphs touch.
+    """
 
     def __init__(self, source: ModelSource, config: EngineConfig, max_model_len: int) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = source.config
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
         model = get_model_class(source.config.architecture)(source.config, dtype=self.dtype)
         model.load_weights(source.weights())
         self.model = model.to(self.device).eval()
         self.num_blocks = num_kv_blocks(source.config, config, self.dtype, max_model_len)
-        self.kv_caches = allocate_kv_cache(source.config, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.scratch_block = self.num_blocks
+        self.kv_caches = allocate_kv_cache(source.config, self.num_blocks + 1, self.block_size, self.dtype, self.device)
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
+        self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1:
+            if select_ops(self.device) is REFERENCE_OPS:
+                # The reference attention builds tensors from host lists every call: it cannot be captured.
+                log.warning("triton is unavailable: decode steps run eagerly on the torch reference ops")
+            else:
+                self.capture_decode_graphs(CudaGraphCapture())
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, capture: GraphCapture) -> DecodeGraphs:
+        """Record the decode forward for every batch-size bucket up to `max_graph_batch` and use it from now on.
+
+        Called at start-up on CUDA (with `CudaGraphCapture`), so the first request does not pay for it; tests
+        pass `EagerCapture` to run the same padded static-buffer path on the CPU.
+        """
+        started = time.perf_counter()
+        sizes = graph_batch_sizes(self.max_graph_batch)
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv_caches, meta),
+            sizes=sizes,
+            hidden_size=self.model_config.hidden_size,
+            block_size=self.block_size,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            scratch_block=self.scratch_block,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        graphs.capture_all(capture)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.decode_graphs = graphs
+        log.info(
+            "decode graphs captured",
+            graphs=len(sizes),
+            batch_sizes=f"{sizes[0]}..{sizes[-1]}",
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        return graphs
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (the seeded generator, the grammar matcher) of a finished or aborted request."""
@@ -113,33 +168,55 @@ class ModelRunner:
         """Run the scheduled tokens through the model and sample for every request that `needs_sample`."""
         if not output.scheduled:
             return {}
-        token_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        for item in output.scheduled:
-            start, count = item.start_position, item.num_new_tokens
-            token_ids.extend(item.request.all_token_ids[start : start + count])
-            positions.extend(range(start, start + count))
-            query_lens.append(count)
-            seq_lens.append(start + count)
-        meta = AttentionMetadata.build(
-            query_lens, seq_lens, [item.block_ids for item in output.scheduled], self.block_size, self.device
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, position_ids, self.kv_caches, meta)
-
+        hidden, last_rows = self._forward(output.scheduled)
         sampling = [i for i, item in enumerate(output.scheduled) if item.needs_sample]
         if not sampling:
             return {}
-        ends = meta.query_start_loc[1:].to(torch.long) - 1
-        logits = self.model.compute_logits(hidden[ends[sampling]])
+        wanted = [last_rows[i] for i in sampling]
+        if wanted != list(range(hidden.shape[0])):  # a decode step where every row samples needs no gather
+            hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
+        logits = self.model.compute_logits(hidden)
         # Filled after the forward is launched: on CUDA the host-side grammar work overlaps the GPU's.
         bitmasks = self.grammars.bitmasks([output.scheduled[i].request for i in sampling])
         rows = [self._row(output.scheduled[i], mask) for i, mask in zip(sampling, bitmasks, strict=True)]
         sampled = self.sampler(logits, rows)
         return self._collect([output.scheduled[i] for i in sampling], sampled)
+
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token."""
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and len(scheduled) <= graphs.max_batch
+            and all(item.num_new_tokens == 1 for item in scheduled)
+        ):
+            hidden = graphs.run(
+                [item.request.all_token_ids[item.start_position] for item in scheduled],
+                [item.start_position + 1 for item in scheduled],
+                [item.block_ids for item in scheduled],
+            )
+            return hidden, list(range(len(scheduled)))
+        return self._forward_eager(scheduled)
+
+    def _forward_eager(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        last_rows: list[int] = []
+        for item in scheduled:
+            start, count = item.start_position, item.num_new_tokens
+            token_ids.extend(item.request.all_token_ids[start : start + count])
+            positions.extend(range(start, start + count))
+            query_lens.append(count)
+            seq_lens.append(start + count)
+            last_rows.append(len(token_ids) - 1)
+        meta = AttentionMetadata.build(
+            query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
+        )
+        input_ids = to_device(host_tensor(token_ids, torch.long, self.device), self.device)
+        position_ids = to_device(host_tensor(positions, torch.long, self.device), self.device)
+        return self.model(input_ids, position_ids, self.kv_caches, meta), last_rows
 
     def _row(self, item: ScheduledRequest, bitmask: torch.Tensor | None = None) -> SamplingRow:
         request = item.request

@@ -52,6 +52,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--kv-cache-mib", 2048, "KV cache memory in MiB", type=int)
     _add(parser, "--grammar-timeout", 10.0, "seconds a constraint may take to compile (then INVALID_ARGUMENT)",
          type=float)
+    _add(parser, "--enforce-eager", False, "never use CUDA graphs (they replay decode steps on CUDA otherwise)",
+         action="store_true")
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +125,7 @@ def _engine(args: argparse.Namespace) -> int:
         engine=EngineConfig(
             model=args.model,
             device=args.device,
+            enforce_eager=args.enforce_eager,
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting),
         ),

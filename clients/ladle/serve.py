@@ -21,12 +21,13 @@ from ladle.log import configure_logging
 
 def _engine_command(args: argparse.Namespace, address: str) -> list[str]:
     host, _, port = address.rpartition(":")
-    return [
+    command = [
         sys.executable, "-m", "ladle.cli", "engine", "--model", args.model, "--device", args.device,
         "--host", host, "--port", port, "--shutdown-timeout", str(args.shutdown_timeout),
         "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
         "--kv-cache-mib", str(args.kv_cache_mib), "--grammar-timeout", str(args.grammar_timeout),
     ]
+    return [*command, "--enforce-eager"] if args.enforce_eager else command
 
 
 async def _serve_all(args: argparse.Namespace, config: GatewayConfig) -> int:

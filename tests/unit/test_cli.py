@@ -28,3 +28,16 @@ def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["batch", "-i", "in.jsonl", "-o", "out.jsonl"])
     assert exit_info.value.code == cli.NOT_BUILT
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_enforce_eager_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ladle.serve import _engine_command
+
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).enforce_eager is False
+    assert parser.parse_args(["engine", "--enforce-eager"]).enforce_eager is True
+    serve_args = parser.parse_args(["serve", "--enforce-eager"])
+    assert "--enforce-eager" in _engine_command(serve_args, "127.0.0.1:50051")
+    assert "--enforce-eager" not in _engine_command(parser.parse_args(["serve"]), "127.0.0.1:50051")
+    monkeypatch.setenv("LADLE_ENFORCE_EAGER", "1")
+    assert cli.build_parser().parse_args(["engine"]).enforce_eager is True

@@ -1,0 +1,217 @@
+"""CUDA graphs for decode steps: static input buffers and one captured forward pass per batch-size bucket.
+
+A decode step launches hundreds of small kernels whose launch cost, not their work, bounds a small model; a
+CUDA graph replays them all with one launch. A graph replays fixed kernels on fixed addresses, so:
+
+- The inputs live in static device buffers sized for the largest bucket. `DecodeGraphs.run` pads a batch of
+  B decode rows (one new token each) to the smallest bucket >= B, copies it in, replays that bucket's graph and
+  returns the hidden states `[B, hidden]`: a view of a static buffer, valid until the next `run`.
+- Padding rows are harmless: token 0 at position 0 with seq_len 1, their slot and block table in
+  `scratch_block`, a KV block the cache manager never hands out. They never read or write a block that a real
+  request owns; their own outputs are garbage and are never returned.
+- Everything the captured kernels read from the host (number of sequences, max_query_len == 1, shapes) is fixed
+  per bucket; all per-step values (tokens, positions, slots, seq_lens, block tables) are read on the device.
+  `kernels.paged_attention` and `kernels.kv_cache` satisfy this, so their launches replay correctly. A kernel
+  that sized its launch from `max_seq_len` or the host lists would not: the graph keeps their capture values.
+
+Capturing is injected (`GraphCapture`): `CudaGraphCapture` records with `torch.cuda.graph`, `EagerCapture`
+re-runs the recorded callable on replay, so the CPU can test the padding and static-buffer logic.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from engine_server.attention import AttentionMetadata
+from engine_server.transfer import host_tensor
+
+# hidden `[T, hidden]` of the model for input ids and positions `[T]` under the given metadata.
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The buckets, ascending: 1, 2, 4, 8, then multiples of 8 below `max_batch`, and `max_batch` itself (as
+    vLLM does, so a step pads by at most 7 rows while a few dozen graphs cover every batch up to `max_batch`)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1; got {max_batch}")
+    sizes = {s for s in (1, 2, 4) if s < max_batch} | set(range(8, max_batch, 8)) | {max_batch}
+    return sorted(sizes)
+
+
+def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of the ascending `sizes` that holds `batch` rows; None when `batch` exceeds them all."""
+    index = bisect.bisect_left(sizes, batch)
+    return sizes[index] if index < len(sizes) else None
+
+
+class GraphCapture(Protocol):
+    """How `DecodeGraphs` records a callable that reads and writes only its static buffers."""
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        """Run `fn` eagerly before it is captured (compiles kernels, sets up library workspaces)."""
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Record `fn`; the returned callable redoes its work on the same buffers with their current contents."""
+
+
+class CudaGraphCapture:
+    """Records with `torch.cuda.graph`, every graph in one shared memory pool.
+
+    Capture the largest batch first: later, smaller graphs then fit in the pool the first one reserved (only
+    one graph runs at a time, so sharing it is safe).
+    """
+
+    def __init__(self, warmup_runs: int = 2) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.warmup_runs = warmup_runs
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        # PyTorch's recipe: warm up on a side stream, so lazy initialisation is not mixed into the capture stream.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_runs):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph.replay
+
+
+class EagerCapture:
+    """Records the callable itself and re-runs it on replay: the graph path without graphs, for CPU tests."""
+
+    def __init__(self) -> None:
+        self.warmups = 0
+
+    def warmup(self, fn: Callable[[], None]) -> None:
+        self.warmups += 1
+        fn()
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        return fn
+
+
+class DecodeGraphs:
+    """Static buffers and one recorded forward per bucket. Not thread-safe: the runner owns it.
+
+    `forward` must be the model step over the runner's KV cache; `scratch_block` a block id of that cache that
+    no request is ever given; `max_blocks_per_seq` the block-table width a `max_model_len` sequence needs.
+    """
+
+    def __init__(
+        self,
+        forward: DecodeForward,
+        *,
+        sizes: Sequence[int],
+        hidden_size: int,
+        block_size: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.sizes = sorted(sizes)
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self._forward = forward
+        largest = self.sizes[-1]
+        # Input ids, positions and slots of bucket b are the 3 rows of `_tokens[:3 * b].view(3, b)`: contiguous
+        # (as the kernels read them), and a step's per-token inputs arrive in one copy.
+        self._tokens = torch.zeros(3 * largest, dtype=torch.long, device=device)
+        self._seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
+        self._block_tables = torch.full((largest, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self._hidden = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
+        self._replays: dict[int, Callable[[], None]] = {}
+        # The metadata the recorded callable reads, per bucket. A CUDA graph keeps what it saw at capture; the
+        # eager stand-in reads the current one, whose host lists must then describe the padded batch.
+        self._metas: dict[int, AttentionMetadata] = {}
+        self.replays: Counter[int] = Counter()  # runs per bucket, for logs and tests
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, batch: int) -> int | None:
+        return bucket_for(batch, self.sizes)
+
+    def capture_all(self, capture: GraphCapture) -> None:
+        """Warm up and record every bucket, largest first. Padding rows only: the KV writes hit the scratch block."""
+        self._seq_lens.fill_(1)
+        self._block_tables.fill_(self.scratch_block)
+        for bucket in reversed(self.sizes):
+            ids, positions, slots = self._token_rows(bucket)
+            ids.zero_()
+            positions.zero_()
+            slots.fill_(self.scratch_block * self.block_size)
+            self._metas[bucket] = self._metadata(bucket, [1] * bucket)
+            step = self._step_fn(bucket)
+            capture.warmup(step)
+            self._replays[bucket] = capture.capture(step)
+
+    def run(self, token_ids: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[list[int]]) -> torch.Tensor:
+        """Hidden states `[B, hidden]` of B decode rows: row i is token `token_ids[i]` at position
+        `seq_lens[i] - 1` of a sequence whose blocks are `block_tables[i]` (covering `seq_lens[i]` tokens).
+
+        B must be between 1 and `max_batch`. The result is a view of a static buffer, overwritten by the next run.
+        """
+        batch = len(token_ids)
+        bucket = self.bucket_for(batch)
+        if batch == 0 or bucket is None or not len(seq_lens) == len(block_tables) == batch:
+            raise ValueError(f"a decode graph runs 1..{self.max_batch} rows with one seq_len and table each")
+        pad = bucket - batch
+        bs = self.block_size
+        positions = [s - 1 for s in seq_lens]
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
+        width = max(-(-s // bs) for s in seq_lens)
+        if width > self._block_tables.shape[1]:
+            raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds the graphs' block-table width")
+        tables = [table[:width] + [self.scratch_block] * (width - len(table[:width])) for table in block_tables]
+        tables += [[self.scratch_block] * width] * pad
+        tokens = [*token_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[self.scratch_block * bs] * pad]
+        padded_lens = [*seq_lens, *[1] * pad]
+        # Non-blocking from pinned memory on CUDA; stale table columns beyond `width` are never read.
+        self._tokens[: 3 * bucket].copy_(host_tensor(tokens, torch.long, self.device), non_blocking=True)
+        self._seq_lens[:bucket].copy_(host_tensor(padded_lens, torch.int32, self.device), non_blocking=True)
+        self._block_tables[:bucket, :width].copy_(host_tensor(tables, torch.int32, self.device), non_blocking=True)
+        self._metas[bucket] = self._metadata(bucket, padded_lens)
+        self._replays[bucket]()
+        self.replays[bucket] += 1
+        return self._hidden[:batch]
+
+    def _step_fn(self, bucket: int) -> Callable[[], None]:
+        ids, positions, _ = self._token_rows(bucket)
+
+        def step() -> None:
+            self._hidden[:bucket].copy_(self._forward(ids, positions, self._metas[bucket]))
+
+        return step
+
+    def _token_rows(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input ids, positions, slots) `[bucket]` each, contiguous views of the static token buffer."""
+        ids, positions, slots = self._tokens[: 3 * bucket].view(3, bucket)
+        return ids, positions, slots
+
+    def _metadata(self, bucket: int, seq_lens: list[int]) -> AttentionMetadata:
+        """Metadata over the static buffers for `bucket` rows whose (padded) lengths are `seq_lens`."""
+        return AttentionMetadata(
+            query_start_loc=self._query_start_loc[: bucket + 1],
+            seq_lens=self._seq_lens[:bucket],
+            block_tables=self._block_tables[:bucket],
+            slot_mapping=self._token_rows(bucket)[2],
+            max_query_len=1,
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=[1] * bucket,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
