@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 from dataclasses import asdict
@@ -22,7 +23,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, num_seqs: int = 64) 
 
 
 def git_commit() -> str:
-    """The checked-out commit of this repository (`git rev-parse HEAD`), or "unknown" outside a git checkout."""
+    """The checked-out commit of this repository (`git rev-parse HEAD`), or "unknown" outside a git checkout.
+
+    `LADLE_COMMIT` overrides it: a copy of the tree without `.git` (the GPU machine's) is told its commit.
+    """
+    if os.environ.get("LADLE_COMMIT"):
+        return os.environ["LADLE_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).resolve().parent)

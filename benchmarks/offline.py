@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import random
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import add_workload_arguments, append_result, hf_model
+from benchmarks.common import add_workload_arguments, append_result, git_commit, hf_model, utc_timestamp
 
 Workload = list[list[int]]
 
@@ -88,13 +87,6 @@ def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int) -> dict[str
     return _timed(run)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     prompts = make_workload(args.num_seqs, args.input_len, 49152, args.seed)
@@ -112,8 +104,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     hf_rates = [s["output_tok_per_s"] for n, s in systems.items() if n.startswith("hf") and "output_tok_per_s" in s]
     result = {
         "benchmark": "offline",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "time": utc_timestamp(),
+        "commit": git_commit(),
         "command": args.command_line,
         "machine": {
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),

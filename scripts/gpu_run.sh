@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Run THERE (the GPU machine, through the device tool) from the repository root. Stages run in the order given;
+# results and logs go to $OUT (what the device tool brings back). Prepare first with `scripts/gpu_prepare.sh`.
+#
+#   setup          install .whl/*.whl into /tmp/site (carry .whl); every later stage needs it, in every call
+#   info           nvidia-smi, Python / torch / triton / transformers versions  -> $OUT/device.txt
+#   model-a        keep the GGUF's first half (carry .gpu_model/a) in /tmp until model-b joins it
+#   model-b        join it with the second half (carry .gpu_model/b, .gpu_model/name, .gpu_model/sha256);
+#                  the next call must come within the machine's warm window, or model-a is lost
+#   tests          the kernel tests on the hardware and tests/gpu (graphs vs eager, GPU vs CPU reference,
+#                  on the joined GGUF when present)                                 -> $OUT/tests.log
+#   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
+#
+# Example (one device call; LADLE_COMMIT names the commit, since the copy there has no .git):
+#   LADLE_COMMIT=<sha> bash scripts/gpu_run.sh setup info tests bench:dummy:qwen2.5-0.5b
+set -uo pipefail
+OUT=${OUT:-/tmp/ladle-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD:$PWD/clients${PYTHONPATH:+:$PYTHONPATH}"
+MODEL_DIR=/tmp/ladle-model
+status=0
+
+for stage in "$@"; do
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  case "$stage" in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1 ;;
+    info)
+      { nvidia-smi; python3 -c 'import sys, torch, triton, transformers; print(sys.version);
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name());
+print("triton", triton.__version__, "transformers", transformers.__version__)'; } > "$OUT/device.txt" 2>&1
+      cat "$OUT/device.txt" ;;
+    model-a)
+      mkdir -p "$MODEL_DIR" && cp .gpu_model/a "$MODEL_DIR/part-a" ;;
+    model-b)
+      name=$(cat .gpu_model/name)
+      cat "$MODEL_DIR/part-a" .gpu_model/b > "$MODEL_DIR/$name"
+      echo "$(cat .gpu_model/sha256)  $MODEL_DIR/$name" | sha256sum -c - || status=1 ;;
+    tests)
+      gguf=$(ls "$MODEL_DIR"/*.gguf 2>/dev/null | head -1)
+      LADLE_GPU_REFERENCE_MODEL=${gguf:-default} python3 -m pytest tests/unit/kernels tests/gpu -q -ra \
+        -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+    bench:*)
+      python3 -m benchmarks.gpu --models "${stage#bench:}" --out "$OUT/gpu.jsonl" 2>&1 | tee -a "$OUT/bench.log" \
+        || status=1 ;;
+    *)
+      echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+exit $status
