@@ -2,7 +2,7 @@
 # Run THERE (the GPU machine, through the device tool) from the repository root. Stages run in the order given;
 # results and logs go to $OUT (what the device tool brings back). Prepare first with `scripts/gpu_prepare.sh`.
 #
-#   setup          install .whl/*.whl into /tmp/site (carry .whl); every later stage needs it, in every call
+#   setup          install .whl/*.whl into /tmp/site (carry .whl); the later stages need it
 #   info           nvidia-smi, Python / torch / triton / transformers versions  -> $OUT/device.txt
 #   model-a        keep the GGUF's first half (carry .gpu_model/a) in /tmp until model-b joins it
 #   model-b        join it with the second half (carry .gpu_model/b, .gpu_model/name, .gpu_model/sha256);
@@ -11,8 +11,11 @@
 #                  on the joined GGUF when present)                                 -> $OUT/tests.log
 #   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
 #
-# Example (one device call; LADLE_COMMIT names the commit, since the copy there has no .git):
-#   LADLE_COMMIT=<sha> bash scripts/gpu_run.sh setup info tests bench:dummy:qwen2.5-0.5b
+# A session, in three device calls back to back (the first two within the machine's warm window; LADLE_COMMIT
+# names the commit, since the copy there has no .git):
+#   carry [.whl, .gpu_model/a]:  bash scripts/gpu_run.sh setup info model-a
+#   carry [.gpu_model/b, .gpu_model/name, .gpu_model/sha256]:  bash scripts/gpu_run.sh setup model-b tests
+#   LADLE_COMMIT=<sha> bash scripts/gpu_run.sh setup bench:dummy:qwen2.5-0.5b bench:dummy:smollm2-135m
 set -uo pipefail
 OUT=${OUT:-/tmp/ladle-gpu-out}
 mkdir -p "$OUT"
@@ -23,9 +26,13 @@ status=0
 for stage in "$@"; do
   echo "=== $stage ($(date -u +%H:%M:%S))"
   case "$stage" in
-    setup)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1 ;;
+    setup)  # a call that does not carry .whl reuses what an earlier call on the same warm machine installed
+      if [ -d .whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+          .whl/*.whl || exit 1
+      elif [ ! -d /tmp/site ]; then
+        echo "no .whl carried and nothing installed on this machine yet" >&2; exit 1
+      fi ;;
     info)
       { nvidia-smi; python3 -c 'import sys, torch, triton, transformers; print(sys.version);
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name());
