@@ -89,14 +89,20 @@ def roofline_seconds(workload: Workload, weight_bytes: int, kv_bytes_per_token: 
 class LadleRunner:
     """ladle's offline engine on one model."""
 
-    def __init__(self, model: str, device: str, max_num_seqs: int) -> None:
+    def __init__(self, model: str, args: argparse.Namespace) -> None:
         from engine_server import LLM
-        from engine_server.config import EngineConfig, SchedulerConfig
+        from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 
-        config = EngineConfig(model=model, device=device,  # type: ignore[arg-type]
-                              scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
+        config = EngineConfig(
+            model=model,
+            device=args.device,
+            enforce_eager=args.enforce_eager,
+            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+            cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=args.num_seqs),
+        )
         self.llm = LLM(config=config)
-        self.device = device
+        self.device = args.device
 
     def run(self, workload: Workload) -> float:
         """Seconds to generate the whole workload (greedy, ignore_eos)."""
@@ -141,7 +147,7 @@ def hf_seconds(hf: Any, workload: Workload) -> float:
 def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
     workload = nano_vllm_workload(args.num_seqs, args.min_len, args.max_len, args.seed)
     fixed = workload.with_fixed_output()
-    ladle = LadleRunner(model, args.device, max_num_seqs=args.num_seqs)
+    ladle = LadleRunner(model, args)
     warm = workload.prompts[:4]
     ladle.run(Workload(warm, [8] * len(warm)))  # warm-up (kernels compiled, graphs captured)
     seconds = ladle.run(workload)
@@ -161,6 +167,12 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
             roofline_seconds(workload, weight_bytes, kv_bytes_per_token, bandwidth) / seconds, 4
         ),
         "tpot_ms_single_stream": round(tpot, 3),
+        "engine": {
+            "cuda_graphs": ladle.llm.core.runner.decode_graphs is not None,
+            "async_scheduling": ladle.llm.core.async_scheduling,
+            "kv_cache_mib": args.kv_cache_mib,
+            "preemptions": ladle.llm.core.scheduler.total_preemptions,
+        },
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_bytes_per_token,
     }
@@ -186,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tpot-tokens", type=int, default=256)
+    parser.add_argument("--kv-cache-mib", type=int, help="ladle's KV cache (default: 16384 on CUDA, where the "
+                        "workload's 256 x 2048 tokens fit without preemption; 1024 on the CPU)")
+    parser.add_argument("--enforce-eager", action="store_true", help="ladle without CUDA graphs (to measure them)")
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="ladle's async scheduling (auto: on for CUDA)")
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser
@@ -193,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.kv_cache_mib is None:
+        args.kv_cache_mib = 16384 if args.device == "cuda" else 1024
     if args.device == "cuda" and not torch.cuda.is_available():
         print("ladle bench gpu: no CUDA device here", file=sys.stderr)
         return 2

@@ -131,5 +131,9 @@ class EngineConfig:
     # graph per batch-size bucket up to min(max_num_seqs, max_cuda_graph_batch); larger batches run eagerly.
     enforce_eager: bool = False
     max_cuda_graph_batch: int = 512
+    # Schedule and launch step N+1 before step N's tokens reach the host, so the host's work overlaps the
+    # device's (see EngineCore). None: on for CUDA, where the device runs ahead; off on the CPU, where every op
+    # is synchronous and the overlap would only cost a discarded row per finished request.
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -159,11 +159,19 @@ class DecodeGraphs:
             capture.warmup(step)
             self._replays[bucket] = capture.capture(step)
 
-    def run(self, token_ids: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[list[int]]) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[list[int]],
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Hidden states `[B, hidden]` of B decode rows: row i is token `token_ids[i]` at position
         `seq_lens[i] - 1` of a sequence whose blocks are `block_tables[i]` (covering `seq_lens[i]` tokens).
 
-        B must be between 1 and `max_batch`. The result is a view of a static buffer, overwritten by the next run.
+        `pending`, (rows, ids) as device int64 tensors, overrides those rows' tokens with ids that are only on
+        the device (async scheduling: sampled by the step before). B must be between 1 and `max_batch`. The
+        result is a view of a static buffer, overwritten by the next run.
         """
         batch = len(token_ids)
         bucket = self.bucket_for(batch)
@@ -184,6 +192,8 @@ class DecodeGraphs:
         self._tokens[: 3 * bucket].copy_(host_tensor(tokens, torch.long, self.device), non_blocking=True)
         self._seq_lens[:bucket].copy_(host_tensor(padded_lens, torch.int32, self.device), non_blocking=True)
         self._block_tables[:bucket, :width].copy_(host_tensor(tables, torch.int32, self.device), non_blocking=True)
+        if pending is not None:
+            self._token_rows(bucket)[0].index_copy_(0, *pending)
         self._metas[bucket] = self._metadata(bucket, padded_lens)
         self._replays[bucket]()
         self.replays[bucket] += 1

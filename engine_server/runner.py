@@ -11,14 +11,14 @@ than the scheduler is given: the graphs' padding rows write there and nowhere el
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
 
 from engine_server.attention import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
-from engine_server.core.request import RequestStatus
+from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.layers.ops import REFERENCE_OPS, select_ops
@@ -50,6 +50,65 @@ class SampledToken:
     token_id: int
     logprobs: TokenLogprobs | None = None
     grammar_finish: RequestStatus | None = None
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device: the requests that sample and their tokens on the way to the host.
+
+    `sampled` holds host tensors (pinned, filled by non-blocking copies on CUDA) that are valid once `ready`
+    (a CUDA event; None on the CPU, where they are valid at once) has completed; None when nothing samples.
+    """
+
+    items: list[ScheduledRequest]
+    sampled: SamplerOutput | None
+    ready: torch.cuda.Event | None = None
+
+
+class _StepTokens:
+    """A step's input token ids as the host knows them (0 where a token is still pending), and, for the
+    pending ones, their row in the step and their request."""
+
+    __slots__ = ("known", "pending_ids", "pending_rows")
+
+    def __init__(self) -> None:
+        self.known: list[int] = []
+        self.pending_rows: list[int] = []
+        self.pending_ids: list[str] = []
+
+    def add(self, request: Request, start: int, count: int) -> None:
+        ids = request.all_token_ids
+        end = start + count
+        self.known.extend(ids[start:end])
+        for _ in range(max(start, len(ids)), end):  # beyond what the host has: sampled, on the way
+            self.pending_rows.append(len(self.known))
+            self.pending_ids.append(request.request_id)
+            self.known.append(0)
+
+
+def _copy_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+    """The sampled tensors as host tensors, and the event after which they hold their values.
+
+    On CUDA the copies are queued now, right behind this step's sampling (so waiting for them never waits for
+    a step launched later), into pinned memory (`non_blocking` device-to-host copies allocate it). On the
+    CPU the tensors are already on the host: returned as they are, with no event.
+    """
+    if sampled.token_ids.device.type != "cuda":
+        return sampled, None
+
+    def host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to("cpu", non_blocking=True)
+
+    on_host = replace(
+        sampled,
+        token_ids=sampled.token_ids.to("cpu", non_blocking=True),
+        logprobs=host(sampled.logprobs),
+        top_token_ids=host(sampled.top_token_ids),
+        top_logprobs=host(sampled.top_logprobs),
+    )
+    ready = torch.cuda.Event()
+    ready.record()
+    return on_host, ready
 
 
 def resolve_device(device: str) -> torch.device:
@@ -105,6 +164,8 @@ class ModelRunner:
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
+        # The last launch's sampled token ids (on the device) and each sampling request's row in them.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1:
@@ -163,24 +224,43 @@ class ModelRunner:
             self._generators[request.request_id] = generator
         return generator
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the scheduled tokens through the model and sample for every request that `needs_sample`."""
-        if not output.scheduled:
-            return {}
-        hidden, last_rows = self._forward(output.scheduled)
-        sampling = [i for i, item in enumerate(output.scheduled) if item.needs_sample]
+        return self.collect(self.launch(output))
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device, and the copy of its tokens to the host.
+
+        Returns at once on CUDA (the host may schedule and launch the next step meanwhile); `collect` waits.
+        A scheduled token that is still pending (async scheduling: sampled by the previous launch, not yet
+        collected) is read from that launch's device tensor; steps must be launched in scheduling order.
+        """
+        items = output.scheduled
+        sampling = [item for item in items if item.needs_sample]
+        if not items:
+            return LaunchedStep(sampling, None)
+        hidden, last_rows = self._forward(items)
         if not sampling:
-            return {}
-        wanted = [last_rows[i] for i in sampling]
+            return LaunchedStep(sampling, None)
+        wanted = [last_rows[i] for i, item in enumerate(items) if item.needs_sample]
         if wanted != list(range(hidden.shape[0])):  # a decode step where every row samples needs no gather
             hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
         logits = self.model.compute_logits(hidden)
         # Filled after the forward is launched: on CUDA the host-side grammar work overlaps the GPU's.
-        bitmasks = self.grammars.bitmasks([output.scheduled[i].request for i in sampling])
-        rows = [self._row(output.scheduled[i], mask) for i, mask in zip(sampling, bitmasks, strict=True)]
+        bitmasks = self.grammars.bitmasks([item.request for item in sampling])
+        rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
         sampled = self.sampler(logits, rows)
-        return self._collect([output.scheduled[i] for i in sampling], sampled)
+        self._last_sampled = (sampled.token_ids, {item.request_id: j for j, item in enumerate(sampling)})
+        return LaunchedStep(sampling, *_copy_to_host(sampled))
+
+    def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """Wait for a launched step's tokens; constrained requests' matchers accept them here (and only here)."""
+        if step.sampled is None:
+            return {}
+        if step.ready is not None:
+            step.ready.synchronize()
+        return self._collect(step.items, step.sampled)
 
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token."""
@@ -190,33 +270,52 @@ class ModelRunner:
             and len(scheduled) <= graphs.max_batch
             and all(item.num_new_tokens == 1 for item in scheduled)
         ):
+            tokens = _StepTokens()
+            for item in scheduled:
+                tokens.add(item.request, item.start_position, 1)
             hidden = graphs.run(
-                [item.request.all_token_ids[item.start_position] for item in scheduled],
+                tokens.known,
                 [item.start_position + 1 for item in scheduled],
                 [item.block_ids for item in scheduled],
+                pending=self._pending_inputs(tokens),
             )
             return hidden, list(range(len(scheduled)))
         return self._forward_eager(scheduled)
 
     def _forward_eager(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
-        token_ids: list[int] = []
+        tokens = _StepTokens()
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         last_rows: list[int] = []
         for item in scheduled:
             start, count = item.start_position, item.num_new_tokens
-            token_ids.extend(item.request.all_token_ids[start : start + count])
+            tokens.add(item.request, start, count)
             positions.extend(range(start, start + count))
             query_lens.append(count)
             seq_lens.append(start + count)
-            last_rows.append(len(token_ids) - 1)
+            last_rows.append(len(tokens.known) - 1)
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
-        input_ids = to_device(host_tensor(token_ids, torch.long, self.device), self.device)
+        input_ids = to_device(host_tensor(tokens.known, torch.long, self.device), self.device)
+        pending = self._pending_inputs(tokens)
+        if pending is not None:
+            input_ids.index_copy_(0, *pending)
         position_ids = to_device(host_tensor(positions, torch.long, self.device), self.device)
         return self.model(input_ids, position_ids, self.kv_caches, meta), last_rows
+
+    def _pending_inputs(self, tokens: _StepTokens) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) on the device for the step's input tokens that the previous launch sampled."""
+        if not tokens.pending_rows:
+            return None
+        if self._last_sampled is None:
+            raise RuntimeError("a scheduled token is pending, but no step was launched before")
+        last_ids, last_rows = self._last_sampled
+        sources = [last_rows[request_id] for request_id in tokens.pending_ids]
+        rows = to_device(host_tensor(tokens.pending_rows, torch.long, self.device), self.device)
+        values = last_ids.index_select(0, to_device(host_tensor(sources, torch.long, self.device), self.device))
+        return rows, values
 
     def _row(self, item: ScheduledRequest, bitmask: torch.Tensor | None = None) -> SamplingRow:
         request = item.request

@@ -32,6 +32,10 @@ def _env_default(flag: str, default: Any) -> Any:
     return type(default)(value) if default is not None else value
 
 
+# --async-scheduling's choices as EngineConfig.async_scheduling values.
+ASYNC_SCHEDULING: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help_text: str, **kwargs: Any) -> None:
     env_name = "LADLE_" + flag.lstrip("-").replace("-", "_").upper()
     parser.add_argument(
@@ -54,6 +58,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          type=float)
     _add(parser, "--enforce-eager", False, "never use CUDA graphs (they replay decode steps on CUDA otherwise)",
          action="store_true")
+    _add(parser, "--async-scheduling", "auto", "schedule the next step while the device runs this one (auto: on CUDA)",
+         choices=["auto", "on", "off"])
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +132,7 @@ def _engine(args: argparse.Namespace) -> int:
             model=args.model,
             device=args.device,
             enforce_eager=args.enforce_eager,
+            async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting),
         ),

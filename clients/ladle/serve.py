@@ -26,6 +26,7 @@ def _engine_command(args: argparse.Namespace, address: str) -> list[str]:
         "--host", host, "--port", port, "--shutdown-timeout", str(args.shutdown_timeout),
         "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
         "--kv-cache-mib", str(args.kv_cache_mib), "--grammar-timeout", str(args.grammar_timeout),
+        "--async-scheduling", args.async_scheduling,
     ]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
 

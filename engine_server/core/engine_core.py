@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from engine_server.config import EngineConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
+from engine_server.core.scheduler_output import SchedulerOutput
 from engine_server.loader import ModelSource
-from engine_server.runner import ModelRunner, SampledToken
+from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
 
 
 @dataclass
@@ -35,6 +36,14 @@ class CoreOutput:
         return self.status is not None
 
 
+@dataclass(frozen=True)
+class _Launched:
+    """A scheduled step and its launch on the device."""
+
+    scheduled: SchedulerOutput
+    step: LaunchedStep
+
+
 class EngineCore:
     """Owns the scheduler and the runner; one `step()` is one scheduled forward pass. Single-threaded."""
 
@@ -45,6 +54,9 @@ class EngineCore:
         self.max_model_len = min(limit, source.config.max_position_embeddings)
         self.runner = ModelRunner(source, config, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len)
+        async_scheduling = config.async_scheduling
+        self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
+        self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
@@ -61,16 +73,40 @@ class EngineCore:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[CoreOutput]:
-        """Schedule, run and sample once; return what every affected request produced.
+        """Schedule, launch and sample once; return what the requests of the last completed step produced.
+
+        Without async scheduling a step completes within its call. With it, a step whose requests may run
+        ahead stays in flight: the next call schedules and launches the following step first and only then
+        waits for this one's tokens, so the host's work overlaps the device's and outputs arrive one call
+        later (a step with a request that needs its output history on the host still completes at once).
 
         A constrained request whose grammar ended with this step's token (SampledToken.grammar_finish) is
         finished here, after the scheduler's own stop rules, which take precedence when both apply.
         """
-        scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if scheduled.scheduled else {}
+        try:
+            scheduled = self.scheduler.schedule()
+            current = _Launched(scheduled, self.runner.launch(scheduled))
+            previous, self._in_flight = self._in_flight, None
+            outputs = self._complete(previous) if previous is not None else []
+            runs_ahead = self.async_scheduling and scheduled.scheduled
+            if runs_ahead and not any(item.request.needs_output_history for item in scheduled.scheduled):
+                self._in_flight = current
+            else:
+                outputs += self._complete(current)
+        except BaseException:
+            self._in_flight = None  # its requests are the caller's to abort; nothing waits on it any more
+            raise
+        return outputs
+
+    def _complete(self, launched: _Launched) -> list[CoreOutput]:
+        """Bring a launched step's tokens to the host, apply them and report what each request produced."""
+        scheduled = launched.scheduled
+        sampled = self.runner.collect(launched.step)
+        # Finished since it was scheduled (aborted, or ended by the step before): its token is dropped.
+        ended = {item.request_id for item in scheduled.scheduled if item.request.is_finished}
         finished = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
         finished += self._finish_grammars(sampled)
         by_id = {request.request_id: request for request in finished}
@@ -78,7 +114,7 @@ class EngineCore:
         for item in scheduled.scheduled:
             request = item.request
             token = sampled.get(request.request_id)
-            if token is None:
+            if token is None or request.request_id in ended:
                 continue
             output = CoreOutput(request.request_id, [token], num_cached_tokens=request.num_cached_tokens)
             if request.request_id in by_id:

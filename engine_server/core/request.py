@@ -74,8 +74,10 @@ class Request:
         "eos_token_ids",
         "grammar",
         "max_tokens",
+        "needs_output_history",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_pending_tokens",
         "num_preemptions",
         "output_token_ids",
         "priority",
@@ -128,6 +130,19 @@ class Request:
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
+        # Tokens sampled by launched steps whose values have not reached the host yet (async scheduling): they
+        # are not in all_token_ids, but the scheduler counts them, and the runner feeds them from the device.
+        self.num_pending_tokens = 0
+        params = sampling_params
+        # Whether sampling this request needs every earlier output token on the host (a grammar's matcher,
+        # penalties over the outputs, min_tokens counting them): then no step is scheduled while one is pending.
+        self.needs_output_history = (
+            grammar is not None
+            or params.min_tokens > 0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -137,6 +152,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_known_and_pending_tokens(self) -> int:
+        """Tokens the request will have once the launched steps report: `num_tokens + num_pending_tokens`."""
+        return len(self._all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

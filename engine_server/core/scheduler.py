@@ -38,6 +38,11 @@ class Scheduler:
 
     Not thread-safe: call it only from the engine step loop. The loop is `schedule()`, run the model on
     the output, then `update_from_output()` with one sampled token per `needs_sample` request.
+
+    With async scheduling the next `schedule()` may come before the last step's update: a request that
+    samples counts its token as pending (`Request.num_pending_tokens`) from `schedule()` to its update, and
+    a running request may decode again with that token as input (the runner takes it from the device) unless
+    the pending tokens will end it by length or its sampling needs them on the host.
     """
 
     def __init__(
@@ -145,8 +150,8 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_known_and_pending_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
                 continue
             blocks = self._allocate_or_preempt(request, num_new, preempted)
@@ -171,17 +176,23 @@ class Scheduler:
         """Append each sampled token, apply stop rules, free finished requests and return them.
 
         `sampled_token_ids` must hold a token for every `needs_sample` request of `output` that is
-        still unfinished (requests aborted since `schedule()` are skipped).
+        still unfinished (requests that finished since `schedule()` are skipped: aborted, or, with async
+        scheduling, ended by the step before). Steps must be updated in the order they were scheduled.
         """
         finished: list[Request] = []
         for item in output.scheduled:
             request = item.request
-            if not item.needs_sample or request.is_finished:
+            if not item.needs_sample:
+                continue
+            request.num_pending_tokens -= 1
+            if request.is_finished:
                 continue
             token_id = sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
             status = self._stop_status(request, token_id)
             if status is not None:
+                if request.status in _QUEUED:  # preempted (async scheduling) while its token was on the way
+                    self._waiting[request.priority].remove(request)
                 request.status = status
                 self._release(request)
                 finished.append(request)
@@ -190,6 +201,14 @@ class Scheduler:
         return finished
 
     # -- internals -----------------------------------------------------------------------------------
+
+    def _may_run_ahead(self, request: Request) -> bool:
+        """Whether a request whose last tokens are still pending may be scheduled again before they arrive:
+        not when they will end it by length, nor when its sampling needs them on the host."""
+        if request.needs_output_history:
+            return False
+        num_outputs = request.num_output_tokens + request.num_pending_tokens
+        return num_outputs < request.max_tokens and request.num_known_and_pending_tokens < self.max_model_len
 
     def _rank(self, request: Request) -> tuple[int, float, int]:
         return (request.priority, request.arrival_time, self._seq[request.request_id])
@@ -214,6 +233,8 @@ class Scheduler:
             queue = self._waiting[priority]
             while queue and budget > 0 and len(self._running) < self.config.max_num_seqs:
                 request = queue[0]
+                if request.num_pending_tokens:
+                    return budget  # preempted while its token was on the way: it re-prefills once that lands
                 if request.deadline is not None and request.deadline <= now:
                     # Its heap entry was dropped while it ran; it has since been preempted.
                     queue.popleft()
@@ -239,12 +260,15 @@ class Scheduler:
     def _advance(self, request: Request, num_new: int, blocks: list[int], num_cached: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
+        needs_sample = request.num_computed_tokens == request.num_known_and_pending_tokens
+        if needs_sample:
+            request.num_pending_tokens += 1  # until update_from_output brings its token
         return ScheduledRequest(
             request=request,
             start_position=start,
             num_new_tokens=num_new,
             block_ids=blocks,
-            needs_sample=request.num_computed_tokens == request.num_tokens,
+            needs_sample=needs_sample,
             num_cached_tokens=num_cached,
         )
 

@@ -41,3 +41,13 @@ def test_enforce_eager_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) 
     assert "--enforce-eager" not in _engine_command(parser.parse_args(["serve"]), "127.0.0.1:50051")
     monkeypatch.setenv("LADLE_ENFORCE_EAGER", "1")
     assert cli.build_parser().parse_args(["engine"]).enforce_eager is True
+
+
+def test_async_scheduling_flag_reaches_the_engine() -> None:
+    from ladle.serve import _engine_command
+
+    parser = cli.build_parser()
+    assert cli.ASYNC_SCHEDULING[parser.parse_args(["engine"]).async_scheduling] is None  # auto: on CUDA
+    assert cli.ASYNC_SCHEDULING[parser.parse_args(["engine", "--async-scheduling", "off"]).async_scheduling] is False
+    command = _engine_command(parser.parse_args(["serve", "--async-scheduling", "on"]), "127.0.0.1:50051")
+    assert command[command.index("--async-scheduling") + 1] == "on"
