@@ -20,6 +20,7 @@ from engine_server.runner import ModelRunner
 from engine_server.tokenizer.chat import ChatMessage
 from engine_server.transfer import host_tensor, to_device
 from tests.unit.runner_factories import greedy_request, make_lockstep, tiny_engine_config, tiny_runner
+from tests.unit.test_engine_exact import CHAT_PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,22 +29,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 MODEL = os.environ.get("LADLE_GPU_REFERENCE_MODEL", "default")
 
 PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis to a ten-year-old.",
-    "List three prime numbers greater than 50.",
-    "Translate 'good morning' into Spanish and German.",
-    "What is 17 times 23?",
-    "Give me a recipe for pancakes.",
-    "Who wrote Pride and Prejudice?",
-    "Describe the water cycle in two sentences.",
-    "Write a Python function that reverses a string.",
-    "What are the benefits of regular exercise?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do airplanes stay in the air?",
-    "Name the planets of the solar system in order.",
-    "What is the difference between weather and climate?",
-    "Tell me a short joke about computers.",
+    *CHAT_PROMPTS,  # the 16 of the CPU token-exactness test, then 16 more of varied length
     "Hi!",
     "Why is the sky blue?",
     "Suggest a name for a black cat.",
