@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import structlog
+
 from engine_server.config import EngineConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
 from engine_server.loader import ModelSource
 from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -57,6 +61,15 @@ class EngineCore:
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
+        log.info(
+            "engine core ready",
+            device=self.runner.device.type,
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            kv_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            cuda_graphs=self.runner.decode_graphs is not None,
+            async_scheduling=self.async_scheduling,
+        )
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
