@@ -178,11 +178,15 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
     }
     del ladle
     if not args.skip_hf:
-        hf = hf_model(model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
-        hf_rate = fixed.output_tokens / hf_seconds(hf, fixed)
-        result["output_tok_per_s"]["transformers"] = round(hf_rate, 1)
-        result["ratio_vs_hf"] = round(result["output_tok_per_s"]["ladle_fixed_output"] / hf_rate, 3)
-        del hf
+        try:
+            hf = hf_model(model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
+            hf_rate = fixed.output_tokens / hf_seconds(hf, fixed)
+            del hf
+        except Exception as exc:  # the peer failing (OOM, an API change) must not lose ladle's figures
+            result["transformers_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            result["output_tok_per_s"]["transformers"] = round(hf_rate, 1)
+            result["ratio_vs_hf"] = round(result["output_tok_per_s"]["ladle_fixed_output"] / hf_rate, 3)
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
