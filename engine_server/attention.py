@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 
 from engine_server.config import ModelConfig
+from engine_server.transfer import padded_rows, to_device
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,7 @@ class AttentionMetadata:
         for i, bt in enumerate(block_tables):
             if len(bt) * block_size < seq_lens[i]:
                 raise ValueError(f"block table of sequence {i} is too short for {seq_lens[i]} tokens")
-        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
-        tables = torch.tensor(padded, dtype=torch.int64).view(batch, width)
+        tables = padded_rows(block_tables, width, 0)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
         starts = torch.zeros(batch + 1, dtype=torch.int64)
@@ -93,10 +93,10 @@ class AttentionMetadata:
         positions = (s_lens - q_lens)[rows] + torch.arange(int(starts[-1])) - starts[:-1][rows]
         slots = tables[rows, positions // block_size] * block_size + positions % block_size
         return cls(
-            query_start_loc=starts.to(device=device, dtype=torch.int32),
-            seq_lens=s_lens.to(device=device, dtype=torch.int32),
-            block_tables=tables.to(device=device, dtype=torch.int32),
-            slot_mapping=slots.to(device=device),
+            query_start_loc=to_device(starts, device, torch.int32),
+            seq_lens=to_device(s_lens, device, torch.int32),
+            block_tables=to_device(tables, device, torch.int32),
+            slot_mapping=to_device(slots, device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             query_lens_cpu=list(query_lens),

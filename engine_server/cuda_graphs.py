@@ -25,10 +25,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine_server.attention import AttentionMetadata
-from engine_server.transfer import host_tensor
+from engine_server.transfer import host_tensor, padded_rows, to_device
 
 # hidden `[T, hidden]` of the model for input ids and positions `[T]` under the given metadata.
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -184,14 +185,13 @@ class DecodeGraphs:
         width = max(-(-s // bs) for s in seq_lens)
         if width > self._block_tables.shape[1]:
             raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds the graphs' block-table width")
-        tables = [table[:width] + [self.scratch_block] * (width - len(table[:width])) for table in block_tables]
-        tables += [[self.scratch_block] * width] * pad
+        tables = padded_rows([*block_tables, *[()] * pad], width, self.scratch_block, np.int32)
         tokens = [*token_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[self.scratch_block * bs] * pad]
         padded_lens = [*seq_lens, *[1] * pad]
         # Non-blocking from pinned memory on CUDA; stale table columns beyond `width` are never read.
         self._tokens[: 3 * bucket].copy_(host_tensor(tokens, torch.long, self.device), non_blocking=True)
         self._seq_lens[:bucket].copy_(host_tensor(padded_lens, torch.int32, self.device), non_blocking=True)
-        self._block_tables[:bucket, :width].copy_(host_tensor(tables, torch.int32, self.device), non_blocking=True)
+        self._block_tables[:bucket, :width].copy_(to_device(tables, self.device), non_blocking=True)
         if pending is not None:
             self._token_rows(bucket)[0].index_copy_(0, *pending)
         self._metas[bucket] = self._metadata(bucket, padded_lens)
