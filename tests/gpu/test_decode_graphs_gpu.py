@@ -168,6 +168,19 @@ def test_gpu_bf16_greedy_agrees_with_cpu_fp32(gpu_llm: LLM, cpu_llm: LLM) -> Non
     assert agreeing >= GREEDY_AGREEMENT * len(PROMPTS), report
 
 
+def test_gpu_fp32_greedy_equals_cpu_fp32(cpu_llm: LLM) -> None:
+    """The GPU path (Triton kernels, CUDA graphs, async scheduling) in float32 against the CPU reference: with
+    bf16's rounding out of the way, what is left is summation order, so at least 95% of the 32 prompts must be
+    token-identical for all 32 tokens (the issue's bar, held strictly here)."""
+    gpu_fp32 = LLM(config=EngineConfig(model=MODEL, device="cuda", dtype="float32"))
+    assert gpu_fp32.core.runner.decode_graphs is not None and gpu_fp32.core.async_scheduling
+    gpu, cpu = _greedy(gpu_fp32), _greedy(cpu_llm)
+    divergences = {p: _first_divergence(a, b) for p, a, b in zip(PROMPTS, gpu, cpu, strict=True)}
+    diverged = {p: i for p, i in divergences.items() if i is not None}
+    print(f"fp32 GPU vs fp32 CPU: {len(PROMPTS) - len(diverged)}/{len(PROMPTS)} identical; diverged: {diverged}")
+    assert len(diverged) <= (1 - GREEDY_AGREEMENT) * len(PROMPTS), diverged
+
+
 def _prefill(runner: ModelRunner, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
     """Run whole prompts as one eager batch; hidden states of every token."""
     lens = [len(p) for p in prompts]
