@@ -1,6 +1,10 @@
-"""Draw the committed offline results (`results/*.jsonl`) as one bar chart per workload: output tok/s by system.
+"""Draw committed results (`results/*.jsonl`) as bar charts of output tok/s by system.
+
+`ladle bench offline` results: one panel per workload (its newest run). `ladle bench gpu` results: the newest
+run, one panel per model (ladle on the nano-vllm workload, ladle and transformers on its fixed-output variant).
 
     python -m benchmarks.chart benchmarks/results/offline_cpu.jsonl -o benchmarks/results/offline_cpu.png
+    python -m benchmarks.chart benchmarks/results/gpu_h100.jsonl -o benchmarks/results/gpu_h100.png
 """
 
 from __future__ import annotations
@@ -50,12 +54,43 @@ def draw(runs: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
+def draw_gpu(run: dict[str, Any], out: Path) -> None:
+    """One panel per model of a `ladle bench gpu` run, titled with its ratio, roofline fraction and TPOT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = run["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        rates = model["output_tok_per_s"]
+        names = [n for n in ("ladle", "ladle_fixed_output", "transformers") if n in rates]
+        bars = ax.bar(names, [rates[n] for n in names], color=["#7570b3" if n == "transformers" else "#d95f02"
+                                                                for n in names])
+        ax.bar_label(bars, fmt="%.0f")
+        ratio = model.get("ratio_vs_hf")
+        ax.set_title(
+            f"{model['model']} on {run['device']}\n"
+            + (f"{ratio:.2f}x transformers, " if ratio else "")
+            + f"roofline {model['roofline_fraction']:.0%}, TPOT {model['tpot_ms_single_stream']:.2f} ms",
+            fontsize=9,
+        )
+        ax.set_ylabel("output tokens / s")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", type=Path, help="a .jsonl file written by `ladle bench offline --out`")
+    parser.add_argument("results", type=Path, help="a .jsonl file written by `ladle bench offline|gpu --out`")
     parser.add_argument("-o", "--out", type=Path, required=True, help="PNG to write")
     args = parser.parse_args(argv)
-    draw(latest_per_workload(load_runs(args.results)), args.out)
+    runs = load_runs(args.results)
+    if runs and runs[-1].get("benchmark") == "gpu":
+        draw_gpu(runs[-1], args.out)
+    else:
+        draw(latest_per_workload(runs), args.out)
     return 0
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks import chart, gpu
 
 
 def test_the_nano_vllm_workload_is_seeded_and_in_range() -> None:
@@ -40,3 +40,6 @@ def test_a_tiny_cpu_run_writes_every_field(tmp_path: Path) -> None:
     assert model["model"] == "dummy:smollm2-135m"
     assert {"ladle", "ladle_fixed_output", "transformers"} <= set(model["output_tok_per_s"])
     assert model["ratio_vs_hf"] > 0 and model["roofline_fraction"] > 0 and model["tpot_ms_single_stream"] > 0
+    assert model["engine"] == {"cuda_graphs": False, "async_scheduling": False, "kv_cache_mib": 1024, "preemptions": 0}
+    png = tmp_path / "gpu.png"
+    assert chart.main([str(out), "-o", str(png)]) == 0 and png.stat().st_size > 0
