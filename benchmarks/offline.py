@@ -94,7 +94,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                                                  max(args.num_seqs, 1))}
     print(f"ladle: {systems['ladle']}", flush=True)
     if not args.skip_hf:
-        hf = hf_model(args.model, "cuda" if args.device == "cuda" else "cpu", torch.float32)
+        # The dtype ladle runs in on that device (its "auto"): bfloat16 on CUDA, float32 on the CPU.
+        hf = hf_model(args.model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
         for name, bench in (("hf_static", bench_hf_static), ("hf_continuous", bench_hf_continuous)):
             try:
                 systems[name] = bench(hf, prompts, args.output_len)
