@@ -91,13 +91,13 @@ class LadleRunner:
 
     def __init__(self, model: str, args: argparse.Namespace) -> None:
         from engine_server import LLM
-        from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+        from engine_server.config import ASYNC_SCHEDULING_MODES, CacheConfig, EngineConfig, SchedulerConfig
 
         config = EngineConfig(
             model=model,
             device=args.device,
             enforce_eager=args.enforce_eager,
-            async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+            async_scheduling=ASYNC_SCHEDULING_MODES[args.async_scheduling],
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(max_num_seqs=args.num_seqs),
         )

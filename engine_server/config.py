@@ -118,6 +118,10 @@ class SchedulerConfig:
     max_waiting: int = 4096  # admission limit; beyond it new requests are refused (RESOURCE_EXHAUSTED)
 
 
+# The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
+ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, fixed at start-up."""

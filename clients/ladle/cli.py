@@ -11,6 +11,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
+from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
+
 NOT_BUILT = 3  # exit status of a subcommand whose component does not exist yet
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
@@ -30,10 +33,6 @@ def _env_default(flag: str, default: Any) -> Any:
     if isinstance(default, bool):
         return value.strip().lower() in {"1", "true", "yes", "on"}
     return type(default)(value) if default is not None else value
-
-
-# --async-scheduling's choices as EngineConfig.async_scheduling values.
-ASYNC_SCHEDULING: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, default: Any, help_text: str, **kwargs: Any) -> None:
