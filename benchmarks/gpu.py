@@ -99,7 +99,8 @@ class LadleRunner:
             enforce_eager=args.enforce_eager,
             async_scheduling=ASYNC_SCHEDULING_MODES[args.async_scheduling],
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=args.num_seqs),
+            scheduler=SchedulerConfig(max_num_seqs=args.num_seqs, **(
+                {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {})),
         )
         self.llm = LLM(config=config)
         self.device = args.device
@@ -171,6 +172,7 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
             "cuda_graphs": ladle.llm.core.runner.decode_graphs is not None,
             "async_scheduling": ladle.llm.core.async_scheduling,
             "kv_cache_mib": args.kv_cache_mib,
+            "max_num_batched_tokens": ladle.llm.config.scheduler.max_num_batched_tokens,
             "preemptions": ladle.llm.core.scheduler.total_preemptions,
         },
         "weight_bytes": weight_bytes,
@@ -204,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tpot-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-mib", type=int, help="ladle's KV cache (default: 16384 on CUDA, where the "
                         "workload's 256 x 2048 tokens fit without preemption; 1024 on the CPU)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="ladle's token budget per step (default: the "
+                        "engine's)")
     parser.add_argument("--enforce-eager", action="store_true", help="ladle without CUDA graphs (to measure them)")
     parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                         help="ladle's async scheduling (auto: on for CUDA)")
