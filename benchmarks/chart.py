@@ -1,7 +1,8 @@
 """Draw committed results (`results/*.jsonl`) as bar charts of output tok/s by system.
 
-`ladle bench offline` results: one panel per workload (its newest run). `ladle bench gpu` results: the newest
-run, one panel per model (ladle on the nano-vllm workload, ladle and transformers on its fixed-output variant).
+`ladle bench offline` results: one panel per workload (its newest run). `ladle bench gpu` results: one panel per
+model and device (its newest run: ladle on the nano-vllm workload, ladle and transformers on its fixed-output
+variant).
 
     python -m benchmarks.chart benchmarks/results/offline_cpu.jsonl -o benchmarks/results/offline_cpu.png
     python -m benchmarks.chart benchmarks/results/gpu_h100.jsonl -o benchmarks/results/gpu_h100.png
@@ -54,16 +55,24 @@ def draw(runs: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def draw_gpu(run: dict[str, Any], out: Path) -> None:
-    """One panel per model of a `ladle bench gpu` run, titled with its ratio, roofline fraction and TPOT."""
+def latest_per_model(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The newest result of each (model, device) in `ladle bench gpu` runs, with the run it belongs to."""
+    latest: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
+    for run in runs:
+        for model in run["models"]:
+            latest[(model["model"], run["device"])] = (run, model)
+    return list(latest.values())
+
+
+def draw_gpu(results: list[tuple[dict[str, Any], dict[str, Any]]], out: Path) -> None:
+    """One panel per (run, model) result of `ladle bench gpu`, titled with its ratio, roofline fraction and TPOT."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = run["models"]
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
+    for ax, (run, model) in zip(axes[0], results, strict=True):
         rates = model["output_tok_per_s"]
         names = [n for n in ("ladle", "ladle_fixed_output", "transformers") if n in rates]
         bars = ax.bar(names, [rates[n] for n in names], color=["#7570b3" if n == "transformers" else "#d95f02"
@@ -88,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = load_runs(args.results)
     if runs and runs[-1].get("benchmark") == "gpu":
-        draw_gpu(runs[-1], args.out)
+        draw_gpu(latest_per_model(runs), args.out)
     else:
         draw(latest_per_workload(runs), args.out)
     return 0

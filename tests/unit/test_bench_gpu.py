@@ -40,6 +40,16 @@ def test_a_tiny_cpu_run_writes_every_field(tmp_path: Path) -> None:
     assert model["model"] == "dummy:smollm2-135m"
     assert {"ladle", "ladle_fixed_output", "transformers"} <= set(model["output_tok_per_s"])
     assert model["ratio_vs_hf"] > 0 and model["roofline_fraction"] > 0 and model["tpot_ms_single_stream"] > 0
-    assert model["engine"] == {"cuda_graphs": False, "async_scheduling": False, "kv_cache_mib": 1024, "preemptions": 0}
+    assert model["engine"] == {"cuda_graphs": False, "async_scheduling": False, "kv_cache_mib": 1024,
+                               "max_num_batched_tokens": 2048, "preemptions": 0}
     png = tmp_path / "gpu.png"
     assert chart.main([str(out), "-o", str(png)]) == 0 and png.stat().st_size > 0
+
+
+def test_the_chart_draws_the_newest_result_of_each_model_across_runs() -> None:
+    def run(device: str, *models: str) -> dict[str, object]:
+        return {"device": device, "models": [{"model": m, "tag": f"{device}/{m}/{len(models)}"} for m in models]}
+
+    runs = [run("H100", "a", "b"), run("H100", "b"), run("H200", "a")]
+    picked = [(r["device"], m["tag"]) for r, m in chart.latest_per_model(runs)]  # type: ignore[index]
+    assert picked == [("H100", "H100/a/2"), ("H100", "H100/b/1"), ("H200", "H200/a/1")]
