@@ -93,8 +93,9 @@ class LLM:
             request_id = f"offline-{next(self._ids)}"
             pending.extend(self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result()))
             trackers[request_id] = RequestTracker(
-                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing
-            )
+                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
+                stream_text=False,  # results are returned whole: text is decoded once per choice, at its end
+            )  # fmt: skip
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
 

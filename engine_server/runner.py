@@ -247,10 +247,13 @@ class ModelRunner:
         if wanted != list(range(hidden.shape[0])):  # a decode step where every row samples needs no gather
             hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
         logits = self.model.compute_logits(hidden)
-        # Filled after the forward is launched: on CUDA the host-side grammar work overlaps the GPU's.
-        bitmasks = self.grammars.bitmasks([item.request for item in sampling])
-        rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
-        sampled = self.sampler(logits, rows)
+        if all(item.request.argmax_only for item in sampling):
+            sampled = self.sampler.argmax(logits)  # no per-row set-up: a step's host time matters on a GPU
+        else:
+            # Filled after the forward is launched: on CUDA the host-side grammar work overlaps the GPU's.
+            bitmasks = self.grammars.bitmasks([item.request for item in sampling])
+            rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
+            sampled = self.sampler(logits, rows)
         self._last_sampled = (sampled.token_ids, {item.request_id: j for j, item in enumerate(sampling)})
         return LaunchedStep(sampling, *_copy_to_host(sampled))
 

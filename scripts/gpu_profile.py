@@ -33,7 +33,8 @@ def _timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Calla
 
 
 def profile(model: str, budget: int, kernels: bool, eager: bool) -> None:
-    argv = ["--models", model, "--kv-cache-mib", "16384", "--max-num-batched-tokens", str(budget)] + (["--enforce-eager"] if eager else [])
+    argv = ["--models", model, "--kv-cache-mib", "16384", "--max-num-batched-tokens", str(budget)]
+    argv += ["--enforce-eager"] if eager else []
     ladle = LadleRunner(model, build_parser().parse_args(argv))
     workload = nano_vllm_workload(256, 100, 1024, 0)
     ladle.run(Workload(workload.prompts[:4], [8] * 4))

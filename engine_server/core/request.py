@@ -68,6 +68,7 @@ class Request:
 
     __slots__ = (
         "_all_token_ids",
+        "argmax_only",
         "arrival_time",
         "block_hashes",
         "deadline",
@@ -143,6 +144,12 @@ class Request:
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
         )
+        # Whether its token is the argmax of the raw logits and nothing else is asked of the sampler (no
+        # logit_bias, logprobs or any of the above): a batch of only such rows skips the sampler's set-up.
+        self.argmax_only = (
+            params.greedy and not self.needs_output_history and not params.logit_bias
+            and not params.logprobs and params.top_logprobs == 0
+        )  # fmt: skip
 
     @property
     def all_token_ids(self) -> list[int]:

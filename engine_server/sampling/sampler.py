@@ -115,6 +115,13 @@ class Sampler:
         return _with_logprobs(raw, tokens, meta)
 
     @torch.inference_mode()
+    def argmax(self, logits: torch.Tensor) -> SamplerOutput:
+        """Greedy tokens alone, for rows that ask nothing else: what `__call__` gives for such rows."""
+        if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not cover vocab {self.vocab_size}")
+        return SamplerOutput(token_ids=logits[:, : self.vocab_size].argmax(dim=-1))
+
+    @torch.inference_mode()
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 1-5 alone, on a copy: the logits the greedy argmax sees. For tests and debugging."""
         raw = logits[:, : self.vocab_size].float()

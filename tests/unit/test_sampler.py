@@ -289,3 +289,13 @@ def test_empty_batch_and_shape_mismatch() -> None:
         sampler(torch.zeros(2, V), [make_row()])
     with pytest.raises(ValueError):
         sampler(torch.zeros(1, V - 1), [make_row()])
+
+
+def test_argmax_alone_equals_the_greedy_rows_of_a_full_call() -> None:
+    logits = torch.cat([random_logits(4), torch.full((4, 3), 1e4)], dim=1)  # a padded lm_head's extra columns
+    sampler = Sampler(V, "cpu")
+    fast = sampler.argmax(logits)
+    assert fast.token_id_list() == sampler(logits, [make_row(GREEDY) for _ in range(4)]).token_id_list()
+    assert fast.token_ids.dtype == torch.int64 and fast.logprobs is None and (fast.token_ids < V).all()
+    with pytest.raises(ValueError, match="vocab"):
+        sampler.argmax(logits[:, : V - 1])
