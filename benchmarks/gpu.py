@@ -179,6 +179,9 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
         "kv_bytes_per_token": kv_bytes_per_token,
     }
     del ladle
+    # transformers takes minutes on this workload: ladle's figures are on the log first, should a time limit
+    # end the run before the JSON is written.
+    print(f"ladle measured: {json.dumps(result)}", file=sys.stderr, flush=True)
     if not args.skip_hf:
         try:
             hf = hf_model(model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)

@@ -18,6 +18,11 @@
 #   carry [.whl, .gpu_model/a]:  bash scripts/gpu_run.sh setup info model-a kernel-tests
 #   carry [.gpu_model/b, .gpu_model/name, .gpu_model/sha256]:  bash scripts/gpu_run.sh setup model-b gpu-tests
 #   LADLE_COMMIT=<sha> bash scripts/gpu_run.sh setup bench:dummy:qwen2.5-0.5b bench:dummy:smollm2-135m
+#
+# Times seen on an H100 (2026-11-22): a fresh machine starts in ~30 s; the two model calls must follow each other
+# within the 30 s warm window (issued back to back, they did). `bench:dummy:qwen2.5-0.5b` takes 5-6 min: ladle's
+# start-up 35-65 s (graph capture 4-11 s), its runs ~20 s, then transformers' generate_batch ~4 min. Give it a
+# `timeout` of at least 420 s, or use --skip-hf for A/B runs; ladle's figures are logged before transformers runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/ladle-gpu-out}
 mkdir -p "$OUT"
