@@ -282,6 +282,12 @@ class RequestTracker:
         ]
         self._tool_streams = [ToolCallStream(tool_parsing) if tool_parsing else None for _ in range(params.n)]
 
+    @property
+    def needs_every_step(self) -> bool:
+        """Whether each step's output must be applied as it comes: stop strings are matched as the text grows,
+        and a match must abort the choice in the core. Without them, updates may be merged (tokens in order)."""
+        return bool(self.params.stop)
+
     def update(self, choice_index: int, output: CoreOutput) -> tuple[Choice, bool]:
         """Apply one core output to a choice; returns a delta Choice and whether the core must abort it."""
         choice = self.result.choices[choice_index]

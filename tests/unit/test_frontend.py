@@ -8,7 +8,7 @@ import pytest
 
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.errors import ValidationError
-from engine_server.frontend import InputProcessor, core_request_id, split_core_request_id
+from engine_server.frontend import InputProcessor, RequestTracker, core_request_id, split_core_request_id
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall, render_chat
 
 VOCAB = 49152
@@ -101,3 +101,52 @@ def test_a_bad_prompt_in_a_batch_fails_the_call_before_work_and_the_engine_keeps
     assert not llm.core.has_unfinished()
     result = llm.generate(good, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
     assert len(result.choices[0].token_ids) >= 1
+
+
+class _StreamingTracker(RequestTracker):
+    """The tracker as a streaming caller uses it: text decoded as it grows, every step's output applied."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "stream_text": True})
+
+    @property
+    def needs_every_step(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def uncached_llm() -> LLM:
+    """The embedded model without prefix caching: a rerun of the same prompts computes exactly the same."""
+    from engine_server.config import CacheConfig, EngineConfig
+
+    return LLM(config=EngineConfig(device="cpu", cache=CacheConfig(memory_bytes=512 * 1024**2,
+                                                                   enable_prefix_caching=False)))
+
+
+def test_offline_results_equal_applying_every_step_as_it_comes(
+    uncached_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LLM.generate holds a choice's tokens until it finishes and decodes its text once; nothing may change."""
+    llm = uncached_llm
+    prompts = [
+        ChatPrompt([ChatMessage(role="user", content="Name three colours.")]),
+        "你好，世界。Tell me about 😀 in one line:",
+        ChatPrompt([ChatMessage(role="user", content="Count from one to ten.")]),
+        [1, 2, 3, 4, 5],
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, logprobs=True, top_logprobs=3),  # eos or length
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, n=2, max_tokens=16),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=["4."]),  # matched as the text grows
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ]
+    offline = llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr("engine_server.llm.RequestTracker", _StreamingTracker)
+    streamed = llm.generate(prompts, params, use_tqdm=False)
+
+    def comparable(result: Any) -> Any:
+        return result.prompt_token_ids, result.choices, result.usage
+
+    assert [comparable(r) for r in offline] == [comparable(r) for r in streamed]
+    assert offline[2].choices[0].matched_stop == "4." and all(c.text for r in offline for c in r.choices)
+    assert offline[0].choices[0].logprobs and len(offline[1].choices) == 2
