@@ -8,6 +8,7 @@ tensor as soon as `to_device` returns.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,12 +46,15 @@ def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dty
 def padded_rows(rows: Sequence[Sequence[int]], width: int, fill: int, dtype: Any = np.int64) -> torch.Tensor:
     """`rows` as a `[len(rows), width]` CPU tensor, each row cut to `width` and padded with `fill`.
 
-    Filled through numpy: about 5x faster than `torch.tensor` on nested lists (0.26 vs 1.3 ms for 256 block
-    tables of 64), which matters in a step's host time.
+    Filled through numpy in one masked assignment of the flattened rows, which matters in a step's host time:
+    256 block tables of 40-100 blocks take about 0.4 ms, against 0.5-0.8 ms row by row and several ms for
+    `torch.tensor` on the nested lists.
     """
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     array: np.ndarray[Any, Any] = np.full((len(rows), width), fill, dtype=dtype)
-    for i, row in enumerate(rows):
-        n = min(len(row), width)
-        if n:
-            array[i, :n] = row[:n]
+    if lengths.max(initial=0) > width:
+        rows = [row[:width] for row in rows]
+        np.minimum(lengths, width, out=lengths)
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=dtype, count=int(lengths.sum()))
+    array[np.arange(width) < lengths[:, None]] = flat
     return torch.from_numpy(array)
