@@ -197,3 +197,10 @@ def test_deferred_mode_holds_everything_and_flushes_the_same_text(
     deferred = stream(IncrementalDetokenizer(tok, prompt, skip_special_tokens, defer=True), ids, rng)
     assert deferred[:-1] == [""] * (len(deferred) - 1)
     assert deferred[-1] == streamed
+
+
+def test_deferred_mode_keeps_the_sentencepiece_leading_space() -> None:
+    tok = sentencepiece_tokenizer()
+    prompt, output = [2], [3, 4, 5, 6, 7, 1]
+    deferred = stream(IncrementalDetokenizer(tok, prompt, skip_special_tokens=True, defer=True), output)
+    assert deferred == [""] * len(output) + [" world你!"]
