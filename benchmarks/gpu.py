@@ -19,6 +19,7 @@ One JSON object per run (`--out`): device, torch / triton versions, commit, comm
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import random
 import sys
@@ -241,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": sys.modules["triton"].__version__,
+        "transformers": importlib.metadata.version("transformers"),
         "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
         "models": [bench_model(model, args, bandwidth) for model in args.models.split(",")],
     }

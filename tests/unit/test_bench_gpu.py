@@ -35,7 +35,7 @@ def test_a_tiny_cpu_run_writes_every_field(tmp_path: Path) -> None:
                      "--max-len", "6", "--tpot-tokens", "2", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
-    assert {"device", "torch", "triton", "commit", "command", "copy_bandwidth_gb_per_s"} <= set(result)
+    assert {"device", "torch", "triton", "transformers", "commit", "command", "copy_bandwidth_gb_per_s"} <= set(result)
     (model,) = result["models"]
     assert model["model"] == "dummy:smollm2-135m"
     assert {"ladle", "ladle_fixed_output", "transformers"} <= set(model["output_tok_per_s"])
