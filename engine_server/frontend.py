@@ -266,20 +266,15 @@ class RequestTracker:
         params: SamplingParams,
         token_text: TokenTextCodec | None = None,
         tool_parsing: ToolParsing | None = None,
-        *,
-        stream_text: bool = True,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
-        `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser.
-        `stream_text` False: only the final text is wanted (see `OutputProcessor`); deltas may carry no text."""
+        `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser."""
         self.params = params
         self.token_text = token_text or TokenTextCodec(tokenizer)
         self.result = GenerationResult(
             request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids))
         )
-        self._processors = [
-            OutputProcessor(tokenizer, prompt_token_ids, params, stream_text=stream_text) for _ in range(params.n)
-        ]
+        self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
         self._tool_streams = [ToolCallStream(tool_parsing) if tool_parsing else None for _ in range(params.n)]
 
     @property

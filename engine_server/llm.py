@@ -93,9 +93,8 @@ class LLM:
             request_id = f"offline-{next(self._ids)}"
             pending.extend(self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result()))
             trackers[request_id] = RequestTracker(
-                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
-                stream_text=False,  # results are returned whole: text is decoded once per choice, at its end
-            )  # fmt: skip
+                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing
+            )
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
 
@@ -111,7 +110,8 @@ class LLM:
         progress = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
         done: set[str] = set()
         # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the text
-        # grows): held here and applied at the finish in one update, which keeps per-step host work small.
+        # grows): held here and applied at the finish in one update (so their text is decoded once), which keeps
+        # per-step host work small.
         held: dict[str, CoreOutput] = {}
         final_only = {rid for rid, tracker in trackers.items() if not tracker.needs_every_step}
         while pending or self.core.has_unfinished():

@@ -71,13 +71,8 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
-        *,
-        defer: bool = False,
     ) -> None:
-        """`defer` holds every token until `flush`, which then decodes them at once: for callers that only
-        want the final text (the offline API), one decode per sequence instead of one per step."""
         self._decode = make_decode(tokenizer, skip_special_tokens)
-        self._defer = defer
         self._context_free = is_context_free(tokenizer)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         context_text = self._decode(context) if context else ""
@@ -94,8 +89,6 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return ""
         self._window.extend(new_token_ids)
-        if self._defer:
-            return ""
         text = self._decode(self._window)
         if len(text) <= len(self._prefix_text) or text.endswith(REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token) or a character is still incomplete.

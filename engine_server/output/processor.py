@@ -39,14 +39,8 @@ class OutputProcessor:
         tokenizer: PreTrainedTokenizerBase,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        *,
-        stream_text: bool = True,
     ) -> None:
-        """`stream_text` False: the caller only wants the final text, so without stop strings (which need the
-        text as it grows) every delta's text is "" until the finishing one, which holds it all."""
-        self._detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, params.skip_special_tokens, defer=not stream_text and not params.stop
-        )
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens

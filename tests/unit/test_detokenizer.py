@@ -182,25 +182,3 @@ def test_token_bytes_with_sentencepiece_byte_fallback() -> None:
     assert token_bytes(tok, [2, 4, 5, 6, 1, 99]) == [b" Hello", b"\xe4", b"\xbd", b"\xa0", b"</s>", b""]
     assert token_strings(tok, [3, 4]) == [" world", "\\xe4"]
 
-
-@pytest.mark.parametrize("skip_special_tokens", [True, False])
-@pytest.mark.parametrize("seed", range(10))
-def test_deferred_mode_holds_everything_and_flushes_the_same_text(
-    smollm2_tokenizer: Any, seed: int, skip_special_tokens: bool
-) -> None:
-    tok = smollm2_tokenizer
-    rng = random.Random(seed)
-    special = tok.all_special_ids
-    ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(60)]
-    prompt = tok.encode(random_valid_text(rng))
-    streamed = "".join(stream(IncrementalDetokenizer(tok, prompt, skip_special_tokens), ids))
-    deferred = stream(IncrementalDetokenizer(tok, prompt, skip_special_tokens, defer=True), ids, rng)
-    assert deferred[:-1] == [""] * (len(deferred) - 1)
-    assert deferred[-1] == streamed
-
-
-def test_deferred_mode_keeps_the_sentencepiece_leading_space() -> None:
-    tok = sentencepiece_tokenizer()
-    prompt, output = [2], [3, 4, 5, 6, 7, 1]
-    deferred = stream(IncrementalDetokenizer(tok, prompt, skip_special_tokens=True, defer=True), output)
-    assert deferred == [""] * len(output) + [" world你!"]

@@ -104,10 +104,7 @@ def test_a_bad_prompt_in_a_batch_fails_the_call_before_work_and_the_engine_keeps
 
 
 class _StreamingTracker(RequestTracker):
-    """The tracker as a streaming caller uses it: text decoded as it grows, every step's output applied."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "stream_text": True})
+    """The tracker as a streaming caller uses it: every step's output applied as it comes."""
 
     @property
     def needs_every_step(self) -> bool:
@@ -126,7 +123,7 @@ def uncached_llm() -> LLM:
 def test_offline_results_equal_applying_every_step_as_it_comes(
     uncached_llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """LLM.generate holds a choice's tokens until it finishes and decodes its text once; nothing may change."""
+    """LLM.generate holds a choice's tokens until it finishes and applies them at once; nothing may change."""
     llm = uncached_llm
     prompts = [
         ChatPrompt([ChatMessage(role="user", content="Name three colours.")]),

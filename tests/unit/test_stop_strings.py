@@ -98,11 +98,10 @@ def run(
     params: SamplingParams,
     core_finish: FinishReason | None = None,
     stop_token_id: int | None = None,
-    stream_text: bool = True,
 ) -> tuple[list[ChoiceDelta], list[int]]:
     """Feeds `text`'s tokens one per step (plus `stop_token_id`, if any) and the core's finish on the last."""
     ids = tok.encode(text) + ([stop_token_id] if stop_token_id is not None else [])
-    proc = OutputProcessor(tok, tok.encode("<|im_start|>assistant\n"), params, stream_text=stream_text)
+    proc = OutputProcessor(tok, tok.encode("<|im_start|>assistant\n"), params)
     deltas = []
     for n, token_id in enumerate(ids, start=1):
         last = n == len(ids)
@@ -198,21 +197,3 @@ def test_no_stops_streams_everything(smollm2_tokenizer: Any) -> None:
     assert "".join(d.text for d in deltas) == text
     assert [t for d in deltas for t in d.token_ids] == ids
     assert deltas[-1].finish_reason is FinishReason.LENGTH
-
-
-@pytest.mark.parametrize("stop_token", [None, IM_END])
-def test_final_text_only_arrives_whole_at_the_finish(smollm2_tokenizer: Any, stop_token: int | None) -> None:
-    text = "plain text, 你好 😀"
-    finish = FinishReason.STOP if stop_token is not None else FinishReason.LENGTH
-    streamed, _ = run(smollm2_tokenizer, text, SamplingParams(), finish, stop_token)
-    whole, _ = run(smollm2_tokenizer, text, SamplingParams(), finish, stop_token, stream_text=False)
-    assert [d.text for d in whole] == [""] * (len(whole) - 1) + [text]
-    assert [d.token_ids for d in whole] == [d.token_ids for d in streamed]
-    assert [(d.finish_reason, d.matched_stop) for d in whole] == [(d.finish_reason, d.matched_stop) for d in streamed]
-
-
-def test_stop_strings_stream_even_when_only_the_final_text_is_wanted(smollm2_tokenizer: Any) -> None:
-    params = SamplingParams(stop=("。",))
-    streamed, _ = run(smollm2_tokenizer, "你好。再见", params)
-    whole, _ = run(smollm2_tokenizer, "你好。再见", params, stream_text=False)
-    assert whole == streamed and whole[-1].matched_stop == "。"

@@ -27,13 +27,12 @@ def _run(
     parsing: ToolParsing | None,
     status: RequestStatus = RequestStatus.FINISHED_STOPPED,
     chunk: int = 3,
-    stream_text: bool = True,
 ) -> tuple[list[Choice], GenerationResult]:
     """Feed `text`'s tokens (then eos when stopped) `chunk` at a time; returns the step deltas and the result."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if status is RequestStatus.FINISHED_STOPPED:
         ids.append(EOS)
-    tracker = RequestTracker(tokenizer, "r", [1, 2, 3], SamplingParams(), tool_parsing=parsing, stream_text=stream_text)
+    tracker = RequestTracker(tokenizer, "r", [1, 2, 3], SamplingParams(), tool_parsing=parsing)
     steps = []
     for start in range(0, len(ids), chunk):
         last = start + chunk >= len(ids)
@@ -97,13 +96,3 @@ def test_without_tool_parsing_calls_stay_text(smollm2_tokenizer: Any) -> None:
     _, result = _run(smollm2_tokenizer, CALL, None)
     assert result.choices[0].text == CALL and result.choices[0].tool_calls == []
     assert result.choices[0].finish_reason is FinishReason.STOP
-
-
-@pytest.mark.parametrize("parsing", [AUTO, None])
-def test_the_result_is_the_same_when_only_the_final_text_is_wanted(smollm2_tokenizer: Any, parsing: Any) -> None:
-    text = "Let me look.\n" + CALL
-    _, streamed = _run(smollm2_tokenizer, text, parsing)
-    _, whole = _run(smollm2_tokenizer, text, parsing, stream_text=False)
-    (a,), (b,) = streamed.choices, whole.choices
-    assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
-    assert [(c.name, c.arguments_json) for c in a.tool_calls] == [(c.name, c.arguments_json) for c in b.tool_calls]
