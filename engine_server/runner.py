@@ -21,7 +21,9 @@ from engine_server.config import EngineConfig, ModelConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
+from engine_server.host_memory import keep_freed_memory_for_reuse
 from engine_server.layers.ops import REFERENCE_OPS, select_ops
+from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.sampling import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
@@ -158,6 +160,10 @@ class ModelRunner:
         model = get_model_class(source.config.architecture)(source.config, dtype=self.dtype)
         model.load_weights(source.weights())
         self.model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            keep_freed_memory_for_reuse()
+            packed = pack_linear_layers(self.model)
+            log.info("cpu gemms", mkl_packed_layers=packed)
         self.num_blocks = num_kv_blocks(source.config, config, self.dtype, max_model_len)
         self.scratch_block = self.num_blocks
         self.kv_caches = allocate_kv_cache(source.config, self.num_blocks + 1, self.block_size, self.dtype, self.device)

@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention import AttentionMetadata
@@ -59,7 +58,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden `[N, hidden]` (only the rows that sample) -> logits `[N, vocab]` in float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.

@@ -1,0 +1,49 @@
+"""Process-wide allocator settings for running the model on the CPU.
+
+A CPU step allocates and frees activations of several MB (a 2048-token prefill chunk's gate/up output is 25
+MB). glibc serves blocks above its mmap threshold with fresh `mmap`s and returns freed heap tops to the system
+past its trim threshold, so each such tensor is paid for again in page faults: element-wise ops measured 2-7x
+slower inside the engine than alone, and a 64 x 128-token prefill 20% slower in all. Raising both thresholds
+keeps those pages in the process for reuse, as tcmalloc or jemalloc would.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc caps the mmap threshold at 32 MiB on 64-bit systems; blocks above it are still mmapped.
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
+
+
+@functools.cache
+def keep_freed_memory_for_reuse() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process (once); False where libc is not glibc.
+
+    Effects: blocks up to 32 MiB come from the heap and up to 1 GiB of freed heap stays mapped, so the
+    process's resident size stays near its peak working set instead of shrinking between steps.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
+    log.debug("malloc thresholds raised", applied=applied)
+    return applied
