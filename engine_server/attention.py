@@ -40,6 +40,7 @@ class ReferencePlan:
     """
 
     decode_token_index: torch.Tensor  # [Bd] int64 index of each decode row's token in the flat batch
+    decode_seq_index: torch.Tensor  # [Bd] int64 index of each decode row's sequence (its block table, length)
     decode_block_ids: torch.Tensor  # [Bd * decode_blocks] int64 block ids, row-major, padded with 0
     decode_blocks: int  # blocks gathered per decode row (enough for the longest decode context)
     decode_mask: torch.Tensor  # [Bd, 1, 1, decode_blocks * block_size] float32 additive (0 or -inf)
@@ -131,6 +132,7 @@ class AttentionMetadata:
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, -torch.inf)
         return ReferencePlan(
             decode_token_index=torch.tensor([starts[i] for i in decode_rows], dtype=torch.int64, device=device),
+            decode_seq_index=rows,
             decode_block_ids=block_ids,
             decode_blocks=nblocks,
             decode_mask=mask[:, None, None, :],

@@ -127,7 +127,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     heads = q.shape[1]
     group = heads // kv_heads
     out = torch.empty_like(q)
-    mask: torch.Tensor | None
     plan = meta.reference_plan
     k_cache, v_cache = kv_cache[0], kv_cache[1]
 
@@ -149,7 +148,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             return decoded
         out.index_copy_(0, plan.decode_token_index, decoded)
 
-    for p in plan.prefills:
+    attend_prefills(q, kv_cache, meta, scale, out)
+    return out
+
+
+def attend_prefills(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each, written
+    into `out` `[T, H, D]` at their tokens' places. Decode rows of `out` are left as they are."""
+    _, _, _, kv_heads, dim = kv_cache.shape
+    group = q.shape[1] // kv_heads
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    mask: torch.Tensor | None
+    for p in meta.reference_plan.prefills:
         ids = meta.block_tables[p.seq_index, : p.num_blocks].to(torch.int64)
         keys = k_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
         values = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
@@ -169,7 +181,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
             enable_gqa=group > 1,
         )
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
-    return out
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

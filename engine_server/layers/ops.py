@@ -33,10 +33,20 @@ REFERENCE_OPS = KernelOps(
 
 
 def select_ops(device: torch.device) -> KernelOps:
-    """The ops for tensors on `device`: the Triton kernels on CUDA when triton imports, else the torch reference."""
+    """The ops for tensors on `device`: the Triton kernels on CUDA when triton imports; on the CPU the C++
+    kernels of `kernels.cpu_ops` when they build; else the torch reference."""
     if device.type == "cuda":
         return _triton_ops() or REFERENCE_OPS
+    if device.type == "cpu":
+        return _cpu_ops() or REFERENCE_OPS
     return REFERENCE_OPS
+
+
+def _cpu_ops() -> KernelOps | None:
+    """`kernels.cpu_ops.cpu_ops()`: built and cached on first use, None where it cannot be built."""
+    from kernels.cpu_ops import cpu_ops
+
+    return cpu_ops()
 
 
 @functools.cache

@@ -46,10 +46,6 @@ def test_triton_ops_mirror_the_reference_signatures() -> None:
         assert list(inspect.signature(ours).parameters) == list(inspect.signature(ref).parameters)
 
 
-def test_select_ops_keeps_the_reference_on_cpu() -> None:
-    assert select_ops(torch.device("cpu")) is REFERENCE_OPS
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_select_ops_picks_triton_on_cuda() -> None:

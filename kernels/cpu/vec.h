@@ -1,0 +1,59 @@
+// Shared helpers of the CPU kernels: a 16-float vector type (GCC vector extensions, lowered to whatever
+// -march=native offers: AVX-512, AVX2, SSE) and the few operations the kernels need on it.
+#pragma once
+
+#include <cstdint>
+
+namespace ladle_cpu {
+
+// 16 floats: one AVX-512 register, two AVX2 ones. GCC lowers the arithmetic to what -march allows.
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline vec16 load(const float* p) {
+  vec16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline vec16 splat(float x) { return vec16{} + x; }
+
+inline float hsum(vec16 v) {
+  v += __builtin_shuffle(v, ivec16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, ivec16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, ivec16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, ivec16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// exp(x) lane-wise, Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
+// 2^n put into the exponent bits. Relative error ~1e-7. Below -87.3 (where float's normal range ends) the
+// result is 0; above 88.7 it is clamped to e^88.7 (~3.4e38).
+inline vec16 exp_lanes(vec16 x) {
+  const vec16 lo = splat(-87.3f), hi = splat(88.7f);
+  const ivec16 underflow = x < lo;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  vec16 n = x * 1.44269504088896341f + 0.5f;
+  // floor(n) for n in (-126, 129): truncate towards zero, then step down where that rounded up.
+  vec16 t = __builtin_convertvector(__builtin_convertvector(n, ivec16), vec16);
+  n = t > n ? t - 1.f : t;
+  const vec16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  vec16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+  vec16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  const vec16 result = p * scale;
+  return underflow ? splat(0.f) : result;
+}
+
+}  // namespace ladle_cpu

@@ -1,0 +1,179 @@
+"""The CPU kernel set (`cpu_ops()`): C++ kernels for the ops where the torch reference is slow on the CPU.
+
+- Decode attention: the reference gathers every decode row's KV blocks into one padded tensor and then runs
+  SDPA over it, three passes over the KV and most of a decode step's non-GEMM time; `paged_decode_attention`
+  (`kernels/cpu/paged_attention.cpp`) reads each row's blocks in place, once. Prefill chunks keep the reference
+  SDPA (`reference.attend_prefills`).
+- RMSNorm (with its residual add), rotary embedding and SiLU-and-mul (`kernels/cpu/pointwise.cpp`): one pass
+  each instead of 3-9 torch ops, which on a prefill chunk are memory-bound passes and on a decode step are
+  dispatch overhead.
+- The KV cache write stays the reference's (two `index_copy_`).
+Each wrapper runs the reference where its kernel does not apply (another dtype, a head dim it is not built
+for, a 3-D input to RMSNorm such as Qwen3's per-head q/k norm).
+
+The C++ sources are compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 10 s) for the
+CPU it runs on (`-march=native`) and cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`, by
+default `~/.cache/torch_extensions`); the cache entry is named after this CPU's features, so a shared home
+directory never hands one machine another's build. Where it cannot be built, or with `LADLE_CPU_KERNELS=0`,
+`cpu_ops()` is None and the CPU runs the reference ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import platform
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine_server.attention import AttentionMetadata
+from engine_server.layers.ops import REFERENCE_OPS, KernelOps
+from kernels import reference
+
+log = structlog.get_logger(__name__)
+
+_SOURCE_DIR = Path(__file__).parent / "cpu"
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
+DISABLE_ENV = "LADLE_CPU_KERNELS"
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """`reference.paged_attention`'s contract; decode rows run the C++ kernel (float32, a head dim in `HEAD_DIMS`),
+    the rest the reference."""
+    plan = meta.reference_plan
+    if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS or plan.decode_token_index.numel() == 0:
+        return reference.paged_attention(q, kv_cache, meta, scale)
+    if plan.all_decode:
+        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale)
+    out = torch.empty_like(q)
+    decoded = paged_decode_attention(
+        q.index_select(0, plan.decode_token_index),
+        kv_cache,
+        meta.block_tables.index_select(0, plan.decode_seq_index),
+        meta.seq_lens.index_select(0, plan.decode_seq_index),
+        scale,
+    )
+    out.index_copy_(0, plan.decode_token_index, decoded)
+    reference.attend_prefills(q, kv_cache, meta, scale, out)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q `[B, H, D]` (one new token per row) over positions `[0, seq_lens[b])` of the paged cache -> `[B, H, D]`.
+
+    Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
+    the cache), before anything is read. Needs the extension (`cpu_ops()` is not None).
+    """
+    out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rms_norm`'s contract; one pass per row for float32 `[rows, n]` inputs."""
+    if not (_rows(x) and weight.dtype == torch.float32 and (residual is None or _rows(residual))):
+        return reference.rms_norm(x, weight, eps, residual)
+    if residual is None:
+        out: torch.Tensor = torch.ops.ladle_cpu.rms_norm(x, weight.contiguous(), eps)
+        return out
+    normed, summed = torch.ops.ladle_cpu.add_rms_norm(x, residual, weight.contiguous(), eps)
+    return normed, summed
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rotary_embedding`'s contract (new tensors, inputs untouched); one pass per token in float32."""
+    if not (
+        q.dtype == k.dtype == cos_sin_cache.dtype == torch.float32
+        and q.dim() == k.dim() == 3
+        and q.stride(-1) == k.stride(-1) == 1
+        and positions.dtype == torch.int64
+    ):
+        return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    q_out, k_out = torch.ops.ladle_cpu.rotary_embedding(positions, q, k, cos_sin_cache.contiguous())
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`reference.silu_and_mul`'s contract; one pass per row for float32 `[rows, 2d]` inputs."""
+    if not _rows(x):
+        return reference.silu_and_mul(x)
+    out: torch.Tensor = torch.ops.ladle_cpu.silu_and_mul(x)
+    return out
+
+
+def _rows(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+
+
+@functools.cache
+def cpu_ops() -> KernelOps | None:
+    """`REFERENCE_OPS` with the C++ decode attention, building the extension on first use; None when disabled
+    (`LADLE_CPU_KERNELS=0`) or when it cannot be built here (logged once)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    try:
+        _load_extension()
+    except Exception as exc:  # no compiler, no ninja, a failed build: the reference ops still serve
+        log.warning("cpu kernels unavailable, running the torch reference ops", error=f"{type(exc).__name__}: {exc}")
+        return None
+    return KernelOps(
+        rms_norm=rms_norm,
+        rotary_embedding=rotary_embedding,
+        silu_and_mul=silu_and_mul,
+        write_kv_cache=REFERENCE_OPS.write_kv_cache,
+        paged_attention=paged_attention,
+    )
+
+
+def _load_extension() -> None:
+    from torch.utils.cpp_extension import load
+
+    with _ninja_on_path():
+        load(
+            name=f"ladle_cpu_{_build_tag()}",
+            sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+
+
+def _build_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags (the build is `-march=native`) and of every
+    file in `kernels/cpu` (torch's own rebuild check hashes the sources, not the headers they include)."""
+    digest = hashlib.sha256(platform.machine().encode())
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        digest.update("".join(line for line in lines if line.startswith(("model name", "flags")))[:4096].encode())
+    for path in sorted(_SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """Put the `ninja` PyPI package's binary on PATH for the build when the system has none."""
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved

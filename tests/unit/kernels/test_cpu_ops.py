@@ -1,0 +1,189 @@
+"""The CPU kernel set: the C++ decode attention against `kernels.reference.paged_attention`, its input checks,
+and the engine's dispatch to it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_server.attention import AttentionMetadata
+from engine_server.layers.ops import REFERENCE_OPS, select_ops
+from kernels import cpu_ops as cpu
+from kernels import reference
+
+needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+TOLERANCE: dict[str, Any] = dict(atol=2e-5, rtol=1e-5)
+
+
+def make_batch(
+    spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """q `[T, H, D]`, a random float32 cache (unused slots random too) and the metadata for `spec`
+    ((query_len, seq_len) per sequence), blocks drawn from a shuffled pool."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-seq_len // block_size) for _, seq_len in spec]
+    num_blocks = sum(blocks) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[pool.pop() for _ in range(n)] for n in blocks]
+    meta = AttentionMetadata.build([q for q, _ in spec], [s for _, s in spec], tables, block_size, "cpu")
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen)
+    return q, cache, meta
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 4, 256), (12, 1, 32), (4, 2, 16)],
+)
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+def test_decode_rows_match_the_reference(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+    """GQA groups of 1 to 12 (more than the 8 heads the kernel holds at once), lengths of 1, within a vector,
+    a vector and one more, and several blocks; block sizes that are and are not multiples of 16."""
+    spec = [(1, n) for n in (1, 2, 15, 16, 17, 31, 64, 100, 257)]
+    q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, block_size, seed=heads + head_dim + block_size)
+    scale = head_dim**-0.5
+    torch.testing.assert_close(
+        cpu.paged_attention(q, cache, meta, scale), reference.paged_attention(q, cache, meta, scale), **TOLERANCE
+    )
+
+
+@needs_kernels
+def test_peaked_softmax_matches_the_reference() -> None:
+    """Scores spread over hundreds of nats: exp underflows to 0 for most keys and must still sum right."""
+    q, cache, meta = make_batch([(1, 300), (1, 40)], 8, 2, 64, 16, seed=7)
+    q = q * 40
+    torch.testing.assert_close(
+        cpu.paged_attention(q, cache, meta, 0.125), reference.paged_attention(q, cache, meta, 0.125), **TOLERANCE
+    )
+
+
+@needs_kernels
+def test_mixed_batches_run_decode_rows_in_the_kernel_and_prefills_in_the_reference() -> None:
+    spec = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (1, 33), (23, 60)]
+    q, cache, meta = make_batch(spec, 6, 2, 64, 16, seed=3)
+    torch.testing.assert_close(
+        cpu.paged_attention(q, cache, meta, 0.125), reference.paged_attention(q, cache, meta, 0.125), **TOLERANCE
+    )
+
+
+def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
+    q, cache, meta = make_batch([(1, 20), (4, 9)], 4, 2, 24, 16)
+    torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
+    q, cache, meta = make_batch([(1, 20)], 4, 2, 64, 16)
+    q, cache = q.to(torch.bfloat16), cache.to(torch.bfloat16)
+    torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda q, c, t, n: (q.double(), c, t, n), "q must be"),
+        (lambda q, c, t, n: (q, c[:, :, :, :1], t, n), "kv_cache must be"),
+        (lambda q, c, t, n: (q, c, t.long(), n), "block_tables must be"),
+        (lambda q, c, t, n: (q, c, t, n + 100), "seq_lens out of"),
+        (lambda q, c, t, n: (q, c, t, n * 0), "seq_lens out of"),
+        (lambda q, c, t, n: (q, c, t.clone().fill_(10_000), n), "outside the cache"),
+        (lambda q, c, t, n: (q, c, t.clone().fill_(-1), n), "outside the cache"),
+        (lambda q, c, t, n: (q[:, :, :48].contiguous(), c[..., :48].contiguous(), t, n), "head dim 48"),
+        (lambda q, c, t, n: (q[:, :3].contiguous(), c, t, n), "multiple of KV heads"),
+    ],
+)
+def test_malformed_inputs_are_refused_before_any_read(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+    q, cache, meta = make_batch([(1, 20), (1, 33)], 4, 2, 64, 16)
+    args = mutate(q, cache, meta.block_tables, meta.seq_lens)
+    with pytest.raises(RuntimeError, match=message):
+        cpu.paged_decode_attention(*args, 0.125)
+
+
+@needs_kernels
+def test_one_openmp_runtime_serves_torch_and_the_kernels() -> None:
+    """The extension links libgomp.so.1 by soname: it must resolve to the copy torch loaded, not a second
+    runtime with its own spinning threads."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc")
+    runtimes = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_select_ops_on_cpu_picks_the_cpu_kernels_where_they_build() -> None:
+    assert select_ops(torch.device("cpu")) is (cpu.cpu_ops() or REFERENCE_OPS)
+
+
+def test_the_environment_switch_keeps_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.DISABLE_ENV, "0")
+    cpu.cpu_ops.cache_clear()
+    try:
+        assert cpu.cpu_ops() is None
+        assert select_ops(torch.device("cpu")) is REFERENCE_OPS
+    finally:
+        monkeypatch.delenv(cpu.DISABLE_ENV)
+        cpu.cpu_ops.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [576, 64, 37])
+def test_rms_norm_matches_the_reference_on_strided_rows(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(33, 2 * n, generator=gen)[:, :n] * 3  # rows 2n apart
+    weight = torch.randn(n, generator=gen)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), **TOLERANCE)
+
+
+@needs_kernels
+def test_add_rms_norm_returns_the_exact_sum_and_the_normed_sum() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, residual, weight = torch.randn(70, 576, generator=gen), torch.randn(70, 576, generator=gen), torch.rand(576)
+    normed, summed = cpu.rms_norm(x, weight, 1e-6, residual)
+    ref_normed, ref_summed = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(summed, ref_summed)
+    torch.testing.assert_close(normed, ref_normed, **TOLERANCE)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("q_heads", "k_heads", "dim"), [(9, 3, 64), (14, 2, 128), (2, 1, 24)])
+def test_rotary_embedding_is_bit_identical_to_the_reference_on_a_fused_qkv_split(
+    q_heads: int, k_heads: int, dim: int
+) -> None:
+    """q and k as the attention layer makes them: views into one [T, (Hq + 2 Hkv) * D] projection."""
+    gen = torch.Generator().manual_seed(dim)
+    tokens = 37
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * dim, generator=gen)
+    q, k, _ = qkv.split([q_heads * dim, k_heads * dim, k_heads * dim], dim=-1)
+    q, k = q.view(tokens, q_heads, dim), k.view(tokens, k_heads, dim)
+    cache = reference.build_cos_sin_cache(dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    before = qkv.clone()
+    ours, theirs = cpu.rotary_embedding(positions, q, k, cache), reference.rotary_embedding(positions, q, k, cache)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(qkv, before)  # inputs untouched
+
+
+@needs_kernels
+def test_rotary_embedding_refuses_a_position_outside_the_cache() -> None:
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    cache = reference.build_cos_sin_cache(16, 8, 10000.0)
+    with pytest.raises(RuntimeError, match="outside the rope cache"):
+        cpu.rotary_embedding(torch.tensor([0, 8]), q, k, cache)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [1536, 40])
+def test_silu_and_mul_matches_the_reference(d: int) -> None:
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(19, 2 * d + 8, generator=gen)[:, : 2 * d] * 6  # strided rows, gates well into both tails
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6, rtol=1e-6)
+
+
+def test_pointwise_ops_fall_back_to_the_reference_where_the_kernels_do_not_apply() -> None:
+    heads = torch.randn(5, 4, 16)  # Qwen3's per-head q/k norm is 3-D
+    weight = torch.rand(16)
+    torch.testing.assert_close(cpu.rms_norm(heads, weight, 1e-6), reference.rms_norm(heads, weight, 1e-6))
+    half = torch.randn(5, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(cpu.silu_and_mul(half), reference.silu_and_mul(half))
