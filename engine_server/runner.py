@@ -163,7 +163,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
             packed = pack_linear_layers(self.model)
-            log.info("cpu gemms", mkl_packed_layers=packed)
+            # Builds the C++ kernels now (first start on this machine only), not on the first request.
+            kernels = select_ops(self.device) is not REFERENCE_OPS
+            log.info("cpu kernels", mkl_packed_linears=packed, cpp_kernels=kernels)
         self.num_blocks = num_kv_blocks(source.config, config, self.dtype, max_model_len)
         self.scratch_block = self.num_blocks
         self.kv_caches = allocate_kv_cache(source.config, self.num_blocks + 1, self.block_size, self.dtype, self.device)
