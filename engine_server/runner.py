@@ -160,15 +160,16 @@ class ModelRunner:
         model = get_model_class(source.config.architecture)(source.config, dtype=self.dtype)
         model.load_weights(source.weights())
         self.model = model.to(self.device).eval()
+        self.num_blocks = num_kv_blocks(source.config, config, self.dtype, max_model_len)
+        self.scratch_block = self.num_blocks
+        self.kv_caches = allocate_kv_cache(source.config, self.num_blocks + 1, self.block_size, self.dtype, self.device)
+        # After the KV cache: zeroing it right after MKL packed the weights takes twice as long.
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
             packed = pack_linear_layers(self.model)
             # Builds the C++ kernels now (first start on this machine only), not on the first request.
             kernels = select_ops(self.device) is not REFERENCE_OPS
             log.info("cpu kernels", mkl_packed_linears=packed, cpp_kernels=kernels)
-        self.num_blocks = num_kv_blocks(source.config, config, self.dtype, max_model_len)
-        self.scratch_block = self.num_blocks
-        self.kv_caches = allocate_kv_cache(source.config, self.num_blocks + 1, self.block_size, self.dtype, self.device)
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
