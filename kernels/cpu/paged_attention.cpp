@@ -38,6 +38,22 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
 // so the hardware prefetchers cannot see the next one coming.
 constexpr int64_t kPrefetchAhead = 32;
 
+// Calls visit(t, h, x) for every position t < len (in order) and query head h, x being the Dim / 16 vectors of
+// h's KV head in t's slot of `cache`: each slot is loaded once for the GQA group that shares it.
+template <int64_t Dim, typename Slot, typename Visit>
+inline void for_each_slot(const float* cache, const Slot& slot, int64_t len, int64_t kv_heads, int64_t group,
+                          Visit&& visit) {
+  constexpr int64_t chunks = Dim / kLanes;
+  for (int64_t t = 0; t < len; ++t) {
+    const float* tokens = cache + slot(t);
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      vec16 x[chunks];
+      for (int64_t c = 0; c < chunks; ++c) x[c] = load(tokens + kvh * Dim + c * kLanes);
+      for (int64_t g = 0; g < group; ++g) visit(t, kvh * group + g, x);
+    }
+  }
+}
+
 // One decode row: all `heads` query heads at `q` (contiguous, Dim floats each) against positions [0, len) of the
 // paged K/V, written to `out` (contiguous). Each token's slot holds every KV head (token_stride floats), so
 // reading it for all heads at once walks each block front to back. `scores` has room for heads * padded(len)
@@ -59,24 +75,16 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   }
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t c = 0; c < chunks; ++c) store(acc + h * Dim + c * kLanes, load(q + h * Dim + c * kLanes) * scale);
-  for (int64_t t = 0; t < len; ++t) {
-    if (t + kPrefetchAhead < len) {  // the values too: the second pass then reads them from L2
+  for_each_slot<Dim>(keys, slot, len, kv_heads, group, [&](int64_t t, int64_t h, const vec16* k) {
+    if (h == 0 && t + kPrefetchAhead < len) {  // the values too: the second pass then reads them from L2
       prefetch_slot(keys + slot(t + kPrefetchAhead), slot_bytes);
       prefetch_slot(values + slot(t + kPrefetchAhead), slot_bytes);
     }
-    const float* key = keys + slot(t);
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      vec16 k[chunks];
-      for (int64_t c = 0; c < chunks; ++c) k[c] = load(key + kvh * Dim + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
-        const float* qh = acc + h * Dim;  // the scaled queries, until the values pass reuses acc
-        vec16 dot = load(qh) * k[0];
-        for (int64_t c = 1; c < chunks; ++c) dot += load(qh + c * kLanes) * k[c];
-        scores[h * padded + t] = hsum(dot);
-      }
-    }
-  }
+    const float* qh = acc + h * Dim;  // the scaled queries, until the values pass reuses acc
+    vec16 dot = load(qh) * k[0];
+    for (int64_t c = 1; c < chunks; ++c) dot += load(qh + c * kLanes) * k[c];
+    scores[h * padded + t] = hsum(dot);
+  });
   for (int64_t h = 0; h < heads; ++h) {
     // Softmax over the row, padded to whole vectors with -inf (which exp turns into 0).
     float* s = scores + h * padded;
@@ -98,19 +106,11 @@ void attend(const float* q, const float* keys, const float* values, const int32_
     for (int64_t t = 0; t < len; ++t) s[t] *= inv;
   }
   for (int64_t i = 0; i < heads * Dim; i += kLanes) store(acc + i, vec16{});
-  for (int64_t t = 0; t < len; ++t) {
-    const float* value = values + slot(t);
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      vec16 v[chunks];
-      for (int64_t c = 0; c < chunks; ++c) v[c] = load(value + kvh * Dim + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = kvh * group + g;
-        const vec16 w = splat(scores[h * padded + t]);
-        float* a = acc + h * Dim;
-        for (int64_t c = 0; c < chunks; ++c) store(a + c * kLanes, load(a + c * kLanes) + w * v[c]);
-      }
-    }
-  }
+  for_each_slot<Dim>(values, slot, len, kv_heads, group, [&](int64_t t, int64_t h, const vec16* v) {
+    const vec16 w = splat(scores[h * padded + t]);
+    float* a = acc + h * Dim;
+    for (int64_t c = 0; c < chunks; ++c) store(a + c * kLanes, load(a + c * kLanes) + w * v[c]);
+  });
   for (int64_t i = 0; i < heads * Dim; i += kLanes) store(out + i, load(acc + i));
 }
 
