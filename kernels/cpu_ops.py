@@ -11,11 +11,11 @@
 Each wrapper runs the reference where its kernel does not apply (another dtype, a head dim it is not built
 for, a 3-D input to RMSNorm such as Qwen3's per-head q/k norm).
 
-The C++ sources are compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 10 s) for the
+The C++ sources are compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 15 s) for the
 CPU it runs on (`-march=native`) and cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`, by
-default `~/.cache/torch_extensions`); the cache entry is named after this CPU's features, so a shared home
-directory never hands one machine another's build. Where it cannot be built, or with `LADLE_CPU_KERNELS=0`,
-`cpu_ops()` is None and the CPU runs the reference ops.
+default `~/.cache/torch_extensions`); the cache entry is named after this CPU's features, the sources and the
+Python and torch versions, so a shared home directory never hands one machine another's build. Where it
+cannot be built, or with `LADLE_CPU_KERNELS=0`, `cpu_ops()` is None and the CPU runs the reference ops.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +45,8 @@ _SOURCES = ("paged_attention.cpp", "pointwise.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"
+# A build takes ~15 s; a lock this old was left by a process that died building.
+STALE_LOCK_S = 600.0
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -139,17 +143,42 @@ def cpu_ops() -> KernelOps | None:
 
 
 def _load_extension() -> None:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
+    name = f"ladle_cpu_{_build_tag()}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir = root / f"{name}_{python}_torch{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_build_lock(build_dir)
     with _ninja_on_path():
         load(
-            name=f"ladle_cpu_{_build_tag()}",
-            sources=[str(_SOURCE_DIR / name) for name in _SOURCES],
+            name=name,
+            sources=[str(_SOURCE_DIR / source) for source in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
+
+
+def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove `build_dir/lock` when it is older than `max_age_s`; True if it did.
+
+    torch holds that file while one process builds and makes every other wait, without a time limit, until it
+    is gone: a build killed half-way (Ctrl-C on a first start) would otherwise hang every later start.
+    """
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing a stale cpu kernel build lock", path=str(lock), age_s=round(age))
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _build_tag() -> str:

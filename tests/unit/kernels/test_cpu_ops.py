@@ -3,6 +3,8 @@ and the engine's dispatch to it."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +189,14 @@ def test_pointwise_ops_fall_back_to_the_reference_where_the_kernels_do_not_apply
     torch.testing.assert_close(cpu.rms_norm(heads, weight, 1e-6), reference.rms_norm(heads, weight, 1e-6))
     half = torch.randn(5, 32, dtype=torch.bfloat16)
     torch.testing.assert_close(cpu.silu_and_mul(half), reference.silu_and_mul(half))
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
+    """A build killed half-way leaves torch's lock file, on which every later start would wait forever."""
+    lock = tmp_path / "lock"
+    assert not cpu.clear_stale_build_lock(tmp_path)  # no lock: nothing to do
+    lock.touch()
+    assert not cpu.clear_stale_build_lock(tmp_path) and lock.exists()  # a build in progress
+    old = time.time() - cpu.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert cpu.clear_stale_build_lock(tmp_path) and not lock.exists()
