@@ -16,6 +16,7 @@ the model is left as it is when any of it does not hold (no MKL, another dtype, 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -36,19 +37,27 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """`F.linear(x, weight, bias)` through MKL's `sgemm_compute` on a copy of `weight` packed once.
 
-    Shares `weight` and `bias` with the `nn.Linear` it replaces (a tied embedding stays tied); the packed copy
-    costs as much memory again as the weight. Results equal `F.linear`'s up to float32 rounding: MKL blocks the
-    sums differently from one code path to another, as plain `F.linear` already does between row counts.
-    The weight must not change after construction (the packed copy would not follow).
+    With `keep_weight` (for a weight something else uses too, such as a tied embedding) `weight` stays the
+    shared parameter and the packed copy costs as much memory again. Without it the original is let go: MKL
+    reads only the packed copy, and torch's op, which still takes the original for its shape and dtype, gets a
+    zero-stride view (`weight` is then that view, a non-persistent buffer, so the layer holds no parameter).
+    Results equal `F.linear`'s up to float32 rounding: MKL blocks the sums differently from one code path to
+    another, as plain `F.linear` already does between row counts. The weights cannot change after construction.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    weight: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = True) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
         self.register_buffer("packed_weight", _pack(linear.weight), persistent=False)
+        if keep_weight:
+            self.weight = linear.weight
+        else:
+            placeholder = linear.weight.new_empty(()).expand(linear.out_features, linear.in_features)
+            self.register_buffer("weight", placeholder, persistent=False)
+        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -75,7 +84,7 @@ def packing_supported() -> bool:
         with torch.no_grad():
             linear.weight.copy_(torch.randn(80, 96, generator=generator))
             linear.bias.copy_(torch.randn(80, generator=generator))
-            packed = PackedLinear(linear)
+            packed = PackedLinear(linear, keep_weight=False)
             for rows in _PROBE_ROWS:
                 x = torch.randn(rows, 96, generator=generator)
                 expected = F.linear(x, linear.weight, linear.bias)
@@ -89,10 +98,13 @@ def packing_supported() -> bool:
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every float32 CPU `nn.Linear` inside `model` with a `PackedLinear`; returns how many.
 
-    Call once the weights are loaded. Does nothing (returns 0) where `packing_supported()` is False.
+    A weight no other module holds is dropped for its packed copy (so packing costs no memory); a shared one
+    (a tied LM head) is kept. Call once the weights are loaded: the packed layers' weights can no longer be
+    loaded or changed. Does nothing (returns 0) where `packing_supported()` is False.
     """
     if not packing_supported():
         return 0
+    holders = Counter(id(p) for module in model.modules() for p in module._parameters.values() if p is not None)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -100,5 +112,5 @@ def pack_linear_layers(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, keep_weight=holders[id(child.weight)] > 1))
     return len(targets)

@@ -13,15 +13,16 @@ needs_mkl = pytest.mark.skipif(not packing_supported(), reason="this torch build
 
 
 @needs_mkl
+@pytest.mark.parametrize("keep_weight", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 65, 257, 2048])
-def test_packed_linear_equals_f_linear_at_every_row_count(rows: int, bias: bool) -> None:
+def test_packed_linear_equals_f_linear_at_every_row_count(rows: int, bias: bool, keep_weight: bool) -> None:
     generator = torch.Generator().manual_seed(rows)
     linear = nn.Linear(576, 960, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(960, 576, generator=generator) / 24)
         x = torch.randn(rows, 576, generator=generator)
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear, keep_weight=keep_weight)
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
 
 
@@ -29,7 +30,7 @@ def test_packed_linear_equals_f_linear_at_every_row_count(rows: int, bias: bool)
 def test_packed_linear_takes_any_leading_shape_and_strided_input() -> None:
     linear = nn.Linear(64, 48)
     with torch.no_grad():
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear, keep_weight=False)
         x = torch.randn(3, 5, 128)[..., ::2]  # [3, 5, 64], not contiguous
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
         assert packed(torch.randn(0, 64)).shape == (0, 48)
@@ -54,7 +55,11 @@ def test_pack_linear_layers_swaps_float32_linears_and_keeps_ties() -> None:
         assert isinstance(model.proj[0], PackedLinear) and isinstance(model.head, PackedLinear)
         assert type(model.bf16) is nn.Linear  # another dtype stays as it is
         assert model.head.weight is model.embed.weight  # the tie survives
-        assert "head.packed_weight" not in model.state_dict()  # the packed copy is derived, never saved
+        untied = model.proj[0].weight
+        assert untied.stride() == (0, 0) and untied.untyped_storage().nbytes() == 4  # the original is let go
+        assert {name for name, _ in model.named_parameters()} == {"embed.weight", "proj.0.bias", "bf16.weight",
+                                                                  "bf16.bias"}
+        assert not {"head.packed_weight", "proj.0.weight"} & set(model.state_dict())  # derived, never saved
         torch.testing.assert_close(model.head(model.proj(x)), before, rtol=1e-5, atol=1e-5)
         assert pack_linear_layers(model) == 0  # already packed
 
