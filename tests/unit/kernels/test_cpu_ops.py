@@ -3,8 +3,11 @@ and the engine's dispatch to it."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +15,12 @@ import pytest
 import torch
 
 from engine_server.attention import AttentionMetadata
-from engine_server.layers.ops import REFERENCE_OPS, select_ops
+from engine_server.layers.ops import REFERENCE_OPS, KernelOps, select_ops
 from kernels import cpu_ops as cpu
 from kernels import reference
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, cache, block tables, lengths
 TOLERANCE: dict[str, Any] = dict(atol=2e-5, rtol=1e-5)
 
 
@@ -95,11 +99,11 @@ def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
         (lambda q, c, t, n: (q[:, :3].contiguous(), c, t, n), "multiple of KV heads"),
     ],
 )
-def test_malformed_inputs_are_refused_before_any_read(mutate, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_inputs_are_refused_before_any_read(mutate: Callable[..., Batch], message: str) -> None:
     q, cache, meta = make_batch([(1, 20), (1, 33)], 4, 2, 64, 16)
-    args = mutate(q, cache, meta.block_tables, meta.seq_lens)
+    q, cache, tables, lens = mutate(q, cache, meta.block_tables, meta.seq_lens)
     with pytest.raises(RuntimeError, match=message):
-        cpu.paged_decode_attention(*args, 0.125)
+        cpu.paged_decode_attention(q, cache, tables, lens, 0.125)
 
 
 @needs_kernels
@@ -200,3 +204,13 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path) -> No
     old = time.time() - cpu.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
     assert cpu.clear_stale_build_lock(tmp_path) and not lock.exists()
+
+
+@needs_kernels
+def test_cpu_ops_mirror_the_reference_signatures() -> None:
+    ops = cpu.cpu_ops()
+    assert ops is not None
+    for field in fields(KernelOps):
+        ours, ref = getattr(ops, field.name), getattr(reference, field.name)
+        assert ours.__name__ == field.name
+        assert list(inspect.signature(ours).parameters) == list(inspect.signature(ref).parameters)
