@@ -40,7 +40,8 @@ class ReferencePlan:
     """
 
     decode_token_index: torch.Tensor  # [Bd] int64 index of each decode row's token in the flat batch
-    decode_seq_index: torch.Tensor  # [Bd] int64 index of each decode row's sequence (its block table, length)
+    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int32 block tables of the decode rows
+    decode_seq_lens: torch.Tensor  # [Bd] int32 context lengths of the decode rows
     decode_block_ids: torch.Tensor  # [Bd * decode_blocks] int64 block ids, row-major, padded with 0
     decode_blocks: int  # blocks gathered per decode row (enough for the longest decode context)
     decode_mask: torch.Tensor  # [Bd, 1, 1, decode_blocks * block_size] float32 additive (0 or -inf)
@@ -126,13 +127,16 @@ class AttentionMetadata:
         lens = [self.seq_lens_cpu[i] for i in decode_rows]
         nblocks = -(-max(lens, default=0) // bs)
         rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-        block_ids = self.block_tables.index_select(0, rows)[:, :nblocks].to(torch.int64).reshape(-1)
+        tables = self.block_tables.index_select(0, rows)
+        block_ids = tables[:, :nblocks].to(torch.int64).reshape(-1)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         keys = torch.arange(nblocks * bs, device=device)
-        visible = keys[None, :] < torch.tensor(lens, dtype=torch.int64, device=device)[:, None]
+        visible = keys[None, :] < lens_t[:, None]
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, -torch.inf)
         return ReferencePlan(
             decode_token_index=torch.tensor([starts[i] for i in decode_rows], dtype=torch.int64, device=device),
-            decode_seq_index=rows,
+            decode_block_tables=tables,
+            decode_seq_lens=lens_t.to(torch.int32),
             decode_block_ids=block_ids,
             decode_blocks=nblocks,
             decode_mask=mask[:, None, None, :],

@@ -61,8 +61,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     decoded = paged_decode_attention(
         q.index_select(0, plan.decode_token_index),
         kv_cache,
-        meta.block_tables.index_select(0, plan.decode_seq_index),
-        meta.seq_lens.index_select(0, plan.decode_seq_index),
+        plan.decode_block_tables,
+        plan.decode_seq_lens,
         scale,
     )
     out.index_copy_(0, plan.decode_token_index, decoded)

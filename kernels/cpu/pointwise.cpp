@@ -30,6 +30,12 @@ void check_rows(const at::Tensor& x, const char* name) {
               " must be a [rows, n] float32 tensor with a contiguous last dim");
 }
 
+void check_weight(const at::Tensor& weight, int64_t n) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous(),
+              "weight must be [n] float32");
+}
+
 // out[i] = weight[i] * (x[i] * (1 / sqrt(mean(x^2) + eps))) for one row of n floats.
 inline void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
   vec16 acc = {};
@@ -49,9 +55,7 @@ inline void norm_row(const float* x, const float* weight, float eps, int64_t n, 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat &&
-                  weight.is_contiguous(),
-              "weight must be [n] float32");
+  check_weight(weight, n);
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
@@ -71,9 +75,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_rows(residual, "residual");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(residual.size(0) == rows && residual.size(1) == n, "x and residual differ in shape");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat &&
-                  weight.is_contiguous(),
-              "weight must be [n] float32");
+  check_weight(weight, n);
   at::Tensor out = at::empty({rows, n}, x.options());
   at::Tensor sum = at::empty({rows, n}, x.options());
   const float* x_ptr = x.data_ptr<float>();
