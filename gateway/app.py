@@ -1,7 +1,8 @@
 """`create_app`: the FastAPI application for one GatewayConfig.
 
-The lifespan opens the engine pool (channels + health polling) and closes it; routers reach it through
-dependencies. Nothing lives at module level, so tests can build as many apps as they like.
+The lifespan opens the engine pool (channels + health polling) and the files-and-batches service (database,
+blob directory, batch workers) and closes them; routers reach both through dependencies. Nothing lives at
+module level, so tests can build as many apps as they like.
 """
 
 from __future__ import annotations
@@ -11,23 +12,30 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
-from gateway.routers import batch_chat, chat, completions, models, operations
+from gateway.routers import batch_chat, batches, chat, completions, files, models, operations
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
+    service = BatchService(config, pool, metrics)
+    metrics.watch_batches(service)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.start()
         try:
-            yield
+            await service.start()
+            try:
+                yield
+            finally:
+                await service.close()
         finally:
             await pool.close()
 
@@ -35,8 +43,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.config = config
     app.state.pool = pool
     app.state.metrics = metrics
+    app.state.batches = service
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes)
-    for module in (models, chat, completions, batch_chat, operations):
+    for module in (models, chat, completions, batch_chat, files, batches, operations):
         app.include_router(module.router)
     return app

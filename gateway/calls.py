@@ -12,7 +12,7 @@ from typing import TypeVar
 import grpc
 
 from gateway.engines import Engine, EnginePool
-from gateway.errors import APIError, from_rpc_error, from_status
+from gateway.errors import APIError, from_rpc_error, from_status, grpc_status
 from ladle.v1 import engine_pb2
 
 T = TypeVar("T")
@@ -82,7 +82,7 @@ async def batch(
                 index = int(response.item_id)
                 if response.WhichOneof("outcome") == "error":
                     error = response.error
-                    failed = from_status(_status_code(error.code),
+                    failed = from_status(grpc_status(error.code),
                                          f"{param}[{index}]: {error.message}",
                                          error.param or f"{param}[{index}]", pool.config.retry_after_s)
                     raise failed
@@ -93,13 +93,6 @@ async def batch(
     if missing:
         raise APIError(500, f"the engine returned no result for {param}{missing[:5]}", type="server_error")
     return [r for r in results if r is not None]
-
-
-def _status_code(value: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
 
 
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as token ids is ~1 MiB of JSON
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+
+
+def default_data_dir() -> Path:
+    """$XDG_DATA_HOME/ladle, else ~/.local/share/ladle."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "ladle"
 
 
 @dataclass(frozen=True)
@@ -15,6 +24,12 @@ class GatewayConfig:
     `api_key`, when set, is required as a Bearer token on every route but /health. `request_timeout_s` becomes
     the gRPC deadline of every engine call (HTTP 504 when it passes). `health_interval_s` is how often each
     engine's health and load are polled.
+
+    Files and batches: bytes under `data_dir`/blobs, records in `database_url` (default: SQLite in `data_dir`);
+    uploads up to `max_file_bytes`. `batch_workers` run batches in this process (0: none; another replica on
+    the same database runs them), each with at most `batch_window` engine items in flight (None: twice the
+    engine's max_num_seqs), holding a batch under a lease of `batch_lease_s` seconds (a worker that dies
+    releases its batch when the lease runs out).
     """
 
     engines: tuple[str, ...]
@@ -24,10 +39,20 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     retry_after_s: int = 1  # Retry-After on a 429
+    data_dir: Path | None = None  # None: default_data_dir()
+    database_url: str | None = None
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    batch_workers: int = 1
+    batch_window: int | None = None
+    batch_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.engines:
             raise ValueError("the gateway needs at least one engine address")
+        if self.batch_workers < 0 or (self.batch_window is not None and self.batch_window < 1):
+            raise ValueError("batch_workers must be >= 0 and batch_window >= 1")
+        if self.batch_lease_s <= 1:
+            raise ValueError("batch_lease_s must be more than 1 second")
 
 
 def parse_engine_addresses(value: str) -> tuple[str, ...]:

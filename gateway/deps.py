@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import APIError, no_engine
@@ -24,6 +25,11 @@ def get_pool(request: Request) -> EnginePool:
 def get_metrics(request: Request) -> GatewayMetrics:
     metrics: GatewayMetrics = request.app.state.metrics
     return metrics
+
+
+def get_batches(request: Request) -> BatchService:
+    batches: BatchService = request.app.state.batches
+    return batches
 
 
 def get_config(request: Request) -> GatewayConfig:
@@ -90,3 +96,5 @@ class RequestTimer:
 Pool = Annotated[EnginePool, Depends(get_pool)]
 Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
 RequestId = Annotated[str, Depends(request_id)]
+Batches = Annotated[BatchService, Depends(get_batches)]
+Config = Annotated[GatewayConfig, Depends(get_config)]

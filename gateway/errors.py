@@ -85,6 +85,14 @@ def from_status(
     return APIError(500, f"the engine failed: {details}", type="server_error", code="internal_error")
 
 
+def grpc_status(value: int) -> grpc.StatusCode:
+    """The status code for its number (as a Batch item's ItemError carries it); UNKNOWN for an unknown one."""
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
 def _param(error: grpc.RpcError) -> str | None:
     trailing: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in trailing or ():

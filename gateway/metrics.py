@@ -1,19 +1,24 @@
 """Prometheus metrics of one gateway app, in its own registry (no process-global state).
 
-Request counts by route and status, latency histograms (TTFT, inter-token latency, end-to-end), token counters
-and in-flight requests are recorded as requests are served; the engines' running / waiting / KV usage are read
-from the pool's last poll when /metrics is scraped.
+Request counts by route and status, latency histograms (TTFT, inter-token latency, end-to-end), token counters,
+in-flight requests and the batch lines this gateway's workers committed are recorded as they happen; the
+engines' running / waiting / KV usage (from the pool's last poll), batches by status (from the database) and
+batch lines in flight are read when /metrics is scraped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.engines import EnginePool
+
+if TYPE_CHECKING:
+    from gateway.batches.service import BatchService
 
 # Seconds; from a few ms (one decode step on a GPU) to minutes (long CPU generations).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -39,9 +44,16 @@ class GatewayMetrics:
                                      registry=r)
         self.completion_tokens = Counter("ladle_gateway_completion_tokens", "Completion tokens generated",
                                          ["route"], registry=r)
+        self.batch_lines = Counter("ladle_gateway_batch_lines", "Batch lines this gateway committed, by outcome",
+                                   ["outcome"], registry=r)
         r.register(_EngineCollector(pool))
 
+    def watch_batches(self, service: BatchService) -> None:
+        """Report batches by status and batch lines in flight from `service` on every scrape."""
+        self.registry.register(_BatchCollector(service))
+
     def render(self) -> bytes:
+        """The exposition text. Blocking (it reads the database): call it off the event loop."""
         return generate_latest(self.registry)
 
 
@@ -63,3 +75,23 @@ class _EngineCollector(Collector):
                 waiting.add_metric([engine.address], engine.load.waiting)
                 kv.add_metric([engine.address], engine.load.kv_usage)
         yield from (up, running, waiting, kv)
+
+
+class _BatchCollector(Collector):
+    """Batches by status (every replica's, from the database) and this gateway's batch lines in flight."""
+
+    def __init__(self, service: BatchService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        by_status = GaugeMetricFamily("ladle_batches", "Batch jobs by status", labels=["status"])
+        try:
+            counts = self.service.batches.count_by_status()
+        except Exception:  # not started yet, or the database is unreachable: report what is known
+            counts = {}
+        for status, count in sorted(counts.items()):
+            by_status.add_metric([status], count)
+        in_flight = GaugeMetricFamily("ladle_gateway_batch_lines_in_flight",
+                                      "Batch engine items this gateway has sent and not yet had answered")
+        in_flight.add_metric([], self.service.lines_in_flight())
+        yield from (by_status, in_flight)

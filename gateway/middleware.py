@@ -22,15 +22,24 @@ log = structlog.get_logger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")  # safe to echo and to use as an engine request id
 KNOWN_ROUTES = frozenset({
-    "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/health", "/metrics",
+    "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/files",
+    "/v1/batches", "/health", "/metrics",
 })
+# Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request).
+OWN_BODY_LIMIT = frozenset({"/v1/files"})
 
 
 def route_label(path: str) -> str:
-    """A bounded metrics label: the route, or "other" for unknown paths and model ids."""
+    """A bounded metrics label: the route, or "other" for unknown paths; ids become placeholders."""
     if path in KNOWN_ROUTES:
         return path
-    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    if path.startswith("/v1/files/"):
+        return "/v1/files/{file_id}/content" if path.endswith("/content") else "/v1/files/{file_id}"
+    if path.startswith("/v1/batches/"):
+        return "/v1/batches/{batch_id}/cancel" if path.endswith("/cancel") else "/v1/batches/{batch_id}"
+    return "other"
 
 
 class RequestContextMiddleware:
@@ -64,7 +73,7 @@ class RequestContextMiddleware:
             started = time.monotonic()
             self.metrics.in_flight.inc()
             try:
-                body_receive = await self._limited(headers, receive)
+                body_receive = await self._limited(scope["path"], headers, receive)
                 if body_receive is None:
                     too_large = APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
                                          code="request_too_large")
@@ -77,8 +86,11 @@ class RequestContextMiddleware:
                 log.info("request finished", method=scope["method"], path=scope["path"], status=status,
                          duration_ms=round((time.monotonic() - started) * 1000, 1))
 
-    async def _limited(self, headers: Headers, receive: Receive) -> Receive | None:
-        """`receive` if the body fits (None if not). A body without Content-Length is read here and replayed."""
+    async def _limited(self, path: str, headers: Headers, receive: Receive) -> Receive | None:
+        """`receive` if the body fits (None if not). A body without Content-Length is read here and replayed,
+        except on the routes that limit their bodies as they stream them."""
+        if path in OWN_BODY_LIMIT:
+            return receive
         length = headers.get("content-length")
         if length is not None:
             return receive if length.isdigit() and int(length) <= self.max_request_bytes else None

@@ -66,6 +66,17 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--api-key", "", "require 'Authorization: Bearer <key>' on every route but /health")
     _add(parser, "--request-timeout", 600.0, "seconds an engine call may take (then HTTP 504)", type=float)
     _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
+    _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
+         "(default: $XDG_DATA_HOME/ladle or ~/.local/share/ladle)")
+    _add(parser, "--database-url", "", "SQLAlchemy URL of the files-and-batches database, e.g. "
+         "postgresql://user@host/db to share it between gateways (default: SQLite in --data-dir)")
+    _add(parser, "--max-file-mib", 200.0, "largest accepted file upload in MiB (then HTTP 413)", type=float)
+    _add(parser, "--batch-workers", 1, "batch jobs this gateway runs at once (0: leave them to other gateways)",
+         type=int)
+    _add(parser, "--batch-window", 0, "engine items a batch keeps in flight (0: twice the engine's max-num-seqs)",
+         type=int)
+    _add(parser, "--batch-lease", 30.0, "seconds a batch stays claimed by a worker that stopped renewing it "
+         "(after a crash, another worker resumes it then)", type=float)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +166,8 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
+    from pathlib import Path
+
     from gateway.config import GatewayConfig, parse_engine_addresses
 
     return GatewayConfig(
@@ -163,6 +176,12 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         api_key=args.api_key or None,
         request_timeout_s=args.request_timeout,
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        database_url=args.database_url or None,
+        max_file_bytes=int(args.max_file_mib * 1024 * 1024),
+        batch_workers=args.batch_workers,
+        batch_window=args.batch_window or None,
+        batch_lease_s=args.batch_lease,
     )
 
 

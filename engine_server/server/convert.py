@@ -289,6 +289,7 @@ def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
         limits=engine_pb2.RequestLimits(
             max_n=MAX_N, max_stop_strings=MAX_STOP_STRINGS, max_top_logprobs=MAX_TOP_LOGPROBS
         ),
+        max_num_seqs=info.max_num_seqs,
     )
 
 

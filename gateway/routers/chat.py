@@ -35,7 +35,4 @@ async def create_chat_completion(
         return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
     response = await calls.generate(pool, request)
     timer.finish([response.usage])
-    choices = [from_engine.chat_choice(c, c.index, body.logprobs) for c in response.choices]
-    return JSONResponse(
-        from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage([response.usage]))
-    )
+    return JSONResponse(from_engine.chat_completion(body, response, f"chatcmpl-{rid}", model))

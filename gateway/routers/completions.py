@@ -37,13 +37,5 @@ async def create_completion(
         chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echoes, timer)
         return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
     responses = await calls.generate_all(pool, requests)
-    usage = [r.usage for r in responses]
-    timer.finish(usage)
-    choices = [
-        from_engine.completion_choice(c, p * body.n + c.index, want_logprobs, echoes[p] if echoes else "")
-        for p, response in enumerate(responses)
-        for c in response.choices
-    ]
-    return JSONResponse(
-        from_engine.response("text_completion", f"cmpl-{rid}", model, choices, from_engine.usage(usage))
-    )
+    timer.finish([r.usage for r in responses])
+    return JSONResponse(from_engine.text_completion(body, responses, f"cmpl-{rid}", model))

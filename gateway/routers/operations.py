@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,4 +24,4 @@ async def health(pool: Pool) -> JSONResponse:
 
 @router.get("/metrics", dependencies=[Depends(require_api_key)])
 async def metrics(metrics: Metrics) -> Response:
-    return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)

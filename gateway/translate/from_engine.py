@@ -10,7 +10,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ladle.v1 import types_pb2
+from gateway.schemas.chat import ChatFields
+from gateway.schemas.completions import CompletionRequest
+from ladle.v1 import engine_pb2, types_pb2
 
 FINISH_REASONS = {
     types_pb2.FINISH_REASON_STOP: "stop",
@@ -52,6 +54,33 @@ def response(
         "usage": usage_body,
         "system_fingerprint": None,
     }
+
+
+def chat_completion(
+    body: ChatFields, reply: engine_pb2.GenerateResponse, response_id: str, model: str
+) -> dict[str, Any]:
+    """The whole `chat.completion` for one conversation's engine reply (the route and batch lines share it)."""
+    choices = [chat_choice(c, c.index, body.logprobs) for c in reply.choices]
+    return response("chat.completion", response_id, model, choices, usage([reply.usage]))
+
+
+def text_completion(
+    body: CompletionRequest, replies: Sequence[engine_pb2.GenerateResponse], response_id: str, model: str
+) -> dict[str, Any]:
+    """The whole `text_completion` for a completions body whose prompts got `replies`, in prompt order: choice
+    `p * n + i` is prompt p's choice i, with the prompt echoed in front when `echo` is set."""
+    prompts = body.prompts()
+    want_logprobs = body.logprobs is not None
+    choices = [
+        completion_choice(c, p * body.n + c.index, want_logprobs, _echo(body, prompts[p]))
+        for p, reply in enumerate(replies)
+        for c in reply.choices
+    ]
+    return response("text_completion", response_id, model, choices, usage(r.usage for r in replies))
+
+
+def _echo(body: CompletionRequest, prompt: str | list[int]) -> str:
+    return prompt if body.echo and isinstance(prompt, str) else ""
 
 
 def matched_stop(message: types_pb2.MatchedStop) -> str | int | None:

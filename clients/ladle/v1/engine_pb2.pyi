@@ -388,6 +388,7 @@ class GetModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
+    MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """The served model id (e.g. "SmolLM2-135M-Instruct")."""
     context_length: _builtins.int
@@ -402,6 +403,10 @@ class GetModelInfoResponse(_message.Message):
     """Device the engine runs on ("cpu", "cuda")."""
     dtype: _builtins.str
     """Weight and compute dtype (e.g. "float32", "bfloat16")."""
+    max_num_seqs: _builtins.int
+    """Most sequences the engine generates at once (each choice of a request is one sequence). A Batch call is
+    read about twice this far ahead, so a caller gains nothing by keeping more items unanswered.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end a generation unless ignore_eos is set."""
@@ -427,10 +432,11 @@ class GetModelInfoResponse(_message.Message):
         device: _builtins.str = ...,
         dtype: _builtins.str = ...,
         limits: Global___RequestLimits | None = ...,
+        max_num_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["defaults", b"defaults", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "defaults", b"defaults", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "model_id", b"model_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "defaults", b"defaults", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

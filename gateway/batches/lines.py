@@ -1,0 +1,193 @@
+"""Batch input lines in, result lines out: parsing and validating one JSONL line as the matching route would,
+and OpenAI's shapes for the lines of the output and error files. Pure functions.
+
+An input line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>, "body": {...}}`; the body
+is checked with the route's own pydantic schema and `translate.to_engine`, so a line that validates here is a
+request the synchronous route would also accept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import pydantic
+
+from gateway.errors import APIError, validation_param
+from gateway.schemas.chat import ChatCompletionRequest
+from gateway.schemas.completions import CompletionRequest
+from gateway.translate import from_engine, to_engine
+from ladle.v1 import engine_pb2, types_pb2
+
+MAX_LINES = 50_000
+MAX_CUSTOM_ID_CHARS = 512
+MAX_REPORTED_ERRORS = 1000  # a file with more bad lines reports the first ones (the batch fails either way)
+ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True)
+class InputLine:
+    """One request of a batch: `index` counts the file's non-blank lines from 0."""
+
+    index: int
+    custom_id: str
+    body: Body
+
+
+@dataclass(frozen=True)
+class LineError:
+    """Why a line is refused; `line` is the 1-based line number in the file, as OpenAI reports it."""
+
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "param": self.param, "line": self.line}
+
+
+class InvalidLineError(Exception):
+    def __init__(self, error: LineError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def read_lines(file: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based line number, content) for every non-blank line; content is None for a line longer than
+    `max_line_bytes`, which is skipped without being held in memory."""
+    number = 0
+    while True:
+        raw = file.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            while (rest := file.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield number, None
+        elif raw.strip():
+            yield number, raw
+
+
+def parse_line(raw: bytes, number: int, index: int, endpoint: str, model: str | None) -> InputLine:
+    """The request on line `number` (1-based) of a batch for `endpoint`; InvalidLineError says what is wrong.
+    `model`, when given, is the only model id a body may name."""
+
+    def refuse(code: str, message: str, param: str | None = None) -> InvalidLineError:
+        return InvalidLineError(LineError(code, message, number, param))
+
+    try:
+        item = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise refuse("invalid_json_line", f"line {number} is not valid JSON") from None
+    if not isinstance(item, dict):
+        raise refuse("invalid_json_line", f"line {number} is not a JSON object")
+    custom_id = item.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise refuse("missing_custom_id", f"line {number} has no custom_id (a non-empty string)", "custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise refuse("invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters", "custom_id")
+    if item.get("method") != "POST":
+        raise refuse("invalid_method", f"method must be POST, got {item.get('method')!r}", "method")
+    if item.get("url") != endpoint:
+        raise refuse("invalid_url", f"url must be the batch's endpoint {endpoint}, got {item.get('url')!r}", "url")
+    if not isinstance(item.get("body"), dict):
+        raise refuse("invalid_body", "body must be a JSON object", "body")
+    try:
+        body = ENDPOINTS[endpoint].model_validate(item["body"])
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        param = validation_param(tuple(first.get("loc", ())))
+        where = f"body.{param}" if param else "body"
+        raise refuse("invalid_body", f"{where}: {first.get('msg', 'invalid value')}", where) from None
+    if body.stream:
+        raise refuse("invalid_body", "body.stream: streaming is not supported in a batch", "body.stream")
+    if model is not None and body.model != model:
+        raise refuse("model_not_found", f"body.model: the model `{body.model}` does not exist; this gateway "
+                     f"serves `{model}`", "body.model")
+    line = InputLine(index, custom_id, body)
+    try:
+        engine_requests(line, "validation")
+    except APIError as exc:
+        raise refuse("invalid_body", f"body: {exc.message}", f"body.{exc.param}" if exc.param else "body") from None
+    return line
+
+
+def validate(
+    lines: Iterable[tuple[int, bytes | None]], endpoint: str, model: str | None, max_lines: int = MAX_LINES
+) -> tuple[int, list[LineError]]:
+    """Check every line of a batch file: (number of requests, errors). No error means every line is runnable."""
+    errors: list[LineError] = []
+    seen: set[str] = set()
+    count = 0
+    for number, raw in lines:
+        count += 1
+        if count > max_lines:
+            errors.append(LineError("too_many_requests", f"a batch holds at most {max_lines} requests", number))
+            break
+        if raw is None:
+            errors.append(LineError("line_too_long", f"line {number} is longer than the request size limit",
+                                    number))
+            continue
+        try:
+            line = parse_line(raw, number, count - 1, endpoint, model)
+        except InvalidLineError as exc:
+            errors.append(exc.error)
+            continue
+        if line.custom_id in seen:
+            errors.append(LineError("duplicate_custom_id", f"custom_id {line.custom_id!r} is used more than once",
+                                    number, "custom_id"))
+        seen.add(line.custom_id)
+    if count == 0:
+        errors.append(LineError("empty_file", "the input file holds no requests"))
+    return count, errors[:MAX_REPORTED_ERRORS]
+
+
+def engine_requests(line: InputLine, request_id: str) -> list[engine_pb2.GenerateRequest]:
+    """The engine requests for one line at batch priority (a completions body with several prompts has one per
+    prompt, with ids `{request_id}-{i}`). APIError if the body cannot be expressed."""
+    body = line.body
+    if isinstance(body, ChatCompletionRequest):
+        requests = [to_engine.chat_request(body, body.messages, request_id)]
+    else:
+        requests = to_engine.completion_requests(body, request_id)
+    for request in requests:
+        request.priority = types_pb2.PRIORITY_BATCH
+    return requests
+
+
+def response_body(
+    line: InputLine, replies: Sequence[engine_pb2.GenerateResponse], request_id: str, model: str
+) -> dict[str, Any]:
+    """What the synchronous route would have answered for this line."""
+    body = line.body
+    if isinstance(body, ChatCompletionRequest):
+        return from_engine.chat_completion(body, replies[0], f"chatcmpl-{request_id}", model)
+    return from_engine.text_completion(body, replies, f"cmpl-{request_id}", model)
+
+
+def output_record(line_id: str, custom_id: str, request_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """A line of the output file (status 200) or of the error file (the request's error status and body)."""
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def unrun_record(line_id: str, custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """A line of the error file for a request that never ran (e.g. code batch_expired)."""
+    return {"id": line_id, "custom_id": custom_id, "response": None, "error": {"code": code, "message": message}}
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"

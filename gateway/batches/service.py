@@ -1,0 +1,99 @@
+"""`BatchService`: everything the files and batches routes need, opened in the app's lifespan.
+
+It opens the database (creating the schema) and the blob directory, and runs the configured number of batch
+workers as tasks of the gateway's event loop. Routers reach it through `deps.Batches`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import structlog
+from sqlalchemy import Engine
+
+from gateway.batches.results import publish
+from gateway.batches.worker import BatchWorker, WorkerSettings
+from gateway.config import GatewayConfig, default_data_dir
+from gateway.engines import EnginePool
+from gateway.metrics import GatewayMetrics
+from gateway.store.batches import BatchRecord, BatchStore
+from gateway.store.blobs import BlobStore
+from gateway.store.database import database_url, open_database
+from gateway.store.files import FileStore
+
+log = structlog.get_logger(__name__)
+
+
+class BatchService:
+    """The file and batch stores, the blob directory and the workers of one gateway."""
+
+    def __init__(self, config: GatewayConfig, pool: EnginePool, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.data_dir = config.data_dir or default_data_dir()
+        self.wake = asyncio.Event()  # set when a batch is created here, so an idle worker claims it at once
+        self.workers: list[BatchWorker] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._db: Engine | None = None
+        self._files: FileStore | None = None
+        self._batches: BatchStore | None = None
+        self._blobs: BlobStore | None = None
+
+    @property
+    def files(self) -> FileStore:
+        assert self._files is not None, "BatchService.start() has not run"
+        return self._files
+
+    @property
+    def batches(self) -> BatchStore:
+        assert self._batches is not None, "BatchService.start() has not run"
+        return self._batches
+
+    @property
+    def blobs(self) -> BlobStore:
+        assert self._blobs is not None, "BatchService.start() has not run"
+        return self._blobs
+
+    async def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        url = database_url(self.config.database_url, self.data_dir)
+        self._db = await asyncio.to_thread(open_database, url)
+        self._files = FileStore(self._db)
+        self._batches = BatchStore(self._db)
+        self._blobs = BlobStore(self.data_dir / "blobs")
+        await asyncio.to_thread(self._blobs.sweep_temp)
+        settings = WorkerSettings(lease_s=self.config.batch_lease_s, window=self.config.batch_window,
+                                  max_line_bytes=self.config.max_request_bytes)
+        for _ in range(self.config.batch_workers):
+            worker = BatchWorker(self.batches, self.blobs, self.pool, settings, self.wake, self.metrics)
+            self.workers.append(worker)
+            self._tasks.append(asyncio.create_task(worker.run(), name=f"batch-worker-{worker.name}"))
+        log.info("files and batches ready", data_dir=str(self.data_dir), database=self._db.url.render_as_string(),
+                 workers=len(self.workers))
+
+    async def close(self) -> None:
+        """Stop the workers (each releases the batch it holds, so another worker resumes it at once)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._db is not None:
+            self._db.dispose()
+
+    def lines_in_flight(self) -> int:
+        return sum(w.runner.in_flight for w in self.workers if w.runner is not None)
+
+    async def cancel(self, batch_id: str) -> BatchRecord | None:
+        """Ask for a batch to be cancelled. A batch no worker holds is finished here and now; one a worker
+        holds is stopped by that worker within a second or so. The record afterwards; None if unknown."""
+        record = await asyncio.to_thread(self.batches.request_cancel, batch_id)
+        if record is None or record.status != "cancelling" or record.leased(time.time()):
+            return record
+        claim = await asyncio.to_thread(self.batches.claim, batch_id, "api", time.time(), self.config.batch_lease_s)
+        if claim is not None:
+            await asyncio.to_thread(publish, self.blobs, self.batches, claim, "cancelled")
+        return await asyncio.to_thread(self.batches.get, batch_id)

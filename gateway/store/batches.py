@@ -1,0 +1,295 @@
+"""Batch records and the lease protocol that lets any number of workers share them safely.
+
+A worker `claim`s a batch that is active and not leased (or whose lease expired): the claim increments
+`lease_epoch`, and every later write of that worker is fenced by its epoch, so once another worker has claimed
+the batch, the first can no longer change it (LeaseLostError). Progress is committed per group of results, in
+one transaction with the committed lengths of the claim's segment files: counts and files never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sqlalchemy import Connection, Engine, Row, delete, func, insert, or_, select, update
+
+from gateway.store.files import FileRecord
+from gateway.store.pages import page
+from gateway.store.tables import batches, files, segments
+
+BatchStatus = Literal[
+    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+]
+ACTIVE_STATUSES: tuple[BatchStatus, ...] = ("validating", "in_progress", "finalizing", "cancelling")
+CANCELLABLE_STATUSES: tuple[BatchStatus, ...] = ("validating", "in_progress")
+FinalStatus = Literal["failed", "completed", "expired", "cancelled"]
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One batch as stored (see tables.batches for the columns)."""
+
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: BatchStatus
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str] | None = None
+    errors: list[dict[str, Any]] | None = None
+    model: str | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    times: dict[str, int | None] = field(default_factory=dict)  # in_progress_at ... cancelled_at
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    lease_expires_at: float | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> BatchRecord:
+        times = {name: getattr(row, name) for name in _TIME_COLUMNS}
+        return cls(
+            id=row.id, endpoint=row.endpoint, input_file_id=row.input_file_id,
+            completion_window=row.completion_window, status=row.status, created_at=row.created_at,
+            expires_at=row.expires_at, metadata=json.loads(row.metadata_json) if row.metadata_json else None,
+            errors=json.loads(row.errors_json) if row.errors_json else None, model=row.model,
+            output_file_id=row.output_file_id, error_file_id=row.error_file_id, times=times, total=row.total,
+            completed=row.completed, failed=row.failed, prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
+            lease_expires_at=row.lease_expires_at,
+        )
+
+    def leased(self, now: float) -> bool:
+        return self.lease_expires_at is not None and self.lease_expires_at >= now
+
+
+_TIME_COLUMNS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
+                 "cancelled_at")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A worker's hold on one batch: the batch as it was when claimed and the epoch that fences its writes."""
+
+    batch: BatchRecord
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The committed lengths of one claim's result files."""
+
+    epoch: int
+    output_bytes: int
+    error_bytes: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What one commit adds: this claim's segment lengths (absolute) and the counts and tokens it appended."""
+
+    output_bytes: int
+    error_bytes: int
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class LeaseLostError(Exception):
+    """Another worker has claimed the batch since this claim: stop working on it, write nothing more."""
+
+
+class BatchStore:
+    """Batch records in the database. Blocking calls: run them off the event loop."""
+
+    def __init__(self, db: Engine) -> None:
+        self.db = db
+
+    # -- the API's side --------------------------------------------------------------------------------------
+
+    def create(
+        self, batch_id: str, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
+        metadata: dict[str, str] | None,
+    ) -> BatchRecord | None:
+        """Insert a `validating` batch; None if its input file does not exist (any more)."""
+        now = int(time.time())
+        with self.db.begin() as c:
+            found = c.execute(select(files.c.id).where(files.c.id == input_file_id).with_for_update()).first()
+            if found is None:
+                return None
+            c.execute(insert(batches).values(
+                id=batch_id, endpoint=endpoint, input_file_id=input_file_id, completion_window=completion_window,
+                status="validating", metadata_json=json.dumps(metadata) if metadata else None, created_at=now,
+                expires_at=now + window_s, total=0, completed=0, failed=0, prompt_tokens=0, completion_tokens=0,
+                cached_tokens=0, lease_epoch=0,
+            ))
+            return self._get(c, batch_id)
+
+    def get(self, batch_id: str) -> BatchRecord | None:
+        with self.db.begin() as c:
+            return self._get(c, batch_id)
+
+    def list_page(self, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
+        """Newest first. UnknownCursorError if `after` is not a batch id."""
+        with self.db.begin() as c:
+            result = page(c, batches, limit, after, "desc")
+        return [BatchRecord.from_row(r) for r in result.rows], result.has_more
+
+    def request_cancel(self, batch_id: str) -> BatchRecord | None:
+        """Move a validating or in-progress batch to `cancelling` (a worker then stops it); other statuses are
+        left as they are. The record afterwards, or None if there is no such batch."""
+        with self.db.begin() as c:
+            c.execute(
+                update(batches)
+                .where(batches.c.id == batch_id, batches.c.status.in_(CANCELLABLE_STATUSES))
+                .values(status="cancelling", cancelling_at=int(time.time()))
+            )
+            return self._get(c, batch_id)
+
+    def count_by_status(self) -> dict[str, int]:
+        with self.db.begin() as c:
+            rows = c.execute(select(batches.c.status, func.count()).group_by(batches.c.status))
+            return {status: count for status, count in rows}
+
+    # -- the workers' side -----------------------------------------------------------------------------------
+
+    def claim_next(self, owner: str, now: float, lease_s: float) -> Claim | None:
+        """Claim the oldest active batch that no live lease holds, if any; `owner` names the worker (for
+        people reading the table)."""
+        with self.db.begin() as c:
+            candidates = c.execute(
+                select(batches.c.id).where(batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now))
+                .order_by(batches.c.pk).limit(8)
+            ).scalars().all()
+        for batch_id in candidates:
+            claim = self.claim(batch_id, owner, now, lease_s)
+            if claim is not None:
+                return claim
+        return None
+
+    def claim(self, batch_id: str, owner: str, now: float, lease_s: float) -> Claim | None:
+        """Claim one batch if it is active and not leased; None otherwise (someone else got there first)."""
+        with self.db.begin() as c:
+            result = c.execute(
+                update(batches)
+                .where(batches.c.id == batch_id, batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now))
+                .values(lease_epoch=batches.c.lease_epoch + 1, lease_expires_at=now + lease_s, lease_owner=owner)
+            )
+            if result.rowcount != 1:
+                return None
+            row = c.execute(select(batches).where(batches.c.id == batch_id)).one()
+        return Claim(BatchRecord.from_row(row), row.lease_epoch)
+
+    def commit(self, claim: Claim, now: float, lease_s: float, progress: Progress | None = None) -> BatchStatus:
+        """Extend the lease and, with `progress`, record it; the batch's status now (a cancel shows up here)."""
+        with self.db.begin() as c:
+            row = _locked(c, claim)
+            values: dict[str, Any] = {"lease_expires_at": now + lease_s}
+            if progress is not None:
+                b = batches.c
+                values.update(
+                    completed=b.completed + progress.completed, failed=b.failed + progress.failed,
+                    prompt_tokens=b.prompt_tokens + progress.prompt_tokens,
+                    completion_tokens=b.completion_tokens + progress.completion_tokens,
+                    cached_tokens=b.cached_tokens + progress.cached_tokens,
+                )
+                c.execute(
+                    update(segments)
+                    .where(segments.c.batch_id == claim.batch.id, segments.c.epoch == claim.epoch)
+                    .values(output_bytes=progress.output_bytes, error_bytes=progress.error_bytes)
+                )
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(**values))
+            status: BatchStatus = row.status
+            return status
+
+    def start(self, claim: Claim, total: int, model: str) -> BatchStatus:
+        """A validated batch moves to `in_progress` with its line count (unless it was cancelled meanwhile)."""
+        return self._advance(claim, "validating", "in_progress", total=total, model=model)
+
+    def fail(self, claim: Claim, errors: list[dict[str, Any]]) -> None:
+        """Validation failed: the batch ends `failed` with `errors`, nothing having run."""
+        with self.db.begin() as c:
+            _locked(c, claim)
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(
+                status="failed", failed_at=int(time.time()), errors_json=json.dumps(errors), **_NO_LEASE
+            ))
+
+    def set_finalizing(self, claim: Claim) -> BatchStatus:
+        """Every line is done: `in_progress` becomes `finalizing` (a batch already cancelling stays so)."""
+        return self._advance(claim, "in_progress", "finalizing")
+
+    def add_segment(self, claim: Claim) -> None:
+        """Register this claim's (empty) segment before any of its results are committed."""
+        with self.db.begin() as c:
+            _locked(c, claim)
+            c.execute(insert(segments).values(batch_id=claim.batch.id, epoch=claim.epoch, output_bytes=0,
+                                              error_bytes=0))
+
+    def segments(self, batch_id: str) -> list[Segment]:
+        with self.db.begin() as c:
+            rows = c.execute(select(segments).where(segments.c.batch_id == batch_id).order_by(segments.c.epoch))
+            return [Segment(r.epoch, r.output_bytes, r.error_bytes) for r in rows]
+
+    def finish(self, claim: Claim, status: FinalStatus, output: FileRecord | None, error: FileRecord | None) -> None:
+        """End the batch with `status`: its result files become file records, its segments are forgotten and
+        the lease is released, all in one transaction."""
+        with self.db.begin() as c:
+            _locked(c, claim)
+            values: dict[str, Any] = {"status": status, f"{status}_at": int(time.time()), **_NO_LEASE}
+            for column, record in (("output_file_id", output), ("error_file_id", error)):
+                if record is not None:
+                    c.execute(insert(files).values(**record.values()))
+                    values[column] = record.id
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(**values))
+            c.execute(delete(segments).where(segments.c.batch_id == claim.batch.id))
+
+    def release(self, claim: Claim) -> None:
+        """Give the batch back (e.g. at shutdown) so another worker may claim it at once."""
+        with self.db.begin() as c:
+            try:
+                _locked(c, claim)
+            except LeaseLostError:
+                return
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(**_NO_LEASE))
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _advance(self, claim: Claim, before: BatchStatus, after: BatchStatus, **values: Any) -> BatchStatus:
+        with self.db.begin() as c:
+            row = _locked(c, claim)
+            if row.status != before:
+                status: BatchStatus = row.status
+                return status
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(
+                status=after, **{f"{after}_at": int(time.time())}, **values
+            ))
+            return after
+
+    @staticmethod
+    def _get(c: Connection, batch_id: str) -> BatchRecord | None:
+        row = c.execute(select(batches).where(batches.c.id == batch_id)).one_or_none()
+        return BatchRecord.from_row(row) if row is not None else None
+
+
+_NO_LEASE: dict[str, Any] = {"lease_expires_at": None, "lease_owner": None}
+
+
+def _lease_free(now: float) -> Any:
+    return or_(batches.c.lease_expires_at.is_(None), batches.c.lease_expires_at < now)
+
+
+def _locked(c: Connection, claim: Claim) -> Row[Any]:
+    """The batch's row, locked for this transaction; LeaseLostError unless `claim` still holds it."""
+    row = c.execute(select(batches).where(batches.c.id == claim.batch.id).with_for_update()).one_or_none()
+    if row is None or row.lease_epoch != claim.epoch:
+        raise LeaseLostError(claim.batch.id)
+    return row

@@ -1,0 +1,73 @@
+"""The schema: files, batches and the segments of a batch's results, as SQLAlchemy Core tables.
+
+Every table has an integer `pk` that grows with insertion, which orders lists and pages them (`after`) without
+relying on clock resolution. Times are Unix seconds, as OpenAI reports them; a lease's expiry is a float.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
+
+metadata = MetaData()
+
+files = Table(
+    "ladle_files",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("id", String(64), nullable=False, unique=True),
+    Column("filename", String(255), nullable=False),
+    Column("purpose", String(32), nullable=False, index=True),
+    Column("bytes", BigInteger, nullable=False),
+    Column("created_at", BigInteger, nullable=False),
+    # Where the bytes are, relative to the blob root; always chosen by the gateway, never by a client.
+    Column("blob_key", String(255), nullable=False),
+)
+
+batches = Table(
+    "ladle_batches",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("id", String(64), nullable=False, unique=True),
+    Column("endpoint", String(64), nullable=False),
+    Column("input_file_id", String(64), nullable=False, index=True),
+    Column("completion_window", String(16), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("metadata_json", Text, nullable=True),
+    Column("errors_json", Text, nullable=True),
+    Column("model", String(255), nullable=True),
+    Column("output_file_id", String(64), nullable=True),
+    Column("error_file_id", String(64), nullable=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("expires_at", BigInteger, nullable=False),
+    Column("in_progress_at", BigInteger, nullable=True),
+    Column("finalizing_at", BigInteger, nullable=True),
+    Column("completed_at", BigInteger, nullable=True),
+    Column("failed_at", BigInteger, nullable=True),
+    Column("expired_at", BigInteger, nullable=True),
+    Column("cancelling_at", BigInteger, nullable=True),
+    Column("cancelled_at", BigInteger, nullable=True),
+    # request_counts and usage: always the sums over the committed prefixes of the batch's segments.
+    Column("total", Integer, nullable=False, default=0),
+    Column("completed", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),
+    Column("prompt_tokens", BigInteger, nullable=False, default=0),
+    Column("completion_tokens", BigInteger, nullable=False, default=0),
+    Column("cached_tokens", BigInteger, nullable=False, default=0),
+    # The lease: who works on the batch until when. `lease_epoch` grows with every claim and fences writes: a
+    # worker whose claim was superseded can no longer commit anything.
+    Column("lease_owner", String(128), nullable=True),
+    Column("lease_epoch", Integer, nullable=False, default=0),
+    Column("lease_expires_at", Float, nullable=True),
+)
+
+# One per claim that ran lines: results go to this claim's own files, whose committed lengths live here.
+segments = Table(
+    "ladle_batch_segments",
+    metadata,
+    Column("batch_id", String(64), primary_key=True),
+    Column("epoch", Integer, primary_key=True),
+    Column("output_bytes", BigInteger, nullable=False, default=0),
+    Column("error_bytes", BigInteger, nullable=False, default=0),
+)
+
+Index("ladle_batches_runnable", batches.c.status, batches.c.lease_expires_at)

@@ -1,0 +1,142 @@
+"""`POST /v1/files` bodies: multipart/form-data parsed as it arrives (python-multipart's push parser).
+
+The `file` part goes straight into a temporary file in the blob directory and is refused (413) the moment it
+passes the size cap, so an upload is never held whole in memory nor written beyond the cap; the other parts
+are small form fields (e.g. `purpose`), kept in memory up to a few KiB each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
+
+from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
+
+from gateway.errors import APIError, invalid
+from gateway.store.blobs import BlobStore
+
+MAX_FIELD_BYTES = 4096
+MAX_FIELDS = 16
+FORM_OVERHEAD_BYTES = 64 * 1024  # boundaries, part headers and small fields around the file
+
+
+@dataclass
+class Upload:
+    """A received upload: the file's bytes in `temp` (publish or discard it), its name and the form fields."""
+
+    temp: Path
+    size: int = 0
+    filename: str | None = None  # None: the body had no `file` part
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+def too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the file is larger than the limit of {max_bytes} bytes", param="file",
+                    code="file_too_large")
+
+
+def safe_filename(name: str) -> str:
+    """The last path component of a client's file name, without control characters (it is only ever shown,
+    never used as a path; this keeps what is shown tidy)."""
+    base = PurePosixPath(name.replace("\\", "/")).name
+    cleaned = "".join(ch for ch in base if ch.isprintable()).strip()
+    return cleaned[:255] or "upload"
+
+
+class _FormReader:
+    """Callbacks for MultipartParser that route each part to the file or to a field."""
+
+    def __init__(self, upload: Upload, out: BinaryIO, max_bytes: int) -> None:
+        self.upload = upload
+        self.out = out
+        self.max_bytes = max_bytes
+        self._header_name = b""
+        self._header_value = b""
+        self._disposition = b""
+        self._part: str | None = None  # "file", a field name, or None for a part to skip
+        self._buffer = bytearray()
+
+    def callbacks(self) -> dict[str, object]:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": lambda data, start, end: self._append_header(data[start:end], True),
+            "on_header_value": lambda data, start, end: self._append_header(data[start:end], False),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._disposition = b""
+        self._part = None
+        self._buffer.clear()
+
+    def _append_header(self, data: bytes, is_name: bool) -> None:
+        if is_name:
+            self._header_name += data
+        else:
+            self._header_value += data
+
+    def _header_end(self) -> None:
+        if self._header_name.strip().lower() == b"content-disposition":
+            self._disposition = self._header_value
+        self._header_name = self._header_value = b""
+
+    def _headers_finished(self) -> None:
+        _, params = parse_options_header(self._disposition)
+        name = params.get(b"name", b"").decode("utf-8", "replace")
+        if name == "file":
+            if self.upload.filename is not None:
+                raise invalid("send one `file` part", "file")
+            self.upload.filename = safe_filename(params.get(b"filename", b"").decode("utf-8", "replace"))
+            self._part = "file"
+        elif name and len(self.upload.fields) < MAX_FIELDS:
+            self._part = name
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._part == "file":
+            self.upload.size += end - start
+            if self.upload.size > self.max_bytes:
+                raise too_large(self.max_bytes)
+            self.out.write(data[start:end])
+        elif self._part is not None:
+            self._buffer += data[start:end]
+            if len(self._buffer) > MAX_FIELD_BYTES:
+                raise invalid(f"form field `{self._part}` is longer than {MAX_FIELD_BYTES} bytes", self._part)
+
+    def _part_end(self) -> None:
+        if self._part not in (None, "file"):
+            self.upload.fields[self._part] = self._buffer.decode("utf-8", "replace")
+
+
+async def receive_upload(request: Request, blobs: BlobStore, max_bytes: int) -> Upload:
+    """Read a multipart/form-data body into an Upload; APIError (400, 413) for a body that is not one or a
+    file over `max_bytes`. The caller owns `Upload.temp` once this returns."""
+    content_type, params = parse_options_header(request.headers.get("content-type", ""))
+    boundary = params.get(b"boundary")
+    if content_type != b"multipart/form-data" or not boundary:
+        raise invalid("the body must be multipart/form-data with a `file` part and a `purpose` field")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes + FORM_OVERHEAD_BYTES:
+        raise too_large(max_bytes)
+    temp, out = blobs.temp_file()
+    upload = Upload(temp)
+    try:
+        with out:
+            parser = MultipartParser(boundary, _FormReader(upload, out, max_bytes).callbacks())  # type: ignore[arg-type]
+            async for chunk in request.stream():
+                parser.write(chunk)
+            parser.finalize()
+    except MultipartParseError as exc:
+        blobs.discard(temp)
+        raise invalid(f"the multipart body is malformed: {exc}") from None
+    except ClientDisconnect:
+        blobs.discard(temp)
+        raise APIError(400, "the client disconnected during the upload") from None
+    except BaseException:
+        blobs.discard(temp)
+        raise
+    return upload
