@@ -42,7 +42,7 @@ def safe_filename(name: str) -> str:
     never used as a path; this keeps what is shown tidy)."""
     base = PurePosixPath(name.replace("\\", "/")).name
     cleaned = "".join(ch for ch in base if ch.isprintable()).strip()
-    return cleaned[:255] or "upload"
+    return cleaned[:255] if cleaned.strip(".") else "upload"
 
 
 class _FormReader:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +31,14 @@ def llm() -> Any:
     from engine_server.config import CacheConfig, EngineConfig
 
     return LLM(config=EngineConfig(device="cpu", cache=CacheConfig(memory_bytes=512 * 1024**2)))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A PostgreSQL server of our own on a loopback port (tests.postgres); `.new_database()` gives each user
+    an empty database. The machine image has PostgreSQL; its absence is a setup error, not a skip."""
+    from tests.postgres import start_postgres
+
+    server = start_postgres()
+    yield server
+    server.stop()

@@ -14,7 +14,6 @@ from typing import Any
 # --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
 from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
 
-NOT_BUILT = 3  # exit status of a subcommand whose component does not exist yet
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
     "offline": "benchmarks.offline",
@@ -22,6 +21,7 @@ BENCHMARKS = {
     "structured": "benchmarks.structured",
     "serve": "benchmarks.serve",
     "gpu": "benchmarks.gpu",
+    "batch": "benchmarks.batch",
 }
 
 
@@ -103,28 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add(gateway, "--port", 8000, "HTTP port (0: any free port; the URL is printed)", type=int)
     _gateway_flags(gateway)
 
-    batch = sub.add_parser("batch", help="run an OpenAI-format batch file offline")
-    batch.add_argument("-i", "--input", required=True, help="input .jsonl")
-    batch.add_argument("-o", "--output", required=True, help="output .jsonl")
+    batch = sub.add_parser("batch", help="run an OpenAI-format batch file offline (re-run to resume)")
+    batch.add_argument("-i", "--input", required=True, help="input .jsonl: one OpenAI batch request per line")
+    batch.add_argument("-o", "--output", required=True,
+                       help="output .jsonl: one result per line, appended; an existing file is resumed")
     _model_flags(batch)
+    _add(batch, "--engine", "", "a running engine (HOST:PORT) to use instead of starting one for --model")
+    _add(batch, "--window", 0, "engine items in flight (0: twice the engine's max-num-seqs)", type=int)
+    _engine_flags(batch)
 
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench.add_argument("suite", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     return parser
-
-
-def _not_built(component: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(
-            f"ladle: the {component} is not built yet ({issue}); nothing was started.\n"
-            "What works today: `ladle engine` (gRPC), the offline engine API (`from engine_server import LLM`) "
-            "and `ladle bench`.",
-            file=sys.stderr,
-        )
-        return NOT_BUILT
-
-    return run
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -204,6 +195,12 @@ def _gateway(args: argparse.Namespace) -> int:
     return asyncio.run(serve(config, args.host, args.port, announce))
 
 
+def _batch(args: argparse.Namespace) -> int:
+    from ladle.batch_file import run_batch_file
+
+    return run_batch_file(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ladle.serve import serve_all
 
@@ -223,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "serve": _serve,
         "engine": _engine,
         "gateway": _gateway,
-        "batch": _not_built("offline batch runner", "batch files are not built yet"),
+        "batch": _batch,
         "bench": _bench,
     }
     sys.exit(handlers[args.command](args))

@@ -77,9 +77,9 @@ def read_lines(file: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes
             yield number, raw
 
 
-def parse_line(raw: bytes, number: int, index: int, endpoint: str, model: str | None) -> InputLine:
-    """The request on line `number` (1-based) of a batch for `endpoint`; InvalidLineError says what is wrong.
-    `model`, when given, is the only model id a body may name."""
+def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model: str | None) -> InputLine:
+    """The request on line `number` (1-based) of a batch for `endpoint` (None: any supported endpoint, each line
+    its own); InvalidLineError says what is wrong. `model`, when given, is the only model id a body may name."""
 
     def refuse(code: str, message: str, param: str | None = None) -> InvalidLineError:
         return InvalidLineError(LineError(code, message, number, param))
@@ -97,12 +97,15 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str, model: str | 
         raise refuse("invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters", "custom_id")
     if item.get("method") != "POST":
         raise refuse("invalid_method", f"method must be POST, got {item.get('method')!r}", "method")
-    if item.get("url") != endpoint:
-        raise refuse("invalid_url", f"url must be the batch's endpoint {endpoint}, got {item.get('url')!r}", "url")
+    url = item.get("url")
+    if endpoint is None and url not in ENDPOINTS:
+        raise refuse("invalid_url", f"url must be one of {', '.join(sorted(ENDPOINTS))}, got {url!r}", "url")
+    if endpoint is not None and url != endpoint:
+        raise refuse("invalid_url", f"url must be the batch's endpoint {endpoint}, got {url!r}", "url")
     if not isinstance(item.get("body"), dict):
         raise refuse("invalid_body", "body must be a JSON object", "body")
     try:
-        body = ENDPOINTS[endpoint].model_validate(item["body"])
+        body = ENDPOINTS[str(url)].model_validate(item["body"])
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         param = validation_param(tuple(first.get("loc", ())))
@@ -122,7 +125,7 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str, model: str | 
 
 
 def validate(
-    lines: Iterable[tuple[int, bytes | None]], endpoint: str, model: str | None, max_lines: int = MAX_LINES
+    lines: Iterable[tuple[int, bytes | None]], endpoint: str | None, model: str | None, max_lines: int = MAX_LINES
 ) -> tuple[int, list[LineError]]:
     """Check every line of a batch file: (number of requests, errors). No error means every line is runnable."""
     errors: list[LineError] = []

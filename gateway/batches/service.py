@@ -22,6 +22,7 @@ from gateway.store.batches import BatchRecord, BatchStore
 from gateway.store.blobs import BlobStore
 from gateway.store.database import database_url, open_database
 from gateway.store.files import FileStore
+from gateway.store.pairing import pair
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +65,7 @@ class BatchService:
         self._files = FileStore(self._db)
         self._batches = BatchStore(self._db)
         self._blobs = BlobStore(self.data_dir / "blobs")
+        await asyncio.to_thread(pair, self._db, self._blobs)
         await asyncio.to_thread(self._blobs.sweep_temp)
         settings = WorkerSettings(lease_s=self.config.batch_lease_s, window=self.config.batch_window,
                                   max_line_bytes=self.config.max_request_bytes)

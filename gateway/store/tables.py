@@ -71,3 +71,11 @@ segments = Table(
 )
 
 Index("ladle_batches_runnable", batches.c.status, batches.c.lease_expires_at)
+
+# Facts about the store as a whole; `blob_store_id` pairs the database with its blob directory (store/pairing).
+meta = Table(
+    "ladle_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)

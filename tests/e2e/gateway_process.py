@@ -66,6 +66,8 @@ def start_serve(log_path: Path, *extra_args: str) -> tuple[GatewayProcess, list[
 
 
 def _start(command: list[str], log_path: Path, marker: str, lines: list[str] | None = None) -> GatewayProcess:
+    if "--data-dir" not in command:  # never the user's own ~/.local/share/ladle
+        command = [*command, "--data-dir", str(log_path.parent / "data")]
     log_file = log_path.open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=_env())
     log_file.close()

@@ -1,10 +1,13 @@
-"""The `ladle` command line: fixed names, LADLE_* environment defaults, honest 'not built' answers."""
+"""The `ladle` command line: fixed names, LADLE_* environment defaults, flags reaching the engine child."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from ladle import cli
+from ladle.engine_child import engine_command
 
 
 def test_flags_have_design_defaults() -> None:
@@ -23,31 +26,43 @@ def test_flags_read_ladle_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.build_parser().parse_args(["serve", "--port", "7000"]).port == 7000
 
 
-def test_unbuilt_commands_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+def test_batch_refuses_a_missing_input_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["batch", "-i", "in.jsonl", "-o", "out.jsonl"])
-    assert exit_info.value.code == cli.NOT_BUILT
-    assert "not built yet" in capsys.readouterr().err
+        cli.main(["batch", "-i", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "out.jsonl")])
+    assert exit_info.value.code == 2
+    assert "no input file" in capsys.readouterr().err
 
 
 def test_enforce_eager_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ladle.serve import _engine_command
-
     parser = cli.build_parser()
     assert parser.parse_args(["engine"]).enforce_eager is False
     assert parser.parse_args(["engine", "--enforce-eager"]).enforce_eager is True
     serve_args = parser.parse_args(["serve", "--enforce-eager"])
-    assert "--enforce-eager" in _engine_command(serve_args, "127.0.0.1:50051")
-    assert "--enforce-eager" not in _engine_command(parser.parse_args(["serve"]), "127.0.0.1:50051")
+    assert "--enforce-eager" in engine_command(serve_args, "127.0.0.1", 50051)
+    assert "--enforce-eager" not in engine_command(parser.parse_args(["serve"]), "127.0.0.1", 50051)
+    assert "--enforce-eager" in engine_command(parser.parse_args(["batch", "-i", "a", "-o", "b", "--enforce-eager"]),
+                                               "127.0.0.1", 0)
     monkeypatch.setenv("LADLE_ENFORCE_EAGER", "1")
     assert cli.build_parser().parse_args(["engine"]).enforce_eager is True
 
 
 def test_async_scheduling_flag_reaches_the_engine() -> None:
-    from ladle.serve import _engine_command
-
     parser = cli.build_parser()
     assert cli.ASYNC_SCHEDULING[parser.parse_args(["engine"]).async_scheduling] is None  # auto: on CUDA
     assert cli.ASYNC_SCHEDULING[parser.parse_args(["engine", "--async-scheduling", "off"]).async_scheduling] is False
-    command = _engine_command(parser.parse_args(["serve", "--async-scheduling", "on"]), "127.0.0.1:50051")
+    command = engine_command(parser.parse_args(["serve", "--async-scheduling", "on"]), "127.0.0.1", 50051)
     assert command[command.index("--async-scheduling") + 1] == "on"
+
+
+def test_batch_output_resume_drops_a_half_written_line(tmp_path: Path) -> None:
+    from ladle.batch_file import BatchFileError, completed_custom_ids
+
+    output = tmp_path / "out.jsonl"
+    assert completed_custom_ids(output) == set() and output.read_bytes() == b""
+    whole = b'{"custom_id": "a", "response": {}}\n{"custom_id": "b", "response": {}}\n'
+    output.write_bytes(whole + b'{"custom_id": "c", "resp')
+    assert completed_custom_ids(output) == {"a", "b"}
+    assert output.read_bytes() == whole  # the cut-off line is gone; "c" runs again
+    output.write_bytes(b"not json\n")
+    with pytest.raises(BatchFileError, match="line 1"):
+        completed_custom_ids(output)

@@ -1,0 +1,215 @@
+"""Batch jobs: their throughput against the offline engine, and interactive latency while one runs. One run:
+
+  1. `ladle serve` (engine + gateway, a fresh data directory); `--probes` streamed chat requests one after
+     another on the idle server give the idle time to first token (TTFT).
+  2. A batch of `--num-lines` short chat requests (`--output-len` tokens each, ignore_eos, greedy) through the
+     OpenAI files + batches API, alone: output tok/s from creating the batch to seeing it completed.
+  3. The same batch again, now with the probes running one after another while it does: TTFT under load.
+  4. The server stopped, the offline engine (`LLM.generate`, same max_num_seqs and KV cache) on the same
+     conversations: output tok/s.
+Reported: batch / offline throughput ratio (target >= 0.9) and busy / idle median TTFT (target <= 2). A table
+goes to stdout and, with `--out`, one JSON object is appended.
+
+    ladle bench batch --num-lines 1000 --output-len 16 --out benchmarks/results/batch_cpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import append_result, git_commit, utc_timestamp
+
+TOPICS = ("the sea", "a cat", "rain", "Paris", "music", "a robot", "the moon", "bread", "trains", "snow", "tea",
+          "a river", "chess", "winter", "bees", "a lighthouse")
+PROBE = [{"role": "user", "content": "What is the capital of France?"}]
+STARTUP_TIMEOUT_S = 600.0
+
+
+def conversations(num: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]} (note {i})."}]
+            for i in range(num)]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ladle bench batch", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--num-lines", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-mib", type=int, default=1024)
+    parser.add_argument("--probes", type=int, default=20, help="TTFT probes, idle and under load")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace) -> Iterator[str]:
+    """`ladle serve` on free ports with a throwaway data directory; yields its /v1 URL once ready."""
+    with tempfile.TemporaryDirectory(prefix="ladle-bench-batch-") as data_dir:
+        command = [sys.executable, "-m", "ladle.cli", "serve", "--model", args.model, "--device", args.device,
+                   "--port", "0", "--grpc-port", str(_free_port()), "--data-dir", data_dir,
+                   "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-mib", str(args.kv_cache_mib)]
+        env = {**os.environ, "LADLE_LOG_LEVEL": "WARNING", "NO_PROXY": "*"}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert process.stdout is not None
+            url = ""
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while time.monotonic() < deadline:
+                line = process.stdout.readline()
+                if not line:
+                    raise RuntimeError("ladle serve exited before it was ready")
+                if "gateway (OpenAI API) on " in line:
+                    url = line.split(" on ", 1)[1].split()[0]
+                if line.startswith("ladle serve: ready"):
+                    break
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def ttft(client: Any, model: str) -> float:
+    """Seconds from sending a streamed chat request to its first content chunk."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=PROBE, max_tokens=8, temperature=0, stream=True)
+    try:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                return time.perf_counter() - started
+    finally:
+        stream.close()
+    raise RuntimeError("the probe produced no content")
+
+
+def run_batch(client: Any, model: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Upload, create and wait for one batch; its output tokens and seconds from creation to completion."""
+    path = folder / f"batch-{time.monotonic_ns()}.jsonl"
+    with path.open("w") as f:
+        for i, messages in enumerate(conversations(args.num_lines)):
+            body = {"model": model, "messages": messages, "max_tokens": args.output_len, "temperature": 0,
+                    "ignore_eos": True}
+            f.write(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions",
+                                "body": body}) + "\n")
+    with path.open("rb") as f:
+        file_id = client.files.create(file=f, purpose="batch").id
+    started = time.perf_counter()
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch.id)
+    seconds = time.perf_counter() - started
+    if batch.status != "completed" or batch.request_counts.completed != args.num_lines:
+        raise RuntimeError(f"the batch ended {batch.status} with {batch.request_counts}")
+    tokens = batch.usage.output_tokens
+    return {"lines": args.num_lines, "output_tokens": tokens, "seconds": round(seconds, 2),
+            "output_tok_per_s": round(tokens / seconds, 2)}
+
+
+def ttft_summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"n": len(samples), "median_ms": round(statistics.median(ordered) * 1000, 1),
+            "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1000, 1),
+            "max_ms": round(ordered[-1] * 1000, 1)}
+
+
+def bench_served(args: argparse.Namespace) -> dict[str, Any]:
+    import openai
+
+    with served(args) as url, tempfile.TemporaryDirectory() as folder:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        for _ in range(3):
+            ttft(client, model)  # warm-up
+        idle = [ttft(client, model) for _ in range(args.probes)]
+        alone = run_batch(client, model, args, Path(folder))
+
+        busy: list[float] = []
+        done = threading.Event()
+
+        def probe_while_running() -> None:
+            time.sleep(3.0)  # let the batch fill the engine first
+            while not done.is_set() and len(busy) < args.probes:
+                busy.append(ttft(client, model))
+                time.sleep(0.2)
+
+        prober = threading.Thread(target=probe_while_running)
+        prober.start()
+        try:
+            loaded = run_batch(client, model, args, Path(folder))
+        finally:
+            done.set()
+            prober.join()
+    return {"model": model, "ttft_idle": ttft_summary(idle), "ttft_during_batch": ttft_summary(busy),
+            "batch_alone": alone, "batch_with_probes": loaded}
+
+
+def bench_offline(args: argparse.Namespace) -> dict[str, Any]:
+    from engine_server import LLM, ChatPrompt, SamplingParams
+    from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine_server.tokenizer.chat import ChatMessage
+
+    config = EngineConfig(model=args.model, device=args.device,
+                          cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    llm = LLM(config=config)
+    prompts = [ChatPrompt([ChatMessage(m["role"], m["content"]) for m in conv])
+               for conv in conversations(args.num_lines)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(r.choices[0].token_ids) for r in results)
+    return {"output_tokens": tokens, "seconds": round(seconds, 2), "output_tok_per_s": round(tokens / seconds, 2)}
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    served_figures = bench_served(args)
+    offline = bench_offline(args)
+    ratio = served_figures["batch_alone"]["output_tok_per_s"] / offline["output_tok_per_s"]
+    ttft_ratio = served_figures["ttft_during_batch"]["median_ms"] / served_figures["ttft_idle"]["median_ms"]
+    result = {
+        "benchmark": "batch", "time": utc_timestamp(), "commit": git_commit(),
+        "command": "ladle bench batch " + " ".join(argv), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "device": args.device,
+        "workload": {"lines": args.num_lines, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+                     "kv_cache_mib": args.kv_cache_mib, "probes": args.probes},
+        **served_figures, "offline": offline,
+        "batch_vs_offline": round(ratio, 3), "ttft_busy_vs_idle": round(ttft_ratio, 2),
+    }
+    print(f"batch alone        {served_figures['batch_alone']['output_tok_per_s']:>9.1f} tok/s")
+    print(f"batch with probes  {served_figures['batch_with_probes']['output_tok_per_s']:>9.1f} tok/s")
+    print(f"offline engine     {offline['output_tok_per_s']:>9.1f} tok/s   batch/offline = {ratio:.3f}")
+    print(f"TTFT idle          {served_figures['ttft_idle']['median_ms']:>9.1f} ms median")
+    print(f"TTFT during batch  {served_figures['ttft_during_batch']['median_ms']:>9.1f} ms median   "
+          f"busy/idle = {ttft_ratio:.2f}")
+    append_result(args.out, result)
+    return 0

@@ -1,0 +1,180 @@
+"""`ladle batch -i in.jsonl -o out.jsonl`: an OpenAI-format batch file run offline, like vLLM's `run_batch`.
+
+Every input line is validated first (as the gateway's batches are: nothing runs if any line is wrong). The lines
+then go through one engine's Batch RPC — an engine of our own for `--model` (a child process, stopped at the end)
+or a running one for `--engine HOST:PORT` — and each result is appended to the output file as it arrives, in
+OpenAI's output line format (errors too, with their status code). The output file is the progress record: run
+the same command again after an interruption (Ctrl-C, a crash, a reboot) and it truncates a half-written last
+line, skips every custom_id already there and runs only the rest, so each custom_id ends up exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import BinaryIO
+
+from tqdm import tqdm
+
+from gateway.batches import lines
+from gateway.batches.lines import InputLine
+from gateway.batches.runner import LineResult, LineRunner
+from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
+from gateway.engines import EnginePool
+from ladle.engine_child import engine_command, spawn_engine, stop_engine
+from ladle.log import configure_logging
+
+INTERRUPTED = 130
+INVALID_INPUT = 2
+ENGINE_STARTUP_TIMEOUT_S = 600.0  # our own engine: loading (and, the first time, converting) the model
+CONNECT_TIMEOUT_S = 60.0  # an engine given with --engine
+MAX_SHOWN_ERRORS = 20
+
+
+class BatchFileError(Exception):
+    """The input or output file cannot be used as given (the message says why)."""
+
+
+def run_batch_file(args: argparse.Namespace) -> int:
+    configure_logging(level=os.environ.get("LADLE_LOG_LEVEL", "WARNING"))
+    try:
+        return asyncio.run(_run(args))
+    except BatchFileError as exc:
+        print(f"ladle batch: {exc}", file=sys.stderr)
+        return INVALID_INPUT
+
+
+def completed_custom_ids(output: Path) -> set[str]:
+    """The custom_ids already in `output` (created if missing). A last line cut off mid-write is truncated."""
+    output.touch()
+    done: set[str] = set()
+    with output.open("r+b") as f:
+        good = 0
+        for number, raw in enumerate(f, start=1):
+            if not raw.endswith(b"\n"):
+                break  # a half-written last line: dropped below, run again
+            try:
+                done.add(json.loads(raw)["custom_id"])
+            except (ValueError, KeyError, TypeError):
+                raise BatchFileError(f"{output} line {number} is not a result line; is it the right file?") from None
+            good += len(raw)
+        f.truncate(good)
+    return done
+
+
+async def _run(args: argparse.Namespace) -> int:
+    source, output = Path(args.input), Path(args.output)
+    if not source.is_file():
+        raise BatchFileError(f"no input file {source}")
+    total, custom_ids = _validate(source, None)  # before any engine starts: a bad file fails at once
+    done = completed_custom_ids(output)
+    unknown = done - custom_ids
+    if unknown:
+        raise BatchFileError(f"{output} holds results for custom_ids that are not in {source} "
+                             f"(e.g. {sorted(unknown)[0]!r}); use another output file")
+    engine = None
+    address = args.engine
+    if not address:
+        engine, address = await _start_engine(args)
+    pool = EnginePool(GatewayConfig(engines=(address,), request_timeout_s=ENGINE_STARTUP_TIMEOUT_S))
+    await pool.start()
+    try:
+        if not await _wait_ready(pool, engine, ENGINE_STARTUP_TIMEOUT_S if engine else CONNECT_TIMEOUT_S):
+            why = f"the engine exited with status {engine.returncode}" if engine and engine.returncode is not None \
+                else f"no engine SERVING at {address}"
+            print(f"ladle batch: {why}", file=sys.stderr)
+            return 1
+        _validate(source, pool.model_id)  # every body names the served model
+        return await _run_lines(args, source, output, total, done, pool)
+    finally:
+        await pool.close()
+        if engine is not None:
+            await stop_engine(engine, args.shutdown_timeout + 10)
+
+
+async def _run_lines(
+    args: argparse.Namespace, source: Path, output: Path, total: int, done: set[str], pool: EnginePool
+) -> int:
+    model = pool.model_id or ""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    progress = tqdm(total=total, initial=len(done), unit="req", desc="ladle batch", dynamic_ncols=True)
+    try:
+        with output.open("ab") as out:
+            runner = LineRunner(pool, model, args.window or None)
+            finished = await runner.run(_pending(source, done), lambda r: _write(out, r, progress), stop)
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        progress.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    if not finished:
+        print(f"ladle batch: interrupted with {progress.n} of {total} requests done; run the same command again "
+              "to finish the rest", file=sys.stderr)
+        return INTERRUPTED
+    print(f"ladle batch: {total} requests done; results in {output}", file=sys.stderr)
+    return 0
+
+
+def _validate(source: Path, model: str | None) -> tuple[int, set[str]]:
+    """(number of requests, their custom_ids); BatchFileError listing the bad lines if there are any."""
+    with source.open("rb") as f:
+        total, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model)
+    if errors:
+        shown = "\n".join(f"  line {e.line}: {e.code}: {e.message}" for e in errors[:MAX_SHOWN_ERRORS])
+        more = f"\n  ... and {len(errors) - MAX_SHOWN_ERRORS} more" if len(errors) > MAX_SHOWN_ERRORS else ""
+        raise BatchFileError(f"{source} has invalid lines; nothing was run:\n{shown}{more}")
+    with source.open("rb") as f:
+        ids = {json.loads(raw)["custom_id"] for _, raw in lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES) if raw}
+    return total, ids
+
+
+async def _pending(source: Path, done: set[str]) -> AsyncIterator[InputLine]:
+    with source.open("rb") as f:
+        for index, (number, raw) in enumerate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES)):
+            assert raw is not None  # validated
+            line = lines.parse_line(raw, number, index, None, None)
+            if line.custom_id not in done:
+                yield line
+
+
+def _write(out: BinaryIO, result: LineResult, progress: tqdm) -> None:
+    out.write(lines.encode(result.record))
+    out.flush()  # a whole line reaches the file before it counts as done
+    progress.update(1)
+
+
+async def _start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Process, str]:
+    """A `ladle engine` of our own on a free loopback port (its own session, so Ctrl-C reaches only us)."""
+    env = {**os.environ, "LADLE_LOG_LEVEL": os.environ.get("LADLE_LOG_LEVEL", "WARNING")}
+    engine = await spawn_engine(engine_command(args, "127.0.0.1", 0), stdout=subprocess.PIPE, env=env,
+                                start_new_session=True)
+    assert engine.stdout is not None
+    announced = (await engine.stdout.readline()).decode()
+    if " on " not in announced:
+        await stop_engine(engine, 5)
+        raise BatchFileError(f"the engine did not start (exit status {engine.returncode})")
+    return engine, announced.rsplit(" on ", 1)[1].strip()
+
+
+async def _wait_ready(pool: EnginePool, engine: asyncio.subprocess.Process | None, timeout: float) -> bool:
+    """Wait for an engine SERVING with its model id known; False if our own engine exits first or time runs out."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if engine is not None and engine.returncode is not None:
+            return False
+        if pool.ready and pool.model_id is not None:
+            return True
+        await pool.wait_ready(1.0)
+    return False

@@ -1,0 +1,55 @@
+"""A `ladle engine` child process for the commands that run one on this host (`ladle serve`, `ladle batch`).
+
+The child asks the kernel to send it SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so a parent that is
+killed outright (SIGKILL) does not leave an engine behind holding its port and the model's memory; it then
+drains and exits like on any SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
+    """The `ladle engine` command line for the engine flags in `args` (the `serve` / `batch` parsers' own)."""
+    command = [
+        sys.executable, "-m", "ladle.cli", "engine", "--model", args.model, "--device", args.device,
+        "--host", host, "--port", str(port), "--shutdown-timeout", str(args.shutdown_timeout),
+        "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
+        "--kv-cache-mib", str(args.kv_cache_mib), "--grammar-timeout", str(args.grammar_timeout),
+        "--async-scheduling", args.async_scheduling,
+    ]
+    return [*command, "--enforce-eager"] if args.enforce_eager else command
+
+
+async def spawn_engine(command: list[str], **kwargs: Any) -> asyncio.subprocess.Process:
+    """Start `command` as a child that dies with this process (see the module docstring)."""
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the parent died before the request took effect
+                os._exit(1)
+
+    return await asyncio.create_subprocess_exec(*command, preexec_fn=die_with_parent, **kwargs)
+
+
+async def stop_engine(engine: asyncio.subprocess.Process, timeout: float) -> None:
+    """SIGTERM (the engine drains), then SIGKILL if it has not exited within `timeout` seconds."""
+    if engine.returncode is None:
+        engine.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(engine.wait(), timeout)
+        except TimeoutError:
+            engine.kill()
+            await engine.wait()

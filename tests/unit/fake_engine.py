@@ -1,0 +1,115 @@
+"""A fake EngineService on a loopback gRPC server, for unit tests of the gateway's batch machinery.
+
+It answers health (SERVING), GetModelInfo and GetLoad like an engine, and Batch by echoing each item: the reply's
+text is the item's last chat message (or prompt) upper-cased. Tests script failures through `FakeEngine`:
+`refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen), `invalid` (INVALID_ARGUMENT for a text),
+`die_after` (the call ends UNAVAILABLE after that many results), and `delay_s` per item.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+
+MODEL = "fake-model"
+
+
+@dataclass
+class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
+    max_num_seqs: int = 4
+    delay_s: float = 0.0
+    refuse_once: set[str] = field(default_factory=set)
+    invalid: set[str] = field(default_factory=set)
+    die_after: int | None = None  # results per call before it fails with UNAVAILABLE (once)
+    seen: Counter[str] = field(default_factory=Counter)  # item texts received, over all calls
+    answered: Counter[str] = field(default_factory=Counter)  # results sent
+    max_unanswered: int = 0  # most items received and not yet answered, at any moment
+    calls: int = 0
+
+    async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
+        return engine_pb2.GetModelInfoResponse(model_id=MODEL, context_length=128, vocab_size=100,
+                                               max_num_seqs=self.max_num_seqs)
+
+    async def GetLoad(self, request: Any, context: Any) -> engine_pb2.GetLoadResponse:
+        return engine_pb2.GetLoadResponse(accepting=True)
+
+    async def Batch(
+        self, request_iterator: AsyncIterator[engine_pb2.BatchRequest], context: Any
+    ) -> AsyncIterator[engine_pb2.BatchResponse]:
+        self.calls += 1
+        die_after, self.die_after = self.die_after, None
+        results: asyncio.Queue[engine_pb2.BatchResponse | None] = asyncio.Queue()
+        unanswered = 0
+
+        async def read() -> None:
+            nonlocal unanswered
+            async with asyncio.TaskGroup() as group:
+                async for item in request_iterator:
+                    unanswered += 1
+                    self.max_unanswered = max(self.max_unanswered, unanswered)
+                    group.create_task(self._answer(item, results))
+            await results.put(None)
+
+        reader = asyncio.create_task(read())
+        sent = 0
+        try:
+            while (response := await results.get()) is not None:
+                if die_after is not None and sent >= die_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+                unanswered -= 1
+                sent += 1
+                if response.WhichOneof("outcome") == "result":
+                    self.answered[response.result.choices[0].text.lower()] += 1
+                yield response
+        finally:
+            reader.cancel()
+            with contextlib.suppress(BaseException):
+                await reader
+
+    async def _answer(self, item: engine_pb2.BatchRequest, results: asyncio.Queue[Any]) -> None:
+        text = _input_text(item.request.input)
+        self.seen[text] += 1
+        await asyncio.sleep(self.delay_s)
+        response = engine_pb2.BatchResponse(item_id=item.item_id)
+        if text in self.refuse_once and self.seen[text] == 1:
+            response.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            response.error.message = "queue full"
+        elif text in self.invalid:
+            response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            response.error.message = "max_tokens is too large"
+            response.error.param = "max_tokens"
+        else:
+            result = response.result
+            result.request_id = item.request.request_id
+            result.model = MODEL
+            result.choices.add(index=0, text=text.upper(), finish_reason=types_pb2.FINISH_REASON_STOP)
+            result.usage.prompt_tokens = len(text)
+            result.usage.completion_tokens = 1
+        await results.put(response)
+
+
+def _input_text(value: types_pb2.Input) -> str:
+    if value.WhichOneof("kind") == "chat":
+        return value.chat.messages[-1].content
+    return value.text
+
+
+async def start_fake_engine(fake: FakeEngine) -> tuple[grpc.aio.Server, str]:
+    """Serve `fake` on a free loopback port; (server, address)."""
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(fake, server)
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("ladle.v1.EngineService", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"

@@ -1,0 +1,228 @@
+"""File and batch records on a real database (SQLite and PostgreSQL): pages, the claim and lease protocol, fenced
+commits, cancellation and the final transaction."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from gateway.store.batches import BatchStore, LeaseLostError, Progress
+from gateway.store.database import database_url, open_database
+from gateway.store.files import FileInUseError, FileRecord, FileStore
+from gateway.store.ids import BATCH_PREFIX, FILE_PREFIX, is_id, new_id
+from gateway.store.pages import UnknownCursorError
+
+LEASE_S = 30.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    if request.param == "sqlite":
+        url = database_url(None, tmp_path)
+    else:
+        url = database_url(request.getfixturevalue("postgres").new_database(), tmp_path)
+    engine = open_database(url)
+    yield engine
+    engine.dispose()
+
+
+def add_file(files: FileStore, purpose: str = "batch") -> FileRecord:
+    file_id = new_id(FILE_PREFIX)
+    record = files.record(file_id, "in.jsonl", purpose, 10, f"files/{file_id}")
+    files.add(record)
+    return record
+
+
+def add_batch(db: Engine, input_file: FileRecord | None = None, window_s: int = 3600) -> Any:
+    source = input_file or add_file(FileStore(db))
+    record = BatchStore(db).create(new_id(BATCH_PREFIX), "/v1/chat/completions", source.id, "24h", window_s, None)
+    assert record is not None
+    return record
+
+
+def test_ids_are_unguessable_and_checked() -> None:
+    a, b = new_id(FILE_PREFIX), new_id(FILE_PREFIX)
+    assert a != b and is_id(a, FILE_PREFIX) and not is_id(a, BATCH_PREFIX)
+    for bad in ["file-../../etc/passwd", "file-" + "A" * 32, "file-" + "a" * 31, "../" + a, a + "/content"]:
+        assert not is_id(bad, FILE_PREFIX)
+
+
+def test_open_database_twice_keeps_the_schema_and_records(db: Engine) -> None:
+    record = add_file(FileStore(db))
+    again = open_database(db.url.render_as_string(hide_password=False))
+    try:
+        assert FileStore(again).get(record.id) == record
+    finally:
+        again.dispose()
+
+
+def test_file_pages_follow_insertion_order(db: Engine) -> None:
+    files = FileStore(db)
+    made = [add_file(files, "batch" if i % 2 else "assistants") for i in range(5)]
+    newest_first, more = files.list_page(2, None, "desc", None)
+    assert [r.id for r in newest_first] == [made[4].id, made[3].id] and more
+    rest, more = files.list_page(10, newest_first[-1].id, "desc", None)
+    assert [r.id for r in rest] == [m.id for m in reversed(made[:3])] and not more
+    oldest, _ = files.list_page(2, made[0].id, "asc", None)
+    assert [r.id for r in oldest] == [made[1].id, made[2].id]
+    batch_only, _ = files.list_page(10, None, "asc", "batch")
+    assert [r.id for r in batch_only] == [made[1].id, made[3].id]
+    with pytest.raises(UnknownCursorError):
+        files.list_page(10, new_id(FILE_PREFIX), "desc", None)
+
+
+def test_a_file_that_an_unfinished_batch_reads_cannot_be_removed(db: Engine) -> None:
+    files = FileStore(db)
+    source = add_file(files)
+    batch = add_batch(db, source)
+    with pytest.raises(FileInUseError, match=batch.id):
+        files.remove(source.id)
+    claim = BatchStore(db).claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    BatchStore(db).fail(claim, [{"code": "x", "message": "y", "line": 1, "param": None}])
+    assert files.remove(source.id) == source
+    assert files.get(source.id) is None and files.remove(source.id) is None
+
+
+def test_a_batch_needs_an_existing_input_file(db: Engine) -> None:
+    assert BatchStore(db).create(new_id(BATCH_PREFIX), "/v1/completions", new_id(FILE_PREFIX), "24h", 60, None) is None
+
+
+def test_only_one_of_many_racing_workers_claims_a_batch(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claims: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def race(i: int) -> None:
+        barrier.wait()
+        claims.append(store.claim_next(f"w{i}", time.time(), LEASE_S))
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [c for c in claims if c is not None]
+    assert len(won) == 1 and won[0].batch.id == batch.id and won[0].epoch == 1
+    assert store.claim_next("late", time.time(), LEASE_S) is None  # the lease is live
+
+
+def test_an_expired_lease_is_claimed_again_and_fences_the_old_worker(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    old = store.claim(batch.id, "old", time.time(), 0.2)
+    assert old is not None
+    store.add_segment(old)
+    time.sleep(0.3)
+    new = store.claim_next("new", time.time(), LEASE_S)
+    assert new is not None and new.epoch == old.epoch + 1
+    with pytest.raises(LeaseLostError):
+        store.commit(old, time.time(), LEASE_S, Progress(10, 0, completed=1))
+    with pytest.raises(LeaseLostError):
+        store.finish(old, "completed", None, None)
+    assert store.get(batch.id).completed == 0  # type: ignore[union-attr]
+
+
+def test_commits_add_counts_and_record_segment_lengths_together(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    assert store.start(claim, 5, "m") == "in_progress"
+    store.add_segment(claim)
+    store.commit(claim, time.time(), LEASE_S, Progress(100, 0, completed=2, prompt_tokens=7, completion_tokens=3))
+    status = store.commit(claim, time.time(), LEASE_S, Progress(150, 40, completed=1, failed=1, cached_tokens=4))
+    assert status == "in_progress"
+    record = store.get(batch.id)
+    assert record is not None
+    assert (record.total, record.completed, record.failed) == (5, 3, 1)
+    assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (7, 3, 4)
+    assert [(s.epoch, s.output_bytes, s.error_bytes) for s in store.segments(batch.id)] == [(1, 150, 40)]
+
+
+def test_cancel_is_seen_by_the_worker_at_its_next_commit(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    store.start(claim, 3, "m")
+    cancelled = store.request_cancel(batch.id)
+    assert cancelled is not None and cancelled.status == "cancelling" and cancelled.times["cancelling_at"]
+    assert store.commit(claim, time.time(), LEASE_S) == "cancelling"
+    assert store.set_finalizing(claim) == "cancelling"  # a cancel that won the race is kept
+
+
+def test_finish_publishes_files_releases_the_lease_and_drops_segments(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    store.start(claim, 1, "m")
+    store.add_segment(claim)
+    assert store.set_finalizing(claim) == "finalizing"
+    output = FileStore.record(new_id(FILE_PREFIX), "out.jsonl", "batch_output", 3, "batches/x/output.jsonl")
+    store.finish(claim, "completed", output, None)
+    record = store.get(batch.id)
+    assert record is not None and record.status == "completed" and record.output_file_id == output.id
+    assert record.error_file_id is None and record.times["completed_at"] and not record.leased(time.time())
+    assert FileStore(db).get(output.id) == output
+    assert store.segments(batch.id) == []
+    assert store.claim_next("w2", time.time(), LEASE_S) is None  # final batches are never claimed
+    assert store.request_cancel(batch.id).status == "completed"  # type: ignore[union-attr]
+
+
+def test_release_lets_another_worker_claim_at_once(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None and store.claim_next("other", time.time(), LEASE_S) is None
+    store.release(claim)
+    again = store.claim_next("other", time.time(), LEASE_S)
+    assert again is not None and again.epoch == 2
+    store.release(claim)  # a stale release changes nothing
+    assert store.claim_next("third", time.time(), LEASE_S) is None
+
+
+def test_batch_pages_newest_first_and_status_counts(db: Engine) -> None:
+    made = [add_batch(db) for _ in range(3)]
+    store = BatchStore(db)
+    page, more = store.list_page(2, None)
+    assert [b.id for b in page] == [made[2].id, made[1].id] and more
+    page, more = store.list_page(2, page[-1].id)
+    assert [b.id for b in page] == [made[0].id] and not more
+    store.request_cancel(made[0].id)
+    assert store.count_by_status() == {"validating": 2, "cancelling": 1}
+
+
+def test_a_database_is_paired_with_one_blob_directory(db: Engine, tmp_path: Path) -> None:
+    from gateway.store.blobs import BlobStore
+    from gateway.store.pairing import StorePairingError, pair
+
+    shared = BlobStore(tmp_path / "shared")
+    store_id = pair(db, shared)
+    assert pair(db, shared) == store_id  # a restart, or a replica on the same shared directory
+    with pytest.raises(StorePairingError, match="--data-dir"):
+        pair(db, BlobStore(tmp_path / "own"), wait_s=0.2)  # a replica with a directory of its own
+
+
+def test_a_new_database_adopts_an_existing_blob_directory(tmp_path: Path) -> None:
+    from gateway.store.blobs import BlobStore
+    from gateway.store.pairing import pair
+
+    blobs = BlobStore(tmp_path / "blobs")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = open_database(database_url(None, tmp_path / "a"))
+    second = open_database(database_url(None, tmp_path / "b"))
+    try:
+        assert pair(second, blobs) == pair(first, blobs)
+    finally:
+        first.dispose()
+        second.dispose()

@@ -1,0 +1,251 @@
+"""The batch runner and worker against a fake engine on loopback gRPC and a real SQLite store: every line gets
+exactly one result through engine failures, refusals, a crashed worker, cancellation and expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.batches import lines
+from gateway.batches.results import committed_custom_ids
+from gateway.batches.runner import LineResult, LineRunner
+from gateway.batches.worker import BatchWorker, WorkerSettings
+from gateway.config import GatewayConfig
+from gateway.engines import EnginePool
+from gateway.store.batches import BatchRecord, BatchStore, Progress
+from gateway.store.blobs import BlobStore, segment_key, upload_key
+from gateway.store.database import database_url, open_database
+from gateway.store.files import FileStore
+from gateway.store.ids import BATCH_PREFIX, FILE_PREFIX, new_id
+from tests.unit.fake_engine import MODEL, FakeEngine, start_fake_engine
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_line(i: int) -> dict[str, Any]:
+    return {"custom_id": f"c{i}", "method": "POST", "url": CHAT,
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"line {i}"}]}}
+
+
+class Rig:
+    """A fake engine, a pool on it, and a store + blob directory."""
+
+    def __init__(self, fake: FakeEngine, tmp: Path) -> None:
+        self.fake = fake
+        self.tmp = tmp
+        self.db = open_database(database_url(None, tmp))
+        self.files = FileStore(self.db)
+        self.batches = BatchStore(self.db)
+        self.blobs = BlobStore(tmp / "blobs")
+
+    async def __aenter__(self) -> Rig:
+        self.server, address = await start_fake_engine(self.fake)
+        self.pool = EnginePool(GatewayConfig(engines=(address,), health_interval_s=0.05))
+        await self.pool.start()
+        assert await self.pool.wait_ready(10)
+        while self.pool.model_id is None:
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pool.close()
+        await self.server.stop(None)
+        self.db.dispose()
+
+    def batch(self, items: list[dict[str, Any]], window_s: int = 3600) -> BatchRecord:
+        file_id = new_id(FILE_PREFIX)
+        path = self.blobs.path(upload_key(file_id))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(json.dumps(i).encode() + b"\n" for i in items))
+        self.files.add(self.files.record(file_id, "in.jsonl", "batch", path.stat().st_size, upload_key(file_id)))
+        record = self.batches.create(new_id(BATCH_PREFIX), CHAT, file_id, "24h", window_s, None)
+        assert record is not None
+        return record
+
+    def worker(self, **settings: Any) -> BatchWorker:
+        settings = {"lease_s": 5.0, "commit_interval_s": 0.02, "poll_interval_s": 0.05, **settings}
+        return BatchWorker(self.batches, self.blobs, self.pool, WorkerSettings(**settings), asyncio.Event())
+
+    async def run_until(self, worker: BatchWorker, batch_id: str, statuses: set[str], timeout: float = 20) -> Any:
+        task = asyncio.create_task(worker.run())
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                record = self.batches.get(batch_id)
+                assert record is not None
+                if record.status in statuses:
+                    return record
+                await asyncio.sleep(0.02)
+            raise TimeoutError(f"batch still {record.status}")
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    def result_lines(self, file_id: str | None) -> list[dict[str, Any]]:
+        if file_id is None:
+            return []
+        record = self.files.get(file_id)
+        assert record is not None
+        data = self.blobs.path(record.blob_key).read_bytes()
+        assert len(data) == record.bytes
+        return [json.loads(line) for line in data.splitlines()]
+
+
+async def source(items: list[dict[str, Any]], endpoint: str = CHAT) -> AsyncIterator[lines.InputLine]:
+    for index, item in enumerate(items):
+        yield lines.parse_line(json.dumps(item).encode(), index + 1, index, endpoint, MODEL)
+
+
+async def run_lines(rig: Rig, items: list[dict[str, Any]], endpoint: str = CHAT, window: int | None = None,
+                    ) -> list[LineResult]:
+    results: list[LineResult] = []
+    done = await LineRunner(rig.pool, MODEL, window).run(source(items, endpoint), results.append, asyncio.Event())
+    assert done
+    return results
+
+
+async def test_runner_gives_each_line_one_result_within_the_window(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(delay_s=0.01), tmp_path) as rig:
+        results = await run_lines(rig, [chat_line(i) for i in range(40)], window=3)
+    assert sorted(r.line.custom_id for r in results) == sorted(f"c{i}" for i in range(40))
+    assert rig.fake.max_unanswered <= 3
+    first = next(r for r in results if r.line.custom_id == "c0")
+    body = first.record["response"]["body"]
+    assert first.ok and first.record["response"]["status_code"] == 200
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "LINE 0"
+    assert body["id"] == "chatcmpl-" + first.record["response"]["request_id"]
+
+
+async def test_the_default_window_is_twice_the_engines_seats(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(max_num_seqs=3, delay_s=0.02), tmp_path) as rig:
+        await run_lines(rig, [chat_line(i) for i in range(30)])
+    assert rig.fake.max_unanswered == 6
+
+
+async def test_lines_in_flight_on_a_failed_call_are_sent_again(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(die_after=5, delay_s=0.01), tmp_path) as rig:
+        results = await run_lines(rig, [chat_line(i) for i in range(30)], window=8)
+    assert rig.fake.calls == 2
+    assert Counter(r.line.custom_id for r in results) == Counter(f"c{i}" for i in range(30))
+    assert sum(rig.fake.seen.values()) > 30  # some lines really ran twice; each was reported once
+
+
+async def test_a_refused_item_is_retried_and_a_bad_one_is_an_error_line(tmp_path: Path) -> None:
+    fake = FakeEngine(refuse_once={"line 1"}, invalid={"line 2"})
+    async with Rig(fake, tmp_path) as rig:
+        results = {r.line.custom_id: r for r in await run_lines(rig, [chat_line(i) for i in range(4)])}
+    assert results["c1"].ok and fake.seen["line 1"] == 2
+    bad = results["c2"]
+    assert not bad.ok and bad.record["response"]["status_code"] == 400
+    assert bad.record["response"]["body"]["error"]["param"] == "max_tokens"
+    assert bad.usage == ()
+
+
+async def test_a_completions_line_with_several_prompts_joins_its_parts(tmp_path: Path) -> None:
+    item = {"custom_id": "p", "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": ["one", "two", "three"], "max_tokens": 3}}
+    async with Rig(FakeEngine(die_after=2, delay_s=0.01), tmp_path) as rig:
+        [result] = await run_lines(rig, [item], "/v1/completions", window=3)
+    body = result.record["response"]["body"]
+    assert [c["text"] for c in body["choices"]] == ["ONE", "TWO", "THREE"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens"] == 3 + 3 + 5
+
+
+async def test_stop_ends_the_run_without_results_for_lines_in_flight(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(delay_s=5), tmp_path) as rig:
+        stop = asyncio.Event()
+        results: list[LineResult] = []
+        task = asyncio.create_task(LineRunner(rig.pool, MODEL).run(source([chat_line(0)]), results.append, stop))
+        await asyncio.sleep(0.2)
+        stop.set()
+        assert await asyncio.wait_for(task, 2) is False and results == []
+
+
+async def test_worker_completes_a_batch(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(invalid={"line 3"}), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(10)])
+        record = await rig.run_until(rig.worker(), batch.id, {"completed", "failed"})
+        assert record.status == "completed" and (record.total, record.completed, record.failed) == (10, 9, 1)
+        assert record.times["in_progress_at"] and record.times["finalizing_at"] and record.times["completed_at"]
+        assert record.model == MODEL and record.prompt_tokens == sum(len(f"line {i}") for i in range(10) if i != 3)
+        output, errors = rig.result_lines(record.output_file_id), rig.result_lines(record.error_file_id)
+        assert sorted(o["custom_id"] for o in output) == sorted(f"c{i}" for i in range(10) if i != 3)
+        assert [e["custom_id"] for e in errors] == ["c3"] and errors[0]["response"]["status_code"] == 400
+        assert rig.batches.segments(batch.id) == []
+        assert not list(rig.blobs.path(f"batches/{batch.id}").glob("[0-9]*"))  # segment files are gone
+
+
+async def test_worker_fails_a_batch_with_bad_lines_without_running_any(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(0), {**chat_line(1), "url": "/v1/embeddings"}, chat_line(0)])
+        record = await rig.run_until(rig.worker(), batch.id, {"failed", "completed"})
+    assert record.status == "failed" and record.times["failed_at"]
+    assert [(e["code"], e["line"]) for e in record.errors] == [("invalid_url", 2), ("duplicate_custom_id", 3)]
+    assert rig.fake.calls == 0 and record.output_file_id is None
+
+
+async def test_a_crashed_workers_uncommitted_results_are_never_counted(tmp_path: Path) -> None:
+    """A worker dies after writing results it had not committed: its committed lines are kept, the rest run
+    again under the next claim, and each custom_id ends up exactly once."""
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(12)])
+        dead = rig.batches.claim(batch.id, "dead", time.time(), 0.3)
+        assert dead is not None
+        rig.batches.start(dead, 12, MODEL)
+        rig.batches.add_segment(dead)
+        committed = b"".join(lines.encode(lines.output_record("x", f"c{i}", "r", 200, {})) for i in range(4))
+        uncommitted = lines.encode(lines.output_record("x", "c4", "r", 200, {})) + b'{"custom_id": "c5", "tru'
+        segment = rig.blobs.open_segment(segment_key(batch.id, dead.epoch, "output"))
+        segment.append(committed + uncommitted)
+        segment.sync()
+        segment.close()
+        rig.batches.commit(dead, time.time(), 0.3, Progress(len(committed), 0, completed=4))
+        assert committed_custom_ids(rig.blobs, rig.batches, batch.id) == {f"c{i}" for i in range(4)}
+        await asyncio.sleep(0.35)  # the dead worker's lease runs out
+
+        record = await rig.run_until(rig.worker(), batch.id, {"completed"})
+        output = rig.result_lines(record.output_file_id)
+    assert Counter(o["custom_id"] for o in output) == Counter(f"c{i}" for i in range(12))
+    assert record.completed == 12 and sum(rig.fake.seen.values()) == 8  # only the uncommitted ones ran
+
+
+async def test_cancel_stops_the_batch_with_partial_results(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(delay_s=0.05, max_num_seqs=2), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(200)])
+        worker = rig.worker()
+        task = asyncio.create_task(worker.run())
+        while (rig.batches.get(batch.id) or batch).completed < 10:
+            await asyncio.sleep(0.02)
+        rig.batches.request_cancel(batch.id)
+        started = time.monotonic()
+        while (record := rig.batches.get(batch.id)) is not None and record.status != "cancelled":
+            await asyncio.sleep(0.02)
+        waited = time.monotonic() - started
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert record is not None and waited < 2
+        output = rig.result_lines(record.output_file_id)
+    assert 10 <= record.completed < 200 and len(output) == record.completed and record.failed == 0
+    assert len({o["custom_id"] for o in output}) == len(output)
+    assert record.times["cancelling_at"] and record.times["cancelled_at"]
+
+
+async def test_expiry_turns_unrun_lines_into_batch_expired_errors(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(delay_s=0.05, max_num_seqs=1), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(100)], window_s=1)
+        record = await rig.run_until(rig.worker(), batch.id, {"expired"})
+        output, errors = rig.result_lines(record.output_file_id), rig.result_lines(record.error_file_id)
+    assert record.completed == len(output) > 0 and record.failed == len(errors) > 0
+    assert record.completed + record.failed == record.total == 100
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert {o["custom_id"] for o in output} | {e["custom_id"] for e in errors} == {f"c{i}" for i in range(100)}
