@@ -60,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def served(args: argparse.Namespace) -> Iterator[str]:
-    """`ladle serve` on free ports with a throwaway data directory; yields its /v1 URL once ready."""
+    """`ladle serve` on free ports with a throwaway data directory; yields its base URL (…/v1) once ready."""
     with tempfile.TemporaryDirectory(prefix="ladle-bench-batch-") as data_dir:
         command = [sys.executable, "-m", "ladle.cli", "serve", "--model", args.model, "--device", args.device,
                    "--port", "0", "--grpc-port", str(_free_port()), "--data-dir", data_dir,
@@ -143,7 +143,7 @@ def bench_served(args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
     with served(args) as url, tempfile.TemporaryDirectory() as folder:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         for _ in range(3):
             ttft(client, model)  # warm-up

@@ -10,7 +10,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from engine_server.config import EngineConfig
-from engine_server.core.engine_core import CoreOutput, EngineCore
+from engine_server.core.engine_core import EngineCore, HeldOutputs
 from engine_server.core.request import Request
 from engine_server.frontend import (
     ChatPrompt,
@@ -112,25 +112,18 @@ class LLM:
         # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the text
         # grows): held here and applied at the finish in one update (so their text is decoded once), which keeps
         # per-step host work small.
-        held: dict[str, CoreOutput] = {}
+        held = HeldOutputs()
         final_only = {rid for rid, tracker in trackers.items() if not tracker.needs_every_step}
         while pending or self.core.has_unfinished():
             while pending and self.core.scheduler.num_waiting < window:
                 self.core.add_request(pending.popleft())
             for output in self.core.step():
-                core_id = output.request_id
-                request_id, choice_index = split_core_request_id(core_id)
+                request_id, choice_index = split_core_request_id(output.request_id)
                 if request_id in final_only:
-                    earlier = held.get(core_id)
-                    if earlier is not None:
-                        earlier.new_tokens.extend(output.new_tokens)
-                        earlier.num_cached_tokens = max(earlier.num_cached_tokens, output.num_cached_tokens)
-                        earlier.status, earlier.stop_token_id = output.status, output.stop_token_id
-                        output = earlier
-                    if output.status is None:
-                        held[core_id] = output
+                    merged = held.add(output)
+                    if merged is None:
                         continue
-                    held.pop(core_id, None)
+                    output = merged
                 tracker = trackers[request_id]
                 _, abort_core = tracker.update(choice_index, output)
                 if abort_core:

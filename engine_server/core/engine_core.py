@@ -6,6 +6,7 @@ the core (engine_server.frontend), so the core can run on its own thread or proc
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -38,6 +39,34 @@ class CoreOutput:
     @property
     def finished(self) -> bool:
         return self.status is not None
+
+
+class HeldOutputs:
+    """Outputs of choices that nobody needs to see before they finish, merged per core request until then.
+
+    Delivering a choice once, at its finish (all tokens in order, the last status), saves the per-step host
+    work of routing and applying it: the offline API and the engine's non-streaming calls use this.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, CoreOutput] = {}
+
+    def add(self, output: CoreOutput) -> CoreOutput | None:
+        """Hold `output`; once its request has finished, the merged output of every step (and it is let go)."""
+        earlier = self._held.pop(output.request_id, None)
+        if earlier is not None:
+            earlier.new_tokens.extend(output.new_tokens)
+            earlier.num_cached_tokens = max(earlier.num_cached_tokens, output.num_cached_tokens)
+            earlier.status, earlier.stop_token_id = output.status, output.stop_token_id
+            output = earlier
+        if output.status is None:
+            self._held[output.request_id] = output
+            return None
+        return output
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._held.pop(request_id, None)
 
 
 @dataclass(frozen=True)

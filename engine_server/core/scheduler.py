@@ -1,9 +1,28 @@
 """Continuous-batching scheduler: one token budget per step shared by decodes and chunked prefills.
 
 Each step serves running requests first, in priority order (INTERACTIVE before BATCH, earlier arrival
-first): a decode takes one token, a request still prefilling takes a chunk of what budget is left. Then,
-if nobody was preempted this step, waiting requests are admitted in the same order (FIFO within a class,
-preempted requests at the front of theirs) and prefill in chunks up to the budget.
+first): a decode takes one token, a request still prefilling takes a chunk of what budget is left. Then
+waiting requests are admitted in the same order (FIFO within a class, preempted requests at the front of
+theirs) and prefill in chunks up to the budget, unless a running request lost its blocks this step:
+admitting then would only swap one request's blocks for another's.
+
+Interactive first. An INTERACTIVE caller waits on its first token; a BATCH job only on its total time.
+- Step composition: while an INTERACTIVE request has prompt to prefill (it waits to start, or runs a chunked
+  prefill), the step carries INTERACTIVE work only. Running BATCH requests keep their seats and blocks (and
+  any token still on the way) but sit the step out, and no BATCH request is admitted: a step's time grows
+  with its rows, on the CPU most of all, so the prefill alone reaches its first token sooner. Once it
+  decodes, BATCH decodes share the steps again.
+- Seats and blocks: an INTERACTIVE request being admitted that finds every seat taken (`max_num_seqs`) or
+  the KV pool short of its chunk preempts running BATCH requests by recompute (below), lowest rank first,
+  until it fits; never an INTERACTIVE request. Its victims are not scheduled in that step (BATCH work sits
+  it out) and cannot come back in it (only INTERACTIVE requests are admitted), so none returns ahead of the
+  request it made room for; and as a BATCH request never preempts an INTERACTIVE one, nothing thrashes.
+  For the same reason BATCH victims of a running INTERACTIVE request short of blocks do not hold admission
+  back. A BATCH request close to its end gets no reprieve: sparing it would cost the caller a whole BATCH
+  step, the lowest rank is the latest arrival (in a stream of batch work, the one with least done), and with
+  prefix caching its full blocks stay cached, so its recompute mostly hits.
+BATCH work still fills every step without an INTERACTIVE prefill. Without INTERACTIVE traffic none of this
+applies, so a batch alone is scheduled exactly as before.
 
 When the KV pool runs dry for a running request, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed (cached blocks stay reusable), `num_computed_tokens` returns
@@ -42,7 +61,10 @@ class Scheduler:
     With async scheduling the next `schedule()` may come before the last step's update: a request that
     samples counts its token as pending (`Request.num_pending_tokens`) from `schedule()` to its update, and
     a running request may decode again with that token as input (the runner takes it from the device) unless
-    the pending tokens will end it by length or its sampling needs them on the host.
+    the pending tokens will end it by length or its sampling needs them on the host. A running request that
+    sits a step out (BATCH, while an INTERACTIVE request prefills) keeps its pending token as it is: the
+    engine collects each step right after launching the next, so that token is on the host before the
+    request is scheduled again, and its input never has to come from an older launch than the last.
     """
 
     def __init__(
@@ -146,10 +168,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        interactive_only = self._interactive_prefill_pending()
 
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
+            if interactive_only and request.priority is not Priority.INTERACTIVE:
+                break  # `_running` is in rank order: every request from here on is BATCH
             num_new = min(request.num_known_and_pending_tokens - request.num_computed_tokens, budget)
             if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
@@ -161,9 +186,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admitting while preempting would only swap one request's blocks for another's.
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled, finished, now)
+        if self._may_admit(interactive_only, preempted):
+            classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
+            budget = self._admit_waiting(budget, scheduled, finished, now, classes, preempted)
 
         return SchedulerOutput(
             scheduled=scheduled,
@@ -225,13 +250,57 @@ class Scheduler:
             if victim is request:
                 return None
 
+    def _interactive_prefill_pending(self) -> bool:
+        """Whether an INTERACTIVE request waits to start, or is running with more than one token to compute."""
+        if self._waiting[Priority.INTERACTIVE]:
+            return True
+        for request in self._running:
+            if request.priority is not Priority.INTERACTIVE:
+                return False  # rank order: the rest are BATCH
+            if request.num_known_and_pending_tokens - request.num_computed_tokens > 1:
+                return True
+        return False
+
+    def _may_admit(self, interactive_only: bool, preempted: list[str]) -> bool:
+        """Whether to admit after the running requests' turn. Not when one of them lost its blocks (admitting
+        would only swap blocks), except for BATCH victims in an INTERACTIVE-only step: admitting INTERACTIVE
+        work would take theirs anyway, and they cannot come back in it (BATCH is not admitted then)."""
+        if not interactive_only:
+            return not preempted
+        return all(self._requests[request_id].priority is Priority.BATCH for request_id in preempted)
+
+    def _has_seat(self, priority: Priority) -> bool:
+        """Whether a request of `priority` can take a seat now: one is free, or, for an INTERACTIVE request,
+        the lowest-ranked running request is BATCH and gives its seat up."""
+        if len(self._running) < self.config.max_num_seqs:
+            return True
+        return priority is Priority.INTERACTIVE and self._running[-1].priority is Priority.BATCH
+
+    def _preempt_latest_batch(self, preempted: list[str]) -> bool:
+        """Preempt the lowest-ranked running request if it is BATCH; whether one was."""
+        if not self._running or self._running[-1].priority is not Priority.BATCH:
+            return False
+        victim = self._running.pop()
+        self._preempt(victim)
+        preempted.append(victim.request_id)
+        return True
+
     def _admit_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], finished: list[Request], now: float
+        self,
+        budget: int,
+        scheduled: list[ScheduledRequest],
+        finished: list[Request],
+        now: float,
+        classes: tuple[Priority, ...],
+        preempted: list[str],
     ) -> int:
-        """Move queued requests into running while budget, seats and blocks last; returns the budget left."""
-        for priority in Priority:
+        """Move queued requests of `classes` into running while budget, seats and blocks last; returns the
+        budget left. An INTERACTIVE request short of a seat or of blocks preempts running BATCH requests for
+        them: INTERACTIVE requests wait only in a step BATCH work sits out, so no victim is scheduled yet."""
+        for priority in classes:
             queue = self._waiting[priority]
-            while queue and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            takes_from_batch = priority is Priority.INTERACTIVE
+            while queue and budget > 0 and self._has_seat(priority):
                 request = queue[0]
                 if request.num_pending_tokens:
                     return budget  # preempted while its token was on the way: it re-prefills once that lands
@@ -242,9 +311,13 @@ class Scheduler:
                     self._release(request)
                     finished.append(request)
                     continue
+                if len(self._running) >= self.config.max_num_seqs:
+                    self._preempt_latest_batch(preempted)  # `_has_seat` saw a BATCH tail
                 cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget)
                 blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
+                while blocks is None and takes_from_batch and self._preempt_latest_batch(preempted):
+                    blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
                 if blocks is None:
                     return budget  # no overtaking: a later or lower-priority request must not jump ahead
                 queue.popleft()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine_server.core.engine_core import CoreOutput, EngineCore
+from engine_server.core.engine_core import CoreOutput, EngineCore, HeldOutputs
 from engine_server.core.request import Request
 from engine_server.frontend import split_core_request_id
 
@@ -69,12 +69,14 @@ class RequestStream:
     """The outputs of one submitted request (all of its choices), in step order, read on the event loop.
 
     Each `next()` returns the outputs one core step produced for this request, or raises the error the core
-    reported for it (QueueFullError, ValueError on a duplicate id, EngineInternalError).
+    reported for it (QueueFullError, ValueError on a duplicate id, EngineInternalError). A `final_only` stream
+    gets each choice once, when it finishes, with the tokens of all its steps merged (see HeldOutputs).
     """
 
-    def __init__(self, request_id: str, core_ids: Sequence[str]) -> None:
+    def __init__(self, request_id: str, core_ids: Sequence[str], final_only: bool = False) -> None:
         self.request_id = request_id
         self.core_ids = tuple(core_ids)
+        self.final_only = final_only
         self._queue: asyncio.Queue[list[CoreOutput] | BaseException] = asyncio.Queue()
 
     async def next(self) -> list[CoreOutput]:
@@ -95,6 +97,7 @@ class EngineLoop:
         self._loop = loop
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
+        self._held = HeldOutputs()  # event-loop side only: what final-only streams have not been given yet
         self._live: set[str] = set()  # core thread only: core ids added and not yet finished
         self._load = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
@@ -123,11 +126,12 @@ class EngineLoop:
         self._commands.put(_STOP)
         self._thread.join()
 
-    def add(self, request_id: str, requests: Sequence[Request]) -> RequestStream:
-        """Submit the core requests of one caller request; their outputs arrive on the returned stream."""
+    def add(self, request_id: str, requests: Sequence[Request], final_only: bool = False) -> RequestStream:
+        """Submit the core requests of one caller request; their outputs arrive on the returned stream (each
+        choice only once it has finished, if `final_only`)."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        stream = RequestStream(request_id, [r.request_id for r in requests])
+        stream = RequestStream(request_id, [r.request_id for r in requests], final_only)
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, list(requests)))
         return stream
@@ -144,6 +148,7 @@ class EngineLoop:
     def close(self, stream: RequestStream) -> None:
         """Stop routing outputs to `stream`; later outputs for its choices are dropped."""
         self._streams.pop(stream.request_id, None)
+        self._held.drop(stream.core_ids)
 
     # -- event-loop side ---------------------------------------------------------------------------------
 
@@ -153,7 +158,9 @@ class EngineLoop:
             grouped.setdefault(split_core_request_id(output.request_id)[0], []).append(output)
         for request_id, items in grouped.items():
             stream = self._streams.get(request_id)
-            if stream is not None:
+            if stream is not None and stream.final_only:
+                items = [merged for item in items if (merged := self._held.add(item)) is not None]
+            if stream is not None and items:
                 stream._put(items)
         for request_id, error in errors.items():
             stream = self._streams.get(request_id)

@@ -235,7 +235,7 @@ class _BatchRun:
 
 async def _run_to_end(engine: ServingEngine, generation: GenerationInput, deadline: float | None) -> GenerationResult:
     result: GenerationResult | None = None
-    async with contextlib.aclosing(engine.generate(generation, deadline)) as updates:
+    async with contextlib.aclosing(engine.generate(generation, deadline, whole=True)) as updates:
         async for update in updates:
             result = update.result
     if result is None or not result.finished:

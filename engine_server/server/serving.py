@@ -196,13 +196,15 @@ class ServingEngine:
         return TokenizeResult(list(ids), self.token_text.token_strings(ids), text)
 
     async def generate(
-        self, request: GenerationInput, deadline: float | None = None
+        self, request: GenerationInput, deadline: float | None = None, whole: bool = False
     ) -> AsyncGenerator[StepUpdate, None]:
         """Run one request; yield once per core step that advanced it, the last update with `finished` set.
 
         `deadline` is a `time.monotonic()` value: a request still queued then is never scheduled and this raises
         RequestDeadlineError. Raises ValidationError before anything runs, QueueFullError when the waiting queue
-        is full. Closing the generator early (the caller cancelled) aborts the request in the core.
+        is full. Closing the generator early (the caller cancelled) aborts the request in the core. With `whole`
+        (a caller that wants only the result), a choice without stop strings is applied once, at its finish,
+        which spares the event loop its per-step work.
         """
         # Templating, tokenizing and building a forced tool_choice's grammar text run on the tokenizer thread.
         prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
@@ -216,7 +218,7 @@ class ServingEngine:
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing
         )
-        stream = self.loop.add(internal_id, core_requests)
+        stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step)
         unfinished = set(stream.core_ids)
         outcome = "cancelled"
         try:

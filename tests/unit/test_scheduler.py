@@ -82,11 +82,12 @@ def test_preemption_picks_lowest_priority_latest_arrival_and_requeues_at_front()
     # 4 blocks of 4 tokens. Each request holds one full block after prefill and needs a second to decode.
     sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=100, enable_prefix_caching=False)
     runner = FakeRunner(4)
-    sched.add_request(make_request("i_old", 4, arrival_time=0.0, max_tokens=20))
     sched.add_request(make_request("b_old", 4, priority=BATCH, arrival_time=1.0, max_tokens=20))
     sched.add_request(make_request("b_new", 4, priority=BATCH, arrival_time=2.0, max_tokens=20))
+    step(sched, runner)
+    sched.add_request(make_request("i_old", 4, arrival_time=0.0, max_tokens=20))
     sched.add_request(make_request("i_new", 4, arrival_time=3.0, max_tokens=20))
-    step(sched, runner)  # all four prefill, filling the pool
+    step(sched, runner)  # the interactive two prefill (batch sits out): all four hold one block, the pool is full
     sched.add_request(make_request("b_newest", 4, priority=BATCH, arrival_time=4.0))
     out, _ = step(sched, runner)
     # i_old needs a block: b_new goes (batch, latest). i_new needs one too: b_old goes. b_old's own turn
@@ -199,8 +200,9 @@ def test_deadline_expires_in_queue_and_is_never_scheduled() -> None:
 def test_deadline_passed_while_running_expires_once_preempted() -> None:
     sched = make_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=100)
     runner = FakeRunner(4)
-    sched.add_request(make_request("keeps", 4, max_tokens=10))
     sched.add_request(make_request("timed", 4, priority=BATCH, deadline=10.0, max_tokens=10))
+    step(sched, runner, now=0.0)
+    sched.add_request(make_request("keeps", 4, max_tokens=10))
     step(sched, runner, now=0.0)
     out, _ = step(sched, runner, now=20.0)  # past the deadline, but running: it is preempted, not expired
     assert out.preempted_ids == ["timed"] and not out.finished
@@ -262,3 +264,171 @@ def test_finish_requests_with_caller_status() -> None:
     assert [r.request_id for r in done] == ["a"] and sched.num_running == 0
     with pytest.raises(ValueError):
         sched.finish_requests(["a"], RequestStatus.RUNNING)
+
+
+# -- interactive first ---------------------------------------------------------------------------------------
+
+
+def _exact(requests: list[Request]) -> bool:
+    return all(r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens) for r in requests)
+
+
+def test_an_interactive_request_takes_a_seat_from_batch_work_at_once() -> None:
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=64)
+    runner = FakeRunner(16)
+    batch = [make_request(f"b{i}", 6, priority=BATCH, arrival_time=float(i), max_tokens=12) for i in range(3)]
+    for r in batch:
+        sched.add_request(r)
+    step(sched, runner)
+    step(sched, runner)
+    chat = make_request("chat", 10, arrival_time=5.0, max_tokens=4)
+    sched.add_request(chat)
+    out, _ = step(sched, runner)
+    assert out.preempted_ids == ["b2"]  # the latest batch request gives its seat up
+    assert chunks(out) == {"chat": 10}  # and is not back in the same step: batch rows sit the prefill out
+    out, _ = step(sched, runner)
+    assert chunks(out) == {"chat": 1, "b0": 1, "b1": 1}  # decodes share steps again; b2 waits for a seat
+    run_until_done(sched, runner)
+    assert _exact([*batch, chat]) and batch[2].num_preemptions == 1
+    assert sched.kv_cache.num_free_blocks == 64
+
+
+def test_interactive_requests_never_preempt_each_other() -> None:
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    runner = FakeRunner(16)
+    sched.add_request(make_request("a", 4, max_tokens=6))
+    sched.add_request(make_request("b", 4, priority=BATCH, max_tokens=6))
+    step(sched, runner)
+    step(sched, runner)
+    for name in ("c", "d"):
+        sched.add_request(make_request(name, 4, arrival_time=1.0, max_tokens=6))
+    out, _ = step(sched, runner)
+    assert out.preempted_ids == ["b"] and chunks(out) == {"a": 1, "c": 4}  # d finds only interactive seats
+    out, _ = step(sched, runner)
+    assert out.preempted_ids == [] and chunks(out) == {"a": 1, "c": 1}  # d waits: batch work sits this out
+    finish_order = [r.request_id for r in run_until_done(sched, runner)]
+    assert finish_order == ["a", "c", "d", "b"]
+    assert sched.total_preemptions == 1
+
+
+def test_batch_rows_sit_out_every_chunk_of_an_interactive_prefill() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64)
+    runner = FakeRunner(16)
+    sched.add_request(make_request("b", 6, priority=BATCH, max_tokens=20))
+    step(sched, runner)
+    sched.add_request(make_request("long", 150, max_tokens=3))
+    sched.add_request(make_request("b_later", 6, priority=BATCH, max_tokens=3))
+    outs = [step(sched, runner)[0] for _ in range(4)]
+    # Neither a running nor a waiting batch request gets a row until the interactive prompt is in; the running
+    # one keeps its seat and blocks meanwhile. Then decodes mix again and the batch class is admitted.
+    assert [chunks(out) for out in outs] == [
+        {"long": 64},
+        {"long": 64},
+        {"long": 22},
+        {"long": 1, "b": 1, "b_later": 6},
+    ]
+    assert all(not out.preempted_ids for out in outs) and sched.total_preemptions == 0
+
+
+def test_a_batch_token_on_the_way_waits_out_an_interactive_step() -> None:
+    """Async scheduling: the next step is scheduled before the last one's tokens land. A batch request that
+    sits that step out with its token pending is consistent again, and decodes from it, one step later."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    runner = FakeRunner(16)
+    batch = make_request("b", 6, priority=BATCH, max_tokens=6)
+    sched.add_request(batch)
+    step(sched, runner)
+    first = sched.schedule(now=0.0)  # b decodes; its token stays pending while the next step is scheduled
+    sampled = runner.step(first)
+    chat = make_request("chat", 5, max_tokens=3)
+    sched.add_request(chat)
+    second = sched.schedule(now=0.0)
+    assert chunks(second) == {"chat": 5} and batch.num_pending_tokens == 1
+    sched.update_from_output(first, sampled)
+    assert batch.num_pending_tokens == 0 and batch.num_computed_tokens == batch.num_tokens - 1
+    sched.update_from_output(second, runner.step(second))
+    out, _ = step(sched, runner)
+    assert chunks(out) == {"chat": 1, "b": 1} and out.scheduled[1].start_position == batch.num_tokens - 2
+    run_until_done(sched, runner)
+    assert _exact([batch, chat])
+
+
+def test_an_interactive_request_short_of_blocks_preempts_batch_work() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=100, enable_prefix_caching=False)
+    runner = FakeRunner(4)
+    batch = [make_request(f"b{i}", 8, priority=BATCH, arrival_time=float(i), max_tokens=4) for i in range(2)]
+    for r in batch:
+        sched.add_request(r)
+    step(sched, runner)  # two blocks each: two of six are left
+    chat = make_request("chat", 12, arrival_time=9.0, max_tokens=2)  # needs three
+    sched.add_request(chat)
+    out, _ = step(sched, runner)
+    assert out.preempted_ids == ["b1"] and chunks(out) == {"chat": 12}
+    run_until_done(sched, runner)
+    assert _exact([*batch, chat]) and sched.kv_cache.num_free_blocks == 6
+
+
+def test_batch_victims_of_a_running_interactive_decode_do_not_hold_admission_back() -> None:
+    # Three blocks of four tokens. b0 and b1 hold one each (room for a decode); i holds the third, full.
+    sched = make_scheduler(num_blocks=3, block_size=4, max_num_batched_tokens=100, enable_prefix_caching=False)
+    runner = FakeRunner(4)
+    batch = [make_request(f"b{i}", 3, priority=BATCH, arrival_time=float(i), max_tokens=3) for i in range(2)]
+    for r in batch:
+        sched.add_request(r)
+    step(sched, runner)
+    first = make_request("i", 4, arrival_time=5.0, max_tokens=3)
+    sched.add_request(first)
+    step(sched, runner)
+    second = make_request("j", 4, arrival_time=6.0, max_tokens=3)
+    sched.add_request(second)
+    out, _ = step(sched, runner)
+    # i's decode needs a block and takes b1's; j is still admitted, taking b0's.
+    assert out.preempted_ids == ["b1", "b0"] and chunks(out) == {"i": 1, "j": 4}
+    run_until_done(sched, runner)
+    assert _exact([*batch, first, second]) and sched.kv_cache.num_free_blocks == 3
+
+
+def test_interactive_arrivals_during_a_batch_storm_are_never_preempted_and_all_outputs_are_exact() -> None:
+    sched = make_scheduler(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+    runner = FakeRunner(4)
+    batch = [
+        make_request(f"b{i}", 4 + i % 7, priority=BATCH, arrival_time=float(i), max_tokens=6 + i % 5) for i in range(30)
+    ]
+    chats = [make_request(f"c{i}", 5 + 3 * i, arrival_time=100.0 + i, max_tokens=4) for i in range(6)]
+    for r in batch:
+        sched.add_request(r)
+    for n in range(10_000):
+        if n % 3 == 0 and n // 3 < len(chats):
+            sched.add_request(chats[n // 3])
+        if not sched.has_unfinished():
+            break
+        out, _ = step(sched, runner)
+        assert not any(sched.get_request(rid).priority is Priority.INTERACTIVE for rid in out.preempted_ids)  # type: ignore[union-attr]
+        if any(s.is_prefill and s.request.priority is Priority.INTERACTIVE for s in out.scheduled):
+            assert all(s.request.priority is Priority.INTERACTIVE for s in out.scheduled)
+    assert _exact(batch + chats) and sum(r.num_preemptions for r in batch) > 0
+    assert all(r.num_preemptions == 0 for r in chats) and sched.kv_cache.num_free_blocks == 20
+
+
+@pytest.mark.parametrize("num_blocks", [40, 9])
+def test_batch_alone_is_scheduled_exactly_as_before(num_blocks: int) -> None:
+    """Priority only orders work: a batch-only load is scheduled step for step like the same load of
+    interactive requests (where interactive first has no lower class to hold back or preempt), with and
+    without a pool tight enough to preempt."""
+
+    def trace(priority: Priority) -> list[tuple[dict[str, int], list[str]]]:
+        sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+        runner = FakeRunner(4)
+        for i in range(10):
+            sched.add_request(
+                make_request(f"r{i}", 3 + 2 * i, priority=priority, arrival_time=float(i), max_tokens=5 + i % 4)
+            )
+        steps = []
+        while sched.has_unfinished():
+            out, _ = step(sched, runner)
+            steps.append((chunks(out), out.preempted_ids))
+        return steps
+
+    batch = trace(BATCH)
+    assert batch == trace(Priority.INTERACTIVE)
+    assert any(preempted for _, preempted in batch) == (num_blocks == 9)
