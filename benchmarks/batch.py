@@ -16,28 +16,21 @@ goes to stdout and, with `--out`, one JSON object is appended.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, git_commit, utc_timestamp
+from benchmarks.common import append_result, git_commit, ladle_serve, utc_timestamp
 
 TOPICS = ("the sea", "a cat", "rain", "Paris", "music", "a robot", "the moon", "bread", "trains", "snow", "tea",
           "a river", "chess", "winter", "bees", "a lighthouse")
 PROBE = [{"role": "user", "content": "What is the capital of France?"}]
-STARTUP_TIMEOUT_S = 600.0
 
 
 def conversations(num: int) -> list[list[dict[str, str]]]:
@@ -56,43 +49,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--probes", type=int, default=20, help="TTFT probes, idle and under load")
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
-
-
-@contextlib.contextmanager
-def served(args: argparse.Namespace) -> Iterator[str]:
-    """`ladle serve` on free ports with a throwaway data directory; yields its base URL (…/v1) once ready."""
-    with tempfile.TemporaryDirectory(prefix="ladle-bench-batch-") as data_dir:
-        command = [sys.executable, "-m", "ladle.cli", "serve", "--model", args.model, "--device", args.device,
-                   "--port", "0", "--grpc-port", str(_free_port()), "--data-dir", data_dir,
-                   "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-mib", str(args.kv_cache_mib)]
-        env = {**os.environ, "LADLE_LOG_LEVEL": "WARNING", "NO_PROXY": "*"}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        try:
-            assert process.stdout is not None
-            url = ""
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while time.monotonic() < deadline:
-                line = process.stdout.readline()
-                if not line:
-                    raise RuntimeError("ladle serve exited before it was ready")
-                if "gateway (OpenAI API) on " in line:
-                    url = line.split(" on ", 1)[1].split()[0]
-                if line.startswith("ladle serve: ready"):
-                    break
-            yield url
-        finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def ttft(client: Any, model: str) -> float:
@@ -142,8 +98,9 @@ def ttft_summary(samples: list[float]) -> dict[str, float]:
 def bench_served(args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
-    with served(args) as url, tempfile.TemporaryDirectory() as folder:
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--kv-cache-mib", str(args.kv_cache_mib)]
+    with ladle_serve(args.model, args.device, *flags) as served, tempfile.TemporaryDirectory() as folder:
+        client = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
         for _ in range(3):
             ttft(client, model)  # warm-up

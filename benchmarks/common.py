@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import asdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+SERVE_STARTUP_TIMEOUT_S = 600.0
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, num_seqs: int = 64) -> None:
@@ -74,3 +82,50 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     if unexpected or any(name != "lm_head.weight" for name in missing):  # a tied lm_head is not in the list
         raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
     return hf.to(device).eval()
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running `ladle serve`: its OpenAI base URL (http://127.0.0.1:PORT/v1), its engine's gRPC address."""
+
+    base_url: str
+    grpc_address: str
+    process: subprocess.Popen[str]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def ladle_serve(model: str, device: str, *flags: str, log_level: str = "WARNING") -> Iterator[Served]:
+    """`ladle serve` on free loopback ports with a throwaway data directory, once it printed "ready"; stopped
+    with SIGTERM (SIGKILL after 60 s) on exit. `flags` go to `ladle serve` as they are."""
+    grpc_port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ladle-bench-") as data_dir:
+        command = [sys.executable, "-m", "ladle.cli", "serve", "--model", model, "--device", device,
+                   "--port", "0", "--grpc-port", str(grpc_port), "--data-dir", data_dir, *flags]
+        env = {**os.environ, "LADLE_LOG_LEVEL": log_level, "NO_PROXY": "*"}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert process.stdout is not None
+            url = ""
+            deadline = time.monotonic() + SERVE_STARTUP_TIMEOUT_S
+            while time.monotonic() < deadline:
+                line = process.stdout.readline()
+                if not line:
+                    raise RuntimeError("ladle serve exited before it was ready")
+                if "gateway (OpenAI API) on " in line:
+                    url = line.split(" on ", 1)[1].split()[0]
+                if line.startswith("ladle serve: ready"):
+                    break
+            yield Served(url, f"127.0.0.1:{grpc_port}", process)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()

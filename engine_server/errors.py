@@ -19,6 +19,11 @@ class ValidationError(EngineError, ValueError):
         self.param = param
 
 
+class ModelTemplateError(EngineError):
+    """The model's own chat template failed in a way no request can fix: its sandbox refused an operation the
+    template attempted (gRPC FAILED_PRECONDITION, HTTP 500). The operator must replace the template."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is over its limit (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 

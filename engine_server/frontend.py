@@ -201,11 +201,12 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
-            return list(self.tokenizer.encode(self.render(prompt), add_special_tokens=False))
+            text = _unicode(self.render(prompt), "messages")
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            return list(self.tokenizer.encode(_unicode(prompt, "prompt"), add_special_tokens=add_special_tokens))
         ids = list(prompt)
         validate_token_ids(ids, self.vocab_size, "prompt")
         return ids
@@ -328,3 +329,15 @@ class RequestTracker:
             )
             result.append(TokenLogprob(sampled.token_id, names[0], sampled.logprob, raw[0], tops))
         return result
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text`, if it is valid Unicode; a ValidationError if it holds a lone surrogate, which the tokenizer cannot
+    take. Proto strings cannot carry one, but JSON inside them can (a tool's parameters_json, template kwargs):
+    "\\ud800" decodes to a lone surrogate that the template then renders into the prompt."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValidationError(f"{param} holds text that is not valid Unicode (a lone surrogate at character "
+                              f"{exc.start})", param) from None
+    return text

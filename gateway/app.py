@@ -19,6 +19,7 @@ from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.routers import batch_chat, batches, chat, completions, files, models, operations
+from gateway.schemas.errors import ERROR_RESPONSES
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -39,13 +40,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await pool.close()
 
-    app = FastAPI(title="ladle gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ladle gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  responses=ERROR_RESPONSES)
     app.state.config = config
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.batches = service
     install_error_handlers(app)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
+                       api_key=config.api_key)
     for module in (models, chat, completions, batch_chat, files, batches, operations):
         app.include_router(module.router)
     return app

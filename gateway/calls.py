@@ -41,10 +41,21 @@ async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest) -> eng
 async def generate_all(
     pool: EnginePool, requests: Sequence[engine_pb2.GenerateRequest]
 ) -> list[engine_pb2.GenerateResponse]:
-    """Several independent requests at once (each on its own engine); the first failure cancels the rest."""
+    """Several independent requests at once (each on its own engine); the first failure cancels the rest.
+
+    At most twice the engine's max_num_seqs are in flight (more would only wait in its queue), so a long prompt
+    list never becomes a burst of calls that the engine's gRPC server sheds (CANCELLED).
+    """
+    info = pool.model_info()
+    window = asyncio.Semaphore(2 * info.max_num_seqs if info is not None and info.max_num_seqs else 64)
+
+    async def one(request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
+        async with window:
+            return await generate(pool, request)
+
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(generate(pool, r)) for r in requests]
+            tasks = [group.create_task(one(r)) for r in requests]
     except ExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return [t.result() for t in tasks]

@@ -1,4 +1,4 @@
-"""The ASGI layer around every HTTP request: request id, log context, body-size limit, request metrics.
+"""The ASGI layer around every HTTP request: request id, log context, API key, body-size limit, request metrics.
 
 Written as plain ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and the request
 counts as in flight until its last SSE byte is sent.
@@ -14,6 +14,7 @@ import structlog
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.deps import api_key_error
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
@@ -27,6 +28,8 @@ KNOWN_ROUTES = frozenset({
 })
 # Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request).
 OWN_BODY_LIMIT = frozenset({"/v1/files"})
+# Paths answered without the API key: load balancers' health checks, and the API's public description.
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
 
 
 def route_label(path: str) -> str:
@@ -44,12 +47,16 @@ def route_label(path: str) -> str:
 
 class RequestContextMiddleware:
     """Binds a request id (the caller's X-Request-Id when valid, else a new one) into `scope["state"]`, the log
-    context and the response headers; refuses bodies over `max_request_bytes` with 413; counts requests."""
+    context and the response headers; refuses a request without `api_key` (when set) with 401 outside
+    PUBLIC_PATHS before reading its body, then bodies over `max_request_bytes` with 413; counts requests."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int, api_key: str | None = None
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,18 +80,25 @@ class RequestContextMiddleware:
             started = time.monotonic()
             self.metrics.in_flight.inc()
             try:
-                body_receive = await self._limited(scope["path"], headers, receive)
-                if body_receive is None:
-                    too_large = APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
-                                         code="request_too_large")
-                    await too_large.response()(scope, receive, send_with_id)
-                else:
-                    await self.app(scope, body_receive, send_with_id)
+                await self._admit(scope, headers, receive, send_with_id)
             finally:
                 self.metrics.in_flight.dec()
                 self.metrics.requests.labels(route, str(status)).inc()
                 log.info("request finished", method=scope["method"], path=scope["path"], status=status,
                          duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+    async def _admit(self, scope: Scope, headers: Headers, receive: Receive, send: Send) -> None:
+        """Run the app, unless the request lacks the API key (401, its body unread) or its body is too large."""
+        path = scope["path"]
+        refusal = None if path in PUBLIC_PATHS else api_key_error(headers.get("authorization", ""), self.api_key)
+        if refusal is None:
+            body_receive = await self._limited(path, headers, receive)
+            if body_receive is not None:
+                await self.app(scope, body_receive, send)
+                return
+            refusal = APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
+                               code="request_too_large")
+        await refusal.response()(scope, receive, send)
 
     async def _limited(self, path: str, headers: Headers, receive: Receive) -> Receive | None:
         """`receive` if the body fits (None if not). A body without Content-Length is read here and replayed,

@@ -12,6 +12,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
+from gateway.http_protocol import BoundedHeadProtocol
 
 
 class _Server(uvicorn.Server):
@@ -39,12 +40,13 @@ async def serve(
     on_ready: Callable[[str], None] | None = None,
 ) -> int:
     """Serve HTTP on host:port until SIGINT/SIGTERM or until `stop_when` completes; in-flight requests get up to
-    30 s to finish. `announce` receives the bound URL; `on_ready` the model id once an engine is SERVING (and
-    so /health answers 200). Returns 0, or 1 if the port could not be bound."""
+    30 s to finish; a request whose head exceeds `http_protocol.MAX_HEAD_BYTES` is refused with 431. `announce`
+    receives the bound URL; `on_ready` the model id once an engine is SERVING (and so /health answers 200).
+    Returns 0, or 1 if the port could not be bound."""
     app = create_app(config)
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                       timeout_graceful_shutdown=30, lifespan="on")
+                       timeout_graceful_shutdown=30, lifespan="on", http=BoundedHeadProtocol)
     )
     task = asyncio.create_task(server.serve())
     if on_ready is not None:

@@ -15,6 +15,11 @@ log = structlog.get_logger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+# For the OpenAPI document of a route that streams when asked: its 200 is JSON or an event stream.
+STREAMING_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "The whole answer (JSON), or with `stream: true` its chunks as server-sent events"},
+}
 
 
 def event(data: dict[str, Any]) -> bytes:

@@ -22,6 +22,8 @@ BENCHMARKS = {
     "serve": "benchmarks.serve",
     "gpu": "benchmarks.gpu",
     "batch": "benchmarks.batch",
+    "fuzz": "benchmarks.fuzz_gateway",
+    "soak": "benchmarks.soak",
 }
 
 

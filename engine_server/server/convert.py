@@ -14,11 +14,11 @@ from typing import Any, TypeAlias, cast
 import grpc
 
 from engine_server.core.request import Priority
-from engine_server.errors import EngineUnavailableError, QueueFullError, ValidationError
+from engine_server.errors import EngineUnavailableError, ModelTemplateError, QueueFullError, ValidationError
 from engine_server.frontend import ChatPrompt, Choice, GenerationResult, Prompt, TokenLogprob, Usage
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
-from engine_server.server.engine_loop import LoadSnapshot
+from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
 from engine_server.server.serving import GenerationInput, ModelInfo, RequestDeadlineError, TokenizeResult
 from engine_server.structured import Constraint
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
@@ -138,6 +138,8 @@ def _json(text: str, param: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValidationError(f"{param} is not valid JSON: {exc}", param) from exc
+    except RecursionError:  # nested deeper than the parser's stack allows
+        raise ValidationError(f"{param} is nested too deeply to parse", param) from None
 
 
 def sampling_params(message: types_pb2.SamplingParams) -> SamplingParams:
@@ -321,6 +323,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, RequestDeadlineError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    if isinstance(exc, ModelTemplateError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, EngineInternalError):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the engine keeps serving"
 
 

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -27,7 +27,8 @@ log = structlog.get_logger(__name__)
 
 
 class EngineInternalError(Exception):
-    """The core failed while running a request (a bug); the request is dropped, the engine keeps serving."""
+    """A core step failed while running a request (a bug, a device error): the request is dropped, with every
+    other request in that step; the server then checks the engine (see engine_server.server.server)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class EngineLoop:
         self._held = HeldOutputs()  # event-loop side only: what final-only streams have not been given yet
         self._live: set[str] = set()  # core thread only: core ids added and not yet finished
         self._load = self._snapshot()
+        self.on_step_failure: Callable[[], None] | None = None  # called on the event loop after a failed step
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
     @property
@@ -230,7 +232,13 @@ class EngineLoop:
                 log.exception("aborting after a failed step failed too")
             self._live.clear()
             for request_id in {split_core_request_id(core_id)[0] for core_id in failed}:
-                errors[request_id] = EngineInternalError("the engine failed while running this request")
+                errors[request_id] = EngineInternalError("the engine failed a step while running this request")
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody to tell
+                self._loop.call_soon_threadsafe(self._step_failed)
+
+    def _step_failed(self) -> None:
+        if self.on_step_failure is not None:
+            self.on_step_failure()
 
     def _publish(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
         # A closed event loop raises RuntimeError: nobody is listening any more.

@@ -4,6 +4,11 @@ Lifecycle: the port is bound first and health says NOT_SERVING; the model loads 
 generation warms it up, then health turns SERVING. On SIGTERM or SIGINT health turns NOT_SERVING, new calls are
 refused with UNAVAILABLE, calls in flight finish (those still running after `shutdown_timeout` are aborted and
 end with finish reason ABORT), the server stops and `serve` returns 0.
+
+A failed step (a bug, a device error) fails the requests that were in it (INTERNAL) and health turns
+NOT_SERVING while one probe generation checks the engine: if it passes, health returns to SERVING; if it fails,
+or steps failed `MAX_STEP_FAILURES` times within `STEP_FAILURE_WINDOW_S`, the engine drains and `serve`
+returns 1, so a supervisor restarts a process that cannot serve rather than leaving one that fails every call.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,6 +43,9 @@ MIN_CLIENT_PING_INTERVAL_MS = 20_000
 SERVER_KEEPALIVE_MS = 5 * 60 * 1000  # the server's own pings find dead peers of long idle channels
 DRAIN_ABORT_WAIT_S = 10.0  # after aborting at the shutdown timeout, how long aborted calls get to end
 STOP_GRACE_S = 1.0  # for the last messages of finished calls to leave
+MAX_STEP_FAILURES = 3  # failed steps within STEP_FAILURE_WINDOW_S after which the engine exits instead
+STEP_FAILURE_WINDOW_S = 60.0
+RECOVERY_PROBE_TIMEOUT_S = 60.0  # the probe generation after a failed step
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,10 @@ class EngineServer:
         self.servicer = EngineServicer()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # aio is imported, not declared
         self.engine: ServingEngine | None = None
+        self.stop_requested = asyncio.Event()  # set by SIGTERM / SIGINT, or by a fault the engine cannot survive
+        self.exit_code = 0
+        self._step_failures: list[float] = []  # monotonic times of recent failed steps
+        self._recovery: asyncio.Task[None] | None = None
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -92,10 +105,45 @@ class EngineServer:
         """Load the model off the event loop, warm it up, then admit calls and report SERVING."""
         self.engine = await ServingEngine.start(self.config.engine, self.config.grammar)
         await self.engine.warm_up()
+        self.engine.loop.on_step_failure = self._step_failed
         self.servicer.attach(self.engine)
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         log.info("engine serving", model=self.engine.info.model_id, device=self.engine.info.device)
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    def _step_failed(self) -> None:
+        """A step failed (its requests already did): check the engine, unless a check is already running."""
+        now = time.monotonic()
+        self._step_failures = [t for t in self._step_failures if now - t < STEP_FAILURE_WINDOW_S] + [now]
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """NOT_SERVING; then SERVING again if a probe generation passes, else stop with exit status 1."""
+        assert self.engine is not None
+        if self.stop_requested.is_set():
+            return
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        failures = len(self._step_failures)
+        if failures >= MAX_STEP_FAILURES:
+            reason = f"{failures} failed steps within {STEP_FAILURE_WINDOW_S:.0f} s"
+        else:
+            try:
+                await asyncio.wait_for(self.engine.warm_up(), RECOVERY_PROBE_TIMEOUT_S)
+            except Exception as exc:
+                reason = f"the probe generation after a failed step failed: {type(exc).__name__}"
+            else:
+                if self.stop_requested.is_set():
+                    return
+                await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+                log.warning("engine recovered after a failed step; serving again", recent_failures=failures)
+                return
+        log.error("the engine cannot serve; stopping with exit status 1", reason=reason)
+        self.exit_code = 1
+        self.stop_requested.set()
 
     async def drain(self) -> None:
         """NOT_SERVING, refuse new calls, let calls in flight finish (up to the timeout), then stop."""
@@ -126,12 +174,11 @@ async def serve(config: ServerConfig, on_listening: Callable[[str], None] | None
         return 2
     if on_listening is not None:
         on_listening(address)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, server.stop_requested.set)
     loading = asyncio.create_task(server.load())
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(server.stop_requested.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done() and loading.exception() is not None:
         log.error("the engine failed to start", exc_info=loading.exception())
@@ -141,4 +188,4 @@ async def serve(config: ServerConfig, on_listening: Callable[[str], None] | None
     await stopping
     loading.cancel()  # a stop during loading: nothing was admitted, so nothing to drain but the server
     await server.drain()
-    return 0
+    return server.exit_code

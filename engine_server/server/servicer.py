@@ -259,6 +259,8 @@ def _log_failure(exc: BaseException) -> None:
     code, message = convert.status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("request failed unexpectedly", exc_info=exc)
+    elif code is grpc.StatusCode.FAILED_PRECONDITION:  # the operator has to act (e.g. fix the model's template)
+        log.warning("request failed: the engine cannot serve it as configured", reason=message)
     else:
         log.info("request refused", code=code.name, reason=message)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from engine_server import faults
 from engine_server.config import EngineConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
@@ -167,6 +168,7 @@ class ServingEngine:
         source = resolve_model(config.model)
         tokenizer = load_tokenizer(source.tokenizer_path)
         core = EngineCore(config, source)
+        faults.install_from_env(core.runner.model)
         return cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop, grammar_config)
 
     @property

@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_server.errors import ValidationError
+from jinja2.exceptions import SecurityError
+
+from engine_server.errors import ModelTemplateError, ValidationError
 
 # Extra template variables a request may set; anything else (notably a template of its own) is refused.
 ALLOWED_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "reasoning_effort"})
@@ -81,7 +83,8 @@ def render_chat(
     """Return the prompt text the model's chat template produces for `messages`.
 
     Raises ValidationError for an empty conversation, an unknown role, a model without a chat template, or a
-    template variable outside ALLOWED_TEMPLATE_KWARGS.
+    template variable outside ALLOWED_TEMPLATE_KWARGS; ModelTemplateError when the template attempts what its
+    sandbox forbids (reaching Python internals, mutating its inputs): nothing of that runs.
     """
     if not messages:
         raise ValidationError("messages must not be empty", "messages")
@@ -108,6 +111,11 @@ def render_chat(
         )
     except ValidationError:
         raise
+    except SecurityError as exc:  # the template itself, not the caller's input, is at fault
+        raise ModelTemplateError(
+            f"the model's chat template attempted an operation its sandbox forbids ({exc}); this model cannot "
+            "render chat messages until its template is fixed: send text or token ids"
+        ) from exc
     except Exception as exc:  # a template's own `raise_exception(...)` lands here: the caller's input is at fault
         raise ValidationError(f"the chat template rejected the messages: {exc}", "messages") from exc
     return str(text)

@@ -26,6 +26,7 @@ import xgrammar as xgr
 from engine_server.errors import ValidationError
 from engine_server.structured import Constraint
 from engine_server.structured.compiler import xgrammar_reason
+from engine_server.structured.constraint import check_schema_depth
 from engine_server.tokenizer.chat import ChatTool
 from engine_server.tools.template import ToolFormat
 from engine_server.tools.types import ToolChoice, ToolChoiceMode
@@ -39,7 +40,9 @@ def forced_call_constraint(
 ) -> Constraint:
     """The constraint for a forced `choice` (validated against `tools` first); see the module docstring.
 
-    Raises ValidationError (param "tools") when a tool's parameters schema cannot be turned into a grammar.
+    Raises ValidationError (param "tools") when a tool's parameters schema cannot be turned into a grammar or
+    nests deeper than MAX_SCHEMA_DEPTH (the conversion runs on the caller's thread, without the compiler's
+    time limit, and its cost grows about with the cube of the depth).
     """
     if not choice.forced:
         raise ValueError(f"tool_choice {choice.mode} does not force a call")
@@ -64,6 +67,7 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
     schema = arguments_schema(tool)
     if schema.get("type", "object") != "object":
         raise ValidationError(f"parameters of tool {tool.name!r} must describe a JSON object", "tools")
+    check_schema_depth(schema, "tools")
     name = json.dumps(tool.name, ensure_ascii=False)
     if fmt is ToolFormat.HERMES:
         head, tail = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"

@@ -18,7 +18,7 @@ ROUTE = "/v1/completions"
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post(ROUTE, response_model=None)
+@router.post(ROUTE, response_model=None, responses=sse.STREAMING_RESPONSES)
 async def create_completion(
     body: CompletionRequest,
     pool: Pool,

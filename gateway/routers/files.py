@@ -19,6 +19,21 @@ from gateway.uploads import receive_upload
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
+# The upload is read as a stream (gateway/uploads.py), not through FastAPI's form parsing, so its body is
+# documented here: OpenAI's multipart form.
+UPLOAD_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object",
+    "required": ["file", "purpose"],
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "The file's bytes (a part with a filename)"},
+        "purpose": {"type": "string", "enum": sorted(UPLOAD_PURPOSES)},
+    },
+}}}}}
+CONTENT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+          "description": "The file's bytes"},
+}
+
 
 def file_not_found(file_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"No such File object: {file_id}", param=param, code="file_not_found")
@@ -32,7 +47,7 @@ async def find_file(service_files: FileStore, file_id: str, param: str | None = 
     return record
 
 
-@router.post("/v1/files", response_model=None)
+@router.post("/v1/files", response_model=None, openapi_extra=UPLOAD_BODY)
 async def create_file(request: Request, batches: Batches, config: Config) -> Any:
     upload = await receive_upload(request, batches.blobs, config.max_file_bytes)
     try:
@@ -75,7 +90,8 @@ async def retrieve_file(file_id: str, batches: Batches) -> Any:
     return JSONResponse(file_object(await find_file(batches.files, file_id)))
 
 
-@router.get("/v1/files/{file_id}/content", response_model=None)
+@router.get("/v1/files/{file_id}/content", response_model=None, response_class=FileResponse,
+            responses=CONTENT_RESPONSES)
 async def file_content(file_id: str, batches: Batches) -> Any:
     record = await find_file(batches.files, file_id)
     path = batches.blobs.path(record.blob_key)

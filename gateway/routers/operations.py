@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -22,6 +23,11 @@ async def health(pool: Pool) -> JSONResponse:
     return JSONResponse({"status": "ok", "engines": [e.address for e in ready]})
 
 
-@router.get("/metrics", dependencies=[Depends(require_api_key)])
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus' text format"},
+}
+
+
+@router.get("/metrics", dependencies=[Depends(require_api_key)], responses=METRICS_RESPONSES)
 async def metrics(metrics: Metrics) -> Response:
     return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from gateway.schemas.common import IGNORE_EXTRA, SamplingFields
+from gateway.schemas.common import IGNORE_EXTRA, UINT32_MAX, SamplingFields
 
 # chat_template_kwargs keys a caller may set; anything else could change how the template behaves in ways the
 # operator did not intend.
@@ -73,7 +73,7 @@ class NamedToolChoice(BaseModel):
 class ChatFields(SamplingFields):
     """What a chat request carries besides its messages."""
 
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None

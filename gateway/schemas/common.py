@@ -2,18 +2,27 @@
 sequences, streaming options and structured-output specs.
 
 Ranges here are OpenAI's documented ones, so a bad value is a 400 naming the field before any engine call; the
-engine checks again against the model (vocabulary, context length).
+engine checks again against the model (vocabulary, context length). Where OpenAI sets no upper bound, the
+proto field's width does (UINT32_MAX, INT32_MAX): a value the engine's request cannot carry is a 400 too.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Unknown fields are ignored, as OpenAI's SDK sends newer options (store, metadata, service_tier...) that have no
-# effect on generation here.
-IGNORE_EXTRA = ConfigDict(extra="ignore")
+# effect on generation here. Python's JSON parser reads the non-standard NaN / Infinity literals; a number field
+# refuses them as "not a finite number" rather than with a misleading range error.
+IGNORE_EXTRA = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+UINT32_MAX = 2**32 - 1  # token ids and token counts are uint32 in ladle.v1
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: int() also reads "٣" and refuses "²"
 
 
 class StreamOptions(BaseModel):
@@ -57,24 +66,24 @@ class SamplingFields(BaseModel):
 
     model: str
     n: int = Field(default=1, ge=1, le=128)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM / SGLang extras.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Structured outputs: OpenAI, vLLM (current and the older guided_* names) and SGLang spellings.
@@ -94,7 +103,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > UINT32_MAX:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")

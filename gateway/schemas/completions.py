@@ -6,15 +6,18 @@ from typing import cast
 
 from pydantic import Field
 
-from gateway.schemas.common import SamplingFields
+from gateway.schemas.common import UINT32_MAX, SamplingFields
 
 # A prompt: one string, several strings, one token-id list, or several token-id lists (OpenAI's four forms).
 Prompt = str | list[str] | list[int] | list[list[int]]
+# Prompts in one request. Each is an engine call of its own, all started at once when streaming; far more than
+# this (thousands) makes the engine's gRPC server shed calls at random, other callers' included.
+MAX_PROMPTS = 512
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's completions default
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)

@@ -5,7 +5,9 @@ Fields left unset in the OpenAI body stay unset in the proto, so the engine appl
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from gateway.errors import invalid
@@ -16,10 +18,11 @@ from gateway.schemas.chat import (
     NamedToolChoice,
     ToolDefinition,
 )
-from gateway.schemas.common import SamplingFields
-from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.common import UINT32_MAX, SamplingFields
+from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from ladle.v1 import engine_pb2, types_pb2
 
+ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
 _TOOL_MODES = {
     "none": types_pb2.TOOL_CHOICE_MODE_NONE,
     "auto": types_pb2.TOOL_CHOICE_MODE_AUTO,
@@ -44,8 +47,6 @@ def sampling(
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
-    if any(t < 0 for t in params.stop_token_ids):
-        raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
     optional: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": body.temperature,
@@ -60,12 +61,9 @@ def sampling(
         if value is not None:
             setattr(params, name, value)
     if body.seed is not None:
-        params.seed = body.seed % 2**64  # OpenAI allows negative seeds; the engine's is unsigned
+        params.seed = body.seed % ENGINE_SEEDS  # OpenAI's seeds are int64, negative ones too
     for key, bias in (body.logit_bias or {}).items():
-        token = int(key)
-        if token < 0:
-            raise invalid(f"logit_bias key {key} is not a token id", "logit_bias")
-        params.logit_bias[token] = bias
+        params.logit_bias[int(key)] = bias  # keys are token ids in [0, UINT32_MAX] (SamplingFields)
     return params
 
 
@@ -133,13 +131,26 @@ def chat_input(body: ChatFields, messages: list[ChatMessage]) -> types_pb2.Input
             raise invalid(f"tool_choice {choice!r} needs tools", "tool_choice")
         chat.tool_choice.mode = _TOOL_MODES[choice]
     if body.chat_template_kwargs:
-        refused = sorted(set(body.chat_template_kwargs) - ALLOWED_TEMPLATE_KWARGS)
-        if refused:
-            allowed = ", ".join(sorted(ALLOWED_TEMPLATE_KWARGS))
-            raise invalid(f"chat_template_kwargs keys {refused} are not allowed (allowed: {allowed})",
-                          "chat_template_kwargs")
-        chat.chat_template_kwargs_json = json.dumps(body.chat_template_kwargs)
+        _template_kwargs(body.chat_template_kwargs, chat)
     return types_pb2.Input(chat=chat)
+
+
+def _template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
+    """Allowed template variables into `chat`; 400 for any other. add_generation_prompt is a ChatInput field of
+    its own (the engine refuses it as a template variable), so it sets that field."""
+    refused = sorted(set(kwargs) - ALLOWED_TEMPLATE_KWARGS)
+    if refused:
+        allowed = ", ".join(sorted(ALLOWED_TEMPLATE_KWARGS))
+        raise invalid(f"chat_template_kwargs keys {refused} are not allowed (allowed: {allowed})",
+                      "chat_template_kwargs")
+    variables = dict(kwargs)
+    if "add_generation_prompt" in variables:
+        add = variables.pop("add_generation_prompt")
+        if not isinstance(add, bool):
+            raise invalid("chat_template_kwargs.add_generation_prompt must be true or false", "chat_template_kwargs")
+        chat.add_generation_prompt = add
+    if variables:
+        chat.chat_template_kwargs_json = json.dumps(variables)
 
 
 def _message(message: ChatMessage, index: int) -> types_pb2.ChatMessage:
@@ -176,8 +187,25 @@ def _tool(tool: ToolDefinition) -> types_pb2.Tool:
     )
 
 
+@contextlib.contextmanager
+def _unicode_text() -> Iterator[None]:
+    """Proto strings are UTF-8, so text holding a lone surrogate (JSON's "\\ud800" escape decodes to one) cannot
+    be sent to the engine: a 400 rather than protobuf's UnicodeEncodeError."""
+    try:
+        yield
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end] if isinstance(exc.object, str) else ""
+        raise invalid(f"the request holds text that is not valid Unicode (a lone surrogate {bad!r}); "
+                      "send UTF-8 text without unpaired \\ud800-\\udfff escapes") from None
+
+
 def chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str) -> engine_pb2.GenerateRequest:
     """One engine request for one conversation of a chat body."""
+    with _unicode_text():
+        return _chat_request(body, messages, request_id)
+
+
+def _chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str) -> engine_pb2.GenerateRequest:
     logprobs = body.logprobs
     if body.top_logprobs and not logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
@@ -194,6 +222,11 @@ def chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str)
 
 def completion_requests(body: CompletionRequest, request_id: str) -> list[engine_pb2.GenerateRequest]:
     """One engine request per prompt of a completions body (ids `{request_id}-{i}` when there are several)."""
+    with _unicode_text():
+        return _completion_requests(body, request_id)
+
+
+def _completion_requests(body: CompletionRequest, request_id: str) -> list[engine_pb2.GenerateRequest]:
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -203,6 +236,9 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[engine
     prompts = body.prompts()
     if not prompts:
         raise invalid("prompt must not be empty", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed in one request",
+                      "prompt")
     if body.echo and not isinstance(prompts[0], str):
         raise invalid("echo is supported for text prompts only", "echo")
     want_logprobs = body.logprobs is not None
@@ -221,6 +257,6 @@ def completion_requests(body: CompletionRequest, request_id: str) -> list[engine
 def _prompt_input(prompt: str | list[int]) -> types_pb2.Input:
     if isinstance(prompt, str):
         return types_pb2.Input(text=prompt)
-    if any(t < 0 for t in prompt):
-        raise invalid("prompt token ids must be >= 0", "prompt")
+    if any(not 0 <= t <= UINT32_MAX for t in prompt):
+        raise invalid("prompt token ids must be token ids (>= 0 and within the vocabulary)", "prompt")
     return types_pb2.Input(token_ids=types_pb2.TokenIds(ids=prompt))

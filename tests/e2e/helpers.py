@@ -1,8 +1,10 @@
-"""Small builders of ladle.v1 requests shared by the end-to-end tests."""
+"""Small builders of ladle.v1 requests, and the check of OpenAI's error shape, shared by the end-to-end tests."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import httpx
 
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -41,3 +43,21 @@ def joined_stream(responses: list[engine_pb2.StreamResponse]) -> dict[int, tuple
             text, ids, _ = out.get(delta.index, ("", [], 0))
             out[delta.index] = (text + delta.text, ids + list(delta.token_ids), delta.finish_reason)
     return out
+
+
+def assert_error(
+    response: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The response is `status` with exactly OpenAI's error body; returns the inner error."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error

@@ -13,29 +13,12 @@ import pytest
 
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway
+from tests.e2e.helpers import assert_error
 
 pytestmark = pytest.mark.slow
 
 HELLO = [{"role": "user", "content": "Hello"}]
 LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to paint."}]
-
-
-def assert_error(
-    response: httpx.Response, status: int, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """The response is `status` with exactly OpenAI's error body; returns the inner error."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error"}
-    error: dict[str, Any] = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 @pytest.mark.parametrize(

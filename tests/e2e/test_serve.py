@@ -1,16 +1,28 @@
-"""`ladle serve` (what `make serve` runs): engine + gateway from one command answer the OpenAI SDK, and SIGTERM
-stops both with status 0."""
+"""`ladle serve` (what `make serve` runs): engine + gateway from one command answer the OpenAI SDK; SIGTERM
+stops both with status 0, and a `ladle serve` killed outright takes its engine with it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
-from tests.e2e.gateway_process import start_serve
+from tests.e2e.gateway_process import free_port, start_serve
 
 pytestmark = pytest.mark.slow
+
+
+def chat(base_url: str) -> str | None:
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0) as client:
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
+        )
+    return reply.choices[0].message.content
 
 
 def test_ladle_serve_answers_a_chat_completion(tmp_path: Path) -> None:
@@ -18,10 +30,28 @@ def test_ladle_serve_answers_a_chat_completion(tmp_path: Path) -> None:
     try:
         assert any(line.startswith("ladle serve: engine (gRPC") for line in lines), lines
         assert lines[-1].startswith("ladle serve: ready, model SmolLM2-135M-Instruct"), (lines, gateway.log())
-        with openai.OpenAI(base_url=gateway.base_url, api_key="none", max_retries=0) as client:
-            reply = client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
-            )
-        assert reply.choices[0].message.content
+        assert chat(gateway.base_url)
     finally:
         assert gateway.stop() == 0, gateway.log()
+
+
+def test_kill_9_of_serve_leaves_no_process_and_the_ports_free(tmp_path: Path) -> None:
+    ports = ["--port", str(free_port()), "--grpc-port", str(free_port())]
+    first, _ = start_serve(tmp_path / "first.log", *ports)
+    descendants = psutil.Process(first.process.pid).children(recursive=True)
+    assert descendants, "ladle serve runs its engine as a child"
+    assert chat(first.base_url)
+    os.kill(first.process.pid, signal.SIGKILL)
+    first.process.wait()
+    killed = time.monotonic()
+    _, alive = psutil.wait_procs(descendants, timeout=2)
+    print(f"every child gone {time.monotonic() - killed:.2f} s after the kill")
+    assert not alive, [p.cmdline() for p in alive]
+
+    second, lines = start_serve(tmp_path / "second.log", *ports)  # the same ports bind again
+    try:
+        assert lines[-1].startswith("ladle serve: ready"), (lines, second.log())
+        assert second.base_url == first.base_url
+        assert chat(second.base_url)
+    finally:
+        assert second.stop() == 0, second.log()

@@ -7,7 +7,7 @@ import pytest
 from google.protobuf import empty_pb2
 
 from engine_server.core.request import Priority
-from engine_server.errors import EngineUnavailableError, QueueFullError, ValidationError
+from engine_server.errors import EngineUnavailableError, ModelTemplateError, QueueFullError, ValidationError
 from engine_server.frontend import ChatPrompt, Choice, GenerationResult, TokenLogprob, TopLogprob, Usage
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import SamplingParams
@@ -77,6 +77,11 @@ def test_inputs_text_token_ids_and_chat() -> None:
         (types_pb2.Input(), "input"),
         (types_pb2.Input(chat=types_pb2.ChatInput(chat_template_kwargs_json="{nope")), "chat_template_kwargs"),
         (types_pb2.Input(chat=types_pb2.ChatInput(chat_template_kwargs_json="[1]")), "chat_template_kwargs"),
+        # Deeper than Python's JSON parser goes: refused, not an INTERNAL RecursionError.
+        (types_pb2.Input(chat=types_pb2.ChatInput(chat_template_kwargs_json="[" * 10**5 + "]" * 10**5)),
+         "chat_template_kwargs"),
+        (types_pb2.Input(chat=types_pb2.ChatInput(tools=[types_pb2.Tool(name="f", parameters_json="[" * 10**5)])),
+         "tools"),
         (types_pb2.Input(chat=types_pb2.ChatInput(tools=[types_pb2.Tool(name="f", parameters_json="{")])), "tools"),
         (types_pb2.Input(chat=types_pb2.ChatInput(tools=[types_pb2.Tool()])), "tools"),
         (
@@ -219,6 +224,7 @@ def test_load_response() -> None:
         (QueueFullError("too many queued requests"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (EngineUnavailableError("draining"), grpc.StatusCode.UNAVAILABLE),
         (RequestDeadlineError("late"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (ModelTemplateError("the template is unsafe"), grpc.StatusCode.FAILED_PRECONDITION),
         (KeyError("bug"), grpc.StatusCode.INTERNAL),
     ],
 )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 
 from engine_server import LLM, ChatPrompt, SamplingParams
-from engine_server.errors import ValidationError
+from engine_server.errors import ModelTemplateError, ValidationError
 from engine_server.frontend import InputProcessor, RequestTracker, core_request_id, split_core_request_id
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall, render_chat
 
@@ -37,6 +38,10 @@ def _refused(param: str, call: Any) -> ValidationError:
         (ChatPrompt([]), "messages"),
         (ChatPrompt([ChatMessage(role="wizard", content="hi")]), "messages"),
         (ChatPrompt([ChatMessage("user", "hi")], template_kwargs={"chat_template": "{{ 1 }}"}), "chat_template_kwargs"),
+        # A lone surrogate (JSON's "\ud800" escape) cannot be tokenized; schema fuzzing found it in a tool's
+        # parameters, which reach the template as parsed JSON.
+        ("a\ud800b", "prompt"),
+        (ChatPrompt([ChatMessage("user", "hi")], tools=[ChatTool("f", "", {"description": "\udfff"})]), "messages"),
     ],
 )
 def test_bad_inputs_are_refused_with_their_param(inputs: InputProcessor, prompt: Any, param: str) -> None:
@@ -87,6 +92,24 @@ def test_chat_renders_with_the_model_template_including_tool_turns(smollm2_token
     text = render_chat(smollm2_tokenizer, messages, tools)
     assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
     assert "18C and sunny" in text and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.system('false') }}",
+        "{% set _ = messages.append({'role': 'system', 'content': 'x'}) %}",
+    ],
+)
+def test_a_template_that_leaves_the_sandbox_is_the_models_fault(smollm2_tokenizer: Any, template: str) -> None:
+    tokenizer = copy.copy(smollm2_tokenizer)
+    tokenizer.chat_template = template
+    with pytest.raises(ModelTemplateError, match=r"attempted an operation its sandbox forbids .* is unsafe"):
+        render_chat(tokenizer, [ChatMessage("user", "hi")])
+    tokenizer.chat_template = "{{ raise_exception('no system turn allowed') }}"  # the caller's fault
+    with pytest.raises(ValidationError, match="the chat template rejected the messages: no system turn allowed"):
+        render_chat(tokenizer, [ChatMessage("user", "hi")])
 
 
 def test_text_prompts_get_the_tokenizers_special_tokens(inputs: InputProcessor, smollm2_tokenizer: Any) -> None:

@@ -6,10 +6,11 @@ import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
-from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from gateway.translate import from_engine, to_engine
 from ladle.v1 import types_pb2
 
@@ -34,7 +35,7 @@ def test_sampling_fields_and_extras_are_carried() -> None:
     params = to_engine.chat_request(body, body.messages, "r").sampling
     assert params.max_tokens == 7  # max_completion_tokens wins
     assert params.HasField("temperature") and params.temperature == 0
-    assert params.seed == 2**64 - 1
+    assert params.seed == 2**63 - 1  # a negative seed maps into the engine's [0, 2**63), not onto a refused one
     assert list(params.stop) == ["END"] and list(params.stop_token_ids) == [7]
     assert dict(params.logit_bias) == {42: -100.0}
     assert (params.top_k, params.min_tokens, params.ignore_eos, params.n) == (3, 2, True, 2)
@@ -139,3 +140,36 @@ def test_completion_logprobs_offsets_count_from_the_echo() -> None:
     logprobs = [types_pb2.TokenLogprob(token="ab", logprob=-1.0), types_pb2.TokenLogprob(token="c", logprob=-2.0)]
     out = from_engine.completion_logprobs(logprobs, text_offset=5)
     assert out["text_offset"] == [5, 7] and out["tokens"] == ["ab", "c"]
+
+
+def test_add_generation_prompt_in_chat_template_kwargs_sets_the_chat_input_field() -> None:
+    body = chat(chat_template_kwargs={"add_generation_prompt": False, "enable_thinking": True})
+    chat_input = to_engine.chat_request(body, body.messages, "r").input.chat
+    assert chat_input.add_generation_prompt is False
+    assert json.loads(chat_input.chat_template_kwargs_json) == {"enable_thinking": True}  # what the engine allows
+    only = chat(chat_template_kwargs={"add_generation_prompt": False})
+    assert to_engine.chat_request(only, only.messages, "r").input.chat.chat_template_kwargs_json == ""
+    with pytest.raises(APIError, match="must be true or false") as refused:
+        bad = chat(chat_template_kwargs={"add_generation_prompt": "no"})
+        to_engine.chat_request(bad, bad.messages, "r")
+    assert refused.value.param == "chat_template_kwargs"
+
+
+def test_a_prompt_list_over_the_cap_is_a_400() -> None:
+    at_cap = CompletionRequest.model_validate({"model": "m", "prompt": ["Hi"] * MAX_PROMPTS})
+    assert len(to_engine.completion_requests(at_cap, "r")) == MAX_PROMPTS
+    for prompt in (["Hi"] * (MAX_PROMPTS + 1), [[1]] * 10_000):
+        over = CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+        with pytest.raises(APIError, match=f"at most {MAX_PROMPTS} are allowed") as refused:
+            to_engine.completion_requests(over, "r")
+        assert (refused.value.status, refused.value.param) == (400, "prompt")
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_nan_and_infinity_literals_are_not_finite_numbers(literal: str) -> None:
+    for field in ("temperature", "top_p", "presence_penalty", "min_p", "max_tokens", "seed"):
+        with pytest.raises(ValidationError) as refused:
+            ChatCompletionRequest.model_validate_json(f'{{"model": "m", "messages": {json.dumps(HELLO)}, '
+                                                      f'"{field}": {literal}}}')
+        (error,) = refused.value.errors()
+        assert (error["loc"], error["msg"]) == ((field,), "Input should be a finite number")

@@ -3,6 +3,8 @@ in-flight dedupe) and the matchers' token bitmasks, on a tiny hand-made vocabula
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from engine_server.sampling import Sampler, SamplingRow
 from engine_server.sampling_params import SamplingParams
 from engine_server.structured import Constraint, ConstraintKind
 from engine_server.structured.compiler import (
+    COMPILE_NICENESS,
     CompiledConstraint,
     GrammarCompiler,
     GrammarCompilerConfig,
@@ -25,6 +28,7 @@ from engine_server.structured.compiler import (
     choice_ebnf,
     xgrammar_reason,
 )
+from engine_server.structured.constraint import json_depth
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 
 VOCAB = ["<s>", "</s>", "y", "es", "yes", "n", "o", "no", "{", "}", '"', "a", ":", " ", "1", ",", "b"]
@@ -73,6 +77,8 @@ class CountingCompile:
         (Constraint.json_schema("[1, 2]"), "json_schema", "JSON object"),
         (Constraint(ConstraintKind.JSON_OBJECT, spec="{}"), "json_object", "no spec"),
         (Constraint(ConstraintKind.REGEX, "a", choices=("a",)), "regex", "no choices"),
+        (Constraint.json_schema('{"a": ' * 128 + "{}" + "}" * 128), "json_schema", "129 levels deep; at most 128"),
+        (Constraint.json_schema('{"a": ' * 5000 + "1" + "}" * 5000), "json_schema", "nested too deeply"),
     ],
 )
 def test_malformed_constraints_are_refused_before_compiling(constraint: Constraint, param: str, fragment: str) -> None:
@@ -81,6 +87,16 @@ def test_malformed_constraints_are_refused_before_compiling(constraint: Constrai
     assert info.value.param == param
     with pytest.raises(ValidationError, match=fragment):
         SamplingParams(constraint=constraint).validate(vocab_size=10, max_model_len=100, prompt_len=1)
+
+
+def test_json_depth_counts_objects_and_arrays_without_recursion() -> None:
+    assert [json_depth(v) for v in (1, {}, [], {"a": [1, {"b": None}]}, [[[[]]]])] == [0, 1, 1, 3, 4]
+    deep: list[object] = []
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert json_depth(deep) == 100_001
+    Constraint.json_schema({"type": "array", "items": {"type": "object"}}).validate()
+    Constraint.json_schema('{"a": ' * 127 + "{}" + "}" * 127).validate()  # 128 levels: at the limit
 
 
 def test_a_schema_mapping_keeps_its_key_order() -> None:
@@ -174,6 +190,18 @@ def test_a_slow_compile_fails_at_the_limit_and_never_piles_up_threads() -> None:
     finally:
         hold.set()
         service.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_compile_workers_run_at_a_lower_priority_than_the_step_loop(compiler: GrammarCompiler) -> None:
+    """On a host with few cores a long compile must take the CPU the step loop leaves over, not half of it."""
+    assert compiler.compile(Constraint.regex("yes")).grammar is not None  # the workers are up
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    workers = [t.native_id for t in threading.enumerate() if t.name.startswith("grammar-compile-")]
+    assert workers and all(
+        os.getpriority(os.PRIO_PROCESS, tid) == min(own + COMPILE_NICENESS, 19) for tid in workers if tid is not None
+    )
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's own is untouched
 
 
 def test_a_cancelled_waiter_does_not_break_the_others() -> None:

@@ -134,12 +134,20 @@ def test_the_same_tools_give_the_same_grammar_text_so_the_compile_cache_hits() -
     assert first == forced_call_constraint(list(TOOLS), ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.HERMES)
 
 
+def nested_object_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("tool", "choice", "param"),
     [
         (WEATHER, ToolChoice.function("search"), "tool_choice"),
         (ChatTool("bad", "", {"type": "object", "properties": {"x": {"type": "no-such-type"}}}), None, "tools"),
         (ChatTool("bad", "", {"type": "string"}), None, "tools"),
+        (ChatTool("deep", "", nested_object_schema(64)), None, "tools"),  # 129 levels: over MAX_SCHEMA_DEPTH
     ],
 )
 def test_unusable_tools_or_choices_are_refused(tool: ChatTool, choice: ToolChoice | None, param: str) -> None:

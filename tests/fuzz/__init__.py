@@ -1,0 +1,1 @@
+"""Schema fuzzing of the gateway (schemathesis) against real processes: the short profile that CI runs."""
