@@ -25,7 +25,7 @@ $(BUF):
 	npm install --no-save --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0 >/dev/null
 
 test: setup
-	$(PY) -m pytest tests -q -ra
+	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

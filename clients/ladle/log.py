@@ -16,6 +16,17 @@ import structlog
 LogFormat = Literal["auto", "json", "console"]
 
 
+class _CurrentStderr:
+    """Whatever `sys.stderr` is at each write, so logging never writes to a stream that was swapped out and
+    closed after `configure_logging` ran (a test harness's capture, a redirect)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str | None = None, fmt: LogFormat | None = None) -> None:
     """Configure structlog and the standard library's root logger. Safe to call more than once.
 
@@ -36,11 +47,11 @@ def configure_logging(level: str | None = None, fmt: LogFormat | None = None) ->
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level_name)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     # Libraries that log through the standard library (uvicorn, grpc) go through the same renderer.
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],

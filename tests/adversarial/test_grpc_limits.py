@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 Stub = engine_pb2_grpc.EngineServiceStub
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # engine_server.server.server.MAX_MESSAGE_BYTES
+MAX_PULLED = 5_000  # of 10,000 items: what a client that reads nothing can push before flow control stops it
 WINDOW = 2 * 32  # a Batch call has at most twice the engine's max_num_seqs (32 here) items unfinished or unsent
 
 
@@ -88,8 +89,9 @@ def test_batch_with_10000_items(stub: Stub) -> None:
 
 def test_batch_with_a_client_that_stops_reading(stub: Stub, engine: EngineProcess) -> None:
     """The client sends 10,000 items of 16 KiB each (160 MiB) and reads nothing: the engine takes no more than
-    its window plus what the transport's flow control lets through, serves other callers meanwhile, and drops
-    everything once the client goes away."""
+    its window plus what the transport buffers (HTTP/2 windows, socket buffers, the client's own send queue:
+    seen between ~1,500 and ~3,200 items, by timing), serves other callers meanwhile, and drops everything once
+    the client goes away. An engine that read without bound would take all 10,000 within seconds."""
     pulled = 0
     padding = "x" * 16 * 1024  # in the request id, which costs the model nothing
 
@@ -107,12 +109,12 @@ def test_batch_with_a_client_that_stops_reading(stub: Stub, engine: EngineProces
             time.sleep(0.5)
             if pulled != last:
                 settled, last = time.monotonic(), pulled
-        assert pulled < 2_000, f"the engine took {pulled} items from a client that reads nothing"
+        assert pulled < MAX_PULLED, f"the engine took {pulled} items from a client that reads nothing"
         now = load(stub)
         assert now.running + now.waiting <= WINDOW
         still_serves_grpc(stub)  # other callers are served while the batch is stalled
         assert rss_bytes(engine.process.pid) - rss_before < 256 * 1024 * 1024
-        assert pulled < 2_000  # still bounded after the stall went on
+        assert pulled < MAX_PULLED  # still bounded after the stall went on
     finally:
         call.cancel()
     wait_idle(stub)

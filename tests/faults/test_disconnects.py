@@ -159,7 +159,9 @@ def test_twice_the_capacity_over_grpc_is_resource_exhausted(small_engine: Engine
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(call, range(8)))
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-    assert codes.count(grpc.StatusCode.OK) >= 4 and codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+    # Admission counts the queue only (max_waiting): 2 are always admitted; whether the 2 seats fill before the
+    # others arrive depends on when the step loop takes the first ones off the queue.
+    assert codes.count(grpc.StatusCode.OK) >= 2 and codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
 
 
 def test_twice_the_capacity_over_http_is_429_with_retry_after(
@@ -179,7 +181,7 @@ def test_twice_the_capacity_over_http_is_429_with_retry_after(
                 replies = list(pool.map(call, range(8)))
         statuses = [reply.status_code for reply in replies]
         assert set(statuses) <= {200, 429}, [reply.text for reply in replies]
-        assert statuses.count(200) >= 4 and statuses.count(429) >= 1, statuses
+        assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses  # as over gRPC, above
         for reply in replies:
             if reply.status_code == 429:
                 assert int(reply.headers["Retry-After"]) >= 1
