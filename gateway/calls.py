@@ -1,41 +1,90 @@
-"""Engine calls as the routers need them: one engine picked per call, gRPC failures turned into `APIError`,
-streams cancelled (so the engine aborts the request) whenever the consumer stops early.
+"""Engine calls as the routers need them: an engine chosen per call (`EnginePool.pick`), gRPC failures turned
+into `APIError`, streams cancelled (so the engine aborts the request) whenever the consumer stops early.
+
+Failover: a call whose engine is unavailable (it died, or it is draining) before it produced anything — a
+non-streaming call, or a stream before its first message — is sent once more to another SERVING engine, within
+what is left of the call's deadline. A stream that fails after output has reached the client ends with an
+error, which the stream's consumer turns into an explicit error event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
+import structlog
 
 from gateway.engines import Engine, EnginePool
 from gateway.errors import APIError, from_rpc_error, from_status, grpc_status
-from ladle.v1 import engine_pb2
+from ladle.v1 import engine_pb2, types_pb2
 
 T = TypeVar("T")
+log = structlog.get_logger(__name__)
+
+MAX_ATTEMPTS = 2  # the engine chosen first, then one other
+
+# The engines an HTTP request's calls went to, in order: the middleware gives each request a list (shared by the
+# tasks the request starts, which copy the context) and logs it when the request is finished.
+served_by: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("served_by", default=None)
 
 
-@contextlib.contextmanager
-def _on_engine(pool: EnginePool) -> Iterator[Engine]:
-    """An engine for one call, counted as busy while the block runs; its gRPC failure becomes an APIError."""
-    engine = pool.pick()
-    engine.calls += 1
-    try:
-        yield engine
-    except grpc.RpcError as error:
-        if isinstance(error, grpc.aio.AioRpcError) and error.code() is grpc.StatusCode.UNAVAILABLE:
-            pool.mark_down(engine)
-        raise from_rpc_error(error, pool.config.retry_after_s) from error
-    finally:
-        engine.calls -= 1
+class _Attempts:
+    """The engines one call has tried, and its deadline (`request_timeout_s` from the first attempt)."""
+
+    def __init__(self, pool: EnginePool, inputs: Sequence[types_pb2.Input]) -> None:
+        self.pool = pool
+        self.inputs = inputs
+        self.tried: list[Engine] = []
+        self.deadline = asyncio.get_running_loop().time() + pool.config.request_timeout_s
+
+    def remaining(self) -> float:
+        return self.deadline - asyncio.get_running_loop().time()
+
+    @contextlib.contextmanager
+    def on_engine(self) -> Iterator[Engine]:
+        """An engine for one attempt, counted as busy while the block runs. A gRPC failure becomes an APIError,
+        except UNAVAILABLE while another attempt is allowed, which is re-raised for `retry` to decide on."""
+        engine = self.pool.pick(self.inputs, avoid=self.tried)
+        self.tried.append(engine)
+        if (engines := served_by.get()) is not None:
+            engines.append(engine.address)
+        engine.calls += 1
+        try:
+            yield engine
+        except grpc.RpcError as error:
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() is grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_down(engine)
+                if self.may_retry():
+                    raise
+            raise from_rpc_error(error, self.pool.config.retry_after_s) from error
+        finally:
+            engine.calls -= 1
+
+    def may_retry(self) -> bool:
+        others = [e for e in self.pool.ready if e not in self.tried]
+        return len(self.tried) < MAX_ATTEMPTS and bool(others) and self.remaining() > 0
+
+    def retrying(self, error: grpc.RpcError) -> None:
+        """Log and count a failover from the engine tried last."""
+        left = self.tried[-1]
+        self.pool.failovers[left.address] += 1
+        log.warning("engine unavailable before any output; sending the call to another engine",
+                    engine=left.address, error=error.details() if isinstance(error, grpc.aio.AioRpcError) else "")
 
 
 async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
-    with _on_engine(pool) as engine:
-        return await engine.client.generate(request)
+    """One non-streaming generation, sent to a second engine if the first is unavailable (see the module)."""
+    attempts = _Attempts(pool, [request.input])
+    while True:
+        try:
+            with attempts.on_engine() as engine:
+                return await engine.client.generate(request, timeout=attempts.remaining())
+        except grpc.RpcError as error:  # only UNAVAILABLE with another attempt left gets here
+            attempts.retrying(error)
 
 
 async def generate_all(
@@ -62,48 +111,68 @@ async def generate_all(
 
 
 async def stream(pool: EnginePool, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.StreamResponse]:
-    """The engine's stream for `request`. Closing the generator (or cancelling its consumer) cancels the call."""
-    with _on_engine(pool) as engine:
-        call = engine.client.stub.Stream(
-            engine_pb2.StreamRequest(
-                request_id=request.request_id, input=request.input, sampling=request.sampling,
-                constraint=request.constraint if request.HasField("constraint") else None,
-                priority=request.priority,
-            ),
-            timeout=pool.config.request_timeout_s,
-        )
+    """The engine's stream for `request`, sent to a second engine if the first is unavailable before its first
+    message. Closing the generator (or cancelling its consumer) cancels the call."""
+    attempts = _Attempts(pool, [request.input])
+    stream_request = engine_pb2.StreamRequest(
+        request_id=request.request_id, input=request.input, sampling=request.sampling,
+        constraint=request.constraint if request.HasField("constraint") else None, priority=request.priority,
+    )
+    while True:
+        produced = False
         try:
-            async for message in call:
-                yield message
-        finally:
-            call.cancel()
+            with attempts.on_engine() as engine:
+                call = engine.client.stub.Stream(stream_request, timeout=attempts.remaining())
+                try:
+                    async for message in call:
+                        produced = True
+                        yield message
+                    return
+                finally:
+                    call.cancel()
+        except grpc.RpcError as error:  # UNAVAILABLE with another attempt left
+            if produced:
+                raise from_rpc_error(error, pool.config.retry_after_s) from error
+            attempts.retrying(error)
 
 
 async def batch(
     pool: EnginePool, requests: Sequence[engine_pb2.GenerateRequest], param: str
 ) -> list[engine_pb2.GenerateResponse]:
     """All `requests` through one Batch call, results in input order. The first failed item ends the call and is
-    reported as `{param}[i]` (its own field, e.g. max_tokens, when the engine names one)."""
-    items = [engine_pb2.BatchRequest(item_id=str(i), request=r) for i, r in enumerate(requests)]
-    results: list[engine_pb2.GenerateResponse | None] = [None] * len(items)
-    with _on_engine(pool) as engine:
-        call = engine.client.stub.Batch(iter(items), timeout=pool.config.request_timeout_s)
+    reported as `{param}[i]` (its own field, e.g. max_tokens, when the engine names one). Nothing reaches the
+    caller before the whole call is done, so an unavailable engine's call is sent whole to a second one."""
+    attempts = _Attempts(pool, [r.input for r in requests])
+    while True:
         try:
-            async for response in call:
-                index = int(response.item_id)
-                if response.WhichOneof("outcome") == "error":
-                    error = response.error
-                    failed = from_status(grpc_status(error.code),
-                                         f"{param}[{index}]: {error.message}",
-                                         error.param or f"{param}[{index}]", pool.config.retry_after_s)
-                    raise failed
-                results[index] = response.result
-        finally:
-            call.cancel()
+            with attempts.on_engine() as engine:
+                results = await _batch_on(engine, requests, param, attempts.remaining(), pool.config.retry_after_s)
+                break
+        except grpc.RpcError as error:  # UNAVAILABLE with another attempt left
+            attempts.retrying(error)
     missing = [i for i, r in enumerate(results) if r is None]
     if missing:
         raise APIError(500, f"the engine returned no result for {param}{missing[:5]}", type="server_error")
     return [r for r in results if r is not None]
+
+
+async def _batch_on(
+    engine: Engine, requests: Sequence[engine_pb2.GenerateRequest], param: str, timeout: float, retry_after_s: int
+) -> list[engine_pb2.GenerateResponse | None]:
+    items = [engine_pb2.BatchRequest(item_id=str(i), request=r) for i, r in enumerate(requests)]
+    results: list[engine_pb2.GenerateResponse | None] = [None] * len(items)
+    call = engine.client.stub.Batch(iter(items), timeout=timeout)
+    try:
+        async for response in call:
+            index = int(response.item_id)
+            if response.WhichOneof("outcome") == "error":
+                error = response.error
+                raise from_status(grpc_status(error.code), f"{param}[{index}]: {error.message}",
+                                  error.param or f"{param}[{index}]", retry_after_s)
+            results[index] = response.result
+    finally:
+        call.cancel()
+    return results
 
 
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from gateway.routing import RoutingConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as token ids is ~1 MiB of JSON
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
@@ -20,10 +22,12 @@ def default_data_dir() -> Path:
 class GatewayConfig:
     """How the gateway reaches its engines and what it admits.
 
-    `engines` are gRPC addresses (HOST:PORT). `served_model_name` overrides the model id the engines report.
-    `api_key`, when set, is required as a Bearer token on every route but /health. `request_timeout_s` becomes
-    the gRPC deadline of every engine call (HTTP 504 when it passes). `health_interval_s` is how often each
-    engine's health and load are polled.
+    `engines` are gRPC addresses: HOST:PORT, or dns:HOST:PORT for every address HOST resolves to (resolved
+    again every `resolve_interval_s`); `routing` says how calls are spread over them. `served_model_name`
+    overrides the model id the engines report. `api_key`, when set, is required as a Bearer token on every route
+    but /health. `request_timeout_s` becomes the gRPC deadline of every engine call (HTTP 504 when it passes;
+    a call sent again to a second engine shares it). `health_interval_s` is how often each engine's health and
+    load are polled.
 
     Files and batches: bytes under `data_dir`/blobs, records in `database_url` (default: SQLite in `data_dir`);
     uploads up to `max_file_bytes`. `batch_workers` run batches in this process (0: none; another replica on
@@ -38,6 +42,8 @@ class GatewayConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
+    resolve_interval_s: float = 10.0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     retry_after_s: int = 1  # Retry-After on a 429
     data_dir: Path | None = None  # None: default_data_dir()
     database_url: str | None = None
@@ -56,12 +62,13 @@ class GatewayConfig:
 
 
 def parse_engine_addresses(value: str) -> tuple[str, ...]:
-    """`HOST:PORT[,HOST:PORT...]` as a tuple of addresses; ValueError for an empty list or a missing port."""
+    """`[dns:]HOST:PORT[,[dns:]HOST:PORT...]` as a tuple of addresses; ValueError for an empty list or a missing
+    port."""
     addresses = tuple(part.strip() for part in value.split(",") if part.strip())
     if not addresses:
         raise ValueError("no engine address given")
     for address in addresses:
-        host, sep, port = address.rpartition(":")
+        host, sep, port = address.removeprefix("dns:").rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"engine address {address!r} is not HOST:PORT")
     return addresses

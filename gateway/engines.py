@@ -1,17 +1,24 @@
 """The engines behind the gateway: one gRPC channel each, their health and load polled in the background, and
 the choice of engine for each call.
 
-An engine receives calls only while its grpc.health.v1 status for ladle.v1.EngineService is SERVING. Among
-those, the one with the fewest running + waiting sequences is chosen (round robin between equals), so a slow or
-busy engine gets less new work. A call that fails with UNAVAILABLE marks its engine down until the next poll
-finds it SERVING again.
+Engines are configured as `HOST:PORT` (one engine; the channel resolves the name itself) or `dns:HOST:PORT`
+(every address the name resolves to is one engine, resolved again every `resolve_interval_s`: a Kubernetes
+headless Service, say). An engine that appears is polled and joins; one that disappears stops receiving calls
+and its channel closes once its calls have ended.
+
+An engine receives calls only while its grpc.health.v1 status for ladle.v1.EngineService is SERVING; among
+those, `gateway.routing.Router` chooses (cache-aware by default). A call that fails with UNAVAILABLE marks its
+engine down until the next poll finds it SERVING again; an engine that comes back starts with an empty prefix
+record (a restarted engine's cache is empty).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import socket
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -20,10 +27,14 @@ from grpc_health.v1 import health_pb2
 
 from gateway.config import GatewayConfig
 from gateway.errors import no_engine
+from gateway.routing import BYTES_PER_TOKEN, CHUNK_BYTES, PrefixRecord, Reason, Router, input_bytes, prefix_hashes
 from ladle.client import AsyncEngineClient
-from ladle.v1 import engine_pb2
+from ladle.v1 import engine_pb2, types_pb2
 
 log = structlog.get_logger(__name__)
+
+DNS_PREFIX = "dns:"
+Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 @dataclass
@@ -35,7 +46,8 @@ class Engine:
     serving: bool = False
     load: engine_pb2.GetLoadResponse | None = None
     info: engine_pb2.GetModelInfoResponse | None = None
-    calls: int = field(default=0)  # calls this gateway has in flight on it
+    calls: int = 0  # calls this gateway has in flight on it
+    record: PrefixRecord = field(default_factory=PrefixRecord)
 
     @property
     def busy(self) -> int:
@@ -43,41 +55,63 @@ class Engine:
         return queued + self.calls
 
 
-class EnginePool:
-    """Every configured engine, polled every `config.health_interval_s` while `start()`-ed."""
+async def resolve_addresses(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to, as sorted `IP:PORT` strings (IPv6 in brackets)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = {f"[{info[4][0]}]:{port}" if info[0] == socket.AF_INET6 else f"{info[4][0]}:{port}"
+                 for info in infos}
+    return sorted(addresses)
 
-    def __init__(self, config: GatewayConfig) -> None:
+
+class EnginePool:
+    """Every configured engine, polled every `config.health_interval_s` while `start()`-ed.
+
+    Channels open in `start()` (they belong to the running event loop), so `engines` is empty before it.
+    """
+
+    def __init__(self, config: GatewayConfig, resolve: Resolver | None = None) -> None:
         self.config = config
-        self.engines = [
-            Engine(address, AsyncEngineClient(address, timeout=config.request_timeout_s))
-            for address in config.engines
-        ]
-        self._turn = itertools.count()
-        self._pollers: list[asyncio.Task[None]] = []
+        self.router = Router(config.routing)
+        self.engines: list[Engine] = []
+        self.routed: Counter[tuple[str, Reason]] = Counter()  # calls sent, by engine and why it was chosen
+        self.failovers: Counter[str] = Counter()  # calls sent again elsewhere, by the engine they left
+        self._resolve = resolve or resolve_addresses
+        self._pollers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._pollers = [asyncio.create_task(self._poll(engine)) for engine in self.engines]
+        await self._refresh()
+        if any(target.startswith(DNS_PREFIX) for target in self.config.engines):
+            self._tasks.append(asyncio.create_task(self._re_resolve()))
 
     async def close(self) -> None:
-        for task in self._pollers:
+        tasks = [*self._tasks, *self._pollers.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._pollers:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for engine in self.engines:
             await engine.client.close()
+        self.engines, self._pollers, self._tasks = [], {}, []
 
     @property
     def ready(self) -> list[Engine]:
         return [e for e in self.engines if e.serving]
 
-    def pick(self) -> Engine:
-        """The engine for the next call; HTTP 503 when none is SERVING."""
-        turn = next(self._turn)
-        ready = [(e.busy, (i - turn) % len(self.engines), e) for i, e in enumerate(self.engines) if e.serving]
-        if not ready:
+    def pick(self, inputs: Sequence[types_pb2.Input] = (), avoid: Collection[Engine] = ()) -> Engine:
+        """The engine for a call carrying `inputs` (the first decides the route; all are recorded as sent to
+        it), never one in `avoid`; HTTP 503 when no SERVING engine is left."""
+        candidates = [e for e in self.engines if e.serving and e not in avoid]
+        if not candidates:
             raise no_engine()
-        return min(ready, key=lambda entry: entry[:2])[2]
+        hashes = prefix_hashes(input_bytes(inputs[0])) if inputs else []
+        choice = self.router.choose(candidates, hashes)
+        engine = candidates[choice.index]
+        for other in inputs[1:]:
+            engine.record.add(prefix_hashes(input_bytes(other)))
+        self.routed[(engine.address, choice.reason)] += 1
+        return engine
 
     @property
     def model_id(self) -> str | None:
@@ -108,6 +142,54 @@ class EnginePool:
             await asyncio.sleep(0.05)
         return bool(self.ready)
 
+    async def _addresses(self) -> list[str] | None:
+        """Every engine address the targets name now; None when a name did not resolve (keep what we have)."""
+        addresses: list[str] = []
+        for target in self.config.engines:
+            if not target.startswith(DNS_PREFIX):
+                addresses.append(target)
+                continue
+            host, _, port = target.removeprefix(DNS_PREFIX).rpartition(":")
+            try:
+                resolved = await self._resolve(host.strip("[]"), int(port))
+            except OSError as exc:
+                log.warning("cannot resolve engine name; keeping the engines it gave before",
+                            target=target, error=str(exc))
+                return None
+            addresses += resolved
+        return list(dict.fromkeys(addresses))
+
+    async def _refresh(self) -> None:
+        addresses = await self._addresses()
+        if addresses is None:
+            return
+        known = {engine.address: engine for engine in self.engines}
+        for address in addresses:
+            if address not in known:
+                engine = Engine(address, AsyncEngineClient(address, timeout=self.config.request_timeout_s))
+                self.engines.append(engine)
+                self._pollers[address] = asyncio.create_task(self._poll(engine))
+                if known:
+                    log.info("engine joined", engine=address)
+        for address, engine in known.items():
+            if address not in addresses:
+                log.info("engine left", engine=address)
+                self.engines.remove(engine)
+                self._pollers.pop(address).cancel()
+                self._tasks.append(asyncio.create_task(self._retire(engine)))
+
+    async def _re_resolve(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resolve_interval_s)
+            await self._refresh()
+
+    async def _retire(self, engine: Engine) -> None:
+        """Close a departed engine's channel once its calls have ended (or their deadline has passed)."""
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        while engine.calls and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.5)
+        await engine.client.close()
+
     async def _poll(self, engine: Engine) -> None:
         while True:
             await self._check(engine)
@@ -125,6 +207,12 @@ class EnginePool:
         except grpc.RpcError:
             serving = False
             engine.load = None
+        if serving and not was_serving:
+            engine.record.clear()  # back from a restart (or a failed step): assume its cache starts empty
+        if engine.load is not None and engine.load.kv_blocks_total:
+            tokens = engine.load.kv_blocks_total * engine.load.kv_block_size
+            engine.record.capacity = max(1, tokens * BYTES_PER_TOKEN // CHUNK_BYTES)
+            engine.record.trim()
         engine.serving = serving
         if serving != was_serving:
             log.info("engine status changed", engine=engine.address, serving=serving)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.engines import EnginePool
@@ -63,18 +63,30 @@ class _EngineCollector(Collector):
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         up = GaugeMetricFamily("ladle_engine_up", "1 when the engine is SERVING", labels=["engine"])
+        calls = GaugeMetricFamily("ladle_engine_gateway_calls", "Calls this gateway has in flight on the engine",
+                                  labels=["engine"])
+        routed = CounterMetricFamily("ladle_gateway_routed", "Calls sent to each engine, by why it was chosen "
+                                     "(prefix: it likely holds the prompt's prefix; least_busy)",
+                                     labels=["engine", "reason"])
+        failovers = CounterMetricFamily("ladle_gateway_failovers", "Calls sent again to another engine because "
+                                        "this one was unavailable before any output", labels=["engine"])
         running = GaugeMetricFamily("ladle_engine_running", "Sequences the engine is generating", labels=["engine"])
         waiting = GaugeMetricFamily("ladle_engine_waiting", "Sequences queued at the engine", labels=["engine"])
         kv = GaugeMetricFamily("ladle_engine_kv_cache_usage", "Fraction of KV-cache blocks in use", labels=["engine"])
+        for (address, reason), count in sorted(self.pool.routed.items()):
+            routed.add_metric([address, reason], count)
+        for address, count in sorted(self.pool.failovers.items()):
+            failovers.add_metric([address], count)
         for engine in self.pool.engines:
             up.add_metric([engine.address], 1.0 if engine.serving else 0.0)
+            calls.add_metric([engine.address], engine.calls)
             if engine.load is not None:
                 running.add_metric([engine.address], engine.load.running)
                 waiting.add_metric([engine.address], engine.load.waiting)
                 kv.add_metric([engine.address], engine.load.kv_usage)
-        yield from (up, running, waiting, kv)
+        yield from (up, calls, running, waiting, kv, routed, failovers)
 
 
 class _BatchCollector(Collector):

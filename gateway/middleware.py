@@ -14,6 +14,7 @@ import structlog
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.calls import served_by
 from gateway.deps import api_key_error
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
@@ -76,6 +77,8 @@ class RequestContextMiddleware:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
+        engines: list[str] = []
+        token = served_by.set(engines)
         with structlog.contextvars.bound_contextvars(request_id=request_id, route=route):
             started = time.monotonic()
             self.metrics.in_flight.inc()
@@ -85,7 +88,9 @@ class RequestContextMiddleware:
                 self.metrics.in_flight.dec()
                 self.metrics.requests.labels(route, str(status)).inc()
                 log.info("request finished", method=scope["method"], path=scope["path"], status=status,
-                         duration_ms=round((time.monotonic() - started) * 1000, 1))
+                         duration_ms=round((time.monotonic() - started) * 1000, 1),
+                         **({"engines": list(dict.fromkeys(engines))} if engines else {}))
+                served_by.reset(token)
 
     async def _admit(self, scope: Scope, headers: Headers, receive: Receive, send: Send) -> None:
         """Run the app, unless the request lacks the API key (401, its body unread) or its body is too large."""

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "batch": "benchmarks.batch",
     "fuzz": "benchmarks.fuzz_gateway",
     "soak": "benchmarks.soak",
+    "routing": "benchmarks.routing",
 }
 
 
@@ -97,10 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(engine)
     _add(engine, "--host", "127.0.0.1", "address to listen on")
     _add(engine, "--port", 50051, "gRPC port (0: any free port; the address is printed)", type=int)
+    _add(engine, "--drain-grace", 0.0, "seconds after SIGTERM during which health says NOT_SERVING but new calls "
+         "are still served, so load balancers take the engine out of rotation before it refuses any", type=float)
     _engine_flags(engine)
 
     gateway = sub.add_parser("gateway", help="the OpenAI HTTP gateway only")
-    _add(gateway, "--engine", "127.0.0.1:50051", "engine address(es), HOST:PORT[,HOST:PORT...]")
+    _add(gateway, "--engine", "127.0.0.1:50051", "engine address(es), HOST:PORT[,HOST:PORT...]; dns:HOST:PORT "
+         "makes every address HOST resolves to an engine (resolved again every --resolve-interval seconds)")
+    _add(gateway, "--health-interval", 1.0, "seconds between polls of each engine's health and load", type=float)
+    _add(gateway, "--resolve-interval", 10.0, "seconds between resolutions of dns: engine names", type=float)
+    _add(gateway, "--routing", "cache_aware", "how calls are spread over engines: cache_aware (the engine most "
+         "likely to hold the prompt's prefix, unless clearly busier) or least_busy",
+         choices=["cache_aware", "least_busy"])
     _add(gateway, "--host", "127.0.0.1", "address to listen on")
     _add(gateway, "--port", 8000, "HTTP port (0: any free port; the URL is printed)", type=int)
     _gateway_flags(gateway)
@@ -142,6 +151,7 @@ def _engine(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         shutdown_timeout=args.shutdown_timeout,
+        drain_grace=args.drain_grace,
         grammar=GrammarCompilerConfig(timeout_s=args.grammar_timeout),
     )
 
@@ -162,9 +172,13 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
     from pathlib import Path
 
     from gateway.config import GatewayConfig, parse_engine_addresses
+    from gateway.routing import RoutingConfig
 
     return GatewayConfig(
         engines=parse_engine_addresses(engines),
+        routing=RoutingConfig(policy=getattr(args, "routing", "cache_aware")),
+        resolve_interval_s=getattr(args, "resolve_interval", 10.0),
+        health_interval_s=getattr(args, "health_interval", 1.0),
         served_model_name=args.served_model_name or None,
         api_key=args.api_key or None,
         request_timeout_s=args.request_timeout,

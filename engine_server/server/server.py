@@ -1,8 +1,9 @@
 """Build, start and drain the engine's grpc.aio server: EngineService plus standard health and reflection.
 
 Lifecycle: the port is bound first and health says NOT_SERVING; the model loads (off the event loop), one tiny
-generation warms it up, then health turns SERVING. On SIGTERM or SIGINT health turns NOT_SERVING, new calls are
-refused with UNAVAILABLE, calls in flight finish (those still running after `shutdown_timeout` are aborted and
+generation warms it up, then health turns SERVING. On SIGTERM or SIGINT health turns NOT_SERVING; after `drain_grace`
+seconds (0 by default; a load balancer's health checks notice within them) new calls are refused with
+UNAVAILABLE, calls in flight finish (those still running after `shutdown_timeout` are aborted and
 end with finish reason ABORT), the server stops and `serve` returns 0.
 
 A failed step (a bug, a device error) fails the requests that were in it (INTERNAL) and health turns
@@ -56,6 +57,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port (the chosen address is reported)
     shutdown_timeout: float = 30.0
+    # Seconds after SIGTERM during which health says NOT_SERVING but new calls are still served, so a load
+    # balancer's health checks take the engine out of rotation before it refuses anything.
+    drain_grace: float = 0.0
     grammar: GrammarCompilerConfig = field(default_factory=GrammarCompilerConfig)  # constraint compile limits
 
 
@@ -146,10 +150,25 @@ class EngineServer:
         self.stop_requested.set()
 
     async def drain(self) -> None:
-        """NOT_SERVING, refuse new calls, let calls in flight finish (up to the timeout), then stop."""
-        log.info("draining", in_flight=self.servicer.in_flight, timeout_s=self.config.shutdown_timeout)
+        """NOT_SERVING; refuse new calls (at once, or after the grace); let calls in flight finish (up to the
+        timeout, then abort them); stop.
+
+        Without a grace, new calls are answered UNAVAILABLE while health says NOT_SERVING. With one, calls are
+        served as usual during it (balancers are taking the engine out of rotation), then the server stops
+        listening: a new connection is refused and an open one is told (GOAWAY) to take new calls elsewhere,
+        which a proxy can do safely, as the engine never saw them.
+        """
+        log.info("draining", in_flight=self.servicer.in_flight, timeout_s=self.config.shutdown_timeout,
+                 grace_s=self.config.drain_grace)
         await self.health.enter_graceful_shutdown()
-        self.servicer.start_draining()
+        stopped: asyncio.Task[None] | None = None
+        if self.config.drain_grace > 0 and self.engine is not None:
+            await asyncio.sleep(self.config.drain_grace)
+            limit = self.config.shutdown_timeout + DRAIN_ABORT_WAIT_S + STOP_GRACE_S
+            stopped = asyncio.create_task(self.server.stop(limit))
+            self.servicer.start_draining(refuse_new=False)
+        else:
+            self.servicer.start_draining()
         try:
             await asyncio.wait_for(self.servicer.wait_idle(), self.config.shutdown_timeout)
         except TimeoutError:
@@ -158,7 +177,10 @@ class EngineServer:
                 self.engine.loop.abort_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.servicer.wait_idle(), DRAIN_ABORT_WAIT_S)
-        await self.server.stop(STOP_GRACE_S)
+        if stopped is None:
+            await self.server.stop(STOP_GRACE_S)
+        else:
+            await stopped
         if self.engine is not None:
             await self.engine.close()
         log.info("stopped")

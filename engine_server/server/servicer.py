@@ -37,7 +37,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def __init__(self) -> None:
         self.engine: ServingEngine | None = None
-        self._draining = asyncio.Event()
+        self._draining = asyncio.Event()  # Batch calls stop reading new items
+        self._refusing = False  # new calls are answered UNAVAILABLE
         self._idle = asyncio.Event()
         self._idle.set()
         self._in_flight = 0
@@ -50,16 +51,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @property
     def accepting(self) -> bool:
-        return self.engine is not None and not self._draining.is_set()
+        return self.engine is not None and not self._refusing
 
     @property
     def in_flight(self) -> int:
         """Generation and tokenize calls being served now."""
         return self._in_flight
 
-    def start_draining(self) -> None:
-        """Refuse new calls from now on; calls in flight go on (a Batch call stops reading new items)."""
+    def start_draining(self, refuse_new: bool = True) -> None:
+        """Calls in flight go on, but a Batch call stops reading new items; new calls are refused from now on
+        unless `refuse_new` is False (the server has stopped listening, and admits what it had already
+        received)."""
         self._draining.set()
+        self._refusing = self._refusing or refuse_new
 
     async def wait_idle(self) -> None:
         """Return once no call is in flight."""
@@ -70,7 +74,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         """The engine, counted as in flight until the block exits; EngineUnavailableError when not admitting."""
         if self.engine is None:
             raise EngineUnavailableError("the engine is still loading its model; retry shortly")
-        if self._draining.is_set():
+        if self._refusing:
             raise EngineUnavailableError("the engine is shutting down; retry on another engine")
         self._in_flight += 1
         self._idle.clear()

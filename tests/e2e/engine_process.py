@@ -39,13 +39,16 @@ def stop_process(process: subprocess.Popen[str], timeout: float) -> int:
         return process.wait()
 
 
-def start_engine(log_path: Path, *extra_args: str) -> EngineProcess:
-    """Start `ladle engine` on a free loopback port and wait until its health is SERVING."""
+def start_engine(log_path: Path, *extra_args: str, threads: int | None = None) -> EngineProcess:
+    """Start `ladle engine` on a free loopback port (unless `extra_args` name one) and wait until its health is
+    SERVING. `threads` caps its torch/OpenMP threads, for tests that run several engines on a few cores."""
     command = [
         sys.executable, "-m", "ladle.cli", "engine", "--model", "default", "--device", "cpu",
         "--host", "127.0.0.1", "--port", "0", "--kv-cache-mib", str(KV_CACHE_MIB), *extra_args,
     ]
     env = {**os.environ, "LADLE_LOG_FORMAT": "json", "LADLE_LOG_LEVEL": "INFO"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     log_file = log_path.open("w")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
     log_file.close()

@@ -413,3 +413,31 @@ def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
     finally:
         assert gateway.stop() == 0
         engine.stop()
+
+
+def test_two_gateways_on_postgresql_share_files_and_batches(engine: EngineProcess, model_id: str, postgres: Any,
+                                                            tmp_path: Path) -> None:
+    """Two replicas on one PostgreSQL database and one blob directory: either serves any file or batch call,
+    and when the one running a batch is killed, the other resumes it (after the lease) to every line once."""
+    flags = ["--database-url", postgres.new_database(), "--data-dir", str(tmp_path / "shared"),
+             "--batch-lease", "3"]
+    gateways = [start_gateway(tmp_path / f"replica-{i}.log", engine.address, *flags) for i in range(2)]
+    clients = [openai.OpenAI(base_url=g.base_url, api_key="unused", max_retries=0, timeout=60) for g in gateways]
+    try:
+        file_id = upload(clients[0], tmp_path, [line("x", chat_body(model_id, 0))])
+        assert clients[1].files.retrieve(file_id).id == file_id
+        assert clients[1].files.content(file_id).read() == clients[0].files.content(file_id).read()
+        batch_id = crash_batch(clients[1], model_id, tmp_path)
+        while clients[0].batches.retrieve(batch_id).request_counts.completed < 30:
+            time.sleep(0.1)
+        runner = next(i for i, g in enumerate(gateways) if "batch claimed" in g.log())
+        os.kill(gateways[runner].process.pid, signal.SIGKILL)
+        gateways[runner].process.wait()
+        survivor = 1 - runner
+        assert_each_line_once(clients[survivor], batch_id)
+        assert "batch claimed" in gateways[survivor].log()
+        assert batch_id in {b.id for b in clients[survivor].batches.list()}
+    finally:
+        for gateway in gateways:
+            if gateway.process.poll() is None:
+                assert gateway.stop() == 0

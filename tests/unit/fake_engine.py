@@ -1,9 +1,11 @@
 """A fake EngineService on a loopback gRPC server, for unit tests of the gateway's batch machinery.
 
-It answers health (SERVING), GetModelInfo and GetLoad like an engine, and Batch by echoing each item: the reply's
-text is the item's last chat message (or prompt) upper-cased. Tests script failures through `FakeEngine`:
-`refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen), `invalid` (INVALID_ARGUMENT for a text),
-`die_after` (the call ends UNAVAILABLE after that many results), and `delay_s` per item.
+It answers health (SERVING), GetModelInfo and GetLoad like an engine, and Generate, Stream and Batch by echoing:
+the reply's text is the request's last chat message (or prompt) upper-cased (a stream sends it in two chunks).
+Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen),
+`invalid` (INVALID_ARGUMENT for a text), `die_after` (a Batch call ends UNAVAILABLE after that many results),
+`unavailable` (every Generate / Stream call fails UNAVAILABLE; a stream after its first chunk when
+`unavailable_after_output`), and `delay_s` per item.
 """
 
 from __future__ import annotations
@@ -34,6 +36,31 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     answered: Counter[str] = field(default_factory=Counter)  # results sent
     max_unanswered: int = 0  # most items received and not yet answered, at any moment
     calls: int = 0
+    unavailable: bool = False
+    unavailable_after_output: bool = False
+    generated: int = 0  # Generate and Stream calls answered
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: Any) -> engine_pb2.GenerateResponse:
+        await asyncio.sleep(self.delay_s)
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        self.generated += 1
+        return _result(request, _input_text(request.input))
+
+    async def Stream(
+        self, request: engine_pb2.StreamRequest, context: Any
+    ) -> AsyncIterator[engine_pb2.StreamResponse]:
+        if self.unavailable and not self.unavailable_after_output:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        text = _input_text(request.input).upper()
+        half = len(text) // 2
+        yield engine_pb2.StreamResponse(request_id=request.request_id, choices=[
+            types_pb2.ChoiceDelta(index=0, text=text[:half])])
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+        self.generated += 1
+        yield engine_pb2.StreamResponse(request_id=request.request_id, choices=[
+            types_pb2.ChoiceDelta(index=0, text=text[half:], finish_reason=types_pb2.FINISH_REASON_STOP)])
 
     async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
         return engine_pb2.GetModelInfoResponse(model_id=MODEL, context_length=128, vocab_size=100,
@@ -88,13 +115,16 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             response.error.message = "max_tokens is too large"
             response.error.param = "max_tokens"
         else:
-            result = response.result
-            result.request_id = item.request.request_id
-            result.model = MODEL
-            result.choices.add(index=0, text=text.upper(), finish_reason=types_pb2.FINISH_REASON_STOP)
-            result.usage.prompt_tokens = len(text)
-            result.usage.completion_tokens = 1
+            response.result.CopyFrom(_result(item.request, text))
         await results.put(response)
+
+
+def _result(request: engine_pb2.GenerateRequest, text: str) -> engine_pb2.GenerateResponse:
+    result = engine_pb2.GenerateResponse(request_id=request.request_id, model=MODEL)
+    result.choices.add(index=0, text=text.upper(), finish_reason=types_pb2.FINISH_REASON_STOP)
+    result.usage.prompt_tokens = len(text)
+    result.usage.completion_tokens = 1
+    return result
 
 
 def _input_text(value: types_pb2.Input) -> str:

@@ -1,0 +1,63 @@
+"""deploy/ stays valid: the Kubernetes manifests against the Kubernetes schemas (kubernetes-validate, strict),
+the nginx configuration with nginx's own `nginx -t`, and the Envoy configuration's health checks and ports
+against what the engine serves."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from engine_server.server.server import SERVICE_NAME
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KUBERNETES_VERSION = "1.33"
+
+
+def manifests() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        found += [(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}", doc)
+                  for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return found
+
+
+@pytest.mark.parametrize(("name", "document"), manifests(), ids=[name for name, _ in manifests()])
+def test_kubernetes_manifests_validate(name: str, document: dict[str, Any]) -> None:
+    kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_engines_are_probed_on_their_own_health_service() -> None:
+    (engine,) = [doc for _, doc in manifests() if doc["kind"] == "StatefulSet" and doc["metadata"]["name"] == "engine"]
+    container = engine["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
+    args = container["args"]
+    grace = float(args[args.index("--drain-grace") + 1]) + float(args[args.index("--shutdown-timeout") + 1])
+    assert engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+
+
+def test_nginx_config_passes_nginx_t(tmp_path: Path) -> None:
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    assert nginx, "nginx is not installed: run `make setup` (it installs Debian's nginx-light)"
+    # nginx -t resolves upstream names: the cluster's names stand for loopback here.
+    conf = (DEPLOY / "nginx" / "nginx.conf").read_text().replace("engine-0.ladle-engine", "127.0.0.1").replace(
+        "engine-1.ladle-engine", "127.0.0.2")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "nginx.conf").write_text(conf)
+    checked = subprocess.run([nginx, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-e", "stderr",
+                              "-g", f"pid {tmp_path / 'nginx.pid'};"], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0 and "test is successful" in checked.stderr, checked.stderr
+
+
+def test_envoy_config_checks_the_engine_health_service() -> None:
+    config = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    (cluster,) = config["static_resources"]["clusters"]
+    assert [check["grpc_health_check"]["service_name"] for check in cluster["health_checks"]] == [SERVICE_NAME]
+    endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert {e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints} == {50051}
+    assert "http2_protocol_options" in str(cluster["typed_extension_protocol_options"])
