@@ -2,8 +2,9 @@
 
 The workload is many conversations on a few long system prompts (`--prefixes` of them, about `--prefix-words`
 words each), `--questions` per prompt, in a seeded random order, `--concurrency` at a time, `--output-len`
-tokens each. Each engine's KV cache (`--kv-cache-mib`) holds about half of the prompts at once, so where a
-conversation goes decides whether its system prompt comes from the engine's prefix cache or is computed again.
+tokens each. Each engine's KV cache (`--kv-cache-mib`) holds about half of the prompts at once (the defaults:
+24 prompts of ~450 tokens, ~8,700 tokens of cache per engine), so where a conversation goes decides whether its
+system prompt comes from the engine's prefix cache or is computed again.
 For each routing policy, two fresh engines and a fresh gateway run the same workload; reported per policy:
 prompt tokens, cached prompt tokens (the share served from the prefix cache), requests/s, output tok/s and
 latency percentiles, and cache-aware / least-busy ratios. A table goes to stdout; with `--out`, one JSON object
@@ -47,13 +48,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ladle bench routing", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--prefixes", type=int, default=8, help="distinct long system prompts")
+    parser.add_argument("--prefixes", type=int, default=24, help="distinct long system prompts")
     parser.add_argument("--prefix-words", type=int, default=300, help="words per system prompt")
-    parser.add_argument("--questions", type=int, default=12, help="conversations per system prompt")
+    parser.add_argument("--questions", type=int, default=4, help="conversations per system prompt")
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--kv-cache-mib", type=int, default=96, help="per engine")
+    parser.add_argument("--kv-cache-mib", type=int, default=400,
+                        help="per engine (the embedded model needs ~380 for one 8192-token sequence)")
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="per engine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
@@ -113,6 +115,10 @@ def two_engines_and_a_gateway(args: argparse.Namespace, policy: Policy, logs: Pa
         base = url.removesuffix("/v1")
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(re.findall(r'^ladle_engine_up\{[^}]*\} 1', httpx.get(base + "/metrics").text, re.M)) < 2:
+            for i, process in enumerate(processes[:2]):
+                if process.poll() is not None:
+                    log = (logs / f"{policy}-engine{i}.log").read_text()[-3000:]
+                    raise RuntimeError(f"engine {i} exited with status {process.returncode}:\n{log}")
             assert time.monotonic() < deadline, "the engines never became SERVING"
             time.sleep(0.2)
         yield base

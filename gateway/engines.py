@@ -166,7 +166,11 @@ class EnginePool:
         known = {engine.address: engine for engine in self.engines}
         for address in addresses:
             if address not in known:
-                engine = Engine(address, AsyncEngineClient(address, timeout=self.config.request_timeout_s))
+                # With several engines a call that finds one unavailable goes to another (gateway.calls), at
+                # once rather than after the channel's own retries of the same engine.
+                retries = len(self.config.engines) == 1 and not self.config.engines[0].startswith(DNS_PREFIX)
+                client = AsyncEngineClient(address, timeout=self.config.request_timeout_s, retries=retries)
+                engine = Engine(address, client)
                 self.engines.append(engine)
                 self._pollers[address] = asyncio.create_task(self._poll(engine))
                 if known:

@@ -156,7 +156,8 @@ def _engine(args: argparse.Namespace) -> int:
     )
 
     def announce(address: str) -> None:
-        print(f"ladle engine: {SERVICE_NAME} listening on {address}", flush=True)
+        # Printed once the port is ours; the server listens there once the model is loaded and warm.
+        print(f"ladle engine: {SERVICE_NAME} on {address}", flush=True)
 
     code = asyncio.run(serve(config, announce))
     # A grammar compile still running inside xgrammar cannot be interrupted, and a native thread that is still

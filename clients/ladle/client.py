@@ -48,10 +48,11 @@ SERVICE_CONFIG: dict[str, Any] = {
 }
 
 
-def channel_options(service_config: dict[str, Any] | None = None) -> list[tuple[str, Any]]:
-    """Options for a channel to an engine; pass them when building your own channel too."""
+def channel_options(service_config: dict[str, Any] | None = None, retries: bool = True) -> list[tuple[str, Any]]:
+    """Options for a channel to an engine; pass them when building your own channel too. Without `retries`, a
+    call that finds the engine UNAVAILABLE fails at once (a caller with other engines goes to one of them)."""
     return [
-        ("grpc.enable_retries", 1),
+        ("grpc.enable_retries", int(retries)),
         ("grpc.service_config", json.dumps(service_config or SERVICE_CONFIG)),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -134,10 +135,11 @@ class EngineClient:
 
 
 class AsyncEngineClient:
-    """asyncio client. Streams are async iterators; cancelling the consuming task aborts the request."""
+    """asyncio client. Streams are async iterators; cancelling the consuming task aborts the request.
+    `retries=False` turns off the service config's retries of UNAVAILABLE (see `channel_options`)."""
 
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options())
+    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retries: bool = True) -> None:
+        self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries=retries))
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout

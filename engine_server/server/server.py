@@ -1,9 +1,13 @@
 """Build, start and drain the engine's grpc.aio server: EngineService plus standard health and reflection.
 
-Lifecycle: the port is bound first and health says NOT_SERVING; the model loads (off the event loop), one tiny
-generation warms it up, then health turns SERVING. On SIGTERM or SIGINT health turns NOT_SERVING; after `drain_grace`
-seconds (0 by default; a load balancer's health checks notice within them) new calls are refused with
-UNAVAILABLE, calls in flight finish (those still running after `shutdown_timeout` are aborted and
+Lifecycle: the port is reserved first (bound, not listening: a taken port fails at once, and port 0 gets its
+number), the model loads (off the event loop) and one tiny generation warms it up; only then does the server
+listen, with health SERVING. An engine that is not ready refuses connections, so a load balancer without health
+checks (nginx) sends nothing to a restarting engine, and one with them sees the probe fail until it is ready.
+
+On SIGTERM or SIGINT health turns NOT_SERVING. Without a `drain_grace`, new calls are refused with UNAVAILABLE
+at once; with one, they are served for that many seconds (balancers' health checks notice meanwhile), then the
+server stops listening. Calls in flight finish (those still running after `shutdown_timeout` are aborted and
 end with finish reason ABORT), the server stops and `serve` returns 0.
 
 A failed step (a bug, a device error) fails the requests that were in it (INTERNAL) and health turns
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +78,7 @@ def server_options() -> list[tuple[str, int]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),  # two engines never share a port
     ]
 
 
@@ -89,6 +95,8 @@ class EngineServer:
         self.exit_code = 0
         self._step_failures: list[float] = []  # monotonic times of recent failed steps
         self._recovery: asyncio.Task[None] | None = None
+        self._reserved: socket.socket | None = None  # holds the port until the server listens on it
+        self._bind = ""
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -96,23 +104,43 @@ class EngineServer:
         )
 
     async def start(self) -> str:
-        """Bind and start serving (health NOT_SERVING); returns the address, e.g. '127.0.0.1:50051'."""
+        """Reserve the port (bound, not yet listening); returns the address, e.g. '127.0.0.1:50051'. Raises
+        RuntimeError when the port cannot be bound."""
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         host = self.config.host
         bind_host = f"[{host}]" if ":" in host else host
-        port = self.server.add_insecure_port(f"{bind_host}:{self.config.port}")
-        await self.server.start()
-        return f"{bind_host}:{port}"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        reserved = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc's own listener does
+            reserved.bind((host, self.config.port))
+        except OSError as exc:
+            reserved.close()
+            raise RuntimeError(f"cannot bind {bind_host}:{self.config.port}: {exc}") from exc
+        self._reserved = reserved
+        self._bind = f"{bind_host}:{reserved.getsockname()[1]}"
+        return self._bind
 
     async def load(self) -> None:
-        """Load the model off the event loop, warm it up, then admit calls and report SERVING."""
+        """Load the model off the event loop, warm it up, then admit calls, report SERVING and listen."""
         self.engine = await ServingEngine.start(self.config.engine, self.config.grammar)
         await self.engine.warm_up()
         self.engine.loop.on_step_failure = self._step_failed
         self.servicer.attach(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        log.info("engine serving", model=self.engine.info.model_id, device=self.engine.info.device)
+        self.release_port()
+        if not self.server.add_insecure_port(self._bind):
+            raise RuntimeError(f"cannot listen on {self._bind}: the port was taken while the model loaded")
+        await self.server.start()
+        log.info("engine serving", model=self.engine.info.model_id, device=self.engine.info.device,
+                 address=self._bind)
+
+    def release_port(self) -> None:
+        """Give up the reserved port (before listening on it, or when stopping without ever listening)."""
+        if self._reserved is not None:
+            self._reserved.close()
+            self._reserved = None
 
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SERVICE_NAME):
@@ -160,6 +188,7 @@ class EngineServer:
         """
         log.info("draining", in_flight=self.servicer.in_flight, timeout_s=self.config.shutdown_timeout,
                  grace_s=self.config.drain_grace)
+        self.release_port()  # stopped while loading: the port was never listened on
         await self.health.enter_graceful_shutdown()
         stopped: asyncio.Task[None] | None = None
         if self.config.drain_grace > 0 and self.engine is not None:
@@ -205,6 +234,7 @@ async def serve(config: ServerConfig, on_listening: Callable[[str], None] | None
     if loading.done() and loading.exception() is not None:
         log.error("the engine failed to start", exc_info=loading.exception())
         stopping.cancel()
+        server.release_port()
         await server.server.stop(0)
         return 1
     await stopping

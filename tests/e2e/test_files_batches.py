@@ -375,9 +375,9 @@ def assert_each_line_once(client: openai.OpenAI, batch_id: str, n: int = 300) ->
     assert (batch.request_counts.completed + batch.request_counts.failed, batch.request_counts.total) == (n, n)
 
 
-def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, backend: Backend,
-                                    tmp_path: Path) -> None:
-    flags = [*backend(), "--data-dir", str(tmp_path / "data"), "--batch-lease", "3"]
+def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, tmp_path: Path) -> None:
+    """On SQLite, a restarted gateway resumes the batch (on PostgreSQL, another replica does: below)."""
+    flags = ["--data-dir", str(tmp_path / "data"), "--batch-lease", "3"]
     first = start_gateway(tmp_path / "first.log", engine.address, *flags)
     client = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0, timeout=60)
     batch_id = crash_batch(client, model_id, tmp_path)
@@ -395,9 +395,10 @@ def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, backen
 
 
 def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
+    """The engine dies and comes back: lines in flight are sent again, and each lands once."""
     port = free_port()
     engine = start_engine(tmp_path / "engine1.log", "--port", str(port), "--max-num-seqs", "16")
-    gateway = start_gateway(tmp_path / "gateway.log", engine.address, *backend())
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address, *backend(), "--data-dir", str(tmp_path / "data"))
     try:
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
         batch_id = crash_batch(client, client.models.list().data[0].id, tmp_path)

@@ -1,10 +1,12 @@
 """gRPC callers through a real L7 load balancer: nginx (deploy/nginx/nginx.conf, `grpc_pass`) in front of two
 engines. Generated stubs and grpcurl (reflection included) work through it; an engine stopped with SIGTERM
-(`--drain-grace`) or killed with SIGKILL under load costs the unary callers no failed call; a restarted engine
-serves again."""
+(`--drain-grace`) under load costs the unary callers no failed call, and neither does its restart (it listens
+only once loaded); one killed with SIGKILL fails only the calls it had in flight, explicitly (nginx cannot
+resend a streamed gRPC request body), and none after."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -119,7 +121,7 @@ def test_stubs_and_grpcurl_through_nginx(cluster: Cluster) -> None:
     data = '{"input": {"text": "The capital of France is"}, "sampling": {"max_tokens": 3, "temperature": 0}}'
     called = subprocess.run([grpcurl, "-plaintext", "-d", data, cluster.nginx.address,
                              "ladle.v1.EngineService/Generate"], capture_output=True, text=True, timeout=60)
-    assert called.returncode == 0 and '"completionTokens": 3' in called.stdout, called.stderr
+    assert called.returncode == 0 and json.loads(called.stdout)["usage"]["completion_tokens"] == 3, called.stderr
 
 
 class Load:
@@ -128,6 +130,7 @@ class Load:
     def __init__(self, address: str) -> None:
         self.outcomes: Counter[str] = Counter()
         self.failures: list[str] = []
+        self.failed_at: list[float] = []  # time.monotonic() of each failure
         self._stop = threading.Event()
         self._channel = grpc.insecure_channel(address)
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(CLIENTS)]
@@ -157,6 +160,7 @@ class Load:
             except grpc.RpcError as error:
                 self.outcomes[error.code().name] += 1
                 self.failures.append(f"{error.code().name}: {error.details()}")
+                self.failed_at.append(time.monotonic())
 
 
 def wait_for_calls(load: Load, more: int, timeout: float = 120) -> None:
@@ -181,7 +185,7 @@ def gets_work(engine: EngineProcess, timeout: float = 30) -> bool:
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_an_engine_stopped_under_load_fails_no_unary_call(cluster: Cluster, how: str) -> None:
+def test_an_engine_stopped_under_load(cluster: Cluster, how: str) -> None:
     stopped = 1
     with Load(cluster.nginx.address) as load:
         wait_for_calls(load, 10)
@@ -192,10 +196,16 @@ def test_an_engine_stopped_under_load_fails_no_unary_call(cluster: Cluster, how:
         else:
             engine.process.kill()
             engine.process.wait(30)
+        stopped_at = time.monotonic()
         wait_for_calls(load, 20)  # the other engine carries on alone
         restarted = cluster.start(stopped)  # the same port: nginx sends it calls again once fail_timeout passes
         assert gets_work(restarted), "the restarted engine got no calls through nginx"
         wait_for_calls(load, 10)
-    assert not load.failures, (load.outcomes, load.failures[:5])
-    assert load.outcomes["ok"] >= 40
+    assert load.outcomes["ok"] >= 40, load.outcomes
+    if how == "sigterm":
+        assert not load.failures, (load.outcomes, load.failures[:5])
+    else:  # at most the calls in flight on the killed engine (one per client), each an explicit UNAVAILABLE
+        assert len(load.failures) <= CLIENTS, (load.outcomes, load.failures)
+        assert all(f.startswith("UNAVAILABLE: ") for f in load.failures), load.failures
+        assert all(at - stopped_at < 2.0 for at in load.failed_at), "a call failed after the kill was over"
     served_by_each(cluster, 4)

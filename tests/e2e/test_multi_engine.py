@@ -111,7 +111,7 @@ def test_distinct_prefixes_spread_and_a_shared_prefix_stays_on_one_engine(pair: 
 def stream_events(pair: Pair, content: str) -> list[str]:
     """The data of every event of a streamed chat completion (a broken connection ends the list)."""
     body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": content}],
-            "max_tokens": 400, "ignore_eos": True, "stream": True}
+            "max_tokens": 200, "ignore_eos": True, "stream": True}
     events = []
     try:
         with httpx.stream("POST", pair.gateway.url + "/v1/chat/completions", json=body, timeout=120) as response:
