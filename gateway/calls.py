@@ -47,7 +47,8 @@ class _Attempts:
     @contextlib.contextmanager
     def on_engine(self) -> Iterator[Engine]:
         """An engine for one attempt, counted as busy while the block runs. A gRPC failure becomes an APIError,
-        except UNAVAILABLE while another attempt is allowed, which is re-raised for `retry` to decide on."""
+        except UNAVAILABLE while another attempt is allowed (`may_retry`): that one is re-raised as it is, for
+        the caller to try again (or, for a stream that already produced output, to report)."""
         engine = self.pool.pick(self.inputs, avoid=self.tried)
         self.tried.append(engine)
         if (engines := served_by.get()) is not None:

@@ -37,7 +37,7 @@ DNS_PREFIX = "dns:"
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
-@dataclass
+@dataclass(eq=False)  # an engine is itself: compared (and hashed) by identity
 class Engine:
     """One engine: its client and what the last poll saw."""
 

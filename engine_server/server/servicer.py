@@ -51,7 +51,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     @property
     def accepting(self) -> bool:
-        return self.engine is not None and not self._refusing
+        return self.engine is not None and not self._draining.is_set()
 
     @property
     def in_flight(self) -> int:
