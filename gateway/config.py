@@ -10,6 +10,7 @@ from gateway.routing import RoutingConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as token ids is ~1 MiB of JSON
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+DNS_PREFIX = "dns:"  # an engine target whose every resolved address is one engine
 
 
 def default_data_dir() -> Path:
@@ -68,7 +69,7 @@ def parse_engine_addresses(value: str) -> tuple[str, ...]:
     if not addresses:
         raise ValueError("no engine address given")
     for address in addresses:
-        host, sep, port = address.removeprefix("dns:").rpartition(":")
+        host, sep, port = address.removeprefix(DNS_PREFIX).rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"engine address {address!r} is not HOST:PORT")
     return addresses

@@ -25,7 +25,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
-from gateway.config import GatewayConfig
+from gateway.config import DNS_PREFIX, GatewayConfig
 from gateway.errors import no_engine
 from gateway.routing import BYTES_PER_TOKEN, CHUNK_BYTES, PrefixRecord, Reason, Router, input_bytes, prefix_hashes
 from ladle.client import AsyncEngineClient
@@ -33,7 +33,6 @@ from ladle.v1 import engine_pb2, types_pb2
 
 log = structlog.get_logger(__name__)
 
-DNS_PREFIX = "dns:"
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
@@ -76,6 +75,9 @@ class EnginePool:
         self.routed: Counter[tuple[str, Reason]] = Counter()  # calls sent, by engine and why it was chosen
         self.failovers: Counter[str] = Counter()  # calls sent again elsewhere, by the engine they left
         self._resolve = resolve or resolve_addresses
+        # With several engines a call that finds one unavailable goes to another (gateway.calls), at once rather
+        # than after the channel's own retries of the same engine.
+        self._channel_retries = len(config.engines) == 1 and not config.engines[0].startswith(DNS_PREFIX)
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -105,11 +107,13 @@ class EnginePool:
         candidates = [e for e in self.engines if e.serving and e not in avoid]
         if not candidates:
             raise no_engine()
-        hashes = prefix_hashes(input_bytes(inputs[0])) if inputs else []
+        by_prefix = self.router.config.policy == "cache_aware" and bool(inputs)
+        hashes = prefix_hashes(input_bytes(inputs[0])) if by_prefix else []
         choice = self.router.choose(candidates, hashes)
         engine = candidates[choice.index]
-        for other in inputs[1:]:
-            engine.record.add(prefix_hashes(input_bytes(other)))
+        if by_prefix:
+            for other in inputs[1:]:
+                engine.record.add(prefix_hashes(input_bytes(other)))
         self.routed[(engine.address, choice.reason)] += 1
         return engine
 
@@ -166,10 +170,8 @@ class EnginePool:
         known = {engine.address: engine for engine in self.engines}
         for address in addresses:
             if address not in known:
-                # With several engines a call that finds one unavailable goes to another (gateway.calls), at
-                # once rather than after the channel's own retries of the same engine.
-                retries = len(self.config.engines) == 1 and not self.config.engines[0].startswith(DNS_PREFIX)
-                client = AsyncEngineClient(address, timeout=self.config.request_timeout_s, retries=retries)
+                client = AsyncEngineClient(address, timeout=self.config.request_timeout_s,
+                                           retries=self._channel_retries)
                 engine = Engine(address, client)
                 self.engines.append(engine)
                 self._pollers[address] = asyncio.create_task(self._poll(engine))
@@ -180,6 +182,7 @@ class EnginePool:
                 log.info("engine left", engine=address)
                 self.engines.remove(engine)
                 self._pollers.pop(address).cancel()
+                self._tasks = [task for task in self._tasks if not task.done()]
                 self._tasks.append(asyncio.create_task(self._retire(engine)))
 
     async def _re_resolve(self) -> None:
