@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -28,6 +29,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser, num_seqs: int = 64) 
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (results differ between Intel and AMD parts), else the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def git_commit() -> str:

@@ -1,8 +1,11 @@
 """Offline throughput: ladle vs Hugging Face transformers on the same model and the same token ids, one run.
 
 Workload: `--num-seqs` random-token prompts of `--input-len` tokens, `--output-len` tokens each, ignore_eos,
-greedy. Systems: ladle's offline LLM, transformers' static `generate` (the whole batch at once) and its
-continuous `generate_batch`. Each is timed after a warm-up; output tok/s = generated tokens / wall seconds.
+greedy. Systems: ladle's offline LLM (weights as `--quantization` says), transformers' static `generate` (the
+whole batch at once) and its continuous `generate_batch`, and, for a GGUF model when llama-cpp-python is
+installed (it is not a dependency), llama.cpp on the same file and token ids, one sequence after another (its
+Python API decodes one sequence at a time). Each is timed after a warm-up; output tok/s = generated tokens /
+wall seconds.
 Results go to stdout and, with `--out`, are appended as one JSON object per run.
 
     ladle bench offline --num-seqs 64 --input-len 128 --output-len 128 --out benchmarks/results/cpu.jsonl
@@ -11,6 +14,7 @@ Results go to stdout and, with `--out`, are appended as one JSON object per run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import random
@@ -21,7 +25,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import add_workload_arguments, append_result, git_commit, hf_model, utc_timestamp
+from benchmarks.common import (
+    add_workload_arguments,
+    append_result,
+    cpu_model_name,
+    git_commit,
+    hf_model,
+    utc_timestamp,
+)
 
 Workload = list[list[int]]
 
@@ -39,12 +50,14 @@ def _timed(run: Callable[[], int]) -> dict[str, float]:
     return {"output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 2)}
 
 
-def bench_ladle(model: str, device: str, prompts: Workload, output_len: int, max_num_seqs: int) -> dict[str, Any]:
+def bench_ladle(
+    model: str, device: str, prompts: Workload, output_len: int, max_num_seqs: int, quantization: str = "none"
+) -> dict[str, Any]:
     from engine_server import LLM, SamplingParams
     from engine_server.config import EngineConfig, SchedulerConfig
 
     config = EngineConfig(
-        model=model, device=device,  # type: ignore[arg-type]
+        model=model, device=device, quantization=quantization,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
     )
     llm = LLM(config=config)
@@ -55,7 +68,37 @@ def bench_ladle(model: str, device: str, prompts: Workload, output_len: int, max
         results = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(r.choices[0].token_ids) for r in results)
 
+    return {**_timed(run), "quantization": llm.core.runner.quantization}
+
+
+def bench_llama_cpp(gguf: Path, prompts: Workload, output_len: int, threads: int) -> dict[str, Any]:
+    """llama.cpp (llama-cpp-python) on the GGUF file: greedy, `output_len` tokens per prompt, eos not checked."""
+    from llama_cpp import Llama
+
+    llama = Llama(model_path=str(gguf), n_ctx=len(prompts[0]) + output_len + 8, n_threads=threads,
+                  n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+
+    def decode(prompt: list[int], count: int) -> int:
+        produced = 0
+        for _ in llama.generate(prompt, top_k=1, temp=0.0, reset=True):
+            produced += 1
+            if produced == count:
+                break
+        return produced
+
+    decode(prompts[0], 4)  # warm-up
+
+    def run() -> int:
+        return sum(decode(prompt, output_len) for prompt in prompts)
+
     return _timed(run)
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file behind a model spec, if it has one."""
+    from engine_server.loader import resolve_model
+
+    return resolve_model(model).gguf_path if model == "default" or model.endswith(".gguf") else None
 
 
 def bench_hf_static(hf: Any, prompts: Workload, output_len: int) -> dict[str, Any]:
@@ -90,9 +133,16 @@ def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int) -> dict[str
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     prompts = make_workload(args.num_seqs, args.input_len, 49152, args.seed)
-    systems: dict[str, dict[str, Any]] = {"ladle": bench_ladle(args.model, args.device, prompts, args.output_len,
-                                                                 max(args.num_seqs, 1))}
+    systems: dict[str, dict[str, Any]] = {
+        "ladle": bench_ladle(
+            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), args.quantization
+        )
+    }
     print(f"ladle: {systems['ladle']}", flush=True)
+    gguf = gguf_file(args.model)
+    if gguf is not None and args.device == "cpu" and importlib.util.find_spec("llama_cpp") is not None:
+        systems["llama_cpp"] = bench_llama_cpp(gguf, prompts, args.output_len, torch.get_num_threads())
+        print(f"llama_cpp: {systems['llama_cpp']}", flush=True)
     if not args.skip_hf:
         # The dtype ladle runs in on that device (its "auto"): bfloat16 on CUDA, float32 on the CPU.
         hf = hf_model(args.model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
@@ -103,6 +153,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 systems[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name}: {systems[name]}", flush=True)
     hf_rates = [s["output_tok_per_s"] for n, s in systems.items() if n.startswith("hf") and "output_tok_per_s" in s]
+    llama_rate = systems.get("llama_cpp", {}).get("output_tok_per_s")
     result = {
         "benchmark": "offline",
         "time": utc_timestamp(),
@@ -110,14 +161,17 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "command": args.command_line,
         "machine": {
             "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model_name(),
             "cpu_count": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__,
         },
         "workload": {"model": args.model, "num_seqs": args.num_seqs, "input_len": args.input_len,
-                     "output_len": args.output_len, "ignore_eos": True, "greedy": True, "seed": args.seed},
+                     "output_len": args.output_len, "ignore_eos": True, "greedy": True, "seed": args.seed,
+                     "quantization": args.quantization},
         "systems": systems,
         "ratio_vs_best_hf": round(systems["ladle"]["output_tok_per_s"] / max(hf_rates), 3) if hf_rates else None,
+        "ratio_vs_llama_cpp": round(systems["ladle"]["output_tok_per_s"] / llama_rate, 3) if llama_rate else None,
     }
     print(json.dumps(result, indent=2))
     return result
@@ -128,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser)
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
+    parser.add_argument("--quantization", default="none", choices=["auto", "none", "gguf", "int8"],
+                        help="ladle's weights (see `ladle engine --help`)")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser
 

@@ -20,6 +20,7 @@ from engine_server.frontend import (
     RequestTracker,
     split_core_request_id,
 )
+from engine_server.generation_defaults import GenerationDefaults, resolve_generation_defaults
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
@@ -33,6 +34,16 @@ def engine_eos_ids(source: ModelSource, tokenizer: Any) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
+
+
+def engine_generation_defaults(config: EngineConfig, source: ModelSource) -> GenerationDefaults:
+    """The sampling defaults `config` asks for, for the model `source` (ValueError naming the flag if bad)."""
+    return resolve_generation_defaults(
+        config.generation_config,
+        config.override_generation_config,
+        model_spec=config.model,
+        model_folder=source.path,
+    )
 
 
 class LLM:
@@ -50,6 +61,8 @@ class LLM:
         self.config = config or EngineConfig(model=model, device=device)  # type: ignore[arg-type]
         source = resolve_model(self.config.model)
         self.model_name = source.name
+        # Resolved before the model loads, so a bad --generation-config fails at once.
+        self.generation_defaults = engine_generation_defaults(self.config, source)
         self.tokenizer = load_tokenizer(source.tokenizer_path)
         self.core = EngineCore(self.config, source)
         self.eos_token_ids = engine_eos_ids(source, self.tokenizer)
@@ -75,12 +88,18 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generate for each prompt (text, token ids or a ChatPrompt); one result per prompt, in order.
 
+        `params` None takes the model's generation defaults (`generation_defaults`) for every field; a given
+        SamplingParams is used as it is (build one with `sampling_params(**fields)` to keep the model's
+        defaults for the fields you leave out).
+
         Every prompt is validated before any work starts, so a bad prompt raises ValidationError and nothing runs.
         Constraints are all compiled (in parallel, blocking this call up to the compiler's time limit) before
         any request reaches the core; one that fails to compile raises ValidationError likewise.
         """
         batch = _as_prompt_list(prompts)
-        per_prompt = [params or SamplingParams()] * len(batch) if not isinstance(params, Sequence) else list(params)
+        if params is None:
+            params = self.generation_defaults.sampling_params()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
         trackers: dict[str, RequestTracker] = {}
@@ -98,10 +117,14 @@ class LLM:
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
 
+    def sampling_params(self, **fields: Any) -> SamplingParams:
+        """SamplingParams with the model's generation defaults for every field not in `fields` (which win)."""
+        return self.generation_defaults.sampling_params(**fields)
+
     def chat(
         self, conversations: Sequence[ChatPrompt], params: SamplingParams | None = None, *, use_tqdm: bool = True
     ) -> list[GenerationResult]:
-        """Generate one assistant turn for each conversation."""
+        """Generate one assistant turn for each conversation (`params` as in `generate`)."""
         return self.generate(list(conversations), params, use_tqdm=use_tqdm)
 
     def _run(self, pending: deque[Request], trackers: dict[str, RequestTracker], use_tqdm: bool) -> None:

@@ -26,6 +26,7 @@ from engine_server.layers.ops import REFERENCE_OPS, select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
+from engine_server.quantization import quantize_model, resolve_quantization
 from engine_server.sampling import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 from engine_server.transfer import host_tensor, to_device
@@ -156,6 +157,9 @@ class ModelRunner:
         self.model_config = source.config
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
+        # Builds the C++ kernels now (first start on this machine only), not on the first request.
+        kernels = self.device.type == "cpu" and select_ops(self.device) is not REFERENCE_OPS
+        self.quantization = resolve_quantization(config.quantization, source, self.device, self.dtype, kernels)
         torch.manual_seed(config.seed)
         model = get_model_class(source.config.architecture)(source.config, dtype=self.dtype)
         model.load_weights(source.weights())
@@ -166,10 +170,12 @@ class ModelRunner:
         # After the KV cache: zeroing it right after MKL packed the weights takes twice as long.
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
+            layers = quantize_model(self.model, source, self.quantization)
             packed = pack_linear_layers(self.model)
-            # Builds the C++ kernels now (first start on this machine only), not on the first request.
-            kernels = select_ops(self.device) is not REFERENCE_OPS
-            log.info("cpu kernels", mkl_packed_linears=packed, cpp_kernels=kernels)
+            log.info(
+                "cpu kernels", quantization=self.quantization, layers=layers, mkl_packed_linears=packed,
+                cpp_kernels=kernels,
+            )  # fmt: skip
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)

@@ -30,13 +30,17 @@ class SamplingParams:
     """How to pick tokens for one request. Defaults are the OpenAI semantic defaults.
 
     temperature 0 (below GREEDY_TEMPERATURE_EPS) means greedy. top_k <= 0 disables top-k. max_tokens None
-    means "up to the context". logprobs True returns the sampled token's log-probability; top_logprobs
-    (0..20) adds the k best. `constraint` restricts the output to a formal language (structured output); the
-    grammar's end ends the choice with `stop` whatever min_tokens and ignore_eos say.
+    means "up to the context", or up to `default_max_tokens` when that is set (the model's generation default,
+    see engine_server.generation_defaults): unlike max_tokens, that cap shrinks to what the context leaves after
+    the prompt instead of making the request invalid, and never goes below min_tokens. logprobs True returns the
+    sampled token's log-probability; top_logprobs (0..20) adds the k best. `constraint` restricts the output to a
+    formal language (structured output); the grammar's end ends the choice with `stop` whatever min_tokens and
+    ignore_eos say.
     """
 
     n: int = 1
     max_tokens: int | None = None
+    default_max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -66,12 +70,16 @@ class SamplingParams:
         Checks only the parameters and lengths; the prompt's token ids go through `validate_token_ids`.
         """
         _check_prompt_length(self.max_tokens, prompt_len, max_model_len)
-        self._validate_numbers()
-        self._validate_counts()
+        self.validate_values()
         self._validate_logit_bias(vocab_size)
         self._validate_stops(vocab_size)
         if self.constraint is not None:
             self.constraint.validate()
+
+    def validate_values(self) -> None:
+        """The range checks that need neither the model nor the prompt: the numbers and the counts."""
+        self._validate_numbers()
+        self._validate_counts()
 
     def _validate_numbers(self) -> None:
         _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
@@ -98,6 +106,10 @@ class SamplingParams:
             raise ValidationError(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValidationError(f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValidationError(
+                f"default_max_tokens must be at least 1, got {self.default_max_tokens}", param="default_max_tokens"
+            )
         if self.min_tokens < 0:
             raise ValidationError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

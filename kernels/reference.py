@@ -190,3 +190,47 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+# Weight-only quantized linear layers (`kernels/cpu/quant_matmul.cpp`): weights in groups of QUANT_GROUP along
+# K, as llama.cpp's Q4_0 / Q4_1 / Q8_0; activations quantized to 8 bits per group on the fly.
+QUANT_GROUP = 32
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` float32 -> (xq `[M, K/32, 32]`, integer-valued float32 in [-127, 127]; dx `[M, K/32]`).
+
+    Per group: dx = max|x| / 127 and xq = round-half-even(x * (1 / dx)), all in float32; a zero group has
+    dx = 0 and xq = 0. x ≈ xq * dx.
+    """
+    groups = x.float().reshape(x.shape[0], -1, QUANT_GROUP)
+    dx = groups.abs().amax(-1) / 127.0
+    inverse = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    return torch.round(groups * inverse.unsqueeze(-1)), dx
+
+
+def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
+    """qs `[N, K/2]` uint8 -> `[N, K]` int64 values 0..15: byte j of a group's 16 holds element j in its low
+    nibble and element j + 16 in its high nibble (GGUF's Q4_0 / Q4_1 order)."""
+    blocks = qs.reshape(qs.shape[0], -1, QUANT_GROUP // 2).long()
+    return torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).reshape(qs.shape[0], -1)
+
+
+def q4_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` float32 times a 4-bit weight `[N, K]` (element = scales * q + mins per group, `unpack_q4(qs)`)
+    with x quantized by `quantize_activations` -> `[M, N]` float32. Sums in float64."""
+    xq, dx = quantize_activations(x)
+    q = unpack_q4(qs).reshape(qs.shape[0], -1, QUANT_GROUP).double()
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), q)
+    dx64 = dx.double().unsqueeze(1)
+    offsets = mins.double().unsqueeze(0) * (dx64 * xq.double().sum(-1).unsqueeze(1))
+    return (dots * scales.double().unsqueeze(0) * dx64 + offsets).sum(-1).float()
+
+
+def q8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` float32 times an 8-bit weight `[N, K]` (element = scales * qs per group) with x quantized by
+    `quantize_activations` -> `[M, N]` float32. Sums in float64."""
+    xq, dx = quantize_activations(x)
+    q = qs.reshape(qs.shape[0], -1, QUANT_GROUP).double()
+    dots = torch.einsum("mgi,ngi->mng", xq.double(), q)
+    return (dots * scales.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1).float()

@@ -26,11 +26,13 @@ def smollm2_tokenizer() -> Any:
 
 @pytest.fixture(scope="session")
 def llm() -> Any:
-    """The offline engine on the embedded model (fp32, CPU), loaded once per session."""
+    """The offline engine on the embedded model (fp32 weights, the exact path, CPU), loaded once per session."""
     from engine_server import LLM
     from engine_server.config import CacheConfig, EngineConfig
 
-    return LLM(config=EngineConfig(device="cpu", cache=CacheConfig(memory_bytes=512 * 1024**2)))
+    return LLM(
+        config=EngineConfig(device="cpu", quantization="none", cache=CacheConfig(memory_bytes=512 * 1024**2))
+    )
 
 
 @pytest.fixture(scope="session")

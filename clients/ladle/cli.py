@@ -25,6 +25,7 @@ BENCHMARKS = {
     "fuzz": "benchmarks.fuzz_gateway",
     "soak": "benchmarks.soak",
     "routing": "benchmarks.routing",
+    "quality": "benchmarks.quality",
 }
 
 
@@ -62,6 +63,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          action="store_true")
     _add(parser, "--async-scheduling", "auto", "schedule the next step while the device runs this one (auto: on CUDA)",
          choices=["auto", "on", "off"])
+    _add(parser, "--quantization", "none", "weights kept quantized (CPU): none (float32, the exact path), gguf (a "
+         "GGUF file's own Q4_0/Q4_1/Q8_0 blocks: faster single streams, slower large batches), int8 (8-bit groups "
+         "of any model's weights), auto (gguf for a GGUF file on the CPU)", choices=["auto", "none", "gguf", "int8"])
+    _add(parser, "--generation-config", "auto", "sampling defaults for the fields a request leaves unset: "
+         "auto|ladle|PATH (auto: the model's generation_config.json or the embedded model's card values; ladle: "
+         "OpenAI's; PATH: a generation_config.json or a folder holding one)")
+    _add(parser, "--override-generation-config", "", "JSON object applied over those defaults, e.g. "
+         "'{\"temperature\": 0.7, \"max_tokens\": 256}' (keys: temperature, top_p, top_k, min_p, "
+         "repetition_penalty, max_tokens or max_new_tokens)")
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +155,9 @@ def _engine(args: argparse.Namespace) -> int:
             device=args.device,
             enforce_eager=args.enforce_eager,
             async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
+            quantization=args.quantization,
+            generation_config=args.generation_config,
+            override_generation_config=args.override_generation_config or None,
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting),
         ),

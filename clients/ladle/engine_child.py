@@ -25,7 +25,9 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--host", host, "--port", str(port), "--shutdown-timeout", str(args.shutdown_timeout),
         "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
         "--kv-cache-mib", str(args.kv_cache_mib), "--grammar-timeout", str(args.grammar_timeout),
-        "--async-scheduling", args.async_scheduling,
+        "--async-scheduling", args.async_scheduling, "--quantization", args.quantization,
+        "--generation-config", args.generation_config,
+        "--override-generation-config", args.override_generation_config,
     ]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
 

@@ -53,9 +53,15 @@ _FINISHED = frozenset(
 
 
 def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
-    """How many tokens a request may generate: the caller's cap, bounded by what fits in the context."""
+    """How many tokens a request may generate: the caller's cap (else the model's default cap, raised to
+    min_tokens), bounded by what fits in the context."""
     room = max_model_len - num_prompt_tokens
-    requested = math.inf if params.max_tokens is None else params.max_tokens
+    if params.max_tokens is not None:
+        requested: float = params.max_tokens
+    elif params.default_max_tokens is not None:
+        requested = max(params.default_max_tokens, params.min_tokens)
+    else:
+        requested = math.inf
     return max(0, int(min(requested, room)))
 
 

@@ -41,8 +41,9 @@ def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> Mo
     """
     cache = cache_dir if cache_dir is not None else default_cache_dir()
     if spec == DEFAULT_SPEC:
-        folder = ensure_converted(default_gguf_path(), cache, spec)
-        return hf_folder_source(folder, DEFAULT_MODEL_NAME, spec)
+        gguf_path = default_gguf_path()
+        folder = ensure_converted(gguf_path, cache, spec)
+        return hf_folder_source(folder, DEFAULT_MODEL_NAME, spec, gguf_path)
     if spec.startswith(DUMMY_PREFIX):
         config = dummy_config(spec.removeprefix(DUMMY_PREFIX), spec)
         tokenizer_folder = resolve_model(DEFAULT_SPEC, cache).tokenizer_path
@@ -54,7 +55,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> Mo
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model {spec!r}: GGUF file not found")
-        return hf_folder_source(ensure_converted(path.resolve(), cache, spec), path.stem, spec)
+        return hf_folder_source(ensure_converted(path.resolve(), cache, spec), path.stem, spec, path.resolve())
     if path.is_dir():
         return hf_folder_source(path.resolve(), path.resolve().name, spec)
     reason = "not a folder or a .gguf file" if path.exists() else "no such file or folder"
@@ -64,8 +65,9 @@ def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> Mo
     )
 
 
-def hf_folder_source(folder: Path, name: str, spec: str) -> ModelSource:
-    """A source over a Hugging Face folder used in place, after checking it has what the runner needs."""
+def hf_folder_source(folder: Path, name: str, spec: str, gguf_path: Path | None = None) -> ModelSource:
+    """A source over a Hugging Face folder used in place, after checking it has what the runner needs;
+    `gguf_path` is the file the folder was converted from, if any."""
     missing = [
         what
         for what, present in (
@@ -81,7 +83,7 @@ def hf_folder_source(folder: Path, name: str, spec: str) -> ModelSource:
         config = ModelConfig.from_hf_config(read_hf_config(folder), name=name)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"model {spec!r}: bad config.json: {exc}") from exc
-    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder)
+    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder, gguf_path=gguf_path)
 
 
 def default_model_source() -> ModelSource:

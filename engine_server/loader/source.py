@@ -48,6 +48,7 @@ class ModelSource:
     tokenizer_path: Path
     random_weights: bool = False
     seed: int = 0
+    gguf_path: Path | None = None  # the GGUF file `path` was converted from, whose quantized blocks can be served
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every parameter once, in unspecified order: fp32 (converted/dummy) or the stored dtype."""

@@ -14,7 +14,7 @@ from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.ops import KernelOps, select_ops
 
 # Checkpoint projections that live as row slices of one fused parameter: (fused name, checkpoint name, shard).
-_FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
+FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
     ("qkv_proj", "v_proj", "v"),
@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             target, shard = name, ""
-            for fused, part, shard_name in _FUSED_SHARDS:
+            for fused, part, shard_name in FUSED_SHARDS:
                 if f".{part}." in name:
                     target, shard = name.replace(f".{part}.", f".{fused}."), shard_name
                     break
@@ -103,6 +103,6 @@ class CausalLM(nn.Module):
     def _expected_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str]]:
         expected: set[tuple[str, str]] = set()
         for name in params:
-            shards = [s for fused, _, s in _FUSED_SHARDS if f".{fused}." in name] or [""]
+            shards = [s for fused, _, s in FUSED_SHARDS if f".{fused}." in name] or [""]
             expected.update((name, s) for s in shards)
         return expected

@@ -16,6 +16,7 @@ import grpc
 from engine_server.core.request import Priority
 from engine_server.errors import EngineUnavailableError, ModelTemplateError, QueueFullError, ValidationError
 from engine_server.frontend import ChatPrompt, Choice, GenerationResult, Prompt, TokenLogprob, Usage
+from engine_server.generation_defaults import GenerationDefaults
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
@@ -39,14 +40,31 @@ _TOOL_CHOICE_MODES = {
 _PRIORITIES = {types_pb2.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, types_pb2.PRIORITY_BATCH: Priority.BATCH}
 
 GenerationMessage: TypeAlias = engine_pb2.GenerateRequest | engine_pb2.StreamRequest
+# SamplingParams fields that are `optional` in the proto: unset, they take the defaults.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "skip_special_tokens",
+)
 
 
 # -- inbound ---------------------------------------------------------------------------------------------
 
 
-def generation_input(message: GenerationMessage, default_priority: Priority) -> GenerationInput:
-    """A Generate/Stream request (or a Batch item's request) in the engine's vocabulary."""
-    params = sampling_params(message.sampling)
+def generation_input(
+    message: GenerationMessage, default_priority: Priority, defaults: GenerationDefaults
+) -> GenerationInput:
+    """A Generate/Stream request (or a Batch item's request) in the engine's vocabulary; unset sampling fields
+    take `defaults`."""
+    params = sampling_params(message.sampling, defaults)
     if message.HasField("constraint"):
         params = dataclasses.replace(params, constraint=constraint(message.constraint))
     return GenerationInput(
@@ -142,33 +160,21 @@ def _json(text: str, param: str) -> Any:
         raise ValidationError(f"{param} is nested too deeply to parse", param) from None
 
 
-def sampling_params(message: types_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults (OpenAI's); proto3 zeros elsewhere mean 'off'."""
-    defaults = SamplingParams()
-
-    def opt(name: str, default: Any) -> Any:
-        return getattr(message, name) if message.HasField(cast(Any, name)) else default
-
-    return SamplingParams(
-        n=opt("n", defaults.n),
-        max_tokens=opt("max_tokens", None),
+def sampling_params(message: types_pb2.SamplingParams, defaults: GenerationDefaults) -> SamplingParams:
+    """Unset optional fields take the engine's generation `defaults` (temperature, top_p, top_k, min_p,
+    repetition_penalty, the max_tokens cap) or SamplingParams' own (OpenAI's); an explicit field always wins.
+    proto3 zeros elsewhere mean 'off'."""
+    explicit = {name: getattr(message, name) for name in _OPTIONAL_SAMPLING_FIELDS if message.HasField(cast(Any, name))}
+    return defaults.sampling_params(
         min_tokens=message.min_tokens,
-        temperature=opt("temperature", defaults.temperature),
-        top_p=opt("top_p", defaults.top_p),
-        top_k=opt("top_k", defaults.top_k),
-        min_p=opt("min_p", defaults.min_p),
-        presence_penalty=opt("presence_penalty", defaults.presence_penalty),
-        frequency_penalty=opt("frequency_penalty", defaults.frequency_penalty),
-        repetition_penalty=opt("repetition_penalty", defaults.repetition_penalty),
         logit_bias=dict(message.logit_bias),
-        seed=opt("seed", None),
         stop=tuple(message.stop),
         stop_token_ids=tuple(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
-        skip_special_tokens=opt("skip_special_tokens", defaults.skip_special_tokens),
         include_stop_str_in_output=message.include_stop_str_in_output,
+        **explicit,
     )
 
 
@@ -271,7 +277,7 @@ def tokenize_response(result: TokenizeResult) -> engine_pb2.TokenizeResponse:
 
 
 def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
-    defaults = SamplingParams()
+    defaults = info.generation_defaults
     return engine_pb2.GetModelInfoResponse(
         model_id=info.model_id,
         context_length=info.context_length,
@@ -283,7 +289,8 @@ def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
             top_p=defaults.top_p,
             top_k=defaults.top_k,
             repetition_penalty=defaults.repetition_penalty,
-            max_tokens=0,
+            max_tokens=defaults.max_tokens or 0,  # 0: up to the context
+            min_p=defaults.min_p,
         ),
         architecture=info.architecture,
         device=info.device,

@@ -92,7 +92,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.GenerateResponse:
         try:
             with self._admitted() as engine:
-                generation = _with_request_id(convert.generation_input(request, Priority.INTERACTIVE))
+                generation = _with_request_id(
+                    convert.generation_input(request, Priority.INTERACTIVE, engine.info.generation_defaults)
+                )
                 with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Generate"):
                     result = await _run_to_end(engine, generation, _deadline(context))
                     return convert.generate_response(result, engine.info.model_id)
@@ -104,7 +106,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.StreamResponse]:
         try:
             with self._admitted() as engine:
-                generation = _with_request_id(convert.generation_input(request, Priority.INTERACTIVE))
+                generation = _with_request_id(
+                    convert.generation_input(request, Priority.INTERACTIVE, engine.info.generation_defaults)
+                )
                 model = engine.info.model_id
                 with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Stream"):
                     # aclosing: a cancelled call closes the generator at once, which aborts the request in the core.
@@ -227,7 +231,8 @@ class _BatchRun:
             if item.item_id in self._seen:
                 raise ValidationError(f"item_id {item.item_id!r} was already used in this call", "item_id")
             self._seen.add(item.item_id)
-            generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH))
+            defaults = self.engine.info.generation_defaults
+            generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH, defaults))
             with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id):
                 result = await _run_to_end(self.engine, generation, self._deadline)
             response.result.CopyFrom(convert.generate_response(result, self.engine.info.model_id))

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import structlog
@@ -33,7 +33,8 @@ from engine_server.frontend import (
     RequestTracker,
     split_core_request_id,
 )
-from engine_server.llm import engine_eos_ids
+from engine_server.generation_defaults import GenerationDefaults
+from engine_server.llm import engine_eos_ids, engine_generation_defaults
 from engine_server.loader import resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
@@ -61,6 +62,7 @@ class ModelInfo:
     device: str
     dtype: str
     max_num_seqs: int
+    generation_defaults: GenerationDefaults  # for the sampling fields a request leaves unset
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,11 @@ class ServingEngine:
         eos: tuple[int, ...],
         loop: asyncio.AbstractEventLoop,
         grammar_config: GrammarCompilerConfig | None = None,
+        *,
+        generation_defaults: GenerationDefaults,
     ) -> None:
-        """Takes over `core`: from now on only the EngineLoop's thread touches it."""
+        """Takes over `core`: from now on only the EngineLoop's thread touches it. `generation_defaults` fill the
+        sampling fields a request leaves unset; GetModelInfo reports them."""
         self.tokenizer = tokenizer
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             tokenizer, core.model_config.vocab_size, eos, grammar_config
@@ -120,6 +125,7 @@ class ServingEngine:
             device=core.runner.device.type,
             dtype=str(core.runner.dtype).removeprefix("torch."),
             max_num_seqs=core.config.scheduler.max_num_seqs,
+            generation_defaults=generation_defaults,
         )
         self.loop = EngineLoop(core, loop)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -166,10 +172,14 @@ class ServingEngine:
         cls, config: EngineConfig, loop: asyncio.AbstractEventLoop, grammar_config: GrammarCompilerConfig | None
     ) -> ServingEngine:
         source = resolve_model(config.model)
+        # Resolved before the model loads, so a bad --generation-config fails at once.
+        defaults = engine_generation_defaults(config, source)
+        log.info("generation defaults", **asdict(defaults))
         tokenizer = load_tokenizer(source.tokenizer_path)
         core = EngineCore(config, source)
         faults.install_from_env(core.runner.model)
-        return cls(core, tokenizer, source.name, engine_eos_ids(source, tokenizer), loop, grammar_config)
+        eos = engine_eos_ids(source, tokenizer)
+        return cls(core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults)
 
     @property
     def load_snapshot(self) -> LoadSnapshot:

@@ -1,6 +1,7 @@
 """OpenAI request bodies -> ladle.v1 requests. Pure functions; a request the engine cannot express is a 400.
 
-Fields left unset in the OpenAI body stay unset in the proto, so the engine applies its (OpenAI) defaults.
+Fields left unset in the OpenAI body stay unset in the proto, so the engine applies its generation defaults (the
+model's, see engine_server.generation_defaults); completions' max_tokens keeps OpenAI's documented default, 16.
 """
 
 from __future__ import annotations

@@ -30,7 +30,11 @@ def test_model_info(stub: Stub) -> None:
     assert (info.context_length, info.vocab_size, info.architecture) == (8192, 49152, "llama")
     assert list(info.eos_token_ids) == [2]
     assert info.has_chat_template and info.device == "cpu" and info.dtype == "float32"
-    assert info.limits.max_n == 16 and info.defaults.temperature == 1.0
+    assert info.limits.max_n == 16
+    # `--generation-config auto` on the embedded model: its model card's values, with a 512-token cap.
+    defaults = info.defaults
+    assert (defaults.temperature, defaults.top_p) == pytest.approx((0.2, 0.9))
+    assert (defaults.top_k, defaults.min_p, defaults.repetition_penalty, defaults.max_tokens) == (0, 0.0, 1.0, 512)
 
 
 def test_generate_text_with_usage(stub: Stub) -> None:

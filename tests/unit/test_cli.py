@@ -66,3 +66,38 @@ def test_batch_output_resume_drops_a_half_written_line(tmp_path: Path) -> None:
     output.write_bytes(b"not json\n")
     with pytest.raises(BatchFileError, match="line 1"):
         completed_custom_ids(output)
+
+
+def test_generation_config_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["engine"])
+    assert (args.generation_config, args.override_generation_config) == ("auto", "")
+    override = '{"temperature": 0.7}'
+    for command in ("serve", "batch"):
+        extra = ["-i", "a", "-o", "b"] if command == "batch" else []
+        child = engine_command(
+            parser.parse_args([command, *extra, "--generation-config", "ladle", "--override-generation-config",
+                               override]),
+            "127.0.0.1", 50051,
+        )  # fmt: skip
+        assert child[child.index("--generation-config") + 1] == "ladle"
+        assert child[child.index("--override-generation-config") + 1] == override
+        assert cli.build_parser().parse_args(child[3:]).override_generation_config == override  # the child parses it
+    monkeypatch.setenv("LADLE_GENERATION_CONFIG", "/models/x")
+    monkeypatch.setenv("LADLE_OVERRIDE_GENERATION_CONFIG", override)
+    args = cli.build_parser().parse_args(["engine"])
+    assert (args.generation_config, args.override_generation_config) == ("/models/x", override)
+
+
+def test_quantization_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).quantization == "none"
+    for command in ("serve", "batch"):
+        extra = ["-i", "a", "-o", "b"] if command == "batch" else []
+        child = engine_command(parser.parse_args([command, *extra, "--quantization", "gguf"]), "127.0.0.1", 50051)
+        assert child[child.index("--quantization") + 1] == "gguf"
+        assert cli.build_parser().parse_args(child[3:]).quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["engine", "--quantization", "int4"])
+    monkeypatch.setenv("LADLE_QUANTIZATION", "int8")
+    assert cli.build_parser().parse_args(["engine"]).quantization == "int8"

@@ -9,6 +9,7 @@ from google.protobuf import empty_pb2
 from engine_server.core.request import Priority
 from engine_server.errors import EngineUnavailableError, ModelTemplateError, QueueFullError, ValidationError
 from engine_server.frontend import ChatPrompt, Choice, GenerationResult, TokenLogprob, TopLogprob, Usage
+from engine_server.generation_defaults import GenerationDefaults
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import SamplingParams
 from engine_server.server import convert
@@ -19,15 +20,16 @@ from engine_server.tokenizer.chat import ChatToolCall
 from engine_server.tools import ToolCallDelta, ToolChoice, ToolChoiceMode
 from ladle.v1 import engine_pb2, types_pb2
 
+LADLE = GenerationDefaults()  # OpenAI's defaults: SamplingParams' own
 
 def test_unset_sampling_fields_take_the_openai_defaults() -> None:
-    assert convert.sampling_params(types_pb2.SamplingParams()) == SamplingParams()
+    assert convert.sampling_params(types_pb2.SamplingParams(), LADLE) == SamplingParams()
 
 
 def test_explicit_zeros_are_kept_where_zero_is_not_the_default() -> None:
     message = types_pb2.SamplingParams(temperature=0.0, top_p=0.5, top_k=0, max_tokens=7, seed=0, n=2)
     message.skip_special_tokens = False
-    params = convert.sampling_params(message)
+    params = convert.sampling_params(message, LADLE)
     assert (params.temperature, params.top_p, params.max_tokens, params.seed, params.n) == (0.0, 0.5, 7, 0, 2)
     assert params.skip_special_tokens is False and params.greedy
 
@@ -38,7 +40,7 @@ def test_every_sampling_field_is_carried() -> None:
         min_tokens=3, stop=["\n\n", "END"], stop_token_ids=[7], ignore_eos=True, logprobs=True, top_logprobs=4,
         include_stop_str_in_output=True, top_k=40,
     )
-    params = convert.sampling_params(message)
+    params = convert.sampling_params(message, LADLE)
     assert params == SamplingParams(
         min_p=0.25, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.5, logit_bias={5: -2.0},
         min_tokens=3, stop=("\n\n", "END"), stop_token_ids=(7,), ignore_eos=True, logprobs=True, top_logprobs=4,
@@ -153,10 +155,10 @@ def test_tool_calls_go_out_whole_in_a_choice_and_in_pieces_in_a_delta() -> None:
 
 def test_priority_defaults_depend_on_the_rpc() -> None:
     request = engine_pb2.GenerateRequest(request_id="r", input=types_pb2.Input(text="x"))
-    assert convert.generation_input(request, Priority.INTERACTIVE).priority is Priority.INTERACTIVE
-    assert convert.generation_input(request, Priority.BATCH).priority is Priority.BATCH
+    assert convert.generation_input(request, Priority.INTERACTIVE, LADLE).priority is Priority.INTERACTIVE
+    assert convert.generation_input(request, Priority.BATCH, LADLE).priority is Priority.BATCH
     request.priority = types_pb2.PRIORITY_INTERACTIVE
-    assert convert.generation_input(request, Priority.BATCH).priority is Priority.INTERACTIVE
+    assert convert.generation_input(request, Priority.BATCH, LADLE).priority is Priority.INTERACTIVE
 
 
 @pytest.mark.parametrize(
@@ -172,7 +174,7 @@ def test_priority_defaults_depend_on_the_rpc() -> None:
 )
 def test_constraints_convert_to_the_engine_type(message: types_pb2.Constraint, expected: Constraint | None) -> None:
     request = engine_pb2.GenerateRequest(input=types_pb2.Input(text="x"), constraint=message)
-    assert convert.generation_input(request, Priority.INTERACTIVE).params.constraint == expected
+    assert convert.generation_input(request, Priority.INTERACTIVE, LADLE).params.constraint == expected
 
 
 def _result() -> GenerationResult:

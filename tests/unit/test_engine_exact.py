@@ -11,29 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.quality import QUALITY_PROMPTS
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.loader import default_gguf_path
 from engine_server.tokenizer.chat import ChatMessage
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about autumn leaves.",
-    "Explain photosynthesis to a ten-year-old.",
-    "List three prime numbers greater than 50.",
-    "Translate 'good morning' into Spanish and German.",
-    "What is 17 times 23?",
-    "Give me a recipe for pancakes.",
-    "Who wrote Pride and Prejudice?",
-    "Describe the water cycle in two sentences.",
-    "Write a Python function that reverses a string.",
-    "What are the benefits of regular exercise?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do airplanes stay in the air?",
-    "Name the planets of the solar system in order.",
-    "What is the difference between weather and climate?",
-    "Tell me a short joke about computers.",
-]
+CHAT_PROMPTS = list(QUALITY_PROMPTS)  # also what `ladle bench quality` measures quantized weights on
 NUM_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
@@ -102,6 +86,7 @@ def test_shared_prefix_is_served_from_the_cache(llm: LLM) -> None:
 def test_a_small_kv_pool_preempts_and_still_gives_the_same_tokens(llm: LLM) -> None:
     small = LLM(
         config=EngineConfig(
+            quantization="none",
             cache=CacheConfig(block_size=16, memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4),  # 24 blocks
             scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16),
         )

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from gateway.batches import lines
 from gateway.errors import APIError, validation_param
-from gateway.schemas.chat import ChatCompletionRequest
+from gateway.schemas.chat import BatchChatCompletionRequest, ChatCompletionRequest
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from gateway.translate import from_engine, to_engine
 from ladle.v1 import types_pb2
@@ -26,6 +27,25 @@ def test_unset_fields_stay_unset_so_the_engine_applies_its_defaults() -> None:
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):
         assert not params.HasField(name), name
     assert params.n == 1 and params.skip_special_tokens
+
+
+def test_every_route_leaves_omitted_sampling_fields_unset() -> None:
+    """The engine's generation defaults (the model's) apply to what a caller omits on every route; only
+    completions' max_tokens has OpenAI's documented default, 16."""
+    unset = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "seed")
+    batch_chat = BatchChatCompletionRequest.model_validate({"model": "m", "messages": [HELLO, HELLO]})
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "Hi"})
+    body = {"model": "m", "messages": HELLO}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    requests = [
+        *(to_engine.chat_request(batch_chat, conversation, "r") for conversation in batch_chat.messages),
+        *lines.engine_requests(lines.parse_line(json.dumps(line).encode(), 1, 0, None, "m"), "r"),
+    ]
+    for request in requests:
+        assert not any(request.sampling.HasField(name) for name in (*unset, "max_tokens"))
+    (completion_request,) = to_engine.completion_requests(completion, "r")
+    assert not any(completion_request.sampling.HasField(name) for name in unset)
+    assert completion_request.sampling.max_tokens == 16
 
 
 def test_sampling_fields_and_extras_are_carried() -> None:

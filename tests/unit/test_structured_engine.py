@@ -278,6 +278,7 @@ def test_a_bad_spec_fails_its_request_before_anything_runs(llm: LLM) -> None:
 def test_preemption_keeps_grammar_state(llm: LLM) -> None:
     small = LLM(
         config=EngineConfig(
+            quantization="none",
             cache=CacheConfig(block_size=16, memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4),  # 24 blocks
             scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16),
         )

@@ -444,7 +444,10 @@ Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
 
 @_typing.final
 class SamplingDefaults(_message.Message):
-    """SamplingDefaults are the values used for unset sampling fields."""
+    """SamplingDefaults are the values used for unset sampling fields: the model's own (its generation_config.json,
+    or the embedded model's card) unless the engine was started with --generation-config ladle (OpenAI's), with
+    any --override-generation-config on top. A field the request sets always wins.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -453,6 +456,7 @@ class SamplingDefaults(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Default temperature."""
     top_p: _builtins.float
@@ -462,7 +466,11 @@ class SamplingDefaults(_message.Message):
     repetition_penalty: _builtins.float
     """Default repetition penalty (1 = none)."""
     max_tokens: _builtins.int
-    """Default completion cap when max_tokens is unset (0 = up to the context length)."""
+    """Default completion cap when max_tokens is unset (0 = up to the context length); unlike an explicit
+    max_tokens it shrinks to what the context leaves after the prompt.
+    """
+    min_p: _builtins.float
+    """Default min-p (0 = disabled)."""
     def __init__(
         self,
         *,
@@ -471,10 +479,11 @@ class SamplingDefaults(_message.Message):
         top_k: _builtins.int = ...,
         repetition_penalty: _builtins.float = ...,
         max_tokens: _builtins.int = ...,
+        min_p: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "repetition_penalty", b"repetition_penalty", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "min_p", b"min_p", "repetition_penalty", b"repetition_penalty", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

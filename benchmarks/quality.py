@@ -1,0 +1,154 @@
+"""Quantized weights against the float reference: greedy agreement and logit distance (`ladle bench quality`).
+
+For each chat prompt of the exactness tests, the float model (`--quantization none`, token-exact with
+transformers) decodes `--num-tokens` greedy tokens; every format then reads the same prompt + continuation
+(teacher forcing) and is compared with the float model's logits at each continuation position:
+- `top1_agreement`: the share of positions where both pick the same next token;
+- `mean_kl` / `max_kl`: KL(float || quantized) of the next-token distributions, in nats;
+- `greedy_identical`: the share of prompts whose free-running greedy continuation equals the float one, and
+  `mean_common_prefix`: how many leading tokens they share on average (one near-tie flips all that follows).
+The models run through the engine's own `ModelRunner`, so what is measured is what is served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from benchmarks.common import cpu_model_name
+from engine_server.attention import AttentionMetadata
+from engine_server.config import CacheConfig, EngineConfig
+from engine_server.llm import LLM
+from engine_server.sampling_params import SamplingParams
+from engine_server.tokenizer.chat import ChatMessage
+
+# The greedy exactness tests' prompts (tests/unit/test_engine_exact.py).
+QUALITY_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain photosynthesis to a ten-year-old.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23?",
+    "Give me a recipe for pancakes.",
+    "Who wrote Pride and Prejudice?",
+    "Describe the water cycle in two sentences.",
+    "Write a Python function that reverses a string.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do airplanes stay in the air?",
+    "Name the planets of the solar system in order.",
+    "What is the difference between weather and climate?",
+    "Tell me a short joke about computers.",
+)
+CACHE_BYTES = 512 * 1024**2  # one full-context sequence of the embedded model needs ~361 MiB
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """One quantization format against the float reference (see the module docstring)."""
+
+    quantization: str
+    positions: int
+    top1_agreement: float
+    mean_kl: float
+    max_kl: float
+    greedy_identical: float
+    mean_common_prefix: float
+
+
+def make_llm(model: str, quantization: str) -> LLM:
+    config = EngineConfig(model=model, device="cpu", quantization=quantization,  # type: ignore[arg-type]
+                          cache=CacheConfig(memory_bytes=CACHE_BYTES))  # fmt: skip
+    return LLM(config=config)
+
+
+def greedy_sequences(llm: LLM, prompts: Sequence[str], num_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt token ids, greedy continuation) per chat prompt."""
+    from engine_server import ChatPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    chats = [ChatPrompt([ChatMessage(role="user", content=p)]) for p in prompts]
+    results = llm.generate(chats, params, use_tqdm=False)
+    return [r.prompt_token_ids for r in results], [r.choices[0].token_ids for r in results]
+
+
+@torch.inference_mode()
+def sequence_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Float32 logits `[T, vocab]` of one sequence read in a single prefill by `llm`'s model."""
+    runner = llm.core.runner
+    count = len(token_ids)
+    blocks = -(-count // runner.block_size)
+    meta = AttentionMetadata.build([count], [count], [list(range(blocks))], runner.block_size, "cpu")
+    hidden = runner.model(torch.tensor(token_ids), torch.arange(count), runner.kv_caches, meta)
+    return runner.model.compute_logits(hidden)
+
+
+def compare(
+    reference: LLM, candidate: LLM, name: str, prompts: Sequence[str], num_tokens: int,
+    sequences: tuple[list[list[int]], list[list[int]]],
+) -> QualityResult:  # fmt: skip
+    """`candidate` against `reference` on `sequences` (the reference's greedy continuations of `prompts`)."""
+    agree = positions = 0
+    kls: list[float] = []
+    for prompt_ids, continuation in zip(*sequences, strict=True):
+        ids = prompt_ids + continuation
+        start = len(prompt_ids) - 1  # the logits that predict each continuation token
+        ref = torch.log_softmax(sequence_logits(reference, ids)[start:-1], dim=-1)
+        got = torch.log_softmax(sequence_logits(candidate, ids)[start:-1], dim=-1)
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        positions += ref.shape[0]
+        kls.extend((ref.exp() * (ref - got)).sum(-1).tolist())
+    _, free_running = greedy_sequences(candidate, prompts, num_tokens)
+    prefixes = [_common_prefix(a, b) for a, b in zip(sequences[1], free_running, strict=True)]
+    return QualityResult(
+        quantization=name,
+        positions=positions,
+        top1_agreement=agree / positions,
+        mean_kl=sum(kls) / len(kls),
+        max_kl=max(kls),
+        greedy_identical=sum(p == num_tokens for p in prefixes) / len(prefixes),
+        mean_common_prefix=sum(prefixes) / len(prefixes),
+    )
+
+
+def measure(
+    model: str = "default", formats: Sequence[str] = ("gguf", "int8"), num_tokens: int = 64,
+    prompts: Sequence[str] = QUALITY_PROMPTS, reference: LLM | None = None,
+) -> list[QualityResult]:  # fmt: skip
+    """Every format in `formats` against the float model (`reference`, loaded here when None)."""
+    reference = reference or make_llm(model, "none")
+    sequences = greedy_sequences(reference, prompts, num_tokens)
+    return [compare(reference, make_llm(model, name), name, prompts, num_tokens, sequences) for name in formats]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ladle bench quality", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--formats", default="gguf,int8", help="comma-separated --quantization values")
+    parser.add_argument("--num-tokens", type=int, default=64)
+    parser.add_argument("--out", help="write the results as JSON lines here")
+    args = parser.parse_args(argv)
+    results = measure(args.model, args.formats.split(","), args.num_tokens)
+    record: dict[str, Any] = {"model": args.model, "cpu": cpu_model_name(), "num_tokens": args.num_tokens}
+    lines = [json.dumps({**record, **asdict(r)}) for r in results]
+    for line in lines:
+        print(line)
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as out:
+            out.writelines(line + "\n" for line in lines)
+    assert all(math.isfinite(r.mean_kl) for r in results)
+
+
+if __name__ == "__main__":
+    main()

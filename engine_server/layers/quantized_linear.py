@@ -1,0 +1,147 @@
+"""Weight-only quantized linear layers for the CPU path: 4- and 8-bit weights in groups of 32, kept packed.
+
+A decode step on the CPU streams every weight once per token, so its time is the weights' bytes over the memory
+bandwidth: float32 SmolLM2-135M streams ~540 MB per token, its GGUF Q4_1 form ~96 MB. `QuantizedLinear`
+keeps a weight in one of two packed forms and multiplies with the C++ kernels of `kernels/cpu/quant_matmul.cpp`
+(contracts: `kernels.reference.q4_linear` / `q8_linear`), which quantize the activations to 8 bits per group of
+32 on the fly, as llama.cpp does, so each group's dot product is an exact integer one.
+
+- `Q4Weight`: element = scale * q + min, q in 0..15 (GGUF Q4_1; Q4_0 is min = -8 * scale).
+- `Q8Weight`: element = scale * q, q in -127..127 (GGUF Q8_0, and `quantize_q8` of any float weight).
+Both are row-major over the output features, so a fused projection (q/k/v, gate/up) is its shards' rows
+concatenated (`concat_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.reference import QUANT_GROUP, unpack_q4
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A 4-bit weight `[N, K]`: `qs` `[N, K/2]` uint8 (`kernels.reference.unpack_q4` order), `scales` and `mins`
+    `[N, K/32]` float32."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] * 2
+
+    def dequantize(self) -> torch.Tensor:
+        q = unpack_q4(self.qs).reshape(self.qs.shape[0], -1, QUANT_GROUP).float()
+        return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """An 8-bit weight `[N, K]`: `qs` `[N, K]` int8, `scales` `[N, K/32]` float32."""
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        q = self.qs.reshape(self.qs.shape[0], -1, QUANT_GROUP).float()
+        return (q * self.scales.unsqueeze(-1)).reshape(self.shape)
+
+
+QuantizedWeight = Q4Weight | Q8Weight
+
+
+def quantize_q8(weight: torch.Tensor) -> Q8Weight:
+    """Symmetric 8-bit groups of 32 along K (GGUF Q8_0's scheme): scale = max|w| / 127, q = round(w / scale).
+
+    Raises ValueError when K is not a multiple of 32.
+    """
+    rows, cols = weight.shape
+    if cols % QUANT_GROUP:
+        raise ValueError(f"cannot quantize a weight with {cols} input features: not a multiple of {QUANT_GROUP}")
+    groups = weight.detach().float().reshape(rows, -1, QUANT_GROUP)
+    scales = groups.abs().amax(-1) / 127.0
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    qs = torch.round(groups * inverse.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return Q8Weight(qs.reshape(rows, cols).contiguous(), scales.contiguous())
+
+
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """The shards of a fused projection as one weight (rows in order). Raises ValueError on mixed formats."""
+    first = weights[0]
+    if all(isinstance(w, Q4Weight) for w in weights):
+        q4 = [w for w in weights if isinstance(w, Q4Weight)]
+        return Q4Weight(
+            torch.cat([w.qs for w in q4]).contiguous(),
+            torch.cat([w.scales for w in q4]).contiguous(),
+            torch.cat([w.mins for w in q4]).contiguous(),
+        )
+    if all(isinstance(w, Q8Weight) for w in weights):
+        q8 = [w for w in weights if isinstance(w, Q8Weight)]
+        return Q8Weight(torch.cat([w.qs for w in q8]).contiguous(), torch.cat([w.scales for w in q8]).contiguous())
+    raise ValueError(f"cannot fuse shards of different formats ({type(first).__name__} and another)")
+
+
+class QuantizedLinear(nn.Module):
+    """`F.linear(x, W, bias)` with W a `QuantizedWeight`, on the CPU kernels (float32 x, any leading dims).
+
+    The result differs from `F.linear(x, weight.dequantize())` by x's 8-bit rounding (about 0.4% of each
+    group's largest value per element, averaging out over K), not by the weight's: that is stored exactly.
+    """
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.format = "q4" if isinstance(weight, Q4Weight) else "q8"
+        self.register_buffer("qs", weight.qs, persistent=False)
+        self.register_buffer("scales", weight.scales, persistent=False)
+        self.register_buffer("mins", weight.mins if isinstance(weight, Q4Weight) else None, persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if self.format == "q4":
+            out = torch.ops.ladle_cpu.q4_linear(rows, self.qs, self.scales, self.mins)
+        else:
+            out = torch.ops.ladle_cpu.q8_linear(rows, self.qs, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        result: torch.Tensor = out.reshape(*x.shape[:-1], self.out_features)
+        return result
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+def replace_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], QuantizedWeight | None]) -> int:
+    """Swap each `nn.Linear` of `model` (named as in `named_modules`) for a `QuantizedLinear` of the weight
+    `weight_for(name, linear)` returns; None keeps that layer as it is. Returns how many were swapped.
+
+    A swapped layer lets its float weight go unless another module still holds it (a tied embedding)."""
+    targets = [
+        (parent, f"{prefix}.{name}" if prefix else name, name, child)
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    swapped = 0
+    for parent, full_name, name, child in targets:
+        weight = weight_for(full_name, child)
+        if weight is None:
+            continue
+        if weight.shape != tuple(child.weight.shape):
+            raise ValueError(f"{full_name}: quantized weight {weight.shape} for a {tuple(child.weight.shape)} layer")
+        setattr(parent, name, QuantizedLinear(weight, child.bias))
+        swapped += 1
+    return swapped

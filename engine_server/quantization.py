@@ -1,0 +1,111 @@
+"""Which weights an engine keeps quantized (`EngineConfig.quantization`), and swapping its layers to them.
+
+- `none`: the float weights, the exact path (greedy output equal to transformers').
+- `gguf`: a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks (`loader.gguf_quant`), exactly the weights llama.cpp
+  serves from that file; its other tensors (F32, F16, K-quants) stay float.
+- `int8`: every linear layer of any model, its float weight quantized to 8-bit groups of 32 (`quantize_q8`).
+- `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
+`none` is the default: the quantized kernels win while a step has a few rows (single-stream decode streams 5x
+fewer weight bytes) but lose to MKL's float32 GEMMs on prefill chunks and large decode batches.
+Quantized layers run on the CPU kernels (`kernels/cpu/quant_matmul.cpp`); on CUDA only `none` is served, so
+`gguf` and `int8` there are refused at start-up, as is `gguf` for a model that is not a GGUF file.
+The LM head of a model with tied embeddings is quantized (from the embedding's stored blocks under `gguf`)
+while the embedding lookup keeps its float table: a lookup reads one row per token, the head reads them all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal
+
+import torch
+from torch import nn
+
+from engine_server.layers.quantized_linear import (
+    QuantizedLinear,
+    QuantizedWeight,
+    concat_rows,
+    quantize_q8,
+    replace_linears,
+)
+from engine_server.loader.gguf_quant import read_quantized_weights
+from engine_server.loader.source import ModelSource
+from engine_server.models.base import FUSED_SHARDS
+from kernels.reference import QUANT_GROUP
+
+Scheme = Literal["none", "gguf", "int8"]
+
+
+def resolve_quantization(
+    mode: str, source: ModelSource, device: torch.device, dtype: torch.dtype, kernels: bool
+) -> Scheme:
+    """The scheme `mode` means for `source` in `dtype` on `device`; `kernels` says whether the CPU kernels are
+    built. Raises ValueError (naming the flag) for a scheme this engine cannot serve.
+    """
+    cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    if mode == "auto":
+        return "gguf" if cpu_float32 and kernels and source.gguf_path is not None else "none"
+    if mode == "none":
+        return "none"
+    if mode not in ("gguf", "int8"):
+        raise ValueError(f"--quantization {mode!r}: expected auto, none, gguf or int8")
+    if not cpu_float32:
+        raise ValueError(
+            f"--quantization {mode}: quantized weights run on the CPU in float32 only, not {device.type} {dtype}"
+        )
+    if not kernels:
+        raise ValueError(f"--quantization {mode}: needs the CPU kernels, which could not be built here")
+    if mode == "gguf" and source.gguf_path is None:
+        raise ValueError(f"--quantization gguf: model {source.name!r} is not a GGUF file")
+    return "gguf" if mode == "gguf" else "int8"
+
+
+def quantize_model(model: nn.Module, source: ModelSource, scheme: Scheme) -> dict[str, int]:
+    """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`; returns layers per format
+    (`q4`, `q8`, and `float` for those left as they were)."""
+    if scheme == "none":
+        return {}
+    if scheme == "gguf":
+        assert source.gguf_path is not None
+        config = source.config
+        stored = read_quantized_weights(
+            source.gguf_path,
+            model_type=config.architecture,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+        )
+        tied = config.tie_word_embeddings
+
+        def stored_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:
+            return _stored_weight(stored, name, tied)
+
+        replace_linears(model, stored_weight)
+    else:
+        replace_linears(model, _int8_weight)
+    formats = Counter(
+        module.format if isinstance(module, QuantizedLinear) else "float"
+        for module in model.modules()
+        if isinstance(module, QuantizedLinear | nn.Linear)
+    )
+    return dict(formats)
+
+
+def _stored_weight(stored: dict[str, QuantizedWeight], name: str, tied: bool) -> QuantizedWeight | None:
+    """The stored weight of layer `name`: its checkpoint shards' rows for a fused layer, the embedding's blocks
+    for a tied LM head; None when any part is not stored quantized."""
+    if name == "lm_head" and tied:
+        return stored.get("model.embed_tokens.weight")
+    for fused, _, _ in FUSED_SHARDS:
+        if name.endswith(f".{fused}"):
+            parts = [name.removesuffix(fused) + part for f, part, _ in FUSED_SHARDS if f == fused]
+            shards = [stored.get(f"{part}.weight") for part in parts]
+            if any(shard is None for shard in shards):
+                return None
+            return concat_rows([shard for shard in shards if shard is not None])
+    return stored.get(f"{name}.weight")
+
+
+def _int8_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:
+    if linear.in_features % QUANT_GROUP:
+        return None
+    return quantize_q8(linear.weight)

@@ -1,0 +1,112 @@
+"""Quantized weights: which scheme an engine serves, the GGUF blocks read as they are, and their quality
+against the float reference (greedy agreement and logit distance, with thresholds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from benchmarks.quality import measure
+from engine_server.layers.quantized_linear import QuantizedLinear
+from engine_server.loader import ModelSource, default_gguf_path, resolve_model
+from engine_server.loader.gguf_quant import parse_blocks, read_quantized_weights
+from engine_server.loader.source import iter_safetensors
+from engine_server.quantization import resolve_quantization
+from kernels import cpu_ops as cpu
+from tests.unit.runner_factories import TINY_LLAMA
+
+needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# Measured on the embedded model (benchmarks/results/quality_cpu.jsonl): top-1 agreement 0.98 / 0.97 and mean
+# KL 0.003 / 0.004 nats for gguf / int8. The thresholds leave room for another CPU's float rounding.
+MIN_TOP1_AGREEMENT = 0.95
+MAX_MEAN_KL = 0.01
+
+
+def source(gguf: Path | None) -> ModelSource:
+    return ModelSource(TINY_LLAMA, Path("."), "tiny", Path("."), gguf_path=gguf)
+
+
+@pytest.mark.parametrize(
+    ("mode", "gguf", "device", "dtype", "kernels", "expected"),
+    [
+        ("auto", Path("m.gguf"), CPU, torch.float32, True, "gguf"),
+        ("auto", None, CPU, torch.float32, True, "none"),  # a Hugging Face folder or dummy: the float path
+        ("auto", Path("m.gguf"), CUDA, torch.bfloat16, True, "none"),
+        ("auto", Path("m.gguf"), CPU, torch.float32, False, "none"),  # no C++ kernels here
+        ("none", Path("m.gguf"), CPU, torch.float32, True, "none"),
+        ("gguf", Path("m.gguf"), CPU, torch.float32, True, "gguf"),
+        ("int8", None, CPU, torch.float32, True, "int8"),
+    ],
+)
+def test_resolve_quantization(
+    mode: str, gguf: Path | None, device: torch.device, dtype: torch.dtype, kernels: bool, expected: str
+) -> None:
+    assert resolve_quantization(mode, source(gguf), device, dtype, kernels) == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "gguf", "device", "kernels", "message"),
+    [
+        ("gguf", None, CPU, True, "not a GGUF file"),
+        ("int8", None, CUDA, True, "CPU in float32 only"),
+        ("gguf", Path("m.gguf"), CPU, False, "could not be built"),
+        ("int4", None, CPU, True, "expected auto, none, gguf or int8"),
+    ],
+)
+def test_unservable_schemes_are_refused_with_the_flag_named(
+    mode: str, gguf: Path | None, device: torch.device, kernels: bool, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as info:
+        resolve_quantization(mode, source(gguf), device, torch.float32, kernels)
+    assert "--quantization" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0])
+def test_parsed_blocks_dequantize_like_the_gguf_package(kind: GGMLQuantizationType) -> None:
+    weight = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
+    raw = quantize(weight, kind)
+    block_bytes = raw.shape[1] // 3
+    parsed = parse_blocks(raw.reshape(6, 3, block_bytes), kind)
+    assert torch.equal(parsed.dequantize(), torch.from_numpy(dequantize(raw, kind)))
+
+
+def test_embedded_model_blocks_equal_its_converted_float_weights() -> None:
+    embedded = resolve_model("default")
+    config = embedded.config
+    stored = read_quantized_weights(
+        default_gguf_path(), model_type="llama", num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+    )  # fmt: skip
+    converted = dict(iter_safetensors(embedded.path))
+    assert len(stored) == 7 * config.num_hidden_layers + 1  # every projection (Q4_1) and the embedding (Q8_0)
+    for name, weight in stored.items():  # q/k rows un-permuted as in the conversion, every value equal
+        assert torch.equal(weight.dequantize(), converted[name]), name
+
+
+@needs_kernels
+def test_quality_against_the_float_reference(llm: Any) -> None:
+    results = measure(formats=("gguf", "int8"), reference=llm)
+    for result in results:
+        assert result.positions == 16 * 64
+        assert result.top1_agreement >= MIN_TOP1_AGREEMENT, result
+        assert result.mean_kl <= MAX_MEAN_KL, result
+    assert llm.core.runner.quantization == "none"
+
+
+@needs_kernels
+def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
+    from benchmarks.quality import make_llm
+
+    quantized = make_llm("default", "auto")  # auto: the file's own blocks on the CPU
+    layers = [m for m in quantized.core.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized.core.runner.quantization == "gguf"
+    assert sorted({layer.format for layer in layers}) == ["q4", "q8"]  # Q4_1 projections, Q8_0 tied LM head
+    assert len(layers) == 4 * 30 + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.core.runner.model.modules())
