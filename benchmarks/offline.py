@@ -140,7 +140,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"ladle: {systems['ladle']}", flush=True)
     gguf = gguf_file(args.model)
-    if gguf is not None and args.device == "cpu" and importlib.util.find_spec("llama_cpp") is not None:
+    llama_cpp_installed = importlib.util.find_spec("llama_cpp") is not None
+    if gguf is not None and args.device == "cpu" and llama_cpp_installed and not args.skip_llama_cpp:
         systems["llama_cpp"] = bench_llama_cpp(gguf, prompts, args.output_len, torch.get_num_threads())
         print(f"llama_cpp: {systems['llama_cpp']}", flush=True)
     if not args.skip_hf:
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser)
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     parser.add_argument("--quantization", default="none", choices=["auto", "none", "gguf", "int8"],
                         help="ladle's weights (see `ladle engine --help`)")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
