@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import cpu_model_name
+from benchmarks.common import cpu_model_name, git_commit
 from engine_server.attention import AttentionMetadata
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.llm import LLM
@@ -132,7 +132,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ladle bench quality", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--formats", default="gguf,int8", help="comma-separated --quantization values")
@@ -140,15 +140,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", help="write the results as JSON lines here")
     args = parser.parse_args(argv)
     results = measure(args.model, args.formats.split(","), args.num_tokens)
-    record: dict[str, Any] = {"model": args.model, "cpu": cpu_model_name(), "num_tokens": args.num_tokens}
+    record: dict[str, Any] = {
+        "benchmark": "quality", "commit": git_commit(), "command": "ladle bench quality " + " ".join(argv or []),
+        "model": args.model, "cpu": cpu_model_name(), "num_tokens": args.num_tokens,
+    }
     lines = [json.dumps({**record, **asdict(r)}) for r in results]
     for line in lines:
         print(line)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as out:
             out.writelines(line + "\n" for line in lines)
-    assert all(math.isfinite(r.mean_kl) for r in results)
+    return 0 if all(math.isfinite(r.mean_kl) for r in results) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
