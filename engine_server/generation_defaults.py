@@ -171,15 +171,7 @@ def _typed(key: str, name: str, value: Any, where: str) -> int | float:
 
 def _check_ranges(defaults: GenerationDefaults, where: str) -> None:
     """The ranges SamplingParams.validate enforces on requests, so the defaults never make a request invalid."""
-    params = SamplingParams(
-        temperature=defaults.temperature,
-        top_p=defaults.top_p,
-        top_k=defaults.top_k,
-        min_p=defaults.min_p,
-        repetition_penalty=defaults.repetition_penalty,
-        max_tokens=defaults.max_tokens,
-    )
     try:
-        params.validate_values()
+        defaults.sampling_params(max_tokens=defaults.max_tokens).validate_values()
     except ValidationError as exc:
         raise ValueError(f"{where}: {exc.message}") from None

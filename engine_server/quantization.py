@@ -75,11 +75,7 @@ def quantize_model(model: nn.Module, source: ModelSource, scheme: Scheme) -> dic
             num_kv_heads=config.num_key_value_heads,
         )
         tied = config.tie_word_embeddings
-
-        def stored_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:
-            return _stored_weight(stored, name, tied)
-
-        replace_linears(model, stored_weight)
+        replace_linears(model, lambda name, _linear: _stored_weight(stored, name, tied))
     else:
         replace_linears(model, _int8_weight)
     formats = Counter(
