@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from engine_server.layers.decode_stack import build_decode_stack
 from engine_server.layers.quantized_linear import (
     QuantizedLinear,
     QuantizedWeight,
@@ -30,7 +31,7 @@ from engine_server.layers.quantized_linear import (
 )
 from engine_server.loader.gguf_quant import read_quantized_weights
 from engine_server.loader.source import ModelSource
-from engine_server.models.base import FUSED_SHARDS
+from engine_server.models.base import FUSED_SHARDS, CausalLM
 from kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8"]
@@ -60,9 +61,10 @@ def resolve_quantization(
     return "gguf" if mode == "gguf" else "int8"
 
 
-def quantize_model(model: nn.Module, source: ModelSource, scheme: Scheme) -> dict[str, int]:
-    """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`; returns layers per format
-    (`q4`, `q8`, and `float` for those left as they were)."""
+def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict[str, int]:
+    """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`, and give its decoder the C++ decode
+    stack where every projection is quantized; returns layers per format (`q4`, `q8`, and `float` for those left
+    as they were) and `decode_stack` (1 when attached)."""
     if scheme == "none":
         return {}
     if scheme == "gguf":
@@ -83,7 +85,8 @@ def quantize_model(model: nn.Module, source: ModelSource, scheme: Scheme) -> dic
         for module in model.modules()
         if isinstance(module, QuantizedLinear | nn.Linear)
     )
-    return dict(formats)
+    model.model.decode_stack = build_decode_stack(model.model)
+    return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
 
 
 def _stored_weight(stored: dict[str, QuantizedWeight], name: str, tied: bool) -> QuantizedWeight | None:

@@ -41,7 +41,7 @@ from kernels import reference
 log = structlog.get_logger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "cpu"
-_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp")
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "decoder.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -58,6 +60,8 @@ class DecoderModel(nn.Module):
         )
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # `layers.decode_stack.build_decode_stack(self)`, set once the weights are final: runs decode steps.
+        self.decode_stack: Any | None = None
 
     def forward(
         self,
@@ -68,6 +72,11 @@ class DecoderModel(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.decode_stack is not None and meta.max_query_len == 1:
+            stacked: torch.Tensor = self.decode_stack.forward(
+                hidden, positions, kv_caches, meta.block_tables, meta.seq_lens, meta.slot_mapping
+            )
+            return stacked
         residual: torch.Tensor | None = None
         cos_sin = self.get_buffer("cos_sin_cache")
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -51,6 +52,37 @@ inline void norm_row(const float* x, const float* weight, float eps, int64_t n, 
   for (; i + kLanes <= n; i += kLanes) store(out + i, load(weight + i) * (load(x + i) * inv));
   for (; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
+
+// Rotates the heads of one token: x [heads, dim] at `src` (head stride `head_stride`) into `dst` (contiguous).
+inline void rotate_token(const float* src, int64_t heads, int64_t head_stride, int64_t dim, const float* cos,
+                         const float* sin, float* dst) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x1 = src + h * head_stride;
+    const float* x2 = x1 + half;
+    float* o1 = dst + h * dim;
+    float* o2 = o1 + half;
+    int64_t i = 0;
+    for (; i + kLanes <= half; i += kLanes) {
+      const vec16 a = load(x1 + i), b = load(x2 + i), c = load(cos + i), s = load(sin + i);
+      store(o1 + i, a * c - b * s);
+      store(o2 + i, b * c + a * s);
+    }
+    for (; i < half; ++i) {
+      o1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+      o2[i] = x2[i] * cos[i] + x1[i] * sin[i];
+    }
+  }
+}
+
+void check_heads(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, name,
+              " must be a [T, heads, dim] float32 tensor with a contiguous last dim");
+}
+
+}  // namespace
+
+namespace ladle_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
@@ -97,33 +129,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     }
   });
   return {out, sum};
-}
-
-// Rotates the heads of one token: x [heads, dim] at `src` (head stride `head_stride`) into `dst` (contiguous).
-inline void rotate_token(const float* src, int64_t heads, int64_t head_stride, int64_t dim, const float* cos,
-                         const float* sin, float* dst) {
-  const int64_t half = dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* x1 = src + h * head_stride;
-    const float* x2 = x1 + half;
-    float* o1 = dst + h * dim;
-    float* o2 = o1 + half;
-    int64_t i = 0;
-    for (; i + kLanes <= half; i += kLanes) {
-      const vec16 a = load(x1 + i), b = load(x2 + i), c = load(cos + i), s = load(sin + i);
-      store(o1 + i, a * c - b * s);
-      store(o2 + i, b * c + a * s);
-    }
-    for (; i < half; ++i) {
-      o1[i] = x1[i] * cos[i] - x2[i] * sin[i];
-      o2[i] = x2[i] * cos[i] + x1[i] * sin[i];
-    }
-  }
-}
-
-void check_heads(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, name,
-              " must be a [T, heads, dim] float32 tensor with a contiguous last dim");
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
@@ -187,15 +192,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace ladle_cpu
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
-  m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(rotary_embedding));
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(silu_and_mul));
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::add_rms_norm));
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rotary_embedding));
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::silu_and_mul));
 }

@@ -23,6 +23,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LADLE_QUANT_AVX2 1
@@ -224,6 +226,10 @@ void for_each_tile(int64_t m_rows, int64_t n_rows, int64_t k, Tile&& tile) {
   });
 }
 
+}  // namespace
+
+namespace ladle_cpu {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins) {
   check_input(x, scales);
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = scales.size(0);
@@ -266,13 +272,11 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return y;
 }
 
-
-
-}  // namespace
+}  // namespace ladle_cpu
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("q4_linear(Tensor x, Tensor qs, Tensor scales, Tensor mins) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qs, Tensor scales) -> Tensor");
-  m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(q4_linear));
-  m.impl("q8_linear", c10::DispatchKey::CPU, TORCH_FN(q8_linear));
+  m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q4_linear));
+  m.impl("q8_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q8_linear));
 }

@@ -1,0 +1,157 @@
+// A decode step of a whole decoder stack in one call (`torch.classes.ladle_cpu.DecodeStack`), for models whose
+// projections are all quantized (engine_server/layers/decode_stack.py builds it).
+//
+// From Python, a decode step of SmolLM2-135M is ~300 small op calls (30 layers x norms, projections, rope, KV
+// write, attention, activation), each paying a few microseconds of Python and dispatcher overhead: about a third
+// of a single-stream token on a 2-core CPU. This class runs the same sequence of the same kernels (ops.h) from
+// C++, so its result is bit-identical to the layers' (`engine_server/layers/decoder.py`) on a decode step:
+//   per layer: h, r = add_rms_norm(h, r) (rms_norm on layer 0, r = h); qkv = linear(h) (+ bias);
+//   q, k = rotary(q, k); K/V written to their slots; a = paged_decode_attention(q);
+//   h, r = add_rms_norm(o_proj(a), r); h = down(silu_and_mul(gate_up(h)))
+//   then h = add_rms_norm(h, r) with the final norm.
+// Every row of the step must be a decode row (one new token); Qwen3's q/k norms are not supported (the builder
+// leaves such models on the layers).
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+// y = x W^T (+ bias) with W in a quantized form: Q4 when `mins` is defined, Q8 otherwise
+// (engine_server/layers/quantized_linear.py `QuantizedLinear`).
+struct Linear {
+  at::Tensor qs, scales, mins, bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = mins.defined() ? ladle_cpu::q4_linear(x, qs, scales, mins) : ladle_cpu::q8_linear(x, qs, scales);
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_
+};
+
+// Refuses a slot mapping that does not give each of `tokens` tokens a slot of `kv_cache`.
+void check_slots(const at::Tensor& slot_mapping, int64_t tokens, const at::Tensor& kv_cache) {
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(),
+              "slot_mapping must be a contiguous [T] int64 tensor");
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " outside the cache");
+  }
+}
+
+// kv_cache[0|1] flattened to slots: kv_cache[c][slot_mapping[t]] = k|v[t] (slots checked by check_slots).
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.size(3) * kv_cache.size(4) == row,
+              "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D] float32 tensor");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "k and v must have contiguous heads");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  float* keys = kv_cache.data_ptr<float>();
+  float* values = keys + kv_cache.size(1) * kv_cache.size(2) * row;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(keys + slot[t] * row, k.data_ptr<float>() + t * k.stride(0), row * sizeof(float));
+    std::memcpy(values + slot[t] * row, v.data_ptr<float>() + t * v.stride(0), row * sizeof(float));
+  }
+}
+
+}  // namespace
+
+namespace ladle_cpu {
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              at::Tensor cos_sin_cache, at::Tensor final_norm)
+      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        cos_sin_cache_(cos_sin_cache.contiguous()), final_norm_(final_norm.contiguous()) {}
+
+  // Registers a projection; returns its index for add_layer.
+  int64_t add_linear(at::Tensor qs, at::Tensor scales, std::optional<at::Tensor> mins,
+                     std::optional<at::Tensor> bias) {
+    linears_.push_back(Linear{qs, scales, mins.value_or(at::Tensor()), bias.value_or(at::Tensor())});
+    return static_cast<int64_t>(linears_.size()) - 1;
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t qkv, int64_t o, int64_t gate_up,
+                 int64_t down) {
+    for (int64_t index : {qkv, o, gate_up, down}) {
+      TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear ", index);
+    }
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [T, hidden] (the embeddings of the step's tokens) -> the final normalised hidden states [T, hidden];
+  // writes the step's K/V into kv_caches (one per layer) at slot_mapping.
+  at::Tensor forward(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> kv_caches,
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor slot_mapping) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: got ", kv_caches.size(), " for ",
+                layers_.size());
+    TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, hidden]");
+    const int64_t tokens = hidden.size(0);
+    for (const at::Tensor& cache : kv_caches) {
+      TORCH_CHECK(cache.dim() == 5 && cache.sizes() == kv_caches[0].sizes(), "KV caches of one shape, 5-D");
+    }
+    if (!layers_.empty()) check_slots(slot_mapping, tokens, kv_caches[0]);
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i == 0) {
+        residual = hidden;
+        hidden = rms_norm(hidden, layer.input_norm, eps_);
+      } else {
+        std::tie(hidden, residual) = add_rms_norm(hidden, residual, layer.input_norm, eps_);
+      }
+      const at::Tensor qkv = linears_[layer.qkv](hidden);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads_, head_dim_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
+      write_kv(k, v, kv_caches[i], slot_mapping);
+      const at::Tensor attention = paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_);
+      const at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
+      std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
+      hidden = linears_[layer.down](silu_and_mul(linears_[layer.gate_up](hidden)));
+    }
+    TORCH_CHECK(residual.defined(), "the stack has no layers");
+    return std::get<0>(add_rms_norm(hidden, residual, final_norm_, eps_));
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  at::Tensor cos_sin_cache_, final_norm_;
+  std::vector<Linear> linears_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace ladle_cpu
+
+TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
+  m.class_<ladle_cpu::DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
+      .def("add_linear", &ladle_cpu::DecodeStack::add_linear)
+      .def("add_layer", &ladle_cpu::DecodeStack::add_layer)
+      .def("num_layers", &ladle_cpu::DecodeStack::num_layers)
+      .def("forward", &ladle_cpu::DecodeStack::forward);
+}

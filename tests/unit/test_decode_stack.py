@@ -1,0 +1,76 @@
+"""The C++ decode stack runs a quantized model's decode steps with the very kernels, in the very order, of the
+layers: its hidden states and tokens equal theirs bit for bit, and it steps aside where it does not apply."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from engine_server.config import ModelConfig
+from engine_server.layers.decode_stack import build_decode_stack
+from engine_server.runner import ModelRunner
+from kernels import cpu_ops as cpu
+from tests.unit.runner_factories import MAX_MODEL_LEN, TINY_LLAMA, greedy_request, make_lockstep, tiny_engine_config
+from tests.unit.runner_factories import tiny_source as source_of
+
+pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+
+TINY_QWEN2 = dataclasses.replace(TINY_LLAMA, architecture="qwen2", attention_bias=True, name="tiny-qwen2")
+TINY_QWEN3 = dataclasses.replace(TINY_LLAMA, architecture="qwen3", qk_norm=True, name="tiny-qwen3")
+
+
+class CountingStack:
+    """Forwards to a DecodeStack, counting the steps it ran."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack, self.steps = stack, 0
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        self.steps += 1
+        result: torch.Tensor = self.stack.forward(*args)
+        return result
+
+
+def int8_runner(model: ModelConfig) -> ModelRunner:
+    config = dataclasses.replace(tiny_engine_config(), quantization="int8")
+    return ModelRunner(source_of(model), config, MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_QWEN2], ids=["llama", "qwen2-bias"])
+def test_decode_steps_equal_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, candidate = int8_runner(model), int8_runner(model)
+    assert candidate.model.model.decode_stack is not None
+    reference.model.model.decode_stack = None
+    counting = CountingStack(candidate.model.model.decode_stack)
+    candidate.model.model.decode_stack = counting
+    lockstep = make_lockstep(reference, candidate, tiny_engine_config(), monkeypatch)
+    requests = [greedy_request(f"r{i}", prompt_len=3 + 5 * i, max_tokens=12 + i) for i in range(4)]
+    steps = lockstep.run(requests, late={4: [greedy_request("late", prompt_len=9, max_tokens=6)]})
+    assert counting.steps == sum(step.decode_only for step in steps) > 10
+    assert any(not step.decode_only for step in steps[1:])  # a mixed step ran on the layers in between
+    for step in steps:
+        assert step.tokens[0] == step.tokens[1]
+        assert torch.equal(step.hidden[0], step.hidden[1])
+
+
+def test_models_it_does_not_cover_keep_the_layers() -> None:
+    assert int8_runner(TINY_QWEN3).model.model.decode_stack is None  # q/k norms
+    float_runner = ModelRunner(source_of(TINY_LLAMA), tiny_engine_config(), MAX_MODEL_LEN)
+    assert float_runner.model.model.decode_stack is None
+    assert build_decode_stack(float_runner.model.model) is None
+
+
+def test_bad_inputs_are_refused_before_anything_is_written() -> None:
+    runner = int8_runner(TINY_LLAMA)
+    stack = runner.model.model.decode_stack
+    hidden, positions = torch.ones(2, TINY_LLAMA.hidden_size), torch.zeros(2, dtype=torch.long)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="one KV cache per layer"):
+        stack.forward(hidden, positions, runner.kv_caches[:1], tables, lens, torch.zeros(2, dtype=torch.long))
+    before = [cache.clone() for cache in runner.kv_caches]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        stack.forward(hidden, positions, runner.kv_caches, tables, lens, torch.tensor([5, 10**9]))
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
