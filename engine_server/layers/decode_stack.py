@@ -8,12 +8,11 @@ rows and gets the layers' result bit for bit (tests/unit/test_decode_stack.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from engine_server.layers.attention import PagedSelfAttention
-from engine_server.layers.decoder import DecoderModel
+from engine_server.layers.decoder import DecoderLayer, DecoderModel
 from engine_server.layers.quantized_linear import QuantizedLinear
 from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
@@ -22,20 +21,19 @@ def build_decode_stack(model: DecoderModel) -> Any | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
     not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), a dtype other than float32, a
     head dim the attention kernel is not built for, or no C++ kernels."""
-    if cpu_ops() is None or not model.layers:
+    layers = [cast(DecoderLayer, layer) for layer in model.layers]
+    if cpu_ops() is None or not layers:
         return None
-    first: PagedSelfAttention = model.layers[0].self_attn
+    first = layers[0].self_attn
     if model.norm.weight.dtype != torch.float32 or first.head_dim not in HEAD_DIMS:
         return None
-    linears: list[QuantizedLinear] = []
-    for layer in model.layers:
+    projections: list[list[QuantizedLinear]] = []
+    for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        if attention.q_norm is not None:
+        parts = [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        if attention.q_norm is not None or not all(isinstance(part, QuantizedLinear) for part in parts):
             return None
-        parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(part, QuantizedLinear) for part in parts):
-            return None
-        linears.extend(parts)
+        projections.append([cast(QuantizedLinear, part) for part in parts])
     stack = torch.classes.ladle_cpu.DecodeStack(
         first.num_heads,
         first.num_kv_heads,
@@ -45,8 +43,7 @@ def build_decode_stack(model: DecoderModel) -> Any | None:
         model.get_buffer("cos_sin_cache"),
         model.norm.weight.detach(),
     )
-    for i, layer in enumerate(model.layers):
-        own = linears[4 * i : 4 * i + 4]
+    for layer, own in zip(layers, projections, strict=True):
         ids = [stack.add_linear(linear.qs, linear.scales, linear.mins, linear.bias) for linear in own]
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *ids)
     return stack

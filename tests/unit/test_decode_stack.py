@@ -66,6 +66,7 @@ def test_models_it_does_not_cover_keep_the_layers() -> None:
 def test_bad_inputs_are_refused_before_anything_is_written() -> None:
     runner = int8_runner(TINY_LLAMA)
     stack = runner.model.model.decode_stack
+    assert stack is not None
     hidden, positions = torch.ones(2, TINY_LLAMA.hidden_size), torch.zeros(2, dtype=torch.long)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
