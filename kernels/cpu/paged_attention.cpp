@@ -7,10 +7,10 @@
 //   seq_lens     [B] int32: row b attends to positions [0, seq_lens[b])
 //   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over j < seq_lens[b],
 //                K/V from KV head h / (H / Hkv).
-// Work is split over rows with at::parallel_for; a row reads its keys once for all its query heads, then its
-// values once, straight from the blocks, each block front to back with the next slots prefetched. Softmax is exact (max subtracted,
-// float32 sums); exp is a polynomial with ~1e-7 relative error, so results match the reference SDPA to float32
-// rounding, not bit for bit. Built with -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the
+// Work is split over rows with at::parallel_for; a row reads its keys once for all its query heads (each KV
+// head's key loaded once for its GQA group), then each head's values, straight from the blocks, block by block
+// with the next slots prefetched. Softmax is exact (max subtracted, float32 sums); exp is a polynomial with ~1e-7
+// relative error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the
 // extension resolves libgomp.so.1 to the copy torch already loaded).
 
 #include <ATen/Parallel.h>
@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -39,52 +40,73 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
 // so the hardware prefetchers cannot see the next one coming.
 constexpr int64_t kPrefetchAhead = 32;
 
-// Calls visit(t, h, x) for every position t < len (in order) and query head h, x being the Dim / 16 vectors of
-// h's KV head in t's slot of `cache`: each slot is loaded once for the GQA group that shares it.
-template <int64_t Dim, typename Slot, typename Visit>
-inline void for_each_slot(const float* cache, const Slot& slot, int64_t len, int64_t kv_heads, int64_t group,
-                          Visit&& visit) {
-  constexpr int64_t chunks = Dim / kLanes;
-  for (int64_t t = 0; t < len; ++t) {
-    const float* tokens = cache + slot(t);
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      vec16 x[chunks];
-      for (int64_t c = 0; c < chunks; ++c) x[c] = load(tokens + kvh * Dim + c * kLanes);
-      for (int64_t g = 0; g < group; ++g) visit(t, kvh * group + g, x);
-    }
-  }
+// 8 floats: one AVX2 register. The per-token loops below work in these rather than in vec16, which GCC spills to
+// the stack on AVX2 machines; on AVX-512 ones it is half a register, and these loops are short.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes8 = 8;
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline float hsum8(vec8 v) {
+  v += __builtin_shuffle(v, ivec8{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
 }
 
 // One decode row: all `heads` query heads at `q` (contiguous, Dim floats each) against positions [0, len) of the
-// paged K/V, written to `out` (contiguous). Each token's slot holds every KV head (token_stride floats), so
-// reading it for all heads at once walks each block front to back. `scores` has room for heads * padded(len)
-// floats and `acc` for heads * Dim.
+// paged K/V, written to `out` (contiguous). A token's slot holds every KV head (token_stride floats); the loops
+// go KV head by KV head, so a head's keys are read once for the query heads of its group, and the slots of the
+// next tokens are prefetched (a row's blocks sit anywhere in the cache, out of the hardware prefetchers' sight).
+// `scores` has room for heads * padded(len) floats.
+// Calls visit(t, slot) for positions t in [0, len) in order, `slot` pointing at t's token in `cache` (every KV
+// head of it): block by block, so the block table is read once per block, not once per token.
+template <typename Visit>
+inline void for_each_token(const float* cache, const int32_t* table, int64_t len, int64_t block_size,
+                           int64_t token_stride, Visit&& visit) {
+  for (int64_t start = 0, block = 0; start < len; start += block_size, ++block) {
+    const float* base = cache + static_cast<int64_t>(table[block]) * block_size * token_stride;
+    const int64_t count = std::min(block_size, len - start);
+    for (int64_t j = 0; j < count; ++j) visit(start + j, base + j * token_stride);
+  }
+}
+
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, int64_t len,
-            int64_t block_size, int64_t kv_heads, int64_t group, float scale, float* scores, float* acc,
-            float* out) {
-  constexpr int64_t chunks = Dim / kLanes;
-  const int64_t heads = kv_heads * group;
+            int64_t block_size, int64_t kv_heads, int64_t group, float scale, float* scores, float* out) {
+  constexpr int64_t chunks = Dim / kLanes8;
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  const int64_t heads = kv_heads * group;
   auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
 
-  for (int64_t t = 0; t < len && t < kPrefetchAhead; ++t) {
+  for (int64_t t = 0; t < std::min(len, kPrefetchAhead); ++t) {
     prefetch_slot(keys + slot(t), slot_bytes);
     prefetch_slot(values + slot(t), slot_bytes);
   }
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t c = 0; c < chunks; ++c) store(acc + h * Dim + c * kLanes, load(q + h * Dim + c * kLanes) * scale);
-  for_each_slot<Dim>(keys, slot, len, kv_heads, group, [&](int64_t t, int64_t h, const vec16* k) {
-    if (h == 0 && t + kPrefetchAhead < len) {  // the values too: the second pass then reads them from L2
+  for_each_token(keys, table, len, block_size, token_stride, [&](int64_t t, const float* token) {
+    if (t + kPrefetchAhead < len) {  // the values too: their pass then reads them from cache
       prefetch_slot(keys + slot(t + kPrefetchAhead), slot_bytes);
       prefetch_slot(values + slot(t + kPrefetchAhead), slot_bytes);
     }
-    const float* qh = acc + h * Dim;  // the scaled queries, until the values pass reuses acc
-    vec16 dot = load(qh) * k[0];
-    for (int64_t c = 1; c < chunks; ++c) dot += load(qh + c * kLanes) * k[c];
-    scores[h * padded + t] = hsum(dot);
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      vec8 k[chunks];
+      for (int64_t c = 0; c < chunks; ++c) k[c] = load8(token + kvh * Dim + c * kLanes8);
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+        const float* qh = q + h * Dim;
+        vec8 dot = load8(qh) * k[0];
+        for (int64_t c = 1; c < chunks; ++c) dot += load8(qh + c * kLanes8) * k[c];
+        scores[h * padded + t] = hsum8(dot) * scale;
+      }
+    }
   });
   for (int64_t h = 0; h < heads; ++h) {
     // Softmax over the row, padded to whole vectors with -inf (which exp turns into 0).
@@ -106,17 +128,21 @@ void attend(const float* q, const float* keys, const float* values, const int32_
     const float inv = 1.f / hsum(total);
     for (int64_t t = 0; t < len; ++t) s[t] *= inv;
   }
-  for (int64_t i = 0; i < heads * Dim; i += kLanes) store(acc + i, vec16{});
-  for_each_slot<Dim>(values, slot, len, kv_heads, group, [&](int64_t t, int64_t h, const vec16* v) {
-    const vec16 w = splat(scores[h * padded + t]);
-    float* a = acc + h * Dim;
-    for (int64_t c = 0; c < chunks; ++c) store(a + c * kLanes, load(a + c * kLanes) + w * v[c]);
-  });
-  for (int64_t i = 0; i < heads * Dim; i += kLanes) store(out + i, load(acc + i));
+  for (int64_t h = 0; h < heads; ++h) {
+    // The weighted sum of one head's values, in registers over the whole row.
+    const float* w = scores + h * padded;
+    const int64_t offset = (h / group) * Dim;
+    vec8 acc[chunks] = {};
+    for_each_token(values, table, len, block_size, token_stride, [&](int64_t t, const float* token) {
+      const vec8 weight = vec8{} + w[t];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] += weight * load8(token + offset + c * kLanes8);
+    });
+    for (int64_t c = 0; c < chunks; ++c) store8(out + h * Dim + c * kLanes8, acc[c]);
+  }
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
-                          int64_t, float, float*, float*, float*);
+                          int64_t, float, float*, float*);
 
 AttendFn attend_for(int64_t dim) {
   switch (dim) {
@@ -173,10 +199,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t max_padded = (width * block_size + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * max_padded);
-    std::vector<float> acc(heads * dim);
     for (int64_t r = begin; r < end; ++r) {
       attend_fn(q_ptr + r * heads * dim, k_ptr, v_ptr, tables + r * width, lens_ptr[r], block_size, kv_heads, group,
-                fscale, scores.data(), acc.data(), out_ptr + r * heads * dim);
+                fscale, scores.data(), out_ptr + r * heads * dim);
     }
   });
   return out;
