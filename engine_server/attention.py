@@ -15,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from engine_server.config import ModelConfig
-from engine_server.transfer import padded_rows, to_device
+from engine_server.transfer import host_tensor, padded_rows, to_device
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class AttentionMetadata:
         for i, bt in enumerate(block_tables):
             if len(bt) * block_size < seq_lens[i]:
                 raise ValueError(f"block table of sequence {i} is too short for {seq_lens[i]} tokens")
+        if all(q == 1 for q in query_lens):
+            return cls._build_decode(seq_lens, block_tables, width, block_size, device)
         tables = padded_rows(block_tables, width, 0)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -102,6 +105,29 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            block_size=block_size,
+        )
+
+    @classmethod
+    def _build_decode(
+        cls, seq_lens: list[int], block_tables: list[list[int]], width: int, block_size: int, device: torch.device | str
+    ) -> AttentionMetadata:
+        """`build` for a step of decode rows only (one new token each, at position seq_len - 1): the slots come
+        from plain integer arithmetic, which for a few rows costs a fraction of the tensor ops' dispatch."""
+        batch = len(seq_lens)
+        slots = [
+            table[(n - 1) // block_size] * block_size + (n - 1) % block_size
+            for table, n in zip(block_tables, seq_lens, strict=True)
+        ]
+        return cls(
+            query_start_loc=to_device(torch.arange(batch + 1, dtype=torch.int32), device),
+            seq_lens=to_device(host_tensor(seq_lens, torch.int32, device), device),
+            block_tables=to_device(padded_rows(block_tables, width, 0, np.int32), device),
+            slot_mapping=to_device(host_tensor(slots, torch.int64, device), device),
+            max_query_len=1,
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_cpu=[1] * batch,
             seq_lens_cpu=list(seq_lens),
             block_size=block_size,
         )

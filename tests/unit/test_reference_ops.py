@@ -83,6 +83,19 @@ def test_metadata_slot_mapping_follows_block_tables() -> None:
         AttentionMetadata.build([5], [5], [[1]], block_size=4, device="cpu")
 
 
+def test_decode_metadata_matches_the_general_build() -> None:
+    """A decode-only step takes `build`'s shortcut; as the tail of a mixed step it takes the general path."""
+    tables, lens = [[7, 2], [4], [0, 9, 3]], [5, 1, 9]
+    decode = AttentionMetadata.build([1, 1, 1], lens, tables, block_size=4, device="cpu")
+    mixed = AttentionMetadata.build([2, 1, 1, 1], [2, *lens], [[5], *tables], block_size=4, device="cpu")
+    assert decode.slot_mapping.tolist() == mixed.slot_mapping.tolist()[2:] == [8, 16, 12]
+    assert decode.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert decode.block_tables.tolist() == mixed.block_tables.tolist()[1:]
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        assert getattr(decode, name).dtype == getattr(mixed, name).dtype, name
+    assert (decode.max_query_len, decode.max_seq_len, decode.query_lens_cpu) == (1, 9, [1, 1, 1])
+
+
 def test_write_kv_cache_stores_each_token_in_its_slot() -> None:
     cache = torch.zeros(2, 3, 2, 1, 4)
     k, v = torch.randn(2, 1, 4), torch.randn(2, 1, 4)
