@@ -1,7 +1,8 @@
 """Weight-only quantized linear layers for the CPU path: 4- and 8-bit weights in groups of 32, kept packed.
 
 A decode step on the CPU streams every weight once per token, so its time is the weights' bytes over the memory
-bandwidth: float32 SmolLM2-135M streams ~540 MB per token, its GGUF Q4_1 form ~96 MB. `QuantizedLinear`
+bandwidth: float32 SmolLM2-135M streams ~540 MB per token, its GGUF Q4_1 form ~96 MB (scales kept in float16, as
+GGUF stores them: float32 ones would add 16 MB). `QuantizedLinear`
 keeps a weight in one of two packed forms and multiplies with the C++ kernels of `kernels/cpu/quant_matmul.cpp`
 (contracts: `kernels.reference.q4_linear` / `q8_linear`), which quantize the activations to 8 bits per group of
 32 on the fly, as llama.cpp does, so each group's dot product is an exact integer one.
@@ -26,7 +27,7 @@ from kernels.reference import QUANT_GROUP, unpack_q4
 @dataclass(frozen=True)
 class Q4Weight:
     """A 4-bit weight `[N, K]`: `qs` `[N, K/2]` uint8 (`kernels.reference.unpack_q4` order), `scales` and `mins`
-    `[N, K/32]` float32."""
+    `[N, K/32]` float16."""
 
     qs: torch.Tensor
     scales: torch.Tensor
@@ -38,12 +39,12 @@ class Q4Weight:
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_q4(self.qs).reshape(self.qs.shape[0], -1, QUANT_GROUP).float()
-        return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).reshape(self.shape)
+        return (q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)).reshape(self.shape)
 
 
 @dataclass(frozen=True)
 class Q8Weight:
-    """An 8-bit weight `[N, K]`: `qs` `[N, K]` int8, `scales` `[N, K/32]` float32."""
+    """An 8-bit weight `[N, K]`: `qs` `[N, K]` int8, `scales` `[N, K/32]` float16."""
 
     qs: torch.Tensor
     scales: torch.Tensor
@@ -54,14 +55,15 @@ class Q8Weight:
 
     def dequantize(self) -> torch.Tensor:
         q = self.qs.reshape(self.qs.shape[0], -1, QUANT_GROUP).float()
-        return (q * self.scales.unsqueeze(-1)).reshape(self.shape)
+        return (q * self.scales.float().unsqueeze(-1)).reshape(self.shape)
 
 
 QuantizedWeight = Q4Weight | Q8Weight
 
 
 def quantize_q8(weight: torch.Tensor) -> Q8Weight:
-    """Symmetric 8-bit groups of 32 along K (GGUF Q8_0's scheme): scale = max|w| / 127, q = round(w / scale).
+    """Symmetric 8-bit groups of 32 along K, GGUF Q8_0's scheme: scale = max|w| / 127, q = round(w / scale) in
+    float32, the scale then stored in float16.
 
     Raises ValueError when K is not a multiple of 32.
     """
@@ -72,7 +74,7 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:
     scales = groups.abs().amax(-1) / 127.0
     inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     qs = torch.round(groups * inverse.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return Q8Weight(qs.reshape(rows, cols).contiguous(), scales.contiguous())
+    return Q8Weight(qs.reshape(rows, cols).contiguous(), scales.half().contiguous())
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:

@@ -53,12 +53,12 @@ def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWei
     if kind == GGMLQuantizationType.Q4_1:
         mins, nibbles = _float16(blocks, 2), blocks[..., 4:20]
     else:
-        mins, nibbles = (-8.0 * scales).astype(np.float32), blocks[..., 2:18]
+        mins, nibbles = (-8.0 * scales).astype(np.float16), blocks[..., 2:18]  # exact: a power of two
     qs = np.ascontiguousarray(nibbles).reshape(rows, -1)
     return Q4Weight(torch.from_numpy(qs.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
 def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 at byte `offset` of every block, as a contiguous `[N, K/32]` float32 array."""
+    """The float16 at byte `offset` of every block, as a contiguous `[N, K/32]` float16 array."""
     raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
-    return raw.view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(raw.view(np.float16)[..., 0])

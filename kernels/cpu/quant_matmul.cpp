@@ -4,8 +4,9 @@
 // `q4_linear` / `q8_linear` in kernels/reference.py:
 //   x       [M, K] float32, contiguous rows; K % 32 == 0
 //   q4: qs  [N, K / 2] uint8: per group 16 bytes, byte j holds element j (low nibble) and j + 16 (high nibble)
-//       scales, mins [N, K / 32] float32: element = scale * q + min, q in 0..15 (Q4_0: min = -8 * scale)
-//   q8: qs  [N, K] int8; scales [N, K / 32] float32: element = scale * q
+//       scales, mins [N, K / 32] float16 (as GGUF stores them): element = scale * q + min, q in 0..15
+//       (Q4_0: min = -8 * scale)
+//   q8: qs  [N, K] int8; scales [N, K / 32] float16: element = scale * q
 //   x's group g of row m: dx = max|x| / 127, xq = round-half-even(x / dx) (dx = 0 and xq = 0 for a zero group)
 //   y[m, n] = sum_g scale[n, g] * dx[m, g] * (q . xq) (+ min[n, g] * dx[m, g] * sum(xq))   -> [M, N] float32
 // The integer dot products are exact; the float sums run in 8 lanes (AVX2) or one (the portable loop), so
@@ -29,8 +30,20 @@
 #include <immintrin.h>
 #define LADLE_QUANT_AVX2 1
 #endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
+
+// A float16 weight scale as float32 (one instruction with F16C).
+inline float to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
 
 constexpr int64_t kGroup = 32;
 // Rows of x that share one pass over a weight row's unpacked groups.
@@ -106,7 +119,7 @@ inline __m256i unpack_nibbles(const uint8_t* packed) {
 // Rows [m0, m0 + R) of y for one weight row of a Q4 weight. R is a template argument so that the R
 // accumulators live in registers; the unpacked weight group serves all R rows.
 template <int64_t R>
-void q4_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* qs, const float* scales, const float* mins,
+void q4_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* qs, const at::Half* scales, const at::Half* mins,
              float* y, int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup;
   const float* x_scales = xq.scales + m0 * groups;
@@ -116,7 +129,7 @@ void q4_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* qs, const float
 #pragma GCC unroll 4
   for (int64_t r = 0; r < R; ++r) {
     float offset = 0.f;
-    for (int64_t g = 0; g < groups; ++g) offset += mins[g] * x_sums[r * groups + g];
+    for (int64_t g = 0; g < groups; ++g) offset += to_float(mins[g]) * x_sums[r * groups + g];
     total[r] = offset;
   }
 #ifdef LADLE_QUANT_AVX2
@@ -128,7 +141,7 @@ void q4_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* qs, const float
 #pragma GCC unroll 4
     for (int64_t r = 0; r < R; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * k + g * kGroup));
-      const __m256 scale = _mm256_set1_ps(scales[g] * x_scales[r * groups + g]);
+      const __m256 scale = _mm256_set1_ps(to_float(scales[g]) * x_scales[r * groups + g]);
       acc[r] = _mm256_fmadd_ps(scale, dot_u8_s8(q, xv), acc[r]);
     }
   }
@@ -143,7 +156,7 @@ void q4_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* qs, const float
         const uint8_t byte = qs[g * (kGroup / 2) + j];
         dot += (byte & 0x0F) * xv[g * kGroup + j] + (byte >> 4) * xv[g * kGroup + j + kGroup / 2];
       }
-      total[r] += scales[g] * x_scales[r * groups + g] * static_cast<float>(dot);
+      total[r] += to_float(scales[g]) * x_scales[r * groups + g] * static_cast<float>(dot);
     }
   }
 #endif
@@ -152,7 +165,7 @@ void q4_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* qs, const float
 
 // Rows [m0, m0 + R) of y for one weight row of a Q8 weight (see q4_tile).
 template <int64_t R>
-void q8_tile(const QuantizedRows& xq, int64_t m0, const int8_t* qs, const float* scales, float* y,
+void q8_tile(const QuantizedRows& xq, int64_t m0, const int8_t* qs, const at::Half* scales, float* y,
              int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup;
   const float* x_scales = xq.scales + m0 * groups;
@@ -167,7 +180,7 @@ void q8_tile(const QuantizedRows& xq, int64_t m0, const int8_t* qs, const float*
 #pragma GCC unroll 4
     for (int64_t r = 0; r < R; ++r) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * k + g * kGroup));
-      const __m256 scale = _mm256_set1_ps(scales[g] * x_scales[r * groups + g]);
+      const __m256 scale = _mm256_set1_ps(to_float(scales[g]) * x_scales[r * groups + g]);
       acc[r] = _mm256_fmadd_ps(scale, dot_u8_s8(magnitude, _mm256_sign_epi8(xv, w)), acc[r]);
     }
   }
@@ -180,7 +193,7 @@ void q8_tile(const QuantizedRows& xq, int64_t m0, const int8_t* qs, const float*
     for (int64_t g = 0; g < groups; ++g) {
       int32_t dot = 0;
       for (int64_t j = 0; j < kGroup; ++j) dot += qs[g * kGroup + j] * xv[g * kGroup + j];
-      total += scales[g] * x_scales[r * groups + g] * static_cast<float>(dot);
+      total += to_float(scales[g]) * x_scales[r * groups + g] * static_cast<float>(dot);
     }
     y[r * y_stride] = total;
   }
@@ -202,9 +215,9 @@ void check_input(const at::Tensor& x, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a [M, K] float32 tensor with a contiguous last dim");
   TORCH_CHECK(x.size(1) % kGroup == 0, "K must be a multiple of 32, got ", x.size(1));
-  TORCH_CHECK(scales.dim() == 2 && scales.size(1) == x.size(1) / kGroup && scales.scalar_type() == at::kFloat &&
+  TORCH_CHECK(scales.dim() == 2 && scales.size(1) == x.size(1) / kGroup && scales.scalar_type() == at::kHalf &&
                   scales.is_contiguous(),
-              "scales must be a contiguous [N, K / 32] float32 tensor");
+              "scales must be a contiguous [N, K / 32] float16 tensor");
 }
 
 // Weight rows per task: enough groups that a thread's share outweighs waking it.
@@ -236,14 +249,14 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   TORCH_CHECK(qs.dim() == 2 && qs.size(0) == n_rows && qs.size(1) == k / 2 && qs.scalar_type() == at::kByte &&
                   qs.is_contiguous(),
               "qs must be a contiguous [N, K / 2] uint8 tensor");
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kFloat && mins.is_contiguous(),
-              "mins must be a contiguous [N, K / 32] float32 tensor");
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == at::kHalf && mins.is_contiguous(),
+              "mins must be a contiguous [N, K / 32] float16 tensor");
   at::Tensor y = at::empty({m_rows, n_rows}, x.options());
   if (m_rows == 0 || n_rows == 0) return y;
   const QuantizedRows xq = quantize_rows(x);
   const uint8_t* q = qs.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* z = mins.data_ptr<float>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const at::Half* z = mins.data_ptr<at::Half>();
   float* out = y.data_ptr<float>();
   const int64_t groups = k / kGroup;
   for_each_tile(m_rows, n_rows, k, [&](auto tile_rows, int64_t m0, int64_t n) {
@@ -263,7 +276,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   if (m_rows == 0 || n_rows == 0) return y;
   const QuantizedRows xq = quantize_rows(x);
   const int8_t* q = qs.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
+  const at::Half* s = scales.data_ptr<at::Half>();
   float* out = y.data_ptr<float>();
   const int64_t groups = k / kGroup;
   for_each_tile(m_rows, n_rows, k, [&](auto tile_rows, int64_t m0, int64_t n) {

@@ -18,14 +18,14 @@ TOLERANCE = dict(atol=1e-4, rtol=1e-5)
 
 def random_q4(n: int, k: int, gen: torch.Generator) -> Q4Weight:
     qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(n, k // 32, generator=gen) * 0.02
-    mins = -torch.rand(n, k // 32, generator=gen) * 0.2
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02).half()
+    mins = (-torch.rand(n, k // 32, generator=gen) * 0.2).half()
     return Q4Weight(qs, scales, mins)
 
 
 def random_q8(n: int, k: int, gen: torch.Generator) -> Q8Weight:
     qs = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    return Q8Weight(qs, torch.rand(n, k // 32, generator=gen) * 0.01)
+    return Q8Weight(qs, (torch.rand(n, k // 32, generator=gen) * 0.01).half())
 
 
 SHAPES = [(1, 1, 32), (1, 7, 64), (3, 5, 96), (4, 33, 576), (5, 64, 576), (17, 129, 1536), (64, 96, 224)]
@@ -59,9 +59,11 @@ def test_extreme_values_zero_groups_and_strided_rows() -> None:
     x[1, 32:64] = 0.0  # one zero group
     x[2] *= 1e4
     x[3] *= 1e-6
-    q8 = Q8Weight(torch.full((9, 128), -127, dtype=torch.int8), torch.rand(9, 4, generator=gen))
+    q8 = Q8Weight(torch.full((9, 128), -127, dtype=torch.int8), torch.rand(9, 4, generator=gen).half())
     q8.qs[::2] = 127  # the largest products the 16-bit pair sums must hold
-    q4 = Q4Weight(torch.full((9, 64), 0xFF, dtype=torch.uint8), torch.rand(9, 4, generator=gen), torch.zeros(9, 4))
+    q4 = Q4Weight(
+        torch.full((9, 64), 0xFF, dtype=torch.uint8), torch.rand(9, 4, generator=gen).half(), torch.zeros(9, 4).half()
+    )
     wide = torch.randn(6, 256, generator=gen)
     for rows in (x, wide[:, :128]):  # contiguous and row-strided
         torch.testing.assert_close(
@@ -93,6 +95,8 @@ def test_kernels_refuse_malformed_inputs() -> None:
         torch.ops.ladle_cpu.q4_linear(x, w.qs, w.scales, w.mins[:4].contiguous())
     with pytest.raises(RuntimeError, match="qs must be"):
         torch.ops.ladle_cpu.q8_linear(x, q8.qs.to(torch.uint8), q8.scales)
+    with pytest.raises(RuntimeError, match="scales must be .* float16"):
+        torch.ops.ladle_cpu.q8_linear(x, q8.qs, q8.scales.float())
 
 
 def test_reference_is_the_dequantized_matmul_up_to_activation_rounding() -> None:
@@ -111,7 +115,9 @@ def test_quantize_q8_round_trip_and_unpack_order() -> None:
     weight = torch.randn(10, 96, generator=gen)
     q = quantize_q8(weight)
     step = weight.reshape(10, 3, 32).abs().amax(-1, keepdim=True) / 127
-    assert ((q.dequantize() - weight).reshape(10, 3, 32).abs() <= step / 2 + 1e-7).all()
+    # Half a step from rounding q, plus 127 times the scale's float16 rounding (a relative 2^-11).
+    assert ((q.dequantize() - weight).reshape(10, 3, 32).abs() <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+    assert q.scales.dtype == torch.float16
     assert q.qs.abs().max() == 127
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_q8(torch.randn(4, 40))
