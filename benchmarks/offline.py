@@ -4,8 +4,9 @@ Workload: `--num-seqs` random-token prompts of `--input-len` tokens, `--output-l
 greedy. Systems: ladle's offline LLM (weights as `--quantization` says), transformers' static `generate` (the
 whole batch at once) and its continuous `generate_batch`, and, for a GGUF model when llama-cpp-python is
 installed (it is not a dependency), llama.cpp on the same file and token ids, one sequence after another (its
-Python API decodes one sequence at a time). Each is timed after a warm-up; output tok/s = generated tokens /
-wall seconds.
+Python API decodes one sequence at a time). Each is timed after a warm-up on other prompts (no system may reuse
+a cached prompt: ladle's prefix cache and llama.cpp's kept context would skip the prefill); output tok/s =
+generated tokens / wall seconds, prefill included.
 Results go to stdout and, with `--out`, are appended as one JSON object per run.
 
     ladle bench offline --num-seqs 64 --input-len 128 --output-len 128 --out benchmarks/results/cpu.jsonl
@@ -43,6 +44,11 @@ def make_workload(num_seqs: int, input_len: int, vocab_limit: int, seed: int) ->
     return [[rng.randrange(10, vocab_limit) for _ in range(input_len)] for _ in range(num_seqs)]
 
 
+def warmup_prompts(prompts: Workload) -> Workload:
+    """Two prompts for a warm-up that share no prefix with the workload's: each of its prompts reversed."""
+    return [prompt[::-1] for prompt in prompts[:2]]
+
+
 def _timed(run: Callable[[], int]) -> dict[str, float]:
     start = time.perf_counter()
     tokens = run()
@@ -62,7 +68,8 @@ def bench_ladle(
     )
     llm = LLM(config=config)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    warmup = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(warmup_prompts(prompts), warmup, use_tqdm=False)
 
     def run() -> int:
         results = llm.generate(prompts, params, use_tqdm=False)
@@ -80,13 +87,14 @@ def bench_llama_cpp(gguf: Path, prompts: Workload, output_len: int, threads: int
 
     def decode(prompt: list[int], count: int) -> int:
         produced = 0
+        llama.reset()  # else generate keeps the context it shares with the last prompt and skips its prefill
         for _ in llama.generate(prompt, top_k=1, temp=0.0, reset=True):
             produced += 1
             if produced == count:
                 break
         return produced
 
-    decode(prompts[0], 4)  # warm-up
+    decode(warmup_prompts(prompts)[0], 4)
 
     def run() -> int:
         return sum(decode(prompt, output_len) for prompt in prompts)

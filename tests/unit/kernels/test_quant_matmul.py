@@ -28,7 +28,11 @@ def random_q8(n: int, k: int, gen: torch.Generator) -> Q8Weight:
     return Q8Weight(qs, (torch.rand(n, k // 32, generator=gen) * 0.01).half())
 
 
-SHAPES = [(1, 1, 32), (1, 7, 64), (3, 5, 96), (4, 33, 576), (5, 64, 576), (17, 129, 1536), (64, 96, 224)]
+# Below GEMM_ROWS (32) rows the 8-bit kernels, from it on the GEMM path; 1100 weight rows cross its 512-row tiles.
+SHAPES = [
+    (1, 1, 32), (1, 7, 64), (3, 5, 96), (4, 33, 576), (5, 64, 576), (17, 129, 1536), (31, 40, 64), (32, 40, 64),
+    (64, 96, 224), (40, 1100, 96),
+]  # fmt: skip
 
 
 @needs_kernels
@@ -108,6 +112,15 @@ def test_reference_is_the_dequantized_matmul_up_to_activation_rounding() -> None
     # 8-bit activations: each element off by at most half a step (max|x| / 254 per group).
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()
     assert (got - exact).abs().max() > 0  # the activations really are rounded
+
+
+@needs_kernels
+def test_gemm_path_is_the_dequantized_float_product() -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(reference.GEMM_ROWS, 576, generator=gen)
+    w4, w8 = random_q4(600, 576, gen), random_q8(600, 576, gen)
+    torch.testing.assert_close(torch.ops.ladle_cpu.q4_linear(x, w4.qs, w4.scales, w4.mins), F.linear(x, w4.dequantize()))
+    torch.testing.assert_close(torch.ops.ladle_cpu.q8_linear(x, w8.qs, w8.scales), F.linear(x, w8.dequantize()))
 
 
 def test_quantize_q8_round_trip_and_unpack_order() -> None:
