@@ -99,7 +99,7 @@ def test_kernels_refuse_malformed_inputs() -> None:
         torch.ops.ladle_cpu.q4_linear(x, w.qs, w.scales, w.mins[:4].contiguous())
     with pytest.raises(RuntimeError, match="qs must be"):
         torch.ops.ladle_cpu.q8_linear(x, q8.qs.to(torch.uint8), q8.scales)
-    with pytest.raises(RuntimeError, match="scales must be .* float16"):
+    with pytest.raises(RuntimeError, match=r"scales must be .* float16"):
         torch.ops.ladle_cpu.q8_linear(x, q8.qs, q8.scales.float())
 
 
@@ -119,7 +119,8 @@ def test_gemm_path_is_the_dequantized_float_product() -> None:
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(reference.GEMM_ROWS, 576, generator=gen)
     w4, w8 = random_q4(600, 576, gen), random_q8(600, 576, gen)
-    torch.testing.assert_close(torch.ops.ladle_cpu.q4_linear(x, w4.qs, w4.scales, w4.mins), F.linear(x, w4.dequantize()))
+    got = torch.ops.ladle_cpu.q4_linear(x, w4.qs, w4.scales, w4.mins)
+    torch.testing.assert_close(got, F.linear(x, w4.dequantize()))
     torch.testing.assert_close(torch.ops.ladle_cpu.q8_linear(x, w8.qs, w8.scales), F.linear(x, w8.dequantize()))
 
 
