@@ -49,21 +49,39 @@ def warmup_prompts(prompts: Workload) -> Workload:
     return [prompt[::-1] for prompt in prompts[:2]]
 
 
-def _timed(run: Callable[[], int]) -> dict[str, float]:
-    start = time.perf_counter()
-    tokens = run()
-    seconds = time.perf_counter() - start
-    return {"output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 2)}
+def _timed(run: Callable[[], int], repeats: int = 1) -> dict[str, Any]:
+    """`run` timed `repeats` times: the median run's seconds and rate, and with repeats every run's rate (a shared
+    machine's neighbours move single runs by 10-20%)."""
+    runs: list[tuple[float, int]] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = run()
+        runs.append((time.perf_counter() - start, tokens))
+    seconds, tokens = sorted(runs)[len(runs) // 2]
+    timed: dict[str, Any] = {
+        "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_per_s": round(tokens / seconds, 2),
+    }  # fmt: skip
+    if repeats > 1:
+        timed["runs_tok_per_s"] = [round(n / t, 2) for t, n in runs]
+    return timed
 
 
 def bench_ladle(
-    model: str, device: str, prompts: Workload, output_len: int, max_num_seqs: int, quantization: str = "none"
+    model: str,
+    device: str,
+    prompts: Workload,
+    output_len: int,
+    max_num_seqs: int,
+    quantization: str = "none",
+    repeats: int = 1,
 ) -> dict[str, Any]:
     from engine_server import LLM, SamplingParams
     from engine_server.config import EngineConfig, SchedulerConfig
 
     config = EngineConfig(
-        model=model, device=device, quantization=quantization,  # type: ignore[arg-type]
+        model=model,
+        device=device,  # type: ignore[arg-type]
+        quantization=quantization,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
     )
     llm = LLM(config=config)
@@ -75,10 +93,10 @@ def bench_ladle(
         results = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(r.choices[0].token_ids) for r in results)
 
-    return {**_timed(run), "quantization": llm.core.runner.quantization}
+    return {**_timed(run, repeats), "quantization": llm.core.runner.quantization}
 
 
-def bench_llama_cpp(gguf: Path, prompts: Workload, output_len: int, threads: int) -> dict[str, Any]:
+def bench_llama_cpp(gguf: Path, prompts: Workload, output_len: int, threads: int, repeats: int = 1) -> dict[str, Any]:
     """llama.cpp (llama-cpp-python) on the GGUF file: greedy, `output_len` tokens per prompt, eos not checked."""
     from llama_cpp import Llama
 
@@ -99,7 +117,7 @@ def bench_llama_cpp(gguf: Path, prompts: Workload, output_len: int, threads: int
     def run() -> int:
         return sum(decode(prompt, output_len) for prompt in prompts)
 
-    return _timed(run)
+    return _timed(run, repeats)
 
 
 def gguf_file(model: str) -> Path | None:
@@ -109,7 +127,7 @@ def gguf_file(model: str) -> Path | None:
     return resolve_model(model).gguf_path if model == "default" or model.endswith(".gguf") else None
 
 
-def bench_hf_static(hf: Any, prompts: Workload, output_len: int) -> dict[str, Any]:
+def bench_hf_static(hf: Any, prompts: Workload, output_len: int, repeats: int = 1) -> dict[str, Any]:
     device = next(hf.parameters()).device
     input_ids = torch.tensor(prompts, device=device)
     kwargs = {"do_sample": False, "max_new_tokens": output_len, "min_new_tokens": output_len, "pad_token_id": 0}
@@ -121,10 +139,10 @@ def bench_hf_static(hf: Any, prompts: Workload, output_len: int) -> dict[str, An
             out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
         return int((out.shape[1] - input_ids.shape[1]) * out.shape[0])
 
-    return _timed(run)
+    return _timed(run, repeats)
 
 
-def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int) -> dict[str, Any]:
+def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int, repeats: int = 1) -> dict[str, Any]:
     from transformers import GenerationConfig
 
     config = GenerationConfig(
@@ -135,7 +153,7 @@ def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int) -> dict[str
         outputs = hf.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
         return sum(len(o.generated_tokens) for o in outputs.values())
 
-    return _timed(run)
+    return _timed(run, repeats)
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,21 +161,21 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_workload(args.num_seqs, args.input_len, 49152, args.seed)
     systems: dict[str, dict[str, Any]] = {
         "ladle": bench_ladle(
-            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), args.quantization
+            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), args.quantization, args.repeats
         )
     }
     print(f"ladle: {systems['ladle']}", flush=True)
     gguf = gguf_file(args.model)
     llama_cpp_installed = importlib.util.find_spec("llama_cpp") is not None
     if gguf is not None and args.device == "cpu" and llama_cpp_installed and not args.skip_llama_cpp:
-        systems["llama_cpp"] = bench_llama_cpp(gguf, prompts, args.output_len, torch.get_num_threads())
+        systems["llama_cpp"] = bench_llama_cpp(gguf, prompts, args.output_len, torch.get_num_threads(), args.repeats)
         print(f"llama_cpp: {systems['llama_cpp']}", flush=True)
     if not args.skip_hf:
         # The dtype ladle runs in on that device (its "auto"): bfloat16 on CUDA, float32 on the CPU.
         hf = hf_model(args.model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
         for name, bench in (("hf_static", bench_hf_static), ("hf_continuous", bench_hf_continuous)):
             try:
-                systems[name] = bench(hf, prompts, args.output_len)
+                systems[name] = bench(hf, prompts, args.output_len, args.repeats)
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 systems[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name}: {systems[name]}", flush=True)
@@ -169,15 +187,24 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "commit": git_commit(),
         "command": args.command_line,
         "machine": {
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
             "cpu_model": cpu_model_name(),
             "cpu_count": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__,
         },
-        "workload": {"model": args.model, "num_seqs": args.num_seqs, "input_len": args.input_len,
-                     "output_len": args.output_len, "ignore_eos": True, "greedy": True, "seed": args.seed,
-                     "quantization": args.quantization},
+        "workload": {
+            "model": args.model,
+            "num_seqs": args.num_seqs,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "ignore_eos": True,
+            "greedy": True,
+            "seed": args.seed,
+            "quantization": args.quantization,
+            "repeats": args.repeats,
+        },
         "systems": systems,
         "ratio_vs_best_hf": round(systems["ladle"]["output_tok_per_s"] / max(hf_rates), 3) if hf_rates else None,
         "ratio_vs_llama_cpp": round(systems["ladle"]["output_tok_per_s"] / llama_rate, 3) if llama_rate else None,
@@ -187,13 +214,21 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ladle bench offline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ladle bench offline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_arguments(parser)
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
-    parser.add_argument("--quantization", default="none", choices=["auto", "none", "gguf", "int8"],
-                        help="ladle's weights (see `ladle engine --help`)")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["auto", "none", "gguf", "int8"],
+        help="ladle's weights (see `ladle engine --help`)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="time each system this many times and report the median run (default 1)"
+    )
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser
 
