@@ -2,7 +2,8 @@
 
 For each chat prompt of the exactness tests, the float model (`--quantization none`, token-exact with
 transformers) decodes `--num-tokens` greedy tokens; every format then reads the same prompt + continuation
-(teacher forcing) and is compared with the float model's logits at each continuation position:
+(teacher forcing: the prompt in one prefill, then the continuation one decode step per token, the kernels a
+served request runs) and is compared with the float model's logits at each continuation position:
 - `top1_agreement`: the share of positions where both pick the same next token;
 - `mean_kl` / `max_kl`: KL(float || quantized) of the next-token distributions, in nats;
 - `greedy_identical`: the share of prompts whose free-running greedy continuation equals the float one, and
@@ -80,14 +81,21 @@ def greedy_sequences(llm: LLM, prompts: Sequence[str], num_tokens: int) -> tuple
 
 
 @torch.inference_mode()
-def sequence_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """Float32 logits `[T, vocab]` of one sequence read in a single prefill by `llm`'s model."""
+def sequence_logits(llm: LLM, token_ids: list[int], prefill: int | None = None) -> torch.Tensor:
+    """Float32 logits `[T, vocab]` of one sequence read by `llm`'s model: the first `prefill` tokens (all when
+    None) in one prefill step, then one decode step per token, as a served request reads its prompt and then its
+    own tokens (a quantized model's decode steps take other kernels than its prefills)."""
     runner = llm.core.runner
     count = len(token_ids)
-    blocks = -(-count // runner.block_size)
-    meta = AttentionMetadata.build([count], [count], [list(range(blocks))], runner.block_size, "cpu")
-    hidden = runner.model(torch.tensor(token_ids), torch.arange(count), runner.kv_caches, meta)
-    return runner.model.compute_logits(hidden)
+    prefill = count if prefill is None else prefill
+    table = list(range(-(-count // runner.block_size)))
+    meta = AttentionMetadata.build([prefill], [prefill], [table], runner.block_size, "cpu")
+    rows = [runner.model(torch.tensor(token_ids[:prefill]), torch.arange(prefill), runner.kv_caches, meta)]
+    for position in range(prefill, count):
+        meta = AttentionMetadata.build([1], [position + 1], [table], runner.block_size, "cpu")
+        step = torch.tensor([token_ids[position]])
+        rows.append(runner.model(step, torch.tensor([position]), runner.kv_caches, meta))
+    return runner.model.compute_logits(torch.cat(rows))
 
 
 def compare(
@@ -101,7 +109,7 @@ def compare(
         ids = prompt_ids + continuation
         start = len(prompt_ids) - 1  # the logits that predict each continuation token
         ref = torch.log_softmax(sequence_logits(reference, ids)[start:-1], dim=-1)
-        got = torch.log_softmax(sequence_logits(candidate, ids)[start:-1], dim=-1)
+        got = torch.log_softmax(sequence_logits(candidate, ids, prefill=len(prompt_ids))[start:-1], dim=-1)
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         positions += ref.shape[0]
         kls.extend((ref.exp() * (ref - got)).sum(-1).tolist())
