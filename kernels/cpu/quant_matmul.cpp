@@ -240,6 +240,48 @@ void for_each_tile(int64_t m_rows, int64_t n_rows, int64_t k, Tile&& tile) {
   });
 }
 
+// One Q4 weight row (`groups` groups) as float32: q * scale + min per element, two roundings (no FMA), so the
+// values are exactly `Q4Weight.dequantize`'s.
+inline void dequantize_q4_row(const uint8_t* qs, const at::Half* scales, const at::Half* mins, int64_t groups,
+                              float* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = qs + g * (kGroup / 2);
+    const float scale = to_float(scales[g]), min = to_float(mins[g]);
+    float* group = out + g * kGroup;
+#ifdef LADLE_QUANT_AVX2
+    const __m256i values = unpack_nibbles(bytes);  // elements 0..31 of the group, in order
+    const __m256 vscale = _mm256_set1_ps(scale), vmin = _mm256_set1_ps(min);
+    alignas(32) uint8_t unpacked[kGroup];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked), values);
+    for (int64_t c = 0; c < kGroup; c += 8) {
+      const __m256i ints = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(unpacked + c)));
+      _mm256_storeu_ps(group + c, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ints), vscale), vmin));
+    }
+#else
+    for (int64_t j = 0; j < kGroup / 2; ++j) {
+      group[j] = static_cast<float>(bytes[j] & 0x0F) * scale + min;
+      group[j + kGroup / 2] = static_cast<float>(bytes[j] >> 4) * scale + min;
+    }
+#endif
+  }
+}
+
+// One Q8 weight row as float32: q * scale per element, exactly `Q8Weight.dequantize`'s values.
+inline void dequantize_q8_row(const int8_t* qs, const at::Half* scales, int64_t groups, float* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float scale = to_float(scales[g]);
+#ifdef LADLE_QUANT_AVX2
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t c = 0; c < kGroup; c += 8) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + g * kGroup + c));
+      _mm256_storeu_ps(out + g * kGroup + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), vscale));
+    }
+#else
+    for (int64_t j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(qs[g * kGroup + j]) * scale;
+#endif
+  }
+}
+
 // From this many rows of x on, a product runs as float32 GEMMs (MKL through at::mm) over weight tiles
 // dequantized on the fly: the 8-bit kernels above stream the weight once for every four rows of x and, at the
 // same instruction count per multiply-add as float32 FMAs on AVX2, lose to a blocked GEMM once x has tens of
@@ -292,15 +334,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   if (m_rows >= kGemmRows && n_rows > 0) {
     return tiled_gemm(x, n_rows, [&](int64_t n0, int64_t rows) {
       return dequantize_rows(n0, rows, k, [&](int64_t n, float* out) {
-        for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* bytes = q + n * (k / 2) + g * (kGroup / 2);
-          const float scale = to_float(s[n * groups + g]), min = to_float(z[n * groups + g]);
-          float* group = out + g * kGroup;
-          for (int64_t j = 0; j < kGroup / 2; ++j) {
-            group[j] = static_cast<float>(bytes[j] & 0x0F) * scale + min;
-            group[j + kGroup / 2] = static_cast<float>(bytes[j] >> 4) * scale + min;
-          }
-        }
+        dequantize_q4_row(q + n * (k / 2), s + n * groups, z + n * groups, groups, out);
       });
     });
   }
@@ -327,10 +361,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   if (m_rows >= kGemmRows && n_rows > 0) {
     return tiled_gemm(x, n_rows, [&](int64_t n0, int64_t rows) {
       return dequantize_rows(n0, rows, k, [&](int64_t n, float* out) {
-        for (int64_t g = 0; g < groups; ++g) {
-          const float scale = to_float(s[n * groups + g]);
-          for (int64_t j = 0; j < kGroup; ++j) out[g * kGroup + j] = static_cast<float>(q[n * k + g * kGroup + j]) * scale;
-        }
+        dequantize_q8_row(q + n * k, s + n * groups, groups, out);
       });
     });
   }
