@@ -8,11 +8,14 @@
   each instead of 3-9 torch ops, which on a prefill chunk are memory-bound passes and on a decode step are
   dispatch overhead.
 - The KV cache write stays the reference's (two `index_copy_`).
+- Quantized linear layers (`kernels/cpu/quant_matmul.cpp`) and the decode stack (`kernels/cpu/decoder.cpp`), which
+  runs a quantized model's decode step through all these kernels in one call; both are used through
+  `engine_server.layers` (`QuantizedLinear`, `decode_stack`), not through `KernelOps`.
 Each wrapper runs the reference where its kernel does not apply (another dtype, a head dim it is not built
 for, a 3-D input to RMSNorm such as Qwen3's per-head q/k norm).
 
-The C++ sources are compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, about 15 s) for the
-CPU it runs on (`-march=native`) and cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`, by
+The C++ sources are compiled on first use with `torch.utils.cpp_extension` (g++ and ninja, ~40 s on 2 cores) for
+the CPU it runs on (`-march=native`) and cached under torch's extensions directory (`TORCH_EXTENSIONS_DIR`, by
 default `~/.cache/torch_extensions`); the cache entry is named after this CPU's features, the sources and the
 Python and torch versions, so a shared home directory never hands one machine another's build. Where it
 cannot be built, or with `LADLE_CPU_KERNELS=0`, `cpu_ops()` is None and the CPU runs the reference ops.
@@ -45,7 +48,7 @@ _SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "decoder
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"
-# A build takes ~15 s; a lock this old was left by a process that died building.
+# A build takes ~40 s; a lock this old was left by a process that died building.
 STALE_LOCK_S = 600.0
 
 

@@ -147,7 +147,11 @@ def _divergence(ours: Choice, ref: Choice) -> tuple[int | None, bool]:
 @pytest.fixture(scope="module")
 def cpu_llm() -> LLM:
     """The CPU fp32 reference path on the same model."""
-    return LLM(config=EngineConfig(model=MODEL, device="cpu", cache=CacheConfig(memory_bytes=512 * 1024**2)))
+    return LLM(
+        config=EngineConfig(
+            model=MODEL, device="cpu", quantization="none", cache=CacheConfig(memory_bytes=512 * 1024**2)
+        )
+    )
 
 
 def test_gpu_bf16_greedy_agrees_with_cpu_fp32(gpu_llm: LLM, cpu_llm: LLM) -> None:
@@ -197,7 +201,7 @@ def test_last_token_logits_agree_with_cpu_fp32(gpu_llm: LLM) -> None:
     source = resolve_model(MODEL)
     cache = CacheConfig(memory_bytes=256 * 1024**2)
     gpu = ModelRunner(source, EngineConfig(model=MODEL, device="cuda", cache=cache), 2048)
-    cpu = ModelRunner(source, EngineConfig(model=MODEL, device="cpu", cache=cache), 2048)
+    cpu = ModelRunner(source, EngineConfig(model=MODEL, device="cpu", quantization="none", cache=cache), 2048)
     prompts = [gpu_llm.inputs.tokenize(_chat(p)) for p in PROMPTS[:3]]
     with torch.inference_mode():
         gpu_logits, cpu_logits = _last_token_logits(prompts, gpu, cpu)
