@@ -88,11 +88,14 @@ def _cases() -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def test_every_constrained_chat_output_parses(openai_client: openai.OpenAI, model_id: str) -> None:
+    # top_p 1.0: under the embedded model's own default (0.9) these 16 concurrent requests keep the 2-core CI box
+    # busy ~2.5x longer and the niced grammar compiles queued behind them miss their 10 s deadline (issue 17's
+    # note); what this test checks is that every constrained output parses.
     def run(index: int, case: tuple[str, str, dict[str, Any]]) -> tuple[str, str, str | None]:
         kind, question, extra = case
         reply = openai_client.chat.completions.create(
             model=model_id, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
-            temperature=0.8, seed=index, extra_body=extra,
+            temperature=0.8, top_p=1.0, seed=index, extra_body=extra,
         )
         return kind, reply.choices[0].message.content or "", reply.choices[0].finish_reason
 

@@ -112,6 +112,22 @@ def test_top_k_without_sort_agrees_with_the_sort_path() -> None:
     assert (fast[1] > float("-inf")).sum() == 3 and (fast[2] > float("-inf")).all()
 
 
+def test_top_p_from_candidates_agrees_with_the_sort_path() -> None:
+    """Top-p alone on the CPU reads each row's most likely tokens; rows whose nucleus reaches past them (a flat
+    row, top_p 1.0) take the sort, so every row keeps exactly the sorted path's tokens."""
+    vocab = 4 * ops.NUCLEUS_CANDIDATES
+    logits = random_logits(8, vocab=vocab) * 4  # peaked rows: their nucleus is among the candidates
+    logits[5] = torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * 0.01  # flat: it is not
+    logits[6, : vocab // 2] = float("-inf")  # masked by a grammar
+    top_p = torch.tensor([0.9, 0.5, 0.99, 0.1, 0.95, 0.9, 0.8, 1.0])
+    fast = ops.apply_top_k_top_p(logits, None, top_p)
+    sorted_path = ops._sorted_top_k_top_p(logits, None, top_p)
+    assert torch.equal(fast > float("-inf"), sorted_path > float("-inf"))
+    assert torch.equal(fast[fast > float("-inf")], logits[fast > float("-inf")])
+    kept = (fast > float("-inf")).sum(-1)
+    assert kept[5] > ops.NUCLEUS_CANDIDATES and kept[7] == vocab and kept[3] >= 1
+
+
 def test_large_top_k_takes_the_sort_path() -> None:
     vocab = 2048
     logits = random_logits(64, vocab=vocab)
