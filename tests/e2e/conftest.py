@@ -20,8 +20,15 @@ from tests.e2e.gateway_process import GatewayProcess, start_gateway
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    """The shared engine: up to 32 sequences at once."""
-    process = start_engine(tmp_path_factory.mktemp("engine") / "engine.log", "--max-num-seqs", "32")
+    """The shared engine: up to 32 sequences at once.
+
+    Its grammars get 120 s to compile instead of 10: on a 2-core box the niced compile workers starve while the
+    suite's concurrent constrained requests decode (more so since the embedded model's own defaults, temperature
+    0.2 and top_p 0.9, lengthen them), and the deadline itself is tested on an engine of its own
+    (test_slow_grammar.py)."""
+    process = start_engine(
+        tmp_path_factory.mktemp("engine") / "engine.log", "--max-num-seqs", "32", "--grammar-timeout", "120"
+    )
     yield process
     assert process.stop() == 0
 
