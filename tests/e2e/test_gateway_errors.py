@@ -125,10 +125,11 @@ def test_503_when_no_engine_is_ready(tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def tight_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    """One seat and one queue place at the engine; engine calls time out after 2 s at the gateway."""
+    """One seat and one queue place at the engine; engine calls time out after 5 s at the gateway: long enough
+    for the two 8-token requests the 429 test gets admitted on a loaded 2-core box, far too short for 4,000."""
     folder = tmp_path_factory.mktemp("tight")
     engine = start_engine(folder / "engine.log", "--max-num-seqs", "1", "--max-waiting", "1")
-    gateway = start_gateway(folder / "gateway.log", engine.address, "--request-timeout", "2")
+    gateway = start_gateway(folder / "gateway.log", engine.address, "--request-timeout", "5")
     yield gateway
     assert gateway.stop() == 0
     assert engine.stop() == 0
