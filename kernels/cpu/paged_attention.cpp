@@ -40,27 +40,6 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
 // so the hardware prefetchers cannot see the next one coming.
 constexpr int64_t kPrefetchAhead = 32;
 
-// 8 floats: one AVX2 register. The per-token loops below work in these rather than in vec16, which GCC spills to
-// the stack on AVX2 machines; on AVX-512 ones it is half a register, and these loops are short.
-typedef float vec8 __attribute__((vector_size(32)));
-typedef int32_t ivec8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes8 = 8;
-
-inline vec8 load8(const float* p) {
-  vec8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-inline float hsum8(vec8 v) {
-  v += __builtin_shuffle(v, ivec8{4, 5, 6, 7, 0, 1, 2, 3});
-  v += __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5});
-  v += __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6});
-  return v[0];
-}
-
 // One decode row: all `heads` query heads at `q` (contiguous, Dim floats each) against positions [0, len) of the
 // paged K/V, written to `out` (contiguous). A token's slot holds every KV head (token_stride floats); the loops
 // go KV head by KV head, so a head's keys are read once for the query heads of its group, and the slots of the

@@ -29,6 +29,27 @@ inline float hsum(vec16 v) {
   return v[0];
 }
 
+// 8 floats: one AVX2 register. Loops that keep a few vectors live across iterations (the decode attention's
+// per-token loops) work in these: GCC spills vec16 to the stack on AVX2 machines.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+constexpr int64_t kLanes8 = 8;
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline float hsum8(vec8 v) {
+  v += __builtin_shuffle(v, ivec8{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6});
+  return v[0];
+}
+
 // exp(x) lane-wise, Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
 // 2^n put into the exponent bits. Relative error ~1e-7. Below -87.3 (where float's normal range ends) the
 // result is 0; above 88.7 it is clamped to e^88.7 (~3.4e38).
