@@ -139,11 +139,11 @@ class EngineConfig:
     # device's (see EngineCore). None: on for CUDA, where the device runs ahead; off on the CPU, where every op
     # is synchronous and the overlap would only cost a discarded row per finished request.
     async_scheduling: bool | None = None
-    # How the linear layers' weights are kept (engine_server.quantization): "none" (float: the exact path),
-    # "gguf" (a GGUF file's own 4/8-bit blocks), "int8" (8-bit groups of 32 of any model's weights) or "auto"
-    # (gguf for a GGUF file on the CPU). Quantized layers run on the CPU kernels. "none" is the default while the
-    # quantized kernels lose to float32 GEMMs at batch sizes above a few rows (see README, Quantized weights).
-    quantization: Literal["auto", "none", "gguf", "int8"] = "none"
+    # How the linear layers' weights are kept (engine_server.quantization): "none" (float: the exact path,
+    # greedy output equal to transformers'), "gguf" (a GGUF file's own 4/8-bit blocks), "int8" (8-bit groups of
+    # 32 of any model's weights) or "auto", the default: gguf for a GGUF file on the CPU, where its quality was
+    # measured to hold (README, Quantized weights), none everywhere else.
+    quantization: Literal["auto", "none", "gguf", "int8"] = "auto"
     # Sampling values for the fields a request leaves unset (engine_server.generation_defaults): "auto" (the
     # model's own), "ladle" (OpenAI's) or the path of a generation_config.json (or of a folder holding one);
     # then override_generation_config, a JSON object such as '{"temperature": 0.7}', on top. vLLM's names.

@@ -5,7 +5,8 @@
   serves from that file; its other tensors (F32, F16, K-quants) stay float.
 - `int8`: every linear layer of any model, its float weight quantized to 8-bit groups of 32 (`quantize_q8`).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
-`none` is the default (the exact path the engine-level tests check against transformers). The quantized kernels
+`auto` is the default: for the embedded model on the CPU that is its GGUF blocks, whose quality against the
+float model `tests/unit/test_quantization.py` checks. The quantized kernels
 stream ~5x fewer weight bytes per decode step, and from 32 rows on (prefill chunks, large batches) run MKL
 float32 GEMMs over dequantized weight tiles, as the float path does (a 128-token prefill of the embedded model took
 ~0.4 s either way on a 2-core AMD EPYC).
