@@ -56,12 +56,19 @@ def draw(runs: list[dict[str, Any]], out: Path) -> None:
 
 
 def latest_per_model(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """The newest result of each (model, device) in `ladle bench gpu` runs, with the run it belongs to."""
-    latest: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
+    """The newest result of each (model, weight scheme, device) in `ladle bench gpu` runs, with the run it belongs
+    to (results from before `quantization` was recorded count as `none`)."""
+    latest: dict[tuple[str, str, str], tuple[dict[str, Any], dict[str, Any]]] = {}
     for run in runs:
         for model in run["models"]:
-            latest[(model["model"], run["device"])] = (run, model)
+            latest[(model["model"], model.get("quantization", "none"), run["device"])] = (run, model)
     return list(latest.values())
+
+
+def scheme_label(model: dict[str, Any]) -> str:
+    """The chart title suffix of a quantized result (" int8"); empty for float weights."""
+    scheme = model.get("quantization", "none")
+    return "" if scheme == "none" else f" {scheme}"
 
 
 def draw_gpu(results: list[tuple[dict[str, Any], dict[str, Any]]], out: Path) -> None:
@@ -80,7 +87,7 @@ def draw_gpu(results: list[tuple[dict[str, Any], dict[str, Any]]], out: Path) ->
         ax.bar_label(bars, fmt="%.0f")
         ratio = model.get("ratio_vs_hf")
         ax.set_title(
-            f"{model['model']} on {run['device']}\n"
+            f"{model['model']}{scheme_label(model)} on {run['device']}\n"
             + (f"{ratio:.2f}x transformers, " if ratio else "")
             + f"roofline {model['roofline_fraction']:.0%}, TPOT {model['tpot_ms_single_stream']:.2f} ms",
             fontsize=9,

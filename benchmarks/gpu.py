@@ -10,8 +10,12 @@ Per model (default `dummy:qwen2.5-0.5b` and `dummy:smollm2-135m`):
 - `roofline_fraction`: the time the workload would take if every decode step only streamed the weights and the
   KV cache it reads at the GPU's measured copy bandwidth, over the measured time.
 
-One JSON object per run (`--out`): device, torch / triton versions, commit, command, and per model `model`,
-`output_tok_per_s` {ladle, transformers}, `ratio_vs_hf`, `roofline_fraction`, `tpot_ms_single_stream`.
+`--quantization none,int8` runs each model twice, its weights as they are (bf16 on CUDA) and as int8 weight-only
+groups (`kernels.int8_linear`); transformers runs once, with the first.
+
+One JSON object per run (`--out`): device, torch / triton versions, commit, command, and per model and scheme
+`model`, `quantization`, `output_tok_per_s` {ladle, transformers}, `ratio_vs_hf`, `roofline_fraction`,
+`tpot_ms_single_stream`.
 
     ladle bench gpu --out benchmarks/results/gpu_h100.jsonl
 """
@@ -27,11 +31,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 import torch
 
 from benchmarks.common import append_result, git_commit, hf_model, utc_timestamp
+from engine_server.config import QuantizationMode
 
 DEFAULT_MODELS = "dummy:qwen2.5-0.5b,dummy:smollm2-135m"
 
@@ -90,7 +95,7 @@ def roofline_seconds(workload: Workload, weight_bytes: int, kv_bytes_per_token: 
 class LadleRunner:
     """ladle's offline engine on one model."""
 
-    def __init__(self, model: str, args: argparse.Namespace) -> None:
+    def __init__(self, model: str, quantization: QuantizationMode, args: argparse.Namespace) -> None:
         from engine_server import LLM
         from engine_server.config import ASYNC_SCHEDULING_MODES, CacheConfig, EngineConfig, SchedulerConfig
 
@@ -98,6 +103,7 @@ class LadleRunner:
             model=model,
             device=args.device,
             enforce_eager=args.enforce_eager,
+            quantization=quantization,
             async_scheduling=ASYNC_SCHEDULING_MODES[args.async_scheduling],
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(max_num_seqs=args.num_seqs, **(
@@ -146,10 +152,29 @@ def hf_seconds(hf: Any, workload: Workload) -> float:
     return seconds
 
 
-def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step streams: every parameter, plus the weights held in another form (the
+    8/4-bit weights and scales of quantized layers; the CPU's MKL-packed layers, as float32)."""
+    from engine_server.layers.packed_linear import PackedLinear
+    from engine_server.layers.quantized_linear import QuantizedLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight is listed once
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += sum(t.numel() * t.element_size() for t in (module.qs, module.scales, module.mins) if t is not None)
+        elif isinstance(module, PackedLinear):  # MKL's packed copy is opaque: count the float32 weight it holds
+            total += module.in_features * module.out_features * 4 * (module.weight.stride() == (0, 0))
+    return total
+
+
+def bench_model(
+    model: str, quantization: QuantizationMode, args: argparse.Namespace, bandwidth: float
+) -> dict[str, Any]:
+    """ladle's figures for `model` with weights as `quantization` says; transformers' (bf16 on CUDA) beside
+    them unless `--skip-hf`, or unless an earlier scheme of the same model measured them already."""
     workload = nano_vllm_workload(args.num_seqs, args.min_len, args.max_len, args.seed)
     fixed = workload.with_fixed_output()
-    ladle = LadleRunner(model, args)
+    ladle = LadleRunner(model, quantization, args)
     warm = workload.prompts[:4]
     ladle.run(Workload(warm, [8] * len(warm)))  # warm-up (kernels compiled, graphs captured)
     seconds = ladle.run(workload)
@@ -157,16 +182,17 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
     tpot = ladle.tpot_ms(args.tpot_tokens)
     cfg = ladle.llm.core.model_config
     dtype_bytes = torch.finfo(ladle.llm.core.runner.dtype).bits // 8
-    weight_bytes = sum(p.numel() for p in ladle.llm.core.runner.model.parameters()) * dtype_bytes
+    weights = weight_bytes(ladle.llm.core.runner.model)
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
     result: dict[str, Any] = {
         "model": model,
+        "quantization": ladle.llm.core.runner.quantization,
         "workload": {"num_seqs": args.num_seqs, "len_range": [args.min_len, args.max_len], "seed": args.seed,
                      "output_tokens": workload.output_tokens, "fixed_output_len": fixed.output_lens[0]},
         "output_tok_per_s": {"ladle": round(workload.output_tokens / seconds, 1),
                              "ladle_fixed_output": round(fixed.output_tokens / fixed_seconds, 1)},
         "roofline_fraction": round(
-            roofline_seconds(workload, weight_bytes, kv_bytes_per_token, bandwidth) / seconds, 4
+            roofline_seconds(workload, weights, kv_bytes_per_token, bandwidth) / seconds, 4
         ),
         "tpot_ms_single_stream": round(tpot, 3),
         "engine": {
@@ -176,14 +202,14 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
             "max_num_batched_tokens": ladle.llm.config.scheduler.max_num_batched_tokens,
             "preemptions": ladle.llm.core.scheduler.total_preemptions,
         },
-        "weight_bytes": weight_bytes,
+        "weight_bytes": weights,
         "kv_bytes_per_token": kv_bytes_per_token,
     }
     del ladle
     # transformers takes minutes on this workload: ladle's figures are on the log first, should a time limit
     # end the run before the JSON is written.
     print(f"ladle measured: {json.dumps(result)}", file=sys.stderr, flush=True)
-    if not args.skip_hf:
+    if not args.skip_hf and quantization == args.quantization[0]:
         try:
             hf = hf_model(model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
             hf_rate = fixed.output_tokens / hf_seconds(hf, fixed)
@@ -196,6 +222,15 @@ def bench_model(model: str, args: argparse.Namespace, bandwidth: float) -> dict[
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def quantization_modes(text: str) -> list[QuantizationMode]:
+    """`--quantization`'s comma-separated schemes, each one `EngineConfig.quantization` takes."""
+    modes = text.split(",")
+    for mode in modes:
+        if mode not in get_args(QuantizationMode):
+            raise argparse.ArgumentTypeError(f"{mode!r} is not one of {', '.join(get_args(QuantizationMode))}")
+    return cast(list[QuantizationMode], modes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--enforce-eager", action="store_true", help="ladle without CUDA graphs (to measure them)")
     parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                         help="ladle's async scheduling (auto: on for CUDA)")
+    parser.add_argument("--quantization", type=quantization_modes, default="none",
+                        help="comma-separated weight schemes ladle runs each model with, e.g. none,int8 (see `ladle "
+                        "engine --help`); transformers runs with the first")
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser
@@ -244,7 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "triton": sys.modules["triton"].__version__,
         "transformers": importlib.metadata.version("transformers"),
         "copy_bandwidth_gb_per_s": round(bandwidth / 1e9, 1),
-        "models": [bench_model(model, args, bandwidth) for model in args.models.split(",")],
+        "models": [
+            bench_model(model, quantization, args, bandwidth)
+            for model in args.models.split(",")
+            for quantization in args.quantization
+        ],
     }
     print(json.dumps(result, indent=2))
     append_result(args.out, result)

@@ -120,6 +120,7 @@ class SchedulerConfig:
 
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quantization
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class EngineConfig:
     # greedy output equal to transformers'), "gguf" (a GGUF file's own 4/8-bit blocks), "int8" (8-bit groups of
     # 32 of any model's weights) or "auto", the default: gguf for a GGUF file on the CPU, where its quality was
     # measured to hold (README, Quantized weights), none everywhere else.
-    quantization: Literal["auto", "none", "gguf", "int8"] = "auto"
+    quantization: QuantizationMode = "auto"
     # Sampling values for the fields a request leaves unset (engine_server.generation_defaults): "auto" (the
     # model's own), "ladle" (OpenAI's) or the path of a generation_config.json (or of a folder holding one);
     # then override_generation_config, a JSON object such as '{"temperature": 0.7}', on top. vLLM's names.

@@ -10,8 +10,9 @@ float model `tests/unit/test_quantization.py` checks. The quantized kernels
 stream ~5x fewer weight bytes per decode step, and from 32 rows on (prefill chunks, large batches) run MKL
 float32 GEMMs over dequantized weight tiles, as the float path does (a 128-token prefill of the embedded model took
 ~0.4 s either way on a 2-core AMD EPYC).
-Quantized layers run on the CPU kernels (`kernels/cpu/quant_matmul.cpp`); on CUDA only `none` is served, so
-`gguf` and `int8` there are refused at start-up, as is `gguf` for a model that is not a GGUF file.
+Quantized layers run on the CPU kernels (`kernels/cpu/quant_matmul.cpp`); on CUDA `int8` runs on the Triton
+kernel `kernels.int8_linear` (the weight dequantized to the model's dtype in registers, x kept as it is) and
+`gguf` is refused at start-up, as it is for a model that is not a GGUF file. `auto` stays `none` on CUDA.
 The LM head of a model with tied embeddings is quantized (from the embedding's stored blocks under `gguf`)
 while the embedding lookup keeps its float table: a lookup reads one row per token, the head reads them all.
 """
@@ -43,8 +44,9 @@ Scheme = Literal["none", "gguf", "int8"]
 def resolve_quantization(
     mode: str, source: ModelSource, device: torch.device, dtype: torch.dtype, kernels: bool
 ) -> Scheme:
-    """The scheme `mode` means for `source` in `dtype` on `device`; `kernels` says whether the CPU kernels are
-    built. Raises ValueError (naming the flag) for a scheme this engine cannot serve.
+    """The scheme `mode` means for `source` in `dtype` on `device`; `kernels` says whether the device's own
+    kernels are there (the C++ ones built on the CPU, triton on CUDA). Raises ValueError (naming the flag) for a
+    scheme this engine cannot serve.
     """
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if mode == "auto":
@@ -53,6 +55,12 @@ def resolve_quantization(
         return "none"
     if mode not in ("gguf", "int8"):
         raise ValueError(f"--quantization {mode!r}: expected auto, none, gguf or int8")
+    if device.type == "cuda":
+        if mode != "int8":
+            raise ValueError("--quantization gguf: CUDA serves int8 weights (or none), not a GGUF file's blocks")
+        if not kernels:
+            raise ValueError("--quantization int8: needs triton on CUDA, which could not be imported here")
+        return "int8"
     if not cpu_float32:
         raise ValueError(
             f"--quantization {mode}: quantized weights run on the CPU in float32 only, not {device.type} {dtype}"

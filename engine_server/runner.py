@@ -158,7 +158,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         # Builds the C++ kernels now (first start on this machine only), not on the first request.
-        kernels = self.device.type == "cpu" and select_ops(self.device) is not REFERENCE_OPS
+        kernels = select_ops(self.device) is not REFERENCE_OPS
         self.quantization = resolve_quantization(config.quantization, source, self.device, self.dtype, kernels)
         torch.manual_seed(config.seed)
         model = get_model_class(source.config.architecture)(source.config, dtype=self.dtype)
@@ -176,6 +176,10 @@ class ModelRunner:
                 "cpu kernels", quantization=self.quantization, layers=layers, mkl_packed_linears=packed,
                 cpp_kernels=kernels,
             )  # fmt: skip
+        elif self.quantization != "none":
+            layers = quantize_model(self.model, source, self.quantization)
+            torch.cuda.empty_cache()  # the float weights' blocks
+            log.info("quantized weights", quantization=self.quantization, layers=layers)
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)

@@ -18,6 +18,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._checks import check_dtype, check_same_device, unit_last_stride
+from kernels._dot import dot
 
 if TYPE_CHECKING:
     from engine_server.attention import AttentionMetadata
@@ -43,15 +44,6 @@ def _find_sequence(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def _dot(a, b, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """`a @ b` with float32 accumulation. UPCAST does it on float32 copies: Triton's interpreter cannot multiply
-    bfloat16 (numpy has no such type), and the result is the same since bf16 products are exact in float32."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
@@ -124,7 +116,7 @@ def _paged_attention_kernel(
         kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * head_dim + dims[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), INPUT_PRECISION, UPCAST_DOT) * qk_scale
+        scores = dot(q, tl.trans(k), None, INPUT_PRECISION, UPCAST_DOT) * qk_scale
         visible = key_ok[None, :] & (keys[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -132,7 +124,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(cache_ptr + v_offset + kv_offsets, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, INPUT_PRECISION, UPCAST_DOT)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, None, INPUT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

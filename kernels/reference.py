@@ -245,3 +245,12 @@ def q8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.
     q = qs.reshape(qs.shape[0], -1, QUANT_GROUP).double()
     dots = torch.einsum("mgi,ngi->mng", xq.double(), q)
     return (dots * scales.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1).float()
+
+
+def int8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The GPU's weight-only 8-bit product (`kernels.int8_linear`): x `[M, K]` in any float dtype times the
+    weight `[N, K]` of `q8_linear` (element = float(scales) * qs in float32, then rounded to x's dtype), summed
+    in float32 -> `[M, N]` in x's dtype. x itself is not quantized, unlike the CPU kernels' decode rows."""
+    weight = qs.reshape(qs.shape[0], -1, QUANT_GROUP).float() * scales.float().unsqueeze(-1)
+    weight = weight.reshape(qs.shape[0], -1).to(x.dtype)
+    return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)

@@ -19,13 +19,14 @@ from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 def build_decode_stack(model: DecoderModel) -> Any | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
-    not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), a dtype other than float32, a
-    head dim the attention kernel is not built for, or no C++ kernels."""
+    not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), weights not on the CPU or not
+    float32, a head dim the attention kernel is not built for, or no C++ kernels."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
-    if cpu_ops() is None or not layers:
+    weight = model.norm.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
         return None
     first = layers[0].self_attn
-    if model.norm.weight.dtype != torch.float32 or first.head_dim not in HEAD_DIMS:
+    if first.head_dim not in HEAD_DIMS:
         return None
     projections: list[list[QuantizedLinear]] = []
     for layer in layers:

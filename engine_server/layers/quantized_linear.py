@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers for the CPU path: 4- and 8-bit weights in groups of 32, kept packed.
+"""Weight-only quantized linear layers: 4- and 8-bit weights in groups of 32, kept packed (8-bit also on CUDA).
 
 A decode step on the CPU streams every weight once per token, so its time is the weights' bytes over the memory
 bandwidth: float32 SmolLM2-135M streams ~540 MB per token, its GGUF Q4_1 form ~96 MB (scales kept in float16, as
@@ -94,11 +94,17 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 class QuantizedLinear(nn.Module):
-    """`F.linear(x, W, bias)` with W a `QuantizedWeight`, on the CPU kernels (float32 x, any leading dims).
+    """`F.linear(x, W, bias)` with W a `QuantizedWeight` (any leading dims of x).
 
-    The result differs from `F.linear(x, weight.dequantize())` by x's 8-bit rounding (about 0.4% of each
-    group's largest value per element, averaging out over K), not by the weight's: that is stored exactly.
+    On the CPU (float32 x, the C++ kernels) the result differs from `F.linear(x, weight.dequantize())` by x's
+    8-bit rounding below `GEMM_ROWS` rows (about 0.4% of each group's largest value per element, averaging out
+    over K), not by the weight's: that is stored exactly. On CUDA (a `Q8Weight` only, x in the model's dtype)
+    the Triton kernel `kernels.int8_linear` dequantizes W to x's dtype and keeps x as it is.
     """
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -113,7 +119,11 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        if self.format == "q4":
+        if self.qs.is_cuda:
+            from kernels.int8_linear import int8_linear  # triton: imported only where it runs
+
+            out = int8_linear(rows, self.qs, self.scales)
+        elif self.format == "q4":
             out = torch.ops.ladle_cpu.q4_linear(rows, self.qs, self.scales, self.mins)
         else:
             out = torch.ops.ladle_cpu.q8_linear(rows, self.qs, self.scales)

@@ -32,12 +32,14 @@ def test_roofline_counts_weights_once_per_step_and_the_kv_each_sequence_reads() 
 def test_a_tiny_cpu_run_writes_every_field(tmp_path: Path) -> None:
     out = tmp_path / "gpu.jsonl"
     code = gpu.main(["--device", "cpu", "--models", "dummy:smollm2-135m", "--num-seqs", "2", "--min-len", "4",
-                     "--max-len", "6", "--tpot-tokens", "2", "--out", str(out)])
+                     "--max-len", "6", "--tpot-tokens", "2", "--quantization", "none,int8", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     assert {"device", "torch", "triton", "transformers", "commit", "command", "copy_bandwidth_gb_per_s"} <= set(result)
-    (model,) = result["models"]
-    assert model["model"] == "dummy:smollm2-135m"
+    model, int8 = result["models"]
+    assert model["model"] == int8["model"] == "dummy:smollm2-135m"
+    assert (model["quantization"], int8["quantization"]) == ("none", "int8")
+    assert int8["weight_bytes"] < model["weight_bytes"] / 2 and "transformers" not in int8["output_tok_per_s"]
     assert {"ladle", "ladle_fixed_output", "transformers"} <= set(model["output_tok_per_s"])
     assert model["ratio_vs_hf"] > 0 and model["roofline_fraction"] > 0 and model["tpot_ms_single_stream"] > 0
     assert model["engine"] == {"cuda_graphs": False, "async_scheduling": False, "kv_cache_mib": 1024,
@@ -51,5 +53,6 @@ def test_the_chart_draws_the_newest_result_of_each_model_across_runs() -> None:
         return {"device": device, "models": [{"model": m, "tag": f"{device}/{m}/{len(models)}"} for m in models]}
 
     runs = [run("H100", "a", "b"), run("H100", "b"), run("H200", "a")]
+    runs.append({"device": "H100", "models": [{"model": "a", "quantization": "int8", "tag": "int8"}]})
     picked = [(r["device"], m["tag"]) for r, m in chart.latest_per_model(runs)]  # type: ignore[index]
-    assert picked == [("H100", "H100/a/2"), ("H100", "H100/b/1"), ("H200", "H200/a/1")]
+    assert picked == [("H100", "H100/a/2"), ("H100", "H100/b/1"), ("H200", "H200/a/1"), ("H100", "int8")]

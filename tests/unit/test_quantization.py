@@ -43,6 +43,7 @@ def source(gguf: Path | None) -> ModelSource:
         ("none", Path("m.gguf"), CPU, torch.float32, True, "none"),
         ("gguf", Path("m.gguf"), CPU, torch.float32, True, "gguf"),
         ("int8", None, CPU, torch.float32, True, "int8"),
+        ("int8", Path("m.gguf"), CUDA, torch.bfloat16, True, "int8"),  # the Triton kernel
     ],
 )
 def test_resolve_quantization(
@@ -55,7 +56,9 @@ def test_resolve_quantization(
     ("mode", "gguf", "device", "kernels", "message"),
     [
         ("gguf", None, CPU, True, "not a GGUF file"),
-        ("int8", None, CUDA, True, "CPU in float32 only"),
+        ("int8", None, CUDA, False, "needs triton"),
+        ("gguf", Path("m.gguf"), CUDA, True, "CUDA serves int8"),
+        ("int8", None, torch.device("meta"), True, "CPU in float32 only"),
         ("gguf", Path("m.gguf"), CPU, False, "could not be built"),
         ("int4", None, CPU, True, "expected auto, none, gguf or int8"),
     ],

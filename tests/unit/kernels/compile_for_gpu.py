@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine_server.attention import AttentionMetadata
-from kernels import activation, bitmask, kv_cache, paged_attention, rms_norm, rotary
+from kernels import activation, bitmask, int8_linear, kv_cache, paged_attention, rms_norm, rotary
 
 UNAVAILABLE = 3  # exit status when this Triton cannot compile for CUDA here (the test skips)
 try:
@@ -77,9 +77,19 @@ def elementwise_calls(dtype: torch.dtype) -> None:
     bitmask.apply_token_bitmask_(torch.zeros(2, 1000, dtype=dtype), torch.zeros(2, 32, dtype=torch.int32))
 
 
+def int8_calls(dtype: torch.dtype) -> None:
+    """The weight-only int8 product's three tile shapes (decode, 32 rows, prefill) at Qwen2.5-0.5B's widths."""
+    qs = torch.zeros(4864, 896, dtype=torch.int8)
+    scales = torch.zeros(4864, 896 // 32, dtype=torch.float16)
+    for rows in (3, 32, 100):
+        int8_linear.int8_linear(torch.zeros(rows, 896, dtype=dtype), qs, scales)
+
+
 def quick_calls() -> None:
     """The riskiest specializations: every kernel once, attention's tile shapes and its float32 path."""
     elementwise_calls(torch.bfloat16)
+    int8_calls(torch.bfloat16)
+    int8_calls(torch.float32)
     attention([(1, 40), (7, 20)], 28, 4, 128, torch.bfloat16)  # prefill tiles, a group of 7
     attention([(1, 40), (1, 20)], 8, 1, 96, torch.bfloat16)  # decode tiles, padded head dim
     attention([(1, 40), (7, 20)], 4, 4, 128, torch.float32)  # float32: the most shared memory
@@ -89,6 +99,7 @@ def full_calls() -> None:
     """Every dtype, with prefill and decode tiles for every shape of `ATTENTION_SHAPES`."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         elementwise_calls(dtype)
+        int8_calls(dtype)
         for heads, kv_heads, head_dim in ATTENTION_SHAPES:
             attention([(1, 40), (7, 20)], heads, kv_heads, head_dim, dtype)
             attention([(1, 40), (1, 20)], heads, kv_heads, head_dim, dtype)
