@@ -12,6 +12,8 @@ atomics). The block sizes are a first guess, not yet tuned on hardware.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -75,6 +77,7 @@ def _blocks(rows: int) -> tuple[int, int]:
     return 64, 64
 
 
+@functools.cache
 def _split_k(tiles: int, k_blocks: int, device: torch.device) -> int:
     """How many programs share each tile's K loop so that about `_PROGRAMS_PER_SM` land on every SM."""
     if device.type != "cuda":
