@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     parser.add_argument(
         "--quantization",
-        default="auto",
+        default="none",
         choices=["auto", "none", "gguf", "int8"],
         help="ladle's weights (see `ladle engine --help`)",
     )

@@ -5,8 +5,10 @@
   serves from that file; its other tensors (F32, F16, K-quants) stay float.
 - `int8`: every linear layer of any model, its float weight quantized to 8-bit groups of 32 (`quantize_q8`).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
-`auto` is the default: for the embedded model on the CPU that is its GGUF blocks, whose quality against the
-float model `tests/unit/test_quantization.py` checks. The quantized kernels
+`none` is the default (the exact path the engine-level tests check against transformers): gguf's quality holds,
+but a greedy answer under it depends on its batch (below 32 rows activations are quantized to 8 bits, from 32
+rows on the layers run float GEMMs), so the same prompt alone and among others can continue differently. The
+quantized kernels
 stream ~5x fewer weight bytes per decode step, and from 32 rows on (prefill chunks, large batches) run MKL
 float32 GEMMs over dequantized weight tiles, as the float path does (a 128-token prefill of the embedded model took
 ~0.4 s either way on a 2-core AMD EPYC).
