@@ -6,12 +6,12 @@
 - `int8`: every linear layer of any model, its float weight quantized to 8-bit groups of 32 (`quantize_q8`).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
 `none` is the default (the exact path the engine-level tests check against transformers): gguf's quality holds,
-but a greedy answer under it depends on its batch (below 32 rows activations are quantized to 8 bits, from 32
-rows on the layers run float GEMMs), so the same prompt alone and among others can continue differently. The
-quantized kernels
-stream ~5x fewer weight bytes per decode step, and from 32 rows on (prefill chunks, large batches) run MKL
-float32 GEMMs over dequantized weight tiles, as the float path does (a 128-token prefill of the embedded model took
-~0.4 s either way on a 2-core AMD EPYC).
+but a greedy answer under it depends on its batch, since the 8-bit rounding of decode activations turns the
+float32-level differences between batch shapes (8-bit kernels below 32 rows, float GEMMs from 32) into
+quantization steps, so the same prompt alone and among others can continue differently (README). The
+quantized kernels stream ~5x fewer weight bytes per decode step, and from 32 rows on (prefill chunks, large
+batches) run MKL float32 GEMMs over dequantized weight tiles, as the float path does (a 128-token prefill of the
+embedded model took ~0.4 s either way on a 2-core AMD EPYC).
 Quantized layers run on the CPU kernels (`kernels/cpu/quant_matmul.cpp`); on CUDA `int8` runs on the Triton
 kernel `kernels.int8_linear` (the weight dequantized to the model's dtype in registers, x kept as it is) and
 `gguf` is refused at start-up, as it is for a model that is not a GGUF file. `auto` stays `none` on CUDA.
