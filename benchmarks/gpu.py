@@ -31,12 +31,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any, cast
 
 import torch
 
 from benchmarks.common import append_result, git_commit, hf_model, utc_timestamp
-from engine_server.config import QuantizationMode
+from engine_server.config import QUANTIZATION_MODES, QuantizationMode
 
 DEFAULT_MODELS = "dummy:qwen2.5-0.5b,dummy:smollm2-135m"
 
@@ -228,8 +228,8 @@ def quantization_modes(text: str) -> list[QuantizationMode]:
     """`--quantization`'s comma-separated schemes, each one `EngineConfig.quantization` takes."""
     modes = text.split(",")
     for mode in modes:
-        if mode not in get_args(QuantizationMode):
-            raise argparse.ArgumentTypeError(f"{mode!r} is not one of {', '.join(get_args(QuantizationMode))}")
+        if mode not in QUANTIZATION_MODES:
+            raise argparse.ArgumentTypeError(f"{mode!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     return cast(list[QuantizationMode], modes)
 
 

@@ -34,6 +34,7 @@ from benchmarks.common import (
     hf_model,
     utc_timestamp,
 )
+from engine_server.config import QUANTIZATION_MODES
 
 Workload = list[list[int]]
 
@@ -223,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=["auto", "none", "gguf", "int8"],
+        choices=QUANTIZATION_MODES,
         help="ladle's weights (see `ladle engine --help`)",
     )
     parser.add_argument(

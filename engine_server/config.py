@@ -7,7 +7,7 @@ Values discovered at run time (number of KV blocks, eos ids read from a tokenize
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Architecture = Literal["llama", "qwen2", "qwen3"]
 
@@ -121,6 +121,7 @@ class SchedulerConfig:
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quantization
+QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)  # the command line's --quantization choices
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 # --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
 from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
+from engine_server.config import QUANTIZATION_MODES
 
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
@@ -65,7 +66,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          choices=["auto", "on", "off"])
     _add(parser, "--quantization", "none", "weights kept quantized (CPU): none (float32, the exact path), gguf (a "
          "GGUF file's own Q4_0/Q4_1/Q8_0 blocks: faster single streams, slower large batches), int8 (8-bit groups "
-         "of any model's weights), auto (gguf for a GGUF file on the CPU)", choices=["auto", "none", "gguf", "int8"])
+         "of any model's weights), auto (gguf for a GGUF file on the CPU)", choices=QUANTIZATION_MODES)
     _add(parser, "--generation-config", "auto", "sampling defaults for the fields a request leaves unset: "
          "auto|ladle|PATH (auto: the model's generation_config.json or the embedded model's card values; ladle: "
          "OpenAI's; PATH: a generation_config.json or a folder holding one)")
