@@ -193,11 +193,9 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 
 # Weight-only quantized linear layers (`kernels/cpu/quant_matmul.cpp`): weights in groups of QUANT_GROUP along
-# K, as llama.cpp's Q4_0 / Q4_1 / Q8_0. Below GEMM_ROWS rows of x the activations are quantized to 8 bits per
-# group on the fly (exact integer dot products); from GEMM_ROWS rows on the product is a float32 GEMM with the
-# dequantized weight (the kernel dequantizes tiles of it as `Q4Weight.dequantize` does).
+# K, as llama.cpp's Q4_0 / Q4_1 / Q8_0, times activations quantized to 8 bits per group on the fly (exact integer
+# dot products), for any number of rows.
 QUANT_GROUP = 32
-GEMM_ROWS = 32
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,12 +219,8 @@ def unpack_q4(qs: torch.Tensor) -> torch.Tensor:
 
 def q4_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` float32 times a 4-bit weight `[N, K]` (element = scales * q + mins per group, `unpack_q4(qs)`,
-    scales and mins float16) -> `[M, N]` float32: with x quantized by `quantize_activations` and sums in float64
-    below GEMM_ROWS rows, `F.linear(x, W)` from there on."""
-    if x.shape[0] >= GEMM_ROWS:
-        q = unpack_q4(qs).reshape(qs.shape[0], -1, QUANT_GROUP).float()
-        weight = q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
-        return torch.nn.functional.linear(x, weight.reshape(qs.shape[0], -1))
+    scales and mins float16) -> `[M, N]` float32, with x quantized by `quantize_activations` and sums in
+    float64."""
     xq, dx = quantize_activations(x)
     q = unpack_q4(qs).reshape(qs.shape[0], -1, QUANT_GROUP).double()
     dots = torch.einsum("mgi,ngi->mng", xq.double(), q)
@@ -237,10 +231,7 @@ def q4_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor, mins: tor
 
 def q8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` float32 times an 8-bit weight `[N, K]` (element = scales * qs per group, scales float16) -> `[M, N]`
-    float32, as `q4_linear`: 8-bit x and float64 sums below GEMM_ROWS rows, `F.linear(x, W)` from there on."""
-    if x.shape[0] >= GEMM_ROWS:
-        weight = qs.reshape(qs.shape[0], -1, QUANT_GROUP).float() * scales.float().unsqueeze(-1)
-        return torch.nn.functional.linear(x, weight.reshape(qs.shape[0], -1))
+    float32, as `q4_linear`: 8-bit x and float64 sums."""
     xq, dx = quantize_activations(x)
     q = qs.reshape(qs.shape[0], -1, QUANT_GROUP).double()
     dots = torch.einsum("mgi,ngi->mng", xq.double(), q)

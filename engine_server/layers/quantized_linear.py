@@ -5,7 +5,9 @@ bandwidth: float32 SmolLM2-135M streams ~540 MB per token, its GGUF Q4_1 form ~9
 GGUF stores them: float32 ones would add 16 MB). `QuantizedLinear`
 keeps a weight in one of two packed forms and multiplies with the C++ kernels of `kernels/cpu/quant_matmul.cpp`
 (contracts: `kernels.reference.q4_linear` / `q8_linear`), which quantize the activations to 8 bits per group of
-32 on the fly, as llama.cpp does, so each group's dot product is an exact integer one.
+32 on the fly, as llama.cpp does, so each group's dot product is an exact integer one, for any number of rows:
+a row's result does not depend on the rows beside it. On the CPU the weight is repacked once, at construction,
+into the kernels' blocks of 8 output features (`torch.ops.ladle_cpu.pack_q4` / `pack_q8`).
 
 - `Q4Weight`: element = scale * q + min, q in 0..15 (GGUF Q4_1; Q4_0 is min = -8 * scale).
 - `Q8Weight`: element = scale * q, q in -127..127 (GGUF Q8_0, and `quantize_q8` of any float weight).
@@ -93,13 +95,28 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     raise ValueError(f"cannot fuse shards of different formats ({type(first).__name__} and another)")
 
 
+def pack_for_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` in the CPU kernels' blocks (`kernels/cpu/quant_matmul.cpp`): (packed, scales, mins) for
+    `torch.ops.ladle_cpu.packed_linear`. Raises RuntimeError where the CPU kernels cannot be built."""
+    from kernels.cpu_ops import cpu_ops  # builds (or loads) the extension that registers the ops
+
+    if cpu_ops() is None:
+        raise RuntimeError("quantized weights on the CPU need the C++ CPU kernels, which could not be built here")
+    if isinstance(weight, Q4Weight):
+        packed = torch.ops.ladle_cpu.pack_q4(weight.qs, weight.scales, weight.mins)
+    else:
+        packed = torch.ops.ladle_cpu.pack_q8(weight.qs, weight.scales)
+    return packed[0], packed[1], packed[2]
+
+
 class QuantizedLinear(nn.Module):
     """`F.linear(x, W, bias)` with W a `QuantizedWeight` (any leading dims of x).
 
     On the CPU (float32 x, the C++ kernels) the result differs from `F.linear(x, weight.dequantize())` by x's
-    8-bit rounding below `GEMM_ROWS` rows (about 0.4% of each group's largest value per element, averaging out
-    over K), not by the weight's: that is stored exactly. On CUDA (a `Q8Weight` only, x in the model's dtype)
-    the Triton kernel `kernels.int8_linear` dequantizes W to x's dtype and keeps x as it is.
+    8-bit rounding (about 0.4% of each group's largest value per element, averaging out over K), not by the
+    weight's: that is stored exactly. There `qs`, `scales` and `mins` hold the kernels' packed blocks (built
+    once here; needs the CPU kernels). On CUDA (a `Q8Weight` only, x in the model's dtype) they hold the
+    weight as given and the Triton kernel `kernels.int8_linear` dequantizes W to x's dtype, keeping x as it is.
     """
 
     qs: torch.Tensor
@@ -110,9 +127,12 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.format = "q4" if isinstance(weight, Q4Weight) else "q8"
-        self.register_buffer("qs", weight.qs, persistent=False)
-        self.register_buffer("scales", weight.scales, persistent=False)
-        self.register_buffer("mins", weight.mins if isinstance(weight, Q4Weight) else None, persistent=False)
+        qs, scales, mins = weight.qs, weight.scales, weight.mins if isinstance(weight, Q4Weight) else None
+        if not qs.is_cuda:
+            qs, scales, mins = pack_for_cpu(weight)
+        self.register_buffer("qs", qs, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("mins", mins, persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,10 +143,8 @@ class QuantizedLinear(nn.Module):
             from kernels.int8_linear import int8_linear  # triton: imported only where it runs
 
             out = int8_linear(rows, self.qs, self.scales)
-        elif self.format == "q4":
-            out = torch.ops.ladle_cpu.q4_linear(rows, self.qs, self.scales, self.mins)
         else:
-            out = torch.ops.ladle_cpu.q8_linear(rows, self.qs, self.scales)
+            out = torch.ops.ladle_cpu.packed_linear(rows, self.qs, self.scales, self.mins, self.out_features)
         if self.bias is not None:
             out = out + self.bias
         result: torch.Tensor = out.reshape(*x.shape[:-1], self.out_features)

@@ -27,13 +27,14 @@
 
 namespace {
 
-// y = x W^T (+ bias) with W in a quantized form: Q4 when `mins` is defined, Q8 otherwise
-// (engine_server/layers/quantized_linear.py `QuantizedLinear`).
+// y = x W^T (+ bias) with W packed by pack_q4 / pack_q8 (engine_server/layers/quantized_linear.py
+// `QuantizedLinear`), `out_features` rows.
 struct Linear {
-  at::Tensor qs, scales, mins, bias;
+  at::Tensor packed, scales, mins, bias;
+  int64_t out_features;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y = mins.defined() ? ladle_cpu::q4_linear(x, qs, scales, mins) : ladle_cpu::q8_linear(x, qs, scales);
+    at::Tensor y = ladle_cpu::packed_linear(x, packed, scales, mins, out_features);
     return bias.defined() ? y + bias : y;
   }
 };
@@ -84,9 +85,9 @@ class DecodeStack : public torch::CustomClassHolder {
         cos_sin_cache_(cos_sin_cache.contiguous()), final_norm_(final_norm.contiguous()) {}
 
   // Registers a projection; returns its index for add_layer.
-  int64_t add_linear(at::Tensor qs, at::Tensor scales, std::optional<at::Tensor> mins,
+  int64_t add_linear(at::Tensor packed, at::Tensor scales, at::Tensor mins, int64_t out_features,
                      std::optional<at::Tensor> bias) {
-    linears_.push_back(Linear{qs, scales, mins.value_or(at::Tensor()), bias.value_or(at::Tensor())});
+    linears_.push_back(Linear{packed, scales, mins, bias.value_or(at::Tensor()), out_features});
     return static_cast<int64_t>(linears_.size()) - 1;
   }
 

@@ -28,10 +28,11 @@ def random_q8(n: int, k: int, gen: torch.Generator) -> Q8Weight:
     return Q8Weight(qs, (torch.rand(n, k // 32, generator=gen) * 0.01).half())
 
 
-# Below GEMM_ROWS (32) rows the 8-bit kernels, from it on the GEMM path; 1100 weight rows cross its 512-row tiles.
+# Row tiles of 4 (Q4) / 2 (Q8) with ragged ends, blocks of 8 output features with ragged ends, and (300 rows of
+# K = 1536) more rows than one L2-sized chunk of quantized x (168 rows there).
 SHAPES = [
     (1, 1, 32), (1, 7, 64), (3, 5, 96), (4, 33, 576), (5, 64, 576), (17, 129, 1536), (31, 40, 64), (32, 40, 64),
-    (64, 96, 224), (40, 1100, 96),
+    (64, 96, 224), (40, 1100, 96), (300, 20, 1536),
 ]  # fmt: skip
 
 
@@ -115,13 +116,42 @@ def test_reference_is_the_dequantized_matmul_up_to_activation_rounding() -> None
 
 
 @needs_kernels
-def test_gemm_path_is_the_dequantized_float_product() -> None:
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_a_rows_result_does_not_depend_on_its_batch(fmt: str) -> None:
+    # Bit for bit: a greedy answer must not change with what else is in the batch.
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(reference.GEMM_ROWS, 576, generator=gen)
-    w4, w8 = random_q4(600, 576, gen), random_q8(600, 576, gen)
-    got = torch.ops.ladle_cpu.q4_linear(x, w4.qs, w4.scales, w4.mins)
-    torch.testing.assert_close(got, F.linear(x, w4.dequantize()))
-    torch.testing.assert_close(torch.ops.ladle_cpu.q8_linear(x, w8.qs, w8.scales), F.linear(x, w8.dequantize()))
+    weight = random_q4(203, 576, gen) if fmt == "q4" else random_q8(203, 576, gen)
+    layer = QuantizedLinear(weight, None)
+    x = torch.randn(333, 576, generator=gen)
+    batched = layer(x)
+    for start, rows in ((0, 1), (5, 1), (7, 3), (100, 2), (330, 3), (1, 64), (200, 133)):
+        assert torch.equal(layer(x[start : start + rows]), batched[start : start + rows]), (start, rows)
+
+
+@needs_kernels
+def test_q8_weights_take_their_whole_int8_range() -> None:
+    gen = torch.Generator().manual_seed(7)
+    qs = torch.randint(-128, 128, (16, 64), dtype=torch.int8, generator=gen)
+    qs[0] = -128
+    qs[1] = 127
+    w = Q8Weight(qs, (torch.rand(16, 2, generator=gen) * 0.01).half())
+    x = torch.randn(3, 64, generator=gen) * 5
+    torch.testing.assert_close(torch.ops.ladle_cpu.q8_linear(x, w.qs, w.scales), reference.q8_linear(x, w.qs, w.scales))
+
+
+@needs_kernels
+def test_packed_linear_refuses_tables_that_do_not_match() -> None:
+    gen = torch.Generator().manual_seed(8)
+    packed, scales, mins = torch.ops.ladle_cpu.pack_q4(*(lambda w: (w.qs, w.scales, w.mins))(random_q4(20, 64, gen)))
+    assert packed.shape == (3, 2, 1, 128) and scales.shape == mins.shape == (3, 2, 8)
+    x = torch.randn(2, 64)
+    assert torch.ops.ladle_cpu.packed_linear(x, packed, scales, mins, 20).shape == (2, 20)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.ladle_cpu.packed_linear(x, packed, scales, mins, 25)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.ladle_cpu.packed_linear(torch.randn(2, 96), packed, scales, mins, 20)
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        torch.ops.ladle_cpu.packed_linear(x, packed, scales.float(), mins, 20)
 
 
 def test_quantize_q8_round_trip_and_unpack_order() -> None:
