@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     parser.add_argument(
         "--quantization",
-        default="none",
+        default="auto",
         choices=QUANTIZATION_MODES,
         help="ladle's weights (see `ladle engine --help`)",
     )

@@ -137,6 +137,19 @@ class AttentionMetadata:
         return sum(self.query_lens_cpu)
 
     @cached_property
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every new token as a decode row of its own: (block tables `[T, max_blocks]` int32, its sequence's
+        row; context lengths `[T]` int32, its position + 1). Computed on first use, then cached."""
+        device = self.block_tables.device
+        counts = torch.tensor(self.query_lens_cpu, dtype=torch.int64)
+        sequence = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        first = torch.tensor(self.seq_lens_cpu, dtype=torch.int64) - counts  # position of each sequence's first
+        starts = torch.cumsum(counts, 0) - counts
+        lens = first[sequence] + torch.arange(int(counts.sum())) - starts[sequence] + 1
+        tables = self.block_tables.index_select(0, sequence.to(device))
+        return tables, lens.to(device=device, dtype=torch.int32)
+
+    @cached_property
     def reference_plan(self) -> ReferencePlan:
         """Split the batch into decode rows and prefill spans (computed on first use, then cached)."""
         bs = self.block_size

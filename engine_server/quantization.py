@@ -5,13 +5,12 @@
   serves from that file; its other tensors (F32, F16, K-quants) stay float.
 - `int8`: every linear layer of any model, its float weight quantized to 8-bit groups of 32 (`quantize_q8`).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
-`none` is the default (the exact path the engine-level tests check against transformers): gguf's quality holds,
-but a greedy answer under it depends on its batch, since the 8-bit rounding of decode activations turns the
-float32-level differences between batch shapes (8-bit kernels below 32 rows, float GEMMs from 32) into
-quantization steps, so the same prompt alone and among others can continue differently (README). The
-quantized kernels stream ~5x fewer weight bytes per decode step, and from 32 rows on (prefill chunks, large
-batches) run MKL float32 GEMMs over dequantized weight tiles, as the float path does (a 128-token prefill of the
-embedded model took ~0.4 s either way on a 2-core AMD EPYC).
+`auto` is the default: for the embedded model on the CPU that is its GGUF blocks, whose quality against the
+float model `tests/unit/test_quantization.py` checks; `none` stays the exact path the engine-level tests check
+against transformers. The quantized kernels multiply 8-bit activations (quantized per group of 32 on the fly)
+by the 4/8-bit weights in exact integer dot products for any number of rows, so a row's result does not depend
+on its batch, bit for bit; they stream ~5x fewer weight bytes per decode step than float32 and run ~1.3-2x the
+float32 GEMMs' multiply-adds per second at prefill and batch sizes (`vpmaddubsw`, 32 per instruction).
 Quantized layers run on the CPU kernels (`kernels/cpu/quant_matmul.cpp`); on CUDA `int8` runs on the Triton
 kernel `kernels.int8_linear` (the weight dequantized to the model's dtype in registers, x kept as it is) and
 `gguf` is refused at start-up, as it is for a model that is not a GGUF file. `auto` stays `none` on CUDA.
@@ -99,6 +98,10 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
         if isinstance(module, QuantizedLinear | nn.Linear)
     )
     model.model.decode_stack = build_decode_stack(model.model)
+    if not any(module.qs.is_cuda for module in model.modules() if isinstance(module, QuantizedLinear)):
+        from kernels.cpu_ops import batch_invariant_cpu_ops  # the kernels are built: quantized layers need them
+
+        model.ops = batch_invariant_cpu_ops()
     return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
 
 

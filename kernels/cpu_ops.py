@@ -24,6 +24,7 @@ cannot be built, or with `LADLE_CPU_KERNELS=0`, `cpu_ops()` is None and the CPU 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import os
@@ -71,6 +72,26 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     out.index_copy_(0, plan.decode_token_index, decoded)
     reference.attend_prefills(q, kv_cache, meta, scale, out)
     return out
+
+
+def paged_attention_by_token(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """`reference.paged_attention`'s contract with every token, prefill tokens included, run through the decode
+    kernel as a row of its own (its sequence's block table, positions [0, p]).
+
+    A token's result then depends on its query and the cache only, bit for bit: not on how its prompt was split
+    into chunks, found in the prefix cache, or batched with others. Quantized models use it (`quantize_model`):
+    their 8-bit activation rounding turns the float32-level differences SDPA makes between those cases into
+    visible ones, which change greedy answers. The cost: each prompt token reads its keys on its own, slower than
+    SDPA's blocked product on long prompts. Falls back to `paged_attention` where the kernel does not apply.
+    """
+    if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
+        return paged_attention(q, kv_cache, meta, scale)
+    if meta.max_query_len == 1:
+        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale)
+    tables, lens = meta.token_rows
+    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale)
 
 
 def paged_decode_attention(
@@ -143,6 +164,14 @@ def cpu_ops() -> KernelOps | None:
         write_kv_cache=REFERENCE_OPS.write_kv_cache,
         paged_attention=paged_attention,
     )
+
+
+@functools.cache
+def batch_invariant_cpu_ops() -> KernelOps | None:
+    """`cpu_ops()` with every token's attention on the decode kernel (`paged_attention_by_token`), for the
+    quantized models; None where `cpu_ops()` is."""
+    ops = cpu_ops()
+    return None if ops is None else dataclasses.replace(ops, paged_attention=paged_attention_by_token)
 
 
 def _load_extension() -> None:

@@ -64,9 +64,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          action="store_true")
     _add(parser, "--async-scheduling", "auto", "schedule the next step while the device runs this one (auto: on CUDA)",
          choices=["auto", "on", "off"])
-    _add(parser, "--quantization", "none", "weights kept quantized (CPU): none (float32, the exact path), gguf (a "
-         "GGUF file's own Q4_0/Q4_1/Q8_0 blocks: faster single streams, slower large batches), int8 (8-bit groups "
-         "of any model's weights), auto (gguf for a GGUF file on the CPU)", choices=QUANTIZATION_MODES)
+    _add(parser, "--quantization", "auto", "weights kept quantized (CPU): auto (gguf for a GGUF file on the CPU, "
+         "none elsewhere), none (float32, the exact path: greedy output equal to transformers'), gguf (a GGUF "
+         "file's own Q4_0/Q4_1/Q8_0 blocks), int8 (8-bit groups of any model's weights)", choices=QUANTIZATION_MODES)
     _add(parser, "--generation-config", "auto", "sampling defaults for the fields a request leaves unset: "
          "auto|ladle|PATH (auto: the model's generation_config.json or the embedded model's card values; ladle: "
          "OpenAI's; PATH: a generation_config.json or a folder holding one)")

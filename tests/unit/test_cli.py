@@ -91,7 +91,7 @@ def test_generation_config_flags_reach_the_engine(monkeypatch: pytest.MonkeyPatc
 
 def test_quantization_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = cli.build_parser()
-    assert parser.parse_args(["engine"]).quantization == "none"
+    assert parser.parse_args(["engine"]).quantization == "auto"
     for command in ("serve", "batch"):
         extra = ["-i", "a", "-o", "b"] if command == "batch" else []
         child = engine_command(parser.parse_args([command, *extra, "--quantization", "gguf"]), "127.0.0.1", 50051)

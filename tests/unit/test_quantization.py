@@ -113,3 +113,14 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     assert sorted({layer.format for layer in layers}) == ["q4", "q8"]  # Q4_1 projections, Q8_0 tied LM head
     assert len(layers) == 4 * 30 + 1
     assert not any(isinstance(m, torch.nn.Linear) for m in quantized.core.runner.model.modules())
+    # A greedy answer must not depend on what ran beside it or before it: each prompt alone, with its chat
+    # template's prefix found in the prefix cache, answers as it did in a batch of all of them (bit-exact
+    # integer kernels, every token's attention on the decode kernel).
+    from engine_server import ChatPrompt, SamplingParams
+    from engine_server.frontend import ChatMessage
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    chats = [ChatPrompt([ChatMessage(role="user", content=f"Name a {thing}.")]) for thing in ("city", "planet", "fruit")]
+    batched = [r.choices[0].token_ids for r in quantized.generate(chats, params, use_tqdm=False)]
+    alone = [quantized.generate([chat], params, use_tqdm=False)[0].choices[0].token_ids for chat in chats]
+    assert alone == batched

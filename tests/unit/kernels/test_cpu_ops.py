@@ -76,6 +76,21 @@ def test_mixed_batches_run_decode_rows_in_the_kernel_and_prefills_in_the_referen
     )
 
 
+@needs_kernels
+def test_attention_by_token_matches_the_reference_and_ignores_how_a_prompt_was_split() -> None:
+    spec = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (23, 60)]
+    q, cache, meta = make_batch(spec, 9, 3, 64, 16, seed=4)
+    whole = cpu.paged_attention_by_token(q, cache, meta, 0.125)
+    torch.testing.assert_close(whole, reference.paged_attention(q, cache, meta, 0.125), **TOLERANCE)
+    tables, lens = meta.token_rows
+    assert lens.tolist() == [1, 1, 2, 3, 4, 5, 9, 8, 9, 10, 17, *range(34, 41), *range(38, 61)]
+    assert torch.equal(tables[7], meta.block_tables[3])
+    # The last sequence's 23 tokens as a cached 20-token context plus 3 new ones, alone: the same bits.
+    last = q[-23:]
+    tail = AttentionMetadata.build([3], [60], [meta.block_tables[-1].tolist()], 16, "cpu")
+    assert torch.equal(cpu.paged_attention_by_token(last[-3:], cache, tail, 0.125), whole[-3:])
+
+
 def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
     q, cache, meta = make_batch([(1, 20), (4, 9)], 4, 2, 24, 16)
     torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
