@@ -45,6 +45,8 @@ def build_decode_stack(model: DecoderModel) -> Any | None:
         model.norm.weight.detach(),
     )
     for layer, own in zip(layers, projections, strict=True):
-        ids = [stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias) for linear in own]
+        ids = [
+            stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias) for linear in own
+        ]
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *ids)
     return stack

@@ -120,7 +120,8 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     from engine_server.frontend import ChatMessage
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    chats = [ChatPrompt([ChatMessage(role="user", content=f"Name a {thing}.")]) for thing in ("city", "planet", "fruit")]
+    things = ("city", "planet", "fruit")
+    chats = [ChatPrompt([ChatMessage(role="user", content=f"Name a {thing}.")]) for thing in things]
     batched = [r.choices[0].token_ids for r in quantized.generate(chats, params, use_tqdm=False)]
     alone = [quantized.generate([chat], params, use_tqdm=False)[0].choices[0].token_ids for chat in chats]
     assert alone == batched
