@@ -166,7 +166,8 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
       __m256i sums[R];
 #pragma GCC unroll 4
       for (int64_t r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
-#pragma GCC unroll 4
+      // Not unrolled: GCC would hoist every chunk's products ahead of their sums and spill them.
+#pragma GCC unroll 1
       for (int64_t c = 0; c < 4; ++c) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
         const __m256i low = _mm256_and_si256(raw, nibble);
