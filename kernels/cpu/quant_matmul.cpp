@@ -51,9 +51,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlock = 8;                         // output features per packed block
 constexpr int64_t kPlaneBytes = kBlock * kGroup / 2;  // one block's group in one plane
-// Rows of x in one tile: their int16 sums, int32 dots, float accumulators and an unpacked weight chunk fit the
-// 16 AVX2 registers.
-constexpr int64_t kRowTile = 4;
+// Rows of x in one tile, each unpacked weight chunk serving them all: 6 ran 5-10% faster than 4 on a Zen 3 (the
+// int16 sums and the chunk stay in the 16 AVX2 registers; a few float accumulators spill around a group's end).
+constexpr int64_t kRowTile = 6;
 // Bytes of quantized x one pass over a thread's weight blocks covers: they stay in its L2 cache meanwhile.
 constexpr int64_t kRowChunkBytes = 256 * 1024;
 
@@ -155,7 +155,7 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i sixteen = _mm256_set1_epi16(16);
   __m256 acc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* xg = x + g * kGroup;
@@ -164,7 +164,7 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
     for (int64_t p = 0; p < P; ++p) {  // plane by plane, so only R int16 sums are live
       const uint8_t* w = packed + (g * P + p) * kPlaneBytes;
       __m256i sums[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
       // Not unrolled: GCC would hoist every chunk's products ahead of their sums and spill them.
 #pragma GCC unroll 1
@@ -172,7 +172,7 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
         const __m256i low = _mm256_and_si256(raw, nibble);
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int64_t r = 0; r < R; ++r) {
           int32_t x_low, x_high;
           std::memcpy(&x_low, xg + r * k + 4 * c, 4);
@@ -181,7 +181,7 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high)));
         }
       }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         if (P == 1) {
           dot[r] = _mm256_madd_epi16(sums[r], ones);
@@ -194,18 +194,18 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
       }
     }
     const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kBlock)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
       const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[r * groups + g]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), row_scale, acc[r]);
     }
     if constexpr (P == 1) {
       const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * kBlock)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x_sums[r * groups + g]), acc[r]);
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) _mm256_store_ps(out[r], acc[r]);
 #else
   for (int64_t r = 0; r < R; ++r) {
@@ -238,14 +238,14 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
   for (int64_t r = 0; r < R; ++r) std::memcpy(y + r * y_stride, out[r], cols * sizeof(float));
 }
 
-// Calls f(std::integral_constant<int64_t, rows>) for rows in 1..kRowTile, so tiles get R at compile time.
-template <typename F>
+// Calls f(std::integral_constant<int64_t, min(rows, R)>) (rows >= 1), so tiles get their row count at compile time.
+template <int64_t R = kRowTile, typename F>
 void with_rows(int64_t rows, F&& f) {
-  switch (rows) {
-    case 1: return f(std::integral_constant<int64_t, 1>{});
-    case 2: return f(std::integral_constant<int64_t, 2>{});
-    case 3: return f(std::integral_constant<int64_t, 3>{});
-    default: return f(std::integral_constant<int64_t, kRowTile>{});
+  if constexpr (R == 1) {
+    f(std::integral_constant<int64_t, 1>{});
+  } else {
+    if (rows >= R) return f(std::integral_constant<int64_t, R>{});
+    with_rows<R - 1>(rows, std::forward<F>(f));
   }
 }
 

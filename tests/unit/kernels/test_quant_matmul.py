@@ -28,7 +28,7 @@ def random_q8(n: int, k: int, gen: torch.Generator) -> Q8Weight:
     return Q8Weight(qs, (torch.rand(n, k // 32, generator=gen) * 0.01).half())
 
 
-# Row tiles of 4 (Q4) / 2 (Q8) with ragged ends, blocks of 8 output features with ragged ends, and (300 rows of
+# Row tiles of 6 with ragged ends of 1-5, blocks of 8 output features with ragged ends, and (300 rows of
 # K = 1536) more rows than one L2-sized chunk of quantized x (168 rows there).
 SHAPES = [
     (1, 1, 32), (1, 7, 64), (3, 5, 96), (4, 33, 576), (5, 64, 576), (17, 129, 1536), (31, 40, 64), (32, 40, 64),
