@@ -76,7 +76,11 @@ def resolve_quantization(
 def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict[str, int]:
     """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`, and give its decoder the C++ decode
     stack where every projection is quantized; returns layers per format (`q4`, `q8`, and `float` for those left
-    as they were) and `decode_stack` (1 when attached)."""
+    as they were) and `decode_stack` (1 when attached).
+
+    On the CPU the model also gets `kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
+    decode kernel), so that with the integer kernels a token's result does not depend on its batch or on the
+    prefix cache, bit for bit (README, Quantized weights)."""
     if scheme == "none":
         return {}
     if scheme == "gguf":
