@@ -1,0 +1,59 @@
+"""The quantized kernels' portable loops (`kernels/cpu/quant_matmul.cpp` without AVX2: ARM, older x86), which the
+engine's own build never takes on an AVX2 machine: quant_matmul.cpp alone, built for baseline x86-64 in a
+child process (its ops would clash with the engine's build in this one), against `kernels.reference`."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).resolve().parents[3] / "kernels" / "cpu" / "quant_matmul.cpp"
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from engine_server.layers.quantized_linear import Q4Weight, Q8Weight
+    from kernels import reference
+    from kernels.cpu_ops import _ninja_on_path
+
+    with _ninja_on_path():
+        load(name="ladle_quant_portable", sources=[sys.argv[1]], build_directory=sys.argv[2],
+             is_python_module=False, extra_cflags=["-O2", "-march=x86-64", "-ffp-contract=off"])
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in [(1, 9, 64), (7, 20, 96), (13, 33, 576)]:
+        q4 = Q4Weight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                      (torch.rand(n, k // 32, generator=gen) * 0.02).half(),
+                      (-torch.rand(n, k // 32, generator=gen) * 0.2).half())
+        q8 = Q8Weight(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen),
+                      (torch.rand(n, k // 32, generator=gen) * 0.01).half())
+        x = torch.randn(m, k, generator=gen) * 3
+        x[0, :32] = 0.0  # a zero group
+        got4 = torch.ops.ladle_cpu.q4_linear(x, q4.qs, q4.scales, q4.mins)
+        torch.testing.assert_close(got4, reference.q4_linear(x, q4.qs, q4.scales, q4.mins), atol=1e-4, rtol=1e-5)
+        got8 = torch.ops.ladle_cpu.q8_linear(x, q8.qs, q8.scales)
+        torch.testing.assert_close(got8, reference.q8_linear(x, q8.qs, q8.scales), atol=1e-4, rtol=1e-5)
+        assert torch.equal(torch.ops.ladle_cpu.q4_linear(x[-1:], q4.qs, q4.scales, q4.mins), got4[-1:])
+    print("portable ok")
+    """
+)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="needs g++ on x86-64")
+def test_portable_loops_match_the_reference(tmp_path: Path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(SOURCE), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=SOURCE.parents[2],
+    )
+    assert child.returncode == 0 and "portable ok" in child.stdout, child.stderr[-3000:]
