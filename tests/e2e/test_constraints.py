@@ -15,9 +15,14 @@ from tests.e2e.helpers import chat_input, joined_stream, sampling
 
 Stub: TypeAlias = engine_pb2_grpc.EngineServiceStub
 
+# Integers bounded, as the other e2e schemas bound them: an unbounded one lets a 135M model run digits to the
+# token limit (the embedded GGUF under greedy decoding wrote "age": 1234567890... here).
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
 }
 
