@@ -4,8 +4,14 @@ Lines stream into one Batch call at a time with at most `window` engine items un
 call about twice its `max_num_seqs` ahead, so more would only sit in buffers). Each line's result is handed to
 `emit` as soon as all of its engine items have answered. When the call fails (the engine died, restarts or
 drains), every line still in flight is sent again on the next SERVING engine, keeping the parts that already
-answered; an item the engine refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) is sent again a moment later.
-Any other item error is that line's result: an error line with the HTTP status the route would have answered.
+answered; an item the engine refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) or ended with finish reason
+ABORT (a draining or stopping engine aborts what it still runs) is sent again a moment later. Any other item
+error is that line's result: an error line with the HTTP status the route would have answered.
+
+The invariant: every line is, at every moment, in exactly one of four places — unread (in `source`, or read
+and not yet taken), in flight (`_Progress.in_flight`), to retry (`_Progress.retry`) or emitted. A line moves
+between them only in code that does not await in between, and a call's feeder stops taking lines the moment
+its call has ended, so no interleaving of a call's end with a feeder's pause can leave a line nowhere.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class _Line:
     line_id: str
     replies: list[engine_pb2.GenerateResponse | None]
     request_id: str = ""
+    requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)  # this attempt's, one per item
     error: APIError | None = None
     outstanding: int = 0  # items of this line sent in the current call and not yet answered
     not_before: float = 0.0  # loop time before which it is not sent again (after a refusal for load)
@@ -63,13 +70,66 @@ class _Line:
         return [k for k, reply in enumerate(self.replies) if reply is None]
 
 
+_END = object()
+
+
+class _Source:
+    """The unread lines. A read is a future kept here until a feeder has the line in hand, so a feeder
+    abandoned mid-read (its call ended) leaves the line for the next call's feeder instead of losing it."""
+
+    def __init__(self, lines_in: AsyncIterator[InputLine]) -> None:
+        self._lines = lines_in
+        self._next: asyncio.Future[Any] | None = None
+        self.done = False
+        self.error: BaseException | None = None
+
+    async def take(self, ended: asyncio.Event) -> InputLine | None:
+        """The next line; None at the end of the input, after a read error (kept in `error`), or when the
+        caller's call has `ended` meanwhile (the line read is then kept for the next caller)."""
+        while not self.done:
+            if self._next is None:
+                self._next = asyncio.ensure_future(_read_one(self._lines))
+            read = self._next
+            try:
+                item = await asyncio.shield(read)
+            except Exception as exc:  # reading the input failed: `run` raises it once the current call is over
+                if self._next is read:
+                    self.error, self.done, self._next = exc, True, None
+                return None
+            if ended.is_set():
+                return None
+            if self._next is not read:  # an abandoned feeder's read, already taken by the current one
+                continue
+            self._next = None
+            if item is _END:
+                self.done = True
+                return None
+            line: InputLine = item
+            return line
+        return None
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+
+
+async def _read_one(source: AsyncIterator[InputLine]) -> Any:
+    try:
+        return await anext(source)
+    except StopAsyncIteration:
+        return _END
+
+
 @dataclass
 class _Progress:
     emit: Callable[[LineResult], None]
+    source: _Source
     retry: deque[_Line] = field(default_factory=deque)
-    source_done: bool = False
-    source_error: BaseException | None = None
     in_flight: dict[int, _Line] = field(default_factory=dict)  # by line index
+
+    @property
+    def finished(self) -> bool:
+        return self.source.done and not self.retry and not self.in_flight
 
 
 class LineRunner:
@@ -87,27 +147,29 @@ class LineRunner:
         """Run every line of `source` once, calling `emit` with each result as it is final. Returns True once
         every line has its result, False as soon as `stop` is set (lines then in flight are cancelled in the
         engine and have no result)."""
-        progress = _Progress(emit)
+        progress = _Progress(emit, _Source(source))
         backoff = 0.2
-        while not stop.is_set():
-            if progress.source_done and not progress.retry and not progress.in_flight:
-                return True
-            engine = await self._serving_engine(stop)
-            if engine is None:
-                break
-            failed = await self._call(engine, source, progress, stop)
-            if progress.source_error is not None:
-                raise progress.source_error
-            for pending in progress.in_flight.values():
-                progress.retry.append(pending)
-            progress.in_flight.clear()
-            if failed and not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
-            elif not failed:
-                backoff = 0.2
-        return False
+        try:
+            while not stop.is_set():
+                if progress.finished:
+                    if progress.source.error is not None:
+                        raise progress.source.error
+                    return True
+                engine = await self._serving_engine(stop)
+                if engine is None:
+                    break
+                failed = await self._call(engine, progress, stop)
+                if progress.source.error is not None:
+                    raise progress.source.error
+                if failed and not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                elif not failed:
+                    backoff = 0.2
+            return False
+        finally:
+            progress.source.close()
 
     async def _serving_engine(self, stop: asyncio.Event) -> Engine | None:
         while not stop.is_set():
@@ -116,93 +178,103 @@ class LineRunner:
             await self.pool.wait_ready(timeout=0.5)
         return None
 
-    async def _call(
-        self,
-        engine: Engine,
-        source: AsyncIterator[InputLine],
-        progress: _Progress,
-        stop: asyncio.Event,
-    ) -> bool:
-        """One Batch call on `engine`; True if it failed (its lines in flight are then to be sent again)."""
+    async def _call(self, engine: Engine, progress: _Progress, stop: asyncio.Event) -> bool:
+        """One Batch call on `engine`; True if it failed or ended with lines unanswered (those are then to be
+        sent again). When it returns, no line is in flight and its feeder takes no more lines."""
         window = asyncio.Semaphore(self.window or _default_window(engine))
-        call = engine.client.stub.Batch(self._feed(source, progress, window, stop), timeout=None)
+        ended = asyncio.Event()
+        call = engine.client.stub.Batch(self._feed(progress, window, ended), timeout=None)
         watcher = asyncio.ensure_future(stop.wait())
         watcher.add_done_callback(lambda _: call.cancel())
         engine.calls += 1
+        failed = False
         try:
             async for response in call:
                 window.release()
                 self.in_flight -= 1
                 self._answer(response, progress)
-            return False
         except asyncio.CancelledError:
             # grpc raises CancelledError from a call cancelled here; a cancelled task must still see it.
-            if stop.is_set() and not _task_cancelled():
-                return False
-            raise
+            if not stop.is_set() or _task_cancelled():
+                raise
         except grpc.RpcError as error:
-            if stop.is_set():
-                return False
-            code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-            if code is grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_down(engine)
-            log.warning("batch call failed; sending its lines again", engine=engine.address,
-                        code=getattr(code, "name", None), in_flight=len(progress.in_flight))
-            return True
+            if not stop.is_set():
+                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+                if code is grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_down(engine)
+                log.warning("batch call failed; sending its lines again", engine=engine.address,
+                            code=getattr(code, "name", None), in_flight=len(progress.in_flight))
+                failed = True
         finally:
+            ended.set()
             engine.calls -= 1
             self.in_flight = 0
             watcher.cancel()
             call.cancel()
+            unanswered = list(progress.in_flight.values())
+            progress.in_flight.clear()
+            progress.retry.extend(unanswered)
+        return failed or bool(unanswered)
 
     async def _feed(
-        self, source: AsyncIterator[InputLine], progress: _Progress, window: asyncio.Semaphore, stop: asyncio.Event
+        self, progress: _Progress, window: asyncio.Semaphore, ended: asyncio.Event
     ) -> AsyncIterator[engine_pb2.BatchRequest]:
-        """The call's items: lines to send again first, then new lines, each item once the window has room."""
-        while not stop.is_set():
-            pending = await self._next_line(source, progress)
+        """The call's items: lines to send again first, then new lines, each item once the window has room.
+        Stops at once when the call has `ended` (a line it holds is then in flight, and the call's end moves it
+        to the retry queue)."""
+        while not ended.is_set():
+            pending = await self._take(progress, ended)
             if pending is None:
                 return
-            pending.request_id = "req_" + secrets.token_hex(12)  # a fresh engine id for every attempt
-            try:
-                requests = lines.engine_requests(pending.line, pending.request_id)
-            except APIError as exc:  # cannot happen for a validated line; a result all the same
-                pending.error = exc
-                progress.emit(self._result(pending))
-                continue
-            if not pending.replies:
-                pending.replies = [None] * len(requests)
-            pending.outstanding = 0
-            progress.in_flight[pending.line.index] = pending
             for k in pending.missing():
                 await window.acquire()
+                if ended.is_set():
+                    return
                 pending.outstanding += 1
                 self.in_flight += 1
-                yield engine_pb2.BatchRequest(item_id=f"{pending.line.index}:{k}", request=requests[k])
+                yield engine_pb2.BatchRequest(item_id=f"{pending.line.index}:{k}", request=pending.requests[k])
 
-    async def _next_line(self, source: AsyncIterator[InputLine], progress: _Progress) -> _Line | None:
-        """A line to send again (once its pause is over), else the next new line; None when there is none."""
+    async def _take(self, progress: _Progress, ended: asyncio.Event) -> _Line | None:
+        """Move the next line to send into `progress.in_flight` and return it: the first line to retry (once its
+        pause is over), else the next unread line. None when there is none, or once the call has ended."""
         loop = asyncio.get_running_loop()
-        while progress.retry:
-            pending = progress.retry.popleft()
-            if pending.error is not None:  # an item failed for good before its call was lost
-                progress.emit(self._result(pending))
-                continue
-            if pending.not_before > loop.time():
-                await asyncio.sleep(pending.not_before - loop.time())
-            return pending
-        if progress.source_done:
-            return None
+        while not ended.is_set():
+            if progress.retry:
+                head = progress.retry[0]
+                pause = head.not_before - loop.time()
+                if pause > 0 and head.error is None:
+                    with contextlib.suppress(TimeoutError):  # the line stays queued while it waits
+                        await asyncio.wait_for(ended.wait(), pause)
+                    continue
+                progress.retry.popleft()
+                if head.error is not None:  # an item failed for good before its call was lost
+                    progress.emit(self._result(head))
+                    continue
+                pending = head
+            else:
+                line = await progress.source.take(ended)
+                if line is None:
+                    return None
+                pending = _Line(line, new_id(BATCH_REQUEST_PREFIX), [])
+            if self._prepare(pending, progress):
+                progress.in_flight[pending.line.index] = pending
+                return pending
+        return None
+
+    def _prepare(self, pending: _Line, progress: _Progress) -> bool:
+        """Give `pending` a fresh engine request id and build its requests; False if the line cannot be sent
+        (it is then emitted as an error line)."""
+        pending.request_id = "req_" + secrets.token_hex(12)  # a fresh engine id for every attempt
         try:
-            line = await anext(source)
-        except StopAsyncIteration:
-            progress.source_done = True
-            return None
-        except Exception as exc:  # reading the input failed: `run` raises it once this call is over
-            progress.source_error = exc
-            progress.source_done = True
-            return None
-        return _Line(line, new_id(BATCH_REQUEST_PREFIX), [])
+            pending.requests = lines.engine_requests(pending.line, pending.request_id)
+        except (APIError, ValueError) as exc:  # cannot happen for a validated line; a result all the same
+            pending.error = exc if isinstance(exc, APIError) else APIError(400, f"body: {exc}", param="body")
+            progress.emit(self._result(pending))
+            return False
+        if not pending.replies:
+            pending.replies = [None] * len(pending.requests)
+        pending.outstanding = 0
+        return True
 
     def _answer(self, response: engine_pb2.BatchResponse, progress: _Progress) -> None:
         index, _, part = response.item_id.partition(":")
@@ -211,7 +283,10 @@ class LineRunner:
             return
         pending.outstanding -= 1
         if response.WhichOneof("outcome") == "result":
-            pending.replies[int(part)] = response.result
+            if _aborted(response.result):  # the engine is draining or stopping: not a result, run it again
+                pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
+            else:
+                pending.replies[int(part)] = response.result
         else:
             item = response.error
             code = grpc_status(item.code)
@@ -224,7 +299,7 @@ class LineRunner:
             return
         del progress.in_flight[pending.line.index]
         if pending.error is None and pending.missing():
-            progress.retry.append(pending)  # refused for load: again, after a moment
+            progress.retry.append(pending)  # refused for load or aborted: again, after a moment
         else:
             progress.emit(self._result(pending))
 
@@ -238,6 +313,10 @@ class LineRunner:
         body = lines.response_body(line, replies, pending.request_id, self.model)
         record = lines.output_record(pending.line_id, line.custom_id, pending.request_id, 200, body)
         return LineResult(line, record, ok=True, usage=tuple(r.usage for r in replies))
+
+
+def _aborted(result: engine_pb2.GenerateResponse) -> bool:
+    return any(choice.finish_reason == types_pb2.FINISH_REASON_ABORT for choice in result.choices)
 
 
 def _task_cancelled() -> bool:

@@ -3,7 +3,9 @@
 It answers health (SERVING), GetModelInfo and GetLoad like an engine, and Generate, Stream and Batch by echoing:
 the reply's text is the request's last chat message (or prompt) upper-cased (a stream sends it in two chunks).
 Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen),
-`invalid` (INVALID_ARGUMENT for a text), `die_after` (a Batch call ends UNAVAILABLE after that many results),
+`invalid` (INVALID_ARGUMENT for a text), `abort_once` (a result with finish reason ABORT the first time a text is
+seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE after that many results),
+`die_after_s` (the next Batch call ends UNAVAILABLE after that many seconds, whatever it is doing),
 `unavailable` (every Generate / Stream call fails UNAVAILABLE; a stream after its first chunk when
 `unavailable_after_output`), and `delay_s` per item.
 """
@@ -32,6 +34,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     refuse_once: set[str] = field(default_factory=set)
     invalid: set[str] = field(default_factory=set)
     die_after: int | None = None  # results per call before it fails with UNAVAILABLE (once)
+    die_after_s: float | None = None  # seconds into the next Batch call when it fails with UNAVAILABLE (once)
+    abort_once: set[str] = field(default_factory=set)
     seen: Counter[str] = field(default_factory=Counter)  # item texts received, over all calls
     answered: Counter[str] = field(default_factory=Counter)  # results sent
     max_unanswered: int = 0  # most items received and not yet answered, at any moment
@@ -74,6 +78,9 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.BatchResponse]:
         self.calls += 1
         die_after, self.die_after = self.die_after, None
+        loop = asyncio.get_running_loop()
+        die_at = None if self.die_after_s is None else loop.time() + self.die_after_s
+        self.die_after_s = None
         results: asyncio.Queue[engine_pb2.BatchResponse | None] = asyncio.Queue()
         unanswered = 0
 
@@ -89,7 +96,13 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         reader = asyncio.create_task(read())
         sent = 0
         try:
-            while (response := await results.get()) is not None:
+            while True:
+                try:
+                    response = await asyncio.wait_for(results.get(), None if die_at is None else die_at - loop.time())
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
+                if response is None:
+                    break
                 if die_after is not None and sent >= die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
                 unanswered -= 1
@@ -116,6 +129,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             response.error.param = "max_tokens"
         else:
             response.result.CopyFrom(_result(item.request, text))
+            if text in self.abort_once and self.seen[text] == 1:
+                response.result.choices[0].finish_reason = types_pb2.FINISH_REASON_ABORT
         await results.put(response)
 
 

@@ -149,6 +149,42 @@ async def test_a_refused_item_is_retried_and_a_bad_one_is_an_error_line(tmp_path
     assert bad.usage == ()
 
 
+async def test_a_line_waiting_to_be_resent_when_its_call_ends_is_not_dropped(tmp_path: Path) -> None:
+    """Line 0 is refused for load and waits its pause in the feeder; the call dies during the pause. The line
+    must still be sent on the next call (it was once in neither the retry queue nor in flight, and lost)."""
+    fake = FakeEngine(refuse_once={"line 0"}, die_after_s=0.3, delay_s=0.05)
+    async with Rig(fake, tmp_path) as rig:
+        results = await asyncio.wait_for(run_lines(rig, [chat_line(i) for i in range(6)], window=1), 10)
+    assert Counter(r.line.custom_id for r in results) == Counter(f"c{i}" for i in range(6))
+    assert all(r.ok for r in results) and fake.seen["line 0"] == 2 and fake.calls == 2
+
+
+async def test_a_line_read_by_a_feeder_whose_call_ended_is_not_dropped(tmp_path: Path) -> None:
+    """The input is slow to read; the call dies while its feeder waits for the next line. That line (and every
+    later one) runs on the next call."""
+    async def slow(items: list[dict[str, Any]]) -> AsyncIterator[lines.InputLine]:
+        async for line in source(items):
+            await asyncio.sleep(0.25)
+            yield line
+
+    async with Rig(FakeEngine(die_after_s=0.4), tmp_path) as rig:
+        results: list[LineResult] = []
+        runner = LineRunner(rig.pool, MODEL)
+        done = await asyncio.wait_for(runner.run(slow([chat_line(i) for i in range(4)]), results.append,
+                                                 asyncio.Event()), 10)
+    assert done and Counter(r.line.custom_id for r in results) == Counter(f"c{i}" for i in range(4))
+
+
+async def test_an_aborted_item_is_run_again_not_reported(tmp_path: Path) -> None:
+    """A draining engine ends what it still runs with finish reason ABORT: that is not the line's answer."""
+    fake = FakeEngine(abort_once={"line 1"})
+    async with Rig(fake, tmp_path) as rig:
+        results = {r.line.custom_id: r for r in await run_lines(rig, [chat_line(i) for i in range(3)])}
+    assert fake.seen["line 1"] == 2
+    choice = results["c1"].record["response"]["body"]["choices"][0]
+    assert results["c1"].ok and choice["finish_reason"] == "stop" and choice["message"]["content"] == "LINE 1"
+
+
 async def test_a_completions_line_with_several_prompts_joins_its_parts(tmp_path: Path) -> None:
     item = {"custom_id": "p", "method": "POST", "url": "/v1/completions",
             "body": {"model": MODEL, "prompt": ["one", "two", "three"], "max_tokens": 3}}
