@@ -1,9 +1,13 @@
 """Batch input lines in, result lines out: parsing and validating one JSONL line as the matching route would,
 and OpenAI's shapes for the lines of the output and error files. Pure functions.
 
-An input line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>, "body": {...}}`; the body
-is checked with the route's own pydantic schema and `translate.to_engine`, so a line that validates here is a
-request the synchronous route would also accept.
+An input line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>, "body": {...}}`; the url
+may name the endpoint with or without its `/v1` prefix (`/chat/completions` as SGLang's tutorial writes it). The
+body is checked with the route's own pydantic schema and `translate.to_engine`, so a line that validates here is
+a request the synchronous route would also accept. Validation never raises for a line's content: whatever is
+wrong with a line (JSON nested too deep for the parser, a lone UTF-16 surrogate that no UTF-8 file or protobuf
+can carry, a value the engine request cannot hold) becomes that line's `LineError`, and a line that validates can
+be sent to the engine and written to the result files.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import pydantic
+import structlog
 
 from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
@@ -30,6 +35,8 @@ ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
 }
 
 Body = ChatCompletionRequest | CompletionRequest
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,15 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
         item = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise refuse("invalid_json_line", f"line {number} is not valid JSON") from None
+    except RecursionError:
+        raise refuse("invalid_json_line", f"line {number} nests arrays or objects too deeply") from None
+    try:
+        json.dumps(item, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise refuse("invalid_json_line", f"line {number} holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                     "not part of a pair), which is not valid Unicode") from None
+    except RecursionError:
+        raise refuse("invalid_json_line", f"line {number} nests arrays or objects too deeply") from None
     if not isinstance(item, dict):
         raise refuse("invalid_json_line", f"line {number} is not a JSON object")
     custom_id = item.get("custom_id")
@@ -97,15 +113,18 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
         raise refuse("invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters", "custom_id")
     if item.get("method") != "POST":
         raise refuse("invalid_method", f"method must be POST, got {item.get('method')!r}", "method")
-    url = item.get("url")
-    if endpoint is None and url not in ENDPOINTS:
-        raise refuse("invalid_url", f"url must be one of {', '.join(sorted(ENDPOINTS))}, got {url!r}", "url")
+    url = endpoint_of(item.get("url"))
+    if endpoint is None and url is None:
+        raise refuse("invalid_url", f"url must be one of {', '.join(sorted(ENDPOINTS))} (the /v1 prefix may be "
+                     f"left out), got {item.get('url')!r}", "url")
     if endpoint is not None and url != endpoint:
-        raise refuse("invalid_url", f"url must be the batch's endpoint {endpoint}, got {url!r}", "url")
+        raise refuse("invalid_url", f"url must be the batch's endpoint {endpoint} (or {endpoint.removeprefix('/v1')}"
+                     f"), got {item.get('url')!r}", "url")
+    assert url is not None
     if not isinstance(item.get("body"), dict):
         raise refuse("invalid_body", "body must be a JSON object", "body")
     try:
-        body = ENDPOINTS[str(url)].model_validate(item["body"])
+        body = ENDPOINTS[url].model_validate(item["body"])
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         param = validation_param(tuple(first.get("loc", ())))
@@ -118,10 +137,23 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
                      f"serves `{model}`", "body.model")
     line = InputLine(index, custom_id, body)
     try:
-        engine_requests(line, "validation")
+        for request in engine_requests(line, "validation"):
+            request.SerializeToString()
     except APIError as exc:
         raise refuse("invalid_body", f"body: {exc.message}", f"body.{exc.param}" if exc.param else "body") from None
+    except ValueError as exc:  # protobuf refuses the value (e.g. text it cannot encode)
+        raise refuse("invalid_body", f"body: a value cannot be sent to the engine ({exc})", "body") from None
     return line
+
+
+def endpoint_of(url: object) -> str | None:
+    """The endpoint a line's url names: one of ENDPOINTS, written with or without its `/v1` prefix; else None."""
+    if not isinstance(url, str):
+        return None
+    if url in ENDPOINTS:
+        return url
+    prefixed = "/v1" + url
+    return prefixed if url.startswith("/") and prefixed in ENDPOINTS else None
 
 
 def validate(
@@ -144,6 +176,11 @@ def validate(
             line = parse_line(raw, number, count - 1, endpoint, model)
         except InvalidLineError as exc:
             errors.append(exc.error)
+            continue
+        except Exception as exc:  # a case parse_line does not name: still this line's error, never the batch's
+            log.exception("batch line could not be checked", line=number)
+            errors.append(LineError("invalid_line", f"line {number} could not be read ({type(exc).__name__})",
+                                    number))
             continue
         if line.custom_id in seen:
             errors.append(LineError("duplicate_custom_id", f"custom_id {line.custom_id!r} is used more than once",
@@ -193,4 +230,9 @@ def unrun_record(line_id: str, custom_id: str, code: str, message: str) -> dict[
 
 
 def encode(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    """One JSONL line. A string UTF-8 cannot hold (a lone surrogate; validation refuses such input) is written
+    escaped rather than failing the write: a result line is never lost to its encoding."""
+    try:
+        return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(record, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"

@@ -50,6 +50,15 @@ def test_good_lines_validate() -> None:
         (chat_line(stream=True), "invalid_body", "body.stream"),
         (chat_line(model="gpt-4o"), "model_not_found", "body.model"),
         (chat_line(tool_choice="required"), "invalid_body", "body.tool_choice"),  # passes pydantic, not translate
+        ({**chat_line(), "url": "/completions"}, "invalid_url", "url"),  # another endpoint, short form
+        ({**chat_line(), "url": "v1/chat/completions"}, "invalid_url", "url"),
+        ({**chat_line(), "url": "/v1/v1/chat/completions"}, "invalid_url", "url"),
+        # Lone surrogates pass json.loads but no UTF-8 result file nor protobuf can hold them.
+        (b'{"custom_id": "\\ud800x", "method": "POST", "url": "/v1/chat/completions", "body": {}}',
+         "invalid_json_line", None),
+        (json.dumps(chat_line(messages=[{"role": "user", "content": "a\udfffb"}])).encode(), "invalid_json_line",
+         None),
+        (b"[" * 4000, "invalid_json_line", None),  # RecursionError inside json.loads (the issue's 100,000 too)
     ],
 )
 def test_each_bad_line_is_named(item: Any, code: str, param: str | None) -> None:
@@ -57,6 +66,45 @@ def test_each_bad_line_is_named(item: Any, code: str, param: str | None) -> None
     assert total == 2
     assert [(e.code, e.line, e.param) for e in errors] == [(code, 2, param)]
     assert errors[0].message
+
+
+@pytest.mark.parametrize(("url", "endpoint"), [
+    ("/chat/completions", "/v1/chat/completions"),  # as SGLang's OpenAI-API tutorial writes its lines
+    ("/v1/chat/completions", "/v1/chat/completions"),
+    ("/completions", "/v1/completions"),
+    ("/v1/completions", "/v1/completions"),
+])
+def test_a_line_may_name_its_endpoint_without_the_v1_prefix(url: str, endpoint: str) -> None:
+    body = {"model": MODEL, "max_tokens": 4}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in endpoint else {"prompt": "hi"})
+    raw = encoded({"custom_id": "a", "method": "POST", "url": url, "body": body})
+    assert check(raw, endpoint) == (1, [])
+    assert lines.parse_line(raw, 1, 0, None, MODEL).body.model == MODEL  # `ladle batch`: any endpoint
+
+
+def test_the_issues_deep_line_is_a_line_error() -> None:
+    deep_object = b'{"custom_id": "b", "x": ' + b'{"y":' * 100_000 + b"1" + b"}" * 100_001
+    data = encoded(chat_line("a")) + b"[" * 100_000 + b"\n" + deep_object + b"\n"
+    total, errors = lines.validate(lines.read_lines(io.BytesIO(data), 1 << 20), CHAT, MODEL)
+    assert total == 3 and [(e.code, e.line) for e in errors] == [("invalid_json_line", 2), ("invalid_json_line", 3)]
+
+
+def test_an_unexpected_failure_while_checking_a_line_is_that_lines_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = lines.parse_line
+
+    def flaky(raw: bytes, number: int, *args: Any) -> lines.InputLine:
+        if number == 2:
+            raise KeyError("surprise")
+        return real(raw, number, *args)
+
+    monkeypatch.setattr(lines, "parse_line", flaky)
+    total, errors = check(encoded(chat_line("a"), chat_line("b"), chat_line("c")))
+    assert total == 3 and [(e.code, e.line) for e in errors] == [("invalid_line", 2)]
+
+
+def test_a_record_that_utf8_cannot_hold_is_still_written() -> None:
+    record = lines.unrun_record("batch_req_1", "\ud800x", "batch_failed", "x")
+    assert json.loads(lines.encode(record))["custom_id"] == "\ud800x"
 
 
 def test_duplicate_custom_ids_are_refused_at_their_second_use() -> None:
