@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gateway.batches.lines import encode
 from gateway.batches.runner import LineResult
@@ -23,7 +24,7 @@ from gateway.store.ids import FILE_PREFIX, new_id
 
 
 @dataclass
-class _Delta:
+class _Totals:
     completed: int = 0
     failed: int = 0
     prompt_tokens: int = 0
@@ -42,7 +43,7 @@ class ResultSink:
         self._output = blobs.open_segment(segment_key(batch_id, claim.epoch, "output"))
         self._error = blobs.open_segment(segment_key(batch_id, claim.epoch, "error"))
         self._pending: list[LineResult] = []
-        self._uncommitted = _Delta()  # written and synced, not yet in a successful commit
+        self._written = _Totals()  # everything appended to this claim's segment, committed or not yet
         self.committed_ids: set[str] = set()
         self._unconfirmed_ids: list[str] = []
 
@@ -60,14 +61,14 @@ class ResultSink:
 
     def commit(self, results: list[LineResult], lease_s: float) -> BatchStatus:
         """Append `results`, flush, and commit them with the lease extended; the batch's status. Blocking. If
-        the commit fails, what was written is committed by the next successful call."""
+        the commit fails, what was written is committed by the next successful call (the commit records this
+        claim's totals, never increments, so one that did land although it raised is not counted twice)."""
         for result in results:
             (self._output if result.ok else self._error).append(encode(result.record))
-            _count(self._uncommitted, result)
+            _count(self._written, result)
             self._unconfirmed_ids.append(result.line.custom_id)
-        progress = Progress(self._output.sync(), self._error.sync(), **vars(self._uncommitted))
+        progress = Progress(self._output.sync(), self._error.sync(), **vars(self._written))
         status = self.store.commit(self.claim, time.time(), lease_s, progress)
-        self._uncommitted = _Delta()
         self.committed_ids.update(self._unconfirmed_ids)
         self._unconfirmed_ids.clear()
         return status
@@ -77,7 +78,7 @@ class ResultSink:
         self._error.close()
 
 
-def _count(delta: _Delta, result: LineResult) -> None:
+def _count(delta: _Totals, result: LineResult) -> None:
     if result.ok:
         delta.completed += 1
     else:
@@ -98,9 +99,11 @@ def committed_custom_ids(blobs: BlobStore, store: BatchStore, batch_id: str) -> 
     return done
 
 
-def publish(blobs: BlobStore, store: BatchStore, claim: Claim, status: FinalStatus) -> None:
-    """End the batch with `status`: join its segments into the output and error files, record them and the
-    status in one transaction, then delete the segments. Safe to repeat after a crash at any point."""
+def publish(
+    blobs: BlobStore, store: BatchStore, claim: Claim, status: FinalStatus, errors: list[dict[str, Any]] | None = None
+) -> None:
+    """End the batch with `status` (and `errors`): join its segments into the output and error files, record them
+    and the status in one transaction, then delete the segments. Safe to repeat after a crash at any point."""
     batch_id = claim.batch.id
     parts = store.segments(batch_id)
     files: dict[ResultKind, FileRecord | None] = {}
@@ -112,9 +115,9 @@ def publish(blobs: BlobStore, store: BatchStore, claim: Claim, status: FinalStat
         if size:
             key = result_key(batch_id, kind)
             blobs.concatenate(lengths, key)
-            files[kind] = FileRecord(new_id(FILE_PREFIX), f"{batch_id}_{kind}.jsonl", BATCH_OUTPUT_PURPOSE, size,
-                                     int(time.time()), key)
-    store.finish(claim, status, files["output"], files["error"])
+            files[kind] = claim.batch.result_file(new_id(FILE_PREFIX), f"{batch_id}_{kind}.jsonl", BATCH_OUTPUT_PURPOSE,
+                                                  size, key)
+    store.finish(claim, status, files["output"], files["error"], errors)
     for segment in parts:
         for kind in ("output", "error"):
             blobs.delete(segment_key(batch_id, segment.epoch, kind))  # type: ignore[arg-type]

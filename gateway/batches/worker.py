@@ -8,6 +8,14 @@ last commit stopped:
                all done -> finalizing; cancelling -> stop; past `expires_at` -> the rest become batch_expired;
   finalizing / cancelling / past expiry -> `publish` the result files -> completed / cancelled / expired.
 A worker claims only while some engine is SERVING, so a batch never waits under a lease for an engine.
+
+Two guarantees beyond that. A batch is finalized only when its committed counts add up to its total (the store
+refuses otherwise); a run that ends with lines unaccounted for runs those lines again, and after `MAX_PASSES`
+such runs the batch fails with an error saying so. An attempt that ends in an error (a result write that fails,
+any other exception) is counted in the batch's record: after `max_failures` of them the batch ends `failed` with
+`errors` naming the last one, keeping the results it committed, instead of being claimed again forever. Every
+step that can outlast a lease (validating a large file, reading committed results, publishing) renews the lease
+while it runs.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -36,6 +45,8 @@ from gateway.store.ids import BATCH_REQUEST_PREFIX, new_id
 log = structlog.get_logger(__name__)
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+MAX_PASSES = 3  # runs of a batch's lines under one claim before lines still without a result fail the batch
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,7 @@ class WorkerSettings:
     poll_interval_s: float = 1.0
     commit_interval_s: float = 0.25
     heartbeat_interval_s: float = 1.0
+    max_failures: int = 5  # attempts ending in an error before the batch ends `failed`
 
 
 class BatchWorker:
@@ -81,9 +93,8 @@ class BatchWorker:
                     with contextlib.suppress(Exception):
                         await asyncio.to_thread(self.store.release, claim)
                     raise
-                except Exception:
-                    # The lease runs out and the batch is claimed again (here or elsewhere) after a pause.
-                    log.exception("batch work failed; it will be resumed")
+                except Exception as exc:
+                    await self._record_failure(claim, exc)
                     await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _claim(self) -> Claim:
@@ -102,14 +113,35 @@ class BatchWorker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.settings.poll_interval_s)
 
+    async def _record_failure(self, claim: Claim, exc: Exception) -> None:
+        """Count a failed attempt in the batch's record (the batch is resumed after a pause, here or elsewhere,
+        until `max_failures`)."""
+        error = f"{type(exc).__name__}: {exc}"
+        try:
+            failures = await asyncio.to_thread(self.store.record_failure, claim, error)
+        except LeaseLostError:
+            return
+        except Exception:
+            log.exception("batch work failed, and so did recording it; the lease will run out")
+            return
+        log.error("batch work failed; it will be resumed", failures=failures, limit=self.settings.max_failures,
+                  exc_info=exc)
+
     async def process(self, claim: Claim) -> None:
         """Carry a claimed batch as far as it goes: to a final status, unless the lease is lost."""
+        if claim.batch.failures >= self.settings.max_failures:
+            await self._give_up(claim, f"the batch failed {claim.batch.failures} times; the last error was: "
+                                       f"{claim.batch.last_error}")
+            return
         status: BatchStatus = claim.batch.status
         expired = time.time() >= claim.batch.expires_at
         if status == "validating" and not expired:
             status = await self._validate(claim)
         if status == "in_progress":
-            status, expired = await self._execute(claim)
+            status, expired = await self._run_lines(claim)
+            if status == "in_progress" and not expired:
+                await self._give_up(claim, f"some lines still had no result after {MAX_PASSES} runs")
+                return
         if status == "failed":
             return
         final: FinalStatus = (
@@ -117,8 +149,39 @@ class BatchWorker:
         )
         if final == "expired" and not expired:
             raise RuntimeError(f"batch in status {status} cannot be finished")
-        await asyncio.to_thread(publish, self.blobs, self.store, claim, final)
+        await self._leased(claim, asyncio.to_thread(publish, self.blobs, self.store, claim, final))
         log.info("batch finished", status=final)
+
+    async def _give_up(self, claim: Claim, message: str) -> None:
+        """End the batch `failed` with `message` in its errors, publishing the results it committed (if even that
+        cannot be written, the batch fails without result files, and its errors say so)."""
+        errors = [lines.LineError("batch_failed", message).as_dict()]
+        log.error("batch failed for good", message=message)
+        try:
+            await self._leased(claim, asyncio.to_thread(publish, self.blobs, self.store, claim, "failed", errors))
+        except LeaseLostError:
+            raise
+        except Exception as exc:
+            errors.append(lines.LineError("results_unwritable", f"its committed results could not be written "
+                                          f"either: {type(exc).__name__}: {exc}").as_dict())
+            await asyncio.to_thread(self.store.finish, claim, "failed", None, None, errors)
+
+    async def _leased(self, claim: Claim, work: Awaitable[T]) -> T:
+        """Await `work`, renewing the claim's lease every third of it meanwhile; LeaseLostError (and `work`
+        cancelled) if another worker has claimed the batch."""
+        task: asyncio.Future[T] = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.settings.lease_s / 3)
+                if done:
+                    return task.result()
+                try:
+                    await asyncio.to_thread(self.store.commit, claim, time.time(), self.settings.lease_s)
+                except SQLAlchemyError:
+                    log.warning("could not renew the batch lease; trying again", exc_info=True)
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _validate(self, claim: Claim) -> BatchStatus:
         batch = claim.batch
@@ -130,7 +193,7 @@ class BatchWorker:
                 return lines.validate(lines.read_lines(f, self.settings.max_line_bytes), batch.endpoint, model)
 
         try:
-            total, errors = await asyncio.to_thread(check)
+            total, errors = await self._leased(claim, asyncio.to_thread(check))
         except FileNotFoundError:
             total, errors = 0, [lines.LineError("missing_input_file", "the input file was deleted")]
         if errors:
@@ -140,12 +203,28 @@ class BatchWorker:
         log.info("batch validated", total=total)
         return await asyncio.to_thread(self.store.start, claim, total, model)
 
-    async def _execute(self, claim: Claim) -> tuple[BatchStatus, bool]:
-        """Run the batch's remaining lines; (status afterwards, whether it stopped for its expiry). Lines left
-        when the batch expires get a batch_expired error line each, committed like any result."""
-        batch = claim.batch
-        done = await asyncio.to_thread(committed_custom_ids, self.blobs, self.store, batch.id)
+    async def _run_lines(self, claim: Claim) -> tuple[BatchStatus, bool]:
+        """Run the batch's lines that have no committed result until none is left (at most MAX_PASSES runs);
+        (status afterwards, whether it stopped for its expiry)."""
         sink = await asyncio.to_thread(ResultSink, self.blobs, self.store, claim)
+        try:
+            for attempt in range(1, MAX_PASSES + 1):
+                if attempt > 1:  # the lines ran to their end and some still have no result: run those again
+                    log.warning("batch lines without a result after a run; running them again", attempt=attempt)
+                status, expired = await self._execute(claim, sink)
+                if status != "in_progress" or expired:
+                    break
+        finally:
+            sink.close()
+        return status, expired
+
+    async def _execute(self, claim: Claim, sink: ResultSink) -> tuple[BatchStatus, bool]:
+        """Run the batch's remaining lines; (status afterwards, whether it stopped for its expiry). Lines left
+        when the batch expires get a batch_expired error line each, committed like any result. Once every line
+        has run, the batch moves to `finalizing`, unless its committed counts fall short of its total (the
+        status then stays `in_progress`)."""
+        batch = claim.batch
+        done = await self._leased(claim, asyncio.to_thread(committed_custom_ids, self.blobs, self.store, batch.id))
         runner = LineRunner(self.pool, batch.model or self.pool.model_id or "", self.settings.window)
         self.runner = runner
         started = time.monotonic()
@@ -164,7 +243,6 @@ class BatchWorker:
                 status = await self._commit(sink)
         finally:
             self.runner = None
-            sink.close()
         log.info("batch lines stopped", finished=finished, status=status, expired=expired,
                  committed=len(sink.committed_ids), seconds=round(time.monotonic() - started, 1))
         if finished and status == "in_progress":

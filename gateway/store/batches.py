@@ -51,6 +51,8 @@ class BatchRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     lease_expires_at: float | None = None
+    failures: int = 0
+    last_error: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> BatchRecord:
@@ -63,7 +65,7 @@ class BatchRecord:
             output_file_id=row.output_file_id, error_file_id=row.error_file_id, times=times, total=row.total,
             completed=row.completed, failed=row.failed, prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-            lease_expires_at=row.lease_expires_at,
+            lease_expires_at=row.lease_expires_at, failures=row.failures, last_error=row.last_error,
         )
 
     def leased(self, now: float) -> bool:
@@ -93,7 +95,9 @@ class Segment:
 
 @dataclass(frozen=True)
 class Progress:
-    """What one commit adds: this claim's segment lengths (absolute) and the counts and tokens it appended."""
+    """What one claim has committed, all absolute: its segment files' lengths and the lines and tokens they
+    hold. A commit sets these (it never adds them), so repeating one whose acknowledgement was lost changes
+    nothing."""
 
     output_bytes: int
     error_bytes: int
@@ -195,18 +199,16 @@ class BatchStore:
             row = _locked(c, claim)
             values: dict[str, Any] = {"lease_expires_at": now + lease_s}
             if progress is not None:
-                b = batches.c
-                values.update(
-                    completed=b.completed + progress.completed, failed=b.failed + progress.failed,
-                    prompt_tokens=b.prompt_tokens + progress.prompt_tokens,
-                    completion_tokens=b.completion_tokens + progress.completion_tokens,
-                    cached_tokens=b.cached_tokens + progress.cached_tokens,
-                )
                 c.execute(
                     update(segments)
                     .where(segments.c.batch_id == claim.batch.id, segments.c.epoch == claim.epoch)
-                    .values(output_bytes=progress.output_bytes, error_bytes=progress.error_bytes)
+                    .values(**vars(progress))
                 )
+                sums = c.execute(
+                    select(*(func.coalesce(func.sum(segments.c[name]), 0) for name in _COUNT_COLUMNS))
+                    .where(segments.c.batch_id == claim.batch.id)
+                ).one()
+                values.update(zip(_COUNT_COLUMNS, sums, strict=True))
             c.execute(update(batches).where(batches.c.id == claim.batch.id).values(**values))
             status: BatchStatus = row.status
             return status
@@ -214,6 +216,17 @@ class BatchStore:
     def start(self, claim: Claim, total: int, model: str) -> BatchStatus:
         """A validated batch moves to `in_progress` with its line count (unless it was cancelled meanwhile)."""
         return self._advance(claim, "validating", "in_progress", total=total, model=model)
+
+    def record_failure(self, claim: Claim, error: str) -> int:
+        """Count one attempt at the batch that ended in `error` and give the lease back (the batch is claimed
+        again after a pause); the number of such attempts so far."""
+        with self.db.begin() as c:
+            row = _locked(c, claim)
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(
+                failures=batches.c.failures + 1, last_error=error[:2000], **_NO_LEASE
+            ))
+            failures: int = row.failures + 1
+            return failures
 
     def fail(self, claim: Claim, errors: list[dict[str, Any]]) -> None:
         """Validation failed: the batch ends `failed` with `errors`, nothing having run."""
@@ -224,8 +237,17 @@ class BatchStore:
             ))
 
     def set_finalizing(self, claim: Claim) -> BatchStatus:
-        """Every line is done: `in_progress` becomes `finalizing` (a batch already cancelling stays so)."""
-        return self._advance(claim, "in_progress", "finalizing")
+        """Every line is done: `in_progress` becomes `finalizing` (a batch already cancelling stays so). Refused
+        while the committed counts do not add up to `total` (the status stays `in_progress`): a batch is never
+        finished with a line that has no result."""
+        with self.db.begin() as c:
+            row = _locked(c, claim)
+            if row.status != "in_progress" or row.completed + row.failed != row.total:
+                status: BatchStatus = row.status
+                return status
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(
+                status="finalizing", finalizing_at=int(time.time())))
+            return "finalizing"
 
     def add_segment(self, claim: Claim) -> None:
         """Register this claim's (empty) segment before any of its results are committed."""
@@ -239,12 +261,17 @@ class BatchStore:
             rows = c.execute(select(segments).where(segments.c.batch_id == batch_id).order_by(segments.c.epoch))
             return [Segment(r.epoch, r.output_bytes, r.error_bytes) for r in rows]
 
-    def finish(self, claim: Claim, status: FinalStatus, output: FileRecord | None, error: FileRecord | None) -> None:
-        """End the batch with `status`: its result files become file records, its segments are forgotten and
-        the lease is released, all in one transaction."""
+    def finish(
+        self, claim: Claim, status: FinalStatus, output: FileRecord | None, error: FileRecord | None,
+        errors: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """End the batch with `status` (and `errors`, for a batch that failed): its result files become file
+        records, its segments are forgotten and the lease is released, all in one transaction."""
         with self.db.begin() as c:
             _locked(c, claim)
             values: dict[str, Any] = {"status": status, f"{status}_at": int(time.time()), **_NO_LEASE}
+            if errors:
+                values["errors_json"] = json.dumps(errors)
             for column, record in (("output_file_id", output), ("error_file_id", error)):
                 if record is not None:
                     c.execute(insert(files).values(**record.values()))
@@ -281,6 +308,7 @@ class BatchStore:
 
 
 _NO_LEASE: dict[str, Any] = {"lease_expires_at": None, "lease_owner": None}
+_COUNT_COLUMNS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")
 
 
 def _lease_free(now: float) -> Any:

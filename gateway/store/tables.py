@@ -46,7 +46,8 @@ batches = Table(
     Column("expired_at", BigInteger, nullable=True),
     Column("cancelling_at", BigInteger, nullable=True),
     Column("cancelled_at", BigInteger, nullable=True),
-    # request_counts and usage: always the sums over the committed prefixes of the batch's segments.
+    # request_counts and usage: always the sums over the committed prefixes of the batch's segments (kept in
+    # `segments` while the batch runs).
     Column("total", Integer, nullable=False, default=0),
     Column("completed", Integer, nullable=False, default=0),
     Column("failed", Integer, nullable=False, default=0),
@@ -58,6 +59,10 @@ batches = Table(
     Column("lease_owner", String(128), nullable=True),
     Column("lease_epoch", Integer, nullable=False, default=0),
     Column("lease_expires_at", Float, nullable=True),
+    # Attempts at the batch that ended in an error (a failed write, a crash of the work); at the worker's limit
+    # the batch ends `failed` instead of being claimed again.
+    Column("failures", Integer, nullable=False, server_default="0"),
+    Column("last_error", Text, nullable=True),  # what the last of those errors was
 )
 
 # One per claim that ran lines: results go to this claim's own files, whose committed lengths live here.
@@ -68,6 +73,13 @@ segments = Table(
     Column("epoch", Integer, primary_key=True),
     Column("output_bytes", BigInteger, nullable=False, default=0),
     Column("error_bytes", BigInteger, nullable=False, default=0),
+    # What those committed prefixes hold, as absolute numbers: the batch's counts are their sums over its
+    # segments, so a commit repeated after a lost acknowledgement cannot count anything twice.
+    Column("completed", Integer, nullable=False, server_default="0"),
+    Column("failed", Integer, nullable=False, server_default="0"),
+    Column("prompt_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("completion_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("cached_tokens", BigInteger, nullable=False, server_default="0"),
 )
 
 Index("ladle_batches_runnable", batches.c.status, batches.c.lease_expires_at)

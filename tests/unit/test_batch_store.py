@@ -130,7 +130,7 @@ def test_an_expired_lease_is_claimed_again_and_fences_the_old_worker(db: Engine)
     assert store.get(batch.id).completed == 0  # type: ignore[union-attr]
 
 
-def test_commits_add_counts_and_record_segment_lengths_together(db: Engine) -> None:
+def test_commits_set_a_claims_totals_and_the_batch_counts_are_their_sums(db: Engine) -> None:
     batch = add_batch(db)
     store = BatchStore(db)
     claim = store.claim(batch.id, "w", time.time(), LEASE_S)
@@ -138,13 +138,53 @@ def test_commits_add_counts_and_record_segment_lengths_together(db: Engine) -> N
     assert store.start(claim, 5, "m") == "in_progress"
     store.add_segment(claim)
     store.commit(claim, time.time(), LEASE_S, Progress(100, 0, completed=2, prompt_tokens=7, completion_tokens=3))
-    status = store.commit(claim, time.time(), LEASE_S, Progress(150, 40, completed=1, failed=1, cached_tokens=4))
+    progress = Progress(150, 40, completed=3, failed=1, prompt_tokens=7, completion_tokens=3, cached_tokens=4)
+    status = store.commit(claim, time.time(), LEASE_S, progress)
     assert status == "in_progress"
+    store.commit(claim, time.time(), LEASE_S, progress)  # repeated after a lost acknowledgement: no change
     record = store.get(batch.id)
     assert record is not None
     assert (record.total, record.completed, record.failed) == (5, 3, 1)
     assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (7, 3, 4)
     assert [(s.epoch, s.output_bytes, s.error_bytes) for s in store.segments(batch.id)] == [(1, 150, 40)]
+
+    store.release(claim)  # a later claim's segment adds to the earlier one's
+    later = store.claim(batch.id, "w2", time.time(), LEASE_S)
+    assert later is not None
+    store.add_segment(later)
+    store.commit(later, time.time(), LEASE_S, Progress(30, 0, completed=1, prompt_tokens=2))
+    record = store.get(batch.id)
+    assert record is not None and (record.completed, record.failed, record.prompt_tokens) == (4, 1, 9)
+
+
+def test_a_batch_is_not_finalized_while_lines_lack_results(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    store.start(claim, 3, "m")
+    store.add_segment(claim)
+    store.commit(claim, time.time(), LEASE_S, Progress(20, 10, completed=1, failed=1))
+    assert store.set_finalizing(claim) == "in_progress"
+    store.commit(claim, time.time(), LEASE_S, Progress(30, 10, completed=2, failed=1))
+    assert store.set_finalizing(claim) == "finalizing"
+
+
+def test_failures_are_counted_and_release_the_lease(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    assert store.record_failure(claim, "OSError: no space left on device") == 1
+    again = store.claim_next("w2", time.time(), LEASE_S)
+    assert again is not None and again.batch.failures == 1 and "no space" in (again.batch.last_error or "")
+    with pytest.raises(LeaseLostError):
+        store.record_failure(claim, "stale")
+    store.finish(again, "failed", None, None, [{"code": "batch_failed", "message": "m", "param": None,
+                                                  "line": None}])
+    record = store.get(batch.id)
+    assert record is not None and record.status == "failed" and record.errors == [
+        {"code": "batch_failed", "message": "m", "param": None, "line": None}]
 
 
 def test_cancel_is_seen_by_the_worker_at_its_next_commit(db: Engine) -> None:
@@ -166,6 +206,7 @@ def test_finish_publishes_files_releases_the_lease_and_drops_segments(db: Engine
     assert claim is not None
     store.start(claim, 1, "m")
     store.add_segment(claim)
+    store.commit(claim, time.time(), LEASE_S, Progress(3, 0, completed=1))
     assert store.set_finalizing(claim) == "finalizing"
     output = FileStore.record(new_id(FILE_PREFIX), "out.jsonl", "batch_output", 3, "batches/x/output.jsonl")
     store.finish(claim, "completed", output, None)

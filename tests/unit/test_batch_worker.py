@@ -4,6 +4,7 @@ exactly one result through engine failures, refusals, a crashed worker, cancella
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import time
 from collections import Counter
@@ -12,18 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from gateway.batches import lines
+from gateway.batches import worker as worker_module
 from gateway.batches.results import committed_custom_ids
 from gateway.batches.runner import LineResult, LineRunner
 from gateway.batches.worker import BatchWorker, WorkerSettings
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.store.batches import BatchRecord, BatchStore, Progress
-from gateway.store.blobs import BlobStore, segment_key, upload_key
+from gateway.store.blobs import BlobStore, SegmentWriter, segment_key, upload_key
 from gateway.store.database import database_url, open_database
 from gateway.store.files import FileStore
 from gateway.store.ids import BATCH_PREFIX, FILE_PREFIX, new_id
+from gateway.store.tables import batches
 from tests.unit.fake_engine import MODEL, FakeEngine, start_fake_engine
 
 CHAT = "/v1/chat/completions"
@@ -285,3 +290,98 @@ async def test_expiry_turns_unrun_lines_into_batch_expired_errors(tmp_path: Path
     assert record.completed + record.failed == record.total == 100
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert {o["custom_id"] for o in output} | {e["custom_id"] for e in errors} == {f"c{i}" for i in range(100)}
+
+
+async def test_a_commit_repeated_after_a_lost_acknowledgement_counts_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL can commit a transaction and then lose the connection before saying so: the sink commits the
+    same results again, and the counts must not double."""
+    async with Rig(FakeEngine(delay_s=0.01), tmp_path) as rig:
+        real = rig.batches.commit
+        lost: list[Progress] = []
+
+        def lose_first_ack(claim: Any, now: float, lease_s: float, progress: Progress | None = None) -> Any:
+            status = real(claim, now, lease_s, progress)
+            if progress is not None and progress.completed and not lost:
+                lost.append(progress)
+                raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+            return status
+
+        monkeypatch.setattr(rig.batches, "commit", lose_first_ack)
+        batch = rig.batch([chat_line(i) for i in range(10)])
+        record = await rig.run_until(rig.worker(), batch.id, {"completed", "failed"})
+        output = rig.result_lines(record.output_file_id)
+    assert lost and record.status == "completed"
+    assert (record.total, record.completed, record.failed) == (10, 10, 0) and len(output) == 10
+    assert record.prompt_tokens == sum(len(f"line {i}") for i in range(10))
+
+
+async def test_a_failing_result_write_fails_the_batch_after_bounded_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up after a few results: the batch is retried `max_failures` times, then ends `failed`
+    with errors saying why, keeping the results it had committed; it is never claimed again."""
+    real_append = SegmentWriter.append
+    writes = Counter[str]()
+
+    def append(self: SegmentWriter, data: bytes) -> None:
+        writes["n"] += 1
+        if writes["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(self, data)
+
+    monkeypatch.setattr(SegmentWriter, "append", append)
+    async with Rig(FakeEngine(delay_s=0.03, max_num_seqs=1), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(20)])
+        record = await rig.run_until(rig.worker(max_failures=2), batch.id, {"completed", "failed"})
+        output = rig.result_lines(record.output_file_id)
+        assert rig.batches.claim_next("another", time.time(), 5.0) is None
+    assert record.status == "failed" and record.failures == 2
+    assert record.errors is not None and record.errors[0]["code"] == "batch_failed"
+    assert "No space left on device" in record.errors[0]["message"]
+    assert 0 < record.completed == len(output) < 20
+
+
+async def test_slow_validation_keeps_the_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validating takes longer than the lease: the worker renews it meanwhile, so a second worker never claims
+    the batch from under it (both would run it)."""
+    real_validate = lines.validate
+
+    def slow_validate(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.5)
+        return real_validate(*args, **kwargs)
+
+    monkeypatch.setattr(lines, "validate", slow_validate)
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(5)])
+        second = asyncio.create_task(rig.worker(lease_s=0.5).run())
+        try:
+            record = await rig.run_until(rig.worker(lease_s=0.5), batch.id, {"completed", "failed"})
+        finally:
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+        with rig.db.begin() as c:
+            epoch = c.execute(select(batches.c.lease_epoch).where(batches.c.id == batch.id)).scalar_one()
+    assert record.status == "completed" and record.completed == 5
+    assert epoch == 1 and sum(rig.fake.seen.values()) == 5
+
+
+async def test_a_batch_whose_lines_never_all_get_results_fails_instead_of_completing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were a line ever to be dropped, the counts would fall short of the total: the batch must not complete.
+    The worker runs the missing lines again, and fails the batch with an error if they still have no result."""
+
+    class Dropping(LineRunner):
+        async def run(self, source: AsyncIterator[lines.InputLine], emit: Any, stop: asyncio.Event) -> bool:
+            return await super().run(source, lambda r: None if r.line.custom_id == "c3" else emit(r), stop)
+
+    monkeypatch.setattr(worker_module, "LineRunner", Dropping)
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(6)])
+        record = await rig.run_until(rig.worker(), batch.id, {"completed", "failed"})
+    assert record.status == "failed" and (record.completed, record.total) == (5, 6)
+    assert record.errors is not None and "no result" in record.errors[0]["message"]
+    assert rig.fake.seen["line 3"] == worker_module.MAX_PASSES
