@@ -7,6 +7,7 @@ module level, so tests can build as many apps as they like.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -30,6 +31,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        lag_probe = asyncio.create_task(metrics.watch_event_loop(), name="event-loop-lag")
         await pool.start()
         try:
             await service.start()
@@ -39,6 +41,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 await service.close()
         finally:
             await pool.close()
+            lag_probe.cancel()
 
     app = FastAPI(title="ladle gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   responses=ERROR_RESPONSES)

@@ -1,13 +1,15 @@
 """Prometheus metrics of one gateway app, in its own registry (no process-global state).
 
 Request counts by route and status, latency histograms (TTFT, inter-token latency, end-to-end), token counters,
-in-flight requests and the batch lines this gateway's workers committed are recorded as they happen; the
-engines' running / waiting / KV usage (from the pool's last poll), batches by status (from the database) and
-batch lines in flight are read when /metrics is scraped.
+in-flight requests, the batch lines this gateway's workers committed and the event loop's lag (how late a 10 ms
+timer fires: how long the loop was held by other work) are recorded as they happen; the engines' running /
+waiting / KV usage (from the pool's last poll), batches by status (from the database) and batch lines in flight
+are read when /metrics is scraped.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 # Seconds; from a few ms (one decode step on a GPU) to minutes (long CPU generations).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+LOOP_LAG_INTERVAL_S = 0.01
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 
 
@@ -46,11 +50,22 @@ class GatewayMetrics:
                                          ["route"], registry=r)
         self.batch_lines = Counter("ladle_gateway_batch_lines", "Batch lines this gateway committed, by outcome",
                                    ["outcome"], registry=r)
+        self.loop_lag = Histogram("ladle_gateway_event_loop_lag_seconds", "How late a 10 ms timer on the event "
+                                  "loop fires: how long the loop was held by other work", buckets=_LOOP_LAG_BUCKETS,
+                                  registry=r)
         r.register(_EngineCollector(pool))
 
     def watch_batches(self, service: BatchService) -> None:
         """Report batches by status and batch lines in flight from `service` on every scrape."""
         self.registry.register(_BatchCollector(service))
+
+    async def watch_event_loop(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
+        """Until cancelled, sleep `interval_s` on the running loop and record how late each wake-up is."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.sleep(interval_s)
+            self.loop_lag.observe(max(0.0, loop.time() - started - interval_s))
 
     def render(self) -> bytes:
         """The exposition text. Blocking (it reads the database): call it off the event loop."""

@@ -3,10 +3,14 @@
 The `file` part goes straight into a temporary file in the blob directory and is refused (413) the moment it
 passes the size cap, so an upload is never held whole in memory nor written beyond the cap; the other parts
 are small form fields (e.g. `purpose`), kept in memory up to a few KiB each.
+
+The event loop only receives the body: it gathers up to `FEED_BYTES` of it, then a worker thread parses that
+and writes the file's bytes (a write can wait on the disk for long), while uvicorn keeps reading the socket.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -20,6 +24,7 @@ from gateway.store.blobs import BlobStore
 MAX_FIELD_BYTES = 4096
 MAX_FIELDS = 16
 FORM_OVERHEAD_BYTES = 64 * 1024  # boundaries, part headers and small fields around the file
+FEED_BYTES = 1024 * 1024  # body handed to the parsing thread at a time: ~200 thread hops for a 200 MB file
 
 
 @dataclass
@@ -101,7 +106,7 @@ class _FormReader:
             self.upload.size += end - start
             if self.upload.size > self.max_bytes:
                 raise too_large(self.max_bytes)
-            self.out.write(data[start:end])
+            self.out.write(memoryview(data)[start:end])
         elif self._part is not None:
             self._buffer += data[start:end]
             if len(self._buffer) > MAX_FIELD_BYTES:
@@ -122,21 +127,40 @@ async def receive_upload(request: Request, blobs: BlobStore, max_bytes: int) -> 
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes + FORM_OVERHEAD_BYTES:
         raise too_large(max_bytes)
-    temp, out = blobs.temp_file()
+    temp, out = await asyncio.to_thread(blobs.temp_file)
     upload = Upload(temp)
     try:
         with out:
             parser = MultipartParser(boundary, _FormReader(upload, out, max_bytes).callbacks())  # type: ignore[arg-type]
-            async for chunk in request.stream():
-                parser.write(chunk)
-            parser.finalize()
-    except MultipartParseError as exc:
-        blobs.discard(temp)
-        raise invalid(f"the multipart body is malformed: {exc}") from None
-    except ClientDisconnect:
-        blobs.discard(temp)
-        raise APIError(400, "the client disconnected during the upload") from None
-    except BaseException:
-        blobs.discard(temp)
+            await _feed(request, parser)
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            await asyncio.to_thread(blobs.discard, temp)  # unlinking a large partial file is disk work too
+        else:
+            blobs.discard(temp)  # cancelled: nothing more may be awaited
+        if isinstance(exc, MultipartParseError):
+            raise invalid(f"the multipart body is malformed: {exc}") from None
+        if isinstance(exc, ClientDisconnect):
+            raise APIError(400, "the client disconnected during the upload") from None
         raise
     return upload
+
+
+async def _feed(request: Request, parser: MultipartParser) -> None:
+    """Push the body through `parser` in a worker thread, `FEED_BYTES` at a time, and finalize it there."""
+    pending: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        pending.append(chunk)
+        size += len(chunk)
+        if size >= FEED_BYTES:
+            await asyncio.to_thread(_write_all, parser, pending)
+            pending, size = [], 0
+    await asyncio.to_thread(_write_all, parser, pending, True)
+
+
+def _write_all(parser: MultipartParser, chunks: list[bytes], last: bool = False) -> None:
+    for chunk in chunks:
+        parser.write(chunk)
+    if last:
+        parser.finalize()

@@ -5,7 +5,11 @@ then go through one engine's Batch RPC — an engine of our own for `--model` (a
 or a running one for `--engine HOST:PORT` — and each result is appended to the output file as it arrives, in
 OpenAI's output line format (errors too, with their status code). The output file is the progress record: run
 the same command again after an interruption (Ctrl-C, a crash, a reboot) and it truncates a half-written last
-line, skips every custom_id already there and runs only the rest, so each custom_id ends up exactly once.
+line, skips every custom_id already there and runs only the rest, so each custom_id ends up exactly once. The
+command exits 0 only once every input line has its line in the output file: lines that ended without one (which
+the runner's invariant should never allow) are run again, and if some still have none after `MAX_PASSES` runs
+it exits 1 naming how many. An output file that cannot be written (disk full) stops the run with exit status 1
+and a message; what was written stays, and the same command finishes the rest later.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ INVALID_INPUT = 2
 ENGINE_STARTUP_TIMEOUT_S = 600.0  # our own engine: loading (and, the first time, converting) the model
 CONNECT_TIMEOUT_S = 60.0  # an engine given with --engine
 MAX_SHOWN_ERRORS = 20
+MAX_PASSES = 3
 
 
 class BatchFileError(Exception):
@@ -73,7 +78,7 @@ async def _run(args: argparse.Namespace) -> int:
     source, output = Path(args.input), Path(args.output)
     if not source.is_file():
         raise BatchFileError(f"no input file {source}")
-    total, custom_ids = _validate(source, None)  # before any engine starts: a bad file fails at once
+    custom_ids = _validate(source, None)  # before any engine starts: a bad file fails at once
     done = completed_custom_ids(output)
     unknown = done - custom_ids
     if unknown:
@@ -92,7 +97,7 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"ladle batch: {why}", file=sys.stderr)
             return 1
         _validate(source, pool.model_id)  # every body names the served model
-        return await _run_lines(args, source, output, total, done, pool)
+        return await _run_lines(args, source, output, custom_ids, pool)
     finally:
         await pool.close()
         if engine is not None:
@@ -100,43 +105,58 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 async def _run_lines(
-    args: argparse.Namespace, source: Path, output: Path, total: int, done: set[str], pool: EnginePool
+    args: argparse.Namespace, source: Path, output: Path, custom_ids: set[str], pool: EnginePool
 ) -> int:
     model = pool.model_id or ""
+    total = len(custom_ids)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    done = completed_custom_ids(output)
     progress = tqdm(total=total, initial=len(done), unit="req", desc="ladle batch", dynamic_ncols=True)
     try:
-        with output.open("ab") as out:
-            runner = LineRunner(pool, model, args.window or None)
-            finished = await runner.run(_pending(source, done), lambda r: _write(out, r, progress), stop)
-            out.flush()
-            os.fsync(out.fileno())
+        for _ in range(MAX_PASSES):
+            if done >= custom_ids or stop.is_set():
+                break
+            with output.open("ab") as out:
+                runner = LineRunner(pool, model, args.window or None)
+                await runner.run(_pending(source, done), lambda r: _write(out, r, progress), stop)
+                out.flush()
+                os.fsync(out.fileno())
+            done = completed_custom_ids(output)
+    except OSError as exc:
+        print(f"ladle batch: cannot write {output}: {exc}; the results written so far are kept: free the space "
+              "and run the same command again", file=sys.stderr)
+        return 1
     finally:
         progress.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    if not finished:
-        print(f"ladle batch: interrupted with {progress.n} of {total} requests done; run the same command again "
-              "to finish the rest", file=sys.stderr)
+    missing = len(custom_ids - done)
+    if stop.is_set() and missing:
+        print(f"ladle batch: interrupted with {total - missing} of {total} requests done; run the same command "
+              "again to finish the rest", file=sys.stderr)
         return INTERRUPTED
+    if missing:
+        print(f"ladle batch: {missing} requests still have no result after {MAX_PASSES} runs; run the same "
+              "command again", file=sys.stderr)
+        return 1
     print(f"ladle batch: {total} requests done; results in {output}", file=sys.stderr)
     return 0
 
 
-def _validate(source: Path, model: str | None) -> tuple[int, set[str]]:
-    """(number of requests, their custom_ids); BatchFileError listing the bad lines if there are any."""
+def _validate(source: Path, model: str | None) -> set[str]:
+    """The requests' custom_ids (one per line: validation refuses duplicates); BatchFileError listing the bad
+    lines if there are any."""
     with source.open("rb") as f:
-        total, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model)
+        _, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model)
     if errors:
         shown = "\n".join(f"  line {e.line}: {e.code}: {e.message}" for e in errors[:MAX_SHOWN_ERRORS])
         more = f"\n  ... and {len(errors) - MAX_SHOWN_ERRORS} more" if len(errors) > MAX_SHOWN_ERRORS else ""
         raise BatchFileError(f"{source} has invalid lines; nothing was run:\n{shown}{more}")
     with source.open("rb") as f:
-        ids = {json.loads(raw)["custom_id"] for _, raw in lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES) if raw}
-    return total, ids
+        return {json.loads(raw)["custom_id"] for _, raw in lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES) if raw}
 
 
 async def _pending(source: Path, done: set[str]) -> AsyncIterator[InputLine]:

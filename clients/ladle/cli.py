@@ -23,6 +23,7 @@ BENCHMARKS = {
     "serve": "benchmarks.serve",
     "gpu": "benchmarks.gpu",
     "batch": "benchmarks.batch",
+    "batch_upload": "benchmarks.batch_upload",
     "fuzz": "benchmarks.fuzz_gateway",
     "soak": "benchmarks.soak",
     "routing": "benchmarks.routing",

@@ -81,6 +81,26 @@ def test_a_file_with_its_own_engine_and_both_endpoints(tmp_path: Path) -> None:
     assert results["q1"]["response"]["status_code"] == 400  # the engine refused it: an error line, not a crash
 
 
+def test_sglang_tutorial_lines(engine: EngineProcess, tmp_path: Path) -> None:
+    """Lines as SGLang's OpenAI-API tutorial writes them ("url": "/chat/completions") run like /v1 ones."""
+    items = [{"custom_id": f"request-{i}", "method": "POST", "url": url,
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8}}
+             for i, (url, text) in enumerate([("/chat/completions", "Tell me a joke about programming"),
+                                              ("/chat/completions", "What is Python?"),
+                                              ("/v1/chat/completions", "Hello")])]
+    items.append({"custom_id": "c", "method": "POST", "url": "/completions",
+                  "body": {"model": MODEL, "prompt": "Once upon", "max_tokens": 4}})
+    source = write_input(tmp_path / "batch_requests.jsonl", items)
+    output = tmp_path / "out.jsonl"
+    done = subprocess.run(batch_command(source, output, "--engine", engine.address), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = {r["custom_id"]: r for r in read_output(output)}
+    assert sorted(results) == ["c", "request-0", "request-1", "request-2"]
+    assert all(r["response"]["status_code"] == 200 for r in results.values())
+    assert results["c"]["response"]["body"]["object"] == "text_completion"
+
+
 def test_invalid_lines_run_nothing(tmp_path: Path) -> None:
     source = write_input(tmp_path / "in.jsonl", [chat_line(0), "{broken", {**chat_line(0), "url": "/v1/x"}])
     output = tmp_path / "out.jsonl"

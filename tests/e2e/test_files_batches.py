@@ -229,6 +229,33 @@ def test_chat_batch_matches_the_synchronous_route(client: openai.OpenAI, model_i
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
 
 
+def test_sglang_tutorial_lines_run_to_completed(client: openai.OpenAI, model_id: str, tmp_path: Path) -> None:
+    """SGLang's OpenAI-API tutorial writes its lines with "url": "/chat/completions" (no /v1) under a batch for
+    /v1/chat/completions; OpenAI's own guide writes /v1/... Both forms run, side by side in one file."""
+    requests = [
+        {"custom_id": "request-1", "method": "POST", "url": "/chat/completions",
+         "body": {"model": model_id, "messages": [{"role": "user", "content": "Tell me a joke about programming"}],
+                  "max_tokens": 50}},
+        {"custom_id": "request-2", "method": "POST", "url": "/chat/completions",
+         "body": {"model": model_id, "messages": [{"role": "user", "content": "What is Python?"}],
+                  "max_tokens": 50}},
+        line("request-3", chat_body(model_id, 3)),
+    ]
+    path = tmp_path / "batch_requests.jsonl"
+    with path.open("w") as f:
+        for req in requests:
+            f.write(json.dumps(req) + "\n")
+    with path.open("rb") as f:
+        file_response = client.files.create(file=f, purpose="batch")
+    batch = client.batches.create(input_file_id=file_response.id, endpoint=CHAT, completion_window="24h")
+    batch = wait_for(client, batch.id, FINAL)
+    assert batch.status == "completed", batch.errors
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)
+    output = result_lines(client, batch.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == ["request-1", "request-2", "request-3"]
+    assert all(o["response"]["body"]["choices"][0]["message"]["content"] for o in output)
+
+
 def test_completions_batch_matches_the_synchronous_route(client: openai.OpenAI, model_id: str,
                                                          tmp_path: Path) -> None:
     bodies = [
