@@ -17,6 +17,7 @@ from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import install_error_handlers
+from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
 from gateway.routers import batch_chat, batches, chat, completions, files, models, operations
@@ -24,6 +25,8 @@ from gateway.schemas.errors import ERROR_RESPONSES
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
+    """The app; KeysFileError if the API keys file cannot be read or is malformed."""
+    keys = KeyRing.from_config(config)
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics)
@@ -46,12 +49,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="ladle gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   responses=ERROR_RESPONSES)
     app.state.config = config
+    app.state.keys = keys
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.batches = service
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
-                       api_key=config.api_key)
+                       keys=keys)
     for module in (models, chat, completions, batch_chat, files, batches, operations):
         app.include_router(module.router)
     return app

@@ -10,6 +10,8 @@ from gateway.routing import RoutingConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as token ids is ~1 MiB of JSON
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
+DEFAULT_PROJECT_MAX_FILE_BYTES = 100 * 1024**3  # OpenAI's storage limit per organization
+DEFAULT_PROJECT_MAX_ACTIVE_BATCHES = 100
 DNS_PREFIX = "dns:"  # an engine target whose every resolved address is one engine
 
 
@@ -25,21 +27,30 @@ class GatewayConfig:
 
     `engines` are gRPC addresses: HOST:PORT, or dns:HOST:PORT for every address HOST resolves to (resolved
     again every `resolve_interval_s`); `routing` says how calls are spread over them. `served_model_name`
-    overrides the model id the engines report. `api_key`, when set, is required as a Bearer token on every route
-    but /health. `request_timeout_s` becomes the gRPC deadline of every engine call (HTTP 504 when it passes;
-    a call sent again to a second engine shares it). `health_interval_s` is how often each engine's health and
-    load are polled.
+    overrides the model id the engines report. `request_timeout_s` becomes the gRPC deadline of every engine
+    call (HTTP 504 when it passes; a call sent again to a second engine shares it). `health_interval_s` is how
+    often each engine's health and load are polled.
+
+    API keys and projects: `api_key` is a key of the default project; `api_keys_file` holds `KEY PROJECT` lines
+    (gateway/keys.py; read again on SIGHUP). With any key set, every route but /health needs one as a Bearer
+    token, and a request acts for its key's project; with none, every request is the default project's.
+    A project may store at most `project_max_file_bytes` of files and have `project_max_active_batches`
+    unfinished batches (None: no limit).
 
     Files and batches: bytes under `data_dir`/blobs, records in `database_url` (default: SQLite in `data_dir`);
     uploads up to `max_file_bytes`. `batch_workers` run batches in this process (0: none; another replica on
     the same database runs them), each with at most `batch_window` engine items in flight (None: twice the
     engine's max_num_seqs), holding a batch under a lease of `batch_lease_s` seconds (a worker that dies
-    releases its batch when the lease runs out).
+    releases its batch when the lease runs out). Every `file_sweep_interval_s` the files whose expiry has
+    passed are deleted.
     """
 
     engines: tuple[str, ...]
     served_model_name: str | None = None
     api_key: str | None = None
+    api_keys_file: Path | None = None
+    project_max_file_bytes: int | None = DEFAULT_PROJECT_MAX_FILE_BYTES
+    project_max_active_batches: int | None = DEFAULT_PROJECT_MAX_ACTIVE_BATCHES
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
@@ -52,6 +63,7 @@ class GatewayConfig:
     batch_workers: int = 1
     batch_window: int | None = None
     batch_lease_s: float = 30.0
+    file_sweep_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -60,6 +72,12 @@ class GatewayConfig:
             raise ValueError("batch_workers must be >= 0 and batch_window >= 1")
         if self.batch_lease_s <= 1:
             raise ValueError("batch_lease_s must be more than 1 second")
+        if self.file_sweep_interval_s <= 0:
+            raise ValueError("file_sweep_interval_s must be positive")
+        for name in ("project_max_file_bytes", "project_max_active_batches"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 (or None: no limit)")
 
 
 def parse_engine_addresses(value: str) -> tuple[str, ...]:

@@ -1,8 +1,8 @@
-"""FastAPI dependencies: the app's shared objects (opened in the lifespan) and the API-key check."""
+"""FastAPI dependencies: the app's shared objects (opened in the lifespan), the API-key check and the project a
+request acts for."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Iterable
 from typing import Annotated
@@ -13,7 +13,9 @@ from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import APIError, no_engine
+from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
+from gateway.store.tables import DEFAULT_PROJECT
 from ladle.v1 import types_pb2
 
 
@@ -37,31 +39,46 @@ def get_config(request: Request) -> GatewayConfig:
     return config
 
 
+def get_keys(request: Request) -> KeyRing:
+    keys: KeyRing = request.app.state.keys
+    return keys
+
+
 def request_id(request: Request) -> str:
     """The id bound by RequestContextMiddleware (the caller's X-Request-Id or a generated one)."""
     value: str = request.state.request_id
     return value
 
 
-def api_key_error(authorization: str, expected: str | None) -> APIError | None:
-    """The 401 for an Authorization header value that is not `Bearer <expected>`; None when it is, or when the
-    gateway has no key."""
-    if not expected:
-        return None
+def authenticate(authorization: str, keys: KeyRing) -> str | APIError:
+    """The project of the key in an Authorization header value (`Bearer <key>`, compared in constant time by
+    `KeyRing.project_of`), or the 401 to answer; the default project when the gateway has no keys."""
+    if not keys.required:
+        return DEFAULT_PROJECT
     scheme, _, token = authorization.partition(" ")
-    # compare_digest takes the same time wherever the strings differ, so the key cannot be guessed byte by byte.
-    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), expected.encode()):
-        return None
+    project = keys.project_of(token.strip()) if scheme.lower() == "bearer" else None
+    if project is not None:
+        return project
     return APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
                     code="invalid_api_key")
 
 
+def request_project(request: Request) -> str:
+    """The project the request acts for: its key's, found by RequestContextMiddleware before the body was read
+    (checked here again only for an app run without it); 401 without a valid key."""
+    project: str | None = request.scope.get("state", {}).get("project")
+    if project is None:
+        outcome = authenticate(request.headers.get("authorization", ""), get_keys(request))
+        if isinstance(outcome, APIError):
+            raise outcome
+        project = outcome
+    return project
+
+
 def require_api_key(request: Request) -> None:
-    """401 unless the request carries `Authorization: Bearer <key>` when the gateway has a key. (The middleware
-    checks it first, before any body is read; this keeps each router's requirement explicit.)"""
-    error = api_key_error(request.headers.get("authorization", ""), get_config(request).api_key)
-    if error is not None:
-        raise error
+    """401 unless the request carries a valid `Authorization: Bearer <key>` when the gateway has keys. (The
+    middleware checks it first, before any body is read; this keeps each router's requirement explicit.)"""
+    request_project(request)
 
 
 def served_model(pool: EnginePool, requested: str) -> str:
@@ -107,3 +124,4 @@ Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
 RequestId = Annotated[str, Depends(request_id)]
 Batches = Annotated[BatchService, Depends(get_batches)]
 Config = Annotated[GatewayConfig, Depends(get_config)]
+Project = Annotated[str, Depends(request_project)]

@@ -1,4 +1,5 @@
-"""The ASGI layer around every HTTP request: request id, log context, API key, body-size limit, request metrics.
+"""The ASGI layer around every HTTP request: request id, log context, API key and project, body-size limit,
+request metrics.
 
 Written as plain ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and the request
 counts as in flight until its last SSE byte is sent.
@@ -15,8 +16,9 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.calls import served_by
-from gateway.deps import api_key_error
+from gateway.deps import authenticate
 from gateway.errors import APIError
+from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger(__name__)
@@ -48,16 +50,15 @@ def route_label(path: str) -> str:
 
 class RequestContextMiddleware:
     """Binds a request id (the caller's X-Request-Id when valid, else a new one) into `scope["state"]`, the log
-    context and the response headers; refuses a request without `api_key` (when set) with 401 outside
-    PUBLIC_PATHS before reading its body, then bodies over `max_request_bytes` with 413; counts requests."""
+    context and the response headers; outside PUBLIC_PATHS, puts the project of the request's API key into
+    `scope["state"]["project"]`, or refuses a request without a valid key (when `keys` has any) with 401 before
+    reading its body; then bodies over `max_request_bytes` with 413; counts requests."""
 
-    def __init__(
-        self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int, api_key: str | None = None
-    ) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int, keys: KeyRing) -> None:
         self.app = app
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
-        self.api_key = api_key
+        self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -95,7 +96,13 @@ class RequestContextMiddleware:
     async def _admit(self, scope: Scope, headers: Headers, receive: Receive, send: Send) -> None:
         """Run the app, unless the request lacks the API key (401, its body unread) or its body is too large."""
         path = scope["path"]
-        refusal = None if path in PUBLIC_PATHS else api_key_error(headers.get("authorization", ""), self.api_key)
+        refusal = None
+        if path not in PUBLIC_PATHS:
+            outcome = authenticate(headers.get("authorization", ""), self.keys)
+            if isinstance(outcome, APIError):
+                refusal = outcome
+            else:
+                scope["state"]["project"] = outcome
         if refusal is None:
             body_receive = await self._limited(path, headers, receive)
             if body_receive is not None:

@@ -1,4 +1,5 @@
-"""Run the gateway under uvicorn: bind, announce the address (port 0 picks a free one), serve until a signal."""
+"""Run the gateway under uvicorn: bind, announce the address (port 0 picks a free one), serve until a signal;
+SIGHUP reads the API keys file again."""
 
 from __future__ import annotations
 
@@ -17,17 +18,23 @@ from gateway.http_protocol import BoundedHeadProtocol
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that SIGINT/SIGTERM end `serve` normally (exit status 0 after a graceful
-    shutdown) instead of being re-raised once uvicorn is done, which would kill the process by the signal."""
+    shutdown) instead of being re-raised once uvicorn is done, which would kill the process by the signal, and
+    that SIGHUP calls `on_hangup`."""
+
+    def __init__(self, config: uvicorn.Config, on_hangup: Callable[[], object]) -> None:
+        super().__init__(config)
+        self.on_hangup = on_hangup
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        loop.add_signal_handler(signal.SIGHUP, self.on_hangup)
         try:
             yield
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
 
@@ -42,11 +49,12 @@ async def serve(
     """Serve HTTP on host:port until SIGINT/SIGTERM or until `stop_when` completes; in-flight requests get up to
     30 s to finish; a request whose head exceeds `http_protocol.MAX_HEAD_BYTES` is refused with 431. `announce`
     receives the bound URL; `on_ready` the model id once an engine is SERVING (and so /health answers 200).
-    Returns 0, or 1 if the port could not be bound."""
+    Returns 0, or 1 if the port could not be bound. KeysFileError if the API keys file is bad."""
     app = create_app(config)
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                       timeout_graceful_shutdown=30, lifespan="on", http=BoundedHeadProtocol)
+                       timeout_graceful_shutdown=30, lifespan="on", http=BoundedHeadProtocol),
+        on_hangup=app.state.keys.reload,
     )
     task = asyncio.create_task(server.serve())
     if on_ready is not None:

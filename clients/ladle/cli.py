@@ -78,7 +78,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--served-model-name", "", "model id clients use (default: the engine's model name)")
-    _add(parser, "--api-key", "", "require 'Authorization: Bearer <key>' on every route but /health")
+    _add(parser, "--api-key", "", "require 'Authorization: Bearer <key>' on every route but /health (a key of the "
+         "project 'default')")
+    _add(parser, "--api-keys-file", "", "file of 'KEY PROJECT' lines (# comments): the keys, each acting for its "
+         "project's files and batches; read again on SIGHUP")
+    _add(parser, "--project-max-file-bytes", 100 * 1024**3, "bytes of files a project may store (then HTTP 400; "
+         "0: no limit)", type=int)
+    _add(parser, "--project-max-active-batches", 100, "unfinished batches a project may have (then HTTP 429; "
+         "0: no limit)", type=int)
+    _add(parser, "--file-sweep-interval", 60.0, "seconds between deletions of expired files", type=float)
     _add(parser, "--request-timeout", 600.0, "seconds an engine call may take (then HTTP 504)", type=float)
     _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
     _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
@@ -188,15 +196,20 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
     from pathlib import Path
 
     from gateway.config import GatewayConfig, parse_engine_addresses
+    from gateway.keys import read_keys
     from gateway.routing import RoutingConfig
 
-    return GatewayConfig(
+    config = GatewayConfig(
         engines=parse_engine_addresses(engines),
         routing=RoutingConfig(policy=getattr(args, "routing", "cache_aware")),
         resolve_interval_s=getattr(args, "resolve_interval", 10.0),
         health_interval_s=getattr(args, "health_interval", 1.0),
         served_model_name=args.served_model_name or None,
         api_key=args.api_key or None,
+        api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None,
+        project_max_file_bytes=args.project_max_file_bytes or None,
+        project_max_active_batches=args.project_max_active_batches or None,
+        file_sweep_interval_s=args.file_sweep_interval,
         request_timeout_s=args.request_timeout,
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
         data_dir=Path(args.data_dir) if args.data_dir else None,
@@ -206,6 +219,8 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         batch_window=args.batch_window or None,
         batch_lease_s=args.batch_lease,
     )
+    read_keys(config.api_key, config.api_keys_file)  # a bad keys file stops the start here, with its line named
+    return config
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -236,7 +251,12 @@ def _batch(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ladle.serve import serve_all
 
-    return serve_all(args, _gateway_config(args, f"127.0.0.1:{args.grpc_port}"))
+    try:
+        config = _gateway_config(args, f"127.0.0.1:{args.grpc_port}")
+    except ValueError as exc:
+        print(f"ladle serve: {exc}", file=sys.stderr)
+        return 2
+    return serve_all(args, config)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ def file_object(record: FileRecord) -> dict[str, Any]:
         "object": "file",
         "bytes": record.bytes,
         "created_at": record.created_at,
-        "expires_at": None,
+        "expires_at": record.expires_at,
         "filename": record.filename,
         "purpose": record.purpose,
         "status": "processed",

@@ -1,7 +1,8 @@
 """`BatchService`: everything the files and batches routes need, opened in the app's lifespan.
 
 It opens the database (creating the schema) and the blob directory, and runs the configured number of batch
-workers as tasks of the gateway's event loop. Routers reach it through `deps.Batches`.
+workers and the sweeper of expired files as tasks of the gateway's event loop. Routers reach it through
+`deps.Batches`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import structlog
 from sqlalchemy import Engine
 
 from gateway.batches.results import publish
+from gateway.batches.sweeper import FileSweeper
 from gateway.batches.worker import BatchWorker, WorkerSettings
 from gateway.config import GatewayConfig, default_data_dir
 from gateway.engines import EnginePool
@@ -73,6 +75,8 @@ class BatchService:
             worker = BatchWorker(self.batches, self.blobs, self.pool, settings, self.wake, self.metrics)
             self.workers.append(worker)
             self._tasks.append(asyncio.create_task(worker.run(), name=f"batch-worker-{worker.name}"))
+        sweeper = FileSweeper(self.files, self.blobs, self.config.file_sweep_interval_s)
+        self._tasks.append(asyncio.create_task(sweeper.run(), name="file-sweeper"))
         log.info("files and batches ready", data_dir=str(self.data_dir), database=self._db.url.render_as_string(),
                  workers=len(self.workers))
 

@@ -1,4 +1,7 @@
-"""`/v1/files`: upload (streamed to the blob directory), list, retrieve, content, delete — OpenAI's file API."""
+"""`/v1/files`: upload (streamed to the blob directory), list, retrieve, content, delete — OpenAI's file API.
+
+Every route sees only the files of the request's project: another project's file is answered as unknown (404).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,14 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
+from pydantic import ValidationError
 
 from gateway.batches.objects import file_object, list_object
-from gateway.deps import Batches, Config, require_api_key
+from gateway.deps import Batches, Config, Project, require_api_key
 from gateway.errors import APIError, invalid
+from gateway.schemas.batches import ExpiresAfter
 from gateway.store.blobs import upload_key
-from gateway.store.files import UPLOAD_PURPOSES, FileInUseError, FileRecord, FileStore
+from gateway.store.files import UPLOAD_PURPOSES, FileInUseError, FileRecord, FileStore, ProjectLimitError
 from gateway.store.ids import FILE_PREFIX, is_id, new_id
 from gateway.store.pages import UnknownCursorError
 from gateway.uploads import receive_upload
@@ -27,6 +32,8 @@ UPLOAD_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"mu
     "properties": {
         "file": {"type": "string", "format": "binary", "description": "The file's bytes (a part with a filename)"},
         "purpose": {"type": "string", "enum": sorted(UPLOAD_PURPOSES)},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},
     },
 }}}}}
 CONTENT_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -39,16 +46,37 @@ def file_not_found(file_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"No such File object: {file_id}", param=param, code="file_not_found")
 
 
-async def find_file(service_files: FileStore, file_id: str, param: str | None = None) -> FileRecord:
-    """The record of `file_id`; 404 if there is none (or the id is not one this gateway could have made)."""
-    record = await asyncio.to_thread(service_files.get, file_id) if is_id(file_id, FILE_PREFIX) else None
+async def find_file(service_files: FileStore, file_id: str, project: str, param: str | None = None) -> FileRecord:
+    """The record of `file_id` in `project`; 404 if there is none (or the id is not one this gateway could have
+    made)."""
+    record = await asyncio.to_thread(service_files.get, file_id, project) if is_id(file_id, FILE_PREFIX) else None
     if record is None:
         raise file_not_found(file_id, param)
     return record
 
 
+def expires_after_s(fields: dict[str, str]) -> int | None:
+    """The lifetime the form's `expires_after[anchor]` and `expires_after[seconds]` fields ask for; None when
+    they are absent (the file is kept until deleted)."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    try:
+        return ExpiresAfter.model_validate({"anchor": anchor, "seconds": seconds}).seconds
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = f"expires_after.{error['loc'][0]}" if error["loc"] else "expires_after"
+        raise invalid(f"{param}: {error['msg']}", param) from None
+
+
+def storage_limit(exc: ProjectLimitError) -> APIError:
+    # OpenAI answers a full file storage with a 400 as well.
+    return APIError(400, f"Project {exc.project} has reached its file storage limit: {exc.used} of {exc.limit} "
+                    "bytes are stored. Delete files to make room.", param="file", code="storage_limit_exceeded")
+
+
 @router.post("/v1/files", response_model=None, openapi_extra=UPLOAD_BODY)
-async def create_file(request: Request, batches: Batches, config: Config) -> Any:
+async def create_file(request: Request, batches: Batches, config: Config, project: Project) -> Any:
     upload = await receive_upload(request, batches.blobs, config.max_file_bytes)
     try:
         purpose = upload.fields.get("purpose")
@@ -57,13 +85,17 @@ async def create_file(request: Request, batches: Batches, config: Config) -> Any
             raise invalid(f"purpose must be one of {allowed}; got {purpose!r}", "purpose")
         if upload.filename is None:
             raise invalid("the body has no `file` part", "file")
+        lifetime_s = expires_after_s(upload.fields)
         file_id = new_id(FILE_PREFIX)
-        record = FileStore.record(file_id, upload.filename, purpose, upload.size, upload_key(file_id))
+        record = FileStore.record(file_id, upload.filename, purpose, upload.size, upload_key(file_id), project,
+                                  lifetime_s)
         await asyncio.to_thread(batches.blobs.publish, upload.temp, record.blob_key)
         try:
-            await asyncio.to_thread(batches.files.add, record)
-        except BaseException:
+            await asyncio.to_thread(batches.files.add, record, config.project_max_file_bytes)
+        except BaseException as exc:
             await asyncio.to_thread(batches.blobs.delete, record.blob_key)
+            if isinstance(exc, ProjectLimitError):
+                raise storage_limit(exc) from None
             raise
     finally:
         batches.blobs.discard(upload.temp)
@@ -73,27 +105,29 @@ async def create_file(request: Request, batches: Batches, config: Config) -> Any
 @router.get("/v1/files", response_model=None)
 async def list_files(
     batches: Batches,
+    project: Project,
     purpose: str | None = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     after: str | None = None,
     order: Literal["asc", "desc"] = "desc",
 ) -> Any:
     try:
-        records, has_more = await asyncio.to_thread(batches.files.list_page, limit, after, order, purpose)
+        records, has_more = await asyncio.to_thread(batches.files.list_page, limit, after, order, purpose,
+                                                  project)
     except UnknownCursorError:
         raise invalid(f"after: no file {after}", "after") from None
     return JSONResponse(list_object(records, has_more, file_object))
 
 
 @router.get("/v1/files/{file_id}", response_model=None)
-async def retrieve_file(file_id: str, batches: Batches) -> Any:
-    return JSONResponse(file_object(await find_file(batches.files, file_id)))
+async def retrieve_file(file_id: str, batches: Batches, project: Project) -> Any:
+    return JSONResponse(file_object(await find_file(batches.files, file_id, project)))
 
 
 @router.get("/v1/files/{file_id}/content", response_model=None, response_class=FileResponse,
             responses=CONTENT_RESPONSES)
-async def file_content(file_id: str, batches: Batches) -> Any:
-    record = await find_file(batches.files, file_id)
+async def file_content(file_id: str, batches: Batches, project: Project) -> Any:
+    record = await find_file(batches.files, file_id, project)
     path = batches.blobs.path(record.blob_key)
     if not path.is_file():
         raise file_not_found(file_id)
@@ -101,10 +135,10 @@ async def file_content(file_id: str, batches: Batches) -> Any:
 
 
 @router.delete("/v1/files/{file_id}", response_model=None)
-async def delete_file(file_id: str, batches: Batches) -> Any:
-    await find_file(batches.files, file_id)
+async def delete_file(file_id: str, batches: Batches, project: Project) -> Any:
+    await find_file(batches.files, file_id, project)
     try:
-        record = await asyncio.to_thread(batches.files.remove, file_id)
+        record = await asyncio.to_thread(batches.files.remove, file_id, project)
     except FileInUseError as exc:
         raise APIError(409, f"file {file_id} is the input of batch {exc.args[0]}, which has not finished; cancel "
                        "the batch or wait for it to end", code="file_in_use") from None

@@ -15,9 +15,10 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, Row, delete, func, insert, or_, select, update
 
-from gateway.store.files import FileRecord
+from gateway.store.database import lock_project
+from gateway.store.files import FileRecord, ProjectLimitError
 from gateway.store.pages import page
-from gateway.store.tables import batches, files, segments
+from gateway.store.tables import DEFAULT_PROJECT, batches, files, segments
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -53,6 +54,8 @@ class BatchRecord:
     lease_expires_at: float | None = None
     failures: int = 0
     last_error: str | None = None
+    project: str = DEFAULT_PROJECT
+    output_expires_after_s: int | None = None  # the lifetime of its output and error files
 
     @classmethod
     def from_row(cls, row: Any) -> BatchRecord:
@@ -66,7 +69,16 @@ class BatchRecord:
             completed=row.completed, failed=row.failed, prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
             lease_expires_at=row.lease_expires_at, failures=row.failures, last_error=row.last_error,
+            project=row.project,
+            output_expires_after_s=row.output_expires_after_s,
         )
+
+    def result_file(self, file_id: str, filename: str, purpose: str, size: int, blob_key: str) -> FileRecord:
+        """The record of one of this batch's result files, made now: in the batch's project, expiring
+        `output_expires_after_s` from now."""
+        now = int(time.time())
+        expires_at = now + self.output_expires_after_s if self.output_expires_after_s is not None else None
+        return FileRecord(file_id, filename, purpose, size, now, blob_key, self.project, expires_at)
 
     def leased(self, now: float) -> bool:
         return self.lease_expires_at is not None and self.lease_expires_at >= now
@@ -122,30 +134,43 @@ class BatchStore:
 
     def create(
         self, batch_id: str, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
-        metadata: dict[str, str] | None,
+        metadata: dict[str, str] | None, *, project: str = DEFAULT_PROJECT, max_active: int | None = None,
+        output_expires_after_s: int | None = None,
     ) -> BatchRecord | None:
-        """Insert a `validating` batch; None if its input file does not exist (any more)."""
+        """Insert a `validating` batch of `project`; None if its input file does not exist (any more) in that
+        project. ProjectLimitError if the project already has `max_active` unfinished batches."""
         now = int(time.time())
         with self.db.begin() as c:
-            found = c.execute(select(files.c.id).where(files.c.id == input_file_id).with_for_update()).first()
+            found = c.execute(
+                select(files.c.id).where(files.c.id == input_file_id, files.c.project == project).with_for_update()
+            ).first()
             if found is None:
                 return None
+            if max_active is not None:
+                lock_project(c, project)
+                active = c.execute(select(func.count()).select_from(batches).where(
+                    batches.c.project == project, batches.c.status.in_(ACTIVE_STATUSES))).scalar_one()
+                if active >= max_active:
+                    raise ProjectLimitError(project, max_active, active)
             c.execute(insert(batches).values(
                 id=batch_id, endpoint=endpoint, input_file_id=input_file_id, completion_window=completion_window,
                 status="validating", metadata_json=json.dumps(metadata) if metadata else None, created_at=now,
                 expires_at=now + window_s, total=0, completed=0, failed=0, prompt_tokens=0, completion_tokens=0,
-                cached_tokens=0, lease_epoch=0,
+                cached_tokens=0, lease_epoch=0, project=project, output_expires_after_s=output_expires_after_s,
             ))
             return self._get(c, batch_id)
 
-    def get(self, batch_id: str) -> BatchRecord | None:
+    def get(self, batch_id: str, project: str | None = None) -> BatchRecord | None:
+        """The batch (None: there is none, or it is not `project`'s)."""
         with self.db.begin() as c:
-            return self._get(c, batch_id)
+            record = self._get(c, batch_id)
+        return record if record is not None and project in (None, record.project) else None
 
-    def list_page(self, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
-        """Newest first. UnknownCursorError if `after` is not a batch id."""
+    def list_page(self, limit: int, after: str | None, project: str | None = None) -> tuple[list[BatchRecord], bool]:
+        """Newest first (of `project`'s, when given). UnknownCursorError if `after` is not a batch id (there)."""
+        scope = [batches.c.project == project] if project is not None else []
         with self.db.begin() as c:
-            result = page(c, batches, limit, after, "desc")
+            result = page(c, batches, limit, after, "desc", scope=scope)
         return [BatchRecord.from_row(r) for r in result.rows], result.has_more
 
     def request_cancel(self, batch_id: str) -> BatchRecord | None:

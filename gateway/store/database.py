@@ -4,6 +4,9 @@ SQLite (a file under the data directory) is the default and needs nothing starte
 opened with psycopg 3 and lets several gateways share the state. SQLite runs in WAL mode with synchronous=FULL,
 so a commit is on disk when it returns, and every transaction begins IMMEDIATE (takes the write lock at once),
 so two writers queue on the busy timeout instead of failing on a lock upgrade.
+
+A database made by an earlier version is brought up to date when it is opened: `create_all` adds missing tables,
+`_add_missing_columns` the columns (and their indexes) that newer versions added to existing tables.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, MetaData, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.schema import CreateColumn
 
 from gateway.store.tables import metadata
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 _SCHEMA_LOCK = 0x6C61646C  # PostgreSQL advisory lock held while one replica creates the schema ("ladl")
+_PROJECT_LOCKS = 0x6C61646D  # the first key of the (space, project) advisory locks of `lock_project`
 
 
 def database_url(url: str | None, data_dir: Path) -> str:
@@ -50,6 +55,35 @@ def _create_schema(engine: Engine, is_sqlite: bool) -> None:
             # Replicas starting together would otherwise race on CREATE TABLE.
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK})
         metadata.create_all(connection)
+        _add_missing_columns(connection)
+
+
+def _add_missing_columns(connection: Connection, schema: MetaData = metadata) -> None:
+    """ALTER TABLE ... ADD COLUMN for every column of `schema` that an existing table lacks, then the indexes
+    that cover those columns. A NOT NULL column needs a server_default to be added to rows that exist."""
+    inspector = inspect(connection)
+    quote = connection.dialect.identifier_preparer
+    for table in schema.sorted_tables:
+        present = {column["name"] for column in inspector.get_columns(table.name)}
+        missing = [column for column in table.columns if column.name not in present]
+        for column in missing:
+            if column.primary_key or (not column.nullable and column.server_default is None):
+                raise RuntimeError(f"cannot add column {table.name}.{column.name} to an existing database: a new "
+                                   "column must be nullable or have a server_default, and not be in the key")
+            ddl = CreateColumn(column).compile(dialect=connection.dialect)
+            connection.execute(text(f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {ddl}"))
+        added = {column.name for column in missing}
+        for index in table.indexes:
+            if added & {column.name for column in index.columns}:
+                index.create(connection, checkfirst=True)
+
+
+def lock_project(connection: Connection, project: str) -> None:
+    """Hold `project`'s lock until this transaction ends, so that checking a project limit and the insert it
+    allows are one step. SQLite needs nothing: its every transaction takes the write lock when it begins."""
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:space, hashtext(:project))"),
+                           {"space": _PROJECT_LOCKS, "project": project})
 
 
 def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:

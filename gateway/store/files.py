@@ -1,4 +1,8 @@
-"""File records: what POST /v1/files stored, and the result files of finished batches."""
+"""File records: what POST /v1/files stored, and the result files of finished batches.
+
+Every record belongs to a project. The calls that take `project` see only that project's records (None: all of
+them, for the workers and the sweeper); a project's stored bytes may be capped (ProjectLimitError).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, delete, insert, select
+from sqlalchemy import ColumnElement, Connection, Engine, delete, func, insert, select
 
 from gateway.store import tables
+from gateway.store.database import lock_project
 from gateway.store.pages import Order, page
-from gateway.store.tables import files
+from gateway.store.tables import DEFAULT_PROJECT, files
 
 # Purposes a client may upload with (OpenAI's); batch_output is the gateway's own, for batch result files.
 UPLOAD_PURPOSES = frozenset({"assistants", "batch", "fine-tune", "vision", "user_data", "evals"})
@@ -27,18 +32,32 @@ class FileRecord:
     bytes: int
     created_at: int
     blob_key: str
+    project: str = DEFAULT_PROJECT
+    expires_at: int | None = None  # when the sweeper deletes it
 
     @classmethod
     def from_row(cls, row: Any) -> FileRecord:
-        return cls(row.id, row.filename, row.purpose, row.bytes, row.created_at, row.blob_key)
+        return cls(row.id, row.filename, row.purpose, row.bytes, row.created_at, row.blob_key, row.project,
+                   row.expires_at)
 
     def values(self) -> dict[str, Any]:
         return {"id": self.id, "filename": self.filename, "purpose": self.purpose, "bytes": self.bytes,
-                "created_at": self.created_at, "blob_key": self.blob_key}
+                "created_at": self.created_at, "blob_key": self.blob_key, "project": self.project,
+                "expires_at": self.expires_at}
 
 
 class FileInUseError(Exception):
     """The file is the input of a batch that has not finished."""
+
+
+class ProjectLimitError(Exception):
+    """An insert would take a project past one of its limits."""
+
+    def __init__(self, project: str, limit: int, used: int) -> None:
+        super().__init__(f"project {project} is at {used} of its limit of {limit}")
+        self.project = project
+        self.limit = limit
+        self.used = used
 
 
 class FileStore:
@@ -48,35 +67,60 @@ class FileStore:
         self.db = db
 
     @staticmethod
-    def record(file_id: str, filename: str, purpose: str, size: int, blob_key: str) -> FileRecord:
-        return FileRecord(file_id, filename, purpose, size, int(time.time()), blob_key)
+    def record(
+        file_id: str, filename: str, purpose: str, size: int, blob_key: str, project: str = DEFAULT_PROJECT,
+        expires_after_s: int | None = None,
+    ) -> FileRecord:
+        """A new record created now, expiring `expires_after_s` from now (None: never)."""
+        now = int(time.time())
+        expires_at = now + expires_after_s if expires_after_s is not None else None
+        return FileRecord(file_id, filename, purpose, size, now, blob_key, project, expires_at)
 
-    def add(self, record: FileRecord) -> None:
+    def add(self, record: FileRecord, max_project_bytes: int | None = None) -> None:
+        """Insert `record`; ProjectLimitError if its project would then store more than `max_project_bytes`."""
         with self.db.begin() as c:
+            if max_project_bytes is not None:
+                lock_project(c, record.project)
+                used = stored_bytes(c, record.project)
+                if used + record.bytes > max_project_bytes:
+                    raise ProjectLimitError(record.project, max_project_bytes, used)
             c.execute(insert(files).values(**record.values()))
 
-    def get(self, file_id: str) -> FileRecord | None:
+    def get(self, file_id: str, project: str | None = None) -> FileRecord | None:
         with self.db.begin() as c:
-            row = c.execute(select(files).where(files.c.id == file_id)).one_or_none()
+            row = c.execute(select(files).where(files.c.id == file_id, *_of(project))).one_or_none()
         return FileRecord.from_row(row) if row is not None else None
 
     def list_page(
-        self, limit: int, after: str | None, order: Order, purpose: str | None
+        self, limit: int, after: str | None, order: Order, purpose: str | None, project: str | None = None
     ) -> tuple[list[FileRecord], bool]:
-        """A page of records and whether more follow. UnknownCursorError if `after` is not a file id."""
+        """A page of records and whether more follow. UnknownCursorError if `after` is not a file id (of
+        `project`)."""
         where = [files.c.purpose == purpose] if purpose else []
         with self.db.begin() as c:
-            result = page(c, files, limit, after, order, where)
+            result = page(c, files, limit, after, order, where, scope=_of(project))
         return [FileRecord.from_row(r) for r in result.rows], result.has_more
 
-    def remove(self, file_id: str) -> FileRecord | None:
-        """Delete the record (the caller then deletes the bytes); None if there was none. FileInUseError if an
-        unfinished batch reads it."""
+    def expired(self, now: int, limit: int = 100) -> list[FileRecord]:
+        """Up to `limit` files whose `expires_at` has passed and that no unfinished batch reads, oldest first."""
+        batches = tables.batches
+        in_use = select(batches.c.id).where(batches.c.input_file_id == files.c.id,
+                                             batches.c.status.in_(_ACTIVE_BATCH_STATUSES))
+        with self.db.begin() as c:
+            rows = c.execute(select(files).where(files.c.expires_at <= now, ~in_use.exists())
+                             .order_by(files.c.pk).limit(limit))
+            return [FileRecord.from_row(r) for r in rows]
+
+    def remove(self, file_id: str, project: str | None = None) -> FileRecord | None:
+        """Delete the record (the caller then deletes the bytes); None if there was none (in `project`).
+        FileInUseError if an unfinished batch reads it."""
         batches = tables.batches
         with self.db.begin() as c:
             # Locked, so a batch cannot be created on this file while it is being deleted (PostgreSQL; SQLite
             # serializes whole transactions anyway).
-            row = c.execute(select(files).where(files.c.id == file_id).with_for_update()).one_or_none()
+            row = c.execute(
+                select(files).where(files.c.id == file_id, *_of(project)).with_for_update()
+            ).one_or_none()
             if row is None:
                 return None
             user = c.execute(
@@ -88,3 +132,13 @@ class FileStore:
                 raise FileInUseError(user)
             c.execute(delete(files).where(files.c.id == file_id))
         return FileRecord.from_row(row)
+
+
+def stored_bytes(c: Connection, project: str) -> int:
+    """The bytes of every file of `project`, its batches' result files included."""
+    used = c.execute(select(func.coalesce(func.sum(files.c.bytes), 0)).where(files.c.project == project)).scalar()
+    return int(used or 0)
+
+
+def _of(project: str | None) -> list[ColumnElement[bool]]:
+    return [files.c.project == project] if project is not None else []

@@ -27,11 +27,15 @@ def page(
     after: str | None,
     order: Order,
     where: list[ColumnElement[bool]] | None = None,
+    scope: list[ColumnElement[bool]] | None = None,
 ) -> Page:
-    """Rows ordered by insertion (`pk`), newest first for "desc", starting after the row whose id is `after`."""
-    conditions = list(where or [])
+    """Rows ordered by insertion (`pk`), newest first for "desc", starting after the row whose id is `after`.
+    Rows meet `where` and `scope`; the `after` row must meet `scope` (a caller's project) too."""
+    conditions = [*(where or []), *(scope or [])]
     if after is not None:
-        anchor = connection.execute(select(table.c.pk).where(table.c.id == after)).scalar_one_or_none()
+        anchor = connection.execute(
+            select(table.c.pk).where(table.c.id == after, *(scope or []))
+        ).scalar_one_or_none()
         if anchor is None:
             raise UnknownCursorError(after)
         conditions.append(table.c.pk < anchor if order == "desc" else table.c.pk > anchor)

@@ -2,11 +2,16 @@
 
 Every table has an integer `pk` that grows with insertion, which orders lists and pages them (`after`) without
 relying on clock resolution. Times are Unix seconds, as OpenAI reports them; a lease's expiry is a float.
+
+A column added after a release must be nullable or have a `server_default`: `database.open_database` adds it to
+the tables of an older database with ALTER TABLE.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
+
+DEFAULT_PROJECT = "default"  # the project of --api-key, of every request when no keys are set, of old rows
 
 metadata = MetaData()
 
@@ -21,6 +26,10 @@ files = Table(
     Column("created_at", BigInteger, nullable=False),
     # Where the bytes are, relative to the blob root; always chosen by the gateway, never by a client.
     Column("blob_key", String(255), nullable=False),
+    # The project whose key uploaded the file (a batch's result files: the batch's); no other project sees it.
+    Column("project", String(64), nullable=False, server_default=DEFAULT_PROJECT, index=True),
+    # When the sweeper deletes the file; None: kept until someone deletes it.
+    Column("expires_at", BigInteger, nullable=True, index=True),
 )
 
 batches = Table(
@@ -63,6 +72,9 @@ batches = Table(
     # the batch ends `failed` instead of being claimed again.
     Column("failures", Integer, nullable=False, server_default="0"),
     Column("last_error", Text, nullable=True),  # what the last of those errors was
+    Column("project", String(64), nullable=False, server_default=DEFAULT_PROJECT, index=True),
+    # Seconds from their creation until the batch's output and error files expire; None: they never do.
+    Column("output_expires_after_s", Integer, nullable=True),
 )
 
 # One per claim that ran lines: results go to this claim's own files, whose committed lengths live here.

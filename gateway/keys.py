@@ -1,0 +1,111 @@
+"""API keys and the projects they belong to: `--api-key`, the `--api-keys-file`, and the constant-time lookup.
+
+The keys file holds one `KEY PROJECT` pair a line; blank lines and lines starting with `#` are skipped. A key
+appears once; a project name is 1-64 letters, digits, `.`, `_` or `-`. `--api-key` is a key of the default
+project. Errors name the file and the line, never the key. `KeyRing.reload` (on SIGHUP) reads the file again
+and keeps the keys it had if the new file is unreadable or malformed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from pathlib import Path
+
+import structlog
+
+from gateway.config import GatewayConfig
+from gateway.store.tables import DEFAULT_PROJECT
+
+log = structlog.get_logger(__name__)
+
+_PROJECT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class KeysFileError(ValueError):
+    """The keys file cannot be read, or a line of it is not `KEY PROJECT`."""
+
+
+def parse_keys(text: str, source: str) -> dict[str, str]:
+    """Key -> project for the lines of a keys file (`source` names it in errors)."""
+    keys: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise KeysFileError(f"{source}, line {number}: expected 'KEY PROJECT' (two fields), found {len(fields)}")
+        key, project = fields
+        if not _PROJECT_NAME.match(project):
+            raise KeysFileError(f"{source}, line {number}: a project name is 1-64 letters, digits, '.', '_' or '-'")
+        if key in keys:
+            raise KeysFileError(f"{source}, line {number}: the key of line {lines[key]} again")
+        keys[key] = project
+        lines[key] = number
+    if not keys:
+        raise KeysFileError(f"{source}: no keys (a keys file that allowed nothing would be a mistake)")
+    return keys
+
+
+def read_keys(api_key: str | None, keys_file: Path | None) -> dict[str, str]:
+    """Key -> project from `api_key` (the default project's) and `keys_file`; KeysFileError for a bad file."""
+    keys: dict[str, str] = {}
+    if keys_file is not None:
+        try:
+            text = keys_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeysFileError(f"cannot read the API keys file {keys_file}: {exc}") from None
+        keys = parse_keys(text, str(keys_file))
+    if api_key:
+        if keys.get(api_key, DEFAULT_PROJECT) != DEFAULT_PROJECT:
+            raise KeysFileError(f"{keys_file}: --api-key is listed there for another project than {DEFAULT_PROJECT}")
+        keys[api_key] = DEFAULT_PROJECT
+    return keys
+
+
+class KeyRing:
+    """The gateway's current keys. `required` is False when there are none: then every request is the default
+    project's. Keys are kept as SHA-256 digests, so every comparison takes the same time whatever the keys'
+    lengths."""
+
+    def __init__(self, api_key: str | None = None, keys_file: Path | None = None) -> None:
+        self.api_key = api_key
+        self.keys_file = keys_file
+        self._keys = self._digests(read_keys(api_key, keys_file))
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> KeyRing:
+        return cls(config.api_key, config.api_keys_file)
+
+    @property
+    def required(self) -> bool:
+        return bool(self._keys)
+
+    def project_of(self, key: str) -> str | None:
+        """The project of `key`; None if it is no key of ours."""
+        digest = hashlib.sha256(key.encode()).digest()
+        found = None
+        # Every key is compared, and each comparison takes the same time (compare_digest), so the time a request
+        # takes says nothing about which key, or how much of one, it matched.
+        for known, project in self._keys:
+            if hmac.compare_digest(digest, known):
+                found = project
+        return found
+
+    def reload(self) -> bool:
+        """Read the keys file again (on SIGHUP); on an error log it and keep the keys in use. Whether it took."""
+        try:
+            keys = read_keys(self.api_key, self.keys_file)
+        except KeysFileError as exc:
+            log.error("API keys not reloaded; the previous keys stay in use", reason=str(exc))
+            return False
+        self._keys = self._digests(keys)
+        log.info("API keys reloaded", keys=len(keys), projects=len(set(keys.values())))
+        return True
+
+    @staticmethod
+    def _digests(keys: dict[str, str]) -> tuple[tuple[bytes, str], ...]:
+        return tuple((hashlib.sha256(key.encode()).digest(), project) for key, project in keys.items())

@@ -1,0 +1,91 @@
+"""API keys and projects: the keys file's format and its errors, the lookup, and reloading that keeps the old keys
+when the new file is bad."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from gateway import deps, keys
+from gateway.errors import APIError
+from gateway.keys import KeyRing, KeysFileError, parse_keys, read_keys
+from gateway.store.tables import DEFAULT_PROJECT
+
+
+def test_the_keys_file_format() -> None:
+    text = "# team keys\n\nsk-alpha-1 alpha\n  sk-alpha-2\talpha  \nsk-beta beta.prod_2\n# sk-old gamma\n"
+    assert parse_keys(text, "keys") == {"sk-alpha-1": "alpha", "sk-alpha-2": "alpha", "sk-beta": "beta.prod_2"}
+
+
+@pytest.mark.parametrize(("text", "line", "reason"), [
+    ("sk-a alpha\nsk-b\n", 2, "expected 'KEY PROJECT' (two fields), found 1"),
+    ("sk-a alpha # the alpha team\n", 1, "found 6"),
+    ("sk-a alpha\n\nsk-b be/ta\n", 3, "a project name is"),
+    ("sk-a alpha\nsk-a beta\n", 2, "the key of line 1 again"),
+    ("sk-a " + "p" * 65 + "\n", 1, "a project name is"),
+])
+def test_a_malformed_line_is_named_and_the_key_is_not(text: str, line: int, reason: str) -> None:
+    with pytest.raises(KeysFileError) as error:
+        parse_keys(text, "/etc/ladle/keys")
+    assert f"/etc/ladle/keys, line {line}: " in str(error.value) and reason in str(error.value)
+    assert "sk-" not in str(error.value)
+
+
+def test_a_file_without_keys_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# nobody yet\n")
+    with pytest.raises(KeysFileError, match="no keys"):
+        read_keys(None, path)
+    with pytest.raises(KeysFileError, match="cannot read"):
+        read_keys(None, tmp_path / "missing")
+
+
+def test_api_key_is_a_key_of_the_default_project(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-a alpha\n")
+    assert read_keys("sk-main", path) == {"sk-a": "alpha", "sk-main": DEFAULT_PROJECT}
+    path.write_text("sk-main alpha\n")
+    with pytest.raises(KeysFileError, match="another project"):
+        read_keys("sk-main", path)
+
+
+def test_lookup_and_the_default_project_without_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-a alpha\nsk-b beta\n")
+    ring = KeyRing("sk-main", path)
+    assert ring.required
+    assert [ring.project_of(k) for k in ("sk-a", "sk-b", "sk-main", "sk-", "sk-a ", "")] == [
+        "alpha", "beta", DEFAULT_PROJECT, None, None, None]
+    assert deps.authenticate("Bearer sk-b", ring) == "beta"
+    assert deps.authenticate("bearer  sk-a ", ring) == "alpha"
+    for header in ("", "Bearer sk-c", "Basic sk-a", "sk-a"):
+        refusal = deps.authenticate(header, ring)
+        assert isinstance(refusal, APIError) and refusal.status == 401 and refusal.code == "invalid_api_key"
+    open_ring = KeyRing()
+    assert not open_ring.required and deps.authenticate("", open_ring) == DEFAULT_PROJECT
+
+
+def test_reload_takes_a_good_file_and_keeps_the_old_keys_on_a_bad_one(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-a alpha\n")
+    ring = KeyRing(None, path)
+    path.write_text("sk-a alpha\nsk-b beta\n")
+    assert ring.reload() and ring.project_of("sk-b") == "beta"
+    path.write_text("sk-a alpha\nsk-c\n")
+    assert not ring.reload() and ring.project_of("sk-b") == "beta" and ring.project_of("sk-c") is None
+    path.unlink()
+    assert not ring.reload() and ring.project_of("sk-a") == "alpha"
+    path.write_text("sk-c gamma\n")
+    assert ring.reload() and ring.project_of("sk-a") is None and ring.project_of("sk-c") == "gamma"
+
+
+def test_every_key_is_compared_in_constant_time() -> None:
+    """A compare that stops at the first differing byte, or at the first matching key, says through response
+    times how much of which key a guess got right."""
+    source = inspect.getsource(keys.KeyRing.project_of)
+    assert "hmac.compare_digest(" in source and "sha256" in source
+    assert "break" not in source and "return project" not in source
+    assert "authenticate(" in inspect.getsource(deps.request_project)
+    assert "project_of(" in inspect.getsource(deps.authenticate)
