@@ -3,6 +3,7 @@ request acts for."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterable
 from typing import Annotated
@@ -48,6 +49,16 @@ def request_id(request: Request) -> str:
     """The id bound by RequestContextMiddleware (the caller's X-Request-Id or a generated one)."""
     value: str = request.state.request_id
     return value
+
+
+def call_id(request: Request) -> str:
+    """The id of this call's engine request and of its completion (`chatcmpl-<id>`), unique per call: the
+    request id when the gateway generated it, else the caller's X-Request-Id with a random suffix. A client's id
+    names its trace in logs and headers; two calls that send the same one are still two requests."""
+    rid: str = request.state.request_id
+    if request.headers.get("x-request-id") != rid:
+        return rid
+    return f"{rid}-{secrets.token_hex(4)}"
 
 
 def authenticate(authorization: str, keys: KeyRing) -> str | APIError:
@@ -122,6 +133,7 @@ class RequestTimer:
 Pool = Annotated[EnginePool, Depends(get_pool)]
 Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
 RequestId = Annotated[str, Depends(request_id)]
+CallId = Annotated[str, Depends(call_id)]
 Batches = Annotated[BatchService, Depends(get_batches)]
 Config = Annotated[GatewayConfig, Depends(get_config)]
 Project = Annotated[str, Depends(request_project)]

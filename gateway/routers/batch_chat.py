@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway import calls
-from gateway.deps import Metrics, Pool, RequestId, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
 from gateway.errors import invalid
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
@@ -38,7 +38,7 @@ async def create_batch_chat_completion(
     body: BatchChatCompletionRequest,
     pool: Pool,
     metrics: Metrics,
-    rid: RequestId,
+    rid: CallId,
 ) -> Any:
     model = served_model(pool, body.model)
     _refuse_unsupported(body)

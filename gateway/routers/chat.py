@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from gateway import calls, sse
-from gateway.deps import Metrics, Pool, RequestId, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
@@ -23,7 +23,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest,
     pool: Pool,
     metrics: Metrics,
-    rid: RequestId,
+    rid: CallId,
 ) -> Any:
     model = served_model(pool, body.model)
     request = to_engine.chat_request(body, body.messages, rid)

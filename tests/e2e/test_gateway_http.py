@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -46,7 +47,7 @@ def test_request_id_is_echoed_and_logged(gateway_http: httpx.Client, gateway: Ga
                               headers={"X-Request-Id": "trace-abc-123"})
     assert reply.status_code == 200
     assert reply.headers["x-request-id"] == "trace-abc-123"
-    assert reply.json()["id"] == "chatcmpl-trace-abc-123"
+    assert reply.json()["id"].startswith("chatcmpl-trace-abc-123-")  # unique per call, the caller's id first
     generated = gateway_http.get("/v1/models").headers["x-request-id"]
     assert len(generated) == 32
     bad = gateway_http.post("/v1/chat/completions", json={"model": model_id, "messages": []},
@@ -57,6 +58,24 @@ def test_request_id_is_echoed_and_logged(gateway_http: httpx.Client, gateway: Ga
         time.sleep(0.1)
     lines = [json.loads(line) for line in gateway.log().splitlines() if line.startswith("{")]
     assert any(line.get("request_id") == "trace-bad-1" for line in lines)
+
+
+def test_two_concurrent_calls_with_one_request_id_both_succeed(gateway: GatewayProcess, model_id: str) -> None:
+    """A client's X-Request-Id names its trace, not the engine request: two calls that send the same one at the
+    same time are two requests, each answered, each echoing the id."""
+    body = {**CHAT, "model": model_id, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+    def call(stream: bool) -> tuple[int, str, str]:
+        with httpx.Client(base_url=gateway.url, timeout=120) as client:
+            reply = client.post("/v1/chat/completions", json={**body, "stream": stream},
+                                headers={"X-Request-Id": "same-id-7"})
+            first = reply.text.split("\n", 1)[0] if stream else reply.json()["id"]
+            return reply.status_code, reply.headers["x-request-id"], first
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(call, [True, False] * 4))
+    assert [r[:2] for r in replies] == [(200, "same-id-7")] * 8, replies
+    assert len({r[2] for r in replies[1::2]}) == 4  # four completions, four ids
 
 
 def test_metrics_and_health(gateway_http: httpx.Client, model_id: str) -> None:
