@@ -97,15 +97,18 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
         raise refuse("invalid_json_line", f"line {number} is not valid JSON") from None
     except RecursionError:
         raise refuse("invalid_json_line", f"line {number} nests arrays or objects too deeply") from None
-    try:
-        json.dumps(item, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise refuse("invalid_json_line", f"line {number} holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
-                     "not part of a pair), which is not valid Unicode") from None
-    except RecursionError:
-        raise refuse("invalid_json_line", f"line {number} nests arrays or objects too deeply") from None
     if not isinstance(item, dict):
         raise refuse("invalid_json_line", f"line {number} is not a JSON object")
+    for key, value in item.items():
+        try:
+            json.dumps([key, value], ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            where = key if key in ("custom_id", "body") else None
+            raise refuse("invalid_body" if key == "body" else "invalid_json_line",
+                         f"line {number}: {key!r} holds a lone UTF-16 surrogate escape (\\ud800-\\udfff not part of "
+                         "a pair), which is not valid Unicode", where) from None
+        except RecursionError:
+            raise refuse("invalid_json_line", f"line {number} nests arrays or objects too deeply") from None
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise refuse("missing_custom_id", f"line {number} has no custom_id (a non-empty string)", "custom_id")

@@ -55,9 +55,9 @@ def test_good_lines_validate() -> None:
         ({**chat_line(), "url": "/v1/v1/chat/completions"}, "invalid_url", "url"),
         # Lone surrogates pass json.loads but no UTF-8 result file nor protobuf can hold them.
         (b'{"custom_id": "\\ud800x", "method": "POST", "url": "/v1/chat/completions", "body": {}}',
-         "invalid_json_line", None),
-        (json.dumps(chat_line(messages=[{"role": "user", "content": "a\udfffb"}])).encode(), "invalid_json_line",
-         None),
+         "invalid_json_line", "custom_id"),
+        (json.dumps(chat_line(messages=[{"role": "user", "content": "a\udfffb"}])).encode(), "invalid_body", "body"),
+        (json.dumps(chat_line(user="a\udfffb")).encode(), "invalid_body", "body"),  # never sent, still refused
         (b"[" * 4000, "invalid_json_line", None),  # RecursionError inside json.loads (the 100,000 too)
     ],
 )
