@@ -5,7 +5,8 @@ the reply's text is the request's last chat message (or prompt) upper-cased (a s
 Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen),
 `invalid` (INVALID_ARGUMENT for a text), `abort_once` (a result with finish reason ABORT the first time a text is
 seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE after that many results),
-`die_after_s` (the next Batch call ends UNAVAILABLE after that many seconds, whatever it is doing),
+`die_after_s` (the next Batch call ends UNAVAILABLE after that many seconds, whatever it is doing), `kill_calls()`
+(every running Batch call ends UNAVAILABLE now),
 `unavailable` (every Generate / Stream call fails UNAVAILABLE; a stream after its first chunk when
 `unavailable_after_output`), and `delay_s` per item.
 """
@@ -43,6 +44,12 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     unavailable: bool = False
     unavailable_after_output: bool = False
     generated: int = 0  # Generate and Stream calls answered
+    _kills: set[asyncio.Event] = field(default_factory=set)  # one per Batch call running
+
+    def kill_calls(self) -> None:
+        """End every Batch call now running with UNAVAILABLE, as an engine that dies or drains does."""
+        for kill in self._kills:
+            kill.set()
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: Any) -> engine_pb2.GenerateResponse:
         await asyncio.sleep(self.delay_s)
@@ -78,8 +85,10 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     ) -> AsyncIterator[engine_pb2.BatchResponse]:
         self.calls += 1
         die_after, self.die_after = self.die_after, None
-        loop = asyncio.get_running_loop()
-        die_at = None if self.die_after_s is None else loop.time() + self.die_after_s
+        kill = asyncio.Event()
+        self._kills.add(kill)
+        if self.die_after_s is not None:
+            asyncio.get_running_loop().call_later(self.die_after_s, kill.set)
         self.die_after_s = None
         results: asyncio.Queue[engine_pb2.BatchResponse | None] = asyncio.Queue()
         unanswered = 0
@@ -97,9 +106,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         sent = 0
         try:
             while True:
-                try:
-                    response = await asyncio.wait_for(results.get(), None if die_at is None else die_at - loop.time())
-                except TimeoutError:
+                response = await _first_of(results, kill)
+                if kill.is_set():
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
                 if response is None:
                     break
@@ -111,6 +119,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                     self.answered[response.result.choices[0].text.lower()] += 1
                 yield response
         finally:
+            self._kills.discard(kill)
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
@@ -132,6 +141,18 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             if text in self.abort_once and self.seen[text] == 1:
                 response.result.choices[0].finish_reason = types_pb2.FINISH_REASON_ABORT
         await results.put(response)
+
+
+async def _first_of(results: asyncio.Queue[Any], kill: asyncio.Event) -> Any:
+    """The next result, or None as soon as `kill` is set."""
+    get = asyncio.ensure_future(results.get())
+    killed = asyncio.ensure_future(kill.wait())
+    await asyncio.wait({get, killed}, return_when=asyncio.FIRST_COMPLETED)
+    killed.cancel()
+    if not get.done():
+        get.cancel()
+        return None
+    return get.result()
 
 
 def _result(request: engine_pb2.GenerateRequest, text: str) -> engine_pb2.GenerateResponse:
