@@ -443,6 +443,36 @@ def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
         engine.stop()
 
 
+def test_a_draining_engines_aborted_lines_run_again(tmp_path: Path) -> None:
+    """SIGTERM with a short shutdown timeout: the engine aborts the lines it still runs (finish reason ABORT).
+    Those are not results: they run again on the restarted engine, and no output line says "abort"."""
+    port = free_port()
+    flags = ("--port", str(port), "--max-num-seqs", "8", "--shutdown-timeout", "0.2")
+    engine = start_engine(tmp_path / "engine1.log", *flags)
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--data-dir", str(tmp_path / "data"))
+    n = 40
+    try:
+        client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        items = [line(f"crash-{i}", {**chat_body(model, i, 40), "ignore_eos": True}) for i in range(n)]
+        batch_id = client.batches.create(input_file_id=upload(client, tmp_path, items), endpoint=CHAT,
+                                         completion_window="24h").id
+        while client.batches.retrieve(batch_id).request_counts.completed < 4:
+            time.sleep(0.05)
+        engine.process.send_signal(signal.SIGTERM)
+        assert engine.process.wait(60) == 0
+        assert "abort" in (tmp_path / "engine1.log").read_text().lower()
+        engine = start_engine(tmp_path / "engine2.log", *flags)
+        assert_each_line_once(client, batch_id, n)
+        batch = client.batches.retrieve(batch_id)
+        reasons = Counter(o["response"]["body"]["choices"][0]["finish_reason"]
+                          for o in result_lines(client, batch.output_file_id))
+        assert reasons == Counter({"length": n})
+    finally:
+        assert gateway.stop() == 0
+        engine.stop()
+
+
 def test_two_gateways_on_postgresql_share_files_and_batches(engine: EngineProcess, model_id: str, postgres: Any,
                                                             tmp_path: Path) -> None:
     """Two replicas on one PostgreSQL database and one blob directory: either serves any file or batch call,
