@@ -46,4 +46,15 @@ class CreateBatchRequest(BaseModel):
                 raise ValueError(f"keys are at most {MAX_METADATA_KEY_CHARS} characters")
             if len(item) > MAX_METADATA_VALUE_CHARS:
                 raise ValueError(f"values are at most {MAX_METADATA_VALUE_CHARS} characters")
+            if not _is_unicode(key) or not _is_unicode(item):
+                # It would be stored, and then no response holding the batch could be encoded as UTF-8.
+                raise ValueError("keys and values must be valid Unicode (a lone surrogate such as \\ud800 is not)")
         return value
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

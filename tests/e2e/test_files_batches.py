@@ -350,6 +350,21 @@ def test_batch_creation_refusals(client: openai.OpenAI, model_id: str, tmp_path:
         client.batches.cancel("batch_" + "0" * 32)
 
 
+def test_batch_metadata_that_utf8_cannot_hold_is_a_400(client: openai.OpenAI, batch_gateway: GatewayProcess,
+                                                        model_id: str, tmp_path: Path) -> None:
+    """A lone surrogate ("\\ud800" in the JSON) in metadata was stored, answered 500, and then failed every
+    list of batches: a value that validates must be one that can be written back."""
+    good = upload(client, tmp_path, [line("a", chat_body(model_id, 0))])
+    for metadata in ('{"k": "\\ud800"}', '{"\\udfff": "v"}'):
+        body = (f'{{"input_file_id": "{good}", "endpoint": "{CHAT}", "completion_window": "24h", '
+                f'"metadata": {metadata}}}')
+        reply = httpx.post(batch_gateway.base_url + "/batches", content=body.encode(),
+                           headers={"content-type": "application/json"}, timeout=30)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == "metadata"
+    assert client.batches.list(limit=100).data is not None
+
+
 def test_batches_list_and_metrics(client: openai.OpenAI, model_id: str, batch_gateway: GatewayProcess,
                                   tmp_path: Path) -> None:
     file_id = upload(client, tmp_path, [line("a", chat_body(model_id, 0, 2))])
