@@ -7,7 +7,9 @@ last commit stopped:
                `commit_interval_s` (which also renews the lease and reads the status, so a cancel is seen);
                all done -> finalizing; cancelling -> stop; past `expires_at` -> the rest become batch_expired;
   finalizing / cancelling / past expiry -> `publish` the result files -> completed / cancelled / expired.
-A worker claims only while some engine is SERVING, so a batch never waits under a lease for an engine.
+A worker claims only while some engine is SERVING, so a batch never waits under a lease for an engine; while none
+is, it still claims batches past their completion window, so they end `expired` (with their results so far, and a
+batch_expired error line for each line not run) whether or not an engine ever comes back.
 
 Two guarantees beyond that. A batch is finalized only when its committed counts add up to its total (the store
 refuses otherwise); a run that ends with lines unaccounted for runs those lines again, and after `MAX_PASSES`
@@ -99,16 +101,16 @@ class BatchWorker:
 
     async def _claim(self) -> Claim:
         while True:
-            if self.pool.model_id is not None and self.pool.ready:
-                try:
-                    claim = await asyncio.to_thread(self.store.claim_next, self.name, time.time(),
-                                                    self.settings.lease_s)
-                except SQLAlchemyError:
-                    log.exception("could not claim batches: the database is unreachable")
-                    claim = None
-                if claim is not None:
-                    log.info("batch claimed", batch_id=claim.batch.id, status=claim.batch.status)
-                    return claim
+            serving = self.pool.model_id is not None and self.pool.ready
+            try:
+                claim = await asyncio.to_thread(self.store.claim_next, self.name, time.time(),
+                                                self.settings.lease_s, not serving)
+            except SQLAlchemyError:
+                log.exception("could not claim batches: the database is unreachable")
+                claim = None
+            if claim is not None:
+                log.info("batch claimed", batch_id=claim.batch.id, status=claim.batch.status)
+                return claim
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.settings.poll_interval_s)
@@ -135,7 +137,14 @@ class BatchWorker:
             return
         status: BatchStatus = claim.batch.status
         expired = time.time() >= claim.batch.expires_at
-        if status == "validating" and not expired:
+        if status == "validating" and expired:
+            await self._leased(claim, asyncio.to_thread(
+                publish, self.blobs, self.store, claim, "expired",
+                [lines.LineError("batch_expired", "the completion window ended before the batch was validated; "
+                                 "none of its requests ran").as_dict()]))
+            log.info("batch expired before validation")
+            return
+        if status == "validating":
             status = await self._validate(claim)
         if status == "in_progress":
             status, expired = await self._run_lines(claim)

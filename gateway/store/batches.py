@@ -191,13 +191,15 @@ class BatchStore:
 
     # -- the workers' side -----------------------------------------------------------------------------------
 
-    def claim_next(self, owner: str, now: float, lease_s: float) -> Claim | None:
-        """Claim the oldest active batch that no live lease holds, if any; `owner` names the worker (for
-        people reading the table)."""
+    def claim_next(self, owner: str, now: float, lease_s: float, expired_only: bool = False) -> Claim | None:
+        """Claim the oldest active batch that no live lease holds, if any (with `expired_only`, only one past its
+        completion window); `owner` names the worker (for people reading the table)."""
+        runnable = [batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now)]
+        if expired_only:
+            runnable.append(batches.c.expires_at <= now)
         with self.db.begin() as c:
             candidates = c.execute(
-                select(batches.c.id).where(batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now))
-                .order_by(batches.c.pk).limit(8)
+                select(batches.c.id).where(*runnable).order_by(batches.c.pk).limit(8)
             ).scalars().all()
         for batch_id in candidates:
             claim = self.claim(batch_id, owner, now, lease_s)

@@ -385,3 +385,27 @@ async def test_a_batch_whose_lines_never_all_get_results_fails_instead_of_comple
     assert record.status == "failed" and (record.completed, record.total) == (5, 6)
     assert record.errors is not None and "no result" in record.errors[0]["message"]
     assert rig.fake.seen["line 3"] == worker_module.MAX_PASSES
+
+
+async def test_batches_past_their_window_expire_with_no_engine_serving(tmp_path: Path) -> None:
+    """With no engine at all, a worker still ends overdue batches `expired` (OpenAI's 24 h rule): a validated
+    batch keeps its results and gets a batch_expired line for every line not run; one never validated says so in
+    its errors. Both stayed active forever before."""
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        started = rig.batch([chat_line(i) for i in range(5)], window_s=1)
+        claim = rig.batches.claim(started.id, "earlier", time.time(), 5.0)
+        assert claim is not None and rig.batches.start(claim, 5, MODEL) == "in_progress"
+        rig.batches.release(claim)
+        unvalidated = rig.batch([chat_line(i) for i in range(3)], window_s=1)
+        await rig.server.stop(None)
+        while rig.pool.ready:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(max(0.0, started.expires_at + 0.05 - time.time()))
+        first = await rig.run_until(rig.worker(), started.id, {"expired", "completed", "failed"})
+        second = await rig.run_until(rig.worker(), unvalidated.id, {"expired", "completed", "failed"})
+        errors = rig.result_lines(first.error_file_id)
+    assert first.status == "expired" and (first.completed, first.failed, first.total) == (0, 5, 5)
+    assert sorted(e["custom_id"] for e in errors) == [f"c{i}" for i in range(5)]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert second.status == "expired" and second.errors is not None
+    assert second.errors[0]["code"] == "batch_expired" and second.output_file_id is None
