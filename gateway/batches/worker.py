@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from gateway.batches import lines
 from gateway.batches.lines import InputLine
@@ -117,7 +117,11 @@ class BatchWorker:
 
     async def _record_failure(self, claim: Claim, exc: Exception) -> None:
         """Count a failed attempt in the batch's record (the batch is resumed after a pause, here or elsewhere,
-        until `max_failures`)."""
+        until `max_failures`). A lost database connection is not the batch's fault and is not counted: the
+        lease runs out and the batch is resumed once the database answers."""
+        if isinstance(exc, OperationalError | InterfaceError):
+            log.warning("batch work stopped: the database is unreachable; it will be resumed", exc_info=exc)
+            return
         error = f"{type(exc).__name__}: {exc}"
         try:
             failures = await asyncio.to_thread(self.store.record_failure, claim, error)
