@@ -38,6 +38,7 @@ from gateway.batches import lines
 from gateway.batches.lines import InputLine
 from gateway.batches.results import ResultSink, committed_custom_ids, publish
 from gateway.batches.runner import LineResult, LineRunner
+from gateway.batches.validation import validate_file
 from gateway.engines import EnginePool
 from gateway.metrics import GatewayMetrics
 from gateway.store.batches import BatchRecord, BatchStatus, BatchStore, Claim, FinalStatus, LeaseLostError
@@ -201,12 +202,10 @@ class BatchWorker:
         model = self.pool.model_id
         assert model is not None  # claims are made only once an engine answered
 
-        def check() -> tuple[int, list[lines.LineError]]:
-            with self.blobs.path(upload_key(batch.input_file_id)).open("rb") as f:
-                return lines.validate(lines.read_lines(f, self.settings.max_line_bytes), batch.endpoint, model)
-
-        try:
-            total, errors = await self._leased(claim, asyncio.to_thread(check))
+        path = self.blobs.path(upload_key(batch.input_file_id))
+        try:  # in a child process for a large file: checking lines holds the GIL, which the event loop needs
+            total, errors = await self._leased(
+                claim, validate_file(path, batch.endpoint, model, self.settings.max_line_bytes))
         except FileNotFoundError:
             total, errors = 0, [lines.LineError("missing_input_file", "the input file was deleted")]
         if errors:
