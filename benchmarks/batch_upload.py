@@ -48,6 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--line-bytes", type=int, default=4000, help="bytes per line, roughly")
     parser.add_argument("--idle-s", type=float, default=5.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--note", default="", help="stored with the result (e.g. what the tree held)")
     return parser.parse_args(argv)
 
 
@@ -223,6 +224,7 @@ def main(argv: list[str]) -> int:
         "workload": {"lines": args.num_lines, "line_bytes": args.line_bytes},
         **figures,
         "loop_lag_p99_le_ms": lag_p99,
+        "note": args.note,
         "targets": {"loop_lag_p99_ms": LAG_TARGET_S * 1000, "gateway_rss_growth_mb": RSS_TARGET_MB},
         "targets_met": lag_p99 is not None and lag_p99 <= LAG_TARGET_S * 1000
         and figures["gateway_rss_growth_mb"] <= RSS_TARGET_MB,

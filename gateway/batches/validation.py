@@ -1,7 +1,8 @@
 """Validating a batch input file off the event loop: `lines.validate` over the file, in a child process.
 
 Checking a line is pure-Python and pydantic work that holds the GIL, so a thread doing it for a large file
-starves the event loop (on 2 cores a 50,000-line file held the loop up to 500 ms at a time). A file larger than
+starves the event loop (a 50,000-line file checked in a thread of the gateway put its loop-lag p99 at 30 to
+250 ms on 2 shared cores: benchmarks/results/batch_upload_cpu.jsonl). A file larger than
 `THREAD_MAX_BYTES` is therefore checked by a child process (`python -m gateway.batches.validation`, which imports
 only `lines`), started for the file and killed if the caller is cancelled; a small one, whose check takes a few
 milliseconds, in a thread, sparing the child's start-up (~0.3 s). Both read a line at a time: memory stays bounded
