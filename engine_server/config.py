@@ -116,6 +116,12 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's context length
     max_waiting: int = 4096  # admission limit; beyond it new requests are refused (RESOURCE_EXHAUSTED)
+    # A step cannot be interrupted: an INTERACTIVE request arriving during a step of BATCH work waits for it. So
+    # a step without INTERACTIVE prefill carries only the prefill tokens that the engine's measured step times
+    # say fit this many seconds (engine_server.core.step_timing), but at least batch_min_prefill_chunk. None:
+    # by device (0.15 s on the CPU, 0.02 s on CUDA); 0: no cap.
+    batch_step_target_s: float | None = None
+    batch_min_prefill_chunk: int = 64
 
 
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.

@@ -28,6 +28,7 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--async-scheduling", args.async_scheduling, "--quantization", args.quantization,
         "--generation-config", args.generation_config,
         "--override-generation-config", args.override_generation_config,
+        "--batch-step-target", "auto" if args.batch_step_target is None else str(args.batch_step_target),
     ]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
 

@@ -6,6 +6,7 @@ the core (engine_server.frontend), so the core can run on its own thread or proc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from engine_server.config import EngineConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
+from engine_server.core.step_timing import StepTimeModel, default_batch_step_target
 from engine_server.loader import ModelSource
 from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
 
@@ -86,7 +88,12 @@ class EngineCore:
         limit = config.scheduler.max_model_len or source.config.max_position_embeddings
         self.max_model_len = min(limit, source.config.max_position_embeddings)
         self.runner = ModelRunner(source, config, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len)
+        # Learned from this engine's own steps (see step()); it caps the prefill of steps of BATCH work.
+        target = default_batch_step_target(config.scheduler.batch_step_target_s, self.runner.device.type)
+        self.step_time = StepTimeModel(target, config.scheduler.batch_min_prefill_chunk) if target > 0 else None
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time
+        )
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
@@ -98,6 +105,7 @@ class EngineCore:
             block_size=self.runner.block_size,
             cuda_graphs=self.runner.decode_graphs is not None,
             async_scheduling=self.async_scheduling,
+            batch_step_target_s=target,
         )
 
     def add_request(self, request: Request) -> None:
@@ -127,20 +135,29 @@ class EngineCore:
 
         A constrained request whose grammar ended with this step's token (SampledToken.grammar_finish) is
         finished here, after the scheduler's own stop rules, which take precedence when both apply.
+
+        The call's duration feeds the step-time model, as the time of the last step it completed: in a
+        synchronous step all of it is that step's, and with a step in flight, the call mostly waits for it.
         """
+        started = time.perf_counter()
         try:
             scheduled = self.scheduler.schedule()
             current = _Launched(scheduled, self.runner.launch(scheduled))
             previous, self._in_flight = self._in_flight, None
             outputs = self._complete(previous) if previous is not None else []
+            completed = previous
             runs_ahead = self.async_scheduling and scheduled.scheduled
             if runs_ahead and not any(item.request.needs_output_history for item in scheduled.scheduled):
                 self._in_flight = current
             else:
                 outputs += self._complete(current)
+                completed = current
         except BaseException:
             self._in_flight = None  # its requests are the caller's to abort; nothing waits on it any more
             raise
+        if self.step_time is not None and completed is not None:
+            done = completed.scheduled
+            self.step_time.observe(done.num_prefill_tokens, done.num_decode_rows, time.perf_counter() - started)
         return outputs
 
     def _complete(self, launched: _Launched) -> list[CoreOutput]:

@@ -22,7 +22,12 @@ Interactive first. An INTERACTIVE caller waits on its first token; a BATCH job o
   step, the lowest rank is the latest arrival (in a stream of batch work, the one with least done), and with
   prefix caching its full blocks stay cached, so its recompute mostly hits.
 BATCH work still fills every step without an INTERACTIVE prefill. Without INTERACTIVE traffic none of this
-applies, so a batch alone is scheduled exactly as before.
+applies, so a batch alone is scheduled exactly as before, but for the step-time cap:
+- Step-time cap: a step cannot be interrupted, so a request arriving during a step waits for it. With a
+  `StepTimeModel` (engine_server.core.step_timing), a step without INTERACTIVE prefill (all its prefill is
+  BATCH work) carries only as many prefill tokens as fit the model's time target beside its decode rows, and
+  never fewer than the model's minimum chunk, so BATCH work always progresses. Decode rows, INTERACTIVE ones
+  included, are never held back, and a step with INTERACTIVE prefill keeps the whole token budget.
 
 When the KV pool runs dry for a running request, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed (cached blocks stay reusable), `num_computed_tokens` returns
@@ -47,6 +52,7 @@ from engine_server.config import CacheConfig, SchedulerConfig
 from engine_server.core.kv_cache_manager import KVCacheManager
 from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.core.step_timing import StepTimeModel
 from engine_server.errors import QueueFullError
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -73,8 +79,12 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        step_time: StepTimeModel | None = None,
     ) -> None:
+        """`step_time` caps the prefill of steps without INTERACTIVE prefill (module docstring); the caller
+        feeds it the measured steps. None: no cap."""
         self.config = scheduler_config
+        self.step_time = step_time
         self.max_model_len = max_model_len
         self.total_preemptions = 0  # since start, for metrics and tests
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -169,13 +179,15 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         interactive_only = self._interactive_prefill_pending()
+        prefill_left = self._prefill_allowance(interactive_only)
 
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
             if interactive_only and request.priority is not Priority.INTERACTIVE:
                 break  # `_running` is in rank order: every request from here on is BATCH
-            num_new = min(request.num_known_and_pending_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_known_and_pending_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget, prefill_left if remaining > 1 else 1)
             if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
                 continue
@@ -184,11 +196,13 @@ class Scheduler:
                 break  # it preempted itself, so it was the tail: nothing after it is left
             scheduled.append(self._advance(request, num_new, blocks, 0))
             budget -= num_new
+            if remaining > 1:
+                prefill_left -= num_new
             i += 1
 
         if self._may_admit(interactive_only, preempted):
             classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
-            budget = self._admit_waiting(budget, scheduled, finished, now, classes, preempted)
+            budget = self._admit_waiting(budget, prefill_left, scheduled, finished, now, classes, preempted)
 
         return SchedulerOutput(
             scheduled=scheduled,
@@ -261,6 +275,14 @@ class Scheduler:
                 return True
         return False
 
+    def _prefill_allowance(self, interactive_only: bool) -> int:
+        """Prefill tokens this step may carry: all the budget in a step for INTERACTIVE prefill (or without a
+        step-time model), else what fits the time target beside the running requests' decode rows."""
+        if interactive_only or self.step_time is None:
+            return self.config.max_num_batched_tokens
+        decode_rows = sum(1 for r in self._running if r.num_known_and_pending_tokens - r.num_computed_tokens == 1)
+        return self.step_time.batch_prefill_cap(decode_rows)
+
     def _may_admit(self, interactive_only: bool, preempted: list[str]) -> bool:
         """Whether to admit after the running requests' turn. Not when one of them lost its blocks (admitting
         would only swap blocks), except for BATCH victims in an INTERACTIVE-only step: admitting INTERACTIVE
@@ -288,19 +310,21 @@ class Scheduler:
     def _admit_waiting(
         self,
         budget: int,
+        prefill_left: int,
         scheduled: list[ScheduledRequest],
         finished: list[Request],
         now: float,
         classes: tuple[Priority, ...],
         preempted: list[str],
     ) -> int:
-        """Move queued requests of `classes` into running while budget, seats and blocks last; returns the
-        budget left. An INTERACTIVE request short of a seat or of blocks preempts running BATCH requests for
-        them: INTERACTIVE requests wait only in a step BATCH work sits out, so no victim is scheduled yet."""
+        """Move queued requests of `classes` into running while budget, prefill allowance, seats and blocks
+        last; returns the budget left. An INTERACTIVE request short of a seat or of blocks preempts running BATCH
+        requests for them: INTERACTIVE requests wait only in a step BATCH work sits out, so no victim is
+        scheduled yet."""
         for priority in classes:
             queue = self._waiting[priority]
             takes_from_batch = priority is Priority.INTERACTIVE
-            while queue and budget > 0 and self._has_seat(priority):
+            while queue and min(budget, prefill_left) > 0 and self._has_seat(priority):
                 request = queue[0]
                 if request.num_pending_tokens:
                     return budget  # preempted while its token was on the way: it re-prefills once that lands
@@ -314,7 +338,7 @@ class Scheduler:
                 if len(self._running) >= self.config.max_num_seqs:
                     self._preempt_latest_batch(preempted)  # `_has_seat` saw a BATCH tail
                 cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-                num_new = min(request.num_tokens - num_cached, budget)
+                num_new = min(request.num_tokens - num_cached, budget, prefill_left)
                 blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
                 while blocks is None and takes_from_batch and self._preempt_latest_batch(preempted):
                     blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
@@ -328,6 +352,7 @@ class Scheduler:
                 bisect.insort(self._running, request, key=self._rank)
                 scheduled.append(self._advance(request, num_new, blocks, num_cached))
                 budget -= num_new
+                prefill_left -= num_new
         return budget
 
     def _advance(self, request: Request, num_new: int, blocks: list[int], num_cached: int) -> ScheduledRequest:

@@ -49,6 +49,14 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled if item.is_prefill)
+
+    @property
+    def num_decode_rows(self) -> int:
+        return sum(1 for item in self.scheduled if not item.is_prefill)
+
+    @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do (there may still be `finished` requests to report)."""
         return not self.scheduled

@@ -8,6 +8,7 @@ from engine_server.config import CacheConfig, SchedulerConfig
 from engine_server.core.request import Priority, Request
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
+from engine_server.core.step_timing import StepTimeModel
 from engine_server.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -55,6 +56,7 @@ def make_scheduler(
     max_waiting: int = 100,
     max_model_len: int = 4096,
     enable_prefix_caching: bool = True,
+    step_time: StepTimeModel | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -63,6 +65,7 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
+        step_time=step_time,
     )
 
 

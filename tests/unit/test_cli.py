@@ -101,3 +101,18 @@ def test_quantization_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -
         parser.parse_args(["engine", "--quantization", "int4"])
     monkeypatch.setenv("LADLE_QUANTIZATION", "int8")
     assert cli.build_parser().parse_args(["engine"]).quantization == "int8"
+
+
+def test_batch_step_target_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).batch_step_target is None  # auto: the engine picks by device
+    assert parser.parse_args(["engine", "--batch-step-target", "0"]).batch_step_target == 0.0
+    for command in ("serve", "batch"):
+        extra = ["-i", "a", "-o", "b"] if command == "batch" else []
+        for value, expected in (("0.05", 0.05), ("auto", None)):
+            child = engine_command(parser.parse_args([command, *extra, "--batch-step-target", value]), "127.0.0.1", 0)
+            assert cli.build_parser().parse_args(child[3:]).batch_step_target == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["engine", "--batch-step-target", "-1"])
+    monkeypatch.setenv("LADLE_BATCH_STEP_TARGET", "0.3")
+    assert cli.build_parser().parse_args(["engine"]).batch_step_target == 0.3

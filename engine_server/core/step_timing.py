@@ -1,0 +1,125 @@
+"""How long an engine step takes, learned from measured steps, and how much batch prefill fits a time target.
+
+Why: a step cannot be interrupted, so an INTERACTIVE request that arrives while a BATCH step runs waits for
+that step to end. The scheduler therefore sizes the BATCH prefill of each step so that the step's predicted
+time stays within a target, and an arrival waits at most about one short step.
+
+Contract:
+- `StepTimeModel.observe(prefill_tokens, decode_rows, seconds)` feeds one measured step (the engine core times
+  each `step()` call); steps that scheduled nothing are not fed.
+- `predict(prefill_tokens, decode_rows)` is the expected seconds of a step with that work; None before the
+  first measurement.
+- `batch_prefill_cap(decode_rows)` is the most prefill tokens a step with `decode_rows` decode rows may carry
+  so that its predicted time stays within `target_s`, but never less than `min_chunk`, so BATCH work always
+  progresses; `min_chunk` before the first measurement.
+- The model: seconds = overhead + per_token * (prefill_tokens + decode_rows) + row_premium * decode_rows,
+  fitted by exponentially weighted least squares over the recent steps (the cost of a token drifts with the
+  context it attends to and with the machine's load), with a weak ridge pulling overhead and row premium to 0:
+  until the mix of the steps tells them apart, it is one rate per scheduled token.
+- Surprises are taken asymmetrically. A step slower than `max_surprise` times its prediction counts as that
+  much only, so one stalled step (another process took the CPU) moves the fit only so far. A step faster than
+  its prediction by that factor means the past misleads (the first steps' lazy set-up, compiles, a stall that
+  ended): the fit starts again from it, rather than forgetting the past over the next hundred steps.
+Pure state, no clock: the caller measures. Not thread-safe: the engine core's thread owns it.
+"""
+
+from __future__ import annotations
+
+import math
+
+# The weak prior: worth about one step's evidence that there is no overhead, and no premium per decode
+# row over a scale of `_ROW_SCALE` rows.
+_RIDGE = 1.0
+_ROW_SCALE = 32.0
+
+
+def default_batch_step_target(configured: float | None, device_type: str) -> float:
+    """The step-time target in seconds: the configured one, else by device (a GPU step is ~10x shorter)."""
+    if configured is not None:
+        return configured
+    return 0.02 if device_type == "cuda" else 0.15
+
+
+class StepTimeModel:
+    """Online linear model of a step's seconds from its prefill tokens and decode rows (module docstring)."""
+
+    def __init__(self, target_s: float, min_chunk: int = 64, decay: float = 0.95, max_surprise: float = 4.0) -> None:
+        if target_s <= 0 or min_chunk < 1 or not 0 < decay < 1 or max_surprise < 1:
+            raise ValueError("StepTimeModel needs target_s > 0, min_chunk >= 1, 0 < decay < 1, max_surprise >= 1")
+        self.target_s = target_s
+        self.min_chunk = min_chunk
+        self.decay = decay
+        self.max_surprise = max_surprise
+        self.num_observed = 0
+        # Decayed sums over the features x = (1, tokens, decode rows): sum of x x^T and of x * seconds.
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._coef: tuple[float, float, float] | None = None  # (overhead, per_token, row_premium)
+
+    @property
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(overhead s, s per scheduled token, extra s per decode row); None before the first measurement."""
+        return self._coef
+
+    def predict(self, prefill_tokens: int, decode_rows: int) -> float | None:
+        if self._coef is None:
+            return None
+        overhead, per_token, premium = self._coef
+        return overhead + per_token * (prefill_tokens + decode_rows) + premium * decode_rows
+
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        tokens = prefill_tokens + decode_rows
+        if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        predicted = self.predict(prefill_tokens, decode_rows)
+        if predicted is not None and seconds * self.max_surprise < predicted:
+            self._xx = [[0.0] * 3 for _ in range(3)]
+            self._xy = [0.0] * 3
+        elif predicted is not None:
+            seconds = min(seconds, predicted * self.max_surprise)
+        x = (1.0, float(tokens), float(decode_rows))
+        for i in range(3):
+            self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
+        self.num_observed += 1
+        self._coef = self._fit()
+
+    def batch_prefill_cap(self, decode_rows: int) -> int:
+        """Prefill tokens that fit the target beside `decode_rows` decode rows; at least `min_chunk`."""
+        if self._coef is None:
+            return self.min_chunk
+        per_token = self._coef[1]
+        spare = self.target_s - self.predict(0, decode_rows)  # type: ignore[operator]
+        return max(self.min_chunk, round(spare / per_token)) if spare > 0 else self.min_chunk
+
+    def _fit(self) -> tuple[float, float, float]:
+        ridge = (_RIDGE, 0.0, _RIDGE * _ROW_SCALE**2)
+        a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        coef = _solve(a, self._xy)
+        if coef is not None and coef[0] < 0:  # no step takes less than nothing: fit without the overhead
+            sub = _solve([row[1:] for row in a[1:]], self._xy[1:])
+            coef = None if sub is None else [0.0, *sub]
+        if coef is None or coef[1] <= 0 or coef[1] + coef[2] <= 0:
+            # The mix of the steps cannot support the terms yet: one rate per scheduled token.
+            return (0.0, self._xy[1] / self._xx[1][1], 0.0)
+        return (coef[0], coef[1], coef[2])
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve the small system a x = b by Gaussian elimination with partial pivoting; None if it is singular."""
+    n = len(b)
+    m = [[*row, rhs] for row, rhs in zip(a, b, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if not m[pivot][col]:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
