@@ -2,15 +2,19 @@
 
   1. `ladle serve` (engine + gateway, a fresh data directory); `--probes` streamed chat requests one after
      another on the idle server give the idle time to first token (TTFT).
-  2. A batch of `--num-lines` short chat requests (`--output-len` tokens each, ignore_eos, greedy) through the
-     OpenAI files + batches API, alone: output tok/s from creating the batch to seeing it completed.
+  2. A batch of `--num-lines` chat requests (one-sentence prompts, or with `--prompt-tokens N` prompts of about N
+     tokens that share no prefix beyond the template's; `--output-len` tokens each, ignore_eos, greedy) through
+     the OpenAI files + batches API, alone: output tok/s from creating the batch to seeing it completed.
   3. The same batch again, now with the probes running one after another while it does: TTFT under load.
   4. The server stopped, the offline engine (`LLM.generate`, same max_num_seqs and KV cache) on the same
      conversations: output tok/s.
-Reported: batch / offline throughput ratio (target >= 0.9) and busy / idle median TTFT (target <= 2). A table
-goes to stdout and, with `--out`, one JSON object is appended.
+Reported: batch / offline throughput ratio (target >= 0.9), batch with probes / batch alone, and busy / idle
+median TTFT (target <= 1.5 for short prompts; <= 3 for long ones, where a request arriving mid-step waits for
+a step of batch prefill, capped by the engine's `--batch-step-target`, which `--batch-step-target` here passes
+on). A table goes to stdout and, with `--out`, one JSON object is appended.
 
     ladle bench batch --num-lines 1000 --output-len 16 --out benchmarks/results/batch_cpu.jsonl
+    ladle bench batch --num-lines 200 --prompt-tokens 1000 --out benchmarks/results/batch_cpu.jsonl
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import tempfile
 import threading
@@ -26,16 +31,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, git_commit, ladle_serve, utc_timestamp
+from benchmarks.common import append_result, cpu_model_name, git_commit, ladle_serve, utc_timestamp
 
 TOPICS = ("the sea", "a cat", "rain", "Paris", "music", "a robot", "the moon", "bread", "trains", "snow", "tea",
           "a river", "chess", "winter", "bees", "a lighthouse")
 PROBE = [{"role": "user", "content": "What is the capital of France?"}]
+# Common words of one token each (with their leading space) in the Llama/Qwen/SmolLM BPE vocabularies.
+WORDS = ("time", "people", "water", "world", "house", "light", "night", "river", "music", "story", "garden",
+         "city", "window", "morning", "paper", "friend", "school", "family", "market", "mountain", "table",
+         "door", "road", "tree", "voice", "summer", "letter", "bird", "stone", "horse", "field", "ship")
+TEMPLATE_TOKENS = 40  # what the chat template and the instruction add to a long prompt's words, about
 
 
-def conversations(num: int) -> list[list[dict[str, str]]]:
-    return [[{"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]} (note {i})."}]
-            for i in range(num)]
+def conversations(num: int, prompt_tokens: int = 0) -> list[list[dict[str, str]]]:
+    """`num` chats: one-sentence requests, or with `prompt_tokens` notes of about that many tokens each,
+    seeded by their index and numbered first, so no two share a prefix beyond the chat template's."""
+    if prompt_tokens <= 0:
+        return [[{"role": "user", "content": f"Write one sentence about {TOPICS[i % len(TOPICS)]} (note {i})."}]
+                for i in range(num)]
+    chats = []
+    for i in range(num):
+        words = random.Random(i).choices(WORDS, k=max(1, prompt_tokens - TEMPLATE_TOKENS))
+        chats.append([{"role": "user", "content": f"Note {i}: {' '.join(words)}. Summarize note {i} in one sentence."}])
+    return chats
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -44,6 +62,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--num-lines", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompts of about this many tokens (0: one-sentence requests)")
+    parser.add_argument("--batch-step-target", default=None,
+                        help="the served engine's --batch-step-target (default: its own, auto)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--probes", type=int, default=20, help="TTFT probes, idle and under load")
@@ -68,7 +90,7 @@ def run_batch(client: Any, model: str, args: argparse.Namespace, folder: Path) -
     """Upload, create and wait for one batch; its output tokens and seconds from creation to completion."""
     path = folder / f"batch-{time.monotonic_ns()}.jsonl"
     with path.open("w") as f:
-        for i, messages in enumerate(conversations(args.num_lines)):
+        for i, messages in enumerate(conversations(args.num_lines, args.prompt_tokens)):
             body = {"model": model, "messages": messages, "max_tokens": args.output_len, "temperature": 0,
                     "ignore_eos": True}
             f.write(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/chat/completions",
@@ -84,8 +106,8 @@ def run_batch(client: Any, model: str, args: argparse.Namespace, folder: Path) -
     if batch.status != "completed" or batch.request_counts.completed != args.num_lines:
         raise RuntimeError(f"the batch ended {batch.status} with {batch.request_counts}")
     tokens = batch.usage.output_tokens
-    return {"lines": args.num_lines, "output_tokens": tokens, "seconds": round(seconds, 2),
-            "output_tok_per_s": round(tokens / seconds, 2)}
+    return {"lines": args.num_lines, "input_tokens": batch.usage.input_tokens, "output_tokens": tokens,
+            "seconds": round(seconds, 2), "output_tok_per_s": round(tokens / seconds, 2)}
 
 
 def ttft_summary(samples: list[float]) -> dict[str, float]:
@@ -99,6 +121,8 @@ def bench_served(args: argparse.Namespace) -> dict[str, Any]:
     import openai
 
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--kv-cache-mib", str(args.kv_cache_mib)]
+    if args.batch_step_target is not None:
+        flags += ["--batch-step-target", args.batch_step_target]
     with ladle_serve(args.model, args.device, *flags) as served, tempfile.TemporaryDirectory() as folder:
         client = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
@@ -137,7 +161,7 @@ def bench_offline(args: argparse.Namespace) -> dict[str, Any]:
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
     llm = LLM(config=config)
     prompts = [ChatPrompt([ChatMessage(m["role"], m["content"]) for m in conv])
-               for conv in conversations(args.num_lines)]
+               for conv in conversations(args.num_lines, args.prompt_tokens)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     started = time.perf_counter()
@@ -149,21 +173,27 @@ def bench_offline(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    load_before = os.getloadavg()  # the machine may be shared: the figures say how busy it was
     served_figures = bench_served(args)
     offline = bench_offline(args)
     ratio = served_figures["batch_alone"]["output_tok_per_s"] / offline["output_tok_per_s"]
+    probed = served_figures["batch_with_probes"]["output_tok_per_s"] / served_figures["batch_alone"]["output_tok_per_s"]
     ttft_ratio = served_figures["ttft_during_batch"]["median_ms"] / served_figures["ttft_idle"]["median_ms"]
     result = {
         "benchmark": "batch", "time": utc_timestamp(), "commit": git_commit(),
-        "command": "ladle bench batch " + " ".join(argv), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "device": args.device,
+        "command": "ladle bench batch " + " ".join(argv), "machine": platform.machine(), "cpu": cpu_model_name(),
+        "cpus": os.cpu_count(), "load_avg_1_5_15m": {"before": [round(x, 2) for x in load_before],
+                                            "after": [round(x, 2) for x in os.getloadavg()]}, "device": args.device,
         "workload": {"lines": args.num_lines, "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
-                     "kv_cache_mib": args.kv_cache_mib, "probes": args.probes},
+                     "kv_cache_mib": args.kv_cache_mib, "probes": args.probes, "prompt_tokens": args.prompt_tokens,
+                     "batch_step_target": args.batch_step_target or "auto"},
         **served_figures, "offline": offline,
-        "batch_vs_offline": round(ratio, 3), "ttft_busy_vs_idle": round(ttft_ratio, 2),
+        "batch_vs_offline": round(ratio, 3), "probed_vs_alone": round(probed, 3),
+        "ttft_busy_vs_idle": round(ttft_ratio, 2),
     }
     print(f"batch alone        {served_figures['batch_alone']['output_tok_per_s']:>9.1f} tok/s")
-    print(f"batch with probes  {served_figures['batch_with_probes']['output_tok_per_s']:>9.1f} tok/s")
+    print(f"batch with probes  {served_figures['batch_with_probes']['output_tok_per_s']:>9.1f} tok/s   "
+          f"with probes/alone = {probed:.3f}")
     print(f"offline engine     {offline['output_tok_per_s']:>9.1f} tok/s   batch/offline = {ratio:.3f}")
     print(f"TTFT idle          {served_figures['ttft_idle']['median_ms']:>9.1f} ms median")
     print(f"TTFT during batch  {served_figures['ttft_during_batch']['median_ms']:>9.1f} ms median   "
