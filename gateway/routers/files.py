@@ -97,8 +97,8 @@ async def create_file(request: Request, batches: Batches, config: Config, projec
             if isinstance(exc, ProjectLimitError):
                 raise storage_limit(exc) from None
             raise
-    finally:
-        batches.blobs.discard(upload.temp)
+    finally:  # after a refusal this deletes the whole upload: disk work, off the loop
+        await asyncio.to_thread(batches.blobs.discard, upload.temp)
     return JSONResponse(file_object(record))
 
 
