@@ -27,7 +27,9 @@ applies, so a batch alone is scheduled exactly as before, but for the step-time 
   `StepTimeModel` (engine_server.core.step_timing), a step without INTERACTIVE prefill (all its prefill is
   BATCH work) carries only as many prefill tokens as fit the model's time target beside its decode rows, and
   never fewer than the model's minimum chunk, so BATCH work always progresses. Decode rows, INTERACTIVE ones
-  included, are never held back, and a step with INTERACTIVE prefill keeps the whole token budget.
+  included, are never held back, and a step with INTERACTIVE prefill keeps the whole token budget. While no
+  INTERACTIVE request has arrived or run for `step_timing.INTERACTIVE_QUIET_S`, the model's larger quiet target
+  applies, so a batch alone is not cut into small, costlier steps.
 
 When the KV pool runs dry for a running request, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed (cached blocks stay reusable), `num_computed_tokens` returns
@@ -44,6 +46,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -52,7 +55,7 @@ from engine_server.config import CacheConfig, SchedulerConfig
 from engine_server.core.kv_cache_manager import KVCacheManager
 from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine_server.core.step_timing import StepTimeModel
+from engine_server.core.step_timing import INTERACTIVE_QUIET_S, StepTimeModel
 from engine_server.errors import QueueFullError
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -85,6 +88,7 @@ class Scheduler:
         feeds it the measured steps. None: no cap."""
         self.config = scheduler_config
         self.step_time = step_time
+        self._last_interactive = -math.inf  # monotonic time an INTERACTIVE request last arrived or ran
         self.max_model_len = max_model_len
         self.total_preemptions = 0  # since start, for metrics and tests
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -128,6 +132,8 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._seq[request.request_id] = seq
         self._waiting[request.priority].append(request)
+        if request.priority is Priority.INTERACTIVE:
+            self._last_interactive = max(self._last_interactive, request.arrival_time)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, seq, request.request_id))
 
@@ -179,7 +185,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         interactive_only = self._interactive_prefill_pending()
-        prefill_left = self._prefill_allowance(interactive_only)
+        prefill_left = self._prefill_allowance(interactive_only, now)
 
         i = 0
         while i < len(self._running) and budget > 0:
@@ -275,13 +281,18 @@ class Scheduler:
                 return True
         return False
 
-    def _prefill_allowance(self, interactive_only: bool) -> int:
+    def _prefill_allowance(self, interactive_only: bool, now: float) -> int:
         """Prefill tokens this step may carry: all the budget in a step for INTERACTIVE prefill (or without a
-        step-time model), else what fits the time target beside the running requests' decode rows."""
+        step-time model), else what fits the time target beside the running requests' decode rows (the quiet
+        target when no INTERACTIVE request has arrived or run for a while)."""
         if interactive_only or self.step_time is None:
             return self.config.max_num_batched_tokens
+        if self._running and self._running[0].priority is Priority.INTERACTIVE:  # rank order: INTERACTIVE first
+            self._last_interactive = now
+        quiet = now - self._last_interactive > INTERACTIVE_QUIET_S
+        target = self.step_time.quiet_target_s if quiet else self.step_time.target_s
         decode_rows = sum(1 for r in self._running if r.num_known_and_pending_tokens - r.num_computed_tokens == 1)
-        return self.step_time.batch_prefill_cap(decode_rows)
+        return self.step_time.batch_prefill_cap(decode_rows, target)
 
     def _may_admit(self, interactive_only: bool, preempted: list[str]) -> bool:
         """Whether to admit after the running requests' turn. Not when one of them lost its blocks (admitting

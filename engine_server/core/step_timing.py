@@ -33,20 +33,34 @@ _RIDGE = 1.0
 _ROW_SCALE = 32.0
 
 
+# While no INTERACTIVE request has arrived or run for INTERACTIVE_QUIET_S seconds, BATCH steps may take
+# QUIET_TARGET_FACTOR times the target: a batch alone runs in larger, cheaper steps, and the first arrival after
+# a quiet spell waits for at most one such step; from then on every step keeps to the target.
+INTERACTIVE_QUIET_S = 5.0
+QUIET_TARGET_FACTOR = 10.0
+
+
 def default_batch_step_target(configured: float | None, device_type: str) -> float:
-    """The step-time target in seconds: the configured one, else by device (a GPU step is ~10x shorter)."""
+    """The step-time target in seconds: the configured one, else by device (a GPU step is ~10x shorter). On 2
+    CPU cores 0.05 s keeps a chat's time to first token within ~3x of idle during a batch of 1,000-token
+    prompts (0.15 s: ~7.5x; benchmarks/results/batch_cpu.jsonl)."""
     if configured is not None:
         return configured
-    return 0.02 if device_type == "cuda" else 0.15
+    return 0.02 if device_type == "cuda" else 0.05
 
 
 class StepTimeModel:
     """Online linear model of a step's seconds from its prefill tokens and decode rows (module docstring)."""
 
-    def __init__(self, target_s: float, min_chunk: int = 64, decay: float = 0.95, max_surprise: float = 4.0) -> None:
-        if target_s <= 0 or min_chunk < 1 or not 0 < decay < 1 or max_surprise < 1:
-            raise ValueError("StepTimeModel needs target_s > 0, min_chunk >= 1, 0 < decay < 1, max_surprise >= 1")
+    def __init__(
+        self, target_s: float, min_chunk: int = 64, decay: float = 0.95, max_surprise: float = 4.0,
+        quiet_factor: float = QUIET_TARGET_FACTOR,
+    ) -> None:
+        if target_s <= 0 or min_chunk < 1 or not 0 < decay < 1 or max_surprise < 1 or quiet_factor < 1:
+            raise ValueError("StepTimeModel needs target_s > 0, min_chunk >= 1, 0 < decay < 1, max_surprise >= 1, "
+                             "quiet_factor >= 1")
         self.target_s = target_s
+        self.quiet_target_s = target_s * quiet_factor  # the target while no INTERACTIVE request is about
         self.min_chunk = min_chunk
         self.decay = decay
         self.max_surprise = max_surprise
@@ -85,12 +99,13 @@ class StepTimeModel:
         self.num_observed += 1
         self._coef = self._fit()
 
-    def batch_prefill_cap(self, decode_rows: int) -> int:
-        """Prefill tokens that fit the target beside `decode_rows` decode rows; at least `min_chunk`."""
+    def batch_prefill_cap(self, decode_rows: int, target_s: float | None = None) -> int:
+        """Prefill tokens that fit `target_s` (default: the model's target) beside `decode_rows` decode rows; at
+        least `min_chunk`."""
         if self._coef is None:
             return self.min_chunk
         per_token = self._coef[1]
-        spare = self.target_s - self.predict(0, decode_rows)  # type: ignore[operator]
+        spare = (self.target_s if target_s is None else target_s) - self.predict(0, decode_rows)  # type: ignore[operator]
         return max(self.min_chunk, round(spare / per_token)) if spare > 0 else self.min_chunk
 
     def _fit(self) -> tuple[float, float, float]:

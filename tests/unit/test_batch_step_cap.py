@@ -5,22 +5,23 @@ from __future__ import annotations
 from engine_server.core.request import Priority, Request
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
-from engine_server.core.step_timing import StepTimeModel
+from engine_server.core.step_timing import INTERACTIVE_QUIET_S, StepTimeModel
 from tests.unit.factories import FakeRunner, expected_output, make_request, make_scheduler, run_until_done
 
 BATCH = Priority.BATCH
 
 
-def learned(per_token: float, target_s: float, min_chunk: int = 8) -> StepTimeModel:
-    """A model that has measured steps costing `per_token` seconds per scheduled token, and nothing else."""
-    model = StepTimeModel(target_s, min_chunk=min_chunk)
+def learned(per_token: float, target_s: float, min_chunk: int = 8, quiet_factor: float = 1.0) -> StepTimeModel:
+    """A model that has measured steps costing `per_token` seconds per scheduled token, and nothing else (by
+    default with no larger target for quiet spells)."""
+    model = StepTimeModel(target_s, min_chunk=min_chunk, quiet_factor=quiet_factor)
     for prefill, rows in [(64, 0), (0, 8), (128, 4), (16, 30)] * 5:
         model.observe(prefill, rows, per_token * (prefill + rows))
     return model
 
 
-def step(sched: Scheduler, runner: FakeRunner) -> SchedulerOutput:
-    out = sched.schedule(now=0.0)
+def step(sched: Scheduler, runner: FakeRunner, now: float = 0.0) -> SchedulerOutput:
+    out = sched.schedule(now=now)
     sched.update_from_output(out, runner.step(out))
     return out
 
@@ -86,3 +87,21 @@ def test_the_minimum_chunk_keeps_batch_prefill_going_when_decode_rows_fill_the_t
     assert all(out.num_decode_rows == 6 for out in outs)  # the decode rows are never held back
     run_until_done(sched, runner)
     assert _exact([*decoding, late])
+
+
+def test_a_batch_alone_takes_the_quiet_target_until_an_interactive_request_arrives() -> None:
+    model = learned(per_token=1 / 1024, target_s=50 / 1024, quiet_factor=4)  # quiet: 200 tokens fit
+    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=256, step_time=model)
+    runner = FakeRunner(16)
+    batch = [make_request(f"b{i}", 400, priority=BATCH, arrival_time=float(i), max_tokens=4) for i in range(2)]
+    for r in batch:
+        sched.add_request(r)
+    assert chunks(step(sched, runner, now=10.0)) == {"b0": 200}
+    chat = make_request("chat", 8, arrival_time=11.0, max_tokens=2)
+    sched.add_request(chat)
+    assert chunks(step(sched, runner, now=11.0)) == {"chat": 8}
+    assert chunks(step(sched, runner, now=11.1)) == {"chat": 1, "b0": 49}  # the chat's decode row + the target
+    assert chunks(step(sched, runner, now=12.0)) == {"b0": 50}  # the chat is done, but arrived lately
+    assert chunks(step(sched, runner, now=11.0 + INTERACTIVE_QUIET_S + 0.1)) == {"b0": 101, "b1": 99}
+    run_until_done(sched, runner)
+    assert _exact([*batch, chat])

@@ -83,7 +83,7 @@ def test_the_cap_never_goes_below_the_minimum_chunk() -> None:
 
 @pytest.mark.parametrize(
     ("configured", "device", "target"),
-    [(None, "cpu", 0.15), (None, "cuda", 0.02), (0.3, "cuda", 0.3), (0.0, "cpu", 0.0)],
+    [(None, "cpu", 0.05), (None, "cuda", 0.02), (0.3, "cuda", 0.3), (0.0, "cpu", 0.0)],
 )
 def test_default_target_by_device(configured: float | None, device: str, target: float) -> None:
     assert default_batch_step_target(configured, device) == target
@@ -97,7 +97,7 @@ def _core(target: float | None) -> EngineCore:
 
 def test_the_engine_core_feeds_every_step_it_runs_to_the_model() -> None:
     core = _core(None)
-    assert core.step_time is not None and core.step_time.target_s == 0.15  # the CPU's default
+    assert core.step_time is not None and core.step_time.target_s == 0.05  # the CPU's default
     for i in range(3):
         request = greedy_request(f"b{i}", 20, max_tokens=3)
         request.priority = Priority.BATCH
