@@ -119,7 +119,7 @@ class SchedulerConfig:
     # A step cannot be interrupted: an INTERACTIVE request arriving during a step of BATCH work waits for it. So
     # a step without INTERACTIVE prefill carries only the prefill tokens that the engine's measured step times
     # say fit this many seconds (engine_server.core.step_timing), but at least batch_min_prefill_chunk. None:
-    # by device (0.05 s on the CPU, 0.02 s on CUDA; 10x that while no INTERACTIVE request is about); 0: no cap.
+    # by device (0.05 s on the CPU, 0.02 s on CUDA; 3x that while no INTERACTIVE request is about); 0: no cap.
     batch_step_target_s: float | None = None
     batch_min_prefill_chunk: int = 64
 

@@ -77,7 +77,7 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          choices=["auto", "on", "off"])
     _add(parser, "--batch-step-target", "auto", "seconds a step may take while it carries batch prefill, so an "
          "interactive request arriving meanwhile waits about that long at most; learned from the measured steps "
-         "(auto: 0.05 on the CPU, 0.02 on CUDA; 10x that after 5 s without interactive requests; 0: no cap, "
+         "(auto: 0.05 on the CPU, 0.02 on CUDA; 3x that after 5 s without interactive requests; 0: no cap, "
          "batch steps take the whole token budget)",
          type=batch_step_target)
     _add(parser, "--quantization", "auto", "weights kept quantized (CPU): auto (gguf for a GGUF file on the CPU, "
