@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import statistics
 import threading
 import time
@@ -81,6 +82,9 @@ def drop_http_stream(base_url: str, model: str, request_id: str, chunks: int) ->
     return hung_up  # leaving the block closed the unfinished response, and with it the connection
 
 
+_CALL_SUFFIX = re.compile(r"^(drop-http-\d+)-[0-9a-f]{8}$")
+
+
 def finished_at(log: str) -> dict[str, tuple[str, float]]:
     """request_id -> (outcome, monotonic time) of each "request finished" line of an engine's JSON log."""
     ends: dict[str, tuple[str, float]] = {}
@@ -88,7 +92,9 @@ def finished_at(log: str) -> dict[str, tuple[str, float]]:
         if line.startswith("{"):
             record = json.loads(line)
             if record.get("event") == "request finished":
-                ends[record["request_id"]] = (record["outcome"], record["at"])
+                # Through the gateway the engine's id is the caller's X-Request-Id plus a per-call suffix.
+                request_id = _CALL_SUFFIX.sub(r"\1", record["request_id"])
+                ends[request_id] = (record["outcome"], record["at"])
     return ends
 
 
