@@ -283,7 +283,8 @@ async def test_cancel_stops_the_batch_with_partial_results(tmp_path: Path) -> No
 
 async def test_expiry_turns_unrun_lines_into_batch_expired_errors(tmp_path: Path) -> None:
     async with Rig(FakeEngine(delay_s=0.05, max_num_seqs=1), tmp_path) as rig:
-        batch = rig.batch([chat_line(i) for i in range(100)], window_s=1)
+        # Two seconds: expires_at is whole seconds, so a one-second window can end before the batch is validated.
+        batch = rig.batch([chat_line(i) for i in range(100)], window_s=2)
         record = await rig.run_until(rig.worker(), batch.id, {"expired"})
         output, errors = rig.result_lines(record.output_file_id), rig.result_lines(record.error_file_id)
     assert record.completed == len(output) > 0 and record.failed == len(errors) > 0
