@@ -12,14 +12,16 @@ Contract shared by the runner, the model and every attention kernel:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine_server.config import ModelConfig
-from engine_server.transfer import host_tensor, padded_rows, to_device
+from engine_server.transfer import padded_rows, to_device
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,33 @@ class ReferencePlan:
     decode_mask: torch.Tensor  # [Bd, 1, 1, decode_blocks * block_size] float32 additive (0 or -inf)
     prefills: tuple[PrefillSpan, ...]
     all_decode: bool  # every token is a decode row, in order: decode_token_index == arange(T)
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """A decode step's rows as host arrays: one new token per row, at position `seq_lens[i] - 1`."""
+
+    seq_lens: np.ndarray[Any, np.dtype[np.int64]]  # [B]
+    block_tables: np.ndarray[Any, np.dtype[np.int32]]  # [B, W] W = blocks of the longest row; padded with -1
+    slots: np.ndarray[Any, np.dtype[np.int64]]  # [B] the flat slot of each row's new token
+
+    @classmethod
+    def build(
+        cls, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+    ) -> DecodeLayout:
+        """Whole-array numpy arithmetic over the padded tables: a few array operations whatever the batch size
+        (this runs every decode step). ValueError when a row has no token or its table is too short for it."""
+        lens = np.fromiter(seq_lens, dtype=np.int64, count=len(seq_lens))
+        width = max(-(-int(lens.max(initial=0)) // block_size), 1)
+        tables = padded_rows(block_tables, width, -1, np.int32).numpy()
+        positions = lens - 1
+        blocks = tables[np.arange(len(lens)), positions // block_size]
+        bad = (lens < 1) | (blocks < 0)  # no token, or a table too short for it (its padding read -1)
+        if bad.any():
+            short = int(np.argmax(bad))
+            raise ValueError(f"block table of sequence {short} is too short for {int(lens[short])} tokens")
+        slots = blocks.astype(np.int64) * block_size + positions % block_size
+        return cls(lens, tables, slots)
 
 
 @dataclass
@@ -80,14 +109,13 @@ class AttentionMetadata:
         """
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        if all(q == 1 for q in query_lens):
+            return cls.build_decode(seq_lens, block_tables, block_size, device)
         batch = len(query_lens)
-        max_blocks = max((len(bt) for bt in block_tables), default=0)
-        width = max(max_blocks, 1)
+        width = max(max((len(bt) for bt in block_tables), default=0), 1)
         for i, bt in enumerate(block_tables):
             if len(bt) * block_size < seq_lens[i]:
                 raise ValueError(f"block table of sequence {i} is too short for {seq_lens[i]} tokens")
-        if all(q == 1 for q in query_lens):
-            return cls._build_decode(seq_lens, block_tables, width, block_size, device)
         tables = padded_rows(block_tables, width, 0)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -110,25 +138,28 @@ class AttentionMetadata:
         )
 
     @classmethod
-    def _build_decode(
-        cls, seq_lens: list[int], block_tables: list[list[int]], width: int, block_size: int, device: torch.device | str
+    def build_decode(
+        cls, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device | str
     ) -> AttentionMetadata:
-        """`build` for a step of decode rows only (one new token each, at position seq_len - 1): the slots come
-        from plain integer arithmetic, which for a few rows costs a fraction of the tensor ops' dispatch."""
-        batch = len(seq_lens)
-        slots = [
-            table[(n - 1) // block_size] * block_size + (n - 1) % block_size
-            for table, n in zip(block_tables, seq_lens, strict=True)
-        ]
+        """`build` for a step of decode rows only (one new token each, at position seq_len - 1).
+
+        Every per-row value comes from whole-array numpy arithmetic over the padded block tables, so the host
+        time is a few array operations whatever the batch size (this runs every decode step).
+        """
+        layout = DecodeLayout.build(seq_lens, block_tables, block_size)
+        lens, batch = layout.seq_lens, len(layout.seq_lens)
+        tables = torch.from_numpy(np.maximum(layout.block_tables, 0))  # padding columns hold 0, as `build` pads
+        slots = layout.slots
+        seq_lens_cpu = lens.tolist()
         return cls(
             query_start_loc=to_device(torch.arange(batch + 1, dtype=torch.int32), device),
-            seq_lens=to_device(host_tensor(seq_lens, torch.int32, device), device),
-            block_tables=to_device(padded_rows(block_tables, width, 0, np.int32), device),
-            slot_mapping=to_device(host_tensor(slots, torch.int64, device), device),
+            seq_lens=to_device(torch.from_numpy(lens.astype(np.int32)), device),
+            block_tables=to_device(tables, device),
+            slot_mapping=to_device(torch.from_numpy(slots), device),
             max_query_len=1,
-            max_seq_len=max(seq_lens, default=0),
+            max_seq_len=max(seq_lens_cpu, default=0),
             query_lens_cpu=[1] * batch,
-            seq_lens_cpu=list(seq_lens),
+            seq_lens_cpu=seq_lens_cpu,
             block_size=block_size,
         )
 

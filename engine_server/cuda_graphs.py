@@ -23,13 +23,13 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from engine_server.attention import AttentionMetadata
-from engine_server.transfer import host_tensor, padded_rows, to_device
+from engine_server.attention import AttentionMetadata, DecodeLayout
+from engine_server.transfer import pins_for
 
 # hidden `[T, hidden]` of the model for input ids and positions `[T]` under the given metadata.
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -178,26 +178,36 @@ class DecodeGraphs:
         bucket = self.bucket_for(batch)
         if batch == 0 or bucket is None or not len(seq_lens) == len(block_tables) == batch:
             raise ValueError(f"a decode graph runs 1..{self.max_batch} rows with one seq_len and table each")
-        pad = bucket - batch
-        bs = self.block_size
-        positions = [s - 1 for s in seq_lens]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions, strict=True)]
-        width = max(-(-s // bs) for s in seq_lens)
+        layout = DecodeLayout.build(seq_lens, block_tables, self.block_size)
+        width = layout.block_tables.shape[1]
         if width > self._block_tables.shape[1]:
             raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds the graphs' block-table width")
-        tables = padded_rows([*block_tables, *[()] * pad], width, self.scratch_block, np.int32)
-        tokens = [*token_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[self.scratch_block * bs] * pad]
-        padded_lens = [*seq_lens, *[1] * pad]
+        # Padding rows: token 0 at position 0, seq_len 1, slot and tables in the scratch block.
+        tokens = np.zeros((3, bucket), dtype=np.int64)
+        tokens[0, :batch] = token_ids
+        tokens[1, :batch] = layout.seq_lens - 1
+        tokens[2, :batch] = layout.slots
+        tokens[2, batch:] = self.scratch_block * self.block_size
+        lens = np.ones(bucket, dtype=np.int32)
+        lens[:batch] = layout.seq_lens
+        tables = np.full((bucket, width), self.scratch_block, dtype=np.int32)
+        tables[:batch] = np.where(layout.block_tables < 0, self.scratch_block, layout.block_tables)
         # Non-blocking from pinned memory on CUDA; stale table columns beyond `width` are never read.
-        self._tokens[: 3 * bucket].copy_(host_tensor(tokens, torch.long, self.device), non_blocking=True)
-        self._seq_lens[:bucket].copy_(host_tensor(padded_lens, torch.int32, self.device), non_blocking=True)
-        self._block_tables[:bucket, :width].copy_(to_device(tables, self.device), non_blocking=True)
+        self._tokens[: 3 * bucket].copy_(self._staged(tokens.reshape(-1)), non_blocking=True)
+        self._seq_lens[:bucket].copy_(self._staged(lens), non_blocking=True)
+        self._block_tables[:bucket, :width].copy_(self._staged(tables), non_blocking=True)
+        padded_lens = lens.tolist()
         if pending is not None:
             self._token_rows(bucket)[0].index_copy_(0, *pending)
         self._metas[bucket] = self._metadata(bucket, padded_lens)
         self._replays[bucket]()
         self.replays[bucket] += 1
         return self._hidden[:batch]
+
+    def _staged(self, array: np.ndarray[Any, Any]) -> torch.Tensor:
+        """A host array as a tensor to copy from: pinned on CUDA, so the copy does not hold the host up."""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory() if pins_for(self.device) else tensor
 
     def _step_fn(self, bucket: int) -> Callable[[], None]:
         ids, positions, _ = self._token_rows(bucket)

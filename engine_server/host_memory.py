@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 import structlog
 
@@ -47,3 +48,23 @@ def keep_freed_memory_for_reuse() -> bool:
     )
     log.debug("malloc thresholds raised", applied=applied)
     return applied
+
+
+# Objects the young generation holds before a collection: a decode step of a few hundred requests allocates a
+# few objects per request, so Python's default (700) would collect several times a step.
+YOUNG_GENERATION_THRESHOLD = 50_000
+
+
+def freeze_startup_heap() -> None:
+    """After start-up: move every object alive now into the collector's permanent generation and raise the
+    young generation's threshold, so collections during steps neither scan start-up objects nor run every step.
+
+    Start-up leaves hundreds of thousands of long-lived objects (modules, the tokenizer, torch's own state); a
+    full collection scanned them all, and how often one ran grew with the batch, so host time per step grew
+    faster than the batch. Cycles still get collected: collections only run less often.
+    """
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_GENERATION_THRESHOLD, older, oldest)
+    log.debug("start-up heap frozen", frozen_objects=gc.get_freeze_count())

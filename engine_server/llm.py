@@ -10,7 +10,7 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from engine_server.config import EngineConfig
-from engine_server.core.engine_core import EngineCore, HeldOutputs
+from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Request
 from engine_server.frontend import (
     ChatPrompt,
@@ -21,6 +21,7 @@ from engine_server.frontend import (
     split_core_request_id,
 )
 from engine_server.generation_defaults import GenerationDefaults, resolve_generation_defaults
+from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class LLM:
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self._ids = itertools.count()
+        freeze_startup_heap()
 
     def generate(
         self,
@@ -110,10 +112,16 @@ class LLM:
         compiles = [self.inputs.compile_constraint(item.params) for item in prepared]
         for item, grammar in zip(prepared, compiles, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            pending.extend(self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result()))
-            trackers[request_id] = RequestTracker(
+            requests = self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result())
+            tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing
             )
+            # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the
+            # text grows) come once, at the finish, so their text is decoded once and per-step host work is small.
+            for request in requests:
+                request.final_only = not tracker.needs_every_step
+            pending.extend(requests)
+            trackers[request_id] = tracker
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
 
@@ -132,21 +140,11 @@ class LLM:
         window = max(self.config.scheduler.max_num_seqs * 2, 1)
         progress = tqdm(total=len(trackers), desc="generate", disable=not use_tqdm, unit="req")
         done: set[str] = set()
-        # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the text
-        # grows): held here and applied at the finish in one update (so their text is decoded once), which keeps
-        # per-step host work small.
-        held = HeldOutputs()
-        final_only = {rid for rid, tracker in trackers.items() if not tracker.needs_every_step}
         while pending or self.core.has_unfinished():
             while pending and self.core.scheduler.num_waiting < window:
                 self.core.add_request(pending.popleft())
             for output in self.core.step():
                 request_id, choice_index = split_core_request_id(output.request_id)
-                if request_id in final_only:
-                    merged = held.add(output)
-                    if merged is None:
-                        continue
-                    output = merged
                 tracker = trackers[request_id]
                 _, abort_core = tracker.update(choice_index, output)
                 if abort_core:

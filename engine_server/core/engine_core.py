@@ -23,7 +23,7 @@ from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
 log = structlog.get_logger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class CoreOutput:
     """What one request produced in one step.
 
@@ -57,10 +57,7 @@ class HeldOutputs:
         """Hold `output`; once its request has finished, the merged output of every step (and it is let go)."""
         earlier = self._held.pop(output.request_id, None)
         if earlier is not None:
-            earlier.new_tokens.extend(output.new_tokens)
-            earlier.num_cached_tokens = max(earlier.num_cached_tokens, output.num_cached_tokens)
-            earlier.status, earlier.stop_token_id = output.status, output.stop_token_id
-            output = earlier
+            output = _merge(earlier, output)
         if output.status is None:
             self._held[output.request_id] = output
             return None
@@ -69,6 +66,24 @@ class HeldOutputs:
     def drop(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             self._held.pop(request_id, None)
+
+
+def coalesce(outputs: Iterable[CoreOutput]) -> list[CoreOutput]:
+    """Outputs of consecutive steps merged into one per request (in order of first appearance): each with its
+    tokens in step order and its last status, as if one step had produced them all. `outputs` are consumed."""
+    merged: dict[str, CoreOutput] = {}
+    for output in outputs:
+        earlier = merged.get(output.request_id)
+        merged[output.request_id] = output if earlier is None else _merge(earlier, output)
+    return list(merged.values())
+
+
+def _merge(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
+    """`later` applied onto `earlier` (modified and returned): tokens appended, the later status."""
+    earlier.new_tokens.extend(later.new_tokens)
+    earlier.num_cached_tokens = max(earlier.num_cached_tokens, later.num_cached_tokens)
+    earlier.status, earlier.stop_token_id = later.status, later.stop_token_id
+    return earlier
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,7 @@ class EngineCore:
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
+        self._held = HeldOutputs()  # per-step outputs of final-only requests that want log-probabilities
         log.info(
             "engine core ready",
             device=self.runner.device.type,
@@ -161,29 +177,39 @@ class EngineCore:
         return outputs
 
     def _complete(self, launched: _Launched) -> list[CoreOutput]:
-        """Bring a launched step's tokens to the host, apply them and report what each request produced."""
+        """Bring a launched step's tokens to the host, apply them and report what each request produced.
+
+        A `final_only` request is reported once, at its finish, with every token it produced (its per-step
+        outputs are held only when they carry log-probabilities): no output object per step for it.
+        """
         scheduled = launched.scheduled
+        sampling = launched.step.items
         sampled = self.runner.collect(launched.step)
         # Finished since it was scheduled (aborted, or ended by the step before): its token is dropped.
-        ended = {item.request_id for item in scheduled.scheduled if item.request.is_finished}
+        ended = [item.request for item in sampling if item.request.status.is_finished]
         finished = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
         finished += self._finish_grammars(sampled)
-        by_id = {request.request_id: request for request in finished}
         outputs: list[CoreOutput] = []
-        for item in scheduled.scheduled:
+        skip = {request.request_id for request in (*ended, *finished)}
+        for item in sampling:
             request = item.request
-            token = sampled.get(request.request_id)
-            if token is None or request.request_id in ended:
+            if (request.final_only and not request.wants_logprobs) or request.request_id in skip:
                 continue
-            output = CoreOutput(request.request_id, [token], num_cached_tokens=request.num_cached_tokens)
-            if request.request_id in by_id:
-                output.status, output.stop_token_id = request.status, request.stop_token_id
-            outputs.append(output)
+            output = CoreOutput(
+                request.request_id, [sampled[request.request_id]], None, None, request.num_cached_tokens
+            )
+            if request.final_only:
+                self._held.add(output)
+            else:
+                outputs.append(output)
+        for request in finished:
+            token = sampled[request.request_id]
+            output = CoreOutput(request.request_id, [token], request.status, request.stop_token_id)
+            outputs.append(self._final(request, output))
+            self.runner.release(request.request_id)
         for request in scheduled.finished:
             outputs.append(self._finished_output(request))
             self.runner.release(request.request_id)  # it may have run (and sampled) before a preemption
-        for request in finished:
-            self.runner.release(request.request_id)
         return outputs
 
     def _finish_grammars(self, sampled: dict[str, SampledToken]) -> list[Request]:
@@ -198,9 +224,16 @@ class EngineCore:
         return done
 
     def _finished_output(self, request: Request) -> CoreOutput:
-        return CoreOutput(
-            request.request_id,
-            status=request.status,
-            stop_token_id=request.stop_token_id,
-            num_cached_tokens=request.num_cached_tokens,
-        )
+        """The output of a request that finished without sampling this step (aborted, expired)."""
+        return self._final(request, CoreOutput(request.request_id, [], request.status, request.stop_token_id))
+
+    def _final(self, request: Request, output: CoreOutput) -> CoreOutput:
+        """A finished request's last output; for a `final_only` one, with every token it produced."""
+        output.num_cached_tokens = request.num_cached_tokens
+        if not request.final_only:
+            return output
+        merged = self._held.add(output)  # the steps held for their log-probabilities, in order
+        assert merged is not None  # a finished output is always let go
+        if not request.wants_logprobs:
+            merged.new_tokens = [SampledToken(token_id) for token_id in request.output_token_ids]
+        return merged

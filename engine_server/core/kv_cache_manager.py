@@ -96,6 +96,26 @@ class KVCacheManager:
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
 
+    def slots_in_place(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """The request's block table when `num_new_tokens` more fit in the blocks it holds and fill none of
+        them (nothing to allocate or publish), else None: then call `allocate_slots`. Changes nothing.
+
+        The scheduler asks this first for every running request every step; a decode inside its last block,
+        most of them, ends here in a few operations.
+        """
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return None
+        num_total = request.num_computed_tokens + num_new_tokens
+        size = self.block_size
+        if num_total > len(table) * size:
+            return None
+        if self.enable_prefix_caching and min(num_total, request.num_tokens) // size > self._num_settled.get(
+            request.request_id, 0
+        ):
+            return None
+        return table
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
     ) -> list[int] | None:

@@ -37,19 +37,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_DEADLINE = "deadline"  # deadline passed while the request was still queued
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
+    is_finished: bool  # read for every request every step: a plain attribute (an enum's hash runs in Python)
 
-
-_FINISHED = frozenset(
-    {
-        RequestStatus.FINISHED_STOPPED,
-        RequestStatus.FINISHED_LENGTH,
-        RequestStatus.FINISHED_ABORTED,
-        RequestStatus.FINISHED_DEADLINE,
-    }
-)
+    def __init__(self, value: str) -> None:
+        self.is_finished = value in ("stop", "length", "abort", "deadline")
 
 
 def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
@@ -79,6 +70,7 @@ class Request:
         "block_hashes",
         "deadline",
         "eos_token_ids",
+        "final_only",
         "grammar",
         "max_tokens",
         "needs_output_history",
@@ -94,6 +86,7 @@ class Request:
         "status",
         "stop_token_id",
         "stop_token_ids",
+        "wants_logprobs",
     )
 
     def __init__(
@@ -150,12 +143,15 @@ class Request:
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
         )
+        self.wants_logprobs = params.logprobs or params.top_logprobs > 0
+        # Set by the caller before the request is queued: it wants the output once, at the finish, with every
+        # token (no stop strings to match as the text grows). The core then builds no output per step.
+        self.final_only = False
         # Whether its token is the argmax of the raw logits and nothing else is asked of the sampler (no
         # logit_bias, logprobs or any of the above): a batch of only such rows skips the sampler's set-up.
         self.argmax_only = (
-            params.greedy and not self.needs_output_history and not params.logit_bias
-            and not params.logprobs and params.top_logprobs == 0
-        )  # fmt: skip
+            params.greedy and not self.needs_output_history and not params.logit_bias and not self.wants_logprobs
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

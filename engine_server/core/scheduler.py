@@ -187,19 +187,24 @@ class Scheduler:
         interactive_only = self._interactive_prefill_pending()
         prefill_left = self._prefill_allowance(interactive_only, now)
 
+        # Every running request, every step: the loop body is kept to plain arithmetic for a decode (one token,
+        # inside its last block), which is most of them.
+        running, kv_cache = self._running, self.kv_cache
         i = 0
-        while i < len(self._running) and budget > 0:
-            request = self._running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             if interactive_only and request.priority is not Priority.INTERACTIVE:
                 break  # `_running` is in rank order: every request from here on is BATCH
             remaining = request.num_known_and_pending_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget, prefill_left if remaining > 1 else 1)
+            num_new = 1 if remaining == 1 else min(remaining, budget, prefill_left)
             if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
                 continue
-            blocks = self._allocate_or_preempt(request, num_new, preempted)
+            blocks = kv_cache.slots_in_place(request, num_new)
             if blocks is None:
-                break  # it preempted itself, so it was the tail: nothing after it is left
+                blocks = self._allocate_or_preempt(request, num_new, preempted)
+                if blocks is None:
+                    break  # it preempted itself, so it was the tail: nothing after it is left
             scheduled.append(self._advance(request, num_new, blocks, 0))
             budget -= num_new
             if remaining > 1:
@@ -210,11 +215,18 @@ class Scheduler:
             classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
             budget = self._admit_waiting(budget, prefill_left, scheduled, finished, now, classes, preempted)
 
+        num_batched_tokens = self.config.max_num_batched_tokens - budget
+        # The rows that are not `is_prefill`, without a call per request.
+        num_decode_rows = sum(
+            1 for s in scheduled if s.num_new_tokens == 1 and s.start_position >= s.request.num_prompt_tokens
+        )
         return SchedulerOutput(
             scheduled=scheduled,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            num_batched_tokens=num_batched_tokens,
             preempted_ids=preempted,
             finished=finished,
+            num_decode_rows=num_decode_rows,
+            num_prefill_tokens=num_batched_tokens - num_decode_rows,
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
@@ -225,15 +237,24 @@ class Scheduler:
         scheduling, ended by the step before). Steps must be updated in the order they were scheduled.
         """
         finished: list[Request] = []
+        max_model_len = self.max_model_len
         for item in output.scheduled:
             request = item.request
             if not item.needs_sample:
                 continue
             request.num_pending_tokens -= 1
-            if request.is_finished:
+            if request.status.is_finished:
                 continue
             token_id = sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
+            # Most tokens end nothing: rule that out in a few lookups before the full stop rules.
+            if (
+                token_id not in request.eos_token_ids
+                and token_id not in request.stop_token_ids
+                and len(request.output_token_ids) < request.max_tokens
+                and request.num_tokens < max_model_len
+            ):
+                continue
             status = self._stop_status(request, token_id)
             if status is not None:
                 if request.status in _QUEUED:  # preempted (async scheduling) while its token was on the way
@@ -368,18 +389,11 @@ class Scheduler:
 
     def _advance(self, request: Request, num_new: int, blocks: list[int], num_cached: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        request.num_computed_tokens = start + num_new
-        needs_sample = request.num_computed_tokens == request.num_known_and_pending_tokens
+        request.num_computed_tokens = computed = start + num_new
+        needs_sample = computed == request.num_known_and_pending_tokens
         if needs_sample:
             request.num_pending_tokens += 1  # until update_from_output brings its token
-        return ScheduledRequest(
-            request=request,
-            start_position=start,
-            num_new_tokens=num_new,
-            block_ids=blocks,
-            needs_sample=needs_sample,
-            num_cached_tokens=num_cached,
-        )
+        return ScheduledRequest(request, start, num_new, blocks, needs_sample, num_cached)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from engine_server.core.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: a contiguous chunk of its not yet computed tokens."""
+    """One request's share of a step: a contiguous chunk of its not yet computed tokens. Read-only once built.
+
+    Not frozen: a frozen dataclass sets each field through `object.__setattr__`, and one of these is built per
+    running request per step.
+    """
 
     request: Request
     start_position: int  # num_computed_tokens before this step: the position of the chunk's first token
@@ -48,13 +52,8 @@ class SchedulerOutput:
     # Requests that ended inside schedule() without running (e.g. deadline passed in the queue).
     finished: list[Request] = field(default_factory=list)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled if item.is_prefill)
-
-    @property
-    def num_decode_rows(self) -> int:
-        return sum(1 for item in self.scheduled if not item.is_prefill)
+    num_decode_rows: int = 0  # scheduled requests that are not `is_prefill`
+    num_prefill_tokens: int = 0  # tokens of the other scheduled requests: num_batched_tokens - num_decode_rows
 
     @property
     def is_empty(self) -> bool:

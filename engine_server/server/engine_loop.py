@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine_server.core.engine_core import CoreOutput, EngineCore, HeldOutputs
+from engine_server.core.engine_core import CoreOutput, EngineCore, coalesce
 from engine_server.core.request import Request
 from engine_server.frontend import split_core_request_id
 
@@ -70,21 +70,36 @@ class RequestStream:
     """The outputs of one submitted request (all of its choices), in step order, read on the event loop.
 
     Each `next()` returns the outputs one core step produced for this request, or raises the error the core
-    reported for it (QueueFullError, ValueError on a duplicate id, EngineInternalError). A `final_only` stream
-    gets each choice once, when it finishes, with the tokens of all its steps merged (see HeldOutputs).
+    reported for it (QueueFullError, ValueError on a duplicate id, EngineInternalError). A stream of `final_only`
+    requests gets each choice once, when it finishes, with the tokens of all its steps (see EngineCore).
     """
 
-    def __init__(self, request_id: str, core_ids: Sequence[str], final_only: bool = False) -> None:
+    def __init__(self, request_id: str, core_ids: Sequence[str]) -> None:
         self.request_id = request_id
         self.core_ids = tuple(core_ids)
-        self.final_only = final_only
         self._queue: asyncio.Queue[list[CoreOutput] | BaseException] = asyncio.Queue()
+        self._error: BaseException | None = None  # reported after the outputs that came before it
 
     async def next(self) -> list[CoreOutput]:
+        """The outputs of the steps since the last call, merged per choice (`coalesce`): when the reader falls
+        behind the core, several steps reach it as one, so its per-step work (detokenizing, one message per
+        stream) shrinks as the load grows instead of piling up."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        return item
+        if self._queue.empty():
+            return item
+        outputs = list(item)
+        while not self._queue.empty():
+            more = self._queue.get_nowait()
+            if isinstance(more, BaseException):
+                self._error = more
+                break
+            outputs += more
+        return coalesce(outputs)
 
     def _put(self, item: list[CoreOutput] | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -98,7 +113,6 @@ class EngineLoop:
         self._loop = loop
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
-        self._held = HeldOutputs()  # event-loop side only: what final-only streams have not been given yet
         self._live: set[str] = set()  # core thread only: core ids added and not yet finished
         self._load = self._snapshot()
         self.on_step_failure: Callable[[], None] | None = None  # called on the event loop after a failed step
@@ -133,7 +147,9 @@ class EngineLoop:
         choice only once it has finished, if `final_only`)."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        stream = RequestStream(request_id, [r.request_id for r in requests], final_only)
+        stream = RequestStream(request_id, [r.request_id for r in requests])
+        for request in requests:
+            request.final_only = final_only  # before the core thread sees it
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, list(requests)))
         return stream
@@ -150,7 +166,6 @@ class EngineLoop:
     def close(self, stream: RequestStream) -> None:
         """Stop routing outputs to `stream`; later outputs for its choices are dropped."""
         self._streams.pop(stream.request_id, None)
-        self._held.drop(stream.core_ids)
 
     # -- event-loop side ---------------------------------------------------------------------------------
 
@@ -160,9 +175,7 @@ class EngineLoop:
             grouped.setdefault(split_core_request_id(output.request_id)[0], []).append(output)
         for request_id, items in grouped.items():
             stream = self._streams.get(request_id)
-            if stream is not None and stream.final_only:
-                items = [merged for item in items if (merged := self._held.add(item)) is not None]
-            if stream is not None and items:
+            if stream is not None:
                 stream._put(items)
         for request_id, error in errors.items():
             stream = self._streams.get(request_id)

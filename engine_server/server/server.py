@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_server.config import EngineConfig
+from engine_server.host_memory import freeze_startup_heap
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
 from engine_server.structured.compiler import GrammarCompilerConfig
@@ -99,9 +100,7 @@ class EngineServer:
         self._bind = ""
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
 
     async def start(self) -> str:
         """Reserve the port (bound, not yet listening); returns the address, e.g. '127.0.0.1:50051'. Raises
@@ -126,6 +125,7 @@ class EngineServer:
         """Load the model off the event loop, warm it up, then admit calls, report SERVING and listen."""
         self.engine = await ServingEngine.start(self.config.engine, self.config.grammar)
         await self.engine.warm_up()
+        freeze_startup_heap()
         self.engine.loop.on_step_failure = self._step_failed
         self.servicer.attach(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -133,8 +133,7 @@ class EngineServer:
         if not self.server.add_insecure_port(self._bind):
             raise RuntimeError(f"cannot listen on {self._bind}: the port was taken while the model loaded")
         await self.server.start()
-        log.info("engine serving", model=self.engine.info.model_id, device=self.engine.info.device,
-                 address=self._bind)
+        log.info("engine serving", model=self.engine.info.model_id, device=self.engine.info.device, address=self._bind)
 
     def release_port(self) -> None:
         """Give up the reserved port (before listening on it, or when stopping without ever listening)."""
@@ -186,8 +185,12 @@ class EngineServer:
         listening: a new connection is refused and an open one is told (GOAWAY) to take new calls elsewhere,
         which a proxy can do safely, as the engine never saw them.
         """
-        log.info("draining", in_flight=self.servicer.in_flight, timeout_s=self.config.shutdown_timeout,
-                 grace_s=self.config.drain_grace)
+        log.info(
+            "draining",
+            in_flight=self.servicer.in_flight,
+            timeout_s=self.config.shutdown_timeout,
+            grace_s=self.config.drain_grace,
+        )
         self.release_port()  # stopped while loading: the port was never listened on
         await self.health.enter_graceful_shutdown()
         stopped: asyncio.Task[None] | None = None

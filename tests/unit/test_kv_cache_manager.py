@@ -163,3 +163,20 @@ def test_block_pool_duplicate_hash_stays_private() -> None:
     assert pool.lookup(b"h") == first and pool.block_hash(second) is None
     with pytest.raises(ValueError):
         pool.allocate(3)
+
+
+def test_slots_in_place_only_when_nothing_is_allocated_or_published() -> None:
+    """The scheduler's fast check: the table when the new tokens fit the blocks held and fill none of them."""
+    manager = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("r", 6)
+    assert manager.slots_in_place(request, 1) is None  # holds no blocks yet
+    table = manager.allocate_slots(request, 6)
+    assert table is not None
+    request.num_computed_tokens = 6
+    request.append_output_token(3)
+    request.append_output_token(4)
+    assert manager.slots_in_place(request, 1) is table  # position 6: inside block 1, which stays partial
+    assert manager.slots_in_place(request, 2) is None  # the 8th token fills block 1: it must be published
+    request.num_computed_tokens = 8
+    assert manager.slots_in_place(request, 1) is None  # position 8 needs a third block
+    assert manager.num_free_blocks == 6  # none of the checks allocated

@@ -166,3 +166,7 @@ def test_llama3_scaling_changes_only_low_frequencies() -> None:
 def test_silu_and_mul() -> None:
     x = torch.randn(3, 10)
     torch.testing.assert_close(reference.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+    with pytest.raises(ValueError, match="sequence 1 is too short for 6"):
+        AttentionMetadata.build_decode([4, 6], [[1], [2]], block_size=4, device="cpu")
+    with pytest.raises(ValueError, match="sequence 0 is too short for 0"):
+        AttentionMetadata.build_decode([0], [[1]], block_size=4, device="cpu")
