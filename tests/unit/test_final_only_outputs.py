@@ -8,6 +8,7 @@ the middle, or with async scheduling (tokens arriving one call later).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -16,6 +17,7 @@ from engine_server.core.engine_core import CoreOutput, EngineCore, coalesce
 from engine_server.core.request import Request, RequestStatus
 from engine_server.runner import SampledToken
 from engine_server.sampling_params import SamplingParams
+from engine_server.server.engine_loop import RequestStream
 from tests.unit.factories import VOCAB
 from tests.unit.runner_factories import MAX_MODEL_LEN, tiny_engine_config, tiny_source
 
@@ -94,3 +96,24 @@ def test_coalesce_merges_steps_per_request_in_order() -> None:
         ("a/0", [1, 2, 3], RequestStatus.FINISHED_STOPPED),
         ("b/0", [5], None),
     ]
+
+
+def test_a_stream_that_fell_behind_reads_its_steps_as_one_then_the_error() -> None:
+    async def read() -> None:
+        stream = RequestStream("a", ["a/0", "a/1"])
+        stream._put([_output("a/0", [1])])
+        assert [t.token_id for t in (await stream.next())[0].new_tokens] == [1]  # one step: as it came
+        stream._put([_output("a/0", [2]), _output("a/1", [8])])
+        stream._put([_output("a/0", [3], RequestStatus.FINISHED_LENGTH)])
+        stream._put(RuntimeError("engine failed"))
+        stream._put([_output("a/1", [9])])
+        merged = await stream.next()
+        assert [(o.request_id, [t.token_id for t in o.new_tokens], o.status) for o in merged] == [
+            ("a/0", [2, 3], RequestStatus.FINISHED_LENGTH),
+            ("a/1", [8], None),
+        ]
+        with pytest.raises(RuntimeError, match="engine failed"):
+            await stream.next()  # after the outputs that came before it
+        assert [t.token_id for t in (await stream.next())[0].new_tokens] == [9]
+
+    asyncio.run(read())
