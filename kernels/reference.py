@@ -1,8 +1,9 @@
 """Plain-torch reference ops: what the CPU path runs and what every Triton kernel is tested against.
 
 Shapes: T tokens in the flattened batch, H query heads, Hkv KV heads, D head dim. The KV cache layout and the
-metadata contract are described in `engine_server.attention`. `apply_token_bitmask_` is the sampler's grammar
-mask; the other ops are the layers' (`engine_server.layers.ops.KernelOps`).
+metadata contract are described in `engine_server.attention`. `apply_token_bitmask_` (the grammar mask) and
+`seeded_log_uniforms` (the noise of seeded rows) are the sampler's; the other ops are the layers'
+(`engine_server.layers.ops.KernelOps`).
 """
 
 from __future__ import annotations
@@ -190,6 +191,38 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+# SplitMix64 (Steele, Lea and Flood 2014; the output function is Stafford's "Mix13"): the Weyl increment and
+# the two multipliers of mix64(z) = x ^ (x >> 31) where y = (z ^ (z >> 30)) * MIX_1, x = (y ^ (y >> 27)) * MIX_2.
+SPLITMIX_GOLDEN = 0x9E3779B97F4A7C15
+SPLITMIX_MIX_1 = 0xBF58476D1CE4E5B9
+SPLITMIX_MIX_2 = 0x94D049BB133111EB
+
+
+def as_int64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 with the same bits (how int64 tensors hold it)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def seeded_log_uniforms(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log(u) `[S, V]` float32 for rows keyed `keys` `[S]` int64 and token ids `tokens` `[V]` int64, where
+
+        z = mix64(key + SPLITMIX_GOLDEN * token)      (mod 2**64: SplitMix64's output over a Weyl sequence)
+        s = z >> 41, as a signed 64-bit integer        (the top 23 bits, in [-2**22, 2**22))
+        u = 0.5 + (2 s + 1) * 2**-24                   (an odd multiple of 2**-24: never 0 nor 1)
+
+    mix64's last step, x ^ (x >> 31), leaves the top 31 bits alone, so it is skipped. int64 tensors wrap on
+    multiplication, which is the mod 2**64 arithmetic wanted, but shift right arithmetically, hence the masks.
+    u, then log(u), is computed exactly but for the log's own rounding; 13 tensor ops on [S, V] int64.
+    """
+    z = torch.add(keys.unsqueeze(1), tokens, alpha=as_int64(SPLITMIX_GOLDEN))
+    z ^= (z >> 30) & ((1 << 34) - 1)
+    z *= as_int64(SPLITMIX_MIX_1)
+    z ^= (z >> 27) & ((1 << 37) - 1)
+    z *= as_int64(SPLITMIX_MIX_2)
+    z >>= 41
+    return z.mul(2.0**-23).add_(0.5 + 2.0**-24).log_()
 
 
 # Weight-only quantized linear layers (`kernels/cpu/quant_matmul.cpp`): weights in groups of QUANT_GROUP along

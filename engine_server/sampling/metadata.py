@@ -1,19 +1,24 @@
 """Per-step host work of the sampler: turn the batch's rows into the few device tensors the step needs.
 
-Each feature is built only when some row uses it (`None` otherwise), so a batch of plain requests costs
+Each feature is built only when some row uses it (`None` otherwise), so a batch of plain greedy requests costs
 one pass over the rows and no device transfer. Token-list work (penalty counts) touches only the rows with
-a penalty. Host tensors are staged in pinned memory on CUDA so the copies do not wait on the forward pass.
+a penalty. Every host array of a step reaches the device in one copy (`_Stager`: one buffer, pinned on CUDA so
+the copy does not wait on the forward pass) and the metadata's tensors are views of it, so staging is one op
+whatever the batch size and however many features the batch uses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
 
+from engine_server.sampling.noise import row_keys
 from engine_server.sampling_params import SamplingParams
 
 
@@ -21,16 +26,18 @@ from engine_server.sampling_params import SamplingParams
 class SamplingRow:
     """One row of the batch: one sequence that samples a token this step.
 
-    `generator` is the request's seeded generator on the sampler's device, owned by the caller and
-    advanced here (V draws per non-greedy step); None draws from the sampler's shared generator.
-    `allowed_token_bitmask` is [ceil(V/32)] int32 on the device, bit 1 = allowed (grammar).
+    `position` is the index of the token being sampled in the request's sequence (prompt then output tokens,
+    from 0). `seed`, in [0, 2**64), gives a non-greedy row noise that is a function of (seed, position, token id)
+    alone (`noise`): the same tokens in any batch, and again after a preemption; None draws from the sampler's
+    shared generator. `allowed_token_bitmask` is [ceil(V/32)] int32 on the device, bit 1 = allowed (grammar).
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None
     eos_token_ids: frozenset[int]
+    position: int
+    seed: int | None = None
     allowed_token_bitmask: torch.Tensor | None = None
 
 
@@ -54,6 +61,14 @@ class SparseTokens:
 
 
 @dataclass(frozen=True, eq=False)
+class SeededRows:
+    """The non-greedy rows with a seed: they race with `noise.SeededNoise` instead of the shared generator."""
+
+    rows: torch.Tensor | None  # [S] int64 indices into the batch; None means every row, in order
+    keys: torch.Tensor  # [S] int64: noise.row_keys(seed, position), the bits of a uint64
+
+
+@dataclass(frozen=True, eq=False)
 class SamplingMetadata:
     """What one step needs to know about its rows; a None field means no row uses that feature."""
 
@@ -63,13 +78,14 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64; V for rows without top-k
     top_k_max: int
     top_p: torch.Tensor | None  # [B]; 1.0 for rows without top-p
+    drop_mass: torch.Tensor | None  # [B] float32 1 - top_p (set with top_p): the mass top-p may drop
     min_p: torch.Tensor | None  # [B]; 0.0 for rows without min-p
     logit_bias: SparseTokens | None
     banned: SparseTokens | None  # min_tokens: eos / stop ids held at -inf
     repetition: RowSubset | None  # values (penalty,); tokens of prompt + output
     presence_frequency: RowSubset | None  # values (presence, frequency); tokens of the output
     bitmask: RowSubset | None  # values (masks [b, W] int32,)
-    seeded: tuple[tuple[int, torch.Generator], ...]  # non-greedy rows with their own generator
+    seeded: SeededRows | None
     wants_logprobs: tuple[bool, ...]
     num_top_logprobs: tuple[int, ...]
 
@@ -87,7 +103,7 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
-        """Collect per-row parameters; raises ValueError on a generator on the wrong device type."""
+        """Collect per-row parameters; every staged tensor comes to `device` in one copy."""
         stage = _Stager(device)
         greedy = [r.params.greedy for r in rows]
         sampled = [r for r, g in zip(rows, greedy, strict=True) if not g]
@@ -96,49 +112,84 @@ class SamplingMetadata:
             for r, g in zip(rows, greedy, strict=True)
         ]
         top_k_max = max((k for k in top_k if k < vocab_size), default=0)
-        seeded: list[tuple[int, torch.Generator]] = []
-        for i, row in enumerate(rows):
-            if row.generator is not None and not greedy[i]:
-                if row.generator.device.type != device.type:
-                    raise ValueError(f"row {i}'s generator is on {row.generator.device}, the sampler on {device}")
-                seeded.append((i, row.generator))
-        return cls(
+        top_p = _per_row(rows, greedy, lambda p: p.top_p, 1.0)
+        meta = cls(
             all_greedy=not sampled,
             greedy_mask=stage(greedy, np.bool_) if sampled and len(sampled) < len(rows) else None,
-            temperature=_per_row(stage, rows, greedy, lambda p: p.temperature, 1.0),
+            temperature=_staged(stage, _per_row(rows, greedy, lambda p: p.temperature, 1.0)),
             top_k=stage(top_k, np.int64) if top_k_max else None,
             top_k_max=top_k_max,
-            top_p=_per_row(stage, rows, greedy, lambda p: p.top_p, 1.0),
-            min_p=_per_row(stage, rows, greedy, lambda p: p.min_p, 0.0),
+            top_p=_staged(stage, top_p),
+            # float32 arithmetic, as `1.0 - top_p` on the device would do it.
+            drop_mass=_staged(stage, None if top_p is None else np.float32(1.0) - top_p),
+            min_p=_staged(stage, _per_row(rows, greedy, lambda p: p.min_p, 0.0)),
             logit_bias=_logit_bias(stage, rows),
             banned=_min_tokens_bans(stage, rows),
             repetition=_repetition(stage, rows),
             presence_frequency=_presence_frequency(stage, rows),
-            bitmask=_bitmask(stage, rows, device),
-            seeded=tuple(seeded),
+            bitmask=_bitmask(stage, rows),
+            seeded=_seeded(stage, rows, greedy),
             wants_logprobs=tuple(r.params.logprobs or r.params.top_logprobs > 0 for r in rows),
             num_top_logprobs=tuple(r.params.top_logprobs for r in rows),
         )
+        return stage.finish(meta)
 
 
 class _Stager:
-    """Host list -> device tensor, through pinned memory on CUDA so the copy is asynchronous.
+    """Host arrays -> device tensors in one host-to-device copy per step.
 
-    Lists go through numpy: several times faster than torch.tensor on a Python list.
+    `__call__` and `array` record a host array and hand out a CPU tensor that stands for it; `finish` packs
+    every recorded array into one buffer (pinned on CUDA, so the copy is asynchronous; 8-byte aligned
+    sections), copies it once and swaps the stand-ins for views of the copy. Lists go through numpy: several
+    times faster than torch.tensor on a Python list.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pin = device.type == "cuda"
+        self._staged: list[tuple[torch.Tensor, np.ndarray]] = []
 
     def __call__(self, values: Sequence[float] | Sequence[int] | Sequence[bool], dtype: type) -> torch.Tensor:
         """`dtype` is a numpy scalar type (np.float32, np.int64, np.bool_); the tensor gets its torch twin."""
-        return self.put(torch.from_numpy(np.asarray(values, dtype=dtype)))
+        return self.array(np.asarray(values, dtype=dtype))
 
-    def put(self, host: torch.Tensor) -> torch.Tensor:
-        if self.pin:
-            return host.pin_memory().to(self.device, non_blocking=True)
-        return host.to(self.device)
+    def array(self, array: np.ndarray) -> torch.Tensor:
+        array = np.ascontiguousarray(array)
+        stand_in = torch.from_numpy(array)
+        self._staged.append((stand_in, array))
+        return stand_in
+
+    def finish(self, meta: SamplingMetadata) -> SamplingMetadata:
+        """`meta` with its stand-ins replaced by device tensors (itself when nothing was staged)."""
+        if not self._staged:
+            return meta
+        offsets = np.cumsum([0] + [-(-array.nbytes // 8) * 8 for _, array in self._staged]).tolist()
+        if self.device.type == "cuda":
+            host = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
+            packed = host.numpy()
+        else:
+            packed = np.empty(offsets[-1], dtype=np.uint8)
+            host = torch.from_numpy(packed)
+        for (_, array), start in zip(self._staged, offsets, strict=False):
+            packed[start : start + array.nbytes] = array.reshape(-1).view(np.uint8)
+        copy = host.to(self.device, non_blocking=True)
+        views = {
+            id(stand_in): copy[start : start + array.nbytes].view(stand_in.dtype).view(stand_in.shape)
+            for (stand_in, array), start in zip(self._staged, offsets, strict=False)
+        }
+        swapped: SamplingMetadata = _swap(meta, views)
+        return swapped
+
+
+def _swap(value: Any, views: dict[int, torch.Tensor]) -> Any:
+    """`value` with each tensor in `views` (by id) replaced, through dataclasses and tuples of tensors."""
+    if isinstance(value, torch.Tensor):
+        return views.get(id(value), value)
+    if isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+        return tuple(_swap(item, views) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _swap(getattr(value, f.name), views) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **changes)
+    return value
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int:
@@ -146,15 +197,24 @@ def _effective_top_k(top_k: int, vocab_size: int) -> int:
 
 
 def _per_row(
-    stage: _Stager,
-    rows: Sequence[SamplingRow],
-    greedy: list[bool],
-    get: Callable[[SamplingParams], float],
-    neutral: float,
-) -> torch.Tensor | None:
-    """A [B] float tensor of one parameter, neutral for greedy rows; None when every row is neutral."""
+    rows: Sequence[SamplingRow], greedy: list[bool], get: Callable[[SamplingParams], float], neutral: float
+) -> np.ndarray | None:
+    """A [B] float32 array of one parameter, neutral for greedy rows; None when every row is neutral."""
     values = [neutral if g else float(get(r.params)) for r, g in zip(rows, greedy, strict=True)]
-    return stage(values, np.float32) if any(v != neutral for v in values) else None
+    return np.asarray(values, dtype=np.float32) if any(v != neutral for v in values) else None
+
+
+def _staged(stage: _Stager, array: np.ndarray | None) -> torch.Tensor | None:
+    return None if array is None else stage.array(array)
+
+
+def _seeded(stage: _Stager, rows: Sequence[SamplingRow], greedy: list[bool]) -> SeededRows | None:
+    seeds = [(i, r.seed) for i, (r, g) in enumerate(zip(rows, greedy, strict=True)) if r.seed is not None and not g]
+    if not seeds:
+        return None
+    keys = row_keys([seed for _, seed in seeds], [rows[i].position for i, _ in seeds])
+    picked = None if len(seeds) == len(rows) else stage([i for i, _ in seeds], np.int64)
+    return SeededRows(rows=picked, keys=stage.array(keys))
 
 
 def _logit_bias(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseTokens | None:
@@ -196,14 +256,14 @@ def _token_subset(
     """Flatten each picked row's token lists on the host, in C (numpy), then copy once."""
     lengths = [sum(len(part) for part in parts) for parts in token_lists]
     total = sum(lengths)
-    token_rows = torch.from_numpy(np.repeat(np.arange(len(picked), dtype=np.int64), lengths))
+    token_rows = np.repeat(np.arange(len(picked), dtype=np.int64), lengths)
     flat = chain.from_iterable(chain.from_iterable(token_lists))
-    token_ids = torch.from_numpy(np.fromiter(flat, dtype=np.int64, count=total))
+    token_ids = np.fromiter(flat, dtype=np.int64, count=total)
     return RowSubset(
         rows=None if len(picked) == n_rows else stage(picked, np.int64),
         values=tuple(stage(v, np.float32) for v in values),
-        token_rows=stage.put(token_rows),
-        token_ids=stage.put(token_ids),
+        token_rows=stage.array(token_rows),
+        token_ids=stage.array(token_ids),
     )
 
 
@@ -230,13 +290,14 @@ def _presence_frequency(stage: _Stager, rows: Sequence[SamplingRow]) -> RowSubse
     return _token_subset(stage, len(rows), picked, token_lists, [presence, frequency])
 
 
-def _bitmask(stage: _Stager, rows: Sequence[SamplingRow], device: torch.device) -> RowSubset | None:
+def _bitmask(stage: _Stager, rows: Sequence[SamplingRow]) -> RowSubset | None:
+    """The rows' masks in one [b, W] tensor; they are on the device already (no per-row `.to`, an op each)."""
     picked: list[int] = []
     masks: list[torch.Tensor] = []
     for i, row in enumerate(rows):
         if row.allowed_token_bitmask is not None:
             picked.append(i)
-            masks.append(row.allowed_token_bitmask.to(device, non_blocking=True))
+            masks.append(row.allowed_token_bitmask)
     if not picked:
         return None
     subset = None if len(picked) == len(rows) else stage(picked, np.int64)

@@ -8,7 +8,7 @@ return a new tensor and leave their inputs untouched.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -51,16 +51,25 @@ def _triton_bitmask() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
     return apply_token_bitmask_
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    *,
+    drop_mass: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mask to -inf everything outside each row's top_k tokens, then outside its nucleus of mass top_p.
 
     One ascending sort serves both. `top_k` holds V for rows without top-k (ties with the k-th logit are
     kept); `top_p` holds 1.0 for rows without top-p. The most likely token always survives. Top-p alone on the
     CPU reads each row's most likely tokens instead of sorting them all (`_top_p_from_candidates`).
+    `drop_mass`, when given, is `1.0 - top_p` in float32 (computed on the host, it saves an op); the sort path
+    writes its result into `out` when given, which may be `logits` itself. The result is returned either way.
     """
     if top_k is None and top_p is not None and not logits.is_cuda and logits.shape[1] > 2 * NUCLEUS_CANDIDATES:
         return _top_p_from_candidates(logits, top_p)
-    return _sorted_top_k_top_p(logits, top_k, top_p)
+    return _sorted_top_k_top_p(logits, top_k, top_p, drop_mass=drop_mass, out=out)
 
 
 # Tokens per row that top-p alone reads on the CPU before falling back to a full sort.
@@ -91,11 +100,19 @@ def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.T
     return out
 
 
-def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def _sorted_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    *,
+    drop_mass: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Mask to -inf everything outside each row's top_k tokens, then outside its nucleus of mass top_p.
 
     One ascending sort serves both. `top_k` holds V for rows without top-k (ties with the k-th logit are
-    kept); `top_p` holds 1.0 for rows without top-p. The most likely token always survives.
+    kept); `top_p` holds 1.0 for rows without top-p. The most likely token always survives. `drop_mass` and
+    `out` as in `apply_top_k_top_p`: every column of `out` is written, after `logits` was read.
     """
     sorted_logits, order = logits.sort(dim=-1)
     vocab = logits.shape[1]
@@ -106,10 +123,10 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p:
         # Ascending cumulative mass: a token goes when it and everything less likely sum to <= 1 - top_p,
         # which leaves the smallest set of most likely tokens whose mass reaches top_p.
         cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
-        remove = cumulative <= (1.0 - top_p).unsqueeze(1)
+        remove = cumulative <= (1.0 - top_p if drop_mass is None else drop_mass).unsqueeze(1)
         remove[:, -1] = False
         sorted_logits.masked_fill_(remove, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return (torch.empty_like(logits) if out is None else out).scatter_(1, order, sorted_logits)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -130,17 +147,25 @@ def apply_min_p_(probs: torch.Tensor, min_p: torch.Tensor) -> None:
 def exponential_race(
     probs: torch.Tensor,
     shared: torch.Generator,
-    seeded: Sequence[tuple[int, torch.Generator]] = (),
+    seeded_log_uniforms: torch.Tensor | None = None,
+    seeded_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from (unnormalized) `probs`; returns [B] int64. Overwrites `probs`.
+    """Draw one token per row from (unnormalized) `probs`; returns [B] int64. Overwrites `probs` and
+    `seeded_log_uniforms`.
 
     argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with probability p_i / sum(p), without a
-    normalization or a multinomial call (whose CUDA kernel syncs). Rows in `seeded` take their noise from
-    their own generator, V draws per step, so their tokens do not depend on what else is in the batch.
+    normalization or a multinomial call (whose CUDA kernel syncs). Rows draw E from the `shared` generator (one
+    op for the batch), except seeded rows: `seeded_log_uniforms` [S, V] holds log(u) < 0 for the rows
+    `seeded_rows` [S] (every row, in order, when None), E = -log(u), which `noise.SeededNoise` computes from
+    the row's seed and position alone, so a seeded row's token does not depend on what else is in the batch.
+    The op count is the same for any B and any number of seeded rows.
     """
+    if seeded_log_uniforms is not None and seeded_rows is None:
+        # p / log(u) = -(p / E) exactly, so its argmin is the argmax above, without negating.
+        return probs.div_(seeded_log_uniforms).argmin(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=shared)
-    for row, generator in seeded:
-        noise[row].exponential_(generator=generator)
     # exponential_ may return exactly 0 on some backends; 0/0 would be NaN, which argmax would pick.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    if seeded_rows is not None and seeded_log_uniforms is not None:
+        noise.index_copy_(0, seeded_rows, seeded_log_uniforms.neg_())
     return probs.div_(noise).argmax(dim=-1)

@@ -9,8 +9,13 @@ Order of processing, each step only when some row of the batch uses it:
   5. the grammar bitmask (disallowed tokens to -inf).
   6. greedy rows take the argmax here; the other rows go on:
   7. temperature -> top_k -> top_p (one sort of the batch, skipped when no row needs it) -> min_p ->
-     the exponential race, with noise from the row's own generator when it has one.
+     the exponential race: a row with a seed takes counter-based noise, a function of its (seed, position of the
+     sampled token, token id) alone (`noise`), so its tokens do not depend on the batch, the step or a
+     preemption; the other rows share one generator.
 When every row is greedy and nothing above applies, the step is a single argmax.
+
+The number of torch ops a step dispatches (each a kernel launch on CUDA) does not depend on the batch size or on
+how many rows have a seed: the metadata comes in one host-to-device copy and every step works on the whole batch.
 
 Log-probabilities are the raw model's: log_softmax of the incoming logits, before any of the steps above.
 That is vLLM's default; it keeps every value finite (top-k/top-p/grammar masks would put -inf, which JSON
@@ -29,6 +34,7 @@ import torch
 
 from engine_server.sampling import ops
 from engine_server.sampling.metadata import RowSubset, SamplingMetadata, SamplingRow
+from engine_server.sampling.noise import SeededNoise
 
 _NEG_INF = float("-inf")
 # Above this, torch.topk is slower than one full sort, so top-k alone takes the sort path too.
@@ -85,7 +91,7 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row; stateless across steps except for its shared random generator.
 
-    Per-request generators (SamplingRow.generator) are owned by the caller and must live on `device`.
+    Seeded rows need no state here: their noise is a function of the row's seed and position.
     Logits may be wider than `vocab_size` (a padded lm_head); the extra columns are never sampled.
     """
 
@@ -97,13 +103,14 @@ class Sampler:
             self._generator.seed()
         else:
             self._generator.manual_seed(seed)
+        self._noise = SeededNoise(vocab_size, self.device)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample for `rows`; `logits` is [B, >=V] with row i belonging to rows[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows of vocab {self.vocab_size}")
-        raw = logits[:, : self.vocab_size].float()
+        raw = _float32(logits[:, : self.vocab_size])
         if not rows:
             return SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64, device=logits.device))
         meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
@@ -124,7 +131,7 @@ class Sampler:
     @torch.inference_mode()
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 1-5 alone, on a copy: the logits the greedy argmax sees. For tests and debugging."""
-        raw = logits[:, : self.vocab_size].float()
+        raw = _float32(logits[:, : self.vocab_size])
         return self._process(raw.clone(), SamplingMetadata.build(rows, self.vocab_size, self.device))
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -153,16 +160,25 @@ class Sampler:
         if meta.temperature is not None:
             x = x / meta.temperature.unsqueeze(1)
         if meta.top_p is not None or (meta.top_k is not None and meta.top_k_max > _TOPK_WITHOUT_SORT_MAX_K):
-            x = ops.apply_top_k_top_p(x, meta.top_k, meta.top_p)
+            # The quotient is ours to overwrite; `logits` is needed below for the greedy rows.
+            own = x if x is not logits else None
+            x = ops.apply_top_k_top_p(x, meta.top_k, meta.top_p, drop_mass=meta.drop_mass, out=own)
         elif meta.top_k is not None:
             x = ops.apply_top_k(x, meta.top_k, meta.top_k_max)
         probs = x.softmax(dim=-1)
         if meta.min_p is not None:
             ops.apply_min_p_(probs, meta.min_p)
-        sampled = ops.exponential_race(probs, self._generator, meta.seeded)
+        seeded = meta.seeded
+        log_uniforms = self._noise.log_uniforms(seeded.keys) if seeded is not None else None
+        sampled = ops.exponential_race(probs, self._generator, log_uniforms, seeded.rows if seeded else None)
         if meta.greedy_mask is None:
             return sampled
         return torch.where(meta.greedy_mask, logits.argmax(dim=-1), sampled)
+
+
+def _float32(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` in float32: itself when it already is (`.float()` would dispatch a no-op)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def _on_subset(logits: torch.Tensor, subset: RowSubset, fn: Callable[[torch.Tensor, RowSubset], None]) -> None:

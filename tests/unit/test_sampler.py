@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -23,13 +24,13 @@ def make_row(
     seed: int | None = None,
     bitmask: torch.Tensor | None = None,
 ) -> SamplingRow:
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return SamplingRow(
         params=params or SamplingParams(),
         prompt_token_ids=list(prompt),
         output_token_ids=list(output),
-        generator=generator,
         eos_token_ids=frozenset({EOS}),
+        position=len(prompt) + len(output),
+        seed=seed,
         allowed_token_bitmask=bitmask,
     )
 
@@ -240,8 +241,8 @@ def run_steps(rows_for_step: list[SamplingRow], sampler: Sampler, seeded_index: 
         token = sampler(logits, rows).token_id_list()[seeded_index]
         tokens.append(token)
         row = rows[seeded_index]
-        rows[seeded_index] = SamplingRow(
-            row.params, row.prompt_token_ids, [*row.output_token_ids, token], row.generator, row.eos_token_ids
+        rows[seeded_index] = dataclasses.replace(
+            row, output_token_ids=[*row.output_token_ids, token], position=row.position + 1
         )
     return tokens
 

@@ -277,7 +277,7 @@ def test_the_sampler_never_picks_a_token_the_grammar_forbids(compiler: GrammarCo
     logits = torch.zeros(2, len(VOCAB))
     logits[:, TOKEN["yes"]] = 10.0  # the model prefers a forbidden token
     rows = [
-        SamplingRow(SamplingParams(temperature=t), [0], [], None, frozenset({EOS}), allowed_token_bitmask=mask)
+        SamplingRow(SamplingParams(temperature=t), [0], [], frozenset({EOS}), position=1, allowed_token_bitmask=mask)
         for t in (0.0, 1.0)
     ]
     sampled = Sampler(len(VOCAB), "cpu", seed=0)(logits, rows).token_id_list()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine_server.attention import AttentionMetadata
-from kernels import activation, bitmask, int8_linear, kv_cache, paged_attention, rms_norm, rotary
+from kernels import activation, bitmask, int8_linear, kv_cache, paged_attention, rms_norm, rotary, seeded_noise
 
 UNAVAILABLE = 3  # exit status when this Triton cannot compile for CUDA here (the test skips)
 try:
@@ -75,6 +75,7 @@ def elementwise_calls(dtype: torch.dtype) -> None:
     activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=dtype))
     kv_cache.write_kv_cache(k, k, torch.zeros(2, 4, 16, 8, 128, dtype=dtype), torch.arange(3))
     bitmask.apply_token_bitmask_(torch.zeros(2, 1000, dtype=dtype), torch.zeros(2, 32, dtype=torch.int32))
+    seeded_noise.seeded_log_uniforms(torch.zeros(2, dtype=torch.int64), torch.arange(1000))
 
 
 def int8_calls(dtype: torch.dtype) -> None:

@@ -18,7 +18,7 @@ from engine_server.attention import AttentionMetadata, allocate_kv_cache
 from engine_server.config import ModelConfig
 from engine_server.layers.ops import REFERENCE_OPS, KernelOps, select_ops
 from engine_server.models import get_model_class
-from kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary
+from kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary, seeded_noise
 from kernels.triton_ops import TRITON_OPS
 
 HAS_CUDA = torch.cuda.is_available()
@@ -29,6 +29,7 @@ KERNELS = [
     paged_attention._paged_attention_kernel,
     rms_norm._rms_norm_kernel,
     rotary._rotary_kernel,
+    seeded_noise._seeded_log_uniforms_kernel,
 ]
 REPO = Path(__file__).resolve().parents[3]
 
