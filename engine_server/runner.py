@@ -1,7 +1,7 @@
 """The model runner: turns one SchedulerOutput into one forward pass and one batched sampling call.
 
-It owns the model weights, the paged KV cache tensors, the sampler, the per-request seeded generators and the
-grammar matchers of constrained requests. The scheduler decides *what* runs; the runner only executes it.
+It owns the model weights, the paged KV cache tensors, the sampler and the grammar matchers of constrained
+requests. The scheduler decides *what* runs; the runner only executes it.
 
 On CUDA (unless `enforce_eager`) decode-only steps replay CUDA graphs captured at start-up (`cuda_graphs`);
 prefill and mixed steps, and batches above the largest graph, run eagerly. The KV cache holds one block more
@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import structlog
 import torch
 
@@ -41,13 +42,14 @@ _GRAMMAR_FINISH = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
     """The token sampled for one request in one step, with its log-probabilities when the request asked.
 
     `grammar_finish` is set when the request's grammar ends the choice with this token: FINISHED_STOPPED once
     the output is a complete sentence that cannot grow (or the grammar accepted a stop token after one),
     FINISHED_ABORTED if the token broke the grammar (an engine fault, logged). EngineCore applies it.
+    Read-only once built (not frozen: one is built per sampling request per step, and frozen fields cost).
     """
 
     token_id: int
@@ -87,6 +89,27 @@ class _StepTokens:
             self.pending_rows.append(len(self.known))
             self.pending_ids.append(request.request_id)
             self.known.append(0)
+
+
+class _DecodeRows:
+    """A decode step's per-row inputs, gathered in one pass of list comprehensions (this runs every step)."""
+
+    __slots__ = ("block_tables", "seq_lens", "tokens")
+
+    def __init__(self, scheduled: list[ScheduledRequest]) -> None:
+        starts = [item.start_position for item in scheduled]
+        self.seq_lens = [start + 1 for start in starts]
+        self.block_tables = [item.block_ids for item in scheduled]
+        self.tokens = _StepTokens()
+        known = self.tokens.known
+        for item, start in zip(scheduled, starts, strict=True):
+            ids = item.request.all_token_ids
+            if start < len(ids):
+                known.append(ids[start])
+            else:  # sampled by the step before, still on the way
+                self.tokens.pending_rows.append(len(known))
+                self.tokens.pending_ids.append(item.request.request_id)
+                known.append(0)
 
 
 def _copy_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
@@ -181,10 +204,9 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the float weights' blocks
             log.info("quantized weights", quantization=self.quantization, layers=layers)
         self.sampler = Sampler(source.config.vocab_size, self.device)
-        self._generators: dict[str, torch.Generator] = {}
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
-        # The last launch's sampled token ids (on the device) and each sampling request's row in them.
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
+        self._last_sampled: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
         self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1:
@@ -226,22 +248,8 @@ class ModelRunner:
         return graphs
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (the seeded generator, the grammar matcher) of a finished or aborted request."""
-        self._generators.pop(request_id, None)
+        """Forget per-request state (the grammar matcher) of a finished or aborted request."""
         self.grammars.release(request_id)
-
-    def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
-        request = scheduled.request
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        generator = self._generators.get(request.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            # The frontend already gave choice i of an n>1 request the seed seed+i.
-            generator.manual_seed(seed % _SEED_MODULUS)
-            self._generators[request.request_id] = generator
-        return generator
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the scheduled tokens through the model and sample for every request that `needs_sample`."""
@@ -262,8 +270,9 @@ class ModelRunner:
         hidden, last_rows = self._forward(items)
         if not sampling:
             return LaunchedStep(sampling, None)
-        wanted = [last_rows[i] for i, item in enumerate(items) if item.needs_sample]
-        if wanted != list(range(hidden.shape[0])):  # a decode step where every row samples needs no gather
+        if last_rows is not None or len(sampling) < len(items):  # a decode step where every row samples: no gather
+            rows = last_rows if last_rows is not None else range(len(items))
+            wanted = [rows[i] for i, item in enumerate(items) if item.needs_sample]
             hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
         logits = self.model.compute_logits(hidden)
         if all(item.request.argmax_only for item in sampling):
@@ -273,7 +282,7 @@ class ModelRunner:
             bitmasks = self.grammars.bitmasks([item.request for item in sampling])
             rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
             sampled = self.sampler(logits, rows)
-        self._last_sampled = (sampled.token_ids, {item.request_id: j for j, item in enumerate(sampling)})
+        self._last_sampled = (sampled.token_ids, sampling)
         return LaunchedStep(sampling, *_copy_to_host(sampled))
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
@@ -284,25 +293,23 @@ class ModelRunner:
             step.ready.synchronize()
         return self._collect(step.items, step.sampled)
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token."""
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int] | None]:
+        """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
+        (None for a decode step, where row i is request i's)."""
+        if any(item.num_new_tokens != 1 for item in scheduled):
+            return self._forward_eager(scheduled)
+        rows = _DecodeRows(scheduled)
+        pending = self._pending_inputs(rows.tokens)
         graphs = self.decode_graphs
-        if (
-            graphs is not None
-            and len(scheduled) <= graphs.max_batch
-            and all(item.num_new_tokens == 1 for item in scheduled)
-        ):
-            tokens = _StepTokens()
-            for item in scheduled:
-                tokens.add(item.request, item.start_position, 1)
-            hidden = graphs.run(
-                tokens.known,
-                [item.start_position + 1 for item in scheduled],
-                [item.block_ids for item in scheduled],
-                pending=self._pending_inputs(tokens),
-            )
-            return hidden, list(range(len(scheduled)))
-        return self._forward_eager(scheduled)
+        if graphs is not None and len(scheduled) <= graphs.max_batch:
+            return graphs.run(rows.tokens.known, rows.seq_lens, rows.block_tables, pending=pending), None
+        meta = AttentionMetadata.build_decode(rows.seq_lens, rows.block_tables, self.block_size, self.device)
+        input_ids = to_device(torch.from_numpy(np.asarray(rows.tokens.known, dtype=np.int64)), self.device)
+        if pending is not None:
+            input_ids.index_copy_(0, *pending)
+        positions = np.asarray(rows.seq_lens, dtype=np.int64) - 1
+        hidden = self.model(input_ids, to_device(torch.from_numpy(positions), self.device), self.kv_caches, meta)
+        return hidden, None
 
     def _forward_eager(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
         tokens = _StepTokens()
@@ -333,7 +340,8 @@ class ModelRunner:
             return None
         if self._last_sampled is None:
             raise RuntimeError("a scheduled token is pending, but no step was launched before")
-        last_ids, last_rows = self._last_sampled
+        last_ids, last_items = self._last_sampled
+        last_rows = {item.request_id: j for j, item in enumerate(last_items)}
         sources = [last_rows[request_id] for request_id in tokens.pending_ids]
         rows = to_device(host_tensor(tokens.pending_rows, torch.long, self.device), self.device)
         values = last_ids.index_select(0, to_device(host_tensor(sources, torch.long, self.device), self.device))
@@ -345,14 +353,18 @@ class ModelRunner:
             params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            generator=self._generator(item),
             eos_token_ids=request.eos_token_ids,
+            position=item.start_position + item.num_new_tokens,
+            # The frontend already gave choice i of an n>1 request the seed seed+i.
+            seed=None if request.sampling_params.seed is None else request.sampling_params.seed % _SEED_MODULUS,
             allowed_token_bitmask=bitmask,
         )
 
     def _collect(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> dict[str, SampledToken]:
         """Per request its token; constrained requests' matchers accept it here (and only here)."""
         tokens, logprobs = sampled.token_id_list(), sampled.logprob_list()
+        if not any(logprobs) and not any(item.request.grammar is not None for item in items):
+            return {item.request.request_id: SampledToken(token) for item, token in zip(items, tokens, strict=True)}
         result: dict[str, SampledToken] = {}
         for item, token, lps in zip(items, tokens, logprobs, strict=True):
             request_id = item.request.request_id
