@@ -28,6 +28,7 @@ BENCHMARKS = {
     "soak": "benchmarks.soak",
     "routing": "benchmarks.routing",
     "quality": "benchmarks.quality",
+    "host": "benchmarks.host",
 }
 
 
