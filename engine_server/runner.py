@@ -271,8 +271,8 @@ class ModelRunner:
         if not sampling:
             return LaunchedStep(sampling, None)
         if last_rows is not None or len(sampling) < len(items):  # a decode step where every row samples: no gather
-            rows = last_rows if last_rows is not None else range(len(items))
-            wanted = [rows[i] for i, item in enumerate(items) if item.needs_sample]
+            last = last_rows if last_rows is not None else range(len(items))
+            wanted = [last[i] for i, item in enumerate(items) if item.needs_sample]
             hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
         logits = self.model.compute_logits(hidden)
         if all(item.request.argmax_only for item in sampling):
