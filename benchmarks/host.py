@@ -10,12 +10,16 @@ Paths:
 - offline: `LLM.generate` of the B prompts.
 - grpc: the engine server (servicer on this process's event loop, the core on its own thread, as in
   `ladle engine`) and B concurrent `Stream` calls over loopback from a client in another process (this module,
-  run with --stream-client); the client's output tok/s is reported too.
+  run with --stream-client). The core's steps are held until all B requests have arrived (`StartGate`). The
+  clients' own view is reported too (`client`: output tok/s and ms per step from the first token to the last):
+  the core may run ahead of the event loop that turns its outputs into messages.
 
 Reported: ms per decode step in the steady state where all B requests decode (`benchmarks.step_probes`),
 in total and by phase: scheduler.schedule, runner.launch (input building and the null forward), runner.collect
 (with the device's time), scheduler.update_from_output, and the rest (the core's output handling, the caller's
-loop, over gRPC the engine loop and the GIL shared with the event loop). `--device-ms D`: every step occupies
+loop, over gRPC the engine loop and the GIL shared with the event loop); the mean and the median step, and the
+garbage collection inside them (one full collection is ~0.1 s: it moves the mean of a 128-step run by ~0.8 ms,
+so compare medians or use --repeats and longer runs). `--device-ms D`: every step occupies
 the device D ms, which the host waits for in collect; with `--async-scheduling on` a step should cost about
 max(host, D), off host + D.
 `--count-ops`: with the real model's logits and the real sampler (the forward's own ops not counted), the torch
@@ -293,6 +297,8 @@ async def stream_clients(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "output_tokens": tokens, "seconds": round(ended - started, 4), "streaming_seconds": round(streaming, 4),
         "output_tok_per_s": round(tokens / streaming, 1),
+        # A step as the clients see it: the engine may run ahead of the event loop that sends its outputs.
+        "ms_per_step": round(1e3 * streaming / max(1, spec["output_len"] - 1), 4),
     }  # fmt: skip
 
 
@@ -326,6 +332,7 @@ def _record(
         "ms_per_step_p50": times.ms_per_step_p50,
         "decode_tok_per_s": round(run.batch_size * 1e3 / times.ms_per_step, 1),
         "phases_ms": times.phases_ms,
+        "gc_ms_per_step": times.gc_ms,
         "ops_per_step": None,
         "ops_by_phase": None,
         "steps": times.steps,
@@ -343,16 +350,19 @@ def _record(
     return record
 
 
-TABLE_HEADER = "path     B      D    sampling    ms/step  [schedule launch collect update rest]  (ms per decode step)"
+TABLE_HEADER = (
+    "path     B      D    sampling   ms/step   p50    gc  [schedule  launch collect  update    rest]  (ms per step)"
+)
 
 
 def _row(result: dict[str, Any]) -> str:
     phases = " ".join(f"{v:7.3f}" for v in result["phases_ms"].values())
     client = result["client"]
-    tail = f"  client {client['output_tok_per_s']:.0f} tok/s" if client else ""
+    tail = f"  clients: {client['ms_per_step']:.3f} ms/step, {client['output_tok_per_s']:.0f} tok/s" if client else ""
     return (
         f"{result['path']:<8} B={result['batch_size']:<4} D={result['device_ms']:<4g} {result['sampling']:<8}"
-        f" {result['ms_per_step']:8.3f} ms/step  [{phases}]{tail}"
+        f" {result['ms_per_step']:8.3f} {result['ms_per_step_p50']:7.3f} {result['gc_ms_per_step']:5.2f}"
+        f"  [{phases}]{tail}"
     )
 
 

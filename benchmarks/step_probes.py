@@ -1,7 +1,8 @@
 """Probes on a live EngineCore's step loop: per-step phase timers and a per-phase torch-op counter.
 
 Both replace bound methods of the core's parts by thin wrappers (instance attributes, put back on exit), so
-nothing in engine_server changes. A timer wrapper costs two `perf_counter` calls and an addition per call.
+nothing in engine_server changes. A timer wrapper costs two `perf_counter` calls and an addition per call: about
+3 us per step in all (measured at B=1: 0.087 ms per step without the recorder, 0.090 with it).
 
 What is reported is the *decode steady state*: steps whose schedule holds exactly B requests of one token each
 (every request admitted and decoding). A step's time runs from its `step()` call to the next call, so the
@@ -12,6 +13,7 @@ leaves out the step in which the requests finish (where the offline API detokeni
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import statistics
 from collections import Counter
@@ -58,12 +60,14 @@ def _is_full_decode(rows: int, tokens: int, batch_size: int) -> bool:
 
 @dataclass
 class StepRecord:
-    """One `step()` call: when it started, what its schedule held, seconds spent in each of TIMED_PHASES."""
+    """One `step()` call: when it started, what its schedule held, seconds spent in each of TIMED_PHASES, and
+    seconds of garbage collection until the next call (in whichever phase it fell)."""
 
     start: float
     rows: int = 0
     tokens: int = 0
     phases: list[float] = field(default_factory=lambda: [0.0] * len(TIMED_PHASES))
+    gc: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class StepTimes:
     ms_per_step: float  # mean
     ms_per_step_p50: float
     phases_ms: dict[str, float]  # mean per step, TIMED_PHASES and "rest"
+    gc_ms: float  # mean per step, already inside the phases: one full collection is ~0.1 s, so it shows in the mean
 
 
 class StepRecorder:
@@ -86,6 +91,7 @@ class StepRecorder:
         self.core = core
         self.steps: list[StepRecord] = []
         self._current = StepRecord(0.0)
+        self._gc_started = 0.0
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[StepRecorder]:
@@ -96,6 +102,8 @@ class StepRecorder:
             stack.enter_context(wrapped(runner, "launch", lambda fn: self._timer(1, fn)))
             stack.enter_context(wrapped(runner, "collect", lambda fn: self._timer(2, fn)))
             stack.enter_context(wrapped(scheduler, "update_from_output", lambda fn: self._timer(3, fn)))
+            gc.callbacks.append(self._on_gc)
+            stack.callback(gc.callbacks.remove, self._on_gc)
             yield self
 
     def take(self) -> list[StepRecord]:
@@ -123,6 +131,12 @@ class StepRecorder:
 
         return timed
 
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = perf_counter()
+        else:
+            self._current.gc += perf_counter() - self._gc_started
+
     def _timer(self, index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = perf_counter()
@@ -138,19 +152,22 @@ def decode_step_times(steps: list[StepRecord], batch_size: int) -> StepTimes | N
     """The full decode steps of `steps` that another one follows; None when there are none."""
     intervals: list[float] = []
     phases = [0.0] * len(TIMED_PHASES)
+    collecting = 0.0
     for step, following in itertools.pairwise(steps):
         if _is_full_decode(step.rows, step.tokens, batch_size) and _is_full_decode(
             following.rows, following.tokens, batch_size
         ):
             intervals.append(following.start - step.start)
             phases = [total + spent for total, spent in zip(phases, step.phases, strict=True)]
+            collecting += step.gc
     if not intervals:
         return None
     count = len(intervals)
     mean_s = sum(intervals) / count
     phases_ms = {name: round(1e3 * spent / count, 4) for name, spent in zip(TIMED_PHASES, phases, strict=True)}
     phases_ms["rest"] = round(1e3 * (mean_s - sum(phases) / count), 4)
-    return StepTimes(count, round(1e3 * mean_s, 4), round(1e3 * statistics.median(intervals), 4), phases_ms)
+    median_ms = round(1e3 * statistics.median(intervals), 4)
+    return StepTimes(count, round(1e3 * mean_s, 4), median_ms, phases_ms, round(1e3 * collecting / count, 4))
 
 
 @dataclass
