@@ -164,10 +164,14 @@ def offline_results(args: argparse.Namespace, runs: list[Run], seeds: Iterator[i
             for result in results:
                 if (result["batch_size"], result["sampling"]) == (batch_size, sampling):
                     result.update(
-                        ops_per_step=counts.ops_per_step, ops_by_phase=counts.ops_by_phase,
-                        ops_by_name=counts.ops_by_name, ops_counted_steps=counts.steps,
+                        ops_per_step=counts.ops_per_step, launching_ops_per_step=counts.launching_ops_per_step,
+                        ops_by_phase=counts.ops_by_phase, ops_by_name=counts.ops_by_name,
+                        ops_counted_steps=counts.steps,
                     )  # fmt: skip
-            print(f"ops  B={batch_size:<4} {sampling:<8} {counts.ops_per_step:>7.1f}/step  {counts.ops_by_phase}")
+            print(
+                f"ops  B={batch_size:<4} {sampling:<8} {counts.ops_per_step:>7.1f}/step "
+                f"({counts.launching_ops_per_step:.1f} launching)  {counts.ops_by_phase}"
+            )
     return results
 
 
@@ -334,6 +338,7 @@ def _record(
         "phases_ms": times.phases_ms,
         "gc_ms_per_step": times.gc_ms,
         "ops_per_step": None,
+        "launching_ops_per_step": None,
         "ops_by_phase": None,
         "steps": times.steps,
         "runs_ms_per_step": [r.ms_per_step for r in repeats],

@@ -170,10 +170,21 @@ def decode_step_times(steps: list[StepRecord], batch_size: int) -> StepTimes | N
     return StepTimes(count, round(1e3 * mean_s, 4), median_ms, phases_ms, round(1e3 * collecting / count, 4))
 
 
+# Ops that only make a new view or hand their input back (a fresh tensor lifted, no conjugate bit to resolve):
+# dispatched, so they cost host time, but they launch no kernel on a GPU.
+_NO_KERNEL = frozenset({"lift_fresh", "detach", "alias", "resolve_conj", "resolve_neg"})
+
+
+def launches_kernel(func: Any) -> bool:
+    """Whether an aten op would launch device work: not a view, nor one that hands its input back."""
+    return not (getattr(func, "is_view", False) or func.name().split("::")[-1].split(".")[0] in _NO_KERNEL)
+
+
 @dataclass
 class _OpStep:
     rows: int = 0
     tokens: int = 0
+    launching: int = 0
     by_phase: Counter[str] = field(default_factory=Counter)
     by_name: Counter[str] = field(default_factory=Counter)
 
@@ -184,6 +195,7 @@ class OpCounts:
 
     steps: int
     ops_per_step: float
+    launching_ops_per_step: float  # of them, those that launch device work (`launches_kernel`)
     ops_by_phase: dict[str, float]  # OP_PHASES
     ops_by_name: dict[str, float]  # aten op -> count, most frequent first
 
@@ -208,6 +220,8 @@ class OpCounter(TorchDispatchMode):
         if not self.paused:
             self._current.by_phase[self.phase] += 1
             self._current.by_name[str(func)] += 1
+            if launches_kernel(func):
+                self._current.launching += 1
         return func(*args, **(kwargs or {}))
 
     @contextlib.contextmanager
@@ -259,6 +273,7 @@ class OpCounter(TorchDispatchMode):
         return OpCounts(
             steps=n,
             ops_per_step=round(sum(by_phase.values()) / n, 2),
+            launching_ops_per_step=round(sum(step.launching for step in counted) / n, 2),
             ops_by_phase={phase: round(by_phase[phase] / n, 2) for phase in OP_PHASES},
             ops_by_name={name: round(count / n, 2) for name, count in by_name.most_common()},
         )
@@ -270,6 +285,7 @@ class _CountedSampler(Sampler):
     def __init__(self, vocab_size: int, device: torch.device, counter: OpCounter) -> None:
         super().__init__(vocab_size, device, seed=0)
         self._counter = counter
+        self.cpu_shortcuts = False  # count what a GPU step launches, not the CPU's top-p shortcut
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         with self._counter.in_phase("sampling"):

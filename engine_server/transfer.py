@@ -34,10 +34,12 @@ def to_device(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dty
     On CUDA the copy is non-blocking from pinned memory (pinning a copy first if `tensor` is not pinned); on
     any other device it is a plain `.to()`, which returns `tensor` itself when nothing changes.
     """
-    if dtype is not None:
+    if dtype is not None and tensor.dtype != dtype:
         tensor = tensor.to(dtype)
     if not pins_for(device):
-        return tensor.to(device)
+        # Even a `.to()` that changes nothing releases and retakes the GIL, which a busy event-loop thread
+        # then holds for up to a switch interval: a step's host-to-host "copies" are skipped instead.
+        return tensor if tensor.device == torch.device(device) else tensor.to(device)
     if not tensor.is_pinned():
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)

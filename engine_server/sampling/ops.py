@@ -58,16 +58,24 @@ def apply_top_k_top_p(
     *,
     drop_mass: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    from_candidates: bool = True,
 ) -> torch.Tensor:
     """Mask to -inf everything outside each row's top_k tokens, then outside its nucleus of mass top_p.
 
     One ascending sort serves both. `top_k` holds V for rows without top-k (ties with the k-th logit are
     kept); `top_p` holds 1.0 for rows without top-p. The most likely token always survives. Top-p alone on the
-    CPU reads each row's most likely tokens instead of sorting them all (`_top_p_from_candidates`).
+    CPU reads each row's most likely tokens instead of sorting them all (`_top_p_from_candidates`), unless
+    `from_candidates` is False (then the CPU takes the GPU's path, e.g. to count the ops a GPU step launches).
     `drop_mass`, when given, is `1.0 - top_p` in float32 (computed on the host, it saves an op); the sort path
     writes its result into `out` when given, which may be `logits` itself. The result is returned either way.
     """
-    if top_k is None and top_p is not None and not logits.is_cuda and logits.shape[1] > 2 * NUCLEUS_CANDIDATES:
+    if (
+        from_candidates
+        and top_k is None
+        and top_p is not None
+        and not logits.is_cuda
+        and logits.shape[1] > 2 * NUCLEUS_CANDIDATES
+    ):
         return _top_p_from_candidates(logits, top_p)
     return _sorted_top_k_top_p(logits, top_k, top_p, drop_mass=drop_mass, out=out)
 

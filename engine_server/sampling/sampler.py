@@ -98,6 +98,8 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # The CPU-only top-p shortcut (ops.apply_top_k_top_p). Off: the CPU runs the ops a GPU step would.
+        self.cpu_shortcuts = True
         self._generator = torch.Generator(device=self.device)
         if seed is None:
             self._generator.seed()
@@ -162,7 +164,9 @@ class Sampler:
         if meta.top_p is not None or (meta.top_k is not None and meta.top_k_max > _TOPK_WITHOUT_SORT_MAX_K):
             # The quotient is ours to overwrite; `logits` is needed below for the greedy rows.
             own = x if x is not logits else None
-            x = ops.apply_top_k_top_p(x, meta.top_k, meta.top_p, drop_mass=meta.drop_mass, out=own)
+            x = ops.apply_top_k_top_p(
+                x, meta.top_k, meta.top_p, drop_mass=meta.drop_mass, out=own, from_candidates=self.cpu_shortcuts
+            )
         elif meta.top_k is not None:
             x = ops.apply_top_k(x, meta.top_k, meta.top_k_max)
         probs = x.softmax(dim=-1)

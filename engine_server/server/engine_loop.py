@@ -1,8 +1,9 @@
 """The EngineCore on its own thread, behind the one seam the servicer uses: add / abort / outputs.
 
 The core thread loops: drain the command queue (adds and aborts), step while there is work, publish what the
-step produced. Outputs cross to asyncio once per step (`loop.call_soon_threadsafe`) and are routed there to one
-`RequestStream` per submitted request. Nothing on the asyncio side ever touches the core, and the core thread
+step produced. Outputs cross to asyncio through an outbox that the loop empties in one wake-up
+(`loop.call_soon_threadsafe` once it has taken the last ones) and are routed there to one `RequestStream` per
+submitted request. Nothing on the asyncio side ever touches the core, and the core thread
 does no RPC work (no tokenizing, no detokenizing, no protobuf), so the step loop is never blocked by callers.
 The seam carries only token-level values (`Request` in, `CoreOutput` out, errors), so the core could move to
 its own process behind the same three calls.
@@ -90,8 +91,6 @@ class RequestStream:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        if self._queue.empty():
-            return item
         outputs = list(item)
         while not self._queue.empty():
             more = self._queue.get_nowait()
@@ -113,6 +112,12 @@ class EngineLoop:
         self._loop = loop
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event-loop side only
+        self._stream_of: dict[str, RequestStream] = {}  # event-loop side only: by core request id
+        # Steps' outputs on their way to the event loop: the core thread appends, the loop takes them all at once
+        # (one wake-up however many steps ran meanwhile, so a busy loop does less per step, not more).
+        self._outbox: list[tuple[list[CoreOutput], dict[str, BaseException]]] = []
+        self._outbox_lock = threading.Lock()
+        self._dispatch_scheduled = False
         self._live: set[str] = set()  # core thread only: core ids added and not yet finished
         self._load = self._snapshot()
         self.on_step_failure: Callable[[], None] | None = None  # called on the event loop after a failed step
@@ -150,6 +155,7 @@ class EngineLoop:
         stream = RequestStream(request_id, [r.request_id for r in requests])
         for request in requests:
             request.final_only = final_only  # before the core thread sees it
+            self._stream_of[request.request_id] = stream
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, list(requests)))
         return stream
@@ -166,21 +172,31 @@ class EngineLoop:
     def close(self, stream: RequestStream) -> None:
         """Stop routing outputs to `stream`; later outputs for its choices are dropped."""
         self._streams.pop(stream.request_id, None)
+        for core_id in stream.core_ids:
+            self._stream_of.pop(core_id, None)
 
     # -- event-loop side ---------------------------------------------------------------------------------
 
-    def _dispatch(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
-        grouped: dict[str, list[CoreOutput]] = {}
-        for output in outputs:
-            grouped.setdefault(split_core_request_id(output.request_id)[0], []).append(output)
-        for request_id, items in grouped.items():
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream._put(items)
-        for request_id, error in errors.items():
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream._put(error)
+    def _dispatch(self) -> None:
+        """Route every step published since the last call: each stream gets one list of its outputs, in step
+        order (an error goes after the outputs that came before it)."""
+        with self._outbox_lock:
+            published, self._outbox = self._outbox, []
+            self._dispatch_scheduled = False
+        routed: dict[RequestStream, list[CoreOutput]] = {}
+        for outputs, errors in published:
+            for output in outputs:
+                stream = self._stream_of.get(output.request_id)
+                if stream is not None:
+                    routed.setdefault(stream, []).append(output)
+            for request_id, error in errors.items():
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    if stream in routed:
+                        stream._put(routed.pop(stream))
+                    stream._put(error)
+        for stream, items in routed.items():
+            stream._put(items)
 
     # -- core thread ---------------------------------------------------------------------------------------
 
@@ -254,9 +270,14 @@ class EngineLoop:
             self.on_step_failure()
 
     def _publish(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
+        with self._outbox_lock:
+            self._outbox.append((outputs, errors))
+            if self._dispatch_scheduled:
+                return  # the loop has not taken the last ones yet: these go with them
+            self._dispatch_scheduled = True
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._dispatch, outputs, errors)
+            self._loop.call_soon_threadsafe(self._dispatch)
 
     def _snapshot(self) -> LoadSnapshot:
         scheduler = self._core.scheduler
