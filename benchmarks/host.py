@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -56,15 +57,11 @@ from benchmarks.step_probes import OpCounts, StepRecorder, StepTimes, counting_o
 from engine_server import LLM
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
-from engine_server.llm import engine_eos_ids, engine_generation_defaults
 from engine_server.loader import resolve_model
 from engine_server.models import kv_cache_bytes_per_block
 from engine_server.runner import resolve_device, resolve_dtype
 from engine_server.sampling_params import SamplingParams
-from engine_server.server.server import server_options
-from engine_server.server.servicer import EngineServicer
-from engine_server.server.serving import ServingEngine
-from engine_server.tokenizer.loading import load_tokenizer
+from engine_server.server.server import EngineServer, ServerConfig
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 SAMPLING_KINDS = ("greedy", "sampled", "seeded")
@@ -179,30 +176,25 @@ def offline_results(args: argparse.Namespace, runs: list[Run], seeds: Iterator[i
 
 
 async def grpc_results(args: argparse.Namespace, runs: list[Run], seeds: Iterator[int]) -> list[dict[str, Any]]:
-    """The engine server on the null device in this process; one client process per repeat of each run."""
-    config = engine_config(args)
-    source = resolve_model(config.model)
-    tokenizer = load_tokenizer(source.tokenizer_path)
-    core = EngineCore(config, source)
+    """`ladle engine`'s own server on the null device, in this process; one client process per repeat of each
+    run. The stand-ins go in through the server's `prepare_core` seam, before the core's loop starts."""
     clock = DeviceClock()
-    recorder = StepRecorder(core)
-    gate = StartGate(core)
+    probes: list[tuple[StepRecorder, StartGate]] = []
     results = []
-    # Installed before the core's thread starts, which alone touches the core from then on.
-    with null_device(core.runner, clock), recorder.attached(), wrapped(core, "step", gate.wrap):
-        engine = ServingEngine(
-            core, tokenizer, source.name, engine_eos_ids(source, tokenizer), asyncio.get_running_loop(),
-            generation_defaults=engine_generation_defaults(config, source),
-        )  # fmt: skip
-        engine.loop.start()
-        server = grpc.aio.server(options=server_options())
-        servicer = EngineServicer()
-        servicer.attach(engine)
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
-        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        await server.start()
+    with contextlib.ExitStack() as stack:
+
+        def prepare(core: EngineCore) -> None:  # on the core's thread, which alone touches it afterwards
+            recorder, gate = StepRecorder(core), StartGate(core)
+            stack.enter_context(null_device(core.runner, clock))
+            stack.enter_context(recorder.attached())
+            stack.enter_context(wrapped(core, "step", gate.wrap))
+            probes.append((recorder, gate))
+
+        server = EngineServer(ServerConfig(engine=engine_config(args), port=0), prepare_core=prepare)
+        address = await server.start()
         try:
-            await engine.warm_up()
+            await server.load()  # warms up and freezes the start-up heap, as `ladle engine` does
+            (recorder, gate), = probes
             print(TABLE_HEADER, flush=True)
             for run in runs:
                 clock.step_s = run.device_ms / 1e3  # the core is idle between runs
@@ -215,8 +207,8 @@ async def grpc_results(args: argparse.Namespace, runs: list[Run], seeds: Iterato
                 results.append(_record(args, run, repeats, client=clients[_median_index(repeats)]))
                 print(_row(results[-1]), flush=True)
         finally:
-            await server.stop(1.0)
-            await engine.close()
+            server.stop_requested.set()
+            await server.drain()
     return results
 
 

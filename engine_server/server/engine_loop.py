@@ -127,6 +127,11 @@ class EngineLoop:
     def load(self) -> LoadSnapshot:
         return self._load
 
+    @property
+    def core(self) -> EngineCore:
+        """The core; only its own thread may touch it once the loop runs."""
+        return self._core
+
     def start(self) -> None:
         """Run the core on a new thread."""
         self._thread.start()

@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine_server.config import EngineConfig
+from engine_server.core.engine_core import EngineCore
 from engine_server.host_memory import freeze_startup_heap
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
@@ -86,8 +87,10 @@ def server_options() -> list[tuple[str, int]]:
 class EngineServer:
     """One grpc.aio server for one engine. Create and use it inside a running event loop."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, prepare_core: Callable[[EngineCore], None] | None = None) -> None:
+        """`prepare_core`: see `ServingEngine.start` (None in `ladle engine`)."""
         self.config = config
+        self._prepare_core = prepare_core
         self.server = grpc.aio.server(options=server_options())
         self.servicer = EngineServicer()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # aio is imported, not declared
@@ -123,7 +126,7 @@ class EngineServer:
 
     async def load(self) -> None:
         """Load the model off the event loop, warm it up, then admit calls, report SERVING and listen."""
-        self.engine = await ServingEngine.start(self.config.engine, self.config.grammar)
+        self.engine = await ServingEngine.start(self.config.engine, self.config.grammar, self._prepare_core)
         await self.engine.warm_up()
         freeze_startup_heap()
         self.engine.loop.on_step_failure = self._step_failed

@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -132,8 +132,16 @@ class ServingEngine:
         self._ids = itertools.count()
 
     @classmethod
-    async def start(cls, config: EngineConfig, grammar_config: GrammarCompilerConfig | None = None) -> ServingEngine:
+    async def start(
+        cls,
+        config: EngineConfig,
+        grammar_config: GrammarCompilerConfig | None = None,
+        prepare_core: Callable[[EngineCore], None] | None = None,
+    ) -> ServingEngine:
         """Load the model on a new `engine-core` thread, which then runs the core loop; returns once loaded.
+
+        `prepare_core`, when given, is called with the loaded core on that thread before its loop starts (a
+        benchmark swaps in a stand-in device there).
 
         Loading, warm-up and every step run on that one thread because a thread that ran parallel torch ops
         keeps an OpenMP team: with two live teams on more threads than cores, libgomp throttles its spin-waits
@@ -145,6 +153,8 @@ class ServingEngine:
         def core_thread() -> None:
             try:
                 engine = cls._load(config, loop, grammar_config)
+                if prepare_core is not None:
+                    prepare_core(engine.loop.core)
             except BaseException as exc:
                 loop.call_soon_threadsafe(_settle, loaded, None, exc)
                 return
