@@ -184,8 +184,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        interactive_only = self._interactive_prefill_pending()
-        prefill_left = self._prefill_allowance(interactive_only, now)
+        interactive_only, decode_rows = self._scan_running()
+        prefill_left = self._prefill_allowance(interactive_only, decode_rows, now)
 
         # Every running request, every step: the loop body is kept to plain arithmetic for a decode (one token,
         # inside its last block), which is most of them.
@@ -291,20 +291,22 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _interactive_prefill_pending(self) -> bool:
-        """Whether an INTERACTIVE request waits to start, or is running with more than one token to compute."""
-        if self._waiting[Priority.INTERACTIVE]:
-            return True
+    def _scan_running(self) -> tuple[bool, int]:
+        """In one pass over the running requests (it runs every step): whether an INTERACTIVE request waits to
+        start or is running with more than one token to compute, and how many have exactly one (decode rows)."""
+        interactive_prefill = bool(self._waiting[Priority.INTERACTIVE])
+        decode_rows = 0
         for request in self._running:
-            if request.priority is not Priority.INTERACTIVE:
-                return False  # rank order: the rest are BATCH
-            if request.num_known_and_pending_tokens - request.num_computed_tokens > 1:
-                return True
-        return False
+            remaining = request.num_known_and_pending_tokens - request.num_computed_tokens
+            if remaining == 1:
+                decode_rows += 1
+            elif remaining > 1 and request.priority is Priority.INTERACTIVE:
+                interactive_prefill = True
+        return interactive_prefill, decode_rows
 
-    def _prefill_allowance(self, interactive_only: bool, now: float) -> int:
+    def _prefill_allowance(self, interactive_only: bool, decode_rows: int, now: float) -> int:
         """Prefill tokens this step may carry: all the budget in a step for INTERACTIVE prefill (or without a
-        step-time model), else what fits the time target beside the running requests' decode rows (the quiet
+        step-time model), else what fits the time target beside the running requests' `decode_rows` (the quiet
         target when no INTERACTIVE request has arrived or run for a while)."""
         if interactive_only or self.step_time is None:
             return self.config.max_num_batched_tokens
@@ -312,7 +314,6 @@ class Scheduler:
             self._last_interactive = now
         quiet = now - self._last_interactive > INTERACTIVE_QUIET_S
         target = self.step_time.quiet_target_s if quiet else self.step_time.target_s
-        decode_rows = sum(1 for r in self._running if r.num_known_and_pending_tokens - r.num_computed_tokens == 1)
         return self.step_time.batch_prefill_cap(decode_rows, target)
 
     def _may_admit(self, interactive_only: bool, preempted: list[str]) -> bool:
