@@ -190,12 +190,14 @@ class Scheduler:
         # Every running request, every step: the loop body is kept to plain arithmetic for a decode (one token,
         # inside its last block), which is most of them.
         running, kv_cache = self._running, self.kv_cache
+        num_decode_rows = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             if interactive_only and request.priority is not Priority.INTERACTIVE:
                 break  # `_running` is in rank order: every request from here on is BATCH
-            remaining = request.num_known_and_pending_tokens - request.num_computed_tokens
+            start = request.num_computed_tokens
+            remaining = request.num_known_and_pending_tokens - start
             num_new = 1 if remaining == 1 else min(remaining, budget, prefill_left)
             if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
@@ -205,21 +207,26 @@ class Scheduler:
                 blocks = self._allocate_or_preempt(request, num_new, preempted)
                 if blocks is None:
                     break  # it preempted itself, so it was the tail: nothing after it is left
-            scheduled.append(self._advance(request, num_new, blocks, 0))
+            # `_advance`, inline: this runs for every running request every step.
+            request.num_computed_tokens = start + num_new
+            needs_sample = num_new == remaining
+            if needs_sample:
+                request.num_pending_tokens += 1  # until update_from_output brings its token
+            scheduled.append(ScheduledRequest(request, start, num_new, blocks, needs_sample, 0))
+            if num_new == 1 and start >= request.num_prompt_tokens:
+                num_decode_rows += 1  # not `is_prefill`
             budget -= num_new
             if remaining > 1:
                 prefill_left -= num_new
             i += 1
 
+        num_running_rows = len(scheduled)
         if self._may_admit(interactive_only, preempted):
             classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
             budget = self._admit_waiting(budget, prefill_left, scheduled, finished, now, classes, preempted)
 
         num_batched_tokens = self.config.max_num_batched_tokens - budget
-        # The rows that are not `is_prefill`, without a call per request.
-        num_decode_rows = sum(
-            1 for s in scheduled if s.num_new_tokens == 1 and s.start_position >= s.request.num_prompt_tokens
-        )
+        num_decode_rows += sum(1 for item in scheduled[num_running_rows:] if not item.is_prefill)  # admitted ones
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=num_batched_tokens,

@@ -88,6 +88,10 @@ class FakeRunner:
 
     def step(self, output: SchedulerOutput) -> dict[str, int]:
         bs = self.block_size
+        # The counts the scheduler keeps as it goes agree with the rows themselves.
+        assert output.num_batched_tokens == sum(item.num_new_tokens for item in output.scheduled)
+        assert output.num_decode_rows == sum(1 for item in output.scheduled if not item.is_prefill)
+        assert output.num_prefill_tokens == sum(item.num_new_tokens for item in output.scheduled if item.is_prefill)
         # All writes of a step land before any read, as on the device.
         for item in output.scheduled:
             tokens = item.request.all_token_ids
