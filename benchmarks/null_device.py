@@ -44,15 +44,18 @@ class NullModel(torch.nn.Module):
 
 
 class NullSampler(Sampler):
-    """Row i of a step gets token FIRST_TOKEN_ID + i % TOKEN_ID_SPAN; the rows' metadata is still built."""
+    """Row i of a step gets token FIRST_TOKEN_ID + i % TOKEN_ID_SPAN; the rows' metadata is still built (by the
+    runner, which hands it to `sample`)."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         super().__init__(vocab_size, device, seed=0)
         self._token_ids = self._table(1)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        SamplingMetadata.build(rows, self.vocab_size, self.device)
-        return self._tokens(len(rows))
+        return self.sample(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        return self._tokens(logits.shape[0])
 
     def argmax(self, logits: torch.Tensor) -> SamplerOutput:
         return self._tokens(logits.shape[0])

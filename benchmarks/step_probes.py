@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_server.core.engine_core import EngineCore
-from engine_server.sampling import Sampler, SamplerOutput, SamplingRow
+from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 
 # The timed parts of a step, in the order of `StepRecord.phases`; "rest" (what is left) is not timed itself.
 TIMED_PHASES = ("schedule", "launch", "collect", "update_from_output")
@@ -291,6 +291,10 @@ class _CountedSampler(Sampler):
         with self._counter.in_phase("sampling"):
             return super().__call__(logits, rows)
 
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        with self._counter.in_phase("sampling"):
+            return super().sample(logits, meta)
+
     def argmax(self, logits: torch.Tensor) -> SamplerOutput:
         with self._counter.in_phase("sampling"):
             return super().argmax(logits)
@@ -340,6 +344,7 @@ def counting_ops(core: EngineCore, real_forward: bool = False) -> Iterator[OpCou
         stack.enter_context(wrapped(runner, "collect", lambda fn: counter.phased("collect", fn)))
         stack.enter_context(wrapped(model, "forward", forward))
         stack.enter_context(wrapped(model, "compute_logits", lambda fn: counter.phased("logits", fn)))
+        stack.enter_context(wrapped(runner, "_sampling_metadata", lambda fn: counter.phased("sampling", fn)))
         sampler = _CountedSampler(runner.sampler.vocab_size, runner.device, counter)
         stack.enter_context(replaced(runner, "sampler", sampler))
         stack.enter_context(counter)

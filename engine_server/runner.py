@@ -28,7 +28,7 @@ from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.quantization import quantize_model, resolve_quantization
-from engine_server.sampling import Sampler, SamplerOutput, SamplingRow, TokenLogprobs
+from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 from engine_server.transfer import host_tensor, to_device
 
@@ -207,6 +207,8 @@ class ModelRunner:
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
         self._last_sampled: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        # The last sampling step's request ids and metadata, when it may serve the next step (_sampling_metadata).
+        self._sampling_cache: tuple[list[str], SamplingMetadata] | None = None
         self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1:
@@ -278,10 +280,8 @@ class ModelRunner:
         if all(item.request.argmax_only for item in sampling):
             sampled = self.sampler.argmax(logits)  # no per-row set-up: a step's host time matters on a GPU
         else:
-            # Filled after the forward is launched: on CUDA the host-side grammar work overlaps the GPU's.
-            bitmasks = self.grammars.bitmasks([item.request for item in sampling])
-            rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
-            sampled = self.sampler(logits, rows)
+            # Built after the forward is launched: on CUDA the host-side work overlaps the GPU's.
+            sampled = self.sampler.sample(logits, self._sampling_metadata(sampling))
         self._last_sampled = (sampled.token_ids, sampling)
         return LaunchedStep(sampling, *_copy_to_host(sampled))
 
@@ -346,6 +346,25 @@ class ModelRunner:
         rows = to_device(host_tensor(tokens.pending_rows, torch.long, self.device), self.device)
         values = last_ids.index_select(0, to_device(host_tensor(sources, torch.long, self.device), self.device))
         return rows, values
+
+    def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
+        """The sampling metadata of a step's sampling rows. Reused from the step before when it sampled the same
+        requests in the same order and none of them changes what it asks from step to step (a grammar's mask,
+        min_tokens, penalties: `needs_output_history`), then only the seeded rows' positions are redone:
+        a steady decode batch builds no per-row Python objects for sampling."""
+        request_ids = [item.request_id for item in sampling]
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == request_ids:
+            meta = cached[1]
+            if meta.seeded is None:
+                return meta
+            return meta.at_positions([item.start_position + item.num_new_tokens for item in sampling], self.device)
+        bitmasks = self.grammars.bitmasks([item.request for item in sampling])
+        rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
+        meta = SamplingMetadata.build(rows, self.sampler.vocab_size, self.device)
+        steady = not any(item.request.needs_output_history for item in sampling)
+        self._sampling_cache = (request_ids, meta) if steady else None
+        return meta
 
     def _row(self, item: ScheduledRequest, bitmask: torch.Tensor | None = None) -> SamplingRow:
         request = item.request

@@ -66,6 +66,8 @@ class SeededRows:
 
     rows: torch.Tensor | None  # [S] int64 indices into the batch; None means every row, in order
     keys: torch.Tensor  # [S] int64: noise.row_keys(seed, position), the bits of a uint64
+    row_indices: tuple[int, ...] = ()  # host copy of the rows (every row listed, even when `rows` is None)
+    seeds: tuple[int, ...] = ()  # their seeds, so the keys can be redone for later positions
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +102,15 @@ class SamplingMetadata:
     @property
     def any_logprobs(self) -> bool:
         return any(self.wants_logprobs)
+
+    def at_positions(self, positions: Sequence[int], device: torch.device) -> SamplingMetadata:
+        """This batch's metadata for a later step of the same rows, whose sampled tokens sit at `positions`
+        (one per row): only the seeded rows' noise keys change (one copy when there are any)."""
+        if self.seeded is None:
+            return self
+        stage = _Stager(device)
+        keys = row_keys(self.seeded.seeds, [positions[i] for i in self.seeded.row_indices])
+        return stage.finish(dataclasses.replace(self, seeded=dataclasses.replace(self.seeded, keys=stage.array(keys))))
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
@@ -214,7 +225,8 @@ def _seeded(stage: _Stager, rows: Sequence[SamplingRow], greedy: list[bool]) -> 
         return None
     keys = row_keys([seed for _, seed in seeds], [rows[i].position for i, _ in seeds])
     picked = None if len(seeds) == len(rows) else stage([i for i, _ in seeds], np.int64)
-    return SeededRows(rows=picked, keys=stage.array(keys))
+    indices, seed_values = zip(*seeds, strict=True)
+    return SeededRows(rows=picked, keys=stage.array(keys), row_indices=indices, seeds=seed_values)
 
 
 def _logit_bias(stage: _Stager, rows: Sequence[SamplingRow]) -> SparseTokens | None:

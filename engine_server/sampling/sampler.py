@@ -112,10 +112,17 @@ class Sampler:
         """Sample for `rows`; `logits` is [B, >=V] with row i belonging to rows[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows of vocab {self.vocab_size}")
-        raw = _float32(logits[:, : self.vocab_size])
         if not rows:
             return SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64, device=logits.device))
-        meta = SamplingMetadata.build(rows, self.vocab_size, self.device)
+        return self.sample(logits, SamplingMetadata.build(rows, self.vocab_size, self.device))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """`__call__` with the rows' metadata already built (the caller may reuse it across steps of the same
+        rows: `SamplingMetadata.at_positions`)."""
+        if logits.dim() != 2 or logits.shape[0] != len(meta.wants_logprobs) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(meta.wants_logprobs)} rows")
+        raw = _float32(logits[:, : self.vocab_size])
         if meta.all_greedy and not meta.modifies_logits:
             tokens = raw.argmax(dim=-1)
         else:

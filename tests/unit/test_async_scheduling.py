@@ -176,3 +176,26 @@ def test_pending_tokens_reach_the_decode_graphs() -> None:
     actual, _ = _run(core, _requests(lambda i: greedy))
     assert actual == expected
     assert sum(graphs.replays.values()) >= 7
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampling_metadata_reused_across_steps_samples_what_a_fresh_build_does(async_scheduling: bool) -> None:
+    """A batch of the same requests reuses its sampling metadata (the seeded rows' keys redone at their new
+    positions); the batch changes as requests end, and penalty rows keep it from being reused at all."""
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=2.0 if i % 3 else 0.0,  # flat: a wrong key would show
+            top_p=0.9 if i % 2 else 1.0,
+            seed=77 + i if i % 3 else None,
+            max_tokens=12 + i % 2,  # steady batches, changing twice at the end
+            repetition_penalty=1.2 if i == 5 and async_scheduling else 1.0,
+            logprobs=i % 4 == 0,
+        )
+
+    def rebuild_every_step(_: int, core: EngineCore) -> None:
+        core.runner._sampling_cache = None
+
+    fresh, _ = _run(_core(async_scheduling), _requests(params), rebuild_every_step)
+    reused, _ = _run(_core(async_scheduling), _requests(params))
+    assert reused == fresh

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_server.sampling import Sampler, SamplingRow, noise
+from engine_server.sampling import Sampler, SamplingMetadata, SamplingRow, noise
 from engine_server.sampling_params import SamplingParams
 from kernels.reference import SPLITMIX_GOLDEN, SPLITMIX_MIX_1, SPLITMIX_MIX_2
 
@@ -155,3 +155,29 @@ def test_a_seeded_token_depends_only_on_its_seed_position_and_logits() -> None:
     assert len(set(tokens)) > 5  # positions draw different noise
     other_seed = [Sampler(vocab, "cpu")(logits, [seeded_row(params, 6, p)]).token_id_list()[0] for p in range(40)]
     assert other_seed != tokens
+
+
+def test_metadata_at_later_positions_equals_a_fresh_build() -> None:
+    """A steady batch reuses its metadata from step to step; only the seeded rows' keys follow the positions."""
+    params = [SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=0.0), SamplingParams(top_p=0.9)]
+    seeds = [5, None, None]
+
+    def rows(positions: Sequence[int]) -> list[SamplingRow]:
+        return [
+            SamplingRow(p, [1, 2], [], frozenset(), position=pos, seed=seed)
+            for p, pos, seed in zip(params, positions, seeds, strict=True)
+        ]
+
+    device = torch.device("cpu")
+    first = SamplingMetadata.build(rows([4, 9, 2]), 64, device)
+    later, fresh = first.at_positions([7, 10, 3], device), SamplingMetadata.build(rows([7, 10, 3]), 64, device)
+    assert later.seeded is not None and fresh.seeded is not None
+    assert later.seeded.keys.tolist() == fresh.seeded.keys.tolist() != first.seeded.keys.tolist()
+    assert later.seeded.row_indices == fresh.seeded.row_indices == (0,)
+    for name in ("temperature", "top_p", "greedy_mask"):
+        assert getattr(later, name).tolist() == getattr(fresh, name).tolist(), name
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    sampler = Sampler(64, device, seed=1)
+    assert sampler.sample(logits, later).token_ids[0] == sampler.sample(logits, fresh).token_ids[0]
+    unseeded = SamplingMetadata.build(rows([1, 1, 1])[1:], 64, device)
+    assert unseeded.at_positions([2, 2], device) is unseeded  # nothing to redo
