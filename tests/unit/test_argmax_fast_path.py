@@ -23,9 +23,9 @@ def _generate(requests: list[Request], monkeypatch: pytest.MonkeyPatch) -> tuple
     runner = tiny_runner(config)
     scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks, MAX_MODEL_LEN)
     calls: list[str] = []
-    full, argmax = Sampler.__call__, Sampler.argmax
+    full, argmax = Sampler.sample, Sampler.argmax
     with monkeypatch.context() as patch:
-        patch.setattr(Sampler, "__call__", lambda self, *a: calls.append("full") or full(self, *a))
+        patch.setattr(Sampler, "sample", lambda self, *a: calls.append("full") or full(self, *a))
         patch.setattr(Sampler, "argmax", lambda self, *a: calls.append("argmax") or argmax(self, *a))
         for request in requests:
             scheduler.add_request(request)
