@@ -8,6 +8,9 @@
   each instead of 3-9 torch ops, which on a prefill chunk are memory-bound passes and on a decode step are
   dispatch overhead.
 - The KV cache write stays the reference's (two `index_copy_`).
+- Seeded sampling rows' counter-based noise (`kernels/cpu/seeded_noise.cpp`): the hash in one pass and the
+  reference's own log, bit-identical to `reference.seeded_log_uniforms` and 2 passes instead of 13; used by
+  `engine_server.sampling.noise` through `cpu_seeded_log_uniforms()`.
 - Quantized linear layers (`kernels/cpu/quant_matmul.cpp`) and the decode stack (`kernels/cpu/decoder.cpp`), which
   runs a quantized model's decode step through all these kernels in one call; both are used through
   `engine_server.layers` (`QuantizedLinear`, `decode_stack`), not through `KernelOps`.
@@ -32,7 +35,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -45,7 +48,7 @@ from kernels import reference
 log = structlog.get_logger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "cpu"
-_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "decoder.cpp")
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "decoder.cpp", "seeded_noise.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"
@@ -140,6 +143,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
     out: torch.Tensor = torch.ops.ladle_cpu.silu_and_mul(x)
     return out
+
+
+def seeded_log_uniforms(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`reference.seeded_log_uniforms`, bit for bit: log(u) `[S, V]` float32 for int64 keys `[S]` and token ids
+    `[V]` on the CPU."""
+    out: torch.Tensor = torch.ops.ladle_cpu.seeded_log_uniforms(keys, tokens)
+    return out
+
+
+def cpu_seeded_log_uniforms() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """`seeded_log_uniforms`, or None where `cpu_ops()` is (disabled, or not buildable here)."""
+    return None if cpu_ops() is None else seeded_log_uniforms
 
 
 def _rows(x: torch.Tensor) -> bool:

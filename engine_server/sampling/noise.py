@@ -14,8 +14,9 @@ what the row drew before: a seeded request samples the same tokens alone or in a
 preemption recomputes it. Choice i of an n > 1 request has seed + i (the frontend's doing); mix64(seed) makes
 those keys unrelated.
 
-The device part is one Triton kernel on CUDA (when triton imports) and 13 int64 torch ops elsewhere, for any
-number of seeded rows: the per-request torch.Generator this replaces cost two ops per seeded row and step.
+The device part is one kernel for any number of seeded rows: Triton on CUDA (when triton imports), the C++ CPU
+kernel on the CPU (when it builds), else the reference's 13 int64 torch ops. The per-request torch.Generator
+this replaces cost two ops per seeded row and step.
 """
 
 from __future__ import annotations
@@ -67,11 +68,22 @@ class SeededNoise:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         # Built once: an arange per step would be one more op.
         self._tokens = torch.arange(vocab_size, dtype=torch.int64, device=device)
-        self._kernel = _triton_seeded_log_uniforms() if device.type == "cuda" else None
+        self._kernel = _device_kernel(device.type)
 
     def log_uniforms(self, keys: torch.Tensor) -> torch.Tensor:
         """[S, V] float32 log(u) for keys [S] int64 on the device: negative and finite (E = -log(u) > 0)."""
         return (self._kernel or reference.seeded_log_uniforms)(keys, self._tokens)
+
+
+def _device_kernel(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The fused kernel for this kind of device, or None (then the reference runs)."""
+    if device_type == "cuda":
+        return _triton_seeded_log_uniforms()
+    if device_type == "cpu":
+        from kernels.cpu_ops import cpu_seeded_log_uniforms
+
+        return cpu_seeded_log_uniforms()
+    return None
 
 
 @functools.cache

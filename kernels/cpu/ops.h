@@ -23,5 +23,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
                          const at::Tensor& mins, int64_t n_rows);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales);
+at::Tensor seeded_log_uniforms(const at::Tensor& keys, const at::Tensor& tokens);
 
 }  // namespace ladle_cpu

@@ -229,3 +229,31 @@ def test_cpu_ops_mirror_the_reference_signatures() -> None:
         ours, ref = getattr(ops, field.name), getattr(reference, field.name)
         assert ours.__name__ == field.name
         assert list(inspect.signature(ours).parameters) == list(inspect.signature(ref).parameters)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 100), (9, 1025), (40, 4099)])
+def test_seeded_noise_is_the_reference_bit_for_bit(rows: int, vocab: int) -> None:
+    """Keys over the whole int64 range (the sign bit included), token ids in any order; u is exact and the log
+    is the reference's own op, so the C++ kernel equals the reference exactly."""
+    gen = torch.Generator().manual_seed(vocab)
+    edge = [0, 1, -1, 2**63 - 1, -(2**63), 0x5DEECE66D, -0x61C8864680B583EB]
+    random_keys = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen, dtype=torch.int64).tolist()
+    keys = torch.tensor((edge + random_keys)[:rows], dtype=torch.int64)
+    for tokens in (torch.arange(vocab), torch.randperm(2 * vocab, generator=gen)[:vocab]):
+        got = cpu.seeded_log_uniforms(keys, tokens)
+        assert got.dtype == torch.float32 and got.shape == (rows, vocab)
+        assert torch.equal(got, reference.seeded_log_uniforms(keys, tokens))
+    strided = torch.tensor(edge * 2, dtype=torch.int64)[::2]
+    tokens = torch.arange(7)
+    assert torch.equal(cpu.seeded_log_uniforms(strided, tokens), reference.seeded_log_uniforms(strided, tokens))
+
+
+@needs_kernels
+def test_seeded_noise_checks_its_inputs_and_the_sampler_uses_it() -> None:
+    from engine_server.sampling.noise import SeededNoise
+
+    with pytest.raises(RuntimeError, match="int64"):
+        cpu.seeded_log_uniforms(torch.zeros(2, dtype=torch.int32), torch.arange(4))
+    assert cpu.seeded_log_uniforms(torch.zeros(0, dtype=torch.int64), torch.arange(4)).shape == (0, 4)
+    assert SeededNoise(100, torch.device("cpu"))._kernel is cpu.seeded_log_uniforms
