@@ -103,10 +103,12 @@ class KVCacheManager:
         The scheduler asks this first for every running request every step; a decode inside its last block,
         most of them, ends here in a few operations.
         """
+        num_total = request.num_computed_tokens + num_new_tokens
+        if num_total <= request.num_slots_in_place:
+            return request.block_ids
         table = self._tables.get(request.request_id)
         if table is None:
             return None
-        num_total = request.num_computed_tokens + num_new_tokens
         size = self.block_size
         if num_total > len(table) * size:
             return None
@@ -147,12 +149,14 @@ class KVCacheManager:
                 table.extend(self._pool.allocate(num_needed))
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, table, min(num_total, request.num_tokens) // size)
+        self._note_in_place(request, table)
         return table
 
     def free(self, request: Request) -> None:
         """Release every block of the request. Cached blocks stay reusable until evicted."""
         table = self._tables.pop(request.request_id, None)
         self._num_settled.pop(request.request_id, None)
+        request.block_ids, request.num_slots_in_place = [], 0
         if table:
             # Tail first: a request's last blocks are evicted before its first ones, so the shared
             # head of a prefix chain outlives the tail that depends on it.
@@ -163,6 +167,15 @@ class KVCacheManager:
         self._pool.reset_cache()
         for request_id, table in self._tables.items():
             self._num_settled[request_id] = len(table)
+
+    def _note_in_place(self, request: Request, table: list[int]) -> None:
+        """Record on the request its live table and the bound below which `slots_in_place` holds at once: the
+        slots of the blocks it holds, short of filling the first block not yet settled (which must be published).
+        A later `reset_prefix_cache` only settles more blocks, so a recorded bound never overstates."""
+        capacity = len(table) * self.block_size
+        if self.enable_prefix_caching:
+            capacity = min(capacity, (self._num_settled.get(request.request_id, 0) + 1) * self.block_size - 1)
+        request.block_ids, request.num_slots_in_place = table, capacity
 
     def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
         """Extend `request.block_hashes` to cover its first `num_blocks` full blocks."""

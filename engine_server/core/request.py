@@ -57,7 +57,8 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 
 class Request:
-    """State of one sequence. Mutated only by the scheduler (and the KV cache manager's hash cache).
+    """State of one sequence. Mutated only by the scheduler (and the KV cache manager: the hash cache, the block
+    table and `num_slots_in_place`).
 
     Invariants: `0 <= num_computed_tokens <= num_tokens`; `all_token_ids == prompt_token_ids +
     output_token_ids`; `block_hashes[i]` is the chained hash of the full block i of `all_token_ids`.
@@ -68,6 +69,7 @@ class Request:
         "argmax_only",
         "arrival_time",
         "block_hashes",
+        "block_ids",
         "deadline",
         "eos_token_ids",
         "final_only",
@@ -78,6 +80,7 @@ class Request:
         "num_computed_tokens",
         "num_pending_tokens",
         "num_preemptions",
+        "num_slots_in_place",
         "output_token_ids",
         "priority",
         "prompt_token_ids",
@@ -130,6 +133,10 @@ class Request:
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
+        # Set by the KV cache manager: the live block table, and a bound below which tokens fit the blocks held
+        # with nothing to allocate or publish (0: ask the manager). The scheduler reads both every step.
+        self.block_ids: list[int] = []
+        self.num_slots_in_place = 0
         # Tokens sampled by launched steps whose values have not reached the host yet (async scheduling): they
         # are not in all_token_ids, but the scheduler counts them, and the runner feeds them from the device.
         self.num_pending_tokens = 0

@@ -202,7 +202,10 @@ class Scheduler:
             if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
                 continue
-            blocks = kv_cache.slots_in_place(request, num_new)
+            # `slots_in_place`'s first test, inline: a decode inside its last block ends here.
+            blocks = request.block_ids if start + num_new <= request.num_slots_in_place else None
+            if blocks is None:
+                blocks = kv_cache.slots_in_place(request, num_new)
             if blocks is None:
                 blocks = self._allocate_or_preempt(request, num_new, preempted)
                 if blocks is None:

@@ -180,3 +180,55 @@ def test_slots_in_place_only_when_nothing_is_allocated_or_published() -> None:
     request.num_computed_tokens = 8
     assert manager.slots_in_place(request, 1) is None  # position 8 needs a third block
     assert manager.num_free_blocks == 6  # none of the checks allocated
+
+
+def _fits_without_allocating(manager: KVCacheManager, request: Request, num_new: int) -> bool:
+    """`slots_in_place`'s rule from the manager's own state: the new tokens fit the blocks held, and fill no
+    block that is not settled yet."""
+    table = manager.block_table(request.request_id)
+    num_total = request.num_computed_tokens + num_new
+    if not table or num_total > len(table) * manager.block_size:
+        return False
+    settled = manager._num_settled.get(request.request_id, 0)
+    return not manager.enable_prefix_caching or min(num_total, request.num_tokens) // manager.block_size <= settled
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_in_place_bound_on_the_request_never_overstates(prefix_caching: bool) -> None:
+    """The scheduler trusts `request.num_slots_in_place` without asking the manager: below it, the rule above
+    must hold, through decodes, chunks, shared prefixes, prefix-cache resets, frees and re-admissions."""
+    import random
+
+    rng = random.Random(7)
+    manager = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=prefix_caching)
+    shared = [rng.randrange(50) for _ in range(9)]
+    requests = [make_request(f"r{i}", shared + [i] * rng.randrange(1, 7), max_tokens=None) for i in range(4)]
+    checked = 0
+    for _ in range(400):
+        request = rng.choice(requests)
+        action = rng.random()
+        if action < 0.1:
+            manager.free(request)
+            request.num_computed_tokens = 0
+        elif action < 0.15:
+            manager.reset_prefix_cache()
+        else:
+            if request.num_computed_tokens == 0 and not manager.block_table(request.request_id):
+                blocks, cached = manager.get_computed_blocks(request)
+                table = manager.allocate_slots(request, request.num_tokens - cached, blocks)
+                if table is not None:
+                    request.num_computed_tokens = request.num_tokens
+            else:
+                num_new = max(1, request.num_tokens - request.num_computed_tokens)
+                if manager.allocate_slots(request, num_new) is not None:
+                    request.num_computed_tokens += num_new
+                    if request.num_computed_tokens == request.num_tokens:
+                        request.append_output_token(rng.randrange(50))
+        for other in requests:
+            for num_new in range(1, 10):
+                if other.num_computed_tokens + num_new <= other.num_slots_in_place:
+                    checked += 1
+                    assert _fits_without_allocating(manager, other, num_new), (other, num_new)
+                    assert other.block_ids is manager.block_table(other.request_id)
+                    assert manager.slots_in_place(other, num_new) is other.block_ids
+    assert checked > 100  # the bound is used, not just never set
