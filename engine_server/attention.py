@@ -62,7 +62,7 @@ class DecodeLayout:
 
     @classmethod
     def build(
-        cls, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+        cls, seq_lens: Sequence[int] | np.ndarray[Any, Any], block_tables: Sequence[Sequence[int]], block_size: int
     ) -> DecodeLayout:
         """Whole-array numpy arithmetic over the padded tables: a few array operations whatever the batch size
         (this runs every decode step). ValueError when a row has no token or its table is too short for it."""
@@ -146,7 +146,11 @@ class AttentionMetadata:
         Every per-row value comes from whole-array numpy arithmetic over the padded block tables, so the host
         time is a few array operations whatever the batch size (this runs every decode step).
         """
-        layout = DecodeLayout.build(seq_lens, block_tables, block_size)
+        return cls.from_decode_layout(DecodeLayout.build(seq_lens, block_tables, block_size), block_size, device)
+
+    @classmethod
+    def from_decode_layout(cls, layout: DecodeLayout, block_size: int, device: torch.device | str) -> AttentionMetadata:
+        """`build_decode` from a decode step's layout (which it does not modify)."""
         lens, batch = layout.seq_lens, len(layout.seq_lens)
         tables = torch.from_numpy(np.maximum(layout.block_tables, 0))  # padding columns hold 0, as `build` pads
         slots = layout.slots

@@ -175,16 +175,30 @@ class DecodeGraphs:
         result is a view of a static buffer, overwritten by the next run.
         """
         batch = len(token_ids)
-        bucket = self.bucket_for(batch)
-        if batch == 0 or bucket is None or not len(seq_lens) == len(block_tables) == batch:
+        if batch == 0 or self.bucket_for(batch) is None or not len(seq_lens) == len(block_tables) == batch:
             raise ValueError(f"a decode graph runs 1..{self.max_batch} rows with one seq_len and table each")
-        layout = DecodeLayout.build(seq_lens, block_tables, self.block_size)
+        return self.run_layout(token_ids, DecodeLayout.build(seq_lens, block_tables, self.block_size), pending)
+
+    def run_layout(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        layout: DecodeLayout,
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`run` with the rows' layout already built (not modified here). `token_ids` may be a device tensor
+        `[B]` int64 (the tokens the previous step sampled, never on the host), copied in on the device."""
+        batch = len(layout.seq_lens)
+        bucket = self.bucket_for(batch)
+        if batch == 0 or bucket is None:
+            raise ValueError(f"a decode graph runs 1..{self.max_batch} rows")
         width = layout.block_tables.shape[1]
         if width > self._block_tables.shape[1]:
-            raise ValueError(f"a sequence of {max(seq_lens)} tokens exceeds the graphs' block-table width")
+            raise ValueError(f"a sequence of {int(layout.seq_lens.max())} tokens exceeds the graphs' block-table width")
         # Padding rows: token 0 at position 0, seq_len 1, slot and tables in the scratch block.
         tokens = np.zeros((3, bucket), dtype=np.int64)
-        tokens[0, :batch] = token_ids
+        on_device = token_ids if isinstance(token_ids, torch.Tensor) else None
+        if on_device is None:
+            tokens[0, :batch] = token_ids
         tokens[1, :batch] = layout.seq_lens - 1
         tokens[2, :batch] = layout.slots
         tokens[2, batch:] = self.scratch_block * self.block_size
@@ -197,6 +211,8 @@ class DecodeGraphs:
         self._seq_lens[:bucket].copy_(self._staged(lens), non_blocking=True)
         self._block_tables[:bucket, :width].copy_(self._staged(tables), non_blocking=True)
         padded_lens = lens.tolist()
+        if on_device is not None:
+            self._token_rows(bucket)[0][:batch].copy_(on_device)
         if pending is not None:
             self._token_rows(bucket)[0].index_copy_(0, *pending)
         self._metas[bucket] = self._metadata(bucket, padded_lens)

@@ -22,6 +22,7 @@ from engine_server.config import EngineConfig, ModelConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
+from engine_server.decode_rows import DecodeRows
 from engine_server.host_memory import keep_freed_memory_for_reuse
 from engine_server.layers.ops import REFERENCE_OPS, select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
@@ -91,25 +92,19 @@ class _StepTokens:
             self.known.append(0)
 
 
-class _DecodeRows:
-    """A decode step's per-row inputs, gathered in one pass of list comprehensions (this runs every step)."""
-
-    __slots__ = ("block_tables", "seq_lens", "tokens")
-
-    def __init__(self, scheduled: list[ScheduledRequest]) -> None:
-        starts = [item.start_position for item in scheduled]
-        self.seq_lens = [start + 1 for start in starts]
-        self.block_tables = [item.block_ids for item in scheduled]
-        self.tokens = _StepTokens()
-        known = self.tokens.known
-        for item, start in zip(scheduled, starts, strict=True):
-            ids = item.request.all_token_ids
-            if start < len(ids):
-                known.append(ids[start])
-            else:  # sampled by the step before, still on the way
-                self.tokens.pending_rows.append(len(known))
-                self.tokens.pending_ids.append(item.request.request_id)
-                known.append(0)
+def _step_tokens(scheduled: list[ScheduledRequest]) -> _StepTokens:
+    """A decode step's input tokens as the host knows them (one per row)."""
+    tokens = _StepTokens()
+    known = tokens.known
+    for item in scheduled:
+        ids, start = item.request.all_token_ids, item.start_position
+        if start < len(ids):
+            known.append(ids[start])
+        else:  # sampled by the step before, still on the way
+            tokens.pending_rows.append(len(known))
+            tokens.pending_ids.append(item.request.request_id)
+            known.append(0)
+    return tokens
 
 
 def _copy_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
@@ -207,6 +202,7 @@ class ModelRunner:
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
         self._last_sampled: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        self._decode_rows = DecodeRows(self.block_size)  # the last decode step's layout, updated step to step
         # The last sampling step's request ids and metadata, when it may serve the next step (_sampling_metadata).
         self._sampling_cache: tuple[list[str], SamplingMetadata] | None = None
         self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
@@ -283,6 +279,7 @@ class ModelRunner:
             # Built after the forward is launched: on CUDA the host-side work overlaps the GPU's.
             sampled = self.sampler.sample(logits, self._sampling_metadata(sampling))
         self._last_sampled = (sampled.token_ids, sampling)
+        self._decode_rows.mark_launched(len(sampling) == len(items))
         return LaunchedStep(sampling, *_copy_to_host(sampled))
 
     def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
@@ -297,19 +294,25 @@ class ModelRunner:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
         (None for a decode step, where row i is request i's)."""
         if any(item.num_new_tokens != 1 for item in scheduled):
+            self._decode_rows.invalidate()
             return self._forward_eager(scheduled)
-        rows = _DecodeRows(scheduled)
-        pending = self._pending_inputs(rows.tokens)
+        layout, continues = self._decode_rows.layout(scheduled)
+        # A step that continues the last one reads its tokens from that launch's device tensor, row for row.
+        input_ids: torch.Tensor | None = self._last_sampled[0] if continues and self._last_sampled else None
+        pending = None
+        if input_ids is None:
+            tokens = _step_tokens(scheduled)
+            pending = self._pending_inputs(tokens)
         graphs = self.decode_graphs
         if graphs is not None and len(scheduled) <= graphs.max_batch:
-            return graphs.run(rows.tokens.known, rows.seq_lens, rows.block_tables, pending=pending), None
-        meta = AttentionMetadata.build_decode(rows.seq_lens, rows.block_tables, self.block_size, self.device)
-        input_ids = to_device(torch.from_numpy(np.asarray(rows.tokens.known, dtype=np.int64)), self.device)
-        if pending is not None:
-            input_ids.index_copy_(0, *pending)
-        positions = np.asarray(rows.seq_lens, dtype=np.int64) - 1
-        hidden = self.model(input_ids, to_device(torch.from_numpy(positions), self.device), self.kv_caches, meta)
-        return hidden, None
+            return graphs.run_layout(tokens.known if input_ids is None else input_ids, layout, pending), None
+        meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
+        if input_ids is None:
+            input_ids = to_device(torch.from_numpy(np.asarray(tokens.known, dtype=np.int64)), self.device)
+            if pending is not None:
+                input_ids.index_copy_(0, *pending)
+        positions = to_device(torch.from_numpy(layout.seq_lens - 1), self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta), None
 
     def _forward_eager(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
         tokens = _StepTokens()

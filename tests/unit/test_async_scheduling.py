@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from engine_server.attention import DecodeLayout
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Request, RequestStatus
+from engine_server.core.scheduler_output import ScheduledRequest
 from engine_server.cuda_graphs import EagerCapture
 from engine_server.sampling_params import SamplingParams
 from tests.unit.factories import VOCAB
@@ -199,3 +201,47 @@ def test_sampling_metadata_reused_across_steps_samples_what_a_fresh_build_does(a
     fresh, _ = _run(_core(async_scheduling), _requests(params), rebuild_every_step)
     reused, _ = _run(_core(async_scheduling), _requests(params))
     assert reused == fresh
+
+
+@pytest.mark.parametrize(("graphs", "budget"), [(False, None), (True, None), (False, 4)])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_kept_decode_layout_and_tokens_give_what_a_fresh_build_does(
+    async_scheduling: bool, graphs: bool, budget: int | None
+) -> None:
+    """Steady decode steps keep their layout and read their tokens from the last launch's tensor; the batch
+    changes as requests end, and a small KV pool preempts and readmits requests. With a budget of 4 tokens a
+    step and 4 seats, a prompt advances a token at a time beside 3 decode rows: steps of single tokens where a
+    row samples nothing, whose inputs are not the last launch's tokens."""
+    block_bytes = 2 * 4 * TINY_LLAMA.num_key_value_heads * TINY_LLAMA.head_dim * 4 * 2
+
+    def params(i: int) -> SamplingParams:
+        length = 10 if budget is None else 40  # long enough, with a small budget, for prompts to trickle in
+        return SamplingParams(temperature=1.5 if i % 2 else 0.0, seed=5 + i, max_tokens=length + i % 5, ignore_eos=True)
+
+    def core() -> EngineCore:
+        made = _core(async_scheduling, memory_bytes=(44 if budget is None else 160) * block_bytes)
+        if budget is not None:
+            scheduler = made.scheduler.config
+            made.scheduler.config = dataclasses.replace(scheduler, max_num_batched_tokens=budget, max_num_seqs=budget)
+        if graphs:
+            made.runner.capture_decode_graphs(EagerCapture())
+        return made
+
+    def rebuild_every_step(_: int, core: EngineCore) -> None:
+        core.runner._decode_rows.invalidate()
+
+    fresh, _ = _run(core(), _requests(params), rebuild_every_step)
+    kept_core = core()
+    layout = kept_core.runner._decode_rows.layout
+    continued: list[bool] = []
+
+    def counted(scheduled: list[ScheduledRequest]) -> tuple[DecodeLayout, bool]:
+        result = layout(scheduled)
+        continued.append(result[1])
+        return result
+
+    kept_core.runner._decode_rows.layout = counted  # type: ignore[method-assign]
+    kept, _ = _run(kept_core, _requests(params))
+    assert kept == fresh
+    assert sum(continued) >= 5 and not all(continued)  # both paths ran
+    assert budget is not None or kept_core.scheduler.total_preemptions > 0  # 4 seats need no preemption

@@ -97,7 +97,9 @@ def test_op_counts_are_those_of_the_real_forward(llm_and_args: tuple[Any, Any]) 
     stand_in = host.count_offline_ops(llm, 2, "sampled", args, seed=1)
     real = host.count_offline_ops(llm, 2, "sampled", args, seed=2, real_forward=True)
     assert stand_in.ops_by_phase == real.ops_by_phase and stand_in.steps == real.steps == 8 - 2
-    assert stand_in.ops_per_step == sum(stand_in.ops_by_phase.values()) == sum(stand_in.ops_by_name.values())
+    assert stand_in.ops_per_step == pytest.approx(sum(stand_in.ops_by_phase.values()), abs=0.05)
+    # Means over the steps, each rounded to 0.01: their sum may be off by a few hundredths.
+    assert stand_in.ops_per_step == pytest.approx(sum(stand_in.ops_by_name.values()), abs=0.05)
     assert all(stand_in.ops_by_phase[phase] > 0 for phase in ("inputs", "logits", "sampling"))
 
 
