@@ -1,9 +1,11 @@
-"""The C++ decode stack (`kernels/cpu/decoder.cpp`): a quantized model's decode steps in one call on the CPU.
+"""The C++ decode stack (`kernels/cpu/decoder.cpp`): a quantized model's steps in one call on the CPU.
 
-A decode step from Python is ~10 op calls per layer, each with a few microseconds of interpreter and dispatcher
+A step from Python is ~10 op calls per layer, each with a few microseconds of interpreter and dispatcher
 overhead; for SmolLM2-135M with 4-bit weights that was a third of a single-stream token. `DecodeStack` runs the
-same kernels in the same order from C++, so `DecoderModel.forward` hands it every step whose rows are all decode
-rows and gets the layers' result bit for bit (tests/unit/test_decode_stack.py).
+same kernels in the same order from C++, so `DecoderModel.forward` hands it every step and gets the layers' result
+bit for bit (tests/unit/test_decode_stack.py). The quantized CPU path's attention takes every token as a decode row
+of its own (`kernels.cpu_ops.paged_attention_by_token`), so a step with prompt tokens is one of decode rows too:
+each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
 """
 
 from __future__ import annotations

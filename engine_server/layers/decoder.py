@@ -60,7 +60,8 @@ class DecoderModel(nn.Module):
         )
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        # `layers.decode_stack.build_decode_stack(self)`, set once the weights are final: runs decode steps.
+        # `layers.decode_stack.build_decode_stack(self)`, set once the weights are final (quantization.quantize_model
+        # sets it only with ops whose attention takes every token as a decode row of its own): runs every step.
         self.decode_stack: Any | None = None
 
     def forward(
@@ -72,9 +73,11 @@ class DecoderModel(nn.Module):
         ops: KernelOps,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.decode_stack is not None and meta.max_query_len == 1:
+        if self.decode_stack is not None:
+            # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
+            tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
             stacked: torch.Tensor = self.decode_stack.forward(
-                hidden, positions, kv_caches, meta.block_tables, meta.seq_lens, meta.slot_mapping
+                hidden, positions, kv_caches, tables, lens, meta.slot_mapping
             )
             return stacked
         residual: torch.Tensor | None = None

@@ -1,15 +1,16 @@
-// A decode step of a whole decoder stack in one call (`torch.classes.ladle_cpu.DecodeStack`), for models whose
+// A step of a whole decoder stack in one call (`torch.classes.ladle_cpu.DecodeStack`), for models whose
 // projections are all quantized (engine_server/layers/decode_stack.py builds it).
 //
 // From Python, a decode step of SmolLM2-135M is ~300 small op calls (30 layers x norms, projections, rope, KV
 // write, attention, activation), each paying a few microseconds of Python and dispatcher overhead: about a third
 // of a single-stream token on a 2-core CPU. This class runs the same sequence of the same kernels (ops.h) from
-// C++, so its result is bit-identical to the layers' (`engine_server/layers/decoder.py`) on a decode step:
+// C++, so its result is bit-identical to the layers' (`engine_server/layers/decoder.py`) on every step:
 //   per layer: h, r = add_rms_norm(h, r) (rms_norm on layer 0, r = h); qkv = linear(h) (+ bias);
 //   q, k = rotary(q, k); K/V written to their slots; a = paged_decode_attention(q);
 //   h, r = add_rms_norm(o_proj(a), r); h = down(silu_and_mul(gate_up(h)))
 //   then h = add_rms_norm(h, r) with the final norm.
-// Every row of the step must be a decode row (one new token); Qwen3's q/k norms are not supported (the builder
+// Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
+// table, its position + 1: the layers' by-token attention); Qwen3's q/k norms are not supported (the builder
 // leaves such models on the layers).
 
 #include <ATen/ATen.h>

@@ -1,5 +1,6 @@
-"""The C++ decode stack runs a quantized model's decode steps with the very kernels, in the very order, of the
-layers: its hidden states and tokens equal theirs bit for bit, and it steps aside where it does not apply."""
+"""The C++ decode stack runs a quantized model's steps (prompt tokens as decode rows of their own) with the very
+kernels, in the very order, of the layers: its hidden states and tokens equal theirs bit for bit, and it steps aside
+where it does not apply."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
 
 
 @pytest.mark.parametrize("model", [TINY_LLAMA, TINY_QWEN2], ids=["llama", "qwen2-bias"])
-def test_decode_steps_equal_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)
     assert candidate.model.model.decode_stack is not None
     reference.model.model.decode_stack = None
@@ -49,8 +50,9 @@ def test_decode_steps_equal_the_layers_bit_for_bit(model: ModelConfig, monkeypat
     lockstep = make_lockstep(reference, candidate, tiny_engine_config(), monkeypatch)
     requests = [greedy_request(f"r{i}", prompt_len=3 + 5 * i, max_tokens=12 + i) for i in range(4)]
     steps = lockstep.run(requests, late={4: [greedy_request("late", prompt_len=9, max_tokens=6)]})
-    assert counting.steps == sum(step.decode_only for step in steps) > 10
-    assert any(not step.decode_only for step in steps[1:])  # a mixed step ran on the layers in between
+    assert counting.steps == len(steps) > 10  # every step: prefill, decode and mixed ones
+    assert sum(step.decode_only for step in steps) > 10
+    assert any(not step.decode_only for step in steps[1:])  # a mixed step (decode rows beside a prompt's)
     for step in steps:
         assert step.tokens[0] == step.tokens[1]
         assert torch.equal(step.hidden[0], step.hidden[1])
