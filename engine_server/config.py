@@ -117,9 +117,11 @@ class SchedulerConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_waiting: int = 4096  # admission limit; beyond it new requests are refused (RESOURCE_EXHAUSTED)
     # A step cannot be interrupted: an INTERACTIVE request arriving during a step of BATCH work waits for it. So
-    # a step without INTERACTIVE prefill carries only the prefill tokens that the engine's measured step times
-    # say fit this many seconds (engine_server.core.step_timing), but at least batch_min_prefill_chunk. None:
-    # by device (0.05 s on the CPU, 0.02 s on CUDA; 3x that while no INTERACTIVE request is about); 0: no cap.
+    # while INTERACTIVE requests are about, a step without INTERACTIVE prefill carries only the decode rows and
+    # prefill tokens that the engine's measured step times say fit this many seconds
+    # (engine_server.core.scheduler, step_timing); a step without decode rows at least batch_min_prefill_chunk
+    # tokens. None: by device (0.015 s on the CPU, 0.02 s on CUDA; while none is about, 0.15 s / 0.06 s, or 3x a
+    # configured target, for the prefill beside every row); 0: no cap.
     batch_step_target_s: float | None = None
     batch_min_prefill_chunk: int = 64
 

@@ -76,10 +76,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          action="store_true")
     _add(parser, "--async-scheduling", "auto", "schedule the next step while the device runs this one (auto: on CUDA)",
          choices=["auto", "on", "off"])
-    _add(parser, "--batch-step-target", "auto", "seconds a step may take while it carries batch prefill, so an "
-         "interactive request arriving meanwhile waits about that long at most; learned from the measured steps "
-         "(auto: 0.05 on the CPU, 0.02 on CUDA; 3x that after 5 s without interactive requests; 0: no cap, "
-         "batch steps take the whole token budget)",
+    _add(parser, "--batch-step-target", "auto", "seconds a step of batch work (decode rows and prefill) may take "
+         "while interactive requests are about, so one arriving meanwhile waits about that long at most; learned "
+         "from the measured steps (auto: 0.015 on the CPU, 0.02 on CUDA; after 5 s without interactive requests "
+         "every row runs, with the prefill that fits 0.15 s on the CPU, 0.06 on CUDA, or 3x a given target; 0: no "
+         "cap, batch steps take the whole token budget)",
          type=batch_step_target)
     _add(parser, "--quantization", "auto", "weights kept quantized (CPU): auto (gguf for a GGUF file on the CPU, "
          "none elsewhere), none (float32, the exact path: greedy output equal to transformers'), gguf (a GGUF "

@@ -16,7 +16,7 @@ from engine_server.config import EngineConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
-from engine_server.core.step_timing import StepTimeModel, default_batch_step_target
+from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
 from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
 
@@ -104,8 +104,11 @@ class EngineCore:
         self.max_model_len = min(limit, source.config.max_position_embeddings)
         self.runner = ModelRunner(source, config, self.max_model_len)
         # Learned from this engine's own steps (see step()); it caps the prefill of steps of BATCH work.
-        target = default_batch_step_target(config.scheduler.batch_step_target_s, self.runner.device.type)
-        self.step_time = StepTimeModel(target, config.scheduler.batch_min_prefill_chunk) if target > 0 else None
+        target, quiet = default_step_targets(config.scheduler.batch_step_target_s, self.runner.device.type)
+        self.step_time = (
+            StepTimeModel(target, config.scheduler.batch_min_prefill_chunk, quiet_factor=quiet / target)
+            if target > 0 else None
+        )
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time
         )

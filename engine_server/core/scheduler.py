@@ -24,12 +24,15 @@ Interactive first. An INTERACTIVE caller waits on its first token; a BATCH job o
 BATCH work still fills every step without an INTERACTIVE prefill. Without INTERACTIVE traffic none of this
 applies, so a batch alone is scheduled exactly as before, but for the step-time cap:
 - Step-time cap: a step cannot be interrupted, so a request arriving during a step waits for it. With a
-  `StepTimeModel` (engine_server.core.step_timing), a step without INTERACTIVE prefill (all its prefill is
-  BATCH work) carries only as many prefill tokens as fit the model's time target beside its decode rows, and
-  never fewer than the model's minimum chunk, so BATCH work always progresses. Decode rows, INTERACTIVE ones
-  included, are never held back, and a step with INTERACTIVE prefill keeps the whole token budget. While no
-  INTERACTIVE request has arrived or run for `step_timing.INTERACTIVE_QUIET_S`, the model's larger quiet target
-  applies, so a batch alone is not cut into small, costlier steps.
+  `StepTimeModel` (engine_server.core.step_timing), a step without INTERACTIVE prefill keeps to the model's
+  time target: it carries the decode rows that fit it (INTERACTIVE rows always; BATCH rows past the limit sit
+  the step out, in rank order, and no BATCH request is admitted past it, so none holds a seat it cannot use)
+  and the prefill tokens that fit beside them. On a GPU rows cost little and all fit; on the CPU each costs
+  about a prompt token, so without the row limit a step of 64 batch decodes alone takes ~4x the target. The
+  step's progress is its rows; a step without decode rows carries at least the model's minimum chunk of
+  prefill, so BATCH work always progresses. A step with INTERACTIVE prefill keeps the whole token budget.
+  While no INTERACTIVE request has arrived or run for `step_timing.INTERACTIVE_QUIET_S`, every row runs and
+  the model's larger quiet target bounds the prefill, so a batch alone is not cut into small, costlier steps.
 
 When the KV pool runs dry for a running request, the lowest-priority, latest-arrived running request is
 preempted by recompute: its blocks are freed (cached blocks stay reusable), `num_computed_tokens` returns
@@ -59,6 +62,7 @@ from engine_server.core.step_timing import INTERACTIVE_QUIET_S, StepTimeModel
 from engine_server.errors import QueueFullError
 
 _QUEUED = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_EVERY_ROW = 1 << 62  # no cap on a step's decode rows
 
 
 class Scheduler:
@@ -185,7 +189,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         interactive_only, decode_rows = self._scan_running()
-        prefill_left = self._prefill_allowance(interactive_only, decode_rows, now)
+        prefill_left, row_limit = self._batch_allowance(interactive_only, decode_rows, now)
+        rows_left = row_limit
 
         # Every running request, every step: the loop body is kept to plain arithmetic for a decode (one token,
         # inside its last block), which is most of them.
@@ -198,6 +203,9 @@ class Scheduler:
                 break  # `_running` is in rank order: every request from here on is BATCH
             start = request.num_computed_tokens
             remaining = request.num_known_and_pending_tokens - start
+            if remaining == 1 and rows_left <= 0 and request.priority is Priority.BATCH:
+                i += 1  # the step's decode rows fill the time target: this BATCH decode sits the step out
+                continue
             num_new = 1 if remaining == 1 else min(remaining, budget, prefill_left)
             if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
                 i += 1
@@ -218,6 +226,8 @@ class Scheduler:
             scheduled.append(ScheduledRequest(request, start, num_new, blocks, needs_sample, 0))
             if num_new == 1 and start >= request.num_prompt_tokens:
                 num_decode_rows += 1  # not `is_prefill`
+            if remaining == 1:
+                rows_left -= 1
             budget -= num_new
             if remaining > 1:
                 prefill_left -= num_new
@@ -226,7 +236,7 @@ class Scheduler:
         num_running_rows = len(scheduled)
         if self._may_admit(interactive_only, preempted):
             classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
-            budget = self._admit_waiting(budget, prefill_left, scheduled, finished, now, classes, preempted)
+            budget = self._admit_waiting(budget, prefill_left, row_limit, scheduled, finished, now, classes, preempted)
 
         num_batched_tokens = self.config.max_num_batched_tokens - budget
         num_decode_rows += sum(1 for item in scheduled[num_running_rows:] if not item.is_prefill)  # admitted ones
@@ -314,17 +324,26 @@ class Scheduler:
                 interactive_prefill = True
         return interactive_prefill, decode_rows
 
-    def _prefill_allowance(self, interactive_only: bool, decode_rows: int, now: float) -> int:
-        """Prefill tokens this step may carry: all the budget in a step for INTERACTIVE prefill (or without a
-        step-time model), else what fits the time target beside the running requests' `decode_rows` (the quiet
-        target when no INTERACTIVE request has arrived or run for a while)."""
+    def _batch_allowance(self, interactive_only: bool, decode_rows: int, now: float) -> tuple[int, int]:
+        """(prefill tokens, decode rows) this step may carry; the rows bound BATCH seats too.
+        - A step for INTERACTIVE prefill, or any step without a step-time model: the whole budget, every row.
+        - A quiet spell (no INTERACTIVE request arrived or ran for a while): every row, and the prefill that fits
+          the larger quiet target beside them (at least the minimum chunk).
+        - Otherwise the rows that fit the target (INTERACTIVE ones are never held back; BATCH ones past the limit
+          sit the step out, in rank order, and no BATCH request is admitted past it) and the prefill that fits
+          beside them, possibly none: the rows are the step's progress. Without decode rows, the prefill that
+          fits, but at least the minimum chunk.
+        """
         if interactive_only or self.step_time is None:
-            return self.config.max_num_batched_tokens
+            return self.config.max_num_batched_tokens, _EVERY_ROW
         if self._running and self._running[0].priority is Priority.INTERACTIVE:  # rank order: INTERACTIVE first
             self._last_interactive = now
-        quiet = now - self._last_interactive > INTERACTIVE_QUIET_S
-        target = self.step_time.quiet_target_s if quiet else self.step_time.target_s
-        return self.step_time.batch_prefill_cap(decode_rows, target)
+        if now - self._last_interactive > INTERACTIVE_QUIET_S:
+            return self.step_time.batch_prefill_cap(decode_rows, self.step_time.quiet_target_s), _EVERY_ROW
+        row_cap = self.step_time.decode_row_cap()
+        if row_cap is None or not decode_rows:
+            return self.step_time.batch_prefill_cap(decode_rows), _EVERY_ROW if row_cap is None else row_cap
+        return self.step_time.prefill_that_fits(min(decode_rows, row_cap)), row_cap
 
     def _may_admit(self, interactive_only: bool, preempted: list[str]) -> bool:
         """Whether to admit after the running requests' turn. Not when one of them lost its blocks (admitting
@@ -334,12 +353,15 @@ class Scheduler:
             return not preempted
         return all(self._requests[request_id].priority is Priority.BATCH for request_id in preempted)
 
-    def _has_seat(self, priority: Priority) -> bool:
-        """Whether a request of `priority` can take a seat now: one is free, or, for an INTERACTIVE request,
-        the lowest-ranked running request is BATCH and gives its seat up."""
+    def _has_seat(self, priority: Priority, row_limit: int) -> bool:
+        """Whether a request of `priority` can take a seat now: one is free (for a BATCH request, one of the first
+        `row_limit`: the step-time target's decode rows), or, for an INTERACTIVE request, the lowest-ranked running
+        request is BATCH and gives its seat up."""
+        if priority is Priority.BATCH:
+            return len(self._running) < min(self.config.max_num_seqs, row_limit)
         if len(self._running) < self.config.max_num_seqs:
             return True
-        return priority is Priority.INTERACTIVE and self._running[-1].priority is Priority.BATCH
+        return self._running[-1].priority is Priority.BATCH
 
     def _preempt_latest_batch(self, preempted: list[str]) -> bool:
         """Preempt the lowest-ranked running request if it is BATCH; whether one was."""
@@ -354,20 +376,21 @@ class Scheduler:
         self,
         budget: int,
         prefill_left: int,
+        row_limit: int,
         scheduled: list[ScheduledRequest],
         finished: list[Request],
         now: float,
         classes: tuple[Priority, ...],
         preempted: list[str],
     ) -> int:
-        """Move queued requests of `classes` into running while budget, prefill allowance, seats and blocks
-        last; returns the budget left. An INTERACTIVE request short of a seat or of blocks preempts running BATCH
-        requests for them: INTERACTIVE requests wait only in a step BATCH work sits out, so no victim is
-        scheduled yet."""
+        """Move queued requests of `classes` into running while budget, prefill allowance, seats (BATCH ones
+        within `row_limit`) and blocks last; returns the budget left. An INTERACTIVE request short of a seat or of
+        blocks preempts running BATCH requests for them: INTERACTIVE requests wait only in a step BATCH work sits
+        out, so no victim is scheduled yet."""
         for priority in classes:
             queue = self._waiting[priority]
             takes_from_batch = priority is Priority.INTERACTIVE
-            while queue and min(budget, prefill_left) > 0 and self._has_seat(priority):
+            while queue and min(budget, prefill_left) > 0 and self._has_seat(priority, row_limit):
                 request = queue[0]
                 if request.num_pending_tokens:
                     return budget  # preempted while its token was on the way: it re-prefills once that lands

@@ -12,6 +12,9 @@ Contract:
 - `batch_prefill_cap(decode_rows)` is the most prefill tokens a step with `decode_rows` decode rows may carry
   so that its predicted time stays within `target_s`, but never less than `min_chunk`, so BATCH work always
   progresses; `min_chunk` before the first measurement.
+- `decode_row_cap()` is the most decode rows a step may carry within `target_s` (at least 1); None (no cap)
+  before the first measurement. `prefill_that_fits(decode_rows)`: the prefill tokens that fit beside them,
+  possibly none.
 - The model: seconds = overhead + per_token * (prefill_tokens + decode_rows) + row_premium * decode_rows,
   fitted by exponentially weighted least squares over the recent steps (the cost of a token drifts with the
   context it attends to and with the machine's load), with a weak ridge pulling overhead and row premium to 0:
@@ -33,21 +36,23 @@ _RIDGE = 1.0
 _ROW_SCALE = 32.0
 
 
-# While no INTERACTIVE request has arrived or run for INTERACTIVE_QUIET_S seconds, BATCH steps may take
-# QUIET_TARGET_FACTOR times the target: a batch alone runs in larger, cheaper steps, and the first arrival after
-# a quiet spell (a person's next message) waits for at most one such step (0.15 s on the CPU); from then on
-# every step keeps to the target.
+# While no INTERACTIVE request has arrived or run for INTERACTIVE_QUIET_S seconds, BATCH steps may take the
+# larger quiet target (QUIET_TARGET_FACTOR times a configured target): a batch alone runs in larger, cheaper steps,
+# and the first arrival after a quiet spell (a person's next message) waits for at most one such step (0.15 s on
+# the CPU); from then on every step keeps to the target.
 INTERACTIVE_QUIET_S = 5.0
 QUIET_TARGET_FACTOR = 3.0
 
 
-def default_batch_step_target(configured: float | None, device_type: str) -> float:
-    """The step-time target in seconds: the configured one, else by device (a GPU step is ~10x shorter). On 2
-    CPU cores 0.05 s keeps a chat's time to first token within ~3x of idle during a batch of 1,000-token
-    prompts (0.15 s: ~7.5x; benchmarks/results/batch_cpu.jsonl)."""
+def default_step_targets(configured: float | None, device_type: str) -> tuple[float, float]:
+    """(target, quiet target) in seconds: the configured target and QUIET_TARGET_FACTOR times it, else by device.
+    On the CPU a step's time grows with its decode rows (~1 ms each on 2 cores), so while INTERACTIVE requests are
+    about BATCH steps keep to 0.02 s, rows included: a chat's time to first token during a batch of short requests
+    stays ~1.5x of idle (0.05 s: ~2.9x; benchmarks/results/batch_cpu.jsonl); alone, a batch takes 0.15 s steps.
+    On a GPU a step is ~10x shorter and rows cost little: 0.02 s, 0.06 s quiet."""
     if configured is not None:
-        return configured
-    return 0.02 if device_type == "cuda" else 0.05
+        return configured, configured * QUIET_TARGET_FACTOR
+    return (0.02, 0.06) if device_type == "cuda" else (0.015, 0.15)
 
 
 class StepTimeModel:
@@ -100,14 +105,26 @@ class StepTimeModel:
         self.num_observed += 1
         self._coef = self._fit()
 
-    def batch_prefill_cap(self, decode_rows: int, target_s: float | None = None) -> int:
-        """Prefill tokens that fit `target_s` (default: the model's target) beside `decode_rows` decode rows; at
-        least `min_chunk`."""
+    def decode_row_cap(self, target_s: float | None = None) -> int | None:
+        """The most decode rows (at least 1) a step without prefill may carry within `target_s` (default: the
+        model's target); None (no cap) before the first measurement."""
         if self._coef is None:
-            return self.min_chunk
-        per_token = self._coef[1]
+            return None
+        overhead, per_token, premium = self._coef
+        spare = (self.target_s if target_s is None else target_s) - overhead
+        return max(1, round(spare / (per_token + premium)))
+
+    def prefill_that_fits(self, decode_rows: int, target_s: float | None = None) -> int:
+        """Prefill tokens that fit `target_s` (default: the model's target) beside `decode_rows` decode rows,
+        possibly 0 (no minimum chunk); 0 before the first measurement."""
+        if self._coef is None:
+            return 0
         spare = (self.target_s if target_s is None else target_s) - self.predict(0, decode_rows)  # type: ignore[operator]
-        return max(self.min_chunk, round(spare / per_token)) if spare > 0 else self.min_chunk
+        return max(0, round(spare / self._coef[1]))
+
+    def batch_prefill_cap(self, decode_rows: int, target_s: float | None = None) -> int:
+        """`prefill_that_fits`, but at least `min_chunk`."""
+        return max(self.min_chunk, self.prefill_that_fits(decode_rows, target_s))
 
     def _fit(self) -> tuple[float, float, float]:
         ridge = (_RIDGE, 0.0, _RIDGE * _ROW_SCALE**2)

@@ -1,4 +1,5 @@
-"""Scheduler with a step-time model: BATCH prefill capped to the time target, INTERACTIVE work never."""
+"""Scheduler with a step-time model: BATCH decode rows and prefill capped to the time target while INTERACTIVE
+requests are about, INTERACTIVE work never."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_an_interactive_prefill_keeps_the_whole_budget_and_its_decode_shares_a_c
     assert _exact([*batch, chat])
 
 
-def test_the_minimum_chunk_keeps_batch_prefill_going_when_decode_rows_fill_the_target() -> None:
+def test_in_a_quiet_spell_every_row_runs_and_the_minimum_chunk_keeps_prefill_going() -> None:
     model = learned(per_token=0.01, target_s=0.05, min_chunk=8)  # five rows fill the target
     sched = make_scheduler(num_blocks=128, max_num_batched_tokens=256, step_time=model)
     runner = FakeRunner(16)
@@ -105,3 +106,44 @@ def test_a_batch_alone_takes_the_quiet_target_until_an_interactive_request_arriv
     assert chunks(step(sched, runner, now=11.0 + INTERACTIVE_QUIET_S + 0.1)) == {"b0": 101, "b1": 99}
     run_until_done(sched, runner)
     assert _exact([*batch, chat])
+
+
+def test_while_an_interactive_request_is_about_batch_rows_past_the_target_sit_the_step_out() -> None:
+    model = learned(per_token=0.01, target_s=0.05, min_chunk=8)  # five rows fill the target
+    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=256, step_time=model)
+    runner = FakeRunner(16)
+    decoding = [make_request(f"d{i}", 1, priority=BATCH, arrival_time=float(i), max_tokens=6) for i in range(8)]
+    for r in decoding:
+        sched.add_request(r)
+    assert chunks(step(sched, runner, now=10.0)) == {f"d{i}": 1 for i in range(8)}  # quiet: every row
+    chat = make_request("chat", 4, arrival_time=11.0, max_tokens=8)
+    sched.add_request(chat)
+    assert chunks(step(sched, runner, now=11.0)) == {"chat": 4}  # its prefill alone
+    late = make_request("late", 20, priority=BATCH, arrival_time=12.0, max_tokens=2)
+    sched.add_request(late)
+    # The chat's row and the four BATCH rows ranked first fill the target: the rest sit out, no prefill fits
+    # beside them and `late` is not admitted (it would hold a seat no step has room for).
+    out = step(sched, runner, now=11.1)
+    assert chunks(out) == {"chat": 1, "d0": 1, "d1": 1, "d2": 1, "d3": 1}
+    assert out.num_decode_rows == 5
+    for now in (11.2, 11.3, 11.4, 11.5):
+        assert chunks(step(sched, runner, now=now)) == {"chat": 1, "d0": 1, "d1": 1, "d2": 1, "d3": 1}
+    # d0-d3 are done (one token from the quiet step, five since): d4-d7 take their turn beside the chat.
+    out = step(sched, runner, now=11.6)
+    assert chunks(out) == {"chat": 1, "d4": 1, "d5": 1, "d6": 1, "d7": 1}
+    run_until_done(sched, runner)
+    assert _exact([*decoding, chat, late])
+
+
+def test_a_step_without_decode_rows_still_takes_the_minimum_chunk_while_capped() -> None:
+    model = learned(per_token=0.01, target_s=0.05, min_chunk=8)  # five tokens fit the target
+    sched = make_scheduler(num_blocks=128, max_num_batched_tokens=256, step_time=model)
+    runner = FakeRunner(16)
+    chat = make_request("chat", 4, arrival_time=1.0, max_tokens=1)
+    sched.add_request(chat)
+    assert chunks(step(sched, runner, now=1.0)) == {"chat": 4}
+    batch = make_request("b", 40, priority=BATCH, arrival_time=2.0, max_tokens=2)
+    sched.add_request(batch)
+    assert [chunks(step(sched, runner, now=2.0 + i / 10)) for i in range(3)] == [{"b": 8}] * 3
+    run_until_done(sched, runner)
+    assert _exact([chat, batch])

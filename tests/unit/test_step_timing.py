@@ -8,7 +8,7 @@ import pytest
 
 from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Priority
-from engine_server.core.step_timing import StepTimeModel, default_batch_step_target
+from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from tests.unit.runner_factories import greedy_request, tiny_engine_config, tiny_source
 
 MIXES = [(64, 0), (0, 8), (256, 4), (32, 30), (128, 16), (0, 1), (512, 0), (16, 60)]
@@ -82,11 +82,11 @@ def test_the_cap_never_goes_below_the_minimum_chunk() -> None:
 
 
 @pytest.mark.parametrize(
-    ("configured", "device", "target"),
-    [(None, "cpu", 0.05), (None, "cuda", 0.02), (0.3, "cuda", 0.3), (0.0, "cpu", 0.0)],
+    ("configured", "device", "targets"),
+    [(None, "cpu", (0.015, 0.15)), (None, "cuda", (0.02, 0.06)), (0.3, "cuda", (0.3, 0.9)), (0.0, "cpu", (0.0, 0.0))],
 )
-def test_default_target_by_device(configured: float | None, device: str, target: float) -> None:
-    assert default_batch_step_target(configured, device) == target
+def test_default_targets_by_device(configured: float | None, device: str, targets: tuple[float, float]) -> None:
+    assert default_step_targets(configured, device) == pytest.approx(targets)
 
 
 def _core(target: float | None) -> EngineCore:
@@ -97,7 +97,8 @@ def _core(target: float | None) -> EngineCore:
 
 def test_the_engine_core_feeds_every_step_it_runs_to_the_model() -> None:
     core = _core(None)
-    assert core.step_time is not None and core.step_time.target_s == 0.05  # the CPU's default
+    assert core.step_time is not None and core.step_time.target_s == 0.015  # the CPU's default
+    assert core.step_time.quiet_target_s == pytest.approx(0.15)
     for i in range(3):
         request = greedy_request(f"b{i}", 20, max_tokens=3)
         request.priority = Priority.BATCH
