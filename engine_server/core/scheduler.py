@@ -203,11 +203,17 @@ class Scheduler:
                 break  # `_running` is in rank order: every request from here on is BATCH
             start = request.num_computed_tokens
             remaining = request.num_known_and_pending_tokens - start
-            if remaining == 1 and rows_left <= 0 and request.priority is Priority.BATCH:
-                i += 1  # the step's decode rows fill the time target: this BATCH decode sits the step out
-                continue
-            num_new = 1 if remaining == 1 else min(remaining, budget, prefill_left)
-            if num_new <= 0 or (request.num_pending_tokens and not self._may_run_ahead(request)):
+            if remaining == 1:
+                if rows_left <= 0 and request.priority is Priority.BATCH:
+                    i += 1  # the step's decode rows fill the time target: this BATCH decode sits the step out
+                    continue
+                num_new = 1
+            else:
+                num_new = min(remaining, budget, prefill_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
+            if request.num_pending_tokens and not self._may_run_ahead(request):
                 i += 1
                 continue
             # `slots_in_place`'s first test, inline: a decode inside its last block ends here.
@@ -224,13 +230,16 @@ class Scheduler:
             if needs_sample:
                 request.num_pending_tokens += 1  # until update_from_output brings its token
             scheduled.append(ScheduledRequest(request, start, num_new, blocks, needs_sample, 0))
-            if num_new == 1 and start >= request.num_prompt_tokens:
-                num_decode_rows += 1  # not `is_prefill`
             if remaining == 1:
                 rows_left -= 1
-            budget -= num_new
-            if remaining > 1:
+                budget -= 1
+                if start >= request.num_prompt_tokens:
+                    num_decode_rows += 1  # not `is_prefill`
+            else:
+                budget -= num_new
                 prefill_left -= num_new
+                if num_new == 1 and start >= request.num_prompt_tokens:
+                    num_decode_rows += 1  # a one-token chunk of a preempted request's outputs: not `is_prefill`
             i += 1
 
         num_running_rows = len(scheduled)
