@@ -16,8 +16,9 @@ import pytest
 
 from engine_server.attention import DecodeLayout
 from engine_server.core.engine_core import CoreOutput, EngineCore
-from engine_server.core.request import Request, RequestStatus
-from engine_server.core.scheduler_output import ScheduledRequest
+from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.core.step_timing import StepTimeModel
 from engine_server.cuda_graphs import EagerCapture
 from engine_server.sampling_params import SamplingParams
 from tests.unit.factories import VOCAB
@@ -65,7 +66,7 @@ def _run(
         outputs = core.step()
         calls.append(outputs)
         for output in outputs:
-            result = results[output.request_id]
+            result = results.setdefault(output.request_id, Result())  # or one `on_step` added
             assert result.status is None, f"{output.request_id} produced after it finished"
             for token in output.new_tokens:
                 result.tokens.append(token.token_id)
@@ -245,3 +246,63 @@ def test_the_kept_decode_layout_and_tokens_give_what_a_fresh_build_does(
     assert kept == fresh
     assert sum(continued) >= 5 and not all(continued)  # both paths ran
     assert budget is not None or kept_core.scheduler.total_preemptions > 0  # 4 seats need no preemption
+
+
+class _FixedStepTime(StepTimeModel):
+    """A step-time model that has learned 10 ms a token (three rows fit its 0.03 s target; a quiet spell's 3 s
+    target holds any step here) and learns no more."""
+
+    def __init__(self) -> None:
+        super().__init__(0.03, min_chunk=4, quiet_factor=100.0)
+        for prefill, rows in [(8, 0), (0, 3), (4, 2)] * 3:
+            super().observe(prefill, rows, 0.01 * (prefill + rows))
+
+    def observe(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_rows_held_back_by_the_step_target_decode_what_a_fresh_build_does(async_scheduling: bool) -> None:
+    """With interactive requests about, batch decode rows past the step-time target sit steps out and come back
+    later, in rank order: their inputs then come from the host (the kept layout cannot continue), and with
+    async scheduling a row may sit out while its token is on the way. Same outputs as rebuilding every step."""
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.5 if i % 2 else 0.0, seed=5 + i, max_tokens=8 + i % 5, ignore_eos=True)
+
+    def arrive(step: int, core: EngineCore) -> None:
+        if step == 2:  # six BATCH requests decode, all in one step; now interactive requests arrive
+            for request in _requests(params, count=8)[6:]:
+                core.add_request(request)
+
+    def requests() -> list[Request]:
+        made = _requests(params, count=6)
+        for request in made:
+            request.priority = Priority.BATCH
+        return made
+
+    def core() -> EngineCore:
+        made = _core(async_scheduling)
+        made.step_time = made.scheduler.step_time = _FixedStepTime()
+        return made
+
+    def rebuild_every_step(step: int, core: EngineCore) -> None:
+        arrive(step, core)
+        core.runner._decode_rows.invalidate()
+
+    fresh, _ = _run(core(), requests(), rebuild_every_step)
+    held_core = core()
+    rows: list[tuple[int, int]] = []  # (decode rows scheduled, requests running) per step
+    schedule = held_core.scheduler.schedule
+
+    def counted(now: float | None = None) -> SchedulerOutput:
+        out = schedule(now)
+        rows.append((out.num_decode_rows, held_core.scheduler.num_running))
+        return out
+
+    held_core.scheduler.schedule = counted  # type: ignore[method-assign]
+    held, _ = _run(held_core, requests(), arrive)
+    assert held == fresh and len(held) == 8
+    assert rows[1] == (6, 6)  # before the interactive requests: every row
+    assert max(scheduled for scheduled, _ in rows[3:]) == 3  # after: never more rows than the target holds
+    assert any(running > 3 and scheduled == 3 for scheduled, running in rows[3:])  # and rows sat out
