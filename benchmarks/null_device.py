@@ -36,7 +36,9 @@ TOKEN_ID_SPAN = 1000
 class NullModel(torch.nn.Module):
     """A model whose forward does no work: one zero per token, which are also the logits."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any, interrupt: Any = None
+    ) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], 1, device=input_ids.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -81,9 +83,9 @@ class DeviceClock:
         self._busy_until = 0.0
         self._done_at: dict[int, float] = {}  # id(LaunchedStep) -> when the device finishes it
 
-    def launch(self, launch: Callable[[Any], LaunchedStep]) -> Callable[[Any], LaunchedStep]:
-        def timed(output: Any) -> LaunchedStep:
-            step = launch(output)
+    def launch(self, launch: Callable[[Any, Any], LaunchedStep]) -> Callable[[Any, Any], LaunchedStep]:
+        def timed(output: Any, interrupt: Any = None) -> LaunchedStep:
+            step = launch(output, interrupt)
             if self.step_s > 0 and output.scheduled:
                 self._busy_until = max(time.perf_counter(), self._busy_until) + self.step_s
                 self._done_at[id(step)] = self._busy_until

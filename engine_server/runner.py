@@ -30,6 +30,7 @@ from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.quantization import quantize_model, resolve_quantization
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
+from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 from engine_server.transfer import host_tensor, to_device
 
@@ -171,6 +172,8 @@ class ModelRunner:
 
     def __init__(self, source: ModelSource, config: EngineConfig, max_model_len: int) -> None:
         self.device = resolve_device(config.device)
+        # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt).
+        self.can_interrupt = self.device.type == "cpu"
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = source.config
         self.block_size = config.cache.block_size
@@ -254,18 +257,24 @@ class ModelRunner:
         return self.collect(self.launch(output))
 
     @torch.inference_mode()
-    def launch(self, output: SchedulerOutput) -> LaunchedStep:
+    def launch(self, output: SchedulerOutput, interrupt: StepInterrupt | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device, and the copy of its tokens to the host.
 
         Returns at once on CUDA (the host may schedule and launch the next step meanwhile); `collect` waits.
         A scheduled token that is still pending (async scheduling: sampled by the previous launch, not yet
         collected) is read from that launch's device tensor; steps must be launched in scheduling order.
+        With `interrupt` (the CPU only: `can_interrupt`), raises StepInterrupted once it is set during the
+        forward: nothing is sampled, and the runner is as if the step had never been launched.
         """
         items = output.scheduled
         sampling = [item for item in items if item.needs_sample]
         if not items:
             return LaunchedStep(sampling, None)
-        hidden, last_rows = self._forward(items)
+        try:
+            hidden, last_rows = self._forward(items, interrupt)
+        except StepInterrupted:
+            self._decode_rows.invalidate()  # it holds the stopped step's layout
+            raise
         if not sampling:
             return LaunchedStep(sampling, None)
         if last_rows is not None or len(sampling) < len(items):  # a decode step where every row samples: no gather
@@ -290,12 +299,14 @@ class ModelRunner:
             step.ready.synchronize()
         return self._collect(step.items, step.sampled)
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int] | None]:
+    def _forward(
+        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None
+    ) -> tuple[torch.Tensor, list[int] | None]:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
         (None for a decode step, where row i is request i's)."""
         if any(item.num_new_tokens != 1 for item in scheduled):
             self._decode_rows.invalidate()
-            return self._forward_eager(scheduled)
+            return self._forward_eager(scheduled, interrupt)
         layout, continues = self._decode_rows.layout(scheduled)
         # A step that continues the last one reads its tokens from that launch's device tensor, row for row.
         input_ids: torch.Tensor | None = self._last_sampled[0] if continues and self._last_sampled else None
@@ -312,9 +323,11 @@ class ModelRunner:
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
         positions = to_device(torch.from_numpy(layout.seq_lens - 1), self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta), None
+        return self.model(input_ids, positions, self.kv_caches, meta, interrupt), None
 
-    def _forward_eager(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+    def _forward_eager(
+        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None
+    ) -> tuple[torch.Tensor, list[int]]:
         tokens = _StepTokens()
         positions: list[int] = []
         query_lens: list[int] = []
@@ -335,7 +348,7 @@ class ModelRunner:
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         position_ids = to_device(host_tensor(positions, torch.long, self.device), self.device)
-        return self.model(input_ids, position_ids, self.kv_caches, meta), last_rows
+        return self.model(input_ids, position_ids, self.kv_caches, meta, interrupt), last_rows
 
     def _pending_inputs(self, tokens: _StepTokens) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids) on the device for the step's input tokens that the previous launch sampled."""

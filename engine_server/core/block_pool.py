@@ -89,6 +89,16 @@ class BlockPool:
         self._hash[block_id] = block_hash
         return True
 
+    def unregister(self, block_id: int) -> None:
+        """Take back a block's hash, published for data that was never written (a step stopped before it ran:
+        `KVCacheManager.undo_publications`). A free block becomes a plain free one; no hash: nothing changes."""
+        if self._hash[block_id] is None:
+            return
+        self._forget(block_id)
+        if self._ref_cnt[block_id] == 0:
+            del self._free_cached[block_id]
+            self._free_plain.append(block_id)
+
     def reset_cache(self) -> None:
         """Forget every hash. Blocks in use stay with their requests but can no longer be shared."""
         for block_id in list(self._cached.values()):

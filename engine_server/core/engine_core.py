@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine_server.config import EngineConfig
-from engine_server.core.request import Request, RequestStatus
+from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
 from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
+from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +116,11 @@ class EngineCore:
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
+        # Set from another thread when an INTERACTIVE request arrives: stops a running BATCH step (`step()`). Only
+        # where a step runs within its launch (the CPU) and steps do not run ahead.
+        self.step_interrupt = StepInterrupt() if self.runner.can_interrupt and not self.async_scheduling else None
+        self.num_interrupted_steps = 0  # since start, for metrics and tests
+        self._last_batch_step_interrupted = False
         self._held = HeldOutputs()  # per-step outputs of final-only requests that want log-probabilities
         log.info(
             "engine core ready",
@@ -157,11 +163,28 @@ class EngineCore:
 
         The call's duration feeds the step-time model, as the time of the last step it completed: in a
         synchronous step all of it is that step's, and with a step in flight, the call mostly waits for it.
+
+        A step of BATCH work only stops between two layers once `step_interrupt` is set (an INTERACTIVE request
+        arrived; the caller clears it before taking new requests in): its scheduling is undone and the call returns
+        without its outputs, so the caller takes the new request in and steps again, and the arrival waits about
+        one layer rather than the rest of the step. So that BATCH work always progresses, the BATCH step after a
+        stopped one is not stopped.
         """
         started = time.perf_counter()
         try:
             scheduled = self.scheduler.schedule()
-            current = _Launched(scheduled, self.runner.launch(scheduled))
+            batch_only = self._stoppable(scheduled)
+            interrupt = self.step_interrupt if batch_only and not self._last_batch_step_interrupted else None
+            try:
+                launch = self.runner.launch(scheduled, interrupt)
+            except StepInterrupted:
+                self.scheduler.undo(scheduled)
+                self.num_interrupted_steps += 1
+                self._last_batch_step_interrupted = True
+                return [self._finished_output(request) for request in scheduled.finished]
+            if batch_only:
+                self._last_batch_step_interrupted = False
+            current = _Launched(scheduled, launch)
             previous, self._in_flight = self._in_flight, None
             outputs = self._complete(previous) if previous is not None else []
             completed = previous
@@ -178,6 +201,12 @@ class EngineCore:
             done = completed.scheduled
             self.step_time.observe(done.num_prefill_tokens, done.num_decode_rows, time.perf_counter() - started)
         return outputs
+
+    def _stoppable(self, scheduled: SchedulerOutput) -> bool:
+        """Whether `step_interrupt` may stop the step: there is one, and the step carries BATCH work only."""
+        if self.step_interrupt is None or not scheduled.scheduled:
+            return False
+        return not any(item.request.priority is Priority.INTERACTIVE for item in scheduled.scheduled)
 
     def _complete(self, launched: _Launched) -> list[CoreOutput]:
         """Bring a launched step's tokens to the host, apply them and report what each request produced.

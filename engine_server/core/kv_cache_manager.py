@@ -11,6 +11,10 @@ A second request scheduled later in the same step can therefore share blocks the
 about to write: the runner writes all K/V of a step before any attention reads it. Only tokens whose ids
 are known at schedule time (prompt and already sampled outputs) are ever hashed. The partial last block
 of a request is never shared.
+
+A step that is scheduled but stopped before it runs (engine_server.step_interrupt) takes its publications back
+with `undo_publications`: the manager records, from one `begin_step` to the next, the blocks it registered and
+each request's settled count before the step.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class KVCacheManager:
         # Per request: how many leading blocks of its table are already settled for hashing
         # (registered, a cache hit, or a duplicate left private). Keeps hashing O(new blocks) per step.
         self._num_settled: dict[str, int] = {}
+        # Since `begin_step`: the blocks registered under a hash, and each request's settled count before its first
+        # change (with the request, to recompute its in-place bound): what `undo_publications` takes back.
+        self._step_registered: list[int] = []
+        self._step_settled: dict[str, tuple[Request, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -144,13 +152,31 @@ class KVCacheManager:
             if new_computed_blocks:
                 self._pool.touch(new_computed_blocks)
                 table.extend(new_computed_blocks)
-                self._num_settled[request.request_id] = len(table)
+                self._settle(request, len(table))
             if num_needed > 0:
                 table.extend(self._pool.allocate(num_needed))
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, table, min(num_total, request.num_tokens) // size)
         self._note_in_place(request, table)
         return table
+
+    def begin_step(self) -> None:
+        """Start a step's record of publications (the scheduler calls it as each step's scheduling begins)."""
+        self._step_registered.clear()
+        self._step_settled.clear()
+
+    def undo_publications(self) -> None:
+        """Unpublish every block registered since `begin_step` and return the requests that still hold blocks to
+        their settled counts from before it: the step that filled them never ran, so no cache hit may find them,
+        and its rerun publishes them again. Call it after freeing the requests the step admitted."""
+        for block_id in reversed(self._step_registered):
+            self._pool.unregister(block_id)
+        for request_id, (request, settled) in self._step_settled.items():
+            table = self._tables.get(request_id)
+            if table is not None:
+                self._num_settled[request_id] = settled
+                self._note_in_place(request, table)
+        self.begin_step()
 
     def free(self, request: Request) -> None:
         """Release every block of the request. Cached blocks stay reusable until evicted."""
@@ -192,5 +218,12 @@ class KVCacheManager:
             return
         self._hash_full_blocks(request, num_full)
         for i in range(settled, num_full):
-            self._pool.register(table[i], request.block_hashes[i])
-        self._num_settled[request.request_id] = num_full
+            if self._pool.register(table[i], request.block_hashes[i]):
+                self._step_registered.append(table[i])
+        self._settle(request, num_full)
+
+    def _settle(self, request: Request, num_settled: int) -> None:
+        """Set the request's settled count, recording the one before this step's first change."""
+        request_id = request.request_id
+        self._step_settled.setdefault(request_id, (request, self._num_settled.get(request_id, 0)))
+        self._num_settled[request_id] = num_settled

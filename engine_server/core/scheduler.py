@@ -184,6 +184,7 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Pick this step's batch and advance `num_computed_tokens` of every scheduled request."""
         now = time.monotonic() if now is None else now
+        self.kv_cache.begin_step()
         finished = self.take_expired(now)
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -256,7 +257,36 @@ class Scheduler:
             finished=finished,
             num_decode_rows=num_decode_rows,
             num_prefill_tokens=num_batched_tokens - num_decode_rows,
+            num_running_rows=num_running_rows,
         )
+
+    def undo(self, output: SchedulerOutput) -> None:
+        """Take back the scheduling of a step that stopped before it sampled (engine_server.step_interrupt), so
+        that scheduling again starts from where it was: its running requests return to their computed and pending
+        counts (they keep any block allocated for it: a later step uses it), the requests it admitted return, in
+        order and without blocks, to the front of their queues, and the blocks it published are unpublished.
+        Its preemptions and expirations stand: states a step may leave anyway (it admits nothing after one).
+        Only for the last output of `schedule()`, before any `update_from_output` of it and with no other step
+        between (no async scheduling).
+        """
+        admitted = output.scheduled[output.num_running_rows :]
+        for item in reversed(admitted):
+            request = item.request
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0
+            request.num_pending_tokens -= item.needs_sample
+            if request.num_preemptions:
+                request.status = RequestStatus.PREEMPTED
+            else:
+                request.status = RequestStatus.WAITING
+                request.num_cached_tokens = 0
+            self._waiting[request.priority].appendleft(request)
+        if admitted:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        for item in output.scheduled[: output.num_running_rows]:
+            item.request.num_computed_tokens = item.start_position
+            item.request.num_pending_tokens -= item.needs_sample
+        self.kv_cache.undo_publications()
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Append each sampled token, apply stop rules, free finished requests and return them.

@@ -54,6 +54,8 @@ class SchedulerOutput:
 
     num_decode_rows: int = 0  # scheduled requests that are not `is_prefill`
     num_prefill_tokens: int = 0  # tokens of the other scheduled requests: num_batched_tokens - num_decode_rows
+    # `scheduled[:num_running_rows]` were running before the step; the rest it admitted from the queues.
+    num_running_rows: int = 0
 
     @property
     def is_empty(self) -> bool:

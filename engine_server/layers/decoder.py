@@ -13,6 +13,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.norm import RMSNorm
 from engine_server.layers.ops import KernelOps
+from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from kernels.reference import build_cos_sin_cache
 
 
@@ -71,19 +72,27 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         ops: KernelOps,
+        interrupt: StepInterrupt | None = None,
     ) -> torch.Tensor:
+        """With `interrupt`, raises `StepInterrupted` after the first layer that ends with it set (the layers
+        before wrote their K/V; engine_server.step_interrupt)."""
         hidden = self.embed_tokens(input_ids)
         if self.decode_stack is not None:
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
+            stop = None if interrupt is None else interrupt.tensor
             stacked: torch.Tensor = self.decode_stack.forward(
-                hidden, positions, kv_caches, tables, lens, meta.slot_mapping
+                hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop
             )
+            if stacked.shape[0] != hidden.shape[0]:
+                raise StepInterrupted
             return stacked
         residual: torch.Tensor | None = None
         cos_sin = self.get_buffer("cos_sin_cache")
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, cos_sin, meta, ops)
+            if interrupt is not None and interrupt.is_set():
+                raise StepInterrupted
         assert residual is not None, "a model has at least one layer"
         hidden, _ = self.norm.add_and_norm(hidden, residual, ops)
         return hidden

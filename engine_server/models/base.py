@@ -12,6 +12,7 @@ from engine_server.attention import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.ops import KernelOps, select_ops
+from engine_server.step_interrupt import StepInterrupt
 
 # Checkpoint projections that live as row slices of one fused parameter: (fused name, checkpoint name, shard).
 FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
@@ -50,10 +51,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        interrupt: StepInterrupt | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions `[T]` (int64) -> final hidden states `[T, hidden]`; writes the step's K/V."""
+        """input_ids, positions `[T]` (int64) -> final hidden states `[T, hidden]`; writes the step's K/V.
+        With `interrupt`, StepInterrupted once it is set, between two layers (engine_server.step_interrupt)."""
         ops = self.ops if self.ops is not None else select_ops(input_ids.device)
-        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta, ops)
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta, ops, interrupt)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

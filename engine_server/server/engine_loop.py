@@ -3,7 +3,8 @@
 The core thread loops: drain the command queue (adds and aborts), step while there is work, publish what the
 step produced. Outputs cross to asyncio through an outbox that the loop empties in one wake-up
 (`loop.call_soon_threadsafe` once it has taken the last ones) and are routed there to one `RequestStream` per
-submitted request. Nothing on the asyncio side ever touches the core, and the core thread
+submitted request. Nothing on the asyncio side ever touches the core (but for setting its thread-safe
+`step_interrupt` when an INTERACTIVE request is added, which stops a running BATCH step), and the core thread
 does no RPC work (no tokenizing, no detokenizing, no protobuf), so the step loop is never blocked by callers.
 The seam carries only token-level values (`Request` in, `CoreOutput` out, errors), so the core could move to
 its own process behind the same three calls.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import structlog
 
 from engine_server.core.engine_core import CoreOutput, EngineCore, coalesce
-from engine_server.core.request import Request
+from engine_server.core.request import Priority, Request
 from engine_server.frontend import split_core_request_id
 
 log = structlog.get_logger(__name__)
@@ -120,6 +121,10 @@ class EngineLoop:
         self._dispatch_scheduled = False
         self._live: set[str] = set()  # core thread only: core ids added and not yet finished
         self._load = self._snapshot()
+        # Stops a running BATCH step when an INTERACTIVE request is added (engine_server.step_interrupt); None
+        # where steps cannot be stopped. The event loop sets it after queueing the command, the core thread
+        # clears it before taking commands: a request added after the take stops the step that follows.
+        self._interrupt = core.step_interrupt
         self.on_step_failure: Callable[[], None] | None = None  # called on the event loop after a failed step
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
@@ -163,6 +168,8 @@ class EngineLoop:
             self._stream_of[request.request_id] = stream
         self._streams[request_id] = stream
         self._commands.put(_Add(request_id, list(requests)))
+        if self._interrupt is not None and any(request.priority is Priority.INTERACTIVE for request in requests):
+            self._interrupt.set()
         return stream
 
     def abort(self, core_ids: Sequence[str]) -> None:
@@ -207,6 +214,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            if self._interrupt is not None:
+                self._interrupt.clear()
             commands = self._drain(block=not self._core.has_unfinished())
             outputs: list[CoreOutput] = []
             errors: dict[str, BaseException] = {}

@@ -12,6 +12,9 @@
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
 // table, its position + 1: the layers' by-token attention); Qwen3's q/k norms are not supported (the builder
 // leaves such models on the layers).
+// A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
+// set at any time) is read after each layer, and once it is non-zero the call returns a tensor of no rows at once,
+// having written the K/V of the layers it ran (engine_server/step_interrupt.py: the caller runs the step again).
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -103,9 +106,11 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden [T, hidden] (the embeddings of the step's tokens) -> the final normalised hidden states [T, hidden];
-  // writes the step's K/V into kv_caches (one per layer) at slot_mapping.
+  // writes the step's K/V into kv_caches (one per layer) at slot_mapping. With `stop` (a one-element int32 CPU
+  // tensor), returns a [0, hidden] tensor after the first layer that ends with it non-zero.
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> kv_caches,
-                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor slot_mapping) const {
+                     at::Tensor block_tables, at::Tensor seq_lens, at::Tensor slot_mapping,
+                     std::optional<at::Tensor> stop) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: got ", kv_caches.size(), " for ",
                 layers_.size());
     TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, hidden]");
@@ -114,6 +119,12 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(cache.dim() == 5 && cache.sizes() == kv_caches[0].sizes(), "KV caches of one shape, 5-D");
     }
     if (!layers_.empty()) check_slots(slot_mapping, tokens, kv_caches[0]);
+    const int32_t* stop_flag = nullptr;
+    if (stop.has_value()) {
+      TORCH_CHECK(stop->device().is_cpu() && stop->scalar_type() == at::kInt && stop->numel() == 1,
+                  "stop must be a one-element int32 CPU tensor");
+      stop_flag = stop->data_ptr<int32_t>();
+    }
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -134,6 +145,10 @@ class DecodeStack : public torch::CustomClassHolder {
       const at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
       std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
       hidden = linears_[layer.down](silu_and_mul(linears_[layer.gate_up](hidden)));
+      // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
+      if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
+        return hidden.new_empty({0, hidden.size(1)});
+      }
     }
     TORCH_CHECK(residual.defined(), "the stack has no layers");
     return std::get<0>(add_rms_norm(hidden, residual, final_norm_, eps_));

@@ -72,8 +72,8 @@ def test_bad_inputs_are_refused_before_anything_is_written() -> None:
     hidden, positions = torch.ones(2, TINY_LLAMA.hidden_size), torch.zeros(2, dtype=torch.long)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="one KV cache per layer"):
-        stack.forward(hidden, positions, runner.kv_caches[:1], tables, lens, torch.zeros(2, dtype=torch.long))
+        stack.forward(hidden, positions, runner.kv_caches[:1], tables, lens, torch.zeros(2, dtype=torch.long), None)
     before = [cache.clone() for cache in runner.kv_caches]
     with pytest.raises(RuntimeError, match="outside the cache"):
-        stack.forward(hidden, positions, runner.kv_caches, tables, lens, torch.tensor([5, 10**9]))
+        stack.forward(hidden, positions, runner.kv_caches, tables, lens, torch.tensor([5, 10**9]), None)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
