@@ -23,7 +23,9 @@ Interactive first. An INTERACTIVE caller waits on its first token; a BATCH job o
   prefix caching its full blocks stay cached, so its recompute mostly hits.
 BATCH work still fills every step without an INTERACTIVE prefill. Without INTERACTIVE traffic none of this
 applies, so a batch alone is scheduled exactly as before, but for the step-time cap:
-- Step-time cap: a step cannot be interrupted, so a request arriving during a step waits for it. With a
+- Step-time cap: a request arriving during a step waits for it (on the CPU the engine core stops a step of BATCH
+  work only for an INTERACTIVE arrival and takes it back with `undo`, engine_server.step_interrupt; not a step
+  with INTERACTIVE rows, nor the next BATCH step after a stopped one, nor any step on CUDA). With a
   `StepTimeModel` (engine_server.core.step_timing), a step without INTERACTIVE prefill keeps to the model's
   time target: it carries the decode rows that fit it (INTERACTIVE rows always; BATCH rows past the limit sit
   the step out, in rank order, and no BATCH request is admitted past it, so none holds a seat it cannot use)

@@ -1,8 +1,10 @@
 """How long an engine step takes, learned from measured steps, and how much batch prefill fits a time target.
 
-Why: a step cannot be interrupted, so an INTERACTIVE request that arrives while a BATCH step runs waits for
-that step to end. The scheduler therefore sizes the BATCH prefill of each step so that the step's predicted
-time stays within a target, and an arrival waits at most about one short step.
+Why: an INTERACTIVE request that arrives while a step runs waits for that step to end (on the CPU a step of
+BATCH work only is stopped for it, engine_server.step_interrupt; but not a step that carries INTERACTIVE rows too,
+whose tokens a stream waits for, nor the BATCH step right after a stopped one, nor any step on CUDA). The
+scheduler therefore sizes the BATCH work of each step so that the step's predicted time stays within a target,
+and an arrival waits at most about one short step.
 
 Contract:
 - `StepTimeModel.observe(prefill_tokens, decode_rows, seconds)` feeds one measured step (the engine core times
@@ -47,8 +49,9 @@ QUIET_TARGET_FACTOR = 3.0
 def default_step_targets(configured: float | None, device_type: str) -> tuple[float, float]:
     """(target, quiet target) in seconds: the configured target and QUIET_TARGET_FACTOR times it, else by device.
     On the CPU a step's time grows with its decode rows (~1 ms each on 2 cores), so while INTERACTIVE requests are
-    about BATCH steps keep to 0.02 s, rows included: a chat's time to first token during a batch of short requests
-    stays ~1.5x of idle (0.05 s: ~2.9x; benchmarks/results/batch_cpu.jsonl); alone, a batch takes 0.15 s steps.
+    about BATCH steps keep to 0.015 s, rows included: the steps an arrival cannot stop (one with INTERACTIVE rows,
+    the one after a stopped step) stay short, and so does an INTERACTIVE stream's time between tokens during a
+    batch; alone, a batch takes 0.15 s steps.
     On a GPU a step is ~10x shorter and rows cost little: 0.02 s, 0.06 s quiet."""
     if configured is not None:
         return configured, configured * QUIET_TARGET_FACTOR
