@@ -12,7 +12,8 @@
 Reported: batch / offline throughput ratio (target >= 0.9), batch with probes / batch alone, and busy / idle
 median TTFT (target <= 1.5 for short prompts; <= 3 for long ones). On the CPU an arrival stops the batch step it
 finds running (engine_server.step_interrupt); a step it cannot stop is kept short by the engine's
-`--batch-step-target`, which `--batch-step-target` here passes on. A table goes to stdout and, with `--out`, one JSON object is appended.
+`--batch-step-target`, which `--batch-step-target` here passes on. A table goes to stdout and, with `--out`, one
+JSON object is appended.
 
     ladle bench batch --num-lines 1000 --output-len 16 --out benchmarks/results/batch_cpu.jsonl
     ladle bench batch --num-lines 200 --prompt-tokens 1000 --out benchmarks/results/batch_cpu.jsonl

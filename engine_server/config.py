@@ -118,8 +118,9 @@ class SchedulerConfig:
     max_waiting: int = 4096  # admission limit; beyond it new requests are refused (RESOURCE_EXHAUSTED)
     # An INTERACTIVE request arriving during a step waits for it (on the CPU a step of BATCH work only is stopped
     # for it instead: engine_server.step_interrupt, but not one with INTERACTIVE rows, nor the BATCH step right
-    # after a stopped one, nor any on CUDA). So while INTERACTIVE requests are about, a step without INTERACTIVE prefill carries only the decode rows and
-    # prefill tokens that the engine's measured step times say fit this many seconds
+    # after a stopped one, nor any on CUDA). So while INTERACTIVE requests are about, a step without INTERACTIVE
+    # prefill carries only the decode rows and prefill tokens that the engine's measured step times say fit this
+    # many seconds
     # (engine_server.core.scheduler, step_timing); a step without decode rows at least batch_min_prefill_chunk
     # tokens. None: by device (0.015 s on the CPU, 0.02 s on CUDA; while none is about, 0.15 s / 0.06 s, or 3x a
     # configured target, for the prefill beside every row); 0: no cap.
