@@ -60,6 +60,24 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class CollectedTokens:
+    """A collected step's tokens: `token_ids[i]` is the token of sampling row i (`LaunchedStep.items[i]`).
+
+    `details[i]` is row i's SampledToken when some row of the step asked for log-probabilities or is constrained
+    (a grammar may end it), else `details` is None: a plain step builds no object per row.
+    """
+
+    token_ids: list[int]
+    details: list[SampledToken] | None = None
+
+    def by_request(self, items: list[ScheduledRequest]) -> dict[str, SampledToken]:
+        """Each row's SampledToken by request id (`items`: the step's sampling rows)."""
+        if self.details is not None:
+            return {item.request_id: token for item, token in zip(items, self.details, strict=True)}
+        return {item.request_id: SampledToken(token) for item, token in zip(items, self.token_ids, strict=True)}
+
+
+@dataclass(frozen=True)
 class LaunchedStep:
     """A step queued on the device: the requests that sample and their tokens on the way to the host.
 
@@ -254,7 +272,8 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the scheduled tokens through the model and sample for every request that `needs_sample`."""
-        return self.collect(self.launch(output))
+        launched = self.launch(output)
+        return self.collect(launched).by_request(launched.items)
 
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput, interrupt: StepInterrupt | None = None) -> LaunchedStep:
@@ -291,10 +310,10 @@ class ModelRunner:
         self._decode_rows.mark_launched(len(sampling) == len(items))
         return LaunchedStep(sampling, *_copy_to_host(sampled))
 
-    def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
+    def collect(self, step: LaunchedStep) -> CollectedTokens:
         """Wait for a launched step's tokens; constrained requests' matchers accept them here (and only here)."""
         if step.sampled is None:
-            return {}
+            return CollectedTokens([])
         if step.ready is not None:
             step.ready.synchronize()
         return self._collect(step.items, step.sampled)
@@ -395,16 +414,18 @@ class ModelRunner:
             allowed_token_bitmask=bitmask,
         )
 
-    def _collect(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> dict[str, SampledToken]:
-        """Per request its token; constrained requests' matchers accept it here (and only here)."""
-        tokens, logprobs = sampled.token_id_list(), sampled.logprob_list()
+    def _collect(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> CollectedTokens:
+        """The rows' tokens; constrained requests' matchers accept theirs here (and only here)."""
+        tokens = sampled.token_id_list()
+        if sampled.logprobs is None and not len(self.grammars):  # no row asked, and no grammar is alive
+            return CollectedTokens(tokens)
+        logprobs = sampled.logprob_list()
         if not any(logprobs) and not any(item.request.grammar is not None for item in items):
-            return {item.request.request_id: SampledToken(token) for item, token in zip(items, tokens, strict=True)}
-        result: dict[str, SampledToken] = {}
+            return CollectedTokens(tokens)
+        details: list[SampledToken] = []
         for item, token, lps in zip(items, tokens, logprobs, strict=True):
-            request_id = item.request.request_id
             finish = None
             if item.request.grammar is not None:
-                finish = _GRAMMAR_FINISH.get(self.grammars.accept(request_id, token))
-            result[request_id] = SampledToken(token, lps, finish)
-        return result
+                finish = _GRAMMAR_FINISH.get(self.grammars.accept(item.request.request_id, token))
+            details.append(SampledToken(token, lps, finish))
+        return CollectedTokens(tokens, details)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import structlog
 
 from engine_server.config import EngineConfig
 from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
-from engine_server.core.scheduler_output import SchedulerOutput
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
 from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
@@ -216,26 +217,27 @@ class EngineCore:
         """
         scheduled = launched.scheduled
         sampling = launched.step.items
-        sampled = self.runner.collect(launched.step)
-        # Finished since it was scheduled (aborted, or ended by the step before): its token is dropped.
-        ended = [item.request for item in sampling if item.request.status.is_finished]
-        finished = self.scheduler.update_from_output(scheduled, {rid: s.token_id for rid, s in sampled.items()})
-        finished += self._finish_grammars(sampled)
+        collected = self.runner.collect(launched.step)
+        tokens, details = collected.token_ids, collected.details
+        finished = self.scheduler.update_from_output(scheduled, tokens)
+        if details is not None:
+            finished += self._finish_grammars(sampling, details)
         outputs: list[CoreOutput] = []
-        skip = {request.request_id for request in (*ended, *finished)}
-        for item in sampling:
+        for item, token_id, detail in zip(sampling, tokens, details or repeat(None), strict=False):
             request = item.request
-            if (request.final_only and not request.wants_logprobs) or request.request_id in skip:
+            # Finished: since it was scheduled (its token is dropped), or by this token (reported below).
+            if (request.final_only and not request.wants_logprobs) or request.status.is_finished:
                 continue
-            output = CoreOutput(
-                request.request_id, [sampled[request.request_id]], None, None, request.num_cached_tokens
-            )
+            token = detail if detail is not None else SampledToken(token_id)
+            output = CoreOutput(request.request_id, [token], None, None, request.num_cached_tokens)
             if request.final_only:
                 self._held.add(output)
             else:
                 outputs.append(output)
+        by_request = collected.by_request(sampling) if finished and details is not None else None
         for request in finished:
-            token = sampled[request.request_id]
+            # This step's token is the last of its outputs (it finished by it, or by its grammar after it).
+            token = by_request[request.request_id] if by_request else SampledToken(request.output_token_ids[-1])
             output = CoreOutput(request.request_id, [token], request.status, request.stop_token_id)
             outputs.append(self._final(request, output))
             self.runner.release(request.request_id)
@@ -244,10 +246,11 @@ class EngineCore:
             self.runner.release(request.request_id)  # it may have run (and sampled) before a preemption
         return outputs
 
-    def _finish_grammars(self, sampled: dict[str, SampledToken]) -> list[Request]:
+    def _finish_grammars(self, sampling: list[ScheduledRequest], details: list[SampledToken]) -> list[Request]:
         """Finish the still-running requests whose grammar ended with their token this step."""
         ended: dict[RequestStatus, list[str]] = {}
-        for request_id, token in sampled.items():
+        for item, token in zip(sampling, details, strict=True):
+            request_id = item.request.request_id
             if token.grammar_finish is not None and self.scheduler.get_request(request_id) is not None:
                 ended.setdefault(token.grammar_finish, []).append(request_id)
         done: list[Request] = []

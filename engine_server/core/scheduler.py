@@ -54,7 +54,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine_server.config import CacheConfig, SchedulerConfig
 from engine_server.core.kv_cache_manager import KVCacheManager
@@ -290,23 +290,23 @@ class Scheduler:
             item.request.num_pending_tokens -= item.needs_sample
         self.kv_cache.undo_publications()
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
         """Append each sampled token, apply stop rules, free finished requests and return them.
 
-        `sampled_token_ids` must hold a token for every `needs_sample` request of `output` that is
-        still unfinished (requests that finished since `schedule()` are skipped: aborted, or, with async
-        scheduling, ended by the step before). Steps must be updated in the order they were scheduled.
+        `sampled_token_ids[i]` is the token of the i-th `needs_sample` row of `output` (the runner's sampling
+        rows, in order). The token of a request that finished since `schedule()` is dropped (aborted, or, with
+        async scheduling, ended by the step before). Steps must be updated in the order they were scheduled.
         """
         finished: list[Request] = []
         max_model_len = self.max_model_len
-        for item in output.scheduled:
+        rows = output.scheduled
+        if len(sampled_token_ids) != len(rows):  # equal: every row samples (a decode step), no filtering
+            rows = [item for item in rows if item.needs_sample]
+        for item, token_id in zip(rows, sampled_token_ids, strict=True):
             request = item.request
-            if not item.needs_sample:
-                continue
             request.num_pending_tokens -= 1
             if request.status.is_finished:
                 continue
-            token_id = sampled_token_ids[request.request_id]
             request.append_output_token(token_id)
             # Most tokens end nothing: rule that out in a few lookups before the full stop rules.
             if (

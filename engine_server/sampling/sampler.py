@@ -67,7 +67,8 @@ class SamplerOutput:
 
     def token_id_list(self) -> list[int]:
         """The sampled tokens on the host (one device sync)."""
-        return [int(t) for t in self.token_ids.tolist()]
+        tokens: list[int] = self.token_ids.tolist()  # an integer tensor: Python ints
+        return tokens
 
     def logprob_list(self) -> list[TokenLogprobs | None]:
         """Per row: its log-probabilities, or None when the row did not ask (or no row did)."""

@@ -86,7 +86,8 @@ class FakeRunner:
         self.block_size = block_size
         self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id written there
 
-    def step(self, output: SchedulerOutput) -> dict[str, int]:
+    def step(self, output: SchedulerOutput) -> list[int]:
+        """The step's sampled tokens, one per `needs_sample` row in order (as `update_from_output` takes them)."""
         bs = self.block_size
         # The counts the scheduler keeps as it goes agree with the rows themselves.
         assert output.num_batched_tokens == sum(item.num_new_tokens for item in output.scheduled)
@@ -97,13 +98,13 @@ class FakeRunner:
             tokens = item.request.all_token_ids
             for pos in range(item.start_position, item.start_position + item.num_new_tokens):
                 self.kv[(item.block_ids[pos // bs], pos % bs)] = tokens[pos]
-        sampled: dict[str, int] = {}
+        sampled: list[int] = []
         for item in output.scheduled:
             end = item.start_position + item.num_new_tokens
             seen = [self.kv.get((item.block_ids[p // bs], p % bs)) for p in range(end)]
             assert seen == item.request.all_token_ids[:end], f"KV mismatch for {item.request_id}"
             if item.needs_sample:
-                sampled[item.request_id] = next_token(item.request.all_token_ids)
+                sampled.append(next_token(item.request.all_token_ids))
         return sampled
 
 

@@ -118,7 +118,7 @@ class Lockstep:
             hidden = (self._seen[0][-1], self._seen[1][-1]) if ref else (torch.empty(0), torch.empty(0))
             decode_only = all(item.num_new_tokens == 1 for item in output.scheduled)
             self.steps.append(LockstepStep(decode_only, len(output.scheduled), (ref, cand), hidden))
-            self.scheduler.update_from_output(output, ref)
+            self.scheduler.update_from_output(output, list(ref.values()))
             index += 1
         return self.steps
 

@@ -32,7 +32,7 @@ def _generate(requests: list[Request], monkeypatch: pytest.MonkeyPatch) -> tuple
         while scheduler.has_unfinished():
             output = scheduler.schedule(now=0.0)
             sampled = runner.execute(output)
-            scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
+            scheduler.update_from_output(output, [s.token_id for s in sampled.values()])
     return {r.request_id: list(r.output_token_ids) for r in requests}, calls
 
 

@@ -175,7 +175,7 @@ def test_abort_between_schedule_and_update_is_ignored() -> None:
     sched.add_request(make_request("a", 10))
     out = sched.schedule(now=0.0)
     sched.abort_request("a")
-    assert sched.update_from_output(out, {}) == []
+    assert sched.update_from_output(out, [0]) == []  # its token is dropped
     assert sched.kv_cache.num_free_blocks == 64
 
 
@@ -229,7 +229,7 @@ def _run_with_tokens(sched: Scheduler, tokens: list[int]) -> None:
     feed = iter(tokens)
     while sched.has_unfinished():
         out = sched.schedule(now=0.0)
-        sched.update_from_output(out, {s.request_id: next(feed) for s in out.scheduled if s.needs_sample})
+        sched.update_from_output(out, [next(feed) for s in out.scheduled if s.needs_sample])
 
 
 @pytest.mark.parametrize(

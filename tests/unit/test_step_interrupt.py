@@ -81,8 +81,7 @@ def test_undo_returns_the_scheduler_to_where_it_was_at_every_step_of_a_random_wo
             again = scheduler.schedule(now=float(step))
             assert _shape(again) == _shape(output)
             output = again
-        tokens = {item.request_id: rng.randrange(VOCAB) for item in output.scheduled if item.needs_sample}
-        scheduler.update_from_output(output, tokens)
+        scheduler.update_from_output(output, [rng.randrange(VOCAB) for item in output.scheduled if item.needs_sample])
     assert undone > 100 and published_undone > 20  # blocks published by the undone steps were taken back
     assert added > 150
 
