@@ -126,6 +126,24 @@ class KVCacheManager:
             return None
         return table
 
+    def slot_for_one(self, request: Request) -> list[int] | None:
+        """`slots_in_place(request, 1)`, else `allocate_slots(request, 1)`: room for a decode's one token, in one
+        call. The scheduler's path for the decodes that fill their last block (publishing it) or start a new one,
+        a 1/block_size share of every step's decodes; None when no block is free (nothing changed)."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return self.allocate_slots(request, 1)
+        size = self.block_size
+        num_total = request.num_computed_tokens + 1
+        if num_total > len(table) * size:
+            if not self._pool.num_free_blocks:
+                return None
+            table.extend(self._pool.allocate(1))
+        if self.enable_prefix_caching:
+            self._publish_full_blocks(request, table, min(num_total, request.num_tokens) // size)
+        self._note_in_place(request, table)
+        return table
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
     ) -> list[int] | None:

@@ -80,6 +80,7 @@ class Request:
         "num_computed_tokens",
         "num_pending_tokens",
         "num_preemptions",
+        "num_prompt_tokens",
         "num_slots_in_place",
         "output_token_ids",
         "priority",
@@ -115,6 +116,7 @@ class Request:
             raise ValueError(f"request {request_id!r}: the grammar does not match sampling_params.constraint")
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # a plain attribute: the scheduler reads it every step
         self.sampling_params = sampling_params
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.stop_token_ids)
@@ -173,10 +175,6 @@ class Request:
     def num_known_and_pending_tokens(self) -> int:
         """Tokens the request will have once the launched steps report: `num_tokens + num_pending_tokens`."""
         return len(self._all_token_ids) + self.num_pending_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

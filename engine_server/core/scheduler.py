@@ -220,13 +220,15 @@ class Scheduler:
                 i += 1
                 continue
             # `slots_in_place`'s first test, inline: a decode inside its last block ends here.
-            blocks = request.block_ids if start + num_new <= request.num_slots_in_place else None
-            if blocks is None:
-                blocks = kv_cache.slots_in_place(request, num_new)
-            if blocks is None:
-                blocks = self._allocate_or_preempt(request, num_new, preempted)
+            blocks: list[int] | None
+            if start + num_new <= request.num_slots_in_place:
+                blocks = request.block_ids
+            else:
+                blocks = kv_cache.slot_for_one(request) if num_new == 1 else kv_cache.slots_in_place(request, num_new)
                 if blocks is None:
-                    break  # it preempted itself, so it was the tail: nothing after it is left
+                    blocks = self._allocate_or_preempt(request, num_new, preempted)
+                    if blocks is None:
+                        break  # it preempted itself, so it was the tail: nothing after it is left
             # `_advance`, inline: this runs for every running request every step.
             request.num_computed_tokens = start + num_new
             needs_sample = num_new == remaining

@@ -232,3 +232,30 @@ def test_the_in_place_bound_on_the_request_never_overstates(prefix_caching: bool
                     assert other.block_ids is manager.block_table(other.request_id)
                     assert manager.slots_in_place(other, num_new) is other.block_ids
     assert checked > 100  # the bound is used, not just never set
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_slot_for_one_is_slots_in_place_then_allocate_slots(prefix_caching: bool) -> None:
+    """Decode by decode across block boundaries (and into a pool that runs dry), the one-token path leaves
+    the very tables, publications, in-place bounds and free counts of the general one."""
+    general, fast = (KVCacheManager(num_blocks=9, block_size=4, enable_prefix_caching=prefix_caching) for _ in "ab")
+    pair = [(make_request(name, 6), make_request(name, 6)) for name in ("a", "b")]
+    for kv, index in ((general, 0), (fast, 1)):
+        for requests in pair:
+            schedule_all(kv, requests[index])
+    for step in range(12):
+        for requests in pair:
+            g, f = requests
+            expected = general.slots_in_place(g, 1)
+            if expected is None:
+                expected = general.allocate_slots(g, 1)
+            got = fast.slot_for_one(f)
+            assert (got is None) == (expected is None), step
+            assert got == expected and f.num_slots_in_place == g.num_slots_in_place
+            if got is not None:
+                for r in requests:
+                    r.num_computed_tokens += 1
+                    r.append_output_token(100 + step)
+        assert general.num_free_blocks == fast.num_free_blocks
+        assert [general.pool.block_hash(b) for b in range(9)] == [fast.pool.block_hash(b) for b in range(9)]
+    assert general.num_free_blocks == 0  # the pool ran dry on the way: both refused alike
