@@ -24,7 +24,7 @@ from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutpu
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.decode_rows import DecodeRows
 from engine_server.host_memory import keep_freed_memory_for_reuse
-from engine_server.layers.ops import REFERENCE_OPS, select_ops
+from engine_server.layers.ops import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
@@ -33,6 +33,7 @@ from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, Sam
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 from engine_server.transfer import host_tensor, to_device
+from kernels.kernel_set import REFERENCE_OPS
 
 log = structlog.get_logger(__name__)
 _SEED_MODULUS = 2**63

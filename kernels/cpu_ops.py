@@ -37,13 +37,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
-from engine_server.attention import AttentionMetadata
-from engine_server.layers.ops import REFERENCE_OPS, KernelOps
 from kernels import reference
+from kernels.kernel_set import REFERENCE_OPS, KernelOps
+
+if TYPE_CHECKING:
+    from engine_server.attention import AttentionMetadata
 
 log = structlog.get_logger(__name__)
 

@@ -6,9 +6,9 @@ Importing this module needs triton (Linux). It decorates the kernels at import, 
 
 from __future__ import annotations
 
-from engine_server.layers.ops import KernelOps
 from kernels.activation import silu_and_mul
 from kernels.bitmask import apply_token_bitmask_
+from kernels.kernel_set import KernelOps
 from kernels.kv_cache import write_kv_cache
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm

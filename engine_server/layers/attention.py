@@ -8,7 +8,7 @@ from torch import nn
 from engine_server.attention import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
-from engine_server.layers.ops import KernelOps
+from kernels.kernel_set import KernelOps
 
 
 class PagedSelfAttention(nn.Module):

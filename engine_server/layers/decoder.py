@@ -12,8 +12,8 @@ from engine_server.config import ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.norm import RMSNorm
-from engine_server.layers.ops import KernelOps
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
+from kernels.kernel_set import KernelOps
 from kernels.reference import build_cos_sin_cache
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_server.layers.ops import KernelOps
+from kernels.kernel_set import KernelOps
 
 
 class RMSNorm(nn.Module):

@@ -1,35 +1,13 @@
-"""Which implementation of the primitive ops (norm, rope, activation, KV write, attention) the layers call."""
+"""Which kernel set (`kernels.kernel_set.KernelOps`: norm, rope, activation, KV write, attention) the layers call
+on a device."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from kernels import reference
-
-
-@dataclass(frozen=True)
-class KernelOps:
-    """One backend's ops; each field has the signature and contract of the same name in `kernels.reference`."""
-
-    rms_norm: Callable[..., Any]
-    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    write_kv_cache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-
-
-REFERENCE_OPS = KernelOps(
-    rms_norm=reference.rms_norm,
-    rotary_embedding=reference.rotary_embedding,
-    silu_and_mul=reference.silu_and_mul,
-    write_kv_cache=reference.write_kv_cache,
-    paged_attention=reference.paged_attention,
-)
+from kernels.kernel_set import REFERENCE_OPS, KernelOps
 
 
 def select_ops(device: torch.device) -> KernelOps:

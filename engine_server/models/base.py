@@ -11,8 +11,9 @@ from torch import nn
 from engine_server.attention import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
-from engine_server.layers.ops import KernelOps, select_ops
+from engine_server.layers.ops import select_ops
 from engine_server.step_interrupt import StepInterrupt
+from kernels.kernel_set import KernelOps
 
 # Checkpoint projections that live as row slices of one fused parameter: (fused name, checkpoint name, shard).
 FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from engine_server.attention import AttentionMetadata
-from engine_server.layers.ops import REFERENCE_OPS, KernelOps, select_ops
+from engine_server.layers.ops import select_ops
 from kernels import cpu_ops as cpu
 from kernels import reference
+from kernels.kernel_set import REFERENCE_OPS, KernelOps
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, cache, block tables, lengths

@@ -16,9 +16,10 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from engine_server.attention import AttentionMetadata, allocate_kv_cache
 from engine_server.config import ModelConfig
-from engine_server.layers.ops import REFERENCE_OPS, KernelOps, select_ops
+from engine_server.layers.ops import select_ops
 from engine_server.models import get_model_class
 from kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary, seeded_noise
+from kernels.kernel_set import REFERENCE_OPS, KernelOps
 from kernels.triton_ops import TRITON_OPS
 
 HAS_CUDA = torch.cuda.is_available()

@@ -1,0 +1,36 @@
+"""A kernel set: one backend's implementation of the primitive ops the decoder layers call (norm, rope,
+activation, KV write, attention), and the torch reference set every backend must match.
+
+The backends live beside it (`kernels.cpu_ops`, `kernels.triton_ops`); the engine picks one per device
+(`engine_server.layers.ops.select_ops`) and never the other way round: nothing in `kernels` imports the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels import reference
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """One backend's ops; each field has the signature and contract of the same name in `kernels.reference`."""
+
+    rms_norm: Callable[..., Any]
+    rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    write_kv_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+REFERENCE_OPS = KernelOps(
+    rms_norm=reference.rms_norm,
+    rotary_embedding=reference.rotary_embedding,
+    silu_and_mul=reference.silu_and_mul,
+    write_kv_cache=reference.write_kv_cache,
+    paged_attention=reference.paged_attention,
+)
