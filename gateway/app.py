@@ -30,7 +30,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics)
-    metrics.watch_batches(service)
+    metrics.watch_batches(service.count_by_status, service.lines_in_flight)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

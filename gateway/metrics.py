@@ -10,17 +10,13 @@ are read when /metrics is scraped.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.engines import EnginePool
-
-if TYPE_CHECKING:
-    from gateway.batches.service import BatchService
 
 # Seconds; from a few ms (one decode step on a GPU) to minutes (long CPU generations).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -55,9 +51,10 @@ class GatewayMetrics:
                                   registry=r)
         r.register(_EngineCollector(pool))
 
-    def watch_batches(self, service: BatchService) -> None:
-        """Report batches by status and batch lines in flight from `service` on every scrape."""
-        self.registry.register(_BatchCollector(service))
+    def watch_batches(self, count_by_status: Callable[[], dict[str, int]], lines_in_flight: Callable[[], int]) -> None:
+        """Report batches by status (`count_by_status`, which may raise while the store is not open or not
+        reachable: then none) and batch lines in flight on every scrape."""
+        self.registry.register(_BatchCollector(count_by_status, lines_in_flight))
 
     async def watch_event_loop(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
         """Until cancelled, sleep `interval_s` on the running loop and record how late each wake-up is."""
@@ -107,18 +104,19 @@ class _EngineCollector(Collector):
 class _BatchCollector(Collector):
     """Batches by status (every replica's, from the database) and this gateway's batch lines in flight."""
 
-    def __init__(self, service: BatchService) -> None:
-        self.service = service
+    def __init__(self, count_by_status: Callable[[], dict[str, int]], lines_in_flight: Callable[[], int]) -> None:
+        self.count_by_status = count_by_status
+        self.lines_in_flight = lines_in_flight
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         by_status = GaugeMetricFamily("ladle_batches", "Batch jobs by status", labels=["status"])
         try:
-            counts = self.service.batches.count_by_status()
+            counts = self.count_by_status()
         except Exception:  # not started yet, or the database is unreachable: report what is known
             counts = {}
         for status, count in sorted(counts.items()):
             by_status.add_metric([status], count)
         in_flight = GaugeMetricFamily("ladle_gateway_batch_lines_in_flight",
                                       "Batch engine items this gateway has sent and not yet had answered")
-        in_flight.add_metric([], self.service.lines_in_flight())
+        in_flight.add_metric([], self.lines_in_flight())
         yield from (by_status, in_flight)

@@ -90,6 +90,10 @@ class BatchService:
         if self._db is not None:
             self._db.dispose()
 
+    def count_by_status(self) -> dict[str, int]:
+        """Batches by status, every replica's (from the database); AssertionError before `start`."""
+        return self.batches.count_by_status()
+
     def lines_in_flight(self) -> int:
         return sum(w.runner.in_flight for w in self.workers if w.runner is not None)
 
