@@ -6,7 +6,8 @@ Values discovered at run time (number of KV blocks, eos ids read from a tokenize
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 Architecture = Literal["llama", "qwen2", "qwen3"]
@@ -128,6 +129,78 @@ class SchedulerConfig:
     batch_min_prefill_chunk: int = 64
 
 
+SpeculativeMethod = Literal["ngram", "suffix", "draft_model"]
+SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine_server.speculative), spelled as vLLM's `--speculative-config` JSON.
+
+    Each step a decoding sequence may carry up to `num_speculative_tokens` proposed tokens, verified in the same
+    forward pass; the output is the one decoding without them gives (greedy: token for token). Methods:
+    - "ngram": prompt lookup: the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) matched
+      earlier in the prompt and output, proposing what followed;
+    - "suffix": suffix decoding: a suffix tree over the sequence's own tokens and the outputs of the last
+      `suffix_decoding_max_cached_requests` requests, proposing the most frequent continuation of the longest
+      match (at most `suffix_decoding_max_tree_depth` tokens deep; up to `suffix_decoding_max_spec_factor` times
+      the match length; a branch below `suffix_decoding_min_token_prob` ends the proposal);
+    - "draft_model": `model` (a model spec sharing the target's tokenizer, e.g. a `dummy:` preset) decodes the
+      proposals greedily beside the target, with a KV cache of its own.
+    `adaptive`: each sequence's proposal length follows its measured acceptance and the cost of a verified token,
+    so speculation switches itself off where it would not pay (engine_server.speculative.policy).
+    """
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not one of {', '.join(SPECULATIVE_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens must be in [1, 32]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative n-gram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('the draft_model method needs "model": the draft model to load')
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 1, suffix_decoding_max_cached_requests >= 0")
+        if self.suffix_decoding_max_spec_factor <= 0 or not 0 <= self.suffix_decoding_min_token_prob < 1:
+            raise ValueError("suffix_decoding_max_spec_factor must be > 0, suffix_decoding_min_token_prob in [0, 1)")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse `--speculative-config`: a JSON object with "method" and any of the fields above. Raises ValueError
+        naming what is wrong (not JSON, an unknown key, a bad value). vLLM's "num_speculative_tokens" is optional
+        here (default 4); a "prompt_lookup_max" alone also sets the minimum when it is smaller than the default."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(raw, dict) or "method" not in raw:
+            raise ValueError('--speculative-config must be a JSON object with a "method"')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        if "prompt_lookup_max" in raw and "prompt_lookup_min" not in raw:
+            raw["prompt_lookup_min"] = min(cls.prompt_lookup_min, raw["prompt_lookup_max"])
+        try:
+            return cls(**raw)
+        except TypeError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
+
+
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quantization
@@ -163,3 +236,4 @@ class EngineConfig:
     override_generation_config: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -30,6 +30,7 @@ from engine_server.loader import ModelSource
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.quantization import quantize_model, resolve_quantization
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
+from engine_server.speculative.verify import sampled_positions, split_runs
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 from engine_server.transfer import host_tensor, to_device
@@ -70,6 +71,10 @@ class CollectedTokens:
 
     token_ids: list[int]
     details: list[SampledToken] | None = None
+    # A step that verified drafts (engine_server.speculative): per sampling row, every token it produced, in order
+    # (its accepted drafts, then the target's token, which is `token_ids[i]`); with `details`, their SampledTokens.
+    runs: list[list[int]] | None = None
+    run_details: list[list[SampledToken]] | None = None
 
     def by_request(self, items: list[ScheduledRequest]) -> dict[str, SampledToken]:
         """Each row's SampledToken by request id (`items`: the step's sampling rows)."""
@@ -102,10 +107,14 @@ class _StepTokens:
         self.pending_rows: list[int] = []
         self.pending_ids: list[str] = []
 
-    def add(self, request: Request, start: int, count: int) -> None:
+    def add(self, request: Request, start: int, count: int, drafts: tuple[int, ...] = ()) -> None:
+        """The chunk's tokens: known ones from the request, then its `drafts` (which end it), or pending ones."""
         ids = request.all_token_ids
         end = start + count
         self.known.extend(ids[start:end])
+        if drafts:
+            self.known.extend(drafts)
+            return
         for _ in range(max(start, len(ids)), end):  # beyond what the host has: sampled, on the way
             self.pending_rows.append(len(self.known))
             self.pending_ids.append(request.request_id)
@@ -297,6 +306,9 @@ class ModelRunner:
             raise
         if not sampling:
             return LaunchedStep(sampling, None)
+        if output.num_draft_tokens:
+            assert last_rows is not None  # rows with drafts take the eager path
+            return self._launch_verification(sampling, items, hidden, last_rows)
         if last_rows is not None or len(sampling) < len(items):  # a decode step where every row samples: no gather
             last = last_rows if last_rows is not None else range(len(items))
             wanted = [last[i] for i, item in enumerate(items) if item.needs_sample]
@@ -317,7 +329,79 @@ class ModelRunner:
             return CollectedTokens([])
         if step.ready is not None:
             step.ready.synchronize()
+        if step.sampled.token_ids.shape[0] != len(step.items):
+            return self._collect_verification(step.items, step.sampled)
         return self._collect(step.items, step.sampled)
+
+    def _launch_verification(
+        self,
+        sampling: list[ScheduledRequest],
+        items: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        last_rows: list[int],
+    ) -> LaunchedStep:
+        """`launch` for a step with drafts: the target's token at every draft position too (speculative.verify)."""
+        wanted = sampled_positions(items, last_rows)
+        hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
+        logits = self.model.compute_logits(hidden)
+        if all(item.request.argmax_only for item in sampling):
+            sampled = self.sampler.argmax(logits)
+        else:
+            rows = [row for item in sampling for row in self._verification_rows(item)]
+            sampled = self.sampler.sample(logits, SamplingMetadata.build(rows, self.sampler.vocab_size, self.device))
+        self._last_sampled = None  # its rows are positions, not requests: no later step reads its tokens
+        self._decode_rows.mark_launched(False)
+        return LaunchedStep(sampling, *_copy_to_host(sampled))
+
+    def _verification_rows(self, item: ScheduledRequest) -> list[SamplingRow]:
+        """An item's sampling rows: one per position it samples, each with the drafts before it as its history
+        (penalties, min_tokens), its own position (seeded noise) and its grammar's mask after those drafts."""
+        request, drafts = item.request, item.draft_token_ids
+        masks: list[torch.Tensor | None]
+        if request.grammar is not None:
+            masks = list(self.grammars.draft_bitmasks(request, drafts))
+        else:
+            masks = [None] * (len(drafts) + 1)
+        first = item.start_position + item.num_new_tokens - len(drafts)
+        seed = None if request.sampling_params.seed is None else request.sampling_params.seed % _SEED_MODULUS
+        outputs = request.output_token_ids
+        return [
+            SamplingRow(
+                params=request.sampling_params,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=[*outputs, *drafts[:j]] if j and request.needs_output_history else outputs,
+                eos_token_ids=request.eos_token_ids,
+                position=first + j,
+                seed=seed,
+                allowed_token_bitmask=mask,
+            )
+            for j, mask in enumerate(masks)
+        ]
+
+    def _collect_verification(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> CollectedTokens:
+        """The runs the drafts' verification keeps; a constrained request's matcher accepts its run, which ends early
+        where the grammar ends the choice."""
+        runs = split_runs(items, sampled.token_id_list())
+        logprobs = sampled.logprob_list()
+        if not any(logprobs) and not any(item.request.grammar is not None for item in items):
+            return CollectedTokens([run[-1] for run in runs], runs=runs)
+        run_details: list[list[SampledToken]] = []
+        row = 0
+        for item, run in zip(items, runs, strict=True):
+            details: list[SampledToken] = []
+            for j, token in enumerate(run):
+                finish = None
+                if item.request.grammar is not None:
+                    finish = _GRAMMAR_FINISH.get(self.grammars.accept(item.request.request_id, token))
+                details.append(SampledToken(token, logprobs[row + j], finish))
+                if finish is not None:
+                    del run[j + 1 :]
+                    break
+            run_details.append(details)
+            row += len(item.draft_token_ids) + 1
+        return CollectedTokens(
+            [run[-1] for run in runs], [d[-1] for d in run_details], runs=runs, run_details=run_details
+        )
 
     def _forward(
         self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None
@@ -355,7 +439,7 @@ class ModelRunner:
         last_rows: list[int] = []
         for item in scheduled:
             start, count = item.start_position, item.num_new_tokens
-            tokens.add(item.request, start, count)
+            tokens.add(item.request, start, count, item.draft_token_ids)
             positions.extend(range(start, start + count))
             query_lens.append(count)
             seq_lens.append(start + count)

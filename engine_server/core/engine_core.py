@@ -19,7 +19,8 @@ from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
-from engine_server.runner import LaunchedStep, ModelRunner, SampledToken
+from engine_server.runner import CollectedTokens, LaunchedStep, ModelRunner, SampledToken
+from engine_server.speculative.speculator import Speculator
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 
 log = structlog.get_logger(__name__)
@@ -114,6 +115,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time
         )
+        # Speculative decoding: drafts proposed before each step, verified by it (engine_server.speculative).
+        spec = config.speculative
+        self.speculator = Speculator(spec, self.max_model_len, self.step_time) if spec is not None else None
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
@@ -136,6 +140,8 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
+        if self.speculator is not None:
+            self.speculator.admit(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[CoreOutput]:
@@ -173,6 +179,8 @@ class EngineCore:
         """
         started = time.perf_counter()
         try:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running_requests)
             scheduled = self.scheduler.schedule()
             batch_only = self._stoppable(scheduled)
             interrupt = self.step_interrupt if batch_only and not self._last_batch_step_interrupted else None
@@ -189,7 +197,8 @@ class EngineCore:
             previous, self._in_flight = self._in_flight, None
             outputs = self._complete(previous) if previous is not None else []
             completed = previous
-            runs_ahead = self.async_scheduling and scheduled.scheduled
+            # A speculating request's next drafts start from this step's tokens: no step runs ahead of them.
+            runs_ahead = self.async_scheduling and scheduled.scheduled and self.speculator is None
             if runs_ahead and not any(item.request.needs_output_history for item in scheduled.scheduled):
                 self._in_flight = current
             else:
@@ -218,6 +227,8 @@ class EngineCore:
         scheduled = launched.scheduled
         sampling = launched.step.items
         collected = self.runner.collect(launched.step)
+        if collected.runs is not None:
+            return self._complete_verified(scheduled, sampling, collected)
         tokens, details = collected.token_ids, collected.details
         finished = self.scheduler.update_from_output(scheduled, tokens)
         if details is not None:
@@ -246,6 +257,41 @@ class EngineCore:
             self.runner.release(request.request_id)  # it may have run (and sampled) before a preemption
         return outputs
 
+    def _complete_verified(
+        self, scheduled: SchedulerOutput, sampling: list[ScheduledRequest], collected: CollectedTokens
+    ) -> list[CoreOutput]:
+        """`_complete` for a step that verified drafts: each request reports the tokens of its run it took (the
+        stop rules may end it inside the run)."""
+        assert collected.runs is not None and self.speculator is not None
+        before = [item.request.num_output_tokens for item in sampling]
+        finished = self.scheduler.update_from_output(scheduled, collected.token_ids, collected.runs)
+        if collected.details is not None:
+            finished += self._finish_grammars(sampling, collected.details)
+        self.speculator.observe(sampling, collected.runs)
+        ended = {request.request_id for request in finished}
+        outputs: list[CoreOutput] = []
+        for i, item in enumerate(sampling):
+            request = item.request
+            taken = request.output_token_ids[before[i] :]
+            if not taken or (request.final_only and not request.wants_logprobs and request.request_id not in ended):
+                continue
+            if collected.run_details is not None:
+                tokens = collected.run_details[i][: len(taken)]
+            else:
+                tokens = [SampledToken(token_id) for token_id in taken]
+            if request.request_id in ended:
+                output = CoreOutput(request.request_id, tokens, request.status, request.stop_token_id)
+                outputs.append(self._final(request, output))
+                self.runner.release(request.request_id)
+            elif request.final_only:
+                self._held.add(CoreOutput(request.request_id, tokens, None, None, request.num_cached_tokens))
+            else:
+                outputs.append(CoreOutput(request.request_id, tokens, None, None, request.num_cached_tokens))
+        for request in scheduled.finished:
+            outputs.append(self._finished_output(request))
+            self.runner.release(request.request_id)
+        return outputs
+
     def _finish_grammars(self, sampling: list[ScheduledRequest], details: list[SampledToken]) -> list[Request]:
         """Finish the still-running requests whose grammar ended with their token this step."""
         ended: dict[RequestStatus, list[str]] = {}
@@ -264,6 +310,8 @@ class EngineCore:
 
     def _final(self, request: Request, output: CoreOutput) -> CoreOutput:
         """A finished request's last output; for a `final_only` one, with every token it produced."""
+        if self.speculator is not None:
+            self.speculator.finish(request)
         output.num_cached_tokens = request.num_cached_tokens
         if not request.final_only:
             return output

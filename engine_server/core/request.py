@@ -71,6 +71,7 @@ class Request:
         "block_hashes",
         "block_ids",
         "deadline",
+        "draft_token_ids",
         "eos_token_ids",
         "final_only",
         "grammar",
@@ -87,6 +88,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "sampling_params",
+        "speculative",
         "status",
         "stop_token_id",
         "stop_token_ids",
@@ -153,6 +155,12 @@ class Request:
             or params.repetition_penalty != 1.0
         )
         self.wants_logprobs = params.logprobs or params.top_logprobs > 0
+        # Speculative decoding (engine_server.speculative): whether the engine proposes tokens for this request (the
+        # engine core sets it at admission); then it never runs ahead of its tokens (async scheduling), since a
+        # proposal starts from its last token. `draft_token_ids`: the tokens proposed to follow its last one, set by
+        # the core before each step and verified by the next step that decodes it.
+        self.speculative = False
+        self.draft_token_ids: list[int] = []
         # Set by the caller before the request is queued: it wants the output once, at the finish, with every
         # token (no stop strings to match as the text grows). The core then builds no output per step.
         self.final_only = False

@@ -119,6 +119,11 @@ class Scheduler:
     def kv_usage(self) -> float:
         return self.kv_cache.usage
 
+    @property
+    def running_requests(self) -> list[Request]:
+        """The running requests in rank order: the live list, to read and not to modify."""
+        return self._running
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
@@ -199,6 +204,7 @@ class Scheduler:
         # inside its last block), which is most of them.
         running, kv_cache = self._running, self.kv_cache
         num_decode_rows = 0
+        num_draft_tokens = 0
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -206,11 +212,15 @@ class Scheduler:
                 break  # `_running` is in rank order: every request from here on is BATCH
             start = request.num_computed_tokens
             remaining = request.num_known_and_pending_tokens - start
+            num_drafts = 0
             if remaining == 1:
                 if rows_left <= 0 and request.priority is Priority.BATCH:
                     i += 1  # the step's decode rows fill the time target: this BATCH decode sits the step out
                     continue
                 num_new = 1
+                if request.draft_token_ids and not request.num_pending_tokens:
+                    num_drafts = max(0, min(len(request.draft_token_ids), budget - 1, prefill_left))
+                    num_new += num_drafts
             else:
                 num_new = min(remaining, budget, prefill_left)
                 if num_new <= 0:
@@ -225,16 +235,28 @@ class Scheduler:
                 blocks = request.block_ids
             else:
                 blocks = kv_cache.slot_for_one(request) if num_new == 1 else kv_cache.slots_in_place(request, num_new)
+                if blocks is None and num_drafts:
+                    blocks = kv_cache.allocate_slots(request, num_new)
+                    if blocks is None:  # short of blocks: verify no drafts rather than preempt for them
+                        num_new, num_drafts = 1, 0
+                        blocks = kv_cache.slot_for_one(request)
                 if blocks is None:
                     blocks = self._allocate_or_preempt(request, num_new, preempted)
                     if blocks is None:
                         break  # it preempted itself, so it was the tail: nothing after it is left
             # `_advance`, inline: this runs for every running request every step.
             request.num_computed_tokens = start + num_new
-            needs_sample = num_new == remaining
+            needs_sample = num_new - num_drafts == remaining
             if needs_sample:
                 request.num_pending_tokens += 1  # until update_from_output brings its token
-            scheduled.append(ScheduledRequest(request, start, num_new, blocks, needs_sample, 0))
+            if num_drafts:
+                drafts = tuple(request.draft_token_ids[:num_drafts])
+                scheduled.append(ScheduledRequest(request, start, num_new, blocks, True, 0, drafts))
+                budget -= num_drafts
+                prefill_left -= num_drafts
+                num_draft_tokens += num_drafts
+            else:
+                scheduled.append(ScheduledRequest(request, start, num_new, blocks, needs_sample, 0))
             if remaining == 1:
                 rows_left -= 1
                 budget -= 1
@@ -262,6 +284,7 @@ class Scheduler:
             num_decode_rows=num_decode_rows,
             num_prefill_tokens=num_batched_tokens - num_decode_rows,
             num_running_rows=num_running_rows,
+            num_draft_tokens=num_draft_tokens,
         )
 
     def undo(self, output: SchedulerOutput) -> None:
@@ -292,18 +315,30 @@ class Scheduler:
             item.request.num_pending_tokens -= item.needs_sample
         self.kv_cache.undo_publications()
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: Sequence[int]) -> list[Request]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Sequence[int],
+        runs: Sequence[Sequence[int]] | None = None,
+    ) -> list[Request]:
         """Append each sampled token, apply stop rules, free finished requests and return them.
 
         `sampled_token_ids[i]` is the token of the i-th `needs_sample` row of `output` (the runner's sampling
         rows, in order). The token of a request that finished since `schedule()` is dropped (aborted, or, with
         async scheduling, ended by the step before). Steps must be updated in the order they were scheduled.
+
+        `runs` (a step that verified drafts): `runs[i]` holds every token row i produced, in order (its accepted
+        drafts, then the target's token; `[sampled_token_ids[i]]` for a row without drafts). They are appended one by
+        one under the stop rules (a token that ends the request drops the rest), and a row with drafts takes back
+        the computed positions of the drafts it rejected: their KV slots are written again by later steps.
         """
-        finished: list[Request] = []
-        max_model_len = self.max_model_len
         rows = output.scheduled
         if len(sampled_token_ids) != len(rows):  # equal: every row samples (a decode step), no filtering
             rows = [item for item in rows if item.needs_sample]
+        if runs is not None:
+            return self._update_runs(rows, runs)
+        finished: list[Request] = []
+        max_model_len = self.max_model_len
         for item, token_id in zip(rows, sampled_token_ids, strict=True):
             request = item.request
             request.num_pending_tokens -= 1
@@ -329,12 +364,41 @@ class Scheduler:
             self._running = [r for r in self._running if not r.is_finished]
         return finished
 
+    def _update_runs(self, rows: list[ScheduledRequest], runs: Sequence[Sequence[int]]) -> list[Request]:
+        """`update_from_output` for a step with drafts: each row's tokens in order, each under the stop rules."""
+        finished: list[Request] = []
+        for item, run in zip(rows, runs, strict=True):
+            request = item.request
+            request.num_pending_tokens -= 1
+            if request.status.is_finished:
+                continue
+            status = None
+            for token_id in run:
+                request.append_output_token(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    break
+            if status is None:
+                # The last token and the accepted drafts are computed; the rest is not (unless it was preempted since).
+                if item.draft_token_ids and request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens = item.start_position + len(run)
+                continue
+            if request.status in _QUEUED:
+                self._waiting[request.priority].remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        if finished:
+            self._running = [r for r in self._running if not r.is_finished]
+        return finished
+
     # -- internals -----------------------------------------------------------------------------------
 
     def _may_run_ahead(self, request: Request) -> bool:
         """Whether a request whose last tokens are still pending may be scheduled again before they arrive:
-        not when they will end it by length, nor when its sampling needs them on the host."""
-        if request.needs_output_history:
+        not when they will end it by length, nor when its sampling needs them on the host, nor when its next
+        tokens are proposed from them (speculative decoding)."""
+        if request.needs_output_history or request.speculative:
             return False
         num_outputs = request.num_output_tokens + request.num_pending_tokens
         return num_outputs < request.max_tokens and request.num_known_and_pending_tokens < self.max_model_len

@@ -29,8 +29,12 @@ class ScheduledRequest:
     # ceil((start_position + num_new_tokens) / block_size) blocks; entries never change while the
     # request holds them, later steps only append.
     block_ids: list[int]
-    needs_sample: bool  # the chunk ends at request.num_tokens, so its last position yields a new token
+    needs_sample: bool  # the chunk ends at request.num_tokens (and its drafts), so its last position yields a token
     num_cached_tokens: int = 0  # tokens served from the prefix cache when admitted this step (else 0)
+    # Speculative decoding: tokens proposed to follow the request's last one, verified this step. The chunk is then
+    # the last token plus these (num_new_tokens == 1 + len(draft_token_ids)), every position of it samples, and
+    # the update keeps the drafts that equal the target's samples (engine_server.speculative).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -38,8 +42,11 @@ class ScheduledRequest:
 
     @property
     def is_prefill(self) -> bool:
-        """True unless this is a single-token decode after the whole prompt was computed."""
-        return self.num_new_tokens > 1 or self.start_position < self.request.num_prompt_tokens
+        """True unless this is a decode (one token, with any drafts to verify) after the whole prompt was computed."""
+        return (
+            self.num_new_tokens - len(self.draft_token_ids) > 1
+            or self.start_position < self.request.num_prompt_tokens
+        )
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,9 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)
 
     num_decode_rows: int = 0  # scheduled requests that are not `is_prefill`
-    num_prefill_tokens: int = 0  # tokens of the other scheduled requests: num_batched_tokens - num_decode_rows
+    # num_batched_tokens - num_decode_rows: tokens of the other scheduled requests, and the decodes' drafts
+    num_prefill_tokens: int = 0
+    num_draft_tokens: int = 0  # draft tokens of the step (speculative decoding), for metrics
     # `scheduled[:num_running_rows]` were running before the step; the rest it admitted from the queues.
     num_running_rows: int = 0
 

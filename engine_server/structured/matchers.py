@@ -68,6 +68,27 @@ class GrammarMatchers:
             result[i] = device[row]
         return result
 
+    def draft_bitmasks(self, request: Request, drafts: Sequence[int]) -> list[torch.Tensor]:
+        """The request's masks for the len(drafts) + 1 positions a step verifies (speculative decoding): the mask
+        of each position after the drafts before it. The matcher walks the drafts and is rolled back, so it stands
+        where it was; from the first draft its grammar refuses (which verification cannot keep: the target's
+        token there is another) the masks repeat the last one. Fresh tensors on the device."""
+        matcher = self._matcher(request)
+        host = xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        walked = 0
+        for j in range(len(drafts) + 1):
+            live = j == walked and not (j and matcher.is_terminated())
+            if live:
+                matcher.fill_next_token_bitmask(host, j)
+            else:
+                host[j] = host[j - 1]
+            if live and j < len(drafts) and matcher.accept_token(drafts[j]):
+                walked += 1
+        if walked:
+            matcher.rollback(walked)
+        device = host.to(self.device) if self.device.type != "cpu" else host
+        return list(device)
+
     def accept(self, request_id: str, token_id: int) -> GrammarState:
         """Advance the request's matcher by its sampled token; says whether the grammar ends the choice."""
         matcher = self._matchers[request_id]
