@@ -117,7 +117,7 @@ class EngineCore:
         )
         # Speculative decoding: drafts proposed before each step, verified by it (engine_server.speculative).
         spec = config.speculative
-        self.speculator = Speculator(spec, self.max_model_len, self.step_time) if spec is not None else None
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling
         self._in_flight: _Launched | None = None  # the step launched by the last call, when it ran ahead
@@ -207,9 +207,12 @@ class EngineCore:
         except BaseException:
             self._in_flight = None  # its requests are the caller's to abort; nothing waits on it any more
             raise
-        if self.step_time is not None and completed is not None:
-            done = completed.scheduled
-            self.step_time.observe(done.num_prefill_tokens, done.num_decode_rows, time.perf_counter() - started)
+        if completed is not None:
+            done, seconds = completed.scheduled, time.perf_counter() - started
+            if self.step_time is not None:
+                self.step_time.observe(done.num_prefill_tokens, done.num_decode_rows, seconds)
+            if self.speculator is not None:
+                self.speculator.observe_step(done, seconds)
         return outputs
 
     def _stoppable(self, scheduled: SchedulerOutput) -> bool:

@@ -9,22 +9,60 @@ kept are worth their token, and with them speculation switches itself off. With 
 kept with probability a^j (a: the sequence's measured rate of keeping a draft, an exponentially decayed count
 from a hopeful prior), a sequence verifies the largest k with a^k above the threshold.
 
-A sequence whose drafts stop paying still verifies one draft every `PROBE_EVERY` steps, so its rate (and the step
-model's view of a draft's cost) can recover when the text it writes starts repeating. Without a step-time model,
-or before it has measured a step, the threshold is `DEFAULT_THRESHOLD`.
+The cost of a draft is learned apart from the engine's own step-time model, which prefill dominates (a prompt
+token attends to a long context and costs more than a draft) and which leans towards one rate per token (no
+overhead) until the steps' mix tells them apart: here `DraftCost` fits the steps without prefill alone, seconds =
+base + per_row * decode rows + per_draft * drafts, by exponentially weighted least squares. The rate of a draft
+is known once the steps' draft counts vary, which the policy's own choices make them do.
+
+A sequence whose drafts stop paying still verifies one draft every `PROBE_EVERY` steps, so its rate (and the cost
+model's view of a draft) can recover when the text it writes starts repeating. Before the cost model has measured
+a step, the threshold is `DEFAULT_THRESHOLD`.
 """
 
 from __future__ import annotations
 
 import math
 
-from engine_server.core.step_timing import StepTimeModel
+import numpy as np
 
 DEFAULT_THRESHOLD = 0.3
 PROBE_EVERY = 8
 _PRIOR_RATE = 0.7  # a new sequence's drafts are taken as kept this often, worth _PRIOR_TRIALS observations
 _PRIOR_TRIALS = 2.0
 _DECAY = 0.9  # per verified step: the rate follows the text the sequence writes now
+
+
+class DraftCost:
+    """Seconds of a step without prefill from its decode rows and drafts (module docstring). Pure state, no clock."""
+
+    def __init__(self, decay: float = 0.98, ridge: float = 1e-3) -> None:
+        self.decay = decay
+        self.ridge = ridge
+        self._xx = np.zeros((3, 3))
+        self._xy = np.zeros(3)
+        self.coefficients: tuple[float, float, float] | None = None  # (base, per_row, per_draft) in seconds
+
+    def observe(self, num_rows: int, num_drafts: int, seconds: float) -> None:
+        if num_rows <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        x = np.array([1.0, float(num_rows), float(num_drafts)])
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xy = self.decay * self._xy + x * seconds
+        # The ridge only breaks ties a batch of constant size leaves (base vs per-row): it is ~1e-3 steps' worth.
+        base, per_row, per_draft = np.linalg.solve(self._xx + self.ridge * np.eye(3), self._xy).tolist()
+        self.coefficients = (base, per_row, per_draft)
+
+    def threshold(self, num_rows: int) -> float | None:
+        """A draft's cost over the time per token of a step of `num_rows` rows without drafts, in [0, 1]; None
+        before the first step or while the fit says a step costs nothing."""
+        if self.coefficients is None:
+            return None
+        base, per_row, per_draft = self.coefficients
+        step_s = base + per_row * num_rows
+        if step_s <= 0:
+            return None
+        return min(1.0, max(0.0, per_draft * num_rows / step_s))
 
 
 class _Rate:
@@ -45,23 +83,22 @@ class _Rate:
 class DraftPolicy:
     """Per sequence, the number of drafts to verify next (`num_drafts`), learned from its verified steps."""
 
-    def __init__(self, max_drafts: int, step_time: StepTimeModel | None, adaptive: bool = True) -> None:
+    def __init__(self, max_drafts: int, adaptive: bool = True) -> None:
         self.max_drafts = max_drafts
-        self.step_time = step_time
         self.adaptive = adaptive
+        self.cost = DraftCost()
         self._rates: dict[str, _Rate] = {}
+
+    def observe_step(self, num_prefill_tokens: int, num_draft_tokens: int, num_decode_rows: int, seconds: float) -> None:
+        """A completed step and how long it took; only steps without prefill teach the cost of a draft."""
+        if num_prefill_tokens == num_draft_tokens and num_decode_rows:
+            self.cost.observe(num_decode_rows, num_draft_tokens, seconds)
 
     def threshold(self, num_rows: int) -> float:
         """The least probability a draft must have of being kept to pay for its token in a step of `num_rows`
         decoding sequences (module docstring)."""
-        model = self.step_time
-        coef = model.coefficients if model is not None else None
-        if coef is None or model is None:
-            return DEFAULT_THRESHOLD
-        step_s = model.predict(0, max(1, num_rows))
-        if step_s is None or step_s <= 0:
-            return DEFAULT_THRESHOLD
-        return min(1.0, coef[1] * max(1, num_rows) / step_s)
+        threshold = self.cost.threshold(max(1, num_rows))
+        return DEFAULT_THRESHOLD if threshold is None else threshold
 
     def num_drafts(self, request_id: str, threshold: float) -> int:
         """How many drafts the sequence should verify in its next step, given the step's `threshold`."""
@@ -80,14 +117,17 @@ class DraftPolicy:
         if depth == 0:
             rate.idle_steps += 1
             if rate.idle_steps >= PROBE_EVERY:
+                rate.idle_steps = 0
                 depth = 1
         return depth
 
     def observe(self, request_id: str, num_drafts: int, num_kept: int) -> None:
         """A verified step of the sequence: `num_kept` of its `num_drafts` drafts were kept (a prefix of them)."""
-        rate = self._rates.get(request_id)
-        if rate is None or num_drafts <= 0:
+        if num_drafts <= 0:
             return
+        rate = self._rates.get(request_id)
+        if rate is None:
+            rate = self._rates[request_id] = _Rate()
         checked = min(num_drafts, num_kept + 1)  # drafts after the first refused one were never really tried
         rate.kept = _DECAY * rate.kept + num_kept
         rate.checked = _DECAY * rate.checked + checked

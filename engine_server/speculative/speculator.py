@@ -15,8 +15,7 @@ import structlog
 
 from engine_server.config import SpeculativeConfig
 from engine_server.core.request import Request
-from engine_server.core.scheduler_output import ScheduledRequest
-from engine_server.core.step_timing import StepTimeModel
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.speculative.policy import DraftPolicy
 from engine_server.speculative.proposer import TokenProposer, make_token_proposer
 
@@ -48,11 +47,11 @@ class SpeculationStats:
 class Speculator:
     """Drafts and their bookkeeping for one engine core. Not thread-safe: the core's thread owns it."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, step_time: StepTimeModel | None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer: TokenProposer | None = make_token_proposer(config)
-        self.policy = DraftPolicy(config.num_speculative_tokens, step_time, config.adaptive)
+        self.policy = DraftPolicy(config.num_speculative_tokens, config.adaptive)
         self.stats = SpeculationStats(config.num_speculative_tokens)
         self._logged = (time.monotonic(), 0)  # (when, verified rows then)
 
@@ -78,6 +77,12 @@ class Speculator:
                 request.draft_token_ids = [0] * depth  # the draft model writes them at launch
             else:
                 request.draft_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, depth)
+
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """A completed step's work and duration (the cost model of a draft: policy.DraftPolicy.observe_step)."""
+        self.policy.observe_step(
+            scheduled.num_prefill_tokens, scheduled.num_draft_tokens, scheduled.num_decode_rows, seconds
+        )
 
     def observe(self, items: Sequence[ScheduledRequest], runs: Sequence[Sequence[int]]) -> None:
         """A verified step: `runs[i]` is what sampling item `items[i]` kept (its drafts that matched, then one)."""

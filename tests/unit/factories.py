@@ -85,27 +85,50 @@ class FakeRunner:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id written there
+        # Of the last step, when it verified drafts: per sampling row, the tokens the fake model keeps (the drafts
+        # that equal its own tokens, then its token at the first difference), as `update_from_output` takes them.
+        self.runs: list[list[int]] | None = None
 
     def step(self, output: SchedulerOutput) -> list[int]:
-        """The step's sampled tokens, one per `needs_sample` row in order (as `update_from_output` takes them)."""
+        """The step's sampled tokens, one per `needs_sample` row in order (as `update_from_output` takes them);
+        a row with drafts writes them after its known tokens, and `runs` holds what it keeps."""
         bs = self.block_size
         # The counts the scheduler keeps as it goes agree with the rows themselves.
         assert output.num_batched_tokens == sum(item.num_new_tokens for item in output.scheduled)
         assert output.num_decode_rows == sum(1 for item in output.scheduled if not item.is_prefill)
-        assert output.num_prefill_tokens == sum(item.num_new_tokens for item in output.scheduled if item.is_prefill)
+        assert output.num_prefill_tokens == sum(
+            item.num_new_tokens if item.is_prefill else len(item.draft_token_ids) for item in output.scheduled
+        )
+        assert output.num_draft_tokens == sum(len(item.draft_token_ids) for item in output.scheduled)
         # All writes of a step land before any read, as on the device.
         for item in output.scheduled:
-            tokens = item.request.all_token_ids
+            tokens = [*item.request.all_token_ids, *item.draft_token_ids]
             for pos in range(item.start_position, item.start_position + item.num_new_tokens):
                 self.kv[(item.block_ids[pos // bs], pos % bs)] = tokens[pos]
         sampled: list[int] = []
+        runs: list[list[int]] = []
         for item in output.scheduled:
             end = item.start_position + item.num_new_tokens
             seen = [self.kv.get((item.block_ids[p // bs], p % bs)) for p in range(end)]
-            assert seen == item.request.all_token_ids[:end], f"KV mismatch for {item.request_id}"
+            expected = [*item.request.all_token_ids, *item.draft_token_ids][:end]
+            assert seen == expected, f"KV mismatch for {item.request_id}"
             if item.needs_sample:
-                sampled.append(next_token(item.request.all_token_ids))
+                run = _fake_run(item.request.all_token_ids, item.draft_token_ids)
+                sampled.append(run[-1])
+                runs.append(run)
+        self.runs = runs if output.num_draft_tokens else None
         return sampled
+
+
+def _fake_run(tokens: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The fake model's tokens after `tokens` for as long as they equal `drafts`, and one more."""
+    run: list[int] = []
+    for draft in drafts:
+        run.append(next_token([*tokens, *run]))
+        if run[-1] != draft:
+            return run
+    run.append(next_token([*tokens, *run]))
+    return run
 
 
 def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -> list[Request]:
@@ -116,7 +139,8 @@ def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10
             return finished
         output = scheduler.schedule(now=0.0)
         finished.extend(output.finished)
-        finished.extend(scheduler.update_from_output(output, runner.step(output)))
+        tokens = runner.step(output)
+        finished.extend(scheduler.update_from_output(output, tokens, runner.runs))
     raise AssertionError("requests did not finish")
 
 
