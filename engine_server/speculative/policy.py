@@ -89,7 +89,9 @@ class DraftPolicy:
         self.cost = DraftCost()
         self._rates: dict[str, _Rate] = {}
 
-    def observe_step(self, num_prefill_tokens: int, num_draft_tokens: int, num_decode_rows: int, seconds: float) -> None:
+    def observe_step(
+        self, num_prefill_tokens: int, num_draft_tokens: int, num_decode_rows: int, seconds: float
+    ) -> None:
         """A completed step and how long it took; only steps without prefill teach the cost of a draft."""
         if num_prefill_tokens == num_draft_tokens and num_decode_rows:
             self.cost.observe(num_decode_rows, num_draft_tokens, seconds)

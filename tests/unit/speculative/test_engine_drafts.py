@@ -63,8 +63,10 @@ def _requests() -> list[Request]:
     return requests
 
 
-def _run(config: EngineConfig, proposer: OracleProposer | None = None, stagger: bool = True) -> dict[str, Outcome]:
-    core = _run.last_core = EngineCore(config, tiny_source())
+def _run(
+    config: EngineConfig, proposer: OracleProposer | None = None, stagger: bool = True
+) -> tuple[dict[str, Outcome], EngineCore]:
+    core = EngineCore(config, tiny_source())
     if proposer is not None:
         assert core.speculator is not None
         core.speculator.proposer = proposer
@@ -81,13 +83,12 @@ def _run(config: EngineConfig, proposer: OracleProposer | None = None, stagger: 
             logprobs += [t.logprobs.logprob for t in output.new_tokens if t.logprobs is not None]
             seen[output.request_id] = (tokens, logprobs, output.status)
     assert core.scheduler.kv_cache.num_used_blocks == 0
-    return seen
+    return seen, core
 
 
-def _last_stats() -> SpeculationStats:
-    speculator = _run.last_core.speculator
-    assert speculator is not None
-    return speculator.stats
+def _stats(core: EngineCore) -> SpeculationStats:
+    assert core.speculator is not None
+    return core.speculator.stats
 
 
 def _speculative(config: EngineConfig, max_drafts: int = 5) -> EngineConfig:
@@ -107,12 +108,13 @@ def _assert_same(got: dict[str, Outcome], expected: dict[str, Outcome]) -> None:
 def test_every_outcome_of_verification_gives_the_tokens_of_plain_decoding(wrong_every: int, wrong_at: int) -> None:
     config = tiny_engine_config(max_num_seqs=8)
     config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, max_num_batched_tokens=24))
-    expected = _run(config)
+    expected, _ = _run(config)
     outputs = {rid: tokens for rid, (tokens, _, _) in expected.items()}
     prompts = {r.request_id: r.prompt_token_ids for r in _requests()}
     oracle = OracleProposer(outputs, prompts, wrong_every, wrong_at)
-    _assert_same(_run(_speculative(config), oracle), expected)
-    stats = _last_stats()
+    got, core = _run(_speculative(config), oracle)
+    _assert_same(got, expected)
+    stats = _stats(core)
     assert stats.proposed_tokens > 0
     assert (stats.accepted_tokens == 0) == (wrong_every == 1 and wrong_at == 0)  # that oracle is always wrong
     assert (stats.accepted_tokens == stats.proposed_tokens) == (wrong_every == 1000)  # that one never is
@@ -125,16 +127,16 @@ def test_speculating_requests_preempted_for_blocks_give_the_same_tokens() -> Non
         cache=CacheConfig(block_size=BLOCK_SIZE, memory_bytes=40 * block_bytes, enable_prefix_caching=True),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=MAX_MODEL_LEN),
     )
-    expected = _run(config, stagger=False)
+    expected, _ = _run(config, stagger=False)
     outputs = {rid: tokens for rid, (tokens, _, _) in expected.items()}
     prompts = {r.request_id: r.prompt_token_ids for r in _requests()}
     core_config = _speculative(config, max_drafts=6)
-    got = _run(core_config, OracleProposer(outputs, prompts, 3, 2), stagger=False)
+    got, core = _run(core_config, OracleProposer(outputs, prompts, 3, 2), stagger=False)
     _assert_same(got, expected)
-    assert _run.last_core.scheduler.total_preemptions > 0 and _last_stats().accepted_tokens > 0
+    assert core.scheduler.total_preemptions > 0 and _stats(core).accepted_tokens > 0
 
 
 def test_without_a_proposal_nothing_changes() -> None:
     config = tiny_engine_config(max_num_seqs=8)
-    expected = _run(config)
-    _assert_same(_run(_speculative(config)), expected)  # the real n-gram proposer: random weights rarely repeat
+    expected, _ = _run(config)
+    _assert_same(_run(_speculative(config))[0], expected)  # the real n-gram proposer: random weights rarely repeat

@@ -36,7 +36,9 @@ def drafts_right_for(correct: int, total: int) -> Proposer:
     return propose
 
 
-def run_with_drafts(scheduler: Scheduler, runner: FakeRunner, propose: Proposer, max_steps: int = 2_000) -> list[Request]:
+def run_with_drafts(
+    scheduler: Scheduler, runner: FakeRunner, propose: Proposer, max_steps: int = 2_000
+) -> list[Request]:
     """run_until_done, with `propose` setting the drafts of every request that decodes next (as the engine core's
     speculator does)."""
     finished: list[Request] = []

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine_server.core.scheduler_output import ScheduledRequest
 from engine_server.speculative.verify import accepted_run, num_sampled_positions, sampled_positions, split_runs
 from tests.unit.factories import make_request
-from engine_server.core.scheduler_output import ScheduledRequest
 
 
 def item(drafts: tuple[int, ...], needs_sample: bool = True) -> ScheduledRequest:
