@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import structlog
@@ -26,10 +27,11 @@ from engine_server.decode_rows import DecodeRows
 from engine_server.host_memory import keep_freed_memory_for_reuse
 from engine_server.layers.ops import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
-from engine_server.loader import ModelSource
+from engine_server.loader import ModelSource, resolve_model
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
 from engine_server.quantization import quantize_model, resolve_quantization
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
+from engine_server.speculative.draft_model import DraftModel
 from engine_server.speculative.verify import sampled_positions, split_runs
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
@@ -229,6 +231,7 @@ class ModelRunner:
             layers = quantize_model(self.model, source, self.quantization)
             torch.cuda.empty_cache()  # the float weights' blocks
             log.info("quantized weights", quantization=self.quantization, layers=layers)
+        self.draft = self._load_draft(config)  # speculative decoding's draft model, when configured
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
@@ -238,12 +241,29 @@ class ModelRunner:
         self._sampling_cache: tuple[list[str], SamplingMetadata] | None = None
         self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1:
+        # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
+        if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1 and not self.draft:
             if select_ops(self.device) is REFERENCE_OPS:
                 # The reference attention builds tensors from host lists every call: it cannot be captured.
                 log.warning("triton is unavailable: decode steps run eagerly on the torch reference ops")
             else:
                 self.capture_decode_graphs(CudaGraphCapture())
+
+    def _load_draft(self, config: EngineConfig) -> DraftModel | None:
+        spec = config.speculative
+        if spec is None or spec.method != "draft_model" or spec.model is None:
+            return None
+        draft = DraftModel(
+            resolve_model(spec.model, Path(config.cache_dir) if config.cache_dir else None, seed=config.seed),
+            target_vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_cache_blocks=self.num_blocks + 1,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        log.info("draft model loaded", model=draft.name)
+        return draft
 
     @torch.inference_mode()
     def capture_decode_graphs(self, capture: GraphCapture) -> DecodeGraphs:
@@ -427,11 +447,18 @@ class ModelRunner:
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
         positions = to_device(torch.from_numpy(layout.seq_lens - 1), self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta, interrupt), None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
+        if self.draft is not None:
+            self.draft.follow(input_ids, positions, meta)
+        return hidden, None
 
     def _forward_eager(
         self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None
     ) -> tuple[torch.Tensor, list[int]]:
+        if self.draft is not None:  # the drafts are the draft model's own: decoded now, verified by this step
+            speculating = [item for item in scheduled if item.draft_token_ids]
+            for item, drafts in zip(speculating, self.draft.propose(speculating), strict=True):
+                item.draft_token_ids = drafts
         tokens = _StepTokens()
         positions: list[int] = []
         query_lens: list[int] = []
@@ -452,7 +479,10 @@ class ModelRunner:
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         position_ids = to_device(host_tensor(positions, torch.long, self.device), self.device)
-        return self.model(input_ids, position_ids, self.kv_caches, meta, interrupt), last_rows
+        hidden = self.model(input_ids, position_ids, self.kv_caches, meta, interrupt)
+        if self.draft is not None:
+            self.draft.follow(input_ids, position_ids, meta)
+        return hidden, last_rows
 
     def _pending_inputs(self, tokens: _StepTokens) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids) on the device for the step's input tokens that the previous launch sampled."""

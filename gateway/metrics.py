@@ -13,10 +13,11 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.engines import EnginePool
+from ladle.v1 import engine_pb2
 
 # Seconds; from a few ms (one decode step on a GPU) to minutes (long CPU generations).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -75,7 +76,7 @@ class _EngineCollector(Collector):
     def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         up = GaugeMetricFamily("ladle_engine_up", "1 when the engine is SERVING", labels=["engine"])
         calls = GaugeMetricFamily("ladle_engine_gateway_calls", "Calls this gateway has in flight on the engine",
                                   labels=["engine"])
@@ -87,6 +88,12 @@ class _EngineCollector(Collector):
         running = GaugeMetricFamily("ladle_engine_running", "Sequences the engine is generating", labels=["engine"])
         waiting = GaugeMetricFamily("ladle_engine_waiting", "Sequences queued at the engine", labels=["engine"])
         kv = GaugeMetricFamily("ladle_engine_kv_cache_usage", "Fraction of KV-cache blocks in use", labels=["engine"])
+        proposed = CounterMetricFamily("ladle_engine_speculative_proposed_tokens", "Draft tokens the engine "
+                                       "verified (speculative decoding)", labels=["engine"])
+        accepted = CounterMetricFamily("ladle_engine_speculative_accepted_tokens", "Draft tokens the engine kept "
+                                       "(equal to its own)", labels=["engine"])
+        kept = HistogramMetricFamily("ladle_engine_speculative_kept_drafts", "Drafts kept per sequence step that "
+                                     "verified drafts (the acceptance length is this plus 1)", labels=["engine"])
         for (address, reason), count in sorted(self.pool.routed.items()):
             routed.add_metric([address, reason], count)
         for address, count in sorted(self.pool.failovers.items()):
@@ -98,7 +105,25 @@ class _EngineCollector(Collector):
                 running.add_metric([engine.address], engine.load.running)
                 waiting.add_metric([engine.address], engine.load.waiting)
                 kv.add_metric([engine.address], engine.load.kv_usage)
-        yield from (up, calls, running, waiting, kv, routed, failovers)
+                _add_speculation(engine.address, engine.load, proposed, accepted, kept)
+        yield from (up, calls, running, waiting, kv, routed, failovers, proposed, accepted, kept)
+
+
+def _add_speculation(
+    address: str,
+    load: engine_pb2.GetLoadResponse,
+    proposed: CounterMetricFamily,
+    accepted: CounterMetricFamily,
+    kept: HistogramMetricFamily,
+) -> None:
+    """An engine's speculative decoding figures, when it speculates (its histogram has buckets)."""
+    histogram = list(load.speculative_kept_histogram)
+    if not histogram:
+        return
+    proposed.add_metric([address], load.speculative_proposed_tokens)
+    accepted.add_metric([address], load.speculative_accepted_tokens)
+    buckets = [(str(i), float(sum(histogram[: i + 1]))) for i in range(len(histogram))]
+    kept.add_metric([address], [*buckets, ("+Inf", float(sum(histogram)))], float(load.speculative_accepted_tokens))
 
 
 class _BatchCollector(Collector):

@@ -13,7 +13,7 @@ from typing import Any
 
 # --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
 from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
-from engine_server.config import QUANTIZATION_MODES
+from engine_server.config import QUANTIZATION_MODES, SpeculativeConfig
 
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
@@ -60,6 +60,16 @@ def batch_step_target(value: str) -> float | None:
     return seconds
 
 
+def speculative_config(value: str) -> SpeculativeConfig | None:
+    """--speculative-config: "" (no speculative decoding) or vLLM's JSON object, e.g. '{"method": "ngram"}'."""
+    if not value.strip():
+        return None
+    try:
+        return SpeculativeConfig.from_json(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--model", "default", "model: 'default', a .gguf file, a Hugging Face folder or dummy:<preset>")
     _add(parser, "--device", "auto", "where to run the model", choices=["auto", "cpu", "cuda"])
@@ -85,6 +95,12 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--quantization", "auto", "weights kept quantized (CPU): auto (gguf for a GGUF file on the CPU, "
          "none elsewhere), none (float32, the exact path: greedy output equal to transformers'), gguf (a GGUF "
          "file's own Q4_0/Q4_1/Q8_0 blocks), int8 (8-bit groups of any model's weights)", choices=QUANTIZATION_MODES)
+    _add(parser, "--speculative-config", "", "speculative decoding, as vLLM spells it: a JSON object with "
+         "\"method\" ngram (prompt lookup), suffix (suffix decoding) or draft_model (with \"model\": a draft "
+         "model sharing the tokenizer), and optionally num_speculative_tokens (4), prompt_lookup_max (4), "
+         "prompt_lookup_min (2), suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests, "
+         "suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob, adaptive (true); the output is the one "
+         "decoding without it gives (empty: off)", type=speculative_config)
     _add(parser, "--generation-config", "auto", "sampling defaults for the fields a request leaves unset: "
          "auto|ladle|PATH (auto: the model's generation_config.json or the embedded model's card values; ladle: "
          "OpenAI's; PATH: a generation_config.json or a folder holding one)")
@@ -185,6 +201,7 @@ def _engine(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config or None,
+            speculative=args.speculative_config,
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import dataclasses
+import json
 import os
 import signal
 import sys
 from typing import Any
+
+from engine_server.config import SpeculativeConfig
 
 _PR_SET_PDEATHSIG = 1
 
@@ -29,8 +33,14 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--generation-config", args.generation_config,
         "--override-generation-config", args.override_generation_config,
         "--batch-step-target", "auto" if args.batch_step_target is None else str(args.batch_step_target),
+        "--speculative-config", _speculative_json(args.speculative_config),
     ]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
+
+
+def _speculative_json(config: SpeculativeConfig | None) -> str:
+    """The --speculative-config text for a parsed configuration ("" for none)."""
+    return "" if config is None else json.dumps(dataclasses.asdict(config))
 
 
 async def spawn_engine(command: list[str], **kwargs: Any) -> asyncio.subprocess.Process:

@@ -219,7 +219,9 @@ class Scheduler:
                     continue
                 num_new = 1
                 if request.draft_token_ids and not request.num_pending_tokens:
-                    num_drafts = max(0, min(len(request.draft_token_ids), budget - 1, prefill_left))
+                    # An INTERACTIVE request's drafts speed it up; a BATCH one's count as its prefill, within the cap.
+                    room = budget - 1 if request.priority is Priority.INTERACTIVE else min(budget - 1, prefill_left)
+                    num_drafts = max(0, min(len(request.draft_token_ids), room))
                     num_new += num_drafts
             else:
                 num_new = min(remaining, budget, prefill_left)
@@ -253,7 +255,8 @@ class Scheduler:
                 drafts = tuple(request.draft_token_ids[:num_drafts])
                 scheduled.append(ScheduledRequest(request, start, num_new, blocks, True, 0, drafts))
                 budget -= num_drafts
-                prefill_left -= num_drafts
+                if request.priority is Priority.BATCH:
+                    prefill_left -= num_drafts
                 num_draft_tokens += num_drafts
             else:
                 scheduled.append(ScheduledRequest(request, start, num_new, blocks, needs_sample, 0))

@@ -311,6 +311,10 @@ def load_response(load: LoadSnapshot, accepting: bool) -> engine_pb2.GetLoadResp
         kv_block_size=load.kv_block_size,
         kv_usage=load.kv_usage,
         accepting=accepting,
+        speculative_proposed_tokens=load.speculative_proposed_tokens,
+        speculative_accepted_tokens=load.speculative_accepted_tokens,
+        speculative_verified_rows=load.speculative_verified_rows,
+        speculative_kept_histogram=load.speculative_kept_histogram,
     )
 
 

@@ -42,6 +42,11 @@ class LoadSnapshot:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_block_size: int = 0
+    # Speculative decoding since start (engine_server.speculative.speculator.SpeculationStats); 0 without it.
+    speculative_proposed_tokens: int = 0
+    speculative_accepted_tokens: int = 0
+    speculative_verified_rows: int = 0
+    speculative_kept_histogram: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -296,10 +301,16 @@ class EngineLoop:
     def _snapshot(self) -> LoadSnapshot:
         scheduler = self._core.scheduler
         kv = scheduler.kv_cache
+        speculator = self._core.speculator
+        stats = speculator.stats if speculator is not None else None
         return LoadSnapshot(
             running=scheduler.num_running,
             waiting=scheduler.num_waiting,
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_total=kv.num_blocks,
             kv_block_size=kv.block_size,
+            speculative_proposed_tokens=stats.proposed_tokens if stats else 0,
+            speculative_accepted_tokens=stats.accepted_tokens if stats else 0,
+            speculative_verified_rows=stats.verified_rows if stats else 0,
+            speculative_kept_histogram=tuple(stats.kept_histogram) if stats else (),
         )

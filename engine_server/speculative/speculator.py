@@ -8,6 +8,7 @@ verified drafts, and `finish` for every request that ends. A draft model propose
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -20,7 +21,7 @@ from engine_server.speculative.policy import DraftPolicy
 from engine_server.speculative.proposer import TokenProposer, make_token_proposer
 
 log = structlog.get_logger(__name__)
-LOG_EVERY_S = 10.0
+LOG_EVERY_S = 10.0  # the speculation figures go to the engine log at most this often (and after the first step)
 
 
 class SpeculationStats:
@@ -53,7 +54,7 @@ class Speculator:
         self.proposer: TokenProposer | None = make_token_proposer(config)
         self.policy = DraftPolicy(config.num_speculative_tokens, config.adaptive)
         self.stats = SpeculationStats(config.num_speculative_tokens)
-        self._logged = (time.monotonic(), 0)  # (when, verified rows then)
+        self._logged = (-math.inf, 0)  # (when, verified rows then): the first verified step is logged
 
     def admit(self, request: Request) -> None:
         """Mark a new request as one whose decoding is proposed for."""

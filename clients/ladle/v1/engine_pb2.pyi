@@ -549,6 +549,10 @@ class GetLoadResponse(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     KV_USAGE_FIELD_NUMBER: _builtins.int
     ACCEPTING_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_VERIFIED_ROWS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_KEPT_HISTOGRAM_FIELD_NUMBER: _builtins.int
     running: _builtins.int
     """Sequences being generated now."""
     waiting: _builtins.int
@@ -563,6 +567,18 @@ class GetLoadResponse(_message.Message):
     """kv_blocks_used / kv_blocks_total, in [0, 1]."""
     accepting: _builtins.bool
     """Whether the engine admits new requests (false while loading or draining)."""
+    speculative_proposed_tokens: _builtins.int
+    """Speculative decoding (the engine's --speculative-config), counted since the engine started; all 0 without it.
+    Draft tokens proposed and verified.
+    """
+    speculative_accepted_tokens: _builtins.int
+    """Draft tokens kept (equal to the target model's own tokens)."""
+    speculative_verified_rows: _builtins.int
+    """Decoding steps of a sequence that verified drafts."""
+    @_builtins.property
+    def speculative_kept_histogram(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Element i: verified rows that kept i drafts (i from 0 to num_speculative_tokens)."""
+
     def __init__(
         self,
         *,
@@ -573,10 +589,14 @@ class GetLoadResponse(_message.Message):
         kv_block_size: _builtins.int = ...,
         kv_usage: _builtins.float = ...,
         accepting: _builtins.bool = ...,
+        speculative_proposed_tokens: _builtins.int = ...,
+        speculative_accepted_tokens: _builtins.int = ...,
+        speculative_verified_rows: _builtins.int = ...,
+        speculative_kept_histogram: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "kv_block_size", b"kv_block_size", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "kv_usage", b"kv_usage", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "kv_block_size", b"kv_block_size", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "kv_usage", b"kv_usage", "running", b"running", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_kept_histogram", b"speculative_kept_histogram", "speculative_proposed_tokens", b"speculative_proposed_tokens", "speculative_verified_rows", b"speculative_verified_rows", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -140,3 +140,22 @@ def test_without_a_proposal_nothing_changes() -> None:
     config = tiny_engine_config(max_num_seqs=8)
     expected, _ = _run(config)
     _assert_same(_run(_speculative(config))[0], expected)  # the real n-gram proposer: random weights rarely repeat
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(draft_seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft is the target itself (seed 0: the same random weights) or another random model (seed 1); either
+    way the tokens are the target's own. (A tiny random model's greedy choice mostly repeats its input token, so
+    both drafts are often kept: acceptance tells them apart little here.)"""
+    config = tiny_engine_config(max_num_seqs=8)
+    expected, _ = _run(config)
+    monkeypatch.setattr(
+        "engine_server.runner.resolve_model",
+        lambda spec, cache_dir=None, seed=0: dataclasses.replace(tiny_source(), seed=draft_seed),
+    )
+    spec = SpeculativeConfig(method="draft_model", model="tiny", num_speculative_tokens=4, adaptive=False)
+    got, core = _run(dataclasses.replace(config, speculative=spec))
+    _assert_same(got, expected)
+    stats = _stats(core)
+    assert stats.proposed_tokens > 0
+    assert stats.proposed_tokens > 0 and stats.accepted_tokens > 0
