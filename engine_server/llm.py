@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from engine_server.config import EngineConfig
+from engine_server.config import EngineConfig, SpeculativeConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Request
 from engine_server.frontend import (
@@ -57,9 +59,16 @@ class LLM:
         config: EngineConfig | None = None,
         device: str = "auto",
         grammar_config: GrammarCompilerConfig | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
-        """`grammar_config` tunes the structured-output compiler (time limit, workers, JSON whitespace)."""
+        """`grammar_config` tunes the structured-output compiler (time limit, workers, JSON whitespace).
+        `speculative_config`, as vLLM's (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), turns on
+        speculative decoding over `config`'s (engine_server.speculative)."""
         self.config = config or EngineConfig(model=model, device=device)  # type: ignore[arg-type]
+        if speculative_config is not None:
+            if isinstance(speculative_config, dict):
+                speculative_config = SpeculativeConfig.from_json(json.dumps(speculative_config))
+            self.config = dataclasses.replace(self.config, speculative=speculative_config)
         source = resolve_model(self.config.model)
         self.model_name = source.name
         # Resolved before the model loads, so a bad --generation-config fails at once.

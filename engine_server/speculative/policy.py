@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 DEFAULT_THRESHOLD = 0.3
+MAX_SURPRISE = 2.0
 PROBE_EVERY = 8
 _PRIOR_RATE = 0.7  # a new sequence's drafts are taken as kept this often, worth _PRIOR_TRIALS observations
 _PRIOR_TRIALS = 2.0
@@ -47,6 +48,12 @@ class DraftCost:
         if num_rows <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         x = np.array([1.0, float(num_rows), float(num_drafts)])
+        if self.coefficients is not None:
+            # A stalled step (another process took the CPU) counts as at most twice its prediction: one stall
+            # would otherwise make drafts look dear for the next fifty steps.
+            predicted = float(np.dot(self.coefficients, x))
+            if predicted > 0:
+                seconds = min(seconds, MAX_SURPRISE * predicted)
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
         # The ridge only breaks ties a batch of constant size leaves (base vs per-row): it is ~1e-3 steps' worth.

@@ -50,3 +50,12 @@ def test_without_adaptation_every_sequence_takes_the_maximum() -> None:
     policy = DraftPolicy(max_drafts=5, adaptive=False)
     policy.observe("r", 5, 0)
     assert policy.num_drafts("r", 0.99) == 5
+
+
+def test_one_stalled_step_moves_the_cost_only_so_far() -> None:
+    cost = DraftCost()
+    for drafts in [0, 4, 1, 3, 0, 2, 4, 0] * 4:
+        cost.observe(1, drafts, 0.006 + 0.0012 * drafts)
+    cost.observe(1, 4, 0.5)  # another process held the CPU for half a second
+    threshold = cost.threshold(1)
+    assert threshold is not None and threshold < 0.3
