@@ -29,6 +29,7 @@ BENCHMARKS = {
     "routing": "benchmarks.routing",
     "quality": "benchmarks.quality",
     "host": "benchmarks.host",
+    "speculative": "benchmarks.speculative",
 }
 
 

@@ -2,7 +2,7 @@
 
 For n from `max_n` down to `min_n`, the last n tokens are looked up among the sequence's earlier n-grams (prompt
 and outputs alike); the first n that matches proposes the tokens that followed its most recent earlier
-occurrence. The most recent one, because in the work this pays for (editing a passage, quoting the input) the
+occurrence (continued periodically past the end, for an occurrence only a few tokens back: a loop). The most recent one, because in the work this pays for (editing a passage, quoting the input) the
 answer walks through its source in order: after a change, the text the answer is copying lies just past the last
 place it matched.
 
@@ -47,7 +47,7 @@ class NgramProposer:
                 continue
             follower = index.latest[n].get(tuple(token_ids[length - n :]))
             if follower is not None:
-                return list(token_ids[follower : follower + max_tokens])
+                return _continuation(token_ids, follower, max_tokens)
         return []
 
     def finish(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
@@ -60,3 +60,14 @@ class NgramProposer:
                 if n <= end:
                     index.latest[n][tuple(token_ids[end - n : end])] = end
         index.length = max(index.length, len(token_ids))
+
+
+def _continuation(token_ids: Sequence[int], follower: int, count: int) -> list[int]:
+    """`count` tokens from `follower` on. Past the sequence's end the text is taken to go on repeating with the
+    match's period (the distance from the earlier occurrence to the end), as a loop in the output does: so a match
+    a few tokens back still proposes `count` tokens, not just the few before the end."""
+    proposal = list(token_ids[follower : follower + count])
+    period = len(token_ids) - follower
+    while len(proposal) < count:
+        proposal.append(proposal[len(proposal) - period])
+    return proposal

@@ -47,3 +47,9 @@ def test_finish_forgets_the_request() -> None:
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError):
         NgramProposer(min_n=3, max_n=2)
+
+
+def test_a_match_near_the_end_goes_on_with_its_period() -> None:
+    proposer = NgramProposer(min_n=2, max_n=2)
+    # "7 8" occurred 3 tokens back (followed by 9 7 8): the loop 9 7 8 continues.
+    assert proposer.propose("r", [1, 2, 7, 8, 9, 7, 8], 7) == [9, 7, 8, 9, 7, 8, 9]
