@@ -12,12 +12,13 @@ learns from earlier requests and repeated prompts would flatter it):
 The passages share the bank's sentence skeletons (only the slots differ), so a proposer that remembers earlier
 requests finds some of each passage there; the answer's copy of its own prompt is what the workloads measure.
 
-For each workload and each `--streams` setting S: the engine without speculation is built, warmed up with two
-other requests of the workload, and the `--num-requests` requests (default max(4, S): four one after another
-for a single stream, one full wave for more) are timed, submitted in waves of S requests (one `generate`/`chat`
-call each, the next wave once the last finished). Then the same with `--speculative-config` in a fresh engine
-(each engine is dropped before the next is built). Greedy, `--max-tokens` each (512 by default, so an editing
-answer, the whole ~400-token passage, is not cut off half way), eos honoured.
+For each workload and each `--streams` setting S: an engine without speculation and one with
+`--speculative-config` are built side by side and warmed up with two other requests of the workload; then the
+`--num-requests` requests (default max(4, S): four one after another for a single stream, one full wave for
+more) are timed in waves of S requests (one `generate`/`chat` call each), every wave first on the one engine and
+then on the other, so a slow spell of a shared machine falls on both alike (both engines are dropped before the
+next case). Greedy, `--max-tokens` each (512 by default, so an editing answer, the whole ~400-token passage, is
+not cut off half way), eos honoured.
 Reported per (workload, streams): output tok/s off and on (the timed part's output tokens / its wall seconds,
 prefill included), speedup (on / off), the mean acceptance length (tokens per verified row: kept drafts plus
 the target's own token) and the drafts proposed and kept in the timed part, and identical_greedy: whether every
@@ -51,7 +52,7 @@ from benchmarks.common import append_result, cpu_model_name, git_commit, utc_tim
 from engine_server.config import SpeculativeConfig
 
 WORKLOADS = ("editing", "summarization", "random")
-DEFAULT_SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}'
+DEFAULT_SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 4}'
 NUM_WARMUP = 2
 PASSAGE_CHARS = 1800  # about 400 tokens of this prose in the Llama/SmolLM BPE vocabularies
 RANDOM_PROMPT_TOKENS = 64
@@ -260,9 +261,12 @@ def speculation_delta(before: Counters, after: Counters) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_engine(args: argparse.Namespace, speculative: SpeculativeConfig | None, warmup: list[Prompt],
-               timed: list[Prompt], streams: int) -> EngineRun:  # fmt: skip
-    """Build an engine, warm it up on `warmup`, time `timed` in waves of `streams` requests, drop the engine."""
+def run_engines(
+    args: argparse.Namespace, speculative: SpeculativeConfig, warmup: list[Prompt], timed: list[Prompt], streams: int
+) -> tuple[EngineRun, EngineRun]:
+    """Build an engine without speculation and one with it, warm both up on `warmup`, then time `timed` in waves of
+    `streams` requests, each wave on the one engine and then on the other: on a shared machine a slow spell falls
+    on both alike. Both engines are dropped before returning."""
     from engine_server.config import EngineConfig
     from engine_server.frontend import ChatPrompt
     from engine_server.llm import LLM
@@ -272,29 +276,32 @@ def run_engine(args: argparse.Namespace, speculative: SpeculativeConfig | None, 
     def engine_prompt(prompt: Prompt) -> ChatPrompt | list[int]:
         return ChatPrompt([ChatMessage("user", prompt)]) if isinstance(prompt, str) else prompt
 
-    run = EngineRun()
-    llm: Any = None
+    runs = (EngineRun(), EngineRun())
+    engines: list[Any] = []
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     try:
-        config = EngineConfig(model=args.model, device=args.device, seed=args.seed, speculative=speculative)
-        llm = LLM(config=config)
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        llm.generate([engine_prompt(p) for p in warmup], params, use_tqdm=False)
-        waves = [[engine_prompt(p) for p in timed[i : i + streams]] for i in range(0, len(timed), streams)]
-        before = _counters(llm)
-        start = time.perf_counter()
-        for wave in waves:
-            run.outputs += [list(r.choices[0].token_ids) for r in llm.generate(wave, params, use_tqdm=False)]
-        run.seconds = time.perf_counter() - start
-        after = _counters(llm)
+        for config in (None, speculative):
+            engine_config = EngineConfig(model=args.model, device=args.device, seed=args.seed, speculative=config)
+            engines.append(LLM(config=engine_config))
+            engines[-1].generate([engine_prompt(p) for p in warmup], params, use_tqdm=False)
+        before = _counters(engines[1])
+        for i in range(0, len(timed), streams):
+            wave = [engine_prompt(p) for p in timed[i : i + streams]]
+            for llm, run in zip(engines, runs, strict=True):
+                start = time.perf_counter()
+                run.outputs += [list(r.choices[0].token_ids) for r in llm.generate(wave, params, use_tqdm=False)]
+                run.seconds += time.perf_counter() - start
+        after = _counters(engines[1])
         if before is not None and after is not None:
-            run.speculation = speculation_delta(before, after)
+            runs[1].speculation = speculation_delta(before, after)
     except Exception:  # an engine failure is this benchmark's finding: recorded, and the other cases still run
-        run.error = traceback.format_exc()
+        for run in runs:
+            run.error = traceback.format_exc()
     finally:
-        del llm
+        engines.clear()
         gc.collect()
         _free_device_memory(args.device)
-    return run
+    return runs
 
 
 def _free_device_memory(device: str) -> None:
@@ -341,7 +348,7 @@ def build_record(workload: str, streams: int, timed: Sequence[Prompt], off: Engi
         "speculative_config": json.loads(args.speculative_config),
         "model": args.model, "device": args.device, "max_tokens": args.max_tokens, "seed": args.seed,
         "load_average": [round(v, 2) for v in os.getloadavg()],
-        "commit": git_commit(), "cpu_model": cpu_model_name(), "time": utc_timestamp(), "command": args.command_line,
+        "commit": args.commit, "cpu_model": cpu_model_name(), "time": utc_timestamp(), "command": args.command_line,
     }  # fmt: skip
 
 
@@ -364,8 +371,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 def run_case(args: argparse.Namespace, speculative: SpeculativeConfig, workload: str, streams: int) -> dict[str, Any]:
     num_requests = args.num_requests or max(4, streams)
     warmup, timed = case_prompts(workload, streams, num_requests, args.seed)
-    off = run_engine(args, None, warmup, timed, streams)
-    on = run_engine(args, speculative, warmup, timed, streams)
+    off, on = run_engines(args, speculative, warmup, timed, streams)
     record = build_record(workload, streams, timed, off, on, args)
     for name, error in (("off", off.error), ("on", on.error)):
         if error:
@@ -437,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.commit = git_commit()  # once: the code this run loaded, even if the tree changes while it runs
     args.command_line = shlex.join(["ladle", "bench", "speculative", *(argv if argv is not None else sys.argv[1:])])
     speculative = SpeculativeConfig.from_json(args.speculative_config)
     records = []

@@ -2,9 +2,9 @@
 
 For n from `max_n` down to `min_n`, the last n tokens are looked up among the sequence's earlier n-grams (prompt
 and outputs alike); the first n that matches proposes the tokens that followed its most recent earlier
-occurrence (continued periodically past the end, for an occurrence only a few tokens back: a loop). The most recent one, because in the work this pays for (editing a passage, quoting the input) the
-answer walks through its source in order: after a change, the text the answer is copying lies just past the last
-place it matched.
+occurrence (continued periodically past the end, for an occurrence only a few tokens back: a loop). The most
+recent one, because in the work this pays for (editing a passage, quoting the input) the answer walks through its
+source in order: after a change, the text the answer is copying lies just past the last place it matched.
 
 Cost: an index per request and n-gram size, from an n-gram (a tuple) to the position that followed its latest
 occurrence, extended by the tokens appended since the last call: O(max_n - min_n + 1) dict updates per new token

@@ -5,9 +5,12 @@ it is kept or not; it earns a token with the probability that it and every draft
 of N tokens in T seconds gains from a draft kept with probability p when (N + p) / (T + c) > N / T, that is when
 p > c * N / T: the threshold. So on a GPU, or on the CPU at small batch, where a step's time hardly grows with
 its tokens, speculation goes deep; at a batch large enough to be compute-bound, only drafts nearly sure to be
-kept are worth their token, and with them speculation switches itself off. With the drafts j positions deep
-kept with probability a^j (a: the sequence's measured rate of keeping a draft, an exponentially decayed count
-from a hopeful prior), a sequence verifies the largest k with a^k above the threshold.
+kept are worth their token, and with them speculation switches itself off. A sequence verifies the drafts
+whose chance of being kept is above the threshold: the chance of draft j is the product of the sequence's
+measured rates of keeping draft i once drafts 1..i-1 were kept, for i up to j (exponentially decayed counts
+from a hopeful prior; a depth not tried yet takes the rate of the deepest one tried). Per depth, because
+acceptance comes in runs: a proposal that copies the right place tends to be right all the way, so the first
+draft is the doubtful one and the later ones are nearly sure; one rate for every depth would stop far short.
 
 The cost of a draft is learned apart from the engine's own step-time model, which prefill dominates (a prompt
 token attends to a long context and costs more than a draft) and which leans towards one rate per token (no
@@ -72,19 +75,41 @@ class DraftCost:
         return min(1.0, max(0.0, per_draft * num_rows / step_s))
 
 
-class _Rate:
-    """A sequence's decayed counts of drafts kept over drafts checked, and the steps since it last verified."""
+class _Rates:
+    """A sequence's decayed counts, per draft depth, of drafts kept over drafts tried after every earlier one was
+    kept, in two tables: for steps after one that kept every draft it verified, and for the others. Runs come in
+    streaks (the text copies its source, or it does not): measured on the editing benchmark, a row after a fully
+    kept one keeps everything 81% of the time and nothing 3%, a row after a refusal nothing about 40%. Also the
+    steps since the sequence last verified a draft."""
 
-    __slots__ = ("checked", "idle_steps", "kept")
+    __slots__ = ("after_full", "idle_steps", "kept", "tried")
 
-    def __init__(self) -> None:
-        self.kept = _PRIOR_RATE * _PRIOR_TRIALS
-        self.checked = _PRIOR_TRIALS
+    def __init__(self, max_drafts: int) -> None:
+        self.kept = [[_PRIOR_RATE * _PRIOR_TRIALS] * max_drafts for _ in range(2)]
+        self.tried = [[_PRIOR_TRIALS] * max_drafts for _ in range(2)]
+        self.after_full = 0  # which table: 1 when the last verified row kept all its drafts
         self.idle_steps = 0
 
-    @property
-    def value(self) -> float:
-        return self.kept / self.checked
+    def depth(self, threshold: float, max_drafts: int) -> int:
+        """The drafts whose chance of being kept (the product of the rates up to them) stays above `threshold`."""
+        kept, tried = self.kept[self.after_full], self.tried[self.after_full]
+        chance, deepest_rate = 1.0, _PRIOR_RATE
+        for j in range(max_drafts):
+            # A depth barely tried yet (only its prior) takes the deepest tried depth's rate.
+            rate = kept[j] / tried[j] if tried[j] > _PRIOR_TRIALS + 0.5 else deepest_rate
+            deepest_rate = rate
+            chance *= rate
+            if chance <= threshold:
+                return j
+        return max_drafts
+
+    def observe(self, num_drafts: int, num_kept: int) -> None:
+        kept, tried = self.kept[self.after_full], self.tried[self.after_full]
+        for j in range(min(num_drafts, num_kept + 1)):  # drafts after the first refused one were never tried
+            kept[j] = _DECAY * kept[j] + (1.0 if j < num_kept else 0.0)
+            tried[j] = _DECAY * tried[j] + 1.0
+        self.after_full = int(num_kept == num_drafts)
+        self.idle_steps = 0
 
 
 class DraftPolicy:
@@ -94,7 +119,7 @@ class DraftPolicy:
         self.max_drafts = max_drafts
         self.adaptive = adaptive
         self.cost = DraftCost()
-        self._rates: dict[str, _Rate] = {}
+        self._rates: dict[str, _Rates] = {}
 
     def observe_step(
         self, num_prefill_tokens: int, num_draft_tokens: int, num_decode_rows: int, seconds: float
@@ -113,20 +138,14 @@ class DraftPolicy:
         """How many drafts the sequence should verify in its next step, given the step's `threshold`."""
         if not self.adaptive:
             return self.max_drafts
-        rate = self._rates.get(request_id)
-        if rate is None:
-            rate = self._rates[request_id] = _Rate()
-        a = rate.value
-        if a <= threshold or a <= 0.0:
-            depth = 0
-        elif a >= 1.0:
-            depth = self.max_drafts
-        else:
-            depth = min(self.max_drafts, math.floor(math.log(threshold) / math.log(a)) if threshold > 0 else 64)
+        rates = self._rates.get(request_id)
+        if rates is None:
+            rates = self._rates[request_id] = _Rates(self.max_drafts)
+        depth = rates.depth(threshold, self.max_drafts)
         if depth == 0:
-            rate.idle_steps += 1
-            if rate.idle_steps >= PROBE_EVERY:
-                rate.idle_steps = 0
+            rates.idle_steps += 1
+            if rates.idle_steps >= PROBE_EVERY:
+                rates.idle_steps = 0
                 depth = 1
         return depth
 
@@ -134,13 +153,10 @@ class DraftPolicy:
         """A verified step of the sequence: `num_kept` of its `num_drafts` drafts were kept (a prefix of them)."""
         if num_drafts <= 0:
             return
-        rate = self._rates.get(request_id)
-        if rate is None:
-            rate = self._rates[request_id] = _Rate()
-        checked = min(num_drafts, num_kept + 1)  # drafts after the first refused one were never really tried
-        rate.kept = _DECAY * rate.kept + num_kept
-        rate.checked = _DECAY * rate.checked + checked
-        rate.idle_steps = 0
+        rates = self._rates.get(request_id)
+        if rates is None:
+            rates = self._rates[request_id] = _Rates(self.max_drafts)
+        rates.observe(num_drafts, num_kept)
 
     def release(self, request_id: str) -> None:
         self._rates.pop(request_id, None)

@@ -7,11 +7,14 @@
 //   seq_lens     [B] int32: row b attends to positions [0, seq_lens[b])
 //   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over j < seq_lens[b],
 //                K/V from KV head h / (H / Hkv).
-// Work is split over rows with at::parallel_for; a row reads its keys once for all its query heads (each KV
-// head's key loaded once for its GQA group), then each head's values, straight from the blocks, block by block
-// with the next slots prefetched. Softmax is exact (max subtracted, float32 sums); exp is a polynomial with ~1e-7
-// relative error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the
-// extension resolves libgomp.so.1 to the copy torch already loaded).
+// Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
+// token and its drafts) are attended together, reading each key and value once for all of them; work is split
+// over such groups with at::parallel_for. Within a group each key is loaded once for the query heads of its GQA
+// group, straight from the blocks, block by block with the next slots prefetched. A row's result is the same bits
+// whichever rows share its group. Softmax is exact (max subtracted, float32 sums); exp is a polynomial with
+// ~1e-7 relative error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with
+// -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the extension resolves libgomp.so.1 to the
+// copy torch already loaded).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -40,6 +44,9 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
 // so the hardware prefetchers cannot see the next one coming.
 constexpr int64_t kPrefetchAhead = 32;
 
+// The most rows of one sequence attended together: their scores (rows x heads x context floats) stay in cache.
+constexpr int64_t kMaxGroup = 16;
+
 // One decode row: all `heads` query heads at `q` (contiguous, Dim floats each) against positions [0, len) of the
 // paged K/V, written to `out` (contiguous). A token's slot holds every KV head (token_stride floats); the loops
 // go KV head by KV head, so a head's keys are read once for the query heads of its group, and the slots of the
@@ -57,14 +64,54 @@ inline void for_each_token(const float* cache, const int32_t* table, int64_t len
   }
 }
 
+// Softmax in place over one row's scores s[0, len), padded to whole vectors with -inf (which exp turns into 0).
+inline void softmax_row(float* s, int64_t len) {
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  for (int64_t t = len; t < padded; ++t) s[t] = -__builtin_inff();
+  vec16 mx = splat(-__builtin_inff());
+  for (int64_t t = 0; t < padded; t += kLanes) {
+    const vec16 v = load(s + t);
+    mx = v > mx ? v : mx;
+  }
+  float m = mx[0];
+  for (int64_t l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
+  vec16 total = {};
+  for (int64_t t = 0; t < padded; t += kLanes) {
+    const vec16 e = exp_lanes(load(s + t) - m);
+    store(s + t, e);
+    total += e;
+  }
+  const float inv = 1.f / hsum(total);
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
+// scale * (q . k) for one query head against one key, `k` already in registers.
+template <int64_t Chunks>
+inline float score(const float* qh, const vec8 (&k)[Chunks], float scale) {
+  vec8 dot = load8(qh) * k[0];
+  for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * k[c];
+  return hsum8(dot) * scale;
+}
+
+// Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
+// token and its drafts), row r's query heads at q + r * heads * Dim against positions [0, lens[r]) of the paged
+// K/V, written to out + r * heads * Dim. Each key and value is read once for all the rows (a row alone would
+// read the sequence's whole cache once per row), while each row's arithmetic is the single row's, in the same
+// order: scores by key, softmax_row, then values summed in position order; so a row's result is the same bits
+// in any group, alone included (the build has -ffp-contract=off: no fused multiply-adds that could differ).
+// `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * Dim.
 template <int64_t Dim>
-void attend(const float* q, const float* keys, const float* values, const int32_t* table, int64_t len,
-            int64_t block_size, int64_t kv_heads, int64_t group, float scale, float* scores, float* out) {
+void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
+            int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, float scale, float* scores,
+            vec8* acc, float* out) {
   constexpr int64_t chunks = Dim / kLanes8;
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
-  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   const int64_t heads = kv_heads * group;
+  int64_t len = 0;
+  for (int64_t r = 0; r < rows; ++r) len = std::max<int64_t>(len, lens[r]);
+  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  auto row_scores = [&](int64_t r, int64_t h) { return scores + (r * heads + h) * padded; };
   auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
 
   for (int64_t t = 0; t < std::min(len, kPrefetchAhead); ++t) {
@@ -79,49 +126,52 @@ void attend(const float* q, const float* keys, const float* values, const int32_
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       vec8 k[chunks];
       for (int64_t c = 0; c < chunks; ++c) k[c] = load8(token + kvh * Dim + c * kLanes8);
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-        const float* qh = q + h * Dim;
-        vec8 dot = load8(qh) * k[0];
-        for (int64_t c = 1; c < chunks; ++c) dot += load8(qh + c * kLanes8) * k[c];
-        scores[h * padded + t] = hsum8(dot) * scale;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (t >= lens[r]) continue;
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+          row_scores(r, h)[t] = score<chunks>(q + (r * heads + h) * Dim, k, scale);
+        }
       }
     }
   });
-  for (int64_t h = 0; h < heads; ++h) {
-    // Softmax over the row, padded to whole vectors with -inf (which exp turns into 0).
-    float* s = scores + h * padded;
-    for (int64_t t = len; t < padded; ++t) s[t] = -__builtin_inff();
-    vec16 mx = splat(-__builtin_inff());
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const vec16 v = load(s + t);
-      mx = v > mx ? v : mx;
-    }
-    float m = mx[0];
-    for (int64_t l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
-    vec16 total = {};
-    for (int64_t t = 0; t < padded; t += kLanes) {
-      const vec16 e = exp_lanes(load(s + t) - m);
-      store(s + t, e);
-      total += e;
-    }
-    const float inv = 1.f / hsum(total);
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), lens[r]);
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    // The weighted sum of one head's values, in registers over the whole row.
-    const float* w = scores + h * padded;
-    const int64_t offset = (h / group) * Dim;
-    vec8 acc[chunks] = {};
-    for_each_token(values, table, len, block_size, token_stride, [&](int64_t t, const float* token) {
-      const vec8 weight = vec8{} + w[t];
-      for (int64_t c = 0; c < chunks; ++c) acc[c] += weight * load8(token + offset + c * kLanes8);
-    });
-    for (int64_t c = 0; c < chunks; ++c) store8(out + h * Dim + c * kLanes8, acc[c]);
+  for (int64_t i = 0; i < rows * heads * chunks; ++i) acc[i] = vec8{};
+  for_each_token(values, table, len, block_size, token_stride, [&](int64_t t, const float* token) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* v = token + (h / group) * Dim;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (t >= lens[r]) continue;
+        const vec8 weight = vec8{} + row_scores(r, h)[t];
+        vec8* a = acc + (r * heads + h) * chunks;
+        for (int64_t c = 0; c < chunks; ++c) a[c] += weight * load8(v + c * kLanes8);
+      }
+    }
+  });
+  for (int64_t i = 0; i < rows * heads; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) store8(out + i * Dim + c * kLanes8, acc[i * chunks + c]);
   }
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
-                          int64_t, float, float*, float*);
+using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int64_t,
+                          int64_t, int64_t, int64_t, float, float*, vec8*, float*);
+
+// The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
+std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
+                                                    int64_t most) {
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  for (int64_t begin = 0; begin < rows;) {
+    int64_t end = begin + 1;
+    while (end < rows && end - begin < most &&
+           std::equal(tables + end * width, tables + (end + 1) * width, tables + begin * width)) {
+      ++end;
+    }
+    groups.emplace_back(begin, end);
+    begin = end;
+  }
+  return groups;
+}
 
 AttendFn attend_for(int64_t dim) {
   switch (dim) {
@@ -176,11 +226,23 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     }
   }
   const int64_t max_padded = (width * block_size + kLanes - 1) / kLanes * kLanes;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(heads * max_padded);
-    for (int64_t r = begin; r < end; ++r) {
-      attend_fn(q_ptr + r * heads * dim, k_ptr, v_ptr, tables + r * width, lens_ptr[r], block_size, kv_heads, group,
-                fscale, scores.data(), out_ptr + r * heads * dim);
+  // Rows of one sequence share their key and value reads (attend); a run of them is cut into enough groups to
+  // give every thread work (a step's drafts), and none larger than kMaxGroup rows (a prompt's scores).
+  int64_t longest_run = 1;
+  for (const auto& run : row_groups(tables, rows, width, rows)) {
+    longest_run = std::max(longest_run, run.second - run.first);
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t most = std::max<int64_t>(1, std::min(kMaxGroup, (longest_run + threads - 1) / threads));
+  const auto groups = row_groups(tables, rows, width, most);
+  const int64_t chunks = dim / kLanes8;
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(most * heads * max_padded);
+    std::vector<vec8> acc(most * heads * chunks);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
+      attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
+                block_size, kv_heads, group, fscale, scores.data(), acc.data(), out_ptr + first * heads * dim);
     }
   });
   return out;

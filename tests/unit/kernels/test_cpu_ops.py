@@ -92,6 +92,31 @@ def test_attention_by_token_matches_the_reference_and_ignores_how_a_prompt_was_s
     assert torch.equal(cpu.paged_attention_by_token(last[-3:], cache, tail, 0.125), whole[-3:])
 
 
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 8, 128), (4, 2, 16)])
+def test_rows_of_one_sequence_attended_together_give_each_row_alone_bit_for_bit(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Consecutive rows with one block table share their key and value reads (groups of up to 16, cut to give
+    every thread work); each row's result must still be what the row alone gives, bit for bit, for any thread
+    count: a token's result never depends on its batch (the quantized path's promise, and drafts' verification)."""
+    spec = [(1, 7), (40, 300), (9, 120), (1, 50), (2, 2), (33, 33)]
+    q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, 16, seed=heads)
+    tables, lens = meta.token_rows
+    alone = torch.cat(
+        [cpu.paged_decode_attention(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125) for i in
+         range(q.shape[0])]
+    )
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(cpu.paged_decode_attention(q, cache, tables, lens, 0.125), alone), count
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(alone, reference.paged_attention(q, cache, meta, 0.125), **TOLERANCE)
+
+
 def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
     q, cache, meta = make_batch([(1, 20), (4, 9)], 4, 2, 24, 16)
     torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
