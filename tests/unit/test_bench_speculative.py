@@ -21,6 +21,7 @@ REQUIRED = {
 def _args(*argv: str) -> argparse.Namespace:
     args = speculative.build_parser().parse_args(list(argv))
     args.command_line = "ladle bench speculative " + " ".join(argv)
+    args.commit = "abc123"
     return args
 
 
