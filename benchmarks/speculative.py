@@ -8,25 +8,33 @@ learns from earlier requests and repeated prompts would flatter it):
   changed. The answer copies the prompt.
 - summarization: a passage of the same kind and the request to copy the three sentences that mention a given
   person. The answer quotes parts of the prompt.
-- random: 64 random token ids from a plain range of the vocabulary (nothing to copy), through `generate`.
+- random: 64 random token ids from a plain range of the vocabulary (nothing to copy), through `generate`. The
+  default model answers them by looping (a sentence or a count over and over), which prompt lookup finds: on
+  this model it is not a control.
+- story: a request for a short story (a subject, a twist, a town and a name drawn from small lists), sampled
+  at temperature 0.8 with a seed per request: new prose with nothing in the prompt to copy, where sampling
+  keeps the model out of greedy loops, so most drafts are rejected. The control: speculation must not slow it
+  down. A seeded sample is the same with speculation on as off, so the comparison below holds for it too.
 The passages share the bank's sentence skeletons (only the slots differ), so a proposer that remembers earlier
 requests finds some of each passage there; the answer's copy of its own prompt is what the workloads measure.
 
 For each workload and each `--streams` setting S: an engine without speculation and one with
 `--speculative-config` are built side by side and warmed up with two other requests of the workload; then the
-`--num-requests` requests (default max(4, S): four one after another for a single stream, one full wave for
-more) are timed in waves of S requests (one `generate`/`chat` call each), every wave first on the one engine and
-then on the other, so a slow spell of a shared machine falls on both alike (both engines are dropped before the
-next case). Greedy, `--max-tokens` each (512 by default, so an editing answer, the whole ~400-token passage, is
-not cut off half way), eos honoured.
+`--num-requests` requests (default max(4, 2 S): four one after another for a single stream, two full waves for
+more) are timed in waves of S requests (one `generate`/`chat` call each), every wave on both engines, the one
+that goes first alternating from wave to wave, so a slow spell of a shared machine (runs here differ by up to
+10% from one minute to the next) falls on both alike (both engines are dropped before the next case). Greedy
+(the story workload: seeded sampling), `--max-tokens` each (512 by default, so an editing answer, the whole
+~400-token passage, is not cut off half way), eos honoured.
 Reported per (workload, streams): output tok/s off and on (the timed part's output tokens / its wall seconds,
 prefill included), speedup (on / off), the mean acceptance length (tokens per verified row: kept drafts plus
 the target's own token) and the drafts proposed and kept in the timed part, and identical_greedy: whether every
-output's token ids are the same with speculation on as off (on a difference, the first differing position).
+output's token ids (greedy, or the story's seeded samples) are the same with speculation on as off (on a
+difference, the first differing position).
 A table goes to stdout and, with `--out`, one JSON object per (workload, streams) is appended; the exit status
 is 1 when an output differed or an engine raised (both recorded, with the prompt and the traceback). Each record
 carries the machine's load average too: on a shared machine, neighbours' work moves the rates.
-The default run (3 workloads x 1 and 16 streams, 12 engines) takes about 3-5 minutes on a 2-core CPU.
+The default run (4 workloads x 1 and 16 streams, 16 engines) takes about 12 minutes on a 2-core CPU.
 
     ladle bench speculative --out benchmarks/results/speculative_cpu.jsonl
     ladle bench speculative --workloads editing --streams 1 --speculative-config '{"method": "suffix"}'
@@ -51,7 +59,32 @@ from typing import Any
 from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
 from engine_server.config import SpeculativeConfig
 
-WORKLOADS = ("editing", "summarization", "random")
+WORKLOADS = ("editing", "summarization", "random", "story")
+STORY_SUBJECTS = (
+    "a dragon",
+    "a lighthouse keeper",
+    "a lost kite",
+    "a clockmaker",
+    "a river otter",
+    "a night train",
+    "a robot gardener",
+    "a winter market",
+    "a painter",
+    "a small island",
+    "a storm",
+    "a violin",
+)
+STORY_TEMPERATURE = 0.8
+STORY_TWISTS = (
+    "who is afraid of the dark",
+    "on the longest day of the year",
+    "who finds a map",
+    "told by a cat",
+    "in a city under the sea",
+    "who cannot stop laughing",
+    "and a missing key",
+    "a hundred years ago",
+)
 DEFAULT_SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 4}'
 NUM_WARMUP = 2
 PASSAGE_CHARS = 1800  # about 400 tokens of this prose in the Llama/SmolLM BPE vocabularies
@@ -202,6 +235,12 @@ def random_prompt(rng: random.Random) -> list[int]:
     return [rng.choice(RANDOM_TOKEN_IDS) for _ in range(RANDOM_PROMPT_TOKENS)]
 
 
+def story_prompt(rng: random.Random) -> str:
+    """A request for new prose with nothing in the prompt to copy: what speculation must not slow down."""
+    subject, twist, town, name = (rng.choice(words) for words in (STORY_SUBJECTS, STORY_TWISTS, TOWNS, NAMES))
+    return f"Write a short story about {subject} {twist}, set in {town}, with a friend called {name}."
+
+
 def make_prompt(workload: str, key: str) -> Prompt:
     """The prompt of `workload` seeded by `key` (a string, so the same on every machine and Python run)."""
     rng = random.Random(f"{workload}/{key}")
@@ -211,6 +250,8 @@ def make_prompt(workload: str, key: str) -> Prompt:
         return summarization_prompt(rng)
     if workload == "random":
         return random_prompt(rng)
+    if workload == "story":
+        return story_prompt(rng)
     raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
 
 
@@ -262,15 +303,19 @@ def speculation_delta(before: Counters, after: Counters) -> dict[str, Any]:
 
 
 def run_engines(
-    args: argparse.Namespace, speculative: SpeculativeConfig, warmup: list[Prompt], timed: list[Prompt], streams: int
+    args: argparse.Namespace,
+    speculative: SpeculativeConfig,
+    workload: str,
+    warmup: list[Prompt],
+    timed: list[Prompt],
+    streams: int,
 ) -> tuple[EngineRun, EngineRun]:
     """Build an engine without speculation and one with it, warm both up on `warmup`, then time `timed` in waves of
-    `streams` requests, each wave on the one engine and then on the other: on a shared machine a slow spell falls
-    on both alike. Both engines are dropped before returning."""
+    `streams` requests, each wave on both engines, first on the one and then on the other in turn: on a shared
+    machine a slow spell falls on both alike. Both engines are dropped before returning."""
     from engine_server.config import EngineConfig
     from engine_server.frontend import ChatPrompt
     from engine_server.llm import LLM
-    from engine_server.sampling_params import SamplingParams
     from engine_server.tokenizer.chat import ChatMessage
 
     def engine_prompt(prompt: Prompt) -> ChatPrompt | list[int]:
@@ -278,16 +323,18 @@ def run_engines(
 
     runs = (EngineRun(), EngineRun())
     engines: list[Any] = []
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     try:
         for config in (None, speculative):
             engine_config = EngineConfig(model=args.model, device=args.device, seed=args.seed, speculative=config)
             engines.append(LLM(config=engine_config))
-            engines[-1].generate([engine_prompt(p) for p in warmup], params, use_tqdm=False)
+            warm = [sampling_params(workload, args, i) for i in range(len(warmup))]
+            engines[-1].generate([engine_prompt(p) for p in warmup], warm, use_tqdm=False)
         before = _counters(engines[1])
         for i in range(0, len(timed), streams):
             wave = [engine_prompt(p) for p in timed[i : i + streams]]
-            for llm, run in zip(engines, runs, strict=True):
+            params = [sampling_params(workload, args, len(warmup) + i + j) for j in range(len(wave))]
+            order = (0, 1) if (i // streams) % 2 == 0 else (1, 0)
+            for llm, run in ((engines[k], runs[k]) for k in order):
                 start = time.perf_counter()
                 run.outputs += [list(r.choices[0].token_ids) for r in llm.generate(wave, params, use_tqdm=False)]
                 run.seconds += time.perf_counter() - start
@@ -302,6 +349,15 @@ def run_engines(
         gc.collect()
         _free_device_memory(args.device)
     return runs
+
+
+def sampling_params(workload: str, args: argparse.Namespace, index: int) -> Any:
+    """Greedy, except the story workload's seeded sampling (the seed from --seed and the request's index)."""
+    from engine_server.sampling_params import SamplingParams
+
+    if workload == "story":
+        return SamplingParams(temperature=STORY_TEMPERATURE, max_tokens=args.max_tokens, seed=args.seed * 1000 + index)
+    return SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
 
 def _free_device_memory(device: str) -> None:
@@ -346,6 +402,7 @@ def build_record(workload: str, streams: int, timed: Sequence[Prompt], off: Engi
         "output_tokens": off.output_tokens, "output_tokens_on": on.output_tokens,
         "seconds_off": round(off.seconds, 3), "seconds_on": round(on.seconds, 3),
         "speculative_config": json.loads(args.speculative_config),
+        "temperature": STORY_TEMPERATURE if workload == "story" else 0.0,
         "model": args.model, "device": args.device, "max_tokens": args.max_tokens, "seed": args.seed,
         "load_average": [round(v, 2) for v in os.getloadavg()],
         "commit": args.commit, "cpu_model": cpu_model_name(), "time": utc_timestamp(), "command": args.command_line,
@@ -369,9 +426,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def run_case(args: argparse.Namespace, speculative: SpeculativeConfig, workload: str, streams: int) -> dict[str, Any]:
-    num_requests = args.num_requests or max(4, streams)
+    num_requests = args.num_requests or max(4, 2 * streams)
     warmup, timed = case_prompts(workload, streams, num_requests, args.seed)
-    off, on = run_engines(args, speculative, warmup, timed, streams)
+    off, on = run_engines(args, speculative, workload, warmup, timed, streams)
     record = build_record(workload, streams, timed, off, on, args)
     for name, error in (("off", off.error), ("on", on.error)):
         if error:
@@ -424,10 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-requests",
         type=int,
         default=None,
-        help="timed requests per workload and streams setting (default: max(4, streams))",
+        help="timed requests per workload and streams setting (default: max(4, 2 x streams))",
     )
-    parser.add_argument("--max-tokens", type=int, default=512,
-                        help="output tokens per request at most (default 512: room for an edited passage whole)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="output tokens per request at most (default 512: room for an edited passage whole)",
+    )
     parser.add_argument(
         "--speculative-config",
         type=_speculative_config,

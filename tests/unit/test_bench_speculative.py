@@ -58,6 +58,16 @@ def test_random_prompts_are_token_ids_in_range() -> None:
     assert len({tuple(p) for p in prompts}) == len(prompts)
 
 
+def test_story_requests_are_distinct_and_sampled_with_a_seed_each() -> None:
+    warmup, timed = speculative.case_prompts("story", 1, 4, seed=0)
+    assert all(isinstance(p, str) and p.startswith("Write a short story") for p in warmup + timed)
+    args = _args()
+    story = [speculative.sampling_params("story", args, i) for i in range(3)]
+    assert {p.temperature for p in story} == {speculative.STORY_TEMPERATURE} and len({p.seed for p in story}) == 3
+    greedy = speculative.sampling_params("editing", args, 0)
+    assert greedy.temperature == 0.0 and greedy.seed is None
+
+
 def test_first_differences_name_the_request_and_position() -> None:
     off = [[1, 2, 3], [4, 5, 6], [7, 8]]
     on = [[1, 2, 3], [4, 9, 6], [7, 8, 0]]
