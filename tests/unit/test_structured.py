@@ -259,6 +259,24 @@ def test_bitmasks_follow_the_grammar_token_by_token(compiler: GrammarCompiler) -
     assert len(matchers) == 0
 
 
+def test_draft_masks_walk_the_drafts_and_roll_the_matcher_back(compiler: GrammarCompiler) -> None:
+    """Speculative decoding: the mask at each verified position is the one after the drafts before it; from a
+    draft the grammar refuses, the masks repeat; the matcher stands where it was afterwards."""
+    grammar = compiler.compile(Constraint.regex("(yes|no)(yes|no)"))
+    matchers = GrammarMatchers(len(VOCAB), torch.device("cpu"))
+    request = constrained_request("c", grammar)
+    matchers.bitmasks([request])
+    assert matchers.accept("c", TOKEN["y"]) is GrammarState.OPEN
+    before = allowed_tokens(matchers.bitmasks([request])[0])  # type: ignore[arg-type]
+    kept = matchers.draft_bitmasks(request, [TOKEN["es"], TOKEN["n"]])
+    assert [allowed_tokens(m) for m in kept] == [{"es"}, {"y", "yes", "n", "no"}, {"o"}]
+    refused = matchers.draft_bitmasks(request, [TOKEN["es"], TOKEN["a"], TOKEN["o"]])  # "a": outside the grammar
+    second = {"y", "yes", "n", "no"}
+    assert [allowed_tokens(m) for m in refused] == [{"es"}, second, second, second]
+    assert allowed_tokens(matchers.bitmasks([request])[0]) == before == {"es"}  # type: ignore[arg-type]
+    assert matchers.accept("c", TOKEN["es"]) is GrammarState.OPEN  # the real walk goes on from "y"
+
+
 def test_a_grammar_that_may_go_on_waits_for_the_model_to_stop(compiler: GrammarCompiler) -> None:
     grammar = compiler.compile(Constraint.regex("y(es)?"))
     matchers = GrammarMatchers(len(VOCAB), torch.device("cpu"))

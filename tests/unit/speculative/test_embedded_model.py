@@ -1,7 +1,7 @@
 """Speculative decoding on the embedded model: greedy output equal to decoding without it, on the float path (the
 token-exactness prompts, so equal to transformers' as well) and on the quantized default (whose kernels give a
 token the same bits whatever its batch, so a row verifying drafts computes exactly what decoding them one by one
-computes); structured outputs and stop strings too.
+computes); seeded sampling with n > 1 and logprobs, structured outputs and stop strings too.
 
 Uses the session `llm` fixture (fp32, no speculation) and engines of its own with `speculative_config`.
 """
@@ -66,9 +66,16 @@ def test_quantized_default_greedy_is_unchanged(quantized: LLM, quantized_ngram: 
     assert quantized_ngram.core.speculator.stats.accepted_tokens > 50  # type: ignore[union-attr]
 
 
-def test_seeded_sampling_is_unchanged(quantized: LLM, quantized_ngram: LLM) -> None:
-    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=32)
-    assert _tokens(quantized_ngram, COPYING[:2], params) == _tokens(quantized, COPYING[:2], params)
+def test_seeded_sampling_with_n_and_logprobs_is_unchanged(quantized: LLM, quantized_ngram: LLM) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=32, n=2, logprobs=True)
+
+    def choices(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        results = llm.generate([_chat(p) for p in COPYING[:2]], params, use_tqdm=False)
+        return [(c.token_ids, [t.logprob for t in c.logprobs or []]) for r in results for c in r.choices]
+
+    ours, plain = choices(quantized_ngram), choices(quantized)
+    assert len(ours) == 4 and [tokens for tokens, _ in ours] == [tokens for tokens, _ in plain]
+    assert all(got == pytest.approx(want, abs=1e-4) and got for (_, got), (_, want) in zip(ours, plain, strict=True))
 
 
 def test_a_constrained_output_is_unchanged_and_parses(quantized: LLM, quantized_ngram: LLM) -> None:
