@@ -1,7 +1,8 @@
 """Frozen configuration for the engine: built once at the entry point and passed down.
 
-Values discovered at run time (number of KV blocks, eos ids read from a tokenizer) do not live here; see
-`engine_server.runtime.EngineRuntime`.
+Values discovered at run time do not live here: the number of KV blocks is sized by the model runner at start-up
+(`engine_server.runner.num_kv_blocks`, held as `ModelRunner.num_blocks`), the eos ids are read from the model and
+its tokenizer where the engine is built (`engine_server.llm.engine_eos_ids`, for `LLM` and the gRPC server).
 """
 
 from __future__ import annotations

@@ -10,16 +10,16 @@ each prompt token with its sequence's block table and its position + 1 as length
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from engine_server.layers.decoder import DecoderLayer, DecoderModel
+from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
 from engine_server.layers.quantized_linear import QuantizedLinear
 from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 
-def build_decode_stack(model: DecoderModel) -> Any | None:
+def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
     not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), weights not on the CPU or not
     float32, a head dim the attention kernel is not built for, or no C++ kernels."""
@@ -51,4 +51,4 @@ def build_decode_stack(model: DecoderModel) -> Any | None:
             stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias) for linear in own
         ]
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *ids)
-    return stack
+    return cast(DecodeStack, stack)

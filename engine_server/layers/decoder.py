@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -48,6 +48,26 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden, ops), residual
 
 
+class DecodeStack(Protocol):
+    """All layers of a step in one native call (`torch.classes.ladle_cpu.DecodeStack`, built by
+    `layers.decode_stack.build_decode_stack`): the same kernels in the same order as `DecoderModel`'s layers, so
+    the same bits. Every row is a decode row (a prompt token is one too: `AttentionMetadata.token_rows`)."""
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        stop: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The final hidden states, after the model's norm (as the layers' path returns them); fewer rows than
+        `hidden` when `stop` was set between two layers (the step was interrupted)."""
+        ...
+
+
 class DecoderModel(nn.Module):
     """Token ids -> final normalised hidden states, reading and writing the paged KV cache."""
 
@@ -61,9 +81,10 @@ class DecoderModel(nn.Module):
         )
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        # `layers.decode_stack.build_decode_stack(self)`, set once the weights are final (quantization.quantize_model
-        # sets it only with ops whose attention takes every token as a decode row of its own): runs every step.
-        self.decode_stack: Any | None = None
+        # The second forward path: `layers.decode_stack.build_decode_stack(self)`, set once the weights are final
+        # (quantization.quantize_model sets it only with ops whose attention takes every token as a decode row of
+        # its own). When set, it runs every step in place of the layers below.
+        self.decode_stack: DecodeStack | None = None
 
     def forward(
         self,
@@ -81,7 +102,7 @@ class DecoderModel(nn.Module):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
             stop = None if interrupt is None else interrupt.tensor
-            stacked: torch.Tensor = self.decode_stack.forward(
+            stacked = self.decode_stack.forward(
                 hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop
             )
             if stacked.shape[0] != hidden.shape[0]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-import logging
 import os
 import queue
 import re
@@ -32,12 +31,13 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import xgrammar as xgr
 
 from engine_server.errors import ValidationError
 from engine_server.structured.constraint import Constraint, ConstraintKind
 
-logger = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 _MAX_REASON_CHARS = 500
 # Scheduling niceness of the compile workers (and of the threads xgrammar starts from them, which inherit it): on
@@ -232,7 +232,7 @@ class GrammarCompiler:
             error = ValidationError(f"invalid {constraint.kind.value}: {xgrammar_reason(exc)}", param=constraint.param)
         elapsed = time.monotonic() - started
         if elapsed > self.config.timeout_s:
-            logger.warning("grammar compile of a %s took %.1f s", constraint.kind.value, elapsed)
+            log.warning("slow grammar compile", kind=constraint.kind.value, seconds=round(elapsed, 1))
         with self._lock:
             del self._inflight[constraint]  # from here on a new submit starts afresh or hits the cache
             if result is not None:
@@ -269,7 +269,7 @@ def _lower_thread_priority() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
         except OSError as exc:  # e.g. a sandbox that forbids it: compiles still work, at normal priority
-            logger.debug("cannot lower the compile thread's priority: %s", exc)
+            log.debug("cannot lower the compile thread's priority", error=str(exc))
 
 
 class _DeadlineWatch:

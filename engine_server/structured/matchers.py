@@ -9,16 +9,16 @@ when the request finishes or is aborted.
 from __future__ import annotations
 
 import enum
-import logging
 from collections.abc import Sequence
 
 import numpy as np
+import structlog
 import torch
 import xgrammar as xgr
 
 from engine_server.core.request import Request
 
-logger = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 
 class GrammarState(enum.Enum):
@@ -93,7 +93,7 @@ class GrammarMatchers:
         """Advance the request's matcher by its sampled token; says whether the grammar ends the choice."""
         matcher = self._matchers[request_id]
         if not matcher.accept_token(token_id):
-            logger.error("request %s sampled token %d outside its grammar", request_id, token_id)
+            log.error("sampled token outside its grammar", request_id=request_id, token_id=token_id)
             return GrammarState.REJECTED
         if matcher.is_terminated():
             return GrammarState.TERMINATED
