@@ -1,6 +1,7 @@
 """Speculative decoding end to end: an engine started with --speculative-config answers exactly what the shared
-engine without it answers, through the gateway (the official SDK, streaming, stop strings, structured outputs,
-the batched chat route and its Batch RPC), and reports its drafts on the gateway's /metrics."""
+engine without it answers, through the gateway (the official SDK, the benchmark's workloads, streaming, stop
+strings, structured outputs, the batched chat route and its Batch RPC), and reports its drafts on the gateway's
+/metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from benchmarks.speculative import make_prompt
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
 
@@ -64,6 +66,24 @@ def test_greedy_chat_is_the_same_with_speculation(
     accepted = [line for line in metrics.splitlines() if line.startswith("ladle_engine_speculative_accepted_tokens")]
     assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0  # the copying prompts kept drafts
     assert "ladle_engine_speculative_kept_drafts_bucket" in metrics
+
+
+@pytest.mark.parametrize("workload", ["editing", "summarization", "random"])
+def test_the_benchmark_workloads_are_the_same(
+    spec_client: openai.OpenAI, openai_client: openai.OpenAI, model_id: str, workload: str
+) -> None:
+    """One prompt of each of `ladle bench speculative`'s greedy workloads: chat for the passages, token ids through
+    the completions route for the random one."""
+    prompt = make_prompt(workload, "e2e")
+    if isinstance(prompt, str):
+        assert _chat(spec_client, model_id, prompt) == _chat(openai_client, model_id, prompt)
+        return
+
+    def completion(client: openai.OpenAI) -> str:
+        reply = client.completions.create(model=model_id, prompt=prompt, temperature=0, max_tokens=64)
+        return reply.choices[0].text
+
+    assert completion(spec_client) == completion(openai_client)
 
 
 def test_streamed_text_and_a_stop_string_inside_a_run_are_the_same(
