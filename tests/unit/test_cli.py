@@ -116,3 +116,27 @@ def test_batch_step_target_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPat
         parser.parse_args(["engine", "--batch-step-target", "-1"])
     monkeypatch.setenv("LADLE_BATCH_STEP_TARGET", "0.3")
     assert cli.build_parser().parse_args(["engine"]).batch_step_target == 0.3
+
+
+def test_speculative_config_is_vllms_json_and_reaches_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).speculative_config is None
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'  # vLLM's documented example
+    parsed = parser.parse_args(["engine", "--speculative-config", spec]).speculative_config
+    assert (parsed.method, parsed.num_speculative_tokens, parsed.prompt_lookup_max) == ("ngram", 4, 4)
+    for command in ("serve", "batch"):
+        extra = ["-i", "a", "-o", "b"] if command == "batch" else []
+        child = engine_command(parser.parse_args([command, *extra, "--speculative-config", spec]), "127.0.0.1", 1)
+        assert cli.build_parser().parse_args(child[3:]).speculative_config == parsed  # the child parses it
+        plain = engine_command(parser.parse_args([command, *extra]), "127.0.0.1", 1)
+        assert plain[plain.index("--speculative-config") + 1] == ""  # off
+    for bad, fragment in [
+        ('{"method": "ngram", "lookahead": 3}', "unknown key(s) lookahead"),
+        ("{method: ngram}", "not JSON"),
+        ('{"num_speculative_tokens": 4}', 'with a "method"'),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "[1, 32]"),
+    ]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["engine", "--speculative-config", bad])
+        assert fragment in capsys.readouterr().err, bad
