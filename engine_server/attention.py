@@ -22,34 +22,7 @@ import torch
 
 from engine_server.config import ModelConfig
 from engine_server.transfer import padded_rows, to_device
-
-
-@dataclass(frozen=True)
-class PrefillSpan:
-    """One sequence that has several new tokens this step (a prompt chunk), for per-sequence kernels."""
-
-    seq_index: int  # row in the batch
-    query_start: int  # first of its tokens in the flattened batch
-    query_len: int
-    seq_len: int  # context length including the new tokens
-    num_blocks: int  # blocks of its block table that hold [0, seq_len)
-
-
-@dataclass(frozen=True)
-class ReferencePlan:
-    """Host-derived views of one step, built once and reused by every layer of the reference attention.
-
-    Decode rows (query_len == 1) are gathered together; the other rows are listed as prefill spans.
-    """
-
-    decode_token_index: torch.Tensor  # [Bd] int64 index of each decode row's token in the flat batch
-    decode_block_tables: torch.Tensor  # [Bd, max_blocks] int32 block tables of the decode rows
-    decode_seq_lens: torch.Tensor  # [Bd] int32 context lengths of the decode rows
-    decode_block_ids: torch.Tensor  # [Bd * decode_blocks] int64 block ids, row-major, padded with 0
-    decode_blocks: int  # blocks gathered per decode row (enough for the longest decode context)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, decode_blocks * block_size] float32 additive (0 or -inf)
-    prefills: tuple[PrefillSpan, ...]
-    all_decode: bool  # every token is a decode row, in order: decode_token_index == arange(T)
+from kernels.attention_inputs import PrefillSpan, ReferencePlan
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from kernels import reference
 from kernels.kernel_set import REFERENCE_OPS, KernelOps
 
 if TYPE_CHECKING:
-    from engine_server.attention import AttentionMetadata
+    from kernels.attention_inputs import AttentionInputs
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +59,7 @@ DISABLE_ENV = "LADLE_CPU_KERNELS"
 STALE_LOCK_S = 600.0
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
     """`reference.paged_attention`'s contract; decode rows run the C++ kernel (float32, a head dim in `HEAD_DIMS`),
     the rest the reference."""
     plan = meta.reference_plan
@@ -81,7 +81,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def paged_attention_by_token(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract with every token, prefill tokens included, run through the decode
     kernel as a row of its own (its sequence's block table, positions [0, p]).

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kernels import reference
+from kernels.attention_inputs import AttentionInputs
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class KernelOps:
     rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     write_kv_cache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
+    # Typed in full: the engine's metadata is checked against the kernels' own `AttentionInputs` where it calls.
+    paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionInputs, float], torch.Tensor]
 
 
 REFERENCE_OPS = KernelOps(

@@ -4,7 +4,7 @@ Each program takes one tile of a sequence's new tokens for one KV head and strea
 through its block table with an online softmax (flash-attention style). The tile's rows are (token, query
 head) pairs: the H / Hkv query heads sharing a KV head are stacked as rows, so K/V are read once per group
 and a decode row still fills the matrix unit. The launcher needs no host sync: every size it uses is a
-shape or a host-side field of `AttentionMetadata`.
+shape or a host-side field of `AttentionInputs`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kernels._checks import check_dtype, check_same_device, unit_last_stride
 from kernels._dot import dot
 
 if TYPE_CHECKING:
-    from engine_server.attention import AttentionMetadata
+    from kernels.attention_inputs import AttentionInputs
 
 _LOG2E = 1.0 / math.log(2.0)
 # Rows per tile: a prefill tile holds many tokens, a decode tile one token's query heads (>= 16 for tl.dot).
@@ -133,7 +133,7 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
     """`kernels.reference.paged_attention` on the GPU: causal attention of q `[T, H, D]` over the paged cache.
 
     For new token t of sequence i at position p, `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
@@ -187,7 +187,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
-def _check_arguments(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+def _check_arguments(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs) -> None:
     """Raise ValueError unless q, the cache and the metadata fit together as the kernel reads them."""
     check_dtype("q", q)
     check_dtype("kv_cache", kv_cache, (q.dtype,))

@@ -3,7 +3,7 @@
 Shapes: T tokens in the flattened batch, H query heads, Hkv KV heads, D head dim. The KV cache layout and the
 metadata contract are described in `engine_server.attention`. `apply_token_bitmask_` (the grammar mask) and
 `seeded_log_uniforms` (the noise of seeded rows) are the sampler's; the other ops are the layers'
-(`engine_server.layers.ops.KernelOps`).
+(`kernels.kernel_set.KernelOps`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine_server.attention import AttentionMetadata
-    from engine_server.config import RopeScaling
+    from kernels.attention_inputs import AttentionInputs, RopeScalingParams
 
 
 @overload
@@ -41,7 +40,7 @@ def rms_norm(
     return out if residual is None else (out, x)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingParams | None = None) -> torch.Tensor:
     """Inverse frequencies `theta ** (-2i / D)` for i < D/2, float32, with Llama-3 scaling when given.
 
     Llama 3: wavelengths `2π / f` longer than `orig_ctx / low_freq_factor` are divided by `factor`, shorter
@@ -66,7 +65,7 @@ def build_cos_sin_cache(
     head_dim: int,
     max_positions: int,
     theta: float,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScalingParams | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """`[max_positions, D]`: row p is `cat(cos(p * f), sin(p * f))` over the D/2 inverse frequencies f.
@@ -111,7 +110,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` over the paged cache; returns `[T, H, D]`.
 
     For new token t of sequence i at position p: `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
@@ -154,7 +153,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def attend_prefills(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, out: torch.Tensor
 ) -> None:
     """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each, written
     into `out` `[T, H, D]` at their tokens' places. Decode rows of `out` are left as they are."""
