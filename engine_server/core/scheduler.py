@@ -358,10 +358,7 @@ class Scheduler:
                 continue
             status = self._stop_status(request, token_id)
             if status is not None:
-                if request.status in _QUEUED:  # preempted (async scheduling) while its token was on the way
-                    self._waiting[request.priority].remove(request)
-                request.status = status
-                self._release(request)
+                self._finish_stopped(request, status)
                 finished.append(request)
         if finished:
             self._running = [r for r in self._running if not r.is_finished]
@@ -386,14 +383,18 @@ class Scheduler:
                 if item.draft_token_ids and request.status is RequestStatus.RUNNING:
                     request.num_computed_tokens = item.start_position + len(run)
                 continue
-            if request.status in _QUEUED:
-                self._waiting[request.priority].remove(request)
-            request.status = status
-            self._release(request)
+            self._finish_stopped(request, status)
             finished.append(request)
         if finished:
             self._running = [r for r in self._running if not r.is_finished]
         return finished
+
+    def _finish_stopped(self, request: Request, status: RequestStatus) -> None:
+        """End a request a stop rule ended (it stays in `_running` until the caller filters the list)."""
+        if request.status in _QUEUED:  # preempted (async scheduling) while its token was on the way
+            self._waiting[request.priority].remove(request)
+        request.status = status
+        self._release(request)
 
     # -- internals -----------------------------------------------------------------------------------
 
