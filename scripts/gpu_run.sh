@@ -12,6 +12,11 @@
 #                  on the joined GGUF when present)                                 -> $OUT/tests.log
 #   kernel-tests   only tests/unit/kernels; gpu-tests: only tests/gpu               -> $OUT/tests.log
 #   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
+#   quick:MODEL    the same with --skip-hf (ladle only, ~1.5 min)                    -> $OUT/gpu.jsonl, bench.log
+#   profile:MODEL  scripts/gpu_profile.py: host phases, decode vs mixed steps         -> $OUT/profile.log
+#   old-quick:MODEL, old-profile:MODEL   the same for an older tree in .gpu_old (an A/B on one machine: carry
+#                  it, made here with `git archive REV engine_server kernels benchmarks clients scripts | tar -x
+#                  -C .gpu_old`, and name REV in OLD_COMMIT)        -> $OUT/gpu_old.jsonl, profile_old.log
 #
 # A session, in three device calls back to back (the first two within the machine's warm window; LADLE_COMMIT
 # names the commit, since the copy there has no .git):
@@ -62,6 +67,19 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'; 
     bench:*)
       python3 -m benchmarks.gpu --models "${stage#bench:}" --out "$OUT/gpu.jsonl" 2>&1 | tee -a "$OUT/bench.log" \
         || status=1 ;;
+    quick:*)
+      python3 -m benchmarks.gpu --models "${stage#quick:}" --skip-hf --out "$OUT/gpu.jsonl" 2>&1 \
+        | tee -a "$OUT/bench.log" || status=1 ;;
+    profile:*)
+      python3 scripts/gpu_profile.py --model "${stage#profile:}" 2>&1 | tee -a "$OUT/profile.log" || status=1 ;;
+    old-quick:*|old-profile:*)
+      [ -d .gpu_old ] || { echo "no .gpu_old carried" >&2; exit 1; }
+      ( cd .gpu_old && export LADLE_COMMIT=${OLD_COMMIT:-old} PYTHONPATH="/tmp/site:$PWD:$PWD/clients" &&
+        case "$stage" in
+          old-quick:*) python3 -m benchmarks.gpu --models "${stage#old-quick:}" --skip-hf --out "$OUT/gpu_old.jsonl" \
+                         2>&1 | tee -a "$OUT/bench_old.log" ;;
+          *) python3 scripts/gpu_profile.py --model "${stage#old-profile:}" 2>&1 | tee -a "$OUT/profile_old.log" ;;
+        esac ) || status=1 ;;
     *)
       echo "unknown stage $stage" >&2; exit 2 ;;
   esac
