@@ -35,7 +35,7 @@ def _timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Calla
 def profile(model: str, budget: int, kernels: bool, eager: bool) -> None:
     argv = ["--models", model, "--kv-cache-mib", "16384", "--max-num-batched-tokens", str(budget)]
     argv += ["--enforce-eager"] if eager else []
-    ladle = LadleRunner(model, build_parser().parse_args(argv))
+    ladle = LadleRunner(model, "none", build_parser().parse_args(argv))
     workload = nano_vllm_workload(256, 100, 1024, 0)
     ladle.run(Workload(workload.prompts[:4], [8] * 4))
     core = ladle.llm.core
@@ -85,7 +85,8 @@ def profile(model: str, budget: int, kernels: bool, eager: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="dummy:qwen2.5-0.5b")
-    parser.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[2048])
+    parser.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[8192],
+                        help="token budgets, one profile each (default: ladle bench gpu's)")
     parser.add_argument("--kernels", action="store_true", help="also a torch.profiler run (CUDA kernels table)")
     parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
