@@ -86,7 +86,7 @@ class DeviceClock:
     def launch(self, launch: Callable[[Any, Any], LaunchedStep]) -> Callable[[Any, Any], LaunchedStep]:
         def timed(output: Any, interrupt: Any = None) -> LaunchedStep:
             step = launch(output, interrupt)
-            if self.step_s > 0 and output.scheduled:
+            if self.step_s > 0 and not output.is_empty:
                 self._busy_until = max(time.perf_counter(), self._busy_until) + self.step_s
                 self._done_at[id(step)] = self._busy_until
             return step

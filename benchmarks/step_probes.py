@@ -126,7 +126,7 @@ class StepRecorder:
             record = self._current
             record.phases[0] += perf_counter() - started
             # O(1): B rows holding B tokens are B one-token decodes (SchedulerOutput's own counts loop over rows).
-            record.rows, record.tokens = len(output.scheduled), output.num_batched_tokens
+            record.rows, record.tokens = output.num_rows, output.num_batched_tokens
             return output
 
         return timed
@@ -323,7 +323,7 @@ def counting_ops(core: EngineCore, real_forward: bool = False) -> Iterator[OpCou
         def counted(*args: Any, **kwargs: Any) -> Any:
             with counter.in_phase("schedule"):
                 output = fn(*args, **kwargs)
-            counter.scheduled(len(output.scheduled), output.num_batched_tokens)
+            counter.scheduled(output.num_rows, output.num_batched_tokens)
             return output
 
         return counted

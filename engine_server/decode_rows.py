@@ -57,6 +57,13 @@ class DecodeRows:
         requests = [item.request for item in scheduled]
         tables = [item.block_ids for item in scheduled]
         starts = np.fromiter([item.start_position for item in scheduled], dtype=np.int64, count=len(scheduled))
+        return self.layout_columns(requests, tables, starts)
+
+    def layout_columns(
+        self, requests: list[Request], tables: list[list[int]], starts: np.ndarray[Any, np.dtype[np.int64]]
+    ) -> tuple[DecodeLayout, bool]:
+        """`layout` of the rows given as columns (a steady decode step's): each row's request, live block table and
+        start position. The lists are kept until the next call and must not change meanwhile."""
         previous = self._layout
         # List equality tests identity first: the live tables compare in O(1) each.
         if (

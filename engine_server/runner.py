@@ -11,8 +11,10 @@ than the scheduler is given: the graphs' padding rows write there and nowhere el
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
@@ -21,7 +23,7 @@ import torch
 from engine_server.attention import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.core.request import Request, RequestStatus
-from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.decode_rows import DecodeRows
 from engine_server.host_memory import keep_freed_memory_for_reuse
@@ -85,17 +87,39 @@ class CollectedTokens:
         return {item.request_id: SampledToken(token) for item, token in zip(items, self.token_ids, strict=True)}
 
 
-@dataclass(frozen=True)
 class LaunchedStep:
     """A step queued on the device: the requests that sample and their tokens on the way to the host.
 
+    `items` are the sampling rows (for a steady decode step, every row of `output`, built on first use);
     `sampled` holds host tensors (pinned, filled by non-blocking copies on CUDA) that are valid once `ready`
     (a CUDA event; None on the CPU, where they are valid at once) has completed; None when nothing samples.
     """
 
-    items: list[ScheduledRequest]
-    sampled: SamplerOutput | None
-    ready: torch.cuda.Event | None = None
+    __slots__ = ("_items", "num_rows", "output", "ready", "sampled")
+
+    def __init__(
+        self,
+        items: list[ScheduledRequest] | None,
+        sampled: SamplerOutput | None,
+        ready: torch.cuda.Event | None = None,
+        *,
+        output: SchedulerOutput | None = None,
+    ) -> None:
+        """`items` None: every row of `output` (a steady decode step) samples."""
+        if items is None and (output is None or output.steady is None):
+            raise ValueError("a step's sampling rows come from a list or from a steady decode step's output")
+        self._items = items
+        self.output = output
+        self.sampled = sampled
+        self.ready = ready
+        self.num_rows = len(items) if items is not None else output.num_rows  # type: ignore[union-attr]
+
+    @property
+    def items(self) -> list[ScheduledRequest]:
+        if self._items is None:
+            assert self.output is not None
+            self._items = self.output.scheduled
+        return self._items
 
 
 class _StepTokens:
@@ -235,10 +259,10 @@ class ModelRunner:
         self.sampler = Sampler(source.config.vocab_size, self.device)
         self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
-        self._last_sampled: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        self._last_sampled: tuple[torch.Tensor, LaunchedStep] | None = None
         self._decode_rows = DecodeRows(self.block_size)  # the last decode step's layout, updated step to step
         # The last sampling step's request ids and metadata, when it may serve the next step (_sampling_metadata).
-        self._sampling_cache: tuple[list[str], SamplingMetadata] | None = None
+        self._sampling_cache: tuple[list[Request], SamplingMetadata] | None = None
         self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
         self.decode_graphs: DecodeGraphs | None = None
         # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
@@ -315,12 +339,14 @@ class ModelRunner:
         With `interrupt` (the CPU only: `can_interrupt`), raises StepInterrupted once it is set during the
         forward: nothing is sampled, and the runner is as if the step had never been launched.
         """
+        if output.steady is not None:
+            return self._launch_steady(output, output.steady, interrupt)
         items = output.scheduled
         sampling = [item for item in items if item.needs_sample]
         if not items:
             return LaunchedStep(sampling, None)
         try:
-            hidden, last_rows = self._forward(items, interrupt)
+            hidden, last_rows = self._forward(output, interrupt)
         except StepInterrupted:
             self._decode_rows.invalidate()  # it holds the stopped step's layout
             raise
@@ -338,10 +364,33 @@ class ModelRunner:
             sampled = self.sampler.argmax(logits)  # no per-row set-up: a step's host time matters on a GPU
         else:
             # Built after the forward is launched: on CUDA the host-side work overlaps the GPU's.
-            sampled = self.sampler.sample(logits, self._sampling_metadata(sampling))
-        self._last_sampled = (sampled.token_ids, sampling)
+            requests = [item.request for item in sampling]
+            positions = [item.start_position + item.num_new_tokens for item in sampling]
+            sampled = self.sampler.sample(logits, self._sampling_metadata(sampling, requests, positions))
+        step = LaunchedStep(sampling, *_copy_to_host(sampled))
+        self._last_sampled = (sampled.token_ids, step)
         self._decode_rows.mark_launched(len(sampling) == len(items))
-        return LaunchedStep(sampling, *_copy_to_host(sampled))
+        return step
+
+    def _launch_steady(
+        self, output: SchedulerOutput, steady: SteadyDecode, interrupt: StepInterrupt | None
+    ) -> LaunchedStep:
+        """`launch` for a steady decode step: the rows' columns throughout, no object per row."""
+        try:
+            hidden, _ = self._forward(output, interrupt)
+        except StepInterrupted:
+            self._decode_rows.invalidate()
+            raise
+        logits = self.model.compute_logits(hidden)
+        if steady.all_argmax_only:
+            sampled = self.sampler.argmax(logits)
+        else:
+            positions = steady.starts + 1
+            sampled = self.sampler.sample(logits, self._sampling_metadata(output, steady.requests, positions))
+        step = LaunchedStep(None, *_copy_to_host(sampled), output=output)
+        self._last_sampled = (sampled.token_ids, step)
+        self._decode_rows.mark_launched(True)
+        return step
 
     def collect(self, step: LaunchedStep) -> CollectedTokens:
         """Wait for a launched step's tokens; constrained requests' matchers accept them here (and only here)."""
@@ -349,9 +398,9 @@ class ModelRunner:
             return CollectedTokens([])
         if step.ready is not None:
             step.ready.synchronize()
-        if step.sampled.token_ids.shape[0] != len(step.items):
+        if step.sampled.token_ids.shape[0] != step.num_rows:
             return self._collect_verification(step.items, step.sampled)
-        return self._collect(step.items, step.sampled)
+        return self._collect(step, step.sampled)
 
     def _launch_verification(
         self,
@@ -424,22 +473,28 @@ class ModelRunner:
         )
 
     def _forward(
-        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None
+        self, output: SchedulerOutput, interrupt: StepInterrupt | None
     ) -> tuple[torch.Tensor, list[int] | None]:
         """Hidden states of the step's tokens `[T, hidden]` and, per scheduled request, the row of its last token
         (None for a decode step, where row i is request i's)."""
-        if any(item.num_new_tokens != 1 for item in scheduled):
-            self._decode_rows.invalidate()
-            return self._forward_eager(scheduled, interrupt)
-        layout, continues = self._decode_rows.layout(scheduled)
+        steady = output.steady
+        if steady is not None:
+            layout, continues = self._decode_rows.layout_columns(steady.requests, steady.tables, steady.starts)
+        else:
+            scheduled = output.scheduled
+            if any(item.num_new_tokens != 1 for item in scheduled):
+                self._decode_rows.invalidate()
+                return self._forward_eager(scheduled, interrupt)
+            layout, continues = self._decode_rows.layout(scheduled)
+        num_rows = len(layout.seq_lens)
         # A step that continues the last one reads its tokens from that launch's device tensor, row for row.
         input_ids: torch.Tensor | None = self._last_sampled[0] if continues and self._last_sampled else None
         pending = None
         if input_ids is None:
-            tokens = _step_tokens(scheduled)
+            tokens = _step_tokens(output.scheduled)
             pending = self._pending_inputs(tokens)
         graphs = self.decode_graphs
-        if graphs is not None and len(scheduled) <= graphs.max_batch:
+        if graphs is not None and num_rows <= graphs.max_batch:
             return graphs.run_layout(tokens.known if input_ids is None else input_ids, layout, pending), None
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
         if input_ids is None:
@@ -490,30 +545,36 @@ class ModelRunner:
             return None
         if self._last_sampled is None:
             raise RuntimeError("a scheduled token is pending, but no step was launched before")
-        last_ids, last_items = self._last_sampled
-        last_rows = {item.request_id: j for j, item in enumerate(last_items)}
+        last_ids, last_step = self._last_sampled
+        last_rows = {item.request_id: j for j, item in enumerate(last_step.items)}
         sources = [last_rows[request_id] for request_id in tokens.pending_ids]
         rows = to_device(host_tensor(tokens.pending_rows, torch.long, self.device), self.device)
         values = last_ids.index_select(0, to_device(host_tensor(sources, torch.long, self.device), self.device))
         return rows, values
 
-    def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
-        """The sampling metadata of a step's sampling rows. Reused from the step before when it sampled the same
-        requests in the same order and none of them changes what it asks from step to step (a grammar's mask,
-        min_tokens, penalties: `needs_output_history`), then only the seeded rows' positions are redone:
-        a steady decode batch builds no per-row Python objects for sampling."""
-        request_ids = [item.request_id for item in sampling]
+    def _sampling_metadata(
+        self,
+        rows: list[ScheduledRequest] | SchedulerOutput,
+        requests: list[Request],
+        positions: Sequence[int] | np.ndarray[Any, np.dtype[np.int64]],
+    ) -> SamplingMetadata:
+        """The sampling metadata of a step's sampling rows (`rows`, or every row of a steady decode step's output;
+        `requests` and `positions`: each row's request and sampled token's position). Reused from the step before
+        when it sampled the same requests in the same order and none of them changes what it asks from step to
+        step (a grammar's mask, min_tokens, penalties: `needs_output_history`), then only the seeded rows'
+        positions are redone: a steady decode batch builds no per-row Python objects for sampling."""
         cached = self._sampling_cache
-        if cached is not None and cached[0] == request_ids:
+        if cached is not None and cached[0] == requests:  # the lists compare by identity, row by row
             meta = cached[1]
             if meta.seeded is None:
                 return meta
-            return meta.at_positions([item.start_position + item.num_new_tokens for item in sampling], self.device)
-        bitmasks = self.grammars.bitmasks([item.request for item in sampling])
-        rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
-        meta = SamplingMetadata.build(rows, self.sampler.vocab_size, self.device)
-        steady = not any(item.request.needs_output_history for item in sampling)
-        self._sampling_cache = (request_ids, meta) if steady else None
+            return meta.at_positions(positions, self.device)
+        sampling = rows.scheduled if isinstance(rows, SchedulerOutput) else rows
+        bitmasks = self.grammars.bitmasks(requests)
+        sampling_rows = [self._row(item, mask) for item, mask in zip(sampling, bitmasks, strict=True)]
+        meta = SamplingMetadata.build(sampling_rows, self.sampler.vocab_size, self.device)
+        steady = not any(request.needs_output_history for request in requests)
+        self._sampling_cache = (requests, meta) if steady else None
         return meta
 
     def _row(self, item: ScheduledRequest, bitmask: torch.Tensor | None = None) -> SamplingRow:
@@ -529,11 +590,12 @@ class ModelRunner:
             allowed_token_bitmask=bitmask,
         )
 
-    def _collect(self, items: list[ScheduledRequest], sampled: SamplerOutput) -> CollectedTokens:
+    def _collect(self, step: LaunchedStep, sampled: SamplerOutput) -> CollectedTokens:
         """The rows' tokens; constrained requests' matchers accept theirs here (and only here)."""
         tokens = sampled.token_id_list()
         if sampled.logprobs is None and not len(self.grammars):  # no row asked, and no grammar is alive
             return CollectedTokens(tokens)
+        items = step.items
         logprobs = sampled.logprob_list()
         if not any(logprobs) and not any(item.request.grammar is not None for item in items):
             return CollectedTokens(tokens)

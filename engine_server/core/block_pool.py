@@ -60,6 +60,18 @@ class BlockPool:
             out.append(block_id)
         return out
 
+    def allocate_one(self) -> int | None:
+        """`allocate(1)[0]`, or None (nothing changed) when no block is free: a decode's path into a new block."""
+        if self._free_plain:
+            block_id = self._free_plain.pop()
+        elif self._free_cached:
+            block_id, _ = self._free_cached.popitem(last=False)
+            self._forget(block_id)
+        else:
+            return None
+        self._ref_cnt[block_id] = 1
+        return block_id
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a reference to blocks found by a cache hit, taking free ones off the eviction queue."""
         for block_id in block_ids:

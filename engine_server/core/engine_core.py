@@ -198,8 +198,8 @@ class EngineCore:
             outputs = self._complete(previous) if previous is not None else []
             completed = previous
             # A speculating request's next drafts start from this step's tokens: no step runs ahead of them.
-            runs_ahead = self.async_scheduling and scheduled.scheduled and self.speculator is None
-            if runs_ahead and not any(item.request.needs_output_history for item in scheduled.scheduled):
+            runs_ahead = self.async_scheduling and not scheduled.is_empty and self.speculator is None
+            if runs_ahead and not _needs_output_history(scheduled):
                 self._in_flight = current
             else:
                 outputs += self._complete(current)
@@ -217,8 +217,10 @@ class EngineCore:
 
     def _stoppable(self, scheduled: SchedulerOutput) -> bool:
         """Whether `step_interrupt` may stop the step: there is one, and the step carries BATCH work only."""
-        if self.step_interrupt is None or not scheduled.scheduled:
+        if self.step_interrupt is None or scheduled.is_empty:
             return False
+        if scheduled.steady is not None:
+            return not scheduled.steady.any_interactive
         return not any(item.request.priority is Priority.INTERACTIVE for item in scheduled.scheduled)
 
     def _complete(self, launched: _Launched) -> list[CoreOutput]:
@@ -228,17 +230,21 @@ class EngineCore:
         outputs are held only when they carry log-probabilities): no output object per step for it.
         """
         scheduled = launched.scheduled
-        sampling = launched.step.items
         collected = self.runner.collect(launched.step)
         if collected.runs is not None:
-            return self._complete_verified(scheduled, sampling, collected)
+            return self._complete_verified(scheduled, launched.step.items, collected)
         tokens, details = collected.token_ids, collected.details
         finished = self.scheduler.update_from_output(scheduled, tokens)
         if details is not None:
-            finished += self._finish_grammars(sampling, details)
+            finished += self._finish_grammars(launched.step.items, details)
         outputs: list[CoreOutput] = []
-        for item, token_id, detail in zip(sampling, tokens, details or repeat(None), strict=False):
-            request = item.request
+        steady = scheduled.steady
+        if steady is not None:
+            # Every row samples: the rows' requests in order, and none to report per step when all are final-only.
+            requests: Iterable[Request] = () if steady.all_final_quiet and details is None else steady.requests
+        else:
+            requests = (item.request for item in launched.step.items)
+        for request, token_id, detail in zip(requests, tokens, details or repeat(None), strict=False):
             # Finished: since it was scheduled (its token is dropped), or by this token (reported below).
             if (request.final_only and not request.wants_logprobs) or request.status.is_finished:
                 continue
@@ -248,7 +254,7 @@ class EngineCore:
                 self._held.add(output)
             else:
                 outputs.append(output)
-        by_request = collected.by_request(sampling) if finished and details is not None else None
+        by_request = collected.by_request(launched.step.items) if finished and details is not None else None
         for request in finished:
             # This step's token is the last of its outputs (it finished by it, or by its grammar after it).
             token = by_request[request.request_id] if by_request else SampledToken(request.output_token_ids[-1])
@@ -323,3 +329,10 @@ class EngineCore:
         if not request.wants_logprobs:
             merged.new_tokens = [SampledToken(token_id) for token_id in request.output_token_ids]
         return merged
+
+
+def _needs_output_history(output: SchedulerOutput) -> bool:
+    """Whether a request of the step needs its output history on the host before its next step."""
+    if output.steady is not None:
+        return output.steady.any_output_history
+    return any(item.request.needs_output_history for item in output.scheduled)

@@ -20,6 +20,7 @@ each request's settled count before the step.
 from __future__ import annotations
 
 import hashlib
+import struct
 from array import array
 from collections.abc import Sequence
 
@@ -47,6 +48,7 @@ class KVCacheManager:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._pack_block = struct.Struct(f"{block_size}q").pack  # a block's token ids as `hash_block` reads them
         self._pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
         # Per request: how many leading blocks of its table are already settled for hashing
@@ -136,13 +138,38 @@ class KVCacheManager:
         size = self.block_size
         num_total = request.num_computed_tokens + 1
         if num_total > len(table) * size:
-            if not self._pool.num_free_blocks:
+            block_id = self._pool.allocate_one()
+            if block_id is None:
                 return None
-            table.extend(self._pool.allocate(1))
+            table.append(block_id)
         if self.enable_prefix_caching:
-            self._publish_full_blocks(request, table, min(num_total, request.num_tokens) // size)
+            self._publish_full_blocks(request, table, min(num_total, len(request.all_token_ids)) // size)
         self._note_in_place(request, table)
         return table
+
+    def slots_for_decodes(self, requests: Sequence[Request]) -> int:
+        """`slot_for_one` for each request in order (decodes that fill their last block or start a new one); stops
+        at the first that finds no free block (unchanged) and returns how many it served before it."""
+        size, tables, pool, settled = self.block_size, self._tables, self._pool, self._num_settled
+        caching = self.enable_prefix_caching
+        for served, request in enumerate(requests):
+            table = tables.get(request.request_id)
+            if table is None:
+                if self.allocate_slots(request, 1) is None:
+                    return served
+                continue
+            num_total = request.num_computed_tokens + 1
+            if num_total > len(table) * size:
+                block_id = pool.allocate_one()
+                if block_id is None:
+                    return served
+                table.append(block_id)
+            if caching:
+                num_full = min(num_total, len(request.all_token_ids)) // size
+                if num_full > settled.get(request.request_id, 0):
+                    self._publish_full_blocks(request, table, num_full)
+            self._note_in_place(request, table)
+        return len(requests)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
@@ -225,10 +252,11 @@ class KVCacheManager:
         """Extend `request.block_hashes` to cover its first `num_blocks` full blocks."""
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        size = self.block_size
+        size, pack, sha256 = self.block_size, self._pack_block, hashlib.sha256
+        parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else _ROOT_HASH
-            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size]))
+            parent = sha256(parent + pack(*tokens[i * size : (i + 1) * size])).digest()  # hash_block, inline
+            hashes.append(parent)
 
     def _publish_full_blocks(self, request: Request, table: list[int], num_full: int) -> None:
         settled = self._num_settled.get(request.request_id, 0)
@@ -243,5 +271,6 @@ class KVCacheManager:
     def _settle(self, request: Request, num_settled: int) -> None:
         """Set the request's settled count, recording the one before this step's first change."""
         request_id = request.request_id
-        self._step_settled.setdefault(request_id, (request, self._num_settled.get(request_id, 0)))
+        if request_id not in self._step_settled:
+            self._step_settled[request_id] = (request, self._num_settled.get(request_id, 0))
         self._num_settled[request_id] = num_settled

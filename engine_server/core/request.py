@@ -201,3 +201,14 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def receive_pending_tokens(requests: Sequence[Request], token_ids: Sequence[int]) -> None:
+    """Request i's oldest pending token arrived as `token_ids[i]`: appended to its outputs, one fewer pending.
+
+    The scheduler's update of a steady decode step, where every row receives one token: one loop, no call per row.
+    """
+    for request, token_id in zip(requests, token_ids, strict=True):
+        request.num_pending_tokens -= 1
+        request.output_token_ids.append(token_id)
+        request._all_token_ids.append(token_id)

@@ -44,6 +44,16 @@ guarantees prompt + max_tokens <= max_model_len and a pool holding one max_model
 cannot happen with a correctly sized pool.
 
 All work per step is O(running + newly admitted), plus hashing blocks that became full.
+
+Steady decode. A step that schedules every running request as a plain decode (one token, sampled; no drafts,
+no admission, no preemption) is recorded in columns (`_SteadyRecord`). While the next step would do exactly the
+same one token further on — the same running requests, nothing INTERACTIVE waiting beside BATCH rows, every
+row within the budget and the row limit and allowed to run ahead of a pending token — it is scheduled from the
+record: array arithmetic finds the rows whose token leaves the slots held in place (about one in `block_size`),
+those alone go to the KV cache manager, and each row's counters advance in one plain loop. The step goes out as
+a `SteadyDecode` (no `ScheduledRequest` per row) and its update appends the tokens in one loop, checking stop
+rules only where a token is a stop or eos id of some row or the length ends the row. Decisions, blocks and
+tokens are exactly those of the general path (tests/unit/test_steady_decode.py runs both side by side).
 """
 
 from __future__ import annotations
@@ -55,11 +65,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
 
 from engine_server.config import CacheConfig, SchedulerConfig
 from engine_server.core.kv_cache_manager import KVCacheManager
-from engine_server.core.request import Priority, Request, RequestStatus
-from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.core.request import Priority, Request, RequestStatus, receive_pending_tokens
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
 from engine_server.core.step_timing import INTERACTIVE_QUIET_S, StepTimeModel
 from engine_server.errors import QueueFullError
 
@@ -104,6 +117,9 @@ class Scheduler:
         self._seq: dict[str, int] = {}  # admission order: the tie-break of equal arrival times
         self._counter = itertools.count()
         self._deadlines: list[tuple[float, int, str]] = []  # heap of (deadline, seq, request_id)
+        self.steady_decode = True  # schedule steady decode steps from `_steady` (False: the general path only)
+        self._steady: _SteadyRecord | None = None  # the last step, when it was a steady decode step
+        self._num_finished = 0  # requests finished since start: a steady update checks no row's status unless it moved
 
     # -- queries -------------------------------------------------------------------------------------
 
@@ -193,6 +209,11 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         self.kv_cache.begin_step()
         finished = self.take_expired(now)
+        record, self._steady = self._steady, None
+        if record is not None:
+            steady_output = self._schedule_steady(record, finished, now)
+            if steady_output is not None:
+                return steady_output
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -277,10 +298,39 @@ class Scheduler:
             classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
             budget = self._admit_waiting(budget, prefill_left, row_limit, scheduled, finished, now, classes, preempted)
 
+        output = self._output(
+            scheduled, num_running_rows, num_decode_rows, budget, preempted, finished, num_draft_tokens
+        )
+        num_batched_tokens, num_decode_rows = output.num_batched_tokens, output.num_decode_rows
+        if (
+            self.steady_decode
+            and scheduled
+            and num_decode_rows == num_batched_tokens == len(scheduled) == num_running_rows == len(self._running)
+            and not preempted
+            and not num_draft_tokens
+            and all(item.needs_sample for item in scheduled)
+        ):
+            self._steady = _SteadyRecord.of(scheduled, self.max_model_len)
+            if self._steady is not None:
+                self._steady.output = output
+        return output
+
+    def _output(
+        self,
+        scheduled: list[ScheduledRequest],
+        num_running_rows: int,
+        num_decode_rows: int,
+        budget: int,
+        preempted: list[str],
+        finished: list[Request],
+        num_draft_tokens: int,
+    ) -> SchedulerOutput:
+        """The step's output: `scheduled[:num_running_rows]` were running (`num_decode_rows` of them decodes), the
+        rest admitted; `budget` is the token budget left."""
         num_batched_tokens = self.config.max_num_batched_tokens - budget
         num_decode_rows += sum(1 for item in scheduled[num_running_rows:] if not item.is_prefill)  # admitted ones
         return SchedulerOutput(
-            scheduled=scheduled,
+            scheduled,
             num_batched_tokens=num_batched_tokens,
             preempted_ids=preempted,
             finished=finished,
@@ -289,6 +339,50 @@ class Scheduler:
             num_running_rows=num_running_rows,
             num_draft_tokens=num_draft_tokens,
         )
+
+    def _schedule_steady(self, record: _SteadyRecord, finished: list[Request], now: float) -> SchedulerOutput | None:
+        """The step after a steady decode step, from its record, when it is again one (module docstring); None,
+        with nothing changed but slots made for some rows (as the general path would make them), when it is not."""
+        n = len(record.requests)
+        if self._running != record.requests or n > self.config.max_num_batched_tokens:
+            return None
+        interactive_only = bool(self._waiting[Priority.INTERACTIVE])
+        if interactive_only and record.num_batch:
+            return None  # the BATCH rows sit the step out
+        if not record.updated and (record.blocks_run_ahead or int(record.steps_left.min()) < 1):
+            return None  # a row's pending token must reach the host before it runs again
+        prefill_left, row_limit = self._batch_allowance(interactive_only, n, now)
+        if row_limit < n and record.num_batch:
+            return None  # BATCH rows past the limit sit the step out
+        requests, room = record.requests, record.room
+        crossing = np.flatnonzero(room < 1).tolist()
+        if crossing:
+            crossers = [requests[i] for i in crossing]
+            if self.kv_cache.slots_for_decodes(crossers) < len(crossers):
+                return None  # short of blocks: the general path preempts (the rows served keep their slots)
+            room[crossing] = [r.num_slots_in_place - r.num_computed_tokens for r in crossers]
+        for request in requests:
+            request.num_computed_tokens += 1
+            request.num_pending_tokens += 1  # until update_from_output brings its token
+        record.starts = record.starts + 1  # a new array: the last step's output keeps its own
+        room -= 1
+        record.steps_left -= 1
+        record.updated = False
+        steady = record.decode(self._num_finished)
+        budget = self.config.max_num_batched_tokens - n
+        if any(self._waiting.values()) and self._may_admit(interactive_only, []):
+            admitted: list[ScheduledRequest] = []
+            classes = (Priority.INTERACTIVE,) if interactive_only else tuple(Priority)
+            preempted: list[str] = []
+            budget = self._admit_waiting(budget, prefill_left, row_limit, admitted, finished, now, classes, preempted)
+            if admitted or preempted:
+                return self._output(steady.rows() + admitted, n, n, budget, preempted, finished, 0)
+        output = SchedulerOutput(
+            steady=steady, num_batched_tokens=n, finished=finished, num_decode_rows=n, num_running_rows=n
+        )
+        record.output = output
+        self._steady = record
+        return output
 
     def undo(self, output: SchedulerOutput) -> None:
         """Take back the scheduling of a step that stopped before it sampled (engine_server.step_interrupt), so
@@ -299,6 +393,7 @@ class Scheduler:
         Only for the last output of `schedule()`, before any `update_from_output` of it and with no other step
         between (no async scheduling).
         """
+        self._steady = None  # its counts go back: the next step is scheduled by the general path
         admitted = output.scheduled[output.num_running_rows :]
         for item in reversed(admitted):
             request = item.request
@@ -335,12 +430,18 @@ class Scheduler:
         one under the stop rules (a token that ends the request drops the rest), and a row with drafts takes back
         the computed positions of the drafts it rejected: their KV slots are written again by later steps.
         """
+        record = self._steady
+        if record is not None and record.output is output:
+            record.updated = True
+        steady = output.steady
+        if steady is not None and runs is None and steady.finish_epoch == self._num_finished:
+            return self._update_steady(steady, sampled_token_ids)  # no row finished since it was scheduled
         rows = output.scheduled
         if len(sampled_token_ids) != len(rows):  # equal: every row samples (a decode step), no filtering
             rows = [item for item in rows if item.needs_sample]
         if runs is not None:
             return self._update_runs(rows, runs)
-        finished: list[Request] = []
+        candidates: list[tuple[Request, int]] = []
         max_model_len = self.max_model_len
         for item, token_id in zip(rows, sampled_token_ids, strict=True):
             request = item.request
@@ -356,6 +457,25 @@ class Scheduler:
                 and request.num_tokens < max_model_len
             ):
                 continue
+            candidates.append((request, token_id))
+        return self._apply_stop_rules(candidates)
+
+    def _update_steady(self, steady: SteadyDecode, token_ids: Sequence[int]) -> list[Request]:
+        """`update_from_output` for a steady decode step none of whose rows finished since it was scheduled: every
+        token appended in one loop, the stop rules applied to the rows a stop or eos id or the length may end."""
+        requests = steady.requests
+        receive_pending_tokens(requests, token_ids)
+        length_end = steady.length_end_rows
+        if steady.stop_ids.isdisjoint(token_ids) and not length_end:
+            return []
+        stop_ids = steady.stop_ids
+        rows = sorted({*length_end, *(i for i, token_id in enumerate(token_ids) if token_id in stop_ids)})
+        return self._apply_stop_rules([(requests[i], token_ids[i]) for i in rows])
+
+    def _apply_stop_rules(self, candidates: list[tuple[Request, int]]) -> list[Request]:
+        """Finish the requests whose new token (each `(request, token)` in row order) ends them; return them."""
+        finished: list[Request] = []
+        for request, token_id in candidates:
             status = self._stop_status(request, token_id)
             if status is not None:
                 self._finish_stopped(request, status)
@@ -561,6 +681,89 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Drop a finished request: free its blocks and forget it (it is already out of the queues)."""
+        self._num_finished += 1
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._seq[request.request_id]
+
+
+class _SteadyRecord:
+    """A steady decode step in columns, kept to schedule the next one (the module docstring's steady decode).
+
+    Row i is `requests[i]`; after the recorded step: `starts[i]` its token's position, `room[i]` the tokens that
+    still fit its slots in place (`num_slots_in_place - num_computed_tokens`), `steps_left[i]` how many more tokens
+    it may have scheduled before its length ends it (max_tokens, max_model_len), counting pending ones.
+    """
+
+    __slots__ = (
+        "blocks_run_ahead",
+        "flags",
+        "num_batch",
+        "output",
+        "requests",
+        "room",
+        "starts",
+        "steps_left",
+        "stop_ids",
+        "tables",
+        "updated",
+    )
+
+    def __init__(
+        self,
+        requests: list[Request],
+        tables: list[list[int]],
+        starts: np.ndarray[Any, np.dtype[np.int64]],
+        room: np.ndarray[Any, np.dtype[np.int64]],
+        steps_left: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> None:
+        self.requests = requests  # a copy of `_running` at the step, never modified
+        self.tables = tables
+        self.starts = starts
+        self.room = room
+        self.steps_left = steps_left
+        self.num_batch = sum(1 for r in requests if r.priority is Priority.BATCH)
+        # A row that may never run ahead of a pending token (its sampling needs the outputs).
+        self.blocks_run_ahead = any(r.needs_output_history for r in requests)
+        self.stop_ids = frozenset().union(*{r.eos_token_ids | r.stop_token_ids for r in requests})
+        self.flags = (
+            all(r.argmax_only for r in requests),
+            any(r.needs_output_history for r in requests),
+            self.num_batch < len(requests),
+            all(r.final_only and not r.wants_logprobs for r in requests),
+        )
+        self.updated = False  # the tokens of `output` reached the scheduler
+        self.output: SchedulerOutput | None = None  # the recorded step's output
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledRequest], max_model_len: int) -> _SteadyRecord | None:
+        """The record of a step whose rows are every running request, each a plain decode; None when one of them
+        speculates (its next steps verify drafts)."""
+        requests = [item.request for item in scheduled]
+        if any(r.speculative for r in requests):
+            return None
+        starts = np.fromiter((item.start_position for item in scheduled), dtype=np.int64, count=len(scheduled))
+        computed = starts + 1
+        room = np.fromiter((r.num_slots_in_place for r in requests), dtype=np.int64, count=len(requests)) - computed
+        max_tokens = np.fromiter((r.max_tokens for r in requests), dtype=np.int64, count=len(requests))
+        prompts = np.fromiter((r.num_prompt_tokens for r in requests), dtype=np.int64, count=len(requests))
+        # After the step, with its sampled token counted (pending), a row has computed + 1 tokens.
+        num_tokens = computed + 1
+        steps_left = np.minimum(max_tokens - (num_tokens - prompts), max_model_len - num_tokens)
+        return cls(requests, [item.block_ids for item in scheduled], starts, room, steps_left)
+
+    def decode(self, finish_epoch: int) -> SteadyDecode:
+        """The `SteadyDecode` of the step just scheduled from this record."""
+        all_argmax_only, any_output_history, any_interactive, all_final_quiet = self.flags
+        return SteadyDecode(
+            self.requests,
+            self.tables,
+            self.starts,
+            all_argmax_only,
+            any_output_history,
+            any_interactive,
+            all_final_quiet,
+            self.stop_ids,
+            np.flatnonzero(self.steps_left <= 0).tolist(),
+            finish_epoch,
+        )

@@ -10,6 +10,9 @@ to `start_position + num_new_tokens`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from engine_server.core.request import Request
 
@@ -49,24 +52,103 @@ class ScheduledRequest:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
+class SteadyDecode:
+    """A steady decode step in columns: every running request, in rank order, decodes one token and samples it.
+
+    The scheduler hands a step over in this form when it continues the step before with the same requests
+    (`engine_server.core.scheduler`: its steady record), so that neither it nor the runner nor the engine core
+    builds an object per row: row i is `ScheduledRequest(requests[i], starts[i], 1, tables[i], True)`.
+    The lists are the scheduler's own, shared by every step of the streak (read-only); `starts` is this step's.
+    """
+
+    requests: list[Request]
+    tables: list[list[int]]  # each request's live block table (as `ScheduledRequest.block_ids`)
+    starts: np.ndarray[Any, np.dtype[np.int64]]  # each row's start position (its token's position)
+    all_argmax_only: bool  # every row's request is `argmax_only`
+    any_output_history: bool  # some row's request `needs_output_history`
+    any_interactive: bool  # some row is INTERACTIVE
+    all_final_quiet: bool  # every row's request is `final_only` without log-probabilities: no output per step
+    stop_ids: frozenset[int]  # the union of the rows' eos and stop token ids: a token outside it stops no row
+    # Rows whose token of this step ends them by length (max_tokens or max_model_len), unless a stop token does first.
+    length_end_rows: list[int] = field(default_factory=list)
+    finish_epoch: int = 0  # the scheduler's count of finished requests when it scheduled the step
+
+    def rows(self) -> list[ScheduledRequest]:
+        """The step's rows as `ScheduledRequest`s (built on demand: the hot path reads the columns)."""
+        starts = self.starts.tolist()
+        return [
+            ScheduledRequest(request, start, 1, table, True)
+            for request, start, table in zip(self.requests, starts, self.tables, strict=True)
+        ]
+
+
 class SchedulerOutput:
-    """The batch for one engine step, in the order the runner should lay it out."""
+    """The batch for one engine step, in the order the runner should lay it out. Read-only once built.
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_batched_tokens: int = 0  # sum of num_new_tokens; <= max_num_batched_tokens
-    preempted_ids: list[str] = field(default_factory=list)  # lost their blocks this step; will recompute
-    # Requests that ended inside schedule() without running (e.g. deadline passed in the queue).
-    finished: list[Request] = field(default_factory=list)
+    `scheduled` is the step's rows; for a steady decode step (`steady` set) it is built from the columns on
+    first use, so a consumer on the hot path reads `steady` instead.
+    """
 
-    num_decode_rows: int = 0  # scheduled requests that are not `is_prefill`
-    # num_batched_tokens - num_decode_rows: tokens of the other scheduled requests, and the decodes' drafts
-    num_prefill_tokens: int = 0
-    num_draft_tokens: int = 0  # draft tokens of the step (speculative decoding), for metrics
-    # `scheduled[:num_running_rows]` were running before the step; the rest it admitted from the queues.
-    num_running_rows: int = 0
+    __slots__ = (
+        "_scheduled",
+        "finished",
+        "num_batched_tokens",
+        "num_decode_rows",
+        "num_draft_tokens",
+        "num_prefill_tokens",
+        "num_running_rows",
+        "preempted_ids",
+        "steady",
+    )
+
+    def __init__(
+        self,
+        scheduled: list[ScheduledRequest] | None = None,
+        *,
+        steady: SteadyDecode | None = None,
+        num_batched_tokens: int = 0,
+        preempted_ids: list[str] | None = None,
+        finished: list[Request] | None = None,
+        num_decode_rows: int = 0,
+        num_prefill_tokens: int = 0,
+        num_draft_tokens: int = 0,
+        num_running_rows: int = 0,
+    ) -> None:
+        if steady is not None and scheduled is not None:
+            raise ValueError("a steady step's rows come from its columns")
+        self._scheduled = scheduled if scheduled is not None or steady is not None else []
+        self.steady = steady
+        self.num_batched_tokens = num_batched_tokens  # sum of num_new_tokens; <= max_num_batched_tokens
+        self.preempted_ids = preempted_ids if preempted_ids is not None else []  # lost their blocks; will recompute
+        # Requests that ended inside schedule() without running (e.g. deadline passed in the queue).
+        self.finished = finished if finished is not None else []
+        self.num_decode_rows = num_decode_rows  # scheduled requests that are not `is_prefill`
+        # num_batched_tokens - num_decode_rows: tokens of the other scheduled requests, and the decodes' drafts
+        self.num_prefill_tokens = num_prefill_tokens
+        self.num_draft_tokens = num_draft_tokens  # draft tokens of the step (speculative decoding), for metrics
+        # `scheduled[:num_running_rows]` were running before the step; the rest it admitted from the queues.
+        self.num_running_rows = num_running_rows
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        if self._scheduled is None:
+            assert self.steady is not None
+            self._scheduled = self.steady.rows()
+        return self._scheduled
+
+    @property
+    def num_rows(self) -> int:
+        """len(scheduled), without building a steady step's rows."""
+        return len(self.steady.requests) if self.steady is not None else len(self.scheduled)
 
     @property
     def is_empty(self) -> bool:
         """Nothing for the runner to do (there may still be `finished` requests to report)."""
-        return not self.scheduled
+        return self.num_rows == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"SchedulerOutput(rows={self.num_rows}, steady={self.steady is not None}, "
+            f"tokens={self.num_batched_tokens}, preempted={self.preempted_ids}, finished={len(self.finished)})"
+        )

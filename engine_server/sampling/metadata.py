@@ -103,13 +103,15 @@ class SamplingMetadata:
     def any_logprobs(self) -> bool:
         return any(self.wants_logprobs)
 
-    def at_positions(self, positions: Sequence[int], device: torch.device) -> SamplingMetadata:
+    def at_positions(
+        self, positions: Sequence[int] | np.ndarray[Any, np.dtype[np.int64]], device: torch.device
+    ) -> SamplingMetadata:
         """This batch's metadata for a later step of the same rows, whose sampled tokens sit at `positions`
         (one per row): only the seeded rows' noise keys change (one copy when there are any)."""
         if self.seeded is None:
             return self
         stage = _Stager(device)
-        keys = row_keys(self.seeded.seeds, [positions[i] for i in self.seeded.row_indices])
+        keys = row_keys(self.seeded.seeds, np.asarray(positions, dtype=np.int64)[list(self.seeded.row_indices)])
         return stage.finish(dataclasses.replace(self, seeded=dataclasses.replace(self.seeded, keys=stage.array(keys))))
 
     @classmethod

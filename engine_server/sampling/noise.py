@@ -40,7 +40,7 @@ def mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def row_keys(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+def row_keys(seeds: Sequence[int], positions: Sequence[int] | np.ndarray) -> np.ndarray:
     """[S] int64 (the bits of uint64) keys: key(seed, p) = mix64(mix64(seed) + GOLDEN * p), seeds in [0, 2**64)."""
     streams = mix64(np.asarray(seeds, dtype=np.uint64))
     steps = np.asarray(positions, dtype=np.uint64) * np.uint64(SPLITMIX_GOLDEN)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from engine_server.attention import DecodeLayout
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
-from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine_server.core.scheduler_output import SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel
 from engine_server.cuda_graphs import EagerCapture
 from engine_server.sampling_params import SamplingParams
@@ -233,15 +234,15 @@ def test_the_kept_decode_layout_and_tokens_give_what_a_fresh_build_does(
 
     fresh, _ = _run(core(), _requests(params), rebuild_every_step)
     kept_core = core()
-    layout = kept_core.runner._decode_rows.layout
+    layout = kept_core.runner._decode_rows.layout_columns  # both the rows' and a steady step's columns come here
     continued: list[bool] = []
 
-    def counted(scheduled: list[ScheduledRequest]) -> tuple[DecodeLayout, bool]:
-        result = layout(scheduled)
+    def counted(requests: list[Request], tables: list[list[int]], starts: Any) -> tuple[DecodeLayout, bool]:
+        result = layout(requests, tables, starts)
         continued.append(result[1])
         return result
 
-    kept_core.runner._decode_rows.layout = counted  # type: ignore[method-assign]
+    kept_core.runner._decode_rows.layout_columns = counted  # type: ignore[method-assign]
     kept, _ = _run(kept_core, _requests(params))
     assert kept == fresh
     assert sum(continued) >= 5 and not all(continued)  # both paths ran
