@@ -151,9 +151,11 @@ class KVCacheManager:
         """`slot_for_one` for each request in order (decodes that fill their last block or start a new one); stops
         at the first that finds no free block (unchanged) and returns how many it served before it."""
         size, tables, pool, settled = self.block_size, self._tables, self._pool, self._num_settled
-        caching = self.enable_prefix_caching
+        caching, pack, sha256 = self.enable_prefix_caching, self._pack_block, hashlib.sha256
+        step_settled, registered = self._step_settled, self._step_registered
         for served, request in enumerate(requests):
-            table = tables.get(request.request_id)
+            request_id = request.request_id
+            table = tables.get(request_id)
             if table is None:
                 if self.allocate_slots(request, 1) is None:
                     return served
@@ -164,11 +166,28 @@ class KVCacheManager:
                 if block_id is None:
                     return served
                 table.append(block_id)
+            capacity = len(table) * size
             if caching:
-                num_full = min(num_total, len(request.all_token_ids)) // size
-                if num_full > settled.get(request.request_id, 0):
-                    self._publish_full_blocks(request, table, num_full)
-            self._note_in_place(request, table)
+                tokens = request.all_token_ids
+                num_full = min(num_total, len(tokens)) // size
+                done = settled.get(request_id, 0)
+                if num_full > done:
+                    hashes = request.block_hashes
+                    if num_full == done + 1 == len(hashes) + 1:
+                        # The usual case, `_publish_full_blocks` inline: the one block this decode filled.
+                        parent = hashes[-1] if hashes else _ROOT_HASH
+                        block_hash = sha256(parent + pack(*tokens[done * size : num_full * size])).digest()
+                        hashes.append(block_hash)
+                        if pool.register(table[done], block_hash):
+                            registered.append(table[done])
+                        if request_id not in step_settled:
+                            step_settled[request_id] = (request, done)
+                        settled[request_id] = done = num_full
+                    else:
+                        self._publish_full_blocks(request, table, num_full)
+                        done = settled[request_id]
+                capacity = min(capacity, (done + 1) * size - 1)  # `_note_in_place`, inline
+            request.block_ids, request.num_slots_in_place = table, capacity
         return len(requests)
 
     def allocate_slots(
