@@ -96,15 +96,29 @@ class DecodeRows:
             wider = np.full((len(lens), width), -1, dtype=np.int32)
             wider[:, : block_tables.shape[1]] = block_tables
             block_tables = wider
-        for row in np.flatnonzero(needed > self._num_blocks).tolist():
-            start, end = int(self._num_blocks[row]), int(needed[row])
-            table = tables[row]
-            if len(table) < end:
-                raise ValueError(f"block table of sequence {row} is too short for {int(lens[row])} tokens")
-            block_tables[row, start:end] = table[start:end]
+        grown = np.flatnonzero(needed > self._num_blocks)
+        if len(grown):
+            starts, ends = self._num_blocks[grown], needed[grown]
+            if bool((ends - starts == 1).all()):  # a decode grows by one block at most: one fancy-index write
+                rows, columns = grown.tolist(), starts.tolist()
+                try:
+                    block_tables[grown, starts] = [tables[r][c] for r, c in zip(rows, columns, strict=True)]
+                except IndexError:
+                    row = next(r for r, c in zip(rows, columns, strict=True) if len(tables[r]) <= c)
+                    raise _too_short(row, lens) from None
+            else:
+                for row, start, end in zip(grown.tolist(), starts.tolist(), ends.tolist(), strict=True):
+                    table = tables[row]
+                    if len(table) < end:
+                        raise _too_short(row, lens)
+                    block_tables[row, start:end] = table[start:end]
         self._num_blocks = np.maximum(self._num_blocks, needed)
         positions = lens - 1
         slots = block_tables[np.arange(len(lens)), positions // size].astype(np.int64) * size + positions % size
         layout = DecodeLayout(lens, block_tables, slots)
         self._layout = layout
         return layout
+
+
+def _too_short(row: int, lens: np.ndarray[Any, np.dtype[np.int64]]) -> ValueError:
+    return ValueError(f"block table of sequence {row} is too short for {int(lens[row])} tokens")
