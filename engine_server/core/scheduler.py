@@ -349,25 +349,23 @@ class Scheduler:
         interactive_only = bool(self._waiting[Priority.INTERACTIVE])
         if interactive_only and record.num_batch:
             return None  # the BATCH rows sit the step out
-        if not record.updated and (record.blocks_run_ahead or int(record.steps_left.min()) < 1):
+        if not record.updated and (record.blocks_run_ahead or record.min_steps_left < 1):
             return None  # a row's pending token must reach the host before it runs again
         prefill_left, row_limit = self._batch_allowance(interactive_only, n, now)
         if row_limit < n and record.num_batch:
             return None  # BATCH rows past the limit sit the step out
         requests, room = record.requests, record.room
-        crossing = np.flatnonzero(room < 1).tolist()
-        if crossing:
+        if record.min_room < 1:
+            crossing = np.flatnonzero(room < 1).tolist()
             crossers = [requests[i] for i in crossing]
             if self.kv_cache.slots_for_decodes(crossers) < len(crossers):
                 return None  # short of blocks: the general path preempts (the rows served keep their slots)
             room[crossing] = [r.num_slots_in_place - r.num_computed_tokens for r in crossers]
+            record.min_room = int(room.min())
         for request in requests:
             request.num_computed_tokens += 1
             request.num_pending_tokens += 1  # until update_from_output brings its token
-        record.starts = record.starts + 1  # a new array: the last step's output keeps its own
-        room -= 1
-        record.steps_left -= 1
-        record.updated = False
+        record.advance()
         steady = record.decode(self._num_finished)
         budget = self.config.max_num_batched_tokens - n
         if any(self._waiting.values()) and self._may_admit(interactive_only, []):
@@ -698,6 +696,8 @@ class _SteadyRecord:
     __slots__ = (
         "blocks_run_ahead",
         "flags",
+        "min_room",
+        "min_steps_left",
         "num_batch",
         "output",
         "requests",
@@ -722,6 +722,8 @@ class _SteadyRecord:
         self.starts = starts
         self.room = room
         self.steps_left = steps_left
+        self.min_room = int(room.min())  # the columns' minima, kept as they move: most steps need no array scan
+        self.min_steps_left = int(steps_left.min())
         self.num_batch = sum(1 for r in requests if r.priority is Priority.BATCH)
         # A row that may never run ahead of a pending token (its sampling needs the outputs).
         self.blocks_run_ahead = any(r.needs_output_history for r in requests)
@@ -752,6 +754,15 @@ class _SteadyRecord:
         steps_left = np.minimum(max_tokens - (num_tokens - prompts), max_model_len - num_tokens)
         return cls(requests, [item.block_ids for item in scheduled], starts, room, steps_left)
 
+    def advance(self) -> None:
+        """Every row took one more token (its counters already moved)."""
+        self.starts = self.starts + 1  # a new array: the last step's output keeps its own
+        self.room -= 1
+        self.steps_left -= 1
+        self.min_room -= 1
+        self.min_steps_left -= 1
+        self.updated = False
+
     def decode(self, finish_epoch: int) -> SteadyDecode:
         """The `SteadyDecode` of the step just scheduled from this record."""
         all_argmax_only, any_output_history, any_interactive, all_final_quiet = self.flags
@@ -764,6 +775,6 @@ class _SteadyRecord:
             any_interactive,
             all_final_quiet,
             self.stop_ids,
-            np.flatnonzero(self.steps_left <= 0).tolist(),
+            np.flatnonzero(self.steps_left <= 0).tolist() if self.min_steps_left <= 0 else [],
             finish_epoch,
         )
