@@ -203,30 +203,27 @@ def stream_response(
 
 
 def choice_message(choice: Choice) -> types_pb2.Choice:
-    message = types_pb2.Choice(
-        index=choice.index,
-        text=choice.text,
-        token_ids=choice.token_ids,
-        finish_reason=finish_reason(choice.finish_reason),
-        logprobs=[logprob_message(lp) for lp in choice.logprobs or ()],
-        tool_calls=[tool_call_message(c) for c in choice.tool_calls],
-    )
+    message = types_pb2.Choice(tool_calls=[tool_call_message(c) for c in choice.tool_calls])
+    _set_choice_fields(message, choice)
     _set_matched_stop(message.matched_stop, choice.matched_stop)
     return message
 
 
 def delta_message(delta: Choice) -> types_pb2.ChoiceDelta:
-    message = types_pb2.ChoiceDelta(
-        index=delta.index,
-        text=delta.text,
-        token_ids=delta.token_ids,
-        finish_reason=finish_reason(delta.finish_reason),
-        logprobs=[logprob_message(lp) for lp in delta.logprobs or ()],
-        tool_calls=[tool_call_delta_message(d) for d in delta.tool_call_deltas],
-    )
+    message = types_pb2.ChoiceDelta(tool_calls=[tool_call_delta_message(d) for d in delta.tool_call_deltas])
+    _set_choice_fields(message, delta)
     if delta.finish_reason is not None:
         _set_matched_stop(message.matched_stop, delta.matched_stop)
     return message
+
+
+def _set_choice_fields(message: types_pb2.Choice | types_pb2.ChoiceDelta, choice: Choice) -> None:
+    """The fields a whole choice and a delta of one share: index, text, token ids, finish reason, logprobs."""
+    message.index = choice.index
+    message.text = choice.text
+    message.token_ids.extend(choice.token_ids)
+    message.finish_reason = finish_reason(choice.finish_reason)
+    message.logprobs.extend(logprob_message(lp) for lp in choice.logprobs or ())
 
 
 def tool_call_message(call: ToolCall) -> types_pb2.ToolCall:
