@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import overload
-
 import torch
 import triton
 import triton.language as tl
@@ -67,12 +65,6 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return unit_last_stride(x)
 
 
-@overload
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
-@overload
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
