@@ -28,8 +28,8 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from gateway.batches import lines
+from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.lines import InputLine
-from gateway.batches.runner import LineResult, LineRunner
 from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
 from gateway.engines import EnginePool
 from ladle.engine_child import engine_command, spawn_engine, stop_engine

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gateway.batches.line_runner import LineResult
 from gateway.batches.lines import encode
-from gateway.batches.runner import LineResult
 from gateway.store.batches import BatchStatus, BatchStore, Claim, FinalStatus, Progress
 from gateway.store.blobs import BlobStore, ResultKind, result_key, segment_key
 from gateway.store.files import BATCH_OUTPUT_PURPOSE, FileRecord

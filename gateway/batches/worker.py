@@ -35,9 +35,9 @@ import structlog
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from gateway.batches import lines
+from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.lines import InputLine
 from gateway.batches.results import ResultSink, committed_custom_ids, publish
-from gateway.batches.runner import LineResult, LineRunner
 from gateway.batches.validation import validate_file
 from gateway.engines import EnginePool
 from gateway.metrics import GatewayMetrics

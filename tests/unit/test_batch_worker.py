@@ -1,4 +1,4 @@
-"""The batch runner and worker against a fake engine on loopback gRPC and a real SQLite store: every line gets
+"""The line runner and the batch worker against a fake engine on loopback gRPC and a real SQLite store: every line gets
 exactly one result through engine failures, refusals, a crashed worker, cancellation and expiry."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from sqlalchemy.exc import OperationalError
 
 from gateway.batches import lines
 from gateway.batches import worker as worker_module
+from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.results import committed_custom_ids
-from gateway.batches.runner import LineResult, LineRunner
 from gateway.batches.worker import BatchWorker, WorkerSettings
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool

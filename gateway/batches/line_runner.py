@@ -1,4 +1,4 @@
-"""Run batch lines through an engine's Batch RPC until each has exactly one result.
+"""Run a batch job's lines through an engine's Batch RPC until each has exactly one result.
 
 Lines stream into one Batch call at a time with at most `window` engine items unanswered (the engine reads a
 call about twice its `max_num_seqs` ahead, so more would only sit in buffers). Each line's result is handed to
