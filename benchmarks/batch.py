@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, ladle_serve, utc_timestamp
+from benchmarks.common import add_model_arguments, append_result, cpu_model_name, git_commit, ladle_serve, utc_timestamp
 from engine_server.core.step_timing import INTERACTIVE_QUIET_S
 
 TOPICS = ("the sea", "a cat", "rain", "Paris", "music", "a robot", "the moon", "bread", "trains", "snow", "tea",
@@ -63,8 +63,7 @@ def conversations(num: int, prompt_tokens: int = 0) -> list[list[dict[str, str]]
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ladle bench batch", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_arguments(parser)
     parser.add_argument("--num-lines", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=0,

@@ -21,10 +21,15 @@ from typing import Any
 SERVE_STARTUP_TIMEOUT_S = 600.0
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, num_seqs: int = 64) -> None:
-    """The model and the random-token workload: --model --device --num-seqs --input-len --output-len --seed."""
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model (default: the engine's default model) and --device (cpu or cuda), as every benchmark spells them."""
     parser.add_argument("--model", default="default")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, num_seqs: int = 64) -> None:
+    """The model and the random-token workload: --model --device --num-seqs --input-len --output-len --seed."""
+    add_model_arguments(parser)
     parser.add_argument("--num-seqs", type=int, default=num_seqs)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

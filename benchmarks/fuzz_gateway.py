@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, git_commit, ladle_serve, utc_timestamp
+from benchmarks.common import add_model_arguments, append_result, git_commit, ladle_serve, utc_timestamp
 from benchmarks.fuzz_cases import (
     CHECK_NAMES,
     GENERATION_ROUTES,
@@ -100,8 +100,7 @@ def _record_scenario(recorder: Any, tally: FuzzTally) -> None:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ladle bench fuzz", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_arguments(parser)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--kv-cache-mib", type=int, default=512)
     parser.add_argument("--max-examples", type=int, default=300, help="per hypothesis run of an operation")

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import append_result, free_port, git_commit, utc_timestamp
+from benchmarks.common import add_model_arguments, append_result, free_port, git_commit, utc_timestamp
 from gateway.routing import Policy
 
 POLICIES: tuple[Policy, ...] = ("least_busy", "cache_aware")
@@ -46,8 +46,7 @@ _ROUTED = re.compile(r'^ladle_gateway_routed_total\{engine="([^"]+)",reason="([^
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ladle bench routing", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_arguments(parser)
     parser.add_argument("--prefixes", type=int, default=24, help="distinct long system prompts")
     parser.add_argument("--prefix-words", type=int, default=300, help="words per system prompt")
     parser.add_argument("--questions", type=int, default=4, help="conversations per system prompt")

@@ -27,7 +27,7 @@ import grpc
 import httpx
 import psutil
 
-from benchmarks.common import append_result, git_commit, ladle_serve, utc_timestamp
+from benchmarks.common import add_model_arguments, append_result, git_commit, ladle_serve, utc_timestamp
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 KINDS = ("chat", "stream", "dropped_stream", "json_schema", "completion")
@@ -38,8 +38,7 @@ TOPICS = ("the sea", "a cat", "rain", "Paris", "music", "a robot", "the moon", "
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ladle bench soak", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_arguments(parser)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--warmup-s", type=float, default=120.0)
     parser.add_argument("--sample-s", type=float, default=15.0)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
+from benchmarks.common import add_model_arguments, append_result, cpu_model_name, git_commit, utc_timestamp
 from engine_server.config import SpeculativeConfig
 
 WORKLOADS = ("editing", "summarization", "random", "story")
@@ -495,8 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_SPECULATIVE_CONFIG,
         help=f"speculation of the 'on' runs, as vLLM's JSON (default: {DEFAULT_SPECULATIVE_CONFIG})",
     )
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the engine (default 0)")
     parser.add_argument("--out", type=Path, help="append one JSON object per (workload, streams) to this .jsonl")
     return parser  # fmt: skip

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import append_result
+from benchmarks.common import add_model_arguments, append_result
 
 PERSON = {
     "type": "object",
@@ -175,8 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", default="default")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_model_arguments(parser)
     parser.add_argument("--num-seqs", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
