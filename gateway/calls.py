@@ -137,12 +137,13 @@ async def stream(pool: EnginePool, request: engine_pb2.GenerateRequest) -> Async
             attempts.retrying(error)
 
 
-async def batch(
+async def batch_rpc(
     pool: EnginePool, requests: Sequence[engine_pb2.GenerateRequest], param: str
 ) -> list[engine_pb2.GenerateResponse]:
-    """All `requests` through one Batch call, results in input order. The first failed item ends the call and is
-    reported as `{param}[i]` (its own field, e.g. max_tokens, when the engine names one). Nothing reaches the
-    caller before the whole call is done, so an unavailable engine's call is sent whole to a second one."""
+    """The engine's Batch RPC as `/v1/chat/completions/batch` uses it: all `requests` through one call, results in
+    input order. The first failed item ends the call and is reported as `{param}[i]` (its own field, e.g.
+    max_tokens, when the engine names one). Nothing reaches the caller before the whole call is done, so an
+    unavailable engine's call is sent whole to a second one."""
     attempts = _Attempts(pool, [r.input for r in requests])
     while True:
         try:

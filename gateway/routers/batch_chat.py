@@ -1,4 +1,6 @@
-"""`POST /v1/chat/completions/batch`: a list of conversations answered independently through one Batch call.
+"""`POST /v1/chat/completions/batch`: a list of conversations answered independently through one call of the
+engine's Batch RPC (`calls.batch_rpc`), within one HTTP request. Not OpenAI's batch jobs (`/v1/batches`,
+`gateway.batches`).
 
 The response is one chat completion whose choice i answers conversation i, with usage summed over all of them.
 Streaming, tools, beam search and n > 1 are refused: each conversation gets exactly one choice.
@@ -49,7 +51,7 @@ async def create_batch_chat_completion(
     for request in requests:
         request.priority = types_pb2.PRIORITY_INTERACTIVE  # a caller is waiting on the HTTP response
     timer = RequestTimer(metrics, ROUTE)
-    responses = await calls.batch(pool, requests, "messages")
+    responses = await calls.batch_rpc(pool, requests, "messages")
     usage = [r.usage for r in responses]
     timer.finish(usage)
     choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs) for i, r in enumerate(responses)]

@@ -219,5 +219,5 @@ async def test_an_error_other_than_unavailable_is_not_retried(
     requests = [request("bad")]
     first.invalid = second.invalid = {requests[0].input.text}
     with pytest.raises(APIError) as failed:
-        await calls.batch(pool, requests, "messages")
+        await calls.batch_rpc(pool, requests, "messages")
     assert failed.value.status == 400 and first.calls + second.calls == 1
