@@ -58,8 +58,8 @@ from engine_server import LLM
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.loader import resolve_model
+from engine_server.model_runner import resolve_device, resolve_dtype
 from engine_server.models import kv_cache_bytes_per_block
-from engine_server.runner import resolve_device, resolve_dtype
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.server import EngineServer, ServerConfig
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.step_probes import replaced, wrapped
-from engine_server.runner import LaunchedStep, ModelRunner
+from engine_server.model_runner import LaunchedStep, ModelRunner
 from engine_server.sampling import Sampler, SamplerOutput, SamplingRow
 from engine_server.sampling.metadata import SamplingMetadata
 

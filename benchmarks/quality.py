@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import cpu_model_name, git_commit
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.llm import LLM
 from engine_server.sampling_params import SamplingParams

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from engine_server.attention import AttentionMetadata, DecodeLayout
+from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
 from engine_server.transfer import pins_for
 
 # hidden `[T, hidden]` of the model for input ids and positions `[T]` under the given metadata.

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_server.attention import DecodeLayout
+from engine_server.attention_metadata import DecodeLayout
 from engine_server.core.request import Request
 from engine_server.core.scheduler_output import ScheduledRequest
 

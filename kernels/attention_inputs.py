@@ -1,10 +1,10 @@
 """What the attention kernels read of a step, as kernels' own types: the engine's `AttentionMetadata`
-(engine_server.attention) is built by the engine and satisfies `AttentionInputs`; the reference kernel's plan of a
-step (`ReferencePlan`) is data the kernels define and the metadata builds. So nothing in `kernels` imports the
+(engine_server.attention_metadata) is built by the engine and satisfies `AttentionInputs`; the reference kernel's
+plan of a step (`ReferencePlan`) is data the kernels define and the metadata builds. So nothing in `kernels` imports the
 engine (the layer order: kernels below engine_server; tests/unit/test_layers.py).
 
 The layout contract of the inputs (flattened tokens, block tables, the paged KV cache) is stated in
-engine_server.attention.
+engine_server.attention_metadata.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class ReferencePlan:
 
 
 class AttentionInputs(Protocol):
-    """A step's attention metadata as the kernels read it (engine_server.attention.AttentionMetadata)."""
+    """A step's attention metadata as the kernels read it (engine_server.attention_metadata.AttentionMetadata)."""
 
     @property
     def query_start_loc(self) -> torch.Tensor:

@@ -2,7 +2,8 @@
 activation, KV write, attention), and the torch reference set every backend must match.
 
 The backends live beside it (`kernels.cpu_ops`, `kernels.triton_ops`); the engine picks one per device
-(`engine_server.layers.ops.select_ops`) and never the other way round: nothing in `kernels` imports the engine.
+(`engine_server.layers.kernel_choice.select_ops`) and never the other way round: nothing in `kernels` imports the
+engine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plain-torch reference ops: what the CPU path runs and what every Triton kernel is tested against.
 
 Shapes: T tokens in the flattened batch, H query heads, Hkv KV heads, D head dim. The KV cache layout and the
-metadata contract are described in `engine_server.attention`. `apply_token_bitmask_` (the grammar mask) and
+metadata contract are described in `engine_server.attention_metadata`. `apply_token_bitmask_` (the grammar mask) and
 `seeded_log_uniforms` (the noise of seeded rows) are the sampler's; the other ops are the layers'
 (`kernels.kernel_set.KernelOps`).
 """

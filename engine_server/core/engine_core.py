@@ -19,7 +19,7 @@ from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
-from engine_server.runner import CollectedTokens, LaunchedStep, ModelRunner, SampledToken
+from engine_server.model_runner import CollectedTokens, LaunchedStep, ModelRunner, SampledToken
 from engine_server.speculative.speculator import Speculator
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 

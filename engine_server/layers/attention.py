@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
 from kernels.kernel_set import KernelOps

@@ -7,7 +7,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP

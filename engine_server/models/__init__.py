@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_server.attention import allocate_kv_cache, kv_cache_bytes_per_block
+from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.models.base import CausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM

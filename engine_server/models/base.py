@@ -8,10 +8,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
-from engine_server.layers.ops import select_ops
+from engine_server.layers.kernel_choice import select_ops
 from engine_server.step_interrupt import StepInterrupt
 from kernels.kernel_set import KernelOps
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_server.sampling import ops
+from engine_server.sampling import logits_transforms
 from engine_server.sampling.metadata import RowSubset, SamplingMetadata, SamplingRow
 from engine_server.sampling.noise import SeededNoise
 
@@ -99,7 +99,7 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        # The CPU-only top-p shortcut (ops.apply_top_k_top_p). Off: the CPU runs the ops a GPU step would.
+        # The CPU-only top-p shortcut (logits_transforms.apply_top_k_top_p). Off: the CPU runs the ops a GPU step would.
         self.cpu_shortcuts = True
         self._generator = torch.Generator(device=self.device)
         if seed is None:
@@ -159,7 +159,7 @@ class Sampler:
         if meta.presence_frequency is not None:
             _on_subset(logits, meta.presence_frequency, _presence_frequency_)
         if meta.bitmask is not None:
-            _on_subset(logits, meta.bitmask, lambda sub, s: ops.apply_token_bitmask_(sub, s.values[0]))
+            _on_subset(logits, meta.bitmask, lambda sub, s: logits_transforms.apply_token_bitmask_(sub, s.values[0]))
         return logits
 
     def _pick(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -172,17 +172,18 @@ class Sampler:
         if meta.top_p is not None or (meta.top_k is not None and meta.top_k_max > _TOPK_WITHOUT_SORT_MAX_K):
             # The quotient is ours to overwrite; `logits` is needed below for the greedy rows.
             own = x if x is not logits else None
-            x = ops.apply_top_k_top_p(
+            x = logits_transforms.apply_top_k_top_p(
                 x, meta.top_k, meta.top_p, drop_mass=meta.drop_mass, out=own, from_candidates=self.cpu_shortcuts
             )
         elif meta.top_k is not None:
-            x = ops.apply_top_k(x, meta.top_k, meta.top_k_max)
+            x = logits_transforms.apply_top_k(x, meta.top_k, meta.top_k_max)
         probs = x.softmax(dim=-1)
         if meta.min_p is not None:
-            ops.apply_min_p_(probs, meta.min_p)
+            logits_transforms.apply_min_p_(probs, meta.min_p)
         seeded = meta.seeded
         log_uniforms = self._noise.log_uniforms(seeded.keys) if seeded is not None else None
-        sampled = ops.exponential_race(probs, self._generator, log_uniforms, seeded.rows if seeded else None)
+        seeded_rows = seeded.rows if seeded else None
+        sampled = logits_transforms.exponential_race(probs, self._generator, log_uniforms, seeded_rows)
         if meta.greedy_mask is None:
             return sampled
         return torch.where(meta.greedy_mask, logits.argmax(dim=-1), sampled)
@@ -213,11 +214,11 @@ def _token_counts(sub: torch.Tensor, subset: RowSubset) -> torch.Tensor:
 
 
 def _repetition_(sub: torch.Tensor, subset: RowSubset) -> None:
-    ops.apply_repetition_penalty_(sub, _token_counts(sub, subset) > 0, subset.values[0])
+    logits_transforms.apply_repetition_penalty_(sub, _token_counts(sub, subset) > 0, subset.values[0])
 
 
 def _presence_frequency_(sub: torch.Tensor, subset: RowSubset) -> None:
-    ops.apply_presence_frequency_(sub, _token_counts(sub, subset), subset.values[0], subset.values[1])
+    logits_transforms.apply_presence_frequency_(sub, _token_counts(sub, subset), subset.values[0], subset.values[1])
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:

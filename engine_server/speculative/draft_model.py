@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.core.scheduler_output import ScheduledRequest
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from engine_server import LLM, ChatPrompt, SamplingParams
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.frontend import Choice
 from engine_server.loader import resolve_model
-from engine_server.runner import ModelRunner
+from engine_server.model_runner import ModelRunner
 from engine_server.tokenizer.chat import ChatMessage
 from engine_server.transfer import host_tensor, to_device
 from tests.unit.runner_factories import greedy_request, make_lockstep, tiny_engine_config, tiny_runner

@@ -14,7 +14,7 @@ from engine_server.config import CacheConfig, EngineConfig, ModelConfig, Schedul
 from engine_server.core.request import Request
 from engine_server.core.scheduler import Scheduler
 from engine_server.loader import ModelSource
-from engine_server.runner import ModelRunner
+from engine_server.model_runner import ModelRunner
 from engine_server.sampling_params import SamplingParams
 from tests.unit.factories import VOCAB
 

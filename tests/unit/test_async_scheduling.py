@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine_server.attention import DecodeLayout
+from engine_server.attention_metadata import DecodeLayout
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.core.scheduler_output import SchedulerOutput

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.core.request import Request
 from engine_server.cuda_graphs import DecodeGraphs, EagerCapture, bucket_for, graph_batch_sizes
 from engine_server.transfer import host_tensor, to_device

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from engine_server.attention import DecodeLayout
+from engine_server.attention_metadata import DecodeLayout
 from engine_server.core.scheduler_output import ScheduledRequest
 from engine_server.decode_rows import DecodeRows
 from tests.unit.factories import make_request

@@ -12,7 +12,7 @@ import torch
 
 from engine_server.config import ModelConfig
 from engine_server.layers.decode_stack import build_decode_stack
-from engine_server.runner import ModelRunner
+from engine_server.model_runner import ModelRunner
 from kernels import cpu_ops as cpu
 from tests.unit.runner_factories import MAX_MODEL_LEN, TINY_LLAMA, greedy_request, make_lockstep, tiny_engine_config
 from tests.unit.runner_factories import tiny_source as source_of

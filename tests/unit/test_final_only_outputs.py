@@ -15,7 +15,7 @@ import pytest
 
 from engine_server.core.engine_core import CoreOutput, EngineCore, coalesce
 from engine_server.core.request import Request, RequestStatus
-from engine_server.runner import SampledToken
+from engine_server.model_runner import SampledToken
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import RequestStream
 from tests.unit.factories import VOCAB

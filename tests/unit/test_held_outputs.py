@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_server.core.engine_core import CoreOutput, HeldOutputs
 from engine_server.core.request import RequestStatus
-from engine_server.runner import SampledToken
+from engine_server.model_runner import SampledToken
 
 
 def step(request_id: str, token: int, status: RequestStatus | None = None, cached: int = 0) -> CoreOutput:

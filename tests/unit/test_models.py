@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from engine_server.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.config import ModelConfig
 from engine_server.models import CausalLM, get_model_class
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import RopeScaling
 from kernels import reference
 

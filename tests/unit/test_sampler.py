@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine_server.sampling import Sampler, SamplingRow, ops
+from engine_server.sampling import Sampler, SamplingRow, logits_transforms
 from engine_server.sampling_params import SamplingParams
 
 V = 16
@@ -107,8 +107,8 @@ def test_sampling_frequencies_match_the_filtered_distribution(params: SamplingPa
 def test_top_k_without_sort_agrees_with_the_sort_path() -> None:
     logits = random_logits(6, vocab=64)
     top_k = torch.tensor([1, 3, 64, 10, 5, 64])
-    fast = ops.apply_top_k(logits, top_k, k_max=10)
-    sorted_path = ops.apply_top_k_top_p(logits, top_k, None)
+    fast = logits_transforms.apply_top_k(logits, top_k, k_max=10)
+    sorted_path = logits_transforms.apply_top_k_top_p(logits, top_k, None)
     assert torch.equal(fast, sorted_path)
     assert (fast[1] > float("-inf")).sum() == 3 and (fast[2] > float("-inf")).all()
 
@@ -116,17 +116,17 @@ def test_top_k_without_sort_agrees_with_the_sort_path() -> None:
 def test_top_p_from_candidates_agrees_with_the_sort_path() -> None:
     """Top-p alone on the CPU reads each row's most likely tokens; rows whose nucleus reaches past them (a flat
     row, top_p 1.0) take the sort, so every row keeps exactly the sorted path's tokens."""
-    vocab = 4 * ops.NUCLEUS_CANDIDATES
+    vocab = 4 * logits_transforms.NUCLEUS_CANDIDATES
     logits = random_logits(8, vocab=vocab) * 4  # peaked rows: their nucleus is among the candidates
     logits[5] = torch.randn(vocab, generator=torch.Generator().manual_seed(9)) * 0.01  # flat: it is not
     logits[6, : vocab // 2] = float("-inf")  # masked by a grammar
     top_p = torch.tensor([0.9, 0.5, 0.99, 0.1, 0.95, 0.9, 0.8, 1.0])
-    fast = ops.apply_top_k_top_p(logits, None, top_p)
-    sorted_path = ops._sorted_top_k_top_p(logits, None, top_p)
+    fast = logits_transforms.apply_top_k_top_p(logits, None, top_p)
+    sorted_path = logits_transforms._sorted_top_k_top_p(logits, None, top_p)
     assert torch.equal(fast > float("-inf"), sorted_path > float("-inf"))
     assert torch.equal(fast[fast > float("-inf")], logits[fast > float("-inf")])
     kept = (fast > float("-inf")).sum(-1)
-    assert kept[5] > ops.NUCLEUS_CANDIDATES and kept[7] == vocab and kept[3] >= 1
+    assert kept[5] > logits_transforms.NUCLEUS_CANDIDATES and kept[7] == vocab and kept[3] >= 1
 
 
 def test_large_top_k_takes_the_sort_path() -> None:

@@ -17,7 +17,7 @@ from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import SchedulerOutput
-from engine_server.runner import LaunchedStep
+from engine_server.model_runner import LaunchedStep
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import EngineLoop, RequestStream
 from engine_server.step_interrupt import StepInterrupt

@@ -10,8 +10,8 @@ import pytest
 from engine_server.core.engine_core import CoreOutput
 from engine_server.core.request import RequestStatus
 from engine_server.frontend import Choice, GenerationResult, RequestTracker
+from engine_server.model_runner import SampledToken
 from engine_server.output.types import FinishReason
-from engine_server.runner import SampledToken
 from engine_server.sampling_params import SamplingParams
 from engine_server.tools import ToolFormat, ToolParsing
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from kernels import activation, bitmask, int8_linear, kv_cache, paged_attention, rms_norm, rotary, seeded_noise
 
 UNAVAILABLE = 3  # exit status when this Triton cannot compile for CUDA here (the test skips)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine_server.attention import AttentionMetadata
-from engine_server.layers.ops import select_ops
+from engine_server.attention_metadata import AttentionMetadata
+from engine_server.layers.kernel_choice import select_ops
 from kernels import cpu_ops as cpu
 from kernels import reference
 from kernels.kernel_set import REFERENCE_OPS, KernelOps

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from kernels import reference
 from kernels.paged_attention import paged_attention
 

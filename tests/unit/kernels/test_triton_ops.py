@@ -14,9 +14,9 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine_server.attention import AttentionMetadata, allocate_kv_cache
+from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache
 from engine_server.config import ModelConfig
-from engine_server.layers.ops import select_ops
+from engine_server.layers.kernel_choice import select_ops
 from engine_server.models import get_model_class
 from kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary, seeded_noise
 from kernels.kernel_set import REFERENCE_OPS, KernelOps
@@ -109,14 +109,14 @@ def test_model_forward_with_triton_ops_matches_reference(device: torch.device, a
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_sampler_bitmask_takes_the_kernel_on_cuda() -> None:
-    from engine_server.sampling import ops as sampling_ops
+    from engine_server.sampling import logits_transforms
 
     logits = torch.randn(3, 1000, device="cuda")
     mask = torch.randint(-(2**31), 2**31 - 1, (3, 32), dtype=torch.int32, device="cuda")
     expected = logits.clone()
     reference.apply_token_bitmask_(expected, mask)
-    sampling_ops.apply_token_bitmask_(logits, mask)
-    assert sampling_ops._triton_bitmask() is bitmask.apply_token_bitmask_
+    logits_transforms.apply_token_bitmask_(logits, mask)
+    assert logits_transforms._triton_bitmask() is bitmask.apply_token_bitmask_
     assert torch.equal(logits, expected)
 
 

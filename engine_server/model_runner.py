@@ -20,14 +20,14 @@ import numpy as np
 import structlog
 import torch
 
-from engine_server.attention import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.decode_rows import DecodeRows
 from engine_server.host_memory import keep_freed_memory_for_reuse
-from engine_server.layers.ops import select_ops
+from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
