@@ -1,5 +1,11 @@
-"""Engine calls as the routers need them: an engine chosen per call (`EnginePool.pick`), gRPC failures turned
-into `APIError`, streams cancelled (so the engine aborts the request) whenever the consumer stops early.
+"""The gateway's one way to call engines, for the HTTP routes and the batch jobs' line runner alike.
+
+The pieces: `holding` keeps an engine busy for one call (counted in `Engine.calls`, which routing reads; named in
+the request's `served_by`; marked down when the call fails UNAVAILABLE); `open_stream` and `open_batch_rpc` open
+the engine's Stream and Batch RPCs, cancelled (so the engine aborts what still runs) when their block exits;
+`in_flight_window` bounds how many requests are sent ahead of an engine; `errors.from_rpc_error` and
+`errors.item_error` turn a failed call or Batch item into an `APIError`. On them, the routes' calls: `generate`,
+`generate_all`, `stream` and `batch_rpc`, each on an engine chosen per call (`EnginePool.pick`).
 
 Failover: a call whose engine is unavailable (it died, or it is draining) before it produced anything — a
 non-streaming call, or a stream before its first message — is sent once more to another SERVING engine, within
@@ -19,17 +25,72 @@ import grpc
 import structlog
 
 from gateway.engines import Engine, EnginePool
-from gateway.errors import APIError, from_rpc_error, from_status, grpc_status
+from gateway.errors import APIError, from_rpc_error, item_error
+from ladle.client import BatchCall, StreamCall
 from ladle.v1 import engine_pb2, types_pb2
 
 T = TypeVar("T")
+CallT = TypeVar("CallT", bound=grpc.aio.Call)
 log = structlog.get_logger(__name__)
 
 MAX_ATTEMPTS = 2  # the engine chosen first, then one other
+DEFAULT_WINDOW = 64  # requests in flight on an engine that has not said how many sequences it runs
 
 # The engines an HTTP request's calls went to, in order: the middleware gives each request a list (shared by the
 # tasks the request starts, which copy the context) and logs it when the request is finished.
 served_by: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("served_by", default=None)
+
+
+@contextlib.contextmanager
+def holding(pool: EnginePool, engine: Engine) -> Iterator[Engine]:
+    """`engine` busy with one call while the block runs: counted in `engine.calls`, recorded in `served_by`, and
+    marked down in `pool` if the call fails UNAVAILABLE. Every error passes through as it is."""
+    if (engines := served_by.get()) is not None:
+        engines.append(engine.address)
+    engine.calls += 1
+    try:
+        yield engine
+    except grpc.RpcError as error:
+        if _code(error) is grpc.StatusCode.UNAVAILABLE:
+            pool.mark_down(engine)
+        raise
+    finally:
+        engine.calls -= 1
+
+
+def open_stream(
+    engine: Engine, request: engine_pb2.StreamRequest, timeout: float | None
+) -> contextlib.AbstractContextManager[StreamCall]:
+    """The engine's Stream call for `request`, cancelled when the block exits."""
+    return _cancelled_at_exit(engine.client.stream(request, timeout=timeout))
+
+
+def open_batch_rpc(
+    engine: Engine,
+    items: AsyncIterator[engine_pb2.BatchRequest] | Iterator[engine_pb2.BatchRequest],
+    timeout: float | None,
+) -> contextlib.AbstractContextManager[BatchCall]:
+    """The engine's Batch call over `items` (read as the engine asks for more), cancelled when the block exits:
+    the engine then aborts every item still running."""
+    return _cancelled_at_exit(engine.client.batch(items, timeout=timeout))
+
+
+@contextlib.contextmanager
+def _cancelled_at_exit(call: CallT) -> Iterator[CallT]:
+    try:
+        yield call
+    finally:
+        call.cancel()
+
+
+def in_flight_window(info: engine_pb2.GetModelInfoResponse | None) -> int:
+    """How many requests to keep in flight on an engine: twice the sequences it runs at once, as far ahead as it
+    reads (more would only wait in its queue or in buffers)."""
+    return 2 * info.max_num_seqs if info is not None and info.max_num_seqs else DEFAULT_WINDOW
+
+
+def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
+    return error.code() if isinstance(error, grpc.aio.AioRpcError) else None
 
 
 class _Attempts:
@@ -51,19 +112,13 @@ class _Attempts:
         the caller to try again (or, for a stream that already produced output, to report)."""
         engine = self.pool.pick(self.inputs, avoid=self.tried)
         self.tried.append(engine)
-        if (engines := served_by.get()) is not None:
-            engines.append(engine.address)
-        engine.calls += 1
         try:
-            yield engine
+            with holding(self.pool, engine):
+                yield engine
         except grpc.RpcError as error:
-            if isinstance(error, grpc.aio.AioRpcError) and error.code() is grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_down(engine)
-                if self.may_retry():
-                    raise
+            if _code(error) is grpc.StatusCode.UNAVAILABLE and self.may_retry():
+                raise
             raise from_rpc_error(error, self.pool.config.retry_after_s) from error
-        finally:
-            engine.calls -= 1
 
     def may_retry(self) -> bool:
         others = [e for e in self.pool.ready if e not in self.tried]
@@ -93,11 +148,10 @@ async def generate_all(
 ) -> list[engine_pb2.GenerateResponse]:
     """Several independent requests at once (each on its own engine); the first failure cancels the rest.
 
-    At most twice the engine's max_num_seqs are in flight (more would only wait in its queue), so a long prompt
-    list never becomes a burst of calls that the engine's gRPC server sheds (CANCELLED).
+    At most `in_flight_window` are in flight, so a long prompt list never becomes a burst of calls that the
+    engine's gRPC server sheds (CANCELLED).
     """
-    info = pool.model_info()
-    window = asyncio.Semaphore(2 * info.max_num_seqs if info is not None and info.max_num_seqs else 64)
+    window = asyncio.Semaphore(in_flight_window(pool.model_info()))
 
     async def one(request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
         async with window:
@@ -122,15 +176,11 @@ async def stream(pool: EnginePool, request: engine_pb2.GenerateRequest) -> Async
     while True:
         produced = False
         try:
-            with attempts.on_engine() as engine:
-                call = engine.client.stub.Stream(stream_request, timeout=attempts.remaining())
-                try:
-                    async for message in call:
-                        produced = True
-                        yield message
-                    return
-                finally:
-                    call.cancel()
+            with attempts.on_engine() as engine, open_stream(engine, stream_request, attempts.remaining()) as call:
+                async for message in call:
+                    produced = True
+                    yield message
+                return
         except grpc.RpcError as error:  # UNAVAILABLE with another attempt left
             if produced:
                 raise from_rpc_error(error, pool.config.retry_after_s) from error
@@ -148,7 +198,8 @@ async def batch_rpc(
     while True:
         try:
             with attempts.on_engine() as engine:
-                results = await _batch_on(engine, requests, param, attempts.remaining(), pool.config.retry_after_s)
+                results = await _batch_rpc_on(engine, requests, param, attempts.remaining(),
+                                              pool.config.retry_after_s)
                 break
         except grpc.RpcError as error:  # UNAVAILABLE with another attempt left
             attempts.retrying(error)
@@ -158,22 +209,17 @@ async def batch_rpc(
     return [r for r in results if r is not None]
 
 
-async def _batch_on(
+async def _batch_rpc_on(
     engine: Engine, requests: Sequence[engine_pb2.GenerateRequest], param: str, timeout: float, retry_after_s: int
 ) -> list[engine_pb2.GenerateResponse | None]:
     items = [engine_pb2.BatchRequest(item_id=str(i), request=r) for i, r in enumerate(requests)]
     results: list[engine_pb2.GenerateResponse | None] = [None] * len(items)
-    call = engine.client.stub.Batch(iter(items), timeout=timeout)
-    try:
+    with open_batch_rpc(engine, iter(items), timeout) as call:
         async for response in call:
             index = int(response.item_id)
             if response.WhichOneof("outcome") == "error":
-                error = response.error
-                raise from_status(grpc_status(error.code), f"{param}[{index}]: {error.message}",
-                                  error.param or f"{param}[{index}]", retry_after_s)
+                raise item_error(response.error, retry_after_s, f"{param}[{index}]")
             results[index] = response.result
-    finally:
-        call.cancel()
     return results
 
 

@@ -2,7 +2,7 @@
 
 `APIError` is raised anywhere in a request; `install_error_handlers` turns it, FastAPI's validation errors,
 unknown routes and unexpected exceptions into that shape. `from_rpc_error` maps an engine's gRPC status to the
-HTTP status a client of the OpenAI API expects.
+HTTP status a client of the OpenAI API expects, `item_error` a failed Batch item's likewise.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ladle.v1 import engine_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +85,13 @@ def from_status(
     if code is grpc.StatusCode.CANCELLED:
         return APIError(499, "the request was cancelled", type="cancelled_error", code="cancelled")
     return APIError(500, f"the engine failed: {details}", type="server_error", code="internal_error")
+
+
+def item_error(error: engine_pb2.ItemError, retry_after_s: int = 1, where: str | None = None) -> APIError:
+    """The HTTP error for a Batch item that failed with `error`. `where` (e.g. `messages[3]`) names the item in
+    the message, and is the param when the engine names none."""
+    message = f"{where}: {error.message}" if where else error.message
+    return from_status(grpc_status(error.code), message, error.param or where, retry_after_s)
 
 
 def grpc_status(value: int) -> grpc.StatusCode:

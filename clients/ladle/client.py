@@ -65,6 +65,8 @@ def channel_options(service_config: dict[str, Any] | None = None, retries: bool 
 
 ServingStatus: TypeAlias = health_pb2.HealthCheckResponse.ServingStatus.ValueType
 Timeout = float | None | Literal["default"]  # seconds; None: no deadline; "default": the client's own
+StreamCall: TypeAlias = "grpc.aio.UnaryStreamCall[engine_pb2.StreamRequest, engine_pb2.StreamResponse]"
+BatchCall: TypeAlias = "grpc.aio.StreamStreamCall[engine_pb2.BatchRequest, engine_pb2.BatchResponse]"
 
 
 class EngineClient:
@@ -135,8 +137,9 @@ class EngineClient:
 
 
 class AsyncEngineClient:
-    """asyncio client. Streams are async iterators; cancelling the consuming task aborts the request.
-    `retries=False` turns off the service config's retries of UNAVAILABLE (see `channel_options`)."""
+    """asyncio client. Streams are returned as the gRPC call: iterate it with `async for`, or `.cancel()` it (or
+    the consuming task) to abort. `retries=False` turns off the service config's retries of UNAVAILABLE (see
+    `channel_options`)."""
 
     def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retries: bool = True) -> None:
         self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries=retries))
@@ -149,21 +152,18 @@ class AsyncEngineClient:
     ) -> engine_pb2.GenerateResponse:
         return await self.stub.Generate(request, timeout=self._pick(timeout))
 
-    def stream(
-        self, request: engine_pb2.StreamRequest, *, timeout: Timeout = "default"
-    ) -> AsyncIterator[engine_pb2.StreamResponse]:
-        call = self.stub.Stream(request, timeout=self._pick(timeout))
-        return cast(AsyncIterator[engine_pb2.StreamResponse], call)
+    def stream(self, request: engine_pb2.StreamRequest, *, timeout: Timeout = "default") -> StreamCall:
+        return self.stub.Stream(request, timeout=self._pick(timeout))
 
     def batch(
         self,
         items: AsyncIterator[engine_pb2.BatchRequest] | Iterator[engine_pb2.BatchRequest],
         *,
         timeout: Timeout = "default",
-    ) -> AsyncIterator[engine_pb2.BatchResponse]:
-        """Items may come from a (async) generator, so an unbounded batch is fed as the engine asks for more."""
-        call = self.stub.Batch(items, timeout=self._pick(timeout))
-        return cast(AsyncIterator[engine_pb2.BatchResponse], call)
+    ) -> BatchCall:
+        """Items may come from a (async) generator, so an unbounded batch is fed as the engine asks for more;
+        cancelling the call aborts every item still running."""
+        return self.stub.Batch(items, timeout=self._pick(timeout))
 
     async def tokenize(
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"

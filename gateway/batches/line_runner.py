@@ -1,7 +1,8 @@
 """Run a batch job's lines through an engine's Batch RPC until each has exactly one result.
 
-Lines stream into one Batch call at a time with at most `window` engine items unanswered (the engine reads a
-call about twice its `max_num_seqs` ahead, so more would only sit in buffers). Each line's result is handed to
+Lines stream into one Batch call at a time (`gateway.calls`: the engine held, and marked down if the call ends
+UNAVAILABLE) with at most `window` engine items unanswered (by default `calls.in_flight_window`: the engine reads
+a call about twice its `max_num_seqs` ahead, so more would only sit in buffers). Each line's result is handed to
 `emit` as soon as all of its engine items have answered. When the call fails (the engine died, restarts or
 drains), every line still in flight is sent again on the next SERVING engine, keeping the parts that already
 answered; an item the engine refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) or ended with finish reason
@@ -27,10 +28,11 @@ from typing import Any
 import grpc
 import structlog
 
+from gateway import calls
 from gateway.batches import lines
 from gateway.batches.lines import InputLine
 from gateway.engines import Engine, EnginePool
-from gateway.errors import APIError, from_status, grpc_status
+from gateway.errors import APIError, grpc_status, item_error
 from gateway.store.ids import BATCH_REQUEST_PREFIX, new_id
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -181,36 +183,32 @@ class LineRunner:
     async def _call(self, engine: Engine, progress: _Progress, stop: asyncio.Event) -> bool:
         """One Batch call on `engine`; True if it failed or ended with lines unanswered (those are then to be
         sent again). When it returns, no line is in flight and its feeder takes no more lines."""
-        window = asyncio.Semaphore(self.window or _default_window(engine))
+        window = asyncio.Semaphore(self.window or calls.in_flight_window(engine.info))
         ended = asyncio.Event()
-        call = engine.client.stub.Batch(self._feed(progress, window, ended), timeout=None)
         watcher = asyncio.ensure_future(stop.wait())
-        watcher.add_done_callback(lambda _: call.cancel())
-        engine.calls += 1
         failed = False
         try:
-            async for response in call:
-                window.release()
-                self.in_flight -= 1
-                self._answer(response, progress)
+            feed = self._feed(progress, window, ended)
+            with calls.holding(self.pool, engine), calls.open_batch_rpc(engine, feed, timeout=None) as call:
+                watcher.add_done_callback(lambda _: call.cancel())
+                async for response in call:
+                    window.release()
+                    self.in_flight -= 1
+                    self._answer(response, progress)
         except asyncio.CancelledError:
             # grpc raises CancelledError from a call cancelled here; a cancelled task must still see it.
             if not stop.is_set() or _task_cancelled():
                 raise
-        except grpc.RpcError as error:
+        except grpc.RpcError as error:  # `holding` has marked an UNAVAILABLE engine down
             if not stop.is_set():
                 code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-                if code is grpc.StatusCode.UNAVAILABLE:
-                    self.pool.mark_down(engine)
                 log.warning("batch call failed; sending its lines again", engine=engine.address,
                             code=getattr(code, "name", None), in_flight=len(progress.in_flight))
                 failed = True
         finally:
             ended.set()
-            engine.calls -= 1
             self.in_flight = 0
             watcher.cancel()
-            call.cancel()
             unanswered = list(progress.in_flight.values())
             progress.in_flight.clear()
             progress.retry.extend(unanswered)
@@ -288,13 +286,10 @@ class LineRunner:
             else:
                 pending.replies[int(part)] = response.result
         else:
-            item = response.error
-            code = grpc_status(item.code)
-            if code in RETRYABLE_ITEM_CODES:
+            if grpc_status(response.error.code) in RETRYABLE_ITEM_CODES:
                 pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
             elif pending.error is None:
-                param = item.param or None
-                pending.error = from_status(code, item.message, param, self.pool.config.retry_after_s)
+                pending.error = item_error(response.error, self.pool.config.retry_after_s)
         if pending.outstanding > 0:
             return
         del progress.in_flight[pending.line.index]
@@ -322,9 +317,3 @@ def _aborted(result: engine_pb2.GenerateResponse) -> bool:
 def _task_cancelled() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _default_window(engine: Engine) -> int:
-    """As far ahead as the engine reads a Batch call: twice the sequences it runs at once."""
-    seats = engine.info.max_num_seqs if engine.info is not None else 0
-    return 2 * seats if seats else 64
