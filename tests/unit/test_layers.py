@@ -7,7 +7,7 @@ The layers, bottom up (ARCHITECTURE.md):
   2 engine_server           the engine, serving the stubs' service
   3 ladle, ladle.client, ladle.log    the typed client over the stubs, and logging setup
   4 gateway                 the OpenAI HTTP gateway, calling engines through the stubs and the client
-  5 ladle.<the command>     `ladle` (cli, serve, batch_file, engine_child): wires engine and gateway together
+  5 ladle.cli               the `ladle` command (main, serve, batch_file, engine_child): wires engine and gateway
   6 benchmarks              on top of everything
 Every import counts, those under `if TYPE_CHECKING:` and inside functions too: an arrow is an arrow.
 """
@@ -28,7 +28,7 @@ PACKAGES = {  # import name -> folder
     "ladle": ROOT / "clients" / "ladle",
     "benchmarks": ROOT / "benchmarks",
 }
-CLIENT_MODULES = {"ladle", "ladle.client", "ladle.log"}
+COMMAND = "ladle.cli"
 NEVER_EACH_OTHER = ("engine_server", "gateway")
 
 
@@ -41,12 +41,12 @@ def layer(module: str) -> int:
         return 1
     if top == "engine_server":
         return 2
-    if module in CLIENT_MODULES:
+    if module == COMMAND or module.startswith(f"{COMMAND}."):
+        return 5
+    if top == "ladle":
         return 3
     if top == "gateway":
         return 4
-    if top == "ladle":
-        return 5
     if top == "benchmarks":
         return 6
     raise ValueError(f"{module} is in no layer")

@@ -282,13 +282,13 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from ladle.batch_file import run_batch_file
+    from ladle.cli.batch_file import run_batch_file
 
     return run_batch_file(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ladle.serve import serve_all
+    from ladle.cli.serve import serve_all
 
     try:
         config = _gateway_config(args, f"127.0.0.1:{args.grpc_port}")
@@ -316,6 +316,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     sys.exit(handlers[args.command](args))
 
-
-if __name__ == "__main__":
-    main()

@@ -32,7 +32,7 @@ from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.lines import InputLine
 from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
 from gateway.engines import EnginePool
-from ladle.engine_child import engine_command, spawn_engine, stop_engine
+from ladle.cli.engine_child import engine_command, spawn_engine, stop_engine
 from ladle.log import configure_logging
 
 INTERRUPTED = 130
