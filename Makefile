@@ -42,7 +42,7 @@ test-unit: setup
 lint: setup
 	$(BUF) lint
 	$(PY) -m ruff check .
-	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py
+	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py ladle_cli
 
 proto: setup
 	$(PY) clients/generate_stubs.py

@@ -121,7 +121,7 @@ def ladle_serve(model: str, device: str, *flags: str, log_level: str = "WARNING"
     with SIGTERM (SIGKILL after 60 s) on exit. `flags` go to `ladle serve` as they are."""
     grpc_port = free_port()
     with tempfile.TemporaryDirectory(prefix="ladle-bench-") as data_dir:
-        command = [sys.executable, "-m", "ladle.cli", "serve", "--model", model, "--device", device,
+        command = [sys.executable, "-m", "ladle_cli", "serve", "--model", model, "--device", device,
                    "--port", "0", "--grpc-port", str(grpc_port), "--data-dir", data_dir, *flags]
         env = {**os.environ, "LADLE_LOG_LEVEL": log_level, "NO_PROXY": "*"}
         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)

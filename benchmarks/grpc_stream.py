@@ -33,7 +33,7 @@ WARMUP_TOKENS = 4
 
 def _start_engine(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     command = [
-        sys.executable, "-m", "ladle.cli", "engine", "--model", args.model, "--device", args.device,
+        sys.executable, "-m", "ladle_cli", "engine", "--model", args.model, "--device", args.device,
         "--port", "0", "--max-num-seqs", str(args.num_seqs), "--kv-cache-mib", str(args.kv_cache_mib),
     ]
     env = {**os.environ, "LADLE_LOG_LEVEL": "WARNING"}

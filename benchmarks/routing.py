@@ -101,13 +101,13 @@ def two_engines_and_a_gateway(args: argparse.Namespace, policy: Policy, logs: Pa
         addresses = []
         for i in range(2):
             process, address = _start(
-                [sys.executable, "-m", "ladle.cli", "engine", "--model", args.model, "--device", args.device,
+                [sys.executable, "-m", "ladle_cli", "engine", "--model", args.model, "--device", args.device,
                  "--port", str(free_port()), "--max-num-seqs", str(args.max_num_seqs),
                  "--kv-cache-mib", str(args.kv_cache_mib)], " on ", args.threads, logs / f"{policy}-engine{i}.log")
             processes.append(process)
             addresses.append(address)
         gateway, url = _start(
-            [sys.executable, "-m", "ladle.cli", "gateway", "--engine", ",".join(addresses), "--port", "0",
+            [sys.executable, "-m", "ladle_cli", "gateway", "--engine", ",".join(addresses), "--port", "0",
              "--routing", policy, "--batch-workers", "0", "--health-interval", "0.2",
              "--data-dir", str(logs / f"{policy}-data")], "OpenAI API on ", 1, logs / f"{policy}-gateway.log")
         processes.append(gateway)

@@ -43,7 +43,7 @@ def start_engine(log_path: Path, *extra_args: str, threads: int | None = None) -
     """Start `ladle engine` on a free loopback port (unless `extra_args` name one) and wait until its health is
     SERVING. `threads` caps its torch/OpenMP threads, for tests that run several engines on a few cores."""
     command = [
-        sys.executable, "-m", "ladle.cli", "engine", "--model", "default", "--device", "cpu",
+        sys.executable, "-m", "ladle_cli", "engine", "--model", "default", "--device", "cpu",
         "--host", "127.0.0.1", "--port", "0", "--kv-cache-mib", str(KV_CACHE_MIB), *extra_args,
     ]
     env = {**os.environ, "LADLE_LOG_FORMAT": "json", "LADLE_LOG_LEVEL": "INFO"}

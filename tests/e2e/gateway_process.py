@@ -40,7 +40,7 @@ def _env() -> dict[str, str]:
 
 def start_gateway(log_path: Path, engines: str, *extra_args: str, wait_healthy: bool = True) -> GatewayProcess:
     """Start `ladle gateway` in front of `engines`; wait until /health is 200 unless `wait_healthy` is False."""
-    command = [sys.executable, "-m", "ladle.cli", "gateway", "--engine", engines, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "ladle_cli", "gateway", "--engine", engines, "--host", "127.0.0.1",
                "--port", "0", *extra_args]
     gateway = _start(command, log_path, "ladle gateway: OpenAI API on ")
     if wait_healthy:
@@ -51,7 +51,7 @@ def start_gateway(log_path: Path, engines: str, *extra_args: str, wait_healthy: 
 def start_serve(log_path: Path, *extra_args: str) -> tuple[GatewayProcess, list[str]]:
     """Start `ladle serve` (engine + gateway) on free ports; returns it once it printed "ready", and its lines."""
     grpc_port = free_port()
-    command = [sys.executable, "-m", "ladle.cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
+    command = [sys.executable, "-m", "ladle_cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
                "--grpc-port", str(grpc_port), "--kv-cache-mib", "512", *extra_args]
     lines: list[str] = []
     gateway = _start(command, log_path, "ladle serve: gateway (OpenAI API) on ", lines)

@@ -34,7 +34,7 @@ def write_input(path: Path, items: list[Any]) -> Path:
 
 
 def batch_command(source: Path, output: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "ladle.cli", "batch", "-i", str(source), "-o", str(output), *flags]
+    return [sys.executable, "-m", "ladle_cli", "batch", "-i", str(source), "-o", str(output), *flags]
 
 
 def read_output(path: Path) -> list[dict[str, Any]]:

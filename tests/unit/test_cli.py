@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ladle import cli
-from ladle.cli.engine_child import engine_command
+import ladle_cli as cli
+from ladle_cli.engine_child import engine_command
 
 
 def test_flags_have_design_defaults() -> None:
@@ -55,7 +55,7 @@ def test_async_scheduling_flag_reaches_the_engine() -> None:
 
 
 def test_batch_output_resume_drops_a_half_written_line(tmp_path: Path) -> None:
-    from ladle.cli.batch_file import BatchFileError, completed_custom_ids
+    from ladle_cli.batch_file import BatchFileError, completed_custom_ids
 
     output = tmp_path / "out.jsonl"
     assert completed_custom_ids(output) == set() and output.read_bytes() == b""

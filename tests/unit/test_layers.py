@@ -4,10 +4,10 @@ gateway never import each other, and no modules import each other in a circle.
 The layers, bottom up (ARCHITECTURE.md):
   0 kernels                 tensors and plain values; their own input types (kernels.attention_inputs)
   1 ladle.v1                the generated gRPC stubs
-  2 engine_server           the engine, serving the stubs' service
-  3 ladle, ladle.client, ladle.log    the typed client over the stubs, and logging setup
+  2 ladle, ladle.client, ladle.log    the typed client over the stubs, and logging setup (all of clients/)
+  3 engine_server           the engine, serving the stubs' service
   4 gateway                 the OpenAI HTTP gateway, calling engines through the stubs and the client
-  5 ladle.cli               the `ladle` command (main, serve, batch_file, engine_child): wires engine and gateway
+  5 ladle_cli               the `ladle` command (main, serve, batch_file, engine_child): wires engine and gateway
   6 benchmarks              on top of everything
 Every import counts, those under `if TYPE_CHECKING:` and inside functions too: an arrow is an arrow.
 """
@@ -26,9 +26,9 @@ PACKAGES = {  # import name -> folder
     "engine_server": ROOT / "engine_server",
     "gateway": ROOT / "gateway",
     "ladle": ROOT / "clients" / "ladle",
+    "ladle_cli": ROOT / "ladle_cli",
     "benchmarks": ROOT / "benchmarks",
 }
-COMMAND = "ladle.cli"
 NEVER_EACH_OTHER = ("engine_server", "gateway")
 
 
@@ -39,14 +39,14 @@ def layer(module: str) -> int:
         return 0
     if module == "ladle.v1" or module.startswith("ladle.v1."):
         return 1
-    if top == "engine_server":
-        return 2
-    if module == COMMAND or module.startswith(f"{COMMAND}."):
-        return 5
     if top == "ladle":
+        return 2
+    if top == "engine_server":
         return 3
     if top == "gateway":
         return 4
+    if top == "ladle_cli":
+        return 5
     if top == "benchmarks":
         return 6
     raise ValueError(f"{module} is in no layer")

@@ -282,13 +282,13 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from ladle.cli.batch_file import run_batch_file
+    from ladle_cli.batch_file import run_batch_file
 
     return run_batch_file(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ladle.cli.serve import serve_all
+    from ladle_cli.serve import serve_all
 
     try:
         config = _gateway_config(args, f"127.0.0.1:{args.grpc_port}")

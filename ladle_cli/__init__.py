@@ -5,6 +5,6 @@ and the gateway together. Nothing below it imports it (tests/unit/test_layers.py
 `batch_file.py` runs an OpenAI batch file offline; `engine_child.py` starts the engine child of both.
 """
 
-from ladle.cli.main import ASYNC_SCHEDULING, build_parser, main
+from ladle_cli.main import ASYNC_SCHEDULING, build_parser, main
 
 __all__ = ["ASYNC_SCHEDULING", "build_parser", "main"]

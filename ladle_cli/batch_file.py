@@ -32,8 +32,8 @@ from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.lines import InputLine
 from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
 from gateway.engines import EnginePool
-from ladle.cli.engine_child import engine_command, spawn_engine, stop_engine
 from ladle.log import configure_logging
+from ladle_cli.engine_child import engine_command, spawn_engine, stop_engine
 
 INTERRUPTED = 130
 INVALID_INPUT = 2

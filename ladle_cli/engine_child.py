@@ -25,7 +25,7 @@ _PR_SET_PDEATHSIG = 1
 def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
     """The `ladle engine` command line for the engine flags in `args` (the `serve` / `batch` parsers' own)."""
     command = [
-        sys.executable, "-m", "ladle.cli", "engine", "--model", args.model, "--device", args.device,
+        sys.executable, "-m", "ladle_cli", "engine", "--model", args.model, "--device", args.device,
         "--host", host, "--port", str(port), "--shutdown-timeout", str(args.shutdown_timeout),
         "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
         "--kv-cache-mib", str(args.kv_cache_mib), "--grammar-timeout", str(args.grammar_timeout),

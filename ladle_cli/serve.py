@@ -4,7 +4,7 @@ The engine runs in its own process so its step loop never shares an interpreter 
 gateway starts at once and answers 503 until the engine is SERVING; a `ready` line is printed once the gateway
 itself sees it SERVING (so requests succeed from then on). If the
 engine exits, the gateway stops and `ladle serve` returns the engine's exit status; on SIGINT/SIGTERM both stop,
-and if `ladle serve` is killed outright the engine follows (ladle.cli.engine_child).
+and if `ladle serve` is killed outright the engine follows (ladle_cli.engine_child).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 
 from gateway.config import GatewayConfig
 from gateway.server import serve
-from ladle.cli.engine_child import engine_command, spawn_engine, stop_engine
 from ladle.log import configure_logging
+from ladle_cli.engine_child import engine_command, spawn_engine, stop_engine
 
 
 async def _serve_all(args: argparse.Namespace, config: GatewayConfig) -> int:

@@ -1,5 +1,0 @@
-"""`python -m ladle.cli ...`: the `ladle` command."""
-
-from ladle.cli.main import main
-
-main()
