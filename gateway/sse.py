@@ -1,5 +1,5 @@
 """Server-sent events as OpenAI sends them: `data: <json>` events, `data: [DONE]` at the end, and an error
-event (then no [DONE]) when a stream fails after it started."""
+event (then no [DONE]) when a stream fails after it started; `response` is the HTTP response that carries them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
+from fastapi.responses import StreamingResponse
 
 from gateway.errors import APIError
 
@@ -40,3 +41,8 @@ async def with_done(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
         yield event(APIError(500, "internal error in the gateway", type="server_error").body())
         return
     yield DONE
+
+
+def response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """The HTTP response that streams `chunks` as events (`with_done`), unbuffered by proxies."""
+    return StreamingResponse(with_done(chunks), media_type="text/event-stream", headers=HEADERS)

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from gateway import calls, sse
 from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
@@ -32,7 +32,7 @@ async def create_chat_completion(
         messages = await calls.started(calls.stream(pool, request))
         header = StreamHeader(f"chatcmpl-{rid}", "chat.completion.chunk", model, body.include_usage, int(time.time()))
         chunks = chat_chunks(messages, header, body.logprobs, timer)
-        return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
+        return sse.response(chunks)
     response = await calls.generate(pool, request)
     timer.finish([response.usage])
     return JSONResponse(from_engine.chat_completion(body, response, f"chatcmpl-{rid}", model))

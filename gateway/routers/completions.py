@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from gateway import calls, sse
 from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
@@ -35,7 +35,7 @@ async def create_completion(
         streams = await calls.started_all([calls.stream(pool, r) for r in requests])
         header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))
         chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echoes, timer)
-        return StreamingResponse(sse.with_done(chunks), media_type="text/event-stream", headers=sse.HEADERS)
+        return sse.response(chunks)
     responses = await calls.generate_all(pool, requests)
     timer.finish([r.usage for r in responses])
     return JSONResponse(from_engine.text_completion(body, responses, f"cmpl-{rid}", model))
