@@ -6,28 +6,24 @@
 
 namespace ladle_cpu {
 
+// One vector of floats from p, any alignment: memcpy compiles to a single unaligned load.
+template <typename V>
+inline V load_lanes(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
 // 16 floats: one AVX-512 register, two AVX2 ones. GCC lowers the arithmetic to what -march allows.
 typedef float vec16 __attribute__((vector_size(64)));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 constexpr int64_t kLanes = 16;
 
-inline vec16 load(const float* p) {
-  vec16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline vec16 load(const float* p) { return load_lanes<vec16>(p); }
 
 inline void store(float* p, vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
 inline vec16 splat(float x) { return vec16{} + x; }
-
-inline float hsum(vec16 v) {
-  v += __builtin_shuffle(v, ivec16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, ivec16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, ivec16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, ivec16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
 
 // 8 floats: one AVX2 register. Loops that keep a few vectors live across iterations (the decode attention's
 // per-token loops) work in these: GCC spills vec16 to the stack on AVX2 machines.
@@ -35,11 +31,7 @@ typedef float vec8 __attribute__((vector_size(32)));
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 constexpr int64_t kLanes8 = 8;
 
-inline vec8 load8(const float* p) {
-  vec8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline vec8 load8(const float* p) { return load_lanes<vec8>(p); }
 
 inline void store8(float* p, vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
@@ -48,6 +40,17 @@ inline float hsum8(vec8 v) {
   v += __builtin_shuffle(v, ivec8{2, 3, 0, 1, 6, 7, 4, 5});
   v += __builtin_shuffle(v, ivec8{1, 0, 3, 2, 5, 4, 7, 6});
   return v[0];
+}
+
+// Lane i of the low half plus lane i of the high half, then hsum8: the very additions, in the same order, of a
+// 16-lane shuffle tree whose first step swaps the halves. The union (punning GCC documents) keeps the halves in
+// registers where a memcpy would go through the stack.
+inline float hsum(vec16 v) {
+  const union {
+    vec16 whole;
+    vec8 half[2];
+  } halves{v};
+  return hsum8(halves.half[0] + halves.half[1]);
 }
 
 // exp(x) lane-wise, Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
