@@ -7,7 +7,7 @@ OpenAI's output line format (errors too, with their status code). The output fil
 the same command again after an interruption (Ctrl-C, a crash, a reboot) and it truncates a half-written last
 line, skips every custom_id already there and runs only the rest, so each custom_id ends up exactly once. The
 command exits 0 only once every input line has its line in the output file: lines that ended without one (which
-the runner's invariant should never allow) are run again, and if some still have none after `MAX_PASSES` runs
+the line runner's invariant should never allow) are run again, and if some still have none after `MAX_PASSES` runs
 it exits 1 naming how many. An output file that cannot be written (disk full) stops the run with exit status 1
 and a message; what was written stays, and the same command finishes the rest later.
 """
