@@ -58,7 +58,7 @@ from engine_server import LLM
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.loader import resolve_model
-from engine_server.model_runner import resolve_device, resolve_dtype
+from engine_server.model_loading import resolve_device, resolve_dtype
 from engine_server.models import kv_cache_bytes_per_block
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.server import EngineServer, ServerConfig

@@ -1,46 +1,36 @@
 """The model runner: turns one SchedulerOutput into one forward pass and one batched sampling call.
 
-It owns the model weights, the paged KV cache tensors, the sampler and the grammar matchers of constrained
-requests. The scheduler decides *what* runs; the runner only executes it.
+It runs steps over a `LoadedModel` (`engine_server.model_loading`: the weights, the paged KV cache, the draft
+model, the decode graphs), which it reads and never reloads, and owns the sampler, the grammar matchers of
+constrained requests and what one step leaves for the next (the decode layout, the last launch's tokens, the
+sampling metadata). The scheduler decides *what* runs; the runner only executes it.
 
-On CUDA (unless `enforce_eager`) decode-only steps replay CUDA graphs captured at start-up (`cuda_graphs`);
-prefill and mixed steps, and batches above the largest graph, run eagerly. The KV cache holds one block more
-than the scheduler is given: the graphs' padding rows write there and nowhere else.
+On CUDA (unless `enforce_eager`) decode-only steps replay the CUDA graphs captured at load (`cuda_graphs`);
+prefill and mixed steps, and batches above the largest graph, run eagerly. The graphs' padding rows write only
+to the KV cache's scratch block, which the scheduler is never given.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import EngineConfig, ModelConfig
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
-from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
+from engine_server.cuda_graphs import DecodeGraphs, GraphCapture
 from engine_server.decode_rows import DecodeRows
-from engine_server.host_memory import keep_freed_memory_for_reuse
-from engine_server.layers.kernel_choice import select_ops
-from engine_server.layers.packed_linear import pack_linear_layers
-from engine_server.loader import ModelSource, resolve_model
-from engine_server.models import allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
-from engine_server.quantization import quantize_model, resolve_quantization
+from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
-from engine_server.speculative.draft_model import DraftModel
 from engine_server.speculative.verify import sampled_positions, split_runs
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from engine_server.structured.matchers import GrammarMatchers, GrammarState
 from engine_server.transfer import host_tensor, to_device
-from kernels.kernel_set import REFERENCE_OPS
 
-log = structlog.get_logger(__name__)
 _SEED_MODULUS = 2**63
 # How a grammar's state after the sampled token ends the choice (absent: it goes on).
 _GRAMMAR_FINISH = {
@@ -187,138 +177,42 @@ def _copy_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Eve
     return on_host, ready
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' means CUDA when available, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on the CPU (the reference path) and bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> int:
-    """Blocks that fit in the configured KV memory; at least enough for one sequence of max_model_len tokens."""
-    block_size = config.cache.block_size
-    per_block = kv_cache_bytes_per_block(model_config, block_size, dtype)
-    needed_for_one = -(-max_model_len // block_size) + 1
-    blocks = config.cache.memory_bytes // per_block
-    if blocks < needed_for_one:
-        raise ValueError(
-            f"KV cache memory {config.cache.memory_bytes} B holds {blocks} blocks; one {max_model_len}-token "
-            f"sequence needs {needed_for_one} ({needed_for_one * per_block} B)"
-        )
-    return int(blocks)
-
-
 class ModelRunner:
-    """Executes scheduled steps on one device. Not thread-safe: the engine core's step loop owns it.
+    """Executes scheduled steps on one device over a loaded model: `ModelRunner(load_model(source, config,
+    max_model_len))`. Not thread-safe: the engine core's step loop owns it.
 
     `num_blocks` is what the KV cache manager may hand out (ids `0..num_blocks-1`); `kv_caches` holds one more,
     `scratch_block == num_blocks`, which only padding rows of the decode graphs touch.
     """
 
-    def __init__(self, source: ModelSource, config: EngineConfig, max_model_len: int) -> None:
-        self.device = resolve_device(config.device)
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        # Copied to plain attributes: steps read them often (a null device for benchmarks swaps `model`).
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = loaded.block_size
+        self.model = loaded.model
+        self.quantization = loaded.quantization
+        self.num_blocks = loaded.num_blocks
+        self.scratch_block = loaded.scratch_block
+        self.kv_caches = loaded.kv_caches
+        self.draft = loaded.draft  # speculative decoding's draft model, when configured
+        self.decode_graphs = loaded.decode_graphs
         # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt).
         self.can_interrupt = self.device.type == "cpu"
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_config = source.config
-        self.block_size = config.cache.block_size
-        self.max_model_len = max_model_len
-        # Builds the C++ kernels now (first start on this machine only), not on the first request.
-        kernels = select_ops(self.device) is not REFERENCE_OPS
-        self.quantization = resolve_quantization(config.quantization, source, self.device, self.dtype, kernels)
-        torch.manual_seed(config.seed)
-        model = get_model_class(source.config.architecture)(source.config, dtype=self.dtype)
-        model.load_weights(source.weights())
-        self.model = model.to(self.device).eval()
-        self.num_blocks = num_kv_blocks(source.config, config, self.dtype, max_model_len)
-        self.scratch_block = self.num_blocks
-        self.kv_caches = allocate_kv_cache(source.config, self.num_blocks + 1, self.block_size, self.dtype, self.device)
-        # After the KV cache: zeroing it right after MKL packed the weights takes twice as long.
-        if self.device.type == "cpu":
-            keep_freed_memory_for_reuse()
-            layers = quantize_model(self.model, source, self.quantization)
-            packed = pack_linear_layers(self.model)
-            log.info(
-                "cpu kernels", quantization=self.quantization, layers=layers, mkl_packed_linears=packed,
-                cpp_kernels=kernels,
-            )  # fmt: skip
-        elif self.quantization != "none":
-            layers = quantize_model(self.model, source, self.quantization)
-            torch.cuda.empty_cache()  # the float weights' blocks
-            log.info("quantized weights", quantization=self.quantization, layers=layers)
-        self.draft = self._load_draft(config)  # speculative decoding's draft model, when configured
-        self.sampler = Sampler(source.config.vocab_size, self.device)
-        self.grammars = GrammarMatchers(source.config.vocab_size, self.device)
+        self.sampler = Sampler(loaded.model_config.vocab_size, self.device)
+        self.grammars = GrammarMatchers(loaded.model_config.vocab_size, self.device)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
         self._last_sampled: tuple[torch.Tensor, LaunchedStep] | None = None
         self._decode_rows = DecodeRows(self.block_size)  # the last decode step's layout, updated step to step
         # The last sampling step's request ids and metadata, when it may serve the next step (_sampling_metadata).
         self._sampling_cache: tuple[list[Request], SamplingMetadata] | None = None
-        self.max_graph_batch = min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch)
-        self.decode_graphs: DecodeGraphs | None = None
-        # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
-        if self.device.type == "cuda" and not config.enforce_eager and self.max_graph_batch >= 1 and not self.draft:
-            if select_ops(self.device) is REFERENCE_OPS:
-                # The reference attention builds tensors from host lists every call: it cannot be captured.
-                log.warning("triton is unavailable: decode steps run eagerly on the torch reference ops")
-            else:
-                self.capture_decode_graphs(CudaGraphCapture())
 
-    def _load_draft(self, config: EngineConfig) -> DraftModel | None:
-        spec = config.speculative
-        if spec is None or spec.method != "draft_model" or spec.model is None:
-            return None
-        draft = DraftModel(
-            resolve_model(spec.model, Path(config.cache_dir) if config.cache_dir else None, seed=config.seed),
-            target_vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            num_cache_blocks=self.num_blocks + 1,
-            block_size=self.block_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        log.info("draft model loaded", model=draft.name)
-        return draft
-
-    @torch.inference_mode()
     def capture_decode_graphs(self, capture: GraphCapture) -> DecodeGraphs:
-        """Record the decode forward for every batch-size bucket up to `max_graph_batch` and use it from now on.
-
-        Called at start-up on CUDA (with `CudaGraphCapture`), so the first request does not pay for it; tests
-        pass `EagerCapture` to run the same padded static-buffer path on the CPU.
-        """
-        started = time.perf_counter()
-        sizes = graph_batch_sizes(self.max_graph_batch)
-        graphs = DecodeGraphs(
-            lambda ids, positions, meta: self.model(ids, positions, self.kv_caches, meta),
-            sizes=sizes,
-            hidden_size=self.model_config.hidden_size,
-            block_size=self.block_size,
-            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-            scratch_block=self.scratch_block,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        graphs.capture_all(capture)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.decode_graphs = graphs
-        log.info(
-            "decode graphs captured",
-            graphs=len(sizes),
-            batch_sizes=f"{sizes[0]}..{sizes[-1]}",
-            seconds=round(time.perf_counter() - started, 2),
-        )
-        return graphs
+        """Record the decode graphs over the loaded model with `capture` and replay them from now on: tests pass
+        `EagerCapture` to run the padded static-buffer path on the CPU (loading captures them on CUDA)."""
+        self.decode_graphs = capture_decode_graphs(self.loaded, capture)
+        return self.decode_graphs
 
     def release(self, request_id: str) -> None:
         """Forget per-request state (the grammar matcher) of a finished or aborted request."""

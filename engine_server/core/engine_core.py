@@ -19,6 +19,7 @@ from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
+from engine_server.model_loading import load_model
 from engine_server.model_runner import CollectedTokens, LaunchedStep, ModelRunner, SampledToken
 from engine_server.speculative.speculator import Speculator
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
@@ -105,7 +106,7 @@ class EngineCore:
         self.model_config = source.config
         limit = config.scheduler.max_model_len or source.config.max_position_embeddings
         self.max_model_len = min(limit, source.config.max_position_embeddings)
-        self.runner = ModelRunner(source, config, self.max_model_len)
+        self.runner = ModelRunner(load_model(source, config, self.max_model_len))
         # Learned from this engine's own steps (see step()); it caps the prefill of steps of BATCH work.
         target, quiet = default_step_targets(config.scheduler.batch_step_target_s, self.runner.device.type)
         self.step_time = (

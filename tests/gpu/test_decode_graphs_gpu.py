@@ -16,6 +16,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.frontend import Choice
 from engine_server.loader import resolve_model
+from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
 from engine_server.tokenizer.chat import ChatMessage
 from engine_server.transfer import host_tensor, to_device
@@ -200,8 +201,9 @@ def test_last_token_logits_agree_with_cpu_fp32(gpu_llm: LLM) -> None:
     the 4-row bucket); the CPU fp32 reference prefills the whole prompt. Their last-token logits must agree."""
     source = resolve_model(MODEL)
     cache = CacheConfig(memory_bytes=256 * 1024**2)
-    gpu = ModelRunner(source, EngineConfig(model=MODEL, device="cuda", cache=cache), 2048)
-    cpu = ModelRunner(source, EngineConfig(model=MODEL, device="cpu", quantization="none", cache=cache), 2048)
+    gpu = ModelRunner(load_model(source, EngineConfig(model=MODEL, device="cuda", cache=cache), 2048))
+    cpu_config = EngineConfig(model=MODEL, device="cpu", quantization="none", cache=cache)
+    cpu = ModelRunner(load_model(source, cpu_config, 2048))
     prompts = [gpu_llm.inputs.tokenize(_chat(p)) for p in PROMPTS[:3]]
     with torch.inference_mode():
         gpu_logits, cpu_logits = _last_token_logits(prompts, gpu, cpu)

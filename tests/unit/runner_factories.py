@@ -14,6 +14,7 @@ from engine_server.config import CacheConfig, EngineConfig, ModelConfig, Schedul
 from engine_server.core.request import Request
 from engine_server.core.scheduler import Scheduler
 from engine_server.loader import ModelSource
+from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
 from engine_server.sampling_params import SamplingParams
 from tests.unit.factories import VOCAB
@@ -58,7 +59,7 @@ def tiny_engine_config(
 
 
 def tiny_runner(config: EngineConfig) -> ModelRunner:
-    return ModelRunner(tiny_source(), config, MAX_MODEL_LEN)
+    return ModelRunner(load_model(tiny_source(), config, MAX_MODEL_LEN))
 
 
 def greedy_request(request_id: str, prompt_len: int, max_tokens: int) -> Request:

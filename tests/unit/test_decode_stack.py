@@ -12,6 +12,7 @@ import torch
 
 from engine_server.config import ModelConfig
 from engine_server.layers.decode_stack import build_decode_stack
+from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
 from kernels import cpu_ops as cpu
 from tests.unit.runner_factories import MAX_MODEL_LEN, TINY_LLAMA, greedy_request, make_lockstep, tiny_engine_config
@@ -37,7 +38,7 @@ class CountingStack:
 
 def int8_runner(model: ModelConfig) -> ModelRunner:
     config = dataclasses.replace(tiny_engine_config(), quantization="int8")
-    return ModelRunner(source_of(model), config, MAX_MODEL_LEN)
+    return ModelRunner(load_model(source_of(model), config, MAX_MODEL_LEN))
 
 
 @pytest.mark.parametrize("model", [TINY_LLAMA, TINY_QWEN2], ids=["llama", "qwen2-bias"])
@@ -60,7 +61,7 @@ def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatc
 
 def test_models_it_does_not_cover_keep_the_layers() -> None:
     assert int8_runner(TINY_QWEN3).model.model.decode_stack is None  # q/k norms
-    float_runner = ModelRunner(source_of(TINY_LLAMA), tiny_engine_config(), MAX_MODEL_LEN)
+    float_runner = ModelRunner(load_model(source_of(TINY_LLAMA), tiny_engine_config(), MAX_MODEL_LEN))
     assert float_runner.model.model.decode_stack is None
     assert build_decode_stack(float_runner.model.model) is None
 

@@ -150,7 +150,7 @@ def test_a_draft_model_gives_the_tokens_of_plain_decoding(draft_seed: int, monke
     config = tiny_engine_config(max_num_seqs=8)
     expected, _ = _run(config)
     monkeypatch.setattr(
-        "engine_server.model_runner.resolve_model",
+        "engine_server.model_loading.resolve_model",
         lambda spec, cache_dir=None, seed=0: dataclasses.replace(tiny_source(), seed=draft_seed),
     )
     spec = SpeculativeConfig(method="draft_model", model="tiny", num_speculative_tokens=4, adaptive=False)

@@ -1,0 +1,206 @@
+"""Loading a model for the runner: device, dtype, weights, quantization, packing, KV cache, draft, decode graphs.
+
+`load_model` does every start-up step before the first one the model runner runs, and returns them as a
+`LoadedModel`, which nothing changes afterwards (the runner reads it; tests may capture graphs over it later).
+The order is part of the contract:
+- torch's seed is set right before the model is built, so random weights are the same on every load;
+- the KV cache is allocated before the weights are quantized and, on the CPU, MKL-packed (zeroing it right after
+  the packing takes twice as long), and the CPU's glibc thresholds are raised (`host_memory`) just before that;
+- on CUDA the float weights' freed blocks go back to the device after quantizing;
+- the draft model, then (on CUDA, unless `enforce_eager` or a draft model) the decode graphs are last: they
+  record the forward over the final weights and KV cache.
+
+The KV cache holds one block more than the scheduler is given (`scratch_block == num_blocks`): the decode graphs'
+padding rows write there and nowhere else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine_server.config import EngineConfig, ModelConfig
+from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
+from engine_server.host_memory import keep_freed_memory_for_reuse
+from engine_server.layers.kernel_choice import select_ops
+from engine_server.layers.packed_linear import pack_linear_layers
+from engine_server.loader import ModelSource, resolve_model
+from engine_server.models import CausalLM, allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
+from engine_server.quantization import Scheme, quantize_model, resolve_quantization
+from engine_server.speculative.draft_model import DraftModel
+from kernels.kernel_set import REFERENCE_OPS
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run steps: its weights on the device, its KV cache and what goes with them.
+
+    `num_blocks` is what the KV cache manager may hand out (ids `0..num_blocks-1`); every tensor of `kv_caches`
+    holds one more block, `scratch_block`. `draft` is speculative decoding's draft model, when configured;
+    `decode_graphs` the graphs captured at load (None: every step runs eagerly), for batches up to
+    `max_graph_batch`.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    model_config: ModelConfig
+    model: CausalLM
+    quantization: Scheme
+    block_size: int
+    max_model_len: int
+    num_blocks: int
+    kv_caches: list[torch.Tensor]
+    max_graph_batch: int
+    draft: DraftModel | None = None
+    decode_graphs: DecodeGraphs | None = None
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' means CUDA when available, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on the CPU (the reference path) and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> int:
+    """Blocks that fit in the configured KV memory; at least enough for one sequence of max_model_len tokens."""
+    block_size = config.cache.block_size
+    per_block = kv_cache_bytes_per_block(model_config, block_size, dtype)
+    needed_for_one = -(-max_model_len // block_size) + 1
+    blocks = config.cache.memory_bytes // per_block
+    if blocks < needed_for_one:
+        raise ValueError(
+            f"KV cache memory {config.cache.memory_bytes} B holds {blocks} blocks; one {max_model_len}-token "
+            f"sequence needs {needed_for_one} ({needed_for_one * per_block} B)"
+        )
+    return int(blocks)
+
+
+def load_model(source: ModelSource, config: EngineConfig, max_model_len: int) -> LoadedModel:
+    """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    # Builds the C++ kernels now (first start on this machine only), not on the first request.
+    kernels = select_ops(device) is not REFERENCE_OPS
+    quantization = resolve_quantization(config.quantization, source, device, dtype, kernels)
+    torch.manual_seed(config.seed)
+    model = get_model_class(source.config.architecture)(source.config, dtype=dtype)
+    model.load_weights(source.weights())
+    model = model.to(device).eval()
+    num_blocks = num_kv_blocks(source.config, config, dtype, max_model_len)
+    block_size = config.cache.block_size
+    kv_caches = allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device)
+    _quantize(model, source, quantization, device, kernels)
+    loaded = LoadedModel(
+        device=device,
+        dtype=dtype,
+        model_config=source.config,
+        model=model,
+        quantization=quantization,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        kv_caches=kv_caches,
+        max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch),
+    )
+    loaded = replace(loaded, draft=_load_draft(config, loaded))
+    if _captures_decode_graphs(loaded, config.enforce_eager):
+        loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))
+    return loaded
+
+
+def _quantize(model: CausalLM, source: ModelSource, quantization: Scheme, device: torch.device, kernels: bool) -> None:
+    """Quantize the model's weights as `quantization` says and, on the CPU, MKL-pack its float linear layers."""
+    if device.type == "cpu":
+        keep_freed_memory_for_reuse()
+        layers = quantize_model(model, source, quantization)
+        packed = pack_linear_layers(model)
+        log.info(
+            "cpu kernels", quantization=quantization, layers=layers, mkl_packed_linears=packed, cpp_kernels=kernels
+        )
+    elif quantization != "none":
+        layers = quantize_model(model, source, quantization)
+        torch.cuda.empty_cache()  # the float weights' blocks
+        log.info("quantized weights", quantization=quantization, layers=layers)
+
+
+def _load_draft(config: EngineConfig, target: LoadedModel) -> DraftModel | None:
+    """Speculative decoding's draft model, over the target's KV blocks, when `config` names one."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model" or spec.model is None:
+        return None
+    draft = DraftModel(
+        resolve_model(spec.model, Path(config.cache_dir) if config.cache_dir else None, seed=config.seed),
+        target_vocab_size=target.model_config.vocab_size,
+        max_model_len=target.max_model_len,
+        num_cache_blocks=target.num_blocks + 1,
+        block_size=target.block_size,
+        dtype=target.dtype,
+        device=target.device,
+    )
+    log.info("draft model loaded", model=draft.name)
+    return draft
+
+
+def _captures_decode_graphs(loaded: LoadedModel, enforce_eager: bool) -> bool:
+    """Whether loading captures decode graphs: on CUDA, unless `enforce_eager`, with the Triton kernels."""
+    # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
+    if loaded.device.type != "cuda" or enforce_eager or loaded.max_graph_batch < 1 or loaded.draft is not None:
+        return False
+    if select_ops(loaded.device) is REFERENCE_OPS:
+        # The reference attention builds tensors from host lists every call: it cannot be captured.
+        log.warning("triton is unavailable: decode steps run eagerly on the torch reference ops")
+        return False
+    return True
+
+
+@torch.inference_mode()
+def capture_decode_graphs(loaded: LoadedModel, capture: GraphCapture) -> DecodeGraphs:
+    """The decode forward of `loaded` over its KV cache, recorded for every batch-size bucket up to its
+    `max_graph_batch`.
+
+    Loading calls it on CUDA (with `CudaGraphCapture`), so the first request does not pay for it; tests pass
+    `EagerCapture` (through `ModelRunner.capture_decode_graphs`) to run the same padded static-buffer path on the CPU.
+    """
+    started = time.perf_counter()
+    sizes = graph_batch_sizes(loaded.max_graph_batch)
+    model, kv_caches = loaded.model, loaded.kv_caches
+    graphs = DecodeGraphs(
+        lambda ids, positions, meta: model(ids, positions, kv_caches, meta),
+        sizes=sizes,
+        hidden_size=loaded.model_config.hidden_size,
+        block_size=loaded.block_size,
+        max_blocks_per_seq=-(-loaded.max_model_len // loaded.block_size),
+        scratch_block=loaded.scratch_block,
+        dtype=loaded.dtype,
+        device=loaded.device,
+    )
+    graphs.capture_all(capture)
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
+    log.info(
+        "decode graphs captured",
+        graphs=len(sizes),
+        batch_sizes=f"{sizes[0]}..{sizes[-1]}",
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return graphs
