@@ -1,7 +1,7 @@
 """Frozen configuration for the engine: built once at the entry point and passed down.
 
-Values discovered at run time do not live here: the number of KV blocks is sized by the model runner at start-up
-(`engine_server.model_runner.num_kv_blocks`, held as `ModelRunner.num_blocks`), the eos ids are read from the model and
+Values discovered at run time do not live here: the number of KV blocks is sized when the model is loaded
+(`engine_server.model_loading.num_kv_blocks`, held as `LoadedModel.num_blocks`), the eos ids are read from the model and
 its tokenizer where the engine is built (`engine_server.llm.engine_eos_ids`, for `LLM` and the gRPC server).
 """
 
