@@ -1,8 +1,8 @@
 """Loading a model for the runner: device, dtype, weights, quantization, packing, KV cache, draft, decode graphs.
 
-`load_model` does every start-up step before the first one the model runner runs, and returns them as a
-`LoadedModel`, which nothing changes afterwards (the runner reads it; tests may capture graphs over it later).
-The order is part of the contract:
+`load_model` does every start-up step before the model runner's first step and returns the result as a
+`LoadedModel`, which nothing changes afterwards: the runner runs steps over it (and tests capture graphs over it
+with `capture_decode_graphs` and `EagerCapture`). The order is part of the contract:
 - torch's seed is set right before the model is built, so random weights are the same on every load;
 - the KV cache is allocated before the weights are quantized and, on the CPU, MKL-packed (zeroing it right after
   the packing takes twice as long), and the CPU's glibc thresholds are raised (`host_memory`) just before that;
@@ -111,17 +111,10 @@ def load_model(source: ModelSource, config: EngineConfig, max_model_len: int) ->
     kv_caches = allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device)
     _quantize(model, source, quantization, device, kernels)
     loaded = LoadedModel(
-        device=device,
-        dtype=dtype,
-        model_config=source.config,
-        model=model,
-        quantization=quantization,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        num_blocks=num_blocks,
-        kv_caches=kv_caches,
+        device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
+        block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks, kv_caches=kv_caches,
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch),
-    )
+    )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
     if _captures_decode_graphs(loaded, config.enforce_eager):
         loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))
