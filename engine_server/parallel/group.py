@@ -1,0 +1,89 @@
+"""The tensor-parallel group of one engine: who this rank is, how to join and leave, and the two collectives.
+
+A `TensorParallel` is built once per process (by `init_tensor_parallel`) and passed down to every sharded layer.
+`size == 1` means no process group at all: the collectives return their input untouched, so a TP=1 engine runs
+exactly the code and the numbers it runs without this package. Rank 0 is the driver: it alone schedules, samples
+and receives the gathered logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in its tensor-parallel group.
+
+    Invariants: `0 <= rank < size`; `group` is None exactly when `size == 1`. Every rank of a group must call each
+    collective in the same order with tensors of the same shape and dtype (torch.distributed's own contract).
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in a group of size {self.size}")
+        if (self.group is None) != (self.size == 1):
+            raise ValueError(f"a tensor-parallel group of size {self.size} needs a process group exactly when size > 1")
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the rank that schedules, samples and receives gathered results."""
+        return self.rank == 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place, and return it (every rank gets the sum); a no-op at size 1."""
+        if self.group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`cat` of every rank's `tensor` along the last dim, in rank order, on rank 0; None on the other ranks.
+
+        Every rank's tensor has the same shape. At size 1 it returns `tensor` itself.
+        """
+        if self.group is None:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_driver else None
+        dist.gather(tensor, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+SINGLE = TensorParallel()
+"""The group of one: no process group, every collective a no-op."""
+
+
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, device: torch.device, timeout: timedelta = timedelta(minutes=5)
+) -> TensorParallel:
+    """Join the group of `size` ranks as `rank` and return it; at size 1, `SINGLE` without touching torch.distributed.
+
+    `init_method` is the rendezvous every rank is given by the caller: `tcp://127.0.0.1:PORT` or `file:///path`
+    (a file that does not exist yet). The backend follows `device`: NCCL on CUDA (the rank's device becomes the
+    current one), gloo on the CPU. The group is torch.distributed's default group, one per process; a rank that
+    does not arrive within `timeout` makes the others' calls fail instead of hanging forever.
+    """
+    if size == 1:
+        return SINGLE
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
+    group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):  # only None before init; narrows the type for mypy
+        raise RuntimeError("torch.distributed has no default process group after init_process_group")
+    return TensorParallel(rank=rank, size=size, group=group)
+
+
+def destroy_tensor_parallel(tp: TensorParallel) -> None:
+    """Leave and tear down `tp`'s process group (nothing to do at size 1, or if it is already gone)."""
+    if tp.group is not None and dist.is_initialized():
+        dist.destroy_process_group()

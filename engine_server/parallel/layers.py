@@ -1,0 +1,225 @@
+"""The sharded layers of tensor parallelism: each holds only this rank's slice of its weight.
+
+Megatron's pairing: a `ColumnParallelLinear` (QKV, gate/up) keeps output rows and leaves its result sharded; the
+`RowParallelLinear` after it (O, down) keeps the matching input columns and all-reduces the partial sums, so a
+decoder layer costs two all-reduces. The vocabulary is split by rows for the embedding (all-reduced) and the LM
+head (gathered to rank 0). At size 1 every forward is the unsharded op on the full weight (bitwise what
+`nn.Linear` / `F.embedding` give), and nothing communicates.
+
+Every layer is built in two ways: empty (the shapes of this rank's slice, for a model built on its device and
+then loaded) and `from_full` (from the full tensor; tests, and loaders that read whole tensors). Its `load*`
+methods take either the full tensor or exactly the slice this rank keeps, so a loader that reads only its own
+bytes (sharding.py says which) can hand those in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Self
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_server.parallel.group import TensorParallel
+from engine_server.parallel.sharding import PartSlice, VocabShard, even_slice, gate_up_slices, qkv_slices, vocab_shard
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An inference-only parameter on the current default device (build layers inside `with torch.device(...)`)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _check_bias(layer_bias: nn.Parameter | None, bias: torch.Tensor | None, what: str) -> None:
+    if (bias is None) != (layer_bias is None):
+        raise ValueError(f"{what}: the layer {'has' if layer_bias is not None else 'has no'} bias")
+
+
+def _kept(full_or_kept: torch.Tensor, full: int, rows: range, dim: int, what: str) -> torch.Tensor:
+    """`full_or_kept` narrowed to `rows` along `dim` if it is the whole (`full` long), else as given if it is the
+    slice already (`len(rows)` long); ValueError otherwise."""
+    length = full_or_kept.shape[dim]
+    if length == full:
+        return full_or_kept.narrow(dim, rows.start, len(rows))
+    if length == len(rows):
+        return full_or_kept
+    raise ValueError(f"{what} has {length} along dim {dim}: expected the full {full} or this rank's {len(rows)}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """`x @ W_r.T + b_r`: this rank's output rows of one or more fused parts; the result stays sharded.
+
+    `parts` lists the parts laid out one after another in the full weight (one part for a plain layer; q, k, v for
+    QKV; gate, up for gate/up) and the rows of each this rank keeps. The local weight is `cat` of the kept rows of
+    each part in the same order, so the local output splits by `output_sizes` into `q_r, k_r, v_r` (or
+    `gate_r, up_r`), exactly the layout `PagedSelfAttention` and `GatedMLP` read from their unsharded weights.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: Sequence[PartSlice],
+        bias: bool,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.parts = tuple(parts)
+        self.output_sizes = tuple(len(part.rows) for part in self.parts)
+        self.weight = _parameter(sum(self.output_sizes), in_features, dtype=dtype)
+        self.bias = _parameter(sum(self.output_sizes), dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, in_features]` -> `[T, sum(output_sizes)]` (this rank's rows only)."""
+        return F.linear(x, self.weight, self.bias)
+
+    def load_part(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy part `index`: its full `[full, in]` weight (and `[full]` bias), or only the rows this rank keeps."""
+        part = self.parts[index]
+        start = sum(self.output_sizes[:index])
+        rows = self.output_sizes[index]
+        self.weight.data.narrow(0, start, rows).copy_(_kept(weight, part.full, part.rows, 0, f"part {index} weight"))
+        _check_bias(self.bias, bias, f"part {index}")
+        if self.bias is not None and bias is not None:
+            self.bias.data.narrow(0, start, rows).copy_(_kept(bias, part.full, part.rows, 0, f"part {index} bias"))
+
+    @classmethod
+    def from_full_fused(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, parts: Sequence[PartSlice]
+    ) -> ColumnParallelLinear:
+        """Build from the FULL fused weight `[sum(part.full), in]` (and bias), keeping each part's rows."""
+        if sum(part.full for part in parts) != weight.shape[0]:
+            sizes = [part.full for part in parts]
+            raise ValueError(f"fused weight has {weight.shape[0]} rows, but the parts {sizes} sum to {sum(sizes)}")
+        with torch.device(weight.device):
+            layer = cls(weight.shape[1], parts, bias is not None, weight.dtype)
+        offset = 0
+        for index, part in enumerate(parts):
+            part_bias = None if bias is None else bias.narrow(0, offset, part.full)
+            layer.load_part(index, weight.narrow(0, offset, part.full), part_bias)
+            offset += part.full
+        return layer
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel) -> ColumnParallelLinear:
+        """A plain layer: the full `[out, in]` weight split evenly by rows."""
+        return cls.from_full_fused(weight, bias, [even_slice(weight.shape[0], tp.size, tp.rank, "output features")])
+
+    @classmethod
+    def qkv_from_full(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tp: TensorParallel,
+    ) -> ColumnParallelLinear:
+        """QKV from the full `cat(q, k, v)` weight: this rank's query heads and its (possibly replicated) KV heads."""
+        return cls.from_full_fused(weight, bias, qkv_slices(num_heads, num_kv_heads, head_dim, tp.size, tp.rank))
+
+    @classmethod
+    def gate_up_from_full(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, intermediate_size: int, tp: TensorParallel
+    ) -> ColumnParallelLinear:
+        """gate/up from the full `cat(gate, up)` weight: the same block of intermediate rows of each."""
+        return cls.from_full_fused(weight, bias, gate_up_slices(intermediate_size, tp.size, tp.rank))
+
+
+class RowParallelLinear(nn.Module):
+    """`all_reduce(x_r @ W_r.T) + b`: this rank's input columns; every rank gets the full output.
+
+    `x_r` is the sharded output of the column-parallel layer before it (attention heads, intermediate rows), which
+    splits the input evenly and in rank order. The bias is added once, after the reduce.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_slice = even_slice(in_features, tp.size, tp.rank, "input features")
+        self.weight = _parameter(out_features, len(self.input_slice.rows), dtype=dtype)
+        self.bias = _parameter(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, in_features / size]` -> `[T, out_features]`, the same on every rank."""
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce_sum(F.linear(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy the full `[out, in]` weight's columns this rank keeps (or exactly those columns), and the bias."""
+        part = self.input_slice
+        self.weight.data.copy_(_kept(weight, part.full, part.rows, 1, "weight"))
+        _check_bias(self.bias, bias, "row-parallel load")
+        if self.bias is not None and bias is not None:
+            self.bias.data.copy_(bias)
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel) -> RowParallelLinear:
+        with torch.device(weight.device):
+            layer = cls(weight.shape[1], weight.shape[0], bias is not None, tp, weight.dtype)
+        layer.load(weight, bias)
+        return layer
+
+
+class _VocabParallel(nn.Module):
+    """This rank's `shard.per_rank` rows of a `[vocab, hidden]` table; its padding rows are zero."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard: VocabShard = vocab_shard(vocab_size, tp.size, tp.rank)
+        self.weight = _parameter(self.shard.per_rank, hidden_size, dtype=dtype)
+        self.weight.data[self.shard.num_valid :].zero_()
+
+    def load(self, weight: torch.Tensor) -> None:
+        """Copy the full `[vocab, hidden]` table's rows this rank keeps (or exactly its `num_valid` real rows)."""
+        shard = self.shard
+        rows = range(shard.start, shard.valid_end)
+        self.weight.data[: shard.num_valid].copy_(_kept(weight, shard.vocab_size, rows, 0, "vocab table"))
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, tp: TensorParallel) -> Self:
+        """This rank's rows of the full `[vocab, hidden]` table."""
+        with torch.device(weight.device):
+            layer = cls(weight.shape[0], weight.shape[1], tp, weight.dtype)
+        layer.load(weight)
+        return layer
+
+
+class VocabParallelEmbedding(_VocabParallel):
+    """`F.embedding` over this rank's vocab rows: ids outside them give zeros, then all ranks sum (all-reduce)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids `[T]` -> `[T, hidden]`, the same on every rank."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        shard = self.shard
+        mine = (input_ids >= shard.start) & (input_ids < shard.valid_end)
+        local = F.embedding(torch.where(mine, input_ids - shard.start, 0), self.weight)
+        return self.tp.all_reduce_sum(local.masked_fill_(~mine.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(_VocabParallel):
+    """`hidden @ W.T` over this rank's vocab rows, gathered to rank 0 in vocab order with the padding dropped."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden `[N, hidden]` -> logits `[N, vocab]` on rank 0 (contiguous); None on the other ranks."""
+        local = F.linear(hidden, self.weight)
+        if self.tp.size == 1:
+            return local
+        logits = self.tp.gather_last_dim(local)
+        return None if logits is None else logits[..., : self.shard.vocab_size].contiguous()
+
+    @classmethod
+    def tied_to(cls, embedding: VocabParallelEmbedding) -> ParallelLMHead:
+        """A head sharing `embedding`'s weight (tied word embeddings): the vocab partition is the same."""
+        with torch.device("meta"):  # its own weight is replaced at once
+            head = cls(embedding.shard.vocab_size, embedding.weight.shape[1], embedding.tp, embedding.weight.dtype)
+        head.weight = embedding.weight
+        return head
