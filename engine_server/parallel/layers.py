@@ -30,9 +30,15 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def _check_bias(layer_bias: nn.Parameter | None, bias: torch.Tensor | None, what: str) -> None:
-    if (bias is None) != (layer_bias is None):
-        raise ValueError(f"{what}: the layer {'has' if layer_bias is not None else 'has no'} bias")
+def _destination(weight: nn.Parameter, bias: nn.Parameter | None, tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Where a checkpoint tensor loads: a 2-D one into the weight, a 1-D one into the bias."""
+    if tensor.dim() == 2:
+        return weight.data
+    if tensor.dim() == 1 and bias is not None:
+        return bias.data
+    raise ValueError(
+        f"{what}: a {tensor.dim()}-D tensor is neither the weight nor a bias (the layer has bias: {bias is not None})"
+    )
 
 
 def _kept(full_or_kept: torch.Tensor, full: int, rows: range, dim: int, what: str) -> torch.Tensor:
@@ -73,15 +79,16 @@ class ColumnParallelLinear(nn.Module):
         """x `[T, in_features]` -> `[T, sum(output_sizes)]` (this rank's rows only)."""
         return F.linear(x, self.weight, self.bias)
 
-    def load_part(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy part `index`: its full `[full, in]` weight (and `[full]` bias), or only the rows this rank keeps."""
+    def load_part(self, index: int, tensor: torch.Tensor) -> None:
+        """Copy part `index`'s weight (2-D `[rows, in]`) or bias (1-D): the whole part or only the rows this rank keeps.
+
+        One checkpoint tensor per call (`k_proj.weight` is part 1 of QKV, `up_proj.weight` part 1 of gate/up).
+        """
         part = self.parts[index]
-        start = sum(self.output_sizes[:index])
-        rows = self.output_sizes[index]
-        self.weight.data.narrow(0, start, rows).copy_(_kept(weight, part.full, part.rows, 0, f"part {index} weight"))
-        _check_bias(self.bias, bias, f"part {index}")
-        if self.bias is not None and bias is not None:
-            self.bias.data.narrow(0, start, rows).copy_(_kept(bias, part.full, part.rows, 0, f"part {index} bias"))
+        what = f"part {index}"
+        dest = _destination(self.weight, self.bias, tensor, what)
+        dest = dest.narrow(0, sum(self.output_sizes[:index]), self.output_sizes[index])
+        dest.copy_(_kept(tensor, part.full, part.rows, 0, what))
 
     @classmethod
     def from_full_fused(
@@ -95,8 +102,9 @@ class ColumnParallelLinear(nn.Module):
             layer = cls(weight.shape[1], parts, bias is not None, weight.dtype)
         offset = 0
         for index, part in enumerate(parts):
-            part_bias = None if bias is None else bias.narrow(0, offset, part.full)
-            layer.load_part(index, weight.narrow(0, offset, part.full), part_bias)
+            layer.load_part(index, weight.narrow(0, offset, part.full))
+            if bias is not None:
+                layer.load_part(index, bias.narrow(0, offset, part.full))
             offset += part.full
         return layer
 
@@ -149,19 +157,19 @@ class RowParallelLinear(nn.Module):
         out = self.tp.all_reduce_sum(F.linear(x, self.weight))
         return out if self.bias is None else out.add_(self.bias)
 
-    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy the full `[out, in]` weight's columns this rank keeps (or exactly those columns), and the bias."""
+    def load(self, tensor: torch.Tensor) -> None:
+        """Copy the weight (2-D: the full `[out, in]`, or exactly this rank's columns) or the bias (1-D, whole)."""
+        dest = _destination(self.weight, self.bias, tensor, "row-parallel layer")
         part = self.input_slice
-        self.weight.data.copy_(_kept(weight, part.full, part.rows, 1, "weight"))
-        _check_bias(self.bias, bias, "row-parallel load")
-        if self.bias is not None and bias is not None:
-            self.bias.data.copy_(bias)
+        dest.copy_(_kept(tensor, part.full, part.rows, 1, "weight") if tensor.dim() == 2 else tensor)
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel) -> RowParallelLinear:
         with torch.device(weight.device):
             layer = cls(weight.shape[1], weight.shape[0], bias is not None, tp, weight.dtype)
-        layer.load(weight, bias)
+        layer.load(weight)
+        if bias is not None:
+            layer.load(bias)
         return layer
 
 

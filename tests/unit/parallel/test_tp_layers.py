@@ -179,10 +179,13 @@ def test_at_size_one_every_layer_is_the_unsharded_op_bitwise() -> None:
 
 def test_loading_refuses_shapes_that_are_neither_the_full_tensor_nor_this_ranks_slice() -> None:
     layer = ColumnParallelLinear.gate_up_from_full(torch.zeros(8, 4), None, 4, SINGLE)
-    with pytest.raises(ValueError, match="part 1 weight has 3 along dim 0: expected the full 4"):
+    with pytest.raises(ValueError, match="part 1 has 3 along dim 0: expected the full 4"):
         layer.load_part(1, torch.zeros(3, 4))
-    with pytest.raises(ValueError, match="has no bias"):
-        layer.load_part(0, torch.zeros(4, 4), torch.zeros(4))
+    with pytest.raises(ValueError, match="part 0: a 1-D tensor is neither the weight nor a bias"):
+        layer.load_part(0, torch.zeros(4))
+    row = RowParallelLinear.from_full(torch.zeros(4, 6), torch.zeros(4), SINGLE)
+    row.load(torch.ones(4))
+    assert row.bias is not None and torch.equal(row.bias, torch.ones(4))
     with pytest.raises(ValueError, match="fused weight has 8 rows"):
         ColumnParallelLinear.from_full_fused(torch.zeros(8, 4), None, layer.parts[:1])
     with pytest.raises(ValueError, match="needs a process group"):
