@@ -56,7 +56,7 @@ void check_slots(const at::Tensor& slot_mapping, int64_t tokens, const at::Tenso
   const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " outside the cache");
+    LADLE_CHECK(slot[t] >= 0 && slot[t] < slots, "slot %lld outside the cache", static_cast<long long>(slot[t]));
   }
 }
 
@@ -98,7 +98,8 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t qkv, int64_t o, int64_t gate_up,
                  int64_t down) {
     for (int64_t index : {qkv, o, gate_up, down}) {
-      TORCH_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear ", index);
+      LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
+                  static_cast<long long>(index));
     }
     layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down});
   }
@@ -111,7 +112,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> kv_caches,
                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor slot_mapping,
                      std::optional<at::Tensor> stop) const {
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: got ", kv_caches.size(), " for ",
+    LADLE_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: got %zu for %zu", kv_caches.size(),
                 layers_.size());
     TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, hidden]");
     const int64_t tokens = hidden.size(0);

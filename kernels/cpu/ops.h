@@ -4,7 +4,20 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdio>
 #include <tuple>
+
+// TORCH_CHECK whose message holds numbers (printf-style), formatted here and raised as one C string, the way
+// TORCH_CHECK raises a literal message. Where TORCH_CHECK formats numbers itself, the H200 hosts' torch 2.11
+// wheels with g++ 13.3 crash (SIGSEGV) instead of raising (tests/unit/kernels/test_cpu_ops.py).
+#define LADLE_CHECK(cond, ...)                                                       \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      char ladle_check_message[256];                                                 \
+      std::snprintf(ladle_check_message, sizeof(ladle_check_message), __VA_ARGS__);  \
+      TORCH_CHECK(false, static_cast<const char*>(ladle_check_message));             \
+    }                                                                                \
+  } while (0)
 
 namespace ladle_cpu {
 

@@ -203,28 +203,26 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(kv_cache.size(4) == dim, "head dim of q and kv_cache differ");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   const AttendFn attend_fn = attend_for(dim);
-  TORCH_CHECK(attend_fn != nullptr, "head dim ", dim, " is not one of 16, 32, 64, 128, 256");
+  LADLE_CHECK(attend_fn != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256", static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
   const at::Tensor lens = seq_lens.contiguous();
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(lens_ptr[r] >= 1 && lens_ptr[r] <= width * block_size, "seq_lens out of the block table's range");
+    for (int64_t i = 0; i < (lens_ptr[r] + block_size - 1) / block_size; ++i) {
+      const int32_t block = tables[r * width + i];
+      LADLE_CHECK(block >= 0 && block < num_blocks, "block id %d outside the cache", block);
+    }
   }
   const int64_t group = heads / kv_heads;
   at::Tensor out = at::empty({rows, heads, dim}, q.options());
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = kv_cache.data_ptr<float>();
   const float* v_ptr = k_ptr + num_blocks * block_size * kv_heads * dim;
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < (lens_ptr[r] + block_size - 1) / block_size; ++i) {
-      const int32_t block = tables[r * width + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
-    }
-  }
   const int64_t max_padded = (width * block_size + kLanes - 1) / kLanes * kLanes;
   // Rows of one sequence share their key and value reads (attend); a run of them is cut into enough groups to
   // give every thread work (a step's drafts), and none larger than kMaxGroup rows (a prompt's scores).

@@ -27,8 +27,8 @@ using namespace ladle_cpu;
 int64_t grain_rows(int64_t row_floats) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_floats)); }
 
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, name,
-              " must be a [rows, n] float32 tensor with a contiguous last dim");
+  LADLE_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "%s must be a [rows, n] float32 tensor with a contiguous last dim", name);
 }
 
 void check_weight(const at::Tensor& weight, int64_t n) {
@@ -76,8 +76,8 @@ inline void rotate_token(const float* src, int64_t heads, int64_t head_stride, i
 }
 
 void check_heads(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, name,
-              " must be a [T, heads, dim] float32 tensor with a contiguous last dim");
+  LADLE_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1,
+              "%s must be a [T, heads, dim] float32 tensor with a contiguous last dim", name);
 }
 
 }  // namespace
@@ -146,7 +146,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   const int64_t* pos_ptr = pos.data_ptr<int64_t>();
   const int64_t max_pos = cos_sin_cache.size(0);
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_pos, "position ", pos_ptr[t], " outside the rope cache");
+    LADLE_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_pos, "position %lld outside the rope cache",
+                static_cast<long long>(pos_ptr[t]));
   }
   const int64_t q_heads = q.size(1), k_heads = k.size(1);
   at::Tensor q_out = at::empty({tokens, q_heads, dim}, q.options());

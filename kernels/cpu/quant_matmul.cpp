@@ -252,7 +252,7 @@ void with_rows(int64_t rows, F&& f) {
 void check_input(const at::Tensor& x, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a [M, K] float32 tensor with a contiguous last dim");
-  TORCH_CHECK(x.size(1) % kGroup == 0, "K must be a multiple of 32, got ", x.size(1));
+  LADLE_CHECK(x.size(1) % kGroup == 0, "K must be a multiple of 32, got %lld", static_cast<long long>(x.size(1)));
   TORCH_CHECK(scales.dim() == 2 && scales.size(1) == x.size(1) / kGroup && scales.scalar_type() == at::kHalf &&
                   scales.is_contiguous(),
               "scales must be a contiguous [N, K / 32] float16 tensor");
@@ -338,7 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4(const at::Tensor& qs, con
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kByte && qs.is_contiguous(),
               "qs must be a contiguous [N, K / 2] uint8 tensor");
   const int64_t n_rows = qs.size(0), k = qs.size(1) * 2;
-  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32, got ", k);
+  LADLE_CHECK(k % kGroup == 0, "K must be a multiple of 32, got %lld", static_cast<long long>(k));
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n_rows && scales.size(1) == k / kGroup &&
                   scales.scalar_type() == at::kHalf && scales.is_contiguous(),
               "scales must be a contiguous [N, K / 32] float16 tensor");
@@ -362,7 +362,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, con
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == at::kChar && qs.is_contiguous(),
               "qs must be a contiguous [N, K] int8 tensor");
   const int64_t n_rows = qs.size(0), k = qs.size(1);
-  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32, got ", k);
+  LADLE_CHECK(k % kGroup == 0, "K must be a multiple of 32, got %lld", static_cast<long long>(k));
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n_rows && scales.size(1) == k / kGroup &&
                   scales.scalar_type() == at::kHalf && scales.is_contiguous(),
               "scales must be a contiguous [N, K / 32] float16 tensor");
@@ -380,14 +380,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a [M, K] float32 tensor with a contiguous last dim");
   const int64_t m_rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+  LADLE_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) * kGroup == k && (packed.size(2) == 1 || packed.size(2) == 2) &&
                   packed.size(3) == kPlaneBytes,
-              "packed must be a contiguous [N / 8, K / 32, 1 | 2, 128] uint8 tensor (pack_q4 / pack_q8) for K = ",
-              k);
+              "packed must be a contiguous [N / 8, K / 32, 1 | 2, 128] uint8 tensor (pack_q4 / pack_q8) for K = %lld",
+              static_cast<long long>(k));
   const int64_t blocks = packed.size(0);
-  TORCH_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "n = ", n_rows, " does not fit ",
-              blocks, " blocks of 8");
+  LADLE_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "n = %lld does not fit %lld blocks of 8",
+              static_cast<long long>(n_rows), static_cast<long long>(blocks));
   for (const at::Tensor& table : {scales, mins}) {
     TORCH_CHECK(table.dim() == 3 && table.size(0) == blocks && table.size(1) == packed.size(1) &&
                     table.size(2) == kBlock && table.scalar_type() == at::kHalf && table.is_contiguous(),
