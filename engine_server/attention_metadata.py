@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine_server.config import ModelConfig
+from engine_server.parallel.sharding import kv_heads_per_rank
 from engine_server.transfer import padded_rows, to_device
 from kernels.attention_inputs import PrefillSpan, ReferencePlan
 
@@ -192,16 +193,25 @@ class AttentionMetadata:
         )
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block id costs across all layers (K and V): the unit for sizing the pool from memory."""
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one block id costs across all layers (K and V) on one rank of a tensor-parallel group of `tp_size`
+    (which holds its share of the KV heads): the unit for sizing the pool from memory."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * config.num_key_value_heads * config.head_dim * itemsize
+    kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
+    per_layer = 2 * block_size * kv_heads * config.head_dim * itemsize
     return per_layer * config.num_hidden_layers
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp_size: int = 1,
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]`, of one rank's KV heads
+    in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`)."""
+    kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
+    shape = (2, num_blocks, block_size, kv_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

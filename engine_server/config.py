@@ -238,3 +238,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Tensor parallelism (engine_server.parallel): the model split over this many ranks, this process being rank 0
+    # (scheduler, sampling, gRPC) and N-1 spawned workers; on the CPU the cores are shared out between the ranks.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding does not run under --tensor-parallel-size > 1 yet")

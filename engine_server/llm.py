@@ -60,11 +60,15 @@ class LLM:
         device: str = "auto",
         grammar_config: GrammarCompilerConfig | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        tensor_parallel_size: int | None = None,
     ) -> None:
         """`grammar_config` tunes the structured-output compiler (time limit, workers, JSON whitespace).
         `speculative_config`, as vLLM's (e.g. `{"method": "ngram", "num_speculative_tokens": 4}`), turns on
-        speculative decoding over `config`'s (engine_server.speculative)."""
+        speculative decoding over `config`'s (engine_server.speculative). `tensor_parallel_size`, as vLLM's,
+        overrides `config`'s: the model split over that many processes (`close` stops them)."""
         self.config = config or EngineConfig(model=model, device=device)  # type: ignore[arg-type]
+        if tensor_parallel_size is not None:
+            self.config = dataclasses.replace(self.config, tensor_parallel_size=tensor_parallel_size)
         if speculative_config is not None:
             if isinstance(speculative_config, dict):
                 speculative_config = SpeculativeConfig.from_json(json.dumps(speculative_config))
@@ -133,6 +137,17 @@ class LLM:
             trackers[request_id] = tracker
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and the grammar compiler; the LLM cannot generate afterwards."""
+        self.core.close()
+        self.grammar_compiler.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def sampling_params(self, **fields: Any) -> SamplingParams:
         """SamplingParams with the model's generation defaults for every field not in `fields` (which win)."""

@@ -12,6 +12,11 @@ with `capture_decode_graphs` and `EagerCapture`). The order is part of the contr
 
 The KV cache holds one block more than the scheduler is given (`scratch_block == num_blocks`): the decode graphs'
 padding rows write there and nowhere else.
+
+Under tensor parallelism every rank calls `load_model` with its `TensorParallel` (rank 0 from the engine, the
+others from `engine_server.workers`): each builds and loads its shards and allocates a KV cache of its own KV
+heads; rank 0's block count is every rank's (broadcast), so one block id means the same tokens on every rank.
+Decode graphs, draft models and the C++ decode stack are not used under tensor parallelism (yet).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.models import CausalLM, allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
+from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.quantization import Scheme, quantize_model, resolve_quantization
 from engine_server.speculative.draft_model import DraftModel
 from kernels.kernel_set import REFERENCE_OPS
@@ -59,6 +65,7 @@ class LoadedModel:
     max_graph_batch: int
     draft: DraftModel | None = None
     decode_graphs: DecodeGraphs | None = None
+    tp: TensorParallel = SINGLE
 
     @property
     def scratch_block(self) -> int:
@@ -81,10 +88,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int) -> int:
-    """Blocks that fit in the configured KV memory; at least enough for one sequence of max_model_len tokens."""
+def num_kv_blocks(
+    model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int, tp_size: int = 1
+) -> int:
+    """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism); at least
+    enough for one sequence of max_model_len tokens."""
     block_size = config.cache.block_size
-    per_block = kv_cache_bytes_per_block(model_config, block_size, dtype)
+    per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size)
     needed_for_one = -(-max_model_len // block_size) + 1
     blocks = config.cache.memory_bytes // per_block
     if blocks < needed_for_one:
@@ -95,25 +105,28 @@ def num_kv_blocks(model_config: ModelConfig, config: EngineConfig, dtype: torch.
     return int(blocks)
 
 
-def load_model(source: ModelSource, config: EngineConfig, max_model_len: int) -> LoadedModel:
-    """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring)."""
+def load_model(
+    source: ModelSource, config: EngineConfig, max_model_len: int, tp: TensorParallel = SINGLE
+) -> LoadedModel:
+    """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring);
+    under tensor parallelism, `tp`'s shards of it (every rank of the group calls this together)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.
     kernels = select_ops(device) is not REFERENCE_OPS
-    quantization = resolve_quantization(config.quantization, source, device, dtype, kernels)
+    quantization = resolve_quantization(config.quantization, source, device, dtype, kernels, tp.size)
     torch.manual_seed(config.seed)
-    model = get_model_class(source.config.architecture)(source.config, dtype=dtype)
+    model = get_model_class(source.config.architecture)(source.config, dtype=dtype, tp=tp)
     model.load_weights(source.weights())
     model = model.to(device).eval()
-    num_blocks = num_kv_blocks(source.config, config, dtype, max_model_len)
+    num_blocks = tp.broadcast_from_driver(num_kv_blocks(source.config, config, dtype, max_model_len, tp.size))
     block_size = config.cache.block_size
-    kv_caches = allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device)
+    kv_caches = allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size)
     _quantize(model, source, quantization, device, kernels)
     loaded = LoadedModel(
         device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks, kv_caches=kv_caches,
-        max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch),
+        max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
     )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
     if _captures_decode_graphs(loaded, config.enforce_eager):
@@ -158,6 +171,9 @@ def _captures_decode_graphs(loaded: LoadedModel, enforce_eager: bool) -> bool:
     """Whether loading captures decode graphs: on CUDA, unless `enforce_eager`, with the Triton kernels."""
     # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
     if loaded.device.type != "cuda" or enforce_eager or loaded.max_graph_batch < 1 or loaded.draft is not None:
+        return False
+    if loaded.tp.size > 1:
+        log.warning("decode graphs are not captured under tensor parallelism yet: decode steps run eagerly")
         return False
     if select_ops(loaded.device) is REFERENCE_OPS:
         # The reference attention builds tensors from host lists every call: it cannot be captured.

@@ -8,6 +8,9 @@ sampling metadata). The scheduler decides *what* runs; the runner only executes 
 On CUDA (unless `enforce_eager`) decode-only steps replay the CUDA graphs captured at load (`cuda_graphs`);
 prefill and mixed steps, and batches above the largest graph, run eagerly. The graphs' padding rows write only
 to the KV cache's scratch block, which the scheduler is never given.
+
+Under tensor parallelism the runner is rank 0's: it hands each forward pass's inputs and each logits call's rows
+to the workers (`fan_out`, engine_server.workers) right before running its own share of them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutpu
 from engine_server.cuda_graphs import DecodeGraphs, GraphCapture
 from engine_server.decode_rows import DecodeRows
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
+from engine_server.parallel.step_channel import StepSender
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
 from engine_server.speculative.verify import sampled_positions, split_runs
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
@@ -185,8 +189,12 @@ class ModelRunner:
     `scratch_block == num_blocks`, which only padding rows of the decode graphs touch.
     """
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, fan_out: StepSender | None = None) -> None:
+        """`fan_out`: the tensor-parallel workers' step channel, exactly when `loaded` is rank 0 of a group."""
+        if (fan_out is None) != (loaded.tp.size == 1):
+            raise ValueError("a tensor-parallel model runs steps with its workers' step channel, and only then")
         self.loaded = loaded
+        self.fan_out = fan_out
         # Copied to plain attributes: steps read them often (a null device for benchmarks swaps `model`).
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -198,8 +206,9 @@ class ModelRunner:
         self.kv_caches = loaded.kv_caches
         self.draft = loaded.draft  # speculative decoding's draft model, when configured
         self.decode_graphs = loaded.decode_graphs
-        # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt).
-        self.can_interrupt = self.device.type == "cpu"
+        # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt); not under
+        # tensor parallelism, where every rank would have to stop at the same layer.
+        self.can_interrupt = self.device.type == "cpu" and fan_out is None
         self.sampler = Sampler(loaded.model_config.vocab_size, self.device)
         self.grammars = GrammarMatchers(loaded.model_config.vocab_size, self.device)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
@@ -252,8 +261,9 @@ class ModelRunner:
         if last_rows is not None or len(sampling) < len(items):  # a decode step where every row samples: no gather
             last = last_rows if last_rows is not None else range(len(items))
             wanted = [last[i] for i, item in enumerate(items) if item.needs_sample]
-            hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
-        logits = self.model.compute_logits(hidden)
+            logits = self._logits(hidden, to_device(host_tensor(wanted, torch.long, self.device), self.device))
+        else:
+            logits = self._logits(hidden, None)
         if all(item.request.argmax_only for item in sampling):
             sampled = self.sampler.argmax(logits)  # no per-row set-up: a step's host time matters on a GPU
         else:
@@ -275,7 +285,7 @@ class ModelRunner:
         except StepInterrupted:
             self._decode_rows.invalidate()
             raise
-        logits = self.model.compute_logits(hidden)
+        logits = self._logits(hidden, None)
         if steady.all_argmax_only:
             sampled = self.sampler.argmax(logits)
         else:
@@ -305,8 +315,7 @@ class ModelRunner:
     ) -> LaunchedStep:
         """`launch` for a step with drafts: the target's token at every draft position too (speculative.verify)."""
         wanted = sampled_positions(items, last_rows)
-        hidden = hidden.index_select(0, to_device(host_tensor(wanted, torch.long, self.device), self.device))
-        logits = self.model.compute_logits(hidden)
+        logits = self._logits(hidden, to_device(host_tensor(wanted, torch.long, self.device), self.device))
         if all(item.request.argmax_only for item in sampling):
             sampled = self.sampler.argmax(logits)
         else:
@@ -396,7 +405,7 @@ class ModelRunner:
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
         positions = to_device(torch.from_numpy(layout.seq_lens - 1), self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
+        hidden = self._run_model(input_ids, positions, meta, interrupt)
         if self.draft is not None:
             self.draft.follow(input_ids, positions, meta)
         return hidden, None
@@ -428,10 +437,25 @@ class ModelRunner:
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         position_ids = to_device(host_tensor(positions, torch.long, self.device), self.device)
-        hidden = self.model(input_ids, position_ids, self.kv_caches, meta, interrupt)
+        hidden = self._run_model(input_ids, position_ids, meta, interrupt)
         if self.draft is not None:
             self.draft.follow(input_ids, position_ids, meta)
         return hidden, last_rows
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, interrupt: StepInterrupt | None
+    ) -> torch.Tensor:
+        """The model's forward over the KV cache (the workers' too, under tensor parallelism)."""
+        if self.fan_out is not None:
+            self.fan_out.forward(input_ids, positions, meta)
+        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the last forward's `hidden` rows `rows` (a device index tensor; None: every row)."""
+        if self.fan_out is not None:
+            self.fan_out.logits(rows)
+        return self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
 
     def _pending_inputs(self, tokens: _StepTokens) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids) on the device for the step's input tokens that the previous launch sampled."""

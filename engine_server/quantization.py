@@ -43,15 +43,22 @@ Scheme = Literal["none", "gguf", "int8"]
 
 
 def resolve_quantization(
-    mode: str, source: ModelSource, device: torch.device, dtype: torch.dtype, kernels: bool
+    mode: str, source: ModelSource, device: torch.device, dtype: torch.dtype, kernels: bool, tp_size: int = 1
 ) -> Scheme:
     """The scheme `mode` means for `source` in `dtype` on `device`; `kernels` says whether the device's own
     kernels are there (the C++ ones built on the CPU, triton on CUDA). Raises ValueError (naming the flag) for a
-    scheme this engine cannot serve.
+    scheme this engine cannot serve. Under tensor parallelism (`tp_size > 1`) a GGUF file's blocks are not
+    sharded (yet): `auto` is then `none`, and `gguf` is refused; `int8` quantizes each rank's slices.
     """
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if mode == "auto":
-        return "gguf" if cpu_float32 and kernels and source.gguf_path is not None else "none"
+        gguf = cpu_float32 and kernels and source.gguf_path is not None and tp_size == 1
+        return "gguf" if gguf else "none"
+    if mode == "gguf" and tp_size > 1:
+        raise ValueError(
+            "--quantization gguf: a GGUF file's blocks are not sharded under --tensor-parallel-size > 1 yet; "
+            "use --quantization int8 or none"
+        )
     if mode == "none":
         return "none"
     if mode not in ("gguf", "int8"):

@@ -23,6 +23,7 @@ from engine_server.model_loading import load_model
 from engine_server.model_runner import CollectedTokens, LaunchedStep, ModelRunner, SampledToken
 from engine_server.speculative.speculator import Speculator
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
+from engine_server.workers import WorkerGroup, start_tensor_parallel
 
 log = structlog.get_logger(__name__)
 
@@ -106,12 +107,19 @@ class EngineCore:
         self.model_config = source.config
         limit = config.scheduler.max_model_len or source.config.max_position_embeddings
         self.max_model_len = min(limit, source.config.max_position_embeddings)
-        self.runner = ModelRunner(load_model(source, config, self.max_model_len))
+        # Under tensor parallelism this process is rank 0 and the other ranks are worker processes (`workers`).
+        self.workers: WorkerGroup | None = None
+        if config.tensor_parallel_size > 1:
+            loaded, self.workers = start_tensor_parallel(source, config, self.max_model_len)
+            self.runner = ModelRunner(loaded, fan_out=self.workers.sender)
+        else:
+            self.runner = ModelRunner(load_model(source, config, self.max_model_len))
         # Learned from this engine's own steps (see step()); it caps the prefill of steps of BATCH work.
         target, quiet = default_step_targets(config.scheduler.batch_step_target_s, self.runner.device.type)
         self.step_time = (
             StepTimeModel(target, config.scheduler.batch_min_prefill_chunk, quiet_factor=quiet / target)
-            if target > 0 else None
+            if target > 0
+            else None
         )
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time
@@ -138,6 +146,11 @@ class EngineCore:
             async_scheduling=self.async_scheduling,
             batch_step_target_s=target,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the core runs no step afterwards). Idempotent."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""

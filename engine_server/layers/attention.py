@@ -1,4 +1,7 @@
-"""Self-attention layer over the paged KV cache: fused QKV projection, optional q/k norm, rope, output proj."""
+"""Self-attention layer over the paged KV cache: fused QKV projection, optional q/k norm, rope, output proj.
+
+Under tensor parallelism a rank holds its query heads and the KV heads they read (`parallel.sharding`), attends
+over them alone (its KV cache holds only those heads) and all-reduces the output projection's partial sums."""
 
 from __future__ import annotations
 
@@ -8,24 +11,31 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from engine_server.parallel.sharding import heads_per_rank, kv_heads_per_rank, qkv_slices
 from kernels.kernel_set import KernelOps
 
 
 class PagedSelfAttention(nn.Module):
-    """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases)."""
+    """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases), of this
+    rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = heads_per_rank(config.num_attention_heads, tp.size)
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.size)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_proj_bias, dtype=dtype)
+        parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, self.head_dim, tp.size, tp.rank)
+        self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
+        full_q = config.num_attention_heads * self.head_dim
+        self.o_proj: nn.Module = RowParallelLinear(full_q, config.hidden_size, o_proj_bias, tp, dtype)
         # Qwen3 normalises each head of q and k (over head_dim) before rope.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
@@ -51,4 +61,4 @@ class PagedSelfAttention(nn.Module):
         q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.tp.all_reduce_sum(self.o_proj(out.reshape(tokens, self.q_size)))

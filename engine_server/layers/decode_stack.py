@@ -22,10 +22,13 @@ from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
     not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), weights not on the CPU or not
-    float32, a head dim the attention kernel is not built for, or no C++ kernels."""
+    float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism (the stack
+    runs every layer in one call, with no all-reduce between them)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
+        return None
+    if model.tp.size > 1:
         return None
     first = layers[0].self_attn
     if first.head_dim not in HEAD_DIMS:

@@ -12,6 +12,8 @@ from engine_server.config import ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.norm import RMSNorm
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from kernels.kernel_set import KernelOps
 from kernels.reference import build_cos_sin_cache
@@ -20,10 +22,10 @@ from kernels.reference import build_cos_sin_cache
 class DecoderLayer(nn.Module):
     """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -69,12 +71,21 @@ class DecodeStack(Protocol):
 
 
 class DecoderModel(nn.Module):
-    """Token ids -> final normalised hidden states, reading and writing the paged KV cache."""
+    """Token ids -> final normalised hidden states, reading and writing the paged KV cache.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False) -> None:
+    Under tensor parallelism (`tp.size > 1`) every rank runs this forward on the same inputs, in step: the hidden
+    states are the same on every rank (each all-reduce hands every rank the same sum), the KV cache each rank's own.
+    """
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, o_proj_bias) for _ in range(config.num_hidden_layers))
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, dtype, o_proj_bias, tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         cache = build_cos_sin_cache(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
@@ -102,9 +113,7 @@ class DecoderModel(nn.Module):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
             stop = None if interrupt is None else interrupt.tensor
-            stacked = self.decode_stack.forward(
-                hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop
-            )
+            stacked = self.decode_stack.forward(hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop)
             if stacked.shape[0] != hidden.shape[0]:
                 raise StepInterrupted
             return stacked

@@ -109,7 +109,7 @@ def pack_linear_layers(model: nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
+        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, keep_weight=holders[id(child.weight)] > 1))

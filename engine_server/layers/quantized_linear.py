@@ -163,7 +163,7 @@ def replace_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], Qua
         (parent, f"{prefix}.{name}" if prefix else name, name, child)
         for prefix, parent in model.named_modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if isinstance(child, nn.Linear)
     ]
     swapped = 0
     for parent, full_name, name, child in targets:

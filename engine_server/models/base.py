@@ -12,10 +12,19 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_vocab,
+)
 from engine_server.step_interrupt import StepInterrupt
 from kernels.kernel_set import KernelOps
 
-# Checkpoint projections that live as row slices of one fused parameter: (fused name, checkpoint name, shard).
+# Checkpoint projections that live as row slices of one fused parameter: (fused name, checkpoint name, shard), the
+# shards of each fused layer in their order in it (its `ColumnParallelLinear.parts`).
 FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
     ("qkv_proj", "q_proj", "q"),
     ("qkv_proj", "k_proj", "k"),
@@ -23,6 +32,7 @@ FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
+_PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard) for fused, _, shard in FUSED_SHARDS}
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -33,18 +43,29 @@ class CausalLM(nn.Module):
     Construct on the target device (e.g. inside `with torch.device("cuda"):`), then `load_weights`. `forward`
     and `compute_logits` are meant to run under `torch.inference_mode()`. `ops` selects the kernel backend;
     None picks it from the input's device on every call.
+
+    With `tp` (tensor parallelism, `tp.size > 1`) the model holds this rank's shards only (`parallel.layers`):
+    every rank of the group calls `forward` and `compute_logits` on the same inputs in the same order, and only
+    rank 0 gets the logits. `lm_head` stays an `nn.Linear` (of this rank's vocab rows), so it is packed and
+    quantized like any other projection.
     """
 
     o_proj_bias_from_config: ClassVar[bool] = False  # Llama puts `attention_bias` on o_proj too; Qwen2 not.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.ops: KernelOps | None = None
-        self.model = DecoderModel(config, dtype, o_proj_bias=self.o_proj_bias_from_config and config.attention_bias)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        o_proj_bias = self.o_proj_bias_from_config and config.attention_bias
+        self.model = DecoderModel(config, dtype, o_proj_bias=o_proj_bias, tp=tp)
+        embedding = self.model.embed_tokens
+        self.vocab_shard = embedding.shard
+        self.lm_head: nn.Module = (
+            ParallelLMHead.tied_to(embedding)
+            if config.tie_word_embeddings
+            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        )
 
     def forward(
         self,
@@ -61,47 +82,50 @@ class CausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden `[N, hidden]` (only the rows that sample) -> logits `[N, vocab]` in float32."""
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits.float()
+        """hidden `[N, hidden]` (only the rows that sample) -> logits `[N, vocab]` in float32: rank 0's call (the
+        other ranks of a tensor-parallel group call `sharded_logits` with it, in step)."""
+        logits = self.sharded_logits(hidden)
+        if logits is None:
+            raise RuntimeError(f"rank {self.tp.rank} of a tensor-parallel group gets no logits: call sharded_logits")
+        return logits
+
+    def sharded_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits` on every rank of a tensor-parallel group: each computes its vocab rows' logits and
+        they are gathered to rank 0, which gets `[N, vocab]` in float32; the other ranks get None."""
+        logits = gather_vocab(self.lm_head(hidden), self.vocab_shard, self.tp)
+        return None if logits is None else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.
 
         Every parameter (and every shard of a fused one) must be provided exactly as shaped; unknown names are
-        refused. With tied embeddings a checkpoint's `lm_head.weight` is ignored.
+        refused. With tied embeddings a checkpoint's `lm_head.weight` is ignored. Under tensor parallelism each
+        sharded layer keeps its rank's slice of the tensor (`parallel.layers`), which may be given whole or as
+        exactly that slice.
         """
-        params = dict(self.named_parameters())
-        offsets = self._shard_offsets()
+        modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            target, shard = name, ""
+            module_name, _, kind = name.rpartition(".")
+            target, shard = module_name, ""
             for fused, part, shard_name in FUSED_SHARDS:
-                if f".{part}." in name:
-                    target, shard = name.replace(f".{part}.", f".{fused}."), shard_name
+                if module_name.endswith(f".{part}"):
+                    target, shard = module_name.removesuffix(part) + fused, shard_name
                     break
-            if target not in params:
+            module = modules.get(target)
+            if module is None or kind not in ("weight", "bias"):
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
-            dest = params[target].data
-            if shard:
-                start, size = offsets[shard]
-                dest = dest.narrow(0, start, size)
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
-            loaded.add((target, shard))
-        missing = sorted(f"{n}[{s}]" if s else n for n, s in self._expected_shards(params) - loaded)
+            try:
+                _load_into(module, kind, shard, tensor)
+            except ValueError as error:
+                raise ValueError(f"weight {name!r}: {error}") from None
+            loaded.add((f"{target}.{kind}", shard))
+        expected = self._expected_shards(dict(self.named_parameters()))
+        missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
-
-    def _shard_offsets(self) -> dict[str, tuple[int, int]]:
-        """Row range `(start, size)` of each shard inside its fused parameter."""
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
-        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, inter), "up": (inter, inter)}
 
     @staticmethod
     def _expected_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str]]:
@@ -110,3 +134,22 @@ class CausalLM(nn.Module):
             shards = [s for fused, _, s in FUSED_SHARDS if f".{fused}." in name] or [""]
             expected.update((name, s) for s in shards)
         return expected
+
+
+def _load_into(module: nn.Module, kind: str, shard: str, tensor: torch.Tensor) -> None:
+    """Copy one checkpoint tensor (`kind` "weight" or "bias"; `shard` the part of a fused layer, or "") into
+    `module`, which keeps this rank's slice of it; ValueError when the module has no such tensor or the shape is
+    neither the whole nor the slice."""
+    if isinstance(module, ColumnParallelLinear):
+        module.load_part(_PART_INDEX[shard] if shard else 0, tensor)
+    elif isinstance(module, RowParallelLinear) or (
+        isinstance(module, VocabParallelEmbedding | ParallelLMHead) and kind == "weight"
+    ):
+        module.load(tensor)
+    else:
+        dest = getattr(module, kind, None)
+        if not isinstance(dest, torch.Tensor):
+            raise ValueError(f"{type(module).__name__} has no {kind}")
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        dest.data.copy_(tensor)

@@ -19,18 +19,21 @@ import torch.distributed as dist
 class TensorParallel:
     """This process's place in its tensor-parallel group.
 
-    Invariants: `0 <= rank < size`; `group` is None exactly when `size == 1`. Every rank of a group must call each
-    collective in the same order with tensors of the same shape and dtype (torch.distributed's own contract).
+    Invariants: `0 <= rank < size`; `group` and `control_group` are None exactly when `size == 1`. Every rank of a
+    group must call each collective in the same order with tensors of the same shape and dtype (torch.distributed's
+    own contract). `group` carries the model's collectives on its device (NCCL on CUDA); `control_group` is a
+    gloo group over the same ranks for host values (the step channel, start-up numbers): the same group on the CPU.
     """
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    control_group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tensor-parallel rank {self.rank} is not in a group of size {self.size}")
-        if (self.group is None) != (self.size == 1):
+        if (self.group is None) != (self.size == 1) or (self.control_group is None) != (self.size == 1):
             raise ValueError(f"a tensor-parallel group of size {self.size} needs a process group exactly when size > 1")
 
     @property
@@ -43,6 +46,14 @@ class TensorParallel:
         if self.group is not None:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
+
+    def broadcast_from_driver(self, value: int) -> int:
+        """Rank 0's `value` on every rank (a host int, over the control group); `value` itself at size 1."""
+        if self.control_group is None:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.broadcast(box, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
+        return int(box.item())
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """`cat` of every rank's `tensor` along the last dim, in rank order, on rank 0; None on the other ranks.
@@ -80,7 +91,8 @@ def init_tensor_parallel(
     group = dist.group.WORLD
     if not isinstance(group, dist.ProcessGroup):  # only None before init; narrows the type for mypy
         raise RuntimeError("torch.distributed has no default process group after init_process_group")
-    return TensorParallel(rank=rank, size=size, group=group)
+    control = group if backend == "gloo" else dist.new_group(backend="gloo")
+    return TensorParallel(rank=rank, size=size, group=group, control_group=control)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

@@ -1,10 +1,15 @@
 """The sharded layers of tensor parallelism: each holds only this rank's slice of its weight.
 
 Megatron's pairing: a `ColumnParallelLinear` (QKV, gate/up) keeps output rows and leaves its result sharded; the
-`RowParallelLinear` after it (O, down) keeps the matching input columns and all-reduces the partial sums, so a
-decoder layer costs two all-reduces. The vocabulary is split by rows for the embedding (all-reduced) and the LM
-head (gathered to rank 0). At size 1 every forward is the unsharded op on the full weight (bitwise what
-`nn.Linear` / `F.embedding` give), and nothing communicates.
+`RowParallelLinear` after it (O, down) keeps the matching input columns and returns this rank's partial sum,
+which the block then all-reduces (`TensorParallel.all_reduce_sum`), so a decoder layer costs two all-reduces.
+The vocabulary is split by rows for the embedding (all-reduced inside it) and the LM head (whose local logits
+`gather_vocab` brings to rank 0).
+
+The three projections are `nn.Linear`s holding the local slice, whose forward is the local matmul and nothing
+else, so whatever swaps a model's linear layers (MKL packing, quantization) swaps these too without losing a
+collective: the collectives live in the blocks (attention, MLP) and in `CausalLM.compute_logits`. At size 1 every
+layer is the unsharded op on the full weight (bitwise what `nn.Linear` / `F.embedding` give).
 
 Every layer is built in two ways: empty (the shapes of this rank's slice, for a model built on its device and
 then loaded) and `from_full` (from the full tensor; tests, and loaders that read whole tensors). Its `load*`
@@ -30,7 +35,7 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def _destination(weight: nn.Parameter, bias: nn.Parameter | None, tensor: torch.Tensor, what: str) -> torch.Tensor:
+def _destination(weight: torch.Tensor, bias: torch.Tensor | None, tensor: torch.Tensor, what: str) -> torch.Tensor:
     """Where a checkpoint tensor loads: a 2-D one into the weight, a 1-D one into the bias."""
     if tensor.dim() == 2:
         return weight.data
@@ -52,7 +57,25 @@ def _kept(full_or_kept: torch.Tensor, full: int, rows: range, dim: int, what: st
     raise ValueError(f"{what} has {length} along dim {dim}: expected the full {full} or this rank's {len(rows)}")
 
 
-class ColumnParallelLinear(nn.Module):
+def _copy(dest: torch.Tensor, source: torch.Tensor, what: str) -> None:
+    """`dest.copy_(source)`, refusing a shape that differs (copy_ would broadcast a smaller one)."""
+    if tuple(source.shape) != tuple(dest.shape):
+        raise ValueError(f"{what} has shape {tuple(source.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(source)
+
+
+class _LocalLinear(nn.Linear):
+    """An `nn.Linear` over this rank's `[out, in]` slice, built without initialising it (it is loaded next)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _parameter(out_features, in_features, dtype=dtype)
+        self.register_parameter("bias", _parameter(out_features, dtype=dtype) if bias else None)
+
+
+class ColumnParallelLinear(_LocalLinear):
     """`x @ W_r.T + b_r`: this rank's output rows of one or more fused parts; the result stays sharded.
 
     `parts` lists the parts laid out one after another in the full weight (one part for a plain layer; q, k, v for
@@ -68,16 +91,9 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        super().__init__()
-        self.in_features = in_features
         self.parts = tuple(parts)
         self.output_sizes = tuple(len(part.rows) for part in self.parts)
-        self.weight = _parameter(sum(self.output_sizes), in_features, dtype=dtype)
-        self.bias = _parameter(sum(self.output_sizes), dtype=dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, in_features]` -> `[T, sum(output_sizes)]` (this rank's rows only)."""
-        return F.linear(x, self.weight, self.bias)
+        super().__init__(in_features, sum(self.output_sizes), bias, dtype)
 
     def load_part(self, index: int, tensor: torch.Tensor) -> None:
         """Copy part `index`'s weight (2-D `[rows, in]`) or bias (1-D): the whole part or only the rows this rank keeps.
@@ -88,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
         what = f"part {index}"
         dest = _destination(self.weight, self.bias, tensor, what)
         dest = dest.narrow(0, sum(self.output_sizes[:index]), self.output_sizes[index])
-        dest.copy_(_kept(tensor, part.full, part.rows, 0, what))
+        _copy(dest, _kept(tensor, part.full, part.rows, 0, what), what)
 
     @classmethod
     def from_full_fused(
@@ -134,34 +150,29 @@ class ColumnParallelLinear(nn.Module):
         return cls.from_full_fused(weight, bias, gate_up_slices(intermediate_size, tp.size, tp.rank))
 
 
-class RowParallelLinear(nn.Module):
-    """`all_reduce(x_r @ W_r.T) + b`: this rank's input columns; every rank gets the full output.
+class RowParallelLinear(_LocalLinear):
+    """`x_r @ W_r.T (+ b on rank 0)`: this rank's input columns and its partial sum of the output.
 
     `x_r` is the sharded output of the column-parallel layer before it (attention heads, intermediate rows), which
-    splits the input evenly and in rank order. The bias is added once, after the reduce.
+    splits the input evenly and in rank order. The caller all-reduces the result (`TensorParallel.all_reduce_sum`)
+    to get the full output on every rank. Only rank 0 holds the bias (`bias` None elsewhere), so the sum adds it
+    once; the other ranks accept and drop a checkpoint's bias (`has_bias` says the model has one).
     """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, dtype: torch.dtype = torch.float32
     ) -> None:
-        super().__init__()
-        self.tp = tp
         self.input_slice = even_slice(in_features, tp.size, tp.rank, "input features")
-        self.weight = _parameter(out_features, len(self.input_slice.rows), dtype=dtype)
-        self.bias = _parameter(out_features, dtype=dtype) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[T, in_features / size]` -> `[T, out_features]`, the same on every rank."""
-        if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce_sum(F.linear(x, self.weight))
-        return out if self.bias is None else out.add_(self.bias)
+        self.has_bias = bias
+        super().__init__(len(self.input_slice.rows), out_features, bias and tp.is_driver, dtype)
 
     def load(self, tensor: torch.Tensor) -> None:
         """Copy the weight (2-D: the full `[out, in]`, or exactly this rank's columns) or the bias (1-D, whole)."""
+        if tensor.dim() == 1 and self.has_bias and self.bias is None:
+            return  # rank 0 adds the bias
         dest = _destination(self.weight, self.bias, tensor, "row-parallel layer")
         part = self.input_slice
-        dest.copy_(_kept(tensor, part.full, part.rows, 1, "weight") if tensor.dim() == 2 else tensor)
+        _copy(dest, _kept(tensor, part.full, part.rows, 1, "weight") if tensor.dim() == 2 else tensor, "tensor")
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel) -> RowParallelLinear:
@@ -173,35 +184,40 @@ class RowParallelLinear(nn.Module):
         return layer
 
 
-class _VocabParallel(nn.Module):
+class _VocabRows:
     """This rank's `shard.per_rank` rows of a `[vocab, hidden]` table; its padding rows are zero."""
 
-    def __init__(
-        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype = torch.float32
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.shard: VocabShard = vocab_shard(vocab_size, tp.size, tp.rank)
-        self.weight = _parameter(self.shard.per_rank, hidden_size, dtype=dtype)
-        self.weight.data[self.shard.num_valid :].zero_()
+    tp: TensorParallel
+    shard: VocabShard
+    weight: torch.Tensor
 
     def load(self, weight: torch.Tensor) -> None:
         """Copy the full `[vocab, hidden]` table's rows this rank keeps (or exactly its `num_valid` real rows)."""
         shard = self.shard
         rows = range(shard.start, shard.valid_end)
-        self.weight.data[: shard.num_valid].copy_(_kept(weight, shard.vocab_size, rows, 0, "vocab table"))
+        dest = self.weight.data[: shard.num_valid]
+        _copy(dest, _kept(weight, shard.vocab_size, rows, 0, "vocab table"), "vocab table")
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, tp: TensorParallel) -> Self:
         """This rank's rows of the full `[vocab, hidden]` table."""
         with torch.device(weight.device):
-            layer = cls(weight.shape[0], weight.shape[1], tp, weight.dtype)
+            layer = cls(weight.shape[0], weight.shape[1], tp, weight.dtype)  # type: ignore[call-arg]
         layer.load(weight)
         return layer
 
 
-class VocabParallelEmbedding(_VocabParallel):
+class VocabParallelEmbedding(_VocabRows, nn.Module):
     """`F.embedding` over this rank's vocab rows: ids outside them give zeros, then all ranks sum (all-reduce)."""
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype = torch.float32
+    ) -> None:
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.shard = vocab_shard(vocab_size, tp.size, tp.rank)
+        self.weight = _parameter(self.shard.per_rank, hidden_size, dtype=dtype)
+        self.weight.data[self.shard.num_valid :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids `[T]` -> `[T, hidden]`, the same on every rank."""
@@ -213,16 +229,17 @@ class VocabParallelEmbedding(_VocabParallel):
         return self.tp.all_reduce_sum(local.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
-class ParallelLMHead(_VocabParallel):
-    """`hidden @ W.T` over this rank's vocab rows, gathered to rank 0 in vocab order with the padding dropped."""
+class ParallelLMHead(_VocabRows, _LocalLinear):
+    """`hidden @ W_r.T` over this rank's vocab rows (padding rows give zero logits); `gather_vocab` of the result
+    is the full `[N, vocab]` logits on rank 0."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden `[N, hidden]` -> logits `[N, vocab]` on rank 0 (contiguous); None on the other ranks."""
-        local = F.linear(hidden, self.weight)
-        if self.tp.size == 1:
-            return local
-        logits = self.tp.gather_last_dim(local)
-        return None if logits is None else logits[..., : self.shard.vocab_size].contiguous()
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.shard = vocab_shard(vocab_size, tp.size, tp.rank)
+        _LocalLinear.__init__(self, hidden_size, self.shard.per_rank, False, dtype)
+        self.tp = tp
+        self.weight.data[self.shard.num_valid :].zero_()
 
     @classmethod
     def tied_to(cls, embedding: VocabParallelEmbedding) -> ParallelLMHead:
@@ -231,3 +248,12 @@ class ParallelLMHead(_VocabParallel):
             head = cls(embedding.shard.vocab_size, embedding.weight.shape[1], embedding.tp, embedding.weight.dtype)
         head.weight = embedding.weight
         return head
+
+
+def gather_vocab(local: torch.Tensor, shard: VocabShard, tp: TensorParallel) -> torch.Tensor | None:
+    """Every rank's local logits `[N, per_rank]` (an LM head's output) -> `[N, vocab]` on rank 0, in vocab order with
+    the padding dropped (contiguous); None on the other ranks. At size 1, `local` itself."""
+    if tp.size == 1:
+        return local
+    logits = tp.gather_last_dim(local)
+    return None if logits is None else logits[..., : shard.vocab_size].contiguous()

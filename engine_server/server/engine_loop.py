@@ -239,6 +239,7 @@ class EngineLoop:
             if outputs or errors:
                 self._publish(outputs, errors)
             if stopping:
+                self._core.close()  # on this thread: the tensor-parallel workers' channel is the core thread's
                 return
 
     def _drain(self, block: bool) -> list[_Command]:

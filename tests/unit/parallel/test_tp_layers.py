@@ -22,6 +22,7 @@ from engine_server.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    gather_vocab,
 )
 from engine_server.parallel.sharding import kv_heads_of_rank
 
@@ -57,7 +58,8 @@ def _check_linear_pair(tp: TensorParallel, gen: torch.Generator) -> None:
             _close(gathered, expected_hidden)
         else:
             assert gathered is None
-        _close(row(hidden), F.linear(expected_hidden, row_w, row_b))
+        _close(tp.all_reduce_sum(row(hidden)), F.linear(expected_hidden, row_w, row_b))
+        assert (row.bias is not None) == tp.is_driver  # the sum adds it once
 
 
 def _check_mlp(tp: TensorParallel, gen: torch.Generator) -> None:
@@ -74,7 +76,7 @@ def _check_mlp(tp: TensorParallel, gen: torch.Generator) -> None:
         gate, up = gate_up(x).split(gate_up.output_sizes, dim=-1)
         expected_gate, expected_up = F.linear(x, gate_up_w).chunk(2, dim=-1)
         expected = F.linear(F.silu(expected_gate) * expected_up, down_w)
-        _close(down(F.silu(gate) * up), expected)
+        _close(tp.all_reduce_sum(down(F.silu(gate) * up)), expected)
 
 
 def _check_attention_projections(
@@ -96,7 +98,7 @@ def _check_attention_projections(
         local = qkv(x)
         gathered = tp.gather_last_dim(local)
         # o_proj over this rank's q heads stands in for attention's output, which has q's layout.
-        _close(o_proj(local.split(qkv.output_sizes, -1)[0]), F.linear(full_q, o_weight))
+        _close(tp.all_reduce_sum(o_proj(local.split(qkv.output_sizes, -1)[0])), F.linear(full_q, o_weight))
     if gathered is None:
         return
     by_rank = [part.split(qkv.output_sizes, dim=-1) for part in gathered.split(local.shape[-1], dim=-1)]
@@ -120,7 +122,7 @@ def _check_vocab(tp: TensorParallel, gen: torch.Generator, vocab: int) -> None:
     with torch.inference_mode():
         _close(embedding(ids), F.embedding(ids, table))
         for lm_head in (head, tied):
-            logits = lm_head(hidden)
+            logits = gather_vocab(lm_head(hidden), lm_head.shard, tp)
             if tp.is_driver:
                 assert logits is not None and logits.shape == (4, vocab) and logits.is_contiguous()
                 _close(logits, F.linear(hidden, table))
@@ -171,8 +173,10 @@ def test_at_size_one_every_layer_is_the_unsharded_op_bitwise() -> None:
             RowParallelLinear.from_full(o_w, None, SINGLE)(x[:, :8].repeat(1, 4)), F.linear(x[:, :8].repeat(1, 4), o_w)
         )
         assert torch.equal(VocabParallelEmbedding.from_full(table, SINGLE)(ids), F.embedding(ids, table))
-        logits = ParallelLMHead.from_full(table, SINGLE)(x)
+        head = ParallelLMHead.from_full(table, SINGLE)
+        logits = gather_vocab(head(x), head.shard, SINGLE)
         assert logits is not None and torch.equal(logits, F.linear(x, table))
+    assert all(isinstance(layer, torch.nn.Linear) for layer in (qkv, head))  # packing and quantization swap them
     y = torch.ones(3)
     assert SINGLE.all_reduce_sum(y) is y and SINGLE.gather_last_dim(y) is y
 
@@ -186,6 +190,8 @@ def test_loading_refuses_shapes_that_are_neither_the_full_tensor_nor_this_ranks_
     row = RowParallelLinear.from_full(torch.zeros(4, 6), torch.zeros(4), SINGLE)
     row.load(torch.ones(4))
     assert row.bias is not None and torch.equal(row.bias, torch.ones(4))
+    with pytest.raises(ValueError, match=r"tensor has shape \(5,\), expected \(4,\)"):
+        row.load(torch.ones(5))
     with pytest.raises(ValueError, match="fused weight has 8 rows"):
         ColumnParallelLinear.from_full_fused(torch.zeros(8, 4), None, layer.parts[:1])
     with pytest.raises(ValueError, match="needs a process group"):

@@ -1,0 +1,217 @@
+"""Tensor parallelism's processes: rank 0 (this engine) starts the N-1 workers, which load their shards and then
+run every forward pass rank 0 runs, in step, until told to stop.
+
+Start-up (`start_tensor_parallel`): rank 0 puts the step buffer in shared memory, spawns the workers (fresh
+interpreters, one device each on CUDA, an even share of the cores each on the CPU, rank 0 included), joins the
+process group with them through a rendezvous file, and every rank runs `load_model` with its `TensorParallel`.
+
+A worker's loop (`_worker_main`) takes one `step_channel` message at a time: FORWARD runs the model over its
+own KV cache and keeps the hidden states, LOGITS computes its vocab rows' logits for the rows asked and gathers
+them to rank 0, STOP ends it. It never samples, schedules or sees a request.
+
+Failure: every process of the group goes when one goes. A worker exits when rank 0 does (it checks its parent
+twice a second, and a collective with a dead peer fails at once). Rank 0 watches its workers: when one exits
+without being told to stop, `on_lost` runs (by default: log, stop the other workers, exit the process with
+status 1, so a supervisor restarts the engine and the gateway fails over; its calls in flight end UNAVAILABLE
+as the connections close).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import structlog
+import torch
+import torch.multiprocessing as mp
+
+from engine_server.config import EngineConfig
+from engine_server.loader import ModelSource
+from engine_server.model_loading import LoadedModel, load_model, resolve_device
+from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from engine_server.parallel.step_channel import (
+    MessageKind,
+    StepReceiver,
+    StepSender,
+    buffer_capacity,
+    shared_buffer,
+)
+
+log = structlog.get_logger(__name__)
+
+PARENT_CHECK_S = 0.5  # how often a worker checks that rank 0 is still there
+STOP_WAIT_S = 5.0  # how long `stop` waits for the workers to leave before killing them
+JOIN_TIMEOUT = timedelta(minutes=10)  # ranks that do not all arrive (or load) within this fail instead of hanging
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process is started with (pickled once, at spawn)."""
+
+    rank: int
+    size: int
+    init_method: str
+    source: ModelSource
+    config: EngineConfig
+    max_model_len: int
+    buffer: torch.Tensor  # the step buffer, in shared memory
+    threads: int  # torch intra-op threads on the CPU
+
+
+def cpu_threads_per_rank(size: int, total: int | None = None) -> int:
+    """Each rank's even share of the CPU threads (at least one)."""
+    return max(1, (total or torch.get_num_threads()) // size)
+
+
+def start_tensor_parallel(
+    source: ModelSource,
+    config: EngineConfig,
+    max_model_len: int,
+    on_lost: Callable[[int, int | None], None] | None = None,
+) -> tuple[LoadedModel, WorkerGroup]:
+    """Spawn the workers of a `config.tensor_parallel_size` group, load rank 0's shards beside theirs and return
+    rank 0's model with the running group. A worker that fails to start or load makes this raise (and stops the
+    others). `on_lost(rank, exit status)` replaces the default reaction to a worker lost later (module doc)."""
+    size = config.tensor_parallel_size
+    device = resolve_device(config.device)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this host has {torch.cuda.device_count()}")
+    threads = cpu_threads_per_rank(size)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    sched = config.scheduler
+    blocks_per_seq = -(-max_model_len // config.cache.block_size) + 1
+    buffer = shared_buffer(buffer_capacity(sched.max_num_batched_tokens, sched.max_num_seqs, blocks_per_seq))
+    rendezvous = Path(tempfile.mkdtemp(prefix="ladle-tp-"))
+    init_method = f"file://{rendezvous / 'store'}"
+    context = mp.get_context("spawn")
+    processes: list[BaseProcess] = []
+    for rank in range(1, size):
+        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, buffer, threads)
+        process = context.Process(target=_worker_main, args=(spec,), name=f"ladle-tp-worker-{rank}", daemon=True)
+        process.start()
+        processes.append(process)
+    group = WorkerGroup(processes, rendezvous)
+    # From now on: a worker that dies (while loading, too) stops the engine rather than leaving rank 0 waiting.
+    group.watch(on_lost or _exit_on_loss)
+    try:
+        tp = init_tensor_parallel(0, size, init_method, _rank_device(device, 0), timeout=JOIN_TIMEOUT)
+        group.tp = tp
+        loaded = load_model(source, config, max_model_len, tp)
+    except BaseException:
+        group.stop()
+        raise
+    group.sender = StepSender(tp, buffer)
+    log.info("tensor parallelism ready", size=size, device=device.type, cpu_threads_per_rank=threads)
+    return loaded, group
+
+
+class WorkerGroup:
+    """Rank 0's handle on its workers: `sender` feeds them steps; `stop` ends them (idempotent)."""
+
+    def __init__(self, processes: list[BaseProcess], rendezvous: Path) -> None:
+        self.processes = processes
+        self.sender: StepSender | None = None
+        self.tp: TensorParallel | None = None
+        self._rendezvous = rendezvous
+        self._stopping = threading.Event()
+
+    def watch(self, on_lost: Callable[[int, int | None], None]) -> None:
+        """Call `on_lost(rank, exit status)` (on a watcher thread) if a worker exits before `stop`."""
+
+        def run() -> None:
+            sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
+            ready = wait(list(sentinels))
+            if self._stopping.is_set():
+                return
+            rank = sentinels[ready[0]]  # type: ignore[index]
+            on_lost(rank, self.processes[rank - 1].exitcode)
+
+        threading.Thread(target=run, name="tp-worker-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        """Tell the workers to stop (when the group is up), wait up to STOP_WAIT_S, kill what is left, leave the
+        group and remove the rendezvous."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self.sender is not None and all(process.is_alive() for process in self.processes):
+            try:
+                self.sender.stop()
+            except RuntimeError as exc:  # a worker went meanwhile
+                log.warning("tensor-parallel stop message failed", error=str(exc))
+        deadline = time.monotonic() + STOP_WAIT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+        if self.tp is not None:
+            destroy_tensor_parallel(self.tp)
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL every worker still running and reap it."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(1.0)
+
+
+def _exit_on_loss(rank: int, exitcode: int | None) -> None:
+    log.error("a tensor-parallel worker is gone: the engine stops", rank=rank, exit_status=exitcode)
+    os._exit(1)  # the other workers see rank 0 go and leave too
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _watch_parent() -> None:
+    """Leave (exit status 1) as soon as rank 0 is gone: a worker is re-parented when its parent dies."""
+    parent = os.getppid()
+    while True:
+        time.sleep(PARENT_CHECK_S)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+@torch.inference_mode()
+def _worker_main(spec: WorkerSpec) -> None:
+    """A worker process: join, load this rank's shards, then run rank 0's steps until STOP (module doc)."""
+    threading.Thread(target=_watch_parent, name="tp-parent-watch", daemon=True).start()
+    device = _rank_device(resolve_device(spec.config.device), spec.rank)
+    if device.type == "cpu":
+        torch.set_num_threads(spec.threads)
+    tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, device, timeout=JOIN_TIMEOUT)
+    try:
+        loaded = load_model(spec.source, spec.config, spec.max_model_len, tp)
+        _serve_steps(loaded, StepReceiver(tp, spec.buffer, loaded.device))
+    finally:
+        destroy_tensor_parallel(tp)
+
+
+def _serve_steps(loaded: LoadedModel, receiver: StepReceiver) -> None:
+    """The worker's loop: rank 0's forwards over this rank's KV cache, and its share of their logits."""
+    model, kv_caches = loaded.model, loaded.kv_caches
+    hidden: torch.Tensor | None = None
+    while True:
+        message = receiver.receive()
+        if message.kind is MessageKind.FORWARD:
+            inputs = message.forward
+            assert inputs is not None
+            hidden = model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)
+        elif message.kind is MessageKind.LOGITS:
+            if hidden is None:
+                raise RuntimeError("rank 0 asked for logits before any forward pass")
+            rows = hidden if message.rows is None else hidden.index_select(0, message.rows)
+            model.sharded_logits(rows)
+        else:
+            return
