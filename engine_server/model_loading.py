@@ -14,8 +14,9 @@ The KV cache holds one block more than the scheduler is given (`scratch_block ==
 padding rows write there and nowhere else.
 
 Under tensor parallelism every rank calls `load_model` with its `TensorParallel` (rank 0 from the engine, the
-others from `engine_server.workers`): each builds and loads its shards and allocates a KV cache of its own KV
-heads; rank 0's block count is every rank's (broadcast), so one block id means the same tokens on every rank.
+others from `engine_server.workers`): each builds its shards, loads them reading only its slice of each
+checkpoint tensor (`ModelSource.lazy_weights`) and allocates a KV cache of its own KV heads; rank 0's block
+count is every rank's (broadcast), so one block id means the same tokens on every rank.
 Decode graphs, draft models and the C++ decode stack are not used under tensor parallelism (yet).
 """
 
@@ -117,7 +118,8 @@ def load_model(
     quantization = resolve_quantization(config.quantization, source, device, dtype, kernels, tp.size)
     torch.manual_seed(config.seed)
     model = get_model_class(source.config.architecture)(source.config, dtype=dtype, tp=tp)
-    model.load_weights(source.weights())
+    # Sharded, each rank reads only its slice of each tensor; unsharded, one sequential read per file is faster.
+    model.load_weights(source.lazy_weights() if tp.size > 1 else source.weights())
     model = model.to(device).eval()
     num_blocks = tp.broadcast_from_driver(num_kv_blocks(source.config, config, dtype, max_model_len, tp.size))
     block_size = config.cache.block_size

@@ -1,7 +1,8 @@
 """`ModelSource`: a resolved model, i.e. its shape, where its files live and how to iterate its weights.
 
 A source never holds weights in memory: `weights()` streams `(hf_name, tensor)` pairs from safetensors files
-(memory-mapped) or, for `dummy:` presets, generates them one at a time.
+(one file read at a time) or, for `dummy:` presets, generates them one at a time; `lazy_weights()` streams them
+unread (`LazyTensor`), for a tensor-parallel rank that reads only its slice of each.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
 from engine_server.config import ModelConfig
 from engine_server.loader.dummy import iter_random_weights
 from engine_server.loader.layout import parameter_shapes
+from engine_server.loader.lazy_tensor import LazyTensor
 
 CACHE_DIR_ENV = "LADLE_CACHE_DIR"
 
@@ -56,6 +59,13 @@ class ModelSource:
             return iter_random_weights(self.config, self.seed)
         return iter_safetensors(self.path)
 
+    def lazy_weights(self) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+        """`weights()` for a sharded (tensor-parallel) load: each real tensor unread, so a rank reads only the slice
+        it keeps (`LazyTensor.narrow`). `dummy:` presets still yield whole tensors: they are generated, not read."""
+        if self.random_weights:
+            return iter_random_weights(self.config, self.seed)
+        return iter_lazy_safetensors(self.path)
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected parameter names and shapes for `config`, without reading or generating any weights."""
         return parameter_shapes(self.config)
@@ -76,6 +86,14 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = safetensors_load(file.read_bytes())
         while tensors:
             yield tensors.popitem()
+
+
+def iter_lazy_safetensors(folder: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """Yield every tensor of every `*.safetensors` file in `folder` unread, one file open (mapped) at a time."""
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                yield name, LazyTensor(handle.get_slice(name))
 
 
 def read_hf_config(folder: Path) -> dict[str, object]:

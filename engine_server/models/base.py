@@ -14,11 +14,13 @@ from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
+    CheckpointTensor,
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_vocab,
+    read_whole,
 )
 from engine_server.step_interrupt import StepInterrupt
 from kernels.kernel_set import KernelOps
@@ -95,13 +97,13 @@ class CausalLM(nn.Module):
         logits = gather_vocab(self.lm_head(hidden), self.vocab_shard, self.tp)
         return None if logits is None else logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.
 
         Every parameter (and every shard of a fused one) must be provided exactly as shaped; unknown names are
         refused. With tied embeddings a checkpoint's `lm_head.weight` is ignored. Under tensor parallelism each
-        sharded layer keeps its rank's slice of the tensor (`parallel.layers`), which may be given whole or as
-        exactly that slice.
+        sharded layer keeps its rank's slice of the tensor (`parallel.layers`), which may be given whole, as
+        exactly that slice, or unread (`loader.lazy_tensor.LazyTensor`: then only that slice is read).
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
@@ -136,7 +138,7 @@ class CausalLM(nn.Module):
         return expected
 
 
-def _load_into(module: nn.Module, kind: str, shard: str, tensor: torch.Tensor) -> None:
+def _load_into(module: nn.Module, kind: str, shard: str, tensor: CheckpointTensor) -> None:
     """Copy one checkpoint tensor (`kind` "weight" or "bias"; `shard` the part of a fused layer, or "") into
     `module`, which keeps this rank's slice of it; ValueError when the module has no such tensor or the shape is
     neither the whole nor the slice."""
@@ -152,4 +154,4 @@ def _load_into(module: nn.Module, kind: str, shard: str, tensor: torch.Tensor) -
             raise ValueError(f"{type(module).__name__} has no {kind}")
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.data.copy_(tensor)
+        dest.data.copy_(read_whole(tensor))

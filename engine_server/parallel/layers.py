@@ -14,13 +14,14 @@ layer is the unsharded op on the full weight (bitwise what `nn.Linear` / `F.embe
 Every layer is built in two ways: empty (the shapes of this rank's slice, for a model built on its device and
 then loaded) and `from_full` (from the full tensor; tests, and loaders that read whole tensors). Its `load*`
 methods take either the full tensor or exactly the slice this rank keeps, so a loader that reads only its own
-bytes (sharding.py says which) can hand those in.
+bytes (sharding.py says which) can hand those in, or a `CheckpointTensor` that reads only what `narrow` asks for
+(`loader.lazy_tensor.LazyTensor`), so a rank copies only its own bytes out of the file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Self
+from typing import Protocol, Self
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,26 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def _destination(weight: torch.Tensor, bias: torch.Tensor | None, tensor: torch.Tensor, what: str) -> torch.Tensor:
+class CheckpointTensor(Protocol):
+    """A checkpoint tensor as loading takes it: a `torch.Tensor`, or one read only where it is narrowed
+    (`loader.lazy_tensor.LazyTensor`), whose `narrow` then returns a new tensor of just those bytes."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def dim(self) -> int: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
+    """`tensor` itself if it is a `torch.Tensor`, else all of it, read."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    return tensor.narrow(0, 0, tensor.shape[0])
+
+
+def _destination(weight: torch.Tensor, bias: torch.Tensor | None, tensor: CheckpointTensor, what: str) -> torch.Tensor:
     """Where a checkpoint tensor loads: a 2-D one into the weight, a 1-D one into the bias."""
     if tensor.dim() == 2:
         return weight.data
@@ -46,14 +66,14 @@ def _destination(weight: torch.Tensor, bias: torch.Tensor | None, tensor: torch.
     )
 
 
-def _kept(full_or_kept: torch.Tensor, full: int, rows: range, dim: int, what: str) -> torch.Tensor:
-    """`full_or_kept` narrowed to `rows` along `dim` if it is the whole (`full` long), else as given if it is the
-    slice already (`len(rows)` long); ValueError otherwise."""
+def _kept(full_or_kept: CheckpointTensor, full: int, rows: range, dim: int, what: str) -> torch.Tensor:
+    """`full_or_kept` narrowed to `rows` along `dim` if it is the whole (`full` long), else all of it if it is the
+    slice already (`len(rows)` long); ValueError otherwise. A lazy tensor is read only there."""
     length = full_or_kept.shape[dim]
     if length == full:
         return full_or_kept.narrow(dim, rows.start, len(rows))
     if length == len(rows):
-        return full_or_kept
+        return read_whole(full_or_kept)
     raise ValueError(f"{what} has {length} along dim {dim}: expected the full {full} or this rank's {len(rows)}")
 
 
@@ -95,7 +115,7 @@ class ColumnParallelLinear(_LocalLinear):
         self.output_sizes = tuple(len(part.rows) for part in self.parts)
         super().__init__(in_features, sum(self.output_sizes), bias, dtype)
 
-    def load_part(self, index: int, tensor: torch.Tensor) -> None:
+    def load_part(self, index: int, tensor: CheckpointTensor) -> None:
         """Copy part `index`'s weight (2-D `[rows, in]`) or bias (1-D): the whole part or only the rows this rank keeps.
 
         One checkpoint tensor per call (`k_proj.weight` is part 1 of QKV, `up_proj.weight` part 1 of gate/up).
@@ -166,13 +186,14 @@ class RowParallelLinear(_LocalLinear):
         self.has_bias = bias
         super().__init__(len(self.input_slice.rows), out_features, bias and tp.is_driver, dtype)
 
-    def load(self, tensor: torch.Tensor) -> None:
+    def load(self, tensor: CheckpointTensor) -> None:
         """Copy the weight (2-D: the full `[out, in]`, or exactly this rank's columns) or the bias (1-D, whole)."""
         if tensor.dim() == 1 and self.has_bias and self.bias is None:
-            return  # rank 0 adds the bias
+            return  # rank 0 adds the bias (and only it reads it)
         dest = _destination(self.weight, self.bias, tensor, "row-parallel layer")
         part = self.input_slice
-        _copy(dest, _kept(tensor, part.full, part.rows, 1, "weight") if tensor.dim() == 2 else tensor, "tensor")
+        kept = _kept(tensor, part.full, part.rows, 1, "weight") if tensor.dim() == 2 else read_whole(tensor)
+        _copy(dest, kept, "tensor")
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel) -> RowParallelLinear:
@@ -191,7 +212,7 @@ class _VocabRows:
     shard: VocabShard
     weight: torch.Tensor
 
-    def load(self, weight: torch.Tensor) -> None:
+    def load(self, weight: CheckpointTensor) -> None:
         """Copy the full `[vocab, hidden]` table's rows this rank keeps (or exactly its `num_valid` real rows)."""
         shard = self.shard
         rows = range(shard.start, shard.valid_end)
