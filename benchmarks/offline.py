@@ -75,7 +75,10 @@ def bench_ladle(
     max_num_seqs: int,
     quantization: str = "none",
     repeats: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
+    """ladle's offline LLM on the workload. Under tensor parallelism the result also says how long rank 0 spent
+    inside all-reduces (waiting for the other ranks included) and their share of the timed runs' wall time."""
     from engine_server import LLM, SamplingParams
     from engine_server.config import EngineConfig, SchedulerConfig
 
@@ -84,17 +87,37 @@ def bench_ladle(
         device=device,  # type: ignore[arg-type]
         quantization=quantization,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
+        tensor_parallel_size=tensor_parallel_size,
     )
-    llm = LLM(config=config)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    warmup = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate(warmup_prompts(prompts), warmup, use_tqdm=False)
+    threads = torch.get_num_threads()  # tensor parallelism shares them out between the ranks; restored after
+    with LLM(config=config) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        warmup = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate(warmup_prompts(prompts), warmup, use_tqdm=False)
+        stats = llm.core.runner.loaded.tp.stats
+        stats.reset()
+        wall = 0.0
 
-    def run() -> int:
-        results = llm.generate(prompts, params, use_tqdm=False)
-        return sum(len(r.choices[0].token_ids) for r in results)
+        def run() -> int:
+            nonlocal wall
+            started = time.perf_counter()
+            results = llm.generate(prompts, params, use_tqdm=False)
+            wall += time.perf_counter() - started
+            return sum(len(r.choices[0].token_ids) for r in results)
 
-    return {**_timed(run, repeats), "quantization": llm.core.runner.quantization}
+        timed = {**_timed(run, repeats), "quantization": llm.core.runner.quantization}
+        if tensor_parallel_size > 1:
+            tokens = timed["output_tokens"] * repeats
+            timed["tensor_parallel"] = {
+                "size": tensor_parallel_size,
+                "cpu_threads_per_rank": torch.get_num_threads(),
+                "all_reduce_calls": stats.calls,
+                "all_reduce_seconds": round(stats.seconds, 3),
+                "all_reduce_share_of_wall": round(stats.seconds / wall, 3),
+                "all_reduce_bytes_per_output_token": round(stats.bytes / tokens),
+            }
+    torch.set_num_threads(threads)
+    return timed
 
 
 def bench_llama_cpp(gguf: Path, prompts: Workload, output_len: int, threads: int, repeats: int = 1) -> dict[str, Any]:
@@ -158,11 +181,15 @@ def bench_hf_continuous(hf: Any, prompts: Workload, output_len: int, repeats: in
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
     torch.manual_seed(args.seed)
     prompts = make_workload(args.num_seqs, args.input_len, 49152, args.seed)
     systems: dict[str, dict[str, Any]] = {
         "ladle": bench_ladle(
-            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), args.quantization, args.repeats
+            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), args.quantization, args.repeats,
+            args.tensor_parallel_size,
         )
     }
     print(f"ladle: {systems['ladle']}", flush=True)
@@ -191,7 +218,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "cpu_model": cpu_model_name(),
-            "cpu_count": torch.get_num_threads(),
+            "cpu_count": threads,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__,
         },
@@ -205,6 +232,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "quantization": args.quantization,
             "repeats": args.repeats,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "threads": threads,
         },
         "systems": systems,
         "ratio_vs_best_hf": round(systems["ladle"]["output_tok_per_s"] / max(hf_rates), 3) if hf_rates else None,
@@ -230,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--repeats", type=int, default=1, help="time each system this many times and report the median run (default 1)"
     )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ladle's model split over this many processes"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads of this process (0: torch's default)")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser
 

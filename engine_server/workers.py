@@ -124,19 +124,27 @@ class WorkerGroup:
         self.tp: TensorParallel | None = None
         self._rendezvous = rendezvous
         self._stopping = threading.Event()
+        self._on_lost: Callable[[int, int | None], None] | None = None
 
     def watch(self, on_lost: Callable[[int, int | None], None]) -> None:
         """Call `on_lost(rank, exit status)` (on a watcher thread) if a worker exits before `stop`."""
+        self._on_lost = on_lost
 
         def run() -> None:
-            sentinels = {process.sentinel: rank for rank, process in enumerate(self.processes, start=1)}
-            ready = wait(list(sentinels))
-            if self._stopping.is_set():
-                return
-            rank = sentinels[ready[0]]  # type: ignore[index]
-            on_lost(rank, self.processes[rank - 1].exitcode)
+            wait([process.sentinel for process in self.processes])
+            self.check()
 
         threading.Thread(target=run, name="tp-worker-watch", daemon=True).start()
+
+    def check(self) -> None:
+        """Run `on_lost` now if a worker has exited before `stop` (the engine core calls it when a step fails: a
+        collective with a dead rank fails, and that is the loss, not a failed step)."""
+        if self._stopping.is_set() or self._on_lost is None:
+            return
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                self._on_lost(rank, process.exitcode)
+                return
 
     def stop(self) -> None:
         """Tell the workers to stop (when the group is up), wait up to STOP_WAIT_S, kill what is left, leave the

@@ -34,6 +34,7 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--override-generation-config", args.override_generation_config,
         "--batch-step-target", "auto" if args.batch_step_target is None else str(args.batch_step_target),
         "--speculative-config", _speculative_json(args.speculative_config),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
     ]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
 

@@ -96,6 +96,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--quantization", "auto", "weights kept quantized (CPU): auto (gguf for a GGUF file on the CPU, "
          "none elsewhere), none (float32, the exact path: greedy output equal to transformers'), gguf (a GGUF "
          "file's own Q4_0/Q4_1/Q8_0 blocks), int8 (8-bit groups of any model's weights)", choices=QUANTIZATION_MODES)
+    _add(parser, "--tensor-parallel-size", 1, "split the model over this many processes (tensor parallelism): this "
+         "one and N-1 workers, one GPU each on CUDA, an even share of the cores each on the CPU", type=int)
     _add(parser, "--speculative-config", "", "speculative decoding, as vLLM spells it: a JSON object with "
          "\"method\" ngram (prompt lookup), suffix (suffix decoding) or draft_model (with \"model\": a draft "
          "model sharing the tokenizer), and optionally num_speculative_tokens (4), prompt_lookup_max (4), "
@@ -203,6 +205,7 @@ def _engine(args: argparse.Namespace) -> int:
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config or None,
             speculative=args.speculative_config,
+            tensor_parallel_size=args.tensor_parallel_size,
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

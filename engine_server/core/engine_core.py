@@ -152,6 +152,12 @@ class EngineCore:
         if self.workers is not None:
             self.workers.stop()
 
+    def check_workers(self) -> None:
+        """After a failed step: if a tensor-parallel worker is gone, that is why, and the engine stops now
+        (engine_server.workers) instead of reporting a failed step."""
+        if self.workers is not None:
+            self.workers.check()
+
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
         if self.speculator is not None:

@@ -8,11 +8,26 @@ and receives the gathered logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank's all-reduces cost since start (or `reset`): calls, bytes reduced, seconds inside them
+    (waiting for the slowest rank included; on CUDA only the time to queue them). Benchmarks read it; two clock
+    reads per call."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +44,7 @@ class TensorParallel:
     size: int = 1
     group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
+    stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -44,7 +60,12 @@ class TensorParallel:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place, and return it (every rank gets the sum); a no-op at size 1."""
         if self.group is not None:
+            started = time.perf_counter()
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            stats = self.stats
+            stats.seconds += time.perf_counter() - started
+            stats.calls += 1
+            stats.bytes += tensor.numel() * tensor.element_size()
         return tensor
 
     def broadcast_from_driver(self, value: int) -> int:

@@ -271,6 +271,7 @@ class EngineLoop:
         try:
             outputs.extend(self._core.step())
         except Exception:
+            self._core.check_workers()  # a lost tensor-parallel worker stops the process here
             # A bug in a step: fail the requests that were in it rather than the process. Aborting frees
             # their blocks, so whoever comes next starts from a clean scheduler.
             log.exception("engine step failed; failing the requests in flight", num_requests=len(self._live))

@@ -1,0 +1,228 @@
+"""Tensor parallelism end to end on the CPU (gloo): real engines split over worker processes, against TP=1.
+
+- gRPC: `ladle engine --tensor-parallel-size 2` on dummy:qwen2.5-0.5b (2 KV heads: one per rank) through the
+  typed client; 32 token-id prompts, greedy.
+- The gateway: `ladle serve --tensor-parallel-size 3` on the embedded model (3 KV heads) through the official
+  OpenAI SDK (completions of 32 token-id prompts in one call).
+Each is compared with the same model at TP=1 in this process (`LLM`), float32. Sums over ranks change the
+float32 summation order, so a greedy continuation may flip only where the two best tokens nearly tie: a prompt
+agrees when its tokens are identical, or when at the first difference TP=1 had both tokens in its top 2 within
+NEAR_TIE_NATS of each other; at least 95% must be identical outright.
+
+- Failure: kill -9 of a worker under load ends every call (UNAVAILABLE or completed), the engine exits non-zero
+  within 5 s and leaves no process; kill -9 of rank 0 makes the workers leave within 5 s.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import psutil
+import pytest
+
+from engine_server.config import CacheConfig, EngineConfig
+from engine_server.frontend import Choice
+from engine_server.llm import LLM
+from ladle.client import EngineClient
+from ladle.v1 import engine_pb2, types_pb2
+from tests.e2e.engine_process import EngineProcess, start_engine
+from tests.e2e.gateway_process import start_serve
+
+pytestmark = pytest.mark.slow
+
+NUM_PROMPTS = 32
+NUM_TOKENS = 16
+# Logits of these models span about +-30; float32 sums in another order move them by ~1e-5 relative (3e-4 nats):
+# a flip needs the top two within about 1e-4 relative of each other.
+NEAR_TIE_NATS = 3e-3
+IDENTICAL = 0.95
+EXIT_WITHIN_S = 5.0
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 49152) for _ in range(rng.randrange(4, 40))] for _ in range(NUM_PROMPTS)]
+
+
+def _reference(model: str, prompts: list[list[int]]) -> list[Choice]:
+    """TP=1 in this process: greedy, with each token's top 2 log-probabilities."""
+    config = EngineConfig(model=model, device="cpu", quantization="none", cache=CacheConfig(memory_bytes=256 << 20))
+    with LLM(config=config) as llm:
+        params = llm.sampling_params(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
+        return [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _judge(got: list[list[str]], reference: list[Choice]) -> tuple[int, list[str]]:
+    """(prompts identical, a line for each prompt that is not) for continuations given as token strings."""
+    identical, problems = 0, []
+    for index, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
+        assert ref.logprobs is not None
+        ref_tokens = [lp.token for lp in ref.logprobs]
+        first = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=False)) if a != b), None)
+        if first is None and len(tokens) == len(ref_tokens):
+            identical += 1
+            continue
+        if first is None:
+            problems.append(f"prompt {index}: {len(tokens)} tokens against TP=1's {len(ref_tokens)}")
+            continue
+        top = {t.token: t.logprob for t in ref.logprobs[first].top_logprobs}
+        gap = top[ref_tokens[first]] - top[tokens[first]] if tokens[first] in top else float("inf")
+        verdict = "near-tie" if gap <= NEAR_TIE_NATS else "DIVERGED"
+        problems.append(
+            f"prompt {index}: {verdict} at token {first} ({tokens[first]!r} vs {ref_tokens[first]!r}, {gap:.2e} nats)"
+        )
+    return identical, problems
+
+
+def _assert_agree(got: list[list[str]], reference: list[Choice], what: str) -> None:
+    identical, problems = _judge(got, reference)
+    report = f"{what}: {identical}/{NUM_PROMPTS} identical to TP=1\n" + "\n".join(problems)
+    print(report)
+    assert identical >= IDENTICAL * NUM_PROMPTS and not any(
+        "DIVERGED" in p or "tokens against" in p for p in problems
+    ), report
+
+
+@pytest.mark.timeout(600)
+def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
+    model = "dummy:qwen2.5-0.5b"
+    prompts = _prompts(2)
+    engine = start_engine(
+        tmp_path / "engine.log", "--model", model, "--quantization", "none", "--tensor-parallel-size", "2",
+        "--kv-cache-mib", "256", threads=2,
+    )  # fmt: skip
+    try:
+        sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
+        with EngineClient(engine.address, timeout=300) as client:
+            responses = _generate_all(client, prompts, sampling)
+    finally:
+        assert engine.stop() == 0
+    got = [[lp.token for lp in response.choices[0].logprobs] for response in responses]
+    _assert_agree(got, _reference(model, prompts), f"TP=2 over gRPC, {model}")
+
+
+def _generate_all(
+    client: EngineClient, prompts: list[list[int]], sampling: types_pb2.SamplingParams
+) -> list[engine_pb2.GenerateResponse]:
+    """Every prompt at once (one thread per call), so the engine batches them as a server would."""
+    responses: list[engine_pb2.GenerateResponse | None] = [None] * len(prompts)
+
+    def call(index: int) -> None:
+        request = engine_pb2.GenerateRequest(
+            request_id=f"tp-{index}",
+            input=types_pb2.Input(token_ids=types_pb2.TokenIds(ids=prompts[index])),
+            sampling=sampling,
+        )
+        responses[index] = client.generate(request)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(response is not None for response in responses)
+    return [response for response in responses if response is not None]
+
+
+@pytest.mark.timeout(600)
+def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
+    prompts = _prompts(3)
+    gateway, lines = start_serve(tmp_path / "serve.log", "--quantization", "none", "--tensor-parallel-size", "3")
+    try:
+        assert lines[-1].startswith("ladle serve: ready"), "".join(lines) + gateway.log
+        with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
+            model = client.models.list().data[0].id
+            completion = client.completions.create(
+                model=model, prompt=prompts, max_tokens=NUM_TOKENS, temperature=0.0, logprobs=2
+            )
+    finally:
+        assert gateway.stop() == 0
+    choices = sorted(completion.choices, key=lambda choice: choice.index)
+    got = [list(choice.logprobs.tokens or []) if choice.logprobs else [] for choice in choices]
+    _assert_agree(got, _reference("default", prompts), "TP=3 through the gateway, the embedded model")
+
+
+# -- failure ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tp3_engine(tmp_path: Path) -> Iterator[EngineProcess]:
+    engine = start_engine(
+        tmp_path / "engine.log", "--quantization", "none", "--tensor-parallel-size", "3", "--kv-cache-mib", "128",
+        threads=2,
+    )  # fmt: skip
+    yield engine
+    if engine.process.poll() is None:
+        engine.stop(5)
+
+
+def _processes(engine: EngineProcess) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """(the two workers, every process the engine started: workers and any helper of multiprocessing's)."""
+    children = psutil.Process(engine.process.pid).children(recursive=True)
+    workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    assert len(workers) == 2, [child.cmdline() for child in children]
+    return workers, children
+
+
+def _load(engine: EngineProcess, calls: int) -> tuple[list[threading.Thread], list[str]]:
+    """`calls` long streams in flight; each appends how it ended ("completed" or its status code's name)."""
+    ended: list[str] = []
+    started = threading.Barrier(calls + 1)
+
+    def stream(index: int) -> None:
+        request = engine_pb2.StreamRequest(
+            request_id=f"load-{index}",
+            input=types_pb2.Input(text=f"Count from {index} to a thousand:"),
+            sampling=types_pb2.SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True),
+        )
+        with EngineClient(engine.address, timeout=60) as client:
+            call = client.stream(request)
+            try:
+                next(iter(call))  # the stream has begun producing
+                started.wait(60)
+                for _ in call:
+                    pass
+                ended.append("completed")
+            except grpc.RpcError as error:
+                ended.append(error.code().name)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(calls)]
+    for thread in threads:
+        thread.start()
+    started.wait(120)
+    return threads, ended
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_a_worker_takes_the_engine_down_cleanly(tp3_engine: EngineProcess) -> None:
+    workers, children = _processes(tp3_engine)
+    threads, ended = _load(tp3_engine, 4)
+    workers[0].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    status = tp3_engine.process.wait(30)
+    exited_after = time.monotonic() - killed
+    _, alive = psutil.wait_procs(children, timeout=EXIT_WITHIN_S)
+    for thread in threads:
+        thread.join(30)
+    assert status != 0 and exited_after < EXIT_WITHIN_S, (status, exited_after)
+    assert not alive, [p.pid for p in alive]
+    assert sorted(set(ended)) and set(ended) <= {"completed", "UNAVAILABLE"} and len(ended) == 4, ended
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_rank_0_makes_the_workers_leave(tp3_engine: EngineProcess) -> None:
+    _, children = _processes(tp3_engine)
+    threads, _ = _load(tp3_engine, 2)
+    tp3_engine.process.send_signal(signal.SIGKILL)
+    tp3_engine.process.wait(10)
+    _, alive = psutil.wait_procs(children, timeout=EXIT_WITHIN_S)
+    assert not alive, [p.pid for p in alive]
+    for thread in threads:
+        thread.join(30)
