@@ -27,7 +27,7 @@ import openai
 import psutil
 import pytest
 
-from engine_server.config import CacheConfig, EngineConfig
+from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.frontend import Choice
 from engine_server.llm import LLM
 from ladle.client import EngineClient
@@ -53,7 +53,13 @@ def _prompts(seed: int) -> list[list[int]]:
 
 def _reference(model: str, prompts: list[list[int]]) -> list[Choice]:
     """TP=1 in this process: greedy, with each token's top 2 log-probabilities."""
-    config = EngineConfig(model=model, device="cpu", quantization="none", cache=CacheConfig(memory_bytes=256 << 20))
+    config = EngineConfig(
+        model=model,
+        device="cpu",
+        quantization="none",
+        cache=CacheConfig(memory_bytes=256 << 20),
+        scheduler=SchedulerConfig(max_model_len=512),
+    )
     with LLM(config=config) as llm:
         params = llm.sampling_params(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
         return [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
@@ -96,7 +102,7 @@ def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
     prompts = _prompts(2)
     engine = start_engine(
         tmp_path / "engine.log", "--model", model, "--quantization", "none", "--tensor-parallel-size", "2",
-        "--kv-cache-mib", "256", threads=2,
+        "--kv-cache-mib", "512", threads=2,
     )  # fmt: skip
     try:
         sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
