@@ -38,6 +38,7 @@ from engine_server.config import EngineConfig
 from engine_server.loader import ModelSource
 from engine_server.model_loading import LoadedModel, load_model, resolve_device
 from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from engine_server.parallel.shm_all_reduce import ShmAllReduce, ShmBuffers, reduce_capacity, supported
 from engine_server.parallel.step_channel import (
     MessageKind,
     StepReceiver,
@@ -48,6 +49,8 @@ from engine_server.parallel.step_channel import (
 
 log = structlog.get_logger(__name__)
 
+# On the CPU the all-reduces go through shared memory (parallel/shm_all_reduce.py) unless this is "gloo" (A/B runs).
+CPU_ALL_REDUCE_ENV = "LADLE_CPU_ALL_REDUCE"
 PARENT_CHECK_S = 0.5  # how often a worker checks that rank 0 is still there
 STOP_WAIT_S = 5.0  # how long `stop` waits for the workers to leave before killing them
 JOIN_TIMEOUT = timedelta(minutes=10)  # ranks that do not all arrive (or load) within this fail instead of hanging
@@ -65,6 +68,7 @@ class WorkerSpec:
     max_model_len: int
     buffer: torch.Tensor  # the step buffer, in shared memory
     threads: int  # torch intra-op threads on the CPU
+    shm_buffers: ShmBuffers | None = None  # the CPU's shared-memory all-reduce, when used
 
 
 def cpu_threads_per_rank(size: int, total: int | None = None) -> int:
@@ -91,12 +95,16 @@ def start_tensor_parallel(
     sched = config.scheduler
     blocks_per_seq = -(-max_model_len // config.cache.block_size) + 1
     buffer = shared_buffer(buffer_capacity(sched.max_num_batched_tokens, sched.max_num_seqs, blocks_per_seq))
+    shm_buffers = None
+    if device.type == "cpu" and supported() and os.environ.get(CPU_ALL_REDUCE_ENV, "shm") != "gloo":
+        capacity = reduce_capacity(sched.max_num_batched_tokens, source.config.hidden_size)
+        shm_buffers = ShmAllReduce.allocate(size, capacity)
     rendezvous = Path(tempfile.mkdtemp(prefix="ladle-tp-"))
     init_method = f"file://{rendezvous / 'store'}"
     context = mp.get_context("spawn")
     processes: list[BaseProcess] = []
     for rank in range(1, size):
-        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, buffer, threads)
+        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, buffer, threads, shm_buffers)
         process = context.Process(target=_worker_main, args=(spec,), name=f"ladle-tp-worker-{rank}", daemon=True)
         process.start()
         processes.append(process)
@@ -104,14 +112,15 @@ def start_tensor_parallel(
     # From now on: a worker that dies (while loading, too) stops the engine rather than leaving rank 0 waiting.
     group.watch(on_lost or _exit_on_loss)
     try:
-        tp = init_tensor_parallel(0, size, init_method, _rank_device(device, 0), timeout=JOIN_TIMEOUT)
+        tp = init_tensor_parallel(0, size, init_method, _rank_device(device, 0), JOIN_TIMEOUT, shm_buffers)
         group.tp = tp
         loaded = load_model(source, config, max_model_len, tp)
     except BaseException:
         group.stop()
         raise
     group.sender = StepSender(tp, buffer)
-    log.info("tensor parallelism ready", size=size, device=device.type, cpu_threads_per_rank=threads)
+    all_reduce = "shared memory" if tp.shm_reduce is not None else ("gloo" if device.type == "cpu" else "nccl")
+    log.info("tensor parallelism ready", size=size, device=device.type, threads=threads, all_reduce=all_reduce)
     return loaded, group
 
 
@@ -198,7 +207,7 @@ def _worker_main(spec: WorkerSpec) -> None:
     device = _rank_device(resolve_device(spec.config.device), spec.rank)
     if device.type == "cpu":
         torch.set_num_threads(spec.threads)
-    tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, device, timeout=JOIN_TIMEOUT)
+    tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, device, JOIN_TIMEOUT, spec.shm_buffers)
     try:
         loaded = load_model(spec.source, spec.config, spec.max_model_len, tp)
         _serve_steps(loaded, StepReceiver(tp, spec.buffer, loaded.device))

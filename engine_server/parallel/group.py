@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine_server.parallel.shm_all_reduce import ShmAllReduce, ShmBuffers, supported
+
 
 @dataclass
 class CollectiveStats:
@@ -45,6 +47,8 @@ class TensorParallel:
     group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None
     stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
+    # The CPU's shared-memory all-reduce (shm_all_reduce.py), used for every tensor it fits; None: gloo / NCCL.
+    shm_reduce: ShmAllReduce | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -61,7 +65,10 @@ class TensorParallel:
         """Sum `tensor` over the ranks, in place, and return it (every rank gets the sum); a no-op at size 1."""
         if self.group is not None:
             started = time.perf_counter()
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            if self.shm_reduce is not None and self.shm_reduce.fits(tensor):
+                self.shm_reduce.all_reduce_sum(tensor)
+            else:
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
             stats = self.stats
             stats.seconds += time.perf_counter() - started
             stats.calls += 1
@@ -94,9 +101,17 @@ SINGLE = TensorParallel()
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, device: torch.device, timeout: timedelta = timedelta(minutes=5)
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    timeout: timedelta = timedelta(minutes=5),
+    shm_buffers: ShmBuffers | None = None,
 ) -> TensorParallel:
     """Join the group of `size` ranks as `rank` and return it; at size 1, `SINGLE` without touching torch.distributed.
+
+    With `shm_buffers` (made by `ShmAllReduce.allocate` before the ranks started) on a CPU that `supported()`,
+    all-reduces go through shared memory instead of gloo.
 
     `init_method` is the rendezvous every rank is given by the caller: `tcp://127.0.0.1:PORT` or `file:///path`
     (a file that does not exist yet). The backend follows `device`: NCCL on CUDA (the rank's device becomes the
@@ -113,7 +128,8 @@ def init_tensor_parallel(
     if not isinstance(group, dist.ProcessGroup):  # only None before init; narrows the type for mypy
         raise RuntimeError("torch.distributed has no default process group after init_process_group")
     control = group if backend == "gloo" else dist.new_group(backend="gloo")
-    return TensorParallel(rank=rank, size=size, group=group, control_group=control)
+    shm = ShmAllReduce(shm_buffers, rank) if shm_buffers is not None and backend == "gloo" and supported() else None
+    return TensorParallel(rank=rank, size=size, group=group, control_group=control, shm_reduce=shm)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:
