@@ -47,17 +47,18 @@ def resolve_quantization(
 ) -> Scheme:
     """The scheme `mode` means for `source` in `dtype` on `device`; `kernels` says whether the device's own
     kernels are there (the C++ ones built on the CPU, triton on CUDA). Raises ValueError (naming the flag) for a
-    scheme this engine cannot serve. Under tensor parallelism (`tp_size > 1`) a GGUF file's blocks are not
-    sharded (yet): `auto` is then `none`, and `gguf` is refused; `int8` quantizes each rank's slices.
+    scheme this engine cannot serve. Under tensor parallelism (`tp_size > 1`) weights stay float (yet): `auto` is
+    then `none`, and `gguf` and `int8` are refused. (int8 of each rank's slices ran, but its greedy output did not
+    match TP=1's int8 closely enough to ship: issue 26's notes.)
     """
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if mode == "auto":
         gguf = cpu_float32 and kernels and source.gguf_path is not None and tp_size == 1
         return "gguf" if gguf else "none"
-    if mode == "gguf" and tp_size > 1:
+    if mode in ("gguf", "int8") and tp_size > 1:
         raise ValueError(
-            "--quantization gguf: a GGUF file's blocks are not sharded under --tensor-parallel-size > 1 yet; "
-            "use --quantization int8 or none"
+            f"--quantization {mode}: quantized weights are not sharded under --tensor-parallel-size > 1 yet; "
+            "use --quantization none (or auto)"
         )
     if mode == "none":
         return "none"

@@ -38,6 +38,7 @@ from engine_server.config import EngineConfig
 from engine_server.loader import ModelSource
 from engine_server.model_loading import LoadedModel, load_model, resolve_device
 from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
+from engine_server.parallel.sharding import check_shardable
 from engine_server.parallel.shm_all_reduce import ShmAllReduce, ShmBuffers, reduce_capacity, supported
 from engine_server.parallel.step_channel import (
     MessageKind,
@@ -86,6 +87,8 @@ def start_tensor_parallel(
     rank 0's model with the running group. A worker that fails to start or load makes this raise (and stops the
     others). `on_lost(rank, exit status)` replaces the default reaction to a worker lost later (module doc)."""
     size = config.tensor_parallel_size
+    model = source.config
+    check_shardable(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size, size)
     device = resolve_device(config.device)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this host has {torch.cuda.device_count()}")
@@ -147,11 +150,16 @@ class WorkerGroup:
 
     def check(self) -> None:
         """Run `on_lost` now if a worker has exited before `stop` (the engine core calls it when a step fails: a
-        collective with a dead rank fails, and that is the loss, not a failed step)."""
+        collective with a dead rank fails, and that is the loss, not a failed step).
+
+        A worker counts as gone once its sentinel is ready (the process has closed it: it is exiting), and it is
+        then reaped: `is_alive` alone can still say True in the moment between the two."""
         if self._stopping.is_set() or self._on_lost is None:
             return
+        ready = set(wait([process.sentinel for process in self.processes], timeout=0))
         for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
+            if process.sentinel in ready:
+                process.join(1.0)
                 self._on_lost(rank, process.exitcode)
                 return
 

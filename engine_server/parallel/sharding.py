@@ -108,6 +108,12 @@ def gate_up_slices(intermediate_size: int, size: int, rank: int) -> tuple[PartSl
     return part, part
 
 
+def check_shardable(num_attention_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    """ValueError (naming the numbers) unless a model of these sizes splits over `size` ranks."""
+    qkv_slices(num_attention_heads, num_kv_heads, 1, size, 0)
+    split_evenly(intermediate_size, size, "intermediate_size")
+
+
 @dataclass(frozen=True)
 class VocabShard:
     """This rank's rows `[start, start + per_rank)` of the vocabulary padded to `padded` rows.
