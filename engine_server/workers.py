@@ -11,9 +11,10 @@ them to rank 0, STOP ends it. It never samples, schedules or sees a request.
 
 Failure: every process of the group goes when one goes. A worker exits when rank 0 does (it checks its parent
 twice a second, and a collective with a dead peer fails at once). Rank 0 watches its workers: when one exits
-without being told to stop, `on_lost` runs (by default: log, stop the other workers, exit the process with
-status 1, so a supervisor restarts the engine and the gateway fails over; its calls in flight end UNAVAILABLE
-as the connections close).
+without being told to stop, `on_lost` runs. By default (the offline `LLM`) it logs and exits the process with
+status 1; `ladle engine` replaces it (`WorkerGroup.on_lost`) to turn health NOT_SERVING and end every call in
+flight UNAVAILABLE first (engine_server.server.server), so a supervisor restarts the engine and the gateway fails
+over.
 """
 
 from __future__ import annotations
@@ -162,6 +163,11 @@ class WorkerGroup:
                 process.join(1.0)
                 self._on_lost(rank, process.exitcode)
                 return
+
+    def on_lost(self, callback: Callable[[int, int | None], None]) -> None:
+        """Replace what happens when a worker is lost (the server's: report, fail the calls, then exit). The
+        callback runs on the watcher thread (or the core thread) and must end the process itself."""
+        self._on_lost = callback
 
     def stop(self) -> None:
         """Tell the workers to stop (when the group is up), wait up to STOP_WAIT_S, kill what is left, leave the

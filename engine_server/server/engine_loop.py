@@ -186,6 +186,14 @@ class EngineLoop:
         """Abort every request in the core (each stream then sees its choices finish as aborted)."""
         self._commands.put(_AbortAll())
 
+    def fail_all(self, error: BaseException) -> int:
+        """End every stream with `error` now, whatever the core is doing (it may never answer again: a lost
+        tensor-parallel worker); returns how many. Event-loop side only."""
+        streams = list(self._streams.values())
+        for stream in streams:
+            stream._put(error)
+        return len(streams)
+
     def close(self, stream: RequestStream) -> None:
         """Stop routing outputs to `stream`; later outputs for its choices are dropped."""
         self._streams.pop(stream.request_id, None)

@@ -10,6 +10,10 @@ at once; with one, they are served for that many seconds (balancers' health chec
 server stops listening. Calls in flight finish (those still running after `shutdown_timeout` are aborted and
 end with finish reason ABORT), the server stops and `serve` returns 0.
 
+Under tensor parallelism a worker that exits ends the engine at once: health turns NOT_SERVING, new calls are
+refused and every call in flight ends UNAVAILABLE, then the process exits with status 1 within `LOST_WORKER_EXIT_S`
+(the core may be blocked in a collective with the dead rank: nothing waits for it), and the other workers follow.
+
 A failed step (a bug, a device error) fails the requests that were in it (INTERNAL) and health turns
 NOT_SERVING while one probe generation checks the engine: if it passes, health returns to SERVING; if it fails,
 or steps failed `MAX_STEP_FAILURES` times within `STEP_FAILURE_WINDOW_S`, the engine drains and `serve`
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import time
@@ -33,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_server.config import EngineConfig
 from engine_server.core.engine_core import EngineCore
+from engine_server.errors import EngineUnavailableError
 from engine_server.host_memory import freeze_startup_heap
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
@@ -54,6 +60,7 @@ STOP_GRACE_S = 1.0  # for the last messages of finished calls to leave
 MAX_STEP_FAILURES = 3  # failed steps within STEP_FAILURE_WINDOW_S after which the engine exits instead
 STEP_FAILURE_WINDOW_S = 60.0
 RECOVERY_PROBE_TIMEOUT_S = 60.0  # the probe generation after a failed step
+LOST_WORKER_EXIT_S = 1.0  # after a tensor-parallel worker is lost: time for the failed calls' statuses to leave
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class EngineServer:
         self._recovery: asyncio.Task[None] | None = None
         self._reserved: socket.socket | None = None  # holds the port until the server listens on it
         self._bind = ""
+        self._loop: asyncio.AbstractEventLoop | None = None  # set when a tensor-parallel engine has loaded
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
@@ -130,6 +138,10 @@ class EngineServer:
         await self.engine.warm_up()
         freeze_startup_heap()
         self.engine.loop.on_step_failure = self._step_failed
+        workers = self.engine.loop.core.workers
+        if workers is not None:
+            self._loop = asyncio.get_running_loop()
+            workers.on_lost(self._worker_lost_threadsafe)
         self.servicer.attach(self.engine)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.release_port()
@@ -147,6 +159,25 @@ class EngineServer:
     async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
+
+    def _worker_lost_threadsafe(self, rank: int, exit_status: int | None) -> None:
+        """A tensor-parallel worker is gone (called off the event loop): report it on the loop, and exit with
+        status 1 after LOST_WORKER_EXIT_S whatever the loop manages meanwhile."""
+        log.error("a tensor-parallel worker is gone: the engine stops", rank=rank, exit_status=exit_status)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: exit below all the same
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._worker_lost(rank)))
+        time.sleep(LOST_WORKER_EXIT_S)
+        os._exit(1)
+
+    async def _worker_lost(self, rank: int) -> None:
+        """NOT_SERVING, refuse new calls, end every call in flight UNAVAILABLE."""
+        self.servicer.start_draining()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.engine is not None:
+            error = EngineUnavailableError(f"tensor-parallel worker {rank} of this engine is gone; it is stopping")
+            failed = self.engine.loop.fail_all(error)
+            log.error("calls in flight ended UNAVAILABLE", calls=failed)
 
     def _step_failed(self) -> None:
         """A step failed (its requests already did): check the engine, unless a check is already running."""

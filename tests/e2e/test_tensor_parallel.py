@@ -142,7 +142,7 @@ def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
     prompts = _prompts(3)
     gateway, lines = start_serve(tmp_path / "serve.log", "--quantization", "none", "--tensor-parallel-size", "3")
     try:
-        assert lines[-1].startswith("ladle serve: ready"), "".join(lines) + gateway.log
+        assert lines[-1].startswith("ladle serve: ready"), "".join(lines) + gateway.log()
         with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
             model = client.models.list().data[0].id
             completion = client.completions.create(
@@ -178,7 +178,7 @@ def _processes(engine: EngineProcess) -> tuple[list[psutil.Process], list[psutil
 
 
 def _load(engine: EngineProcess, calls: int) -> tuple[list[threading.Thread], list[str]]:
-    """`calls` long streams in flight; each appends how it ended ("completed" or its status code's name)."""
+    """`calls` long streams in flight; each appends how it ended ("completed", or "CODE: details")."""
     ended: list[str] = []
     started = threading.Barrier(calls + 1)
 
@@ -197,7 +197,7 @@ def _load(engine: EngineProcess, calls: int) -> tuple[list[threading.Thread], li
                     pass
                 ended.append("completed")
             except grpc.RpcError as error:
-                ended.append(error.code().name)
+                ended.append(f"{error.code().name}: {error.details()}")
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(calls)]
     for thread in threads:
@@ -219,7 +219,10 @@ def test_kill_9_of_a_worker_takes_the_engine_down_cleanly(tp3_engine: EngineProc
         thread.join(30)
     assert status != 0 and exited_after < EXIT_WITHIN_S, (status, exited_after)
     assert not alive, [p.pid for p in alive]
-    assert sorted(set(ended)) and set(ended) <= {"completed", "UNAVAILABLE"} and len(ended) == 4, ended
+    # The engine said why before it went (a call whose status could not leave in time would read "Socket closed").
+    lost = "UNAVAILABLE: tensor-parallel worker 1 of this engine is gone; it is stopping"
+    assert len(ended) == 4 and set(ended) <= {"completed", lost}, ended
+    assert '"a tensor-parallel worker is gone: the engine stops"' in tp3_engine.log()
 
 
 @pytest.mark.timeout(300)

@@ -81,10 +81,12 @@ def test_model_forward_with_triton_ops_matches_reference(device: torch.device, a
     torch.manual_seed(0)
     with torch.device(device):
         model = get_model_class(config.architecture)(config).eval()
-    with torch.no_grad():  # norms start at 1: perturb them so a wrong weight would show
+    with torch.no_grad():  # a model is built uninitialised (weights are loaded next): random weights, norms near 1
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
     caches = {ops: allocate_kv_cache(config, 8, 16, torch.float32, device) for ops in ("reference", "triton")}
     tables = [[3, 5], [1, 6, 2], [7]]
     steps = [  # (query_lens, seq_lens) per step; sequence 2 starts in the second step
