@@ -161,6 +161,7 @@ class WorkerGroup:
         for rank, process in enumerate(self.processes, start=1):
             if process.sentinel in ready:
                 process.join(1.0)
+                shutil.rmtree(self._rendezvous, ignore_errors=True)  # on_lost ends the process: nothing else will
                 self._on_lost(rank, process.exitcode)
                 return
 
@@ -205,19 +206,22 @@ def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def _watch_parent() -> None:
-    """Leave (exit status 1) as soon as rank 0 is gone: a worker is re-parented when its parent dies."""
+def _watch_parent(rendezvous: Path) -> None:
+    """Leave (exit status 1) as soon as rank 0 is gone: a worker is re-parented when its parent dies. The first
+    worker to notice removes the rendezvous folder, which rank 0 no longer can."""
     parent = os.getppid()
     while True:
         time.sleep(PARENT_CHECK_S)
         if os.getppid() != parent:
+            shutil.rmtree(rendezvous, ignore_errors=True)
             os._exit(1)
 
 
 @torch.inference_mode()
 def _worker_main(spec: WorkerSpec) -> None:
     """A worker process: join, load this rank's shards, then run rank 0's steps until STOP (module doc)."""
-    threading.Thread(target=_watch_parent, name="tp-parent-watch", daemon=True).start()
+    rendezvous = Path(spec.init_method.removeprefix("file://")).parent
+    threading.Thread(target=_watch_parent, args=(rendezvous,), name="tp-parent-watch", daemon=True).start()
     device = _rank_device(resolve_device(spec.config.device), spec.rank)
     if device.type == "cpu":
         torch.set_num_threads(spec.threads)
