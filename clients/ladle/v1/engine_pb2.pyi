@@ -199,29 +199,43 @@ Global___StreamResponse: _TypeAlias = StreamResponse  # noqa: Y015
 
 @_typing.final
 class BatchRequest(_message.Message):
-    """BatchRequest is one item of a Batch call."""
+    """BatchRequest is one item of a Batch call: exactly one of `request` (a generation), `embed` or `score`."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ITEM_ID_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    EMBED_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
     item_id: _builtins.str
     """The caller's id for this item, echoed on its result. Must be unique within the call."""
     @_builtins.property
     def request(self) -> Global___GenerateRequest:
-        """The request to run. Its priority defaults to BATCH here."""
+        """A generation to run. Its priority defaults to BATCH here."""
+
+    @_builtins.property
+    def embed(self) -> Global___EmbedRequest:
+        """Embeddings, as Embed returns them."""
+
+    @_builtins.property
+    def score(self) -> Global___ScoreRequest:
+        """Scores, as Score returns them."""
 
     def __init__(
         self,
         *,
         item_id: _builtins.str = ...,
         request: Global___GenerateRequest | None = ...,
+        embed: Global___EmbedRequest | None = ...,
+        score: Global___ScoreRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embed", b"embed", "pooling", b"pooling", "request", b"request", "score", b"score"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item_id", b"item_id", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embed", b"embed", "item_id", b"item_id", "pooling", b"pooling", "request", b"request", "score", b"score"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_pooling: _TypeAlias = _typing.Literal["embed", "score"]  # noqa: Y015
+    _WhichOneofArgType_pooling: _TypeAlias = _typing.Literal["pooling", b"pooling"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_pooling) -> _WhichOneofReturnType_pooling | None: ...
 
 Global___BatchRequest: _TypeAlias = BatchRequest  # noqa: Y015
 
@@ -234,6 +248,8 @@ class BatchResponse(_message.Message):
     ITEM_ID_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    EMBED_RESULT_FIELD_NUMBER: _builtins.int
+    SCORE_RESULT_FIELD_NUMBER: _builtins.int
     item_id: _builtins.str
     """The caller's id of the item this result belongs to."""
     @_builtins.property
@@ -244,18 +260,28 @@ class BatchResponse(_message.Message):
     def error(self) -> Global___ItemError:
         """Why this item failed."""
 
+    @_builtins.property
+    def embed_result(self) -> Global___EmbedResponse:
+        """The result of an `embed` item, as Embed would return it."""
+
+    @_builtins.property
+    def score_result(self) -> Global___ScoreResponse:
+        """The result of a `score` item, as Score would return it."""
+
     def __init__(
         self,
         *,
         item_id: _builtins.str = ...,
         result: Global___GenerateResponse | None = ...,
         error: Global___ItemError | None = ...,
+        embed_result: Global___EmbedResponse | None = ...,
+        score_result: Global___ScoreResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["embed_result", b"embed_result", "error", b"error", "outcome", b"outcome", "result", b"result", "score_result", b"score_result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "item_id", b"item_id", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embed_result", b"embed_result", "error", b"error", "item_id", b"item_id", "outcome", b"outcome", "result", b"result", "score_result", b"score_result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "error"]  # noqa: Y015
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "error", "embed_result", "score_result"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
@@ -389,6 +415,7 @@ class GetModelInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """The served model id (e.g. "SmolLM2-135M-Instruct")."""
     context_length: _builtins.int
@@ -419,6 +446,10 @@ class GetModelInfoResponse(_message.Message):
     def limits(self) -> Global___RequestLimits:
         """Documented caps on request fields."""
 
+    @_builtins.property
+    def pooling(self) -> Global___PoolingInfo:
+        """How Embed and Score pool this model's hidden states."""
+
     def __init__(
         self,
         *,
@@ -433,14 +464,47 @@ class GetModelInfoResponse(_message.Message):
         dtype: _builtins.str = ...,
         limits: Global___RequestLimits | None = ...,
         max_num_seqs: _builtins.int = ...,
+        pooling: Global___PoolingInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["defaults", b"defaults", "limits", b"limits"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["defaults", b"defaults", "limits", b"limits", "pooling", b"pooling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "defaults", b"defaults", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "defaults", b"defaults", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "pooling", b"pooling", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class PoolingInfo(_message.Message):
+    """PoolingInfo says how the engine turns hidden states into embeddings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    method: _builtins.str
+    """"last" (the last token's hidden state), "mean" (the mean over the input's tokens) or "cls" (the first
+    token's): the model's sentence-transformers configuration, else "last" for a decoder model.
+    """
+    normalize: _builtins.bool
+    """Whether embeddings are L2-normalized when a request leaves `normalize` unset."""
+    dimensions: _builtins.int
+    """Length of a whole embedding (the model's hidden size); `dimensions` may ask for a prefix of it."""
+    def __init__(
+        self,
+        *,
+        method: _builtins.str = ...,
+        normalize: _builtins.bool = ...,
+        dimensions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "method", b"method", "normalize", b"normalize"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolingInfo: _TypeAlias = PoolingInfo  # noqa: Y015
 
 @_typing.final
 class SamplingDefaults(_message.Message):
@@ -601,3 +665,216 @@ class GetLoadResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetLoadResponse: _TypeAlias = GetLoadResponse  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """EmbedRequest asks for one embedding per input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Caller's id for logs; the engine generates one when empty."""
+    dimensions: _builtins.int
+    """Keep only the first `dimensions` values of each vector (before normalizing), for models trained for it
+    (Matryoshka). Unset: the whole vector. In [1, PoolingInfo.dimensions].
+    """
+    normalize: _builtins.bool
+    """L2-normalize each vector. Unset: PoolingInfo.normalize."""
+    priority: _types_pb2.Priority.ValueType
+    """Scheduling class; UNSPECIFIED means INTERACTIVE for Embed, BATCH inside Batch."""
+    truncate_prompt_tokens: _builtins.int
+    """Keep only the last k tokens of an input longer than k (0 or unset: an input longer than the context is
+    refused with INVALID_ARGUMENT).
+    """
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Input]:
+        """What to embed, one vector each, in order (at least one). Text gets the tokenizer's special tokens; chat is
+        rendered with the chat template, without an assistant-turn header unless add_generation_prompt is set.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        inputs: _abc.Iterable[_types_pb2.Input] | None = ...,
+        dimensions: _builtins.int | None = ...,
+        normalize: _builtins.bool | None = ...,
+        priority: _types_pb2.Priority.ValueType = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "dimensions", b"dimensions", "normalize", b"normalize", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "dimensions", b"dimensions", "inputs", b"inputs", "normalize", b"normalize", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
+    _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
+    _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
+    _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dimensions) -> _WhichOneofReturnType__dimensions | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize) -> _WhichOneofReturnType__normalize | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """EmbedResponse holds the embeddings of an EmbedRequest, in the order of its inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request id (the caller's, or the one the engine generated)."""
+    model: _builtins.str
+    """The served model's id."""
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """One embedding per input, in order."""
+
+    @_builtins.property
+    def usage(self) -> _types_pb2.Usage:
+        """prompt_tokens: the tokens of every input (completion_tokens is 0)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+        usage: _types_pb2.Usage | None = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "model", b"model", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """Embedding is the vector of one input."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Position of the input in the request."""
+    num_tokens: _builtins.int
+    """Tokens of this input."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The vector."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "num_tokens", b"num_tokens", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class ScoreRequest(_message.Message):
+    """ScoreRequest asks how relevant each document is to a query."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    DOCUMENTS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Caller's id for logs; the engine generates one when empty."""
+    priority: _types_pb2.Priority.ValueType
+    """Scheduling class; UNSPECIFIED means INTERACTIVE for Score, BATCH inside Batch."""
+    truncate_prompt_tokens: _builtins.int
+    """As EmbedRequest.truncate_prompt_tokens, for the query and each document."""
+    @_builtins.property
+    def query(self) -> _types_pb2.Input:
+        """The query."""
+
+    @_builtins.property
+    def documents(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Input]:
+        """The documents to score against it (at least one)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        query: _types_pb2.Input | None = ...,
+        documents: _abc.Iterable[_types_pb2.Input] | None = ...,
+        priority: _types_pb2.Priority.ValueType = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "query", b"query", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "documents", b"documents", "priority", b"priority", "query", b"query", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+
+Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class ScoreResponse(_message.Message):
+    """ScoreResponse holds one score per document, in the order of the documents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request id."""
+    model: _builtins.str
+    """The served model's id."""
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """scores[i] is document i's score: the cosine similarity of its embedding and the query's, in [-1, 1]."""
+
+    @_builtins.property
+    def usage(self) -> _types_pb2.Usage:
+        """prompt_tokens: the tokens of the query and every document."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        scores: _abc.Iterable[_builtins.float] | None = ...,
+        usage: _types_pb2.Usage | None = ...,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "request_id", b"request_id", "scores", b"scores", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreResponse: _TypeAlias = ScoreResponse  # noqa: Y015

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class EngineServiceStub:
-    """EngineService generates text with one model.
+    """EngineService generates text with one model, and pools its hidden states into embeddings and scores.
     """
 
     def __init__(self, channel):
@@ -65,10 +65,20 @@ class EngineServiceStub:
                 request_serializer=ladle_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=ladle_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/ladle.v1.EngineService/Embed',
+                request_serializer=ladle_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=ladle_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/ladle.v1.EngineService/Score',
+                request_serializer=ladle_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=ladle_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
-    """EngineService generates text with one model.
+    """EngineService generates text with one model, and pools its hidden states into embeddings and scores.
     """
 
     def Generate(self, request, context):
@@ -117,6 +127,22 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one vector per input: the model's final hidden states pooled (last token, mean or first token,
+        as the model's configuration says), optionally truncated and normalized. The inputs run as prefill-only
+        requests beside generation, under the same token budget and priorities.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """Score returns one relevance score per document for a query: the cosine similarity of their embeddings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +176,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     request_deserializer=ladle_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=ladle_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
             ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=ladle_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=ladle_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=ladle_dot_v1_dot_engine__pb2.ScoreRequest.FromString,
+                    response_serializer=ladle_dot_v1_dot_engine__pb2.ScoreResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'ladle.v1.EngineService', rpc_method_handlers)
@@ -159,7 +195,7 @@ def add_EngineServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EngineService:
-    """EngineService generates text with one model.
+    """EngineService generates text with one model, and pools its hidden states into embeddings and scores.
     """
 
     @staticmethod
@@ -314,6 +350,60 @@ class EngineService:
             '/ladle.v1.EngineService/GetLoad',
             ladle_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             ladle_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ladle.v1.EngineService/Embed',
+            ladle_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            ladle_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ladle.v1.EngineService/Score',
+            ladle_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
+            ladle_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

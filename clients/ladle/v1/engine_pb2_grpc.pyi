@@ -39,7 +39,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class EngineServiceStub:
-    """EngineService generates text with one model."""
+    """EngineService generates text with one model, and pools its hidden states into embeddings and scores."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -63,10 +63,17 @@ class EngineServiceStub:
     """GetModelInfo describes the served model: context length, vocabulary, eos ids, defaults."""
     GetLoad: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]
     """GetLoad reports the engine's current load, for load balancers and routers."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_engine_pb2.EmbedRequest, _engine_pb2.EmbedResponse]
+    """Embed returns one vector per input: the model's final hidden states pooled (last token, mean or first token,
+    as the model's configuration says), optionally truncated and normalized. The inputs run as prefill-only
+    requests beside generation, under the same token budget and priorities.
+    """
+    Score: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ScoreRequest, _engine_pb2.ScoreResponse]
+    """Score returns one relevance score per document for a query: the cosine similarity of their embeddings."""
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
-    """EngineService generates text with one model."""
+    """EngineService generates text with one model, and pools its hidden states into embeddings and scores."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_engine_pb2.GenerateRequest, _engine_pb2.GenerateResponse]  # type: ignore[assignment]
@@ -87,9 +94,16 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """GetModelInfo describes the served model: context length, vocabulary, eos ids, defaults."""
     GetLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]  # type: ignore[assignment]
     """GetLoad reports the engine's current load, for load balancers and routers."""
+    Embed: _aio.UnaryUnaryMultiCallable[_engine_pb2.EmbedRequest, _engine_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embed returns one vector per input: the model's final hidden states pooled (last token, mean or first token,
+    as the model's configuration says), optionally truncated and normalized. The inputs run as prefill-only
+    requests beside generation, under the same token budget and priorities.
+    """
+    Score: _aio.UnaryUnaryMultiCallable[_engine_pb2.ScoreRequest, _engine_pb2.ScoreResponse]  # type: ignore[assignment]
+    """Score returns one relevance score per document for a query: the cosine similarity of their embeddings."""
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
-    """EngineService generates text with one model."""
+    """EngineService generates text with one model, and pools its hidden states into embeddings and scores."""
 
     @_abc_1.abstractmethod
     def Generate(
@@ -144,5 +158,24 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.GetLoadResponse, _abc.Awaitable[_engine_pb2.GetLoadResponse]]:
         """GetLoad reports the engine's current load, for load balancers and routers."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _engine_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.EmbedResponse, _abc.Awaitable[_engine_pb2.EmbedResponse]]:
+        """Embed returns one vector per input: the model's final hidden states pooled (last token, mean or first token,
+        as the model's configuration says), optionally truncated and normalized. The inputs run as prefill-only
+        requests beside generation, under the same token budget and priorities.
+        """
+
+    @_abc_1.abstractmethod
+    def Score(
+        self,
+        request: _engine_pb2.ScoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.ScoreResponse, _abc.Awaitable[_engine_pb2.ScoreResponse]]:
+        """Score returns one relevance score per document for a query: the cosine similarity of their embeddings."""
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
