@@ -20,7 +20,7 @@ from gateway.errors import install_error_handlers
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
-from gateway.routers import batch_chat, batches, chat, completions, files, models, operations
+from gateway.routers import batch_chat, batches, chat, completions, embeddings, files, models, operations, scores
 from gateway.schemas.errors import ERROR_RESPONSES
 
 
@@ -56,6 +56,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys)
-    for module in (models, chat, completions, batch_chat, files, batches, operations):
+    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, operations):
         app.include_router(module.router)
     return app

@@ -4,8 +4,10 @@ The pieces: `holding` keeps an engine busy for one call (counted in `Engine.call
 the request's `served_by`; marked down when the call fails UNAVAILABLE); `open_stream` and `open_batch_rpc` open
 the engine's Stream and Batch RPCs, cancelled (so the engine aborts what still runs) when their block exits;
 `in_flight_window` bounds how many requests are sent ahead of an engine; `errors.from_rpc_error` and
-`errors.item_error` turn a failed call or Batch item into an `APIError`. On them, the routes' calls: `generate`,
-`generate_all`, `stream` and `batch_rpc`, each on an engine chosen per call (`EnginePool.pick`).
+`errors.item_error` turn a failed call or Batch item into an `APIError`; `batch_item` and `item_reply` put any
+engine request (a generation, or an Embed / Score request) into a Batch item and take its result out. On them,
+the routes' calls: `generate`, `embed`, `score` (and `run_all` of one of them over several requests), `stream`
+and `batch_rpc`, each on an engine chosen per call (`EnginePool.pick`).
 
 Failover: a call whose engine is unavailable (it died, or it is draining) before it produced anything — a
 non-streaming call, or a stream before its first message — is sent once more to another SERVING engine, within
@@ -18,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import TypeAlias, TypeVar
 
 import grpc
 import structlog
@@ -30,7 +32,10 @@ from ladle.client import BatchCall, StreamCall
 from ladle.v1 import engine_pb2, types_pb2
 
 T = TypeVar("T")
+R = TypeVar("R")
 CallT = TypeVar("CallT", bound=grpc.aio.Call)
+EngineRequest: TypeAlias = engine_pb2.GenerateRequest | engine_pb2.EmbedRequest | engine_pb2.ScoreRequest
+EngineReply: TypeAlias = engine_pb2.GenerateResponse | engine_pb2.EmbedResponse | engine_pb2.ScoreResponse
 log = structlog.get_logger(__name__)
 
 MAX_ATTEMPTS = 2  # the engine chosen first, then one other
@@ -132,30 +137,56 @@ class _Attempts:
                     engine=left.address, error=error.details() if isinstance(error, grpc.aio.AioRpcError) else "")
 
 
-async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
-    """One non-streaming generation, sent to a second engine if the first is unavailable (see the module)."""
-    attempts = _Attempts(pool, [request.input])
+async def _unary(
+    pool: EnginePool, inputs: Sequence[types_pb2.Input], send: Callable[[Engine, float], Awaitable[T]]
+) -> T:
+    """`send(engine, timeout)` on an engine chosen for `inputs`, and once more on another if that one is
+    unavailable (see the module)."""
+    attempts = _Attempts(pool, inputs)
     while True:
         try:
             with attempts.on_engine() as engine:
-                return await engine.client.generate(request, timeout=attempts.remaining())
+                return await send(engine, attempts.remaining())
         except grpc.RpcError as error:  # only UNAVAILABLE with another attempt left gets here
             attempts.retrying(error)
+
+
+async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
+    """One non-streaming generation."""
+    return await _unary(pool, [request.input], lambda engine, timeout: engine.client.generate(request, timeout=timeout))
+
+
+async def embed(pool: EnginePool, request: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+    """One Embed call (routed by its first input, like a generation)."""
+    return await _unary(pool, request.inputs[:1], lambda engine, timeout: engine.client.embed(request, timeout=timeout))
+
+
+async def score(pool: EnginePool, request: engine_pb2.ScoreRequest) -> engine_pb2.ScoreResponse:
+    """One Score call (routed by its query, like a generation)."""
+    return await _unary(pool, [request.query], lambda engine, timeout: engine.client.score(request, timeout=timeout))
 
 
 async def generate_all(
     pool: EnginePool, requests: Sequence[engine_pb2.GenerateRequest]
 ) -> list[engine_pb2.GenerateResponse]:
-    """Several independent requests at once (each on its own engine); the first failure cancels the rest.
+    """Several independent generations at once (`run_all`)."""
+    return await run_all(pool, requests, generate)
+
+
+async def run_all(
+    pool: EnginePool, requests: Sequence[R], call: Callable[[EnginePool, R], Awaitable[T]]
+) -> list[T]:
+    """`call` for several independent requests at once (each on its own engine), results in request order; the
+    first failure cancels the rest.
 
     At most `in_flight_window` are in flight, so a long prompt list never becomes a burst of calls that the
     engine's gRPC server sheds (CANCELLED).
     """
     window = asyncio.Semaphore(in_flight_window(pool.model_info()))
 
-    async def one(request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
+    async def one(request: R) -> T:
         async with window:
-            return await generate(pool, request)
+            return await call(pool, request)
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -221,6 +252,27 @@ async def _batch_rpc_on(
                 raise item_error(response.error, retry_after_s, f"{param}[{index}]")
             results[index] = response.result
     return results
+
+
+def batch_item(item_id: str, request: EngineRequest) -> engine_pb2.BatchRequest:
+    """A Batch item for any engine request: a generation in `request`, Embed and Score requests in `pooling`."""
+    if isinstance(request, engine_pb2.EmbedRequest):
+        return engine_pb2.BatchRequest(item_id=item_id, embed=request)
+    if isinstance(request, engine_pb2.ScoreRequest):
+        return engine_pb2.BatchRequest(item_id=item_id, score=request)
+    return engine_pb2.BatchRequest(item_id=item_id, request=request)
+
+
+def item_reply(response: engine_pb2.BatchResponse) -> EngineReply | None:
+    """A Batch item's result, whichever kind it is; None when the item failed (its `error`)."""
+    outcome = response.WhichOneof("outcome")
+    if outcome == "result":
+        return response.result
+    if outcome == "embed_result":
+        return response.embed_result
+    if outcome == "score_result":
+        return response.score_result
+    return None
 
 
 async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

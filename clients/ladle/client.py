@@ -9,6 +9,7 @@ Stream or Batch never repeats output the caller has already seen.
     with EngineClient("127.0.0.1:50051") as client:
         client.wait_until_serving(timeout=120)
         reply = client.generate(engine_pb2.GenerateRequest(input=types_pb2.Input(text="Hello")))
+        vectors = client.embed(engine_pb2.EmbedRequest(inputs=[types_pb2.Input(text="Hello")]))
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ class EngineClient:
             Iterator[engine_pb2.BatchResponse], self.stub.Batch(iter(items), timeout=self._pick(timeout))
         )
 
+    def embed(self, request: engine_pb2.EmbedRequest, *, timeout: Timeout = "default") -> engine_pb2.EmbedResponse:
+        """One vector per input of `request`, in order."""
+        return self.stub.Embed(request, timeout=self._pick(timeout))
+
+    def score(self, request: engine_pb2.ScoreRequest, *, timeout: Timeout = "default") -> engine_pb2.ScoreResponse:
+        """One score per document of `request`, in order."""
+        return self.stub.Score(request, timeout=self._pick(timeout))
+
     def tokenize(
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.TokenizeResponse:
@@ -164,6 +173,18 @@ class AsyncEngineClient:
         """Items may come from a (async) generator, so an unbounded batch is fed as the engine asks for more;
         cancelling the call aborts every item still running."""
         return self.stub.Batch(items, timeout=self._pick(timeout))
+
+    async def embed(
+        self, request: engine_pb2.EmbedRequest, *, timeout: Timeout = "default"
+    ) -> engine_pb2.EmbedResponse:
+        """One vector per input of `request`, in order."""
+        return await self.stub.Embed(request, timeout=self._pick(timeout))
+
+    async def score(
+        self, request: engine_pb2.ScoreRequest, *, timeout: Timeout = "default"
+    ) -> engine_pb2.ScoreResponse:
+        """One score per document of `request`, in order."""
+        return await self.stub.Score(request, timeout=self._pick(timeout))
 
     async def tokenize(
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"

@@ -3,11 +3,12 @@
 Lines stream into one Batch call at a time (`gateway.calls`: the engine held, and marked down if the call ends
 UNAVAILABLE) with at most `window` engine items unanswered (by default `calls.in_flight_window`: the engine reads
 a call about twice its `max_num_seqs` ahead, so more would only sit in buffers). Each line's result is handed to
-`emit` as soon as all of its engine items have answered. When the call fails (the engine died, restarts or
-drains), every line still in flight is sent again on the next SERVING engine, keeping the parts that already
-answered; an item the engine refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE) or ended with finish reason
-ABORT (a draining or stopping engine aborts what it still runs) is sent again a moment later. Any other item
-error is that line's result: an error line with the HTTP status the route would have answered.
+`emit` as soon as all of its engine items have answered (generations, or Embed / Score requests for the pooling
+endpoints). When the call fails (the engine died, restarts or drains), every line still in flight is sent again
+on the next SERVING engine, keeping the parts that already answered; an item the engine refused for load
+(RESOURCE_EXHAUSTED, UNAVAILABLE) or ended with finish reason ABORT (a draining or stopping engine aborts what it
+still runs) is sent again a moment later. Any other item error is that line's result: an error line with the
+HTTP status the route would have answered.
 
 The invariant: every line is, at every moment, in exactly one of four places — unread (in `source`, or read
 and not yet taken), in flight (`_Progress.in_flight`), to retry (`_Progress.retry`) or emitted. A line moves
@@ -61,9 +62,9 @@ class _Line:
 
     line: InputLine
     line_id: str
-    replies: list[engine_pb2.GenerateResponse | None]
+    replies: list[calls.EngineReply | None]
     request_id: str = ""
-    requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)  # this attempt's, one per item
+    requests: list[calls.EngineRequest] = field(default_factory=list)  # this attempt's, one per item
     error: APIError | None = None
     outstanding: int = 0  # items of this line sent in the current call and not yet answered
     not_before: float = 0.0  # loop time before which it is not sent again (after a refusal for load)
@@ -230,7 +231,7 @@ class LineRunner:
                     return
                 pending.outstanding += 1
                 self.in_flight += 1
-                yield engine_pb2.BatchRequest(item_id=f"{pending.line.index}:{k}", request=pending.requests[k])
+                yield calls.batch_item(f"{pending.line.index}:{k}", pending.requests[k])
 
     async def _take(self, progress: _Progress, ended: asyncio.Event) -> _Line | None:
         """Move the next line to send into `progress.in_flight` and return it: the first line to retry (once its
@@ -264,7 +265,7 @@ class LineRunner:
         (it is then emitted as an error line)."""
         pending.request_id = "req_" + secrets.token_hex(12)  # a fresh engine id for every attempt
         try:
-            pending.requests = lines.engine_requests(pending.line, pending.request_id)
+            pending.requests = lines.engine_requests(pending.line, pending.request_id, self.pool.model_info())
         except (APIError, ValueError) as exc:  # cannot happen for a validated line; a result all the same
             pending.error = exc if isinstance(exc, APIError) else APIError(400, f"body: {exc}", param="body")
             progress.emit(self._result(pending))
@@ -280,11 +281,12 @@ class LineRunner:
         if pending is None:
             return
         pending.outstanding -= 1
-        if response.WhichOneof("outcome") == "result":
-            if _aborted(response.result):  # the engine is draining or stopping: not a result, run it again
+        reply = calls.item_reply(response)
+        if reply is not None:
+            if _aborted(reply):  # the engine is draining or stopping: not a result, run it again
                 pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
             else:
-                pending.replies[int(part)] = response.result
+                pending.replies[int(part)] = reply
         else:
             if grpc_status(response.error.code) in RETRYABLE_ITEM_CODES:
                 pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
@@ -310,8 +312,10 @@ class LineRunner:
         return LineResult(line, record, ok=True, usage=tuple(r.usage for r in replies))
 
 
-def _aborted(result: engine_pb2.GenerateResponse) -> bool:
-    return any(choice.finish_reason == types_pb2.FINISH_REASON_ABORT for choice in result.choices)
+def _aborted(reply: calls.EngineReply) -> bool:
+    """A generation that a draining engine aborted (a pooling item it cannot finish fails UNAVAILABLE instead)."""
+    return isinstance(reply, engine_pb2.GenerateResponse) and any(
+        choice.finish_reason == types_pb2.FINISH_REASON_ABORT for choice in reply.choices)
 
 
 def _task_cancelled() -> bool:

@@ -2,12 +2,14 @@
 and OpenAI's shapes for the lines of the output and error files. Pure functions.
 
 An input line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>, "body": {...}}`; the url
-may name the endpoint with or without its `/v1` prefix (`/chat/completions` as SGLang's tutorial writes it). The
-body is checked with the route's own pydantic schema and `translate.to_engine`, so a line that validates here is
-a request the synchronous route would also accept. Validation never raises for a line's content: whatever is
-wrong with a line (JSON nested too deep for the parser, a lone UTF-16 surrogate that no UTF-8 file or protobuf
-can carry, a value the engine request cannot hold) becomes that line's `LineError`, and a line that validates can
-be sent to the engine and written to the result files.
+may name the endpoint with or without its `/v1` prefix (`/chat/completions` as SGLang's tutorial writes it, `/score`
+and `/rerank` as vLLM's run_batch takes them; `/v2/rerank` is `/v1/rerank`). The endpoints are the generation
+routes' and the pooling routes' (`/v1/embeddings`, `/v1/score`, `/v1/rerank`), whose lines become Embed and Score
+items of the engine's Batch call. The body is checked with the route's own pydantic schema and
+`translate.to_engine`, so a line that validates here is a request the synchronous route would also accept.
+Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
+a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
+that line's `LineError`, and a line that validates can be sent to the engine and written to the result files.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import pydantic
 import structlog
@@ -23,18 +25,25 @@ import structlog
 from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
+from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from gateway.translate import from_engine, to_engine
 from ladle.v1 import engine_pb2, types_pb2
+
+if TYPE_CHECKING:  # not at run time: the validation child imports this module, and calls imports the pool
+    from gateway.calls import EngineReply, EngineRequest
 
 MAX_LINES = 50_000
 MAX_CUSTOM_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 1000  # a file with more bad lines reports the first ones (the batch fails either way)
-ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+ENDPOINTS: dict[str, type[Body]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/score": ScoreRequest,
+    "/v1/rerank": RerankRequest,
 }
-
-Body = ChatCompletionRequest | CompletionRequest
+ALIASES = {"/v2/rerank": "/v1/rerank"}  # vLLM serves Cohere's v2 path for its rerank too
 
 log = structlog.get_logger(__name__)
 
@@ -133,9 +142,9 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
         param = validation_param(tuple(first.get("loc", ())))
         where = f"body.{param}" if param else "body"
         raise refuse("invalid_body", f"{where}: {first.get('msg', 'invalid value')}", where) from None
-    if body.stream:
+    if getattr(body, "stream", False):
         raise refuse("invalid_body", "body.stream: streaming is not supported in a batch", "body.stream")
-    if model is not None and body.model != model:
+    if model is not None and body.model is not None and body.model != model:  # score/rerank may leave it out
         raise refuse("model_not_found", f"body.model: the model `{body.model}` does not exist; this gateway "
                      f"serves `{model}`", "body.model")
     line = InputLine(index, custom_id, body)
@@ -150,9 +159,11 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
 
 
 def endpoint_of(url: object) -> str | None:
-    """The endpoint a line's url names: one of ENDPOINTS, written with or without its `/v1` prefix; else None."""
+    """The endpoint a line's url names: one of ENDPOINTS (or ALIASES), written with or without its `/v1` prefix;
+    else None."""
     if not isinstance(url, str):
         return None
+    url = ALIASES.get(url, url)
     if url in ENDPOINTS:
         return url
     prefixed = "/v1" + url
@@ -194,27 +205,55 @@ def validate(
     return count, errors[:MAX_REPORTED_ERRORS]
 
 
-def engine_requests(line: InputLine, request_id: str) -> list[engine_pb2.GenerateRequest]:
-    """The engine requests for one line at batch priority (a completions body with several prompts has one per
-    prompt, with ids `{request_id}-{i}`). APIError if the body cannot be expressed."""
+def engine_requests(
+    line: InputLine, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
+) -> list[EngineRequest]:
+    """The engine requests for one line at batch priority: one, or one per prompt of a completions body with
+    several (ids `{request_id}-{i}`), or one per distinct query of an N-vs-N score body. `info` as the routes
+    pass it to `translate.to_engine`. APIError if the body cannot be expressed."""
     body = line.body
+    requests: list[EngineRequest]
     if isinstance(body, ChatCompletionRequest):
         requests = [to_engine.chat_request(body, body.messages, request_id)]
+    elif isinstance(body, CompletionRequest):
+        requests = list(to_engine.completion_requests(body, request_id))
+    elif isinstance(body, EmbeddingRequest):
+        requests = [to_engine.embed_request(body, request_id, info)]
+    elif isinstance(body, ScoreRequest):
+        requests = list(to_engine.score_requests(body, request_id, info))
     else:
-        requests = to_engine.completion_requests(body, request_id)
+        requests = [to_engine.rerank_request(body, request_id, info)]
     for request in requests:
         request.priority = types_pb2.PRIORITY_BATCH
     return requests
 
 
-def response_body(
-    line: InputLine, replies: Sequence[engine_pb2.GenerateResponse], request_id: str, model: str
-) -> dict[str, Any]:
-    """What the synchronous route would have answered for this line."""
+def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: str, model: str) -> dict[str, Any]:
+    """What the synchronous route would have answered for this line, given its requests' replies in order."""
     body = line.body
     if isinstance(body, ChatCompletionRequest):
-        return from_engine.chat_completion(body, replies[0], f"chatcmpl-{request_id}", model)
-    return from_engine.text_completion(body, replies, f"cmpl-{request_id}", model)
+        return from_engine.chat_completion(body, _of(engine_pb2.GenerateResponse, replies)[0],
+                                           f"chatcmpl-{request_id}", model)
+    if isinstance(body, CompletionRequest):
+        return from_engine.text_completion(body, _of(engine_pb2.GenerateResponse, replies), f"cmpl-{request_id}",
+                                           model)
+    if isinstance(body, EmbeddingRequest):
+        return from_engine.embedding_list(_of(engine_pb2.EmbedResponse, replies)[0], model, body.encoding_format)
+    if isinstance(body, ScoreRequest):
+        groups = to_engine.score_groups(to_engine.score_pairs(body)[0])
+        return from_engine.score_list(groups, _of(engine_pb2.ScoreResponse, replies), f"score-{request_id}", model)
+    return from_engine.rerank_result(body, _of(engine_pb2.ScoreResponse, replies)[0], f"rerank-{request_id}", model)
+
+
+ReplyT = TypeVar("ReplyT", engine_pb2.GenerateResponse, engine_pb2.EmbedResponse, engine_pb2.ScoreResponse)
+
+
+def _of(kind: type[ReplyT], replies: Sequence[EngineReply]) -> list[ReplyT]:
+    """The replies, each checked to be what the line's requests return (a Batch item answered in kind)."""
+    for reply in replies:
+        if not isinstance(reply, kind):
+            raise TypeError(f"expected {kind.__name__} results, got {type(reply).__name__}")
+    return [r for r in replies if isinstance(r, kind)]
 
 
 def output_record(line_id: str, custom_id: str, request_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:

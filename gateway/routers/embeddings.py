@@ -1,0 +1,32 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings (vectors as floats or base64), with vLLM's extras and its chat-style
+`messages`, through one Embed call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+
+from gateway import calls
+from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
+from gateway.errors import APIError
+from gateway.schemas.pooling import EmbeddingRequest
+from gateway.translate import from_engine, to_engine
+
+ROUTE = "/v1/embeddings"
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post(ROUTE, response_model=None)
+async def create_embeddings(body: EmbeddingRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
+    model = served_model(pool, body.model)
+    request = to_engine.embed_request(body, rid, pool.model_info())
+    timer = RequestTimer(metrics, ROUTE)
+    try:
+        reply = await calls.embed(pool, request)
+    except APIError as error:  # the engine names its own field; a chat embedding's input is its messages
+        error.param = from_engine.pooling_param(error.param, {"input": "messages"} if body.messages else {})
+        raise
+    timer.finish([reply.usage])
+    return JSONResponse(from_engine.embedding_list(reply, model, body.encoding_format))
