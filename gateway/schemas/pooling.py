@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from gateway.schemas.chat import ChatMessage
 from gateway.schemas.common import IGNORE_EXTRA, UINT32_MAX
@@ -19,6 +19,15 @@ EmbeddingInput = str | list[str] | list[int] | list[list[int]]
 MAX_POOLING_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request; documents per score/rerank too
 # vLLM's truncate_prompt_tokens: -1 is the model's context length, k >= 1 keeps an input's last k tokens.
 TruncatePromptTokens = Annotated[int, Field(ge=-1, le=UINT32_MAX)]
+
+
+def _one_of(kinds: str, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`handler(value)`, its failure as one error on the field itself: a union's per-member errors would name a
+    member (`input.str`) rather than the field."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(f"must be {kinds}") from None
 
 
 class EmbeddingRequest(BaseModel):
@@ -41,6 +50,11 @@ class EmbeddingRequest(BaseModel):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _input(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _one_of("a string, a list of strings, a list of token ids or a list of token-id lists", value, handler)
 
     def inputs(self) -> list[str | list[int]]:
         """`input` as a list of independent inputs (strings or token-id lists)."""
@@ -74,6 +88,11 @@ class ScoreRequest(BaseModel):
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     user: str | None = None
 
+    @field_validator("text_1", "text_2", "queries", "documents", "items", "data_1", "data_2", mode="wrap")
+    @classmethod
+    def _side(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _one_of("a string or a list of strings", value, handler)
+
     def sides(self) -> list[tuple[str, str]]:
         """The (first, second) field-name pairs of SCORE_FIELD_PAIRS whose two sides are both set."""
         return [(a, b) for a, b in SCORE_FIELD_PAIRS if getattr(self, a) is not None and getattr(self, b) is not None]
@@ -98,6 +117,11 @@ class RerankRequest(BaseModel):
     return_documents: bool = True
     truncate_prompt_tokens: TruncatePromptTokens | None = None
     user: str | None = None
+
+    @field_validator("documents", mode="wrap")
+    @classmethod
+    def _documents(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _one_of("a list of strings, or of objects with a `text` string", value, handler)
 
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]

@@ -2,6 +2,9 @@
 
 It answers health (SERVING), GetModelInfo and GetLoad like an engine, and Generate, Stream and Batch by echoing:
 the reply's text is the request's last chat message (or prompt) upper-cased (a stream sends it in two chunks).
+Embed answers each input with `fake_vector` (DIMENSIONS values from a hash of the input, truncated to `dimensions`,
+normalized unless `normalize` is false; one token per character or id) and Score with the cosine similarity of the
+query's and each document's vector; Batch answers `embed` and `score` items likewise.
 Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen),
 `invalid` (INVALID_ARGUMENT for a text), `abort_once` (a result with finish reason ABORT the first time a text is
 seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE after that many results),
@@ -13,8 +16,11 @@ seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import hashlib
+import math
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 MODEL = "fake-model"
+DIMENSIONS = 8  # length of the fake engine's embeddings
 
 
 @dataclass
@@ -74,8 +81,23 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             types_pb2.ChoiceDelta(index=0, text=text[half:], finish_reason=types_pb2.FINISH_REASON_STOP)])
 
     async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
-        return engine_pb2.GetModelInfoResponse(model_id=MODEL, context_length=128, vocab_size=100,
-                                               max_num_seqs=self.max_num_seqs)
+        return engine_pb2.GetModelInfoResponse(
+            model_id=MODEL, context_length=128, vocab_size=100, max_num_seqs=self.max_num_seqs,
+            pooling=engine_pb2.PoolingInfo(method="last", normalize=True, dimensions=DIMENSIONS))
+
+    async def Embed(self, request: engine_pb2.EmbedRequest, context: Any) -> engine_pb2.EmbedResponse:
+        await asyncio.sleep(self.delay_s)
+        refused = _pooling_refusal(request, self.invalid)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
+        return _embed_result(request)
+
+    async def Score(self, request: engine_pb2.ScoreRequest, context: Any) -> engine_pb2.ScoreResponse:
+        await asyncio.sleep(self.delay_s)
+        refused = _pooling_refusal(request, self.invalid)
+        if refused is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
+        return _score_result(request)
 
     async def GetLoad(self, request: Any, context: Any) -> engine_pb2.GetLoadResponse:
         return engine_pb2.GetLoadResponse(accepting=True)
@@ -125,17 +147,26 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
                 await reader
 
     async def _answer(self, item: engine_pb2.BatchRequest, results: asyncio.Queue[Any]) -> None:
-        text = _input_text(item.request.input)
+        kind = item.WhichOneof("pooling")
+        text = _input_text(item.embed.inputs[0] if kind == "embed" else item.score.query if kind == "score"
+                           else item.request.input)
         self.seen[text] += 1
         await asyncio.sleep(self.delay_s)
         response = engine_pb2.BatchResponse(item_id=item.item_id)
         if text in self.refuse_once and self.seen[text] == 1:
             response.error.code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
             response.error.message = "queue full"
+        elif kind is not None and (refused := _pooling_refusal(getattr(item, kind), self.invalid)) is not None:
+            response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            response.error.message, response.error.param = refused
         elif text in self.invalid:
             response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
             response.error.message = "max_tokens is too large"
             response.error.param = "max_tokens"
+        elif kind == "embed":
+            response.embed_result.CopyFrom(_embed_result(item.embed))
+        elif kind == "score":
+            response.score_result.CopyFrom(_score_result(item.score))
         else:
             response.result.CopyFrom(_result(item.request, text))
             if text in self.abort_once and self.seen[text] == 1:
@@ -167,6 +198,64 @@ def _input_text(value: types_pb2.Input) -> str:
     if value.WhichOneof("kind") == "chat":
         return value.chat.messages[-1].content
     return value.text
+
+
+def _tokens(value: types_pb2.Input) -> int:
+    """The fake engine's token count: one per character of text (of every message) or per id."""
+    kind = value.WhichOneof("kind")
+    if kind == "chat":
+        return sum(len(m.content) for m in value.chat.messages)
+    return len(value.token_ids.ids) if kind == "token_ids" else len(value.text)
+
+
+def fake_vector(value: types_pb2.Input, dimensions: int | None = None, normalize: bool = True) -> list[float]:
+    """The fake engine's embedding of an input: DIMENSIONS values in [-1, 1) from a hash of the input, its first
+    `dimensions`, L2-normalized when `normalize`; as float32 values (what the proto carries)."""
+    digest = hashlib.sha256(value.SerializeToString(deterministic=True)).digest()
+    vector = [b / 128.0 - 1.0 for b in digest[:DIMENSIONS]][:dimensions]
+    if normalize:
+        norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+        vector = [v / norm for v in vector]
+    return array.array("f", vector).tolist()
+
+
+def fake_score(query: types_pb2.Input, document: types_pb2.Input) -> float:
+    """The fake engine's score: the cosine similarity of the two fake vectors."""
+    a, b = fake_vector(query), fake_vector(document)
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _pooling_refusal(request: engine_pb2.EmbedRequest | engine_pb2.ScoreRequest, invalid: set[str]
+                     ) -> tuple[str, str] | None:
+    """(message, param) of an INVALID_ARGUMENT for this request, as the engine would name it; None if it is fine."""
+    if isinstance(request, engine_pb2.EmbedRequest):
+        if request.HasField("dimensions") and not 1 <= request.dimensions <= DIMENSIONS:
+            return f"dimensions must be in [1, {DIMENSIONS}]", "dimensions"
+        if any(_input_text(i) in invalid for i in request.inputs):
+            return "input is longer than the context length", "input"
+        return None
+    if _input_text(request.query) in invalid:
+        return "query is longer than the context length", "query"
+    if any(_input_text(d) in invalid for d in request.documents):
+        return "documents is longer than the context length", "documents"
+    return None
+
+
+def _embed_result(request: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
+    dimensions = request.dimensions if request.HasField("dimensions") else None
+    normalize = request.normalize if request.HasField("normalize") else True
+    result = engine_pb2.EmbedResponse(request_id=request.request_id, model=MODEL)
+    for index, value in enumerate(request.inputs):
+        result.embeddings.add(index=index, values=fake_vector(value, dimensions, normalize), num_tokens=_tokens(value))
+    result.usage.prompt_tokens = sum(_tokens(v) for v in request.inputs)
+    return result
+
+
+def _score_result(request: engine_pb2.ScoreRequest) -> engine_pb2.ScoreResponse:
+    result = engine_pb2.ScoreResponse(request_id=request.request_id, model=MODEL,
+                                      scores=[fake_score(request.query, d) for d in request.documents])
+    result.usage.prompt_tokens = _tokens(request.query) + sum(_tokens(d) for d in request.documents)
+    return result
 
 
 async def start_fake_engine(fake: FakeEngine) -> tuple[grpc.aio.Server, str]:
