@@ -113,6 +113,14 @@ def test_bad_score_and_rerank_types_name_the_field(schema: Any, fields: dict[str
     assert validation_param(tuple(raised.value.errors()[0]["loc"])) == param
 
 
+def test_text_that_is_not_unicode_is_a_400_not_a_protobuf_error() -> None:
+    assert refused(lambda: to_engine.embed_request(embedding(input=["a", "b\ud800"]), "r")).status == 400
+    assert refused(lambda: to_engine.embed_request(embedding(messages=[{"role": "user", "content": "\udfff"}]), "r"))
+    assert refused(lambda: to_engine.score_requests(score(text_1="\ud800", text_2="a"), "r"))
+    bad = RerankRequest.model_validate({"query": "q", "documents": [{"text": "\ud800"}]})
+    assert refused(lambda: to_engine.rerank_request(bad, "r"))
+
+
 def test_embed_options_are_carried() -> None:
     request = to_engine.embed_request(embedding(input="a", dimensions=4, normalize=False, truncate_prompt_tokens=7),
                                       "r", INFO)

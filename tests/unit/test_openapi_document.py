@@ -40,3 +40,14 @@ def test_bodies_and_media_types(document: dict[str, Any]) -> None:
     sampling = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert sampling["max_tokens"]["anyOf"][0]["maximum"] == UINT32_MAX
     assert sampling["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == UINT32_MAX
+
+
+def test_the_pooling_routes_are_documented_once(document: dict[str, Any]) -> None:
+    paths = document["paths"]
+    for route, schema in (("/v1/embeddings", "EmbeddingRequest"), ("/v1/score", "ScoreRequest"),
+                          ("/v1/rerank", "RerankRequest")):
+        body = paths[route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{schema}"}
+    assert not {"/score", "/rerank", "/v2/rerank"} & set(paths)  # vLLM's other paths serve, undocumented
+    embedding = document["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert embedding["dimensions"]["anyOf"][0]["maximum"] == UINT32_MAX
