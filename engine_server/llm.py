@@ -9,11 +9,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
+import torch
 from tqdm.auto import tqdm
 
 from engine_server.config import EngineConfig, SpeculativeConfig
 from engine_server.core.engine_core import EngineCore
-from engine_server.core.request import Request
+from engine_server.core.request import Priority, Request
 from engine_server.frontend import (
     ChatPrompt,
     GenerationResult,
@@ -26,6 +27,8 @@ from engine_server.generation_defaults import GenerationDefaults, resolve_genera
 from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.output import TokenTextCodec
+from engine_server.pooling.params import ModelPooling
+from engine_server.pooling.requests import cosine_scores, pooling_requests, pooling_token_ids
 from engine_server.sampling_params import SamplingParams
 from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
 from engine_server.tokenizer.loading import load_tokenizer
@@ -91,6 +94,7 @@ class LLM:
             grammar_compiler=self.grammar_compiler,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
+        self.pooling = ModelPooling.for_model(source.path, source.config.hidden_size)
         self._ids = itertools.count()
         freeze_startup_heap()
 
@@ -138,6 +142,31 @@ class LLM:
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[torch.Tensor]:
+        """One vector per prompt, in order (1-D float32 tensors), as the Embed RPC computes them: the model's
+        pooling (`self.pooling`), `dimensions` leading values (None: all), L2-normalized unless `normalize` is
+        False (None: the model's default). Every prompt is validated first (ValidationError: nothing runs)."""
+        batch = _as_prompt_list(prompts)
+        params = self.pooling.params(normalize, dimensions)
+        token_ids = [pooling_token_ids(self.inputs, prompt, truncate_prompt_tokens, "prompts") for prompt in batch]
+        requests = pooling_requests(
+            f"offline-{next(self._ids)}", token_ids, params, self.core.max_model_len, Priority.INTERACTIVE
+        )
+        return self._run_pooling(requests, use_tqdm)
+
+    def score(self, query: Prompt, documents: Sequence[Prompt], *, use_tqdm: bool = True) -> list[float]:
+        """Each document's cosine similarity with the query (as the Score RPC)."""
+        vectors = self.embed([query, *documents], normalize=False, use_tqdm=use_tqdm)
+        return cosine_scores(vectors[0], vectors[1:])
+
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler; the LLM cannot generate afterwards."""
         self.core.close()
@@ -177,6 +206,23 @@ class LLM:
                     done.add(request_id)
                     progress.update(1)
         progress.close()
+
+    def _run_pooling(self, requests: list[Request], use_tqdm: bool) -> list[torch.Tensor]:
+        """Run pooling requests to their end (fed gradually, as `_run`); their vectors in order."""
+        window = max(self.config.scheduler.max_num_seqs * 2, 1)
+        pending = deque(requests)
+        vectors: dict[str, torch.Tensor] = {}
+        progress = tqdm(total=len(requests), desc="embed", disable=not use_tqdm, unit="input")
+        while pending or self.core.has_unfinished():
+            while pending and self.core.scheduler.num_waiting < window:
+                self.core.add_request(pending.popleft())
+            for output in self.core.step():
+                if output.pooled is None:
+                    raise RuntimeError(f"pooling request {output.request_id} ended without a vector ({output.status})")
+                vectors[output.request_id] = output.pooled
+                progress.update(1)
+        progress.close()
+        return [vectors[request.request_id] for request in requests]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

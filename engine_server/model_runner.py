@@ -29,6 +29,7 @@ from engine_server.cuda_graphs import DecodeGraphs, GraphCapture
 from engine_server.decode_rows import DecodeRows
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.parallel.step_channel import StepSender
+from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
 from engine_server.speculative.verify import sampled_positions, split_runs
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
@@ -73,6 +74,9 @@ class CollectedTokens:
     # (its accepted drafts, then the target's token, which is `token_ids[i]`); with `details`, their SampledTokens.
     runs: list[list[int]] | None = None
     run_details: list[list[SampledToken]] | None = None
+    # The vectors of the pooling requests whose prompt the step ended (engine_server.pooling), by request id: 1-D
+    # float32 host tensors. Those requests sampled nothing; the engine core finishes them.
+    pooled: dict[str, torch.Tensor] | None = None
 
     def by_request(self, items: list[ScheduledRequest]) -> dict[str, SampledToken]:
         """Each row's SampledToken by request id (`items`: the step's sampling rows)."""
@@ -89,7 +93,7 @@ class LaunchedStep:
     (a CUDA event; None on the CPU, where they are valid at once) has completed; None when nothing samples.
     """
 
-    __slots__ = ("_items", "num_rows", "output", "ready", "sampled")
+    __slots__ = ("_items", "num_rows", "output", "pooled", "ready", "sampled")
 
     def __init__(
         self,
@@ -98,14 +102,17 @@ class LaunchedStep:
         ready: torch.cuda.Event | None = None,
         *,
         output: SchedulerOutput | None = None,
+        pooled: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """`items` None: every row of `output` (a steady decode step) samples."""
+        """`items` None: every row of `output` (a steady decode step) samples. `pooled`: the step's pooled vectors
+        (CollectedTokens.pooled), host tensors valid once `ready` has completed."""
         if items is None and (output is None or output.steady is None):
             raise ValueError("a step's sampling rows come from a list or from a steady decode step's output")
         self._items = items
         self.output = output
         self.sampled = sampled
         self.ready = ready
+        self.pooled = pooled
         self.num_rows = len(items) if items is not None else output.num_rows  # type: ignore[union-attr]
 
     @property
@@ -211,6 +218,7 @@ class ModelRunner:
         self.can_interrupt = self.device.type == "cpu" and fan_out is None
         self.sampler = Sampler(loaded.model_config.vocab_size, self.device)
         self.grammars = GrammarMatchers(loaded.model_config.vocab_size, self.device)
+        self.pooler = Pooler()
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
         self._last_sampled: tuple[torch.Tensor, LaunchedStep] | None = None
         self._decode_rows = DecodeRows(self.block_size)  # the last decode step's layout, updated step to step
@@ -224,8 +232,10 @@ class ModelRunner:
         return self.decode_graphs
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (the grammar matcher) of a finished or aborted request."""
+        """Forget per-request state (the grammar matcher, a pooling request's partial sum) of a finished or aborted
+        request."""
         self.grammars.release(request_id)
+        self.pooler.release(request_id)
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the scheduled tokens through the model and sample for every request that `needs_sample`."""
@@ -253,8 +263,22 @@ class ModelRunner:
         except StepInterrupted:
             self._decode_rows.invalidate()  # it holds the stopped step's layout
             raise
-        if not sampling:
-            return LaunchedStep(sampling, None)
+        # A pooling request's row samples nothing: its vector is pooled from the hidden states (engine_server.pooling).
+        pooled = self.pooler.pool(items, hidden, last_rows) if output.has_pooling else None
+        step = self._launch_sampling(output, sampling, hidden, last_rows) if sampling else LaunchedStep(sampling, None)
+        if pooled:
+            self._attach_pooled(step, pooled)
+        return step
+
+    def _launch_sampling(
+        self,
+        output: SchedulerOutput,
+        sampling: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        last_rows: list[int] | None,
+    ) -> LaunchedStep:
+        """`launch`'s sampling, once the step's forward has run (`sampling`: its rows that sample, at least one)."""
+        items = output.scheduled
         if output.num_draft_tokens:
             assert last_rows is not None  # rows with drafts take the eager path
             return self._launch_verification(sampling, items, hidden, last_rows)
@@ -275,6 +299,15 @@ class ModelRunner:
         self._last_sampled = (sampled.token_ids, step)
         self._decode_rows.mark_launched(len(sampling) == len(items))
         return step
+
+    def _attach_pooled(self, step: LaunchedStep, pooled: dict[str, torch.Tensor]) -> None:
+        """Give `step` the vectors it pooled, on their way to the host (on CUDA `step.ready` then covers them too:
+        recorded after their copies and the sampled tokens')."""
+        if self.device.type == "cuda":
+            pooled = {request_id: vector.to("cpu", non_blocking=True) for request_id, vector in pooled.items()}
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        step.pooled = pooled
 
     def _launch_steady(
         self, output: SchedulerOutput, steady: SteadyDecode, interrupt: StepInterrupt | None
@@ -298,13 +331,17 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> CollectedTokens:
         """Wait for a launched step's tokens; constrained requests' matchers accept them here (and only here)."""
-        if step.sampled is None:
-            return CollectedTokens([])
         if step.ready is not None:
             step.ready.synchronize()
-        if step.sampled.token_ids.shape[0] != step.num_rows:
-            return self._collect_verification(step.items, step.sampled)
-        return self._collect(step, step.sampled)
+        if step.sampled is None:
+            collected = CollectedTokens([])
+        elif step.sampled.token_ids.shape[0] != step.num_rows:
+            collected = self._collect_verification(step.items, step.sampled)
+        else:
+            collected = self._collect(step, step.sampled)
+        if step.pooled:
+            collected = replace(collected, pooled=step.pooled)
+        return collected
 
     def _launch_verification(
         self,

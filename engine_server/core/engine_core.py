@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 import structlog
+import torch
 
 from engine_server.config import EngineConfig
 from engine_server.core.request import Priority, Request, RequestStatus
@@ -35,6 +36,8 @@ class CoreOutput:
     `new_tokens` holds the token sampled this step (empty for a request that finished without sampling, e.g.
     aborted or expired). `status` is set once the request has finished; `stop_token_id` names the eos or stop
     token that ended it. `num_cached_tokens` is the number of prompt tokens served from the prefix cache.
+    `pooled` is a pooling request's vector (a 1-D float32 host tensor), on its one output, which finishes it
+    (FINISHED_STOPPED); a pooling request that ends otherwise (aborted, expired) has none.
     """
 
     request_id: str
@@ -42,6 +45,7 @@ class CoreOutput:
     status: RequestStatus | None = None
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,6 +92,8 @@ def _merge(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
     earlier.new_tokens.extend(later.new_tokens)
     earlier.num_cached_tokens = max(earlier.num_cached_tokens, later.num_cached_tokens)
     earlier.status, earlier.stop_token_id = later.status, later.stop_token_id
+    if later.pooled is not None:
+        earlier.pooled = later.pooled
     return earlier
 
 
@@ -160,7 +166,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
-        if self.speculator is not None:
+        if self.speculator is not None and request.pooling is None:
             self.speculator.admit(request)
         self.scheduler.add_request(request)
 
@@ -251,8 +257,9 @@ class EngineCore:
         """
         scheduled = launched.scheduled
         collected = self.runner.collect(launched.step)
+        pooled = self._finish_pooled(collected.pooled) if collected.pooled else []
         if collected.runs is not None:
-            return self._complete_verified(scheduled, launched.step.items, collected)
+            return pooled + self._complete_verified(scheduled, launched.step.items, collected)
         tokens, details = collected.token_ids, collected.details
         finished = self.scheduler.update_from_output(scheduled, tokens)
         if details is not None:
@@ -284,6 +291,16 @@ class EngineCore:
         for request in scheduled.finished:
             outputs.append(self._finished_output(request))
             self.runner.release(request.request_id)  # it may have run (and sampled) before a preemption
+        return pooled + outputs
+
+    def _finish_pooled(self, pooled: dict[str, torch.Tensor]) -> list[CoreOutput]:
+        """Finish the pooling requests the step pooled (those still unfinished: one aborted since is dropped) and
+        report each with its vector."""
+        outputs: list[CoreOutput] = []
+        for request in self.scheduler.finish_requests(pooled, RequestStatus.FINISHED_STOPPED):
+            output = CoreOutput(request.request_id, [], request.status, pooled=pooled[request.request_id])
+            outputs.append(self._final(request, output))
+            self.runner.release(request.request_id)
         return outputs
 
     def _complete_verified(

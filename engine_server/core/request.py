@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from engine_server.pooling.params import PoolingParams
 from engine_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class Request:
         "num_prompt_tokens",
         "num_slots_in_place",
         "output_token_ids",
+        "pooling",
         "priority",
         "prompt_token_ids",
         "request_id",
@@ -107,11 +109,16 @@ class Request:
         arrival_time: float | None = None,
         deadline: float | None = None,
         grammar: CompiledConstraint | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now.
 
         `grammar` is the compiled form of `sampling_params.constraint` (compiled before the request is
         built, so the core never waits on a compile); None for an unconstrained request.
+
+        `pooling` makes it a pooling request (engine_server.pooling): its prompt is computed and pooled into one
+        vector, nothing is sampled (`max_tokens` 0; its last chunk has `needs_sample` False), and the engine core
+        finishes it once the runner has pooled it.
         """
         constraint = grammar.constraint if grammar is not None else None
         if constraint != sampling_params.constraint:
@@ -126,7 +133,10 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.deadline = deadline
         self.grammar = grammar
-        self.max_tokens = resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
+        self.pooling = pooling
+        self.max_tokens = (
+            0 if pooling is not None else resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
+        )
 
         self.output_token_ids: list[int] = []
         # Kept alongside the two parts so that reading all tokens never concatenates (it runs every step).

@@ -110,6 +110,7 @@ class Scheduler:
         self._last_interactive = -math.inf  # monotonic time an INTERACTIVE request last arrived or ran
         self.max_model_len = max_model_len
         self.total_preemptions = 0  # since start, for metrics and tests
+        self._num_pooling = 0  # pooling requests queued or running (engine_server.pooling)
         self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
@@ -159,6 +160,7 @@ class Scheduler:
         self._requests[request.request_id] = request
         self._seq[request.request_id] = seq
         self._waiting[request.priority].append(request)
+        self._num_pooling += request.pooling is not None
         if request.priority is Priority.INTERACTIVE:
             self._last_interactive = max(self._last_interactive, request.arrival_time)
         if request.deadline is not None:
@@ -269,7 +271,7 @@ class Scheduler:
                         break  # it preempted itself, so it was the tail: nothing after it is left
             # `_advance`, inline: this runs for every running request every step.
             request.num_computed_tokens = start + num_new
-            needs_sample = num_new - num_drafts == remaining
+            needs_sample = num_new - num_drafts == remaining and request.pooling is None
             if needs_sample:
                 request.num_pending_tokens += 1  # until update_from_output brings its token
             if num_drafts:
@@ -338,6 +340,7 @@ class Scheduler:
             num_prefill_tokens=num_batched_tokens - num_decode_rows,
             num_running_rows=num_running_rows,
             num_draft_tokens=num_draft_tokens,
+            has_pooling=self._num_pooling > 0,
         )
 
     def _schedule_steady(self, record: _SteadyRecord, finished: list[Request], now: float) -> SchedulerOutput | None:
@@ -632,7 +635,11 @@ class Scheduler:
                     continue
                 if len(self._running) >= self.config.max_num_seqs:
                     self._preempt_latest_batch(preempted)  # `_has_seat` saw a BATCH tail
-                cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+                cached_blocks: list[int]
+                if request.pooling is not None and request.pooling.method.needs_every_token:
+                    cached_blocks, num_cached = [], 0  # every position's hidden state is pooled
+                else:
+                    cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
                 blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
                 while blocks is None and takes_from_batch and self._preempt_latest_batch(preempted):
@@ -653,7 +660,7 @@ class Scheduler:
     def _advance(self, request: Request, num_new: int, blocks: list[int], num_cached: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens = computed = start + num_new
-        needs_sample = computed == request.num_known_and_pending_tokens
+        needs_sample = computed == request.num_known_and_pending_tokens and request.pooling is None
         if needs_sample:
             request.num_pending_tokens += 1  # until update_from_output brings its token
         return ScheduledRequest(request, start, num_new, blocks, needs_sample, num_cached)
@@ -680,6 +687,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         """Drop a finished request: free its blocks and forget it (it is already out of the queues)."""
         self._num_finished += 1
+        self._num_pooling -= request.pooling is not None
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._seq[request.request_id]

@@ -47,8 +47,7 @@ class ScheduledRequest:
     def is_prefill(self) -> bool:
         """True unless this is a decode (one token, with any drafts to verify) after the whole prompt was computed."""
         return (
-            self.num_new_tokens - len(self.draft_token_ids) > 1
-            or self.start_position < self.request.num_prompt_tokens
+            self.num_new_tokens - len(self.draft_token_ids) > 1 or self.start_position < self.request.num_prompt_tokens
         )
 
 
@@ -93,6 +92,7 @@ class SchedulerOutput:
     __slots__ = (
         "_scheduled",
         "finished",
+        "has_pooling",
         "num_batched_tokens",
         "num_decode_rows",
         "num_draft_tokens",
@@ -114,6 +114,7 @@ class SchedulerOutput:
         num_prefill_tokens: int = 0,
         num_draft_tokens: int = 0,
         num_running_rows: int = 0,
+        has_pooling: bool = False,
     ) -> None:
         if steady is not None and scheduled is not None:
             raise ValueError("a steady step's rows come from its columns")
@@ -129,6 +130,8 @@ class SchedulerOutput:
         self.num_draft_tokens = num_draft_tokens  # draft tokens of the step (speculative decoding), for metrics
         # `scheduled[:num_running_rows]` were running before the step; the rest it admitted from the queues.
         self.num_running_rows = num_running_rows
+        # Some row may be a pooling request's (engine_server.pooling): False spares the runner a look at every row.
+        self.has_pooling = has_pooling
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

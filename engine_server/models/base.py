@@ -35,6 +35,8 @@ FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
     ("gate_up_proj", "up_proj", "up"),
 )
 _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard) for fused, _, shard in FUSED_SHARDS}
+# A bare decoder's checkpoint names (no `model.` prefix, no LM head): `load_weights` reads them under `model.`.
+_BARE_DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -104,10 +106,15 @@ class CausalLM(nn.Module):
         refused. With tied embeddings a checkpoint's `lm_head.weight` is ignored. Under tensor parallelism each
         sharded layer keeps its rank's slice of the tensor (`parallel.layers`), which may be given whole, as
         exactly that slice, or unread (`loader.lazy_tensor.LazyTensor`: then only that slice is read).
+
+        A checkpoint of the bare decoder (saved from `AutoModel`, as Qwen3-Embedding's are: `layers.0...`,
+        `embed_tokens.weight`, `norm.weight`) is read as the same names under `model.`.
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
         for name, tensor in weights:
+            if name.startswith(_BARE_DECODER_PREFIXES):
+                name = f"model.{name}"
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             module_name, _, kind = name.rpartition(".")

@@ -75,6 +75,11 @@ def generation_input(
     )
 
 
+def priority(value: types_pb2.Priority.ValueType, default: Priority) -> Priority:
+    """The scheduling class a request's `priority` names; `default` for UNSPECIFIED."""
+    return _PRIORITIES.get(value, default)
+
+
 def constraint(message: types_pb2.Constraint) -> Constraint | None:
     """The engine's Constraint for a proto Constraint (None when no kind is set); the spec is checked later."""
     kind = message.WhichOneof("kind")
@@ -194,9 +199,7 @@ def stream_response(
     request_id: str, deltas: Sequence[Choice], model: str, usage: Usage | None = None
 ) -> engine_pb2.StreamResponse:
     """One stream message; `usage` is given on the last one only."""
-    response = engine_pb2.StreamResponse(
-        request_id=request_id, choices=[delta_message(d) for d in deltas], model=model
-    )
+    response = engine_pb2.StreamResponse(request_id=request_id, choices=[delta_message(d) for d in deltas], model=model)
     if usage is not None:
         response.usage.CopyFrom(usage_message(usage))
     return response
@@ -296,6 +299,9 @@ def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
             max_n=MAX_N, max_stop_strings=MAX_STOP_STRINGS, max_top_logprobs=MAX_TOP_LOGPROBS
         ),
         max_num_seqs=info.max_num_seqs,
+        pooling=engine_pb2.PoolingInfo(
+            method=info.pooling.method.value, normalize=info.pooling.normalize, dimensions=info.pooling.dimensions
+        ),
     )
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import structlog
@@ -22,12 +22,15 @@ import structlog
 from engine_server.core.request import Priority
 from engine_server.errors import EngineUnavailableError, ValidationError
 from engine_server.frontend import GenerationResult
-from engine_server.server import convert
+from engine_server.pooling.requests import EmbedInput, ScoreInput
+from engine_server.server import convert, convert_pooling
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import GenerationInput, ServingEngine
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+_Call = TypeVar("_Call", GenerationInput, EmbedInput, ScoreInput)
 
 PARAM_METADATA_KEY = "ladle-param"  # trailing metadata of an INVALID_ARGUMENT: the offending field, when known
 
@@ -147,6 +150,30 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         except Exception as exc:
             await _fail(context, exc)
 
+    async def Embed(
+        self, request: engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.EmbedResponse:
+        try:
+            with self._admitted() as engine:
+                call = _with_request_id(convert_pooling.embed_input(request, Priority.INTERACTIVE))
+                with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc="Embed"):
+                    result = await engine.embed(call, _deadline(context))
+                    return convert_pooling.embed_response(result, engine.info.model_id)
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def Score(
+        self, request: engine_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.ScoreResponse:
+        try:
+            with self._admitted() as engine:
+                call = _with_request_id(convert_pooling.score_input(request, Priority.INTERACTIVE))
+                with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc="Score"):
+                    result = await engine.score(call, _deadline(context))
+                    return convert_pooling.score_response(result, engine.info.model_id)
+        except Exception as exc:
+            await _fail(context, exc)
+
     async def GetModelInfo(
         self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.GetModelInfoResponse:
@@ -231,15 +258,34 @@ class _BatchRun:
             if item.item_id in self._seen:
                 raise ValidationError(f"item_id {item.item_id!r} was already used in this call", "item_id")
             self._seen.add(item.item_id)
-            defaults = self.engine.info.generation_defaults
-            generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH, defaults))
-            with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id):
-                result = await _run_to_end(self.engine, generation, self._deadline)
-            response.result.CopyFrom(convert.generate_response(result, self.engine.info.model_id))
+            await self._run(item, response)
         except Exception as exc:
             _log_failure(exc)
             response.error.CopyFrom(convert.item_error(exc))
         self._results.put_nowait(response)
+
+    async def _run(self, item: engine_pb2.BatchRequest, response: engine_pb2.BatchResponse) -> None:
+        """Run one item (a generation, or an `embed` or `score` call) and put its result in `response`."""
+        engine, model = self.engine, self.engine.info.model_id
+        pooling = item.WhichOneof("pooling")
+        if pooling is not None and item.HasField("request"):
+            raise ValidationError(f"a Batch item sets one of request, embed or score, not request and {pooling}")
+        if pooling == "embed":
+            embed = _with_request_id(convert_pooling.embed_input(item.embed, Priority.BATCH))
+            with structlog.contextvars.bound_contextvars(request_id=embed.request_id, item_id=item.item_id):
+                embedded = await engine.embed(embed, self._deadline)
+            response.embed_result.CopyFrom(convert_pooling.embed_response(embedded, model))
+        elif pooling == "score":
+            score = _with_request_id(convert_pooling.score_input(item.score, Priority.BATCH))
+            with structlog.contextvars.bound_contextvars(request_id=score.request_id, item_id=item.item_id):
+                scored = await engine.score(score, self._deadline)
+            response.score_result.CopyFrom(convert_pooling.score_response(scored, model))
+        else:
+            defaults = engine.info.generation_defaults
+            generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH, defaults))
+            with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id):
+                result = await _run_to_end(engine, generation, self._deadline)
+            response.result.CopyFrom(convert.generate_response(result, model))
 
 
 async def _run_to_end(engine: ServingEngine, generation: GenerationInput, deadline: float | None) -> GenerationResult:
@@ -252,10 +298,10 @@ async def _run_to_end(engine: ServingEngine, generation: GenerationInput, deadli
     return result
 
 
-def _with_request_id(generation: GenerationInput) -> GenerationInput:
-    if generation.request_id:
-        return generation
-    return dataclasses.replace(generation, request_id=f"req-{uuid.uuid4().hex}")
+def _with_request_id(call: _Call) -> _Call:
+    if call.request_id:
+        return call
+    return dataclasses.replace(call, request_id=f"req-{uuid.uuid4().hex}")
 
 
 def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:

@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import structlog
+import torch
 
 from engine_server import faults
 from engine_server.config import EngineConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.errors import EngineUnavailableError
 from engine_server.frontend import (
     ChatPrompt,
     Choice,
@@ -37,6 +39,17 @@ from engine_server.generation_defaults import GenerationDefaults
 from engine_server.llm import engine_eos_ids, engine_generation_defaults
 from engine_server.loader import resolve_model
 from engine_server.output import TokenTextCodec
+from engine_server.pooling.params import ModelPooling, PoolingParams
+from engine_server.pooling.requests import (
+    EmbedInput,
+    EmbedResult,
+    ScoreInput,
+    ScoreResult,
+    check_num_inputs,
+    cosine_scores,
+    pooling_requests,
+    pooling_token_ids,
+)
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import EngineLoop, LoadSnapshot
 from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
@@ -63,6 +76,7 @@ class ModelInfo:
     dtype: str
     max_num_seqs: int
     generation_defaults: GenerationDefaults  # for the sampling fields a request leaves unset
+    pooling: ModelPooling  # how Embed and Score pool the model's hidden states
 
 
 @dataclass(frozen=True)
@@ -104,9 +118,11 @@ class ServingEngine:
         grammar_config: GrammarCompilerConfig | None = None,
         *,
         generation_defaults: GenerationDefaults,
+        pooling: ModelPooling | None = None,
     ) -> None:
         """Takes over `core`: from now on only the EngineLoop's thread touches it. `generation_defaults` fill the
-        sampling fields a request leaves unset; GetModelInfo reports them."""
+        sampling fields a request leaves unset; GetModelInfo reports them. `pooling`: the model's (default: its
+        last token, normalized)."""
         self.tokenizer = tokenizer
         self.grammar_compiler = GrammarCompiler.for_tokenizer(
             tokenizer, core.model_config.vocab_size, eos, grammar_config
@@ -126,6 +142,7 @@ class ServingEngine:
             dtype=str(core.runner.dtype).removeprefix("torch."),
             max_num_seqs=core.config.scheduler.max_num_seqs,
             generation_defaults=generation_defaults,
+            pooling=pooling or ModelPooling.for_model(None, core.model_config.hidden_size),
         )
         self.loop = EngineLoop(core, loop)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -189,7 +206,10 @@ class ServingEngine:
         core = EngineCore(config, source)
         faults.install_from_env(core.runner.model)
         eos = engine_eos_ids(source, tokenizer)
-        return cls(core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults)
+        pooling = ModelPooling.for_model(source.path, source.config.hidden_size)
+        return cls(
+            core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling
+        )
 
     @property
     def load_snapshot(self) -> LoadSnapshot:
@@ -258,6 +278,76 @@ class ServingEngine:
                 self.loop.abort(sorted(unfinished))
             _log_finished(request.request_id, internal_id, outcome, tracker, core_requests)
 
+    async def embed(self, call: EmbedInput, deadline: float | None = None) -> EmbedResult:
+        """One vector per input, in order (`deadline` and cancelling as in `generate`); raises ValidationError
+        before anything runs, QueueFullError when the waiting queue is full."""
+        check_num_inputs(len(call.prompts), "input")
+        params = self.info.pooling.params(call.normalize, call.dimensions)
+        token_ids = await self._pooling_token_ids(call.prompts, call.truncate_prompt_tokens, "input")
+        vectors = await self._pool(call.request_id, token_ids, params, call.priority, deadline)
+        return EmbedResult(call.request_id, vectors, [len(ids) for ids in token_ids])
+
+    async def score(self, call: ScoreInput, deadline: float | None = None) -> ScoreResult:
+        """Each document's cosine similarity with the query, in order (as `embed`)."""
+        check_num_inputs(len(call.documents), "documents")
+        truncate = call.truncate_prompt_tokens
+        query = await self._pooling_token_ids([call.query], truncate, "query")
+        documents = await self._pooling_token_ids(call.documents, truncate, "documents")
+        params = PoolingParams(self.info.pooling.method, normalize=False)  # the cosine normalizes
+        vectors = await self._pool(call.request_id, query + documents, params, call.priority, deadline)
+        tokens = sum(len(ids) for ids in query + documents)
+        return ScoreResult(call.request_id, cosine_scores(vectors[0], vectors[1:]), tokens)
+
+    async def _pooling_token_ids(self, prompts: Sequence[Prompt], truncate: int | None, param: str) -> list[list[int]]:
+        def tokenize() -> list[list[int]]:
+            return [pooling_token_ids(self.inputs, prompt, truncate, param) for prompt in prompts]
+
+        result: list[list[int]] = await self._off_loop(tokenize)
+        return result
+
+    async def _pool(
+        self,
+        request_id: str,
+        token_ids: Sequence[list[int]],
+        params: PoolingParams,
+        priority: Priority,
+        deadline: float | None,
+    ) -> list[torch.Tensor]:
+        """Run one pooling request per input through the core; their vectors in order. Closing early (the caller
+        cancelled) aborts what has not finished."""
+        internal_id = f"p{next(self._ids)}"
+        requests = pooling_requests(internal_id, token_ids, params, self.info.context_length, priority, deadline)
+        stream = self.loop.add(internal_id, requests, final_only=True)
+        vectors: dict[int, torch.Tensor] = {}
+        unfinished = set(stream.core_ids)
+        outcome = "cancelled"
+        try:
+            while unfinished:
+                for output in await stream.next():
+                    if output.status is RequestStatus.FINISHED_DEADLINE:
+                        raise RequestDeadlineError("the deadline passed while the request was queued; it never ran")
+                    if output.pooled is None:
+                        raise EngineUnavailableError("the engine stopped this request before it was computed; retry")
+                    unfinished.discard(output.request_id)
+                    vectors[split_core_request_id(output.request_id)[1]] = output.pooled
+            outcome = "finished"
+        except BaseException as exc:
+            outcome = type(exc).__name__
+            raise
+        finally:
+            self.loop.close(stream)
+            if unfinished:
+                self.loop.abort(sorted(unfinished))
+            log.info(
+                "pooling request finished",
+                request_id=request_id,
+                core_id=internal_id,
+                outcome=outcome,
+                inputs=len(requests),
+                prompt_tokens=sum(len(ids) for ids in token_ids),
+            )
+        return [vectors[i] for i in range(len(requests))]
+
     def _apply(self, tracker: RequestTracker, outputs: Sequence[CoreOutput], unfinished: set[str]) -> list[Choice]:
         """Feed one step's outputs to the tracker; returns the deltas of choices that advanced."""
         deltas: list[Choice] = []
@@ -276,9 +366,7 @@ class ServingEngine:
         return deltas
 
     async def _off_loop(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_thread, lambda: fn(*args, **kwargs)
-        )
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, lambda: fn(*args, **kwargs))
 
 
 def _log_finished(

@@ -19,6 +19,7 @@ from engine_server.generation_defaults import (
     resolve_generation_defaults,
 )
 from engine_server.output.types import FinishReason
+from engine_server.pooling.params import ModelPooling
 from engine_server.sampling_params import SamplingParams
 from engine_server.server import convert
 from engine_server.server.servicer import EngineServicer
@@ -207,6 +208,7 @@ class FakeServing:
         self.info = ModelInfo(
             model_id="m", architecture="llama", context_length=8192, vocab_size=100, eos_token_ids=(2,),
             has_chat_template=True, device="cpu", dtype="float32", max_num_seqs=4, generation_defaults=defaults,
+            pooling=ModelPooling.for_model(None, 64),
         )  # fmt: skip
         self.requests: list[GenerationInput] = []
 

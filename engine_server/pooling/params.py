@@ -1,0 +1,88 @@
+"""How a model's hidden states become one vector per input: the model's pooling and a request's options.
+
+A model's pooling comes from its sentence-transformers configuration when its folder has one (`modules.json`
+naming a `Pooling` module, whose `config.json` says which mode, and a `Normalize` module or not), as
+sentence-transformers itself and vLLM read it; a decoder model without one pools its last token, normalized.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+from engine_server.errors import ValidationError
+
+
+class PoolingMethod(StrEnum):
+    """Which hidden states make an input's vector (the values are PoolingInfo.method's)."""
+
+    LAST = "last"  # the last token's
+    MEAN = "mean"  # the mean over every token of the input
+    CLS = "cls"  # the first token's
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether every position's hidden state is read (then no prompt token may come from the prefix cache)."""
+        return self is not PoolingMethod.LAST
+
+
+# sentence-transformers' Pooling config keys, by the method they select; the other modes are refused.
+_ST_MODES = {
+    "pooling_mode_lasttoken": PoolingMethod.LAST,
+    "pooling_mode_mean_tokens": PoolingMethod.MEAN,
+    "pooling_mode_cls_token": PoolingMethod.CLS,
+}
+_ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """One pooling request's options, resolved: its method (the model's), whether to L2-normalize, and how many
+    leading values to keep (None: all). Truncation comes first, then normalization (Matryoshka embeddings)."""
+
+    method: PoolingMethod = PoolingMethod.LAST
+    normalize: bool = True
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelPooling:
+    """A model's pooling: its method, whether its embeddings are normalized by default, and their length."""
+
+    method: PoolingMethod
+    normalize: bool
+    dimensions: int
+
+    @classmethod
+    def for_model(cls, folder: Path | None, hidden_size: int) -> ModelPooling:
+        """The pooling `folder`'s sentence-transformers configuration describes, else last-token, normalized.
+        ValueError for a pooling mode ladle does not compute, or a configuration that selects none or several."""
+        modules_file = folder / "modules.json" if folder is not None else None
+        if modules_file is None or not modules_file.is_file():
+            return cls(PoolingMethod.LAST, normalize=True, dimensions=hidden_size)
+        modules = json.loads(modules_file.read_text())
+        types = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", "")) for m in modules}
+        method = PoolingMethod.LAST
+        if "Pooling" in types:
+            config = json.loads((folder / types["Pooling"] / "config.json").read_text())  # type: ignore[operator]
+            unsupported = [key for key in _ST_UNSUPPORTED if config.get(key)]
+            chosen = [mode for key, mode in _ST_MODES.items() if config.get(key)]
+            if unsupported or len(chosen) != 1:
+                raise ValueError(
+                    f"{folder}: sentence-transformers pooling {sorted(k for k, v in config.items() if v is True)} "
+                    "is not supported; ladle pools with exactly one of lasttoken, mean_tokens or cls_token"
+                )
+            method = chosen[0]
+        return cls(method, normalize="Normalize" in types, dimensions=hidden_size)
+
+    def params(self, normalize: bool | None = None, dimensions: int | None = None) -> PoolingParams:
+        """A request's options over this model's defaults; ValidationError when `dimensions` is out of range."""
+        if dimensions is not None and not 1 <= dimensions <= self.dimensions:
+            raise ValidationError(
+                f"dimensions must be between 1 and {self.dimensions} (the model's embedding size), got {dimensions}",
+                "dimensions",
+            )
+        keep = None if dimensions is None or dimensions == self.dimensions else dimensions
+        return PoolingParams(self.method, self.normalize if normalize is None else normalize, keep)

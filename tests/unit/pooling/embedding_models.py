@@ -1,0 +1,94 @@
+"""Small embedding models for tests, built with transformers' own classes and saved to a folder (nothing fetched).
+
+A folder holds what a real embedding checkpoint holds: the bare decoder's safetensors (names without `model.`,
+no LM head, as Qwen3-Embedding ships them), the embedded model's tokenizer, and, when asked, the
+sentence-transformers configuration that names the pooling (`modules.json`, `1_Pooling/config.json`,
+`2_Normalize`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_server.loader import resolve_model
+
+# Every token id the embedded tokenizer emits fits this vocabulary.
+VOCAB_SIZE = 49152
+
+
+def save_qwen3_embedding(folder: Path, *, pooling: str | None = "lasttoken", normalize: bool = True) -> Path:
+    """A 2-layer random Qwen3 decoder saved as a Qwen3-Embedding-style folder; `pooling` is the
+    sentence-transformers mode (`lasttoken`, `mean_tokens`, `cls_token`), None for no sentence-transformers files."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    )
+    model = Qwen3Model(config).eval()
+    with torch.no_grad():  # a wider spread than the init's, so that differences between inputs are not tiny
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    _copy_tokenizer(folder)
+    if pooling is not None:
+        _write_sentence_transformers(folder, pooling, normalize, config.hidden_size)
+    return folder
+
+
+def load_reference(folder: Path) -> Any:
+    """transformers' model on the folder, fp32 on the CPU."""
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def reference_embedding(model: Any, token_ids: list[int], pooling: str, normalize: bool) -> torch.Tensor:
+    """transformers' last hidden states of one input, pooled as sentence-transformers pools them."""
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.tensor([token_ids])).last_hidden_state[0].float()
+    if pooling == "lasttoken":
+        vector = hidden[-1]
+    elif pooling == "mean_tokens":
+        vector = hidden.mean(dim=0)
+    else:
+        vector = hidden[0]
+    return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
+
+
+def _copy_tokenizer(folder: Path) -> None:
+    source = resolve_model("default").tokenizer_path
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / name)
+
+
+def _write_sentence_transformers(folder: Path, pooling: str, normalize: bool, dimension: int) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    config: dict[str, Any] = {"word_embedding_dimension": dimension, "include_prompt": True}
+    config.update({f"pooling_mode_{mode}": mode == pooling for mode in modes})
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
