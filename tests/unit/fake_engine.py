@@ -10,7 +10,7 @@ Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED th
 seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE after that many results),
 `die_after_s` (the next Batch call ends UNAVAILABLE after that many seconds, whatever it is doing), `kill_calls()`
 (every running Batch call ends UNAVAILABLE now),
-`unavailable` (every Generate / Stream call fails UNAVAILABLE; a stream after its first chunk when
+`unavailable` (every Generate / Stream / Embed / Score call fails UNAVAILABLE; a stream after its first chunk when
 `unavailable_after_output`), and `delay_s` per item.
 """
 
@@ -87,6 +87,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     async def Embed(self, request: engine_pb2.EmbedRequest, context: Any) -> engine_pb2.EmbedResponse:
         await asyncio.sleep(self.delay_s)
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
         refused = _pooling_refusal(request, self.invalid)
         if refused is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))
@@ -94,6 +96,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     async def Score(self, request: engine_pb2.ScoreRequest, context: Any) -> engine_pb2.ScoreResponse:
         await asyncio.sleep(self.delay_s)
+        if self.unavailable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
         refused = _pooling_refusal(request, self.invalid)
         if refused is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refused[0], (("ladle-param", refused[1]),))

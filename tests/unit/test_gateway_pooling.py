@@ -17,6 +17,7 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from gateway import calls
 from gateway.app import create_app
 from gateway.batches import lines
 from gateway.batches.line_runner import LineResult, LineRunner
@@ -309,6 +310,30 @@ async def test_rerank_route_orders_by_score(http: httpx.AsyncClient, path: str) 
     assert [r["index"] for r in body["results"]] == [documents.index(d) for d in best]
     assert body["usage"]["total_tokens"] == 1 + sum(map(len, documents))
     assert_400(await http.post(path, json={"query": "q", "documents": []}), "documents")
+
+
+async def test_pooling_calls_fail_over_to_another_engine_like_generation() -> None:
+    fakes = [FakeEngine(), FakeEngine()]
+    servers = [await start_fake_engine(f) for f in fakes]
+    pool = EnginePool(GatewayConfig(engines=tuple(a for _, a in servers), health_interval_s=0.05,
+                                    request_timeout_s=10))
+    await pool.start()
+    try:
+        while len(pool.ready) < 2:
+            await asyncio.sleep(0.05)
+        request = to_engine.embed_request(embedding(input="alpha"), "r")
+        first = pool.pick(request.inputs[:1])  # where it goes first (the cache-aware record now says so)
+        fakes[[e.address for e in pool.engines].index(first.address)].unavailable = True
+        reply = await calls.embed(pool, request)
+        assert list(reply.embeddings[0].values) == fake_vector(text("alpha"))
+        scored = await calls.score(pool, to_engine.rerank_request(
+            RerankRequest.model_validate({"query": "alpha", "documents": ["b"]}), "r"))
+        assert list(scored.scores) == pytest.approx([fake_score(text("alpha"), text("b"))])
+        assert pool.failovers[first.address] >= 1
+    finally:
+        await pool.close()
+        for server, _ in servers:
+            await server.stop(0)
 
 
 # -- batch lines -------------------------------------------------------------------------------------------------
