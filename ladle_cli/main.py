@@ -30,6 +30,7 @@ BENCHMARKS = {
     "quality": "benchmarks.quality",
     "host": "benchmarks.host",
     "speculative": "benchmarks.speculative",
+    "embed": "benchmarks.embed",
 }
 
 
