@@ -11,14 +11,17 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "bert"]
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "bert": "bert",
 }
+# Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
+ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a decoder-only transformer, independent of where its weights come from."""
+    """Shape of a transformer, independent of where its weights come from: a decoder (Llama, Qwen2, Qwen3), or
+    an encoder (BERT: `encoder` set), which attends both ways, has no KV cache to keep and only pools.
+    """
 
     architecture: Architecture
     vocab_size: int
@@ -53,6 +58,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    # Encoders (BERT): post-norm LayerNorms with this eps, learned absolute positions, token types, a GELU MLP.
+    encoder: bool = False
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    gelu_tanh: bool = False  # the MLP's GELU is the tanh approximation (hidden_act gelu_new)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
@@ -60,6 +70,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in _HF_ARCHITECTURES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_HF_ARCHITECTURES)}")
+        if model_type == "bert":
+            return cls._encoder_from_hf_config(cfg, name)
         if model_type == "mistral" and cfg.get("sliding_window"):
             raise ValueError("Mistral with sliding-window attention is not supported")
         arch = _HF_ARCHITECTURES[model_type]
@@ -98,6 +110,37 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+        )
+
+    @classmethod
+    def _encoder_from_hf_config(cls, cfg: dict[str, Any], name: str) -> ModelConfig:
+        """A BERT `config.json`: absolute positions (no rope), LayerNorm, a GELU MLP."""
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"BERT position_embedding_type {cfg['position_embedding_type']!r} is not supported")
+        activation = cfg.get("hidden_act", "gelu")
+        if activation not in ENCODER_ACTIVATIONS:
+            supported = sorted(ENCODER_ACTIVATIONS)
+            raise ValueError(f"BERT hidden_act {activation!r} is not supported; supported: {supported}")
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            architecture="bert",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=int(cfg["hidden_size"]) // heads,
+            rms_norm_eps=0.0,
+            rope_theta=0.0,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 512)),
+            tie_word_embeddings=False,
+            attention_bias=True,
+            name=name,
+            encoder=True,
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+            gelu_tanh=ENCODER_ACTIVATIONS[activation],
         )
 
 

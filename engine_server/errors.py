@@ -24,6 +24,11 @@ class ModelTemplateError(EngineError):
     template attempted (gRPC FAILED_PRECONDITION, HTTP 500). The operator must replace the template."""
 
 
+class UnsupportedByModelError(EngineError):
+    """The served model cannot do what the call asks: an encoder (which only pools) asked to generate (gRPC
+    UNIMPLEMENTED, HTTP 400)."""
+
+
 class QueueFullError(EngineError):
     """The waiting queue is over its limit (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from engine_server.config import EngineConfig, SpeculativeConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Priority, Request
+from engine_server.errors import UnsupportedByModelError
 from engine_server.frontend import (
     ChatPrompt,
     GenerationResult,
@@ -83,8 +84,13 @@ class LLM:
         self.tokenizer = load_tokenizer(source.tokenizer_path)
         self.core = EngineCore(self.config, source)
         self.eos_token_ids = engine_eos_ids(source, self.tokenizer)
-        self.grammar_compiler = GrammarCompiler.for_tokenizer(
-            self.tokenizer, source.config.vocab_size, self.eos_token_ids, grammar_config
+        # An encoder only pools: no grammar to compile (its tokenizer may have no eos for one to end on).
+        self.grammar_compiler = (
+            None
+            if source.config.encoder
+            else GrammarCompiler.for_tokenizer(
+                self.tokenizer, source.config.vocab_size, self.eos_token_ids, grammar_config
+            )
         )
         self.inputs = InputProcessor(
             self.tokenizer,
@@ -94,7 +100,7 @@ class LLM:
             grammar_compiler=self.grammar_compiler,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
-        self.pooling = ModelPooling.for_model(source.path, source.config.hidden_size)
+        self.pooling = ModelPooling.for_model(source.path, source.config.hidden_size, source.config.encoder)
         self._ids = itertools.count()
         freeze_startup_heap()
 
@@ -115,6 +121,10 @@ class LLM:
         Constraints are all compiled (in parallel, blocking this call up to the compiler's time limit) before
         any request reaches the core; one that fails to compile raises ValidationError likewise.
         """
+        if self.pooling.encoder:
+            raise UnsupportedByModelError(
+                "the model is an encoder: it embeds and scores (`embed`, `score`), not generates"
+            )
         batch = _as_prompt_list(prompts)
         if params is None:
             params = self.generation_defaults.sampling_params()
@@ -170,7 +180,8 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler; the LLM cannot generate afterwards."""
         self.core.close()
-        self.grammar_compiler.close()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -35,7 +35,14 @@ from engine_server.host_memory import keep_freed_memory_for_reuse
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
-from engine_server.models import CausalLM, allocate_kv_cache, get_model_class, kv_cache_bytes_per_block
+from engine_server.models import (
+    BertEncoder,
+    CausalLM,
+    StepModel,
+    allocate_kv_cache,
+    get_model_class,
+    kv_cache_bytes_per_block,
+)
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.quantization import Scheme, quantize_model, resolve_quantization
 from engine_server.speculative.draft_model import DraftModel
@@ -57,7 +64,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     model_config: ModelConfig
-    model: CausalLM
+    model: StepModel
     quantization: Scheme
     block_size: int
     max_model_len: int
@@ -117,13 +124,22 @@ def load_model(
     kernels = select_ops(device) is not REFERENCE_OPS
     quantization = resolve_quantization(config.quantization, source, device, dtype, kernels, tp.size)
     torch.manual_seed(config.seed)
-    model = get_model_class(source.config.architecture)(source.config, dtype=dtype, tp=tp)
+    model: StepModel
+    if source.config.encoder:
+        model = BertEncoder(source.config, dtype=dtype, tp=tp)
+    else:
+        model = get_model_class(source.config.architecture)(source.config, dtype=dtype, tp=tp)
     # Sharded, each rank reads only its slice of each tensor; unsharded, one sequential read per file is faster.
     model.load_weights(source.lazy_weights() if tp.size > 1 else source.weights())
     model = model.to(device).eval()
     num_blocks = tp.broadcast_from_driver(num_kv_blocks(source.config, config, dtype, max_model_len, tp.size))
     block_size = config.cache.block_size
-    kv_caches = allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size)
+    # An encoder keeps nothing between steps: its blocks only count the tokens in flight, and hold no memory.
+    kv_caches = (
+        []
+        if source.config.encoder
+        else allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size)
+    )
     _quantize(model, source, quantization, device, kernels)
     loaded = LoadedModel(
         device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
@@ -136,16 +152,16 @@ def load_model(
     return loaded
 
 
-def _quantize(model: CausalLM, source: ModelSource, quantization: Scheme, device: torch.device, kernels: bool) -> None:
+def _quantize(model: StepModel, source: ModelSource, quantization: Scheme, device: torch.device, kernels: bool) -> None:
     """Quantize the model's weights as `quantization` says and, on the CPU, MKL-pack its float linear layers."""
     if device.type == "cpu":
         keep_freed_memory_for_reuse()
-        layers = quantize_model(model, source, quantization)
+        layers = quantize_model(model, source, quantization) if isinstance(model, CausalLM) else {}
         packed = pack_linear_layers(model)
         log.info(
             "cpu kernels", quantization=quantization, layers=layers, mkl_packed_linears=packed, cpp_kernels=kernels
         )
-    elif quantization != "none":
+    elif quantization != "none" and isinstance(model, CausalLM):  # an encoder's weights stay float
         layers = quantize_model(model, source, quantization)
         torch.cuda.empty_cache()  # the float weights' blocks
         log.info("quantized weights", quantization=quantization, layers=layers)
@@ -174,6 +190,8 @@ def _captures_decode_graphs(loaded: LoadedModel, enforce_eager: bool) -> bool:
     # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
     if loaded.device.type != "cuda" or enforce_eager or loaded.max_graph_batch < 1 or loaded.draft is not None:
         return False
+    if loaded.model_config.encoder:
+        return False  # an encoder never decodes
     if loaded.tp.size > 1:
         log.warning("decode graphs are not captured under tensor parallelism yet: decode steps run eagerly")
         return False

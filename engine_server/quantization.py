@@ -49,9 +49,14 @@ def resolve_quantization(
     kernels are there (the C++ ones built on the CPU, triton on CUDA). Raises ValueError (naming the flag) for a
     scheme this engine cannot serve. Under tensor parallelism (`tp_size > 1`) weights stay float (yet): `auto` is
     then `none`, and `gguf` and `int8` are refused. (int8 of each rank's slices ran, but its greedy output did not
-    match TP=1's int8 closely enough to ship: issue 26's notes.)
+    match TP=1's int8 closely enough to ship: issue 26's notes.) An encoder (BERT) keeps float weights: `auto`
+    is `none` for it, `gguf` and `int8` are refused.
     """
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
+    if source.config.encoder:
+        if mode not in ("auto", "none"):
+            raise ValueError(f"--quantization {mode}: an encoder model ({source.name!r}) keeps its float weights")
+        return "none"
     if mode == "auto":
         gguf = cpu_float32 and kernels and source.gguf_path is not None and tp_size == 1
         return "gguf" if gguf else "none"

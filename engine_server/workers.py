@@ -38,6 +38,7 @@ import torch.multiprocessing as mp
 from engine_server.config import EngineConfig
 from engine_server.loader import ModelSource
 from engine_server.model_loading import LoadedModel, load_model, resolve_device
+from engine_server.models import CausalLM
 from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.sharding import check_shardable
 from engine_server.parallel.shm_all_reduce import ShmAllReduce, ShmBuffers, reduce_capacity, supported
@@ -89,6 +90,8 @@ def start_tensor_parallel(
     others). `on_lost(rank, exit status)` replaces the default reaction to a worker lost later (module doc)."""
     size = config.tensor_parallel_size
     model = source.config
+    if model.encoder:
+        raise ValueError(f"--tensor-parallel-size {size}: an encoder model runs on one device (it is small and pools)")
     check_shardable(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size, size)
     device = resolve_device(config.device)
     if device.type == "cuda" and torch.cuda.device_count() < size:
@@ -236,6 +239,7 @@ def _worker_main(spec: WorkerSpec) -> None:
 def _serve_steps(loaded: LoadedModel, receiver: StepReceiver) -> None:
     """The worker's loop: rank 0's forwards over this rank's KV cache, and its share of their logits."""
     model, kv_caches = loaded.model, loaded.kv_caches
+    assert isinstance(model, CausalLM)  # encoders are refused before any worker starts
     hidden: torch.Tensor | None = None
     while True:
         message = receiver.receive()

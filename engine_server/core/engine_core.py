@@ -113,6 +113,8 @@ class EngineCore:
         self.model_config = source.config
         limit = config.scheduler.max_model_len or source.config.max_position_embeddings
         self.max_model_len = min(limit, source.config.max_position_embeddings)
+        if source.config.encoder:  # an encoder's input runs whole in one step: it must fit the step's budget
+            self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)
         # Under tensor parallelism this process is rank 0 and the other ranks are worker processes (`workers`).
         self.workers: WorkerGroup | None = None
         if config.tensor_parallel_size > 1:

@@ -636,11 +636,15 @@ class Scheduler:
                 if len(self._running) >= self.config.max_num_seqs:
                     self._preempt_latest_batch(preempted)  # `_has_seat` saw a BATCH tail
                 cached_blocks: list[int]
-                if request.pooling is not None and request.pooling.method.needs_every_token:
-                    cached_blocks, num_cached = [], 0  # every position's hidden state is pooled
+                if request.pooling is not None and request.pooling.computes_every_token:
+                    cached_blocks, num_cached = [], 0  # every position's hidden state is pooled, or depends on all
                 else:
                     cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
+                if request.pooling is not None and request.pooling.bidirectional:
+                    if request.num_tokens > budget:
+                        return budget  # an encoder's input runs whole: it waits for a step with room for all of it
+                    num_new = request.num_tokens
                 blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
                 while blocks is None and takes_from_batch and self._preempt_latest_batch(preempted):
                     blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.models.base import CausalLM
+from engine_server.models.bert import BertEncoder
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM
 from engine_server.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["CausalLM", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
+__all__ = ["BertEncoder", "CausalLM", "StepModel", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
+
+# What the runner runs steps on: a decoder that generates, or an encoder that only pools.
+StepModel = CausalLM | BertEncoder
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
-    """The class for an architecture name ("llama", "qwen2", "qwen3"); ValueError for anything else."""
+    """The decoder class for an architecture name ("llama", "qwen2", "qwen3"); ValueError for anything else (an
+    encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,

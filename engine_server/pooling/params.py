@@ -2,7 +2,8 @@
 
 A model's pooling comes from its sentence-transformers configuration when its folder has one (`modules.json`
 naming a `Pooling` module, whose `config.json` says which mode, and a `Normalize` module or not), as
-sentence-transformers itself and vLLM read it; a decoder model without one pools its last token, normalized.
+sentence-transformers itself and vLLM read it; without one a decoder pools its last token and an encoder its
+first (CLS) token, normalized.
 """
 
 from __future__ import annotations
@@ -45,6 +46,13 @@ class PoolingParams:
     method: PoolingMethod = PoolingMethod.LAST
     normalize: bool = True
     dimensions: int | None = None
+    # The model attends both ways (an encoder): an input runs whole in one step, never from the prefix cache.
+    bidirectional: bool = False
+
+    @property
+    def computes_every_token(self) -> bool:
+        """Whether every token of the input must be computed in this request (none from the prefix cache)."""
+        return self.bidirectional or self.method.needs_every_token
 
 
 @dataclass(frozen=True)
@@ -54,17 +62,20 @@ class ModelPooling:
     method: PoolingMethod
     normalize: bool
     dimensions: int
+    encoder: bool = False  # the model attends both ways (BERT)
 
     @classmethod
-    def for_model(cls, folder: Path | None, hidden_size: int) -> ModelPooling:
-        """The pooling `folder`'s sentence-transformers configuration describes, else last-token, normalized.
-        ValueError for a pooling mode ladle does not compute, or a configuration that selects none or several."""
+    def for_model(cls, folder: Path | None, hidden_size: int, encoder: bool = False) -> ModelPooling:
+        """The pooling `folder`'s sentence-transformers configuration describes, else the last token's (a decoder)
+        or the first's (an `encoder`), normalized. ValueError for a pooling mode ladle does not compute, or a
+        configuration that selects none or several."""
+        default = PoolingMethod.CLS if encoder else PoolingMethod.LAST
         modules_file = folder / "modules.json" if folder is not None else None
         if modules_file is None or not modules_file.is_file():
-            return cls(PoolingMethod.LAST, normalize=True, dimensions=hidden_size)
+            return cls(default, normalize=True, dimensions=hidden_size, encoder=encoder)
         modules = json.loads(modules_file.read_text())
         types = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", "")) for m in modules}
-        method = PoolingMethod.LAST
+        method = default
         if "Pooling" in types:
             config = json.loads((folder / types["Pooling"] / "config.json").read_text())  # type: ignore[operator]
             unsupported = [key for key in _ST_UNSUPPORTED if config.get(key)]
@@ -75,7 +86,7 @@ class ModelPooling:
                     "is not supported; ladle pools with exactly one of lasttoken, mean_tokens or cls_token"
                 )
             method = chosen[0]
-        return cls(method, normalize="Normalize" in types, dimensions=hidden_size)
+        return cls(method, normalize="Normalize" in types, dimensions=hidden_size, encoder=encoder)
 
     def params(self, normalize: bool | None = None, dimensions: int | None = None) -> PoolingParams:
         """A request's options over this model's defaults; ValidationError when `dimensions` is out of range."""
@@ -85,4 +96,4 @@ class ModelPooling:
                 "dimensions",
             )
         keep = None if dimensions is None or dimensions == self.dimensions else dimensions
-        return PoolingParams(self.method, self.normalize if normalize is None else normalize, keep)
+        return PoolingParams(self.method, self.normalize if normalize is None else normalize, keep, self.encoder)

@@ -14,7 +14,13 @@ from typing import Any, TypeAlias, cast
 import grpc
 
 from engine_server.core.request import Priority
-from engine_server.errors import EngineUnavailableError, ModelTemplateError, QueueFullError, ValidationError
+from engine_server.errors import (
+    EngineUnavailableError,
+    ModelTemplateError,
+    QueueFullError,
+    UnsupportedByModelError,
+    ValidationError,
+)
 from engine_server.frontend import ChatPrompt, Choice, GenerationResult, Prompt, TokenLogprob, Usage
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.output.types import FinishReason
@@ -339,6 +345,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
     if isinstance(exc, ModelTemplateError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, UnsupportedByModelError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
     if isinstance(exc, EngineInternalError):
         return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the engine keeps serving"

@@ -24,7 +24,7 @@ from engine_server import faults
 from engine_server.config import EngineConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
-from engine_server.errors import EngineUnavailableError
+from engine_server.errors import EngineUnavailableError, UnsupportedByModelError
 from engine_server.frontend import (
     ChatPrompt,
     Choice,
@@ -56,6 +56,11 @@ from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerCo
 from engine_server.tokenizer.loading import load_tokenizer
 
 log = structlog.get_logger(__name__)
+
+
+ENCODER_GENERATES = (
+    "the served model is an encoder: it serves Embed and Score (embeddings, score, rerank), not generation"
+)
 
 
 class RequestDeadlineError(Exception):
@@ -124,8 +129,11 @@ class ServingEngine:
         sampling fields a request leaves unset; GetModelInfo reports them. `pooling`: the model's (default: its
         last token, normalized)."""
         self.tokenizer = tokenizer
-        self.grammar_compiler = GrammarCompiler.for_tokenizer(
-            tokenizer, core.model_config.vocab_size, eos, grammar_config
+        # An encoder only pools: no grammar to compile (its tokenizer may have no eos for one to end on).
+        self.grammar_compiler = (
+            None
+            if core.model_config.encoder
+            else GrammarCompiler.for_tokenizer(tokenizer, core.model_config.vocab_size, eos, grammar_config)
         )
         self.inputs = InputProcessor(
             tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler
@@ -142,7 +150,7 @@ class ServingEngine:
             dtype=str(core.runner.dtype).removeprefix("torch."),
             max_num_seqs=core.config.scheduler.max_num_seqs,
             generation_defaults=generation_defaults,
-            pooling=pooling or ModelPooling.for_model(None, core.model_config.hidden_size),
+            pooling=pooling or ModelPooling.for_model(None, core.model_config.hidden_size, core.model_config.encoder),
         )
         self.loop = EngineLoop(core, loop)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -206,7 +214,7 @@ class ServingEngine:
         core = EngineCore(config, source)
         faults.install_from_env(core.runner.model)
         eos = engine_eos_ids(source, tokenizer)
-        pooling = ModelPooling.for_model(source.path, source.config.hidden_size)
+        pooling = ModelPooling.for_model(source.path, source.config.hidden_size, source.config.encoder)
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling
         )
@@ -216,7 +224,11 @@ class ServingEngine:
         return self.loop.load
 
     async def warm_up(self) -> None:
-        """One tiny generation through the whole path, so the first caller does not pay for lazy setup."""
+        """One tiny generation (an embedding, for an encoder) through the whole path, so the first caller does not
+        pay for lazy setup."""
+        if self.info.pooling.encoder:
+            await self.embed(EmbedInput("warmup", ["Hello"]))
+            return
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         async for _ in self.generate(GenerationInput("warmup", "Hello", params)):
             pass
@@ -225,7 +237,8 @@ class ServingEngine:
         """Abort what is left, stop the core thread and the tokenizer worker."""
         await asyncio.to_thread(self.loop.stop)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-        self.grammar_compiler.close()
+        if self.grammar_compiler is not None:
+            self.grammar_compiler.close()
 
     async def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> TokenizeResult:
         """Token ids of a prompt as generation would see them; chat also returns the rendered text."""
@@ -248,6 +261,8 @@ class ServingEngine:
         (a caller that wants only the result), a choice without stop strings is applied once, at its finish,
         which spares the event loop its per-step work.
         """
+        if self.info.pooling.encoder:
+            raise UnsupportedByModelError(ENCODER_GENERATES)
         # Templating, tokenizing and building a forced tool_choice's grammar text run on the tokenizer thread.
         prepared: PreparedPrompt = await self._off_loop(self.inputs.prepare, request.prompt, request.params)
         prompt_ids, params = prepared.token_ids, prepared.params

@@ -92,3 +92,82 @@ def _write_sentence_transformers(folder: Path, pooling: str, normalize: bool, di
     config: dict[str, Any] = {"word_embedding_dimension": dimension, "include_prompt": True}
     config.update({f"pooling_mode_{mode}": mode == pooling for mode in modes})
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+
+
+# A WordPiece vocabulary big enough for any lowercase ASCII text: whole words for the tests' texts, then letters.
+_BERT_WORDS = [
+    "hello",
+    "world",
+    "the",
+    "capital",
+    "of",
+    "france",
+    "is",
+    "paris",
+    "a",
+    "city",
+    "on",
+    "seine",
+    "with",
+    "many",
+    "museums",
+    "and",
+    "bridges",
+    "embeddings",
+    "turn",
+    "text",
+    "into",
+    "vectors",
+    "similar",
+    "texts",
+    "get",
+    "that",
+    "point",
+    "same",
+    "way",
+    "which",
+    "bananas",
+    "are",
+    "rich",
+    "in",
+    "potassium",
+    "borders",
+    "spain",
+    "what",
+    "an",
+    "embedding",
+    "fruit",
+    "yellow",
+]
+
+
+def save_bert(folder: Path, *, pooling: str | None = "mean_tokens", normalize: bool = True) -> Path:
+    """A 2-layer random BERT encoder with a WordPiece tokenizer, saved as a sentence-transformers folder (`pooling`
+    as in `save_qwen3_embedding`; None: no sentence-transformers files)."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+    punctuation = list(".,;:!?'\"-()")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *punctuation, *letters, *(f"##{c}" for c in letters)]
+    vocab += [w for w in dict.fromkeys(_BERT_WORDS) if w not in vocab]
+    BertTokenizer(vocab={token: i for i, token in enumerate(vocab)}, do_lower_case=True).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+    )
+    model = BertModel(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    if pooling is not None:
+        _write_sentence_transformers(folder, pooling, normalize, config.hidden_size)
+    return folder

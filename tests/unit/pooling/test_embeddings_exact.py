@@ -1,5 +1,6 @@
 """Embeddings on the float path equal transformers' pooled hidden states (fp32, 1e-5 relative), for the embedded
-model (last token) and small Qwen3-Embedding-style folders (last token and mean, chunked prefill, prefix cache)."""
+model (last token), small Qwen3-Embedding-style folders (last, mean and cls; chunked prefill, prefix cache) and
+small BERT encoders (mean, cls; inputs whole, packed several to a step)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 
 from engine_server import LLM, ChatPrompt
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine_server.errors import ValidationError
+from engine_server.errors import UnsupportedByModelError, ValidationError
 from engine_server.loader import default_gguf_path
 from engine_server.pooling.params import PoolingMethod
 from engine_server.tokenizer.chat import ChatMessage
-from tests.unit.pooling.embedding_models import load_reference, reference_embedding, save_qwen3_embedding
+from tests.unit.pooling.embedding_models import load_reference, reference_embedding, save_bert, save_qwen3_embedding
 
 TEXTS = [
     "Hello world",
@@ -139,3 +140,45 @@ def test_a_folder_without_sentence_transformers_files_pools_its_last_token_norma
     (vector,) = llm.embed([TEXTS[3]], use_tqdm=False)
     _assert_close(vector, reference_embedding(reference, llm.tokenizer.encode(TEXTS[3]), "lasttoken", True))
     llm.close()
+
+
+# -- BERT-style encoders -------------------------------------------------------------------------------------
+
+BERT_TEXTS = [
+    "Hello world",
+    "The capital of France is Paris, a city on the Seine with many museums and bridges.",
+    "a",
+    "Bananas are yellow.",
+    "Embeddings turn text into vectors; similar texts get vectors that point the same way.",
+]
+
+
+@pytest.mark.parametrize(("pooling", "normalize"), [("mean_tokens", True), ("cls_token", False), (None, True)])
+def test_a_bert_encoder_pools_as_transformers(tmp_path: Path, pooling: str | None, normalize: bool) -> None:
+    """Every input whole in one step (a 32-token budget packs several per step, padded per layer), twice (the
+    prefix cache must not serve an encoder's tokens); without sentence-transformers files, CLS normalized."""
+    folder = save_bert(tmp_path / "bert", pooling=pooling, normalize=normalize)
+    reference = load_reference(folder)
+    llm = _folder_llm(folder, chunk=32)
+    expected_method = {"mean_tokens": "mean", "cls_token": "cls", None: "cls"}[pooling]
+    assert (llm.pooling.method.value, llm.pooling.normalize, llm.pooling.encoder) == (expected_method, normalize, True)
+    assert llm.core.max_model_len == 32  # an input runs whole: at most one step's budget
+    for _ in range(2):
+        vectors = llm.embed(BERT_TEXTS, use_tqdm=False)
+        for text, vector in zip(BERT_TEXTS, vectors, strict=True):
+            ids = llm.tokenizer.encode(text)
+            assert len(ids) <= 32
+            _assert_close(vector, reference_embedding(reference, ids, pooling or "cls_token", normalize))
+    with pytest.raises(ValidationError, match="context length"):
+        llm.embed(["hello " * 40], use_tqdm=False)
+    with pytest.raises(UnsupportedByModelError, match="encoder"):
+        llm.generate(["Hello"], use_tqdm=False)
+    llm.close()
+
+
+def test_an_encoder_refuses_quantized_weights_and_tensor_parallelism(tmp_path: Path) -> None:
+    folder = save_bert(tmp_path / "bert", pooling=None)
+    with pytest.raises(ValueError, match="encoder"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="int8"))
+    with pytest.raises(ValueError, match="encoder"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", tensor_parallel_size=2))
