@@ -82,6 +82,8 @@ def from_status(
         return no_engine(f"the engine is unavailable: {details}")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, f"the request timed out: {details}", type="timeout_error", code="timeout")
+    if code is grpc.StatusCode.UNIMPLEMENTED:  # the served model cannot do this: an encoder asked to generate
+        return APIError(400, details, code="unsupported_by_model")
     if code is grpc.StatusCode.CANCELLED:
         return APIError(499, "the request was cancelled", type="cancelled_error", code="cancelled")
     return APIError(500, f"the engine failed: {details}", type="server_error", code="internal_error")
