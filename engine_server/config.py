@@ -63,6 +63,8 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12
     type_vocab_size: int = 0
     gelu_tanh: bool = False  # the MLP's GELU is the tanh approximation (hidden_act gelu_new)
+    # A cross-encoder (`BertForSequenceClassification`): its classifier's outputs over the CLS token; 0 without one.
+    num_labels: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
@@ -122,6 +124,8 @@ class ModelConfig:
             supported = sorted(ENCODER_ACTIVATIONS)
             raise ValueError(f"BERT hidden_act {activation!r} is not supported; supported: {supported}")
         heads = int(cfg["num_attention_heads"])
+        classifies = any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ())
+        num_labels = (len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))) if classifies else 0
         return cls(
             architecture="bert",
             vocab_size=int(cfg["vocab_size"]),
@@ -141,6 +145,7 @@ class ModelConfig:
             layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
             type_vocab_size=int(cfg.get("type_vocab_size", 2)),
             gelu_tanh=ENCODER_ACTIVATIONS[activation],
+            num_labels=num_labels,
         )
 
 

@@ -29,7 +29,7 @@ from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling
-from engine_server.pooling.requests import cosine_scores, pooling_requests, pooling_token_ids
+from engine_server.pooling.requests import cosine_scores, pair_token_ids, pooling_requests, pooling_token_ids
 from engine_server.sampling_params import SamplingParams
 from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
 from engine_server.tokenizer.loading import load_tokenizer
@@ -100,7 +100,9 @@ class LLM:
             grammar_compiler=self.grammar_compiler,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
-        self.pooling = ModelPooling.for_model(source.path, source.config.hidden_size, source.config.encoder)
+        self.pooling = ModelPooling.for_model(
+            source.path, source.config.hidden_size, source.config.encoder, source.config.num_labels == 1
+        )
         self._ids = itertools.count()
         freeze_startup_heap()
 
@@ -173,7 +175,14 @@ class LLM:
         return self._run_pooling(requests, use_tqdm)
 
     def score(self, query: Prompt, documents: Sequence[Prompt], *, use_tqdm: bool = True) -> list[float]:
-        """Each document's cosine similarity with the query (as the Score RPC)."""
+        """Each document's score against the query (as the Score RPC): the cosine similarity of their embeddings,
+        or a cross-encoder's relevance of the pair."""
+        if self.pooling.cross_encoder:
+            pairs = [pair_token_ids(self.inputs, query, document, None) for document in documents]
+            request_id = f"offline-{next(self._ids)}"
+            params = self.pooling.pair_params()
+            requests = pooling_requests(request_id, pairs, params, self.core.max_model_len, Priority.INTERACTIVE)
+            return [float(score[0]) for score in self._run_pooling(requests, use_tqdm)]
         vectors = self.embed([query, *documents], normalize=False, use_tqdm=use_tqdm)
         return cosine_scores(vectors[0], vectors[1:])
 

@@ -46,6 +46,7 @@ from engine_server.models import (
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.quantization import Scheme, quantize_model, resolve_quantization
 from engine_server.speculative.draft_model import DraftModel
+from engine_server.tokenizer.loading import load_tokenizer
 from kernels.kernel_set import REFERENCE_OPS
 
 log = structlog.get_logger(__name__)
@@ -126,7 +127,7 @@ def load_model(
     torch.manual_seed(config.seed)
     model: StepModel
     if source.config.encoder:
-        model = BertEncoder(source.config, dtype=dtype, tp=tp)
+        model = BertEncoder(source.config, dtype=dtype, tp=tp, sep_token_id=_pair_separator(source))
     else:
         model = get_model_class(source.config.architecture)(source.config, dtype=dtype, tp=tp)
     # Sharded, each rank reads only its slice of each tensor; unsharded, one sequential read per file is faster.
@@ -150,6 +151,16 @@ def load_model(
     if _captures_decode_graphs(loaded, config.enforce_eager):
         loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))
     return loaded
+
+
+def _pair_separator(source: ModelSource) -> int | None:
+    """A cross-encoder's [SEP] token id, which splits the pairs it scores into token types (`BertEncoder`)."""
+    if not source.config.num_labels:
+        return None
+    separator = load_tokenizer(source.tokenizer_path).sep_token_id
+    if separator is None:
+        raise ValueError(f"cross-encoder {source.name!r}: its tokenizer has no [SEP] token to split a pair with")
+    return int(separator)
 
 
 def _quantize(model: StepModel, source: ModelSource, quantization: Scheme, device: torch.device, kernels: bool) -> None:

@@ -28,6 +28,7 @@ from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutpu
 from engine_server.cuda_graphs import DecodeGraphs, GraphCapture
 from engine_server.decode_rows import DecodeRows
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
+from engine_server.models import BertEncoder
 from engine_server.parallel.step_channel import StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
@@ -218,7 +219,8 @@ class ModelRunner:
         self.can_interrupt = self.device.type == "cpu" and fan_out is None
         self.sampler = Sampler(loaded.model_config.vocab_size, self.device)
         self.grammars = GrammarMatchers(loaded.model_config.vocab_size, self.device)
-        self.pooler = Pooler()
+        model = loaded.model
+        self.pooler = Pooler(model.classify if isinstance(model, BertEncoder) and model.config.num_labels else None)
         # The last launch's sampled token ids (on the device) and the requests that sampled them, row by row.
         self._last_sampled: tuple[torch.Tensor, LaunchedStep] | None = None
         self._decode_rows = DecodeRows(self.block_size)  # the last decode step's layout, updated step to step

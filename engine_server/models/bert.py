@@ -4,8 +4,13 @@ An encoder attends both ways, so a sequence's hidden states depend on all of its
 encoder input whole, in one step, never from the prefix cache (`PoolingParams.bidirectional`), and nothing is
 kept between steps (no KV cache is read or written). A step's sequences are packed `[T, hidden]` as for the
 decoders; attention pads them to `[B, L]` for one masked attention call per layer. Post-norm layers, learned
-absolute positions (the step's positions, 0-based per sequence), token type 0, a GELU MLP — as Hugging Face's
-`BertModel`, whose parameter names this module keeps (a `bert.` prefix is dropped, the pooler is not read).
+absolute positions (the step's positions, 0-based per sequence), a GELU MLP — as Hugging Face's `BertModel`, whose
+parameter names this module keeps (a `bert.` prefix is dropped).
+
+Token types: 0, but with `sep_token_id` (a cross-encoder's), 1 for every token after a sequence's first [SEP], which
+is how BERT's tokenizer types a pair `[CLS] query [SEP] document [SEP]` (a single text has its [SEP] last).
+A cross-encoder (`config.num_labels > 0`, `BertForSequenceClassification`) also holds the CLS pooler and the
+classifier: `classify` turns CLS states into relevance scores.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 
-# Checkpoint tensors an encoder does not use for pooling: the NSP/MLM heads and the CLS pooler of BertModel.
-_UNUSED_PREFIXES = ("pooler.", "cls.")
+# Checkpoint tensors an encoder does not use: the NSP/MLM heads (and the CLS pooler, but for a cross-encoder's).
+_UNUSED_HEADS = ("cls.",)
 
 
 class _Embeddings(nn.Module):
@@ -35,9 +40,13 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(max(config.type_vocab_size, 1), hidden, dtype=dtype)
         self.LayerNorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor | None
+    ) -> torch.Tensor:
         summed = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(summed + self.token_type_embeddings.weight[0])
+        if token_types is None:
+            return self.LayerNorm(summed + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(summed + self.token_type_embeddings(token_types))
 
 
 class _SelfAttention(nn.Module):
@@ -100,6 +109,12 @@ class _Layer(nn.Module):
         return self.output(self.intermediate(attended), attended)
 
 
+class _Pooler(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, dtype=dtype)
+
+
 class _Encoder(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -119,6 +134,12 @@ class _PaddedLayout:
         self.index = torch.where(self.valid, starts[:, None] + columns[None, :], 0)  # [B, L] rows of the packed batch
         self.key_mask = self.valid[:, None, None, :]
 
+    def token_types(self, input_ids: torch.Tensor, sep_token_id: int) -> torch.Tensor:
+        """`[T]`: 1 for each token after its sequence's first `sep_token_id`, else 0."""
+        is_sep = (self.pad(input_ids) == sep_token_id) & self.valid
+        after_first = (torch.cumsum(is_sep, dim=1) - is_sep.long()) > 0
+        return self.unpad(after_first.long())
+
     def pad(self, packed: torch.Tensor) -> torch.Tensor:
         return packed[self.index]
 
@@ -131,7 +152,13 @@ class BertEncoder(nn.Module):
     the KV cache is neither read nor written) and returns the last hidden states `[T, hidden]`; an encoder has no
     logits. Not tensor-parallel."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = SINGLE,
+        sep_token_id: int | None = None,
+    ) -> None:
         super().__init__()
         if tp.size > 1:
             raise ValueError("an encoder model runs on one device: tensor parallelism is for decoders")
@@ -139,8 +166,13 @@ class BertEncoder(nn.Module):
             raise ValueError(f"BertEncoder needs an encoder configuration, got {config.architecture!r}")
         self.config = config
         self.tp = tp
+        self.dtype = dtype
         self.embeddings = _Embeddings(config, dtype)
         self.encoder = _Encoder(config, dtype)
+        self.sep_token_id = sep_token_id if config.type_vocab_size > 1 else None
+        if config.num_labels:
+            self.pooler = _Pooler(config, dtype)
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels, dtype=dtype)
 
     def forward(
         self,
@@ -155,12 +187,21 @@ class BertEncoder(nn.Module):
         if meta.query_lens_cpu != meta.seq_lens_cpu:
             raise ValueError("an encoder runs each input whole in one step: a chunk of one cannot be computed")
         layout = _PaddedLayout(meta.query_lens_cpu, input_ids.device)
-        hidden = self.embeddings(input_ids, positions)
+        token_types = None if self.sep_token_id is None else layout.token_types(input_ids, self.sep_token_id)
+        hidden = self.embeddings(input_ids, positions, token_types)
         for layer in self.encoder.layer:
             hidden = layer(hidden, layout)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         return hidden
+
+    def classify(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """A cross-encoder's relevance scores `[N]` for the CLS states `[N, hidden]` of N pairs: the sigmoid of its
+        classifier's single output over the pooled CLS state (as sentence-transformers' CrossEncoder scores)."""
+        if self.config.num_labels != 1:
+            raise RuntimeError(f"scoring needs a classifier with one output, this one has {self.config.num_labels}")
+        pooled = torch.tanh(self.pooler.dense(cls_states.to(self.dtype)))
+        return torch.sigmoid(self.classifier(pooled).float())[:, 0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("an encoder model has no logits: it pools (Embed, Score) and does not generate")
@@ -172,7 +213,8 @@ class BertEncoder(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("bert.")
-            if name.startswith(_UNUSED_PREFIXES) or name.endswith("position_ids"):
+            unused = name.startswith(_UNUSED_HEADS) or (name.startswith("pooler.") and not self.config.num_labels)
+            if unused or name.endswith("position_ids"):
                 continue
             # Some BERT checkpoints name LayerNorm parameters gamma and beta (TensorFlow's names).
             name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")

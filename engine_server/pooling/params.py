@@ -48,6 +48,8 @@ class PoolingParams:
     dimensions: int | None = None
     # The model attends both ways (an encoder): an input runs whole in one step, never from the prefix cache.
     bidirectional: bool = False
+    # A cross-encoder's pair: the vector is its classifier's relevance score (one value) of the pooled state.
+    classify: bool = False
 
     @property
     def computes_every_token(self) -> bool:
@@ -63,16 +65,19 @@ class ModelPooling:
     normalize: bool
     dimensions: int
     encoder: bool = False  # the model attends both ways (BERT)
+    cross_encoder: bool = False  # it has a classifier that scores a pair (Score runs it instead of a cosine)
 
     @classmethod
-    def for_model(cls, folder: Path | None, hidden_size: int, encoder: bool = False) -> ModelPooling:
+    def for_model(
+        cls, folder: Path | None, hidden_size: int, encoder: bool = False, cross_encoder: bool = False
+    ) -> ModelPooling:
         """The pooling `folder`'s sentence-transformers configuration describes, else the last token's (a decoder)
         or the first's (an `encoder`), normalized. ValueError for a pooling mode ladle does not compute, or a
         configuration that selects none or several."""
         default = PoolingMethod.CLS if encoder else PoolingMethod.LAST
         modules_file = folder / "modules.json" if folder is not None else None
         if modules_file is None or not modules_file.is_file():
-            return cls(default, normalize=True, dimensions=hidden_size, encoder=encoder)
+            return cls(default, True, hidden_size, encoder, cross_encoder)
         modules = json.loads(modules_file.read_text())
         types = {str(m.get("type", "")).rsplit(".", 1)[-1]: str(m.get("path", "")) for m in modules}
         method = default
@@ -86,7 +91,7 @@ class ModelPooling:
                     "is not supported; ladle pools with exactly one of lasttoken, mean_tokens or cls_token"
                 )
             method = chosen[0]
-        return cls(method, normalize="Normalize" in types, dimensions=hidden_size, encoder=encoder)
+        return cls(method, "Normalize" in types, hidden_size, encoder, cross_encoder)
 
     def params(self, normalize: bool | None = None, dimensions: int | None = None) -> PoolingParams:
         """A request's options over this model's defaults; ValidationError when `dimensions` is out of range."""
@@ -97,3 +102,7 @@ class ModelPooling:
             )
         keep = None if dimensions is None or dimensions == self.dimensions else dimensions
         return PoolingParams(self.method, self.normalize if normalize is None else normalize, keep, self.encoder)
+
+    def pair_params(self) -> PoolingParams:
+        """A cross-encoder's Score request: its CLS state through its classifier."""
+        return PoolingParams(PoolingMethod.CLS, normalize=False, bidirectional=True, classify=True)

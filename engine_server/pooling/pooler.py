@@ -8,7 +8,7 @@ starts over (a preempted request recomputes from the beginning). Sums run in flo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,10 @@ from engine_server.pooling.params import PoolingMethod, PoolingParams
 class Pooler:
     """Pools the pooling rows of the runner's steps. Not thread-safe: the runner's step loop owns it."""
 
-    def __init__(self) -> None:
+    def __init__(self, classify: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`classify`: a cross-encoder's scores `[N]` of pooled states `[N, hidden]` (`PoolingParams.classify`)."""
         self._partial: dict[str, torch.Tensor] = {}  # request id -> float32 sum (mean) or first state (cls)
+        self._classify = classify
 
     def pool(
         self, items: Sequence[ScheduledRequest], hidden: torch.Tensor, last_rows: Sequence[int] | None
@@ -44,7 +46,7 @@ class Pooler:
             request_id = request.request_id
             if params.method is PoolingMethod.LAST:
                 if ends:
-                    pooled[request_id] = _finish(hidden[last].float(), params)
+                    pooled[request_id] = self._finish(hidden[last].float(), params)
                 continue
             if params.method is PoolingMethod.MEAN:
                 chunk_sum = hidden[first : last + 1].float().sum(dim=0)
@@ -56,16 +58,24 @@ class Pooler:
                 state = self._partial.pop(request_id)
                 if params.method is PoolingMethod.MEAN:
                     state = state / request.num_prompt_tokens
-                pooled[request_id] = _finish(state, params)
+                pooled[request_id] = self._finish(state, params)
         return pooled
 
     def release(self, request_id: str) -> None:
         """Forget a finished or aborted request's partial state."""
         self._partial.pop(request_id, None)
 
+    def _finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """A cross-encoder's score (one value) of the state; else the state truncated to the requested dimensions,
+        then L2-normalized if asked (as sentence-transformers' Normalize)."""
+        if params.classify:
+            if self._classify is None:
+                raise RuntimeError("a pair to classify, but the model has no classifier")
+            return self._classify(vector[None])
+        return _truncate_and_normalize(vector, params)
 
-def _finish(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-    """Truncate to the requested dimensions, then L2-normalize if asked (as sentence-transformers' Normalize)."""
+
+def _truncate_and_normalize(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
     if params.dimensions is not None:
         vector = vector[: params.dimensions]
     if params.normalize:

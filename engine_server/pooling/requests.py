@@ -86,6 +86,28 @@ def pooling_token_ids(inputs: InputProcessor, prompt: Prompt, truncate: int | No
     return ids
 
 
+def pair_token_ids(inputs: InputProcessor, query: Prompt, document: Prompt, truncate: int | None) -> list[int]:
+    """A cross-encoder's input for one (query, document) pair, as its tokenizer encodes a text pair (`[CLS] query
+    [SEP] document [SEP]` for BERT), the document cut to fit `truncate` tokens when set (blocking: run it off the
+    event loop). ValidationError for non-text or empty parts, or a pair longer than the context."""
+    for part, param in ((query, "query"), (document, "documents")):
+        if not isinstance(part, str):
+            raise ValidationError("a cross-encoder scores text pairs: the query and documents must be text", param)
+        if not part:
+            raise ValidationError(f"{param} must not be empty", param)
+    assert isinstance(query, str) and isinstance(document, str)
+    limit = min(truncate, inputs.max_model_len) if truncate else None
+    encoded = inputs.tokenizer(query, document, truncation="only_second" if limit else False, max_length=limit)
+    ids = list(encoded["input_ids"])
+    if len(ids) > inputs.max_model_len:
+        raise ValidationError(
+            f"a query and document pair has {len(ids)} tokens, more than the context length "
+            f"({inputs.max_model_len}); shorten it or set truncate_prompt_tokens",
+            "documents",
+        )
+    return ids
+
+
 def check_num_inputs(count: int, param: str) -> None:
     """ValidationError unless 1 <= count <= MAX_INPUTS."""
     if not 1 <= count <= MAX_INPUTS:

@@ -306,7 +306,10 @@ def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
         ),
         max_num_seqs=info.max_num_seqs,
         pooling=engine_pb2.PoolingInfo(
-            method=info.pooling.method.value, normalize=info.pooling.normalize, dimensions=info.pooling.dimensions
+            method=info.pooling.method.value,
+            normalize=info.pooling.normalize,
+            dimensions=info.pooling.dimensions,
+            cross_encoder=info.pooling.cross_encoder,
         ),
     )
 

@@ -47,6 +47,7 @@ from engine_server.pooling.requests import (
     ScoreResult,
     check_num_inputs,
     cosine_scores,
+    pair_token_ids,
     pooling_requests,
     pooling_token_ids,
 )
@@ -150,7 +151,10 @@ class ServingEngine:
             dtype=str(core.runner.dtype).removeprefix("torch."),
             max_num_seqs=core.config.scheduler.max_num_seqs,
             generation_defaults=generation_defaults,
-            pooling=pooling or ModelPooling.for_model(None, core.model_config.hidden_size, core.model_config.encoder),
+            pooling=pooling
+            or ModelPooling.for_model(
+                None, core.model_config.hidden_size, core.model_config.encoder, core.model_config.num_labels == 1
+            ),
         )
         self.loop = EngineLoop(core, loop)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -214,7 +218,9 @@ class ServingEngine:
         core = EngineCore(config, source)
         faults.install_from_env(core.runner.model)
         eos = engine_eos_ids(source, tokenizer)
-        pooling = ModelPooling.for_model(source.path, source.config.hidden_size, source.config.encoder)
+        pooling = ModelPooling.for_model(
+            source.path, source.config.hidden_size, source.config.encoder, source.config.num_labels == 1
+        )
         return cls(
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling
         )
@@ -303,15 +309,29 @@ class ServingEngine:
         return EmbedResult(call.request_id, vectors, [len(ids) for ids in token_ids])
 
     async def score(self, call: ScoreInput, deadline: float | None = None) -> ScoreResult:
-        """Each document's cosine similarity with the query, in order (as `embed`)."""
+        """Each document's score against the query, in order (as `embed`): the cosine similarity of their
+        embeddings, or a cross-encoder's relevance of the pair."""
         check_num_inputs(len(call.documents), "documents")
         truncate = call.truncate_prompt_tokens
+        if self.info.pooling.cross_encoder:
+            return await self._score_pairs(call, deadline)
         query = await self._pooling_token_ids([call.query], truncate, "query")
         documents = await self._pooling_token_ids(call.documents, truncate, "documents")
-        params = PoolingParams(self.info.pooling.method, normalize=False)  # the cosine normalizes
+        params = self.info.pooling.params(normalize=False)  # the cosine normalizes
         vectors = await self._pool(call.request_id, query + documents, params, call.priority, deadline)
         tokens = sum(len(ids) for ids in query + documents)
         return ScoreResult(call.request_id, cosine_scores(vectors[0], vectors[1:]), tokens)
+
+    async def _score_pairs(self, call: ScoreInput, deadline: float | None) -> ScoreResult:
+        """`score` on a cross-encoder: each (query, document) pair through its classifier."""
+
+        def tokenize() -> list[list[int]]:
+            return [pair_token_ids(self.inputs, call.query, doc, call.truncate_prompt_tokens) for doc in call.documents]
+
+        pairs: list[list[int]] = await self._off_loop(tokenize)
+        params = self.info.pooling.pair_params()
+        scores = await self._pool(call.request_id, pairs, params, call.priority, deadline)
+        return ScoreResult(call.request_id, [float(score[0]) for score in scores], sum(len(ids) for ids in pairs))
 
     async def _pooling_token_ids(self, prompts: Sequence[Prompt], truncate: int | None, param: str) -> list[list[int]]:
         def tokenize() -> list[list[int]]:

@@ -1,5 +1,6 @@
 """A BERT-style encoder served from a local sentence-transformers folder: `ladle engine --model FOLDER` behind
-`ladle gateway`, used through the official openai SDK and vLLM's rerank route, and checked against transformers."""
+`ladle gateway`, used through the official openai SDK and vLLM's rerank route, and checked against transformers;
+and a cross-encoder (BertForSequenceClassification) reranking through the same route."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ import torch
 from ladle.client import EngineClient
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
-from tests.unit.pooling.embedding_models import load_reference, reference_embedding, save_bert
+from tests.unit.pooling.embedding_models import (
+    load_reference,
+    reference_embedding,
+    reference_pair_scores,
+    save_bert,
+)
 
 TEXTS = ["Hello world", "The capital of France is Paris.", "Bananas are yellow and rich in potassium."]
 
@@ -84,3 +90,30 @@ def test_generation_on_an_encoder_is_a_clear_400(encoder: tuple[Path, EngineProc
     sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="encoder"):
         sdk.chat.completions.create(model="bert", messages=[{"role": "user", "content": "Hello"}])
+
+
+def test_a_cross_encoder_reranks_as_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    folder = save_bert(tmp_path / "cross", pooling=None, cross_encoder=True)
+    engine = start_engine(tmp_path / "engine.log", "--model", str(folder), threads=1)
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address)
+    try:
+        with EngineClient(engine.address) as client:
+            assert client.model_info().pooling.cross_encoder
+        query = "what is the capital of france"
+        response = httpx.post(
+            gateway.base_url + "/rerank",
+            json={"model": "cross", "query": query, "documents": TEXTS, "top_n": 2},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        results = response.json()["results"]
+        reference = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+        expected = reference_pair_scores(folder, reference, query, TEXTS)
+        best = sorted(range(len(TEXTS)), key=lambda i: -expected[i])[:2]
+        assert [result["index"] for result in results] == best
+        assert [result["relevance_score"] for result in results] == pytest.approx([expected[i] for i in best], abs=1e-5)
+    finally:
+        assert gateway.stop() == 0
+        assert engine.stop() == 0

@@ -483,6 +483,7 @@ class PoolingInfo(_message.Message):
     METHOD_FIELD_NUMBER: _builtins.int
     NORMALIZE_FIELD_NUMBER: _builtins.int
     DIMENSIONS_FIELD_NUMBER: _builtins.int
+    CROSS_ENCODER_FIELD_NUMBER: _builtins.int
     method: _builtins.str
     """"last" (the last token's hidden state), "mean" (the mean over the input's tokens) or "cls" (the first
     token's): the model's sentence-transformers configuration, else "last" for a decoder model.
@@ -491,16 +492,21 @@ class PoolingInfo(_message.Message):
     """Whether embeddings are L2-normalized when a request leaves `normalize` unset."""
     dimensions: _builtins.int
     """Length of a whole embedding (the model's hidden size); `dimensions` may ask for a prefix of it."""
+    cross_encoder: _builtins.bool
+    """The model is a cross-encoder (a sequence-classification head with one output): Score runs each (query,
+    document) text pair through it and returns the sigmoid of its output, in [0, 1].
+    """
     def __init__(
         self,
         *,
         method: _builtins.str = ...,
         normalize: _builtins.bool = ...,
         dimensions: _builtins.int = ...,
+        cross_encoder: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "method", b"method", "normalize", b"normalize"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cross_encoder", b"cross_encoder", "dimensions", b"dimensions", "method", b"method", "normalize", b"normalize"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -857,7 +863,9 @@ class ScoreResponse(_message.Message):
     """The served model's id."""
     @_builtins.property
     def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """scores[i] is document i's score: the cosine similarity of its embedding and the query's, in [-1, 1]."""
+        """scores[i] is document i's score: the cosine similarity of its embedding and the query's, in [-1, 1]; on a
+        cross-encoder, its relevance of the pair, in [0, 1].
+        """
 
     @_builtins.property
     def usage(self) -> _types_pb2.Usage:

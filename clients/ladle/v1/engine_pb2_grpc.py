@@ -137,7 +137,8 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Score(self, request, context):
-        """Score returns one relevance score per document for a query: the cosine similarity of their embeddings.
+        """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
+        on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -69,7 +69,9 @@ class EngineServiceStub:
     requests beside generation, under the same token budget and priorities.
     """
     Score: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ScoreRequest, _engine_pb2.ScoreResponse]
-    """Score returns one relevance score per document for a query: the cosine similarity of their embeddings."""
+    """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
+    on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -100,7 +102,9 @@ class EngineServiceAsyncStub(EngineServiceStub):
     requests beside generation, under the same token budget and priorities.
     """
     Score: _aio.UnaryUnaryMultiCallable[_engine_pb2.ScoreRequest, _engine_pb2.ScoreResponse]  # type: ignore[assignment]
-    """Score returns one relevance score per document for a query: the cosine similarity of their embeddings."""
+    """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
+    on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
+    """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     """EngineService generates text with one model, and pools its hidden states into embeddings and scores."""
@@ -176,6 +180,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.ScoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.ScoreResponse, _abc.Awaitable[_engine_pb2.ScoreResponse]]:
-        """Score returns one relevance score per document for a query: the cosine similarity of their embeddings."""
+        """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
+        on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
+        """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

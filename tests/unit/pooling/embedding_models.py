@@ -141,10 +141,13 @@ _BERT_WORDS = [
 ]
 
 
-def save_bert(folder: Path, *, pooling: str | None = "mean_tokens", normalize: bool = True) -> Path:
+def save_bert(
+    folder: Path, *, pooling: str | None = "mean_tokens", normalize: bool = True, cross_encoder: bool = False
+) -> Path:
     """A 2-layer random BERT encoder with a WordPiece tokenizer, saved as a sentence-transformers folder (`pooling`
-    as in `save_qwen3_embedding`; None: no sentence-transformers files)."""
-    from transformers import BertConfig, BertModel, BertTokenizer
+    as in `save_qwen3_embedding`; None: no sentence-transformers files); with `cross_encoder`, a
+    `BertForSequenceClassification` with one label instead (sentence-transformers' CrossEncoder layout)."""
+    from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
@@ -161,8 +164,9 @@ def save_bert(folder: Path, *, pooling: str | None = "mean_tokens", normalize: b
         num_attention_heads=4,
         max_position_embeddings=128,
         type_vocab_size=2,
+        num_labels=1,
     )
-    model = BertModel(config).eval()
+    model = (BertForSequenceClassification(config) if cross_encoder else BertModel(config)).eval()
     with torch.no_grad():
         for parameter in model.parameters():
             if parameter.dim() > 1:
@@ -171,3 +175,13 @@ def save_bert(folder: Path, *, pooling: str | None = "mean_tokens", normalize: b
     if pooling is not None:
         _write_sentence_transformers(folder, pooling, normalize, config.hidden_size)
     return folder
+
+
+def reference_pair_scores(folder: Path, model: Any, query: str, documents: list[str]) -> list[float]:
+    """transformers' cross-encoder scores: the sigmoid of the classifier's output for each (query, document)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.inference_mode():
+        scores = [model(**tokenizer(query, doc, return_tensors="pt")).logits[0, 0].sigmoid() for doc in documents]
+    return [float(score) for score in scores]

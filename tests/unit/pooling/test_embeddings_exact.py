@@ -16,7 +16,13 @@ from engine_server.errors import UnsupportedByModelError, ValidationError
 from engine_server.loader import default_gguf_path
 from engine_server.pooling.params import PoolingMethod
 from engine_server.tokenizer.chat import ChatMessage
-from tests.unit.pooling.embedding_models import load_reference, reference_embedding, save_bert, save_qwen3_embedding
+from tests.unit.pooling.embedding_models import (
+    load_reference,
+    reference_embedding,
+    reference_pair_scores,
+    save_bert,
+    save_qwen3_embedding,
+)
 
 TEXTS = [
     "Hello world",
@@ -182,3 +188,24 @@ def test_an_encoder_refuses_quantized_weights_and_tensor_parallelism(tmp_path: P
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="int8"))
     with pytest.raises(ValueError, match="encoder"):
         LLM(config=EngineConfig(model=str(folder), device="cpu", tensor_parallel_size=2))
+
+
+def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path: Path) -> None:
+    """Score on a BertForSequenceClassification: each (query, document) pair typed 0/1 around its first [SEP],
+    through the pooler and classifier, sigmoid; ordering and values as transformers'."""
+    from transformers import AutoModelForSequenceClassification
+
+    folder = save_bert(tmp_path / "cross", pooling=None, cross_encoder=True)
+    reference = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = _folder_llm(folder, chunk=64)
+    assert llm.pooling.cross_encoder
+    query = "what is the capital of france"
+    documents = ["Paris is the capital of France.", "Bananas are yellow.", "France borders Spain.", "Hello world"]
+    scores = llm.score(query, documents, use_tqdm=False)
+    expected = reference_pair_scores(folder, reference, query, documents)
+    assert scores == pytest.approx(expected, abs=1e-5)
+    assert sorted(range(4), key=lambda i: -scores[i]) == sorted(range(4), key=lambda i: -expected[i])
+    assert len(set(round(s, 4) for s in expected)) == 4  # the pairs differ: the ordering means something
+    with pytest.raises(ValidationError, match="text"):
+        llm.score(query, [[5, 6, 7]], use_tqdm=False)
+    llm.close()
