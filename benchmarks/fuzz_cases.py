@@ -1,5 +1,5 @@
 """What both schema-fuzzing profiles share (tests/fuzz in CI, `ladle bench fuzz` for the long run): making
-positive generation bodies cheap, OpenAI's error-shape check, the tally of cases and answers, and how a
+positive generation and pooling bodies cheap, OpenAI's error-shape check, the tally of cases and answers, and how a
 schemathesis schema is set up (modes, checks, determinism)."""
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from typing import Any
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch"})
 CHEAP_MAX_TOKENS = 4
 CHEAP_N = 2
-CHEAP_ITEMS = 4  # prompts (or prompt token ids), messages, conversations
+CHEAP_ITEMS = 4  # prompts (or prompt token ids), messages, conversations; pooling inputs, texts, documents
+POOLING_ROUTES = frozenset({"/v1/embeddings", "/v1/score", "/v1/rerank"})
+CHEAP_TEXT_CHARS = 64  # each pooling text (an input, a score side's text, a query, a document)
+CHEAP_INPUT_TOKENS = 16  # each token-id input of an embeddings body
+# Every pooling body's fields that hold texts or token-id inputs: embeddings' input, score's sides, rerank's.
+POOLING_TEXT_FIELDS = ("input", "text_1", "text_2", "queries", "documents", "items", "data_1", "data_2", "query")
 ERROR_FIELDS = frozenset({"message", "type", "param", "code"})
 # schemathesis' checks that hold for this gateway. `positive_data_acceptance` is left out: the document cannot
 # express every rule (a token id within the vocabulary, a JSON schema xgrammar compiles, best_of == n), so a
@@ -44,21 +49,54 @@ def cheapen_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
     return cheap
 
 
+def cheapen_pooling_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """A copy of a schema-valid /v1/embeddings, /v1/score or /v1/rerank body that is still valid but cheap for the
+    engine: `model` set to the served one, at most CHEAP_ITEMS inputs, texts per score side, documents or chat
+    messages, each text cut to CHEAP_TEXT_CHARS and each token-id input to CHEAP_INPUT_TOKENS. Lists are cut, never
+    emptied, so an N-vs-N score body still pairs up and a 1-vs-N one stays 1 vs N."""
+    cheap = {**body, "model": model}
+    for key in POOLING_TEXT_FIELDS:
+        if key in cheap:
+            cheap[key] = _shorten(cheap[key])
+    if isinstance(cheap.get("messages"), list):
+        cheap["messages"] = cheap["messages"][:CHEAP_ITEMS]
+    return cheap
+
+
+def _shorten(value: Any) -> Any:
+    """A pooling text field's value with fewer and shorter items: a string cut, a token-id list cut to
+    CHEAP_INPUT_TOKENS ids (it is one input), any other list cut to CHEAP_ITEMS items, each shortened, and a
+    document object's `text` cut. Anything else (null, a wrong type in a negative body) as it was."""
+    if isinstance(value, str):
+        return value[:CHEAP_TEXT_CHARS]
+    if isinstance(value, list) and value and all(_is_number(v) for v in value):
+        return value[:CHEAP_INPUT_TOKENS]
+    if isinstance(value, list):
+        return [_shorten(v) for v in value[:CHEAP_ITEMS]]
+    if isinstance(value, dict) and isinstance(value.get("text"), str):
+        return {**value, "text": value["text"][:CHEAP_TEXT_CHARS]}
+    return value
+
+
 def _is_number(value: Any) -> bool:
     # JSON Schema's integers include 149.0, so a generated count may be a float.
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def cheapen_case(case: Any, model: str) -> Any:
-    """`case` (a schemathesis Case) with its body cheapened when it is a positive body on a generating route;
-    any other case is returned untouched, so negative data goes out exactly as drawn."""
+    """`case` (a schemathesis Case) with its body cheapened when it is a positive body on a generating or pooling
+    route; any other case is returned untouched, so negative data goes out exactly as drawn."""
     from schemathesis import GenerationMode
 
     meta = case.meta
     body_info = meta.components.get("body") if meta is not None else None
     positive_body = body_info is not None and body_info.mode == GenerationMode.POSITIVE
-    if case.path in GENERATION_ROUTES and positive_body and isinstance(case.body, dict):
+    if not positive_body or not isinstance(case.body, dict):
+        return case
+    if case.path in GENERATION_ROUTES:
         case.body = cheapen_body(case.body, model)
+    elif case.path in POOLING_ROUTES:
+        case.body = cheapen_pooling_body(case.body, model)
     return case
 
 

@@ -6,7 +6,8 @@ may name the endpoint with or without its `/v1` prefix (`/chat/completions` as S
 and `/rerank` as vLLM's run_batch takes them; `/v2/rerank` is `/v1/rerank`). The endpoints are the generation
 routes' and the pooling routes' (`/v1/embeddings`, `/v1/score`, `/v1/rerank`), whose lines become Embed and Score
 items of the engine's Batch call. The body is checked with the route's own pydantic schema and
-`translate.to_engine`, so a line that validates here is a request the synchronous route would also accept.
+`translate.to_engine` or `translate.pooling_to_engine`, so a line that validates here is a request the synchronous
+route would also accept.
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
 a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
 that line's `LineError`, and a line that validates can be sent to the engine and written to the result files.
@@ -26,7 +27,7 @@ from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from gateway.translate import from_engine, to_engine
+from gateway.translate import from_engine, pooling_from_engine, pooling_to_engine, to_engine
 from ladle.v1 import engine_pb2, types_pb2
 
 if TYPE_CHECKING:  # not at run time: the validation child imports this module, and calls imports the pool
@@ -210,7 +211,7 @@ def engine_requests(
 ) -> list[EngineRequest]:
     """The engine requests for one line at batch priority: one, or one per prompt of a completions body with
     several (ids `{request_id}-{i}`), or one per distinct query of an N-vs-N score body. `info` as the routes
-    pass it to `translate.to_engine`. APIError if the body cannot be expressed."""
+    pass it to `translate.pooling_to_engine`. APIError if the body cannot be expressed."""
     body = line.body
     requests: list[EngineRequest]
     if isinstance(body, ChatCompletionRequest):
@@ -218,11 +219,11 @@ def engine_requests(
     elif isinstance(body, CompletionRequest):
         requests = list(to_engine.completion_requests(body, request_id))
     elif isinstance(body, EmbeddingRequest):
-        requests = [to_engine.embed_request(body, request_id, info)]
+        requests = [pooling_to_engine.embed_request(body, request_id, info)]
     elif isinstance(body, ScoreRequest):
-        requests = list(to_engine.score_requests(body, request_id, info))
+        requests = list(pooling_to_engine.score_requests(body, request_id, info))
     else:
-        requests = [to_engine.rerank_request(body, request_id, info)]
+        requests = [pooling_to_engine.rerank_request(body, request_id, info)]
     for request in requests:
         request.priority = types_pb2.PRIORITY_BATCH
     return requests
@@ -238,11 +239,14 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
         return from_engine.text_completion(body, _of(engine_pb2.GenerateResponse, replies), f"cmpl-{request_id}",
                                            model)
     if isinstance(body, EmbeddingRequest):
-        return from_engine.embedding_list(_of(engine_pb2.EmbedResponse, replies)[0], model, body.encoding_format)
+        return pooling_from_engine.embedding_list(_of(engine_pb2.EmbedResponse, replies)[0], model,
+                                                  body.encoding_format)
     if isinstance(body, ScoreRequest):
-        groups = to_engine.score_groups(to_engine.score_pairs(body)[0])
-        return from_engine.score_list(groups, _of(engine_pb2.ScoreResponse, replies), f"score-{request_id}", model)
-    return from_engine.rerank_result(body, _of(engine_pb2.ScoreResponse, replies)[0], f"rerank-{request_id}", model)
+        groups = pooling_to_engine.score_groups(pooling_to_engine.score_pairs(body)[0])
+        return pooling_from_engine.score_list(groups, _of(engine_pb2.ScoreResponse, replies), f"score-{request_id}",
+                                              model)
+    return pooling_from_engine.rerank_result(body, _of(engine_pb2.ScoreResponse, replies)[0], f"rerank-{request_id}",
+                                             model)
 
 
 ReplyT = TypeVar("ReplyT", engine_pb2.GenerateResponse, engine_pb2.EmbedResponse, engine_pb2.ScoreResponse)

@@ -12,7 +12,7 @@ from gateway import calls
 from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
 from gateway.errors import APIError
 from gateway.schemas.pooling import EmbeddingRequest
-from gateway.translate import from_engine, to_engine
+from gateway.translate import pooling_from_engine, pooling_to_engine
 
 ROUTE = "/v1/embeddings"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -21,12 +21,12 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 @router.post(ROUTE, response_model=None)
 async def create_embeddings(body: EmbeddingRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
     model = served_model(pool, body.model)
-    request = to_engine.embed_request(body, rid, pool.model_info())
+    request = pooling_to_engine.embed_request(body, rid, pool.model_info())
     timer = RequestTimer(metrics, ROUTE)
     try:
         reply = await calls.embed(pool, request)
     except APIError as error:  # the engine names its own field; a chat embedding's input is its messages
-        error.param = from_engine.pooling_param(error.param, {"input": "messages"} if body.messages else {})
+        error.param = pooling_from_engine.pooling_param(error.param, {"input": "messages"} if body.messages else {})
         raise
     timer.finish([reply.usage])
-    return JSONResponse(from_engine.embedding_list(reply, model, body.encoding_format))
+    return JSONResponse(pooling_from_engine.embedding_list(reply, model, body.encoding_format))

@@ -14,7 +14,7 @@ from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, s
 from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.schemas.pooling import RerankRequest, ScoreRequest
-from gateway.translate import from_engine, to_engine
+from gateway.translate import pooling_from_engine, pooling_to_engine
 
 SCORE_ROUTE = "/v1/score"
 RERANK_ROUTE = "/v1/rerank"
@@ -30,16 +30,17 @@ def _model(pool: EnginePool, requested: str | None) -> str:
 @router.post(SCORE_ROUTE, response_model=None)
 async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
     model = _model(pool, body.model)
-    requests = to_engine.score_requests(body, rid, pool.model_info())
-    queries, _, (first, second) = to_engine.score_pairs(body)
+    requests = pooling_to_engine.score_requests(body, rid, pool.model_info())
+    queries, _, (first, second) = pooling_to_engine.score_pairs(body)
     timer = RequestTimer(metrics, SCORE_ROUTE)
     try:
         replies = await calls.run_all(pool, requests, calls.score)
     except APIError as error:
-        error.param = from_engine.pooling_param(error.param, {"query": first, "documents": second})
+        error.param = pooling_from_engine.pooling_param(error.param, {"query": first, "documents": second})
         raise
     timer.finish([r.usage for r in replies])
-    return JSONResponse(from_engine.score_list(to_engine.score_groups(queries), replies, f"score-{rid}", model))
+    groups = pooling_to_engine.score_groups(queries)
+    return JSONResponse(pooling_from_engine.score_list(groups, replies, f"score-{rid}", model))
 
 
 @router.post("/rerank", response_model=None, include_in_schema=False)
@@ -47,8 +48,8 @@ async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: Ca
 @router.post(RERANK_ROUTE, response_model=None)
 async def create_rerank(body: RerankRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
     model = _model(pool, body.model)
-    request = to_engine.rerank_request(body, rid, pool.model_info())
+    request = pooling_to_engine.rerank_request(body, rid, pool.model_info())
     timer = RequestTimer(metrics, RERANK_ROUTE)
     reply = await calls.score(pool, request)
     timer.finish([reply.usage])
-    return JSONResponse(from_engine.rerank_result(body, reply, f"rerank-{rid}", model))
+    return JSONResponse(pooling_from_engine.rerank_result(body, reply, f"rerank-{rid}", model))

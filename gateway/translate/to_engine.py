@@ -1,9 +1,9 @@
-"""OpenAI (and vLLM) request bodies -> ladle.v1 requests. Pure functions; a request the engine cannot express is a
-400 naming the field.
+"""OpenAI (and vLLM) chat and completions bodies -> ladle.v1 GenerateRequests. Pure functions; a request the
+engine cannot express is a 400 naming the field.
 
 Fields left unset in the OpenAI body stay unset in the proto, so the engine applies its generation defaults (the
 model's, see engine_server.generation_defaults); completions' max_tokens keeps OpenAI's documented default, 16.
-Likewise an embeddings body without `normalize` leaves it to the model's pooling configuration.
+The pooling bodies (embeddings, score, rerank) are `pooling_to_engine`'s; it shares this module's input helpers.
 """
 
 from __future__ import annotations
@@ -23,13 +23,6 @@ from gateway.schemas.chat import (
 )
 from gateway.schemas.common import UINT32_MAX, SamplingFields
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
-from gateway.schemas.pooling import (
-    MAX_POOLING_INPUTS,
-    SCORE_FIELD_PAIRS,
-    EmbeddingRequest,
-    RerankRequest,
-    ScoreRequest,
-)
 from ladle.v1 import engine_pb2, types_pb2
 
 ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
@@ -127,7 +120,7 @@ def _schema_text(value: dict[str, Any] | str) -> str:
 def chat_input(body: ChatFields, messages: list[ChatMessage]) -> types_pb2.Input:
     """A conversation with its tools and template options as the engine's chat input."""
     chat = types_pb2.ChatInput(
-        messages=[_message(m, i) for i, m in enumerate(messages)],
+        messages=[chat_message(m, i) for i, m in enumerate(messages)],
         tools=[_tool(t) for t in body.tools or []],
         add_generation_prompt=body.add_generation_prompt,
     )
@@ -141,11 +134,11 @@ def chat_input(body: ChatFields, messages: list[ChatMessage]) -> types_pb2.Input
             raise invalid(f"tool_choice {choice!r} needs tools", "tool_choice")
         chat.tool_choice.mode = _TOOL_MODES[choice]
     if body.chat_template_kwargs:
-        _template_kwargs(body.chat_template_kwargs, chat)
+        template_kwargs(body.chat_template_kwargs, chat)
     return types_pb2.Input(chat=chat)
 
 
-def _template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
+def template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
     """Allowed template variables into `chat`; 400 for any other. add_generation_prompt is a ChatInput field of
     its own (the engine refuses it as a template variable), so it sets that field."""
     refused = sorted(set(kwargs) - ALLOWED_TEMPLATE_KWARGS)
@@ -163,7 +156,8 @@ def _template_kwargs(kwargs: dict[str, Any], chat: types_pb2.ChatInput) -> None:
         chat.chat_template_kwargs_json = json.dumps(variables)
 
 
-def _message(message: ChatMessage, index: int) -> types_pb2.ChatMessage:
+def chat_message(message: ChatMessage, index: int) -> types_pb2.ChatMessage:
+    """One message of a conversation (the `index`-th, for the 400's field name); developer is a system message."""
     out = types_pb2.ChatMessage(
         role="system" if message.role == "developer" else message.role,
         content=_content(message, index),
@@ -198,7 +192,7 @@ def _tool(tool: ToolDefinition) -> types_pb2.Tool:
 
 
 @contextlib.contextmanager
-def _unicode_text() -> Iterator[None]:
+def unicode_text() -> Iterator[None]:
     """Proto strings are UTF-8, so text holding a lone surrogate (JSON's "\\ud800" escape decodes to one) cannot
     be sent to the engine: a 400 rather than protobuf's UnicodeEncodeError."""
     try:
@@ -211,7 +205,7 @@ def _unicode_text() -> Iterator[None]:
 
 def chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str) -> engine_pb2.GenerateRequest:
     """One engine request for one conversation of a chat body."""
-    with _unicode_text():
+    with unicode_text():
         return _chat_request(body, messages, request_id)
 
 
@@ -232,7 +226,7 @@ def _chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str
 
 def completion_requests(body: CompletionRequest, request_id: str) -> list[engine_pb2.GenerateRequest]:
     """One engine request per prompt of a completions body (ids `{request_id}-{i}` when there are several)."""
-    with _unicode_text():
+    with unicode_text():
         return _completion_requests(body, request_id)
 
 
@@ -257,186 +251,17 @@ def _completion_requests(body: CompletionRequest, request_id: str) -> list[engin
     requests = []
     for i, prompt in enumerate(prompts):
         one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        request = engine_pb2.GenerateRequest(request_id=one_id, input=_prompt_input(prompt), sampling=params)
+        request = engine_pb2.GenerateRequest(request_id=one_id, input=prompt_input(prompt), sampling=params)
         if spec is not None:
             request.constraint.CopyFrom(spec)
         requests.append(request)
     return requests
 
 
-def _prompt_input(prompt: str | list[int], where: str = "prompt") -> types_pb2.Input:
+def prompt_input(prompt: str | list[int], where: str = "prompt") -> types_pb2.Input:
+    """A text or token-id prompt as the engine's input; `where` names the field in the 400 for a bad token id."""
     if isinstance(prompt, str):
         return types_pb2.Input(text=prompt)
     if any(not 0 <= t <= UINT32_MAX for t in prompt):
         raise invalid(f"{where} token ids must be token ids (>= 0 and within the vocabulary)", where)
     return types_pb2.Input(token_ids=types_pb2.TokenIds(ids=prompt))
-
-
-# -- pooling: embeddings, score, rerank ------------------------------------------------------------------------
-
-
-def embed_request(
-    body: EmbeddingRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
-) -> engine_pb2.EmbedRequest:
-    """The engine's Embed request for an embeddings body: one input per string or token-id list of `input`, or one
-    chat input for vLLM's `messages`. `info` (the engine's model info, when known) bounds `dimensions` and gives
-    `truncate_prompt_tokens: -1` its meaning, the context length."""
-    with _unicode_text():
-        return _embed_request(body, request_id, info)
-
-
-def _embed_request(
-    body: EmbeddingRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None
-) -> engine_pb2.EmbedRequest:
-    if body.messages is not None and body.input is not None:
-        raise invalid("give either input or messages, not both", "messages")
-    inputs = [_chat_embedding_input(body)] if body.messages is not None else _embedding_inputs(body)
-    request = engine_pb2.EmbedRequest(request_id=request_id, inputs=inputs)
-    if body.dimensions is not None:
-        size = info.pooling.dimensions if info is not None else 0
-        if size and body.dimensions > size:
-            raise invalid(f"dimensions is {body.dimensions}; this model's embeddings have {size}", "dimensions")
-        request.dimensions = body.dimensions
-    normalize = body.normalize if body.normalize is not None else body.use_activation
-    if normalize is not None:
-        request.normalize = normalize
-    truncate = _truncation(body.truncate_prompt_tokens, info)
-    if truncate is not None:
-        request.truncate_prompt_tokens = truncate
-    return request
-
-
-def _embedding_inputs(body: EmbeddingRequest) -> list[types_pb2.Input]:
-    if body.input is None:
-        raise invalid("input is required (a string, a list of strings, or token ids)", "input")
-    if body.add_special_tokens is False:
-        raise invalid("add_special_tokens false is not supported: text gets the tokenizer's special tokens; send "
-                      "token ids to control them", "add_special_tokens")
-    values = body.inputs()
-    if not values:
-        raise invalid("input must not be empty", "input")
-    if len(values) > MAX_POOLING_INPUTS:
-        raise invalid(f"input holds {len(values)} inputs; at most {MAX_POOLING_INPUTS} are allowed", "input")
-    listed = isinstance(body.input, list) and not isinstance(body.input[0], int)  # several inputs, not one id list
-    return [_pooling_input(v, f"input[{i}]" if listed else "input") for i, v in enumerate(values)]
-
-
-def _pooling_input(value: str | list[int], where: str) -> types_pb2.Input:
-    if not value:
-        raise invalid(f"{where} must not be empty", where)
-    return _prompt_input(value, where)
-
-
-def _chat_embedding_input(body: EmbeddingRequest) -> types_pb2.Input:
-    """vLLM's chat embedding: the conversation rendered with the chat template, without the assistant-turn header
-    unless add_generation_prompt is set."""
-    if not body.messages:
-        raise invalid("messages must not be empty", "messages")
-    if body.continue_final_message:
-        raise invalid("continue_final_message is not supported", "continue_final_message")
-    if body.add_special_tokens:
-        raise invalid("add_special_tokens is not supported with messages: the chat template adds them",
-                      "add_special_tokens")
-    chat = types_pb2.ChatInput(messages=[_message(m, i) for i, m in enumerate(body.messages)],
-                               add_generation_prompt=body.add_generation_prompt)
-    if body.chat_template_kwargs:
-        _template_kwargs(body.chat_template_kwargs, chat)
-    return types_pb2.Input(chat=chat)
-
-
-def _truncation(value: int | None, info: engine_pb2.GetModelInfoResponse | None) -> int | None:
-    """vLLM's truncate_prompt_tokens as the engine's: -1 is the context length (unset while that is unknown: the
-    engine then refuses an input too long for it), k >= 1 keeps an input's last k tokens."""
-    if value is None:
-        return None
-    if value == 0:
-        raise invalid("truncate_prompt_tokens must be -1 (the model's context length) or at least 1",
-                      "truncate_prompt_tokens")
-    if value == -1:
-        return info.context_length if info is not None and info.context_length else None
-    return value
-
-
-def score_pairs(body: ScoreRequest) -> tuple[list[str], list[str], tuple[str, str]]:
-    """(first-side text, second-side text) of every pair a score body asks for, as two lists, and the names of its
-    two sides (e.g. text_1, text_2). One first-side text is scored against each of the second side's (1 vs N); N of
-    them element-wise against N. 400 unless exactly one pair of sides is given and their lengths pair up."""
-    sides = body.sides()
-    if not sides:
-        names = " or ".join(f"{a} and {b}" for a, b in reversed(SCORE_FIELD_PAIRS))
-        raise invalid(f"give the texts to score: {names}", "text_1")
-    if len(sides) > 1:
-        raise invalid(f"give one pair of texts to score, not {len(sides)} ({sides[0]} and {sides[1]})", sides[1][0])
-    first, second = sides[0]
-    ones, twos = _score_side(body, first), _score_side(body, second)
-    if len(ones) > 1 and len(ones) != len(twos):
-        raise invalid(f"{first} holds {len(ones)} texts and {second} {len(twos)}: score one text against N, or N "
-                      "against N element-wise", second)
-    return (ones * len(twos) if len(ones) == 1 else ones), twos, (first, second)
-
-
-def _score_side(body: ScoreRequest, name: str) -> list[str]:
-    value = getattr(body, name)
-    texts: list[str] = [value] if isinstance(value, str) else list(value)
-    if not texts:
-        raise invalid(f"{name} must not be empty", name)
-    if len(texts) > MAX_POOLING_INPUTS:
-        raise invalid(f"{name} holds {len(texts)} texts; at most {MAX_POOLING_INPUTS} are allowed", name)
-    for i, text in enumerate(texts):
-        if not text:
-            where = name if isinstance(value, str) else f"{name}[{i}]"
-            raise invalid(f"{where} must not be empty", where)
-    return texts
-
-
-def score_groups(queries: list[str]) -> list[list[int]]:
-    """The pairs' indices grouped by equal first-side text, in order of first appearance: one Score call each."""
-    groups: dict[str, list[int]] = {}
-    for index, query in enumerate(queries):
-        groups.setdefault(query, []).append(index)
-    return list(groups.values())
-
-
-def score_requests(
-    body: ScoreRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
-) -> list[engine_pb2.ScoreRequest]:
-    """One engine Score request per group of `score_groups` (ids `{request_id}-{k}` when there are several)."""
-    with _unicode_text():
-        queries, documents, _ = score_pairs(body)
-        groups = score_groups(queries)
-        truncate = _truncation(body.truncate_prompt_tokens, info)
-        requests = []
-        for k, group in enumerate(groups):
-            request = engine_pb2.ScoreRequest(
-                request_id=request_id if len(groups) == 1 else f"{request_id}-{k}",
-                query=types_pb2.Input(text=queries[group[0]]),
-                documents=[types_pb2.Input(text=documents[p]) for p in group],
-            )
-            if truncate is not None:
-                request.truncate_prompt_tokens = truncate
-            requests.append(request)
-        return requests
-
-
-def rerank_request(
-    body: RerankRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
-) -> engine_pb2.ScoreRequest:
-    """The engine's Score request for a rerank body: the query against every document."""
-    if not body.query:
-        raise invalid("query must not be empty", "query")
-    texts = body.document_texts()
-    if not texts:
-        raise invalid("documents must not be empty", "documents")
-    if len(texts) > MAX_POOLING_INPUTS:
-        raise invalid(f"documents holds {len(texts)} documents; at most {MAX_POOLING_INPUTS} are allowed",
-                      "documents")
-    for i, text in enumerate(texts):
-        if not text:
-            raise invalid(f"documents[{i}] must not be empty", f"documents[{i}]")
-    with _unicode_text():
-        request = engine_pb2.ScoreRequest(request_id=request_id, query=types_pb2.Input(text=body.query),
-                                          documents=[types_pb2.Input(text=t) for t in texts])
-    truncate = _truncation(body.truncate_prompt_tokens, info)
-    if truncate is not None:
-        request.truncate_prompt_tokens = truncate
-    return request

@@ -25,7 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.errors import APIError, validation_param
 from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from gateway.translate import from_engine, to_engine
+from gateway.translate import pooling_from_engine, pooling_to_engine
 from ladle.v1 import engine_pb2, types_pb2
 from tests.unit.fake_engine import DIMENSIONS, MODEL, FakeEngine, fake_score, fake_vector, start_fake_engine
 
@@ -61,7 +61,7 @@ def text(value: str) -> types_pb2.Input:
     ([[1, 2], [3]], ["token_ids", "token_ids"]),
 ])
 def test_openais_four_input_forms_become_one_engine_input_each(value: Any, kinds: list[str]) -> None:
-    request = to_engine.embed_request(embedding(input=value), "r", INFO)
+    request = pooling_to_engine.embed_request(embedding(input=value), "r", INFO)
     assert [i.WhichOneof("kind") for i in request.inputs] == kinds
     assert request.request_id == "r"
     for name in ("dimensions", "normalize", "truncate_prompt_tokens"):  # the model's defaults apply
@@ -85,7 +85,7 @@ def test_openais_four_input_forms_become_one_engine_input_each(value: Any, kinds
     ({"input": ["a"] * 2049}, "input"),
 ])
 def test_what_an_embed_request_cannot_be_is_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
-    assert refused(lambda: to_engine.embed_request(embedding(**fields), "r", INFO)).param == param
+    assert refused(lambda: pooling_to_engine.embed_request(embedding(**fields), "r", INFO)).param == param
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -115,28 +115,29 @@ def test_bad_score_and_rerank_types_name_the_field(schema: Any, fields: dict[str
 
 
 def test_text_that_is_not_unicode_is_a_400_not_a_protobuf_error() -> None:
-    assert refused(lambda: to_engine.embed_request(embedding(input=["a", "b\ud800"]), "r")).status == 400
-    assert refused(lambda: to_engine.embed_request(embedding(messages=[{"role": "user", "content": "\udfff"}]), "r"))
-    assert refused(lambda: to_engine.score_requests(score(text_1="\ud800", text_2="a"), "r"))
+    assert refused(lambda: pooling_to_engine.embed_request(embedding(input=["a", "b\ud800"]), "r")).status == 400
+    not_unicode = embedding(messages=[{"role": "user", "content": "\udfff"}])
+    assert refused(lambda: pooling_to_engine.embed_request(not_unicode, "r"))
+    assert refused(lambda: pooling_to_engine.score_requests(score(text_1="\ud800", text_2="a"), "r"))
     bad = RerankRequest.model_validate({"query": "q", "documents": [{"text": "\ud800"}]})
-    assert refused(lambda: to_engine.rerank_request(bad, "r"))
+    assert refused(lambda: pooling_to_engine.rerank_request(bad, "r"))
 
 
 def test_embed_options_are_carried() -> None:
-    request = to_engine.embed_request(embedding(input="a", dimensions=4, normalize=False, truncate_prompt_tokens=7),
-                                      "r", INFO)
+    request = pooling_to_engine.embed_request(
+        embedding(input="a", dimensions=4, normalize=False, truncate_prompt_tokens=7), "r", INFO)
     assert (request.dimensions, request.normalize, request.truncate_prompt_tokens) == (4, False, 7)
-    assert to_engine.embed_request(embedding(input="a", use_activation=True), "r").normalize is True
-    whole = to_engine.embed_request(embedding(input="a", truncate_prompt_tokens=-1), "r", INFO)
+    assert pooling_to_engine.embed_request(embedding(input="a", use_activation=True), "r").normalize is True
+    whole = pooling_to_engine.embed_request(embedding(input="a", truncate_prompt_tokens=-1), "r", INFO)
     assert whole.truncate_prompt_tokens == 128  # vLLM's -1: the context length
-    unknown = to_engine.embed_request(embedding(input="a", truncate_prompt_tokens=-1, dimensions=4096), "r")
+    unknown = pooling_to_engine.embed_request(embedding(input="a", truncate_prompt_tokens=-1, dimensions=4096), "r")
     assert not unknown.HasField("truncate_prompt_tokens") and unknown.dimensions == 4096  # the engine checks
 
 
 def test_a_chat_embedding_is_one_chat_input_without_the_generation_prompt() -> None:
     body = embedding(messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
                      chat_template_kwargs={"enable_thinking": False})
-    [value] = to_engine.embed_request(body, "r", INFO).inputs
+    [value] = pooling_to_engine.embed_request(body, "r", INFO).inputs
     assert [m.content for m in value.chat.messages] == ["s", "u"]
     assert value.chat.add_generation_prompt is False and "enable_thinking" in value.chat.chat_template_kwargs_json
 
@@ -151,20 +152,20 @@ def test_a_chat_embedding_is_one_chat_input_without_the_generation_prompt() -> N
 ])
 def test_score_pairs_one_against_n_or_n_against_n(fields: dict[str, Any], queries: list[str],
                                                   documents: list[str]) -> None:
-    assert to_engine.score_pairs(score(**fields))[:2] == (queries, documents)
+    assert pooling_to_engine.score_pairs(score(**fields))[:2] == (queries, documents)
 
 
 def test_score_calls_group_pairs_by_equal_query() -> None:
     body = score(text_1=["q1", "q2", "q1"], text_2=["a", "b", "c"], truncate_prompt_tokens=-1)
-    requests = to_engine.score_requests(body, "r", INFO)
+    requests = pooling_to_engine.score_requests(body, "r", INFO)
     assert [(r.request_id, r.query.text, [d.text for d in r.documents]) for r in requests] == [
         ("r-0", "q1", ["a", "c"]), ("r-1", "q2", ["b"])]
     assert all(r.truncate_prompt_tokens == 128 for r in requests)
-    assert to_engine.score_groups(["q1", "q2", "q1"]) == [[0, 2], [1]]
+    assert pooling_to_engine.score_groups(["q1", "q2", "q1"]) == [[0, 2], [1]]
     replies = [engine_pb2.ScoreResponse(scores=[0.5, 0.25]), engine_pb2.ScoreResponse(scores=[-0.5])]
     for reply in replies:
         reply.usage.prompt_tokens = 3
-    out = from_engine.score_list([[0, 2], [1]], replies, "score-r", "m")
+    out = pooling_from_engine.score_list([[0, 2], [1]], replies, "score-r", "m")
     assert [(d["index"], d["object"], d["score"]) for d in out["data"]] == [
         (0, "score", 0.5), (1, "score", -0.5), (2, "score", 0.25)]
     assert out["object"] == "list" and out["usage"] == {"prompt_tokens": 6, "total_tokens": 6,
@@ -181,46 +182,46 @@ def test_score_calls_group_pairs_by_equal_query() -> None:
     ({"text_1": "", "text_2": "a"}, "text_1"),
 ])
 def test_score_bodies_that_do_not_pair_up_are_a_400(fields: dict[str, Any], param: str) -> None:
-    assert refused(lambda: to_engine.score_requests(score(**fields), "r")).param == param
+    assert refused(lambda: pooling_to_engine.score_requests(score(**fields), "r")).param == param
 
 
 def test_rerank_sorts_by_score_applies_top_n_and_echoes_documents() -> None:
     body = RerankRequest.model_validate({"query": "q", "documents": ["a", {"text": "b"}, "c"], "top_n": 2})
-    request = to_engine.rerank_request(body, "r", INFO)
+    request = pooling_to_engine.rerank_request(body, "r", INFO)
     assert request.query.text == "q" and [d.text for d in request.documents] == ["a", "b", "c"]
     reply = engine_pb2.ScoreResponse(scores=[0.1, 0.9, 0.5])
     reply.usage.prompt_tokens = 4
-    out = from_engine.rerank_result(body, reply, "rerank-r", "m")
+    out = pooling_from_engine.rerank_result(body, reply, "rerank-r", "m")
     assert [(r["index"], r["document"]["text"]) for r in out["results"]] == [(1, "b"), (2, "c")]
     assert out["results"][0]["relevance_score"] == pytest.approx(0.9)
     assert out["usage"] == {"prompt_tokens": 4, "total_tokens": 4} and out["id"] == "rerank-r"
     bare = RerankRequest.model_validate({"query": "q", "documents": ["a", "b", "c"], "return_documents": False})
-    assert [set(r) for r in from_engine.rerank_result(bare, reply, "x", "m")["results"]] == [
+    assert [set(r) for r in pooling_from_engine.rerank_result(bare, reply, "x", "m")["results"]] == [
         {"index", "relevance_score"}] * 3
     for fields, param in (({"documents": []}, "documents"), ({"documents": ["a", ""]}, "documents[1]"),
                           ({"query": "", "documents": ["a"]}, "query")):
         bad = RerankRequest.model_validate({"query": "q", **fields})
-        assert refused(lambda bad=bad: to_engine.rerank_request(bad, "r")).param == param
+        assert refused(lambda bad=bad: pooling_to_engine.rerank_request(bad, "r")).param == param
 
 
 def test_base64_is_little_endian_float32_as_the_openai_sdk_decodes_it() -> None:
     values = [0.1, -2.5, 3.0e-8, 1234.5]
     reply = engine_pb2.EmbedResponse(embeddings=[engine_pb2.Embedding(index=0, values=values, num_tokens=2)])
     reply.usage.prompt_tokens = 2
-    out = from_engine.embedding_list(reply, "m", "base64")
+    out = pooling_from_engine.embedding_list(reply, "m", "base64")
     decoded = array.array("f", base64.b64decode(out["data"][0]["embedding"]))
     assert decoded.tolist() == list(reply.embeddings[0].values)  # bit for bit the engine's float32 values
-    assert base64.b64decode(from_engine.embedding_base64([1.0]))[::-1] == b"\x3f\x80\x00\x00"  # little-endian
-    floats = from_engine.embedding_list(reply, "m", "float")
+    assert base64.b64decode(pooling_from_engine.embedding_base64([1.0]))[::-1] == b"\x3f\x80\x00\x00"  # little-endian
+    floats = pooling_from_engine.embedding_list(reply, "m", "float")
     assert floats == {"object": "list", "model": "m", "usage": {"prompt_tokens": 2, "total_tokens": 2},
                       "data": [{"object": "embedding", "index": 0, "embedding": list(reply.embeddings[0].values)}]}
 
 
 def test_engine_params_are_renamed_to_the_bodys_fields() -> None:
-    assert from_engine.pooling_param("input", {"input": "messages"}) == "messages"
-    assert from_engine.pooling_param("documents[3]", {"documents": "text_2"}) == "text_2[3]"
-    assert from_engine.pooling_param("dimensions", {}) == "dimensions"
-    assert from_engine.pooling_param(None, {"input": "x"}) is None
+    assert pooling_from_engine.pooling_param("input", {"input": "messages"}) == "messages"
+    assert pooling_from_engine.pooling_param("documents[3]", {"documents": "text_2"}) == "text_2[3]"
+    assert pooling_from_engine.pooling_param("dimensions", {}) == "dimensions"
+    assert pooling_from_engine.pooling_param(None, {"input": "x"}) is None
 
 
 # -- routes against the fake engine ------------------------------------------------------------------------------
@@ -321,12 +322,12 @@ async def test_pooling_calls_fail_over_to_another_engine_like_generation() -> No
     try:
         while len(pool.ready) < 2:
             await asyncio.sleep(0.05)
-        request = to_engine.embed_request(embedding(input="alpha"), "r")
+        request = pooling_to_engine.embed_request(embedding(input="alpha"), "r")
         first = pool.pick(request.inputs[:1])  # where it goes first (the cache-aware record now says so)
         fakes[[e.address for e in pool.engines].index(first.address)].unavailable = True
         reply = await calls.embed(pool, request)
         assert list(reply.embeddings[0].values) == fake_vector(text("alpha"))
-        scored = await calls.score(pool, to_engine.rerank_request(
+        scored = await calls.score(pool, pooling_to_engine.rerank_request(
             RerankRequest.model_validate({"query": "alpha", "documents": ["b"]}), "r"))
         assert list(scored.scores) == pytest.approx([fake_score(text("alpha"), text("b"))])
         assert pool.failovers[first.address] >= 1
