@@ -23,10 +23,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from engine_server.loader.gguf_metadata import hf_config_from_gguf
+from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
+from engine_server.pooling.params import write_sentence_transformers_pooling
 
 # Bump when the converted layout changes so stale cache entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 SHARD_BYTES = 2 * 1024**3  # bounds peak memory during conversion: one shard is held at a time
 
 _GLOBAL_NAMES = {
@@ -142,11 +143,15 @@ def save_gguf_tokenizer(gguf_path: Path, folder: Path, config: dict[str, Any], s
 
 
 def convert_gguf(gguf_path: Path, folder: Path, spec: str) -> None:
-    """Write the HF form of `gguf_path` into the existing empty `folder`."""
+    """Write the HF form of `gguf_path` into the existing empty `folder` (with an embedding model's pooling as a
+    sentence-transformers configuration: `engine_server.pooling`)."""
     reader = GGUFReader(gguf_path)
     config = hf_config_from_gguf(reader, spec)
     write_sharded_safetensors(iter_hf_tensors(reader, config, spec), folder)
     save_gguf_tokenizer(gguf_path, folder, config, spec)
+    pooling = gguf_pooling(reader)
+    if pooling is not None:  # normalized, as llama.cpp's server returns embeddings
+        write_sentence_transformers_pooling(folder, pooling, normalize=True, dimension=config["hidden_size"])
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 

@@ -9,6 +9,8 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from engine_server.pooling.params import PoolingMethod
+
 # GGUF `general.architecture` → (HF model_type, HF architectures entry).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -123,3 +125,15 @@ def llama3_scaling_from_factors(
         "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
         "original_max_position_embeddings": original,
     }
+
+
+# llama.cpp's `{arch}.pooling_type` values that ladle pools with (0 is none, 4 a reranker's: not an embedding model).
+_GGUF_POOLING = {1: PoolingMethod.MEAN, 2: PoolingMethod.CLS, 3: PoolingMethod.LAST}
+
+
+def gguf_pooling(reader: GGUFReader) -> PoolingMethod | None:
+    """How an embedding model's GGUF file says to pool its hidden states (`{arch}.pooling_type`); None for a
+    generative model."""
+    arch = read_field(reader, "general.architecture")
+    value = read_field(reader, f"{arch}.pooling_type")
+    return None if value is None else _GGUF_POOLING.get(int(value))

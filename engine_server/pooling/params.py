@@ -106,3 +106,21 @@ class ModelPooling:
     def pair_params(self) -> PoolingParams:
         """A cross-encoder's Score request: its CLS state through its classifier."""
         return PoolingParams(PoolingMethod.CLS, normalize=False, bidirectional=True, classify=True)
+
+
+def write_sentence_transformers_pooling(folder: Path, method: PoolingMethod, normalize: bool, dimension: int) -> None:
+    """Describe `method` (and normalization) in `folder` as sentence-transformers does, so `ModelPooling.for_model`
+    reads it back: how a model converted from another format (a GGUF file's `pooling_type`) keeps its pooling."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    config: dict[str, object] = {"word_embedding_dimension": dimension}
+    config.update({key: mode is method for key, mode in _ST_MODES.items()})
+    config.update(dict.fromkeys(_ST_UNSUPPORTED, False))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFWriter
+from gguf import GGUFWriter, PoolingType
 
 from engine_server.config import ModelConfig, RopeScaling
 from engine_server.loader import DUMMY_PRESETS, ModelSource, default_gguf_path, gguf_convert, resolve_model
@@ -238,10 +238,19 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer_dir: Path) -> None:
-    """A llama.cpp-style GGUF of a tiny model, with a 512-token slice of the SmolLM2 BPE vocabulary."""
+def write_tiny_gguf(
+    path: Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    tokenizer_dir: Path,
+    pooling_type: PoolingType | None = None,
+) -> None:
+    """A llama.cpp-style GGUF of a tiny model, with a 512-token slice of the SmolLM2 BPE vocabulary (and, for an
+    embedding model, llama.cpp's `pooling_type`)."""
     arch = cfg.architecture
     writer = GGUFWriter(str(path), arch)
+    if pooling_type is not None:
+        writer.add_pooling_type(pooling_type)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)

@@ -209,3 +209,33 @@ def test_a_cross_encoder_scores_pairs_as_transformers(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match="text"):
         llm.score(query, [[5, 6, 7]], use_tqdm=False)
     llm.close()
+
+
+def test_an_embedding_gguf_keeps_its_pooling_type(tmp_path: Path) -> None:
+    """A GGUF embedding model (llama.cpp's `{arch}.pooling_type`) converts with its pooling: mean here, and its
+    vectors equal transformers' on the converted folder."""
+    from gguf import PoolingType
+
+    from engine_server.config import ModelConfig
+    from engine_server.loader import resolve_model
+    from engine_server.loader.dummy import random_tensor
+    from engine_server.loader.layout import parameter_shapes
+    from tests.unit.test_loader import write_tiny_gguf
+
+    tiny = ModelConfig(
+        architecture="qwen3", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=256, tie_word_embeddings=True, qk_norm=True,
+    )  # fmt: skip
+    state = {name: random_tensor(name, shape, seed=5) * 4 for name, shape in parameter_shapes(tiny).items()}
+    path = tmp_path / "tiny-embedding.gguf"
+    default = resolve_model("default")
+    write_tiny_gguf(path, tiny, state, default.tokenizer_path, pooling_type=PoolingType.MEAN)
+    llm = LLM(config=EngineConfig(model=str(path), device="cpu", quantization="none", cache_dir=str(tmp_path)))
+    assert (llm.pooling.method, llm.pooling.normalize) == (PoolingMethod.MEAN, True)
+    source = resolve_model(str(path), cache_dir=tmp_path)
+    reference = load_reference(source.path)
+    text = "the cat sat on the mat"
+    (vector,) = llm.embed([text], use_tqdm=False)
+    _assert_close(vector, reference_embedding(reference, llm.tokenizer.encode(text), "mean_tokens", True))
+    llm.close()
