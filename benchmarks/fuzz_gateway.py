@@ -2,10 +2,10 @@
 (/openapi.json), positive and negative, to `ladle gateway` in front of a real `ladle engine`, and counts what
 must never happen: 5xx responses, error bodies not in OpenAI's shape, engine deaths.
 
-Positive cases on the generating routes are made cheap before they are sent (`fuzz_cases.cheapen_case`: the
-served model, max_tokens <= 4, n <= 2, at most 4 prompts, messages or conversations). They stay valid, so they
-still reach the engine; negative cases go out exactly as drawn (the gateway refuses them before any engine
-call).
+Positive cases on the generating and pooling routes are made cheap before they are sent (`fuzz_cases.cheapen_case`:
+the served model, max_tokens <= 4, n <= 2, at most 4 prompts, messages, conversations, inputs or documents, short
+texts). They stay valid, so they still reach the engine; negative cases go out exactly as drawn (the gateway
+refuses them before any engine call).
 
 The short profile runs in CI (tests/fuzz/); this module is the long one. It starts its own `ladle serve` (engine
 and gateway) on loopback and runs two stages within `--max-time` seconds: every operation through schemathesis'

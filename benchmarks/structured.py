@@ -102,9 +102,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for s in schemas
     ]
     start = time.perf_counter()
+    compiler = llm.grammar_compiler
+    assert compiler is not None  # None only for an encoder model, which does not generate
     for params in {p.constraint: p for p in constrained}.values():
         assert params.constraint is not None
-        llm.grammar_compiler.compile(params.constraint)
+        compiler.compile(params.constraint)
     compile_s = time.perf_counter() - start
 
     timer = _Timer()

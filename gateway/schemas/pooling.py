@@ -2,7 +2,7 @@
 vLLM's score and rerank requests (Jina / Cohere compatible).
 
 Only shapes are checked here; what a body means (which score fields pair up, an empty input, a value the engine's
-request cannot carry) is checked by `translate.to_engine`, which names the field in its 400.
+request cannot carry) is checked by `translate.pooling_to_engine`, which names the field in its 400.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ document and sends them to a real `ladle gateway` in front of a real `ladle engi
 
 Every response must be below 500, conform to the document (status, content type, schema of error bodies) and,
 when it is an error, carry OpenAI's error shape; negative cases must be refused; the engine must still serve
-afterwards. Positive generation bodies are made cheap first (benchmarks.fuzz_cases.cheapen_case: <= 4 tokens,
-n <= 2); negative ones go out as drawn. The long profile is `ladle bench fuzz` (benchmarks/fuzz_gateway.py).
+afterwards. Positive generation and pooling bodies are made cheap first (benchmarks.fuzz_cases.cheapen_case: <= 4
+tokens, n <= 2, <= 4 inputs or documents of short texts); negative ones go out as drawn. The long profile is
+`ladle bench fuzz` (benchmarks/fuzz_gateway.py).
 
 The fuzzed document is built at import from `create_app(...).openapi()`, since schemathesis parametrizes at
 collection time (its lazy `schemathesis.pytest.from_fixture` reads `Function._nodeid`, which pytest 9 removed);
