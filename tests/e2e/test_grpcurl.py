@@ -81,3 +81,16 @@ def test_health_check(grpcurl: str, engine: EngineProcess) -> None:
             _run(grpcurl, engine, "grpc.health.v1.Health/Check", data=json.dumps({"service": service}))
         )
         assert reply == {"status": "SERVING"}
+
+
+def test_embed_and_score_with_json(grpcurl: str, engine: EngineProcess) -> None:
+    """README's grpcurl example for Embed, and Score."""
+    data = '{"inputs": [{"text": "The cat sat."}, {"text": "Paris is in France."}], "dimensions": 8}'
+    (reply,) = _json_stream(_run(grpcurl, engine, "ladle.v1.EngineService/Embed", data=data))
+    embeddings = reply["embeddings"]
+    assert isinstance(embeddings, list) and len(embeddings) == 2
+    assert all(len(e["values"]) == 8 for e in embeddings)
+    data = '{"query": {"text": "Where is Paris?"}, "documents": [{"text": "Paris is in France."}, {"text": "Cats."}]}'
+    (scored,) = _json_stream(_run(grpcurl, engine, "ladle.v1.EngineService/Score", data=data))
+    scores = scored["scores"]
+    assert isinstance(scores, list) and len(scores) == 2 and all(-1 <= s <= 1 for s in scores)
