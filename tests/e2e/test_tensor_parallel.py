@@ -26,6 +26,7 @@ import grpc
 import openai
 import psutil
 import pytest
+import torch
 
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.frontend import Choice
@@ -148,11 +149,18 @@ def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
             completion = client.completions.create(
                 model=model, prompt=prompts, max_tokens=NUM_TOKENS, temperature=0.0, logprobs=2
             )
+            # Pooling under TP: rank 0's final hidden states are whole (every block ends in an all-reduce).
+            embedded = client.embeddings.create(model=model, input=prompts[:8])
     finally:
         assert gateway.stop() == 0
     choices = sorted(completion.choices, key=lambda choice: choice.index)
     got = [list(choice.logprobs.tokens or []) if choice.logprobs else [] for choice in choices]
     _assert_agree(got, _reference("default", prompts), "TP=3 through the gateway, the embedded model")
+    with LLM(config=EngineConfig(model="default", device="cpu", quantization="none")) as llm:
+        expected = llm.embed(prompts[:8], use_tqdm=False)
+    for item, vector in zip(embedded.data, expected, strict=True):
+        ours = torch.tensor(item.embedding)
+        assert float((ours - vector).norm() / vector.norm()) < 1e-4  # the same sums, added in another order
 
 
 # -- failure ---------------------------------------------------------------------------------------------------
