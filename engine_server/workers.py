@@ -1,9 +1,10 @@
 """Tensor parallelism's processes: rank 0 (this engine) starts the N-1 workers, which load their shards and then
 run every forward pass rank 0 runs, in step, until told to stop.
 
-Start-up (`start_tensor_parallel`): rank 0 puts the step buffer in shared memory, spawns the workers (fresh
-interpreters, one device each on CUDA, an even share of the cores each on the CPU, rank 0 included), joins the
-process group with them through a rendezvous file, and every rank runs `load_model` with its `TensorParallel`.
+Start-up (`start_tensor_parallel`): rank 0 opens the step channel (shared memory, a semaphore per worker), spawns
+the workers (fresh interpreters, one device each on CUDA, an even share of the cores each on the CPU, rank 0
+included), joins the process group with them through a rendezvous file, and every rank runs `load_model` with its
+`TensorParallel`.
 
 A worker's loop (`_worker_main`) takes one `step_channel` message at a time: FORWARD runs the model over its
 own KV cache and keeps the hidden states, LOGITS computes its vocab rows' logits for the rows asked and gathers
@@ -44,10 +45,10 @@ from engine_server.parallel.sharding import check_shardable
 from engine_server.parallel.shm_all_reduce import ShmAllReduce, ShmBuffers, reduce_capacity, supported
 from engine_server.parallel.step_channel import (
     MessageKind,
+    StepChannel,
     StepReceiver,
     StepSender,
     buffer_capacity,
-    shared_buffer,
 )
 
 log = structlog.get_logger(__name__)
@@ -69,7 +70,7 @@ class WorkerSpec:
     source: ModelSource
     config: EngineConfig
     max_model_len: int
-    buffer: torch.Tensor  # the step buffer, in shared memory
+    channel: StepChannel  # the step buffer, in shared memory, and the workers' semaphores
     threads: int  # torch intra-op threads on the CPU
     shm_buffers: ShmBuffers | None = None  # the CPU's shared-memory all-reduce, when used
 
@@ -101,7 +102,6 @@ def start_tensor_parallel(
         torch.set_num_threads(threads)
     sched = config.scheduler
     blocks_per_seq = -(-max_model_len // config.cache.block_size) + 1
-    buffer = shared_buffer(buffer_capacity(sched.max_num_batched_tokens, sched.max_num_seqs, blocks_per_seq))
     shm_buffers = None
     if device.type == "cpu" and supported() and os.environ.get(CPU_ALL_REDUCE_ENV, "shm") != "gloo":
         capacity = reduce_capacity(sched.max_num_batched_tokens, source.config.hidden_size)
@@ -109,9 +109,11 @@ def start_tensor_parallel(
     rendezvous = Path(tempfile.mkdtemp(prefix="ladle-tp-"))
     init_method = f"file://{rendezvous / 'store'}"
     context = mp.get_context("spawn")
+    step_capacity = buffer_capacity(sched.max_num_batched_tokens, sched.max_num_seqs, blocks_per_seq)
+    channel = StepChannel.open(step_capacity, size - 1, context)
     processes: list[BaseProcess] = []
     for rank in range(1, size):
-        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, buffer, threads, shm_buffers)
+        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, channel, threads, shm_buffers)
         process = context.Process(target=_worker_main, args=(spec,), name=f"ladle-tp-worker-{rank}", daemon=True)
         process.start()
         processes.append(process)
@@ -125,7 +127,7 @@ def start_tensor_parallel(
     except BaseException:
         group.stop()
         raise
-    group.sender = StepSender(tp, buffer)
+    group.sender = StepSender(channel)
     all_reduce = "shared memory" if tp.shm_reduce is not None else ("gloo" if device.type == "cpu" else "nccl")
     log.info("tensor parallelism ready", size=size, device=device.type, threads=threads, all_reduce=all_reduce)
     return loaded, group
@@ -231,7 +233,7 @@ def _worker_main(spec: WorkerSpec) -> None:
     tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, device, JOIN_TIMEOUT, spec.shm_buffers)
     try:
         loaded = load_model(spec.source, spec.config, spec.max_model_len, tp)
-        _serve_steps(loaded, StepReceiver(tp, spec.buffer, loaded.device))
+        _serve_steps(loaded, StepReceiver(spec.channel, spec.rank, loaded.device))
     finally:
         destroy_tensor_parallel(tp)
 
