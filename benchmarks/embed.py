@@ -4,9 +4,9 @@ Offline: `--num-inputs` random-token inputs of `--input-len` tokens each, embedd
 `--quantization` path (`none`: float32; `auto`: the default, GGUF's 4-bit blocks on the CPU) and by transformers'
 bare decoder holding the same weights (fp32 on the CPU), in batches of `--hf-batch-size`, last-token pooled and
 L2-normalized, all in this one process with the same torch threads. Every timed run embeds inputs of its own, so
-no prefix cache serves a repeat; each system reports the median of `--repeats` runs as inputs/s and tokens/s,
-and ladle's ratio to transformers. A sanity check compares ladle's vectors with transformers' (each vector's
-relative error; the float path should be within 1e-5).
+no prefix cache serves a repeat, and the systems take turns run by run; each reports the median of `--repeats`
+runs as inputs/s and tokens/s, and ladle's ratio to transformers. A sanity check compares ladle's vectors with
+transformers' (each vector's relative error; the float path should be within 1e-5).
 
 Mixed load, on one engine (`--mixed-quantization`) driven through its core: `--mixed-generations` greedy
 generations (`--mixed-prompt-len` prompt tokens, `--mixed-output-len` new tokens, ignore_eos) and
@@ -21,6 +21,7 @@ generation (the median of `--repeats` runs of each figure).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -48,6 +49,9 @@ def make_inputs(count: int, length: int, vocab_size: int, seed: int, label: str)
     return [[rng.randrange(10, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+Embedder = Callable[[Inputs], list[torch.Tensor]]
+
+
 def _median_run(runs: list[float], count: int, tokens: int) -> dict[str, Any]:
     """A system's figures from its runs' seconds: the median run's, and every run's inputs/s."""
     seconds = statistics.median(runs)
@@ -58,32 +62,17 @@ def _median_run(runs: list[float], count: int, tokens: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _time_runs(embed: Callable[[Inputs], list[torch.Tensor]], runs: list[Inputs]) -> tuple[dict[str, Any], Any]:
-    """`embed` timed on each run's inputs; the figures and the first run's vectors (stacked)."""
-    seconds: list[float] = []
-    first: torch.Tensor | None = None
-    for inputs in runs:
-        start = time.perf_counter()
-        vectors = embed(inputs)
-        seconds.append(time.perf_counter() - start)
-        first = torch.stack(vectors) if first is None else first
-    return _median_run(seconds, len(runs[0]), sum(map(len, runs[0]))), first
-
-
-def bench_ladle(args: argparse.Namespace, quantization: str, runs: list[Inputs], warmup: Inputs) -> tuple[Any, Any]:
-    """ladle's offline `LLM.embed` on each run's inputs, with the weights `quantization` selects."""
+def ladle_embedder(stack: contextlib.ExitStack, args: argparse.Namespace, quantization: str) -> tuple[Embedder, Any]:
+    """ladle's offline `LLM.embed` with the weights `quantization` selects (closed with `stack`), and its facts."""
     from engine_server import LLM
 
-    with LLM(config=_engine_config(args, quantization)) as llm:
-        llm.embed(warmup, use_tqdm=False)
-        timed, vectors = _time_runs(lambda inputs: llm.embed(inputs, use_tqdm=False), runs)
-        timed["quantization"] = llm.core.runner.quantization
-    return timed, vectors
+    llm = stack.enter_context(LLM(config=_engine_config(args, quantization)))
+    return (lambda inputs: llm.embed(inputs, use_tqdm=False)), {"quantization": llm.core.runner.quantization}
 
 
-def bench_hf(args: argparse.Namespace, runs: list[Inputs], warmup: Inputs) -> tuple[Any, Any]:
-    """transformers' bare decoder on the same ids, `--hf-batch-size` inputs per forward: the last token's final
-    hidden state, L2-normalized (every input of a run has the same length, so no padding)."""
+def hf_embedder(args: argparse.Namespace) -> tuple[Embedder, Any]:
+    """transformers' bare decoder holding the same weights, `--hf-batch-size` inputs per forward: the last token's
+    final hidden state, L2-normalized (every input of a run has the same length, so no padding)."""
     decoder = hf_model(args.model, args.device, torch.bfloat16 if args.device == "cuda" else torch.float32).model
     size = args.hf_batch_size
 
@@ -96,9 +85,24 @@ def bench_hf(args: argparse.Namespace, runs: list[Inputs], warmup: Inputs) -> tu
                 vectors += F.normalize(hidden[:, -1].float(), dim=-1).cpu().unbind(0)
         return vectors
 
-    embed(warmup)
-    timed, vectors = _time_runs(embed, runs)
-    return {**timed, "batch_size": size, "dtype": str(next(decoder.parameters()).dtype)}, vectors
+    return embed, {"batch_size": size, "dtype": str(next(decoder.parameters()).dtype)}
+
+
+def time_systems(systems: dict[str, Embedder], runs: list[Inputs], warmup: Inputs) -> tuple[dict[str, Any], Any]:
+    """Each system warmed up, then timed on every run's inputs, the systems taking turns run by run (a burst of a
+    shared machine's neighbours then slows all of them, not one); each one's figures and first run's vectors."""
+    seconds: dict[str, list[float]] = {name: [] for name in systems}
+    first: dict[str, torch.Tensor] = {}
+    for embed in systems.values():
+        embed(warmup)
+    for inputs in runs:
+        for name, embed in systems.items():
+            start = time.perf_counter()
+            vectors = embed(inputs)
+            seconds[name].append(time.perf_counter() - start)
+            first.setdefault(name, torch.stack(vectors))
+    count, tokens = len(runs[0]), sum(map(len, runs[0]))
+    return {name: _median_run(seconds[name], count, tokens) for name in systems}, first
 
 
 def vector_check(ours: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
@@ -124,17 +128,16 @@ def run_offline(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
     """The throughput part: every ladle path and transformers on the same runs' inputs."""
     runs = [make_inputs(args.num_inputs, args.input_len, vocab_size, args.seed, f"run{r}") for r in range(args.repeats)]
     warmup = make_inputs(4, args.input_len, vocab_size, args.seed, "warmup")
-    systems: dict[str, dict[str, Any]] = {}
-    vectors: dict[str, torch.Tensor] = {}
-    for quantization in args.quantization:
-        timed, vectors[quantization] = bench_ladle(args, quantization, runs, warmup)
-        systems[f"ladle_{quantization}"] = timed
-        print(f"ladle ({quantization}): {timed}", flush=True)
-    if not args.skip_hf:
-        systems["hf"], reference = bench_hf(args, runs, warmup)
-        print(f"hf: {systems['hf']}", flush=True)
-        for quantization in args.quantization:
-            systems[f"ladle_{quantization}"]["vs_hf"] = vector_check(vectors[quantization], reference)
+    with contextlib.ExitStack() as stack:
+        built = {f"ladle_{q}": ladle_embedder(stack, args, q) for q in args.quantization}
+        if not args.skip_hf:
+            built["hf"] = hf_embedder(args)
+        figures, vectors = time_systems({name: embed for name, (embed, _) in built.items()}, runs, warmup)
+    systems = {name: {**figures[name], **facts} for name, (_, facts) in built.items()}
+    for name in systems:
+        if name != "hf" and "hf" in vectors:
+            systems[name]["vs_hf"] = vector_check(vectors[name], vectors["hf"])
+        print(f"{name}: {systems[name]}", flush=True)
     hf_rate = systems.get("hf", {}).get("inputs_per_s")
     return {
         "systems": systems,
