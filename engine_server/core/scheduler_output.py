@@ -32,7 +32,9 @@ class ScheduledRequest:
     # ceil((start_position + num_new_tokens) / block_size) blocks; entries never change while the
     # request holds them, later steps only append.
     block_ids: list[int]
-    needs_sample: bool  # the chunk ends at request.num_tokens (and its drafts), so its last position yields a token
+    # The chunk ends at request.num_tokens (and its drafts), so its last position yields a token; never for a pooling
+    # request (`request.pooling`), whose last chunk the runner pools instead.
+    needs_sample: bool
     num_cached_tokens: int = 0  # tokens served from the prefix cache when admitted this step (else 0)
     # Speculative decoding: tokens proposed to follow the request's last one, verified this step. The chunk is then
     # the last token plus these (num_new_tokens == 1 + len(draft_token_ids)), every position of it samples, and
