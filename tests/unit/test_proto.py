@@ -1,8 +1,9 @@
-"""The ladle.v1 contract: round-trips, field presence and the generated stubs being fresh."""
+"""The ladle.v1 contract: round-trips, field presence and the generated stubs (Python, TypeScript) being fresh."""
 
 from __future__ import annotations
 
 import filecmp
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,20 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
     assert committed == [p.name for p in fresh], "stub set differs: run `make proto`"
     stale = [p.name for p in fresh if not filecmp.cmp(p, committed_dir / p.name, shallow=False)]
     assert stale == [], f"stale stubs {stale}: run `make proto` and commit the result"
+
+
+def test_committed_typescript_is_fresh(tmp_path: Path) -> None:
+    """Editing a .proto without `make proto` fails CI here too: buf.gen.yaml's TypeScript (clients/typescript)."""
+    buf = ROOT / ".tools" / "node_modules" / ".bin" / "buf"
+    plugin = ROOT / "clients" / "typescript" / "node_modules" / ".bin" / "protoc-gen-es"
+    assert buf.exists() and plugin.exists(), "buf or protoc-gen-es is missing: run `make setup`"
+    generated = subprocess.run(
+        [str(buf), "generate", "--output", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert generated.returncode == 0, generated.stderr
+    gen = Path("clients") / "typescript" / "src" / "gen"
+    fresh = sorted(p.relative_to(tmp_path / gen) for p in (tmp_path / gen).rglob("*") if p.is_file())
+    committed = sorted(p.relative_to(ROOT / gen) for p in (ROOT / gen).rglob("*") if p.is_file())
+    assert committed == fresh, "generated file set differs: run `make proto`"
+    stale = [str(p) for p in fresh if not filecmp.cmp(tmp_path / gen / p, ROOT / gen / p, shallow=False)]
+    assert stale == [], f"stale TypeScript {stale}: run `make proto` and commit the result"

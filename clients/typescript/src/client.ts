@@ -84,14 +84,14 @@ export class EngineClient {
   /** Deltas as the engine produces them; the last message carries usage. Leaving the loop early cancels the
    * call, as does `options.signal`; either way the engine aborts the request. */
   stream(request: MessageInitShape<typeof StreamRequestSchema>, options?: CallOptions): AsyncIterable<StreamResponse> {
-    return streamed(this.engine.stream(request, options));
+    return streamed((opened) => this.engine.stream(request, opened), options);
   }
 
   /** Many independent items in, each result out as soon as it finishes, tagged with its item's `itemId`. Items
    * are sent while results arrive (the engine reads them as it has room); a bad item is an `error` outcome of
    * its own and the call goes on. */
   batch(items: Iterable<BatchItem> | AsyncIterable<BatchItem>, options?: CallOptions): AsyncIterable<BatchResponse> {
-    return streamed(this.engine.batch(asAsync(items), options));
+    return streamed((opened) => this.engine.batch(asAsync(items), opened), options);
   }
 
   /** One vector per input, in order. */
@@ -150,12 +150,28 @@ async function unary<T>(call: Promise<T>): Promise<T> {
   }
 }
 
-// Returning from this generator (a `break` in the caller's loop) returns the call's iterator, which cancels it.
-async function* streamed<T>(call: AsyncIterable<T>): AsyncGenerator<T, void, undefined> {
+/** A streaming call, opened at the first `next()`. Connect's iterables cancel only by their AbortSignal, so a
+ * caller that stops early (`break`, `return` or a throw in its `for await`) aborts this call's own signal, then
+ * reads the call's end, which lets Connect close the HTTP/2 stream and clear its deadline timer. */
+async function* streamed<T>(
+  open: (options: CallOptions) => AsyncIterable<T>,
+  options: CallOptions = {},
+): AsyncGenerator<T, void, undefined> {
+  const stop = new AbortController();
+  const signal = options.signal ? AbortSignal.any([options.signal, stop.signal]) : stop.signal;
+  const messages = open({ ...options, signal })[Symbol.asyncIterator]();
+  let ended = false;
   try {
-    yield* call;
+    for (let next = await messages.next(); !next.done; next = await messages.next()) yield next.value;
+    ended = true;
   } catch (error) {
+    ended = true;
     throw asEngineError(error);
+  } finally {
+    if (!ended) {
+      stop.abort();
+      await messages.next().catch(() => undefined); // CANCELLED, as asked
+    }
   }
 }
 

@@ -57,3 +57,10 @@ export function cosine(a: number[], b: number[]): number {
   });
   return dot / Math.sqrt(aa * bb);
 }
+
+/** Everything an async iterable yields (Array.fromAsync before Node 22). */
+export async function collect<T>(iterable: AsyncIterable<T>): Promise<T[]> {
+  const out: T[] = [];
+  for await (const value of iterable) out.push(value);
+  return out;
+}
