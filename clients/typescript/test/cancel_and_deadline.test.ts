@@ -7,7 +7,7 @@ import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 
 import { Code, EngineError, text, type GetLoadResponse } from "../src/index.js";
-import { connect, greedy, summary, waitForLoad } from "./engine.js";
+import { collect, connect, greedy, summary, waitForLoad } from "./engine.js";
 
 const client = connect();
 after(() => client.close());
@@ -59,6 +59,25 @@ test("leaving a for-await loop early cancels the stream too", async () => {
     received += message.choices.length;
     if (received >= 3) break;
   }
+  await backToIdle();
+});
+
+test("Generate cancelled by its AbortSignal is CANCELLED, and the engine aborts the request", async () => {
+  const controller = new AbortController();
+  const reply = client.generate(LONG, { signal: controller.signal });
+  await waitForLoad(client, (load) => load.running === 1, 10_000);
+  controller.abort();
+  await assert.rejects(reply, isCode(Code.Canceled));
+  await backToIdle();
+});
+
+test("a Batch cancelled by its AbortSignal aborts every item in flight", async () => {
+  const controller = new AbortController();
+  const items = Array.from({ length: 4 }, (_, i) => ({ itemId: `long-${i}`, request: LONG }));
+  const results = collect(client.batch(items, { signal: controller.signal }));
+  await waitForLoad(client, (load) => load.running === 4, 10_000);
+  controller.abort();
+  await assert.rejects(results, isCode(Code.Canceled));
   await backToIdle();
 });
 
