@@ -44,8 +44,11 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
 
+# buf breaking compares the contract with main's committed one: a change on a branch (or not yet committed) that
+# would break a generated client in any language fails here.
 lint: setup
 	$(BUF) lint
+	$(BUF) breaking --against '.git#branch=main'
 	$(PY) -m ruff check .
 	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py ladle_cli
 
