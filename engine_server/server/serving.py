@@ -9,10 +9,11 @@ step. The core thread only ever sees token ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,7 +53,7 @@ from engine_server.pooling.requests import (
     pooling_token_ids,
 )
 from engine_server.sampling_params import SamplingParams
-from engine_server.server.engine_loop import EngineLoop, LoadSnapshot
+from engine_server.server.engine_loop import EngineLoop, LoadSnapshot, RequestStream
 from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
 from engine_server.tokenizer.loading import load_tokenizer
 
@@ -283,21 +284,15 @@ class ServingEngine:
         )
         stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step)
         unfinished = set(stream.core_ids)
-        outcome = "cancelled"
-        try:
+
+        def report(outcome: str) -> None:
+            _log_finished(request.request_id, internal_id, outcome, tracker, core_requests)
+
+        with self._owning(stream, unfinished, report):
             while unfinished:
                 deltas = self._apply(tracker, await stream.next(), unfinished)
                 if deltas:
                     yield StepUpdate(deltas, tracker.result, finished=not unfinished)
-            outcome = "finished"
-        except BaseException as exc:
-            outcome = type(exc).__name__
-            raise
-        finally:
-            self.loop.close(stream)
-            if unfinished:
-                self.loop.abort(sorted(unfinished))
-            _log_finished(request.request_id, internal_id, outcome, tracker, core_requests)
 
     async def embed(self, call: EmbedInput, deadline: float | None = None) -> EmbedResult:
         """One vector per input, in order (`deadline` and cancelling as in `generate`); raises ValidationError
@@ -355,8 +350,19 @@ class ServingEngine:
         stream = self.loop.add(internal_id, requests, final_only=True)
         vectors: dict[int, torch.Tensor] = {}
         unfinished = set(stream.core_ids)
-        outcome = "cancelled"
-        try:
+
+        def report(outcome: str) -> None:
+            prompt_tokens = sum(len(ids) for ids in token_ids)
+            log.info(
+                "pooling request finished",
+                request_id=request_id,
+                core_id=internal_id,
+                outcome=outcome,
+                inputs=len(requests),
+                prompt_tokens=prompt_tokens,
+            )
+
+        with self._owning(stream, unfinished, report):
             while unfinished:
                 for output in await stream.next():
                     if output.status is RequestStatus.FINISHED_DEADLINE:
@@ -365,6 +371,15 @@ class ServingEngine:
                         raise EngineUnavailableError("the engine stopped this request before it was computed; retry")
                     unfinished.discard(output.request_id)
                     vectors[split_core_request_id(output.request_id)[1]] = output.pooled
+        return [vectors[i] for i in range(len(requests))]
+
+    @contextlib.contextmanager
+    def _owning(self, stream: RequestStream, unfinished: set[str], report: Callable[[str], None]) -> Iterator[None]:
+        """Read `stream` inside the block; at its end close it, abort the core ids still in `unfinished` (the caller
+        stopped early or failed) and `report` the outcome: "finished", "cancelled" or the exception's name."""
+        outcome = "cancelled"
+        try:
+            yield
             outcome = "finished"
         except BaseException as exc:
             outcome = type(exc).__name__
@@ -373,15 +388,7 @@ class ServingEngine:
             self.loop.close(stream)
             if unfinished:
                 self.loop.abort(sorted(unfinished))
-            log.info(
-                "pooling request finished",
-                request_id=request_id,
-                core_id=internal_id,
-                outcome=outcome,
-                inputs=len(requests),
-                prompt_tokens=sum(len(ids) for ids in token_ids),
-            )
-        return [vectors[i] for i in range(len(requests))]
+            report(outcome)
 
     def _apply(self, tracker: RequestTracker, outputs: Sequence[CoreOutput], unfinished: set[str]) -> list[Choice]:
         """Feed one step's outputs to the tracker; returns the deltas of choices that advanced."""
