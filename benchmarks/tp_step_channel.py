@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import shutil
 import tempfile
 import time
 from multiprocessing.queues import Queue
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     context = mp.get_context("spawn")
-    init = f"file://{tempfile.mkdtemp(prefix='ladle-tp-bench-')}/store"
+    rendezvous = Path(tempfile.mkdtemp(prefix="ladle-tp-bench-"))
+    init = f"file://{rendezvous}/store"
     shm = ShmAllReduce.allocate(2, 4 * HIDDEN)
     channel = StepChannel.open(1024, 1, context)
     out: Queue[Any] = context.Queue()
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     results = out.get(timeout=600)
     for process in ranks:
         process.join(timeout=60)
+    shutil.rmtree(rendezvous, ignore_errors=True)
     record = {
         "benchmark": "tp_step_channel",
         "time": utc_timestamp(),
