@@ -9,6 +9,10 @@ served request runs) and is compared with the float model's logits at each conti
 - `greedy_identical`: the share of prompts whose free-running greedy continuation equals the float one, and
   `mean_common_prefix`: how many leading tokens they share on average (one near-tie flips all that follows).
 The models run through the engine's own `ModelRunner`, so what is measured is what is served.
+
+With `--tensor-parallel-size N` the formats run split over N processes (their workers run every forward) and are
+compared with the same float reference at TP=1: quantized weights under tensor parallelism must hold the same
+thresholds as at TP=1 (tests/unit/test_quantization.py).
 """
 
 from __future__ import annotations
@@ -64,9 +68,11 @@ class QualityResult:
     mean_common_prefix: float
 
 
-def make_llm(model: str, quantization: str) -> LLM:
+def make_llm(model: str, quantization: str, tensor_parallel_size: int = 1) -> LLM:
+    """`model` with `quantization`, split over `tensor_parallel_size` processes (close it: it owns its workers)."""
+    cache = CacheConfig(memory_bytes=CACHE_BYTES)
     config = EngineConfig(model=model, device="cpu", quantization=quantization,  # type: ignore[arg-type]
-                          cache=CacheConfig(memory_bytes=CACHE_BYTES))  # fmt: skip
+                          cache=cache, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     return LLM(config=config)
 
 
@@ -80,7 +86,6 @@ def greedy_sequences(llm: LLM, prompts: Sequence[str], num_tokens: int) -> tuple
     return [r.prompt_token_ids for r in results], [r.choices[0].token_ids for r in results]
 
 
-@torch.inference_mode()
 def sequence_logits(llm: LLM, token_ids: list[int], prefill: int | None = None) -> torch.Tensor:
     """Float32 logits `[T, vocab]` of one sequence read by `llm`'s model: the first `prefill` tokens (all when
     None) in one prefill step, then one decode step per token, as a served request reads its prompt and then its
@@ -90,12 +95,11 @@ def sequence_logits(llm: LLM, token_ids: list[int], prefill: int | None = None) 
     prefill = count if prefill is None else prefill
     table = list(range(-(-count // runner.block_size)))
     meta = AttentionMetadata.build([prefill], [prefill], [table], runner.block_size, "cpu")
-    rows = [runner.model(torch.tensor(token_ids[:prefill]), torch.arange(prefill), runner.kv_caches, meta)]
+    rows = [runner.forward_logits(torch.tensor(token_ids[:prefill]), torch.arange(prefill), meta)]
     for position in range(prefill, count):
         meta = AttentionMetadata.build([1], [position + 1], [table], runner.block_size, "cpu")
-        step = torch.tensor([token_ids[position]])
-        rows.append(runner.model(step, torch.tensor([position]), runner.kv_caches, meta))
-    return runner.model.compute_logits(torch.cat(rows))
+        rows.append(runner.forward_logits(torch.tensor([token_ids[position]]), torch.tensor([position]), meta))
+    return torch.cat(rows)
 
 
 def compare(
@@ -128,12 +132,17 @@ def compare(
 
 def measure(
     model: str = "default", formats: Sequence[str] = ("gguf", "int8"), num_tokens: int = 64,
-    prompts: Sequence[str] = QUALITY_PROMPTS, reference: LLM | None = None,
+    prompts: Sequence[str] = QUALITY_PROMPTS, reference: LLM | None = None, tensor_parallel_size: int = 1,
 ) -> list[QualityResult]:  # fmt: skip
-    """Every format in `formats` against the float model (`reference`, loaded here when None)."""
+    """Every format in `formats` (at `tensor_parallel_size`) against the float model at TP=1 (`reference`, loaded
+    here when None)."""
     reference = reference or make_llm(model, "none")
     sequences = greedy_sequences(reference, prompts, num_tokens)
-    return [compare(reference, make_llm(model, name), name, prompts, num_tokens, sequences) for name in formats]
+    results = []
+    for name in formats:
+        with make_llm(model, name, tensor_parallel_size) as candidate:
+            results.append(compare(reference, candidate, name, prompts, num_tokens, sequences))
+    return results
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -145,12 +154,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--formats", default="gguf,int8", help="comma-separated --quantization values")
     parser.add_argument("--num-tokens", type=int, default=64)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="run the formats split over N processes")
     parser.add_argument("--out", help="write the results as JSON lines here")
     args = parser.parse_args(argv)
-    results = measure(args.model, args.formats.split(","), args.num_tokens)
+    formats = args.formats.split(",")
+    results = measure(args.model, formats, args.num_tokens, tensor_parallel_size=args.tensor_parallel_size)
     record: dict[str, Any] = {
         "benchmark": "quality", "commit": git_commit(), "command": "ladle bench quality " + " ".join(argv or []),
         "model": args.model, "cpu": cpu_model_name(), "num_tokens": args.num_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     lines = [json.dumps({**record, **asdict(r)}) for r in results]
     for line in lines:

@@ -16,8 +16,9 @@ padding rows write there and nowhere else.
 Under tensor parallelism every rank calls `load_model` with its `TensorParallel` (rank 0 from the engine, the
 others from `engine_server.workers`): each builds its shards, loads them reading only its slice of each
 checkpoint tensor (`ModelSource.lazy_weights`) and allocates a KV cache of its own KV heads; rank 0's block
-count is every rank's (broadcast), so one block id means the same tokens on every rank.
-Decode graphs, draft models and the C++ decode stack are not used under tensor parallelism (yet).
+count is every rank's (broadcast), so one block id means the same tokens on every rank; quantized weights are
+each rank's slices (engine_server.quantization). Decode graphs, draft models and the C++ decode stack are not
+used under tensor parallelism (yet).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def load_model(
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.
     kernels = select_ops(device) is not REFERENCE_OPS
-    quantization = resolve_quantization(config.quantization, source, device, dtype, kernels, tp.size)
+    quantization = resolve_quantization(config.quantization, source, device, dtype, kernels)
     torch.manual_seed(config.seed)
     model: StepModel
     if source.config.encoder:

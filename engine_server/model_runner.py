@@ -239,6 +239,13 @@ class ModelRunner:
         self.grammars.release(request_id)
         self.pooler.release(request_id)
 
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Float32 logits `[T, vocab]` of every token of one forward over the KV cache as `meta` lays it out,
+        outside the scheduler (tools that read a model's logits: benchmarks.quality). Under tensor parallelism
+        the workers run the same forward and logits gather, in step."""
+        return self._logits(self._run_model(input_ids, positions, meta, None), None)
+
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         """Run the scheduled tokens through the model and sample for every request that `needs_sample`."""
         launched = self.launch(output)

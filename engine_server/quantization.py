@@ -16,6 +16,19 @@ kernel `kernels.int8_linear` (the weight dequantized to the model's dtype in reg
 `gguf` is refused at start-up, as it is for a model that is not a GGUF file. `auto` stays `none` on CUDA.
 The LM head of a model with tied embeddings is quantized (from the embedding's stored blocks under `gguf`)
 while the embedding lookup keeps its float table: a lookup reads one row per token, the head reads them all.
+
+Under tensor parallelism each rank quantizes only its slices: `int8` its local float slice, `gguf` the file's
+blocks of its rows (column-parallel layers, the LM head's vocab rows, zero rows for the vocabulary's padding)
+or of its input columns (row-parallel layers, whose slices fall on groups of 32 where the heads and MLP rows
+split evenly by multiples of 32; a layer whose slice does not stays float), read from the mapped file and
+nothing else. Group boundaries are then the same as at TP=1, so every rank holds exactly TP=1's weights, and
+the sharded activations quantize per group as they would whole; what changes is the order of the float sums
+over the groups (each rank's partial dot products, then the all-reduce). That moves a value by float rounding,
+and where it crosses an 8-bit rounding boundary of the next layer's activations by one step of that group, so
+greedy output under TP is not bit-equal to TP=1's: `ladle bench quality --tensor-parallel-size N` measures it
+against the float model with the same thresholds as TP=1. Within one TP size a row's result still does not
+depend on its batch (the shared-memory all-reduce sums in rank order). The C++ decode stack, which runs all
+layers in one call, is not used under tensor parallelism (no all-reduce between its layers).
 """
 
 from __future__ import annotations
@@ -31,26 +44,26 @@ from engine_server.layers.quantized_linear import (
     QuantizedLinear,
     QuantizedWeight,
     concat_rows,
+    pad_rows,
     quantize_q8,
     replace_linears,
 )
-from engine_server.loader.gguf_quant import read_quantized_weights
+from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
 from engine_server.models.base import FUSED_SHARDS, CausalLM
+from engine_server.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8"]
 
 
 def resolve_quantization(
-    mode: str, source: ModelSource, device: torch.device, dtype: torch.dtype, kernels: bool, tp_size: int = 1
+    mode: str, source: ModelSource, device: torch.device, dtype: torch.dtype, kernels: bool
 ) -> Scheme:
     """The scheme `mode` means for `source` in `dtype` on `device`; `kernels` says whether the device's own
     kernels are there (the C++ ones built on the CPU, triton on CUDA). Raises ValueError (naming the flag) for a
-    scheme this engine cannot serve. Under tensor parallelism (`tp_size > 1`) weights stay float (yet): `auto` is
-    then `none`, and `gguf` and `int8` are refused. (int8 of each rank's slices ran, but its greedy output did not
-    match TP=1's int8 closely enough to ship: issue 26's notes.) An encoder (BERT) keeps float weights: `auto`
-    is `none` for it, `gguf` and `int8` are refused.
+    scheme this engine cannot serve. Under tensor parallelism each rank quantizes its own slices (module doc). An
+    encoder (BERT) keeps float weights: `auto` is `none` for it, `gguf` and `int8` are refused.
     """
     cpu_float32 = device.type == "cpu" and dtype == torch.float32
     if source.config.encoder:
@@ -58,13 +71,8 @@ def resolve_quantization(
             raise ValueError(f"--quantization {mode}: an encoder model ({source.name!r}) keeps its float weights")
         return "none"
     if mode == "auto":
-        gguf = cpu_float32 and kernels and source.gguf_path is not None and tp_size == 1
+        gguf = cpu_float32 and kernels and source.gguf_path is not None
         return "gguf" if gguf else "none"
-    if mode in ("gguf", "int8") and tp_size > 1:
-        raise ValueError(
-            f"--quantization {mode}: quantized weights are not sharded under --tensor-parallel-size > 1 yet; "
-            "use --quantization none (or auto)"
-        )
     if mode == "none":
         return "none"
     if mode not in ("gguf", "int8"):
@@ -99,14 +107,14 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
     if scheme == "gguf":
         assert source.gguf_path is not None
         config = source.config
-        stored = read_quantized_weights(
+        stored = stored_matrices(
             source.gguf_path,
             model_type=config.architecture,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
         )
         tied = config.tie_word_embeddings
-        replace_linears(model, lambda name, _linear: _stored_weight(stored, name, tied))
+        replace_linears(model, lambda name, linear: _stored_weight(stored, name, linear, tied))
     else:
         replace_linears(model, _int8_weight)
     formats = Counter(
@@ -122,19 +130,38 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
     return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
 
 
-def _stored_weight(stored: dict[str, QuantizedWeight], name: str, tied: bool) -> QuantizedWeight | None:
-    """The stored weight of layer `name`: its checkpoint shards' rows for a fused layer, the embedding's blocks
-    for a tied LM head; None when any part is not stored quantized."""
+def _stored_weight(
+    stored: dict[str, StoredMatrix], name: str, linear: nn.Linear, tied: bool
+) -> QuantizedWeight | None:
+    """This rank's slice of layer `name`'s stored weight, read from the file: for a fused layer its checkpoint
+    shards' rows, for a tied LM head the embedding's blocks. None (the layer stays float) when any part is not
+    stored quantized, or when a row-parallel slice does not fall on groups of 32 columns.
+
+    `linear` says the slice (parallel.layers): a column-parallel layer's rows of each part, a row-parallel one's
+    input columns, the LM head's vocab rows (and zero rows for its padding); at size 1, all of it."""
     if name == "lm_head" and tied:
-        return stored.get("model.embed_tokens.weight")
-    for fused, _, _ in FUSED_SHARDS:
-        if name.endswith(f".{fused}"):
-            parts = [name.removesuffix(fused) + part for f, part, _ in FUSED_SHARDS if f == fused]
-            shards = [stored.get(f"{part}.weight") for part in parts]
-            if any(shard is None for shard in shards):
-                return None
-            return concat_rows([shard for shard in shards if shard is not None])
-    return stored.get(f"{name}.weight")
+        parts = ["model.embed_tokens"]
+    else:
+        fused = next((f for f, _, _ in FUSED_SHARDS if name.endswith(f".{f}")), None)
+        prefix = name.removesuffix(fused) if fused else ""
+        parts = [prefix + part for f, part, _ in FUSED_SHARDS if f == fused] if fused else [name]
+    matrices = [matrix for part in parts if (matrix := stored.get(f"{part}.weight")) is not None]
+    if len(matrices) != len(parts):
+        return None
+    rows: list[range | None] = [None] * len(parts)
+    columns: range | None = None
+    padding = 0
+    if isinstance(linear, ColumnParallelLinear):
+        rows = [part.rows for part in linear.parts]
+    elif isinstance(linear, RowParallelLinear):
+        columns = linear.input_slice.rows
+        if columns.start % QUANT_GROUP or columns.stop % QUANT_GROUP:
+            return None
+    elif isinstance(linear, ParallelLMHead):
+        shard = linear.shard
+        rows, padding = [range(shard.start, shard.valid_end)], shard.per_rank - shard.num_valid
+    shards = [matrix.read(part_rows, columns) for matrix, part_rows in zip(matrices, rows, strict=True)]
+    return pad_rows(concat_rows(shards), padding)
 
 
 def _int8_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:

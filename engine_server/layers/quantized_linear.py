@@ -95,6 +95,19 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
     raise ValueError(f"cannot fuse shards of different formats ({type(first).__name__} and another)")
 
 
+def pad_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """`weight` with `rows` zero rows after its own (every element 0: a vocab-parallel LM head's padding)."""
+    if rows == 0:
+        return weight
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor, tensor.new_zeros(rows, tensor.shape[1])])
+
+    if isinstance(weight, Q4Weight):
+        return Q4Weight(padded(weight.qs), padded(weight.scales), padded(weight.mins))
+    return Q8Weight(padded(weight.qs), padded(weight.scales))
+
+
 def pack_for_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`weight` in the CPU kernels' blocks (`kernels/cpu/quant_matmul.cpp`): (packed, scales, mins) for
     `torch.ops.ladle_cpu.packed_linear`. Raises RuntimeError where the CPU kernels cannot be built."""

@@ -5,10 +5,14 @@ blocks as they are, so a quantized engine serves exactly the weights llama.cpp s
 elements each, float16 scales): Q4_0 `d, qs[16]` (element = d * (q - 8)); Q4_1 `d, m, qs[16]` (element =
 d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds element j low and j + 16 high.
 Llama q/k rows are un-permuted as in the conversion. Other types (F32, F16, K-quants) are not returned.
+
+`stored_matrices` maps the file and reads nothing yet: each `StoredMatrix.read` copies out only the rows and the
+groups of 32 columns it is asked for, so a tensor-parallel rank reads only its own slice of every matrix.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,30 +21,66 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight
 from engine_server.loader.gguf_convert import hf_tensor_name, unpermute_rope_rows
+from kernels.reference import QUANT_GROUP
 
 _SUPPORTED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
 
 
-def read_quantized_weights(
-    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int
-) -> dict[str, QuantizedWeight]:
+@dataclass(frozen=True)
+class StoredMatrix:
+    """One quantized `[N, K]` matrix of a GGUF file, not read yet: `blocks` `[N, K/32, block bytes]` is a view of
+    the mapped file, `row_order` (when not None) the file row holding each HF row (llama q/k un-permutation)."""
+
+    blocks: np.ndarray
+    kind: GGMLQuantizationType
+    row_order: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.blocks.shape[1] * QUANT_GROUP
+
+    def read(self, rows: range | None = None, columns: range | None = None) -> QuantizedWeight:
+        """The packed weight of HF rows `rows` and columns `columns` (all when None), copied out of the file.
+
+        Raises ValueError when `columns` does not start and end on a group boundary (a multiple of 32)."""
+        wanted = np.arange(self.shape[0]) if rows is None else np.arange(rows.start, rows.stop)
+        file_rows = wanted if self.row_order is None else self.row_order[wanted]
+        blocks = self.blocks[file_rows] if rows is not None or self.row_order is not None else self.blocks
+        if columns is not None:
+            if columns.start % QUANT_GROUP or columns.stop % QUANT_GROUP or columns.step != 1:
+                raise ValueError(f"columns {columns} do not fall on groups of {QUANT_GROUP}")
+            blocks = blocks[:, columns.start // QUANT_GROUP : columns.stop // QUANT_GROUP]
+        return parse_blocks(blocks, self.kind)
+
+
+def stored_matrices(gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int) -> dict[str, StoredMatrix]:
     """Every Q4_0 / Q4_1 / Q8_0 2-D tensor of `gguf_path` by HF parameter name (e.g.
-    `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`); tensors of other types are absent."""
+    `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), mapped and not read; tensors of other
+    types are absent."""
     reader = GGUFReader(gguf_path)
     permuted = model_type == "llama"
-    weights: dict[str, QuantizedWeight] = {}
+    matrices: dict[str, StoredMatrix] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None or tensor.tensor_type not in _SUPPORTED or len(tensor.shape) != 2:
             continue
         blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, _BLOCK_BYTES[tensor.tensor_type])
+        order = None
         if permuted and ".self_attn.q_proj." in name:
-            blocks = unpermute_rope_rows(blocks, num_heads)
+            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads)
         elif permuted and ".self_attn.k_proj." in name:
-            blocks = unpermute_rope_rows(blocks, num_kv_heads)
-        weights[name] = parse_blocks(blocks, tensor.tensor_type)
-    return weights
+            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_kv_heads)
+        matrices[name] = StoredMatrix(blocks, tensor.tensor_type, order)
+    return matrices
+
+
+def read_quantized_weights(
+    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int
+) -> dict[str, QuantizedWeight]:
+    """`stored_matrices` of `gguf_path`, each read whole."""
+    matrices = stored_matrices(gguf_path, model_type=model_type, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    return {name: matrix.read() for name, matrix in matrices.items()}
 
 
 def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWeight:

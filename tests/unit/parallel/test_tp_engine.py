@@ -1,29 +1,58 @@
-"""Offline `LLM(tensor_parallel_size=N)` on the embedded model: what tensor parallelism refuses, and says so at
-configuration, before any worker starts. Quantized weights are not sharded yet: `gguf` and `int8` are refused
-with a message naming the way out, and `auto` serves a GGUF file unquantized under tensor parallelism.
+"""Offline `LLM(tensor_parallel_size=N)` on the embedded model: quantized weights split over the ranks, and what
+tensor parallelism refuses, said at configuration before any worker starts.
+
+Quantized weights under TP=3 (the default `auto`: the GGUF file's own blocks, each rank its slice) hold TP=1's
+quality thresholds against the float model (`ladle bench quality`, the thresholds of test_quantization), and
+each prompt's tokens do not depend on the batch it runs in. They are not bit-equal to TP=1's: sums over the
+ranks change the float summation order, and a value that then crosses an 8-bit rounding boundary of the next
+layer's activations moves by one step (engine_server.quantization).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, make_llm
+from engine_server import ChatPrompt
 from engine_server.config import EngineConfig, SpeculativeConfig
 from engine_server.llm import LLM
 from engine_server.loader import resolve_model
 from engine_server.quantization import resolve_quantization
+from engine_server.sampling_params import SamplingParams
+from engine_server.tokenizer.chat import ChatMessage
+from kernels import cpu_ops as cpu
+from tests.unit.test_quantization import MAX_MEAN_KL, MIN_TOP1_AGREEMENT
 
 pytestmark = pytest.mark.slow
 
+needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 
-def test_quantized_weights_are_refused_under_tensor_parallelism_and_auto_serves_floats() -> None:
+
+def test_auto_serves_the_gguf_blocks_under_tensor_parallelism() -> None:
     source = resolve_model("default")
-    cpu = torch.device("cpu")
-    for mode in ("gguf", "int8"):
-        with pytest.raises(ValueError, match=f"--quantization {mode}: quantized weights are not sharded under"):
-            resolve_quantization(mode, source, cpu, torch.float32, kernels=True, tp_size=3)
-    assert resolve_quantization("auto", source, cpu, torch.float32, kernels=True, tp_size=3) == "none"
-    assert resolve_quantization("auto", source, cpu, torch.float32, kernels=True, tp_size=1) == "gguf"
+    for mode in ("auto", "gguf"):
+        assert resolve_quantization(mode, source, torch.device("cpu"), torch.float32, kernels=True) == "gguf"
+
+
+@needs_kernels
+@pytest.mark.timeout(600)
+def test_quantized_weights_under_tp3_hold_the_quality_thresholds_and_are_batch_invariant(llm: Any) -> None:
+    num_tokens = 64
+    sequences = greedy_sequences(llm, QUALITY_PROMPTS, num_tokens)
+    with make_llm("default", "auto", tensor_parallel_size=3) as split:
+        assert split.core.runner.quantization == "gguf"
+        result = compare(llm, split, "gguf", QUALITY_PROMPTS, num_tokens, sequences)
+        assert result.positions == 16 * num_tokens
+        assert result.top1_agreement >= MIN_TOP1_AGREEMENT, result
+        assert result.mean_kl <= MAX_MEAN_KL, result
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        chats = [ChatPrompt([ChatMessage(role="user", content=prompt)]) for prompt in QUALITY_PROMPTS[:8]]
+        together = [r.choices[0].token_ids for r in split.generate(chats, params, use_tqdm=False)]
+        alone = [split.generate([chat], params, use_tqdm=False)[0].choices[0].token_ids for chat in chats]
+        assert alone == together
 
 
 def test_what_tensor_parallelism_refuses_is_said_at_configuration() -> None:
