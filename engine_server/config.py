@@ -293,5 +293,3 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.speculative is not None:
-            raise ValueError("speculative decoding does not run under --tensor-parallel-size > 1 yet")

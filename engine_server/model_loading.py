@@ -180,9 +180,11 @@ def _quantize(model: StepModel, source: ModelSource, quantization: Scheme, devic
 
 
 def _load_draft(config: EngineConfig, target: LoadedModel) -> DraftModel | None:
-    """Speculative decoding's draft model, over the target's KV blocks, when `config` names one."""
+    """Speculative decoding's draft model, over the target's KV blocks, when `config` names one. Under tensor
+    parallelism only rank 0 holds it, whole (a small model: vLLM's `draft_tensor_parallel_size` 1): it proposes
+    before the step's forward, which the workers then run with rank 0."""
     spec = config.speculative
-    if spec is None or spec.method != "draft_model" or spec.model is None:
+    if spec is None or spec.method != "draft_model" or spec.model is None or not target.tp.is_driver:
         return None
     draft = DraftModel(
         resolve_model(spec.model, Path(config.cache_dir) if config.cache_dir else None, seed=config.seed),

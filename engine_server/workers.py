@@ -88,7 +88,8 @@ def start_tensor_parallel(
 ) -> tuple[LoadedModel, WorkerGroup]:
     """Spawn the workers of a `config.tensor_parallel_size` group, load rank 0's shards beside theirs and return
     rank 0's model with the running group. A worker that fails to start or load makes this raise (and stops the
-    others). `on_lost(rank, exit status)` replaces the default reaction to a worker lost later (module doc)."""
+    others); so does a tensor-parallel engine already running in this process (torch.distributed's one default
+    group). `on_lost(rank, exit status)` replaces the default reaction to a worker lost later (module doc)."""
     size = config.tensor_parallel_size
     model = source.config
     if model.encoder:
@@ -97,6 +98,11 @@ def start_tensor_parallel(
     device = resolve_device(config.device)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this host has {torch.cuda.device_count()}")
+    if torch.distributed.is_initialized():
+        raise ValueError(
+            f"--tensor-parallel-size {size}: this process already runs a tensor-parallel engine (one process group "
+            "per process): close it first"
+        )
     threads = cpu_threads_per_rank(size)
     if device.type == "cpu":
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
-"""Offline `LLM(tensor_parallel_size=N)` on the embedded model: quantized weights split over the ranks, and what
-tensor parallelism refuses, said at configuration before any worker starts.
+"""Offline `LLM(tensor_parallel_size=N)` on the embedded model: quantized weights split over the ranks,
+speculative decoding over them, and what tensor parallelism refuses, said at configuration before any worker starts.
 
 Quantized weights under TP=3 (the default `auto`: the GGUF file's own blocks, each rank its slice) hold TP=1's
 quality thresholds against the float model (`ladle bench quality`, the thresholds of test_quantization), and
@@ -15,15 +15,16 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, make_llm
+from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences
 from engine_server import ChatPrompt
-from engine_server.config import EngineConfig, SpeculativeConfig
+from engine_server.config import CacheConfig, EngineConfig
 from engine_server.llm import LLM
 from engine_server.loader import resolve_model
 from engine_server.quantization import resolve_quantization
 from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatMessage
 from kernels import cpu_ops as cpu
+from tests.unit.speculative.test_embedded_model import COPYING, NGRAM
 from tests.unit.test_quantization import MAX_MEAN_KL, MIN_TOP1_AGREEMENT
 
 pytestmark = pytest.mark.slow
@@ -37,29 +38,59 @@ def test_auto_serves_the_gguf_blocks_under_tensor_parallelism() -> None:
         assert resolve_quantization(mode, source, torch.device("cpu"), torch.float32, kernels=True) == "gguf"
 
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+CHATS = [ChatPrompt([ChatMessage(role="user", content=text)]) for text in (*QUALITY_PROMPTS[:6], *COPYING[:2])]
+
+
+def _tokens(llm: LLM, chats: list[ChatPrompt]) -> list[list[int]]:
+    return [result.choices[0].token_ids for result in llm.generate(chats, GREEDY, use_tqdm=False)]
+
+
+def _split(**kwargs: Any) -> LLM:
+    """The embedded model at TP=3 with the default quantization (the GGUF blocks). One at a time: a process runs
+    one tensor-parallel engine (torch.distributed's default group)."""
+    config = EngineConfig(device="cpu", cache=CacheConfig(memory_bytes=512 << 20), tensor_parallel_size=3)
+    return LLM(config=config, **kwargs)
+
+
 @needs_kernels
 @pytest.mark.timeout(600)
 def test_quantized_weights_under_tp3_hold_the_quality_thresholds_and_are_batch_invariant(llm: Any) -> None:
     num_tokens = 64
     sequences = greedy_sequences(llm, QUALITY_PROMPTS, num_tokens)
-    with make_llm("default", "auto", tensor_parallel_size=3) as split:
+    with _split() as split:
         assert split.core.runner.quantization == "gguf"
         result = compare(llm, split, "gguf", QUALITY_PROMPTS, num_tokens, sequences)
         assert result.positions == 16 * num_tokens
         assert result.top1_agreement >= MIN_TOP1_AGREEMENT, result
         assert result.mean_kl <= MAX_MEAN_KL, result
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        chats = [ChatPrompt([ChatMessage(role="user", content=prompt)]) for prompt in QUALITY_PROMPTS[:8]]
-        together = [r.choices[0].token_ids for r in split.generate(chats, params, use_tqdm=False)]
-        alone = [split.generate([chat], params, use_tqdm=False)[0].choices[0].token_ids for chat in chats]
-        assert alone == together
+        assert [_tokens(split, [chat])[0] for chat in CHATS] == _tokens(split, CHATS)
+        with pytest.raises(ValueError, match="this process already runs a tensor-parallel engine"):
+            _split()
+
+
+@needs_kernels
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "speculative",
+    [NGRAM, {"method": "draft_model", "model": "default", "num_speculative_tokens": 4, "adaptive": False}],
+    ids=["ngram", "draft_model"],
+)
+def test_speculative_decoding_under_tp3_keeps_greedy_output_token_for_token(speculative: dict[str, Any]) -> None:
+    """The quantized kernels give a token the same bits whatever its batch, so verifying drafts in one forward
+    computes what decoding them one by one does: the output must equal TP=3's without speculation exactly. A draft
+    model lives on rank 0 only (engine_server.model_loading)."""
+    with _split() as plain:
+        expected = _tokens(plain, CHATS)
+    with _split(speculative_config=speculative) as speculating:
+        assert _tokens(speculating, CHATS) == expected
+        stats = speculating.core.speculator.stats  # type: ignore[union-attr]
+        assert stats.accepted_tokens >= 10  # the copying prompts did keep drafts
 
 
 def test_what_tensor_parallelism_refuses_is_said_at_configuration() -> None:
     with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="speculative decoding does not run under --tensor-parallel-size > 1"):
-        EngineConfig(tensor_parallel_size=2, speculative=SpeculativeConfig(method="ngram"))
     # The embedded model's 9 query heads do not split over 2 ranks: said before any worker starts.
     with pytest.raises(
         ValueError, match=r"num_attention_heads \(9\) must be divisible by the tensor-parallel size \(2\)"
