@@ -52,7 +52,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections.
+    attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections (`o_proj_bias`: and o_proj's).
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
@@ -65,6 +65,12 @@ class ModelConfig:
     gelu_tanh: bool = False  # the MLP's GELU is the tanh approximation (hidden_act gelu_new)
     # A cross-encoder (`BertForSequenceClassification`): its classifier's outputs over the CLS token; 0 without one.
     num_labels: int = 0
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj has a bias: `attention_bias` puts one there too for Llama and Qwen3 (as transformers'
+        modeling files do), never for Qwen2, whose config sets it for q/k/v only."""
+        return self.attention_bias and self.architecture in ("llama", "qwen3")
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:

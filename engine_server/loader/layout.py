@@ -8,8 +8,8 @@ from engine_server.config import ModelConfig
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of `cfg`'s model, HF-named, in checkpoint order.
 
-    `lm_head.weight` is listed only for untied models; q/k/v biases only with `attention_bias`; per-head
-    q/k norms only with `qk_norm`.
+    `lm_head.weight` is listed only for untied models; q/k/v biases only with `attention_bias`, o_proj's only with
+    `ModelConfig.o_proj_bias`; per-head q/k norms only with `qk_norm`.
     """
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -28,6 +28,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -54,15 +53,13 @@ class CausalLM(nn.Module):
     quantized like any other projection.
     """
 
-    o_proj_bias_from_config: ClassVar[bool] = False  # Llama puts `attention_bias` on o_proj too; Qwen2 not.
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
         self.ops: KernelOps | None = None
-        o_proj_bias = self.o_proj_bias_from_config and config.attention_bias
-        self.model = DecoderModel(config, dtype, o_proj_bias=o_proj_bias, tp=tp)
+        self.model = DecoderModel(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
         embedding = self.model.embed_tokens
         self.vocab_shard = embedding.shard
         self.lm_head: nn.Module = (

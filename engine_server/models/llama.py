@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from engine_server.models.base import CausalLM
 
 
 class LlamaForCausalLM(CausalLM):
     """Llama: `attention_bias`, when set, applies to q/k/v and o_proj alike."""
-
-    o_proj_bias_from_config: ClassVar[bool] = True

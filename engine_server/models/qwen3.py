@@ -6,4 +6,5 @@ from engine_server.models.base import CausalLM
 
 
 class Qwen3ForCausalLM(CausalLM):
-    """Qwen3: `ModelConfig.qk_norm` is always set for this family; no projection biases by default."""
+    """Qwen3: `ModelConfig.qk_norm` is always set for this family; no projection biases by default (`attention_bias`
+    puts them on q/k/v and o_proj, as for Llama)."""

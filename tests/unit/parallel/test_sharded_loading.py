@@ -59,18 +59,10 @@ CASES: dict[str, tuple[ModelConfig, int]] = {
 }
 
 
-def _checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    shapes = parameter_shapes(config)
-    if config.architecture == "llama" and config.attention_bias:  # layout lists q/k/v biases only
-        for i in range(config.num_hidden_layers):
-            shapes[f"model.layers.{i}.self_attn.o_proj.bias"] = (config.hidden_size,)
-    return shapes
-
-
 def _write_checkpoint(config: ModelConfig, folder: Path) -> None:
     """Random tensors (norms too, so copying them is checked) split over two safetensors files, as shards are."""
     gen = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(shape, generator=gen) for name, shape in _checkpoint_shapes(config).items()}
+    tensors = {name: torch.randn(shape, generator=gen) for name, shape in parameter_shapes(config).items()}
     names = list(tensors)
     half = len(names) // 2
     folder.mkdir(parents=True, exist_ok=True)
@@ -215,7 +207,7 @@ def test_lazy_weights_at_size_one_load_what_weights_load(tmp_path: Path) -> None
     config = CASES["qwen3-tied-odd-vocab-replicated-kv-3"][0]
     _write_checkpoint(config, tmp_path)
     source = ModelSource(config, tmp_path, "tiny", tmp_path)
-    assert {name for name, _ in iter_lazy_safetensors(tmp_path)} == set(_checkpoint_shapes(config))
+    assert {name for name, _ in iter_lazy_safetensors(tmp_path)} == set(parameter_shapes(config))
     assert all(isinstance(tensor, LazyTensor) for _, tensor in source.lazy_weights())
     lazy, whole = _loaded(config, SINGLE, source.lazy_weights()), _loaded(config, SINGLE, source.weights())
     expected = whole.state_dict()

@@ -25,7 +25,8 @@ from engine_server.parallel.group import SINGLE, TensorParallel, destroy_tensor_
 
 BLOCK_SIZE = 4
 # name -> (config class, config, group size). Head layouts: KV heads split one per rank, replicated over ranks,
-# several per rank; a vocabulary that 3 does not divide (padded); biases on q/k/v and o (Llama), q/k norms (Qwen3).
+# several per rank; a vocabulary that 3 does not divide (padded); biases on q/k/v and o (Llama, Qwen3), q/k norms
+# (Qwen3).
 CASES: dict[str, tuple[type[Any], dict[str, Any], int]] = {
     "llama-bias-2": (
         transformers.LlamaConfig,
@@ -37,7 +38,11 @@ CASES: dict[str, tuple[type[Any], dict[str, Any], int]] = {
         dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
         2,
     ),
-    "qwen3-qk-norm-2": (transformers.Qwen3Config, dict(num_attention_heads=8, num_key_value_heads=4, head_dim=24), 2),
+    "qwen3-qk-norm-bias-2": (
+        transformers.Qwen3Config,
+        dict(num_attention_heads=8, num_key_value_heads=4, head_dim=24, attention_bias=True),
+        2,
+    ),
     "llama-tied-odd-vocab-3": (
         transformers.LlamaConfig,
         dict(num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=True, vocab_size=127),
