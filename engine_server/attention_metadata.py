@@ -67,6 +67,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copies, so the reference path never syncs with the device
     seq_lens_cpu: list[int]
     block_size: int = 16
+    # The block tables and slot mapping as the host built them (CPU tensors), for whoever passes a step on (the
+    # tensor-parallel step channel) without copying them back from the device; None where not built here.
+    host_block_tables: torch.Tensor | None = None
+    host_slot_mapping: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -109,6 +113,8 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
             block_size=block_size,
+            host_block_tables=tables,
+            host_slot_mapping=slots,
         )
 
     @classmethod
@@ -139,6 +145,8 @@ class AttentionMetadata:
             query_lens_cpu=[1] * batch,
             seq_lens_cpu=seq_lens_cpu,
             block_size=block_size,
+            host_block_tables=tables,
+            host_slot_mapping=torch.from_numpy(slots),
         )
 
     @property

@@ -29,7 +29,7 @@ from engine_server.cuda_graphs import DecodeGraphs, GraphCapture
 from engine_server.decode_rows import DecodeRows
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
-from engine_server.parallel.step_channel import StepSender
+from engine_server.parallel.step_channel import PendingTokens, StepSender
 from engine_server.pooling.pooler import Pooler
 from engine_server.sampling import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, TokenLogprobs
 from engine_server.speculative.verify import sampled_positions, split_runs
@@ -446,12 +446,20 @@ class ModelRunner:
         if graphs is not None and num_rows <= graphs.max_batch:
             return graphs.run_layout(tokens.known if input_ids is None else input_ids, layout, pending), None
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
+        host_positions = torch.from_numpy(layout.seq_lens - 1)
+        if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
+            if input_ids is None:
+                host_ids, rows = torch.tensor(tokens.known, dtype=torch.int64), tokens.pending_rows
+                values = None if pending is None else pending[1]
+            else:  # every row continues from the last launch's tokens, row for row
+                host_ids, rows, values = torch.zeros(num_rows, dtype=torch.int64), list(range(num_rows)), input_ids
+            self._fan_out_forward(host_ids, host_positions, meta, rows, values)
         if input_ids is None:
             input_ids = to_device(torch.from_numpy(np.asarray(tokens.known, dtype=np.int64)), self.device)
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
-        positions = to_device(torch.from_numpy(layout.seq_lens - 1), self.device)
-        hidden = self._run_model(input_ids, positions, meta, interrupt)
+        positions = to_device(host_positions, self.device)
+        hidden = self._run_model(input_ids, positions, meta, interrupt, sent=self.fan_out is not None)
         if self.draft is not None:
             self.draft.follow(input_ids, positions, meta)
         return hidden, None
@@ -478,24 +486,54 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
-        input_ids = to_device(host_tensor(tokens.known, torch.long, self.device), self.device)
+        host_ids, host_positions = (
+            host_tensor(tokens.known, torch.long, self.device),
+            host_tensor(positions, torch.long, self.device),
+        )
         pending = self._pending_inputs(tokens)
+        if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
+            values = None if pending is None else pending[1]
+            self._fan_out_forward(host_ids, host_positions, meta, tokens.pending_rows, values)
+        input_ids = to_device(host_ids, self.device)
         if pending is not None:
             input_ids.index_copy_(0, *pending)
-        position_ids = to_device(host_tensor(positions, torch.long, self.device), self.device)
-        hidden = self._run_model(input_ids, position_ids, meta, interrupt)
+        position_ids = to_device(host_positions, self.device)
+        hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None)
         if self.draft is not None:
             self.draft.follow(input_ids, position_ids, meta)
         return hidden, last_rows
 
     def _run_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, interrupt: StepInterrupt | None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        interrupt: StepInterrupt | None,
+        sent: bool = False,
     ) -> torch.Tensor:
-        """The model's forward over the KV cache (the workers' too, under tensor parallelism)."""
-        if self.fan_out is not None:
+        """The model's forward over the KV cache (the workers' too, under tensor parallelism: sent to them here
+        from the tensors given, unless `sent` says the caller sent them its host copies already)."""
+        if self.fan_out is not None and not sent:
             self.fan_out.forward(input_ids, positions, meta)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
         return hidden
+
+    def _fan_out_forward(
+        self,
+        host_ids: torch.Tensor,
+        host_positions: torch.Tensor,
+        meta: AttentionMetadata,
+        pending_rows: list[int],
+        pending_values: torch.Tensor | None,
+    ) -> None:
+        """Send a step's inputs to the workers from the host: the ids the host has, and the rows whose ids the
+        last launch sampled with their values where they are (on CUDA, the device: broadcast device to device,
+        so the host never waits for that launch here)."""
+        assert self.fan_out is not None
+        pending = None
+        if pending_values is not None:
+            pending = PendingTokens(torch.tensor(pending_rows, dtype=torch.int64), pending_values)
+        self.fan_out.forward(host_ids, host_positions, meta, pending)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Logits of the last forward's `hidden` rows `rows` (a device index tensor; None: every row)."""

@@ -133,7 +133,8 @@ def start_tensor_parallel(
     except BaseException:
         group.stop()
         raise
-    group.sender = StepSender(channel)
+    # On CUDA a step's pending token ids go device to device (NCCL); on the CPU through the step buffer.
+    group.sender = StepSender(channel, tp.broadcast_from_driver_tensor if device.type == "cuda" else None)
     all_reduce = "shared memory" if tp.shm_reduce is not None else ("gloo" if device.type == "cpu" else "nccl")
     log.info("tensor parallelism ready", size=size, device=device.type, threads=threads, all_reduce=all_reduce)
     return loaded, group
@@ -239,7 +240,7 @@ def _worker_main(spec: WorkerSpec) -> None:
     tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, device, JOIN_TIMEOUT, spec.shm_buffers)
     try:
         loaded = load_model(spec.source, spec.config, spec.max_model_len, tp)
-        _serve_steps(loaded, StepReceiver(spec.channel, spec.rank, loaded.device))
+        _serve_steps(loaded, StepReceiver(spec.channel, spec.rank, loaded.device, tp.broadcast_from_driver_tensor))
     finally:
         destroy_tensor_parallel(tp)
 

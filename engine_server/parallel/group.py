@@ -83,6 +83,13 @@ class TensorParallel:
         dist.broadcast(box, src=dist.get_global_rank(self.control_group, 0), group=self.control_group)
         return int(box.item())
 
+    def broadcast_from_driver_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` into every rank's `tensor` (same shape, dtype and device kind), in place, over the
+        model's group: on CUDA an NCCL broadcast queued on the stream, device to device. `tensor` at size 1."""
+        if self.group is not None:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tensor
+
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """`cat` of every rank's `tensor` along the last dim, in rank order, on rank 0; None on the other ranks.
 

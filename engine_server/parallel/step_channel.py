@@ -15,7 +15,12 @@ i.e. before each worker has copied the header and payload; so the driver never o
 still reads.
 
 Messages:
-- FORWARD: the model's inputs for one step: input ids, positions and the attention metadata.
+- FORWARD: the model's inputs for one step: input ids, positions and the attention metadata, all as the host
+  built them (the metadata's host copies: nothing is copied back from the device, which on CUDA would wait for
+  the steps queued before). Input ids that the previous launch sampled and the host does not have yet (async
+  scheduling: `PendingTokens`) travel as their rows, and their values go device to device, broadcast from rank
+  0 over the model's group (NCCL on CUDA) right after the message, so neither side waits for them on the host;
+  values already on the host (the CPU) go in the buffer.
 - LOGITS: which rows of that forward's hidden states sample (or all of them); every rank computes its vocab
   slice of their logits and they are gathered to rank 0.
 - STOP: the worker leaves its loop (the engine is shutting down).
@@ -24,7 +29,7 @@ Messages:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import SpawnContext
 from multiprocessing.synchronize import Semaphore
@@ -37,6 +42,9 @@ from engine_server.transfer import to_device
 _HEADER = 16
 _ALL_ROWS = -1
 
+Broadcast = Callable[[torch.Tensor], torch.Tensor]
+"""Rank 0's tensor into every rank's tensor of the same shape, in place, over the model's group (a collective)."""
+
 
 class MessageKind(enum.IntEnum):
     FORWARD = 1
@@ -45,9 +53,10 @@ class MessageKind(enum.IntEnum):
 
 
 def buffer_capacity(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
-    """int64 values the buffer must hold for the largest step: 3 per token (ids, positions, slots), 2 per
-    sequence and 1 (query starts, lengths), and a full block table per sequence; or one logits row per token."""
-    return 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * (max_blocks_per_seq + 1)
+    """int64 values the buffer must hold for the largest step: 5 per token (ids, positions, slots, and a pending
+    token's row and value), 2 per sequence and 1 (query starts, lengths), and a full block table per sequence; or
+    one logits row per token."""
+    return 5 * max_tokens + 2 * max_seqs + 1 + max_seqs * (max_blocks_per_seq + 1)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,15 @@ class StepChannel:
         """A channel for payloads of up to `capacity` int64 values, to `num_workers` workers spawned by `context`."""
         buffer = torch.zeros(_HEADER + capacity, dtype=torch.int64).share_memory_()
         return cls(buffer, [context.Semaphore(0) for _ in range(num_workers)])
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """A step's input tokens that the previous launch sampled and the host does not have yet: `rows` (a host
+    int64 tensor) of the step's input ids, and `values`, their ids where they are (that launch's device tensor)."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -84,27 +102,53 @@ class Message:
 
 
 class StepSender:
-    """Rank 0's end: `forward` before each forward pass, `logits` before each `compute_logits`, `stop` once."""
+    """Rank 0's end: `forward` before each forward pass, `logits` before each `compute_logits`, `stop` once.
 
-    def __init__(self, channel: StepChannel) -> None:
+    With `broadcast` (rank 0's end of the model group's broadcast: given where the model is on a device, not the
+    host) pending token values go through it, device to device; without, through the buffer (copied to the host).
+    The workers' `StepReceiver`s must be given the same collective."""
+
+    def __init__(self, channel: StepChannel, broadcast: Broadcast | None = None) -> None:
         self._header = channel.buffer[:_HEADER]
         self._buffer = channel.buffer[_HEADER:]
         self._signals = list(channel.signals)
+        self._broadcast = broadcast
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Send the step's model inputs (any device; copied to the host buffer)."""
-        tokens, batch = input_ids.shape[0], meta.seq_lens.shape[0]
-        width = meta.block_tables.shape[1]
-        parts = (input_ids, positions, meta.query_start_loc, meta.seq_lens, meta.block_tables.reshape(-1),
-                 meta.slot_mapping)  # fmt: skip
-        total = 3 * tokens + 2 * batch + 1 + batch * width
-        self._check_fits(total)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        pending: PendingTokens | None = None,
+    ) -> None:
+        """Send the step's model inputs: `input_ids` and `positions` as host tensors (the rows in `pending` may
+        hold anything: the workers take those from `pending.values`), `meta` with its host copies where it has
+        them (else its tensors are copied back from their device)."""
+        tokens, batch = input_ids.shape[0], len(meta.seq_lens_cpu)
+        tables = meta.host_block_tables if meta.host_block_tables is not None else meta.block_tables
+        slots = meta.host_slot_mapping if meta.host_slot_mapping is not None else meta.slot_mapping
+        width = tables.shape[1]
+        starts = torch.zeros(batch + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(meta.query_lens_cpu, dtype=torch.int64), 0, out=starts[1:])
+        parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
+                 tables.reshape(-1), slots]  # fmt: skip
+        num_pending, on_device = 0, False
+        if pending is not None:
+            num_pending, on_device = pending.rows.numel(), self._broadcast is not None
+            parts.append(pending.rows)
+            if not on_device:
+                parts.append(pending.values)
+        self._check_fits(sum(part.numel() for part in parts))
         offset = 0
         for part in parts:
             n = part.numel()
             self._buffer[offset : offset + n].copy_(part)
             offset += n
-        self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size)
+        self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
+                   num_pending, int(on_device))  # fmt: skip
+        if on_device:
+            assert pending is not None and self._broadcast is not None
+            self._broadcast(pending.values.contiguous())
 
     def logits(self, rows: torch.Tensor | None) -> None:
         """Send which rows of the last forward's hidden states sample: `rows` (int64 indices), None for all."""
@@ -133,13 +177,17 @@ class StepSender:
 
 
 class StepReceiver:
-    """A worker's end: `receive` blocks until rank 0 sends the next message."""
+    """A worker's end: `receive` blocks until rank 0 sends the next message. `broadcast` is the worker's end of
+    the collective rank 0's `StepSender` was given."""
 
-    def __init__(self, channel: StepChannel, rank: int, device: torch.device) -> None:
+    def __init__(
+        self, channel: StepChannel, rank: int, device: torch.device, broadcast: Broadcast | None = None
+    ) -> None:
         self._header = channel.buffer[:_HEADER]
         self._buffer = channel.buffer[_HEADER:]
         self._signal = channel.signals[rank - 1]
         self._device = device
+        self._broadcast = broadcast
 
     def receive(self) -> Message:
         self._signal.acquire()
@@ -147,7 +195,7 @@ class StepReceiver:
         kind = MessageKind(header[0])
         fields = header[1:]
         if kind is MessageKind.FORWARD:
-            return Message(kind, forward=self._forward(*fields[:6]))
+            return Message(kind, forward=self._forward(*fields[:8]))
         if kind is MessageKind.LOGITS:
             count = fields[0]
             rows = None if count == _ALL_ROWS else to_device(self._buffer[:count].clone(), self._device)
@@ -155,13 +203,33 @@ class StepReceiver:
         return Message(kind)
 
     def _forward(
-        self, tokens: int, batch: int, width: int, max_query_len: int, max_seq_len: int, block_size: int
+        self,
+        tokens: int,
+        batch: int,
+        width: int,
+        max_query_len: int,
+        max_seq_len: int,
+        block_size: int,
+        num_pending: int,
+        pending_on_device: int,
     ) -> ForwardInputs:
-        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens]
-        ids, positions, starts, seq_lens, tables, slots = self._buffer[: sum(sizes)].clone().split(sizes)
+        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, num_pending]
+        if num_pending and not pending_on_device:
+            sizes.append(num_pending)
+        ids, positions, starts, seq_lens, tables, slots, *pending = self._buffer[: sum(sizes)].clone().split(sizes)
         device = self._device
+        input_ids = to_device(ids, device)
+        if num_pending:
+            rows = to_device(pending[0], device)
+            if pending_on_device:
+                if self._broadcast is None:
+                    raise RuntimeError("rank 0 broadcasts pending token values, but this worker has no broadcast")
+                values = self._broadcast(torch.empty(num_pending, dtype=torch.int64, device=device))
+            else:
+                values = to_device(pending[1], device)
+            input_ids.index_copy_(0, rows, values)
         return ForwardInputs(
-            input_ids=to_device(ids, device),
+            input_ids=input_ids,
             positions=to_device(positions, device),
             meta=AttentionMetadata(
                 query_start_loc=to_device(starts, device, torch.int32),

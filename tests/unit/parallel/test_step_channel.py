@@ -1,17 +1,22 @@
 """The step channel between two processes: each message rank 0 sends is what a worker receives, woken by its
-semaphore (no process group needed), and the worker waits blocked, not spinning, between messages."""
+semaphore (no process group needed), and the worker waits blocked, not spinning, between messages. A step's
+pending input tokens (sampled by the last launch, not on the host yet) reach the worker through the buffer, or,
+where the model is on a device, through the group's broadcast (run here on gloo with host tensors: the same
+messages and collective order as NCCL's device-to-device broadcast on CUDA)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import time
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.parallel.step_channel import MessageKind, StepChannel, StepReceiver, StepSender
+from engine_server.parallel.group import destroy_tensor_parallel, init_tensor_parallel
+from engine_server.parallel.step_channel import MessageKind, PendingTokens, StepChannel, StepReceiver, StepSender
 
 
 def _worker(channel: StepChannel, results: Queue[Any]) -> None:
@@ -45,6 +50,10 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         assert results.get(timeout=60) == (
             "forward", [11, 12, 13, 14], [0, 1, 2, 6], [3, 1], [3, 7], [[4, 0], [0, 2]], [16, 17, 18, 10]
         )  # fmt: skip
+        decode = AttentionMetadata.build([1, 1], [4, 8], [[4], [0, 2]], block_size=4, device="cpu")
+        pending = PendingTokens(torch.tensor([1]), torch.tensor([99]))  # row 1's token is the last launch's
+        sender.forward(torch.tensor([21, 0]), torch.tensor([3, 7]), decode, pending)
+        assert results.get(timeout=10) == ("forward", [21, 99], [3, 7], [1, 1], [4, 8], [[4, 0], [0, 2]], [19, 11])
         sender.logits(torch.tensor([2, 3]))
         assert results.get(timeout=10) == ("logits", [2, 3])
         time.sleep(1.0)  # the worker waits here for the next message
@@ -58,3 +67,44 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         if worker.is_alive():
             worker.kill()
     assert worker.exitcode == 0
+
+
+def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: Queue[Any]) -> None:
+    """Rank `rank` of a 2-rank gloo group: rank 0 sends two steps with pending tokens through the broadcast."""
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, 2, init_method, torch.device("cpu"))
+    try:
+        meta = AttentionMetadata.build([1, 1, 1], [2, 5, 9], [[3], [1, 6], [2, 4, 7]], block_size=4, device="cpu")
+        if rank == 0:
+            sender = StepSender(channel, tp.broadcast_from_driver_tensor)
+            sender.forward(torch.zeros(3, dtype=torch.int64), torch.tensor([1, 4, 8]), meta,
+                           PendingTokens(torch.tensor([0, 1, 2]), torch.tensor([70, 71, 72])))  # fmt: skip
+            sender.forward(torch.tensor([5, 0, 6]), torch.tensor([1, 4, 8]), meta,
+                           PendingTokens(torch.tensor([1]), torch.tensor([80])))  # fmt: skip
+            sender.stop()
+            return
+        receiver = StepReceiver(channel, 1, torch.device("cpu"), tp.broadcast_from_driver_tensor)
+        while (message := receiver.receive()).kind is MessageKind.FORWARD:
+            assert message.forward is not None
+            results.put((message.forward.input_ids.tolist(), message.forward.meta.slot_mapping.tolist()))
+    finally:
+        destroy_tensor_parallel(tp)
+
+
+def test_pending_tokens_go_through_the_groups_broadcast_where_the_model_is_on_a_device(tmp_path: Path) -> None:
+    context = mp.get_context("spawn")
+    channel = StepChannel.open(capacity=256, num_workers=1, context=context)
+    results: Queue[Any] = context.Queue()
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [context.Process(target=_broadcast_rank, args=(rank, channel, init_method, results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        assert results.get(timeout=60) == ([70, 71, 72], [13, 24, 28])
+        assert results.get(timeout=10) == ([5, 80, 6], [13, 24, 28])
+    finally:
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]

@@ -46,10 +46,15 @@ def _tokens(llm: LLM, chats: list[ChatPrompt]) -> list[list[int]]:
     return [result.choices[0].token_ids for result in llm.generate(chats, GREEDY, use_tqdm=False)]
 
 
-def _split(**kwargs: Any) -> LLM:
+def _split(async_scheduling: bool | None = None, **kwargs: Any) -> LLM:
     """The embedded model at TP=3 with the default quantization (the GGUF blocks). One at a time: a process runs
     one tensor-parallel engine (torch.distributed's default group)."""
-    config = EngineConfig(device="cpu", cache=CacheConfig(memory_bytes=512 << 20), tensor_parallel_size=3)
+    config = EngineConfig(
+        device="cpu",
+        cache=CacheConfig(memory_bytes=512 << 20),
+        tensor_parallel_size=3,
+        async_scheduling=async_scheduling,
+    )
     return LLM(config=config, **kwargs)
 
 
@@ -86,6 +91,18 @@ def test_speculative_decoding_under_tp3_keeps_greedy_output_token_for_token(spec
         assert _tokens(speculating, CHATS) == expected
         stats = speculating.core.speculator.stats  # type: ignore[union-attr]
         assert stats.accepted_tokens >= 10  # the copying prompts did keep drafts
+
+
+@needs_kernels
+@pytest.mark.timeout(600)
+def test_async_scheduling_under_tp3_keeps_greedy_output_token_for_token() -> None:
+    """Launching step N+1 before collecting step N: its input tokens are still the last launch's (pending), and
+    reach the workers as rows and values apart (engine_server.parallel.step_channel)."""
+    with _split(async_scheduling=False) as plain:
+        expected = _tokens(plain, CHATS)
+    with _split(async_scheduling=True) as ahead:
+        assert ahead.core.async_scheduling
+        assert _tokens(ahead, CHATS) == expected
 
 
 def test_what_tensor_parallelism_refuses_is_said_at_configuration() -> None:
