@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from benchmarks.common import (
     utc_timestamp,
 )
 from engine_server.config import QUANTIZATION_MODES
+
+if TYPE_CHECKING:
+    from engine_server import LLM
 
 Workload = list[list[int]]
 
@@ -108,13 +111,15 @@ def bench_ladle(
         timed = {**_timed(run, repeats), "quantization": llm.core.runner.quantization}
         if tensor_parallel_size > 1:
             tokens = timed["output_tokens"] * repeats
+            calls, nbytes, seconds = stats.total()
             timed["tensor_parallel"] = {
                 "size": tensor_parallel_size,
                 "cpu_threads_per_rank": torch.get_num_threads(),
-                "all_reduce_calls": stats.calls,
-                "all_reduce_seconds": round(stats.seconds, 3),
-                "all_reduce_share_of_wall": round(stats.seconds / wall, 3),
-                "all_reduce_bytes_per_output_token": round(stats.bytes / tokens),
+                "decode_stack": _has_decode_stack(llm),
+                "all_reduce_calls": calls,
+                "all_reduce_seconds": round(seconds, 3),
+                "all_reduce_share_of_wall": round(seconds / wall, 3),
+                "all_reduce_bytes_per_output_token": round(nbytes / tokens),
             }
     torch.set_num_threads(threads)
     return timed
@@ -188,7 +193,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_workload(args.num_seqs, args.input_len, 49152, args.seed)
     systems: dict[str, dict[str, Any]] = {
         "ladle": bench_ladle(
-            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), args.quantization, args.repeats,
+            args.model,
+            args.device,
+            prompts,
+            args.output_len,
+            max(args.num_seqs, 1),
+            args.quantization,
+            args.repeats,
             args.tensor_parallel_size,
         )
     }
@@ -273,3 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_benchmark(args)
     append_result(args.out, result)
     return 0
+
+
+def _has_decode_stack(llm: LLM) -> bool:
+    """Whether `llm`'s quantized model runs its steps in the C++ decode stack."""
+    from engine_server.models import CausalLM
+
+    model = llm.core.runner.model
+    return isinstance(model, CausalLM) and model.model.decode_stack is not None

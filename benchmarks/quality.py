@@ -89,16 +89,22 @@ def greedy_sequences(llm: LLM, prompts: Sequence[str], num_tokens: int) -> tuple
 def sequence_logits(llm: LLM, token_ids: list[int], prefill: int | None = None) -> torch.Tensor:
     """Float32 logits `[T, vocab]` of one sequence read by `llm`'s model: the first `prefill` tokens (all when
     None) in one prefill step, then one decode step per token, as a served request reads its prompt and then its
-    own tokens (a quantized model's decode steps take other kernels than its prefills)."""
+    own tokens (a quantized model's decode steps take other kernels than its prefills). The KV blocks are taken
+    from the engine's pool and given back unpublished, so its prefix cache is left as it was (blocks it holds are
+    never written)."""
     runner = llm.core.runner
+    pool = llm.core.scheduler.kv_cache.pool
     count = len(token_ids)
     prefill = count if prefill is None else prefill
-    table = list(range(-(-count // runner.block_size)))
-    meta = AttentionMetadata.build([prefill], [prefill], [table], runner.block_size, "cpu")
-    rows = [runner.forward_logits(torch.tensor(token_ids[:prefill]), torch.arange(prefill), meta)]
-    for position in range(prefill, count):
-        meta = AttentionMetadata.build([1], [position + 1], [table], runner.block_size, "cpu")
-        rows.append(runner.forward_logits(torch.tensor([token_ids[position]]), torch.tensor([position]), meta))
+    table = pool.allocate(-(-count // runner.block_size))
+    try:
+        meta = AttentionMetadata.build([prefill], [prefill], [table], runner.block_size, "cpu")
+        rows = [runner.forward_logits(torch.tensor(token_ids[:prefill]), torch.arange(prefill), meta)]
+        for position in range(prefill, count):
+            meta = AttentionMetadata.build([1], [position + 1], [table], runner.block_size, "cpu")
+            rows.append(runner.forward_logits(torch.tensor([token_ids[position]]), torch.tensor([position]), meta))
+    finally:
+        pool.free(table)
     return torch.cat(rows)
 
 

@@ -104,6 +104,7 @@ def start_tensor_parallel(
             "per process): close it first"
         )
     threads = cpu_threads_per_rank(size)
+    process_threads = torch.get_num_threads()  # this process's own, given back when the group stops
     if device.type == "cpu":
         torch.set_num_threads(threads)
     sched = config.scheduler
@@ -123,7 +124,7 @@ def start_tensor_parallel(
         process = context.Process(target=_worker_main, args=(spec,), name=f"ladle-tp-worker-{rank}", daemon=True)
         process.start()
         processes.append(process)
-    group = WorkerGroup(processes, rendezvous)
+    group = WorkerGroup(processes, rendezvous, process_threads)
     # From now on: a worker that dies (while loading, too) stops the engine rather than leaving rank 0 waiting.
     group.watch(on_lost or _exit_on_loss)
     try:
@@ -141,10 +142,12 @@ def start_tensor_parallel(
 
 
 class WorkerGroup:
-    """Rank 0's handle on its workers: `sender` feeds them steps; `stop` ends them (idempotent)."""
+    """Rank 0's handle on its workers: `sender` feeds them steps; `stop` ends them (idempotent) and gives this
+    process back the CPU threads it had before the group took its share."""
 
-    def __init__(self, processes: list[BaseProcess], rendezvous: Path) -> None:
+    def __init__(self, processes: list[BaseProcess], rendezvous: Path, process_threads: int) -> None:
         self.processes = processes
+        self._process_threads = process_threads
         self.sender: StepSender | None = None
         self.tp: TensorParallel | None = None
         self._rendezvous = rendezvous
@@ -200,6 +203,7 @@ class WorkerGroup:
         if self.tp is not None:
             destroy_tensor_parallel(self.tp)
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+        torch.set_num_threads(self._process_threads)  # rank 0 ran on its share of them (an offline LLM lives on)
 
     def kill(self) -> None:
         """SIGKILL every worker still running and reap it."""

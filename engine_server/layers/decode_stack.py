@@ -22,13 +22,14 @@ from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
     not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), weights not on the CPU or not
-    float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism (the stack
-    runs every layer in one call, with no all-reduce between them)."""
+    float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism without the
+    shared-memory all-reduce (which the stack then runs between its layers, on the same buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
         return None
-    if model.tp.size > 1:
+    reduce = model.tp.shm_reduce
+    if model.tp.size > 1 and reduce is None:
         return None
     first = layers[0].self_attn
     if first.head_dim not in HEAD_DIMS:
@@ -49,6 +50,9 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         model.get_buffer("cos_sin_cache"),
         model.norm.weight.detach(),
     )
+    if reduce is not None:
+        buffers = reduce.buffers
+        stack.set_all_reduce(buffers.slots, buffers.arrivals, reduce.counters, reduce.rank)
     for layer, own in zip(layers, projections, strict=True):
         ids = [
             stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias) for linear in own

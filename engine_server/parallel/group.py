@@ -27,9 +27,20 @@ class CollectiveStats:
     calls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    # The C++ decode stack's own all-reduces: [_, calls, bytes, nanoseconds] (`ShmAllReduce.counters`), if any.
+    native: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
+        if self.native is not None:
+            self.native[1:].zero_()
+
+    def total(self) -> tuple[int, int, float]:
+        """(calls, bytes, seconds) of every all-reduce since the last reset, the decode stack's included."""
+        if self.native is None:
+            return self.calls, self.bytes, self.seconds
+        calls, nbytes, nanoseconds = self.native[1:].tolist()
+        return self.calls + calls, self.bytes + nbytes, self.seconds + nanoseconds / 1e9
 
 
 @dataclass(frozen=True)
@@ -136,7 +147,8 @@ def init_tensor_parallel(
         raise RuntimeError("torch.distributed has no default process group after init_process_group")
     control = group if backend == "gloo" else dist.new_group(backend="gloo")
     shm = ShmAllReduce(shm_buffers, rank) if shm_buffers is not None and backend == "gloo" and supported() else None
-    return TensorParallel(rank=rank, size=size, group=group, control_group=control, shm_reduce=shm)
+    stats = CollectiveStats(native=None if shm is None else shm.counters)
+    return TensorParallel(rank=rank, size=size, group=group, control_group=control, stats=stats, shm_reduce=shm)
 
 
 def destroy_tensor_parallel(tp: TensorParallel) -> None:

@@ -20,6 +20,10 @@ in program order (x86-64's total store order), so `supported()` says yes only th
 Waiting ranks spin with `sched_yield`, so more ranks than cores still make progress. A rank that dies while the
 others wait leaves them waiting: the engine's watchers end every process then (engine_server.workers).
 Tensors larger than a slot, or of another dtype, go through gloo.
+
+The C++ decode stack (kernels/cpu/decoder.cpp) runs the same steps between its layers, on the same buffers and
+the same call count (`counters[0]`, shared with it), so a quantized model's steps keep to one C++ call under
+tensor parallelism too; it adds its calls, bytes and nanoseconds to `counters[1:]`.
 """
 
 from __future__ import annotations
@@ -49,11 +53,15 @@ class ShmAllReduce:
 
     def __init__(self, buffers: ShmBuffers, rank: int) -> None:
         self.rank = rank
+        self.buffers = buffers
         self.size = buffers.slots.shape[1]
         self.capacity = buffers.slots.shape[2]
         self._slots = buffers.slots
         self._arrivals = buffers.arrivals.numpy()
-        self._calls = 0
+        # This rank's [call count, the C++ stack's calls, its bytes, its nanoseconds]; the count is the sequence
+        # number of the last call, by this end or the stack's (the two take turns, never at once).
+        self.counters = torch.zeros(4, dtype=torch.int64)
+        self._counters = self.counters.numpy()
 
     @staticmethod
     def allocate(size: int, capacity: int) -> ShmBuffers:
@@ -66,8 +74,8 @@ class ShmAllReduce:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` (which `fits`) over the ranks, in place, and return it; every rank gets the same bits."""
-        self._calls += 1
-        call = self._calls
+        self._counters[0] += 1
+        call = int(self._counters[0])
         n = tensor.numel()
         bank = self._slots[call % 2]
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)

@@ -15,12 +15,18 @@
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
 // set at any time) is read after each layer, and once it is non-zero the call returns a tensor of no rows at once,
 // having written the K/V of the layers it ran (engine_server/step_interrupt.py: the caller runs the step again).
+// Under tensor parallelism on the CPU (`set_all_reduce`) each rank's stack holds its slices of the projections and
+// sums o_proj's and down's outputs over the ranks between them, with the steps of the shared-memory all-reduce
+// (engine_server/parallel/shm_all_reduce.py) on its buffers and its call count: the layers' sums, bit for bit.
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <sched.h>
+
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -46,6 +52,46 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm;
   int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_
+};
+
+// x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
+// `ShmAllReduce.all_reduce_sum`, step for step. `counters` is that end's: [0] the call count both ends advance,
+// then this end's calls, bytes and nanoseconds.
+struct ShmAllReduce {
+  at::Tensor slots;     // [2, size, capacity] float32, in shared memory
+  at::Tensor arrivals;  // [size] int64, in shared memory: each rank's last call
+  at::Tensor counters;  // [4] int64, this rank's
+  int64_t rank = 0;
+
+  bool defined() const { return slots.defined(); }
+
+  void operator()(at::Tensor& x) const {
+    const auto started = std::chrono::steady_clock::now();
+    const int64_t size = slots.size(1), capacity = slots.size(2), n = x.numel();
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "all-reduce of a contiguous float32 tensor");
+    LADLE_CHECK(n <= capacity, "all-reduce of %lld values: a slot holds %lld", static_cast<long long>(n),
+                static_cast<long long>(capacity));
+    int64_t* count = counters.data_ptr<int64_t>();
+    const int64_t call = ++count[0];
+    const float* bank = slots.data_ptr<float>() + (call % 2) * size * capacity;
+    float* mine = const_cast<float*>(bank) + rank * capacity;
+    float* out = x.data_ptr<float>();
+    std::memcpy(mine, out, n * sizeof(float));
+    int64_t* arrived = arrivals.data_ptr<int64_t>();
+    __atomic_store_n(arrived + rank, call, __ATOMIC_RELEASE);
+    for (int64_t r = 0; r < size; ++r) {
+      while (__atomic_load_n(arrived + r, __ATOMIC_ACQUIRE) < call) sched_yield();
+    }
+    std::memcpy(out, bank, n * sizeof(float));
+    for (int64_t r = 1; r < size; ++r) {  // rank order: every rank adds the same values in the same order
+      const float* theirs = bank + r * capacity;
+      for (int64_t i = 0; i < n; ++i) out[i] += theirs[i];
+    }
+    count[1] += 1;
+    count[2] += n * static_cast<int64_t>(sizeof(float));
+    count[3] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started)
+                    .count();
+  }
 };
 
 // Refuses a slot mapping that does not give each of `tokens` tokens a slot of `kv_cache`.
@@ -106,6 +152,20 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Tensor parallelism: o_proj's and down's outputs are summed over the ranks (ShmAllReduce above, whose fields
+  // these are). Without it the stack is one rank's whole model.
+  void set_all_reduce(at::Tensor slots, at::Tensor arrivals, at::Tensor counters, int64_t rank) {
+    TORCH_CHECK(slots.dim() == 3 && slots.size(0) == 2 && slots.scalar_type() == at::kFloat && slots.is_contiguous(),
+                "slots must be a contiguous [2, size, capacity] float32 tensor");
+    TORCH_CHECK(arrivals.dim() == 1 && arrivals.size(0) == slots.size(1) && arrivals.scalar_type() == at::kLong,
+                "arrivals must be a [size] int64 tensor");
+    TORCH_CHECK(counters.numel() == 4 && counters.scalar_type() == at::kLong && counters.is_contiguous(),
+                "counters must be a contiguous [4] int64 tensor");
+    LADLE_CHECK(rank >= 0 && rank < slots.size(1), "rank %lld of %lld", static_cast<long long>(rank),
+                static_cast<long long>(slots.size(1)));
+    reduce_ = ShmAllReduce{slots, arrivals, counters, rank};
+  }
+
   // hidden [T, hidden] (the embeddings of the step's tokens) -> the final normalised hidden states [T, hidden];
   // writes the step's K/V into kv_caches (one per layer) at slot_mapping. With `stop` (a one-element int32 CPU
   // tensor), returns a [0, hidden] tensor after the first layer that ends with it non-zero.
@@ -143,9 +203,11 @@ class DecodeStack : public torch::CustomClassHolder {
       std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
       write_kv(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention = paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_);
-      const at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
+      at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
+      if (reduce_.defined()) reduce_(projected);
       std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
       hidden = linears_[layer.down](silu_and_mul(linears_[layer.gate_up](hidden)));
+      if (reduce_.defined()) reduce_(hidden);
       // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
       if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
         return hidden.new_empty({0, hidden.size(1)});
@@ -161,6 +223,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor cos_sin_cache_, final_norm_;
   std::vector<Linear> linears_;
   std::vector<Layer> layers_;
+  ShmAllReduce reduce_;
 };
 
 }  // namespace ladle_cpu
@@ -171,5 +234,6 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("add_linear", &ladle_cpu::DecodeStack::add_linear)
       .def("add_layer", &ladle_cpu::DecodeStack::add_layer)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)
+      .def("set_all_reduce", &ladle_cpu::DecodeStack::set_all_reduce)
       .def("forward", &ladle_cpu::DecodeStack::forward);
 }

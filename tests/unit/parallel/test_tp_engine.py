@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences
+from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, sequence_logits
 from engine_server import ChatPrompt
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.llm import LLM
 from engine_server.loader import resolve_model
+from engine_server.models import CausalLM
 from engine_server.quantization import resolve_quantization
 from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatMessage
@@ -103,6 +104,22 @@ def test_async_scheduling_under_tp3_keeps_greedy_output_token_for_token() -> Non
     with _split(async_scheduling=True) as ahead:
         assert ahead.core.async_scheduling
         assert _tokens(ahead, CHATS) == expected
+
+
+@needs_kernels
+@pytest.mark.timeout(600)
+def test_the_decode_stack_runs_under_tp3_and_sums_as_the_layers_do() -> None:
+    """Each rank's C++ decode stack all-reduces between its layers on the shared-memory buffers: with rank 0 on its
+    Python layers and the workers on their stacks, every logit equals the all-stack run's, bit for bit."""
+    with _split() as split:
+        model = split.core.runner.model
+        assert isinstance(model, CausalLM) and model.model.decode_stack is not None
+        prompt = split.inputs.tokenize(CHATS[-1])
+        ids = prompt + list(range(1000, 1012))
+        stacked = sequence_logits(split, ids, prefill=len(prompt))
+        model.model.decode_stack = None
+        layered = sequence_logits(split, ids, prefill=len(prompt))
+    assert torch.equal(stacked, layered)
 
 
 def test_what_tensor_parallelism_refuses_is_said_at_configuration() -> None:
