@@ -17,8 +17,8 @@ Under tensor parallelism every rank calls `load_model` with its `TensorParallel`
 others from `engine_server.workers`): each builds its shards, loads them reading only its slice of each
 checkpoint tensor (`ModelSource.lazy_weights`) and allocates a KV cache of its own KV heads; rank 0's block
 count is every rank's (broadcast), so one block id means the same tokens on every rank; quantized weights are
-each rank's slices (engine_server.quantization). Decode graphs, draft models and the C++ decode stack are not
-used under tensor parallelism (yet).
+each rank's slices (engine_server.quantization), and only rank 0 loads a draft model. Decode graphs are not
+captured under tensor parallelism (yet).
 """
 
 from __future__ import annotations

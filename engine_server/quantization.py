@@ -27,8 +27,8 @@ over the groups (each rank's partial dot products, then the all-reduce). That mo
 and where it crosses an 8-bit rounding boundary of the next layer's activations by one step of that group, so
 greedy output under TP is not bit-equal to TP=1's: `ladle bench quality --tensor-parallel-size N` measures it
 against the float model with the same thresholds as TP=1. Within one TP size a row's result still does not
-depend on its batch (the shared-memory all-reduce sums in rank order). The C++ decode stack, which runs all
-layers in one call, is not used under tensor parallelism (no all-reduce between its layers).
+depend on its batch (the shared-memory all-reduce sums in rank order). Each rank's C++ decode stack runs all its
+layers in one call and all-reduces between them through that same shared memory (gloo alone: no stack).
 """
 
 from __future__ import annotations
