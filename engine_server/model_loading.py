@@ -17,8 +17,9 @@ Under tensor parallelism every rank calls `load_model` with its `TensorParallel`
 others from `engine_server.workers`): each builds its shards, loads them reading only its slice of each
 checkpoint tensor (`ModelSource.lazy_weights`) and allocates a KV cache of its own KV heads; rank 0's block
 count is every rank's (broadcast), so one block id means the same tokens on every rank; quantized weights are
-each rank's slices (engine_server.quantization), and only rank 0 loads a draft model. Decode graphs are not
-captured under tensor parallelism (yet).
+each rank's slices (engine_server.quantization), and only rank 0 loads a draft model. On CUDA every rank
+captures the same decode graphs, each over its own shards and KV cache, with the group's NCCL all-reduces
+recorded inside them: rank 0 names the bucket it replays and the workers replay theirs (engine_server.workers).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def load_model(
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
     )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
-    if _captures_decode_graphs(loaded, config.enforce_eager):
+    if _captures_decode_graphs(loaded, config):
         loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))
     return loaded
 
@@ -199,15 +200,20 @@ def _load_draft(config: EngineConfig, target: LoadedModel) -> DraftModel | None:
     return draft
 
 
-def _captures_decode_graphs(loaded: LoadedModel, enforce_eager: bool) -> bool:
-    """Whether loading captures decode graphs: on CUDA, unless `enforce_eager`, with the Triton kernels."""
-    # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then.
-    if loaded.device.type != "cuda" or enforce_eager or loaded.max_graph_batch < 1 or loaded.draft is not None:
+def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
+    """Whether loading captures decode graphs: on CUDA, unless `enforce_eager`, with the Triton kernels. Under
+    tensor parallelism every rank decides alike (each records the same buckets, their all-reduces inside), and
+    only where the group's collectives can be recorded (NCCL)."""
+    # A draft model follows every step's inputs, which a captured decode step does not hand out: eager then
+    # (on every rank, though only rank 0 holds the draft).
+    spec = config.speculative
+    draft = spec is not None and spec.method == "draft_model"
+    if loaded.device.type != "cuda" or config.enforce_eager or loaded.max_graph_batch < 1 or draft:
         return False
     if loaded.model_config.encoder:
         return False  # an encoder never decodes
-    if loaded.tp.size > 1:
-        log.warning("decode graphs are not captured under tensor parallelism yet: decode steps run eagerly")
+    if not loaded.tp.capturable:
+        log.warning("this tensor-parallel group's collectives cannot be recorded in CUDA graphs: decode runs eagerly")
         return False
     if select_ops(loaded.device) is REFERENCE_OPS:
         # The reference attention builds tensors from host lists every call: it cannot be captured.

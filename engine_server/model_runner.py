@@ -25,7 +25,7 @@ import torch
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
-from engine_server.cuda_graphs import DecodeGraphs, GraphCapture
+from engine_server.cuda_graphs import DecodeGraphs, EagerCapture, GraphCapture
 from engine_server.decode_rows import DecodeRows
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
@@ -164,6 +164,24 @@ def _step_tokens(scheduled: list[ScheduledRequest]) -> _StepTokens:
     return tokens
 
 
+def _pending_tokens(rows: list[int], values: torch.Tensor | None) -> PendingTokens | None:
+    """The workers' pending inputs of a step: its `rows` whose ids the last launch sampled, and their `values`."""
+    return None if values is None else PendingTokens(torch.tensor(rows, dtype=torch.int64), values)
+
+
+def _host_decode_inputs(
+    step_ids: list[int] | torch.Tensor, pending_rows: list[int], pending: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, PendingTokens | None]:
+    """A decode step's input ids as the workers get them: those the host has, and the rows only the last launch
+    has with their values on its device. `step_ids`: the host's ids (`pending_rows` of them placeholders, whose
+    values are `pending[1]`), or that launch's tokens, which every row continues from, row for row."""
+    if isinstance(step_ids, torch.Tensor):
+        rows = step_ids.shape[0]
+        return torch.zeros(rows, dtype=torch.int64), PendingTokens(torch.arange(rows), step_ids)
+    values = None if pending is None else pending[1]
+    return torch.tensor(step_ids, dtype=torch.int64), _pending_tokens(pending_rows, values)
+
+
 def _copy_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
     """The sampled tensors as host tensors, and the event after which they hold their values.
 
@@ -229,7 +247,10 @@ class ModelRunner:
 
     def capture_decode_graphs(self, capture: GraphCapture) -> DecodeGraphs:
         """Record the decode graphs over the loaded model with `capture` and replay them from now on: tests pass
-        `EagerCapture` to run the padded static-buffer path on the CPU (loading captures them on CUDA)."""
+        `EagerCapture` to run the padded static-buffer path on the CPU (loading captures them on CUDA). Under
+        tensor parallelism the workers record theirs beside rank 0 (with the eager stand-in where it is one)."""
+        if self.fan_out is not None:
+            self.fan_out.capture(eager=isinstance(capture, EagerCapture))
         self.decode_graphs = capture_decode_graphs(self.loaded, capture)
         return self.decode_graphs
 
@@ -436,26 +457,30 @@ class ModelRunner:
                 return self._forward_eager(scheduled, interrupt)
             layout, continues = self._decode_rows.layout(scheduled)
         num_rows = len(layout.seq_lens)
-        # A step that continues the last one reads its tokens from that launch's device tensor, row for row.
-        input_ids: torch.Tensor | None = self._last_sampled[0] if continues and self._last_sampled else None
-        pending = None
-        if input_ids is None:
+        # A step that continues the last one reads its tokens from that launch's device tensor, row for row; any
+        # other has its ids on the host, but for the rows the last launch sampled (`pending`).
+        step_ids: list[int] | torch.Tensor
+        if continues and self._last_sampled:
+            step_ids, pending_rows, pending = self._last_sampled[0], [], None
+        else:
             tokens = _step_tokens(output.scheduled)
-            pending = self._pending_inputs(tokens)
+            step_ids, pending_rows, pending = tokens.known, tokens.pending_rows, self._pending_inputs(tokens)
         graphs = self.decode_graphs
-        if graphs is not None and num_rows <= graphs.max_batch:
-            return graphs.run_layout(tokens.known if input_ids is None else input_ids, layout, pending), None
+        bucket = None if graphs is None else graphs.bucket_for(num_rows)
+        if graphs is not None and bucket is not None:
+            if self.fan_out is not None:  # every rank replays its graph of this bucket
+                host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
+                self.fan_out.decode_graph(host_ids, layout, bucket, sent_pending)
+            return graphs.run_layout(step_ids, layout, pending), None
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
         host_positions = torch.from_numpy(layout.seq_lens - 1)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
-            if input_ids is None:
-                host_ids, rows = torch.tensor(tokens.known, dtype=torch.int64), tokens.pending_rows
-                values = None if pending is None else pending[1]
-            else:  # every row continues from the last launch's tokens, row for row
-                host_ids, rows, values = torch.zeros(num_rows, dtype=torch.int64), list(range(num_rows)), input_ids
-            self._fan_out_forward(host_ids, host_positions, meta, rows, values)
-        if input_ids is None:
-            input_ids = to_device(torch.from_numpy(np.asarray(tokens.known, dtype=np.int64)), self.device)
+            host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
+            self.fan_out.forward(host_ids, host_positions, meta, sent_pending)
+        if isinstance(step_ids, torch.Tensor):
+            input_ids = step_ids
+        else:
+            input_ids = to_device(torch.from_numpy(np.asarray(step_ids, dtype=np.int64)), self.device)
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
         positions = to_device(host_positions, self.device)
@@ -493,7 +518,7 @@ class ModelRunner:
         pending = self._pending_inputs(tokens)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
             values = None if pending is None else pending[1]
-            self._fan_out_forward(host_ids, host_positions, meta, tokens.pending_rows, values)
+            self.fan_out.forward(host_ids, host_positions, meta, _pending_tokens(tokens.pending_rows, values))
         input_ids = to_device(host_ids, self.device)
         if pending is not None:
             input_ids.index_copy_(0, *pending)
@@ -517,23 +542,6 @@ class ModelRunner:
             self.fan_out.forward(input_ids, positions, meta)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
         return hidden
-
-    def _fan_out_forward(
-        self,
-        host_ids: torch.Tensor,
-        host_positions: torch.Tensor,
-        meta: AttentionMetadata,
-        pending_rows: list[int],
-        pending_values: torch.Tensor | None,
-    ) -> None:
-        """Send a step's inputs to the workers from the host: the ids the host has, and the rows whose ids the
-        last launch sampled with their values where they are (on CUDA, the device: broadcast device to device,
-        so the host never waits for that launch here)."""
-        assert self.fan_out is not None
-        pending = None
-        if pending_values is not None:
-            pending = PendingTokens(torch.tensor(pending_rows, dtype=torch.int64), pending_values)
-        self.fan_out.forward(host_ids, host_positions, meta, pending)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Logits of the last forward's `hidden` rows `rows` (a device index tensor; None: every row)."""

@@ -7,8 +7,10 @@ included), joins the process group with them through a rendezvous file, and ever
 `TensorParallel`.
 
 A worker's loop (`_worker_main`) takes one `step_channel` message at a time: FORWARD runs the model over its
-own KV cache and keeps the hidden states, LOGITS computes its vocab rows' logits for the rows asked and gathers
-them to rank 0, STOP ends it. It never samples, schedules or sees a request.
+own KV cache and keeps the hidden states, DECODE_GRAPH does the same by replaying its own decode graph of the
+bucket rank 0 replays (every rank captured the same buckets at load, their all-reduces inside), LOGITS computes
+its vocab rows' logits for the rows asked and gathers them to rank 0, CAPTURE records the graphs again (tests:
+the eager stand-in), STOP ends it. It never samples, schedules or sees a request.
 
 Failure: every process of the group goes when one goes. A worker exits when rank 0 does (it checks its parent
 twice a second, and a collective with a dead peer fails at once). Rank 0 watches its workers: when one exits
@@ -37,8 +39,9 @@ import torch
 import torch.multiprocessing as mp
 
 from engine_server.config import EngineConfig
+from engine_server.cuda_graphs import CudaGraphCapture, EagerCapture
 from engine_server.loader import ModelSource
-from engine_server.model_loading import LoadedModel, load_model, resolve_device
+from engine_server.model_loading import LoadedModel, capture_decode_graphs, load_model, resolve_device
 from engine_server.models import CausalLM
 from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.sharding import check_shardable
@@ -55,6 +58,10 @@ log = structlog.get_logger(__name__)
 
 # On the CPU the all-reduces go through shared memory (parallel/shm_all_reduce.py) unless this is "gloo" (A/B runs).
 CPU_ALL_REDUCE_ENV = "LADLE_CPU_ALL_REDUCE"
+# "1": on CUDA every rank shares GPU 0 and the group runs on gloo (NCCL refuses two ranks on one GPU): a test of
+# the CUDA path on a one-GPU host, slow (collectives copy through the host) and without decode graphs. Give the
+# KV cache a size (`--kv-cache-memory`): each rank allocates what rank 0 sizes for itself.
+SHARED_DEVICE_ENV = "LADLE_TP_SHARED_DEVICE"
 PARENT_CHECK_S = 0.5  # how often a worker checks that rank 0 is still there
 STOP_WAIT_S = 5.0  # how long `stop` waits for the workers to leave before killing them
 JOIN_TIMEOUT = timedelta(minutes=10)  # ranks that do not all arrive (or load) within this fail instead of hanging
@@ -73,6 +80,7 @@ class WorkerSpec:
     channel: StepChannel  # the step buffer, in shared memory, and the workers' semaphores
     threads: int  # torch intra-op threads on the CPU
     shm_buffers: ShmBuffers | None = None  # the CPU's shared-memory all-reduce, when used
+    shared_device: bool = False  # every rank on GPU 0, over gloo (SHARED_DEVICE_ENV)
 
 
 def cpu_threads_per_rank(size: int, total: int | None = None) -> int:
@@ -96,7 +104,8 @@ def start_tensor_parallel(
         raise ValueError(f"--tensor-parallel-size {size}: an encoder model runs on one device (it is small and pools)")
     check_shardable(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size, size)
     device = resolve_device(config.device)
-    if device.type == "cuda" and torch.cuda.device_count() < size:
+    shared = device.type == "cuda" and os.environ.get(SHARED_DEVICE_ENV) == "1"
+    if device.type == "cuda" and not shared and torch.cuda.device_count() < size:
         raise ValueError(f"--tensor-parallel-size {size} needs {size} GPUs; this host has {torch.cuda.device_count()}")
     if torch.distributed.is_initialized():
         raise ValueError(
@@ -120,7 +129,7 @@ def start_tensor_parallel(
     channel = StepChannel.open(step_capacity, size - 1, context)
     processes: list[BaseProcess] = []
     for rank in range(1, size):
-        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, channel, threads, shm_buffers)
+        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, channel, threads, shm_buffers, shared)
         process = context.Process(target=_worker_main, args=(spec,), name=f"ladle-tp-worker-{rank}", daemon=True)
         process.start()
         processes.append(process)
@@ -128,7 +137,9 @@ def start_tensor_parallel(
     # From now on: a worker that dies (while loading, too) stops the engine rather than leaving rank 0 waiting.
     group.watch(on_lost or _exit_on_loss)
     try:
-        tp = init_tensor_parallel(0, size, init_method, _rank_device(device, 0), JOIN_TIMEOUT, shm_buffers)
+        tp = init_tensor_parallel(
+            0, size, init_method, _rank_device(device, 0, shared), JOIN_TIMEOUT, shm_buffers, _backend(shared)
+        )
         group.tp = tp
         loaded = load_model(source, config, max_model_len, tp)
     except BaseException:
@@ -136,7 +147,7 @@ def start_tensor_parallel(
         raise
     # On CUDA a step's pending token ids go device to device (NCCL); on the CPU through the step buffer.
     group.sender = StepSender(channel, tp.broadcast_from_driver_tensor if device.type == "cuda" else None)
-    all_reduce = "shared memory" if tp.shm_reduce is not None else ("gloo" if device.type == "cpu" else "nccl")
+    all_reduce = "shared memory" if tp.shm_reduce is not None else ("nccl" if tp.capturable else "gloo")
     log.info("tensor parallelism ready", size=size, device=device.type, threads=threads, all_reduce=all_reduce)
     return loaded, group
 
@@ -218,8 +229,16 @@ def _exit_on_loss(rank: int, exitcode: int | None) -> None:
     os._exit(1)  # the other workers see rank 0 go and leave too
 
 
-def _rank_device(device: torch.device, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def _rank_device(device: torch.device, rank: int, shared: bool) -> torch.device:
+    """Rank `rank`'s device: GPU `rank` on CUDA (GPU 0 for every rank when they share it), else `device`."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", 0 if shared else rank)
+
+
+def _backend(shared: bool) -> str | None:
+    """The group's backend: gloo for ranks sharing a GPU; else None, the device's own (NCCL on CUDA)."""
+    return "gloo" if shared else None
 
 
 def _watch_parent(rendezvous: Path) -> None:
@@ -238,10 +257,12 @@ def _worker_main(spec: WorkerSpec) -> None:
     """A worker process: join, load this rank's shards, then run rank 0's steps until STOP (module doc)."""
     rendezvous = Path(spec.init_method.removeprefix("file://")).parent
     threading.Thread(target=_watch_parent, args=(rendezvous,), name="tp-parent-watch", daemon=True).start()
-    device = _rank_device(resolve_device(spec.config.device), spec.rank)
+    device = _rank_device(resolve_device(spec.config.device), spec.rank, spec.shared_device)
     if device.type == "cpu":
         torch.set_num_threads(spec.threads)
-    tp = init_tensor_parallel(spec.rank, spec.size, spec.init_method, device, JOIN_TIMEOUT, spec.shm_buffers)
+    tp = init_tensor_parallel(
+        spec.rank, spec.size, spec.init_method, device, JOIN_TIMEOUT, spec.shm_buffers, _backend(spec.shared_device)
+    )
     try:
         loaded = load_model(spec.source, spec.config, spec.max_model_len, tp)
         _serve_steps(loaded, StepReceiver(spec.channel, spec.rank, loaded.device, tp.broadcast_from_driver_tensor))
@@ -250,8 +271,9 @@ def _worker_main(spec: WorkerSpec) -> None:
 
 
 def _serve_steps(loaded: LoadedModel, receiver: StepReceiver) -> None:
-    """The worker's loop: rank 0's forwards over this rank's KV cache, and its share of their logits."""
-    model, kv_caches = loaded.model, loaded.kv_caches
+    """The worker's loop: rank 0's forwards over this rank's KV cache (eager, or replaying this rank's decode
+    graph of the bucket rank 0 replays), and its share of their logits."""
+    model, kv_caches, graphs = loaded.model, loaded.kv_caches, loaded.decode_graphs
     assert isinstance(model, CausalLM)  # encoders are refused before any worker starts
     hidden: torch.Tensor | None = None
     while True:
@@ -260,10 +282,18 @@ def _serve_steps(loaded: LoadedModel, receiver: StepReceiver) -> None:
             inputs = message.forward
             assert inputs is not None
             hidden = model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)
+        elif message.kind is MessageKind.DECODE_GRAPH:
+            step = message.decode
+            assert step is not None
+            if graphs is None or graphs.bucket_for(len(step.layout.seq_lens)) != step.bucket:
+                raise RuntimeError(f"rank 0 replays its decode graph of {step.bucket} rows, which this rank lacks")
+            hidden = graphs.run_layout(step.input_ids, step.layout)
         elif message.kind is MessageKind.LOGITS:
             if hidden is None:
                 raise RuntimeError("rank 0 asked for logits before any forward pass")
             rows = hidden if message.rows is None else hidden.index_select(0, message.rows)
             model.sharded_logits(rows)
+        elif message.kind is MessageKind.CAPTURE:
+            graphs = capture_decode_graphs(loaded, EagerCapture() if message.eager else CudaGraphCapture())
         else:
             return

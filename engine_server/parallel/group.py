@@ -72,6 +72,12 @@ class TensorParallel:
         """Rank 0: the rank that schedules, samples and receives gathered results."""
         return self.rank == 0
 
+    @property
+    def capturable(self) -> bool:
+        """Whether the model's collectives can be recorded in a CUDA graph (NCCL's can; gloo's copy through the
+        host and cannot). True at size 1, which has none."""
+        return self.group is None or dist.get_backend(self.group) == "nccl"
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place, and return it (every rank gets the sum); a no-op at size 1."""
         if self.group is not None:
@@ -108,10 +114,12 @@ class TensorParallel:
         """
         if self.group is None:
             return tensor
-        tensor = tensor.contiguous()
+        device = tensor.device
+        # gloo gathers host tensors only (a group of ranks sharing one GPU, `init_tensor_parallel`'s `backend`).
+        tensor = tensor.cpu() if device.type == "cuda" and not self.capturable else tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.is_driver else None
         dist.gather(tensor, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        return torch.cat(parts, dim=-1).to(device) if parts is not None else None
 
 
 SINGLE = TensorParallel()
@@ -125,6 +133,7 @@ def init_tensor_parallel(
     device: torch.device,
     timeout: timedelta = timedelta(minutes=5),
     shm_buffers: ShmBuffers | None = None,
+    backend: str | None = None,
 ) -> TensorParallel:
     """Join the group of `size` ranks as `rank` and return it; at size 1, `SINGLE` without touching torch.distributed.
 
@@ -132,15 +141,17 @@ def init_tensor_parallel(
     all-reduces go through shared memory instead of gloo.
 
     `init_method` is the rendezvous every rank is given by the caller: `tcp://127.0.0.1:PORT` or `file:///path`
-    (a file that does not exist yet). The backend follows `device`: NCCL on CUDA (the rank's device becomes the
-    current one), gloo on the CPU. The group is torch.distributed's default group, one per process; a rank that
-    does not arrive within `timeout` makes the others' calls fail instead of hanging forever.
+    (a file that does not exist yet). The backend follows `device` unless `backend` names one: NCCL on CUDA (the
+    rank's device becomes the current one), gloo on the CPU; gloo on CUDA serves ranks that share one GPU, which
+    NCCL refuses (a test of the CUDA path on a one-GPU host: its collectives copy through the host, and no graphs
+    record them). The group is torch.distributed's default group, one per process; a rank that does not arrive
+    within `timeout` makes the others' calls fail instead of hanging forever.
     """
     if size == 1:
         return SINGLE
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout)
     group = dist.group.WORLD
     if not isinstance(group, dist.ProcessGroup):  # only None before init; narrows the type for mypy

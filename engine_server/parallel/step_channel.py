@@ -21,8 +21,14 @@ Messages:
   scheduling: `PendingTokens`) travel as their rows, and their values go device to device, broadcast from rank
   0 over the model's group (NCCL on CUDA) right after the message, so neither side waits for them on the host;
   values already on the host (the CPU) go in the buffer.
+- DECODE_GRAPH: a decode step (one new token per row) that every rank runs by replaying its own captured graph
+  of the bucket named (engine_server.cuda_graphs): the rows' input ids, sequence lengths, block tables and slots,
+  as the host built them; pending tokens as for FORWARD. The graphs' all-reduces are inside them, so each rank's
+  replay meets the others' as an eager forward's collectives do.
 - LOGITS: which rows of that forward's hidden states sample (or all of them); every rank computes its vocab
   slice of their logits and they are gathered to rank 0.
+- CAPTURE: record the decode graphs now (with the eager stand-in where the header says so), as rank 0 does beside
+  them: every rank warms up and records the same buckets in the same order, so their collectives match.
 - STOP: the worker leaves its loop (the engine is shutting down).
 """
 
@@ -34,9 +40,10 @@ from dataclasses import dataclass
 from multiprocessing.context import SpawnContext
 from multiprocessing.synchronize import Semaphore
 
+import numpy as np
 import torch
 
-from engine_server.attention_metadata import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
 from engine_server.transfer import to_device
 
 _HEADER = 16
@@ -50,6 +57,8 @@ class MessageKind(enum.IntEnum):
     FORWARD = 1
     LOGITS = 2
     STOP = 3
+    DECODE_GRAPH = 4
+    CAPTURE = 5
 
 
 def buffer_capacity(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
@@ -93,12 +102,25 @@ class ForwardInputs:
 
 
 @dataclass(frozen=True)
+class DecodeGraphInputs:
+    """A DECODE_GRAPH message as a worker rebuilds it: the rows' input ids on its device (pending ones in place),
+    their layout on the host, and the bucket rank 0 replays."""
+
+    input_ids: torch.Tensor
+    layout: DecodeLayout
+    bucket: int
+
+
+@dataclass(frozen=True)
 class Message:
-    """A received message: FORWARD carries `forward`; LOGITS carries `rows` (None: every row)."""
+    """A received message: FORWARD carries `forward`; DECODE_GRAPH `decode`; LOGITS `rows` (None: every row);
+    CAPTURE `eager` (record with the eager stand-in, not CUDA graphs)."""
 
     kind: MessageKind
     forward: ForwardInputs | None = None
+    decode: DecodeGraphInputs | None = None
     rows: torch.Tensor | None = None
+    eager: bool = False
 
 
 class StepSender:
@@ -132,23 +154,23 @@ class StepSender:
         torch.cumsum(torch.tensor(meta.query_lens_cpu, dtype=torch.int64), 0, out=starts[1:])
         parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
                  tables.reshape(-1), slots]  # fmt: skip
-        num_pending, on_device = 0, False
-        if pending is not None:
-            num_pending, on_device = pending.rows.numel(), self._broadcast is not None
-            parts.append(pending.rows)
-            if not on_device:
-                parts.append(pending.values)
-        self._check_fits(sum(part.numel() for part in parts))
-        offset = 0
-        for part in parts:
-            n = part.numel()
-            self._buffer[offset : offset + n].copy_(part)
-            offset += n
+        num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
                    num_pending, int(on_device))  # fmt: skip
-        if on_device:
-            assert pending is not None and self._broadcast is not None
-            self._broadcast(pending.values.contiguous())
+        self._send_pending(pending, on_device)
+
+    def decode_graph(
+        self, input_ids: torch.Tensor, layout: DecodeLayout, bucket: int, pending: PendingTokens | None = None
+    ) -> None:
+        """Send a decode step that every rank runs by replaying its graph of `bucket`: `input_ids` a host tensor
+        `[B]` (the rows in `pending` may hold anything), `layout` the rows' host layout (block tables padded with
+        -1)."""
+        batch, width = len(layout.seq_lens), layout.block_tables.shape[1]
+        parts = [input_ids, torch.from_numpy(layout.seq_lens), torch.from_numpy(layout.block_tables).reshape(-1),
+                 torch.from_numpy(layout.slots)]  # fmt: skip
+        num_pending, on_device = self._write(parts, pending)
+        self._send(MessageKind.DECODE_GRAPH, batch, width, bucket, num_pending, int(on_device))
+        self._send_pending(pending, on_device)
 
     def logits(self, rows: torch.Tensor | None) -> None:
         """Send which rows of the last forward's hidden states sample: `rows` (int64 indices), None for all."""
@@ -159,8 +181,33 @@ class StepSender:
         self._buffer[: rows.numel()].copy_(rows)
         self._send(MessageKind.LOGITS, rows.numel())
 
+    def capture(self, eager: bool) -> None:
+        """Have the workers record their decode graphs now (`eager`: with the eager stand-in), as rank 0 does next."""
+        self._send(MessageKind.CAPTURE, int(eager))
+
     def stop(self) -> None:
         self._send(MessageKind.STOP)
+
+    def _write(self, parts: list[torch.Tensor], pending: PendingTokens | None) -> tuple[int, bool]:
+        """Write `parts` and `pending`'s rows (and its values, where they do not go by broadcast) into the buffer,
+        one after the other; return (pending rows, whether their values go by broadcast)."""
+        num_pending, on_device = 0, False
+        if pending is not None:
+            num_pending, on_device = pending.rows.numel(), self._broadcast is not None
+            parts = [*parts, pending.rows] if on_device else [*parts, pending.rows, pending.values]
+        self._check_fits(sum(part.numel() for part in parts))
+        offset = 0
+        for part in parts:
+            n = part.numel()
+            self._buffer[offset : offset + n].copy_(part)
+            offset += n
+        return num_pending, on_device
+
+    def _send_pending(self, pending: PendingTokens | None, on_device: bool) -> None:
+        """After the message: the pending values by the model group's broadcast, when they go that way."""
+        if on_device:
+            assert pending is not None and self._broadcast is not None
+            self._broadcast(pending.values.contiguous())
 
     def _check_fits(self, values: int) -> None:
         if values > self._buffer.numel():
@@ -196,6 +243,10 @@ class StepReceiver:
         fields = header[1:]
         if kind is MessageKind.FORWARD:
             return Message(kind, forward=self._forward(*fields[:8]))
+        if kind is MessageKind.DECODE_GRAPH:
+            return Message(kind, decode=self._decode_graph(*fields[:5]))
+        if kind is MessageKind.CAPTURE:
+            return Message(kind, eager=bool(fields[0]))
         if kind is MessageKind.LOGITS:
             count = fields[0]
             rows = None if count == _ALL_ROWS else to_device(self._buffer[:count].clone(), self._device)
@@ -213,21 +264,10 @@ class StepReceiver:
         num_pending: int,
         pending_on_device: int,
     ) -> ForwardInputs:
-        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, num_pending]
-        if num_pending and not pending_on_device:
-            sizes.append(num_pending)
-        ids, positions, starts, seq_lens, tables, slots, *pending = self._buffer[: sum(sizes)].clone().split(sizes)
+        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens]
+        ids, positions, starts, seq_lens, tables, slots, *pending = self._read(sizes, num_pending, pending_on_device)
         device = self._device
-        input_ids = to_device(ids, device)
-        if num_pending:
-            rows = to_device(pending[0], device)
-            if pending_on_device:
-                if self._broadcast is None:
-                    raise RuntimeError("rank 0 broadcasts pending token values, but this worker has no broadcast")
-                values = self._broadcast(torch.empty(num_pending, dtype=torch.int64, device=device))
-            else:
-                values = to_device(pending[1], device)
-            input_ids.index_copy_(0, rows, values)
+        input_ids = self._input_ids(ids, pending, pending_on_device)
         return ForwardInputs(
             input_ids=input_ids,
             positions=to_device(positions, device),
@@ -243,3 +283,33 @@ class StepReceiver:
                 block_size=block_size,
             ),
         )
+
+    def _decode_graph(
+        self, batch: int, width: int, bucket: int, num_pending: int, pending_on_device: int
+    ) -> DecodeGraphInputs:
+        ids, seq_lens, tables, slots, *pending = self._read([batch, batch, batch * width, batch], num_pending,
+                                                            pending_on_device)  # fmt: skip
+        layout = DecodeLayout(seq_lens.numpy(), tables.view(batch, width).numpy().astype(np.int32), slots.numpy())
+        return DecodeGraphInputs(self._input_ids(ids, pending, pending_on_device), layout, bucket)
+
+    def _read(self, sizes: list[int], num_pending: int, pending_on_device: int) -> list[torch.Tensor]:
+        """The payload's parts of `sizes` values each (a copy: the buffer is rank 0's again after the first
+        collective), then the pending rows and, where they came through the buffer, their values."""
+        if num_pending:
+            sizes = [*sizes, num_pending] if pending_on_device else [*sizes, num_pending, num_pending]
+        return list(self._buffer[: sum(sizes)].clone().split(sizes))
+
+    def _input_ids(self, ids: torch.Tensor, pending: list[torch.Tensor], pending_on_device: int) -> torch.Tensor:
+        """The step's input ids on this rank's device, the pending rows' values (`pending`: rows, and values when
+        they came in the buffer; else from rank 0's broadcast, which this call joins) in place."""
+        input_ids = to_device(ids, self._device)
+        if pending:
+            rows = to_device(pending[0], self._device)
+            if pending_on_device:
+                if self._broadcast is None:
+                    raise RuntimeError("rank 0 broadcasts pending token values, but this worker has no broadcast")
+                values = self._broadcast(torch.empty(rows.numel(), dtype=torch.int64, device=self._device))
+            else:
+                values = to_device(pending[1], self._device)
+            input_ids.index_copy_(0, rows, values)
+        return input_ids

@@ -16,7 +16,6 @@ NEAR_TIE_NATS of each other; at least 95% must be identical outright.
 
 from __future__ import annotations
 
-import random
 import signal
 import threading
 import time
@@ -36,21 +35,11 @@ from ladle.client import EngineClient
 from ladle.v1 import engine_pb2, types_pb2
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import start_serve
+from tests.tp_agreement import NUM_TOKENS, assert_agree, random_prompts
 
 pytestmark = pytest.mark.slow
 
-NUM_PROMPTS = 32
-NUM_TOKENS = 16
-# Logits of these models span about +-30; float32 sums in another order move them by ~1e-5 relative (3e-4 nats):
-# a flip needs the top two within about 1e-4 relative of each other.
-NEAR_TIE_NATS = 3e-3
-IDENTICAL = 0.95
 EXIT_WITHIN_S = 5.0
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 49152) for _ in range(rng.randrange(4, 40))] for _ in range(NUM_PROMPTS)]
 
 
 def _reference(model: str, prompts: list[list[int]]) -> list[Choice]:
@@ -67,41 +56,10 @@ def _reference(model: str, prompts: list[list[int]]) -> list[Choice]:
         return [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _judge(got: list[list[str]], reference: list[Choice]) -> tuple[int, list[str]]:
-    """(prompts identical, a line for each prompt that is not) for continuations given as token strings."""
-    identical, problems = 0, []
-    for index, (tokens, ref) in enumerate(zip(got, reference, strict=True)):
-        assert ref.logprobs is not None
-        ref_tokens = [lp.token for lp in ref.logprobs]
-        first = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=False)) if a != b), None)
-        if first is None and len(tokens) == len(ref_tokens):
-            identical += 1
-            continue
-        if first is None:
-            problems.append(f"prompt {index}: {len(tokens)} tokens against TP=1's {len(ref_tokens)}")
-            continue
-        top = {t.token: t.logprob for t in ref.logprobs[first].top_logprobs}
-        gap = top[ref_tokens[first]] - top[tokens[first]] if tokens[first] in top else float("inf")
-        verdict = "near-tie" if gap <= NEAR_TIE_NATS else "DIVERGED"
-        problems.append(
-            f"prompt {index}: {verdict} at token {first} ({tokens[first]!r} vs {ref_tokens[first]!r}, {gap:.2e} nats)"
-        )
-    return identical, problems
-
-
-def _assert_agree(got: list[list[str]], reference: list[Choice], what: str) -> None:
-    identical, problems = _judge(got, reference)
-    report = f"{what}: {identical}/{NUM_PROMPTS} identical to TP=1\n" + "\n".join(problems)
-    print(report)
-    assert identical >= IDENTICAL * NUM_PROMPTS and not any(
-        "DIVERGED" in p or "tokens against" in p for p in problems
-    ), report
-
-
 @pytest.mark.timeout(600)
 def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
     model = "dummy:qwen2.5-0.5b"
-    prompts = _prompts(2)
+    prompts = random_prompts(2)
     engine = start_engine(
         tmp_path / "engine.log", "--model", model, "--quantization", "none", "--tensor-parallel-size", "2",
         "--kv-cache-mib", "512", threads=2,
@@ -113,7 +71,7 @@ def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
     finally:
         assert engine.stop() == 0
     got = [[lp.token for lp in response.choices[0].logprobs] for response in responses]
-    _assert_agree(got, _reference(model, prompts), f"TP=2 over gRPC, {model}")
+    assert_agree(got, _reference(model, prompts), f"TP=2 over gRPC, {model}")
 
 
 def _generate_all(
@@ -141,7 +99,7 @@ def _generate_all(
 
 @pytest.mark.timeout(600)
 def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
-    prompts = _prompts(3)
+    prompts = random_prompts(3)
     gateway, lines = start_serve(tmp_path / "serve.log", "--quantization", "none", "--tensor-parallel-size", "3")
     try:
         assert lines[-1].startswith("ladle serve: ready"), "".join(lines) + gateway.log()
@@ -156,7 +114,7 @@ def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
         assert gateway.stop() == 0
     choices = sorted(completion.choices, key=lambda choice: choice.index)
     got = [list(choice.logprobs.tokens or []) if choice.logprobs else [] for choice in choices]
-    _assert_agree(got, _reference("default", prompts), "TP=3 through the gateway, the embedded model")
+    assert_agree(got, _reference("default", prompts), "TP=3 through the gateway, the embedded model")
     with LLM(config=EngineConfig(model="default", device="cpu", quantization="none")) as llm:
         expected = llm.embed(prompts[:8], use_tqdm=False)
     for item, vector in zip(embedded.data, expected, strict=True):

@@ -1,10 +1,16 @@
-"""Tensor parallelism on CUDA (NCCL): TP=2 against TP=1 on the same host, greedy, float32.
+"""Tensor parallelism on CUDA: TP=2 against TP=1 on the same host, greedy, float32 and int8.
 
-Skipped on a host with fewer than two GPUs (this project has had only one-GPU machines so far: the figures it
-would give are still to measure). The judge is the CPU test's (tests/e2e/test_tensor_parallel.py): identical
-on at least 95% of 32 prompts, every other one first differing at a near-tie of TP=1's. Async scheduling is on
-(CUDA's default), so each step's pending input tokens reach the worker by an NCCL broadcast, device to device
-(engine_server.parallel.step_channel); quantized int8 weights split over the ranks run too, against TP=1's int8.
+The judge is the CPU tests' (tests/tp_agreement.py): identical on at least 95% of 32 prompts, every
+other one first differing at a near-tie of TP=1's. Async scheduling is on (CUDA's default), so each step's
+pending input tokens reach the worker by the group's broadcast, device to device (engine_server.parallel.
+step_channel); quantized int8 weights split over the ranks run too, against TP=1's int8.
+
+- On NCCL (a host with two GPUs or more): every rank captures the decode graphs with the all-reduces inside
+  and replays its own of the bucket rank 0 names. This project has had only one-GPU machines so far: skipped.
+- Two ranks sharing one GPU over gloo (`LADLE_TP_SHARED_DEVICE=1`, which NCCL refuses): the CUDA path of
+  everything but NCCL and the graphs (sharded Triton kernels with each rank's head counts, KV caches per rank,
+  the step channel and pending tokens to a CUDA worker), on any host with a GPU. gloo's collectives cannot be
+  recorded, so those ranks decode eagerly.
 """
 
 from __future__ import annotations
@@ -15,16 +21,14 @@ import torch
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.frontend import Choice
 from engine_server.llm import LLM
-from tests.e2e.test_tensor_parallel import NUM_PROMPTS, NUM_TOKENS, _assert_agree, _prompts
+from engine_server.workers import SHARED_DEVICE_ENV
+from tests.tp_agreement import NUM_PROMPTS, NUM_TOKENS, assert_agree, random_prompts
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 MODEL = "dummy:qwen2.5-0.5b"
 
 
-def _generate(tensor_parallel_size: int, quantization: str, prompts: list[list[int]]) -> list[Choice]:
+def _generate(tensor_parallel_size: int, quantization: str, prompts: list[list[int]], graphs: bool) -> list[Choice]:
     config = EngineConfig(
         model=MODEL,
         device="cuda",
@@ -37,15 +41,34 @@ def _generate(tensor_parallel_size: int, quantization: str, prompts: list[list[i
     with LLM(config=config) as llm:
         assert llm.core.async_scheduling
         params = llm.sampling_params(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
-        return [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
+        choices = [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
+        decode_graphs = llm.core.runner.decode_graphs
+        assert (decode_graphs is not None) == graphs
+        if decode_graphs is not None:
+            assert sum(decode_graphs.replays.values()) >= NUM_TOKENS - 2  # every decode step of the batch
+        return choices
+
+
+def _tokens(choices: list[Choice]) -> list[list[str]]:
+    return [[lp.token for lp in choice.logprobs or ()] for choice in choices]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_tp2_on_nccl_with_decode_graphs_matches_tp1(quantization: str) -> None:
+    prompts = random_prompts(3)
+    assert len(prompts) == NUM_PROMPTS
+    reference = _generate(1, quantization, prompts, graphs=True)
+    got = _generate(2, quantization, prompts, graphs=True)
+    assert_agree(_tokens(got), reference, f"TP=2 on NCCL with decode graphs, {MODEL}, --quantization {quantization}")
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_tp2_on_nccl_matches_tp1(quantization: str) -> None:
-    prompts = _prompts(3)
-    assert len(prompts) == NUM_PROMPTS
-    reference = _generate(1, quantization, prompts)
-    got = _generate(2, quantization, prompts)
-    tokens = [[lp.token for lp in choice.logprobs or ()] for choice in got]
-    _assert_agree(tokens, reference, f"TP=2 on NCCL, {MODEL}, --quantization {quantization}")
+def test_tp2_sharing_one_gpu_matches_tp1(quantization: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = random_prompts(4)
+    reference = _generate(1, quantization, prompts, graphs=True)
+    monkeypatch.setenv(SHARED_DEVICE_ENV, "1")
+    got = _generate(2, quantization, prompts, graphs=False)
+    assert_agree(_tokens(got), reference, f"TP=2 on one GPU (gloo), {MODEL}, --quantization {quantization}")

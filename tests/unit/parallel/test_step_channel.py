@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine_server.attention_metadata import AttentionMetadata
+from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
 from engine_server.parallel.group import destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.step_channel import MessageKind, PendingTokens, StepChannel, StepReceiver, StepSender
 
@@ -30,8 +30,17 @@ def _worker(channel: StepChannel, results: Queue[Any]) -> None:
             meta = inputs.meta
             results.put(("forward", inputs.input_ids.tolist(), inputs.positions.tolist(), meta.query_lens_cpu,
                          meta.seq_lens_cpu, meta.block_tables.tolist(), meta.slot_mapping.tolist()))  # fmt: skip
+        elif message.kind is MessageKind.DECODE_GRAPH:
+            assert message.decode is not None
+            step = message.decode
+            layout = step.layout
+            results.put(("decode_graph", step.input_ids.tolist(), layout.seq_lens.tolist(),
+                         layout.block_tables.tolist(), str(layout.block_tables.dtype), layout.slots.tolist(),
+                         step.bucket))  # fmt: skip
         elif message.kind is MessageKind.LOGITS:
             results.put(("logits", None if message.rows is None else message.rows.tolist()))
+        elif message.kind is MessageKind.CAPTURE:
+            results.put(("capture", message.eager))
         else:
             results.put(("stop", time.process_time() - started))
             return
@@ -54,6 +63,14 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         pending = PendingTokens(torch.tensor([1]), torch.tensor([99]))  # row 1's token is the last launch's
         sender.forward(torch.tensor([21, 0]), torch.tensor([3, 7]), decode, pending)
         assert results.get(timeout=10) == ("forward", [21, 99], [3, 7], [1, 1], [4, 8], [[4, 0], [0, 2]], [19, 11])
+        # A decode step replayed from the graphs of 4 rows: the layout as the host built it (tables padded with -1).
+        layout = DecodeLayout.build([4, 8, 2], [[4], [0, 2], [5]], block_size=4)
+        sender.decode_graph(torch.tensor([31, 0, 33]), layout, 4, PendingTokens(torch.tensor([1]), torch.tensor([98])))
+        assert results.get(timeout=10) == (
+            "decode_graph", [31, 98, 33], [4, 8, 2], [[4, -1], [0, 2], [5, -1]], "int32", [19, 11, 21], 4
+        )  # fmt: skip
+        sender.capture(eager=True)
+        assert results.get(timeout=10) == ("capture", True)
         sender.logits(torch.tensor([2, 3]))
         assert results.get(timeout=10) == ("logits", [2, 3])
         time.sleep(1.0)  # the worker waits here for the next message
@@ -81,12 +98,18 @@ def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: 
                            PendingTokens(torch.tensor([0, 1, 2]), torch.tensor([70, 71, 72])))  # fmt: skip
             sender.forward(torch.tensor([5, 0, 6]), torch.tensor([1, 4, 8]), meta,
                            PendingTokens(torch.tensor([1]), torch.tensor([80])))  # fmt: skip
+            layout = DecodeLayout.build([2, 5, 9], [[3], [1, 6], [2, 4, 7]], block_size=4)
+            sender.decode_graph(torch.zeros(3, dtype=torch.int64), layout, 4,
+                                PendingTokens(torch.tensor([0, 1, 2]), torch.tensor([90, 91, 92])))  # fmt: skip
             sender.stop()
             return
         receiver = StepReceiver(channel, 1, torch.device("cpu"), tp.broadcast_from_driver_tensor)
-        while (message := receiver.receive()).kind is MessageKind.FORWARD:
-            assert message.forward is not None
-            results.put((message.forward.input_ids.tolist(), message.forward.meta.slot_mapping.tolist()))
+        while (message := receiver.receive()).kind is not MessageKind.STOP:
+            if message.decode is not None:
+                results.put((message.decode.input_ids.tolist(), message.decode.layout.slots.tolist()))
+            else:
+                assert message.forward is not None
+                results.put((message.forward.input_ids.tolist(), message.forward.meta.slot_mapping.tolist()))
     finally:
         destroy_tensor_parallel(tp)
 
@@ -102,6 +125,7 @@ def test_pending_tokens_go_through_the_groups_broadcast_where_the_model_is_on_a_
     try:
         assert results.get(timeout=60) == ([70, 71, 72], [13, 24, 28])
         assert results.get(timeout=10) == ([5, 80, 6], [13, 24, 28])
+        assert results.get(timeout=10) == ([90, 91, 92], [13, 24, 28])
     finally:
         for process in ranks:
             process.join(timeout=30)

@@ -18,6 +18,7 @@ import torch
 from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, sequence_logits
 from engine_server import ChatPrompt
 from engine_server.config import CacheConfig, EngineConfig
+from engine_server.cuda_graphs import EagerCapture
 from engine_server.llm import LLM
 from engine_server.loader import resolve_model
 from engine_server.models import CausalLM
@@ -47,7 +48,7 @@ def _tokens(llm: LLM, chats: list[ChatPrompt]) -> list[list[int]]:
     return [result.choices[0].token_ids for result in llm.generate(chats, GREEDY, use_tqdm=False)]
 
 
-def _split(async_scheduling: bool | None = None, **kwargs: Any) -> LLM:
+def _split(async_scheduling: bool | None = None, max_cuda_graph_batch: int = 512, **kwargs: Any) -> LLM:
     """The embedded model at TP=3 with the default quantization (the GGUF blocks). One at a time: a process runs
     one tensor-parallel engine (torch.distributed's default group)."""
     config = EngineConfig(
@@ -55,6 +56,7 @@ def _split(async_scheduling: bool | None = None, **kwargs: Any) -> LLM:
         cache=CacheConfig(memory_bytes=512 << 20),
         tensor_parallel_size=3,
         async_scheduling=async_scheduling,
+        max_cuda_graph_batch=max_cuda_graph_batch,
     )
     return LLM(config=config, **kwargs)
 
@@ -104,6 +106,22 @@ def test_async_scheduling_under_tp3_keeps_greedy_output_token_for_token() -> Non
     with _split(async_scheduling=True) as ahead:
         assert ahead.core.async_scheduling
         assert _tokens(ahead, CHATS) == expected
+
+
+@needs_kernels
+@pytest.mark.timeout(600)
+def test_decode_graphs_under_tp3_replay_on_every_rank_token_for_token() -> None:
+    """Every rank records the decode graphs (here the eager stand-in, which runs the same padded static buffers)
+    and replays its own of the bucket rank 0 names (DECODE_GRAPH): with async scheduling, whose pending tokens
+    reach the workers' graphs too, greedy output equals the eager steps' token for token."""
+    with _split(async_scheduling=True) as plain:
+        expected = _tokens(plain, CHATS)
+    with _split(async_scheduling=True, max_cuda_graph_batch=8) as graphed:
+        graphs = graphed.core.runner.capture_decode_graphs(EagerCapture())
+        assert graphs.sizes == [1, 2, 4, 8]
+        assert _tokens(graphed, CHATS) == expected
+        assert sum(graphs.replays.values()) >= 20  # 8 prompts x 24 tokens: every decode step is a replay
+        assert _tokens(graphed, CHATS[:3]) == expected[:3]  # a bucket of 4 rows, one a padding row
 
 
 @needs_kernels
