@@ -108,6 +108,7 @@ class LadleRunner:
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(max_num_seqs=args.num_seqs, **(
                 {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {})),
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         self.llm = LLM(config=config)
         self.device = args.device
@@ -180,13 +181,14 @@ def bench_model(
     seconds = ladle.run(workload)
     fixed_seconds = ladle.run(fixed)
     tpot = ladle.tpot_ms(args.tpot_tokens)
-    cfg = ladle.llm.core.model_config
-    dtype_bytes = torch.finfo(ladle.llm.core.runner.dtype).bits // 8
-    weights = weight_bytes(ladle.llm.core.runner.model)
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    runner = ladle.llm.core.runner
+    # What one rank streams (its shard of the weights and KV heads): under tensor parallelism the ranks read theirs
+    # at the same time, each from its own GPU, so the roofline is one GPU's bandwidth over one rank's bytes.
+    weights = weight_bytes(runner.model)
+    kv_bytes_per_token = sum(c[:, 0, 0].numel() * c.element_size() for c in runner.kv_caches)
     result: dict[str, Any] = {
         "model": model,
-        "quantization": ladle.llm.core.runner.quantization,
+        "quantization": runner.quantization,
         "workload": {"num_seqs": args.num_seqs, "len_range": [args.min_len, args.max_len], "seed": args.seed,
                      "output_tokens": workload.output_tokens, "fixed_output_len": fixed.output_lens[0]},
         "output_tok_per_s": {"ladle": round(workload.output_tokens / seconds, 1),
@@ -196,7 +198,8 @@ def bench_model(
         ),
         "tpot_ms_single_stream": round(tpot, 3),
         "engine": {
-            "cuda_graphs": ladle.llm.core.runner.decode_graphs is not None,
+            "cuda_graphs": runner.decode_graphs is not None,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": ladle.llm.core.async_scheduling,
             "kv_cache_mib": args.kv_cache_mib,
             "max_num_batched_tokens": ladle.llm.config.scheduler.max_num_batched_tokens,
@@ -205,6 +208,8 @@ def bench_model(
         "weight_bytes": weights,
         "kv_bytes_per_token": kv_bytes_per_token,
     }
+    del runner
+    ladle.llm.close()  # a tensor-parallel engine's workers go now: the next model may start its own
     del ladle
     # transformers takes minutes on this workload: ladle's figures are on the log first, should a time limit
     # end the run before the JSON is written.
@@ -253,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantization", type=quantization_modes, default="none",
                         help="comma-separated weight schemes ladle runs each model with, e.g. none,int8 (see `ladle "
                         "engine --help`); transformers runs with the first")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="ladle's model split over this many "
+                        "GPUs (transformers runs on one)")
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
     return parser

@@ -13,6 +13,8 @@
 #   kernel-tests   only tests/unit/kernels; gpu-tests: only tests/gpu               -> $OUT/tests.log
 #   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
 #   quick:MODEL    the same with --skip-hf (ladle only, ~1.5 min)                    -> $OUT/gpu.jsonl, bench.log
+#                  BENCH_ARGS adds `ladle bench gpu` arguments to both, e.g. BENCH_ARGS='--tensor-parallel-size 2'
+#                  on a host with two GPUs (the gpu-tests stage runs the NCCL equality test there first)
 #   profile:MODEL  scripts/gpu_profile.py: host phases, decode vs mixed steps         -> $OUT/profile.log
 #   old-quick:MODEL, old-profile:MODEL   the same for an older tree in .gpu_old (an A/B on one machine: carry
 #                  it, made here with `git archive REV engine_server kernels benchmarks clients scripts | tar -x
@@ -65,10 +67,12 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'; 
       LADLE_GPU_REFERENCE_MODEL=${gguf:-default} python3 -m pytest "${paths[@]}" -q -rA -p no:cacheprovider \
         2>&1 | tee -a "$OUT/tests.log" || status=1 ;;
     bench:*)
-      python3 -m benchmarks.gpu --models "${stage#bench:}" --out "$OUT/gpu.jsonl" 2>&1 | tee -a "$OUT/bench.log" \
-        || status=1 ;;
+      # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+      python3 -m benchmarks.gpu --models "${stage#bench:}" ${BENCH_ARGS:-} --out "$OUT/gpu.jsonl" 2>&1 \
+        | tee -a "$OUT/bench.log" || status=1 ;;
     quick:*)
-      python3 -m benchmarks.gpu --models "${stage#quick:}" --skip-hf --out "$OUT/gpu.jsonl" 2>&1 \
+      # shellcheck disable=SC2086
+      python3 -m benchmarks.gpu --models "${stage#quick:}" --skip-hf ${BENCH_ARGS:-} --out "$OUT/gpu.jsonl" 2>&1 \
         | tee -a "$OUT/bench.log" || status=1 ;;
     profile:*)
       python3 scripts/gpu_profile.py --model "${stage#profile:}" 2>&1 | tee -a "$OUT/profile.log" || status=1 ;;
