@@ -204,7 +204,7 @@ class WorkerGroup:
         self._stopping.set()
         if self.sender is not None and all(process.is_alive() for process in self.processes):
             try:
-                self.sender.stop()
+                self.sender.stop(timeout=STOP_WAIT_S)
             except RuntimeError as exc:  # a worker went meanwhile
                 log.warning("tensor-parallel stop message failed", error=str(exc))
         deadline = time.monotonic() + STOP_WAIT_S

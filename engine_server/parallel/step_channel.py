@@ -1,18 +1,18 @@
-"""How a step's inputs reach the tensor-parallel workers: a shared-memory buffer and a semaphore per worker.
+"""How a step's inputs reach the tensor-parallel workers: shared-memory slots and two semaphores per worker.
 
-Rank 0 (the driver) writes a message, int64 values only, into a buffer in shared memory that every rank maps (a
-torch tensor moved to shared memory before the workers are spawned, so nothing is pickled per step): a fixed
-16-value header (what the message is and how to read it) and its payload. Then it releases each worker's
-semaphore, which is the signal: a worker waits on its own (blocked in the kernel, not spinning, so it leaves its
-cores to the ranks that compute), reads the header and copies what it needs out of the buffer before its first
-collective of that message. A semaphore's release and acquire order the memory writes before them for the other
-process: a message reaches a worker in ~20-30 µs where the gloo broadcast of its header took ~550 µs, twice a
-step (2-core CPU, `python -m benchmarks.tp_step_channel`, benchmarks/results/tp_step_channel_cpu.jsonl).
+Rank 0 (the driver) writes a message, int64 values only, into a slot of a buffer in shared memory that every
+rank maps (a torch tensor moved to shared memory before the workers are spawned, so nothing is pickled per step):
+a fixed 16-value header (what the message is and how to read it) and its payload. Then it releases each worker's
+signal semaphore: a worker waits on its own (blocked in the kernel, not spinning, so it leaves its cores to the
+ranks that compute), reads the header, copies what it needs out of the slot and releases its ack semaphore. A
+semaphore's release and acquire order the memory writes before them for the other process: a message reaches a
+worker in ~20-30 µs where the gloo broadcast of its header took ~550 µs, twice a step (2-core CPU, `python -m
+benchmarks.tp_step_channel`, benchmarks/results/tp_step_channel_cpu.jsonl).
 
-That ordering is what makes one buffer enough: every message is followed by at least one collective among all
-ranks (a forward's all-reduces, the logits' gather), which the driver cannot finish before each worker joins it,
-i.e. before each worker has copied the header and payload; so the driver never overwrites a message a worker
-still reads.
+Messages take the SLOTS slots in turn, and rank 0 writes into a slot only once every worker has acknowledged the
+message that was there. On the CPU a collective blocks the host until every rank joins it, so the acks are always
+there already; NCCL's do not (they are queued on the device), and rank 0's host may run a step or more ahead of
+a worker's: without the acks it could overwrite a message the worker has not read yet.
 
 Messages:
 - FORWARD: the model's inputs for one step: input ids, positions and the attention metadata, all as the host
@@ -48,6 +48,8 @@ from engine_server.transfer import to_device
 
 _HEADER = 16
 _ALL_ROWS = -1
+SLOTS = 2  # messages in flight: one a worker may still be reading while rank 0 writes the next
+ACK_TIMEOUT_S = 300.0  # a worker that has not read a message for this long has stopped (the step fails)
 
 Broadcast = Callable[[torch.Tensor], torch.Tensor]
 """Rank 0's tensor into every rank's tensor of the same shape, in place, over the model's group (a collective)."""
@@ -70,17 +72,20 @@ def buffer_capacity(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> 
 
 @dataclass(frozen=True)
 class StepChannel:
-    """The channel's shared parts, handed to the workers when they are spawned: the buffer (in shared memory; the
-    header, then the payload) and one semaphore per worker (`signals[rank - 1]`)."""
+    """The channel's shared parts, handed to the workers when they are spawned: the buffer (in shared memory;
+    `[SLOTS, header + payload]`), and per worker a semaphore that signals a message (`signals[rank - 1]`) and one
+    that acknowledges it (`acks[rank - 1]`)."""
 
     buffer: torch.Tensor
     signals: Sequence[Semaphore]
+    acks: Sequence[Semaphore]
 
     @classmethod
     def open(cls, capacity: int, num_workers: int, context: SpawnContext) -> StepChannel:
         """A channel for payloads of up to `capacity` int64 values, to `num_workers` workers spawned by `context`."""
-        buffer = torch.zeros(_HEADER + capacity, dtype=torch.int64).share_memory_()
-        return cls(buffer, [context.Semaphore(0) for _ in range(num_workers)])
+        buffer = torch.zeros(SLOTS, _HEADER + capacity, dtype=torch.int64).share_memory_()
+        signals = [context.Semaphore(0) for _ in range(num_workers)]
+        return cls(buffer, signals, [context.Semaphore(0) for _ in range(num_workers)])
 
 
 @dataclass(frozen=True)
@@ -131,10 +136,14 @@ class StepSender:
     The workers' `StepReceiver`s must be given the same collective."""
 
     def __init__(self, channel: StepChannel, broadcast: Broadcast | None = None) -> None:
-        self._header = channel.buffer[:_HEADER]
-        self._buffer = channel.buffer[_HEADER:]
+        self._slots = channel.buffer
         self._signals = list(channel.signals)
+        self._acks = list(channel.acks)
         self._broadcast = broadcast
+        self._sent = 0
+        # The slot the next message goes to (`_claim`).
+        self._header = self._slots[0, :_HEADER]
+        self._buffer = self._slots[0, _HEADER:]
 
     def forward(
         self,
@@ -146,6 +155,7 @@ class StepSender:
         """Send the step's model inputs: `input_ids` and `positions` as host tensors (the rows in `pending` may
         hold anything: the workers take those from `pending.values`), `meta` with its host copies where it has
         them (else its tensors are copied back from their device)."""
+        self._claim()
         tokens, batch = input_ids.shape[0], len(meta.seq_lens_cpu)
         tables = meta.host_block_tables if meta.host_block_tables is not None else meta.block_tables
         slots = meta.host_slot_mapping if meta.host_slot_mapping is not None else meta.slot_mapping
@@ -165,6 +175,7 @@ class StepSender:
         """Send a decode step that every rank runs by replaying its graph of `bucket`: `input_ids` a host tensor
         `[B]` (the rows in `pending` may hold anything), `layout` the rows' host layout (block tables padded with
         -1)."""
+        self._claim()
         batch, width = len(layout.seq_lens), layout.block_tables.shape[1]
         parts = [input_ids, torch.from_numpy(layout.seq_lens), torch.from_numpy(layout.block_tables).reshape(-1),
                  torch.from_numpy(layout.slots)]  # fmt: skip
@@ -174,6 +185,7 @@ class StepSender:
 
     def logits(self, rows: torch.Tensor | None) -> None:
         """Send which rows of the last forward's hidden states sample: `rows` (int64 indices), None for all."""
+        self._claim()
         if rows is None:
             self._send(MessageKind.LOGITS, _ALL_ROWS)
             return
@@ -183,10 +195,23 @@ class StepSender:
 
     def capture(self, eager: bool) -> None:
         """Have the workers record their decode graphs now (`eager`: with the eager stand-in), as rank 0 does next."""
+        self._claim()
         self._send(MessageKind.CAPTURE, int(eager))
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = ACK_TIMEOUT_S) -> None:
+        """Tell the workers to leave; RuntimeError if one has not read its last message within `timeout` seconds."""
+        self._claim(timeout)
         self._send(MessageKind.STOP)
+
+    def _claim(self, timeout: float = ACK_TIMEOUT_S) -> None:
+        """Point at the next message's slot, once every worker has acknowledged the message last written there.
+        RuntimeError if one has not within `timeout` seconds."""
+        if self._sent >= SLOTS:
+            for rank, ack in enumerate(self._acks, start=1):
+                if not ack.acquire(timeout=timeout):
+                    raise RuntimeError(f"tensor-parallel worker {rank} has not read a step message in {timeout:.0f} s")
+        slot = self._slots[self._sent % SLOTS]
+        self._header, self._buffer = slot[:_HEADER], slot[_HEADER:]
 
     def _write(self, parts: list[torch.Tensor], pending: PendingTokens | None) -> tuple[int, bool]:
         """Write `parts` and `pending`'s rows (and its values, where they do not go by broadcast) into the buffer,
@@ -219,6 +244,7 @@ class StepSender:
     def _send(self, kind: MessageKind, *fields: int) -> None:
         header = [int(kind), *fields]
         self._header.copy_(torch.tensor(header + [0] * (_HEADER - len(header)), dtype=torch.int64))
+        self._sent += 1
         for signal in self._signals:
             signal.release()
 
@@ -230,17 +256,26 @@ class StepReceiver:
     def __init__(
         self, channel: StepChannel, rank: int, device: torch.device, broadcast: Broadcast | None = None
     ) -> None:
-        self._header = channel.buffer[:_HEADER]
-        self._buffer = channel.buffer[_HEADER:]
+        self._slots = channel.buffer
         self._signal = channel.signals[rank - 1]
+        self._ack = channel.acks[rank - 1]
         self._device = device
         self._broadcast = broadcast
+        self._received = 0
+        self._buffer = self._slots[0, _HEADER:]  # the payload of the message being read
 
     def receive(self) -> Message:
+        """The next message, copied out of its slot (which is acknowledged, so rank 0 may write there again)."""
         self._signal.acquire()
-        header = self._header.tolist()
-        kind = MessageKind(header[0])
-        fields = header[1:]
+        slot = self._slots[self._received % SLOTS]
+        self._received += 1
+        header = slot[:_HEADER].tolist()
+        self._buffer = slot[_HEADER:]
+        message = self._parse(MessageKind(header[0]), header[1:])
+        self._ack.release()
+        return message
+
+    def _parse(self, kind: MessageKind, fields: list[int]) -> Message:
         if kind is MessageKind.FORWARD:
             return Message(kind, forward=self._forward(*fields[:8]))
         if kind is MessageKind.DECODE_GRAPH:

@@ -16,7 +16,14 @@ import torch
 
 from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
 from engine_server.parallel.group import destroy_tensor_parallel, init_tensor_parallel
-from engine_server.parallel.step_channel import MessageKind, PendingTokens, StepChannel, StepReceiver, StepSender
+from engine_server.parallel.step_channel import (
+    SLOTS,
+    MessageKind,
+    PendingTokens,
+    StepChannel,
+    StepReceiver,
+    StepSender,
+)
 
 
 def _worker(channel: StepChannel, results: Queue[Any]) -> None:
@@ -84,6 +91,39 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         if worker.is_alive():
             worker.kill()
     assert worker.exitcode == 0
+
+
+def _slow_reader(channel: StepChannel, results: Queue[Any]) -> None:
+    time.sleep(1.0)  # rank 0 sends on meanwhile, as NCCL lets it (its collectives do not wait for this rank)
+    receiver = StepReceiver(channel, 1, torch.device("cpu"))
+    while (message := receiver.receive()).kind is MessageKind.LOGITS:
+        results.put(None if message.rows is None else message.rows.tolist())
+    results.put("stop")
+
+
+def test_rank_0_writes_a_slot_again_only_once_the_worker_has_read_it() -> None:
+    context = mp.get_context("spawn")
+    channel = StepChannel.open(capacity=64, num_workers=1, context=context)
+    results: Queue[Any] = context.Queue()
+    worker = context.Process(target=_slow_reader, args=(channel, results), daemon=True)
+    worker.start()
+    sender = StepSender(channel)
+    try:
+        waits = []
+        for i in range(2 * SLOTS + 1):
+            started = time.monotonic()
+            sender.logits(torch.tensor([i, i + 100]))
+            waits.append(time.monotonic() - started)
+        sender.stop()
+        assert [results.get(timeout=60) for _ in range(2 * SLOTS + 2)] == [
+            *([i, i + 100] for i in range(2 * SLOTS + 1)),
+            "stop",
+        ]  # every message as sent, none overwritten before it was read
+        assert max(waits[:SLOTS]) < 0.5 <= waits[SLOTS]  # the first messages fill the slots; the next one waits
+    finally:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
 
 
 def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: Queue[Any]) -> None:
