@@ -4,6 +4,8 @@ Run on the GPU machine in `scripts/gpu_run.sh`'s environment (PYTHONPATH with /t
     python3 scripts/gpu_profile.py --model dummy:qwen2.5-0.5b --max-num-batched-tokens 2048 8192 --kernels
 For each token budget: one warm-up, then the nano-vllm workload with every phase timed (`time.perf_counter`
 around the scheduler's and runner's calls), then optionally once more under torch.profiler for the kernel table.
+With `--tensor-parallel-size N` (a host with N GPUs) the profile is rank 0's, and the kernel run also gives the
+NCCL kernels' share of rank 0's GPU time: the all-reduces' cost, inside the decode graphs too.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ def _timed(totals: dict[str, float], name: str, fn: Callable[..., Any]) -> Calla
     return wrapper
 
 
-def profile(model: str, budget: int, kernels: bool, eager: bool) -> None:
+def profile(model: str, budget: int, kernels: bool, eager: bool, tensor_parallel_size: int) -> None:
     argv = ["--models", model, "--kv-cache-mib", "16384", "--max-num-batched-tokens", str(budget)]
     argv += ["--enforce-eager"] if eager else []
+    argv += ["--tensor-parallel-size", str(tensor_parallel_size)]
     ladle = LadleRunner(model, "none", build_parser().parse_args(argv))
     workload = nano_vllm_workload(256, 100, 1024, 0)
     ladle.run(Workload(workload.prompts[:4], [8] * 4))
@@ -67,7 +70,7 @@ def profile(model: str, budget: int, kernels: bool, eager: bool) -> None:
 
     core.step = _timed(totals, "core.step", step_by_kind)  # type: ignore[method-assign]
     seconds = ladle.run(workload)
-    print(f"\n== {model} max_num_batched_tokens={budget} eager={eager}: {seconds:.2f} s, "
+    print(f"\n== {model} max_num_batched_tokens={budget} eager={eager} tp={tensor_parallel_size}: {seconds:.2f} s, "
           f"{workload.output_tokens / seconds:,.0f} output tok/s; steps {dict(kinds)}")
     for name, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {name:34s} {total:7.2f} s")
@@ -77,7 +80,13 @@ def profile(model: str, budget: int, kernels: bool, eager: bool) -> None:
     if kernels:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             ladle.run(workload)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        total = sum(event.self_device_time_total for event in averages)
+        nccl = sum(event.self_device_time_total for event in averages if "nccl" in event.key.lower())
+        share = nccl / max(total, 1)
+        print(f"  NCCL kernels: {nccl / 1e6:.3f} s of rank 0's {total / 1e6:.3f} s of GPU time ({share:.1%})")
+    ladle.llm.close()
     del ladle
     torch.cuda.empty_cache()
 
@@ -89,9 +98,10 @@ def main() -> None:
                         help="token budgets, one profile each (default: ladle bench gpu's)")
     parser.add_argument("--kernels", action="store_true", help="also a torch.profiler run (CUDA kernels table)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="split over this many GPUs")
     args = parser.parse_args()
     for budget in args.max_num_batched_tokens:
-        profile(args.model, budget, args.kernels, args.enforce_eager)
+        profile(args.model, budget, args.kernels, args.enforce_eager, args.tensor_parallel_size)
 
 
 if __name__ == "__main__":

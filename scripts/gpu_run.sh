@@ -16,6 +16,7 @@
 #                  BENCH_ARGS adds `ladle bench gpu` arguments to both, e.g. BENCH_ARGS='--tensor-parallel-size 2'
 #                  on a host with two GPUs (the gpu-tests stage runs the NCCL equality test there first)
 #   profile:MODEL  scripts/gpu_profile.py: host phases, decode vs mixed steps         -> $OUT/profile.log
+#                  (PROFILE_ARGS adds its arguments, e.g. "--kernels --tensor-parallel-size 2": the NCCL share)
 #   old-quick:MODEL, old-profile:MODEL   the same for an older tree in .gpu_old (an A/B on one machine: carry
 #                  it, made here with `git archive REV engine_server kernels benchmarks clients scripts | tar -x
 #                  -C .gpu_old`, and name REV in OLD_COMMIT)        -> $OUT/gpu_old.jsonl, profile_old.log
@@ -75,7 +76,9 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'; 
       python3 -m benchmarks.gpu --models "${stage#quick:}" --skip-hf ${BENCH_ARGS:-} --out "$OUT/gpu.jsonl" 2>&1 \
         | tee -a "$OUT/bench.log" || status=1 ;;
     profile:*)
-      python3 scripts/gpu_profile.py --model "${stage#profile:}" 2>&1 | tee -a "$OUT/profile.log" || status=1 ;;
+      # shellcheck disable=SC2086  # PROFILE_ARGS is a list of arguments
+      python3 scripts/gpu_profile.py --model "${stage#profile:}" ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/profile.log" \
+        || status=1 ;;
     old-quick:*|old-profile:*)
       [ -d .gpu_old ] || { echo "no .gpu_old carried" >&2; exit 1; }
       ( cd .gpu_old && export LADLE_COMMIT=${OLD_COMMIT:-old} PYTHONPATH="/tmp/site:$PWD:$PWD/clients" &&
