@@ -4,10 +4,9 @@
   typed client; 32 token-id prompts, greedy.
 - The gateway: `ladle serve --tensor-parallel-size 3` on the embedded model (3 KV heads) through the official
   OpenAI SDK (completions of 32 token-id prompts in one call).
-Each is compared with the same model at TP=1 in this process (`LLM`), float32. Sums over ranks change the
-float32 summation order, so a greedy continuation may flip only where the two best tokens nearly tie: a prompt
-agrees when its tokens are identical, or when at the first difference TP=1 had both tokens in its top 2 within
-NEAR_TIE_NATS of each other; at least 95% must be identical outright.
+Each is compared with the same model at TP=1 in this process (`LLM`), float32, as tests/tp_agreement.py judges:
+sums over ranks change the float32 summation order, so a greedy continuation may flip only where the two best
+tokens nearly tie (within its NEAR_TIE_NATS); at least 95% of the prompts must be identical outright.
 
 - Failure: kill -9 of a worker under load ends every call (UNAVAILABLE or completed), the engine exits non-zero
   within 5 s and leaves no process; kill -9 of rank 0 makes the workers leave within 5 s. Both on float weights
