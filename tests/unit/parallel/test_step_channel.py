@@ -6,8 +6,11 @@ messages and collective order as NCCL's device-to-device broadcast on CUDA)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
@@ -53,14 +56,27 @@ def _worker(channel: StepChannel, results: Queue[Any]) -> None:
             return
 
 
-def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None:
+@contextlib.contextmanager
+def _spawned(
+    target: Callable[[StepChannel, Queue[Any]], None], capacity: int
+) -> Iterator[tuple[StepChannel, Queue[Any], BaseProcess]]:
+    """A channel to one spawned worker running `target(channel, results)`; joined (or killed) on the way out."""
     context = mp.get_context("spawn")
-    channel = StepChannel.open(capacity=256, num_workers=1, context=context)
+    channel = StepChannel.open(capacity=capacity, num_workers=1, context=context)
     results: Queue[Any] = context.Queue()
-    worker = context.Process(target=_worker, args=(channel, results), daemon=True)
+    worker = context.Process(target=target, args=(channel, results), daemon=True)
     worker.start()
-    sender = StepSender(channel)
     try:
+        yield channel, results, worker
+    finally:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+
+
+def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None:
+    with _spawned(_worker, capacity=256) as (channel, results, worker):
+        sender = StepSender(channel)
         meta = AttentionMetadata.build([3, 1], [3, 7], [[4], [0, 2]], block_size=4, device="cpu")
         sender.forward(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 6]), meta)
         assert results.get(timeout=60) == (
@@ -72,7 +88,8 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         assert results.get(timeout=10) == ("forward", [21, 99], [3, 7], [1, 1], [4, 8], [[4, 0], [0, 2]], [19, 11])
         # A decode step replayed from the graphs of 4 rows: the layout as the host built it (tables padded with -1).
         layout = DecodeLayout.build([4, 8, 2], [[4], [0, 2], [5]], block_size=4)
-        sender.decode_graph(torch.tensor([31, 0, 33]), layout, 4, PendingTokens(torch.tensor([1]), torch.tensor([98])))
+        row_1 = PendingTokens(torch.tensor([1]), torch.tensor([98]))
+        sender.decode_graph(torch.tensor([31, 0, 33]), layout, 4, row_1)
         assert results.get(timeout=10) == (
             "decode_graph", [31, 98, 33], [4, 8, 2], [[4, -1], [0, 2], [5, -1]], "int32", [19, 11, 21], 4
         )  # fmt: skip
@@ -86,10 +103,6 @@ def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None
         sender.stop()
         kind, cpu_seconds = results.get(timeout=10)
         assert kind == "stop" and cpu_seconds < 0.5  # blocked on its semaphore for the second above, not spinning
-    finally:
-        worker.join(timeout=10)
-        if worker.is_alive():
-            worker.kill()
     assert worker.exitcode == 0
 
 
@@ -102,13 +115,8 @@ def _slow_reader(channel: StepChannel, results: Queue[Any]) -> None:
 
 
 def test_rank_0_writes_a_slot_again_only_once_the_worker_has_read_it() -> None:
-    context = mp.get_context("spawn")
-    channel = StepChannel.open(capacity=64, num_workers=1, context=context)
-    results: Queue[Any] = context.Queue()
-    worker = context.Process(target=_slow_reader, args=(channel, results), daemon=True)
-    worker.start()
-    sender = StepSender(channel)
-    try:
+    with _spawned(_slow_reader, capacity=64) as (channel, results, _):
+        sender = StepSender(channel)
         waits = []
         for i in range(2 * SLOTS + 1):
             started = time.monotonic()
@@ -120,10 +128,6 @@ def test_rank_0_writes_a_slot_again_only_once_the_worker_has_read_it() -> None:
             "stop",
         ]  # every message as sent, none overwritten before it was read
         assert max(waits[:SLOTS]) < 0.5 <= waits[SLOTS]  # the first messages fill the slots; the next one waits
-    finally:
-        worker.join(timeout=10)
-        if worker.is_alive():
-            worker.kill()
 
 
 def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: Queue[Any]) -> None:
