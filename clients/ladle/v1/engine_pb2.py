@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ladle.v1 import types_pb2 as ladle_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ladle/v1/engine.proto\x12\x08ladle.v1\x1a\x14ladle/v1/types.proto\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05input\x18\x02 \x01(\x0b\x32\x0f.ladle.v1.Input\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ladle.v1.SamplingParams\x12(\n\nconstraint\x18\x04 \x01(\x0b\x32\x14.ladle.v1.Constraint\x12$\n\x08priority\x18\x05 \x01(\x0e\x32\x12.ladle.v1.Priority\"x\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x10.ladle.v1.Choice\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\"\xbf\x01\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05input\x18\x02 \x01(\x0b\x32\x0f.ladle.v1.Input\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ladle.v1.SamplingParams\x12(\n\nconstraint\x18\x04 \x01(\x0b\x32\x14.ladle.v1.Constraint\x12$\n\x08priority\x18\x05 \x01(\x0e\x32\x12.ladle.v1.Priority\"{\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x15.ladle.v1.ChoiceDelta\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\"\xa8\x01\n\x0c\x42\x61tchRequest\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12*\n\x07request\x18\x02 \x01(\x0b\x32\x19.ladle.v1.GenerateRequest\x12\'\n\x05\x65mbed\x18\x03 \x01(\x0b\x32\x16.ladle.v1.EmbedRequestH\x00\x12\'\n\x05score\x18\x04 \x01(\x0b\x32\x16.ladle.v1.ScoreRequestH\x00\x42\t\n\x07pooling\"\xe1\x01\n\rBatchResponse\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.ladle.v1.GenerateResponseH\x00\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.ladle.v1.ItemErrorH\x00\x12/\n\x0c\x65mbed_result\x18\x04 \x01(\x0b\x32\x17.ladle.v1.EmbedResponseH\x00\x12/\n\x0cscore_result\x18\x05 \x01(\x0b\x32\x17.ladle.v1.ScoreResponseH\x00\x42\t\n\x07outcome\"9\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\"i\n\x0fTokenizeRequest\x12\x1e\n\x05input\x18\x01 \x01(\x0b\x32\x0f.ladle.v1.Input\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"J\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd0\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12,\n\x08\x64\x65\x66\x61ults\x18\x06 \x01(\x0b\x32\x1a.ladle.v1.SamplingDefaults\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\'\n\x06limits\x18\n \x01(\x0b\x32\x17.ladle.v1.RequestLimits\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12&\n\x07pooling\x18\x0c \x01(\x0b\x32\x15.ladle.v1.PoolingInfo\"[\n\x0bPoolingInfo\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tnormalize\x18\x02 \x01(\x08\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x15\n\rcross_encoder\x18\x04 \x01(\x08\"\x84\x01\n\x10SamplingDefaults\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x02\"R\n\rRequestLimits\x12\r\n\x05max_n\x18\x01 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x02 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x03 \x01(\r\"\x10\n\x0eGetLoadRequest\"\xb1\x02\n\x0fGetLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x11\n\taccepting\x18\x07 \x01(\x08\x12#\n\x1bspeculative_proposed_tokens\x18\x08 \x01(\x04\x12#\n\x1bspeculative_accepted_tokens\x18\t \x01(\x04\x12!\n\x19speculative_verified_rows\x18\n \x01(\x04\x12\"\n\x1aspeculative_kept_histogram\x18\x0b \x03(\x04\"\xf7\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x06inputs\x18\x02 \x03(\x0b\x32\x0f.ladle.v1.Input\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12$\n\x08priority\x18\x05 \x01(\x0e\x32\x12.ladle.v1.Priority\x12#\n\x16truncate_prompt_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x42\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x19\n\x17_truncate_prompt_tokens\"{\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\nembeddings\x18\x02 \x03(\x0b\x32\x13.ladle.v1.Embedding\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\">\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\xcc\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05query\x18\x02 \x01(\x0b\x32\x0f.ladle.v1.Input\x12\"\n\tdocuments\x18\x03 \x03(\x0b\x32\x0f.ladle.v1.Input\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.ladle.v1.Priority\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\"b\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t2\x95\x04\n\rEngineService\x12\x41\n\x08Generate\x12\x19.ladle.v1.GenerateRequest\x1a\x1a.ladle.v1.GenerateResponse\x12=\n\x06Stream\x12\x17.ladle.v1.StreamRequest\x1a\x18.ladle.v1.StreamResponse0\x01\x12<\n\x05\x42\x61tch\x12\x16.ladle.v1.BatchRequest\x1a\x17.ladle.v1.BatchResponse(\x01\x30\x01\x12\x41\n\x08Tokenize\x12\x19.ladle.v1.TokenizeRequest\x1a\x1a.ladle.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.ladle.v1.GetModelInfoRequest\x1a\x1e.ladle.v1.GetModelInfoResponse\x12>\n\x07GetLoad\x12\x18.ladle.v1.GetLoadRequest\x1a\x19.ladle.v1.GetLoadResponse\x12\x38\n\x05\x45mbed\x12\x16.ladle.v1.EmbedRequest\x1a\x17.ladle.v1.EmbedResponse\x12\x38\n\x05Score\x12\x16.ladle.v1.ScoreRequest\x1a\x17.ladle.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15ladle/v1/engine.proto\x12\x08ladle.v1\x1a\x14ladle/v1/types.proto\"\xd5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05input\x18\x02 \x01(\x0b\x32\x0f.ladle.v1.Input\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ladle.v1.SamplingParams\x12(\n\nconstraint\x18\x04 \x01(\x0b\x32\x14.ladle.v1.Constraint\x12$\n\x08priority\x18\x05 \x01(\x0e\x32\x12.ladle.v1.Priority\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"x\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x10.ladle.v1.Choice\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\"\xd3\x01\n\rStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05input\x18\x02 \x01(\x0b\x32\x0f.ladle.v1.Input\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.ladle.v1.SamplingParams\x12(\n\nconstraint\x18\x04 \x01(\x0b\x32\x14.ladle.v1.Constraint\x12$\n\x08priority\x18\x05 \x01(\x0e\x32\x12.ladle.v1.Priority\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"{\n\x0eStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x15.ladle.v1.ChoiceDelta\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\"\xa8\x01\n\x0c\x42\x61tchRequest\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12*\n\x07request\x18\x02 \x01(\x0b\x32\x19.ladle.v1.GenerateRequest\x12\'\n\x05\x65mbed\x18\x03 \x01(\x0b\x32\x16.ladle.v1.EmbedRequestH\x00\x12\'\n\x05score\x18\x04 \x01(\x0b\x32\x16.ladle.v1.ScoreRequestH\x00\x42\t\n\x07pooling\"\xe1\x01\n\rBatchResponse\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.ladle.v1.GenerateResponseH\x00\x12$\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x13.ladle.v1.ItemErrorH\x00\x12/\n\x0c\x65mbed_result\x18\x04 \x01(\x0b\x32\x17.ladle.v1.EmbedResponseH\x00\x12/\n\x0cscore_result\x18\x05 \x01(\x0b\x32\x17.ladle.v1.ScoreResponseH\x00\x42\t\n\x07outcome\"9\n\tItemError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\t\"i\n\x0fTokenizeRequest\x12\x1e\n\x05input\x18\x01 \x01(\x0b\x32\x0f.ladle.v1.Input\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"J\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xd0\x02\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12,\n\x08\x64\x65\x66\x61ults\x18\x06 \x01(\x0b\x32\x1a.ladle.v1.SamplingDefaults\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\'\n\x06limits\x18\n \x01(\x0b\x32\x17.ladle.v1.RequestLimits\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12&\n\x07pooling\x18\x0c \x01(\x0b\x32\x15.ladle.v1.PoolingInfo\"[\n\x0bPoolingInfo\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tnormalize\x18\x02 \x01(\x08\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x15\n\rcross_encoder\x18\x04 \x01(\x08\"\x84\x01\n\x10SamplingDefaults\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x02\"R\n\rRequestLimits\x12\r\n\x05max_n\x18\x01 \x01(\r\x12\x18\n\x10max_stop_strings\x18\x02 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x03 \x01(\r\"\x10\n\x0eGetLoadRequest\"\xb1\x02\n\x0fGetLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x11\n\taccepting\x18\x07 \x01(\x08\x12#\n\x1bspeculative_proposed_tokens\x18\x08 \x01(\x04\x12#\n\x1bspeculative_accepted_tokens\x18\t \x01(\x04\x12!\n\x19speculative_verified_rows\x18\n \x01(\x04\x12\"\n\x1aspeculative_kept_histogram\x18\x0b \x03(\x04\"\x8b\x02\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x06inputs\x18\x02 \x03(\x0b\x32\x0f.ladle.v1.Input\x12\x17\n\ndimensions\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12$\n\x08priority\x18\x05 \x01(\x0e\x32\x12.ladle.v1.Priority\x12#\n\x16truncate_prompt_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\r\n\x0b_dimensionsB\x0c\n\n_normalizeB\x19\n\x17_truncate_prompt_tokens\"{\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\nembeddings\x18\x02 \x03(\x0b\x32\x13.ladle.v1.Embedding\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t\">\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06values\x18\x02 \x03(\x02\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\"\xe0\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1e\n\x05query\x18\x02 \x01(\x0b\x32\x0f.ladle.v1.Input\x12\"\n\tdocuments\x18\x03 \x03(\x0b\x32\x0f.ladle.v1.Input\x12$\n\x08priority\x18\x04 \x01(\x0e\x32\x12.ladle.v1.Priority\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x19\n\x17_truncate_prompt_tokens\"b\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12\x1e\n\x05usage\x18\x03 \x01(\x0b\x32\x0f.ladle.v1.Usage\x12\r\n\x05model\x18\x04 \x01(\t2\x95\x04\n\rEngineService\x12\x41\n\x08Generate\x12\x19.ladle.v1.GenerateRequest\x1a\x1a.ladle.v1.GenerateResponse\x12=\n\x06Stream\x12\x17.ladle.v1.StreamRequest\x1a\x18.ladle.v1.StreamResponse0\x01\x12<\n\x05\x42\x61tch\x12\x16.ladle.v1.BatchRequest\x1a\x17.ladle.v1.BatchResponse(\x01\x30\x01\x12\x41\n\x08Tokenize\x12\x19.ladle.v1.TokenizeRequest\x1a\x1a.ladle.v1.TokenizeResponse\x12M\n\x0cGetModelInfo\x12\x1d.ladle.v1.GetModelInfoRequest\x1a\x1e.ladle.v1.GetModelInfoResponse\x12>\n\x07GetLoad\x12\x18.ladle.v1.GetLoadRequest\x1a\x19.ladle.v1.GetLoadResponse\x12\x38\n\x05\x45mbed\x12\x16.ladle.v1.EmbedRequest\x1a\x17.ladle.v1.EmbedResponse\x12\x38\n\x05Score\x12\x16.ladle.v1.ScoreRequest\x1a\x17.ladle.v1.ScoreResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,47 +33,47 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ladle.v1.engine_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=58
-  _globals['_GENERATEREQUEST']._serialized_end=251
-  _globals['_GENERATERESPONSE']._serialized_start=253
-  _globals['_GENERATERESPONSE']._serialized_end=373
-  _globals['_STREAMREQUEST']._serialized_start=376
-  _globals['_STREAMREQUEST']._serialized_end=567
-  _globals['_STREAMRESPONSE']._serialized_start=569
-  _globals['_STREAMRESPONSE']._serialized_end=692
-  _globals['_BATCHREQUEST']._serialized_start=695
-  _globals['_BATCHREQUEST']._serialized_end=863
-  _globals['_BATCHRESPONSE']._serialized_start=866
-  _globals['_BATCHRESPONSE']._serialized_end=1091
-  _globals['_ITEMERROR']._serialized_start=1093
-  _globals['_ITEMERROR']._serialized_end=1150
-  _globals['_TOKENIZEREQUEST']._serialized_start=1152
-  _globals['_TOKENIZEREQUEST']._serialized_end=1257
-  _globals['_TOKENIZERESPONSE']._serialized_start=1259
-  _globals['_TOKENIZERESPONSE']._serialized_end=1333
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1335
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1356
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1359
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1695
-  _globals['_POOLINGINFO']._serialized_start=1697
-  _globals['_POOLINGINFO']._serialized_end=1788
-  _globals['_SAMPLINGDEFAULTS']._serialized_start=1791
-  _globals['_SAMPLINGDEFAULTS']._serialized_end=1923
-  _globals['_REQUESTLIMITS']._serialized_start=1925
-  _globals['_REQUESTLIMITS']._serialized_end=2007
-  _globals['_GETLOADREQUEST']._serialized_start=2009
-  _globals['_GETLOADREQUEST']._serialized_end=2025
-  _globals['_GETLOADRESPONSE']._serialized_start=2028
-  _globals['_GETLOADRESPONSE']._serialized_end=2333
-  _globals['_EMBEDREQUEST']._serialized_start=2336
-  _globals['_EMBEDREQUEST']._serialized_end=2583
-  _globals['_EMBEDRESPONSE']._serialized_start=2585
-  _globals['_EMBEDRESPONSE']._serialized_end=2708
-  _globals['_EMBEDDING']._serialized_start=2710
-  _globals['_EMBEDDING']._serialized_end=2772
-  _globals['_SCOREREQUEST']._serialized_start=2775
-  _globals['_SCOREREQUEST']._serialized_end=2979
-  _globals['_SCORERESPONSE']._serialized_start=2981
-  _globals['_SCORERESPONSE']._serialized_end=3079
-  _globals['_ENGINESERVICE']._serialized_start=3082
-  _globals['_ENGINESERVICE']._serialized_end=3615
+  _globals['_GENERATEREQUEST']._serialized_end=271
+  _globals['_GENERATERESPONSE']._serialized_start=273
+  _globals['_GENERATERESPONSE']._serialized_end=393
+  _globals['_STREAMREQUEST']._serialized_start=396
+  _globals['_STREAMREQUEST']._serialized_end=607
+  _globals['_STREAMRESPONSE']._serialized_start=609
+  _globals['_STREAMRESPONSE']._serialized_end=732
+  _globals['_BATCHREQUEST']._serialized_start=735
+  _globals['_BATCHREQUEST']._serialized_end=903
+  _globals['_BATCHRESPONSE']._serialized_start=906
+  _globals['_BATCHRESPONSE']._serialized_end=1131
+  _globals['_ITEMERROR']._serialized_start=1133
+  _globals['_ITEMERROR']._serialized_end=1190
+  _globals['_TOKENIZEREQUEST']._serialized_start=1192
+  _globals['_TOKENIZEREQUEST']._serialized_end=1297
+  _globals['_TOKENIZERESPONSE']._serialized_start=1299
+  _globals['_TOKENIZERESPONSE']._serialized_end=1373
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1375
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1396
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1399
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1735
+  _globals['_POOLINGINFO']._serialized_start=1737
+  _globals['_POOLINGINFO']._serialized_end=1828
+  _globals['_SAMPLINGDEFAULTS']._serialized_start=1831
+  _globals['_SAMPLINGDEFAULTS']._serialized_end=1963
+  _globals['_REQUESTLIMITS']._serialized_start=1965
+  _globals['_REQUESTLIMITS']._serialized_end=2047
+  _globals['_GETLOADREQUEST']._serialized_start=2049
+  _globals['_GETLOADREQUEST']._serialized_end=2065
+  _globals['_GETLOADRESPONSE']._serialized_start=2068
+  _globals['_GETLOADRESPONSE']._serialized_end=2373
+  _globals['_EMBEDREQUEST']._serialized_start=2376
+  _globals['_EMBEDREQUEST']._serialized_end=2643
+  _globals['_EMBEDRESPONSE']._serialized_start=2645
+  _globals['_EMBEDRESPONSE']._serialized_end=2768
+  _globals['_EMBEDDING']._serialized_start=2770
+  _globals['_EMBEDDING']._serialized_end=2832
+  _globals['_SCOREREQUEST']._serialized_start=2835
+  _globals['_SCOREREQUEST']._serialized_end=3059
+  _globals['_SCORERESPONSE']._serialized_start=3061
+  _globals['_SCORERESPONSE']._serialized_end=3159
+  _globals['_ENGINESERVICE']._serialized_start=3162
+  _globals['_ENGINESERVICE']._serialized_end=3695
 # @@protoc_insertion_point(module_scope)

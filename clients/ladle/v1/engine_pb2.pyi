@@ -42,12 +42,19 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and abort; the engine generates one when empty. Must be unique among in-flight
     requests of this engine.
     """
     priority: _types_pb2.Priority.ValueType
     """Scheduling class; UNSPECIFIED means INTERACTIVE for Generate and Stream, BATCH inside Batch."""
+    cache_salt: _builtins.str
+    """Prefix-cache namespace. Requests share cached KV blocks (and count them in usage.cached_prompt_tokens) only
+    when their salts are equal; empty is the unsalted namespace. A caller serving several tenants sends a
+    secret salt per tenant (the gateway derives one from each API key's project), so that no tenant can learn
+    from cache hits or latency what another sent. At most 1024 characters.
+    """
     @_builtins.property
     def input(self) -> _types_pb2.Input:
         """What to continue: text, chat messages or token ids."""
@@ -68,10 +75,11 @@ class GenerateRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         constraint: _types_pb2.Constraint | None = ...,
         priority: _types_pb2.Priority.ValueType = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "input", b"input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -126,10 +134,13 @@ class StreamRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and abort; the engine generates one when empty."""
     priority: _types_pb2.Priority.ValueType
     """Scheduling class; UNSPECIFIED means INTERACTIVE."""
+    cache_salt: _builtins.str
+    """As GenerateRequest.cache_salt."""
     @_builtins.property
     def input(self) -> _types_pb2.Input:
         """What to continue: text, chat messages or token ids."""
@@ -150,10 +161,11 @@ class StreamRequest(_message.Message):
         sampling: _types_pb2.SamplingParams | None = ...,
         constraint: _types_pb2.Constraint | None = ...,
         priority: _types_pb2.Priority.ValueType = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "input", b"input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -684,6 +696,7 @@ class EmbedRequest(_message.Message):
     NORMALIZE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs; the engine generates one when empty."""
     dimensions: _builtins.int
@@ -698,6 +711,8 @@ class EmbedRequest(_message.Message):
     """Keep only the last k tokens of an input longer than k (0 or unset: an input longer than the context is
     refused with INVALID_ARGUMENT).
     """
+    cache_salt: _builtins.str
+    """As GenerateRequest.cache_salt: a decoder's pooled inputs read and fill the same prefix cache as generation."""
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Input]:
         """What to embed, one vector each, in order (at least one). Text gets the tokenizer's special tokens; chat is
@@ -713,10 +728,11 @@ class EmbedRequest(_message.Message):
         normalize: _builtins.bool | None = ...,
         priority: _types_pb2.Priority.ValueType = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "dimensions", b"dimensions", "normalize", b"normalize", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "dimensions", b"dimensions", "inputs", b"inputs", "normalize", b"normalize", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "dimensions", b"dimensions", "inputs", b"inputs", "normalize", b"normalize", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
     _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
@@ -814,12 +830,15 @@ class ScoreRequest(_message.Message):
     DOCUMENTS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs; the engine generates one when empty."""
     priority: _types_pb2.Priority.ValueType
     """Scheduling class; UNSPECIFIED means INTERACTIVE for Score, BATCH inside Batch."""
     truncate_prompt_tokens: _builtins.int
     """As EmbedRequest.truncate_prompt_tokens, for the query and each document."""
+    cache_salt: _builtins.str
+    """As GenerateRequest.cache_salt, for the query and each document."""
     @_builtins.property
     def query(self) -> _types_pb2.Input:
         """The query."""
@@ -836,10 +855,11 @@ class ScoreRequest(_message.Message):
         documents: _abc.Iterable[_types_pb2.Input] | None = ...,
         priority: _types_pb2.Priority.ValueType = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "query", b"query", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "documents", b"documents", "priority", b"priority", "query", b"query", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "documents", b"documents", "priority", b"priority", "query", b"query", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
     _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
