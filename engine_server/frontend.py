@@ -219,11 +219,13 @@ class InputProcessor:
         priority: Priority = Priority.INTERACTIVE,
         deadline: float | None = None,
         grammar: CompiledConstraint | None = None,
+        cache_salt: str = "",
     ) -> list[Request]:
         """Validate and expand into n core requests with ids `{request_id}/{i}`; raises ValidationError.
 
         `grammar` is `compile_constraint(params)`'s result; when params carry a constraint and it is None,
         the constraint is compiled here, blocking (ValidationError if it does not compile in time).
+        `cache_salt`: the requests' prefix-cache namespace (`Request`).
         """
         params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len, prompt_len=len(prompt_token_ids))
         if params.constraint is not None and grammar is None:
@@ -242,6 +244,7 @@ class InputProcessor:
                     priority=priority,
                     deadline=deadline,
                     grammar=grammar if params.constraint is not None else None,
+                    cache_salt=cache_salt,
                 )
             )
         return requests

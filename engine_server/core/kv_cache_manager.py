@@ -6,6 +6,11 @@ whole prefixes, not just equal blocks. sha256 rather than Python's `hash()`: a 6
 hash can be collided on purpose, and a collision makes one request attend to another's K/V (wrong output,
 and a cross-tenant leak). With 256 bits we treat collisions as impossible and do not compare token ids.
 
+The chain starts at a root that is a function of the request's `cache_salt` (`root_hash`): the empty root for no
+salt (the hashes ladle always had), else a digest of the salt. Requests with different salts therefore never
+share a block, even for equal tokens, and a tenant cannot learn from cache hits (cached_prompt_tokens, a faster
+first token) what another tenant sent; requests with equal salts share as before.
+
 Hashes are registered when a block becomes full *at allocation time*, for the tokens being scheduled.
 A second request scheduled later in the same step can therefore share blocks the first one is only
 about to write: the runner writes all K/V of a step before any attention reads it. Only tokens whose ids
@@ -27,7 +32,17 @@ from collections.abc import Sequence
 from engine_server.core.block_pool import BlockPool
 from engine_server.core.request import Request
 
-_ROOT_HASH = b""
+_ROOT_HASH = b""  # the root of an unsalted chain
+_SALT_DOMAIN = b"ladle.v1 cache_salt\0"  # keeps a salted root apart from any block's hash input
+
+
+def root_hash(cache_salt: str) -> bytes:
+    """The parent of a request's first block: empty without a salt (today's hashes exactly), else a sha256 of
+    the salt, which equals no block's hash (that would take a sha256 collision), so a salted chain never
+    meets an unsalted one or one of another salt."""
+    if not cache_salt:
+        return _ROOT_HASH
+    return hashlib.sha256(_SALT_DOMAIN + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -175,7 +190,7 @@ class KVCacheManager:
                     hashes = request.block_hashes
                     if num_full == done + 1 == len(hashes) + 1:
                         # The usual case, `_publish_full_blocks` inline: the one block this decode filled.
-                        parent = hashes[-1] if hashes else _ROOT_HASH
+                        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
                         block_hash = sha256(parent + pack(*tokens[done * size : num_full * size])).digest()
                         hashes.append(block_hash)
                         if pool.register(table[done], block_hash):
@@ -272,7 +287,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         size, pack, sha256 = self.block_size, self._pack_block, hashlib.sha256
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         for i in range(len(hashes), num_blocks):
             parent = sha256(parent + pack(*tokens[i * size : (i + 1) * size])).digest()  # hash_block, inline
             hashes.append(parent)

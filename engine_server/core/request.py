@@ -71,6 +71,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "cache_salt",
         "deadline",
         "draft_token_ids",
         "eos_token_ids",
@@ -110,6 +111,7 @@ class Request:
         deadline: float | None = None,
         grammar: CompiledConstraint | None = None,
         pooling: PoolingParams | None = None,
+        cache_salt: str = "",
     ) -> None:
         """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now.
 
@@ -119,6 +121,9 @@ class Request:
         `pooling` makes it a pooling request (engine_server.pooling): its prompt is computed and pooled into one
         vector, nothing is sampled (`max_tokens` 0; its last chunk has `needs_sample` False), and the engine core
         finishes it once the runner has pooled it.
+
+        `cache_salt` names the request's prefix-cache namespace: it seeds the chain of its block hashes (see
+        engine_server.core.kv_cache_manager), so it shares cached blocks only with requests of the same salt.
         """
         constraint = grammar.constraint if grammar is not None else None
         if constraint != sampling_params.constraint:
@@ -134,6 +139,7 @@ class Request:
         self.deadline = deadline
         self.grammar = grammar
         self.pooling = pooling
+        self.cache_salt = cache_salt
         self.max_tokens = (
             0 if pooling is not None else resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
         )

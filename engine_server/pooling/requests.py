@@ -30,6 +30,7 @@ class EmbedInput:
     dimensions: int | None = None
     priority: Priority = Priority.INTERACTIVE
     truncate_prompt_tokens: int | None = None
+    cache_salt: str = ""  # the inputs' prefix-cache namespace (core `Request`)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ScoreInput:
     documents: Sequence[Prompt]
     priority: Priority = Priority.INTERACTIVE
     truncate_prompt_tokens: int | None = None
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,10 @@ def pooling_requests(
     max_model_len: int,
     priority: Priority,
     deadline: float | None = None,
+    cache_salt: str = "",
 ) -> list[Request]:
-    """One prefill-only core request per input, with ids `{request_id}/{i}` (as choices of a generation)."""
+    """One prefill-only core request per input, with ids `{request_id}/{i}` (as choices of a generation), in the
+    prefix-cache namespace `cache_salt`."""
     return [
         Request(
             core_request_id(request_id, i),
@@ -132,6 +136,7 @@ def pooling_requests(
             priority=priority,
             deadline=deadline,
             pooling=params,
+            cache_salt=cache_salt,
         )
         for i, ids in enumerate(token_ids)
     ]

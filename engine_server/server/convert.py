@@ -46,6 +46,7 @@ _TOOL_CHOICE_MODES = {
 _PRIORITIES = {types_pb2.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, types_pb2.PRIORITY_BATCH: Priority.BATCH}
 
 GenerationMessage: TypeAlias = engine_pb2.GenerateRequest | engine_pb2.StreamRequest
+MAX_CACHE_SALT_CHARS = 1024  # a salt is a namespace's name or secret, not data
 # SamplingParams fields that are `optional` in the proto: unset, they take the defaults.
 _OPTIONAL_SAMPLING_FIELDS = (
     "n",
@@ -78,7 +79,16 @@ def generation_input(
         prompt=prompt_from_input(message.input),
         params=params,
         priority=_PRIORITIES.get(message.priority, default_priority),
+        cache_salt=cache_salt(message.cache_salt),
     )
+
+
+def cache_salt(value: str) -> str:
+    """A request's `cache_salt` (its prefix-cache namespace), refused when longer than MAX_CACHE_SALT_CHARS."""
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise ValidationError(f"cache_salt is {len(value)} characters; at most {MAX_CACHE_SALT_CHARS} are allowed",
+                              "cache_salt")
+    return value
 
 
 def priority(value: types_pb2.Priority.ValueType, default: Priority) -> Priority:

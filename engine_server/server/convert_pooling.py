@@ -11,7 +11,7 @@ import dataclasses
 from engine_server.core.request import Priority
 from engine_server.frontend import ChatPrompt, Prompt
 from engine_server.pooling.requests import EmbedInput, EmbedResult, ScoreInput, ScoreResult
-from engine_server.server.convert import chat_prompt, priority, prompt_from_input
+from engine_server.server.convert import cache_salt, chat_prompt, priority, prompt_from_input
 from ladle.v1 import engine_pb2, types_pb2
 
 
@@ -35,6 +35,7 @@ def embed_input(message: engine_pb2.EmbedRequest, default_priority: Priority) ->
         dimensions=message.dimensions if message.HasField("dimensions") else None,
         priority=priority(message.priority, default_priority),
         truncate_prompt_tokens=message.truncate_prompt_tokens or None,
+        cache_salt=cache_salt(message.cache_salt),
     )
 
 
@@ -46,6 +47,7 @@ def score_input(message: engine_pb2.ScoreRequest, default_priority: Priority) ->
         documents=[pooling_prompt(item) for item in message.documents],
         priority=priority(message.priority, default_priority),
         truncate_prompt_tokens=message.truncate_prompt_tokens or None,
+        cache_salt=cache_salt(message.cache_salt),
     )
 
 

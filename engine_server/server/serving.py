@@ -94,6 +94,7 @@ class GenerationInput:
     prompt: Prompt
     params: SamplingParams
     priority: Priority = Priority.INTERACTIVE
+    cache_salt: str = ""  # the prefix-cache namespace of its core requests (`Request`)
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ class ServingEngine:
         grammar = await asyncio.wrap_future(self.inputs.compile_constraint(params))
         internal_id = f"r{next(self._ids)}"
         core_requests = self.inputs.make_requests(
-            internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar
+            internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar, cache_salt=request.cache_salt
         )
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing
@@ -300,7 +301,7 @@ class ServingEngine:
         check_num_inputs(len(call.prompts), "input")
         params = self.info.pooling.params(call.normalize, call.dimensions)
         token_ids = await self._pooling_token_ids(call.prompts, call.truncate_prompt_tokens, "input")
-        vectors = await self._pool(call.request_id, token_ids, params, call.priority, deadline)
+        vectors = await self._pool(call.request_id, token_ids, params, call.priority, deadline, call.cache_salt)
         return EmbedResult(call.request_id, vectors, [len(ids) for ids in token_ids])
 
     async def score(self, call: ScoreInput, deadline: float | None = None) -> ScoreResult:
@@ -313,7 +314,7 @@ class ServingEngine:
         query = await self._pooling_token_ids([call.query], truncate, "query")
         documents = await self._pooling_token_ids(call.documents, truncate, "documents")
         params = self.info.pooling.params(normalize=False)  # the cosine normalizes
-        vectors = await self._pool(call.request_id, query + documents, params, call.priority, deadline)
+        vectors = await self._pool(call.request_id, query + documents, params, call.priority, deadline, call.cache_salt)
         tokens = sum(len(ids) for ids in query + documents)
         return ScoreResult(call.request_id, cosine_scores(vectors[0], vectors[1:]), tokens)
 
@@ -325,7 +326,7 @@ class ServingEngine:
 
         pairs: list[list[int]] = await self._off_loop(tokenize)
         params = self.info.pooling.pair_params()
-        scores = await self._pool(call.request_id, pairs, params, call.priority, deadline)
+        scores = await self._pool(call.request_id, pairs, params, call.priority, deadline, call.cache_salt)
         return ScoreResult(call.request_id, [float(score[0]) for score in scores], sum(len(ids) for ids in pairs))
 
     async def _pooling_token_ids(self, prompts: Sequence[Prompt], truncate: int | None, param: str) -> list[list[int]]:
@@ -342,11 +343,14 @@ class ServingEngine:
         params: PoolingParams,
         priority: Priority,
         deadline: float | None,
+        cache_salt: str,
     ) -> list[torch.Tensor]:
-        """Run one pooling request per input through the core; their vectors in order. Closing early (the caller
-        cancelled) aborts what has not finished."""
+        """Run one pooling request per input through the core, in the prefix-cache namespace `cache_salt`; their
+        vectors in order. Closing early (the caller cancelled) aborts what has not finished."""
         internal_id = f"p{next(self._ids)}"
-        requests = pooling_requests(internal_id, token_ids, params, self.info.context_length, priority, deadline)
+        requests = pooling_requests(
+            internal_id, token_ids, params, self.info.context_length, priority, deadline, cache_salt
+        )
         stream = self.loop.add(internal_id, requests, final_only=True)
         vectors: dict[int, torch.Tensor] = {}
         unfinished = set(stream.core_ids)

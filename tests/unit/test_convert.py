@@ -12,7 +12,7 @@ from engine_server.frontend import ChatPrompt, Choice, GenerationResult, TokenLo
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import SamplingParams
-from engine_server.server import convert
+from engine_server.server import convert, convert_pooling
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import RequestDeadlineError
 from engine_server.structured import Constraint
@@ -159,6 +159,22 @@ def test_priority_defaults_depend_on_the_rpc() -> None:
     assert convert.generation_input(request, Priority.BATCH, LADLE).priority is Priority.BATCH
     request.priority = types_pb2.PRIORITY_INTERACTIVE
     assert convert.generation_input(request, Priority.BATCH, LADLE).priority is Priority.INTERACTIVE
+
+
+def test_the_cache_salt_is_carried_on_every_rpc_that_fills_the_prefix_cache() -> None:
+    text = types_pb2.Input(text="x")
+    for message in (engine_pb2.GenerateRequest(input=text), engine_pb2.StreamRequest(input=text)):
+        assert convert.generation_input(message, Priority.INTERACTIVE, LADLE).cache_salt == ""
+        message.cache_salt = "tenant-a"
+        assert convert.generation_input(message, Priority.INTERACTIVE, LADLE).cache_salt == "tenant-a"
+    embed = engine_pb2.EmbedRequest(inputs=[text], cache_salt="tenant-a")
+    score = engine_pb2.ScoreRequest(query=text, documents=[text], cache_salt="tenant-a")
+    assert convert_pooling.embed_input(embed, Priority.INTERACTIVE).cache_salt == "tenant-a"
+    assert convert_pooling.score_input(score, Priority.INTERACTIVE).cache_salt == "tenant-a"
+    too_long = engine_pb2.GenerateRequest(input=text, cache_salt="s" * (convert.MAX_CACHE_SALT_CHARS + 1))
+    with pytest.raises(ValidationError) as raised:
+        convert.generation_input(too_long, Priority.INTERACTIVE, LADLE)
+    assert raised.value.param == "cache_salt"
 
 
 @pytest.mark.parametrize(

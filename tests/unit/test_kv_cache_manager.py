@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_server.core.block_pool import BlockPool
-from engine_server.core.kv_cache_manager import KVCacheManager, hash_block
+from engine_server.core.kv_cache_manager import KVCacheManager, hash_block, root_hash
 from engine_server.core.request import Request
 from tests.unit.factories import make_request
 
@@ -68,6 +68,61 @@ def test_hashes_are_chained_not_per_block() -> None:
     # Same second block after a different first block: no hit at all.
     assert kv.get_computed_blocks(make_request("b", [9] * BS + [2] * BS + [3])) == ([], 0)
     assert hash_block(hash_block(b"", [1] * BS), [2] * BS) != hash_block(hash_block(b"", [9] * BS), [2] * BS)
+
+
+def salted(request: Request, cache_salt: str) -> Request:
+    request.cache_salt = cache_salt
+    return request
+
+
+def test_requests_with_different_salts_never_share_a_block() -> None:
+    kv = KVCacheManager(num_blocks=100, block_size=BS)
+    prompt = list(range(200))
+    schedule_all(kv, salted(make_request("a", prompt), "project-a"))
+    assert kv.get_computed_blocks(salted(make_request("b", prompt), "project-b")) == ([], 0)
+    assert kv.get_computed_blocks(make_request("unsalted", prompt)) == ([], 0)
+    schedule_all(kv, make_request("u", prompt))
+    assert kv.get_computed_blocks(salted(make_request("c", prompt), "project-c")) == ([], 0)
+
+
+def test_requests_with_the_same_salt_share_their_prefix() -> None:
+    kv = KVCacheManager(num_blocks=100, block_size=BS)
+    prompt = list(range(200))
+    schedule_all(kv, salted(make_request("a", prompt), "project-a"))
+    blocks, num_cached = kv.get_computed_blocks(salted(make_request("a2", [*prompt, 5]), "project-a"))
+    assert num_cached == 192 and blocks == kv.block_table("a")[:12]
+
+
+def test_an_empty_salt_keeps_the_unsalted_hashes() -> None:
+    """No salt is the chain ladle always had, from the empty root; a salt starts it elsewhere."""
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    prompt = [1] * BS + [2] * BS + [3]
+    plain, empty = make_request("a", prompt), salted(make_request("b", prompt), "")
+    schedule_all(kv, plain)
+    assert root_hash("") == b""
+    assert plain.block_hashes == [hash_block(b"", [1] * BS), hash_block(hash_block(b"", [1] * BS), [2] * BS)]
+    assert kv.get_computed_blocks(empty) == (kv.block_table("a")[:2], 32) and empty.block_hashes == plain.block_hashes
+    salty = salted(make_request("c", prompt), "s")
+    kv.get_computed_blocks(salty)
+    assert salty.block_hashes[0] == hash_block(root_hash("s"), [1] * BS) != plain.block_hashes[0]
+    assert len({root_hash("s"), root_hash("t"), root_hash("")}) == 3
+
+
+@pytest.mark.parametrize("path", ["slots_for_decodes", "slot_for_one"])
+def test_a_decode_that_fills_the_first_block_hashes_from_the_salt(path: str) -> None:
+    """The decode paths publish a block a decode filled with the request's salted chain too."""
+    kv = KVCacheManager(num_blocks=20, block_size=BS)
+    req = salted(make_request("a", list(range(BS - 1))), "project-a")
+    schedule_all(kv, req)
+    req.append_output_token(99)
+    if path == "slots_for_decodes":
+        assert kv.slots_for_decodes([req]) == 1
+    else:
+        assert kv.slot_for_one(req) is not None
+    assert req.block_hashes == [hash_block(root_hash("project-a"), [*range(BS - 1), 99])]
+    follow_up = [*range(BS - 1), 99, 7]
+    assert kv.get_computed_blocks(salted(make_request("b", follow_up), "project-a"))[1] == BS
+    assert kv.get_computed_blocks(salted(make_request("c", follow_up), "project-c"))[1] == 0
 
 
 def test_partial_last_block_and_whole_prompt_never_shared() -> None:
