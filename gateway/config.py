@@ -12,6 +12,7 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as token ids
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 DEFAULT_PROJECT_MAX_FILE_BYTES = 100 * 1024**3  # OpenAI's storage limit per organization
 DEFAULT_PROJECT_MAX_ACTIVE_BATCHES = 100
+DEFAULT_MIN_FREE_DISK_BYTES = 1024 * 1024**2  # below this free on the blob volume: 507 for new uploads and batches
 DNS_PREFIX = "dns:"  # an engine target whose every resolved address is one engine
 
 
@@ -42,7 +43,8 @@ class GatewayConfig:
     the same database runs them), each with at most `batch_window` engine items in flight (None: twice the
     engine's max_num_seqs), holding a batch under a lease of `batch_lease_s` seconds (a worker that dies
     releases its batch when the lease runs out). Every `file_sweep_interval_s` the files whose expiry has
-    passed are deleted.
+    passed are deleted. Below `min_free_disk_bytes` free on the blob directory's file system (0: no floor),
+    uploads and new batches are refused with 507 (gateway/disk.py).
     """
 
     engines: tuple[str, ...]
@@ -64,6 +66,7 @@ class GatewayConfig:
     batch_window: int | None = None
     batch_lease_s: float = 30.0
     file_sweep_interval_s: float = 60.0
+    min_free_disk_bytes: int = DEFAULT_MIN_FREE_DISK_BYTES
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -74,6 +77,8 @@ class GatewayConfig:
             raise ValueError("batch_lease_s must be more than 1 second")
         if self.file_sweep_interval_s <= 0:
             raise ValueError("file_sweep_interval_s must be positive")
+        if self.min_free_disk_bytes < 0:
+            raise ValueError("min_free_disk_bytes must be >= 0 (0: no floor)")
         for name in ("project_max_file_bytes", "project_max_active_batches"):
             value = getattr(self, name)
             if value is not None and value < 0:

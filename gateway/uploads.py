@@ -2,7 +2,10 @@
 
 The `file` part goes straight into a temporary file in the blob directory and is refused (413) the moment it
 passes the size cap, so an upload is never held whole in memory nor written beyond the cap; the other parts
-are small form fields (e.g. `purpose`), kept in memory up to a few KiB each.
+are small form fields (e.g. `purpose`), kept in memory up to a few KiB each, and the whole body, parts skipped
+included, may not pass the cap plus `FORM_OVERHEAD_BYTES`. With an `UploadQuota` (gateway/disk.py), no byte of
+the file is written before the quota holds room for it: the declared size is reserved before the body is read,
+and a chunked body's reservation grows a step at a time, the upload refused when the quota has no more room.
 
 The event loop only receives the body: it gathers up to `FEED_BYTES` of it, then a worker thread parses that
 and writes the file's bytes (a write can wait on the disk for long), while uvicorn keeps reading the socket.
@@ -18,6 +21,7 @@ from typing import BinaryIO
 from python_multipart.multipart import MultipartParseError, MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 
+from gateway.disk import UploadQuota
 from gateway.errors import APIError, invalid
 from gateway.store.blobs import BlobStore
 
@@ -53,10 +57,11 @@ def safe_filename(name: str) -> str:
 class _FormReader:
     """Callbacks for MultipartParser that route each part to the file or to a field."""
 
-    def __init__(self, upload: Upload, out: BinaryIO, max_bytes: int) -> None:
+    def __init__(self, upload: Upload, out: BinaryIO, max_bytes: int, quota: UploadQuota | None = None) -> None:
         self.upload = upload
         self.out = out
         self.max_bytes = max_bytes
+        self.quota = quota
         self._header_name = b""
         self._header_value = b""
         self._disposition = b""
@@ -106,6 +111,8 @@ class _FormReader:
             self.upload.size += end - start
             if self.upload.size > self.max_bytes:
                 raise too_large(self.max_bytes)
+            if self.quota is not None:
+                self.quota.ensure(self.upload.size)  # may wait on the database: this runs in the parsing thread
             self.out.write(memoryview(data)[start:end])
         elif self._part is not None:
             self._buffer += data[start:end]
@@ -117,9 +124,14 @@ class _FormReader:
             self.upload.fields[self._part] = self._buffer.decode("utf-8", "replace")
 
 
-async def receive_upload(request: Request, blobs: BlobStore, max_bytes: int) -> Upload:
+async def receive_upload(
+    request: Request, blobs: BlobStore, max_bytes: int, quota: UploadQuota | None = None
+) -> Upload:
     """Read a multipart/form-data body into an Upload; APIError (400, 413) for a body that is not one or a
-    file over `max_bytes`. The caller owns `Upload.temp` once this returns."""
+    file over `max_bytes`. With `quota`, its hold is taken before the body is read (the declared file size:
+    the Content-Length less the two boundary lines every form has, at most `max_bytes`; or a first step for a
+    chunked body) and grown before each write past it: APIError 400 `storage_limit_exceeded` or 507 when it
+    cannot be. The caller owns `Upload.temp` once this returns, and releases `quota`."""
     content_type, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if content_type != b"multipart/form-data" or not boundary:
@@ -127,12 +139,16 @@ async def receive_upload(request: Request, blobs: BlobStore, max_bytes: int) -> 
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes + FORM_OVERHEAD_BYTES:
         raise too_large(max_bytes)
+    if quota is not None:
+        declared = min(max(int(length) - 2 * len(boundary) - 8, 0), max_bytes) if length.isdigit() else None
+        await asyncio.to_thread(quota.start, declared)
     temp, out = await asyncio.to_thread(blobs.temp_file)
     upload = Upload(temp)
     try:
         with out:
-            parser = MultipartParser(boundary, _FormReader(upload, out, max_bytes).callbacks())  # type: ignore[arg-type]
-            await _feed(request, parser)
+            reader = _FormReader(upload, out, max_bytes, quota)
+            parser = MultipartParser(boundary, reader.callbacks())  # type: ignore[arg-type]
+            await _feed(request, parser, max_bytes + FORM_OVERHEAD_BYTES)
     except BaseException as exc:
         if isinstance(exc, Exception):
             await asyncio.to_thread(blobs.discard, temp)  # unlinking a large partial file is disk work too
@@ -146,11 +162,17 @@ async def receive_upload(request: Request, blobs: BlobStore, max_bytes: int) -> 
     return upload
 
 
-async def _feed(request: Request, parser: MultipartParser) -> None:
-    """Push the body through `parser` in a worker thread, `FEED_BYTES` at a time, and finalize it there."""
+async def _feed(request: Request, parser: MultipartParser, max_body_bytes: int) -> None:
+    """Push the body through `parser` in a worker thread, `FEED_BYTES` at a time, and finalize it there; 413 once
+    the body passes `max_body_bytes` (a chunked body's parts that are skipped count too)."""
     pending: list[bytes] = []
     size = 0
+    body = 0
     async for chunk in request.stream():
+        body += len(chunk)
+        if body > max_body_bytes:
+            raise APIError(413, f"the upload's body is larger than {max_body_bytes} bytes (the file size limit plus "
+                           f"{FORM_OVERHEAD_BYTES} for the rest of the form)", code="file_too_large")
         pending.append(chunk)
         size += len(chunk)
         if size >= FEED_BYTES:

@@ -1,6 +1,7 @@
 """`/v1/batches`: create, retrieve, list and cancel OpenAI batch jobs. The work happens in the batch workers
 (gateway/batches/worker.py); these routes only store and read records, each request those of its project (another
-project's batch or input file is answered as unknown, 404)."""
+project's batch or input file is answered as unknown, 404). Below the free-space floor a new batch is refused with
+507 (gateway/disk.py): its results would need room."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from gateway.batches.lines import ENDPOINTS
 from gateway.batches.objects import batch_object, list_object
 from gateway.deps import Batches, Config, Project, require_api_key
+from gateway.disk import require_free_space
 from gateway.errors import APIError, invalid
 from gateway.routers.files import find_file
 from gateway.schemas.batches import CreateBatchRequest
@@ -45,6 +47,7 @@ async def create_batch(body: CreateBatchRequest, batches: Batches, config: Confi
     window_s = COMPLETION_WINDOWS.get(body.completion_window)
     if window_s is None:
         raise invalid(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", "completion_window")
+    await asyncio.to_thread(require_free_space, batches.blobs, config.min_free_disk_bytes)
     source = await find_file(batches.files, body.input_file_id, project, "input_file_id")
     if source.purpose != "batch":
         raise invalid(f"file {source.id} was uploaded with purpose {source.purpose!r}; a batch reads only files "

@@ -1,6 +1,8 @@
 """`/v1/files`: upload (streamed to the blob directory), list, retrieve, content, delete — OpenAI's file API.
 
 Every route sees only the files of the request's project: another project's file is answered as unknown (404).
+An upload holds room in its project's quota before it writes (gateway/disk.py), so it is refused, not written,
+when the project is full; below the free-space floor it is refused with 507.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import ValidationError
 
 from gateway.batches.objects import file_object, list_object
 from gateway.deps import Batches, Config, Project, require_api_key
+from gateway.disk import RESERVATION_PREFIX, UploadQuota, storage_limit
 from gateway.errors import APIError, invalid
 from gateway.schemas.batches import ExpiresAfter
 from gateway.store.blobs import upload_key
@@ -69,15 +72,16 @@ def expires_after_s(fields: dict[str, str]) -> int | None:
         raise invalid(f"{param}: {error['msg']}", param) from None
 
 
-def storage_limit(exc: ProjectLimitError) -> APIError:
-    # OpenAI answers a full file storage with a 400 as well.
-    return APIError(400, f"Project {exc.project} has reached its file storage limit: {exc.used} of {exc.limit} "
-                    "bytes are stored. Delete files to make room.", param="file", code="storage_limit_exceeded")
-
-
 @router.post("/v1/files", response_model=None, openapi_extra=UPLOAD_BODY)
 async def create_file(request: Request, batches: Batches, config: Config, project: Project) -> Any:
-    upload = await receive_upload(request, batches.blobs, config.max_file_bytes)
+    quota = UploadQuota(batches.files, batches.blobs, project, config.project_max_file_bytes, config.max_file_bytes,
+                        config.min_free_disk_bytes, new_id(RESERVATION_PREFIX))
+    async with quota.renewed():
+        return await _store_upload(request, batches, config, quota)
+
+
+async def _store_upload(request: Request, batches: Batches, config: Config, quota: UploadQuota) -> Any:
+    upload = await receive_upload(request, batches.blobs, config.max_file_bytes, quota)
     try:
         purpose = upload.fields.get("purpose")
         if purpose not in UPLOAD_PURPOSES:
@@ -87,11 +91,11 @@ async def create_file(request: Request, batches: Batches, config: Config, projec
             raise invalid("the body has no `file` part", "file")
         lifetime_s = expires_after_s(upload.fields)
         file_id = new_id(FILE_PREFIX)
-        record = FileStore.record(file_id, upload.filename, purpose, upload.size, upload_key(file_id), project,
+        record = FileStore.record(file_id, upload.filename, purpose, upload.size, upload_key(file_id), quota.project,
                                   lifetime_s)
         await asyncio.to_thread(batches.blobs.publish, upload.temp, record.blob_key)
         try:
-            await asyncio.to_thread(batches.files.add, record, config.project_max_file_bytes)
+            await asyncio.to_thread(batches.files.add, record, config.project_max_file_bytes, quota.id)
         except BaseException as exc:
             await asyncio.to_thread(batches.blobs.delete, record.blob_key)
             if isinstance(exc, ProjectLimitError):

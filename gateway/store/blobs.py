@@ -9,6 +9,7 @@ another file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -133,6 +134,39 @@ class BlobStore:
             except FileNotFoundError:
                 pass
         return removed
+
+    def free_bytes(self) -> int:
+        """Bytes free on the blob directory's file system for an unprivileged writer (one statvfs call)."""
+        return shutil.disk_usage(self.root).free
+
+    def old_uploads(self, older_than_s: float) -> Iterator[str]:
+        """The keys of upload blobs (`files/<id>`) last written more than `older_than_s` seconds ago."""
+        yield from self._old_files("files", time.time() - older_than_s)
+
+    def batch_ids(self) -> Iterator[str]:
+        """The batch ids that have a directory under `batches/`."""
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root / "batches"):
+                if entry.is_dir(follow_symlinks=False):
+                    yield entry.name
+
+    def old_batch_files(self, batch_id: str, older_than_s: float) -> Iterator[str]:
+        """The keys of the files in a batch's directory (segments, result files) last written more than
+        `older_than_s` seconds ago."""
+        yield from self._old_files(batch_dir_key(batch_id), time.time() - older_than_s)
+
+    def remove_dir_if_empty(self, key: str) -> None:
+        with contextlib.suppress(OSError):  # not empty, or already gone
+            self.path(key).rmdir()
+
+    def _old_files(self, folder: str, cutoff: float) -> Iterator[str]:
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root / folder):
+                try:
+                    if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        yield f"{folder}/{entry.name}"
+                except FileNotFoundError:
+                    continue
 
 
 class SegmentWriter:

@@ -103,3 +103,15 @@ meta = Table(
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )
+
+# Bytes an upload in progress holds against its project's quota (`FileStore.reserve`): taken before any of its
+# bytes are written, dropped when its file record is inserted or the upload ends. A row whose `expires_at` has
+# passed (its gateway died mid-upload and stopped renewing it) counts for nothing and is deleted by the sweeper.
+upload_reservations = Table(
+    "ladle_upload_reservations",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("project", String(64), nullable=False, index=True),
+    Column("bytes", BigInteger, nullable=False),
+    Column("expires_at", Float, nullable=False, index=True),
+)
