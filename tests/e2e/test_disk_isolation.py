@@ -4,6 +4,7 @@ with and without a Content-Length; below the free-space floor uploads and batche
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -48,10 +49,8 @@ def blob_bytes(root: Path) -> int:
     total = 0
     for folder, _, names in os.walk(root):
         for name in names:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # published or discarded meanwhile
                 total += os.stat(os.path.join(folder, name)).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
