@@ -7,7 +7,7 @@ the core (engine_server.frontend), so the core can run on its own thread or proc
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -168,9 +168,20 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request. Raises QueueFullError when the waiting queue is full."""
-        if self.speculator is not None and request.pooling is None:
-            self.speculator.admit(request)
-        self.scheduler.add_request(request)
+        self.add_requests([request])
+
+    def add_requests(self, group: Sequence[Request]) -> None:
+        """Queue the validated requests of one call together (`Scheduler.add_requests`): all or, raising
+        QueueFullError when their class's queue is full (ValueError on a duplicate id), none."""
+        self.scheduler.add_requests(group)
+        if self.speculator is not None:
+            for request in group:
+                if request.pooling is None:
+                    self.speculator.admit(request)
+
+    def has_room(self, priority: Priority) -> bool:
+        """Whether a call of `priority` would be admitted now (`Scheduler.has_room`)."""
+        return self.scheduler.has_room(priority)
 
     def abort_requests(self, request_ids: list[str]) -> list[CoreOutput]:
         """Abort requests in any state; their blocks are free when this returns. Unknown ids are ignored."""

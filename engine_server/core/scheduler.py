@@ -149,12 +149,32 @@ class Scheduler:
 
     # -- admission and removal -----------------------------------------------------------------------
 
+    def has_room(self, priority: Priority) -> bool:
+        """Whether `add_requests` would admit a group of `priority` now: its class's queue holds fewer than
+        `max_waiting` requests. Each class counts only its own queue, so queued BATCH work never turns an
+        INTERACTIVE request away."""
+        return len(self._waiting[priority]) < self.config.max_waiting
+
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises QueueFullError at `max_waiting`, ValueError on a duplicate id."""
-        if request.request_id in self._requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        if self.num_waiting >= self.config.max_waiting:
+        """Queue a new request: `add_requests` of a group of one."""
+        self.add_requests([request])
+
+    def add_requests(self, group: Sequence[Request]) -> None:
+        """Queue the requests of one call (its choices, or its pooling inputs) together, all of one priority:
+        admitted while their class has room (`has_room`), whatever their number, so a call is never refused
+        for its size and never half admitted. Raises QueueFullError otherwise, ValueError on a duplicate id
+        (nothing is queued then)."""
+        seen: set[str] = set()
+        for request in group:
+            if request.request_id in self._requests or request.request_id in seen:
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            seen.add(request.request_id)
+        if group and not self.has_room(group[0].priority):
             raise QueueFullError(f"too many queued requests (max_waiting={self.config.max_waiting})")
+        for request in group:
+            self._queue(request)
+
+    def _queue(self, request: Request) -> None:
         seq = next(self._counter)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request

@@ -16,13 +16,15 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from engine_server.core.engine_core import CoreOutput, EngineCore, coalesce
-from engine_server.core.request import Priority, Request
+from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.frontend import split_core_request_id
 
 log = structlog.get_logger(__name__)
@@ -57,6 +59,14 @@ class LoadSnapshot:
 class _Add:
     request_id: str
     requests: Sequence[Request]
+    wait: bool = False  # held while its class's queue is full, instead of refused (QueueFullError)
+
+    @property
+    def priority(self) -> Priority:
+        return self.requests[0].priority
+
+    def expired(self, now: float) -> bool:
+        return any(r.deadline is not None and r.deadline <= now for r in self.requests)
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,8 @@ class EngineLoop:
         self._outbox_lock = threading.Lock()
         self._dispatch_scheduled = False
         self._live: set[str] = set()  # core thread only: core ids added and not yet finished
+        # Core thread only: adds that wait for room in their class's queue (`add(wait=True)`), in arrival order.
+        self._held: deque[_Add] = deque()
         self._load = self._snapshot()
         # Stops a running BATCH step when an INTERACTIVE request is added (engine_server.step_interrupt); None
         # where steps cannot be stopped. The event loop sets it after queueing the command, the core thread
@@ -162,9 +174,15 @@ class EngineLoop:
         self._commands.put(_STOP)
         self._thread.join()
 
-    def add(self, request_id: str, requests: Sequence[Request], final_only: bool = False) -> RequestStream:
-        """Submit the core requests of one caller request; their outputs arrive on the returned stream (each
-        choice only once it has finished, if `final_only`)."""
+    def add(
+        self, request_id: str, requests: Sequence[Request], final_only: bool = False, wait: bool = False
+    ) -> RequestStream:
+        """Submit the core requests of one caller request (all of one priority); their outputs arrive on the
+        returned stream (each choice only once it has finished, if `final_only`). When their class's queue is
+        full the stream gets QueueFullError, or with `wait` the requests are held, in arrival order, until the
+        queue has room: a held request whose deadline passes finishes FINISHED_DEADLINE, and an abort finishes
+        it FINISHED_ABORTED, as if it had been queued. The Batch RPC waits: its reading ahead is bounded, and a
+        caller's item is never refused for load the call itself caused."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = RequestStream(request_id, [r.request_id for r in requests])
@@ -172,7 +190,7 @@ class EngineLoop:
             request.final_only = final_only  # before the core thread sees it
             self._stream_of[request.request_id] = stream
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, list(requests)))
+        self._commands.put(_Add(request_id, list(requests), wait))
         if self._interrupt is not None and any(request.priority is Priority.INTERACTIVE for request in requests):
             self._interrupt.set()
         return stream
@@ -238,6 +256,8 @@ class EngineLoop:
                     stopping = True
                 else:
                     self._apply(command, outputs, errors)
+            if self._held:
+                self._admit_held(outputs, errors)
             if not stopping and self._core.has_unfinished():
                 self._step(outputs, errors)
             for output in outputs:
@@ -260,20 +280,48 @@ class EngineLoop:
 
     def _apply(self, command: _Command, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
         if isinstance(command, _Add):
-            added: list[str] = []
-            try:
-                for request in command.requests:
-                    self._core.add_request(request)
-                    added.append(request.request_id)
-                    self._live.add(request.request_id)
-            except Exception as exc:  # QueueFullError, a duplicate id: this request fails, nothing else does
-                self._core.abort_requests(added)
-                self._live.difference_update(added)
-                errors[command.request_id] = exc
+            if command.wait and (self._held or not self._core.has_room(command.priority)):
+                self._held.append(command)  # behind those already waiting for room: arrival order
+            else:
+                self._admit(command, errors)
         elif isinstance(command, _Abort):
             outputs.extend(self._core.abort_requests(list(command.core_ids)))
+            if self._held:
+                aborted = set(command.core_ids)
+                outputs.extend(self._release_held(lambda c: any(r.request_id in aborted for r in c.requests),
+                                                  RequestStatus.FINISHED_ABORTED))
         elif isinstance(command, _AbortAll):
             outputs.extend(self._core.abort_requests(sorted(self._live)))
+            outputs.extend(self._release_held(lambda c: True, RequestStatus.FINISHED_ABORTED))
+
+    def _admit(self, command: _Add, errors: dict[str, BaseException]) -> None:
+        try:
+            self._core.add_requests(command.requests)
+        except Exception as exc:  # QueueFullError, a duplicate id: this request fails, nothing else does
+            errors[command.request_id] = exc
+            return
+        self._live.update(r.request_id for r in command.requests)
+
+    def _admit_held(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
+        """Admit the held adds, in order, while their class has room; finish those whose deadline passed."""
+        now = time.monotonic()
+        outputs.extend(self._release_held(lambda c: c.expired(now), RequestStatus.FINISHED_DEADLINE))
+        while self._held and self._core.has_room(self._held[0].priority):
+            self._admit(self._held.popleft(), errors)
+
+    def _release_held(self, which: Callable[[_Add], bool], status: RequestStatus) -> list[CoreOutput]:
+        """Take the held adds `which` selects out of the queue, their requests finished with `status` (they never
+        reached the core, so nothing else is to free)."""
+        released = [c for c in self._held if which(c)]
+        if not released:
+            return []
+        self._held = deque(c for c in self._held if not which(c))
+        outputs: list[CoreOutput] = []
+        for command in released:
+            for request in command.requests:
+                request.status = status
+                outputs.append(CoreOutput(request.request_id, [], status))
+        return outputs
 
     def _step(self, outputs: list[CoreOutput], errors: dict[str, BaseException]) -> None:
         try:
@@ -315,7 +363,7 @@ class EngineLoop:
         stats = speculator.stats if speculator is not None else None
         return LoadSnapshot(
             running=scheduler.num_running,
-            waiting=scheduler.num_waiting,
+            waiting=scheduler.num_waiting + sum(len(c.requests) for c in self._held),
             kv_blocks_used=kv.num_used_blocks,
             kv_blocks_total=kv.num_blocks,
             kv_block_size=kv.block_size,

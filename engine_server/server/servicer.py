@@ -191,6 +191,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 class _BatchRun:
     """One Batch call: reads items while fewer than `window` are unfinished or unsent, runs each concurrently,
     and hands back each result as soon as it is ready. A bad item becomes an ItemError; the call goes on.
+    An item never fails for load: while its class's queue is full it waits in the engine for room
+    (`EngineLoop.add(wait=True)`), since this call's own reading ahead is what filled it.
     """
 
     def __init__(
@@ -273,24 +275,26 @@ class _BatchRun:
         if pooling == "embed":
             embed = _with_request_id(convert_pooling.embed_input(item.embed, Priority.BATCH))
             with structlog.contextvars.bound_contextvars(request_id=embed.request_id, item_id=item.item_id):
-                embedded = await engine.embed(embed, self._deadline)
+                embedded = await engine.embed(embed, self._deadline, wait=True)
             response.embed_result.CopyFrom(convert_pooling.embed_response(embedded, model))
         elif pooling == "score":
             score = _with_request_id(convert_pooling.score_input(item.score, Priority.BATCH))
             with structlog.contextvars.bound_contextvars(request_id=score.request_id, item_id=item.item_id):
-                scored = await engine.score(score, self._deadline)
+                scored = await engine.score(score, self._deadline, wait=True)
             response.score_result.CopyFrom(convert_pooling.score_response(scored, model))
         else:
             defaults = engine.info.generation_defaults
             generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH, defaults))
             with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id):
-                result = await _run_to_end(engine, generation, self._deadline)
+                result = await _run_to_end(engine, generation, self._deadline, wait=True)
             response.result.CopyFrom(convert.generate_response(result, model))
 
 
-async def _run_to_end(engine: ServingEngine, generation: GenerationInput, deadline: float | None) -> GenerationResult:
+async def _run_to_end(
+    engine: ServingEngine, generation: GenerationInput, deadline: float | None, wait: bool = False
+) -> GenerationResult:
     result: GenerationResult | None = None
-    async with contextlib.aclosing(engine.generate(generation, deadline, whole=True)) as updates:
+    async with contextlib.aclosing(engine.generate(generation, deadline, whole=True, wait=wait)) as updates:
         async for update in updates:
             result = update.result
     if result is None or not result.finished:

@@ -259,7 +259,7 @@ class ServingEngine:
         return TokenizeResult(list(ids), self.token_text.token_strings(ids), text)
 
     async def generate(
-        self, request: GenerationInput, deadline: float | None = None, whole: bool = False
+        self, request: GenerationInput, deadline: float | None = None, whole: bool = False, wait: bool = False
     ) -> AsyncGenerator[StepUpdate, None]:
         """Run one request; yield once per core step that advanced it, the last update with `finished` set.
 
@@ -267,7 +267,8 @@ class ServingEngine:
         RequestDeadlineError. Raises ValidationError before anything runs, QueueFullError when the waiting queue
         is full. Closing the generator early (the caller cancelled) aborts the request in the core. With `whole`
         (a caller that wants only the result), a choice without stop strings is applied once, at its finish,
-        which spares the event loop its per-step work.
+        which spares the event loop its per-step work. With `wait`, a full waiting queue holds the request until
+        it has room (`EngineLoop.add`) instead of raising QueueFullError.
         """
         if self.info.pooling.encoder:
             raise UnsupportedByModelError(ENCODER_GENERATES)
@@ -283,7 +284,8 @@ class ServingEngine:
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing
         )
-        stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step)
+        stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step,
+                               wait=wait)
         unfinished = set(stream.core_ids)
 
         def report(outcome: str) -> None:
@@ -295,30 +297,32 @@ class ServingEngine:
                 if deltas:
                     yield StepUpdate(deltas, tracker.result, finished=not unfinished)
 
-    async def embed(self, call: EmbedInput, deadline: float | None = None) -> EmbedResult:
-        """One vector per input, in order (`deadline` and cancelling as in `generate`); raises ValidationError
-        before anything runs, QueueFullError when the waiting queue is full."""
+    async def embed(self, call: EmbedInput, deadline: float | None = None, wait: bool = False) -> EmbedResult:
+        """One vector per input, in order (`deadline`, `wait` and cancelling as in `generate`); raises
+        ValidationError before anything runs, QueueFullError when the waiting queue is full."""
         check_num_inputs(len(call.prompts), "input")
         params = self.info.pooling.params(call.normalize, call.dimensions)
         token_ids = await self._pooling_token_ids(call.prompts, call.truncate_prompt_tokens, "input")
-        vectors = await self._pool(call.request_id, token_ids, params, call.priority, deadline, call.cache_salt)
+        vectors = await self._pool(call.request_id, token_ids, params, call.priority, deadline, call.cache_salt,
+                                   wait)
         return EmbedResult(call.request_id, vectors, [len(ids) for ids in token_ids])
 
-    async def score(self, call: ScoreInput, deadline: float | None = None) -> ScoreResult:
+    async def score(self, call: ScoreInput, deadline: float | None = None, wait: bool = False) -> ScoreResult:
         """Each document's score against the query, in order (as `embed`): the cosine similarity of their
         embeddings, or a cross-encoder's relevance of the pair."""
         check_num_inputs(len(call.documents), "documents")
         truncate = call.truncate_prompt_tokens
         if self.info.pooling.cross_encoder:
-            return await self._score_pairs(call, deadline)
+            return await self._score_pairs(call, deadline, wait)
         query = await self._pooling_token_ids([call.query], truncate, "query")
         documents = await self._pooling_token_ids(call.documents, truncate, "documents")
         params = self.info.pooling.params(normalize=False)  # the cosine normalizes
-        vectors = await self._pool(call.request_id, query + documents, params, call.priority, deadline, call.cache_salt)
+        vectors = await self._pool(call.request_id, query + documents, params, call.priority, deadline,
+                                   call.cache_salt, wait)
         tokens = sum(len(ids) for ids in query + documents)
         return ScoreResult(call.request_id, cosine_scores(vectors[0], vectors[1:]), tokens)
 
-    async def _score_pairs(self, call: ScoreInput, deadline: float | None) -> ScoreResult:
+    async def _score_pairs(self, call: ScoreInput, deadline: float | None, wait: bool) -> ScoreResult:
         """`score` on a cross-encoder: each (query, document) pair through its classifier."""
 
         def tokenize() -> list[list[int]]:
@@ -326,7 +330,7 @@ class ServingEngine:
 
         pairs: list[list[int]] = await self._off_loop(tokenize)
         params = self.info.pooling.pair_params()
-        scores = await self._pool(call.request_id, pairs, params, call.priority, deadline, call.cache_salt)
+        scores = await self._pool(call.request_id, pairs, params, call.priority, deadline, call.cache_salt, wait)
         return ScoreResult(call.request_id, [float(score[0]) for score in scores], sum(len(ids) for ids in pairs))
 
     async def _pooling_token_ids(self, prompts: Sequence[Prompt], truncate: int | None, param: str) -> list[list[int]]:
@@ -344,6 +348,7 @@ class ServingEngine:
         priority: Priority,
         deadline: float | None,
         cache_salt: str,
+        wait: bool = False,
     ) -> list[torch.Tensor]:
         """Run one pooling request per input through the core, in the prefix-cache namespace `cache_salt`; their
         vectors in order. Closing early (the caller cancelled) aborts what has not finished."""
@@ -351,7 +356,7 @@ class ServingEngine:
         requests = pooling_requests(
             internal_id, token_ids, params, self.info.context_length, priority, deadline, cache_salt
         )
-        stream = self.loop.add(internal_id, requests, final_only=True)
+        stream = self.loop.add(internal_id, requests, final_only=True, wait=wait)
         vectors: dict[int, torch.Tensor] = {}
         unfinished = set(stream.core_ids)
 

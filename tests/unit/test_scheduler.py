@@ -224,6 +224,22 @@ def test_queue_full() -> None:
     sched.add_request(make_request("c", 5))
 
 
+def test_a_call_is_admitted_whole_while_its_class_has_room() -> None:
+    """One call's requests (its choices, its pooling inputs) are queued together: a group larger than
+    max_waiting is admitted when the queue has a free place, never half of it; each class counts its own."""
+    sched = make_scheduler(max_waiting=2)
+    sched.add_requests([make_request(f"a:{i}", 5, priority=Priority.BATCH) for i in range(5)])
+    assert sched.num_waiting == 5 and not sched.has_room(Priority.BATCH)
+    with pytest.raises(QueueFullError):
+        sched.add_requests([make_request(f"b:{i}", 5, priority=Priority.BATCH) for i in range(2)])
+    assert sched.num_waiting == 5  # nothing of the refused call was queued
+    assert sched.has_room(Priority.INTERACTIVE)  # queued batch work never turns an interactive call away
+    sched.add_requests([make_request(f"c:{i}", 5) for i in range(3)])
+    with pytest.raises(ValueError, match="duplicate"):
+        sched.add_requests([make_request("d:0", 5), make_request("d:0", 5)])
+    assert sched.get_request("d:0") is None
+
+
 def _run_with_tokens(sched: Scheduler, tokens: list[int]) -> None:
     """Drive the scheduler until done, answering every sample with the next of `tokens`."""
     feed = iter(tokens)
