@@ -101,9 +101,10 @@ def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
 class _Attempts:
     """The engines one call has tried, and its deadline (`request_timeout_s` from the first attempt)."""
 
-    def __init__(self, pool: EnginePool, inputs: Sequence[types_pb2.Input]) -> None:
+    def __init__(self, pool: EnginePool, inputs: Sequence[types_pb2.Input], cache_salt: str) -> None:
         self.pool = pool
         self.inputs = inputs
+        self.cache_salt = cache_salt  # the call's prefix-cache namespace, which routing hashes with its inputs
         self.tried: list[Engine] = []
         self.deadline = asyncio.get_running_loop().time() + pool.config.request_timeout_s
 
@@ -115,7 +116,7 @@ class _Attempts:
         """An engine for one attempt, counted as busy while the block runs. A gRPC failure becomes an APIError,
         except UNAVAILABLE while another attempt is allowed (`may_retry`): that one is re-raised as it is, for
         the caller to try again (or, for a stream that already produced output, to report)."""
-        engine = self.pool.pick(self.inputs, avoid=self.tried)
+        engine = self.pool.pick(self.inputs, avoid=self.tried, cache_salt=self.cache_salt)
         self.tried.append(engine)
         try:
             with holding(self.pool, engine):
@@ -138,11 +139,14 @@ class _Attempts:
 
 
 async def _unary(
-    pool: EnginePool, inputs: Sequence[types_pb2.Input], send: Callable[[Engine, float], Awaitable[T]]
+    pool: EnginePool,
+    inputs: Sequence[types_pb2.Input],
+    cache_salt: str,
+    send: Callable[[Engine, float], Awaitable[T]],
 ) -> T:
-    """`send(engine, timeout)` on an engine chosen for `inputs`, and once more on another if that one is
-    unavailable (see the module)."""
-    attempts = _Attempts(pool, inputs)
+    """`send(engine, timeout)` on an engine chosen for `inputs` (and the request's `cache_salt`), and once more on
+    another if that one is unavailable (see the module)."""
+    attempts = _Attempts(pool, inputs, cache_salt)
     while True:
         try:
             with attempts.on_engine() as engine:
@@ -153,17 +157,20 @@ async def _unary(
 
 async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
     """One non-streaming generation."""
-    return await _unary(pool, [request.input], lambda engine, timeout: engine.client.generate(request, timeout=timeout))
+    return await _unary(pool, [request.input], request.cache_salt,
+                        lambda engine, timeout: engine.client.generate(request, timeout=timeout))
 
 
 async def embed(pool: EnginePool, request: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
     """One Embed call (routed by its first input, like a generation)."""
-    return await _unary(pool, request.inputs[:1], lambda engine, timeout: engine.client.embed(request, timeout=timeout))
+    return await _unary(pool, request.inputs[:1], request.cache_salt,
+                        lambda engine, timeout: engine.client.embed(request, timeout=timeout))
 
 
 async def score(pool: EnginePool, request: engine_pb2.ScoreRequest) -> engine_pb2.ScoreResponse:
     """One Score call (routed by its query, like a generation)."""
-    return await _unary(pool, [request.query], lambda engine, timeout: engine.client.score(request, timeout=timeout))
+    return await _unary(pool, [request.query], request.cache_salt,
+                        lambda engine, timeout: engine.client.score(request, timeout=timeout))
 
 
 async def generate_all(
@@ -199,10 +206,11 @@ async def run_all(
 async def stream(pool: EnginePool, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.StreamResponse]:
     """The engine's stream for `request`, sent to a second engine if the first is unavailable before its first
     message. Closing the generator (or cancelling its consumer) cancels the call."""
-    attempts = _Attempts(pool, [request.input])
+    attempts = _Attempts(pool, [request.input], request.cache_salt)
     stream_request = engine_pb2.StreamRequest(
         request_id=request.request_id, input=request.input, sampling=request.sampling,
         constraint=request.constraint if request.HasField("constraint") else None, priority=request.priority,
+        cache_salt=request.cache_salt,
     )
     while True:
         produced = False
@@ -225,7 +233,7 @@ async def batch_rpc(
     input order. The first failed item ends the call and is reported as `{param}[i]` (its own field, e.g.
     max_tokens, when the engine names one). Nothing reaches the caller before the whole call is done, so an
     unavailable engine's call is sent whole to a second one."""
-    attempts = _Attempts(pool, [r.input for r in requests])
+    attempts = _Attempts(pool, [r.input for r in requests], requests[0].cache_salt if requests else "")
     while True:
         try:
             with attempts.on_engine() as engine:

@@ -101,19 +101,23 @@ class EnginePool:
     def ready(self) -> list[Engine]:
         return [e for e in self.engines if e.serving]
 
-    def pick(self, inputs: Sequence[types_pb2.Input] = (), avoid: Collection[Engine] = ()) -> Engine:
+    def pick(
+        self, inputs: Sequence[types_pb2.Input] = (), avoid: Collection[Engine] = (), cache_salt: str = ""
+    ) -> Engine:
         """The engine for a call carrying `inputs` (the first decides the route; all are recorded as sent to
         it), never one in `avoid`; HTTP 503 when no SERVING engine is left."""
         candidates = [e for e in self.engines if e.serving and e not in avoid]
         if not candidates:
             raise no_engine()
         by_prefix = self.router.config.policy == "cache_aware" and bool(inputs)
-        hashes = prefix_hashes(input_bytes(inputs[0])) if by_prefix else []
+        # Salted with the call's cache_salt, as the engine salts its blocks: a prefix draws only calls that could
+        # hit it there (one project's), never another project's calls to an engine for nothing.
+        hashes = prefix_hashes(input_bytes(inputs[0]), cache_salt=cache_salt) if by_prefix else []
         choice = self.router.choose(candidates, hashes)
         engine = candidates[choice.index]
         if by_prefix:
             for other in inputs[1:]:
-                engine.record.add(prefix_hashes(input_bytes(other)))
+                engine.record.add(prefix_hashes(input_bytes(other), cache_salt=cache_salt))
         self.routed[(engine.address, choice.reason)] += 1
         return engine
 

@@ -207,23 +207,25 @@ def validate(
 
 
 def engine_requests(
-    line: InputLine, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
+    line: InputLine, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None, *, cache_salt: str = ""
 ) -> list[EngineRequest]:
     """The engine requests for one line at batch priority: one, or one per prompt of a completions body with
     several (ids `{request_id}-{i}`), or one per distinct query of an N-vs-N score body. `info` as the routes
-    pass it to `translate.pooling_to_engine`. APIError if the body cannot be expressed."""
+    pass it to `translate.pooling_to_engine`; `cache_salt` the batch's project's
+    (`translate.cache_salt.project_cache_salt`), combined with a body's own `cache_salt` as the routes do.
+    APIError if the body cannot be expressed."""
     body = line.body
     requests: list[EngineRequest]
     if isinstance(body, ChatCompletionRequest):
-        requests = [to_engine.chat_request(body, body.messages, request_id)]
+        requests = [to_engine.chat_request(body, body.messages, request_id, cache_salt=cache_salt)]
     elif isinstance(body, CompletionRequest):
-        requests = list(to_engine.completion_requests(body, request_id))
+        requests = list(to_engine.completion_requests(body, request_id, cache_salt=cache_salt))
     elif isinstance(body, EmbeddingRequest):
-        requests = [pooling_to_engine.embed_request(body, request_id, info)]
+        requests = [pooling_to_engine.embed_request(body, request_id, info, cache_salt=cache_salt)]
     elif isinstance(body, ScoreRequest):
-        requests = list(pooling_to_engine.score_requests(body, request_id, info))
+        requests = list(pooling_to_engine.score_requests(body, request_id, info, cache_salt=cache_salt))
     else:
-        requests = [pooling_to_engine.rerank_request(body, request_id, info)]
+        requests = [pooling_to_engine.rerank_request(body, request_id, info, cache_salt=cache_salt)]
     for request in requests:
         request.priority = types_pb2.PRIORITY_BATCH
     return requests

@@ -14,10 +14,11 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway import calls
-from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.errors import invalid
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
+from gateway.translate.cache_salt import project_cache_salt
 from ladle.v1 import types_pb2
 
 ROUTE = "/v1/chat/completions/batch"
@@ -41,13 +42,17 @@ async def create_batch_chat_completion(
     pool: Pool,
     metrics: Metrics,
     rid: CallId,
+    project: Project,
 ) -> Any:
     model = served_model(pool, body.model)
     _refuse_unsupported(body)
     for i, conversation in enumerate(body.messages):
         if not conversation:
             raise invalid(f"conversation {i} has no messages", f"messages[{i}]")
-    requests = [to_engine.chat_request(body, conv, f"{rid}-{i}") for i, conv in enumerate(body.messages)]
+    salt = project_cache_salt(project)
+    requests = [
+        to_engine.chat_request(body, conv, f"{rid}-{i}", cache_salt=salt) for i, conv in enumerate(body.messages)
+    ]
     for request in requests:
         request.priority = types_pb2.PRIORITY_INTERACTIVE  # a caller is waiting on the HTTP response
     timer = RequestTimer(metrics, ROUTE)

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway import calls, sse
-from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
+from gateway.translate.cache_salt import project_cache_salt
 
 ROUTE = "/v1/chat/completions"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -24,9 +25,10 @@ async def create_chat_completion(
     pool: Pool,
     metrics: Metrics,
     rid: CallId,
+    project: Project,
 ) -> Any:
     model = served_model(pool, body.model)
-    request = to_engine.chat_request(body, body.messages, rid)
+    request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project))
     timer = RequestTimer(metrics, ROUTE)
     if body.stream:
         messages = await calls.started(calls.stream(pool, request))

@@ -9,10 +9,11 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway import calls, sse
-from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.schemas.completions import CompletionRequest
 from gateway.streaming import StreamHeader, completion_chunks
 from gateway.translate import from_engine, to_engine
+from gateway.translate.cache_salt import project_cache_salt
 
 ROUTE = "/v1/completions"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -24,9 +25,10 @@ async def create_completion(
     pool: Pool,
     metrics: Metrics,
     rid: CallId,
+    project: Project,
 ) -> Any:
     model = served_model(pool, body.model)
-    requests = to_engine.completion_requests(body, rid)
+    requests = to_engine.completion_requests(body, rid, cache_salt=project_cache_salt(project))
     prompts = body.prompts()
     echoes = [p if isinstance(p, str) else "" for p in prompts] if body.echo else []
     want_logprobs = body.logprobs is not None

@@ -9,19 +9,22 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway import calls
-from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.errors import APIError
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.translate import pooling_from_engine, pooling_to_engine
+from gateway.translate.cache_salt import project_cache_salt
 
 ROUTE = "/v1/embeddings"
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
 @router.post(ROUTE, response_model=None)
-async def create_embeddings(body: EmbeddingRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
+async def create_embeddings(
+    body: EmbeddingRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project
+) -> Any:
     model = served_model(pool, body.model)
-    request = pooling_to_engine.embed_request(body, rid, pool.model_info())
+    request = pooling_to_engine.embed_request(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
     timer = RequestTimer(metrics, ROUTE)
     try:
         reply = await calls.embed(pool, request)

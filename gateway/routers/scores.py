@@ -10,11 +10,12 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from gateway import calls
-from gateway.deps import CallId, Metrics, Pool, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.schemas.pooling import RerankRequest, ScoreRequest
 from gateway.translate import pooling_from_engine, pooling_to_engine
+from gateway.translate.cache_salt import project_cache_salt
 
 SCORE_ROUTE = "/v1/score"
 RERANK_ROUTE = "/v1/rerank"
@@ -28,9 +29,9 @@ def _model(pool: EnginePool, requested: str | None) -> str:
 
 @router.post("/score", response_model=None, include_in_schema=False)
 @router.post(SCORE_ROUTE, response_model=None)
-async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
+async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project) -> Any:
     model = _model(pool, body.model)
-    requests = pooling_to_engine.score_requests(body, rid, pool.model_info())
+    requests = pooling_to_engine.score_requests(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
     queries, _, (first, second) = pooling_to_engine.score_pairs(body)
     timer = RequestTimer(metrics, SCORE_ROUTE)
     try:
@@ -46,9 +47,9 @@ async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: Ca
 @router.post("/rerank", response_model=None, include_in_schema=False)
 @router.post("/v2/rerank", response_model=None, include_in_schema=False)
 @router.post(RERANK_ROUTE, response_model=None)
-async def create_rerank(body: RerankRequest, pool: Pool, metrics: Metrics, rid: CallId) -> Any:
+async def create_rerank(body: RerankRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project) -> Any:
     model = _model(pool, body.model)
-    request = pooling_to_engine.rerank_request(body, rid, pool.model_info())
+    request = pooling_to_engine.rerank_request(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
     timer = RequestTimer(metrics, RERANK_ROUTE)
     reply = await calls.score(pool, request)
     timer.finish([reply.usage])

@@ -98,6 +98,9 @@ class SamplingFields(BaseModel):
     json_schema: dict[str, Any] | str | None = None
     # Refused when set: ladle samples, it does not search.
     use_beam_search: bool = False
+    # vLLM's prefix-cache salt: requests share cached prompt blocks only with requests of the same project that
+    # send the same salt (gateway.translate.cache_salt); unset, with every request of the project.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("logit_bias")
     @classmethod

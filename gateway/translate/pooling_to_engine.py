@@ -3,6 +3,8 @@ a request the engine cannot express is a 400 naming the field.
 
 An embeddings body without `normalize` leaves it to the model's pooling configuration. A score body's two sides
 pair up 1 vs N or N vs N (`score_pairs`), one Score call per distinct first-side text (`score_groups`).
+Every request carries the caller's project's `cache_salt` (`translate.cache_salt`): a decoder's pooled inputs
+read and fill the same prefix cache as its generations.
 """
 
 from __future__ import annotations
@@ -20,13 +22,19 @@ from ladle.v1 import engine_pb2, types_pb2
 
 
 def embed_request(
-    body: EmbeddingRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
+    body: EmbeddingRequest,
+    request_id: str,
+    info: engine_pb2.GetModelInfoResponse | None = None,
+    *,
+    cache_salt: str = "",
 ) -> engine_pb2.EmbedRequest:
     """The engine's Embed request for an embeddings body: one input per string or token-id list of `input`, or one
     chat input for vLLM's `messages`. `info` (the engine's model info, when known) bounds `dimensions` and gives
-    `truncate_prompt_tokens: -1` its meaning, the context length."""
+    `truncate_prompt_tokens: -1` its meaning, the context length. `cache_salt`: the project's."""
     with unicode_text():
-        return _embed_request(body, request_id, info)
+        request = _embed_request(body, request_id, info)
+    request.cache_salt = cache_salt
+    return request
 
 
 def _embed_request(
@@ -142,9 +150,14 @@ def score_groups(queries: list[str]) -> list[list[int]]:
 
 
 def score_requests(
-    body: ScoreRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
+    body: ScoreRequest,
+    request_id: str,
+    info: engine_pb2.GetModelInfoResponse | None = None,
+    *,
+    cache_salt: str = "",
 ) -> list[engine_pb2.ScoreRequest]:
-    """One engine Score request per group of `score_groups` (ids `{request_id}-{k}` when there are several)."""
+    """One engine Score request per group of `score_groups` (ids `{request_id}-{k}` when there are several), each
+    with the project's `cache_salt`."""
     with unicode_text():
         queries, documents, _ = score_pairs(body)
         groups = score_groups(queries)
@@ -155,6 +168,7 @@ def score_requests(
                 request_id=request_id if len(groups) == 1 else f"{request_id}-{k}",
                 query=types_pb2.Input(text=queries[group[0]]),
                 documents=[types_pb2.Input(text=documents[p]) for p in group],
+                cache_salt=cache_salt,
             )
             if truncate is not None:
                 request.truncate_prompt_tokens = truncate
@@ -163,9 +177,14 @@ def score_requests(
 
 
 def rerank_request(
-    body: RerankRequest, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None
+    body: RerankRequest,
+    request_id: str,
+    info: engine_pb2.GetModelInfoResponse | None = None,
+    *,
+    cache_salt: str = "",
 ) -> engine_pb2.ScoreRequest:
-    """The engine's Score request for a rerank body: the query against every document."""
+    """The engine's Score request for a rerank body: the query against every document, with the project's
+    `cache_salt`."""
     if not body.query:
         raise invalid("query must not be empty", "query")
     texts = body.document_texts()
@@ -179,7 +198,7 @@ def rerank_request(
             raise invalid(f"documents[{i}] must not be empty", f"documents[{i}]")
     with unicode_text():
         request = engine_pb2.ScoreRequest(request_id=request_id, query=types_pb2.Input(text=body.query),
-                                          documents=[types_pb2.Input(text=t) for t in texts])
+                                          documents=[types_pb2.Input(text=t) for t in texts], cache_salt=cache_salt)
     truncate = _truncation(body.truncate_prompt_tokens, info)
     if truncate is not None:
         request.truncate_prompt_tokens = truncate

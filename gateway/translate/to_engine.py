@@ -23,6 +23,7 @@ from gateway.schemas.chat import (
 )
 from gateway.schemas.common import UINT32_MAX, SamplingFields
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
+from gateway.translate.cache_salt import request_cache_salt
 from ladle.v1 import engine_pb2, types_pb2
 
 ENGINE_SEEDS = 2**63  # the engine takes seeds in [0, 2**63) (engine_server.sampling_params.SEED_LIMIT)
@@ -203,13 +204,18 @@ def unicode_text() -> Iterator[None]:
                       "send UTF-8 text without unpaired \\ud800-\\udfff escapes") from None
 
 
-def chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str) -> engine_pb2.GenerateRequest:
-    """One engine request for one conversation of a chat body."""
+def chat_request(
+    body: ChatFields, messages: list[ChatMessage], request_id: str, *, cache_salt: str = ""
+) -> engine_pb2.GenerateRequest:
+    """One engine request for one conversation of a chat body. `cache_salt` is the caller's project's
+    (`cache_salt.project_cache_salt`); the request carries it combined with the body's own `cache_salt`."""
     with unicode_text():
-        return _chat_request(body, messages, request_id)
+        return _chat_request(body, messages, request_id, cache_salt)
 
 
-def _chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str) -> engine_pb2.GenerateRequest:
+def _chat_request(
+    body: ChatFields, messages: list[ChatMessage], request_id: str, cache_salt: str
+) -> engine_pb2.GenerateRequest:
     logprobs = body.logprobs
     if body.top_logprobs and not logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
@@ -217,6 +223,7 @@ def _chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str
         request_id=request_id,
         input=chat_input(body, messages),
         sampling=sampling(body, body.completion_cap(), logprobs, body.top_logprobs or 0),
+        cache_salt=request_cache_salt(cache_salt, body.cache_salt),
     )
     spec = constraint(body)
     if spec is not None:
@@ -224,13 +231,18 @@ def _chat_request(body: ChatFields, messages: list[ChatMessage], request_id: str
     return request
 
 
-def completion_requests(body: CompletionRequest, request_id: str) -> list[engine_pb2.GenerateRequest]:
-    """One engine request per prompt of a completions body (ids `{request_id}-{i}` when there are several)."""
+def completion_requests(
+    body: CompletionRequest, request_id: str, *, cache_salt: str = ""
+) -> list[engine_pb2.GenerateRequest]:
+    """One engine request per prompt of a completions body (ids `{request_id}-{i}` when there are several), each
+    with the salt `chat_request` puts on its request."""
     with unicode_text():
-        return _completion_requests(body, request_id)
+        return _completion_requests(body, request_id, cache_salt)
 
 
-def _completion_requests(body: CompletionRequest, request_id: str) -> list[engine_pb2.GenerateRequest]:
+def _completion_requests(
+    body: CompletionRequest, request_id: str, cache_salt: str
+) -> list[engine_pb2.GenerateRequest]:
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -248,10 +260,13 @@ def _completion_requests(body: CompletionRequest, request_id: str) -> list[engin
     want_logprobs = body.logprobs is not None
     params = sampling(body, body.max_tokens, want_logprobs, body.logprobs or 0)
     spec = constraint(body)
+    salt = request_cache_salt(cache_salt, body.cache_salt)
     requests = []
     for i, prompt in enumerate(prompts):
         one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-        request = engine_pb2.GenerateRequest(request_id=one_id, input=prompt_input(prompt), sampling=params)
+        request = engine_pb2.GenerateRequest(
+            request_id=one_id, input=prompt_input(prompt), sampling=params, cache_salt=salt
+        )
         if spec is not None:
             request.constraint.CopyFrom(spec)
         requests.append(request)
