@@ -36,7 +36,8 @@ class GatewayConfig:
     (gateway/keys.py; read again on SIGHUP). With any key set, every route but /health needs one as a Bearer
     token, and a request acts for its key's project; with none, every request is the default project's.
     A project may store at most `project_max_file_bytes` of files and have `project_max_active_batches`
-    unfinished batches (None: no limit).
+    unfinished batches (None: no limit). `metrics_api_key` is the only key /metrics answers (None: the
+    default project's keys; with no keys at all, anyone).
 
     Files and batches: bytes under `data_dir`/blobs, records in `database_url` (default: SQLite in `data_dir`);
     uploads up to `max_file_bytes`. `batch_workers` run batches in this process (0: none; another replica on
@@ -67,6 +68,7 @@ class GatewayConfig:
     batch_lease_s: float = 30.0
     file_sweep_interval_s: float = 60.0
     min_free_disk_bytes: int = DEFAULT_MIN_FREE_DISK_BYTES
+    metrics_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.engines:

@@ -74,6 +74,27 @@ def authenticate(authorization: str, keys: KeyRing) -> str | APIError:
                     code="invalid_api_key")
 
 
+def authorize_metrics(authorization: str, keys: KeyRing) -> APIError | None:
+    """None if the Authorization header value carries a key that may read /metrics (`KeyRing.may_read_metrics`);
+    else the error to answer: 401 without a valid key, 403 for a project's key that is not the operator's."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    if keys.may_read_metrics(token):
+        return None
+    if token and keys.project_of(token) is not None:
+        return APIError(403, "This key cannot read /metrics: use the --metrics-api-key (or, without one, a key of "
+                        "the project 'default').", code="permission_denied")
+    return APIError(401, "Incorrect or missing API key for /metrics. Send it as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key")
+
+
+def require_metrics_key(request: Request) -> None:
+    """401/403 unless the request carries a key that may read /metrics (checked by the middleware first)."""
+    refusal = authorize_metrics(request.headers.get("authorization", ""), get_keys(request))
+    if refusal is not None:
+        raise refusal
+
+
 def request_project(request: Request) -> str:
     """The project the request acts for: its key's, found by RequestContextMiddleware before the body was read
     (checked here again only for an app run without it); 401 without a valid key."""

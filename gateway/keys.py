@@ -1,4 +1,5 @@
-"""API keys and the projects they belong to: `--api-key`, the `--api-keys-file`, and the constant-time lookup.
+"""API keys and the projects they belong to: `--api-key`, the `--api-keys-file`, `--metrics-api-key`, and the
+lookup by digest.
 
 The keys file holds one `KEY PROJECT` pair a line; blank lines and lines starting with `#` are skipped. A key
 appears once; a project name is 1-64 letters, digits, `.`, `_` or `-`. `--api-key` is a key of the default
@@ -68,17 +69,24 @@ def read_keys(api_key: str | None, keys_file: Path | None) -> dict[str, str]:
 
 class KeyRing:
     """The gateway's current keys. `required` is False when there are none: then every request is the default
-    project's. Keys are kept as SHA-256 digests, so every comparison takes the same time whatever the keys'
-    lengths."""
+    project's.
 
-    def __init__(self, api_key: str | None = None, keys_file: Path | None = None) -> None:
+    Keys are kept only as SHA-256 digests, in a dict from digest to project: a lookup hashes the presented key
+    and finds its digest in one step, whatever the number of keys. Its time depends on the presented key's
+    digest alone, never on how much of a real key a guess got right (a guess one character off has an unrelated
+    digest), so it says nothing about the keys; and the dict holds no key itself.
+    """
+
+    def __init__(self, api_key: str | None = None, keys_file: Path | None = None,
+                 metrics_key: str | None = None) -> None:
         self.api_key = api_key
         self.keys_file = keys_file
         self._keys = self._digests(read_keys(api_key, keys_file))
+        self._metrics_key = _digest(metrics_key) if metrics_key else None
 
     @classmethod
     def from_config(cls, config: GatewayConfig) -> KeyRing:
-        return cls(config.api_key, config.api_keys_file)
+        return cls(config.api_key, config.api_keys_file, config.metrics_api_key)
 
     @property
     def required(self) -> bool:
@@ -86,14 +94,14 @@ class KeyRing:
 
     def project_of(self, key: str) -> str | None:
         """The project of `key`; None if it is no key of ours."""
-        digest = hashlib.sha256(key.encode()).digest()
-        found = None
-        # Every key is compared, and each comparison takes the same time (compare_digest), so the time a request
-        # takes says nothing about which key, or how much of one, it matched.
-        for known, project in self._keys:
-            if hmac.compare_digest(digest, known):
-                found = project
-        return found
+        return self._keys.get(_digest(key))
+
+    def may_read_metrics(self, key: str) -> bool:
+        """Whether `key` may read /metrics: the --metrics-api-key when one is set (and only it); else a key of
+        the default project (the operator's `--api-key`); anyone when the gateway has no keys at all."""
+        if self._metrics_key is not None:
+            return hmac.compare_digest(_digest(key), self._metrics_key)
+        return not self.required or self.project_of(key) == DEFAULT_PROJECT
 
     def reload(self) -> bool:
         """Read the keys file again (on SIGHUP); on an error log it and keep the keys in use. Whether it took."""
@@ -107,5 +115,9 @@ class KeyRing:
         return True
 
     @staticmethod
-    def _digests(keys: dict[str, str]) -> tuple[tuple[bytes, str], ...]:
-        return tuple((hashlib.sha256(key.encode()).digest(), project) for key, project in keys.items())
+    def _digests(keys: dict[str, str]) -> dict[bytes, str]:
+        return {_digest(key): project for key, project in keys.items()}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()

@@ -16,7 +16,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.calls import served_by
-from gateway.deps import authenticate
+from gateway.deps import authenticate, authorize_metrics
 from gateway.errors import APIError
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
@@ -33,6 +33,7 @@ KNOWN_ROUTES = frozenset({
 OWN_BODY_LIMIT = frozenset({"/v1/files"})
 # Paths answered without the API key: load balancers' health checks, and the API's public description.
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+METRICS_PATH = "/metrics"  # the operator's key only (deps.authorize_metrics), not any project's
 
 
 def route_label(path: str) -> str:
@@ -97,7 +98,9 @@ class RequestContextMiddleware:
         """Run the app, unless the request lacks the API key (401, its body unread) or its body is too large."""
         path = scope["path"]
         refusal = None
-        if path not in PUBLIC_PATHS:
+        if path == METRICS_PATH:
+            refusal = authorize_metrics(headers.get("authorization", ""), self.keys)
+        elif path not in PUBLIC_PATHS:
             outcome = authenticate(headers.get("authorization", ""), self.keys)
             if isinstance(outcome, APIError):
                 refusal = outcome

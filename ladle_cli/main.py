@@ -126,6 +126,8 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--file-sweep-interval", 60.0, "seconds between deletions of expired files", type=float)
     _add(parser, "--min-free-disk-mib", 1024.0, "free space the --data-dir volume keeps: below it uploads and new "
          "batches are refused with HTTP 507 (0: no floor)", type=float)
+    _add(parser, "--metrics-api-key", "", "the key /metrics answers to (default: the keys of the project 'default'; "
+         "anyone when the gateway has no keys)")
     _add(parser, "--request-timeout", 600.0, "seconds an engine call may take (then HTTP 504)", type=float)
     _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
     _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
@@ -256,6 +258,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         project_max_active_batches=args.project_max_active_batches or None,
         file_sweep_interval_s=args.file_sweep_interval,
         min_free_disk_bytes=int(args.min_free_disk_mib * 1024 * 1024),
+        metrics_api_key=args.metrics_api_key or None,
         request_timeout_s=args.request_timeout,
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
         data_dir=Path(args.data_dir) if args.data_dir else None,

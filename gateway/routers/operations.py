@@ -1,4 +1,5 @@
-"""`GET /health` (200 only while an engine is SERVING; no API key) and `GET /metrics` (Prometheus)."""
+"""`GET /health` (200 only while an engine is SERVING; no API key) and `GET /metrics` (Prometheus; only for the
+operator's key: `--metrics-api-key`, else a key of the project `default`, so no project reads the others' load)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.deps import Metrics, Pool, require_api_key
+from gateway.deps import Metrics, Pool, require_metrics_key
 from gateway.errors import no_engine
 
 router = APIRouter()
@@ -28,6 +29,6 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.get("/metrics", dependencies=[Depends(require_api_key)], responses=METRICS_RESPONSES)
+@router.get("/metrics", dependencies=[Depends(require_metrics_key)], responses=METRICS_RESPONSES)
 async def metrics(metrics: Metrics) -> Response:
     return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE_LATEST)

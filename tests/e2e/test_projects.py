@@ -274,3 +274,31 @@ def test_the_sweeper_deletes_expired_files_but_not_a_running_batchs_input(fake_e
         assert not (tmp_path / "data" / "blobs" / "files" / lone.id).exists()
     finally:
         assert gateway.stop() == 0
+
+
+def test_metrics_need_the_operators_key(fake_engine: str, tmp_path: Path) -> None:
+    """No project's key reads /metrics (every project's load and batches): the default project's `--api-key`
+    does, or, once set, only `--metrics-api-key`."""
+
+    def status(gateway: GatewayProcess, key: str | None) -> int:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(gateway.url + "/metrics", headers=headers, timeout=30).status_code
+
+    gateway = gateway_with_keys(tmp_path, fake_engine)
+    try:
+        assert [status(gateway, k) for k in (MAIN_KEY, "sk-alpha", "sk-beta", "sk-gamma", None)] == [
+            200, 403, 403, 401, 401]
+        reply = httpx.get(gateway.url + "/metrics", headers={"Authorization": "Bearer sk-alpha"}, timeout=30)
+        assert reply.json()["error"]["code"] == "permission_denied"
+    finally:
+        assert gateway.stop() == 0
+    (tmp_path / "second").mkdir()
+    gateway = gateway_with_keys(tmp_path / "second", fake_engine, "--metrics-api-key", "sk-scraper")
+    try:
+        assert [status(gateway, k) for k in ("sk-scraper", MAIN_KEY, "sk-alpha", None)] == [200, 403, 403, 401]
+        assert "ladle_gateway" in httpx.get(gateway.url + "/metrics", timeout=30,
+                                            headers={"Authorization": "Bearer sk-scraper"}).text
+        refused = httpx.get(gateway.url + "/v1/files", headers={"Authorization": "Bearer sk-scraper"}, timeout=30)
+        assert refused.status_code == 401
+    finally:
+        assert gateway.stop() == 0

@@ -3,6 +3,7 @@ when the new file is bad."""
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from pathlib import Path
 
@@ -81,11 +82,57 @@ def test_reload_takes_a_good_file_and_keeps_the_old_keys_on_a_bad_one(tmp_path: 
     assert ring.reload() and ring.project_of("sk-a") is None and ring.project_of("sk-c") == "gamma"
 
 
-def test_every_key_is_compared_in_constant_time() -> None:
-    """A compare that stops at the first differing byte, or at the first matching key, says through response
-    times how much of which key a guess got right."""
-    source = inspect.getsource(keys.KeyRing.project_of)
-    assert "hmac.compare_digest(" in source and "sha256" in source
-    assert "break" not in source and "return project" not in source
+def test_a_lookup_takes_one_step_whatever_the_number_of_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """100,000 keys: a lookup hashes the presented key once and finds its digest without walking the keys (the
+    old lookup compared the digest with every key's, 100,000 compare_digest calls a request)."""
+    path = tmp_path / "keys"
+    path.write_text("".join(f"sk-{i:06d}-{'x' * 40} project{i % 50}\n" for i in range(100_000)))
+    ring = KeyRing("sk-main", path)
+    compares = hashes = 0
+    real_compare, real_sha256 = keys.hmac.compare_digest, keys.hashlib.sha256
+
+    def counting_compare(a: bytes, b: bytes) -> bool:
+        nonlocal compares
+        compares += 1
+        return real_compare(a, b)
+
+    def counting_sha256(data: bytes) -> object:
+        nonlocal hashes
+        hashes += 1
+        return real_sha256(data)
+
+    monkeypatch.setattr(keys.hmac, "compare_digest", counting_compare)
+    monkeypatch.setattr(keys.hashlib, "sha256", counting_sha256)
+    probes = [f"sk-{i:06d}-{'x' * 40}" for i in range(0, 100_000, 997)]
+    assert [ring.project_of(k) for k in probes] == [f"project{int(k[3:9]) % 50}" for k in probes]
+    assert ring.project_of("sk-000001-" + "x" * 39 + "y") is None and ring.project_of("sk-main") == DEFAULT_PROJECT
+    assert compares == 0 and hashes == len(probes) + 2
+
+
+def test_keys_are_held_only_as_digests() -> None:
+    """The ring keeps no key itself, only SHA-256 digests: what a lookup's time can depend on is the presented
+    key's digest, which says nothing about how close a guess came to a real key."""
+    ring = KeyRing("sk-main")
+    held = vars(ring)["_keys"]
+    assert list(held) == [hashlib.sha256(b"sk-main").digest()] and ring.project_of("sk-main") == DEFAULT_PROJECT
     assert "authenticate(" in inspect.getsource(deps.request_project)
     assert "project_of(" in inspect.getsource(deps.authenticate)
+
+
+def test_metrics_need_the_operators_key(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text("sk-a alpha\nsk-ops default\n")
+
+    def answer(ring: KeyRing, header: str) -> int:
+        refusal = deps.authorize_metrics(header, ring)
+        return 200 if refusal is None else refusal.status
+
+    ring = KeyRing("sk-main", path)  # no metrics key: the default project's keys
+    assert [answer(ring, h) for h in ("Bearer sk-main", "Bearer sk-ops", "Bearer sk-a", "Bearer sk-x", "")] == [
+        200, 200, 403, 401, 401]
+    ring = KeyRing("sk-main", path, metrics_key="sk-metrics")  # only the metrics key
+    assert [answer(ring, h) for h in ("Bearer sk-metrics", "Bearer sk-main", "Bearer sk-a", "Bearer sk-x")] == [
+        200, 403, 403, 401]
+    assert deps.authenticate("Bearer sk-metrics", ring) != "default"  # it is no project's key
+    assert answer(KeyRing(), "") == 200  # a gateway without keys: open, as every route
+    assert [answer(KeyRing(metrics_key="sk-metrics"), h) for h in ("Bearer sk-metrics", "")] == [200, 401]
