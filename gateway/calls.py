@@ -26,7 +26,7 @@ from typing import TypeAlias, TypeVar
 import grpc
 import structlog
 
-from gateway.engines import Engine, EnginePool
+from gateway.engines import Engine, EnginePool, unauthenticated
 from gateway.errors import APIError, from_rpc_error, item_error
 from ladle.client import BatchCall, StreamCall
 from ladle.v1 import engine_pb2, types_pb2
@@ -49,15 +49,17 @@ served_by: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("se
 @contextlib.contextmanager
 def holding(pool: EnginePool, engine: Engine) -> Iterator[Engine]:
     """`engine` busy with one call while the block runs: counted in `engine.calls`, recorded in `served_by`, and
-    marked down in `pool` if the call fails UNAVAILABLE. Every error passes through as it is."""
+    marked down in `pool` if the call fails UNAVAILABLE or the engine refuses our token (UNAUTHENTICATED). Every
+    error passes through as it is."""
     if (engines := served_by.get()) is not None:
         engines.append(engine.address)
     engine.calls += 1
     try:
         yield engine
     except grpc.RpcError as error:
-        if _code(error) is grpc.StatusCode.UNAVAILABLE:
-            pool.mark_down(engine)
+        refused = unauthenticated(error)
+        if refused is not None or _code(error) is grpc.StatusCode.UNAVAILABLE:
+            pool.mark_down(engine, refused)
         raise
     finally:
         engine.calls -= 1

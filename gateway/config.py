@@ -30,7 +30,8 @@ class GatewayConfig:
     again every `resolve_interval_s`); `routing` says how calls are spread over them. `served_model_name`
     overrides the model id the engines report. `request_timeout_s` becomes the gRPC deadline of every engine
     call (HTTP 504 when it passes; a call sent again to a second engine shares it). `health_interval_s` is how
-    often each engine's health and load are polled.
+    often each engine's health and load are polled. `engine_auth_token` is sent on every engine call (engines
+    started with --auth-token-file refuse calls without it; ladle.auth).
 
     API keys and projects: `api_key` is a key of the default project; `api_keys_file` holds `KEY PROJECT` lines
     (gateway/keys.py; read again on SIGHUP). With any key set, every route but /health needs one as a Bearer
@@ -68,6 +69,7 @@ class GatewayConfig:
     batch_lease_s: float = 30.0
     file_sweep_interval_s: float = 60.0
     min_free_disk_bytes: int = DEFAULT_MIN_FREE_DISK_BYTES
+    engine_auth_token: str | None = field(default=None, repr=False)
     metrics_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,11 @@ An engine receives calls only while its grpc.health.v1 status for ladle.v1.Engin
 those, `gateway.routing.Router` chooses (cache-aware by default). A call that fails with UNAVAILABLE marks its
 engine down until the next poll finds it SERVING again; an engine that comes back starts with an empty prefix
 record (a restarted engine's cache is empty).
+
+Every call carries `config.engine_auth_token` when one is set. An engine that refuses this gateway's token
+(UNAUTHENTICATED: its --auth-token-file and the gateway's --engine-auth-token-file differ) is not serving for
+this gateway, whatever its health says (health needs no token): the poll's GetModelInfo / GetLoad are refused,
+it receives no calls, and a request that finds no engine gets 503 naming the refusal instead of waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import structlog
 from grpc_health.v1 import health_pb2
 
 from gateway.config import DNS_PREFIX, GatewayConfig
-from gateway.errors import no_engine
+from gateway.errors import engine_refused, no_engine
 from gateway.routing import BYTES_PER_TOKEN, CHUNK_BYTES, PrefixRecord, Reason, Router, input_bytes, prefix_hashes
 from ladle.client import AsyncEngineClient
 from ladle.v1 import engine_pb2, types_pb2
@@ -46,12 +51,20 @@ class Engine:
     load: engine_pb2.GetLoadResponse | None = None
     info: engine_pb2.GetModelInfoResponse | None = None
     calls: int = 0  # calls this gateway has in flight on it
+    refused: str | None = None  # why the engine refuses this gateway's calls (UNAUTHENTICATED), if it does
     record: PrefixRecord = field(default_factory=PrefixRecord)
 
     @property
     def busy(self) -> int:
         queued = (self.load.running + self.load.waiting) if self.load is not None else 0
         return queued + self.calls
+
+
+def unauthenticated(error: grpc.RpcError) -> str | None:
+    """The engine's message when `error` is its refusal of our token (UNAUTHENTICATED), else None."""
+    if isinstance(error, grpc.aio.AioRpcError) and error.code() is grpc.StatusCode.UNAUTHENTICATED:
+        return error.details() or "UNAUTHENTICATED"
+    return None
 
 
 async def resolve_addresses(host: str, port: int) -> list[str]:
@@ -105,9 +118,13 @@ class EnginePool:
         self, inputs: Sequence[types_pb2.Input] = (), avoid: Collection[Engine] = (), cache_salt: str = ""
     ) -> Engine:
         """The engine for a call carrying `inputs` (the first decides the route; all are recorded as sent to
-        it), never one in `avoid`; HTTP 503 when no SERVING engine is left."""
+        it), never one in `avoid`; HTTP 503 when no SERVING engine is left (naming an engine's refusal of our
+        token, if one refuses it)."""
         candidates = [e for e in self.engines if e.serving and e not in avoid]
         if not candidates:
+            for engine in self.engines:
+                if engine.refused is not None and not engine.serving:
+                    raise engine_refused(engine.refused, engine.address)
             raise no_engine()
         by_prefix = self.router.config.policy == "cache_aware" and bool(inputs)
         # Salted with the call's cache_salt, as the engine salts its blocks: a prefix draws only calls that could
@@ -137,11 +154,13 @@ class EnginePool:
                 return engine.info
         return None
 
-    def mark_down(self, engine: Engine) -> None:
-        """An engine answered UNAVAILABLE: route around it until a poll finds it SERVING."""
+    def mark_down(self, engine: Engine, refused: str | None = None) -> None:
+        """An engine answered UNAVAILABLE (or refused our token: `refused` says how): route around it until a
+        poll finds it SERVING."""
         if engine.serving:
-            log.warning("engine unavailable; routing around it", engine=engine.address)
+            log.warning("engine unavailable; routing around it", engine=engine.address, refused=refused)
         engine.serving = False
+        engine.refused = refused or engine.refused
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for some engine to be SERVING; whether one is."""
@@ -175,7 +194,7 @@ class EnginePool:
         for address in addresses:
             if address not in known:
                 client = AsyncEngineClient(address, timeout=self.config.request_timeout_s,
-                                           retries=self._channel_retries)
+                                           retries=self._channel_retries, auth_token=self.config.engine_auth_token)
                 engine = Engine(address, client)
                 self.engines.append(engine)
                 self._pollers[address] = asyncio.create_task(self._poll(engine))
@@ -215,9 +234,15 @@ class EnginePool:
             if serving and engine.info is None:
                 engine.info = await engine.client.model_info(timeout=timeout)
             engine.load = await engine.client.load(timeout=timeout) if serving else None
-        except grpc.RpcError:
+            refused = None
+        except grpc.RpcError as error:
             serving = False
             engine.load = None
+            refused = unauthenticated(error)
+        if refused is not None and engine.refused is None:
+            log.error("the engine refuses this gateway's token; no calls go to it", engine=engine.address,
+                      error=refused)
+        engine.refused = refused
         if serving and not was_serving:
             engine.record.clear()  # back from a restart (or a failed step): assume its cache starts empty
         if engine.load is not None and engine.load.kv_blocks_total:

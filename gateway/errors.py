@@ -60,6 +60,14 @@ def no_engine(message: str = "no engine is ready to serve requests; retry shortl
     return APIError(503, message, type="service_unavailable_error", code="engine_unavailable")
 
 
+def engine_refused(details: str, engine: str | None = None) -> APIError:
+    """503 for an engine that refuses the gateway's token (UNAUTHENTICATED): the operator's to fix, not the
+    caller's, so neither 401 nor 403."""
+    where = f" at {engine}" if engine else ""
+    return no_engine(f"the engine{where} refuses this gateway's calls (UNAUTHENTICATED: {details}); the "
+                     "gateway's --engine-auth-token-file must hold the engine's token")
+
+
 def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, retry_after_s: int = 1) -> APIError:
     """The HTTP error for an engine call that ended with a non-OK status."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
@@ -80,6 +88,8 @@ def from_status(
         )
     if code is grpc.StatusCode.UNAVAILABLE:
         return no_engine(f"the engine is unavailable: {details}")
+    if code is grpc.StatusCode.UNAUTHENTICATED:  # only ever the engine refusing the gateway's own token
+        return engine_refused(details)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, f"the request timed out: {details}", type="timeout_error", code="timeout")
     if code is grpc.StatusCode.UNIMPLEMENTED:  # the served model cannot do this: an encoder asked to generate

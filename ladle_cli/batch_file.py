@@ -88,7 +88,8 @@ async def _run(args: argparse.Namespace) -> int:
     address = args.engine
     if not address:
         engine, address = await _start_engine(args)
-    pool = EnginePool(GatewayConfig(engines=(address,), request_timeout_s=ENGINE_STARTUP_TIMEOUT_S))
+    pool = EnginePool(GatewayConfig(engines=(address,), request_timeout_s=ENGINE_STARTUP_TIMEOUT_S,
+                                    engine_auth_token=getattr(args, "engine_auth_token", None)))
     await pool.start()
     try:
         if not await _wait_ready(pool, engine, ENGINE_STARTUP_TIMEOUT_S if engine else CONNECT_TIMEOUT_S):

@@ -3,21 +3,30 @@
 The child asks the kernel to send it SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so a parent that is
 killed outright (SIGKILL) does not leave an engine behind holding its port and the model's memory; it then
 drains and exits like on any SIGTERM.
+
+Such an engine listens on loopback, where every local user can reach it, so it requires a token
+(`--auth-token-file`): one the user gave, else a random one per start, written to a file only this user can read
+(`engine_token_file`: 0600 in a 0700 temporary folder, removed when the command ends).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import json
 import os
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from engine_server.config import SpeculativeConfig
+from ladle.auth import new_token
 
 _PR_SET_PDEATHSIG = 1
 
@@ -36,7 +45,24 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--speculative-config", _speculative_json(args.speculative_config),
         "--tensor-parallel-size", str(args.tensor_parallel_size),
     ]
+    if args.engine_auth_token_file:
+        command += ["--auth-token-file", args.engine_auth_token_file]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
+
+
+@contextlib.contextmanager
+def engine_token_file(given: str) -> Iterator[str]:
+    """`given` (a token file the user chose) if set; else the path of a fresh random token's file that only this
+    user can read, removed (with its folder) when the block ends."""
+    if given:
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix="ladle-engine-") as folder:  # mode 0700
+        path = Path(folder) / "token"
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(new_token() + "\n")
+        yield str(path)
 
 
 def _speculative_json(config: SpeculativeConfig | None) -> str:

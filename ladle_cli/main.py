@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--host", "127.0.0.1", "address the gateway listens on (the engine listens on 127.0.0.1)")
     _add(serve, "--port", 8000, "HTTP port of the gateway", type=int)
     _add(serve, "--grpc-port", 50051, "gRPC port of the engine", type=int)
+    _add(serve, "--engine-auth-token-file", "", "file holding the token the engine requires of every RPC but "
+         "health and the gateway sends (default: a random one per start, in a file only this user can read, "
+         "printed at start)")
     _engine_flags(serve)
     _gateway_flags(serve)
 
@@ -159,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(engine)
     _add(engine, "--host", "127.0.0.1", "address to listen on")
     _add(engine, "--port", 50051, "gRPC port (0: any free port; the address is printed)", type=int)
+    _add(engine, "--auth-token-file", "", "file holding the token (one per line; each is accepted) that every RPC "
+         "but grpc.health.v1 must carry as the metadata 'authorization: Bearer <token>', else UNAUTHENTICATED "
+         "(default: no check)")
     _add(engine, "--drain-grace", 0.0, "seconds after SIGTERM during which health says NOT_SERVING but new calls "
          "are still served, so load balancers take the engine out of rotation before it refuses any", type=float)
     _engine_flags(engine)
@@ -166,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="the OpenAI HTTP gateway only")
     _add(gateway, "--engine", "127.0.0.1:50051", "engine address(es), HOST:PORT[,HOST:PORT...]; dns:HOST:PORT "
          "makes every address HOST resolves to an engine (resolved again every --resolve-interval seconds)")
+    _add(gateway, "--engine-auth-token-file", "", "file holding the engines' token (their --auth-token-file; the "
+         "first line is sent)")
     _add(gateway, "--health-interval", 1.0, "seconds between polls of each engine's health and load", type=float)
     _add(gateway, "--resolve-interval", 10.0, "seconds between resolutions of dns: engine names", type=float)
     _add(gateway, "--routing", "cache_aware", "how calls are spread over engines: cache_aware (the engine most "
@@ -181,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output .jsonl: one result per line, appended; an existing file is resumed")
     _model_flags(batch)
     _add(batch, "--engine", "", "a running engine (HOST:PORT) to use instead of starting one for --model")
+    _add(batch, "--engine-auth-token-file", "", "file holding the --engine's token (its --auth-token-file; the "
+         "first line is sent)")
     _add(batch, "--window", 0, "engine items in flight (0: twice the engine's max-num-seqs)", type=int)
     _engine_flags(batch)
 
@@ -193,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine(args: argparse.Namespace) -> int:
     import asyncio
     import logging
+
+    from ladle.auth import AuthTokenError, read_token_file
+
+    try:  # before anything heavy: a bad token file stops the start at once
+        auth_tokens = read_token_file(args.auth_token_file) if args.auth_token_file else ()
+    except AuthTokenError as exc:
+        print(f"ladle engine: {exc}", file=sys.stderr)
+        return 2
 
     from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine_server.server.server import SERVICE_NAME, ServerConfig, serve
@@ -223,6 +241,7 @@ def _engine(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout,
         drain_grace=args.drain_grace,
         grammar=GrammarCompilerConfig(timeout_s=args.grammar_timeout),
+        auth_tokens=auth_tokens,
     )
 
     def announce(address: str) -> None:
@@ -245,6 +264,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
     from gateway.config import GatewayConfig, parse_engine_addresses
     from gateway.keys import read_keys
     from gateway.routing import RoutingConfig
+    from ladle.auth import sender_token
 
     config = GatewayConfig(
         engines=parse_engine_addresses(engines),
@@ -267,6 +287,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         batch_workers=args.batch_workers,
         batch_window=args.batch_window or None,
         batch_lease_s=args.batch_lease,
+        engine_auth_token=sender_token(args.engine_auth_token_file) if args.engine_auth_token_file else None,
     )
     read_keys(config.api_key, config.api_keys_file)  # a bad keys file stops the start here, with its line named
     return config
@@ -292,20 +313,36 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from ladle_cli.batch_file import run_batch_file
+    import contextlib
 
-    return run_batch_file(args)
+    from ladle.auth import AuthTokenError, sender_token
+    from ladle_cli.batch_file import run_batch_file
+    from ladle_cli.engine_child import engine_token_file
+
+    # An engine of our own (no --engine) requires a token, like `ladle serve`'s: a random one unless given.
+    given = args.engine_auth_token_file
+    with contextlib.nullcontext(given) if args.engine else engine_token_file(given) as token_file:
+        args.engine_auth_token_file = token_file
+        try:
+            args.engine_auth_token = sender_token(token_file) if token_file else None
+        except AuthTokenError as exc:
+            print(f"ladle batch: {exc}", file=sys.stderr)
+            return 2
+        return run_batch_file(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ladle_cli.engine_child import engine_token_file
     from ladle_cli.serve import serve_all
 
-    try:
-        config = _gateway_config(args, f"127.0.0.1:{args.grpc_port}")
-    except ValueError as exc:
-        print(f"ladle serve: {exc}", file=sys.stderr)
-        return 2
-    return serve_all(args, config)
+    with engine_token_file(args.engine_auth_token_file) as token_file:
+        args.engine_auth_token_file = token_file
+        try:
+            config = _gateway_config(args, f"127.0.0.1:{args.grpc_port}")
+        except ValueError as exc:
+            print(f"ladle serve: {exc}", file=sys.stderr)
+            return 2
+        return serve_all(args, config)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -4,7 +4,9 @@ The engine runs in its own process so its step loop never shares an interpreter 
 gateway starts at once and answers 503 until the engine is SERVING; a `ready` line is printed once the gateway
 itself sees it SERVING (so requests succeed from then on). If the
 engine exits, the gateway stops and `ladle serve` returns the engine's exit status; on SIGINT/SIGTERM both stop,
-and if `ladle serve` is killed outright the engine follows (ladle_cli.engine_child).
+and if `ladle serve` is killed outright the engine follows (ladle_cli.engine_child). The engine requires a token
+(a random one per start unless --engine-auth-token-file names one; its file is printed) that the gateway sends,
+so other local users cannot call it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ async def _serve_all(args: argparse.Namespace, config: GatewayConfig) -> int:
 
     def announce(url: str) -> None:
         urls.append(url)
-        print(f"ladle serve: engine (gRPC ladle.v1.EngineService) on {address}", flush=True)
+        print(f"ladle serve: engine (gRPC ladle.v1.EngineService) on {address}, token in "
+              f"{args.engine_auth_token_file}", flush=True)
         print(f"ladle serve: gateway (OpenAI API) on {url}/v1 - loading the model; GET {url}/health says when "
               "it is ready", flush=True)
 

@@ -10,6 +10,10 @@ Stream or Batch never repeats output the caller has already seen.
         client.wait_until_serving(timeout=120)
         reply = client.generate(engine_pb2.GenerateRequest(input=types_pb2.Input(text="Hello")))
         vectors = client.embed(engine_pb2.EmbedRequest(inputs=[types_pb2.Input(text="Hello")]))
+
+An engine started with `--auth-token-file` needs its token on every call: `EngineClient(target,
+auth_token=ladle.auth.sender_token(path))` sends it (as `authorization: Bearer <token>` metadata; gRPC's own
+call credentials would need a TLS channel).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Literal, TypeAlias, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ladle.auth import bearer_metadata
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE = "ladle.v1.EngineService"
@@ -71,10 +76,15 @@ BatchCall: TypeAlias = "grpc.aio.StreamStreamCall[engine_pb2.BatchRequest, engin
 
 
 class EngineClient:
-    """Blocking client. Streams are returned as the gRPC call: iterate it, or `.cancel()` it to abort."""
+    """Blocking client. Streams are returned as the gRPC call: iterate it, or `.cancel()` it to abort.
+    `auth_token`: sent on every call as `authorization: Bearer <token>` (an engine started with
+    --auth-token-file refuses calls without it; see ladle.auth)."""
 
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, auth_token: str | None = None
+    ) -> None:
         self.channel = grpc.insecure_channel(target, options=channel_options())
+        self._metadata = bearer_metadata(auth_token)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
@@ -82,42 +92,45 @@ class EngineClient:
     def generate(
         self, request: engine_pb2.GenerateRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.GenerateResponse:
-        return self.stub.Generate(request, timeout=self._pick(timeout))
+        return self.stub.Generate(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def stream(
         self, request: engine_pb2.StreamRequest, *, timeout: Timeout = "default"
     ) -> Iterator[engine_pb2.StreamResponse]:
-        return cast(Iterator[engine_pb2.StreamResponse], self.stub.Stream(request, timeout=self._pick(timeout)))
+        call = self.stub.Stream(request, timeout=self._pick(timeout), metadata=self._metadata)
+        return cast(Iterator[engine_pb2.StreamResponse], call)
 
     def batch(
         self, items: Iterable[engine_pb2.BatchRequest], *, timeout: Timeout = "default"
     ) -> Iterator[engine_pb2.BatchResponse]:
-        return cast(
-            Iterator[engine_pb2.BatchResponse], self.stub.Batch(iter(items), timeout=self._pick(timeout))
-        )
+        call = self.stub.Batch(iter(items), timeout=self._pick(timeout), metadata=self._metadata)
+        return cast(Iterator[engine_pb2.BatchResponse], call)
 
     def embed(self, request: engine_pb2.EmbedRequest, *, timeout: Timeout = "default") -> engine_pb2.EmbedResponse:
         """One vector per input of `request`, in order."""
-        return self.stub.Embed(request, timeout=self._pick(timeout))
+        return self.stub.Embed(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def score(self, request: engine_pb2.ScoreRequest, *, timeout: Timeout = "default") -> engine_pb2.ScoreResponse:
         """One score per document of `request`, in order."""
-        return self.stub.Score(request, timeout=self._pick(timeout))
+        return self.stub.Score(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def tokenize(
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.TokenizeResponse:
-        return self.stub.Tokenize(request, timeout=self._pick(timeout))
+        return self.stub.Tokenize(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def model_info(self, *, timeout: Timeout = "default") -> engine_pb2.GetModelInfoResponse:
-        return self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=self._pick(timeout))
+        request = engine_pb2.GetModelInfoRequest()
+        return self.stub.GetModelInfo(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def load(self, *, timeout: Timeout = "default") -> engine_pb2.GetLoadResponse:
-        return self.stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=self._pick(timeout))
+        request = engine_pb2.GetLoadRequest()
+        return self.stub.GetLoad(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def health(self, service: str = SERVICE, *, timeout: float = 5.0) -> ServingStatus:
         """The engine's grpc.health.v1 status for `service` ("" for the server as a whole)."""
-        return self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+        request = health_pb2.HealthCheckRequest(service=service)
+        return self._health.Check(request, timeout=timeout, metadata=self._metadata).status
 
     def wait_until_serving(self, timeout: float = 300.0) -> None:
         """Block until health is SERVING (the model is loaded and warm); TimeoutError after `timeout`."""
@@ -148,10 +161,18 @@ class EngineClient:
 class AsyncEngineClient:
     """asyncio client. Streams are returned as the gRPC call: iterate it with `async for`, or `.cancel()` it (or
     the consuming task) to abort. `retries=False` turns off the service config's retries of UNAVAILABLE (see
-    `channel_options`)."""
+    `channel_options`); `auth_token` is sent on every call, as by `EngineClient`."""
 
-    def __init__(self, target: str, *, timeout: float | None = DEFAULT_TIMEOUT_S, retries: bool = True) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        retries: bool = True,
+        auth_token: str | None = None,
+    ) -> None:
         self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries=retries))
+        self._metadata = bearer_metadata(auth_token)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
@@ -159,10 +180,10 @@ class AsyncEngineClient:
     async def generate(
         self, request: engine_pb2.GenerateRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.GenerateResponse:
-        return await self.stub.Generate(request, timeout=self._pick(timeout))
+        return await self.stub.Generate(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def stream(self, request: engine_pb2.StreamRequest, *, timeout: Timeout = "default") -> StreamCall:
-        return self.stub.Stream(request, timeout=self._pick(timeout))
+        return self.stub.Stream(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     def batch(
         self,
@@ -172,38 +193,38 @@ class AsyncEngineClient:
     ) -> BatchCall:
         """Items may come from a (async) generator, so an unbounded batch is fed as the engine asks for more;
         cancelling the call aborts every item still running."""
-        return self.stub.Batch(items, timeout=self._pick(timeout))
+        return self.stub.Batch(items, timeout=self._pick(timeout), metadata=self._metadata)
 
     async def embed(
         self, request: engine_pb2.EmbedRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.EmbedResponse:
         """One vector per input of `request`, in order."""
-        return await self.stub.Embed(request, timeout=self._pick(timeout))
+        return await self.stub.Embed(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     async def score(
         self, request: engine_pb2.ScoreRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.ScoreResponse:
         """One score per document of `request`, in order."""
-        return await self.stub.Score(request, timeout=self._pick(timeout))
+        return await self.stub.Score(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     async def tokenize(
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.TokenizeResponse:
-        return await self.stub.Tokenize(request, timeout=self._pick(timeout))
+        return await self.stub.Tokenize(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     async def model_info(self, *, timeout: Timeout = "default") -> engine_pb2.GetModelInfoResponse:
         request = engine_pb2.GetModelInfoRequest()
-        return await self.stub.GetModelInfo(request, timeout=self._pick(timeout))
+        return await self.stub.GetModelInfo(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     async def load(self, *, timeout: Timeout = "default") -> engine_pb2.GetLoadResponse:
         request = engine_pb2.GetLoadRequest()
-        return await self.stub.GetLoad(request, timeout=self._pick(timeout))
+        return await self.stub.GetLoad(request, timeout=self._pick(timeout), metadata=self._metadata)
 
     async def health(
         self, service: str = SERVICE, *, timeout: float = 5.0
     ) -> ServingStatus:
         request = health_pb2.HealthCheckRequest(service=service)
-        response = await self._health.Check(request, timeout=timeout)
+        response = await self._health.Check(request, timeout=timeout, metadata=self._metadata)
         return cast(health_pb2.HealthCheckResponse, response).status
 
     async def wait_until_serving(self, timeout: float = 300.0) -> None:

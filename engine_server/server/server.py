@@ -4,6 +4,7 @@ Lifecycle: the port is reserved first (bound, not listening: a taken port fails 
 number), the model loads (off the event loop) and one tiny generation warms it up; only then does the server
 listen, with health SERVING. An engine that is not ready refuses connections, so a load balancer without health
 checks (nginx) sends nothing to a restarting engine, and one with them sees the probe fail until it is ready.
+With `auth_tokens` every RPC but health needs one of them as a bearer token (`auth.BearerTokenInterceptor`).
 
 On SIGTERM or SIGINT health turns NOT_SERVING. Without a `drain_grace`, new calls are refused with UNAVAILABLE
 at once; with one, they are served for that many seconds (balancers' health checks notice meanwhile), then the
@@ -40,6 +41,7 @@ from engine_server.config import EngineConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.errors import EngineUnavailableError
 from engine_server.host_memory import freeze_startup_heap
+from engine_server.server.auth import BearerTokenInterceptor
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
 from engine_server.structured.compiler import GrammarCompilerConfig
@@ -75,6 +77,8 @@ class ServerConfig:
     # balancer's health checks take the engine out of rotation before it refuses anything.
     drain_grace: float = 0.0
     grammar: GrammarCompilerConfig = field(default_factory=GrammarCompilerConfig)  # constraint compile limits
+    # Tokens one of which every call but health must carry (auth.py; `--auth-token-file`); empty: no check.
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)
 
 
 def server_options() -> list[tuple[str, int]]:
@@ -98,7 +102,8 @@ class EngineServer:
         """`prepare_core`: see `ServingEngine.start` (None in `ladle engine`)."""
         self.config = config
         self._prepare_core = prepare_core
-        self.server = grpc.aio.server(options=server_options())
+        interceptors = [BearerTokenInterceptor(config.auth_tokens)] if config.auth_tokens else None
+        self.server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         self.servicer = EngineServicer()
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # aio is imported, not declared
         self.engine: ServingEngine | None = None
