@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ladle.auth import bearer_metadata, new_token
+
 SERVE_STARTUP_TIMEOUT_S = 600.0
 
 
@@ -101,11 +103,17 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
 
 @dataclass(frozen=True)
 class Served:
-    """A running `ladle serve`: its OpenAI base URL (http://127.0.0.1:PORT/v1), its engine's gRPC address."""
+    """A running `ladle serve`: its OpenAI base URL (http://127.0.0.1:PORT/v1), its engine's gRPC address and the
+    token that engine requires (send `engine_metadata` with every call but health)."""
 
     base_url: str
     grpc_address: str
     process: subprocess.Popen[str]
+    engine_token: str
+
+    @property
+    def engine_metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self.engine_token)
 
 
 def free_port() -> int:
@@ -121,8 +129,11 @@ def ladle_serve(model: str, device: str, *flags: str, log_level: str = "WARNING"
     with SIGTERM (SIGKILL after 60 s) on exit. `flags` go to `ladle serve` as they are."""
     grpc_port = free_port()
     with tempfile.TemporaryDirectory(prefix="ladle-bench-") as data_dir:
+        token, token_file = new_token(), Path(data_dir) / "engine-token"
+        token_file.write_text(token)
         command = [sys.executable, "-m", "ladle_cli", "serve", "--model", model, "--device", device,
-                   "--port", "0", "--grpc-port", str(grpc_port), "--data-dir", data_dir, *flags]
+                   "--port", "0", "--grpc-port", str(grpc_port), "--data-dir", data_dir,
+                   "--engine-auth-token-file", str(token_file), *flags]
         env = {**os.environ, "LADLE_LOG_LEVEL": log_level, "NO_PROXY": "*"}
         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
         try:
@@ -137,7 +148,7 @@ def ladle_serve(model: str, device: str, *flags: str, log_level: str = "WARNING"
                     url = line.split(" on ", 1)[1].split()[0]
                 if line.startswith("ladle serve: ready"):
                     break
-            yield Served(url, f"127.0.0.1:{grpc_port}", process)
+            yield Served(url, f"127.0.0.1:{grpc_port}", process, token)
         finally:
             process.send_signal(signal.SIGTERM)
             try:

@@ -23,12 +23,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import psutil
 
 from benchmarks.common import add_model_arguments, append_result, git_commit, ladle_serve, utc_timestamp
-from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from ladle.client import EngineClient
+from ladle.v1 import engine_pb2, types_pb2
 
 KINDS = ("chat", "stream", "dropped_stream", "json_schema", "completion")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -130,11 +130,11 @@ def rss_mib(process: psutil.Process) -> float:
     return round(process.memory_info().rss / 2**20, 1)
 
 
-def idle_load(stub: engine_pb2_grpc.EngineServiceStub, timeout: float = 30.0) -> engine_pb2.GetLoadResponse:
+def idle_load(engine: EngineClient, timeout: float = 30.0) -> engine_pb2.GetLoadResponse:
     """GetLoad once nothing runs or waits (raises TimeoutError if that does not happen in `timeout`)."""
     deadline = time.monotonic() + timeout
     while True:
-        load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+        load = engine.load(timeout=5)
         if not (load.running or load.waiting):
             return load
         if time.monotonic() > deadline:
@@ -156,29 +156,29 @@ def slope_mib_per_hour(samples: list[dict[str, Any]], key: str) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--kv-cache-mib", str(args.kv_cache_mib)]
-    with ladle_serve(args.model, args.device, *flags) as served, grpc.insecure_channel(served.grpc_address) as ch:
-        stub = engine_pb2_grpc.EngineServiceStub(ch)
+    with ladle_serve(args.model, args.device, *flags) as served, \
+            EngineClient(served.grpc_address, auth_token=served.engine_token) as engine_client:
         gateway = psutil.Process(served.process.pid)
         engine = next(p for p in gateway.children(recursive=True) if "engine" in " ".join(p.cmdline()))
         model = httpx.get(f"{served.base_url}/models", timeout=30).json()["data"][0]["id"]
-        baseline = idle_load(stub)
+        baseline = idle_load(engine_client)
         traffic = Traffic(served.base_url, model, args)
         samples: list[dict[str, Any]] = []
         started = time.monotonic()
         traffic.start()
         while (elapsed := time.monotonic() - started) < args.minutes * 60:
             time.sleep(min(args.sample_s, max(0.0, args.minutes * 60 - elapsed)))
-            load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=5)
+            load = engine_client.load(timeout=5)
             samples.append({"t_s": round(time.monotonic() - started, 1), "engine_rss_mib": rss_mib(engine),
                             "gateway_rss_mib": rss_mib(gateway), "running": load.running,
                             "waiting": load.waiting, "kv_blocks_used": load.kv_blocks_used,
                             "requests": sum(traffic.done.values())})
             print(json.dumps(samples[-1]), flush=True)
         traffic.stop()
-        after = idle_load(stub)
+        after = idle_load(engine_client)
         probe = engine_pb2.GenerateRequest(input=types_pb2.Input(text="Still serving?"),
                                            sampling=types_pb2.SamplingParams(max_tokens=2, temperature=0.0))
-        ok = stub.Generate(probe, timeout=60)
+        ok = engine_client.generate(probe, timeout=60)
         settled = [s for s in samples if s["t_s"] >= args.warmup_s] or samples
         return {
             "duration_s": round(time.monotonic() - started, 1),
