@@ -2,7 +2,9 @@
 
 The child asks the kernel to send it SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG), so a parent that is
 killed outright (SIGKILL) does not leave an engine behind holding its port and the model's memory; it then
-drains and exits like on any SIGTERM.
+drains and exits like on any SIGTERM. It ignores SIGHUP: `ladle serve`'s gateway reads its API keys again on
+SIGHUP, and the same signal sent to the process group (`kill -HUP -<pgid>`, a closing terminal) would otherwise
+end the engine, and `ladle serve` with it. Its parent still stops it on SIGINT/SIGTERM.
 
 Such an engine listens on loopback, where every local user can reach it, so it requires a token
 (`--auth-token-file`): one the user gave, else a random one per start, written to a file only this user can read
@@ -75,6 +77,7 @@ async def spawn_engine(command: list[str], **kwargs: Any) -> asyncio.subprocess.
     parent = os.getpid()
 
     def die_with_parent() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # an ignored signal stays ignored across exec
         if sys.platform.startswith("linux"):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -48,13 +48,14 @@ def start_gateway(log_path: Path, engines: str, *extra_args: str, wait_healthy: 
     return gateway
 
 
-def start_serve(log_path: Path, *extra_args: str) -> tuple[GatewayProcess, list[str]]:
-    """Start `ladle serve` (engine + gateway) on free ports; returns it once it printed "ready", and its lines."""
+def start_serve(log_path: Path, *extra_args: str, new_session: bool = False) -> tuple[GatewayProcess, list[str]]:
+    """Start `ladle serve` (engine + gateway) on free ports; returns it once it printed "ready", and its lines.
+    `new_session`: in a session (and process group) of its own, for tests that signal the group."""
     grpc_port = free_port()
     command = [sys.executable, "-m", "ladle_cli", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", "0",
                "--grpc-port", str(grpc_port), "--kv-cache-mib", "512", *extra_args]
     lines: list[str] = []
-    gateway = _start(command, log_path, "ladle serve: gateway (OpenAI API) on ", lines)
+    gateway = _start(command, log_path, "ladle serve: gateway (OpenAI API) on ", lines, new_session)
     assert gateway.process.stdout is not None
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -65,11 +66,14 @@ def start_serve(log_path: Path, *extra_args: str) -> tuple[GatewayProcess, list[
     return gateway, lines
 
 
-def _start(command: list[str], log_path: Path, marker: str, lines: list[str] | None = None) -> GatewayProcess:
+def _start(
+    command: list[str], log_path: Path, marker: str, lines: list[str] | None = None, new_session: bool = False
+) -> GatewayProcess:
     if "--data-dir" not in command:  # never the user's own ~/.local/share/ladle
         command = [*command, "--data-dir", str(log_path.parent / "data")]
     log_file = log_path.open("w")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=_env())
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=_env(),
+                               start_new_session=new_session)
     log_file.close()
     assert process.stdout is not None
     while True:

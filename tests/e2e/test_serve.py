@@ -55,3 +55,19 @@ def test_kill_9_of_serve_leaves_no_process_and_the_ports_free(tmp_path: Path) ->
         assert chat(second.base_url)
     finally:
         assert second.stop() == 0, second.log()
+
+
+def test_sighup_to_the_process_group_leaves_the_engine_serving(tmp_path: Path) -> None:
+    """The gateway reads its keys again on SIGHUP; the engine child, in the same process group, ignores it (a
+    `kill -HUP -<pgid>` or a closing terminal used to kill it, and `ladle serve` with it)."""
+    gateway, lines = start_serve(tmp_path / "serve.log", new_session=True)
+    try:
+        assert lines[-1].startswith("ladle serve: ready"), (lines, gateway.log())
+        (engine,) = psutil.Process(gateway.process.pid).children()
+        os.killpg(gateway.process.pid, signal.SIGHUP)
+        time.sleep(2)  # long enough for a default SIGHUP to have ended the engine, and `ladle serve` after it
+        assert engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE, gateway.log()
+        assert gateway.process.poll() is None, gateway.log()
+        assert chat(gateway.base_url)
+    finally:
+        assert gateway.stop() == 0, gateway.log()
