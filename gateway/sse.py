@@ -3,13 +3,13 @@ event (then no [DONE]) when a stream fails after it started; `response` is the H
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from fastapi.responses import StreamingResponse
 
+from gateway import json_output
 from gateway.errors import APIError
 
 log = structlog.get_logger(__name__)
@@ -24,7 +24,7 @@ STREAMING_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_output.dumps(data).encode() + b"\n\n"  # no NaN tokens, whatever the engine sent
 
 
 async def with_done(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

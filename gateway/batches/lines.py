@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 import pydantic
 import structlog
 
+from gateway import json_output
 from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
@@ -278,9 +279,11 @@ def unrun_record(line_id: str, custom_id: str, code: str, message: str) -> dict[
 
 
 def encode(record: dict[str, Any]) -> bytes:
-    """One JSONL line. A string UTF-8 cannot hold (a lone surrogate; validation refuses such input) is written
-    escaped rather than failing the write: a result line is never lost to its encoding."""
+    """One JSONL line, valid JSON whatever it holds: a non-finite float (a logprob of -inf, a NaN in an
+    embedding) is written as `json_output` maps it, never as a `NaN` token; a string UTF-8 cannot hold (a lone
+    surrogate; validation refuses such input) is written escaped rather than failing the write. A result line is
+    never lost to its encoding."""
     try:
-        return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        return json_output.dumps(record).encode() + b"\n"
     except UnicodeEncodeError:
-        return json.dumps(record, ensure_ascii=True, separators=(",", ":")).encode() + b"\n"
+        return json_output.dumps(record, ensure_ascii=True).encode() + b"\n"

@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
 from gateway import calls
 from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.errors import invalid
+from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
@@ -60,6 +60,6 @@ async def create_batch_chat_completion(
     usage = [r.usage for r in responses]
     timer.finish(usage)
     choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs) for i, r in enumerate(responses)]
-    return JSONResponse(
+    return FiniteJSONResponse(
         from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage(usage))
     )

@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
 from gateway import calls, sse
 from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
+from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
@@ -37,4 +37,4 @@ async def create_chat_completion(
         return sse.response(chunks)
     response = await calls.generate(pool, request)
     timer.finish([response.usage])
-    return JSONResponse(from_engine.chat_completion(body, response, f"chatcmpl-{rid}", model))
+    return FiniteJSONResponse(from_engine.chat_completion(body, response, f"chatcmpl-{rid}", model))

@@ -6,10 +6,10 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
 from gateway import calls, sse
 from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
+from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.completions import CompletionRequest
 from gateway.streaming import StreamHeader, completion_chunks
 from gateway.translate import from_engine, to_engine
@@ -40,4 +40,4 @@ async def create_completion(
         return sse.response(chunks)
     responses = await calls.generate_all(pool, requests)
     timer.finish([r.usage for r in responses])
-    return JSONResponse(from_engine.text_completion(body, responses, f"cmpl-{rid}", model))
+    return FiniteJSONResponse(from_engine.text_completion(body, responses, f"cmpl-{rid}", model))

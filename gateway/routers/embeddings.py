@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
 from gateway import calls
 from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.errors import APIError
+from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.pooling import EmbeddingRequest
 from gateway.translate import pooling_from_engine, pooling_to_engine
 from gateway.translate.cache_salt import project_cache_salt
@@ -32,4 +32,4 @@ async def create_embeddings(
         error.param = pooling_from_engine.pooling_param(error.param, {"input": "messages"} if body.messages else {})
         raise
     timer.finish([reply.usage])
-    return JSONResponse(pooling_from_engine.embedding_list(reply, model, body.encoding_format))
+    return FiniteJSONResponse(pooling_from_engine.embedding_list(reply, model, body.encoding_format))

@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
 
 from gateway import calls
 from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
 from gateway.engines import EnginePool
 from gateway.errors import APIError
+from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.pooling import RerankRequest, ScoreRequest
 from gateway.translate import pooling_from_engine, pooling_to_engine
 from gateway.translate.cache_salt import project_cache_salt
@@ -41,7 +41,7 @@ async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: Ca
         raise
     timer.finish([r.usage for r in replies])
     groups = pooling_to_engine.score_groups(queries)
-    return JSONResponse(pooling_from_engine.score_list(groups, replies, f"score-{rid}", model))
+    return FiniteJSONResponse(pooling_from_engine.score_list(groups, replies, f"score-{rid}", model))
 
 
 @router.post("/rerank", response_model=None, include_in_schema=False)
@@ -53,4 +53,4 @@ async def create_rerank(body: RerankRequest, pool: Pool, metrics: Metrics, rid: 
     timer = RequestTimer(metrics, RERANK_ROUTE)
     reply = await calls.score(pool, request)
     timer.finish([reply.usage])
-    return JSONResponse(pooling_from_engine.rerank_result(body, reply, f"rerank-{rid}", model))
+    return FiniteJSONResponse(pooling_from_engine.rerank_result(body, reply, f"rerank-{rid}", model))
