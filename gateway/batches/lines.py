@@ -95,9 +95,15 @@ def read_lines(file: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes
             yield number, raw
 
 
-def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model: str | None) -> InputLine:
+def parse_line(
+    raw: bytes, number: int, index: int, endpoint: str | None, model: str | None,
+    info: engine_pb2.GetModelInfoResponse | None = None,
+) -> InputLine:
     """The request on line `number` (1-based) of a batch for `endpoint` (None: any supported endpoint, each line
-    its own); InvalidLineError says what is wrong. `model`, when given, is the only model id a body may name."""
+    its own); InvalidLineError says what is wrong. `model`, when given, is the only model id a body may name;
+    `info`, the engine's model info when known, bounds a pooling body as the synchronous routes bound it (e.g.
+    `dimensions` at most the model's). What only the engine can check (a prompt's length in tokens: the gateway
+    holds no tokenizer) it checks when the line runs, and refuses that line alone, as the route answers a 400."""
 
     def refuse(code: str, message: str, param: str | None = None) -> InvalidLineError:
         return InvalidLineError(LineError(code, message, number, param))
@@ -151,7 +157,7 @@ def parse_line(raw: bytes, number: int, index: int, endpoint: str | None, model:
                      f"serves `{model}`", "body.model")
     line = InputLine(index, custom_id, body)
     try:
-        for request in engine_requests(line, "validation"):
+        for request in engine_requests(line, "validation", info):
             request.SerializeToString()
     except APIError as exc:
         raise refuse("invalid_body", f"body: {exc.message}", f"body.{exc.param}" if exc.param else "body") from None
@@ -173,9 +179,11 @@ def endpoint_of(url: object) -> str | None:
 
 
 def validate(
-    lines: Iterable[tuple[int, bytes | None]], endpoint: str | None, model: str | None, max_lines: int = MAX_LINES
+    lines: Iterable[tuple[int, bytes | None]], endpoint: str | None, model: str | None, max_lines: int = MAX_LINES,
+    info: engine_pb2.GetModelInfoResponse | None = None,
 ) -> tuple[int, list[LineError]]:
-    """Check every line of a batch file: (number of requests, errors). No error means every line is runnable."""
+    """Check every line of a batch file (against `info`, as `parse_line`): (number of requests, errors). No error
+    means every line is runnable."""
     errors: list[LineError] = []
     seen: set[str] = set()
     count = 0
@@ -189,7 +197,7 @@ def validate(
                                     number))
             continue
         try:
-            line = parse_line(raw, number, count - 1, endpoint, model)
+            line = parse_line(raw, number, count - 1, endpoint, model, info)
         except InvalidLineError as exc:
             errors.append(exc.error)
             continue

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from gateway.batches import lines, validation
+from ladle.v1 import engine_pb2
 
 CHAT = "/v1/chat/completions"
 MODEL = "m"
@@ -108,3 +109,25 @@ async def test_cancelling_a_check_kills_its_child(tmp_path: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await check
     assert validation_children() == []
+
+
+@pytest.mark.parametrize("process_above_bytes", [THREAD, CHILD], ids=["thread", "child"])
+async def test_pooling_lines_are_bounded_by_the_models_info(tmp_path: Path, process_above_bytes: int) -> None:
+    """With the engine's model info, a line asks for no more than the synchronous route allows (here: embeddings
+    longer than the model's), so it fails validation instead of failing when it runs."""
+    info = engine_pb2.GetModelInfoResponse(model_id=MODEL, context_length=128,
+                                           pooling=engine_pb2.PoolingInfo(dimensions=8))
+
+    def embed_line(custom_id: str, **body: Any) -> bytes:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+                           "body": {"model": MODEL, "input": ["a", "b"], **body}}).encode()
+
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(b"\n".join([embed_line("a", dimensions=8), embed_line("b", dimensions=9),
+                                 embed_line("c", truncate_prompt_tokens=-1)]) + b"\n")
+    count, errors = await validation.validate_file(path, "/v1/embeddings", MODEL, MAX_LINE_BYTES,
+                                                   process_above_bytes, info=info)
+    assert count == 3 and [(e.line, e.code, e.param) for e in errors] == [(2, "invalid_body", "body.dimensions")]
+    assert "this model's embeddings have 8" in errors[0].message
+    # Without the info (no engine answered yet) the line passes here and the engine's bound applies when it runs.
+    assert (await validation.validate_file(path, "/v1/embeddings", MODEL, MAX_LINE_BYTES, process_above_bytes))[1] == []
