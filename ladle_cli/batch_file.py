@@ -9,19 +9,23 @@ line, skips every custom_id already there and runs only the rest, so each custom
 command exits 0 only once every input line has its line in the output file: lines that ended without one (which
 the line runner's invariant should never allow) are run again, and if some still have none after `MAX_PASSES` runs
 it exits 1 naming how many. An output file that cannot be written (disk full) stops the run with exit status 1
-and a message; what was written stays, and the same command finishes the rest later.
+and a message; what was written stays, and the same command finishes the rest later. A run holds an exclusive
+lock (flock) on its output file: a second run on the same file, which would run and append the same lines again,
+refuses at once with exit status 75 (EX_TEMPFAIL: run it again once the first has ended).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,10 +37,12 @@ from gateway.batches.lines import InputLine
 from gateway.config import DEFAULT_MAX_REQUEST_BYTES, GatewayConfig
 from gateway.engines import EnginePool
 from ladle.log import configure_logging
+from ladle.v1 import engine_pb2
 from ladle_cli.engine_child import engine_command, spawn_engine, stop_engine
 
 INTERRUPTED = 130
 INVALID_INPUT = 2
+OUTPUT_IN_USE = 75  # EX_TEMPFAIL: another run holds the output file
 ENGINE_STARTUP_TIMEOUT_S = 600.0  # our own engine: loading (and, the first time, converting) the model
 CONNECT_TIMEOUT_S = 60.0  # an engine given with --engine
 MAX_SHOWN_ERRORS = 20
@@ -47,13 +53,41 @@ class BatchFileError(Exception):
     """The input or output file cannot be used as given (the message says why)."""
 
 
+class OutputInUseError(BatchFileError):
+    """Another run holds the output file."""
+
+
 def run_batch_file(args: argparse.Namespace) -> int:
     configure_logging(level=os.environ.get("LADLE_LOG_LEVEL", "WARNING"))
     try:
-        return asyncio.run(_run(args))
+        with exclusive_output(Path(args.output)):
+            return asyncio.run(_run(args))
+    except OutputInUseError as exc:
+        print(f"ladle batch: {exc}", file=sys.stderr)
+        return OUTPUT_IN_USE
     except BatchFileError as exc:
         print(f"ladle batch: {exc}", file=sys.stderr)
         return INVALID_INPUT
+
+
+@contextlib.contextmanager
+def exclusive_output(output: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `output` (created if missing) while the block runs; OutputInUseError if another
+    process holds it. Two runs on one file would each skip only the lines already there when they started, so
+    both would run and append the rest, and each would truncate what looks like the other's half-written line."""
+    try:
+        descriptor = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BatchFileError(f"cannot open {output}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputInUseError(f"{output} is being written by another `ladle batch` run; run this again once it "
+                                   "has ended, or use another output file") from None
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
 
 
 def completed_custom_ids(output: Path) -> set[str]:
@@ -97,7 +131,7 @@ async def _run(args: argparse.Namespace) -> int:
                 else f"no engine SERVING at {address}"
             print(f"ladle batch: {why}", file=sys.stderr)
             return 1
-        _validate(source, pool.model_id)  # every body names the served model
+        _validate(source, pool.model_id, pool.model_info())  # every body names the served model, fits its limits
         return await _run_lines(args, source, output, custom_ids, pool)
     finally:
         await pool.close()
@@ -147,11 +181,11 @@ async def _run_lines(
     return 0
 
 
-def _validate(source: Path, model: str | None) -> set[str]:
+def _validate(source: Path, model: str | None, info: engine_pb2.GetModelInfoResponse | None = None) -> set[str]:
     """The requests' custom_ids (one per line: validation refuses duplicates); BatchFileError listing the bad
     lines if there are any."""
     with source.open("rb") as f:
-        _, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model)
+        _, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model, info=info)
     if errors:
         shown = "\n".join(f"  line {e.line}: {e.code}: {e.message}" for e in errors[:MAX_SHOWN_ERRORS])
         more = f"\n  ... and {len(errors) - MAX_SHOWN_ERRORS} more" if len(errors) > MAX_SHOWN_ERRORS else ""
