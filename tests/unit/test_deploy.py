@@ -61,3 +61,33 @@ def test_envoy_config_checks_the_engine_health_service() -> None:
     endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert {e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints} == {50051}
     assert "http2_protocol_options" in str(cluster["typed_extension_protocol_options"])
+
+
+def _bytes(quantity: str) -> int:
+    """A Kubernetes quantity with a binary suffix (or none) in bytes."""
+    units = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix):
+            return int(float(quantity.removesuffix(suffix)) * factor)
+    return int(quantity)
+
+
+def test_the_gateways_disk_limits_fit_its_volume() -> None:
+    """The per-project quota, the largest upload and the free-space floor fit the blob volume: one project can
+    never fill it (as the default quota, 100 GiB on a 100Gi volume, did), and several fit beside each other."""
+    documents = {(doc["kind"], doc["metadata"]["name"]): doc for _, doc in manifests()}
+    pod = documents["Deployment", "gateway"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    settings = {f"--{e['name'].removeprefix('LADLE_').lower().replace('_', '-')}": e["value"]
+                for e in container["env"] if e["name"].startswith("LADLE_") and "value" in e}
+    args = container["args"]
+    settings |= {flag: args[i + 1] for i, flag in enumerate(args) if flag.startswith("--") and i + 1 < len(args)}
+    (claim,) = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if v["name"] == "data"]
+    volume = _bytes(documents["PersistentVolumeClaim", claim]["spec"]["resources"]["requests"]["storage"])
+    mib = 1024**2
+    quota = int(settings["--project-max-file-bytes"])
+    floor = int(float(settings["--min-free-disk-mib"]) * mib)
+    largest_upload = int(float(settings.get("--max-file-mib", "200")) * mib)
+    assert 0 < largest_upload <= quota and floor > 0
+    assert quota + largest_upload + floor <= volume  # one project alone stays above the floor
+    assert quota <= volume // 4  # and at least four fit side by side
