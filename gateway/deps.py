@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
-from gateway.errors import APIError, no_engine
+from gateway.errors import APIError
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.store.tables import DEFAULT_PROJECT
@@ -117,7 +117,7 @@ def served_model(pool: EnginePool, requested: str) -> str:
     """The served model id if `requested` names it; 404 for another model, 503 before any engine answered."""
     model_id = pool.model_id
     if model_id is None:
-        raise no_engine()
+        raise pool.unavailable()
     if requested != model_id:
         raise APIError(404, f"The model `{requested}` does not exist; this gateway serves `{model_id}`.",
                        param="model", code="model_not_found")

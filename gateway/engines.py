@@ -31,7 +31,7 @@ import structlog
 from grpc_health.v1 import health_pb2
 
 from gateway.config import DNS_PREFIX, GatewayConfig
-from gateway.errors import engine_refused, no_engine
+from gateway.errors import APIError, engine_refused, no_engine
 from gateway.routing import BYTES_PER_TOKEN, CHUNK_BYTES, PrefixRecord, Reason, Router, input_bytes, prefix_hashes
 from ladle.client import AsyncEngineClient
 from ladle.v1 import engine_pb2, types_pb2
@@ -122,10 +122,7 @@ class EnginePool:
         token, if one refuses it)."""
         candidates = [e for e in self.engines if e.serving and e not in avoid]
         if not candidates:
-            for engine in self.engines:
-                if engine.refused is not None and not engine.serving:
-                    raise engine_refused(engine.refused, engine.address)
-            raise no_engine()
+            raise self.unavailable()
         by_prefix = self.router.config.policy == "cache_aware" and bool(inputs)
         # Salted with the call's cache_salt, as the engine salts its blocks: a prefix draws only calls that could
         # hit it there (one project's), never another project's calls to an engine for nothing.
@@ -137,6 +134,13 @@ class EnginePool:
                 engine.record.add(prefix_hashes(input_bytes(other), cache_salt=cache_salt))
         self.routed[(engine.address, choice.reason)] += 1
         return engine
+
+    def unavailable(self) -> APIError:
+        """The 503 for a request no engine can take: naming an engine's refusal of our token if one refuses it."""
+        for engine in self.engines:
+            if engine.refused is not None and not engine.serving:
+                return engine_refused(engine.refused, engine.address)
+        return no_engine()
 
     @property
     def model_id(self) -> str | None:

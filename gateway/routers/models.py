@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse
 
 from gateway.deps import Pool, require_api_key, served_model
 from gateway.engines import EnginePool
-from gateway.errors import no_engine
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -26,7 +25,7 @@ def _model_card(pool: EnginePool, model_id: str) -> dict[str, Any]:
 async def list_models(pool: Pool) -> Any:
     model_id = pool.model_id
     if model_id is None:
-        raise no_engine()
+        raise pool.unavailable()
     return JSONResponse({"object": "list", "data": [_model_card(pool, model_id)]})
 
 
