@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from engine_server.server.server import SERVICE_NAME
+from ladle_cli.main import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 KUBERNETES_VERSION = "1.33"
@@ -91,3 +92,36 @@ def test_the_gateways_disk_limits_fit_its_volume() -> None:
     assert 0 < largest_upload <= quota and floor > 0
     assert quota + largest_upload + floor <= volume  # one project alone stays above the floor
     assert quota <= volume // 4  # and at least four fit side by side
+
+
+def _secret_file(pod: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in the pod's first container, through its mounts and volumes."""
+    (container,) = pod["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    name = path.removeprefix(mount["mountPath"].rstrip("/") + "/")
+    (key,) = [item["key"] for item in volume["secret"]["items"] if item["path"] == name]
+    return volume["secret"]["secretName"], key
+
+
+def test_the_engine_port_needs_the_token_the_gateways_send_and_only_gateways_reach_it() -> None:
+    documents = {(doc["kind"], doc["metadata"]["name"]): doc for _, doc in manifests()}
+    engine = documents["StatefulSet", "engine"]["spec"]["template"]
+    gateway = documents["Deployment", "gateway"]["spec"]["template"]
+    # The flags as the `ladle` command itself parses them, each naming a file of the same Secret key.
+    engine_args = build_parser().parse_args(engine["spec"]["containers"][0]["args"])
+    gateway_args = build_parser().parse_args(gateway["spec"]["containers"][0]["args"])
+    assert engine_args.auth_token_file and gateway_args.engine_auth_token_file
+    assert _secret_file(engine["spec"], engine_args.auth_token_file) == _secret_file(
+        gateway["spec"], gateway_args.engine_auth_token_file)
+    # The NetworkPolicy: ingress to the engine pods only from gateway pods, only on the engine's gRPC port.
+    (policy,) = [doc for (kind, _), doc in documents.items() if kind == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= engine["metadata"]["labels"].items()
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    grpc_port = engine_args.port
+    for rule in policy["spec"]["ingress"]:
+        assert [peer.keys() for peer in rule["from"]] == [{"podSelector"}] * len(rule["from"])
+        for peer in rule["from"]:
+            assert peer["podSelector"]["matchLabels"].items() <= gateway["metadata"]["labels"].items()
+        assert [(p["protocol"], p["port"]) for p in rule["ports"]] == [("TCP", grpc_port)]
