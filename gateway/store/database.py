@@ -6,7 +6,8 @@ so a commit is on disk when it returns, and every transaction begins IMMEDIATE (
 so two writers queue on the busy timeout instead of failing on a lock upgrade.
 
 A database made by an earlier version is brought up to date when it is opened: `create_all` adds missing tables,
-`_add_missing_columns` the columns (and their indexes) that newer versions added to existing tables.
+`_add_missing_columns` the columns that newer versions added to existing tables, `_add_missing_indexes` the
+indexes.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _create_schema(engine: Engine, is_sqlite: bool) -> None:
             connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK})
         metadata.create_all(connection)
         _add_missing_columns(connection)
+        _add_missing_indexes(connection)
 
 
 def _add_missing_columns(connection: Connection, schema: MetaData = metadata) -> None:
@@ -72,10 +74,14 @@ def _add_missing_columns(connection: Connection, schema: MetaData = metadata) ->
                                    "column must be nullable or have a server_default, and not be in the key")
             ddl = CreateColumn(column).compile(dialect=connection.dialect)
             connection.execute(text(f"ALTER TABLE {quote.format_table(table)} ADD COLUMN {ddl}"))
-        added = {column.name for column in missing}
+
+
+def _add_missing_indexes(connection: Connection, schema: MetaData = metadata) -> None:
+    """CREATE INDEX for every index of `schema` that an existing table lacks (those over added columns, and
+    indexes that newer versions added over old columns)."""
+    for table in schema.sorted_tables:
         for index in table.indexes:
-            if added & {column.name for column in index.columns}:
-                index.create(connection, checkfirst=True)
+            index.create(connection, checkfirst=True)
 
 
 def lock_project(connection: Connection, project: str) -> None:

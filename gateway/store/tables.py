@@ -115,3 +115,7 @@ upload_reservations = Table(
     Column("bytes", BigInteger, nullable=False),
     Column("expires_at", Float, nullable=False, index=True),
 )
+
+# The orphan sweep looks blobs up by key (`FileStore.unknown_blob_keys`); `database.open_database` adds the index to
+# an older database's table.
+Index("ladle_files_blob_key", files.c.blob_key)

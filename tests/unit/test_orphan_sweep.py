@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine, inspect, text, update
 
 from gateway.batches.sweeper import FileSweeper
 from gateway.store.batches import BatchStore
@@ -99,3 +99,20 @@ def test_orphans_are_swept_and_nothing_else(db: Engine, tmp_path: Path) -> None:
     assert not blobs.path(f"batches/{failed}").exists() and not blobs.path(f"batches/{unknown}").exists()
     assert files.renew("live", time.time(), 60) and not files.renew("lapsed", time.time(), 60)
     assert FileSweeper(files, blobs, 60).sweep_orphans().total() == 0  # nothing more to do
+
+
+def test_an_older_database_gains_the_blob_key_index(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The sweep looks every old blob up by key: a database made before the index existed gets it when opened."""
+    for url in (database_url(None, tmp_path), database_url(request.getfixturevalue("postgres").new_database(),
+                                                             tmp_path)):
+        engine = open_database(url)
+        with engine.begin() as c:
+            c.execute(text("DROP INDEX ladle_files_blob_key"))
+        assert not any(i["name"] == "ladle_files_blob_key" for i in inspect(engine).get_indexes("ladle_files"))
+        engine.dispose()
+        engine = open_database(url)
+        try:
+            (index,) = [i for i in inspect(engine).get_indexes("ladle_files") if i["name"] == "ladle_files_blob_key"]
+            assert index["column_names"] == ["blob_key"]
+        finally:
+            engine.dispose()
