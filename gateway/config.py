@@ -12,6 +12,7 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024  # a 128k-token prompt as token ids
 DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 DEFAULT_PROJECT_MAX_FILE_BYTES = 100 * 1024**3  # OpenAI's storage limit per organization
 DEFAULT_PROJECT_MAX_ACTIVE_BATCHES = 100
+MAX_BATCH_WORKERS = 64
 DEFAULT_MIN_FREE_DISK_BYTES = 1024 * 1024**2  # below this free on the blob volume: 507 for new uploads and batches
 DNS_PREFIX = "dns:"  # an engine target whose every resolved address is one engine
 
@@ -41,10 +42,12 @@ class GatewayConfig:
     default project's keys; with no keys at all, anyone).
 
     Files and batches: bytes under `data_dir`/blobs, records in `database_url` (default: SQLite in `data_dir`);
-    uploads up to `max_file_bytes`. `batch_workers` run batches in this process (0: none; another replica on
-    the same database runs them), each with at most `batch_window` engine items in flight (None: twice the
-    engine's max_num_seqs), holding a batch under a lease of `batch_lease_s` seconds (a worker that dies
-    releases its batch when the lease runs out). Every `file_sweep_interval_s` the files whose expiry has
+    uploads up to `max_file_bytes`. `batch_workers` run batches in this process at once (0: none; another
+    replica on the same database runs them; at most MAX_BATCH_WORKERS), claimed round-robin by project, each
+    with at most `batch_window` engine items in flight (None: twice the engine's max_num_seqs) and all of one
+    project's together at most `batch_project_window` (None: the batch window times the number of engines),
+    holding a batch under a lease of `batch_lease_s` seconds (a worker that dies releases its batch when the
+    lease runs out). Every `file_sweep_interval_s` the files whose expiry has
     passed are deleted. Below `min_free_disk_bytes` free on the blob directory's file system (0: no floor),
     uploads and new batches are refused with 507 (gateway/disk.py).
     """
@@ -64,19 +67,23 @@ class GatewayConfig:
     data_dir: Path | None = None  # None: default_data_dir()
     database_url: str | None = None
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-    batch_workers: int = 1
+    batch_workers: int = 4
     batch_window: int | None = None
+    batch_project_window: int | None = None
     batch_lease_s: float = 30.0
     file_sweep_interval_s: float = 60.0
     min_free_disk_bytes: int = DEFAULT_MIN_FREE_DISK_BYTES
-    engine_auth_token: str | None = field(default=None, repr=False)
     metrics_api_key: str | None = field(default=None, repr=False)
+    engine_auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.engines:
             raise ValueError("the gateway needs at least one engine address")
-        if self.batch_workers < 0 or (self.batch_window is not None and self.batch_window < 1):
-            raise ValueError("batch_workers must be >= 0 and batch_window >= 1")
+        if not 0 <= self.batch_workers <= MAX_BATCH_WORKERS:
+            raise ValueError(f"batch_workers must be in [0, {MAX_BATCH_WORKERS}]")
+        for name in ("batch_window", "batch_project_window"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: the default)")
         if self.batch_lease_s <= 1:
             raise ValueError("batch_lease_s must be more than 1 second")
         if self.file_sweep_interval_s <= 0:

@@ -135,10 +135,12 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--database-url", "", "SQLAlchemy URL of the files-and-batches database, e.g. "
          "postgresql://user@host/db to share it between gateways (default: SQLite in --data-dir)")
     _add(parser, "--max-file-mib", 200.0, "largest accepted file upload in MiB (then HTTP 413)", type=float)
-    _add(parser, "--batch-workers", 1, "batch jobs this gateway runs at once (0: leave them to other gateways)",
-         type=int)
+    _add(parser, "--batch-workers", 4, "batch jobs this gateway runs at once, claimed round-robin by project "
+         "(0: leave them to other gateways; at most 64)", type=int)
     _add(parser, "--batch-window", 0, "engine items a batch keeps in flight (0: twice the engine's max-num-seqs)",
          type=int)
+    _add(parser, "--batch-project-window", 0, "engine items all of one project's batches keep in flight together "
+         "(0: the batch window times the number of engines)", type=int)
     _add(parser, "--batch-lease", 30.0, "seconds a batch stays claimed by a worker that stopped renewing it "
          "(after a crash, another worker resumes it then)", type=float)
 
@@ -286,6 +288,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         max_file_bytes=int(args.max_file_mib * 1024 * 1024),
         batch_workers=args.batch_workers,
         batch_window=args.batch_window or None,
+        batch_project_window=args.batch_project_window or None,
         batch_lease_s=args.batch_lease,
         engine_auth_token=sender_token(args.engine_auth_token_file) if args.engine_auth_token_file else None,
     )

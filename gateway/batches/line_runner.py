@@ -2,18 +2,25 @@
 
 Lines stream into one Batch call at a time (`gateway.calls`: the engine held, and marked down if the call ends
 UNAVAILABLE) with at most `window` engine items unanswered (by default `calls.in_flight_window`: the engine reads
-a call about twice its `max_num_seqs` ahead, so more would only sit in buffers). Each line's result is handed to
+a call about twice its `max_num_seqs` ahead, so more would only sit in buffers), and, when a `project_window` is
+given, at most its permits over every batch of the project that shares it. Each line's result is handed to
 `emit` as soon as all of its engine items have answered (generations, or Embed / Score requests for the pooling
-endpoints). When the call fails (the engine died, restarts or drains), every line still in flight is sent again
-on the next SERVING engine, keeping the parts that already answered; an item the engine refused for load
-(RESOURCE_EXHAUSTED, UNAVAILABLE) or ended with finish reason ABORT (a draining or stopping engine aborts what it
-still runs) is sent again a moment later. Any other item error is that line's result: an error line with the
-HTTP status the route would have answered.
+endpoints). Any item error that is not about load is that line's result: an error line with the HTTP status
+the route would have answered.
 
-The invariant: every line is, at every moment, in exactly one of four places — unread (in `source`, or read
-and not yet taken), in flight (`_Progress.in_flight`), to retry (`_Progress.retry`) or emitted. A line moves
-between them only in code that does not await in between, and a call's feeder stops taking lines the moment
-its call has ended, so no interleaving of a call's end with a feeder's pause can leave a line nowhere.
+Every send of a line is an attempt (`attempts.PendingLine`) with fresh item and request ids. An attempt fails
+without being a result when its call fails while it is in flight (the engine died, restarts or drains; the call
+broke), when an item is refused for load or aborted by a draining engine: the line is sent again, on the next
+SERVING engine if the call failed, keeping the parts that already answered. Failures are bounded
+(`attempts.AttemptLimits`): a line that keeps failing runs in a call of its own (the shared call first ends, so
+it runs alone), and if it still fails it becomes an error line saying why.
+
+The invariant: every line is, at every moment, in exactly one of five places — unread (in `source`, or read and
+not yet taken), in flight (`_Progress.in_flight`), to retry (`_Progress.retry`), to run alone
+(`_Progress.suspects`) or emitted. A line moves between them only in code that does not await in between; a line
+leaves `in_flight` only once every part of its attempt that was sent has answered (or its call has ended), and a
+call's feeder stops taking lines the moment its call has ended, so no interleaving of a call's end with a
+feeder's pause can leave a line nowhere, nor send a part of a line no longer in flight.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import structlog
 
 from gateway import calls
 from gateway.batches import lines
+from gateway.batches.attempts import ABORTED, AttemptLimits, PendingLine, call_failure, parse_item_id
 from gateway.batches.lines import InputLine
 from gateway.engines import Engine, EnginePool
 from gateway.errors import APIError, grpc_status, item_error
@@ -44,6 +52,7 @@ RETRYABLE_ITEM_CODES = frozenset({
     grpc.StatusCode.ABORTED,
 })
 MAX_BACKOFF_S = 5.0
+UNANSWERED = "the engine ended the Batch call without answering it"
 
 
 @dataclass(frozen=True)
@@ -54,23 +63,6 @@ class LineResult:
     record: dict[str, Any]
     ok: bool
     usage: tuple[types_pb2.Usage, ...] = ()
-
-
-@dataclass
-class _Line:
-    """A line between its first send and its result."""
-
-    line: InputLine
-    line_id: str
-    replies: list[calls.EngineReply | None]
-    request_id: str = ""
-    requests: list[calls.EngineRequest] = field(default_factory=list)  # this attempt's, one per item
-    error: APIError | None = None
-    outstanding: int = 0  # items of this line sent in the current call and not yet answered
-    not_before: float = 0.0  # loop time before which it is not sent again (after a refusal for load)
-
-    def missing(self) -> list[int]:
-        return [k for k, reply in enumerate(self.replies) if reply is None]
 
 
 _END = object()
@@ -127,21 +119,65 @@ async def _read_one(source: AsyncIterator[InputLine]) -> Any:
 class _Progress:
     emit: Callable[[LineResult], None]
     source: _Source
-    retry: deque[_Line] = field(default_factory=deque)
-    in_flight: dict[int, _Line] = field(default_factory=dict)  # by line index
+    retry: deque[PendingLine] = field(default_factory=deque)
+    suspects: deque[PendingLine] = field(default_factory=deque)  # to run in a call of their own
+    in_flight: dict[int, PendingLine] = field(default_factory=dict)  # by line index
 
     @property
     def finished(self) -> bool:
-        return self.source.done and not self.retry and not self.in_flight
+        return self.source.done and not self.retry and not self.suspects and not self.in_flight
+
+
+class _Permits:
+    """The permits of a project's shared window one call holds: one per item sent and not yet answered. Once
+    `close`d (its call ended) it holds none, and a permit its feeder obtains afterwards is handed straight back."""
+
+    def __init__(self, window: asyncio.Semaphore | None) -> None:
+        self.window = window
+        self.held = 0
+        self.closed = False
+
+    async def acquire(self) -> None:
+        if self.window is None:
+            return
+        await self.window.acquire()
+        if self.closed:
+            self.window.release()
+        else:
+            self.held += 1
+
+    def release(self) -> None:
+        if self.window is not None and self.held:
+            self.held -= 1
+            self.window.release()
+
+    def close(self) -> None:
+        self.closed = True
+        while self.held:
+            self.release()
 
 
 class LineRunner:
-    """Runs lines on the engines of `pool`. `model` is the id written into response bodies."""
+    """Runs lines on the engines of `pool`. `model` is the id written into response bodies; `cache_salt` goes on
+    every engine request (the batch's project's prefix-cache namespace); `project_window` bounds the items in
+    flight of every runner that shares it (one per project)."""
 
-    def __init__(self, pool: EnginePool, model: str, window: int | None = None) -> None:
+    def __init__(
+        self,
+        pool: EnginePool,
+        model: str,
+        window: int | None = None,
+        *,
+        cache_salt: str = "",
+        project_window: asyncio.Semaphore | None = None,
+        limits: AttemptLimits | None = None,
+    ) -> None:
         self.pool = pool
         self.model = model
         self.window = window
+        self.cache_salt = cache_salt
+        self.project_window = project_window
+        self.limits = limits or AttemptLimits()
         self.in_flight = 0  # engine items sent and not yet answered
 
     async def run(
@@ -161,7 +197,8 @@ class LineRunner:
                 engine = await self._serving_engine(stop)
                 if engine is None:
                     break
-                failed = await self._call(engine, progress, stop)
+                alone = progress.suspects.popleft() if progress.suspects else None
+                failed = await self._call(engine, progress, stop, alone)
                 if progress.source.error is not None:
                     raise progress.source.error
                 if failed and not stop.is_set():
@@ -181,19 +218,24 @@ class LineRunner:
             await self.pool.wait_ready(timeout=0.5)
         return None
 
-    async def _call(self, engine: Engine, progress: _Progress, stop: asyncio.Event) -> bool:
-        """One Batch call on `engine`; True if it failed or ended with lines unanswered (those are then to be
-        sent again). When it returns, no line is in flight and its feeder takes no more lines."""
-        window = asyncio.Semaphore(self.window or calls.in_flight_window(engine.info))
+    async def _call(
+        self, engine: Engine, progress: _Progress, stop: asyncio.Event, alone: PendingLine | None
+    ) -> bool:
+        """One Batch call on `engine` (with only `alone` in it, when given); True if it failed or ended with
+        lines unanswered (those are then to be sent again). When it returns, no line is in flight and its feeder
+        takes no more lines."""
+        window = asyncio.Semaphore(1 if alone else self.window or calls.in_flight_window(engine.info))
+        permits = _Permits(self.project_window)
         ended = asyncio.Event()
         watcher = asyncio.ensure_future(stop.wait())
-        failed = False
+        failure: str | None = None
         try:
-            feed = self._feed(progress, window, ended)
+            feed = self._feed(progress, window, permits, ended, alone)
             with calls.holding(self.pool, engine), calls.open_batch_rpc(engine, feed, timeout=None) as call:
                 watcher.add_done_callback(lambda _: call.cancel())
                 async for response in call:
                     window.release()
+                    permits.release()
                     self.in_flight -= 1
                     self._answer(response, progress)
         except asyncio.CancelledError:
@@ -202,114 +244,158 @@ class LineRunner:
                 raise
         except grpc.RpcError as error:  # `holding` has marked an UNAVAILABLE engine down
             if not stop.is_set():
-                code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-                log.warning("batch call failed; sending its lines again", engine=engine.address,
-                            code=getattr(code, "name", None), in_flight=len(progress.in_flight))
-                failed = True
+                failure = call_failure(error)
+                log.warning("batch call failed; sending its lines again", engine=engine.address, error=failure,
+                            in_flight=len(progress.in_flight), alone=alone is not None)
         finally:
             ended.set()
             self.in_flight = 0
+            permits.close()
             watcher.cancel()
             unanswered = list(progress.in_flight.values())
             progress.in_flight.clear()
-            progress.retry.extend(unanswered)
-        return failed or bool(unanswered)
+            for pending in unanswered:
+                self._call_ended(pending, progress, failure, stop.is_set())
+        return failure is not None or bool(unanswered)
+
+    def _call_ended(self, pending: PendingLine, progress: _Progress, failure: str | None, stopped: bool) -> None:
+        """A line still in flight when its call ended: sent again, its attempt counted as failed unless the
+        batch is stopping or none of its parts was sent."""
+        pending.sending, pending.outstanding = False, 0
+        if stopped or (pending.sent == 0 and pending.error is None):
+            progress.retry.appendleft(pending)  # not its failure: first in line for the next call
+            return
+        pending.fail(failure or UNANSWERED)
+        self._settle(pending, progress)
 
     async def _feed(
-        self, progress: _Progress, window: asyncio.Semaphore, ended: asyncio.Event
+        self, progress: _Progress, window: asyncio.Semaphore, permits: _Permits, ended: asyncio.Event,
+        alone: PendingLine | None,
     ) -> AsyncIterator[engine_pb2.BatchRequest]:
-        """The call's items: lines to send again first, then new lines, each item once the window has room.
-        Stops at once when the call has `ended` (a line it holds is then in flight, and the call's end moves it
-        to the retry queue)."""
+        """The call's items: `alone`'s only, or lines to send again first, then new lines; each item once the
+        windows have room. Stops at once when the call has `ended` (a line it holds is then in flight, and the
+        call's end moves it on), and sends no more parts of an attempt that has already failed."""
         while not ended.is_set():
-            pending = await self._take(progress, ended)
+            pending = self._begin(alone, progress) if alone is not None else await self._take(progress, ended)
             if pending is None:
                 return
-            for k in pending.missing():
+            for part in pending.missing():
                 await window.acquire()
+                await permits.acquire()
                 if ended.is_set():
                     return
+                if pending.failure is not None or pending.error is not None:
+                    window.release()
+                    permits.release()
+                    break
                 pending.outstanding += 1
+                pending.sent += 1
                 self.in_flight += 1
-                yield calls.batch_item(f"{pending.line.index}:{k}", pending.requests[k])
+                yield calls.batch_item(pending.item_id(part), pending.requests[part])
+            pending.sending = False
+            if pending.outstanding == 0:
+                self._settle(pending, progress)
+            if alone is not None:
+                return
 
-    async def _take(self, progress: _Progress, ended: asyncio.Event) -> _Line | None:
+    async def _take(self, progress: _Progress, ended: asyncio.Event) -> PendingLine | None:
         """Move the next line to send into `progress.in_flight` and return it: the first line to retry (once its
-        pause is over), else the next unread line. None when there is none, or once the call has ended."""
+        pause is over), else the next unread line. None when there is none, once the call has ended, or once a
+        line waits to run alone (this call then ends first)."""
         loop = asyncio.get_running_loop()
-        while not ended.is_set():
+        while not ended.is_set() and not progress.suspects:
             if progress.retry:
                 head = progress.retry[0]
                 pause = head.not_before - loop.time()
-                if pause > 0 and head.error is None:
+                if pause > 0:
                     with contextlib.suppress(TimeoutError):  # the line stays queued while it waits
                         await asyncio.wait_for(ended.wait(), pause)
                     continue
-                progress.retry.popleft()
-                if head.error is not None:  # an item failed for good before its call was lost
-                    progress.emit(self._result(head))
-                    continue
-                pending = head
+                pending = progress.retry.popleft()
             else:
                 line = await progress.source.take(ended)
                 if line is None:
                     return None
-                pending = _Line(line, new_id(BATCH_REQUEST_PREFIX), [])
-            if self._prepare(pending, progress):
-                progress.in_flight[pending.line.index] = pending
-                return pending
+                pending = PendingLine(line, new_id(BATCH_REQUEST_PREFIX))
+            if (begun := self._begin(pending, progress)) is not None:
+                return begun
         return None
 
-    def _prepare(self, pending: _Line, progress: _Progress) -> bool:
-        """Give `pending` a fresh engine request id and build its requests; False if the line cannot be sent
-        (it is then emitted as an error line)."""
-        pending.request_id = "req_" + secrets.token_hex(12)  # a fresh engine id for every attempt
+    def _begin(self, pending: PendingLine, progress: _Progress) -> PendingLine | None:
+        """Start `pending`'s next attempt (fresh engine request ids) and put it in flight; None if it cannot be
+        sent (it is then emitted as an error line)."""
+        request_id = "req_" + secrets.token_hex(12)
         try:
-            pending.requests = lines.engine_requests(pending.line, pending.request_id, self.pool.model_info())
+            requests = lines.engine_requests(pending.line, request_id, self.pool.model_info(),
+                                             cache_salt=self.cache_salt)
         except (APIError, ValueError) as exc:  # cannot happen for a validated line; a result all the same
             pending.error = exc if isinstance(exc, APIError) else APIError(400, f"body: {exc}", param="body")
+            pending.request_id = request_id
             progress.emit(self._result(pending))
-            return False
-        if not pending.replies:
-            pending.replies = [None] * len(pending.requests)
-        pending.outstanding = 0
-        return True
+            return None
+        pending.begin(request_id, requests)
+        progress.in_flight[pending.line.index] = pending
+        return pending
 
     def _answer(self, response: engine_pb2.BatchResponse, progress: _Progress) -> None:
-        index, _, part = response.item_id.partition(":")
-        pending = progress.in_flight.get(int(index))
-        if pending is None:
-            return
+        parsed = parse_item_id(response.item_id)
+        pending = progress.in_flight.get(parsed[0]) if parsed is not None else None
+        if parsed is None or pending is None or pending.attempt != parsed[1]:
+            return  # not an item of an attempt in flight: a stale reply
+        part = parsed[2]
         pending.outstanding -= 1
         reply = calls.item_reply(response)
         if reply is not None:
             if _aborted(reply):  # the engine is draining or stopping: not a result, run it again
-                pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
+                pending.fail(ABORTED)
             else:
-                pending.replies[int(part)] = reply
-        else:
-            if grpc_status(response.error.code) in RETRYABLE_ITEM_CODES:
-                pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
-            elif pending.error is None:
-                pending.error = item_error(response.error, self.pool.config.retry_after_s)
-        if pending.outstanding > 0:
-            return
-        del progress.in_flight[pending.line.index]
-        if pending.error is None and pending.missing():
-            progress.retry.append(pending)  # refused for load or aborted: again, after a moment
-        else:
-            progress.emit(self._result(pending))
+                pending.replies[part] = reply
+        elif (code := grpc_status(response.error.code)) in RETRYABLE_ITEM_CODES:
+            pending.fail(f"the engine refused it ({code.name}: {response.error.message})")
+        elif pending.error is None:
+            pending.error = item_error(response.error, self.pool.config.retry_after_s)
+        if pending.settled:
+            self._settle(pending, progress)
 
-    def _result(self, pending: _Line) -> LineResult:
+    def _settle(self, pending: PendingLine, progress: _Progress) -> None:
+        """The attempt is over: emit the line's result, or count the failure and queue the line again (to retry
+        after a pause, or alone), or, past its limits, emit it as an error line."""
+        progress.in_flight.pop(pending.line.index, None)
+        if pending.error is None and (pending.failure is not None or pending.missing()):
+            pending.fail(UNANSWERED)
+            if not pending.count_failure(self.limits):
+                self._requeue(pending, progress)
+                return
+            log.warning("batch line failed every attempt; it becomes an error line", custom_id=pending.line.custom_id,
+                        failures=pending.failures, last_error=pending.last_failure)
+            pending.error = pending.gave_up()
+        progress.emit(self._result(pending))
+
+    def _requeue(self, pending: PendingLine, progress: _Progress) -> None:
+        if pending.alone:
+            progress.suspects.append(pending)
+            return
+        pending.not_before = asyncio.get_running_loop().time() + self.pool.config.retry_after_s
+        progress.retry.append(pending)
+
+    def _result(self, pending: PendingLine) -> LineResult:
+        """The line's result record; a reply the response body cannot be built from is that line's error (a
+        500 naming why), never the batch's."""
         line = pending.line
-        if pending.error is not None:
-            record = lines.output_record(pending.line_id, line.custom_id, pending.request_id, pending.error.status,
-                                         pending.error.body())
-            return LineResult(line, record, ok=False)
         replies = [r for r in pending.replies if r is not None]
-        body = lines.response_body(line, replies, pending.request_id, self.model)
-        record = lines.output_record(pending.line_id, line.custom_id, pending.request_id, 200, body)
-        return LineResult(line, record, ok=True, usage=tuple(r.usage for r in replies))
+        if pending.error is None:
+            try:
+                body = lines.response_body(line, replies, pending.request_id, self.model)
+            except Exception as exc:
+                log.exception("a batch line's result could not be built", custom_id=line.custom_id)
+                pending.error = APIError(500, f"the engine's reply could not be turned into a response "
+                                         f"({type(exc).__name__}: {exc})", type="server_error", code="internal_error")
+            else:
+                record = lines.output_record(pending.line_id, line.custom_id, pending.request_id, 200, body)
+                return LineResult(line, record, ok=True, usage=tuple(r.usage for r in replies))
+        record = lines.output_record(pending.line_id, line.custom_id, pending.request_id, pending.error.status,
+                                     pending.error.body())
+        return LineResult(line, record, ok=False)
 
 
 def _aborted(reply: calls.EngineReply) -> bool:

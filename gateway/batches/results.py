@@ -54,21 +54,28 @@ class ResultSink:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def pending(self) -> int:
+        """Results added and not yet taken."""
+        return len(self._pending)
+
     def take(self) -> list[LineResult]:
         """The results added since the last call (call on the event loop; hand them to `commit`)."""
         taken, self._pending = self._pending, []
         return taken
 
-    def commit(self, results: list[LineResult], lease_s: float) -> BatchStatus:
+    def commit(self, results: list[LineResult], lease_s: float, max_project_bytes: int | None = None) -> BatchStatus:
         """Append `results`, flush, and commit them with the lease extended; the batch's status. Blocking. If
         the commit fails, what was written is committed by the next successful call (the commit records this
-        claim's totals, never increments, so one that did land although it raised is not counted twice)."""
+        claim's totals, never increments, so one that did land although it raised is not counted twice).
+        ProjectLimitError if the project's stored bytes would pass `max_project_bytes` (nothing is committed)."""
         for result in results:
             (self._output if result.ok else self._error).append(encode(result.record))
             _count(self._written, result)
             self._unconfirmed_ids.append(result.line.custom_id)
         progress = Progress(self._output.sync(), self._error.sync(), **vars(self._written))
-        status = self.store.commit(self.claim, time.time(), lease_s, progress)
+        status = self.store.commit(self.claim, time.time(), lease_s, progress, progressed=bool(results),
+                                   max_project_bytes=max_project_bytes)
         self.committed_ids.update(self._unconfirmed_ids)
         self._unconfirmed_ids.clear()
         return status

@@ -7,17 +7,26 @@ last commit stopped:
                `commit_interval_s` (which also renews the lease and reads the status, so a cancel is seen);
                all done -> finalizing; cancelling -> stop; past `expires_at` -> the rest become batch_expired;
   finalizing / cancelling / past expiry -> `publish` the result files -> completed / cancelled / expired.
-A worker claims only while some engine is SERVING, so a batch never waits under a lease for an engine; while none
-is, it still claims batches past their completion window, so they end `expired` (with their results so far, and a
-batch_expired error line for each line not run) whether or not an engine ever comes back.
+A gateway runs several workers, each carrying one batch at a time; claims go round-robin by project
+(`BatchStore.claim_next`), and the lines in flight of one project's batches share one window (`project_window`),
+so one project's batches neither hold every worker nor fill an engine's queue. A worker claims only while some
+engine is SERVING, so a batch never waits under a lease for an engine; while none is, it still claims the batches
+that need none (cancelling, finalizing, or past their completion window), so they end (expired ones with their
+results so far, and a batch_expired error line for each line not run) whether or not an engine ever comes back.
 
-Two guarantees beyond that. A batch is finalized only when its committed counts add up to its total (the store
+Guarantees beyond that. A batch is finalized only when its committed counts add up to its total (the store
 refuses otherwise); a run that ends with lines unaccounted for runs those lines again, and after `MAX_PASSES`
-such runs the batch fails with an error saying so. An attempt that ends in an error (a result write that fails,
-any other exception) is counted in the batch's record: after `max_failures` of them the batch ends `failed` with
-`errors` naming the last one, keeping the results it committed, instead of being claimed again forever. Every
-step that can outlast a lease (validating a large file, reading committed results, publishing) renews the lease
-while it runs.
+such runs the batch fails with an error saying so. An attempt that ends in an error is recorded in the batch: a
+storage error (an OSError such as a full disk, or a database that cannot be reached) is no fault of the batch,
+so it is not counted, and the batch is claimed again after an exponentially growing pause, for as long as it
+takes; any other error is counted, and after `max_failures` of them the batch ends `failed` with `errors`
+naming the last one. A batch whose committed results cannot be written yet is never finished without them: its
+publishing is retried like a storage error. A batch that keeps losing its workers without recording progress or
+an error (killed for memory, say) ends `failed` after `max_unfinished_claims` such claims. Result bytes count
+against the project's storage quota: a batch whose results would pass it stops `failed` with what it committed
+and `storage_limit_exceeded` in `errors`. Every step that can outlast a lease (validating a large file, reading
+committed results, writing out an expired batch's remaining lines, publishing) renews the lease while it runs,
+and reading the input (skipping the lines already done on a resume) happens off the event loop.
 """
 
 from __future__ import annotations
@@ -27,14 +36,16 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from gateway.batches import lines
+from gateway.batches.attempts import AttemptLimits
+from gateway.batches.input_reader import pending_lines
 from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.lines import InputLine
 from gateway.batches.results import ResultSink, committed_custom_ids, publish
@@ -43,12 +54,15 @@ from gateway.engines import EnginePool
 from gateway.metrics import GatewayMetrics
 from gateway.store.batches import BatchRecord, BatchStatus, BatchStore, Claim, FinalStatus, LeaseLostError
 from gateway.store.blobs import BlobStore, upload_key
+from gateway.store.files import ProjectLimitError
 from gateway.store.ids import BATCH_REQUEST_PREFIX, new_id
+from gateway.translate.cache_salt import project_cache_salt
 
 log = structlog.get_logger(__name__)
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 MAX_PASSES = 3  # runs of a batch's lines under one claim before lines still without a result fail the batch
+EXPIRY_COMMIT_LINES = 1000  # batch_expired lines written between two commits (each renews the lease)
 T = TypeVar("T")
 
 
@@ -60,11 +74,17 @@ class WorkerSettings:
     poll_interval_s: float = 1.0
     commit_interval_s: float = 0.25
     heartbeat_interval_s: float = 1.0
-    max_failures: int = 5  # attempts ending in an error before the batch ends `failed`
+    max_failures: int = 5  # attempts ending in an error (not a storage error) before the batch ends `failed`
+    max_unfinished_claims: int = 5  # claims lost without progress or a recorded error before it ends `failed`
+    retry_base_s: float = 1.0  # pause after the first storage error; doubled after each, up to retry_max_s
+    retry_max_s: float = 300.0
+    attempt_limits: AttemptLimits = field(default_factory=AttemptLimits)
+    project_max_file_bytes: int | None = None  # the quota result bytes count against (None: none)
 
 
 class BatchWorker:
-    """One worker: one batch at a time. `run` until cancelled; a claim it holds then is released."""
+    """One worker: one batch at a time. `run` until cancelled; a claim it holds then is released.
+    `project_window(project)` is the window shared by the project's batches (None: each batch's own only)."""
 
     def __init__(
         self,
@@ -74,6 +94,7 @@ class BatchWorker:
         settings: WorkerSettings,
         wake: asyncio.Event,
         metrics: GatewayMetrics | None = None,
+        project_window: Callable[[str], asyncio.Semaphore] | None = None,
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -81,6 +102,7 @@ class BatchWorker:
         self.settings = settings
         self.wake = wake
         self.metrics = metrics
+        self.project_window = project_window
         self.name = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
         self.runner: LineRunner | None = None  # while lines run, for /metrics
 
@@ -117,28 +139,40 @@ class BatchWorker:
                 await asyncio.wait_for(self.wake.wait(), self.settings.poll_interval_s)
 
     async def _record_failure(self, claim: Claim, exc: Exception) -> None:
-        """Count a failed attempt in the batch's record (the batch is resumed after a pause, here or elsewhere,
-        until `max_failures`). A lost database connection is not the batch's fault and is not counted: the
-        lease runs out and the batch is resumed once the database answers."""
+        """Record a failed attempt in the batch (it is resumed, here or elsewhere): counted towards
+        `max_failures`, unless it is a storage error (an OSError: a full disk, say), which is not the batch's
+        fault: that one is retried after a pause that doubles each time. A lost database connection cannot be
+        recorded at all: the lease runs out and the batch is resumed once the database answers."""
         if isinstance(exc, OperationalError | InterfaceError):
             log.warning("batch work stopped: the database is unreachable; it will be resumed", exc_info=exc)
             return
         error = f"{type(exc).__name__}: {exc}"
+        transient = isinstance(exc, OSError)
+        pause = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** claim.batch.transient_failures)
         try:
-            failures = await asyncio.to_thread(self.store.record_failure, claim, error)
+            failures = await asyncio.to_thread(self.store.record_failure, claim, error, transient=transient,
+                                               retry_at=time.time() + pause if transient else None)
         except LeaseLostError:
             return
         except Exception:
             log.exception("batch work failed, and so did recording it; the lease will run out")
             return
-        log.error("batch work failed; it will be resumed", failures=failures, limit=self.settings.max_failures,
-                  exc_info=exc)
+        if transient:
+            log.warning("batch work stopped by a storage error; it will be resumed", storage_errors=failures,
+                        pause_s=pause, error=error)
+        else:
+            log.error("batch work failed; it will be resumed", failures=failures, limit=self.settings.max_failures,
+                      exc_info=exc)
 
     async def process(self, claim: Claim) -> None:
         """Carry a claimed batch as far as it goes: to a final status, unless the lease is lost."""
         if claim.batch.failures >= self.settings.max_failures:
             await self._give_up(claim, f"the batch failed {claim.batch.failures} times; the last error was: "
                                        f"{claim.batch.last_error}")
+            return
+        if claim.batch.unfinished_claims > self.settings.max_unfinished_claims:
+            await self._give_up(claim, f"the workers running this batch stopped {claim.batch.unfinished_claims - 1} "
+                                       "times without recording progress or an error (killed, e.g. for memory)")
             return
         status: BatchStatus = claim.batch.status
         expired = time.time() >= claim.batch.expires_at
@@ -152,7 +186,13 @@ class BatchWorker:
         if status == "validating":
             status = await self._validate(claim)
         if status == "in_progress":
-            status, expired = await self._run_lines(claim)
+            try:
+                status, expired = await self._run_lines(claim)
+            except ProjectLimitError as exc:
+                await self._give_up(claim, f"the batch's results would take project {exc.project} past its storage "
+                                           f"limit of {exc.limit} bytes; the results committed until then are "
+                                           "kept", code="storage_limit_exceeded")
+                return
             if status == "in_progress" and not expired:
                 await self._give_up(claim, f"some lines still had no result after {MAX_PASSES} runs")
                 return
@@ -166,36 +206,24 @@ class BatchWorker:
         await self._leased(claim, asyncio.to_thread(publish, self.blobs, self.store, claim, final))
         log.info("batch finished", status=final)
 
-    async def _give_up(self, claim: Claim, message: str) -> None:
-        """End the batch `failed` with `message` in its errors, publishing the results it committed (if even that
-        cannot be written, the batch fails without result files, and its errors say so)."""
-        errors = [lines.LineError("batch_failed", message).as_dict()]
+    async def _give_up(self, claim: Claim, message: str, code: str = "batch_failed") -> None:
+        """End the batch `failed` with `message` in its errors, publishing the results it committed. A storage
+        error while publishing is raised (the batch is tried again later, its results kept); only results that
+        can no longer be read back (a segment shorter than its committed length) let it fail without them, and
+        its errors then say so."""
+        errors = [lines.LineError(code, message).as_dict()]
         log.error("batch failed for good", message=message)
         try:
             await self._leased(claim, asyncio.to_thread(publish, self.blobs, self.store, claim, "failed", errors))
-        except LeaseLostError:
+        except (LeaseLostError, OSError, SQLAlchemyError):
             raise
         except Exception as exc:
-            errors.append(lines.LineError("results_unwritable", f"its committed results could not be written "
-                                          f"either: {type(exc).__name__}: {exc}").as_dict())
+            errors.append(lines.LineError("results_unwritable", f"its committed results could not be read back: "
+                                          f"{type(exc).__name__}: {exc}").as_dict())
             await asyncio.to_thread(self.store.finish, claim, "failed", None, None, errors)
 
     async def _leased(self, claim: Claim, work: Awaitable[T]) -> T:
-        """Await `work`, renewing the claim's lease every third of it meanwhile; LeaseLostError (and `work`
-        cancelled) if another worker has claimed the batch."""
-        task: asyncio.Future[T] = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.settings.lease_s / 3)
-                if done:
-                    return task.result()
-                try:
-                    await asyncio.to_thread(self.store.commit, claim, time.time(), self.settings.lease_s)
-                except SQLAlchemyError:
-                    log.warning("could not renew the batch lease; trying again", exc_info=True)
-        finally:
-            if not task.done():
-                task.cancel()
+        return await leased(self.store, claim, work, self.settings.lease_s)
 
     async def _validate(self, claim: Claim) -> BatchStatus:
         batch = claim.batch
@@ -205,7 +233,8 @@ class BatchWorker:
         path = self.blobs.path(upload_key(batch.input_file_id))
         try:  # in a child process for a large file: checking lines holds the GIL, which the event loop needs
             total, errors = await self._leased(
-                claim, validate_file(path, batch.endpoint, model, self.settings.max_line_bytes))
+                claim, validate_file(path, batch.endpoint, model, self.settings.max_line_bytes,
+                                     info=self.pool.model_info()))
         except FileNotFoundError:
             total, errors = 0, [lines.LineError("missing_input_file", "the input file was deleted")]
         if errors:
@@ -237,7 +266,10 @@ class BatchWorker:
         status then stays `in_progress`)."""
         batch = claim.batch
         done = await self._leased(claim, asyncio.to_thread(committed_custom_ids, self.blobs, self.store, batch.id))
-        runner = LineRunner(self.pool, batch.model or self.pool.model_id or "", self.settings.window)
+        window = self.project_window(batch.project) if self.project_window is not None else None
+        runner = LineRunner(self.pool, batch.model or self.pool.model_id or "", self.settings.window,
+                            cache_salt=project_cache_salt(batch.project), project_window=window,
+                            limits=self.settings.attempt_limits)
         self.runner = runner
         started = time.monotonic()
         try:
@@ -252,6 +284,8 @@ class BatchWorker:
                     record = lines.unrun_record(new_id(BATCH_REQUEST_PREFIX), line.custom_id, "batch_expired",
                                                 EXPIRED_MESSAGE)
                     sink.add(LineResult(line, record, ok=False))
+                    if sink.pending >= EXPIRY_COMMIT_LINES:
+                        await self._commit(sink)  # and renews the lease: a large remainder outlasts one
                 status = await self._commit(sink)
         finally:
             self.runner = None
@@ -291,18 +325,32 @@ class BatchWorker:
 
     async def _commit(self, sink: ResultSink) -> BatchStatus:
         results = sink.take()
-        status = await asyncio.to_thread(sink.commit, results, self.settings.lease_s)
+        status = await asyncio.to_thread(sink.commit, results, self.settings.lease_s,
+                                         self.settings.project_max_file_bytes)
         if self.metrics is not None:
             for result in results:
                 self.metrics.batch_lines.labels("completed" if result.ok else "failed").inc()
         return status
 
-    async def _lines(self, batch: BatchRecord, done: set[str]) -> AsyncIterator[InputLine]:
-        """The batch's lines that have no committed result yet, in file order (the file was validated)."""
-        with self.blobs.path(upload_key(batch.input_file_id)).open("rb") as f:
-            for index, (number, raw) in enumerate(lines.read_lines(f, self.settings.max_line_bytes)):
-                if raw is None:
-                    raise ValueError(f"line {number} of a validated batch is too long")
-                line = lines.parse_line(raw, number, index, batch.endpoint, None)
-                if line.custom_id not in done:
-                    yield line
+    def _lines(self, batch: BatchRecord, done: set[str]) -> AsyncIterator[InputLine]:
+        """The batch's lines that have no committed result yet, in file order (the file was validated), read off
+        the event loop."""
+        return pending_lines(self.blobs.path(upload_key(batch.input_file_id)), batch.endpoint, done)
+
+
+async def leased(store: BatchStore, claim: Claim, work: Awaitable[T], lease_s: float) -> T:
+    """Await `work`, renewing the claim's lease every third of `lease_s` meanwhile; LeaseLostError (and `work`
+    cancelled) if another worker has claimed the batch."""
+    task: asyncio.Future[T] = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=lease_s / 3)
+            if done:
+                return task.result()
+            try:
+                await asyncio.to_thread(store.commit, claim, time.time(), lease_s)
+            except SQLAlchemyError:
+                log.warning("could not renew the batch lease; trying again", exc_info=True)
+    finally:
+        if not task.done():
+            task.cancel()

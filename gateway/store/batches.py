@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine, Row, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, Row, case, delete, func, insert, or_, select, update
 
 from gateway.store.database import lock_project
-from gateway.store.files import FileRecord, ProjectLimitError
+from gateway.store.files import FileRecord, ProjectLimitError, used_bytes
 from gateway.store.pages import page
 from gateway.store.tables import DEFAULT_PROJECT, batches, files, segments
 
@@ -56,6 +56,8 @@ class BatchRecord:
     last_error: str | None = None
     project: str = DEFAULT_PROJECT
     output_expires_after_s: int | None = None  # the lifetime of its output and error files
+    unfinished_claims: int = 0  # claims since it last made progress or was released (tables.batches)
+    transient_failures: int = 0
 
     @classmethod
     def from_row(cls, row: Any) -> BatchRecord:
@@ -71,6 +73,7 @@ class BatchRecord:
             lease_expires_at=row.lease_expires_at, failures=row.failures, last_error=row.last_error,
             project=row.project,
             output_expires_after_s=row.output_expires_after_s,
+            unfinished_claims=row.unfinished_claims, transient_failures=row.transient_failures,
         )
 
     def result_file(self, file_id: str, filename: str, purpose: str, size: int, blob_key: str) -> FileRecord:
@@ -191,15 +194,32 @@ class BatchStore:
 
     # -- the workers' side -----------------------------------------------------------------------------------
 
-    def claim_next(self, owner: str, now: float, lease_s: float, expired_only: bool = False) -> Claim | None:
-        """Claim the oldest active batch that no live lease holds, if any (with `expired_only`, only one past its
-        completion window); `owner` names the worker (for people reading the table)."""
-        runnable = [batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now)]
-        if expired_only:
-            runnable.append(batches.c.expires_at <= now)
+    def claim_next(self, owner: str, now: float, lease_s: float, engine_free_only: bool = False) -> Claim | None:
+        """Claim the next batch to run, if any, round-robin by project: of the projects with an active batch that
+        no live lease holds (and whose retry pause is over), the one with the fewest batches under a live lease,
+        then the one claimed from least recently; its oldest such batch. With `engine_free_only`, only a batch
+        that needs no engine to end (cancelling, finalizing, or past its completion window). `owner` names the
+        worker (for people reading the table)."""
+        runnable = [batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now),
+                    or_(batches.c.next_attempt_at.is_(None), batches.c.next_attempt_at <= now)]
+        if engine_free_only:
+            runnable.append(or_(batches.c.status.in_(("cancelling", "finalizing")), batches.c.expires_at <= now))
+        active = batches.c.status.in_(ACTIVE_STATUSES)
+        projects = (  # over finished batches too: a project served a moment ago waits behind one not served yet
+            select(batches.c.project,
+                   func.sum(case((active & (batches.c.lease_expires_at >= now), 1), else_=0)).label("running"),
+                   func.coalesce(func.max(batches.c.claimed_at), 0.0).label("served"))
+            .where(batches.c.project.in_(select(batches.c.project).where(active)))
+            .group_by(batches.c.project)
+            .subquery()
+        )
         with self.db.begin() as c:
             candidates = c.execute(
-                select(batches.c.id).where(*runnable).order_by(batches.c.pk).limit(8)
+                select(batches.c.id)
+                .join(projects, projects.c.project == batches.c.project)
+                .where(*runnable)
+                .order_by(projects.c.running, projects.c.served, batches.c.pk)
+                .limit(8)
             ).scalars().all()
         for batch_id in candidates:
             claim = self.claim(batch_id, owner, now, lease_s)
@@ -213,18 +233,29 @@ class BatchStore:
             result = c.execute(
                 update(batches)
                 .where(batches.c.id == batch_id, batches.c.status.in_(ACTIVE_STATUSES), _lease_free(now))
-                .values(lease_epoch=batches.c.lease_epoch + 1, lease_expires_at=now + lease_s, lease_owner=owner)
+                .values(lease_epoch=batches.c.lease_epoch + 1, lease_expires_at=now + lease_s, lease_owner=owner,
+                        claimed_at=now, unfinished_claims=batches.c.unfinished_claims + 1)
             )
             if result.rowcount != 1:
                 return None
             row = c.execute(select(batches).where(batches.c.id == batch_id)).one()
         return Claim(BatchRecord.from_row(row), row.lease_epoch)
 
-    def commit(self, claim: Claim, now: float, lease_s: float, progress: Progress | None = None) -> BatchStatus:
-        """Extend the lease and, with `progress`, record it; the batch's status now (a cancel shows up here)."""
+    def commit(
+        self, claim: Claim, now: float, lease_s: float, progress: Progress | None = None, *,
+        progressed: bool = False, max_project_bytes: int | None = None,
+    ) -> BatchStatus:
+        """Extend the lease and, with `progress`, record it; the batch's status now (a cancel shows up here).
+        `progressed`: the progress holds new results (the batch is no longer suspected of killing its workers).
+        With `max_project_bytes`, ProjectLimitError (nothing recorded) if the project's files, live upload
+        reservations and its running batches' committed results would then hold more."""
         with self.db.begin() as c:
             row = _locked(c, claim)
             values: dict[str, Any] = {"lease_expires_at": now + lease_s}
+            if progressed:
+                values["unfinished_claims"] = 0
+            if progress is not None and max_project_bytes is not None:
+                _check_result_bytes(c, claim, progress, now, max_project_bytes)
             if progress is not None:
                 c.execute(
                     update(segments)
@@ -244,15 +275,19 @@ class BatchStore:
         """A validated batch moves to `in_progress` with its line count (unless it was cancelled meanwhile)."""
         return self._advance(claim, "validating", "in_progress", total=total, model=model)
 
-    def record_failure(self, claim: Claim, error: str) -> int:
-        """Count one attempt at the batch that ended in `error` and give the lease back (the batch is claimed
-        again after a pause); the number of such attempts so far."""
+    def record_failure(self, claim: Claim, error: str, *, transient: bool = False, retry_at: float | None = None
+                       ) -> int:
+        """Count one attempt at the batch that ended in `error` and give the lease back, so the batch is claimed
+        again (not before `retry_at`); the attempts counted so far of the kind recorded: `failures`, or with
+        `transient` (a storage error, not the batch's fault) `transient_failures`, which no limit ends."""
+        column = "transient_failures" if transient else "failures"
         with self.db.begin() as c:
             row = _locked(c, claim)
             c.execute(update(batches).where(batches.c.id == claim.batch.id).values(
-                failures=batches.c.failures + 1, last_error=error[:2000], **_NO_LEASE
+                {column: batches.c[column] + 1, "last_error": error[:2000], "next_attempt_at": retry_at,
+                 "unfinished_claims": 0, **_NO_LEASE}
             ))
-            failures: int = row.failures + 1
+            failures: int = getattr(row, column) + 1
             return failures
 
     def fail(self, claim: Claim, errors: list[dict[str, Any]]) -> None:
@@ -296,7 +331,8 @@ class BatchStore:
         records, its segments are forgotten and the lease is released, all in one transaction."""
         with self.db.begin() as c:
             _locked(c, claim)
-            values: dict[str, Any] = {"status": status, f"{status}_at": int(time.time()), **_NO_LEASE}
+            values: dict[str, Any] = {"status": status, f"{status}_at": int(time.time()), "next_attempt_at": None,
+                                      **_NO_LEASE}
             if errors:
                 values["errors_json"] = json.dumps(errors)
             for column, record in (("output_file_id", output), ("error_file_id", error)):
@@ -313,7 +349,10 @@ class BatchStore:
                 _locked(c, claim)
             except LeaseLostError:
                 return
-            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(**_NO_LEASE))
+            # A clean release is no sign of a worker killed by the batch: this claim is not counted.
+            unfinished = case((batches.c.unfinished_claims > 0, batches.c.unfinished_claims - 1), else_=0)
+            c.execute(update(batches).where(batches.c.id == claim.batch.id).values(
+                unfinished_claims=unfinished, **_NO_LEASE))
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
@@ -336,6 +375,16 @@ class BatchStore:
 
 _NO_LEASE: dict[str, Any] = {"lease_expires_at": None, "lease_owner": None}
 _COUNT_COLUMNS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+def _check_result_bytes(c: Connection, claim: Claim, progress: Progress, now: float, max_project_bytes: int) -> None:
+    """ProjectLimitError if `claim`'s segment growing to `progress` would take its project past `max_project_bytes`
+    (`files.used_bytes`, with this segment as it would be). Under the project's lock, as uploads check their room."""
+    project = claim.batch.project
+    lock_project(c, project)
+    used = used_bytes(c, project, now, exclude_segment=(claim.batch.id, claim.epoch))
+    if used + progress.output_bytes + progress.error_bytes > max_project_bytes:
+        raise ProjectLimitError(project, max_project_bytes, used)
 
 
 def _lease_free(now: float) -> Any:

@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, delete, func, insert, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, delete, func, insert, or_, select, update
 
 from gateway.store import tables
 from gateway.store.database import lock_project
@@ -197,14 +197,29 @@ def stored_bytes(c: Connection, project: str) -> int:
     return int(used or 0)
 
 
-def used_bytes(c: Connection, project: str, now: float, exclude: str | None = None) -> int:
-    """What counts against `project`'s storage cap: its files (`stored_bytes`) plus the reservations of its
-    uploads in progress that have not lapsed by `now` (but `exclude`, the caller's own)."""
+def used_bytes(
+    c: Connection, project: str, now: float, exclude: str | None = None,
+    exclude_segment: tuple[str, int] | None = None,
+) -> int:
+    """What counts against `project`'s storage cap: its files (`stored_bytes`), the reservations of its uploads
+    in progress that have not lapsed by `now` (but `exclude`, the caller's own) and the committed results of its
+    unfinished batches (their segments; but `exclude_segment`, a (batch id, epoch) whose commit is being
+    checked)."""
     live = [upload_reservations.c.project == project, upload_reservations.c.expires_at > now]
     if exclude is not None:
         live.append(upload_reservations.c.id != exclude)
     reserved = c.execute(select(func.coalesce(func.sum(upload_reservations.c.bytes), 0)).where(*live)).scalar()
-    return stored_bytes(c, project) + int(reserved or 0)
+    batches, segments = tables.batches, tables.segments
+    running = [batches.c.project == project]
+    if exclude_segment is not None:
+        batch_id, epoch = exclude_segment
+        running.append(or_(segments.c.batch_id != batch_id, segments.c.epoch != epoch))
+    results = c.execute(
+        select(func.coalesce(func.sum(segments.c.output_bytes + segments.c.error_bytes), 0))
+        .select_from(segments.join(batches, batches.c.id == segments.c.batch_id))
+        .where(*running)
+    ).scalar()
+    return stored_bytes(c, project) + int(reserved or 0) + int(results or 0)
 
 
 def _of(project: str | None) -> list[ColumnElement[bool]]:

@@ -75,6 +75,15 @@ batches = Table(
     Column("project", String(64), nullable=False, server_default=DEFAULT_PROJECT, index=True),
     # Seconds from their creation until the batch's output and error files expire; None: they never do.
     Column("output_expires_after_s", Integer, nullable=True),
+    # When a worker last claimed it: claims go round-robin by project, least recently served first.
+    Column("claimed_at", Float, nullable=True),
+    # Claims since the batch last made progress or was released cleanly: a worker that dies while holding it
+    # (killed for memory, say) never records a failure, so a batch that keeps killing its workers is caught here.
+    Column("unfinished_claims", Integer, nullable=False, server_default="0"),
+    # Attempts that ended in a storage error (a full disk, a lost database): not the batch's fault, so not counted
+    # in `failures`; the batch is claimed again from `next_attempt_at`, backing off exponentially.
+    Column("transient_failures", Integer, nullable=False, server_default="0"),
+    Column("next_attempt_at", Float, nullable=True),
 )
 
 # One per claim that ran lines: results go to this claim's own files, whose committed lengths live here.

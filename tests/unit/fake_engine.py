@@ -5,13 +5,18 @@ the reply's text is the request's last chat message (or prompt) upper-cased (a s
 Embed answers each input with `fake_vector` (DIMENSIONS values from a hash of the input, truncated to `dimensions`,
 normalized unless `normalize` is false; one token per character or id) and Score with the cosine similarity of the
 query's and each document's vector; Batch answers `embed` and `score` items likewise.
+It keeps the real engine's rules for a Batch call: an item id must be non-empty and unique within the call
+(else the item fails INVALID_ARGUMENT, as engine_server.server.servicer answers), and the call reads at most
+2 x `max_num_seqs` items ahead of its answers (the engine's intake window; the caller's further items wait).
 Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED the first time a text is seen),
 `invalid` (INVALID_ARGUMENT for a text), `abort_once` (a result with finish reason ABORT the first time a text is
 seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE after that many results),
 `die_after_s` (the next Batch call ends UNAVAILABLE after that many seconds, whatever it is doing), `kill_calls()`
 (every running Batch call ends UNAVAILABLE now),
 `unavailable` (every Generate / Stream / Embed / Score call fails UNAVAILABLE; a stream after its first chunk when
-`unavailable_after_output`), and `delay_s` per item.
+`unavailable_after_output`), `delay_s` per item, and poison: `oversize` (the call fails RESOURCE_EXHAUSTED with
+grpc's "message larger than max" as the item with that text is answered, as a reply over the message limit
+does) and `break_call` (the call fails INTERNAL whenever an item with that text arrives).
 """
 
 from __future__ import annotations
@@ -44,9 +49,15 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
     die_after: int | None = None  # results per call before it fails with UNAVAILABLE (once)
     die_after_s: float | None = None  # seconds into the next Batch call when it fails with UNAVAILABLE (once)
     abort_once: set[str] = field(default_factory=set)
+    oversize: set[str] = field(default_factory=set)
+    break_call: set[str] = field(default_factory=set)
+    item_ids: list[str] = field(default_factory=list)  # every Batch item id received, over all calls
+    cache_salts: Counter[str] = field(default_factory=Counter)  # the cache_salt of every Batch item received
     seen: Counter[str] = field(default_factory=Counter)  # item texts received, over all calls
     answered: Counter[str] = field(default_factory=Counter)  # results sent
-    max_unanswered: int = 0  # most items received and not yet answered, at any moment
+    max_unanswered: int = 0  # most items of one call received and not yet answered, at any moment
+    unanswered_total: int = 0  # items received and not yet answered, over all calls
+    max_unanswered_total: int = 0
     calls: int = 0
     unavailable: bool = False
     unavailable_after_output: bool = False
@@ -118,13 +129,31 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self.die_after_s = None
         results: asyncio.Queue[engine_pb2.BatchResponse | None] = asyncio.Queue()
         unanswered = 0
+        slots = asyncio.Semaphore(2 * self.max_num_seqs)  # the engine's intake window (servicer._BatchRun)
+        used: set[str] = set()
+        broke: list[str] = []  # a break_call text this call received
 
         async def read() -> None:
             nonlocal unanswered
             async with asyncio.TaskGroup() as group:
-                async for item in request_iterator:
+                while True:
+                    await slots.acquire()
+                    item = await anext(request_iterator, None)
+                    if item is None:
+                        break
+                    self.item_ids.append(item.item_id)
+                    self.cache_salts[getattr(item, item.WhichOneof("pooling") or "request").cache_salt] += 1
+                    if _text_of(item) in self.break_call:
+                        broke.append(_text_of(item))
+                        kill.set()
                     unanswered += 1
+                    self.unanswered_total += 1
                     self.max_unanswered = max(self.max_unanswered, unanswered)
+                    self.max_unanswered_total = max(self.max_unanswered_total, self.unanswered_total)
+                    if not item.item_id or item.item_id in used:
+                        await results.put(_refused_id(item))
+                        continue
+                    used.add(item.item_id)
                     group.create_task(self._answer(item, results))
             await results.put(None)
 
@@ -134,17 +163,26 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             while True:
                 response = await _first_of(results, kill)
                 if kill.is_set():
+                    if broke:
+                        await context.abort(grpc.StatusCode.INTERNAL, f"the call broke on {broke[0]!r}")
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
                 if response is None:
                     break
+                if response.WhichOneof("outcome") == "result" and response.result.choices[0].text.lower() in \
+                        self.oversize:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "Received message larger than max (67109000 vs. 67108864)")
                 if die_after is not None and sent >= die_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
                 unanswered -= 1
+                self.unanswered_total -= 1
                 sent += 1
                 if response.WhichOneof("outcome") == "result":
                     self.answered[response.result.choices[0].text.lower()] += 1
                 yield response
+                slots.release()
         finally:
+            self.unanswered_total -= unanswered
             self._kills.discard(kill)
             reader.cancel()
             with contextlib.suppress(BaseException):
@@ -152,8 +190,7 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
 
     async def _answer(self, item: engine_pb2.BatchRequest, results: asyncio.Queue[Any]) -> None:
         kind = item.WhichOneof("pooling")
-        text = _input_text(item.embed.inputs[0] if kind == "embed" else item.score.query if kind == "score"
-                           else item.request.input)
+        text = _text_of(item)
         self.seen[text] += 1
         await asyncio.sleep(self.delay_s)
         response = engine_pb2.BatchResponse(item_id=item.item_id)
@@ -176,6 +213,24 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             if text in self.abort_once and self.seen[text] == 1:
                 response.result.choices[0].finish_reason = types_pb2.FINISH_REASON_ABORT
         await results.put(response)
+
+
+def _text_of(item: engine_pb2.BatchRequest) -> str:
+    """The text an item is scripted by: its prompt's (last message's), an Embed call's first input's or a Score
+    call's query's."""
+    kind = item.WhichOneof("pooling")
+    return _input_text(item.embed.inputs[0] if kind == "embed" else item.score.query if kind == "score"
+                       else item.request.input)
+
+
+def _refused_id(item: engine_pb2.BatchRequest) -> engine_pb2.BatchResponse:
+    """The engine's answer to an item whose id is empty or was used before in the same call."""
+    response = engine_pb2.BatchResponse(item_id=item.item_id)
+    response.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    response.error.param = "item_id"
+    response.error.message = (f"item_id {item.item_id!r} was already used in this call" if item.item_id else
+                              "item_id must not be empty: results are matched to items by it")
+    return response
 
 
 async def _first_of(results: asyncio.Queue[Any], kill: asyncio.Event) -> Any:

@@ -43,8 +43,9 @@ class CrashingStore(BatchStore):
     def release(self, claim: Claim) -> None:
         return None  # kill -9: the lease has to run out
 
-    def commit(self, claim: Claim, now: float, lease_s: float, progress: Progress | None = None) -> Any:
-        status = super().commit(claim, now, lease_s, progress)
+    def commit(self, claim: Claim, now: float, lease_s: float, progress: Progress | None = None, **options: Any
+               ) -> Any:
+        status = super().commit(claim, now, lease_s, progress, **options)
         if progress is not None and self.rng.random() < self.lost_ack_rate:
             raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
         return status

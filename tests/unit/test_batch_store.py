@@ -14,7 +14,7 @@ from sqlalchemy import Engine
 
 from gateway.store.batches import BatchStore, LeaseLostError, Progress
 from gateway.store.database import database_url, open_database
-from gateway.store.files import FileInUseError, FileRecord, FileStore
+from gateway.store.files import FileInUseError, FileRecord, FileStore, ProjectLimitError
 from gateway.store.ids import BATCH_PREFIX, FILE_PREFIX, is_id, new_id
 from gateway.store.pages import UnknownCursorError
 
@@ -267,3 +267,110 @@ def test_a_new_database_adopts_an_existing_blob_directory(tmp_path: Path) -> Non
     finally:
         first.dispose()
         second.dispose()
+
+
+def add_project_batch(db: Engine, project: str) -> Any:
+    files = FileStore(db)
+    file_id = new_id(FILE_PREFIX)
+    files.add(files.record(file_id, "in.jsonl", "batch", 10, f"files/{file_id}", project))
+    record = BatchStore(db).create(new_id(BATCH_PREFIX), "/v1/chat/completions", file_id, "24h", 3600, None,
+                                   project=project)
+    assert record is not None
+    return record
+
+
+def test_claims_go_round_robin_by_project(db: Engine) -> None:
+    """Project A queued three batches before B and C queued one each: workers claiming one after another get A's
+    oldest, then B's, then C's (each of A, B, C now has a batch running), then A's next."""
+    a = [add_project_batch(db, "a") for _ in range(3)]
+    b, c = add_project_batch(db, "b"), add_project_batch(db, "c")
+    store = BatchStore(db)
+    claimed = []
+    for k in range(4):
+        claim = store.claim_next(f"w{k}", time.time(), LEASE_S)
+        assert claim is not None
+        claimed.append(claim.batch.id)
+    assert claimed == [a[0].id, b.id, c.id, a[1].id]
+
+
+def test_a_project_served_last_waits_behind_one_not_served_yet(db: Engine) -> None:
+    """With no batch running, the project claimed from least recently goes first, not the oldest batch."""
+    a1, a2 = add_project_batch(db, "a"), add_project_batch(db, "a")
+    b = add_project_batch(db, "b")
+    store = BatchStore(db)
+    first = store.claim_next("w", time.time(), LEASE_S)
+    assert first is not None and first.batch.id == a1.id
+    store.finish(first, "completed", None, None)
+    second = store.claim_next("w", time.time() + 1, LEASE_S)
+    assert second is not None and second.batch.id == b.id
+    store.release(second)
+    third = store.claim_next("w", time.time() + 2, LEASE_S)
+    assert third is not None and third.batch.id == a2.id
+
+
+def test_without_an_engine_only_batches_that_need_none_are_claimed(db: Engine) -> None:
+    store = BatchStore(db)
+    running, cancelling, finalizing = (add_batch(db) for _ in range(3))
+    for batch, status in ((running, "in_progress"), (cancelling, "cancelling"), (finalizing, "finalizing")):
+        claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+        assert claim is not None
+        store.start(claim, 1, "m")
+        if status == "cancelling":
+            store.request_cancel(batch.id)
+        elif status == "finalizing":
+            store.add_segment(claim)
+            store.commit(claim, time.time(), LEASE_S, Progress(10, 0, completed=1))
+            assert store.set_finalizing(claim) == "finalizing"
+        store.release(claim)
+    got = [store.claim_next("w", time.time(), LEASE_S, engine_free_only=True) for _ in range(3)]
+    assert got[2] is None and {c.batch.id for c in got if c is not None} == {cancelling.id, finalizing.id}
+
+
+def test_claims_lost_without_progress_are_counted_and_progress_or_a_release_clears_them(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    for expected in (1, 2, 3):
+        claim = store.claim(batch.id, "w", time.time(), 0.01)  # each worker dies: its lease runs out
+        assert claim is not None and claim.batch.unfinished_claims == expected
+        time.sleep(0.02)
+    store.start(claim, 1, "m")
+    store.commit(claim, time.time(), 0.01, Progress(0, 0), progressed=True)
+    time.sleep(0.02)
+    again = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert again is not None and again.batch.unfinished_claims == 1
+    store.release(again)
+    assert (store.get(batch.id) or batch).unfinished_claims == 0
+
+
+def test_a_storage_error_is_recorded_apart_and_pauses_claims(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    now = time.time()
+    assert store.record_failure(claim, "OSError: no space", transient=True, retry_at=now + 60) == 1
+    assert store.claim_next("w", now, LEASE_S) is None  # not before its pause is over
+    again = store.claim_next("w", now + 61, LEASE_S)
+    assert again is not None and (again.batch.failures, again.batch.transient_failures) == (0, 1)
+
+
+def test_result_bytes_count_against_the_projects_quota(db: Engine) -> None:
+    """Files, and the committed results of the project's running batches, all count: a commit that would pass
+    the quota raises ProjectLimitError and records nothing; another project is not concerned."""
+    files, store = FileStore(db), BatchStore(db)
+    first, second = add_project_batch(db, "p"), add_project_batch(db, "p")  # two input files of 10 bytes
+    other = add_project_batch(db, "q")
+    claims = [store.claim(b.id, "w", time.time(), LEASE_S) for b in (first, second, other)]
+    for claim in claims:
+        assert claim is not None
+        store.start(claim, 100, "m")
+        store.add_segment(claim)
+    one, two, three = claims
+    assert one is not None and two is not None and three is not None
+    store.commit(one, time.time(), LEASE_S, Progress(50, 0, completed=5), max_project_bytes=100)
+    store.commit(two, time.time(), LEASE_S, Progress(20, 10, completed=2, failed=1), max_project_bytes=100)
+    with pytest.raises(ProjectLimitError):  # 20 of files + 50 + 30 + 1 more
+        store.commit(two, time.time(), LEASE_S, Progress(21, 10, completed=3, failed=1), max_project_bytes=100)
+    assert (store.get(second.id) or second).completed == 2  # nothing recorded
+    store.commit(three, time.time(), LEASE_S, Progress(90, 0, completed=9), max_project_bytes=100)
+    assert files.get(first.input_file_id) is not None

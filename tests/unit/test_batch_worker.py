@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
 from gateway.batches import lines
+from gateway.batches import results as results_module
 from gateway.batches import worker as worker_module
 from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.batches.results import committed_custom_ids
@@ -64,13 +65,14 @@ class Rig:
         await self.server.stop(None)
         self.db.dispose()
 
-    def batch(self, items: list[dict[str, Any]], window_s: int = 3600) -> BatchRecord:
+    def batch(self, items: list[dict[str, Any]], window_s: int = 3600, project: str = "default") -> BatchRecord:
         file_id = new_id(FILE_PREFIX)
         path = self.blobs.path(upload_key(file_id))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(json.dumps(i).encode() + b"\n" for i in items))
-        self.files.add(self.files.record(file_id, "in.jsonl", "batch", path.stat().st_size, upload_key(file_id)))
-        record = self.batches.create(new_id(BATCH_PREFIX), CHAT, file_id, "24h", window_s, None)
+        self.files.add(self.files.record(file_id, "in.jsonl", "batch", path.stat().st_size, upload_key(file_id),
+                                         project))
+        record = self.batches.create(new_id(BATCH_PREFIX), CHAT, file_id, "24h", window_s, None, project=project)
         assert record is not None
         return record
 
@@ -302,8 +304,9 @@ async def test_a_commit_repeated_after_a_lost_acknowledgement_counts_nothing_twi
         real = rig.batches.commit
         lost: list[Progress] = []
 
-        def lose_first_ack(claim: Any, now: float, lease_s: float, progress: Progress | None = None) -> Any:
-            status = real(claim, now, lease_s, progress)
+        def lose_first_ack(claim: Any, now: float, lease_s: float, progress: Progress | None = None,
+                           **options: Any) -> Any:
+            status = real(claim, now, lease_s, progress, **options)
             if progress is not None and progress.completed and not lost:
                 lost.append(progress)
                 raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
@@ -318,21 +321,89 @@ async def test_a_commit_repeated_after_a_lost_acknowledgement_counts_nothing_twi
     assert record.prompt_tokens == sum(len(f"line {i}") for i in range(10))
 
 
-async def test_a_failing_result_write_fails_the_batch_after_bounded_retries(
+async def test_a_full_disk_pauses_a_batch_until_there_is_space_again_and_loses_no_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The disk fills up after a few results: the batch is retried `max_failures` times, then ends `failed`
-    with errors saying why, keeping the results it had committed; it is never claimed again."""
-    real_append = SegmentWriter.append
-    writes = Counter[str]()
+    """The disk fills up after a few results (appends fail), and stays full while the batch is published: each
+    attempt is recorded as a storage error, never counted towards failing the batch, and tried again after a
+    growing pause; once there is space again the batch completes with every result."""
+    full = asyncio.Event()
+    real_append, real_concatenate = SegmentWriter.append, BlobStore.concatenate
+    appended = Counter[str]()
 
     def append(self: SegmentWriter, data: bytes) -> None:
-        writes["n"] += 1
-        if writes["n"] > 3:
+        appended["n"] += 1
+        if appended["n"] == 4:
+            full.set()
+        if full.is_set():
             raise OSError(errno.ENOSPC, "No space left on device")
         real_append(self, data)
 
+    def concatenate(self: BlobStore, parts: Any, key: str) -> int:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_concatenate(self, parts, key)
+
     monkeypatch.setattr(SegmentWriter, "append", append)
+    monkeypatch.setattr(BlobStore, "concatenate", concatenate)
+    async with Rig(FakeEngine(delay_s=0.03, max_num_seqs=1), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(20)])
+        worker = rig.worker(max_failures=2, retry_base_s=0.05, retry_max_s=0.2)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(full.wait(), 10)
+            while (record := rig.batches.get(batch.id)) is not None and record.transient_failures < 4:
+                await asyncio.sleep(0.02)
+            assert record is not None and record.status == "in_progress" and record.failures == 0
+            full.clear()  # space again
+            while (record := rig.batches.get(batch.id)) is not None and record.status not in {"completed", "failed"}:
+                await asyncio.sleep(0.02)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        output = rig.result_lines(record.output_file_id)
+    assert record.status == "completed" and record.failures == 0 and record.transient_failures >= 4
+    assert Counter(o["custom_id"] for o in output) == Counter(f"c{i}" for i in range(20))
+
+
+async def test_a_full_disk_at_publishing_keeps_every_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every line ran; writing the output file fails for a while (ENOSPC): the batch is not finished without its
+    files, and completes with every result once the write succeeds."""
+    failures = Counter[str]()
+    real_concatenate = BlobStore.concatenate
+
+    def concatenate(self: BlobStore, parts: Any, key: str) -> int:
+        failures["n"] += 1
+        if failures["n"] <= 6:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_concatenate(self, parts, key)
+
+    monkeypatch.setattr(BlobStore, "concatenate", concatenate)
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(8)])
+        record = await rig.run_until(rig.worker(max_failures=2, retry_base_s=0.02, retry_max_s=0.1), batch.id,
+                                     {"completed", "failed"})
+        output = rig.result_lines(record.output_file_id)
+    assert record.status == "completed" and record.failures == 0 and record.transient_failures == 6
+    assert sorted(o["custom_id"] for o in output) == sorted(f"c{i}" for i in range(8))
+
+
+async def test_an_error_that_repeats_fails_the_batch_after_bounded_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error that is not about storage (here: results that cannot be encoded after a few lines) is the
+    batch's: it is retried `max_failures` times, then the batch ends `failed` with errors saying why, keeping the
+    results it had committed; it is never claimed again."""
+    real_encode = lines.encode
+    encoded = Counter[str]()
+
+    def encode(record: dict[str, Any]) -> bytes:
+        encoded["n"] += 1
+        if encoded["n"] > 3:
+            raise TypeError("cannot encode this record")
+        return real_encode(record)
+
+    monkeypatch.setattr(results_module, "encode", encode)
     async with Rig(FakeEngine(delay_s=0.03, max_num_seqs=1), tmp_path) as rig:
         batch = rig.batch([chat_line(i) for i in range(20)])
         record = await rig.run_until(rig.worker(max_failures=2), batch.id, {"completed", "failed"})
@@ -340,7 +411,7 @@ async def test_a_failing_result_write_fails_the_batch_after_bounded_retries(
         assert rig.batches.claim_next("another", time.time(), 5.0) is None
     assert record.status == "failed" and record.failures == 2
     assert record.errors is not None and record.errors[0]["code"] == "batch_failed"
-    assert "No space left on device" in record.errors[0]["message"]
+    assert "cannot encode this record" in record.errors[0]["message"]
     assert 0 < record.completed == len(output) < 20
 
 
@@ -410,3 +481,29 @@ async def test_batches_past_their_window_expire_with_no_engine_serving(tmp_path:
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert second.status == "expired" and second.errors is not None
     assert second.errors[0]["code"] == "batch_expired" and second.output_file_id is None
+
+
+async def test_a_batch_that_keeps_losing_its_workers_fails_instead_of_killing_more(tmp_path: Path) -> None:
+    """Workers that die holding the batch (killed for memory, say) record no failure: after
+    `max_unfinished_claims` claims lost without progress, the next worker ends it `failed` saying so."""
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(3)])
+        for _ in range(3):
+            assert rig.batches.claim(batch.id, "killed", time.time(), 0.01) is not None
+            await asyncio.sleep(0.02)
+        record = await rig.run_until(rig.worker(max_unfinished_claims=2), batch.id, {"completed", "failed"})
+    assert record.status == "failed" and record.errors is not None
+    assert "stopped 3 times" in record.errors[0]["message"] and rig.fake.calls == 0
+
+
+async def test_results_past_the_projects_quota_stop_the_batch_with_what_it_committed(tmp_path: Path) -> None:
+    async with Rig(FakeEngine(delay_s=0.02, max_num_seqs=1), tmp_path) as rig:
+        batch = rig.batch([chat_line(i) for i in range(40)], project="p")
+        input_bytes = (rig.files.get(batch.input_file_id) or batch).bytes  # type: ignore[union-attr]
+        quota = input_bytes + 3000  # room for a handful of result lines
+        record = await rig.run_until(rig.worker(project_max_file_bytes=quota), batch.id, {"completed", "failed"})
+        output = rig.result_lines(record.output_file_id)
+        stored = sum(f.bytes for f in rig.files.list_page(100, None, "desc", None, "p")[0])
+    assert record.status == "failed" and record.errors is not None
+    assert record.errors[0]["code"] == "storage_limit_exceeded"
+    assert 0 < record.completed == len(output) < 40 and stored <= quota
