@@ -6,7 +6,9 @@ attempt is recognised as stale. An attempt fails, without being the line's resul
 it is in flight, when an item is refused for load (RESOURCE_EXHAUSTED, UNAVAILABLE, …) or when the engine aborts
 it (draining). Failures are bounded (`AttemptLimits`): after `shared` of them among other lines the line runs in
 a Batch call of its own, so a call it breaks (a reply over the message limit, a proxy's idle timeout, an engine
-it crashes) no longer takes the others with it; after `alone` more it becomes an error line that says why.
+it crashes) no longer takes the others with it; after `alone` more it becomes an error line that says why. A
+line's count outlives the claim that ran it (`LineFailures`, committed with the batch's results), so a worker
+that dies or loses its lease does not give a poison line a fresh set of attempts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import grpc
 
 from gateway.batches.lines import InputLine
 from gateway.errors import APIError
+from gateway.store.batches import LineFailures
 
 if TYPE_CHECKING:  # not at run time: calls imports the engine pool
     from gateway.calls import EngineReply, EngineRequest
@@ -57,6 +60,15 @@ class PendingLine:
     last_failure: str = ""
     alone: bool = False  # failed `AttemptLimits.shared` times among others: runs in a call of its own
     not_before: float = 0.0  # loop time before which it is not sent again
+
+    def restore(self, recorded: LineFailures, limits: AttemptLimits) -> None:
+        """Take up the failed attempts an earlier claim recorded."""
+        self.failures, self.failures_alone, self.last_failure = (
+            recorded.failures, recorded.failures_alone, recorded.last_error)
+        self.alone = self.failures >= limits.shared
+
+    def recorded(self) -> LineFailures:
+        return LineFailures(self.failures, self.failures_alone, self.last_failure)
 
     def begin(self, request_id: str, requests: list[EngineRequest]) -> None:
         """Start a new attempt with fresh engine request ids."""

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from gateway.batches.attempts import ABORTED, AttemptLimits, PendingLine, call_f
 from gateway.batches.lines import InputLine
 from gateway.engines import Engine, EnginePool
 from gateway.errors import APIError, grpc_status, item_error
+from gateway.store.batches import LineFailures
 from gateway.store.ids import BATCH_REQUEST_PREFIX, new_id
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -160,7 +161,8 @@ class _Permits:
 class LineRunner:
     """Runs lines on the engines of `pool`. `model` is the id written into response bodies; `cache_salt` goes on
     every engine request (the batch's project's prefix-cache namespace); `project_window` bounds the items in
-    flight of every runner that shares it (one per project)."""
+    flight of every runner that shares it (one per project). `failures` are the failed attempts earlier runs
+    recorded, by custom_id; `on_failure` is told each line's count whenever it grows, to record it."""
 
     def __init__(
         self,
@@ -171,6 +173,8 @@ class LineRunner:
         cache_salt: str = "",
         project_window: asyncio.Semaphore | None = None,
         limits: AttemptLimits | None = None,
+        failures: Mapping[str, LineFailures] | None = None,
+        on_failure: Callable[[str, LineFailures], None] | None = None,
     ) -> None:
         self.pool = pool
         self.model = model
@@ -178,6 +182,8 @@ class LineRunner:
         self.cache_salt = cache_salt
         self.project_window = project_window
         self.limits = limits or AttemptLimits()
+        self.failures = failures or {}
+        self.on_failure = on_failure
         self.in_flight = 0  # engine items sent and not yet answered
 
     async def run(
@@ -317,6 +323,11 @@ class LineRunner:
                 if line is None:
                     return None
                 pending = PendingLine(line, new_id(BATCH_REQUEST_PREFIX))
+                if (recorded := self.failures.get(line.custom_id)) is not None:
+                    pending.restore(recorded, self.limits)
+                    if pending.alone:  # it failed too often among others before: it runs in a call of its own
+                        progress.suspects.append(pending)
+                        continue
             if (begun := self._begin(pending, progress)) is not None:
                 return begun
         return None
@@ -363,7 +374,10 @@ class LineRunner:
         progress.in_flight.pop(pending.line.index, None)
         if pending.error is None and (pending.failure is not None or pending.missing()):
             pending.fail(UNANSWERED)
-            if not pending.count_failure(self.limits):
+            given_up = pending.count_failure(self.limits)
+            if self.on_failure is not None:
+                self.on_failure(pending.line.custom_id, pending.recorded())
+            if not given_up:
                 self._requeue(pending, progress)
                 return
             log.warning("batch line failed every attempt; it becomes an error line", custom_id=pending.line.custom_id,

@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.batches.line_runner import LineResult
 from gateway.batches.lines import encode
-from gateway.store.batches import BatchStatus, BatchStore, Claim, FinalStatus, Progress
+from gateway.store.batches import BatchStatus, BatchStore, Claim, FinalStatus, LineFailures, Progress
 from gateway.store.blobs import BlobStore, ResultKind, result_key, segment_key
 from gateway.store.files import BATCH_OUTPUT_PURPOSE, FileRecord
 from gateway.store.ids import FILE_PREFIX, new_id
@@ -46,13 +46,19 @@ class ResultSink:
         self._written = _Totals()  # everything appended to this claim's segment, committed or not yet
         self.committed_ids: set[str] = set()
         self._unconfirmed_ids: list[str] = []
+        self._failed_lines: dict[str, LineFailures] = {}  # recorded with the next commit
+
+    def note_failure(self, custom_id: str, failures: LineFailures) -> None:
+        """Record a line's failed attempts with the next commit (called on the event loop)."""
+        self._failed_lines[custom_id] = failures
 
     def add(self, result: LineResult) -> None:
         self._pending.append(result)
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        """Results or lines' failed attempts wait for a commit."""
+        return bool(self._pending or self._failed_lines)
 
     @property
     def pending(self) -> int:
@@ -74,8 +80,13 @@ class ResultSink:
             _count(self._written, result)
             self._unconfirmed_ids.append(result.line.custom_id)
         progress = Progress(self._output.sync(), self._error.sync(), **vars(self._written))
-        status = self.store.commit(self.claim, time.time(), lease_s, progress, progressed=bool(results),
-                                   max_project_bytes=max_project_bytes)
+        failed, self._failed_lines = self._failed_lines, {}
+        try:
+            status = self.store.commit(self.claim, time.time(), lease_s, progress, progressed=bool(results),
+                                       max_project_bytes=max_project_bytes, failed_lines=failed)
+        except BaseException:
+            self._failed_lines = {**failed, **self._failed_lines}  # the next commit records them
+            raise
         self.committed_ids.update(self._unconfirmed_ids)
         self._unconfirmed_ids.clear()
         return status

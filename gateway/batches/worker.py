@@ -267,9 +267,10 @@ class BatchWorker:
         batch = claim.batch
         done = await self._leased(claim, asyncio.to_thread(committed_custom_ids, self.blobs, self.store, batch.id))
         window = self.project_window(batch.project) if self.project_window is not None else None
+        failures = await asyncio.to_thread(self.store.line_failures, batch.id)
         runner = LineRunner(self.pool, batch.model or self.pool.model_id or "", self.settings.window,
                             cache_salt=project_cache_salt(batch.project), project_window=window,
-                            limits=self.settings.attempt_limits)
+                            limits=self.settings.attempt_limits, failures=failures, on_failure=sink.note_failure)
         self.runner = runner
         started = time.monotonic()
         try:
@@ -278,7 +279,9 @@ class BatchWorker:
             await self._supervise(sink, task, stop, batch.expires_at)
             finished = task.result()
             status = await self._commit(sink)
-            expired = not finished and status == "in_progress" and time.time() >= batch.expires_at
+            # Past the window and not finalizing yet: expired, even if every line has run (an earlier claim may
+            # have written batch_expired lines and died before publishing).
+            expired = status == "in_progress" and time.time() >= batch.expires_at
             if expired:
                 async for line in self._lines(batch, done | sink.committed_ids):
                     record = lines.unrun_record(new_id(BATCH_REQUEST_PREFIX), line.custom_id, "batch_expired",
@@ -291,7 +294,7 @@ class BatchWorker:
             self.runner = None
         log.info("batch lines stopped", finished=finished, status=status, expired=expired,
                  committed=len(sink.committed_ids), seconds=round(time.monotonic() - started, 1))
-        if finished and status == "in_progress":
+        if finished and status == "in_progress" and not expired:
             status = await asyncio.to_thread(self.store.set_finalizing, claim)
         return status, expired
 

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine, Row, case, delete, func, insert, or_,
 from gateway.store.database import lock_project
 from gateway.store.files import FileRecord, ProjectLimitError, used_bytes
 from gateway.store.pages import page
-from gateway.store.tables import DEFAULT_PROJECT, batches, files, segments
+from gateway.store.tables import DEFAULT_PROJECT, batches, files, line_failures, segments
 
 BatchStatus = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
@@ -121,6 +121,16 @@ class Progress:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class LineFailures:
+    """A line's failed attempts so far (gateway.batches.attempts): all of them, those in a call of its own, and
+    the last one's reason."""
+
+    failures: int
+    failures_alone: int
+    last_error: str
 
 
 class LeaseLostError(Exception):
@@ -244,11 +254,13 @@ class BatchStore:
     def commit(
         self, claim: Claim, now: float, lease_s: float, progress: Progress | None = None, *,
         progressed: bool = False, max_project_bytes: int | None = None,
+        failed_lines: dict[str, LineFailures] | None = None,
     ) -> BatchStatus:
         """Extend the lease and, with `progress`, record it; the batch's status now (a cancel shows up here).
         `progressed`: the progress holds new results (the batch is no longer suspected of killing its workers).
         With `max_project_bytes`, ProjectLimitError (nothing recorded) if the project's files, live upload
-        reservations and its running batches' committed results would then hold more."""
+        reservations and its running batches' committed results would then hold more. `failed_lines`: lines'
+        failed attempts to record (replacing what was recorded for them)."""
         with self.db.begin() as c:
             row = _locked(c, claim)
             values: dict[str, Any] = {"lease_expires_at": now + lease_s}
@@ -256,6 +268,8 @@ class BatchStore:
                 values["unfinished_claims"] = 0
             if progress is not None and max_project_bytes is not None:
                 _check_result_bytes(c, claim, progress, now, max_project_bytes)
+            if failed_lines:
+                _record_line_failures(c, claim.batch.id, failed_lines)
             if progress is not None:
                 c.execute(
                     update(segments)
@@ -318,6 +332,12 @@ class BatchStore:
             c.execute(insert(segments).values(batch_id=claim.batch.id, epoch=claim.epoch, output_bytes=0,
                                               error_bytes=0))
 
+    def line_failures(self, batch_id: str) -> dict[str, LineFailures]:
+        """The failed attempts recorded for the batch's lines, by custom_id."""
+        with self.db.begin() as c:
+            rows = c.execute(select(line_failures).where(line_failures.c.batch_id == batch_id))
+            return {r.custom_id: LineFailures(r.failures, r.failures_alone, r.last_error) for r in rows}
+
     def segments(self, batch_id: str) -> list[Segment]:
         with self.db.begin() as c:
             rows = c.execute(select(segments).where(segments.c.batch_id == batch_id).order_by(segments.c.epoch))
@@ -341,6 +361,7 @@ class BatchStore:
                     values[column] = record.id
             c.execute(update(batches).where(batches.c.id == claim.batch.id).values(**values))
             c.execute(delete(segments).where(segments.c.batch_id == claim.batch.id))
+            c.execute(delete(line_failures).where(line_failures.c.batch_id == claim.batch.id))
 
     def release(self, claim: Claim) -> None:
         """Give the batch back (e.g. at shutdown) so another worker may claim it at once."""
@@ -385,6 +406,16 @@ def _check_result_bytes(c: Connection, claim: Claim, progress: Progress, now: fl
     used = used_bytes(c, project, now, exclude_segment=(claim.batch.id, claim.epoch))
     if used + progress.output_bytes + progress.error_bytes > max_project_bytes:
         raise ProjectLimitError(project, max_project_bytes, used)
+
+
+def _record_line_failures(c: Connection, batch_id: str, failed: dict[str, LineFailures]) -> None:
+    c.execute(delete(line_failures).where(line_failures.c.batch_id == batch_id,
+                                          line_failures.c.custom_id.in_(list(failed))))
+    c.execute(insert(line_failures), [
+        {"batch_id": batch_id, "custom_id": custom_id, "failures": f.failures, "failures_alone": f.failures_alone,
+         "last_error": f.last_error[:2000]}
+        for custom_id, f in failed.items()
+    ])
 
 
 def _lease_free(now: float) -> Any:

@@ -103,6 +103,19 @@ segments = Table(
     Column("cached_tokens", BigInteger, nullable=False, server_default="0"),
 )
 
+# The failed attempts of a running batch's lines that have any (gateway.batches.attempts), so that a line's attempts
+# stay bounded across claims: a worker that dies, or loses its lease, hands its count on. Deleted with the batch's
+# segments when it ends.
+line_failures = Table(
+    "ladle_batch_line_failures",
+    metadata,
+    Column("batch_id", String(64), primary_key=True),
+    Column("custom_id", String(512), primary_key=True),
+    Column("failures", Integer, nullable=False),
+    Column("failures_alone", Integer, nullable=False),
+    Column("last_error", Text, nullable=False),
+)
+
 Index("ladle_batches_runnable", batches.c.status, batches.c.lease_expires_at)
 
 # Facts about the store as a whole; `blob_store_id` pairs the database with its blob directory (store/pairing).

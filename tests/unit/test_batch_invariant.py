@@ -5,30 +5,41 @@ Each seed runs small batches through workers on a real SQLite store and a fake e
 chaos task, driven by that seed, ends Batch calls mid-way (an engine that dies or drains), answers items with
 finish reason ABORT (a draining engine) or refuses them for load, kills workers without releasing their lease
 (a gateway's kill -9: their uncommitted appends stay in the segment files) and loses a commit's acknowledgement
-after it landed (a PostgreSQL connection cut at COMMIT). A failing seed replays exactly: `-k "seed-<n>"`.
+after it landed (a PostgreSQL connection cut at COMMIT). The batches are of every kind of line (chat, completions
+with several prompts, embeddings, score with several queries: multi-part and pooling lines), some are cancelled or
+reach the end of their window at a random moment, and some hold a poison line whose call always breaks. The fake
+engine keeps the real engine's rules (unique item ids per call, a bounded intake). A failing seed replays the same
+choices: `-k "seed-<n>"` (the timing, and so the interleaving, differs from run to run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 
+from gateway.batches.attempts import AttemptLimits
 from gateway.batches.worker import BatchWorker, WorkerSettings
 from gateway.store.batches import BatchRecord, BatchStore, Claim, Progress
-from tests.unit.fake_engine import FakeEngine
-from tests.unit.test_batch_worker import Rig, chat_line
+from gateway.store.tables import batches
+from tests.unit.fake_engine import MODEL, FakeEngine
+from tests.unit.test_batch_worker import CHAT, Rig, chat_line
 
 SEEDS = range(12)
 BATCHES_PER_SEED = 3
 FINAL = {"completed", "failed", "expired", "cancelled"}
+COMPLETIONS, EMBEDDINGS, SCORE = "/v1/completions", "/v1/embeddings", "/v1/score"
+LIMITS = AttemptLimits(shared=3, alone=3)
 
 
 class CrashingStore(BatchStore):
@@ -51,10 +62,17 @@ class CrashingStore(BatchStore):
         return status
 
 
-async def run_with_chaos(rig: Rig, batch: BatchRecord, rng: random.Random, timeout: float = 60) -> BatchRecord:
-    """Run `batch` to a final status through workers that the chaos kills and replaces."""
-    settings = WorkerSettings(lease_s=0.4, commit_interval_s=0.02, poll_interval_s=0.02, heartbeat_interval_s=0.1)
+Fate = str  # "run" (to its end), "cancel" or "expire" at a random moment of its run
+
+
+async def run_with_chaos(rig: Rig, batch: BatchRecord, rng: random.Random, fate: Fate = "run",
+                         timeout: float = 90) -> BatchRecord:
+    """Run `batch` to a final status through workers that the chaos kills and replaces; with `fate`, cancel it or
+    move its completion window's end to now at a random moment."""
+    settings = WorkerSettings(lease_s=0.4, commit_interval_s=0.02, poll_interval_s=0.02, heartbeat_interval_s=0.1,
+                              attempt_limits=LIMITS, max_unfinished_claims=1000)
     faults: Counter[str] = Counter()
+    fate_at = rng.randint(1, 12)
 
     def start_worker() -> asyncio.Task[None]:
         store = CrashingStore(rig.batches, rng, lost_ack_rate=0.1)
@@ -64,12 +82,19 @@ async def run_with_chaos(rig: Rig, batch: BatchRecord, rng: random.Random, timeo
     task = start_worker()
     deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
+        for step in itertools.count():
             record = rig.batches.get(batch.id)
             assert record is not None
             if record.status in FINAL:
                 return record
+            if time.monotonic() > deadline:
+                break
             await asyncio.sleep(rng.uniform(0.01, 0.12))
+            if step == fate_at and fate == "cancel":
+                rig.batches.request_cancel(batch.id)
+            elif step == fate_at and fate == "expire":
+                with rig.db.begin() as c:
+                    c.execute(update(batches).where(batches.c.id == batch.id).values(expires_at=int(time.time())))
             fault = rng.choice(["none", "none", "call", "call", "worker"])
             faults[fault] += 1
             if fault == "call":
@@ -84,40 +109,92 @@ async def run_with_chaos(rig: Rig, batch: BatchRecord, rng: random.Random, timeo
         await asyncio.gather(task, return_exceptions=True)
 
 
-def check_invariant(rig: Rig, record: BatchRecord, ids: list[str], invalid: set[str]) -> None:
+def check_invariant(rig: Rig, record: BatchRecord, ids: list[str], invalid: set[str], poison: set[str] = frozenset()
+                    ) -> int:  # type: ignore[assignment]
+    """Every line ends at most once, exactly once unless the batch was cancelled or failed, the counts say what the
+    files hold, and every error line has its cause: an invalid line (400), the poison line (500 line_failed, the
+    call it breaks named), a line the chaos failed every attempt of (500 line_failed naming a killed call, an
+    abort or a refusal) or the end of the batch's window (batch_expired). Returns how many error lines had the
+    chaos as their cause."""
     output, errors = rig.result_lines(record.output_file_id), rig.result_lines(record.error_file_id)
     ended = Counter(line["custom_id"] for line in output + errors)
     assert max(ended.values(), default=1) == 1, f"custom_ids with two results: {ended.most_common(3)}"
     assert (record.completed, record.failed) == (len(output), len(errors))
-    if record.status == "completed":
+    if record.status == "expired" and record.total == 0:  # its window ended before it was validated
+        assert not ended and record.errors and record.errors[0]["code"] == "batch_expired", record
+    elif record.status in ("completed", "expired"):
         assert set(ended) == set(ids) and record.completed + record.failed == record.total == len(ids)
+    elif record.status == "cancelled":
+        assert set(ended) <= set(ids)
     else:  # the batch itself failed: its errors account for every line without a result
         assert record.status == "failed" and record.errors, record
     for line in output:
         assert line["response"]["status_code"] == 200
-        assert line["response"]["body"]["choices"][0]["finish_reason"] == "stop"  # never an engine's ABORT
+        for choice in line["response"]["body"].get("choices", []):
+            assert choice["finish_reason"] == "stop"  # never an engine's ABORT
+    chaos = 0
     for line in errors:
-        assert line["custom_id"] in invalid and line["response"]["status_code"] == 400
+        custom_id, response = line["custom_id"], line["response"]
+        if response is None:
+            assert line["error"]["code"] == "batch_expired" and record.status == "expired", line
+        elif custom_id in invalid:
+            assert response["status_code"] == 400, line
+        else:
+            error = response["body"]["error"]
+            assert response["status_code"] == 500 and error["code"] == "line_failed", line
+            if custom_id in poison:
+                assert "INTERNAL" in error["message"], line
+            else:
+                assert any(cause in error["message"] for cause in ("UNAVAILABLE", "aborted", "refused")), line
+                chaos += 1
+    for custom_id in poison:
+        assert record.status in ("cancelled", "expired") or custom_id in {e["custom_id"] for e in errors}
+    return chaos
+
+
+Kind = tuple[str, Callable[[int], dict[str, Any]], Callable[[dict[str, Any]], list[str]]]
+KINDS: list[Kind] = [  # (endpoint, a line, the texts the fake engine is scripted by)
+    (CHAT, chat_line, lambda item: [item["body"]["messages"][0]["content"]]),
+    (COMPLETIONS, lambda i: {"custom_id": f"p{i}", "method": "POST", "url": COMPLETIONS,
+                             "body": {"model": MODEL, "prompt": [f"a {i}", f"b {i}", f"c {i}"][: 1 + i % 3]}},
+     lambda item: item["body"]["prompt"]),
+    (EMBEDDINGS, lambda i: {"custom_id": f"e{i}", "method": "POST", "url": EMBEDDINGS,
+                            "body": {"model": MODEL, "input": [f"e {i}", f"f {i}"]}},
+     lambda item: item["body"]["input"][:1]),
+    (SCORE, lambda i: {"custom_id": f"s{i}", "method": "POST", "url": SCORE,
+                       "body": {"model": MODEL, "text_1": [f"q {i}", f"r {i}"], "text_2": [f"d {i}", f"g {i}"]}},
+     lambda item: item["body"]["text_1"]),
+]
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed-{s}" for s in SEEDS])
 async def test_every_line_ends_exactly_once_under_random_faults(tmp_path: Path, seed: int) -> None:
+    """Chat, multi-part completions, embeddings and multi-part score batches, some cancelled or expired at a
+    random moment and some holding a poison line (its call always breaks), under the chaos above."""
     rng = random.Random(seed)
     fake = FakeEngine(delay_s=0.01, max_num_seqs=rng.choice([1, 2, 4]))
+    lines_run = chaos_failed = 0
     async with Rig(fake, tmp_path) as rig:
         rig.pool.config = dataclasses.replace(rig.pool.config, retry_after_s=0)  # refusals retried at once
         for b in range(BATCHES_PER_SEED):
-            n = rng.randint(1, 40)
-            items = [chat_line(1000 * b + i) for i in range(n)]
-            texts = [item["body"]["messages"][0]["content"] for item in items]
-            fake.refuse_once |= {t for t in texts if rng.random() < 0.15}
-            fake.abort_once |= {t for t in texts if rng.random() < 0.15}
-            invalid_texts = {t for t in texts if rng.random() < 0.1}
+            endpoint, make, texts_of = rng.choice(KINDS)
+            fate = rng.choice(["run", "run", "cancel", "expire"])
+            items = [make(1000 * b + i) for i in range(rng.randint(1, 40))]
+            texts = {item["custom_id"]: texts_of(item) for item in items}
+            every = [t for ts in texts.values() for t in ts]
+            fake.refuse_once |= {t for t in every if rng.random() < 0.15}
+            fake.abort_once |= {t for t in every if rng.random() < 0.15}
+            invalid_texts = {t for t in every if rng.random() < 0.1}
             fake.invalid |= invalid_texts
-            invalid = {item["custom_id"] for item, t in zip(items, texts, strict=True) if t in invalid_texts}
-            record = await run_with_chaos(rig, rig.batch(items), rng)
-            check_invariant(rig, record, [item["custom_id"] for item in items], invalid)
-            assert record.status == "completed", record  # no fault here repeats, so none may fail the batch
+            invalid = {c for c, ts in texts.items() if invalid_texts & set(ts)}
+            poison = {c for c in texts if c not in invalid and rng.random() < 0.05}
+            fake.break_call |= {texts[c][0] for c in poison}
+            record = await run_with_chaos(rig, rig.batch(items, endpoint=endpoint), rng, fate)
+            chaos_failed += check_invariant(rig, record, list(texts), invalid, poison)
+            lines_run += len(items)
+            expected = {"run": "completed", "cancel": ("completed", "cancelled"), "expire": ("completed", "expired")}
+            assert record.status in expected[fate], record  # no fault repeats but the poison: none fails a batch
+    assert chaos_failed <= max(1, lines_run // 20), f"{chaos_failed} of {lines_run} lines failed by the chaos alone"
 
 
 def test_check_invariant_catches_a_lost_line(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from gateway.store.batches import BatchStore, LeaseLostError, Progress
+from gateway.store.batches import BatchStore, LeaseLostError, LineFailures, Progress
 from gateway.store.database import database_url, open_database
 from gateway.store.files import FileInUseError, FileRecord, FileStore, ProjectLimitError
 from gateway.store.ids import BATCH_PREFIX, FILE_PREFIX, is_id, new_id
@@ -374,3 +374,16 @@ def test_result_bytes_count_against_the_projects_quota(db: Engine) -> None:
     assert (store.get(second.id) or second).completed == 2  # nothing recorded
     store.commit(three, time.time(), LEASE_S, Progress(90, 0, completed=9), max_project_bytes=100)
     assert files.get(first.input_file_id) is not None
+
+
+def test_lines_failed_attempts_outlive_a_claim_and_go_with_the_batch(db: Engine) -> None:
+    batch = add_batch(db)
+    store = BatchStore(db)
+    claim = store.claim(batch.id, "w", time.time(), LEASE_S)
+    assert claim is not None
+    store.start(claim, 3, "m")
+    store.commit(claim, time.time(), LEASE_S, failed_lines={"a": LineFailures(1, 0, "x")})
+    store.commit(claim, time.time(), LEASE_S, failed_lines={"a": LineFailures(4, 1, "y"), "b": LineFailures(1, 0, "z")})
+    assert store.line_failures(batch.id) == {"a": LineFailures(4, 1, "y"), "b": LineFailures(1, 0, "z")}
+    store.finish(claim, "completed", None, None)
+    assert store.line_failures(batch.id) == {}

@@ -65,14 +65,15 @@ class Rig:
         await self.server.stop(None)
         self.db.dispose()
 
-    def batch(self, items: list[dict[str, Any]], window_s: int = 3600, project: str = "default") -> BatchRecord:
+    def batch(self, items: list[dict[str, Any]], window_s: int = 3600, project: str = "default",
+              endpoint: str = CHAT) -> BatchRecord:
         file_id = new_id(FILE_PREFIX)
         path = self.blobs.path(upload_key(file_id))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"".join(json.dumps(i).encode() + b"\n" for i in items))
         self.files.add(self.files.record(file_id, "in.jsonl", "batch", path.stat().st_size, upload_key(file_id),
                                          project))
-        record = self.batches.create(new_id(BATCH_PREFIX), CHAT, file_id, "24h", window_s, None, project=project)
+        record = self.batches.create(new_id(BATCH_PREFIX), endpoint, file_id, "24h", window_s, None, project=project)
         assert record is not None
         return record
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.batches.attempts import AttemptLimits, parse_item_id
 from gateway.batches.line_runner import LineResult, LineRunner
+from gateway.store.batches import LineFailures
 from gateway.translate.cache_salt import project_cache_salt
 from tests.unit.fake_engine import MODEL, FakeEngine
 from tests.unit.test_batch_worker import Rig, chat_line, run_lines, source
@@ -134,3 +135,19 @@ async def test_a_projects_batch_completes_while_another_projects_poison_batch_ru
     assert (done.completed, done.failed) == (59, 1) and [e["custom_id"] for e in errors] == ["c7"]
     assert errors[0]["response"]["body"]["error"]["code"] == "line_failed"
     assert set(fake.cache_salts) == {project_cache_salt("a"), project_cache_salt("b")}
+
+
+async def test_a_line_takes_up_the_failed_attempts_an_earlier_claim_recorded(tmp_path: Path) -> None:
+    """A poison line that failed its shared attempts under a worker that died runs alone at once under the next,
+    and ends after its remaining attempts there; the counts go to `on_failure` as they grow."""
+    fake = FakeEngine(break_call={"line 2"})
+    recorded: dict[str, LineFailures] = {}
+    async with Rig(fake, tmp_path) as rig:
+        results: list[LineResult] = []
+        runner = LineRunner(rig.pool, MODEL, limits=AttemptLimits(shared=3, alone=2),
+                            failures={"c2": LineFailures(3, 1, "earlier")}, on_failure=recorded.__setitem__)
+        assert await asyncio.wait_for(runner.run(source([chat_line(i) for i in range(4)]), results.append,
+                                                 asyncio.Event()), 30)
+    lines = by_id(results)
+    assert [c for c, r in lines.items() if not r.ok] == ["c2"] and fake.seen["line 2"] == 1
+    assert recorded["c2"] == LineFailures(4, 2, recorded["c2"].last_error) and "INTERNAL" in recorded["c2"].last_error
