@@ -247,7 +247,8 @@ class EngineLoop:
         while True:
             if self._interrupt is not None:
                 self._interrupt.clear()
-            commands = self._drain(block=not self._core.has_unfinished())
+            # Held adds wait for room, which the last step may have just made: admit them before blocking.
+            commands = self._drain(block=not self._core.has_unfinished() and not self._held)
             outputs: list[CoreOutput] = []
             errors: dict[str, BaseException] = {}
             stopping = False

@@ -115,3 +115,14 @@ def test_a_held_add_ends_aborted_or_past_its_deadline_as_a_queued_one_would() ->
     assert {o.status for o in gone.values()} == {RequestStatus.FINISHED_ABORTED} and len(gone) == 2
     assert [o.status for o in expired.values()] == [RequestStatus.FINISHED_DEADLINE]
     assert [o.status for o in last.values()] == [RequestStatus.FINISHED_ABORTED]
+
+
+def test_held_adds_are_admitted_when_the_step_that_made_room_emptied_the_core() -> None:
+    """Each call finishes within the step that admits it (one token), leaving the core with nothing to do: the
+    held ones must still be admitted (the loop may not wait for a command first)."""
+    async def body(loop: EngineLoop) -> list[dict[str, CoreOutput]]:
+        streams = [loop.add(f"c{k}", _group(f"c{k}", 1, max_tokens=1), wait=True) for k in range(4)]
+        return list(await asyncio.gather(*(_finished(s) for s in streams)))
+
+    results = _serve(_core(max_waiting=1), body)
+    assert all(o.status is RequestStatus.FINISHED_LENGTH for result in results for o in result.values())
