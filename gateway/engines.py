@@ -198,7 +198,8 @@ class EnginePool:
         for address in addresses:
             if address not in known:
                 client = AsyncEngineClient(address, timeout=self.config.request_timeout_s,
-                                           retries=self._channel_retries, auth_token=self.config.engine_auth_token)
+                                           retries=self._channel_retries, auth_token=self.config.engine_auth_token,
+                                           max_message_bytes=self.config.max_engine_message_bytes)
                 engine = Engine(address, client)
                 self.engines.append(engine)
                 self._pollers[address] = asyncio.create_task(self._poll(engine))

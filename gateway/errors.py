@@ -68,6 +68,12 @@ def engine_refused(details: str, engine: str | None = None) -> APIError:
                      "gateway's --engine-auth-token-file must hold the engine's token")
 
 
+def message_too_large(details: str) -> bool:
+    """Whether a RESOURCE_EXHAUSTED status is grpc's refusal of a message over the channel's size limit (rather than
+    the engine refusing a request for load)."""
+    return "message larger than max" in details
+
+
 def from_rpc_error(error: grpc.aio.AioRpcError | grpc.RpcError, retry_after_s: int = 1) -> APIError:
     """The HTTP error for an engine call that ended with a non-OK status."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
@@ -81,6 +87,9 @@ def from_status(
     """The HTTP error for a gRPC status code and its message."""
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         return APIError(400, details, param=param)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and message_too_large(details):
+        return APIError(500, f"the reply is larger than the gRPC message limit ({details}); ask for fewer tokens, "
+                        "choices (n) or top_logprobs", type="server_error", code="reply_too_large")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return APIError(
             429, details, type="rate_limit_error", code="rate_limit_exceeded",

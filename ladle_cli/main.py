@@ -129,6 +129,8 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--metrics-api-key", "", "the key /metrics answers to (default: the keys of the project 'default'; "
          "anyone when the gateway has no keys)")
     _add(parser, "--request-timeout", 600.0, "seconds an engine call may take (then HTTP 504)", type=float)
+    _add(parser, "--max-engine-message-mib", 64.0, "largest engine reply the gateway takes (the engine's own limit "
+         "is 64; a batch line whose reply is larger ends as an error line)", type=float)
     _add(parser, "--max-request-mib", 16.0, "largest accepted request body in MiB (then HTTP 413)", type=float)
     _add(parser, "--data-dir", "", "where files' bytes (and the default SQLite database) live "
          "(default: $XDG_DATA_HOME/ladle or ~/.local/share/ladle)")
@@ -282,6 +284,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         min_free_disk_bytes=int(args.min_free_disk_mib * 1024 * 1024),
         metrics_api_key=args.metrics_api_key or None,
         request_timeout_s=args.request_timeout,
+        max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
         data_dir=Path(args.data_dir) if args.data_dir else None,
         database_url=args.database_url or None,

@@ -54,14 +54,17 @@ SERVICE_CONFIG: dict[str, Any] = {
 }
 
 
-def channel_options(service_config: dict[str, Any] | None = None, retries: bool = True) -> list[tuple[str, Any]]:
+def channel_options(
+    service_config: dict[str, Any] | None = None, retries: bool = True, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> list[tuple[str, Any]]:
     """Options for a channel to an engine; pass them when building your own channel too. Without `retries`, a
-    call that finds the engine UNAVAILABLE fails at once (a caller with other engines goes to one of them)."""
+    call that finds the engine UNAVAILABLE fails at once (a caller with other engines goes to one of them).
+    `max_message_bytes` bounds each message either way (a larger reply fails its call RESOURCE_EXHAUSTED)."""
     return [
         ("grpc.enable_retries", int(retries)),
         ("grpc.service_config", json.dumps(service_config or SERVICE_CONFIG)),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -160,8 +163,9 @@ class EngineClient:
 
 class AsyncEngineClient:
     """asyncio client. Streams are returned as the gRPC call: iterate it with `async for`, or `.cancel()` it (or
-    the consuming task) to abort. `retries=False` turns off the service config's retries of UNAVAILABLE (see
-    `channel_options`); `auth_token` is sent on every call, as by `EngineClient`."""
+    the consuming task) to abort. `retries=False` turns off the service config's retries of UNAVAILABLE and
+    `max_message_bytes` bounds a message (see `channel_options`); `auth_token` is sent on every call, as by
+    `EngineClient`."""
 
     def __init__(
         self,
@@ -170,8 +174,10 @@ class AsyncEngineClient:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         retries: bool = True,
         auth_token: str | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self.channel = grpc.aio.insecure_channel(target, options=channel_options(retries=retries))
+        self.channel = grpc.aio.insecure_channel(
+            target, options=channel_options(retries=retries, max_message_bytes=max_message_bytes))
         self._metadata = bearer_metadata(auth_token)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from gateway.batches.lines import InputLine
-from gateway.errors import APIError
+from gateway.errors import APIError, message_too_large
 from gateway.store.batches import LineFailures
 
 if TYPE_CHECKING:  # not at run time: calls imports the engine pool
@@ -129,6 +129,6 @@ def call_failure(error: grpc.RpcError) -> str:
     """Why a Batch call failed, as an attempt's failure: the reply-size refusal named as such."""
     code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
     details = (error.details() if isinstance(error, grpc.aio.AioRpcError) else None) or str(error)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and message_too_large(details):
         return f"{REPLY_TOO_LARGE} ({details})"
     return f"the Batch call failed with {getattr(code, 'name', 'an error')}: {details}"
