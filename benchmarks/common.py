@@ -124,15 +124,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def ladle_serve(model: str, device: str, *flags: str, log_level: str = "WARNING") -> Iterator[Served]:
-    """`ladle serve` on free loopback ports with a throwaway data directory, once it printed "ready"; stopped
-    with SIGTERM (SIGKILL after 60 s) on exit. `flags` go to `ladle serve` as they are."""
+def ladle_serve(
+    model: str, device: str, *flags: str, log_level: str = "WARNING", data_dir: Path | None = None
+) -> Iterator[Served]:
+    """`ladle serve` on free loopback ports with a throwaway data directory (or `data_dir`, prepared by the caller),
+    once it printed "ready"; stopped with SIGTERM (SIGKILL after 60 s) on exit. `flags` go to `ladle serve` as
+    they are."""
     grpc_port = free_port()
-    with tempfile.TemporaryDirectory(prefix="ladle-bench-") as data_dir:
-        token, token_file = new_token(), Path(data_dir) / "engine-token"
+    with tempfile.TemporaryDirectory(prefix="ladle-bench-") as scratch:
+        data_dir = data_dir or Path(scratch)
+        token, token_file = new_token(), Path(scratch) / "engine-token"
         token_file.write_text(token)
         command = [sys.executable, "-m", "ladle_cli", "serve", "--model", model, "--device", device,
-                   "--port", "0", "--grpc-port", str(grpc_port), "--data-dir", data_dir,
+                   "--port", "0", "--grpc-port", str(grpc_port), "--data-dir", str(data_dir),
                    "--engine-auth-token-file", str(token_file), *flags]
         env = {**os.environ, "LADLE_LOG_LEVEL": log_level, "NO_PROXY": "*"}
         process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)

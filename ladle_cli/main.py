@@ -24,6 +24,7 @@ BENCHMARKS = {
     "gpu": "benchmarks.gpu",
     "batch": "benchmarks.batch",
     "batch_upload": "benchmarks.batch_upload",
+    "batch_resume": "benchmarks.batch_resume",
     "fuzz": "benchmarks.fuzz_gateway",
     "soak": "benchmarks.soak",
     "routing": "benchmarks.routing",
