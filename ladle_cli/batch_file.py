@@ -127,9 +127,7 @@ async def _run(args: argparse.Namespace) -> int:
     await pool.start()
     try:
         if not await _wait_ready(pool, engine, ENGINE_STARTUP_TIMEOUT_S if engine else CONNECT_TIMEOUT_S):
-            why = f"the engine exited with status {engine.returncode}" if engine and engine.returncode is not None \
-                else f"no engine SERVING at {address}"
-            print(f"ladle batch: {why}", file=sys.stderr)
+            print(f"ladle batch: {_not_ready(pool, engine, address)}", file=sys.stderr)
             return 1
         _validate(source, pool.model_id, pool.model_info())  # every body names the served model, fits its limits
         return await _run_lines(args, source, output, custom_ids, pool)
@@ -222,6 +220,15 @@ async def _start_engine(args: argparse.Namespace) -> tuple[asyncio.subprocess.Pr
     return engine, announced.rsplit(" on ", 1)[1].strip()
 
 
+def _not_ready(pool: EnginePool, engine: asyncio.subprocess.Process | None, address: str) -> str:
+    """Why no engine is ready: our own engine exited, the engine refuses our token, or none answers."""
+    if engine is not None and engine.returncode is not None:
+        return f"the engine exited with status {engine.returncode}"
+    if any(e.refused for e in pool.engines):
+        return pool.unavailable().message
+    return f"no engine SERVING at {address}"
+
+
 async def _wait_ready(pool: EnginePool, engine: asyncio.subprocess.Process | None, timeout: float) -> bool:
     """Wait for an engine SERVING with its model id known; False if our own engine exits first or time runs out."""
     loop = asyncio.get_running_loop()
@@ -231,5 +238,7 @@ async def _wait_ready(pool: EnginePool, engine: asyncio.subprocess.Process | Non
             return False
         if pool.ready and pool.model_id is not None:
             return True
+        if pool.engines and all(e.refused is not None for e in pool.engines):
+            return False  # it refuses our token: waiting will not change that
         await pool.wait_ready(1.0)
     return False

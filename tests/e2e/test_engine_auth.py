@@ -211,6 +211,19 @@ def test_ladle_batch_with_the_engine_token(token_engine: EngineProcess, token_fi
     assert all(r["response"]["status_code"] == 200 for r in results)
 
 
+def test_ladle_batch_without_the_token_stops_at_once_naming_the_refusal(token_engine: EngineProcess,
+                                                                         tmp_path: Path) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"custom_id": "q", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}}) + "\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "ladle_cli", "batch", "-i", str(source), "-o",
+                           str(tmp_path / "out.jsonl"), "--engine", token_engine.address],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "UNAUTHENTICATED" in done.stderr, done.stderr
+    assert time.monotonic() - started < 30  # not the 60 s wait for an engine that never becomes ready
+
+
 def test_ladle_serve_closes_its_engine_port_with_a_private_token(tmp_path: Path) -> None:
     serve, lines = start_serve(tmp_path / "serve.log")
     try:

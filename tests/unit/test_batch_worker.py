@@ -508,3 +508,17 @@ async def test_results_past_the_projects_quota_stop_the_batch_with_what_it_commi
     assert record.status == "failed" and record.errors is not None
     assert record.errors[0]["code"] == "storage_limit_exceeded"
     assert 0 < record.completed == len(output) < 40 and stored <= quota
+
+
+async def test_a_replica_with_a_smaller_line_limit_runs_a_batch_another_validated(tmp_path: Path) -> None:
+    """Replicas may differ in --max-request-mib: one whose limit is below a validated line's length still runs
+    the batch (it read the file with its own limit and failed the batch before)."""
+    long_line = {**chat_line(1), "body": {**chat_line(1)["body"], "messages": [
+        {"role": "user", "content": "line 1"}, {"role": "user", "content": "x" * 5000}]}}
+    async with Rig(FakeEngine(), tmp_path) as rig:
+        batch = rig.batch([chat_line(0), long_line, chat_line(2)])
+        claim = rig.batches.claim(batch.id, "validator", time.time(), 5.0)
+        assert claim is not None and rig.batches.start(claim, 3, MODEL) == "in_progress"
+        rig.batches.release(claim)
+        record = await rig.run_until(rig.worker(max_line_bytes=1000), batch.id, {"completed", "failed"})
+    assert record.status == "completed" and record.completed == 3
