@@ -44,3 +44,18 @@ def postgres() -> Iterator[Any]:
     server = start_postgres()
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """An empty gateway store (the schema created) on each database it runs on: a SQLite file, then a new database
+    on the test PostgreSQL server."""
+    from gateway.store.database import database_url, open_database
+
+    if request.param == "sqlite":
+        url = database_url(None, tmp_path)
+    else:
+        url = database_url(request.getfixturevalue("postgres").new_database(), tmp_path)
+    engine = open_database(url)
+    yield engine
+    engine.dispose()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,31 +16,28 @@ from gateway.store.database import database_url, open_database
 from gateway.store.files import FileInUseError, FileRecord, FileStore, ProjectLimitError
 from gateway.store.ids import BATCH_PREFIX, FILE_PREFIX, is_id, new_id
 from gateway.store.pages import UnknownCursorError
+from gateway.store.tables import DEFAULT_PROJECT
 
 LEASE_S = 30.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = database_url(None, tmp_path)
-    else:
-        url = database_url(request.getfixturevalue("postgres").new_database(), tmp_path)
-    engine = open_database(url)
-    yield engine
-    engine.dispose()
+@pytest.fixture
+def db(store_db: Engine) -> Engine:
+    return store_db
 
 
-def add_file(files: FileStore, purpose: str = "batch") -> FileRecord:
+def add_file(files: FileStore, purpose: str = "batch", project: str = DEFAULT_PROJECT) -> FileRecord:
     file_id = new_id(FILE_PREFIX)
-    record = files.record(file_id, "in.jsonl", purpose, 10, f"files/{file_id}")
+    record = files.record(file_id, "in.jsonl", purpose, 10, f"files/{file_id}", project)
     files.add(record)
     return record
 
 
-def add_batch(db: Engine, input_file: FileRecord | None = None, window_s: int = 3600) -> Any:
-    source = input_file or add_file(FileStore(db))
-    record = BatchStore(db).create(new_id(BATCH_PREFIX), "/v1/chat/completions", source.id, "24h", window_s, None)
+def add_batch(db: Engine, input_file: FileRecord | None = None, window_s: int = 3600,
+              project: str = DEFAULT_PROJECT) -> Any:
+    source = input_file or add_file(FileStore(db), project=project)
+    record = BatchStore(db).create(new_id(BATCH_PREFIX), "/v1/chat/completions", source.id, "24h", window_s, None,
+                                   project=project)
     assert record is not None
     return record
 
@@ -269,21 +265,11 @@ def test_a_new_database_adopts_an_existing_blob_directory(tmp_path: Path) -> Non
         second.dispose()
 
 
-def add_project_batch(db: Engine, project: str) -> Any:
-    files = FileStore(db)
-    file_id = new_id(FILE_PREFIX)
-    files.add(files.record(file_id, "in.jsonl", "batch", 10, f"files/{file_id}", project))
-    record = BatchStore(db).create(new_id(BATCH_PREFIX), "/v1/chat/completions", file_id, "24h", 3600, None,
-                                   project=project)
-    assert record is not None
-    return record
-
-
 def test_claims_go_round_robin_by_project(db: Engine) -> None:
     """Project A queued three batches before B and C queued one each: workers claiming one after another get A's
     oldest, then B's, then C's (each of A, B, C now has a batch running), then A's next."""
-    a = [add_project_batch(db, "a") for _ in range(3)]
-    b, c = add_project_batch(db, "b"), add_project_batch(db, "c")
+    a = [add_batch(db, project="a") for _ in range(3)]
+    b, c = add_batch(db, project="b"), add_batch(db, project="c")
     store = BatchStore(db)
     claimed = []
     for k in range(4):
@@ -295,8 +281,8 @@ def test_claims_go_round_robin_by_project(db: Engine) -> None:
 
 def test_a_project_served_last_waits_behind_one_not_served_yet(db: Engine) -> None:
     """With no batch running, the project claimed from least recently goes first, not the oldest batch."""
-    a1, a2 = add_project_batch(db, "a"), add_project_batch(db, "a")
-    b = add_project_batch(db, "b")
+    a1, a2 = add_batch(db, project="a"), add_batch(db, project="a")
+    b = add_batch(db, project="b")
     store = BatchStore(db)
     first = store.claim_next("w", time.time(), LEASE_S)
     assert first is not None and first.batch.id == a1.id
@@ -358,8 +344,8 @@ def test_result_bytes_count_against_the_projects_quota(db: Engine) -> None:
     """Files, and the committed results of the project's running batches, all count: a commit that would pass
     the quota raises ProjectLimitError and records nothing; another project is not concerned."""
     files, store = FileStore(db), BatchStore(db)
-    first, second = add_project_batch(db, "p"), add_project_batch(db, "p")  # two input files of 10 bytes
-    other = add_project_batch(db, "q")
+    first, second = add_batch(db, project="p"), add_batch(db, project="p")  # two input files of 10 bytes
+    other = add_batch(db, project="q")
     claims = [store.claim(b.id, "w", time.time(), LEASE_S) for b in (first, second, other)]
     for claim in claims:
         assert claim is not None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,9 @@ from gateway.store.tables import batches
 HOUR = 3600.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = database_url(None, tmp_path)
-    else:
-        url = database_url(request.getfixturevalue("postgres").new_database(), tmp_path)
-    engine = open_database(url)
-    yield engine
-    engine.dispose()
+@pytest.fixture
+def db(store_db: Engine) -> Engine:
+    return store_db
 
 
 def blob(blobs: BlobStore, key: str, age_s: float) -> str:

@@ -31,15 +31,9 @@ MiB = 1024 * 1024
 BOUNDARY = b"----quota-test"
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
-    if request.param == "sqlite":
-        url = database_url(None, tmp_path)
-    else:
-        url = database_url(request.getfixturevalue("postgres").new_database(), tmp_path)
-    engine = open_database(url)
-    yield engine
-    engine.dispose()
+@pytest.fixture
+def db(store_db: Engine) -> Engine:
+    return store_db
 
 
 def used(store: FileStore, project: str, now: float | None = None) -> int:
