@@ -29,9 +29,11 @@ import math
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
@@ -327,3 +329,21 @@ async def start_fake_engine(fake: FakeEngine) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def gateway_client(address: str, tmp_path: Path, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client on an in-process gateway app (no batch workers) in front of the engine at `address`, once the
+    gateway has the engine's model info; `config` adds GatewayConfig fields."""
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+
+    app = create_app(GatewayConfig(engines=(address,), data_dir=tmp_path, health_interval_s=0.05, batch_workers=0,
+                                   **config))
+    async with app.router.lifespan_context(app):
+        pool = app.state.pool
+        assert await pool.wait_ready(10)
+        while pool.model_info() is None:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            yield client

@@ -17,7 +17,6 @@ import pydantic
 import pytest
 
 from gateway import calls
-from gateway.app import create_app
 from gateway.batches.lines import engine_requests, parse_line
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
@@ -27,7 +26,7 @@ from gateway.schemas.completions import CompletionRequest
 from gateway.translate import to_engine
 from gateway.translate.cache_salt import project_cache_salt, request_cache_salt
 from ladle.v1 import engine_pb2, types_pb2
-from tests.unit.fake_engine import MODEL, FakeEngine, start_fake_engine
+from tests.unit.fake_engine import MODEL, FakeEngine, gateway_client, start_fake_engine
 
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}
 ALPHA, BETA = project_cache_salt("alpha"), project_cache_salt("beta")
@@ -189,15 +188,8 @@ async def gateway(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Salt
     server, address = await start_fake_engine(engine)
     keys = tmp_path / "keys"
     keys.write_text("".join(f"{key} {project}\n" for key, project in KEYS.items()))
-    app = create_app(GatewayConfig(engines=(address,), data_dir=tmp_path, health_interval_s=0.05, batch_workers=0,
-                                   api_keys_file=keys))
-    async with app.router.lifespan_context(app):
-        pool: EnginePool = app.state.pool
-        assert await pool.wait_ready(10)
-        while pool.model_info() is None:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            yield client, engine
+    async with gateway_client(address, tmp_path, api_keys_file=keys) as client:
+        yield client, engine
     await server.stop(None)
 
 

@@ -18,7 +18,6 @@ import pytest
 from pydantic import ValidationError
 
 from gateway import calls
-from gateway.app import create_app
 from gateway.batches import lines
 from gateway.batches.line_runner import LineResult, LineRunner
 from gateway.config import GatewayConfig
@@ -27,7 +26,15 @@ from gateway.errors import APIError, validation_param
 from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from gateway.translate import pooling_from_engine, pooling_to_engine
 from ladle.v1 import engine_pb2, types_pb2
-from tests.unit.fake_engine import DIMENSIONS, MODEL, FakeEngine, fake_score, fake_vector, start_fake_engine
+from tests.unit.fake_engine import (
+    DIMENSIONS,
+    MODEL,
+    FakeEngine,
+    fake_score,
+    fake_vector,
+    gateway_client,
+    start_fake_engine,
+)
 
 INFO = engine_pb2.GetModelInfoResponse(context_length=128, pooling=engine_pb2.PoolingInfo(dimensions=8))
 
@@ -237,14 +244,8 @@ async def fake() -> AsyncIterator[tuple[FakeEngine, str]]:
 
 @pytest.fixture
 async def http(fake: tuple[FakeEngine, str], tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(GatewayConfig(engines=(fake[1],), data_dir=tmp_path, health_interval_s=0.05, batch_workers=0))
-    async with app.router.lifespan_context(app):
-        pool: EnginePool = app.state.pool
-        assert await pool.wait_ready(10)
-        while pool.model_info() is None:
-            await asyncio.sleep(0.01)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            yield client
+    async with gateway_client(fake[1], tmp_path) as client:
+        yield client
 
 
 def assert_400(response: httpx.Response, param: str | None) -> None:

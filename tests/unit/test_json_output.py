@@ -4,21 +4,15 @@ of -inf or a NaN embedding are parsed by a strict JSON parser (no `NaN`/`Infinit
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from gateway import json_output, sse
-from gateway.app import create_app
 from gateway.batches.lines import encode
-from gateway.config import GatewayConfig
-from gateway.engines import EnginePool
 from ladle.v1 import engine_pb2
-from tests.unit.fake_engine import MODEL, FakeEngine, start_fake_engine
+from tests.unit.fake_engine import MODEL, FakeEngine, gateway_client, start_fake_engine
 
 NAN, INF = math.nan, math.inf
 
@@ -68,15 +62,9 @@ class NaNEngine(FakeEngine):
 
 async def test_the_embeddings_route_answers_a_nan_vector_as_valid_json(tmp_path: Path) -> None:
     server, address = await start_fake_engine(NaNEngine())
-    app = create_app(GatewayConfig(engines=(address,), data_dir=tmp_path, health_interval_s=0.05, batch_workers=0))
     try:
-        async with app.router.lifespan_context(app):
-            pool: EnginePool = app.state.pool
-            assert await pool.wait_ready(10)
-            while pool.model_info() is None:
-                await asyncio.sleep(0.01)
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
-                reply = await http.post("/v1/embeddings", json={"model": MODEL, "input": "alpha"})
+        async with gateway_client(address, tmp_path) as http:
+            reply = await http.post("/v1/embeddings", json={"model": MODEL, "input": "alpha"})
     finally:
         await server.stop(None)
     assert reply.status_code == 200, reply.text
