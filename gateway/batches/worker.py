@@ -140,14 +140,14 @@ class BatchWorker:
 
     async def _record_failure(self, claim: Claim, exc: Exception) -> None:
         """Record a failed attempt in the batch (it is resumed, here or elsewhere): counted towards
-        `max_failures`, unless it is a storage error (an OSError: a full disk, say), which is not the batch's
-        fault: that one is retried after a pause that doubles each time. A lost database connection cannot be
-        recorded at all: the lease runs out and the batch is resumed once the database answers."""
+        `max_failures`, unless it is a storage error (an OSError: a full disk, say; not a missing file), which is
+        not the batch's fault: that one is retried after a pause that doubles each time. A lost database
+        connection cannot be recorded at all: the lease runs out and the batch is resumed once it answers."""
         if isinstance(exc, OperationalError | InterfaceError):
             log.warning("batch work stopped: the database is unreachable; it will be resumed", exc_info=exc)
             return
         error = f"{type(exc).__name__}: {exc}"
-        transient = isinstance(exc, OSError)
+        transient = isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)  # waiting won't bring it back
         pause = min(self.settings.retry_max_s, self.settings.retry_base_s * 2 ** claim.batch.transient_failures)
         try:
             failures = await asyncio.to_thread(self.store.record_failure, claim, error, transient=transient,
