@@ -70,6 +70,11 @@ def authenticate(authorization: str, keys: KeyRing) -> str | APIError:
     project = keys.project_of(token.strip()) if scheme.lower() == "bearer" else None
     if project is not None:
         return project
+    return invalid_api_key()
+
+
+def invalid_api_key() -> APIError:
+    """The 401 for a missing or unknown key: the same on every route, so it tells nothing about the route."""
     return APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
                     code="invalid_api_key")
 
@@ -84,8 +89,7 @@ def authorize_metrics(authorization: str, keys: KeyRing) -> APIError | None:
     if token and keys.project_of(token) is not None:
         return APIError(403, "This key cannot read /metrics: use the --metrics-api-key (or, without one, a key of "
                         "the project 'default').", code="permission_denied")
-    return APIError(401, "Incorrect or missing API key for /metrics. Send it as 'Authorization: Bearer <key>'.",
-                    code="invalid_api_key")
+    return invalid_api_key()
 
 
 def require_metrics_key(request: Request) -> None:
