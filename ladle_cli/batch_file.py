@@ -74,19 +74,25 @@ def run_batch_file(args: argparse.Namespace) -> int:
 def exclusive_output(output: Path) -> Iterator[None]:
     """Hold an exclusive lock on `output` (created if missing) while the block runs; OutputInUseError if another
     process holds it. Two runs on one file would each skip only the lines already there when they started, so
-    both would run and append the rest, and each would truncate what looks like the other's half-written line."""
+    both would run and append the rest, and each would truncate what looks like the other's half-written line.
+    A file this created and the run left empty (its input was refused, say) is removed again."""
+    existed = output.exists()
     try:
         descriptor = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as exc:
         raise BatchFileError(f"cannot open {output}: {exc.strerror}") from None
+    locked = False
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise OutputInUseError(f"{output} is being written by another `ladle batch` run; run this again once it "
                                    "has ended, or use another output file") from None
+        locked = True
         yield
     finally:
+        if locked and not existed and os.fstat(descriptor).st_size == 0:
+            output.unlink(missing_ok=True)  # still under the lock: no other run is writing it
         os.close(descriptor)  # releases the lock
 
 
