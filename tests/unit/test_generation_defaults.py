@@ -212,7 +212,9 @@ class FakeServing:
         )  # fmt: skip
         self.requests: list[GenerationInput] = []
 
-    async def generate(self, request: GenerationInput, deadline: Any = None, whole: bool = False) -> AsyncIterator[Any]:
+    async def generate(
+        self, request: GenerationInput, deadline: Any = None, whole: bool = False, wait: bool = False
+    ) -> AsyncIterator[Any]:
         self.requests.append(request)
         choice = Choice(0, "ok", [5], FinishReason.STOP)
         yield StepUpdate([choice], GenerationResult(request.request_id, [1], [choice], Usage(1, 1)), finished=True)
