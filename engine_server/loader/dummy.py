@@ -41,6 +41,16 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         ),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:llama-3.2-1b",
     ),
+    # The 8B class people deploy (Llama 3.1 8B's shapes, untied head): the GPU benchmark's large model.
+    "llama-3.1-8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling=RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+        ),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:llama-3.1-8b",
+    ),
     "qwen3-0.6b": ModelConfig(
         architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,

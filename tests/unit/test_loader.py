@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,6 +200,9 @@ def test_dummy_preset_configs() -> None:
     assert llama.rope_scaling is not None and llama.rope_scaling.factor == 32.0
     qwen3 = DUMMY_PRESETS["qwen3-0.6b"]
     assert (qwen3.head_dim, qwen3.qk_norm, qwen3.max_position_embeddings) == (128, True, 40960)
+    llama8b = DUMMY_PRESETS["llama-3.1-8b"]
+    params = sum(math.prod(shape) for shape in parameter_shapes(llama8b).values())
+    assert params == 8_030_261_248  # Llama 3.1 8B's published count
 
 
 def test_dummy_weights_are_seeded_and_initialised(cache_dir: Path) -> None:
