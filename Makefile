@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ladle-setup
 NGINX := $(VENV)/.ladle-nginx
 TS_DEPS := clients/typescript/node_modules/.package-lock.json
 
-.PHONY: setup test test-unit lint proto serve clean
+.PHONY: setup test test-quick test-unit lint docs proto serve clean
 
 setup: $(STAMP) $(BUF) $(NGINX) $(TS_DEPS)
 
@@ -44,6 +44,10 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
 
+# The documentation site (mkdocs.yml, docs/): --strict fails on a broken link, a missing page or a stale reference.
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
+
 # buf breaking compares the contract with main's committed one: a change on a branch (or not yet committed) that
 # would break a generated client in any language fails here (skipped, and said, in a checkout without a local main).
 lint: setup
@@ -61,4 +65,4 @@ serve: setup
 	$(VENV)/bin/ladle serve
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache .mypy_cache .ruff_cache clients/typescript/node_modules clients/typescript/dist
+	rm -rf $(VENV) .tools site .pytest_cache .mypy_cache .ruff_cache clients/typescript/node_modules clients/typescript/dist
