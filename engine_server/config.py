@@ -282,7 +282,7 @@ class EngineConfig:
     # How the linear layers' weights are kept (engine_server.quantization): "none" (float: the exact path,
     # greedy output equal to transformers'), "gguf" (a GGUF file's own 4/8-bit blocks), "int8" (8-bit groups of
     # 32 of any model's weights) or "auto", the default: gguf for a GGUF file on the CPU, where its quality was
-    # measured to hold and it is faster at every batch size (README, Quantized weights), none everywhere else.
+    # measured to hold and it is faster at every batch size (docs/models.md, Quantized weights), none everywhere else.
     quantization: QuantizationMode = "auto"
     # Sampling values for the fields a request leaves unset (engine_server.generation_defaults): "auto" (the
     # model's own), "ladle" (OpenAI's) or the path of a generation_config.json (or of a folder holding one);

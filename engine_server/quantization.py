@@ -101,7 +101,7 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
 
     On the CPU the model also gets `kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
     decode kernel), so that with the integer kernels a token's result does not depend on its batch or on the
-    prefix cache, bit for bit (README, Quantized weights)."""
+    prefix cache, bit for bit (docs/models.md, Quantized weights)."""
     if scheme == "none":
         return {}
     if scheme == "gguf":

@@ -84,7 +84,7 @@ def test_health_check(grpcurl: str, engine: EngineProcess) -> None:
 
 
 def test_embed_and_score_with_json(grpcurl: str, engine: EngineProcess) -> None:
-    """README's grpcurl example for Embed, and Score."""
+    """The grpcurl example for Embed in docs/grpc.md and docs/models.md, and Score."""
     data = '{"inputs": [{"text": "The cat sat."}, {"text": "Paris is in France."}], "dimensions": 8}'
     (reply,) = _json_stream(_run(grpcurl, engine, "ladle.v1.EngineService/Embed", data=data))
     embeddings = reply["embeddings"]
