@@ -16,9 +16,17 @@ log = structlog.get_logger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of the stream
+# One server-sent event as the HTML standard parses it (an OpenAPI 3.0/3.1 `schema` of text/event-stream describes
+# each event, as 3.2's `itemSchema` does): `data` is a JSON chunk, an error body, or `[DONE]`.
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer", "minimum": 0}},
+}
 # For the OpenAPI document of a route that streams when asked: its 200 is JSON or an event stream.
 STREAMING_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
           "description": "The whole answer (JSON), or with `stream: true` its chunks as server-sent events"},
 }
 
