@@ -38,8 +38,16 @@ $(BUF):
 $(TS_DEPS): clients/typescript/package-lock.json
 	cd clients/typescript && npm ci --no-audit --no-fund >/dev/null
 
+# The gate: the suite on one xdist worker per core (at most 4; a test file stays on one worker, so its module-scoped
+# engines start once), then the tests that measure time (marked `serial`) alone. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: setup
-	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra
+	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -m serial
+
+# The developer's loop: the unit tests that load no model, start no process and build no kernel (conftest.py).
+test-quick: $(STAMP)
+	PYTHONUNBUFFERED=1 $(PY) -m pytest tests/unit -q -n $(TEST_WORKERS) -m "not slow and not serial" --durations=10
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
@@ -55,7 +63,8 @@ lint: setup
 	if git rev-parse --verify -q main >/dev/null; then $(BUF) breaking --against '.git#branch=main'; \
 		else echo "buf breaking: no local main branch to compare with"; fi
 	$(PY) -m ruff check .
-	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py ladle_cli
+	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py ladle_cli \
+		docs/hooks/grpc_reference.py
 
 proto: setup
 	$(PY) clients/generate_stubs.py

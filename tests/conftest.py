@@ -1,8 +1,14 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and how the suite is split for `make test` and `make test-quick`.
+
+`make test` runs the suite on pytest-xdist workers (one per core, at most 4) with each test file on one worker,
+then the tests marked `serial` (they measure time) alone. `make test-quick` runs what is neither `slow` nor
+`serial`: the unit tests that load no model, start no process and build no kernel.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +16,28 @@ from typing import Any
 import pytest
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# On an xdist worker every process of the test's own (the worker, the engines and gateways it starts, which inherit
+# the environment) computes on one thread: the workers already fill the cores, and OpenMP threads spinning for
+# cores that other processes hold cost more than they bring (measured on 2 cores: the suite's CPU time grew by a
+# third with two threads each). Set before torch is imported; a test that asks for more threads still gets them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+TESTS = Path(__file__).parent
+# Folders whose every test is slow: real processes, compiled or interpreted kernels, tensor-parallel groups.
+SLOW_FOLDERS = tuple(
+    TESTS / name for name in ("e2e", "adversarial", "faults", "fuzz", "gpu", "unit/kernels", "unit/parallel")
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `slow` every test in a slow folder, and every test that uses the session's `llm` (the embedded
+    model); a module that loads a model itself says so with `pytestmark = pytest.mark.slow`."""
+    for item in items:
+        path = Path(str(item.path))
+        if any(path.is_relative_to(folder) for folder in SLOW_FOLDERS) or "llm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +54,18 @@ def smollm2_tokenizer() -> Any:
 
 @pytest.fixture(scope="session")
 def llm() -> Any:
-    """The offline engine on the embedded model (fp32 weights, the exact path, CPU), loaded once per session."""
+    """The offline engine on the embedded model (fp32 weights, the exact path, CPU), loaded once per session.
+
+    Its grammars get 120 s to compile instead of 10, as the e2e tests' shared engine does: with the suite running
+    in parallel on two cores, a compile can wait that long for a core. The deadline itself is tested on its own
+    (tests/e2e/test_slow_grammar.py, tests/unit/test_structured.py)."""
     from engine_server import LLM
     from engine_server.config import CacheConfig, EngineConfig
+    from engine_server.structured.compiler import GrammarCompilerConfig
 
     return LLM(
-        config=EngineConfig(device="cpu", quantization="none", cache=CacheConfig(memory_bytes=512 * 1024**2))
+        config=EngineConfig(device="cpu", quantization="none", cache=CacheConfig(memory_bytes=512 * 1024**2)),
+        grammar_config=GrammarCompilerConfig(timeout_s=120.0),
     )
 
 

@@ -101,6 +101,7 @@ def chat(client: openai.OpenAI, model: str, system: str, question: str) -> tuple
     return first, cached
 
 
+@pytest.mark.serial  # compares first-token times: on a machine of its own
 def test_a_project_gets_no_cache_hit_and_no_faster_first_token_from_another_projects_prompt(
     two_projects: GatewayProcess, tmp_path: Path
 ) -> None:

@@ -36,6 +36,7 @@ from tests.unit.fake_engine import MODEL, FakeEngine
 from tests.unit.test_batch_worker import CHAT, Rig, chat_line
 
 SEEDS = range(12)
+QUICK_SEEDS = 3  # `make test-quick` runs the first three seeds; `make test` all twelve
 BATCHES_PER_SEED = 3
 FINAL = {"completed", "failed", "expired", "cancelled"}
 COMPLETIONS, EMBEDDINGS, SCORE = "/v1/completions", "/v1/embeddings", "/v1/score"
@@ -167,7 +168,9 @@ KINDS: list[Kind] = [  # (endpoint, a line, the texts the fake engine is scripte
 ]
 
 
-@pytest.mark.parametrize("seed", SEEDS, ids=[f"seed-{s}" for s in SEEDS])
+@pytest.mark.parametrize(
+    "seed", [pytest.param(s, id=f"seed-{s}", marks=() if s < QUICK_SEEDS else pytest.mark.slow) for s in SEEDS]
+)
 async def test_every_line_ends_exactly_once_under_random_faults(tmp_path: Path, seed: int) -> None:
     """Chat, multi-part completions, embeddings and multi-part score batches, some cancelled or expired at a
     random moment and some holding a poison line (its call always breaks), under the chaos above."""

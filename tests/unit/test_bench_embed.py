@@ -11,6 +11,8 @@ import pytest
 from benchmarks import embed
 from ladle_cli.main import BENCHMARKS
 
+pytestmark = pytest.mark.slow  # embeds with the embedded model
+
 
 def test_the_command_is_registered_and_its_defaults_are_the_issues_workload() -> None:
     assert BENCHMARKS["embed"] == "benchmarks.embed"

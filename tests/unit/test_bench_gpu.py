@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import chart, gpu
 
+pytestmark = pytest.mark.slow  # a tiny CPU run of the GPU benchmark
+
 
 def test_the_nano_vllm_workload_is_seeded_and_in_range() -> None:
     workload = gpu.nano_vllm_workload(256, 100, 1024, seed=0)

@@ -9,6 +9,8 @@ import pytest
 
 from benchmarks import chart, offline
 
+pytestmark = pytest.mark.slow  # runs benchmarks on the embedded model
+
 
 def test_offline_benchmark_writes_a_complete_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "results.jsonl"

@@ -17,6 +17,8 @@ from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.loader import default_gguf_path
 from engine_server.tokenizer.chat import ChatMessage
 
+pytestmark = pytest.mark.slow  # the embedded model, and transformers' on the same file
+
 CHAT_PROMPTS = list(QUALITY_PROMPTS)  # also what `ladle bench quality` measures quantized weights on
 NUM_TOKENS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)

@@ -12,6 +12,8 @@ from engine_server.errors import ModelTemplateError, ValidationError
 from engine_server.frontend import InputProcessor, RequestTracker, core_request_id, split_core_request_id
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall, render_chat
 
+pytestmark = pytest.mark.slow  # the embedded model's offline engine
+
 VOCAB = 49152
 MAX_LEN = 2048
 

@@ -22,6 +22,8 @@ from engine_server.loader.gguf_metadata import llama3_rope_factors
 from engine_server.loader.layout import parameter_shapes
 from engine_server.tokenizer.loading import load_tokenizer
 
+pytestmark = pytest.mark.slow  # reads and converts the embedded model's GGUF
+
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -21,6 +21,8 @@ from engine_server.quantization import resolve_quantization
 from kernels import cpu_ops as cpu
 from tests.unit.runner_factories import TINY_LLAMA
 
+pytestmark = pytest.mark.slow  # quantizes and runs the embedded model
+
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # Measured on the embedded model (benchmarks/results/quality_cpu.jsonl): top-1 agreement 0.98 / 0.97 and mean

@@ -22,6 +22,8 @@ from engine_server.output.types import FinishReason
 from engine_server.structured import Constraint
 from engine_server.tokenizer.chat import ChatMessage
 
+pytestmark = pytest.mark.slow  # the embedded model under constraints
+
 PERSON = {
     "type": "object",
     "properties": {

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.output.types import FinishReason
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
 from engine_server.tools import ToolChoice, ToolChoiceMode
+
+pytestmark = pytest.mark.slow  # the embedded model with tools
 
 WEATHER = ChatTool(
     "get_weather",

@@ -24,6 +24,8 @@ from tests.unit.pooling.embedding_models import (
     save_qwen3_embedding,
 )
 
+pytestmark = pytest.mark.slow  # the embedded model and transformers' pooling
+
 TEXTS = [
     "Hello world",
     "The capital of France is Paris, a city on the Seine with many museums and bridges.",

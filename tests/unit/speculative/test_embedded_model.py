@@ -18,6 +18,8 @@ from engine_server.config import CacheConfig, EngineConfig
 from engine_server.structured import Constraint
 from engine_server.tokenizer.chat import ChatMessage
 
+pytestmark = pytest.mark.slow  # the embedded model with drafts
+
 PASSAGE = (
     "Our library opens at nine on weekdays and at ten on Saturdays. Members may borrow up to six books at a time "
     "for three weeks, and renew them twice online or at the front desk. Late returns cost twenty cents a day per "
