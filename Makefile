@@ -38,16 +38,20 @@ $(BUF):
 $(TS_DEPS): clients/typescript/package-lock.json
 	cd clients/typescript && npm ci --no-audit --no-fund >/dev/null
 
-# The gate: the suite on one xdist worker per core (at most 4; a test file stays on one worker, so its module-scoped
-# engines start once), then the tests that measure time (marked `serial`) alone. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+# The gate: the suite, then the tests that measure time (marked `serial`) alone. TEST_WORKERS=N runs the first part
+# on N xdist workers (a test file stays on one worker, so its module-scoped engines start once). It stays 0 (one
+# process) until the whole suite fits the memory of a 2-core, 24 GiB machine that way: on 2 workers one worker
+# reached 14.7 GiB and was OOM-killed, and xdist then hung instead of failing (docs/development.md).
+TEST_WORKERS ?= 0
 test: setup
 	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -m serial
 
-# The developer's loop: the unit tests that load no model, start no process and build no kernel (conftest.py).
+# The developer's loop: the unit tests that load no model, start no process and build no kernel (conftest.py), on
+# one worker per core (at most 4): they share no process, so they parallelise safely.
+QUICK_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test-quick: $(STAMP)
-	PYTHONUNBUFFERED=1 $(PY) -m pytest tests/unit -q -n $(TEST_WORKERS) -m "not slow and not serial" --durations=10
+	PYTHONUNBUFFERED=1 $(PY) -m pytest tests/unit -q -n $(QUICK_WORKERS) -m "not slow and not serial" --durations=10
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

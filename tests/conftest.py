@@ -1,8 +1,9 @@
 """Shared pytest fixtures, and how the suite is split for `make test` and `make test-quick`.
 
-`make test` runs the suite on pytest-xdist workers (one per core, at most 4) with each test file on one worker,
-then the tests marked `serial` (they measure time) alone. `make test-quick` runs what is neither `slow` nor
-`serial`: the unit tests that load no model, start no process and build no kernel.
+`make test` runs the suite but the tests marked `serial` (they measure time), then those alone; with TEST_WORKERS=N
+the first part runs on N pytest-xdist workers, each test file on one worker. `make test-quick` runs what is
+neither `slow` nor `serial` on xdist workers: the unit tests that load no model, start no process and build no
+kernel.
 """
 
 from __future__ import annotations
