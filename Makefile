@@ -40,8 +40,8 @@ $(TS_DEPS): clients/typescript/package-lock.json
 
 # The gate: the suite, then the tests that measure time (marked `serial`) alone. TEST_WORKERS=N runs the first part
 # on N xdist workers (a test file stays on one worker, so its module-scoped engines start once). It stays 0 (one
-# process) until the whole suite fits the memory of a 2-core, 24 GiB machine that way: on 2 workers one worker
-# reached 14.7 GiB and was OOM-killed, and xdist then hung instead of failing (docs/development.md).
+# process) until a clean 2-core clone passes that way: the one try so far lost a worker to the OOM killer (a test
+# since bounded) and xdist hung instead of failing (docs/development.md).
 TEST_WORKERS ?= 0
 test: setup
 	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not serial"
