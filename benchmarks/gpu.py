@@ -146,10 +146,11 @@ def hf_seconds(hf: Any, workload: Workload) -> float:
     extra: dict[str, Any] = {}
     if device == "cpu":
         # Left alone, transformers sizes its paged cache from the device's free memory, which on the CPU is the
-        # machine's: a 2-sequence smoke run took 14.6 GB. Give it the blocks this workload needs (pages of 256).
+        # machine's: a 2-sequence smoke run took 14.6 GB. Give it the blocks this workload needs.
         from transformers import ContinuousBatchingConfig
 
-        blocks = sum(-(-(len(p) + length) // 256) for p in workload.prompts) + len(workload.prompts)
+        page = ContinuousBatchingConfig().page_size
+        blocks = sum(-(-(len(p) + length) // page) for p in workload.prompts) + len(workload.prompts)
         extra["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=blocks)
     hf.generate_batch(inputs=workload.prompts[:2], generation_config=config, progress_bar=False, **extra)  # warm-up
     _sync(device)
