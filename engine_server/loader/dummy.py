@@ -32,6 +32,14 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
         attention_bias=True, bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen2.5-0.5b",
     ),
+    # Qwen2's layout (biases on q/k/v, tied head, 2 KV heads: one per rank at TP=2) at a toy size, for tests that
+    # run it end to end on the CPU, where only the plumbing and the sums matter, not the size.
+    "qwen2-tiny": ModelConfig(
+        architecture="qwen2", vocab_size=49152, hidden_size=256, intermediate_size=768,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        attention_bias=True, bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen2-tiny",
+    ),
     "llama-3.2-1b": ModelConfig(
         architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,

@@ -198,6 +198,8 @@ def test_dummy_weights_stream_with_declared_shapes(cache_dir: Path) -> None:
 def test_dummy_preset_configs() -> None:
     qwen25 = DUMMY_PRESETS["qwen2.5-0.5b"]
     assert (qwen25.hidden_size, qwen25.vocab_size, qwen25.attention_bias) == (896, 151936, True)
+    tiny = DUMMY_PRESETS["qwen2-tiny"]  # the tokenizer's whole vocabulary; 2 KV heads for TP=2
+    assert (tiny.vocab_size, tiny.num_key_value_heads, tiny.attention_bias) == (49152, 2, True)
     llama = DUMMY_PRESETS["llama-3.2-1b"]
     assert llama.rope_scaling is not None and llama.rope_scaling.factor == 32.0
     qwen3 = DUMMY_PRESETS["qwen3-0.6b"]
