@@ -1,9 +1,10 @@
 """Tensor parallelism end to end on the CPU (gloo): real engines split over worker processes, against TP=1.
 
-- gRPC: `ladle engine --tensor-parallel-size 2` on dummy:qwen2.5-0.5b (2 KV heads: one per rank) through the
-  typed client; 32 token-id prompts, greedy.
+- gRPC: `ladle engine --tensor-parallel-size 2` on dummy:qwen2-tiny (Qwen2's layout with 2 KV heads: one per
+  rank) through the typed client; 32 token-id prompts, greedy.
 - The gateway: `ladle serve --tensor-parallel-size 3` on the embedded model (3 KV heads) through the official
-  OpenAI SDK (completions of 32 token-id prompts in one call).
+  OpenAI SDK (completions of 32 token-id prompts in one call, 8 tokens each: three ranks on two cores decode
+  slowly, and a wrong shard shows from the first token).
 Each is compared with the same model at TP=1 in this process (`LLM`), float32, as tests/tp_agreement.py judges:
 sums over ranks change the float32 summation order, so a greedy continuation may flip only where the two best
 tokens nearly tie (within its NEAR_TIE_NATS); at least 95% of the prompts must be identical outright.
@@ -39,10 +40,11 @@ from tests.tp_agreement import NUM_TOKENS, assert_agree, random_prompts
 pytestmark = pytest.mark.slow
 
 EXIT_WITHIN_S = 5.0
+TP3_TOKENS = 8
 
 
-def _reference(model: str, prompts: list[list[int]]) -> list[Choice]:
-    """TP=1 in this process: greedy, with each token's top 2 log-probabilities."""
+def _tp1(model: str) -> LLM:
+    """`model` at TP=1 in this process, float32."""
     config = EngineConfig(
         model=model,
         device="cpu",
@@ -50,14 +52,18 @@ def _reference(model: str, prompts: list[list[int]]) -> list[Choice]:
         cache=CacheConfig(memory_bytes=256 << 20),
         scheduler=SchedulerConfig(max_model_len=512),
     )
-    with LLM(config=config) as llm:
-        params = llm.sampling_params(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
-        return [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
+    return LLM(config=config)
+
+
+def _reference(llm: LLM, prompts: list[list[int]], max_tokens: int = NUM_TOKENS) -> list[Choice]:
+    """Greedy, with each token's top 2 log-probabilities."""
+    params = llm.sampling_params(temperature=0.0, max_tokens=max_tokens, logprobs=True, top_logprobs=2)
+    return [result.choices[0] for result in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.mark.timeout(600)
 def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
-    model = "dummy:qwen2.5-0.5b"
+    model = "dummy:qwen2-tiny"
     prompts = random_prompts(2)
     engine = start_engine(
         tmp_path / "engine.log", "--model", model, "--quantization", "none", "--tensor-parallel-size", "2",
@@ -70,7 +76,9 @@ def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
     finally:
         assert engine.stop() == 0
     got = [[lp.token for lp in response.choices[0].logprobs] for response in responses]
-    assert_agree(got, _reference(model, prompts), f"TP=2 over gRPC, {model}")
+    with _tp1(model) as llm:
+        reference = _reference(llm, prompts)
+    assert_agree(got, reference, f"TP=2 over gRPC, {model}")
 
 
 def _generate_all(
@@ -105,7 +113,7 @@ def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
         with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
             model = client.models.list().data[0].id
             completion = client.completions.create(
-                model=model, prompt=prompts, max_tokens=NUM_TOKENS, temperature=0.0, logprobs=2
+                model=model, prompt=prompts, max_tokens=TP3_TOKENS, temperature=0.0, logprobs=2
             )
             # Pooling under TP: rank 0's final hidden states are whole (every block ends in an all-reduce).
             embedded = client.embeddings.create(model=model, input=prompts[:8])
@@ -113,9 +121,10 @@ def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
         assert gateway.stop() == 0
     choices = sorted(completion.choices, key=lambda choice: choice.index)
     got = [list(choice.logprobs.tokens or []) if choice.logprobs else [] for choice in choices]
-    assert_agree(got, _reference("default", prompts), "TP=3 through the gateway, the embedded model")
-    with LLM(config=EngineConfig(model="default", device="cpu", quantization="none")) as llm:
+    with _tp1("default") as llm:
+        reference = _reference(llm, prompts, TP3_TOKENS)
         expected = llm.embed(prompts[:8], use_tqdm=False)
+    assert_agree(got, reference, "TP=3 through the gateway, the embedded model")
     for item, vector in zip(embedded.data, expected, strict=True):
         ours = torch.tensor(item.embedding)
         assert float((ours - vector).norm() / vector.norm()) < 1e-4  # the same sums, added in another order
