@@ -4,12 +4,24 @@ fault the fuzzing provokes cannot leak into other tests (and theirs cannot hide 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
+
+
+def pytest_itemcollected(item: Any) -> None:
+    """Give each operation's schemathesis test its own node id (`test_...[POST /v1/completions]`).
+
+    schemathesis (4.32) names its items after the operation but passes no parameters to pytest 9, which builds a
+    node id from the function's name and parameters only: every operation's test then had the same id, and
+    pytest-xdist's file scheduling, which keys tests by id, ran only the first operation's (10 cases, not ~1,800)."""
+    label = getattr(item, "operation_label", None)
+    if label is not None and item._id.params is None:
+        item._id = item._id.with_params(label)
 
 
 @pytest.fixture(scope="package")
