@@ -112,6 +112,7 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
             model_type=config.architecture,
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
+            converted=source.path,
         )
         tied = config.tie_word_embeddings
         replace_linears(model, lambda name, linear: _stored_weight(stored, name, linear, tied))

@@ -7,11 +7,15 @@ d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds eleme
 Llama q/k rows are un-permuted as in the conversion. Other types (F32, F16, K-quants) are not returned.
 
 `stored_matrices` maps the file and reads nothing yet: each `StoredMatrix.read` copies out only the rows and the
-groups of 32 columns it is asked for, so a tensor-parallel rank reads only its own slice of every matrix.
+groups of 32 columns it is asked for, so a tensor-parallel rank reads only its own slice of every matrix. Where
+the tensors lie comes from the converted folder's index (`gguf_convert.TENSOR_INDEX`) when there is one, else from
+parsing the file with gguf's reader.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight
-from engine_server.loader.gguf_convert import hf_tensor_name, unpermute_rope_rows
+from engine_server.loader.gguf_convert import TENSOR_INDEX, hf_tensor_name, unpermute_rope_rows
 from kernels.reference import QUANT_GROUP
 
 _SUPPORTED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
@@ -54,25 +58,45 @@ class StoredMatrix:
         return parse_blocks(blocks, self.kind)
 
 
-def stored_matrices(gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int) -> dict[str, StoredMatrix]:
+def stored_matrices(
+    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, converted: Path | None = None
+) -> dict[str, StoredMatrix]:
     """Every Q4_0 / Q4_1 / Q8_0 2-D tensor of `gguf_path` by HF parameter name (e.g.
     `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), mapped and not read; tensors of other
-    types are absent."""
-    reader = GGUFReader(gguf_path)
+    types are absent. `converted` is the file's converted folder: its tensor index, when it has one, says where
+    the tensors lie."""
     permuted = model_type == "llama"
     matrices: dict[str, StoredMatrix] = {}
-    for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
-        if name is None or tensor.tensor_type not in _SUPPORTED or len(tensor.shape) != 2:
+    for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
+        name = hf_tensor_name(gguf_name)
+        if name is None or kind not in _SUPPORTED or data.ndim != 2:
             continue
-        blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, _BLOCK_BYTES[tensor.tensor_type])
+        blocks = data.reshape(data.shape[0], -1, _BLOCK_BYTES[kind])
         order = None
         if permuted and ".self_attn.q_proj." in name:
             order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads)
         elif permuted and ".self_attn.k_proj." in name:
             order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_kv_heads)
-        matrices[name] = StoredMatrix(blocks, tensor.tensor_type, order)
+        matrices[name] = StoredMatrix(blocks, kind, order)
     return matrices
+
+
+def _mapped_tensors(
+    gguf_path: Path, converted: Path | None
+) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
+    """(GGUF name, type, data as stored: the blocks' bytes, `[rows, bytes a row]` for a quantized matrix) of each
+    tensor of the mapped file."""
+    index = None if converted is None else converted / TENSOR_INDEX
+    if index is None or not index.is_file():
+        for tensor in GGUFReader(gguf_path).tensors:
+            yield tensor.name, tensor.tensor_type, np.asarray(tensor.data)
+        return
+    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    for entry in json.loads(index.read_text(encoding="utf-8")):
+        start = entry["offset"]
+        kind = GGMLQuantizationType(entry["type"])
+        data = mapped[start : start + entry["bytes"]]
+        yield entry["name"], kind, data.reshape(entry["shape"]) if kind in _SUPPORTED else data
 
 
 def read_quantized_weights(

@@ -15,7 +15,8 @@ from gguf.quants import dequantize, quantize
 from benchmarks.quality import measure
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.loader import ModelSource, default_gguf_path, resolve_model
-from engine_server.loader.gguf_quant import parse_blocks, read_quantized_weights
+from engine_server.loader.gguf_convert import TENSOR_INDEX
+from engine_server.loader.gguf_quant import parse_blocks, read_quantized_weights, stored_matrices
 from engine_server.loader.source import iter_safetensors
 from engine_server.quantization import resolve_quantization
 from kernels import cpu_ops as cpu
@@ -93,6 +94,25 @@ def test_embedded_model_blocks_equal_its_converted_float_weights() -> None:
     assert len(stored) == 7 * config.num_hidden_layers + 1  # every projection (Q4_1) and the embedding (Q8_0)
     for name, weight in stored.items():  # q/k rows un-permuted as in the conversion, every value equal
         assert torch.equal(weight.dequantize(), converted[name]), name
+
+
+def test_the_converted_folders_tensor_index_maps_the_blocks_the_file_parse_finds() -> None:
+    """An engine maps the GGUF blocks through its converted folder's index, without parsing the file's metadata
+    again: the very matrices, rows and row orders that gguf's reader gives."""
+    embedded = resolve_model("default")
+    assert embedded.gguf_path is not None and (embedded.path / TENSOR_INDEX).is_file()
+    shape = {"model_type": "llama", "num_heads": embedded.config.num_attention_heads,
+             "num_kv_heads": embedded.config.num_key_value_heads}  # fmt: skip
+    parsed = stored_matrices(embedded.gguf_path, **shape)  # type: ignore[arg-type]
+    indexed = stored_matrices(embedded.gguf_path, converted=embedded.path, **shape)  # type: ignore[arg-type]
+    assert indexed.keys() == parsed.keys() and len(parsed) == 7 * embedded.config.num_hidden_layers + 1
+    for name, matrix in parsed.items():
+        other = indexed[name]
+        assert other.kind == matrix.kind and np.array_equal(other.blocks, matrix.blocks), name
+        if matrix.row_order is None:
+            assert other.row_order is None, name
+        else:
+            assert other.row_order is not None and np.array_equal(other.row_order, matrix.row_order), name
 
 
 @needs_kernels
