@@ -89,23 +89,42 @@ def greedy_sequences(llm: LLM, prompts: Sequence[str], num_tokens: int) -> tuple
 def sequence_logits(llm: LLM, token_ids: list[int], prefill: int | None = None) -> torch.Tensor:
     """Float32 logits `[T, vocab]` of one sequence read by `llm`'s model: the first `prefill` tokens (all when
     None) in one prefill step, then one decode step per token, as a served request reads its prompt and then its
-    own tokens (a quantized model's decode steps take other kernels than its prefills). The KV blocks are taken
-    from the engine's pool and given back unpublished, so its prefix cache is left as it was (blocks it holds are
-    never written)."""
+    own tokens (a quantized model's decode steps take other kernels than its prefills)."""
+    return batch_sequence_logits(llm, [token_ids], [len(token_ids) if prefill is None else prefill])[0]
+
+
+def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Sequence[int]) -> list[torch.Tensor]:
+    """`sequence_logits` of many sequences read together, as the engine batches requests: every sequence's first
+    `prefills[i]` tokens in one prefill step, then one decode step per position with a row for each sequence that
+    still has a token to read. The engine's kernels give a row the same result whatever its batch (the quantized
+    ones bit for bit: tests/unit/kernels/test_cpu_ops.py), so this is what reading each alone gives, in far fewer
+    forwards. The KV blocks are taken from the engine's pool and given back unpublished, so its prefix cache is
+    left as it was (blocks it holds are never written)."""
     runner = llm.core.runner
     pool = llm.core.scheduler.kv_cache.pool
-    count = len(token_ids)
-    prefill = count if prefill is None else prefill
-    table = pool.allocate(-(-count // runner.block_size))
+    tables: list[list[int]] = []
     try:
-        meta = AttentionMetadata.build([prefill], [prefill], [table], runner.block_size, "cpu")
-        rows = [runner.forward_logits(torch.tensor(token_ids[:prefill]), torch.arange(prefill), meta)]
-        for position in range(prefill, count):
-            meta = AttentionMetadata.build([1], [position + 1], [table], runner.block_size, "cpu")
-            rows.append(runner.forward_logits(torch.tensor([token_ids[position]]), torch.tensor([position]), meta))
+        for ids in sequences:
+            tables.append(pool.allocate(-(-len(ids) // runner.block_size)))
+        prefill_ids = [torch.tensor(ids[:count]) for ids, count in zip(sequences, prefills, strict=True)]
+        meta = AttentionMetadata.build(list(prefills), list(prefills), tables, runner.block_size, "cpu")
+        positions = torch.cat([torch.arange(count) for count in prefills])
+        logits = runner.forward_logits(torch.cat(prefill_ids), positions, meta)
+        rows = [[part] for part in logits.split(list(prefills))]
+        lengths = [len(ids) for ids in sequences]
+        for step in range(max(length - count for length, count in zip(lengths, prefills, strict=True))):
+            live = [i for i, count in enumerate(prefills) if count + step < lengths[i]]
+            at = [prefills[i] + step for i in live]
+            meta = AttentionMetadata.build([1] * len(live), [p + 1 for p in at], [tables[i] for i in live],
+                                           runner.block_size, "cpu")  # fmt: skip
+            tokens = torch.tensor([sequences[i][p] for i, p in zip(live, at, strict=True)])
+            step_logits = runner.forward_logits(tokens, torch.tensor(at), meta)
+            for row, i in enumerate(live):
+                rows[i].append(step_logits[row : row + 1])
     finally:
-        pool.free(table)
-    return torch.cat(rows)
+        for table in tables:
+            pool.free(table)
+    return [torch.cat(parts) for parts in rows]
 
 
 def compare(
@@ -115,11 +134,12 @@ def compare(
     """`candidate` against `reference` on `sequences` (the reference's greedy continuations of `prompts`)."""
     agree = positions = 0
     kls: list[float] = []
-    for prompt_ids, continuation in zip(*sequences, strict=True):
-        ids = prompt_ids + continuation
+    full = [prompt_ids + continuation for prompt_ids, continuation in zip(*sequences, strict=True)]
+    read = batch_sequence_logits(candidate, full, [len(prompt_ids) for prompt_ids in sequences[0]])
+    for prompt_ids, ids, candidate_logits in zip(sequences[0], full, read, strict=True):
         start = len(prompt_ids) - 1  # the logits that predict each continuation token
         ref = torch.log_softmax(sequence_logits(reference, ids)[start:-1], dim=-1)
-        got = torch.log_softmax(sequence_logits(candidate, ids, prefill=len(prompt_ids))[start:-1], dim=-1)
+        got = torch.log_softmax(candidate_logits[start:-1], dim=-1)
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         positions += ref.shape[0]
         kls.extend((ref.exp() * (ref - got)).sum(-1).tolist())
