@@ -2,9 +2,9 @@
 
 Both take and return the generated ladle.v1 messages unchanged and add what every caller needs: a deadline on
 every call (`timeout`, seconds; None for none), keepalive pings that hold an idle channel open, message limits
-that fit the longest context, and a service config that retries UNAVAILABLE (engine loading, draining or
-restarting) with backoff. gRPC retries a call only until the server has started to respond, so a retried
-Stream or Batch never repeats output the caller has already seen.
+that fit the longest context, reconnection within about a second of an engine's return, and a service config
+that retries UNAVAILABLE (engine loading, draining or restarting) with backoff. gRPC retries a call only until
+the server has started to respond, so a retried Stream or Batch never repeats output the caller has already seen.
 
     with EngineClient("127.0.0.1:50051") as client:
         client.wait_until_serving(timeout=120)
@@ -35,6 +35,10 @@ SERVICE = "ladle.v1.EngineService"
 DEFAULT_TIMEOUT_S = 600.0
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # matches the engine's limit
 KEEPALIVE_MS = 30_000  # the engine permits client pings every 20 s or more
+# gRPC waits up to 120 s (growing 1.6x from 1 s) between attempts to reconnect to an address that refused it,
+# and a call in between fails at once: a restarted engine stayed unseen by the gateway's 1 s health polls for
+# 9 to 20 s in the e2e tests. An engine that comes back is tried again within about a second.
+MAX_RECONNECT_BACKOFF_MS = 1_000
 
 # Retries apply before the server responds (gRPC never retries a committed call), so they are safe for
 # every method, including the streams.
@@ -69,6 +73,7 @@ def channel_options(
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
