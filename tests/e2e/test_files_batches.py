@@ -10,6 +10,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,38 @@ def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: 
         if time.monotonic() > deadline:
             raise TimeoutError(f"batch {batch_id} not in {statuses} after {timeout} s")
         time.sleep(0.2)
+
+
+def wait_for_completed(client: openai.OpenAI, batch_id: str, lines: int, timeout: float = 240) -> None:
+    """Wait until at least `lines` of the batch have committed results (the batch is then well under way)."""
+    deadline = time.monotonic() + timeout
+    while (done := client.batches.retrieve(batch_id).request_counts.completed) < lines:
+        assert time.monotonic() < deadline, f"batch {batch_id}: {done} lines completed after {timeout} s"
+        time.sleep(0.1)
+
+
+def wait_for_log(process: GatewayProcess, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in process.log():
+        assert time.monotonic() < deadline, f"{text!r} not in {process.log_path} after {timeout} s"
+        time.sleep(0.1)
+
+
+def start_engine_and_gateway(tmp: Path, engine_flags: tuple[str, ...], *gateway_flags: str
+                             ) -> tuple[EngineProcess, GatewayProcess]:
+    """An engine on the port `engine_flags` name and a gateway in front of it, started side by side (the
+    gateway is healthy once the engine serves)."""
+    port = engine_flags[engine_flags.index("--port") + 1]
+    with ThreadPoolExecutor(2) as pool:
+        engine = pool.submit(start_engine, tmp / "engine1.log", *engine_flags)
+        gateway = pool.submit(start_gateway, tmp / "gateway.log", f"127.0.0.1:{port}", *gateway_flags)
+    error = engine.exception() or gateway.exception()
+    if error is None:
+        return engine.result(), gateway.result()
+    for started in (engine, gateway):  # one failed to start: stop the other, then raise
+        if started.exception() is None:
+            started.result().stop()
+    raise error
 
 
 def result_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -385,7 +418,7 @@ def test_cancel_a_long_batch(client: openai.OpenAI, model_id: str, tmp_path: Pat
     batch = client.batches.create(input_file_id=upload(client, tmp_path, items), endpoint=CHAT,
                                   completion_window="24h")
     wait_for(client, batch.id, {"in_progress"}, timeout=60)
-    time.sleep(10)
+    wait_for_completed(client, batch.id, 10)  # well under way: lines done, a window of them in flight
     cancelling = client.batches.cancel(batch.id)
     asked = time.monotonic()
     assert cancelling.status in ("cancelling", "cancelled")
@@ -402,13 +435,16 @@ def test_cancel_a_long_batch(client: openai.OpenAI, model_id: str, tmp_path: Pat
 # -- crashes -------------------------------------------------------------------------------------------------
 
 
-def crash_batch(client: openai.OpenAI, model: str, tmp: Path, n: int = 300) -> str:
+CRASH_LINES = 120  # the crash comes after 30 of them: dozens are then in flight and dozens more not yet read
+
+
+def crash_batch(client: openai.OpenAI, model: str, tmp: Path, n: int = CRASH_LINES) -> str:
     items = [line(f"crash-{i}", chat_body(model, i, 6)) for i in range(n)]
     return client.batches.create(input_file_id=upload(client, tmp, items), endpoint=CHAT,
                                  completion_window="24h").id
 
 
-def assert_each_line_once(client: openai.OpenAI, batch_id: str, n: int = 300) -> None:
+def assert_each_line_once(client: openai.OpenAI, batch_id: str, n: int = CRASH_LINES) -> None:
     batch = wait_for(client, batch_id, FINAL, timeout=300)
     assert batch.status == "completed"
     seen = Counter(r["custom_id"] for r in result_lines(client, batch.output_file_id))
@@ -423,8 +459,7 @@ def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, tmp_pa
     first = start_gateway(tmp_path / "first.log", engine.address, *flags)
     client = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0, timeout=60)
     batch_id = crash_batch(client, model_id, tmp_path)
-    while client.batches.retrieve(batch_id).request_counts.completed < 30:
-        time.sleep(0.1)
+    wait_for_completed(client, batch_id, 30)
     os.kill(first.process.pid, signal.SIGKILL)
     first.process.wait()
     second = start_gateway(tmp_path / "second.log", engine.address, *flags)
@@ -438,21 +473,18 @@ def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, tmp_pa
 
 def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
     """The engine dies and comes back: lines in flight are sent again, and each lands once."""
-    port = free_port()
-    engine = start_engine(tmp_path / "engine1.log", "--port", str(port), "--max-num-seqs", "16")
-    gateway = start_gateway(tmp_path / "gateway.log", engine.address, *backend(), "--data-dir", str(tmp_path / "data"))
+    flags = ("--port", str(free_port()), "--max-num-seqs", "16")
+    engine, gateway = start_engine_and_gateway(tmp_path, flags, *backend(), "--data-dir", str(tmp_path / "data"))
     try:
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
         batch_id = crash_batch(client, client.models.list().data[0].id, tmp_path)
-        while client.batches.retrieve(batch_id).request_counts.completed < 30:
-            time.sleep(0.1)
+        wait_for_completed(client, batch_id, 30)
         os.kill(engine.process.pid, signal.SIGKILL)
         engine.process.wait()
-        time.sleep(2)  # the batch waits, with lines in flight lost, while no engine serves
-        assert client.batches.retrieve(batch_id).status == "in_progress"
-        engine = start_engine(tmp_path / "engine2.log", "--port", str(port), "--max-num-seqs", "16")
+        wait_for_log(gateway, "batch call failed; sending its lines again")  # the lines in flight are lost
+        assert client.batches.retrieve(batch_id).status == "in_progress"  # and the batch waits for an engine
+        engine = start_engine(tmp_path / "engine2.log", *flags)
         assert_each_line_once(client, batch_id)
-        assert "batch call failed; sending its lines again" in gateway.log()
     finally:
         assert gateway.stop() == 0
         engine.stop()
@@ -461,11 +493,9 @@ def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
 def test_a_draining_engines_aborted_lines_run_again(tmp_path: Path) -> None:
     """SIGTERM with a short shutdown timeout: the engine aborts the lines it still runs (finish reason ABORT).
     Those are not results: they run again on the restarted engine, and no output line says "abort"."""
-    port = free_port()
-    flags = ("--port", str(port), "--max-num-seqs", "8", "--shutdown-timeout", "0.2")
-    engine = start_engine(tmp_path / "engine1.log", *flags)
-    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--data-dir", str(tmp_path / "data"))
-    n = 40
+    flags = ("--port", str(free_port()), "--max-num-seqs", "8", "--shutdown-timeout", "0.2")
+    engine, gateway = start_engine_and_gateway(tmp_path, flags, "--data-dir", str(tmp_path / "data"))
+    n = 24  # 3 rounds of 8: some done before the drain, 8 running when it aborts them, more still unread
     try:
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
@@ -494,15 +524,16 @@ def test_two_gateways_on_postgresql_share_files_and_batches(engine: EngineProces
     and when the one running a batch is killed, the other resumes it (after the lease) to every line once."""
     flags = ["--database-url", postgres.new_database(), "--data-dir", str(tmp_path / "shared"),
              "--batch-lease", "3"]
-    gateways = [start_gateway(tmp_path / f"replica-{i}.log", engine.address, *flags) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        gateways = list(pool.map(lambda i: start_gateway(tmp_path / f"replica-{i}.log", engine.address, *flags),
+                                 range(2)))
     clients = [openai.OpenAI(base_url=g.base_url, api_key="unused", max_retries=0, timeout=60) for g in gateways]
     try:
         file_id = upload(clients[0], tmp_path, [line("x", chat_body(model_id, 0))])
         assert clients[1].files.retrieve(file_id).id == file_id
         assert clients[1].files.content(file_id).read() == clients[0].files.content(file_id).read()
         batch_id = crash_batch(clients[1], model_id, tmp_path)
-        while clients[0].batches.retrieve(batch_id).request_counts.completed < 30:
-            time.sleep(0.1)
+        wait_for_completed(clients[0], batch_id, 30)
         runner = next(i for i, g in enumerate(gateways) if "batch claimed" in g.log())
         os.kill(gateways[runner].process.pid, signal.SIGKILL)
         gateways[runner].process.wait()
