@@ -37,27 +37,38 @@ def hf_model() -> Any:
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-def _hf_greedy(model: Any, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """Plain greedy decoding with transformers' KV cache: argmax of each step's logits, nothing else."""
+def _hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Plain greedy decoding with transformers' KV cache, every prompt in one batch: argmax of each step's logits,
+    nothing else. The prompts are left-padded, masked out and given their own positions (0 at each prompt's first
+    token), so each row computes what it would alone; only float32 summation order can differ from a batch of one,
+    by ~1e-6 relative, which moves an argmax only at an exact near-tie (one prompt is also decoded alone below)."""
     from transformers import DynamicCache
 
+    width = max(map(len, prompts))
+    step_input = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    tokens: list[int] = []
-    step_input = torch.tensor([prompt_ids])
+    steps: list[torch.Tensor] = []
     with torch.inference_mode():
         for _ in range(num_tokens):
-            logits = model(input_ids=step_input, past_key_values=cache, use_cache=True).logits[0, -1]
-            tokens.append(int(logits.argmax()))
-            step_input = torch.tensor([[tokens[-1]]])
-    return tokens
+            logits = model(
+                input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
+            steps.append(logits.argmax(-1))
+            step_input, positions = steps[-1][:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+    return torch.stack(steps, dim=1).tolist()
 
 
 def test_greedy_matches_transformers_token_for_token(llm: LLM, hf_model: Any) -> None:
     results = llm.generate([_chat(p) for p in CHAT_PROMPTS], GREEDY, use_tqdm=False)
+    prompts = [result.prompt_token_ids for result in results]
+    theirs_batched = _hf_greedy(hf_model, prompts, NUM_TOKENS)
+    assert _hf_greedy(hf_model, prompts[:1], NUM_TOKENS) == theirs_batched[:1]  # padding changed nothing
     mismatches = []
-    for prompt, result in zip(CHAT_PROMPTS, results, strict=True):
+    for prompt, result, theirs in zip(CHAT_PROMPTS, results, theirs_batched, strict=True):
         ours = result.choices[0].token_ids
-        theirs = _hf_greedy(hf_model, result.prompt_token_ids, NUM_TOKENS)
         if ours != theirs:
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
             mismatches.append(f"{prompt!r}: first difference at token {first}")
