@@ -61,6 +61,15 @@ def _split(async_scheduling: bool | None = None, max_cuda_graph_batch: int = 512
     return LLM(config=config, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def tp3_greedy() -> list[list[int]]:
+    """CHATS' greedy tokens at TP=3 with the default quantization, launching each step after the last one is
+    collected (no async scheduling, no speculation, no graphs): what each variant below must give token for token.
+    Computed once for the module (an engine opened and closed), as every variant's baseline."""
+    with _split(async_scheduling=False) as plain:
+        return _tokens(plain, CHATS)
+
+
 @needs_kernels
 @pytest.mark.timeout(600)
 def test_quantized_weights_under_tp3_hold_the_quality_thresholds_and_are_batch_invariant(llm: Any) -> None:
@@ -84,38 +93,35 @@ def test_quantized_weights_under_tp3_hold_the_quality_thresholds_and_are_batch_i
     [NGRAM, {"method": "draft_model", "model": "default", "num_speculative_tokens": 4, "adaptive": False}],
     ids=["ngram", "draft_model"],
 )
-def test_speculative_decoding_under_tp3_keeps_greedy_output_token_for_token(speculative: dict[str, Any]) -> None:
+def test_speculative_decoding_under_tp3_keeps_greedy_output_token_for_token(
+    speculative: dict[str, Any], tp3_greedy: list[list[int]]
+) -> None:
     """The quantized kernels give a token the same bits whatever its batch, so verifying drafts in one forward
     computes what decoding them one by one does: the output must equal TP=3's without speculation exactly. A draft
     model lives on rank 0 only (engine_server.model_loading)."""
-    with _split() as plain:
-        expected = _tokens(plain, CHATS)
     with _split(speculative_config=speculative) as speculating:
-        assert _tokens(speculating, CHATS) == expected
+        assert _tokens(speculating, CHATS) == tp3_greedy
         stats = speculating.core.speculator.stats  # type: ignore[union-attr]
         assert stats.accepted_tokens >= 10  # the copying prompts did keep drafts
 
 
 @needs_kernels
 @pytest.mark.timeout(600)
-def test_async_scheduling_under_tp3_keeps_greedy_output_token_for_token() -> None:
+def test_async_scheduling_under_tp3_keeps_greedy_output_token_for_token(tp3_greedy: list[list[int]]) -> None:
     """Launching step N+1 before collecting step N: its input tokens are still the last launch's (pending), and
     reach the workers as rows and values apart (engine_server.parallel.step_channel)."""
-    with _split(async_scheduling=False) as plain:
-        expected = _tokens(plain, CHATS)
     with _split(async_scheduling=True) as ahead:
         assert ahead.core.async_scheduling
-        assert _tokens(ahead, CHATS) == expected
+        assert _tokens(ahead, CHATS) == tp3_greedy
 
 
 @needs_kernels
 @pytest.mark.timeout(600)
-def test_decode_graphs_under_tp3_replay_on_every_rank_token_for_token() -> None:
+def test_decode_graphs_under_tp3_replay_on_every_rank_token_for_token(tp3_greedy: list[list[int]]) -> None:
     """Every rank records the decode graphs (here the eager stand-in, which runs the same padded static buffers)
     and replays its own of the bucket rank 0 names (DECODE_GRAPH): with async scheduling, whose pending tokens
     reach the workers' graphs too, greedy output equals the eager steps' token for token."""
-    with _split(async_scheduling=True) as plain:
-        expected = _tokens(plain, CHATS)
+    expected = tp3_greedy
     with _split(async_scheduling=True, max_cuda_graph_batch=8) as graphed:
         graphs = graphed.core.runner.capture_decode_graphs(EagerCapture())
         assert graphs.sizes == [1, 2, 4, 8]
