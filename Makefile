@@ -38,16 +38,16 @@ $(BUF):
 $(TS_DEPS): clients/typescript/package-lock.json
 	cd clients/typescript && npm ci --no-audit --no-fund >/dev/null
 
-# The gate: the suite on TEST_WORKERS pytest-xdist workers (a test file stays on one worker, so its module-scoped
-# engines start once; tests/conftest.py hands the longest files out first), then the tests that measure time
-# (marked `serial`) alone. One worker per core, at most 4 and one per 10 GiB of memory (a worker with the engines,
-# gateways and databases its tests start peaks near 8 GiB); TEST_WORKERS=0 runs it all in this process. A crashed
-# worker ends the run (--max-worker-restart 0) instead of being replaced.
+# The gate: the suite on TEST_WORKERS pytest-xdist workers, then the tests that measure time (marked `serial`) alone.
+# A test file stays on one worker (its module-scoped engines start once); files go out longest first, as
+# tests/conftest.py orders them (--no-loadscope-reorder: xdist's own order, most tests first, left the slow
+# end-to-end files for last); a crashed worker ends the run instead of being replaced. One worker per core, at most
+# 4 and one per 10 GiB (a worker and the processes its tests start peak near 8 GiB); TEST_WORKERS=0: one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); m=$$(awk '/MemTotal/ {print int($$2 / 10485760)}' /proc/meminfo 2>/dev/null || echo 1); \
 	[ $$n -gt 4 ] && n=4; [ $$n -gt $$m ] && n=$$m; [ $$n -lt 1 ] && n=1; echo $$n)
 test: setup
-	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --max-worker-restart 0 \
-		-m "not serial"
+	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--max-worker-restart 0 -m "not serial"
 	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -m serial
 
 # The developer's loop: the unit tests that load no model, start no process and build no kernel (conftest.py), on

@@ -32,15 +32,17 @@ SLOW_FOLDERS = tuple(
 )
 
 
-# The files that take longest (seconds with two workers, measured with --durations), longest first. On xdist workers
-# they are handed out first: a long file that starts last keeps one worker busy while the other has nothing left.
+# The files that take longest (measured with --durations on two workers), longest first. On xdist workers they are
+# handed out first (`make test` passes --no-loadscope-reorder, so xdist keeps this order): a long file that starts
+# last keeps one worker busy while the others have nothing left.
 LONGEST_FIRST = tuple(
     TESTS / name
     for name in (
-        "e2e/test_files_batches.py", "unit/parallel/test_tp_engine.py", "unit/test_engine_exact.py",
-        "e2e/test_tensor_parallel.py", "e2e/test_multi_engine.py", "unit/test_structured_engine.py",
-        "e2e/test_serve.py", "e2e/test_batch_pressure.py", "e2e/test_load_balancer.py", "faults/test_disconnects.py",
-        "unit/test_quantization.py", "unit/test_batch_invariant.py",
+        "unit/test_engine_exact.py", "unit/parallel/test_tp_engine.py", "e2e/test_files_batches.py",
+        "e2e/test_multi_engine.py", "unit/test_quantization.py", "e2e/test_tensor_parallel.py",
+        "unit/test_structured_engine.py", "unit/speculative/test_embedded_model.py", "e2e/test_batch_pressure.py",
+        "e2e/test_serve.py", "e2e/test_load_balancer.py", "faults/test_disconnects.py", "faults/test_restarts.py",
+        "unit/parallel/test_sharded_quantized.py", "unit/test_batch_invariant.py", "unit/parallel/test_tp_model.py",
     )
 )  # fmt: skip
 
