@@ -69,7 +69,7 @@ def stored_matrices(
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
         name = hf_tensor_name(gguf_name)
-        if name is None or kind not in _SUPPORTED or data.ndim != 2:
+        if name is None or data.ndim != 2:
             continue
         blocks = data.reshape(data.shape[0], -1, _BLOCK_BYTES[kind])
         order = None
@@ -84,19 +84,19 @@ def stored_matrices(
 def _mapped_tensors(
     gguf_path: Path, converted: Path | None
 ) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
-    """(GGUF name, type, data as stored: the blocks' bytes, `[rows, bytes a row]` for a quantized matrix) of each
-    tensor of the mapped file."""
+    """(GGUF name, type, blocks' bytes `[rows..., bytes a row]`) of each Q4_0 / Q4_1 / Q8_0 tensor of the mapped
+    file."""
     index = None if converted is None else converted / TENSOR_INDEX
     if index is None or not index.is_file():
-        for tensor in GGUFReader(gguf_path).tensors:
-            yield tensor.name, tensor.tensor_type, np.asarray(tensor.data)
-        return
+        parsed = GGUFReader(gguf_path).tensors
+        tensors = [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.data.shape) for t in parsed]
+    else:
+        entries = json.loads(index.read_text(encoding="utf-8"))
+        tensors = [(e["name"], GGMLQuantizationType(e["type"]), e["offset"], e["bytes"], e["shape"]) for e in entries]
     mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    for entry in json.loads(index.read_text(encoding="utf-8")):
-        start = entry["offset"]
-        kind = GGMLQuantizationType(entry["type"])
-        data = mapped[start : start + entry["bytes"]]
-        yield entry["name"], kind, data.reshape(entry["shape"]) if kind in _SUPPORTED else data
+    for name, kind, start, size, shape in tensors:
+        if kind in _SUPPORTED:
+            yield name, kind, mapped[start : start + size].reshape(shape)
 
 
 def read_quantized_weights(
