@@ -45,16 +45,22 @@ $(TS_DEPS): clients/typescript/package-lock.json
 # 4 and one per 10 GiB (a worker and the processes its tests start peak near 8 GiB); TEST_WORKERS=0: one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); m=$$(awk '/MemTotal/ {print int($$2 / 10485760)}' /proc/meminfo 2>/dev/null || echo 1); \
 	[ $$n -gt 4 ] && n=4; [ $$n -gt $$m ] && n=$$m; [ $$n -lt 1 ] && n=1; echo $$n)
+# Bytecode is cached (PYTHONDONTWRITEBYTECODE emptied, if the environment set it): every worker, engine and gateway
+# the suite starts imports the project's modules, and pytest caches its assertion-rewritten test modules only so
+# (collection alone took 36 s of CPU per worker without). The serial part collects only the files that mark a test
+# `serial` (collecting the whole suite to run those took ~30 s).
+TEST_ENV := PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=
 test: setup
-	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	$(TEST_ENV) $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--max-worker-restart 0 -m "not serial"
-	PYTHONUNBUFFERED=1 $(PY) -m pytest tests -q -ra -m serial
+	serial=$$(grep -rlE --include='test_*.py' 'mark\.serial' tests); \
+		$(TEST_ENV) $(PY) -m pytest $${serial:-tests} -q -ra -m serial
 
 # The developer's loop: the unit tests that load no model, start no process and build no kernel (conftest.py), on
 # one worker per core (at most 4): they share no process, so they parallelise safely.
 QUICK_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test-quick: $(STAMP)
-	PYTHONUNBUFFERED=1 $(PY) -m pytest tests/unit -q -n $(QUICK_WORKERS) -m "not slow and not serial" --durations=10
+	$(TEST_ENV) $(PY) -m pytest tests/unit -q -n $(QUICK_WORKERS) -m "not slow and not serial" --durations=10
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -127,19 +127,28 @@ def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Se
     return [torch.cat(parts) for parts in rows]
 
 
+def reference_log_probs(reference: LLM, sequences: tuple[list[list[int]], list[list[int]]]) -> list[torch.Tensor]:
+    """The reference's next-token log-probabilities `[num_tokens, vocab]` at each continuation position of
+    `sequences` (its own greedy continuations), every whole sequence read in one prefill step: computed once and
+    compared with every format."""
+    full = [prompt_ids + continuation for prompt_ids, continuation in zip(*sequences, strict=True)]
+    logits = batch_sequence_logits(reference, full, [len(ids) for ids in full])
+    starts = [len(prompt_ids) - 1 for prompt_ids in sequences[0]]  # the logits that predict each continuation token
+    return [torch.log_softmax(rows[start:-1], dim=-1) for rows, start in zip(logits, starts, strict=True)]
+
+
 def compare(
-    reference: LLM, candidate: LLM, name: str, prompts: Sequence[str], num_tokens: int,
+    reference: list[torch.Tensor], candidate: LLM, name: str, prompts: Sequence[str], num_tokens: int,
     sequences: tuple[list[list[int]], list[list[int]]],
 ) -> QualityResult:  # fmt: skip
-    """`candidate` against `reference` on `sequences` (the reference's greedy continuations of `prompts`)."""
+    """`candidate` against the reference's log-probabilities (`reference_log_probs`) on `sequences` (the
+    reference's greedy continuations of `prompts`)."""
     agree = positions = 0
     kls: list[float] = []
     full = [prompt_ids + continuation for prompt_ids, continuation in zip(*sequences, strict=True)]
     read = batch_sequence_logits(candidate, full, [len(prompt_ids) for prompt_ids in sequences[0]])
-    for prompt_ids, ids, candidate_logits in zip(sequences[0], full, read, strict=True):
-        start = len(prompt_ids) - 1  # the logits that predict each continuation token
-        ref = torch.log_softmax(sequence_logits(reference, ids)[start:-1], dim=-1)
-        got = torch.log_softmax(candidate_logits[start:-1], dim=-1)
+    for prompt_ids, ref, candidate_logits in zip(sequences[0], reference, read, strict=True):
+        got = torch.log_softmax(candidate_logits[len(prompt_ids) - 1 : -1], dim=-1)
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         positions += ref.shape[0]
         kls.extend((ref.exp() * (ref - got)).sum(-1).tolist())
@@ -164,10 +173,11 @@ def measure(
     here when None)."""
     reference = reference or make_llm(model, "none")
     sequences = greedy_sequences(reference, prompts, num_tokens)
+    log_probs = reference_log_probs(reference, sequences)
     results = []
     for name in formats:
         with make_llm(model, name, tensor_parallel_size) as candidate:
-            results.append(compare(reference, candidate, name, prompts, num_tokens, sequences))
+            results.append(compare(log_probs, candidate, name, prompts, num_tokens, sequences))
     return results
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, sequence_logits
+from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, reference_log_probs, sequence_logits
 from engine_server import ChatPrompt
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.cuda_graphs import EagerCapture
@@ -75,9 +75,10 @@ def tp3_greedy() -> list[list[int]]:
 def test_quantized_weights_under_tp3_hold_the_quality_thresholds_and_are_batch_invariant(llm: Any) -> None:
     num_tokens = 64
     sequences = greedy_sequences(llm, QUALITY_PROMPTS, num_tokens)
+    reference = reference_log_probs(llm, sequences)
     with _split() as split:
         assert split.core.runner.quantization == "gguf"
-        result = compare(llm, split, "gguf", QUALITY_PROMPTS, num_tokens, sequences)
+        result = compare(reference, split, "gguf", QUALITY_PROMPTS, num_tokens, sequences)
         assert result.positions == 16 * num_tokens
         assert result.top1_agreement >= MIN_TOP1_AGREEMENT, result
         assert result.mean_kl <= MAX_MEAN_KL, result
