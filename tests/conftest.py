@@ -47,14 +47,18 @@ LONGEST_FIRST = tuple(
 )  # fmt: skip
 
 
+MODEL_FIXTURES = {"llm", "served_llm"}  # the session engines on the embedded model (below)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark `slow` every test in a slow folder, and every test that uses the session's `llm` (the embedded
-    model); a module that loads a model itself says so with `pytestmark = pytest.mark.slow`. On an xdist worker,
-    put LONGEST_FIRST's files first (a stable sort: each file's tests stay together and in order, and every
-    worker collects the same order, as xdist requires)."""
+    """Mark `slow` every test in a slow folder, and every test that uses a session engine on the embedded model
+    (`MODEL_FIXTURES`); a module that loads a model itself says so with `pytestmark = pytest.mark.slow`. On an
+    xdist worker, put LONGEST_FIRST's files first (a stable sort: each file's tests stay together and in order,
+    and every worker collects the same order, as xdist requires)."""
     for item in items:
         path = Path(str(item.path))
-        if any(path.is_relative_to(folder) for folder in SLOW_FOLDERS) or "llm" in getattr(item, "fixturenames", ()):
+        in_slow_folder = any(path.is_relative_to(folder) for folder in SLOW_FOLDERS)
+        if in_slow_folder or MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
@@ -86,6 +90,22 @@ def llm() -> Any:
 
     return LLM(
         config=EngineConfig(device="cpu", quantization="none", cache=CacheConfig(memory_bytes=512 * 1024**2)),
+        grammar_config=GrammarCompilerConfig(timeout_s=120.0),
+    )
+
+
+@pytest.fixture(scope="session")
+def served_llm() -> Any:
+    """The offline engine on the embedded model as `ladle serve` runs it by default (`--quantization auto`: the
+    GGUF's own quantized blocks on the C++ kernels, batch-invariant bit for bit), loaded once per session. For
+    tests of what the engine does around the model (constraints, tools): its greedy decoding takes a third of the
+    float path's CPU. Grammars get 120 s to compile, as `llm`'s do."""
+    from engine_server import LLM
+    from engine_server.config import CacheConfig, EngineConfig
+    from engine_server.structured.compiler import GrammarCompilerConfig
+
+    return LLM(
+        config=EngineConfig(device="cpu", quantization="auto", cache=CacheConfig(memory_bytes=512 * 1024**2)),
         grammar_config=GrammarCompilerConfig(timeout_s=120.0),
     )
 

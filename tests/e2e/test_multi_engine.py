@@ -87,13 +87,13 @@ def by_engine(counts: Counter[tuple[str, str]]) -> Counter[str]:
 
 def test_distinct_prefixes_spread_and_a_shared_prefix_stays_on_one_engine(pair: Pair) -> None:
     before = routed(pair)
-    prompts = [f"Visitor {i} of {i * 7919 % 1000} asks: {SYSTEM[:300]}" for i in range(200)]
+    prompts = [f"Visitor {i} of {i * 7919 % 1000} asks: {SYSTEM[:300]}" for i in range(100)]  # a chunk each
     with ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(lambda p: chat(pair, p), prompts))
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200][:3]
     spread = by_engine(routed(pair) - before)
-    assert sum(spread.values()) == 200
-    assert min(spread[pair.address(0)], spread[pair.address(1)]) >= 60, spread  # each at least 30%
+    assert sum(spread.values()) == 100
+    assert min(spread[pair.address(0)], spread[pair.address(1)]) >= 30, spread  # each at least 30%
 
     before = routed(pair)
     cached = []

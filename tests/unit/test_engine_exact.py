@@ -14,10 +14,10 @@ import torch
 from benchmarks.quality import QUALITY_PROMPTS
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine_server.loader import default_gguf_path
+from engine_server.loader import resolve_model
 from engine_server.tokenizer.chat import ChatMessage
 
-pytestmark = pytest.mark.slow  # the embedded model, and transformers' on the same file
+pytestmark = pytest.mark.slow  # the embedded model, and transformers' on the same weights
 
 CHAT_PROMPTS = list(QUALITY_PROMPTS)  # also what `ladle bench quality` measures quantized weights on
 NUM_TOKENS = 64
@@ -30,11 +30,14 @@ def _chat(text: str) -> ChatPrompt:
 
 @pytest.fixture(scope="module")
 def hf_model() -> Any:
-    """transformers' own model on the same GGUF file, fp32 on the CPU."""
+    """transformers' own model on the weights the engine loads (the GGUF file's float conversion, whose every
+    tensor is transformers' own GGUF loader's to 1e-6 and whose config runs in transformers as the GGUF does:
+    tests/unit/test_loader.py), fp32 on the CPU. Reading the conversion rather than the GGUF again leaves no
+    rounding between the two models' weights and skips transformers' slow GGUF dequantization."""
     from transformers import AutoModelForCausalLM
 
-    path = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    folder = resolve_model("default").path
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
 def _hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:

@@ -1,7 +1,8 @@
 """Constrained decoding through the whole engine on the embedded model: every output parses and validates,
 unconstrained neighbours are untouched, preemption keeps grammar state, matchers are released.
 
-Uses the session `llm` fixture (SmolLM2-135M-Instruct, fp32, CPU).
+Uses the session `served_llm` fixture (SmolLM2-135M-Instruct as served by default: its GGUF's quantized
+blocks, CPU): a constraint acts on whatever weights an engine serves.
 """
 
 from __future__ import annotations
@@ -219,9 +220,9 @@ def assert_all_valid(cases: list[Case], results: list[Any]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_constrained_outputs_all_validate_and_leave_plain_neighbours_unchanged(llm: LLM) -> None:
+def test_constrained_outputs_all_validate_and_leave_plain_neighbours_unchanged(served_llm: LLM) -> None:
     plain = [chat(p) for p in PLAIN_PROMPTS]
-    alone = [r.choices[0].token_ids for r in llm.generate(plain, UNCONSTRAINED, use_tqdm=False)]
+    alone = [r.choices[0].token_ids for r in served_llm.generate(plain, UNCONSTRAINED, use_tqdm=False)]
 
     greedy = greedy_cases()
     sampled = sampled_cases()
@@ -230,64 +231,64 @@ def test_constrained_outputs_all_validate_and_leave_plain_neighbours_unchanged(l
     batch: list[Case | ChatPrompt] = [plain[0], *greedy[:20], plain[1], *greedy[20:], plain[2]]
     prompts = [b if isinstance(b, ChatPrompt) else b.prompt for b in batch]
     params = [UNCONSTRAINED if isinstance(b, ChatPrompt) else b.params for b in batch]
-    results = llm.generate(prompts, params, use_tqdm=False)
+    results = served_llm.generate(prompts, params, use_tqdm=False)
     mixed = [r for b, r in zip(batch, results, strict=True) if isinstance(b, ChatPrompt)]
     assert [r.choices[0].token_ids for r in mixed] == alone[:3]
     assert_all_valid(greedy, [r for b, r in zip(batch, results, strict=True) if isinstance(b, Case)])
 
-    results = llm.generate(
+    results = served_llm.generate(
         [*(c.prompt for c in sampled), plain[3]], [*(c.params for c in sampled), UNCONSTRAINED], use_tqdm=False
     )
     assert results[-1].choices[0].token_ids == alone[3]
     assert_all_valid(sampled, results[:-1])
-    assert len(llm.core.runner.grammars) == 0  # every finished request released its matcher
+    assert len(served_llm.core.runner.grammars) == 0  # every finished request released its matcher
 
 
-def test_seeded_constrained_sampling_is_reproducible_with_n_choices(llm: LLM) -> None:
+def test_seeded_constrained_sampling_is_reproducible_with_n_choices(served_llm: LLM) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=200, constraint=Constraint.json_schema(PERSON))
-    first = llm.generate(chat("Invent a person."), params, use_tqdm=False)[0]
-    again = llm.generate(chat("Invent a person."), params, use_tqdm=False)[0]
+    first = served_llm.generate(chat("Invent a person."), params, use_tqdm=False)[0]
+    again = served_llm.generate(chat("Invent a person."), params, use_tqdm=False)[0]
     assert [c.token_ids for c in first.choices] == [c.token_ids for c in again.choices]
     for choice in first.choices:
         assert choice.finish_reason is FinishReason.STOP
         jsonschema.validate(json.loads(choice.text), PERSON)
 
 
-def test_a_grammar_ends_the_choice_despite_ignore_eos_and_min_tokens(llm: LLM) -> None:
+def test_a_grammar_ends_the_choice_despite_ignore_eos_and_min_tokens(served_llm: LLM) -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=50, ignore_eos=True, min_tokens=20, constraint=Constraint.regex("(yes|no)")
     )
-    choice = llm.generate(chat("Is the sky blue?"), params, use_tqdm=False)[0].choices[0]
+    choice = served_llm.generate(chat("Is the sky blue?"), params, use_tqdm=False)[0].choices[0]
     assert choice.text in ("yes", "no") and choice.finish_reason is FinishReason.STOP
 
 
-def test_a_stop_string_cuts_a_constrained_choice_and_releases_its_matcher(llm: LLM) -> None:
+def test_a_stop_string_cuts_a_constrained_choice_and_releases_its_matcher(served_llm: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=200, stop=(",",), constraint=Constraint.json_schema(PERSON))
-    choice = llm.generate(chat("Describe a chef as JSON."), params, use_tqdm=False)[0].choices[0]
+    choice = served_llm.generate(chat("Describe a chef as JSON."), params, use_tqdm=False)[0].choices[0]
     assert choice.finish_reason is FinishReason.STOP and choice.matched_stop == ","
-    assert len(llm.core.runner.grammars) == 0
+    assert len(served_llm.core.runner.grammars) == 0
 
 
-def test_a_bad_spec_fails_its_request_before_anything_runs(llm: LLM) -> None:
+def test_a_bad_spec_fails_its_request_before_anything_runs(served_llm: LLM) -> None:
     good = SamplingParams(max_tokens=4, constraint=Constraint.regex("a"))
     bad = SamplingParams(max_tokens=4, constraint=Constraint.json_schema('{"type": "nonsense"}'))
     with pytest.raises(ValidationError, match="nonsense") as info:
-        llm.generate([chat("a"), chat("b")], [good, bad], use_tqdm=False)
+        served_llm.generate([chat("a"), chat("b")], [good, bad], use_tqdm=False)
     assert info.value.param == "json_schema"
-    assert not llm.core.has_unfinished()
+    assert not served_llm.core.has_unfinished()
 
 
-def test_preemption_keeps_grammar_state(llm: LLM) -> None:
+def test_preemption_keeps_grammar_state(served_llm: LLM) -> None:
     small = LLM(
         config=EngineConfig(
-            quantization="none",
+            quantization="auto",
             cache=CacheConfig(block_size=16, memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4),  # 24 blocks
             scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16),
         )
     )
     prompts = [chat(f"Describe {p} as JSON with name, age and occupation.") for p in PEOPLE]
     params = SamplingParams(temperature=0.0, max_tokens=120, constraint=Constraint.json_schema(PERSON))
-    expected = [r.choices[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+    expected = [r.choices[0].token_ids for r in served_llm.generate(prompts, params, use_tqdm=False)]
     got = small.generate(prompts, params, use_tqdm=False)
     assert small.core.scheduler.total_preemptions > 0
     assert [r.choices[0].token_ids for r in got] == expected

@@ -1,7 +1,7 @@
 """Tool calling through the offline engine on the embedded model: forced calls always parse and validate.
 
-Uses the session `llm` fixture (SmolLM2-135M-Instruct, fp32, CPU), whose template has no tool support, so this
-also runs the fallback prompt end to end.
+Uses the session `served_llm` fixture (SmolLM2-135M-Instruct as served by default: quantized, CPU), whose
+template has no tool support, so this also runs the fallback prompt end to end.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ def _check_calls(choice_calls: list[ChatToolCall], allowed: set[str]) -> None:
         jsonschema.validate(json.loads(call.arguments_json), TOOLS[call.name].parameters)
 
 
-def test_required_and_named_calls_parse_and_validate(llm: LLM) -> None:
+def test_required_and_named_calls_parse_and_validate(served_llm: LLM) -> None:
     questions = ["What's the weather in Lyon?", "Find papers about tiny language models.", "Is it raining in Lima?"]
     choices = [ToolChoice(ToolChoiceMode.REQUIRED), ToolChoice.function("search"), ToolChoice.function("get_weather")]
     prompts = [
         ChatPrompt([ChatMessage("user", q)], list(TOOLS.values()), tool_choice=c) for q in questions for c in choices
     ]
     params = [SamplingParams(max_tokens=96, temperature=0.8, seed=i) for i in range(len(prompts))]
-    for prompt, result in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+    for prompt, result in zip(prompts, served_llm.generate(prompts, params, use_tqdm=False), strict=True):
         (choice,) = result.choices
         assert prompt.tool_choice is not None
         named = prompt.tool_choice.mode is ToolChoiceMode.FUNCTION
@@ -68,7 +68,7 @@ def test_required_and_named_calls_parse_and_validate(llm: LLM) -> None:
         assert choice.finish_reason is (FinishReason.STOP if named else FinishReason.TOOL_CALLS)
 
 
-def test_auto_gives_content_or_valid_calls_and_history_renders(llm: LLM) -> None:
+def test_auto_gives_content_or_valid_calls_and_history_renders(served_llm: LLM) -> None:
     history = [
         ChatMessage("user", "What's the weather in Paris?"),
         ChatMessage("assistant", "", tool_calls=(ChatToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
@@ -79,7 +79,7 @@ def test_auto_gives_content_or_valid_calls_and_history_renders(llm: LLM) -> None
         ChatPrompt(history, list(TOOLS.values())),
         ChatPrompt(history, list(TOOLS.values()), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED)),
     ]
-    results = llm.chat(prompts, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
+    results = served_llm.chat(prompts, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
     for result in results[:2]:
         (choice,) = result.choices
         if choice.tool_calls:
