@@ -13,7 +13,7 @@ import torch
 from engine_server import LLM, ChatPrompt
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import UnsupportedByModelError, ValidationError
-from engine_server.loader import default_gguf_path
+from engine_server.loader import resolve_model
 from engine_server.pooling.params import PoolingMethod
 from engine_server.tokenizer.chat import ChatMessage
 from tests.unit.pooling.embedding_models import (
@@ -43,11 +43,12 @@ def _assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def hf_embedded() -> Any:
-    """transformers' bare decoder on the embedded GGUF file, fp32."""
+    """transformers' bare decoder on the weights the engine loads, fp32: the embedded GGUF file's float conversion,
+    which tests/unit/test_loader.py holds to transformers' own GGUF loader (every tensor to 1e-6)."""
     from transformers import AutoModel
 
-    path = default_gguf_path()
-    return AutoModel.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    folder = resolve_model("default").path
+    return AutoModel.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
 def test_the_embedded_model_embeds_as_transformers_last_token_normalized(llm: LLM, hf_embedded: Any) -> None:
