@@ -44,7 +44,7 @@ TP3_TOKENS = 8
 
 
 def _tp1(model: str) -> LLM:
-    """`model` at TP=1 in this process, float32."""
+    """`model` at TP=1 in this process, float32 (the embedded model's is the session's `llm`)."""
     config = EngineConfig(
         model=model,
         device="cpu",
@@ -65,9 +65,10 @@ def _reference(llm: LLM, prompts: list[list[int]], max_tokens: int = NUM_TOKENS)
 def test_tp2_over_grpc_matches_tp1(tmp_path: Path) -> None:
     model = "dummy:qwen2-tiny"
     prompts = random_prompts(2)
+    # Each rank's KV cache: room for one 8192-token sequence of qwen2-tiny (8 MiB); all of it is zeroed at start.
     engine = start_engine(
         tmp_path / "engine.log", "--model", model, "--quantization", "none", "--tensor-parallel-size", "2",
-        "--kv-cache-mib", "512", threads=2,
+        "--kv-cache-mib", "16", threads=2,
     )  # fmt: skip
     try:
         sampling = types_pb2.SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logprobs=True, top_logprobs=2)
@@ -105,9 +106,13 @@ def _generate_all(
 
 
 @pytest.mark.timeout(600)
-def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
+def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path, llm: LLM) -> None:
+    """`llm` (tests/conftest.py) is the embedded model at TP=1, float32: the session's, loaded once per process."""
     prompts = random_prompts(3)
-    gateway, lines = start_serve(tmp_path / "serve.log", "--quantization", "none", "--tensor-parallel-size", "3")
+    # Each rank's KV cache: room for one 8192-token sequence of the embedded model (126 MiB at TP=3).
+    gateway, lines = start_serve(
+        tmp_path / "serve.log", "--quantization", "none", "--tensor-parallel-size", "3", "--kv-cache-mib", "128"
+    )
     try:
         assert lines[-1].startswith("ladle serve: ready"), "".join(lines) + gateway.log()
         with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
@@ -121,9 +126,8 @@ def test_tp3_through_the_gateway_matches_tp1(tmp_path: Path) -> None:
         assert gateway.stop() == 0
     choices = sorted(completion.choices, key=lambda choice: choice.index)
     got = [list(choice.logprobs.tokens or []) if choice.logprobs else [] for choice in choices]
-    with _tp1("default") as llm:
-        reference = _reference(llm, prompts, TP3_TOKENS)
-        expected = llm.embed(prompts[:8], use_tqdm=False)
+    reference = _reference(llm, prompts, TP3_TOKENS)
+    expected = llm.embed(prompts[:8], use_tqdm=False)
     assert_agree(got, reference, "TP=3 through the gateway, the embedded model")
     for item, vector in zip(embedded.data, expected, strict=True):
         ours = torch.tensor(item.embedding)
