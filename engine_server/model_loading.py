@@ -48,7 +48,6 @@ from engine_server.models import (
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.quantization import Scheme, quantize_model, resolve_quantization
 from engine_server.speculative.draft_model import DraftModel
-from engine_server.tokenizer.loading import load_tokenizer
 from kernels.kernel_set import REFERENCE_OPS
 
 log = structlog.get_logger(__name__)
@@ -159,6 +158,9 @@ def _pair_separator(source: ModelSource) -> int | None:
     """A cross-encoder's [SEP] token id, which splits the pairs it scores into token types (`BertEncoder`)."""
     if not source.config.num_labels:
         return None
+    # Imported here: transformers (~1.5 s of CPU) is not otherwise needed by a tensor-parallel worker process.
+    from engine_server.tokenizer.loading import load_tokenizer
+
     separator = load_tokenizer(source.tokenizer_path).sep_token_id
     if separator is None:
         raise ValueError(f"cross-encoder {source.name!r}: its tokenizer has no [SEP] token to split a pair with")
