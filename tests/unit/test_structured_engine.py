@@ -21,6 +21,7 @@ from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import ValidationError
 from engine_server.output.types import FinishReason
 from engine_server.structured import Constraint
+from engine_server.structured.compiler import GrammarCompilerConfig
 from engine_server.tokenizer.chat import ChatMessage
 
 pytestmark = pytest.mark.slow  # the embedded model under constraints
@@ -284,7 +285,8 @@ def test_preemption_keeps_grammar_state(served_llm: LLM) -> None:
             quantization="auto",
             cache=CacheConfig(block_size=16, memory_bytes=24 * 16 * 30 * 2 * 3 * 64 * 4),  # 24 blocks
             scheduler=SchedulerConfig(max_model_len=256, max_num_seqs=16),
-        )
+        ),
+        grammar_config=GrammarCompilerConfig(timeout_s=120.0),  # as the session engines: a loaded machine is slow
     )
     prompts = [chat(f"Describe {p} as JSON with name, age and occupation.") for p in PEOPLE]
     params = SamplingParams(temperature=0.0, max_tokens=120, constraint=Constraint.json_schema(PERSON))
