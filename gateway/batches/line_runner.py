@@ -52,6 +52,7 @@ RETRYABLE_ITEM_CODES = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
     grpc.StatusCode.ABORTED,
 })
+BACKOFF_S = 0.2  # the pause after a failed call; doubled after each further one in a row, up to MAX_BACKOFF_S
 MAX_BACKOFF_S = 5.0
 UNANSWERED = "the engine ended the Batch call without answering it"
 
@@ -162,7 +163,9 @@ class LineRunner:
     """Runs lines on the engines of `pool`. `model` is the id written into response bodies; `cache_salt` goes on
     every engine request (the batch's project's prefix-cache namespace); `project_window` bounds the items in
     flight of every runner that shares it (one per project). `failures` are the failed attempts earlier runs
-    recorded, by custom_id; `on_failure` is told each line's count whenever it grows, to record it."""
+    recorded, by custom_id; `on_failure` is told each line's count whenever it grows, to record it. After a call
+    that failed, the next one waits `backoff_s`, doubled after each further failed call in a row up to
+    `max_backoff_s` (tests of many faults set them small)."""
 
     def __init__(
         self,
@@ -175,6 +178,8 @@ class LineRunner:
         limits: AttemptLimits | None = None,
         failures: Mapping[str, LineFailures] | None = None,
         on_failure: Callable[[str, LineFailures], None] | None = None,
+        backoff_s: float = BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
     ) -> None:
         self.pool = pool
         self.model = model
@@ -184,6 +189,8 @@ class LineRunner:
         self.limits = limits or AttemptLimits()
         self.failures = failures or {}
         self.on_failure = on_failure
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.in_flight = 0  # engine items sent and not yet answered
 
     async def run(
@@ -193,7 +200,7 @@ class LineRunner:
         every line has its result, False as soon as `stop` is set (lines then in flight are cancelled in the
         engine and have no result)."""
         progress = _Progress(emit, _Source(source))
-        backoff = 0.2
+        backoff = self.backoff_s
         try:
             while not stop.is_set():
                 if progress.finished:
@@ -210,9 +217,9 @@ class LineRunner:
                 if failed and not stop.is_set():
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), backoff)
-                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    backoff = min(backoff * 2, self.max_backoff_s)
                 elif not failed:
-                    backoff = 0.2
+                    backoff = self.backoff_s
             return False
         finally:
             progress.source.close()

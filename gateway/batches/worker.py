@@ -46,7 +46,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from gateway.batches import lines
 from gateway.batches.attempts import AttemptLimits
 from gateway.batches.input_reader import pending_lines
-from gateway.batches.line_runner import LineResult, LineRunner
+from gateway.batches.line_runner import BACKOFF_S, MAX_BACKOFF_S, LineResult, LineRunner
 from gateway.batches.lines import InputLine
 from gateway.batches.results import ResultSink, committed_custom_ids, publish
 from gateway.batches.validation import validate_file
@@ -78,6 +78,8 @@ class WorkerSettings:
     max_unfinished_claims: int = 5  # claims lost without progress or a recorded error before it ends `failed`
     retry_base_s: float = 1.0  # pause after the first storage error; doubled after each, up to retry_max_s
     retry_max_s: float = 300.0
+    call_backoff_s: float = BACKOFF_S  # pause after a failed Batch call; doubled after each in a row, up to the max
+    call_backoff_max_s: float = MAX_BACKOFF_S
     attempt_limits: AttemptLimits = field(default_factory=AttemptLimits)
     project_max_file_bytes: int | None = None  # the quota result bytes count against (None: none)
 
@@ -270,7 +272,8 @@ class BatchWorker:
         failures = await asyncio.to_thread(self.store.line_failures, batch.id)
         runner = LineRunner(self.pool, batch.model or self.pool.model_id or "", self.settings.window,
                             cache_salt=project_cache_salt(batch.project), project_window=window,
-                            limits=self.settings.attempt_limits, failures=failures, on_failure=sink.note_failure)
+                            limits=self.settings.attempt_limits, failures=failures, on_failure=sink.note_failure,
+                            backoff_s=self.settings.call_backoff_s, max_backoff_s=self.settings.call_backoff_max_s)
         self.runner = runner
         started = time.monotonic()
         try:
