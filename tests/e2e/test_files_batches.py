@@ -9,7 +9,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.e2e.engine_process import EngineProcess, start_engine
-from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway
+from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway, wait_until_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -66,15 +66,24 @@ def line(custom_id: str, body: dict[str, Any], url: str = CHAT, method: str = "P
     return {"custom_id": custom_id, "method": method, "url": url, "body": body}
 
 
-def upload(client: openai.OpenAI, tmp: Path, items: list[Any], purpose: str = "batch") -> str:
+def upload(client: openai.OpenAI, tmp: Path, items: Iterable[Any], purpose: str = "batch") -> str:
     path = tmp / f"in-{time.monotonic_ns()}.jsonl"
     path.write_bytes(b"".join((i if isinstance(i, bytes) else json.dumps(i).encode()) + b"\n" for i in items))
     with path.open("rb") as f:
         return client.files.create(file=f, purpose=purpose).id  # type: ignore[arg-type]
 
 
+def pauses(longest: float) -> Iterator[float]:
+    """The pauses between two polls of a condition: short at first (most hold within a fraction of a second),
+    then growing to `longest` (a long wait asks the gateway little)."""
+    pause = 0.02
+    while True:
+        yield pause
+        pause = min(longest, pause * 1.5)
+
+
 def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 240) -> Any:
-    deadline = time.monotonic() + timeout
+    deadline, wait = time.monotonic() + timeout, pauses(0.2)
     while True:
         try:
             batch = client.batches.retrieve(batch_id)
@@ -84,34 +93,41 @@ def wait_for(client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: 
             pass  # a gateway being restarted
         if time.monotonic() > deadline:
             raise TimeoutError(f"batch {batch_id} not in {statuses} after {timeout} s")
-        time.sleep(0.2)
+        time.sleep(next(wait))
 
 
 def wait_for_completed(client: openai.OpenAI, batch_id: str, lines: int, timeout: float = 240) -> None:
     """Wait until at least `lines` of the batch have committed results (the batch is then well under way)."""
-    deadline = time.monotonic() + timeout
+    deadline, wait = time.monotonic() + timeout, pauses(0.1)
     while (done := client.batches.retrieve(batch_id).request_counts.completed) < lines:
         assert time.monotonic() < deadline, f"batch {batch_id}: {done} lines completed after {timeout} s"
-        time.sleep(0.1)
+        time.sleep(next(wait))
 
 
 def wait_for_log(process: GatewayProcess, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
+    deadline, wait = time.monotonic() + timeout, pauses(0.1)
     while text not in process.log():
         assert time.monotonic() < deadline, f"{text!r} not in {process.log_path} after {timeout} s"
-        time.sleep(0.1)
+        time.sleep(next(wait))
 
 
 def start_engine_and_gateway(tmp: Path, engine_flags: tuple[str, ...], *gateway_flags: str
                              ) -> tuple[EngineProcess, GatewayProcess]:
-    """An engine on the port `engine_flags` name and a gateway in front of it, started side by side (the
-    gateway is healthy once the engine serves)."""
+    """An engine on the port `engine_flags` name and a gateway in front of it, started side by side; the gateway's
+    health is asked for once the engine serves (each ask while it loads cost the test ~40 ms of CPU, ten a
+    second)."""
     port = engine_flags[engine_flags.index("--port") + 1]
     with ThreadPoolExecutor(2) as pool:
         engine = pool.submit(start_engine, tmp / "engine1.log", *engine_flags)
-        gateway = pool.submit(start_gateway, tmp / "gateway.log", f"127.0.0.1:{port}", *gateway_flags)
+        gateway = pool.submit(start_gateway, tmp / "gateway.log", f"127.0.0.1:{port}", *gateway_flags,
+                              wait_healthy=False)
     error = engine.exception() or gateway.exception()
     if error is None:
+        try:
+            wait_until_healthy(gateway.result())
+        except BaseException:
+            engine.result().stop()
+            raise
         return engine.result(), gateway.result()
     for started in (engine, gateway):  # one failed to start: stop the other, then raise
         if started.exception() is None:
@@ -196,8 +212,7 @@ def test_file_ids_and_names_never_reach_the_file_system(batch_gateway: GatewayPr
     assert stored in blob_names and all(name.startswith("file-") for name in blob_names)
 
 
-def test_upload_refusals(batch_gateway: GatewayProcess, engine: EngineProcess,
-                         tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_upload_refusals(batch_gateway: GatewayProcess) -> None:
     with httpx.Client(base_url=batch_gateway.url, timeout=60) as http:
         cases = [
             (http.post("/v1/files", json={"purpose": "batch"}), 400, None),
@@ -208,8 +223,11 @@ def test_upload_refusals(batch_gateway: GatewayProcess, engine: EngineProcess,
         ]
         for reply, status, param in cases:
             assert reply.status_code == status and reply.json()["error"]["param"] == param, reply.text
-    folder = tmp_path_factory.mktemp("tiny")
-    tiny = start_gateway(folder / "gateway.log", engine.address, "--max-file-mib", "0.01", "--batch-workers", "0")
+
+
+def test_uploads_over_the_size_limit_are_refused(engine: EngineProcess, tmp_path: Path) -> None:
+    """On a gateway of its own, with a tiny limit and the default store (the database under test plays no part)."""
+    tiny = start_gateway(tmp_path / "gateway.log", engine.address, "--max-file-mib", "0.01", "--batch-workers", "0")
     try:
         with httpx.Client(base_url=tiny.url, timeout=60) as http:
             big = b'{"x": "' + b"y" * 20_000 + b'"}\n'
@@ -227,8 +245,8 @@ def test_upload_refusals(batch_gateway: GatewayProcess, engine: EngineProcess,
             reply = http.post("/v1/files", content=chunked(), headers=multipart)
             assert reply.status_code == 413
             assert http.get("/v1/files").json()["data"] == []
-        assert list((folder / "data" / "blobs" / "tmp").iterdir()) == []
-        assert not (folder / "data" / "blobs" / "files").exists()
+        assert list((tmp_path / "data" / "blobs" / "tmp").iterdir()) == []
+        assert not (tmp_path / "data" / "blobs" / "files").exists()
     finally:
         tiny.stop()
 
@@ -237,7 +255,7 @@ def test_upload_refusals(batch_gateway: GatewayProcess, engine: EngineProcess,
 
 
 def test_chat_batch_matches_the_synchronous_route(client: openai.OpenAI, model_id: str, tmp_path: Path) -> None:
-    bodies = [chat_body(model_id, i, max_tokens=8 + i % 5) for i in range(20)]
+    bodies = [chat_body(model_id, i, max_tokens=8 + i % 5) for i in range(len(TOPICS))]  # every topic and length
     file_id = upload(client, tmp_path, [line(f"chat-{i}", b) for i, b in enumerate(bodies)])
     batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h",
                                   metadata={"run": "e2e"})
@@ -245,11 +263,11 @@ def test_chat_batch_matches_the_synchronous_route(client: openai.OpenAI, model_i
     batch = wait_for(client, batch.id, FINAL)
     assert batch.status == "completed" and batch.errors is None and batch.error_file_id is None
     counts = batch.request_counts
-    assert (counts.total, counts.completed, counts.failed) == (20, 20, 0)
+    assert (counts.total, counts.completed, counts.failed) == (len(bodies), len(bodies), 0)
     assert all([batch.in_progress_at, batch.finalizing_at, batch.completed_at])
     assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
     output = {o["custom_id"]: o for o in result_lines(client, batch.output_file_id)}
-    assert sorted(output) == sorted(f"chat-{i}" for i in range(20))
+    assert sorted(output) == sorted(f"chat-{i}" for i in range(len(bodies)))
     usage_total = 0
     for i, body in enumerate(bodies):
         got = output[f"chat-{i}"]
@@ -327,8 +345,12 @@ def test_lines_the_engine_refuses_go_to_the_error_file(client: openai.OpenAI, mo
     assert [o["custom_id"] for o in result_lines(client, batch.output_file_id)] == ["fine"]
 
 
-def malformed_cases(model: str) -> dict[str, tuple[list[Any], str, int]]:
+def malformed_cases(model: str) -> dict[str, tuple[Iterable[Any], str, int]]:
+    """Per case: the lines (the 50,001 of "too many lines" as a generator: built only when uploaded, each as
+    short as a chat line gets, since the gateway parses every one of them), the error code and the line it
+    names."""
     good = line("a", chat_body(model, 0))
+    short = {"model": model, "messages": [{"role": "user", "content": "x"}]}
     return {
         "bad json": ([good, b'{"custom_id": "b", "method": '], "invalid_json_line", 2),
         "no custom_id": ([good, {k: v for k, v in line("b", chat_body(model, 1)).items() if k != "custom_id"}],
@@ -339,8 +361,7 @@ def malformed_cases(model: str) -> dict[str, tuple[list[Any], str, int]]:
         "wrong method": ([line("b", chat_body(model, 1), method="GET"), good], "invalid_method", 1),
         "bad body": ([good, line("b", {**chat_body(model, 1), "temperature": 7})], "invalid_body", 2),
         "other model": ([good, line("b", {**chat_body(model, 1), "model": "gpt-4o"})], "model_not_found", 2),
-        "too many lines": ([line(f"x{i}", chat_body(model, 0, 1)) for i in range(50_001)], "too_many_requests",
-                           50_001),
+        "too many lines": ((line(f"x{i}", short) for i in range(50_001)), "too_many_requests", 50_001),
     }
 
 
@@ -413,8 +434,11 @@ def test_batches_list_and_metrics(client: openai.OpenAI, model_id: str, batch_ga
     assert "ladle_gateway_batch_lines_in_flight" in metrics
 
 
+LONG_LINES = 1000  # far more than run before the cancel (after 10): it stops a batch well under way
+
+
 def test_cancel_a_long_batch(client: openai.OpenAI, model_id: str, tmp_path: Path) -> None:
-    items = [line(f"long-{i}", chat_body(model_id, i, 16)) for i in range(5000)]
+    items = [line(f"long-{i}", chat_body(model_id, i, 16)) for i in range(LONG_LINES)]
     batch = client.batches.create(input_file_id=upload(client, tmp_path, items), endpoint=CHAT,
                                   completion_window="24h")
     wait_for(client, batch.id, {"in_progress"}, timeout=60)
@@ -427,7 +451,7 @@ def test_cancel_a_long_batch(client: openai.OpenAI, model_id: str, tmp_path: Pat
     assert batch.status == "cancelled" and batch.cancelling_at and batch.cancelled_at
     output, errors = result_lines(client, batch.output_file_id), result_lines(client, batch.error_file_id)
     counts = batch.request_counts
-    assert counts.total == 5000 and 0 < counts.completed == len(output) and counts.failed == len(errors) == 0
+    assert counts.total == LONG_LINES and 0 < counts.completed == len(output) and counts.failed == len(errors) == 0
     assert len({o["custom_id"] for o in output}) == len(output)
     assert client.batches.cancel(batch.id).status == "cancelled"  # cancelling again changes nothing
 
@@ -435,7 +459,14 @@ def test_cancel_a_long_batch(client: openai.OpenAI, model_id: str, tmp_path: Pat
 # -- crashes -------------------------------------------------------------------------------------------------
 
 
-CRASH_LINES = 120  # the crash comes after 30 of them: dozens are then in flight and dozens more not yet read
+# The crash comes once CRASH_DONE lines have committed results: dozens are then in flight and about a hundred not
+# yet read (on the shared engine, over a second of work). An engine of the test's own gets ENGINE_CRASH_LINES: 20
+# unread beside the 32 in flight (twice its --max-num-seqs), seconds of work for an engine this fresh.
+CRASH_LINES, CRASH_DONE, ENGINE_CRASH_LINES = 120, 12, 64
+# An engine holds batch rows back for interactive latency for 5 s after an interactive request, its own warm-up
+# included, in small steps that cost more CPU: the tests' own engines, with nothing interactive to wait for, don't.
+UNCAPPED = ("--batch-step-target", "0")
+HEALTH_FLAGS = ("--health-interval", "0.25")  # an engine is seen serving (again) at most 0.25 s after it is
 
 
 def crash_batch(client: openai.OpenAI, model: str, tmp: Path, n: int = CRASH_LINES) -> str:
@@ -455,11 +486,11 @@ def assert_each_line_once(client: openai.OpenAI, batch_id: str, n: int = CRASH_L
 
 def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, tmp_path: Path) -> None:
     """On SQLite, a restarted gateway resumes the batch (on PostgreSQL, another replica does: below)."""
-    flags = ["--data-dir", str(tmp_path / "data"), "--batch-lease", "3"]
+    flags = ["--data-dir", str(tmp_path / "data"), "--batch-lease", "3", *HEALTH_FLAGS]
     first = start_gateway(tmp_path / "first.log", engine.address, *flags)
     client = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0, timeout=60)
     batch_id = crash_batch(client, model_id, tmp_path)
-    wait_for_completed(client, batch_id, 30)
+    wait_for_completed(client, batch_id, CRASH_DONE)
     os.kill(first.process.pid, signal.SIGKILL)
     first.process.wait()
     second = start_gateway(tmp_path / "second.log", engine.address, *flags)
@@ -473,18 +504,19 @@ def test_kill_the_gateway_mid_batch(engine: EngineProcess, model_id: str, tmp_pa
 
 def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
     """The engine dies and comes back: lines in flight are sent again, and each lands once."""
-    flags = ("--port", str(free_port()), "--max-num-seqs", "16")
-    engine, gateway = start_engine_and_gateway(tmp_path, flags, *backend(), "--data-dir", str(tmp_path / "data"))
+    flags = ("--port", str(free_port()), "--max-num-seqs", "16", *UNCAPPED)
+    engine, gateway = start_engine_and_gateway(tmp_path, flags, *backend(), "--data-dir", str(tmp_path / "data"),
+                                               *HEALTH_FLAGS)
     try:
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
-        batch_id = crash_batch(client, client.models.list().data[0].id, tmp_path)
-        wait_for_completed(client, batch_id, 30)
+        batch_id = crash_batch(client, client.models.list().data[0].id, tmp_path, ENGINE_CRASH_LINES)
+        wait_for_completed(client, batch_id, CRASH_DONE)
         os.kill(engine.process.pid, signal.SIGKILL)
         engine.process.wait()
         wait_for_log(gateway, "batch call failed; sending its lines again")  # the lines in flight are lost
         assert client.batches.retrieve(batch_id).status == "in_progress"  # and the batch waits for an engine
         engine = start_engine(tmp_path / "engine2.log", *flags)
-        assert_each_line_once(client, batch_id)
+        assert_each_line_once(client, batch_id, ENGINE_CRASH_LINES)
     finally:
         assert gateway.stop() == 0
         engine.stop()
@@ -493,8 +525,8 @@ def test_kill_the_engine_mid_batch(backend: Backend, tmp_path: Path) -> None:
 def test_a_draining_engines_aborted_lines_run_again(tmp_path: Path) -> None:
     """SIGTERM with a short shutdown timeout: the engine aborts the lines it still runs (finish reason ABORT).
     Those are not results: they run again on the restarted engine, and no output line says "abort"."""
-    flags = ("--port", str(free_port()), "--max-num-seqs", "8", "--shutdown-timeout", "0.2")
-    engine, gateway = start_engine_and_gateway(tmp_path, flags, "--data-dir", str(tmp_path / "data"))
+    flags = ("--port", str(free_port()), "--max-num-seqs", "8", "--shutdown-timeout", "0.2", *UNCAPPED)
+    engine, gateway = start_engine_and_gateway(tmp_path, flags, "--data-dir", str(tmp_path / "data"), *HEALTH_FLAGS)
     n = 24  # 3 rounds of 8: some done before the drain, 8 running when it aborts them, more still unread
     try:
         client = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=60)
@@ -502,8 +534,7 @@ def test_a_draining_engines_aborted_lines_run_again(tmp_path: Path) -> None:
         items = [line(f"crash-{i}", {**chat_body(model, i, 40), "ignore_eos": True}) for i in range(n)]
         batch_id = client.batches.create(input_file_id=upload(client, tmp_path, items), endpoint=CHAT,
                                          completion_window="24h").id
-        while client.batches.retrieve(batch_id).request_counts.completed < 4:
-            time.sleep(0.05)
+        wait_for_completed(client, batch_id, 4)
         engine.process.send_signal(signal.SIGTERM)
         assert engine.process.wait(60) == 0
         assert "abort" in (tmp_path / "engine1.log").read_text().lower()
@@ -523,7 +554,7 @@ def test_two_gateways_on_postgresql_share_files_and_batches(engine: EngineProces
     """Two replicas on one PostgreSQL database and one blob directory: either serves any file or batch call,
     and when the one running a batch is killed, the other resumes it (after the lease) to every line once."""
     flags = ["--database-url", postgres.new_database(), "--data-dir", str(tmp_path / "shared"),
-             "--batch-lease", "3"]
+             "--batch-lease", "3", *HEALTH_FLAGS]
     with ThreadPoolExecutor(2) as pool:
         gateways = list(pool.map(lambda i: start_gateway(tmp_path / f"replica-{i}.log", engine.address, *flags),
                                  range(2)))
@@ -533,7 +564,7 @@ def test_two_gateways_on_postgresql_share_files_and_batches(engine: EngineProces
         assert clients[1].files.retrieve(file_id).id == file_id
         assert clients[1].files.content(file_id).read() == clients[0].files.content(file_id).read()
         batch_id = crash_batch(clients[1], model_id, tmp_path)
-        wait_for_completed(clients[0], batch_id, 30)
+        wait_for_completed(clients[0], batch_id, CRASH_DONE)
         runner = next(i for i, g in enumerate(gateways) if "batch claimed" in g.log())
         os.kill(gateways[runner].process.pid, signal.SIGKILL)
         gateways[runner].process.wait()
