@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.e2e.engine_process import EngineProcess, start_engine
-from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway, wait_until_healthy
+from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -113,21 +113,14 @@ def wait_for_log(process: GatewayProcess, text: str, timeout: float = 60) -> Non
 
 def start_engine_and_gateway(tmp: Path, engine_flags: tuple[str, ...], *gateway_flags: str
                              ) -> tuple[EngineProcess, GatewayProcess]:
-    """An engine on the port `engine_flags` name and a gateway in front of it, started side by side; the gateway's
-    health is asked for once the engine serves (each ask while it loads cost the test ~40 ms of CPU, ten a
-    second)."""
+    """An engine on the port `engine_flags` name and a gateway in front of it, started side by side (the
+    gateway is healthy once the engine serves)."""
     port = engine_flags[engine_flags.index("--port") + 1]
     with ThreadPoolExecutor(2) as pool:
         engine = pool.submit(start_engine, tmp / "engine1.log", *engine_flags)
-        gateway = pool.submit(start_gateway, tmp / "gateway.log", f"127.0.0.1:{port}", *gateway_flags,
-                              wait_healthy=False)
+        gateway = pool.submit(start_gateway, tmp / "gateway.log", f"127.0.0.1:{port}", *gateway_flags)
     error = engine.exception() or gateway.exception()
     if error is None:
-        try:
-            wait_until_healthy(gateway.result())
-        except BaseException:
-            engine.result().stop()
-            raise
         return engine.result(), gateway.result()
     for started in (engine, gateway):  # one failed to start: stop the other, then raise
         if started.exception() is None:
