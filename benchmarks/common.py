@@ -79,26 +79,64 @@ def append_result(out: Path | None, result: dict[str, Any]) -> None:
 def hf_model(model: str, device: str, dtype: Any) -> Any:
     """transformers' model for a ladle model spec, holding exactly ladle's weights (for `dummy:*` the same
     seeded random weights), so both systems run the same network. `dtype` is a torch dtype."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine_server.loader import resolve_model
 
     source = resolve_model(model)
     cfg = source.config
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[cfg.architecture]
-    hf_config = config_class(
+    hf_config = AutoConfig.for_model(
+        cfg.architecture,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
         rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=cfg.attention_bias,
         rope_scaling=None if cfg.rope_scaling is None else {"rope_type": "llama3", **asdict(cfg.rope_scaling)},
+        **_transformers_experts(cfg),
     )
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    missing, unexpected = hf.load_state_dict(dict(source.weights()), strict=False)
+    missing, unexpected = hf.load_state_dict(_stack_experts(dict(source.weights())), strict=False)
     if unexpected or any(name != "lm_head.weight" for name in missing):  # a tied lm_head is not in the list
         raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
     return hf.to(device).eval()
+
+
+def _transformers_experts(cfg: Any) -> dict[str, Any]:
+    """A `ModelConfig`'s mixture-of-experts fields as transformers' config of its family spells them ({} if dense)."""
+    if not cfg.num_experts:
+        return {}
+    if cfg.architecture == "mixtral":
+        return {"num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok}
+    fields = {
+        "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size, "norm_topk_prob": cfg.norm_topk_prob,
+        "mlp_only_layers": list(cfg.dense_layers),
+    }  # fmt: skip
+    if cfg.architecture == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return fields
+
+
+def _stack_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint tensors (one per expert and projection) in transformers 5's in-memory layout: each layer's experts
+    as `experts.gate_up_proj` `[E, 2 * I, H]` and `experts.down_proj` `[E, H, I]`."""
+    import torch
+
+    banks: dict[str, dict[int, dict[str, Any]]] = {}
+    stacked = {}
+    for name, tensor in weights.items():
+        head, sep, tail = name.partition(".experts.")
+        if not sep:
+            stacked[name] = tensor
+            continue
+        expert, projection, _ = tail.split(".")
+        banks.setdefault(head + ".experts", {}).setdefault(int(expert), {})[projection] = tensor
+    for bank, experts in banks.items():
+        order = [experts[e] for e in sorted(experts)]
+        stacked[f"{bank}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"], p["up_proj"]]) for p in order])
+        stacked[f"{bank}.down_proj"] = torch.stack([p["down_proj"] for p in order])
+    return stacked
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,29 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Architecture = Literal["llama", "qwen2", "qwen3", "bert"]
+Architecture = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "bert"]
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
     "bert": "bert",
 }
+# Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
+_NOT_YET: dict[str, str] = {
+    "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings are not implemented",
+    "gemma2": "Gemma 2 needs sliding-window attention and logit soft-capping, which are not implemented",
+    "gemma3": "Gemma 3 needs sliding-window attention and its local rope, which are not implemented",
+    "gemma3_text": "Gemma 3 needs sliding-window attention and its local rope, which are not implemented",
+    "phi3": "Phi-3's partial rotary and LongRoPE scaling are not implemented",
+    "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
+}
+# Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
+_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe")
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -65,23 +79,55 @@ class ModelConfig:
     gelu_tanh: bool = False  # the MLP's GELU is the tanh approximation (hidden_act gelu_new)
     # A cross-encoder (`BertForSequenceClassification`): its classifier's outputs over the CLS token; 0 without one.
     num_labels: int = 0
+    # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE; `layers.moe`): a layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size` each, `num_experts_per_tok` of them chosen per token by a softmax router (top-k weights
+    # renormalised to sum to 1 with `norm_topk_prob`), plus, with `shared_expert_intermediate_size`, an expert every
+    # token goes through, scaled by a sigmoid gate (Qwen2-MoE). `dense_layers` keep a dense MLP of
+    # `intermediate_size` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). 0 experts: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def o_proj_bias(self) -> bool:
         """Whether o_proj has a bias: `attention_bias` puts one there too for Llama and Qwen3 (as transformers'
-        modeling files do), never for Qwen2, whose config sets it for q/k/v only."""
-        return self.attention_bias and self.architecture in ("llama", "qwen3")
+        modeling files do), never for Qwen2 and Qwen2-MoE, whose configs set it for q/k/v only."""
+        return self.attention_bias and self.architecture in _O_PROJ_BIAS_FAMILIES
+
+    @property
+    def mlp_widths(self) -> dict[str, int]:
+        """The intermediate width of each kind of MLP the model has, by its config name (what tensor parallelism
+        splits): `intermediate_size` where any layer is dense, the experts' and the shared expert's where present."""
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        widths = {"intermediate_size": self.intermediate_size} if moe_layers < self.num_hidden_layers else {}
+        if moe_layers:
+            widths["moe_intermediate_size"] = self.moe_intermediate_size
+            if self.shared_expert_intermediate_size:
+                widths["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        return widths
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
+        return self.num_experts > 0 and index not in self.dense_layers
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in _HF_ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(_HF_ARCHITECTURES)}")
+            why = _NOT_YET.get(model_type, "no family of this engine implements it")
+            raise ValueError(
+                f"unsupported model_type {model_type!r} ({why}); supported: {', '.join(sorted(_HF_ARCHITECTURES))}"
+            )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
-        if model_type == "mistral" and cfg.get("sliding_window"):
-            raise ValueError("Mistral with sliding-window attention is not supported")
+        if model_type in ("mistral", "mixtral") and cfg.get("sliding_window"):
+            raise ValueError(f"{model_type} with sliding-window attention is not supported yet")
+        if model_type.startswith("qwen") and cfg.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window is not supported yet")
         arch = _HF_ARCHITECTURES[model_type]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
@@ -112,12 +158,13 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            attention_bias=_attention_bias(arch, cfg),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            **_experts_from_hf_config(arch, cfg),
         )
 
     @classmethod
@@ -153,6 +200,49 @@ class ModelConfig:
             gelu_tanh=ENCODER_ACTIVATIONS[activation],
             num_labels=num_labels,
         )
+
+
+def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias` (default on), Mixtral never; the others by
+    `attention_bias`."""
+    if arch == "qwen2":
+        return True
+    if arch == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    return arch != "mixtral" and bool(cfg.get("attention_bias", False))
+
+
+def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE `config.json` ({} for a
+    dense family). Mixtral's experts are `intermediate_size` wide and always renormalise their top-k weights."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
+    if arch == "mixtral":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if arch == "qwen2_moe"
+        else 0,
+        dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
+    )
 
 
 @dataclass(frozen=True)

@@ -214,6 +214,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         return False
     if loaded.model_config.encoder:
         return False  # an encoder never decodes
+    if loaded.model_config.num_experts:
+        # Each expert's GEMM is sized by the tokens routed to it, which a recorded graph cannot follow.
+        log.warning("a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs")
+        return False
     if not loaded.tp.capturable:
         log.warning("this tensor-parallel group's collectives cannot be recorded in CUDA graphs: decode runs eagerly")
         return False

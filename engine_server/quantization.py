@@ -51,7 +51,7 @@ from engine_server.layers.quantized_linear import (
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
 from engine_server.models.base import FUSED_SHARDS, CausalLM
-from engine_server.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from engine_server.parallel.layers import ColumnParallelLinear, ParallelExperts, ParallelLMHead, RowParallelLinear
 from kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8"]
@@ -118,10 +118,11 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
         replace_linears(model, lambda name, linear: _stored_weight(stored, name, linear, tied))
     else:
         replace_linears(model, _int8_weight)
+    # A mixture of experts' banks stay float (counted as one layer each) until the expert kernels quantize them.
     formats = Counter(
         module.format if isinstance(module, QuantizedLinear) else "float"
         for module in model.modules()
-        if isinstance(module, QuantizedLinear | nn.Linear)
+        if isinstance(module, QuantizedLinear | nn.Linear | ParallelExperts)
     )
     model.model.decode_stack = build_decode_stack(model.model)
     if not any(module.qs.is_cuda for module in model.modules() if isinstance(module, QuantizedLinear)):
@@ -165,7 +166,12 @@ def _stored_weight(
     return pad_rows(concat_rows(shards), padding)
 
 
+# Layers that stay float under int8: a mixture of experts' router (its logits choose the experts, top-k of them, so
+# a rounding step can change the choice) and the shared expert's one-output gate.
+_FLOAT_ROUTERS = (".mlp.gate", ".mlp.shared_expert_gate")
+
+
 def _int8_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:
-    if linear.in_features % QUANT_GROUP:
+    if linear.in_features % QUANT_GROUP or name.endswith(_FLOAT_ROUTERS):
         return None
     return quantize_q8(linear.weight)

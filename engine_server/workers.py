@@ -102,7 +102,7 @@ def start_tensor_parallel(
     model = source.config
     if model.encoder:
         raise ValueError(f"--tensor-parallel-size {size}: an encoder model runs on one device (it is small and pools)")
-    check_shardable(model.num_attention_heads, model.num_key_value_heads, model.intermediate_size, size)
+    check_shardable(model.num_attention_heads, model.num_key_value_heads, model.mlp_widths, size)
     device = resolve_device(config.device)
     shared = device.type == "cuda" and os.environ.get(SHARED_DEVICE_ENV) == "1"
     if device.type == "cuda" and not shared and torch.cuda.device_count() < size:

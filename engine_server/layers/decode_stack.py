@@ -15,15 +15,17 @@ from typing import cast
 import torch
 
 from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
+from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.quantized_linear import QuantizedLinear
 from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
-    not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), weights not on the CPU or not
-    float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism without the
-    shared-memory all-reduce (which the stack then runs between its layers, on the same buffers)."""
+    not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), a mixture of experts, weights not
+    on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
+    parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
+    buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
@@ -37,6 +39,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     projections: list[list[QuantizedLinear]] = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
+        if not isinstance(mlp, GatedMLP):
+            return None
         parts = [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
         if attention.q_norm is not None or not all(isinstance(part, QuantizedLinear) for part in parts):
             return None

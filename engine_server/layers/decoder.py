@@ -11,6 +11,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
+from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import VocabParallelEmbedding
@@ -20,12 +21,19 @@ from kernels.reference import build_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
-    """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm."""
+    """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm. The MLP is a
+    mixture of experts where the config says so for layer `index` (`ModelConfig.is_moe_layer`), else dense."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
+    ) -> None:
         super().__init__()
         self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp)
+        self.mlp: GatedMLP | SparseMoE = (
+            SparseMoE(config, dtype, tp)
+            if config.is_moe_layer(index)
+            else GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -84,7 +92,7 @@ class DecoderModel(nn.Module):
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, o_proj_bias, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         cache = build_cos_sin_cache(

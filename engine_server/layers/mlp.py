@@ -27,4 +27,9 @@ class GatedMLP(nn.Module):
         self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.tp.all_reduce_sum(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce_sum(self.partial(x, ops))
+
+    def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
+        result: torch.Tensor = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return result

@@ -65,6 +65,14 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
         qk_norm=True, bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3-0.6b",
     ),
+    # Qwen3-30B-A3B's shapes: 128 experts of 768, 8 active per token (3.3B of 30.5B parameters active).
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3-30b-a3b",
+    ),
 }  # fmt: skip
 
 

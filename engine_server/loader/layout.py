@@ -1,4 +1,5 @@
-"""Hugging Face parameter names and shapes of a Llama / Qwen2 / Qwen3 decoder, derived from a `ModelConfig`."""
+"""Hugging Face parameter names and shapes of a Llama / Qwen2 / Qwen3 decoder and their mixture-of-experts
+variants (Qwen2-MoE / Qwen3-MoE names; Mixtral's are read as these), derived from a `ModelConfig`."""
 
 from __future__ import annotations
 
@@ -31,13 +32,28 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if cfg.is_moe_layer(i):
+            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
+            if cfg.shared_expert_intermediate_size:
+                shapes.update(_mlp_shapes(p + "mlp.shared_expert.", h, cfg.shared_expert_intermediate_size))
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes.update(_mlp_shapes(p + "mlp.", h, cfg.intermediate_size))
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """A SwiGLU MLP's three projections under `prefix`."""
+    return {
+        prefix + "gate_proj.weight": (intermediate, hidden),
+        prefix + "up_proj.weight": (intermediate, hidden),
+        prefix + "down_proj.weight": (hidden, intermediate),
+    }
 
 
 def is_norm_weight(name: str) -> bool:

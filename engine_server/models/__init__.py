@@ -6,8 +6,11 @@ from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_p
 from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
 from engine_server.models.llama import LlamaForCausalLM
+from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM
+from engine_server.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine_server.models.qwen3 import Qwen3ForCausalLM
+from engine_server.models.qwen3_moe import Qwen3MoeForCausalLM
 
 __all__ = ["BertEncoder", "CausalLM", "StepModel", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
 
@@ -16,12 +19,15 @@ StepModel = CausalLM | BertEncoder
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
-    """The decoder class for an architecture name ("llama", "qwen2", "qwen3"); ValueError for anything else (an
-    encoder, "bert", is a `BertEncoder`)."""
+    """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "mixtral",
+    "qwen2_moe", "qwen3_moe"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
         "qwen3": Qwen3ForCausalLM,
+        "mixtral": MixtralForCausalLM,
+        "qwen2_moe": Qwen2MoeForCausalLM,
+        "qwen3_moe": Qwen3MoeForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -13,8 +14,10 @@ from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
+    EXPERT_PARTS,
     CheckpointTensor,
     ColumnParallelLinear,
+    ParallelExperts,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -38,6 +41,12 @@ _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard)
 _BARE_DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection of a mixture of experts: `<block>.experts.<e>.<proj>.weight` (`ParallelExperts`).
+_EXPERT_WEIGHT = re.compile(r"(?P<bank>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+# All experts' projection in one 3-D tensor (transformers 5's own layout): `<block>.experts.gate_up_proj`
+# `[E, 2 * I, H]` (gate rows, then up rows) or `<block>.experts.down_proj` `[E, H, I]`.
+_EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
 
 
 class CausalLM(nn.Module):
@@ -53,6 +62,8 @@ class CausalLM(nn.Module):
     quantized like any other projection.
     """
 
+    # Checkpoint name fragments a family spells its own way, and ours: `(theirs, ours)`, replaced in every name.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -105,7 +116,10 @@ class CausalLM(nn.Module):
         exactly that slice, or unread (`loader.lazy_tensor.LazyTensor`: then only that slice is read).
 
         A checkpoint of the bare decoder (saved from `AutoModel`, as Qwen3-Embedding's are: `layers.0...`,
-        `embed_tokens.weight`, `norm.weight`) is read as the same names under `model.`.
+        `embed_tokens.weight`, `norm.weight`) is read as the same names under `model.`. A mixture of experts' experts
+        come one tensor per expert and projection (`...experts.<e>.gate_proj.weight`, as checkpoints store them,
+        after `checkpoint_renames`) or one 3-D tensor per projection (`...experts.gate_up_proj`, transformers 5's
+        in-memory layout).
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
@@ -113,6 +127,16 @@ class CausalLM(nn.Module):
             if name.startswith(_BARE_DECODER_PREFIXES):
                 name = f"model.{name}"
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for theirs, ours in self.checkpoint_renames:
+                name = name.replace(theirs, ours)
+            expert = _EXPERT_WEIGHT.fullmatch(name)
+            if expert is not None:
+                loaded.add(self._load_expert(modules, name, expert, tensor))
+                continue
+            bank = _EXPERT_BANK.fullmatch(name)
+            if bank is not None:
+                loaded.update(self._load_bank(modules, name, bank, tensor))
                 continue
             module_name, _, kind = name.rpartition(".")
             target, shard = module_name, ""
@@ -134,9 +158,52 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
 
     @staticmethod
-    def _expected_shards(params: dict[str, nn.Parameter]) -> set[tuple[str, str]]:
+    def _load_expert(
+        modules: dict[str, nn.Module], name: str, match: re.Match[str], tensor: CheckpointTensor
+    ) -> tuple[str, str]:
+        """Load one expert's projection into its bank; returns what `_expected_shards` lists for it."""
+        bank = modules.get(match["bank"])
+        if not isinstance(bank, ParallelExperts):
+            raise ValueError(f"unexpected weight {name!r}: no mixture of experts there")
+        part = _EXPERT_PART[match["proj"]]
+        try:
+            bank.load_expert(int(match["expert"]), part, tensor)
+        except ValueError as error:
+            raise ValueError(f"weight {name!r}: {error}") from None
+        return match["bank"], f"{int(match['expert'])}.{part}"
+
+    @staticmethod
+    def _load_bank(
+        modules: dict[str, nn.Module], name: str, match: re.Match[str], tensor: CheckpointTensor
+    ) -> list[tuple[str, str]]:
+        """Load every expert's slices of one 3-D tensor; returns what `_expected_shards` lists for them."""
+        bank = modules.get(match["bank"])
+        if not isinstance(bank, ParallelExperts) or tensor.dim() != 3 or tensor.shape[0] != bank.num_experts:
+            raise ValueError(f"unexpected weight {name!r} of shape {tuple(tensor.shape)}")
+        whole = read_whole(tensor)
+        loaded = []
+        for expert in range(bank.num_experts):
+            if match["proj"] == "down_proj":
+                pieces = {"down": whole[expert]}
+            else:
+                gate, up = whole[expert].chunk(2)
+                pieces = {"gate": gate, "up": up}
+            for part, weight in pieces.items():
+                try:
+                    bank.load_expert(expert, part, weight)
+                except ValueError as error:
+                    raise ValueError(f"weight {name!r}: {error}") from None
+                loaded.append((match["bank"], f"{expert}.{part}"))
+        return loaded
+
+    def _expected_shards(self, params: dict[str, nn.Parameter]) -> set[tuple[str, str]]:
         expected: set[tuple[str, str]] = set()
+        banks = {name: module for name, module in self.named_modules() if isinstance(module, ParallelExperts)}
+        for name, bank in banks.items():
+            expected.update((name, f"{e}.{part}") for e in range(bank.num_experts) for part in EXPERT_PARTS)
         for name in params:
+            if name.rpartition(".")[0] in banks:
+                continue
             shards = [s for fused, _, s in FUSED_SHARDS if f".{fused}." in name] or [""]
             expected.update((name, s) for s in shards)
         return expected

@@ -4,7 +4,8 @@ Megatron's pairing: a `ColumnParallelLinear` (QKV, gate/up) keeps output rows an
 `RowParallelLinear` after it (O, down) keeps the matching input columns and returns this rank's partial sum,
 which the block then all-reduces (`TensorParallel.all_reduce_sum`), so a decoder layer costs two all-reduces.
 The vocabulary is split by rows for the embedding (all-reduced inside it) and the LM head (whose local logits
-`gather_vocab` brings to rank 0).
+`gather_vocab` brings to rank 0). A mixture of experts' bank (`ParallelExperts`) splits every expert's intermediate
+rows the same way as a dense MLP's, so its block also costs one all-reduce.
 
 The three projections are `nn.Linear`s holding the local slice, whose forward is the local matmul and nothing
 else, so whatever swaps a model's linear layers (MKL packing, quantization) swaps these too without losing a
@@ -20,7 +21,7 @@ bytes (sharding.py says which) can hand those in, or a `CheckpointTensor` that r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, Self
 
 import torch
@@ -29,6 +30,9 @@ from torch import nn
 
 from engine_server.parallel.group import TensorParallel
 from engine_server.parallel.sharding import PartSlice, VocabShard, even_slice, gate_up_slices, qkv_slices, vocab_shard
+
+# A SwiGLU activation: `[N, 2 * I]` (gate then up) -> `[N, I]` (`KernelOps.silu_and_mul`).
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -203,6 +207,69 @@ class RowParallelLinear(_LocalLinear):
         if bias is not None:
             layer.load(bias)
         return layer
+
+
+EXPERT_PARTS = ("gate", "up", "down")
+
+
+class ParallelExperts(nn.Module):
+    """A mixture of experts' SwiGLU weights as two 3-D tensors: `w13[e] = cat(gate_e, up_e)` rows `[2 * I_r, H]`
+    and `w2[e] = down_e` `[H, I_r]`, where `I_r` are this rank's rows of each expert's intermediate size (all of
+    them at size 1): every rank holds every expert's slice, like a `GatedMLP`'s gate/up and down, so the experts'
+    output on a rank is its partial sum of the block's (the caller all-reduces)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.rows = even_slice(intermediate_size, tp.size, tp.rank, "expert intermediate rows")
+        local = len(self.rows.rows)
+        self.w13 = _parameter(num_experts, 2 * local, hidden_size, dtype=dtype)
+        self.w2 = _parameter(num_experts, hidden_size, local, dtype=dtype)
+
+    def load_expert(self, expert: int, part: str, tensor: CheckpointTensor) -> None:
+        """Copy expert `expert`'s `part` ("gate", "up": `[I, H]`; "down": `[H, I]`), whole or as this rank's slice."""
+        if not 0 <= expert < self.num_experts or part not in EXPERT_PARTS:
+            raise ValueError(f"no expert {expert} {part!r} in a bank of {self.num_experts}")
+        rows, local = self.rows, len(self.rows.rows)
+        what = f"expert {expert} {part}"
+        if part == "down":
+            _copy(self.w2.data[expert], _kept(tensor, rows.full, rows.rows, 1, what), what)
+        else:
+            dest = self.w13.data[expert].narrow(0, 0 if part == "gate" else local, local)
+            _copy(dest, _kept(tensor, rows.full, rows.rows, 0, what), what)
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, activation: Activation
+    ) -> torch.Tensor:
+        """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `sum_j weights[t, j] *
+        expert_{experts[t, j]}(x[t])` `[T, H]` (this rank's partial sum under tensor parallelism).
+
+        Tokens are grouped by expert: each expert that any token chose runs once over all of its tokens (one GEMM for
+        gate/up, one for down), and adds its weighted output into theirs, experts in ascending order (as transformers
+        sums them). `activation` is the backend's `silu_and_mul`."""
+        k = experts.shape[1]
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // k
+        pair_weights = weights.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            hidden = activation(F.linear(x.index_select(0, rows), self.w13[expert]))
+            out.index_add_(0, rows, F.linear(hidden, self.w2[expert]) * pair_weights[start : start + count])
+            start += count
+        return out
 
 
 class _VocabRows:

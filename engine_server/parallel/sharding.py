@@ -108,10 +108,14 @@ def gate_up_slices(intermediate_size: int, size: int, rank: int) -> tuple[PartSl
     return part, part
 
 
-def check_shardable(num_attention_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
-    """ValueError (naming the numbers) unless a model of these sizes splits over `size` ranks."""
+def check_shardable(
+    num_attention_heads: int, num_kv_heads: int, mlp_widths: dict[str, int], size: int
+) -> None:
+    """ValueError (naming the numbers) unless a model of these sizes splits over `size` ranks: its heads, and the
+    intermediate width of each kind of MLP it has (`ModelConfig.mlp_widths`: dense, experts, shared expert)."""
     qkv_slices(num_attention_heads, num_kv_heads, 1, size, 0)
-    split_evenly(intermediate_size, size, "intermediate_size")
+    for name, width in mlp_widths.items():
+        split_evenly(width, size, name)
 
 
 @dataclass(frozen=True)

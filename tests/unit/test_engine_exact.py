@@ -16,6 +16,7 @@ from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.loader import resolve_model
 from engine_server.tokenizer.chat import ChatMessage
+from tests.families import hf_greedy
 
 pytestmark = pytest.mark.slow  # the embedded model, and transformers' on the same weights
 
@@ -40,35 +41,11 @@ def hf_model() -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
-def _hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-    """Plain greedy decoding with transformers' KV cache, every prompt in one batch: argmax of each step's logits,
-    nothing else. The prompts are left-padded, masked out and given their own positions (0 at each prompt's first
-    token), so each row computes what it would alone; only float32 summation order can differ from a batch of one,
-    by ~1e-6 relative, which moves an argmax only at an exact near-tie (one prompt is also decoded alone below)."""
-    from transformers import DynamicCache
-
-    width = max(map(len, prompts))
-    step_input = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    steps: list[torch.Tensor] = []
-    with torch.inference_mode():
-        for _ in range(num_tokens):
-            logits = model(
-                input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            ).logits[:, -1]
-            steps.append(logits.argmax(-1))
-            step_input, positions = steps[-1][:, None], positions[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
-    return torch.stack(steps, dim=1).tolist()
-
-
 def test_greedy_matches_transformers_token_for_token(llm: LLM, hf_model: Any) -> None:
     results = llm.generate([_chat(p) for p in CHAT_PROMPTS], GREEDY, use_tqdm=False)
     prompts = [result.prompt_token_ids for result in results]
-    theirs_batched = _hf_greedy(hf_model, prompts, NUM_TOKENS)
-    assert _hf_greedy(hf_model, prompts[:1], NUM_TOKENS) == theirs_batched[:1]  # padding changed nothing
+    theirs_batched = hf_greedy(hf_model, prompts, NUM_TOKENS)
+    assert hf_greedy(hf_model, prompts[:1], NUM_TOKENS) == theirs_batched[:1]  # padding changed nothing
     mismatches = []
     for prompt, result, theirs in zip(CHAT_PROMPTS, results, theirs_batched, strict=True):
         ours = result.choices[0].token_ids

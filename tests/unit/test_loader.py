@@ -49,11 +49,31 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
     """The transformers config of `cfg`'s shape, to check our parameter layout against transformers'."""
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")  # fmt: skip
-    return transformers.AutoConfig.for_model(cfg.architecture, **{f: getattr(cfg, f) for f in fields})
+    experts = {}
+    if cfg.num_experts:
+        experts = dict(
+            num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size, mlp_only_layers=list(cfg.dense_layers),
+        )  # fmt: skip
+    shape = {f: getattr(cfg, f) for f in fields}
+    return transformers.AutoConfig.for_model(cfg.architecture, **shape, **experts)
 
 
 def state_shapes(model: torch.nn.Module, tied: bool) -> dict[str, tuple[int, ...]]:
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """The model's parameter shapes as a checkpoint stores them: transformers 5 holds a mixture of experts' experts
+    as 3-D tensors, which it saves one per expert and projection (`experts.<e>.gate_proj.weight`)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in model.state_dict().items():
+        bank, _, projection = name.rpartition(".")
+        if bank.endswith(".experts") and projection in ("gate_up_proj", "down_proj"):
+            experts, rows, columns = tensor.shape
+            for e in range(experts):
+                if projection == "down_proj":
+                    shapes[f"{bank}.{e}.down_proj.weight"] = (rows, columns)
+                else:
+                    shapes[f"{bank}.{e}.gate_proj.weight"] = shapes[f"{bank}.{e}.up_proj.weight"] = (rows // 2, columns)
+        else:
+            shapes[name] = tuple(tensor.shape)
     if tied:
         shapes.pop("lm_head.weight", None)
     return shapes
@@ -207,6 +227,9 @@ def test_dummy_preset_configs() -> None:
     llama8b = DUMMY_PRESETS["llama-3.1-8b"]
     params = sum(math.prod(shape) for shape in parameter_shapes(llama8b).values())
     assert params == 8_030_261_248  # Llama 3.1 8B's published count
+    moe = DUMMY_PRESETS["qwen3-30b-a3b"]
+    params = sum(math.prod(shape) for shape in parameter_shapes(moe).values())
+    assert params == 30_532_122_624  # Qwen3-30B-A3B's
 
 
 def test_dummy_weights_are_seeded_and_initialised(cache_dir: Path) -> None:

@@ -39,11 +39,27 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama-bias": (transformers.LlamaConfig, {"attention_bias": True, "num_key_value_heads": 1}),
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
-}
+    # Mixtures of experts: top-2 of 4 renormalised; top-3 of 8 small experts renormalised, the first layer dense;
+    # top-2 of 4 unnormalised beside a gated shared expert.
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
+         "mlp_only_layers": [0]},
+    ),
+    "qwen2-moe": (
+        transformers.Qwen2MoeConfig,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48},
+    ),
+}  # fmt: skip
 MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    transformers.MixtralConfig: transformers.MixtralForCausalLM,
+    transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
+    transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
 }
 
 
@@ -57,6 +73,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
         for name, param in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith("mlp.gate.weight"):  # routers far from uniform: no near-ties between experts
+                param.normal_(0.0, 1.0)
     config = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config)
     ours.load_weights(hf.state_dict().items())
@@ -204,3 +222,45 @@ def test_load_weights_rejects_missing_unknown_and_misshaped() -> None:
         model.load_weights([*state.items(), ("model.layers.0.mystery.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="shape"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
+    hf, _ = build_pair("mixtral")
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.experts.down_proj"}
+    with pytest.raises(ValueError, match=r"missing 4 weights, e.g. \['model.layers.1.mlp.experts\[0.down\]"):
+        get_model_class(config.architecture)(config).load_weights(state.items())
+    # One expert's tensor as checkpoints store it, of the wrong shape, is named in the error.
+    bad = {**state, "model.layers.1.block_sparse_moe.experts.3.w2.weight": torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=r"experts.3.down_proj.weight.*expert 3 down"):
+        get_model_class(config.architecture)(config).load_weights(bad.items())
+
+
+def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> None:
+    qwen2_moe = transformers.Qwen2MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=2,
+    )  # fmt: skip
+    config = ModelConfig.from_hf_config(qwen2_moe.to_dict())
+    assert [config.is_moe_layer(i) for i in range(2)] == [False, True]  # every second layer is sparse
+    assert config.attention_bias and not config.o_proj_bias and not config.norm_topk_prob
+    assert config.mlp_widths == {
+        "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48
+    }  # fmt: skip
+    mixtral = ModelConfig.from_hf_config(transformers.MixtralConfig(**SMALL, num_local_experts=4).to_dict())
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (4, 2, 96)
+    assert mixtral.norm_topk_prob and mixtral.mlp_widths == {"moe_intermediate_size": 96}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"model_type": "gemma2"}, r"unsupported model_type 'gemma2' \(Gemma 2 needs sliding-window .*supported: bert"),
+        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, llama"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "mistral with sliding-window attention"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "qwen2 with use_sliding_window"),
+    ],
+)
+def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config({**SMALL, **config})

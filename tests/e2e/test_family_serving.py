@@ -1,0 +1,44 @@
+"""A mixture-of-experts model served from a folder transformers saved: `ladle engine --model FOLDER
+--quantization none` behind `ladle gateway`, through the official openai SDK, greedy as transformers decodes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from ladle.client import EngineClient
+from tests.e2e.engine_process import EngineProcess, start_engine
+from tests.e2e.gateway_process import GatewayProcess, start_gateway
+from tests.families import hf_greedy, load_reference, save_family
+from tests.unit.test_family_engines import NUM_TOKENS, prompts
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, EngineProcess, GatewayProcess]]:
+    root = tmp_path_factory.mktemp("qwen3-moe")
+    folder = save_family(root / "model", "qwen3-moe")
+    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
+    gateway = start_gateway(root / "gateway.log", engine.address)
+    yield folder, engine, gateway
+    assert gateway.stop() == 0
+    assert engine.stop() == 0
+
+
+def test_the_openai_sdk_completes_as_transformers_greedy(served: tuple[Path, EngineProcess, GatewayProcess]) -> None:
+    from transformers import AutoTokenizer
+
+    folder, engine, gateway = served
+    with EngineClient(engine.address) as client:
+        info = client.model_info()
+    assert info.architecture == "qwen3_moe"
+    batch = prompts()
+    theirs = hf_greedy(load_reference(folder), batch, NUM_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
+    reply = sdk.completions.create(model=info.model_id, prompt=batch, max_tokens=NUM_TOKENS, temperature=0.0)
+    texts = [choice.text for choice in sorted(reply.choices, key=lambda choice: choice.index)]
+    assert texts == [tokenizer.decode(tokens) for tokens in theirs]
+    assert reply.usage is not None and reply.usage.completion_tokens == NUM_TOKENS * len(batch)

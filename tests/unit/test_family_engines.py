@@ -1,0 +1,79 @@
+"""Each newer decoder family served whole by the engine on its float path (`--quantization none`): greedy output
+equal to transformers' token for token, alone, batched, and with a prefix-cache hit; a mixture of experts also
+under tensor parallelism and speculative decoding. The models are tiny random ones saved by transformers
+(tests/families.py)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_server import LLM, SamplingParams
+from engine_server.config import CacheConfig, EngineConfig
+from tests.families import FAMILIES, VOCAB_SIZE, hf_greedy, load_reference, save_family
+
+pytestmark = pytest.mark.slow  # engines and transformers' models of their own
+
+NUM_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+SHARED_PREFIX = 48  # tokens the last prompt shares with the first: three 16-token blocks from the cache
+
+
+def prompts() -> list[list[int]]:
+    """8 prompts of 3 to 120 tokens; the last starts with the first's 48 tokens."""
+    rng = random.Random(7)
+    batch = [[rng.randrange(10, VOCAB_SIZE) for _ in range(length)] for length in (64, 3, 17, 120, 33, 1, 90)]
+    return [*batch, batch[0][:SHARED_PREFIX] + [rng.randrange(10, VOCAB_SIZE) for _ in range(20)]]
+
+
+def engine(folder: Path, **overrides: Any) -> LLM:
+    config = EngineConfig(
+        model=str(folder), device="cpu", quantization="none", cache=CacheConfig(memory_bytes=64 * 1024**2)
+    )
+    return LLM(config=config, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    """(name, saved folder, transformers' greedy tokens for `prompts()`)."""
+    folder = save_family(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, folder, hf_greedy(load_reference(folder), prompts(), NUM_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[list[int]]]]:
+    """Qwen2-MoE (experts, a gated shared expert and q/k/v biases all split under tensor parallelism), with
+    transformers' greedy tokens for `prompts()`."""
+    folder = save_family(tmp_path_factory.mktemp("qwen2-moe-tp"), "qwen2-moe")
+    yield folder, hf_greedy(load_reference(folder), prompts(), NUM_TOKENS)
+
+
+def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    return [result.choices[0].token_ids for result in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+
+def test_greedy_equals_transformers_alone_batched_and_from_the_prefix_cache(family: tuple[str, Path, Any]) -> None:
+    name, folder, theirs = family
+    batch = prompts()
+    with engine(folder) as llm:
+        assert tokens(llm, batch[:1]) == theirs[:1], name  # alone; its blocks stay in the cache
+        results = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [result.choices[0].token_ids for result in results] == theirs, name
+    assert results[-1].usage.cached_prompt_tokens >= SHARED_PREFIX, name
+
+
+def test_tensor_parallel_moe_equals_one_rank(moe_folder: tuple[Path, list[list[int]]]) -> None:
+    folder, theirs = moe_folder
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, prompts()) == theirs
+
+
+def test_speculative_decoding_on_moe_keeps_greedy_output(moe_folder: tuple[Path, list[list[int]]]) -> None:
+    folder, theirs = moe_folder
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:
+        assert tokens(llm, prompts()) == theirs
