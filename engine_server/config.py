@@ -8,16 +8,18 @@ its tokenizer where the engine is built (`engine_server.llm.engine_eos_ids`, for
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Architecture = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "bert"]
+Architecture = Literal["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "bert"]
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "phi3": "phi3",
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
@@ -29,7 +31,6 @@ _NOT_YET: dict[str, str] = {
     "gemma2": "Gemma 2 needs sliding-window attention and logit soft-capping, which are not implemented",
     "gemma3": "Gemma 3 needs sliding-window attention and its local rope, which are not implemented",
     "gemma3_text": "Gemma 3 needs sliding-window attention and its local rope, which are not implemented",
-    "phi3": "Phi-3's partial rotary and LongRoPE scaling are not implemented",
     "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -46,6 +47,20 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE (rope_type "longrope"): inverse frequencies divided per dimension by `short_factor`, or by
+    `long_factor` for a sequence longer than `original_max_position_embeddings`, and cos/sin scaled by
+    `attention_factor`. Which factors a token gets follows transformers: the long ones when its sequence, as of the
+    step that computes it, is longer than `original_max_position_embeddings` (so a prompt prefilled in one step is
+    all long or all short, and a sequence that grows past the limit gets the long ones from there on)."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections (`o_proj_bias`: and o_proj's).
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRope | None = None
+    # Phi-3 / Phi-4-mini: rope rotates only the first `partial_rotary_factor` of each head's dims; the rest pass.
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
@@ -109,6 +126,11 @@ class ModelConfig:
                 widths["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return widths
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's leading dims rope rotates (`head_dim` unless `partial_rotary_factor` < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
         return self.num_experts > 0 and index not in self.dense_layers
@@ -124,7 +146,8 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
-        if model_type in ("mistral", "mixtral") and cfg.get("sliding_window"):
+        window = cfg.get("sliding_window")
+        if model_type in ("mistral", "mixtral", "phi3") and window and window < cfg.get("max_position_embeddings", 0):
             raise ValueError(f"{model_type} with sliding-window attention is not supported yet")
         if model_type.startswith("qwen") and cfg.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window is not supported yet")
@@ -132,8 +155,11 @@ class ModelConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        scaling: RopeScaling | None = None
-        if rope_type == "llama3":
+        scaling: RopeScaling | LongRope | None = None
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
+            scaling = _long_rope(cfg, rope)
+        elif rope_type == "llama3":
             scaling = RopeScaling(
                 factor=float(rope["factor"]),
                 low_freq_factor=float(rope["low_freq_factor"]),
@@ -161,6 +187,7 @@ class ModelConfig:
             attention_bias=_attention_bias(arch, cfg),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -200,6 +227,22 @@ class ModelConfig:
             gelu_tanh=ENCODER_ACTIVATIONS[activation],
             num_labels=num_labels,
         )
+
+
+def _long_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
+    """A LongRoPE `rope_scaling` (`rope_parameters`), with transformers' default attention factor:
+    `sqrt(1 + ln(s) / ln(original))` for `s = max_position_embeddings / original` (1 when `s` <= 1)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(
+        short_factor=tuple(float(x) for x in rope["short_factor"]),
+        long_factor=tuple(float(x) for x in rope["long_factor"]),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+    )
 
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:

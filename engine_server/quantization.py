@@ -141,6 +141,8 @@ def _stored_weight(
 
     `linear` says the slice (parallel.layers): a column-parallel layer's rows of each part, a row-parallel one's
     input columns, the LM head's vocab rows (and zero rows for its padding); at size 1, all of it."""
+    if isinstance(linear, ColumnParallelLinear) and len(linear.parts) > 1 and f"{name}.weight" in stored:
+        return _stored_fused(stored[f"{name}.weight"], linear)
     if name == "lm_head" and tied:
         parts = ["model.embed_tokens"]
     else:
@@ -169,6 +171,16 @@ def _stored_weight(
 # Layers that stay float under int8: a mixture of experts' router (its logits choose the experts, top-k of them, so
 # a rounding step can change the choice) and the shared expert's one-output gate.
 _FLOAT_ROUTERS = (".mlp.gate", ".mlp.shared_expert_gate")
+
+
+def _stored_fused(matrix: StoredMatrix, linear: ColumnParallelLinear) -> QuantizedWeight:
+    """This rank's rows of a fused layer the file stores fused (Phi-3's `attn_qkv`, its `ffn_up` holding gate and
+    up): each part's kept rows, at the part's offset in the stored matrix."""
+    shards, offset = [], 0
+    for part in linear.parts:
+        shards.append(matrix.read(range(offset + part.rows.start, offset + part.rows.stop)))
+        offset += part.full
+    return concat_rows(shards)
 
 
 def _int8_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:

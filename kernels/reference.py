@@ -76,6 +76,28 @@ def build_cos_sin_cache(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
+def build_longrope_cos_sin_cache(
+    rotary_dim: int,
+    max_positions: int,
+    theta: float,
+    short_factor: tuple[float, ...],
+    long_factor: tuple[float, ...],
+    attention_factor: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """LongRoPE (Phi-3): `[2 * max_positions, D]`, the short factors' rows then the long factors' (a token that
+    takes the long ones reads row `max_positions + p`). Each is `build_cos_sin_cache`'s row with the inverse
+    frequencies divided by the factors, times `attention_factor`, as transformers computes them in float32."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    halves = []
+    for factors in (short_factor, long_factor):
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+        freqs = torch.outer(positions, inv_freq)
+        halves.append(torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1))
+    return torch.cat(halves).to(dtype)
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,3 +299,19 @@ def int8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torc
     weight = qs.reshape(qs.shape[0], -1, QUANT_GROUP).float() * scales.float().unsqueeze(-1)
     weight = weight.reshape(qs.shape[0], -1).to(x.dtype)
     return torch.nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """A mixture of experts' SwiGLU experts: x `[T, H]`, w13 `[E, 2I, H]` (each expert's gate rows, then up),
+    w2 `[E, H, I]`, each token's routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype:
+    `sum_j weights[t, j] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t]))` for `e = experts[t, j]`, computed in
+    float32 one (token, choice) pair at a time (the experts' weights gathered per pair: a reference, not fast)."""
+    tokens, top_k = experts.shape
+    pairs = experts.flatten()
+    rows = x.float().repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [P, H, 1]
+    gate_up = torch.bmm(w13.float()[pairs], rows).squeeze(-1)  # [P, 2I]
+    hidden = silu_and_mul(gate_up).unsqueeze(-1)  # [P, I, 1]
+    out = torch.bmm(w2.float()[pairs], hidden).squeeze(-1) * weights.float().reshape(-1, 1)  # [P, H]
+    return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -11,10 +11,12 @@ float rounding could flip.
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_server.loader import resolve_model
@@ -30,10 +32,25 @@ _SHAPE: dict[str, Any] = dict(
     max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
-# Each family's transformers config class and what sets its quirks apart. MoE: Mixtral's top-2 of 4 renormalised;
-# Qwen3-MoE's top-3 of 8 small experts renormalised, one dense layer; Qwen2-MoE's top-2 of 4 not renormalised,
-# beside a sigmoid-gated shared expert, with q/k/v biases.
+# Phi-3 (LongRoPE): rope over 12 of each head's 16 dims, short factors up to 32 tokens, long ones past that (the
+# tests' prompts are either side of it, and some cross it while they decode).
+PHI3_ROTARY_PAIRS = 6
+PHI3_LONGROPE = {
+    "rope_type": "longrope", "original_max_position_embeddings": 32,
+    "short_factor": [1.0 + 0.25 * i for i in range(PHI3_ROTARY_PAIRS)],
+    "long_factor": [3.0 + 2.0 * i for i in range(PHI3_ROTARY_PAIRS)],
+}  # fmt: skip
+# Each family's transformers config class and what sets its quirks apart. Phi-3: fused qkv_proj and gate_up_proj
+# checkpoints, and in the second partial rotary with LongRoPE. MoE: Mixtral's top-2 of 4 renormalised; Qwen3-MoE's
+# top-3 of 8 small experts renormalised, one dense layer; Qwen2-MoE's top-2 of 4 not renormalised, beside a
+# sigmoid-gated shared expert, with q/k/v biases.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "phi3-longrope": (
+        "Phi3Config",
+        {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "partial_rotary_factor": 0.75,
+         "original_max_position_embeddings": 32, "rope_scaling": PHI3_LONGROPE},
+    ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen3-moe": (
         "Qwen3MoeConfig",
@@ -101,3 +118,80 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
             step_input, positions = steps[-1][:, None], positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
     return torch.stack(steps, dim=1).tolist()
+
+
+# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for the checkpoint names of the families written to GGUF here.
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> Path:
+    """`folder`'s Phi-3 as llama.cpp's converter writes it: its metadata, LongRoPE factors as tensors, the
+    embedded tokenizer's vocabulary, norms and embeddings in F32, the attention projections in `attention`'s
+    and the MLP's in `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s); returns `path`."""
+    import json
+
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    rope = config["rope_parameters"]
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    head_dim = hidden // heads
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_sliding_window(0)
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
+    writer.add_token_types([3 if i < 17 else 1 for i in range(len(tokens))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        writer.add_chat_template(template.read_text())
+    else:
+        writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        stem, param = name.rsplit(".", 1)
+        kind_type = None  # norms and embeddings stay F32
+        if stem.startswith("model.layers."):
+            layer, kind = stem.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[kind]}.{param}"
+            if kind.startswith("mlp."):
+                kind_type = feed_forward
+            elif kind.startswith("self_attn."):
+                kind_type = attention
+        else:
+            gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}"
+        array = tensor.float().numpy()
+        if kind_type is None or kind_type == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        else:
+            writer.add_tensor(gguf_name, quantize(array, kind_type), raw_dtype=kind_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -31,6 +31,7 @@ class PagedSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.rotary_dim = config.rotary_dim
         self.scale = self.head_dim**-0.5
         parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, self.head_dim, tp.size, tp.rank)
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
@@ -49,7 +50,8 @@ class PagedSelfAttention(nn.Module):
         meta: AttentionMetadata,
         ops: KernelOps,
     ) -> torch.Tensor:
-        """hidden `[T, hidden]` -> `[T, hidden]`; writes this step's K/V into `kv_cache` before attending."""
+        """hidden `[T, hidden]` -> `[T, hidden]`; writes this step's K/V into `kv_cache` before attending.
+        `positions` are the tokens' rows of `cos_sin_cache` (`DecoderModel.rope_rows`)."""
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -58,7 +60,15 @@ class PagedSelfAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
-        q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        if self.rotary_dim == self.head_dim:
+            q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        else:  # partial rotary (Phi-3 style): the leading rotary_dim dims turn, the rest pass as they are
+            dim = self.rotary_dim
+            q_turned, k_turned = ops.rotary_embedding(
+                positions, q[..., :dim].contiguous(), k[..., :dim].contiguous(), cos_sin_cache
+            )
+            q = torch.cat((q_turned, q[..., dim:]), dim=-1)
+            k = torch.cat((k_turned, k[..., dim:]), dim=-1)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache, meta, self.scale)
         return self.tp.all_reduce_sum(self.o_proj(out.reshape(tokens, self.q_size)))

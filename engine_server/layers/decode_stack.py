@@ -22,10 +22,10 @@ from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does
-    not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), a mixture of experts, weights not
-    on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
-    parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
-    buffers)."""
+    not apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), a mixture of experts, partial
+    rotary or LongRoPE (Phi-3), weights not on the CPU or not float32, a head dim the attention kernel is not built
+    for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce (which the stack then runs
+    between its layers, on the same buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
@@ -34,7 +34,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     if model.tp.size > 1 and reduce is None:
         return None
     first = layers[0].self_attn
-    if first.head_dim not in HEAD_DIMS:
+    if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
         return None
     projections: list[list[QuantizedLinear]] = []
     for layer in layers:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import ModelConfig
+from engine_server.config import LongRope, ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
@@ -17,7 +17,7 @@ from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from kernels.kernel_set import KernelOps
-from kernels.reference import build_cos_sin_cache
+from kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
@@ -58,6 +58,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden, ops), residual
 
 
+def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens: int) -> torch.Tensor:
+    """`[T]` bool: whether each token's sequence is longer than `longer_than` as of this step."""
+    long = meta.seq_lens > longer_than
+    if meta.max_query_len == 1:
+        return long  # one token per sequence (a decode step): no gather, so a CUDA graph records it as it is
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+    return torch.repeat_interleave(long, query_lens, output_size=tokens)
+
+
 class DecodeStack(Protocol):
     """All layers of a step in one native call (`torch.classes.ladle_cpu.DecodeStack`, built by
     `layers.decode_stack.build_decode_stack`): the same kernels in the same order as `DecoderModel`'s layers, so
@@ -95,15 +104,34 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        cache = build_cos_sin_cache(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
-        )
+        scaling = config.rope_scaling
+        # LongRoPE: a second table of rows for the tokens of sequences past `original_max_position_embeddings`.
+        self.long_rope_after: int | None = None
+        if isinstance(scaling, LongRope):
+            self.long_rope_after = scaling.original_max_position_embeddings
+            cache = build_longrope_cos_sin_cache(
+                config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling.short_factor,
+                scaling.long_factor, scaling.attention_factor, dtype,
+            )  # fmt: skip
+        else:
+            cache = build_cos_sin_cache(
+                config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype
+            )
+        self.max_positions = config.max_position_embeddings
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         # The second forward path: `layers.decode_stack.build_decode_stack(self)`, set once the weights are final
         # (quantization.quantize_model sets it only with ops whose attention takes every token as a decode row of
         # its own). When set, it runs every step in place of the layers below.
         self.decode_stack: DecodeStack | None = None
+
+    def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The `cos_sin_cache` row of each token: its position, or with LongRoPE its position in the long factors'
+        table for the tokens of sequences longer than `original_max_position_embeddings` as of this step."""
+        if self.long_rope_after is None:
+            return positions
+        long = _tokens_of_long_sequences(meta, self.long_rope_after, positions.shape[0])
+        return positions + long.to(positions.dtype) * self.max_positions
 
     def forward(
         self,
@@ -127,8 +155,9 @@ class DecoderModel(nn.Module):
             return stacked
         residual: torch.Tensor | None = None
         cos_sin = self.get_buffer("cos_sin_cache")
+        rope_rows = self.rope_rows(positions, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, cos_sin, meta, ops)
+            hidden, residual = layer(rope_rows, hidden, residual, kv_cache, cos_sin, meta, ops)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         assert residual is not None, "a model has at least one layer"

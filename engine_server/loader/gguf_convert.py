@@ -46,25 +46,31 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one tensor, as its checkpoints hold them
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's llama.cpp names mean something else: Phi-3's `ffn_up` is its fused gate_up_proj.
+_ARCHITECTURE_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_CONSUMED = {"rope_freqs.weight"}  # folded into config.json's rope_scaling
+# Folded into config.json's rope_scaling: llama3's divisors, LongRoPE's factors.
+_CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a GGUF tensor; None if unknown or already folded into the config."""
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """The HF parameter name of a GGUF tensor of a file of `architecture` (its `general.architecture`); None if
+    unknown or already folded into the config."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCHITECTURE_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, kind, param = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{param}"
+    return f"model.layers.{layer}.{names[kind]}.{param}"
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -84,7 +90,7 @@ def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> It
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config["model_type"])
         if name is None:
             raise ValueError(f"model {spec!r}: unexpected GGUF tensor {tensor.name!r}")
         try:

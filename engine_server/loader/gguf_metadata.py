@@ -1,4 +1,4 @@
-"""GGUF metadata → a Hugging Face `config.json` dict (llama / qwen2 / qwen3 `<arch>.*` keys)."""
+"""GGUF metadata → a Hugging Face `config.json` dict (llama / qwen2 / qwen3 / phi3 `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 # Llama 3.x files carry their rope scaling only as a `rope_freqs` tensor of per-frequency divisors; these are
@@ -87,6 +88,14 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         "eos_token_id": [eos, int(eot)] if eot is not None and int(eot) != eos else eos,
         "torch_dtype": "float32",
     }
+    rope_dims = read_field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        config["partial_rotary_factor"] = int(rope_dims) / head_dim
+    window = read_field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+    if "rope_factors_long.weight" in tensors:
+        config.update(_long_rope_config(reader, arch, tensors, spec))
     if "rope_freqs.weight" in tensors:
         freqs = dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
         original = int(read_field(reader, f"{arch}.rope.scaling.original_context_length", 0)) or None
@@ -94,6 +103,29 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
             np.asarray(freqs, dtype=np.float64).ravel(), rope_theta, head_dim, original, spec
         )
     return config
+
+
+def _long_rope_config(reader: GGUFReader, arch: str, tensors: dict[str, Any], spec: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp stores it (`rope_factors_long` / `rope_factors_short` tensors, the original
+    context length and the attention factor) -> config.json's `rope_scaling` and `original_max_position_embeddings`."""
+    original = read_field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None or "rope_factors_short.weight" not in tensors:
+        raise ValueError(f"model {spec!r}: LongRoPE factors without short factors or an original context length")
+
+    def factors(name: str) -> list[float]:
+        tensor = tensors[name]
+        return [_short_float(x) for x in np.asarray(dequantize(tensor.data, tensor.tensor_type)).ravel()]
+
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": factors("rope_factors_long.weight"),
+        "short_factor": factors("rope_factors_short.weight"),
+        "original_max_position_embeddings": int(original),
+    }
+    attention = read_field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = _short_float(attention)
+    return {"rope_scaling": scaling, "original_max_position_embeddings": int(original)}
 
 
 def llama3_rope_factors(

@@ -68,7 +68,7 @@ def stored_matrices(
     permuted = model_type == "llama"
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
-        name = hf_tensor_name(gguf_name)
+        name = hf_tensor_name(gguf_name, model_type)
         if name is None or data.ndim != 2:
             continue
         blocks = data.reshape(data.shape[0], -1, _BLOCK_BYTES[kind])

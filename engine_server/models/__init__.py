@@ -7,6 +7,7 @@ from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
+from engine_server.models.phi3 import Phi3ForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM
 from engine_server.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine_server.models.qwen3 import Qwen3ForCausalLM
@@ -19,12 +20,13 @@ StepModel = CausalLM | BertEncoder
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
-    """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "mixtral",
+    """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3", "mixtral",
     "qwen2_moe", "qwen3_moe"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
         "qwen3": Qwen3ForCausalLM,
+        "phi3": Phi3ForCausalLM,
         "mixtral": MixtralForCausalLM,
         "qwen2_moe": Qwen2MoeForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -147,11 +148,17 @@ class CausalLM(nn.Module):
             module = modules.get(target)
             if module is None or kind not in ("weight", "bias"):
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            # A fused layer stored fused (Phi-3's qkv_proj and gate_up_proj): every part at once.
+            fused_whole = not shard and isinstance(module, ColumnParallelLinear) and len(module.parts) > 1
+            shards = [s for f, _, s in FUSED_SHARDS if target.endswith(f".{f}")] if fused_whole else [shard]
             try:
-                _load_into(module, kind, shard, tensor)
+                if fused_whole:
+                    _load_fused(cast(ColumnParallelLinear, module), tensor)
+                else:
+                    _load_into(module, kind, shard, tensor)
             except ValueError as error:
                 raise ValueError(f"weight {name!r}: {error}") from None
-            loaded.add((f"{target}.{kind}", shard))
+            loaded.update((f"{target}.{kind}", s) for s in shards)
         expected = self._expected_shards(dict(self.named_parameters()))
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:
@@ -207,6 +214,18 @@ class CausalLM(nn.Module):
             shards = [s for fused, _, s in FUSED_SHARDS if f".{fused}." in name] or [""]
             expected.update((name, s) for s in shards)
         return expected
+
+
+def _load_fused(module: ColumnParallelLinear, tensor: CheckpointTensor) -> None:
+    """Copy a fused layer's whole checkpoint tensor (its parts' rows one after another, e.g. `cat(q, k, v)`) into
+    `module`, part by part, each keeping this rank's rows; ValueError when the rows do not add up."""
+    total = sum(part.full for part in module.parts)
+    if tensor.shape[0] != total:
+        raise ValueError(f"has {tensor.shape[0]} rows, expected the {total} of its parts")
+    offset = 0
+    for index, part in enumerate(module.parts):
+        module.load_part(index, tensor.narrow(0, offset, part.full))
+        offset += part.full
 
 
 def _load_into(module: nn.Module, kind: str, shard: str, tensor: CheckpointTensor) -> None:

@@ -253,7 +253,12 @@ class ParallelExperts(nn.Module):
 
         Tokens are grouped by expert: each expert that any token chose runs once over all of its tokens (one GEMM for
         gate/up, one for down), and adds its weighted output into theirs, experts in ascending order (as transformers
-        sums them). `activation` is the backend's `silu_and_mul`."""
+        sums them). `activation` is the backend's `silu_and_mul`. On CUDA the Triton fused-MoE kernel runs
+        instead (`kernels.fused_moe`: the same sums, each token's choices added in choice order)."""
+        if x.is_cuda:
+            from kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
+
+            return fused_moe(x, self.w13, self.w2, weights, experts)
         k = experts.shape[1]
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)

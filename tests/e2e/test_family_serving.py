@@ -12,8 +12,8 @@ import pytest
 from ladle.client import EngineClient
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
-from tests.families import hf_greedy, load_reference, save_family
-from tests.unit.test_family_engines import NUM_TOKENS, prompts
+from tests.families import save_family
+from tests.unit.test_family_engines import NUM_TOKENS, prompts, reference_tokens
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_the_openai_sdk_completes_as_transformers_greedy(served: tuple[Path, Eng
         info = client.model_info()
     assert info.architecture == "qwen3_moe"
     batch = prompts()
-    theirs = hf_greedy(load_reference(folder), batch, NUM_TOKENS)
+    theirs = reference_tokens(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     reply = sdk.completions.create(model=info.model_id, prompt=batch, max_tokens=NUM_TOKENS, temperature=0.0)

@@ -1,7 +1,8 @@
 """Each newer decoder family served whole by the engine on its float path (`--quantization none`): greedy output
 equal to transformers' token for token, alone, batched, and with a prefix-cache hit; a mixture of experts also
 under tensor parallelism and speculative decoding. The models are tiny random ones saved by transformers
-(tests/families.py)."""
+(tests/families.py). Phi-3 with LongRoPE: prompts on both sides of its 32-token limit, one crossing it while it
+decodes, each prefilled in one step (as transformers' generate computes a prompt)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,18 @@ def engine(folder: Path, **overrides: Any) -> LLM:
     return LLM(config=config, **overrides)
 
 
+def reference_tokens(folder: Path) -> list[list[int]]:
+    """transformers' greedy tokens for each of `prompts()`, decoded alone (LongRoPE picks its factors by the
+    longest sequence of a batch, so a batch would not give each prompt what it gets alone)."""
+    model = load_reference(folder)
+    return [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in prompts()]
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
     """(name, saved folder, transformers' greedy tokens for `prompts()`)."""
     folder = save_family(tmp_path_factory.mktemp(request.param), request.param)
-    return request.param, folder, hf_greedy(load_reference(folder), prompts(), NUM_TOKENS)
+    return request.param, folder, reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +57,7 @@ def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path,
     """Qwen2-MoE (experts, a gated shared expert and q/k/v biases all split under tensor parallelism), with
     transformers' greedy tokens for `prompts()`."""
     folder = save_family(tmp_path_factory.mktemp("qwen2-moe-tp"), "qwen2-moe")
-    yield folder, hf_greedy(load_reference(folder), prompts(), NUM_TOKENS)
+    yield folder, reference_tokens(folder)
 
 
 def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 import transformers
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from engine_server.config import ModelConfig
+from engine_server.config import LongRope, ModelConfig
 from engine_server.models import CausalLM, get_model_class
 
 BLOCK_SIZE = 4
@@ -39,6 +40,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama-bias": (transformers.LlamaConfig, {"attention_bias": True, "num_key_value_heads": 1}),
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
+    # Phi-3: fused checkpoint tensors; partial rotary with LongRoPE's short factors (the sequences here stay below
+    # original_max_position_embeddings: tests/unit/test_family_engines.py crosses it).
+    "phi3": (transformers.Phi3Config, {"pad_token_id": 0}),
+    "phi3-longrope": (
+        transformers.Phi3Config,
+        {"pad_token_id": 0, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 200,
+         "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 200,
+                          "short_factor": [1.0 + 0.25 * i for i in range(6)], "long_factor": [4.0] * 6}},
+    ),
     # Mixtures of experts: top-2 of 4 renormalised; top-3 of 8 small experts renormalised, the first layer dense;
     # top-2 of 4 unnormalised beside a gated shared expert.
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
@@ -57,6 +67,7 @@ MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    transformers.Phi3Config: transformers.Phi3ForCausalLM,
     transformers.MixtralConfig: transformers.MixtralForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
@@ -257,10 +268,39 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
     [
         ({"model_type": "gemma2"}, r"unsupported model_type 'gemma2' \(Gemma 2 needs sliding-window .*supported: bert"),
         ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, llama"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "mistral with sliding-window attention"),
+        ({"model_type": "mistral", "sliding_window": 64}, "mistral with sliding-window attention"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "qwen2 with use_sliding_window"),
     ],
 )
 def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config({**SMALL, **config})
+
+
+def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> None:
+    factors = {"short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
+    new = transformers.Phi3Config(
+        **{**SMALL, "max_position_embeddings": 1024}, pad_token_id=0, partial_rotary_factor=0.75,
+        original_max_position_embeddings=64, rope_scaling={"rope_type": "longrope", **factors},
+    )  # fmt: skip
+    old = {  # an early Phi-3 config.json: rope_scaling of type "su", the limit at the top level
+        **SMALL, "model_type": "phi3", "max_position_embeddings": 1024, "original_max_position_embeddings": 64,
+        "partial_rotary_factor": 0.75, "rope_scaling": {"type": "su", **factors},
+    }  # fmt: skip
+    for raw in (new.to_dict(), old):
+        config = ModelConfig.from_hf_config(raw)
+        assert (config.architecture, config.rotary_dim, config.head_dim) == ("phi3", 12, 16)
+        scaling = config.rope_scaling
+        assert isinstance(scaling, LongRope) and scaling.original_max_position_embeddings == 64
+        assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(16) / math.log(64)))
+    with pytest.raises(ValueError, match="phi3 with sliding-window attention"):
+        ModelConfig.from_hf_config({**old, "sliding_window": 256})
+
+
+def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:
+    hf, _ = build_pair("phi3")
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    state = dict(hf.state_dict())
+    state["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(100, 64)
+    with pytest.raises(ValueError, match=r"qkv_proj.weight.*has 100 rows, expected the 128 of its parts"):
+        get_model_class(config.architecture)(config).load_weights(state.items())

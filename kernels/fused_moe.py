@@ -1,0 +1,140 @@
+"""A mixture of experts' SwiGLU experts on the GPU: token-expert pairs sorted by expert, two grouped GEMMs.
+
+`fused_moe` is `kernels.reference.fused_moe`. Each token's k choices are k (token, expert) pairs; the pairs are
+sorted by expert and each expert's run padded to a whole number of BLOCK_M rows (`align_pairs`, torch ops of
+fixed shapes: no host sync, so a CUDA graph can record it), so every M-block of the sorted list belongs to one
+expert. One launch of `_grouped_gemm_kernel` then multiplies each block's rows of x by its expert's `w13` (gate
+and up together, `[P, 2I]`), SiLU-and-mul follows, and a second launch multiplies by the expert's `w2` and scales
+each pair by its routing weight (`[P, H]`); the k pairs of a token are summed last. Padding rows of a block are
+masked; blocks past the last expert's run do nothing. Accumulation is float32 (IEEE for float32 inputs), so the
+result matches the reference to float rounding; the pairs of a token are summed in choice order, not expert
+order as the CPU path sums them.
+
+The block sizes are a first guess, not yet tuned on hardware.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels._checks import check_dtype, check_same_device, check_shape, unit_last_stride
+from kernels._dot import dot
+from kernels.reference import silu_and_mul
+
+_BLOCK_M = 16
+_BLOCK_N = 64
+_BLOCK_K = 32
+
+
+def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-expert pairs (`experts` `[T, k]`, pair `p = t * k + j`) sorted by expert into runs padded to
+    multiples of `block_m`: (pair ids `[T*k + E*(block_m - 1)]`, `T*k` in padding and unused rows; the expert of
+    each block of `block_m` rows `[len / block_m]`, -1 for blocks past the last run). Shapes depend only on T, k,
+    E and `block_m`; pairs of one expert keep their order."""
+    flat = experts.flatten().long()
+    pairs = flat.numel()
+    capacity = pairs + num_experts * (block_m - 1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    sorted_experts = flat[order]
+    rank = torch.arange(pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    destination = (padded_ends - padded)[sorted_experts] + rank
+    pair_ids = torch.full((capacity,), pairs, dtype=torch.long, device=flat.device)
+    pair_ids.scatter_(0, destination, order)
+    block_starts = torch.arange(0, capacity, block_m, device=flat.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
+    return pair_ids, torch.where(block_experts < num_experts, block_experts, -1)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, pair_weights_ptr,
+    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
+    A_ROWS_PER_PAIR_DIV: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """Program (m, n): for block m of the sorted pairs, whose expert is e, out[pair, n-block] =
+    a[pair // A_ROWS_PER_PAIR_DIV, :] @ w[e, n-block, :].T (times the pair's weight with SCALE), in float32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ids_ptr + slots)
+    pair_ok = pairs < num_pairs
+    a_rows = (pairs // A_ROWS_PER_PAIR_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=pair_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = dot(a, w, acc, "ieee", UPCAST_DOT)
+    if SCALE:
+        acc = acc * tl.load(pair_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    pair_ids: torch.Tensor,
+    block_experts: torch.Tensor,
+    num_pairs: int,
+    a_rows_per_pair: int,
+    pair_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """`[num_pairs, N]`: each pair's row of `a` (row `pair // a_rows_per_pair`) times its expert's `w[e].T`."""
+    out = torch.empty(num_pairs, w.shape[1], dtype=a.dtype, device=a.device)
+    grid = (block_experts.numel(), triton.cdiv(w.shape[1], _BLOCK_N))
+    _grouped_gemm_kernel[grid](
+        a, w, out, pair_ids, block_experts, pair_weights if pair_weights is not None else a,
+        num_pairs, w.shape[1], w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROWS_PER_PAIR_DIV=a_rows_per_pair, SCALE=pair_weights is not None,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        UPCAST_DOT=a.dtype == torch.bfloat16 and isinstance(_grouped_gemm_kernel, InterpretedFunction),
+    )  # fmt: skip
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """`kernels.reference.fused_moe` on the GPU (module doc): x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`,
+    routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype. Raises ValueError on dtypes, shapes or
+    devices the kernels cannot read."""
+    check_dtype("x", x)
+    check_dtype("w13", w13, (x.dtype,))
+    check_dtype("w2", w2, (x.dtype,))
+    check_same_device(x=x, w13=w13, w2=w2, weights=weights, experts=experts)
+    if x.dim() != 2 or w13.dim() != 3 or experts.dim() != 2:
+        raise ValueError(f"x must be 2-d, w13 3-d, experts 2-d; got {x.dim()}, {w13.dim()}, {experts.dim()}")
+    tokens, hidden = x.shape
+    num_experts, double_inter, _ = w13.shape
+    check_shape("w13", w13, (num_experts, double_inter, hidden))
+    check_shape("w2", w2, (num_experts, hidden, double_inter // 2))
+    check_shape("weights", weights, tuple(experts.shape))
+    top_k = experts.shape[1]
+    if tokens == 0:
+        return x.new_zeros(0, hidden)
+    x = unit_last_stride(x)
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    pair_ids, block_experts = align_pairs(experts, num_experts, _BLOCK_M)
+    num_pairs = tokens * top_k
+    gate_up = _grouped_gemm(x, w13, pair_ids, block_experts, num_pairs, top_k, None)
+    down = _grouped_gemm(
+        silu_and_mul(gate_up), w2, pair_ids, block_experts, num_pairs, 1, weights.reshape(-1).float().contiguous()
+    )
+    return down.view(tokens, top_k, hidden).sum(dim=1)
