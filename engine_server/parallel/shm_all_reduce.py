@@ -17,8 +17,11 @@ has arrived at that next call and so has finished reading this one: no second ba
 
 The counters are plain stores and loads: this relies on the stores of one process becoming visible to the others
 in program order (x86-64's total store order), so `supported()` says yes only there; elsewhere gloo is used.
-Waiting ranks spin with `sched_yield`, so more ranks than cores still make progress. A rank that dies while the
-others wait leaves them waiting: the engine's watchers end every process then (engine_server.workers).
+Waiting ranks spin with `sched_yield` for up to `SPIN_BEFORE_NAPPING_S`, then nap `NAP_S` between looks: with a
+core per rank the others arrive within the spin and a step pays nothing; with more ranks than cores (or other work
+on them) a rank that spun on would hold a core the rank it waits for needs (on 2 cores at TP=3, about half of
+every rank's CPU went to spinning). A rank that dies while the others wait leaves them waiting: the engine's
+watchers end every process then (engine_server.workers).
 Tensors larger than a slot, or of another dtype, go through gloo.
 
 The C++ decode stack (kernels/cpu/decoder.cpp) runs the same steps between its layers, on the same buffers and
@@ -30,9 +33,14 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import dataclass
 
 import torch
+
+# The C++ decode stack's wait (kernels/cpu/decoder.cpp) uses the same two values.
+SPIN_BEFORE_NAPPING_S = 50e-6
+NAP_S = 50e-6
 
 
 def supported() -> bool:
@@ -82,8 +90,13 @@ class ShmAllReduce:
         bank[self.rank, :n].copy_(flat)
         self._arrivals[self.rank] = call
         arrivals = self._arrivals
-        while arrivals.min() < call:
-            os.sched_yield()
+        if arrivals.min() < call:
+            nap_from = time.monotonic() + SPIN_BEFORE_NAPPING_S
+            while arrivals.min() < call:
+                if time.monotonic() < nap_from:
+                    os.sched_yield()
+                else:
+                    time.sleep(NAP_S)
         tensor.copy_(bank[0, :n].view(tensor.shape))
         for rank in range(1, self.size):
             tensor.add_(bank[rank, :n].view(tensor.shape))

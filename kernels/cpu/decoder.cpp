@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <sched.h>
+#include <time.h>
 
 #include <chrono>
 #include <cstdint>
@@ -57,6 +58,25 @@ struct Layer {
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
 // `ShmAllReduce.all_reduce_sum`, step for step. `counters` is that end's: [0] the call count both ends advance,
 // then this end's calls, bytes and nanoseconds.
+// How long a rank waiting for the others spins (yielding the core) before it naps between looks, and the nap: with
+// a core per rank the others arrive within the spin, and a step pays nothing; with more ranks than cores (or other
+// work on them), a rank that spun on would take a core from the very rank it waits for.
+constexpr auto kSpinBeforeNapping = std::chrono::microseconds(50);
+constexpr timespec kNap{0, 50'000};
+
+// Returns once `*counter` >= `call` (another process's release store).
+void wait_until_arrived(const int64_t* counter, int64_t call) {
+  if (__atomic_load_n(counter, __ATOMIC_ACQUIRE) >= call) return;
+  const auto nap_from = std::chrono::steady_clock::now() + kSpinBeforeNapping;
+  while (__atomic_load_n(counter, __ATOMIC_ACQUIRE) < call) {
+    if (std::chrono::steady_clock::now() < nap_from) {
+      sched_yield();
+    } else {
+      nanosleep(&kNap, nullptr);
+    }
+  }
+}
+
 struct ShmAllReduce {
   at::Tensor slots;     // [2, size, capacity] float32, in shared memory
   at::Tensor arrivals;  // [size] int64, in shared memory: each rank's last call
@@ -80,7 +100,7 @@ struct ShmAllReduce {
     int64_t* arrived = arrivals.data_ptr<int64_t>();
     __atomic_store_n(arrived + rank, call, __ATOMIC_RELEASE);
     for (int64_t r = 0; r < size; ++r) {
-      while (__atomic_load_n(arrived + r, __ATOMIC_ACQUIRE) < call) sched_yield();
+      wait_until_arrived(arrived + r, call);
     }
     std::memcpy(out, bank, n * sizeof(float));
     for (int64_t r = 1; r < size; ++r) {  // rank order: every rank adds the same values in the same order
