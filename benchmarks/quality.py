@@ -137,6 +137,17 @@ def reference_log_probs(reference: LLM, sequences: tuple[list[list[int]], list[l
     return [torch.log_softmax(rows[start:-1], dim=-1) for rows, start in zip(logits, starts, strict=True)]
 
 
+# The float model's greedy continuations of the prompts (`greedy_sequences`) and its log-probabilities along them
+# (`reference_log_probs`): what every candidate is compared with.
+FloatReference = tuple[tuple[list[list[int]], list[list[int]]], list[torch.Tensor]]
+
+
+def reference_of(reference: LLM, prompts: Sequence[str], num_tokens: int) -> FloatReference:
+    """`reference`'s greedy continuations of `prompts` and its log-probabilities along them."""
+    sequences = greedy_sequences(reference, prompts, num_tokens)
+    return sequences, reference_log_probs(reference, sequences)
+
+
 def compare(
     reference: list[torch.Tensor], candidate: LLM, name: str, prompts: Sequence[str], num_tokens: int,
     sequences: tuple[list[list[int]], list[list[int]]],
@@ -168,12 +179,13 @@ def compare(
 def measure(
     model: str = "default", formats: Sequence[str] = ("gguf", "int8"), num_tokens: int = 64,
     prompts: Sequence[str] = QUALITY_PROMPTS, reference: LLM | None = None, tensor_parallel_size: int = 1,
+    float_reference: FloatReference | None = None,
 ) -> list[QualityResult]:  # fmt: skip
     """Every format in `formats` (at `tensor_parallel_size`) against the float model at TP=1 (`reference`, loaded
-    here when None)."""
-    reference = reference or make_llm(model, "none")
-    sequences = greedy_sequences(reference, prompts, num_tokens)
-    log_probs = reference_log_probs(reference, sequences)
+    here when None), or against `float_reference`, what `reference_of` gave for the same prompts and tokens."""
+    if float_reference is None:
+        float_reference = reference_of(reference or make_llm(model, "none"), prompts, num_tokens)
+    sequences, log_probs = float_reference
     results = []
     for name in formats:
         with make_llm(model, name, tensor_parallel_size) as candidate:

@@ -68,12 +68,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Folders whose tests share package-scoped processes (an engine and gateway of their own): on xdist workers each
 # goes to one worker whole, so those processes start once rather than once per worker that draws one of its files.
 SHARED_PROCESS_PACKAGES = ("tests/fuzz/", "tests/adversarial/")
+# Files that use the session's `float_reference` (the float engine's greedy continuations and log-probabilities,
+# ~30 s of CPU): one unit on one worker, so it is computed once.
+FLOAT_REFERENCE_FILES = (
+    "tests/unit/test_engine_exact.py", "tests/unit/test_quantization.py", "tests/unit/parallel/test_tp_engine.py",
+)  # fmt: skip
+FLOAT_REFERENCE_TOKENS = 64
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under `--dist loadfile`, xdist's file-per-worker scheduling with each SHARED_PROCESS_PACKAGES folder as one
-    unit (None, xdist's own choice, for any other mode)."""
+    """Under `--dist loadfile`, xdist's file-per-worker scheduling with each SHARED_PROCESS_PACKAGES folder, and
+    FLOAT_REFERENCE_FILES, as one unit (None, xdist's own choice, for any other mode)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -81,6 +87,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class PackageOrFileScheduling(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path in FLOAT_REFERENCE_FILES:
+                return FLOAT_REFERENCE_FILES[0]
             return next((package for package in SHARED_PROCESS_PACKAGES if path.startswith(package)), path)
 
     return PackageOrFileScheduling(config, log)
@@ -113,6 +121,17 @@ def llm() -> Any:
         config=EngineConfig(device="cpu", quantization="none", cache=CacheConfig(memory_bytes=512 * 1024**2)),
         grammar_config=GrammarCompilerConfig(timeout_s=120.0),
     )
+
+
+@pytest.fixture(scope="session")
+def float_reference(llm: Any) -> Any:
+    """`llm`'s greedy continuations of `benchmarks.quality.QUALITY_PROMPTS` (64 tokens each, chat-templated) and
+    its log-probabilities along them (`benchmarks.quality.reference_of`), computed once per session: the engine's
+    float output that the exactness test holds to transformers' and the quantized ones are measured against (their
+    files share a worker: FLOAT_REFERENCE_FILES)."""
+    from benchmarks.quality import QUALITY_PROMPTS, reference_of
+
+    return reference_of(llm, QUALITY_PROMPTS, FLOAT_REFERENCE_TOKENS)
 
 
 @pytest.fixture(scope="session")

@@ -41,19 +41,19 @@ def hf_model() -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
-def test_greedy_matches_transformers_token_for_token(llm: LLM, hf_model: Any) -> None:
-    results = llm.generate([_chat(p) for p in CHAT_PROMPTS], GREEDY, use_tqdm=False)
-    prompts = [result.prompt_token_ids for result in results]
+def test_greedy_matches_transformers_token_for_token(float_reference: Any, hf_model: Any) -> None:
+    # The session engine's greedy continuations of the chat prompts, 64 tokens each (tests/conftest.py: computed
+    # once for this file and the quality measurements).
+    (prompts, continuations), _ = float_reference
     theirs_batched = hf_greedy(hf_model, prompts, NUM_TOKENS)
     assert hf_greedy(hf_model, prompts[:1], NUM_TOKENS) == theirs_batched[:1]  # padding changed nothing
     mismatches = []
-    for prompt, result, theirs in zip(CHAT_PROMPTS, results, theirs_batched, strict=True):
-        ours = result.choices[0].token_ids
+    for prompt, ours, theirs in zip(CHAT_PROMPTS, continuations, theirs_batched, strict=True):
         if ours != theirs:
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
             mismatches.append(f"{prompt!r}: first difference at token {first}")
     assert mismatches == []
-    assert all(len(r.choices[0].token_ids) == NUM_TOKENS for r in results)
+    assert all(len(ours) == NUM_TOKENS for ours in continuations)
 
 
 def test_greedy_is_the_same_alone_and_in_a_batch_of_32(llm: LLM) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.quality import QUALITY_PROMPTS, compare, greedy_sequences, reference_log_probs, sequence_logits
+from benchmarks.quality import QUALITY_PROMPTS, compare, sequence_logits
 from engine_server import ChatPrompt
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.cuda_graphs import EagerCapture
@@ -116,11 +116,10 @@ def tp3_greedy(tp3: TP3Engines) -> list[list[int]]:
 @needs_kernels
 @pytest.mark.timeout(600)
 def test_quantized_weights_under_tp3_hold_the_quality_thresholds_and_are_batch_invariant(
-    llm: Any, tp3: TP3Engines
+    float_reference: Any, tp3: TP3Engines
 ) -> None:
     num_tokens = 64
-    sequences = greedy_sequences(llm, QUALITY_PROMPTS, num_tokens)
-    reference = reference_log_probs(llm, sequences)
+    sequences, reference = float_reference  # the float model at TP=1 (tests/conftest.py)
     split = tp3.open(**PLAIN)
     assert split.core.runner.quantization == "gguf"
     result = compare(reference, split, "gguf", QUALITY_PROMPTS, num_tokens, sequences)
