@@ -12,14 +12,13 @@ float rounding could flip.
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine_server.loader import resolve_model
+from tests.unit.pooling.embedding_models import copy_tokenizer
 
 VOCAB_SIZE = 49152
 _SHAPE: dict[str, Any] = dict(
@@ -82,10 +81,7 @@ def save_family(folder: Path, family: str, seed: int = 0) -> Path:
             elif "norm" in name or name.endswith("bias"):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
     model.save_pretrained(folder)
-    source = resolve_model("default").tokenizer_path
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (source / name).is_file():
-            shutil.copy(source / name, folder / name)
+    copy_tokenizer(folder)
     return folder
 
 

@@ -117,7 +117,6 @@ class DecoderModel(nn.Module):
             cache = build_cos_sin_cache(
                 config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype
             )
-        self.max_positions = config.max_position_embeddings
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         # The second forward path: `layers.decode_stack.build_decode_stack(self)`, set once the weights are final
@@ -131,7 +130,8 @@ class DecoderModel(nn.Module):
         if self.long_rope_after is None:
             return positions
         long = _tokens_of_long_sequences(meta, self.long_rope_after, positions.shape[0])
-        return positions + long.to(positions.dtype) * self.max_positions
+        long_table_start = self.get_buffer("cos_sin_cache").shape[0] // 2
+        return positions + long.to(positions.dtype) * long_table_start
 
     def forward(
         self,

@@ -7,7 +7,6 @@ decodes, each prefilled in one step (as transformers' generate computes a prompt
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +52,11 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="module")
-def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[list[int]]]]:
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
     """Qwen2-MoE (experts, a gated shared expert and q/k/v biases all split under tensor parallelism), with
     transformers' greedy tokens for `prompts()`."""
     folder = save_family(tmp_path_factory.mktemp("qwen2-moe-tp"), "qwen2-moe")
-    yield folder, reference_tokens(folder)
+    return folder, reference_tokens(folder)
 
 
 def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:

@@ -45,7 +45,7 @@ def save_qwen3_embedding(folder: Path, *, pooling: str | None = "lasttoken", nor
             if parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
-    _copy_tokenizer(folder)
+    copy_tokenizer(folder)
     if pooling is not None:
         _write_sentence_transformers(folder, pooling, normalize, config.hidden_size)
     return folder
@@ -71,7 +71,8 @@ def reference_embedding(model: Any, token_ids: list[int], pooling: str, normaliz
     return torch.nn.functional.normalize(vector, dim=0) if normalize else vector
 
 
-def _copy_tokenizer(folder: Path) -> None:
+def copy_tokenizer(folder: Path) -> None:
+    """The embedded model's tokenizer files (and chat template) into `folder`."""
     source = resolve_model("default").tokenizer_path
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (source / name).is_file():
