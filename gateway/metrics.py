@@ -2,7 +2,8 @@
 
 Request counts by route and status, latency histograms (TTFT, inter-token latency, end-to-end), token counters,
 in-flight requests, the batch lines this gateway's workers committed and the event loop's lag (how late a 10 ms
-timer fires: how long the loop was held by other work) are recorded as they happen; the engines' running /
+timer fires while the gateway serves a request or runs a batch: how long the loop was held by other work) are
+recorded as they happen; the engines' running /
 waiting / KV usage (from the pool's last poll), batches by status (from the database) and batch lines in flight
 are read when /metrics is scraped.
 """
@@ -10,6 +11,7 @@ are read when /metrics is scraped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -48,8 +50,10 @@ class GatewayMetrics:
         self.batch_lines = Counter("ladle_gateway_batch_lines", "Batch lines this gateway committed, by outcome",
                                    ["outcome"], registry=r)
         self.loop_lag = Histogram("ladle_gateway_event_loop_lag_seconds", "How late a 10 ms timer on the event "
-                                  "loop fires: how long the loop was held by other work", buckets=_LOOP_LAG_BUCKETS,
-                                  registry=r)
+                                  "loop fires while the gateway has work: how long the loop was held by other work",
+                                  buckets=_LOOP_LAG_BUCKETS, registry=r)
+        self._working = 0  # requests being served and batches held (`working`)
+        self._work_started = asyncio.Event()
         r.register(_EngineCollector(pool))
 
     def watch_batches(self, count_by_status: Callable[[], dict[str, int]], lines_in_flight: Callable[[], int]) -> None:
@@ -57,10 +61,25 @@ class GatewayMetrics:
         reachable: then none) and batch lines in flight on every scrape."""
         self.registry.register(_BatchCollector(count_by_status, lines_in_flight))
 
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        """Mark a request being served or a batch being run, for the loop-lag probe (`watch_event_loop`)."""
+        self._working += 1
+        self._work_started.set()
+        try:
+            yield
+        finally:
+            self._working -= 1
+
     async def watch_event_loop(self, interval_s: float = LOOP_LAG_INTERVAL_S) -> None:
-        """Until cancelled, sleep `interval_s` on the running loop and record how late each wake-up is."""
+        """Until cancelled: while anything is `working`, sleep `interval_s` on the running loop and record how late
+        each wake-up is; while nothing is, wait for work without a timer. An idle gateway's loop has nobody to
+        keep waiting, and a 10 ms timer there cost ~3% of a core (measured: 0.56 s of CPU in 20 s idle)."""
         loop = asyncio.get_running_loop()
         while True:
+            if not self._working:
+                self._work_started.clear()
+                await self._work_started.wait()
             started = loop.time()
             await asyncio.sleep(interval_s)
             self.loop_lag.observe(max(0.0, loop.time() - started - interval_s))

@@ -85,7 +85,8 @@ class RequestContextMiddleware:
             started = time.monotonic()
             self.metrics.in_flight.inc()
             try:
-                await self._admit(scope, headers, receive, send_with_id)
+                with self.metrics.working():
+                    await self._admit(scope, headers, receive, send_with_id)
             finally:
                 self.metrics.in_flight.dec()
                 self.metrics.requests.labels(route, str(status)).inc()

@@ -41,6 +41,7 @@ class BatchService:
         self.metrics = metrics
         self.data_dir = config.data_dir or default_data_dir()
         self.wake = asyncio.Event()  # set when a batch is created here, so an idle worker claims it at once
+        self.claim_turn = asyncio.Lock()  # held by the one idle worker polling the store (BatchWorker._claim)
         self.workers: list[BatchWorker] = []
         self._project_windows: dict[str, asyncio.Semaphore] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -78,7 +79,7 @@ class BatchService:
                                   project_max_file_bytes=self.config.project_max_file_bytes)
         for _ in range(self.config.batch_workers):
             worker = BatchWorker(self.batches, self.blobs, self.pool, settings, self.wake, self.metrics,
-                                 self.project_window)
+                                 self.project_window, self.claim_turn)
             self.workers.append(worker)
             self._tasks.append(asyncio.create_task(worker.run(), name=f"batch-worker-{worker.name}"))
         sweeper = FileSweeper(self.files, self.blobs, self.config.file_sweep_interval_s)

@@ -3,8 +3,8 @@
 Over gRPC: a Generate (or Stream) with another `cache_salt` than the request that filled the cache reports
 `cached_prompt_tokens` 0; with the same salt it hits. Over HTTP, through a gateway with two projects' keys: project
 B's chat with project A's long system prompt reports `cached_tokens` 0 and is no faster to its first token than a
-cold prompt, while A's own repeat hits its cache and is clearly faster (TTFT medians over a few rounds, compared as
-ratios with wide margins).
+cold prompt, while A's own repeat hits its cache and is clearly faster (TTFT medians over five rounds, compared as
+ratios with wide margins: the test runs beside others on busy cores, so no absolute time is asserted).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 WORDS = ("ledger", "invoice", "account", "balance", "quarter", "revenue", "audit", "margin", "forecast", "payroll",
          "budget", "expense", "asset", "liability", "equity", "reconcile", "accrual", "deferred", "statement")
-ROUNDS = 3
+ROUNDS = 5
 
 
 def long_prefix(seed: int, words: int = 300) -> str:
@@ -101,7 +101,6 @@ def chat(client: openai.OpenAI, model: str, system: str, question: str) -> tuple
     return first, cached
 
 
-@pytest.mark.serial  # compares first-token times: on a machine of its own
 def test_a_project_gets_no_cache_hit_and_no_faster_first_token_from_another_projects_prompt(
     two_projects: GatewayProcess, tmp_path: Path
 ) -> None:
@@ -129,7 +128,7 @@ def test_a_project_gets_no_cache_hit_and_no_faster_first_token_from_another_proj
                (("cold_a", cold_a), ("warm_a", warm_a), ("cold_b", cold_b), ("other_b", other_b))}
     print("TTFT medians (s):", {k: round(v, 4) for k, v in medians.items()})
     # Alpha's own repeat is clearly faster than a cold prompt: the measurement can see a cache hit (measured on 2
-    # busy cores: 0.08 s against 0.83 s)...
+    # cores busy with the rest of the suite: 0.08 s against 0.83 s)...
     assert medians["warm_a"] < 0.5 * medians["cold_a"], medians
     # ...and beta, sending alpha's prompt, is about as slow as a cold prompt of its own (0.74 s against 0.85 s;
     # with the fix undone, beta hit alpha's blocks): nothing to learn from timing.

@@ -228,6 +228,43 @@ async def test_worker_completes_a_batch(tmp_path: Path) -> None:
         assert not list(rig.blobs.path(f"batches/{batch.id}").glob("[0-9]*"))  # segment files are gone
 
 
+async def test_idle_workers_take_turns_at_polling_and_busy_ones_pass_the_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four idle workers sharing a claim turn poll the store one at a time (one query per poll interval, not
+    four); once one claims a batch the turn passes at once, so two batches created together run side by side."""
+    async with Rig(FakeEngine(delay_s=0.3), tmp_path) as rig:
+        polls: list[str] = []
+        claimed_by: dict[str, str] = {}
+        real = rig.batches.claim_next
+
+        def counted(owner: str, *args: Any, **kwargs: Any) -> Any:
+            polls.append(owner)
+            claim = real(owner, *args, **kwargs)
+            if claim is not None:
+                claimed_by[claim.batch.id] = owner
+            return claim
+
+        monkeypatch.setattr(rig.batches, "claim_next", counted)
+        turn = asyncio.Lock()
+        workers = [BatchWorker(rig.batches, rig.blobs, rig.pool, WorkerSettings(lease_s=5.0, poll_interval_s=0.1),
+                               asyncio.Event(), claim_turn=turn) for _ in range(4)]
+        tasks = [asyncio.create_task(w.run()) for w in workers]
+        try:
+            await asyncio.sleep(1.05)
+            assert 8 <= len(polls) <= 13 and len(set(polls)) == 1  # one poller, every 0.1 s
+            first, second = rig.batch([chat_line(i) for i in range(4)]), rig.batch([chat_line(i) for i in range(4)])
+            deadline = time.monotonic() + 20
+            while {rig.batches.get(b.id).status for b in (first, second)} != {"completed"}:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the batches did not complete"
+                await asyncio.sleep(0.02)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(set(claimed_by.values())) == 2  # run by two workers, not one after the other
+
+
 async def test_worker_fails_a_batch_with_bad_lines_without_running_any(tmp_path: Path) -> None:
     async with Rig(FakeEngine(), tmp_path) as rig:
         batch = rig.batch([chat_line(0), {**chat_line(1), "url": "/v1/embeddings"}, chat_line(0)])
