@@ -7,9 +7,10 @@ One run:
   2. `ladle serve` starts on that directory; its worker claims the batch, reads the committed results, skips the
      done lines of the input file and runs the rest on the engine, then publishes the output file.
 Throughout, interactive probes (GET /v1/models, a 1-token chat completion) run one after another. The loop lag is
-the gateway's own histogram `ladle_gateway_event_loop_lag_seconds` on /metrics (a 10 ms timer's overshoot; its
-quantiles are bucket upper bounds) from the gateway's start being served until the batch is completed. Target:
-p99 <= 50 ms. A table goes to stdout and, with `--out`, one JSON object is appended.
+the gateway's own histogram `ladle_gateway_event_loop_lag_seconds` on /metrics (a 10 ms timer's overshoot, sampled
+while the gateway serves a request or runs a batch; its quantiles are bucket upper bounds) from the gateway's start
+being served until the batch is completed. Target: p99 <= 50 ms. A table goes to stdout and, with `--out`, one
+JSON object is appended.
 
     ladle bench batch_resume --out benchmarks/results/batch_resume_cpu.jsonl
 """

@@ -9,9 +9,10 @@ uploaded and validated. One run:
 Throughout, interactive probes run one after another (GET /v1/models, then a 1-token chat completion), and
 the gateway's RSS (the `ladle serve` process; the engine is its child) and any other child's (the validation
 process) is sampled every 20 ms. The loop lag of each phase comes from the gateway's own probe, the histogram
-`ladle_gateway_event_loop_lag_seconds` on /metrics (a 10 ms timer's overshoot): its quantiles are bucket upper
-bounds. Targets: lag p99 <= 50 ms and gateway RSS growth <= 300 MB. A table goes to stdout and, with `--out`,
-one JSON object is appended.
+`ladle_gateway_event_loop_lag_seconds` on /metrics (a 10 ms timer's overshoot, sampled while the gateway serves a
+request or runs a batch: here all along, the probes being requests): its quantiles are bucket upper bounds.
+Targets: lag p99 <= 50 ms and gateway RSS growth <= 300 MB. A table goes to stdout and, with `--out`, one JSON
+object is appended.
 
     ladle bench batch_upload --out benchmarks/results/batch_upload_cpu.jsonl
 """
