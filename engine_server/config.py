@@ -28,9 +28,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings are not implemented",
-    "gemma2": "Gemma 2 needs sliding-window attention and logit soft-capping, which are not implemented",
-    "gemma3": "Gemma 3 needs sliding-window attention and its local rope, which are not implemented",
-    "gemma3_text": "Gemma 3 needs sliding-window attention and its local rope, which are not implemented",
+    "gemma2": "Gemma 2's logit soft-capping and (1 + weight) RMSNorm are not implemented",
+    "gemma3": "Gemma 3's local rope and (1 + weight) RMSNorm are not implemented",
+    "gemma3_text": "Gemma 3's local rope and (1 + weight) RMSNorm are not implemented",
     "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -107,6 +107,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`): layer i's token at position p
+    # attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
+    layer_windows: tuple[int, ...] = ()
 
     @property
     def o_proj_bias(self) -> bool:
@@ -131,6 +134,10 @@ class ModelConfig:
         """How many of each head's leading dims rope rotates (`head_dim` unless `partial_rotary_factor` < 1)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def attention_window(self, index: int) -> int:
+        """How many positions, its own included, a token of layer `index` attends to (`layer_windows`); 0: all."""
+        return self.layer_windows[index] if index < len(self.layer_windows) else 0
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
         return self.num_experts > 0 and index not in self.dense_layers
@@ -146,11 +153,6 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
-        window = cfg.get("sliding_window")
-        if model_type in ("mistral", "mixtral", "phi3") and window and window < cfg.get("max_position_embeddings", 0):
-            raise ValueError(f"{model_type} with sliding-window attention is not supported yet")
-        if model_type.startswith("qwen") and cfg.get("use_sliding_window"):
-            raise ValueError(f"{model_type} with use_sliding_window is not supported yet")
         arch = _HF_ARCHITECTURES[model_type]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
@@ -191,6 +193,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            layer_windows=_layer_windows(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
         )
 
@@ -243,6 +246,34 @@ def _long_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
         original_max_position_embeddings=original,
         attention_factor=float(attention),
     )
+
+
+def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
+    "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
+    `use_sliding_window` is set, and every layer of any other family does when `sliding_window` is set. () when no
+    layer has a window. ValueError for a window that is not a positive integer or a layer type not known."""
+    window = cfg.get("sliding_window")
+    layers = int(cfg["num_hidden_layers"])
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer; got {window!r}")
+    types = cfg.get("layer_types")
+    if types is not None:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown or len(types) != layers:
+            raise ValueError(f"layer_types must name one of sliding_attention, full_attention for each of the "
+                             f"{layers} layers; got {types!r}")
+        windowed = [kind == "sliding_attention" for kind in types]
+    elif model_type.startswith("qwen"):
+        first = int(cfg.get("max_window_layers", layers))
+        windowed = [i >= first for i in range(layers)]
+    else:
+        windowed = [True] * layers
+    return tuple(window if on else 0 for on in windowed) if any(windowed) else ()
 
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:

@@ -59,14 +59,16 @@ DISABLE_ENV = "LADLE_CPU_KERNELS"
 STALE_LOCK_S = 600.0
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+) -> torch.Tensor:
     """`reference.paged_attention`'s contract; decode rows run the C++ kernel (float32, a head dim in `HEAD_DIMS`),
     the rest the reference."""
     plan = meta.reference_plan
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS or plan.decode_token_index.numel() == 0:
-        return reference.paged_attention(q, kv_cache, meta, scale)
+        return reference.paged_attention(q, kv_cache, meta, scale, window)
     if plan.all_decode:
-        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale)
+        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window)
     out = torch.empty_like(q)
     decoded = paged_decode_attention(
         q.index_select(0, plan.decode_token_index),
@@ -74,14 +76,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInpu
         plan.decode_block_tables,
         plan.decode_seq_lens,
         scale,
+        window,
     )
     out.index_copy_(0, plan.decode_token_index, decoded)
-    reference.attend_prefills(q, kv_cache, meta, scale, out)
+    reference.attend_prefills(q, kv_cache, meta, scale, out, window)
     return out
 
 
 def paged_attention_by_token(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract with every token, prefill tokens included, run through the decode
     kernel as a row of its own (its sequence's block table, positions [0, p]).
@@ -93,22 +96,28 @@ def paged_attention_by_token(
     SDPA's blocked product on long prompts. Falls back to `paged_attention` where the kernel does not apply.
     """
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
-        return paged_attention(q, kv_cache, meta, scale)
+        return paged_attention(q, kv_cache, meta, scale, window)
     if meta.max_query_len == 1:
-        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale)
+        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window)
     tables, lens = meta.token_rows
-    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale)
+    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale, window)
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q `[B, H, D]` (one new token per row) over positions `[0, seq_lens[b])` of the paged cache -> `[B, H, D]`.
+    """q `[B, H, D]` (one new token per row) over positions `[0, seq_lens[b])` of the paged cache -> `[B, H, D]`;
+    with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only.
 
     Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
-    the cache), before anything is read. Needs the extension (`cpu_ops()` is not None).
+    the cache, a negative window), before anything is read. Needs the extension (`cpu_ops()` is not None).
     """
-    out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+    out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window)
     return out
 
 

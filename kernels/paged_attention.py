@@ -55,6 +55,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_ptr,
     qk_scale,
+    window,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -75,9 +76,10 @@ def _paged_attention_kernel(
 
         out[t, h] = sum_j softmax_j(scale * q[t, h] · K[j]) V[j],   j over the sequence's positions <= p
 
-    K[j], V[j] live in slot `block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE` of the cache
-    `[2, slots, NUM_KV_HEADS, head_dim]`. The softmax runs online over BLOCK_N keys at a time, in base 2
-    (`qk_scale` = scale * log2(e)), with float32 statistics and accumulator.
+    (and > p - window, when `window` > 0: a sliding window). K[j], V[j] live in slot
+    `block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE` of the cache `[2, slots, NUM_KV_HEADS,
+    head_dim]`. The softmax runs online over BLOCK_N keys at a time, in base 2 (`qk_scale` = scale * log2(e)),
+    with float32 statistics and accumulator.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,14 +103,16 @@ def _paged_attention_kernel(
     q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    # The tile's last token sees keys up to its own position: later keys are never loaded.
+    # The tile's last token sees keys up to its own position: later keys are never loaded; with a window, its
+    # first token sees none before its own position - window + 1: earlier keys are never loaded either.
     kv_end = context + tl.minimum(q_len, (local_tile + 1) * BLOCK_Q)
+    kv_begin = tl.where(window > 0, tl.maximum(context + local_tile * BLOCK_Q - window + 1, 0), 0)
     # A finite floor instead of -inf keeps fully masked (padding) rows free of inf - inf = NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_begin, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -118,6 +122,7 @@ def _paged_attention_kernel(
         k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), None, INPUT_PRECISION, UPCAST_DOT) * qk_scale
         visible = key_ok[None, :] & (keys[None, :] <= position[:, None])
+        visible = visible & ((window <= 0) | (keys[None, :] > position[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
@@ -133,11 +138,14 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+) -> torch.Tensor:
     """`kernels.reference.paged_attention` on the GPU: causal attention of q `[T, H, D]` over the paged cache.
 
     For new token t of sequence i at position p, `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
-    sequence's cached positions j <= p, read through its block table from KV head `h // (H / Hkv)`. The
+    sequence's cached positions j <= p (and > p - window for a sliding `window` > 0), read through its block
+    table from KV head `h // (H / Hkv)`. The
     contiguous cache `[2, num_blocks, block_size, Hkv, D]` must already hold this step's K/V and share q's
     dtype; D is padded to a power of two (>= 16) with masks, so any head dim works. Returns a new contiguous
     `[T, H, D]` tensor. q may be strided over tokens and heads.
@@ -167,6 +175,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInpu
         meta.seq_lens,
         meta.query_start_loc,
         scale * _LOG2E,
+        window,
         num_seqs,
         q.stride(0),
         q.stride(1),

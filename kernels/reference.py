@@ -132,12 +132,15 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` over the paged cache; returns `[T, H, D]`.
 
     For new token t of sequence i at position p: `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
     sequence's cached positions j <= p, with K/V read through its block table from KV head `h // (H / Hkv)`
-    (grouped-query attention). The cache must already hold this step's K/V (see `write_kv_cache`).
+    (grouped-query attention); with a sliding `window` > 0, over p - window < j <= p only (transformers'
+    sliding-window mask). The cache must already hold this step's K/V (see `write_kv_cache`).
 
     Decode rows (one new token) are computed together: one gather of their blocks and one batched attention,
     with the H / Hkv query heads of each KV head stacked as rows so K/V are never repeated. Rows with several
@@ -159,26 +162,32 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInpu
         keys = k_cache.index_select(0, plan.decode_block_ids).view(rows, span, kv_heads, dim).transpose(1, 2)
         values = v_cache.index_select(0, plan.decode_block_ids).view(rows, span, kv_heads, dim).transpose(1, 2)
         queries = q if plan.all_decode else q.index_select(0, plan.decode_token_index)
+        mask = plan.decode_mask
+        if 0 < window < span:  # positions at or before seq_len - 1 - window are outside the window too
+            before = plan.decode_seq_lens.to(torch.int64).unsqueeze(1) - window
+            outside = torch.arange(span, device=q.device).unsqueeze(0) < before
+            mask = mask.masked_fill(outside.view(rows, 1, 1, span), float("-inf"))
         decoded = F.scaled_dot_product_attention(
             queries.reshape(rows, kv_heads, group, dim),
             keys,
             values,
-            attn_mask=plan.decode_mask.to(q.dtype),
+            attn_mask=mask.to(q.dtype),
             scale=scale,
         ).reshape(rows, heads, dim)
         if plan.all_decode:  # the common pure-decode step: no scatter back
             return decoded
         out.index_copy_(0, plan.decode_token_index, decoded)
 
-    attend_prefills(q, kv_cache, meta, scale, out)
+    attend_prefills(q, kv_cache, meta, scale, out, window)
     return out
 
 
 def attend_prefills(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, out: torch.Tensor
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, out: torch.Tensor, window: int = 0
 ) -> None:
-    """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each, written
-    into `out` `[T, H, D]` at their tokens' places. Decode rows of `out` are left as they are."""
+    """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each (over the
+    sliding `window`, when > 0), written into `out` `[T, H, D]` at their tokens' places. Decode rows of `out` are
+    left as they are."""
     _, _, _, kv_heads, dim = kv_cache.shape
     group = q.shape[1] // kv_heads
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -189,16 +198,20 @@ def attend_prefills(
         values = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
         queries = q[p.query_start : p.query_start + p.query_len].transpose(0, 1)
         context = p.seq_len - p.query_len
+        windowed = 0 < window < p.seq_len
         mask = None
-        if context:
-            # SDPA's is_causal aligns the diagonal top-left; with cached context it must sit bottom-right.
+        if context or windowed:
+            # SDPA's is_causal aligns the diagonal top-left; with cached context it must sit bottom-right. Query
+            # row r (position context + r) sees key j for context + r - window < j <= context + r.
             mask = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril_(context)
+            if windowed:
+                mask.triu_(context - window + 1)
         o = F.scaled_dot_product_attention(
             queries.unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
             attn_mask=mask,
-            is_causal=not context,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=group > 1,
         )

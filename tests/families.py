@@ -39,10 +39,15 @@ PHI3_LONGROPE = {
     "short_factor": [1.0 + 0.25 * i for i in range(PHI3_ROTARY_PAIRS)],
     "long_factor": [3.0 + 2.0 * i for i in range(PHI3_ROTARY_PAIRS)],
 }  # fmt: skip
+# Sliding windows: 20 positions, more than a 16-token block and less than two, so a window starts mid-block and
+# spans blocks; the tests' prompts are shorter and longer than that.
+WINDOW = 20
 # Each family's transformers config class and what sets its quirks apart. Phi-3: fused qkv_proj and gate_up_proj
 # checkpoints, and in the second partial rotary with LongRoPE. MoE: Mixtral's top-2 of 4 renormalised; Qwen3-MoE's
 # top-3 of 8 small experts renormalised, one dense layer; Qwen2-MoE's top-2 of 4 not renormalised, beside a
-# sigmoid-gated shared expert, with q/k/v biases.
+# sigmoid-gated shared expert, with q/k/v biases. Sliding windows: Mistral's on every layer; Qwen2's on the layers
+# from `max_window_layers` on (so full and windowed layers alternate in one model); Phi-3's with its fused
+# projections.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -61,6 +66,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48},
     ),
+    "mistral-window": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
+    "phi3-window": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": WINDOW}),
 }  # fmt: skip
 
 

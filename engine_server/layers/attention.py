@@ -19,13 +19,20 @@ from kernels.kernel_set import KernelOps
 
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases), of this
-    rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's)."""
+    rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's). `window`: the layer's
+    sliding window (`ModelConfig.attention_window`; 0: it attends to every earlier position)."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False, tp: TensorParallel = SINGLE
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        o_proj_bias: bool = False,
+        tp: TensorParallel = SINGLE,
+        window: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.window = window
         self.num_heads = heads_per_rank(config.num_attention_heads, tp.size)
         self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.size)
         self.head_dim = config.head_dim
@@ -70,5 +77,5 @@ class PagedSelfAttention(nn.Module):
             q = torch.cat((q_turned, q[..., dim:]), dim=-1)
             k = torch.cat((k_turned, k[..., dim:]), dim=-1)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale)
+        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window)
         return self.tp.all_reduce_sum(self.o_proj(out.reshape(tokens, self.q_size)))

@@ -61,5 +61,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         ids = [
             stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias) for linear in own
         ]
-        stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *ids)
+        stack.add_layer(
+            layer.input_layernorm.weight.detach(),
+            layer.post_attention_layernorm.weight.detach(),
+            *ids,
+            layer.self_attn.window,
+        )
     return cast(DecodeStack, stack)

@@ -28,7 +28,7 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
     ) -> None:
         super().__init__()
-        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp)
+        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp, config.attention_window(index))
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)

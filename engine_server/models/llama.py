@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3 incl. llama3 rope scaling, SmolLM2, Mistral without sliding window)."""
+"""Llama family (Llama 2/3 incl. llama3 rope scaling, SmolLM2, Mistral with or without its sliding window)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 // of a single-stream token on a 2-core CPU. This class runs the same sequence of the same kernels (ops.h) from
 // C++, so its result is bit-identical to the layers' (`engine_server/layers/decoder.py`) on every step:
 //   per layer: h, r = add_rms_norm(h, r) (rms_norm on layer 0, r = h); qkv = linear(h) (+ bias);
-//   q, k = rotary(q, k); K/V written to their slots; a = paged_decode_attention(q);
+//   q, k = rotary(q, k); K/V written to their slots; a = paged_decode_attention(q) (over the layer's window);
 //   h, r = add_rms_norm(o_proj(a), r); h = down(silu_and_mul(gate_up(h)))
 //   then h = add_rms_norm(h, r) with the final norm.
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
@@ -53,6 +53,7 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm;
   int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_
+  int64_t window;                 // the attention's sliding window (0: none)
 };
 
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
@@ -162,12 +163,13 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t qkv, int64_t o, int64_t gate_up,
-                 int64_t down) {
+                 int64_t down, int64_t window) {
     for (int64_t index : {qkv, o, gate_up, down}) {
       LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
                   static_cast<long long>(index));
     }
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down});
+    TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down, window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -222,7 +224,8 @@ class DecodeStack : public torch::CustomClassHolder {
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
       std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
       write_kv(k, v, kv_caches[i], slot_mapping);
-      const at::Tensor attention = paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_);
+      const at::Tensor attention =
+          paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window);
       at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
       if (reduce_.defined()) reduce_(projected);
       std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);

@@ -5,7 +5,8 @@
 //   kv_cache     [2, num_blocks, block_size, Hkv, D] float32, contiguous (this step's K/V already written)
 //   block_tables [B, W] int32: row b's token p lives in block block_tables[b][p / block_size]
 //   seq_lens     [B] int32: row b attends to positions [0, seq_lens[b])
-//   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over j < seq_lens[b],
+//   window       a sliding window > 0 narrows that to [seq_lens[b] - window, seq_lens[b]); 0: none
+//   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over the row's positions j,
 //                K/V from KV head h / (H / Hkv).
 // Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
 // token and its drafts) are attended together, reading each key and value once for all of them; work is split
@@ -52,37 +53,40 @@ constexpr int64_t kMaxGroup = 16;
 // go KV head by KV head, so a head's keys are read once for the query heads of its group, and the slots of the
 // next tokens are prefetched (a row's blocks sit anywhere in the cache, out of the hardware prefetchers' sight).
 // `scores` has room for heads * padded(len) floats.
-// Calls visit(t, slot) for positions t in [0, len) in order, `slot` pointing at t's token in `cache` (every KV
-// head of it): block by block, so the block table is read once per block, not once per token.
+// Calls visit(t, slot) for positions t in [begin, len) in order, `slot` pointing at t's token in `cache` (every
+// KV head of it): block by block, so the block table is read once per block, not once per token.
 template <typename Visit>
-inline void for_each_token(const float* cache, const int32_t* table, int64_t len, int64_t block_size,
-                           int64_t token_stride, Visit&& visit) {
-  for (int64_t start = 0, block = 0; start < len; start += block_size, ++block) {
+inline void for_each_token(const float* cache, const int32_t* table, int64_t begin, int64_t len,
+                           int64_t block_size, int64_t token_stride, Visit&& visit) {
+  for (int64_t block = begin / block_size, start = block * block_size; start < len; start += block_size, ++block) {
     const float* base = cache + static_cast<int64_t>(table[block]) * block_size * token_stride;
     const int64_t count = std::min(block_size, len - start);
-    for (int64_t j = 0; j < count; ++j) visit(start + j, base + j * token_stride);
+    for (int64_t j = std::max<int64_t>(0, begin - start); j < count; ++j) visit(start + j, base + j * token_stride);
   }
 }
 
-// Softmax in place over one row's scores s[0, len), padded to whole vectors with -inf (which exp turns into 0).
-inline void softmax_row(float* s, int64_t len) {
+// Softmax in place over one row's scores s[first, len), read in whole vectors from the one holding `first`: the
+// lanes before `first` and from `len` to the vector's end are set to -inf first (exp turns them into 0).
+inline void softmax_row(float* s, int64_t first, int64_t len) {
+  const int64_t aligned = first / kLanes * kLanes;
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
+  for (int64_t t = aligned; t < first; ++t) s[t] = -__builtin_inff();
   for (int64_t t = len; t < padded; ++t) s[t] = -__builtin_inff();
   vec16 mx = splat(-__builtin_inff());
-  for (int64_t t = 0; t < padded; t += kLanes) {
+  for (int64_t t = aligned; t < padded; t += kLanes) {
     const vec16 v = load(s + t);
     mx = v > mx ? v : mx;
   }
   float m = mx[0];
   for (int64_t l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
   vec16 total = {};
-  for (int64_t t = 0; t < padded; t += kLanes) {
+  for (int64_t t = aligned; t < padded; t += kLanes) {
     const vec16 e = exp_lanes(load(s + t) - m);
     store(s + t, e);
     total += e;
   }
   const float inv = 1.f / hsum(total);
-  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  for (int64_t t = first; t < len; ++t) s[t] *= inv;
 }
 
 // scale * (q . k) for one query head against one key, `k` already in registers.
@@ -94,31 +98,35 @@ inline float score(const float* qh, const vec8 (&k)[Chunks], float scale) {
 }
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
-// token and its drafts), row r's query heads at q + r * heads * Dim against positions [0, lens[r]) of the paged
-// K/V, written to out + r * heads * Dim. Each key and value is read once for all the rows (a row alone would
+// token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
+// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim. Each key and value is read once for all the rows (a row alone would
 // read the sequence's whole cache once per row), while each row's arithmetic is the single row's, in the same
 // order: scores by key, softmax_row, then values summed in position order; so a row's result is the same bits
 // in any group, alone included (the build has -ffp-contract=off: no fused multiply-adds that could differ).
 // `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * Dim.
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
-            int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, float scale, float* scores,
-            vec8* acc, float* out) {
+            int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
+            float* scores, vec8* acc, float* out) {
   constexpr int64_t chunks = Dim / kLanes8;
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
   const int64_t heads = kv_heads * group;
-  int64_t len = 0;
-  for (int64_t r = 0; r < rows; ++r) len = std::max<int64_t>(len, lens[r]);
+  auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : int64_t{0}; };
+  int64_t len = 0, begin = lens[0];
+  for (int64_t r = 0; r < rows; ++r) {
+    len = std::max<int64_t>(len, lens[r]);
+    begin = std::min(begin, first_of(r));
+  }
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   auto row_scores = [&](int64_t r, int64_t h) { return scores + (r * heads + h) * padded; };
   auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
 
-  for (int64_t t = 0; t < std::min(len, kPrefetchAhead); ++t) {
+  for (int64_t t = begin; t < std::min(len, begin + kPrefetchAhead); ++t) {
     prefetch_slot(keys + slot(t), slot_bytes);
     prefetch_slot(values + slot(t), slot_bytes);
   }
-  for_each_token(keys, table, len, block_size, token_stride, [&](int64_t t, const float* token) {
+  for_each_token(keys, table, begin, len, block_size, token_stride, [&](int64_t t, const float* token) {
     if (t + kPrefetchAhead < len) {  // the values too: their pass then reads them from cache
       prefetch_slot(keys + slot(t + kPrefetchAhead), slot_bytes);
       prefetch_slot(values + slot(t + kPrefetchAhead), slot_bytes);
@@ -127,7 +135,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
       vec8 k[chunks];
       for (int64_t c = 0; c < chunks; ++c) k[c] = load8(token + kvh * Dim + c * kLanes8);
       for (int64_t r = 0; r < rows; ++r) {
-        if (t >= lens[r]) continue;
+        if (t >= lens[r] || t < first_of(r)) continue;
         for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
           row_scores(r, h)[t] = score<chunks>(q + (r * heads + h) * Dim, k, scale);
         }
@@ -135,14 +143,14 @@ void attend(const float* q, const float* keys, const float* values, const int32_
     }
   });
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), lens[r]);
+    for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), first_of(r), lens[r]);
   }
   for (int64_t i = 0; i < rows * heads * chunks; ++i) acc[i] = vec8{};
-  for_each_token(values, table, len, block_size, token_stride, [&](int64_t t, const float* token) {
+  for_each_token(values, table, begin, len, block_size, token_stride, [&](int64_t t, const float* token) {
     for (int64_t h = 0; h < heads; ++h) {
       const float* v = token + (h / group) * Dim;
       for (int64_t r = 0; r < rows; ++r) {
-        if (t >= lens[r]) continue;
+        if (t >= lens[r] || t < first_of(r)) continue;
         const vec8 weight = vec8{} + row_scores(r, h)[t];
         vec8* a = acc + (r * heads + h) * chunks;
         for (int64_t c = 0; c < chunks; ++c) a[c] += weight * load8(v + c * kLanes8);
@@ -155,7 +163,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, float*, vec8*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float*, vec8*, float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
 std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
@@ -189,7 +197,7 @@ AttendFn attend_for(int64_t dim) {
 namespace ladle_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [B, H, D] float32");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kFloat &&
                   kv_cache.is_contiguous(),
@@ -197,6 +205,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be [B, W] int32");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt, "seq_lens must be [B] int32");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t width = block_tables.size(1);
@@ -240,7 +249,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
       attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
-                block_size, kv_heads, group, fscale, scores.data(), acc.data(), out_ptr + first * heads * dim);
+                block_size, kv_heads, group, window, fscale, scores.data(), acc.data(),
+                out_ptr + first * heads * dim);
     }
   });
   return out;
@@ -249,6 +259,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 }  // namespace ladle_cpu
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int window=0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::paged_decode_attention));
 }

@@ -2,7 +2,8 @@
 equal to transformers' token for token, alone, batched, and with a prefix-cache hit; a mixture of experts also
 under tensor parallelism and speculative decoding. The models are tiny random ones saved by transformers
 (tests/families.py). Phi-3 with LongRoPE: prompts on both sides of its 32-token limit, one crossing it while it
-decodes, each prefilled in one step (as transformers' generate computes a prompt)."""
+decodes, each prefilled in one step (as transformers' generate computes a prompt). Sliding windows: also with
+prompts prefilled in chunks, and on the quantized path (the C++ decode stack and by-token attention) batch-invariant."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any
 import pytest
 
 from engine_server import LLM, SamplingParams
-from engine_server.config import CacheConfig, EngineConfig
-from tests.families import FAMILIES, VOCAB_SIZE, hf_greedy, load_reference, save_family
+from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+from tests.families import FAMILIES, VOCAB_SIZE, WINDOW, hf_greedy, load_reference, save_family
 
 pytestmark = pytest.mark.slow  # engines and transformers' models of their own
 
@@ -30,10 +31,12 @@ def prompts() -> list[list[int]]:
     return [*batch, batch[0][:SHARED_PREFIX] + [rng.randrange(10, VOCAB_SIZE) for _ in range(20)]]
 
 
-def engine(folder: Path, **overrides: Any) -> LLM:
+def engine(folder: Path, quantization: str = "none", chunk: int = 2048, **overrides: Any) -> LLM:
+    """The offline engine on `folder`; `chunk`: the most tokens a step prefills."""
     config = EngineConfig(
-        model=str(folder), device="cpu", quantization="none", cache=CacheConfig(memory_bytes=64 * 1024**2)
-    )
+        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=64 * 1024**2),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+    )  # fmt: skip
     return LLM(config=config, **overrides)
 
 
@@ -49,6 +52,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """(name, saved folder, transformers' greedy tokens for `prompts()`)."""
     folder = save_family(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, folder, reference_tokens(folder)
+
+
+@pytest.fixture(scope="module")
+def window_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """Mistral with a 20-position sliding window on every layer, with transformers' greedy tokens."""
+    folder = save_family(tmp_path_factory.mktemp("mistral-window-paths"), "mistral-window")
+    return folder, reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +94,31 @@ def test_speculative_decoding_on_moe_keeps_greedy_output(moe_folder: tuple[Path,
     speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     with engine(folder, speculative_config=speculative) as llm:
         assert tokens(llm, prompts()) == theirs
+
+
+def test_a_sliding_window_holds_when_prompts_are_prefilled_in_chunks(
+    window_folder: tuple[Path, list[list[int]]],
+) -> None:
+    """Chunks of 24 tokens: a chunk's first tokens reach back into the previous chunk's keys, and only within
+    the window."""
+    folder, theirs = window_folder
+    with engine(folder, chunk=24) as llm:
+        assert tokens(llm, prompts()) == theirs
+
+
+def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder: tuple[Path, list[list[int]]]) -> None:
+    """int8 weights: every decode step on the C++ decode stack and every prompt token through the by-token
+    attention kernel, each with the window. A prompt's tokens are the same alone, batched, prefilled in chunks and
+    after a prefix-cache hit, bit for bit; and the window is what the model attends over (the engine's float
+    path, already equal to transformers', agrees with the quantized one on most of the first tokens)."""
+    folder, theirs = window_folder
+    batch = prompts()
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        assert model.model.decode_stack is not None
+        assert [layer.self_attn.window for layer in model.model.layers] == [WINDOW] * 4
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone  # batched, and the last prompt from the cache
+    with engine(folder, quantization="int8", chunk=24) as llm:
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6

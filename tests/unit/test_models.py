@@ -266,10 +266,10 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"model_type": "gemma2"}, r"unsupported model_type 'gemma2' \(Gemma 2 needs sliding-window .*supported: bert"),
+        ({"model_type": "gemma2"}, r"unsupported model_type 'gemma2' \(Gemma 2's logit soft-capping .*supported: bert"),
         ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, llama"),
-        ({"model_type": "mistral", "sliding_window": 64}, "mistral with sliding-window attention"),
-        ({"model_type": "qwen2", "use_sliding_window": True}, "qwen2 with use_sliding_window"),
+        ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
+        ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
     ],
 )
 def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
@@ -293,8 +293,24 @@ def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> Non
         scaling = config.rope_scaling
         assert isinstance(scaling, LongRope) and scaling.original_max_position_embeddings == 64
         assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(16) / math.log(64)))
-    with pytest.raises(ValueError, match="phi3 with sliding-window attention"):
-        ModelConfig.from_hf_config({**old, "sliding_window": 256})
+    assert ModelConfig.from_hf_config(old).layer_windows == ()
+    assert ModelConfig.from_hf_config({**old, "sliding_window": 256}).layer_windows == (256, 256)
+
+
+def test_sliding_windows_are_read_per_layer_as_transformers_builds_them() -> None:
+    """Every layer of Mistral / Mixtral / Phi-3 when `sliding_window` is set; Qwen's layers from
+    `max_window_layers` on, only with `use_sliding_window`; `layer_types` where a config lists them."""
+    mistral = transformers.MistralConfig(**SMALL, sliding_window=32).to_dict()
+    assert ModelConfig.from_hf_config(mistral).layer_windows == (32, 32)
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).layer_windows == ()
+    qwen = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=1)
+    config = ModelConfig.from_hf_config(qwen.to_dict())
+    assert config.layer_windows == (0, 32) and [config.attention_window(i) for i in range(3)] == [0, 32, 0]
+    for raw in (transformers.Qwen2Config(**SMALL, sliding_window=32).to_dict(),  # use_sliding_window unset
+                {**qwen.to_dict(), "use_sliding_window": False}):
+        assert ModelConfig.from_hf_config(raw).layer_windows == ()
+    listed = {**mistral, "layer_types": ["full_attention", "sliding_attention"]}
+    assert ModelConfig.from_hf_config(listed).layer_windows == (0, 32)
 
 
 def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:

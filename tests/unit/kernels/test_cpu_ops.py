@@ -117,6 +117,26 @@ def test_rows_of_one_sequence_attended_together_give_each_row_alone_bit_for_bit(
     torch.testing.assert_close(alone, reference.paged_attention(q, cache, meta, 0.125), **TOLERANCE)
 
 
+@needs_kernels
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
+def test_a_sliding_window_matches_the_reference_and_keeps_rows_independent(window: int) -> None:
+    """Windows of one token, within a block, a block, several blocks and wider than every sequence: the decode
+    kernel (by row, and by token for prompts) matches the reference's windowed attention, and a row attended
+    with others of its sequence (whose windows start elsewhere) is the same bits as alone."""
+    spec = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (1, 33), (23, 60), (1, 257)]
+    q, cache, meta = make_batch(spec, 9, 3, 64, 16, seed=window)
+    expected = reference.paged_attention(q, cache, meta, 0.125, window)
+    torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.125, window), expected, **TOLERANCE)
+    torch.testing.assert_close(cpu.paged_attention_by_token(q, cache, meta, 0.125, window), expected, **TOLERANCE)
+    tables, lens = meta.token_rows
+    together = cpu.paged_decode_attention(q, cache, tables, lens, 0.125, window)
+    alone = torch.cat([cpu.paged_decode_attention(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125,
+                                                  window) for i in range(q.shape[0])])
+    assert torch.equal(together, alone)
+    if window >= 257:  # wider than every sequence: no different from no window
+        assert torch.equal(together, cpu.paged_decode_attention(q, cache, tables, lens, 0.125))
+
+
 def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
     q, cache, meta = make_batch([(1, 20), (4, 9)], 4, 2, 24, 16)
     torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
@@ -145,6 +165,13 @@ def test_malformed_inputs_are_refused_before_any_read(mutate: Callable[..., Batc
     q, cache, tables, lens = mutate(q, cache, meta.block_tables, meta.seq_lens)
     with pytest.raises(RuntimeError, match=message):
         cpu.paged_decode_attention(q, cache, tables, lens, 0.125)
+
+
+@needs_kernels
+def test_a_negative_window_is_refused() -> None:
+    q, cache, meta = make_batch([(1, 20)], 4, 2, 64, 16)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        cpu.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125, -1)
 
 
 @needs_kernels

@@ -59,12 +59,14 @@ def check(
     dtype: torch.dtype,
     device: torch.device,
     block_size: int = 16,
+    window: int = 0,
 ) -> None:
     q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, dtype, device, block_size)
     scale = head_dim**-0.5
-    out = paged_attention(q, cache, meta, scale)
+    out = paged_attention(q, cache, meta, scale, window)
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out, reference.paged_attention(q, cache, meta, scale), **TOLERANCES[dtype])
+    expected = reference.paged_attention(q, cache, meta, scale, window)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -122,3 +124,10 @@ def test_paged_attention_at_serving_sizes(dtype: torch.dtype) -> None:
     """Llama-8B-like heads over long contexts: the sizes the interpreter is too slow for."""
     spec = [(1, 3001), (1, 17), (512, 512), (300, 2000)] + [(1, 100 + 37 * i) for i in range(60)]
     check(spec, 32, 8, 128, dtype, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("window", [1, 5, 33, 100])
+def test_paged_attention_sliding_window(device: torch.device, window: int) -> None:
+    """Windows narrower than a key tile, wider than one, and wider than a query tile's first token's reach: the
+    kernel starts each tile at its first token's window and masks the rest, as the reference does."""
+    check([*MIXED, *LONG], 6, 2, 64, torch.float32, device, window=window)
