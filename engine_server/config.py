@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Architecture = Literal["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "bert"]
+Architecture = Literal["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "bert"]
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
@@ -23,14 +23,14 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "gemma3_text": "gemma3",
     "bert": "bert",
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings are not implemented",
     "gemma2": "Gemma 2's logit soft-capping and (1 + weight) RMSNorm are not implemented",
-    "gemma3": "Gemma 3's local rope and (1 + weight) RMSNorm are not implemented",
-    "gemma3_text": "Gemma 3's local rope and (1 + weight) RMSNorm are not implemented",
+    "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
     "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -107,9 +107,21 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
-    # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`): layer i's token at position p
-    # attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
+    # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 3): layer i's token at
+    # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
+    # Gemma 3: RMSNorm weights stored as w and applied as `norm_offset + w`; embeddings times `embedding_multiplier`
+    # (sqrt(hidden_size), rounded to the weights' dtype); a GELU (tanh) gate; "sandwich" norms (the attention's and
+    # the MLP's outputs normalised before their residual adds, beside the usual pre-norms); attention scores scaled
+    # by `attention_scale` (0: head_dim ** -0.5); windowed layers' rope with base `local_rope_theta` (0: `rope_theta`)
+    # and the others' positions divided by `rope_linear_factor` (linear rope scaling).
+    norm_offset: float = 0.0
+    embedding_multiplier: float = 1.0
+    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    sandwich_norms: bool = False
+    attention_scale: float = 0.0
+    local_rope_theta: float = 0.0
+    rope_linear_factor: float = 1.0
 
     @property
     def o_proj_bias(self) -> bool:
@@ -154,7 +166,8 @@ class ModelConfig:
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
         arch = _HF_ARCHITECTURES[model_type]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        gemma = _gemma3_fields(cfg) if arch == "gemma3" else {}
+        rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         scaling: RopeScaling | LongRope | None = None
@@ -173,6 +186,8 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        if gemma:
+            rope_theta = gemma.pop("rope_theta")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -187,7 +202,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             rope_scaling=scaling,
             partial_rotary_factor=partial,
             bos_token_id=cfg.get("bos_token_id"),
@@ -195,6 +210,7 @@ class ModelConfig:
             name=name,
             layer_windows=_layer_windows(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
+            **gemma,
         )
 
     @classmethod
@@ -251,7 +267,8 @@ def _long_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
-    `use_sliding_window` is set, and every layer of any other family does when `sliding_window` is set. () when no
+    `use_sliding_window` is set, Gemma 3's but every `sliding_window_pattern`-th (6), and every layer of any other
+    family does when `sliding_window` is set. () when no
     layer has a window. ValueError for a window that is not a positive integer or a layer type not known."""
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
@@ -271,9 +288,51 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     elif model_type.startswith("qwen"):
         first = int(cfg.get("max_window_layers", layers))
         windowed = [i >= first for i in range(layers)]
+    elif model_type == "gemma3_text":  # an earlier config: every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        windowed = [(i + 1) % pattern != 0 for i in range(layers)]
     else:
         windowed = [True] * layers
     return tuple(window if on else 0 for on in windowed) if any(windowed) else ()
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields a Gemma 3 text `config.json` sets apart (with `rope_theta`, the global layers'
+    base), from either layout: transformers 5's `rope_parameters` per layer type, or the earlier `rope_theta`,
+    `rope_local_base_freq` and `rope_scaling`. ValueError for what is not implemented: logit soft-capping (Gemma 3
+    sets none), bidirectional attention, a rope type other than default or linear, another activation."""
+    for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(field_name) is not None:
+            raise ValueError(f"gemma3_text with {field_name} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma3_text with use_bidirectional_attention is not supported")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma3_text hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+    by_type = cfg.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        full, local = by_type.get("full_attention") or {}, by_type.get("sliding_attention") or {}
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq")}
+    factor = 1.0
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type == "linear" and kind == "full_attention":
+            factor = float(params["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"gemma3_text {kind} rope type {rope_type!r} is not supported (default and linear are)")
+    hidden = int(cfg["hidden_size"])
+    return {
+        "rope_theta": float(full.get("rope_theta") or 1_000_000.0),
+        "local_rope_theta": float(local.get("rope_theta") or 10_000.0),
+        "rope_linear_factor": factor,
+        "norm_offset": 1.0,
+        "embedding_multiplier": hidden**0.5,
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "attention_scale": float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+    }
 
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:

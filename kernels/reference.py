@@ -67,12 +67,17 @@ def build_cos_sin_cache(
     theta: float,
     scaling: RopeScalingParams | None = None,
     dtype: torch.dtype = torch.float32,
+    linear_factor: float = 1.0,
 ) -> torch.Tensor:
-    """`[max_positions, D]`: row p is `cat(cos(p * f), sin(p * f))` over the D/2 inverse frequencies f.
+    """`[max_positions, D]`: row p is `cat(cos(p * f), sin(p * f))` over the D/2 inverse frequencies f (divided by
+    `linear_factor`: linear rope scaling, as transformers' "linear" rope type divides them).
 
     Angles are computed in float32 (as Hugging Face does) and the result is cast to `dtype`.
     """
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
@@ -119,6 +124,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(x[..., :d]) * x[..., d:]` for x `[..., 2d]` (the fused gate/up projection of a SwiGLU MLP)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh(x[..., :d]) * x[..., d:]` for x `[..., 2d]` (GeGLU with GELU's tanh approximation: Gemma's
+    `gelu_pytorch_tanh`)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -47,7 +47,8 @@ WINDOW = 20
 # top-3 of 8 small experts renormalised, one dense layer; Qwen2-MoE's top-2 of 4 not renormalised, beside a
 # sigmoid-gated shared expert, with q/k/v biases. Sliding windows: Mistral's on every layer; Qwen2's on the layers
 # from `max_window_layers` on (so full and windowed layers alternate in one model); Phi-3's with its fused
-# projections.
+# projections. Gemma 3: one global layer in four (linear rope scaling, base 1e6) among windowed ones (base 1e4), q/k
+# norms, sandwich norms stored as (1 + w), scaled tied embeddings, GeGLU, a query scale of 24 ** -0.5, not 16's.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -69,6 +70,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-window": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
     "phi3-window": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": WINDOW}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "tie_word_embeddings": True,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
+    ),
 }  # fmt: skip
 
 

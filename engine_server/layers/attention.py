@@ -39,7 +39,7 @@ class PagedSelfAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotary_dim = config.rotary_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
         parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, self.head_dim, tp.size, tp.rank)
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
         full_q = config.num_attention_heads * self.head_dim

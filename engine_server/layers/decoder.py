@@ -1,8 +1,9 @@
-"""The decoder stack shared by every family: embeddings, pre-norm attention + MLP blocks, final norm."""
+"""The decoder stack shared by every family: embeddings, pre-norm attention + MLP blocks (Gemma 3's with sandwich
+norms), final norm."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)
-            else GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp)
+            else GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp, config.hidden_act)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -56,6 +57,44 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, ops)
         return self.mlp(hidden, ops), residual
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
+    before its residual add. Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual
+    stream)`, adds them, and returns its MLP's normalised output beside the stream it adds to."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
+    ) -> None:
+        super().__init__()
+        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp, config.attention_window(index))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp, config.hidden_act)
+        norm = (config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(*norm)
+        self.post_attention_layernorm = RMSNorm(*norm)
+        self.pre_feedforward_layernorm = RMSNorm(*norm)
+        self.post_feedforward_layernorm = RMSNorm(*norm)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden, ops)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, ops)
+        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops)
+        hidden = self.post_attention_layernorm(hidden, ops)
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual, ops)
+        return self.post_feedforward_layernorm(self.mlp(hidden, ops), ops), residual
 
 
 def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens: int) -> torch.Tensor:
@@ -100,8 +139,15 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        # Gemma: the embeddings times sqrt(hidden_size), a float32 scalar rounded to the weights' dtype (as
+        # transformers does); a buffer, so it moves with the module (and a CUDA graph reads it in place).
+        self.scales_embeddings = config.embedding_multiplier != 1.0
+        if self.scales_embeddings:
+            multiplier = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(dtype)
+            self.register_buffer("embedding_multiplier", multiplier, persistent=False)
+        block = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
+            block(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         scaling = config.rope_scaling
@@ -115,10 +161,17 @@ class DecoderModel(nn.Module):
             )  # fmt: skip
         else:
             cache = build_cos_sin_cache(
-                config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype
-            )
+                config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype,
+                config.rope_linear_factor,
+            )  # fmt: skip
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # Gemma 3: the windowed layers' rope has a base of its own (and no scaling).
+        self.local_rope = bool(config.local_rope_theta)
+        if self.local_rope:
+            local = build_cos_sin_cache(config.rotary_dim, config.max_position_embeddings, config.local_rope_theta,
+                                        None, dtype)  # fmt: skip
+            self.register_buffer("local_cos_sin_cache", local, persistent=False)
         # The second forward path: `layers.decode_stack.build_decode_stack(self)`, set once the weights are final
         # (quantization.quantize_model sets it only with ops whose attention takes every token as a decode row of
         # its own). When set, it runs every step in place of the layers below.
@@ -145,6 +198,8 @@ class DecoderModel(nn.Module):
         """With `interrupt`, raises `StepInterrupted` after the first layer that ends with it set (the layers
         before wrote their K/V; engine_server.step_interrupt)."""
         hidden = self.embed_tokens(input_ids)
+        if self.scales_embeddings:
+            hidden = hidden * self.get_buffer("embedding_multiplier")
         if self.decode_stack is not None:
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
@@ -155,9 +210,11 @@ class DecoderModel(nn.Module):
             return stacked
         residual: torch.Tensor | None = None
         cos_sin = self.get_buffer("cos_sin_cache")
+        local = self.get_buffer("local_cos_sin_cache") if self.local_rope else cos_sin
         rope_rows = self.rope_rows(positions, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope_rows, hidden, residual, kv_cache, cos_sin, meta, ops)
+            table = local if cast(PagedSelfAttention, layer.self_attn).window else cos_sin
+            hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         assert residual is not None, "a model has at least one layer"

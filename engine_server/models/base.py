@@ -13,6 +13,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
+from engine_server.layers.norm import RMSNorm
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
     EXPERT_PARTS,
@@ -112,9 +113,10 @@ class CausalLM(nn.Module):
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.
 
         Every parameter (and every shard of a fused one) must be provided exactly as shaped; unknown names are
-        refused. With tied embeddings a checkpoint's `lm_head.weight` is ignored. Under tensor parallelism each
-        sharded layer keeps its rank's slice of the tensor (`parallel.layers`), which may be given whole, as
-        exactly that slice, or unread (`loader.lazy_tensor.LazyTensor`: then only that slice is read).
+        refused. With `ModelConfig.norm_offset` (Gemma), every RMSNorm's weight becomes offset + the checkpoint's:
+        call this once per model. With tied embeddings a checkpoint's `lm_head.weight` is ignored. Under tensor
+        parallelism each sharded layer keeps its rank's slice of the tensor (`parallel.layers`), which may be given
+        whole, as exactly that slice, or unread (`loader.lazy_tensor.LazyTensor`: then only that slice is read).
 
         A checkpoint of the bare decoder (saved from `AutoModel`, as Qwen3-Embedding's are: `layers.0...`,
         `embed_tokens.weight`, `norm.weight`) is read as the same names under `model.`. A mixture of experts' experts
@@ -163,6 +165,11 @@ class CausalLM(nn.Module):
         missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:5]}")
+        if self.config.norm_offset:  # Gemma: a norm applies offset + w; kept as such (computed in float32 first)
+            with torch.no_grad():
+                for module in self.modules():
+                    if isinstance(module, RMSNorm):
+                        module.weight.copy_(module.weight.float() + self.config.norm_offset)
 
     @staticmethod
     def _load_expert(

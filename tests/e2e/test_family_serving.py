@@ -1,5 +1,6 @@
-"""A mixture-of-experts model served from a folder transformers saved: `ladle engine --model FOLDER
---quantization none` behind `ladle gateway`, through the official openai SDK, greedy as transformers decodes."""
+"""Newer families served from a folder transformers saved (a mixture of experts, Qwen3-MoE, and Gemma 3 with its
+sliding windows): `ladle engine --model FOLDER --quantization none` behind `ladle gateway`, through the official
+openai SDK, greedy as transformers decodes."""
 
 from __future__ import annotations
 
@@ -15,25 +16,30 @@ from tests.e2e.gateway_process import GatewayProcess, start_gateway
 from tests.families import save_family
 from tests.unit.test_family_engines import NUM_TOKENS, prompts, reference_tokens
 
+FAMILY_ARCHITECTURES = {"qwen3-moe": "qwen3_moe", "gemma3": "gemma3"}  # tests.families name: what GetModelInfo says
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, EngineProcess, GatewayProcess]]:
-    root = tmp_path_factory.mktemp("qwen3-moe")
-    folder = save_family(root / "model", "qwen3-moe")
+
+@pytest.fixture(scope="module", params=list(FAMILY_ARCHITECTURES))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, Path, EngineProcess, GatewayProcess]]:  # fmt: skip
+    root = tmp_path_factory.mktemp(request.param)
+    folder = save_family(root / "model", request.param)
     engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
     gateway = start_gateway(root / "gateway.log", engine.address)
-    yield folder, engine, gateway
+    yield request.param, folder, engine, gateway
     assert gateway.stop() == 0
     assert engine.stop() == 0
 
 
-def test_the_openai_sdk_completes_as_transformers_greedy(served: tuple[Path, EngineProcess, GatewayProcess]) -> None:
+def test_the_openai_sdk_completes_as_transformers_greedy(
+    served: tuple[str, Path, EngineProcess, GatewayProcess],
+) -> None:
     from transformers import AutoTokenizer
 
-    folder, engine, gateway = served
+    family, folder, engine, gateway = served
     with EngineClient(engine.address) as client:
         info = client.model_info()
-    assert info.architecture == "qwen3_moe"
+    assert info.architecture == FAMILY_ARCHITECTURES[family]
     batch = prompts()
     theirs = reference_tokens(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)

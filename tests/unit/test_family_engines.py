@@ -3,7 +3,8 @@ equal to transformers' token for token, alone, batched, and with a prefix-cache 
 under tensor parallelism and speculative decoding. The models are tiny random ones saved by transformers
 (tests/families.py). Phi-3 with LongRoPE: prompts on both sides of its 32-token limit, one crossing it while it
 decodes, each prefilled in one step (as transformers' generate computes a prompt). Sliding windows: also with
-prompts prefilled in chunks, and on the quantized path (the C++ decode stack and by-token attention) batch-invariant."""
+prompts prefilled in chunks, and on the quantized path (the C++ decode stack and by-token attention) batch-invariant.
+Gemma 3 also under tensor parallelism and on int8 weights."""
 
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def window_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
     """Mistral with a 20-position sliding window on every layer, with transformers' greedy tokens."""
     folder = save_family(tmp_path_factory.mktemp("mistral-window-paths"), "mistral-window")
+    return folder, reference_tokens(folder)
+
+
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """Gemma 3 (tests/families.py), with transformers' greedy tokens for `prompts()`."""
+    folder = save_family(tmp_path_factory.mktemp("gemma3-paths"), "gemma3")
     return folder, reference_tokens(folder)
 
 
@@ -120,5 +128,29 @@ def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone  # batched, and the last prompt from the cache
     with engine(folder, quantization="int8", chunk=24) as llm:
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+
+
+def test_gemma3_under_tensor_parallelism_and_chunked_prefill_equals_transformers(
+    gemma3_folder: tuple[Path, list[list[int]]],
+) -> None:
+    """Two ranks (q/k norms and the four sandwich norms replicated, GeGLU split), then one rank prefilling in
+    24-token chunks (the windowed layers reach back into the previous chunk, the global one over all of it)."""
+    folder, theirs = gemma3_folder
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, prompts()) == theirs
+    with engine(folder, chunk=24) as llm:
+        assert tokens(llm, prompts()) == theirs
+
+
+def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Path, list[list[int]]]) -> None:
+    """int8 weights on the layers (the C++ decode stack does not take Gemma's blocks): each prompt's tokens are
+    the same alone and batched, and mostly agree with the float path's first tokens."""
+    folder, theirs = gemma3_folder
+    batch = prompts()
+    with engine(folder, quantization="int8") as llm:
+        assert llm.core.runner.loaded.model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6

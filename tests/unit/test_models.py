@@ -266,8 +266,13 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"model_type": "gemma2"}, r"unsupported model_type 'gemma2' \(Gemma 2's logit soft-capping .*supported: bert"),
-        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, llama"),
+        ({"model_type": "gemma2"}, r"model_type 'gemma2' \(Gemma 2's logit soft-capping .*supported: bert, gemma3"),
+        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma3_text"),
+        ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
+        ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
+        ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
         ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
     ],
@@ -311,6 +316,26 @@ def test_sliding_windows_are_read_per_layer_as_transformers_builds_them() -> Non
         assert ModelConfig.from_hf_config(raw).layer_windows == ()
     listed = {**mistral, "layer_types": ["full_attention", "sliding_attention"]}
     assert ModelConfig.from_hf_config(listed).layer_windows == (0, 32)
+
+
+def test_gemma3_configs_read_in_either_layout() -> None:
+    """transformers 5's `rope_parameters` by layer type and `layer_types`, and an earlier config.json's
+    `rope_theta`, `rope_local_base_freq`, `rope_scaling` and `sliding_window_pattern`, give the same config."""
+    shape = {**SMALL, "num_hidden_layers": 6, "head_dim": 16, "query_pre_attn_scalar": 32, "sliding_window": 8}
+    new = transformers.Gemma3TextConfig(
+        **shape, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+    ).to_dict()  # fmt: skip
+    old = {**shape, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 6,
+           "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}  # fmt: skip
+    configs = [ModelConfig.from_hf_config(raw) for raw in (new, old)]
+    assert configs[0] == configs[1]
+    config = configs[0]
+    assert config.architecture == "gemma3" and config.layer_windows == (8, 8, 8, 8, 8, 0)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_linear_factor) == (1e6, 1e4, 8.0)
+    assert config.attention_scale == 32**-0.5 and config.embedding_multiplier == 64**0.5
+    assert config.norm_offset == 1.0 and config.sandwich_norms and config.qk_norm and config.hidden_act == "gelu_tanh"
 
 
 def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:
