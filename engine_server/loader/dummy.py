@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -72,6 +73,20 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
         qk_norm=True, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3-30b-a3b",
+    ),
+    # Gemma 3 4B's language model (its config.json's text_config; the vision tower is not served): 34 layers, five
+    # windowed (1,024 positions, rope base 1e4) to each global one (rope base 1e6, linear scaling x8). Read through
+    # `ModelConfig.from_hf_config`, so the preset gets Gemma's quirks exactly as a checkpoint folder would.
+    "gemma-3-4b": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
+            "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+            "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:gemma-3-4b",
     ),
 }  # fmt: skip
 

@@ -10,7 +10,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter of `cfg`'s model, HF-named, in checkpoint order.
 
     `lm_head.weight` is listed only for untied models; q/k/v biases only with `attention_bias`, o_proj's only with
-    `ModelConfig.o_proj_bias`; per-head q/k norms only with `qk_norm`.
+    `ModelConfig.o_proj_bias`; per-head q/k norms only with `qk_norm`; the pre/post feed-forward norms only with
+    `sandwich_norms` (Gemma 3).
     """
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -32,6 +33,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if cfg.is_moe_layer(i):
             shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
             for e in range(cfg.num_experts):

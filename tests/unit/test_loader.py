@@ -56,7 +56,10 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
             moe_intermediate_size=cfg.moe_intermediate_size, mlp_only_layers=list(cfg.dense_layers),
         )  # fmt: skip
     shape = {f: getattr(cfg, f) for f in fields}
-    return transformers.AutoConfig.for_model(cfg.architecture, **shape, **experts)
+    if cfg.layer_windows:
+        shape["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.layer_windows]
+    model_type = {"gemma3": "gemma3_text"}.get(cfg.architecture, cfg.architecture)  # Gemma 3's text model
+    return transformers.AutoConfig.for_model(model_type, **shape, **experts)
 
 
 def state_shapes(model: torch.nn.Module, tied: bool) -> dict[str, tuple[int, ...]]:
@@ -230,6 +233,13 @@ def test_dummy_preset_configs() -> None:
     moe = DUMMY_PRESETS["qwen3-30b-a3b"]
     params = sum(math.prod(shape) for shape in parameter_shapes(moe).values())
     assert params == 30_532_122_624  # Qwen3-30B-A3B's
+
+
+    gemma = DUMMY_PRESETS["gemma-3-4b"]  # its layout is held to transformers' by the test above
+    params = sum(math.prod(shape) for shape in parameter_shapes(gemma).values())
+    assert params == 3_880_263_168  # Gemma 3 4B's language model (the published 4B counts its vision tower too)
+    assert [gemma.attention_window(i) for i in range(12)] == [1024] * 5 + [0] + [1024] * 5 + [0]
+    assert (gemma.rope_linear_factor, gemma.local_rope_theta, gemma.attention_scale) == (8.0, 1e4, 1 / 16)
 
 
 def test_dummy_weights_are_seeded_and_initialised(cache_dir: Path) -> None:
