@@ -300,7 +300,8 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields a Gemma 3 text `config.json` sets apart (with `rope_theta`, the global layers'
     base), from either layout: transformers 5's `rope_parameters` per layer type, or the earlier `rope_theta`,
     `rope_local_base_freq` and `rope_scaling`. ValueError for what is not implemented: logit soft-capping (Gemma 3
-    sets none), bidirectional attention, a rope type other than default or linear, another activation."""
+    sets none), bidirectional attention, no sliding window, a rope type other than default or linear, another
+    activation."""
     for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(field_name) is not None:
             raise ValueError(f"gemma3_text with {field_name} is not supported")
@@ -322,6 +323,8 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             factor = float(params["factor"])
         elif rope_type != "default":
             raise ValueError(f"gemma3_text {kind} rope type {rope_type!r} is not supported (default and linear are)")
+    if not cfg.get("sliding_window"):  # its local layers' rope is chosen by their window
+        raise ValueError("gemma3_text without a sliding_window is not supported")
     hidden = int(cfg["hidden_size"])
     return {
         "rope_theta": float(full.get("rope_theta") or 1_000_000.0),

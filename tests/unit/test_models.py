@@ -271,6 +271,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "gemma3_text", "sliding_window": None}, "gemma3_text without a sliding_window"),
         ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
         ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
