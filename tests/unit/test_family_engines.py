@@ -32,11 +32,15 @@ def prompts() -> list[list[int]]:
     return [*batch, batch[0][:SHARED_PREFIX] + [rng.randrange(10, VOCAB_SIZE) for _ in range(20)]]
 
 
-def engine(folder: Path, quantization: str = "none", chunk: int = 2048, **overrides: Any) -> LLM:
-    """The offline engine on `folder`; `chunk`: the most tokens a step prefills."""
+def engine(
+    folder: Path, quantization: str = "none", chunk: int = 2048, kv_blocks: int = 0, **overrides: Any
+) -> LLM:
+    """The offline engine on `folder`; `chunk`: the most tokens a step prefills; `kv_blocks`: a KV cache of that
+    many 16-token blocks (for 256-token sequences of the 4-layer test models) instead of 64 MiB."""
+    memory = kv_blocks * 4 * 2 * 16 * 2 * 16 * 4 if kv_blocks else 64 * 1024**2  # layers, K/V, block, heads, dim, f32
     config = EngineConfig(
-        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=64 * 1024**2),
-        scheduler=SchedulerConfig(max_num_batched_tokens=chunk),
+        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=memory),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_model_len=256 if kv_blocks else None),
     )  # fmt: skip
     return LLM(config=config, **overrides)
 
@@ -114,6 +118,18 @@ def test_a_sliding_window_holds_when_prompts_are_prefilled_in_chunks(
         assert tokens(llm, prompts()) == theirs
 
 
+def test_a_sliding_window_holds_under_speculation_and_preemption(window_folder: tuple[Path, list[list[int]]]) -> None:
+    """n-gram drafts verified as several tokens of one row each (their window reaches back into the cache), then a
+    KV pool of 24 blocks for eight sequences: sequences preempted and recomputed keep transformers' tokens."""
+    folder, theirs = window_folder
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:
+        assert tokens(llm, prompts()) == theirs
+    with engine(folder, kv_blocks=24) as llm:
+        assert tokens(llm, prompts()) == theirs
+        assert llm.core.scheduler.total_preemptions > 0
+
+
 def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder: tuple[Path, list[list[int]]]) -> None:
     """int8 weights: every decode step on the C++ decode stack and every prompt token through the by-token
     attention kernel, each with the window. A prompt's tokens are the same alone, batched, prefilled in chunks and
@@ -154,3 +170,21 @@ def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Pa
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+
+
+def test_a_json_schema_constrains_a_mixture_of_experts(moe_folder: tuple[Path, list[list[int]]]) -> None:
+    """The grammar's mask applies to the MoE's logits as to any model's: every output parses and validates."""
+    import json
+
+    import jsonschema
+
+    from engine_server.structured import Constraint
+
+    folder, _ = moe_folder
+    schema = {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 9}}, "required": ["kind", "n"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=64, constraint=Constraint.json_schema(json.dumps(schema)))
+    with engine(folder) as llm:
+        results = llm.generate(prompts()[:4], params, use_tqdm=False)
+    for result in results:
+        jsonschema.validate(json.loads(result.choices[0].text), schema)
