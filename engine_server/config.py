@@ -268,8 +268,8 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
     `use_sliding_window` is set, Gemma 3's but every `sliding_window_pattern`-th (6), and every layer of any other
-    family does when `sliding_window` is set. () when no
-    layer has a window. ValueError for a window that is not a positive integer or a layer type not known."""
+    family does when `sliding_window` is set. () when no layer has a window. ValueError for a window that is not a
+    positive integer or a layer type not known."""
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
     if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
