@@ -99,10 +99,11 @@ inline float score(const float* qh, const vec8 (&k)[Chunks], float scale) {
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
 // token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
-// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim. Each key and value is read once for all the rows (a row alone would
-// read the sequence's whole cache once per row), while each row's arithmetic is the single row's, in the same
-// order: scores by key, softmax_row, then values summed in position order; so a row's result is the same bits
-// in any group, alone included (the build has -ffp-contract=off: no fused multiply-adds that could differ).
+// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim. Each key
+// and value is read once for all the rows (a row alone would read the sequence's whole cache once per row), while
+// each row's arithmetic is the single row's, in the same order: scores by key, softmax_row, then values summed in
+// position order; so a row's result is the same bits in any group, alone included (the build has
+// -ffp-contract=off: no fused multiply-adds that could differ).
 // `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * Dim.
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
