@@ -3,7 +3,7 @@ norms), final norm."""
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -49,17 +49,31 @@ class DecoderLayer(nn.Module):
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns `(mlp output, residual stream)`; their sum is the layer's output hidden state."""
+        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(attended, residual, ops)
+        return self.mlp(hidden, ops), residual
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's first half: `(attention output, residual stream)` from the previous layer's pair (the
+        input norm fuses their add; the first layer gets no residual)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, ops)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, ops)
-        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, ops)
-        return self.mlp(hidden, ops), residual
+        return self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops), residual
 
 
-class SandwichDecoderLayer(nn.Module):
+class SandwichDecoderLayer(DecoderLayer):
     """Gemma 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
     before its residual add. Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual
     stream)`, adds them, and returns its MLP's normalised output beside the stream it adds to."""
@@ -67,14 +81,9 @@ class SandwichDecoderLayer(nn.Module):
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
     ) -> None:
-        super().__init__()
-        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp, config.attention_window(index))
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp, config.hidden_act)
-        norm = (config.hidden_size, config.rms_norm_eps, dtype)
-        self.input_layernorm = RMSNorm(*norm)
-        self.post_attention_layernorm = RMSNorm(*norm)
-        self.pre_feedforward_layernorm = RMSNorm(*norm)
-        self.post_feedforward_layernorm = RMSNorm(*norm)
+        super().__init__(config, dtype, o_proj_bias, tp, index)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
         self,
@@ -86,14 +95,9 @@ class SandwichDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden, ops)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, ops)
-        hidden = self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops)
-        hidden = self.post_attention_layernorm(hidden, ops)
-        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual, ops)
+        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops)
+        normed = self.post_attention_layernorm(attended, ops)
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(normed, residual, ops)
         return self.post_feedforward_layernorm(self.mlp(hidden, ops), ops), residual
 
 
@@ -166,8 +170,11 @@ class DecoderModel(nn.Module):
             )  # fmt: skip
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        # Gemma 3: the windowed layers' rope has a base of its own (and no scaling).
+        # Gemma 3: the windowed layers' rope has a base of its own (and no scaling); which layers read it is fixed.
         self.local_rope = bool(config.local_rope_theta)
+        self.local_rope_layers = [
+            self.local_rope and config.attention_window(i) > 0 for i in range(config.num_hidden_layers)
+        ]
         if self.local_rope:
             local = build_cos_sin_cache(config.rotary_dim, config.max_position_embeddings, config.local_rope_theta,
                                         None, dtype)  # fmt: skip
@@ -212,8 +219,8 @@ class DecoderModel(nn.Module):
         cos_sin = self.get_buffer("cos_sin_cache")
         local = self.get_buffer("local_cos_sin_cache") if self.local_rope else cos_sin
         rope_rows = self.rope_rows(positions, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            table = local if cast(PagedSelfAttention, layer.self_attn).window else cos_sin
+        for layer, kv_cache, reads_local in zip(self.layers, kv_caches, self.local_rope_layers, strict=True):
+            table = local if reads_local else cos_sin
             hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
