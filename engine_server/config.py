@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-Architecture = Literal["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "bert"]
+Architecture = Literal[
+    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "bert"
+]
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
@@ -23,13 +25,13 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "bert": "bert",
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings are not implemented",
-    "gemma2": "Gemma 2's logit soft-capping and (1 + weight) RMSNorm are not implemented",
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
     "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
 }
@@ -110,11 +112,13 @@ class ModelConfig:
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
-    # Gemma 3: RMSNorm weights stored as w and applied as `norm_offset + w`; embeddings times `embedding_multiplier`
-    # (sqrt(hidden_size), rounded to the weights' dtype); a GELU (tanh) gate; "sandwich" norms (the attention's and
-    # the MLP's outputs normalised before their residual adds, beside the usual pre-norms); attention scores scaled
-    # by `attention_scale` (0: head_dim ** -0.5); windowed layers' rope with base `local_rope_theta` (0: `rope_theta`)
-    # and the others' positions divided by `rope_linear_factor` (linear rope scaling).
+    # Gemma 2 and 3: RMSNorm weights stored as w and applied as `norm_offset + w`; embeddings times
+    # `embedding_multiplier` (sqrt(hidden_size), rounded to the weights' dtype); a GELU (tanh) gate; "sandwich" norms
+    # (the attention's and the MLP's outputs normalised before their residual adds, beside the usual pre-norms);
+    # attention scores scaled by `attention_scale` (0: head_dim ** -0.5). Gemma 3: windowed layers' rope with base
+    # `local_rope_theta` (0: `rope_theta`) and the others' positions divided by `rope_linear_factor` (linear rope
+    # scaling). Gemma 2: attention scores s soft-capped to `c * tanh(s / c)` with c = `attention_softcap`, and the
+    # logits likewise with `final_logit_softcap` (0: no cap).
     norm_offset: float = 0.0
     embedding_multiplier: float = 1.0
     hidden_act: Literal["silu", "gelu_tanh"] = "silu"
@@ -122,6 +126,8 @@ class ModelConfig:
     attention_scale: float = 0.0
     local_rope_theta: float = 0.0
     rope_linear_factor: float = 1.0
+    attention_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
 
     @property
     def o_proj_bias(self) -> bool:
@@ -166,7 +172,7 @@ class ModelConfig:
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
         arch = _HF_ARCHITECTURES[model_type]
-        gemma = _gemma3_fields(cfg) if arch == "gemma3" else {}
+        gemma = _gemma_fields(model_type, cfg) if arch in ("gemma2", "gemma3") else {}
         rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
@@ -291,51 +297,64 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     elif model_type == "gemma3_text":  # an earlier config: every `sliding_window_pattern`-th layer is global
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         windowed = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif model_type == "gemma2":  # an earlier config: the even layers are local, the odd ones global
+        windowed = [i % 2 == 0 for i in range(layers)]
     else:
         windowed = [True] * layers
     return tuple(window if on else 0 for on in windowed) if any(windowed) else ()
 
 
-def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` fields a Gemma 3 text `config.json` sets apart (with `rope_theta`, the global layers'
-    base), from either layout: transformers 5's `rope_parameters` per layer type, or the earlier `rope_theta`,
-    `rope_local_base_freq` and `rope_scaling`. ValueError for what is not implemented: logit soft-capping (Gemma 3
-    sets none), bidirectional attention, no sliding window, a rope type other than default or linear, another
+def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields a Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json` sets apart, with
+    `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters` (per
+    layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
+    what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3
+    without a sliding window, a rope type other than default (and linear on Gemma 3's global layers), another
     activation."""
-    for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(field_name) is not None:
-            raise ValueError(f"gemma3_text with {field_name} is not supported")
+    gemma3 = model_type == "gemma3_text"
+    if gemma3:
+        for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(field_name) is not None:
+                raise ValueError(f"gemma3_text with {field_name} is not supported")
     if cfg.get("use_bidirectional_attention"):
-        raise ValueError("gemma3_text with use_bidirectional_attention is not supported")
+        raise ValueError(f"{model_type} with use_bidirectional_attention is not supported")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
-        raise ValueError(f"gemma3_text hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+        raise ValueError(f"{model_type} hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
     by_type = cfg.get("rope_parameters") or {}
     if "full_attention" in by_type or "sliding_attention" in by_type:
         full, local = by_type.get("full_attention") or {}, by_type.get("sliding_attention") or {}
-    else:
+    elif gemma3:
         full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
         local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq")}
+    else:  # Gemma 2: one rope for every layer
+        rope = by_type or cfg.get("rope_scaling") or {}
+        full = local = {**rope, "rope_theta": rope.get("rope_theta") or cfg.get("rope_theta")}
     factor = 1.0
     for kind, params in (("full_attention", full), ("sliding_attention", local)):
         rope_type = params.get("rope_type") or params.get("type") or "default"
-        if rope_type == "linear" and kind == "full_attention":
+        if rope_type == "linear" and kind == "full_attention" and gemma3:
             factor = float(params["factor"])
         elif rope_type != "default":
-            raise ValueError(f"gemma3_text {kind} rope type {rope_type!r} is not supported (default and linear are)")
-    if not cfg.get("sliding_window"):  # its local layers' rope is chosen by their window
+            raise ValueError(f"{model_type} {kind} rope type {rope_type!r} is not supported")
+    if gemma3 and not cfg.get("sliding_window"):  # its local layers' rope is chosen by their window
         raise ValueError("gemma3_text without a sliding_window is not supported")
     hidden = int(cfg["hidden_size"])
-    return {
-        "rope_theta": float(full.get("rope_theta") or 1_000_000.0),
-        "local_rope_theta": float(local.get("rope_theta") or 10_000.0),
-        "rope_linear_factor": factor,
+    fields: dict[str, Any] = {
+        "rope_theta": float(full.get("rope_theta") or (1_000_000.0 if gemma3 else 10_000.0)),
         "norm_offset": 1.0,
         "embedding_multiplier": hidden**0.5,
         "hidden_act": "gelu_tanh",
         "sandwich_norms": True,
         "attention_scale": float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
     }
+    if gemma3:
+        fields["local_rope_theta"] = float(local.get("rope_theta") or 10_000.0)
+        fields["rope_linear_factor"] = factor
+    else:
+        fields["attention_softcap"] = float(cfg.get("attn_logit_softcapping") or 0.0)
+        fields["final_logit_softcap"] = float(cfg.get("final_logit_softcapping") or 0.0)
+    return fields
 
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:

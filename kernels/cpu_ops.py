@@ -60,15 +60,22 @@ STALE_LOCK_S = 600.0
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract; decode rows run the C++ kernel (float32, a head dim in `HEAD_DIMS`),
     the rest the reference."""
     plan = meta.reference_plan
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS or plan.decode_token_index.numel() == 0:
-        return reference.paged_attention(q, kv_cache, meta, scale, window)
+        return reference.paged_attention(q, kv_cache, meta, scale, window, softcap)
     if plan.all_decode:
-        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window)
+        return paged_decode_attention(
+            q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
+        )
     out = torch.empty_like(q)
     decoded = paged_decode_attention(
         q.index_select(0, plan.decode_token_index),
@@ -77,14 +84,20 @@ def paged_attention(
         plan.decode_seq_lens,
         scale,
         window,
+        softcap,
     )
     out.index_copy_(0, plan.decode_token_index, decoded)
-    reference.attend_prefills(q, kv_cache, meta, scale, out, window)
+    reference.attend_prefills(q, kv_cache, meta, scale, out, window, softcap)
     return out
 
 
 def paged_attention_by_token(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract with every token, prefill tokens included, run through the decode
     kernel as a row of its own (its sequence's block table, positions [0, p]).
@@ -96,11 +109,13 @@ def paged_attention_by_token(
     SDPA's blocked product on long prompts. Falls back to `paged_attention` where the kernel does not apply.
     """
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
-        return paged_attention(q, kv_cache, meta, scale, window)
+        return paged_attention(q, kv_cache, meta, scale, window, softcap)
     if meta.max_query_len == 1:
-        return paged_decode_attention(q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window)
+        return paged_decode_attention(
+            q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
+        )
     tables, lens = meta.token_rows
-    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale, window)
+    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale, window, softcap)
 
 
 def paged_decode_attention(
@@ -110,14 +125,18 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q `[B, H, D]` (one new token per row) over positions `[0, seq_lens[b])` of the paged cache -> `[B, H, D]`;
-    with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only.
+    with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only; with `softcap` > 0, scores
+    soft-capped as `reference.paged_attention` says.
 
     Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
-    the cache, a negative window), before anything is read. Needs the extension (`cpu_ops()` is not None).
+    the cache, a negative window or soft-cap), before anything is read. Needs the extension (`cpu_ops()` is not None).
     """
-    out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window)
+    out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(
+        q, kv_cache, block_tables, seq_lens, scale, window, softcap
+    )
     return out
 
 

@@ -27,7 +27,7 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     write_kv_cache: Callable[..., None]
     # Typed in full: the engine's metadata is checked against the kernels' own `AttentionInputs` where it calls.
-    paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionInputs, float, int], torch.Tensor]
+    paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionInputs, float, int, float], torch.Tensor]
 
 
 REFERENCE_OPS = KernelOps(

@@ -56,6 +56,7 @@ def _paged_attention_kernel(
     query_start_ptr,
     qk_scale,
     window,
+    softcap,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -71,6 +72,7 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """For new token t of sequence i at position p and query head h (KV head `h // GROUP`):
 
@@ -79,7 +81,8 @@ def _paged_attention_kernel(
     (and > p - window, when `window` > 0: a sliding window). K[j], V[j] live in slot
     `block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE` of the cache `[2, slots, NUM_KV_HEADS,
     head_dim]`. The softmax runs online over BLOCK_N keys at a time, in base 2 (`qk_scale` = scale * log2(e)),
-    with float32 statistics and accumulator.
+    with float32 statistics and accumulator. With SOFTCAP, each score s is first capped to
+    `softcap * tanh(s / softcap)` (`qk_scale` is then the plain scale: the cap comes before base 2).
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +124,8 @@ def _paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), None, INPUT_PRECISION, UPCAST_DOT) * qk_scale
+        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1, then to base 2
+            scores = (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * (softcap * 1.4426950408889634)
         visible = key_ok[None, :] & (keys[None, :] <= position[:, None])
         visible = visible & ((window <= 0) | (keys[None, :] > position[:, None] - window))
         scores = tl.where(visible, scores, float("-inf"))
@@ -139,13 +144,18 @@ def _paged_attention_kernel(
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`kernels.reference.paged_attention` on the GPU: causal attention of q `[T, H, D]` over the paged cache.
 
     For new token t of sequence i at position p, `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
     sequence's cached positions j <= p (and > p - window for a sliding `window` > 0), read through its block
-    table from KV head `h // (H / Hkv)`. The
+    table from KV head `h // (H / Hkv)`, scores soft-capped with `softcap` > 0 (Gemma 2). The
     contiguous cache `[2, num_blocks, block_size, Hkv, D]` must already hold this step's K/V and share q's
     dtype; D is padded to a power of two (>= 16) with masks, so any head dim works. Returns a new contiguous
     `[T, H, D]` tensor. q may be strided over tokens and heads.
@@ -174,8 +184,9 @@ def paged_attention(
         block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        scale * _LOG2E,
+        scale if softcap > 0 else scale * _LOG2E,
         window,
+        float(softcap),
         num_seqs,
         q.stride(0),
         q.stride(1),
@@ -192,6 +203,7 @@ def paged_attention(
         # float32 models get full-precision dots; TF32 would cost ~1e-3 relative error.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and isinstance(_paged_attention_kernel, InterpretedFunction),
+        SOFTCAP=softcap > 0,
     )
     return out
 

@@ -145,14 +145,21 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, window: int = 0
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` over the paged cache; returns `[T, H, D]`.
 
     For new token t of sequence i at position p: `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
     sequence's cached positions j <= p, with K/V read through its block table from KV head `h // (H / Hkv)`
     (grouped-query attention); with a sliding `window` > 0, over p - window < j <= p only (transformers'
-    sliding-window mask). The cache must already hold this step's K/V (see `write_kv_cache`).
+    sliding-window mask); with `softcap` > 0, each score s is capped to `softcap * tanh(s / softcap)` before the
+    softmax (Gemma 2's attention-logit soft-capping). The cache must already hold this step's K/V (see
+    `write_kv_cache`).
 
     Decode rows (one new token) are computed together: one gather of their blocks and one batched attention,
     with the H / Hkv query heads of each KV head stacked as rows so K/V are never repeated. Rows with several
@@ -179,27 +186,29 @@ def paged_attention(
             before = plan.decode_seq_lens.to(torch.int64).unsqueeze(1) - window
             outside = torch.arange(span, device=q.device).unsqueeze(0) < before
             mask = mask.masked_fill(outside.view(rows, 1, 1, span), float("-inf"))
-        decoded = F.scaled_dot_product_attention(
-            queries.reshape(rows, kv_heads, group, dim),
-            keys,
-            values,
-            attn_mask=mask.to(q.dtype),
-            scale=scale,
+        decoded = _attend(
+            queries.reshape(rows, kv_heads, group, dim), keys, values, mask.to(q.dtype), scale, softcap
         ).reshape(rows, heads, dim)
         if plan.all_decode:  # the common pure-decode step: no scatter back
             return decoded
         out.index_copy_(0, plan.decode_token_index, decoded)
 
-    attend_prefills(q, kv_cache, meta, scale, out, window)
+    attend_prefills(q, kv_cache, meta, scale, out, window, softcap)
     return out
 
 
 def attend_prefills(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs, scale: float, out: torch.Tensor, window: int = 0
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionInputs,
+    scale: float,
+    out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each (over the
-    sliding `window`, when > 0), written into `out` `[T, H, D]` at their tokens' places. Decode rows of `out` are
-    left as they are."""
+    sliding `window`, when > 0; scores soft-capped with `softcap` > 0), written into `out` `[T, H, D]` at their
+    tokens' places. Decode rows of `out` are left as they are."""
     _, _, _, kv_heads, dim = kv_cache.shape
     group = q.shape[1] // kv_heads
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -218,16 +227,35 @@ def attend_prefills(
             mask = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril_(context)
             if windowed:
                 mask.triu_(context - window + 1)
-        o = F.scaled_dot_product_attention(
-            queries.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=group > 1,
-        )
+        if softcap > 0 and group > 1:  # _attend's explicit product wants K/V per query head
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        o = _attend(queries[None], keys[None], values[None], mask, scale, softcap, enable_gqa=group > 1)
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA of q `[..., L, D]` over k, v `[..., S, D]` (`mask`: boolean, True = attend, or additive; None: causal
+    from the top left); with `softcap` > 0, the same attention written out, each score capped to
+    `softcap * tanh(s / softcap)` before the mask (SDPA has no soft-capping). k and v then need as many heads as
+    q, or heads that broadcast."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+        )
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -49,6 +49,8 @@ WINDOW = 20
 # from `max_window_layers` on (so full and windowed layers alternate in one model); Phi-3's with its fused
 # projections. Gemma 3: one global layer in four (linear rope scaling, base 1e6) among windowed ones (base 1e4), q/k
 # norms, sandwich norms stored as (1 + w), scaled tied embeddings, GeGLU, a query scale of 24 ** -0.5, not 16's.
+# Gemma 2: Gemma's block without q/k norms, windows on alternate layers, and soft-capping tight enough to bend these
+# small models' attention scores (a real model's cap of 50 would leave them as they are).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -76,6 +78,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
+         "final_logit_softcapping": 3.0},
     ),
 }  # fmt: skip
 

@@ -20,7 +20,8 @@ from kernels.kernel_set import KernelOps
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases), of this
     rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's). `window`: the layer's
-    sliding window (`ModelConfig.attention_window`; 0: it attends to every earlier position)."""
+    sliding window (`ModelConfig.attention_window`; 0: it attends to every earlier position); its scores are
+    soft-capped with `ModelConfig.attention_softcap` (Gemma 2)."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class PagedSelfAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.rotary_dim = config.rotary_dim
         self.scale = config.attention_scale or self.head_dim**-0.5
+        self.softcap = config.attention_softcap
         parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, self.head_dim, tp.size, tp.rank)
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
         full_q = config.num_attention_heads * self.head_dim
@@ -77,5 +79,5 @@ class PagedSelfAttention(nn.Module):
             q = torch.cat((q_turned, q[..., dim:]), dim=-1)
             k = torch.cat((k_turned, k[..., dim:]), dim=-1)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window)
+        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.tp.all_reduce_sum(self.o_proj(out.reshape(tokens, self.q_size)))

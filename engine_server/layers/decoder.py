@@ -1,4 +1,4 @@
-"""The decoder stack shared by every family: embeddings, pre-norm attention + MLP blocks (Gemma 3's with sandwich
+"""The decoder stack shared by every family: embeddings, pre-norm attention + MLP blocks (Gemma's with sandwich
 norms), final norm."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
 
 
 class SandwichDecoderLayer(DecoderLayer):
-    """Gemma 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
+    """Gemma 2 and 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
     before its residual add. Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual
     stream)`, adds them, and returns its MLP's normalised output beside the stream it adds to."""
 

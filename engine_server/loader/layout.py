@@ -11,7 +11,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     `lm_head.weight` is listed only for untied models; q/k/v biases only with `attention_bias`, o_proj's only with
     `ModelConfig.o_proj_bias`; per-head q/k norms only with `qk_norm`; the pre/post feed-forward norms only with
-    `sandwich_norms` (Gemma 3).
+    `sandwich_norms` (Gemma 2 and 3).
     """
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d

@@ -105,9 +105,15 @@ class CausalLM(nn.Module):
 
     def sharded_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """`compute_logits` on every rank of a tensor-parallel group: each computes its vocab rows' logits and
-        they are gathered to rank 0, which gets `[N, vocab]` in float32; the other ranks get None."""
+        they are gathered to rank 0, which gets `[N, vocab]` in float32 (soft-capped with the config's
+        `final_logit_softcap`); the other ranks get None."""
         logits = gather_vocab(self.lm_head(hidden), self.vocab_shard, self.tp)
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        cap = self.config.final_logit_softcap
+        if cap > 0:  # Gemma 2: logits soft-capped to cap * tanh(logits / cap), in the weights' dtype
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.

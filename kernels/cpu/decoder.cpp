@@ -225,7 +225,7 @@ class DecodeStack : public torch::CustomClassHolder {
       std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
       write_kv(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention =
-          paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window);
+          paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window, 0.0);
       at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
       if (reduce_.defined()) reduce_(projected);
       std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);

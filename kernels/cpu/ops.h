@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
                                                     const at::Tensor& k, const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window);
+                                  const at::Tensor& seq_lens, double scale, int64_t window, double softcap);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4(const at::Tensor& qs, const at::Tensor& scales,
                                                        const at::Tensor& mins);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, const at::Tensor& scales);

@@ -6,6 +6,7 @@
 //   block_tables [B, W] int32: row b's token p lives in block block_tables[b][p / block_size]
 //   seq_lens     [B] int32: row b attends to positions [0, seq_lens[b])
 //   window       a sliding window > 0 narrows that to [seq_lens[b] - window, seq_lens[b]); 0: none
+//   softcap      > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: none
 //   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over the row's positions j,
 //                K/V from KV head h / (H / Hkv).
 // Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
@@ -24,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -89,12 +91,14 @@ inline void softmax_row(float* s, int64_t first, int64_t len) {
   for (int64_t t = first; t < len; ++t) s[t] *= inv;
 }
 
-// scale * (q . k) for one query head against one key, `k` already in registers.
+// scale * (q . k) for one query head against one key, `k` already in registers; soft-capped to
+// softcap * tanh(s / softcap) when softcap > 0.
 template <int64_t Chunks>
-inline float score(const float* qh, const vec8 (&k)[Chunks], float scale) {
+inline float score(const float* qh, const vec8 (&k)[Chunks], float scale, float softcap) {
   vec8 dot = load8(qh) * k[0];
   for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * k[c];
-  return hsum8(dot) * scale;
+  const float s = hsum8(dot) * scale;
+  return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
@@ -108,7 +112,7 @@ inline float score(const float* qh, const vec8 (&k)[Chunks], float scale) {
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
-            float* scores, vec8* acc, float* out) {
+            float softcap, float* scores, vec8* acc, float* out) {
   constexpr int64_t chunks = Dim / kLanes8;
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
@@ -138,7 +142,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
       for (int64_t r = 0; r < rows; ++r) {
         if (t >= lens[r] || t < first_of(r)) continue;
         for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          row_scores(r, h)[t] = score<chunks>(q + (r * heads + h) * Dim, k, scale);
+          row_scores(r, h)[t] = score<chunks>(q + (r * heads + h) * Dim, k, scale, softcap);
         }
       }
     }
@@ -164,7 +168,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float*, vec8*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float, float*, vec8*, float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
 std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
@@ -198,7 +202,7 @@ AttendFn attend_for(int64_t dim) {
 namespace ladle_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [B, H, D] float32");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kFloat &&
                   kv_cache.is_contiguous(),
@@ -207,6 +211,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
               "block_tables must be [B, W] int32");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt, "seq_lens must be [B] int32");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t width = block_tables.size(1);
@@ -231,7 +236,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const float* k_ptr = kv_cache.data_ptr<float>();
   const float* v_ptr = k_ptr + num_blocks * block_size * kv_heads * dim;
   float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
   const int64_t max_padded = (width * block_size + kLanes - 1) / kLanes * kLanes;
   // Rows of one sequence share their key and value reads (attend); a run of them is cut into enough groups to
@@ -250,7 +255,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
       attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
-                block_size, kv_heads, group, window, fscale, scores.data(), acc.data(),
+                block_size, kv_heads, group, window, fscale, fsoftcap, scores.data(), acc.data(),
                 out_ptr + first * heads * dim);
     }
   });
@@ -261,6 +266,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-        "int window=0) -> Tensor");
+        "int window=0, float softcap=0.) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::paged_decode_attention));
 }

@@ -62,6 +62,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48},
     ),
+    # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
+    # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
+    "gemma2": (
+        transformers.Gemma2Config,
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "attn_logit_softcapping": 0.05,
+         "final_logit_softcapping": 3.0},
+    ),
 }  # fmt: skip
 MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
@@ -71,6 +78,7 @@ MODEL_CLASSES = {
     transformers.MixtralConfig: transformers.MixtralForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
+    transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
 }
 
 
@@ -193,8 +201,11 @@ def test_greedy_generation_matches_hf_generate(pair: tuple[transformers.PreTrain
     logits = runner.step(list(enumerate(prompts)))
     last = torch.tensor([len(prompts[0]) - 1, len(logits) - 1])
     generated: list[list[int]] = [[], []]
+    eos = hf.generation_config.eos_token_id  # min_new_tokens below keeps generate from choosing it: nor do we
+    eos_ids = [i for i in ([eos] if isinstance(eos, int) else eos or []) if i < logits.shape[-1]]
+    banned = torch.tensor(eos_ids, dtype=torch.long)
     for _ in range(20):
-        next_tokens = logits[last].argmax(-1).tolist()
+        next_tokens = logits[last].index_fill(-1, banned, -torch.inf).argmax(-1).tolist()
         for seq, token in enumerate(next_tokens):
             generated[seq].append(token)
         logits = runner.step([(seq, [token]) for seq, token in enumerate(next_tokens)])
@@ -266,8 +277,10 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"model_type": "gemma2"}, r"model_type 'gemma2' \(Gemma 2's logit soft-capping .*supported: bert, gemma3"),
-        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma3_text"),
+        ({"model_type": "gemma"}, r"model_type 'gemma' \(Gemma's \(1 \+ weight\) RMSNorm .*supported: bert, gemma2"),
+        ({"model_type": "gemma2", "hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),
+        ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma2"),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
@@ -337,6 +350,26 @@ def test_gemma3_configs_read_in_either_layout() -> None:
     assert (config.rope_theta, config.local_rope_theta, config.rope_linear_factor) == (1e6, 1e4, 8.0)
     assert config.attention_scale == 32**-0.5 and config.embedding_multiplier == 64**0.5
     assert config.norm_offset == 1.0 and config.sandwich_norms and config.qk_norm and config.hidden_act == "gelu_tanh"
+
+
+def test_gemma2_configs_read_in_either_layout() -> None:
+    """transformers 5's `layer_types` and `rope_parameters`, and an earlier config.json's `rope_theta` with the even
+    layers local, give the same config: soft-capping, Gemma's norms and embeddings, one rope base, no q/k norms."""
+    shape = {**SMALL, "num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 32, "sliding_window": 8,
+             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # fmt: skip
+    new = transformers.Gemma2Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e4}).to_dict()
+    old = {**shape, "model_type": "gemma2", "rope_theta": 1e4, "tie_word_embeddings": True, "bos_token_id": 2,
+           "eos_token_id": 1}  # fmt: skip
+    configs = [ModelConfig.from_hf_config(raw) for raw in (new, old)]
+    assert configs[0] == configs[1]
+    config = configs[0]
+    assert config.architecture == "gemma2" and config.layer_windows == (8, 0, 8, 0)
+    assert (config.attention_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_linear_factor) == (1e4, 0.0, 1.0)
+    assert config.attention_scale == 32**-0.5 and config.embedding_multiplier == 64**0.5
+    assert config.norm_offset == 1.0 and config.sandwich_norms and not config.qk_norm
+    no_caps = ModelConfig.from_hf_config({**old, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (no_caps.attention_softcap, no_caps.final_logit_softcap) == (0.0, 0.0)
 
 
 def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:

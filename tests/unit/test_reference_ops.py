@@ -16,10 +16,17 @@ from kernels import reference
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, scale: float, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q `[n, H, D]` at positions context..context+n-1 over k, v `[context+n, Hkv, D]`, causally, head by head;
-    with a sliding `window`, the token at position p over the `window` positions up to p only."""
+    with a sliding `window`, the token at position p over the `window` positions up to p only; with `softcap`,
+    scores s replaced by softcap * tanh(s / softcap) (Gemma 2)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
@@ -27,7 +34,10 @@ def naive_attention(
         begin = max(0, end - window) if window else 0
         for h in range(heads):
             kv = h // (heads // kv_heads)
-            weights = torch.softmax(scale * (k[begin:end, kv] @ q[t, h]), dim=0)
+            scores = scale * (k[begin:end, kv] @ q[t, h])
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            weights = torch.softmax(scores, dim=0)
             out[t, h] = weights @ v[begin:end, kv]
     return out
 
@@ -39,8 +49,9 @@ MIXED_BATCH = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 7), (4, 13), (1, 4)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 8), (6, 2, 12), (9, 3, 64), (8, 1, 5)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [0, 1, 3, 8])  # 8: wider than some sequences, narrower than others
+@pytest.mark.parametrize("softcap", [0.0, 0.7])  # 0.7: bends the randn scores (std ~1 after scaling)
 def test_paged_attention_matches_naive_causal_attention(
-    heads: int, kv_heads: int, head_dim: int, block_size: int, window: int
+    heads: int, kv_heads: int, head_dim: int, block_size: int, window: int, softcap: float
 ) -> None:
     gen = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
     num_blocks = sum(-(-s // block_size) for _, s in MIXED_BATCH) + 3
@@ -69,10 +80,10 @@ def test_paged_attention_matches_naive_causal_attention(
     )
     q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen)
     scale = head_dim**-0.5
-    out = reference.paged_attention(q, cache, meta, scale, window)
+    out = reference.paged_attention(q, cache, meta, scale, window, softcap)
     start = 0
     for (qlen, slen), k, v in zip(MIXED_BATCH, keys, values, strict=True):
-        expected = naive_attention(q[start : start + qlen], k, v, slen - qlen, scale, window)
+        expected = naive_attention(q[start : start + qlen], k, v, slen - qlen, scale, window, softcap)
         torch.testing.assert_close(out[start : start + qlen], expected, atol=1e-5, rtol=1e-5)
         start += qlen
 

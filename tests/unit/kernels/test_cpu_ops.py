@@ -137,6 +137,20 @@ def test_a_sliding_window_matches_the_reference_and_keeps_rows_independent(windo
         assert torch.equal(together, cpu.paged_decode_attention(q, cache, tables, lens, 0.125))
 
 
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 7])
+def test_soft_capped_scores_match_the_reference(window: int) -> None:
+    """Gemma 2's soft-capping (a cap of 0.3 bends most of these scores): the decode kernel by row and by token
+    matches the reference, with and without a window, and the cap changes the result."""
+    spec = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (1, 257)]
+    q, cache, meta = make_batch(spec, 9, 3, 64, 16, seed=3)
+    expected = reference.paged_attention(q, cache, meta, 0.125, window, 0.3)
+    torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.125, window, 0.3), expected, **TOLERANCE)
+    torch.testing.assert_close(cpu.paged_attention_by_token(q, cache, meta, 0.125, window, 0.3), expected, **TOLERANCE)
+    uncapped = cpu.paged_attention(q, cache, meta, 0.125, window)
+    assert (uncapped - expected).abs().max() > 1e-2
+
+
 def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
     q, cache, meta = make_batch([(1, 20), (4, 9)], 4, 2, 24, 16)
     torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
@@ -168,10 +182,12 @@ def test_malformed_inputs_are_refused_before_any_read(mutate: Callable[..., Batc
 
 
 @needs_kernels
-def test_a_negative_window_is_refused() -> None:
+def test_a_negative_window_or_softcap_is_refused() -> None:
     q, cache, meta = make_batch([(1, 20)], 4, 2, 64, 16)
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         cpu.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125, -1)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        cpu.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125, 0, -1.0)
 
 
 @needs_kernels

@@ -60,12 +60,13 @@ def check(
     device: torch.device,
     block_size: int = 16,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, dtype, device, block_size)
     scale = head_dim**-0.5
-    out = paged_attention(q, cache, meta, scale, window)
+    out = paged_attention(q, cache, meta, scale, window, softcap)
     assert out.shape == q.shape and out.dtype == dtype
-    expected = reference.paged_attention(q, cache, meta, scale, window)
+    expected = reference.paged_attention(q, cache, meta, scale, window, softcap)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
@@ -131,3 +132,9 @@ def test_paged_attention_sliding_window(device: torch.device, window: int) -> No
     """Windows narrower than a key tile, wider than one, and wider than a query tile's first token's reach: the
     kernel starts each tile at its first token's window and masks the rest, as the reference does."""
     check([*MIXED, *LONG], 6, 2, 64, torch.float32, device, window=window)
+
+
+@pytest.mark.parametrize("window", [0, 33])
+def test_paged_attention_soft_capped(device: torch.device, window: int) -> None:
+    """Gemma 2's soft-capping (a cap of 0.5 bends most of these scores), with and without a window."""
+    check(MIXED, 6, 2, 64, torch.float32, device, window=window, softcap=0.5)
