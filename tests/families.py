@@ -87,12 +87,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def save_family(folder: Path, family: str, seed: int = 0) -> Path:
-    """A random `family` model (FAMILIES) saved to `folder` with the embedded tokenizer; returns `folder`."""
+def save_family(folder: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """A random `family` model (FAMILIES, with `overrides` of its config) saved to `folder` with the embedded
+    tokenizer; returns `folder`."""
     import transformers
 
     class_name, quirks = FAMILIES[family]
-    config = getattr(transformers, class_name)(**{**_SHAPE, **quirks})
+    config = getattr(transformers, class_name)(**{**_SHAPE, **quirks, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -139,29 +140,44 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     return torch.stack(steps, dim=1).tolist()
 
 
-# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for the checkpoint names of the families written to GGUF here.
+# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for the checkpoint names of the families written to GGUF here,
+# and its architecture names (Gemma's norms after attention and around the MLP have names of their own).
 _GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
-    "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.o_proj": "attn_output",
+    "mlp.gate_up_proj": "ffn_up", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }  # fmt: skip
+_GGUF_GEMMA_LAYER = {
+    **_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
+_GGUF_ARCHITECTURES = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> Path:
-    """`folder`'s Phi-3 as llama.cpp's converter writes it: its metadata, LongRoPE factors as tensors, the
-    embedded tokenizer's vocabulary, norms and embeddings in F32, the attention projections in `attention`'s
-    and the MLP's in `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s); returns `path`."""
+    """`folder`'s Phi-3, Gemma 2 or Gemma 3 as llama.cpp's converter writes it: its metadata (LongRoPE factors as
+    tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope scaling), the embedded
+    tokenizer's vocabulary, norms and embeddings in F32, the attention projections in `attention`'s and the MLP's
+    in `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s); returns `path`. A Gemma's
+    `query_pre_attn_scalar` must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as
+    llama.cpp assumes."""
     import json
 
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
     config = json.loads((folder / "config.json").read_text())
+    arch = _GGUF_ARCHITECTURES[config["model_type"]]
+    gemma = arch.startswith("gemma")
     rope = config["rope_parameters"]
+    if gemma and "full_attention" in rope:
+        rope = rope["full_attention"]
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    head_dim = hidden // heads
-    writer = GGUFWriter(str(path), "phi3")
+    head_dim = config.get("head_dim") or hidden // heads
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
@@ -171,7 +187,15 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> P
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    writer.add_sliding_window(0)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if config.get("attn_logit_softcapping"):
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     if rope.get("rope_type") == "longrope":
         original = rope["original_max_position_embeddings"]
         scale = config["max_position_embeddings"] / original
@@ -192,15 +216,18 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> P
         writer.add_chat_template(template.read_text())
     else:
         writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+    layer_names = _GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER
     for name, tensor in load_file(folder / "model.safetensors").items():
         stem, param = name.rsplit(".", 1)
         kind_type = None  # norms and embeddings stay F32
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
         if stem.startswith("model.layers."):
             layer, kind = stem.removeprefix("model.layers.").split(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER[kind]}.{param}"
+            gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
             if kind.startswith("mlp."):
                 kind_type = feed_forward
-            elif kind.startswith("self_attn."):
+            elif kind.startswith("self_attn.") and not kind.endswith("_norm"):  # Gemma's q/k norms stay F32
                 kind_type = attention
         else:
             gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}"

@@ -27,7 +27,7 @@ from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
 from engine_server.pooling.params import write_sentence_transformers_pooling
 
 # Bump when the converted layout changes so stale cache entries are not reused.
-CONVERTER_VERSION = 3  # 3: the tensor index (TENSOR_INDEX)
+CONVERTER_VERSION = 4  # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3
 # In the converted folder: where each tensor of the GGUF file lies in it (name, type, data offset and size), so a
 # quantized engine maps its blocks without parsing the file's metadata again (gguf's reader builds an array per
 # vocabulary string: ~6 s of CPU for the embedded model's 49,152 tokens and 48,900 merges, at every start).
@@ -53,8 +53,22 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Where an architecture's llama.cpp names mean something else: Phi-3's `ffn_up` is its fused gate_up_proj.
-_ARCHITECTURE_LAYER_NAMES = {"phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}}
+# Where an architecture's llama.cpp names mean something else (keyed by the HF model_type the file converts to):
+# Phi-3's `ffn_up` is its fused gate_up_proj; Gemma's `ffn_norm` is the norm before its MLP, beside the norms after
+# the attention and the MLP.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCHITECTURE_LAYER_NAMES = {
+    "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3_text": _GEMMA_LAYER_NAMES,
+}
+# Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
+_NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Folded into config.json's rope_scaling: llama3's divisors, LongRoPE's factors.
 _CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -85,8 +99,10 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored."""
+    """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored and Gemma's
+    norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then rounds nothing)."""
     permuted = config["model_type"] == "llama"
+    norm_shifted = config["model_type"] in _NORM_SHIFTED
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED:
             continue
@@ -103,6 +119,8 @@ def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> It
             weight = unpermute_rope_rows(weight, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in name:
             weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
+        elif norm_shifted and name.endswith("norm.weight"):
+            weight = np.asarray(weight, dtype=np.float32) - np.float32(1.0)
         # F32 tensors come back as read-only views of the memory-mapped file: copy them out.
         yield name, torch.from_numpy(np.require(weight, np.float32, ["C", "W", "O"]))
 

@@ -1,4 +1,5 @@
-"""GGUF metadata → a Hugging Face `config.json` dict (llama / qwen2 / qwen3 / phi3 `<arch>.*` keys)."""
+"""GGUF metadata → a Hugging Face `config.json` dict (llama / qwen2 / qwen3 / phi3 / gemma2 / gemma3 `<arch>.*`
+keys)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# Gemma as llama.cpp reads it: which layers are global (every 2nd in Gemma 2, every 6th in Gemma 3, unless the file
+# says), the windowed layers' rope base in Gemma 3, and the layer count of the 27B models, whose attention scale is
+# sqrt(hidden / heads) rather than sqrt(head_dim) (llama.cpp derives it from the size: the files do not store it).
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # Llama 3.x files carry their rope scaling only as a `rope_freqs` tensor of per-frequency divisors; these are
 # the band edges every released Llama 3.1/3.2 model uses, checked against the tensor before being trusted.
@@ -102,7 +111,46 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config["rope_scaling"] = llama3_scaling_from_factors(
             np.asarray(freqs, dtype=np.float64).ravel(), rope_theta, head_dim, original, spec
         )
+    if arch in _GEMMA_GLOBAL_EVERY:
+        config.update(_gemma_config(reader, arch, config, spec))
     return config
+
+
+def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The keys of a Gemma 2 / Gemma 3 text `config.json` that a llama.cpp file implies rather than stores
+    (transformers 5's layout: `layer_types` and `rope_parameters`, per layer type for Gemma 3): GELU-tanh, the
+    attention scale, which layers are windowed, the rope of each, and Gemma 2's soft-capping."""
+    layers = int(config["num_hidden_layers"])
+    largest = layers == _GEMMA_27B_LAYERS[arch]
+    every = read_field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_GLOBAL_EVERY[arch])
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern {every!r} is not supported")
+    theta = config.pop("rope_theta")
+    scalar = config["hidden_size"] // config["num_attention_heads"] if largest else config["head_dim"]
+    keys: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)],
+    }
+    if arch == "gemma2":
+        keys["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = read_field(reader, f"{arch}.{key}")
+            keys[key] = None if cap is None else _short_float(cap)
+        return keys
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    scaling = read_field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        full = {"rope_type": "linear", "factor": _short_float(read_field(reader, f"{arch}.rope.scaling.factor")),
+                "rope_theta": theta}  # fmt: skip
+    elif scaling not in (None, "none"):
+        raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (linear is)")
+    keys["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
+    }
+    return keys
 
 
 def _long_rope_config(reader: GGUFReader, arch: str, tensors: dict[str, Any], spec: str) -> dict[str, Any]:

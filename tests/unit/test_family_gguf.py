@@ -1,18 +1,25 @@
 """GGUF files of the newer families as llama.cpp writes them (its tensor names, metadata and quantization types,
-written with the `gguf` package): Phi-3 with partial rotary and LongRoPE. Converted, its float path equals
-transformers on the converted folder token for token; served from its own 4- and 8-bit blocks (`--quantization
-auto`), it holds `ladle bench quality`'s thresholds against that float path."""
+written with the `gguf` package): Phi-3 with partial rotary and LongRoPE, and Gemma 3 (its norms stored as 1 + w,
+its windowed and global layers implied by llama.cpp's pattern). Converted, each float path equals transformers on
+the converted folder token for token; served from its own 4- and 8-bit blocks (`--quantization auto`), each holds
+`ladle bench quality`'s thresholds against that float path."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from safetensors.torch import load_file
 
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
+from engine_server.config import ModelConfig
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.loader import resolve_model
+from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from tests.families import save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
 
@@ -51,3 +58,76 @@ def test_phi3_served_from_its_blocks_holds_the_quality_thresholds(phi3_gguf: Pat
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.3.mlp.gate_up_proj"] == "q4"
     assert len(layers) == 4 * 4, sorted(layers)
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 as llama.cpp holds it: six layers, the sixth global (its pattern), the attention scaled by the head
+    dim (llama.cpp derives the scale, the file does not store it), norms stored as 1 + w."""
+    root = tmp_path_factory.mktemp("gemma3-gguf")
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    folder = save_family(root / "hf", "gemma3", num_hidden_layers=6, query_pre_attn_scalar=16, layer_types=layer_types)
+    return write_gguf(folder, root / "gemma3.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+
+
+def test_the_converted_gemma3_gguf_is_exact_on_the_float_path(gemma3_gguf: Path) -> None:
+    source = resolve_model(str(gemma3_gguf))
+    config = source.config
+    assert (config.architecture, config.layer_windows, config.rope_linear_factor) == ("gemma3", (20,) * 5 + (0,), 4.0)
+    assert (config.local_rope_theta, config.attention_scale, config.norm_offset) == (1e4, 0.25, 1.0)
+    # The file's F32 tensors come back as transformers saved them: the embeddings exactly, and every norm as Gemma
+    # applies it, 1 + w (the file holds that sum, rounded to float32; the converted w gives it back exactly).
+    original, converted = load_file(gemma3_gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
+    assert torch.equal(converted["model.embed_tokens.weight"], original["model.embed_tokens.weight"])
+    norms = [name for name in original if name.endswith("norm.weight")]
+    assert len(norms) == 1 + 6 * 6 and all(torch.equal(converted[n] + 1, original[n] + 1) for n in norms)
+    with engine(gemma3_gguf) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(source.path)
+
+
+def test_gemma3_served_from_its_blocks_holds_the_quality_thresholds(gemma3_gguf: Path) -> None:
+    reference = make_llm(str(gemma3_gguf), "none")
+    sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
+    log_probs = reference_log_probs(reference, sequences)
+    reference.close()
+    candidate = make_llm(str(gemma3_gguf), "auto")
+    model = candidate.core.runner.model
+    layers = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    result = compare(log_probs, candidate, "gguf", QUALITY_PROMPTS, NUM_TOKENS, sequences, free_running=False)
+    candidate.close()
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj"] == "q4"
+    assert len(layers) == 6 * 4, sorted(layers)
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+@pytest.mark.parametrize("layers", [4, 46])  # 46: Gemma 2 27B, whose scale llama.cpp takes from hidden / heads
+def test_a_gemma2_ggufs_metadata_gives_its_config(tmp_path: Path, layers: int) -> None:
+    """llama.cpp's Gemma 2 keys (no tensors needed): soft-caps, the window on every other layer from the first, one
+    rope base, and the attention scale llama.cpp derives (head dim 32 here, hidden / heads 24 for the 27B)."""
+    writer = GGUFWriter(str(tmp_path / "gemma2.gguf"), "gemma2")
+    writer.add_block_count(layers)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(96)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(32)
+    writer.add_value_length(32)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10_000.0)
+    writer.add_sliding_window(4096)
+    writer.add_attn_logit_softcapping(50.0)
+    writer.add_final_logit_softcapping(30.0)
+    writer.add_tensor("token_embd.weight", np.zeros((256, 96), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    raw = hf_config_from_gguf(GGUFReader(str(tmp_path / "gemma2.gguf")), "gemma2.gguf")
+    config = ModelConfig.from_hf_config(raw)
+    assert config.architecture == "gemma2" and config.tie_word_embeddings and config.head_dim == 32
+    assert config.layer_windows[:4] == (4096, 0, 4096, 0) and len(config.layer_windows) == layers
+    assert (config.attention_softcap, config.final_logit_softcap, config.rope_theta) == (50.0, 30.0, 10_000.0)
+    assert config.attention_scale == (24 if layers == 46 else 32) ** -0.5
+    assert (config.hidden_act, config.norm_offset, config.sandwich_norms) == ("gelu_tanh", 1.0, True)
+    assert transformers.Gemma2Config(**raw).layer_types[:2] == ["sliding_attention", "full_attention"]
