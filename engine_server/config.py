@@ -109,7 +109,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
-    # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 3): layer i's token at
+    # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
     # Gemma 2 and 3: RMSNorm weights stored as w and applied as `norm_offset + w`; embeddings times

@@ -1,10 +1,12 @@
 """Tensor parallelism's processes: rank 0 (this engine) starts the N-1 workers, which load their shards and then
 run every forward pass rank 0 runs, in step, until told to stop.
 
-Start-up (`start_tensor_parallel`): rank 0 opens the step channel (shared memory, a semaphore per worker), spawns
-the workers (fresh interpreters, one device each on CUDA, an even share of the cores each on the CPU, rank 0
-included), joins the process group with them through a rendezvous file, and every rank runs `load_model` with its
-`TensorParallel`.
+Start-up (`start_tensor_parallel`): rank 0 opens the step channel (shared memory, a semaphore per worker), starts
+the workers (one device each on CUDA, an even share of the cores each on the CPU, rank 0 included), joins the
+process group with them through a rendezvous file, and every rank runs `load_model` with its `TensorParallel`.
+Workers are forks of a forkserver that has imported torch and this module once (`worker_context`), not fresh
+interpreters that import them again (~3 s of CPU each), and never forks of rank 0, which runs threads by then;
+each takes rank 0's environment as of its start, as a spawned one would.
 
 A worker's loop (`_worker_main`) takes one `step_channel` message at a time: FORWARD runs the model over its
 own KV cache and keeps the hidden states, DECODE_GRAPH does the same by replaying its own decode graph of the
@@ -12,8 +14,9 @@ bucket rank 0 replays (every rank captured the same buckets at load, their all-r
 its vocab rows' logits for the rows asked and gathers them to rank 0, CAPTURE records the graphs again (tests:
 the eager stand-in), STOP ends it. It never samples, schedules or sees a request.
 
-Failure: every process of the group goes when one goes. A worker exits when rank 0 does (it checks its parent
-twice a second, and a collective with a dead peer fails at once). Rank 0 watches its workers: when one exits
+Failure: every process of the group goes when one goes. A worker exits when rank 0 does (its lifeline, a pipe
+only rank 0 writes to, reads end-of-file the moment rank 0 is gone, whatever killed it; and a collective with a
+dead peer fails at once). Rank 0 watches its workers: when one exits
 without being told to stop, `on_lost` runs. By default (the offline `LLM`) it logs and exits the process with
 status 1; `ladle engine` replaces it (`WorkerGroup.on_lost`) to turn health NOT_SERVING and end every call in
 flight UNAVAILABLE first (engine_server.server.server), so a supervisor restarts the engine and the gateway fails
@@ -30,7 +33,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -62,7 +66,6 @@ CPU_ALL_REDUCE_ENV = "LADLE_CPU_ALL_REDUCE"
 # the CUDA path on a one-GPU host, slow (collectives copy through the host) and without decode graphs. Give the
 # KV cache a size (`--kv-cache-memory`): each rank allocates what rank 0 sizes for itself.
 SHARED_DEVICE_ENV = "LADLE_TP_SHARED_DEVICE"
-PARENT_CHECK_S = 0.5  # how often a worker checks that rank 0 is still there
 STOP_WAIT_S = 5.0  # how long `stop` waits for the workers to leave before killing them
 JOIN_TIMEOUT = timedelta(minutes=10)  # ranks that do not all arrive (or load) within this fail instead of hanging
 
@@ -81,6 +84,17 @@ class WorkerSpec:
     threads: int  # torch intra-op threads on the CPU
     shm_buffers: ShmBuffers | None = None  # the CPU's shared-memory all-reduce, when used
     shared_device: bool = False  # every rank on GPU 0, over gloo (SHARED_DEVICE_ENV)
+    environ: dict[str, str] | None = None  # rank 0's environment at the start (the forkserver's may be older)
+    lifeline: Connection | None = None  # the read end of a pipe only rank 0 holds open for writing
+
+
+def worker_context() -> ForkServerContext:
+    """The workers' start method: forkserver, its server started with torch and this module imported (once per
+    rank-0 process, at its first group), so a worker starts as a fork of it in milliseconds instead of a spawned
+    interpreter importing them again. The server imports nothing that starts a thread or touches CUDA."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
 
 
 def cpu_threads_per_rank(size: int, total: int | None = None) -> int:
@@ -124,16 +138,19 @@ def start_tensor_parallel(
         shm_buffers = ShmAllReduce.allocate(size, capacity)
     rendezvous = Path(tempfile.mkdtemp(prefix="ladle-tp-"))
     init_method = f"file://{rendezvous / 'store'}"
-    context = mp.get_context("spawn")
+    context = worker_context()
     step_capacity = buffer_capacity(sched.max_num_batched_tokens, sched.max_num_seqs, blocks_per_seq)
     channel = StepChannel.open(step_capacity, size - 1, context)
     processes: list[BaseProcess] = []
+    lifeline, lifeline_end = context.Pipe(duplex=False)
     for rank in range(1, size):
-        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, channel, threads, shm_buffers, shared)
+        spec = WorkerSpec(rank, size, init_method, source, config, max_model_len, channel, threads, shm_buffers, shared,
+                          dict(os.environ), lifeline)  # fmt: skip
         process = context.Process(target=_worker_main, args=(spec,), name=f"ladle-tp-worker-{rank}", daemon=True)
         process.start()
         processes.append(process)
-    group = WorkerGroup(processes, rendezvous, process_threads)
+    lifeline.close()  # the workers have their copies; rank 0 keeps the writing end until the group stops
+    group = WorkerGroup(processes, rendezvous, process_threads, lifeline_end)
     # From now on: a worker that dies (while loading, too) stops the engine rather than leaving rank 0 waiting.
     group.watch(on_lost or _exit_on_loss)
     try:
@@ -156,8 +173,11 @@ class WorkerGroup:
     """Rank 0's handle on its workers: `sender` feeds them steps; `stop` ends them (idempotent) and gives this
     process back the CPU threads it had before the group took its share."""
 
-    def __init__(self, processes: list[BaseProcess], rendezvous: Path, process_threads: int) -> None:
+    def __init__(
+        self, processes: list[BaseProcess], rendezvous: Path, process_threads: int, lifeline: Connection | None = None
+    ) -> None:
         self.processes = processes
+        self._lifeline = lifeline
         self._process_threads = process_threads
         self.sender: StepSender | None = None
         self.tp: TensorParallel | None = None
@@ -211,6 +231,8 @@ class WorkerGroup:
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         self.kill()
+        if self._lifeline is not None:
+            self._lifeline.close()
         if self.tp is not None:
             destroy_tensor_parallel(self.tp)
         shutil.rmtree(self._rendezvous, ignore_errors=True)
@@ -241,22 +263,29 @@ def _backend(shared: bool) -> str | None:
     return "gloo" if shared else None
 
 
-def _watch_parent(rendezvous: Path) -> None:
-    """Leave (exit status 1) as soon as rank 0 is gone: a worker is re-parented when its parent dies. The first
+def _watch_rank0(lifeline: Connection, rendezvous: Path) -> None:
+    """Leave (exit status 1) as soon as rank 0 is gone: the lifeline reads end-of-file when its only writer, rank 0,
+    closes it or dies (a worker's parent is the forkserver, which outlives rank 0 while workers live). The first
     worker to notice removes the rendezvous folder, which rank 0 no longer can."""
-    parent = os.getppid()
-    while True:
-        time.sleep(PARENT_CHECK_S)
-        if os.getppid() != parent:
-            shutil.rmtree(rendezvous, ignore_errors=True)
-            os._exit(1)
+    try:
+        while True:
+            lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    shutil.rmtree(rendezvous, ignore_errors=True)
+    os._exit(1)
 
 
 @torch.inference_mode()
 def _worker_main(spec: WorkerSpec) -> None:
     """A worker process: join, load this rank's shards, then run rank 0's steps until STOP (module doc)."""
+    if spec.environ is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ)
     rendezvous = Path(spec.init_method.removeprefix("file://")).parent
-    threading.Thread(target=_watch_parent, args=(rendezvous,), name="tp-parent-watch", daemon=True).start()
+    if spec.lifeline is not None:
+        args = (spec.lifeline, rendezvous)
+        threading.Thread(target=_watch_rank0, args=args, name="tp-rank0-watch", daemon=True).start()
     device = _rank_device(resolve_device(spec.config.device), spec.rank, spec.shared_device)
     if device.type == "cpu":
         torch.set_num_threads(spec.threads)

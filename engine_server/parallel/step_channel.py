@@ -37,7 +37,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.context import SpawnContext
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.synchronize import Semaphore
 
 import numpy as np
@@ -81,7 +81,7 @@ class StepChannel:
     acks: Sequence[Semaphore]
 
     @classmethod
-    def open(cls, capacity: int, num_workers: int, context: SpawnContext) -> StepChannel:
+    def open(cls, capacity: int, num_workers: int, context: SpawnContext | ForkServerContext) -> StepChannel:
         """A channel for payloads of up to `capacity` int64 values, to `num_workers` workers spawned by `context`."""
         buffer = torch.zeros(SLOTS, _HEADER + capacity, dtype=torch.int64).share_memory_()
         signals = [context.Semaphore(0) for _ in range(num_workers)]

@@ -151,10 +151,13 @@ def tp3_engine(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Engin
 
 
 def _processes(engine: EngineProcess) -> tuple[list[psutil.Process], list[psutil.Process]]:
-    """(the two workers, every process the engine started: workers and any helper of multiprocessing's)."""
+    """(the two workers, every process the engine started: workers and multiprocessing's helpers). The workers are
+    forks of the engine's forkserver (`engine_server.workers.worker_context`): its children."""
     children = psutil.Process(engine.process.pid).children(recursive=True)
-    workers = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
-    assert len(workers) == 2, [child.cmdline() for child in children]
+    servers = {child.pid for child in children
+               if child.ppid() == engine.process.pid and "forkserver" in " ".join(child.cmdline())}  # fmt: skip
+    workers = [child for child in children if child.ppid() in servers]
+    assert len(servers) == 1 and len(workers) == 2, [child.cmdline() for child in children]
     return workers, children
 
 
