@@ -227,8 +227,6 @@ def attend_prefills(
             mask = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril_(context)
             if windowed:
                 mask.triu_(context - window + 1)
-        if softcap > 0 and group > 1:  # _attend's explicit product wants K/V per query head
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         o = _attend(queries[None], keys[None], values[None], mask, scale, softcap, enable_gqa=group > 1)
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
 
@@ -243,13 +241,16 @@ def _attend(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """SDPA of q `[..., L, D]` over k, v `[..., S, D]` (`mask`: boolean, True = attend, or additive; None: causal
-    from the top left); with `softcap` > 0, the same attention written out, each score capped to
-    `softcap * tanh(s / softcap)` before the mask (SDPA has no soft-capping). k and v then need as many heads as
-    q, or heads that broadcast."""
+    from the top left; `enable_gqa`: k and v have fewer heads, each serving a group of q's, dim -3); with `softcap`
+    > 0, the same attention written out, each score capped to `softcap * tanh(s / softcap)` before the mask (SDPA
+    has no soft-capping)."""
     if softcap <= 0:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
         )
+    if enable_gqa:  # the explicit product wants K/V per query head
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:

@@ -7,6 +7,7 @@ the converted folder token for token; served from its own 4- and 8-bit blocks (`
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,16 +44,23 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
         assert tokens(llm, prompts()) == reference_tokens(source.path)
 
 
-def test_phi3_served_from_its_blocks_holds_the_quality_thresholds(phi3_gguf: Path) -> None:
-    reference = make_llm(str(phi3_gguf), "none")
+def served_from_blocks(gguf: Path) -> tuple[dict[str, str], Any]:
+    """`gguf` served from its own blocks (`auto`) against its float path (`none`): each quantized projection's
+    format by name, and `ladle bench quality`'s comparison on QUALITY_PROMPTS."""
+    reference = make_llm(str(gguf), "none")
     sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
     log_probs = reference_log_probs(reference, sequences)
     reference.close()
-    candidate = make_llm(str(phi3_gguf), "auto")
+    candidate = make_llm(str(gguf), "auto")
     model = candidate.core.runner.model
     layers = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     result = compare(log_probs, candidate, "gguf", QUALITY_PROMPTS, NUM_TOKENS, sequences, free_running=False)
     candidate.close()
+    return layers, result
+
+
+def test_phi3_served_from_its_blocks_holds_the_quality_thresholds(phi3_gguf: Path) -> None:
+    layers, result = served_from_blocks(phi3_gguf)
     # Every projection from the file's blocks, the fused q/k/v and gate/up included; the LM head stays float
     # (F32 in the file).
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.3.mlp.gate_up_proj"] == "q4"
@@ -86,15 +94,7 @@ def test_the_converted_gemma3_gguf_is_exact_on_the_float_path(gemma3_gguf: Path)
 
 
 def test_gemma3_served_from_its_blocks_holds_the_quality_thresholds(gemma3_gguf: Path) -> None:
-    reference = make_llm(str(gemma3_gguf), "none")
-    sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
-    log_probs = reference_log_probs(reference, sequences)
-    reference.close()
-    candidate = make_llm(str(gemma3_gguf), "auto")
-    model = candidate.core.runner.model
-    layers = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    result = compare(log_probs, candidate, "gguf", QUALITY_PROMPTS, NUM_TOKENS, sequences, free_running=False)
-    candidate.close()
+    layers, result = served_from_blocks(gemma3_gguf)
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj"] == "q4"
     assert len(layers) == 6 * 4, sorted(layers)
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
