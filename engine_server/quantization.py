@@ -34,6 +34,7 @@ layers in one call and all-reduces between them through that same shared memory 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -94,10 +95,35 @@ def resolve_quantization(
     return "gguf" if mode == "gguf" else "int8"
 
 
-def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict[str, int]:
+def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, QuantizedWeight]:
+    """The weight of each of `model`'s linear layers that `source`'s GGUF file stores quantized, by layer name (as
+    `named_modules` does), as this rank keeps it; the layers absent stay float under `gguf`. Built from the
+    layers' shapes and slices alone: call it before loading the float weights, so those of the layers present are
+    never read (`CausalLM.load_weights`'s `replaced`)."""
+    assert source.gguf_path is not None
+    config = source.config
+    stored = stored_matrices(
+        source.gguf_path,
+        model_type=config.architecture,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        converted=source.path,
+    )
+    tied = config.tie_word_embeddings
+    weights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (weight := _stored_weight(stored, name, module, tied)) is not None:
+            weights[name] = weight
+    return weights
+
+
+def quantize_model(
+    model: CausalLM, source: ModelSource, scheme: Scheme, stored: Mapping[str, QuantizedWeight] | None = None
+) -> dict[str, int]:
     """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`, and give its decoder the C++ decode
     stack where every projection is quantized; returns layers per format (`q4`, `q8`, and `float` for those left
-    as they were) and `decode_stack` (1 when attached).
+    as they were) and `decode_stack` (1 when attached). Under `gguf`, `stored` is `stored_weights`' result when
+    the caller has it already (computed here otherwise).
 
     On the CPU the model also gets `kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
     decode kernel), so that with the integer kernels a token's result does not depend on its batch or on the
@@ -105,17 +131,8 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
     if scheme == "none":
         return {}
     if scheme == "gguf":
-        assert source.gguf_path is not None
-        config = source.config
-        stored = stored_matrices(
-            source.gguf_path,
-            model_type=config.architecture,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            converted=source.path,
-        )
-        tied = config.tie_word_embeddings
-        replace_linears(model, lambda name, linear: _stored_weight(stored, name, linear, tied))
+        weights = stored_weights(model, source) if stored is None else stored
+        replace_linears(model, lambda name, linear: weights.get(name))
     else:
         replace_linears(model, _int8_weight)
     # A mixture of experts' banks stay float (counted as one layer each) until the expert kernels quantize them.
@@ -132,9 +149,7 @@ def quantize_model(model: CausalLM, source: ModelSource, scheme: Scheme) -> dict
     return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
 
 
-def _stored_weight(
-    stored: dict[str, StoredMatrix], name: str, linear: nn.Linear, tied: bool
-) -> QuantizedWeight | None:
+def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear, tied: bool) -> QuantizedWeight | None:
     """This rank's slice of layer `name`'s stored weight, read from the file: for a fused layer its checkpoint
     shards' rows, for a tied LM head the embedding's blocks. None (the layer stays float) when any part is not
     stored quantized, or when a row-parallel slice does not fall on groups of 32 columns.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import cast
 
 import torch
@@ -115,7 +115,9 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.
 
         Every parameter (and every shard of a fused one) must be provided exactly as shaped; unknown names are
@@ -129,6 +131,10 @@ class CausalLM(nn.Module):
         come one tensor per expert and projection (`...experts.<e>.gate_proj.weight`, as checkpoints store them,
         after `checkpoint_renames`) or one 3-D tensor per projection (`...experts.gate_up_proj`, transformers 5's
         in-memory layout).
+
+        `replaced` names layers (as `named_modules` does) whose weight the caller swaps for another right after (a
+        GGUF file's quantized blocks, `engine_server.quantization`): their checkpoint weights count as loaded and
+        are not read or copied (given as `LazyTensor`s, nothing of them is read at all); their biases load.
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
@@ -159,6 +165,9 @@ class CausalLM(nn.Module):
             # A fused layer stored fused (Phi-3's qkv_proj and gate_up_proj): every part at once.
             fused_whole = not shard and isinstance(module, ColumnParallelLinear) and len(module.parts) > 1
             shards = [s for f, _, s in FUSED_SHARDS if target.endswith(f".{f}")] if fused_whole else [shard]
+            if kind == "weight" and target in replaced:
+                loaded.update((f"{target}.weight", s) for s in shards)
+                continue
             try:
                 if fused_whole:
                     _load_fused(cast(ColumnParallelLinear, module), tensor)

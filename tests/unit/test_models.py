@@ -246,6 +246,38 @@ def test_load_weights_rejects_missing_unknown_and_misshaped() -> None:
         model.load_weights([("model.norm.weight", torch.zeros(3))])
 
 
+class _Unreadable:
+    """A checkpoint tensor that may be looked at (shape, dim) but fails the test when read."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape = tensor.shape
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        raise AssertionError("a replaced layer's weight was read")
+
+
+def test_replaced_layers_weights_are_not_read_and_their_biases_load() -> None:
+    """What a GGUF engine loads: the layers its quantized blocks replace (here the fused QKV, stored as three
+    tensors with biases, and an MLP projection) keep their weights unread; everything else loads as always."""
+    hf, _ = build_pair("qwen2")
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    replaced = {"model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"}
+    state = dict(hf.state_dict())
+    unread = {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"} | {"model.layers.1.mlp.down_proj.weight"}
+    model = get_model_class(config.architecture)(config)
+    model.load_weights(((k, _Unreadable(v) if k in unread else v) for k, v in state.items()), replaced=replaced)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert torch.equal(qkv.bias, torch.cat([state[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"]))
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, state["model.layers.0.mlp.down_proj.weight"])
+    with pytest.raises(AssertionError, match="was read"):  # a layer not replaced reads its weight
+        get_model_class(config.architecture)(config).load_weights(
+            (k, _Unreadable(v) if k in unread else v) for k, v in state.items()
+        )
+
+
 def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
     hf, _ = build_pair("mixtral")
     config = ModelConfig.from_hf_config(hf.config.to_dict())

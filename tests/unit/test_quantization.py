@@ -3,8 +3,10 @@ against the float reference (greedy agreement and logit distance, with threshold
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,12 +14,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+import engine_server.loader.source as source_module
 from benchmarks.quality import measure
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.loader import ModelSource, default_gguf_path, resolve_model
 from engine_server.loader.gguf_convert import TENSOR_INDEX
 from engine_server.loader.gguf_quant import parse_blocks, read_quantized_weights, stored_matrices
-from engine_server.loader.source import iter_safetensors
+from engine_server.loader.lazy_tensor import LazyTensor
+from engine_server.loader.source import iter_lazy_safetensors, iter_safetensors
 from engine_server.quantization import resolve_quantization
 from kernels import cpu_ops as cpu
 from tests.unit.runner_factories import TINY_LLAMA
@@ -115,6 +119,20 @@ def test_the_converted_folders_tensor_index_maps_the_blocks_the_file_parse_finds
             assert other.row_order is not None and np.array_equal(other.row_order, matrix.row_order), name
 
 
+class _Recorded:
+    """A lazy checkpoint tensor that adds its name to `read` when read."""
+
+    def __init__(self, name: str, tensor: LazyTensor, read: set[str]) -> None:
+        self.name, self.tensor, self.read, self.shape = name, tensor, read, tensor.shape
+
+    def dim(self) -> int:
+        return self.tensor.dim()
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self.read.add(self.name)
+        return self.tensor.narrow(dim, start, length)
+
+
 @needs_kernels
 def test_quality_against_the_float_reference(llm: Any, float_reference: Any) -> None:
     results = measure(formats=("gguf", "int8"), float_reference=float_reference, free_running=False)
@@ -129,7 +147,21 @@ def test_quality_against_the_float_reference(llm: Any, float_reference: Any) -> 
 def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     from benchmarks.quality import make_llm
 
-    quantized = make_llm("default", "auto")  # auto: the file's own blocks on the CPU
+    # The converted file's float tensors are read only where they stay float: the embedding and the norms.
+    read: set[str] = set()
+
+    def recorded(folder: Path) -> Iterator[tuple[str, Any]]:
+        for name, tensor in iter_lazy_safetensors(folder):
+            yield name, _Recorded(name, tensor, read)
+
+    with (
+        mock.patch.object(source_module, "iter_lazy_safetensors", recorded),
+        mock.patch.object(source_module, "iter_safetensors", side_effect=AssertionError("read whole")),
+    ):
+        quantized = make_llm("default", "auto")  # auto: the file's own blocks on the CPU
+    assert read == {"model.embed_tokens.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{norm}.weight" for i in range(30) for norm in ("input_layernorm", "post_attention_layernorm")
+    }
     layers = [m for m in quantized.core.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert quantized.core.runner.quantization == "gguf"
     assert sorted({layer.format for layer in layers}) == ["q4", "q8"]  # Q4_1 projections, Q8_0 tied LM head

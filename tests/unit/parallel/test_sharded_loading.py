@@ -22,7 +22,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -35,6 +34,7 @@ from engine_server.models import CausalLM, get_model_class
 from engine_server.parallel.group import SINGLE, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear
 from engine_server.parallel.sharding import even_slice, kv_heads_per_rank, vocab_shard
+from tests.unit.parallel.ranks import run_ranks
 
 _SMALL: dict[str, Any] = dict(
     vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -168,7 +168,7 @@ def test_each_rank_reads_only_its_bytes_and_loads_the_same_shards(case: str, tmp
     config, size = CASES[case]
     _write_checkpoint(config, tmp_path / "model")
     init_method = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_rank_main, args=(size, init_method, str(tmp_path / "model"), case), nprocs=size, join=True)
+    run_ranks(_rank_main, (size, init_method, str(tmp_path / "model"), case), size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

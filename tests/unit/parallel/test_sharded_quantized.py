@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
@@ -28,6 +27,7 @@ from engine_server.parallel.group import TensorParallel, destroy_tensor_parallel
 from engine_server.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from engine_server.parallel.sharding import gate_up_slices, qkv_slices
 from engine_server.quantization import _stored_weight
+from tests.unit.parallel.ranks import run_ranks
 
 # SmolLM2-135M, the embedded model.
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, VOCAB = 9, 3, 64, 576, 1536, 49152
@@ -96,7 +96,7 @@ def _rank_main(rank: int, size: int, init_method: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_each_ranks_gguf_blocks_are_its_slice_of_the_whole_weights(tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(3, f"file://{tmp_path / 'rendezvous'}"), nprocs=3, join=True)
+    run_ranks(_rank_main, (3, f"file://{tmp_path / 'rendezvous'}"), 3)
 
 
 def _synthetic(rows: int, columns: int, kind: GGMLQuantizationType) -> tuple[StoredMatrix, torch.Tensor]:

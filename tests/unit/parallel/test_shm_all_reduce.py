@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engine_server.parallel.group import destroy_tensor_parallel, init_tensor_parallel
 from engine_server.parallel.shm_all_reduce import ShmAllReduce, ShmBuffers, supported
+from tests.unit.parallel.ranks import run_ranks
 
 CAPACITY = 64 * 48
 SHAPES = [(1, 48), (7, 48), (64, 48), (3, 5), (48,)]
@@ -65,4 +65,4 @@ def _rank_main(rank: int, size: int, init_method: str, buffers: ShmBuffers) -> N
 @pytest.mark.parametrize("size", [2, 3])
 def test_the_shared_memory_all_reduce_is_the_rank_order_sum_on_every_rank(size: int, tmp_path: Path) -> None:
     buffers = ShmAllReduce.allocate(size, CAPACITY)
-    mp.spawn(_rank_main, args=(size, f"file://{tmp_path / 'rendezvous'}", buffers), nprocs=size, join=True)
+    run_ranks(_rank_main, (size, f"file://{tmp_path / 'rendezvous'}", buffers), size)

@@ -7,7 +7,6 @@ messages and collective order as NCCL's device-to-device broadcast on CUDA)."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
@@ -27,6 +26,7 @@ from engine_server.parallel.step_channel import (
     StepReceiver,
     StepSender,
 )
+from engine_server.workers import worker_context
 
 
 def _worker(channel: StepChannel, results: Queue[Any]) -> None:
@@ -57,11 +57,12 @@ def _worker(channel: StepChannel, results: Queue[Any]) -> None:
 
 
 @contextlib.contextmanager
-def _spawned(
+def _forked(
     target: Callable[[StepChannel, Queue[Any]], None], capacity: int
 ) -> Iterator[tuple[StepChannel, Queue[Any], BaseProcess]]:
-    """A channel to one spawned worker running `target(channel, results)`; joined (or killed) on the way out."""
-    context = mp.get_context("spawn")
+    """A channel to one worker running `target(channel, results)`, forked as the engine's workers are; joined (or
+    killed) on the way out."""
+    context = worker_context()
     channel = StepChannel.open(capacity=capacity, num_workers=1, context=context)
     results: Queue[Any] = context.Queue()
     worker = context.Process(target=target, args=(channel, results), daemon=True)
@@ -75,7 +76,7 @@ def _spawned(
 
 
 def test_messages_arrive_as_sent_and_the_worker_waits_without_spinning() -> None:
-    with _spawned(_worker, capacity=256) as (channel, results, worker):
+    with _forked(_worker, capacity=256) as (channel, results, worker):
         sender = StepSender(channel)
         meta = AttentionMetadata.build([3, 1], [3, 7], [[4], [0, 2]], block_size=4, device="cpu")
         sender.forward(torch.tensor([11, 12, 13, 14]), torch.tensor([0, 1, 2, 6]), meta)
@@ -115,7 +116,7 @@ def _slow_reader(channel: StepChannel, results: Queue[Any]) -> None:
 
 
 def test_rank_0_writes_a_slot_again_only_once_the_worker_has_read_it() -> None:
-    with _spawned(_slow_reader, capacity=64) as (channel, results, _):
+    with _forked(_slow_reader, capacity=64) as (channel, results, _):
         sender = StepSender(channel)
         waits = []
         for i in range(2 * SLOTS + 1):
@@ -159,7 +160,7 @@ def _broadcast_rank(rank: int, channel: StepChannel, init_method: str, results: 
 
 
 def test_pending_tokens_go_through_the_groups_broadcast_where_the_model_is_on_a_device(tmp_path: Path) -> None:
-    context = mp.get_context("spawn")
+    context = worker_context()
     channel = StepChannel.open(capacity=256, num_workers=1, context=context)
     results: Queue[Any] = context.Queue()
     init_method = f"file://{tmp_path / 'rendezvous'}"

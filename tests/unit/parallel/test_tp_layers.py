@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from engine_server.parallel.group import SINGLE, TensorParallel, destroy_tensor_parallel, init_tensor_parallel
@@ -25,6 +24,7 @@ from engine_server.parallel.layers import (
     gather_vocab,
 )
 from engine_server.parallel.sharding import kv_heads_of_rank
+from tests.unit.parallel.ranks import run_ranks
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -158,7 +158,7 @@ def _rank_main(rank: int, size: int, init_method: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("size", [2, 3])
 def test_sharded_layers_equal_the_unsharded_references(size: int, tmp_path: Path) -> None:
-    mp.spawn(_rank_main, args=(size, f"file://{tmp_path / 'rendezvous'}"), nprocs=size, join=True)
+    run_ranks(_rank_main, (size, f"file://{tmp_path / 'rendezvous'}"), size)
 
 
 def test_at_size_one_every_layer_is_the_unsharded_op_bitwise() -> None:

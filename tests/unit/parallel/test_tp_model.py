@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import transformers
 
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.config import ModelConfig
+from tests.unit.parallel.ranks import run_ranks
 from tests.unit.parallel.tp_model_ranks import BLOCK_SIZE, first_prompt, rank_main
 
 # name -> (config class, config, group size). Head layouts: KV heads split one per rank, replicated over ranks,
@@ -82,10 +82,7 @@ def test_a_sharded_model_gives_the_unsharded_logits(case: str, tmp_path: Path) -
     with torch.inference_mode():
         hf_logits = hf(torch.tensor([first_prompt(config.vocab_size)])).logits[0].float()
     args = (size, f"file://{tmp_path / 'rendezvous'}", config, dict(hf.state_dict()), hf_logits)
-    # Forked from a server that imported the ranks' module once for the whole session, a rank starts at once;
-    # spawned, each would import torch again (seconds apiece on a loaded 2-core machine).
-    mp.set_forkserver_preload(["tests.unit.parallel.tp_model_ranks"])
-    mp.start_processes(rank_main, args=args, nprocs=size, join=True, start_method="forkserver")
+    run_ranks(rank_main, args, size)
 
 
 def test_each_rank_caches_only_its_kv_heads() -> None:

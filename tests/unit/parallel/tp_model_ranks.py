@@ -1,7 +1,7 @@
 """What each gloo rank of tests/unit/parallel/test_tp_model.py runs, in a module of its own.
 
-The ranks are forked from a multiprocessing forkserver that imports this module once per test process; it imports
-torch and the engine but not transformers, which would double that import. The test builds the Hugging Face model
+The ranks are forks of the engine's worker forkserver (tests/unit/parallel/ranks.py); this module imports torch
+and the engine but not transformers, which would double what a rank imports. The test builds the Hugging Face model
 and hands every rank its config, its full state dict and transformers' logits.
 """
 
