@@ -58,11 +58,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); m=$$(awk '/MemTotal/ 
 # the suite starts imports the project's modules, and pytest caches its assertion-rewritten test modules only so
 # (collection alone took 36 s of CPU per worker without). The serial part collects only the files that mark a test
 # `serial` (collecting the whole suite to run those took ~30 s).
-# OpenMP threads sleep as soon as their parallel region ends (OMP_WAIT_POLICY=PASSIVE) instead of spinning for the
-# next one: the suite runs its workers and the engines they start, each with a thread per core, on the same few
-# cores, where a spinning thread holds a core another process needs (two copies of two unit files side by side on
-# 2 cores: 60 s of user CPU each by default, 35 s passive). An engine in production keeps OpenMP's default.
-TEST_ENV := PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE= OMP_WAIT_POLICY=PASSIVE
+TEST_ENV := PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=
 test: setup
 	$(TEST_ENV) $(PY) -m pytest tests -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--max-worker-restart 0 -m "not serial"
