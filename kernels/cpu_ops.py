@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
@@ -57,6 +58,9 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated f
 DISABLE_ENV = "LADLE_CPU_KERNELS"
 # A build takes ~40 s; a lock this old was left by a process that died building.
 STALE_LOCK_S = 600.0
+# Every process loading the kernels holds this file shared (flock) while it does: a build lock with no such holder
+# was left by a process that died building, however young it is.
+LOADERS_LOCK = "loaders.flock"
 
 
 def paged_attention(
@@ -228,8 +232,7 @@ def _load_extension() -> None:
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     build_dir = root / f"{name}_{python}_torch{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    clear_stale_build_lock(build_dir)
-    with _ninja_on_path():
+    with loading_guard(build_dir), _ninja_on_path():
         load(
             name=name,
             sources=[str(_SOURCE_DIR / source) for source in _SOURCES],
@@ -241,20 +244,42 @@ def _load_extension() -> None:
         )
 
 
-def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove `build_dir/lock` when it is older than `max_age_s`; True if it did.
+@contextlib.contextmanager
+def loading_guard(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> Iterator[None]:
+    """Around loading (and maybe building) the kernels in `build_dir`: first remove a stale build lock
+    (`clear_stale_build_lock`, told whether any other process is loading), then hold `LOADERS_LOCK` shared until
+    the load is done. The flock goes with the process, however it ends."""
+    with (build_dir / LOADERS_LOCK).open("a") as loaders:
+        try:
+            fcntl.flock(loaders, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            others_loading = False
+        except BlockingIOError:
+            others_loading = True
+        clear_stale_build_lock(build_dir, max_age_s, others_loading)
+        fcntl.flock(loaders, fcntl.LOCK_SH)  # from exclusive, or waiting out another's brief exclusive check
+        yield
+
+
+def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, others_loading: bool = True) -> bool:
+    """Remove `build_dir/lock` when no other process is loading the kernels (`others_loading` False: nobody holds
+    `LOADERS_LOCK`, so whoever made the lock died building), or else when it is older than `max_age_s`; True if it
+    did.
 
     torch holds that file while one process builds and makes every other wait, without a time limit, until it
-    is gone: a build killed half-way (Ctrl-C on a first start) would otherwise hang every later start.
+    is gone: a build killed half-way (Ctrl-C on a first start, a killed `make setup`) would otherwise hang every
+    later start. The age rule is for a lock that processes started before `LOADERS_LOCK` existed, or that
+    processes already waiting on it keep company.
     """
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return False
-    if age < max_age_s:
+    if others_loading and age < max_age_s:
         return False
-    log.warning("removing a stale cpu kernel build lock", path=str(lock), age_s=round(age))
+    log.warning(
+        "removing a stale cpu kernel build lock", path=str(lock), age_s=round(age), others_loading=others_loading
+    )
     lock.unlink(missing_ok=True)
     return True
 

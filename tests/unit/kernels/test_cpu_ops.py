@@ -3,6 +3,7 @@ and the engine's dispatch to it."""
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import os
 import time
@@ -291,6 +292,23 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path) -> No
     old = time.time() - cpu.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
     assert cpu.clear_stale_build_lock(tmp_path) and not lock.exists()
+
+
+def test_a_build_lock_no_loading_process_holds_is_removed_at_once(tmp_path: Path) -> None:
+    """A fresh lock left by a build killed a second ago: with no process loading the kernels it goes at the next
+    start; while another process loads (holds the loaders' flock shared) it stays, as that process may be building."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    with (tmp_path / cpu.LOADERS_LOCK).open("a") as other:  # another open file description: another loader
+        fcntl.flock(other, fcntl.LOCK_SH)
+        with cpu.loading_guard(tmp_path):
+            assert lock.exists()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    with cpu.loading_guard(tmp_path):
+        assert not lock.exists()
+        lock.touch()  # this load's own build: a second loader now sees a loader and waits
+        with cpu.loading_guard(tmp_path):
+            assert lock.exists()
 
 
 @needs_kernels
