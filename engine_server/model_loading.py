@@ -39,7 +39,6 @@ from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCaptu
 from engine_server.host_memory import keep_freed_memory_for_reuse
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
-from engine_server.layers.quantized_linear import QuantizedWeight
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.models import (
     BertEncoder,
@@ -50,7 +49,7 @@ from engine_server.models import (
     kv_cache_bytes_per_block,
 )
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.quantization import Scheme, quantize_model, resolve_quantization, stored_weights
+from engine_server.quantization import Scheme, StoredWeight, quantize_model, resolve_quantization, stored_weights
 from engine_server.speculative.draft_model import DraftModel
 from kernels.kernel_set import REFERENCE_OPS
 
@@ -183,7 +182,7 @@ def _quantize(
     quantization: Scheme,
     device: torch.device,
     kernels: bool,
-    stored: dict[str, QuantizedWeight],
+    stored: dict[str, StoredWeight],
 ) -> None:
     """Quantize the model's weights as `quantization` says (under `gguf`, to `stored`: `stored_weights`') and, on
     the CPU, MKL-pack its float linear layers."""

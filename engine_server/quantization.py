@@ -2,8 +2,13 @@
 
 - `none`: the float weights, the exact path (greedy output equal to transformers').
 - `gguf`: a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks (`loader.gguf_quant`), exactly the weights llama.cpp
-  serves from that file; its other tensors (F32, F16, K-quants) stay float.
-- `int8`: every linear layer of any model, its float weight quantized to 8-bit groups of 32 (`quantize_q8`).
+  serves from that file, a mixture of experts' banks included (`layers.quantized_experts`); its other tensors
+  (F32, F16, K-quants) stay float.
+- `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
+  (`quantize_q8`).
+A mixture of experts' routers stay float under both (their logits choose the experts: a rounding step could change
+the choice), multiplied row by row in one fixed order on the CPU (`RowwiseLinear`) so that the choice does not
+depend on the batch either.
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
 `auto` is the default: for the embedded model on the CPU that is its GGUF blocks, whose quality against the
 float model `tests/unit/test_quantization.py` checks; `none` stays the exact path the engine-level tests check
@@ -41,7 +46,19 @@ import torch
 from torch import nn
 
 from engine_server.layers.decode_stack import build_decode_stack
+from engine_server.layers.quantized_experts import (
+    ROUTER_SUFFIXES,
+    ExpertWeights,
+    QuantizedExperts,
+    RowwiseLinear,
+    expert_weights,
+    quantize_experts,
+    replace_experts,
+    replace_routers,
+)
 from engine_server.layers.quantized_linear import (
+    Q4Weight,
+    Q8Weight,
     QuantizedLinear,
     QuantizedWeight,
     concat_rows,
@@ -56,6 +73,8 @@ from engine_server.parallel.layers import ColumnParallelLinear, ParallelExperts,
 from kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8"]
+# What a GGUF file stores quantized for one module: a linear layer's weight, or a bank of experts'.
+StoredWeight = QuantizedWeight | ExpertWeights
 
 
 def resolve_quantization(
@@ -95,30 +114,36 @@ def resolve_quantization(
     return "gguf" if mode == "gguf" else "int8"
 
 
-def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, QuantizedWeight]:
-    """The weight of each of `model`'s linear layers that `source`'s GGUF file stores quantized, by layer name (as
-    `named_modules` does), as this rank keeps it; the layers absent stay float under `gguf`. Built from the
-    layers' shapes and slices alone: call it before loading the float weights, so those of the layers present are
-    never read (`CausalLM.load_weights`'s `replaced`)."""
+def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeight]:
+    """The weight of each of `model`'s linear layers and expert banks that `source`'s GGUF file stores quantized,
+    by module name (as `named_modules` does), as this rank keeps it; the layers absent stay float under `gguf`, as
+    do the routers (`ROUTER_SUFFIXES`). Built from the layers' shapes and slices alone: call it before loading the
+    float weights, so those of the layers present are never read (`CausalLM.load_weights`'s `replaced`)."""
     assert source.gguf_path is not None
     config = source.config
-    stored = stored_matrices(
+    matrices = stored_matrices(
         source.gguf_path,
         model_type=config.architecture,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         converted=source.path,
     )
+    stored = {model.checkpoint_name(name): matrix for name, matrix in matrices.items()}
     tied = config.tie_word_embeddings
-    weights = {}
+    weights: dict[str, StoredWeight] = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and (weight := _stored_weight(stored, name, module, tied)) is not None:
+        weight: StoredWeight | None = None
+        if isinstance(module, nn.Linear) and not name.endswith(ROUTER_SUFFIXES):
+            weight = _stored_weight(stored, name, module, tied)
+        elif isinstance(module, ParallelExperts):
+            weight = _stored_experts(stored, name, module)
+        if weight is not None:
             weights[name] = weight
     return weights
 
 
 def quantize_model(
-    model: CausalLM, source: ModelSource, scheme: Scheme, stored: Mapping[str, QuantizedWeight] | None = None
+    model: CausalLM, source: ModelSource, scheme: Scheme, stored: Mapping[str, StoredWeight] | None = None
 ) -> dict[str, int]:
     """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`, and give its decoder the C++ decode
     stack where every projection is quantized; returns layers per format (`q4`, `q8`, and `float` for those left
@@ -130,23 +155,41 @@ def quantize_model(
     prefix cache, bit for bit (docs/models.md, Quantized weights)."""
     if scheme == "none":
         return {}
+    on_cpu = model.model.norm.weight.device.type == "cpu"
     if scheme == "gguf":
         weights = stored_weights(model, source) if stored is None else stored
-        replace_linears(model, lambda name, linear: weights.get(name))
+        replace_linears(model, lambda name, linear: _linear_weight(weights.get(name)))
+        if on_cpu:
+            replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)))
     else:
         replace_linears(model, _int8_weight)
-    # A mixture of experts' banks stay float (counted as one layer each) until the expert kernels quantize them.
+        if on_cpu:
+            replace_experts(model, lambda name, bank: quantize_experts(bank))
+    if on_cpu:
+        replace_routers(model)
+    # A bank of experts counts as one layer (`experts_<format>`); one left float (CUDA's, or not on groups of 32)
+    # counts as `float`, as do the float linear layers and the routers.
     formats = Counter(
-        module.format if isinstance(module, QuantizedLinear) else "float"
+        module.format if isinstance(module, QuantizedLinear)
+        else f"experts_{module.format}" if isinstance(module, QuantizedExperts)
+        else "float"
         for module in model.modules()
-        if isinstance(module, QuantizedLinear | nn.Linear | ParallelExperts)
-    )
+        if isinstance(module, QuantizedLinear | nn.Linear | ParallelExperts | QuantizedExperts | RowwiseLinear)
+    )  # fmt: skip
     model.model.decode_stack = build_decode_stack(model.model)
-    if not any(module.qs.is_cuda for module in model.modules() if isinstance(module, QuantizedLinear)):
+    if on_cpu:
         from kernels.cpu_ops import batch_invariant_cpu_ops  # the kernels are built: quantized layers need them
 
         model.ops = batch_invariant_cpu_ops()
     return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
+
+
+def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
+    return weight if isinstance(weight, Q4Weight | Q8Weight) else None
+
+
+def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:
+    return weight if isinstance(weight, ExpertWeights) else None
 
 
 def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear, tied: bool) -> QuantizedWeight | None:
@@ -183,9 +226,24 @@ def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear
     return pad_rows(concat_rows(shards), padding)
 
 
-# Layers that stay float under int8: a mixture of experts' router (its logits choose the experts, top-k of them, so
-# a rounding step can change the choice) and the shared expert's one-output gate.
-_FLOAT_ROUTERS = (".mlp.gate", ".mlp.shared_expert_gate")
+def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelExperts) -> ExpertWeights | None:
+    """This rank's slices of bank `name`'s experts as the file stores them (`<name>.<e>.gate_proj.weight`, ...):
+    each expert's gate and up rows of this rank, and its down projection's columns of those rows. None (the bank
+    stays float) when any expert's projection is not stored quantized, when an expert's gate and up differ in
+    format, or when this rank's rows do not fall on groups of 32 columns of the down projection."""
+    rows = bank.rows.rows
+    parts = {part: [stored.get(f"{name}.{e}.{part}_proj.weight") for e in range(bank.num_experts)] for part in
+             ("gate", "up", "down")}  # fmt: skip
+    if any(matrix is None for matrices in parts.values() for matrix in matrices):
+        return None
+    if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP:
+        return None
+    gate, up, down = ([m.read(rows) for m in parts["gate"] if m], [m.read(rows) for m in parts["up"] if m],
+                      [m.read(columns=rows) for m in parts["down"] if m])  # fmt: skip
+    try:
+        return expert_weights(gate, up, down)
+    except ValueError:  # gate and up in different formats
+        return None
 
 
 def _stored_fused(matrix: StoredMatrix, linear: ColumnParallelLinear) -> QuantizedWeight:
@@ -199,6 +257,6 @@ def _stored_fused(matrix: StoredMatrix, linear: ColumnParallelLinear) -> Quantiz
 
 
 def _int8_weight(name: str, linear: nn.Linear) -> QuantizedWeight | None:
-    if linear.in_features % QUANT_GROUP or name.endswith(_FLOAT_ROUTERS):
+    if linear.in_features % QUANT_GROUP or name.endswith(ROUTER_SUFFIXES):
         return None
     return quantize_q8(linear.weight)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "cpu"
-_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "decoder.cpp", "seeded_noise.cpp")
+_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "moe.cpp", "decoder.cpp", "seeded_noise.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"

@@ -9,6 +9,7 @@ metadata contract are described in `engine_server.attention_metadata`. `apply_to
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, overload
 
 import torch
@@ -369,3 +370,29 @@ def fused_moe(
     hidden = silu_and_mul(gate_up).unsqueeze(-1)  # [P, I, 1]
     out = torch.bmm(w2.float()[pairs], hidden).squeeze(-1) * weights.float().reshape(-1, 1)  # [P, H]
     return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+QuantizedProduct = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def quantized_moe(
+    x: torch.Tensor, gate_up: QuantizedProduct, down: QuantizedProduct, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """The CPU's quantized mixture of experts (`torch.ops.ladle_cpu.moe_packed`): x `[T, H]` float32, each token's
+    routing `weights` and `experts` `[T, k]` -> `[T, H]` float32, `sum_j weights[t, j] * down(e, silu_and_mul(
+    gate_up(e, x[t])))` for `e = experts[t, j]`, the k terms added in ascending expert order. `gate_up(e, rows)` and
+    `down(e, rows)` are expert e's quantized products (`q4_linear` / `q8_linear` of its weights: rows `[M, K]` ->
+    `[M, N]`), so x and the hidden activations are quantized per group of 32 as the kernel does."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for token in range(x.shape[0]):
+        for choice in torch.argsort(experts[token], stable=True).tolist():
+            expert = int(experts[token, choice])
+            hidden = silu_and_mul(gate_up(expert, x[token : token + 1].float()))
+            out[token] += weights[token, choice].float() * down(expert, hidden)[0]
+    return out
+
+
+def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` float32 times weight `[N, K]` -> `[M, N]` (`torch.ops.ladle_cpu.rowwise_linear`, which sums each
+    dot product in one fixed order whatever M is, so a row's result does not depend on its batch)."""
+    return F.linear(x.float(), weight.float())

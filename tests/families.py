@@ -12,6 +12,7 @@ float rounding could flip.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-moe": (
         "Qwen2MoeConfig",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "shared_expert_intermediate_size": 48},
+         "shared_expert_intermediate_size": 64},
     ),
     "mistral-window": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2}),
@@ -87,9 +88,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def save_family(folder: Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
     """A random `family` model (FAMILIES, with `overrides` of its config) saved to `folder` with the embedded
-    tokenizer; returns `folder`."""
+    tokenizer; returns `folder`.
+
+    `head_spread` > 0 scales each row of the LM head by exp(N(0, head_spread²)), as a trained model's rows differ in
+    norm: its next-token distribution then has a clear head. With equal rows the top logits of 49,152 are all
+    within a few hundredths of each other, and 4-bit weights flip the argmax at near-ties that say nothing of how
+    close the quantized model is (`ladle bench quality`'s top-1 agreement)."""
     import transformers
 
     class_name, quirks = FAMILIES[family]
@@ -104,6 +110,9 @@ def save_family(folder: Path, family: str, seed: int = 0, **overrides: Any) -> P
                 parameter.normal_(0.0, 0.08)
             elif "norm" in name or name.endswith("bias"):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
+        if head_spread:
+            head = model.get_output_embeddings().weight
+            head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))
     model.save_pretrained(folder)
     copy_tokenizer(folder)
     return folder
@@ -153,16 +162,32 @@ _GGUF_GEMMA_LAYER = {
     **_GGUF_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }  # fmt: skip
-_GGUF_ARCHITECTURES = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+_GGUF_ARCHITECTURES = {
+    "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}  # fmt: skip
+# A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
+# expert's projections, which llama.cpp stacks into one `[experts, rows, columns]` tensor per projection.
+_GGUF_MOE_LAYER = {
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}  # fmt: skip
+_GGUF_ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)")
+_GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
+                "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
 
 
 def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> Path:
-    """`folder`'s Phi-3, Gemma 2 or Gemma 3 as llama.cpp's converter writes it: its metadata (LongRoPE factors as
-    tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope scaling), the embedded
-    tokenizer's vocabulary, norms and embeddings in F32, the attention projections in `attention`'s and the MLP's
-    in `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s); returns `path`. A Gemma's
-    `query_pre_attn_scalar` must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as
-    llama.cpp assumes."""
+    """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE as llama.cpp's converter writes it: its
+    metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
+    scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
+    F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
+    `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s); returns `path`. Mixtral is written as
+    llama.cpp's `llama` with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar`
+    must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
+    layer of a mixture of experts must have experts (no `mlp_only_layers`), as llama.cpp assumes."""
     import json
 
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
@@ -203,6 +228,14 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> P
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if arch != "llama":
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
     tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
     writer.add_tokenizer_model("gpt2")
@@ -216,22 +249,37 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> P
         writer.add_chat_template(template.read_text())
     else:
         writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
-    layer_names = _GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER
+    layer_names = {**(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER), **_GGUF_MOE_LAYER}
+    tensors: dict[str, tuple[np.ndarray, Any]] = {}
+    banks: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         stem, param = name.rsplit(".", 1)
-        kind_type = None  # norms and embeddings stay F32
+        kind_type = None  # norms, embeddings and routers stay F32
         if gemma and name.endswith("norm.weight"):
             tensor = tensor + 1.0
+        array = tensor.float().numpy()
         if stem.startswith("model.layers."):
             layer, kind = stem.removeprefix("model.layers.").split(".", 1)
+            expert = _EXPERT.fullmatch(kind)
+            if expert is not None:
+                banks.setdefault(f"blk.{layer}.{_GGUF_EXPERT[expert[2]]}.{param}", {})[int(expert[1])] = array
+                continue
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
-            if kind.startswith("mlp."):
+            if layer_names[kind] in _GGUF_ROUTERS:
+                array = array.reshape(-1) if layer_names[kind] == "ffn_gate_inp_shexp" else array
+            elif kind.startswith(("mlp.", "block_sparse_moe.")):
                 kind_type = feed_forward
             elif kind.startswith("self_attn.") and not kind.endswith("_norm"):  # Gemma's q/k norms stay F32
                 kind_type = attention
+            if arch == "llama" and kind in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads_here = heads if kind == "self_attn.q_proj" else config["num_key_value_heads"]
+                array = array.reshape(heads_here, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
         else:
             gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}"
-        array = tensor.float().numpy()
+        tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
+    for gguf_name, by_expert in banks.items():
+        tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
+    for gguf_name, (array, kind_type) in tensors.items():
         if kind_type is None or kind_type == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
         else:

@@ -52,6 +52,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts (Qwen2-MoE, Qwen3-MoE): the router, and Qwen2-MoE's shared expert with its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Where an architecture's llama.cpp names mean something else (keyed by the HF model_type the file converts to):
 # Phi-3's `ffn_up` is its fused gate_up_proj; Gemma's `ffn_norm` is the norm before its MLP, beside the norms after
@@ -64,9 +70,19 @@ _GEMMA_LAYER_NAMES = {
 }
 _ARCHITECTURE_LAYER_NAMES = {
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
+    "mixtral": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
 }
+# A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
+# checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`).
+_EXPERT_BANKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+_QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
+# The families whose llama.cpp files have their q/k rows permuted (llama.cpp's `llama` architecture).
+_ROPE_PERMUTED = ("llama", "mixtral")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -87,6 +103,24 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     return f"model.layers.{layer}.{names[kind]}.{param}"
 
 
+def hf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list[str] | None:
+    """The HF parameter name of each expert's slice of a GGUF expert tensor (`blk.N.ffn_gate_exps.weight`, ...) of a
+    file of `architecture` (as `hf_tensor_name`), in expert order; None when `gguf_name` is not one."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_BANKS or match.group(3) != "weight":
+        return None
+    pattern, projections = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
+    proj = projections[_EXPERT_BANKS[match.group(2)]]
+    layer = match.group(1)
+    return [f"model.layers.{layer}.{pattern.format(expert=e, proj=proj)}.weight" for e in range(num_experts)]
+
+
+def rope_permuted(architecture: str) -> bool:
+    """Whether a GGUF file of `architecture` (as `hf_tensor_name`) holds its q/k rows permuted
+    (`unpermute_rope_rows`)."""
+    return architecture in _ROPE_PERMUTED
+
+
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's convert-time row permutation of a llama q/k projection (weight or bias).
 
@@ -99,15 +133,18 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored and Gemma's
-    norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then rounds nothing)."""
-    permuted = config["model_type"] == "llama"
-    norm_shifted = config["model_type"] in _NORM_SHIFTED
+    """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored, Gemma's
+    norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then rounds nothing), and a
+    mixture of experts' 3-D tensors as one tensor per expert (as checkpoints store them)."""
+    model_type = config["model_type"]
+    permuted = rope_permuted(model_type)
+    norm_shifted = model_type in _NORM_SHIFTED
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED:
             continue
-        name = hf_tensor_name(tensor.name, config["model_type"])
-        if name is None:
+        experts = hf_expert_names(tensor.name, int(tensor.data.shape[0]), model_type)
+        name = hf_tensor_name(tensor.name, model_type)
+        if name is None and experts is None:
             raise ValueError(f"model {spec!r}: unexpected GGUF tensor {tensor.name!r}")
         try:
             weight = dequantize(tensor.data, tensor.tensor_type)
@@ -115,6 +152,13 @@ def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> It
             raise ValueError(
                 f"model {spec!r}: tensor {tensor.name!r} has unsupported quantization {tensor.tensor_type.name}"
             ) from exc
+        if experts is not None:
+            for expert_name, expert in zip(experts, np.asarray(weight, dtype=np.float32), strict=True):
+                yield expert_name, torch.from_numpy(np.require(expert, np.float32, ["C", "W", "O"]))
+            continue
+        assert name is not None
+        if name.endswith(".shared_expert_gate.weight"):  # llama.cpp stores the [1, H] gate as [H]
+            weight = np.asarray(weight).reshape(1, -1)
         if permuted and ".self_attn.q_proj." in name:
             weight = unpermute_rope_rows(weight, config["num_attention_heads"])
         elif permuted and ".self_attn.k_proj." in name:

@@ -1,5 +1,5 @@
-"""GGUF metadata → a Hugging Face `config.json` dict (llama / qwen2 / qwen3 / phi3 / gemma2 / gemma3 `<arch>.*`
-keys)."""
+"""GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, qwen2 / qwen3 and their
+MoE forms, phi3, gemma2 / gemma3 `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,18 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# A `llama` file with experts is Mixtral (llama.cpp writes Mixtral under its llama architecture).
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
+# Whether llama.cpp renormalises the top-k routing weights (its `norm_w`, fixed per architecture): Mixtral and
+# Qwen3-MoE do, Qwen2-MoE does not.
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+
 # Gemma as llama.cpp reads it: which layers are global (every 2nd in Gemma 2, every 6th in Gemma 3, unless the file
 # says), the windowed layers' rope base in Gemma 3, and the layer count of the 27B models, whose attention scale is
 # sqrt(hidden / heads) rather than sqrt(head_dim) (llama.cpp derives it from the size: the files do not store it).
@@ -59,7 +67,8 @@ def gguf_architecture(reader: GGUFReader, spec: str) -> str:
 def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     """Build a transformers-loadable `config.json` dict from the file's metadata and tensor list."""
     arch = gguf_architecture(reader, spec)
-    model_type, hf_class = GGUF_ARCHITECTURES[arch]
+    experts = int(read_field(reader, f"{arch}.expert_count", 0) or 0)
+    model_type, hf_class = _MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
 
     def required(key: str) -> Any:
@@ -113,7 +122,42 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         )
     if arch in _GEMMA_GLOBAL_EVERY:
         config.update(_gemma_config(reader, arch, config, spec))
+    if experts:
+        config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
+
+
+def _experts_config(
+    reader: GGUFReader, arch: str, experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The mixture-of-experts keys of a Mixtral, Qwen2-MoE or Qwen3-MoE `config.json`: how many experts, how many
+    each token uses, whether their weights are renormalised (as llama.cpp does for the architecture), the experts'
+    and the shared expert's sizes. Every layer must have experts, as llama.cpp assumes."""
+    if arch not in _NORM_TOPK:
+        raise ValueError(f"model {spec!r}: experts in a {arch} GGUF file are not supported")
+    used = int(read_field(reader, f"{arch}.expert_used_count", 0) or 0)
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    layers = int(read_field(reader, f"{arch}.block_count"))
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if dense:  # llama.cpp builds every layer of these architectures with experts
+        raise ValueError(f"model {spec!r}: layers {dense} of a {arch} file with experts have no router")
+    if arch == "llama":  # Mixtral: its experts are intermediate_size wide
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    keys: dict[str, Any] = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "norm_topk_prob": _NORM_TOPK[arch],
+        "moe_intermediate_size": int(read_field(reader, f"{arch}.expert_feed_forward_length", 0)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if not keys["moe_intermediate_size"]:
+        raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.expert_feed_forward_length")
+    if arch == "qwen2moe":
+        shared = read_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+        keys["shared_expert_intermediate_size"] = int(shared)
+    return keys
 
 
 def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str) -> dict[str, Any]:

@@ -24,7 +24,13 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight
-from engine_server.loader.gguf_convert import TENSOR_INDEX, hf_tensor_name, unpermute_rope_rows
+from engine_server.loader.gguf_convert import (
+    TENSOR_INDEX,
+    hf_expert_names,
+    hf_tensor_name,
+    rope_permuted,
+    unpermute_rope_rows,
+)
 from kernels.reference import QUANT_GROUP
 
 _SUPPORTED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
@@ -62,12 +68,18 @@ def stored_matrices(
     gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, converted: Path | None = None
 ) -> dict[str, StoredMatrix]:
     """Every Q4_0 / Q4_1 / Q8_0 2-D tensor of `gguf_path` by HF parameter name (e.g.
-    `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), mapped and not read; tensors of other
-    types are absent. `converted` is the file's converted folder: its tensor index, when it has one, says where
-    the tensors lie."""
-    permuted = model_type == "llama"
+    `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), and each expert's matrix of a mixture of
+    experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`), mapped and not
+    read; tensors of other types are absent. `converted` is the file's converted folder: its tensor index, when it
+    has one, says where the tensors lie."""
+    permuted = rope_permuted(model_type)
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
+        experts = hf_expert_names(gguf_name, data.shape[0], model_type) if data.ndim == 3 else None
+        if experts is not None:  # one matrix per expert, each a view of the bank's blocks
+            bank = data.reshape(*data.shape[:2], -1, _BLOCK_BYTES[kind])
+            matrices.update((expert, StoredMatrix(bank[e], kind)) for e, expert in enumerate(experts))
+            continue
         name = hf_tensor_name(gguf_name, model_type)
         if name is None or data.ndim != 2:
             continue

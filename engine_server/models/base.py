@@ -115,6 +115,12 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this model's modules name it (`checkpoint_renames` applied)."""
+        for theirs, ours in self.checkpoint_renames:
+            name = name.replace(theirs, ours)
+        return name
+
     def load_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> None:
@@ -132,9 +138,9 @@ class CausalLM(nn.Module):
         after `checkpoint_renames`) or one 3-D tensor per projection (`...experts.gate_up_proj`, transformers 5's
         in-memory layout).
 
-        `replaced` names layers (as `named_modules` does) whose weight the caller swaps for another right after (a
-        GGUF file's quantized blocks, `engine_server.quantization`): their checkpoint weights count as loaded and
-        are not read or copied (given as `LazyTensor`s, nothing of them is read at all); their biases load.
+        `replaced` names layers and expert banks (as `named_modules` does) whose weights the caller swaps for others
+        right after (a GGUF file's quantized blocks, `engine_server.quantization`): their checkpoint weights count as
+        loaded and are not read or copied (given as `LazyTensor`s, nothing of them is read at all); biases load.
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
@@ -143,11 +149,13 @@ class CausalLM(nn.Module):
                 name = f"model.{name}"
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            for theirs, ours in self.checkpoint_renames:
-                name = name.replace(theirs, ours)
+            name = self.checkpoint_name(name)
             expert = _EXPERT_WEIGHT.fullmatch(name)
             if expert is not None:
-                loaded.add(self._load_expert(modules, name, expert, tensor))
+                if expert["bank"] in replaced:
+                    loaded.add((expert["bank"], f"{int(expert['expert'])}.{_EXPERT_PART[expert['proj']]}"))
+                else:
+                    loaded.add(self._load_expert(modules, name, expert, tensor))
                 continue
             bank = _EXPERT_BANK.fullmatch(name)
             if bank is not None:

@@ -4,7 +4,8 @@ under tensor parallelism and speculative decoding. The models are tiny random on
 (tests/families.py). Phi-3 with LongRoPE: prompts on both sides of its 32-token limit, one crossing it while it
 decodes, each prefilled in one step (as transformers' generate computes a prompt). Sliding windows: also with
 prompts prefilled in chunks, and on the quantized path (the C++ decode stack and by-token attention) batch-invariant.
-Gemma 3 also under tensor parallelism and on int8 weights."""
+Gemma 3 also under tensor parallelism and on int8 weights; Qwen2-MoE on int8 weights (its experts in the C++ expert
+kernel) batch-invariant."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from tests.families import FAMILIES, VOCAB_SIZE, WINDOW, hf_greedy, load_reference, save_family
 
 pytestmark = pytest.mark.slow  # engines and transformers' models of their own
@@ -168,6 +170,27 @@ def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Pa
     with engine(folder, quantization="int8") as llm:
         assert llm.core.runner.loaded.model.model.decode_stack is None
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+
+
+def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
+    moe_folder: tuple[Path, list[list[int]]],
+) -> None:
+    """int8 weights: every bank of experts quantized and run in one C++ call per layer, the shared expert's
+    projections quantized, the router and the shared expert's gate float but multiplied row by row. Each prompt's
+    tokens are the same alone, batched (the last prompt from the prefix cache) and prefilled in chunks, bit for bit,
+    and mostly agree with the float path's first tokens."""
+    folder, theirs = moe_folder
+    batch = prompts()
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        banks = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+        routers = [m for name, m in model.named_modules() if name.endswith(ROUTER_SUFFIXES)]
+        assert len(banks) == 4 and len(routers) == 8 and all(isinstance(r, RowwiseLinear) for r in routers)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    with engine(folder, quantization="int8", chunk=24) as llm:
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
 

@@ -1,11 +1,13 @@
 """GGUF files of the newer families as llama.cpp writes them (its tensor names, metadata and quantization types,
-written with the `gguf` package): Phi-3 with partial rotary and LongRoPE, and Gemma 3 (its norms stored as 1 + w,
-its windowed and global layers implied by llama.cpp's pattern). Converted, each float path equals transformers on
+written with the `gguf` package): Phi-3 with partial rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w,
+its windowed and global layers implied by llama.cpp's pattern), and the mixtures of experts Qwen3-MoE, Qwen2-MoE and
+Mixtral (each projection's experts in one 3-D tensor). Converted, each float path equals transformers on
 the converted folder token for token; served from its own 4- and 8-bit blocks (`--quantization auto`), each holds
 `ladle bench quality`'s thresholds against that float path."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
 from engine_server.config import ModelConfig
+from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
@@ -46,14 +49,19 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
 
 def served_from_blocks(gguf: Path) -> tuple[dict[str, str], Any]:
     """`gguf` served from its own blocks (`auto`) against its float path (`none`): each quantized projection's
-    format by name, and `ladle bench quality`'s comparison on QUALITY_PROMPTS."""
+    format by name (a bank of experts' as `experts_<format>`), and `ladle bench quality`'s comparison on
+    QUALITY_PROMPTS."""
     reference = make_llm(str(gguf), "none")
     sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
     log_probs = reference_log_probs(reference, sequences)
     reference.close()
     candidate = make_llm(str(gguf), "auto")
     model = candidate.core.runner.model
-    layers = {name: m.format for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    layers = {
+        name: m.format if isinstance(m, QuantizedLinear) else f"experts_{m.format}"
+        for name, m in model.named_modules()
+        if isinstance(m, QuantizedLinear | QuantizedExperts)
+    }
     result = compare(log_probs, candidate, "gguf", QUALITY_PROMPTS, NUM_TOKENS, sequences, free_running=False)
     candidate.close()
     return layers, result
@@ -131,3 +139,72 @@ def test_a_gemma2_ggufs_metadata_gives_its_config(tmp_path: Path, layers: int) -
     assert config.attention_scale == (24 if layers == 46 else 32) ** -0.5
     assert (config.hidden_act, config.norm_offset, config.sandwich_norms) == ("gelu_tanh", 1.0, True)
     assert transformers.Gemma2Config(**raw).layer_types[:2] == ["sliding_attention", "full_attention"]
+
+
+# The mixtures of experts as llama.cpp writes them: Qwen3-MoE (`qwen3moe`, top-3 of 8 renormalised, every layer with
+# experts as llama.cpp assumes), Qwen2-MoE (`qwen2moe`, not renormalised, a gated shared expert) and Mixtral (`llama`
+# with experts, its q/k rows permuted). Experts and the shared expert in Q4_0, attention in Q8_0, routers F32.
+MOE_GGUF: dict[str, dict[str, Any]] = {"qwen3-moe": {"mlp_only_layers": []}, "qwen2-moe": {}, "mixtral": {}}
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+            "shared_expert_intermediate_size", "dense_layers", "attention_bias")  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(MOE_GGUF))
+def moe_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    root = tmp_path_factory.mktemp(f"{request.param}-gguf")
+    folder = save_family(root / "hf", request.param, head_spread=0.5, **MOE_GGUF[request.param])
+    return request.param, write_gguf(folder, root / "moe.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+
+
+def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its_blocks(
+    moe_gguf: tuple[str, Path],
+) -> None:
+    """Converted, the config has the saved model's experts and the float path equals transformers on the converted
+    folder token for token. Served from its blocks (`auto`), every bank of experts is quantized (Q4_0, one C++ call
+    per block), the routers stay float, and it holds `ladle bench quality`'s thresholds against the float path; a
+    prompt's tokens are the same alone and batched (the quantized path does not depend on the batch)."""
+    family, gguf = moe_gguf
+    source = resolve_model(str(gguf))
+    saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
+    assert [getattr(source.config, key) for key in MOE_KEYS] == [getattr(saved, key) for key in MOE_KEYS], family
+    # Every tensor comes back under the name transformers saved it with (each expert's from its slice of the 3-D
+    # tensor, Mixtral's q/k rows un-permuted): F32 ones exactly, quantized ones to their 4- or 8-bit rounding (a
+    # relative error near 0.08 for Q4_0; rows in the wrong order would give ~1.4).
+    original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
+    assert converted.keys() == original.keys(), family
+    for name, weight in original.items():
+        assert converted[name].shape == weight.shape, name
+        if weight.dim() == 1 or name.endswith(("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight")):
+            assert torch.equal(converted[name], weight), name
+        else:
+            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(source.path), family
+    layers, result = served_from_blocks(gguf)
+    banks = [fmt for fmt in layers.values() if fmt.startswith("experts_")]
+    assert banks == ["experts_q4"] * 4 and layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, (family, result)
+    batch = prompts()
+    with engine(gguf, quantization="auto") as llm:
+        model = llm.core.runner.loaded.model
+        routers = [m for name, m in model.named_modules() if name.endswith(ROUTER_SUFFIXES)]
+        assert routers and all(isinstance(router, RowwiseLinear) for router in routers)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch[:4]]
+        assert tokens(llm, batch[:4]) == alone, family
+
+
+def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:
+    """llama.cpp builds every layer of a file with experts with them: a layer without a router is not Mixtral."""
+    writer = GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
+    keys = {"block_count": 2, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
+            "head_count": 2, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 2}  # fmt: skip
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"layers \[1\] of a llama file with experts have no router"):
+        hf_config_from_gguf(GGUFReader(str(tmp_path / "mixtral.gguf")), "mixtral.gguf")

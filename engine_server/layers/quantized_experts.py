@@ -1,0 +1,162 @@
+"""A mixture of experts kept quantized on the CPU, and its routers computed so that no row depends on its batch.
+
+`QuantizedExperts` takes a `ParallelExperts`' place under `--quantization gguf` (a GGUF file's `ffn_*_exps`
+blocks, `quantization.stored_weights`) or `int8` (each expert's float weights as 8-bit groups of 32): every expert's
+gate and up rows as one packed weight, its down rows as another, stacked over the experts, and the whole block
+(the experts grouped by token, gate/up, SiLU, down, the weighted sum) in one C++ call,
+`torch.ops.ladle_cpu.moe_packed` (`kernels/cpu/moe.cpp`; contract: `kernels.reference.quantized_moe`). Each
+expert's products are `QuantizedLinear`'s on the same blocks, so a token's result does not depend on the tokens
+beside it. Under tensor parallelism a rank holds every expert's slice of the intermediate rows, as
+`ParallelExperts` does.
+
+`RowwiseLinear` keeps a router's float weight (its logits choose the experts: a rounding step could change the
+choice) but multiplies in one fixed order per row (`torch.ops.ladle_cpu.rowwise_linear`): a float GEMM's blocking
+may change with the number of rows, and then which experts a token gets could depend on its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine_server.layers.quantized_linear import QuantizedWeight, concat_rows, pack_for_cpu, quantize_q8
+from engine_server.parallel.layers import ParallelExperts
+from kernels.reference import QUANT_GROUP
+
+# A mixture of experts' router and its shared expert's one-output gate: their logits stay float.
+ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate")
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One bank's experts as this rank keeps them, in expert order: `gate_up[e]` expert e's gate rows then its up
+    rows (`[2 * I_r, H]`), `down[e]` its down projection (`[H, I_r]`)."""
+
+    gate_up: tuple[QuantizedWeight, ...]
+    down: tuple[QuantizedWeight, ...]
+
+    @property
+    def format(self) -> str:
+        """`q4`, `q8`, or `q4+q8` when gate/up and down differ."""
+        formats = dict.fromkeys(_format(w) for w in (self.gate_up[0], self.down[0]))
+        return "+".join(formats)
+
+
+def _format(weight: QuantizedWeight) -> str:
+    return type(weight).__name__[:2].lower()
+
+
+def _stacked(weights: tuple[QuantizedWeight, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    packed = [pack_for_cpu(weight) for weight in weights]
+    return (
+        torch.stack([p[0] for p in packed]),
+        torch.stack([p[1] for p in packed]),
+        torch.stack([p[2] for p in packed]),
+    )
+
+
+class QuantizedExperts(nn.Module):
+    """`ParallelExperts`' forward over quantized experts (CPU, float32; needs the C++ kernels).
+
+    Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`)."""
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        super().__init__()
+        if len({_format(w) for w in weights.gate_up}) != 1 or len({_format(w) for w in weights.down}) != 1:
+            raise ValueError("every expert of a bank must be stored in the same formats")
+        self.num_experts = len(weights.gate_up)
+        self.intermediate = weights.down[0].shape[1]
+        self.hidden = weights.down[0].shape[0]
+        self.format = weights.format
+        for name, tensors in (("w13", _stacked(weights.gate_up)), ("w2", _stacked(weights.down))):
+            for suffix, tensor in zip(("", "_scales", "_mins"), tensors, strict=True):
+                self.register_buffer(name + suffix, tensor, persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `[T, H]` (this rank's partial
+        sum under tensor parallelism). The activation is SiLU, in the kernel (`activation` is not used)."""
+        out: torch.Tensor = torch.ops.ladle_cpu.moe_packed(
+            x.contiguous(), experts.contiguous(), weights.float().contiguous(),
+            self.w13, self.w13_scales, self.w13_mins, self.w2, self.w2_scales, self.w2_mins, self.intermediate,
+        )  # fmt: skip
+        return out
+
+    def extra_repr(self) -> str:
+        shape = f"experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}"
+        return f"{shape}, format={self.format}"
+
+
+class RowwiseLinear(nn.Module):
+    """`F.linear(x, weight)` (no bias) in float32 with each row's dot products summed in one fixed order."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().float().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out: torch.Tensor = torch.ops.ladle_cpu.rowwise_linear(rows.contiguous(), self.weight)
+        return out.reshape(*x.shape[:-1], self.weight.shape[0])
+
+
+def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
+    """`bank`'s float experts (this rank's slices) as 8-bit groups of 32 (`quantize_q8`); None (the bank stays
+    float) when its hidden size or this rank's intermediate rows are not a multiple of 32."""
+    if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP:
+        return None
+    return ExpertWeights(
+        tuple(quantize_q8(bank.w13[e]) for e in range(bank.num_experts)),
+        tuple(quantize_q8(bank.w2[e]) for e in range(bank.num_experts)),
+    )
+
+
+def expert_weights(
+    gate: list[QuantizedWeight], up: list[QuantizedWeight], down: list[QuantizedWeight]
+) -> ExpertWeights:
+    """Per-expert gate, up and down weights (this rank's slices) as one bank's `ExpertWeights`. Raises ValueError
+    when an expert's gate and up are stored in different formats."""
+    return ExpertWeights(tuple(concat_rows([g, u]) for g, u in zip(gate, up, strict=True)), tuple(down))
+
+
+def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExperts], ExpertWeights | None]) -> int:
+    """Swap each `ParallelExperts` of `model` for a `QuantizedExperts` of `weights_for(name, bank)`; None keeps that
+    bank float. Returns how many were swapped."""
+    banks = [
+        (parent, f"{prefix}.{name}" if prefix else name, name, child)
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, ParallelExperts)
+    ]
+    swapped = 0
+    for parent, full_name, name, bank in banks:
+        weights = weights_for(full_name, bank)
+        if weights is None:
+            continue
+        if len(weights.gate_up) != bank.num_experts or weights.gate_up[0].shape != tuple(bank.w13.shape[1:]):
+            raise ValueError(f"{full_name}: quantized experts do not match the bank's {tuple(bank.w13.shape)}")
+        setattr(parent, name, QuantizedExperts(weights))
+        swapped += 1
+    return swapped
+
+
+def replace_routers(model: nn.Module) -> int:
+    """Swap every float router of `model` (`ROUTER_SUFFIXES`, bias-free `nn.Linear`s) for a `RowwiseLinear` of the
+    same weight; returns how many."""
+    targets = [
+        (parent, name, child)
+        for prefix, parent in model.named_modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and child.bias is None and f"{prefix}.{name}".endswith(ROUTER_SUFFIXES)
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, RowwiseLinear(child.weight))
+    return len(targets)

@@ -1,0 +1,249 @@
+// A quantized mixture of experts' feed-forward block on the CPU, in one call, and the float router product beside
+// it. Contracts: `quantized_moe` and `rowwise_linear` in kernels/reference.py.
+//
+// moe_packed: x [T, H] float32; each token's chosen `experts` [T, k] int64 and routing `weights` [T, k] float32;
+// every expert's gate/up rows as one packed weight (`pack_q4` / `pack_q8` of cat(gate_e, up_e), stacked:
+// w13 [E, 2I / 8, H / 32, P, 128], scales and mins [E, 2I / 8, H / 32, 8]) and its down rows (w2 [E, H / 8,
+// I / 32, P', 128], ...). Returns [T, H]: sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for
+// e = experts[t, j], each product as `packed_linear` computes it (x and the hidden activations quantized to 8 bits
+// per group of 32), the k terms added in ascending expert order (as transformers sums them).
+//   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
+//     order, so each expert's rows are one run; every expert's gate/up then runs over its run, block by block of
+//     8 output features, all experts' blocks split over the threads by their rows' cost; the same for down.
+//   - Each pair's row goes through `block_tile` as a row of `packed_linear` does, and each token's sum is taken in
+//     a fixed order, so a token's result does not depend on which tokens share its step (bit for bit).
+//
+// rowwise_linear: x [M, K] float32 times w [N, K] float32 -> [M, N], each dot product in float32 in one fixed
+// order (8 lanes across K, then the lanes summed by hsum8, then the tail), whatever M is: a router's logits that
+// do not depend on the batch, where a float GEMM's blocking may change with M.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "ops.h"
+#include "quant_tiles.h"
+#include "vec.h"
+
+namespace {
+
+using namespace ladle_quant;
+
+// One packed bank of experts: E weights of n_rows output features each (`pack_q4` / `pack_q8`, stacked).
+struct Bank {
+  const uint8_t* packed;
+  const at::Half* scales;
+  const at::Half* mins;
+  int64_t blocks, groups, planes, n_rows;
+
+  const uint8_t* block(int64_t expert, int64_t b) const {
+    return packed + ((expert * blocks + b) * groups) * planes * kPlaneBytes;
+  }
+  const at::Half* scale(int64_t expert, int64_t b) const { return scales + (expert * blocks + b) * groups * kBlock; }
+  const at::Half* min(int64_t expert, int64_t b) const { return mins + (expert * blocks + b) * groups * kBlock; }
+};
+
+Bank check_bank(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t experts,
+                int64_t k, int64_t n_rows, const char* what) {
+  LADLE_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) == experts && packed.size(2) * kGroup == k &&
+                  (packed.size(3) == 1 || packed.size(3) == 2) && packed.size(4) == kPlaneBytes,
+              "%s must be a contiguous [%lld, N / 8, %lld, 1 | 2, 128] uint8 tensor (stacked pack_q4 / pack_q8)",
+              what, static_cast<long long>(experts), static_cast<long long>(k / kGroup));
+  const int64_t blocks = packed.size(1);
+  LADLE_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "%s: n = %lld does not fit %lld blocks",
+              what, static_cast<long long>(n_rows), static_cast<long long>(blocks));
+  for (const at::Tensor& table : {scales, mins}) {
+    LADLE_CHECK(table.dim() == 4 && table.size(0) == experts && table.size(1) == blocks &&
+                    table.size(2) == packed.size(2) && table.size(3) == kBlock && table.scalar_type() == at::kHalf &&
+                    table.is_contiguous(),
+                "%s's scales and mins must be contiguous [E, N / 8, K / 32, 8] float16 tensors", what);
+  }
+  return Bank{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
+              blocks,  packed.size(2),      packed.size(3),           n_rows};
+}
+
+// `rows` (quantized, grouped by expert: expert e's rows are [start[e], start[e + 1])) times each one's expert's
+// weight in `bank` -> y [rows, bank.n_rows]. The work items are (expert, block) pairs, shared out over the threads
+// by their cost (the expert's row count), so a step whose tokens crowd one expert still splits evenly.
+template <int64_t P>
+void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
+  std::vector<int64_t> item_expert, item_block, item_cost;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e) {
+    if (start[e + 1] == start[e]) continue;
+    for (int64_t b = 0; b < bank.blocks; ++b) {
+      item_expert.push_back(e);
+      item_block.push_back(b);
+      item_cost.push_back(start[e + 1] - start[e]);
+    }
+  }
+  const int64_t items = static_cast<int64_t>(item_expert.size());
+  if (items == 0) return;
+  std::vector<int64_t> cost_before(items + 1, 0);
+  std::partial_sum(item_cost.begin(), item_cost.end(), cost_before.begin() + 1);
+  const int64_t total = cost_before.back();
+  const int64_t threads = total * bank.groups < kMinParallelWork ? 1 : at::get_num_threads();
+  auto run_item = [&](int64_t item) {
+    const int64_t e = item_expert[item], b = item_block[item];
+    const int64_t cols = std::min(kBlock, bank.n_rows - b * kBlock);
+    for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowTile) {
+      with_rows(std::min(kRowTile, start[e + 1] - m0), [&](auto tile_rows) {
+        block_tile<P, decltype(tile_rows)::value>(rows, m0, bank.block(e, b), bank.scale(e, b), bank.min(e, b),
+                                                  y + m0 * bank.n_rows + b * kBlock, bank.n_rows, cols);
+      });
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t thread = first; thread < last; ++thread) {
+      // This thread's share of the cost: the items whose cost starts in [total * t / n, total * (t + 1) / n).
+      const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
+      auto item = std::lower_bound(cost_before.begin(), cost_before.end() - 1, from) - cost_before.begin();
+      for (; item < items && cost_before[item] < to; ++item) run_item(item);
+    }
+  });
+}
+
+void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
+  if (bank.planes == 1) {
+    run_bank<1>(rows, start, bank, y);
+  } else {
+    run_bank<2>(rows, start, bank, y);
+  }
+}
+
+// The rows of `xq` in the order `source` lists them (row r of the result is row source[r] of xq).
+QuantizedRows gather_rows(const QuantizedRows& xq, const std::vector<int64_t>& source, const at::Tensor& like) {
+  const int64_t rows = static_cast<int64_t>(source.size()), k = xq.k, groups = k / kGroup;
+  at::Tensor value_tensor = at::empty({rows, k}, like.options().dtype(at::kChar));
+  at::Tensor scale_tensor = at::empty({rows, groups}, like.options());
+  at::Tensor sum_tensor = at::empty({rows, groups}, like.options());
+  at::Tensor total_tensor = at::empty({rows, groups}, like.options().dtype(at::kInt));
+  int8_t* values = value_tensor.data_ptr<int8_t>();
+  float* scales = scale_tensor.data_ptr<float>();
+  float* sums = sum_tensor.data_ptr<float>();
+  int32_t* totals = total_tensor.data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t s = source[r];
+    std::memcpy(values + r * k, xq.values + s * k, k);
+    std::memcpy(scales + r * groups, xq.scales + s * groups, groups * sizeof(float));
+    std::memcpy(sums + r * groups, xq.sums + s * groups, groups * sizeof(float));
+    std::memcpy(totals + r * groups, xq.totals + s * groups, groups * sizeof(int32_t));
+  }
+  return QuantizedRows{value_tensor, scale_tensor, sum_tensor, total_tensor, values, scales, sums, totals, k};
+}
+
+}  // namespace
+
+namespace ladle_cpu {
+
+at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w13_mins,
+                      const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
+                      int64_t intermediate) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous [T, H] float32 tensor");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == tokens && experts.scalar_type() == at::kLong &&
+                  experts.is_contiguous(),
+              "experts must be a contiguous [T, k] int64 tensor");
+  TORCH_CHECK(weights.sizes() == experts.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "weights must be a contiguous [T, k] float32 tensor");
+  LADLE_CHECK(hidden % kGroup == 0 && intermediate % kGroup == 0 && intermediate > 0,
+              "H (%lld) and I (%lld) must be multiples of 32", static_cast<long long>(hidden),
+              static_cast<long long>(intermediate));
+  const int64_t num_experts = w13.size(0), top_k = experts.size(1), pairs = tokens * top_k;
+  const Bank gate_up = check_bank(w13, w13_scales, w13_mins, num_experts, hidden, 2 * intermediate, "w13");
+  const Bank down = check_bank(w2, w2_scales, w2_mins, num_experts, intermediate, hidden, "w2");
+  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  if (pairs == 0) return out;
+
+  // The pairs sorted by expert, stably: sorted[p] is pair t * k + j; start[e] is where expert e's run begins.
+  const int64_t* chosen = experts.data_ptr<int64_t>();
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    LADLE_CHECK(chosen[p] >= 0 && chosen[p] < num_experts, "expert id %lld is not in 0..%lld",
+                static_cast<long long>(chosen[p]), static_cast<long long>(num_experts - 1));
+    ++start[chosen[p] + 1];
+  }
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> next(start.begin(), start.end() - 1), token_of(pairs), position(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t at = next[chosen[p]]++;
+    token_of[at] = p / top_k;
+    position[p] = at;
+  }
+
+  const QuantizedRows rows = gather_rows(quantize_rows(x), token_of, x);
+  at::Tensor hidden_rows = at::empty({pairs, 2 * intermediate}, x.options());
+  run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
+  const QuantizedRows activated = quantize_rows(silu_and_mul(hidden_rows));
+  at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
+  const float* y = expert_out.data_ptr<float>();
+  run_bank(activated, start, down, expert_out.data_ptr<float>());
+
+  // Each token's k outputs, weighted and added in ascending expert order.
+  const float* w = weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / (top_k * hidden)), [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      std::iota(order.begin(), order.end(), t * top_k);
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+      float* row = o + t * hidden;
+      for (const int64_t p : order) {
+        const float* term = y + position[p] * hidden;
+        const float weight = w[p];
+        for (int64_t i = 0; i < hidden; ++i) row[i] += weight * term[i];
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a [M, K] float32 tensor with a contiguous last dim");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "w must be a contiguous [N, K] float32 tensor with x's K");
+  const int64_t rows = x.size(0), n = w.size(0), k = x.size(1);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n * k)), [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* xr = xp + m * x_stride;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* wr = wp + j * k;
+        vec8 acc = vec8{};
+        int64_t i = 0;
+        for (; i + kLanes8 <= k; i += kLanes8) acc += load8(xr + i) * load8(wr + i);
+        float sum = hsum8(acc);
+        for (; i < k; ++i) sum += xr[i] * wr[i];
+        yp[m * n + j] = sum;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace ladle_cpu
+
+TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
+  m.def(
+      "moe_packed(Tensor x, Tensor experts, Tensor weights, Tensor w13, Tensor w13_scales, Tensor w13_mins, "
+      "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate) -> Tensor");
+  m.def("rowwise_linear(Tensor x, Tensor w) -> Tensor");
+  m.impl("moe_packed", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::moe_packed));
+  m.impl("rowwise_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rowwise_linear));
+}

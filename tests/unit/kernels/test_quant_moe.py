@@ -1,0 +1,186 @@
+"""The quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp`) against
+`kernels.reference.quantized_moe`, a token's result alone and in any batch, its input checks; the router product
+(`rowwise_linear`) against a float matmul, row by row whatever the batch; and `QuantizedExperts` / `quantize_experts`
+against the float `ParallelExperts` they replace."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine_server.layers.quantized_experts import ExpertWeights, QuantizedExperts, quantize_experts
+from engine_server.layers.quantized_linear import QuantizedWeight, concat_rows, pack_for_cpu
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import ParallelExperts
+from kernels import cpu_ops as cpu
+from kernels import reference
+from tests.unit.kernels.test_quant_matmul import random_q4, random_q8
+
+pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+_NO_GROUP = cast(dist.ProcessGroup, object())  # the banks read only their partition: no collective runs
+
+
+def random_bank(
+    experts: int, hidden: int, intermediate: int, gate_up: str, down: str, gen: torch.Generator
+) -> ExpertWeights:
+    make = {"q4": random_q4, "q8": random_q8}
+    return ExpertWeights(
+        tuple(concat_rows([make[gate_up](intermediate, hidden, gen), make[gate_up](intermediate, hidden, gen)])
+              for _ in range(experts)),
+        tuple(make[down](hidden, intermediate, gen) for _ in range(experts)),
+    )  # fmt: skip
+
+
+def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
+    def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        del expert
+        if hasattr(weight, "mins"):
+            return reference.q4_linear(rows, weight.qs, weight.scales, weight.mins)
+        return reference.q8_linear(rows, weight.qs, weight.scales)
+
+    return run
+
+
+def reference_moe(bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return reference.quantized_moe(
+        x,
+        lambda e, rows: product(bank.gate_up[e])(e, rows),
+        lambda e, rows: product(bank.down[e])(e, rows),
+        weights,
+        chosen,
+    )
+
+
+def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(tokens, experts, generator=gen)
+    return reference_route(logits, top_k)
+
+
+def reference_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, chosen = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    return weights, chosen
+
+
+# (tokens, experts, top-k, hidden, intermediate, gate/up format, down format): one decode row, ragged row tiles
+# per expert, blocks of 8 with a ragged end (I = 44 is not one: its down's K must be on groups of 32, so I is),
+# mixed formats, more tokens than one expert's tile.
+CASES = [
+    (1, 8, 2, 64, 32, "q4", "q4"),
+    (5, 4, 2, 96, 64, "q8", "q8"),
+    (13, 8, 3, 64, 96, "q4", "q8"),
+    (40, 6, 1, 128, 32, "q8", "q4"),
+]
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "intermediate", "gate_up", "down"), CASES)
+def test_moe_matches_the_reference(
+    tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, gate_up: str, down: str
+) -> None:
+    gen = torch.Generator().manual_seed(tokens * 100 + experts)
+    bank = random_bank(experts, hidden, intermediate, gate_up, down, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, chosen = routing(tokens, experts, top_k, gen)
+    got = QuantizedExperts(bank)(x, weights, chosen)
+    torch.testing.assert_close(got, reference_moe(bank, x, weights, chosen), atol=2e-4, rtol=1e-4)
+
+
+def test_a_tokens_result_does_not_depend_on_its_batch() -> None:
+    """Each token alone, and in a batch where most tokens crowd one expert (so its run spans several row tiles and
+    the threads' shares of the work differ), gives the same bits."""
+    gen = torch.Generator().manual_seed(7)
+    bank = random_bank(6, 64, 64, "q4", "q8", gen)
+    layer = QuantizedExperts(bank)
+    x = torch.randn(23, 64, generator=gen)
+    logits = torch.randn(23, 6, generator=gen)
+    logits[3:20, 2] += 10.0  # expert 2 first for most tokens
+    weights, chosen = reference_route(logits, 2)
+    together = layer(x, weights, chosen)
+    for t in range(23):
+        alone = layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])
+        assert torch.equal(alone[0], together[t]), t
+
+
+def test_no_tokens_and_unused_experts() -> None:
+    gen = torch.Generator().manual_seed(3)
+    bank = random_bank(4, 32, 32, "q8", "q8", gen)
+    layer = QuantizedExperts(bank)
+    empty = layer(torch.zeros(0, 32), torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert empty.shape == (0, 32)
+    x, ones = torch.randn(3, 32, generator=gen), torch.ones(3, 1)
+    only_one = torch.full((3, 1), 1, dtype=torch.long)  # experts 0, 2 and 3 get no token
+    torch.testing.assert_close(layer(x, ones, only_one), reference_moe(bank, x, ones, only_one), atol=2e-4, rtol=1e-4)
+
+
+def test_moe_refuses_malformed_inputs() -> None:
+    gen = torch.Generator().manual_seed(5)
+    layer = QuantizedExperts(random_bank(4, 64, 32, "q4", "q4", gen))
+    x = torch.randn(2, 64)
+    weights, chosen = routing(2, 4, 2, gen)
+    with pytest.raises(RuntimeError, match=r"expert id 4 is not in 0\.\.3"):
+        layer(x, weights, torch.tensor([[0, 4], [1, 2]]))
+    with pytest.raises(RuntimeError, match="weights must be"):
+        layer(x, weights[:, :1], chosen)
+    with pytest.raises(RuntimeError, match="w13 must be"):
+        layer(torch.randn(2, 96), weights, chosen)
+    with pytest.raises(ValueError, match="same formats"):
+        mixed = random_bank(2, 64, 32, "q4", "q4", gen)
+        QuantizedExperts(ExpertWeights(mixed.gate_up, (mixed.down[0], random_q8(64, 32, gen))))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_quantized_experts_of_a_float_bank_follow_it_to_8_bit_rounding(tp: int) -> None:
+    """`quantize_experts` of a float bank (this rank's rows of each expert under TP) computes what the float bank
+    does, to the 8-bit rounding of weights and activations; each rank's part sums to the whole."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, intermediate, experts = 64, 64, 4
+    w13 = torch.randn(experts, 2 * intermediate, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, intermediate, generator=gen) * 0.1
+    x = torch.randn(9, hidden, generator=gen)
+    weights, chosen = routing(9, experts, 2, gen)
+    whole = ParallelExperts(experts, hidden, intermediate, SINGLE)
+    whole.w13.data.copy_(w13)
+    whole.w2.data.copy_(w2)
+    expected = whole(x, weights, chosen, reference.silu_and_mul)
+    total = torch.zeros_like(expected)
+    for rank in range(tp):
+        group = SINGLE if tp == 1 else TensorParallel(rank=rank, size=tp, group=_NO_GROUP, control_group=_NO_GROUP)
+        bank = ParallelExperts(experts, hidden, intermediate, group)
+        rows = bank.rows.rows
+        for e in range(experts):
+            for part, full in (("gate", w13[e, :intermediate]), ("up", w13[e, intermediate:]), ("down", w2[e])):
+                bank.load_expert(e, part, full)
+        quantized = quantize_experts(bank)
+        assert quantized is not None and quantized.format == "q8" and len(rows) == intermediate // tp
+        total += QuantizedExperts(quantized)(x, weights, chosen)
+    torch.testing.assert_close(total, expected, atol=0.03 * expected.abs().max().item(), rtol=0.05)
+
+
+def test_a_bank_off_groups_of_32_stays_float() -> None:
+    bank = ParallelExperts(2, 64, 48, SINGLE)
+    assert quantize_experts(bank) is None
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 64), (7, 60, 100), (33, 128, 2048)])
+def test_rowwise_linear_matches_a_float_matmul_and_each_row_alone(m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    together = torch.ops.ladle_cpu.rowwise_linear(x, w)
+    torch.testing.assert_close(together, reference.rowwise_linear(x, w), atol=1e-4 * k**0.5, rtol=1e-5)
+    for row in range(m):
+        assert torch.equal(torch.ops.ladle_cpu.rowwise_linear(x[row : row + 1], w)[0], together[row])
+    with pytest.raises(RuntimeError, match="w must be"):
+        torch.ops.ladle_cpu.rowwise_linear(x, w[:, :-1])
+
+
+def test_packed_banks_are_the_packed_weights_of_each_expert() -> None:
+    gen = torch.Generator().manual_seed(2)
+    bank = random_bank(3, 64, 32, "q4", "q8", gen)
+    layer = QuantizedExperts(bank)
+    for e in range(3):
+        packed, scales, mins = pack_for_cpu(bank.down[e])
+        assert torch.equal(layer.w2[e], packed) and torch.equal(layer.w2_scales[e], scales)
+        assert torch.equal(layer.w2_mins[e], mins)
+        assert torch.equal(layer.w13[e], pack_for_cpu(bank.gate_up[e])[0])
