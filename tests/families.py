@@ -179,12 +179,13 @@ _GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": 
                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
 
 
-def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> Path:
+def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None) -> Path:
     """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE as llama.cpp's converter writes it: its
     metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
     scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
     F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
-    `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s); returns `path`. Mixtral is written as
+    `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s), the LM head in `output`'s (F32 when None);
+    returns `path`. Mixtral is written as
     llama.cpp's `llama` with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar`
     must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
     layer of a mixture of experts must have experts (no `mlp_only_layers`), as llama.cpp assumes."""
@@ -276,6 +277,7 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any) -> P
                 array = array.reshape(heads_here, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
         else:
             gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}"
+            kind_type = output if stem == "lm_head" else None
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
