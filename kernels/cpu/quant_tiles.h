@@ -18,6 +18,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define LADLE_QUANT_AVX2 1
+// AVX-512 VNNI (Ice Lake and later Xeons, Zen 4): `vpdpbusd` adds 4 byte products straight into int32 lanes, one
+// instruction where AVX2 takes `vpmaddubsw`, an int16 add and a final `vpmaddwd`. Both sums are exact integers, so the
+// two paths give the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LADLE_QUANT_VNNI 1
+#endif
 #endif
 
 namespace ladle_quant {
@@ -126,8 +132,10 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
   alignas(32) float out[R][kBlock];
 #ifdef LADLE_QUANT_AVX2
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+#ifndef LADLE_QUANT_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i sixteen = _mm256_set1_epi16(16);
+#endif
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -151,12 +159,27 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
           int32_t x_low, x_high;
           std::memcpy(&x_low, xg + r * k + 4 * c, 4);
           std::memcpy(&x_high, xg + r * k + 16 + 4 * c, 4);
+#ifdef LADLE_QUANT_VNNI
+          sums[r] = _mm256_dpbusd_epi32(sums[r], low, _mm256_set1_epi32(x_low));
+          sums[r] = _mm256_dpbusd_epi32(sums[r], high, _mm256_set1_epi32(x_high));
+#else
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)));
           sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high)));
+#endif
         }
       }
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
+#ifdef LADLE_QUANT_VNNI  // the sums are int32 dot products already
+        if (P == 1) {
+          dot[r] = sums[r];
+        } else if (p == 0) {
+          dot[r] = _mm256_slli_epi32(sums[r], 4);
+        } else {
+          dot[r] = _mm256_add_epi32(dot[r], sums[r]);
+          dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(128 * x_totals[r * groups + g]));
+        }
+#else
         if (P == 1) {
           dot[r] = _mm256_madd_epi16(sums[r], ones);
         } else if (p == 0) {  // the high nibbles of u = q + 128
@@ -165,6 +188,7 @@ void block_tile(const QuantizedRows& xq, int64_t m0, const uint8_t* packed, cons
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(sums[r], ones));
           dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(128 * x_totals[r * groups + g]));
         }
+#endif
       }
     }
     const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * kBlock)));
