@@ -156,6 +156,14 @@ class ModelConfig:
         """How many positions, its own included, a token of layer `index` attends to (`layer_windows`); 0: all."""
         return self.layer_windows[index] if index < len(self.layer_windows) else 0
 
+    @property
+    def uniform_window(self) -> int:
+        """The window every layer attends through, when all have the same one (Mistral, Phi-3 with
+        `sliding_window`); 0 when any layer attends to all positions (Gemma's global layers, Qwen2's below
+        `max_window_layers`) or the windows differ."""
+        windows = {self.attention_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 else 0
+
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
         return self.num_experts > 0 and index not in self.dense_layers

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.families import save_family, write_gguf  # noqa: E402
+from tests.families import save_family, write_gguf
 
 SHAPE = dict(
     hidden_size=1024,

@@ -129,11 +129,14 @@ class EngineCore:
             if target > 0
             else None
         )
-        self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time
-        )
         # Speculative decoding: drafts proposed before each step, verified by it (engine_server.speculative).
         spec = config.speculative
+        # A model whose every layer is windowed frees the blocks outside the window, unless a draft model, which
+        # attends over the same blocks, may read them.
+        window = 0 if spec is not None and spec.method == "draft_model" else self.model_config.uniform_window
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time, window
+        )
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling

@@ -20,6 +20,15 @@ of a request is never shared.
 A step that is scheduled but stopped before it runs (engine_server.step_interrupt) takes its publications back
 with `undo_publications`: the manager records, from one `begin_step` to the next, the blocks it registered and
 each request's settled count before the step.
+
+With a sliding `window` (a model whose every layer attends to the last `window` positions only), a request gives
+its leading blocks back to the pool once no token it has yet to compute can see them: whenever it takes a new
+block, the blocks wholly before `num_computed_tokens - window + 1`, less one block kept as a margin (a speculative
+rollback or a step still in flight moves that bound back by less than a block), are freed, and their places in its
+table hold `num_blocks`, the scratch block the KV cache keeps beyond the pool (zeros; the kernels read no position
+before a window, and the torch reference masks what it gathers). A pure-window request then holds about
+window / block_size + 2 blocks however long it runs. A released block that was published stays a cached free
+block, so a prefix-cache hit still finds it until it is evicted.
 """
 
 from __future__ import annotations
@@ -58,11 +67,20 @@ class KVCacheManager:
     still excludes the cached tokens; it then advances `num_computed_tokens` itself.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0
+    ) -> None:
+        """`window` > 0: release blocks outside it (module docstring); 0: a request keeps every block it takes."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.released_block = num_blocks  # what a released block's place in a table holds: the scratch block
+        # Per request: how many leading blocks of its table it has released (window > 0 only).
+        self._num_released: dict[str, int] = {}
         self._pack_block = struct.Struct(f"{block_size}q").pack  # a block's token ids as `hash_block` reads them
         self._pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
@@ -99,7 +117,8 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         """The request's live block table (empty if it holds none). Read-only for callers.
 
-        Entries never change while the request holds them; later allocations only append.
+        Later allocations append; an entry otherwise changes only when a sliding window releases its block, which
+        no token still to be computed reads (it then holds `released_block`).
         """
         return self._tables.get(request_id, [])
 
@@ -157,6 +176,8 @@ class KVCacheManager:
             if block_id is None:
                 return None
             table.append(block_id)
+            if self.window:
+                self._release_outside_window(request, table)
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, table, min(num_total, len(request.all_token_ids)) // size)
         self._note_in_place(request, table)
@@ -181,6 +202,8 @@ class KVCacheManager:
                 if block_id is None:
                     return served
                 table.append(block_id)
+                if self.window:
+                    self._release_outside_window(request, table)
             capacity = len(table) * size
             if caching:
                 tokens = request.all_token_ids
@@ -234,6 +257,8 @@ class KVCacheManager:
                 self._settle(request, len(table))
             if num_needed > 0:
                 table.extend(self._pool.allocate(num_needed))
+                if self.window:
+                    self._release_outside_window(request, table)
         if self.enable_prefix_caching:
             self._publish_full_blocks(request, table, min(num_total, request.num_tokens) // size)
         self._note_in_place(request, table)
@@ -261,11 +286,12 @@ class KVCacheManager:
         """Release every block of the request. Cached blocks stay reusable until evicted."""
         table = self._tables.pop(request.request_id, None)
         self._num_settled.pop(request.request_id, None)
+        released = self._num_released.pop(request.request_id, 0)
         request.block_ids, request.num_slots_in_place = [], 0
         if table:
             # Tail first: a request's last blocks are evicted before its first ones, so the shared
             # head of a prefix chain outlives the tail that depends on it.
-            self._pool.free(reversed(table))
+            self._pool.free(reversed(table[released:]))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (e.g. after weights change). Running requests keep their blocks."""
@@ -281,6 +307,19 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             capacity = min(capacity, (self._num_settled.get(request.request_id, 0) + 1) * self.block_size - 1)
         request.block_ids, request.num_slots_in_place = table, capacity
+
+    def _release_outside_window(self, request: Request, table: list[int]) -> None:
+        """Free the leading blocks of `table` that no token from `request.num_computed_tokens` on can see through
+        the window, but one (module docstring), putting `released_block` in their places."""
+        request_id = request.request_id
+        done = self._num_released.get(request_id, 0)
+        dead = min(len(table), (request.num_computed_tokens - self.window + 1) // self.block_size - 1)
+        if dead <= done:
+            return
+        freed = table[done:dead]
+        table[done:dead] = [self.released_block] * (dead - done)
+        self._pool.free(reversed(freed))
+        self._num_released[request_id] = dead
 
     def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
         """Extend `request.block_hashes` to cover its first `num_blocks` full blocks."""

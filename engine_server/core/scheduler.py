@@ -102,16 +102,20 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         step_time: StepTimeModel | None = None,
+        window: int = 0,
     ) -> None:
         """`step_time` caps the prefill of steps without INTERACTIVE prefill (module docstring); the caller
-        feeds it the measured steps. None: no cap."""
+        feeds it the measured steps. None: no cap. `window` > 0: every layer of the model attends through that
+        sliding window, and requests give back the blocks outside it (`KVCacheManager`)."""
         self.config = scheduler_config
         self.step_time = step_time
         self._last_interactive = -math.inf  # monotonic time an INTERACTIVE request last arrived or ran
         self.max_model_len = max_model_len
         self.total_preemptions = 0  # since start, for metrics and tests
         self._num_pooling = 0  # pooling requests queued or running (engine_server.pooling)
-        self.kv_cache = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, window=window
+        )
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: dict[Priority, deque[Request]] = {p: deque() for p in Priority}
         self._running: list[Request] = []  # sorted by _rank: preemption victims come from the tail

@@ -132,6 +132,31 @@ def test_a_sliding_window_holds_under_speculation_and_preemption(window_folder: 
         assert llm.core.scheduler.total_preemptions > 0
 
 
+def test_a_pure_window_model_gives_back_the_blocks_outside_its_window(
+    window_folder: tuple[Path, list[list[int]]],
+) -> None:
+    """Three 30-token prompts decoding 150 tokens each on an 18-block pool: each sequence would need 12 blocks by its
+    end (36 in all), but holds at most the 4 its window of 20 spans (with a margin) plus a new one, so none is
+    preempted; the tokens equal transformers', float path and int8 (the C++ decode stack) alike, against their own
+    run alone on a pool that holds everything."""
+    folder, _ = window_folder
+    batch = [prompt[:30] for prompt in prompts()[:3] if len(prompt) >= 30]
+    long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    model = load_reference(folder)
+    theirs = [hf_greedy(model, [prompt], 150)[0] for prompt in batch]
+    with engine(folder, kv_blocks=18) as llm:
+        assert llm.core.scheduler.kv_cache.window == WINDOW
+        results = llm.generate(batch, long, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == theirs
+        assert llm.core.scheduler.total_preemptions == 0
+    with engine(folder, quantization="int8") as llm:
+        alone = [llm.generate([prompt], long, use_tqdm=False)[0].choices[0].token_ids for prompt in batch]
+    with engine(folder, quantization="int8", kv_blocks=18) as llm:
+        results = llm.generate(batch, long, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == alone
+        assert llm.core.scheduler.total_preemptions == 0
+
+
 def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder: tuple[Path, list[list[int]]]) -> None:
     """int8 weights: every decode step on the C++ decode stack and every prompt token through the by-token
     attention kernel, each with the window. A prompt's tokens are the same alone, batched, prefilled in chunks and

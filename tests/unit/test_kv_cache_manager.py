@@ -314,3 +314,68 @@ def test_slot_for_one_is_slots_in_place_then_allocate_slots(prefix_caching: bool
         assert general.num_free_blocks == fast.num_free_blocks
         assert [general.pool.block_hash(b) for b in range(9)] == [fast.pool.block_hash(b) for b in range(9)]
     assert general.num_free_blocks == 0  # the pool ran dry on the way: both refused alike
+
+
+def decode(kv: KVCacheManager, request: Request, steps: int, served: str = "one") -> list[int]:
+    """`steps` decode steps of `request` (computed, its one new token appended), each scheduled as the scheduler
+    does (`slot_for_one`, or `slots_for_decodes` for a list); returns the most blocks it held at any step."""
+    held = []
+    for step in range(steps):
+        if served == "one":
+            assert kv.slot_for_one(request) is not None
+        else:
+            assert kv.slots_for_decodes([request]) == 1
+        request.num_computed_tokens += 1
+        request.append_output_token(1000 + step)
+        table = kv.block_table(request.request_id)
+        held.append(sum(b != kv.released_block for b in table))
+        if kv.window:  # released: exactly the blocks wholly before the window of the last token scheduled, but one
+            first_seen = (request.num_computed_tokens - 1 - kv.window + 1) // BS
+            released = [i for i, b in enumerate(table) if b == kv.released_block]
+            assert released == list(range(len(released))) and len(released) in (first_seen - 1, first_seen - 2, 0)
+            assert all(b != kv.released_block for b in table[first_seen:])
+    return held
+
+
+@pytest.mark.parametrize("served", ["one", "list"])
+def test_a_window_releases_the_blocks_no_later_token_can_see(served: str) -> None:
+    """Window 20 over 16-token blocks: once its 100-token prompt's blocks fall behind, a decoding request holds 4
+    blocks at every step (the at most 3 a window of 20 spans, and one kept as a margin: about window / 16 + 2),
+    against 25 without a window; every released place holds the scratch block, and freeing the request returns
+    the rest."""
+    kv = KVCacheManager(num_blocks=64, block_size=BS, window=20)
+    request = make_request("a", 100, max_tokens=400)
+    schedule_all(kv, request)
+    assert kv.num_free_blocks == 64 - 7
+    held = decode(kv, request, 300, served)
+    table = kv.block_table("a")
+    assert len(table) == -(-400 // BS) and set(held[50:]) == {4} and held[-1] == 64 - kv.num_free_blocks
+    live = [b for b in table if b != kv.released_block]
+    assert table[: len(table) - len(live)] == [kv.released_block] * (len(table) - len(live))
+    # Every block a token still to come can see is held: from the block of position 400 - 20 + 1 on.
+    assert len(live) >= len(table) - (400 - 20 + 1) // BS
+    kv.free(request)
+    assert kv.num_free_blocks == 64 and kv.pool.num_blocks == 64
+
+
+def test_a_released_block_stays_in_the_prefix_cache() -> None:
+    """A released block that was published is a cached free block: a new request with the same prompt gets a
+    prefix hit on it (until it is evicted)."""
+    kv = KVCacheManager(num_blocks=64, block_size=BS, window=20)
+    prompt = list(range(100, 164))  # four full blocks
+    first = make_request("a", prompt, max_tokens=200)
+    schedule_all(kv, first)
+    decode(kv, first, 40)
+    assert kv.block_table("a")[0] == kv.released_block
+    second = make_request("b", prompt)
+    blocks, cached = kv.get_computed_blocks(second)
+    assert cached == 48 and len(blocks) == 3 and kv.released_block not in blocks
+
+
+def test_without_a_window_nothing_is_released() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BS)
+    request = make_request("a", 100, max_tokens=400)
+    schedule_all(kv, request)
+    assert decode(kv, request, 300)[-1] == 25 and kv.released_block not in kv.block_table("a")
+    with pytest.raises(ValueError, match="window"):
+        KVCacheManager(num_blocks=4, block_size=BS, window=-1)
