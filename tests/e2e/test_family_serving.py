@@ -1,6 +1,7 @@
-"""Newer families served from a folder transformers saved (a mixture of experts, Qwen3-MoE, and Gemma 3 with its
-sliding windows): `ladle engine --model FOLDER --quantization none` behind `ladle gateway`, through the official
-openai SDK, greedy as transformers decodes."""
+"""Each newer family served from a folder transformers saved (the mixtures of experts Qwen3-MoE, Qwen2-MoE and
+Mixtral, Gemma 3 and Gemma 2 with their sliding windows and soft-caps, windowed Mistral, Phi-3 with partial rotary
+and LongRoPE): `ladle engine --model FOLDER --quantization none` behind `ladle gateway`, through the official openai
+SDK, greedy as transformers decodes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from tests.e2e.gateway_process import GatewayProcess, start_gateway
 from tests.families import save_family
 from tests.unit.test_family_engines import NUM_TOKENS, prompts, reference_tokens
 
-FAMILY_ARCHITECTURES = {"qwen3-moe": "qwen3_moe", "gemma3": "gemma3"}  # tests.families name: what GetModelInfo says
+# tests.families name: what GetModelInfo says
+FAMILY_ARCHITECTURES = {
+    "qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "mixtral": "mixtral", "gemma3": "gemma3", "gemma2": "gemma2",
+    "mistral-window": "llama", "phi3-longrope": "phi3",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_ARCHITECTURES))
