@@ -6,10 +6,10 @@
   (F32, F16, K-quants) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
   (`quantize_q8`).
-A mixture of experts' routers stay float under both (their logits choose the experts: a rounding step could change
-the choice), multiplied row by row in one fixed order on the CPU (`RowwiseLinear`) so that the choice does not
-depend on the batch either.
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
+A mixture of experts' routers stay float under `gguf` and `int8` (their logits choose the experts: a rounding step
+could change the choice), multiplied row by row in one fixed order on the CPU (`RowwiseLinear`) so that the choice
+does not depend on the batch either.
 `auto` is the default: for the embedded model on the CPU that is its GGUF blocks, whose quality against the
 float model `tests/unit/test_quantization.py` checks; `none` stays the exact path the engine-level tests check
 against transformers. The quantized kernels multiply 8-bit activations (quantized per group of 32 on the fly)
