@@ -1,11 +1,11 @@
-"""Each newer decoder family served whole by the engine on its float path (`--quantization none`): greedy output
-equal to transformers' token for token, alone, batched, and with a prefix-cache hit; a mixture of experts also
-under tensor parallelism and speculative decoding. The models are tiny random ones saved by transformers
-(tests/families.py). Phi-3 with LongRoPE: prompts on both sides of its 32-token limit, one crossing it while it
-decodes, each prefilled in one step (as transformers' generate computes a prompt). Sliding windows: also with
-prompts prefilled in chunks, and on the quantized path (the C++ decode stack and by-token attention) batch-invariant.
-Gemma 3 also under tensor parallelism and on int8 weights; Qwen2-MoE on int8 weights (its experts in the C++ expert
-kernel) batch-invariant."""
+"""Each newer decoder family served whole by the engine on its float path (`--quantization none`): greedy output equal
+to transformers' token for token, alone, batched, and with a prefix-cache hit; a mixture of experts also under
+tensor parallelism, speculative decoding and preemption; Phi-3 and Gemma 2 under tensor parallelism too. The models
+are tiny random ones saved by transformers (tests/families.py). Phi-3 with LongRoPE: prompts on both sides of its
+32-token limit, one crossing it while it decodes, each prefilled in one step (as transformers' generate computes a
+prompt). Sliding windows: also with prompts prefilled in chunks, and on the quantized path (the C++ decode stack and
+by-token attention) batch-invariant. Gemma 3 also under tensor parallelism and on int8 weights; Qwen2-MoE on int8
+weights (its experts in the C++ expert kernel) batch-invariant."""
 
 from __future__ import annotations
 
@@ -101,6 +101,24 @@ def test_tensor_parallel_moe_equals_one_rank(moe_folder: tuple[Path, list[list[i
     folder, theirs = moe_folder
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()) == theirs
+
+
+def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[Path, list[list[int]]]) -> None:
+    """A KV pool of 24 blocks for eight sequences: sequences preempted and recomputed (the experts' routing of
+    every recomputed token again) keep transformers' tokens."""
+    folder, theirs = moe_folder
+    with engine(folder, kv_blocks=24) as llm:
+        assert tokens(llm, prompts()) == theirs
+        assert llm.core.scheduler.total_preemptions > 0
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2"])
+def test_tensor_parallel_phi3_and_gemma2_equal_transformers(name: str, tmp_path: Path) -> None:
+    """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
+    heads; Gemma 2's soft-capped attention on each rank's heads and its final-logit cap after the vocab gather."""
+    folder = save_family(tmp_path, name)
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(folder), name
 
 
 def test_speculative_decoding_on_moe_keeps_greedy_output(moe_folder: tuple[Path, list[list[int]]]) -> None:
