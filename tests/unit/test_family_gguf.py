@@ -47,18 +47,18 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
         assert tokens(llm, prompts()) == reference_tokens(source.path)
 
 
-def served_from_blocks(gguf: Path) -> tuple[dict[str, str], Any]:
+def served_from_blocks(gguf: Path, tensor_parallel_size: int = 1) -> tuple[dict[str, str], Any]:
     """`gguf` served from its own blocks (`auto`) against its float path (`none`): each quantized projection's
-    format by name (a bank of experts' as `experts_<format>`), and `ladle bench quality`'s comparison on
-    QUALITY_PROMPTS."""
+    format by name (a bank of experts' as `experts_<format>`, with rank 0's rows of each expert), and `ladle bench
+    quality`'s comparison on QUALITY_PROMPTS; the candidate split over `tensor_parallel_size` ranks."""
     reference = make_llm(str(gguf), "none")
     sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
     log_probs = reference_log_probs(reference, sequences)
     reference.close()
-    candidate = make_llm(str(gguf), "auto")
+    candidate = make_llm(str(gguf), "auto", tensor_parallel_size)
     model = candidate.core.runner.model
     layers = {
-        name: m.format if isinstance(m, QuantizedLinear) else f"experts_{m.format}"
+        name: m.format if isinstance(m, QuantizedLinear) else f"experts_{m.format}_{m.intermediate}"
         for name, m in model.named_modules()
         if isinstance(m, QuantizedLinear | QuantizedExperts)
     }
@@ -182,7 +182,8 @@ def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its
         assert tokens(llm, prompts()) == reference_tokens(source.path), family
     layers, result = served_from_blocks(gguf)
     banks = [fmt for fmt in layers.values() if fmt.startswith("experts_")]
-    assert banks == ["experts_q4"] * 4 and layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
+    assert banks == [f"experts_q4_{source.config.moe_intermediate_size}"] * 4, layers
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, (family, result)
     batch = prompts()
     with engine(gguf, quantization="auto") as llm:
@@ -191,6 +192,17 @@ def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its
         assert routers and all(isinstance(router, RowwiseLinear) for router in routers)
         alone = [tokens(llm, [prompt])[0] for prompt in batch[:4]]
         assert tokens(llm, batch[:4]) == alone, family
+
+
+def test_a_moe_gguf_split_over_two_ranks_serves_each_ranks_slice_of_the_expert_blocks(tmp_path: Path) -> None:
+    """Experts 64 rows wide: each of two ranks keeps 32 rows of every expert's gate and up and the matching 32
+    columns of its down, copied out of the 3-D tensors' blocks; split so, the model holds the quality thresholds
+    against the float path, as at one rank (TP changes only the order of float sums)."""
+    folder = save_family(tmp_path / "hf", "qwen3-moe", head_spread=0.5, mlp_only_layers=[], moe_intermediate_size=64)
+    gguf = write_gguf(folder, tmp_path / "moe.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    layers, result = served_from_blocks(gguf, tensor_parallel_size=2)
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 4, layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
 
 
 def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:
