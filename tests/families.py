@@ -102,12 +102,16 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
     config = getattr(transformers, class_name)(**{**_SHAPE, **quirks, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # The draws are for hidden 64; a wider model's are narrowed by sqrt(64 / hidden), so each product keeps its
+    # scale (else activations grow ~sqrt(hidden / 64) times per layer and the logits of a 1024-wide model are
+    # so large that any rounding moves them by whole units).
+    width = math.sqrt(_SHAPE["hidden_size"] / config.hidden_size)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("mlp.gate.weight"):  # a router: logits ~N(0, 2.4²), spread but not one-hot
-                parameter.normal_(0.0, 0.3)
+                parameter.normal_(0.0, 0.3 * width)
             elif parameter.dim() > 1:
-                parameter.normal_(0.0, 0.08)
+                parameter.normal_(0.0, 0.08 * width)
             elif "norm" in name or name.endswith("bias"):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
         if head_spread:
