@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 Architecture = Literal[
-    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "bert"
+    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3", "bert"
 ]
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -25,13 +25,13 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "bert": "bert",
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
-    "gemma": "Gemma's (1 + weight) RMSNorm and scaled embeddings are not implemented",
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
     "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
 }
@@ -180,7 +180,7 @@ class ModelConfig:
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
         arch = _HF_ARCHITECTURES[model_type]
-        gemma = _gemma_fields(model_type, cfg) if arch in ("gemma2", "gemma3") else {}
+        gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
         rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
@@ -313,13 +313,15 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` fields a Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json` sets apart, with
+    """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json`
+    sets apart, with
     `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters` (per
     layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
     what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3
     without a sliding window, a rope type other than default (and linear on Gemma 3's global layers), another
-    activation."""
-    gemma3 = model_type == "gemma3_text"
+    activation. Gemma (1) is the pre-norm block of Llama with Gemma's norms, embeddings and GeGLU: no sandwich
+    norms, no soft-caps, no windows, queries scaled by the head dim."""
+    gemma3, gemma1 = model_type == "gemma3_text", model_type == "gemma"
     if gemma3:
         for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
             if cfg.get(field_name) is not None:
@@ -327,6 +329,8 @@ def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
         raise ValueError(f"{model_type} with use_bidirectional_attention is not supported")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if gemma1 and activation == "gelu":  # the released Gemma configs' legacy value, which transformers reads as tanh
+        activation = "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"{model_type} hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
     by_type = cfg.get("rope_parameters") or {}
@@ -335,7 +339,7 @@ def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     elif gemma3:
         full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
         local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq")}
-    else:  # Gemma 2: one rope for every layer
+    else:  # Gemma and Gemma 2: one rope for every layer
         rope = by_type or cfg.get("rope_scaling") or {}
         full = local = {**rope, "rope_theta": rope.get("rope_theta") or cfg.get("rope_theta")}
     factor = 1.0
@@ -348,13 +352,14 @@ def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if gemma3 and not cfg.get("sliding_window"):  # its local layers' rope is chosen by their window
         raise ValueError("gemma3_text without a sliding_window is not supported")
     hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
     fields: dict[str, Any] = {
         "rope_theta": float(full.get("rope_theta") or (1_000_000.0 if gemma3 else 10_000.0)),
         "norm_offset": 1.0,
         "embedding_multiplier": hidden**0.5,
         "hidden_act": "gelu_tanh",
-        "sandwich_norms": True,
-        "attention_scale": float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "sandwich_norms": not gemma1,
+        "attention_scale": float(head_dim if gemma1 else cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
     }
     if gemma3:
         fields["local_rope_theta"] = float(local.get("rope_theta") or 10_000.0)

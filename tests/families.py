@@ -50,6 +50,7 @@ WINDOW = 20
 # from `max_window_layers` on (so full and windowed layers alternate in one model); Phi-3's with its fused
 # projections. Gemma 3: one global layer in four (linear rope scaling, base 1e6) among windowed ones (base 1e4), q/k
 # norms, sandwich norms stored as (1 + w), scaled tied embeddings, GeGLU, a query scale of 24 ** -0.5, not 16's.
+# Gemma: Llama's pre-norm block with Gemma's (1 + w) norms, scaled tied embeddings and GeGLU.
 # Gemma 2: Gemma's block without q/k norms, windows on alternate layers, and soft-capping tight enough to bend these
 # small models' attention scores (a real model's cap of 50 would leave them as they are).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -80,6 +81,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     ),
+    "gemma": ("GemmaConfig", {"head_dim": 16, "tie_word_embeddings": True}),
     "gemma2": (
         "Gemma2Config",
         {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,

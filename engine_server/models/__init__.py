@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
+from engine_server.models.gemma import GemmaForCausalLM
 from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
@@ -23,8 +24,8 @@ StepModel = CausalLM | BertEncoder
 
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
-    "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"); ValueError for anything else (an encoder, "bert", is a
-    `BertEncoder`)."""
+    "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3"); ValueError for anything else (an encoder,
+    "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -33,6 +34,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "mixtral": MixtralForCausalLM,
         "qwen2_moe": Qwen2MoeForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
+        "gemma": GemmaForCausalLM,
         "gemma2": Gemma2ForCausalLM,
         "gemma3": Gemma3ForCausalLM,
     }

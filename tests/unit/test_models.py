@@ -309,10 +309,11 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"model_type": "gemma"}, r"model_type 'gemma' \(Gemma's \(1 \+ weight\) RMSNorm .*supported: bert, gemma2"),
+        ({"model_type": "olmoe"}, r"model_type 'olmoe' \(OLMoE's q/k norms .*supported: bert, gemma, gemma2"),
+        ({"model_type": "gemma", "hidden_activation": "silu"}, "gemma hidden_activation 'silu' is not supported"),
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),
         ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
-        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma2"),
+        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma, gemma2"),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
