@@ -313,14 +313,13 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json`
-    sets apart, with
-    `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters` (per
-    layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
-    what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3
-    without a sliding window, a rope type other than default (and linear on Gemma 3's global layers), another
-    activation. Gemma (1) is the pre-norm block of Llama with Gemma's norms, embeddings and GeGLU: no sandwich
-    norms, no soft-caps, no windows, queries scaled by the head dim."""
+    """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json` sets
+    apart, with `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters`
+    (per layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
+    what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3 without a
+    sliding window, a rope type other than default (and linear on Gemma 3's global layers), another activation. Gemma
+    (1) is the pre-norm block of Llama with Gemma's norms, embeddings and GeGLU: no sandwich norms, no soft-caps, no
+    windows, queries scaled by the head dim."""
     gemma3, gemma1 = model_type == "gemma3_text", model_type == "gemma"
     if gemma3:
         for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):

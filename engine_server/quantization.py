@@ -69,7 +69,13 @@ from engine_server.layers.quantized_linear import (
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
 from engine_server.models.base import FUSED_SHARDS, CausalLM
-from engine_server.parallel.layers import ColumnParallelLinear, ParallelExperts, ParallelLMHead, RowParallelLinear
+from engine_server.parallel.layers import (
+    EXPERT_PARTS,
+    ColumnParallelLinear,
+    ParallelExperts,
+    ParallelLMHead,
+    RowParallelLinear,
+)
 from kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8"]
@@ -232,14 +238,12 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
     stays float) when any expert's projection is not stored quantized, when an expert's gate and up differ in
     format, or when this rank's rows do not fall on groups of 32 columns of the down projection."""
     rows = bank.rows.rows
-    parts = {part: [stored.get(f"{name}.{e}.{part}_proj.weight") for e in range(bank.num_experts)] for part in
-             ("gate", "up", "down")}  # fmt: skip
-    if any(matrix is None for matrices in parts.values() for matrix in matrices):
+    names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in EXPERT_PARTS}
+    if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP or not all(n in stored for ns in names.values() for n in ns):
         return None
-    if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP:
-        return None
-    gate, up, down = ([m.read(rows) for m in parts["gate"] if m], [m.read(rows) for m in parts["up"] if m],
-                      [m.read(columns=rows) for m in parts["down"] if m])  # fmt: skip
+    gate = [stored[n].read(rows) for n in names["gate"]]
+    up = [stored[n].read(rows) for n in names["up"]]
+    down = [stored[n].read(columns=rows) for n in names["down"]]
     try:
         return expert_weights(gate, up, down)
     except ValueError:  # gate and up in different formats

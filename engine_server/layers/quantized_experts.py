@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_server.layers.quantized_linear import QuantizedWeight, concat_rows, pack_for_cpu, quantize_q8
+from engine_server.layers.quantized_linear import (
+    QuantizedWeight,
+    concat_rows,
+    pack_for_cpu,
+    quantize_q8,
+    weight_format,
+)
 from engine_server.parallel.layers import ParallelExperts
 from kernels.reference import QUANT_GROUP
 
@@ -41,21 +47,13 @@ class ExpertWeights:
     @property
     def format(self) -> str:
         """`q4`, `q8`, or `q4+q8` when gate/up and down differ."""
-        formats = dict.fromkeys(_format(w) for w in (self.gate_up[0], self.down[0]))
+        formats = dict.fromkeys(weight_format(w) for w in (self.gate_up[0], self.down[0]))
         return "+".join(formats)
 
 
-def _format(weight: QuantizedWeight) -> str:
-    return type(weight).__name__[:2].lower()
-
-
-def _stacked(weights: tuple[QuantizedWeight, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    packed = [pack_for_cpu(weight) for weight in weights]
-    return (
-        torch.stack([p[0] for p in packed]),
-        torch.stack([p[1] for p in packed]),
-        torch.stack([p[2] for p in packed]),
-    )
+def _stacked(weights: tuple[QuantizedWeight, ...]) -> list[torch.Tensor]:
+    """Each weight packed for the CPU kernels (`pack_for_cpu`), stacked over the experts: packed, scales, mins."""
+    return [torch.stack(parts) for parts in zip(*(pack_for_cpu(weight) for weight in weights), strict=True)]
 
 
 class QuantizedExperts(nn.Module):
@@ -65,7 +63,7 @@ class QuantizedExperts(nn.Module):
 
     def __init__(self, weights: ExpertWeights) -> None:
         super().__init__()
-        if len({_format(w) for w in weights.gate_up}) != 1 or len({_format(w) for w in weights.down}) != 1:
+        if len({weight_format(w) for w in weights.gate_up}) != 1 or len({weight_format(w) for w in weights.down}) != 1:
             raise ValueError("every expert of a bank must be stored in the same formats")
         self.num_experts = len(weights.gate_up)
         self.intermediate = weights.down[0].shape[1]

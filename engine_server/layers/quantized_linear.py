@@ -63,6 +63,11 @@ class Q8Weight:
 QuantizedWeight = Q4Weight | Q8Weight
 
 
+def weight_format(weight: QuantizedWeight) -> str:
+    """`q4` or `q8`: how a layer of this weight reports its format."""
+    return "q4" if isinstance(weight, Q4Weight) else "q8"
+
+
 def quantize_q8(weight: torch.Tensor) -> Q8Weight:
     """Symmetric 8-bit groups of 32 along K, GGUF Q8_0's scheme: scale = max|w| / 127, q = round(w / scale) in
     float32, the scale then stored in float16.
@@ -139,7 +144,7 @@ class QuantizedLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.format = "q4" if isinstance(weight, Q4Weight) else "q8"
+        self.format = weight_format(weight)
         qs, scales, mins = weight.qs, weight.scales, weight.mins if isinstance(weight, Q4Weight) else None
         if not qs.is_cuda:
             qs, scales, mins = pack_for_cpu(weight)
