@@ -136,7 +136,12 @@ class Sampler:
         """Greedy tokens alone, for rows that ask nothing else: what `__call__` gives for such rows."""
         if logits.dim() != 2 or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits {tuple(logits.shape)} do not cover vocab {self.vocab_size}")
-        return SamplerOutput(token_ids=logits[:, : self.vocab_size].argmax(dim=-1))
+        rows = logits[:, : self.vocab_size]
+        if rows.device.type == "cpu":
+            # The same indices (the first of tied maxima; a NaN wins), but torch's CPU argmax takes 2-3x as long as
+            # max: 2.1 ms against 0.8 for 64 rows of a 49,152-token vocabulary on 2 cores.
+            return SamplerOutput(token_ids=rows.max(dim=-1).indices)
+        return SamplerOutput(token_ids=rows.argmax(dim=-1))
 
     @torch.inference_mode()
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -9,7 +9,9 @@
 // per group of 32), the k terms added in ascending expert order (as transformers sums them).
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
 //     order, so each expert's rows are one run; every expert's gate/up then runs over its run, block by block of
-//     8 output features, all experts' blocks split over the threads by their rows' cost; the same for down.
+//     8 output features (pairs of blocks on AVX-512: avx512_tiles.h, AMX tiles for runs of 12 rows or more), all
+//     experts' blocks split over the threads by their rows' cost; the same for down. A long prefill goes through
+//     in chunks of kPairsPerChunk pairs.
 //   - Each pair's row goes through `block_tile` as a row of `packed_linear` does, and each token's sum is taken in
 //     a fixed order, so a token's result does not depend on which tokens share its step (bit for bit).
 //
@@ -28,8 +30,10 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <vector>
 
+#include "avx512_tiles.h"
 #include "ops.h"
 #include "quant_tiles.h"
 #include "vec.h"
@@ -43,13 +47,13 @@ struct Bank {
   const uint8_t* packed;
   const at::Half* scales;
   const at::Half* mins;
-  int64_t blocks, groups, planes, n_rows;
+  int64_t experts, blocks, groups, planes, n_rows;
 
-  const uint8_t* block(int64_t expert, int64_t b) const {
-    return packed + ((expert * blocks + b) * groups) * planes * kPlaneBytes;
+  PackedBlocks expert(int64_t e) const {
+    const int64_t tables = e * blocks * groups * kBlock;
+    return PackedBlocks{packed + e * blocks * groups * planes * kPlaneBytes, scales + tables, mins + tables, blocks,
+                        groups, n_rows};
   }
-  const at::Half* scale(int64_t expert, int64_t b) const { return scales + (expert * blocks + b) * groups * kBlock; }
-  const at::Half* min(int64_t expert, int64_t b) const { return mins + (expert * blocks + b) * groups * kBlock; }
 };
 
 Bank check_bank(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t experts,
@@ -68,19 +72,23 @@ Bank check_bank(const at::Tensor& packed, const at::Tensor& scales, const at::Te
                     table.is_contiguous(),
                 "%s's scales and mins must be contiguous [E, N / 8, K / 32, 8] float16 tensors", what);
   }
-  return Bank{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(),
-              blocks,  packed.size(2),      packed.size(3),           n_rows};
+  return Bank{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), experts, blocks,
+              packed.size(2),           packed.size(3),             n_rows};
 }
 
 // `rows` (quantized, grouped by expert: expert e's rows are [start[e], start[e + 1])) times each one's expert's
-// weight in `bank` -> y [rows, bank.n_rows]. The work items are (expert, block) pairs, shared out over the threads
-// by their cost (the expert's row count), so a step whose tokens crowd one expert still splits evenly.
+// weight in `bank` -> y [rows, bank.n_rows]. The work items are (expert, span of blocks) pairs, shared out over
+// the threads by their cost (the expert's row count), so a step whose tokens crowd one expert still splits evenly.
+// On AVX-512 a span is a pair of blocks (`pair_rows`: AMX tiles where the expert has kAmxMinRows rows or more and
+// AMX is on, pair_tile otherwise); elsewhere one block through `block_tile`. All give the same bits.
 template <int64_t P>
 void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
+  const bool amx = kPairTiles && amx_enabled();
+  const int64_t span = kPairTiles ? 2 : 1;
   std::vector<int64_t> item_expert, item_block, item_cost;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e) {
     if (start[e + 1] == start[e]) continue;
-    for (int64_t b = 0; b < bank.blocks; ++b) {
+    for (int64_t b = 0; b < bank.blocks; b += span) {
       item_expert.push_back(e);
       item_block.push_back(b);
       item_cost.push_back(start[e + 1] - start[e]);
@@ -91,23 +99,40 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
   std::vector<int64_t> cost_before(items + 1, 0);
   std::partial_sum(item_cost.begin(), item_cost.end(), cost_before.begin() + 1);
   const int64_t total = cost_before.back();
-  const int64_t threads = total * bank.groups < kMinParallelWork ? 1 : at::get_num_threads();
-  auto run_item = [&](int64_t item) {
-    const int64_t e = item_expert[item], b = item_block[item];
-    const int64_t cols = std::min(kBlock, bank.n_rows - b * kBlock);
-    for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowTile) {
-      with_rows(std::min(kRowTile, start[e + 1] - m0), [&](auto tile_rows) {
-        block_tile<P, decltype(tile_rows)::value>(rows, m0, bank.block(e, b), bank.scale(e, b), bank.min(e, b),
-                                                  y + m0 * bank.n_rows + b * kBlock, bank.n_rows, cols);
-      });
+  const int64_t threads = total * span * bank.groups < kMinParallelWork ? 1 : at::get_num_threads();
+  auto run_blocks = [&](int64_t e, int64_t b) {
+    const PackedBlocks weight = bank.expert(e);
+    for (int64_t block = b; block < std::min(b + span, bank.blocks); ++block) {
+      const int64_t cols = std::min(kBlock, bank.n_rows - block * kBlock);
+      for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowTile) {
+        with_rows(std::min(kRowTile, start[e + 1] - m0), [&](auto tile_rows) {
+          block_tile<P, decltype(tile_rows)::value>(rows, m0, weight.block(block, P), weight.scale(block),
+                                                    weight.min(block), y + m0 * bank.n_rows + block * kBlock,
+                                                    bank.n_rows, cols);
+        });
+      }
     }
   };
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    std::optional<AmxScope> tiles;
+    std::optional<UnpackedPair> scratch;
+    if (amx) {
+      tiles.emplace();
+      scratch.emplace(bank.groups);
+    }
     for (int64_t thread = first; thread < last; ++thread) {
       // This thread's share of the cost: the items whose cost starts in [total * t / n, total * (t + 1) / n).
       const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
       auto item = std::lower_bound(cost_before.begin(), cost_before.end() - 1, from) - cost_before.begin();
-      for (; item < items && cost_before[item] < to; ++item) run_item(item);
+      for (; item < items && cost_before[item] < to; ++item) {
+        const int64_t e = item_expert[item], b = item_block[item];
+        if constexpr (kPairTiles) {
+          pair_rows<P>(rows, start[e], start[e + 1], bank.expert(e), b / 2, scratch ? &*scratch : nullptr, y,
+                       bank.n_rows);
+        } else {
+          run_blocks(e, b);
+        }
+      }
     }
   });
 }
@@ -123,7 +148,7 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
 // The rows of `xq` in the order `source` lists them (row r of the result is row source[r] of xq).
 QuantizedRows gather_rows(const QuantizedRows& xq, const std::vector<int64_t>& source, const at::Tensor& like) {
   const int64_t rows = static_cast<int64_t>(source.size()), k = xq.k, groups = k / kGroup;
-  at::Tensor value_tensor = at::empty({rows, k}, like.options().dtype(at::kChar));
+  at::Tensor value_tensor = quantized_values(rows, k, like);
   at::Tensor scale_tensor = at::empty({rows, groups}, like.options());
   at::Tensor sum_tensor = at::empty({rows, groups}, like.options());
   at::Tensor total_tensor = at::empty({rows, groups}, like.options().dtype(at::kInt));
@@ -139,6 +164,53 @@ QuantizedRows gather_rows(const QuantizedRows& xq, const std::vector<int64_t>& s
     std::memcpy(totals + r * groups, xq.totals + s * groups, groups * sizeof(int32_t));
   }
   return QuantizedRows{value_tensor, scale_tensor, sum_tensor, total_tensor, values, scales, sums, totals, k};
+}
+
+// (Token, choice) pairs per run of `run_tokens`: a prefill chunk's tokens go through the experts this many pairs
+// at a time, so its per-pair buffers (up to 16 MB at H = 1024) stay under glibc's mmap threshold and are reused
+// from the heap, where one buffer for all 2048 x 8 pairs of a chunk was mapped afresh, and paid for in page faults,
+// on every call (`engine_server/host_memory.py`); each pass reads the experts' weights again, 1/8 of the work here.
+constexpr int64_t kPairsPerChunk = 4096;
+
+// moe_packed for x's rows (tokens), each with its top_k `chosen` experts (ids checked) and routing `weights`, added
+// into `out` (zeros, [tokens, H]).
+void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights, int64_t top_k, const Bank& gate_up,
+                const Bank& down, float* out) {
+  const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
+  const int64_t num_experts = gate_up.experts, intermediate = gate_up.n_rows / 2;
+  // The pairs sorted by expert, stably: sorted[p] is pair t * k + j; start[e] is where expert e's run begins.
+  std::vector<int64_t> start(num_experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) ++start[chosen[p] + 1];
+  std::partial_sum(start.begin(), start.end(), start.begin());
+  std::vector<int64_t> next(start.begin(), start.end() - 1), token_of(pairs), position(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t at = next[chosen[p]]++;
+    token_of[at] = p / top_k;
+    position[p] = at;
+  }
+
+  const QuantizedRows rows = gather_rows(quantize_rows(x), token_of, x);
+  at::Tensor hidden_rows = at::empty({pairs, 2 * intermediate}, x.options());
+  run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
+  const QuantizedRows activated = quantize_rows(ladle_cpu::silu_and_mul(hidden_rows));
+  at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
+  const float* y = expert_out.data_ptr<float>();
+  run_bank(activated, start, down, expert_out.data_ptr<float>());
+
+  // Each token's k outputs, weighted and added in ascending expert order.
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / (top_k * hidden)), [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      std::iota(order.begin(), order.end(), t * top_k);
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+      float* row = out + t * hidden;
+      for (const int64_t p : order) {
+        const float* term = y + position[p] * hidden;
+        const float weight = weights[p];
+        for (int64_t i = 0; i < hidden; ++i) row[i] += weight * term[i];
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -163,49 +235,18 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
   const int64_t num_experts = w13.size(0), top_k = experts.size(1), pairs = tokens * top_k;
   const Bank gate_up = check_bank(w13, w13_scales, w13_mins, num_experts, hidden, 2 * intermediate, "w13");
   const Bank down = check_bank(w2, w2_scales, w2_mins, num_experts, intermediate, hidden, "w2");
-  at::Tensor out = at::zeros({tokens, hidden}, x.options());
-  if (pairs == 0) return out;
-
-  // The pairs sorted by expert, stably: sorted[p] is pair t * k + j; start[e] is where expert e's run begins.
   const int64_t* chosen = experts.data_ptr<int64_t>();
-  std::vector<int64_t> start(num_experts + 1, 0);
   for (int64_t p = 0; p < pairs; ++p) {
     LADLE_CHECK(chosen[p] >= 0 && chosen[p] < num_experts, "expert id %lld is not in 0..%lld",
                 static_cast<long long>(chosen[p]), static_cast<long long>(num_experts - 1));
-    ++start[chosen[p] + 1];
   }
-  std::partial_sum(start.begin(), start.end(), start.begin());
-  std::vector<int64_t> next(start.begin(), start.end() - 1), token_of(pairs), position(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t at = next[chosen[p]]++;
-    token_of[at] = p / top_k;
-    position[p] = at;
+  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  const int64_t chunk = std::max<int64_t>(1, kPairsPerChunk / top_k);
+  for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const int64_t n = std::min(chunk, tokens - t0);
+    run_tokens(x.narrow(0, t0, n), chosen + t0 * top_k, weights.data_ptr<float>() + t0 * top_k, top_k, gate_up,
+               down, out.data_ptr<float>() + t0 * hidden);
   }
-
-  const QuantizedRows rows = gather_rows(quantize_rows(x), token_of, x);
-  at::Tensor hidden_rows = at::empty({pairs, 2 * intermediate}, x.options());
-  run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
-  const QuantizedRows activated = quantize_rows(silu_and_mul(hidden_rows));
-  at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
-  const float* y = expert_out.data_ptr<float>();
-  run_bank(activated, start, down, expert_out.data_ptr<float>());
-
-  // Each token's k outputs, weighted and added in ascending expert order.
-  const float* w = weights.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / (top_k * hidden)), [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> order(top_k);
-    for (int64_t t = begin; t < end; ++t) {
-      std::iota(order.begin(), order.end(), t * top_k);
-      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
-      float* row = o + t * hidden;
-      for (const int64_t p : order) {
-        const float* term = y + position[p] * hidden;
-        const float weight = w[p];
-        for (int64_t i = 0; i < hidden; ++i) row[i] += weight * term[i];
-      }
-    }
-  });
   return out;
 }
 

@@ -21,9 +21,11 @@
 //   q4: P = 1, u = q;  q8: P = 2, u = q + 128 split as u >> 4 (plane 0, weight 16) and u & 15 (plane 1), the
 //       kernel subtracting 128 * sum(xq) from each group's integer dot (its mins are zero)
 //   scales, mins [N / 8, K / 32, 8] float16; features past N are zero
-// Every row of x runs through the same instructions in the same order whatever M is and wherever it falls in a
-// tile, so a row's result does not depend on its batch (bit for bit); it matches the reference to float32
-// rounding (the reference sums in float64).
+// On AVX-512 machines the blocks go two at a time through 512-bit registers, and through AMX tiles for 12 rows or
+// more where the CPU has them (avx512_tiles.h): the same integer sums and float steps. Every row of x runs through
+// the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
+// the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
+// float32 rounding (the reference sums in float64).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -36,9 +38,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 
+#include "avx512_tiles.h"
 #include "ops.h"
 #include "quant_tiles.h"
 
@@ -93,10 +97,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(int64_t n_rows, int64_t k, U
   return {packed, scale_table, min_table};
 }
 
+// run_packed on AVX-512 (avx512_tiles.h): pairs of blocks shared out over the threads, each pair's rows a chunk
+// at a time (AMX tiles where there are enough rows and AMX is on, pair_tile otherwise).
+template <int64_t P>
+void run_pairs(const QuantizedRows& xq, int64_t m_rows, const PackedBlocks& w, float* y) {
+  const bool amx = m_rows >= kAmxMinRows && amx_enabled();
+  const int64_t pairs = (w.blocks + 1) / 2, tile = amx ? kAmxRows : kPairRows;
+  const int64_t chunk = std::max<int64_t>(tile, kRowChunkBytes / xq.k / tile * tile);
+  at::parallel_for(0, pairs, grain_blocks(pairs, 2 * xq.k, std::min(m_rows, chunk)), [&](int64_t begin, int64_t end) {
+    std::optional<AmxScope> tiles;
+    std::optional<UnpackedPair> scratch;
+    if (amx) {
+      tiles.emplace();
+      scratch.emplace(w.groups);
+    }
+    for (int64_t m_chunk = 0; m_chunk < m_rows; m_chunk += chunk) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        pair_rows<P>(xq, m_chunk, std::min(m_rows, m_chunk + chunk), w, pair, scratch ? &*scratch : nullptr, y,
+                     w.n_rows);
+      }
+    }
+  });
+}
+
 template <int64_t P>
 void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, const at::Half* scales,
                 const at::Half* mins, int64_t blocks, int64_t n_rows, float* y) {
   const int64_t k = xq.k, groups = k / kGroup;
+  if constexpr (kPairTiles) {
+    return run_pairs<P>(xq, m_rows, PackedBlocks{packed, scales, mins, blocks, groups, n_rows}, y);
+  }
   const int64_t chunk = std::max<int64_t>(kRowTile, kRowChunkBytes / k / kRowTile * kRowTile);
   at::parallel_for(0, blocks, grain_blocks(blocks, k, std::min(m_rows, chunk)), [&](int64_t begin, int64_t end) {
     for (int64_t m_chunk = 0; m_chunk < m_rows; m_chunk += chunk) {
@@ -208,9 +238,17 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return packed_linear(x, packed, packed_scales, packed_mins, qs.size(0));
 }
 
+bool set_quant_amx(bool on) {
+  amx_switch().store(on);
+  return amx_enabled();
+}
+
 }  // namespace ladle_cpu
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
+  // Switches the AMX tiles of the quantized products on or off for this process (they are on where the CPU and
+  // the kernel allow); returns whether they now run. For tests that hold both paths to the same bits.
+  m.def("set_quant_amx(bool on) -> bool", &ladle_cpu::set_quant_amx);
   m.def("pack_q4(Tensor qs, Tensor scales, Tensor mins) -> (Tensor, Tensor, Tensor)");
   m.def("pack_q8(Tensor qs, Tensor scales) -> (Tensor, Tensor, Tensor)");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int n) -> Tensor");

@@ -40,13 +40,15 @@ constexpr int64_t kRowTile = 8;
 #else
 constexpr int64_t kRowTile = 6;
 #endif
+// Rows of zeros after a QuantizedRows' last row: an AMX tile (amx_tiles.h) reads 16 rows wherever it starts.
+constexpr int64_t kTailRows = 16;
 // Bytes of quantized x one pass over a thread's weight blocks covers: they stay in its L2 cache meanwhile.
 constexpr int64_t kRowChunkBytes = 256 * 1024;
 
 inline float to_float(at::Half h) { return static_cast<float>(h); }
 
-// x quantized per 32-element group: int8 values [M, K], each group's scale [M, K / 32], scale * sum(values) and
-// sum(values).
+// x quantized per 32-element group: int8 values [M, K] (then kTailRows rows of zeros), each group's scale
+// [M, K / 32], scale * sum(values) and sum(values).
 struct QuantizedRows {
   at::Tensor storage_values, storage_scales, storage_sums, storage_totals;
   const int8_t* values;
@@ -104,9 +106,16 @@ inline void quantize_group(const float* group, int8_t* q, float* scale_out, floa
 #endif
 }
 
+// int8 storage for `rows` rows of `k` values and the zero rows after them.
+inline at::Tensor quantized_values(int64_t rows, int64_t k, const at::Tensor& like) {
+  at::Tensor values = at::empty({rows + kTailRows, k}, like.options().dtype(at::kChar));
+  std::memset(values.data_ptr<int8_t>() + rows * k, 0, kTailRows * k);
+  return values;
+}
+
 inline QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
-  at::Tensor value_tensor = at::empty({rows, k}, x.options().dtype(at::kChar));
+  at::Tensor value_tensor = quantized_values(rows, k, x);
   at::Tensor scale_tensor = at::empty({rows, groups}, x.options());
   at::Tensor sum_tensor = at::empty({rows, groups}, x.options());
   at::Tensor total_tensor = at::empty({rows, groups}, x.options().dtype(at::kInt));

@@ -316,3 +316,11 @@ def test_argmax_alone_equals_the_greedy_rows_of_a_full_call() -> None:
     assert fast.token_ids.dtype == torch.int64 and fast.logprobs is None and (fast.token_ids < V).all()
     with pytest.raises(ValueError, match="vocab"):
         sampler.argmax(logits[:, : V - 1])
+
+
+def test_argmax_alone_takes_the_first_of_tied_maxima_and_a_nan_as_torch_argmax_does() -> None:
+    # The CPU takes max(dim).indices (faster); it must pick what argmax picks.
+    logits = torch.randint(0, 3, (64, V)).float()
+    logits[5, 7] = float("nan")
+    logits[9, [2, V - 1]] = float("inf")
+    assert torch.equal(Sampler(V, "cpu").argmax(logits).token_ids, logits.argmax(-1))

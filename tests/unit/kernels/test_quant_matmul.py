@@ -129,6 +129,26 @@ def test_a_rows_result_does_not_depend_on_its_batch(fmt: str) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_amx_tiles_give_the_vnni_tiles_bits(fmt: str) -> None:
+    # Rows in full and ragged 16-row tiles, an odd number of 8-feature blocks (a pair with one block), K of 9 groups
+    # (the four groups in flight end on one).
+    if not torch.ops.ladle_cpu.set_quant_amx(True):
+        pytest.skip("this CPU (or kernel) has no AMX tiles")
+    gen = torch.Generator().manual_seed(8)
+    weight = random_q4(200, 288, gen) if fmt == "q4" else random_q8(200, 288, gen)
+    layer = QuantizedLinear(weight, None)
+    for rows in (12, 16, 29, 64):
+        x = torch.randn(rows, 288, generator=gen) * 2
+        with_amx = layer(x)
+        try:
+            torch.ops.ladle_cpu.set_quant_amx(False)
+            assert torch.equal(layer(x), with_amx), rows
+        finally:
+            torch.ops.ladle_cpu.set_quant_amx(True)
+
+
+@needs_kernels
 def test_q8_weights_take_their_whole_int8_range() -> None:
     gen = torch.Generator().manual_seed(7)
     qs = torch.randint(-128, 128, (16, 64), dtype=torch.int8, generator=gen)

@@ -103,6 +103,26 @@ def test_a_tokens_result_does_not_depend_on_its_batch() -> None:
         assert torch.equal(alone[0], together[t]), t
 
 
+def test_amx_tiles_give_the_vnni_tiles_bits() -> None:
+    """Experts with 16+ rows (AMX tiles), 12-15 (AMX, ragged) and fewer (VNNI) in one step, against AMX off."""
+    if not torch.ops.ladle_cpu.set_quant_amx(True):
+        pytest.skip("this CPU (or kernel) has no AMX tiles")
+    gen = torch.Generator().manual_seed(9)
+    bank = random_bank(6, 96, 64, "q4", "q8", gen)
+    layer = QuantizedExperts(bank)
+    x = torch.randn(40, 96, generator=gen)
+    logits = torch.randn(40, 6, generator=gen)
+    logits[:30, 1] += 10.0
+    logits[:13, 4] += 5.0
+    weights, chosen = reference_route(logits, 2)
+    with_amx = layer(x, weights, chosen)
+    try:
+        torch.ops.ladle_cpu.set_quant_amx(False)
+        assert torch.equal(layer(x, weights, chosen), with_amx)
+    finally:
+        torch.ops.ladle_cpu.set_quant_amx(True)
+
+
 def test_no_tokens_and_unused_experts() -> None:
     gen = torch.Generator().manual_seed(3)
     bank = random_bank(4, 32, 32, "q8", "q8", gen)
