@@ -6,6 +6,8 @@ same kernels in the same order from C++, so `DecoderModel.forward` hands it ever
 bit for bit (tests/unit/test_decode_stack.py). The quantized CPU path's attention takes every token as a decode row
 of its own (`kernels.cpu_ops.paged_attention_by_token`), so a step with prompt tokens is one of decode rows too:
 each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
+Qwen3's q/k norms and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) over quantized
+experts run in it too: their routers, softmax and top-k through the same ATen calls as `layers.moe.route`.
 """
 
 from __future__ import annotations
@@ -13,19 +15,40 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+from torch import nn
 
 from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
-from engine_server.layers.mlp import GatedMLP
+from engine_server.layers.moe import SparseMoE
+from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
 from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 
+def _moe_parts(mlp: SparseMoE) -> tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None] | None:
+    """A mixture of experts' quantized experts, its router and its shared expert's projections (None without one),
+    or None where the stack does not run it (float experts, a float router, a shared expert not quantized or not
+    SiLU)."""
+    experts, router = mlp.experts, mlp.gate
+    if not isinstance(experts, QuantizedExperts) or not isinstance(router, RowwiseLinear):
+        return None
+    shared, shared_gate = mlp.shared_expert, mlp.shared_expert_gate
+    if shared is None:
+        return experts, router, None
+    parts = [shared.gate_up_proj, shared.down_proj]
+    if shared.activation != "silu" or not isinstance(shared_gate, RowwiseLinear):
+        return None
+    if not all(isinstance(part, QuantizedLinear) for part in parts):
+        return None
+    return experts, router, [cast(QuantizedLinear, part) for part in parts]
+
+
 def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does not
-    apply: a projection that is not a `QuantizedLinear`, q/k norms (Qwen3), a mixture of experts, partial rotary or
-    LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU, soft-capping, Gemma 3's local rope), weights not on
-    the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism
-    without the shared-memory all-reduce (which the stack then runs between its layers, on the same buffers)."""
+    apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
+    `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU,
+    soft-capping, Gemma 3's local rope), weights not on the CPU or not float32, a head dim the attention kernel is
+    not built for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce (which the stack then
+    runs between its layers, on the same buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
@@ -38,15 +61,23 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if model.local_rope or not all(type(layer) is DecoderLayer for layer in layers):  # Gemma's blocks and rope
         return None
-    projections: list[list[QuantizedLinear]] = []
+    plans: list[tuple[list[QuantizedLinear], tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]
+                      | None]] = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        if not isinstance(mlp, GatedMLP) or mlp.activation != "silu":
+        parts: list[nn.Module] = [attention.qkv_proj, attention.o_proj]
+        moe = None
+        if isinstance(mlp, SparseMoE):
+            moe = _moe_parts(mlp)
+            if moe is None:
+                return None
+        elif mlp.activation == "silu":
+            parts += [mlp.gate_up_proj, mlp.down_proj]
+        else:
             return None
-        parts = [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
-        if attention.q_norm is not None or not all(isinstance(part, QuantizedLinear) for part in parts):
+        if not all(isinstance(part, QuantizedLinear) for part in parts):
             return None
-        projections.append([cast(QuantizedLinear, part) for part in parts])
+        plans.append(([cast(QuantizedLinear, part) for part in parts], moe))
     stack = torch.classes.ladle_cpu.DecodeStack(
         first.num_heads,
         first.num_kv_heads,
@@ -59,14 +90,30 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     if reduce is not None:
         buffers = reduce.buffers
         stack.set_all_reduce(buffers.slots, buffers.arrivals, reduce.counters, reduce.rank)
-    for layer, own in zip(layers, projections, strict=True):
-        ids = [
-            stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias) for linear in own
-        ]
+
+    def add(linear: QuantizedLinear) -> int:
+        index: int = stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias)
+        return index
+
+    for layer, (own, moe) in zip(layers, plans, strict=True):
+        ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
         stack.add_layer(
             layer.input_layernorm.weight.detach(),
             layer.post_attention_layernorm.weight.detach(),
             *ids,
             layer.self_attn.window,
         )
+        q_norm, k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
+        if q_norm is not None and k_norm is not None:
+            stack.set_qk_norms(q_norm.weight.detach(), k_norm.weight.detach(), q_norm.eps)
+        if moe is not None:
+            experts, router, shared = moe
+            sparse = cast(SparseMoE, layer.mlp)
+            stack.set_experts(
+                router.weight.detach(), experts.w13, experts.w13_scales, experts.w13_mins, experts.w2,
+                experts.w2_scales, experts.w2_mins, experts.intermediate, sparse.top_k, sparse.renormalize,
+            )  # fmt: skip
+            if shared is not None:
+                gate = cast(RowwiseLinear, sparse.shared_expert_gate)
+                stack.set_shared_expert(gate.weight.detach(), add(shared[0]), add(shared[1]))
     return cast(DecodeStack, stack)

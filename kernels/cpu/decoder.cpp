@@ -6,12 +6,15 @@
 // of a single-stream token on a 2-core CPU. This class runs the same sequence of the same kernels (ops.h) from
 // C++, so its result is bit-identical to the layers' (`engine_server/layers/decoder.py`) on every step:
 //   per layer: h, r = add_rms_norm(h, r) (rms_norm on layer 0, r = h); qkv = linear(h) (+ bias);
-//   q, k = rotary(q, k); K/V written to their slots; a = paged_decode_attention(q) (over the layer's window);
-//   h, r = add_rms_norm(o_proj(a), r); h = down(silu_and_mul(gate_up(h)))
+//   q, k = q_norm(q), k_norm(k) where the layer has them (Qwen3: kernels/reference.py's rms_norm, op for op, as
+//   the layers run it on [T, heads, D]); q, k = rotary(q, k); K/V written to their slots;
+//   a = paged_decode_attention(q) (over the layer's window); h, r = add_rms_norm(o_proj(a), r);
+//   then a dense layer's h = down(silu_and_mul(gate_up(h))), or a mixture of experts' (engine_server/layers/moe.py
+//   over quantized experts): its router's logits (rowwise_linear), softmax, top-k (renormalised if asked),
+//   h = moe_packed(h, ...) (+ sigmoid(shared gate) * the shared expert's down(silu_and_mul(gate_up(h))))
 //   then h = add_rms_norm(h, r) with the final norm.
 // Every row is one new token with its own block table and length, so a prompt token is a row too (its sequence's
-// table, its position + 1: the layers' by-token attention); Qwen3's q/k norms are not supported (the builder
-// leaves such models on the layers).
+// table, its position + 1: the layers' by-token attention).
 // A step can be stopped between two layers: `forward`'s optional `stop` flag (an int32 tensor another thread may
 // set at any time) is read after each layer, and once it is non-zero the call returns a tensor of no rows at once,
 // having written the K/V of the layers it ran (engine_server/step_interrupt.py: the caller runs the step again).
@@ -50,10 +53,29 @@ struct Linear {
   }
 };
 
+// kernels/reference.py's rms_norm of a float32 tensor, op for op: the layers' q/k norms ([T, heads, D]).
+at::Tensor reference_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return weight * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+}
+
+// A mixture of experts' block over quantized experts (`SparseMoE` with `QuantizedExperts` and `RowwiseLinear`
+// routers), before its all-reduce.
+struct Experts {
+  at::Tensor router;  // [E, H] float32
+  at::Tensor w13, w13_scales, w13_mins, w2, w2_scales, w2_mins;
+  int64_t intermediate = 0, top_k = 0;
+  bool renormalize = false;
+  at::Tensor shared_gate;  // [1, H] float32, with a shared expert (Qwen2-MoE)
+  int64_t shared_gate_up = -1, shared_down = -1;  // its projections (indices into DecodeStack::linears_)
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;
-  int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_
+  int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_ (gate_up and down -1 with experts)
   int64_t window;                 // the attention's sliding window (0: none)
+  at::Tensor q_norm, k_norm;      // Qwen3's per-head norms, or undefined
+  double qk_eps = 0.0;
+  std::optional<Experts> experts;
 };
 
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
@@ -162,14 +184,55 @@ class DecodeStack : public torch::CustomClassHolder {
     return static_cast<int64_t>(linears_.size()) - 1;
   }
 
+  // A layer; gate_up and down -1 for a mixture of experts (`set_experts` next).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, int64_t qkv, int64_t o, int64_t gate_up,
                  int64_t down, int64_t window) {
-    for (int64_t index : {qkv, o, gate_up, down}) {
-      LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
-                  static_cast<long long>(index));
+    for (int64_t index : {qkv, o}) check_linear(index);
+    TORCH_CHECK((gate_up == -1) == (down == -1), "gate_up and down are both projections or both -1 (experts)");
+    if (gate_up != -1) {
+      check_linear(gate_up);
+      check_linear(down);
     }
     TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
     layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down, window});
+  }
+
+  // The last layer's q/k norms (over each head's D values).
+  void set_qk_norms(at::Tensor q_norm, at::Tensor k_norm, double eps) {
+    TORCH_CHECK(!layers_.empty(), "no layer yet");
+    TORCH_CHECK(q_norm.dim() == 1 && q_norm.size(0) == head_dim_ && k_norm.sizes() == q_norm.sizes(),
+                "q/k norms of the head dim");
+    Layer& layer = layers_.back();
+    layer.q_norm = q_norm;
+    layer.k_norm = k_norm;
+    layer.qk_eps = eps;
+  }
+
+  // The last layer's mixture of experts, in place of a dense MLP: its router's float weight [E, H] and the
+  // experts' stacked packed weights (`QuantizedExperts`' buffers).
+  void set_experts(at::Tensor router, at::Tensor w13, at::Tensor w13_scales, at::Tensor w13_mins, at::Tensor w2,
+                   at::Tensor w2_scales, at::Tensor w2_mins, int64_t intermediate, int64_t top_k, bool renormalize) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().gate_up == -1, "set_experts follows add_layer(..., -1, -1, ...)");
+    TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous() &&
+                    router.size(0) == w13.size(0),
+                "router must be a contiguous [E, H] float32 tensor");
+    LADLE_CHECK(top_k >= 1 && top_k <= router.size(0), "top_k %lld of %lld experts", static_cast<long long>(top_k),
+                static_cast<long long>(router.size(0)));
+    layers_.back().experts =
+        Experts{router, w13, w13_scales, w13_mins, w2, w2_scales, w2_mins, intermediate, top_k, renormalize};
+  }
+
+  // The last layer's shared expert (after set_experts): its one-output gate's float weight [1, H] and projections.
+  void set_shared_expert(at::Tensor gate, int64_t gate_up, int64_t down) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().experts.has_value(), "set_shared_expert follows set_experts");
+    TORCH_CHECK(gate.dim() == 2 && gate.size(0) == 1 && gate.scalar_type() == at::kFloat && gate.is_contiguous(),
+                "the shared expert's gate must be a contiguous [1, H] float32 tensor");
+    check_linear(gate_up);
+    check_linear(down);
+    Experts& experts = *layers_.back().experts;
+    experts.shared_gate = gate;
+    experts.shared_gate_up = gate_up;
+    experts.shared_down = down;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -222,6 +285,10 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads_, head_dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      if (layer.q_norm.defined()) {
+        q = reference_rms_norm(q, layer.q_norm, layer.qk_eps);
+        k = reference_rms_norm(k, layer.k_norm, layer.qk_eps);
+      }
       std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
       write_kv(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention =
@@ -229,7 +296,8 @@ class DecodeStack : public torch::CustomClassHolder {
       at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
       if (reduce_.defined()) reduce_(projected);
       std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
-      hidden = linears_[layer.down](silu_and_mul(linears_[layer.gate_up](hidden)));
+      hidden = layer.experts ? mixture(*layer.experts, hidden)
+                             : linears_[layer.down](silu_and_mul(linears_[layer.gate_up](hidden)));
       if (reduce_.defined()) reduce_(hidden);
       // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
       if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
@@ -241,6 +309,25 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  void check_linear(int64_t index) const {
+    LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
+                static_cast<long long>(index));
+  }
+
+  // engine_server/layers/moe.py's SparseMoE.forward before its all-reduce: route(), the experts, the shared one.
+  at::Tensor mixture(const Experts& e, const at::Tensor& x) const {
+    const at::Tensor probs = at::softmax(rowwise_linear(x, e.router), -1);
+    auto [weights, chosen] = at::topk(probs, e.top_k, -1);
+    if (e.renormalize) weights = weights / weights.sum(-1, true);
+    at::Tensor out = moe_packed(x, chosen, weights, e.w13, e.w13_scales, e.w13_mins, e.w2, e.w2_scales, e.w2_mins,
+                                e.intermediate);
+    if (e.shared_gate.defined()) {
+      const at::Tensor shared = linears_[e.shared_down](silu_and_mul(linears_[e.shared_gate_up](x)));
+      out = out + at::sigmoid(rowwise_linear(x, e.shared_gate)) * shared;
+    }
+    return out;
+  }
+
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   at::Tensor cos_sin_cache_, final_norm_;
@@ -256,6 +343,9 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("add_linear", &ladle_cpu::DecodeStack::add_linear)
       .def("add_layer", &ladle_cpu::DecodeStack::add_layer)
+      .def("set_qk_norms", &ladle_cpu::DecodeStack::set_qk_norms)
+      .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
+      .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)
       .def("set_all_reduce", &ladle_cpu::DecodeStack::set_all_reduce)
       .def("forward", &ladle_cpu::DecodeStack::forward);

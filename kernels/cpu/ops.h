@@ -37,5 +37,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales);
 at::Tensor seeded_log_uniforms(const at::Tensor& keys, const at::Tensor& tokens);
+at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w13_mins,
+                      const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
+                      int64_t intermediate);
+at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 
 }  // namespace ladle_cpu

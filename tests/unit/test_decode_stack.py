@@ -22,6 +22,15 @@ pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kerne
 
 TINY_QWEN2 = dataclasses.replace(TINY_LLAMA, architecture="qwen2", attention_bias=True, name="tiny-qwen2")
 TINY_QWEN3 = dataclasses.replace(TINY_LLAMA, architecture="qwen3", qk_norm=True, name="tiny-qwen3")
+TINY_QWEN3_MOE = dataclasses.replace(
+    TINY_LLAMA, architecture="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, norm_topk_prob=True, name="tiny-qwen3-moe",
+)  # fmt: skip
+# Every second layer sparse (layer 0 a dense MLP), a shared expert with its gate, weights not renormalised.
+TINY_QWEN2_MOE = dataclasses.replace(
+    TINY_LLAMA, architecture="qwen2_moe", attention_bias=True, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=64, dense_layers=(0,), name="tiny-qwen2-moe",
+)  # fmt: skip
 
 
 class CountingStack:
@@ -41,7 +50,10 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
     return ModelRunner(load_model(source_of(model), config, MAX_MODEL_LEN))
 
 
-@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_QWEN2], ids=["llama", "qwen2-bias"])
+@pytest.mark.parametrize(
+    "model", [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE],
+    ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared"],
+)  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)
     assert candidate.model.model.decode_stack is not None
@@ -60,7 +72,8 @@ def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatc
 
 
 def test_models_it_does_not_cover_keep_the_layers() -> None:
-    assert int8_runner(TINY_QWEN3).model.model.decode_stack is None  # q/k norms
+    partial_rotary = dataclasses.replace(TINY_LLAMA, architecture="phi3", partial_rotary_factor=0.5, name="phi")
+    assert int8_runner(partial_rotary).model.model.decode_stack is None
     float_runner = ModelRunner(load_model(source_of(TINY_LLAMA), tiny_engine_config(), MAX_MODEL_LEN))
     assert float_runner.model.model.decode_stack is None
     assert build_decode_stack(float_runner.model.model) is None
