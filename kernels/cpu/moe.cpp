@@ -166,6 +166,36 @@ QuantizedRows gather_rows(const QuantizedRows& xq, const std::vector<int64_t>& s
   return QuantizedRows{value_tensor, scale_tensor, sum_tensor, total_tensor, values, scales, sums, totals, k};
 }
 
+using ladle_cpu::hsum8;
+using ladle_cpu::kLanes8;
+using ladle_cpu::load8;
+using ladle_cpu::vec8;
+
+constexpr int64_t kDotRows = 2, kDotCols = 4;
+
+// y[r * y_stride + j] = x_r . w_j for R rows of x (x_stride apart) and J rows of w (k apart), each dot product in
+// float32 in one fixed order: 8 lanes across K, the lanes summed by hsum8, then the tail.
+template <int64_t R, int64_t J>
+inline void dot_tile(const float* x, int64_t x_stride, const float* w, int64_t k, float* y, int64_t y_stride) {
+  vec8 acc[R][J] = {};
+  int64_t i = 0;
+  for (; i + kLanes8 <= k; i += kLanes8) {
+    vec8 wv[J];
+    for (int64_t j = 0; j < J; ++j) wv[j] = load8(w + j * k + i);
+    for (int64_t r = 0; r < R; ++r) {
+      const vec8 xv = load8(x + r * x_stride + i);
+      for (int64_t j = 0; j < J; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < J; ++j) {
+      float sum = hsum8(acc[r][j]);
+      for (int64_t t = i; t < k; ++t) sum += x[r * x_stride + t] * w[j * k + t];
+      y[r * y_stride + j] = sum;
+    }
+  }
+}
+
 // (Token, choice) pairs per run of `run_tokens`: a prefill chunk's tokens go through the experts this many pairs
 // at a time, so its per-pair buffers (up to 16 MB at H = 1024) stay under glibc's mmap threshold and are reused
 // from the heap, where one buffer for all 2048 x 8 pairs of a chunk was mapped afresh, and paid for in page faults,
@@ -261,17 +291,21 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0);
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, n * k)), [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* xr = xp + m * x_stride;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* wr = wp + j * k;
-        vec8 acc = vec8{};
-        int64_t i = 0;
-        for (; i + kLanes8 <= k; i += kLanes8) acc += load8(xr + i) * load8(wr + i);
-        float sum = hsum8(acc);
-        for (; i < k; ++i) sum += xr[i] * wr[i];
-        yp[m * n + j] = sum;
+  // Tiles of up to kDotRows rows x kDotCols outputs: their dot products run side by side (each one's additions a
+  // chain of their own, in its one order), where one at a time waited on each addition's latency.
+  const int64_t row_tiles = (rows + kDotRows - 1) / kDotRows, col_tiles = (n + kDotCols - 1) / kDotCols;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kDotRows * kDotCols * k));
+  at::parallel_for(0, row_tiles * col_tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t m0 = tile / col_tiles * kDotRows, j0 = tile % col_tiles * kDotCols;
+      if (m0 + kDotRows <= rows && j0 + kDotCols <= n) {
+        dot_tile<kDotRows, kDotCols>(xp + m0 * x_stride, x_stride, wp + j0 * k, k, yp + m0 * n + j0, n);
+      } else {
+        for (int64_t m = m0; m < std::min(rows, m0 + kDotRows); ++m) {
+          for (int64_t j = j0; j < std::min(n, j0 + kDotCols); ++j) {
+            dot_tile<1, 1>(xp + m * x_stride, x_stride, wp + j * k, k, yp + m * n + j, n);
+          }
+        }
       }
     }
   });
