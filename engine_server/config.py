@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 Architecture = Literal[
-    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3", "bert"
-]
+    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3",
+    "bert",
+]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
@@ -25,6 +26,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -33,10 +35,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
-    "olmoe": "OLMoE's q/k norms over the whole projection are not implemented",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
-_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe")
+_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe", "olmoe")
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -85,6 +86,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections (`o_proj_bias`: and o_proj's).
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
+    # OLMoE: the q/k norms span the whole projection (all heads at once), and q, k and v are clamped to
+    # [-clip_qkv, clip_qkv] after them (0: not clamped).
+    qk_norm_whole: bool = False
+    clip_qkv: float = 0.0
     rope_scaling: RopeScaling | LongRope | None = None
     # Phi-3 / Phi-4-mini: rope rotates only the first `partial_rotary_factor` of each head's dims; the rest pass.
     partial_rotary_factor: float = 1.0
@@ -98,8 +103,8 @@ class ModelConfig:
     gelu_tanh: bool = False  # the MLP's GELU is the tanh approximation (hidden_act gelu_new)
     # A cross-encoder (`BertForSequenceClassification`): its classifier's outputs over the CLS token; 0 without one.
     num_labels: int = 0
-    # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE; `layers.moe`): a layer's MLP is `num_experts` experts of
-    # `moe_intermediate_size` each, `num_experts_per_tok` of them chosen per token by a softmax router (top-k weights
+    # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; `layers.moe`): a layer's MLP is `num_experts` experts
+    # of `moe_intermediate_size` each, `num_experts_per_tok` of them chosen per token by a softmax router (top-k weights
     # renormalised to sum to 1 with `norm_topk_prob`), plus, with `shared_expert_intermediate_size`, an expert every
     # token goes through, scaled by a sigmoid gate (Qwen2-MoE). `dense_layers` keep a dense MLP of
     # `intermediate_size` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). 0 experts: a dense model.
@@ -216,7 +221,9 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe"),
+            qk_norm_whole=arch == "olmoe",
+            clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
             partial_rotary_factor=partial,
             bos_token_id=cfg.get("bos_token_id"),
@@ -380,9 +387,10 @@ def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
 
 
 def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE `config.json` ({} for a
-    dense family). Mixtral's experts are `intermediate_size` wide and always renormalise their top-k weights."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE `config.json` ({} for
+    a dense family). Mixtral's and OLMoE's experts are `intermediate_size` wide; Mixtral always renormalises its
+    top-k weights, OLMoE as `norm_topk_prob` says."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
@@ -390,12 +398,12 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
-    if arch == "mixtral":
+    if arch in ("mixtral", "olmoe"):
         return dict(
             num_experts=experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg["intermediate_size"]),
-            norm_topk_prob=True,
+            norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         )
     layers = int(cfg["num_hidden_layers"])
     step = int(cfg.get("decoder_sparse_step") or 1)

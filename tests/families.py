@@ -66,6 +66,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
          "mlp_only_layers": [1], "head_dim": 16},
     ),
+    "olmoe": (
+        "OlmoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "clip_qkv": 1.5},
+    ),
     "qwen2-moe": (
         "Qwen2MoeConfig",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

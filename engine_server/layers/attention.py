@@ -46,9 +46,15 @@ class PagedSelfAttention(nn.Module):
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
         full_q = config.num_attention_heads * self.head_dim
         self.o_proj: nn.Module = RowParallelLinear(full_q, config.hidden_size, o_proj_bias, tp, dtype)
-        # Qwen3 normalises each head of q and k (over head_dim) before rope.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        # Qwen3 normalises each head of q and k (over head_dim) before rope; OLMoE all of q and all of k at once,
+        # which a rank holding some of the heads cannot do alone.
+        self.qk_norm_whole = config.qk_norm_whole
+        if self.qk_norm_whole and tp.size > 1:
+            raise ValueError("q/k norms over the whole projection (OLMoE) are not sharded: use tensor_parallel_size 1")
+        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.clip_qkv = config.clip_qkv
 
     def forward(
         self,
@@ -63,10 +69,14 @@ class PagedSelfAttention(nn.Module):
         `positions` are the tokens' rows of `cos_sin_cache` (`DecoderModel.rope_rows`)."""
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        if self.clip_qkv:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if not self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
         if self.rotary_dim == self.head_dim:

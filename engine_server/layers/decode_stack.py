@@ -6,8 +6,9 @@ same kernels in the same order from C++, so `DecoderModel.forward` hands it ever
 bit for bit (tests/unit/test_decode_stack.py). The quantized CPU path's attention takes every token as a decode row
 of its own (`kernels.cpu_ops.paged_attention_by_token`), so a step with prompt tokens is one of decode rows too:
 each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
-Qwen3's q/k norms and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) over quantized
-experts run in it too: their routers, softmax and top-k through the same ATen calls as `layers.moe.route`.
+Qwen3's and OLMoE's q/k norms (and OLMoE's clamp) and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert,
+Qwen3-MoE, OLMoE) over quantized experts run in it too: their routers, softmax and top-k through the same ATen calls
+as `layers.moe.route`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLine
 from engine_server.layers.quantized_linear import QuantizedLinear
 from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
+# A mixture of experts as the stack takes it: its quantized experts, its router, its shared expert's projections.
+MoeParts = tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]
 
-def _moe_parts(mlp: SparseMoE) -> tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None] | None:
+
+def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     """A mixture of experts' quantized experts, its router and its shared expert's projections (None without one),
     or None where the stack does not run it (float experts, a float router, a shared expert not quantized or not
     SiLU)."""
@@ -61,8 +65,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if model.local_rope or not all(type(layer) is DecoderLayer for layer in layers):  # Gemma's blocks and rope
         return None
-    plans: list[tuple[list[QuantizedLinear], tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]
-                      | None]] = []
+    plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         parts: list[nn.Module] = [attention.qkv_proj, attention.o_proj]
@@ -103,9 +106,12 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             *ids,
             layer.self_attn.window,
         )
-        q_norm, k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm
-        if q_norm is not None and k_norm is not None:
-            stack.set_qk_norms(q_norm.weight.detach(), k_norm.weight.detach(), q_norm.eps)
+        attention = layer.self_attn
+        if attention.q_norm is not None and attention.k_norm is not None:
+            q_weight, k_weight = attention.q_norm.weight.detach(), attention.k_norm.weight.detach()
+            stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)
+        if attention.clip_qkv:
+            stack.set_clip_qkv(attention.clip_qkv)
         if moe is not None:
             experts, router, shared = moe
             sparse = cast(SparseMoE, layer.mlp)

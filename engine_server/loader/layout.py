@@ -26,9 +26,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if cfg.qk_norm:  # per head, or (OLMoE) over the whole projection
+            shapes[p + "self_attn.q_norm.weight"] = (q_out,) if cfg.qk_norm_whole else (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv_out,) if cfg.qk_norm_whole else (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         if cfg.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)

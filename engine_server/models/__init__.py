@@ -10,6 +10,7 @@ from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
+from engine_server.models.olmoe import OlmoeForCausalLM
 from engine_server.models.phi3 import Phi3ForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM
 from engine_server.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -24,8 +25,8 @@ StepModel = CausalLM | BertEncoder
 
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
-    "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3"); ValueError for anything else (an encoder,
-    "bert", is a `BertEncoder`)."""
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3"); ValueError for anything else (an
+    encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -34,6 +35,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "mixtral": MixtralForCausalLM,
         "qwen2_moe": Qwen2MoeForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
+        "olmoe": OlmoeForCausalLM,
         "gemma": GemmaForCausalLM,
         "gemma2": Gemma2ForCausalLM,
         "gemma3": Gemma3ForCausalLM,

@@ -7,7 +7,8 @@
 // C++, so its result is bit-identical to the layers' (`engine_server/layers/decoder.py`) on every step:
 //   per layer: h, r = add_rms_norm(h, r) (rms_norm on layer 0, r = h); qkv = linear(h) (+ bias);
 //   q, k = q_norm(q), k_norm(k) where the layer has them (Qwen3: kernels/reference.py's rms_norm, op for op, as
-//   the layers run it on [T, heads, D]); q, k = rotary(q, k); K/V written to their slots;
+//   the layers run it on [T, heads, D]; OLMoE: rms_norm over the whole of q and of k, then q, k and v clamped
+//   with clip_qkv); q, k = rotary(q, k); K/V written to their slots;
 //   a = paged_decode_attention(q) (over the layer's window); h, r = add_rms_norm(o_proj(a), r);
 //   then a dense layer's h = down(silu_and_mul(gate_up(h))), or a mixture of experts' (engine_server/layers/moe.py
 //   over quantized experts): its router's logits (rowwise_linear), softmax, top-k (renormalised if asked),
@@ -73,8 +74,10 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_ (gate_up and down -1 with experts)
   int64_t window;                 // the attention's sliding window (0: none)
-  at::Tensor q_norm, k_norm;      // Qwen3's per-head norms, or undefined
+  at::Tensor q_norm, k_norm;      // Qwen3's per-head norms, OLMoE's whole-projection ones, or undefined
   double qk_eps = 0.0;
+  bool qk_norm_whole = false;
+  double clip_qkv = 0.0;  // q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (0: not)
   std::optional<Experts> experts;
 };
 
@@ -197,15 +200,24 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down, window});
   }
 
-  // The last layer's q/k norms (over each head's D values).
-  void set_qk_norms(at::Tensor q_norm, at::Tensor k_norm, double eps) {
+  // The last layer's q/k norms: over each head's D values, or with `whole` over all of q and all of k.
+  void set_qk_norms(at::Tensor q_norm, at::Tensor k_norm, double eps, bool whole) {
     TORCH_CHECK(!layers_.empty(), "no layer yet");
-    TORCH_CHECK(q_norm.dim() == 1 && q_norm.size(0) == head_dim_ && k_norm.sizes() == q_norm.sizes(),
-                "q/k norms of the head dim");
+    const int64_t q_width = whole ? heads_ * head_dim_ : head_dim_, k_width = whole ? kv_heads_ * head_dim_ : head_dim_;
+    TORCH_CHECK(q_norm.dim() == 1 && q_norm.size(0) == q_width && k_norm.dim() == 1 && k_norm.size(0) == k_width,
+                "q/k norms of the head dim, or with whole of q's and k's widths");
     Layer& layer = layers_.back();
-    layer.q_norm = q_norm;
-    layer.k_norm = k_norm;
+    layer.q_norm = q_norm.contiguous();
+    layer.k_norm = k_norm.contiguous();
     layer.qk_eps = eps;
+    layer.qk_norm_whole = whole;
+  }
+
+  // The last layer's clamp of q, k and v (OLMoE's clip_qkv).
+  void set_clip_qkv(double clip) {
+    TORCH_CHECK(!layers_.empty(), "no layer yet");
+    TORCH_CHECK(clip > 0.0, "clip_qkv must be > 0");
+    layers_.back().clip_qkv = clip;
   }
 
   // The last layer's mixture of experts, in place of a dense MLP: its router's float weight [E, H] and the
@@ -282,10 +294,21 @@ class DecodeStack : public torch::CustomClassHolder {
         std::tie(hidden, residual) = add_rms_norm(hidden, residual, layer.input_norm, eps_);
       }
       const at::Tensor qkv = linears_[layer.qkv](hidden);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads_, head_dim_});
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
-      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
-      if (layer.q_norm.defined()) {
+      at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      if (layer.q_norm.defined() && layer.qk_norm_whole) {  // the layers' rms_norm of 2-D rows: this kernel
+        q = rms_norm(q, layer.q_norm, layer.qk_eps);
+        k = rms_norm(k, layer.k_norm, layer.qk_eps);
+      }
+      if (layer.clip_qkv > 0.0) {
+        q = at::clamp(q, -layer.clip_qkv, layer.clip_qkv);
+        k = at::clamp(k, -layer.clip_qkv, layer.clip_qkv);
+        v = at::clamp(v, -layer.clip_qkv, layer.clip_qkv);
+      }
+      q = q.reshape({tokens, heads_, head_dim_});
+      k = k.reshape({tokens, kv_heads_, head_dim_});
+      v = v.reshape({tokens, kv_heads_, head_dim_});
+      if (layer.q_norm.defined() && !layer.qk_norm_whole) {
         q = reference_rms_norm(q, layer.q_norm, layer.qk_eps);
         k = reference_rms_norm(k, layer.k_norm, layer.qk_eps);
       }
@@ -344,6 +367,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("add_linear", &ladle_cpu::DecodeStack::add_linear)
       .def("add_layer", &ladle_cpu::DecodeStack::add_layer)
       .def("set_qk_norms", &ladle_cpu::DecodeStack::set_qk_norms)
+      .def("set_clip_qkv", &ladle_cpu::DecodeStack::set_clip_qkv)
       .def("set_experts", &ladle_cpu::DecodeStack::set_experts)
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)

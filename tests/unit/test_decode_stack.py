@@ -26,6 +26,10 @@ TINY_QWEN3_MOE = dataclasses.replace(
     TINY_LLAMA, architecture="qwen3_moe", qk_norm=True, num_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, norm_topk_prob=True, name="tiny-qwen3-moe",
 )  # fmt: skip
+# q/k norms over the whole projection, q/k/v clamped.
+TINY_OLMOE = dataclasses.replace(
+    TINY_QWEN3_MOE, architecture="olmoe", qk_norm_whole=True, clip_qkv=0.5, norm_topk_prob=False, name="tiny-olmoe"
+)
 # Every second layer sparse (layer 0 a dense MLP), a shared expert with its gate, weights not renormalised.
 TINY_QWEN2_MOE = dataclasses.replace(
     TINY_LLAMA, architecture="qwen2_moe", attention_bias=True, num_experts=4, num_experts_per_tok=2,
@@ -51,8 +55,8 @@ def int8_runner(model: ModelConfig) -> ModelRunner:
 
 
 @pytest.mark.parametrize(
-    "model", [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE],
-    ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared"],
+    "model", [TINY_LLAMA, TINY_QWEN2, TINY_QWEN3, TINY_QWEN3_MOE, TINY_QWEN2_MOE, TINY_OLMOE],
+    ids=["llama", "qwen2-bias", "qwen3-qk-norms", "qwen3-moe", "qwen2-moe-shared", "olmoe"],
 )  # fmt: skip
 def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reference, candidate = int8_runner(model), int8_runner(model)

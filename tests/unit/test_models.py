@@ -5,15 +5,18 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.config import LongRope, ModelConfig
+from engine_server.layers.attention import PagedSelfAttention
 from engine_server.models import CausalLM, get_model_class
+from engine_server.parallel.group import TensorParallel
 
 BLOCK_SIZE = 4
 VOCAB = 128
@@ -62,6 +65,8 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48},
     ),
+    # OLMoE: top-2 of 4 unnormalised, q/k norms over the whole projection, q/k/v clamped.
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 1.0}),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
     "gemma2": (
@@ -78,6 +83,7 @@ MODEL_CLASSES = {
     transformers.MixtralConfig: transformers.MixtralForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
+    transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
 }
 
@@ -290,6 +296,19 @@ def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
         get_model_class(config.architecture)(config).load_weights(bad.items())
 
 
+def test_olmoe_config_and_its_whole_projection_norms_refuse_sharding() -> None:
+    shape = {**SMALL, "intermediate_size": 32}
+    olmoe = transformers.OlmoeConfig(**shape, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0).to_dict()
+    config = ModelConfig.from_hf_config(olmoe)
+    assert (config.architecture, config.qk_norm, config.qk_norm_whole, config.clip_qkv) == ("olmoe", True, True, 2.0)
+    assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 32, False)
+    assert ModelConfig.from_hf_config({**olmoe, "norm_topk_prob": True}).norm_topk_prob
+    no_group = cast(dist.ProcessGroup, object())  # nothing runs a collective
+    two_ranks = TensorParallel(rank=0, size=2, group=no_group, control_group=no_group)
+    with pytest.raises(ValueError, match="whole projection"):
+        PagedSelfAttention(config, torch.float32, tp=two_ranks)
+
+
 def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> None:
     qwen2_moe = transformers.Qwen2MoeConfig(
         **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -309,7 +328,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"model_type": "olmoe"}, r"model_type 'olmoe' \(OLMoE's q/k norms .*supported: bert, gemma, gemma2"),
+        ({"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 5}, r"olmoe: num_experts_per_tok 5 must"),
+        ({"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "hidden_act": "gelu"}, "olmoe: hidden"),
         ({"model_type": "gemma", "hidden_activation": "silu"}, "gemma hidden_activation 'silu' is not supported"),
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),
         ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
