@@ -5,7 +5,9 @@
 - `fallback` — the system prompt and plain-text history turns for templates without tool support.
 - `plan` — per request: what the template is given, and how (and whether) the output is parsed.
 - `grammar` — the xgrammar grammar that forces calls for tool_choice "required" or a named function.
-- `parsers` — Hermes `<tool_call>` and Llama 3 JSON parsers, usable on a stream of text deltas.
+- `parsers` — the parsers' contract, and the Hermes `<tool_call>` and Llama 3 JSON parsers, usable on a stream of
+  text deltas; `call_formats` — Mistral's `[TOOL_CALLS]` (both forms), pythonic and Qwen3-Coder XML parsers, and
+  `make_parser` for any format.
 - `stream` — one choice's calls as they are parsed, as OpenAI-style stream deltas.
 This package root stays light (no xgrammar import); `grammar` imports it.
 """

@@ -5,6 +5,8 @@ The grammar is built with xgrammar's own combinators, so each tool's JSON Schema
 names never collide:
 - one call of tool T (Hermes): `<tool_call>\n{"name": "T", "arguments": ` ARGS(T) `}\n</tool_call>`;
 - one call of tool T (Llama 3 JSON): `{"name": "T", "parameters": ` ARGS(T) `}`;
+- one call of tool T (Mistral): `[TOOL_CALLS] [{"name": "T", "arguments": ` ARGS(T) `}]`, from v11
+  `[TOOL_CALLS]T[ARGS]` ARGS(T); the pythonic and Qwen3-Coder formats have no grammar yet (a ValidationError);
 - a named function: exactly one call of it; "required": exactly one call of any tool (a union);
 - with `parallel=True` (Hermes only), one or more calls separated by "\n".
 Why one call by default: the proto has no `parallel_tool_calls`, and small models, once inside a grammar that
@@ -69,10 +71,20 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
         raise ValidationError(f"parameters of tool {tool.name!r} must describe a JSON object", "tools")
     check_schema_depth(schema, "tools")
     name = json.dumps(tool.name, ensure_ascii=False)
-    if fmt is ToolFormat.HERMES:
-        head, tail = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
-    else:
-        head, tail = f'{{"name": {name}, "parameters": ', "}"
+    match fmt:
+        case ToolFormat.HERMES:
+            head, tail = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
+        case ToolFormat.LLAMA3_JSON:
+            head, tail = f'{{"name": {name}, "parameters": ', "}"
+        case ToolFormat.MISTRAL:
+            head, tail = f'[TOOL_CALLS] [{{"name": {name}, "arguments": ', "}]"
+        case ToolFormat.MISTRAL_V11:
+            head, tail = f"[TOOL_CALLS]{tool.name}[ARGS]", ""
+        case _:
+            raise ValidationError(
+                f"tool_choice 'required' or a named function is not supported for the {fmt.value} call format yet",
+                "tool_choice",
+            )
     try:
         arguments = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input

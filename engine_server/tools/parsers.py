@@ -1,4 +1,5 @@
-"""Tool-call parsers: a choice's text in (as stream deltas), content and complete calls out.
+"""Tool-call parsers: a choice's text in (as stream deltas), content and complete calls out. Here the contract, the
+Hermes and the Llama 3 JSON parsers; `call_formats` has the other formats' and `make_parser`.
 
 Contract of every parser, whatever the format:
 - `feed(delta)` returns the content that is safe to show now and the calls completed by this delta;
@@ -20,8 +21,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
-
-from engine_server.tools.template import ToolFormat
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -115,7 +114,7 @@ class HermesParser(ToolCallParser):
     def _advance(self, step: ParseStep, final: bool) -> None:
         while True:
             if self._body is not None:
-                end = self._scan.find_outside_strings(self._body, HERMES_CLOSE)
+                end = self.find_close(self._body)
                 if end < 0:
                     return
                 rest = self._body[end + len(HERMES_CLOSE) :]
@@ -145,7 +144,7 @@ class HermesParser(ToolCallParser):
             self._emit(step, text.rstrip() if self._made_calls else text)
             self._pending = ""
             return
-        emit = text[: len(text) - _partial_suffix_len(text, HERMES_OPEN)].rstrip()
+        emit = text[: len(text) - partial_suffix_len(text, HERMES_OPEN)].rstrip()
         self._emit(step, emit)
         self._pending = text[len(emit) :]
 
@@ -153,11 +152,19 @@ class HermesParser(ToolCallParser):
         step.content += text
         self._released = self._released or bool(text)
 
-    def _close(self, body: str, step: ParseStep, closed: bool) -> None:
+    def find_close(self, body: str) -> int:
+        """Where the open call's closing tag starts in `body` (which only grows while the call is open), or -1."""
+        return self._scan.find_outside_strings(body, HERMES_CLOSE)
+
+    def call_of(self, body: str) -> ParsedCall | None:
+        """The call a block's body holds, or None when it holds none."""
         try:
-            call = self.call_from(json.loads(body))
+            return self.call_from(json.loads(body))
         except json.JSONDecodeError:
-            call = None
+            return None
+
+    def _close(self, body: str, step: ParseStep, closed: bool) -> None:
+        call = self.call_of(body)
         if call is None:
             self._emit(step, self._gap + HERMES_OPEN + body + (HERMES_CLOSE if closed else ""))
         else:
@@ -248,19 +255,6 @@ class Llama3JsonParser(ToolCallParser):
             calls.append(call)
 
 
-def make_parser(fmt: ToolFormat, names: Iterable[str] | None = None) -> ToolCallParser:
-    """A fresh parser for one choice's output."""
-    return HermesParser(names) if fmt is ToolFormat.HERMES else Llama3JsonParser(names)
-
-
-def parse_tool_calls(text: str, fmt: ToolFormat, names: Iterable[str] | None = None) -> ParseStep:
-    """Content and calls of a whole output (the same as streaming it through `make_parser`)."""
-    parser = make_parser(fmt, names)
-    step = parser.feed(text)
-    step.extend(parser.finish())
-    return step
-
-
 def _may_be_llama3_call(text: str) -> bool:
     head = text.lstrip()
     return head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
@@ -272,7 +266,7 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _partial_suffix_len(text: str, marker: str) -> int:
+def partial_suffix_len(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:size]):

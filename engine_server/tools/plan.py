@@ -11,8 +11,9 @@ function, where it reports STOP as OpenAI does; LENGTH and ABORT are never repla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine_server.output.types import FinishReason
 from engine_server.tokenizer.chat import ChatMessage, ChatTool
@@ -29,6 +30,8 @@ class ToolParsing:
     format: ToolFormat
     names: frozenset[str]
     finish_reason: FinishReason = FinishReason.TOOL_CALLS
+    # Each function's parameters' JSON Schema, for formats whose values are not JSON (Qwen3-Coder).
+    schemas: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def finish_reason_for(self, reason: FinishReason, made_calls: bool) -> FinishReason:
         """The reported finish reason of a choice the core ended with `reason`."""
@@ -54,6 +57,7 @@ def tool_parsing(tools: Sequence[ChatTool], choice: ToolChoice, template: ToolTe
     """How to read calls from the output, or None when they are not read (no tools, or tool_choice "none")."""
     if choice.mode is ToolChoiceMode.NONE or not tools:
         return None
+    schemas = {t.name: t.parameters or {} for t in tools}
     if choice.mode is ToolChoiceMode.FUNCTION:
-        return ToolParsing(template.format, frozenset({choice.function_name}), FinishReason.STOP)
-    return ToolParsing(template.format, frozenset(t.name for t in tools))
+        return ToolParsing(template.format, frozenset({choice.function_name}), FinishReason.STOP, schemas)
+    return ToolParsing(template.format, frozenset(t.name for t in tools), schemas=schemas)

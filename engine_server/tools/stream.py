@@ -6,7 +6,7 @@ Runs where detokenization runs (off the step loop), fed the text the output proc
 from __future__ import annotations
 
 from engine_server.output.types import FinishReason
-from engine_server.tools.parsers import make_parser
+from engine_server.tools.call_formats import make_parser
 from engine_server.tools.plan import ToolParsing
 from engine_server.tools.types import ToolCall, ToolCallDelta, new_call_id
 
@@ -22,7 +22,7 @@ class ToolCallStream:
     def __init__(self, parsing: ToolParsing) -> None:
         self.parsing = parsing
         self.calls: list[ToolCall] = []
-        self._parser = make_parser(parsing.format, parsing.names)
+        self._parser = make_parser(parsing.format, parsing.names, parsing.schemas)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCallDelta]]:
         """Content to show and call deltas released by `text`; `final` flushes everything held back."""
@@ -31,7 +31,7 @@ class ToolCallStream:
             step.extend(self._parser.finish())
         deltas: list[ToolCallDelta] = []
         for parsed in step.calls:
-            call = ToolCall(new_call_id(), parsed.name, parsed.arguments_json)
+            call = ToolCall(new_call_id(self.parsing.format), parsed.name, parsed.arguments_json)
             index = len(self.calls)
             self.calls.append(call)
             deltas.append(ToolCallDelta(index, call.id, call.name, ""))

@@ -1,7 +1,10 @@
 """What a model's chat template knows about tools, read once from the template text.
 
 Rules (first match wins for the format):
-- the template mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
+- the template mentions `[TOOL_CALLS]` → MISTRAL, or MISTRAL_V11 when it also writes `[ARGS]`;
+- it mentions `<function=` and `<parameter=` → QWEN3_CODER;
+- it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
+- it mentions `<|python_start|>` → PYTHONIC (Llama 4);
 - it mentions `<|python_tag|>` or the `ipython` role → LLAMA3_JSON (Llama 3.1+ JSON tool calls);
 - otherwise → HERMES, the format the fallback prompt teaches.
 `native_tools` says the template renders tool definitions itself (it uses a `tools` variable); without it
@@ -28,6 +31,14 @@ class ToolFormat(enum.Enum):
     HERMES = "hermes"
     # {"name": "f", "parameters": {...}} as the whole output, optionally after <|python_tag|>.
     LLAMA3_JSON = "llama3_json"
+    # [TOOL_CALLS] [{"name": "f", "arguments": {...}}] (Mistral before v11; the parser reads both forms).
+    MISTRAL = "mistral"
+    # [TOOL_CALLS]f[ARGS]{...}, once per call (Mistral v11 and later).
+    MISTRAL_V11 = "mistral_v11"
+    # [f(a=1), g(b="x")] as the whole output (Llama 3.2 / Llama 4, between <|python_start|> and <|python_end|>).
+    PYTHONIC = "pythonic"
+    # <tool_call><function=f><parameter=p>value</parameter></function></tool_call> (Qwen3-Coder).
+    QWEN3_CODER = "qwen3_coder"
 
 
 @dataclass(frozen=True)
@@ -45,8 +56,14 @@ class ToolTemplate:
             text = "\n".join(str(t) for t in chat_template.values())
         else:
             text = chat_template if isinstance(chat_template, str) else ""
-        if "<tool_call>" in text:
+        if "[TOOL_CALLS]" in text:
+            fmt = ToolFormat.MISTRAL_V11 if "[ARGS]" in text else ToolFormat.MISTRAL
+        elif "<function=" in text and "<parameter=" in text:
+            fmt = ToolFormat.QWEN3_CODER
+        elif "<tool_call>" in text:
             fmt = ToolFormat.HERMES
+        elif "<|python_start|>" in text:
+            fmt = ToolFormat.PYTHONIC
         elif "<|python_tag|>" in text or "ipython" in text:
             fmt = ToolFormat.LLAMA3_JSON
         else:

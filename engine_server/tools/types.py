@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 import secrets
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine_server.errors import ValidationError
 from engine_server.tokenizer.chat import ChatTool, ChatToolCall
+from engine_server.tools.template import ToolFormat
 
 # A call the model makes now has the same shape as one an earlier assistant turn made.
 ToolCall = ChatToolCall
@@ -71,6 +73,12 @@ class ToolCallDelta:
     arguments_delta: str = ""
 
 
-def new_call_id() -> str:
-    """A fresh tool call id in OpenAI's shape: "call_" and 24 random hex digits."""
+def new_call_id(fmt: ToolFormat | None = None) -> str:
+    """A fresh tool call id: in OpenAI's shape, "call_" and 24 random hex digits; for Mistral's formats 9 letters
+    and digits, the only ids its chat templates accept when the call is sent back."""
+    if fmt in (ToolFormat.MISTRAL, ToolFormat.MISTRAL_V11):
+        return "".join(secrets.choice(_ID_CHARACTERS) for _ in range(9))
     return "call_" + secrets.token_hex(12)
+
+
+_ID_CHARACTERS = string.ascii_letters + string.digits

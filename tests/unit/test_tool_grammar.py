@@ -18,8 +18,8 @@ from engine_server.structured import Constraint, ConstraintKind
 from engine_server.structured.compiler import GrammarCompilerConfig, XGrammarCompile
 from engine_server.tokenizer.chat import ChatMessage, ChatTool
 from engine_server.tools import ToolChoice, ToolChoiceMode, ToolFormat
+from engine_server.tools.call_formats import parse_tool_calls
 from engine_server.tools.grammar import forced_call_constraint
-from engine_server.tools.parsers import parse_tool_calls
 
 # One token per printable ASCII character (plus newline), and an end token: a walk can spell any string.
 VOCAB = ["<end>", "\n", *(chr(c) for c in range(32, 127))]
@@ -91,6 +91,9 @@ def _walk(grammar: xgr.CompiledGrammar, rng: random.Random, max_steps: int = 400
         (ToolChoice.function("search"), ToolFormat.HERMES, {"search"}),
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.LLAMA3_JSON, {"get_weather", "search", "now"}),
         (ToolChoice.function("get_weather"), ToolFormat.LLAMA3_JSON, {"get_weather"}),
+        (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.MISTRAL, {"get_weather", "search", "now"}),
+        (ToolChoice.function("search"), ToolFormat.MISTRAL_V11, {"search"}),
+        (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.MISTRAL_V11, {"get_weather", "search", "now"}),
     ],
 )
 def test_every_sentence_is_exactly_one_schema_valid_call(

@@ -1,0 +1,234 @@
+"""Tool-call parsers for Mistral's, the pythonic (Llama 3.2 / Llama 4) and Qwen3-Coder's formats, and `make_parser`
+for every format (`ToolFormat`), under the
+contract of `tools.parsers` (content safe to show now and complete calls per delta, the same result however the
+text is split, anything that is not a valid call left in the content as the model wrote it):
+
+- Mistral: the calls follow a `[TOOL_CALLS]` marker, as a JSON list before v11
+  (`[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`) or from v11 as `[TOOL_CALLS]f[ARGS]{...}`, once per
+  call. Text before the marker streams; from the marker on it is held to the end.
+- Pythonic: the whole output is a Python list of calls with keyword arguments whose values are literals,
+  `[get_weather(city="Boston"), search(q="x", n=3)]`, optionally between Llama 4's `<|python_start|>` and
+  `<|python_end|>`; output that starts like one is held to the end.
+- Qwen3-Coder: `<tool_call><function=f><parameter=p>value</parameter>...</function></tool_call>` blocks anywhere,
+  any number, the values raw text (one newline either side dropped), turned into JSON by the tool's parameter
+  schema: a parameter whose schema type is not "string" is read as JSON when it parses, any other kept a string.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from engine_server.tools.parsers import (
+    HERMES_CLOSE,
+    HermesParser,
+    Llama3JsonParser,
+    ParsedCall,
+    ParseStep,
+    ToolCallParser,
+    partial_suffix_len,
+)
+from engine_server.tools.template import ToolFormat
+
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+class MistralParser(ToolCallParser):
+    """Mistral's `[TOOL_CALLS]` calls, both forms (see the module docstring)."""
+
+    def __init__(self, names: Iterable[str] | None = None) -> None:
+        super().__init__(names)
+        self._pending = ""  # before the marker: text not yet released (trailing whitespace, a partial marker)
+        self._calls: str | None = None  # from the marker on (the marker included)
+
+    def feed(self, text: str) -> ParseStep:
+        if self._calls is not None:
+            self._calls += text
+            return ParseStep()
+        self._pending += text
+        start = self._pending.find(MISTRAL_CALLS)
+        if start >= 0:
+            self._calls = self._pending[start:]
+            self._pending = self._pending[:start]
+        held = len(self._pending) - partial_suffix_len(self._pending, MISTRAL_CALLS)
+        released = self._pending[:held].rstrip()
+        self._pending = self._pending[len(released) :]
+        return ParseStep(released)
+
+    def finish(self) -> ParseStep:
+        pending, text = self._pending, self._calls
+        self._pending, self._calls = "", None
+        if text is None:
+            return ParseStep(pending)
+        calls = self._parse(text)
+        return ParseStep(calls=calls) if calls else ParseStep(pending + text)
+
+    def _parse(self, text: str) -> list[ParsedCall]:
+        """The calls of the text from the marker on, or [] when any part of it is not a call."""
+        body = text[len(MISTRAL_CALLS) :].strip()
+        if body.startswith("["):  # before v11: one JSON list of calls
+            try:
+                objects, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                return []
+            if body[end:].strip() or not isinstance(objects, list) or not objects:
+                return []
+            calls = [self.call_from(obj) for obj in objects]
+            return [call for call in calls if call is not None] if None not in calls else []
+        calls_v11: list[ParsedCall] = []
+        for part in body.split(MISTRAL_CALLS):
+            name, marker, arguments = part.strip().partition(MISTRAL_ARGS)
+            if not marker:
+                return []
+            try:
+                obj, end = json.JSONDecoder().raw_decode(arguments.strip())
+            except json.JSONDecodeError:
+                return []
+            call = self.call_from({"name": name.strip(), "arguments": obj})
+            if call is None or arguments.strip()[end:].strip():
+                return []
+            calls_v11.append(call)
+        return calls_v11
+
+
+class PythonicParser(ToolCallParser):
+    """A whole output of pythonic calls (see the module docstring)."""
+
+    def __init__(self, names: Iterable[str] | None = None) -> None:
+        super().__init__(names)
+        self._held = ""
+        self._holding = True
+
+    def feed(self, text: str) -> ParseStep:
+        if not self._holding:
+            return ParseStep(text)
+        self._held += text
+        head = self._held.lstrip()
+        if head.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(head):
+            return ParseStep()
+        self._holding = False
+        text, self._held = self._held, ""
+        return ParseStep(text)
+
+    def finish(self) -> ParseStep:
+        text, self._held = self._held, ""
+        if not self._holding:
+            return ParseStep()
+        self._holding = False
+        calls = self._parse(text)
+        return ParseStep(calls=calls) if calls else ParseStep(text)
+
+    def _parse(self, text: str) -> list[ParsedCall]:
+        body = text.strip()
+        if body.startswith(PYTHON_START):
+            body = body.removeprefix(PYTHON_START).strip().removesuffix(PYTHON_END).strip()
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError):
+            return []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return []
+        calls: list[ParsedCall] = []
+        for node in tree.elts:
+            call = self._call(node)
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
+
+    def _call(self, node: ast.expr) -> ParsedCall | None:
+        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
+            return None
+        arguments: dict[str, Any] = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                value = ast.literal_eval(keyword.value)
+                json.dumps(value)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return None
+            arguments[keyword.arg] = value
+        return self.call_from({"name": node.func.id, "arguments": arguments})
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's XML calls (see the module docstring); `schemas` maps a tool's name to its parameters'
+    JSON Schema, which says how each value is read."""
+
+    def __init__(self, names: Iterable[str] | None = None, schemas: Mapping[str, Mapping[str, Any]] | None = None):
+        super().__init__(names)
+        self.schemas = dict(schemas or {})
+
+    def find_close(self, body: str) -> int:
+        return body.find(HERMES_CLOSE)
+
+    def call_of(self, body: str) -> ParsedCall | None:
+        function = _FUNCTION.fullmatch(body)
+        if function is None:
+            return None
+        name, inner = function.group(1).strip(), function.group(2)
+        properties = self.schemas.get(name, {}).get("properties", {})
+        arguments: dict[str, Any] = {}
+        end = 0
+        for parameter in _PARAMETER.finditer(inner):
+            if inner[end : parameter.start()].strip():
+                return None  # text between parameters: not this format
+            end = parameter.end()
+            key = parameter.group(1).strip()
+            arguments[key] = _value(parameter.group(2), properties.get(key))
+        if inner[end:].strip():
+            return None
+        return self.call_from({"name": name, "arguments": arguments})
+
+
+def _value(raw: str, schema: Any) -> Any:
+    """A parameter's raw text as its schema reads it (see the module docstring)."""
+    text = raw.removeprefix("\n").removesuffix("\n")
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def make_parser(
+    fmt: ToolFormat, names: Iterable[str] | None = None, schemas: Mapping[str, Mapping[str, Any]] | None = None
+) -> ToolCallParser:
+    """A fresh parser for one choice's output; `schemas` (tool name -> parameters' JSON Schema) is read by the
+    formats whose values are not JSON (Qwen3-Coder)."""
+    match fmt:
+        case ToolFormat.HERMES:
+            return HermesParser(names)
+        case ToolFormat.LLAMA3_JSON:
+            return Llama3JsonParser(names)
+        case ToolFormat.MISTRAL | ToolFormat.MISTRAL_V11:
+            return MistralParser(names)
+        case ToolFormat.PYTHONIC:
+            return PythonicParser(names)
+        case ToolFormat.QWEN3_CODER:
+            return Qwen3CoderParser(names, schemas)
+
+
+def parse_tool_calls(
+    text: str,
+    fmt: ToolFormat,
+    names: Iterable[str] | None = None,
+    schemas: Mapping[str, Mapping[str, Any]] | None = None,
+) -> ParseStep:
+    """Content and calls of a whole output (the same as streaming it through `make_parser`)."""
+    parser = make_parser(fmt, names, schemas)
+    step = parser.feed(text)
+    step.extend(parser.finish())
+    return step
