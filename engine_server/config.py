@@ -524,6 +524,9 @@ class SpeculativeConfig:
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quantization
+# EngineConfig.tool_call_parser: "auto" (read off the chat template) or a format (engine_server.tools.ToolFormat).
+ToolCallParserName = Literal["auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder"]
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
 QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)  # the command line's --quantization choices
 
 
@@ -549,6 +552,9 @@ class EngineConfig:
     # 32 of any model's weights) or "auto", the default: gguf for a GGUF file on the CPU, where its quality was
     # measured to hold and it is faster at every batch size (docs/models.md, Quantized weights), none everywhere else.
     quantization: QuantizationMode = "auto"
+    # How tool calls are read from the output: "auto" picks the format the chat template implies
+    # (engine_server/tools/template.py), a format's name forces it (vLLM's --tool-call-parser).
+    tool_call_parser: ToolCallParserName = "auto"
     # Sampling values for the fields a request leaves unset (engine_server.generation_defaults): "auto" (the
     # model's own), "ladle" (OpenAI's) or the path of a generation_config.json (or of a folder holding one);
     # then override_generation_config, a JSON object such as '{"temperature": 0.7}', on top. vLLM's names.

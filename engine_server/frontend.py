@@ -24,6 +24,7 @@ from engine_server.tools import (
     ToolCallDelta,
     ToolCallStream,
     ToolChoice,
+    ToolFormat,
     ToolParsing,
     ToolTemplate,
     chat_for_template,
@@ -150,13 +151,15 @@ class InputProcessor:
         max_model_len: int,
         eos_token_ids: Sequence[int],
         grammar_compiler: GrammarCompiler | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
+        """`tool_call_parser`: EngineConfig.tool_call_parser (the format tool calls are read in, or "auto")."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_compiler = grammar_compiler
-        self.tool_template = ToolTemplate.detect(getattr(tokenizer, "chat_template", None))
+        self.tool_template = ToolTemplate.detect(getattr(tokenizer, "chat_template", None), tool_call_parser)
 
     def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
         """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the
@@ -196,7 +199,12 @@ class InputProcessor:
                 )
             constraint = forced_call_constraint(prompt.tools, choice, self.tool_template.format)
             params = dataclasses.replace(params, constraint=constraint)
-        return PreparedPrompt(ids, params, tool_parsing(prompt.tools, choice, self.tool_template))
+        parsing = tool_parsing(prompt.tools, choice, self.tool_template)
+        if parsing is not None and parsing.format in (ToolFormat.MISTRAL, ToolFormat.MISTRAL_V11):
+            # Mistral's tokenizers hold [TOOL_CALLS] as a special token: decoded with the special tokens skipped,
+            # the calls' marker would vanish from the text (vLLM keeps them for this parser too).
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return PreparedPrompt(ids, params, parsing)
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""

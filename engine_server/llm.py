@@ -98,6 +98,7 @@ class LLM:
             self.core.max_model_len,
             self.eos_token_ids,
             grammar_compiler=self.grammar_compiler,
+            tool_call_parser=self.core.config.tool_call_parser,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self.pooling = ModelPooling.for_model(

@@ -13,7 +13,7 @@ from typing import Any
 
 # --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
 from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
-from engine_server.config import QUANTIZATION_MODES, SpeculativeConfig
+from engine_server.config import QUANTIZATION_MODES, TOOL_CALL_PARSERS, SpeculativeConfig
 
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
@@ -98,6 +98,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--quantization", "auto", "weights kept quantized (CPU): auto (gguf for a GGUF file on the CPU, "
          "none elsewhere), none (float32, the exact path: greedy output equal to transformers'), gguf (a GGUF "
          "file's own Q4_0/Q4_1/Q8_0 blocks), int8 (8-bit groups of any model's weights)", choices=QUANTIZATION_MODES)
+    _add(parser, "--tool-call-parser", "auto", "the format tool calls are read in: auto (the one the chat "
+         "template implies: Mistral's [TOOL_CALLS], Qwen3-Coder's XML, Hermes <tool_call>, pythonic for "
+         "<|python_start|>, Llama 3 JSON; Hermes otherwise) or a format's name", choices=TOOL_CALL_PARSERS)
     _add(parser, "--tensor-parallel-size", 1, "split the model over this many processes (tensor parallelism): this "
          "one and N-1 workers, one GPU each on CUDA, an even share of the cores each on the CPU", type=int)
     _add(parser, "--speculative-config", "", "speculative decoding, as vLLM spells it: a JSON object with "
@@ -230,6 +233,7 @@ def _engine(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
             quantization=args.quantization,
+            tool_call_parser=args.tool_call_parser,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config or None,
             speculative=args.speculative_config,

@@ -139,8 +139,9 @@ class ServingEngine:
             else GrammarCompiler.for_tokenizer(tokenizer, core.model_config.vocab_size, eos, grammar_config)
         )
         self.inputs = InputProcessor(
-            tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler
-        )
+            tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler,
+            tool_call_parser=core.config.tool_call_parser,
+        )  # fmt: skip
         self.token_text = TokenTextCodec(tokenizer)
         self.info = ModelInfo(
             model_id=model_id,

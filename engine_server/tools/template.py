@@ -50,8 +50,9 @@ class ToolTemplate:
     native_history: bool = False
 
     @classmethod
-    def detect(cls, chat_template: Any) -> ToolTemplate:
-        """Read a tokenizer's `chat_template`: a string, a mapping of named templates, or None."""
+    def detect(cls, chat_template: Any, parser: str = "auto") -> ToolTemplate:
+        """Read a tokenizer's `chat_template`: a string, a mapping of named templates, or None. `parser` other than
+        "auto" names the format (a `ToolFormat` value), whatever the template implies."""
         if isinstance(chat_template, Mapping):
             text = "\n".join(str(t) for t in chat_template.values())
         else:
@@ -69,7 +70,7 @@ class ToolTemplate:
         else:
             fmt = ToolFormat.HERMES
         return cls(
-            format=fmt,
+            format=fmt if parser == "auto" else ToolFormat(parser),
             native_tools=bool(_TOOLS_VARIABLE.search(text)),
             native_history=bool(_TOOL_CALLS_VARIABLE.search(text)),
         )

@@ -54,6 +54,15 @@ def test_async_scheduling_flag_reaches_the_engine() -> None:
     assert command[command.index("--async-scheduling") + 1] == "on"
 
 
+def test_tool_call_parser_flag_reaches_the_engine() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).tool_call_parser == "auto"
+    command = engine_command(parser.parse_args(["serve", "--tool-call-parser", "mistral"]), "127.0.0.1", 50051)
+    assert command[command.index("--tool-call-parser") + 1] == "mistral"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["engine", "--tool-call-parser", "nonesuch"])
+
+
 def test_batch_output_resume_drops_a_half_written_line(tmp_path: Path) -> None:
     from ladle_cli.batch_file import BatchFileError, completed_custom_ids
 

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from engine_server.config import TOOL_CALL_PARSERS
 from engine_server.errors import ValidationError
 from engine_server.tokenizer.chat import ChatTool
 from engine_server.tools import ToolChoice, ToolChoiceMode, ToolFormat, ToolTemplate
@@ -138,6 +139,13 @@ def test_content_before_the_calls_streams_and_the_calls_are_held() -> None:
 )
 def test_the_format_is_read_off_the_chat_template(template: str, fmt: ToolFormat) -> None:
     assert ToolTemplate.detect(template).format is fmt
+
+
+def test_a_named_parser_overrides_the_template() -> None:
+    hermes_template = "<tool_call>\n{{ tool_call | tojson }}\n</tool_call>"
+    assert ToolTemplate.detect(hermes_template, "pythonic").format is PYTHONIC
+    assert ToolTemplate.detect(hermes_template, "auto").format is ToolFormat.HERMES
+    assert {f.value for f in ToolFormat} | {"auto"} == set(TOOL_CALL_PARSERS)  # every format can be named
 
 
 def test_mistral_call_ids_are_nine_letters_or_digits_and_others_keep_openais_shape() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from typing import Any
@@ -176,3 +177,18 @@ def test_prepare_turns_a_forced_choice_into_the_constraint(smollm2_tokenizer: An
             SamplingParams(constraint=Constraint.json_object()),
         )
     assert error.value.param == "tool_choice"
+
+
+def test_a_mistral_template_keeps_special_tokens_in_the_text_so_its_marker_is_seen(smollm2_tokenizer: Any) -> None:
+    mistral = copy.copy(smollm2_tokenizer)
+    mistral.chat_template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}"
+        "[/AVAILABLE_TOOLS]{% endif %}{{ '[TOOL_CALLS] [' if false }}"
+    )
+    inputs = InputProcessor(mistral, 49152, 2048, eos_token_ids=[2])
+    messages = [ChatMessage("user", "Weather in Oslo?")]
+    prepared = inputs.prepare(ChatPrompt(messages, TOOLS), SamplingParams())
+    assert prepared.tool_parsing is not None and prepared.tool_parsing.format is ToolFormat.MISTRAL
+    assert prepared.params.skip_special_tokens is False
+    plain = inputs.prepare(ChatPrompt(messages, []), SamplingParams())  # no tools: nothing changes
+    assert plain.params.skip_special_tokens is True

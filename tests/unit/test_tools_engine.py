@@ -7,6 +7,7 @@ template has no tool support, so this also runs the fallback prompt end to end.
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.output.types import FinishReason
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
-from engine_server.tools import ToolChoice, ToolChoiceMode
+from engine_server.tools import ToolChoice, ToolChoiceMode, ToolFormat, ToolTemplate
 
 pytestmark = pytest.mark.slow  # the embedded model with tools
 
@@ -88,3 +89,23 @@ def test_auto_gives_content_or_valid_calls_and_history_renders(served_llm: LLM) 
         else:  # a plain answer (perhaps with a malformed call left in it, as written)
             assert choice.text and choice.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
     _check_calls(results[2].choices[0].tool_calls, set(TOOLS))
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.MISTRAL, ToolFormat.MISTRAL_V11])
+def test_forced_calls_in_mistrals_formats_parse_with_nine_character_ids(
+    served_llm: LLM, fmt: ToolFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine as a Mistral-template model would have it: the grammar writes the format, the parser reads it.
+    monkeypatch.setattr(served_llm.inputs, "tool_template", ToolTemplate(format=fmt))
+    prompts = [
+        ChatPrompt([ChatMessage("user", q)], list(TOOLS.values()), tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))
+        for q in ("What's the weather in Lyon?", "Find papers about tiny language models.")
+    ]
+    params = [SamplingParams(max_tokens=96, temperature=0.8, seed=i) for i in range(len(prompts))]
+    for result in served_llm.generate(prompts, params, use_tqdm=False):
+        (choice,) = result.choices
+        assert choice.text == "" and len(choice.tool_calls) == 1, choice.text
+        (call,) = choice.tool_calls
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id) and call.name in TOOLS
+        jsonschema.validate(json.loads(call.arguments_json), TOOLS[call.name].parameters)
+        assert choice.finish_reason is FinishReason.TOOL_CALLS
