@@ -527,6 +527,10 @@ QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quant
 # EngineConfig.tool_call_parser: "auto" (read off the chat template) or a format (engine_server.tools.ToolFormat).
 ToolCallParserName = Literal["auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder"]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
+# EngineConfig.reasoning_parser: "auto" (on when the chat template mentions <think>), "none", or a family whose
+# <think>...</think> reasoning is split off (engine_server.reasoning; both read the same tags).
+ReasoningParserName = Literal["auto", "none", "qwen3", "deepseek_r1"]
+REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParserName)
 QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)  # the command line's --quantization choices
 
 
@@ -555,6 +559,9 @@ class EngineConfig:
     # How tool calls are read from the output: "auto" picks the format the chat template implies
     # (engine_server/tools/template.py), a format's name forces it (vLLM's --tool-call-parser).
     tool_call_parser: ToolCallParserName = "auto"
+    # Whether a chat's <think>...</think> reasoning comes back apart from its content (reasoning_content): "auto"
+    # when the chat template mentions <think> (Qwen3, DeepSeek-R1), "none", or a parser's name (vLLM's flag).
+    reasoning_parser: ReasoningParserName = "auto"
     # Sampling values for the fields a request leaves unset (engine_server.generation_defaults): "auto" (the
     # model's own), "ladle" (OpenAI's) or the path of a generation_config.json (or of a folder holding one);
     # then override_generation_config, a JSON object such as '{"temperature": 0.7}', on top. vLLM's names.

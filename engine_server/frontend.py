@@ -17,6 +17,7 @@ from engine_server.core.request import Priority, Request, RequestStatus
 from engine_server.errors import ValidationError
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
+from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start
 from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
 from engine_server.tools import (
@@ -98,6 +99,8 @@ class Choice:
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
+    # A thinking model's reasoning, apart from `text` (`engine_server.reasoning`); a stream step's new part.
+    reasoning_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class PreparedPrompt:
     token_ids: list[int]
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
+    reasoning: ReasoningStart | None = None  # how the output's reasoning is split off (None: it is not)
 
 
 @dataclass
@@ -115,6 +119,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those generated inside the reasoning (its end tag included)
 
     @property
     def total_tokens(self) -> int:
@@ -152,14 +157,19 @@ class InputProcessor:
         eos_token_ids: Sequence[int],
         grammar_compiler: GrammarCompiler | None = None,
         tool_call_parser: str = "auto",
+        reasoning_parser: str = "auto",
     ) -> None:
-        """`tool_call_parser`: EngineConfig.tool_call_parser (the format tool calls are read in, or "auto")."""
+        """`tool_call_parser`: EngineConfig.tool_call_parser (the format tool calls are read in, or "auto");
+        `reasoning_parser`: EngineConfig.reasoning_parser (auto: on when the chat template mentions <think>)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_compiler = grammar_compiler
-        self.tool_template = ToolTemplate.detect(getattr(tokenizer, "chat_template", None), tool_call_parser)
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_template = ToolTemplate.detect(template, tool_call_parser)
+        thinks = THINK_OPEN in (str(template) if template is not None else "")
+        self.splits_reasoning = reasoning_parser not in ("auto", "none") or (reasoning_parser == "auto" and thinks)
 
     def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
         """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the
@@ -190,7 +200,8 @@ class InputProcessor:
         of its own is refused (ValidationError, param "tool_choice")."""
         if not isinstance(prompt, ChatPrompt):
             return PreparedPrompt(self.tokenize(prompt), params)
-        ids = self.tokenize(prompt)
+        text = _unicode(self.render(prompt), "messages")
+        ids = self._chat_ids(text)
         choice = prompt.effective_tool_choice
         if choice.forced:
             if params.constraint is not None:
@@ -204,13 +215,16 @@ class InputProcessor:
             # Mistral's tokenizers hold [TOOL_CALLS] as a special token: decoded with the special tokens skipped,
             # the calls' marker would vanish from the text (vLLM keeps them for this parser too).
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return PreparedPrompt(ids, params, parsing)
+        reasoning = reasoning_start(text) if self.splits_reasoning else None
+        return PreparedPrompt(ids, params, parsing, reasoning)
+
+    def _chat_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt. Chat is rendered with the model's template (which adds its own specials)."""
         if isinstance(prompt, ChatPrompt):
-            text = _unicode(self.render(prompt), "messages")
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
+            return self._chat_ids(_unicode(self.render(prompt), "messages"))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValidationError("prompt must not be empty", "prompt")
@@ -278,9 +292,11 @@ class RequestTracker:
         params: SamplingParams,
         token_text: TokenTextCodec | None = None,
         tool_parsing: ToolParsing | None = None,
+        reasoning: ReasoningStart | None = None,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
-        `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser."""
+        `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser, and
+        `reasoning` (from there too) first splits its reasoning off: the tool parser reads the content only."""
         self.params = params
         self.token_text = token_text or TokenTextCodec(tokenizer)
         self.result = GenerationResult(
@@ -288,6 +304,8 @@ class RequestTracker:
         )
         self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
         self._tool_streams = [ToolCallStream(tool_parsing) if tool_parsing else None for _ in range(params.n)]
+        self._reasoning = [ReasoningStream(reasoning) if reasoning else None for _ in range(params.n)]
+        self._tokenizer = tokenizer
 
     @property
     def needs_every_step(self) -> bool:
@@ -302,11 +320,20 @@ class RequestTracker:
         finish = _CORE_FINISH[output.status] if output.status is not None else None
         delta = self._processors[choice_index].process(new_ids, finish, output.stop_token_id)
         logprobs = self._logprobs(output) if self.params.logprobs else None
-        text, call_deltas = delta.text, list[ToolCallDelta]()
+        text, call_deltas, reasoning_text = delta.text, list[ToolCallDelta](), ""
         reason, matched = delta.finish_reason, delta.matched_stop
+        thinking = self._reasoning[choice_index]
+        if thinking is not None and choice.finish_reason is None:
+            reasoning_text, text = thinking.feed(text)
+            if delta.finished:
+                held_reasoning, held_text = thinking.finish()
+                reasoning_text, text = reasoning_text + held_reasoning, text + held_text
+                ids = [*choice.token_ids, *delta.token_ids]
+                self.result.usage.reasoning_tokens += thinking.reasoning_tokens(ids, self._decode)
+            choice.reasoning_text += reasoning_text
         tools = self._tool_streams[choice_index]
         if tools is not None and choice.finish_reason is None:
-            text, call_deltas = tools.feed(delta.text, final=delta.finished)
+            text, call_deltas = tools.feed(text, final=delta.finished)
             choice.tool_calls = list(tools.calls)
             if reason is not None:
                 reason, matched = tools.finish(reason, matched)
@@ -323,9 +350,13 @@ class RequestTracker:
             usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.num_cached_tokens)
         step = Choice(
             choice_index, text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs,
-            tool_call_deltas=call_deltas,
+            tool_call_deltas=call_deltas, reasoning_text=reasoning_text,
         )
         return step, delta.abort_core
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self._tokenizer.decode(list(token_ids), skip_special_tokens=self.params.skip_special_tokens)
+        return text
 
     def _logprobs(self, output: CoreOutput) -> list[TokenLogprob]:
         result = []

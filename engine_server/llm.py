@@ -99,6 +99,7 @@ class LLM:
             self.eos_token_ids,
             grammar_compiler=self.grammar_compiler,
             tool_call_parser=self.core.config.tool_call_parser,
+            reasoning_parser=self.core.config.reasoning_parser,
         )
         self.token_text = TokenTextCodec(self.tokenizer)
         self.pooling = ModelPooling.for_model(
@@ -144,7 +145,8 @@ class LLM:
             request_id = f"offline-{next(self._ids)}"
             requests = self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result())
             tracker = RequestTracker(
-                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing
+                self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
+                item.reasoning,
             )
             # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the
             # text grows) come once, at the finish, so their text is decoded once and per-step host work is small.

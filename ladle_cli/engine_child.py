@@ -41,7 +41,7 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
         "--kv-cache-mib", str(args.kv_cache_mib), "--grammar-timeout", str(args.grammar_timeout),
         "--async-scheduling", args.async_scheduling, "--quantization", args.quantization,
-        "--tool-call-parser", args.tool_call_parser,
+        "--tool-call-parser", args.tool_call_parser, "--reasoning-parser", args.reasoning_parser,
         "--generation-config", args.generation_config,
         "--override-generation-config", args.override_generation_config,
         "--batch-step-target", "auto" if args.batch_step_target is None else str(args.batch_step_target),

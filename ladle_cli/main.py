@@ -13,7 +13,7 @@ from typing import Any
 
 # --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
 from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
-from engine_server.config import QUANTIZATION_MODES, TOOL_CALL_PARSERS, SpeculativeConfig
+from engine_server.config import QUANTIZATION_MODES, REASONING_PARSERS, TOOL_CALL_PARSERS, SpeculativeConfig
 
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
@@ -101,6 +101,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--tool-call-parser", "auto", "the format tool calls are read in: auto (the one the chat "
          "template implies: Mistral's [TOOL_CALLS], Qwen3-Coder's XML, Hermes <tool_call>, pythonic for "
          "<|python_start|>, Llama 3 JSON; Hermes otherwise) or a format's name", choices=TOOL_CALL_PARSERS)
+    _add(parser, "--reasoning-parser", "auto", "split a chat's <think>...</think> reasoning off its content "
+         "(reasoning_content): auto (when the chat template mentions <think>), none, qwen3 or deepseek_r1",
+         choices=REASONING_PARSERS)
     _add(parser, "--tensor-parallel-size", 1, "split the model over this many processes (tensor parallelism): this "
          "one and N-1 workers, one GPU each on CUDA, an even share of the cores each on the CPU", type=int)
     _add(parser, "--speculative-config", "", "speculative decoding, as vLLM spells it: a JSON object with "
@@ -234,6 +237,7 @@ def _engine(args: argparse.Namespace) -> int:
             async_scheduling=ASYNC_SCHEDULING[args.async_scheduling],
             quantization=args.quantization,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config or None,
             speculative=args.speculative_config,

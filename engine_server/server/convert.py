@@ -237,9 +237,11 @@ def delta_message(delta: Choice) -> types_pb2.ChoiceDelta:
 
 
 def _set_choice_fields(message: types_pb2.Choice | types_pb2.ChoiceDelta, choice: Choice) -> None:
-    """The fields a whole choice and a delta of one share: index, text, token ids, finish reason, logprobs."""
+    """The fields a whole choice and a delta of one share: index, text, reasoning, token ids, finish reason,
+    logprobs."""
     message.index = choice.index
     message.text = choice.text
+    message.reasoning_content = choice.reasoning_text
     message.token_ids.extend(choice.token_ids)
     message.finish_reason = finish_reason(choice.finish_reason)
     message.logprobs.extend(logprob_message(lp) for lp in choice.logprobs or ())
@@ -285,6 +287,7 @@ def usage_message(usage: Usage) -> types_pb2.Usage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         cached_prompt_tokens=usage.cached_prompt_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
     )
 
 

@@ -140,7 +140,7 @@ class ServingEngine:
         )
         self.inputs = InputProcessor(
             tokenizer, core.model_config.vocab_size, core.max_model_len, eos, grammar_compiler=self.grammar_compiler,
-            tool_call_parser=core.config.tool_call_parser,
+            tool_call_parser=core.config.tool_call_parser, reasoning_parser=core.config.reasoning_parser,
         )  # fmt: skip
         self.token_text = TokenTextCodec(tokenizer)
         self.info = ModelInfo(
@@ -283,7 +283,8 @@ class ServingEngine:
             internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar, cache_salt=request.cache_salt
         )
         tracker = RequestTracker(
-            self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing
+            self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing,
+            prepared.reasoning,
         )
         stream = self.loop.add(internal_id, core_requests, final_only=whole and not tracker.needs_every_step,
                                wait=wait)

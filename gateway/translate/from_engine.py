@@ -30,16 +30,18 @@ def finish_reason(value: types_pb2.FinishReason.ValueType) -> str | None:
 
 def usage(messages: Iterable[types_pb2.Usage]) -> dict[str, Any]:
     """OpenAI usage summed over one or more engine requests."""
-    prompt = completion = cached = 0
+    prompt = completion = cached = reasoning = 0
     for u in messages:
         prompt += u.prompt_tokens
         completion += u.completion_tokens
         cached += u.cached_prompt_tokens
+        reasoning += u.reasoning_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
 
 
@@ -121,7 +123,10 @@ def chat_logprobs(logprobs: Sequence[types_pb2.TokenLogprob]) -> dict[str, Any]:
 def chat_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool) -> dict[str, Any]:
     """One finished choice as an OpenAI chat choice at position `index`."""
     calls = tool_calls(choice.tool_calls)
-    message: dict[str, Any] = {"role": "assistant", "content": choice.text if (choice.text or not calls) else None}
+    answered = choice.text or not (calls or choice.reasoning_content)
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text if answered else None}
+    if choice.reasoning_content:  # both names: clients read either (vLLM's `reasoning`, the older field)
+        message["reasoning_content"] = message["reasoning"] = choice.reasoning_content
     if calls:
         message["tool_calls"] = calls
     return {
@@ -138,6 +143,8 @@ def chat_delta(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> dict[str, A
     """The new content of one choice's stream delta as an OpenAI chat chunk choice (its finish reason, if any,
     goes in a chunk of its own: `finish_delta`)."""
     body: dict[str, Any] = {}
+    if delta.reasoning_content:
+        body["reasoning_content"] = body["reasoning"] = delta.reasoning_content
     if delta.text:
         body["content"] = delta.text
     if delta.tool_calls:
@@ -151,7 +158,7 @@ def chat_delta(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> dict[str, A
 
 
 def has_content(delta: types_pb2.ChoiceDelta) -> bool:
-    return bool(delta.text or delta.tool_calls or delta.logprobs)
+    return bool(delta.text or delta.reasoning_content or delta.tool_calls or delta.logprobs)
 
 
 def finish_delta(delta: types_pb2.ChoiceDelta, index: int, chat: bool) -> dict[str, Any]:

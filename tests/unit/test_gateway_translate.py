@@ -151,9 +151,22 @@ def test_choices_and_usage_back_to_openai() -> None:
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     ]
     usage = from_engine.usage([types_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1),
-                               types_pb2.Usage(prompt_tokens=4, completion_tokens=5)])
+                               types_pb2.Usage(prompt_tokens=4, completion_tokens=5, reasoning_tokens=3)])
     assert usage == {"prompt_tokens": 7, "completion_tokens": 7, "total_tokens": 14,
-                     "prompt_tokens_details": {"cached_tokens": 1}}
+                     "prompt_tokens_details": {"cached_tokens": 1},
+                     "completion_tokens_details": {"reasoning_tokens": 3}}
+
+
+def test_reasoning_comes_back_under_both_names_and_content_is_none_without_an_answer() -> None:
+    thought = from_engine.chat_choice(types_pb2.Choice(text="4", reasoning_content="2 + 2"), 0, False)["message"]
+    assert (thought["content"], thought["reasoning_content"], thought["reasoning"]) == ("4", "2 + 2", "2 + 2")
+    cut = from_engine.chat_choice(types_pb2.Choice(reasoning_content="still thinking"), 0, False)["message"]
+    assert cut["content"] is None and cut["reasoning_content"] == "still thinking"
+    plain = from_engine.chat_choice(types_pb2.Choice(text=""), 0, False)["message"]
+    assert plain["content"] == "" and "reasoning_content" not in plain and "reasoning" not in plain
+    delta = types_pb2.ChoiceDelta(reasoning_content="Adding")
+    assert from_engine.has_content(delta)
+    assert from_engine.chat_delta(delta, False)["delta"] == {"reasoning_content": "Adding", "reasoning": "Adding"}
 
 
 def test_completion_logprobs_offsets_count_from_the_echo() -> None:

@@ -652,12 +652,17 @@ class Choice(_message.Message):
     MATCHED_STOP_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the choice, 0..n-1."""
     text: _builtins.str
     """The generated text (without the matched stop string unless asked)."""
     finish_reason: Global___FinishReason.ValueType
     """Why the choice ended."""
+    reasoning_content: _builtins.str
+    """A thinking model's reasoning (its <think>...</think>, tags excluded), when the engine splits it off
+    (--reasoning-parser): then text holds only the answer after it. Empty otherwise.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The generated token ids, including the one that completed a stop string or the eos token."""
@@ -684,10 +689,11 @@ class Choice(_message.Message):
         matched_stop: Global___MatchedStop | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        reasoning_content: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -706,12 +712,15 @@ class ChoiceDelta(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     MATCHED_STOP_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position of the choice, 0..n-1."""
     text: _builtins.str
     """New text."""
     finish_reason: Global___FinishReason.ValueType
     """Set on the choice's last delta; UNSPECIFIED while it runs."""
+    reasoning_content: _builtins.str
+    """New reasoning (see Choice.reasoning_content); a delta carries reasoning, text, or neither."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """New token ids."""
@@ -738,10 +747,11 @@ class ChoiceDelta(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         matched_stop: Global___MatchedStop | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        reasoning_content: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["matched_stop", b"matched_stop"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "matched_stop", b"matched_stop", "reasoning_content", b"reasoning_content", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -831,6 +841,7 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt."""
     completion_tokens: _builtins.int
@@ -839,6 +850,8 @@ class Usage(_message.Message):
     """prompt_tokens + completion_tokens."""
     cached_prompt_tokens: _builtins.int
     """Prompt tokens served from the prefix cache instead of being computed."""
+    reasoning_tokens: _builtins.int
+    """Of completion_tokens, those of the reasoning (its tags included), when the engine splits it off."""
     def __init__(
         self,
         *,
@@ -846,10 +859,11 @@ class Usage(_message.Message):
         completion_tokens: _builtins.int = ...,
         total_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        reasoning_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

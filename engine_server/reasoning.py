@@ -1,0 +1,129 @@
+"""Reasoning split from the answer: a thinking model's `<think>…</think>` (Qwen3, DeepSeek-R1, QwQ) apart from its
+content, as vLLM's, SGLang's and llama.cpp's servers return it (`reasoning_content`).
+
+Where the reasoning starts is read off the rendered prompt (`reasoning_start`):
+- the prompt ends inside a `<think>` it opened (R1-style templates open it in the generation prompt): the output
+  is reasoning from its first character, up to `</think>`;
+- the prompt ends with a closed `<think>…</think>` (Qwen3's template with `enable_thinking: false` writes an empty
+  one): no reasoning is expected and nothing is split;
+- otherwise the output is reasoning only when it opens with `<think>` itself (after any whitespace).
+`ReasoningStream` applies that to one choice's text as it arrives, under the tool parsers' contract: what it
+releases does not depend on how the text was split, a partial tag is held back (never shown and taken back), and
+an output cut inside its reasoning (max_tokens) has reasoning and no content. The tags themselves are in neither
+part; the whitespace between `</think>` and the answer is dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningStart(enum.Enum):
+    """Where a choice's reasoning starts (see the module docstring)."""
+
+    INSIDE = "inside"  # the prompt opened <think>: the output starts in the reasoning
+    IF_OPENED = "if_opened"  # the output is reasoning if it opens with <think>
+
+
+def reasoning_start(prompt_text: str) -> ReasoningStart | None:
+    """How a choice of a prompt rendered as `prompt_text` is split; None: it is not (the prompt closed the
+    reasoning itself)."""
+    opened, closed = prompt_text.rfind(THINK_OPEN), prompt_text.rfind(THINK_CLOSE)
+    if opened > closed and not prompt_text[opened + len(THINK_OPEN) :].strip():
+        return ReasoningStart.INSIDE
+    if closed >= 0 and not prompt_text[closed + len(THINK_CLOSE) :].strip():
+        return None
+    return ReasoningStart.IF_OPENED
+
+
+class _State(enum.Enum):
+    OPENING = "opening"  # the output may still open with <think>
+    REASONING = "reasoning"
+    ANSWER_START = "answer_start"  # after </think>: leading whitespace is dropped
+    CONTENT = "content"
+
+
+class ReasoningStream:
+    """One choice's text split into reasoning and content as it arrives (see the module docstring)."""
+
+    def __init__(self, start: ReasoningStart) -> None:
+        self._state = _State.REASONING if start is ReasoningStart.INSIDE else _State.OPENING
+        self._held = ""
+        self.entered = self._state is _State.REASONING  # the output has (had) a reasoning
+
+    def reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
+        """How many of the finished output's `token_ids` make its reasoning: none without one, all of them when
+        the output ended inside it, else those up to the one that completes `</think>` (found by `decode`-ing
+        prefixes: a token's text may hold part of a tag, or several tags)."""
+        if not self.entered:
+            return 0
+        if self._state is _State.REASONING:
+            return len(token_ids)
+        low, high = 1, len(token_ids)  # the shortest prefix whose text holds the closing tag
+        while low < high:
+            middle = (low + high) // 2
+            if THINK_CLOSE in decode(token_ids[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far ended inside the reasoning (not merely before an opening tag may come)."""
+        return self._state is _State.REASONING
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) released by `text`."""
+        self._held += text
+        reasoning, content = "", ""
+        while self._held:
+            if self._state is _State.OPENING:
+                head = self._held.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self._held = head[len(THINK_OPEN) :]
+                    self._state = _State.REASONING
+                    self.entered = True
+                elif THINK_OPEN.startswith(head):  # whitespace, or a partial tag: wait
+                    break
+                else:
+                    self._state = _State.CONTENT
+            elif self._state is _State.REASONING:
+                end = self._held.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _partial_suffix_len(self._held, THINK_CLOSE)
+                    reasoning += self._held[: len(self._held) - keep]
+                    self._held = self._held[len(self._held) - keep :]
+                    break
+                reasoning += self._held[:end]
+                self._held = self._held[end + len(THINK_CLOSE) :]
+                self._state = _State.ANSWER_START
+            elif self._state is _State.ANSWER_START:
+                self._held = self._held.lstrip()
+                if self._held:
+                    self._state = _State.CONTENT
+            else:
+                content += self._held
+                self._held = ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) still held at the end of the output."""
+        held, self._held = self._held, ""
+        if self._state is _State.REASONING:
+            return held, ""  # a partial closing tag at the very end: part of the reasoning as written
+        if self._state is _State.OPENING:
+            self._state = _State.CONTENT
+            return "", held  # whitespace, or the start of a tag that never came
+        return "", "" if self._state is _State.ANSWER_START else held
+
+
+def _partial_suffix_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0

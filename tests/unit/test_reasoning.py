@@ -1,0 +1,106 @@
+"""Reasoning split from the answer: where it starts (read off the prompt), and a stream cut anywhere."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import pytest
+
+from engine_server.frontend import ChatPrompt, InputProcessor
+from engine_server.reasoning import ReasoningStart, ReasoningStream, reasoning_start
+from engine_server.sampling_params import SamplingParams
+from engine_server.tokenizer.chat import ChatMessage
+
+INSIDE, IF_OPENED = ReasoningStart.INSIDE, ReasoningStart.IF_OPENED
+
+
+@pytest.mark.parametrize(
+    ("prompt", "start"),
+    [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", IF_OPENED),  # Qwen3, thinking on
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None),  # Qwen3 with enable_thinking: false
+        ("<｜User｜>Hi<｜Assistant｜><think>\n", INSIDE),  # DeepSeek-R1 opens it in the prompt
+        ("user: what is <think>? assistant: ", IF_OPENED),  # a tag the user wrote, not at the end
+        ("earlier <think>a</think> reply. user: more <|im_start|>assistant\n", IF_OPENED),  # history
+    ],
+)
+def test_where_the_reasoning_starts_is_read_off_the_prompt(prompt: str, start: ReasoningStart | None) -> None:
+    assert reasoning_start(prompt) is start
+
+
+def _split(text: str, start: ReasoningStart, cuts: list[int]) -> tuple[str, str]:
+    stream = ReasoningStream(start)
+    reasoning = content = ""
+    for begin, end in itertools.pairwise([0, *cuts, len(text)]):
+        r, c = stream.feed(text[begin:end])
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.finish()
+    return reasoning + r, content + c
+
+
+CASES = [
+    ("<think>\nLet me add 2 and 2.\n</think>\n\nIt is 4.", IF_OPENED, "\nLet me add 2 and 2.\n", "It is 4."),
+    ("\n<think>short</think>4", IF_OPENED, "short", "4"),
+    ("It is 4.", IF_OPENED, "", "It is 4."),
+    ("<thin", IF_OPENED, "", "<thin"),  # the start of a tag that never came is content
+    ("  ", IF_OPENED, "", "  "),
+    ("Let me add.\n</think>\n\nIt is 4.", INSIDE, "Let me add.\n", "It is 4."),
+    ("Still thinking when max_tokens cut", INSIDE, "Still thinking when max_tokens cut", ""),
+    ("cut at the tag </thi", INSIDE, "cut at the tag </thi", ""),
+    ("a < b, </think>done. <think> stays", INSIDE, "a < b, ", "done. <think> stays"),
+    ("<think>x</think>\n\n", IF_OPENED, "x", ""),
+]
+
+
+@pytest.mark.parametrize(("text", "start", "reasoning", "content"), CASES)
+def test_a_stream_cut_anywhere_splits_like_the_whole_text(
+    text: str, start: ReasoningStart, reasoning: str, content: str
+) -> None:
+    assert _split(text, start, []) == (reasoning, content)
+    for cut in range(1, len(text)):
+        assert _split(text, start, [cut]) == (reasoning, content), cut
+    assert _split(text, start, list(range(1, len(text)))) == (reasoning, content)
+
+
+def test_a_partial_tag_is_held_and_reasoning_streams_as_it_comes() -> None:
+    stream = ReasoningStream(IF_OPENED)
+    assert stream.feed("<th") == ("", "") and not stream.in_reasoning  # not yet
+    assert stream.feed("ink>Adding") == ("Adding", "") and stream.in_reasoning
+    assert stream.feed(" two.</") == (" two.", "")
+    assert stream.feed("think>\n") == ("", "") and not stream.in_reasoning
+    assert stream.feed("Four.") == ("", "Four.")
+    assert stream.finish() == ("", "")
+
+
+QWEN3_LIKE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+R1_LIKE = "{%- for m in messages %}<｜User｜>{{ m.content }}{%- endfor %}<｜Assistant｜><think>\n"
+
+
+@pytest.mark.parametrize(
+    ("template", "kwargs", "start"),
+    [
+        (QWEN3_LIKE, None, IF_OPENED),
+        (QWEN3_LIKE, {"enable_thinking": True}, IF_OPENED),
+        (QWEN3_LIKE, {"enable_thinking": False}, None),  # splits nothing
+        (R1_LIKE, None, INSIDE),
+    ],
+)
+def test_a_thinking_template_turns_the_split_on_and_its_prompt_says_where(
+    smollm2_tokenizer: Any, template: str, kwargs: dict[str, Any] | None, start: ReasoningStart | None
+) -> None:
+    tokenizer = copy.copy(smollm2_tokenizer)
+    tokenizer.chat_template = template
+    inputs = InputProcessor(tokenizer, 49152, 2048, eos_token_ids=[2])
+    assert inputs.splits_reasoning  # auto: the template mentions <think>
+    prompt = ChatPrompt([ChatMessage("user", "What is 2 + 2?")], template_kwargs=kwargs or {})
+    assert inputs.prepare(prompt, SamplingParams()).reasoning is start
+    off = InputProcessor(tokenizer, 49152, 2048, eos_token_ids=[2], reasoning_parser="none")
+    assert off.prepare(prompt, SamplingParams()).reasoning is None
+    plain = InputProcessor(smollm2_tokenizer, 49152, 2048, eos_token_ids=[2])  # no <think> in its template
+    assert not plain.splits_reasoning and plain.prepare(prompt, SamplingParams()).reasoning is None
