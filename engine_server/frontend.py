@@ -216,6 +216,9 @@ class InputProcessor:
             # the calls' marker would vanish from the text (vLLM keeps them for this parser too).
             params = dataclasses.replace(params, skip_special_tokens=False)
         reasoning = reasoning_start(text) if self.splits_reasoning else None
+        if reasoning is not None and params.constraint is not None and not params.constraint.after_reasoning:
+            # The reasoning is free; a response_format or a forced tool call constrains the answer after it.
+            params = dataclasses.replace(params, constraint=params.constraint.after(reasoning.value))
         return PreparedPrompt(ids, params, parsing, reasoning)
 
     def _chat_ids(self, text: str) -> list[int]:

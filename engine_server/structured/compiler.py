@@ -98,6 +98,8 @@ class XGrammarCompile:
         )
 
     def __call__(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        if constraint.after_reasoning in ("inside", "if_opened"):
+            return self._compiler.compile_grammar(after_reasoning(self.grammar(constraint), constraint.after_reasoning))
         kind = constraint.kind
         if kind is ConstraintKind.JSON_SCHEMA:
             return self._compiler.compile_json_schema(constraint.spec, **self._json_kwargs)
@@ -109,6 +111,42 @@ class XGrammarCompile:
         if kind is ConstraintKind.CHOICE:
             return self._compiler.compile_grammar(choice_ebnf(constraint.choices))
         return self._compiler.compile_grammar(constraint.spec)
+
+    def grammar(self, constraint: Constraint) -> xgr.Grammar:
+        """The constraint's language as an uncompiled grammar (what `__call__` compiles, for its own kinds)."""
+        kind = constraint.kind
+        if kind is ConstraintKind.JSON_SCHEMA:
+            return xgr.Grammar.from_json_schema(constraint.spec, **self._json_kwargs)
+        if kind is ConstraintKind.JSON_OBJECT:
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **self._json_kwargs)
+        if kind is ConstraintKind.REGEX:
+            return xgr.Grammar.from_regex(constraint.spec)
+        if kind is ConstraintKind.CHOICE:
+            return xgr.Grammar.from_ebnf(choice_ebnf(constraint.choices))
+        return xgr.Grammar.from_ebnf(constraint.spec)
+
+
+# A reasoning up to its closing tag: any text in which "</think>" does not occur, then the tag and the whitespace
+# before the answer. The alternatives spell "not the tag" one prefix at a time; the optional last one lets the
+# reasoning end on a prefix ("a<" then "</think>"). xgrammar's parser takes the ambiguity this leaves.
+_REASONING_EBNF = r"""
+root ::= reasoning "</think>" [ \n\t\r]*
+reasoning ::= ([^<] | "<" [^/] | "</" [^t] | "</t" [^h] | "</th" [^i] | "</thi" [^n] | "</thin" [^k]
+    | "</think" [^>])* ("<" | "</" | "</t" | "</th" | "</thi" | "</thin" | "</think")?
+"""
+_OPEN_EBNF = r'root ::= [ \n\t\r]* "<think>"'
+
+
+def after_reasoning(answer: xgr.Grammar, start: str) -> xgr.Grammar:
+    """`answer` after a thinking model's reasoning (`Constraint.after_reasoning`): "inside" (the prompt opened
+    <think>): the reasoning, its end tag, then the answer; "if_opened": that after an opening <think>, or the
+    answer alone."""
+    thought = xgr.Grammar.concat(xgr.Grammar.from_ebnf(_REASONING_EBNF), answer)
+    if start == "inside":
+        return thought
+    if start == "if_opened":
+        return xgr.Grammar.union(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_OPEN_EBNF), thought), answer)
+    raise ValueError(f"after_reasoning must be inside or if_opened, got {start!r}")
 
 
 @dataclass(eq=False)

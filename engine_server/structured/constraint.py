@@ -6,6 +6,7 @@ job of `engine_server.structured.compiler`; this module never imports xgrammar.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from collections.abc import Iterable, Mapping
@@ -44,6 +45,11 @@ class Constraint:
     kind: ConstraintKind
     spec: str = ""
     choices: tuple[str, ...] = ()
+    # A thinking model's reasoning comes first, free, and the language constrains what follows its </think>
+    # (engine_server.reasoning): "inside" when the prompt opened <think>, "if_opened" when the output may open it
+    # (or answer at once). "" constrains the whole output, unless the engine splits a reasoning off, which then
+    # sets one of those; "none" constrains the whole output in any case (a grammar that spells the reasoning too).
+    after_reasoning: str = ""
 
     @classmethod
     def json_schema(cls, schema: str | Mapping[str, Any]) -> Constraint:
@@ -66,6 +72,10 @@ class Constraint:
     def grammar(cls, ebnf: str) -> Constraint:
         return cls(ConstraintKind.GRAMMAR, ebnf)
 
+    def after(self, reasoning: str) -> Constraint:
+        """This constraint on what follows a reasoning that starts as `reasoning` says (see `after_reasoning`)."""
+        return dataclasses.replace(self, after_reasoning=reasoning)
+
     @property
     def param(self) -> str:
         """The request field this constraint came from, for ValidationError.param (the proto field name)."""
@@ -73,6 +83,8 @@ class Constraint:
 
     def validate(self) -> None:
         """Raise ValidationError on a malformed constraint. Cheap: it checks shape, not compilability."""
+        if self.after_reasoning not in ("", "inside", "if_opened", "none"):
+            raise ValidationError(f"unknown after_reasoning {self.after_reasoning!r}", param="constraint")
         if not isinstance(self.kind, ConstraintKind):
             raise ValidationError(f"unknown constraint kind {self.kind!r}", param="constraint")
         if self.kind is ConstraintKind.CHOICE:

@@ -1,6 +1,9 @@
-"""A thinking model's reasoning apart from its answer, end to end: an engine started with `--reasoning-parser
-qwen3` on the embedded model, made to think by a constraint that spells a reasoning and an answer, seen by the
-official OpenAI SDK (chat, streamed and not), the batched-chat route and a gRPC stub."""
+"""A thinking model's reasoning apart from its answer, end to end: `ladle engine` on a small random model whose
+chat template opens `<think>` in the prompt, as DeepSeek-R1's does (so `--reasoning-parser auto` turns the split on
+and every output starts inside the reasoning), cut by max_tokens before it closes: the official OpenAI SDK (chat,
+streamed and not), the batched-chat route and a gRPC stub all see the reasoning, no content, and its tokens
+counted. How a reasoning and an answer are told apart, and a constraint on the answer after it, are tested
+through the engine in tests/unit/test_reasoning_engine.py."""
 
 from __future__ import annotations
 
@@ -15,73 +18,83 @@ import pytest
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
+from tests.families import save_family
 
 pytestmark = pytest.mark.slow
 
-THOUGHT = "\nTwo and two make four.\n"
-ANSWER = "It is 4."
-SCRIPT = {"structured_outputs": {"choice": [f"<think>{THOUGHT}</think>\n\n{ANSWER}"]}}
+R1_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
-MODEL = "SmolLM2-135M-Instruct"
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProcess, GatewayProcess]]:
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, EngineProcess, GatewayProcess]]:
     root: Path = tmp_path_factory.mktemp("reasoning")
-    engine = start_engine(root / "engine.log", "--reasoning-parser", "qwen3")
+    folder = save_family(root / "model", "mistral-window")
+    (folder / "chat_template.jinja").write_text(R1_TEMPLATE)
+    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
     gateway = start_gateway(root / "gateway.log", engine.address)
-    yield engine, gateway
+    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as sdk:
+        model = sdk.models.list().data[0].id
+    yield model, engine, gateway
     assert gateway.stop() == 0 and engine.stop() == 0
 
 
 @pytest.fixture(scope="module")
-def client(thinking: tuple[EngineProcess, GatewayProcess]) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=thinking[1].base_url, api_key="unused", max_retries=0, timeout=300) as sdk:
+def client(thinking: tuple[str, EngineProcess, GatewayProcess]) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=thinking[2].base_url, api_key="unused", max_retries=0, timeout=300) as sdk:
         yield sdk
 
 
-def test_the_sdk_sees_reasoning_content_and_the_answer(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=96, extra_body=SCRIPT)
-    message = reply.choices[0].message
-    extra = message.model_extra or {}
-    assert (extra["reasoning_content"], extra["reasoning"], message.content) == (THOUGHT, THOUGHT, ANSWER)
+def test_the_sdk_sees_the_reasoning_and_its_tokens(
+    client: openai.OpenAI, thinking: tuple[str, EngineProcess, GatewayProcess]
+) -> None:
+    reply = client.chat.completions.create(model=thinking[0], messages=QUESTION, max_tokens=MAX_TOKENS,
+                                           temperature=0)  # type: ignore[arg-type]  # fmt: skip
+    choice = reply.choices[0]
+    extra = choice.message.model_extra or {}
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert extra["reasoning_content"] == extra["reasoning"] != ""
     assert reply.usage is not None and reply.usage.completion_tokens_details is not None
-    assert 0 < (reply.usage.completion_tokens_details.reasoning_tokens or 0) < reply.usage.completion_tokens
+    assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens == MAX_TOKENS
     # Sent back in the history, the reasoning is accepted (and dropped).
-    history = [*QUESTION, {"role": "assistant", "content": ANSWER, "reasoning_content": THOUGHT}]
-    follow_up = [*history, {"role": "user", "content": "And 3 + 3?"}]
-    again = client.chat.completions.create(model=MODEL, messages=follow_up, max_tokens=8)
-    assert again.choices[0].finish_reason in ("stop", "length")
+    history = [*QUESTION, {"role": "assistant", "content": "4", "reasoning_content": extra["reasoning_content"]},
+               {"role": "user", "content": "And 3 + 3?"}]  # fmt: skip
+    again = client.chat.completions.create(model=thinking[0], messages=history, max_tokens=4)  # type: ignore[arg-type]
+    assert again.choices[0].finish_reason == "length"
 
 
-def test_streamed_deltas_carry_reasoning_then_content_and_never_a_tag(client: openai.OpenAI) -> None:
-    reasoning, content = "", ""
-    for chunk in client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=96, stream=True,
-                                                extra_body=SCRIPT):  # fmt: skip
+def test_streamed_deltas_carry_the_reasoning_and_no_content(
+    client: openai.OpenAI, thinking: tuple[str, EngineProcess, GatewayProcess]
+) -> None:
+    whole = client.chat.completions.create(model=thinking[0], messages=QUESTION, max_tokens=MAX_TOKENS,
+                                           temperature=0)  # type: ignore[arg-type]  # fmt: skip
+    reasoning = ""
+    for chunk in client.chat.completions.create(model=thinking[0], messages=QUESTION, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True):  # type: ignore[arg-type]  # fmt: skip
         for choice in chunk.choices:
-            piece = (choice.delta.model_extra or {}).get("reasoning_content") or ""
-            assert not (piece and choice.delta.content)  # one field a delta
-            assert content == "" or not piece  # no reasoning after the answer began
-            reasoning += piece
-            content += choice.delta.content or ""
-    assert (reasoning, content) == (THOUGHT, ANSWER)
-    assert "<think>" not in reasoning + content and "</think>" not in reasoning + content
+            assert not choice.delta.content
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+    assert reasoning == (whole.choices[0].message.model_extra or {})["reasoning_content"]
 
 
-def test_the_batched_chat_route_and_a_grpc_stub_see_it_too(thinking: tuple[EngineProcess, GatewayProcess]) -> None:
-    engine, gateway = thinking
-    body = {"model": MODEL, "messages": [QUESTION, QUESTION], "max_tokens": 96, **SCRIPT}
+def test_the_batched_chat_route_and_a_grpc_stub_see_it_too(thinking: tuple[str, EngineProcess, GatewayProcess]) -> None:
+    model, engine, gateway = thinking
+    body = {"model": model, "messages": [QUESTION, QUESTION], "max_tokens": MAX_TOKENS, "temperature": 0}
     reply = httpx.post(f"{gateway.url}/v1/chat/completions/batch", json=body, timeout=300).json()
-    for choice in reply["choices"]:
-        assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (THOUGHT, ANSWER)
-    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    first = reply["choices"][0]["message"]
+    assert first["reasoning_content"] and first["content"] is None
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * MAX_TOKENS
     with grpc.insecure_channel(engine.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         chat = types_pb2.ChatInput(messages=[types_pb2.ChatMessage(role="user", content="What is 2 + 2?")])
         request = engine_pb2.GenerateRequest(
-            input=types_pb2.Input(chat=chat), sampling=types_pb2.SamplingParams(max_tokens=96),
-            constraint=types_pb2.Constraint(choice=types_pb2.ChoiceList(choices=[f"<think>{THOUGHT}</think>\n\n{ANSWER}"])),
-        )  # fmt: skip
+            input=types_pb2.Input(chat=chat), sampling=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+        )
         response = stub.Generate(request, timeout=300)
     (choice,) = response.choices
-    assert (choice.reasoning_content, choice.text) == (THOUGHT, ANSWER) and response.usage.reasoning_tokens > 0
+    assert choice.reasoning_content == first["reasoning_content"] and choice.text == ""
+    assert response.usage.reasoning_tokens == MAX_TOKENS

@@ -16,8 +16,9 @@ from engine_server.tools import ToolChoice, ToolChoiceMode
 pytestmark = pytest.mark.slow  # the embedded model
 
 THOUGHT = "\nTwo and two make four.\n"
-# Whatever the model would say, it says this: a reasoning, then an answer.
-SCRIPT = Constraint.choice([f"<think>{THOUGHT}</think>\n\nIt is 4."])
+# Whatever the model would say, it says this: a reasoning, then an answer ("none": the grammar spells the whole
+# output, reasoning included, where the engine would otherwise constrain only the answer after it).
+SCRIPT = Constraint.choice([f"<think>{THOUGHT}</think>\n\nIt is 4."]).after("none")
 QUESTION = [ChatMessage("user", "What is 2 + 2?")]
 
 
@@ -58,7 +59,7 @@ def test_without_the_split_the_tags_stay_in_the_text(served_llm: LLM) -> None:
 def test_tool_calls_are_read_from_the_answer_not_the_reasoning(thinking_llm: LLM) -> None:
     tool = ChatTool("add", "Add two numbers", {"type": "object", "properties": {"a": {"type": "integer"}}})
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
-    script = Constraint.choice([f"<think>I could write {call} here.</think>\n{call}"])
+    script = Constraint.choice([f"<think>I could write {call} here.</think>\n{call}"]).after("none")
     prompt = ChatPrompt(QUESTION, [tool], tool_choice=ToolChoice(ToolChoiceMode.AUTO))
     (result,) = thinking_llm.generate([prompt], SamplingParams(max_tokens=96, constraint=script), use_tqdm=False)
     (choice,) = result.choices
@@ -66,3 +67,14 @@ def test_tool_calls_are_read_from_the_answer_not_the_reasoning(thinking_llm: LLM
     assert choice.text == "" and [(c.name, json.loads(c.arguments_json)) for c in choice.tool_calls] == [
         ("add", {"a": 2})
     ]
+
+
+def test_a_json_schema_constrains_the_answer_after_the_reasoning(thinking_llm: LLM) -> None:
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"],
+              "additionalProperties": False}  # fmt: skip
+    params = [SamplingParams(max_tokens=160, temperature=1.0, seed=s, constraint=Constraint.json_schema(schema))
+              for s in range(6)]  # fmt: skip
+    for result in thinking_llm.generate([ChatPrompt(QUESTION)] * 6, params, use_tqdm=False):
+        (choice,) = result.choices
+        if choice.finish_reason is FinishReason.STOP:
+            assert json.loads(choice.text).keys() == {"sum"}, (choice.reasoning_text, choice.text)

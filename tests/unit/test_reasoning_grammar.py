@@ -1,0 +1,85 @@
+"""A constraint after a thinking model's reasoning: the reasoning is free, what follows its </think> is the
+constraint's language. Random walks of the compiled grammar, split as the engine splits them, always leave an
+answer that satisfies the constraint."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from engine_server.reasoning import ReasoningStart, ReasoningStream
+from engine_server.structured import Constraint
+from engine_server.structured.compiler import GrammarCompilerConfig, XGrammarCompile
+
+# Every printable ASCII character, newline, and the two tags as tokens of their own (as Qwen3's vocabulary has
+# them), so that a walk may think, close its thought and answer within a few hundred steps.
+VOCAB = ["<end>", "\n", *(chr(c) for c in range(32, 127)), "<think>", "</think>"]
+END, OPEN, CLOSE = 0, len(VOCAB) - 2, len(VOCAB) - 1
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
+          "additionalProperties": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compile_fn() -> XGrammarCompile:
+    info = xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, stop_token_ids=[END])
+    return XGrammarCompile(info, GrammarCompilerConfig())
+
+
+def _walk(grammar: xgr.CompiledGrammar, rng: random.Random, max_steps: int = 300) -> str | None:
+    """A random sentence (a tag is picked often when allowed), or None if it ran too long."""
+    matcher = xgr.GrammarMatcher(grammar)
+    mask = xgr.allocate_token_bitmask(1, len(VOCAB))
+    text = ""
+    for _ in range(max_steps):
+        matcher.fill_next_token_bitmask(mask)
+        words = mask[0].numpy().view(np.uint32)
+        allowed = [i for i in range(len(VOCAB)) if (words[i // 32] >> (i % 32)) & 1]
+        if END in allowed and (len(allowed) == 1 or rng.random() < 0.3):
+            return text
+        tags = [t for t in (OPEN, CLOSE) if t in allowed]
+        others = [i for i in allowed if i != END]
+        token = tags[0] if tags and rng.random() < (0.5 if tags[0] == OPEN else 0.08) else rng.choice(others)
+        assert matcher.accept_token(token)
+        text += VOCAB[token]
+    return None
+
+
+def _split(text: str, start: ReasoningStart) -> tuple[str, str]:
+    stream = ReasoningStream(start)
+    reasoning, content = stream.feed(text)
+    held_reasoning, held_content = stream.finish()
+    return reasoning + held_reasoning, content + held_content
+
+
+@pytest.mark.parametrize("start", [ReasoningStart.INSIDE, ReasoningStart.IF_OPENED])
+@pytest.mark.parametrize("kind", ["regex", "json"])
+def test_the_answer_after_any_reasoning_satisfies_the_constraint(
+    compile_fn: XGrammarCompile, start: ReasoningStart, kind: str
+) -> None:
+    constraint = Constraint.regex("(yes|no)") if kind == "regex" else Constraint.json_schema(PERSON)
+    grammar = compile_fn(constraint.after(start.value))
+    rng = random.Random(11)
+    walks = [w for w in (_walk(grammar, rng) for _ in range(80)) if w is not None]
+    assert len(walks) >= 40
+    thought = 0
+    for text in walks:
+        reasoning, answer = _split(text, start)
+        if kind == "regex":
+            assert re.fullmatch("(yes|no)", answer), text
+        else:
+            jsonschema.validate(json.loads(answer), PERSON)
+        thought += bool(reasoning)
+    assert thought >= 10  # walks do think, with text of their own
+    if start is ReasoningStart.IF_OPENED:
+        assert thought < len(walks)  # and some answer at once
+
+
+def test_without_a_reasoning_the_constraint_is_the_whole_output(compile_fn: XGrammarCompile) -> None:
+    matcher = xgr.GrammarMatcher(compile_fn(Constraint.regex("(yes|no)")))
+    assert not matcher.accept_token(OPEN)
