@@ -52,7 +52,7 @@ def batch_object(record: BatchRecord) -> dict[str, Any]:
             "input_tokens": record.prompt_tokens,
             "input_tokens_details": {"cached_tokens": record.cached_tokens},
             "output_tokens": record.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": record.reasoning_tokens},
             "total_tokens": record.prompt_tokens + record.completion_tokens,
         },
         "metadata": record.metadata,

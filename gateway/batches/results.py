@@ -30,6 +30,7 @@ class _Totals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class ResultSink:
@@ -105,6 +106,7 @@ def _count(delta: _Totals, result: LineResult) -> None:
         delta.prompt_tokens += usage.prompt_tokens
         delta.completion_tokens += usage.completion_tokens
         delta.cached_tokens += usage.cached_prompt_tokens
+        delta.reasoning_tokens += usage.reasoning_tokens
 
 
 def committed_custom_ids(blobs: BlobStore, store: BatchStore, batch_id: str) -> set[str]:

@@ -51,6 +51,7 @@ class BatchRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
     lease_expires_at: float | None = None
     failures: int = 0
     last_error: str | None = None
@@ -70,7 +71,7 @@ class BatchRecord:
             output_file_id=row.output_file_id, error_file_id=row.error_file_id, times=times, total=row.total,
             completed=row.completed, failed=row.failed, prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-            lease_expires_at=row.lease_expires_at, failures=row.failures, last_error=row.last_error,
+            reasoning_tokens=row.reasoning_tokens, lease_expires_at=row.lease_expires_at, failures=row.failures, last_error=row.last_error,
             project=row.project,
             output_expires_after_s=row.output_expires_after_s,
             unfinished_claims=row.unfinished_claims, transient_failures=row.transient_failures,
@@ -121,6 +122,7 @@ class Progress:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -395,7 +397,7 @@ class BatchStore:
 
 
 _NO_LEASE: dict[str, Any] = {"lease_expires_at": None, "lease_owner": None}
-_COUNT_COLUMNS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens")
+_COUNT_COLUMNS = ("completed", "failed", "prompt_tokens", "completion_tokens", "cached_tokens", "reasoning_tokens")
 
 
 def _check_result_bytes(c: Connection, claim: Claim, progress: Progress, now: float, max_project_bytes: int) -> None:

@@ -63,6 +63,7 @@ batches = Table(
     Column("prompt_tokens", BigInteger, nullable=False, default=0),
     Column("completion_tokens", BigInteger, nullable=False, default=0),
     Column("cached_tokens", BigInteger, nullable=False, default=0),
+    Column("reasoning_tokens", BigInteger, nullable=False, server_default="0"),  # of completion_tokens
     # The lease: who works on the batch until when. `lease_epoch` grows with every claim and fences writes: a
     # worker whose claim was superseded can no longer commit anything.
     Column("lease_owner", String(128), nullable=True),
@@ -101,6 +102,7 @@ segments = Table(
     Column("prompt_tokens", BigInteger, nullable=False, server_default="0"),
     Column("completion_tokens", BigInteger, nullable=False, server_default="0"),
     Column("cached_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("reasoning_tokens", BigInteger, nullable=False, server_default="0"),
 )
 
 # The failed attempts of a running batch's lines that have any (gateway.batches.attempts), so that a line's attempts

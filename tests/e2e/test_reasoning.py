@@ -7,6 +7,10 @@ through the engine in tests/unit/test_reasoning_engine.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,3 +102,36 @@ def test_the_batched_chat_route_and_a_grpc_stub_see_it_too(thinking: tuple[str, 
     (choice,) = response.choices
     assert choice.reasoning_content == first["reasoning_content"] and choice.text == ""
     assert response.usage.reasoning_tokens == MAX_TOKENS
+
+
+def test_a_batch_job_and_ladle_batch_carry_the_reasoning_and_count_its_tokens(
+    client: openai.OpenAI, thinking: tuple[str, EngineProcess, GatewayProcess], tmp_path: Path
+) -> None:
+    model, engine, _ = thinking
+    body = {"model": model, "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0}
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(3)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with source.open("rb") as f:
+        file_id = client.files.create(file=f, purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 240
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.output_file_id is not None
+    results = [json.loads(row) for row in client.files.content(batch.output_file_id).text.splitlines()]
+    for result in results:
+        assert result["response"]["body"]["choices"][0]["message"]["reasoning_content"]
+    usage = batch.to_dict()["usage"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 3 * MAX_TOKENS == usage["output_tokens"]
+
+    output = tmp_path / "out.jsonl"
+    offline = [sys.executable, "-m", "ladle_cli", "batch", "-i", str(source), "-o", str(output), "--engine",
+               engine.address]  # fmt: skip
+    run = subprocess.run(offline, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for row in output.read_text().splitlines():
+        reply = json.loads(row)["response"]["body"]
+        assert reply["choices"][0]["message"]["reasoning_content"]
+        assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == MAX_TOKENS
