@@ -6,7 +6,9 @@ names never collide:
 - one call of tool T (Hermes): `<tool_call>\n{"name": "T", "arguments": ` ARGS(T) `}\n</tool_call>`;
 - one call of tool T (Llama 3 JSON): `{"name": "T", "parameters": ` ARGS(T) `}`;
 - one call of tool T (Mistral): `[TOOL_CALLS] [{"name": "T", "arguments": ` ARGS(T) `}]`, from v11
-  `[TOOL_CALLS]T[ARGS]` ARGS(T); the pythonic and Qwen3-Coder formats have no grammar yet (a ValidationError);
+  `[TOOL_CALLS]T[ARGS]` ARGS(T);
+- one call of tool T (Qwen3-Coder): `<tool_call>\n<function=T>\n`, a `<parameter=p>` block per parameter
+  (`_xml_call_grammar`), `</function>\n</tool_call>`; the pythonic format has no grammar yet (a ValidationError);
 - a named function: exactly one call of it; "required": exactly one call of any tool (a union);
 - with `parallel=True` (Hermes only), one or more calls separated by "\n".
 Why one call by default: the proto has no `parallel_tool_calls`, and small models, once inside a grammar that
@@ -80,6 +82,8 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             head, tail = f'[TOOL_CALLS] [{{"name": {name}, "arguments": ', "}]"
         case ToolFormat.MISTRAL_V11:
             head, tail = f"[TOOL_CALLS]{tool.name}[ARGS]", ""
+        case ToolFormat.QWEN3_CODER:
+            return _xml_call_grammar(tool, schema)
         case _:
             raise ValidationError(
                 f"tool_choice 'required' or a named function is not supported for the {fmt.value} call format yet",
@@ -92,6 +96,36 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             f"parameters of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
         ) from exc
     return xgr.Grammar.concat(_literal_grammar(head), arguments, _literal_grammar(tail))
+
+
+def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
+    """Qwen3-Coder's call of `tool`: its parameters in the schema's order (the optional ones may be left out), each
+    `<parameter=p>\nVALUE\n</parameter>\n`. A string's VALUE is raw text without "<" (an enum: one of its values;
+    maxLength and minLength bound it), any other type's a JSON value of its schema, as `call_formats` reads them."""
+    required = set(schema.get("required", ()))
+    parts = [_literal_grammar(f"<tool_call>\n<function={tool.name}>\n")]
+    for name, prop in (schema.get("properties") or {}).items():
+        try:
+            value = _xml_value_grammar(prop if isinstance(prop, Mapping) else {})
+        except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
+            raise ValidationError(
+                f"parameter {name!r} of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
+            ) from exc
+        one = xgr.Grammar.concat(_literal_grammar(f"<parameter={name}>\n"), value, _literal_grammar("\n</parameter>\n"))
+        parts.append(one if name in required else xgr.Grammar.union(one, _literal_grammar("")))
+    parts.append(_literal_grammar("</function>\n</tool_call>"))
+    return xgr.Grammar.concat(*parts)
+
+
+def _xml_value_grammar(prop: Mapping[str, Any]) -> xgr.Grammar:
+    kind = prop.get("type")
+    if kind not in (None, "string"):
+        return xgr.Grammar.from_json_schema(json.dumps(prop), any_whitespace=False, strict_mode=True)
+    if isinstance(prop.get("enum"), list) and all(isinstance(v, str) for v in prop["enum"]):
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_literal(v) for v in prop["enum"]))
+    low, high = int(prop.get("minLength", 0)), prop.get("maxLength")
+    bound = f"{{{low},{int(high)}}}" if high is not None else ("*" if low == 0 else f"{{{low},}}")
+    return xgr.Grammar.from_ebnf(f"root ::= [^<]{bound}")
 
 
 def _literal(text: str) -> str:

@@ -154,7 +154,7 @@ def test_mistral_call_ids_are_nine_letters_or_digits_and_others_keep_openais_sha
     assert re.fullmatch(r"call_[0-9a-f]{24}", new_call_id(ToolFormat.HERMES))
 
 
-@pytest.mark.parametrize("fmt", [PYTHONIC, CODER])
+@pytest.mark.parametrize("fmt", [PYTHONIC])
 def test_forced_calls_in_a_format_without_a_grammar_are_refused_clearly(fmt: ToolFormat) -> None:
     tool = ChatTool("search", "Search", SCHEMAS["search"])
     with pytest.raises(ValidationError, match=f"not supported for the {fmt.value} call format"):

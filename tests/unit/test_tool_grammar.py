@@ -95,6 +95,8 @@ def _walk(grammar: xgr.CompiledGrammar, rng: random.Random, max_steps: int = 400
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.MISTRAL, {"get_weather", "search", "now"}),
         (ToolChoice.function("search"), ToolFormat.MISTRAL_V11, {"search"}),
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.MISTRAL_V11, {"get_weather", "search", "now"}),
+        (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.QWEN3_CODER, {"get_weather", "search", "now"}),
+        (ToolChoice.function("search"), ToolFormat.QWEN3_CODER, {"search"}),
     ],
 )
 def test_every_sentence_is_exactly_one_schema_valid_call(
@@ -108,7 +110,7 @@ def test_every_sentence_is_exactly_one_schema_valid_call(
     walks = [w for w in (_walk(grammar, rng) for _ in range(60)) if w is not None]
     assert len(walks) >= 50
     for text in walks:
-        step = parse_tool_calls(text, fmt, [t.name for t in TOOLS])
+        step = parse_tool_calls(text, fmt, [t.name for t in TOOLS], SCHEMAS)
         assert step.content == "" and len(step.calls) == 1, text
         call = step.calls[0]
         assert call.name in names
