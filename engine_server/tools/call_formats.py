@@ -7,8 +7,8 @@ text is split, anything that is not a valid call left in the content as the mode
   (`[TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]`) or from v11 as `[TOOL_CALLS]f[ARGS]{...}`, once per
   call. Text before the marker streams; from the marker on it is held to the end.
 - Pythonic: the whole output is a Python list of calls with keyword arguments whose values are literals,
-  `[get_weather(city="Boston"), search(q="x", n=3)]`, optionally between Llama 4's `<|python_start|>` and
-  `<|python_end|>`; output that starts like one is held to the end.
+  `[get_weather(city="Boston"), search(q="x", n=3)]` (JSON's true / false / null read as Python's), optionally
+  between Llama 4's `<|python_start|>` and `<|python_end|>`; output that starts like one is held to the end.
 - Qwen3-Coder: `<tool_call><function=f><parameter=p>value</parameter>...</function></tool_call>` blocks anywhere,
   any number, the values raw text (one newline either side dropped), turned into JSON by the tool's parameter
   schema: a parameter whose schema type is not "string" is read as JSON when it parses, any other kept a string.
@@ -149,7 +149,7 @@ class PythonicParser(ToolCallParser):
             if keyword.arg is None:  # **kwargs
                 return None
             try:
-                value = ast.literal_eval(keyword.value)
+                value = ast.literal_eval(_JsonNames().visit(keyword.value))
                 json.dumps(value)
             except (ValueError, TypeError, SyntaxError, RecursionError):
                 return None
@@ -157,6 +157,16 @@ class PythonicParser(ToolCallParser):
         return self.call_from({"name": node.func.id, "arguments": arguments})
 
 
+class _JsonNames(ast.NodeTransformer):
+    """JSON's true, false and null read as Python's True, False and None (a value written in JSON's spelling)."""
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        if node.id in _JSON_NAMES:
+            return ast.copy_location(ast.Constant(_JSON_NAMES[node.id]), node)
+        return node
+
+
+_JSON_NAMES: dict[str, Any] = {"true": True, "false": False, "null": None}
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 

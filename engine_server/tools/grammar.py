@@ -8,7 +8,8 @@ names never collide:
 - one call of tool T (Mistral): `[TOOL_CALLS] [{"name": "T", "arguments": ` ARGS(T) `}]`, from v11
   `[TOOL_CALLS]T[ARGS]` ARGS(T);
 - one call of tool T (Qwen3-Coder): `<tool_call>\n<function=T>\n`, a `<parameter=p>` block per parameter
-  (`_xml_call_grammar`), `</function>\n</tool_call>`; the pythonic format has no grammar yet (a ValidationError);
+  (`_xml_call_grammar`), `</function>\n</tool_call>`;
+- one call of tool T (pythonic): `[T(p=VALUE, ...)]`, every parameter named (`_pythonic_call_grammar`);
 - a named function: exactly one call of it; "required": exactly one call of any tool (a union);
 - with `parallel=True` (Hermes only), one or more calls separated by "\n".
 Why one call by default: the proto has no `parallel_tool_calls`, and small models, once inside a grammar that
@@ -84,11 +85,8 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             head, tail = f"[TOOL_CALLS]{tool.name}[ARGS]", ""
         case ToolFormat.QWEN3_CODER:
             return _xml_call_grammar(tool, schema)
-        case _:
-            raise ValidationError(
-                f"tool_choice 'required' or a named function is not supported for the {fmt.value} call format yet",
-                "tool_choice",
-            )
+        case ToolFormat.PYTHONIC:
+            return _pythonic_call_grammar(tool, schema)
     try:
         arguments = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
@@ -114,6 +112,23 @@ def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
         one = xgr.Grammar.concat(_literal_grammar(f"<parameter={name}>\n"), value, _literal_grammar("\n</parameter>\n"))
         parts.append(one if name in required else xgr.Grammar.union(one, _literal_grammar("")))
     parts.append(_literal_grammar("</function>\n</tool_call>"))
+    return xgr.Grammar.concat(*parts)
+
+
+def _pythonic_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
+    """The pythonic call of `tool`, `[T(p1=VALUE, p2=VALUE)]`, every parameter of the schema in its order (a call
+    that names all is valid whichever are required), each VALUE JSON of its schema (JSON's true / false / null
+    are read as Python's)."""
+    parts = [_literal_grammar(f"[{tool.name}(")]
+    for i, (name, prop) in enumerate((schema.get("properties") or {}).items()):
+        try:
+            value = xgr.Grammar.from_json_schema(json.dumps(prop), any_whitespace=False, strict_mode=True)
+        except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
+            raise ValidationError(
+                f"parameter {name!r} of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
+            ) from exc
+        parts += [_literal_grammar(f"{', ' if i else ''}{name}="), value]
+    parts.append(_literal_grammar(")]"))
     return xgr.Grammar.concat(*parts)
 
 

@@ -97,6 +97,7 @@ def _walk(grammar: xgr.CompiledGrammar, rng: random.Random, max_steps: int = 400
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.MISTRAL_V11, {"get_weather", "search", "now"}),
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.QWEN3_CODER, {"get_weather", "search", "now"}),
         (ToolChoice.function("search"), ToolFormat.QWEN3_CODER, {"search"}),
+        (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.PYTHONIC, {"get_weather", "search", "now"}),
     ],
 )
 def test_every_sentence_is_exactly_one_schema_valid_call(
