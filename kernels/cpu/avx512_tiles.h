@@ -44,7 +44,7 @@ constexpr int64_t kAmxGroupBytes = kGroup * kAmxCols;  // one group of an unpack
 constexpr int64_t kAmxMinRows = 12;
 
 // Whether AMX is on: built with it, the kernel let this process use its tile registers, and not switched off
-// (`set_amx`, for the tests that hold both paths to the same bits).
+// (`torch.ops.ladle_cpu.set_quant_amx`, for the tests that hold both paths to the same bits).
 inline std::atomic<bool>& amx_switch() {
   static std::atomic<bool> on{true};
   return on;
@@ -54,7 +54,8 @@ inline bool amx_supported() {
 #ifdef LADLE_QUANT_AMX
   // Linux hands out the 8 KB of tile state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for
   // XFEATURE_XTILEDATA); once asked, every thread of the process may use it.
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the kernel's xstate bit
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
 #else
   return false;

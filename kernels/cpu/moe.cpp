@@ -77,9 +77,9 @@ Bank check_bank(const at::Tensor& packed, const at::Tensor& scales, const at::Te
 }
 
 // `rows` (quantized, grouped by expert: expert e's rows are [start[e], start[e + 1])) times each one's expert's
-// weight in `bank` -> y [rows, bank.n_rows]. The work items are (expert, span of blocks) pairs, shared out over
+// weight in `bank` -> y [rows, bank.n_rows]. The work items are (expert, block or pair of blocks), shared out over
 // the threads by their cost (the expert's row count), so a step whose tokens crowd one expert still splits evenly.
-// On AVX-512 a span is a pair of blocks (`pair_rows`: AMX tiles where the expert has kAmxMinRows rows or more and
+// On AVX-512 an item is a pair of blocks (`pair_rows`: AMX tiles where the expert has kAmxMinRows rows or more and
 // AMX is on, pair_tile otherwise); elsewhere one block through `block_tile`. All give the same bits.
 template <int64_t P>
 void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
@@ -100,17 +100,14 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
   std::partial_sum(item_cost.begin(), item_cost.end(), cost_before.begin() + 1);
   const int64_t total = cost_before.back();
   const int64_t threads = total * span * bank.groups < kMinParallelWork ? 1 : at::get_num_threads();
-  auto run_blocks = [&](int64_t e, int64_t b) {
+  auto run_block = [&](int64_t e, int64_t b) {  // without AVX-512: one block through block_tile
     const PackedBlocks weight = bank.expert(e);
-    for (int64_t block = b; block < std::min(b + span, bank.blocks); ++block) {
-      const int64_t cols = std::min(kBlock, bank.n_rows - block * kBlock);
-      for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowTile) {
-        with_rows(std::min(kRowTile, start[e + 1] - m0), [&](auto tile_rows) {
-          block_tile<P, decltype(tile_rows)::value>(rows, m0, weight.block(block, P), weight.scale(block),
-                                                    weight.min(block), y + m0 * bank.n_rows + block * kBlock,
-                                                    bank.n_rows, cols);
-        });
-      }
+    const int64_t cols = std::min(kBlock, bank.n_rows - b * kBlock);
+    for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowTile) {
+      with_rows(std::min(kRowTile, start[e + 1] - m0), [&](auto tile_rows) {
+        block_tile<P, decltype(tile_rows)::value>(rows, m0, weight.block(b, P), weight.scale(b), weight.min(b),
+                                                  y + m0 * bank.n_rows + b * kBlock, bank.n_rows, cols);
+      });
     }
   };
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
@@ -130,7 +127,7 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
           pair_rows<P>(rows, start[e], start[e + 1], bank.expert(e), b / 2, scratch ? &*scratch : nullptr, y,
                        bank.n_rows);
         } else {
-          run_blocks(e, b);
+          run_block(e, b);
         }
       }
     }
