@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 
+from engine_server.tools.parsers import partial_suffix_len
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -94,7 +96,7 @@ class ReasoningStream:
             elif self._state is _State.REASONING:
                 end = self._held.find(THINK_CLOSE)
                 if end < 0:
-                    keep = _partial_suffix_len(self._held, THINK_CLOSE)
+                    keep = partial_suffix_len(self._held, THINK_CLOSE)
                     reasoning += self._held[: len(self._held) - keep]
                     self._held = self._held[len(self._held) - keep :]
                     break
@@ -119,11 +121,3 @@ class ReasoningStream:
             self._state = _State.CONTENT
             return "", held  # whitespace, or the start of a tag that never came
         return "", "" if self._state is _State.ANSWER_START else held
-
-
-def _partial_suffix_len(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0

@@ -98,26 +98,18 @@ class XGrammarCompile:
         )
 
     def __call__(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        grammar = self.grammar(constraint)
         if constraint.after_reasoning in ("inside", "if_opened"):
-            return self._compiler.compile_grammar(after_reasoning(self.grammar(constraint), constraint.after_reasoning))
-        kind = constraint.kind
-        if kind is ConstraintKind.JSON_SCHEMA:
-            return self._compiler.compile_json_schema(constraint.spec, **self._json_kwargs)
-        if kind is ConstraintKind.JSON_OBJECT:
-            # A schema rather than xgrammar's builtin JSON grammar, whose whitespace is unbounded.
-            return self._compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **self._json_kwargs)
-        if kind is ConstraintKind.REGEX:
-            return self._compiler.compile_regex(constraint.spec)
-        if kind is ConstraintKind.CHOICE:
-            return self._compiler.compile_grammar(choice_ebnf(constraint.choices))
-        return self._compiler.compile_grammar(constraint.spec)
+            grammar = after_reasoning(grammar, constraint.after_reasoning)
+        return self._compiler.compile_grammar(grammar)
 
     def grammar(self, constraint: Constraint) -> xgr.Grammar:
-        """The constraint's language as an uncompiled grammar (what `__call__` compiles, for its own kinds)."""
+        """The constraint's language as an uncompiled grammar."""
         kind = constraint.kind
         if kind is ConstraintKind.JSON_SCHEMA:
             return xgr.Grammar.from_json_schema(constraint.spec, **self._json_kwargs)
         if kind is ConstraintKind.JSON_OBJECT:
+            # A schema rather than xgrammar's builtin JSON grammar, whose whitespace is unbounded.
             return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **self._json_kwargs)
         if kind is ConstraintKind.REGEX:
             return xgr.Grammar.from_regex(constraint.spec)

@@ -29,6 +29,7 @@ from engine_server.tools.parsers import (
     ParsedCall,
     ParseStep,
     ToolCallParser,
+    WholeOutputParser,
     partial_suffix_len,
 )
 from engine_server.tools.template import ToolFormat
@@ -96,34 +97,14 @@ class MistralParser(ToolCallParser):
         return calls_v11
 
 
-class PythonicParser(ToolCallParser):
+class PythonicParser(WholeOutputParser):
     """A whole output of pythonic calls (see the module docstring)."""
 
-    def __init__(self, names: Iterable[str] | None = None) -> None:
-        super().__init__(names)
-        self._held = ""
-        self._holding = True
+    def may_be_calls(self, text: str) -> bool:
+        head = text.lstrip()
+        return head.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(head)
 
-    def feed(self, text: str) -> ParseStep:
-        if not self._holding:
-            return ParseStep(text)
-        self._held += text
-        head = self._held.lstrip()
-        if head.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(head):
-            return ParseStep()
-        self._holding = False
-        text, self._held = self._held, ""
-        return ParseStep(text)
-
-    def finish(self) -> ParseStep:
-        text, self._held = self._held, ""
-        if not self._holding:
-            return ParseStep()
-        self._holding = False
-        calls = self._parse(text)
-        return ParseStep(calls=calls) if calls else ParseStep(text)
-
-    def _parse(self, text: str) -> list[ParsedCall]:
+    def parse(self, text: str) -> list[ParsedCall]:
         body = text.strip()
         if body.startswith(PYTHON_START):
             body = body.removeprefix(PYTHON_START).strip().removesuffix(PYTHON_END).strip()

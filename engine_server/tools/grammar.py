@@ -103,12 +103,7 @@ def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
     required = set(schema.get("required", ()))
     parts = [_literal_grammar(f"<tool_call>\n<function={tool.name}>\n")]
     for name, prop in (schema.get("properties") or {}).items():
-        try:
-            value = _xml_value_grammar(prop if isinstance(prop, Mapping) else {})
-        except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
-            raise ValidationError(
-                f"parameter {name!r} of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
-            ) from exc
+        value = _parameter_grammar(tool, name, prop, xml=True)
         one = xgr.Grammar.concat(_literal_grammar(f"<parameter={name}>\n"), value, _literal_grammar("\n</parameter>\n"))
         parts.append(one if name in required else xgr.Grammar.union(one, _literal_grammar("")))
     parts.append(_literal_grammar("</function>\n</tool_call>"))
@@ -121,21 +116,32 @@ def _pythonic_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Gra
     are read as Python's)."""
     parts = [_literal_grammar(f"[{tool.name}(")]
     for i, (name, prop) in enumerate((schema.get("properties") or {}).items()):
-        try:
-            value = xgr.Grammar.from_json_schema(json.dumps(prop), any_whitespace=False, strict_mode=True)
-        except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
-            raise ValidationError(
-                f"parameter {name!r} of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
-            ) from exc
+        value = _parameter_grammar(tool, name, prop, xml=False)
         parts += [_literal_grammar(f"{', ' if i else ''}{name}="), value]
     parts.append(_literal_grammar(")]"))
     return xgr.Grammar.concat(*parts)
 
 
+def _parameter_grammar(tool: ChatTool, name: str, prop: Any, xml: bool) -> xgr.Grammar:
+    """One parameter's VALUE: JSON of its schema, or with `xml` Qwen3-Coder's (`_xml_value_grammar`). Raises
+    ValidationError (param "tools") when xgrammar cannot turn the schema into a grammar."""
+    schema = prop if isinstance(prop, Mapping) else {}
+    try:
+        return _xml_value_grammar(schema) if xml else _json_value_grammar(schema)
+    except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
+        raise ValidationError(
+            f"parameter {name!r} of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
+        ) from exc
+
+
+def _json_value_grammar(schema: Mapping[str, Any]) -> xgr.Grammar:
+    return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+
+
 def _xml_value_grammar(prop: Mapping[str, Any]) -> xgr.Grammar:
     kind = prop.get("type")
     if kind not in (None, "string"):
-        return xgr.Grammar.from_json_schema(json.dumps(prop), any_whitespace=False, strict_mode=True)
+        return _json_value_grammar(prop)
     if isinstance(prop.get("enum"), list) and all(isinstance(v, str) for v in prop["enum"]):
         return xgr.Grammar.from_ebnf("root ::= " + " | ".join(_literal(v) for v in prop["enum"]))
     low, high = int(prop.get("minLength", 0)), prop.get("maxLength")

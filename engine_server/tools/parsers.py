@@ -204,20 +204,28 @@ class _JsonStringScanner:
         return -1
 
 
-class Llama3JsonParser(ToolCallParser):
-    """Llama 3 JSON calls: the whole output is `{"name": ..., "parameters": {...}}` (or several, separated by
-    ";"), optionally after `<|python_tag|>`. Output that starts like that is held until the end."""
+class WholeOutputParser(ToolCallParser):
+    """Formats whose calls are the whole output: output that starts like calls (`may_be_calls`) is held until the
+    end and then parsed (`parse`); any other streams at once."""
 
     def __init__(self, names: Iterable[str] | None = None) -> None:
         super().__init__(names)
         self._held = ""
         self._holding = True
 
+    @abstractmethod
+    def may_be_calls(self, text: str) -> bool:
+        """Whether the output so far, `text`, may still turn out to be calls."""
+
+    @abstractmethod
+    def parse(self, text: str) -> list[ParsedCall]:
+        """Every call of a held output, or [] when any part of it is not a call."""
+
     def feed(self, text: str) -> ParseStep:
         if not self._holding:
             return ParseStep(text)
         self._held += text
-        if _may_be_llama3_call(self._held):
+        if self.may_be_calls(self._held):
             return ParseStep()
         self._holding = False
         text, self._held = self._held, ""
@@ -228,10 +236,19 @@ class Llama3JsonParser(ToolCallParser):
         if not self._holding:
             return ParseStep()
         self._holding = False
-        calls = self._parse(text)
+        calls = self.parse(text)
         return ParseStep(calls=calls) if calls else ParseStep(text)
 
-    def _parse(self, text: str) -> list[ParsedCall]:
+
+class Llama3JsonParser(WholeOutputParser):
+    """Llama 3 JSON calls: the whole output is `{"name": ..., "parameters": {...}}` (or several, separated by
+    ";"), optionally after `<|python_tag|>`."""
+
+    def may_be_calls(self, text: str) -> bool:
+        head = text.lstrip()
+        return head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
+
+    def parse(self, text: str) -> list[ParsedCall]:
         """Every call of a held output, or [] when any part of it is not a call."""
         body = text.strip().removeprefix(PYTHON_TAG)
         decoder = json.JSONDecoder()
@@ -253,11 +270,6 @@ class Llama3JsonParser(ToolCallParser):
             if call is None:
                 return []
             calls.append(call)
-
-
-def _may_be_llama3_call(text: str) -> bool:
-    head = text.lstrip()
-    return head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)
 
 
 def _skip_space(text: str, pos: int) -> int:
