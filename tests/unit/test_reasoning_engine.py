@@ -19,6 +19,8 @@ THOUGHT = "\nTwo and two make four.\n"
 # Whatever the model would say, it says this: a reasoning, then an answer ("none": the grammar spells the whole
 # output, reasoning included, where the engine would otherwise constrain only the answer after it).
 SCRIPT = Constraint.choice([f"<think>{THOUGHT}</think>\n\nIt is 4."]).after("none")
+# Greedy: a grammar's string may be spelled in more or fewer tokens; sampled spellings could outrun max_tokens.
+SCRIPTED = SamplingParams(max_tokens=128, temperature=0.0, constraint=SCRIPT)
 QUESTION = [ChatMessage("user", "What is 2 + 2?")]
 
 
@@ -30,8 +32,7 @@ def thinking_llm(served_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> LLM:
 
 
 def test_reasoning_comes_apart_from_the_answer_and_its_tokens_are_counted(thinking_llm: LLM) -> None:
-    (result,) = thinking_llm.generate([ChatPrompt(QUESTION)], SamplingParams(max_tokens=64, constraint=SCRIPT),
-                                      use_tqdm=False)  # fmt: skip
+    (result,) = thinking_llm.generate([ChatPrompt(QUESTION)], SCRIPTED, use_tqdm=False)
     (choice,) = result.choices
     assert (choice.reasoning_text, choice.text) == (THOUGHT, "It is 4.")
     # The reasoning's tokens: up to the one that completes </think> (the grammar spells the tags its own way).
@@ -42,16 +43,15 @@ def test_reasoning_comes_apart_from_the_answer_and_its_tokens_are_counted(thinki
 
 
 def test_cut_inside_the_reasoning_there_is_no_content(thinking_llm: LLM) -> None:
-    (result,) = thinking_llm.generate([ChatPrompt(QUESTION)], SamplingParams(max_tokens=9, constraint=SCRIPT),
-                                      use_tqdm=False)  # fmt: skip
+    cut = SamplingParams(max_tokens=9, temperature=0.0, constraint=SCRIPT)
+    (result,) = thinking_llm.generate([ChatPrompt(QUESTION)], cut, use_tqdm=False)
     (choice,) = result.choices
     assert choice.finish_reason is FinishReason.LENGTH and choice.text == "" and choice.reasoning_text
     assert result.usage.reasoning_tokens == result.usage.completion_tokens
 
 
 def test_without_the_split_the_tags_stay_in_the_text(served_llm: LLM) -> None:
-    (result,) = served_llm.generate([ChatPrompt(QUESTION)], SamplingParams(max_tokens=64, constraint=SCRIPT),
-                                    use_tqdm=False)  # fmt: skip
+    (result,) = served_llm.generate([ChatPrompt(QUESTION)], SCRIPTED, use_tqdm=False)
     assert result.choices[0].text.startswith("<think>") and result.choices[0].reasoning_text == ""
     assert result.usage.reasoning_tokens == 0
 
@@ -61,7 +61,8 @@ def test_tool_calls_are_read_from_the_answer_not_the_reasoning(thinking_llm: LLM
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'
     script = Constraint.choice([f"<think>I could write {call} here.</think>\n{call}"]).after("none")
     prompt = ChatPrompt(QUESTION, [tool], tool_choice=ToolChoice(ToolChoiceMode.AUTO))
-    (result,) = thinking_llm.generate([prompt], SamplingParams(max_tokens=96, constraint=script), use_tqdm=False)
+    params = SamplingParams(max_tokens=256, temperature=0.0, constraint=script)
+    (result,) = thinking_llm.generate([prompt], params, use_tqdm=False)
     (choice,) = result.choices
     assert choice.reasoning_text == f"I could write {call} here."
     assert choice.text == "" and [(c.name, json.loads(c.arguments_json)) for c in choice.tool_calls] == [
