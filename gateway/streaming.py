@@ -54,8 +54,8 @@ async def chat_chunks(
             if delta.index not in started:
                 started.add(delta.index)
                 yield header.chunk([from_engine.role_delta(delta.index)])
-            if from_engine.has_content(delta):
-                yield header.chunk([from_engine.chat_delta(delta, want_logprobs)])
+            for choice in from_engine.chat_deltas(delta, want_logprobs):
+                yield header.chunk([choice])
             if delta.finish_reason:
                 yield header.chunk([from_engine.finish_delta(delta, delta.index, chat=True)])
         if message.HasField("usage"):

@@ -3,7 +3,8 @@ engine's Batch RPC (`calls.batch_rpc`), within one HTTP request. Not OpenAI's ba
 `gateway.batches`).
 
 The response is one chat completion whose choice i answers conversation i, with usage summed over all of them.
-Streaming, tools, beam search and n > 1 are refused: each conversation gets exactly one choice.
+Tools apply to every conversation (their calls parsed as in chat). Streaming, beam search and n > 1 are refused:
+each conversation gets exactly one choice.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 def _refuse_unsupported(body: BatchChatCompletionRequest) -> None:
     if body.stream:
         raise invalid("streaming is not supported by the batched endpoint; use /v1/chat/completions", "stream")
-    if body.tools or body.tool_choice not in (None, "none"):
-        raise invalid("tools are not supported by the batched endpoint; use /v1/chat/completions", "tools")
     if body.use_beam_search:
         raise invalid("beam search is not supported", "use_beam_search")
     if body.n != 1:

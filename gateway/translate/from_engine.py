@@ -139,22 +139,22 @@ def chat_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool) -> di
 
 
 
-def chat_delta(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
-    """The new content of one choice's stream delta as an OpenAI chat chunk choice (its finish reason, if any,
-    goes in a chunk of its own: `finish_delta`)."""
+def chat_deltas(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> list[dict[str, Any]]:
+    """The new content of one choice's stream delta as OpenAI chat chunk choices, one per chunk: the reasoning and
+    content (with their logprobs), then each tool call delta on its own, as OpenAI streams calls (clients read
+    `delta.tool_calls[0]` of each chunk). Its finish reason, if any, goes in a chunk of its own: `finish_delta`."""
     body: dict[str, Any] = {}
     if delta.reasoning_content:
         body["reasoning_content"] = body["reasoning"] = delta.reasoning_content
     if delta.text:
         body["content"] = delta.text
-    if delta.tool_calls:
-        body["tool_calls"] = [_tool_call_delta(t) for t in delta.tool_calls]
-    return {
-        "index": delta.index,
-        "delta": body,
-        "logprobs": chat_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None,
-        "finish_reason": None,
-    }
+    logprobs = chat_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None
+    bodies = [body] if body or logprobs else []
+    bodies += [{"tool_calls": [_tool_call_delta(t)]} for t in delta.tool_calls]
+    return [
+        {"index": delta.index, "delta": b, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
+        for i, b in enumerate(bodies)
+    ]
 
 
 def has_content(delta: types_pb2.ChoiceDelta) -> bool:

@@ -1,9 +1,11 @@
-"""A thinking model's reasoning apart from its answer, end to end: `ladle engine` on a small random model whose
-chat template opens `<think>` in the prompt, as DeepSeek-R1's does (so `--reasoning-parser auto` turns the split on
-and every output starts inside the reasoning), cut by max_tokens before it closes: the official OpenAI SDK (chat,
-streamed and not), the batched-chat route and a gRPC stub all see the reasoning, no content, and its tokens
-counted. How a reasoning and an answer are told apart, and a constraint on the answer after it, are tested
-through the engine in tests/unit/test_reasoning_engine.py."""
+"""A thinking model's reasoning apart from its answer, end to end: `ladle engine` (`--reasoning-parser auto`) on a
+scripted model (a real checkpoint whose reply is known, tests/scripted.py) carrying Qwen3's chat template (the
+output opens `<think>`; `enable_thinking: false` closes an empty one in the prompt) or an R1-style one (the prompt
+opens `<think>`), behind the gateway: the official OpenAI SDK (chat, streamed and not), the batched-chat route, a
+batch job, `ladle batch` and a gRPC stub all see the reasoning under `reasoning_content` and `reasoning`, the answer
+alone in `content`, and the reasoning's tokens counted; a json_schema answer after the reasoning validates; a reply
+cut inside its reasoning has no content. How the split works at every split point of a stream is tested in
+tests/unit/test_reasoning.py, and through the engine in tests/unit/test_reasoning_engine.py."""
 
 from __future__ import annotations
 
@@ -12,103 +14,186 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from tests.chat_templates import DEEPSEEK_R1, QWEN3, FamilyTemplate
 from tests.e2e.engine_process import EngineProcess, start_engine
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
-from tests.families import save_family
+from tests.scripted import save_scripted_model
 
 pytestmark = pytest.mark.slow
 
-R1_TEMPLATE = (
-    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
-)
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
-MAX_TOKENS = 12
+ANSWER = '{"answer": 4}'
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}  # fmt: skip
+MAX_TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, EngineProcess, GatewayProcess]]:
-    root: Path = tmp_path_factory.mktemp("reasoning")
-    folder = save_family(root / "model", "mistral-window")
-    (folder / "chat_template.jinja").write_text(R1_TEMPLATE)
+@dataclass(frozen=True)
+class Thinker:
+    """A family's template, what its model writes (by cue), and the reasoning and token counts that reply has (its
+    completion tokens include the end-of-sequence token, as vLLM counts them)."""
+
+    template: FamilyTemplate
+    scripts: dict[str, tuple[str, ...]]
+    reasoning: str
+    reasoning_tokens: int
+    completion_tokens: int
+
+
+THINKERS = {
+    # Qwen3: the reply opens <think> itself; without thinking (the prompt ends "</think>\n\n") it answers at once.
+    "qwen3": Thinker(
+        QWEN3,
+        {"\n": ("<think>", "\nTwo and two make four.\n", "</think>", "\n\n" + ANSWER, "<|im_end|>"),
+         "\n\n": (ANSWER, "<|im_end|>")},
+        reasoning="\nTwo and two make four.\n", reasoning_tokens=3, completion_tokens=5,
+    ),
+    # R1-style: the prompt opened <think>, so the reply starts inside the reasoning.
+    "deepseek_r1": Thinker(
+        DEEPSEEK_R1,
+        {"\n": ("Two and two make four.\n", "</think>", "\n\n" + ANSWER, "<|im_end|>")},
+        reasoning="Two and two make four.\n", reasoning_tokens=2, completion_tokens=4,
+    ),
+}
+
+
+@dataclass
+class Served:
+    thinker: Thinker
+    model: str
+    engine: EngineProcess
+    gateway: GatewayProcess
+    client: openai.OpenAI
+
+
+@pytest.fixture(scope="module", params=list(THINKERS))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    thinker = THINKERS[request.param]
+    root: Path = tmp_path_factory.mktemp(request.param)
+    t = thinker.template
+    folder = save_scripted_model(root / "model", t.template, thinker.scripts, t.special_tokens, t.bos, t.eos)
     engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
     gateway = start_gateway(root / "gateway.log", engine.address)
-    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as sdk:
-        model = sdk.models.list().data[0].id
-    yield model, engine, gateway
+    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
+        yield Served(thinker, client.models.list().data[0].id, engine, gateway, client)
     assert gateway.stop() == 0 and engine.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def client(thinking: tuple[str, EngineProcess, GatewayProcess]) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=thinking[2].base_url, api_key="unused", max_retries=0, timeout=300) as sdk:
-        yield sdk
+def _check_message(served: Served, message: dict[str, Any], usage: dict[str, Any], eos: int = 1) -> None:
+    """`eos`: 0 when the reply ended without its end-of-sequence token (a grammar that is complete ends it)."""
+    thinker = served.thinker
+    assert message["content"] == ANSWER
+    assert message["reasoning_content"] == message["reasoning"] == thinker.reasoning
+    assert usage["completion_tokens"] == thinker.completion_tokens - 1 + eos
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == thinker.reasoning_tokens
 
 
-def test_the_sdk_sees_the_reasoning_and_its_tokens(
-    client: openai.OpenAI, thinking: tuple[str, EngineProcess, GatewayProcess]
-) -> None:
-    reply = client.chat.completions.create(model=thinking[0], messages=QUESTION, max_tokens=MAX_TOKENS,
-                                           temperature=0)  # type: ignore[arg-type]  # fmt: skip
+def test_the_sdk_sees_the_reasoning_the_answer_and_the_reasoning_tokens(served: Served) -> None:
+    reply = served.client.chat.completions.create(model=served.model, messages=QUESTION, max_tokens=MAX_TOKENS)  # type: ignore[arg-type]
+    assert reply.choices[0].finish_reason == "stop"
+    _check_message(served, reply.choices[0].message.to_dict(), reply.to_dict()["usage"])
+    # Sent back in the history, the reasoning is accepted (and dropped).
+    extra = reply.choices[0].message.model_extra or {}
+    history = [*QUESTION, {"role": "assistant", "content": ANSWER, "reasoning_content": extra["reasoning_content"],
+                           "reasoning": extra["reasoning"]}, {"role": "user", "content": "And 3 + 3?"}]  # fmt: skip
+    again = served.client.chat.completions.create(model=served.model, messages=history, max_tokens=MAX_TOKENS)  # type: ignore[arg-type]
+    assert again.choices[0].message.content == ANSWER
+
+
+def test_streamed_deltas_carry_the_reasoning_then_the_answer(served: Served) -> None:
+    reasoning, content, usage = "", "", None
+    stream = served.client.chat.completions.create(model=served.model, messages=QUESTION, max_tokens=MAX_TOKENS,
+                                                   stream=True, stream_options={"include_usage": True})  # type: ignore[arg-type]  # fmt: skip
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            piece = extra.get("reasoning_content") or ""
+            assert piece == (extra.get("reasoning") or "")
+            assert not (piece and content), "reasoning after the answer began"
+            reasoning += piece
+            content += choice.delta.content or ""
+    assert "think>" not in reasoning + content
+    assert usage is not None
+    _check_message(served, {"content": content, "reasoning_content": reasoning, "reasoning": reasoning},
+                   usage.to_dict())  # fmt: skip
+
+
+def test_a_json_schema_answer_after_the_reasoning_validates(served: Served) -> None:
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA, "strict": True}}
+    reply = served.client.chat.completions.create(model=served.model, messages=QUESTION, max_tokens=MAX_TOKENS,
+                                                  temperature=0, response_format=response_format)  # type: ignore[arg-type]  # fmt: skip
+    message = reply.choices[0].message
+    jsonschema.validate(json.loads(message.content or ""), SCHEMA)
+    _check_message(served, message.to_dict(), reply.to_dict()["usage"], eos=0)
+
+
+@pytest.mark.parametrize("served", ["qwen3"], indirect=True)  # the template that reads enable_thinking
+def test_without_thinking_nothing_is_split(served: Served) -> None:
+    reply = served.client.chat.completions.create(
+        model=served.model, messages=QUESTION, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    message = reply.choices[0].message.to_dict()
+    assert message["content"] == ANSWER and "reasoning_content" not in message and "reasoning" not in message
+    assert reply.usage is not None and reply.usage.completion_tokens == 2  # the answer and the eos
+    assert reply.usage.completion_tokens_details is not None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_reply_cut_inside_its_reasoning_has_no_content(served: Served) -> None:
+    cut = served.thinker.reasoning_tokens - 1
+    reply = served.client.chat.completions.create(model=served.model, messages=QUESTION, max_tokens=cut)  # type: ignore[arg-type]
     choice = reply.choices[0]
     extra = choice.message.model_extra or {}
     assert choice.finish_reason == "length" and choice.message.content is None
-    assert extra["reasoning_content"] == extra["reasoning"] != ""
+    assert extra["reasoning_content"] == extra["reasoning"] and served.thinker.reasoning.startswith(
+        extra["reasoning_content"]
+    )
     assert reply.usage is not None and reply.usage.completion_tokens_details is not None
-    assert reply.usage.completion_tokens_details.reasoning_tokens == reply.usage.completion_tokens == MAX_TOKENS
-    # Sent back in the history, the reasoning is accepted (and dropped).
-    history = [*QUESTION, {"role": "assistant", "content": "4", "reasoning_content": extra["reasoning_content"]},
-               {"role": "user", "content": "And 3 + 3?"}]  # fmt: skip
-    again = client.chat.completions.create(model=thinking[0], messages=history, max_tokens=4)  # type: ignore[arg-type]
-    assert again.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens_details.reasoning_tokens == cut
 
 
-def test_streamed_deltas_carry_the_reasoning_and_no_content(
-    client: openai.OpenAI, thinking: tuple[str, EngineProcess, GatewayProcess]
-) -> None:
-    whole = client.chat.completions.create(model=thinking[0], messages=QUESTION, max_tokens=MAX_TOKENS,
-                                           temperature=0)  # type: ignore[arg-type]  # fmt: skip
-    reasoning = ""
-    for chunk in client.chat.completions.create(model=thinking[0], messages=QUESTION, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True):  # type: ignore[arg-type]  # fmt: skip
-        for choice in chunk.choices:
-            assert not choice.delta.content
-            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
-    assert reasoning == (whole.choices[0].message.model_extra or {})["reasoning_content"]
-
-
-def test_the_batched_chat_route_and_a_grpc_stub_see_it_too(thinking: tuple[str, EngineProcess, GatewayProcess]) -> None:
-    model, engine, gateway = thinking
-    body = {"model": model, "messages": [QUESTION, QUESTION], "max_tokens": MAX_TOKENS, "temperature": 0}
-    reply = httpx.post(f"{gateway.url}/v1/chat/completions/batch", json=body, timeout=300).json()
-    first = reply["choices"][0]["message"]
-    assert first["reasoning_content"] and first["content"] is None
-    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * MAX_TOKENS
-    with grpc.insecure_channel(engine.address) as channel:
+def test_the_batched_chat_route_and_a_grpc_stub_see_it_too(served: Served) -> None:
+    body = {"model": served.model, "messages": [QUESTION, QUESTION], "max_tokens": MAX_TOKENS}
+    reply = httpx.post(f"{served.gateway.url}/v1/chat/completions/batch", json=body, timeout=300).json()
+    for choice in reply["choices"]:
+        assert choice["message"]["content"] == ANSWER
+        assert choice["message"]["reasoning_content"] == served.thinker.reasoning
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * served.thinker.reasoning_tokens
+    with grpc.insecure_channel(served.engine.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         chat = types_pb2.ChatInput(messages=[types_pb2.ChatMessage(role="user", content="What is 2 + 2?")])
-        request = engine_pb2.GenerateRequest(
-            input=types_pb2.Input(chat=chat), sampling=types_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+        sampling = types_pb2.SamplingParams(max_tokens=MAX_TOKENS)
+        response = stub.Generate(
+            engine_pb2.GenerateRequest(input=types_pb2.Input(chat=chat), sampling=sampling), timeout=300
         )
-        response = stub.Generate(request, timeout=300)
+        streamed = list(stub.Stream(engine_pb2.StreamRequest(input=types_pb2.Input(chat=chat), sampling=sampling),
+                                    timeout=300))  # fmt: skip
     (choice,) = response.choices
-    assert choice.reasoning_content == first["reasoning_content"] and choice.text == ""
-    assert response.usage.reasoning_tokens == MAX_TOKENS
+    assert (choice.reasoning_content, choice.text) == (served.thinker.reasoning, ANSWER)
+    assert response.usage.reasoning_tokens == served.thinker.reasoning_tokens
+    deltas = [d for message in streamed for d in message.choices]
+    assert "".join(d.reasoning_content for d in deltas) == served.thinker.reasoning
+    assert "".join(d.text for d in deltas) == ANSWER
 
 
 def test_a_batch_job_and_ladle_batch_carry_the_reasoning_and_count_its_tokens(
-    client: openai.OpenAI, thinking: tuple[str, EngineProcess, GatewayProcess], tmp_path: Path
+    served: Served, tmp_path: Path
 ) -> None:
-    model, engine, _ = thinking
-    body = {"model": model, "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 0}
+    client = served.client
+    body = {"model": served.model, "messages": QUESTION, "max_tokens": MAX_TOKENS}
     lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(3)]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -120,18 +205,17 @@ def test_a_batch_job_and_ladle_batch_carry_the_reasoning_and_count_its_tokens(
         assert batch.status in ("validating", "in_progress", "finalizing") and time.monotonic() < deadline, batch
         time.sleep(0.2)
     assert batch.output_file_id is not None
-    results = [json.loads(row) for row in client.files.content(batch.output_file_id).text.splitlines()]
-    for result in results:
-        assert result["response"]["body"]["choices"][0]["message"]["reasoning_content"]
+    for row in client.files.content(batch.output_file_id).text.splitlines():
+        reply = json.loads(row)["response"]["body"]
+        _check_message(served, reply["choices"][0]["message"], reply["usage"])
     usage = batch.to_dict()["usage"]
-    assert usage["output_tokens_details"]["reasoning_tokens"] == 3 * MAX_TOKENS == usage["output_tokens"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == 3 * served.thinker.reasoning_tokens
 
     output = tmp_path / "out.jsonl"
     offline = [sys.executable, "-m", "ladle_cli", "batch", "-i", str(source), "-o", str(output), "--engine",
-               engine.address]  # fmt: skip
+               served.engine.address]  # fmt: skip
     run = subprocess.run(offline, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     for row in output.read_text().splitlines():
         reply = json.loads(row)["response"]["body"]
-        assert reply["choices"][0]["message"]["reasoning_content"]
-        assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == MAX_TOKENS
+        _check_message(served, reply["choices"][0]["message"], reply["usage"])

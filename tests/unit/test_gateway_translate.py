@@ -165,8 +165,25 @@ def test_reasoning_comes_back_under_both_names_and_content_is_none_without_an_an
     plain = from_engine.chat_choice(types_pb2.Choice(text=""), 0, False)["message"]
     assert plain["content"] == "" and "reasoning_content" not in plain and "reasoning" not in plain
     delta = types_pb2.ChoiceDelta(reasoning_content="Adding")
-    assert from_engine.has_content(delta)
-    assert from_engine.chat_delta(delta, False)["delta"] == {"reasoning_content": "Adding", "reasoning": "Adding"}
+    (only,) = from_engine.chat_deltas(delta, False)
+    assert only["delta"] == {"reasoning_content": "Adding", "reasoning": "Adding"}
+
+
+def test_each_tool_call_delta_streams_in_a_chunk_choice_of_its_own() -> None:
+    calls = [types_pb2.ToolCallDelta(index=0, id="abcdefghi", name="f"),
+             types_pb2.ToolCallDelta(index=0, arguments_json_delta="{}"),
+             types_pb2.ToolCallDelta(index=1, id="bcdefghij", name="g"),
+             types_pb2.ToolCallDelta(index=1, arguments_json_delta="{}")]  # fmt: skip
+    delta = types_pb2.ChoiceDelta(index=1, text="Sure.", tool_calls=calls)
+    choices = from_engine.chat_deltas(delta, False)
+    assert [c["index"] for c in choices] == [1] * 5 and choices[0]["delta"] == {"content": "Sure."}
+    entries = [c["delta"]["tool_calls"] for c in choices[1:]]
+    assert all(len(e) == 1 for e in entries)
+    assert [(e[0]["index"], e[0].get("id"), e[0]["function"]) for e in entries] == [
+        (0, "abcdefghi", {"name": "f", "arguments": ""}), (0, None, {"arguments": "{}"}),
+        (1, "bcdefghij", {"name": "g", "arguments": ""}), (1, None, {"arguments": "{}"}),
+    ]
+    assert from_engine.chat_deltas(types_pb2.ChoiceDelta(index=0), False) == []
 
 
 def test_completion_logprobs_offsets_count_from_the_echo() -> None:

@@ -1,0 +1,372 @@
+"""Chat templates of the tool-calling families, written here (nothing fetched) with the structure of each family's
+published template: the same control tokens and roles, tools, earlier calls and tool results laid out as that
+family's models were trained to read them, and the same refusals where the family's template has them (Mistral's
+9-character call ids and alternating roles, Llama 3.1's one call per turn). The instruction prose around the tool
+lists is ours; the structure is what the engine's format detection and the models' outputs depend on.
+
+Each entry gives the template and the family's special tokens, bos and eos, and the text the generation prompt
+ends with (the cue a scripted model starts its reply from)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyTemplate:
+    """A family's chat template and tokens; `cue` is the last token of its generation prompt, `tool_cue` the last
+    token of a prompt that ends with a tool result (the same as `cue` where a result is followed by a new
+    assistant header)."""
+
+    template: str
+    special_tokens: tuple[str, ...]
+    bos: str
+    eos: str
+    cue: str
+    tool_cue: str
+
+
+# Mistral-7B-Instruct-v0.3 (tokenizer v3): tools before the last user turn, calls as one JSON list after
+# [TOOL_CALLS] with 9-character ids, results in [TOOL_RESULTS] with their call id, no assistant header.
+MISTRAL_V3 = FamilyTemplate(
+    template="""\
+{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if tools is not defined %}{%- set tools = none %}{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+{%- set ns = namespace(turn=0) %}
+{%- for message in loop_messages %}
+    {%- if message.role == "user" or (message.role == "assistant" and not message.tool_calls) %}
+        {%- if (message.role == "user") != (ns.turn % 2 == 0) %}
+            {{- raise_exception("roles must alternate user/assistant after the optional system message") }}
+        {%- endif %}
+        {%- set ns.turn = ns.turn + 1 %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message.role == "user" %}
+        {%- if tools is not none and message == user_messages[-1] %}
+            {{- "[AVAILABLE_TOOLS] " + tools | tojson + "[/AVAILABLE_TOOLS]" }}
+        {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\\n\\n" + message.content + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message.content + "[/INST]" }}
+        {%- endif %}
+    {%- elif message.tool_calls %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for call in message.tool_calls %}
+            {%- if call.id is not defined or call.id | length != 9 %}
+                {{- raise_exception("tool call ids must be 9 letters and digits") }}
+            {%- endif %}
+            {{- '{"name": ' + call.function.name | tojson + ', "arguments": ' + call.function.arguments | tojson }}
+            {{- ', "id": ' + call.id | tojson + "}" }}
+            {%- if not loop.last %}{{- ", " }}{%- endif %}
+        {%- endfor %}
+        {{- "]" + eos_token }}
+    {%- elif message.role == "assistant" %}
+        {{- " " + message.content | trim + eos_token }}
+    {%- elif message.role == "tool" %}
+        {%- if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}
+            {{- raise_exception("tool call ids must be 9 letters and digits") }}
+        {%- endif %}
+        {{- '[TOOL_RESULTS] {"content": ' + message.content | tojson }}
+        {{- ', "call_id": ' + message.tool_call_id | tojson + "}[/TOOL_RESULTS]" }}
+    {%- else %}
+        {{- raise_exception("only user, assistant and tool turns after an optional system message") }}
+    {%- endif %}
+{%- endfor %}
+""",
+    special_tokens=(
+        "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]",
+    ),
+    bos="<s>",
+    eos="</s>",
+    cue="[/INST]",
+    tool_cue="[/TOOL_RESULTS]",
+)
+
+# Mistral Small 3.x (tokenizer v11): a system prompt block, tools before the last user turn, each call as
+# [TOOL_CALLS]name[ARGS]{...}, results in [TOOL_RESULTS] without ids.
+MISTRAL_V11 = FamilyTemplate(
+    template="""\
+{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+{{- bos_token }}
+{%- if system_message is defined %}{{- "[SYSTEM_PROMPT]" + system_message + "[/SYSTEM_PROMPT]" }}{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message.role == "user" %}
+        {%- if tools and message == user_messages[-1] %}
+            {{- "[AVAILABLE_TOOLS]" + tools | tojson + "[/AVAILABLE_TOOLS]" }}
+        {%- endif %}
+        {{- "[INST]" + message.content + "[/INST]" }}
+    {%- elif message.role == "assistant" %}
+        {%- if message.content %}{{- message.content }}{%- endif %}
+        {%- for call in message.tool_calls or [] %}
+            {{- "[TOOL_CALLS]" + call.function.name + "[ARGS]" + call.function.arguments | tojson }}
+        {%- endfor %}
+        {{- eos_token }}
+    {%- elif message.role == "tool" %}
+        {{- "[TOOL_RESULTS]" + message.content + "[/TOOL_RESULTS]" }}
+    {%- else %}
+        {{- raise_exception("only user, assistant and tool turns after an optional system message") }}
+    {%- endif %}
+{%- endfor %}
+""",
+    special_tokens=(
+        "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+        "[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+    ),
+    bos="<s>",
+    eos="</s>",
+    cue="[/INST]",
+    tool_cue="[/TOOL_RESULTS]",
+)
+
+# Hermes 2 Pro / Qwen2.5: ChatML, tools as JSON lines in <tools> in the system turn, each call in <tool_call>, tool
+# results in <tool_response> inside a user turn.
+HERMES = FamilyTemplate(
+    template="""\
+{%- if tools %}
+    {{- "<|im_start|>system\\n" }}
+    {%- if messages[0].role == "system" %}{{- messages[0].content }}
+    {%- else %}{{- "You are a helpful assistant." }}{%- endif %}
+    {{- "\\n\\n# Tools\\n\\nThe functions you may call are listed in <tools></tools>:\\n<tools>" }}
+    {%- for tool in tools %}{{- "\\n" + tool | tojson }}{%- endfor %}
+    {{- "\\n</tools>\\n\\nWrite each call as a JSON object of its name and arguments in <tool_call></tool_call>" }}
+    {{- " tags:\\n" }}
+    {{- '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == "system" %}
+    {{- "<|im_start|>system\\n" + messages[0].content + "<|im_end|>\\n" }}
+{%- else %}
+    {{- "<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first)
+          or (message.role == "assistant" and not message.tool_calls) %}
+        {{- "<|im_start|>" + message.role + "\\n" + message.content + "<|im_end|>\\n" }}
+    {%- elif message.role == "assistant" %}
+        {{- "<|im_start|>assistant" }}
+        {%- if message.content %}{{- "\\n" + message.content }}{%- endif %}
+        {%- for call in message.tool_calls %}
+            {{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' }}
+            {{- call.function.arguments | tojson + "}\\n</tool_call>" }}
+        {%- endfor %}
+        {{- "<|im_end|>\\n" }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{- "<|im_start|>user" }}{%- endif %}
+        {{- "\\n<tool_response>\\n" + message.content + "\\n</tool_response>" }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- "<|im_end|>\\n" }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|im_start|>assistant\\n" }}{%- endif %}
+""",
+    special_tokens=("<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    cue="\n",
+    tool_cue="\n",
+)
+
+# Llama 3.1: the ipython environment in the system turn, tools in the first user turn, a call as one JSON object
+# {"name", "parameters"} per assistant turn, results in ipython turns.
+LLAMA3_JSON = FamilyTemplate(
+    template="""\
+{{- bos_token }}
+{%- if messages[0].role == "system" %}
+    {%- set system_message = messages[0].content | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools %}{{- "Environment: ipython\\n" }}{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n" + system_message + "<|eot_id|>" }}
+{%- if tools %}
+    {%- set first_user_message = messages[0].content | trim %}
+    {%- set messages = messages[1:] %}
+    {{- "<|start_header_id|>user<|end_header_id|>\\n\\n" }}
+    {{- "Answer with a JSON function call when one of these functions helps, in the format " }}
+    {{- '{"name": function name, "parameters": dictionary of argument name and its value}.\\n\\n' }}
+    {%- for tool in tools %}{{- tool | tojson(indent=4) + "\\n\\n" }}{%- endfor %}
+    {{- first_user_message + "<|eot_id|>" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.tool_calls %}
+        {%- if message.tool_calls | length != 1 %}
+            {{- raise_exception("this model makes one tool call at a time") }}
+        {%- endif %}
+        {%- set call = message.tool_calls[0].function %}
+        {{- "<|start_header_id|>assistant<|end_header_id|>\\n\\n" }}
+        {{- '{"name": "' + call.name + '", "parameters": ' + call.arguments | tojson + "}<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" + message.content + "<|eot_id|>" }}
+    {%- else %}
+        {{- "<|start_header_id|>" + message.role + "<|end_header_id|>\\n\\n" + message.content | trim + "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|start_header_id|>assistant<|end_header_id|>\\n\\n" }}{%- endif %}
+""",
+    special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"),
+    bos="<|begin_of_text|>",
+    eos="<|eot_id|>",
+    cue="\n",
+    tool_cue="\n",
+)
+
+# Llama 4: header tokens, tools listed in the system turn, calls written as a Python list of calls (between
+# <|python_start|> and <|python_end|> when sent back), results in ipython turns.
+PYTHONIC = FamilyTemplate(
+    template="""\
+{{- bos_token }}
+{%- if messages[0].role == "system" %}
+    {%- set system_message = messages[0].content | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{%- if tools or system_message %}
+    {{- "<|header_start|>system<|header_end|>\\n\\n" + system_message }}
+    {%- if tools %}
+        {{- "\\n\\nTo call functions, answer with a Python list of calls, [func_name(param=value, ...)], " }}
+        {{- "and nothing else. The functions:\\n" + tools | tojson(indent=4) }}
+    {%- endif %}
+    {{- "<|eot|>" }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.tool_calls %}
+        {{- "<|header_start|>assistant<|header_end|>\\n\\n<|python_start|>[" }}
+        {%- for call in message.tool_calls %}
+            {{- call.function.name + "(" }}
+            {%- for name, value in call.function.arguments.items() %}
+                {{- name + "=" + value | tojson }}{%- if not loop.last %}{{- ", " }}{%- endif %}
+            {%- endfor %}
+            {{- ")" }}{%- if not loop.last %}{{- ", " }}{%- endif %}
+        {%- endfor %}
+        {{- "]<|python_end|><|eot|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|header_start|>ipython<|header_end|>\\n\\n" + message.content + "<|eot|>" }}
+    {%- else %}
+        {{- "<|header_start|>" + message.role + "<|header_end|>\\n\\n" + message.content | trim + "<|eot|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|header_start|>assistant<|header_end|>\\n\\n" }}{%- endif %}
+""",
+    special_tokens=("<|header_start|>", "<|header_end|>", "<|eom|>", "<|python_start|>", "<|python_end|>"),
+    bos="<|begin_of_text|>",
+    eos="<|eot|>",
+    cue="\n",
+    tool_cue="\n",
+)
+
+# Qwen3-Coder: ChatML, tools as <function> blocks with <parameter> entries in the system turn, each call as
+# <tool_call><function=name><parameter=p>value</parameter>...</function></tool_call>, results in <tool_response>.
+QWEN3_CODER = FamilyTemplate(
+    template="""\
+{%- if messages[0].role == "system" %}
+    {%- set system_message = messages[0].content %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if system_message is defined %}
+    {{- "<|im_start|>system\\n" + system_message }}
+{%- elif tools %}
+    {{- "<|im_start|>system\\nYou are a helpful coding assistant." }}
+{%- endif %}
+{%- if tools %}
+    {{- "\\n\\n# Tools\\n\\nThe functions you may call:\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {%- set f = tool.function %}
+        {{- "\\n<function>\\n<name>" + f.name + "</name>" }}
+        {%- if f.description %}{{- "\\n<description>" + f.description | trim + "</description>" }}{%- endif %}
+        {{- "\\n<parameters>" }}
+        {%- for name, p in (f.parameters.properties or {}).items() %}
+            {{- "\\n<parameter>\\n<name>" + name + "</name>" }}
+            {%- if p.type %}{{- "\\n<type>" + p.type | string + "</type>" }}{%- endif %}
+            {%- if p.description %}{{- "\\n<description>" + p.description | trim + "</description>" }}{%- endif %}
+            {{- "\\n</parameter>" }}
+        {%- endfor %}
+        {{- "\\n</parameters>\\n</function>" }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nTo call a function, reply with only:\\n\\n<tool_call>\\n<function=the_name>\\n" }}
+    {{- "<parameter=a_parameter>\\nits value\\n</parameter>\\n</function>\\n</tool_call>" }}
+{%- endif %}
+{%- if system_message is defined or tools %}{{- "<|im_end|>\\n" }}{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message.role == "assistant" and message.tool_calls %}
+        {{- "<|im_start|>assistant\\n" + (message.content or "") }}
+        {%- for call in message.tool_calls %}
+            {{- "\\n<tool_call>\\n<function=" + call.function.name + ">\\n" }}
+            {%- for name, value in call.function.arguments.items() %}
+                {{- "<parameter=" + name + ">\\n" + (value if value is string else value | tojson) }}
+                {{- "\\n</parameter>\\n" }}
+            {%- endfor %}
+            {{- "</function>\\n</tool_call>" }}
+        {%- endfor %}
+        {{- "<|im_end|>\\n" }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or loop_messages[loop.index0 - 1].role != "tool" %}{{- "<|im_start|>user\\n" }}{%- endif %}
+        {{- "<tool_response>\\n" + message.content + "\\n</tool_response>\\n" }}
+        {%- if loop.last or loop_messages[loop.index0 + 1].role != "tool" %}{{- "<|im_end|>\\n" }}{%- endif %}
+    {%- else %}
+        {{- "<|im_start|>" + message.role + "\\n" + message.content + "<|im_end|>\\n" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|im_start|>assistant\\n" }}{%- endif %}
+""",
+    special_tokens=("<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    cue="\n",
+    tool_cue="\n",
+)
+
+# Qwen3: ChatML; an earlier answer's reasoning is dropped when it is sent back; with `enable_thinking` false the
+# generation prompt closes an empty reasoning itself ("<think>\n\n</think>\n\n"), so the model answers at once.
+QWEN3 = FamilyTemplate(
+    template="""\
+{%- for message in messages %}
+    {%- if message.role == "assistant" and "</think>" in message.content %}
+        {{- "<|im_start|>assistant\\n" + message.content.split("</think>")[-1].lstrip("\\n") + "<|im_end|>\\n" }}
+    {%- else %}
+        {{- "<|im_start|>" + message.role + "\\n" + message.content + "<|im_end|>\\n" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<|im_start|>assistant\\n" }}
+    {%- if enable_thinking is defined and enable_thinking is false %}{{- "<think>\\n\\n</think>\\n\\n" }}{%- endif %}
+{%- endif %}
+""",
+    special_tokens=("<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    cue="\n",
+    tool_cue="\n",
+)
+
+# DeepSeek-R1 style: the generation prompt opens the reasoning ("<think>\n"), so the output starts inside it.
+DEEPSEEK_R1 = FamilyTemplate(
+    template="""\
+{%- for message in messages %}
+    {{- "<|im_start|>" + message.role + "\\n" + message.content + "<|im_end|>\\n" }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|im_start|>assistant\\n<think>\\n" }}{%- endif %}
+""",
+    special_tokens=("<|im_start|>", "<|im_end|>"),
+    bos="<|endoftext|>",
+    eos="<|im_end|>",
+    cue="\n",
+    tool_cue="\n",
+)
