@@ -1,9 +1,10 @@
 """Which weights an engine keeps quantized (`EngineConfig.quantization`), and swapping its layers to them.
 
 - `none`: the float weights, the exact path (greedy output equal to transformers').
-- `gguf`: a GGUF model's own Q4_0 / Q4_1 / Q8_0 blocks (`loader.gguf_quant`), exactly the weights llama.cpp
-  serves from that file, a mixture of experts' banks included (`layers.quantized_experts`); its other tensors
-  (F32, F16, K-quants) stay float.
+- `gguf`: a GGUF model's own blocks (`loader.gguf_quant`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K,
+  Q5_K, Q6_K, each tensor in its own type, a fused projection's shards in theirs), exactly the weights llama.cpp
+  serves from that file, a mixture of experts' banks included when in Q4_0 / Q4_1 / Q8_0
+  (`layers.quantized_experts`); its other tensors (F32, F16, Q2_K, Q3_K, ...) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
   (`quantize_q8`).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
@@ -43,6 +44,7 @@ from collections.abc import Mapping
 from typing import Literal
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from engine_server.layers.decode_stack import build_decode_stack
@@ -57,8 +59,6 @@ from engine_server.layers.quantized_experts import (
     replace_routers,
 )
 from engine_server.layers.quantized_linear import (
-    Q4Weight,
-    Q8Weight,
     QuantizedLinear,
     QuantizedWeight,
     concat_rows,
@@ -191,7 +191,7 @@ def quantize_model(
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    return weight if isinstance(weight, Q4Weight | Q8Weight) else None
+    return None if weight is None or isinstance(weight, ExpertWeights) else weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:
@@ -223,7 +223,7 @@ def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear
         rows = [part.rows for part in linear.parts]
     elif isinstance(linear, RowParallelLinear):
         columns = linear.input_slice.rows
-        if columns.start % QUANT_GROUP or columns.stop % QUANT_GROUP:
+        if any(columns.start % m.block_elements or columns.stop % m.block_elements for m in matrices):
             return None
     elif isinstance(linear, ParallelLMHead):
         shard = linear.shard
@@ -235,11 +235,15 @@ def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear
 def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelExperts) -> ExpertWeights | None:
     """This rank's slices of bank `name`'s experts as the file stores them (`<name>.<e>.gate_proj.weight`, ...):
     each expert's gate and up rows of this rank, and its down projection's columns of those rows. None (the bank
-    stays float) when any expert's projection is not stored quantized, when an expert's gate and up differ in
-    format, or when this rank's rows do not fall on groups of 32 columns of the down projection."""
+    stays float) when any expert's projection is not stored quantized or is stored in a type the experts' kernels
+    do not take (they take Q4_0, Q4_1 and Q8_0), when an expert's gate and up differ in format, or when this rank's
+    rows do not fall on groups of 32 columns of the down projection."""
     rows = bank.rows.rows
     names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in EXPERT_PARTS}
     if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP or not all(n in stored for ns in names.values() for n in ns):
+        return None
+    if any(stored[n].block_elements != QUANT_GROUP or stored[n].kind not in _EXPERT_KINDS for ns in names.values()
+           for n in ns):  # fmt: skip
         return None
     gate = [stored[n].read(rows) for n in names["gate"]]
     up = [stored[n].read(rows) for n in names["up"]]
@@ -248,6 +252,9 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
         return expert_weights(gate, up, down)
     except ValueError:  # gate and up in different formats
         return None
+
+
+_EXPERT_KINDS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 
 
 def _stored_fused(matrix: StoredMatrix, linear: ColumnParallelLinear) -> QuantizedWeight:

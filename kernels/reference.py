@@ -347,6 +347,16 @@ def q8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.
     return (dots * scales.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1).float()
 
 
+def lowbit_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` float32 times a 5-bit, 6-bit or K-quant weight `[N, K]` given by its exact float32 values (a
+    `LowBitWeight`'s `dequantize()`) -> `[M, N]` float32, as `q4_linear`: x quantized by `quantize_activations`,
+    sums in float64. The kernels (kernels/cpu/lowbit_tiles.h) take the weight's values and scales as the file
+    stores them, so their dots are exact integer ones per group, scaled in float32."""
+    xq, dx = quantize_activations(x)
+    w = weight.double().reshape(weight.shape[0], -1, QUANT_GROUP)
+    return torch.einsum("mgi,ngi->mn", xq.double() * dx.double().unsqueeze(-1), w).float()
+
+
 def int8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The GPU's weight-only 8-bit product (`kernels.int8_linear`): x `[M, K]` in any float dtype times the
     weight `[N, K]` of `q8_linear` (element = float(scales) * qs in float32, then rounded to x's dtype), summed

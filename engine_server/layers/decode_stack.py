@@ -95,7 +95,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         stack.set_all_reduce(buffers.slots, buffers.arrivals, reduce.counters, reduce.rank)
 
     def add(linear: QuantizedLinear) -> int:
-        index: int = stack.add_linear(linear.qs, linear.scales, linear.mins, linear.out_features, linear.bias)
+        (packed, scales, mins, rows), *more = linear.parts
+        index: int = stack.add_linear(packed, scales, mins, rows, linear.bias)
+        for part in more:  # the shards of a fused projection stored in different formats
+            stack.add_linear_part(index, *part)
         return index
 
     for layer, (own, moe) in zip(layers, plans, strict=True):

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from engine_server.layers.quantized_linear import (
+    Q4Weight,
+    Q8Weight,
     QuantizedWeight,
     concat_rows,
     pack_for_cpu,
@@ -36,13 +38,17 @@ from kernels.reference import QUANT_GROUP
 ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate")
 
 
+# The formats of the experts' kernels (kernels/cpu/moe.cpp).
+ExpertWeight = Q4Weight | Q8Weight
+
+
 @dataclass(frozen=True)
 class ExpertWeights:
     """One bank's experts as this rank keeps them, in expert order: `gate_up[e]` expert e's gate rows then its up
     rows (`[2 * I_r, H]`), `down[e]` its down projection (`[H, I_r]`)."""
 
-    gate_up: tuple[QuantizedWeight, ...]
-    down: tuple[QuantizedWeight, ...]
+    gate_up: tuple[ExpertWeight, ...]
+    down: tuple[ExpertWeight, ...]
 
     @property
     def format(self) -> str:
@@ -51,7 +57,7 @@ class ExpertWeights:
         return "+".join(formats)
 
 
-def _stacked(weights: tuple[QuantizedWeight, ...]) -> list[torch.Tensor]:
+def _stacked(weights: tuple[ExpertWeight, ...]) -> list[torch.Tensor]:
     """Each weight packed for the CPU kernels (`pack_for_cpu`), stacked over the experts: packed, scales, mins."""
     return [torch.stack(parts) for parts in zip(*(pack_for_cpu(weight) for weight in weights), strict=True)]
 
@@ -121,8 +127,12 @@ def expert_weights(
     gate: list[QuantizedWeight], up: list[QuantizedWeight], down: list[QuantizedWeight]
 ) -> ExpertWeights:
     """Per-expert gate, up and down weights (this rank's slices) as one bank's `ExpertWeights`. Raises ValueError
-    when an expert's gate and up are stored in different formats."""
-    return ExpertWeights(tuple(concat_rows([g, u]) for g, u in zip(gate, up, strict=True)), tuple(down))
+    when an expert's gate and up are stored in different formats, or any in a format other than 4 or 8 bits."""
+    gate_up = tuple(concat_rows([g, u]) for g, u in zip(gate, up, strict=True))
+    kept = [w for w in (*gate_up, *down) if isinstance(w, Q4Weight | Q8Weight)]
+    if len(kept) != len(gate_up) + len(down):
+        raise ValueError("experts are served in 4- or 8-bit groups, gate and up in one format")
+    return ExpertWeights(tuple(kept[: len(gate_up)]), tuple(kept[len(gate_up) :]))
 
 
 def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExperts], ExpertWeights | None]) -> int:

@@ -11,8 +11,11 @@ into the kernels' blocks of 8 output features (`torch.ops.ladle_cpu.pack_q4` / `
 
 - `Q4Weight`: element = scale * q + min, q in 0..15 (GGUF Q4_1; Q4_0 is min = -8 * scale).
 - `Q8Weight`: element = scale * q, q in -127..127 (GGUF Q8_0, and `quantize_q8` of any float weight).
-Both are row-major over the output features, so a fused projection (q/k/v, gate/up) is its shards' rows
-concatenated (`concat_rows`).
+- `LowBitWeight` (`layers.lowbit_weight`): GGUF's Q5_0 / Q5_1 and llama.cpp's K-quants Q4_K / Q5_K / Q6_K, packed
+  into the kernels' layout of `kernels/cpu/lowbit_tiles.h`.
+All are row-major over the output features, so a fused projection (q/k/v, gate/up) is its shards' rows
+concatenated (`concat_rows`); shards a file stores in different formats stay apart (`StackedWeight`), each
+multiplied in its own and the products concatenated.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine_server.layers.lowbit_weight import LowBitWeight, concat_lowbit, pack_lowbit, pad_lowbit
 from kernels.reference import QUANT_GROUP, unpack_q4
 
 
@@ -60,11 +64,31 @@ class Q8Weight:
         return (q * self.scales.float().unsqueeze(-1)).reshape(self.shape)
 
 
-QuantizedWeight = Q4Weight | Q8Weight
+@dataclass(frozen=True)
+class StackedWeight:
+    """A fused projection whose shards a file stores in different formats (a Q4_K_M file's q and k in Q5_0, its v
+    in Q8_0): each shard kept in its own, their rows one after another."""
+
+    parts: tuple[Q4Weight | Q8Weight | LowBitWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+QuantizedWeight = Q4Weight | Q8Weight | LowBitWeight | StackedWeight
 
 
 def weight_format(weight: QuantizedWeight) -> str:
-    """`q4` or `q8`: how a layer of this weight reports its format."""
+    """How a layer of this weight reports its format: `q4`, `q8`, a GGUF kind (`q5_0`, `q4_k`, ...), or its
+    shards' joined by "+"."""
+    if isinstance(weight, StackedWeight):
+        return "+".join(weight_format(p) for p in weight.parts)
+    if isinstance(weight, LowBitWeight):
+        return weight.kind
     return "q4" if isinstance(weight, Q4Weight) else "q8"
 
 
@@ -85,8 +109,25 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """The shards of a fused projection as one weight (rows in order). Raises ValueError on mixed formats."""
-    first = weights[0]
+    """The shards of a fused projection as one weight (rows in order): one of their format where they share it,
+    else a `StackedWeight` of runs of one format each."""
+    flat = [p for w in weights for p in (w.parts if isinstance(w, StackedWeight) else (w,))]
+    runs: list[list[Q4Weight | Q8Weight | LowBitWeight]] = []
+    for part in flat:
+        if runs and weight_format(runs[-1][0]) == weight_format(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    merged = tuple(_merge(run) for run in runs)
+    return merged[0] if len(merged) == 1 else StackedWeight(merged)
+
+
+def _merge(weights: list[Q4Weight | Q8Weight | LowBitWeight]) -> Q4Weight | Q8Weight | LowBitWeight:
+    """Shards of one format as one weight."""
+    if len(weights) == 1:
+        return weights[0]
+    if all(isinstance(w, LowBitWeight) for w in weights):
+        return concat_lowbit([w for w in weights if isinstance(w, LowBitWeight)])
     if all(isinstance(w, Q4Weight) for w in weights):
         q4 = [w for w in weights if isinstance(w, Q4Weight)]
         return Q4Weight(
@@ -94,32 +135,39 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
             torch.cat([w.scales for w in q4]).contiguous(),
             torch.cat([w.mins for w in q4]).contiguous(),
         )
-    if all(isinstance(w, Q8Weight) for w in weights):
-        q8 = [w for w in weights if isinstance(w, Q8Weight)]
-        return Q8Weight(torch.cat([w.qs for w in q8]).contiguous(), torch.cat([w.scales for w in q8]).contiguous())
-    raise ValueError(f"cannot fuse shards of different formats ({type(first).__name__} and another)")
+    q8 = [w for w in weights if isinstance(w, Q8Weight)]
+    return Q8Weight(torch.cat([w.qs for w in q8]).contiguous(), torch.cat([w.scales for w in q8]).contiguous())
 
 
 def pad_rows(weight: QuantizedWeight, rows: int) -> QuantizedWeight:
     """`weight` with `rows` zero rows after its own (every element 0: a vocab-parallel LM head's padding)."""
     if rows == 0:
         return weight
+    if isinstance(weight, StackedWeight):
+        return StackedWeight((*weight.parts[:-1], _pad_one(weight.parts[-1], rows)))
+    return _pad_one(weight, rows)
 
+
+def _pad_one(weight: Q4Weight | Q8Weight | LowBitWeight, rows: int) -> Q4Weight | Q8Weight | LowBitWeight:
     def padded(tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat([tensor, tensor.new_zeros(rows, tensor.shape[1])])
 
+    if isinstance(weight, LowBitWeight):
+        return pad_lowbit(weight, rows)
     if isinstance(weight, Q4Weight):
         return Q4Weight(padded(weight.qs), padded(weight.scales), padded(weight.mins))
     return Q8Weight(padded(weight.qs), padded(weight.scales))
 
 
-def pack_for_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`weight` in the CPU kernels' blocks (`kernels/cpu/quant_matmul.cpp`): (packed, scales, mins) for
-    `torch.ops.ladle_cpu.packed_linear`. Raises RuntimeError where the CPU kernels cannot be built."""
+def pack_for_cpu(weight: Q4Weight | Q8Weight | LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weight` in the CPU kernels' blocks (`kernels/cpu/quant_matmul.cpp`, `lowbit_tiles.h`): (packed, scales,
+    mins) for `torch.ops.ladle_cpu.packed_linear`. Raises RuntimeError where the CPU kernels cannot be built."""
     from kernels.cpu_ops import cpu_ops  # builds (or loads) the extension that registers the ops
 
     if cpu_ops() is None:
         raise RuntimeError("quantized weights on the CPU need the C++ CPU kernels, which could not be built here")
+    if isinstance(weight, LowBitWeight):
+        return pack_lowbit(weight)
     if isinstance(weight, Q4Weight):
         packed = torch.ops.ladle_cpu.pack_q4(weight.qs, weight.scales, weight.mins)
     else:
@@ -133,8 +181,9 @@ class QuantizedLinear(nn.Module):
     On the CPU (float32 x, the C++ kernels) the result differs from `F.linear(x, weight.dequantize())` by x's
     8-bit rounding (about 0.4% of each group's largest value per element, averaging out over K), not by the
     weight's: that is stored exactly. There `qs`, `scales` and `mins` hold the kernels' packed blocks (built
-    once here; needs the CPU kernels). On CUDA (a `Q8Weight` only, x in the model's dtype) they hold the
-    weight as given and the Triton kernel `kernels.int8_linear` dequantizes W to x's dtype, keeping x as it is.
+    once here; needs the CPU kernels), and `parts` each shard's of a `StackedWeight` (its products concatenated).
+    On CUDA (a `Q8Weight` only, x in the model's dtype) they hold the weight as given and the Triton kernel
+    `kernels.int8_linear` dequantizes W to x's dtype, keeping x as it is.
     """
 
     qs: torch.Tensor
@@ -145,9 +194,15 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.format = weight_format(weight)
-        qs, scales, mins = weight.qs, weight.scales, weight.mins if isinstance(weight, Q4Weight) else None
-        if not qs.is_cuda:
-            qs, scales, mins = pack_for_cpu(weight)
+        # On the CPU, each shard's packed blocks and rows (one shard but for a `StackedWeight`); the first's are
+        # also `qs`, `scales` and `mins`.
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        if isinstance(weight, Q8Weight) and weight.qs.is_cuda:
+            qs, scales, mins = weight.qs, weight.scales, None
+        else:
+            shards = weight.parts if isinstance(weight, StackedWeight) else (weight,)
+            self.parts = [(*pack_for_cpu(shard), shard.shape[0]) for shard in shards]
+            qs, scales, mins, _ = self.parts[0]
         self.register_buffer("qs", qs, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("mins", mins, persistent=False)
@@ -161,8 +216,10 @@ class QuantizedLinear(nn.Module):
             from kernels.int8_linear import int8_linear  # triton: imported only where it runs
 
             out = int8_linear(rows, self.qs, self.scales)
-        else:
+        elif len(self.parts) == 1:
             out = torch.ops.ladle_cpu.packed_linear(rows, self.qs, self.scales, self.mins, self.out_features)
+        else:
+            out = torch.cat([torch.ops.ladle_cpu.packed_linear(rows, *part) for part in self.parts], dim=-1)
         if self.bias is not None:
             out = out + self.bias
         result: torch.Tensor = out.reshape(*x.shape[:-1], self.out_features)

@@ -1,10 +1,13 @@
-"""A GGUF file's Q4_0, Q4_1 and Q8_0 matrices as packed `QuantizedWeight`s, under their Hugging Face names.
+"""A GGUF file's quantized matrices as `QuantizedWeight`s, under their Hugging Face names: Q4_0, Q4_1, Q8_0, Q5_0,
+Q5_1 and llama.cpp's K-quants Q4_K, Q5_K and Q6_K (the types of the Q4_K_M, Q5_K_M and Q6_K files people download).
 
 The converted folder (`gguf_convert`) holds these tensors dequantized to float32; this reads the same file's
 blocks as they are, so a quantized engine serves exactly the weights llama.cpp serves. Block layouts (32
 elements each, float16 scales): Q4_0 `d, qs[16]` (element = d * (q - 8)); Q4_1 `d, m, qs[16]` (element =
-d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds element j low and j + 16 high.
-Llama q/k rows are un-permuted as in the conversion. Other types (F32, F16, K-quants) are not returned.
+d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds element j low and j + 16 high. The
+5-bit and K-quant blocks are decoded by `layers.lowbit_weight.decode_blocks` (K-quant blocks are 256 wide).
+Llama q/k rows are un-permuted as in the conversion. Other types (F32, F16, BF16, Q2_K, Q3_K, the IQ types) are
+not returned: those tensors stay float.
 
 `stored_matrices` maps the file and reads nothing yet: each `StoredMatrix.read` copies out only the rows and the
 groups of 32 columns it is asked for, so a tensor-parallel rank reads only its own slice of every matrix. Where
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from engine_server.layers.lowbit_weight import decode_blocks
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight
 from engine_server.loader.gguf_convert import (
     TENSOR_INDEX,
@@ -31,43 +35,57 @@ from engine_server.loader.gguf_convert import (
     rope_permuted,
     unpermute_rope_rows,
 )
-from kernels.reference import QUANT_GROUP
 
-_SUPPORTED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+# Each type's block: (elements, bytes); the low-bit ones' kind names (`layers.lowbit_weight`).
+_BLOCKS = {
+    GGMLQuantizationType.Q4_0: (32, 18), GGMLQuantizationType.Q4_1: (32, 20), GGMLQuantizationType.Q8_0: (32, 34),
+    GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q5_1: (32, 24), GGMLQuantizationType.Q4_K: (256, 144),
+    GGMLQuantizationType.Q5_K: (256, 176), GGMLQuantizationType.Q6_K: (256, 210),
+}  # fmt: skip
+_LOW_BIT = {
+    GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class StoredMatrix:
-    """One quantized `[N, K]` matrix of a GGUF file, not read yet: `blocks` `[N, K/32, block bytes]` is a view of
-    the mapped file, `row_order` (when not None) the file row holding each HF row (llama q/k un-permutation)."""
+    """One quantized `[N, K]` matrix of a GGUF file, not read yet: `blocks` `[N, K / block elements, block bytes]`
+    is a view of the mapped file, `row_order` (when not None) the file row holding each HF row (llama q/k
+    un-permutation)."""
 
     blocks: np.ndarray
     kind: GGMLQuantizationType
     row_order: np.ndarray | None = None
 
     @property
+    def block_elements(self) -> int:
+        """The columns one block holds (32, or 256 for a K-quant): a slice's columns fall on multiples of it."""
+        return _BLOCKS[self.kind][0]
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.blocks.shape[1] * QUANT_GROUP
+        return self.blocks.shape[0], self.blocks.shape[1] * self.block_elements
 
     def read(self, rows: range | None = None, columns: range | None = None) -> QuantizedWeight:
-        """The packed weight of HF rows `rows` and columns `columns` (all when None), copied out of the file.
+        """The weight of HF rows `rows` and columns `columns` (all when None), copied out of the file.
 
-        Raises ValueError when `columns` does not start and end on a group boundary (a multiple of 32)."""
+        Raises ValueError when `columns` does not start and end on a block boundary (`block_elements`)."""
         wanted = np.arange(self.shape[0]) if rows is None else np.arange(rows.start, rows.stop)
         file_rows = wanted if self.row_order is None else self.row_order[wanted]
         blocks = self.blocks[file_rows] if rows is not None or self.row_order is not None else self.blocks
         if columns is not None:
-            if columns.start % QUANT_GROUP or columns.stop % QUANT_GROUP or columns.step != 1:
-                raise ValueError(f"columns {columns} do not fall on groups of {QUANT_GROUP}")
-            blocks = blocks[:, columns.start // QUANT_GROUP : columns.stop // QUANT_GROUP]
+            step = self.block_elements
+            if columns.start % step or columns.stop % step or columns.step != 1:
+                raise ValueError(f"columns {columns} do not fall on blocks of {step}")
+            blocks = blocks[:, columns.start // step : columns.stop // step]
         return parse_blocks(blocks, self.kind)
 
 
 def stored_matrices(
     gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, converted: Path | None = None
 ) -> dict[str, StoredMatrix]:
-    """Every Q4_0 / Q4_1 / Q8_0 2-D tensor of `gguf_path` by HF parameter name (e.g.
+    """Every 2-D tensor of `gguf_path` in a type served quantized (module docstring) by HF parameter name (e.g.
     `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), and each expert's matrix of a mixture of
     experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`), mapped and not
     read; tensors of other types are absent. `converted` is the file's converted folder: its tensor index, when it
@@ -77,13 +95,13 @@ def stored_matrices(
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
         experts = hf_expert_names(gguf_name, data.shape[0], model_type) if data.ndim == 3 else None
         if experts is not None:  # one matrix per expert, each a view of the bank's blocks
-            bank = data.reshape(*data.shape[:2], -1, _BLOCK_BYTES[kind])
+            bank = data.reshape(*data.shape[:2], -1, _BLOCKS[kind][1])
             matrices.update((expert, StoredMatrix(bank[e], kind)) for e, expert in enumerate(experts))
             continue
         name = hf_tensor_name(gguf_name, model_type)
         if name is None or data.ndim != 2:
             continue
-        blocks = data.reshape(data.shape[0], -1, _BLOCK_BYTES[kind])
+        blocks = data.reshape(data.shape[0], -1, _BLOCKS[kind][1])
         order = None
         if permuted and ".self_attn.q_proj." in name:
             order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads)
@@ -96,8 +114,8 @@ def stored_matrices(
 def _mapped_tensors(
     gguf_path: Path, converted: Path | None
 ) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
-    """(GGUF name, type, blocks' bytes `[rows..., bytes a row]`) of each Q4_0 / Q4_1 / Q8_0 tensor of the mapped
-    file."""
+    """(GGUF name, type, blocks' bytes `[rows..., bytes a row]`) of each tensor of the mapped file of a type served
+    quantized."""
     index = None if converted is None else converted / TENSOR_INDEX
     if index is None or not index.is_file():
         parsed = GGUFReader(gguf_path).tensors
@@ -107,7 +125,7 @@ def _mapped_tensors(
         tensors = [(e["name"], GGMLQuantizationType(e["type"]), e["offset"], e["bytes"], e["shape"]) for e in entries]
     mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     for name, kind, start, size, shape in tensors:
-        if kind in _SUPPORTED:
+        if kind in _BLOCKS:
             yield name, kind, mapped[start : start + size].reshape(shape)
 
 
@@ -120,7 +138,9 @@ def read_quantized_weights(
 
 
 def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWeight:
-    """`[N, K/32, block bytes]` uint8 blocks of one type -> the packed weight (copied out of the file)."""
+    """`[N, K / block elements, block bytes]` uint8 blocks of one type -> its weight (copied out of the file)."""
+    if kind in _LOW_BIT:
+        return decode_blocks(torch.from_numpy(np.ascontiguousarray(blocks)), _LOW_BIT[kind])
     rows = blocks.shape[0]
     scales = _float16(blocks, 0)
     if kind == GGMLQuantizationType.Q8_0:

@@ -42,14 +42,30 @@
 
 namespace {
 
-// y = x W^T (+ bias) with W packed by pack_q4 / pack_q8 (engine_server/layers/quantized_linear.py
-// `QuantizedLinear`), `out_features` rows.
-struct Linear {
-  at::Tensor packed, scales, mins, bias;
+// One packed weight for packed_linear (pack_q4 / pack_q8, or engine_server/layers/lowbit_weight.py's pack_lowbit),
+// `out_features` rows.
+struct Packed {
+  at::Tensor packed, scales, mins;
   int64_t out_features;
+};
+
+// y = x W^T (+ bias) as engine_server/layers/quantized_linear.py's `QuantizedLinear` computes it: W one packed
+// weight, or the shards of a fused projection stored in different formats, their products concatenated.
+struct Linear {
+  std::vector<Packed> parts;
+  at::Tensor bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y = ladle_cpu::packed_linear(x, packed, scales, mins, out_features);
+    at::Tensor y;
+    if (parts.size() == 1) {
+      y = ladle_cpu::packed_linear(x, parts[0].packed, parts[0].scales, parts[0].mins, parts[0].out_features);
+    } else {
+      std::vector<at::Tensor> products;
+      for (const Packed& p : parts) {
+        products.push_back(ladle_cpu::packed_linear(x, p.packed, p.scales, p.mins, p.out_features));
+      }
+      y = at::cat(products, -1);
+    }
     return bias.defined() ? y + bias : y;
   }
 };
@@ -183,8 +199,15 @@ class DecodeStack : public torch::CustomClassHolder {
   // Registers a projection; returns its index for add_layer.
   int64_t add_linear(at::Tensor packed, at::Tensor scales, at::Tensor mins, int64_t out_features,
                      std::optional<at::Tensor> bias) {
-    linears_.push_back(Linear{packed, scales, mins, bias.value_or(at::Tensor()), out_features});
+    linears_.push_back(Linear{{Packed{packed, scales, mins, out_features}}, bias.value_or(at::Tensor())});
     return static_cast<int64_t>(linears_.size()) - 1;
+  }
+
+  // Appends a shard to projection `index` (a fused projection whose shards are in different formats).
+  void add_linear_part(int64_t index, at::Tensor packed, at::Tensor scales, at::Tensor mins, int64_t out_features) {
+    LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
+                static_cast<long long>(index));
+    linears_[index].parts.push_back(Packed{packed, scales, mins, out_features});
   }
 
   // A layer; gate_up and down -1 for a mixture of experts (`set_experts` next).
@@ -365,6 +388,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.class_<ladle_cpu::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor>())
       .def("add_linear", &ladle_cpu::DecodeStack::add_linear)
+      .def("add_linear_part", &ladle_cpu::DecodeStack::add_linear_part)
       .def("add_layer", &ladle_cpu::DecodeStack::add_layer)
       .def("set_qk_norms", &ladle_cpu::DecodeStack::set_qk_norms)
       .def("set_clip_qkv", &ladle_cpu::DecodeStack::set_clip_qkv)

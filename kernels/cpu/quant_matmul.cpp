@@ -26,6 +26,8 @@
 // the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
 // the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
 // float32 rounding (the reference sums in float64).
+// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1) and llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) go through the same entry
+// point in their own layout (lowbit_tiles.h), told apart by their tables' types and their groups' bytes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,6 +45,7 @@
 #include <type_traits>
 
 #include "avx512_tiles.h"
+#include "lowbit_tiles.h"
 #include "ops.h"
 #include "quant_tiles.h"
 
@@ -146,6 +149,68 @@ void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, 
   });
 }
 
+// run_packed for the 5- and 6-bit and K-quant blocks (lowbit_tiles.h): blocks shared out over the threads, each
+// block's rows a chunk at a time, in tiles of up to kRowTile rows.
+template <int64_t H, LowBitScales S>
+void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, const uint8_t* packed,
+                const LowBitTables& tables, int64_t blocks, int64_t n_rows, float* y) {
+  const int64_t k = xq.k, block_bytes = k / kGroup * lowbit_group_bytes(H);
+  const int64_t chunk = std::max<int64_t>(kRowTile, kRowChunkBytes / k / kRowTile * kRowTile);
+  at::parallel_for(0, blocks, grain_blocks(blocks, k, std::min(m_rows, chunk)), [&](int64_t begin, int64_t end) {
+    for (int64_t m_chunk = 0; m_chunk < m_rows; m_chunk += chunk) {
+      const int64_t m_end = std::min(m_rows, m_chunk + chunk);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t cols = std::min(kBlock, n_rows - b * kBlock);
+        for (int64_t m0 = m_chunk; m0 < m_end; m0 += kRowTile) {
+          with_rows(std::min(kRowTile, m_end - m0), [&](auto tile_rows) {
+            lowbit_tile<H, S, decltype(tile_rows)::value>(xq, half, m0, packed + b * block_bytes, tables, b,
+                                                           y + m0 * n_rows + b * kBlock, n_rows, cols);
+          });
+        }
+      }
+    }
+  });
+}
+
+// packed_linear of a weight in lowbit_tiles.h's layout: which tile runs is read off the tables' types and the
+// groups' bytes (checked here).
+void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& packed, const at::Tensor& scales,
+                   const at::Tensor& mins, int64_t n_rows, float* y) {
+  const int64_t blocks = packed.size(0), groups = packed.size(1), high_bits = (packed.size(3) - kLowBitPlane) / 32;
+  LADLE_CHECK(packed.size(2) == 1 && packed.size(3) == lowbit_group_bytes(high_bits) && high_bits <= 2,
+              "packed must be [N / 8, K / 32, 1, 128 + 32 * (0..2)] uint8, got a last dim of %lld",
+              static_cast<long long>(packed.size(3)));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
+    LADLE_CHECK(high_bits == 1, "5-bit groups (float16 scales and mins) take one high-bit plane, not %lld",
+                static_cast<long long>(high_bits));
+    TORCH_CHECK(scales.sizes() == mins.sizes() && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                    mins.is_contiguous() && scales.dim() == 3 && scales.size(0) == blocks &&
+                    scales.size(1) == groups && scales.size(2) == kBlock,
+                "scales and mins must be contiguous [N / 8, K / 32, 8] float16 tensors");
+    const LowBitTables tables{scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nullptr};
+    return run_lowbit<1, LowBitScales::kTable>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y);
+  }
+  LADLE_CHECK(groups % kSuperGroups == 0, "K-quant super-blocks are 256 wide: K = %lld is not a multiple",
+              static_cast<long long>(groups * kGroup));
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups / kSuperGroups &&
+                  scales.size(2) == 2 * kBlock && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "K-quant scales must be a contiguous [N / 8, K / 256, 16] float16 tensor (d, then dmin)");
+  TORCH_CHECK(mins.dim() == 3 && mins.size(0) == blocks && mins.size(1) == groups && mins.size(2) == 2 * kBlock &&
+                  mins.is_contiguous() && (mins.scalar_type() == at::kByte || mins.scalar_type() == at::kChar),
+              "K-quant group scales must be a contiguous [N / 8, K / 32, 16] uint8 (sc, m) or int8 (Q6_K) tensor");
+  const LowBitTables tables{scales.data_ptr<at::Half>(), nullptr, static_cast<const uint8_t*>(mins.data_ptr())};
+  if (mins.scalar_type() == at::kChar) {
+    LADLE_CHECK(high_bits == 2, "Q6_K groups take two high-bit planes, not %lld", static_cast<long long>(high_bits));
+    const at::Tensor half = half_totals(xq, m_rows);
+    return run_lowbit<2, LowBitScales::kSuper6>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y);
+  }
+  if (high_bits == 0) return run_lowbit<0, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y);
+  LADLE_CHECK(high_bits == 1, "Q4_K / Q5_K groups take at most one high-bit plane, not %lld",
+              static_cast<long long>(high_bits));
+  run_lowbit<1, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y);
+}
+
 }  // namespace
 
 namespace ladle_cpu {
@@ -197,6 +262,21 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a [M, K] float32 tensor with a contiguous last dim");
   const int64_t m_rows = x.size(0), k = x.size(1);
+  const bool lowbit = mins.scalar_type() != at::kHalf || packed.size(-1) != kPlaneBytes;
+  if (lowbit) {
+    LADLE_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.size(1) * kGroup == k,
+                "packed must be a contiguous [N / 8, K / 32, 1, bytes] uint8 tensor for K = %lld",
+                static_cast<long long>(k));
+    const int64_t blocks = packed.size(0);
+    LADLE_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "n = %lld does not fit %lld blocks of 8",
+                static_cast<long long>(n_rows), static_cast<long long>(blocks));
+    at::Tensor y = at::empty({m_rows, n_rows}, x.options());
+    if (m_rows == 0 || n_rows == 0) return y;
+    const QuantizedRows xq = quantize_rows(x);
+    lowbit_linear(xq, m_rows, packed, scales, mins, n_rows, y.data_ptr<float>());
+    return y;
+  }
   LADLE_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(1) * kGroup == k && (packed.size(2) == 1 || packed.size(2) == 2) &&
                   packed.size(3) == kPlaneBytes,

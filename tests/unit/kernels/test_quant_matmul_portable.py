@@ -1,6 +1,7 @@
-"""The quantized kernels' portable loops (`kernels/cpu/quant_matmul.cpp` without AVX2: ARM, older x86), which the
-engine's own build never takes on an AVX2 machine: quant_matmul.cpp alone, built for baseline x86-64 in a
-child process (its ops would clash with the engine's build in this one), against `kernels.reference`."""
+"""The quantized kernels' portable loops (`kernels/cpu/quant_matmul.cpp` and `lowbit_tiles.h` without AVX2: ARM,
+older x86), which the engine's own build never takes on an AVX2 machine: quant_matmul.cpp alone, built for
+baseline x86-64 in a child process (its ops would clash with the engine's build in this one), against
+`kernels.reference`."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ CHILD = textwrap.dedent(
     import torch
     from torch.utils.cpp_extension import load
 
+    from engine_server.layers.lowbit_weight import decode_blocks, pack_lowbit
     from engine_server.layers.quantized_linear import Q4Weight, Q8Weight
     from kernels import reference
     from kernels.cpu_ops import _ninja_on_path
+    from tests.lowbit_blocks import KINDS, block_elements, random_blocks
 
     with _ninja_on_path():
         load(name="ladle_quant_portable", sources=[sys.argv[1]], build_directory=sys.argv[2],
@@ -42,6 +45,13 @@ CHILD = textwrap.dedent(
         got8 = torch.ops.ladle_cpu.q8_linear(x, q8.qs, q8.scales)
         torch.testing.assert_close(got8, reference.q8_linear(x, q8.qs, q8.scales), atol=1e-4, rtol=1e-5)
         assert torch.equal(torch.ops.ladle_cpu.q4_linear(x[-1:], q4.qs, q4.scales, q4.mins), got4[-1:])
+    for kind in KINDS:  # the 5-bit and K-quant loops (lowbit_tiles.h)
+        m, n, k = 9, 20, 512 if block_elements(kind) == 256 else 96
+        w = decode_blocks(random_blocks(kind, n, k, gen), kind)
+        x = torch.randn(m, k, generator=gen) * 3
+        got = torch.ops.ladle_cpu.packed_linear(x, *pack_lowbit(w), n)
+        torch.testing.assert_close(got, reference.lowbit_linear(x, w.dequantize()), atol=1e-4, rtol=1e-5)
+        assert torch.equal(torch.ops.ladle_cpu.packed_linear(x[-1:], *pack_lowbit(w), n), got[-1:])
     print("portable ok")
     """
 )

@@ -1,0 +1,190 @@
+"""GGUF's 5-bit groups (Q5_0, Q5_1) and llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) as the CPU kernels serve them.
+
+A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
+the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
+reference values bit for bit and the kernels multiply the very weights llama.cpp does:
+- `q5_0` / `q5_1` (groups of 32): `groups` [N, K/32, 2] float16 (scale, min): element = scale * u + min (Q5_0's
+  min is -16 * scale, exact: a power of two);
+- `q4_k` / `q5_k` (super-blocks of 256, eight groups of 32): `supers` [N, K/256, 2] float16 (d, dmin) and `groups`
+  [N, K/32, 2] uint8 (the 6-bit sc, m): element = (d * sc) * u - dmin * m, in float32;
+- `q6_k` (super-blocks of 256, sixteen groups of 16): `supers` [N, K/256, 2] float16 (d, 0) and `groups` [N, K/32,
+  2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32.
+`pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kernels.reference import QUANT_GROUP
+
+SUPER_BLOCK = 256
+# Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
+HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q4_k": 0, "q5_k": 1, "q6_k": 2}
+K_QUANTS = frozenset({"q4_k", "q5_k", "q6_k"})
+
+
+@dataclass(frozen=True)
+class LowBitWeight:
+    """A weight `[N, K]` of one of `HIGH_BITS`' kinds (see the module docstring): `values` `[N, K]` uint8, `groups`
+    `[N, K/32, 2]`, `supers` `[N, K/256, 2]` float16 for the K-quants (None otherwise)."""
+
+    kind: str
+    values: torch.Tensor
+    groups: torch.Tensor
+    supers: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.values.shape[0], self.values.shape[1]
+
+    @property
+    def column_step(self) -> int:
+        """The columns a slice of this weight must start and end on: its block's width."""
+        return SUPER_BLOCK if self.kind in K_QUANTS else QUANT_GROUP
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, op for op as the gguf package's dequantizer computes it."""
+        rows = self.values.shape[0]
+        if self.kind not in K_QUANTS:
+            u = self.values.reshape(rows, -1, QUANT_GROUP).float()
+            scale, shift = self.groups.float().unbind(-1)
+            if self.kind == "q5_0":  # scale * (u - 16), as gguf: the same value, and -0.0 where it is zero
+                return (scale.unsqueeze(-1) * (u - 16.0)).reshape(self.shape)
+            return (scale.unsqueeze(-1) * u + shift.unsqueeze(-1)).reshape(self.shape)
+        assert self.supers is not None
+        d, dmin = self.supers.float().unbind(-1)
+        if self.kind == "q6_k":
+            u = self.values.reshape(rows, -1, QUANT_GROUP // 2).float() - 32.0
+            sc = self.groups.reshape(rows, -1).float()
+            return ((d.repeat_interleave(16, dim=1) * sc).unsqueeze(-1) * u).reshape(self.shape)
+        u = self.values.reshape(rows, -1, QUANT_GROUP).float()
+        sc, m = self.groups.float().unbind(-1)
+        per_group = SUPER_BLOCK // QUANT_GROUP
+        scale = d.repeat_interleave(per_group, dim=1) * sc
+        shift = dmin.repeat_interleave(per_group, dim=1) * m
+        return (scale.unsqueeze(-1) * u - shift.unsqueeze(-1)).reshape(self.shape)
+
+    def rows(self, index: torch.Tensor) -> LowBitWeight:
+        """The weight of rows `index` (a 1-D long tensor), in that order."""
+        supers = None if self.supers is None else self.supers[index]
+        return replace(self, values=self.values[index], groups=self.groups[index], supers=supers)
+
+    def columns(self, start: int, stop: int) -> LowBitWeight:
+        """Columns [start, stop), which must fall on `column_step`. Raises ValueError where they do not."""
+        step = self.column_step
+        if start % step or stop % step:
+            raise ValueError(f"columns {start}..{stop} of a {self.kind} weight do not fall on blocks of {step}")
+        supers = None if self.supers is None else self.supers[:, start // SUPER_BLOCK : stop // SUPER_BLOCK]
+        groups = self.groups[:, start // QUANT_GROUP : stop // QUANT_GROUP]
+        return replace(self, values=self.values[:, start:stop], groups=groups, supers=supers)
+
+
+def concat_lowbit(weights: list[LowBitWeight]) -> LowBitWeight:
+    """Shards of one kind as one weight, rows in order. Raises ValueError on mixed kinds."""
+    kinds = {w.kind for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot fuse shards of different kinds {sorted(kinds)}")
+    supers = None if weights[0].supers is None else torch.cat([w.supers for w in weights if w.supers is not None])
+    return replace(
+        weights[0],
+        values=torch.cat([w.values for w in weights]),
+        groups=torch.cat([w.groups for w in weights]),
+        supers=supers,
+    )
+
+
+def pad_lowbit(weight: LowBitWeight, rows: int) -> LowBitWeight:
+    """`weight` with `rows` rows of zeros after its own (every element 0)."""
+    if rows == 0:
+        return weight
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tensor, tensor.new_zeros(rows, *tensor.shape[1:])])
+
+    supers = None if weight.supers is None else padded(weight.supers)
+    return replace(weight, values=padded(weight.values), groups=padded(weight.groups), supers=supers)
+
+
+def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed, scales, mins) in kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
+    packed `[N/8, K/32, 1, 128 + 32 * high bits]` uint8; for `q5_*` scales and mins `[N/8, K/32, 8]` float16; for
+    the K-quants scales `[N/8, K/256, 16]` float16 (8 features' d, then their dmin) and mins `[N/8, K/32, 16]` (8
+    features' sc, then their m; Q6_K: the halves' int8 scales). Rows past N are zero."""
+    n, k = weight.shape
+    blocks, groups = -(-n // 8), k // QUANT_GROUP
+    padded = pad_lowbit(weight, blocks * 8 - n)
+    # [block, feature j, group, half, chunk c, byte i]: element 32g + 16 half + 4c + i of feature j.
+    u = padded.values.reshape(blocks, 8, groups, 2, 4, 4)
+    nibbles = (u[:, :, :, 0] & 0x0F) | ((u[:, :, :, 1] & 0x0F) << 4)
+    planes = [nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 128)]
+    high = u >> 4
+    bits = HIGH_BITS[weight.kind]
+    if bits == 1:  # byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
+        shifts = (2 * torch.arange(4)).view(1, 1, 1, 4, 1)
+        byte = ((high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 1))).sum(3)
+        planes.append(byte.permute(0, 2, 1, 3).reshape(blocks, groups, 32))
+    elif bits == 2:  # chunks 2v and 2v + 1 in bytes 32v ..: bits 4(c % 2) .. +1 of 4c + i, +2 .. +3 of 16 + 4c + i
+        shifts = (4 * (torch.arange(4) % 2)).view(1, 1, 1, 4, 1)
+        parts = (high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 2))  # [block, j, group, c, i]
+        byte = parts.reshape(blocks, 8, groups, 2, 2, 4).sum(4)  # [block, j, group, v, i]
+        planes.append(byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 64))
+    packed = torch.cat(planes, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
+    # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
+    table = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1)
+    if padded.supers is None:
+        return packed, table[:, :, 0].contiguous(), table[:, :, 1].contiguous()
+    supers = padded.supers.reshape(blocks, 8, -1, 2).permute(0, 2, 3, 1).reshape(blocks, -1, 16)
+    return packed, supers.contiguous(), table.reshape(blocks, groups, 16).contiguous()
+
+
+def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
+    """A GGUF tensor's raw blocks `[N, blocks a row, block bytes]` uint8 of `kind` as a `LowBitWeight` (copied).
+
+    Layouts (llama.cpp's ggml-common.h): Q5_0 `d, qh[4], qs[16]`; Q5_1 `d, m, qh[4], qs[16]` (qs byte j: element j
+    low, j + 16 high; bit j of qh: element j's fifth bit); Q4_K `d, dmin, scales[12], qs[128]`; Q5_K `d, dmin,
+    scales[12], qh[32], qs[128]` (qs by 32 bytes: elements 64c + l low, 64c + 32 + l high; bit s of qh[l]: element
+    32s + l's fifth; scales: eight 6-bit sc and m packed in 12 bytes); Q6_K `ql[128], qh[64], scales[16] int8, d`
+    (ql by 64 bytes per half h of 128: elements 128h + l low, 128h + 64 + l high; qh by 32 per half: bits 2s .. of
+    byte l are element 128h + 32s + l's two high bits)."""
+    rows = blocks.shape[0]
+    b = blocks.to(torch.int32)
+
+    def half(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: [N, blocks]
+        return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
+
+    if kind in ("q5_0", "q5_1"):
+        base = 2 if kind == "q5_0" else 4
+        qh = b[..., base] | (b[..., base + 1] << 8) | (b[..., base + 2] << 16) | (b[..., base + 3] << 24)
+        qs = b[..., base + 4 : base + 20]
+        low = torch.cat([qs & 0x0F, qs >> 4], -1)
+        fifth = (qh.unsqueeze(-1) >> torch.arange(32)) & 1
+        values = (low | (fifth << 4)).to(torch.uint8).reshape(rows, -1)
+        scale = half(0)
+        shift = (-16.0 * scale.float()).half() if kind == "q5_0" else half(2)
+        return LowBitWeight(kind, values, torch.stack([scale, shift], -1).contiguous())
+    if kind in ("q4_k", "q5_k"):
+        d, dmin = half(0), half(2)
+        s = b[..., 4:16]
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], -1)
+        m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        qs = b[..., -128:].reshape(rows, -1, 4, 32)
+        low = torch.stack([qs & 0x0F, qs >> 4], 3).reshape(rows, -1, 256)  # [chunk, nibble, l] -> 64c + 32 nib + l
+        if kind == "q5_k":
+            qh = b[..., 16:48]
+            low = low | (((qh.unsqueeze(-2) >> torch.arange(8).view(8, 1)) & 1).reshape(rows, -1, 256) << 4)
+        groups = torch.stack([sc, m], -1).to(torch.uint8).reshape(rows, -1, 2)
+        return LowBitWeight(kind, low.to(torch.uint8).reshape(rows, -1), groups, torch.stack([d, dmin], -1))
+    if kind == "q6_k":
+        ql = b[..., 0:128].reshape(rows, -1, 2, 2, 32)  # [half h, 32-byte part p, l]
+        qh = b[..., 128:192].reshape(rows, -1, 2, 32)
+        # element 128h + 32s + l: s = 0, 1 low nibbles of ql parts 0, 1; s = 2, 3 their high nibbles
+        low = torch.cat([ql & 0x0F, ql >> 4], 3)  # [h, s, l]
+        high = torch.stack([(qh >> (2 * s)) & 3 for s in range(4)], 3)  # [h, s, l]
+        values = (low | (high << 4)).to(torch.uint8).reshape(rows, -1)
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1, 2)
+        d = half(208)
+        return LowBitWeight(kind, values, sc, torch.stack([d, torch.zeros_like(d)], -1))
+    raise ValueError(f"no low-bit decoding for {kind!r}")

@@ -1,0 +1,224 @@
+// The tiles of the CPU's 5- and 6-bit GGUF products and of llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
+// kept as the file stores them: the same layout of 8 output features per packed block as the 4-bit kernels
+// (quant_tiles.h), x quantized to 8 bits per group of 32 the same way (`quantize_rows`), and per group of 32 a
+// nibble plane (as q4's) with, for 5 and 6 bits, a plane of the values' high bits after it. Contracts:
+// kernels/reference.py `lowbit_linear`.
+//
+// Per packed block b and group g of 32, `kLowBitPlane` + 32 * H bytes (H = high bits a value, 0..2):
+//   bytes 0..127: the nibble plane: chunk c (0..3), byte 4 * j + i: u[8b + j][32g + 4c + i] & 15 (low nibble) and
+//                 u[8b + j][32g + 16 + 4c + i] & 15 (high nibble);
+//   H = 1: 32 bytes, byte 4 * j + i: bit 2c the high bit (u >> 4) of element 4c + i, bit 2c + 1 of 16 + 4c + i;
+//   H = 2: 64 bytes, chunk c in the 32 bytes at 32 * (c / 2), byte 4 * j + i: bits 4 (c % 2) .. +1 the high
+//          bits (u >> 4) of element 4c + i, bits 4 (c % 2) + 2 .. +3 those of 16 + 4c + i.
+// How u becomes a weight, by the scales' kind:
+//   kTable (Q5_0, Q5_1): scales, mins [N / 8, K / 32, 8] float16: element = scale * u + min (Q5_0: min = -16 scale);
+//   kSuper (Q4_K, Q5_K): `scales` [N / 8, K / 256, 16] float16 (8 features' d, then their dmin) and `mins`
+//           [N / 8, K / 32, 16] uint8 (8 features' 6-bit sc, then their m): element = (d * sc) * u - dmin * m;
+//   kSuper6 (Q6_K): `scales` as kSuper (dmin zero) and `mins` [N / 8, K / 32, 16] int8 (the scales of the group's
+//           two 16-element halves: 8 features' first, then their second): element = (d * sc) * (u - 32).
+// The float steps are q4's per group: for kTable and kSuper, acc += (u . xq) * (scale * dx) then acc += min * dx *
+// sum(xq); for kSuper6 the halves' scales combine the integer dots first, sc0 * (u - 32) . xq over the first half
+// plus sc1 * ... over the second, exactly in int32, then acc += dot * (d * dx). Every row of a tile runs through
+// the same instructions whatever rows are beside it, so a row's result does not depend on its batch.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_tiles.h"
+
+namespace ladle_quant {
+
+constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block's group
+constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
+
+enum class LowBitScales { kTable, kSuper, kSuper6 };
+
+inline constexpr int64_t lowbit_group_bytes(int64_t high_bits) { return kLowBitPlane + 32 * high_bits; }
+
+// Sum of each row's first 16 quantized values of each group ([M, K / 32]), for kSuper6's halves.
+inline at::Tensor half_totals(const QuantizedRows& xq, int64_t rows) {
+  const int64_t groups = xq.k / kGroup;
+  at::Tensor out = at::empty({rows, groups}, at::TensorOptions().dtype(at::kInt));
+  int32_t* totals = out.data_ptr<int32_t>();
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* x = xq.row(m) + g * kGroup;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kGroup / 2; ++i) sum += x[i];
+      totals[m * groups + g] = sum;
+    }
+  }
+  return out;
+}
+
+// The scales of one packed weight (see the top of this file).
+struct LowBitTables {
+  const at::Half* scales;  // kTable: [blocks, groups, 8]; kSuper*: [blocks, groups / 8, 16]
+  const at::Half* mins;    // kTable: [blocks, groups, 8]
+  const uint8_t* small;    // kSuper*: [blocks, groups, 16]
+};
+
+// Rows [m0, m0 + R) of y for one packed block: y[m0 + r, 0 .. cols) (cols <= 8), rows y_stride apart. `block`
+// points at the block's first group; `half` is `half_totals` (kSuper6 only).
+template <int64_t H, LowBitScales S, int64_t R>
+void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const uint8_t* block,
+                 const LowBitTables& t, int64_t b, float* y, int64_t y_stride, int64_t cols) {
+  const int64_t k = xq.k, groups = k / kGroup, bytes = lowbit_group_bytes(H);
+  const float* x_scales = xq.scales + m0 * groups;
+  const float* x_sums = xq.sums + m0 * groups;
+  const int32_t* x_totals = xq.totals + m0 * groups;
+  const int32_t* x_half = half == nullptr ? nullptr : half + m0 * groups;
+  const int8_t* x = xq.row(m0);
+  const at::Half* super = S == LowBitScales::kTable ? nullptr : t.scales + b * (groups / kSuperGroups) * 16;
+  alignas(32) float out[R][kBlock];
+#ifdef LADLE_QUANT_AVX2
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+#ifndef LADLE_QUANT_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = block + g * bytes;
+    const int8_t* xg = x + g * kGroup;
+    __m256i first[R], second[R];  // int32 dots of the group's first and second 16 elements (kSuper6), or all
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int64_t c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+      __m256i low = _mm256_and_si256(raw, nibble);
+      __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      if constexpr (H == 1) {
+        const __m256i bits = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kLowBitPlane)),
+                                              _mm_cvtsi32_si128(static_cast<int>(2 * c)));
+        low = _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(bits, 4), _mm256_set1_epi8(0x10)));
+        high = _mm256_or_si256(high, _mm256_and_si256(_mm256_slli_epi16(bits, 3), _mm256_set1_epi8(0x10)));
+      } else if constexpr (H == 2) {
+        const __m256i bits =
+            _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kLowBitPlane + 32 * (c / 2))),
+                             _mm_cvtsi32_si128(static_cast<int>(4 * (c % 2))));
+        low = _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(bits, 4), _mm256_set1_epi8(0x30)));
+        high = _mm256_or_si256(high, _mm256_and_si256(_mm256_slli_epi16(bits, 2), _mm256_set1_epi8(0x30)));
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t x_low, x_high;
+        std::memcpy(&x_low, xg + r * k + 4 * c, 4);
+        std::memcpy(&x_high, xg + r * k + 16 + 4 * c, 4);
+        __m256i& other = S == LowBitScales::kSuper6 ? second[r] : first[r];
+#ifdef LADLE_QUANT_VNNI
+        first[r] = _mm256_dpbusd_epi32(first[r], low, _mm256_set1_epi32(x_low));
+        other = _mm256_dpbusd_epi32(other, high, _mm256_set1_epi32(x_high));
+#else  // u <= 63: each int16 pair sum fits (63 * 127 * 2), widened to int32 per chunk
+        first[r] = _mm256_add_epi32(first[r], _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)), ones));
+        other = _mm256_add_epi32(other, _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high)), ones));
+#endif
+      }
+    }
+    if constexpr (S == LowBitScales::kSuper6) {
+      const at::Half* d_half = super + (g / kSuperGroups) * 16;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half)));
+      const uint8_t* sc = t.small + (b * groups + g) * 16;
+      const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+      const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {  // (u - 32) . xq = u . xq - 32 * sum(xq), per half
+        const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+        const __m256i dot0 = _mm256_sub_epi32(first[r], _mm256_set1_epi32(32 * t0));
+        const __m256i dot1 = _mm256_sub_epi32(second[r], _mm256_set1_epi32(32 * t1));
+        const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
+        const __m256 row_scale = _mm256_mul_ps(d, _mm256_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), row_scale, acc[r]);
+      }
+    } else {
+      __m256 scale, min;
+      if constexpr (S == LowBitScales::kTable) {
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.scales + (b * groups + g) * kBlock)));
+        min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.mins + (b * groups + g) * kBlock)));
+      } else {
+        const at::Half* pair = super + (g / kSuperGroups) * 16;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 8)));
+        const uint8_t* small = t.small + (b * groups + g) * 16;
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(small))));
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(small + 8))));
+        scale = _mm256_mul_ps(d, sc);
+        min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, m));
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first[r]), row_scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(x_sums[r * groups + g]), acc[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int64_t r = 0; r < R; ++r) _mm256_store_ps(out[r], acc[r]);
+#else
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < kBlock; ++j) out[r][j] = 0.f;
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = block + g * bytes;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      uint8_t u[kGroup];  // feature j's values of this group
+      for (int64_t c = 0; c < 4; ++c) {
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t at = 4 * j + i;
+          const uint8_t byte = w[c * 32 + at];
+          uint32_t low = byte & 0x0F, high = byte >> 4;
+          if (H == 1) {
+            low |= ((w[kLowBitPlane + at] >> (2 * c)) & 1) << 4;
+            high |= ((w[kLowBitPlane + at] >> (2 * c + 1)) & 1) << 4;
+          } else if (H == 2) {
+            const uint8_t bits = w[kLowBitPlane + 32 * (c / 2) + at] >> (4 * (c % 2));
+            low |= (bits & 3) << 4;
+            high |= ((bits >> 2) & 3) << 4;
+          }
+          u[4 * c + i] = static_cast<uint8_t>(low);
+          u[16 + 4 * c + i] = static_cast<uint8_t>(high);
+        }
+      }
+      float scale = 0.f, min = 0.f;
+      int32_t sc0 = 0, sc1 = 0;
+      if (S == LowBitScales::kTable) {
+        scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
+        min = to_float(t.mins[(b * groups + g) * kBlock + j]);
+      } else {
+        const at::Half* pair = super + (g / kSuperGroups) * 16;
+        const uint8_t* small = t.small + (b * groups + g) * 16;
+        if (S == LowBitScales::kSuper) {
+          scale = to_float(pair[j]) * static_cast<float>(small[j]);
+          min = 0.f - to_float(pair[8 + j]) * static_cast<float>(small[8 + j]);
+        } else {
+          scale = to_float(pair[j]);
+          sc0 = static_cast<int8_t>(small[j]);
+          sc1 = static_cast<int8_t>(small[8 + j]);
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* xg = x + r * k + g * kGroup;
+        int32_t dot0 = 0, dot1 = 0;
+        for (int64_t i = 0; i < kGroup / 2; ++i) dot0 += u[i] * xg[i];
+        for (int64_t i = kGroup / 2; i < kGroup; ++i) dot1 += u[i] * xg[i];
+        const float row_scale = scale * x_scales[r * groups + g];
+        if (S == LowBitScales::kSuper6) {
+          const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+          const int32_t dot = (dot0 - 32 * t0) * sc0 + (dot1 - 32 * t1) * sc1;
+          out[r][j] = std::fma(static_cast<float>(dot), row_scale, out[r][j]);
+        } else {
+          out[r][j] = std::fma(static_cast<float>(dot0 + dot1), row_scale, out[r][j]);
+          out[r][j] = std::fma(min, x_sums[r * groups + g], out[r][j]);
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t r = 0; r < R; ++r) std::memcpy(y + r * y_stride, out[r], cols * sizeof(float));
+}
+
+}  // namespace ladle_quant

@@ -1,0 +1,114 @@
+"""GGUF's 5-bit blocks and llama.cpp's K-quants on the CPU (`engine_server/layers/lowbit_weight.py`,
+`kernels/cpu/lowbit_tiles.h`): their decoding bit for bit against the gguf package's reference dequantizer, the
+kernels against `kernels.reference.lowbit_linear`, a row alone against the same row in a batch (bit for bit), the
+shards of a fused projection kept in their own formats, and slices on block boundaries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import quantize
+
+from engine_server.layers.lowbit_weight import HIGH_BITS, LowBitWeight, decode_blocks, pack_lowbit
+from engine_server.layers.quantized_linear import QuantizedLinear, StackedWeight, concat_rows, pad_rows, quantize_q8
+from kernels import cpu_ops as cpu
+from kernels import reference
+from tests.lowbit_blocks import KINDS, block_elements, gguf_dequantize, random_blocks
+
+needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+# As the 4/8-bit kernels': integer dots exact on both sides, float32 summation order over K/32 groups apart.
+TOLERANCE = dict(atol=1e-4, rtol=1e-5)
+# Rows: tiles of 8 (6 without VNNI) with ragged ends, and more than one L2-sized chunk of quantized x; features:
+# blocks of 8 with ragged ends; K: one and several super-blocks (K-quants), odd group counts (Q5_*).
+K_SHAPES = [(1, 1, 256), (3, 7, 512), (9, 20, 256), (17, 33, 1536), (64, 8, 768), (300, 12, 1536)]
+Q5_SHAPES = [(1, 1, 32), (3, 7, 96), (9, 20, 576), (17, 33, 1536), (300, 12, 1536)]
+
+
+def _shapes() -> list[tuple[str, int, int, int]]:
+    return [(kind, *shape) for kind in KINDS for shape in (K_SHAPES if block_elements(kind) == 256 else Q5_SHAPES)]
+
+
+def _weight(kind: str, n: int, k: int, seed: int) -> LowBitWeight:
+    return decode_blocks(random_blocks(kind, n, k, torch.Generator().manual_seed(seed)), kind)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_decoding_equals_the_gguf_reference_bit_for_bit(kind: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    blocks = random_blocks(kind, 9, 1024 if block_elements(kind) == 256 else 288, gen)
+    weight = decode_blocks(blocks, kind)
+    assert weight.values.max() < 2 ** (4 + HIGH_BITS[kind])
+    assert torch.equal(weight.dequantize().view(torch.int32), gguf_dequantize(blocks, kind).view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["q5_0", "q5_1"])
+def test_blocks_the_gguf_quantizer_writes_decode_exactly(kind: str) -> None:
+    """The 5-bit types from gguf's own quantizer (its K-quant quantizer is not implemented in Python; llama.cpp's
+    files are checked in tests/unit/test_lowbit_files.py)."""
+    array = np.random.default_rng(0).standard_normal((6, 256)).astype(np.float32)
+    array[0, :32] = 0.0  # a zero group
+    raw = torch.from_numpy(quantize(array, KINDS[kind]).copy())
+    blocks = raw.reshape(6, -1, raw.shape[1] // 8)
+    assert torch.equal(decode_blocks(blocks, kind).dequantize().view(torch.int32),
+                       gguf_dequantize(blocks, kind).view(torch.int32))  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize(("kind", "m", "n", "k"), _shapes())
+def test_the_kernel_matches_the_reference(kind: str, m: int, n: int, k: int) -> None:
+    weight = _weight(kind, n, k, seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    x[0, :32] = 0.0  # a zero group
+    got = torch.ops.ladle_cpu.packed_linear(x, *pack_lowbit(weight), n)
+    torch.testing.assert_close(got, reference.lowbit_linear(x, weight.dequantize()), **TOLERANCE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_row_alone_equals_the_row_in_a_batch(kind: str) -> None:
+    k = 512 if block_elements(kind) == 256 else 576
+    weight = _weight(kind, 37, k, seed=3)
+    packed = pack_lowbit(weight)
+    x = torch.randn(333, k, generator=torch.Generator().manual_seed(4))
+    batch = torch.ops.ladle_cpu.packed_linear(x, *packed, 37)
+    for row in (0, 5, 7, 8, 200, 332):
+        alone = torch.ops.ladle_cpu.packed_linear(x[row : row + 1].contiguous(), *packed, 37)
+        assert torch.equal(alone[0], batch[row]), row
+
+
+@needs_kernels
+def test_shards_in_different_formats_keep_their_own() -> None:
+    """A Q4_K_M file's fused q/k/v: q and k in Q5_0, v in Q8_0 (a `StackedWeight`), and a fused projection of one
+    format merged into one weight."""
+    q, k = _weight("q5_0", 24, 512, seed=5), _weight("q5_0", 8, 512, seed=6)
+    v = quantize_q8(torch.randn(8, 512, generator=torch.Generator().manual_seed(7)))
+    fused = concat_rows([q, k, v])
+    assert isinstance(fused, StackedWeight) and [p.shape[0] for p in fused.parts] == [32, 8]
+    layer = QuantizedLinear(pad_rows(fused, 3), None)
+    assert layer.format == "q5_0+q8" and layer.out_features == 43
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(8))
+    separate = [QuantizedLinear(w, None)(x) for w in (concat_rows([q, k]), v)]
+    torch.testing.assert_close(layer(x), torch.cat([*separate, torch.zeros(5, 3)], -1), atol=0, rtol=0)
+    torch.testing.assert_close(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize(), v.dequantize()]))
+    assert isinstance(concat_rows([q, k]), LowBitWeight)
+
+
+def test_slices_fall_on_blocks() -> None:
+    weight = _weight("q4_k", 16, 768, seed=9)
+    part = weight.columns(256, 768)
+    assert torch.equal(part.dequantize(), weight.dequantize()[:, 256:768])
+    rows = weight.rows(torch.tensor([3, 1]))
+    assert torch.equal(rows.dequantize(), weight.dequantize()[[3, 1]])
+    with pytest.raises(ValueError, match="blocks of 256"):
+        weight.columns(32, 256)
+
+
+@needs_kernels
+def test_malformed_tables_are_refused() -> None:
+    packed, scales, mins = pack_lowbit(_weight("q6_k", 8, 256, seed=10))
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="two high-bit planes"):
+        torch.ops.ladle_cpu.packed_linear(x, packed[..., :160].contiguous(), scales, mins, 8)
+    with pytest.raises(RuntimeError, match="super-blocks are 256 wide"):
+        torch.ops.ladle_cpu.packed_linear(torch.randn(2, 96), packed[:, :3].contiguous(), scales, mins, 8)
