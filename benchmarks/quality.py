@@ -10,6 +10,11 @@ served request runs) and is compared with the float model's logits at each conti
   `mean_common_prefix`: how many leading tokens they share on average (one near-tie flips all that follows).
 The models run through the engine's own `ModelRunner`, so what is measured is what is served.
 
+`--reference` names another model as the float reference: for a GGUF file quantized from float weights (a Q4_K_M
+file of `benchmarks.kquant_files`), the F32 file it was made from, so that the weights' quantization is measured
+and not only the activations'. `--llama-cpp` measures llama.cpp on the same file the same way (llama-cpp-python,
+every position's logits of each whole sequence read from an empty context, the same token ids).
+
 With `--tensor-parallel-size N` the formats run split over N processes (their workers run every forward) and are
 compared with the same float reference at TP=1: quantized weights under tensor parallelism must hold the same
 thresholds as at TP=1 (tests/unit/test_quantization.py).
@@ -156,20 +161,29 @@ def compare(
     reference's greedy continuations of `prompts`). Without `free_running` the candidate's own greedy
     continuations are not decoded, and `greedy_identical` and `mean_common_prefix` are None (tests that assert
     only the thresholds skip that pass: 16 x 64 tokens of decoding)."""
-    agree = positions = 0
-    kls: list[float] = []
     full = [prompt_ids + continuation for prompt_ids, continuation in zip(*sequences, strict=True)]
     read = batch_sequence_logits(candidate, full, [len(prompt_ids) for prompt_ids in sequences[0]])
-    for prompt_ids, ref, candidate_logits in zip(sequences[0], reference, read, strict=True):
-        got = torch.log_softmax(candidate_logits[len(prompt_ids) - 1 : -1], dim=-1)
-        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
-        positions += ref.shape[0]
-        kls.extend((ref.exp() * (ref - got)).sum(-1).tolist())
     identical = common = None
     if free_running:
         _, continuations = greedy_sequences(candidate, prompts, num_tokens)
         prefixes = [_common_prefix(a, b) for a, b in zip(sequences[1], continuations, strict=True)]
         identical, common = sum(p == num_tokens for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
+    return score(name, reference, read, sequences[0], identical, common)
+
+
+def score(
+    name: str, reference: list[torch.Tensor], read: list[torch.Tensor], prompts_ids: list[list[int]],
+    identical: float | None = None, common: float | None = None,
+) -> QualityResult:  # fmt: skip
+    """A candidate's logits `read` (`[T, vocab]` per whole sequence) against the reference's log-probabilities at
+    each continuation position (after each prompt of `prompts_ids`)."""
+    agree = positions = 0
+    kls: list[float] = []
+    for prompt_ids, ref, candidate_logits in zip(prompts_ids, reference, read, strict=True):
+        got = torch.log_softmax(candidate_logits[len(prompt_ids) - 1 : -1].float(), dim=-1)
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        positions += ref.shape[0]
+        kls.extend((ref.exp() * (ref - got)).sum(-1).tolist())
     return QualityResult(
         quantization=name,
         positions=positions,
@@ -181,20 +195,51 @@ def compare(
     )
 
 
+def llama_cpp_logits(gguf: str, sequences: tuple[list[list[int]], list[list[int]]]) -> list[torch.Tensor]:
+    """llama.cpp's (llama-cpp-python's) logits `[T, vocab]` of each whole sequence (prompt + continuation, the same
+    token ids), every position's kept (`logits_all`), each sequence read from an empty context."""
+    import os
+
+    import numpy as np
+    from llama_cpp import Llama
+
+    full = [prompt_ids + continuation for prompt_ids, continuation in zip(*sequences, strict=True)]
+    threads = os.cpu_count() or 1
+    llama = Llama(model_path=gguf, n_ctx=max(map(len, full)) + 8, logits_all=True, n_threads=threads,
+                  n_threads_batch=threads, n_batch=512, verbose=False)  # fmt: skip
+    read = []
+    for ids in full:
+        llama.reset()
+        llama.eval(ids)
+        read.append(torch.from_numpy(np.array(llama.scores[: len(ids)], dtype=np.float32)))
+    llama.close()
+    return read
+
+
 def measure(
     model: str = "default", formats: Sequence[str] = ("gguf", "int8"), num_tokens: int = 64,
     prompts: Sequence[str] = QUALITY_PROMPTS, reference: LLM | None = None, tensor_parallel_size: int = 1,
-    float_reference: FloatReference | None = None, free_running: bool = True,
+    float_reference: FloatReference | None = None, free_running: bool = True, reference_model: str | None = None,
+    llama_cpp: bool = False,
 ) -> list[QualityResult]:  # fmt: skip
     """Every format in `formats` (at `tensor_parallel_size`) against the float model at TP=1 (`reference`, loaded
-    here when None), or against `float_reference`, what `reference_of` gave for the same prompts and tokens."""
+    here when None: `reference_model`'s float weights, else `model`'s), or against `float_reference`, what
+    `reference_of` gave for the same prompts and tokens. With `llama_cpp`, llama.cpp on `model` (a GGUF file) too,
+    on the same positions (`quantization` "llama.cpp")."""
     if float_reference is None:
-        float_reference = reference_of(reference or make_llm(model, "none"), prompts, num_tokens)
+        float_reference = reference_of(reference or make_llm(reference_model or model, "none"), prompts, num_tokens)
     sequences, log_probs = float_reference
     results = []
     for name in formats:
         with make_llm(model, name, tensor_parallel_size) as candidate:
             results.append(compare(log_probs, candidate, name, prompts, num_tokens, sequences, free_running))
+    if llama_cpp:
+        from benchmarks.offline import gguf_file
+
+        gguf = gguf_file(model)
+        if gguf is None:
+            raise ValueError(f"--llama-cpp: {model!r} is not a GGUF file")
+        results.append(score("llama.cpp", log_probs, llama_cpp_logits(str(gguf), sequences), sequences[0]))
     return results
 
 
@@ -208,14 +253,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--formats", default="gguf,int8", help="comma-separated --quantization values")
     parser.add_argument("--num-tokens", type=int, default=64)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="run the formats split over N processes")
+    parser.add_argument("--reference", help="the float reference model (default: --model's own float weights)")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also llama.cpp (llama-cpp-python) on --model, a GGUF file, on the same positions")
     parser.add_argument("--out", help="write the results as JSON lines here")
     args = parser.parse_args(argv)
-    formats = args.formats.split(",")
-    results = measure(args.model, formats, args.num_tokens, tensor_parallel_size=args.tensor_parallel_size)
+    formats = [f for f in args.formats.split(",") if f]
+    results = measure(args.model, formats, args.num_tokens, tensor_parallel_size=args.tensor_parallel_size,
+                      reference_model=args.reference, llama_cpp=args.llama_cpp)  # fmt: skip
     record: dict[str, Any] = {
         "benchmark": "quality", "commit": git_commit(), "command": "ladle bench quality " + " ".join(argv or []),
-        "model": args.model, "cpu": cpu_model_name(), "num_tokens": args.num_tokens,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "model": args.model, "reference": args.reference or args.model, "cpu": cpu_model_name(),
+        "num_tokens": args.num_tokens, "tensor_parallel_size": args.tensor_parallel_size,
     }
     lines = [json.dumps({**record, **asdict(r)}) for r in results]
     for line in lines:

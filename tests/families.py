@@ -189,13 +189,18 @@ _GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": 
                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
 
 
+# Types gguf cannot quantize to (llama.cpp's K-quants): their tensors are written as random blocks
+# (tests.lowbit_blocks), so the file's weights are those blocks' and not the folder's.
+_RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationType values
+
+
 def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None) -> Path:
     """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE as llama.cpp's converter writes it: its
     metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
     scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
     F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
-    `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s), the LM head in `output`'s (F32 when None);
-    returns `path`. Mixtral is written as
+    `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s; a K-quant's tensors random blocks,
+    `_RANDOM_BLOCK_KINDS`), the LM head in `output`'s (F32 when None); returns `path`. Mixtral is written as
     llama.cpp's `llama` with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar`
     must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
     layer of a mixture of experts must have experts (no `mlp_only_layers`), as llama.cpp assumes."""
@@ -291,9 +296,15 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any, outp
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
-    for gguf_name, (array, kind_type) in tensors.items():
+    for index, (gguf_name, (array, kind_type)) in enumerate(tensors.items()):
         if kind_type is None or kind_type == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        elif kind_type in _RANDOM_BLOCK_KINDS:  # gguf has no K-quant quantizer: blocks drawn, not from `array`
+            from tests.lowbit_blocks import random_blocks
+
+            blocks = random_blocks(_RANDOM_BLOCK_KINDS[kind_type], math.prod(array.shape[:-1]), array.shape[-1],
+                                   torch.Generator().manual_seed(index))  # fmt: skip
+            writer.add_tensor(gguf_name, blocks.reshape(*array.shape[:-1], -1).numpy(), raw_dtype=kind_type)
         else:
             writer.add_tensor(gguf_name, quantize(array, kind_type), raw_dtype=kind_type)
     writer.write_header_to_file()

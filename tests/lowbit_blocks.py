@@ -1,8 +1,8 @@
 """Random GGUF blocks of the 5-bit and K-quant types, for the tests of their decoding and kernels: every byte
-random (any bit pattern is a valid block) but the float16 scales, drawn small and positive (dmin too), as a
-quantizer writes them: narrowed by each kind's integer range (5-bit values; K-quants' 6-bit sub-block scales and
-Q6_K's int8 ones), so the weights are as wide as the 4-bit kernels' tests draw theirs and the same tolerances
-hold."""
+random (any bit pattern is a valid block) but the float16 scales, drawn small and positive as a quantizer writes
+them (a min or dmin so that the weights average zero), and narrowed by each kind's integer range (5-bit values;
+K-quants' 6-bit sub-block scales and Q6_K's int8 ones), so the weights are as wide as the 4-bit kernels' tests draw
+theirs and the same tolerances hold."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ KINDS = {
 # Byte offsets of each kind's float16 scales in its block.
 _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 _NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128}
+_MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5}  # of u (a K-quant's m averages sc's mean, so d * mean u)
 
 
 def block_elements(kind: str) -> int:
@@ -27,9 +28,12 @@ def random_blocks(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
     """`[n, k / block elements, block bytes]` uint8 blocks of `kind` (see the module docstring)."""
     elements, size = GGML_QUANT_SIZES[KINDS[kind]]
     blocks = torch.randint(0, 256, (n, k // elements, size), dtype=torch.uint8, generator=gen)
-    for at in _HALVES[kind]:
-        scale = ((torch.rand(n, k // elements, generator=gen) * 0.02 + 0.001) / _NARROWER[kind]).half()
-        blocks[..., at : at + 2] = scale.unsqueeze(-1).view(torch.uint8).reshape(n, k // elements, 2)
+    scale = (torch.rand(n, k // elements, generator=gen) * 0.02 + 0.001) / _NARROWER[kind]
+    # The second float16 (a min or dmin) centres the weights on zero, as a quantizer's do: the values' mean times
+    # the scale (a Q5_1 min is subtracted as a negative one).
+    halves = [scale, scale * _MEAN_VALUE.get(kind, 0.0) * (-1.0 if kind == "q5_1" else 1.0)]
+    for at, value in zip(_HALVES[kind], halves, strict=False):
+        blocks[..., at : at + 2] = value.half().unsqueeze(-1).view(torch.uint8).reshape(n, k // elements, 2)
     return blocks
 
 

@@ -140,7 +140,7 @@ def read_quantized_weights(
 def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWeight:
     """`[N, K / block elements, block bytes]` uint8 blocks of one type -> its weight (copied out of the file)."""
     if kind in _LOW_BIT:
-        return decode_blocks(torch.from_numpy(np.ascontiguousarray(blocks)), _LOW_BIT[kind])
+        return decode_blocks(torch.from_numpy(np.array(blocks)), _LOW_BIT[kind])
     rows = blocks.shape[0]
     scales = _float16(blocks, 0)
     if kind == GGMLQuantizationType.Q8_0:

@@ -12,9 +12,12 @@ import torch
 
 from engine_server.config import ModelConfig
 from engine_server.layers.decode_stack import build_decode_stack
+from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
+from engine_server.layers.quantized_linear import QuantizedLinear, concat_rows, quantize_q8
 from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
 from kernels import cpu_ops as cpu
+from tests.lowbit_blocks import random_blocks
 from tests.unit.runner_factories import MAX_MODEL_LEN, TINY_LLAMA, greedy_request, make_lockstep, tiny_engine_config
 from tests.unit.runner_factories import tiny_source as source_of
 
@@ -70,6 +73,46 @@ def test_every_step_equals_the_layers_bit_for_bit(model: ModelConfig, monkeypatc
     assert counting.steps == len(steps) > 10  # every step: prefill, decode and mixed ones
     assert sum(step.decode_only for step in steps) > 10
     assert any(not step.decode_only for step in steps[1:])  # a mixed step (decode rows beside a prompt's)
+    for step in steps:
+        assert step.tokens[0] == step.tokens[1]
+        assert torch.equal(step.hidden[0], step.hidden[1])
+
+
+def lowbit_runner() -> ModelRunner:
+    """`int8_runner` of a Llama whose projections are swapped for a Q4_K_M file's kinds: q/k in Q5_0 beside v in
+    Q8_0 (one fused projection of two formats), o in Q5_1, gate/up in Q5_0, down in Q6_K and Q4_K (alternating),
+    drawn from a fixed seed; the decode stack rebuilt over them."""
+    runner = int8_runner(dataclasses.replace(TINY_LLAMA, intermediate_size=256, name="tiny-lowbit"))
+    decoder = runner.model.model
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(kind: str, n: int, k: int) -> LowBitWeight:
+        return decode_blocks(random_blocks(kind, n, k, gen), kind)
+
+    for i, layer in enumerate(decoder.layers):
+        attention, mlp = layer.self_attn, layer.mlp
+        q_rows = attention.num_heads * attention.head_dim
+        kv_rows = attention.num_kv_heads * attention.head_dim
+        v = quantize_q8(torch.randn(kv_rows, 64, generator=gen) * 0.1)
+        qkv = concat_rows([weight("q5_0", q_rows, 64), weight("q5_0", kv_rows, 64), v])
+        attention.qkv_proj = QuantizedLinear(qkv, None)
+        attention.o_proj = QuantizedLinear(weight("q5_1", 64, q_rows), None)
+        mlp.gate_up_proj = QuantizedLinear(weight("q5_0", 512, 64), None)
+        mlp.down_proj = QuantizedLinear(weight("q6_k" if i % 2 else "q4_k", 64, 256), None)
+    decoder.decode_stack = build_decode_stack(decoder)
+    return runner
+
+
+def test_lowbit_and_mixed_projections_equal_the_layers_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, candidate = lowbit_runner(), lowbit_runner()
+    assert candidate.model.model.decode_stack is not None
+    assert candidate.model.model.layers[0].self_attn.qkv_proj.format == "q5_0+q8"
+    reference.model.model.decode_stack = None
+    counting = CountingStack(candidate.model.model.decode_stack)
+    candidate.model.model.decode_stack = counting
+    lockstep = make_lockstep(reference, candidate, tiny_engine_config(), monkeypatch)
+    steps = lockstep.run([greedy_request(f"r{i}", prompt_len=4 + 3 * i, max_tokens=10) for i in range(3)])
+    assert counting.steps == len(steps) > 8
     for step in steps:
         assert step.tokens[0] == step.tokens[1]
         assert torch.equal(step.hidden[0], step.hidden[1])

@@ -19,11 +19,13 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
+from engine_server import model_loading
 from engine_server.config import ModelConfig
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
+from engine_server.quantization import stored_weights
 from tests.families import save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
 
@@ -220,3 +222,40 @@ def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"layers \[1\] of a llama file with experts have no router"):
         hf_config_from_gguf(GGUFReader(str(tmp_path / "mixtral.gguf")), "mixtral.gguf")
+
+
+@pytest.mark.parametrize(
+    ("attention", "feed_forward"),
+    [(GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q6_K),
+     (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K)],
+    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k"],
+)  # fmt: skip
+def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
+    tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Phi-3 256 wide (every row whole K-quant super-blocks) with its attention in a 5- or 8-bit type and its MLP
+    in a K-quant (random blocks: gguf has no K-quant quantizer), served from the file's blocks: every projection's
+    weight as read is the file's float weight (what `--quantization none` serves) bit for bit, and the served model
+    is close to its float path. The blocks are random, not quantized from trained-like weights, so the activations'
+    8-bit rounding moves these logits more than a real model's: the thresholds are looser than the real files'
+    (benchmarks/results/quality_kquant.jsonl), and far below what a misread block gives (KL of nats)."""
+    folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
+    gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
+    stored: dict[str, Any] = {}
+
+    def keep(model: Any, source: Any) -> dict[str, Any]:
+        stored.update(stored_weights(model, source))
+        return stored
+
+    monkeypatch.setattr(model_loading, "stored_weights", keep)
+    layers, result = served_from_blocks(gguf)
+    float_weights = dict(resolve_model(str(gguf)).weights())  # the converted folder: what `none` serves
+    assert len(stored) == 4 * 4, sorted(stored)
+    for name, weight in stored.items():
+        assert torch.equal(weight.dequantize(), float_weights[f"{name}.weight"]), name
+    kinds = {GGMLQuantizationType.Q8_0: "q8"}
+    assert layers["model.layers.0.self_attn.qkv_proj"] == kinds.get(attention, attention.name.lower())
+    assert layers["model.layers.3.mlp.gate_up_proj"] == feed_forward.name.lower()
+    assert layers["model.layers.3.mlp.down_proj"] == feed_forward.name.lower()
+    assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.05, result
