@@ -161,12 +161,24 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
       const int64_t m_end = std::min(m_rows, m_chunk + chunk);
       for (int64_t b = begin; b < end; ++b) {
         const int64_t cols = std::min(kBlock, n_rows - b * kBlock);
+        // Two blocks of this thread's at a time where it has two left (a pair gives the bits of two single tiles).
+        const bool paired = kLowBitPairs && b + 1 < end;
         for (int64_t m0 = m_chunk; m0 < m_end; m0 += kRowTile) {
           with_rows(std::min(kRowTile, m_end - m0), [&](auto tile_rows) {
-            lowbit_tile<H, S, decltype(tile_rows)::value>(xq, half, m0, packed + b * block_bytes, tables, b,
-                                                           y + m0 * n_rows + b * kBlock, n_rows, cols);
+            constexpr int64_t R = decltype(tile_rows)::value;
+            float* out = y + m0 * n_rows + b * kBlock;
+            if (paired) {
+#ifdef LADLE_QUANT_AVX512
+              const int64_t cols1 = std::min(kBlock, n_rows - (b + 1) * kBlock);
+              lowbit_pair_tile<H, S, R>(xq, half, m0, packed + b * block_bytes, packed + (b + 1) * block_bytes,
+                                        tables, b, out, n_rows, cols, cols1);
+#endif
+            } else {
+              lowbit_tile<H, S, R>(xq, half, m0, packed + b * block_bytes, tables, b, out, n_rows, cols);
+            }
           });
         }
+        if (paired) ++b;
       }
     }
   });
