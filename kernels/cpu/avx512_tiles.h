@@ -220,6 +220,10 @@ class AmxScope {
     shape(5, 32, 16);
     shape(6, 64, 8);
     shape(7, 64, 8);
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of `config` (its asm's "m" operand), so the
+    // shapes' stores above may be dropped as dead (seen: an out-of-line copy of this constructor loading zero
+    // shapes, which faults); the clobber makes every store land first.
+    asm volatile("" : : "r"(config) : "memory");
     _tile_loadconfig(config);
   }
   ~AmxScope() { _tile_release(); }

@@ -223,6 +223,74 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
 }
 
 #ifdef LADLE_QUANT_AVX512
+// 32 bytes of each of two blocks side by side in one register (features 0..7 of the first, then of the second).
+inline __m512i lowbit_pair(const void* a, const void* c) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(static_cast<const __m256i*>(c)), 1);
+}
+
+// 8 float16 of each block -> 16 floats.
+inline __m512 lowbit_halves(const at::Half* a, const at::Half* c) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1));
+}
+
+// 8 bytes of each block -> one 128-bit lane.
+inline __m128i lowbit_bytes16(const uint8_t* a, const uint8_t* c) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+}
+
+// The high-bit planes of one group of two blocks (w0, w1 point at the group).
+template <int64_t H>
+inline void lowbit_pair_high_bits(const uint8_t* w0, const uint8_t* w1, __m512i (&high_bits)[2]) {
+  if constexpr (H >= 1) high_bits[0] = lowbit_pair(w0 + kLowBitPlane, w1 + kLowBitPlane);
+  if constexpr (H == 2) high_bits[1] = lowbit_pair(w0 + kLowBitPlane + 32, w1 + kLowBitPlane + 32);
+}
+
+// Chunk c of one group of two blocks as values u (0..63, so also valid signed bytes): `low` elements 4c .. 4c + 3
+// of the group, `high` 16 + 4c .. 16 + 4c + 3, 16 features x 4 elements each.
+template <int64_t H>
+inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], int64_t c,
+                              __m512i& low, __m512i& high) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i raw = lowbit_pair(w0 + c * 32, w1 + c * 32);
+  low = _mm512_and_si512(raw, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+  if constexpr (H == 1) {
+    const __m512i bits = _mm512_srl_epi16(high_bits[0], _mm_cvtsi32_si128(static_cast<int>(2 * c)));
+    low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(bits, 4), _mm512_set1_epi8(0x10)));
+    high = _mm512_or_si512(high, _mm512_and_si512(_mm512_slli_epi16(bits, 3), _mm512_set1_epi8(0x10)));
+  } else if constexpr (H == 2) {
+    const __m512i bits = _mm512_srl_epi16(high_bits[c / 2], _mm_cvtsi32_si128(static_cast<int>(4 * (c % 2))));
+    low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(bits, 4), _mm512_set1_epi8(0x30)));
+    high = _mm512_or_si512(high, _mm512_and_si512(_mm512_slli_epi16(bits, 2), _mm512_set1_epi8(0x30)));
+  }
+}
+
+// Group g's scales and mins of blocks b and b + 1 (kTable, kSuper) as 16 floats each: lowbit_tile's values.
+template <LowBitScales S>
+inline void lowbit_pair_scales(const LowBitTables& t, int64_t b, int64_t g, int64_t groups, __m512& scale,
+                               __m512& min) {
+  if constexpr (S == LowBitScales::kTable) {
+    const int64_t at0 = (b * groups + g) * kBlock, at1 = at0 + groups * kBlock;
+    scale = lowbit_halves(t.scales + at0, t.scales + at1);
+    min = lowbit_halves(t.mins + at0, t.mins + at1);
+  } else {
+    const int64_t supers = groups / kSuperGroups;
+    const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;
+    const at::Half* super1 = super0 + supers * 16;
+    const uint8_t* small0 = t.small + (b * groups + g) * 16;
+    const uint8_t* small1 = small0 + groups * 16;
+    const __m512 d = lowbit_halves(super0, super1), dmin = lowbit_halves(super0 + 8, super1 + 8);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lowbit_bytes16(small0, small1)));
+    const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lowbit_bytes16(small0 + 8, small1 + 8)));
+    scale = _mm512_mul_ps(d, sc);
+    min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, m));
+  }
+}
+
 // lowbit_tile for two blocks at once, b and b + 1, in 512-bit registers (features 0..7 of b in the low half of
 // every lane group, of b + 1 in the high half): the same integer dots and float steps lane for lane, so the same
 // bits as two lowbit_tile calls, in about half the instructions. y gets cols0 columns of b and cols1 of b + 1.
@@ -236,20 +304,6 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
   const int32_t* x_totals = xq.totals + m0 * groups;
   const int32_t* x_half = half == nullptr ? nullptr : half + m0 * groups;
   const int8_t* x = xq.row(m0);
-  const auto pair = [](const void* a, const void* c) {  // 32 bytes of each block side by side
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(a))),
-                              _mm256_loadu_si256(static_cast<const __m256i*>(c)), 1);
-  };
-  const auto halves = [](const at::Half* a, const at::Half* c) {  // 8 float16 of each block -> 16 floats
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1));
-  };
-  const auto bytes16 = [](const uint8_t* a, const uint8_t* c) {  // 8 bytes of each block -> one 128-bit lane
-    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-  };
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -261,22 +315,11 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) first[r] = second[r] = _mm512_setzero_si512();
     __m512i high_bits[2];
-    if constexpr (H >= 1) high_bits[0] = pair(w0 + kLowBitPlane, w1 + kLowBitPlane);
-    if constexpr (H == 2) high_bits[1] = pair(w0 + kLowBitPlane + 32, w1 + kLowBitPlane + 32);
+    lowbit_pair_high_bits<H>(w0, w1, high_bits);
 #pragma GCC unroll 1
     for (int64_t c = 0; c < 4; ++c) {
-      const __m512i raw = pair(w0 + c * 32, w1 + c * 32);
-      __m512i low = _mm512_and_si512(raw, nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      if constexpr (H == 1) {
-        const __m512i bits = _mm512_srl_epi16(high_bits[0], _mm_cvtsi32_si128(static_cast<int>(2 * c)));
-        low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(bits, 4), _mm512_set1_epi8(0x10)));
-        high = _mm512_or_si512(high, _mm512_and_si512(_mm512_slli_epi16(bits, 3), _mm512_set1_epi8(0x10)));
-      } else if constexpr (H == 2) {
-        const __m512i bits = _mm512_srl_epi16(high_bits[c / 2], _mm_cvtsi32_si128(static_cast<int>(4 * (c % 2))));
-        low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(bits, 4), _mm512_set1_epi8(0x30)));
-        high = _mm512_or_si512(high, _mm512_and_si512(_mm512_slli_epi16(bits, 2), _mm512_set1_epi8(0x30)));
-      }
+      __m512i low, high;
+      lowbit_pair_chunk<H>(w0, w1, high_bits, c, low, high);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         int32_t x_low, x_high;
@@ -287,15 +330,14 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
         other = _mm512_dpbusd_epi32(other, high, _mm512_set1_epi32(x_high));
       }
     }
-    // kSuper*: the blocks' d (and dmin) of this group's super-block, and their 16 bytes of group scales.
-    const at::Half* super0 = S == LowBitScales::kTable ? nullptr : t.scales + (b * supers + g / kSuperGroups) * 16;
-    const at::Half* super1 = S == LowBitScales::kTable ? nullptr : super0 + supers * 16;
-    const uint8_t* small0 = S == LowBitScales::kTable ? nullptr : t.small + (b * groups + g) * 16;
-    const uint8_t* small1 = S == LowBitScales::kTable ? nullptr : small0 + groups * 16;
-    if constexpr (S == LowBitScales::kSuper6) {
-      const __m512 d = halves(super0, super1);
-      const __m512i sc0 = _mm512_cvtepi8_epi32(bytes16(small0, small1));
-      const __m512i sc1 = _mm512_cvtepi8_epi32(bytes16(small0 + 8, small1 + 8));
+    if constexpr (S == LowBitScales::kSuper6) {  // the blocks' d and the halves' scales of this group
+      const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;
+      const at::Half* super1 = super0 + supers * 16;
+      const uint8_t* small0 = t.small + (b * groups + g) * 16;
+      const uint8_t* small1 = small0 + groups * 16;
+      const __m512 d = lowbit_halves(super0, super1);
+      const __m512i sc0 = _mm512_cvtepi8_epi32(lowbit_bytes16(small0, small1));
+      const __m512i sc1 = _mm512_cvtepi8_epi32(lowbit_bytes16(small0 + 8, small1 + 8));
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
@@ -307,17 +349,7 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
       }
     } else {
       __m512 scale, min;
-      if constexpr (S == LowBitScales::kTable) {
-        const int64_t at0 = (b * groups + g) * kBlock, at1 = at0 + groups * kBlock;
-        scale = halves(t.scales + at0, t.scales + at1);
-        min = halves(t.mins + at0, t.mins + at1);
-      } else {
-        const __m512 d = halves(super0, super1), dmin = halves(super0 + 8, super1 + 8);
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(small0, small1)));
-        const __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(small0 + 8, small1 + 8)));
-        scale = _mm512_mul_ps(d, sc);
-        min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, m));
-      }
+      lowbit_pair_scales<S>(t, b, g, groups, scale, min);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[r * groups + g]));
@@ -335,6 +367,34 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
   }
 }
 constexpr bool kLowBitPairs = true;
+
+#ifdef LADLE_QUANT_AMX
+// Blocks b and b + 1 (kTable or kSuper) unpacked into AMX's B layout (avx512_tiles.h's `unpack_pair`): the values u
+// as signed bytes, the scales and mins as lowbit_tile's floats, so `amx_tile<1, ...>` gives lowbit_tile's bits.
+template <int64_t H, LowBitScales S>
+void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowBitTables& t, int64_t b,
+                        int64_t groups, UnpackedPair& out) {
+  static_assert(S != LowBitScales::kSuper6, "Q6_K's halves take two scales a group: not an AMX tile's one");
+  const int64_t bytes = lowbit_group_bytes(H);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w0 = block0 + g * bytes;
+    const uint8_t* w1 = block1 + g * bytes;
+    int8_t* rows = out.weights + g * kAmxGroupBytes;
+    __m512i high_bits[2];
+    lowbit_pair_high_bits<H>(w0, w1, high_bits);
+    for (int64_t c = 0; c < 4; ++c) {
+      __m512i low, high;
+      lowbit_pair_chunk<H>(w0, w1, high_bits, c, low, high);
+      _mm512_store_si512(rows + c * 64, low);
+      _mm512_store_si512(rows + (4 + c) * 64, high);
+    }
+    __m512 scale, min;
+    lowbit_pair_scales<S>(t, b, g, groups, scale, min);
+    _mm512_store_ps(out.scales + g * kAmxCols, scale);
+    _mm512_store_ps(out.mins + g * kAmxCols, min);
+  }
+}
+#endif  // LADLE_QUANT_AMX
 #else
 constexpr bool kLowBitPairs = false;
 #endif  // LADLE_QUANT_AVX512

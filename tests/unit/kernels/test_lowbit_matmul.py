@@ -112,3 +112,21 @@ def test_malformed_tables_are_refused() -> None:
         torch.ops.ladle_cpu.packed_linear(x, packed[..., :160].contiguous(), scales, mins, 8)
     with pytest.raises(RuntimeError, match="super-blocks are 256 wide"):
         torch.ops.ladle_cpu.packed_linear(torch.randn(2, 96), packed[:, :3].contiguous(), scales, mins, 8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_amx_tiles_give_the_vnni_tiles_bits(kind: str) -> None:
+    """Where the CPU has AMX, products of 12 rows or more of every kind but Q6_K (two scales a group) run on its
+    tiles: the same bits as with AMX switched off (a no-op comparison on CPUs without it)."""
+    k = 1536
+    weight = _weight(kind, 40, k, seed=11)
+    packed = pack_lowbit(weight)
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(12))
+    try:
+        on = torch.ops.ladle_cpu.packed_linear(x, *packed, 40)
+        torch.ops.ladle_cpu.set_quant_amx(False)
+        off = torch.ops.ladle_cpu.packed_linear(x, *packed, 40)
+    finally:
+        torch.ops.ladle_cpu.set_quant_amx(True)
+    assert torch.equal(on, off)
