@@ -181,7 +181,8 @@ class QuantizedLinear(nn.Module):
     On the CPU (float32 x, the C++ kernels) the result differs from `F.linear(x, weight.dequantize())` by x's
     8-bit rounding (about 0.4% of each group's largest value per element, averaging out over K), not by the
     weight's: that is stored exactly. There `qs`, `scales` and `mins` hold the kernels' packed blocks (built
-    once here; needs the CPU kernels), and `parts` each shard's of a `StackedWeight` (its products concatenated).
+    once here; needs the CPU kernels), and `parts` each shard's of a `StackedWeight` (x quantized once, each
+    shard's product written into its columns: `packed_linear_parts`).
     On CUDA (a `Q8Weight` only, x in the model's dtype) they hold the weight as given and the Triton kernel
     `kernels.int8_linear` dequantizes W to x's dtype, keeping x as it is.
     """
@@ -219,7 +220,8 @@ class QuantizedLinear(nn.Module):
         elif len(self.parts) == 1:
             out = torch.ops.ladle_cpu.packed_linear(rows, self.qs, self.scales, self.mins, self.out_features)
         else:
-            out = torch.cat([torch.ops.ladle_cpu.packed_linear(rows, *part) for part in self.parts], dim=-1)
+            packed, scales, mins, counts = (list(column) for column in zip(*self.parts, strict=True))
+            out = torch.ops.ladle_cpu.packed_linear_parts(rows, packed, scales, mins, counts)
         if self.bias is not None:
             out = out + self.bias
         result: torch.Tensor = out.reshape(*x.shape[:-1], self.out_features)

@@ -60,11 +60,15 @@ struct Linear {
     if (parts.size() == 1) {
       y = ladle_cpu::packed_linear(x, parts[0].packed, parts[0].scales, parts[0].mins, parts[0].out_features);
     } else {
-      std::vector<at::Tensor> products;
+      std::vector<at::Tensor> packed, scales, mins;
+      std::vector<int64_t> rows;
       for (const Packed& p : parts) {
-        products.push_back(ladle_cpu::packed_linear(x, p.packed, p.scales, p.mins, p.out_features));
+        packed.push_back(p.packed);
+        scales.push_back(p.scales);
+        mins.push_back(p.mins);
+        rows.push_back(p.out_features);
       }
-      y = at::cat(products, -1);
+      y = ladle_cpu::packed_linear_parts(x, packed, scales, mins, rows);
     }
     return bias.defined() ? y + bias : y;
   }

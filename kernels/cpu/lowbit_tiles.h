@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "avx512_tiles.h"
 #include "quant_tiles.h"
@@ -249,24 +250,43 @@ inline void lowbit_pair_high_bits(const uint8_t* w0, const uint8_t* w1, __m512i 
   if constexpr (H == 2) high_bits[1] = lowbit_pair(w0 + kLowBitPlane + 32, w1 + kLowBitPlane + 32);
 }
 
-// Chunk c of one group of two blocks as values u (0..63, so also valid signed bytes): `low` elements 4c .. 4c + 3
-// of the group, `high` 16 + 4c .. 16 + 4c + 3, 16 features x 4 elements each.
-template <int64_t H>
-inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], int64_t c,
-                              __m512i& low, __m512i& high) {
+// A 16-bit-lane shift by S bits, left for S > 0, right for S < 0 (each byte's bits 4..5 come from its own byte).
+template <int S>
+inline __m512i lowbit_shift(__m512i v) {
+  if constexpr (S > 0) return _mm512_slli_epi16(v, S);
+  if constexpr (S < 0) return _mm512_srli_epi16(v, -S);
+  return v;
+}
+
+// Chunk C of one group of two blocks as values u (0..63, so also valid signed bytes): `low` elements 4C .. 4C + 3
+// of the group, `high` 16 + 4C .. 16 + 4C + 3, 16 features x 4 elements each. Each value's high bits are shifted
+// to bit 4 (and 5) of its byte and merged in one `vpternlogd` (low | (shifted & mask)).
+template <int64_t H, int C>
+inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], __m512i& low,
+                              __m512i& high) {
+  constexpr int kOrMasked = 0xF8;  // vpternlogd's table for A | (B & C)
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i raw = lowbit_pair(w0 + c * 32, w1 + c * 32);
+  const __m512i raw = lowbit_pair(w0 + C * 32, w1 + C * 32);
   low = _mm512_and_si512(raw, nibble);
   high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-  if constexpr (H == 1) {
-    const __m512i bits = _mm512_srl_epi16(high_bits[0], _mm_cvtsi32_si128(static_cast<int>(2 * c)));
-    low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(bits, 4), _mm512_set1_epi8(0x10)));
-    high = _mm512_or_si512(high, _mm512_and_si512(_mm512_slli_epi16(bits, 3), _mm512_set1_epi8(0x10)));
-  } else if constexpr (H == 2) {
-    const __m512i bits = _mm512_srl_epi16(high_bits[c / 2], _mm_cvtsi32_si128(static_cast<int>(4 * (c % 2))));
-    low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(bits, 4), _mm512_set1_epi8(0x30)));
-    high = _mm512_or_si512(high, _mm512_and_si512(_mm512_slli_epi16(bits, 2), _mm512_set1_epi8(0x30)));
+  if constexpr (H == 1) {  // bit 2C of a byte is its low element's, bit 2C + 1 its high element's
+    const __m512i fifth = _mm512_set1_epi8(0x10);
+    low = _mm512_ternarylogic_epi32(low, lowbit_shift<4 - 2 * C>(high_bits[0]), fifth, kOrMasked);
+    high = _mm512_ternarylogic_epi32(high, lowbit_shift<3 - 2 * C>(high_bits[0]), fifth, kOrMasked);
+  } else if constexpr (H == 2) {  // bits 4 (C % 2) .. +1 the low element's, the next two the high element's
+    const __m512i two = _mm512_set1_epi8(0x30);
+    low = _mm512_ternarylogic_epi32(low, lowbit_shift<4 - 4 * (C % 2)>(high_bits[C / 2]), two, kOrMasked);
+    high = _mm512_ternarylogic_epi32(high, lowbit_shift<2 - 4 * (C % 2)>(high_bits[C / 2]), two, kOrMasked);
   }
+}
+
+// f(std::integral_constant<int, C>{}) for the chunks C = 0..3, in order.
+template <typename F>
+inline void for_each_chunk(F&& f) {
+  f(std::integral_constant<int, 0>{});
+  f(std::integral_constant<int, 1>{});
+  f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 3>{});
 }
 
 // Group g's scales and mins of blocks b and b + 1 (kTable, kSuper) as 16 floats each: lowbit_tile's values.
@@ -316,10 +336,10 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
     for (int64_t r = 0; r < R; ++r) first[r] = second[r] = _mm512_setzero_si512();
     __m512i high_bits[2];
     lowbit_pair_high_bits<H>(w0, w1, high_bits);
-#pragma GCC unroll 1
-    for (int64_t c = 0; c < 4; ++c) {
+    for_each_chunk([&](auto chunk) {
+      constexpr int c = decltype(chunk)::value;
       __m512i low, high;
-      lowbit_pair_chunk<H>(w0, w1, high_bits, c, low, high);
+      lowbit_pair_chunk<H, c>(w0, w1, high_bits, low, high);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         int32_t x_low, x_high;
@@ -329,7 +349,7 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
         __m512i& other = S == LowBitScales::kSuper6 ? second[r] : first[r];
         other = _mm512_dpbusd_epi32(other, high, _mm512_set1_epi32(x_high));
       }
-    }
+    });
     if constexpr (S == LowBitScales::kSuper6) {  // the blocks' d and the halves' scales of this group
       const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;
       const at::Half* super1 = super0 + supers * 16;
@@ -382,12 +402,13 @@ void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowB
     int8_t* rows = out.weights + g * kAmxGroupBytes;
     __m512i high_bits[2];
     lowbit_pair_high_bits<H>(w0, w1, high_bits);
-    for (int64_t c = 0; c < 4; ++c) {
+    for_each_chunk([&](auto chunk) {
+      constexpr int c = decltype(chunk)::value;
       __m512i low, high;
-      lowbit_pair_chunk<H>(w0, w1, high_bits, c, low, high);
+      lowbit_pair_chunk<H, c>(w0, w1, high_bits, low, high);
       _mm512_store_si512(rows + c * 64, low);
       _mm512_store_si512(rows + (4 + c) * 64, high);
-    }
+    });
     __m512 scale, min;
     lowbit_pair_scales<S>(t, b, g, groups, scale, min);
     _mm512_store_ps(out.scales + g * kAmxCols, scale);

@@ -34,6 +34,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4(const at::Tensor& qs, con
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, const at::Tensor& scales);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& mins, int64_t n_rows);
+at::Tensor packed_linear_parts(const at::Tensor& x, at::TensorList packed, at::TensorList scales,
+                               at::TensorList mins, at::IntArrayRef n_rows);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales, const at::Tensor& mins);
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales);
 at::Tensor seeded_log_uniforms(const at::Tensor& keys, const at::Tensor& tokens);

@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack(int64_t n_rows, int64_t k, U
 // run_packed on AVX-512 (avx512_tiles.h): pairs of blocks shared out over the threads, each pair's rows a chunk
 // at a time (AMX tiles where there are enough rows and AMX is on, pair_tile otherwise).
 template <int64_t P>
-void run_pairs(const QuantizedRows& xq, int64_t m_rows, const PackedBlocks& w, float* y) {
+void run_pairs(const QuantizedRows& xq, int64_t m_rows, const PackedBlocks& w, float* y, int64_t y_stride) {
   const bool amx = m_rows >= kAmxMinRows && amx_enabled();
   const int64_t pairs = (w.blocks + 1) / 2, tile = amx ? kAmxRows : kPairRows;
   const int64_t chunk = std::max<int64_t>(tile, kRowChunkBytes / xq.k / tile * tile);
@@ -117,7 +117,7 @@ void run_pairs(const QuantizedRows& xq, int64_t m_rows, const PackedBlocks& w, f
     for (int64_t m_chunk = 0; m_chunk < m_rows; m_chunk += chunk) {
       for (int64_t pair = begin; pair < end; ++pair) {
         pair_rows<P>(xq, m_chunk, std::min(m_rows, m_chunk + chunk), w, pair, scratch ? &*scratch : nullptr, y,
-                     w.n_rows);
+                     y_stride);
       }
     }
   });
@@ -125,10 +125,10 @@ void run_pairs(const QuantizedRows& xq, int64_t m_rows, const PackedBlocks& w, f
 
 template <int64_t P>
 void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, const at::Half* scales,
-                const at::Half* mins, int64_t blocks, int64_t n_rows, float* y) {
+                const at::Half* mins, int64_t blocks, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup;
   if constexpr (kPairTiles) {
-    return run_pairs<P>(xq, m_rows, PackedBlocks{packed, scales, mins, blocks, groups, n_rows}, y);
+    return run_pairs<P>(xq, m_rows, PackedBlocks{packed, scales, mins, blocks, groups, n_rows}, y, y_stride);
   }
   const int64_t chunk = std::max<int64_t>(kRowTile, kRowChunkBytes / k / kRowTile * kRowTile);
   at::parallel_for(0, blocks, grain_blocks(blocks, k, std::min(m_rows, chunk)), [&](int64_t begin, int64_t end) {
@@ -141,7 +141,8 @@ void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, 
         const at::Half* z = mins + b * groups * kBlock;
         for (int64_t m0 = m_chunk; m0 < m_end; m0 += kRowTile) {
           with_rows(std::min(kRowTile, m_end - m0), [&](auto tile_rows) {
-            block_tile<P, decltype(tile_rows)::value>(xq, m0, w, s, z, y + m0 * n_rows + b * kBlock, n_rows, cols);
+            block_tile<P, decltype(tile_rows)::value>(xq, m0, w, s, z, y + m0 * y_stride + b * kBlock, y_stride,
+                                                      cols);
           });
         }
       }
@@ -153,7 +154,7 @@ void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, 
 // block's rows a chunk at a time, in tiles of up to kRowTile rows.
 template <int64_t H, LowBitScales S>
 void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, const uint8_t* packed,
-                const LowBitTables& tables, int64_t blocks, int64_t n_rows, float* y) {
+                const LowBitTables& tables, int64_t blocks, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup, block_bytes = groups * lowbit_group_bytes(H);
   // AMX tiles for 12 rows or more, as the 4-bit products take them (not Q6_K: two scales a group).
   const bool amx = S != LowBitScales::kSuper6 && kLowBitPairs && m_rows >= kAmxMinRows && amx_enabled();
@@ -179,11 +180,11 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
             unpack_lowbit_pair<H, S>(block, block + block_bytes, tables, b, groups, *scratch);
             const int64_t both = std::min(2 * kBlock, n_rows - b * kBlock);
             for (int64_t m0 = m_chunk; m0 < m_end; m0 += kAmxRows) {
-              float* out = y + m0 * n_rows + b * kBlock;
+              float* out = y + m0 * y_stride + b * kBlock;
               if (m_end - m0 >= kAmxRows) {
-                amx_tile<1, true>(xq, m0, kAmxRows, *scratch, out, n_rows, both);
+                amx_tile<1, true>(xq, m0, kAmxRows, *scratch, out, y_stride, both);
               } else {
-                amx_tile<1, false>(xq, m0, m_end - m0, *scratch, out, n_rows, both);
+                amx_tile<1, false>(xq, m0, m_end - m0, *scratch, out, y_stride, both);
               }
             }
             ++b;
@@ -194,15 +195,15 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
         for (int64_t m0 = m_chunk; m0 < m_end; m0 += kRowTile) {
           with_rows(std::min(kRowTile, m_end - m0), [&](auto tile_rows) {
             constexpr int64_t R = decltype(tile_rows)::value;
-            float* out = y + m0 * n_rows + b * kBlock;
+            float* out = y + m0 * y_stride + b * kBlock;
             if (paired) {
 #ifdef LADLE_QUANT_AVX512
               const int64_t cols1 = std::min(kBlock, n_rows - (b + 1) * kBlock);
-              lowbit_pair_tile<H, S, R>(xq, half, m0, block, block + block_bytes, tables, b, out, n_rows, cols,
+              lowbit_pair_tile<H, S, R>(xq, half, m0, block, block + block_bytes, tables, b, out, y_stride, cols,
                                         cols1);
 #endif
             } else {
-              lowbit_tile<H, S, R>(xq, half, m0, block, tables, b, out, n_rows, cols);
+              lowbit_tile<H, S, R>(xq, half, m0, block, tables, b, out, y_stride, cols);
             }
           });
         }
@@ -215,7 +216,7 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
 // packed_linear of a weight in lowbit_tiles.h's layout: which tile runs is read off the tables' types and the
 // groups' bytes (checked here).
 void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& packed, const at::Tensor& scales,
-                   const at::Tensor& mins, int64_t n_rows, float* y) {
+                   const at::Tensor& mins, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t blocks = packed.size(0), groups = packed.size(1), high_bits = (packed.size(3) - kLowBitPlane) / 32;
   LADLE_CHECK(packed.size(2) == 1 && packed.size(3) == lowbit_group_bytes(high_bits) && high_bits <= 2,
               "packed must be [N / 8, K / 32, 1, 128 + 32 * (0..2)] uint8, got a last dim of %lld",
@@ -229,7 +230,7 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
                     scales.size(1) == groups && scales.size(2) == kBlock,
                 "scales and mins must be contiguous [N / 8, K / 32, 8] float16 tensors");
     const LowBitTables tables{scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nullptr};
-    return run_lowbit<1, LowBitScales::kTable>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y);
+    return run_lowbit<1, LowBitScales::kTable>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
   LADLE_CHECK(groups % kSuperGroups == 0, "K-quant super-blocks are 256 wide: K = %lld is not a multiple",
               static_cast<long long>(groups * kGroup));
@@ -243,12 +244,12 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
   if (mins.scalar_type() == at::kChar) {
     LADLE_CHECK(high_bits == 2, "Q6_K groups take two high-bit planes, not %lld", static_cast<long long>(high_bits));
     const at::Tensor half = half_totals(xq, m_rows);
-    return run_lowbit<2, LowBitScales::kSuper6>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y);
+    return run_lowbit<2, LowBitScales::kSuper6>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
-  if (high_bits == 0) return run_lowbit<0, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y);
+  if (high_bits == 0) return run_lowbit<0, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   LADLE_CHECK(high_bits == 1, "Q4_K / Q5_K groups take at most one high-bit plane, not %lld",
               static_cast<long long>(high_bits));
-  run_lowbit<1, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y);
+  run_lowbit<1, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
 }
 
 }  // namespace
@@ -297,49 +298,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, con
       [&](int64_t n, int64_t g) { return s[n * groups + g]; }, [](int64_t, int64_t) { return at::Half(0.f); });
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                         const at::Tensor& mins, int64_t n_rows) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "x must be a [M, K] float32 tensor with a contiguous last dim");
-  const int64_t m_rows = x.size(0), k = x.size(1);
+}  // namespace ladle_cpu
+
+namespace {
+
+// Checks one packed weight (any of packed_linear's layouts) against K.
+void check_packed(int64_t k, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                  int64_t n_rows) {
   const bool lowbit = mins.scalar_type() != at::kHalf || packed.size(-1) != kPlaneBytes;
-  if (lowbit) {
-    LADLE_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                    packed.size(1) * kGroup == k,
-                "packed must be a contiguous [N / 8, K / 32, 1, bytes] uint8 tensor for K = %lld",
-                static_cast<long long>(k));
-    const int64_t blocks = packed.size(0);
-    LADLE_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "n = %lld does not fit %lld blocks of 8",
-                static_cast<long long>(n_rows), static_cast<long long>(blocks));
-    at::Tensor y = at::empty({m_rows, n_rows}, x.options());
-    if (m_rows == 0 || n_rows == 0) return y;
-    const QuantizedRows xq = quantize_rows(x);
-    lowbit_linear(xq, m_rows, packed, scales, mins, n_rows, y.data_ptr<float>());
-    return y;
-  }
   LADLE_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(1) * kGroup == k && (packed.size(2) == 1 || packed.size(2) == 2) &&
-                  packed.size(3) == kPlaneBytes,
-              "packed must be a contiguous [N / 8, K / 32, 1 | 2, 128] uint8 tensor (pack_q4 / pack_q8) for K = %lld",
+                  packed.size(1) * kGroup == k && (lowbit || packed.size(2) == 1 || packed.size(2) == 2),
+              "packed must be a contiguous [N / 8, K / 32, planes, bytes] uint8 tensor (pack_q4 / pack_q8 / "
+              "pack_lowbit) for K = %lld",
               static_cast<long long>(k));
   const int64_t blocks = packed.size(0);
   LADLE_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "n = %lld does not fit %lld blocks of 8",
               static_cast<long long>(n_rows), static_cast<long long>(blocks));
+  if (lowbit) return;  // lowbit_linear checks its tables
   for (const at::Tensor& table : {scales, mins}) {
     TORCH_CHECK(table.dim() == 3 && table.size(0) == blocks && table.size(1) == packed.size(1) &&
                     table.size(2) == kBlock && table.scalar_type() == at::kHalf && table.is_contiguous(),
                 "scales and mins must be contiguous [N / 8, K / 32, 8] float16 tensors");
   }
-  at::Tensor y = at::empty({m_rows, n_rows}, x.options());
-  if (m_rows == 0 || n_rows == 0) return y;
-  const QuantizedRows xq = quantize_rows(x);
+}
+
+// y[:, 0 .. n_rows) (rows y_stride apart) = x W^T for x quantized as `xq`, W checked by check_packed.
+void run_product(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& packed, const at::Tensor& scales,
+                 const at::Tensor& mins, int64_t n_rows, float* y, int64_t y_stride) {
+  if (mins.scalar_type() != at::kHalf || packed.size(-1) != kPlaneBytes) {
+    return lowbit_linear(xq, m_rows, packed, scales, mins, n_rows, y, y_stride);
+  }
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
   const at::Half* z = mins.data_ptr<at::Half>();
   if (packed.size(2) == 1) {
-    run_packed<1>(xq, m_rows, w, s, z, blocks, n_rows, y.data_ptr<float>());
+    run_packed<1>(xq, m_rows, w, s, z, packed.size(0), n_rows, y, y_stride);
   } else {
-    run_packed<2>(xq, m_rows, w, s, z, blocks, n_rows, y.data_ptr<float>());
+    run_packed<2>(xq, m_rows, w, s, z, packed.size(0), n_rows, y, y_stride);
+  }
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a [M, K] float32 tensor with a contiguous last dim");
+}
+
+}  // namespace
+
+namespace ladle_cpu {
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& mins, int64_t n_rows) {
+  check_x(x);
+  const int64_t m_rows = x.size(0);
+  check_packed(x.size(1), packed, scales, mins, n_rows);
+  at::Tensor y = at::empty({m_rows, n_rows}, x.options());
+  if (m_rows == 0 || n_rows == 0) return y;
+  run_product(quantize_rows(x), m_rows, packed, scales, mins, n_rows, y.data_ptr<float>(), n_rows);
+  return y;
+}
+
+at::Tensor packed_linear_parts(const at::Tensor& x, at::TensorList packed, at::TensorList scales,
+                               at::TensorList mins, at::IntArrayRef n_rows) {
+  check_x(x);
+  const size_t parts = packed.size();
+  TORCH_CHECK(parts >= 1 && scales.size() == parts && mins.size() == parts && n_rows.size() == parts,
+              "packed_linear_parts takes one or more parts, each its packed, scales, mins and n");
+  int64_t total = 0;
+  for (size_t i = 0; i < parts; ++i) {
+    check_packed(x.size(1), packed[i], scales[i], mins[i], n_rows[i]);
+    total += n_rows[i];
+  }
+  const int64_t m_rows = x.size(0);
+  at::Tensor y = at::empty({m_rows, total}, x.options());
+  if (m_rows == 0 || total == 0) return y;
+  const QuantizedRows xq = quantize_rows(x);
+  float* out = y.data_ptr<float>();
+  for (size_t i = 0; i < parts; ++i) {
+    run_product(xq, m_rows, packed[i], scales[i], mins[i], n_rows[i], out, total);
+    out += n_rows[i];
   }
   return y;
 }
@@ -372,11 +409,15 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("pack_q4(Tensor qs, Tensor scales, Tensor mins) -> (Tensor, Tensor, Tensor)");
   m.def("pack_q8(Tensor qs, Tensor scales) -> (Tensor, Tensor, Tensor)");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int n) -> Tensor");
+  // The shards of a fused projection stored in different formats: x quantized once, each part's product written
+  // into its columns of one [M, sum(n)] result.
+  m.def("packed_linear_parts(Tensor x, Tensor[] packed, Tensor[] scales, Tensor[] mins, int[] n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor qs, Tensor scales, Tensor mins) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor qs, Tensor scales) -> Tensor");
   m.impl("pack_q4", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::pack_q4));
   m.impl("pack_q8", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::pack_q8));
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::packed_linear));
+  m.impl("packed_linear_parts", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::packed_linear_parts));
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q4_linear));
   m.impl("q8_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q8_linear));
 }
