@@ -112,7 +112,8 @@ def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch
     """(packed, scales, mins) in kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
     packed `[N/8, K/32, 1, 128 + 32 * high bits]` uint8; for `q5_*` scales and mins `[N/8, K/32, 8]` float16; for
     the K-quants scales `[N/8, K/256, 16]` float16 (8 features' d, then their dmin) and mins `[N/8, K/32, 16]` (8
-    features' sc, then their m; Q6_K: the halves' int8 scales). Rows past N are zero."""
+    features' sc, then their m; Q6_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 * scale).
+    Rows past N are zero."""
     n, k = weight.shape
     blocks, groups = -(-n // 8), k // QUANT_GROUP
     padded = pad_lowbit(weight, blocks * 8 - n)
@@ -134,8 +135,9 @@ def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch
     packed = torch.cat(planes, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
     # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
     table = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1)
-    if padded.supers is None:
-        return packed, table[:, :, 0].contiguous(), table[:, :, 1].contiguous()
+    if padded.supers is None:  # Q5_0's mins are -16 * its scales: the kernel computes them (an empty table)
+        mins = table[:, :, 1].contiguous() if weight.kind == "q5_1" else torch.empty(0, dtype=torch.float16)
+        return packed, table[:, :, 0].contiguous(), mins
     supers = padded.supers.reshape(blocks, 8, -1, 2).permute(0, 2, 3, 1).reshape(blocks, -1, 16)
     return packed, supers.contiguous(), table.reshape(blocks, groups, 16).contiguous()
 

@@ -11,7 +11,8 @@
 //   H = 2: 64 bytes, chunk c in the 32 bytes at 32 * (c / 2), byte 4 * j + i: bits 4 (c % 2) .. +1 the high
 //          bits (u >> 4) of element 4c + i, bits 4 (c % 2) + 2 .. +3 those of 16 + 4c + i.
 // How u becomes a weight, by the scales' kind:
-//   kTable (Q5_0, Q5_1): scales, mins [N / 8, K / 32, 8] float16: element = scale * u + min (Q5_0: min = -16 scale);
+//   kTable (Q5_0, Q5_1): scales, mins [N / 8, K / 32, 8] float16: element = scale * u + min (Q5_0: no mins table,
+//           min = -16 * scale, exact in float32, the value a float16 table of them would hold);
 //   kSuper (Q4_K, Q5_K): `scales` [N / 8, K / 256, 16] float16 (8 features' d, then their dmin) and `mins`
 //           [N / 8, K / 32, 16] uint8 (8 features' 6-bit sc, then their m): element = (d * sc) * u - dmin * m;
 //   kSuper6 (Q6_K): `scales` as kSuper (dmin zero) and `mins` [N / 8, K / 32, 16] int8 (the scales of the group's
@@ -57,7 +58,7 @@ inline at::Tensor half_totals(const QuantizedRows& xq, int64_t rows) {
 // The scales of one packed weight (see the top of this file).
 struct LowBitTables {
   const at::Half* scales;  // kTable: [blocks, groups, 8]; kSuper*: [blocks, groups / 8, 16]
-  const at::Half* mins;    // kTable: [blocks, groups, 8]
+  const at::Half* mins;    // kTable: [blocks, groups, 8], or nullptr for Q5_0's -16 * scale
   const uint8_t* small;    // kSuper*: [blocks, groups, 16]
 };
 
@@ -138,8 +139,10 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
     } else {
       __m256 scale, min;
       if constexpr (S == LowBitScales::kTable) {
-        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.scales + (b * groups + g) * kBlock)));
-        min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.mins + (b * groups + g) * kBlock)));
+        const int64_t at = (b * groups + g) * kBlock;
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.scales + at)));
+        min = t.mins == nullptr ? _mm256_mul_ps(scale, _mm256_set1_ps(-16.f))
+                                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.mins + at)));
       } else {
         const at::Half* pair = super + (g / kSuperGroups) * 16;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
@@ -189,7 +192,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       int32_t sc0 = 0, sc1 = 0;
       if (S == LowBitScales::kTable) {
         scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
-        min = to_float(t.mins[(b * groups + g) * kBlock + j]);
+        min = t.mins == nullptr ? scale * -16.f : to_float(t.mins[(b * groups + g) * kBlock + j]);
       } else {
         const at::Half* pair = super + (g / kSuperGroups) * 16;
         const uint8_t* small = t.small + (b * groups + g) * 16;
@@ -296,7 +299,7 @@ inline void lowbit_pair_scales(const LowBitTables& t, int64_t b, int64_t g, int6
   if constexpr (S == LowBitScales::kTable) {
     const int64_t at0 = (b * groups + g) * kBlock, at1 = at0 + groups * kBlock;
     scale = lowbit_halves(t.scales + at0, t.scales + at1);
-    min = lowbit_halves(t.mins + at0, t.mins + at1);
+    min = t.mins == nullptr ? _mm512_mul_ps(scale, _mm512_set1_ps(-16.f)) : lowbit_halves(t.mins + at0, t.mins + at1);
   } else {
     const int64_t supers = groups / kSuperGroups;
     const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;

@@ -225,11 +225,12 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
   if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
     LADLE_CHECK(high_bits == 1, "5-bit groups (float16 scales and mins) take one high-bit plane, not %lld",
                 static_cast<long long>(high_bits));
-    TORCH_CHECK(scales.sizes() == mins.sizes() && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                    mins.is_contiguous() && scales.dim() == 3 && scales.size(0) == blocks &&
+    const bool offset = mins.numel() == 0;  // Q5_0: min = -16 * scale
+    TORCH_CHECK((offset || scales.sizes() == mins.sizes()) && scales.scalar_type() == at::kHalf &&
+                    scales.is_contiguous() && mins.is_contiguous() && scales.dim() == 3 && scales.size(0) == blocks &&
                     scales.size(1) == groups && scales.size(2) == kBlock,
-                "scales and mins must be contiguous [N / 8, K / 32, 8] float16 tensors");
-    const LowBitTables tables{scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), nullptr};
+                "scales and mins must be contiguous [N / 8, K / 32, 8] float16 tensors (mins empty for Q5_0)");
+    const LowBitTables tables{scales.data_ptr<at::Half>(), offset ? nullptr : mins.data_ptr<at::Half>(), nullptr};
     return run_lowbit<1, LowBitScales::kTable>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
   LADLE_CHECK(groups % kSuperGroups == 0, "K-quant super-blocks are 256 wide: K = %lld is not a multiple",
