@@ -231,6 +231,33 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
 
 
+class QuantizedEmbedding(nn.Module):
+    """`F.embedding(ids, W)` with W a `QuantizedWeight` kept as a file stores it (one rank, the CPU): each call
+    dequantizes only the rows it looks up, the values a float table of the same blocks holds, bit for bit (the
+    converted folder's is the gguf package's dequantization, which the weights' `dequantize` equals)."""
+
+    def __init__(self, weight: Q4Weight | Q8Weight | LowBitWeight) -> None:
+        super().__init__()
+        self.stored = weight
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = _rows(self.stored, input_ids.reshape(-1)).dequantize()
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={weight_format(self.stored)}"
+
+
+def _rows(weight: Q4Weight | Q8Weight | LowBitWeight, index: torch.Tensor) -> Q4Weight | Q8Weight | LowBitWeight:
+    """The rows `index` of `weight`, in that order."""
+    if isinstance(weight, LowBitWeight):
+        return weight.rows(index)
+    if isinstance(weight, Q4Weight):
+        return Q4Weight(weight.qs[index], weight.scales[index], weight.mins[index])
+    return Q8Weight(weight.qs[index], weight.scales[index])
+
+
 def replace_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], QuantizedWeight | None]) -> int:
     """Swap each `nn.Linear` of `model` (named as in `named_modules`) for a `QuantizedLinear` of the weight
     `weight_for(name, linear)` returns; None keeps that layer as it is. Returns how many were swapped.

@@ -54,7 +54,8 @@ def test_400_on_the_batched_endpoint(gateway_http: httpx.Client, model_id: str) 
     base = {"model": model_id, "messages": [HELLO, HELLO]}
     assert_error(gateway_http.post(route, json={**base, "stream": True}), 400, "stream")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert_error(gateway_http.post(route, json={**base, "tools": tools}), 400, "tools")
+    unknown = {"type": "function", "function": {"name": "g"}}  # tools are taken; a choice of none of them is not
+    assert_error(gateway_http.post(route, json={**base, "tools": tools, "tool_choice": unknown}), 400, "tool_choice")
     assert_error(gateway_http.post(route, json={**base, "use_beam_search": True}), 400, "use_beam_search")
     assert_error(gateway_http.post(route, json={**base, "n": 2}), 400, "n")
     over = gateway_http.post(route, json={**base, "max_tokens": 10**6})

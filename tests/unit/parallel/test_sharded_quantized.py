@@ -125,5 +125,5 @@ def test_an_lm_heads_padding_rows_are_zero_and_a_slice_off_the_groups_stays_floa
     kept = _stored_weight(stored, "o", narrow, tied=False)
     assert kept is not None and torch.equal(kept.dequantize(), o_values[:, 64:96])
     assert _stored_weight(stored, "o", off, tied=False) is None  # the layer stays float
-    with pytest.raises(ValueError, match="do not fall on groups of 32"):
+    with pytest.raises(ValueError, match="do not fall on blocks of 32"):
         o_proj.read(columns=range(16, 48))
