@@ -185,7 +185,8 @@ def _quantize(
     stored: dict[str, StoredWeight],
 ) -> None:
     """Quantize the model's weights as `quantization` says (under `gguf`, to `stored`: `stored_weights`') and, on
-    the CPU, MKL-pack its float linear layers."""
+    the CPU, MKL-pack its float linear layers. On the CPU `stored` is emptied once its weights are packed, and the
+    memory loading freed is given back to the system (`release_freed_memory`)."""
     if device.type == "cpu":
         keep_freed_memory_for_reuse()
         layers = quantize_model(model, source, quantization, stored) if isinstance(model, CausalLM) else {}

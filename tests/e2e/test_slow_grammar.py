@@ -17,8 +17,9 @@ from tests.e2e.helpers import chat_input, sampling, stream
 
 pytestmark = pytest.mark.slow
 
-LIMIT_S = 1.0
-# xgrammar needs ~3 s on this CPU for one string bounded to 5000 characters (and more when the CPU is busy).
+# xgrammar needs ~1 s for one string bounded to 5000 characters on the 2-core Xeon VM, ~3 s on the Zen 3 one (and
+# more when the CPU is busy): a limit of 1 s was a race there, so the limit is well below both.
+LIMIT_S = 0.25
 SLOW_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 5000}},
                "required": ["a"]}
 
@@ -59,7 +60,7 @@ def test_a_slow_schema_fails_alone_while_16_streams_keep_going(limited_engine: E
             stub.Generate(slow, timeout=60)
         failed = time.monotonic()
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "did not compile within 1 s" in (failure.value.details() or "")
+        assert f"did not compile within {LIMIT_S:g} s" in (failure.value.details() or "")
         assert LIMIT_S <= failed - submitted < LIMIT_S + 2.0
 
         for i, times in enumerate(arrivals):  # each stream got tokens while the grammar was compiling...

@@ -245,8 +245,9 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     stored: dict[str, Any] = {}
 
     def keep(model: Any, source: Any) -> dict[str, Any]:
-        stored.update(stored_weights(model, source))
-        return stored
+        weights = stored_weights(model, source)
+        stored.update(weights)  # a copy: loading empties the dict it is given once the weights are packed
+        return weights
 
     monkeypatch.setattr(model_loading, "stored_weights", keep)
     layers, result = served_from_blocks(gguf)
