@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from tests.e2e.engine_process import stop_process
+from tests.e2e.engine_process import EngineProcess, stop_process
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -109,3 +112,24 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+@contextlib.contextmanager
+def serve_scripted(
+    root: Path, template: Any, scripts: dict[str, tuple[str, ...]]
+) -> Iterator[tuple[str, EngineProcess, GatewayProcess, Any]]:
+    """A scripted model (tests/scripted.py) with `template` (a tests.chat_templates.FamilyTemplate) and `scripts`
+    saved under `root`, served on its float path by `ladle engine` behind the gateway: (model id, engine, gateway,
+    an official OpenAI client of the gateway). Both processes must stop cleanly at the end."""
+    import openai
+
+    from tests.e2e.engine_process import start_engine
+    from tests.scripted import save_scripted_model
+
+    t = template
+    folder = save_scripted_model(root / "model", t.template, scripts, t.special_tokens, t.bos, t.eos)
+    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
+    gateway = start_gateway(root / "gateway.log", engine.address)
+    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
+        yield client.models.list().data[0].id, engine, gateway, client
+    assert gateway.stop() == 0 and engine.stop() == 0

@@ -26,9 +26,8 @@ import pytest
 
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.chat_templates import DEEPSEEK_R1, QWEN3, FamilyTemplate
-from tests.e2e.engine_process import EngineProcess, start_engine
-from tests.e2e.gateway_process import GatewayProcess, start_gateway
-from tests.scripted import save_scripted_model
+from tests.e2e.engine_process import EngineProcess
+from tests.e2e.gateway_process import GatewayProcess, serve_scripted
 
 pytestmark = pytest.mark.slow
 
@@ -81,13 +80,8 @@ class Served:
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     thinker = THINKERS[request.param]
     root: Path = tmp_path_factory.mktemp(request.param)
-    t = thinker.template
-    folder = save_scripted_model(root / "model", t.template, thinker.scripts, t.special_tokens, t.bos, t.eos)
-    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
-    gateway = start_gateway(root / "gateway.log", engine.address)
-    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
-        yield Served(thinker, client.models.list().data[0].id, engine, gateway, client)
-    assert gateway.stop() == 0 and engine.stop() == 0
+    with serve_scripted(root, thinker.template, thinker.scripts) as (model, engine, gateway, client):
+        yield Served(thinker, model, engine, gateway, client)
 
 
 def _check_message(served: Served, message: dict[str, Any], usage: dict[str, Any], eos: int = 1) -> None:

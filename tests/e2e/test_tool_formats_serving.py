@@ -29,9 +29,8 @@ import openai
 import pytest
 
 from tests.chat_templates import HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, PYTHONIC, QWEN3_CODER, FamilyTemplate
-from tests.e2e.engine_process import EngineProcess, start_engine
-from tests.e2e.gateway_process import GatewayProcess, start_gateway
-from tests.scripted import save_scripted_model
+from tests.e2e.engine_process import EngineProcess
+from tests.e2e.gateway_process import GatewayProcess, serve_scripted
 
 pytestmark = pytest.mark.slow
 
@@ -140,16 +139,11 @@ class Served:
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     family = FAMILIES[request.param]
     root: Path = tmp_path_factory.mktemp(request.param)
-    t = family.template
-    scripts = {t.cue: family.reply}
+    scripts = {family.template.cue: family.reply}
     if family.after_result is not None:
-        scripts[t.tool_cue] = family.after_result
-    folder = save_scripted_model(root / "model", t.template, scripts, t.special_tokens, t.bos, t.eos)
-    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
-    gateway = start_gateway(root / "gateway.log", engine.address)
-    with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
-        yield Served(family, client.models.list().data[0].id, engine, gateway, client)
-    assert gateway.stop() == 0 and engine.stop() == 0
+        scripts[family.template.tool_cue] = family.after_result
+    with serve_scripted(root, family.template, scripts) as (model, engine, gateway, client):
+        yield Served(family, model, engine, gateway, client)
 
 
 def _calls(tool_calls: Any) -> list[tuple[str, dict[str, Any]]]:
