@@ -143,10 +143,11 @@ def after_reasoning(answer: xgr.Grammar, start: str) -> xgr.Grammar:
 
 @dataclass(eq=False)
 class _Job:
-    """One compile of one constraint; every caller waiting on it holds a future in `waiters`."""
+    """One compile of one constraint; every caller waiting on it holds a future in `waiters`, with the
+    `time.monotonic()` deadline it must be answered by."""
 
     constraint: Constraint
-    waiters: list[Future[CompiledConstraint]] = field(default_factory=list)
+    waiters: list[tuple[Future[CompiledConstraint], float]] = field(default_factory=list)
 
 
 class GrammarCompiler:
@@ -194,6 +195,7 @@ class GrammarCompiler:
     def submit(self, constraint: Constraint) -> Future[CompiledConstraint]:
         """Start (or join, or serve from cache) the compile of `constraint`; see the module docstring."""
         future: Future[CompiledConstraint] = Future()
+        deadline = time.monotonic() + self.config.timeout_s
         try:
             constraint.validate()
         except ValidationError as exc:
@@ -210,11 +212,11 @@ class GrammarCompiler:
                 if job is None:
                     job = self._inflight[constraint] = _Job(constraint)
                     self._queue.put(job)
-                job.waiters.append(future)
+                job.waiters.append((future, deadline))
         if cached is not None:
             future.set_result(cached)
         else:
-            self._watch.add(time.monotonic() + self.config.timeout_s, future, self._timeout_error(constraint))
+            self._watch.add(deadline, future, self._timeout_error(constraint))
         return future
 
     def compile(self, constraint: Constraint) -> CompiledConstraint:
@@ -250,7 +252,7 @@ class GrammarCompiler:
     def _run(self, job: _Job) -> None:
         constraint = job.constraint
         with self._lock:
-            if all(w.done() for w in job.waiters):  # every caller timed out (or cancelled) while it queued
+            if all(w.done() for w, _ in job.waiters):  # every caller timed out (or cancelled) while it queued
                 del self._inflight[constraint]
                 return
         result: CompiledConstraint | None = None
@@ -270,8 +272,12 @@ class GrammarCompiler:
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
             waiters = job.waiters
-        for waiter in waiters:
-            _settle(waiter, result, error)
+        finished = time.monotonic()
+        for waiter, deadline in waiters:
+            # The watch thread may not have run yet (a busy host): a caller past its deadline still gets the
+            # timeout, so the outcome depends on the compile's time alone, never on which thread wins.
+            late = finished > deadline and error is None
+            _settle(waiter, None if late else result, self._timeout_error(constraint) if late else error)
 
 
 def xgrammar_reason(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ from engine_server.frontend import InputProcessor
 from engine_server.sampling import Sampler, SamplingRow
 from engine_server.sampling_params import SamplingParams
 from engine_server.structured import Constraint, ConstraintKind
+from engine_server.structured import compiler as compiler_module
 from engine_server.structured.compiler import (
     COMPILE_NICENESS,
     CompiledConstraint,
@@ -187,6 +188,28 @@ def test_a_slow_compile_fails_at_the_limit_and_never_piles_up_threads() -> None:
         # The queued spec's callers all gave up before it started, so it was skipped, not compiled.
         assert service.compile(Constraint.regex("y")).grammar is not None
         assert queued not in counting.calls
+    finally:
+        hold.set()
+        service.close()
+
+
+def test_a_compile_that_ends_after_the_limit_fails_even_when_the_deadline_watch_is_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy host the watch thread may run only after the overlong compile has ended: its caller must still
+    get the timeout, never a result past the limit (which would admit a request the limit refused)."""
+    monkeypatch.setattr(compiler_module._DeadlineWatch, "add", lambda *args: None)  # a watch that never fires
+    hold = threading.Event()
+    service = GrammarCompiler(
+        tiny_info(), GrammarCompilerConfig(timeout_s=0.05), compile_fn=CountingCompile(tiny_info(), hold)
+    )
+    try:
+        late = service.submit(Constraint.regex("yes"))
+        time.sleep(0.1)
+        hold.set()
+        with pytest.raises(ValidationError, match=r"did not compile within 0\.05 s"):
+            late.result(timeout=GENEROUS_S)
+        assert service.cached(Constraint.regex("yes")) is not None  # kept for a retry, as always
     finally:
         hold.set()
         service.close()
