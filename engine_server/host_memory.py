@@ -50,6 +50,24 @@ def keep_freed_memory_for_reuse() -> bool:
     return applied
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the system now (glibc's `malloc_trim(0)`); False where libc is not glibc.
+
+    For the end of loading: a model's load frees far more than a step's working set (a GGUF file's blocks decoded
+    and repacked, tensor by tensor), which the raised trim threshold would otherwise keep resident for good."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    gc.collect()
+    return bool(trim(0))
+
+
 # Objects the young generation holds before a collection: a decode step of a few hundred requests allocates a
 # few objects per request, so Python's default (700) would collect several times a step.
 YOUNG_GENERATION_THRESHOLD = 50_000

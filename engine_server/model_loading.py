@@ -36,7 +36,7 @@ import torch
 
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
-from engine_server.host_memory import keep_freed_memory_for_reuse
+from engine_server.host_memory import keep_freed_memory_for_reuse, release_freed_memory
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
@@ -191,6 +191,8 @@ def _quantize(
         keep_freed_memory_for_reuse()
         layers = quantize_model(model, source, quantization, stored) if isinstance(model, CausalLM) else {}
         packed = pack_linear_layers(model)
+        stored.clear()  # the file's weights as read: packed into the layers now
+        release_freed_memory()
         log.info(
             "cpu kernels", quantization=quantization, layers=layers, mkl_packed_linears=packed, cpp_kernels=kernels
         )
