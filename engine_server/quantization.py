@@ -144,16 +144,23 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
     stored = {model.checkpoint_name(name): matrix for name, matrix in matrices.items()}
     tied = config.tie_word_embeddings
     weights: dict[str, StoredWeight] = {}
+    embeddings: list[tuple[str, VocabParallelEmbedding]] = []
     for name, module in model.named_modules():
         weight: StoredWeight | None = None
         if isinstance(module, nn.Linear) and not name.endswith(ROUTER_SUFFIXES):
             weight = _stored_weight(stored, name, module, tied)
         elif isinstance(module, VocabParallelEmbedding) and module.tp.size == 1 and f"{name}.weight" in stored:
-            weight = stored[f"{name}.weight"].read()  # looked up from its blocks (`QuantizedEmbedding`)
+            embeddings.append((name, module))  # looked up from its blocks (`QuantizedEmbedding`): read below
         elif isinstance(module, ParallelExperts):
             weight = _stored_experts(stored, name, module)
         if weight is not None:
             weights[name] = weight
+    head = _linear_weight(weights.get("lm_head"))
+    for name, module in embeddings:
+        if tied and head is not None and head.shape == tuple(module.weight.shape):
+            weights[name] = head  # the very blocks the LM head multiplies: one copy for both (`quantize_model`)
+        else:
+            weights[name] = stored[f"{name}.weight"].read()
     return weights
 
 
@@ -177,7 +184,11 @@ def quantize_model(
         if on_cpu:
             replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)))
             embedding = weights.get("model.embed_tokens")
-            if isinstance(embedding, Q4Weight | Q8Weight | LowBitWeight):
+            head = getattr(model, "lm_head", None)
+            if embedding is not None and embedding is weights.get("lm_head") and isinstance(head, QuantizedLinear):
+                # A tied LM head's packed blocks serve the lookups too: no second copy of the table.
+                model.model.register_module("embed_tokens", QuantizedEmbedding(head))
+            elif isinstance(embedding, Q4Weight | Q8Weight | LowBitWeight):
                 model.model.register_module("embed_tokens", QuantizedEmbedding(embedding))
     else:
         replace_linears(model, _int8_weight)

@@ -32,6 +32,7 @@ BENCHMARKS = {
     "host": "benchmarks.host",
     "speculative": "benchmarks.speculative",
     "embed": "benchmarks.embed",
+    "memory": "benchmarks.memory",
 }
 
 

@@ -142,6 +142,46 @@ def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch
     return packed, supers.contiguous(), table.reshape(blocks, groups, 16).contiguous()
 
 
+def unpack_nibbles(blocks: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+    """Feature `feature[r]` of `blocks[r]` (`[R, K/32, 128]` uint8, the kernels' nibble plane) -> `[R, K/32, 32]`
+    nibbles: byte 4j + i of a group's 32-byte chunk c holds feature j's element 4c + i (low nibble) and 16 + 4c + i
+    (high)."""
+    rows = torch.arange(len(feature))
+    chunks = blocks.reshape(len(feature), blocks.shape[1], 4, 8, 4)[rows, :, :, feature]  # [R, groups, c, i]
+    return torch.cat([(chunks & 0x0F).flatten(2), (chunks >> 4).flatten(2)], -1)
+
+
+def unpack_lowbit_rows(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, kind: str, index: torch.Tensor
+) -> LowBitWeight:
+    """Rows `index` of a weight `pack_lowbit` packed into (packed, scales, mins): its inverse, row by row."""
+    block, feature = index // 8, index % 8
+    rows = torch.arange(len(index))
+    planes = packed[block, :, 0]  # [R, groups, bytes]
+    count, groups = planes.shape[:2]
+    u = unpack_nibbles(planes[..., :128], feature).reshape(count, groups, 2, 4, 4)  # [R, g, half, c, i]
+    bits = HIGH_BITS[kind]
+    if bits == 1:  # byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
+        byte = planes[..., 128:].reshape(count, groups, 8, 4)[rows, :, feature].unsqueeze(2)  # [R, g, 1, i]
+        shifts = (2 * torch.arange(4)).view(1, 1, 4, 1)
+        high = torch.stack([(byte >> shifts) & 1, (byte >> (shifts + 1)) & 1], 2)
+    elif bits == 2:  # byte 32v + 4j + i: bits 4w .. +1 of element 4(2v + w) + i, bits 4w + 2 .. +3 of 16 + that
+        byte = planes[..., 128:].reshape(count, groups, 2, 8, 4)[rows, :, :, feature].unsqueeze(3)  # [R, g, v, 1, i]
+        shifts = (4 * torch.arange(2)).view(1, 1, 1, 2, 1)
+        pairs = [((byte >> (shifts + 2 * half)) & 3).reshape(count, groups, 4, 4) for half in (0, 1)]
+        high = torch.stack(pairs, 2)
+    else:
+        high = torch.zeros_like(u)
+    values = (u | (high << 4)).reshape(count, -1)
+    if kind in K_QUANTS:  # scales [blocks, supers, 16]: 8 features' d then their dmin; mins likewise sc then m
+        supers = torch.stack([scales[block, :, feature], scales[block, :, 8 + feature]], -1)
+        table = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
+        return LowBitWeight(kind, values, table, supers.reshape(count, -1, 2))
+    scale = scales[block, :, feature]
+    shift = mins[block, :, feature] if kind == "q5_1" else -16 * scale  # Q5_0's min, exact in float16
+    return LowBitWeight(kind, values, torch.stack([scale, shift], -1))
+
+
 def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     """A GGUF tensor's raw blocks `[N, blocks a row, block bytes]` uint8 of `kind` as a `LowBitWeight` (copied).
 

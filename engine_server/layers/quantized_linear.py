@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_server.layers.lowbit_weight import LowBitWeight, concat_lowbit, pack_lowbit, pad_lowbit
+from engine_server.layers.lowbit_weight import (
+    LowBitWeight,
+    concat_lowbit,
+    pack_lowbit,
+    pad_lowbit,
+    unpack_lowbit_rows,
+    unpack_nibbles,
+)
 from kernels.reference import QUANT_GROUP, unpack_q4
 
 
@@ -175,6 +182,28 @@ def pack_for_cpu(weight: Q4Weight | Q8Weight | LowBitWeight) -> tuple[torch.Tens
     return packed[0], packed[1], packed[2]
 
 
+def unpack_rows(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, fmt: str, index: torch.Tensor
+) -> Q4Weight | Q8Weight | LowBitWeight:
+    """Rows `index` (a 1-D long tensor) of a weight of format `fmt` (`weight_format`) that `pack_for_cpu` packed
+    into (packed, scales, mins), in that order: its inverse, for those rows only."""
+    if fmt not in ("q4", "q8"):
+        return unpack_lowbit_rows(packed, scales, mins, fmt, index)
+    block, feature = index // 8, index % 8
+    planes = [unpack_nibbles(packed[block, :, p], feature) for p in range(packed.shape[2])]  # [R, groups, 32] each
+    scale = scales[block, :, feature]
+    if fmt == "q4":
+        return Q4Weight(_repack_q4(planes[0]), scale, mins[block, :, feature])
+    values = ((planes[0] << 4) | planes[1]).to(torch.int16) - 128  # q8 stores u = q + 128 in two nibble planes
+    return Q8Weight(values.to(torch.int8).reshape(len(index), -1), scale)
+
+
+def _repack_q4(values: torch.Tensor) -> torch.Tensor:
+    """`[R, groups, 32]` values 0..15 -> `Q4Weight.qs` `[R, K/2]`: byte j of a group holds j and j + 16."""
+    half = QUANT_GROUP // 2
+    return (values[..., :half] | (values[..., half:] << 4)).reshape(values.shape[0], -1)
+
+
 class QuantizedLinear(nn.Module):
     """`F.linear(x, W, bias)` with W a `QuantizedWeight` (any leading dims of x).
 
@@ -234,19 +263,39 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """`F.embedding(ids, W)` with W a `QuantizedWeight` kept as a file stores it (one rank, the CPU): each call
     dequantizes only the rows it looks up, the values a float table of the same blocks holds, bit for bit (the
-    converted folder's is the gguf package's dequantization, which the weights' `dequantize` equals)."""
+    converted folder's is the gguf package's dequantization, which the weights' `dequantize` equals).
 
-    def __init__(self, weight: Q4Weight | Q8Weight | LowBitWeight) -> None:
+    Given a tied LM head's `QuantizedLinear` (one shard, packed for the CPU) instead, it reads the head's packed
+    blocks (`unpack_rows`): the same values, and no second copy of the table (29 MB of the embedded model's 101 MB
+    file). Raises ValueError for a head of several shards or one not packed for the CPU."""
+
+    def __init__(self, weight: Q4Weight | Q8Weight | LowBitWeight | QuantizedLinear) -> None:
         super().__init__()
-        self.stored = weight
-        self.num_embeddings, self.embedding_dim = weight.shape
+        self.stored: Q4Weight | Q8Weight | LowBitWeight | None = None
+        self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if isinstance(weight, QuantizedLinear):
+            if len(weight.parts) != 1:
+                raise ValueError("a tied embedding needs an LM head of one shard packed for the CPU")
+            packed, scales, mins, _ = weight.parts[0]
+            self.packed = (packed, scales, mins)  # a plain attribute: the head owns these buffers
+            self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        else:
+            self.stored = weight
+            self.num_embeddings, self.embedding_dim = weight.shape
+        self.format = weight.format if isinstance(weight, QuantizedLinear) else weight_format(weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = _rows(self.stored, input_ids.reshape(-1)).dequantize()
+        index = input_ids.reshape(-1)
+        if self.packed is not None:
+            rows = unpack_rows(*self.packed, self.format, index).dequantize()
+        else:
+            assert self.stored is not None
+            rows = _rows(self.stored, index).dequantize()
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, format={weight_format(self.stored)}"
+        tied = ", tied to the LM head" if self.packed is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format}{tied}"
 
 
 def _rows(weight: Q4Weight | Q8Weight | LowBitWeight, index: torch.Tensor) -> Q4Weight | Q8Weight | LowBitWeight:

@@ -170,8 +170,12 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     assert not any(isinstance(m, torch.nn.Linear) for m in quantized.core.runner.model.modules())
     embedding = quantized.core.runner.model.model.embed_tokens
     assert isinstance(embedding, QuantizedEmbedding) and embedding.embedding_dim == 576
+    head = quantized.core.runner.model.lm_head
+    # The tied table is looked up from the LM head's own packed blocks (no second copy), its float values exactly.
+    assert embedding.packed is not None and embedding.packed[0].data_ptr() == head.qs.data_ptr()
     ids = torch.tensor([[0, 1], [49151, 2]])
-    assert torch.equal(embedding(ids), embedding.stored.dequantize()[ids])
+    table = dict(iter_safetensors(resolve_model("default").path))["model.embed_tokens.weight"]
+    assert torch.equal(embedding(ids), table[ids])
     # A greedy answer must not depend on what ran beside it or before it: each prompt alone, with its chat
     # template's prefix found in the prefix cache, answers as it did in a batch of all of them (bit-exact
     # integer kernels, every token's attention on the decode kernel).

@@ -11,7 +11,16 @@ import torch
 from gguf.quants import quantize
 
 from engine_server.layers.lowbit_weight import HIGH_BITS, LowBitWeight, decode_blocks, pack_lowbit
-from engine_server.layers.quantized_linear import QuantizedLinear, StackedWeight, concat_rows, pad_rows, quantize_q8
+from engine_server.layers.quantized_linear import (
+    Q4Weight,
+    Q8Weight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    StackedWeight,
+    concat_rows,
+    pad_rows,
+    quantize_q8,
+)
 from kernels import cpu_ops as cpu
 from kernels import reference
 from tests.lowbit_blocks import KINDS, block_elements, gguf_dequantize, random_blocks
@@ -78,6 +87,24 @@ def test_a_row_alone_equals_the_row_in_a_batch(kind: str) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", [*KINDS, "q4", "q8"])
+def test_rows_unpacked_from_the_kernels_blocks_are_the_weights_own(kind: str) -> None:
+    """A tied embedding reads its rows from the LM head's packed blocks (`unpack_rows`): the very values of the
+    weight before packing, bit for bit, in any order, padding rows past N included."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 21, 512
+    if kind == "q8":
+        weight: LowBitWeight | Q4Weight | Q8Weight = quantize_q8(torch.randn(n, k, generator=gen))
+    elif kind == "q4":
+        scales = torch.rand(n, k // 32, generator=gen).half()
+        weight = Q4Weight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen), scales, -8 * scales)
+    else:
+        weight = decode_blocks(random_blocks(kind, n, k, gen), kind)
+    head = QuantizedLinear(weight, None)
+    index = torch.tensor([0, 20, 7, 8, 3, 3, 15, 16])
+    assert torch.equal(QuantizedEmbedding(head)(index.view(2, 4)), weight.dequantize()[index].view(2, 4, k))
+
+
 def test_shards_in_different_formats_keep_their_own() -> None:
     """A Q4_K_M file's fused q/k/v: q and k in Q5_0, v in Q8_0 (a `StackedWeight`), and a fused projection of one
     format merged into one weight."""
