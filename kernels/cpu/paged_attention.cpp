@@ -11,9 +11,10 @@
 //                K/V from KV head h / (H / Hkv).
 // Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
 // token and its drafts) are attended together, reading each key and value once for all of them; work is split
-// over such groups with at::parallel_for. Within a group each key is loaded once for the query heads of its GQA
-// group, straight from the blocks, block by block with the next slots prefetched. A row's result is the same bits
-// whichever rows share its group. Softmax is exact (max subtracted, float32 sums); exp is a polynomial with
+// over such groups with at::parallel_for. Within a group the positions go by tiles that stay in L1 while every
+// row and query head goes over them (`attend`), straight from the blocks, with the next tile's slots prefetched;
+// scores eight keys at a time, value sums in registers. A row's result is the same bits whichever rows share its
+// group, and whatever the tiling. Softmax is exact (max subtracted, float32 sums); exp is a polynomial with
 // ~1e-7 relative error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with
 // -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the extension resolves libgomp.so.1 to the
 // copy torch already loaded).
@@ -43,29 +44,8 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-// Tokens ahead of the one being read whose slots are prefetched: the blocks of a row sit anywhere in the cache,
-// so the hardware prefetchers cannot see the next one coming.
-constexpr int64_t kPrefetchAhead = 32;
-
 // The most rows of one sequence attended together: their scores (rows x heads x context floats) stay in cache.
 constexpr int64_t kMaxGroup = 16;
-
-// One decode row: all `heads` query heads at `q` (contiguous, Dim floats each) against positions [0, len) of the
-// paged K/V, written to `out` (contiguous). A token's slot holds every KV head (token_stride floats); the loops
-// go KV head by KV head, so a head's keys are read once for the query heads of its group, and the slots of the
-// next tokens are prefetched (a row's blocks sit anywhere in the cache, out of the hardware prefetchers' sight).
-// `scores` has room for heads * padded(len) floats.
-// Calls visit(t, slot) for positions t in [begin, len) in order, `slot` pointing at t's token in `cache` (every
-// KV head of it): block by block, so the block table is read once per block, not once per token.
-template <typename Visit>
-inline void for_each_token(const float* cache, const int32_t* table, int64_t begin, int64_t len,
-                           int64_t block_size, int64_t token_stride, Visit&& visit) {
-  for (int64_t block = begin / block_size, start = block * block_size; start < len; start += block_size, ++block) {
-    const float* base = cache + static_cast<int64_t>(table[block]) * block_size * token_stride;
-    const int64_t count = std::min(block_size, len - start);
-    for (int64_t j = std::max<int64_t>(0, begin - start); j < count; ++j) visit(start + j, base + j * token_stride);
-  }
-}
 
 // Softmax in place over one row's scores s[first, len), read in whole vectors from the one holding `first`: the
 // lanes before `first` and from `len` to the vector's end are set to -inf first (exp turns them into 0).
@@ -91,23 +71,74 @@ inline void softmax_row(float* s, int64_t first, int64_t len) {
   for (int64_t t = first; t < len; ++t) s[t] *= inv;
 }
 
-// scale * (q . k) for one query head against one key, `k` already in registers; soft-capped to
-// softcap * tanh(s / softcap) when softcap > 0.
+// scale * (q . k) for one query head against one key: the chunks' products summed chunk by chunk into one vector,
+// whose lanes hsum8 adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
 template <int64_t Chunks>
-inline float score(const float* qh, const vec8 (&k)[Chunks], float scale, float softcap) {
-  vec8 dot = load8(qh) * k[0];
-  for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * k[c];
+inline float score(const float* qh, const float* k, float scale, float softcap) {
+  vec8 dot = load8(qh) * load8(k);
+  for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * load8(k + c * kLanes8);
   const float s = hsum8(dot) * scale;
   return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
 
+// hsum8 of each of eight vectors, as one vector (lane j: hsum8(v[j])): the same additions of the same operands as
+// hsum8's tree, ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), eight lanes at a time, so every lane has the
+// bits hsum8 gives (float addition commutes; the tree's shape is what fixes the result).
+inline vec8 hsum8_of_8(const vec8 (&v)[8]) {
+  // a = v_i + v_(i+4) for i < 4: vectors j and j + 4 side by side.
+  vec8 a[4];
+  for (int64_t j = 0; j < 4; ++j) {
+    a[j] = __builtin_shuffle(v[j], v[j + 4], ivec8{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(v[j], v[j + 4], ivec8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  // b0 = a0 + a2, b1 = a1 + a3: [v0's, v0's, v1's, v1's, v4's, v4's, v5's, v5's] from a[0], a[1]; v2.. from a[2..3].
+  const vec8 b01 = __builtin_shuffle(a[0], a[1], ivec8{0, 1, 8, 9, 4, 5, 12, 13}) +
+                   __builtin_shuffle(a[0], a[1], ivec8{2, 3, 10, 11, 6, 7, 14, 15});
+  const vec8 b23 = __builtin_shuffle(a[2], a[3], ivec8{0, 1, 8, 9, 4, 5, 12, 13}) +
+                   __builtin_shuffle(a[2], a[3], ivec8{2, 3, 10, 11, 6, 7, 14, 15});
+  // b0 + b1, in the order v0, v1, v2, v3, v4, v5, v6, v7.
+  return __builtin_shuffle(b01, b23, ivec8{0, 2, 8, 10, 4, 6, 12, 14}) +
+         __builtin_shuffle(b01, b23, ivec8{1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+// score() of one query head against eight keys at once, into out[0..8): each key's products summed as score()
+// sums them, the eight sums reduced together (hsum8_of_8), then scaled (and capped) lane by lane: out[j] has the
+// bits score(qh, key[j] + offset) has.
+template <int64_t Chunks>
+inline void scores8(const float* qh, const float* const* key, int64_t offset, float scale, float softcap,
+                    float* out) {
+  vec8 dot[8];
+  const vec8 q0 = load8(qh);
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < 8; ++j) dot[j] = q0 * load8(key[j] + offset);
+  for (int64_t c = 1; c < Chunks; ++c) {
+    const vec8 qc = load8(qh + c * kLanes8);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < 8; ++j) dot[j] += qc * load8(key[j] + offset + c * kLanes8);
+  }
+  const vec8 s = hsum8_of_8(dot) * scale;
+  if (softcap > 0.f) {
+    for (int64_t j = 0; j < 8; ++j) out[j] = softcap * std::tanh(s[j] / softcap);
+  } else {
+    store8(out, s);
+  }
+}
+
+// Positions whose slots one pass over the keys (or the values) holds: 32 tokens' K or V of every KV head stays in
+// L1 while each row and head of the group goes over them.
+constexpr int64_t kKeyTile = 32;
+// Accumulator vectors a head's value sum keeps in registers (64 floats of its dim) over a tile's positions.
+constexpr int64_t kAccChunks = 8;
+
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
 // token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
-// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim. Each key
-// and value is read once for all the rows (a row alone would read the sequence's whole cache once per row), while
-// each row's arithmetic is the single row's, in the same order: scores by key, softmax_row, then values summed in
-// position order; so a row's result is the same bits in any group, alone included (the build has
-// -ffp-contract=off: no fused multiply-adds that could differ).
+// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim.
+// Positions go by tiles of kKeyTile: each tile's keys are read from the blocks once for all the rows and heads
+// (a row alone would read the sequence's whole cache once per row), their scores taken eight keys at a time; the
+// same for the values, each head's sum held in registers across the tile. Each row's arithmetic is the single
+// row's, in the same order, whatever the tiling: each score as score() computes it, softmax_row, then values
+// summed in position order from zero; so a row's result is the same bits in any group, alone included (the build
+// has -ffp-contract=off: no fused multiply-adds that could differ).
 // `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * Dim.
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
@@ -126,42 +157,61 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   auto row_scores = [&](int64_t r, int64_t h) { return scores + (r * heads + h) * padded; };
   auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
+  const float* tile[kKeyTile];
+  // The tile's slots (every KV head of a token) in `base`, with the next tile's prefetched: a row's blocks sit
+  // anywhere in the cache, out of the hardware prefetchers' sight.
+  auto load_tile = [&](const float* base, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) tile[t - t0] = base + slot(t);
+    for (int64_t t = t1; t < std::min(len, t1 + kKeyTile); ++t) prefetch_slot(base + slot(t), slot_bytes);
+  };
+  for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(keys + slot(t), slot_bytes);
 
-  for (int64_t t = begin; t < std::min(len, begin + kPrefetchAhead); ++t) {
-    prefetch_slot(keys + slot(t), slot_bytes);
-    prefetch_slot(values + slot(t), slot_bytes);
-  }
-  for_each_token(keys, table, begin, len, block_size, token_stride, [&](int64_t t, const float* token) {
-    if (t + kPrefetchAhead < len) {  // the values too: their pass then reads them from cache
-      prefetch_slot(keys + slot(t + kPrefetchAhead), slot_bytes);
-      prefetch_slot(values + slot(t + kPrefetchAhead), slot_bytes);
-    }
-    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      vec8 k[chunks];
-      for (int64_t c = 0; c < chunks; ++c) k[c] = load8(token + kvh * Dim + c * kLanes8);
-      for (int64_t r = 0; r < rows; ++r) {
-        if (t >= lens[r] || t < first_of(r)) continue;
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          row_scores(r, h)[t] = score<chunks>(q + (r * heads + h) * Dim, k, scale, softcap);
-        }
+  for (int64_t t0 = begin; t0 < len; t0 += kKeyTile) {
+    const int64_t t1 = std::min(len, t0 + kKeyTile);
+    load_tile(keys, t0, t1);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lo = std::max(t0, first_of(r)), hi = std::min<int64_t>(t1, lens[r]);
+      for (int64_t h = 0; h < heads && lo < hi; ++h) {
+        const float* qh = q + (r * heads + h) * Dim;
+        const int64_t offset = (h / group) * Dim;
+        float* s = row_scores(r, h);
+        int64_t t = lo;
+        for (; t + 8 <= hi; t += 8) scores8<chunks>(qh, tile + (t - t0), offset, scale, softcap, s + t);
+        for (; t < hi; ++t) s[t] = score<chunks>(qh, tile[t - t0] + offset, scale, softcap);
       }
     }
-  });
+  }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), first_of(r), lens[r]);
   }
   for (int64_t i = 0; i < rows * heads * chunks; ++i) acc[i] = vec8{};
-  for_each_token(values, table, begin, len, block_size, token_stride, [&](int64_t t, const float* token) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* v = token + (h / group) * Dim;
-      for (int64_t r = 0; r < rows; ++r) {
-        if (t >= lens[r] || t < first_of(r)) continue;
-        const vec8 weight = vec8{} + row_scores(r, h)[t];
+  for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(values + slot(t), slot_bytes);
+  for (int64_t t0 = begin; t0 < len; t0 += kKeyTile) {
+    const int64_t t1 = std::min(len, t0 + kKeyTile);
+    load_tile(values, t0, t1);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lo = std::max(t0, first_of(r)), hi = std::min<int64_t>(t1, lens[r]);
+      for (int64_t h = 0; h < heads && lo < hi; ++h) {
+        const float* w = row_scores(r, h);
+        const int64_t offset = (h / group) * Dim;
         vec8* a = acc + (r * heads + h) * chunks;
-        for (int64_t c = 0; c < chunks; ++c) a[c] += weight * load8(v + c * kLanes8);
+        for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) {
+          constexpr int64_t n = chunks < kAccChunks ? chunks : kAccChunks;
+          vec8 sum[n];
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < n; ++c) sum[c] = a[c0 + c];
+          for (int64_t t = lo; t < hi; ++t) {
+            const vec8 weight = vec8{} + w[t];
+            const float* v = tile[t - t0] + offset + c0 * kLanes8;
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < n; ++c) sum[c] += weight * load8(v + c * kLanes8);
+          }
+#pragma GCC unroll 8
+          for (int64_t c = 0; c < n; ++c) a[c0 + c] = sum[c];
+        }
       }
     }
-  });
+  }
   for (int64_t i = 0; i < rows * heads; ++i) {
     for (int64_t c = 0; c < chunks; ++c) store8(out + i * Dim + c * kLanes8, acc[i * chunks + c]);
   }
