@@ -13,9 +13,11 @@
 // token and its drafts) are attended together, reading each key and value once for all of them; work is split
 // over such groups with at::parallel_for. Within a group the positions go by tiles that stay in L1 while every
 // row and query head goes over them (`attend`), straight from the blocks, with the next tile's slots prefetched;
-// scores eight keys at a time, value sums in registers. A row's result is the same bits whichever rows share its
-// group, and whatever the tiling. Softmax is exact (max subtracted, float32 sums); exp is a polynomial with
-// ~1e-7 relative error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with
+// scores eight keys at a time, value sums in registers, groups dealt to the threads round-robin. A row's result
+// is the same bits whichever rows share its group, and whatever the tiling; the bits depend on the build (16- or
+// 8-float vectors, fused multiply-adds or not), not on the call. Softmax is exact (max subtracted, float32 sums);
+// exp is a polynomial with ~1e-7 relative error, so results match the reference SDPA to float32 rounding, not bit
+// for bit. Built with
 // -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the extension resolves libgomp.so.1 to the
 // copy torch already loaded).
 
@@ -24,6 +26,10 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -47,20 +53,14 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
 // The most rows of one sequence attended together: their scores (rows x heads x context floats) stay in cache.
 constexpr int64_t kMaxGroup = 16;
 
-// Softmax in place over one row's scores s[first, len), read in whole vectors from the one holding `first`: the
-// lanes before `first` and from `len` to the vector's end are set to -inf first (exp turns them into 0).
-inline void softmax_row(float* s, int64_t first, int64_t len) {
+// Softmax in place over one row's scores s[first, len), whose largest is `m` (taken as the scores were), read in
+// whole vectors from the one holding `first`: the lanes before `first` and from `len` to the vector's end are set
+// to -inf first (exp turns them into 0).
+inline void softmax_row(float* s, int64_t first, int64_t len, float m) {
   const int64_t aligned = first / kLanes * kLanes;
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   for (int64_t t = aligned; t < first; ++t) s[t] = -__builtin_inff();
   for (int64_t t = len; t < padded; ++t) s[t] = -__builtin_inff();
-  vec16 mx = splat(-__builtin_inff());
-  for (int64_t t = aligned; t < padded; t += kLanes) {
-    const vec16 v = load(s + t);
-    mx = v > mx ? v : mx;
-  }
-  float m = mx[0];
-  for (int64_t l = 1; l < kLanes; ++l) m = mx[l] > m ? mx[l] : m;
   vec16 total = {};
   for (int64_t t = aligned; t < padded; t += kLanes) {
     const vec16 e = exp_lanes(load(s + t) - m);
@@ -71,13 +71,50 @@ inline void softmax_row(float* s, int64_t first, int64_t len) {
   for (int64_t t = first; t < len; ++t) s[t] *= inv;
 }
 
+// The vectors the attention's dot products and value sums run in: 16 floats where AVX-512 gives registers of
+// that width (half the instructions of two 8-float halves), 8 otherwise (GCC spills 16-float vectors on AVX2).
+// A score's lanes are summed as `hsum_lanes` says, so the bits depend on the build's width, which every call of
+// one build shares.
+#ifdef __AVX512F__
+using AttnVec = vec16;
+inline vec8 halves_summed(vec16 v) {
+  const union {
+    vec16 whole;
+    vec8 half[2];
+  } halves{v};
+  return halves.half[0] + halves.half[1];
+}
+#else
+using AttnVec = vec8;
+inline vec8 halves_summed(vec8 v) { return v; }
+#endif
+constexpr int64_t kAttnLanes = sizeof(AttnVec) / sizeof(float);
+// acc + a * b, rounded once where the CPU fuses them (FMA), else twice: one build, one rounding everywhere.
+inline AttnVec mul_add(AttnVec a, AttnVec b, AttnVec acc) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<AttnVec>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                   reinterpret_cast<__m512>(acc)));
+#elif defined(__FMA__)
+  return reinterpret_cast<AttnVec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
+                                                   reinterpret_cast<__m256>(acc)));
+#else
+  return acc + a * b;
+#endif
+}
+inline AttnVec load_attn(const float* p) { return load_lanes<AttnVec>(p); }
+inline void store_attn(float* p, AttnVec v) { __builtin_memcpy(p, &v, sizeof(v)); }
+// A vector's lanes summed: its halves added lane by lane (16-float builds), then hsum8 (`hsum` in vec.h).
+inline float hsum_lanes(AttnVec v) { return hsum8(halves_summed(v)); }
+
 // scale * (q . k) for one query head against one key: the chunks' products summed chunk by chunk into one vector,
-// whose lanes hsum8 adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
+// whose lanes hsum_lanes adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
 template <int64_t Chunks>
 inline float score(const float* qh, const float* k, float scale, float softcap) {
-  vec8 dot = load8(qh) * load8(k);
-  for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * load8(k + c * kLanes8);
-  const float s = hsum8(dot) * scale;
+  AttnVec dot = load_attn(qh) * load_attn(k);
+  for (int64_t c = 1; c < Chunks; ++c) {
+    dot = mul_add(load_attn(qh + c * kAttnLanes), load_attn(k + c * kAttnLanes), dot);
+  }
+  const float s = hsum_lanes(dot) * scale;
   return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
 
@@ -102,33 +139,79 @@ inline vec8 hsum8_of_8(const vec8 (&v)[8]) {
 }
 
 // score() of one query head against eight keys at once, into out[0..8): each key's products summed as score()
-// sums them, the eight sums reduced together (hsum8_of_8), then scaled (and capped) lane by lane: out[j] has the
-// bits score(qh, key[j] + offset) has.
+// sums them, the eight sums reduced together (halves_summed, then hsum8_of_8), then scaled (and capped) lane by
+// lane: out[j] has the bits score(qh, key[j] + offset) has.
 template <int64_t Chunks>
 inline void scores8(const float* qh, const float* const* key, int64_t offset, float scale, float softcap,
-                    float* out) {
-  vec8 dot[8];
-  const vec8 q0 = load8(qh);
+                    float* out, float& most) {
+  AttnVec dot[8];
+  const AttnVec q0 = load_attn(qh);
 #pragma GCC unroll 8
-  for (int64_t j = 0; j < 8; ++j) dot[j] = q0 * load8(key[j] + offset);
+  for (int64_t j = 0; j < 8; ++j) dot[j] = q0 * load_attn(key[j] + offset);
   for (int64_t c = 1; c < Chunks; ++c) {
-    const vec8 qc = load8(qh + c * kLanes8);
+    const AttnVec qc = load_attn(qh + c * kAttnLanes);
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < 8; ++j) dot[j] += qc * load8(key[j] + offset + c * kLanes8);
+    for (int64_t j = 0; j < 8; ++j) dot[j] = mul_add(qc, load_attn(key[j] + offset + c * kAttnLanes), dot[j]);
   }
-  const vec8 s = hsum8_of_8(dot) * scale;
+  vec8 halves[8];
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < 8; ++j) halves[j] = halves_summed(dot[j]);
+  const vec8 s = hsum8_of_8(halves) * scale;
   if (softcap > 0.f) {
-    for (int64_t j = 0; j < 8; ++j) out[j] = softcap * std::tanh(s[j] / softcap);
+    for (int64_t j = 0; j < 8; ++j) {
+      out[j] = softcap * std::tanh(s[j] / softcap);
+      most = std::max(most, out[j]);
+    }
   } else {
     store8(out, s);
+    for (int64_t j = 0; j < 8; ++j) most = std::max(most, s[j]);
+  }
+}
+
+// Value sums of `Heads` query heads (of one KV head) over positions [lo, hi): sums[i][0 .. N * lanes) += weight
+// * value for each position in order, weights[i][t] the head's softmax weight and slot[t] + at its value's
+// chunks. Each head's sums take the very operations, in the same order, that it would alone.
+template <int64_t N, int64_t Heads>
+inline void sum_values(const float* const* slot, int64_t at, int64_t lo, int64_t hi, const float* const* weights,
+                       float* const* sums) {
+  AttnVec sum[Heads][N];
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < Heads; ++i) {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < N; ++c) sum[i][c] = load_attn(sums[i] + c * kAttnLanes);
+  }
+  for (int64_t t = lo; t < hi; ++t) {
+    const float* v = slot[t] + at;
+    AttnVec value[N];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < N; ++c) value[c] = load_attn(v + c * kAttnLanes);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < Heads; ++i) {
+      const AttnVec weight = AttnVec{} + weights[i][t];
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < N; ++c) sum[i][c] = mul_add(weight, value[c], sum[i][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < Heads; ++i) {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < N; ++c) store_attn(sums[i] + c * kAttnLanes, sum[i][c]);
   }
 }
 
 // Positions whose slots one pass over the keys (or the values) holds: 32 tokens' K or V of every KV head stays in
 // L1 while each row and head of the group goes over them.
 constexpr int64_t kKeyTile = 32;
-// Accumulator vectors a head's value sum keeps in registers (64 floats of its dim) over a tile's positions.
+// Accumulator vectors a head's value sum keeps in registers over a tile's positions (64 or 128 floats of its dim).
 constexpr int64_t kAccChunks = 8;
+template <int64_t Dim>
+constexpr int64_t sum_chunks() { return Dim / kAttnLanes < kAccChunks ? Dim / kAttnLanes : kAccChunks; }
+// Query heads whose value sums run together: as many as keep their accumulators within half the registers (16
+// of AVX-512's 32, 8 of AVX2's 16), at most kMaxSumHeads.
+constexpr int64_t kMaxSumHeads = 4;
+constexpr int64_t kSumRegisters = kAttnLanes == 16 ? 16 : 8;
+template <int64_t Dim>
+constexpr int64_t kSumHeads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumRegisters / sum_chunks<Dim>()));
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
 // token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
@@ -138,13 +221,13 @@ constexpr int64_t kAccChunks = 8;
 // same for the values, each head's sum held in registers across the tile. Each row's arithmetic is the single
 // row's, in the same order, whatever the tiling: each score as score() computes it, softmax_row, then values
 // summed in position order from zero; so a row's result is the same bits in any group, alone included (the build
-// has -ffp-contract=off: no fused multiply-adds that could differ).
-// `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * Dim.
+// has -ffp-contract=off: the only fused multiply-adds are mul_add's, the same in every path).
+// `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * (Dim + 1).
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
-            float softcap, float* scores, vec8* acc, float* out) {
-  constexpr int64_t chunks = Dim / kLanes8;
+            float softcap, float* scores, float* acc, float* out) {
+  constexpr int64_t chunks = Dim / kAttnLanes;
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
   const int64_t heads = kv_heads * group;
@@ -165,6 +248,8 @@ void attend(const float* q, const float* keys, const float* values, const int32_
     for (int64_t t = t1; t < std::min(len, t1 + kKeyTile); ++t) prefetch_slot(base + slot(t), slot_bytes);
   };
   for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(keys + slot(t), slot_bytes);
+  float* maxes = acc + rows * heads * Dim;  // each row and head's largest score, taken as they are written
+  std::fill(maxes, maxes + rows * heads, -__builtin_inff());
 
   for (int64_t t0 = begin; t0 < len; t0 += kKeyTile) {
     const int64_t t1 = std::min(len, t0 + kKeyTile);
@@ -175,50 +260,56 @@ void attend(const float* q, const float* keys, const float* values, const int32_
         const float* qh = q + (r * heads + h) * Dim;
         const int64_t offset = (h / group) * Dim;
         float* s = row_scores(r, h);
+        float& most = maxes[r * heads + h];
         int64_t t = lo;
-        for (; t + 8 <= hi; t += 8) scores8<chunks>(qh, tile + (t - t0), offset, scale, softcap, s + t);
-        for (; t < hi; ++t) s[t] = score<chunks>(qh, tile[t - t0] + offset, scale, softcap);
+        for (; t + 8 <= hi; t += 8) scores8<chunks>(qh, tile + (t - t0), offset, scale, softcap, s + t, most);
+        for (; t < hi; ++t) {
+          s[t] = score<chunks>(qh, tile[t - t0] + offset, scale, softcap);
+          most = std::max(most, s[t]);
+        }
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), first_of(r), lens[r]);
+    for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), first_of(r), lens[r], maxes[r * heads + h]);
   }
-  for (int64_t i = 0; i < rows * heads * chunks; ++i) acc[i] = vec8{};
+  std::fill(acc, acc + rows * heads * Dim, 0.f);
   for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(values + slot(t), slot_bytes);
   for (int64_t t0 = begin; t0 < len; t0 += kKeyTile) {
     const int64_t t1 = std::min(len, t0 + kKeyTile);
     load_tile(values, t0, t1);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t lo = std::max(t0, first_of(r)), hi = std::min<int64_t>(t1, lens[r]);
-      for (int64_t h = 0; h < heads && lo < hi; ++h) {
-        const float* w = row_scores(r, h);
-        const int64_t offset = (h / group) * Dim;
-        vec8* a = acc + (r * heads + h) * chunks;
+      if (lo >= hi) continue;
+      // The query heads of one KV head a few at a time, sharing each value's loads (and giving the adds enough
+      // independent sums to overlap).
+      for (int64_t h0 = 0, count = 0; h0 < heads; h0 += count) {
+        count = std::min({kSumHeads<Dim>, heads - h0, group - h0 % group});
+        const int64_t offset = (h0 / group) * Dim;
         for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) {
-          constexpr int64_t n = chunks < kAccChunks ? chunks : kAccChunks;
-          vec8 sum[n];
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < n; ++c) sum[c] = a[c0 + c];
-          for (int64_t t = lo; t < hi; ++t) {
-            const vec8 weight = vec8{} + w[t];
-            const float* v = tile[t - t0] + offset + c0 * kLanes8;
-#pragma GCC unroll 8
-            for (int64_t c = 0; c < n; ++c) sum[c] += weight * load8(v + c * kLanes8);
+          const float* weights[kMaxSumHeads];
+          float* sums[kMaxSumHeads];
+          for (int64_t i = 0; i < count; ++i) {
+            weights[i] = row_scores(r, h0 + i);
+            sums[i] = acc + (r * heads + h0 + i) * Dim + c0 * kAttnLanes;
           }
-#pragma GCC unroll 8
-          for (int64_t c = 0; c < n; ++c) a[c0 + c] = sum[c];
+          const float* const* base = tile - t0;
+          const int64_t at = offset + c0 * kAttnLanes;
+          switch (count) {
+            case 1: sum_values<sum_chunks<Dim>(), 1>(base, at, lo, hi, weights, sums); break;
+            case 2: sum_values<sum_chunks<Dim>(), 2>(base, at, lo, hi, weights, sums); break;
+            case 3: sum_values<sum_chunks<Dim>(), 3>(base, at, lo, hi, weights, sums); break;
+            default: sum_values<sum_chunks<Dim>(), 4>(base, at, lo, hi, weights, sums); break;
+          }
         }
       }
     }
   }
-  for (int64_t i = 0; i < rows * heads; ++i) {
-    for (int64_t c = 0; c < chunks; ++c) store8(out + i * Dim + c * kLanes8, acc[i * chunks + c]);
-  }
+  std::copy(acc, acc + rows * heads * Dim, out);
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float, float*, vec8*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
 std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
@@ -298,15 +389,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t most = std::max<int64_t>(1, std::min(kMaxGroup, (longest_run + threads - 1) / threads));
   const auto groups = row_groups(tables, rows, width, most);
-  const int64_t chunks = dim / kLanes8;
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+  // Groups dealt out round-robin: a prompt's groups are ordered by length (the last ones attend to the most
+  // positions), so contiguous shares would give the last thread most of the work.
+  const int64_t count_groups = static_cast<int64_t>(groups.size());
+  const int64_t shares = std::min(threads, count_groups);
+  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(most * heads * max_padded);
-    std::vector<vec8> acc(most * heads * chunks);
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
-      attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
-                block_size, kv_heads, group, window, fscale, fsoftcap, scores.data(), acc.data(),
-                out_ptr + first * heads * dim);
+    std::vector<float> acc(most * heads * (dim + 1));
+    for (int64_t share = begin; share < end; ++share) {
+      for (int64_t g = share; g < count_groups; g += shares) {
+        const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
+        attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
+                  block_size, kv_heads, group, window, fscale, fsoftcap, scores.data(), acc.data(),
+                  out_ptr + first * heads * dim);
+      }
     }
   });
   return out;
