@@ -6,10 +6,13 @@ whole batch at once) and its continuous `generate_batch`, and, for a GGUF model 
 installed (it is not a dependency), llama.cpp on the same file and token ids, one sequence after another (its
 Python API decodes one sequence at a time). Each is timed after a warm-up on other prompts (no system may reuse
 a cached prompt: ladle's prefix cache and llama.cpp's kept context would skip the prefill); output tok/s =
-generated tokens / wall seconds, prefill included.
+generated tokens / wall seconds, prefill included. `--float-too` also runs ladle on its float weights
+(`--quantization none`) in the same run, as `ladle_float`. With `--output-len 1` the run is a prompt's prefill:
+each system also reports `prefill_tok_per_s` (prompt tokens / wall seconds).
 Results go to stdout and, with `--out`, are appended as one JSON object per run.
 
     ladle bench offline --num-seqs 64 --input-len 128 --output-len 128 --out benchmarks/results/cpu.jsonl
+    ladle bench offline --model q4_k_m.gguf --num-seqs 1 --input-len 7000 --output-len 1 --float-too --skip-hf
 """
 
 from __future__ import annotations
@@ -204,6 +207,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         )
     }
     print(f"ladle: {systems['ladle']}", flush=True)
+    if args.float_too:
+        systems["ladle_float"] = bench_ladle(
+            args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), "none", args.repeats,
+            args.tensor_parallel_size,
+        )  # fmt: skip
+        print(f"ladle_float: {systems['ladle_float']}", flush=True)
     gguf = gguf_file(args.model)
     llama_cpp_installed = importlib.util.find_spec("llama_cpp") is not None
     if gguf is not None and args.device == "cpu" and llama_cpp_installed and not args.skip_llama_cpp:
@@ -218,6 +227,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as exc:  # a peer that cannot run here is reported, not fatal
                 systems[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name}: {systems[name]}", flush=True)
+    if args.output_len == 1:  # a prefill: the prompt tokens' rate is the figure
+        for system in systems.values():
+            if "seconds" in system:
+                system["prefill_tok_per_s"] = round(args.num_seqs * args.input_len / system["seconds"], 1)
     hf_rates = [s["output_tok_per_s"] for n, s in systems.items() if n.startswith("hf") and "output_tok_per_s" in s]
     llama_rate = systems.get("llama_cpp", {}).get("output_tok_per_s")
     result = {
@@ -243,6 +256,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "quantization": args.quantization,
             "repeats": args.repeats,
+            "float_too": args.float_too,
             "tensor_parallel_size": args.tensor_parallel_size,
             "threads": threads,
         },
@@ -261,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_arguments(parser)
     parser.add_argument("--skip-hf", action="store_true", help="measure ladle only")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
+    parser.add_argument("--float-too", action="store_true", help="also run ladle on float weights (ladle_float)")
     parser.add_argument(
         "--quantization",
         default="auto",
