@@ -4,8 +4,9 @@ Workload: `--num-seqs` random-token prompts of `--input-len` tokens, `--output-l
 greedy. Systems: ladle's offline LLM (weights as `--quantization` says), transformers' static `generate` (the
 whole batch at once) and its continuous `generate_batch`, and, for a GGUF model when llama-cpp-python is
 installed (it is not a dependency), llama.cpp on the same file and token ids, one sequence after another (its
-Python API decodes one sequence at a time). Each is timed after a warm-up on other prompts (no system may reuse
-a cached prompt: ladle's prefix cache and llama.cpp's kept context would skip the prefill); output tok/s =
+Python API decodes one sequence at a time). Each is timed after a warm-up on other prompts, and no system reuses
+a prompt it has seen (ladle runs with its prefix cache off, llama.cpp's context is reset per prompt), so every
+repeat prefills again; output tok/s =
 generated tokens / wall seconds, prefill included. `--float-too` also runs ladle on its float weights
 (`--quantization none`) in the same run, as `ladle_float`. With `--output-len 1` the run is a prompt's prefill:
 each system also reports `prefill_tok_per_s` (prompt tokens / wall seconds).
@@ -86,13 +87,14 @@ def bench_ladle(
     """ladle's offline LLM on the workload. Under tensor parallelism the result also says how long rank 0 spent
     inside all-reduces (waiting for the other ranks included) and their share of the timed runs' wall time."""
     from engine_server import LLM, SamplingParams
-    from engine_server.config import EngineConfig, SchedulerConfig
+    from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 
     config = EngineConfig(
         model=model,
         device=device,  # type: ignore[arg-type]
         quantization=quantization,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
+        cache=CacheConfig(enable_prefix_caching=False),  # a repeat must prefill its prompts again
         tensor_parallel_size=tensor_parallel_size,
     )
     threads = torch.get_num_threads()  # tensor parallelism shares them out between the ranks; restored after
