@@ -14,22 +14,16 @@
 // over such groups with at::parallel_for. Within a group the positions go by tiles that stay in L1 while every
 // row and query head goes over them (`attend`), straight from the blocks, with the next tile's slots prefetched;
 // scores eight keys at a time, value sums in registers, groups dealt to the threads round-robin. A row's result
-// is the same bits whichever rows share its group, and whatever the tiling; the bits depend on the build (16- or
-// 8-float vectors, fused multiply-adds or not), not on the call. Softmax is exact (max subtracted, float32 sums);
-// exp is a polynomial with ~1e-7 relative error, so results match the reference SDPA to float32 rounding, not bit
-// for bit. Built with
-// -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the extension resolves libgomp.so.1 to the
-// copy torch already loaded).
+// is the same bits whichever rows share its group, and whatever the tiling. Softmax is exact (max subtracted,
+// float32 sums); exp is a polynomial with ~1e-7 relative error, so results match the reference SDPA to float32
+// rounding, not bit for bit. Built with -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the
+// extension resolves libgomp.so.1 to the copy torch already loaded).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -71,40 +65,18 @@ inline void softmax_row(float* s, int64_t first, int64_t len, float m) {
   for (int64_t t = first; t < len; ++t) s[t] *= inv;
 }
 
-// The vectors the attention's dot products and value sums run in: 16 floats where AVX-512 gives registers of
-// that width (half the instructions of two 8-float halves), 8 otherwise (GCC spills 16-float vectors on AVX2).
-// A score's lanes are summed as `hsum_lanes` says, so the bits depend on the build's width, which every call of
-// one build shares.
-#ifdef __AVX512F__
-using AttnVec = vec16;
-inline vec8 halves_summed(vec16 v) {
-  const union {
-    vec16 whole;
-    vec8 half[2];
-  } halves{v};
-  return halves.half[0] + halves.half[1];
-}
-#else
+// The vectors the attention's dot products and value sums run in: 8 floats (one AVX2 register; two of them would
+// spill on AVX2), with separate multiplies and adds. (16-float vectors and fused multiply-adds on AVX-512 took a
+// long prompt's attention ~20% faster, but their other bits flipped the embedded model's greedy answer to "What
+// is the capital of France?" away from Paris; these are the bits the engine has always had.)
 using AttnVec = vec8;
-inline vec8 halves_summed(vec8 v) { return v; }
-#endif
 constexpr int64_t kAttnLanes = sizeof(AttnVec) / sizeof(float);
-// acc + a * b, rounded once where the CPU fuses them (FMA), else twice: one build, one rounding everywhere.
-inline AttnVec mul_add(AttnVec a, AttnVec b, AttnVec acc) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<AttnVec>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                                   reinterpret_cast<__m512>(acc)));
-#elif defined(__FMA__)
-  return reinterpret_cast<AttnVec>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
-                                                   reinterpret_cast<__m256>(acc)));
-#else
-  return acc + a * b;
-#endif
-}
 inline AttnVec load_attn(const float* p) { return load_lanes<AttnVec>(p); }
 inline void store_attn(float* p, AttnVec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-// A vector's lanes summed: its halves added lane by lane (16-float builds), then hsum8 (`hsum` in vec.h).
-inline float hsum_lanes(AttnVec v) { return hsum8(halves_summed(v)); }
+inline AttnVec mul_add(AttnVec a, AttnVec b, AttnVec acc) { return acc + a * b; }
+inline vec8 halves_summed(vec8 v) { return v; }
+// A vector's lanes summed by hsum8's tree.
+inline float hsum_lanes(AttnVec v) { return hsum8(v); }
 
 // scale * (q . k) for one query head against one key: the chunks' products summed chunk by chunk into one vector,
 // whose lanes hsum_lanes adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
@@ -209,7 +181,11 @@ constexpr int64_t sum_chunks() { return Dim / kAttnLanes < kAccChunks ? Dim / kA
 // Query heads whose value sums run together: as many as keep their accumulators within half the registers (16
 // of AVX-512's 32, 8 of AVX2's 16), at most kMaxSumHeads.
 constexpr int64_t kMaxSumHeads = 4;
-constexpr int64_t kSumRegisters = kAttnLanes == 16 ? 16 : 8;
+#ifdef __AVX512F__
+constexpr int64_t kSumRegisters = 16;
+#else
+constexpr int64_t kSumRegisters = 8;
+#endif
 template <int64_t Dim>
 constexpr int64_t kSumHeads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumRegisters / sum_chunks<Dim>()));
 
@@ -221,7 +197,7 @@ constexpr int64_t kSumHeads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHead
 // same for the values, each head's sum held in registers across the tile. Each row's arithmetic is the single
 // row's, in the same order, whatever the tiling: each score as score() computes it, softmax_row, then values
 // summed in position order from zero; so a row's result is the same bits in any group, alone included (the build
-// has -ffp-contract=off: the only fused multiply-adds are mul_add's, the same in every path).
+// has -ffp-contract=off: no fused multiply-adds that could differ).
 // `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * (Dim + 1).
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
