@@ -279,10 +279,11 @@ class QuantizedEmbedding(nn.Module):
             packed, scales, mins, _ = weight.parts[0]
             self.packed = (packed, scales, mins)  # a plain attribute: the head owns these buffers
             self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+            self.format = weight.format
         else:
             self.stored = weight
             self.num_embeddings, self.embedding_dim = weight.shape
-        self.format = weight.format if isinstance(weight, QuantizedLinear) else weight_format(weight)
+            self.format = weight_format(weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         index = input_ids.reshape(-1)

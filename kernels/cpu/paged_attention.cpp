@@ -65,28 +65,17 @@ inline void softmax_row(float* s, int64_t first, int64_t len, float m) {
   for (int64_t t = first; t < len; ++t) s[t] *= inv;
 }
 
-// The vectors the attention's dot products and value sums run in: 8 floats (one AVX2 register; two of them would
-// spill on AVX2), with separate multiplies and adds. (16-float vectors and fused multiply-adds on AVX-512 took a
-// long prompt's attention ~20% faster, but their other bits flipped the embedded model's greedy answer to "What
-// is the capital of France?" away from Paris; these are the bits the engine has always had.)
-using AttnVec = vec8;
-constexpr int64_t kAttnLanes = sizeof(AttnVec) / sizeof(float);
-inline AttnVec load_attn(const float* p) { return load_lanes<AttnVec>(p); }
-inline void store_attn(float* p, AttnVec v) { __builtin_memcpy(p, &v, sizeof(v)); }
-inline AttnVec mul_add(AttnVec a, AttnVec b, AttnVec acc) { return acc + a * b; }
-inline vec8 halves_summed(vec8 v) { return v; }
-// A vector's lanes summed by hsum8's tree.
-inline float hsum_lanes(AttnVec v) { return hsum8(v); }
+// The dot products and value sums run in 8-float vectors with separate multiplies and adds: the bits the engine
+// has always had. (16-float vectors and fused multiply-adds on AVX-512 made a long prompt's attention ~20% faster,
+// but their other bits flipped the embedded model's greedy answer to "What is the capital of France?".)
 
 // scale * (q . k) for one query head against one key: the chunks' products summed chunk by chunk into one vector,
-// whose lanes hsum_lanes adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
+// whose lanes hsum8 adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
 template <int64_t Chunks>
 inline float score(const float* qh, const float* k, float scale, float softcap) {
-  AttnVec dot = load_attn(qh) * load_attn(k);
-  for (int64_t c = 1; c < Chunks; ++c) {
-    dot = mul_add(load_attn(qh + c * kAttnLanes), load_attn(k + c * kAttnLanes), dot);
-  }
-  const float s = hsum_lanes(dot) * scale;
+  vec8 dot = load8(qh) * load8(k);
+  for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * load8(k + c * kLanes8);
+  const float s = hsum8(dot) * scale;
   return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
 }
 
@@ -111,24 +100,21 @@ inline vec8 hsum8_of_8(const vec8 (&v)[8]) {
 }
 
 // score() of one query head against eight keys at once, into out[0..8): each key's products summed as score()
-// sums them, the eight sums reduced together (halves_summed, then hsum8_of_8), then scaled (and capped) lane by
+// sums them, the eight sums reduced together (hsum8_of_8), then scaled (and capped) lane by
 // lane: out[j] has the bits score(qh, key[j] + offset) has.
 template <int64_t Chunks>
 inline void scores8(const float* qh, const float* const* key, int64_t offset, float scale, float softcap,
                     float* out, float& most) {
-  AttnVec dot[8];
-  const AttnVec q0 = load_attn(qh);
+  vec8 dot[8];
+  const vec8 q0 = load8(qh);
 #pragma GCC unroll 8
-  for (int64_t j = 0; j < 8; ++j) dot[j] = q0 * load_attn(key[j] + offset);
+  for (int64_t j = 0; j < 8; ++j) dot[j] = q0 * load8(key[j] + offset);
   for (int64_t c = 1; c < Chunks; ++c) {
-    const AttnVec qc = load_attn(qh + c * kAttnLanes);
+    const vec8 qc = load8(qh + c * kLanes8);
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < 8; ++j) dot[j] = mul_add(qc, load_attn(key[j] + offset + c * kAttnLanes), dot[j]);
+    for (int64_t j = 0; j < 8; ++j) dot[j] += qc * load8(key[j] + offset + c * kLanes8);
   }
-  vec8 halves[8];
-#pragma GCC unroll 8
-  for (int64_t j = 0; j < 8; ++j) halves[j] = halves_summed(dot[j]);
-  const vec8 s = hsum8_of_8(halves) * scale;
+  const vec8 s = hsum8_of_8(dot) * scale;
   if (softcap > 0.f) {
     for (int64_t j = 0; j < 8; ++j) {
       out[j] = softcap * std::tanh(s[j] / softcap);
@@ -146,28 +132,28 @@ inline void scores8(const float* qh, const float* const* key, int64_t offset, fl
 template <int64_t N, int64_t Heads>
 inline void sum_values(const float* const* slot, int64_t at, int64_t lo, int64_t hi, const float* const* weights,
                        float* const* sums) {
-  AttnVec sum[Heads][N];
+  vec8 sum[Heads][N];
 #pragma GCC unroll 4
   for (int64_t i = 0; i < Heads; ++i) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) sum[i][c] = load_attn(sums[i] + c * kAttnLanes);
+    for (int64_t c = 0; c < N; ++c) sum[i][c] = load8(sums[i] + c * kLanes8);
   }
   for (int64_t t = lo; t < hi; ++t) {
     const float* v = slot[t] + at;
-    AttnVec value[N];
+    vec8 value[N];
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) value[c] = load_attn(v + c * kAttnLanes);
+    for (int64_t c = 0; c < N; ++c) value[c] = load8(v + c * kLanes8);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < Heads; ++i) {
-      const AttnVec weight = AttnVec{} + weights[i][t];
+      const vec8 weight = vec8{} + weights[i][t];
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < N; ++c) sum[i][c] = mul_add(weight, value[c], sum[i][c]);
+      for (int64_t c = 0; c < N; ++c) sum[i][c] += weight * value[c];
     }
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < Heads; ++i) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) store_attn(sums[i] + c * kAttnLanes, sum[i][c]);
+    for (int64_t c = 0; c < N; ++c) store8(sums[i] + c * kLanes8, sum[i][c]);
   }
 }
 
@@ -177,7 +163,7 @@ constexpr int64_t kKeyTile = 32;
 // Accumulator vectors a head's value sum keeps in registers over a tile's positions (64 or 128 floats of its dim).
 constexpr int64_t kAccChunks = 8;
 template <int64_t Dim>
-constexpr int64_t sum_chunks() { return Dim / kAttnLanes < kAccChunks ? Dim / kAttnLanes : kAccChunks; }
+constexpr int64_t sum_chunks() { return Dim / kLanes8 < kAccChunks ? Dim / kLanes8 : kAccChunks; }
 // Query heads whose value sums run together: as many as keep their accumulators within half the registers (16
 // of AVX-512's 32, 8 of AVX2's 16), at most kMaxSumHeads.
 constexpr int64_t kMaxSumHeads = 4;
@@ -203,7 +189,7 @@ template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
             float softcap, float* scores, float* acc, float* out) {
-  constexpr int64_t chunks = Dim / kAttnLanes;
+  constexpr int64_t chunks = Dim / kLanes8;
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
   const int64_t heads = kv_heads * group;
@@ -267,10 +253,10 @@ void attend(const float* q, const float* keys, const float* values, const int32_
           float* sums[kMaxSumHeads];
           for (int64_t i = 0; i < count; ++i) {
             weights[i] = row_scores(r, h0 + i);
-            sums[i] = acc + (r * heads + h0 + i) * Dim + c0 * kAttnLanes;
+            sums[i] = acc + (r * heads + h0 + i) * Dim + c0 * kLanes8;
           }
           const float* const* base = tile - t0;
-          const int64_t at = offset + c0 * kAttnLanes;
+          const int64_t at = offset + c0 * kLanes8;
           switch (count) {
             case 1: sum_values<sum_chunks<Dim>(), 1>(base, at, lo, hi, weights, sums); break;
             case 2: sum_values<sum_chunks<Dim>(), 2>(base, at, lo, hi, weights, sums); break;
