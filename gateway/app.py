@@ -1,8 +1,9 @@
 """`create_app`: the FastAPI application for one GatewayConfig.
 
-The lifespan opens the engine pool (channels + health polling) and the files-and-batches service (database,
-blob directory, batch workers) and closes them; routers reach both through dependencies. Nothing lives at
-module level, so tests can build as many apps as they like.
+The lifespan opens the engine pool (channels + health polling), the files-and-batches service (database, blob
+directory, batch workers) and the stored responses (on that database, with their background runner) and closes
+them; routers reach them through dependencies. Nothing lives at module level, so tests can build as many apps as
+they like.
 """
 
 from __future__ import annotations
@@ -20,7 +21,19 @@ from gateway.errors import install_error_handlers
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
-from gateway.routers import batch_chat, batches, chat, completions, embeddings, files, models, operations, scores
+from gateway.responses.service import ResponseService
+from gateway.routers import (
+    batch_chat,
+    batches,
+    chat,
+    completions,
+    embeddings,
+    files,
+    models,
+    operations,
+    responses,
+    scores,
+)
 from gateway.schemas.errors import ERROR_RESPONSES
 
 
@@ -30,6 +43,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics)
+    stored_responses = ResponseService(pool, config.batch_lease_s)
     metrics.watch_batches(service.count_by_status, service.lines_in_flight)
 
     @asynccontextmanager
@@ -39,7 +53,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             await service.start()
             try:
-                yield
+                await stored_responses.start(service.db)
+                try:
+                    yield
+                finally:
+                    await stored_responses.close()
             finally:
                 await service.close()
         finally:
@@ -53,9 +71,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.batches = service
+    app.state.responses = stored_responses
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys)
-    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, operations):
+    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses, operations):
         app.include_router(module.router)
     return app

@@ -16,6 +16,7 @@ from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
+from gateway.responses.service import ResponseService
 from gateway.store.tables import DEFAULT_PROJECT
 from ladle.v1 import types_pb2
 
@@ -33,6 +34,11 @@ def get_metrics(request: Request) -> GatewayMetrics:
 def get_batches(request: Request) -> BatchService:
     batches: BatchService = request.app.state.batches
     return batches
+
+
+def get_responses(request: Request) -> ResponseService:
+    responses: ResponseService = request.app.state.responses
+    return responses
 
 
 def get_config(request: Request) -> GatewayConfig:
@@ -160,5 +166,6 @@ Metrics = Annotated[GatewayMetrics, Depends(get_metrics)]
 RequestId = Annotated[str, Depends(request_id)]
 CallId = Annotated[str, Depends(call_id)]
 Batches = Annotated[BatchService, Depends(get_batches)]
+Responses = Annotated[ResponseService, Depends(get_responses)]
 Config = Annotated[GatewayConfig, Depends(get_config)]
 Project = Annotated[str, Depends(request_project)]

@@ -54,3 +54,24 @@ async def with_done(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byte
 def response(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     """The HTTP response that streams `chunks` as events (`with_done`), unbuffered by proxies."""
     return StreamingResponse(with_done(chunks), media_type="text/event-stream", headers=HEADERS)
+
+
+def named_event(data: dict[str, Any]) -> bytes:
+    """An event whose `event:` field is its data's `type`, as the Responses API sends them."""
+    return b"event: " + str(data["type"]).encode() + b"\n" + event(data)
+
+
+async def _named(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for data in events:
+            yield named_event(data)
+    except Exception as exc:
+        log.error("stream failed unexpectedly", exc_info=exc)
+        error = APIError(500, "internal error in the gateway", type="server_error")
+        yield named_event({"type": "error", "code": error.type, "message": error.message, "param": None})
+
+
+def named_response(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """The HTTP response that streams typed events (the Responses API's): no [DONE] at the end, the last event
+    says how the stream ended."""
+    return StreamingResponse(_named(events), media_type="text/event-stream", headers=HEADERS)

@@ -51,6 +51,12 @@ class BatchService:
         self._blobs: BlobStore | None = None
 
     @property
+    def db(self) -> Engine:
+        """The database of files, batches and stored responses."""
+        assert self._db is not None, "BatchService.start() has not run"
+        return self._db
+
+    @property
     def files(self) -> FileStore:
         assert self._files is not None, "BatchService.start() has not run"
         return self._files

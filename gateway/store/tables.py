@@ -1,4 +1,5 @@
-"""The schema: files, batches and the segments of a batch's results, as SQLAlchemy Core tables.
+"""The schema: files, batches and the segments of a batch's results, and stored responses, as SQLAlchemy Core
+tables.
 
 Every table has an integer `pk` that grows with insertion, which orders lists and pages them (`after`) without
 relying on clock resolution. Times are Unix seconds, as OpenAI reports them; a lease's expiry is a float.
@@ -9,7 +10,7 @@ the tables of an older database with ALTER TABLE.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column, Float, Index, Integer, MetaData, String, Table, Text
+from sqlalchemy import BigInteger, Boolean, Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text
 
 DEFAULT_PROJECT = "default"  # the project of --api-key, of every request when no keys are set, of old rows
 
@@ -143,3 +144,26 @@ upload_reservations = Table(
 # The orphan sweep looks blobs up by key (`FileStore.unknown_blob_keys`); `database.open_database` adds the index to
 # an older database's table.
 Index("ladle_files_blob_key", files.c.blob_key)
+
+# Responses of /v1/responses made with `store` (gateway.store.responses). A background one carries its engine request
+# until it ends, and is run under a lease like a batch: a worker claims it (`lease_epoch` fences its writes) and
+# another one runs it again if that worker dies before it ends.
+responses = Table(
+    "ladle_responses",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("id", String(64), nullable=False, unique=True),
+    Column("project", String(64), nullable=False, index=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("background", Boolean, nullable=False),
+    Column("previous_response_id", String(64), nullable=True),
+    Column("input_items_json", Text, nullable=False),  # this response's own input items, not its chain's
+    Column("response_json", Text, nullable=False),  # the Response object as GET returns it
+    Column("engine_request", LargeBinary, nullable=True),  # a background response's, until it ends
+    Column("lease_owner", String(128), nullable=True),
+    Column("lease_epoch", Integer, nullable=False, server_default="0"),
+    Column("lease_expires_at", Float, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default="0"),  # claims of a background response
+)
+Index("ladle_responses_runnable", responses.c.status, responses.c.lease_expires_at)

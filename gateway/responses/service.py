@@ -1,0 +1,128 @@
+"""`ResponseService`: what the `/v1/responses` routes need, opened in the app's lifespan.
+
+It holds the stored responses (`ResponseStore`, on the database the files and batches use) and runs the
+`BackgroundRunner`. Its calls turn a Responses body into the conversation to send (the items of the stored chain
+`previous_response_id` names, then the body's own), and store, cancel and look up responses for one project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from sqlalchemy import Engine
+
+from gateway.engines import EnginePool
+from gateway.errors import APIError, invalid
+from gateway.responses.background import BackgroundRunner
+from gateway.store import ids
+from gateway.store.responses import ResponseStore, StoredResponse
+
+CONTINUABLE = frozenset({"completed", "incomplete"})
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No response with id '{response_id}' found.", param=param, code="not_found")
+
+
+class ResponseService:
+    """Stored responses and background runs of one gateway."""
+
+    def __init__(self, pool: EnginePool, lease_s: float) -> None:
+        self.pool = pool
+        self.lease_s = lease_s
+        self._store: ResponseStore | None = None
+        self._runner: BackgroundRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def store(self) -> ResponseStore:
+        assert self._store is not None, "ResponseService.start() has not run"
+        return self._store
+
+    async def start(self, db: Engine) -> None:
+        self._store = ResponseStore(db)
+        self._runner = BackgroundRunner(self._store, self.pool, self.lease_s)
+        self._task = asyncio.create_task(self._runner.run(), name="background-responses")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def history(self, previous_response_id: str | None, project: str) -> list[dict[str, Any]]:
+        """The items a response continuing `previous_response_id` starts from: every stored response of its
+        chain's input items and output, oldest first. 404 if the project has no such response; 400 if it has not
+        ended with output to continue from."""
+        if previous_response_id is None:
+            return []
+        chain: list[StoredResponse] = []
+        if ids.is_id(previous_response_id, ids.RESPONSE_PREFIX):
+            chain = await asyncio.to_thread(self.store.chain, previous_response_id, project)
+        if not chain:
+            raise not_found(previous_response_id, "previous_response_id")
+        last = chain[-1]
+        if last.status not in CONTINUABLE:
+            raise invalid(f"previous_response_id names a response that is {last.status}; only a completed or "
+                          "incomplete response can be continued", "previous_response_id")
+        items: list[dict[str, Any]] = []
+        for stored in chain:
+            items += stored.input_items
+            items += stored.response.get("output", [])
+        return items
+
+    async def store_response(self, response: dict[str, Any], project: str, items: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self.store.insert, response, project, items)
+
+    async def queue(self, response: dict[str, Any], project: str, items: list[dict[str, Any]],
+                    engine_request: bytes) -> None:
+        """Store a background response (status queued) for a runner to claim; this gateway's starts at once."""
+        await asyncio.to_thread(self.store.insert, response, project, items, engine_request)
+        if self._runner is not None:
+            self._runner.wake.set()
+
+    async def get(self, response_id: str, project: str) -> StoredResponse:
+        found = None
+        if ids.is_id(response_id, ids.RESPONSE_PREFIX):
+            found = await asyncio.to_thread(self.store.get, response_id, project)
+        if found is None:
+            raise not_found(response_id)
+        return found
+
+    async def delete(self, response_id: str, project: str) -> None:
+        deleted = ids.is_id(response_id, ids.RESPONSE_PREFIX) and await asyncio.to_thread(
+            self.store.delete, response_id, project)
+        if not deleted:
+            raise not_found(response_id)
+        if self._runner is not None:
+            self._runner.cancel_local(response_id)
+
+    async def cancel(self, response_id: str, project: str) -> dict[str, Any]:
+        """Cancel a background response (at once if it runs here; within a second on another gateway). 400 for
+        a response that is not a background one; one that has ended is returned as it is."""
+        stored = await self.get(response_id, project)
+        if not stored.background:
+            raise invalid("Only responses created with background: true can be cancelled.", "response_id")
+        cancelled = await asyncio.to_thread(self.store.cancel, response_id, project)
+        if cancelled is None:
+            raise not_found(response_id)
+        if self._runner is not None:
+            self._runner.cancel_local(response_id)
+        return cancelled.response
+
+    async def input_items(
+        self, response_id: str, project: str, limit: int, after: str | None, order: str
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A page of a stored response's input items (`after`: an item id; `order` "asc" or "desc") and whether
+        more follow; 404 for an unknown response, 400 if `after` is none of its items."""
+        stored = await self.get(response_id, project)
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        start = 0
+        if after is not None:
+            positions = {item.get("id"): i for i, item in enumerate(items)}
+            if after not in positions:
+                raise invalid(f"after {after!r} is not an input item of {response_id}", "after")
+            start = positions[after] + 1
+        return items[start:start + limit], start + limit < len(items)

@@ -1,0 +1,95 @@
+"""`/v1/responses`: create a response (whole, streamed as semantic events, or in the background), and retrieve,
+delete, list the input items of and cancel stored ones, each request those of its project (another project's id
+is answered as unknown, 404). The conversions are `translate.responses_to_engine` / `responses_from_engine`; the
+store and background runs `responses.service`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query
+
+from gateway import calls, sse
+from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, Responses, require_api_key, served_model
+from gateway.errors import invalid
+from gateway.json_output import FiniteJSONResponse
+from gateway.responses.events import ResponseEvents, response_events
+from gateway.schemas.responses import ResponsesRequest
+from gateway.store.ids import RESPONSE_PREFIX, new_id
+from gateway.translate import responses_from_engine, responses_to_engine
+from gateway.translate.cache_salt import project_cache_salt
+
+ROUTE = "/v1/responses"
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post(ROUTE, response_model=None, responses=sse.STREAMING_RESPONSES)
+async def create_response(
+    body: ResponsesRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, responses: Responses
+) -> Any:
+    model = served_model(pool, body.model)
+    if body.background and not body.store:
+        raise invalid("background responses must be stored: send store: true (the default)", "store")
+    if body.background and body.stream:
+        raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
+    items = responses_to_engine.input_items(body)
+    history = await responses.history(body.previous_response_id, project)
+    messages = responses_to_engine.chat_messages(body.instructions, history + items)
+    request = responses_to_engine.generate_request(body, messages, rid, cache_salt=project_cache_salt(project))
+    want_logprobs = request.sampling.logprobs
+    response_id = new_id(RESPONSE_PREFIX)
+    if body.background:
+        shell = responses_from_engine.response_shell(body, response_id, model, "queued")
+        await responses.queue(shell, project, items, request.SerializeToString())
+        return FiniteJSONResponse(shell)
+    shell = responses_from_engine.response_shell(body, response_id, model, "in_progress")
+    timer = RequestTimer(metrics, ROUTE)
+
+    async def finished(response: dict[str, Any]) -> None:
+        timer.finish([])
+        if body.store:
+            await responses.store_response(response, project, items)
+
+    if body.stream:
+        messages_stream = await calls.started(calls.stream(pool, request))
+        events = response_events(messages_stream, ResponseEvents(shell, want_logprobs), finished, timer.token)
+        return sse.named_response(events)
+    reply = await calls.generate(pool, request)
+    response = responses_from_engine.from_reply(shell, reply, want_logprobs)
+    timer.finish([reply.usage])
+    if body.store:
+        await responses.store_response(response, project, items)
+    return FiniteJSONResponse(response)
+
+
+@router.get(ROUTE + "/{response_id}", response_model=None)
+async def retrieve_response(response_id: str, project: Project, responses: Responses) -> Any:
+    stored = await responses.get(response_id, project)
+    return FiniteJSONResponse(stored.response)
+
+
+@router.delete(ROUTE + "/{response_id}", response_model=None)
+async def delete_response(response_id: str, project: Project, responses: Responses) -> Any:
+    await responses.delete(response_id, project)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post(ROUTE + "/{response_id}/cancel", response_model=None)
+async def cancel_response(response_id: str, project: Project, responses: Responses) -> Any:
+    return FiniteJSONResponse(await responses.cancel(response_id, project))
+
+
+@router.get(ROUTE + "/{response_id}/input_items", response_model=None)
+async def list_input_items(
+    response_id: str,
+    project: Project,
+    responses: Responses,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> Any:
+    page, has_more = await responses.input_items(response_id, project, limit, after, order)
+    return FiniteJSONResponse({
+        "object": "list", "data": page, "has_more": has_more,
+        "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+    })

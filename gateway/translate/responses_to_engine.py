@@ -1,0 +1,218 @@
+"""OpenAI Responses API bodies -> the engine's chat requests. Pure functions.
+
+A Responses request is a chat request in other clothes: its `input` items (messages, earlier output items,
+function calls and their outputs), after the items of the stored responses it continues (`previous_response_id`,
+resolved by the caller), become the conversation; `instructions` its system message; `text.format`, `tools`,
+`tool_choice`, `reasoning.effort` and `max_output_tokens` the chat fields they stand for. The chat request is
+built with the chat route's own schema and `to_engine.chat_request`, so both routes check and send the same things.
+What a text-only model or ladle cannot do (images, files, hosted tools such as web_search, conversations, stored
+prompts) is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pydantic
+
+from gateway.errors import APIError, invalid, validation_param
+from gateway.schemas.chat import ChatCompletionRequest
+from gateway.schemas.responses import ResponsesRequest
+from gateway.translate import to_engine
+from ladle.v1 import engine_pb2
+
+# OpenAI's `include` values; only the logprobs one changes anything here (the others name tools or media that
+# a text-only model with function tools never produces), so they are accepted and have no effect.
+INCLUDES = frozenset({
+    "message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+    "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
+_ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+_ROLES = frozenset({"user", "system", "developer", "assistant"})
+
+
+def new_item_id(kind: str) -> str:
+    """A fresh id for an item of `kind` ("message", "function_call", ...), OpenAI's prefix with 32 hex digits."""
+    return _ID_PREFIXES.get(kind, "item_") + secrets.token_hex(16)
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's `input` as the list of items it is stored and listed as (`GET .../input_items`): a string is
+    one user message; every item gets its `type` and an `id`. 400 for an item this gateway cannot read."""
+    if isinstance(body.input, str):
+        return [{"id": new_item_id("message"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": body.input}]}]
+    items = []
+    for i, raw in enumerate(body.input):
+        item = dict(raw)
+        kind = item.setdefault("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        _check_item(item, f"input[{i}]")
+        item.setdefault("id", new_item_id(kind))
+        items.append(item)
+    return items
+
+
+def _check_item(item: dict[str, Any], where: str) -> None:
+    kind = item["type"]
+    if kind == "message":
+        if item.get("role") not in _ROLES:
+            raise invalid(f"{where}.role must be one of user, system, developer, assistant; got "
+                          f"{item.get('role')!r}", f"{where}.role")
+        content = item.get("content")
+        if not isinstance(content, list):
+            raise invalid(f"{where}.content must be a string or a list of content parts", f"{where}.content")
+        for j, part in enumerate(content):
+            _text_of_part(part, f"{where}.content[{j}]")
+    elif kind == "function_call":
+        for name in ("call_id", "name", "arguments"):
+            if not isinstance(item.get(name), str):
+                raise invalid(f"{where}.{name} must be a string", f"{where}.{name}")
+    elif kind == "function_call_output":
+        if not isinstance(item.get("call_id"), str):
+            raise invalid(f"{where}.call_id must be a string", f"{where}.call_id")
+        output = item.get("output")
+        if isinstance(output, list):
+            for j, part in enumerate(output):
+                _text_of_part(part, f"{where}.output[{j}]")
+        elif not isinstance(output, str):
+            raise invalid(f"{where}.output must be a string or a list of content parts", f"{where}.output")
+    elif kind != "reasoning":
+        raise invalid(f"{where}.type {kind!r} is not supported: ladle reads message, function_call, "
+                      "function_call_output and reasoning items", f"{where}.type")
+
+
+def _text_of_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict) or (part.get("type") not in _TEXT_PARTS and part.get("type") != "refusal"):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise invalid(f"{where}: content part type {kind!r} is not supported; this model reads text only",
+                      f"{where}.type")
+    text = part.get("refusal") if part.get("type") == "refusal" else part.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text must be a string", f"{where}.text")
+    return text
+
+
+def _joined(parts: Iterable[dict[str, Any]]) -> str:
+    return "\n".join(_text_of_part(p, "content") for p in parts)
+
+
+def chat_messages(instructions: str | None, items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as chat messages: `instructions` first as the system message, then `items` in order
+    (every item already checked by `input_items`, or an output item ladle made). Consecutive assistant output
+    (a message, function calls) is one assistant turn; a function call's output is a tool message naming its
+    call; reasoning items are left out, as chat templates leave out earlier turns' reasoning."""
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    call_names: dict[str, str] = {}
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            messages.append({"role": item["role"], "content": _joined(item["content"])})
+        elif kind == "function_call":
+            call_names[item["call_id"]] = item["name"]
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item["output"]
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "name": call_names.get(item["call_id"]),
+                             "content": output if isinstance(output, str) else _joined(output)})
+    return messages
+
+
+def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request the Responses body stands for, over `messages` (`chat_messages`)."""
+    refused = [name for name in ("conversation", "prompt") if getattr(body, name) is not None]
+    if refused:
+        raise invalid(f"{refused[0]} is not supported; send the conversation as input items or with "
+                      "previous_response_id", refused[0])
+    for value in body.include or []:
+        if value not in INCLUDES:
+            raise invalid(f"include value {value!r} is not one of OpenAI's: {', '.join(sorted(INCLUDES))}",
+                          "include")
+    if not messages:
+        raise invalid("input must hold at least one item", "input")
+    logprobs = "message.output_text.logprobs" in (body.include or []) or body.top_logprobs is not None
+    chat: dict[str, Any] = {
+        "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
+        "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "user": body.user, "cache_salt": body.cache_salt, "logprobs": logprobs, "top_logprobs": body.top_logprobs,
+        "parallel_tool_calls": body.parallel_tool_calls,
+    }
+    if body.tools:
+        chat["tools"] = [_tool(t, i) for i, t in enumerate(body.tools)]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _tool_choice(body.tool_choice)
+    fmt = body.text.format if body.text else None
+    if fmt is not None and fmt.type == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise invalid("text.format.schema is required for type json_schema", "text.format.schema")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name or "response", "schema": fmt.json_schema, "strict": fmt.strict}}
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["chat_template_kwargs"] = {"reasoning_effort": body.reasoning.effort,
+                                        "enable_thinking": body.reasoning.effort != "none"}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        param = validation_param(tuple(first.get("loc", ())))
+        raise invalid(f"{param}: {first.get('msg', 'invalid value')}", param) from None
+
+
+def _tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    """A Responses function tool (flat: name, parameters...) as a chat tool; 400 for any other tool type."""
+    where = f"tools[{index}]"
+    kind = tool.get("type")
+    if kind != "function":
+        raise invalid(f"{where}.type {kind!r} is not supported: ladle runs function tools only (hosted tools such "
+                      "as web_search, file_search or code_interpreter are OpenAI's)", f"{where}.type")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise invalid(f"{where}.name must be a non-empty string", f"{where}.name")
+    function = {"name": tool["name"], "description": tool.get("description"), "parameters": tool.get("parameters"),
+                "strict": tool.get("strict", True)}  # the Responses API's default, unlike chat's
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(f"tool_choice must be none, auto, required or a function, got {choice!r}", "tool_choice")
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise invalid(f"tool_choice of type {choice.get('type')!r} is not supported: name a function as "
+                      '{"type": "function", "name": ...}', "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def generate_request(
+    body: ResponsesRequest, messages: list[dict[str, Any]], request_id: str, *, cache_salt: str = ""
+) -> engine_pb2.GenerateRequest:
+    """The engine request for `body` over the conversation `messages`; 400 (naming the Responses field where it
+    differs from chat's) for anything the engine request cannot express."""
+    chat = chat_body(body, messages)
+    try:
+        return to_engine.chat_request(chat, chat.messages, request_id, cache_salt=cache_salt)
+    except APIError as error:
+        error.param = _RENAMED.get(error.param or "", error.param)
+        raise
+
+
+_RENAMED = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
