@@ -6,8 +6,8 @@ the engine's Stream and Batch RPCs, cancelled (so the engine aborts what still r
 `in_flight_window` bounds how many requests are sent ahead of an engine; `errors.from_rpc_error` and
 `errors.item_error` turn a failed call or Batch item into an `APIError`; `batch_item` and `item_reply` put any
 engine request (a generation, or an Embed / Score request) into a Batch item and take its result out. On them,
-the routes' calls: `generate`, `embed`, `score` (and `run_all` of one of them over several requests), `stream`
-and `batch_rpc`, each on an engine chosen per call (`EnginePool.pick`).
+the routes' calls: `generate`, `embed`, `score`, `tokenize` (and `run_all` of one of them over several requests),
+`stream` and `batch_rpc`, each on an engine chosen per call (`EnginePool.pick`).
 
 Failover: a call whose engine is unavailable (it died, or it is draining) before it produced anything — a
 non-streaming call, or a stream before its first message — is sent once more to another SERVING engine, within
@@ -173,6 +173,12 @@ async def score(pool: EnginePool, request: engine_pb2.ScoreRequest) -> engine_pb
     """One Score call (routed by its query, like a generation)."""
     return await _unary(pool, [request.query], request.cache_salt,
                         lambda engine, timeout: engine.client.score(request, timeout=timeout))
+
+
+async def tokenize(pool: EnginePool, request: engine_pb2.TokenizeRequest) -> engine_pb2.TokenizeResponse:
+    """One Tokenize call (routed by its input, like a generation of it)."""
+    return await _unary(pool, [request.input], "",
+                        lambda engine, timeout: engine.client.tokenize(request, timeout=timeout))
 
 
 async def generate_all(

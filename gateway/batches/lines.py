@@ -4,8 +4,10 @@ and OpenAI's shapes for the lines of the output and error files. Pure functions.
 An input line is `{"custom_id": str, "method": "POST", "url": <the batch's endpoint>, "body": {...}}`; the url
 may name the endpoint with or without its `/v1` prefix (`/chat/completions` as SGLang's tutorial writes it, `/score`
 and `/rerank` as vLLM's run_batch takes them; `/v2/rerank` is `/v1/rerank`). The endpoints are the generation
-routes' and the pooling routes' (`/v1/embeddings`, `/v1/score`, `/v1/rerank`), whose lines become Embed and Score
-items of the engine's Batch call. The body is checked with the route's own pydantic schema and
+routes' (`/v1/responses` among them) and the pooling routes' (`/v1/embeddings`, `/v1/score`, `/v1/rerank`), whose
+lines become Embed and Score items of the engine's Batch call. A `/v1/responses` line is not stored (its Response
+is in the output file) and carries its whole conversation: `previous_response_id`, `background` and `stream` are
+refused. The body is checked with the route's own pydantic schema and
 `translate.to_engine` or `translate.pooling_to_engine`, so a line that validates here is a request the synchronous
 route would also accept.
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
@@ -28,7 +30,16 @@ from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
-from gateway.translate import from_engine, pooling_from_engine, pooling_to_engine, to_engine
+from gateway.schemas.responses import ResponsesRequest
+from gateway.store.ids import RESPONSE_PREFIX, new_id
+from gateway.translate import (
+    from_engine,
+    pooling_from_engine,
+    pooling_to_engine,
+    responses_from_engine,
+    responses_to_engine,
+    to_engine,
+)
 from ladle.v1 import engine_pb2, types_pb2
 
 if TYPE_CHECKING:  # not at run time: the validation child imports this module, and calls imports the pool
@@ -37,10 +48,11 @@ if TYPE_CHECKING:  # not at run time: the validation child imports this module, 
 MAX_LINES = 50_000
 MAX_CUSTOM_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 1000  # a file with more bad lines reports the first ones (the batch fails either way)
-Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest | ScoreRequest | RerankRequest
 ENDPOINTS: dict[str, type[Body]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
     "/v1/score": ScoreRequest,
     "/v1/rerank": RerankRequest,
@@ -229,6 +241,8 @@ def engine_requests(
         requests = [to_engine.chat_request(body, body.messages, request_id, cache_salt=cache_salt)]
     elif isinstance(body, CompletionRequest):
         requests = list(to_engine.completion_requests(body, request_id, cache_salt=cache_salt))
+    elif isinstance(body, ResponsesRequest):
+        requests = [_responses_request(body, request_id, cache_salt)]
     elif isinstance(body, EmbeddingRequest):
         requests = [pooling_to_engine.embed_request(body, request_id, info, cache_salt=cache_salt)]
     elif isinstance(body, ScoreRequest):
@@ -249,6 +263,11 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
     if isinstance(body, CompletionRequest):
         return from_engine.text_completion(body, _of(engine_pb2.GenerateResponse, replies), f"cmpl-{request_id}",
                                            model)
+    if isinstance(body, ResponsesRequest):
+        reply = _of(engine_pb2.GenerateResponse, replies)[0]
+        shell = responses_from_engine.response_shell(body, new_id(RESPONSE_PREFIX), model, "in_progress")
+        return responses_from_engine.from_reply(dict(shell, store=False), reply,
+                                                 responses_to_engine.wants_logprobs(body))
     if isinstance(body, EmbeddingRequest):
         return pooling_from_engine.embedding_list(_of(engine_pb2.EmbedResponse, replies)[0], model,
                                                   body.encoding_format)
@@ -258,6 +277,15 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
                                               model)
     return pooling_from_engine.rerank_result(body, _of(engine_pb2.ScoreResponse, replies)[0], f"rerank-{request_id}",
                                              model)
+
+
+def _responses_request(body: ResponsesRequest, request_id: str, cache_salt: str) -> engine_pb2.GenerateRequest:
+    for name in ("previous_response_id", "background"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported in a batch line: send the whole conversation as input "
+                           "items", param=name)
+    messages = responses_to_engine.chat_messages(body.instructions, responses_to_engine.input_items(body))
+    return responses_to_engine.generate_request(body, messages, request_id, cache_salt=cache_salt)
 
 
 ReplyT = TypeVar("ReplyT", engine_pb2.GenerateResponse, engine_pb2.EmbedResponse, engine_pb2.ScoreResponse)

@@ -98,6 +98,8 @@ class BackgroundRunner:
             reply = call.result()
         except APIError as error:
             if error.status in TRANSIENT:
+                log.info("no engine could take a background response now; it will be claimed again",
+                         response_id=claim.response_id, status=error.status, error=error.message)
                 await asyncio.to_thread(self.store.release, claim, time.time() + RETRY_S)
                 return
             await self._finish(claim, responses_from_engine.failed(claim.response, error.code or error.type,

@@ -13,6 +13,7 @@ from gateway import calls, sse
 from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, Responses, require_api_key, served_model
 from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
+from gateway.responses import truncation
 from gateway.responses.events import ResponseEvents, response_events
 from gateway.schemas.responses import ResponsesRequest
 from gateway.store.ids import RESPONSE_PREFIX, new_id
@@ -36,6 +37,8 @@ async def create_response(
     history = await responses.history(body.previous_response_id, project)
     messages = responses_to_engine.chat_messages(body.instructions, history + items)
     request = responses_to_engine.generate_request(body, messages, rid, cache_salt=project_cache_salt(project))
+    if body.truncation == "auto":
+        await truncation.fit_context(pool, request)
     want_logprobs = request.sampling.logprobs
     response_id = new_id(RESPONSE_PREFIX)
     if body.background:

@@ -36,8 +36,9 @@ class StoredResponse:
 
     @classmethod
     def from_row(cls, row: Any) -> StoredResponse:
+        response = dict(json.loads(row.response_json), status=row.status)  # a claim changes only the column
         return cls(row.id, row.project, row.status, row.background, row.previous_response_id,
-                   json.loads(row.input_items_json), json.loads(row.response_json))
+                   json.loads(row.input_items_json), response)
 
 
 @dataclass(frozen=True)

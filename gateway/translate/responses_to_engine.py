@@ -145,7 +145,7 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCom
                           "include")
     if not messages:
         raise invalid("input must hold at least one item", "input")
-    logprobs = "message.output_text.logprobs" in (body.include or []) or body.top_logprobs is not None
+    logprobs = wants_logprobs(body)
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
@@ -175,6 +175,11 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCom
         first = exc.errors()[0]
         param = validation_param(tuple(first.get("loc", ())))
         raise invalid(f"{param}: {first.get('msg', 'invalid value')}", param) from None
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output text carries its tokens' logprobs: `include` asks for them, or `top_logprobs` is set."""
+    return "message.output_text.logprobs" in (body.include or []) or body.top_logprobs is not None
 
 
 def _tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
