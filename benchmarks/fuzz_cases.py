@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch"})
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch",
+                               "/v1/responses"})
 CHEAP_MAX_TOKENS = 4
 CHEAP_N = 2
 CHEAP_ITEMS = 4  # prompts (or prompt token ids), messages, conversations; pooling inputs, texts, documents
@@ -35,15 +36,20 @@ MAX_FAILURES_KEPT = 50
 def cheapen_body(body: Mapping[str, Any], model: str) -> dict[str, Any]:
     """A copy of a schema-valid generation body that is still valid but cheap for the engine: `model` set to the
     served one, max_tokens / max_completion_tokens / min_tokens at most CHEAP_MAX_TOKENS (max_tokens set when
-    neither cap is), n and best_of at most CHEAP_N, at most CHEAP_ITEMS prompts, messages or conversations."""
+    neither cap is; a Responses body's max_output_tokens likewise), n and best_of at most CHEAP_N, at most CHEAP_ITEMS
+    prompts, messages, conversations or input items."""
     cheap = {**body, "model": model}
     for key, cap in (("max_tokens", CHEAP_MAX_TOKENS), ("max_completion_tokens", CHEAP_MAX_TOKENS),
-                     ("min_tokens", CHEAP_MAX_TOKENS), ("n", CHEAP_N), ("best_of", CHEAP_N)):
+                     ("max_output_tokens", CHEAP_MAX_TOKENS), ("min_tokens", CHEAP_MAX_TOKENS), ("n", CHEAP_N),
+                     ("best_of", CHEAP_N)):
         if _is_number(cheap.get(key)):
             cheap[key] = min(cheap[key], cap)
-    if not _is_number(cheap.get("max_tokens")) and not _is_number(cheap.get("max_completion_tokens")):
+    if "input" in cheap:  # a Responses body
+        if not _is_number(cheap.get("max_output_tokens")):
+            cheap["max_output_tokens"] = CHEAP_MAX_TOKENS
+    elif not _is_number(cheap.get("max_tokens")) and not _is_number(cheap.get("max_completion_tokens")):
         cheap["max_tokens"] = CHEAP_MAX_TOKENS
-    for key in ("prompt", "messages"):
+    for key in ("prompt", "messages", "input"):
         if isinstance(cheap.get(key), list):
             cheap[key] = cheap[key][:CHEAP_ITEMS]
     return cheap

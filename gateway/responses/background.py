@@ -64,6 +64,7 @@ class BackgroundRunner:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), POLL_S)
                     continue
+                log.info("background response claimed", response_id=claim.response_id, attempt=claim.attempts)
                 task = asyncio.create_task(self._run_one(claim), name=f"response-{claim.response_id}")
                 self.running[claim.response_id] = task
                 task.add_done_callback(functools.partial(self._ended, claim.response_id))
