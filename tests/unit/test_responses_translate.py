@@ -51,7 +51,8 @@ def test_a_string_is_one_user_message_and_every_item_gets_an_id() -> None:
 
 def test_items_become_the_chat_conversation() -> None:
     request = request_for(instructions="Be brief.", tools=[TOOL], input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}, {"type": "input_text", "text": "Now"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"},
+                                     {"type": "input_text", "text": "Now"}]},
         {"type": "reasoning", "id": "rs_1", "summary": []},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"},
