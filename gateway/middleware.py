@@ -28,6 +28,7 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")  # safe to echo and
 KNOWN_ROUTES = frozenset({
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/embeddings",
     "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/files", "/v1/batches", "/health", "/metrics",
+    "/v1/responses",
 })
 # Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request).
 OWN_BODY_LIMIT = frozenset({"/v1/files"})
@@ -46,6 +47,11 @@ def route_label(path: str) -> str:
         return "/v1/files/{file_id}/content" if path.endswith("/content") else "/v1/files/{file_id}"
     if path.startswith("/v1/batches/"):
         return "/v1/batches/{batch_id}/cancel" if path.endswith("/cancel") else "/v1/batches/{batch_id}"
+    if path.startswith("/v1/responses/"):
+        for tail in ("/cancel", "/input_items"):
+            if path.endswith(tail):
+                return "/v1/responses/{response_id}" + tail
+        return "/v1/responses/{response_id}"
     return "other"
 
 

@@ -213,3 +213,25 @@ def test_a_batch_job_and_ladle_batch_carry_the_reasoning_and_count_its_tokens(
     for row in output.read_text().splitlines():
         reply = json.loads(row)["response"]["body"]
         _check_message(served, reply["choices"][0]["message"], reply["usage"])
+
+
+def test_the_responses_api_gives_a_reasoning_item_then_the_answer(served: Served) -> None:
+    """/v1/responses: a `reasoning` item holding the reasoning, then the answer's message, whole and streamed;
+    on Qwen3, `reasoning.effort: "none"` switches the template's thinking off."""
+    thinker = served.thinker
+    whole = served.client.responses.create(model=served.model, input=QUESTION, max_output_tokens=MAX_TOKENS)  # type: ignore[arg-type]
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    reasoning = whole.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    assert reasoning.content[0].text == thinker.reasoning and whole.output_text == ANSWER
+    assert whole.usage is not None and whole.usage.output_tokens_details.reasoning_tokens == thinker.reasoning_tokens
+    with served.client.responses.stream(model=served.model, input=QUESTION, max_output_tokens=MAX_TOKENS) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+        final = stream.get_final_response()
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, answer) == (thinker.reasoning, ANSWER) and final.output_text == ANSWER
+    if thinker.template is QWEN3:
+        direct = served.client.responses.create(model=served.model, input=QUESTION, max_output_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+                                                reasoning={"effort": "none"})
+        assert [item.type for item in direct.output] == ["message"] and direct.output_text == ANSWER

@@ -244,3 +244,21 @@ def test_a_batch_of_responses_lines(openai_client: openai.OpenAI, model_id: str,
         assert result["response"]["status_code"] == 200 and body["object"] == "response"
         assert body["status"] in ("completed", "incomplete") and body["output"][0]["type"] == "message"
         assert body["store"] is False
+
+
+def test_streamed_tool_calls_and_logprobs(openai_client: openai.OpenAI, model_id: str) -> None:
+    with openai_client.responses.stream(model=model_id, input="Weather in Rome?", tools=[WEATHER_TOOL],
+                                        tool_choice="required", max_output_tokens=100, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    call = next(item for item in final.output if item.type == "function_call")
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert pieces == call.arguments == done[0].arguments and done[0].item_id == call.id
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["parameters"])
+
+    scored = openai_client.responses.create(model=model_id, input="Hi", max_output_tokens=5, temperature=0,
+                                            include=["message.output_text.logprobs"], top_logprobs=2)
+    part = scored.output[0].content[0]  # type: ignore[union-attr]
+    assert part.logprobs is not None and len(part.logprobs) == scored.usage.output_tokens  # type: ignore[union-attr]
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
