@@ -164,11 +164,11 @@ class ResponseEvents:
 
 async def response_events(
     messages: AsyncIterator[engine_pb2.StreamResponse], events: ResponseEvents,
-    on_finished: Callable[[dict[str, Any]], Awaitable[None]], on_output: Callable[[], None],
+    on_finished: Callable[[dict[str, Any], types_pb2.Usage], Awaitable[None]], on_output: Callable[[], None],
 ) -> AsyncIterator[Event]:
-    """The events of the streamed response. `on_finished(response)` runs before the last event is sent (so a
-    stored response can be retrieved, and continued, once a client has seen it end); `on_output()` after each
-    engine message (the route's latency metrics). A failure of the engine stream after the start becomes an
+    """The events of the streamed response. `on_finished(response, engine usage)` runs before the last event is
+    sent (so a stored response can be retrieved, and continued, once a client has seen it end); `on_output()` after
+    each engine message (the route's latency metrics). A failure of the engine stream after the start becomes an
     `error` and a `response.failed` event."""
     for event in events.start():
         yield event
@@ -191,5 +191,5 @@ async def response_events(
     closing, response = events.finish(finish, usage)
     for event in closing:
         yield event
-    await on_finished(response)
+    await on_finished(response, usage)
     yield events.last(response)

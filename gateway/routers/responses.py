@@ -19,6 +19,7 @@ from gateway.schemas.responses import ResponsesRequest
 from gateway.store.ids import RESPONSE_PREFIX, new_id
 from gateway.translate import responses_from_engine, responses_to_engine
 from gateway.translate.cache_salt import project_cache_salt
+from ladle.v1 import types_pb2
 
 ROUTE = "/v1/responses"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -48,8 +49,8 @@ async def create_response(
     shell = responses_from_engine.response_shell(body, response_id, model, "in_progress")
     timer = RequestTimer(metrics, ROUTE)
 
-    async def finished(response: dict[str, Any]) -> None:
-        timer.finish([])
+    async def finished(response: dict[str, Any], usage: types_pb2.Usage) -> None:
+        timer.finish([usage])
         if body.store:
             await responses.store_response(response, project, items)
 
@@ -59,9 +60,7 @@ async def create_response(
         return sse.named_response(events)
     reply = await calls.generate(pool, request)
     response = responses_from_engine.from_reply(shell, reply, want_logprobs)
-    timer.finish([reply.usage])
-    if body.store:
-        await responses.store_response(response, project, items)
+    await finished(response, reply.usage)
     return FiniteJSONResponse(response)
 
 
