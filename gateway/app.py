@@ -1,14 +1,15 @@
 """`create_app`: the FastAPI application for one GatewayConfig.
 
 The lifespan opens the engine pool (channels + health polling), the files-and-batches service (database, blob
-directory, batch workers) and the stored responses (on that database, with their background runner) and closes
-them; routers reach them through dependencies. Nothing lives at module level, so tests can build as many apps as
-they like.
+directory, batch workers), the stored responses (on that database, with their background runner) and the
+usage flush, and closes them; routers reach them through dependencies. Nothing lives at module level, so tests
+can build as many apps as they like.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -33,8 +34,11 @@ from gateway.routers import (
     operations,
     responses,
     scores,
+    usage,
 )
 from gateway.schemas.errors import ERROR_RESPONSES
+from gateway.store.usage import UsageStore
+from gateway.usage import flush_usage
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -43,7 +47,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics)
-    stored_responses = ResponseService(pool, config.batch_lease_s)
+    stored_responses = ResponseService(pool, config.batch_lease_s, metrics.usage)
     metrics.watch_batches(service.count_by_status, service.lines_in_flight)
 
     @asynccontextmanager
@@ -52,6 +56,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await pool.start()
         try:
             await service.start()
+            usage_flush = asyncio.create_task(flush_usage(metrics.usage, UsageStore(service.db)), name="usage-flush")
             try:
                 await stored_responses.start(service.db)
                 try:
@@ -59,6 +64,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 finally:
                     await stored_responses.close()
             finally:
+                usage_flush.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await usage_flush
                 await service.close()
         finally:
             await pool.close()
@@ -75,6 +83,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys)
-    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses, operations):
+    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses, usage,
+                   operations):
         app.include_router(module.router)
     return app

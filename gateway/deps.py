@@ -93,9 +93,18 @@ def authorize_metrics(authorization: str, keys: KeyRing) -> APIError | None:
     if keys.may_read_metrics(token):
         return None
     if token and keys.project_of(token) is not None:
+        if keys.has_admin:
+            return APIError(403, "This key cannot read /metrics: use an admin key (flagged 'admin' in the keys "
+                            "file) or the --metrics-api-key.", code="permission_denied")
         return APIError(403, "This key cannot read /metrics: use the --metrics-api-key (or, without one, a key of "
                         "the project 'default').", code="permission_denied")
     return invalid_api_key()
+
+
+def request_is_admin(request: Request) -> bool:
+    """Whether the request's key may use the operator routes (`KeyRing.is_admin`)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return get_keys(request).is_admin(token.strip() if scheme.lower() == "bearer" else "")
 
 
 def require_metrics_key(request: Request) -> None:
@@ -135,11 +144,14 @@ def served_model(pool: EnginePool, requested: str) -> str:
 
 
 class RequestTimer:
-    """Latency and token metrics of one generation request on one route."""
+    """Latency and token metrics of one generation or pooling request on one route, and its usage, counted for
+    `project` and `model` (`UsageLedger`)."""
 
-    def __init__(self, metrics: GatewayMetrics, route: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, route: str, project: str, model: str) -> None:
         self.metrics = metrics
         self.route = route
+        self.project = project
+        self.model = model
         self.started = time.monotonic()
         self._last: float | None = None
 
@@ -154,10 +166,12 @@ class RequestTimer:
 
     def finish(self, usage: Iterable[types_pb2.Usage]) -> None:
         """The request ended; `usage` holds one entry per engine request it made."""
+        usage = list(usage)
         self.metrics.e2e.labels(self.route).observe(time.monotonic() - self.started)
         for u in usage:
             self.metrics.prompt_tokens.labels(self.route).inc(u.prompt_tokens)
             self.metrics.completion_tokens.labels(self.route).inc(u.completion_tokens)
+        self.metrics.usage.record(self.project, self.model, "interactive", usage)
 
 
 # Annotated forms for route signatures (FastAPI's recommended style).
@@ -169,3 +183,4 @@ Batches = Annotated[BatchService, Depends(get_batches)]
 Responses = Annotated[ResponseService, Depends(get_responses)]
 Config = Annotated[GatewayConfig, Depends(get_config)]
 Project = Annotated[str, Depends(request_project)]
+IsAdmin = Annotated[bool, Depends(request_is_admin)]

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from gateway.engines import EnginePool
+from gateway.usage import UsageLedger
 from ladle.v1 import engine_pb2
 
 # Seconds; from a few ms (one decode step on a GPU) to minutes (long CPU generations).
@@ -52,6 +53,7 @@ class GatewayMetrics:
         self.loop_lag = Histogram("ladle_gateway_event_loop_lag_seconds", "How late a 10 ms timer on the event "
                                   "loop fires while the gateway has work: how long the loop was held by other work",
                                   buckets=_LOOP_LAG_BUCKETS, registry=r)
+        self.usage = UsageLedger(r)  # tokens by project, model and kind, also kept for the database
         self._working = 0  # requests being served and batches held (`working`)
         self._work_started = asyncio.Event()
         r.register(_EngineCollector(pool))

@@ -344,8 +344,12 @@ class BatchWorker:
         status = await asyncio.to_thread(sink.commit, results, self.settings.lease_s,
                                          self.settings.project_max_file_bytes)
         if self.metrics is not None:
+            batch = sink.claim.batch
+            model = batch.model or self.pool.model_id or ""
             for result in results:
                 self.metrics.batch_lines.labels("completed" if result.ok else "failed").inc()
+                if result.usage:
+                    self.metrics.usage.record(batch.project, model, "batch", result.usage)
         return status
 
     def _lines(self, batch: BatchRecord, done: set[str]) -> AsyncIterator[InputLine]:

@@ -26,6 +26,7 @@ from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.store.responses import MAX_ATTEMPTS, ResponseClaim, ResponseStore
 from gateway.translate import responses_from_engine
+from gateway.usage import UsageLedger
 from ladle.v1 import engine_pb2
 
 log = structlog.get_logger(__name__)
@@ -40,9 +41,10 @@ TRANSIENT = frozenset({429, 503})
 class BackgroundRunner:
     """Claims and runs background responses; `cancel_local` stops one running here at once."""
 
-    def __init__(self, store: ResponseStore, pool: EnginePool, lease_s: float) -> None:
+    def __init__(self, store: ResponseStore, pool: EnginePool, lease_s: float, usage: UsageLedger) -> None:
         self.store = store
         self.pool = pool
+        self.usage = usage
         self.lease_s = lease_s
         self.owner = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
         self.wake = asyncio.Event()  # set when a background response is created here
@@ -112,6 +114,7 @@ class BackgroundRunner:
             return
         finally:
             call.cancel()
+        self.usage.record(claim.project, str(claim.response.get("model", "")), "interactive", [reply.usage])
         await self._finish(claim, responses_from_engine.from_reply(claim.response, reply, request.sampling.logprobs))
 
     async def _finish(self, claim: ResponseClaim, response: dict[str, object]) -> None:

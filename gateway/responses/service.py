@@ -18,6 +18,7 @@ from gateway.errors import APIError, invalid
 from gateway.responses.background import BackgroundRunner
 from gateway.store import ids
 from gateway.store.responses import ResponseStore, StoredResponse
+from gateway.usage import UsageLedger
 
 CONTINUABLE = frozenset({"completed", "incomplete"})
 
@@ -29,9 +30,10 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 class ResponseService:
     """Stored responses and background runs of one gateway."""
 
-    def __init__(self, pool: EnginePool, lease_s: float) -> None:
+    def __init__(self, pool: EnginePool, lease_s: float, usage: UsageLedger) -> None:
         self.pool = pool
         self.lease_s = lease_s
+        self.usage = usage  # where background responses count what they used
         self._store: ResponseStore | None = None
         self._runner: BackgroundRunner | None = None
         self._task: asyncio.Task[None] | None = None
@@ -43,7 +45,7 @@ class ResponseService:
 
     async def start(self, db: Engine) -> None:
         self._store = ResponseStore(db)
-        self._runner = BackgroundRunner(self._store, self.pool, self.lease_s)
+        self._runner = BackgroundRunner(self._store, self.pool, self.lease_s, self.usage)
         self._task = asyncio.create_task(self._runner.run(), name="background-responses")
 
     async def close(self) -> None:

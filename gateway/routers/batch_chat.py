@@ -54,7 +54,7 @@ async def create_batch_chat_completion(
     ]
     for request in requests:
         request.priority = types_pb2.PRIORITY_INTERACTIVE  # a caller is waiting on the HTTP response
-    timer = RequestTimer(metrics, ROUTE)
+    timer = RequestTimer(metrics, ROUTE, project, model)
     responses = await calls.batch_rpc(pool, requests, "messages")
     usage = [r.usage for r in responses]
     timer.finish(usage)

@@ -29,7 +29,7 @@ async def create_chat_completion(
 ) -> Any:
     model = served_model(pool, body.model)
     request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project))
-    timer = RequestTimer(metrics, ROUTE)
+    timer = RequestTimer(metrics, ROUTE, project, model)
     if body.stream:
         messages = await calls.started(calls.stream(pool, request))
         header = StreamHeader(f"chatcmpl-{rid}", "chat.completion.chunk", model, body.include_usage, int(time.time()))

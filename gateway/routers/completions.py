@@ -32,7 +32,7 @@ async def create_completion(
     prompts = body.prompts()
     echoes = [p if isinstance(p, str) else "" for p in prompts] if body.echo else []
     want_logprobs = body.logprobs is not None
-    timer = RequestTimer(metrics, ROUTE)
+    timer = RequestTimer(metrics, ROUTE, project, model)
     if body.stream:
         streams = await calls.started_all([calls.stream(pool, r) for r in requests])
         header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))

@@ -25,7 +25,7 @@ async def create_embeddings(
 ) -> Any:
     model = served_model(pool, body.model)
     request = pooling_to_engine.embed_request(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
-    timer = RequestTimer(metrics, ROUTE)
+    timer = RequestTimer(metrics, ROUTE, project, model)
     try:
         reply = await calls.embed(pool, request)
     except APIError as error:  # the engine names its own field; a chat embedding's input is its messages

@@ -47,7 +47,7 @@ async def create_response(
         await responses.queue(shell, project, items, request.SerializeToString())
         return FiniteJSONResponse(shell)
     shell = responses_from_engine.response_shell(body, response_id, model, "in_progress")
-    timer = RequestTimer(metrics, ROUTE)
+    timer = RequestTimer(metrics, ROUTE, project, model)
 
     async def finished(response: dict[str, Any], usage: types_pb2.Usage) -> None:
         timer.finish([usage])

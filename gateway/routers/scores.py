@@ -33,7 +33,7 @@ async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: Ca
     model = _model(pool, body.model)
     requests = pooling_to_engine.score_requests(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
     queries, _, (first, second) = pooling_to_engine.score_pairs(body)
-    timer = RequestTimer(metrics, SCORE_ROUTE)
+    timer = RequestTimer(metrics, SCORE_ROUTE, project, model)
     try:
         replies = await calls.run_all(pool, requests, calls.score)
     except APIError as error:
@@ -50,7 +50,7 @@ async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: Ca
 async def create_rerank(body: RerankRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project) -> Any:
     model = _model(pool, body.model)
     request = pooling_to_engine.rerank_request(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
-    timer = RequestTimer(metrics, RERANK_ROUTE)
+    timer = RequestTimer(metrics, RERANK_ROUTE, project, model)
     reply = await calls.score(pool, request)
     timer.finish([reply.usage])
     return FiniteJSONResponse(pooling_from_engine.rerank_result(body, reply, f"rerank-{rid}", model))

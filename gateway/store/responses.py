@@ -46,6 +46,7 @@ class ResponseClaim:
     """A worker's hold on a background response: its writes count only while `epoch` is the row's."""
 
     response_id: str
+    project: str
     epoch: int
     engine_request: bytes
     response: dict[str, Any]  # as created (queued): the shell the result is built on
@@ -121,7 +122,8 @@ class ResponseStore:
                 if result.rowcount == 1:
                     row = c.execute(select(responses).where(responses.c.id == response_id)).one()
                     shell = json.loads(row.response_json)
-                    return ResponseClaim(row.id, row.lease_epoch, row.engine_request or b"", shell, row.attempts)
+                    return ResponseClaim(row.id, row.project, row.lease_epoch, row.engine_request or b"", shell,
+                                         row.attempts)
         return None
 
     def renew(self, claim: ResponseClaim, now: float, lease_s: float) -> bool:

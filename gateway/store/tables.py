@@ -167,3 +167,19 @@ responses = Table(
     Column("attempts", Integer, nullable=False, server_default="0"),  # claims of a background response
 )
 Index("ladle_responses_runnable", responses.c.status, responses.c.lease_expires_at)
+
+# Tokens used per project, UTC day, model and kind ("interactive": the HTTP routes and background responses;
+# "batch": batch jobs' lines), summed from the engine's usage as the gateways flush them (gateway/usage.py).
+usage = Table(
+    "ladle_usage",
+    metadata,
+    Column("project", String(64), primary_key=True),
+    Column("day", BigInteger, primary_key=True),  # the Unix time of the day's UTC midnight
+    Column("model", String(255), primary_key=True),
+    Column("kind", String(16), primary_key=True),
+    Column("requests", BigInteger, nullable=False, server_default="0"),
+    Column("input_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("cached_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("output_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("reasoning_tokens", BigInteger, nullable=False, server_default="0"),
+)

@@ -11,17 +11,20 @@ import pytest
 
 from gateway import deps, keys
 from gateway.errors import APIError
-from gateway.keys import KeyRing, KeysFileError, parse_keys, read_keys
+from gateway.keys import KeyEntry, KeyRing, KeysFileError, parse_keys, read_keys
 from gateway.store.tables import DEFAULT_PROJECT
 
 
 def test_the_keys_file_format() -> None:
-    text = "# team keys\n\nsk-alpha-1 alpha\n  sk-alpha-2\talpha  \nsk-beta beta.prod_2\n# sk-old gamma\n"
-    assert parse_keys(text, "keys") == {"sk-alpha-1": "alpha", "sk-alpha-2": "alpha", "sk-beta": "beta.prod_2"}
+    text = ("# team keys\n\nsk-alpha-1 alpha\n  sk-alpha-2\talpha  \nsk-beta beta.prod_2\n# sk-old gamma\n"
+            "sk-ops ops admin\n")
+    assert parse_keys(text, "keys") == {"sk-alpha-1": KeyEntry("alpha"), "sk-alpha-2": KeyEntry("alpha"),
+                                        "sk-beta": KeyEntry("beta.prod_2"), "sk-ops": KeyEntry("ops", admin=True)}
 
 
 @pytest.mark.parametrize(("text", "line", "reason"), [
-    ("sk-a alpha\nsk-b\n", 2, "expected 'KEY PROJECT' (two fields), found 1"),
+    ("sk-a alpha\nsk-b\n", 2, "expected 'KEY PROJECT' or 'KEY PROJECT admin', found 1 fields"),
+    ("sk-a alpha root\n", 1, "the third field may only be 'admin'"),
     ("sk-a alpha # the alpha team\n", 1, "found 6"),
     ("sk-a alpha\n\nsk-b be/ta\n", 3, "a project name is"),
     ("sk-a alpha\nsk-a beta\n", 2, "the key of line 1 again"),
@@ -46,7 +49,7 @@ def test_a_file_without_keys_is_an_error(tmp_path: Path) -> None:
 def test_api_key_is_a_key_of_the_default_project(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("sk-a alpha\n")
-    assert read_keys("sk-main", path) == {"sk-a": "alpha", "sk-main": DEFAULT_PROJECT}
+    assert read_keys("sk-main", path) == {"sk-a": KeyEntry("alpha"), "sk-main": KeyEntry(DEFAULT_PROJECT)}
     path.write_text("sk-main alpha\n")
     with pytest.raises(KeysFileError, match="another project"):
         read_keys("sk-main", path)
@@ -136,3 +139,24 @@ def test_metrics_need_the_operators_key(tmp_path: Path) -> None:
     assert deps.authenticate("Bearer sk-metrics", ring) != "default"  # it is no project's key
     assert answer(KeyRing(), "") == 200  # a gateway without keys: open, as every route
     assert [answer(KeyRing(metrics_key="sk-metrics"), h) for h in ("Bearer sk-metrics", "")] == [200, 401]
+
+
+def test_admin_keys_alone_pass_the_operator_routes_once_one_exists(tmp_path: Path) -> None:
+    """Flag a key `admin` and /metrics (and every operator route) answers only admin keys: a project key, the
+    default project's included, gets 403; the --metrics-api-key still reads /metrics."""
+    path = tmp_path / "keys"
+    path.write_text("sk-a alpha\nsk-ops ops admin\n")
+
+    def answer(ring: KeyRing, header: str) -> int:
+        refusal = deps.authorize_metrics(header, ring)
+        return 200 if refusal is None else refusal.status
+
+    ring = KeyRing("sk-main", path)
+    assert ring.has_admin and ring.is_admin("sk-ops") and not ring.is_admin("sk-main") and not ring.is_admin("sk-a")
+    assert ring.project_of("sk-ops") == "ops"  # an admin key still acts for its own project elsewhere
+    assert [answer(ring, h) for h in ("Bearer sk-ops", "Bearer sk-main", "Bearer sk-a", "Bearer sk-x")] == [
+        200, 403, 403, 401]
+    with_scraper = KeyRing("sk-main", path, metrics_key="sk-metrics")
+    assert [answer(with_scraper, h) for h in ("Bearer sk-metrics", "Bearer sk-ops", "Bearer sk-main")] == [
+        200, 200, 403]
+    assert not with_scraper.is_admin("sk-metrics")  # it reads /metrics, nothing else
