@@ -22,6 +22,7 @@ from gateway.errors import install_error_handlers
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import RequestContextMiddleware
+from gateway.rate_limits import RateLimiter, RateLimits
 from gateway.responses.service import ResponseService
 from gateway.routers import (
     batch_chat,
@@ -37,13 +38,16 @@ from gateway.routers import (
     usage,
 )
 from gateway.schemas.errors import ERROR_RESPONSES
+from gateway.store.rate_windows import RateWindowStore
 from gateway.store.usage import UsageStore
 from gateway.usage import flush_usage
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
-    """The app; KeysFileError if the API keys file cannot be read or is malformed."""
+    """The app; KeysFileError (RateLimitsFileError) if the API keys (rate limits) file cannot be read or is
+    malformed."""
     keys = KeyRing.from_config(config)
+    limiter = RateLimiter(RateLimits(config.rate_limits_file))
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics)
@@ -57,6 +61,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             await service.start()
             usage_flush = asyncio.create_task(flush_usage(metrics.usage, UsageStore(service.db)), name="usage-flush")
+            limiter.open(RateWindowStore(service.db), UsageStore(service.db))
             try:
                 await stored_responses.start(service.db)
                 try:
@@ -80,6 +85,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.metrics = metrics
     app.state.batches = service
     app.state.responses = stored_responses
+    app.state.limiter = limiter
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys)

@@ -16,6 +16,7 @@ from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
+from gateway.rate_limits import Admission, RateLimiter
 from gateway.responses.service import ResponseService
 from gateway.store.tables import DEFAULT_PROJECT
 from ladle.v1 import types_pb2
@@ -39,6 +40,17 @@ def get_batches(request: Request) -> BatchService:
 def get_responses(request: Request) -> ResponseService:
     responses: ResponseService = request.app.state.responses
     return responses
+
+
+def get_limiter(request: Request) -> RateLimiter:
+    limiter: RateLimiter = request.app.state.limiter
+    return limiter
+
+
+async def admit(request: Request, project: str, output_cap: int | None) -> Admission | None:
+    """Count the request against its project's rate limits (`RateLimiter.admit`): 429 over a limit. Its body is
+    the one FastAPI read (Starlette keeps it on the request)."""
+    return await get_limiter(request).admit(request.state, project, len(await request.body()), output_cap)
 
 
 def get_config(request: Request) -> GatewayConfig:
@@ -147,11 +159,13 @@ class RequestTimer:
     """Latency and token metrics of one generation or pooling request on one route, and its usage, counted for
     `project` and `model` (`UsageLedger`)."""
 
-    def __init__(self, metrics: GatewayMetrics, route: str, project: str, model: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, route: str, project: str, model: str,
+                 admission: Admission | None = None) -> None:
         self.metrics = metrics
         self.route = route
         self.project = project
         self.model = model
+        self.admission = admission  # the request's rate-limit reservation, corrected when it finishes
         self.started = time.monotonic()
         self._last: float | None = None
 
@@ -172,6 +186,8 @@ class RequestTimer:
             self.metrics.prompt_tokens.labels(self.route).inc(u.prompt_tokens)
             self.metrics.completion_tokens.labels(self.route).inc(u.completion_tokens)
         self.metrics.usage.record(self.project, self.model, "interactive", usage)
+        if self.admission is not None:
+            self.admission.settle(sum(u.prompt_tokens + u.completion_tokens for u in usage))
 
 
 # Annotated forms for route signatures (FastAPI's recommended style).
@@ -184,3 +200,5 @@ Responses = Annotated[ResponseService, Depends(get_responses)]
 Config = Annotated[GatewayConfig, Depends(get_config)]
 Project = Annotated[str, Depends(request_project)]
 IsAdmin = Annotated[bool, Depends(request_is_admin)]
+Limiter = Annotated[RateLimiter, Depends(get_limiter)]
+HttpRequest = Request  # a route's own HTTP request (named apart from the engine request routes build)

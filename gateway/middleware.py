@@ -59,7 +59,8 @@ class RequestContextMiddleware:
     """Binds a request id (the caller's X-Request-Id when valid, else a new one) into `scope["state"]`, the log
     context and the response headers; outside PUBLIC_PATHS, puts the project of the request's API key into
     `scope["state"]["project"]`, or refuses a request without a valid key (when `keys` has any) with 401 before
-    reading its body; then bodies over `max_request_bytes` with 413; counts requests."""
+    reading its body; then bodies over `max_request_bytes` with 413; counts requests; adds the rate-limit headers
+    an admitted request was given (`RateLimiter.admit`) to its response."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int, keys: KeyRing) -> None:
         self.app = app
@@ -82,7 +83,9 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                limits = scope["state"].get("ratelimit_headers", {})  # set by RateLimiter.admit
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode()),
+                                      *((k.encode(), v.encode()) for k, v in limits.items())]
             await send(message)
 
         engines: list[str] = []

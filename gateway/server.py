@@ -1,5 +1,5 @@
 """Run the gateway under uvicorn: bind, announce the address (port 0 picks a free one), serve until a signal;
-SIGHUP reads the API keys file again."""
+SIGHUP reads the API keys and rate limits files again."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ async def serve(
     server = _Server(
         uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
                        timeout_graceful_shutdown=30, lifespan="on", http=BoundedHeadProtocol),
-        on_hangup=app.state.keys.reload,
+        on_hangup=lambda: (app.state.keys.reload(), app.state.limiter.limits.reload()),
     )
     task = asyncio.create_task(server.serve())
     if on_ready is not None:

@@ -136,6 +136,9 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
          "batches are refused with HTTP 507 (0: no floor)", type=float)
     _add(parser, "--metrics-api-key", "", "the key /metrics answers to (default: the keys of the project 'default'; "
          "anyone when the gateway has no keys)")
+    _add(parser, "--rate-limits-file", "", "file of per-project limits, a line each: 'PROJECT "
+         "requests_per_minute=N tokens_per_minute=N batch_tokens_per_day=N' ('*': every other project); read "
+         "again on SIGHUP")
     _add(parser, "--request-timeout", 600.0, "seconds an engine call may take (then HTTP 504)", type=float)
     _add(parser, "--max-engine-message-mib", 64.0, "largest engine reply the gateway takes (the engine's own limit "
          "is 64; a batch line whose reply is larger ends as an error line)", type=float)
@@ -277,6 +280,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
 
     from gateway.config import GatewayConfig, parse_engine_addresses
     from gateway.keys import read_keys
+    from gateway.rate_limits import RateLimits
     from gateway.routing import RoutingConfig
     from ladle.auth import sender_token
 
@@ -293,6 +297,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         file_sweep_interval_s=args.file_sweep_interval,
         min_free_disk_bytes=int(args.min_free_disk_mib * 1024 * 1024),
         metrics_api_key=args.metrics_api_key or None,
+        rate_limits_file=Path(args.rate_limits_file) if args.rate_limits_file else None,
         request_timeout_s=args.request_timeout,
         max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
@@ -306,6 +311,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         engine_auth_token=sender_token(args.engine_auth_token_file) if args.engine_auth_token_file else None,
     )
     read_keys(config.api_key, config.api_keys_file)  # a bad keys file stops the start here, with its line named
+    RateLimits(config.rate_limits_file)  # and so does a bad rate limits file
     return config
 
 

@@ -14,9 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
 from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
+from gateway.rate_limits import times
 from gateway.schemas.chat import BatchChatCompletionRequest
 from gateway.translate import from_engine, to_engine
 from gateway.translate.cache_salt import project_cache_salt
@@ -42,8 +43,10 @@ async def create_batch_chat_completion(
     metrics: Metrics,
     rid: CallId,
     project: Project,
+    http: HttpRequest,
 ) -> Any:
     model = served_model(pool, body.model)
+    admission = await admit(http, project, times(body.completion_cap(), len(body.messages)))
     _refuse_unsupported(body)
     for i, conversation in enumerate(body.messages):
         if not conversation:
@@ -54,7 +57,7 @@ async def create_batch_chat_completion(
     ]
     for request in requests:
         request.priority = types_pb2.PRIORITY_INTERACTIVE  # a caller is waiting on the HTTP response
-    timer = RequestTimer(metrics, ROUTE, project, model)
+    timer = RequestTimer(metrics, ROUTE, project, model, admission)
     responses = await calls.batch_rpc(pool, requests, "messages")
     usage = [r.usage for r in responses]
     timer.finish(usage)

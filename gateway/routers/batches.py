@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.batches.lines import ENDPOINTS
 from gateway.batches.objects import batch_object, list_object
-from gateway.deps import Batches, Config, Project, require_api_key
+from gateway.deps import Batches, Config, Limiter, Project, require_api_key
 from gateway.disk import require_free_space
 from gateway.errors import APIError, invalid
 from gateway.routers.files import find_file
@@ -40,13 +40,16 @@ async def find_batch(batches: Batches, batch_id: str, project: str) -> BatchReco
 
 
 @router.post("/v1/batches", response_model=None)
-async def create_batch(body: CreateBatchRequest, batches: Batches, config: Config, project: Project) -> Any:
+async def create_batch(
+    body: CreateBatchRequest, batches: Batches, config: Config, project: Project, limiter: Limiter
+) -> Any:
     if body.endpoint not in ENDPOINTS:
         supported = ", ".join(sorted(ENDPOINTS))
         raise invalid(f"endpoint {body.endpoint!r} is not supported; use one of {supported}", "endpoint")
     window_s = COMPLETION_WINDOWS.get(body.completion_window)
     if window_s is None:
         raise invalid(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}", "completion_window")
+    await limiter.check_batch_budget(project)
     await asyncio.to_thread(require_free_space, batches.blobs, config.min_free_disk_bytes)
     source = await find_file(batches.files, body.input_file_id, project, "input_file_id")
     if source.purpose != "batch":

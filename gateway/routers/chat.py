@@ -8,8 +8,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls, sse
-from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
 from gateway.json_output import FiniteJSONResponse
+from gateway.rate_limits import times
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.streaming import StreamHeader, chat_chunks
 from gateway.translate import from_engine, to_engine
@@ -26,10 +27,12 @@ async def create_chat_completion(
     metrics: Metrics,
     rid: CallId,
     project: Project,
+    http: HttpRequest,
 ) -> Any:
     model = served_model(pool, body.model)
+    admission = await admit(http, project, times(body.completion_cap(), body.n))
     request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project))
-    timer = RequestTimer(metrics, ROUTE, project, model)
+    timer = RequestTimer(metrics, ROUTE, project, model, admission)
     if body.stream:
         messages = await calls.started(calls.stream(pool, request))
         header = StreamHeader(f"chatcmpl-{rid}", "chat.completion.chunk", model, body.include_usage, int(time.time()))

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls, sse
-from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
 from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.completions import CompletionRequest
 from gateway.streaming import StreamHeader, completion_chunks
@@ -26,13 +26,15 @@ async def create_completion(
     metrics: Metrics,
     rid: CallId,
     project: Project,
+    http: HttpRequest,
 ) -> Any:
     model = served_model(pool, body.model)
+    admission = await admit(http, project, (body.max_tokens or 0) * body.n * len(body.prompts()))
     requests = to_engine.completion_requests(body, rid, cache_salt=project_cache_salt(project))
     prompts = body.prompts()
     echoes = [p if isinstance(p, str) else "" for p in prompts] if body.echo else []
     want_logprobs = body.logprobs is not None
-    timer = RequestTimer(metrics, ROUTE, project, model)
+    timer = RequestTimer(metrics, ROUTE, project, model, admission)
     if body.stream:
         streams = await calls.started_all([calls.stream(pool, r) for r in requests])
         header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))

@@ -10,7 +10,18 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 
 from gateway import calls, sse
-from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, Responses, require_api_key, served_model
+from gateway.deps import (
+    CallId,
+    HttpRequest,
+    Metrics,
+    Pool,
+    Project,
+    RequestTimer,
+    Responses,
+    admit,
+    require_api_key,
+    served_model,
+)
 from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
 from gateway.responses import truncation
@@ -27,9 +38,11 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.post(ROUTE, response_model=None, responses=sse.STREAMING_RESPONSES)
 async def create_response(
-    body: ResponsesRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, responses: Responses
+    body: ResponsesRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, responses: Responses,
+    http: HttpRequest,
 ) -> Any:
     model = served_model(pool, body.model)
+    admission = await admit(http, project, body.max_output_tokens)
     if body.background and not body.store:
         raise invalid("background responses must be stored: send store: true (the default)", "store")
     if body.background and body.stream:
@@ -47,7 +60,7 @@ async def create_response(
         await responses.queue(shell, project, items, request.SerializeToString())
         return FiniteJSONResponse(shell)
     shell = responses_from_engine.response_shell(body, response_id, model, "in_progress")
-    timer = RequestTimer(metrics, ROUTE, project, model)
+    timer = RequestTimer(metrics, ROUTE, project, model, admission)
 
     async def finished(response: dict[str, Any], usage: types_pb2.Usage) -> None:
         timer.finish([usage])

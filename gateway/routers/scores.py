@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, Metrics, Pool, Project, RequestTimer, require_api_key, served_model
+from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
 from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.json_output import FiniteJSONResponse
@@ -29,11 +29,14 @@ def _model(pool: EnginePool, requested: str | None) -> str:
 
 @router.post("/score", response_model=None, include_in_schema=False)
 @router.post(SCORE_ROUTE, response_model=None)
-async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project) -> Any:
+async def create_score(
+    body: ScoreRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, http: HttpRequest
+) -> Any:
     model = _model(pool, body.model)
+    admission = await admit(http, project, 0)
     requests = pooling_to_engine.score_requests(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
     queries, _, (first, second) = pooling_to_engine.score_pairs(body)
-    timer = RequestTimer(metrics, SCORE_ROUTE, project, model)
+    timer = RequestTimer(metrics, SCORE_ROUTE, project, model, admission)
     try:
         replies = await calls.run_all(pool, requests, calls.score)
     except APIError as error:
@@ -47,10 +50,13 @@ async def create_score(body: ScoreRequest, pool: Pool, metrics: Metrics, rid: Ca
 @router.post("/rerank", response_model=None, include_in_schema=False)
 @router.post("/v2/rerank", response_model=None, include_in_schema=False)
 @router.post(RERANK_ROUTE, response_model=None)
-async def create_rerank(body: RerankRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project) -> Any:
+async def create_rerank(
+    body: RerankRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, http: HttpRequest
+) -> Any:
     model = _model(pool, body.model)
+    admission = await admit(http, project, 0)
     request = pooling_to_engine.rerank_request(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
-    timer = RequestTimer(metrics, RERANK_ROUTE, project, model)
+    timer = RequestTimer(metrics, RERANK_ROUTE, project, model, admission)
     reply = await calls.score(pool, request)
     timer.finish([reply.usage])
     return FiniteJSONResponse(pooling_from_engine.rerank_result(body, reply, f"rerank-{rid}", model))

@@ -183,3 +183,14 @@ usage = Table(
     Column("output_tokens", BigInteger, nullable=False, server_default="0"),
     Column("reasoning_tokens", BigInteger, nullable=False, server_default="0"),
 )
+
+# Requests and tokens of a project in one minute (`minute`: its first Unix second), counted by every
+# gateway on the database before it sends a request on (gateway/rate_limits.py), so replicas enforce one limit.
+rate_windows = Table(
+    "ladle_rate_windows",
+    metadata,
+    Column("project", String(64), primary_key=True),
+    Column("minute", BigInteger, primary_key=True),
+    Column("requests", BigInteger, nullable=False, server_default="0"),
+    Column("tokens", BigInteger, nullable=False, server_default="0"),
+)
