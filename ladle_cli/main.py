@@ -126,7 +126,8 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--api-key", "", "require 'Authorization: Bearer <key>' on every route but /health (a key of the "
          "project 'default')")
     _add(parser, "--api-keys-file", "", "file of 'KEY PROJECT' lines (# comments): the keys, each acting for its "
-         "project's files and batches; read again on SIGHUP")
+         "project's files, batches, responses and usage; 'KEY PROJECT admin' is an operator's key (/metrics, every "
+         "project's usage); read again on SIGHUP")
     _add(parser, "--project-max-file-bytes", 100 * 1024**3, "bytes of files a project may store (then HTTP 400; "
          "0: no limit)", type=int)
     _add(parser, "--project-max-active-batches", 100, "unfinished batches a project may have (then HTTP 429; "
