@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from engine_server.core.engine_core import CoreOutput
-from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
 from engine_server.errors import ValidationError
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
@@ -134,6 +134,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     choices: list[Choice]
     usage: Usage
+    timeline: RequestTimeline | None = None  # the first choice's, once it has finished (traces)
 
     @property
     def finished(self) -> bool:
@@ -351,6 +352,8 @@ class RequestTracker:
         if choice_index == 0:
             # Later choices share the first one's prompt blocks; the prompt's cache hits are counted once.
             usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.num_cached_tokens)
+            if output.timeline is not None:
+                self.result.timeline = output.timeline
         step = Choice(
             choice_index, text, delta.token_ids, choice.finish_reason, choice.matched_stop, logprobs,
             tool_call_deltas=call_deltas, reasoning_text=reasoning_text,

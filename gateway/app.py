@@ -41,6 +41,7 @@ from gateway.schemas.errors import ERROR_RESPONSES
 from gateway.store.rate_windows import RateWindowStore
 from gateway.store.usage import UsageStore
 from gateway.usage import flush_usage
+from ladle.tracing import Tracing
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -48,9 +49,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     malformed."""
     keys = KeyRing.from_config(config)
     limiter = RateLimiter(RateLimits(config.rate_limits_file))
+    tracing = Tracing.configure("ladle-gateway", config.otlp_traces_endpoint)
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
-    service = BatchService(config, pool, metrics)
+    service = BatchService(config, pool, metrics, tracing.tracer)
     stored_responses = ResponseService(pool, config.batch_lease_s, metrics.usage)
     metrics.watch_batches(service.count_by_status, service.lines_in_flight)
 
@@ -76,6 +78,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await pool.close()
             lag_probe.cancel()
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="ladle gateway", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   responses=ERROR_RESPONSES)
@@ -88,7 +91,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.limiter = limiter
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
-                       keys=keys)
+                       keys=keys, tracer=tracing.tracer)
     for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses, usage,
                    operations):
         app.include_router(module.router)

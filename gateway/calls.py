@@ -29,6 +29,7 @@ import structlog
 from gateway.engines import Engine, EnginePool, unauthenticated
 from gateway.errors import APIError, from_rpc_error, item_error
 from ladle.client import BatchCall, StreamCall
+from ladle.tracing import BATCH_ID_KEY
 from ladle.v1 import engine_pb2, types_pb2
 
 T = TypeVar("T")
@@ -44,6 +45,8 @@ DEFAULT_WINDOW = 64  # requests in flight on an engine that has not said how man
 # The engines an HTTP request's calls went to, in order: the middleware gives each request a list (shared by the
 # tasks the request starts, which copy the context) and logs it when the request is finished.
 served_by: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("served_by", default=None)
+# The batch job whose lines a Batch call carries: named to the engine (`ladle.tracing.BATCH_ID_KEY`) for its spans.
+batch_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("batch_id", default=None)
 
 
 @contextlib.contextmanager
@@ -78,8 +81,10 @@ def open_batch_rpc(
     timeout: float | None,
 ) -> contextlib.AbstractContextManager[BatchCall]:
     """The engine's Batch call over `items` (read as the engine asks for more), cancelled when the block exits:
-    the engine then aborts every item still running."""
-    return _cancelled_at_exit(engine.client.batch(items, timeout=timeout))
+    the engine then aborts every item still running. It names the batch job it runs for (`batch_id`), if any."""
+    job = batch_id.get()
+    metadata = ((BATCH_ID_KEY, job),) if job is not None else ()
+    return _cancelled_at_exit(engine.client.batch(items, timeout=timeout, metadata=metadata))
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ class GatewayConfig:
     (gateway/keys.py; read again on SIGHUP). With any key set, every route but /health needs one as a Bearer
     token, and a request acts for its key's project; with none, every request is the default project's.
     `rate_limits_file` holds per-project rate limits (gateway/rate_limits.py; read again on SIGHUP).
+    `otlp_traces_endpoint` turns traces on (ladle.tracing; the standard OTEL_* variables too).
     A project may store at most `project_max_file_bytes` of files and have `project_max_active_batches`
     unfinished batches (None: no limit). `metrics_api_key` is the only key /metrics answers (None: the
     default project's keys; with no keys at all, anyone).
@@ -77,6 +78,7 @@ class GatewayConfig:
     min_free_disk_bytes: int = DEFAULT_MIN_FREE_DISK_BYTES
     metrics_api_key: str | None = field(default=None, repr=False)
     rate_limits_file: Path | None = None
+    otlp_traces_endpoint: str | None = None
     engine_auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

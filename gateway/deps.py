@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Annotated
 
 from fastapi import Depends, Request
+from opentelemetry import trace
 
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
@@ -186,6 +187,13 @@ class RequestTimer:
             self.metrics.prompt_tokens.labels(self.route).inc(u.prompt_tokens)
             self.metrics.completion_tokens.labels(self.route).inc(u.completion_tokens)
         self.metrics.usage.record(self.project, self.model, "interactive", usage)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({
+                "gen_ai.request.model": self.model, "gen_ai.usage.input_tokens": sum(u.prompt_tokens for u in usage),
+                "gen_ai.usage.output_tokens": sum(u.completion_tokens for u in usage),
+                "ladle.usage.cached_tokens": sum(u.cached_prompt_tokens for u in usage),
+            })
         if self.admission is not None:
             self.admission.settle(sum(u.prompt_tokens + u.completion_tokens for u in usage))
 

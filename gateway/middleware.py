@@ -1,5 +1,5 @@
 """The ASGI layer around every HTTP request: request id, log context, API key and project, body-size limit,
-request metrics.
+request metrics, and (with tracing on) the request's span.
 
 Written as plain ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and the request
 counts as in flight until its last SSE byte is sent.
@@ -7,11 +7,14 @@ counts as in flight until its last SSE byte is sent.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 import uuid
+from collections.abc import Iterator
 
 import structlog
+from opentelemetry import trace
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,6 +23,7 @@ from gateway.deps import authenticate, authorize_metrics
 from gateway.errors import APIError
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
+from ladle.tracing import extract, set_attributes, trace_id
 
 log = structlog.get_logger(__name__)
 
@@ -62,11 +66,13 @@ class RequestContextMiddleware:
     reading its body; then bodies over `max_request_bytes` with 413; counts requests; adds the rate-limit headers
     an admitted request was given (`RateLimiter.admit`) to its response."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int, keys: KeyRing) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_request_bytes: int, keys: KeyRing,
+                 tracer: trace.Tracer | None = None) -> None:
         self.app = app
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self.keys = keys
+        self.tracer = tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,19 +96,39 @@ class RequestContextMiddleware:
 
         engines: list[str] = []
         token = served_by.set(engines)
-        with structlog.contextvars.bound_contextvars(request_id=request_id, route=route):
+        with structlog.contextvars.bound_contextvars(request_id=request_id, route=route), \
+                self._span(scope, headers, route, request_id) as span:
             started = time.monotonic()
             self.metrics.in_flight.inc()
             try:
                 with self.metrics.working():
                     await self._admit(scope, headers, receive, send_with_id)
             finally:
+                if span is not None:
+                    set_attributes(span, {"http.response.status_code": status,
+                                          "ladle.project": scope["state"].get("project")})
+                    if status >= 500:
+                        span.set_status(trace.StatusCode.ERROR)
                 self.metrics.in_flight.dec()
                 self.metrics.requests.labels(route, str(status)).inc()
                 log.info("request finished", method=scope["method"], path=scope["path"], status=status,
                          duration_ms=round((time.monotonic() - started) * 1000, 1),
                          **({"engines": list(dict.fromkeys(engines))} if engines else {}))
                 served_by.reset(token)
+
+    @contextlib.contextmanager
+    def _span(self, scope: Scope, headers: Headers, route: str, request_id: str) -> Iterator[trace.Span | None]:
+        """The request's span while it runs (None when tracing is off): a child of the caller's `traceparent` if
+        it sent one, current for everything the request does (its engine calls carry it on), its trace id in the
+        log context."""
+        if self.tracer is None:
+            yield None
+            return
+        attributes = {"http.request.method": scope["method"], "http.route": route, "ladle.request_id": request_id}
+        with self.tracer.start_as_current_span(f"{scope['method']} {route}", context=extract(headers.items()),
+                                               kind=trace.SpanKind.SERVER, attributes=attributes) as span, \
+                structlog.contextvars.bound_contextvars(trace_id=trace_id(span)):
+            yield span
 
     async def _admit(self, scope: Scope, headers: Headers, receive: Receive, send: Send) -> None:
         """Run the app, unless the request lacks the API key (401, its body unread) or its body is too large."""

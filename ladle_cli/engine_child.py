@@ -50,6 +50,8 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
     ]
     if args.engine_auth_token_file:
         command += ["--auth-token-file", args.engine_auth_token_file]
+    if args.otlp_traces_endpoint:
+        command += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     return [*command, "--enforce-eager"] if args.enforce_eager else command
 
 

@@ -80,6 +80,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--otlp-traces-endpoint", "", "OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) to send traces to "
+         "(default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     _add(parser, "--shutdown-timeout", 30.0, "seconds in-flight requests get to finish after SIGTERM", type=float)
     _add(parser, "--max-num-seqs", 128, "most sequences generated at once", type=int)
     _add(parser, "--max-waiting", 4096, "most queued requests; beyond it new ones get RESOURCE_EXHAUSTED", type=int)
@@ -197,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
          choices=["cache_aware", "least_busy"])
     _add(gateway, "--host", "127.0.0.1", "address to listen on")
     _add(gateway, "--port", 8000, "HTTP port (0: any free port; the URL is printed)", type=int)
+    _add(gateway, "--otlp-traces-endpoint", "", "OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) to send traces "
+         "to (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     _gateway_flags(gateway)
 
     batch = sub.add_parser("batch", help="run an OpenAI-format batch file offline (re-run to resume)")
@@ -260,6 +264,7 @@ def _engine(args: argparse.Namespace) -> int:
         drain_grace=args.drain_grace,
         grammar=GrammarCompilerConfig(timeout_s=args.grammar_timeout),
         auth_tokens=auth_tokens,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
     )
 
     def announce(address: str) -> None:
@@ -299,6 +304,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         min_free_disk_bytes=int(args.min_free_disk_mib * 1024 * 1024),
         metrics_api_key=args.metrics_api_key or None,
         rate_limits_file=Path(args.rate_limits_file) if args.rate_limits_file else None,
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", "") or None,
         request_timeout_s=args.request_timeout,
         max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),

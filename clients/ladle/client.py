@@ -13,7 +13,8 @@ the server has started to respond, so a retried Stream or Batch never repeats ou
 
 An engine started with `--auth-token-file` needs its token on every call: `EngineClient(target,
 auth_token=ladle.auth.sender_token(path))` sends it (as `authorization: Bearer <token>` metadata; gRPC's own
-call credentials would need a TLS channel).
+call credentials would need a TLS channel). `AsyncEngineClient` also sends the current OpenTelemetry span's trace
+context (`ladle.tracing`) with every call, so an engine with tracing on continues the caller's trace.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, cast
 
@@ -29,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ladle.auth import bearer_metadata
+from ladle.tracing import context_metadata
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE = "ladle.v1.EngineService"
@@ -191,37 +193,38 @@ class AsyncEngineClient:
     async def generate(
         self, request: engine_pb2.GenerateRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.GenerateResponse:
-        return await self.stub.Generate(request, timeout=self._pick(timeout), metadata=self._metadata)
+        return await self.stub.Generate(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     def stream(self, request: engine_pb2.StreamRequest, *, timeout: Timeout = "default") -> StreamCall:
-        return self.stub.Stream(request, timeout=self._pick(timeout), metadata=self._metadata)
+        return self.stub.Stream(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     def batch(
         self,
         items: AsyncIterator[engine_pb2.BatchRequest] | Iterator[engine_pb2.BatchRequest],
         *,
         timeout: Timeout = "default",
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> BatchCall:
         """Items may come from a (async) generator, so an unbounded batch is fed as the engine asks for more;
-        cancelling the call aborts every item still running."""
-        return self.stub.Batch(items, timeout=self._pick(timeout), metadata=self._metadata)
+        cancelling the call aborts every item still running. `metadata` is sent with the call's own."""
+        return self.stub.Batch(items, timeout=self._pick(timeout), metadata=(*self._call_metadata(), *metadata))
 
     async def embed(
         self, request: engine_pb2.EmbedRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.EmbedResponse:
         """One vector per input of `request`, in order."""
-        return await self.stub.Embed(request, timeout=self._pick(timeout), metadata=self._metadata)
+        return await self.stub.Embed(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     async def score(
         self, request: engine_pb2.ScoreRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.ScoreResponse:
         """One score per document of `request`, in order."""
-        return await self.stub.Score(request, timeout=self._pick(timeout), metadata=self._metadata)
+        return await self.stub.Score(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     async def tokenize(
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.TokenizeResponse:
-        return await self.stub.Tokenize(request, timeout=self._pick(timeout), metadata=self._metadata)
+        return await self.stub.Tokenize(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     async def model_info(self, *, timeout: Timeout = "default") -> engine_pb2.GetModelInfoResponse:
         request = engine_pb2.GetModelInfoRequest()
@@ -252,6 +255,10 @@ class AsyncEngineClient:
 
     def _pick(self, timeout: Timeout) -> float | None:
         return self.timeout if timeout == "default" else timeout
+
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The token, and the current span's trace context (ladle.tracing) so the engine's spans continue it."""
+        return (*self._metadata, *context_metadata())
 
     async def close(self) -> None:
         await self.channel.close(grace=None)

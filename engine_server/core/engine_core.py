@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from engine_server.config import EngineConfig
-from engine_server.core.request import Priority, Request, RequestStatus
+from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
 from engine_server.core.scheduler import Scheduler
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine_server.core.step_timing import StepTimeModel, default_step_targets
@@ -46,6 +46,7 @@ class CoreOutput:
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
     pooled: torch.Tensor | None = None
+    timeline: RequestTimeline | None = None  # on the last output only
 
     @property
     def finished(self) -> bool:
@@ -94,6 +95,8 @@ def _merge(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
     earlier.status, earlier.stop_token_id = later.status, later.stop_token_id
     if later.pooled is not None:
         earlier.pooled = later.pooled
+    if later.timeline is not None:
+        earlier.timeline = later.timeline
     return earlier
 
 
@@ -375,6 +378,7 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.finish(request)
         output.num_cached_tokens = request.num_cached_tokens
+        output.timeline = request.timeline()
         if not request.final_only:
             return output
         merged = self._held.add(output)  # the steps held for their log-probabilities, in order

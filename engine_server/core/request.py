@@ -11,6 +11,7 @@ import enum
 import math
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine_server.pooling.params import PoolingParams
@@ -57,6 +58,17 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
     return max(0, int(min(requested, room)))
 
 
+@dataclass(frozen=True)
+class RequestTimeline:
+    """When a request arrived, was first scheduled, produced its first token and was preempted (each time), on
+    the monotonic clock; None for what has not happened. Reported with its last output, for traces."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    preempted: tuple[float, ...]
+
+
 class Request:
     """State of one sequence. Mutated only by the scheduler (and the KV cache manager: the hash cache, the block
     table and `num_slots_in_place`).
@@ -76,6 +88,7 @@ class Request:
         "draft_token_ids",
         "eos_token_ids",
         "final_only",
+        "first_token_time",
         "grammar",
         "max_tokens",
         "needs_output_history",
@@ -87,10 +100,12 @@ class Request:
         "num_slots_in_place",
         "output_token_ids",
         "pooling",
+        "preempted_times",
         "priority",
         "prompt_token_ids",
         "request_id",
         "sampling_params",
+        "scheduled_time",
         "speculative",
         "status",
         "stop_token_id",
@@ -152,6 +167,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
+        # Its timeline on the monotonic clock (traces): first scheduled, first token, each preemption.
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.preempted_times: tuple[float, ...] = ()
         self.block_hashes: list[bytes] = []
         # Set by the KV cache manager: the live block table, and a bound below which tokens fit the blocks held
         # with nothing to allocate or publish (0: ask the manager). The scheduler reads both every step.
@@ -209,8 +228,13 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+    def timeline(self) -> RequestTimeline:
+        return RequestTimeline(self.arrival_time, self.scheduled_time, self.first_token_time, self.preempted_times)
 
     def __repr__(self) -> str:
         return (

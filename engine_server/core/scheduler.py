@@ -679,6 +679,8 @@ class Scheduler:
                     request.num_cached_tokens = num_cached
                 request.num_computed_tokens = num_cached
                 request.status = RequestStatus.RUNNING
+                if request.scheduled_time is None:
+                    request.scheduled_time = time.monotonic()
                 bisect.insort(self._running, request, key=self._rank)
                 scheduled.append(self._advance(request, num_new, blocks, num_cached))
                 budget -= num_new
@@ -698,6 +700,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        request.preempted_times += (time.monotonic(),)
         self.total_preemptions += 1
         self._waiting[request.priority].appendleft(request)
 

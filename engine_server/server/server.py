@@ -44,7 +44,9 @@ from engine_server.host_memory import freeze_startup_heap
 from engine_server.server.auth import BearerTokenInterceptor
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
+from engine_server.server.tracing import RpcTracing
 from engine_server.structured.compiler import GrammarCompilerConfig
+from ladle.tracing import Tracing
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -79,6 +81,8 @@ class ServerConfig:
     grammar: GrammarCompilerConfig = field(default_factory=GrammarCompilerConfig)  # constraint compile limits
     # Tokens one of which every call but health must carry (auth.py; `--auth-token-file`); empty: no check.
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
+    # Where traces go (ladle.tracing; the OTEL_* variables too); None and no variable: no traces.
+    otlp_traces_endpoint: str | None = None
 
 
 def server_options() -> list[tuple[str, int]]:
@@ -104,7 +108,8 @@ class EngineServer:
         self._prepare_core = prepare_core
         interceptors = [BearerTokenInterceptor(config.auth_tokens)] if config.auth_tokens else None
         self.server = grpc.aio.server(options=server_options(), interceptors=interceptors)
-        self.servicer = EngineServicer()
+        self.tracing = Tracing.configure("ladle-engine", config.otlp_traces_endpoint)
+        self.servicer = EngineServicer(RpcTracing(self.tracing.tracer))
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # aio is imported, not declared
         self.engine: ServingEngine | None = None
         self.stop_requested = asyncio.Event()  # set by SIGTERM / SIGINT, or by a fault the engine cannot survive
@@ -254,6 +259,7 @@ class EngineServer:
             await stopped
         if self.engine is not None:
             await self.engine.close()
+        await asyncio.to_thread(self.tracing.shutdown)
         log.info("stopped")
 
 

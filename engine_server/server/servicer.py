@@ -26,6 +26,7 @@ from engine_server.pooling.requests import EmbedInput, ScoreInput
 from engine_server.server import convert, convert_pooling
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import GenerationInput, ServingEngine
+from engine_server.server.tracing import RpcTracing, record_generation
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -38,8 +39,9 @@ PARAM_METADATA_KEY = "ladle-param"  # trailing metadata of an INVALID_ARGUMENT: 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     """Serves one ServingEngine, attached once it is loaded and warm. Lives on the server's event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracing: RpcTracing | None = None) -> None:
         self.engine: ServingEngine | None = None
+        self.tracing = tracing or RpcTracing()
         self._draining = asyncio.Event()  # Batch calls stop reading new items
         self._refusing = False  # new calls are answered UNAVAILABLE
         self._idle = asyncio.Event()
@@ -94,12 +96,13 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.GenerateResponse:
         try:
-            with self._admitted() as engine:
+            with self._admitted() as engine, self.tracing.call("Generate", context) as span:
                 generation = _with_request_id(
                     convert.generation_input(request, Priority.INTERACTIVE, engine.info.generation_defaults)
                 )
                 with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Generate"):
                     result = await _run_to_end(engine, generation, _deadline(context))
+                    record_generation(span, generation.request_id, result)
                     return convert.generate_response(result, engine.info.model_id)
         except Exception as exc:
             await _fail(context, exc)
@@ -108,7 +111,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.StreamRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[engine_pb2.StreamResponse]:
         try:
-            with self._admitted() as engine:
+            with self._admitted() as engine, self.tracing.call("Stream", context) as span:
                 generation = _with_request_id(
                     convert.generation_input(request, Priority.INTERACTIVE, engine.info.generation_defaults)
                 )
@@ -118,6 +121,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     async with contextlib.aclosing(engine.generate(generation, _deadline(context))) as updates:
                         async for update in updates:
                             usage = update.result.usage if update.finished else None
+                            if update.finished:
+                                record_generation(span, generation.request_id, update.result)
                             yield convert.stream_response(generation.request_id, update.deltas, model, usage)
         except Exception as exc:
             await _fail(context, exc)
@@ -128,8 +133,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[engine_pb2.BatchResponse]:
         try:
-            with self._admitted() as engine, structlog.contextvars.bound_contextvars(rpc="Batch"):
-                run = _BatchRun(engine, request_iterator, self._draining, _deadline(context))
+            with self._admitted() as engine, structlog.contextvars.bound_contextvars(rpc="Batch"), \
+                    self.tracing.call("Batch", context):
+                run = _BatchRun(engine, request_iterator, self._draining, _deadline(context), self.tracing,
+                                self.tracing.batch_id(context))
                 async for response in run.responses():
                     yield response
                 if run.cut_short:
@@ -201,8 +208,12 @@ class _BatchRun:
         items: AsyncIterator[engine_pb2.BatchRequest],
         draining: asyncio.Event,
         deadline: float | None,
+        tracing: RpcTracing | None = None,
+        batch_id: str | None = None,
     ) -> None:
         self.engine = engine
+        self.tracing = tracing or RpcTracing()
+        self.batch_id = batch_id  # the batch job the gateway runs, named on each item's span
         self.cut_short = False  # stopped reading because the engine began draining
         self._items = items
         self._draining = draining
@@ -285,8 +296,10 @@ class _BatchRun:
         else:
             defaults = engine.info.generation_defaults
             generation = _with_request_id(convert.generation_input(item.request, Priority.BATCH, defaults))
-            with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id):
+            with structlog.contextvars.bound_contextvars(request_id=generation.request_id, item_id=item.item_id), \
+                    self.tracing.item(item.item_id, self.batch_id) as span:
                 result = await _run_to_end(engine, generation, self._deadline, wait=True)
+                record_generation(span, generation.request_id, result)
             response.result.CopyFrom(convert.generate_response(result, model))
 
 

@@ -13,6 +13,7 @@ import contextlib
 import time
 
 import structlog
+from opentelemetry import trace
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -35,8 +36,10 @@ log = structlog.get_logger(__name__)
 class BatchService:
     """The file and batch stores, the blob directory and the workers of one gateway."""
 
-    def __init__(self, config: GatewayConfig, pool: EnginePool, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, pool: EnginePool, metrics: GatewayMetrics,
+                 tracer: trace.Tracer | None = None) -> None:
         self.config = config
+        self.tracer = tracer
         self.pool = pool
         self.metrics = metrics
         self.data_dir = config.data_dir or default_data_dir()
@@ -85,7 +88,7 @@ class BatchService:
                                   project_max_file_bytes=self.config.project_max_file_bytes)
         for _ in range(self.config.batch_workers):
             worker = BatchWorker(self.batches, self.blobs, self.pool, settings, self.wake, self.metrics,
-                                 self.project_window, self.claim_turn)
+                                 self.project_window, self.claim_turn, self.tracer)
             self.workers.append(worker)
             self._tasks.append(asyncio.create_task(worker.run(), name=f"batch-worker-{worker.name}"))
         sweeper = FileSweeper(self.files, self.blobs, self.config.file_sweep_interval_s)

@@ -36,13 +36,15 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import structlog
+from opentelemetry import trace
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
+from gateway import calls
 from gateway.batches import lines
 from gateway.batches.attempts import AttemptLimits
 from gateway.batches.input_reader import pending_lines
@@ -98,6 +100,7 @@ class BatchWorker:
         metrics: GatewayMetrics | None = None,
         project_window: Callable[[str], asyncio.Semaphore] | None = None,
         claim_turn: asyncio.Lock | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -107,6 +110,7 @@ class BatchWorker:
         self.metrics = metrics
         self.project_window = project_window
         self.claim_turn = claim_turn or asyncio.Lock()
+        self.tracer = tracer  # a span per claim run, parent of its Batch calls' engine spans
         self.name = f"{os.uname().nodename}:{os.getpid()}:{secrets.token_hex(4)}"
         self.runner: LineRunner | None = None  # while lines run, for /metrics
 
@@ -115,7 +119,8 @@ class BatchWorker:
             claim = await self._claim()
             with structlog.contextvars.bound_contextvars(batch_id=claim.batch.id, epoch=claim.epoch):
                 try:
-                    with self.metrics.working() if self.metrics is not None else contextlib.nullcontext():
+                    with self.metrics.working() if self.metrics is not None else contextlib.nullcontext(), \
+                            self._traced(claim):
                         await self.process(claim)
                 except LeaseLostError:
                     log.warning("batch lease lost to another worker; leaving the batch to it")
@@ -126,6 +131,21 @@ class BatchWorker:
                 except Exception as exc:
                     await self._record_failure(claim, exc)
                     await asyncio.sleep(self.settings.poll_interval_s)
+
+    @contextlib.contextmanager
+    def _traced(self, claim: Claim) -> Iterator[None]:
+        """The claim's run as a span (when tracing), and its batch id for the engine's spans."""
+        token = calls.batch_id.set(claim.batch.id)
+        try:
+            if self.tracer is None:
+                yield
+                return
+            attributes: dict[str, str | int] = {"ladle.batch_id": claim.batch.id, "ladle.project": claim.batch.project,
+                          "ladle.batch.epoch": claim.epoch}
+            with self.tracer.start_as_current_span("batch", attributes=attributes):
+                yield
+        finally:
+            calls.batch_id.reset(token)
 
     async def _claim(self) -> Claim:
         """The next batch this worker runs. Idle workers sharing `claim_turn` take turns at polling the store:

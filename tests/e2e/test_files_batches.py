@@ -381,7 +381,7 @@ def test_batch_creation_refusals(client: openai.OpenAI, model_id: str, tmp_path:
         ({"input_file_id": unknown, "endpoint": CHAT}, openai.NotFoundError, "input_file_id"),
         ({"input_file_id": "../../etc/passwd", "endpoint": CHAT}, openai.NotFoundError, "input_file_id"),
         ({"input_file_id": other, "endpoint": CHAT}, openai.BadRequestError, "input_file_id"),
-        ({"input_file_id": good, "endpoint": "/v1/responses"}, openai.BadRequestError, "endpoint"),  # not served
+        ({"input_file_id": good, "endpoint": "/v1/moderations"}, openai.BadRequestError, "endpoint"),  # not served
         ({"input_file_id": good, "endpoint": CHAT, "completion_window": "1h"}, openai.BadRequestError,
          "completion_window"),
         ({"input_file_id": good, "endpoint": CHAT, "metadata": {str(i): "v" for i in range(17)}},
