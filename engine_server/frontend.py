@@ -134,7 +134,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     choices: list[Choice]
     usage: Usage
-    timeline: RequestTimeline | None = None  # the first choice's, once it has finished (traces)
+    timeline: RequestTimeline | None = field(default=None, compare=False)  # the first choice's, when finished (traces)
 
     @property
     def finished(self) -> bool:

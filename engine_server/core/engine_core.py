@@ -46,7 +46,7 @@ class CoreOutput:
     stop_token_id: int | None = None
     num_cached_tokens: int = 0
     pooled: torch.Tensor | None = None
-    timeline: RequestTimeline | None = None  # on the last output only
+    timeline: RequestTimeline | None = field(default=None, compare=False)  # on the last output only (traces)
 
     @property
     def finished(self) -> bool:
