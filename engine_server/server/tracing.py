@@ -1,5 +1,6 @@
 """The engine's spans (with tracing on, `ladle.tracing`): one per RPC, continuing the caller's trace from the call's
-metadata, and one per Batch item; a generation's span gets its phases as events at the times they happened.
+metadata (its trace id bound into the log context while it runs), and one per Batch item; a generation's span gets
+its phases as events at the times they happened.
 
 A generation's events, from the core's `RequestTimeline` (its first choice's): `queued` (it arrived), `scheduled`
 (first admitted to a step), `preempted` (each time its blocks were taken back), `first_token`, then `finished`
@@ -14,10 +15,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import structlog
 from opentelemetry import trace
 
 from engine_server.frontend import GenerationResult
-from ladle.tracing import BATCH_ID_KEY, epoch_ns, extract, set_attributes
+from ladle.tracing import BATCH_ID_KEY, epoch_ns, extract, set_attributes, trace_id
 
 SERVICE = "ladle.v1.EngineService"
 
@@ -41,7 +43,8 @@ class RpcTracing:
         if batch_id is not None:
             attributes["ladle.batch_id"] = batch_id
         with self.tracer.start_as_current_span(f"{SERVICE}/{rpc}", context=extract(metadata),
-                                               kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+                                               kind=trace.SpanKind.SERVER, attributes=attributes) as span, \
+                structlog.contextvars.bound_contextvars(trace_id=trace_id(span)):
             yield span
 
     @staticmethod
