@@ -21,7 +21,10 @@ run() {  # run SOURCE_TREE [serve flags...]
     (cd "$source" && PYTHONPATH="$source:$source/clients" exec "$python" -m ladle_cli serve --port $port \
         --grpc-port $grpc_port --device cpu "$@" >"$log" 2>&1) &
     local server=$!
-    until grep -q "ladle serve: ready" "$log"; do sleep 0.5; done
+    until grep -q "ladle serve: ready" "$log"; do
+        kill -0 $server 2>/dev/null || { tail -20 "$log"; exit 1; }  # it ended (a port in use, say)
+        sleep 0.5
+    done
     (cd "$source" && PYTHONPATH="$source:$source/clients" "$python" -m ladle_cli bench serve \
         --base-url "http://127.0.0.1:$port/v1" "${bench[@]}")
     kill -INT $server
