@@ -16,6 +16,7 @@ from gateway.store.usage import DAY_S, UsageStore, day_of
 from gateway.usage import GROUPS, completions_usage_page
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
+UNIX_MAX = 2**40  # seconds: the year 36812, well within the database's 64-bit integers
 
 
 @router.get("/v1/organization/usage/completions", response_model=None)
@@ -23,8 +24,8 @@ async def completions_usage(
     batches: Batches,
     project: Project,
     admin: IsAdmin,
-    start_time: Annotated[int, Query(ge=0)],
-    end_time: Annotated[int | None, Query(ge=0)] = None,
+    start_time: Annotated[int, Query(ge=0, le=UNIX_MAX)],
+    end_time: Annotated[int | None, Query(ge=0, le=UNIX_MAX)] = None,
     bucket_width: str = "1d",
     project_ids: Annotated[list[str] | None, Query()] = None,
     models: Annotated[list[str] | None, Query()] = None,
@@ -43,7 +44,9 @@ async def completions_usage(
     projects: list[str] | None = [project]
     if admin:
         projects = project_ids or None  # None: every project
-    first = day_of(int(page)) if page is not None and page.isdigit() else day_of(start_time)
+    if page is not None and not (page.isdigit() and int(page) <= UNIX_MAX):
+        raise invalid("page must be the next_page of an earlier answer", "page")
+    first = day_of(int(page)) if page is not None else day_of(start_time)
     end = day_of(end_time - 1) + DAY_S if end_time is not None else day_of(time.time()) + DAY_S
     if end <= first:
         raise invalid("end_time must be after start_time", "end_time")
