@@ -112,6 +112,9 @@ class BackgroundRunner:
             log.warning("lost the database while running a background response; its lease will run out",
                         response_id=claim.response_id, exc_info=True)
             return
+        except Exception:  # a bug: the lease runs out and the response is run again (up to MAX_ATTEMPTS)
+            log.exception("a background response failed unexpectedly", response_id=claim.response_id)
+            return
         finally:
             call.cancel()
         self.usage.record(claim.project, str(claim.response.get("model", "")), "interactive", [reply.usage])
