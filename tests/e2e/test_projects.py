@@ -176,7 +176,7 @@ def test_the_keys_file_is_read_again_on_sighup(fake_engine: str, tmp_path: Path)
 
 def test_a_malformed_keys_file_stops_the_start_naming_its_line(fake_engine: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("# keys\nsk-alpha alpha\nsk-beta beta extra\n")
+    keys.write_text("# keys\nsk-alpha alpha\nsk-beta beta extra fields\n")
     command = [sys.executable, "-m", "ladle_cli", "gateway", "--engine", fake_engine, "--port", "0",
                "--data-dir", str(tmp_path / "data")]
     started = subprocess.run([*command, "--api-keys-file", str(keys)], capture_output=True, text=True, timeout=120)
