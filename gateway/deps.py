@@ -85,11 +85,16 @@ def authenticate(authorization: str, keys: KeyRing) -> str | APIError:
     `KeyRing.project_of`), or the 401 to answer; the default project when the gateway has no keys."""
     if not keys.required:
         return DEFAULT_PROJECT
-    scheme, _, token = authorization.partition(" ")
-    project = keys.project_of(token.strip()) if scheme.lower() == "bearer" else None
+    project = keys.project_of(bearer_token(authorization))
     if project is not None:
         return project
     return invalid_api_key()
+
+
+def bearer_token(authorization: str) -> str:
+    """The key of an Authorization header value `Bearer <key>`; "" for any other value (no key is empty)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def invalid_api_key() -> APIError:
@@ -101,8 +106,7 @@ def invalid_api_key() -> APIError:
 def authorize_metrics(authorization: str, keys: KeyRing) -> APIError | None:
     """None if the Authorization header value carries a key that may read /metrics (`KeyRing.may_read_metrics`);
     else the error to answer: 401 without a valid key, 403 for a project's key that is not the operator's."""
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else ""
+    token = bearer_token(authorization)
     if keys.may_read_metrics(token):
         return None
     if token and keys.project_of(token) is not None:
@@ -116,8 +120,7 @@ def authorize_metrics(authorization: str, keys: KeyRing) -> APIError | None:
 
 def request_is_admin(request: Request) -> bool:
     """Whether the request's key may use the operator routes (`KeyRing.is_admin`)."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return get_keys(request).is_admin(token.strip() if scheme.lower() == "bearer" else "")
+    return get_keys(request).is_admin(bearer_token(request.headers.get("authorization", "")))
 
 
 def require_metrics_key(request: Request) -> None:

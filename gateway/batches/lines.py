@@ -284,8 +284,8 @@ def _responses_request(body: ResponsesRequest, request_id: str, cache_salt: str)
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported in a batch line: send the whole conversation as input "
                            "items", param=name)
-    messages = responses_to_engine.chat_messages(body.instructions, responses_to_engine.input_items(body))
-    return responses_to_engine.generate_request(body, messages, request_id, cache_salt=cache_salt)
+    items = responses_to_engine.input_items(body)
+    return responses_to_engine.generate_request(body, items, request_id, cache_salt=cache_salt)
 
 
 ReplyT = TypeVar("ReplyT", engine_pb2.GenerateResponse, engine_pb2.EmbedResponse, engine_pb2.ScoreResponse)

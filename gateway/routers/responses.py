@@ -49,8 +49,7 @@ async def create_response(
         raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
     items = responses_to_engine.input_items(body)
     history = await responses.history(body.previous_response_id, project)
-    messages = responses_to_engine.chat_messages(body.instructions, history + items)
-    request = responses_to_engine.generate_request(body, messages, rid, cache_salt=project_cache_salt(project))
+    request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project))
     if body.truncation == "auto":
         await truncation.fit_context(pool, request)
     want_logprobs = request.sampling.logprobs

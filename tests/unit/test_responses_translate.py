@@ -27,8 +27,7 @@ def body(**fields: Any) -> ResponsesRequest:
 
 def request_for(**fields: Any) -> engine_pb2.GenerateRequest:
     parsed = body(**fields)
-    messages = responses_to_engine.chat_messages(parsed.instructions, responses_to_engine.input_items(parsed))
-    return responses_to_engine.generate_request(parsed, messages, "rid")
+    return responses_to_engine.generate_request(parsed, responses_to_engine.input_items(parsed), "rid")
 
 
 def refusal(**fields: Any) -> APIError:
