@@ -521,6 +521,33 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: {exc}") from None
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters served on the base model (engine_server.lora), spelled as vLLM's flags.
+
+    `modules`: (name, folder) pairs loaded at start (`--lora-modules name=path`); more load at run time.
+    `max_loras`: slots, the most adapters one step runs (a request of another adapter waits for a slot);
+    `max_lora_rank`: the largest rank an adapter may have (the slots are this wide); `max_cpu_loras`: adapters
+    whose weights stay in host memory (the rest are read from their folders again when next asked for).
+    """
+
+    modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_loras <= 256:
+            raise ValueError(f"--max-loras must be in [1, 256], got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"--max-lora-rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError("--lora-modules names each adapter once")
+
+
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quantization
@@ -573,7 +600,10 @@ class EngineConfig:
     # Tensor parallelism (engine_server.parallel): the model split over this many ranks, this process being rank 0
     # (scheduler, sampling, gRPC) and N-1 spawned workers; on the CPU the cores are shared out between the ranks.
     tensor_parallel_size: int = 1
+    lora: LoraConfig | None = None  # None: no LoRA adapters (vLLM's --enable-lora off)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served under tensor parallelism yet: use --tensor-parallel-size 1")

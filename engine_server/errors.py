@@ -35,3 +35,15 @@ class QueueFullError(EngineError):
 
 class EngineUnavailableError(EngineError):
     """The engine is not ready or is draining (gRPC UNAVAILABLE, HTTP 503)."""
+
+
+class AdapterNotFoundError(EngineError):
+    """No LoRA adapter of the requested name is served (gRPC NOT_FOUND, HTTP 404 `model_not_found`)."""
+
+
+class AdapterExistsError(EngineError):
+    """An adapter of that name is served already (gRPC ALREADY_EXISTS, HTTP 400)."""
+
+
+class LoraDisabledError(EngineError):
+    """The engine was started without LoRA, so it loads no adapter (gRPC FAILED_PRECONDITION, HTTP 400)."""

@@ -35,6 +35,7 @@ from engine_server.tools import (
 from engine_server.tools.grammar import forced_call_constraint
 
 if TYPE_CHECKING:
+    from engine_server.lora.peft_format import LoraAdapter
     from engine_server.structured.compiler import CompiledConstraint, GrammarCompiler
 
 _CORE_FINISH = {
@@ -246,12 +247,14 @@ class InputProcessor:
         deadline: float | None = None,
         grammar: CompiledConstraint | None = None,
         cache_salt: str = "",
+        lora: LoraAdapter | None = None,
     ) -> list[Request]:
         """Validate and expand into n core requests with ids `{request_id}/{i}`; raises ValidationError.
 
         `grammar` is `compile_constraint(params)`'s result; when params carry a constraint and it is None,
         the constraint is compiled here, blocking (ValidationError if it does not compile in time).
-        `cache_salt`: the requests' prefix-cache namespace (`Request`).
+        `cache_salt`: the requests' prefix-cache namespace (`Request`); `lora`: their LoRA adapter (None: the
+        base model).
         """
         params.validate(vocab_size=self.vocab_size, max_model_len=self.max_model_len, prompt_len=len(prompt_token_ids))
         if params.constraint is not None and grammar is None:
@@ -271,6 +274,7 @@ class InputProcessor:
                     deadline=deadline,
                     grammar=grammar if params.constraint is not None else None,
                     cache_salt=cache_salt,
+                    lora=lora,
                 )
             )
         return requests

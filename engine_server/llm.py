@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from engine_server.config import EngineConfig, SpeculativeConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.core.request import Priority, Request
-from engine_server.errors import UnsupportedByModelError
+from engine_server.errors import LoraDisabledError, UnsupportedByModelError
 from engine_server.frontend import (
     ChatPrompt,
     GenerationResult,
@@ -27,6 +27,8 @@ from engine_server.frontend import (
 from engine_server.generation_defaults import GenerationDefaults, resolve_generation_defaults
 from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
+from engine_server.lora.peft_format import LoraAdapter
+from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling
 from engine_server.pooling.requests import cosine_scores, pair_token_ids, pooling_requests, pooling_token_ids
@@ -106,16 +108,35 @@ class LLM:
             source.path, source.config.hidden_size, source.config.encoder, source.config.num_labels == 1
         )
         self._ids = itertools.count()
+        # LoRA adapters served on the model (engine_server.lora): None unless the config turns LoRA on.
+        self.adapters = AdapterRegistry.for_engine(self.config.lora, source.config, source.name)
         freeze_startup_heap()
+
+    def load_adapter(self, name: str, path: str) -> ServedAdapter:
+        """Serve the PEFT adapter in folder `path` as `name` (generate's `adapters` then select it)."""
+        return self._registry().load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`."""
+        self._registry().unload(name)
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise LoraDisabledError("LoRA is off: build the LLM with EngineConfig(lora=LoraConfig(...))")
+        return self.adapters
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        adapters: str | Sequence[str | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[GenerationResult]:
         """Generate for each prompt (text, token ids or a ChatPrompt); one result per prompt, in order.
+
+        `adapters`: the LoRA adapter (`load_adapter`'s name) every prompt, or each prompt, generates with; None:
+        the base model.
 
         `params` None takes the model's generation defaults (`generation_defaults`) for every field; a given
         SamplingParams is used as it is (build one with `sampling_params(**fields)` to keep the model's
@@ -138,12 +159,15 @@ class LLM:
         trackers: dict[str, RequestTracker] = {}
         pending: deque[Request] = deque()
         # Chat prompts settle tool calling here: a forced tool_choice adds its grammar as the constraint.
+        loras = self._resolve_adapters(adapters, len(batch))
         prepared = [self.inputs.prepare(prompt, sampling) for prompt, sampling in zip(batch, per_prompt, strict=True)]
         # Every compile starts before the first is awaited, so they overlap.
         compiles = [self.inputs.compile_constraint(item.params) for item in prepared]
-        for item, grammar in zip(prepared, compiles, strict=True):
+        for item, grammar, lora in zip(prepared, compiles, loras, strict=True):
             request_id = f"offline-{next(self._ids)}"
-            requests = self.inputs.make_requests(request_id, item.token_ids, item.params, grammar=grammar.result())
+            requests = self.inputs.make_requests(
+                request_id, item.token_ids, item.params, grammar=grammar.result(), lora=lora
+            )
             tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
                 item.reasoning,
@@ -156,6 +180,12 @@ class LLM:
             trackers[request_id] = tracker
         self._run(pending, trackers, use_tqdm)
         return [tracker.result for tracker in trackers.values()]
+
+    def _resolve_adapters(self, adapters: str | Sequence[str | None] | None, count: int) -> list[LoraAdapter | None]:
+        names = [adapters] * count if adapters is None or isinstance(adapters, str) else list(adapters)
+        if len(names) != count:
+            raise ValueError(f"got {len(names)} adapters for {count} prompts")
+        return [None if name is None else self._registry().resolve(name) for name in names]
 
     def embed(
         self,

@@ -40,6 +40,7 @@ from engine_server.host_memory import keep_freed_memory_for_reuse, release_freed
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
+from engine_server.lora.slots import LoraSlots
 from engine_server.models import (
     BertEncoder,
     CausalLM,
@@ -79,6 +80,7 @@ class LoadedModel:
     draft: DraftModel | None = None
     decode_graphs: DecodeGraphs | None = None
     tp: TensorParallel = SINGLE
+    lora_slots: LoraSlots | None = None  # the LoRA adapters' slots (engine_server.lora), when the engine serves them
 
     @property
     def scratch_block(self) -> int:
@@ -158,6 +160,12 @@ def load_model(
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
     )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
+    if config.lora is not None:
+        if source.config.encoder:
+            raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
+        slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
+        log.info("lora slots", slots=config.lora.max_loras, max_rank=config.lora.max_lora_rank, bytes=slots.nbytes)
+        loaded = replace(loaded, lora_slots=slots)
     if _captures_decode_graphs(loaded, config):
         loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))
     return loaded

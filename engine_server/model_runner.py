@@ -27,6 +27,7 @@ from engine_server.core.request import Request, RequestStatus
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
 from engine_server.cuda_graphs import DecodeGraphs, EagerCapture, GraphCapture
 from engine_server.decode_rows import DecodeRows
+from engine_server.lora.slots import LoraBatch
 from engine_server.model_loading import LoadedModel, capture_decode_graphs
 from engine_server.models import BertEncoder
 from engine_server.parallel.step_channel import PendingTokens, StepSender
@@ -232,6 +233,7 @@ class ModelRunner:
         self.kv_caches = loaded.kv_caches
         self.draft = loaded.draft  # speculative decoding's draft model, when configured
         self.decode_graphs = loaded.decode_graphs
+        self.lora_slots = loaded.lora_slots  # the LoRA adapters' slot weights (None: the engine serves no adapter)
         # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt); not under
         # tensor parallelism, where every rank would have to stop at the same layer.
         self.can_interrupt = self.device.type == "cpu" and fan_out is None
@@ -282,6 +284,9 @@ class ModelRunner:
         With `interrupt` (the CPU only: `can_interrupt`), raises StepInterrupted once it is set during the
         forward: nothing is sampled, and the runner is as if the step had never been launched.
         """
+        if self.lora_slots is not None:
+            for slot, adapter in output.lora_loads:  # before the forward, which may be the first to read them
+                self.lora_slots.load(slot, adapter)
         if output.steady is not None:
             return self._launch_steady(output, output.steady, interrupt)
         items = output.scheduled
@@ -457,6 +462,9 @@ class ModelRunner:
                 return self._forward_eager(scheduled, interrupt)
             layout, continues = self._decode_rows.layout(scheduled)
         num_rows = len(layout.seq_lens)
+        lora = None
+        if self.lora_slots is not None:
+            lora = self._lora_batch(steady.requests if steady is not None else [i.request for i in output.scheduled])
         # A step that continues the last one reads its tokens from that launch's device tensor, row for row; any
         # other has its ids on the host, but for the rows the last launch sampled (`pending`).
         step_ids: list[int] | torch.Tensor
@@ -467,7 +475,7 @@ class ModelRunner:
             step_ids, pending_rows, pending = tokens.known, tokens.pending_rows, self._pending_inputs(tokens)
         graphs = self.decode_graphs
         bucket = None if graphs is None else graphs.bucket_for(num_rows)
-        if graphs is not None and bucket is not None:
+        if graphs is not None and bucket is not None and lora is None:
             if self.fan_out is not None:  # every rank replays its graph of this bucket
                 host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
                 self.fan_out.decode_graph(host_ids, layout, bucket, sent_pending)
@@ -484,7 +492,7 @@ class ModelRunner:
             if pending is not None:
                 input_ids.index_copy_(0, *pending)
         positions = to_device(host_positions, self.device)
-        hidden = self._run_model(input_ids, positions, meta, interrupt, sent=self.fan_out is not None)
+        hidden = self._run_model(input_ids, positions, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
             self.draft.follow(input_ids, positions, meta)
         return hidden, None
@@ -523,7 +531,8 @@ class ModelRunner:
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         position_ids = to_device(host_positions, self.device)
-        hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None)
+        lora = self._lora_batch([item.request for item in scheduled], query_lens)
+        hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
             self.draft.follow(input_ids, position_ids, meta)
         return hidden, last_rows
@@ -535,13 +544,30 @@ class ModelRunner:
         meta: AttentionMetadata,
         interrupt: StepInterrupt | None,
         sent: bool = False,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """The model's forward over the KV cache (the workers' too, under tensor parallelism: sent to them here
         from the tensors given, unless `sent` says the caller sent them its host copies already)."""
         if self.fan_out is not None and not sent:
             self.fan_out.forward(input_ids, positions, meta)
-        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
+        if lora is None:  # the model's own signature, which a null device's stand-in for benchmarks shares
+            hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
         return hidden
+
+    def _lora_batch(self, requests: list[Request], query_lens: list[int] | None = None) -> LoraBatch | None:
+        """The step's LoRA rows: each token's slot (request i's `lora_slot`, `query_lens[i]` times; once each
+        without them); None when no row has an adapter (the base model's step, decode stack and graphs included)."""
+        if self.lora_slots is None:
+            return None
+        slots = [request.lora_slot for request in requests]
+        if max(slots, default=-1) < 0:
+            return None
+        per_token = torch.tensor(slots, dtype=torch.int64)
+        if query_lens is not None:
+            per_token = per_token.repeat_interleave(torch.tensor(query_lens, dtype=torch.int64))
+        return LoraBatch(self.lora_slots, to_device(per_token, self.device))
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Logits of the last forward's `hidden` rows `rows` (a device index tensor; None: every row)."""

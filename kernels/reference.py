@@ -406,3 +406,26 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x `[M, K]` float32 times weight `[N, K]` -> `[M, N]` (`torch.ops.ladle_cpu.rowwise_linear`, which sums each
     dot product in one fixed order whatever M is, so a row's result does not depend on its batch)."""
     return F.linear(x.float(), weight.float())
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """LoRA's first product for rows of many adapters at once: x `[T, K]`, a `[S, R, K]` (slot s holds one adapter's
+    A, its rows past the adapter's rank zero), slots `[T]` integer (row t's slot; -1: no adapter) -> `[T, R]` in x's
+    dtype, `y[t] = a[slots[t]] @ x[t]` (0 where slots[t] is -1), each product in x's dtype as `nn.Linear` takes it.
+    One matmul per slot present (a reference: it syncs with the device to find them)."""
+    y = x.new_zeros(x.shape[0], a.shape[1])
+    for slot in slots.unique().tolist():
+        if slot >= 0:
+            rows = (slots == slot).nonzero().squeeze(1)
+            y[rows] = F.linear(x[rows], a[slot])
+    return y
+
+
+def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+    """LoRA's second product, added in place: out `[T, N]`, y `[T, R]` (`lora_shrink`'s), b `[S, N, R]` (slot s holds
+    one adapter's B times its scaling, columns past its rank zero), slots as `lora_shrink`'s:
+    `out[t] += b[slots[t]] @ y[t]` where slots[t] >= 0 (other rows untouched), the product in y's dtype."""
+    for slot in slots.unique().tolist():
+        if slot >= 0:
+            rows = (slots == slot).nonzero().squeeze(1)
+            out[rows] += F.linear(y[rows], b[slot]).to(out.dtype)

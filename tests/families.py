@@ -92,10 +92,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "final_logit_softcapping": 3.0},
     ),
 }  # fmt: skip
+# Every model `save_family` can write: the families above, and plain Llama (the base of the LoRA tests).
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {**FAMILIES, "llama": ("LlamaConfig", {})}
 
 
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
-    """A random `family` model (FAMILIES, with `overrides` of its config) saved to `folder` with the embedded
+    """A random `family` model (MODELS, with `overrides` of its config) saved to `folder` with the embedded
     tokenizer; returns `folder`.
 
     `head_spread` > 0 scales each row of the LM head by exp(N(0, head_spread²)), as a trained model's rows differ in
@@ -104,7 +106,7 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
     close the quantized model is (`ladle bench quality`'s top-1 agreement)."""
     import transformers
 
-    class_name, quirks = FAMILIES[family]
+    class_name, quirks = MODELS[family]
     config = getattr(transformers, class_name)(**{**_SHAPE, **quirks, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

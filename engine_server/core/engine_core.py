@@ -138,8 +138,9 @@ class EngineCore:
         # attends over the same blocks, may read them.
         window = 0 if spec is not None and spec.method == "draft_model" else self.model_config.uniform_window
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time, window
-        )
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time, window,
+            lora_slots=config.lora.max_loras if config.lora is not None else 0,
+        )  # fmt: skip
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         async_scheduling = config.async_scheduling
         self.async_scheduling = self.runner.device.type == "cuda" if async_scheduling is None else async_scheduling

@@ -43,15 +43,25 @@ from engine_server.core.request import Request
 
 _ROOT_HASH = b""  # the root of an unsalted chain
 _SALT_DOMAIN = b"ladle.v1 cache_salt\0"  # keeps a salted root apart from any block's hash input
+_ADAPTER_DOMAIN = b"ladle.v1 cache_salt+adapter\0"  # and an adapter's root apart from a salt's
 
 
-def root_hash(cache_salt: str) -> bytes:
-    """The parent of a request's first block: empty without a salt (today's hashes exactly), else a sha256 of
-    the salt, which equals no block's hash (that would take a sha256 collision), so a salted chain never
-    meets an unsalted one or one of another salt."""
-    if not cache_salt:
+def root_hash(cache_salt: str, adapter_key: str = "") -> bytes:
+    """The parent of a request's first block: empty without a salt or adapter (today's hashes exactly), else a
+    sha256 of the salt (and of the LoRA adapter's key, `LoraAdapter.key`, when there is one), which equals no
+    block's hash (that would take a sha256 collision), so a chain never meets one of another salt or adapter."""
+    if not cache_salt and not adapter_key:
         return _ROOT_HASH
-    return hashlib.sha256(_SALT_DOMAIN + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    salt = cache_salt.encode("utf-8", "surrogatepass")
+    if not adapter_key:
+        return hashlib.sha256(_SALT_DOMAIN + salt).digest()
+    key = adapter_key.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(_ADAPTER_DOMAIN + len(salt).to_bytes(8, "little") + salt + key).digest()
+
+
+def request_root(request: Request) -> bytes:
+    """`root_hash` of a request's salt and adapter."""
+    return root_hash(request.cache_salt, "" if request.lora is None else request.lora.key)
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
@@ -213,7 +223,7 @@ class KVCacheManager:
                     hashes = request.block_hashes
                     if num_full == done + 1 == len(hashes) + 1:
                         # The usual case, `_publish_full_blocks` inline: the one block this decode filled.
-                        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+                        parent = hashes[-1] if hashes else request_root(request)
                         block_hash = sha256(parent + pack(*tokens[done * size : num_full * size])).digest()
                         hashes.append(block_hash)
                         if pool.register(table[done], block_hash):
@@ -326,7 +336,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         size, pack, sha256 = self.block_size, self._pack_block, hashlib.sha256
-        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        parent = hashes[-1] if hashes else request_root(request)
         for i in range(len(hashes), num_blocks):
             parent = sha256(parent + pack(*tokens[i * size : (i + 1) * size])).digest()  # hash_block, inline
             hashes.append(parent)

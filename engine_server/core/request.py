@@ -18,6 +18,7 @@ from engine_server.pooling.params import PoolingParams
 from engine_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_server.lora.peft_format import LoraAdapter
     from engine_server.structured.compiler import CompiledConstraint
 
 
@@ -90,6 +91,8 @@ class Request:
         "final_only",
         "first_token_time",
         "grammar",
+        "lora",
+        "lora_slot",
         "max_tokens",
         "needs_output_history",
         "num_cached_tokens",
@@ -127,6 +130,7 @@ class Request:
         grammar: CompiledConstraint | None = None,
         pooling: PoolingParams | None = None,
         cache_salt: str = "",
+        lora: LoraAdapter | None = None,
     ) -> None:
         """`arrival_time` and `deadline` are `time.monotonic()` values; arrival defaults to now.
 
@@ -139,6 +143,8 @@ class Request:
 
         `cache_salt` names the request's prefix-cache namespace: it seeds the chain of its block hashes (see
         engine_server.core.kv_cache_manager), so it shares cached blocks only with requests of the same salt.
+        `lora`: the LoRA adapter it generates with (None: the base model); its key seeds the chain too, so
+        requests of different adapters (or of none) never share cached blocks.
         """
         constraint = grammar.constraint if grammar is not None else None
         if constraint != sampling_params.constraint:
@@ -155,6 +161,8 @@ class Request:
         self.grammar = grammar
         self.pooling = pooling
         self.cache_salt = cache_salt
+        self.lora = lora
+        self.lora_slot = -1  # the adapter's slot while the request runs (the scheduler's AdapterSlots), else -1
         self.max_tokens = (
             0 if pooling is not None else resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
         )

@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from engine_server.config import CacheConfig, SchedulerConfig
+from engine_server.core.adapter_slots import AdapterSlots
 from engine_server.core.kv_cache_manager import KVCacheManager
 from engine_server.core.request import Priority, Request, RequestStatus, receive_pending_tokens
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
@@ -103,10 +104,12 @@ class Scheduler:
         max_model_len: int,
         step_time: StepTimeModel | None = None,
         window: int = 0,
+        lora_slots: int = 0,
     ) -> None:
         """`step_time` caps the prefill of steps without INTERACTIVE prefill (module docstring); the caller
         feeds it the measured steps. None: no cap. `window` > 0: every layer of the model attends through that
-        sliding window, and requests give back the blocks outside it (`KVCacheManager`)."""
+        sliding window, and requests give back the blocks outside it (`KVCacheManager`). `lora_slots` > 0: the
+        LoRA slots (`--max-loras`) that running requests of adapters share (`AdapterSlots`)."""
         self.config = scheduler_config
         self.step_time = step_time
         self._last_interactive = -math.inf  # monotonic time an INTERACTIVE request last arrived or ran
@@ -125,6 +128,7 @@ class Scheduler:
         self.steady_decode = True  # schedule steady decode steps from `_steady` (False: the general path only)
         self._steady: _SteadyRecord | None = None  # the last step, when it was a steady decode step
         self._num_finished = 0  # requests finished since start: a steady update checks no row's status unless it moved
+        self.adapter_slots = AdapterSlots(lora_slots) if lora_slots else None
 
     # -- queries -------------------------------------------------------------------------------------
 
@@ -357,6 +361,7 @@ class Scheduler:
         num_decode_rows += sum(1 for item in scheduled[num_running_rows:] if not item.is_prefill)  # admitted ones
         return SchedulerOutput(
             scheduled,
+            lora_loads=self.adapter_slots.take_loads() if self.adapter_slots is not None else None,
             num_batched_tokens=num_batched_tokens,
             preempted_ids=preempted,
             finished=finished,
@@ -422,6 +427,7 @@ class Scheduler:
         admitted = output.scheduled[output.num_running_rows :]
         for item in reversed(admitted):
             request = item.request
+            self._give_back_adapter_slot(request)  # its slot keeps the adapter the step loaded: a later step reuses it
             self.kv_cache.free(request)
             request.num_computed_tokens = 0
             request.num_pending_tokens -= item.needs_sample
@@ -669,10 +675,13 @@ class Scheduler:
                     if request.num_tokens > budget:
                         return budget  # an encoder's input runs whole: it waits for a step with room for all of it
                     num_new = request.num_tokens
+                if request.lora is not None and not self._take_adapter_slot(request):
+                    return budget  # every slot serves another adapter's running requests: it waits, in its place
                 blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
                 while blocks is None and takes_from_batch and self._preempt_latest_batch(preempted):
                     blocks = self.kv_cache.allocate_slots(request, num_new, cached_blocks)
                 if blocks is None:
+                    self._give_back_adapter_slot(request)
                     return budget  # no overtaking: a later or lower-priority request must not jump ahead
                 queue.popleft()
                 if request.status is RequestStatus.WAITING:
@@ -695,7 +704,25 @@ class Scheduler:
             request.num_pending_tokens += 1  # until update_from_output brings its token
         return ScheduledRequest(request, start, num_new, blocks, needs_sample, num_cached)
 
+    def _take_adapter_slot(self, request: Request) -> bool:
+        """Give an adapter's request its adapter's slot; False when none is free (`AdapterSlots.acquire`)."""
+        assert request.lora is not None
+        if self.adapter_slots is None:
+            raise RuntimeError("a request names a LoRA adapter but the scheduler has no LoRA slots")
+        slot = self.adapter_slots.acquire(request.lora)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _give_back_adapter_slot(self, request: Request) -> None:
+        """The request no longer runs: its slot (if it holds one) may go to another adapter."""
+        if request.lora_slot >= 0 and self.adapter_slots is not None:
+            self.adapter_slots.release(request.lora_slot)
+            request.lora_slot = -1
+
     def _preempt(self, request: Request) -> None:
+        self._give_back_adapter_slot(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -719,6 +746,7 @@ class Scheduler:
         """Drop a finished request: free its blocks and forget it (it is already out of the queues)."""
         self._num_finished += 1
         self._num_pooling -= request.pooling is not None
+        self._give_back_adapter_slot(request)
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._seq[request.request_id]

@@ -10,11 +10,14 @@ to `start_position + num_new_tokens`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine_server.core.request import Request
+
+if TYPE_CHECKING:
+    from engine_server.lora.peft_format import LoraAdapter
 
 
 @dataclass(slots=True)
@@ -95,6 +98,7 @@ class SchedulerOutput:
         "_scheduled",
         "finished",
         "has_pooling",
+        "lora_loads",
         "num_batched_tokens",
         "num_decode_rows",
         "num_draft_tokens",
@@ -109,6 +113,7 @@ class SchedulerOutput:
         scheduled: list[ScheduledRequest] | None = None,
         *,
         steady: SteadyDecode | None = None,
+        lora_loads: list[tuple[int, LoraAdapter]] | None = None,
         num_batched_tokens: int = 0,
         preempted_ids: list[str] | None = None,
         finished: list[Request] | None = None,
@@ -122,6 +127,9 @@ class SchedulerOutput:
             raise ValueError("a steady step's rows come from its columns")
         self._scheduled = scheduled if scheduled is not None or steady is not None else []
         self.steady = steady
+        # LoRA slots the scheduler gave to other adapters for this step: the runner writes each (slot, adapter)
+        # into its slot, in order, before the forward pass (engine_server.core.adapter_slots).
+        self.lora_loads = lora_loads or []
         self.num_batched_tokens = num_batched_tokens  # sum of num_new_tokens; <= max_num_batched_tokens
         self.preempted_ids = preempted_ids if preempted_ids is not None else []  # lost their blocks; will recompute
         # Requests that ended inside schedule() without running (e.g. deadline passed in the queue).

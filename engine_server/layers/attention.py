@@ -11,6 +11,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
+from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine_server.parallel.sharding import heads_per_rank, kv_heads_per_rank, qkv_slices
@@ -64,11 +65,16 @@ class PagedSelfAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         """hidden `[T, hidden]` -> `[T, hidden]`; writes this step's K/V into `kv_cache` before attending.
-        `positions` are the tokens' rows of `cos_sin_cache` (`DecoderModel.rope_rows`)."""
+        `positions` are the tokens' rows of `cos_sin_cache` (`DecoderModel.rope_rows`). `lora`: the step's LoRA
+        adapters, added to the q/k/v and output projections."""
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            qkv = lora.add("qkv_proj", hidden, qkv, ops)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         if self.clip_qkv:
@@ -89,5 +95,8 @@ class PagedSelfAttention(nn.Module):
             q = torch.cat((q_turned, q[..., dim:]), dim=-1)
             k = torch.cat((k_turned, k[..., dim:]), dim=-1)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap)
-        return self.tp.all_reduce_sum(self.o_proj(out.reshape(tokens, self.q_size)))
+        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap).reshape(tokens, self.q_size)
+        projected = self.o_proj(out)
+        if lora is not None:
+            projected = lora.add("o_proj", out, projected, ops)
+        return self.tp.all_reduce_sum(projected)

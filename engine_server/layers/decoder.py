@@ -14,6 +14,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm
+from engine_server.lora.slots import LayerLora, LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
@@ -29,6 +30,7 @@ class DecoderLayer(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
     ) -> None:
         super().__init__()
+        self.index = index
         self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp, config.attention_window(index))
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(config, dtype, tp)
@@ -47,11 +49,20 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns `(mlp output, residual stream)`; their sum is the layer's output hidden state."""
-        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops)
+        """Returns `(mlp output, residual stream)`; their sum is the layer's output hidden state. `lora`: the
+        step's LoRA adapters (engine_server.lora), added to each projection."""
+        layer_lora = None if lora is None else lora.layer(self.index)
+        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
         hidden, residual = self.post_attention_layernorm.add_and_norm(attended, residual, ops)
-        return self.mlp(hidden, ops), residual
+        return self.feed_forward(hidden, ops, layer_lora), residual
+
+    def feed_forward(self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
+        """The MLP (a dense one with the step's adapters; experts take none: engine_server.lora.peft_format)."""
+        if lora is not None and isinstance(self.mlp, GatedMLP):
+            return self.mlp(hidden, ops, lora)
+        return self.mlp(hidden, ops)
 
     def attend(
         self,
@@ -62,6 +73,7 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        lora: LayerLora | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's first half: `(attention output, residual stream)` from the previous layer's pair (the
         input norm fuses their add; the first layer gets no residual)."""
@@ -70,7 +82,7 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden, ops)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, ops)
-        return self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops), residual
+        return self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops, lora), residual
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -94,11 +106,13 @@ class SandwichDecoderLayer(DecoderLayer):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops)
+        layer_lora = None if lora is None else lora.layer(self.index)
+        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
         normed = self.post_attention_layernorm(attended, ops)
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(normed, residual, ops)
-        return self.post_feedforward_layernorm(self.mlp(hidden, ops), ops), residual
+        return self.post_feedforward_layernorm(self.feed_forward(hidden, ops, layer_lora), ops), residual
 
 
 def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens: int) -> torch.Tensor:
@@ -201,13 +215,15 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
         ops: KernelOps,
         interrupt: StepInterrupt | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """With `interrupt`, raises `StepInterrupted` after the first layer that ends with it set (the layers
-        before wrote their K/V; engine_server.step_interrupt)."""
+        before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (a step with
+        some runs the layers, not the decode stack)."""
         hidden = self.embed_tokens(input_ids)
         if self.scales_embeddings:
             hidden = hidden * self.get_buffer("embedding_multiplier")
-        if self.decode_stack is not None:
+        if self.decode_stack is not None and lora is None:
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
             stop = None if interrupt is None else interrupt.tensor
@@ -221,7 +237,7 @@ class DecoderModel(nn.Module):
         rope_rows = self.rope_rows(positions, meta)
         for layer, kv_cache, reads_local in zip(self.layers, kv_caches, self.local_rope_layers, strict=True):
             table = local if reads_local else cos_sin
-            hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops)
+            hidden, residual = layer(rope_rows, hidden, residual, kv_cache, table, meta, ops, lora)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
         assert residual is not None, "a model has at least one layer"

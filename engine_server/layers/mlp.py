@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine_server.parallel.sharding import gate_up_slices
@@ -35,12 +36,17 @@ class GatedMLP(nn.Module):
         self.gate_up_proj: nn.Module = ColumnParallelLinear(hidden_size, parts, False, dtype)
         self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
 
-    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.tp.all_reduce_sum(self.partial(x, ops))
+    def forward(self, x: torch.Tensor, ops: KernelOps, lora: LayerLora | None = None) -> torch.Tensor:
+        """`lora`: the step's LoRA adapters, added to the gate/up and down projections."""
+        return self.tp.all_reduce_sum(self.partial(x, ops, lora))
 
-    def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, ops: KernelOps, lora: LayerLora | None = None) -> torch.Tensor:
         """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
         gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add("gate_up_proj", x, gate_up, ops)
         gated = ops.silu_and_mul(gate_up) if self.activation == "silu" else reference.gelu_tanh_and_mul(gate_up)
         result: torch.Tensor = self.down_proj(gated)
+        if lora is not None:
+            result = lora.add("down_proj", gated, result, ops)
         return result

@@ -14,6 +14,7 @@ from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
+from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
     EXPERT_PARTS,
@@ -88,11 +89,13 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         interrupt: StepInterrupt | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[T]` (int64) -> final hidden states `[T, hidden]`; writes the step's K/V.
-        With `interrupt`, StepInterrupted once it is set, between two layers (engine_server.step_interrupt)."""
+        With `interrupt`, StepInterrupted once it is set, between two layers (engine_server.step_interrupt).
+        `lora`: the step's LoRA adapters (engine_server.lora)."""
         ops = self.ops if self.ops is not None else select_ops(input_ids.device)
-        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta, ops, interrupt)
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, meta, ops, interrupt, lora)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ class GenerateRequest(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and abort; the engine generates one when empty. Must be unique among in-flight
     requests of this engine.
@@ -54,6 +55,10 @@ class GenerateRequest(_message.Message):
     when their salts are equal; empty is the unsalted namespace. A caller serving several tenants sends a
     secret salt per tenant (the gateway derives one from each API key's project), so that no tenant can learn
     from cache hits or latency what another sent. At most 1024 characters.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter to generate with, by the name it was loaded under (GetModelInfoResponse.adapters); empty:
+    the base model. NOT_FOUND when the engine serves no adapter of that name.
     """
     @_builtins.property
     def input(self) -> _types_pb2.Input:
@@ -76,10 +81,11 @@ class GenerateRequest(_message.Message):
         constraint: _types_pb2.Constraint | None = ...,
         priority: _types_pb2.Priority.ValueType = ...,
         cache_salt: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "input", b"input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "cache_salt", b"cache_salt", "constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -135,12 +141,15 @@ class StreamRequest(_message.Message):
     CONSTRAINT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and abort; the engine generates one when empty."""
     priority: _types_pb2.Priority.ValueType
     """Scheduling class; UNSPECIFIED means INTERACTIVE."""
     cache_salt: _builtins.str
     """As GenerateRequest.cache_salt."""
+    adapter: _builtins.str
+    """As GenerateRequest.adapter."""
     @_builtins.property
     def input(self) -> _types_pb2.Input:
         """What to continue: text, chat messages or token ids."""
@@ -162,10 +171,11 @@ class StreamRequest(_message.Message):
         constraint: _types_pb2.Constraint | None = ...,
         priority: _types_pb2.Priority.ValueType = ...,
         cache_salt: _builtins.str = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "input", b"input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "cache_salt", b"cache_salt", "constraint", b"constraint", "input", b"input", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -428,6 +438,7 @@ class GetModelInfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     POOLING_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """The served model id (e.g. "SmolLM2-135M-Instruct")."""
     context_length: _builtins.int
@@ -462,6 +473,10 @@ class GetModelInfoResponse(_message.Message):
     def pooling(self) -> Global___PoolingInfo:
         """How Embed and Score pool this model's hidden states."""
 
+    @_builtins.property
+    def lora(self) -> Global___LoraInfo:
+        """The LoRA adapters served on this model now, by name (unset: the engine was started without LoRA)."""
+
     def __init__(
         self,
         *,
@@ -477,14 +492,172 @@ class GetModelInfoResponse(_message.Message):
         limits: Global___RequestLimits | None = ...,
         max_num_seqs: _builtins.int = ...,
         pooling: Global___PoolingInfo | None = ...,
+        lora: Global___LoraInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["defaults", b"defaults", "limits", b"limits", "pooling", b"pooling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["defaults", b"defaults", "limits", b"limits", "lora", b"lora", "pooling", b"pooling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "defaults", b"defaults", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "pooling", b"pooling", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "context_length", b"context_length", "defaults", b"defaults", "device", b"device", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "has_chat_template", b"has_chat_template", "limits", b"limits", "lora", b"lora", "max_num_seqs", b"max_num_seqs", "model_id", b"model_id", "pooling", b"pooling", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
+
+@_typing.final
+class LoraInfo(_message.Message):
+    """LoraInfo says which LoRA adapters an engine serves and what it can hold."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    max_loras: _builtins.int
+    """Most adapters one step runs (the engine's --max-loras): requests of more adapters wait for a slot."""
+    max_lora_rank: _builtins.int
+    """Largest rank an adapter may have (--max-lora-rank)."""
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """The adapters requests may name, in the order they were loaded."""
+
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraInfo: _TypeAlias = LoraInfo  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """AdapterInfo describes one served LoRA adapter."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests select it by (GenerateRequest.adapter; the OpenAI API's `model`)."""
+    path: _builtins.str
+    """The folder it was read from."""
+    rank: _builtins.int
+    """Its rank (the largest of its modules')."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The projections it changes, by their names in the model (e.g. "q_proj", "down_proj")."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    """LoadAdapterRequest names an adapter and where to read it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name to serve it under: 1 to 256 characters, not the base model's id."""
+    path: _builtins.str
+    """A folder on the engine's host holding adapter_config.json and adapter_model.safetensors (or .bin)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadAdapterResponse(_message.Message):
+    """LoadAdapterResponse describes the adapter now served."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapter(self) -> Global___AdapterInfo:
+        """The adapter as loaded."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Global___AdapterInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterResponse: _TypeAlias = LoadAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    """UnloadAdapterRequest names the adapter to stop serving."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterResponse(_message.Message):
+    """UnloadAdapterResponse has no fields."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterResponse: _TypeAlias = UnloadAdapterResponse  # noqa: Y015
 
 @_typing.final
 class PoolingInfo(_message.Message):
@@ -635,6 +808,7 @@ class GetLoadResponse(_message.Message):
     SPECULATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_VERIFIED_ROWS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_KEPT_HISTOGRAM_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     running: _builtins.int
     """Sequences being generated now."""
     waiting: _builtins.int
@@ -661,6 +835,12 @@ class GetLoadResponse(_message.Message):
     def speculative_kept_histogram(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Element i: verified rows that kept i drafts (i from 0 to num_speculative_tokens)."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The names of the LoRA adapters this engine serves (GetModelInfoResponse.lora), so that a router keeps an
+        adapter's requests on the engines that hold it.
+        """
+
     def __init__(
         self,
         *,
@@ -675,10 +855,11 @@ class GetLoadResponse(_message.Message):
         speculative_accepted_tokens: _builtins.int = ...,
         speculative_verified_rows: _builtins.int = ...,
         speculative_kept_histogram: _abc.Iterable[_builtins.int] | None = ...,
+        adapters: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "kv_block_size", b"kv_block_size", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "kv_usage", b"kv_usage", "running", b"running", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_kept_histogram", b"speculative_kept_histogram", "speculative_proposed_tokens", b"speculative_proposed_tokens", "speculative_verified_rows", b"speculative_verified_rows", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "adapters", b"adapters", "kv_block_size", b"kv_block_size", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "kv_usage", b"kv_usage", "running", b"running", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_kept_histogram", b"speculative_kept_histogram", "speculative_proposed_tokens", b"speculative_proposed_tokens", "speculative_verified_rows", b"speculative_verified_rows", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -75,6 +75,16 @@ class EngineServiceStub:
                 request_serializer=ladle_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=ladle_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/ladle.v1.EngineService/LoadAdapter',
+                request_serializer=ladle_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=ladle_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/ladle.v1.EngineService/UnloadAdapter',
+                request_serializer=ladle_dot_v1_dot_engine__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=ladle_dot_v1_dot_engine__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -144,6 +154,24 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoadAdapter reads a LoRA adapter (PEFT's format: adapter_config.json and adapter_model.safetensors) from a
+        folder on the engine's host and serves it under a name: requests then select it by GenerateRequest.adapter.
+        INVALID_ARGUMENT when the folder holds no adapter the engine can serve on its model (the message says why),
+        ALREADY_EXISTS when the name is taken, FAILED_PRECONDITION when the engine was started without LoRA.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """UnloadAdapter stops serving an adapter: later requests naming it get NOT_FOUND; requests already running with
+        it finish with it. NOT_FOUND when no adapter has that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +214,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=ladle_dot_v1_dot_engine__pb2.ScoreRequest.FromString,
                     response_serializer=ladle_dot_v1_dot_engine__pb2.ScoreResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=ladle_dot_v1_dot_engine__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=ladle_dot_v1_dot_engine__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=ladle_dot_v1_dot_engine__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=ladle_dot_v1_dot_engine__pb2.UnloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +443,60 @@ class EngineService:
             '/ladle.v1.EngineService/Score',
             ladle_dot_v1_dot_engine__pb2.ScoreRequest.SerializeToString,
             ladle_dot_v1_dot_engine__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ladle.v1.EngineService/LoadAdapter',
+            ladle_dot_v1_dot_engine__pb2.LoadAdapterRequest.SerializeToString,
+            ladle_dot_v1_dot_engine__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ladle.v1.EngineService/UnloadAdapter',
+            ladle_dot_v1_dot_engine__pb2.UnloadAdapterRequest.SerializeToString,
+            ladle_dot_v1_dot_engine__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,16 @@ class EngineServiceStub:
     """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
     on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
     """
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_engine_pb2.LoadAdapterRequest, _engine_pb2.LoadAdapterResponse]
+    """LoadAdapter reads a LoRA adapter (PEFT's format: adapter_config.json and adapter_model.safetensors) from a
+    folder on the engine's host and serves it under a name: requests then select it by GenerateRequest.adapter.
+    INVALID_ARGUMENT when the folder holds no adapter the engine can serve on its model (the message says why),
+    ALREADY_EXISTS when the name is taken, FAILED_PRECONDITION when the engine was started without LoRA.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_engine_pb2.UnloadAdapterRequest, _engine_pb2.UnloadAdapterResponse]
+    """UnloadAdapter stops serving an adapter: later requests naming it get NOT_FOUND; requests already running with
+    it finish with it. NOT_FOUND when no adapter has that name.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -104,6 +114,16 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Score: _aio.UnaryUnaryMultiCallable[_engine_pb2.ScoreRequest, _engine_pb2.ScoreResponse]  # type: ignore[assignment]
     """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
     on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
+    """
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_engine_pb2.LoadAdapterRequest, _engine_pb2.LoadAdapterResponse]  # type: ignore[assignment]
+    """LoadAdapter reads a LoRA adapter (PEFT's format: adapter_config.json and adapter_model.safetensors) from a
+    folder on the engine's host and serves it under a name: requests then select it by GenerateRequest.adapter.
+    INVALID_ARGUMENT when the folder holds no adapter the engine can serve on its model (the message says why),
+    ALREADY_EXISTS when the name is taken, FAILED_PRECONDITION when the engine was started without LoRA.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_engine_pb2.UnloadAdapterRequest, _engine_pb2.UnloadAdapterResponse]  # type: ignore[assignment]
+    """UnloadAdapter stops serving an adapter: later requests naming it get NOT_FOUND; requests already running with
+    it finish with it. NOT_FOUND when no adapter has that name.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -182,6 +202,28 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.ScoreResponse, _abc.Awaitable[_engine_pb2.ScoreResponse]]:
         """Score returns one relevance score per document for a query: the cosine similarity of their embeddings, or,
         on a cross-encoder (PoolingInfo.cross_encoder), its classifier's relevance of each (query, document) pair.
+        """
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _engine_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.LoadAdapterResponse, _abc.Awaitable[_engine_pb2.LoadAdapterResponse]]:
+        """LoadAdapter reads a LoRA adapter (PEFT's format: adapter_config.json and adapter_model.safetensors) from a
+        folder on the engine's host and serves it under a name: requests then select it by GenerateRequest.adapter.
+        INVALID_ARGUMENT when the folder holds no adapter the engine can serve on its model (the message says why),
+        ALREADY_EXISTS when the name is taken, FAILED_PRECONDITION when the engine was started without LoRA.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _engine_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.UnloadAdapterResponse, _abc.Awaitable[_engine_pb2.UnloadAdapterResponse]]:
+        """UnloadAdapter stops serving an adapter: later requests naming it get NOT_FOUND; requests already running with
+        it finish with it. NOT_FOUND when no adapter has that name.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

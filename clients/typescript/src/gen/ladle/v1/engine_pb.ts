@@ -25,7 +25,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/engine.proto.
  */
 export const file_ladle_v1_engine: GenFile = /*@__PURE__*/
-  fileDesc("ChVsYWRsZS92MS9lbmdpbmUucHJvdG8SCGxhZGxlLnYxItUBCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJIngKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIhCgdjaG9pY2VzGAIgAygLMhAubGFkbGUudjEuQ2hvaWNlEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAki0wEKDVN0cmVhbVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJInsKDlN0cmVhbVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSJgoHY2hvaWNlcxgCIAMoCzIVLmxhZGxlLnYxLkNob2ljZURlbHRhEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkiqAEKDEJhdGNoUmVxdWVzdBIPCgdpdGVtX2lkGAEgASgJEioKB3JlcXVlc3QYAiABKAsyGS5sYWRsZS52MS5HZW5lcmF0ZVJlcXVlc3QSJwoFZW1iZWQYAyABKAsyFi5sYWRsZS52MS5FbWJlZFJlcXVlc3RIABInCgVzY29yZRgEIAEoCzIWLmxhZGxlLnYxLlNjb3JlUmVxdWVzdEgAQgkKB3Bvb2xpbmci4QEKDUJhdGNoUmVzcG9uc2USDwoHaXRlbV9pZBgBIAEoCRIsCgZyZXN1bHQYAiABKAsyGi5sYWRsZS52MS5HZW5lcmF0ZVJlc3BvbnNlSAASJAoFZXJyb3IYAyABKAsyEy5sYWRsZS52MS5JdGVtRXJyb3JIABIvCgxlbWJlZF9yZXN1bHQYBCABKAsyFy5sYWRsZS52MS5FbWJlZFJlc3BvbnNlSAASLwoMc2NvcmVfcmVzdWx0GAUgASgLMhcubGFkbGUudjEuU2NvcmVSZXNwb25zZUgAQgkKB291dGNvbWUiOQoJSXRlbUVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRINCgVwYXJhbRgDIAEoCSJpCg9Ub2tlbml6ZVJlcXVlc3QSHgoFaW5wdXQYASABKAsyDy5sYWRsZS52MS5JbnB1dBIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zIkoKEFRva2VuaXplUmVzcG9uc2USEQoJdG9rZW5faWRzGAEgAygNEg4KBnRva2VucxgCIAMoCRITCgtwcm9tcHRfdGV4dBgDIAEoCSIVChNHZXRNb2RlbEluZm9SZXF1ZXN0ItACChRHZXRNb2RlbEluZm9SZXNwb25zZRIQCghtb2RlbF9pZBgBIAEoCRIWCg5jb250ZXh0X2xlbmd0aBgCIAEoDRISCgp2b2NhYl9zaXplGAMgASgNEhUKDWVvc190b2tlbl9pZHMYBCADKA0SGQoRaGFzX2NoYXRfdGVtcGxhdGUYBSABKAgSLAoIZGVmYXVsdHMYBiABKAsyGi5sYWRsZS52MS5TYW1wbGluZ0RlZmF1bHRzEhQKDGFyY2hpdGVjdHVyZRgHIAEoCRIOCgZkZXZpY2UYCCABKAkSDQoFZHR5cGUYCSABKAkSJwoGbGltaXRzGAogASgLMhcubGFkbGUudjEuUmVxdWVzdExpbWl0cxIUCgxtYXhfbnVtX3NlcXMYCyABKA0SJgoHcG9vbGluZxgMIAEoCzIVLmxhZGxlLnYxLlBvb2xpbmdJbmZvIlsKC1Bvb2xpbmdJbmZvEg4KBm1ldGhvZBgBIAEoCRIRCglub3JtYWxpemUYAiABKAgSEgoKZGltZW5zaW9ucxgDIAEoDRIVCg1jcm9zc19lbmNvZGVyGAQgASgIIoQBChBTYW1wbGluZ0RlZmF1bHRzEhMKC3RlbXBlcmF0dXJlGAEgASgCEg0KBXRvcF9wGAIgASgCEg0KBXRvcF9rGAMgASgFEhoKEnJlcGV0aXRpb25fcGVuYWx0eRgEIAEoAhISCgptYXhfdG9rZW5zGAUgASgNEg0KBW1pbl9wGAYgASgCIlIKDVJlcXVlc3RMaW1pdHMSDQoFbWF4X24YASABKA0SGAoQbWF4X3N0b3Bfc3RyaW5ncxgCIAEoDRIYChBtYXhfdG9wX2xvZ3Byb2JzGAMgASgNIhAKDkdldExvYWRSZXF1ZXN0IrECCg9HZXRMb2FkUmVzcG9uc2USDwoHcnVubmluZxgBIAEoDRIPCgd3YWl0aW5nGAIgASgNEhYKDmt2X2Jsb2Nrc191c2VkGAMgASgNEhcKD2t2X2Jsb2Nrc190b3RhbBgEIAEoDRIVCg1rdl9ibG9ja19zaXplGAUgASgNEhAKCGt2X3VzYWdlGAYgASgCEhEKCWFjY2VwdGluZxgHIAEoCBIjChtzcGVjdWxhdGl2ZV9wcm9wb3NlZF90b2tlbnMYCCABKAQSIwobc3BlY3VsYXRpdmVfYWNjZXB0ZWRfdG9rZW5zGAkgASgEEiEKGXNwZWN1bGF0aXZlX3ZlcmlmaWVkX3Jvd3MYCiABKAQSIgoac3BlY3VsYXRpdmVfa2VwdF9oaXN0b2dyYW0YCyADKAQiiwIKDEVtYmVkUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEh8KBmlucHV0cxgCIAMoCzIPLmxhZGxlLnYxLklucHV0EhcKCmRpbWVuc2lvbnMYAyABKA1IAIgBARIWCglub3JtYWxpemUYBCABKAhIAYgBARIkCghwcmlvcml0eRgFIAEoDjISLmxhZGxlLnYxLlByaW9yaXR5EiMKFnRydW5jYXRlX3Byb21wdF90b2tlbnMYBiABKA1IAogBARISCgpjYWNoZV9zYWx0GAcgASgJQg0KC19kaW1lbnNpb25zQgwKCl9ub3JtYWxpemVCGQoXX3RydW5jYXRlX3Byb21wdF90b2tlbnMiewoNRW1iZWRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEicKCmVtYmVkZGluZ3MYAiADKAsyEy5sYWRsZS52MS5FbWJlZGRpbmcSHgoFdXNhZ2UYAyABKAsyDy5sYWRsZS52MS5Vc2FnZRINCgVtb2RlbBgEIAEoCSI+CglFbWJlZGRpbmcSDQoFaW5kZXgYASABKA0SDgoGdmFsdWVzGAIgAygCEhIKCm51bV90b2tlbnMYAyABKA0i4AEKDFNjb3JlUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEh4KBXF1ZXJ5GAIgASgLMg8ubGFkbGUudjEuSW5wdXQSIgoJZG9jdW1lbnRzGAMgAygLMg8ubGFkbGUudjEuSW5wdXQSJAoIcHJpb3JpdHkYBCABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRIjChZ0cnVuY2F0ZV9wcm9tcHRfdG9rZW5zGAUgASgNSACIAQESEgoKY2FjaGVfc2FsdBgGIAEoCUIZChdfdHJ1bmNhdGVfcHJvbXB0X3Rva2VucyJiCg1TY29yZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSDgoGc2NvcmVzGAIgAygCEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkylQQKDUVuZ2luZVNlcnZpY2USQQoIR2VuZXJhdGUSGS5sYWRsZS52MS5HZW5lcmF0ZVJlcXVlc3QaGi5sYWRsZS52MS5HZW5lcmF0ZVJlc3BvbnNlEj0KBlN0cmVhbRIXLmxhZGxlLnYxLlN0cmVhbVJlcXVlc3QaGC5sYWRsZS52MS5TdHJlYW1SZXNwb25zZTABEjwKBUJhdGNoEhYubGFkbGUudjEuQmF0Y2hSZXF1ZXN0GhcubGFkbGUudjEuQmF0Y2hSZXNwb25zZSgBMAESQQoIVG9rZW5pemUSGS5sYWRsZS52MS5Ub2tlbml6ZVJlcXVlc3QaGi5sYWRsZS52MS5Ub2tlbml6ZVJlc3BvbnNlEk0KDEdldE1vZGVsSW5mbxIdLmxhZGxlLnYxLkdldE1vZGVsSW5mb1JlcXVlc3QaHi5sYWRsZS52MS5HZXRNb2RlbEluZm9SZXNwb25zZRI+CgdHZXRMb2FkEhgubGFkbGUudjEuR2V0TG9hZFJlcXVlc3QaGS5sYWRsZS52MS5HZXRMb2FkUmVzcG9uc2USOAoFRW1iZWQSFi5sYWRsZS52MS5FbWJlZFJlcXVlc3QaFy5sYWRsZS52MS5FbWJlZFJlc3BvbnNlEjgKBVNjb3JlEhYubGFkbGUudjEuU2NvcmVSZXF1ZXN0GhcubGFkbGUudjEuU2NvcmVSZXNwb25zZWIGcHJvdG8z", [file_ladle_v1_types]);
+  fileDesc("ChVsYWRsZS92MS9lbmdpbmUucHJvdG8SCGxhZGxlLnYxIuYBCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJEg8KB2FkYXB0ZXIYByABKAkieAoQR2VuZXJhdGVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEiEKB2Nob2ljZXMYAiADKAsyEC5sYWRsZS52MS5DaG9pY2USHgoFdXNhZ2UYAyABKAsyDy5sYWRsZS52MS5Vc2FnZRINCgVtb2RlbBgEIAEoCSLkAQoNU3RyZWFtUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEh4KBWlucHV0GAIgASgLMg8ubGFkbGUudjEuSW5wdXQSKgoIc2FtcGxpbmcYAyABKAsyGC5sYWRsZS52MS5TYW1wbGluZ1BhcmFtcxIoCgpjb25zdHJhaW50GAQgASgLMhQubGFkbGUudjEuQ29uc3RyYWludBIkCghwcmlvcml0eRgFIAEoDjISLmxhZGxlLnYxLlByaW9yaXR5EhIKCmNhY2hlX3NhbHQYBiABKAkSDwoHYWRhcHRlchgHIAEoCSJ7Cg5TdHJlYW1SZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEiYKB2Nob2ljZXMYAiADKAsyFS5sYWRsZS52MS5DaG9pY2VEZWx0YRIeCgV1c2FnZRgDIAEoCzIPLmxhZGxlLnYxLlVzYWdlEg0KBW1vZGVsGAQgASgJIqgBCgxCYXRjaFJlcXVlc3QSDwoHaXRlbV9pZBgBIAEoCRIqCgdyZXF1ZXN0GAIgASgLMhkubGFkbGUudjEuR2VuZXJhdGVSZXF1ZXN0EicKBWVtYmVkGAMgASgLMhYubGFkbGUudjEuRW1iZWRSZXF1ZXN0SAASJwoFc2NvcmUYBCABKAsyFi5sYWRsZS52MS5TY29yZVJlcXVlc3RIAEIJCgdwb29saW5nIuEBCg1CYXRjaFJlc3BvbnNlEg8KB2l0ZW1faWQYASABKAkSLAoGcmVzdWx0GAIgASgLMhoubGFkbGUudjEuR2VuZXJhdGVSZXNwb25zZUgAEiQKBWVycm9yGAMgASgLMhMubGFkbGUudjEuSXRlbUVycm9ySAASLwoMZW1iZWRfcmVzdWx0GAQgASgLMhcubGFkbGUudjEuRW1iZWRSZXNwb25zZUgAEi8KDHNjb3JlX3Jlc3VsdBgFIAEoCzIXLmxhZGxlLnYxLlNjb3JlUmVzcG9uc2VIAEIJCgdvdXRjb21lIjkKCUl0ZW1FcnJvchIMCgRjb2RlGAEgASgFEg8KB21lc3NhZ2UYAiABKAkSDQoFcGFyYW0YAyABKAkiaQoPVG9rZW5pemVSZXF1ZXN0Eh4KBWlucHV0GAEgASgLMg8ubGFkbGUudjEuSW5wdXQSHwoSYWRkX3NwZWNpYWxfdG9rZW5zGAIgASgISACIAQFCFQoTX2FkZF9zcGVjaWFsX3Rva2VucyJKChBUb2tlbml6ZVJlc3BvbnNlEhEKCXRva2VuX2lkcxgBIAMoDRIOCgZ0b2tlbnMYAiADKAkSEwoLcHJvbXB0X3RleHQYAyABKAkiFQoTR2V0TW9kZWxJbmZvUmVxdWVzdCLyAgoUR2V0TW9kZWxJbmZvUmVzcG9uc2USEAoIbW9kZWxfaWQYASABKAkSFgoOY29udGV4dF9sZW5ndGgYAiABKA0SEgoKdm9jYWJfc2l6ZRgDIAEoDRIVCg1lb3NfdG9rZW5faWRzGAQgAygNEhkKEWhhc19jaGF0X3RlbXBsYXRlGAUgASgIEiwKCGRlZmF1bHRzGAYgASgLMhoubGFkbGUudjEuU2FtcGxpbmdEZWZhdWx0cxIUCgxhcmNoaXRlY3R1cmUYByABKAkSDgoGZGV2aWNlGAggASgJEg0KBWR0eXBlGAkgASgJEicKBmxpbWl0cxgKIAEoCzIXLmxhZGxlLnYxLlJlcXVlc3RMaW1pdHMSFAoMbWF4X251bV9zZXFzGAsgASgNEiYKB3Bvb2xpbmcYDCABKAsyFS5sYWRsZS52MS5Qb29saW5nSW5mbxIgCgRsb3JhGA0gASgLMhIubGFkbGUudjEuTG9yYUluZm8iXQoITG9yYUluZm8SJwoIYWRhcHRlcnMYASADKAsyFS5sYWRsZS52MS5BZGFwdGVySW5mbxIRCgltYXhfbG9yYXMYAiABKA0SFQoNbWF4X2xvcmFfcmFuaxgDIAEoDSJPCgtBZGFwdGVySW5mbxIMCgRuYW1lGAEgASgJEgwKBHBhdGgYAiABKAkSDAoEcmFuaxgDIAEoDRIWCg50YXJnZXRfbW9kdWxlcxgEIAMoCSIwChJMb2FkQWRhcHRlclJlcXVlc3QSDAoEbmFtZRgBIAEoCRIMCgRwYXRoGAIgASgJIj0KE0xvYWRBZGFwdGVyUmVzcG9uc2USJgoHYWRhcHRlchgBIAEoCzIVLmxhZGxlLnYxLkFkYXB0ZXJJbmZvIiQKFFVubG9hZEFkYXB0ZXJSZXF1ZXN0EgwKBG5hbWUYASABKAkiFwoVVW5sb2FkQWRhcHRlclJlc3BvbnNlIlsKC1Bvb2xpbmdJbmZvEg4KBm1ldGhvZBgBIAEoCRIRCglub3JtYWxpemUYAiABKAgSEgoKZGltZW5zaW9ucxgDIAEoDRIVCg1jcm9zc19lbmNvZGVyGAQgASgIIoQBChBTYW1wbGluZ0RlZmF1bHRzEhMKC3RlbXBlcmF0dXJlGAEgASgCEg0KBXRvcF9wGAIgASgCEg0KBXRvcF9rGAMgASgFEhoKEnJlcGV0aXRpb25fcGVuYWx0eRgEIAEoAhISCgptYXhfdG9rZW5zGAUgASgNEg0KBW1pbl9wGAYgASgCIlIKDVJlcXVlc3RMaW1pdHMSDQoFbWF4X24YASABKA0SGAoQbWF4X3N0b3Bfc3RyaW5ncxgCIAEoDRIYChBtYXhfdG9wX2xvZ3Byb2JzGAMgASgNIhAKDkdldExvYWRSZXF1ZXN0IsMCCg9HZXRMb2FkUmVzcG9uc2USDwoHcnVubmluZxgBIAEoDRIPCgd3YWl0aW5nGAIgASgNEhYKDmt2X2Jsb2Nrc191c2VkGAMgASgNEhcKD2t2X2Jsb2Nrc190b3RhbBgEIAEoDRIVCg1rdl9ibG9ja19zaXplGAUgASgNEhAKCGt2X3VzYWdlGAYgASgCEhEKCWFjY2VwdGluZxgHIAEoCBIjChtzcGVjdWxhdGl2ZV9wcm9wb3NlZF90b2tlbnMYCCABKAQSIwobc3BlY3VsYXRpdmVfYWNjZXB0ZWRfdG9rZW5zGAkgASgEEiEKGXNwZWN1bGF0aXZlX3ZlcmlmaWVkX3Jvd3MYCiABKAQSIgoac3BlY3VsYXRpdmVfa2VwdF9oaXN0b2dyYW0YCyADKAQSEAoIYWRhcHRlcnMYDCADKAkiiwIKDEVtYmVkUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEh8KBmlucHV0cxgCIAMoCzIPLmxhZGxlLnYxLklucHV0EhcKCmRpbWVuc2lvbnMYAyABKA1IAIgBARIWCglub3JtYWxpemUYBCABKAhIAYgBARIkCghwcmlvcml0eRgFIAEoDjISLmxhZGxlLnYxLlByaW9yaXR5EiMKFnRydW5jYXRlX3Byb21wdF90b2tlbnMYBiABKA1IAogBARISCgpjYWNoZV9zYWx0GAcgASgJQg0KC19kaW1lbnNpb25zQgwKCl9ub3JtYWxpemVCGQoXX3RydW5jYXRlX3Byb21wdF90b2tlbnMiewoNRW1iZWRSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEicKCmVtYmVkZGluZ3MYAiADKAsyEy5sYWRsZS52MS5FbWJlZGRpbmcSHgoFdXNhZ2UYAyABKAsyDy5sYWRsZS52MS5Vc2FnZRINCgVtb2RlbBgEIAEoCSI+CglFbWJlZGRpbmcSDQoFaW5kZXgYASABKA0SDgoGdmFsdWVzGAIgAygCEhIKCm51bV90b2tlbnMYAyABKA0i4AEKDFNjb3JlUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEh4KBXF1ZXJ5GAIgASgLMg8ubGFkbGUudjEuSW5wdXQSIgoJZG9jdW1lbnRzGAMgAygLMg8ubGFkbGUudjEuSW5wdXQSJAoIcHJpb3JpdHkYBCABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRIjChZ0cnVuY2F0ZV9wcm9tcHRfdG9rZW5zGAUgASgNSACIAQESEgoKY2FjaGVfc2FsdBgGIAEoCUIZChdfdHJ1bmNhdGVfcHJvbXB0X3Rva2VucyJiCg1TY29yZVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSDgoGc2NvcmVzGAIgAygCEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkyswUKDUVuZ2luZVNlcnZpY2USQQoIR2VuZXJhdGUSGS5sYWRsZS52MS5HZW5lcmF0ZVJlcXVlc3QaGi5sYWRsZS52MS5HZW5lcmF0ZVJlc3BvbnNlEj0KBlN0cmVhbRIXLmxhZGxlLnYxLlN0cmVhbVJlcXVlc3QaGC5sYWRsZS52MS5TdHJlYW1SZXNwb25zZTABEjwKBUJhdGNoEhYubGFkbGUudjEuQmF0Y2hSZXF1ZXN0GhcubGFkbGUudjEuQmF0Y2hSZXNwb25zZSgBMAESQQoIVG9rZW5pemUSGS5sYWRsZS52MS5Ub2tlbml6ZVJlcXVlc3QaGi5sYWRsZS52MS5Ub2tlbml6ZVJlc3BvbnNlEk0KDEdldE1vZGVsSW5mbxIdLmxhZGxlLnYxLkdldE1vZGVsSW5mb1JlcXVlc3QaHi5sYWRsZS52MS5HZXRNb2RlbEluZm9SZXNwb25zZRI+CgdHZXRMb2FkEhgubGFkbGUudjEuR2V0TG9hZFJlcXVlc3QaGS5sYWRsZS52MS5HZXRMb2FkUmVzcG9uc2USOAoFRW1iZWQSFi5sYWRsZS52MS5FbWJlZFJlcXVlc3QaFy5sYWRsZS52MS5FbWJlZFJlc3BvbnNlEjgKBVNjb3JlEhYubGFkbGUudjEuU2NvcmVSZXF1ZXN0GhcubGFkbGUudjEuU2NvcmVSZXNwb25zZRJKCgtMb2FkQWRhcHRlchIcLmxhZGxlLnYxLkxvYWRBZGFwdGVyUmVxdWVzdBodLmxhZGxlLnYxLkxvYWRBZGFwdGVyUmVzcG9uc2USUAoNVW5sb2FkQWRhcHRlchIeLmxhZGxlLnYxLlVubG9hZEFkYXB0ZXJSZXF1ZXN0Gh8ubGFkbGUudjEuVW5sb2FkQWRhcHRlclJlc3BvbnNlYgZwcm90bzM", [file_ladle_v1_types]);
 
 /**
  * GenerateRequest asks for one generation, returned whole.
@@ -78,6 +78,14 @@ export type GenerateRequest = Message<"ladle.v1.GenerateRequest"> & {
    * @generated from field: string cache_salt = 6;
    */
   cacheSalt: string;
+
+  /**
+   * The LoRA adapter to generate with, by the name it was loaded under (GetModelInfoResponse.adapters); empty:
+   * the base model. NOT_FOUND when the engine serves no adapter of that name.
+   *
+   * @generated from field: string adapter = 7;
+   */
+  adapter: string;
 };
 
 /**
@@ -176,6 +184,13 @@ export type StreamRequest = Message<"ladle.v1.StreamRequest"> & {
    * @generated from field: string cache_salt = 6;
    */
   cacheSalt: string;
+
+  /**
+   * As GenerateRequest.adapter.
+   *
+   * @generated from field: string adapter = 7;
+   */
+  adapter: string;
 };
 
 /**
@@ -541,6 +556,13 @@ export type GetModelInfoResponse = Message<"ladle.v1.GetModelInfoResponse"> & {
    * @generated from field: ladle.v1.PoolingInfo pooling = 12;
    */
   pooling?: PoolingInfo | undefined;
+
+  /**
+   * The LoRA adapters served on this model now, by name (unset: the engine was started without LoRA).
+   *
+   * @generated from field: ladle.v1.LoraInfo lora = 13;
+   */
+  lora?: LoraInfo | undefined;
 };
 
 /**
@@ -549,6 +571,168 @@ export type GetModelInfoResponse = Message<"ladle.v1.GetModelInfoResponse"> & {
  */
 export const GetModelInfoResponseSchema: GenMessage<GetModelInfoResponse> = /*@__PURE__*/
   messageDesc(file_ladle_v1_engine, 10);
+
+/**
+ * LoraInfo says which LoRA adapters an engine serves and what it can hold.
+ *
+ * @generated from message ladle.v1.LoraInfo
+ */
+export type LoraInfo = Message<"ladle.v1.LoraInfo"> & {
+  /**
+   * The adapters requests may name, in the order they were loaded.
+   *
+   * @generated from field: repeated ladle.v1.AdapterInfo adapters = 1;
+   */
+  adapters: AdapterInfo[];
+
+  /**
+   * Most adapters one step runs (the engine's --max-loras): requests of more adapters wait for a slot.
+   *
+   * @generated from field: uint32 max_loras = 2;
+   */
+  maxLoras: number;
+
+  /**
+   * Largest rank an adapter may have (--max-lora-rank).
+   *
+   * @generated from field: uint32 max_lora_rank = 3;
+   */
+  maxLoraRank: number;
+};
+
+/**
+ * Describes the message ladle.v1.LoraInfo.
+ * Use `create(LoraInfoSchema)` to create a new message.
+ */
+export const LoraInfoSchema: GenMessage<LoraInfo> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 11);
+
+/**
+ * AdapterInfo describes one served LoRA adapter.
+ *
+ * @generated from message ladle.v1.AdapterInfo
+ */
+export type AdapterInfo = Message<"ladle.v1.AdapterInfo"> & {
+  /**
+   * The name requests select it by (GenerateRequest.adapter; the OpenAI API's `model`).
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The folder it was read from.
+   *
+   * @generated from field: string path = 2;
+   */
+  path: string;
+
+  /**
+   * Its rank (the largest of its modules').
+   *
+   * @generated from field: uint32 rank = 3;
+   */
+  rank: number;
+
+  /**
+   * The projections it changes, by their names in the model (e.g. "q_proj", "down_proj").
+   *
+   * @generated from field: repeated string target_modules = 4;
+   */
+  targetModules: string[];
+};
+
+/**
+ * Describes the message ladle.v1.AdapterInfo.
+ * Use `create(AdapterInfoSchema)` to create a new message.
+ */
+export const AdapterInfoSchema: GenMessage<AdapterInfo> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 12);
+
+/**
+ * LoadAdapterRequest names an adapter and where to read it.
+ *
+ * @generated from message ladle.v1.LoadAdapterRequest
+ */
+export type LoadAdapterRequest = Message<"ladle.v1.LoadAdapterRequest"> & {
+  /**
+   * The name to serve it under: 1 to 256 characters, not the base model's id.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * A folder on the engine's host holding adapter_config.json and adapter_model.safetensors (or .bin).
+   *
+   * @generated from field: string path = 2;
+   */
+  path: string;
+};
+
+/**
+ * Describes the message ladle.v1.LoadAdapterRequest.
+ * Use `create(LoadAdapterRequestSchema)` to create a new message.
+ */
+export const LoadAdapterRequestSchema: GenMessage<LoadAdapterRequest> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 13);
+
+/**
+ * LoadAdapterResponse describes the adapter now served.
+ *
+ * @generated from message ladle.v1.LoadAdapterResponse
+ */
+export type LoadAdapterResponse = Message<"ladle.v1.LoadAdapterResponse"> & {
+  /**
+   * The adapter as loaded.
+   *
+   * @generated from field: ladle.v1.AdapterInfo adapter = 1;
+   */
+  adapter?: AdapterInfo | undefined;
+};
+
+/**
+ * Describes the message ladle.v1.LoadAdapterResponse.
+ * Use `create(LoadAdapterResponseSchema)` to create a new message.
+ */
+export const LoadAdapterResponseSchema: GenMessage<LoadAdapterResponse> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 14);
+
+/**
+ * UnloadAdapterRequest names the adapter to stop serving.
+ *
+ * @generated from message ladle.v1.UnloadAdapterRequest
+ */
+export type UnloadAdapterRequest = Message<"ladle.v1.UnloadAdapterRequest"> & {
+  /**
+   * Its name.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+};
+
+/**
+ * Describes the message ladle.v1.UnloadAdapterRequest.
+ * Use `create(UnloadAdapterRequestSchema)` to create a new message.
+ */
+export const UnloadAdapterRequestSchema: GenMessage<UnloadAdapterRequest> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 15);
+
+/**
+ * UnloadAdapterResponse has no fields.
+ *
+ * @generated from message ladle.v1.UnloadAdapterResponse
+ */
+export type UnloadAdapterResponse = Message<"ladle.v1.UnloadAdapterResponse"> & {
+};
+
+/**
+ * Describes the message ladle.v1.UnloadAdapterResponse.
+ * Use `create(UnloadAdapterResponseSchema)` to create a new message.
+ */
+export const UnloadAdapterResponseSchema: GenMessage<UnloadAdapterResponse> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 16);
 
 /**
  * PoolingInfo says how the engine turns hidden states into embeddings.
@@ -592,7 +776,7 @@ export type PoolingInfo = Message<"ladle.v1.PoolingInfo"> & {
  * Use `create(PoolingInfoSchema)` to create a new message.
  */
 export const PoolingInfoSchema: GenMessage<PoolingInfo> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 11);
+  messageDesc(file_ladle_v1_engine, 17);
 
 /**
  * SamplingDefaults are the values used for unset sampling fields: the model's own (its generation_config.json,
@@ -651,7 +835,7 @@ export type SamplingDefaults = Message<"ladle.v1.SamplingDefaults"> & {
  * Use `create(SamplingDefaultsSchema)` to create a new message.
  */
 export const SamplingDefaultsSchema: GenMessage<SamplingDefaults> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 12);
+  messageDesc(file_ladle_v1_engine, 18);
 
 /**
  * RequestLimits are the caps the engine enforces with INVALID_ARGUMENT.
@@ -686,7 +870,7 @@ export type RequestLimits = Message<"ladle.v1.RequestLimits"> & {
  * Use `create(RequestLimitsSchema)` to create a new message.
  */
 export const RequestLimitsSchema: GenMessage<RequestLimits> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 13);
+  messageDesc(file_ladle_v1_engine, 19);
 
 /**
  * GetLoadRequest has no fields.
@@ -701,7 +885,7 @@ export type GetLoadRequest = Message<"ladle.v1.GetLoadRequest"> & {
  * Use `create(GetLoadRequestSchema)` to create a new message.
  */
 export const GetLoadRequestSchema: GenMessage<GetLoadRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 14);
+  messageDesc(file_ladle_v1_engine, 20);
 
 /**
  * GetLoadResponse is a snapshot of the engine's load.
@@ -786,6 +970,14 @@ export type GetLoadResponse = Message<"ladle.v1.GetLoadResponse"> & {
    * @generated from field: repeated uint64 speculative_kept_histogram = 11;
    */
   speculativeKeptHistogram: bigint[];
+
+  /**
+   * The names of the LoRA adapters this engine serves (GetModelInfoResponse.lora), so that a router keeps an
+   * adapter's requests on the engines that hold it.
+   *
+   * @generated from field: repeated string adapters = 12;
+   */
+  adapters: string[];
 };
 
 /**
@@ -793,7 +985,7 @@ export type GetLoadResponse = Message<"ladle.v1.GetLoadResponse"> & {
  * Use `create(GetLoadResponseSchema)` to create a new message.
  */
 export const GetLoadResponseSchema: GenMessage<GetLoadResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 15);
+  messageDesc(file_ladle_v1_engine, 21);
 
 /**
  * EmbedRequest asks for one embedding per input.
@@ -859,7 +1051,7 @@ export type EmbedRequest = Message<"ladle.v1.EmbedRequest"> & {
  * Use `create(EmbedRequestSchema)` to create a new message.
  */
 export const EmbedRequestSchema: GenMessage<EmbedRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 16);
+  messageDesc(file_ladle_v1_engine, 22);
 
 /**
  * EmbedResponse holds the embeddings of an EmbedRequest, in the order of its inputs.
@@ -901,7 +1093,7 @@ export type EmbedResponse = Message<"ladle.v1.EmbedResponse"> & {
  * Use `create(EmbedResponseSchema)` to create a new message.
  */
 export const EmbedResponseSchema: GenMessage<EmbedResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 17);
+  messageDesc(file_ladle_v1_engine, 23);
 
 /**
  * Embedding is the vector of one input.
@@ -936,7 +1128,7 @@ export type Embedding = Message<"ladle.v1.Embedding"> & {
  * Use `create(EmbeddingSchema)` to create a new message.
  */
 export const EmbeddingSchema: GenMessage<Embedding> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 18);
+  messageDesc(file_ladle_v1_engine, 24);
 
 /**
  * ScoreRequest asks how relevant each document is to a query.
@@ -992,7 +1184,7 @@ export type ScoreRequest = Message<"ladle.v1.ScoreRequest"> & {
  * Use `create(ScoreRequestSchema)` to create a new message.
  */
 export const ScoreRequestSchema: GenMessage<ScoreRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 19);
+  messageDesc(file_ladle_v1_engine, 25);
 
 /**
  * ScoreResponse holds one score per document, in the order of the documents.
@@ -1035,7 +1227,7 @@ export type ScoreResponse = Message<"ladle.v1.ScoreResponse"> & {
  * Use `create(ScoreResponseSchema)` to create a new message.
  */
 export const ScoreResponseSchema: GenMessage<ScoreResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 20);
+  messageDesc(file_ladle_v1_engine, 26);
 
 /**
  * EngineService generates text with one model, and pools its hidden states into embeddings and scores.
@@ -1129,6 +1321,30 @@ export const EngineService: GenService<{
     methodKind: "unary";
     input: typeof ScoreRequestSchema;
     output: typeof ScoreResponseSchema;
+  },
+  /**
+   * LoadAdapter reads a LoRA adapter (PEFT's format: adapter_config.json and adapter_model.safetensors) from a
+   * folder on the engine's host and serves it under a name: requests then select it by GenerateRequest.adapter.
+   * INVALID_ARGUMENT when the folder holds no adapter the engine can serve on its model (the message says why),
+   * ALREADY_EXISTS when the name is taken, FAILED_PRECONDITION when the engine was started without LoRA.
+   *
+   * @generated from rpc ladle.v1.EngineService.LoadAdapter
+   */
+  loadAdapter: {
+    methodKind: "unary";
+    input: typeof LoadAdapterRequestSchema;
+    output: typeof LoadAdapterResponseSchema;
+  },
+  /**
+   * UnloadAdapter stops serving an adapter: later requests naming it get NOT_FOUND; requests already running with
+   * it finish with it. NOT_FOUND when no adapter has that name.
+   *
+   * @generated from rpc ladle.v1.EngineService.UnloadAdapter
+   */
+  unloadAdapter: {
+    methodKind: "unary";
+    input: typeof UnloadAdapterRequestSchema;
+    output: typeof UnloadAdapterResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_ladle_v1_engine, 0);

@@ -1,0 +1,182 @@
+"""Read a LoRA adapter in PEFT's format and check it against the base model.
+
+A folder holds `adapter_config.json` and `adapter_model.safetensors` (or PEFT's older `adapter_model.bin`), whose
+tensors are named `base_model.model.<module path>.lora_A.weight` / `.lora_B.weight`. Each module's update is
+`scaling * B @ A`, with `scaling = lora_alpha / r` (or `/ sqrt(r)` with rsLoRA), `r` and `lora_alpha` from
+`rank_pattern` / `alpha_pattern` where a pattern matches the module. What PEFT can save but ladle does not apply
+is refused by name (`modules_to_save`, DoRA, trained biases, embedding or LM-head adapters, experts' MLPs), so an
+adapter is served exactly as PEFT runs it, or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_server.config import ModelConfig
+from engine_server.errors import ValidationError
+from engine_server.lora.targets import MLP_PROJECTIONS, Target, module_targets
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# `base_model.model.` + the module's path in the model (`model.layers.3.self_attn.q_proj`) + the side.
+_TENSOR_NAME = re.compile(r"(?:base_model\.model\.)?((?:.*\.)?layers\.(\d+)\.(.+))\.lora_([AB])\.weight")
+# Settings that change what PEFT computes beyond `scaling * B @ A` on the served modules: refused when set.
+_REFUSED_SETTINGS = {
+    "use_dora": "DoRA adapters",
+    "modules_to_save": "modules_to_save (whole modules trained beside the adapter)",
+    "trainable_token_indices": "trainable_token_indices (trained embedding rows)",
+    "target_parameters": "target_parameters (adapters on raw parameters, such as experts')",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "lora_bias": "lora_bias (a bias in lora_B)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D models)",
+    "layer_replication": "layer_replication",
+}
+
+
+@dataclass(frozen=True)
+class LoraPiece:
+    """One module's update: `a` `[r, in]`, `b` `[out, r]` already times the module's scaling, placed at `target`
+    of layer `layer`."""
+
+    layer: int
+    target: Target
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter read and checked against the base model: its pieces in host memory. `key` is unique to this
+    load (a reload under the same name gets another), so cached KV blocks and slots never mix two loads."""
+
+    name: str
+    path: str
+    key: str
+    rank: int
+    target_modules: tuple[str, ...]
+    pieces: tuple[LoraPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes its tensors hold."""
+        return sum(t.numel() * t.element_size() for piece in self.pieces for t in (piece.a, piece.b))
+
+
+def read_peft_adapter(path: str, name: str, key: str, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """The adapter in folder `path`, checked against `config` with ranks up to `max_rank`, served as `name`;
+    ValidationError (param "lora_path") naming what is missing or not served. Reads files: call off the event
+    loop."""
+    folder = Path(path)
+    settings = _read_settings(folder)
+    tensors = _read_tensors(folder)
+    targets = module_targets(config)
+    pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        match = _TENSOR_NAME.fullmatch(tensor_name)
+        if match is None:
+            raise _invalid(f"tensor {tensor_name!r} is not a LoRA A/B weight of a decoder layer's projection; "
+                           "ladle serves adapters on q/k/v/o and gate/up/down (not on embeddings or the LM head)")
+        path_in_model, layer, module, side = match[1], int(match[2]), match[3], match[4]
+        pairs.setdefault((layer, module, path_in_model), {})[side] = tensor
+    pieces = [
+        _piece(layer, module, path_in_model, sides, targets, config, settings, max_rank)
+        for (layer, module, path_in_model), sides in sorted(pairs.items())
+    ]
+    if not pieces:
+        raise _invalid("the adapter has no LoRA weights")
+    modules = tuple(sorted({module.rsplit(".", 1)[-1] for _, module, _ in pairs}))
+    return LoraAdapter(name, str(folder), key, max(p.a.shape[0] for p in pieces), modules, tuple(pieces))
+
+
+def _piece(
+    layer: int,
+    module: str,
+    path_in_model: str,
+    sides: dict[str, torch.Tensor],
+    targets: dict[str, Target],
+    config: ModelConfig,
+    settings: dict[str, Any],
+    max_rank: int,
+) -> LoraPiece:
+    where = f"layers.{layer}.{module}"
+    if module not in targets:
+        raise _invalid(f"{where}: ladle serves adapters on {', '.join(sorted(targets))}, not {module!r}")
+    target = targets[module]
+    if not 0 <= layer < config.num_hidden_layers:
+        raise _invalid(f"{where}: the model has {config.num_hidden_layers} layers")
+    if target.projection in MLP_PROJECTIONS and config.is_moe_layer(layer):
+        raise _invalid(f"{where}: layer {layer}'s MLP is a mixture of experts; adapters on experts are not served")
+    if set(sides) != {"A", "B"}:
+        raise _invalid(f"{where}: lora_A and lora_B come in pairs; only lora_{''.join(sides)} is there")
+    a, b = sides["A"], sides["B"]
+    rank = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        raise _invalid(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not make an [out, in] update")
+    if tuple(a.shape) != (rank, target.in_features) or b.shape[0] != target.out_features:
+        raise _invalid(f"{where}: the update is [{b.shape[0]}, {a.shape[1]}] but the base model's {module} is "
+                       f"[{target.out_features}, {target.in_features}]: the adapter was trained on another model")
+    if rank > max_rank:
+        raise _invalid(f"{where}: rank {rank} is above the engine's --max-lora-rank {max_rank}")
+    alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, path_in_model, settings.get("lora_alpha", 8)))
+    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    return LoraPiece(layer, target, a.contiguous(), (b.float() * scaling).to(b.dtype).contiguous())
+
+
+def _pattern_value(patterns: dict[str, Any], module_path: str, default: Any) -> Any:
+    """PEFT's per-module override: the value of the first pattern the module's path ends with (as a regex)."""
+    for pattern, value in patterns.items():
+        if re.fullmatch(rf"(?:.*\.)?(?:{pattern})", module_path):
+            return value
+    return default
+
+
+def _read_settings(folder: Path) -> dict[str, Any]:
+    config_file = folder / CONFIG_FILE
+    if not folder.is_dir():
+        raise _invalid(f"{str(folder)!r} is not a folder on the engine's host")
+    if not config_file.is_file():
+        raise _invalid(f"{str(folder)!r} has no {CONFIG_FILE}: not a PEFT adapter")
+    try:
+        settings = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise _invalid(f"{CONFIG_FILE} cannot be read: {exc}") from None
+    if not isinstance(settings, dict):
+        raise _invalid(f"{CONFIG_FILE} is not a JSON object")
+    if str(settings.get("peft_type", "LORA")).upper() != "LORA":
+        raise _invalid(f"the adapter is {settings['peft_type']}; ladle serves LoRA adapters")
+    for setting, what in _REFUSED_SETTINGS.items():
+        if settings.get(setting):
+            raise _invalid(f"{what} are not served ({CONFIG_FILE} sets {setting})")
+    if settings.get("bias", "none") != "none":
+        raise _invalid(f"trained biases are not served ({CONFIG_FILE} sets bias {settings['bias']!r})")
+    return settings
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    for file_name in WEIGHT_FILES:
+        file = folder / file_name
+        if not file.is_file():
+            continue
+        try:
+            if file_name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file))
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or foreign file: the caller's mistake, said plainly
+            raise _invalid(f"{file_name} cannot be read: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise _invalid(f"{file_name} does not hold a dict of tensors")
+        return loaded
+    raise _invalid(f"{str(folder)!r} has neither of {', '.join(WEIGHT_FILES)}")
+
+
+def _invalid(message: str) -> ValidationError:
+    return ValidationError(f"LoRA adapter: {message}", "lora_path")
