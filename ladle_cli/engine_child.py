@@ -48,6 +48,13 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--speculative-config", _speculative_json(args.speculative_config),
         "--tensor-parallel-size", str(args.tensor_parallel_size),
     ]
+    if args.enable_lora:
+        command.append("--enable-lora")
+    lora_modules = args.lora_modules.split() if isinstance(args.lora_modules, str) else args.lora_modules
+    if lora_modules:
+        command += ["--lora-modules", *lora_modules]
+    command += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank),
+                "--max-cpu-loras", str(args.max_cpu_loras)]  # fmt: skip
     if args.engine_auth_token_file:
         command += ["--auth-token-file", args.engine_auth_token_file]
     if args.otlp_traces_endpoint:

@@ -6,6 +6,7 @@ Heavy imports (torch, grpc servers, FastAPI) happen only inside the chosen subco
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -13,7 +14,13 @@ from typing import Any
 
 # --async-scheduling's choices as EngineConfig.async_scheduling values (engine_server.config is torch-free).
 from engine_server.config import ASYNC_SCHEDULING_MODES as ASYNC_SCHEDULING
-from engine_server.config import QUANTIZATION_MODES, REASONING_PARSERS, TOOL_CALL_PARSERS, SpeculativeConfig
+from engine_server.config import (
+    QUANTIZATION_MODES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    LoraConfig,
+    SpeculativeConfig,
+)
 
 # `ladle bench <suite>` runs the module's `main(argv) -> int`.
 BENCHMARKS = {
@@ -74,6 +81,33 @@ def speculative_config(value: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def lora_modules(values: list[str] | str) -> tuple[tuple[str, str], ...]:
+    """--lora-modules entries (NAME=PATH, or vLLM's JSON object with "name" and "path") as (name, path) pairs."""
+    entries = values.split() if isinstance(values, str) else values
+    modules = []
+    for entry in entries:
+        if entry.lstrip().startswith("{"):
+            try:
+                item = json.loads(entry)
+                modules.append((str(item["name"]), str(item["path"])))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {entry!r} is not a JSON object with \"name\" and \"path\"") from None
+            continue
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {entry!r} is not NAME=PATH")
+        modules.append((name, path))
+    return tuple(modules)
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig | None:
+    """The engine's LoRA settings from its flags: None unless --enable-lora or --lora-modules."""
+    modules = lora_modules(args.lora_modules)
+    if not args.enable_lora and not modules:
+        return None
+    return LoraConfig(modules, args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+
+
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--model", "default", "model: 'default', a .gguf file, a Hugging Face folder or dummy:<preset>")
     _add(parser, "--device", "auto", "where to run the model", choices=["auto", "cpu", "cuda"])
@@ -115,6 +149,15 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          "prompt_lookup_min (2), suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests, "
          "suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob, adaptive (true); the output is the one "
          "decoding without it gives (empty: off)", type=speculative_config)
+    _add(parser, "--enable-lora", False, "serve LoRA adapters on the model (also on with --lora-modules): loaded "
+         "at run time with the LoadAdapter RPC or the gateway's POST /v1/load_lora_adapter", action="store_true")
+    _add(parser, "--lora-modules", "", "LoRA adapters to serve from the start, as NAME=PATH (a PEFT folder) or "
+         "vLLM's JSON '{\"name\": ..., \"path\": ...}'; requests select one by its name as their model",
+         nargs="*")
+    _add(parser, "--max-loras", 4, "LoRA slots: the most adapters one step runs (requests of others wait)", type=int)
+    _add(parser, "--max-lora-rank", 16, "the largest rank of an adapter the engine serves", type=int)
+    _add(parser, "--max-cpu-loras", 16, "adapters whose weights stay in host memory (the rest are read from their "
+         "folders again when next asked for)", type=int)
     _add(parser, "--generation-config", "auto", "sampling defaults for the fields a request leaves unset: "
          "auto|ladle|PATH (auto: the model's generation_config.json or the embedded model's card values; ladle: "
          "OpenAI's; PATH: a generation_config.json or a folder holding one)")
@@ -231,6 +274,11 @@ def _engine(args: argparse.Namespace) -> int:
     except AuthTokenError as exc:
         print(f"ladle engine: {exc}", file=sys.stderr)
         return 2
+    try:
+        lora = lora_config(args)
+    except ValueError as exc:
+        print(f"ladle engine: {exc}", file=sys.stderr)
+        return 2
 
     from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine_server.server.server import SERVICE_NAME, ServerConfig, serve
@@ -251,6 +299,7 @@ def _engine(args: argparse.Namespace) -> int:
             override_generation_config=args.override_generation_config or None,
             speculative=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
+            lora=lora,
             cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

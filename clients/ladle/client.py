@@ -137,6 +137,15 @@ class EngineClient:
         request = engine_pb2.GetLoadRequest()
         return self.stub.GetLoad(request, timeout=self._pick(timeout), metadata=self._metadata)
 
+    def load_adapter(self, name: str, path: str, *, timeout: Timeout = "default") -> engine_pb2.LoadAdapterResponse:
+        """Serve the LoRA adapter in folder `path` (on the engine's host) as `name`."""
+        request = engine_pb2.LoadAdapterRequest(name=name, path=path)
+        return self.stub.LoadAdapter(request, timeout=self._pick(timeout), metadata=self._metadata)
+
+    def unload_adapter(self, name: str, *, timeout: Timeout = "default") -> engine_pb2.UnloadAdapterResponse:
+        request = engine_pb2.UnloadAdapterRequest(name=name)
+        return self.stub.UnloadAdapter(request, timeout=self._pick(timeout), metadata=self._metadata)
+
     def health(self, service: str = SERVICE, *, timeout: float = 5.0) -> ServingStatus:
         """The engine's grpc.health.v1 status for `service` ("" for the server as a whole)."""
         request = health_pb2.HealthCheckRequest(service=service)
@@ -233,6 +242,17 @@ class AsyncEngineClient:
     async def load(self, *, timeout: Timeout = "default") -> engine_pb2.GetLoadResponse:
         request = engine_pb2.GetLoadRequest()
         return await self.stub.GetLoad(request, timeout=self._pick(timeout), metadata=self._metadata)
+
+    async def load_adapter(
+        self, name: str, path: str, *, timeout: Timeout = "default"
+    ) -> engine_pb2.LoadAdapterResponse:
+        """Serve the LoRA adapter in folder `path` (on the engine's host) as `name`."""
+        request = engine_pb2.LoadAdapterRequest(name=name, path=path)
+        return await self.stub.LoadAdapter(request, timeout=self._pick(timeout), metadata=self._call_metadata())
+
+    async def unload_adapter(self, name: str, *, timeout: Timeout = "default") -> engine_pb2.UnloadAdapterResponse:
+        request = engine_pb2.UnloadAdapterRequest(name=name)
+        return await self.stub.UnloadAdapter(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     async def health(
         self, service: str = SERVICE, *, timeout: float = 5.0

@@ -13,9 +13,13 @@ from typing import Any, TypeAlias, cast
 
 import grpc
 
+from engine_server.config import LoraConfig
 from engine_server.core.request import Priority
 from engine_server.errors import (
+    AdapterExistsError,
+    AdapterNotFoundError,
     EngineUnavailableError,
+    LoraDisabledError,
     ModelTemplateError,
     QueueFullError,
     UnsupportedByModelError,
@@ -23,6 +27,7 @@ from engine_server.errors import (
 )
 from engine_server.frontend import ChatPrompt, Choice, GenerationResult, Prompt, TokenLogprob, Usage
 from engine_server.generation_defaults import GenerationDefaults
+from engine_server.lora.registry import ServedAdapter
 from engine_server.output.types import FinishReason
 from engine_server.sampling_params import MAX_N, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from engine_server.server.engine_loop import EngineInternalError, LoadSnapshot
@@ -80,6 +85,7 @@ def generation_input(
         params=params,
         priority=_PRIORITIES.get(message.priority, default_priority),
         cache_salt=cache_salt(message.cache_salt),
+        adapter=message.adapter,
     )
 
 
@@ -295,9 +301,25 @@ def tokenize_response(result: TokenizeResult) -> engine_pb2.TokenizeResponse:
     return engine_pb2.TokenizeResponse(token_ids=result.token_ids, tokens=result.tokens, prompt_text=result.prompt_text)
 
 
-def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
+def adapter_info(adapter: ServedAdapter) -> engine_pb2.AdapterInfo:
+    return engine_pb2.AdapterInfo(
+        name=adapter.name, path=adapter.path, rank=adapter.rank, target_modules=adapter.target_modules
+    )
+
+
+def lora_info(limits: LoraConfig | None, adapters: list[ServedAdapter]) -> engine_pb2.LoraInfo | None:
+    """GetModelInfo's `lora`: None (unset) for an engine without LoRA."""
+    if limits is None:
+        return None
+    return engine_pb2.LoraInfo(
+        adapters=[adapter_info(a) for a in adapters], max_loras=limits.max_loras, max_lora_rank=limits.max_lora_rank
+    )
+
+
+def model_info_response(info: ModelInfo, lora: engine_pb2.LoraInfo | None = None) -> engine_pb2.GetModelInfoResponse:
     defaults = info.generation_defaults
     return engine_pb2.GetModelInfoResponse(
+        lora=lora,
         model_id=info.model_id,
         context_length=info.context_length,
         vocab_size=info.vocab_size,
@@ -327,8 +349,9 @@ def model_info_response(info: ModelInfo) -> engine_pb2.GetModelInfoResponse:
     )
 
 
-def load_response(load: LoadSnapshot, accepting: bool) -> engine_pb2.GetLoadResponse:
+def load_response(load: LoadSnapshot, accepting: bool, adapters: list[str] | None = None) -> engine_pb2.GetLoadResponse:
     return engine_pb2.GetLoadResponse(
+        adapters=adapters or [],
         running=load.running,
         waiting=load.waiting,
         kv_blocks_used=load.kv_blocks_used,
@@ -363,6 +386,12 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, UnsupportedByModelError):
         return grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    if isinstance(exc, AdapterNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AdapterExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, LoraDisabledError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, EngineInternalError):
         return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the engine keeps serving"

@@ -186,13 +186,38 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.GetModelInfoResponse:
         if self.engine is None:
             await _fail(context, EngineUnavailableError("the engine is still loading its model; retry shortly"))
-        return convert.model_info_response(self.engine.info)
+        lora = convert.lora_info(self.engine.lora_limits, self.engine.served_adapters())
+        return convert.model_info_response(self.engine.info, lora)
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.GetLoadResponse:
-        load = self.engine.load_snapshot if self.engine is not None else LoadSnapshot()
-        return convert.load_response(load, self.accepting)
+        if self.engine is None:
+            return convert.load_response(LoadSnapshot(), self.accepting)
+        adapters = [adapter.name for adapter in self.engine.served_adapters()]
+        return convert.load_response(self.engine.load_snapshot, self.accepting, adapters)
+
+    async def LoadAdapter(
+        self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.LoadAdapterResponse:
+        try:
+            with self._admitted() as engine, structlog.contextvars.bound_contextvars(rpc="LoadAdapter"):
+                served = await engine.load_adapter(request.name, request.path)
+                log.info("lora adapter loaded", name=served.name, path=served.path, rank=served.rank)
+                return engine_pb2.LoadAdapterResponse(adapter=convert.adapter_info(served))
+        except Exception as exc:
+            await _fail(context, exc)
+
+    async def UnloadAdapter(
+        self, request: engine_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.UnloadAdapterResponse:
+        try:
+            with self._admitted() as engine:
+                engine.unload_adapter(request.name)
+                log.info("lora adapter unloaded", name=request.name)
+                return engine_pb2.UnloadAdapterResponse()
+        except Exception as exc:
+            await _fail(context, exc)
 
 
 class _BatchRun:

@@ -25,7 +25,12 @@ from engine_server import faults
 from engine_server.config import EngineConfig
 from engine_server.core.engine_core import CoreOutput, EngineCore
 from engine_server.core.request import Priority, Request, RequestStatus
-from engine_server.errors import EngineUnavailableError, UnsupportedByModelError
+from engine_server.errors import (
+    AdapterNotFoundError,
+    EngineUnavailableError,
+    LoraDisabledError,
+    UnsupportedByModelError,
+)
 from engine_server.frontend import (
     ChatPrompt,
     Choice,
@@ -39,6 +44,8 @@ from engine_server.frontend import (
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.llm import engine_eos_ids, engine_generation_defaults
 from engine_server.loader import resolve_model
+from engine_server.lora.peft_format import LoraAdapter
+from engine_server.lora.registry import AdapterRegistry, ServedAdapter
 from engine_server.output import TokenTextCodec
 from engine_server.pooling.params import ModelPooling, PoolingParams
 from engine_server.pooling.requests import (
@@ -95,6 +102,7 @@ class GenerationInput:
     params: SamplingParams
     priority: Priority = Priority.INTERACTIVE
     cache_salt: str = ""  # the prefix-cache namespace of its core requests (`Request`)
+    adapter: str = ""  # the LoRA adapter it generates with, by name ("": the base model)
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,9 @@ class ServingEngine:
                 None, core.model_config.hidden_size, core.model_config.encoder, core.model_config.num_labels == 1
             ),
         )
+        # The LoRA adapters served on the model (None: the engine was started without LoRA); --lora-modules load here.
+        self.adapters = AdapterRegistry.for_engine(core.config.lora, core.model_config, model_id)
+        self.lora_limits = core.config.lora
         self.loop = EngineLoop(core, loop)
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self._ids = itertools.count()
@@ -228,6 +239,31 @@ class ServingEngine:
             core, tokenizer, source.name, eos, loop, grammar_config, generation_defaults=defaults, pooling=pooling
         )
 
+    async def load_adapter(self, name: str, path: str) -> ServedAdapter:
+        """Serve the PEFT adapter in folder `path` (on this host) as `name`; read on a worker thread
+        (AdapterRegistry.load's errors; LoraDisabledError without LoRA)."""
+        return await asyncio.to_thread(self._registry().load, name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (AdapterNotFoundError when it is not served)."""
+        self._registry().unload(name)
+
+    def served_adapters(self) -> list[ServedAdapter]:
+        return [] if self.adapters is None else self.adapters.served()
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise LoraDisabledError("this engine was started without LoRA (ladle engine --enable-lora)")
+        return self.adapters
+
+    async def _adapter(self, name: str) -> LoraAdapter | None:
+        """The adapter a request names (None: the base model); its weights may be read again from its folder."""
+        if not name:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"the model {name!r} does not exist: this engine serves no LoRA adapters")
+        return await asyncio.to_thread(self.adapters.resolve, name)
+
     @property
     def load_snapshot(self) -> LoadSnapshot:
         return self.loop.load
@@ -278,10 +314,12 @@ class ServingEngine:
         prompt_ids, params = prepared.token_ids, prepared.params
         # Compiling runs on the compiler's workers with its own time limit; other requests keep streaming.
         grammar = await asyncio.wrap_future(self.inputs.compile_constraint(params))
+        lora = await self._adapter(request.adapter)
         internal_id = f"r{next(self._ids)}"
         core_requests = self.inputs.make_requests(
-            internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar, cache_salt=request.cache_salt
-        )
+            internal_id, prompt_ids, params, request.priority, deadline, grammar=grammar, cache_salt=request.cache_salt,
+            lora=lora,
+        )  # fmt: skip
         tracker = RequestTracker(
             self.tokenizer, request.request_id, prompt_ids, params, self.token_text, prepared.tool_parsing,
             prepared.reasoning,
