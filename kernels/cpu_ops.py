@@ -14,6 +14,9 @@
 - Quantized linear layers (`kernels/cpu/quant_matmul.cpp`) and the decode stack (`kernels/cpu/decoder.cpp`), which
   runs a quantized model's decode step through all these kernels in one call; both are used through
   `engine_server.layers` (`QuantizedLinear`, `decode_stack`), not through `KernelOps`.
+- LoRA's shrink and expand over rows of many adapters (`kernels/cpu/lora.cpp`): the rows grouped by slot in the
+  kernel and each slot's rows one small GEMM against its weight, where the reference syncs and gathers per slot;
+  each dot product in one fixed order, so a row's result does not depend on its batch (bit for bit).
 Each wrapper runs the reference where its kernel does not apply (another dtype, a head dim it is not built
 for, a 3-D input to RMSNorm such as Qwen3's per-head q/k norm).
 
@@ -44,6 +47,7 @@ import structlog
 import torch
 
 from kernels import reference
+from kernels._checks import unit_last_stride
 from kernels.kernel_set import REFERENCE_OPS, KernelOps
 
 if TYPE_CHECKING:
@@ -52,7 +56,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "cpu"
-_SOURCES = ("paged_attention.cpp", "pointwise.cpp", "quant_matmul.cpp", "moe.cpp", "decoder.cpp", "seeded_noise.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "pointwise.cpp",
+    "quant_matmul.cpp",
+    "moe.cpp",
+    "decoder.cpp",
+    "seeded_noise.cpp",
+    "lora.cpp",
+)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"
@@ -192,6 +204,28 @@ def cpu_seeded_log_uniforms() -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return None if cpu_ops() is None else seeded_log_uniforms
 
 
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`reference.lora_shrink`'s contract; the C++ kernel for float32 x `[T, K]` and a `[S, R, K]` with int32 or
+    int64 slots (a slot outside [-1, S) raises RuntimeError)."""
+    if not (x.dtype == a.dtype == torch.float32 and x.dim() == 2 and a.dim() == 3 and _slot_ids(slots)):
+        return reference.lora_shrink(x, a, slots)
+    y: torch.Tensor = torch.ops.ladle_cpu.lora_shrink(unit_last_stride(x), a.contiguous(), slots)
+    return y
+
+
+def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+    """`reference.lora_expand`'s contract (out updated in place); the C++ kernel for float32 out `[T, N]` with a
+    contiguous last dim, y `[T, R]` and b `[S, N, R]`, int32 or int64 slots."""
+    if not (_rows(out) and y.dtype == b.dtype == torch.float32 and y.dim() == 2 and b.dim() == 3 and _slot_ids(slots)):
+        reference.lora_expand(out, y, b, slots)
+        return
+    torch.ops.ladle_cpu.lora_expand(out, unit_last_stride(y), b.contiguous(), slots)
+
+
+def _slot_ids(slots: torch.Tensor) -> bool:
+    return slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
+
+
 def _rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
 
@@ -213,6 +247,8 @@ def cpu_ops() -> KernelOps | None:
         silu_and_mul=silu_and_mul,
         write_kv_cache=REFERENCE_OPS.write_kv_cache,
         paged_attention=paged_attention,
+        lora_shrink=lora_shrink,
+        lora_expand=lora_expand,
     )
 
 

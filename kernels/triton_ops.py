@@ -10,6 +10,7 @@ from kernels.activation import silu_and_mul
 from kernels.bitmask import apply_token_bitmask_
 from kernels.kernel_set import KernelOps
 from kernels.kv_cache import write_kv_cache
+from kernels.lora import lora_expand, lora_shrink
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import rms_norm
 from kernels.rotary import rotary_embedding
@@ -22,4 +23,6 @@ TRITON_OPS = KernelOps(
     silu_and_mul=silu_and_mul,
     write_kv_cache=write_kv_cache,
     paged_attention=paged_attention,
+    lora_shrink=lora_shrink,
+    lora_expand=lora_expand,
 )

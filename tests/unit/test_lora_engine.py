@@ -1,0 +1,228 @@
+"""LoRA adapters on the engine's float path (`--quantization none`), against PEFT's own model on the same random
+adapters (tests/lora_adapters.py): greedy output equal token for token, unmerged, for adapters on attention and on
+the MLP, ranks 4 to 16, rsLoRA on and off, an alpha pattern, Phi-3's fused projections; equal to the engine's own
+output with the adapter merged into the base weights; a batch mixing many adapters and the base model equal to each
+request alone, also with fewer slots than adapters (requests wait for one); no prefix-cache hits across adapters;
+every adapter PEFT can save that ladle does not apply refused by name, the engine serving on."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_server import LLM, SamplingParams
+from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from engine_server.errors import AdapterExistsError, AdapterNotFoundError, LoraDisabledError, ValidationError
+from tests.families import VOCAB_SIZE, hf_greedy, load_reference, save_family
+from tests.lora_adapters import ATTENTION, MLP, load_peft, save_adapter, save_merged
+
+pytestmark = pytest.mark.slow  # engines and transformers' models of their own
+
+NUM_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+# name -> (targets, rank, save_adapter settings)
+ADAPTERS: dict[str, tuple[list[str], int, dict[str, Any]]] = {
+    "attention-r8": (ATTENTION, 8, {"alpha": 16, "seed": 1}),
+    "mlp-r16-rslora": (MLP, 16, {"alpha": 32, "rslora": True, "seed": 2}),
+    "all-r4-pattern": (ATTENTION + MLP, 4, {"alpha": 8, "seed": 3, "alpha_pattern": {"q_proj": 2, "down_proj": 24}}),
+    "qv-r8": (["q_proj", "v_proj"], 8, {"alpha": 8, "seed": 4}),
+}
+
+
+def prompts(count: int = 4, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, VOCAB_SIZE) for _ in range(rng.choice((1, 5, 17, 40, 70)))] for _ in range(count)]
+
+
+def engine(base: Path, max_loras: int = 4, quantization: str = "none", **lora: Any) -> LLM:
+    config = EngineConfig(
+        model=str(base), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=64 * 1024**2),
+        scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+        lora=LoraConfig(max_loras=max_loras, max_lora_rank=16, **lora),
+    )  # fmt: skip
+    return LLM(config=config)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path], dict[str | None, list[list[int]]]]:
+    """(base folder, adapter folders by name, PEFT's greedy tokens of `prompts()` by adapter name; None: base)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = save_family(root / "base", "llama")
+    folders = {
+        name: save_adapter(base, root / name, targets, rank, **settings)
+        for name, (targets, rank, settings) in ADAPTERS.items()
+    }
+    expected: dict[str | None, list[list[int]]] = {None: hf_greedy(load_reference(base), prompts(), NUM_TOKENS)}
+    for name, folder in folders.items():
+        expected[name] = hf_greedy(load_peft(base, folder), prompts(), NUM_TOKENS)
+    return base, folders, expected
+
+
+def tokens(results: list[Any]) -> list[list[int]]:
+    return [result.choices[0].token_ids for result in results]
+
+
+def test_adapters_equal_peft_token_for_token_in_one_mixed_batch(models: Any) -> None:
+    base, folders, expected = models
+    llm = engine(base)
+    for name, folder in folders.items():
+        llm.load_adapter(name, str(folder))
+    names: list[str | None] = [None, *folders]
+    batch = [prompt for _ in names for prompt in prompts()]
+    adapters = [name for name in names for _ in prompts()]
+    got = tokens(llm.generate(batch, GREEDY, adapters=adapters, use_tqdm=False))
+    for i, name in enumerate(names):
+        assert got[i * 4 : (i + 1) * 4] == expected[name], name
+        if name is not None:
+            assert expected[name] != expected[None], f"{name} changes nothing: the test would not see it applied"
+
+
+def test_phi3_fused_projections_equal_peft(tmp_path: Path) -> None:
+    """Phi-3 checkpoints fuse q/k/v and gate/up, so its adapters target `qkv_proj` and `gate_up_proj` whole."""
+    base = save_family(tmp_path / "phi3", "phi3")
+    folder = save_adapter(base, tmp_path / "fused", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 8, seed=5)
+    expected = hf_greedy(load_peft(base, folder), prompts(), NUM_TOKENS)
+    llm = engine(base)
+    llm.load_adapter("fused", str(folder))
+    assert tokens(llm.generate(prompts(), GREEDY, adapters="fused", use_tqdm=False)) == expected
+    assert expected != hf_greedy(load_reference(base), prompts(), NUM_TOKENS)
+
+
+def test_adapter_equals_its_weights_merged_into_the_base(models: Any, tmp_path: Path) -> None:
+    base, folders, _ = models
+    for name in ("attention-r8", "mlp-r16-rslora"):
+        merged = save_merged(base, folders[name], tmp_path / f"merged-{name}")
+        with_adapter = engine(base, modules=((name, str(folders[name])),))
+        plain = LLM(config=EngineConfig(model=str(merged), device="cpu", quantization="none",
+                                        cache=CacheConfig(memory_bytes=64 * 1024**2)))  # fmt: skip
+        assert tokens(with_adapter.generate(prompts(), GREEDY, adapters=name, use_tqdm=False)) == tokens(
+            plain.generate(prompts(), GREEDY, use_tqdm=False)
+        ), name
+
+
+@pytest.mark.parametrize(("max_loras", "quantization"), [(4, "none"), (2, "none"), (4, "int8")])
+def test_a_batch_of_32_over_4_adapters_and_the_base_equals_each_request_alone(
+    models: Any, max_loras: int, quantization: str
+) -> None:
+    """32 requests in one step (then decoding together) equal each run alone; with 2 slots for 4 adapters the
+    requests of the others wait for a slot and still equal. On int8 weights (batch-invariant kernels) the outputs
+    are compared bit for bit through their log-probabilities too."""
+    base, folders, _ = models
+    llm = engine(base, max_loras=max_loras, quantization=quantization)
+    for name, folder in folders.items():
+        llm.load_adapter(name, str(folder))
+    names: list[str | None] = [None, *folders]
+    batch = prompts(32, seed=11)
+    adapters = [names[i % len(names)] for i in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=True)
+    together = llm.generate(batch, params, adapters=adapters, use_tqdm=False)
+    alone = [llm.generate([p], params, adapters=a, use_tqdm=False)[0] for p, a in zip(batch, adapters, strict=True)]
+    assert tokens(together) == tokens(alone)
+    if quantization == "int8":
+        assert [c.choices[0].logprobs for c in together] == [c.choices[0].logprobs for c in alone]
+
+
+def test_no_prefix_cache_hits_across_adapters(models: Any) -> None:
+    base, folders, _ = models
+    llm = engine(base, modules=(("a", str(folders["attention-r8"])), ("b", str(folders["qv-r8"]))))
+    prompt = [random.Random(3).randrange(10, VOCAB_SIZE) for _ in range(48)]  # three whole blocks
+    cached = []
+    for adapter in ("a", None, "b", "a", None):
+        cached.append(llm.generate([prompt], GREEDY, adapters=adapter, use_tqdm=False)[0].usage.cached_prompt_tokens)
+    assert cached[:3] == [0, 0, 0]  # each namespace's first request computes its prompt
+    assert cached[3] > 0 and cached[4] > 0  # and later ones of the same adapter (or of none) hit
+
+
+def _write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_adapters_ladle_does_not_apply_are_refused_by_name(models: Any, tmp_path: Path) -> None:
+    import torch
+
+    base, folders, _ = models
+    llm = engine(base)
+    good = folders["qv-r8"]
+    settings = json.loads((good / "adapter_config.json").read_text())
+    from safetensors.torch import load_file
+
+    weights = load_file(str(good / "adapter_model.safetensors"))
+    cases = {
+        "no-folder": (tmp_path / "missing", "is not a folder"),
+        "dora": (_write_adapter(tmp_path / "dora", {**settings, "use_dora": True}, weights), "DoRA"),
+        "saved-modules": (
+            _write_adapter(tmp_path / "saved", {**settings, "modules_to_save": ["lm_head"]}, weights), "modules_to_save"
+        ),
+        "bias": (_write_adapter(tmp_path / "bias", {**settings, "bias": "all"}, weights), "biases"),
+        "head": (
+            _write_adapter(tmp_path / "head", settings, {**weights, "base_model.model.lm_head.lora_A.weight":
+                                                          torch.zeros(8, 64)}),  # fmt: skip
+            "not a LoRA A/B weight",
+        ),
+        "other-model": (
+            _write_adapter(tmp_path / "other", settings, {k: torch.zeros(v.shape[0], 32) if "lora_A" in k else v
+                                                          for k, v in weights.items()}),  # fmt: skip
+            "another model",
+        ),
+        "half-pair": (
+            _write_adapter(tmp_path / "half", settings, {k: v for k, v in weights.items() if "lora_B" not in k}),
+            "in pairs",
+        ),
+    }
+    for name, (folder, message) in cases.items():
+        with pytest.raises(ValidationError, match=message) as caught:
+            llm.load_adapter(name, str(folder))
+        assert caught.value.param == "lora_path"
+    ranked = save_adapter(base, tmp_path / "rank32", ["q_proj"], 32, seed=9)
+    with pytest.raises(ValidationError, match="above the engine's --max-lora-rank 16"):
+        llm.load_adapter("rank32", str(ranked))
+    llm.load_adapter("qv", str(good))
+    with pytest.raises(AdapterExistsError):
+        llm.load_adapter("qv", str(good))
+    with pytest.raises(ValidationError, match="base model's id"):
+        llm.load_adapter(llm.model_name, str(good))
+    with pytest.raises(AdapterNotFoundError):
+        llm.generate(prompts(1), GREEDY, adapters="nope", use_tqdm=False)
+    with pytest.raises(AdapterNotFoundError):
+        llm.unload_adapter("nope")
+    # Nothing above disturbed it.
+    assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == models[2][None]
+    assert tokens(llm.generate(prompts(), GREEDY, adapters="qv", use_tqdm=False)) == models[2]["qv-r8"]
+
+
+def test_unloading_frees_the_adapter(models: Any) -> None:
+    """After unload the registry keeps none of its bytes and, once no request holds it (the runner keeps the last
+    step's requests until the next step), nothing does."""
+    base, folders, expected = models
+    llm = engine(base)
+    assert llm.adapters is not None
+    llm.load_adapter("qv", str(folders["qv-r8"]))
+    held = weakref.ref(llm.adapters.resolve("qv"))
+    assert llm.adapters.host_bytes > 0
+    assert tokens(llm.generate(prompts(), GREEDY, adapters="qv", use_tqdm=False)) == expected["qv-r8"]
+    llm.unload_adapter("qv")
+    assert llm.adapters.host_bytes == 0
+    llm.generate(prompts(1), GREEDY, use_tqdm=False)  # the runner keeps its last step's requests until the next
+    gc.collect()
+    assert held() is None
+    with pytest.raises(AdapterNotFoundError):
+        llm.generate(prompts(1), GREEDY, adapters="qv", use_tqdm=False)
+
+
+def test_an_engine_without_lora_refuses_adapters(models: Any) -> None:
+    base, folders, _ = models
+    llm = LLM(config=EngineConfig(model=str(base), device="cpu", quantization="none",
+                                  cache=CacheConfig(memory_bytes=64 * 1024**2)))  # fmt: skip
+    with pytest.raises(LoraDisabledError):
+        llm.load_adapter("qv", str(folders["qv-r8"]))
