@@ -158,28 +158,19 @@ def test_adapters_ladle_does_not_apply_are_refused_by_name(models: Any, tmp_path
     from safetensors.torch import load_file
 
     weights = load_file(str(good / "adapter_model.safetensors"))
+    head = {**weights, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}
+    narrow = {k: torch.zeros(v.shape[0], 32) if "lora_A" in k else v for k, v in weights.items()}
+    half = {k: v for k, v in weights.items() if "lora_B" not in k}
     cases = {
         "no-folder": (tmp_path / "missing", "is not a folder"),
         "dora": (_write_adapter(tmp_path / "dora", {**settings, "use_dora": True}, weights), "DoRA"),
-        "saved-modules": (
-            _write_adapter(tmp_path / "saved", {**settings, "modules_to_save": ["lm_head"]}, weights), "modules_to_save"
-        ),
+        "saved": (_write_adapter(tmp_path / "saved", {**settings, "modules_to_save": ["lm_head"]}, weights),
+                  "modules_to_save"),
         "bias": (_write_adapter(tmp_path / "bias", {**settings, "bias": "all"}, weights), "biases"),
-        "head": (
-            _write_adapter(tmp_path / "head", settings, {**weights, "base_model.model.lm_head.lora_A.weight":
-                                                          torch.zeros(8, 64)}),  # fmt: skip
-            "not a LoRA A/B weight",
-        ),
-        "other-model": (
-            _write_adapter(tmp_path / "other", settings, {k: torch.zeros(v.shape[0], 32) if "lora_A" in k else v
-                                                          for k, v in weights.items()}),  # fmt: skip
-            "another model",
-        ),
-        "half-pair": (
-            _write_adapter(tmp_path / "half", settings, {k: v for k, v in weights.items() if "lora_B" not in k}),
-            "in pairs",
-        ),
-    }
+        "head": (_write_adapter(tmp_path / "head", settings, head), "not a LoRA A/B weight"),
+        "other-model": (_write_adapter(tmp_path / "other", settings, narrow), "another model"),
+        "half-pair": (_write_adapter(tmp_path / "half", settings, half), "in pairs"),
+    }  # fmt: skip
     for name, (folder, message) in cases.items():
         with pytest.raises(ValidationError, match=message) as caught:
             llm.load_adapter(name, str(folder))
