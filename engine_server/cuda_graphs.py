@@ -14,6 +14,10 @@ CUDA graph replays them all with one launch. A graph replays fixed kernels on fi
   `kernels.paged_attention` and `kernels.kv_cache` satisfy this, so their launches replay correctly. A kernel
   that sized its launch from `max_seq_len` or the host lists would not: the graph keeps their capture values.
 
+- With LoRA adapters (engine_server.lora) every bucket is recorded with the adapters' kernels in it, reading each
+  row's slot from a static buffer (-1: none, the padding rows' value): a step mixing adapters replays as any
+  other, and a step of the base model alone pays only the kernels' launches over rows with nothing to add.
+
 Capturing is injected (`GraphCapture`): `CudaGraphCapture` records with `torch.cuda.graph`, `EagerCapture`
 re-runs the recorded callable on replay, so the CPU can test the padding and static-buffer logic.
 """
@@ -29,10 +33,11 @@ import numpy as np
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
+from engine_server.lora.slots import LoraBatch, LoraSlots
 from engine_server.transfer import pins_for
 
-# hidden `[T, hidden]` of the model for input ids and positions `[T]` under the given metadata.
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# hidden `[T, hidden]` of the model for input ids and positions `[T]` under the given metadata and adapters.
+DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, LoraBatch | None], torch.Tensor]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -119,7 +124,9 @@ class DecodeGraphs:
         scratch_block: int,
         dtype: torch.dtype,
         device: torch.device,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
+        """`lora_slots`: the adapters' slots, when the engine serves adapters (the graphs then apply them)."""
         self.sizes = sorted(sizes)
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -133,6 +140,8 @@ class DecodeGraphs:
         self._block_tables = torch.full((largest, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self._hidden = torch.zeros(largest, hidden_size, dtype=dtype, device=device)
+        self.lora_slots = lora_slots
+        self._adapter_slots = torch.full((largest,), -1, dtype=torch.long, device=device)  # each row's LoRA slot
         self._replays: dict[int, Callable[[], None]] = {}
         # The metadata the recorded callable reads, per bucket. A CUDA graph keeps what it saw at capture; the
         # eager stand-in reads the current one, whose host lists must then describe the padded batch.
@@ -150,6 +159,7 @@ class DecodeGraphs:
         """Warm up and record every bucket, largest first. Padding rows only: the KV writes hit the scratch block."""
         self._seq_lens.fill_(1)
         self._block_tables.fill_(self.scratch_block)
+        self._adapter_slots.fill_(-1)
         for bucket in reversed(self.sizes):
             ids, positions, slots = self._token_rows(bucket)
             ids.zero_()
@@ -184,9 +194,11 @@ class DecodeGraphs:
         token_ids: Sequence[int] | torch.Tensor,
         layout: DecodeLayout,
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+        adapter_slots: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """`run` with the rows' layout already built (not modified here). `token_ids` may be a device tensor
-        `[B]` int64 (the tokens the previous step sampled, never on the host), copied in on the device."""
+        `[B]` int64 (the tokens the previous step sampled, never on the host), copied in on the device.
+        `adapter_slots`: each row's LoRA slot (None: no row has an adapter); only for graphs with `lora_slots`."""
         batch = len(layout.seq_lens)
         bucket = self.bucket_for(batch)
         if batch == 0 or bucket is None:
@@ -210,6 +222,13 @@ class DecodeGraphs:
         self._tokens[: 3 * bucket].copy_(self._staged(tokens.reshape(-1)), non_blocking=True)
         self._seq_lens[:bucket].copy_(self._staged(lens), non_blocking=True)
         self._block_tables[:bucket, :width].copy_(self._staged(tables), non_blocking=True)
+        if self.lora_slots is not None:
+            slots = np.full(bucket, -1, dtype=np.int64)
+            if adapter_slots is not None:
+                slots[:batch] = adapter_slots
+            self._adapter_slots[:bucket].copy_(self._staged(slots), non_blocking=True)
+        elif adapter_slots is not None:
+            raise ValueError("these decode graphs were recorded without LoRA slots")
         padded_lens = lens.tolist()
         if on_device is not None:
             self._token_rows(bucket)[0][:batch].copy_(on_device)
@@ -227,9 +246,10 @@ class DecodeGraphs:
 
     def _step_fn(self, bucket: int) -> Callable[[], None]:
         ids, positions, _ = self._token_rows(bucket)
+        lora = None if self.lora_slots is None else LoraBatch(self.lora_slots, self._adapter_slots[:bucket])
 
         def step() -> None:
-            self._hidden[:bucket].copy_(self._forward(ids, positions, self._metas[bucket]))
+            self._hidden[:bucket].copy_(self._forward(ids, positions, self._metas[bucket], lora))
 
         return step
 

@@ -462,9 +462,10 @@ class ModelRunner:
                 return self._forward_eager(scheduled, interrupt)
             layout, continues = self._decode_rows.layout(scheduled)
         num_rows = len(layout.seq_lens)
-        lora = None
+        adapter_slots = None
         if self.lora_slots is not None:
-            lora = self._lora_batch(steady.requests if steady is not None else [i.request for i in output.scheduled])
+            rows = steady.requests if steady is not None else [item.request for item in output.scheduled]
+            adapter_slots = self._adapter_slots(rows)
         # A step that continues the last one reads its tokens from that launch's device tensor, row for row; any
         # other has its ids on the host, but for the rows the last launch sampled (`pending`).
         step_ids: list[int] | torch.Tensor
@@ -475,11 +476,12 @@ class ModelRunner:
             step_ids, pending_rows, pending = tokens.known, tokens.pending_rows, self._pending_inputs(tokens)
         graphs = self.decode_graphs
         bucket = None if graphs is None else graphs.bucket_for(num_rows)
-        if graphs is not None and bucket is not None and lora is None:
+        if graphs is not None and bucket is not None:  # graphs with LoRA slots apply the adapters (cuda_graphs)
             if self.fan_out is not None:  # every rank replays its graph of this bucket
                 host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
                 self.fan_out.decode_graph(host_ids, layout, bucket, sent_pending)
-            return graphs.run_layout(step_ids, layout, pending), None
+            return graphs.run_layout(step_ids, layout, pending, adapter_slots), None
+        lora = self._lora_batch(adapter_slots)
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
         host_positions = torch.from_numpy(layout.seq_lens - 1)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
@@ -531,7 +533,9 @@ class ModelRunner:
         if pending is not None:
             input_ids.index_copy_(0, *pending)
         position_ids = to_device(host_positions, self.device)
-        lora = self._lora_batch([item.request for item in scheduled], query_lens)
+        lora = None
+        if self.lora_slots is not None:
+            lora = self._lora_batch(self._adapter_slots([item.request for item in scheduled]), query_lens)
         hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
             self.draft.follow(input_ids, position_ids, meta)
@@ -556,18 +560,21 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
         return hidden
 
-    def _lora_batch(self, requests: list[Request], query_lens: list[int] | None = None) -> LoraBatch | None:
-        """The step's LoRA rows: each token's slot (request i's `lora_slot`, `query_lens[i]` times; once each
-        without them); None when no row has an adapter (the base model's step, decode stack and graphs included)."""
-        if self.lora_slots is None:
-            return None
+    @staticmethod
+    def _adapter_slots(requests: list[Request]) -> list[int] | None:
+        """Each row's LoRA slot (`Request.lora_slot`), or None when no row has an adapter."""
         slots = [request.lora_slot for request in requests]
-        if max(slots, default=-1) < 0:
+        return slots if max(slots, default=-1) >= 0 else None
+
+    def _lora_batch(self, slots: list[int] | None, query_lens: list[int] | None = None) -> LoraBatch | None:
+        """The step's LoRA rows: each token's slot (row i's, `query_lens[i]` times; once each without them); None
+        when no row has an adapter (a step of the base model alone, which the decode stack runs)."""
+        if self.lora_slots is None or slots is None:
             return None
         per_token = torch.tensor(slots, dtype=torch.int64)
         if query_lens is not None:
             per_token = per_token.repeat_interleave(torch.tensor(query_lens, dtype=torch.int64))
-        return LoraBatch(self.lora_slots, to_device(per_token, self.device))
+        return LoraBatch(self.lora_slots, to_device(per_token, self.device), self.lora_slots.changed_by(slots))
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """Logits of the last forward's `hidden` rows `rows` (a device index tensor; None: every row)."""

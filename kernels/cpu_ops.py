@@ -16,7 +16,8 @@
   `engine_server.layers` (`QuantizedLinear`, `decode_stack`), not through `KernelOps`.
 - LoRA's shrink and expand over rows of many adapters (`kernels/cpu/lora.cpp`): the rows grouped by slot in the
   kernel and each slot's rows one small GEMM against its weight, where the reference syncs and gathers per slot;
-  each dot product in one fixed order, so a row's result does not depend on its batch (bit for bit).
+  each output element summed by fused multiply-adds in one fixed order, so a row's result does not depend on its
+  batch (bit for bit).
 Each wrapper runs the reference where its kernel does not apply (another dtype, a head dim it is not built
 for, a 3-D input to RMSNorm such as Qwen3's per-head q/k norm).
 
@@ -215,7 +216,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
     """`reference.lora_expand`'s contract (out updated in place); the C++ kernel for float32 out `[T, N]` with a
-    contiguous last dim, y `[T, R]` and b `[S, N, R]`, int32 or int64 slots."""
+    contiguous last dim (a column slice of a wider tensor too), y `[T, R]` and b `[S, R, N]`, int32 or int64
+    slots."""
     if not (_rows(out) and y.dtype == b.dtype == torch.float32 and y.dim() == 2 and b.dim() == 3 and _slot_ids(slots)):
         reference.lora_expand(out, y, b, slots)
         return

@@ -74,11 +74,11 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, row_ids_ptr, block_slots_ptr,
-    T, N, R, num_slots, stride_ym, stride_bs, stride_bn, stride_om, stride_on,
+    T, N, R, num_slots, stride_ym, stride_bs, stride_br, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """Program (m, n): for block m of the rows sorted by slot, whose slot is `slot` (as `_shrink_kernel`),
-    out[row, n-block] += y[row, :] @ b[slot, n-block, :].T, the product in float32, the sum rounded to out's
+    out[row, n-block] += y[row, :] @ b[slot, :, n-block], the product in float32, the sum rounded to out's
     dtype."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -97,7 +97,7 @@ def _expand_kernel(
         rank_ok = ranks < R
         y = tl.load(y_ptr + rows[:, None] * stride_ym + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :],
                     other=0.0)  # fmt: skip
-        b = tl.load(b_base + cols[None, :].to(tl.int64) * stride_bn + ranks[:, None],
+        b = tl.load(b_base + ranks[:, None].to(tl.int64) * stride_br + cols[None, :],
                     mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         acc = dot(y, b, acc, "ieee", UPCAST_DOT)
     out = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
@@ -163,9 +163,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """`kernels.reference.lora_expand` on the GPU (module doc): out `[T, N]` (any float dtype) += b[slots[t]] @
-    y[t] for y `[T, R]` and b `[S, N, R]` in y's dtype, slots as `lora_shrink`'s; rows without an adapter are left
-    untouched. Raises ValueError on dtypes, shapes or devices the kernel cannot read."""
+    """`kernels.reference.lora_expand` on the GPU (module doc): out `[T, N]` (any float dtype, any strides: a
+    column slice of a wider tensor too) += y[t] @ b[slots[t]] for y `[T, R]` and b `[S, R, N]` in y's dtype, slots
+    as `lora_shrink`'s; rows without an adapter are left untouched. Raises ValueError on dtypes, shapes or devices
+    the kernel cannot read."""
     check_dtype("out", out)
     check_dtype("y", y)
     check_dtype("b", b, (y.dtype,))
@@ -173,9 +174,9 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torc
     if out.dim() != 2 or y.dim() != 2 or b.dim() != 3:
         raise ValueError(f"out and y must be 2-d and b 3-d; got {out.dim()}, {y.dim()}, {b.dim()}")
     tokens, features = out.shape
-    num_slots, _, rank = b.shape
+    num_slots, rank, _ = b.shape
     check_shape("y", y, (tokens, rank))
-    check_shape("b", b, (num_slots, features, rank))
+    check_shape("b", b, (num_slots, rank, features))
     _check_slots(slots, tokens)
     if tokens == 0 or features == 0 or rank == 0 or num_slots == 0:
         return

@@ -422,10 +422,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.
 
 
 def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
-    """LoRA's second product, added in place: out `[T, N]`, y `[T, R]` (`lora_shrink`'s), b `[S, N, R]` (slot s holds
-    one adapter's B times its scaling, columns past its rank zero), slots as `lora_shrink`'s:
-    `out[t] += b[slots[t]] @ y[t]` where slots[t] >= 0 (other rows untouched), the product in y's dtype."""
+    """LoRA's second product, added in place: out `[T, N]`, y `[T, R]` (`lora_shrink`'s), b `[S, R, N]` (slot s holds
+    one adapter's B transposed, times its scaling, rows past its rank zero), slots as `lora_shrink`'s:
+    `out[t] += y[t] @ b[slots[t]]` where slots[t] >= 0 (other rows untouched), the product in y's dtype. out may be a
+    column slice of a wider tensor (rows further apart than N), y too: out is written through the view."""
     for slot in slots.unique().tolist():
         if slot >= 0:
             rows = (slots == slot).nonzero().squeeze(1)
-            out[rows] += F.linear(y[rows], b[slot]).to(out.dtype)
+            out[rows] += (y[rows] @ b[slot]).to(out.dtype)

@@ -2,9 +2,11 @@
 
 The decoder layers fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (engine_server.layers). A PEFT
 adapter names the model's own modules: the separate ones of most families (`q_proj`, `gate_proj`, ...) or the
-fused ones of Phi-3 (`qkv_proj`, `gate_up_proj`). Each lands in one *part* of a fused projection: its rows of the
-output, and a block of the slot's rank (part p holds ranks `[p * max_rank, (p + 1) * max_rank)`), so an adapter
-on q and v of one layer is one shrink and one expand over a block-diagonal B.
+fused ones of Phi-3 (`qkv_proj`, `gate_up_proj`). A fused projection's output is cut into segments (q, k, v; gate
+and up; the whole of o and of down), segment p updated from rank block p of the slot alone (ranks
+`[p * max_rank, (p + 1) * max_rank)`): an adapter on q and v of one layer is then one shrink over the layer's
+input and one expand per segment, and no module's rank meets another module's rows. A module that spans several
+segments (Phi-3's fused ones) has its A in each of their rank blocks and its B cut along them.
 """
 
 from __future__ import annotations
@@ -19,23 +21,35 @@ MLP_PROJECTIONS = frozenset({"gate_up_proj", "down_proj"})
 
 @dataclass(frozen=True)
 class Target:
-    """One adapter module's place: `projection`'s output rows `[out_offset, out_offset + out_features)`, rank
-    block `part`, reading `in_features` inputs."""
+    """One adapter module's place: `projection`'s output rows `[out_offset, out_offset + out_features)`, reading
+    `in_features` inputs."""
 
     projection: str
-    part: int
     out_offset: int
     out_features: int
     in_features: int
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A block of a fused projection's output rows, `[out_offset, out_offset + out_features)`, updated from rank
+    block `part` alone (q, k and v of `qkv_proj`; gate and up of `gate_up_proj`; the whole of the others)."""
+
+    out_offset: int
+    out_features: int
+    part: int
+
+
+@dataclass(frozen=True)
 class ProjectionShape:
-    """A fused projection's inputs, outputs and how many parts (rank blocks) it has."""
+    """A fused projection's inputs and its segments (one rank block each)."""
 
     in_features: int
-    out_features: int
-    parts: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def parts(self) -> int:
+        return len(self.segments)
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, ProjectionShape]:
@@ -44,10 +58,10 @@ def projection_shapes(config: ModelConfig) -> dict[str, ProjectionShape]:
     kv = config.num_key_value_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
     return {
-        "qkv_proj": ProjectionShape(hidden, q + 2 * kv, 3),
-        "o_proj": ProjectionShape(q, hidden, 1),
-        "gate_up_proj": ProjectionShape(hidden, 2 * inner, 2),
-        "down_proj": ProjectionShape(inner, hidden, 1),
+        "qkv_proj": ProjectionShape(hidden, (Segment(0, q, 0), Segment(q, kv, 1), Segment(q + kv, kv, 2))),
+        "o_proj": ProjectionShape(q, (Segment(0, hidden, 0),)),
+        "gate_up_proj": ProjectionShape(hidden, (Segment(0, inner, 0), Segment(inner, inner, 1))),
+        "down_proj": ProjectionShape(inner, (Segment(0, hidden, 0),)),
     }
 
 
@@ -57,13 +71,13 @@ def module_targets(config: ModelConfig) -> dict[str, Target]:
     kv = config.num_key_value_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
     return {
-        "self_attn.q_proj": Target("qkv_proj", 0, 0, q, hidden),
-        "self_attn.k_proj": Target("qkv_proj", 1, q, kv, hidden),
-        "self_attn.v_proj": Target("qkv_proj", 2, q + kv, kv, hidden),
-        "self_attn.qkv_proj": Target("qkv_proj", 0, 0, q + 2 * kv, hidden),
-        "self_attn.o_proj": Target("o_proj", 0, 0, hidden, q),
-        "mlp.gate_proj": Target("gate_up_proj", 0, 0, inner, hidden),
-        "mlp.up_proj": Target("gate_up_proj", 1, inner, inner, hidden),
-        "mlp.gate_up_proj": Target("gate_up_proj", 0, 0, 2 * inner, hidden),
-        "mlp.down_proj": Target("down_proj", 0, 0, hidden, inner),
+        "self_attn.q_proj": Target("qkv_proj", 0, q, hidden),
+        "self_attn.k_proj": Target("qkv_proj", q, kv, hidden),
+        "self_attn.v_proj": Target("qkv_proj", q + kv, kv, hidden),
+        "self_attn.qkv_proj": Target("qkv_proj", 0, q + 2 * kv, hidden),
+        "self_attn.o_proj": Target("o_proj", 0, hidden, q),
+        "mlp.gate_proj": Target("gate_up_proj", 0, inner, hidden),
+        "mlp.up_proj": Target("gate_up_proj", inner, inner, hidden),
+        "mlp.gate_up_proj": Target("gate_up_proj", 0, 2 * inner, hidden),
+        "mlp.down_proj": Target("down_proj", 0, hidden, inner),
     }

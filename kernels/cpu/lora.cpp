@@ -2,15 +2,21 @@
 // Contracts: `lora_shrink` and `lora_expand` in kernels/reference.py:
 //   lora_shrink: x [T, K], a [S, R, K], slots [T] int32 or int64 (-1: the row has no adapter)
 //                -> y [T, R], y[t] = a[slots[t]] @ x[t], 0 where slots[t] is -1
-//   lora_expand: out [T, N] += b[slots[t]] @ y[t] for y [T, R], b [S, N, R]; rows whose slot is -1 untouched
-// Both are one product: each row of `in` dotted with the rows of its slot's weight [cols, inner]. The rows are
-// grouped by slot here (a counting sort, rows of a slot in batch order), so each slot's rows run as one small GEMM
-// against its weight: the work items are (up to kRowChunk rows of one slot, a chunk of columns), each walking its
-// columns kDotCols at a time over its rows kDotRows at a time, so one load of a weight vector serves kDotRows rows
-// and the weight tile stays in cache across the chunk's rows; the items are shared out over the threads.
-// Every dot product is summed in float32 in one fixed order (8 lanes across the inner dim, the lanes summed by
-// hsum8, then the tail: rowwise_linear's order, moe.cpp) whatever tile it falls in, so a row's result does not
-// depend on which rows or slots share its batch, bit for bit. Built with -ffp-contract=off like the rest.
+//   lora_expand: out [T, N] += y[t] @ b[slots[t]] for y [T, R], b [S, R, N]; rows whose slot is -1 untouched
+// The rows are grouped by slot (a counting sort, rows of a slot in batch order) and the work is cut into items of
+// (up to kRowChunk rows of one slot, a chunk of output columns whose weight stays in L1), shared out over the
+// threads by their cost. Within an item, tiles of rows share each load of the weight:
+//   - shrink: y[t, r] is a dot product over K in 16 lanes (lane i takes the terms k = i mod 16 by fused
+//     multiply-adds in k order, the last partial vector's missing lanes zero), the lanes then summed by `hsum`'s
+//     fixed tree; a tile is kShrinkRows rows x kShrinkRanks ranks.
+//   - expand: out[t, n] starts from its own value and gets fma(y[t, r], b[s, r, n]) for r = 0, 1, ... in turn: an
+//     AXPY over n per (row, r), vectorised over n with no horizontal sum; a tile is kExpandRows rows x
+//     kExpandVectors vectors of columns, a row's last columns a masked vector taking the same steps.
+// So each output element comes from the same float32 operations in the same order whatever tile, item or thread it
+// falls in and whichever rows share its batch: a row's result does not depend on its batch, bit for bit. The fused
+// multiply-adds are explicit (AVX-512; AVX2's FMA on each half; else std::fma per lane, a slow libm call on an x86
+// without FMA, older than 2013), each rounding once, so every machine gives the same bits; the build's
+// -ffp-contract=off keeps the compiler from fusing anything else.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,9 +25,16 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "vec.h"
@@ -30,64 +43,220 @@ namespace {
 
 using namespace ladle_cpu;
 
-constexpr int64_t kDotRows = 2, kDotCols = 4;
-// Rows of one slot per work item, and about how many bytes of weight its columns span (kept in L2 across them).
-constexpr int64_t kRowChunk = 32;
-constexpr int64_t kChunkWeightBytes = 64 * 1024;
+#ifdef __AVX512F__
+constexpr int64_t kShrinkRows = 4, kShrinkRanks = 4, kExpandRows = 4, kExpandVectors = 4;  // 16-21 of 32 zmm
+#else
+constexpr int64_t kShrinkRows = 2, kShrinkRanks = 2, kExpandRows = 2, kExpandVectors = 2;  // Lanes: 2 ymm
+#endif
+// Rows of one slot per work item, and about how many bytes of weight its columns span (kept in L1 across them).
+constexpr int64_t kRowChunk = 16;
+constexpr int64_t kChunkWeightBytes = 24 * 1024;
 // Below this many multiply-adds one thread runs it all: waking the others costs more than they would save.
 constexpr int64_t kMinParallelWork = 1 << 17;
 
-// out[r][col + j] (= or +=) in[r] . w[j] for R rows of `in` and J rows of w (`inner` floats each, w's contiguous),
-// each dot product in float32 in one fixed order: 8 lanes across the inner dim, hsum8, then the tail.
-template <int64_t R, int64_t J, bool kAdd>
-inline void dot_tile(const float* const* in, const float* w, int64_t inner, float* const* out, int64_t col) {
-  vec8 acc[R][J] = {};
+// Lanes: 16 floats and the few operations the kernels take on them, one register on AVX-512, two on AVX2 (GCC's
+// vec16 would go through the stack there), else a vec16 with std::fma per lane. Every path rounds each lane's
+// multiply-add once and sums the lanes in `hsum`'s order, so all give the same bits.
+#if defined(__AVX512F__)
+using Lanes = __m512;
+
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+inline Lanes lanes_zero() { return _mm512_setzero_ps(); }
+inline Lanes lanes_of(float x) { return _mm512_set1_ps(x); }  // folded into the FMA's operand as {1to16}
+inline Lanes lanes_load(const float* p) { return _mm512_loadu_ps(p); }
+inline Lanes lanes_load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+inline void lanes_store(float* p, Lanes v) { _mm512_storeu_ps(p, v); }
+inline void lanes_store_first(float* p, Lanes v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lanes_sum(Lanes v) { return hsum((vec16)v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  __m256 lo, hi;
+};
+
+// Lanes i < n all ones, for maskload / maskstore.
+inline __m256i first_lanes(int64_t n, int first) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Lanes lanes_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes lanes_of(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Lanes lanes_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Lanes lanes_load_first(const float* p, int64_t n) {
+  return {_mm256_maskload_ps(p, first_lanes(n, 0)), _mm256_maskload_ps(p + 8, first_lanes(n, 8))};
+}
+inline void lanes_store(float* p, Lanes v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline void lanes_store_first(float* p, Lanes v, int64_t n) {
+  _mm256_maskstore_ps(p, first_lanes(n, 0), v.lo);
+  _mm256_maskstore_ps(p + 8, first_lanes(n, 8), v.hi);
+}
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline float lanes_sum(Lanes v) {  // hsum's order: lane i of the low half plus lane i of the high, then hsum8
+  const __m256 halves = _mm256_add_ps(v.lo, v.hi);
+  return hsum8((vec8)halves);
+}
+#else
+using Lanes = vec16;
+
+inline Lanes lanes_zero() { return Lanes{}; }
+inline Lanes lanes_of(float x) { return Lanes{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline Lanes lanes_load(const float* p) { return load(p); }
+inline Lanes lanes_load_first(const float* p, int64_t n) {
+  Lanes v{};
+  __builtin_memcpy(&v, p, n * sizeof(float));
+  return v;
+}
+inline void lanes_store(float* p, Lanes v) { store(p, v); }
+inline void lanes_store_first(float* p, Lanes v, int64_t n) { __builtin_memcpy(p, &v, n * sizeof(float)); }
+inline Lanes lanes_fma(Lanes a, Lanes b, Lanes c) {
+  Lanes r;
+  for (int64_t i = 0; i < kLanes; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+}
+inline float lanes_sum(Lanes v) { return hsum(v); }
+#endif
+
+// f(std::integral_constant<int64_t, n>) for a run-time n in [1, N]: picks a tile's template rows or ranks.
+template <int64_t N, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_count<N - 1>(n, std::forward<F>(f));
+  }
+  f(std::integral_constant<int64_t, N>{});
+}
+
+// y[m][col + j] = x[m] . a[j] for M rows of x and J rows of a (`depth` floats each, a's contiguous). With
+// kPrefetch, the J rows of a after these are fetched into L1 on the way, for the next tile's first rows: the
+// hardware prefetchers alone leave it waiting on a from memory (a slot's a is read once per call in the engine).
+template <int64_t M, int64_t J, bool kPrefetch>
+inline void shrink_tile(const float* const* x, const float* a, int64_t depth, float* const* y, int64_t col) {
+  Lanes acc[M][J];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < J; ++j) acc[m][j] = lanes_zero();
+  }
+  // Terms [i, i + kLanes), or where `partial` is true the last `count` (< kLanes).
+  auto step = [&](int64_t i, int64_t count, auto partial) {
+    auto get = [count](const float* p) {
+      return decltype(partial)::value ? lanes_load_first(p, count) : lanes_load(p);
+    };
+    Lanes av[J];
+    for (int64_t j = 0; j < J; ++j) av[j] = get(a + j * depth + i);
+    if constexpr (kPrefetch) {  // past a's end for the last tile: a prefetch never faults
+      for (int64_t j = 0; j < J; ++j) __builtin_prefetch(a + (J + j) * depth + i, 0, 3);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const Lanes xv = get(x[m] + i);
+      for (int64_t j = 0; j < J; ++j) acc[m][j] = lanes_fma(xv, av[j], acc[m][j]);
+    }
+  };
   int64_t i = 0;
-  for (; i + kLanes8 <= inner; i += kLanes8) {
-    vec8 wv[J];
-    for (int64_t j = 0; j < J; ++j) wv[j] = load8(w + j * inner + i);
-    for (int64_t r = 0; r < R; ++r) {
-      const vec8 xv = load8(in[r] + i);
-      for (int64_t j = 0; j < J; ++j) acc[r][j] += xv * wv[j];
+  for (; i + kLanes <= depth; i += kLanes) step(i, kLanes, std::false_type{});
+  if (i < depth) step(i, depth - i, std::true_type{});
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < J; ++j) y[m][col + j] = lanes_sum(acc[m][j]);
+  }
+}
+
+// out[m][col, col + count) += y[m] @ b[:, col, col + count) for M rows, b's `rank` rows `stride` floats apart:
+// V whole vectors of columns, or with kPartial one vector's first `count` (< kLanes) columns.
+template <int64_t M, int64_t V, bool kPartial>
+inline void expand_tile(float* const* out, const float* const* y, const float* b, int64_t stride, int64_t rank,
+                        int64_t col, int64_t count) {
+  auto get = [count](const float* p) { return kPartial ? lanes_load_first(p, count) : lanes_load(p); };
+  Lanes acc[M][V];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t v = 0; v < V; ++v) acc[m][v] = get(out[m] + col + v * kLanes);
+  }
+  for (int64_t r = 0; r < rank; ++r) {
+    Lanes bv[V];
+    for (int64_t v = 0; v < V; ++v) bv[v] = get(b + r * stride + col + v * kLanes);
+    for (int64_t m = 0; m < M; ++m) {
+      const Lanes ym = lanes_of(y[m][r]);
+      for (int64_t v = 0; v < V; ++v) acc[m][v] = lanes_fma(ym, bv[v], acc[m][v]);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t j = 0; j < J; ++j) {
-      float sum = hsum8(acc[r][j]);
-      for (int64_t t = i; t < inner; ++t) sum += in[r][t] * w[j * inner + t];
-      if constexpr (kAdd) {
-        out[r][col + j] += sum;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t v = 0; v < V; ++v) {
+      if constexpr (kPartial) {
+        lanes_store_first(out[m] + col, acc[m][v], count);
       } else {
-        out[r][col + j] = sum;
+        lanes_store(out[m] + col + v * kLanes, acc[m][v]);
       }
     }
   }
 }
 
-// Columns [col_begin, col_end) of R rows: kDotCols at a time, then the last ones one by one (the same sums).
-template <int64_t R, bool kAdd>
-void row_tile(const float* const* in, const float* w, int64_t inner, float* const* out, int64_t col_begin,
-              int64_t col_end) {
-  int64_t j = col_begin;
-  for (; j + kDotCols <= col_end; j += kDotCols) dot_tile<R, kDotCols, kAdd>(in, w + j * inner, inner, out, j);
-  for (; j < col_end; ++j) dot_tile<R, 1, kAdd>(in, w + j * inner, inner, out, j);
-}
-
-// One product over the batch: row t of `in` (in_stride apart) times the weight of its slot ([cols, inner] at
-// weight + slot * cols * inner) into row t of `out` (out_stride apart).
+// One product over the batch: row t of `in` (in_stride floats apart) times the weight of its slot (weight_size
+// floats apart) into row t of `out` (out_stride apart), `cols` output columns over `inner` terms each.
 struct Product {
   const float* in;
   int64_t in_stride;
   const float* weight;
+  int64_t weight_size;
   float* out;
   int64_t out_stride;
   int64_t cols, inner;
 };
 
-// Up to kRowChunk rows of one slot: order[begin, end).
-struct RowChunk {
-  int64_t slot, begin, end;
+// order[row_begin, row_end) (rows of one slot) times columns [col_begin, col_end).
+struct Item {
+  int64_t slot, row_begin, row_end, col_begin, col_end;
 };
+
+// Shrink's item: kShrinkRanks rows of a (a few KB, kept in L1) against every kShrinkRows-row tile of x in turn.
+void shrink_item(const Product& p, const int64_t* order, const Item& item) {
+  const float* in[kRowChunk];
+  float* out[kRowChunk];
+  const int64_t rows = item.row_end - item.row_begin;
+  for (int64_t m = 0; m < rows; ++m) {
+    in[m] = p.in + order[item.row_begin + m] * p.in_stride;
+    out[m] = p.out + order[item.row_begin + m] * p.out_stride;
+  }
+  const float* a = p.weight + item.slot * p.weight_size;
+  for (int64_t j = item.col_begin; j < item.col_end; j += kShrinkRanks) {
+    with_count<kShrinkRanks>(std::min(kShrinkRanks, item.col_end - j), [&](auto ranks) {
+      for (int64_t m = 0; m < rows; m += kShrinkRows) {
+        with_count<kShrinkRows>(std::min(kShrinkRows, rows - m), [&](auto tile_rows) {
+          constexpr int64_t M = decltype(tile_rows)::value, J = decltype(ranks)::value;
+          if (m == 0) {
+            shrink_tile<M, J, true>(in + m, a + j * p.inner, p.inner, out + m, j);
+          } else {
+            shrink_tile<M, J, false>(in + m, a + j * p.inner, p.inner, out + m, j);
+          }
+        });
+      }
+    });
+  }
+}
+
+// Expand's item: every kExpandRows-row tile over the item's columns, whose rows of b stay in L1 across the tiles.
+void expand_item(const Product& p, const int64_t* order, const Item& item) {
+  const float* in[kRowChunk];
+  float* out[kRowChunk];
+  const int64_t rows = item.row_end - item.row_begin;
+  for (int64_t m = 0; m < rows; ++m) {
+    in[m] = p.in + order[item.row_begin + m] * p.in_stride;
+    out[m] = p.out + order[item.row_begin + m] * p.out_stride;
+  }
+  const float* b = p.weight + item.slot * p.weight_size;
+  for (int64_t m = 0; m < rows; m += kExpandRows) {
+    with_count<kExpandRows>(std::min(kExpandRows, rows - m), [&](auto tile_rows) {
+      constexpr int64_t M = decltype(tile_rows)::value;
+      int64_t col = item.col_begin;
+      for (; col + kExpandVectors * kLanes <= item.col_end; col += kExpandVectors * kLanes) {
+        expand_tile<M, kExpandVectors, false>(out + m, in + m, b, p.cols, p.inner, col, kLanes);
+      }
+      for (; col + kLanes <= item.col_end; col += kLanes) {
+        expand_tile<M, 1, false>(out + m, in + m, b, p.cols, p.inner, col, kLanes);
+      }
+      if (col < item.col_end) expand_tile<M, 1, true>(out + m, in + m, b, p.cols, p.inner, col, item.col_end - col);
+    });
+  }
+}
 
 // The batch's rows grouped by slot, batch order within each: order[start[s], start[s + 1]) are slot s's rows;
 // rows whose slot is -1 are left out.
@@ -113,50 +282,38 @@ SlotGroups group_rows(const I* slots, int64_t tokens, int64_t num_slots) {
   return {std::move(order), std::move(start)};
 }
 
-// Columns [col_begin, col_end) of the rows order[chunk.begin, chunk.end), all of slot chunk.slot.
-template <bool kAdd>
-void run_chunk(const Product& p, const int64_t* order, const RowChunk& chunk, int64_t col_begin, int64_t col_end) {
-  const float* w = p.weight + chunk.slot * p.cols * p.inner;
-  const float* in[kDotRows];
-  float* out[kDotRows];
-  int64_t m = chunk.begin;
-  for (; m + kDotRows <= chunk.end; m += kDotRows) {
-    for (int64_t r = 0; r < kDotRows; ++r) {
-      in[r] = p.in + order[m + r] * p.in_stride;
-      out[r] = p.out + order[m + r] * p.out_stride;
-    }
-    row_tile<kDotRows, kAdd>(in, w, p.inner, out, col_begin, col_end);
-  }
-  for (; m < chunk.end; ++m) {
-    in[0] = p.in + order[m] * p.in_stride;
-    out[0] = p.out + order[m] * p.out_stride;
-    row_tile<1, kAdd>(in, w, p.inner, out, col_begin, col_end);
-  }
-}
-
-// The product for the rows grouped by slot: every (row chunk, column chunk) item, shared out over the threads in
-// even runs when there is enough work.
-template <bool kAdd>
-void run_product(const Product& p, const SlotGroups& groups) {
-  const std::vector<int64_t>& order = groups.order;
-  const std::vector<int64_t>& start = groups.start;
-  std::vector<RowChunk> chunks;
-  for (int64_t s = 0; s + 1 < static_cast<int64_t>(start.size()); ++s) {
-    for (int64_t m = start[s]; m < start[s + 1]; m += kRowChunk) {
-      chunks.push_back({s, m, std::min(m + kRowChunk, start[s + 1])});
+// Every (up to kRowChunk rows of a slot, up to col_chunk columns) item, each run by `run_item` on one thread; the
+// threads take even shares of the items' cost (rows x columns), in order, when there is enough work to share.
+template <typename F>
+void run_items(const Product& p, const SlotGroups& groups, int64_t col_chunk, F run_item) {
+  std::vector<Item> items;
+  std::vector<int64_t> cost_before{0};
+  for (int64_t s = 0; s + 1 < static_cast<int64_t>(groups.start.size()); ++s) {
+    for (int64_t m = groups.start[s]; m < groups.start[s + 1]; m += kRowChunk) {
+      const int64_t m_end = std::min(m + kRowChunk, groups.start[s + 1]);
+      for (int64_t c = 0; c < p.cols; c += col_chunk) {
+        items.push_back({s, m, m_end, c, std::min(p.cols, c + col_chunk)});
+        cost_before.push_back(cost_before.back() + (m_end - m) * (items.back().col_end - c));
+      }
     }
   }
-  const int64_t fitting = kChunkWeightBytes / static_cast<int64_t>(sizeof(float)) / std::max<int64_t>(1, p.inner);
-  const int64_t col_chunk = std::max(kDotCols, fitting / kDotCols * kDotCols);
-  const int64_t col_chunks = (p.cols + col_chunk - 1) / col_chunk;
-  const int64_t items = static_cast<int64_t>(chunks.size()) * col_chunks;
-  const int64_t work = static_cast<int64_t>(order.size()) * p.cols * p.inner;
-  at::parallel_for(0, items, work < kMinParallelWork ? items : 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t col_begin = item % col_chunks * col_chunk;
-      run_chunk<kAdd>(p, order.data(), chunks[item / col_chunks], col_begin, std::min(p.cols, col_begin + col_chunk));
+  const int64_t count = static_cast<int64_t>(items.size()), total = cost_before.back();
+  if (total == 0) return;
+  const int64_t threads = total * p.inner < kMinParallelWork ? 1 : std::min<int64_t>(count, at::get_num_threads());
+  const int64_t* order = groups.order.data();
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t thread = first; thread < last; ++thread) {
+      // This thread's share: the items whose cost starts in [total * t / n, total * (t + 1) / n).
+      const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
+      auto item = std::lower_bound(cost_before.begin(), cost_before.end() - 1, from) - cost_before.begin();
+      for (; item < count && cost_before[item] < to; ++item) run_item(p, order, items[item]);
     }
   });
+}
+
+// Columns per item: about kChunkWeightBytes of weight (`bytes_per_col` each), a multiple of `step`.
+int64_t col_chunk(int64_t bytes_per_col, int64_t step) {
+  return std::max<int64_t>(1, kChunkWeightBytes / std::max<int64_t>(1, bytes_per_col) / step) * step;
 }
 
 SlotGroups group_slots(const at::Tensor& slots, int64_t tokens, int64_t num_slots) {
@@ -174,9 +331,11 @@ void check_rows(const at::Tensor& x, const char* name) {
               "%s must be a [T, n] float32 tensor with a contiguous last dim", name);
 }
 
-void check_weight(const at::Tensor& w, const char* name, int64_t inner) {
-  LADLE_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(2) == inner,
-              "%s must be a contiguous [S, n, %lld] float32 tensor", name, static_cast<long long>(inner));
+void check_weight(const at::Tensor& w, const char* name, int64_t rows, int64_t cols) {
+  LADLE_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == rows &&
+                  w.size(2) == cols,
+              "%s must be a contiguous [S, %lld, %lld] float32 tensor", name, static_cast<long long>(rows),
+              static_cast<long long>(cols));
 }
 
 }  // namespace
@@ -185,29 +344,29 @@ namespace ladle_cpu {
 
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots) {
   check_rows(x, "x");
-  const int64_t tokens = x.size(0), k = x.size(1);
-  check_weight(a, "a", k);
-  const int64_t rank = a.size(1);
+  LADLE_CHECK(a.dim() == 3, "a must be [S, R, K]");
+  const int64_t tokens = x.size(0), k = x.size(1), rank = a.size(1);
+  check_weight(a, "a", rank, k);
   const SlotGroups groups = group_slots(slots, tokens, a.size(0));
   at::Tensor y = at::zeros({tokens, rank}, x.options());
-  const Product product{x.data_ptr<float>(), x.stride(0), a.data_ptr<float>(), y.data_ptr<float>(), rank, rank, k};
-  run_product<false>(product, groups);
+  const Product product{x.data_ptr<float>(), x.stride(0), a.data_ptr<float>(), rank * k,
+                        y.data_ptr<float>(), rank,        rank,                k};
+  run_items(product, groups, col_chunk(k * sizeof(float), kShrinkRanks), shrink_item);
   return y;
 }
 
 void lora_expand(const at::Tensor& out, const at::Tensor& y, const at::Tensor& b, const at::Tensor& slots) {
   check_rows(out, "out");
   check_rows(y, "y");
-  const int64_t tokens = out.size(0), rank = y.size(1);
+  const int64_t tokens = out.size(0), rank = y.size(1), n = out.size(1);
   LADLE_CHECK(y.size(0) == tokens, "y has %lld rows, out %lld", static_cast<long long>(y.size(0)),
               static_cast<long long>(tokens));
-  check_weight(b, "b", rank);
-  LADLE_CHECK(b.size(1) == out.size(1), "b has %lld output features, out %lld", static_cast<long long>(b.size(1)),
-              static_cast<long long>(out.size(1)));
+  LADLE_CHECK(b.dim() == 3, "b must be [S, R, N]");
+  check_weight(b, "b", rank, n);
   const SlotGroups groups = group_slots(slots, tokens, b.size(0));
-  const Product product{y.data_ptr<float>(), y.stride(0), b.data_ptr<float>(), out.data_ptr<float>(), out.stride(0),
-                        b.size(1), rank};
-  run_product<true>(product, groups);
+  const Product product{y.data_ptr<float>(),   y.stride(0),   b.data_ptr<float>(), rank * n,
+                        out.data_ptr<float>(), out.stride(0), n,                   rank};
+  run_items(product, groups, col_chunk(rank * sizeof(float), kExpandVectors * kLanes), expand_item);
 }
 
 }  // namespace ladle_cpu

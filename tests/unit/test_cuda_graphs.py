@@ -60,7 +60,9 @@ class _RecordingForward:
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, AttentionMetadata]] = []
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, lora: object = None
+    ) -> torch.Tensor:
         # The kernels index these as flat arrays: the static buffers must hand out contiguous views.
         assert ids.is_contiguous() and positions.is_contiguous() and meta.slot_mapping.is_contiguous()
         self.calls.append((ids.clone(), positions.clone(), meta))

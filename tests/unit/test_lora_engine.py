@@ -18,6 +18,7 @@ import pytest
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from engine_server.cuda_graphs import EagerCapture
 from engine_server.errors import AdapterExistsError, AdapterNotFoundError, LoraDisabledError, ValidationError
 from tests.families import VOCAB_SIZE, hf_greedy, load_reference, save_family
 from tests.lora_adapters import ATTENTION, MLP, load_peft, save_adapter, save_merged
@@ -81,6 +82,23 @@ def test_adapters_equal_peft_token_for_token_in_one_mixed_batch(models: Any) -> 
         assert got[i * 4 : (i + 1) * 4] == expected[name], name
         if name is not None:
             assert expected[name] != expected[None], f"{name} changes nothing: the test would not see it applied"
+
+
+def test_decode_graphs_apply_the_adapters(models: Any) -> None:
+    """The decode graphs' padded static-buffer path (recorded with the adapters' kernels, each row's slot read from
+    a static buffer; replayed eagerly on the CPU) equals PEFT too, with async scheduling's pending tokens."""
+    base, folders, expected = models
+    config = EngineConfig(
+        model=str(base), device="cpu", quantization="none", cache=CacheConfig(memory_bytes=64 * 1024**2),
+        async_scheduling=True, lora=LoraConfig(tuple((n, str(f)) for n, f in folders.items()), max_lora_rank=16),
+    )  # fmt: skip
+    llm = LLM(config=config)
+    graphs = llm.core.runner.capture_decode_graphs(EagerCapture())
+    names: list[str | None] = [None, *folders]
+    batch = [prompt for _ in names for prompt in prompts()]
+    got = tokens(llm.generate(batch, GREEDY, adapters=[name for name in names for _ in prompts()], use_tqdm=False))
+    assert [got[i * 4 : (i + 1) * 4] for i in range(len(names))] == [expected[name] for name in names]
+    assert sum(graphs.replays.values()) >= NUM_TOKENS - 2
 
 
 def test_phi3_fused_projections_equal_peft(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The LoRA shrink and expand kernels (C++ on the CPU, Triton on CUDA or through its interpreter) against
-`kernels.reference.lora_shrink` / `lora_expand`: one to 65 rows, K off the vector width, ranks of 8 and 24, one and
-four slots (one with no rows), rows without an adapter, int32 and int64 slots; the C++ rows' independence from
-their batch, bit for bit; rows without an adapter left untouched."""
+`kernels.reference.lora_shrink` / `lora_expand`: one to 65 rows, K and N off the vector width, ranks of 8 and 24,
+one and four slots (one with no rows), rows without an adapter, int32 and int64 slots, out and y column slices of
+wider tensors; the C++ results' independence from their batch and from the tile each element falls in, bit for bit;
+rows without an adapter left untouched."""
 
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ def make_slots(tokens: int, num_slots: int, dtype: torch.dtype, seed: int = 0) -
 def operands(
     tokens: int, depth: int, rank: int, features: int, num_slots: int, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """x `[T, K]`, a `[S, R, K]`, y `[T, R]`, b `[S, N, R]` and out `[T, N]`, float32, scaled for unit-sized
+    """x `[T, K]`, a `[S, R, K]`, y `[T, R]`, b `[S, R, N]` and out `[T, N]`, float32, scaled for unit-sized
     results."""
     gen = torch.Generator().manual_seed(seed)
     return {
         "x": torch.randn(tokens, depth, generator=gen),
         "a": torch.randn(num_slots, rank, depth, generator=gen) / depth**0.5,
         "y": torch.randn(tokens, rank, generator=gen),
-        "b": torch.randn(num_slots, features, rank, generator=gen) / rank**0.5,
+        "b": torch.randn(num_slots, rank, features, generator=gen) / rank**0.5,
         "out": torch.randn(tokens, features, generator=gen),
     }
 
@@ -104,6 +105,41 @@ def test_a_cpu_row_does_not_depend_on_its_batch() -> None:
             assert torch.equal(permuted, expanded_alone[perm]), count
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_a_cpu_element_does_not_depend_on_its_tile() -> None:
+    """Shifting the columns by a few moves each element to other lanes, another tile and in or out of a row's
+    masked last vector (expand: N = 150 of 16-lane vectors, 64-column tiles), or each rank to another rank tile
+    (shrink): the same bits, as every element takes the same steps in the same order wherever it lands."""
+    tokens, depth, rank, features, num_slots = 13, 100, 11, 150, 3
+    args = operands(tokens, depth, rank, features, num_slots, seed=7)
+    x, a, y, b, out = args["x"], args["a"], args["y"], args["b"], args["out"]
+    slots = make_slots(tokens, num_slots, torch.int32, seed=7)
+    full = expanded(cpu.lora_expand, out, y, b, slots)
+    shrunk = cpu.lora_shrink(x, a, slots)
+    for shift in (1, 5, 16, 77, 149):
+        part = expanded(cpu.lora_expand, out[:, shift:], y, b[:, :, shift:].contiguous(), slots)
+        assert torch.equal(part, full[:, shift:]), shift
+    for shift in (1, 3, 6):
+        assert torch.equal(cpu.lora_shrink(x, a[:, shift:].contiguous(), slots), shrunk[:, shift:]), shift
+
+
+@needs_kernels
+def test_cpu_expand_writes_through_column_slices() -> None:
+    """out and y as column slices of wider tensors (rows further apart than N and R), as the engine passes a fused
+    projection's part: the slice gets the reference's result and the columns around it are left alone."""
+    args = operands(10, 40, 8, 37, 3, seed=4)
+    slots = torch.tensor([0, 2, -1, 1, 0, 0, 2, -1, 1, 1])
+    wide_out = torch.randn(10, 100)
+    wide_y = torch.randn(10, 20)
+    wide_y[:, 5:13] = args["y"]
+    want = wide_out.clone()
+    reference.lora_expand(want[:, 30:67], wide_y[:, 5:13], args["b"], slots)
+    got = wide_out.clone()
+    cpu.lora_expand(got[:, 30:67], wide_y[:, 5:13], args["b"], slots)
+    torch.testing.assert_close(got, want, **cpu_tolerance(8))
+    assert torch.equal(got[:, :30], wide_out[:, :30]) and torch.equal(got[:, 67:], wide_out[:, 67:])
 
 
 @needs_kernels
@@ -173,6 +209,20 @@ def test_triton_kernels_match_the_reference(
     )
 
 
+def test_triton_expand_writes_through_column_slices(device: torch.device) -> None:
+    args = {name: t.to(device) for name, t in operands(10, 40, 8, 37, 3, seed=4).items()}
+    slots = torch.tensor([0, 2, -1, 1, 0, 0, 2, -1, 1, 1], device=device)
+    wide_out = torch.randn(10, 100, device=device)
+    wide_y = torch.randn(10, 20, device=device)
+    wide_y[:, 5:13] = args["y"]
+    want = wide_out.clone()
+    reference.lora_expand(want[:, 30:67], wide_y[:, 5:13], args["b"], slots)
+    got = wide_out.clone()
+    lora.lora_expand(got[:, 30:67], wide_y[:, 5:13], args["b"], slots)
+    torch.testing.assert_close(got, want, **TRITON_TOLERANCES[torch.float32])
+    assert torch.equal(got[:, :30], wide_out[:, :30]) and torch.equal(got[:, 67:], wide_out[:, 67:])
+
+
 def test_triton_rows_without_an_adapter_are_zero_and_untouched(device: torch.device) -> None:
     args = {name: t.to(device) for name, t in operands(9, 40, 8, 33, 3, seed=2).items()}
     slots = torch.tensor([-1, 0, -1, 2, 2, -1, 0, 1, -1], device=device)
@@ -193,7 +243,7 @@ def test_triton_launchers_check_their_arguments(device: torch.device) -> None:
     with pytest.raises(ValueError, match="slots has dtype"):
         lora.lora_shrink(args["x"], args["a"], slots.float())
     with pytest.raises(ValueError, match="b has shape"):
-        lora.lora_expand(args["out"], args["y"], args["b"][:, :8], slots)
+        lora.lora_expand(args["out"], args["y"], args["b"][:, :, :8], slots)
     with pytest.raises(ValueError, match="slots has shape"):
         lora.lora_expand(args["out"], args["y"], args["b"], slots[:2])
 
