@@ -40,6 +40,7 @@ BENCHMARKS = {
     "speculative": "benchmarks.speculative",
     "embed": "benchmarks.embed",
     "memory": "benchmarks.memory",
+    "lora": "benchmarks.lora",
 }
 
 
