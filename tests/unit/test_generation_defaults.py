@@ -202,7 +202,10 @@ def test_the_default_cap_shrinks_to_the_context_and_never_below_min_tokens() -> 
 
 
 class FakeServing:
-    """What the servicer needs of a ServingEngine: `info`, and `generate` (records each request, answers "ok")."""
+    """What the servicer needs of a ServingEngine: `info`, its adapters (none: LoRA off), and `generate` (records
+    each request, answers "ok")."""
+
+    lora_limits = None
 
     def __init__(self, defaults: GenerationDefaults) -> None:
         self.info = ModelInfo(
@@ -211,6 +214,9 @@ class FakeServing:
             pooling=ModelPooling.for_model(None, 64),
         )  # fmt: skip
         self.requests: list[GenerationInput] = []
+
+    def served_adapters(self) -> list[Any]:
+        return []
 
     async def generate(
         self, request: GenerationInput, deadline: Any = None, whole: bool = False, wait: bool = False
