@@ -4,7 +4,7 @@ Node's own test runner runs each test file with the engines' addresses in LADLE_
 LADLE_TIGHT_ENGINE_ADDRESS; node's report is printed, and shown whole when a file fails.
 
 Every file uses the session's shared engine; errors.test also needs one of its own with one seat and a waiting
-queue of one, to fill that queue.
+queue of one, to fill that queue, and lora.test one serving a LoRA adapter.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TS_DIR = ROOT / "clients" / "typescript"
 TEST_FILES = sorted(p.name.removesuffix(".test.ts") for p in (TS_DIR / "test").glob("*.test.ts"))
 NEEDS_TIGHT_ENGINE = {"errors"}
+NEEDS_LORA_ENGINE = {"lora"}
+LORA_ADAPTER = "ts-adapter"
 NODE_TIMEOUT_S = 300
 
 
@@ -48,6 +50,19 @@ def tight_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePro
     assert process.stop() == 0
 
 
+@pytest.fixture(scope="module")
+def lora_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineProcess, Path]]:
+    """The embedded model serving one random LoRA adapter (written for its shapes), and the adapter's folder."""
+    from benchmarks.lora import write_random_adapter
+    from engine_server.loader import resolve_model
+
+    root = tmp_path_factory.mktemp("ts-lora")
+    folder = write_random_adapter(root / "adapter", resolve_model("default").config, 8, seed=1, std=0.05)
+    process = start_engine(root / "engine.log", "--lora-modules", f"{LORA_ADAPTER}={folder}", "--max-lora-rank", "8")
+    yield process, folder
+    assert process.stop() == 0
+
+
 @pytest.mark.parametrize("name", TEST_FILES)
 def test_typescript_client(
     name: str, compiled_tests: Path, engine: EngineProcess, request: pytest.FixtureRequest
@@ -55,6 +70,10 @@ def test_typescript_client(
     env = {**os.environ, "LADLE_ENGINE_ADDRESS": engine.address}
     if name in NEEDS_TIGHT_ENGINE:
         env["LADLE_TIGHT_ENGINE_ADDRESS"] = request.getfixturevalue("tight_engine").address
+    if name in NEEDS_LORA_ENGINE:
+        lora_engine, folder = request.getfixturevalue("lora_engine")
+        env.update(LADLE_LORA_ENGINE_ADDRESS=lora_engine.address, LADLE_LORA_ADAPTER=LORA_ADAPTER,
+                   LADLE_LORA_PATH=str(folder))  # fmt: skip
     run = subprocess.run(
         ["node", "--test", "--test-reporter=spec", str(compiled_tests / f"{name}.test.js")],
         cwd=TS_DIR, env=env, capture_output=True, text=True, timeout=NODE_TIMEOUT_S,

@@ -29,6 +29,7 @@ import {
   type GenerateResponse,
   type GetLoadResponse,
   type GetModelInfoResponse,
+  type LoadAdapterResponse,
   type ScoreRequestSchema,
   type ScoreResponse,
   type StreamRequestSchema,
@@ -114,6 +115,17 @@ export class EngineClient {
 
   load(options?: CallOptions): Promise<GetLoadResponse> {
     return unary(this.engine.getLoad({}, options));
+  }
+
+  /** Serve the LoRA adapter in folder `path` (on the engine's host) as `name`; requests then select it by
+   * `adapter: name`. */
+  loadAdapter(name: string, path: string, options?: CallOptions): Promise<LoadAdapterResponse> {
+    return unary(this.engine.loadAdapter({ name, path }, options));
+  }
+
+  /** Stop serving adapter `name`; requests already running with it finish with it. */
+  async unloadAdapter(name: string, options?: CallOptions): Promise<void> {
+    await unary(this.engine.unloadAdapter({ name }, options));
   }
 
   /** The engine's grpc.health.v1 status for `service` ("" for the server as a whole). */
