@@ -25,6 +25,7 @@ from gateway.middleware import RequestContextMiddleware
 from gateway.rate_limits import RateLimiter, RateLimits
 from gateway.responses.service import ResponseService
 from gateway.routers import (
+    adapters,
     batch_chat,
     batches,
     chat,
@@ -93,6 +94,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys, tracer=tracing.tracer)
     for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses, usage,
-                   operations):
+                   adapters, operations):
         app.include_router(module.router)
     return app

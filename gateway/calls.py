@@ -108,10 +108,13 @@ def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
 class _Attempts:
     """The engines one call has tried, and its deadline (`request_timeout_s` from the first attempt)."""
 
-    def __init__(self, pool: EnginePool, inputs: Sequence[types_pb2.Input], cache_salt: str) -> None:
+    def __init__(
+        self, pool: EnginePool, inputs: Sequence[types_pb2.Input], cache_salt: str, adapter: str = ""
+    ) -> None:
         self.pool = pool
         self.inputs = inputs
         self.cache_salt = cache_salt  # the call's prefix-cache namespace, which routing hashes with its inputs
+        self.adapter = adapter  # the call's LoRA adapter: only engines that hold it are tried, while any does
         self.tried: list[Engine] = []
         self.deadline = asyncio.get_running_loop().time() + pool.config.request_timeout_s
 
@@ -123,7 +126,7 @@ class _Attempts:
         """An engine for one attempt, counted as busy while the block runs. A gRPC failure becomes an APIError,
         except UNAVAILABLE while another attempt is allowed (`may_retry`): that one is re-raised as it is, for
         the caller to try again (or, for a stream that already produced output, to report)."""
-        engine = self.pool.pick(self.inputs, avoid=self.tried, cache_salt=self.cache_salt)
+        engine = self.pool.pick(self.inputs, avoid=self.tried, cache_salt=self.cache_salt, adapter=self.adapter)
         self.tried.append(engine)
         try:
             with holding(self.pool, engine):
@@ -134,7 +137,7 @@ class _Attempts:
             raise from_rpc_error(error, self.pool.config.retry_after_s) from error
 
     def may_retry(self) -> bool:
-        others = [e for e in self.pool.ready if e not in self.tried]
+        others = self.pool.eligible(self.adapter, avoid=self.tried)
         return len(self.tried) < MAX_ATTEMPTS and bool(others) and self.remaining() > 0
 
     def retrying(self, error: grpc.RpcError) -> None:
@@ -150,10 +153,11 @@ async def _unary(
     inputs: Sequence[types_pb2.Input],
     cache_salt: str,
     send: Callable[[Engine, float], Awaitable[T]],
+    adapter: str = "",
 ) -> T:
-    """`send(engine, timeout)` on an engine chosen for `inputs` (and the request's `cache_salt`), and once more on
-    another if that one is unavailable (see the module)."""
-    attempts = _Attempts(pool, inputs, cache_salt)
+    """`send(engine, timeout)` on an engine chosen for `inputs` (and the request's `cache_salt` and LoRA `adapter`),
+    and once more on another if that one is unavailable (see the module)."""
+    attempts = _Attempts(pool, inputs, cache_salt, adapter)
     while True:
         try:
             with attempts.on_engine() as engine:
@@ -165,7 +169,7 @@ async def _unary(
 async def generate(pool: EnginePool, request: engine_pb2.GenerateRequest) -> engine_pb2.GenerateResponse:
     """One non-streaming generation."""
     return await _unary(pool, [request.input], request.cache_salt,
-                        lambda engine, timeout: engine.client.generate(request, timeout=timeout))
+                        lambda engine, timeout: engine.client.generate(request, timeout=timeout), request.adapter)
 
 
 async def embed(pool: EnginePool, request: engine_pb2.EmbedRequest) -> engine_pb2.EmbedResponse:
@@ -219,11 +223,11 @@ async def run_all(
 async def stream(pool: EnginePool, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.StreamResponse]:
     """The engine's stream for `request`, sent to a second engine if the first is unavailable before its first
     message. Closing the generator (or cancelling its consumer) cancels the call."""
-    attempts = _Attempts(pool, [request.input], request.cache_salt)
+    attempts = _Attempts(pool, [request.input], request.cache_salt, request.adapter)
     stream_request = engine_pb2.StreamRequest(
         request_id=request.request_id, input=request.input, sampling=request.sampling,
         constraint=request.constraint if request.HasField("constraint") else None, priority=request.priority,
-        cache_salt=request.cache_salt,
+        cache_salt=request.cache_salt, adapter=request.adapter,
     )
     while True:
         produced = False
@@ -243,10 +247,11 @@ async def batch_rpc(
     pool: EnginePool, requests: Sequence[engine_pb2.GenerateRequest], param: str
 ) -> list[engine_pb2.GenerateResponse]:
     """The engine's Batch RPC as `/v1/chat/completions/batch` uses it: all `requests` through one call, results in
-    input order. The first failed item ends the call and is reported as `{param}[i]` (its own field, e.g.
-    max_tokens, when the engine names one). Nothing reaches the caller before the whole call is done, so an
-    unavailable engine's call is sent whole to a second one."""
-    attempts = _Attempts(pool, [r.input for r in requests], requests[0].cache_salt if requests else "")
+    input order (all of one LoRA adapter, the first's). The first failed item ends the call and is reported as
+    `{param}[i]` (its own field, e.g. max_tokens, when the engine names one). Nothing reaches the caller before the
+    whole call is done, so an unavailable engine's call is sent whole to a second one."""
+    first = requests[0] if requests else engine_pb2.GenerateRequest()
+    attempts = _Attempts(pool, [r.input for r in requests], first.cache_salt, first.adapter)
     while True:
         try:
             with attempts.on_engine() as engine:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -14,7 +15,7 @@ from opentelemetry import trace
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
-from gateway.errors import APIError
+from gateway.errors import APIError, model_not_found, unknown_model_message
 from gateway.keys import KeyRing
 from gateway.metrics import GatewayMetrics
 from gateway.rate_limits import Admission, RateLimiter
@@ -123,6 +124,19 @@ def request_is_admin(request: Request) -> bool:
     return get_keys(request).is_admin(bearer_token(request.headers.get("authorization", "")))
 
 
+def require_admin(request: Request) -> None:
+    """401 without a valid key, 403 unless the key may use the operator routes (`request_is_admin`)."""
+    request_project(request)
+    if request_is_admin(request):
+        return
+    if get_keys(request).has_admin:
+        hint = "an admin key (flagged 'admin' in the keys file)"
+    else:
+        hint = "a key of the project 'default' (the --api-key), or flag a key 'admin' in the keys file"
+    raise APIError(403, f"This key cannot use {request.url.path}, an operator's route: use {hint}.",
+                   code="permission_denied")
+
+
 def require_metrics_key(request: Request) -> None:
     """401/403 unless the request carries a key that may read /metrics (checked by the middleware first)."""
     refusal = authorize_metrics(request.headers.get("authorization", ""), get_keys(request))
@@ -148,15 +162,35 @@ def require_api_key(request: Request) -> None:
     request_project(request)
 
 
-def served_model(pool: EnginePool, requested: str) -> str:
-    """The served model id if `requested` names it; 404 for another model, 503 before any engine answered."""
+@dataclass(frozen=True)
+class ServedModel:
+    """What a request's `model` names: the served model, or one of its LoRA adapters."""
+
+    id: str  # the name answers echo (vLLM's behaviour: an adapter's name)
+    adapter: str = ""  # the engine's adapter name (GenerateRequest.adapter); "" for the base model
+
+
+def served_model(pool: EnginePool, requested: str) -> ServedModel:
+    """The model a generation request names: the served model id, or a LoRA adapter some engine serves; 404
+    (model_not_found) for another name, 503 before any engine answered."""
     model_id = pool.model_id
     if model_id is None:
         raise pool.unavailable()
-    if requested != model_id:
-        raise APIError(404, f"The model `{requested}` does not exist; this gateway serves `{model_id}`.",
-                       param="model", code="model_not_found")
-    return model_id
+    if requested == model_id:
+        return ServedModel(model_id)
+    if pool.adapter(requested) is not None:
+        return ServedModel(requested, requested)
+    raise model_not_found(unknown_model_message(requested, model_id, [a.name for a in pool.adapters()]))
+
+
+def base_model(pool: EnginePool, requested: str) -> str:
+    """The served model id for a pooling request (embeddings, score, rerank); a LoRA adapter's name is a 400:
+    adapters change generation only."""
+    served = served_model(pool, requested)
+    if served.adapter:
+        raise APIError(400, f"`{requested}` is a LoRA adapter, which serves generation only (chat, completions, "
+                       f"responses); use the model `{pool.model_id}` here", param="model", code="unsupported_by_model")
+    return served.id
 
 
 class RequestTimer:

@@ -15,6 +15,11 @@ Every call carries `config.engine_auth_token` when one is set. An engine that re
 (UNAUTHENTICATED: its --auth-token-file and the gateway's --engine-auth-token-file differ) is not serving for
 this gateway, whatever its health says (health needs no token): the poll's GetModelInfo / GetLoad are refused,
 it receives no calls, and a request that finds no engine gets 503 naming the refusal instead of waiting.
+
+LoRA adapters: each poll's GetLoad names the adapters an engine serves; when they differ from those its cached
+GetModelInfo lists (an adapter loaded or unloaded since, by this gateway or by anyone else), the model info is read
+again. `adapter` and `adapters` answer from that info; `pick` sends an adapter's calls only to the SERVING engines
+that hold it while any does (`eligible`). `refresh` re-reads every engine at once, after this gateway changed them.
 """
 
 from __future__ import annotations
@@ -58,6 +63,22 @@ class Engine:
     def busy(self) -> int:
         queued = (self.load.running + self.load.waiting) if self.load is not None else 0
         return queued + self.calls
+
+    @property
+    def adapters(self) -> list[engine_pb2.AdapterInfo]:
+        """The LoRA adapters the engine serves, as its model info last listed them."""
+        return list(self.info.lora.adapters) if self.info is not None else []
+
+    def holds(self, adapter: str) -> bool:
+        """Whether the engine serves `adapter`, as its last poll saw (its load; else its model info)."""
+        if self.load is not None:
+            return adapter in self.load.adapters
+        return any(a.name == adapter for a in self.adapters)
+
+
+def adapters_changed(info: engine_pb2.GetModelInfoResponse, load: engine_pb2.GetLoadResponse) -> bool:
+    """Whether the adapters an engine's load names differ from those its (older) model info lists."""
+    return {a.name for a in info.lora.adapters} != set(load.adapters)
 
 
 def unauthenticated(error: grpc.RpcError) -> str | None:
@@ -115,25 +136,35 @@ class EnginePool:
         return [e for e in self.engines if e.serving]
 
     def pick(
-        self, inputs: Sequence[types_pb2.Input] = (), avoid: Collection[Engine] = (), cache_salt: str = ""
+        self, inputs: Sequence[types_pb2.Input] = (), avoid: Collection[Engine] = (), cache_salt: str = "",
+        adapter: str = "",
     ) -> Engine:
         """The engine for a call carrying `inputs` (the first decides the route; all are recorded as sent to
-        it), never one in `avoid`; HTTP 503 when no SERVING engine is left (naming an engine's refusal of our
-        token, if one refuses it)."""
-        candidates = [e for e in self.engines if e.serving and e not in avoid]
+        it) with LoRA `adapter` ("" for the base model), among the `eligible` ones, never one in `avoid`; HTTP
+        503 when none is left (naming an engine's refusal of our token, if one refuses it)."""
+        candidates = self.eligible(adapter, avoid)
         if not candidates:
             raise self.unavailable()
         by_prefix = self.router.config.policy == "cache_aware" and bool(inputs)
-        # Salted with the call's cache_salt, as the engine salts its blocks: a prefix draws only calls that could
-        # hit it there (one project's), never another project's calls to an engine for nothing.
-        hashes = prefix_hashes(input_bytes(inputs[0]), cache_salt=cache_salt) if by_prefix else []
+        # Salted with the call's cache_salt and adapter, as the engine keys its blocks: a prefix draws only calls
+        # that could hit it there (one project's, with one adapter), never other calls to an engine for nothing.
+        hashes = prefix_hashes(input_bytes(inputs[0]), cache_salt=cache_salt, adapter=adapter) if by_prefix else []
         choice = self.router.choose(candidates, hashes)
         engine = candidates[choice.index]
         if by_prefix:
             for other in inputs[1:]:
-                engine.record.add(prefix_hashes(input_bytes(other), cache_salt=cache_salt))
+                engine.record.add(prefix_hashes(input_bytes(other), cache_salt=cache_salt, adapter=adapter))
         self.routed[(engine.address, choice.reason)] += 1
         return engine
+
+    def eligible(self, adapter: str = "", avoid: Collection[Engine] = ()) -> list[Engine]:
+        """The SERVING engines a call with LoRA `adapter` may go to, less those in `avoid`: for an adapter, only
+        those that hold it, if any engine does (else every one: the engine then answers for itself, NOT_FOUND or
+        the output if it has it by now). An adapter's call never goes to an engine without it while another
+        holds it, even when those others are avoided or down (then there is none: 503)."""
+        only_holders = bool(adapter) and any(e.holds(adapter) for e in self.engines)
+        return [e for e in self.engines
+                if e.serving and e not in avoid and (not only_holders or e.holds(adapter))]
 
     def unavailable(self) -> APIError:
         """The 503 for a request no engine can take: naming an engine's refusal of our token if one refuses it."""
@@ -157,6 +188,23 @@ class EnginePool:
             if engine.info is not None:
                 return engine.info
         return None
+
+    def adapters(self) -> list[engine_pb2.AdapterInfo]:
+        """The LoRA adapters some engine serves, each once (as the first engine to list it has it: SERVING
+        engines first), in the order they list them."""
+        found: dict[str, engine_pb2.AdapterInfo] = {}
+        for engine in dict.fromkeys(self.ready + self.engines):
+            for adapter in engine.adapters:
+                found.setdefault(adapter.name, adapter)
+        return list(found.values())
+
+    def adapter(self, name: str) -> engine_pb2.AdapterInfo | None:
+        """The LoRA adapter `name` if some engine serves it, else None."""
+        return next((a for a in self.adapters() if a.name == name), None)
+
+    async def refresh(self) -> None:
+        """Poll every engine now, its model info included (after this gateway loaded or unloaded an adapter)."""
+        await asyncio.gather(*(self._check(engine, reread_info=True) for engine in self.engines))
 
     def mark_down(self, engine: Engine, refused: str | None = None) -> None:
         """An engine answered UNAVAILABLE (or refused our token: `refused` says how): route around it until a
@@ -230,15 +278,16 @@ class EnginePool:
             await self._check(engine)
             await asyncio.sleep(self.config.health_interval_s)
 
-    async def _check(self, engine: Engine) -> None:
+    async def _check(self, engine: Engine, reread_info: bool = False) -> None:
         timeout = max(1.0, self.config.health_interval_s)
         was_serving = engine.serving
         try:
             status = await engine.client.health(timeout=timeout)
             serving = status == health_pb2.HealthCheckResponse.SERVING
-            if serving and engine.info is None:
-                engine.info = await engine.client.model_info(timeout=timeout)
             engine.load = await engine.client.load(timeout=timeout) if serving else None
+            if engine.load is not None and (
+                    reread_info or engine.info is None or adapters_changed(engine.info, engine.load)):
+                engine.info = await engine.client.model_info(timeout=timeout)
             refused = None
         except grpc.RpcError as error:
             serving = False

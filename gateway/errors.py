@@ -7,6 +7,7 @@ HTTP status a client of the OpenAI API expects, `item_error` a failed Batch item
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -60,6 +61,24 @@ def no_engine(message: str = "no engine is ready to serve requests; retry shortl
     return APIError(503, message, type="service_unavailable_error", code="engine_unavailable")
 
 
+MAX_NAMED_ADAPTERS = 10  # in an unknown model's message; GET /v1/models lists every one
+
+
+def unknown_model_message(requested: str, model_id: str, adapters: Sequence[str]) -> str:
+    """Why `requested` names no model here: the served model `model_id` and its LoRA `adapters` are the ones."""
+    served = f"`{model_id}`"
+    if adapters:
+        served += " and its LoRA adapters " + ", ".join(f"`{name}`" for name in adapters[:MAX_NAMED_ADAPTERS])
+    if len(adapters) > MAX_NAMED_ADAPTERS:
+        served += f" and {len(adapters) - MAX_NAMED_ADAPTERS} more (GET /v1/models)"
+    return f"The model `{requested}` does not exist; this gateway serves {served}."
+
+
+def model_not_found(message: str) -> APIError:
+    """The 404 for a `model` that names neither the served model nor one of its LoRA adapters (OpenAI's code)."""
+    return APIError(404, message, param="model", code="model_not_found")
+
+
 def engine_refused(details: str, engine: str | None = None) -> APIError:
     """503 for an engine that refuses the gateway's token (UNAUTHENTICATED): the operator's to fix, not the
     caller's, so neither 401 nor 403."""
@@ -101,6 +120,8 @@ def from_status(
         return engine_refused(details)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return APIError(504, f"the request timed out: {details}", type="timeout_error", code="timeout")
+    if code is grpc.StatusCode.NOT_FOUND:  # the engine serves no LoRA adapter of the requested name (any more)
+        return model_not_found(details)
     if code is grpc.StatusCode.UNIMPLEMENTED:  # the served model cannot do this: an encoder asked to generate
         return APIError(400, details, code="unsupported_by_model")
     if code is grpc.StatusCode.CANCELLED:

@@ -32,7 +32,7 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")  # safe to echo and
 KNOWN_ROUTES = frozenset({
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/embeddings",
     "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/files", "/v1/batches", "/health", "/metrics",
-    "/v1/responses", "/v1/organization/usage/completions",
+    "/v1/responses", "/v1/organization/usage/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
 })
 # Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request).
 OWN_BODY_LIMIT = frozenset({"/v1/files"})

@@ -7,8 +7,9 @@ each message; or the prompt text or ids), is cut into `CHUNK_BYTES` chunks, and 
 with the hash before it (as the engine chains its block hashes), so the k-th hash stands for the whole first k
 chunks. Each engine remembers the hashes of what it was sent, least recently used forgotten first, about as
 much as its KV cache holds. The chain starts from the request's `cache_salt` (the engine's prefix-cache namespace,
-one per project), as the engine's does: requests of one project find each other's prefixes, and a prefix never
-draws another project's requests to an engine where they could not hit it.
+one per project) and its LoRA adapter, as the engine's does: requests of one project (and adapter) find each
+other's prefixes, and a prefix never draws another project's requests to an engine where they could not hit it.
+Only engines that hold a request's adapter are candidates (`gateway.engines.EnginePool.eligible`).
 
 The choice (`Router.choose`): the engine that holds the longest run of the request's leading hashes, at least
 `min_match_chunks` of them — unless its load is clearly above the least loaded engine's (more than
@@ -64,11 +65,15 @@ def input_bytes(value: types_pb2.Input) -> bytes:
     return b""
 
 
-def prefix_hashes(data: bytes, chunk_bytes: int = CHUNK_BYTES, cache_salt: str = "") -> list[bytes]:
+def prefix_hashes(data: bytes, chunk_bytes: int = CHUNK_BYTES, cache_salt: str = "", adapter: str = "") -> list[bytes]:
     """One chained hash per whole chunk of `data` (a trailing partial chunk has none), the chain started from
-    `cache_salt` (empty: the unsalted chain)."""
+    `cache_salt` and the LoRA `adapter` (both empty: the unsalted chain). The engine keys its blocks by adapter
+    too, so a prefix one adapter's calls left on an engine draws only that adapter's calls."""
     hashes: list[bytes] = []
-    previous = hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest() if cache_salt else b""
+    seed = b"cache_salt\0" + cache_salt.encode() if cache_salt else b""
+    if adapter:
+        seed += b"\0adapter\0" + adapter.encode()
+    previous = hashlib.blake2b(seed, digest_size=16).digest() if seed else b""
     for start in range(0, len(data) - chunk_bytes + 1, chunk_bytes):
         previous = hashlib.blake2b(previous + data[start:start + chunk_bytes], digest_size=16).digest()
         hashes.append(previous)

@@ -26,6 +26,11 @@ from ladle.v1 import types_pb2
 log = structlog.get_logger(__name__)
 
 FLUSH_INTERVAL_S = 1.0
+# Distinct `model` label values on /metrics. Models are the served one and its LoRA adapters, which operators name
+# and load at run time: past this many, further names are counted under OTHER_MODEL there, so loading and
+# unloading adapters cannot grow the series without bound. The database keeps every name.
+MAX_MODEL_LABELS = 64
+OTHER_MODEL = "other"
 
 
 class UsageLedger:
@@ -38,6 +43,7 @@ class UsageLedger:
         self.requests = Counter("ladle_gateway_usage_requests", "Requests that used the model, by project, model and "
                                 "kind", ["project", "model", "kind"], registry=registry)
         self._pending: dict[UsageKey, UsageCounts] = {}
+        self._model_labels: set[str] = set()
 
     def record(self, project: str, model: str, kind: str, usages: Iterable[types_pb2.Usage],
                requests: int = 1) -> None:
@@ -48,10 +54,18 @@ class UsageLedger:
             counts.cached_tokens += u.cached_prompt_tokens
             counts.output_tokens += u.completion_tokens
             counts.reasoning_tokens += u.reasoning_tokens
-        self.requests.labels(project, model, kind).inc(requests)
+        label = self.model_label(model)
+        self.requests.labels(project, label, kind).inc(requests)
         for name in ("input", "cached", "output", "reasoning"):
-            self.tokens.labels(project, model, kind, name).inc(getattr(counts, f"{name}_tokens"))
+            self.tokens.labels(project, label, kind, name).inc(getattr(counts, f"{name}_tokens"))
         self._add(UsageKey(project, day_of(time.time()), model, kind), counts)
+
+    def model_label(self, model: str) -> str:
+        """`model` as the metrics label it is counted under: itself among the first MAX_MODEL_LABELS names seen,
+        else OTHER_MODEL."""
+        if model not in self._model_labels and len(self._model_labels) < MAX_MODEL_LABELS:
+            self._model_labels.add(model)
+        return model if model in self._model_labels else OTHER_MODEL
 
     def take(self) -> dict[UsageKey, UsageCounts]:
         """The increments kept so far, handed over (the ledger starts afresh)."""

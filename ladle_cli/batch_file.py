@@ -25,7 +25,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -135,7 +135,8 @@ async def _run(args: argparse.Namespace) -> int:
         if not await _wait_ready(pool, engine, ENGINE_STARTUP_TIMEOUT_S if engine else CONNECT_TIMEOUT_S):
             print(f"ladle batch: {_not_ready(pool, engine, address)}", file=sys.stderr)
             return 1
-        _validate(source, pool.model_id, pool.model_info())  # every body names the served model, fits its limits
+        # every body names the served model (or a LoRA adapter the engine serves) and fits its limits
+        _validate(source, pool.model_id, pool.model_info(), [a.name for a in pool.adapters()])
         return await _run_lines(args, source, output, custom_ids, pool)
     finally:
         await pool.close()
@@ -185,11 +186,15 @@ async def _run_lines(
     return 0
 
 
-def _validate(source: Path, model: str | None, info: engine_pb2.GetModelInfoResponse | None = None) -> set[str]:
+def _validate(
+    source: Path, model: str | None, info: engine_pb2.GetModelInfoResponse | None = None,
+    adapters: Collection[str] = (),
+) -> set[str]:
     """The requests' custom_ids (one per line: validation refuses duplicates); BatchFileError listing the bad
     lines if there are any."""
     with source.open("rb") as f:
-        _, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model, info=info)
+        _, errors = lines.validate(lines.read_lines(f, DEFAULT_MAX_REQUEST_BYTES), None, model, info=info,
+                                   adapters=adapters)
     if errors:
         shown = "\n".join(f"  line {e.line}: {e.code}: {e.message}" for e in errors[:MAX_SHOWN_ERRORS])
         more = f"\n  ... and {len(errors) - MAX_SHOWN_ERRORS} more" if len(errors) > MAX_SHOWN_ERRORS else ""

@@ -21,6 +21,12 @@ not yet taken), in flight (`_Progress.in_flight`), to retry (`_Progress.retry`),
 leaves `in_flight` only once every part of its attempt that was sent has answered (or its call has ended), and a
 call's feeder stops taking lines the moment its call has ended, so no interleaving of a call's end with a
 feeder's pause can leave a line nowhere, nor send a part of a line no longer in flight.
+
+LoRA adapters: a generation line whose `model` names an adapter (`lines.line_adapter`) is sent with it. A Batch
+call runs on one engine, so a line whose adapter that engine does not hold, while another SERVING engine does, is
+not sent there: it goes back to the head of the lines to retry (no failure counted), the call ends once its
+feeder stops, and the next call goes to an engine that holds that adapter (`EnginePool.pick`). When every engine
+serves the same adapters (the gateway loads them on all), no call ends early.
 """
 
 from __future__ import annotations
@@ -192,6 +198,7 @@ class LineRunner:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.in_flight = 0  # engine items sent and not yet answered
+        self._adapter = ""  # the LoRA adapter the next call's engine should hold: that of a line sent back for it
 
     async def run(
         self, source: AsyncIterator[InputLine], emit: Callable[[LineResult], None], stop: asyncio.Event
@@ -207,7 +214,10 @@ class LineRunner:
                     if progress.source.error is not None:
                         raise progress.source.error
                     return True
-                engine = await self._serving_engine(stop)
+                adapter = self._adapter  # a line to run alone goes to an engine with its own adapter
+                if progress.suspects:
+                    adapter = lines.line_adapter(progress.suspects[0].line, self.model)
+                engine = await self._serving_engine(stop, adapter)
                 if engine is None:
                     break
                 alone = progress.suspects.popleft() if progress.suspects else None
@@ -224,10 +234,10 @@ class LineRunner:
         finally:
             progress.source.close()
 
-    async def _serving_engine(self, stop: asyncio.Event) -> Engine | None:
+    async def _serving_engine(self, stop: asyncio.Event, adapter: str) -> Engine | None:
         while not stop.is_set():
             with contextlib.suppress(APIError):  # none SERVING after all
-                return self.pool.pick()
+                return self.pool.pick(adapter=adapter)
             await self.pool.wait_ready(timeout=0.5)
         return None
 
@@ -243,7 +253,7 @@ class LineRunner:
         watcher = asyncio.ensure_future(stop.wait())
         failure: str | None = None
         try:
-            feed = self._feed(progress, window, permits, ended, alone)
+            feed = self._feed(engine, progress, window, permits, ended, alone)
             with calls.holding(self.pool, engine), calls.open_batch_rpc(engine, feed, timeout=None) as call:
                 watcher.add_done_callback(lambda _: call.cancel())
                 async for response in call:
@@ -282,14 +292,14 @@ class LineRunner:
         self._settle(pending, progress)
 
     async def _feed(
-        self, progress: _Progress, window: asyncio.Semaphore, permits: _Permits, ended: asyncio.Event,
-        alone: PendingLine | None,
+        self, engine: Engine, progress: _Progress, window: asyncio.Semaphore, permits: _Permits,
+        ended: asyncio.Event, alone: PendingLine | None,
     ) -> AsyncIterator[engine_pb2.BatchRequest]:
         """The call's items: `alone`'s only, or lines to send again first, then new lines; each item once the
         windows have room. Stops at once when the call has `ended` (a line it holds is then in flight, and the
         call's end moves it on), and sends no more parts of an attempt that has already failed."""
         while not ended.is_set():
-            pending = self._begin(alone, progress) if alone is not None else await self._take(progress, ended)
+            pending = self._begin(alone, progress) if alone is not None else await self._take(engine, progress, ended)
             if pending is None:
                 return
             for part in pending.missing():
@@ -311,10 +321,11 @@ class LineRunner:
             if alone is not None:
                 return
 
-    async def _take(self, progress: _Progress, ended: asyncio.Event) -> PendingLine | None:
+    async def _take(self, engine: Engine, progress: _Progress, ended: asyncio.Event) -> PendingLine | None:
         """Move the next line to send into `progress.in_flight` and return it: the first line to retry (once its
-        pause is over), else the next unread line. None when there is none, once the call has ended, or once a
-        line waits to run alone (this call then ends first)."""
+        pause is over), else the next unread line. None when there is none, once the call has ended, once a
+        line waits to run alone (this call then ends first), or once a line needs a LoRA adapter that `engine`
+        lacks and another engine holds (it goes back to the head of the retries, and this call ends first)."""
         loop = asyncio.get_running_loop()
         while not ended.is_set() and not progress.suspects:
             if progress.retry:
@@ -335,6 +346,11 @@ class LineRunner:
                     if pending.alone:  # it failed too often among others before: it runs in a call of its own
                         progress.suspects.append(pending)
                         continue
+            adapter = lines.line_adapter(pending.line, self.model)
+            if adapter and not engine.holds(adapter) and any(e.holds(adapter) for e in self.pool.ready):
+                progress.retry.appendleft(pending)  # for the next call, on an engine that holds the adapter
+                self._adapter = adapter
+                return None
             if (begun := self._begin(pending, progress)) is not None:
                 return begun
         return None
@@ -345,7 +361,8 @@ class LineRunner:
         request_id = "req_" + secrets.token_hex(12)
         try:
             requests = lines.engine_requests(pending.line, request_id, self.pool.model_info(),
-                                             cache_salt=self.cache_salt)
+                                             cache_salt=self.cache_salt,
+                                             adapter=lines.line_adapter(pending.line, self.model))
         except (APIError, ValueError) as exc:  # cannot happen for a validated line; a result all the same
             pending.error = exc if isinstance(exc, APIError) else APIError(400, f"body: {exc}", param="body")
             pending.request_id = request_id
@@ -406,7 +423,8 @@ class LineRunner:
         replies = [r for r in pending.replies if r is not None]
         if pending.error is None:
             try:
-                body = lines.response_body(line, replies, pending.request_id, self.model)
+                model = lines.line_adapter(line, self.model) or self.model  # an adapter's answer names it
+                body = lines.response_body(line, replies, pending.request_id, model)
             except Exception as exc:
                 log.exception("a batch line's result could not be built", custom_id=line.custom_id)
                 pending.error = APIError(500, f"the engine's reply could not be turned into a response "

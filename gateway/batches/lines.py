@@ -9,7 +9,8 @@ lines become Embed and Score items of the engine's Batch call. A `/v1/responses`
 is in the output file) and carries its whole conversation: `previous_response_id`, `background` and `stream` are
 refused. The body is checked with the route's own pydantic schema and
 `translate.to_engine` or `translate.pooling_to_engine`, so a line that validates here is a request the synchronous
-route would also accept.
+route would also accept. A generation line's `model` may name a LoRA adapter the engines serve (`line_adapter`):
+its requests carry it, and its response names it; a pooling line naming one is refused, as the routes refuse it.
 Validation never raises for a line's content: whatever is wrong with a line (JSON nested too deep for the parser,
 a lone UTF-16 surrogate that no UTF-8 file or protobuf can carry, a value the engine request cannot hold) becomes
 that line's `LineError`, and a line that validates can be sent to the engine and written to the result files.
@@ -18,7 +19,7 @@ that line's `LineError`, and a line that validates can be sent to the engine and
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -26,7 +27,7 @@ import pydantic
 import structlog
 
 from gateway import json_output
-from gateway.errors import APIError, validation_param
+from gateway.errors import APIError, unknown_model_message, validation_param
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.completions import CompletionRequest
 from gateway.schemas.pooling import EmbeddingRequest, RerankRequest, ScoreRequest
@@ -49,6 +50,7 @@ MAX_LINES = 50_000
 MAX_CUSTOM_ID_CHARS = 512
 MAX_REPORTED_ERRORS = 1000  # a file with more bad lines reports the first ones (the batch fails either way)
 Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest | ScoreRequest | RerankRequest
+GENERATION_BODIES = (ChatCompletionRequest, CompletionRequest, ResponsesRequest)  # may name a LoRA adapter
 ENDPOINTS: dict[str, type[Body]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
@@ -109,10 +111,11 @@ def read_lines(file: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes
 
 def parse_line(
     raw: bytes, number: int, index: int, endpoint: str | None, model: str | None,
-    info: engine_pb2.GetModelInfoResponse | None = None,
+    info: engine_pb2.GetModelInfoResponse | None = None, adapters: Collection[str] = (),
 ) -> InputLine:
     """The request on line `number` (1-based) of a batch for `endpoint` (None: any supported endpoint, each line
-    its own); InvalidLineError says what is wrong. `model`, when given, is the only model id a body may name;
+    its own); InvalidLineError says what is wrong. `model`, when given, is the only model id a body may name
+    besides the LoRA `adapters` (which only a generation body may name);
     `info`, the engine's model info when known, bounds a pooling body as the synchronous routes bound it (e.g.
     `dimensions` at most the model's). What only the engine can check (a prompt's length in tokens: the gateway
     holds no tokenizer) it checks when the line runs, and refuses that line alone, as the route answers a 400."""
@@ -165,8 +168,12 @@ def parse_line(
     if getattr(body, "stream", False):
         raise refuse("invalid_body", "body.stream: streaming is not supported in a batch", "body.stream")
     if model is not None and body.model is not None and body.model != model:  # score/rerank may leave it out
-        raise refuse("model_not_found", f"body.model: the model `{body.model}` does not exist; this gateway "
-                     f"serves `{model}`", "body.model")
+        if body.model not in adapters:
+            message = unknown_model_message(body.model, model, list(adapters))
+            raise refuse("model_not_found", f"body.model: {message[0].lower()}{message[1:]}", "body.model")
+        if not isinstance(body, GENERATION_BODIES):
+            raise refuse("invalid_body", f"body.model: `{body.model}` is a LoRA adapter, which serves generation "
+                         f"only; use the model `{model}` for {url}", "body.model")
     line = InputLine(index, custom_id, body)
     try:
         for request in engine_requests(line, "validation", info):
@@ -192,10 +199,10 @@ def endpoint_of(url: object) -> str | None:
 
 def validate(
     lines: Iterable[tuple[int, bytes | None]], endpoint: str | None, model: str | None, max_lines: int = MAX_LINES,
-    info: engine_pb2.GetModelInfoResponse | None = None,
+    info: engine_pb2.GetModelInfoResponse | None = None, adapters: Collection[str] = (),
 ) -> tuple[int, list[LineError]]:
-    """Check every line of a batch file (against `info`, as `parse_line`): (number of requests, errors). No error
-    means every line is runnable."""
+    """Check every line of a batch file (against `model`, `info` and `adapters`, as `parse_line`): (number of
+    requests, errors). No error means every line is runnable."""
     errors: list[LineError] = []
     seen: set[str] = set()
     count = 0
@@ -209,7 +216,7 @@ def validate(
                                     number))
             continue
         try:
-            line = parse_line(raw, number, count - 1, endpoint, model, info)
+            line = parse_line(raw, number, count - 1, endpoint, model, info, adapters)
         except InvalidLineError as exc:
             errors.append(exc.error)
             continue
@@ -227,22 +234,33 @@ def validate(
     return count, errors[:MAX_REPORTED_ERRORS]
 
 
+def line_adapter(line: InputLine, model: str) -> str:
+    """The LoRA adapter a generation line's `model` names when it is not the served `model` ("" otherwise: the
+    base model). Validation let through only the adapters served then; the engine refuses one unloaded since."""
+    body = line.body
+    if isinstance(body, GENERATION_BODIES) and body.model and body.model != model:
+        return body.model
+    return ""
+
+
 def engine_requests(
-    line: InputLine, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None, *, cache_salt: str = ""
+    line: InputLine, request_id: str, info: engine_pb2.GetModelInfoResponse | None = None, *, cache_salt: str = "",
+    adapter: str = "",
 ) -> list[EngineRequest]:
     """The engine requests for one line at batch priority: one, or one per prompt of a completions body with
     several (ids `{request_id}-{i}`), or one per distinct query of an N-vs-N score body. `info` as the routes
     pass it to `translate.pooling_to_engine`; `cache_salt` the batch's project's
-    (`translate.cache_salt.project_cache_salt`), combined with a body's own `cache_salt` as the routes do.
-    APIError if the body cannot be expressed."""
+    (`translate.cache_salt.project_cache_salt`), combined with a body's own `cache_salt` as the routes do;
+    `adapter` the line's LoRA adapter (`line_adapter`), for a generation line. APIError if the body cannot be
+    expressed."""
     body = line.body
     requests: list[EngineRequest]
     if isinstance(body, ChatCompletionRequest):
-        requests = [to_engine.chat_request(body, body.messages, request_id, cache_salt=cache_salt)]
+        requests = [to_engine.chat_request(body, body.messages, request_id, cache_salt=cache_salt, adapter=adapter)]
     elif isinstance(body, CompletionRequest):
-        requests = list(to_engine.completion_requests(body, request_id, cache_salt=cache_salt))
+        requests = list(to_engine.completion_requests(body, request_id, cache_salt=cache_salt, adapter=adapter))
     elif isinstance(body, ResponsesRequest):
-        requests = [_responses_request(body, request_id, cache_salt)]
+        requests = [_responses_request(body, request_id, cache_salt, adapter)]
     elif isinstance(body, EmbeddingRequest):
         requests = [pooling_to_engine.embed_request(body, request_id, info, cache_salt=cache_salt)]
     elif isinstance(body, ScoreRequest):
@@ -279,13 +297,15 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
                                              model)
 
 
-def _responses_request(body: ResponsesRequest, request_id: str, cache_salt: str) -> engine_pb2.GenerateRequest:
+def _responses_request(
+    body: ResponsesRequest, request_id: str, cache_salt: str, adapter: str
+) -> engine_pb2.GenerateRequest:
     for name in ("previous_response_id", "background"):
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported in a batch line: send the whole conversation as input "
                            "items", param=name)
     items = responses_to_engine.input_items(body)
-    return responses_to_engine.generate_request(body, items, request_id, cache_salt=cache_salt)
+    return responses_to_engine.generate_request(body, items, request_id, cache_salt=cache_salt, adapter=adapter)
 
 
 ReplyT = TypeVar("ReplyT", engine_pb2.GenerateResponse, engine_pb2.EmbedResponse, engine_pb2.ScoreResponse)

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,12 @@ class ValidationProcessError(RuntimeError):
 async def validate_file(
     path: Path, endpoint: str | None, model: str | None, max_line_bytes: int,
     process_above_bytes: int = THREAD_MAX_BYTES, info: engine_pb2.GetModelInfoResponse | None = None,
+    adapters: Collection[str] = (),
 ) -> tuple[int, list[LineError]]:
-    """`lines.validate(lines.read_lines(file, max_line_bytes), endpoint, model, info=info)` over the file at
-    `path`, run off the event loop: in a child process when the file is larger than `process_above_bytes`, else
-    in a thread. `info`: the engine's model info (`EnginePool.model_info()`), None while unknown.
+    """`lines.validate(lines.read_lines(file, max_line_bytes), endpoint, model, info=info, adapters=adapters)`
+    over the file at `path`, run off the event loop: in a child process when the file is larger than
+    `process_above_bytes`, else in a thread. `info`: the engine's model info (`EnginePool.model_info()`), None
+    while unknown; `adapters`: the names of the LoRA adapters the engines serve.
 
     Returns (number of requests, errors) exactly as `lines.validate` does, which makes any failure to check a
     line that line's LineError. Raises OSError for the file itself (FileNotFoundError when it is gone), and
@@ -48,26 +51,26 @@ async def validate_file(
     """
     size = await asyncio.to_thread(lambda: path.stat().st_size)
     if size <= process_above_bytes:
-        return await asyncio.to_thread(check_file, path, endpoint, model, max_line_bytes, info)
-    return await _check_in_child(path, endpoint, model, max_line_bytes, info)
+        return await asyncio.to_thread(check_file, path, endpoint, model, max_line_bytes, info, adapters)
+    return await _check_in_child(path, endpoint, model, max_line_bytes, info, adapters)
 
 
 def check_file(
     path: Path, endpoint: str | None, model: str | None, max_line_bytes: int,
-    info: engine_pb2.GetModelInfoResponse | None = None,
+    info: engine_pb2.GetModelInfoResponse | None = None, adapters: Collection[str] = (),
 ) -> tuple[int, list[LineError]]:
     """`validate_file`'s check, blocking: run it in a thread or in the child."""
     with path.open("rb") as f:
-        return lines.validate(lines.read_lines(f, max_line_bytes), endpoint, model, info=info)
+        return lines.validate(lines.read_lines(f, max_line_bytes), endpoint, model, info=info, adapters=adapters)
 
 
 async def _check_in_child(
     path: Path, endpoint: str | None, model: str | None, max_line_bytes: int,
-    info: engine_pb2.GetModelInfoResponse | None = None,
+    info: engine_pb2.GetModelInfoResponse | None = None, adapters: Collection[str] = (),
 ) -> tuple[int, list[LineError]]:
     serialized = base64.b64encode(info.SerializeToString()).decode() if info is not None else None
     request = json.dumps({"path": str(path), "endpoint": endpoint, "model": model, "max_line_bytes": max_line_bytes,
-                          "info": serialized})
+                          "info": serialized, "adapters": list(adapters)})
     python_path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.batches.validation", request, stdin=asyncio.subprocess.DEVNULL,
@@ -101,7 +104,7 @@ def main(argv: list[str]) -> int:
         info = engine_pb2.GetModelInfoResponse.FromString(base64.b64decode(request["info"]))
     try:
         count, errors = check_file(Path(request["path"]), request["endpoint"], request["model"],
-                                   request["max_line_bytes"], info)
+                                   request["max_line_bytes"], info, request.get("adapters", ()))
     except OSError as exc:
         answer: dict[str, Any] = {"os_error": exc.errno, "message": exc.strerror or str(exc)}
     else:

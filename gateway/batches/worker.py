@@ -266,7 +266,7 @@ class BatchWorker:
         try:  # in a child process for a large file: checking lines holds the GIL, which the event loop needs
             total, errors = await self._leased(
                 claim, validate_file(path, batch.endpoint, model, self.settings.max_line_bytes,
-                                     info=self.pool.model_info()))
+                                     info=self.pool.model_info(), adapters=[a.name for a in self.pool.adapters()]))
         except FileNotFoundError:
             total, errors = 0, [lines.LineError("missing_input_file", "the input file was deleted")]
         if errors:
@@ -368,8 +368,9 @@ class BatchWorker:
             model = batch.model or self.pool.model_id or ""
             for result in results:
                 self.metrics.batch_lines.labels("completed" if result.ok else "failed").inc()
-                if result.usage:
-                    self.metrics.usage.record(batch.project, model, "batch", result.usage)
+                if result.usage:  # counted for the line's LoRA adapter, if it names one
+                    line_model = lines.line_adapter(result.line, model) or model
+                    self.metrics.usage.record(batch.project, line_model, "batch", result.usage)
         return status
 
     def _lines(self, batch: BatchRecord, done: set[str]) -> AsyncIterator[InputLine]:

@@ -45,7 +45,8 @@ async def create_batch_chat_completion(
     project: Project,
     http: HttpRequest,
 ) -> Any:
-    model = served_model(pool, body.model)
+    served = served_model(pool, body.model)
+    model = served.id
     admission = await admit(http, project, times(body.completion_cap(), len(body.messages)))
     _refuse_unsupported(body)
     for i, conversation in enumerate(body.messages):
@@ -53,7 +54,8 @@ async def create_batch_chat_completion(
             raise invalid(f"conversation {i} has no messages", f"messages[{i}]")
     salt = project_cache_salt(project)
     requests = [
-        to_engine.chat_request(body, conv, f"{rid}-{i}", cache_salt=salt) for i, conv in enumerate(body.messages)
+        to_engine.chat_request(body, conv, f"{rid}-{i}", cache_salt=salt, adapter=served.adapter)
+        for i, conv in enumerate(body.messages)
     ]
     for request in requests:
         request.priority = types_pb2.PRIORITY_INTERACTIVE  # a caller is waiting on the HTTP response

@@ -29,9 +29,11 @@ async def create_chat_completion(
     project: Project,
     http: HttpRequest,
 ) -> Any:
-    model = served_model(pool, body.model)
+    served = served_model(pool, body.model)
+    model = served.id
     admission = await admit(http, project, times(body.completion_cap(), body.n))
-    request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project))
+    request = to_engine.chat_request(body, body.messages, rid, cache_salt=project_cache_salt(project),
+                                     adapter=served.adapter)
     timer = RequestTimer(metrics, ROUTE, project, model, admission)
     if body.stream:
         messages = await calls.started(calls.stream(pool, request))

@@ -28,9 +28,11 @@ async def create_completion(
     project: Project,
     http: HttpRequest,
 ) -> Any:
-    model = served_model(pool, body.model)
+    served = served_model(pool, body.model)
+    model = served.id
     admission = await admit(http, project, (body.max_tokens or 0) * body.n * len(body.prompts()))
-    requests = to_engine.completion_requests(body, rid, cache_salt=project_cache_salt(project))
+    requests = to_engine.completion_requests(body, rid, cache_salt=project_cache_salt(project),
+                                              adapter=served.adapter)
     prompts = body.prompts()
     echoes = [p if isinstance(p, str) else "" for p in prompts] if body.echo else []
     want_logprobs = body.logprobs is not None

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
+from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, base_model, require_api_key
 from gateway.errors import APIError
 from gateway.json_output import FiniteJSONResponse
 from gateway.schemas.pooling import EmbeddingRequest
@@ -23,7 +23,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 async def create_embeddings(
     body: EmbeddingRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, http: HttpRequest
 ) -> Any:
-    model = served_model(pool, body.model)
+    model = base_model(pool, body.model)
     admission = await admit(http, project, 0)
     request = pooling_to_engine.embed_request(body, rid, pool.model_info(), cache_salt=project_cache_salt(project))
     timer = RequestTimer(metrics, ROUTE, project, model, admission)

@@ -41,7 +41,8 @@ async def create_response(
     body: ResponsesRequest, pool: Pool, metrics: Metrics, rid: CallId, project: Project, responses: Responses,
     http: HttpRequest,
 ) -> Any:
-    model = served_model(pool, body.model)
+    served = served_model(pool, body.model)
+    model = served.id
     admission = await admit(http, project, body.max_output_tokens)
     if body.background and not body.store:
         raise invalid("background responses must be stored: send store: true (the default)", "store")
@@ -49,7 +50,8 @@ async def create_response(
         raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
     items = responses_to_engine.input_items(body)
     history = await responses.history(body.previous_response_id, project)
-    request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project))
+    request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
+                                                   adapter=served.adapter)
     if body.truncation == "auto":
         await truncation.fit_context(pool, request)
     want_logprobs = request.sampling.logprobs

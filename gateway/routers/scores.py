@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, require_api_key, served_model
+from gateway.deps import CallId, HttpRequest, Metrics, Pool, Project, RequestTimer, admit, base_model, require_api_key
 from gateway.engines import EnginePool
 from gateway.errors import APIError
 from gateway.json_output import FiniteJSONResponse
@@ -24,7 +24,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 def _model(pool: EnginePool, requested: str | None) -> str:
     """vLLM's score and rerank bodies may leave `model` out: then the served model."""
-    return served_model(pool, requested if requested is not None else pool.model_id or "")
+    return base_model(pool, requested if requested is not None else pool.model_id or "")
 
 
 @router.post("/score", response_model=None, include_in_schema=False)

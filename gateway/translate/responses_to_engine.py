@@ -208,14 +208,15 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 
 
 def generate_request(
-    body: ResponsesRequest, items: Sequence[dict[str, Any]], request_id: str, *, cache_salt: str = ""
+    body: ResponsesRequest, items: Sequence[dict[str, Any]], request_id: str, *, cache_salt: str = "",
+    adapter: str = "",
 ) -> engine_pb2.GenerateRequest:
     """The engine request for `body` over the conversation `items` (a stored chain's items, then the body's own
-    `input_items`), with its `instructions` first; 400 (naming the Responses field where it differs from chat's)
-    for anything the engine request cannot express."""
+    `input_items`), with its `instructions` first, on LoRA `adapter` ("" for the base model); 400 (naming the
+    Responses field where it differs from chat's) for anything the engine request cannot express."""
     chat = chat_body(body, chat_messages(body.instructions, items))
     try:
-        return to_engine.chat_request(chat, chat.messages, request_id, cache_salt=cache_salt)
+        return to_engine.chat_request(chat, chat.messages, request_id, cache_salt=cache_salt, adapter=adapter)
     except APIError as error:
         error.param = _RENAMED.get(error.param or "", error.param)
         raise

@@ -205,16 +205,17 @@ def unicode_text() -> Iterator[None]:
 
 
 def chat_request(
-    body: ChatFields, messages: list[ChatMessage], request_id: str, *, cache_salt: str = ""
+    body: ChatFields, messages: list[ChatMessage], request_id: str, *, cache_salt: str = "", adapter: str = ""
 ) -> engine_pb2.GenerateRequest:
     """One engine request for one conversation of a chat body. `cache_salt` is the caller's project's
-    (`cache_salt.project_cache_salt`); the request carries it combined with the body's own `cache_salt`."""
+    (`cache_salt.project_cache_salt`); the request carries it combined with the body's own `cache_salt`.
+    `adapter`: the LoRA adapter the body's `model` names ("" for the base model)."""
     with unicode_text():
-        return _chat_request(body, messages, request_id, cache_salt)
+        return _chat_request(body, messages, request_id, cache_salt, adapter)
 
 
 def _chat_request(
-    body: ChatFields, messages: list[ChatMessage], request_id: str, cache_salt: str
+    body: ChatFields, messages: list[ChatMessage], request_id: str, cache_salt: str, adapter: str
 ) -> engine_pb2.GenerateRequest:
     logprobs = body.logprobs
     if body.top_logprobs and not logprobs:
@@ -224,6 +225,7 @@ def _chat_request(
         input=chat_input(body, messages),
         sampling=sampling(body, body.completion_cap(), logprobs, body.top_logprobs or 0),
         cache_salt=request_cache_salt(cache_salt, body.cache_salt),
+        adapter=adapter,
     )
     spec = constraint(body)
     if spec is not None:
@@ -232,16 +234,16 @@ def _chat_request(
 
 
 def completion_requests(
-    body: CompletionRequest, request_id: str, *, cache_salt: str = ""
+    body: CompletionRequest, request_id: str, *, cache_salt: str = "", adapter: str = ""
 ) -> list[engine_pb2.GenerateRequest]:
     """One engine request per prompt of a completions body (ids `{request_id}-{i}` when there are several), each
-    with the salt `chat_request` puts on its request."""
+    with the salt and adapter `chat_request` puts on its request."""
     with unicode_text():
-        return _completion_requests(body, request_id, cache_salt)
+        return _completion_requests(body, request_id, cache_salt, adapter)
 
 
 def _completion_requests(
-    body: CompletionRequest, request_id: str, cache_salt: str
+    body: CompletionRequest, request_id: str, cache_salt: str, adapter: str
 ) -> list[engine_pb2.GenerateRequest]:
     if body.suffix:
         raise invalid("suffix is not supported", "suffix")
@@ -265,7 +267,7 @@ def _completion_requests(
     for i, prompt in enumerate(prompts):
         one_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         request = engine_pb2.GenerateRequest(
-            request_id=one_id, input=prompt_input(prompt), sampling=params, cache_salt=salt
+            request_id=one_id, input=prompt_input(prompt), sampling=params, cache_salt=salt, adapter=adapter
         )
         if spec is not None:
             request.constraint.CopyFrom(spec)
