@@ -76,7 +76,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         ]
         modules = tuple((name, str(folder)) for name, folder in zip(names, folders, strict=True))
         config = EngineConfig(
-            model=args.model, device=args.device, quantization=args.quantization,  # type: ignore[arg-type]
+            model=args.model, device=args.device, quantization=args.quantization,
             scheduler=SchedulerConfig(max_num_seqs=args.num_seqs, max_num_batched_tokens=max(2048, args.input_len * 4)),
             cache=CacheConfig(enable_prefix_caching=False),
             lora=LoraConfig(modules, max_loras=args.adapters, max_lora_rank=args.rank),
