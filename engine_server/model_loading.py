@@ -10,6 +10,8 @@ with `capture_decode_graphs` and `EagerCapture`). The order is part of the contr
 - the KV cache is allocated before the weights are quantized and, on the CPU, MKL-packed (zeroing it right after
   the packing takes twice as long), and the CPU's glibc thresholds are raised (`host_memory`) just before that;
 - on CUDA the float weights' freed blocks go back to the device after quantizing;
+- the LoRA slots come after the weights are final, and the decode stack (when the model has one) holds their
+  tensors from then on (`layers.decode_stack.register_lora`);
 - the draft model, then (on CUDA, unless `enforce_eager` or a draft model) the decode graphs are last: they
   record the forward over the final weights and KV cache.
 
@@ -39,6 +41,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.host_memory import keep_freed_memory_for_reuse, release_freed_memory
+from engine_server.layers.decode_stack import register_lora
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
@@ -166,7 +169,11 @@ def load_model(
         if source.config.encoder:
             raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
-        log.info("lora slots", slots=config.lora.max_loras, max_rank=config.lora.max_lora_rank, bytes=slots.nbytes)
+        in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
+        log.info(
+            "lora slots", slots=config.lora.max_loras, max_rank=config.lora.max_lora_rank, bytes=slots.nbytes,
+            decode_stack=in_stack,
+        )  # fmt: skip
         loaded = replace(loaded, lora_slots=slots)
     if _captures_decode_graphs(loaded, config):
         loaded = replace(loaded, decode_graphs=capture_decode_graphs(loaded, CudaGraphCapture()))

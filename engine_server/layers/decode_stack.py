@@ -8,7 +8,8 @@ of its own (`kernels.cpu_ops.paged_attention_by_token`), so a step with prompt t
 each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
 Qwen3's and OLMoE's q/k norms (and OLMoE's clamp) and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert,
 Qwen3-MoE, OLMoE) over quantized experts run in it too: their routers, softmax and top-k through the same ATen calls
-as `layers.moe.route`.
+as `layers.moe.route`. With LoRA adapters (engine_server.lora) the stack holds the slots' weights (`register_lora`)
+and a step with adapters runs in it too, their kernels called as `LayerLora.add` calls them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
+from engine_server.lora.slots import LoraSlots
+from engine_server.lora.targets import PROJECTIONS
 from kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 # A mixture of experts as the stack takes it: its quantized experts, its router, its shared expert's projections.
@@ -126,3 +129,19 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
                 gate = cast(RowwiseLinear, sparse.shared_expert_gate)
                 stack.set_shared_expert(gate.weight.detach(), add(shared[0]), add(shared[1]))
     return cast(DecodeStack, stack)
+
+
+def register_lora(model: DecoderModel, slots: LoraSlots) -> bool:
+    """Hands `model`'s decode stack the LoRA `slots`' weights, shared (the runner's later loads into them are read
+    by the next step), so that steps with adapters run in it too (`DecoderModel.decode_stack_lora`); False, doing
+    nothing, where the model has no stack."""
+    stack = model.decode_stack
+    if stack is None:
+        return False
+    for layer, projections in enumerate(slots.stacks):
+        for name, (a, bs) in projections.items():
+            segments = slots.shapes[name].segments
+            offsets, parts = [segment.out_offset for segment in segments], [segment.part for segment in segments]
+            stack.set_lora(layer, PROJECTIONS.index(name), a, bs, offsets, parts, slots.max_rank)
+    model.decode_stack_lora = slots
+    return True

@@ -14,7 +14,8 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm
-from engine_server.lora.slots import LayerLora, LoraBatch
+from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
+from engine_server.lora.targets import PROJECTIONS
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
@@ -124,10 +125,32 @@ def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens:
     return torch.repeat_interleave(long, query_lens, output_size=tokens)
 
 
+def lora_segment_bits(changed: frozenset[tuple[str, int]] | None) -> int:
+    """`LoraBatch.changed` as `DecodeStack.forward` takes it: bit `4 * p + s` set for segment s of projection p
+    (`lora.targets.PROJECTIONS[p]`); -1, every bit, for None (every segment)."""
+    if changed is None:
+        return -1
+    return sum(1 << (4 * PROJECTIONS.index(projection) + segment) for projection, segment in changed)
+
+
 class DecodeStack(Protocol):
     """All layers of a step in one native call (`torch.classes.ladle_cpu.DecodeStack`, built by
     `layers.decode_stack.build_decode_stack`): the same kernels in the same order as `DecoderModel`'s layers, so
     the same bits. Every row is a decode row (a prompt token is one too: `AttentionMetadata.token_rows`)."""
+
+    def set_lora(
+        self,
+        layer: int,
+        projection: int,
+        a: torch.Tensor,
+        bs: list[torch.Tensor],
+        offsets: list[int],
+        parts: list[int],
+        rank: int,
+    ) -> None:
+        """Holds (not copies) layer `layer`'s LoRA slots of `PROJECTIONS[projection]` (`LoraSlots.stacks`' `a`
+        and `bs`, each segment's output offset and rank block), read at every step given `lora_slots`."""
+        ...
 
     def forward(
         self,
@@ -138,9 +161,13 @@ class DecodeStack(Protocol):
         seq_lens: torch.Tensor,
         slot_mapping: torch.Tensor,
         stop: torch.Tensor | None,
+        lora_slots: torch.Tensor | None = None,
+        lora_segments: int = -1,
     ) -> torch.Tensor:
         """The final hidden states, after the model's norm (as the layers' path returns them); fewer rows than
-        `hidden` when `stop` was set between two layers (the step was interrupted)."""
+        `hidden` when `stop` was set between two layers (the step was interrupted). With `lora_slots` (each
+        token's slot, `LoraBatch.slots`), each projection gets the adapters of the segments in `lora_segments`
+        (`lora_segment_bits`) as `LayerLora.add` adds them."""
         ...
 
 
@@ -195,8 +222,10 @@ class DecoderModel(nn.Module):
             self.register_buffer("local_cos_sin_cache", local, persistent=False)
         # The second forward path: `layers.decode_stack.build_decode_stack(self)`, set once the weights are final
         # (quantization.quantize_model sets it only with ops whose attention takes every token as a decode row of
-        # its own). When set, it runs every step in place of the layers below.
+        # its own). When set, it runs every step in place of the layers below, a step with LoRA adapters only where
+        # the stack holds their slots' weights: `decode_stack_lora` (`layers.decode_stack.register_lora`).
         self.decode_stack: DecodeStack | None = None
+        self.decode_stack_lora: LoraSlots | None = None
 
     def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The `cos_sin_cache` row of each token: its position, or with LongRoPE its position in the long factors'
@@ -218,16 +247,20 @@ class DecoderModel(nn.Module):
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """With `interrupt`, raises `StepInterrupted` after the first layer that ends with it set (the layers
-        before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (a step with
-        some runs the layers, not the decode stack)."""
+        before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (run in the
+        decode stack when it holds their slots, `decode_stack_lora`; else the step runs the layers)."""
         hidden = self.embed_tokens(input_ids)
         if self.scales_embeddings:
             hidden = hidden * self.get_buffer("embedding_multiplier")
-        if self.decode_stack is not None and lora is None:
+        stack = self.decode_stack
+        if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.
             tables, lens = (meta.block_tables, meta.seq_lens) if meta.max_query_len == 1 else meta.token_rows
             stop = None if interrupt is None else interrupt.tensor
-            stacked = self.decode_stack.forward(hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop)
+            slots, segments = (None, -1) if lora is None else (lora.slots, lora_segment_bits(lora.changed))
+            stacked = stack.forward(
+                hidden, positions, kv_caches, tables, lens, meta.slot_mapping, stop, slots, segments
+            )
             if stacked.shape[0] != hidden.shape[0]:
                 raise StepInterrupted
             return stacked

@@ -22,6 +22,10 @@
 // Under tensor parallelism on the CPU (`set_all_reduce`) each rank's stack holds its slices of the projections and
 // sums o_proj's and down's outputs over the ranks between them, with the steps of the shared-memory all-reduce
 // (engine_server/parallel/shm_all_reduce.py) on its buffers and its call count: the layers' sums, bit for bit.
+// LoRA adapters (engine_server/lora): with the slots' weights registered (`set_lora`) and each token's slot passed
+// to `forward`, each projection's output gets its adapters' update right after the base linear (qkv before the
+// split, o before the all-reduce, gate_up before the activation, down on its output) through `LayerLora.add`'s
+// kernel calls in its order: one lora_shrink, then one lora_expand per segment the step's adapters change.
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -31,6 +35,7 @@
 #include <sched.h>
 #include <time.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -90,6 +95,49 @@ struct Experts {
   int64_t shared_gate_up = -1, shared_down = -1;  // its projections (indices into DecodeStack::linears_)
 };
 
+// The fused projections adapters change, in engine_server/lora/targets.py's PROJECTIONS order: a projection's
+// index p in `set_lora`, and its segments' bits 4p.. of `forward`'s `lora_segments`.
+enum Projection : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3, kProjections = 4 };
+constexpr int64_t kMaxSegments = 4;
+
+// A block of a projection's output columns, [offset, offset + b.size(2)), updated from rank block `part` alone
+// (engine_server/lora/targets.py's `Segment`); `b` [S, R, n] is B transposed and scaled, per slot.
+struct LoraSegment {
+  at::Tensor b;
+  int64_t offset, part;
+};
+
+// One layer's projection's LoRA slots (engine_server/lora/slots.py's `LoraSlots`): `a` [S, P * rank, in] and the
+// segments' B. The tensors are the slots' own, not copies: the runner loads adapters into them between steps.
+struct Lora {
+  at::Tensor a;
+  std::vector<LoraSegment> segments;
+  int64_t rank = 0;
+
+  // out (the base projection of x) += each row's adapter update in place, as `LayerLora.add`: nothing unless a
+  // segment's bit is set in `mask`; else one shrink, then an expand per set segment in order.
+  void add(const at::Tensor& x, const at::Tensor& out, const at::Tensor& slots, int64_t mask) const {
+    if (!a.defined() || (mask & ((int64_t{1} << segments.size()) - 1)) == 0) return;
+    const at::Tensor y = ladle_cpu::lora_shrink(x, a, slots);
+    for (size_t s = 0; s < segments.size(); ++s) {
+      if (((mask >> s) & 1) == 0) continue;
+      const LoraSegment& segment = segments[s];
+      const at::Tensor columns = out.narrow(1, segment.offset, segment.b.size(2));
+      ladle_cpu::lora_expand(columns, y.narrow(1, segment.part * rank, rank), segment.b, slots);
+    }
+  }
+};
+
+// A step's adapters: each token's slot (-1: none) and the (projection, segment) bits to run. Undefined slots: none.
+struct StepLora {
+  at::Tensor slots;
+  int64_t segments = 0;
+
+  void add(const Lora& lora, Projection projection, const at::Tensor& x, const at::Tensor& out) const {
+    if (slots.defined()) lora.add(x, out, slots, segments >> (kMaxSegments * projection));
+  }
+};
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   int64_t qkv, o, gate_up, down;  // indices into DecodeStack::linears_ (gate_up and down -1 with experts)
@@ -99,6 +147,7 @@ struct Layer {
   bool qk_norm_whole = false;
   double clip_qkv = 0.0;  // q, k and v clamped to [-clip_qkv, clip_qkv] after the norms (0: not)
   std::optional<Experts> experts;
+  std::array<Lora, kProjections> lora;  // undefined (no `a`) where no adapter slots were registered
 };
 
 // x (a contiguous float32 CPU tensor) summed over the ranks in place: engine_server/parallel/shm_all_reduce.py's
@@ -290,12 +339,52 @@ class DecodeStack : public torch::CustomClassHolder {
     reduce_ = ShmAllReduce{slots, arrivals, counters, rank};
   }
 
+  // Layer `layer`'s LoRA slots for `projection` (Projection above): a [S, P * rank, in] and, per segment, its b
+  // [S, rank, n] added to output columns [offset, offset + n) from rank block `part`; all contiguous float32 and
+  // held, not copied. A mixture of experts' layer takes none on gate_up and down (the layers adapt no experts).
+  void set_lora(int64_t layer, int64_t projection, at::Tensor a, std::vector<at::Tensor> bs,
+                std::vector<int64_t> offsets, std::vector<int64_t> parts, int64_t rank) {
+    LADLE_CHECK(layer >= 0 && layer < num_layers(), "no layer %lld", static_cast<long long>(layer));
+    LADLE_CHECK(projection >= 0 && projection < kProjections, "no projection %lld", static_cast<long long>(projection));
+    const Layer& target = layers_[layer];
+    const std::array<int64_t, kProjections> linears{target.qkv, target.o, target.gate_up, target.down};
+    const int64_t linear = linears[projection];
+    TORCH_CHECK(linear != -1, "a mixture of experts' layer takes no LoRA on gate_up or down");
+    TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kFloat && a.is_contiguous() && a.device().is_cpu(),
+                "a must be a contiguous [S, P * R, in] float32 CPU tensor");
+    const int64_t segments = static_cast<int64_t>(bs.size());
+    TORCH_CHECK(segments >= 1 && segments <= kMaxSegments && offsets.size() == bs.size() && parts.size() == bs.size(),
+                "one to four segments, each with a b, an offset and a part");
+    LADLE_CHECK(rank >= 1 && a.size(1) % rank == 0, "a's %lld ranks are not blocks of rank %lld",
+                static_cast<long long>(a.size(1)), static_cast<long long>(rank));
+    int64_t out_features = 0;
+    for (const Packed& part : linears_[linear].parts) out_features += part.out_features;
+    Lora lora{a, {}, rank};
+    for (int64_t s = 0; s < segments; ++s) {
+      const at::Tensor& b = bs[s];
+      TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kFloat && b.is_contiguous() && b.device().is_cpu() &&
+                      b.size(0) == a.size(0) && b.size(1) == rank,
+                  "each b must be a contiguous [S, R, n] float32 CPU tensor of a's slots");
+      LADLE_CHECK(offsets[s] >= 0 && offsets[s] + b.size(2) <= out_features && parts[s] >= 0 &&
+                      (parts[s] + 1) * rank <= a.size(1),
+                  "segment %lld: columns [%lld, %lld) of %lld, rank block %lld", static_cast<long long>(s),
+                  static_cast<long long>(offsets[s]), static_cast<long long>(offsets[s] + b.size(2)),
+                  static_cast<long long>(out_features), static_cast<long long>(parts[s]));
+      lora.segments.push_back(LoraSegment{b, offsets[s], parts[s]});
+    }
+    layers_[layer].lora[projection] = std::move(lora);
+    has_lora_ = true;
+  }
+
   // hidden [T, hidden] (the embeddings of the step's tokens) -> the final normalised hidden states [T, hidden];
   // writes the step's K/V into kv_caches (one per layer) at slot_mapping. With `stop` (a one-element int32 CPU
-  // tensor), returns a [0, hidden] tensor after the first layer that ends with it non-zero.
+  // tensor), returns a [0, hidden] tensor after the first layer that ends with it non-zero. With `lora_slots` ([T]
+  // int32 or int64, each token's adapter slot, -1: none; needs `set_lora`), adds the adapters of the
+  // (projection p, segment s) pairs whose bit 4p + s is set in `lora_segments` (-1: all of them).
   at::Tensor forward(at::Tensor hidden, at::Tensor positions, std::vector<at::Tensor> kv_caches,
                      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor slot_mapping,
-                     std::optional<at::Tensor> stop) const {
+                     std::optional<at::Tensor> stop, std::optional<at::Tensor> lora_slots,
+                     int64_t lora_segments) const {
     LADLE_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer: got %zu for %zu", kv_caches.size(),
                 layers_.size());
     TORCH_CHECK(hidden.dim() == 2, "hidden must be [T, hidden]");
@@ -310,6 +399,14 @@ class DecodeStack : public torch::CustomClassHolder {
                   "stop must be a one-element int32 CPU tensor");
       stop_flag = stop->data_ptr<int32_t>();
     }
+    StepLora lora;
+    if (lora_slots.has_value()) {
+      TORCH_CHECK(has_lora_, "LoRA slots given to a stack that holds no adapters' weights (set_lora)");
+      TORCH_CHECK(lora_slots->dim() == 1 && lora_slots->size(0) == tokens && lora_slots->device().is_cpu() &&
+                      (lora_slots->scalar_type() == at::kLong || lora_slots->scalar_type() == at::kInt),
+                  "lora_slots must be a [T] int32 or int64 CPU tensor");
+      lora = StepLora{*lora_slots, lora_segments};
+    }
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -321,6 +418,7 @@ class DecodeStack : public torch::CustomClassHolder {
         std::tie(hidden, residual) = add_rms_norm(hidden, residual, layer.input_norm, eps_);
       }
       const at::Tensor qkv = linears_[layer.qkv](hidden);
+      lora.add(layer.lora[kQkv], kQkv, hidden, qkv);
       at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
       if (layer.q_norm.defined() && layer.qk_norm_whole) {  // the layers' rms_norm of 2-D rows: this kernel
@@ -343,11 +441,12 @@ class DecodeStack : public torch::CustomClassHolder {
       write_kv(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention =
           paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window, 0.0);
-      at::Tensor projected = linears_[layer.o](attention.view({tokens, q_size}));
+      const at::Tensor attended = attention.view({tokens, q_size});
+      at::Tensor projected = linears_[layer.o](attended);
+      lora.add(layer.lora[kO], kO, attended, projected);
       if (reduce_.defined()) reduce_(projected);
       std::tie(hidden, residual) = add_rms_norm(projected, residual, layer.post_norm, eps_);
-      hidden = layer.experts ? mixture(*layer.experts, hidden)
-                             : linears_[layer.down](silu_and_mul(linears_[layer.gate_up](hidden)));
+      hidden = layer.experts ? mixture(*layer.experts, hidden) : dense_mlp(layer, hidden, lora);
       if (reduce_.defined()) reduce_(hidden);
       // Another thread writes the flag while this runs (without the GIL): an atomic read of a plain int.
       if (stop_flag != nullptr && __atomic_load_n(stop_flag, __ATOMIC_RELAXED) != 0) {
@@ -362,6 +461,17 @@ class DecodeStack : public torch::CustomClassHolder {
   void check_linear(int64_t index) const {
     LADLE_CHECK(index >= 0 && index < static_cast<int64_t>(linears_.size()), "no linear %lld",
                 static_cast<long long>(index));
+  }
+
+  // engine_server/layers/mlp.py's GatedMLP.partial with SiLU: down(silu_and_mul(gate_up(x))), each projection
+  // with the step's adapters.
+  at::Tensor dense_mlp(const Layer& layer, const at::Tensor& x, const StepLora& lora) const {
+    const at::Tensor gate_up = linears_[layer.gate_up](x);
+    lora.add(layer.lora[kGateUp], kGateUp, x, gate_up);
+    const at::Tensor gated = silu_and_mul(gate_up);
+    at::Tensor out = linears_[layer.down](gated);
+    lora.add(layer.lora[kDown], kDown, gated, out);
+    return out;
   }
 
   // engine_server/layers/moe.py's SparseMoE.forward before its all-reduce: route(), the experts, the shared one.
@@ -384,6 +494,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<Linear> linears_;
   std::vector<Layer> layers_;
   ShmAllReduce reduce_;
+  bool has_lora_ = false;  // some layer's projection has LoRA slots (set_lora)
 };
 
 }  // namespace ladle_cpu
@@ -400,5 +511,9 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       .def("set_shared_expert", &ladle_cpu::DecodeStack::set_shared_expert)
       .def("num_layers", &ladle_cpu::DecodeStack::num_layers)
       .def("set_all_reduce", &ladle_cpu::DecodeStack::set_all_reduce)
-      .def("forward", &ladle_cpu::DecodeStack::forward);
+      .def("set_lora", &ladle_cpu::DecodeStack::set_lora)
+      .def("forward", &ladle_cpu::DecodeStack::forward, "",
+           {torch::arg("hidden"), torch::arg("positions"), torch::arg("kv_caches"), torch::arg("block_tables"),
+            torch::arg("seq_lens"), torch::arg("slot_mapping"), torch::arg("stop") = torch::arg::none(),
+            torch::arg("lora_slots") = torch::arg::none(), torch::arg("lora_segments") = int64_t{-1}});
 }

@@ -1,6 +1,6 @@
 """The C++ decode stack runs a quantized model's steps (prompt tokens as decode rows of their own) with the very
-kernels, in the very order, of the layers: its hidden states and tokens equal theirs bit for bit, and it steps aside
-where it does not apply."""
+kernels, in the very order, of the layers: its hidden states and tokens equal theirs bit for bit, LoRA adapters' rows
+too, and it steps aside where it does not apply."""
 
 from __future__ import annotations
 
@@ -10,15 +10,26 @@ from typing import Any
 import pytest
 import torch
 
-from engine_server.config import ModelConfig
+from engine_server.config import LoraConfig, ModelConfig
+from engine_server.core.request import Request
+from engine_server.core.scheduler import Scheduler
 from engine_server.layers.decode_stack import build_decode_stack
 from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
 from engine_server.layers.quantized_linear import QuantizedLinear, concat_rows, quantize_q8
+from engine_server.lora.peft_format import LoraAdapter, LoraPiece
+from engine_server.lora.targets import MLP_PROJECTIONS, module_targets
 from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
 from kernels import cpu_ops as cpu
 from tests.lowbit_blocks import random_blocks
-from tests.unit.runner_factories import MAX_MODEL_LEN, TINY_LLAMA, greedy_request, make_lockstep, tiny_engine_config
+from tests.unit.runner_factories import (
+    MAX_MODEL_LEN,
+    TINY_LLAMA,
+    Lockstep,
+    greedy_request,
+    make_lockstep,
+    tiny_engine_config,
+)
 from tests.unit.runner_factories import tiny_source as source_of
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
@@ -41,13 +52,16 @@ TINY_QWEN2_MOE = dataclasses.replace(
 
 
 class CountingStack:
-    """Forwards to a DecodeStack, counting the steps it ran."""
+    """Forwards to a DecodeStack, counting the steps it ran and keeping each one's `lora_segments` (None: a step
+    without adapters)."""
 
     def __init__(self, stack: Any) -> None:
         self.stack, self.steps = stack, 0
+        self.lora_segments: list[int | None] = []
 
     def forward(self, *args: Any) -> torch.Tensor:
         self.steps += 1
+        self.lora_segments.append(args[8] if len(args) > 8 and args[7] is not None else None)
         result: torch.Tensor = self.stack.forward(*args)
         return result
 
@@ -118,6 +132,84 @@ def test_lowbit_and_mixed_projections_equal_the_layers_bit_for_bit(monkeypatch: 
         assert torch.equal(step.hidden[0], step.hidden[1])
 
 
+QV = ("self_attn.q_proj", "self_attn.v_proj")
+EVERY_MODULE = (*QV, "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+O_AND_UP = ("self_attn.o_proj", "mlp.up_proj")
+
+
+def random_adapter(model: ModelConfig, name: str, modules: tuple[str, ...], rank: int, seed: int) -> LoraAdapter:
+    """An adapter of `rank` on `modules` of every layer (an MLP's modules only where the MLP is dense), its weights
+    drawn from `seed` and large enough to change the greedy tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    targets, pieces = module_targets(model), []
+    for layer in range(model.num_hidden_layers):
+        for module in modules:
+            target = targets[module]
+            if target.projection in MLP_PROJECTIONS and model.is_moe_layer(layer):
+                continue
+            a = torch.randn(rank, target.in_features, generator=gen) * 0.3
+            b = torch.randn(target.out_features, rank, generator=gen) * 0.3
+            pieces.append(LoraPiece(layer, target, a, b))
+    short = tuple(module.rsplit(".", 1)[-1] for module in modules)
+    return LoraAdapter(name, name, f"{name}-key", rank, short, tuple(pieces))
+
+
+def adapter_request(request_id: str, prompt: list[int], max_tokens: int, adapter: LoraAdapter | None) -> Request:
+    params = greedy_request(request_id, 1, max_tokens).sampling_params
+    return Request(request_id, prompt, params, max_model_len=MAX_MODEL_LEN, lora=adapter)
+
+
+@pytest.mark.parametrize("model", [TINY_LLAMA, TINY_QWEN2_MOE], ids=["llama", "qwen2-moe-shared"])
+@pytest.mark.parametrize("every_segment", [False, True], ids=["changed-segments", "every-segment"])
+def test_steps_with_lora_adapters_equal_the_layers_bit_for_bit(
+    model: ModelConfig, every_segment: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapters on q/v only, on every module and on o/up (segments skipped), ranks under the slots', rows of the
+    base model beside them, two slots for three adapters (slots reloaded between steps, in place: the stack reads
+    the slots' own tensors), prompt tokens beside decode rows; with `every_segment`, every segment runs on every
+    step, as in a decode graph (`LoraBatch.changed` None)."""
+    config = dataclasses.replace(
+        tiny_engine_config(), quantization="int8", lora=LoraConfig(max_loras=2, max_lora_rank=8)
+    )
+    reference, candidate = (ModelRunner(load_model(source_of(model), config, MAX_MODEL_LEN)) for _ in range(2))
+    assert candidate.lora_slots is not None and candidate.model.model.decode_stack_lora is candidate.lora_slots
+    reference.model.model.decode_stack = None
+    counting = CountingStack(candidate.model.model.decode_stack)
+    candidate.model.model.decode_stack = counting
+    if every_segment:
+        for runner in (reference, candidate):
+            monkeypatch.setattr(runner.lora_slots, "changed_by", lambda slots: None)
+    qv, every, o_up = (
+        random_adapter(model, "qv", QV, 4, seed=1),
+        random_adapter(model, "every", EVERY_MODULE, 8, seed=2),
+        random_adapter(model, "o-up", O_AND_UP, 3, seed=3),
+    )
+    prompt = [(7 * i + 3) % 256 for i in range(6)]
+    requests = [
+        adapter_request("base", prompt, 12, None),
+        adapter_request("every", prompt, 5, every),  # done early: later steps run q/v and o/up alone
+        adapter_request("qv", prompt[:4], 14, qv),
+        adapter_request("o-up", prompt[1:], 8, o_up),  # waits for a slot, then takes every's
+        adapter_request("qv-2", prompt[::-1] * 2, 10, qv),
+    ]
+    scheduler = Scheduler(config.scheduler, config.cache, reference.num_blocks, MAX_MODEL_LEN, lora_slots=2)
+    lockstep = Lockstep(reference, candidate, scheduler, monkeypatch)
+    steps = lockstep.run(requests, late={3: [adapter_request("late", prompt * 2, 6, o_up)]})
+    assert counting.steps == len(steps) > 10
+    assert any(not step.decode_only for step in steps[1:])  # prompt tokens beside decode rows
+    for step in steps:
+        assert step.tokens[0] == step.tokens[1]
+        assert torch.equal(step.hidden[0], step.hidden[1])
+    masks = [mask for mask in counting.lora_segments if mask is not None]
+    assert len(masks) > 10  # steps with adapters' rows ran in the stack
+    if every_segment:
+        assert set(masks) == {-1}
+    else:  # each step ran the segments of its adapters alone
+        assert -1 not in masks and len(set(masks)) > 2
+    generated = {rid: [step.tokens[0][rid] for step in steps if rid in step.tokens[0]] for rid in ("base", "every")}
+    assert generated["base"][:5] != generated["every"]  # the adapters change the tokens: the equality says something
+
+
 def test_models_it_does_not_cover_keep_the_layers() -> None:
     partial_rotary = dataclasses.replace(TINY_LLAMA, architecture="phi3", partial_rotary_factor=0.5, name="phi")
     assert int8_runner(partial_rotary).model.model.decode_stack is None
@@ -137,4 +229,10 @@ def test_bad_inputs_are_refused_before_anything_is_written() -> None:
     before = [cache.clone() for cache in runner.kv_caches]
     with pytest.raises(RuntimeError, match="outside the cache"):
         stack.forward(hidden, positions, runner.kv_caches, tables, lens, torch.tensor([5, 10**9]), None)
+    with pytest.raises(RuntimeError, match="holds no adapters"):
+        stack.forward(hidden, positions, runner.kv_caches, tables, lens, torch.zeros(2, dtype=torch.long), None,
+                      torch.zeros(2, dtype=torch.long))  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches, strict=True))
+    a, b = torch.zeros(2, 8, TINY_LLAMA.hidden_size), torch.zeros(2, 8, TINY_LLAMA.hidden_size)
+    with pytest.raises(RuntimeError, match="columns"):  # o_proj has hidden_size output columns, not 2 x hidden_size
+        stack.set_lora(0, 1, a, [b], [TINY_LLAMA.hidden_size], [0], 8)
