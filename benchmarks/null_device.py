@@ -37,7 +37,13 @@ class NullModel(torch.nn.Module):
     """A model whose forward does no work: one zero per token, which are also the logits."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, meta: Any, interrupt: Any = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Any,
+        meta: Any,
+        interrupt: Any = None,
+        lora: Any = None,
     ) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], 1, device=input_ids.device)
 

@@ -32,12 +32,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
 
-from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.host_memory import keep_freed_memory_for_reuse, release_freed_memory
@@ -45,7 +43,7 @@ from engine_server.layers.decode_stack import register_lora
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.packed_linear import pack_linear_layers
 from engine_server.loader import ModelSource, resolve_model
-from engine_server.lora.slots import LoraBatch, LoraSlots
+from engine_server.lora.slots import LoraSlots
 from engine_server.models import (
     BertEncoder,
     CausalLM,
@@ -276,14 +274,8 @@ def capture_decode_graphs(loaded: LoadedModel, capture: GraphCapture) -> DecodeG
     started = time.perf_counter()
     sizes = graph_batch_sizes(loaded.max_graph_batch)
     model, kv_caches = loaded.model, loaded.kv_caches
-    def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, lora: LoraBatch | None) -> Any:
-        """The model's decode step; the adapters only where the graphs apply them."""
-        if lora is None:  # the model's own signature, which a null device's stand-in for benchmarks shares
-            return model(ids, positions, kv_caches, meta)
-        return model(ids, positions, kv_caches, meta, None, lora)
-
     graphs = DecodeGraphs(
-        forward,
+        lambda ids, positions, meta, lora: model(ids, positions, kv_caches, meta, None, lora),
         sizes=sizes,
         hidden_size=loaded.model_config.hidden_size,
         block_size=loaded.block_size,

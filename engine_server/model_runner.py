@@ -554,10 +554,7 @@ class ModelRunner:
         from the tensors given, unless `sent` says the caller sent them its host copies already)."""
         if self.fan_out is not None and not sent:
             self.fan_out.forward(input_ids, positions, meta)
-        if lora is None:  # the model's own signature, which a null device's stand-in for benchmarks shares
-            hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
+        hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
         return hidden
 
     @staticmethod

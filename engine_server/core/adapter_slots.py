@@ -53,6 +53,3 @@ class AdapterSlots:
         """The assignments since the last call, in order: the runner writes each adapter into its slot."""
         loads, self._loads = self._loads, []
         return loads
-
-    def holders(self, slot: int) -> int:
-        return self._holders[slot]

@@ -48,7 +48,6 @@ class LoraSlots:
                      for seg in shape.segments]  # fmt: skip
                 stacks[name] = (a, b)
             self.stacks.append(stacks)
-        self.keys: list[str | None] = [None] * max_loras  # the adapter each slot holds (LoraAdapter.key)
         # Per slot, the (projection, segment index) pairs its adapter changes in some layer: a step runs the kernels
         # of the pairs its adapters change, and no others (an adapter on q and v reads no o, gate, up or down).
         self.segments: list[frozenset[tuple[str, int]]] = [frozenset()] * max_loras
@@ -81,7 +80,6 @@ class LoraSlots:
                 a[slot, block : block + r].copy_(piece.a)
                 rows = piece.b[lo - first : hi - first]  # [rows, r]
                 b[slot, :r, lo - segment.out_offset : hi - segment.out_offset].copy_(rows.T)
-        self.keys[slot] = adapter.key
         self.segments[slot] = frozenset(changed)
 
     def changed_by(self, slots: Iterable[int]) -> frozenset[tuple[str, int]]:
@@ -94,7 +92,6 @@ class LoraSlots:
                 a[slot].zero_()
                 for b in bs:
                     b[slot].zero_()
-        self.keys[slot] = None
         self.segments[slot] = frozenset()
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
+from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
@@ -181,9 +182,13 @@ class BertEncoder(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         interrupt: StepInterrupt | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions `[T]` -> last hidden states `[T, hidden]`; each of the step's sequences must be
-        whole (its positions from 0). StepInterrupted between two layers once `interrupt` is set."""
+        whole (its positions from 0). StepInterrupted between two layers once `interrupt` is set. `lora` is the
+        decoders' parameter (`CausalLM.forward`), always None here: an encoder serves no adapters."""
+        if lora is not None:
+            raise ValueError("an encoder serves no LoRA adapters")
         if meta.query_lens_cpu != meta.seq_lens_cpu:
             raise ValueError("an encoder runs each input whole in one step: a chunk of one cannot be computed")
         layout = _PaddedLayout(meta.query_lens_cpu, input_ids.device)

@@ -207,15 +207,21 @@ struct Item {
   int64_t slot, row_begin, row_end, col_begin, col_end;
 };
 
-// Shrink's item: kShrinkRanks rows of a (a few KB, kept in L1) against every kShrinkRows-row tile of x in turn.
-void shrink_item(const Product& p, const int64_t* order, const Item& item) {
-  const float* in[kRowChunk];
-  float* out[kRowChunk];
+// The item's rows of the input and of the output (`order` maps its row range to rows of the batch); returns how many.
+int64_t row_pointers(const Product& p, const int64_t* order, const Item& item, const float** in, float** out) {
   const int64_t rows = item.row_end - item.row_begin;
   for (int64_t m = 0; m < rows; ++m) {
     in[m] = p.in + order[item.row_begin + m] * p.in_stride;
     out[m] = p.out + order[item.row_begin + m] * p.out_stride;
   }
+  return rows;
+}
+
+// Shrink's item: kShrinkRanks rows of a (a few KB, kept in L1) against every kShrinkRows-row tile of x in turn.
+void shrink_item(const Product& p, const int64_t* order, const Item& item) {
+  const float* in[kRowChunk];
+  float* out[kRowChunk];
+  const int64_t rows = row_pointers(p, order, item, in, out);
   const float* a = p.weight + item.slot * p.weight_size;
   for (int64_t j = item.col_begin; j < item.col_end; j += kShrinkRanks) {
     with_count<kShrinkRanks>(std::min(kShrinkRanks, item.col_end - j), [&](auto ranks) {
@@ -237,11 +243,7 @@ void shrink_item(const Product& p, const int64_t* order, const Item& item) {
 void expand_item(const Product& p, const int64_t* order, const Item& item) {
   const float* in[kRowChunk];
   float* out[kRowChunk];
-  const int64_t rows = item.row_end - item.row_begin;
-  for (int64_t m = 0; m < rows; ++m) {
-    in[m] = p.in + order[item.row_begin + m] * p.in_stride;
-    out[m] = p.out + order[item.row_begin + m] * p.out_stride;
-  }
+  const int64_t rows = row_pointers(p, order, item, in, out);
   const float* b = p.weight + item.slot * p.weight_size;
   for (int64_t m = 0; m < rows; m += kExpandRows) {
     with_count<kExpandRows>(std::min(kExpandRows, rows - m), [&](auto tile_rows) {
