@@ -550,7 +550,7 @@ class LoraConfig:
 
 # The command line's --async-scheduling choices as EngineConfig.async_scheduling values.
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
-QuantizationMode = Literal["auto", "none", "gguf", "int8"]  # EngineConfig.quantization
+QuantizationMode = Literal["auto", "none", "gguf", "int8", "fp8"]  # EngineConfig.quantization
 # EngineConfig.tool_call_parser: "auto" (read off the chat template) or a format (engine_server.tools.ToolFormat).
 ToolCallParserName = Literal["auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder"]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
@@ -580,8 +580,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # How the linear layers' weights are kept (engine_server.quantization): "none" (float: the exact path,
     # greedy output equal to transformers'), "gguf" (a GGUF file's own 4/8-bit blocks), "int8" (8-bit groups of
-    # 32 of any model's weights) or "auto", the default: gguf for a GGUF file on the CPU, where its quality was
-    # measured to hold and it is faster at every batch size (docs/models.md, Quantized weights), none everywhere else.
+    # 32 of any model's weights), "fp8" (e4m3 weights with per-channel or block scales, activations per token) or
+    # "auto", the default: gguf for a GGUF file on the CPU, where its quality was measured to hold and it is faster
+    # at every batch size (docs/models.md, Quantized weights), fp8 for an FP8 checkpoint on a GPU with e4m3 tensor
+    # cores, none everywhere else.
     quantization: QuantizationMode = "auto"
     # How tool calls are read from the output: "auto" picks the format the chat template implies
     # (engine_server/tools/template.py), a format's name forces it (vLLM's --tool-call-parser).

@@ -4,7 +4,8 @@
 `LoadedModel`, which nothing changes afterwards: the runner runs steps over it (and tests capture graphs over it
 with `capture_decode_graphs` and `EagerCapture`). The order is part of the contract:
 - torch's seed is set right before the model is built, so random weights are the same on every load;
-- under `gguf` the file's quantized blocks are read (`quantization.stored_weights`) before the float weights load,
+- under `gguf` the file's quantized blocks are read (`quantization.stored_weights`) before the float weights load
+  (under `fp8`, an FP8 checkpoint's e4m3 weights: `quantization.stored_fp8_weights`),
   and the float weights of the layers they replace are never read (the embedded model: 0.1 s of CPU and 0.5 GB
   peak RSS to load its converted weights, against 2-3.5 s and 1.3 GB reading all of them);
 - the KV cache is allocated before the weights are quantized and, on the CPU, MKL-packed (zeroing it right after
@@ -53,7 +54,14 @@ from engine_server.models import (
     kv_cache_bytes_per_block,
 )
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.quantization import Scheme, StoredWeight, quantize_model, resolve_quantization, stored_weights
+from engine_server.quantization import (
+    Scheme,
+    StoredWeight,
+    quantize_model,
+    resolve_quantization,
+    stored_fp8_weights,
+    stored_weights,
+)
 from engine_server.speculative.draft_model import DraftModel
 from kernels.kernel_set import REFERENCE_OPS
 
@@ -143,8 +151,11 @@ def load_model(
     # the converted file but what is kept). Sharded, each rank reads only its slice of each tensor; otherwise one
     # sequential read per file is faster.
     stored = stored_weights(model, source) if quantization == "gguf" and isinstance(model, CausalLM) else {}
+    fp8_kept: frozenset[str] = frozenset()  # an FP8 checkpoint's weights served as stored: not dequantized
+    if quantization == "fp8" and isinstance(model, CausalLM):
+        stored, fp8_kept = stored_fp8_weights(model, source)
     if stored and isinstance(model, CausalLM):
-        model.load_weights(source.lazy_weights(), replaced=stored.keys())
+        model.load_weights(source.lazy_weights(fp8_kept), replaced=stored.keys())
     else:
         model.load_weights(source.lazy_weights() if tp.size > 1 else source.weights())
     model = model.to(device).eval()
@@ -212,7 +223,7 @@ def _quantize(
             "cpu kernels", quantization=quantization, layers=layers, mkl_packed_linears=packed, cpp_kernels=kernels
         )
     elif quantization != "none" and isinstance(model, CausalLM):  # an encoder's weights stay float
-        layers = quantize_model(model, source, quantization)
+        layers = quantize_model(model, source, quantization, stored)
         torch.cuda.empty_cache()  # the float weights' blocks
         log.info("quantized weights", quantization=quantization, layers=layers)
 

@@ -7,7 +7,16 @@
   (`layers.quantized_experts`); its other tensors (F32, F16, Q2_K, Q3_K, ...) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
   (`quantize_q8`).
-- `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), otherwise `none`.
+- `fp8`: every linear layer but the LM head and the routers in float8 e4m3 (`layers.fp8_linear`): an FP8 checkpoint's
+  weights as it stores them (`loader.fp8_checkpoint`: per channel, per tensor, or per block of 128 x 128), any
+  other model's float weights quantized per output channel at load; activations are rounded to e4m3 per token
+  on the fly. On CUDA (compute capability 8.9+: e4m3 tensor cores) the weights stay e4m3 and `kernels.fp8_linear`
+  multiplies them; on the CPU they are dequantized once to float and x is rounded to e4m3 before each product:
+  the same arithmetic, for loading and measuring FP8 models without a GPU (neither faster nor smaller than
+  float). Under tensor parallelism each rank quantizes its slice of the float weights per channel, an FP8
+  checkpoint's included (dequantized first); a mixture of experts' banks stay float.
+- `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), `fp8` for an FP8 checkpoint on CUDA
+  where the FP8 GEMMs run, otherwise `none` (an FP8 checkpoint then loads dequantized to float).
 A mixture of experts' routers stay float under `gguf` and `int8` (their logits choose the experts: a rounding step
 could change the choice), multiplied row by row in one fixed order on the CPU (`RowwiseLinear`) so that the choice
 does not depend on the batch either.
@@ -50,6 +59,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from engine_server.layers.decode_stack import build_decode_stack
+from engine_server.layers.fp8_linear import Fp8Linear, Fp8Weight, concat_fp8_rows, quantize_fp8, replace_fp8_linears
 from engine_server.layers.lowbit_weight import LowBitWeight
 from engine_server.layers.quantized_experts import (
     ROUTER_SUFFIXES,
@@ -72,6 +82,7 @@ from engine_server.layers.quantized_linear import (
     quantize_q8,
     replace_linears,
 )
+from engine_server.loader.fp8_checkpoint import read_fp8_weights
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
 from engine_server.models.base import FUSED_SHARDS, CausalLM
@@ -85,9 +96,10 @@ from engine_server.parallel.layers import (
 )
 from kernels.reference import QUANT_GROUP
 
-Scheme = Literal["none", "gguf", "int8"]
-# What a GGUF file stores quantized for one module: a linear layer's weight, or a bank of experts'.
-StoredWeight = QuantizedWeight | ExpertWeights
+Scheme = Literal["none", "gguf", "int8", "fp8"]
+# What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF), or a linear
+# layer's FP8 weight (an FP8 checkpoint).
+StoredWeight = QuantizedWeight | ExpertWeights | Fp8Weight
 
 
 def resolve_quantization(
@@ -104,12 +116,19 @@ def resolve_quantization(
             raise ValueError(f"--quantization {mode}: an encoder model ({source.name!r}) keeps its float weights")
         return "none"
     if mode == "auto":
-        gguf = cpu_float32 and kernels and source.gguf_path is not None
-        return "gguf" if gguf else "none"
+        if cpu_float32 and kernels and source.gguf_path is not None:
+            return "gguf"
+        fp8 = source.fp8 is not None and device.type == "cuda" and _fp8_refusal(device, kernels) is None
+        return "fp8" if fp8 else "none"
     if mode == "none":
         return "none"
+    if mode == "fp8":
+        refusal = _fp8_refusal(device, kernels)
+        if refusal is not None:
+            raise ValueError(f"--quantization fp8: {refusal}")
+        return "fp8"
     if mode not in ("gguf", "int8"):
-        raise ValueError(f"--quantization {mode!r}: expected auto, none, gguf or int8")
+        raise ValueError(f"--quantization {mode!r}: expected auto, none, gguf, int8 or fp8")
     if device.type == "cuda":
         if mode != "int8":
             raise ValueError("--quantization gguf: CUDA serves int8 weights (or none), not a GGUF file's blocks")
@@ -125,6 +144,51 @@ def resolve_quantization(
     if mode == "gguf" and source.gguf_path is None:
         raise ValueError(f"--quantization gguf: model {source.name!r} is not a GGUF file")
     return "gguf" if mode == "gguf" else "int8"
+
+
+def _fp8_refusal(device: torch.device, kernels: bool) -> str | None:
+    """Why FP8 weights cannot be served on `device`, or None: the CPU serves them (dequantized: module doc), CUDA
+    needs triton and e4m3 tensor cores."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"FP8 weights are served on CUDA or the CPU, not {device.type}"
+    if not kernels:
+        return "needs triton on CUDA, which could not be imported here"
+    from kernels.fp8_linear import FP8_MIN_CAPABILITY  # triton: imported only where it runs
+
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        return f"needs a GPU with e4m3 tensor cores (compute capability 8.9+), not {capability[0]}.{capability[1]}"
+    return None
+
+
+def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, StoredWeight], frozenset[str]]:
+    """The FP8 weight of each of `model`'s linear layers that `source`, an FP8 checkpoint, stores in FP8 (all of a
+    fused layer's shards: `concat_fp8_rows`), by module name, and the checkpoint names they were read from (for
+    `ModelSource.lazy_weights`, which then leaves them to this). Empty for any other source, and under tensor
+    parallelism, where every rank quantizes its slice of the dequantized weights instead (module doc)."""
+    if source.fp8 is None or model.tp.size > 1:
+        return {}, frozenset()
+    parts: dict[str, dict[str, str]] = {}  # module -> shard ("" for a whole layer) -> checkpoint weight name
+    for name in source.fp8.fp8_weights(source.path):
+        module = model.checkpoint_name(name).removesuffix(".weight")
+        target, shard = module, ""
+        for fused, part, shard_name in FUSED_SHARDS:
+            if module.endswith(f".{part}"):
+                target, shard = module.removesuffix(part) + fused, shard_name
+        parts.setdefault(target, {})[shard] = name
+    modules = dict(model.named_modules())
+    chosen: dict[str, list[str]] = {}
+    for target, shards in parts.items():
+        expected = [s for f, _, s in FUSED_SHARDS if target.endswith(f".{f}")] if "" not in shards else [""]
+        if isinstance(modules.get(target), nn.Linear) and set(shards) == set(expected):
+            chosen[target] = [shards[s] for s in expected]
+    read = read_fp8_weights(source.path, source.fp8, [n for names in chosen.values() for n in names])
+    weights: dict[str, StoredWeight] = {
+        target: concat_fp8_rows([read[n] for n in names]) for target, names in chosen.items()
+    }
+    return weights, frozenset(read)
 
 
 def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeight]:
@@ -177,6 +241,8 @@ def quantize_model(
     prefix cache, bit for bit (docs/models.md, Quantized weights)."""
     if scheme == "none":
         return {}
+    if scheme == "fp8":
+        return _quantize_fp8(model, {} if stored is None else stored)
     on_cpu = model.model.norm.weight.device.type == "cpu"
     if scheme == "gguf":
         weights = stored_weights(model, source) if stored is None else stored
@@ -213,8 +279,31 @@ def quantize_model(
     return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
 
 
+def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[str, int]:
+    """`quantize_model` under `fp8`: each linear layer's FP8 weight from `stored` (`stored_fp8_weights`), else its
+    float weight quantized per channel; the LM head and the routers stay float unless stored in FP8 (module doc).
+    Returns layers per format (`fp8`, `fp8_block`, `float`)."""
+
+    def weight_for(name: str, linear: nn.Linear) -> Fp8Weight | None:
+        weight = stored.get(name)
+        if isinstance(weight, Fp8Weight):
+            return weight
+        if name == "lm_head" or name.endswith(ROUTER_SUFFIXES):
+            return None
+        return quantize_fp8(linear.weight)
+
+    replace_fp8_linears(model, weight_for)
+    modules = list(model.modules())
+    inner = {id(m.dense) for m in modules if isinstance(m, Fp8Linear)}  # the CPU's dequantized copies
+    return dict(Counter(
+        module.format if isinstance(module, Fp8Linear) else "float"
+        for module in modules
+        if isinstance(module, Fp8Linear | nn.Linear | ParallelExperts) and id(module) not in inner
+    ))  # fmt: skip
+
+
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    return None if weight is None or isinstance(weight, ExpertWeights) else weight
+    return None if weight is None or isinstance(weight, ExpertWeights | Fp8Weight) else weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:

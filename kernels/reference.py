@@ -430,3 +430,80 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torc
         if slot >= 0:
             rows = (slots == slot).nonzero().squeeze(1)
             out[rows] += (y[rows] @ b[slot]).to(out.dtype)
+
+
+# FP8 linear layers (`kernels.fp8_linear`, `engine_server.layers.fp8_linear`): weights in float8 e4m3 (OCP's
+# "e4m3fn": no infinities, largest finite value 448) with float32 scales, one per output channel or one per block
+# of FP8_BLOCK x FP8_BLOCK elements; activations rounded to e4m3 per token on the fly, with a float32 scale each.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 128  # the block-wise checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8): [128, 128]
+# A row of zeros gets this scale instead of 0, so that dividing by it is defined (its values stay 0).
+FP8_MIN_SCALE = 1e-12
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 (nearest, ties to even), saturating: values beyond ±448 (infinities too) become ±448,
+    NaN stays NaN. torch's own cast leaves out-of-range values to the device's conversion, so clamp first."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[M, K]` -> (xq `[M, K]` e4m3, scale `[M, 1]` float32) with x ≈ float(xq) * scale: scale =
+    max(max|x[m]| / 448, FP8_MIN_SCALE) in float32, xq = to_fp8(x / scale) computed in float32."""
+    x32 = x.float()
+    scale = (x32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return to_fp8(x32 / scale), scale
+
+
+def fp8_quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight `[N, K]` -> (`[N, K]` e4m3, scale `[N, 1]` float32): `fp8_quantize_per_token` of its rows (each
+    output channel's largest magnitude maps to 448)."""
+    return fp8_quantize_per_token(weight)
+
+
+def fp8_quantize_blocks(
+    weight: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight `[N, K]` -> (`[N, K]` e4m3, scale `[ceil(N/bn), ceil(K/bk)]` float32), one scale per block of
+    `block` = (bn, bk) elements (the last row and column of blocks may be partial), each block's largest magnitude
+    mapped to 448: the layout block-wise FP8 checkpoints store (`weight` and `weight_scale_inv`, the scale that
+    multiplies)."""
+    rows, cols = weight.shape
+    w = weight.float()
+    padded = F.pad(w.abs(), (0, -cols % block[1], 0, -rows % block[0]))
+    blocks = padded.reshape(padded.shape[0] // block[0], block[0], padded.shape[1] // block[1], block[1])
+    scale = (blocks.amax((1, 3)) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return to_fp8(w / expand_fp8_scale(scale, rows, cols, block)), scale
+
+
+def expand_fp8_scale(
+    scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """An FP8 weight `[N, K]`'s scale as the float32 multiplier of each element (a tensor that broadcasts to
+    `[N, K]`): without `block`, `[]` / `[1]` (per tensor) or `[N]` / `[N, 1]` (per channel); with `block` (bn, bk),
+    `[ceil(N/bn), ceil(K/bk)]`, one per block of bn x bk elements (the last row and column of blocks partial)."""
+    s = scale.float()
+    if block is not None:
+        return s.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return s.reshape(1, 1) if s.numel() == 1 else s.reshape(rows, 1)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """An e4m3 weight `[N, K]` times its scale (`expand_fp8_scale`'s layouts) -> `[N, K]` float32."""
+    return weight.float() * expand_fp8_scale(scale, weight.shape[0], weight.shape[1], block)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The FP8 GEMM (`kernels.fp8_linear`): x `[M, K]` in any float dtype, rounded per token by
+    `fp8_quantize_per_token`, times the e4m3 weight `[N, K]` with its scale (`expand_fp8_scale`'s layouts, per
+    block of `block`) -> `[M, N]` in x's dtype: out[m, n] = x_scale[m] * sum_k float(xq[m, k]) * w_scale[n, k] *
+    float(w[n, k]) in float32, plus bias, then rounded once to x's dtype."""
+    xq, x_scale = fp8_quantize_per_token(x)
+    out = F.linear(xq.float() * x_scale, fp8_dequantize(weight, scale, block))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

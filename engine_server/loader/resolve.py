@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine_server.config import ModelConfig
 from engine_server.loader.dummy import dummy_config
+from engine_server.loader.fp8_checkpoint import fp8_checkpoint
 from engine_server.loader.gguf_convert import ensure_converted
 from engine_server.loader.source import ModelSource, default_cache_dir, read_hf_config, safetensors_files
 
@@ -80,10 +81,12 @@ def hf_folder_source(folder: Path, name: str, spec: str, gguf_path: Path | None 
     if missing:
         raise ValueError(f"model {spec!r}: folder {folder} lacks {', '.join(missing)}")
     try:
-        config = ModelConfig.from_hf_config(read_hf_config(folder), name=name)
+        hf_config = read_hf_config(folder)
+        config = ModelConfig.from_hf_config(hf_config, name=name)
+        fp8 = fp8_checkpoint(hf_config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"model {spec!r}: bad config.json: {exc}") from exc
-    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder, gguf_path=gguf_path)
+    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder, gguf_path=gguf_path, fp8=fp8)
 
 
 def default_model_source() -> ModelSource:

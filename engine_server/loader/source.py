@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from safetensors.torch import load as safetensors_load
 
 from engine_server.config import ModelConfig
 from engine_server.loader.dummy import iter_random_weights
+from engine_server.loader.fp8_checkpoint import Fp8Checkpoint
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
 
@@ -41,6 +42,8 @@ class ModelSource:
     - `tokenizer_path` is a folder `engine_server.tokenizer.loading.load_tokenizer` can open. For real models
       it equals `path`; for `dummy:` presets it is the embedded default model's folder, whose tokenizer only
       emits ids < 49152 and so fits every preset's vocabulary.
+    - `fp8` is the layout of an FP8 checkpoint (`loader.fp8_checkpoint`): `weights()` and `lazy_weights()` then
+      yield its FP8 weights dequantized to float32, and no scales, as a float checkpoint's.
     - `random_weights=True` means `path` holds no weights for this config: `weights()` generates them from
       `seed` (normal, std 0.02; norm weights 1), deterministically and per tensor.
     """
@@ -52,18 +55,25 @@ class ModelSource:
     random_weights: bool = False
     seed: int = 0
     gguf_path: Path | None = None  # the GGUF file `path` was converted from, whose quantized blocks can be served
+    fp8: Fp8Checkpoint | None = None  # an FP8 checkpoint's layout, whose e4m3 weights can be served as they are
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every parameter once, in unspecified order: fp32 (converted/dummy) or the stored dtype."""
         if self.random_weights:
             return iter_random_weights(self.config, self.seed)
+        if self.fp8 is not None:
+            return self.fp8.dequantized(self.path, iter_safetensors(self.path))
         return iter_safetensors(self.path)
 
-    def lazy_weights(self) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    def lazy_weights(self, fp8_kept: Collection[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
         """`weights()` for a sharded (tensor-parallel) load: each real tensor unread, so a rank reads only the slice
-        it keeps (`LazyTensor.narrow`). `dummy:` presets still yield whole tensors: they are generated, not read."""
+        it keeps (`LazyTensor.narrow`). `dummy:` presets still yield whole tensors: they are generated, not read.
+        An FP8 checkpoint's FP8 weights are read whole and dequantized, except those named in `fp8_kept`, which
+        come out unread and without their scales (the caller serves those as FP8: `engine_server.quantization`)."""
         if self.random_weights:
             return iter_random_weights(self.config, self.seed)
+        if self.fp8 is not None:
+            return self.fp8.dequantized(self.path, iter_lazy_safetensors(self.path), fp8_kept)
         return iter_lazy_safetensors(self.path)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

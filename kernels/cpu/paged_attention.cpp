@@ -13,8 +13,10 @@
 // token and its drafts) are attended together, reading each key and value once for all of them; work is split
 // over such groups with at::parallel_for. Within a group the positions go by tiles that stay in L1 while every
 // row and query head goes over them (`attend`), straight from the blocks, with the next tile's slots prefetched;
-// scores eight keys at a time, value sums in registers, groups dealt to the threads round-robin. A row's result
-// is the same bits whichever rows share its group, and whatever the tiling. Softmax is exact (max subtracted,
+// scores eight keys at a time, value sums in registers, groups dealt to the threads round-robin. On AVX-512 two
+// rows of a group go side by side through the same 8-float arithmetic in one 16-float register (a prompt chunk's
+// scores and value sums take half the instructions). A row's result is the same bits whichever rows share its
+// group, and whatever the tiling or pairing. Softmax is exact (max subtracted,
 // float32 sums); exp is a polynomial with ~1e-7 relative error, so results match the reference SDPA to float32
 // rounding, not bit for bit. Built with -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the
 // extension resolves libgomp.so.1 to the copy torch already loaded).
@@ -30,6 +32,8 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "ops.h"
 #include "vec.h"
@@ -157,6 +161,106 @@ inline void sum_values(const float* const* slot, int64_t at, int64_t lo, int64_t
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// On AVX-512, two rows of one sequence (the same query head, so the same keys and values) go through the same
+// 8-float arithmetic side by side in one 16-float register: row a in lanes 0-7, row b in lanes 8-15. Every lane
+// takes the very operations, on the very operands, it takes in the 8-float code, so each row keeps its bits;
+// the two rows share each instruction, which halves the multiplies and adds of a prompt chunk's attention.
+#define LADLE_PAIRED_ROWS 1
+
+// Lanes 0-7 from a, 8-15 from b.
+inline vec16 pair_of(const float* a, const float* b) {
+  return reinterpret_cast<vec16>(_mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1));
+}
+
+// The 8 floats at p in both halves.
+inline vec16 both_halves(const float* p) { return reinterpret_cast<vec16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(p))); }
+
+// a in lanes 0-7, b in 8-15.
+inline vec16 pair_splat(float a, float b) {
+  return reinterpret_cast<vec16>(_mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1));
+}
+
+inline vec8 low_half(vec16 v) { return reinterpret_cast<vec8>(_mm512_castps512_ps256(reinterpret_cast<__m512>(v))); }
+inline vec8 high_half(vec16 v) {
+  return reinterpret_cast<vec8>(_mm512_extractf32x8_ps(reinterpret_cast<__m512>(v), 1));
+}
+
+// hsum8_of_8 in each half: the shuffles of hsum8_of_8 with their lane indices moved into the half (an index i < 8
+// of the first source is 8h + i, an index 8 + i of the second is 16 + 8h + i), so each half's lanes get the very
+// additions of the very operands hsum8_of_8 makes.
+inline vec16 hsum8_of_8_halves(const vec16 (&v)[8]) {
+  vec16 a[4];
+  for (int64_t j = 0; j < 4; ++j) {
+    a[j] = __builtin_shuffle(v[j], v[j + 4], ivec16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+           __builtin_shuffle(v[j], v[j + 4], ivec16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  }
+  const vec16 b01 = __builtin_shuffle(a[0], a[1], ivec16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+                    __builtin_shuffle(a[0], a[1], ivec16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  const vec16 b23 = __builtin_shuffle(a[2], a[3], ivec16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+                    __builtin_shuffle(a[2], a[3], ivec16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  return __builtin_shuffle(b01, b23, ivec16{0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}) +
+         __builtin_shuffle(b01, b23, ivec16{1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31});
+}
+
+// scores8 for two rows at once: qpair[c] holds chunk c of both rows' query head (pair_of); out_a[0..8) and
+// out_b[0..8) get the bits scores8 gives each row, their largest folded into most (lanes 0-7: a's, 8-15: b's).
+template <int64_t Chunks>
+inline void scores8_pair(const vec16* qpair, const float* const* key, int64_t offset, float scale, float softcap,
+                         float* out_a, float* out_b, vec16& most) {
+  vec16 dot[8];
+#pragma GCC unroll 8
+  for (int64_t j = 0; j < 8; ++j) dot[j] = qpair[0] * both_halves(key[j] + offset);
+  for (int64_t c = 1; c < Chunks; ++c) {
+    const vec16 qc = qpair[c];
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < 8; ++j) dot[j] += qc * both_halves(key[j] + offset + c * kLanes8);
+  }
+  vec16 s = hsum8_of_8_halves(dot) * scale;
+  if (softcap > 0.f) {
+    for (int64_t j = 0; j < kLanes; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+  }
+  store8(out_a, low_half(s));
+  store8(out_b, high_half(s));
+  most = most > s ? most : s;
+}
+
+// sum_values for two rows at once over positions [lo, hi) (which both attend to): sums_a[i] / sums_b[i] and
+// weights_a[i] / weights_b[i] are head i's of row a and row b; each row's sums take the operations sum_values
+// makes, in the same order.
+template <int64_t N, int64_t Heads>
+inline void sum_values_pair(const float* const* slot, int64_t at, int64_t lo, int64_t hi,
+                            const float* const* weights_a, const float* const* weights_b, float* const* sums_a,
+                            float* const* sums_b) {
+  vec16 sum[Heads][N];
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < Heads; ++i) {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < N; ++c) sum[i][c] = pair_of(sums_a[i] + c * kLanes8, sums_b[i] + c * kLanes8);
+  }
+  for (int64_t t = lo; t < hi; ++t) {
+    const float* v = slot[t] + at;
+    vec16 value[N];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < N; ++c) value[c] = both_halves(v + c * kLanes8);
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < Heads; ++i) {
+      const vec16 weight = pair_splat(weights_a[i][t], weights_b[i][t]);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < N; ++c) sum[i][c] += weight * value[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < Heads; ++i) {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < N; ++c) {
+      store8(sums_a[i] + c * kLanes8, low_half(sum[i][c]));
+      store8(sums_b[i] + c * kLanes8, high_half(sum[i][c]));
+    }
+  }
+}
+#endif
+
 // Positions whose slots one pass over the keys (or the values) holds: 32 tokens' K or V of every KV head stays in
 // L1 while each row and head of the group goes over them.
 constexpr int64_t kKeyTile = 32;
@@ -174,6 +278,11 @@ constexpr int64_t kSumRegisters = 8;
 #endif
 template <int64_t Dim>
 constexpr int64_t kSumHeads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumRegisters / sum_chunks<Dim>()));
+#ifdef LADLE_PAIRED_ROWS
+// Query heads whose value sums run together for a pair of rows (sum_values_pair): one or two.
+template <int64_t Dim>
+constexpr int64_t kPairSumHeads = std::min<int64_t>(2, kSumHeads<Dim>);
+#endif
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
 // token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
@@ -205,31 +314,75 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   const float* tile[kKeyTile];
   // The tile's slots (every KV head of a token) in `base`, with the next tile's prefetched: a row's blocks sit
   // anywhere in the cache, out of the hardware prefetchers' sight.
-  auto load_tile = [&](const float* base, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) tile[t - t0] = base + slot(t);
-    for (int64_t t = t1; t < std::min(len, t1 + kKeyTile); ++t) prefetch_slot(base + slot(t), slot_bytes);
+  auto load_tile = [&](const float* base, int64_t from, int64_t to) {
+    for (int64_t t = from; t < to; ++t) tile[t - from] = base + slot(t);
+    for (int64_t t = to; t < std::min(len, to + kKeyTile); ++t) prefetch_slot(base + slot(t), slot_bytes);
   };
   for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(keys + slot(t), slot_bytes);
   float* maxes = acc + rows * heads * Dim;  // each row and head's largest score, taken as they are written
   std::fill(maxes, maxes + rows * heads, -__builtin_inff());
 
-  for (int64_t t0 = begin; t0 < len; t0 += kKeyTile) {
-    const int64_t t1 = std::min(len, t0 + kKeyTile);
+  int64_t t0 = begin, t1 = begin;  // the tile in hand, [t0, t1)
+  // Row r's scores of head h over [from, to) of the tile, as score() computes each.
+  auto score_row = [&](int64_t r, int64_t h, int64_t from, int64_t to) {
+    const float* qh = q + (r * heads + h) * Dim;
+    const int64_t offset = (h / group) * Dim;
+    float* s = row_scores(r, h);
+    float& most = maxes[r * heads + h];
+    int64_t t = from;
+    for (; t + 8 <= to; t += 8) scores8<chunks>(qh, tile + (t - t0), offset, scale, softcap, s + t, most);
+    for (; t < to; ++t) {
+      s[t] = score<chunks>(qh, tile[t - t0] + offset, scale, softcap);
+      most = std::max(most, s[t]);
+    }
+  };
+  // The tile's positions row r attends to.
+  auto tile_range = [&](int64_t r) {
+    return std::pair<int64_t, int64_t>{std::max(t0, first_of(r)), std::min<int64_t>(t1, lens[r])};
+  };
+  for (; t0 < len; t0 += kKeyTile) {
+    t1 = std::min(len, t0 + kKeyTile);
     load_tile(keys, t0, t1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = std::max(t0, first_of(r)), hi = std::min<int64_t>(t1, lens[r]);
-      for (int64_t h = 0; h < heads && lo < hi; ++h) {
-        const float* qh = q + (r * heads + h) * Dim;
-        const int64_t offset = (h / group) * Dim;
-        float* s = row_scores(r, h);
-        float& most = maxes[r * heads + h];
-        int64_t t = lo;
-        for (; t + 8 <= hi; t += 8) scores8<chunks>(qh, tile + (t - t0), offset, scale, softcap, s + t, most);
-        for (; t < hi; ++t) {
-          s[t] = score<chunks>(qh, tile[t - t0] + offset, scale, softcap);
-          most = std::max(most, s[t]);
+    for (int64_t r = 0; r < rows;) {
+      const auto [lo_a, hi_a] = tile_range(r);
+#ifdef LADLE_PAIRED_ROWS
+      if (r + 1 < rows) {
+        // Rows r and r + 1 side by side over the 8-key blocks both attend to, each alone over the rest.
+        const auto [lo_b, hi_b] = tile_range(r + 1);
+        const int64_t lo = std::max(lo_a, lo_b), hi = std::min(hi_a, hi_b);
+        const int64_t paired_end = lo < hi ? lo + (hi - lo) / 8 * 8 : lo;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* s_a = row_scores(r, h);
+          float* s_b = row_scores(r + 1, h);
+          if (paired_end > lo) {
+            const float* q_a = q + (r * heads + h) * Dim;
+            const float* q_b = q_a + heads * Dim;
+            vec16 qpair[chunks];
+            for (int64_t c = 0; c < chunks; ++c) qpair[c] = pair_of(q_a + c * kLanes8, q_b + c * kLanes8);
+            vec16 most = splat(-__builtin_inff());
+            const int64_t offset = (h / group) * Dim;
+            for (int64_t t = lo; t < paired_end; t += 8) {
+              scores8_pair<chunks>(qpair, tile + (t - t0), offset, scale, softcap, s_a + t, s_b + t, most);
+            }
+            float most_a = maxes[r * heads + h], most_b = maxes[(r + 1) * heads + h];
+            for (int64_t j = 0; j < kLanes8; ++j) {
+              most_a = std::max(most_a, most[j]);
+              most_b = std::max(most_b, most[kLanes8 + j]);
+            }
+            maxes[r * heads + h] = most_a;
+            maxes[(r + 1) * heads + h] = most_b;
+          }
+          score_row(r, h, lo_a, std::min(lo, hi_a));
+          score_row(r, h, std::max(paired_end, lo_a), hi_a);
+          score_row(r + 1, h, lo_b, std::min(lo, hi_b));
+          score_row(r + 1, h, std::max(paired_end, lo_b), hi_b);
         }
+        r += 2;
+        continue;
       }
+#endif
+      for (int64_t h = 0; h < heads; ++h) score_row(r, h, lo_a, hi_a);
+      r += 1;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -237,34 +390,83 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   }
   std::fill(acc, acc + rows * heads * Dim, 0.f);
   for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(values + slot(t), slot_bytes);
-  for (int64_t t0 = begin; t0 < len; t0 += kKeyTile) {
-    const int64_t t1 = std::min(len, t0 + kKeyTile);
+  // Row r's value sums of heads [h0, h0 + count) (of one KV head), chunks from c0, over positions [from, to).
+  auto sum_row = [&](int64_t r, int64_t h0, int64_t count, int64_t c0, int64_t from, int64_t to) {
+    if (from >= to) return;
+    const float* weights[kMaxSumHeads];
+    float* sums[kMaxSumHeads];
+    for (int64_t i = 0; i < count; ++i) {
+      weights[i] = row_scores(r, h0 + i);
+      sums[i] = acc + (r * heads + h0 + i) * Dim + c0 * kLanes8;
+    }
+    const float* const* base = tile - t0;
+    const int64_t at = (h0 / group) * Dim + c0 * kLanes8;
+    switch (count) {
+      case 1: sum_values<sum_chunks<Dim>(), 1>(base, at, from, to, weights, sums); break;
+      case 2: sum_values<sum_chunks<Dim>(), 2>(base, at, from, to, weights, sums); break;
+      case 3: sum_values<sum_chunks<Dim>(), 3>(base, at, from, to, weights, sums); break;
+      default: sum_values<sum_chunks<Dim>(), 4>(base, at, from, to, weights, sums); break;
+    }
+  };
+#ifdef LADLE_PAIRED_ROWS
+  // sum_row for rows r and r + 1 side by side over [from, to), which both attend to.
+  auto sum_pair = [&](int64_t r, int64_t h0, int64_t count, int64_t c0, int64_t from, int64_t to) {
+    const float* weights_a[kMaxSumHeads];
+    const float* weights_b[kMaxSumHeads];
+    float* sums_a[kMaxSumHeads];
+    float* sums_b[kMaxSumHeads];
+    for (int64_t i = 0; i < count; ++i) {
+      weights_a[i] = row_scores(r, h0 + i);
+      weights_b[i] = row_scores(r + 1, h0 + i);
+      sums_a[i] = acc + (r * heads + h0 + i) * Dim + c0 * kLanes8;
+      sums_b[i] = sums_a[i] + heads * Dim;
+    }
+    const float* const* base = tile - t0;
+    const int64_t at = (h0 / group) * Dim + c0 * kLanes8;
+    if (count == 1) {
+      sum_values_pair<sum_chunks<Dim>(), 1>(base, at, from, to, weights_a, weights_b, sums_a, sums_b);
+    } else {
+      sum_values_pair<sum_chunks<Dim>(), 2>(base, at, from, to, weights_a, weights_b, sums_a, sums_b);
+    }
+  };
+#endif
+  for (t0 = begin; t0 < len; t0 += kKeyTile) {
+    t1 = std::min(len, t0 + kKeyTile);
     load_tile(values, t0, t1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = std::max(t0, first_of(r)), hi = std::min<int64_t>(t1, lens[r]);
-      if (lo >= hi) continue;
+    for (int64_t r = 0; r < rows;) {
+      const auto [lo_a, hi_a] = tile_range(r);
       // The query heads of one KV head a few at a time, sharing each value's loads (and giving the adds enough
       // independent sums to overlap).
-      for (int64_t h0 = 0, count = 0; h0 < heads; h0 += count) {
-        count = std::min({kSumHeads<Dim>, heads - h0, group - h0 % group});
-        const int64_t offset = (h0 / group) * Dim;
-        for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) {
-          const float* weights[kMaxSumHeads];
-          float* sums[kMaxSumHeads];
-          for (int64_t i = 0; i < count; ++i) {
-            weights[i] = row_scores(r, h0 + i);
-            sums[i] = acc + (r * heads + h0 + i) * Dim + c0 * kLanes8;
-          }
-          const float* const* base = tile - t0;
-          const int64_t at = offset + c0 * kLanes8;
-          switch (count) {
-            case 1: sum_values<sum_chunks<Dim>(), 1>(base, at, lo, hi, weights, sums); break;
-            case 2: sum_values<sum_chunks<Dim>(), 2>(base, at, lo, hi, weights, sums); break;
-            case 3: sum_values<sum_chunks<Dim>(), 3>(base, at, lo, hi, weights, sums); break;
-            default: sum_values<sum_chunks<Dim>(), 4>(base, at, lo, hi, weights, sums); break;
+#ifdef LADLE_PAIRED_ROWS
+      if (r + 1 < rows) {
+        // Each row's positions in order: its own before the shared ones, the shared ones side by side, its own
+        // after them.
+        const auto [lo_b, hi_b] = tile_range(r + 1);
+        const int64_t lo = std::max(lo_a, lo_b), hi = std::min(hi_a, hi_b);
+        for (int64_t h0 = 0, count = 0; h0 < heads; h0 += count) {
+          count = std::min({kPairSumHeads<Dim>, heads - h0, group - h0 % group});
+          for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) {
+            if (lo < hi) {
+              sum_row(r, h0, count, c0, lo_a, lo);
+              sum_row(r + 1, h0, count, c0, lo_b, lo);
+              sum_pair(r, h0, count, c0, lo, hi);
+              sum_row(r, h0, count, c0, hi, hi_a);
+              sum_row(r + 1, h0, count, c0, hi, hi_b);
+            } else {
+              sum_row(r, h0, count, c0, lo_a, hi_a);
+              sum_row(r + 1, h0, count, c0, lo_b, hi_b);
+            }
           }
         }
+        r += 2;
+        continue;
       }
+#endif
+      for (int64_t h0 = 0, count = 0; h0 < heads; h0 += count) {
+        count = std::min({kSumHeads<Dim>, heads - h0, group - h0 % group});
+        for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) sum_row(r, h0, count, c0, lo_a, hi_a);
+      }
+      r += 1;
     }
   }
   std::copy(acc, acc + rows * heads * Dim, out);

@@ -67,7 +67,7 @@ def test_resolve_quantization(
         ("gguf", Path("m.gguf"), CUDA, True, "CUDA serves int8"),
         ("int8", None, torch.device("meta"), True, "CPU in float32 only"),
         ("gguf", Path("m.gguf"), CPU, False, "could not be built"),
-        ("int4", None, CPU, True, "expected auto, none, gguf or int8"),
+        ("int4", None, CPU, True, "expected auto, none, gguf, int8 or fp8"),
     ],
 )
 def test_unservable_schemes_are_refused_with_the_flag_named(

@@ -119,6 +119,24 @@ def test_rows_of_one_sequence_attended_together_give_each_row_alone_bit_for_bit(
 
 
 @needs_kernels
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (13, 0.0), (0, 5.0), (29, 5.0)])
+def test_rows_of_one_sequence_in_any_order_give_each_row_alone_bit_for_bit(window: int, softcap: float) -> None:
+    """Rows of one block table whose lengths come in any order (on AVX-512 two rows go side by side over the
+    positions both attend to, each alone over its own before and after them): every row is the same bits as
+    alone, windowed and soft-capped too."""
+    generator = torch.Generator().manual_seed(window)
+    lens = (torch.randperm(70, generator=generator)[:24] + 1).to(torch.int32)
+    _, cache, meta = make_batch([(1, 80)], 9, 3, 64, 16, seed=window)
+    q = torch.randn(lens.numel(), 9, 64, generator=generator)
+    tables = meta.block_tables[:1].expand(lens.numel(), -1).contiguous()
+    together = cpu.paged_decode_attention(q, cache, tables, lens, 0.125, window, softcap)
+    for i in range(lens.numel()):
+        alone = cpu.paged_decode_attention(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125, window,
+                                           softcap)
+        assert torch.equal(together[i : i + 1], alone), i
+
+
+@needs_kernels
 @pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
 def test_a_sliding_window_matches_the_reference_and_keeps_rows_independent(window: int) -> None:
     """Windows of one token, within a block, a block, several blocks and wider than every sequence: the decode
