@@ -3,8 +3,8 @@
 - `none`: the float weights, the exact path (greedy output equal to transformers').
 - `gguf`: a GGUF model's own blocks (`loader.gguf_quant`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and the K-quants Q4_K,
   Q5_K, Q6_K, each tensor in its own type, a fused projection's shards in theirs), exactly the weights llama.cpp
-  serves from that file, a mixture of experts' banks included when in Q4_0 / Q4_1 / Q8_0
-  (`layers.quantized_experts`); its other tensors (F32, F16, Q2_K, Q3_K, ...) stay float.
+  serves from that file, a mixture of experts' banks included (`layers.quantized_experts`, in any of those types,
+  gate/up in one and down in one); its other tensors (F32, F16, Q2_K, Q3_K, ...) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
   (`quantize_q8`).
 - `fp8`: every linear layer but the LM head and the routers in float8 e4m3 (`layers.fp8_linear`): an FP8 checkpoint's
@@ -348,14 +348,15 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
     """This rank's slices of bank `name`'s experts as the file stores them (`<name>.<e>.gate_proj.weight`, ...):
     each expert's gate and up rows of this rank, and its down projection's columns of those rows. None (the bank
     stays float) when any expert's projection is not stored quantized or is stored in a type the experts' kernels
-    do not take (they take Q4_0, Q4_1 and Q8_0), when an expert's gate and up differ in format, or when this rank's
-    rows do not fall on groups of 32 columns of the down projection."""
+    do not take (`_EXPERT_KINDS`), when an expert's gate and up differ in format, or when this rank's rows do not
+    fall on the down projection's blocks (groups of 32 columns; super-blocks of 256 for a K-quant)."""
     rows = bank.rows.rows
     names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in EXPERT_PARTS}
     if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP or not all(n in stored for ns in names.values() for n in ns):
         return None
-    if any(stored[n].block_elements != QUANT_GROUP or stored[n].kind not in _EXPERT_KINDS for ns in names.values()
-           for n in ns):  # fmt: skip
+    if any(stored[n].kind not in _EXPERT_KINDS for ns in names.values() for n in ns):
+        return None
+    if any(rows.start % stored[n].block_elements or rows.stop % stored[n].block_elements for n in names["down"]):
         return None
     gate = [stored[n].read(rows) for n in names["gate"]]
     up = [stored[n].read(rows) for n in names["up"]]
@@ -366,7 +367,11 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
         return None
 
 
-_EXPERT_KINDS = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+# The types the experts' kernels take (kernels/cpu/moe.cpp): those of the dense quantized layers.
+_EXPERT_KINDS = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})  # fmt: skip
 
 
 def _stored_fused(matrix: StoredMatrix, linear: ColumnParallelLinear) -> QuantizedWeight:

@@ -391,8 +391,10 @@ def quantized_moe(
     """The CPU's quantized mixture of experts (`torch.ops.ladle_cpu.moe_packed`): x `[T, H]` float32, each token's
     routing `weights` and `experts` `[T, k]` -> `[T, H]` float32, `sum_j weights[t, j] * down(e, silu_and_mul(
     gate_up(e, x[t])))` for `e = experts[t, j]`, the k terms added in ascending expert order. `gate_up(e, rows)` and
-    `down(e, rows)` are expert e's quantized products (`q4_linear` / `q8_linear` of its weights: rows `[M, K]` ->
-    `[M, N]`), so x and the hidden activations are quantized per group of 32 as the kernel does."""
+    `down(e, rows)` are expert e's quantized products (rows `[M, K]` -> `[M, N]`) in its bank's format: `q4_linear`
+    / `q8_linear` of its weights, or `lowbit_linear` of a 5-bit or K-quant weight's values (Q5_0, Q5_1, Q4_K, Q5_K,
+    Q6_K; gate/up and down each in its own), so x and the hidden activations are quantized per group of 32 as the
+    kernel does."""
     out = torch.zeros_like(x, dtype=torch.float32)
     for token in range(x.shape[0]):
         for choice in torch.argsort(experts[token], stable=True).tolist():

@@ -196,13 +196,16 @@ _GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": 
 _RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationType values
 
 
-def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None) -> Path:
+def write_gguf(
+    folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None, types: dict[str, Any] | None = None
+) -> Path:
     """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE as llama.cpp's converter writes it: its
     metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
     scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
     F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
     `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s; a K-quant's tensors random blocks,
-    `_RANDOM_BLOCK_KINDS`), the LM head in `output`'s (F32 when None); returns `path`. Mixtral is written as
+    `_RANDOM_BLOCK_KINDS`), the LM head in `output`'s (F32 when None), and a tensor named in `types` (its GGUF name,
+    e.g. `blk.0.ffn_down_exps.weight`) in the type it gives; returns `path`. Mixtral is written as
     llama.cpp's `llama` with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar`
     must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
     layer of a mixture of experts must have experts (no `mlp_only_layers`), as llama.cpp assumes."""
@@ -298,6 +301,8 @@ def write_gguf(folder: Path, path: Path, feed_forward: Any, attention: Any, outp
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
+    for gguf_name, stored_type in (types or {}).items():
+        tensors[gguf_name] = (tensors[gguf_name][0], stored_type)
     for index, (gguf_name, (array, kind_type)) in enumerate(tensors.items()):
         if kind_type is None or kind_type == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))

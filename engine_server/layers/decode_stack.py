@@ -7,9 +7,10 @@ bit for bit (tests/unit/test_decode_stack.py). The quantized CPU path's attentio
 of its own (`kernels.cpu_ops.paged_attention_by_token`), so a step with prompt tokens is one of decode rows too:
 each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
 Qwen3's and OLMoE's q/k norms (and OLMoE's clamp) and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert,
-Qwen3-MoE, OLMoE) over quantized experts run in it too: their routers, softmax and top-k through the same ATen calls
-as `layers.moe.route`. With LoRA adapters (engine_server.lora) the stack holds the slots' weights (`register_lora`)
-and a step with adapters runs in it too, their kernels called as `LayerLora.add` calls them.
+Qwen3-MoE, OLMoE) over quantized experts (any of `QuantizedExperts`' formats, K-quants included) run in it too: their
+routers, softmax and top-k through the same ATen calls as `layers.moe.route`. With LoRA adapters (engine_server.lora)
+the stack holds the slots' weights (`register_lora`) and a step with adapters runs in it too, their kernels called as
+`LayerLora.add` calls them.
 """
 
 from __future__ import annotations

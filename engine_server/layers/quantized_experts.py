@@ -1,8 +1,9 @@
 """A mixture of experts kept quantized on the CPU, and its routers computed so that no row depends on its batch.
 
 `QuantizedExperts` takes a `ParallelExperts`' place under `--quantization gguf` (a GGUF file's `ffn_*_exps`
-blocks, `quantization.stored_weights`) or `int8` (each expert's float weights as 8-bit groups of 32): every expert's
-gate and up rows as one packed weight, its down rows as another, stacked over the experts, and the whole block
+blocks, `quantization.stored_weights`: Q4_0, Q4_1, Q8_0, and Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as `LowBitWeight`s) or
+`int8` (each expert's float weights as 8-bit groups of 32): every expert's gate and up rows as one packed weight,
+its down rows as another (each in its own format), stacked over the experts, and the whole block
 (the experts grouped by token, gate/up, SiLU, down, the weighted sum) in one C++ call,
 `torch.ops.ladle_cpu.moe_packed` (`kernels/cpu/moe.cpp`; contract: `kernels.reference.quantized_moe`). Each
 expert's products are `QuantizedLinear`'s on the same blocks, so a token's result does not depend on the tokens
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine_server.layers.lowbit_weight import LowBitWeight
 from engine_server.layers.quantized_linear import (
     Q4Weight,
     Q8Weight,
@@ -38,8 +40,8 @@ from kernels.reference import QUANT_GROUP
 ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate")
 
 
-# The formats of the experts' kernels (kernels/cpu/moe.cpp).
-ExpertWeight = Q4Weight | Q8Weight
+# The formats of the experts' kernels (kernels/cpu/moe.cpp): those of `packed_linear`, one per weight.
+ExpertWeight = Q4Weight | Q8Weight | LowBitWeight
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class ExpertWeights:
 
     @property
     def format(self) -> str:
-        """`q4`, `q8`, or `q4+q8` when gate/up and down differ."""
+        """`q4`, `q8`, a GGUF kind (`q4_k`, ...), or gate/up's and down's joined by "+" where they differ
+        (`q4_k+q6_k`)."""
         formats = dict.fromkeys(weight_format(w) for w in (self.gate_up[0], self.down[0]))
         return "+".join(formats)
 
@@ -127,11 +130,12 @@ def expert_weights(
     gate: list[QuantizedWeight], up: list[QuantizedWeight], down: list[QuantizedWeight]
 ) -> ExpertWeights:
     """Per-expert gate, up and down weights (this rank's slices) as one bank's `ExpertWeights`. Raises ValueError
-    when an expert's gate and up are stored in different formats, or any in a format other than 4 or 8 bits."""
+    when an expert's gate and up are stored in different formats (a `StackedWeight`, which the kernel does not
+    take)."""
     gate_up = tuple(concat_rows([g, u]) for g, u in zip(gate, up, strict=True))
-    kept = [w for w in (*gate_up, *down) if isinstance(w, Q4Weight | Q8Weight)]
+    kept = [w for w in (*gate_up, *down) if isinstance(w, Q4Weight | Q8Weight | LowBitWeight)]
     if len(kept) != len(gate_up) + len(down):
-        raise ValueError("experts are served in 4- or 8-bit groups, gate and up in one format")
+        raise ValueError("an expert's gate and up are served in one format")
     return ExpertWeights(tuple(kept[: len(gate_up)]), tuple(kept[len(gate_up) :]))
 
 

@@ -297,7 +297,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // The last layer's mixture of experts, in place of a dense MLP: its router's float weight [E, H] and the
-  // experts' stacked packed weights (`QuantizedExperts`' buffers).
+  // experts' stacked packed weights (`QuantizedExperts`' buffers, in any of moe_packed's formats: 4- and 8-bit,
+  // Q5_0 / Q5_1 and the K-quants, gate/up and down each in its own; moe_packed checks them).
   void set_experts(at::Tensor router, at::Tensor w13, at::Tensor w13_scales, at::Tensor w13_mins, at::Tensor w2,
                    at::Tensor w2_scales, at::Tensor w2_mins, int64_t intermediate, int64_t top_k, bool renormalize) {
     TORCH_CHECK(!layers_.empty() && layers_.back().gate_up == -1, "set_experts follows add_layer(..., -1, -1, ...)");

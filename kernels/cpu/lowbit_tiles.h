@@ -423,4 +423,52 @@ void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowB
 constexpr bool kLowBitPairs = false;
 #endif  // LADLE_QUANT_AVX512
 
+// Rows [first, last) of y for block b of a packed weight (`packed` its first block's first group), and block b + 1
+// with it where `paired` (kLowBitPairs only): y points at row 0, feature 0, rows y_stride apart, n_rows features.
+// AMX tiles where `scratch` is given (AMX on, an AmxScope on this thread; never for kSuper6), the pair and
+// kAmxMinRows rows or more; otherwise lowbit_pair_tile or lowbit_tile, kRowTile rows at a time. Every path gives
+// lowbit_tile's bits, as in quant_matmul.cpp's run_lowbit: the experts' products (moe.cpp) run each expert's rows
+// through here.
+template <int64_t H, LowBitScales S>
+void lowbit_rows(const QuantizedRows& xq, const int32_t* half, int64_t first, int64_t last, const uint8_t* packed,
+                 const LowBitTables& t, int64_t b, bool paired, UnpackedPair* scratch, float* y, int64_t y_stride,
+                 int64_t n_rows) {
+  const int64_t groups = xq.k / kGroup, block_bytes = groups * lowbit_group_bytes(H);
+  const uint8_t* block = packed + b * block_bytes;
+  const int64_t cols = std::min(kBlock, n_rows - b * kBlock);
+  float* columns = y + b * kBlock;
+#ifdef LADLE_QUANT_AMX
+  if constexpr (S != LowBitScales::kSuper6) {
+    if (scratch != nullptr && paired && last - first >= kAmxMinRows) {
+      unpack_lowbit_pair<H, S>(block, block + block_bytes, t, b, groups, *scratch);
+      const int64_t both = std::min(2 * kBlock, n_rows - b * kBlock);
+      for (int64_t m0 = first; m0 < last; m0 += kAmxRows) {
+        float* out = columns + m0 * y_stride;
+        if (last - m0 >= kAmxRows) {
+          amx_tile<1, true>(xq, m0, kAmxRows, *scratch, out, y_stride, both);
+        } else {
+          amx_tile<1, false>(xq, m0, last - m0, *scratch, out, y_stride, both);
+        }
+      }
+      return;
+    }
+  }
+#else
+  (void)scratch;
+#endif
+  for (int64_t m0 = first; m0 < last; m0 += kRowTile) {
+    with_rows(std::min(kRowTile, last - m0), [&](auto tile_rows) {
+      constexpr int64_t R = decltype(tile_rows)::value;
+      float* out = columns + m0 * y_stride;
+#ifdef LADLE_QUANT_AVX512
+      if (paired) {
+        const int64_t cols1 = std::min(kBlock, n_rows - (b + 1) * kBlock);
+        return lowbit_pair_tile<H, S, R>(xq, half, m0, block, block + block_bytes, t, b, out, y_stride, cols, cols1);
+      }
+#endif
+      lowbit_tile<H, S, R>(xq, half, m0, block, t, b, out, y_stride, cols);
+    });
+  }
+}
+
 }  // namespace ladle_quant

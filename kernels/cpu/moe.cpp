@@ -4,16 +4,21 @@
 // moe_packed: x [T, H] float32; each token's chosen `experts` [T, k] int64 and routing `weights` [T, k] float32;
 // every expert's gate/up rows as one packed weight (`pack_q4` / `pack_q8` of cat(gate_e, up_e), stacked:
 // w13 [E, 2I / 8, H / 32, P, 128], scales and mins [E, 2I / 8, H / 32, 8]) and its down rows (w2 [E, H / 8,
-// I / 32, P', 128], ...). Returns [T, H]: sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for
-// e = experts[t, j], each product as `packed_linear` computes it (x and the hidden activations quantized to 8 bits
-// per group of 32), the k terms added in ascending expert order (as transformers sums them).
+// I / 32, P', 128], ...), or either bank in the 5-bit and K-quant blocks of lowbit_tiles.h (`pack_lowbit` of each
+// expert, stacked: w13 [E, 2I / 8, H / 32, 1, 128 + 32 * high bits], its tables with E first; Q5_0's mins
+// [E, 0]), gate/up in one type and down in one type, told apart as packed_linear tells them. Returns [T, H]:
+// sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j], each product as
+// `packed_linear` computes it (x and the hidden activations quantized to 8 bits per group of 32), the k terms added
+// in ascending expert order (as transformers sums them).
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
 //     order, so each expert's rows are one run; every expert's gate/up then runs over its run, block by block of
-//     8 output features (pairs of blocks on AVX-512: avx512_tiles.h, AMX tiles for runs of 12 rows or more), all
-//     experts' blocks split over the threads by their rows' cost; the same for down. A long prefill goes through
-//     in chunks of kPairsPerChunk pairs.
-//   - Each pair's row goes through `block_tile` as a row of `packed_linear` does, and each token's sum is taken in
-//     a fixed order, so a token's result does not depend on which tokens share its step (bit for bit).
+//     8 output features (pairs of blocks on AVX-512: avx512_tiles.h's `pair_rows`, lowbit_tiles.h's
+//     `lowbit_rows`; AMX tiles for runs of 12 rows or more, Q6_K's excepted), all experts' blocks split over the
+//     threads by their rows' cost; the same for down. A long prefill goes through in chunks of kPairsPerChunk
+//     pairs.
+//   - Each pair's row goes through `block_tile` (or `lowbit_tile`) as a row of `packed_linear` does, or through
+//     tiles that give its bits, and each token's sum is taken in a fixed order, so a token's result does not
+//     depend on which tokens share its step (bit for bit).
 //
 // rowwise_linear: x [M, K] float32 times w [N, K] float32 -> [M, N], each dot product in float32 in one fixed
 // order (8 lanes across K, then the lanes summed by hsum8, then the tail), whatever M is: a router's logits that
@@ -34,6 +39,7 @@
 #include <vector>
 
 #include "avx512_tiles.h"
+#include "lowbit_tiles.h"
 #include "ops.h"
 #include "quant_tiles.h"
 #include "vec.h"
@@ -42,53 +48,125 @@ namespace {
 
 using namespace ladle_quant;
 
-// One packed bank of experts: E weights of n_rows output features each (`pack_q4` / `pack_q8`, stacked).
+// One packed bank of experts: E weights of n_rows output features each, stacked. `high_bits` -1: `pack_q4` /
+// `pack_q8`'s blocks of `planes` planes (quant_matmul.cpp); 0..2: lowbit_tiles.h's (`pack_lowbit`: Q5_0, Q5_1,
+// Q4_K, Q5_K, Q6_K) with that many high-bit planes and scales of kind `lowbit`. Each expert's tensors lie
+// `*_stride` elements after the one before.
 struct Bank {
   const uint8_t* packed;
   const at::Half* scales;
-  const at::Half* mins;
+  const at::Half* mins;  // q4 / q8 and Q5_1's float16 mins; nullptr for Q5_0 (-16 * scale) and the K-quants
+  const uint8_t* small;  // the K-quants' group scales (uint8, int8 for Q6_K); nullptr otherwise
   int64_t experts, blocks, groups, planes, n_rows;
+  int64_t high_bits;
+  LowBitScales lowbit;
+  int64_t packed_stride, scales_stride, mins_stride;
 
   PackedBlocks expert(int64_t e) const {
-    const int64_t tables = e * blocks * groups * kBlock;
-    return PackedBlocks{packed + e * blocks * groups * planes * kPlaneBytes, scales + tables, mins + tables, blocks,
+    return PackedBlocks{packed + e * packed_stride, scales + e * scales_stride, mins + e * mins_stride, blocks,
                         groups, n_rows};
   }
+  const uint8_t* lowbit_blocks(int64_t e) const { return packed + e * packed_stride; }
+  LowBitTables tables(int64_t e) const {
+    return LowBitTables{scales + e * scales_stride, mins == nullptr ? nullptr : mins + e * mins_stride,
+                        small == nullptr ? nullptr : small + e * mins_stride};
+  }
 };
+
+// The checks of quant_matmul.cpp's lowbit_linear on a bank's tables ([E, ...] each): which tiles run is read off
+// the tables' types and the groups' bytes.
+void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins,
+                       const char* what) {
+  const int64_t experts = bank.experts, blocks = bank.blocks, groups = bank.groups;
+  const int64_t high_bits = (packed.size(4) - kLowBitPlane) / 32;
+  LADLE_CHECK(packed.size(3) == 1 && packed.size(4) == lowbit_group_bytes(high_bits) && high_bits >= 0 &&
+                  high_bits <= 2,
+              "%s must be [E, N / 8, K / 32, 1, 128 + 32 * (0..2)] uint8 (stacked pack_lowbit), got a last dim of "
+              "%lld",
+              what, static_cast<long long>(packed.size(4)));
+  bank.high_bits = high_bits;
+  if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
+    LADLE_CHECK(high_bits == 1, "%s: 5-bit groups (float16 scales and mins) take one high-bit plane, not %lld", what,
+                static_cast<long long>(high_bits));
+    const bool offset = mins.numel() == 0;  // Q5_0: min = -16 * scale
+    LADLE_CHECK((offset || scales.sizes() == mins.sizes()) && scales.scalar_type() == at::kHalf &&
+                    scales.is_contiguous() && mins.is_contiguous() && scales.dim() == 4 &&
+                    scales.size(0) == experts && scales.size(1) == blocks && scales.size(2) == groups &&
+                    scales.size(3) == kBlock,
+                "%s's scales and mins must be contiguous [E, N / 8, K / 32, 8] float16 tensors (mins empty for "
+                "Q5_0)",
+                what);
+    bank.lowbit = LowBitScales::kTable;
+    bank.mins = offset ? nullptr : mins.data_ptr<at::Half>();
+    bank.mins_stride = offset ? 0 : mins.numel() / experts;
+    return;
+  }
+  LADLE_CHECK(groups % kSuperGroups == 0, "%s: K-quant super-blocks are 256 wide: K = %lld is not a multiple", what,
+              static_cast<long long>(groups * kGroup));
+  LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                  scales.size(2) == groups / kSuperGroups && scales.size(3) == 2 * kBlock &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "%s's K-quant scales must be a contiguous [E, N / 8, K / 256, 16] float16 tensor (d, then dmin)", what);
+  LADLE_CHECK(mins.dim() == 4 && mins.size(0) == experts && mins.size(1) == blocks && mins.size(2) == groups &&
+                  mins.size(3) == 2 * kBlock && mins.is_contiguous() &&
+                  (mins.scalar_type() == at::kByte || mins.scalar_type() == at::kChar),
+              "%s's K-quant group scales must be a contiguous [E, N / 8, K / 32, 16] uint8 (sc, m) or int8 (Q6_K) "
+              "tensor",
+              what);
+  if (mins.scalar_type() == at::kChar) {
+    LADLE_CHECK(high_bits == 2, "%s: Q6_K groups take two high-bit planes, not %lld", what,
+                static_cast<long long>(high_bits));
+    bank.lowbit = LowBitScales::kSuper6;
+  } else {
+    LADLE_CHECK(high_bits <= 1, "%s: Q4_K / Q5_K groups take at most one high-bit plane, not %lld", what,
+                static_cast<long long>(high_bits));
+    bank.lowbit = LowBitScales::kSuper;
+  }
+  bank.small = static_cast<const uint8_t*>(mins.data_ptr());
+  bank.mins_stride = mins.numel() / experts;
+}
 
 Bank check_bank(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t experts,
                 int64_t k, int64_t n_rows, const char* what) {
   LADLE_CHECK(packed.dim() == 5 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) == experts && packed.size(2) * kGroup == k &&
-                  (packed.size(3) == 1 || packed.size(3) == 2) && packed.size(4) == kPlaneBytes,
-              "%s must be a contiguous [%lld, N / 8, %lld, 1 | 2, 128] uint8 tensor (stacked pack_q4 / pack_q8)",
+                  packed.size(0) == experts && packed.size(2) * kGroup == k,
+              "%s must be a contiguous [%lld, N / 8, %lld, planes, bytes] uint8 tensor (stacked pack_q4 / pack_q8 / "
+              "pack_lowbit)",
               what, static_cast<long long>(experts), static_cast<long long>(k / kGroup));
   const int64_t blocks = packed.size(1);
   LADLE_CHECK(n_rows > (blocks - 1) * kBlock && n_rows <= blocks * kBlock, "%s: n = %lld does not fit %lld blocks",
               what, static_cast<long long>(n_rows), static_cast<long long>(blocks));
+  LADLE_CHECK(scales.dim() >= 1 && scales.size(0) == experts && mins.dim() >= 1 && mins.size(0) == experts,
+              "%s's scales and mins must be stacked over the %lld experts", what, static_cast<long long>(experts));
+  Bank bank{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nullptr, nullptr, experts, blocks,
+            packed.size(2), packed.size(3), n_rows, -1, LowBitScales::kTable, packed.numel() / experts,
+            scales.numel() / experts, 0};
+  if (mins.scalar_type() != at::kHalf || packed.size(4) != kPlaneBytes) {  // as quant_matmul.cpp's check_packed
+    check_lowbit_bank(bank, packed, scales, mins, what);
+    return bank;
+  }
+  LADLE_CHECK(packed.size(3) == 1 || packed.size(3) == 2, "%s: pack_q4 / pack_q8 blocks take 1 or 2 planes", what);
   for (const at::Tensor& table : {scales, mins}) {
-    LADLE_CHECK(table.dim() == 4 && table.size(0) == experts && table.size(1) == blocks &&
-                    table.size(2) == packed.size(2) && table.size(3) == kBlock && table.scalar_type() == at::kHalf &&
-                    table.is_contiguous(),
+    LADLE_CHECK(table.dim() == 4 && table.size(1) == blocks && table.size(2) == packed.size(2) &&
+                    table.size(3) == kBlock && table.scalar_type() == at::kHalf && table.is_contiguous(),
                 "%s's scales and mins must be contiguous [E, N / 8, K / 32, 8] float16 tensors", what);
   }
-  return Bank{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), experts, blocks,
-              packed.size(2),           packed.size(3),             n_rows};
+  bank.mins = mins.data_ptr<at::Half>();
+  bank.mins_stride = mins.numel() / experts;
+  return bank;
 }
 
-// `rows` (quantized, grouped by expert: expert e's rows are [start[e], start[e + 1])) times each one's expert's
-// weight in `bank` -> y [rows, bank.n_rows]. The work items are (expert, block or pair of blocks), shared out over
-// the threads by their cost (the expert's row count), so a step whose tokens crowd one expert still splits evenly.
-// On AVX-512 an item is a pair of blocks (`pair_rows`: AMX tiles where the expert has kAmxMinRows rows or more and
-// AMX is on, pair_tile otherwise); elsewhere one block through `block_tile`. All give the same bits.
-template <int64_t P>
-void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
-  const bool amx = kPairTiles && amx_enabled();
-  const int64_t span = kPairTiles ? 2 : 1;
+// Runs item(e, b, scratch) for every expert e that has rows (expert e's rows are [start[e], start[e + 1])) and
+// every `span`-th block b of its `blocks`: the items shared out over the threads by their cost (the expert's row
+// count), so a step whose tokens crowd one expert still splits evenly. `scratch` is a thread's AMX scratch (with an
+// AmxScope) where `amx`, else nullptr. `groups` is K / 32 (the work's size, with the rows, for one thread or all).
+template <typename Item>
+void share_items(const std::vector<int64_t>& start, int64_t blocks, int64_t groups, int64_t span, bool amx,
+                 Item&& item) {
   std::vector<int64_t> item_expert, item_block, item_cost;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e) {
     if (start[e + 1] == start[e]) continue;
-    for (int64_t b = 0; b < bank.blocks; b += span) {
+    for (int64_t b = 0; b < blocks; b += span) {
       item_expert.push_back(e);
       item_block.push_back(b);
       item_cost.push_back(start[e + 1] - start[e]);
@@ -99,9 +177,38 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
   std::vector<int64_t> cost_before(items + 1, 0);
   std::partial_sum(item_cost.begin(), item_cost.end(), cost_before.begin() + 1);
   const int64_t total = cost_before.back();
-  const int64_t threads = total * span * bank.groups < kMinParallelWork ? 1 : at::get_num_threads();
-  auto run_block = [&](int64_t e, int64_t b) {  // without AVX-512: one block through block_tile
+  const int64_t threads = total * span * groups < kMinParallelWork ? 1 : at::get_num_threads();
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    std::optional<AmxScope> tiles;
+    std::optional<UnpackedPair> scratch;
+    if (amx) {
+      tiles.emplace();
+      scratch.emplace(groups);
+    }
+    for (int64_t thread = first; thread < last; ++thread) {
+      // This thread's share of the cost: the items whose cost starts in [total * t / n, total * (t + 1) / n).
+      const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
+      auto index = std::lower_bound(cost_before.begin(), cost_before.end() - 1, from) - cost_before.begin();
+      for (; index < items && cost_before[index] < to; ++index) {
+        item(item_expert[index], item_block[index], scratch ? &*scratch : nullptr);
+      }
+    }
+  });
+}
+
+// `rows` (quantized, grouped by expert: expert e's rows are [start[e], start[e + 1])) times each one's expert's
+// weight in `bank` (pack_q4 / pack_q8) -> y [rows, bank.n_rows]. On AVX-512 an item is a pair of blocks
+// (`pair_rows`: AMX tiles where the expert has kAmxMinRows rows or more and AMX is on, pair_tile otherwise);
+// elsewhere one block through `block_tile`. All give the same bits.
+template <int64_t P>
+void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
+  const bool amx = kPairTiles && amx_enabled();
+  const int64_t span = kPairTiles ? 2 : 1;
+  share_items(start, bank.blocks, bank.groups, span, amx, [&](int64_t e, int64_t b, UnpackedPair* scratch) {
     const PackedBlocks weight = bank.expert(e);
+    if constexpr (kPairTiles) {
+      return pair_rows<P>(rows, start[e], start[e + 1], weight, b / 2, scratch, y, bank.n_rows);
+    }
     const int64_t cols = std::min(kBlock, bank.n_rows - b * kBlock);
     for (int64_t m0 = start[e]; m0 < start[e + 1]; m0 += kRowTile) {
       with_rows(std::min(kRowTile, start[e + 1] - m0), [&](auto tile_rows) {
@@ -109,36 +216,38 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
                                                   y + m0 * bank.n_rows + b * kBlock, bank.n_rows, cols);
       });
     }
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    std::optional<AmxScope> tiles;
-    std::optional<UnpackedPair> scratch;
-    if (amx) {
-      tiles.emplace();
-      scratch.emplace(bank.groups);
-    }
-    for (int64_t thread = first; thread < last; ++thread) {
-      // This thread's share of the cost: the items whose cost starts in [total * t / n, total * (t + 1) / n).
-      const int64_t from = total * thread / threads, to = total * (thread + 1) / threads;
-      auto item = std::lower_bound(cost_before.begin(), cost_before.end() - 1, from) - cost_before.begin();
-      for (; item < items && cost_before[item] < to; ++item) {
-        const int64_t e = item_expert[item], b = item_block[item];
-        if constexpr (kPairTiles) {
-          pair_rows<P>(rows, start[e], start[e + 1], bank.expert(e), b / 2, scratch ? &*scratch : nullptr, y,
-                       bank.n_rows);
-        } else {
-          run_block(e, b);
-        }
-      }
-    }
+  });
+}
+
+// run_bank of a bank in lowbit_tiles.h's layout: an item is a pair of blocks on AVX-512 (the last one alone where
+// the count is odd), one block elsewhere, each expert's rows through `lowbit_rows`, as `packed_linear` runs them
+// (AMX tiles for kAmxMinRows rows or more, but not Q6_K's). `half` is `half_totals` of the rows (Q6_K only).
+template <int64_t H, LowBitScales S>
+void run_lowbit_bank(const QuantizedRows& rows, const int32_t* half, const std::vector<int64_t>& start,
+                     const Bank& bank, float* y) {
+  const bool amx = S != LowBitScales::kSuper6 && kLowBitPairs && amx_enabled();
+  const int64_t span = kLowBitPairs ? 2 : 1;
+  share_items(start, bank.blocks, bank.groups, span, amx, [&](int64_t e, int64_t b, UnpackedPair* scratch) {
+    const bool paired = kLowBitPairs && b + 1 < bank.blocks;
+    lowbit_rows<H, S>(rows, half, start[e], start[e + 1], bank.lowbit_blocks(e), bank.tables(e), b, paired, scratch,
+                      y, bank.n_rows, bank.n_rows);
   });
 }
 
 void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, const Bank& bank, float* y) {
-  if (bank.planes == 1) {
-    run_bank<1>(rows, start, bank, y);
-  } else {
-    run_bank<2>(rows, start, bank, y);
+  if (bank.high_bits < 0) {
+    return bank.planes == 1 ? run_bank<1>(rows, start, bank, y) : run_bank<2>(rows, start, bank, y);
+  }
+  switch (bank.lowbit) {
+    case LowBitScales::kTable:
+      return run_lowbit_bank<1, LowBitScales::kTable>(rows, nullptr, start, bank, y);
+    case LowBitScales::kSuper:
+      if (bank.high_bits == 0) return run_lowbit_bank<0, LowBitScales::kSuper>(rows, nullptr, start, bank, y);
+      return run_lowbit_bank<1, LowBitScales::kSuper>(rows, nullptr, start, bank, y);
+    case LowBitScales::kSuper6: {
+      const at::Tensor half = half_totals(rows, start.back());
+      return run_lowbit_bank<2, LowBitScales::kSuper6>(rows, half.data_ptr<int32_t>(), start, bank, y);
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 """The C++ decode stack runs a quantized model's steps (prompt tokens as decode rows of their own) with the very
-kernels, in the very order, of the layers: its hidden states and tokens equal theirs bit for bit, LoRA adapters' rows
-too, and it steps aside where it does not apply."""
+kernels, in the very order, of the layers: its hidden states and tokens equal theirs bit for bit (projections and
+banks of experts in 4-, 5-, 6- and 8-bit and K-quant blocks), LoRA adapters' rows too, and it steps aside where it
+does not apply."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine_server.core.request import Request
 from engine_server.core.scheduler import Scheduler
 from engine_server.layers.decode_stack import build_decode_stack
 from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
+from engine_server.layers.quantized_experts import QuantizedExperts
 from engine_server.layers.quantized_linear import QuantizedLinear, concat_rows, quantize_q8
 from engine_server.lora.peft_format import LoraAdapter, LoraPiece
 from engine_server.lora.targets import MLP_PROJECTIONS, module_targets
@@ -22,6 +24,7 @@ from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
 from kernels import cpu_ops as cpu
 from tests.lowbit_blocks import random_blocks
+from tests.unit.kernels.test_quant_moe import random_bank
 from tests.unit.runner_factories import (
     MAX_MODEL_LEN,
     TINY_LLAMA,
@@ -127,6 +130,37 @@ def test_lowbit_and_mixed_projections_equal_the_layers_bit_for_bit(monkeypatch: 
     lockstep = make_lockstep(reference, candidate, tiny_engine_config(), monkeypatch)
     steps = lockstep.run([greedy_request(f"r{i}", prompt_len=4 + 3 * i, max_tokens=10) for i in range(3)])
     assert counting.steps == len(steps) > 8
+    for step in steps:
+        assert step.tokens[0] == step.tokens[1]
+        assert torch.equal(step.hidden[0], step.hidden[1])
+
+
+def lowbit_moe_runner() -> ModelRunner:
+    """`int8_runner` of a Qwen3-MoE 256 wide whose banks of experts are swapped for a Q4_K_M file's kinds (layer 0:
+    gate/up Q4_K, down Q6_K; layer 1: gate/up Q5_0, down Q5_K), drawn from a fixed seed; the decode stack rebuilt
+    over them."""
+    model = dataclasses.replace(TINY_QWEN3_MOE, hidden_size=256, moe_intermediate_size=256, name="tiny-lowbit-moe")
+    runner = int8_runner(model)
+    decoder = runner.model.model
+    gen = torch.Generator().manual_seed(0)
+    for layer, (gate_up, down) in zip(decoder.layers, [("q4_k", "q6_k"), ("q5_0", "q5_k")], strict=True):
+        layer.mlp.experts = QuantizedExperts(random_bank(4, 256, 256, gate_up, down, gen))
+    decoder.decode_stack = build_decode_stack(decoder)
+    return runner
+
+
+def test_lowbit_experts_equal_the_layers_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    reference, candidate = lowbit_moe_runner(), lowbit_moe_runner()
+    assert candidate.model.model.decode_stack is not None
+    assert [layer.mlp.experts.format for layer in candidate.model.model.layers] == ["q4_k+q6_k", "q5_0+q5_k"]
+    reference.model.model.decode_stack = None
+    counting = CountingStack(candidate.model.model.decode_stack)
+    candidate.model.model.decode_stack = counting
+    lockstep = make_lockstep(reference, candidate, tiny_engine_config(), monkeypatch)
+    requests = [greedy_request(f"r{i}", prompt_len=4 + 5 * i, max_tokens=10 + i) for i in range(4)]
+    steps = lockstep.run(requests, late={3: [greedy_request("late", prompt_len=14, max_tokens=5)]})
+    assert counting.steps == len(steps) > 10
+    assert any(not step.decode_only for step in steps[1:])  # prompt tokens beside decode rows
     for step in steps:
         assert step.tokens[0] == step.tokens[1]
         assert torch.equal(step.hidden[0], step.hidden[1])

@@ -16,12 +16,13 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
 from engine_server import model_loading
 from engine_server.config import ModelConfig
-from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
+from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, ExpertWeights, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
@@ -205,6 +206,63 @@ def test_a_moe_gguf_split_over_two_ranks_serves_each_ranks_slice_of_the_expert_b
     layers, result = served_from_blocks(gguf, tensor_parallel_size=2)
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 4, layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+# A Q4_K_M file's banks of experts, layer by layer: (gate and up, down). llama.cpp's Q4_K_M holds gate/up in Q4_K and
+# down in Q6_K or Q4_K, with Q5_0 / Q5_1 where a row is not whole super-blocks; every type here is some layer's.
+K_QUANT_EXPERTS = [
+    (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K), (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_0),
+    (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1),
+]  # fmt: skip
+
+
+def test_a_moe_gguf_with_k_quant_experts_is_served_from_their_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Qwen3-MoE 256 wide (every expert's rows whole K-quant super-blocks) whose banks of experts are in a Q4_K_M
+    file's types (`K_QUANT_EXPERTS`: random blocks for the K-quants, gguf has no K-quant quantizer), attention in
+    Q8_0: served from the file's blocks, every bank is a `QuantizedExperts` in its layer's types, each expert's
+    weights as read are the gguf package's dequantization of its slice of the file's 3-D tensors bit for bit, and
+    the served model is close to its float path (the thresholds of the K-quant test above: random blocks)."""
+    folder = save_family(
+        tmp_path / "hf", "qwen3-moe", head_spread=0.5, mlp_only_layers=[], hidden_size=256, moe_intermediate_size=256
+    )
+    types = {
+        f"blk.{layer}.ffn_{part}_exps.weight": down if part == "down" else gate_up
+        for layer, (gate_up, down) in enumerate(K_QUANT_EXPERTS)
+        for part in ("gate", "up", "down")
+    }
+    q8 = GGMLQuantizationType.Q8_0
+    gguf = write_gguf(folder, tmp_path / "moe.gguf", q8, q8, types=types)
+    stored: dict[str, Any] = {}
+
+    def keep(model: Any, source: Any) -> dict[str, Any]:
+        weights = stored_weights(model, source)
+        stored.update(weights)  # a copy: loading empties the dict it is given once the weights are packed
+        return weights
+
+    monkeypatch.setattr(model_loading, "stored_weights", keep)
+    layers, result = served_from_blocks(gguf)
+    banks = {name: fmt for name, fmt in layers.items() if fmt.startswith("experts_")}
+    assert banks == {
+        f"model.layers.{layer}.mlp.experts": f"experts_{gate_up.name.lower()}+{down.name.lower()}_256"
+        for layer, (gate_up, down) in enumerate(K_QUANT_EXPERTS)
+    }, layers
+    tensors = {tensor.name: tensor for tensor in GGUFReader(str(gguf)).tensors}
+
+    def file_weights(name: str) -> torch.Tensor:  # [experts, rows, columns], as the gguf package dequantizes them
+        tensor = tensors[name]
+        return torch.from_numpy(dequantize(np.array(tensor.data), tensor.tensor_type).copy())
+
+    for layer in range(len(K_QUANT_EXPERTS)):
+        bank = stored[f"model.layers.{layer}.mlp.experts"]
+        assert isinstance(bank, ExpertWeights), layer
+        gate, up, down = (file_weights(f"blk.{layer}.ffn_{part}_exps.weight") for part in ("gate", "up", "down"))
+        for e in range(len(bank.gate_up)):
+            gate_up = torch.cat([gate[e], up[e]])
+            assert torch.equal(bank.gate_up[e].dequantize().view(torch.int32), gate_up.view(torch.int32)), (layer, e)
+            assert torch.equal(bank.down[e].dequantize().view(torch.int32), down[e].view(torch.int32)), (layer, e)
+    assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.05, result
 
 
 def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:

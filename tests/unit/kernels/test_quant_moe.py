@@ -1,7 +1,7 @@
 """The quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp`) against
 `kernels.reference.quantized_moe`, a token's result alone and in any batch, its input checks; the router product
 (`rowwise_linear`) against a float matmul, row by row whatever the batch; and `QuantizedExperts` / `quantize_experts`
-against the float `ParallelExperts` they replace."""
+against the float `ParallelExperts` they replace. Banks in the 5-bit and K-quant types: test_lowbit_moe.py."""
 
 from __future__ import annotations
 
@@ -11,32 +11,46 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine_server.layers.quantized_experts import ExpertWeights, QuantizedExperts, quantize_experts
-from engine_server.layers.quantized_linear import QuantizedWeight, concat_rows, pack_for_cpu
+from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
+from engine_server.layers.quantized_experts import ExpertWeights, QuantizedExperts, expert_weights, quantize_experts
+from engine_server.layers.quantized_linear import QuantizedWeight, pack_for_cpu
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ParallelExperts
 from kernels import cpu_ops as cpu
 from kernels import reference
+from tests.lowbit_blocks import random_blocks
 from tests.unit.kernels.test_quant_matmul import random_q4, random_q8
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 _NO_GROUP = cast(dist.ProcessGroup, object())  # the banks read only their partition: no collective runs
 
 
+def random_weight(kind: str, n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    """A random `[n, k]` weight of format `kind`: `q4`, `q8`, or a GGUF kind (`q5_0`, `q4_k`, ...: random blocks)."""
+    if kind == "q4":
+        return random_q4(n, k, gen)
+    if kind == "q8":
+        return random_q8(n, k, gen)
+    return decode_blocks(random_blocks(kind, n, k, gen), kind)
+
+
 def random_bank(
     experts: int, hidden: int, intermediate: int, gate_up: str, down: str, gen: torch.Generator
 ) -> ExpertWeights:
-    make = {"q4": random_q4, "q8": random_q8}
-    return ExpertWeights(
-        tuple(concat_rows([make[gate_up](intermediate, hidden, gen), make[gate_up](intermediate, hidden, gen)])
-              for _ in range(experts)),
-        tuple(make[down](hidden, intermediate, gen) for _ in range(experts)),
-    )  # fmt: skip
+    gate, up = [], []
+    for _ in range(experts):
+        gate.append(random_weight(gate_up, intermediate, hidden, gen))
+        up.append(random_weight(gate_up, intermediate, hidden, gen))
+    return expert_weights(gate, up, [random_weight(down, hidden, intermediate, gen) for _ in range(experts)])
 
 
 def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
+    values = weight.dequantize() if isinstance(weight, LowBitWeight) else None
+
     def run(expert: int, rows: torch.Tensor) -> torch.Tensor:
         del expert
+        if values is not None:
+            return reference.lowbit_linear(rows, values)
         if hasattr(weight, "mins"):
             return reference.q4_linear(rows, weight.qs, weight.scales, weight.mins)
         return reference.q8_linear(rows, weight.qs, weight.scales)
@@ -45,12 +59,9 @@ def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
 
 
 def reference_moe(bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    gate_up, down = [product(w) for w in bank.gate_up], [product(w) for w in bank.down]
     return reference.quantized_moe(
-        x,
-        lambda e, rows: product(bank.gate_up[e])(e, rows),
-        lambda e, rows: product(bank.down[e])(e, rows),
-        weights,
-        chosen,
+        x, lambda e, rows: gate_up[e](e, rows), lambda e, rows: down[e](e, rows), weights, chosen
     )
 
 
