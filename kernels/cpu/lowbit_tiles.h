@@ -427,8 +427,8 @@ constexpr bool kLowBitPairs = false;
 // with it where `paired` (kLowBitPairs only): y points at row 0, feature 0, rows y_stride apart, n_rows features.
 // AMX tiles where `scratch` is given (AMX on, an AmxScope on this thread; never for kSuper6), the pair and
 // kAmxMinRows rows or more; otherwise lowbit_pair_tile or lowbit_tile, kRowTile rows at a time. Every path gives
-// lowbit_tile's bits, as in quant_matmul.cpp's run_lowbit: the experts' products (moe.cpp) run each expert's rows
-// through here.
+// lowbit_tile's bits. The dense products (quant_matmul.cpp's run_lowbit) and the experts' (moe.cpp) both run
+// their rows through here.
 template <int64_t H, LowBitScales S>
 void lowbit_rows(const QuantizedRows& xq, const int32_t* half, int64_t first, int64_t last, const uint8_t* packed,
                  const LowBitTables& t, int64_t b, bool paired, UnpackedPair* scratch, float* y, int64_t y_stride,

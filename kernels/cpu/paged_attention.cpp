@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -543,7 +544,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
-  const int64_t max_padded = (width * block_size + kLanes - 1) / kLanes * kLanes;
+  // Room for the longest row's scores (not the block table's width: a step's tables are as wide as its longest
+  // sequence's, or wider).
+  const int64_t longest = *std::max_element(lens_ptr, lens_ptr + rows);
+  const int64_t max_padded = (longest + kLanes - 1) / kLanes * kLanes;
   // Rows of one sequence share their key and value reads (attend); a run of them is cut into enough groups to
   // give every thread work (a step's drafts), and none larger than kMaxGroup rows (a prompt's scores).
   int64_t longest_run = 1;
@@ -558,13 +562,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t count_groups = static_cast<int64_t>(groups.size());
   const int64_t shares = std::min(threads, count_groups);
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(most * heads * max_padded);
-    std::vector<float> acc(most * heads * (dim + 1));
+    // Left uninitialised: attend writes every score and sum it reads.
+    const std::unique_ptr<float[]> scores(new float[most * heads * max_padded]);
+    const std::unique_ptr<float[]> acc(new float[most * heads * (dim + 1)]);
     for (int64_t share = begin; share < end; ++share) {
       for (int64_t g = share; g < count_groups; g += shares) {
         const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
         attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
-                  block_size, kv_heads, group, window, fscale, fsoftcap, scores.data(), acc.data(),
+                  block_size, kv_heads, group, window, fscale, fsoftcap, scores.get(), acc.get(),
                   out_ptr + first * heads * dim);
       }
     }

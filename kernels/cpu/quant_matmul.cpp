@@ -151,11 +151,11 @@ void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, 
 }
 
 // run_packed for the 5- and 6-bit and K-quant blocks (lowbit_tiles.h): blocks shared out over the threads, each
-// block's rows a chunk at a time, in tiles of up to kRowTile rows.
+// block's rows a chunk at a time through lowbit_rows (the experts' products take the same path, moe.cpp).
 template <int64_t H, LowBitScales S>
 void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, const uint8_t* packed,
                 const LowBitTables& tables, int64_t blocks, int64_t n_rows, float* y, int64_t y_stride) {
-  const int64_t k = xq.k, groups = k / kGroup, block_bytes = groups * lowbit_group_bytes(H);
+  const int64_t k = xq.k, groups = k / kGroup;
   // AMX tiles for 12 rows or more, as the 4-bit products take them (not Q6_K: two scales a group).
   const bool amx = S != LowBitScales::kSuper6 && kLowBitPairs && m_rows >= kAmxMinRows && amx_enabled();
   const int64_t tile = amx ? kAmxRows : kRowTile;
@@ -170,43 +170,10 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
     for (int64_t m_chunk = 0; m_chunk < m_rows; m_chunk += chunk) {
       const int64_t m_end = std::min(m_rows, m_chunk + chunk);
       for (int64_t b = begin; b < end; ++b) {
-        const int64_t cols = std::min(kBlock, n_rows - b * kBlock);
         // Two blocks of this thread's at a time where it has two left (a pair gives the bits of two single tiles).
         const bool paired = kLowBitPairs && b + 1 < end;
-        const uint8_t* block = packed + b * block_bytes;
-#ifdef LADLE_QUANT_AMX
-        if constexpr (S != LowBitScales::kSuper6) {
-          if (amx && paired && m_end - m_chunk >= kAmxMinRows) {
-            unpack_lowbit_pair<H, S>(block, block + block_bytes, tables, b, groups, *scratch);
-            const int64_t both = std::min(2 * kBlock, n_rows - b * kBlock);
-            for (int64_t m0 = m_chunk; m0 < m_end; m0 += kAmxRows) {
-              float* out = y + m0 * y_stride + b * kBlock;
-              if (m_end - m0 >= kAmxRows) {
-                amx_tile<1, true>(xq, m0, kAmxRows, *scratch, out, y_stride, both);
-              } else {
-                amx_tile<1, false>(xq, m0, m_end - m0, *scratch, out, y_stride, both);
-              }
-            }
-            ++b;
-            continue;
-          }
-        }
-#endif
-        for (int64_t m0 = m_chunk; m0 < m_end; m0 += kRowTile) {
-          with_rows(std::min(kRowTile, m_end - m0), [&](auto tile_rows) {
-            constexpr int64_t R = decltype(tile_rows)::value;
-            float* out = y + m0 * y_stride + b * kBlock;
-            if (paired) {
-#ifdef LADLE_QUANT_AVX512
-              const int64_t cols1 = std::min(kBlock, n_rows - (b + 1) * kBlock);
-              lowbit_pair_tile<H, S, R>(xq, half, m0, block, block + block_bytes, tables, b, out, y_stride, cols,
-                                        cols1);
-#endif
-            } else {
-              lowbit_tile<H, S, R>(xq, half, m0, block, tables, b, out, y_stride, cols);
-            }
-          });
-        }
+        lowbit_rows<H, S>(xq, half, m_chunk, m_end, packed, tables, b, paired, amx ? &*scratch : nullptr, y, y_stride,
+                          n_rows);
         if (paired) ++b;
       }
     }
