@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine_server.layers.quantized_linear import swap_linears
 from kernels.reference import fp8_dequantize, fp8_quantize_per_channel, fp8_quantize_per_token
 
 
@@ -124,23 +125,11 @@ class Fp8Linear(nn.Module):
 
 
 def replace_fp8_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], Fp8Weight | None]) -> int:
-    """Swap each `nn.Linear` of `model` (named as in `named_modules`) for an `Fp8Linear` of the weight
-    `weight_for(name, linear)` returns, on the layer's device; None keeps that layer as it is. Returns how many
-    were swapped. Raises ValueError when a weight's shape is not its layer's."""
-    targets = [
-        (parent, f"{prefix}.{name}" if prefix else name, name, child)
-        for prefix, parent in model.named_modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
-    swapped = 0
-    for parent, full_name, name, child in targets:
-        weight = weight_for(full_name, child)
-        if weight is None:
-            continue
-        if weight.shape != tuple(child.weight.shape):
-            raise ValueError(f"{full_name}: FP8 weight {weight.shape} for a {tuple(child.weight.shape)} layer")
-        device_weight = weight.to(child.weight.device)
-        setattr(parent, name, Fp8Linear(device_weight, child.bias, child.weight.dtype))
-        swapped += 1
-    return swapped
+    """`swap_linears` to an `Fp8Linear` of each weight `weight_for` returns (None keeps the linear), moved to the
+    linear's device."""
+
+    def layer_for(name: str, linear: nn.Linear) -> nn.Module | None:
+        weight = weight_for(name, linear)
+        return None if weight is None else Fp8Linear(weight.to(linear.weight.device), linear.bias, linear.weight.dtype)
+
+    return swap_linears(model, layer_for)

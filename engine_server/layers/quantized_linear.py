@@ -308,11 +308,10 @@ def _rows(weight: Q4Weight | Q8Weight | LowBitWeight, index: torch.Tensor) -> Q4
     return Q8Weight(weight.qs[index], weight.scales[index])
 
 
-def replace_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], QuantizedWeight | None]) -> int:
-    """Swap each `nn.Linear` of `model` (named as in `named_modules`) for a `QuantizedLinear` of the weight
-    `weight_for(name, linear)` returns; None keeps that layer as it is. Returns how many were swapped.
-
-    A swapped layer lets its float weight go unless another module still holds it (a tied embedding)."""
+def swap_linears(model: nn.Module, layer_for: Callable[[str, nn.Linear], nn.Module | None]) -> int:
+    """Swap each `nn.Linear` of `model` (named as in `named_modules`) for the layer `layer_for(name, linear)` builds
+    (its `out_features` and `in_features` the linear's); None keeps that linear. Returns how many were swapped.
+    Raises ValueError when a built layer's shape is not its linear's."""
     targets = [
         (parent, f"{prefix}.{name}" if prefix else name, name, child)
         for prefix, parent in model.named_modules()
@@ -321,11 +320,24 @@ def replace_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], Qua
     ]
     swapped = 0
     for parent, full_name, name, child in targets:
-        weight = weight_for(full_name, child)
-        if weight is None:
+        layer = layer_for(full_name, child)
+        if layer is None:
             continue
-        if weight.shape != tuple(child.weight.shape):
-            raise ValueError(f"{full_name}: quantized weight {weight.shape} for a {tuple(child.weight.shape)} layer")
-        setattr(parent, name, QuantizedLinear(weight, child.bias))
+        shape = (layer.out_features, layer.in_features)
+        if shape != tuple(child.weight.shape):
+            raise ValueError(f"{full_name}: a {shape} weight for a {tuple(child.weight.shape)} layer")
+        setattr(parent, name, layer)
         swapped += 1
     return swapped
+
+
+def replace_linears(model: nn.Module, weight_for: Callable[[str, nn.Linear], QuantizedWeight | None]) -> int:
+    """`swap_linears` to a `QuantizedLinear` of each weight `weight_for` returns (None keeps the linear).
+
+    A swapped layer lets its float weight go unless another module still holds it (a tied embedding)."""
+
+    def layer_for(name: str, linear: nn.Linear) -> nn.Module | None:
+        weight = weight_for(name, linear)
+        return None if weight is None else QuantizedLinear(weight, linear.bias)
+
+    return swap_linears(model, layer_for)
