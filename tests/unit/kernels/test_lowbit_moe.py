@@ -1,8 +1,9 @@
 """Banks of experts in GGUF's 5-bit types and llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) through the
 quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp` over lowbit_tiles.h):
-against `kernels.reference.quantized_moe`, each expert's product bit for bit the dense layers' (`QuantizedLinear`
-on the same blocks), a token's result alone and in any batch (AMX tiles or not), its input checks, and a GGUF bank's
-slices under tensor parallelism (`quantization._stored_experts`) on whole K-quant super-blocks."""
+each expert's product bit for bit the dense layers' (`QuantizedLinear` on the same blocks), a token's result alone
+and in any batch (AMX tiles or not), its input checks, and a GGUF bank's slices under tensor parallelism
+(`quantization._stored_experts`) on whole K-quant super-blocks. Their match with `kernels.reference.quantized_moe`
+is among test_quant_moe.py's cases."""
 
 from __future__ import annotations
 
@@ -20,37 +21,9 @@ from engine_server.parallel.layers import ParallelExperts
 from engine_server.quantization import _stored_experts
 from kernels import cpu_ops as cpu
 from tests.lowbit_blocks import KINDS, random_blocks
-from tests.unit.kernels.test_quant_moe import random_bank, random_weight, reference_moe, reference_route, routing
+from tests.unit.kernels.test_quant_moe import random_bank, random_weight, reference_route, routing
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
-
-# (tokens, experts, top-k, hidden, intermediate, gate/up format, down format): every kind as gate/up and as down,
-# K-quants over one and several super-blocks, a Q4_K_M file's pairs (Q4_K with Q6_K, Q5_0 with Q8_0 fallbacks),
-# one decode row, ragged row tiles, and an expert with more rows than AMX's kAmxMinRows.
-CASES = [
-    (1, 4, 2, 256, 256, "q4_k", "q6_k"),
-    (13, 6, 3, 256, 512, "q5_k", "q4_k"),
-    (40, 4, 2, 512, 256, "q6_k", "q5_k"),
-    (7, 5, 2, 96, 64, "q5_0", "q5_1"),
-    (9, 4, 2, 64, 256, "q5_1", "q6_k"),
-    (20, 3, 2, 256, 96, "q4_k", "q5_0"),
-    (11, 4, 2, 96, 64, "q5_0", "q8"),
-    (6, 4, 1, 256, 64, "q4", "q5_1"),
-]
-
-
-@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "intermediate", "gate_up", "down"), CASES)
-def test_lowbit_banks_match_the_reference(
-    tokens: int, experts: int, top_k: int, hidden: int, intermediate: int, gate_up: str, down: str
-) -> None:
-    gen = torch.Generator().manual_seed(tokens * 100 + experts)
-    bank = random_bank(experts, hidden, intermediate, gate_up, down, gen)
-    layer = QuantizedExperts(bank)
-    assert layer.format == (gate_up if gate_up == down else f"{gate_up}+{down}")
-    x = torch.randn(tokens, hidden, generator=gen)
-    weights, chosen = routing(tokens, experts, top_k, gen)
-    torch.testing.assert_close(layer(x, weights, chosen), reference_moe(bank, x, weights, chosen), atol=2e-4, rtol=1e-4)
-
 
 @pytest.mark.parametrize(("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1")])
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:

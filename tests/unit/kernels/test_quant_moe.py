@@ -83,6 +83,17 @@ CASES = [
     (5, 4, 2, 96, 64, "q8", "q8"),
     (13, 8, 3, 64, 96, "q4", "q8"),
     (40, 6, 1, 128, 32, "q8", "q4"),
+    # The 5-bit and K-quant kinds (test_lowbit_moe.py): every kind as gate/up and as down,
+    # K-quants over one and several super-blocks, a Q4_K_M file's pairs (Q4_K with Q6_K, Q5_0 with Q8_0 fallbacks),
+    # one decode row, ragged row tiles, and an expert with more rows than AMX's kAmxMinRows.
+    (1, 4, 2, 256, 256, "q4_k", "q6_k"),
+    (13, 6, 3, 256, 512, "q5_k", "q4_k"),
+    (40, 4, 2, 512, 256, "q6_k", "q5_k"),
+    (7, 5, 2, 96, 64, "q5_0", "q5_1"),
+    (9, 4, 2, 64, 256, "q5_1", "q6_k"),
+    (20, 3, 2, 256, 96, "q4_k", "q5_0"),
+    (11, 4, 2, 96, 64, "q5_0", "q8"),
+    (6, 4, 1, 256, 64, "q4", "q5_1"),
 ]
 
 
@@ -92,10 +103,11 @@ def test_moe_matches_the_reference(
 ) -> None:
     gen = torch.Generator().manual_seed(tokens * 100 + experts)
     bank = random_bank(experts, hidden, intermediate, gate_up, down, gen)
+    layer = QuantizedExperts(bank)
+    assert layer.format == (gate_up if gate_up == down else f"{gate_up}+{down}")
     x = torch.randn(tokens, hidden, generator=gen)
     weights, chosen = routing(tokens, experts, top_k, gen)
-    got = QuantizedExperts(bank)(x, weights, chosen)
-    torch.testing.assert_close(got, reference_moe(bank, x, weights, chosen), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(layer(x, weights, chosen), reference_moe(bank, x, weights, chosen), atol=2e-4, rtol=1e-4)
 
 
 def test_a_tokens_result_does_not_depend_on_its_batch() -> None:
