@@ -311,15 +311,26 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   }
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
   auto row_scores = [&](int64_t r, int64_t h) { return scores + (r * heads + h) * padded; };
-  auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride; };
+  // use(t, offset of position t's slot) for t in [from, to): one division for the run, the block and the place in
+  // it stepped along after that (a division per position cost a decode row more than its scores).
+  auto each_slot = [&](int64_t from, int64_t to, auto&& use) {
+    int64_t block = from / block_size, place = from - block * block_size;
+    for (int64_t t = from; t < to; ++t) {
+      use(t, (table[block] * block_size + place) * token_stride);
+      if (++place == block_size) place = 0, ++block;
+    }
+  };
+  auto prefetch_tile = [&](const float* base, int64_t from) {
+    each_slot(from, std::min(len, from + kKeyTile), [&](int64_t, int64_t at) { prefetch_slot(base + at, slot_bytes); });
+  };
   const float* tile[kKeyTile];
   // The tile's slots (every KV head of a token) in `base`, with the next tile's prefetched: a row's blocks sit
   // anywhere in the cache, out of the hardware prefetchers' sight.
   auto load_tile = [&](const float* base, int64_t from, int64_t to) {
-    for (int64_t t = from; t < to; ++t) tile[t - from] = base + slot(t);
-    for (int64_t t = to; t < std::min(len, to + kKeyTile); ++t) prefetch_slot(base + slot(t), slot_bytes);
+    each_slot(from, to, [&](int64_t t, int64_t at) { tile[t - from] = base + at; });
+    prefetch_tile(base, to);
   };
-  for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(keys + slot(t), slot_bytes);
+  prefetch_tile(keys, begin);
   float* maxes = acc + rows * heads * Dim;  // each row and head's largest score, taken as they are written
   std::fill(maxes, maxes + rows * heads, -__builtin_inff());
 
@@ -390,7 +401,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
     for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), first_of(r), lens[r], maxes[r * heads + h]);
   }
   std::fill(acc, acc + rows * heads * Dim, 0.f);
-  for (int64_t t = begin; t < std::min(len, begin + kKeyTile); ++t) prefetch_slot(values + slot(t), slot_bytes);
+  prefetch_tile(values, begin);
   // Row r's value sums of heads [h0, h0 + count) (of one KV head), chunks from c0, over positions [from, to).
   auto sum_row = [&](int64_t r, int64_t h0, int64_t count, int64_t c0, int64_t from, int64_t to) {
     if (from >= to) return;
