@@ -50,6 +50,20 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
         assert tokens(llm, prompts()) == reference_tokens(source.path)
 
 
+def keep_stored_weights(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A dict that gets a copy of every model's stored (quantized) weights as it loads: loading empties the one
+    `stored_weights` returns once the weights are packed."""
+    stored: dict[str, Any] = {}
+
+    def keep(model: Any, source: Any) -> dict[str, Any]:
+        weights = stored_weights(model, source)
+        stored.update(weights)
+        return weights
+
+    monkeypatch.setattr(model_loading, "stored_weights", keep)
+    return stored
+
+
 def served_from_blocks(gguf: Path, tensor_parallel_size: int = 1) -> tuple[dict[str, str], Any]:
     """`gguf` served from its own blocks (`auto`) against its float path (`none`): each quantized projection's
     format by name (a bank of experts' as `experts_<format>`, with rank 0's rows of each expert), and `ladle bench
@@ -234,14 +248,7 @@ def test_a_moe_gguf_with_k_quant_experts_is_served_from_their_blocks(
     }
     q8 = GGMLQuantizationType.Q8_0
     gguf = write_gguf(folder, tmp_path / "moe.gguf", q8, q8, types=types)
-    stored: dict[str, Any] = {}
-
-    def keep(model: Any, source: Any) -> dict[str, Any]:
-        weights = stored_weights(model, source)
-        stored.update(weights)  # a copy: loading empties the dict it is given once the weights are packed
-        return weights
-
-    monkeypatch.setattr(model_loading, "stored_weights", keep)
+    stored = keep_stored_weights(monkeypatch)
     layers, result = served_from_blocks(gguf)
     banks = {name: fmt for name, fmt in layers.items() if fmt.startswith("experts_")}
     assert banks == {
@@ -300,14 +307,7 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     (benchmarks/results/quality_kquant.jsonl), and far below what a misread block gives (KL of nats)."""
     folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
     gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
-    stored: dict[str, Any] = {}
-
-    def keep(model: Any, source: Any) -> dict[str, Any]:
-        weights = stored_weights(model, source)
-        stored.update(weights)  # a copy: loading empties the dict it is given once the weights are packed
-        return weights
-
-    monkeypatch.setattr(model_loading, "stored_weights", keep)
+    stored = keep_stored_weights(monkeypatch)
     layers, result = served_from_blocks(gguf)
     float_weights = dict(resolve_model(str(gguf)).weights())  # the converted folder: what `none` serves
     assert len(stored) == 4 * 4, sorted(stored)

@@ -21,7 +21,14 @@ from engine_server.parallel.layers import ParallelExperts
 from engine_server.quantization import _stored_experts
 from kernels import cpu_ops as cpu
 from tests.lowbit_blocks import KINDS, random_blocks
-from tests.unit.kernels.test_quant_moe import random_bank, random_weight, reference_route, routing
+from tests.unit.kernels.test_quant_moe import (
+    assert_same_bits_without_amx,
+    random_bank,
+    random_weight,
+    reference_route,
+    routing,
+    skip_without_amx,
+)
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 
@@ -66,18 +73,12 @@ def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -
 
 @pytest.mark.parametrize(("gate_up", "down"), [("q4_k", "q5_1"), ("q5_k", "q6_k"), ("q5_0", "q4_k")])
 def test_amx_tiles_give_the_vnni_tiles_bits(gate_up: str, down: str) -> None:
-    if not torch.ops.ladle_cpu.set_quant_amx(True):
-        pytest.skip("this CPU (or kernel) has no AMX tiles")
+    skip_without_amx()
     gen = torch.Generator().manual_seed(29)
     layer = QuantizedExperts(random_bank(5, 256, 256, gate_up, down, gen))
     x = torch.randn(40, 256, generator=gen)
     weights, chosen = crowded_routing(40, 5, gen)
-    with_amx = layer(x, weights, chosen)
-    try:
-        torch.ops.ladle_cpu.set_quant_amx(False)
-        assert torch.equal(layer(x, weights, chosen), with_amx)
-    finally:
-        torch.ops.ladle_cpu.set_quant_amx(True)
+    assert_same_bits_without_amx(layer, x, weights, chosen)
 
 
 def test_malformed_lowbit_banks_are_refused() -> None:

@@ -126,10 +126,26 @@ def test_a_tokens_result_does_not_depend_on_its_batch() -> None:
         assert torch.equal(alone[0], together[t]), t
 
 
-def test_amx_tiles_give_the_vnni_tiles_bits() -> None:
-    """Experts with 16+ rows (AMX tiles), 12-15 (AMX, ragged) and fewer (VNNI) in one step, against AMX off."""
+def skip_without_amx() -> None:
+    """Skips the test where this CPU (or the kernel build) has no AMX tiles; else leaves them on."""
     if not torch.ops.ladle_cpu.set_quant_amx(True):
         pytest.skip("this CPU (or kernel) has no AMX tiles")
+
+
+def assert_same_bits_without_amx(layer: QuantizedExperts, x: torch.Tensor, weights: torch.Tensor,
+                                 chosen: torch.Tensor) -> None:
+    """The layer's output with AMX on equals its output with AMX off, bit for bit (AMX left on after)."""
+    with_amx = layer(x, weights, chosen)
+    try:
+        torch.ops.ladle_cpu.set_quant_amx(False)
+        assert torch.equal(layer(x, weights, chosen), with_amx)
+    finally:
+        torch.ops.ladle_cpu.set_quant_amx(True)
+
+
+def test_amx_tiles_give_the_vnni_tiles_bits() -> None:
+    """Experts with 16+ rows (AMX tiles), 12-15 (AMX, ragged) and fewer (VNNI) in one step, against AMX off."""
+    skip_without_amx()
     gen = torch.Generator().manual_seed(9)
     bank = random_bank(6, 96, 64, "q4", "q8", gen)
     layer = QuantizedExperts(bank)
@@ -138,12 +154,7 @@ def test_amx_tiles_give_the_vnni_tiles_bits() -> None:
     logits[:30, 1] += 10.0
     logits[:13, 4] += 5.0
     weights, chosen = reference_route(logits, 2)
-    with_amx = layer(x, weights, chosen)
-    try:
-        torch.ops.ladle_cpu.set_quant_amx(False)
-        assert torch.equal(layer(x, weights, chosen), with_amx)
-    finally:
-        torch.ops.ladle_cpu.set_quant_amx(True)
+    assert_same_bits_without_amx(layer, x, weights, chosen)
 
 
 def test_no_tokens_and_unused_experts() -> None:
