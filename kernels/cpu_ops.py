@@ -2,8 +2,9 @@
 
 - Decode attention: the reference gathers every decode row's KV blocks into one padded tensor and then runs
   SDPA over it, three passes over the KV and most of a decode step's non-GEMM time; `paged_decode_attention`
-  (`kernels/cpu/paged_attention.cpp`) reads each row's blocks in place, once. Prefill chunks keep the reference
-  SDPA (`reference.attend_prefills`).
+  (`kernels/cpu/paged_attention.cpp`) reads each row's blocks in place, once, the rows of one sequence together.
+  Prefill chunks keep the reference SDPA (`reference.attend_prefills`), or with `paged_attention_by_token` (the
+  quantized path) go through the kernel too, each token as a row.
 - RMSNorm (with its residual add), rotary embedding and SiLU-and-mul (`kernels/cpu/pointwise.cpp`): one pass
   each instead of 3-9 torch ops, which on a prefill chunk are memory-bound passes and on a decode step are
   dispatch overhead.
@@ -122,8 +123,9 @@ def paged_attention_by_token(
     A token's result then depends on its query and the cache only, bit for bit: not on how its prompt was split
     into chunks, found in the prefix cache, or batched with others. Quantized models use it (`quantize_model`):
     their 8-bit activation rounding turns the float32-level differences SDPA makes between those cases into
-    visible ones, which change greedy answers. The cost: each prompt token reads its keys on its own, slower than
-    SDPA's blocked product on long prompts. Falls back to `paged_attention` where the kernel does not apply.
+    visible ones, which change greedy answers. A prompt's rows still share the kernel's tiles (each tile of keys
+    read and transposed once for up to 64 of them), so on long prompts it keeps pace with SDPA. Falls back to
+    `paged_attention` where the kernel does not apply.
     """
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
         return paged_attention(q, kv_cache, meta, scale, window, softcap)

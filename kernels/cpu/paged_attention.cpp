@@ -11,15 +11,21 @@
 //                K/V from KV head h / (H / Hkv).
 // Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
 // token and its drafts) are attended together, reading each key and value once for all of them; work is split
-// over such groups with at::parallel_for. Within a group the positions go by tiles that stay in L1 while every
-// row and query head goes over them (`attend`), straight from the blocks, with the next tile's slots prefetched;
-// scores eight keys at a time, value sums in registers, groups dealt to the threads round-robin. On AVX-512 two
-// rows of a group go side by side through the same 8-float arithmetic in one 16-float register (a prompt chunk's
-// scores and value sums take half the instructions). A row's result is the same bits whichever rows share its
-// group, and whatever the tiling or pairing. Softmax is exact (max subtracted,
-// float32 sums); exp is a polynomial with ~1e-7 relative error, so results match the reference SDPA to float32
-// rounding, not bit for bit. Built with -fopenmp, so at::parallel_for uses torch's own OpenMP thread pool (the
-// extension resolves libgomp.so.1 to the copy torch already loaded).
+// over such groups with at::parallel_for, dealt to the threads round-robin. Positions go by tiles of kTile that
+// start at multiples of kTile: each KV head's keys of a tile are transposed once (position across the lanes) and,
+// with the tile's values, stay in L1 while every row and query head of the group goes over them, the next
+// tile's slots prefetched. A row and head's arithmetic, the same in any group, alone included:
+//   - score of position t: q . k_t as Dim fused multiply-adds from 0 in d order (one rounding each; 16 positions
+//     per vector, several query heads' chains in flight), then times scale (and soft-capped);
+//   - softmax online over the row's tiles (FlashAttention's): the running max, each tile's weights
+//     exp(s - max), the running sum and the value sums rescaled when the max grows;
+//   - value sums: acc += weight_t * v_t by fused multiply-adds in position order (dims across the lanes);
+//   - out = acc * (1 / sum).
+// The fused multiply-adds are explicit (kernels/cpu/lanes.h: AVX-512, AVX2's FMA, else std::fma), so every x86
+// gives the same bits; the build's -ffp-contract=off fuses nothing else. exp is a polynomial with ~1e-7 relative
+// error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with -fopenmp, so
+// at::parallel_for uses torch's own OpenMP thread pool (the extension resolves libgomp.so.1 to the copy torch
+// already loaded).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,8 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include <immintrin.h>
-
+#include "lanes.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -49,268 +54,234 @@ inline void prefetch_slot(const float* slot, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
-// The most rows of one sequence attended together: their scores (rows x heads x context floats) stay in cache.
-constexpr int64_t kMaxGroup = 16;
+// The most rows of one sequence attended together: each tile's keys and values are read (and the keys transposed)
+// once per group, so larger groups stream the cache fewer times (64 over 16: ~10% faster on a long prompt).
+constexpr int64_t kMaxGroup = 64;
+// Positions per tile (four vectors of scores per query head). Tiles start at multiples of kTile, so the tiles a row
+// goes through depend on its own positions only.
+constexpr int64_t kTile = 64;
+constexpr int64_t kTileVectors = kTile / kLanes;
+#ifdef __AVX512F__
+constexpr int64_t kScoreHeads = 3;    // query heads scored together: 12 independent FMA chains, 12 of 32 zmm
+constexpr int64_t kSumFloats = 256;   // value-sum accumulators held in registers (16 zmm)
+constexpr int64_t kPassFloats = 128;  // a head's dims per value-sum pass (8 zmm)
+#else
+constexpr int64_t kScoreHeads = 1;  // a Lanes is two ymm on AVX2: 8 accumulators of 16
+constexpr int64_t kSumFloats = 64;
+constexpr int64_t kPassFloats = 32;
+#endif
+constexpr int64_t kMaxSumHeads = 4;
 
-// Softmax in place over one row's scores s[first, len), whose largest is `m` (taken as the scores were), read in
-// whole vectors from the one holding `first`: the lanes before `first` and from `len` to the vector's end are set
-// to -inf first (exp turns them into 0).
-inline void softmax_row(float* s, int64_t first, int64_t len, float m) {
-  const int64_t aligned = first / kLanes * kLanes;
-  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-  for (int64_t t = aligned; t < first; ++t) s[t] = -__builtin_inff();
-  for (int64_t t = len; t < padded; ++t) s[t] = -__builtin_inff();
+// One stage of an in-register transpose of W vectors of W lanes: for each pair (i, i + B) with bit B of i clear,
+// the B x B blocks off the diagonal swap (lo / hi pick a's and c's lanes). After the stages B = W / 2, ..., 1,
+// r[i][j] holds what r[j][i] held.
+template <int64_t B, typename V, typename I, int64_t W>
+inline void swap_blocks(V (&r)[W], I lo, I hi) {
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < W; ++i) {
+    if (i & B) continue;
+    const V a = r[i], c = r[i | B];
+    r[i] = __builtin_shuffle(a, c, lo);
+    r[i | B] = __builtin_shuffle(a, c, hi);
+  }
+}
+
+#ifdef __AVX512F__
+using KeyVec = vec16;
+constexpr int64_t kKeyLanes = 16;
+inline void transpose(vec16 (&r)[16]) {
+  swap_blocks<8>(r, ivec16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                 ivec16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  swap_blocks<4>(r, ivec16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                 ivec16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+  swap_blocks<2>(r, ivec16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                 ivec16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+  swap_blocks<1>(r, ivec16{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                 ivec16{1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+}
+#else
+using KeyVec = vec8;
+constexpr int64_t kKeyLanes = 8;
+inline void transpose(vec8 (&r)[8]) {
+  swap_blocks<4>(r, ivec8{0, 1, 2, 3, 8, 9, 10, 11}, ivec8{4, 5, 6, 7, 12, 13, 14, 15});
+  swap_blocks<2>(r, ivec8{0, 1, 8, 9, 4, 5, 12, 13}, ivec8{2, 3, 10, 11, 6, 7, 14, 15});
+  swap_blocks<1>(r, ivec8{0, 8, 2, 10, 4, 12, 6, 14}, ivec8{1, 9, 3, 11, 5, 13, 7, 15});
+}
+#endif
+
+// One KV head's keys of a tile, position across the lanes: kt[d * kTile + t] = dim d of the key at `keys + at[t] +
+// offset` for t < n, 0 for n <= t < kTile.
+template <int64_t Dim>
+void transpose_keys(const float* keys, const int64_t* at, int64_t offset, int64_t n, float* kt) {
+  constexpr int64_t W = kKeyLanes;
+  for (int64_t t0 = 0; t0 < kTile; t0 += W) {
+    if (t0 >= n) {
+      for (int64_t d = 0; d < Dim; ++d) std::fill(kt + d * kTile + t0, kt + d * kTile + t0 + W, 0.f);
+      continue;
+    }
+    for (int64_t d0 = 0; d0 < Dim; d0 += W) {
+      KeyVec r[W];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < W; ++i) r[i] = t0 + i < n ? load_lanes<KeyVec>(keys + at[t0 + i] + offset + d0) : KeyVec{};
+      transpose(r);
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < W; ++j) __builtin_memcpy(kt + (d0 + j) * kTile + t0, &r[j], sizeof(KeyVec));
+    }
+  }
+}
+
+// The tile's scores of B query heads: s[b][v] lane i is q_b . (the key of tile position v * kLanes + i), summed as
+// Dim fused multiply-adds from 0 in d order. The B heads' chains run side by side; each lane's operations are its
+// own, so a head's scores are the same bits in any batch.
+template <int64_t Dim, int64_t B>
+inline void tile_scores(const float* const* qs, const float* kt, Lanes (&s)[B][kTileVectors]) {
+  Lanes acc[B][kTileVectors];  // in registers (s may alias the queries: written to once, at the end)
+#pragma GCC unroll 4
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t v = 0; v < kTileVectors; ++v) acc[b][v] = lanes_zero();
+  }
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < Dim; ++d) {
+    Lanes k[kTileVectors];
+    for (int64_t v = 0; v < kTileVectors; ++v) k[v] = lanes_load(kt + d * kTile + v * kLanes);
+#pragma GCC unroll 4
+    for (int64_t b = 0; b < B; ++b) {
+      const Lanes qd = lanes_of(qs[b][d]);
+      for (int64_t v = 0; v < kTileVectors; ++v) acc[b][v] = lanes_fma(qd, k[v], acc[b][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t v = 0; v < kTileVectors; ++v) s[b][v] = acc[b][v];
+  }
+}
+
+// One row and head's step of the online softmax over a tile whose positions [lo, hi) are the row's: the scores
+// scaled (and capped), the others masked out; running = {max so far, sum of exp(s - max) so far} brought up to
+// date; weights[t] = exp(s_t - max) (0 outside [lo, hi)). Returns the factor that rescales the value sums so far.
+__attribute__((always_inline)) inline float softmax_tile(const Lanes (&s)[kTileVectors], int64_t lo, int64_t hi, float scale, float softcap,
+                          float* running, float* weights) {
+  const vec16 none = splat(-__builtin_inff());
+  vec16 x[kTileVectors];
+  for (int64_t v = 0; v < kTileVectors; ++v) {
+    x[v] = lanes_vec(s[v]) * scale;
+    if (softcap > 0.f) {
+      for (int64_t i = 0; i < kLanes; ++i) x[v][i] = softcap * std::tanh(x[v][i] / softcap);
+    }
+  }
+  if (lo > 0 || hi < kTile) {
+    const ivec16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t v = 0; v < kTileVectors; ++v) {
+      const ivec16 position = lane + static_cast<int32_t>(v * kLanes);
+      x[v] = (position >= static_cast<int32_t>(lo)) & (position < static_cast<int32_t>(hi)) ? x[v] : none;
+    }
+  }
+  // The tile's largest score, in every lane (max is exact: any order gives it).
+  vec16 top = x[0];
+  for (int64_t v = 1; v < kTileVectors; ++v) top = top > x[v] ? top : x[v];
+  for (const ivec16 swap : {ivec16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                            ivec16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                            ivec16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                            ivec16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}}) {
+    const vec16 other = __builtin_shuffle(top, swap);
+    top = top > other ? top : other;
+  }
+  // exp(0) is exactly 1 (exp_lanes' polynomial and scale are 1 there): a max that holds needs no exp.
+  const float most = std::max(running[0], top[0]);
+  const float rescale = most == running[0] ? 1.f : exp_lanes(splat(running[0] - most))[0];
   vec16 total = {};
-  for (int64_t t = aligned; t < padded; t += kLanes) {
-    const vec16 e = exp_lanes(load(s + t) - m);
-    store(s + t, e);
+  for (int64_t v = 0; v < kTileVectors; ++v) {
+    const vec16 e = exp_lanes(x[v] - most);
+    store(weights + v * kLanes, e);
     total += e;
   }
-  const float inv = 1.f / hsum(total);
-  for (int64_t t = first; t < len; ++t) s[t] *= inv;
+  running[0] = most;
+  running[1] = running[1] * rescale + hsum(total);
+  return rescale;
 }
 
-// The dot products and value sums run in 8-float vectors with separate multiplies and adds: the bits the engine
-// has always had. (16-float vectors and fused multiply-adds on AVX-512 made a long prompt's attention ~20% faster,
-// but their other bits flipped the embedded model's greedy answer to "What is the capital of France?".)
-
-// scale * (q . k) for one query head against one key: the chunks' products summed chunk by chunk into one vector,
-// whose lanes hsum8 adds up; soft-capped to softcap * tanh(s / softcap) when softcap > 0.
-template <int64_t Chunks>
-inline float score(const float* qh, const float* k, float scale, float softcap) {
-  vec8 dot = load8(qh) * load8(k);
-  for (int64_t c = 1; c < Chunks; ++c) dot += load8(qh + c * kLanes8) * load8(k + c * kLanes8);
-  const float s = hsum8(dot) * scale;
-  return softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
-}
-
-// hsum8 of each of eight vectors, as one vector (lane j: hsum8(v[j])): the same additions of the same operands as
-// hsum8's tree, ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), eight lanes at a time, so every lane has the
-// bits hsum8 gives (float addition commutes; the tree's shape is what fixes the result).
-inline vec8 hsum8_of_8(const vec8 (&v)[8]) {
-  // a = v_i + v_(i+4) for i < 4: vectors j and j + 4 side by side.
-  vec8 a[4];
-  for (int64_t j = 0; j < 4; ++j) {
-    a[j] = __builtin_shuffle(v[j], v[j + 4], ivec8{0, 1, 2, 3, 8, 9, 10, 11}) +
-           __builtin_shuffle(v[j], v[j + 4], ivec8{4, 5, 6, 7, 12, 13, 14, 15});
-  }
-  // b0 = a0 + a2, b1 = a1 + a3: [v0's, v0's, v1's, v1's, v4's, v4's, v5's, v5's] from a[0], a[1]; v2.. from a[2..3].
-  const vec8 b01 = __builtin_shuffle(a[0], a[1], ivec8{0, 1, 8, 9, 4, 5, 12, 13}) +
-                   __builtin_shuffle(a[0], a[1], ivec8{2, 3, 10, 11, 6, 7, 14, 15});
-  const vec8 b23 = __builtin_shuffle(a[2], a[3], ivec8{0, 1, 8, 9, 4, 5, 12, 13}) +
-                   __builtin_shuffle(a[2], a[3], ivec8{2, 3, 10, 11, 6, 7, 14, 15});
-  // b0 + b1, in the order v0, v1, v2, v3, v4, v5, v6, v7.
-  return __builtin_shuffle(b01, b23, ivec8{0, 2, 8, 10, 4, 6, 12, 14}) +
-         __builtin_shuffle(b01, b23, ivec8{1, 3, 9, 11, 5, 7, 13, 15});
-}
-
-// score() of one query head against eight keys at once, into out[0..8): each key's products summed as score()
-// sums them, the eight sums reduced together (hsum8_of_8), then scaled (and capped) lane by
-// lane: out[j] has the bits score(qh, key[j] + offset) has.
-template <int64_t Chunks>
-inline void scores8(const float* qh, const float* const* key, int64_t offset, float scale, float softcap,
-                    float* out, float& most) {
-  vec8 dot[8];
-  const vec8 q0 = load8(qh);
-#pragma GCC unroll 8
-  for (int64_t j = 0; j < 8; ++j) dot[j] = q0 * load8(key[j] + offset);
-  for (int64_t c = 1; c < Chunks; ++c) {
-    const vec8 qc = load8(qh + c * kLanes8);
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < 8; ++j) dot[j] += qc * load8(key[j] + offset + c * kLanes8);
-  }
-  const vec8 s = hsum8_of_8(dot) * scale;
-  if (softcap > 0.f) {
-    for (int64_t j = 0; j < 8; ++j) {
-      out[j] = softcap * std::tanh(s[j] / softcap);
-      most = std::max(most, out[j]);
-    }
-  } else {
-    store8(out, s);
-    for (int64_t j = 0; j < 8; ++j) most = std::max(most, s[j]);
-  }
-}
-
-// Value sums of `Heads` query heads (of one KV head) over positions [lo, hi): sums[i][0 .. N * lanes) += weight
-// * value for each position in order, weights[i][t] the head's softmax weight and slot[t] + at its value's
-// chunks. Each head's sums take the very operations, in the same order, that it would alone.
+// Value sums of `Heads` query heads of one row (one KV head), floats [0, N * kLanes) from sums[i]: rescaled by
+// rescale[i], then sums[i] += weights[i][t] * v_t by fused multiply-adds for the tile's positions t in [lo, hi)
+// in order (v_t at values + at[t] + offset). The heads share each value's loads; each head's operations are its
+// own.
 template <int64_t N, int64_t Heads>
-inline void sum_values(const float* const* slot, int64_t at, int64_t lo, int64_t hi, const float* const* weights,
-                       float* const* sums) {
-  vec8 sum[Heads][N];
+inline void sum_values(const float* values, const int64_t* at, int64_t offset, int64_t lo, int64_t hi,
+                       const float* const* weights, const float* rescale, float* const* sums) {
+  Lanes sum[Heads][N];
 #pragma GCC unroll 4
   for (int64_t i = 0; i < Heads; ++i) {
+    const Lanes factor = lanes_of(rescale[i]);
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) sum[i][c] = load8(sums[i] + c * kLanes8);
+    for (int64_t c = 0; c < N; ++c) sum[i][c] = lanes_mul(lanes_load(sums[i] + c * kLanes), factor);
   }
   for (int64_t t = lo; t < hi; ++t) {
-    const float* v = slot[t] + at;
-    vec8 value[N];
+    const float* v = values + at[t] + offset;
+    Lanes value[N];
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) value[c] = load8(v + c * kLanes8);
+    for (int64_t c = 0; c < N; ++c) value[c] = lanes_load(v + c * kLanes);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < Heads; ++i) {
-      const vec8 weight = vec8{} + weights[i][t];
+      const Lanes weight = lanes_of(weights[i][t]);
 #pragma GCC unroll 8
-      for (int64_t c = 0; c < N; ++c) sum[i][c] += weight * value[c];
+      for (int64_t c = 0; c < N; ++c) sum[i][c] = lanes_fma(weight, value[c], sum[i][c]);
     }
   }
 #pragma GCC unroll 4
   for (int64_t i = 0; i < Heads; ++i) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) store8(sums[i] + c * kLanes8, sum[i][c]);
+    for (int64_t c = 0; c < N; ++c) lanes_store(sums[i] + c * kLanes, sum[i][c]);
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-// On AVX-512, two rows of one sequence (the same query head, so the same keys and values) go through the same
-// 8-float arithmetic side by side in one 16-float register: row a in lanes 0-7, row b in lanes 8-15. Every lane
-// takes the very operations, on the very operands, it takes in the 8-float code, so each row keeps its bits;
-// the two rows share each instruction, which halves the multiplies and adds of a prompt chunk's attention.
-#define LADLE_PAIRED_ROWS 1
-
-// Lanes 0-7 from a, 8-15 from b.
-inline vec16 pair_of(const float* a, const float* b) {
-  return reinterpret_cast<vec16>(_mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1));
-}
-
-// The 8 floats at p in both halves.
-inline vec16 both_halves(const float* p) { return reinterpret_cast<vec16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(p))); }
-
-// a in lanes 0-7, b in 8-15.
-inline vec16 pair_splat(float a, float b) {
-  return reinterpret_cast<vec16>(_mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1));
-}
-
-inline vec8 low_half(vec16 v) { return reinterpret_cast<vec8>(_mm512_castps512_ps256(reinterpret_cast<__m512>(v))); }
-inline vec8 high_half(vec16 v) {
-  return reinterpret_cast<vec8>(_mm512_extractf32x8_ps(reinterpret_cast<__m512>(v), 1));
-}
-
-// hsum8_of_8 in each half: the shuffles of hsum8_of_8 with their lane indices moved into the half (an index i < 8
-// of the first source is 8h + i, an index 8 + i of the second is 16 + 8h + i), so each half's lanes get the very
-// additions of the very operands hsum8_of_8 makes.
-inline vec16 hsum8_of_8_halves(const vec16 (&v)[8]) {
-  vec16 a[4];
-  for (int64_t j = 0; j < 4; ++j) {
-    a[j] = __builtin_shuffle(v[j], v[j + 4], ivec16{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
-           __builtin_shuffle(v[j], v[j + 4], ivec16{4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
-  }
-  const vec16 b01 = __builtin_shuffle(a[0], a[1], ivec16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
-                    __builtin_shuffle(a[0], a[1], ivec16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
-  const vec16 b23 = __builtin_shuffle(a[2], a[3], ivec16{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
-                    __builtin_shuffle(a[2], a[3], ivec16{2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
-  return __builtin_shuffle(b01, b23, ivec16{0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30}) +
-         __builtin_shuffle(b01, b23, ivec16{1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31});
-}
-
-// scores8 for two rows at once: qpair[c] holds chunk c of both rows' query head (pair_of); out_a[0..8) and
-// out_b[0..8) get the bits scores8 gives each row, their largest folded into most (lanes 0-7: a's, 8-15: b's).
-template <int64_t Chunks>
-inline void scores8_pair(const vec16* qpair, const float* const* key, int64_t offset, float scale, float softcap,
-                         float* out_a, float* out_b, vec16& most) {
-  vec16 dot[8];
-#pragma GCC unroll 8
-  for (int64_t j = 0; j < 8; ++j) dot[j] = qpair[0] * both_halves(key[j] + offset);
-  for (int64_t c = 1; c < Chunks; ++c) {
-    const vec16 qc = qpair[c];
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < 8; ++j) dot[j] += qc * both_halves(key[j] + offset + c * kLanes8);
-  }
-  vec16 s = hsum8_of_8_halves(dot) * scale;
-  if (softcap > 0.f) {
-    for (int64_t j = 0; j < kLanes; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
-  }
-  store8(out_a, low_half(s));
-  store8(out_b, high_half(s));
-  most = most > s ? most : s;
-}
-
-// sum_values for two rows at once over positions [lo, hi) (which both attend to): sums_a[i] / sums_b[i] and
-// weights_a[i] / weights_b[i] are head i's of row a and row b; each row's sums take the operations sum_values
-// makes, in the same order.
-template <int64_t N, int64_t Heads>
-inline void sum_values_pair(const float* const* slot, int64_t at, int64_t lo, int64_t hi,
-                            const float* const* weights_a, const float* const* weights_b, float* const* sums_a,
-                            float* const* sums_b) {
-  vec16 sum[Heads][N];
-#pragma GCC unroll 4
-  for (int64_t i = 0; i < Heads; ++i) {
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) sum[i][c] = pair_of(sums_a[i] + c * kLanes8, sums_b[i] + c * kLanes8);
-  }
-  for (int64_t t = lo; t < hi; ++t) {
-    const float* v = slot[t] + at;
-    vec16 value[N];
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) value[c] = both_halves(v + c * kLanes8);
-#pragma GCC unroll 4
-    for (int64_t i = 0; i < Heads; ++i) {
-      const vec16 weight = pair_splat(weights_a[i][t], weights_b[i][t]);
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < N; ++c) sum[i][c] += weight * value[c];
-    }
-  }
-#pragma GCC unroll 4
-  for (int64_t i = 0; i < Heads; ++i) {
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < N; ++c) {
-      store8(sums_a[i] + c * kLanes8, low_half(sum[i][c]));
-      store8(sums_b[i] + c * kLanes8, high_half(sum[i][c]));
-    }
+// f(std::integral_constant<int64_t, n>) for a run-time n in [1, 4].
+template <typename F>
+inline void with_count(int64_t n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+    case 3: f(std::integral_constant<int64_t, 3>{}); break;
+    default: f(std::integral_constant<int64_t, 4>{}); break;
   }
 }
-#endif
 
-// Positions whose slots one pass over the keys (or the values) holds: 32 tokens' K or V of every KV head stays in
-// L1 while each row and head of the group goes over them.
-constexpr int64_t kKeyTile = 32;
-// Accumulator vectors a head's value sum keeps in registers over a tile's positions (64 or 128 floats of its dim).
-constexpr int64_t kAccChunks = 8;
-template <int64_t Dim>
-constexpr int64_t sum_chunks() { return Dim / kLanes8 < kAccChunks ? Dim / kLanes8 : kAccChunks; }
-// Query heads whose value sums run together: as many as keep their accumulators within half the registers (16
-// of AVX-512's 32, 8 of AVX2's 16), at most kMaxSumHeads.
-constexpr int64_t kMaxSumHeads = 4;
-#ifdef __AVX512F__
-constexpr int64_t kSumRegisters = 16;
-#else
-constexpr int64_t kSumRegisters = 8;
-#endif
-template <int64_t Dim>
-constexpr int64_t kSumHeads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumRegisters / sum_chunks<Dim>()));
-#ifdef LADLE_PAIRED_ROWS
-// Query heads whose value sums run together for a pair of rows (sum_values_pair): one or two.
-template <int64_t Dim>
-constexpr int64_t kPairSumHeads = std::min<int64_t>(2, kSumHeads<Dim>);
-#endif
+// A thread's working memory for one group of up to `rows` rows: the value sums, the running softmax state, the
+// current tile's weights and rescale factors, and one KV head's transposed keys of the tile.
+struct Scratch {
+  Scratch(int64_t rows, int64_t heads, int64_t dim)
+      : acc(new float[rows * heads * dim]),
+        running(new float[rows * heads * 2]),
+        rescale(new float[rows * heads]),
+        weights(new float[rows * heads * kTile]),
+        keys(new float[dim * kTile]) {}
+  std::unique_ptr<float[]> acc, running, rescale, weights, keys;
+};
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
 // token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
-// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim.
-// Positions go by tiles of kKeyTile: each tile's keys are read from the blocks once for all the rows and heads
-// (a row alone would read the sequence's whole cache once per row), their scores taken eight keys at a time; the
-// same for the values, each head's sum held in registers across the tile. Each row's arithmetic is the single
-// row's, in the same order, whatever the tiling: each score as score() computes it, softmax_row, then values
-// summed in position order from zero; so a row's result is the same bits in any group, alone included (the build
-// has -ffp-contract=off: no fused multiply-adds that could differ).
-// `scores` has room for rows * heads * padded(max len) floats, `acc` for rows * heads * (Dim + 1).
+// paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim. Each
+// row and head takes the arithmetic the file's header states, tile by tile over its own positions, so its
+// result is the same bits in any group, alone included.
 template <int64_t Dim>
 void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
-            float softcap, float* scores, float* acc, float* out) {
-  constexpr int64_t chunks = Dim / kLanes8;
+            float softcap, Scratch& scratch, float* out) {
+  constexpr int64_t pass = std::min(Dim, kPassFloats);
+  constexpr int64_t pass_chunks = pass / kLanes;
+  const int64_t sum_heads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumFloats / pass));
   const int64_t token_stride = kv_heads * Dim;
   const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
   const int64_t heads = kv_heads * group;
+  float* const acc = scratch.acc.get();
+  float* const running = scratch.running.get();
+  float* const rescale = scratch.rescale.get();
+  float* const weights = scratch.weights.get();
+  float* const kt = scratch.keys.get();
   auto first_of = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, lens[r] - window) : int64_t{0}; };
   int64_t len = 0, begin = lens[0];
   for (int64_t r = 0; r < rows; ++r) {
     len = std::max<int64_t>(len, lens[r]);
     begin = std::min(begin, first_of(r));
   }
-  const int64_t padded = (len + kLanes - 1) / kLanes * kLanes;
-  auto row_scores = [&](int64_t r, int64_t h) { return scores + (r * heads + h) * padded; };
   // use(t, offset of position t's slot) for t in [from, to): one division for the run, the block and the place in
   // it stepped along after that (a division per position cost a decode row more than its scores).
   auto each_slot = [&](int64_t from, int64_t to, auto&& use) {
@@ -320,172 +291,88 @@ void attend(const float* q, const float* keys, const float* values, const int32_
       if (++place == block_size) place = 0, ++block;
     }
   };
-  auto prefetch_tile = [&](const float* base, int64_t from) {
-    each_slot(from, std::min(len, from + kKeyTile), [&](int64_t, int64_t at) { prefetch_slot(base + at, slot_bytes); });
+  // A row's blocks sit anywhere in the cache, out of the hardware prefetchers' sight.
+  auto prefetch_tile = [&](int64_t from) {
+    each_slot(from, std::min(len, from + kTile), [&](int64_t, int64_t at) {
+      prefetch_slot(keys + at, slot_bytes);
+      prefetch_slot(values + at, slot_bytes);
+    });
   };
-  const float* tile[kKeyTile];
-  // The tile's slots (every KV head of a token) in `base`, with the next tile's prefetched: a row's blocks sit
-  // anywhere in the cache, out of the hardware prefetchers' sight.
-  auto load_tile = [&](const float* base, int64_t from, int64_t to) {
-    each_slot(from, to, [&](int64_t t, int64_t at) { tile[t - from] = base + at; });
-    prefetch_tile(base, to);
-  };
-  prefetch_tile(keys, begin);
-  float* maxes = acc + rows * heads * Dim;  // each row and head's largest score, taken as they are written
-  std::fill(maxes, maxes + rows * heads, -__builtin_inff());
-
-  int64_t t0 = begin, t1 = begin;  // the tile in hand, [t0, t1)
-  // Row r's scores of head h over [from, to) of the tile, as score() computes each.
-  auto score_row = [&](int64_t r, int64_t h, int64_t from, int64_t to) {
-    const float* qh = q + (r * heads + h) * Dim;
-    const int64_t offset = (h / group) * Dim;
-    float* s = row_scores(r, h);
-    float& most = maxes[r * heads + h];
-    int64_t t = from;
-    for (; t + 8 <= to; t += 8) scores8<chunks>(qh, tile + (t - t0), offset, scale, softcap, s + t, most);
-    for (; t < to; ++t) {
-      s[t] = score<chunks>(qh, tile[t - t0] + offset, scale, softcap);
-      most = std::max(most, s[t]);
-    }
-  };
-  // The tile's positions row r attends to.
-  auto tile_range = [&](int64_t r) {
-    return std::pair<int64_t, int64_t>{std::max(t0, first_of(r)), std::min<int64_t>(t1, lens[r])};
-  };
-  for (; t0 < len; t0 += kKeyTile) {
-    t1 = std::min(len, t0 + kKeyTile);
-    load_tile(keys, t0, t1);
-    for (int64_t r = 0; r < rows;) {
-      const auto [lo_a, hi_a] = tile_range(r);
-#ifdef LADLE_PAIRED_ROWS
-      if (r + 1 < rows) {
-        // Rows r and r + 1 side by side over the 8-key blocks both attend to, each alone over the rest.
-        const auto [lo_b, hi_b] = tile_range(r + 1);
-        const int64_t lo = std::max(lo_a, lo_b), hi = std::min(hi_a, hi_b);
-        const int64_t paired_end = lo < hi ? lo + (hi - lo) / 8 * 8 : lo;
-        for (int64_t h = 0; h < heads; ++h) {
-          float* s_a = row_scores(r, h);
-          float* s_b = row_scores(r + 1, h);
-          if (paired_end > lo) {
-            const float* q_a = q + (r * heads + h) * Dim;
-            const float* q_b = q_a + heads * Dim;
-            vec16 qpair[chunks];
-            for (int64_t c = 0; c < chunks; ++c) qpair[c] = pair_of(q_a + c * kLanes8, q_b + c * kLanes8);
-            vec16 most = splat(-__builtin_inff());
-            const int64_t offset = (h / group) * Dim;
-            for (int64_t t = lo; t < paired_end; t += 8) {
-              scores8_pair<chunks>(qpair, tile + (t - t0), offset, scale, softcap, s_a + t, s_b + t, most);
-            }
-            float most_a = maxes[r * heads + h], most_b = maxes[(r + 1) * heads + h];
-            for (int64_t j = 0; j < kLanes8; ++j) {
-              most_a = std::max(most_a, most[j]);
-              most_b = std::max(most_b, most[kLanes8 + j]);
-            }
-            maxes[r * heads + h] = most_a;
-            maxes[(r + 1) * heads + h] = most_b;
-          }
-          score_row(r, h, lo_a, std::min(lo, hi_a));
-          score_row(r, h, std::max(paired_end, lo_a), hi_a);
-          score_row(r + 1, h, lo_b, std::min(lo, hi_b));
-          score_row(r + 1, h, std::max(paired_end, lo_b), hi_b);
-        }
-        r += 2;
-        continue;
-      }
-#endif
-      for (int64_t h = 0; h < heads; ++h) score_row(r, h, lo_a, hi_a);
-      r += 1;
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < heads; ++h) softmax_row(row_scores(r, h), first_of(r), lens[r], maxes[r * heads + h]);
-  }
   std::fill(acc, acc + rows * heads * Dim, 0.f);
-  prefetch_tile(values, begin);
-  // Row r's value sums of heads [h0, h0 + count) (of one KV head), chunks from c0, over positions [from, to).
-  auto sum_row = [&](int64_t r, int64_t h0, int64_t count, int64_t c0, int64_t from, int64_t to) {
-    if (from >= to) return;
-    const float* weights[kMaxSumHeads];
-    float* sums[kMaxSumHeads];
-    for (int64_t i = 0; i < count; ++i) {
-      weights[i] = row_scores(r, h0 + i);
-      sums[i] = acc + (r * heads + h0 + i) * Dim + c0 * kLanes8;
-    }
-    const float* const* base = tile - t0;
-    const int64_t at = (h0 / group) * Dim + c0 * kLanes8;
-    switch (count) {
-      case 1: sum_values<sum_chunks<Dim>(), 1>(base, at, from, to, weights, sums); break;
-      case 2: sum_values<sum_chunks<Dim>(), 2>(base, at, from, to, weights, sums); break;
-      case 3: sum_values<sum_chunks<Dim>(), 3>(base, at, from, to, weights, sums); break;
-      default: sum_values<sum_chunks<Dim>(), 4>(base, at, from, to, weights, sums); break;
-    }
-  };
-#ifdef LADLE_PAIRED_ROWS
-  // sum_row for rows r and r + 1 side by side over [from, to), which both attend to.
-  auto sum_pair = [&](int64_t r, int64_t h0, int64_t count, int64_t c0, int64_t from, int64_t to) {
-    const float* weights_a[kMaxSumHeads];
-    const float* weights_b[kMaxSumHeads];
-    float* sums_a[kMaxSumHeads];
-    float* sums_b[kMaxSumHeads];
-    for (int64_t i = 0; i < count; ++i) {
-      weights_a[i] = row_scores(r, h0 + i);
-      weights_b[i] = row_scores(r + 1, h0 + i);
-      sums_a[i] = acc + (r * heads + h0 + i) * Dim + c0 * kLanes8;
-      sums_b[i] = sums_a[i] + heads * Dim;
-    }
-    const float* const* base = tile - t0;
-    const int64_t at = (h0 / group) * Dim + c0 * kLanes8;
-    if (count == 1) {
-      sum_values_pair<sum_chunks<Dim>(), 1>(base, at, from, to, weights_a, weights_b, sums_a, sums_b);
-    } else {
-      sum_values_pair<sum_chunks<Dim>(), 2>(base, at, from, to, weights_a, weights_b, sums_a, sums_b);
-    }
-  };
-#endif
-  for (t0 = begin; t0 < len; t0 += kKeyTile) {
-    t1 = std::min(len, t0 + kKeyTile);
-    load_tile(values, t0, t1);
-    for (int64_t r = 0; r < rows;) {
-      const auto [lo_a, hi_a] = tile_range(r);
-      // The query heads of one KV head a few at a time, sharing each value's loads (and giving the adds enough
-      // independent sums to overlap).
-#ifdef LADLE_PAIRED_ROWS
-      if (r + 1 < rows) {
-        // Each row's positions in order: its own before the shared ones, the shared ones side by side, its own
-        // after them.
-        const auto [lo_b, hi_b] = tile_range(r + 1);
-        const int64_t lo = std::max(lo_a, lo_b), hi = std::min(hi_a, hi_b);
-        for (int64_t h0 = 0, count = 0; h0 < heads; h0 += count) {
-          count = std::min({kPairSumHeads<Dim>, heads - h0, group - h0 % group});
-          for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) {
-            if (lo < hi) {
-              sum_row(r, h0, count, c0, lo_a, lo);
-              sum_row(r + 1, h0, count, c0, lo_b, lo);
-              sum_pair(r, h0, count, c0, lo, hi);
-              sum_row(r, h0, count, c0, hi, hi_a);
-              sum_row(r + 1, h0, count, c0, hi, hi_b);
-            } else {
-              sum_row(r, h0, count, c0, lo_a, hi_a);
-              sum_row(r + 1, h0, count, c0, lo_b, hi_b);
+  for (int64_t i = 0; i < rows * heads; ++i) running[2 * i] = -__builtin_inff(), running[2 * i + 1] = 0.f;
+  int64_t at[kTile];
+  const int64_t start = begin / kTile * kTile;
+  prefetch_tile(start);
+  for (int64_t t0 = start; t0 < len; t0 += kTile) {
+    const int64_t t1 = std::min(len, t0 + kTile);
+    each_slot(t0, t1, [&](int64_t t, int64_t offset) { at[t - t0] = offset; });
+    prefetch_tile(t1);
+    // Row r's positions of the tile, [lo, hi) counted from t0 (empty where lo >= hi).
+    auto tile_range = [&](int64_t r) {
+      return std::pair<int64_t, int64_t>{std::max(t0, first_of(r)) - t0, std::min<int64_t>(t1, lens[r]) - t0};
+    };
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      transpose_keys<Dim>(keys, at, kh * Dim, t1 - t0, kt);
+      // Scores and softmax steps of this KV head's (row, query head) pairs that see the tile, kScoreHeads at once.
+      int64_t batch[kScoreHeads];  // row * heads + head
+      int64_t batched = 0;
+      auto score_batch = [&]() {
+        with_count(batched, [&](auto count) {
+          constexpr int64_t B = decltype(count)::value;
+          if constexpr (B <= kScoreHeads) {
+            const float* qs[B];
+            for (int64_t b = 0; b < B; ++b) qs[b] = q + batch[b] * Dim;
+            Lanes s[B][kTileVectors];
+            tile_scores<Dim, B>(qs, kt, s);
+            for (int64_t b = 0; b < B; ++b) {
+              const auto [lo, hi] = tile_range(batch[b] / heads);
+              rescale[batch[b]] =
+                  softmax_tile(s[b], lo, hi, scale, softcap, running + 2 * batch[b], weights + batch[b] * kTile);
             }
           }
+        });
+        batched = 0;
+      };
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto [lo, hi] = tile_range(r);
+        if (lo >= hi) continue;
+        for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+          batch[batched++] = r * heads + h;
+          if (batched == kScoreHeads) score_batch();
         }
-        r += 2;
-        continue;
       }
-#endif
-      for (int64_t h0 = 0, count = 0; h0 < heads; h0 += count) {
-        count = std::min({kSumHeads<Dim>, heads - h0, group - h0 % group});
-        for (int64_t c0 = 0; c0 < chunks; c0 += kAccChunks) sum_row(r, h0, count, c0, lo_a, hi_a);
+      if (batched > 0) score_batch();
+      // Value sums: each row's heads of this KV head a few at a time, sharing each value's loads.
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto [lo, hi] = tile_range(r);
+        if (lo >= hi) continue;
+        for (int64_t h0 = kh * group, count = 0; h0 < (kh + 1) * group; h0 += count) {
+          count = std::min(sum_heads, (kh + 1) * group - h0);
+          const int64_t first = r * heads + h0;
+          for (int64_t c0 = 0; c0 < Dim; c0 += pass) {
+            const float* head_weights[kMaxSumHeads];
+            float* sums[kMaxSumHeads];
+            for (int64_t i = 0; i < count; ++i) {
+              head_weights[i] = weights + (first + i) * kTile;
+              sums[i] = acc + (first + i) * Dim + c0;
+            }
+            with_count(count, [&](auto n) {
+              sum_values<pass_chunks, decltype(n)::value>(values, at, kh * Dim + c0, lo, hi, head_weights,
+                                                           rescale + first, sums);
+            });
+          }
+        }
       }
-      r += 1;
     }
   }
-  std::copy(acc, acc + rows * heads * Dim, out);
+  for (int64_t i = 0; i < rows * heads; ++i) {
+    const vec16 inv = splat(1.f / running[2 * i + 1]);
+    for (int64_t d = 0; d < Dim; d += kLanes) store(out + i * Dim + d, load(acc + i * Dim + d) * inv);
+  }
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float, float*, float*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float, Scratch&, float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
 std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
@@ -555,12 +442,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
-  // Room for the longest row's scores (not the block table's width: a step's tables are as wide as its longest
-  // sequence's, or wider).
-  const int64_t longest = *std::max_element(lens_ptr, lens_ptr + rows);
-  const int64_t max_padded = (longest + kLanes - 1) / kLanes * kLanes;
   // Rows of one sequence share their key and value reads (attend); a run of them is cut into enough groups to
-  // give every thread work (a step's drafts), and none larger than kMaxGroup rows (a prompt's scores).
+  // give every thread work (a step's drafts), and none larger than kMaxGroup rows.
   int64_t longest_run = 1;
   for (const auto& run : row_groups(tables, rows, width, rows)) {
     longest_run = std::max(longest_run, run.second - run.first);
@@ -573,15 +456,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t count_groups = static_cast<int64_t>(groups.size());
   const int64_t shares = std::min(threads, count_groups);
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-    // Left uninitialised: attend writes every score and sum it reads.
-    const std::unique_ptr<float[]> scores(new float[most * heads * max_padded]);
-    const std::unique_ptr<float[]> acc(new float[most * heads * (dim + 1)]);
+    Scratch scratch(most, heads, dim);  // left uninitialised: attend writes everything before it reads it
     for (int64_t share = begin; share < end; ++share) {
       for (int64_t g = share; g < count_groups; g += shares) {
         const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
         attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
-                  block_size, kv_heads, group, window, fscale, fsoftcap, scores.get(), acc.get(),
-                  out_ptr + first * heads * dim);
+                  block_size, kv_heads, group, window, fscale, fsoftcap, scratch, out_ptr + first * heads * dim);
       }
     }
   });

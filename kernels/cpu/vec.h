@@ -56,7 +56,8 @@ inline float hsum(vec16 v) {
 // exp(x) lane-wise, Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
 // 2^n put into the exponent bits. Relative error ~1e-7. Below -87.3 (where float's normal range ends) the
 // result is 0; above 88.7 it is clamped to e^88.7 (~3.4e38).
-inline vec16 exp_lanes(vec16 x) {
+// Always inlined: out of line, its vector argument and result go through memory.
+__attribute__((always_inline)) inline vec16 exp_lanes(vec16 x) {
   const vec16 lo = splat(-87.3f), hi = splat(88.7f);
   const ivec16 underflow = x < lo;
   x = x < lo ? lo : x;

@@ -22,7 +22,8 @@ NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum"
 LONG = dict(NUMBERS, minItems=2000, maxItems=2000)  # ~4,000 tokens: a minute or more of decoding here
 CITY = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000}},
+    "properties": {"city": {"type": "string", "maxLength": 20},
+                   "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000}},
     "required": ["city", "population"],
     "additionalProperties": False,
 }

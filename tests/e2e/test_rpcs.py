@@ -48,7 +48,7 @@ def test_generate_text_with_usage(stub: Stub) -> None:
 
 def test_generate_chat_n2_stop_and_logprobs(stub: Stub) -> None:
     request = engine_pb2.GenerateRequest(
-        input=chat_input("What is the capital of France?"),
+        input=chat_input("Name the capital of France."),
         sampling=sampling(24, n=2, stop=["Paris"], logprobs=True, top_logprobs=2),
     )
     reply = stub.Generate(request, timeout=60)

@@ -153,7 +153,7 @@ def test_offline_results_equal_applying_every_step_as_it_comes(
     prompts = [
         ChatPrompt([ChatMessage(role="user", content="Name three colours.")]),
         "你好，世界。Tell me about 😀 in one line:",
-        ChatPrompt([ChatMessage(role="user", content="Count from one to ten.")]),
+        ChatPrompt([ChatMessage(role="user", content="Count from 1 to 10.")]),
         [1, 2, 3, 4, 5],
     ]
     params = [

@@ -175,7 +175,7 @@ def greedy_cases() -> list[Case]:
         for q in (
             "Return a JSON object with a greeting.",
             "Return a JSON object with keys city and country for Paris.",
-            "Describe the weather today as a JSON object.",
+            "Return a JSON object with keys x and y for a point.",
             "Return a JSON object with the name and price of an apple.",
         )
     ]

@@ -42,7 +42,7 @@ test("Generate from text: the answer, its tokens, finish reason and usage", asyn
 
 test("Generate from chat messages: two choices, a stop string, logprobs", async () => {
   const reply = await client.generate({
-    input: chat([{ role: "user", content: "What is the capital of France?" }]),
+    input: chat([{ role: "user", content: "Name the capital of France." }]),
     sampling: greedy(24, { n: 2, stop: ["Paris"], logprobs: true, topLogprobs: 2 }),
   });
   assert.deepEqual(reply.choices.map((c) => c.index), [0, 1]);

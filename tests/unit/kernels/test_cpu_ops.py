@@ -121,9 +121,9 @@ def test_rows_of_one_sequence_attended_together_give_each_row_alone_bit_for_bit(
 @needs_kernels
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (13, 0.0), (0, 5.0), (29, 5.0)])
 def test_rows_of_one_sequence_in_any_order_give_each_row_alone_bit_for_bit(window: int, softcap: float) -> None:
-    """Rows of one block table whose lengths come in any order (on AVX-512 two rows go side by side over the
-    positions both attend to, each alone over its own before and after them): every row is the same bits as
-    alone, windowed and soft-capped too."""
+    """Rows of one block table whose lengths come in any order (a group's tiles run from its earliest position to
+    its latest, each row masking the positions that are not its own): every row is the same bits as alone,
+    windowed and soft-capped too."""
     generator = torch.Generator().manual_seed(window)
     lens = (torch.randperm(70, generator=generator)[:24] + 1).to(torch.int32)
     _, cache, meta = make_batch([(1, 80)], 9, 3, 64, 16, seed=window)
@@ -168,6 +168,27 @@ def test_soft_capped_scores_match_the_reference(window: int) -> None:
     torch.testing.assert_close(cpu.paged_attention_by_token(q, cache, meta, 0.125, window, 0.3), expected, **TOLERANCE)
     uncapped = cpu.paged_attention(q, cache, meta, 0.125, window)
     assert (uncapped - expected).abs().max() > 1e-2
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 70])
+def test_slots_past_a_sequence_and_before_its_window_are_never_read(window: int) -> None:
+    """The kernel scores whole tiles of 64 positions and masks what is not a row's: NaN in every cache slot outside
+    the rows' positions (a block's tail past the longest row, the blocks before the earliest window) changes
+    nothing, bit for bit, for rows alone and together."""
+    spec = [(1, 100), (1, 300), (30, 150)]
+    q, cache, meta = make_batch(spec, 9, 3, 64, 16, seed=window)
+    tables, lens = meta.token_rows
+    poisoned = cache.clone()
+    for table, length in zip(meta.block_tables.tolist(), meta.seq_lens.tolist(), strict=True):
+        slots = [table[p // 16] * 16 + p % 16 for p in range(-(-length // 16) * 16)]
+        first = max(0, length - 30 - window) if window else length  # every row of a sequence starts after this
+        outside = slots[length:] + slots[: min(first, length)] if window else slots[length:]
+        poisoned.view(2, -1, 3, 64)[:, outside] = float("nan")
+    clean = cpu.paged_decode_attention(q, cache, tables, lens, 0.125, window)
+    assert torch.equal(cpu.paged_decode_attention(q, poisoned, tables, lens, 0.125, window), clean)
+    assert not clean.isnan().any()
+    torch.testing.assert_close(clean, reference.paged_attention(q, cache, meta, 0.125, window), **TOLERANCE)
 
 
 def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
