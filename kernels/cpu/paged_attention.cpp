@@ -122,7 +122,9 @@ void transpose_keys(const float* keys, const int64_t* at, int64_t offset, int64_
     for (int64_t d0 = 0; d0 < Dim; d0 += W) {
       KeyVec r[W];
 #pragma GCC unroll 16
-      for (int64_t i = 0; i < W; ++i) r[i] = t0 + i < n ? load_lanes<KeyVec>(keys + at[t0 + i] + offset + d0) : KeyVec{};
+      for (int64_t i = 0; i < W; ++i) {
+        r[i] = t0 + i < n ? load_lanes<KeyVec>(keys + at[t0 + i] + offset + d0) : KeyVec{};
+      }
       transpose(r);
 #pragma GCC unroll 16
       for (int64_t j = 0; j < W; ++j) __builtin_memcpy(kt + (d0 + j) * kTile + t0, &r[j], sizeof(KeyVec));
@@ -159,8 +161,8 @@ inline void tile_scores(const float* const* qs, const float* kt, Lanes (&s)[B][k
 // One row and head's step of the online softmax over a tile whose positions [lo, hi) are the row's: the scores
 // scaled (and capped), the others masked out; running = {max so far, sum of exp(s - max) so far} brought up to
 // date; weights[t] = exp(s_t - max) (0 outside [lo, hi)). Returns the factor that rescales the value sums so far.
-__attribute__((always_inline)) inline float softmax_tile(const Lanes (&s)[kTileVectors], int64_t lo, int64_t hi, float scale, float softcap,
-                          float* running, float* weights) {
+__attribute__((always_inline)) inline float softmax_tile(const Lanes (&s)[kTileVectors], int64_t lo, int64_t hi,
+                                                         float scale, float softcap, float* running, float* weights) {
   const vec16 none = splat(-__builtin_inff());
   vec16 x[kTileVectors];
   for (int64_t v = 0; v < kTileVectors; ++v) {
