@@ -51,15 +51,6 @@ constexpr int64_t kChunkWeightBytes = 24 * 1024;
 // Below this many multiply-adds one thread runs it all: waking the others costs more than they would save.
 constexpr int64_t kMinParallelWork = 1 << 17;
 
-// f(std::integral_constant<int64_t, n>) for a run-time n in [1, N]: picks a tile's template rows or ranks.
-template <int64_t N, typename F>
-inline void with_count(int64_t n, F&& f) {
-  if constexpr (N > 1) {
-    if (n < N) return with_count<N - 1>(n, std::forward<F>(f));
-  }
-  f(std::integral_constant<int64_t, N>{});
-}
-
 // y[m][col + j] = x[m] . a[j] for M rows of x and J rows of a (`depth` floats each, a's contiguous). With
 // kPrefetch, the J rows of a after these are fetched into L1 on the way, for the next tile's first rows: the
 // hardware prefetchers alone leave it waiting on a from memory (a slot's a is read once per call in the engine).

@@ -235,17 +235,6 @@ inline void sum_values(const float* values, const int64_t* at, int64_t offset, i
   }
 }
 
-// f(std::integral_constant<int64_t, n>) for a run-time n in [1, 4].
-template <typename F>
-inline void with_count(int64_t n, F&& f) {
-  switch (n) {
-    case 1: f(std::integral_constant<int64_t, 1>{}); break;
-    case 2: f(std::integral_constant<int64_t, 2>{}); break;
-    case 3: f(std::integral_constant<int64_t, 3>{}); break;
-    default: f(std::integral_constant<int64_t, 4>{}); break;
-  }
-}
-
 // A thread's working memory for one group of up to `rows` rows: the value sums, the running softmax state, the
 // current tile's weights and rescale factors, and one KV head's transposed keys of the tile.
 struct Scratch {
@@ -319,18 +308,16 @@ void attend(const float* q, const float* keys, const float* values, const int32_
       int64_t batch[kScoreHeads];  // row * heads + head
       int64_t batched = 0;
       auto score_batch = [&]() {
-        with_count(batched, [&](auto count) {
+        with_count<kScoreHeads>(batched, [&](auto count) {
           constexpr int64_t B = decltype(count)::value;
-          if constexpr (B <= kScoreHeads) {
-            const float* qs[B];
-            for (int64_t b = 0; b < B; ++b) qs[b] = q + batch[b] * Dim;
-            Lanes s[B][kTileVectors];
-            tile_scores<Dim, B>(qs, kt, s);
-            for (int64_t b = 0; b < B; ++b) {
-              const auto [lo, hi] = tile_range(batch[b] / heads);
-              rescale[batch[b]] =
-                  softmax_tile(s[b], lo, hi, scale, softcap, running + 2 * batch[b], weights + batch[b] * kTile);
-            }
+          const float* qs[B];
+          for (int64_t b = 0; b < B; ++b) qs[b] = q + batch[b] * Dim;
+          Lanes s[B][kTileVectors];
+          tile_scores<Dim, B>(qs, kt, s);
+          for (int64_t b = 0; b < B; ++b) {
+            const auto [lo, hi] = tile_range(batch[b] / heads);
+            rescale[batch[b]] =
+                softmax_tile(s[b], lo, hi, scale, softcap, running + 2 * batch[b], weights + batch[b] * kTile);
           }
         });
         batched = 0;
@@ -358,7 +345,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
               head_weights[i] = weights + (first + i) * kTile;
               sums[i] = acc + (first + i) * Dim + c0;
             }
-            with_count(count, [&](auto n) {
+            with_count<kMaxSumHeads>(count, [&](auto n) {
               sum_values<pass_chunks, decltype(n)::value>(values, at, kh * Dim + c0, lo, hi, head_weights,
                                                            rescale + first, sums);
             });

@@ -3,8 +3,19 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 namespace ladle_cpu {
+
+// f(std::integral_constant<int64_t, n>) for a run-time n in [1, N]: picks a tile's template rows, ranks or heads.
+template <int64_t N, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_count<N - 1>(n, std::forward<F>(f));
+  }
+  f(std::integral_constant<int64_t, N>{});
+}
 
 // One vector of floats from p, any alignment: memcpy compiles to a single unaligned load.
 template <typename V>
