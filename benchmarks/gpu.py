@@ -105,7 +105,7 @@ class LadleRunner:
             enforce_eager=args.enforce_eager,
             quantization=quantization,
             async_scheduling=ASYNC_SCHEDULING_MODES[args.async_scheduling],
-            cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2),
+            cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2, dtype=args.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=args.num_seqs, **(
                 {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {})),
             tensor_parallel_size=args.tensor_parallel_size,
@@ -211,6 +211,7 @@ def bench_model(
             "tensor_parallel_size": args.tensor_parallel_size,
             "async_scheduling": ladle.llm.core.async_scheduling,
             "kv_cache_mib": args.kv_cache_mib,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "max_num_batched_tokens": ladle.llm.config.scheduler.max_num_batched_tokens,
             "preemptions": ladle.llm.core.scheduler.total_preemptions,
         },
@@ -259,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tpot-tokens", type=int, default=256)
     parser.add_argument("--kv-cache-mib", type=int, help="ladle's KV cache (default: 16384 on CUDA, where the "
                         "workload's 256 x 2048 tokens fit without preemption; 1024 on the CPU)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="what ladle's KV cache stores (see `ladle engine --help`)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="ladle's token budget per step (default: 8192 "
                         "on CUDA, the engine's on the CPU)")
     parser.add_argument("--enforce-eager", action="store_true", help="ladle without CUDA graphs (to measure them)")

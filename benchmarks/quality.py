@@ -15,6 +15,9 @@ file of `benchmarks.kquant_files`), the F32 file it was made from, so that the w
 and not only the activations'. `--llama-cpp` measures llama.cpp on the same file the same way (llama-cpp-python,
 every position's logits of each whole sequence read from an empty context, the same token ids).
 
+`--kv-cache-dtype fp8` runs the formats over an FP8 KV cache (`--formats none` then measures the cache alone); the
+reference keeps its float one.
+
 With `--tensor-parallel-size N` the formats run split over N processes (their workers run every forward) and are
 compared with the same float reference at TP=1: quantized weights under tensor parallelism must hold the same
 thresholds as at TP=1 (tests/unit/test_quantization.py).
@@ -73,9 +76,10 @@ class QualityResult:
     mean_common_prefix: float | None
 
 
-def make_llm(model: str, quantization: str, tensor_parallel_size: int = 1) -> LLM:
-    """`model` with `quantization`, split over `tensor_parallel_size` processes (close it: it owns its workers)."""
-    cache = CacheConfig(memory_bytes=CACHE_BYTES)
+def make_llm(model: str, quantization: str, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> LLM:
+    """`model` with `quantization` and a KV cache of `kv_cache_dtype`, split over `tensor_parallel_size` processes
+    (close it: it owns its workers)."""
+    cache = CacheConfig(memory_bytes=CACHE_BYTES, dtype=kv_cache_dtype)  # type: ignore[arg-type]
     config = EngineConfig(model=model, device="cpu", quantization=quantization,  # type: ignore[arg-type]
                           cache=cache, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     return LLM(config=config)
@@ -220,18 +224,18 @@ def measure(
     model: str = "default", formats: Sequence[str] = ("gguf", "int8"), num_tokens: int = 64,
     prompts: Sequence[str] = QUALITY_PROMPTS, reference: LLM | None = None, tensor_parallel_size: int = 1,
     float_reference: FloatReference | None = None, free_running: bool = True, reference_model: str | None = None,
-    llama_cpp: bool = False,
+    llama_cpp: bool = False, kv_cache_dtype: str = "auto",
 ) -> list[QualityResult]:  # fmt: skip
-    """Every format in `formats` (at `tensor_parallel_size`) against the float model at TP=1 (`reference`, loaded
-    here when None: `reference_model`'s float weights, else `model`'s), or against `float_reference`, what
-    `reference_of` gave for the same prompts and tokens. With `llama_cpp`, llama.cpp on `model` (a GGUF file) too,
-    on the same positions (`quantization` "llama.cpp")."""
+    """Every format in `formats` (at `tensor_parallel_size`, over a KV cache of `kv_cache_dtype`) against the float
+    model at TP=1 (`reference`, loaded here when None: `reference_model`'s float weights, else `model`'s, over a
+    float cache), or against `float_reference`, what `reference_of` gave for the same prompts and tokens. With
+    `llama_cpp`, llama.cpp on `model` (a GGUF file) too, on the same positions (`quantization` "llama.cpp")."""
     if float_reference is None:
         float_reference = reference_of(reference or make_llm(reference_model or model, "none"), prompts, num_tokens)
     sequences, log_probs = float_reference
     results = []
     for name in formats:
-        with make_llm(model, name, tensor_parallel_size) as candidate:
+        with make_llm(model, name, tensor_parallel_size, kv_cache_dtype) as candidate:
             results.append(compare(log_probs, candidate, name, prompts, num_tokens, sequences, free_running))
     if llama_cpp:
         from benchmarks.offline import gguf_file
@@ -256,15 +260,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reference", help="the float reference model (default: --model's own float weights)")
     parser.add_argument("--llama-cpp", action="store_true",
                         help="also llama.cpp (llama-cpp-python) on --model, a GGUF file, on the same positions")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the formats' KV cache (the reference's stays float)")
     parser.add_argument("--out", help="write the results as JSON lines here")
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     results = measure(args.model, formats, args.num_tokens, tensor_parallel_size=args.tensor_parallel_size,
-                      reference_model=args.reference, llama_cpp=args.llama_cpp)  # fmt: skip
+                      reference_model=args.reference, llama_cpp=args.llama_cpp,
+                      kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     record: dict[str, Any] = {
         "benchmark": "quality", "commit": git_commit(), "command": "ladle bench quality " + " ".join(argv or []),
         "model": args.model, "reference": args.reference or args.model, "cpu": cpu_model_name(),
         "num_tokens": args.num_tokens, "tensor_parallel_size": args.tensor_parallel_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     lines = [json.dumps({**record, **asdict(r)}) for r in results]
     for line in lines:

@@ -5,7 +5,9 @@ Contract shared by the runner, the model and every attention kernel:
 - A step's tokens are flattened into one batch of T tokens. Sequence i contributes `query_lens[i]` new tokens
   at positions `[seq_lens[i] - query_lens[i], seq_lens[i])`; its earlier tokens are already in the cache.
 - The KV cache is one tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 = K,
-  1 = V). Token p of sequence i lives in slot `block_tables[i][p // block_size] * block_size + p % block_size`.
+  1 = V); an FP8 cache (`--kv-cache-dtype fp8`) is uint8 `[..., head_dim + 4]`, each row a token's key or value of
+  one KV head in e4m3 followed by its float32 scale (`kernels.reference.fp8_kv_rows`). Token p of sequence i
+  lives in slot `block_tables[i][p // block_size] * block_size + p % block_size`.
 - Each layer writes the K/V of all T new tokens before computing attention, so a sequence may read blocks that
   another sequence of the same step writes (shared prefix blocks).
 """
@@ -20,10 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine_server.config import ModelConfig
+from engine_server.config import KVCacheDType, ModelConfig
 from engine_server.parallel.sharding import kv_heads_per_rank
 from engine_server.transfer import padded_rows, to_device
 from kernels.attention_inputs import PrefillSpan, ReferencePlan
+from kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES
 
 
 @dataclass(frozen=True)
@@ -201,13 +204,28 @@ class AttentionMetadata:
         )
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+def kv_cache_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1, cache_dtype: KVCacheDType = "auto"
+) -> int:
     """Bytes one block id costs across all layers (K and V) on one rank of a tensor-parallel group of `tp_size`
-    (which holds its share of the KV heads): the unit for sizing the pool from memory."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    (which holds its share of the KV heads), for a model of `dtype` and a cache of `cache_dtype`: the unit for
+    sizing the pool from memory."""
+    storage, row = kv_cache_layout(config, dtype, cache_dtype)
+    itemsize = torch.empty((), dtype=storage).element_size()
     kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
-    per_layer = 2 * block_size * kv_heads * config.head_dim * itemsize
-    return per_layer * config.num_hidden_layers
+    return 2 * block_size * kv_heads * row * itemsize * config.num_hidden_layers
+
+
+def kv_cache_layout(config: ModelConfig, dtype: torch.dtype, cache_dtype: KVCacheDType) -> tuple[torch.dtype, int]:
+    """(element dtype, row length) of a cache of `cache_dtype` for a model of `dtype`: (dtype, head_dim), or for
+    "fp8" (uint8, head_dim + 4). Raises ValueError for an FP8 cache of a head dim that is not a multiple of 4 (the
+    kernels read each row's scale as an aligned float32)."""
+    if cache_dtype == "auto":
+        return dtype, config.head_dim
+    if config.head_dim % FP8_KV_SCALE_BYTES:
+        raise ValueError(f"--kv-cache-dtype fp8 needs a head dim that is a multiple of 4; this model's is "
+                         f"{config.head_dim}")  # fmt: skip
+    return FP8_KV_DTYPE, config.head_dim + FP8_KV_SCALE_BYTES
 
 
 def allocate_kv_cache(
@@ -217,9 +235,11 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     tp_size: int = 1,
+    cache_dtype: KVCacheDType = "auto",
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]`, of one rank's KV heads
-    in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`)."""
+    """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
+    and row), of one rank's KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`)."""
+    storage, row = kv_cache_layout(config, dtype, cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
-    shape = (2, num_blocks, block_size, kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    shape = (2, num_blocks, block_size, kv_heads, row)
+    return [torch.zeros(shape, dtype=storage, device=device) for _ in range(config.num_hidden_layers)]

@@ -420,6 +420,12 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     )
 
 
+# What the KV cache stores: "auto" the model's own dtype; "fp8" each token's key and value per KV head in e4m3 with
+# a float32 scale (`kernels.reference.fp8_kv_rows`), about half a 16-bit cache's bytes (a quarter of float32's).
+KVCacheDType = Literal["auto", "fp8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings. The block count is derived at start-up from `memory_bytes`."""
@@ -427,6 +433,7 @@ class CacheConfig:
     block_size: int = 16
     memory_bytes: int = 2 * 1024**3  # KV pool size; on CUDA the runner may size from free memory instead.
     enable_prefix_caching: bool = True
+    dtype: KVCacheDType = "auto"
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def num_kv_blocks(
     """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism); at least
     enough for one sequence of max_model_len tokens."""
     block_size = config.cache.block_size
-    per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size)
+    per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size, config.cache.dtype)
     needed_for_one = -(-max_model_len // block_size) + 1
     blocks = config.cache.memory_bytes // per_block
     if blocks < needed_for_one:
@@ -165,9 +165,11 @@ def load_model(
     kv_caches = (
         []
         if source.config.encoder
-        else allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size)
+        else allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size, config.cache.dtype)
     )
     _quantize(model, source, quantization, device, kernels, stored)
+    if config.cache.dtype != "auto" and isinstance(model, CausalLM):
+        model.model.decode_stack = None  # the C++ decode stack reads float32 caches: the layers read this one
     loaded = LoadedModel(
         device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks, kv_caches=kv_caches,

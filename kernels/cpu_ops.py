@@ -150,13 +150,27 @@ def paged_decode_attention(
     with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only; with `softcap` > 0, scores
     soft-capped as `reference.paged_attention` says.
 
+    An FP8 cache (`reference.is_fp8_kv_cache`) is read through `_decoded_blocks`: the kernel then sees the values
+    the reference reads, so a row's result still depends on its query and the cache only.
+
     Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
     the cache, a negative window or soft-cap), before anything is read. Needs the extension (`cpu_ops()` is not None).
     """
+    if reference.is_fp8_kv_cache(kv_cache):
+        kv_cache, block_tables = _decoded_blocks(kv_cache, block_tables)
     out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(
         q, kv_cache, block_tables, seq_lens, scale, window, softcap
     )
     return out
+
+
+def _decoded_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks of an FP8 cache that `block_tables` names, decoded (`reference.fp8_kv_values`) into a float32
+    cache of their own, and the tables renumbered into it: one pass over the KV the step reads, as the reference's
+    gather makes."""
+    ids, renumbered = torch.unique(block_tables, return_inverse=True)
+    decoded = reference.fp8_kv_values(kv_cache.index_select(1, ids.to(torch.int64)))
+    return decoded, renumbered.to(block_tables.dtype)
 
 
 def rms_norm(

@@ -27,26 +27,12 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._checks import check_dtype, check_same_device, unit_last_stride
+from kernels._e4m3 import round_to_e4m3
 from kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 _QUANT_BLOCK = 1024
 _BLOCK_K = 64
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """float32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32 and with v's sign
-    (-0 for a small negative v): |v|'s step at 3 mantissa bits (2^(e - 3) for its exponent e, at least the
-    subnormals' 2^-9) from its bits, and the rounding by adding and taking away 1.5 * 2^23 steps. The cast to e4m3
-    after it is then exact; Triton's interpreter rounds a cast whose mantissa carries into the exponent wrongly
-    (124.3 -> 64), the hardware does not."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
-    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-    inverse = ((257 - exponent) << 23).to(tl.float32, bitcast=True)
-    magnitude = ((tl.abs(v) * inverse + 12582912.0) - 12582912.0) * step
-    return (magnitude.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -64,7 +50,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, MAX: tl.constex
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAX), MAX))
+        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAX), MAX))
         tl.store(q_ptr + row * K + ks, q.to(tl.float8e4nv), mask=ks < K)
     tl.store(scale_ptr + row, scale)
 

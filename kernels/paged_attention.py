@@ -19,6 +19,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._checks import check_dtype, check_same_device, unit_last_stride
 from kernels._dot import dot
+from kernels._e4m3 import e4m3_value
+from kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES, is_fp8_kv_cache, kv_cache_head_dim
 
 if TYPE_CHECKING:
     from kernels.attention_inputs import AttentionInputs
@@ -73,6 +75,7 @@ def _paged_attention_kernel(
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """For new token t of sequence i at position p and query head h (KV head `h // GROUP`):
 
@@ -82,7 +85,9 @@ def _paged_attention_kernel(
     `block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE` of the cache `[2, slots, NUM_KV_HEADS,
     head_dim]`. The softmax runs online over BLOCK_N keys at a time, in base 2 (`qk_scale` = scale * log2(e)),
     with float32 statistics and accumulator. With SOFTCAP, each score s is first capped to
-    `softcap * tanh(s / softcap)` (`qk_scale` is then the plain scale: the cap comes before base 2).
+    `softcap * tanh(s / softcap)` (`qk_scale` is then the plain scale: the cap comes before base 2). With FP8,
+    the cache is uint8 rows of `head_dim` e4m3 values and their float32 scale (`reference.fp8_kv_rows`), each
+    tile decoded as the reference decodes it (`_decode_fp8_rows`) before its dot.
     """
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,14 +120,19 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    row_len = head_dim + 4 if FP8 else head_dim  # a cached row: an FP8 one ends with its scale
     for start in range(kv_begin, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + keys % BLOCK_SIZE
-        kv_offsets = (slot * NUM_KV_HEADS + kv_head)[:, None] * head_dim + dims[None, :]
+        row_start = (slot * NUM_KV_HEADS + kv_head) * row_len
+        kv_offsets = row_start[:, None] + dims[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if FP8:
+            k = _decode_fp8_rows(cache_ptr + row_start, dims, kv_mask, key_ok, head_dim, q.dtype)
+        else:
+            k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), None, INPUT_PRECISION, UPCAST_DOT) * qk_scale
         if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1, then to base 2
             scores = (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * (softcap * 1.4426950408889634)
@@ -133,7 +143,10 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(cache_ptr + v_offset + kv_offsets, mask=kv_mask, other=0.0)
+        if FP8:
+            v = _decode_fp8_rows(cache_ptr + v_offset + row_start, dims, kv_mask, key_ok, head_dim, q.dtype)
+        else:
+            v = tl.load(cache_ptr + v_offset + kv_offsets, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, None, INPUT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
@@ -141,6 +154,16 @@ def _paged_attention_kernel(
     out_offsets = (q_start + token).to(tl.int64)[:, None] * (NUM_KV_HEADS * GROUP * head_dim)
     out_offsets += head[:, None] * head_dim + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _decode_fp8_rows(rows, dims, mask, row_ok, head_dim, dtype: tl.constexpr):
+    """A tile `[BLOCK_N, BLOCK_D]` of FP8 cache rows starting at `rows` (uint8 pointers `[BLOCK_N]`; `head_dim`
+    e4m3 bytes, then the float32 scale, 4-byte aligned) as `reference.fp8_kv_values` decodes them: float32(e4m3) *
+    scale, rounded once to `dtype`; 0 where masked."""
+    values = e4m3_value(tl.load(rows[:, None] + dims[None, :], mask=mask, other=0))
+    scales = tl.load((rows + head_dim).to(tl.pointer_type(tl.float32), bitcast=True), mask=row_ok, other=0.0)
+    return (values * scales[:, None]).to(dtype)
 
 
 def paged_attention(
@@ -157,11 +180,13 @@ def paged_attention(
     sequence's cached positions j <= p (and > p - window for a sliding `window` > 0), read through its block
     table from KV head `h // (H / Hkv)`, scores soft-capped with `softcap` > 0 (Gemma 2). The
     contiguous cache `[2, num_blocks, block_size, Hkv, D]` must already hold this step's K/V and share q's
-    dtype; D is padded to a power of two (>= 16) with masks, so any head dim works. Returns a new contiguous
+    dtype, or be an FP8 cache (`[..., D + 4]` uint8, `reference.fp8_kv_rows`' rows); D is padded to a power of
+    two (>= 16) with masks, so any head dim works. Returns a new contiguous
     `[T, H, D]` tensor. q may be strided over tokens and heads.
     """
     _check_arguments(q, kv_cache, meta)
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = kv_cache_head_dim(kv_cache)
     tokens, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_seqs = len(meta.query_lens_cpu)
@@ -204,6 +229,7 @@ def paged_attention(
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and isinstance(_paged_attention_kernel, InterpretedFunction),
         SOFTCAP=softcap > 0,
+        FP8=is_fp8_kv_cache(kv_cache),
     )
     return out
 
@@ -211,7 +237,7 @@ def paged_attention(
 def _check_arguments(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs) -> None:
     """Raise ValueError unless q, the cache and the metadata fit together as the kernel reads them."""
     check_dtype("q", q)
-    check_dtype("kv_cache", kv_cache, (q.dtype,))
+    check_dtype("kv_cache", kv_cache, (q.dtype, FP8_KV_DTYPE))
     check_same_device(q=q, kv_cache=kv_cache, block_tables=meta.block_tables, seq_lens=meta.seq_lens)
     check_same_device(q=q, query_start_loc=meta.query_start_loc)
     for name, t in (("block_tables", meta.block_tables), ("seq_lens", meta.seq_lens)):
@@ -219,7 +245,10 @@ def _check_arguments(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInp
     check_dtype("query_start_loc", meta.query_start_loc, (torch.int32,))
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be a contiguous [2, blocks, block_size, Hkv, D]; got {tuple(kv_cache.shape)}")
-    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    head_dim = kv_cache_head_dim(kv_cache)
+    if is_fp8_kv_cache(kv_cache) and head_dim % FP8_KV_SCALE_BYTES:
+        raise ValueError(f"an FP8 cache needs a head dim that is a multiple of 4 (aligned scales); got {head_dim}")
     if block_size != meta.block_size:
         raise ValueError(f"cache block size {block_size} != metadata block size {meta.block_size}")
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:

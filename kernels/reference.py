@@ -135,14 +135,33 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v `[T, Hkv, D]` in place: `kv_cache[0|1].flat_slots[slot_mapping[t]] = k|v[t]`.
+    """Store k, v `[T, Hkv, D]` in place: `kv_cache[0|1].flat_slots[slot_mapping[t]] = k|v[t]`, as `fp8_kv_rows`
+    packs them in an FP8 cache (uint8, `[..., D + 4]`), else cast to the cache's dtype.
 
-    The cache `[2, num_blocks, block_size, Hkv, D]` must be contiguous (as `allocate_kv_cache` makes it).
+    The cache `[2, num_blocks, block_size, Hkv, D (+ 4)]` must be contiguous (as `allocate_kv_cache` makes it).
     """
-    _, num_blocks, block_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    _, num_blocks, block_size, heads, row = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads, row)
+    store = fp8_kv_rows if is_fp8_kv_cache(kv_cache) else (lambda x: x.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slot_mapping, store(k))
+    flat[1].index_copy_(0, slot_mapping, store(v))
+
+
+def is_fp8_kv_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether `kv_cache` is an FP8 cache: uint8 rows of `fp8_kv_rows`' layout (`--kv-cache-dtype fp8`)."""
+    return kv_cache.dtype == FP8_KV_DTYPE
+
+
+def kv_cache_head_dim(kv_cache: torch.Tensor) -> int:
+    """The head dim D of a cache `[2, blocks, block_size, Hkv, row]`: its rows' length, less an FP8 row's scale."""
+    return int(kv_cache.shape[-1]) - (FP8_KV_SCALE_BYTES if is_fp8_kv_cache(kv_cache) else 0)
+
+
+def _read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`cache[block_ids]` (one half of a KV cache, `[blocks, block_size, Hkv, row]`) as `dtype`, FP8 rows decoded
+    (`fp8_kv_values`): `[len(block_ids), block_size, Hkv, D]`."""
+    blocks = cache.index_select(0, block_ids)
+    return fp8_kv_values(blocks, dtype) if cache.dtype == FP8_KV_DTYPE else blocks
 
 
 def paged_attention(
@@ -166,7 +185,8 @@ def paged_attention(
     with the H / Hkv query heads of each KV head stacked as rows so K/V are never repeated. Rows with several
     new tokens (prefill chunks, possibly after cached context) run one SDPA each.
     """
-    _, _, block_size, kv_heads, dim = kv_cache.shape
+    _, _, block_size, kv_heads, _ = kv_cache.shape
+    dim = kv_cache_head_dim(kv_cache)
     if block_size != meta.block_size:
         raise ValueError(f"cache block size {block_size} != metadata block size {meta.block_size}")
     heads = q.shape[1]
@@ -179,8 +199,8 @@ def paged_attention(
     if rows:
         span = plan.decode_blocks * block_size
         # index_select on whole blocks copies contiguous runs; it is ~2x faster than advanced indexing on CPU.
-        keys = k_cache.index_select(0, plan.decode_block_ids).view(rows, span, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, plan.decode_block_ids).view(rows, span, kv_heads, dim).transpose(1, 2)
+        keys = _read_blocks(k_cache, plan.decode_block_ids, q.dtype).view(rows, span, kv_heads, dim).transpose(1, 2)
+        values = _read_blocks(v_cache, plan.decode_block_ids, q.dtype).view(rows, span, kv_heads, dim).transpose(1, 2)
         queries = q if plan.all_decode else q.index_select(0, plan.decode_token_index)
         mask = plan.decode_mask
         if 0 < window < span:  # positions at or before seq_len - 1 - window are outside the window too
@@ -210,14 +230,15 @@ def attend_prefills(
     """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each (over the
     sliding `window`, when > 0; scores soft-capped with `softcap` > 0), written into `out` `[T, H, D]` at their
     tokens' places. Decode rows of `out` are left as they are."""
-    _, _, _, kv_heads, dim = kv_cache.shape
+    _, _, _, kv_heads, _ = kv_cache.shape
+    dim = kv_cache_head_dim(kv_cache)
     group = q.shape[1] // kv_heads
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     mask: torch.Tensor | None
     for p in meta.reference_plan.prefills:
         ids = meta.block_tables[p.seq_index, : p.num_blocks].to(torch.int64)
-        keys = k_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
-        values = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
+        keys = _read_blocks(k_cache, ids, q.dtype).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
+        values = _read_blocks(v_cache, ids, q.dtype).view(-1, kv_heads, dim)[: p.seq_len].transpose(0, 1)
         queries = q[p.query_start : p.query_start + p.query_len].transpose(0, 1)
         context = p.seq_len - p.query_len
         windowed = 0 < window < p.seq_len
@@ -456,6 +477,31 @@ def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     x32 = x.float()
     scale = (x32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     return to_fp8(x32 / scale), scale
+
+
+# An FP8 KV cache (`--kv-cache-dtype fp8`) holds each token's key or value of one KV head as a row of uint8: its D
+# values in e4m3 (`fp8_quantize_per_token`: the row's largest magnitude maps to 448), then their float32 scale's 4
+# bytes. One tensor per layer as with a float cache, so block tables, prefix caching and graphs are unchanged.
+FP8_KV_DTYPE = torch.uint8
+FP8_KV_SCALE_BYTES = 4
+
+
+def fp8_kv_rows(x: torch.Tensor) -> torch.Tensor:
+    """x `[..., D]` -> `[..., D + 4]` uint8: each row's `fp8_quantize_per_token` (e4m3 bits, then the float32
+    scale's bytes in the machine's byte order)."""
+    xq, scale = fp8_quantize_per_token(x.reshape(-1, x.shape[-1]))
+    rows = torch.cat([xq.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+    return rows.view(*x.shape[:-1], x.shape[-1] + FP8_KV_SCALE_BYTES)
+
+
+def fp8_kv_values(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`fp8_kv_rows`' rows `[..., D + 4]` -> their values `[..., D]` in `dtype`: float32(e4m3) * scale in float32,
+    then rounded once to `dtype`."""
+    flat = rows.reshape(-1, rows.shape[-1])
+    dim = flat.shape[-1] - FP8_KV_SCALE_BYTES
+    values = flat[:, :dim].contiguous().view(FP8_DTYPE).float()
+    scale = flat[:, dim:].contiguous().view(torch.float32)
+    return (values * scale).to(dtype).view(*rows.shape[:-1], dim)
 
 
 def fp8_quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

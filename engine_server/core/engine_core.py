@@ -156,6 +156,7 @@ class EngineCore:
             device=self.runner.device.type,
             dtype=str(self.runner.dtype).removeprefix("torch."),
             kv_blocks=self.runner.num_blocks,
+            kv_cache_dtype=config.cache.dtype,
             block_size=self.runner.block_size,
             cuda_graphs=self.runner.decode_graphs is not None,
             async_scheduling=self.async_scheduling,

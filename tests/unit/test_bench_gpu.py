@@ -45,7 +45,8 @@ def test_a_tiny_cpu_run_writes_every_field(tmp_path: Path) -> None:
     assert {"ladle", "ladle_fixed_output", "transformers"} <= set(model["output_tok_per_s"])
     assert model["ratio_vs_hf"] > 0 and model["roofline_fraction"] > 0 and model["tpot_ms_single_stream"] > 0
     assert model["engine"] == {"cuda_graphs": False, "tensor_parallel_size": 1, "async_scheduling": False,
-                               "kv_cache_mib": 1024, "max_num_batched_tokens": 2048, "preemptions": 0}
+                               "kv_cache_mib": 1024, "kv_cache_dtype": "auto", "max_num_batched_tokens": 2048,
+                               "preemptions": 0}
     assert model["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers of 3 heads of 64, float32
     png = tmp_path / "gpu.png"
     assert chart.main([str(out), "-o", str(png)]) == 0 and png.stat().st_size > 0

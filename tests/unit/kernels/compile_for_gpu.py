@@ -10,6 +10,7 @@ changes, shared memory beyond a GPU's. It leans on Triton internals (`create_fun
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -19,7 +20,18 @@ from typing import Any
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata
-from kernels import activation, bitmask, int8_linear, kv_cache, paged_attention, rms_norm, rotary, seeded_noise
+from kernels import (
+    activation,
+    bitmask,
+    fp8_linear,
+    int8_linear,
+    kv_cache,
+    paged_attention,
+    reference,
+    rms_norm,
+    rotary,
+    seeded_noise,
+)
 
 UNAVAILABLE = 3  # exit status when this Triton cannot compile for CUDA here (the test skips)
 try:
@@ -56,11 +68,15 @@ def record_launches(calls: Callable[[], None]) -> list[Launch]:
     return launches
 
 
-def attention(spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+def attention(
+    spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, fp8: bool = False
+) -> None:
+    """One attention launch; with `fp8`, over an FP8 cache (`reference.fp8_kv_rows`' uint8 rows)."""
     blocks = [-(-s // 16) for _, s in spec]
     tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(spec))]
     meta = AttentionMetadata.build([q for q, _ in spec], [s for _, s in spec], tables, 16, "cpu")
-    cache = torch.zeros(2, sum(blocks), 16, kv_heads, head_dim, dtype=dtype)
+    row, storage = (head_dim + reference.FP8_KV_SCALE_BYTES, torch.uint8) if fp8 else (head_dim, dtype)
+    cache = torch.zeros(2, sum(blocks), 16, kv_heads, row, dtype=storage)
     paged_attention.paged_attention(torch.zeros(meta.num_tokens, heads, head_dim, dtype=dtype), cache, meta, 0.1)
 
 
@@ -74,6 +90,7 @@ def elementwise_calls(dtype: torch.dtype) -> None:
     rotary.rotary_embedding(torch.zeros(3, dtype=torch.int64), q, k, torch.zeros(64, 128, dtype=dtype))
     activation.silu_and_mul(torch.zeros(3, 2 * 14336, dtype=dtype))
     kv_cache.write_kv_cache(k, k, torch.zeros(2, 4, 16, 8, 128, dtype=dtype), torch.arange(3))
+    kv_cache.write_kv_cache(k, k, torch.zeros(2, 4, 16, 8, 132, dtype=torch.uint8), torch.arange(3))  # FP8 rows
     bitmask.apply_token_bitmask_(torch.zeros(2, 1000, dtype=dtype), torch.zeros(2, 32, dtype=torch.int32))
     seeded_noise.seeded_log_uniforms(torch.zeros(2, dtype=torch.int64), torch.arange(1000))
 
@@ -86,14 +103,28 @@ def int8_calls(dtype: torch.dtype) -> None:
         int8_linear.int8_linear(torch.zeros(rows, 896, dtype=dtype), qs, scales)
 
 
+def fp8_calls(dtype: torch.dtype) -> None:
+    """The FP8 GEMM (the Triton kernel, not `torch._scaled_mm`) per channel and per 128 x 128 block, decode and
+    prefill rows, at Qwen2.5-0.5B's widths."""
+    weight = torch.zeros(4864, 896, dtype=reference.FP8_DTYPE)
+    channels, blocks = torch.ones(4864, 1), torch.ones(38, 7)
+    for rows in (3, 100):
+        x = torch.zeros(rows, 896, dtype=dtype)
+        fp8_linear.fp8_linear(x, weight, channels, use_scaled_mm=False)
+        fp8_linear.fp8_linear(x, weight, blocks, block=(128, 128), use_scaled_mm=False)
+
+
 def quick_calls() -> None:
-    """The riskiest specializations: every kernel once, attention's tile shapes and its float32 path."""
+    """The riskiest specializations: every kernel once, attention's tile shapes, its float32 path and FP8 cache."""
     elementwise_calls(torch.bfloat16)
     int8_calls(torch.bfloat16)
     int8_calls(torch.float32)
+    fp8_calls(torch.bfloat16)
     attention([(1, 40), (7, 20)], 28, 4, 128, torch.bfloat16)  # prefill tiles, a group of 7
     attention([(1, 40), (1, 20)], 8, 1, 96, torch.bfloat16)  # decode tiles, padded head dim
     attention([(1, 40), (7, 20)], 4, 4, 128, torch.float32)  # float32: the most shared memory
+    attention([(1, 40), (7, 20)], 32, 8, 128, torch.bfloat16, fp8=True)  # an FP8 cache, prefill tiles
+    attention([(1, 40), (1, 20)], 32, 8, 128, torch.bfloat16, fp8=True)  # and decode tiles
 
 
 def full_calls() -> None:
@@ -101,9 +132,10 @@ def full_calls() -> None:
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         elementwise_calls(dtype)
         int8_calls(dtype)
-        for heads, kv_heads, head_dim in ATTENTION_SHAPES:
-            attention([(1, 40), (7, 20)], heads, kv_heads, head_dim, dtype)
-            attention([(1, 40), (1, 20)], heads, kv_heads, head_dim, dtype)
+        fp8_calls(dtype)
+        for (heads, kv_heads, head_dim), fp8 in itertools.product(ATTENTION_SHAPES, (False, True)):
+            attention([(1, 40), (7, 20)], heads, kv_heads, head_dim, dtype, fp8)
+            attention([(1, 40), (1, 20)], heads, kv_heads, head_dim, dtype, fp8)
 
 
 def compile_launch(fn: JITFunction[Any], args: tuple[Any, ...], kwargs: dict[str, Any], target: GPUTarget) -> Any:
@@ -132,6 +164,9 @@ def main(argv: list[str]) -> int:
     seen: set[str] = set()
     for fn, args, kwargs in launches:
         for target, shared_limit in targets:
+            capability = (target.arch // 10, target.arch % 10)
+            if fn.fn.__module__ == fp8_linear.__name__ and capability < fp8_linear.FP8_MIN_CAPABILITY:
+                continue  # e4m3 tensor cores: the FP8 GEMM is never launched below sm_89
             start = time.perf_counter()
             try:
                 kernel = compile_launch(fn, args, kwargs, target)

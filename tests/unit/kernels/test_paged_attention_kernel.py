@@ -7,6 +7,7 @@ random values, so reading one key too many shows up as a wrong result.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -138,3 +139,32 @@ def test_paged_attention_sliding_window(device: torch.device, window: int) -> No
 def test_paged_attention_soft_capped(device: torch.device, window: int) -> None:
     """Gemma 2's soft-capping (a cap of 0.5 bends most of these scores), with and without a window."""
     check(MIXED, 6, 2, 64, torch.float32, device, window=window, softcap=0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("spec", "heads", "kv_heads", "head_dim", "window"),
+    [(MIXED, 6, 2, 64, 0), (DECODE, 4, 4, 128, 0), (LONG, 8, 1, 96, 33)],
+    ids=["mixed", "decode", "long-windowed"],
+)
+def test_paged_attention_reads_fp8_caches(
+    device: torch.device, spec: list[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, window: int,
+    dtype: torch.dtype,
+) -> None:  # fmt: skip
+    """An FP8 cache (`reference.fp8_kv_rows`' rows, each with its own scale: row magnitudes from 1e-3 to 4) read
+    as the reference reads it, and the reference's reading is attention over the decoded values."""
+    q, floats, meta = make_batch(spec, heads, kv_heads, head_dim, torch.float32, device)
+    gen = torch.Generator().manual_seed(3)
+    magnitudes = torch.empty((*floats.shape[:-1], 1)).uniform_(math.log(1e-3), math.log(4.0), generator=gen).exp()
+    cache = reference.fp8_kv_rows(floats * magnitudes.to(device))
+    q, scale = q.to(dtype), head_dim**-0.5
+    expected = reference.paged_attention(q, cache, meta, scale, window)
+    torch.testing.assert_close(paged_attention(q, cache, meta, scale, window), expected, **TOLERANCES[dtype])
+    decoded = reference.fp8_kv_values(cache, dtype)
+    assert torch.equal(reference.paged_attention(q, decoded, meta, scale, window), expected)
+
+
+def test_paged_attention_rejects_an_unaligned_fp8_cache(device: torch.device) -> None:
+    q, floats, meta = make_batch(DECODE, 2, 1, 18, torch.float32, device)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        paged_attention(q, reference.fp8_kv_rows(floats), meta, 0.125)
