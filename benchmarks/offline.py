@@ -83,9 +83,11 @@ def bench_ladle(
     quantization: str = "none",
     repeats: int = 1,
     tensor_parallel_size: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
-    """ladle's offline LLM on the workload. Under tensor parallelism the result also says how long rank 0 spent
-    inside all-reduces (waiting for the other ranks included) and their share of the timed runs' wall time."""
+    """ladle's offline LLM on the workload, over a KV cache of `kv_cache_dtype`. Under tensor parallelism the
+    result also says how long rank 0 spent inside all-reduces (waiting for the other ranks included) and their
+    share of the timed runs' wall time."""
     from engine_server import LLM, SamplingParams
     from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 
@@ -94,7 +96,8 @@ def bench_ladle(
         device=device,  # type: ignore[arg-type]
         quantization=quantization,  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
-        cache=CacheConfig(enable_prefix_caching=False),  # a repeat must prefill its prompts again
+        # A repeat must prefill its prompts again.
+        cache=CacheConfig(enable_prefix_caching=False, dtype=kv_cache_dtype),  # type: ignore[arg-type]
         tensor_parallel_size=tensor_parallel_size,
     )
     threads = torch.get_num_threads()  # tensor parallelism shares them out between the ranks; restored after
@@ -206,13 +209,14 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             args.quantization,
             args.repeats,
             args.tensor_parallel_size,
+            args.kv_cache_dtype,
         )
     }
     print(f"ladle: {systems['ladle']}", flush=True)
     if args.float_too:
         systems["ladle_float"] = bench_ladle(
             args.model, args.device, prompts, args.output_len, max(args.num_seqs, 1), "none", args.repeats,
-            args.tensor_parallel_size,
+            args.tensor_parallel_size, args.kv_cache_dtype,
         )  # fmt: skip
         print(f"ladle_float: {systems['ladle_float']}", flush=True)
     gguf = gguf_file(args.model)
@@ -257,6 +261,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "greedy": True,
             "seed": args.seed,
             "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "repeats": args.repeats,
             "float_too": args.float_too,
             "tensor_parallel_size": args.tensor_parallel_size,
@@ -284,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZATION_MODES,
         help="ladle's weights (see `ladle engine --help`)",
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="what ladle's KV cache stores (see `ladle engine --help`)")
     parser.add_argument(
         "--repeats", type=int, default=1, help="time each system this many times and report the median run (default 1)"
     )

@@ -168,8 +168,6 @@ def load_model(
         else allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size, config.cache.dtype)
     )
     _quantize(model, source, quantization, device, kernels, stored)
-    if config.cache.dtype != "auto" and isinstance(model, CausalLM):
-        model.model.decode_stack = None  # the C++ decode stack reads float32 caches: the layers read this one
     loaded = LoadedModel(
         device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks, kv_caches=kv_caches,

@@ -8,7 +8,8 @@
 - RMSNorm (with its residual add), rotary embedding and SiLU-and-mul (`kernels/cpu/pointwise.cpp`): one pass
   each instead of 3-9 torch ops, which on a prefill chunk are memory-bound passes and on a decode step are
   dispatch overhead.
-- The KV cache write stays the reference's (two `index_copy_`).
+- The KV cache write stays the reference's (two `index_copy_`) for a float cache; an FP8 cache's rows are packed
+  in one pass (`kernels/cpu/kv_cache.cpp`, whose e4m3 rows `kernels/cpu/fp8_kv.h` writes and reads).
 - Seeded sampling rows' counter-based noise (`kernels/cpu/seeded_noise.cpp`): the hash in one pass and the
   reference's own log, bit-identical to `reference.seeded_log_uniforms` and 2 passes instead of 13; used by
   `engine_server.sampling.noise` through `cpu_seeded_log_uniforms()`.
@@ -50,7 +51,7 @@ import torch
 
 from kernels import reference
 from kernels._checks import unit_last_stride
-from kernels.kernel_set import REFERENCE_OPS, KernelOps
+from kernels.kernel_set import KernelOps
 
 if TYPE_CHECKING:
     from kernels.attention_inputs import AttentionInputs
@@ -60,6 +61,7 @@ log = structlog.get_logger(__name__)
 _SOURCE_DIR = Path(__file__).parent / "cpu"
 _SOURCES = (
     "paged_attention.cpp",
+    "kv_cache.cpp",
     "pointwise.cpp",
     "quant_matmul.cpp",
     "moe.cpp",
@@ -150,27 +152,32 @@ def paged_decode_attention(
     with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only; with `softcap` > 0, scores
     soft-capped as `reference.paged_attention` says.
 
-    An FP8 cache (`reference.is_fp8_kv_cache`) is read through `_decoded_blocks`: the kernel then sees the values
-    the reference reads, so a row's result still depends on its query and the cache only.
+    An FP8 cache (`reference.is_fp8_kv_cache`) is read as the reference reads it: each tile's rows decoded to the
+    float32 values `reference.fp8_kv_values` gives, so a row's result is the same bits as over a float32 cache
+    holding them.
 
     Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
     the cache, a negative window or soft-cap), before anything is read. Needs the extension (`cpu_ops()` is not None).
     """
-    if reference.is_fp8_kv_cache(kv_cache):
-        kv_cache, block_tables = _decoded_blocks(kv_cache, block_tables)
     out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(
         q, kv_cache, block_tables, seq_lens, scale, window, softcap
     )
     return out
 
 
-def _decoded_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks of an FP8 cache that `block_tables` names, decoded (`reference.fp8_kv_values`) into a float32
-    cache of their own, and the tables renumbered into it: one pass over the KV the step reads, as the reference's
-    gather makes."""
-    ids, renumbered = torch.unique(block_tables, return_inverse=True)
-    decoded = reference.fp8_kv_values(kv_cache.index_select(1, ids.to(torch.int64)))
-    return decoded, renumbered.to(block_tables.dtype)
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`reference.write_kv_cache`'s contract, bit for bit; the C++ kernel packs an FP8 cache's rows from float32 k, v
+    (one pass, where the reference takes a dozen torch ops), the reference does the rest (two `index_copy_`)."""
+    if (
+        reference.is_fp8_kv_cache(kv_cache)
+        and k.dtype == v.dtype == torch.float32
+        and k.dim() == 3
+        and slot_mapping.dtype == torch.int64
+    ):
+        k, v = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (k, v))
+        torch.ops.ladle_cpu.write_kv_cache(k, v, kv_cache, slot_mapping.contiguous())
+        return
+    reference.write_kv_cache(k, v, kv_cache, slot_mapping)
 
 
 def rms_norm(
@@ -250,8 +257,9 @@ def _rows(x: torch.Tensor) -> bool:
 
 @functools.cache
 def cpu_ops() -> KernelOps | None:
-    """`REFERENCE_OPS` with the C++ decode attention, building the extension on first use; None when disabled
-    (`LADLE_CPU_KERNELS=0`) or when it cannot be built here (logged once)."""
+    """The C++ kernels as a `KernelOps` (each wrapper running the reference where its kernel does not apply),
+    building the extension on first use; None when disabled (`LADLE_CPU_KERNELS=0`) or when it cannot be built
+    here (logged once)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     try:
@@ -263,7 +271,7 @@ def cpu_ops() -> KernelOps | None:
         rms_norm=rms_norm,
         rotary_embedding=rotary_embedding,
         silu_and_mul=silu_and_mul,
-        write_kv_cache=REFERENCE_OPS.write_kv_cache,
+        write_kv_cache=write_kv_cache,
         paged_attention=paged_attention,
         lora_shrink=lora_shrink,
         lora_expand=lora_expand,

@@ -209,35 +209,6 @@ struct ShmAllReduce {
   }
 };
 
-// Refuses a slot mapping that does not give each of `tokens` tokens a slot of `kv_cache`.
-void check_slots(const at::Tensor& slot_mapping, int64_t tokens, const at::Tensor& kv_cache) {
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.scalar_type() == at::kLong &&
-                  slot_mapping.is_contiguous(),
-              "slot_mapping must be a contiguous [T] int64 tensor");
-  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    LADLE_CHECK(slot[t] >= 0 && slot[t] < slots, "slot %lld outside the cache", static_cast<long long>(slot[t]));
-  }
-}
-
-// kv_cache[0|1] flattened to slots: kv_cache[c][slot_mapping[t]] = k|v[t] (slots checked by check_slots).
-void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
-  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat &&
-                  kv_cache.size(3) * kv_cache.size(4) == row,
-              "kv_cache must be a contiguous [2, blocks, block_size, Hkv, D] float32 tensor");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
-              "k and v must have contiguous heads");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  float* keys = kv_cache.data_ptr<float>();
-  float* values = keys + kv_cache.size(1) * kv_cache.size(2) * row;
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(keys + slot[t] * row, k.data_ptr<float>() + t * k.stride(0), row * sizeof(float));
-    std::memcpy(values + slot[t] * row, v.data_ptr<float>() + t * v.stride(0), row * sizeof(float));
-  }
-}
-
 }  // namespace
 
 namespace ladle_cpu {
@@ -393,7 +364,6 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const at::Tensor& cache : kv_caches) {
       TORCH_CHECK(cache.dim() == 5 && cache.sizes() == kv_caches[0].sizes(), "KV caches of one shape, 5-D");
     }
-    if (!layers_.empty()) check_slots(slot_mapping, tokens, kv_caches[0]);
     const int32_t* stop_flag = nullptr;
     if (stop.has_value()) {
       TORCH_CHECK(stop->device().is_cpu() && stop->scalar_type() == at::kInt && stop->numel() == 1,
@@ -439,7 +409,7 @@ class DecodeStack : public torch::CustomClassHolder {
         k = reference_rms_norm(k, layer.k_norm, layer.qk_eps);
       }
       std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
-      write_kv(k, v, kv_caches[i], slot_mapping);
+      write_kv_cache(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention =
           paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window, 0.0);
       const at::Tensor attended = attention.view({tokens, q_size});

@@ -27,6 +27,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
                                                     const at::Tensor& k, const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q4(const at::Tensor& qs, const at::Tensor& scales,

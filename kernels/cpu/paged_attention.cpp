@@ -2,7 +2,9 @@
 //
 // Contract (see kernels/reference.py `paged_attention` and engine_server/attention.py):
 //   q            [B, H, D] float32, contiguous: the one new token of each decode row
-//   kv_cache     [2, num_blocks, block_size, Hkv, D] float32, contiguous (this step's K/V already written)
+//   kv_cache     [2, num_blocks, block_size, Hkv, D] float32, contiguous (this step's K/V already written), or
+//                an FP8 cache: uint8 [..., D + 4], rows of fp8_kv.h, each tile's rows decoded to float32 first
+//                (the values kernels/reference.py `fp8_kv_values` gives: the same bits as a float32 cache of them)
 //   block_tables [B, W] int32: row b's token p lives in block block_tables[b][p / block_size]
 //   seq_lens     [B] int32: row b attends to positions [0, seq_lens[b])
 //   window       a sliding window > 0 narrows that to [seq_lens[b] - window, seq_lens[b]); 0: none
@@ -40,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "fp8_kv.h"
 #include "lanes.h"
 #include "ops.h"
 #include "vec.h"
@@ -49,7 +52,7 @@ namespace {
 using namespace ladle_cpu;
 
 // Prefetches the `bytes` of one cache slot (all KV heads of a token) into cache, a line at a time.
-inline void prefetch_slot(const float* slot, int64_t bytes) {
+inline void prefetch_slot(const void* slot, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(slot);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
@@ -236,31 +239,37 @@ inline void sum_values(const float* values, const int64_t* at, int64_t offset, i
 }
 
 // A thread's working memory for one group of up to `rows` rows: the value sums, the running softmax state, the
-// current tile's weights and rescale factors, and one KV head's transposed keys of the tile.
+// current tile's weights and rescale factors, one KV head's transposed keys of the tile and, for an FP8 cache
+// (`tile_rows` > 0), the tile's keys and values decoded.
 struct Scratch {
-  Scratch(int64_t rows, int64_t heads, int64_t dim)
+  Scratch(int64_t rows, int64_t heads, int64_t dim, int64_t tile_rows)
       : acc(new float[rows * heads * dim]),
         running(new float[rows * heads * 2]),
         rescale(new float[rows * heads]),
         weights(new float[rows * heads * kTile]),
-        keys(new float[dim * kTile]) {}
-  std::unique_ptr<float[]> acc, running, rescale, weights, keys;
+        keys(new float[dim * kTile]),
+        tile_keys(new float[tile_rows * dim]),
+        tile_values(new float[tile_rows * dim]) {}
+  std::unique_ptr<float[]> acc, running, rescale, weights, keys, tile_keys, tile_values;
 };
 
 // Rows [0, rows) that share one block table (a sequence's tokens of this step: prompt tokens, or a decode's last
 // token and its drafts), row r's query heads at q + r * heads * Dim against positions [first_r, lens[r]) of the
 // paged K/V (first_r = max(0, lens[r] - window) with a window, else 0), written to out + r * heads * Dim. Each
 // row and head takes the arithmetic the file's header states, tile by tile over its own positions, so its
-// result is the same bits in any group, alone included.
-template <int64_t Dim>
-void attend(const float* q, const float* keys, const float* values, const int32_t* table, const int32_t* lens,
+// result is the same bits in any group, alone included. `Cache` is float (a float32 cache's rows of Dim) or
+// uint8_t (an FP8 cache's rows of Dim + 4 bytes, each tile's decoded into the scratch before it is read).
+template <int64_t Dim, typename Cache>
+void attend(const float* q, const Cache* keys, const Cache* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
             float softcap, Scratch& scratch, float* out) {
+  constexpr bool fp8 = std::is_same_v<Cache, uint8_t>;
+  constexpr int64_t row_length = fp8 ? Dim + kFp8ScaleBytes : Dim;  // of a cached row, in Cache elements
   constexpr int64_t pass = std::min(Dim, kPassFloats);
   constexpr int64_t pass_chunks = pass / kLanes;
   const int64_t sum_heads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumFloats / pass));
-  const int64_t token_stride = kv_heads * Dim;
-  const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(float));
+  const int64_t token_stride = kv_heads * row_length;
+  const int64_t slot_bytes = token_stride * static_cast<int64_t>(sizeof(Cache));
   const int64_t heads = kv_heads * group;
   float* const acc = scratch.acc.get();
   float* const running = scratch.running.get();
@@ -291,19 +300,34 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   };
   std::fill(acc, acc + rows * heads * Dim, 0.f);
   for (int64_t i = 0; i < rows * heads; ++i) running[2 * i] = -__builtin_inff(), running[2 * i + 1] = 0.f;
-  int64_t at[kTile];
+  // at[t]: where the tile's position t0 + t starts in tile_keys / tile_values (the cache itself, or the decoded
+  // rows of an FP8 one); cached[t]: where it starts in the cache.
+  int64_t at[kTile], cached[kTile];
+  const float* tile_keys = fp8 ? scratch.tile_keys.get() : reinterpret_cast<const float*>(keys);
+  const float* tile_values = fp8 ? scratch.tile_values.get() : reinterpret_cast<const float*>(values);
   const int64_t start = begin / kTile * kTile;
   prefetch_tile(start);
   for (int64_t t0 = start; t0 < len; t0 += kTile) {
     const int64_t t1 = std::min(len, t0 + kTile);
-    each_slot(t0, t1, [&](int64_t t, int64_t offset) { at[t - t0] = offset; });
+    each_slot(t0, t1, [&](int64_t t, int64_t offset) { cached[t - t0] = offset; });
+    if constexpr (fp8) {
+      for (int64_t t = 0; t < t1 - t0; ++t) {
+        at[t] = t * kv_heads * Dim;
+        for (int64_t kh = 0; kh < kv_heads; ++kh) {
+          unpack_fp8_row(keys + cached[t] + kh * row_length, Dim, scratch.tile_keys.get() + at[t] + kh * Dim);
+          unpack_fp8_row(values + cached[t] + kh * row_length, Dim, scratch.tile_values.get() + at[t] + kh * Dim);
+        }
+      }
+    } else {
+      std::copy(cached, cached + (t1 - t0), at);
+    }
     prefetch_tile(t1);
     // Row r's positions of the tile, [lo, hi) counted from t0 (empty where lo >= hi).
     auto tile_range = [&](int64_t r) {
       return std::pair<int64_t, int64_t>{std::max(t0, first_of(r)) - t0, std::min<int64_t>(t1, lens[r]) - t0};
     };
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      transpose_keys<Dim>(keys, at, kh * Dim, t1 - t0, kt);
+      transpose_keys<Dim>(tile_keys, at, kh * Dim, t1 - t0, kt);
       // Scores and softmax steps of this KV head's (row, query head) pairs that see the tile, kScoreHeads at once.
       int64_t batch[kScoreHeads];  // row * heads + head
       int64_t batched = 0;
@@ -346,7 +370,7 @@ void attend(const float* q, const float* keys, const float* values, const int32_
               sums[i] = acc + (first + i) * Dim + c0;
             }
             with_count<kMaxSumHeads>(count, [&](auto n) {
-              sum_values<pass_chunks, decltype(n)::value>(values, at, kh * Dim + c0, lo, hi, head_weights,
+              sum_values<pass_chunks, decltype(n)::value>(tile_values, at, kh * Dim + c0, lo, hi, head_weights,
                                                            rescale + first, sums);
             });
           }
@@ -360,7 +384,8 @@ void attend(const float* q, const float* keys, const float* values, const int32_
   }
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, const int32_t*, int64_t,
+template <typename Cache>
+using AttendFn = void (*)(const float*, const Cache*, const Cache*, const int32_t*, const int32_t*, int64_t,
                           int64_t, int64_t, int64_t, int64_t, float, float, Scratch&, float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
@@ -379,13 +404,14 @@ std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64
   return groups;
 }
 
-AttendFn attend_for(int64_t dim) {
+template <typename Cache>
+AttendFn<Cache> attend_for(int64_t dim) {
   switch (dim) {
-    case 16: return attend<16>;
-    case 32: return attend<32>;
-    case 64: return attend<64>;
-    case 128: return attend<128>;
-    case 256: return attend<256>;
+    case 16: return attend<16, Cache>;
+    case 32: return attend<32, Cache>;
+    case 64: return attend<64, Cache>;
+    case 128: return attend<128, Cache>;
+    case 256: return attend<256, Cache>;
     default: return nullptr;
   }
 }
@@ -397,9 +423,10 @@ namespace ladle_cpu {
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [B, H, D] float32");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.scalar_type() == at::kFloat &&
+  const bool fp8 = kv_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && (fp8 || kv_cache.scalar_type() == at::kFloat) &&
                   kv_cache.is_contiguous(),
-              "kv_cache must be [2, num_blocks, block_size, Hkv, D] float32, contiguous");
+              "kv_cache must be [2, num_blocks, block_size, Hkv, D] float32, or uint8 [..., D + 4], contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be [B, W] int32");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt, "seq_lens must be [B] int32");
@@ -408,10 +435,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t width = block_tables.size(1);
-  TORCH_CHECK(kv_cache.size(4) == dim, "head dim of q and kv_cache differ");
+  TORCH_CHECK(kv_cache.size(4) == (fp8 ? dim + kFp8ScaleBytes : dim), "head dim of q and kv_cache differ");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  const AttendFn attend_fn = attend_for(dim);
-  LADLE_CHECK(attend_fn != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256", static_cast<long long>(dim));
+  const AttendFn<float> attend_float = fp8 ? nullptr : attend_for<float>(dim);
+  const AttendFn<uint8_t> attend_fp8 = fp8 ? attend_for<uint8_t>(dim) : nullptr;
+  LADLE_CHECK(attend_float != nullptr || attend_fp8 != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256",
+              static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
   const at::Tensor lens = seq_lens.contiguous();
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
@@ -426,8 +455,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t group = heads / kv_heads;
   at::Tensor out = at::empty({rows, heads, dim}, q.options());
   const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = kv_cache.data_ptr<float>();
-  const float* v_ptr = k_ptr + num_blocks * block_size * kv_heads * dim;
+  const int64_t half = num_blocks * block_size * kv_heads * kv_cache.size(4);  // elements of K, then of V
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), fsoftcap = static_cast<float>(softcap);
 
@@ -445,12 +473,22 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t count_groups = static_cast<int64_t>(groups.size());
   const int64_t shares = std::min(threads, count_groups);
   at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(most, heads, dim);  // left uninitialised: attend writes everything before it reads it
+    // Left uninitialised: attend writes everything before it reads it.
+    Scratch scratch(most, heads, dim, fp8 ? kTile * kv_heads : 0);
     for (int64_t share = begin; share < end; ++share) {
       for (int64_t g = share; g < count_groups; g += shares) {
         const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
-        attend_fn(q_ptr + first * heads * dim, k_ptr, v_ptr, tables + first * width, lens_ptr + first, count,
-                  block_size, kv_heads, group, window, fscale, fsoftcap, scratch, out_ptr + first * heads * dim);
+        const float* q_rows = q_ptr + first * heads * dim;
+        float* out_rows = out_ptr + first * heads * dim;
+        if (fp8) {
+          const uint8_t* k_ptr = kv_cache.data_ptr<uint8_t>();
+          attend_fp8(q_rows, k_ptr, k_ptr + half, tables + first * width, lens_ptr + first, count, block_size,
+                     kv_heads, group, window, fscale, fsoftcap, scratch, out_rows);
+        } else {
+          const float* k_ptr = kv_cache.data_ptr<float>();
+          attend_float(q_rows, k_ptr, k_ptr + half, tables + first * width, lens_ptr + first, count, block_size,
+                       kv_heads, group, window, fscale, fsoftcap, scratch, out_rows);
+        }
       }
     }
   });

@@ -1,7 +1,7 @@
 """The FP8 KV cache (`--kv-cache-dtype fp8`): its rows, its size, the flag, and engines serving over it on the CPU.
 
 The Triton kernels that write and read it are held to the reference in tests/unit/kernels (test_kv_cache_kernel.py,
-test_paged_attention_kernel.py); the C++ attention reads it through `kernels.cpu_ops._decoded_blocks`.
+test_paged_attention_kernel.py), the C++ ones in tests/unit/kernels/test_cpu_ops.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from benchmarks.quality import QUALITY_PROMPTS, measure, reference_of
 from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.attention_metadata import kv_cache_bytes_per_block, kv_cache_layout
 from engine_server.config import CacheConfig, EngineConfig
+from engine_server.layers.kernel_choice import select_ops
 from engine_server.loader import resolve_model
 from engine_server.tokenizer.chat import ChatMessage
 from kernels import cpu_ops as cpu
@@ -62,6 +63,21 @@ def test_the_flag_takes_vllms_names_and_refuses_e5m2() -> None:
         kv_cache_dtype("fp8_e5m2")
 
 
+def round_writes_like_fp8(llm: LLM) -> LLM:
+    """`llm` (an engine over a float cache, running its layers: no graphs, no C++ decode stack) made to round every
+    key and value it writes as an FP8 row holds it (`reference.fp8_kv_rows`, then `fp8_kv_values` back to the
+    model's dtype): what an FP8 cache's readers decode, held in a float cache."""
+    model = llm.core.runner.model
+    ops = model.ops or select_ops(llm.core.runner.device)
+    write = ops.write_kv_cache
+
+    def rounded(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        write(*(reference.fp8_kv_values(reference.fp8_kv_rows(x), x.dtype) for x in (k, v)), cache, slots)
+
+    model.ops = dataclasses.replace(ops, write_kv_cache=rounded)
+    return llm
+
+
 @pytest.fixture(scope="module")
 def fp8_engine() -> Iterator[LLM]:
     """The embedded model as `ladle serve` runs it (its GGUF blocks on the C++ kernels), over an FP8 cache."""
@@ -77,7 +93,7 @@ def test_the_engine_allocates_fp8_rows_and_more_blocks(fp8_engine: LLM) -> None:
     source = resolve_model("default").config
     assert all(cache.dtype == torch.uint8 and cache.shape[-1] == 68 for cache in runner.kv_caches)
     assert runner.num_blocks == CACHE // kv_cache_bytes_per_block(source, 16, torch.float32, cache_dtype="fp8")
-    assert runner.model.model.decode_stack is None  # the C++ stack reads float32 caches only
+    assert runner.model.model.decode_stack is not None  # the C++ stack writes and reads FP8 rows too
 
 
 @needs_kernels
@@ -105,3 +121,19 @@ def test_an_fp8_cache_stays_close_to_the_float_one(llm: LLM) -> None:
     assert result.positions == 8 * 32
     assert result.top1_agreement >= 0.93, result
     assert result.mean_kl <= 0.01, result
+
+
+@needs_kernels
+@pytest.mark.slow  # two engines on the embedded model
+def test_float_weights_over_an_fp8_cache_decode_as_their_rounding_does() -> None:
+    """Token for token: the C++ attention over an FP8 cache reads the values a float cache holding each row's
+    rounding gives it (tests/gpu/test_fp8_kv_gpu.py holds the Triton kernels to the same)."""
+    prompts = [ChatPrompt([ChatMessage(role="user", content=p)]) for p in QUALITY_PROMPTS[:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for cache_dtype in ("fp8", "auto"):
+        cache = CacheConfig(memory_bytes=512 * 1024**2, dtype=cache_dtype)  # type: ignore[arg-type]
+        with LLM(config=EngineConfig(device="cpu", quantization="none", cache=cache)) as llm:
+            engine = llm if cache_dtype == "fp8" else round_writes_like_fp8(llm)
+            outputs.append([r.choices[0].token_ids for r in engine.generate(prompts, params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]

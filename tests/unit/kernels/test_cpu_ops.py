@@ -199,6 +199,54 @@ def test_other_dtypes_and_head_dims_fall_back_to_the_reference() -> None:
     torch.testing.assert_close(cpu.paged_attention(q, cache, meta, 0.2), reference.paged_attention(q, cache, meta, 0.2))
 
 
+def fp8_cache_of(cache: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """`cache`'s rows, each scaled by its own magnitude from 1e-3 to 4, as an FP8 cache (`reference.fp8_kv_rows`)."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = torch.empty((*cache.shape[:-1], 1)).uniform_(-6.9, 1.4, generator=gen).exp()
+    return reference.fp8_kv_rows(cache * magnitudes)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window", [0, 30])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 8, 128), (4, 2, 16)])
+def test_attention_over_an_fp8_cache_is_attention_over_its_decoded_values(
+    heads: int, kv_heads: int, head_dim: int, window: int
+) -> None:
+    """Bit for bit, decode rows and every prompt token as a row: the kernel decodes each tile's FP8 rows to the
+    values `reference.fp8_kv_values` gives before the float32 arithmetic, which then runs as over a float cache."""
+    q, floats, meta = make_batch([(1, 1), (1, 100), (1, 257), (70, 150)], heads, kv_heads, head_dim, 16, seed=4)
+    cache = fp8_cache_of(floats)
+    decoded = reference.fp8_kv_values(cache)
+    tables, lens = meta.token_rows
+    got = cpu.paged_decode_attention(q, cache, tables, lens, 0.125, window)
+    assert torch.equal(got, cpu.paged_decode_attention(q, decoded, tables, lens, 0.125, window))
+    torch.testing.assert_close(cpu.paged_attention_by_token(q, cache, meta, 0.125, window),
+                               reference.paged_attention(q, cache, meta, 0.125, window), **TOLERANCE)  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(3, 64), (2, 128), (1, 16)])
+def test_fp8_rows_are_packed_as_the_reference_packs_them(kv_heads: int, head_dim: int) -> None:
+    """Bit for bit over rows of every kind: beyond e4m3's range before scaling, subnormal after it, all zeros,
+    values that round into the next binade or tie, and K/V as strided views of one projection."""
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens = 40
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=gen)
+    kv[:8] *= torch.logspace(-8, 6, 8).unsqueeze(1)
+    kv[8, : kv_heads * head_dim] = 0.0
+    kv[9, :8] = torch.tensor([448.0, 124.0, -124.0, 60.0, 0.0009765625, -0.00146484375, 232.0, 240.0])
+    k = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    cache = torch.randint(0, 256, (2, 5, 16, kv_heads, head_dim + 4), generator=gen, dtype=torch.uint8)
+    expected = cache.clone()
+    slots = torch.randperm(80, generator=gen)[:tokens]
+    cpu.write_kv_cache(k, v, cache, slots)
+    reference.write_kv_cache(k, v, expected, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.ladle_cpu.write_kv_cache(k.contiguous(), v.contiguous(), cache, slots + 80)
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     ("mutate", "message"),
