@@ -14,7 +14,8 @@
 #   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
 #   quick:MODEL    the same with --skip-hf (ladle only, ~1.5 min)                    -> $OUT/gpu.jsonl, bench.log
 #                  BENCH_ARGS adds `ladle bench gpu` arguments to both, e.g. BENCH_ARGS='--tensor-parallel-size 2'
-#                  on a host with two GPUs (the gpu-tests stage runs the NCCL equality test there first)
+#                  on a host with two GPUs (the gpu-tests stage runs the NCCL equality test there first), or
+#                  BENCH_ARGS='--kv-cache-dtype fp8' for the FP8 KV cache (issue 50)
 #   profile:MODEL  scripts/gpu_profile.py: host phases, decode vs mixed steps         -> $OUT/profile.log
 #                  (PROFILE_ARGS adds its arguments, e.g. "--kernels --tensor-parallel-size 2": the NCCL share)
 #   old-quick:MODEL, old-profile:MODEL   the same for an older tree in .gpu_old (an A/B on one machine: carry
