@@ -218,10 +218,12 @@ def kv_cache_bytes_per_block(
 
 def kv_cache_layout(config: ModelConfig, dtype: torch.dtype, cache_dtype: KVCacheDType) -> tuple[torch.dtype, int]:
     """(element dtype, row length) of a cache of `cache_dtype` for a model of `dtype`: (dtype, head_dim), or for
-    "fp8" (uint8, head_dim + 4). Raises ValueError for an FP8 cache of a head dim that is not a multiple of 4 (the
-    kernels read each row's scale as an aligned float32)."""
+    "fp8" (uint8, head_dim + 4). Raises ValueError for another `cache_dtype`, or an FP8 cache of a head dim that is
+    not a multiple of 4 (the kernels read each row's scale as an aligned float32)."""
     if cache_dtype == "auto":
         return dtype, config.head_dim
+    if cache_dtype != "fp8":
+        raise ValueError(f"KV cache dtype {cache_dtype!r}: expected auto or fp8")
     if config.head_dim % FP8_KV_SCALE_BYTES:
         raise ValueError(f"--kv-cache-dtype fp8 needs a head dim that is a multiple of 4; this model's is "
                          f"{config.head_dim}")  # fmt: skip

@@ -3,7 +3,9 @@
 Set `LADLE_INJECT_FAULT` to a file path before the engine starts. From then on, every forward of the model
 first looks for that file (one stat): while it is absent nothing happens; when it exists the forward raises
 `InjectedFault`. A file whose content is `once` is deleted by the forward that raises (one failed step);
-any other content leaves it in place, so every forward fails until the test removes it (a broken device).
+any other content leaves it in place, so every forward fails until the test removes it (a broken device). A
+test arming a running engine creates the file with its content in one step (a rename): a forward may look at any
+moment, and takes a file it finds still empty for one that stays.
 Without the variable nothing is installed and the forward is untouched.
 
 The check is a forward pre-hook, so it runs wherever the model's `forward` is called; a decode step replayed

@@ -70,6 +70,14 @@ def engine(fault_file: Path, tmp_path: Path) -> Iterator[EngineProcess]:
     process.stop(30)
 
 
+def arm(fault_file: Path, mode: str) -> None:
+    """Create the trigger with its content in one step (a rename): a forward that found it created but still
+    empty would take it for a fault that stays, fail the recovery probe too, and the engine would exit."""
+    staged = fault_file.with_name(fault_file.name + ".staged")
+    staged.write_text(mode)
+    staged.replace(fault_file)
+
+
 def start_streams(stub: engine_pb2_grpc.EngineServiceStub, count: int) -> list[Iterator[object]]:
     """`count` long streams, each one past its first response (all running)."""
     calls = []
@@ -96,7 +104,7 @@ def test_one_failed_step_fails_its_requests_and_the_engine_serves_again(
         with grpc.insecure_channel(engine.address) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             calls = start_streams(stub, 4)
-            fault_file.write_text("once")
+            arm(fault_file, "once")
             for call in calls:
                 assert_failed_internal(call)
             health.wait_for([SERVING, NOT_SERVING, SERVING], timeout=60)
@@ -115,7 +123,7 @@ def test_a_fault_that_stays_makes_the_engine_exit_1(engine: EngineProcess, fault
     try:
         with grpc.insecure_channel(engine.address) as channel:
             calls = start_streams(engine_pb2_grpc.EngineServiceStub(channel), 2)
-            fault_file.write_text("always")
+            arm(fault_file, "always")
             for call in calls:
                 assert_failed_internal(call)
         health.wait_for([SERVING, NOT_SERVING], timeout=30)

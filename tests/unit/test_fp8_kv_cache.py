@@ -54,6 +54,8 @@ def test_an_fp8_cache_takes_about_a_quarter_of_float32s_bytes() -> None:
     assert fp8 * 128 == kv_cache_bytes_per_block(config, 16, torch.bfloat16) * 68
     with pytest.raises(ValueError, match="multiple of 4"):
         kv_cache_layout(dataclasses.replace(config, head_dim=66), torch.float32, "fp8")
+    with pytest.raises(ValueError, match="expected auto or fp8"):
+        kv_cache_layout(config, torch.float32, "fp8_e5m2")  # type: ignore[arg-type]
 
 
 def test_the_flag_takes_vllms_names_and_refuses_e5m2() -> None:
