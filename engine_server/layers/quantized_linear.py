@@ -287,7 +287,9 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         index = input_ids.reshape(-1)
-        if self.packed is not None:
+        if self.packed is not None and self.format == "q8":  # one C++ pass; ~15 torch ops through unpack_rows
+            rows = torch.ops.ladle_cpu.q8_packed_rows(self.packed[0], self.packed[1], index.to(torch.int64))
+        elif self.packed is not None:
             rows = unpack_rows(*self.packed, self.format, index).dequantize()
         else:
             assert self.stored is not None

@@ -266,6 +266,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, con
       [&](int64_t n, int64_t g) { return s[n * groups + g]; }, [](int64_t, int64_t) { return at::Half(0.f); });
 }
 
+// Rows `index` of a weight pack_q8 packed, dequantized: float32 [R, K], q * scale as `Q8Weight.dequantize` gives
+// them (the same bits), read from the packed blocks (a tied embedding's lookups from its LM head's blocks).
+at::Tensor q8_packed_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& index) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 2 && packed.size(3) == 128 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(),
+              "packed must be pack_q8's contiguous [N / 8, K / 32, 2, 128] uint8 blocks");
+  const int64_t blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups && scales.size(2) == 8 &&
+                  scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "scales must be pack_q8's contiguous [N / 8, K / 32, 8] float16 scales");
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong, "index must be a [R] int64 tensor");
+  const at::Tensor rows = index.contiguous();
+  const int64_t count = rows.size(0), k = groups * kGroup;
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r) {
+    LADLE_CHECK(row[r] >= 0 && row[r] < blocks * 8, "row %lld outside the weight", static_cast<long long>(row[r]));
+  }
+  at::Tensor out = at::empty({count, k}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* bytes = packed.data_ptr<uint8_t>();
+  const at::Half* scale = scales.data_ptr<at::Half>();
+  float* values = out.data_ptr<float>();
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t b = row[r] / 8, j = row[r] % 8;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* high = bytes + ((b * groups + g) * 2) * 128;  // plane 0: u >> 4; plane 1: u & 15
+      const uint8_t* low = high + 128;
+      const float s = static_cast<float>(scale[(b * groups + g) * 8 + j]);
+      float* v = values + r * k + g * kGroup;
+      for (int64_t c = 0; c < 4; ++c) {
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t at = c * 32 + 4 * j + i;
+          const int first = ((high[at] & 0x0F) << 4 | (low[at] & 0x0F)) - 128;
+          const int second = ((high[at] >> 4) << 4 | (low[at] >> 4)) - 128;
+          v[4 * c + i] = static_cast<float>(first) * s;
+          v[16 + 4 * c + i] = static_cast<float>(second) * s;
+        }
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace ladle_cpu
 
 namespace {
@@ -376,6 +418,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("set_quant_amx(bool on) -> bool", &ladle_cpu::set_quant_amx);
   m.def("pack_q4(Tensor qs, Tensor scales, Tensor mins) -> (Tensor, Tensor, Tensor)");
   m.def("pack_q8(Tensor qs, Tensor scales) -> (Tensor, Tensor, Tensor)");
+  m.def("q8_packed_rows(Tensor packed, Tensor scales, Tensor index) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int n) -> Tensor");
   // The shards of a fused projection stored in different formats: x quantized once, each part's product written
   // into its columns of one [M, sum(n)] result.
@@ -384,6 +427,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor qs, Tensor scales) -> Tensor");
   m.impl("pack_q4", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::pack_q4));
   m.impl("pack_q8", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::pack_q8));
+  m.impl("q8_packed_rows", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q8_packed_rows));
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::packed_linear));
   m.impl("packed_linear_parts", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::packed_linear_parts));
   m.impl("q4_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q4_linear));

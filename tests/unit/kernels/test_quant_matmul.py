@@ -200,3 +200,20 @@ def test_quantized_linear_layer_keeps_leading_dims_and_adds_bias() -> None:
     expected = reference.q8_linear(x.reshape(6, 64), w.qs, w.scales).reshape(2, 3, 12) + bias
     torch.testing.assert_close(layer(x), expected, **TOLERANCE)
     assert "format=q8" in repr(layer)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (13, 64), (49, 576)])
+def test_q8_rows_read_from_the_packed_blocks_are_the_dequantized_rows(n: int, k: int) -> None:
+    """`q8_packed_rows` (a tied embedding's lookups from its LM head's blocks): every row, in any order and
+    repeated, bit for bit `Q8Weight.dequantize`'s, with the whole int8 range; a row past the packed blocks is
+    refused."""
+    gen = torch.Generator().manual_seed(n)
+    weight = random_q8(n, k, gen)
+    weight.qs[0, :4] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)
+    packed, scales, _ = torch.ops.ladle_cpu.pack_q8(weight.qs, weight.scales)
+    index = torch.cat([torch.randperm(n, generator=gen), torch.tensor([0, n - 1, 0])])
+    rows = torch.ops.ladle_cpu.q8_packed_rows(packed, scales, index)
+    assert torch.equal(rows, weight.dequantize()[index])
+    with pytest.raises(RuntimeError, match="outside the weight"):
+        torch.ops.ladle_cpu.q8_packed_rows(packed, scales, torch.tensor([-(-n // 8) * 8]))
