@@ -9,10 +9,18 @@ import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_dtype, check_same_device, unit_last_stride
 from kernels._e4m3 import e4m3_bits, round_to_e4m3
-from kernels.reference import FP8_KV_DTYPE, FP8_MAX, FP8_MIN_SCALE, is_fp8_kv_cache, kv_cache_head_dim
+from kernels.reference import (
+    FP8_KV_DTYPE,
+    FP8_KV_SCALE_BYTES,
+    FP8_MAX,
+    FP8_MIN_SCALE,
+    is_fp8_kv_cache,
+    kv_cache_head_dim,
+)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
+_FP8_SCALE_BYTES = tl.constexpr(FP8_KV_SCALE_BYTES)
 
 
 @triton.jit
@@ -50,7 +58,7 @@ def _write_kv_cache_kernel(
     k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
     if FP8:
-        row = head_dim + 4
+        row = head_dim + _FP8_SCALE_BYTES
         base = cache_ptr + slots * (num_heads * row) + heads * row
         _store_fp8_rows(base, k.to(tl.float32), mask, head_dim, dims)
         _store_fp8_rows(base + v_offset, v.to(tl.float32), mask, head_dim, dims)

@@ -31,6 +31,7 @@ _PREFILL_ROWS, _DECODE_ROWS = 64, 16
 # Keys per step of the online softmax; float32 tiles are twice the bytes, so they take half as many keys.
 _KEYS, _KEYS_FP32 = 64, 32
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+_FP8_SCALE_BYTES = tl.constexpr(FP8_KV_SCALE_BYTES)
 
 
 @triton.jit
@@ -120,7 +121,7 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    row_len = head_dim + 4 if FP8 else head_dim  # a cached row: an FP8 one ends with its scale
+    row_len = head_dim + _FP8_SCALE_BYTES if FP8 else head_dim  # a cached row: an FP8 one ends with its scale
     for start in range(kv_begin, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end

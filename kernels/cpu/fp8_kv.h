@@ -28,10 +28,7 @@ inline uint8_t float_to_e4m3(float v) {
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
   if (magnitude > 0x7F800000u) return sign | 0x7F;
   if ((magnitude >> 23) < 121) {  // below 2^-6: a subnormal, a multiple of 2^-9 (8 of them is 2^-6, encoded 0x08)
-    float scaled;
-    const uint32_t a = magnitude;
-    std::memcpy(&scaled, &a, sizeof(scaled));
-    return sign | static_cast<uint8_t>(std::nearbyint(scaled * 512.f));
+    return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(v) * 512.f));
   }
   // 3 mantissa bits kept, to nearest with ties to even; a carry moves into the exponent.
   const uint32_t rounded = (magnitude + 0x7FFFFu + ((magnitude >> 20) & 1u)) & ~0xFFFFFu;

@@ -437,9 +437,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t width = block_tables.size(1);
   TORCH_CHECK(kv_cache.size(4) == (fp8 ? dim + kFp8ScaleBytes : dim), "head dim of q and kv_cache differ");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-  const AttendFn<float> attend_float = fp8 ? nullptr : attend_for<float>(dim);
-  const AttendFn<uint8_t> attend_fp8 = fp8 ? attend_for<uint8_t>(dim) : nullptr;
-  LADLE_CHECK(attend_float != nullptr || attend_fp8 != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256",
+  LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256",
               static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
   const at::Tensor lens = seq_lens.contiguous();
@@ -472,26 +470,27 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   // positions), so contiguous shares would give the last thread most of the work.
   const int64_t count_groups = static_cast<int64_t>(groups.size());
   const int64_t shares = std::min(threads, count_groups);
-  at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-    // Left uninitialised: attend writes everything before it reads it.
-    Scratch scratch(most, heads, dim, fp8 ? kTile * kv_heads : 0);
-    for (int64_t share = begin; share < end; ++share) {
-      for (int64_t g = share; g < count_groups; g += shares) {
-        const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
-        const float* q_rows = q_ptr + first * heads * dim;
-        float* out_rows = out_ptr + first * heads * dim;
-        if (fp8) {
-          const uint8_t* k_ptr = kv_cache.data_ptr<uint8_t>();
-          attend_fp8(q_rows, k_ptr, k_ptr + half, tables + first * width, lens_ptr + first, count, block_size,
-                     kv_heads, group, window, fscale, fsoftcap, scratch, out_rows);
-        } else {
-          const float* k_ptr = kv_cache.data_ptr<float>();
-          attend_float(q_rows, k_ptr, k_ptr + half, tables + first * width, lens_ptr + first, count, block_size,
-                       kv_heads, group, window, fscale, fsoftcap, scratch, out_rows);
+  // The groups over a cache of Cache elements (float32, or an FP8 one's bytes): K, then V `half` elements on.
+  auto attend_groups = [&](const auto* cache) {
+    const auto attend_fn = attend_for<std::remove_cv_t<std::remove_pointer_t<decltype(cache)>>>(dim);
+    at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+      // Left uninitialised: attend writes everything before it reads it.
+      Scratch scratch(most, heads, dim, fp8 ? kTile * kv_heads : 0);
+      for (int64_t share = begin; share < end; ++share) {
+        for (int64_t g = share; g < count_groups; g += shares) {
+          const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
+          attend_fn(q_ptr + first * heads * dim, cache, cache + half, tables + first * width, lens_ptr + first,
+                    count, block_size, kv_heads, group, window, fscale, fsoftcap, scratch,
+                    out_ptr + first * heads * dim);
         }
       }
-    }
-  });
+    });
+  };
+  if (fp8) {
+    attend_groups(kv_cache.data_ptr<uint8_t>());
+  } else {
+    attend_groups(kv_cache.data_ptr<float>());
+  }
   return out;
 }
 
