@@ -82,6 +82,7 @@ from engine_server.layers.quantized_linear import (
     quantize_q8,
     replace_linears,
 )
+from engine_server.layers.weight_arena import gather_packed_weights
 from engine_server.loader.fp8_checkpoint import read_fp8_weights
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
@@ -262,6 +263,7 @@ def quantize_model(
             replace_experts(model, lambda name, bank: quantize_experts(bank))
     if on_cpu:
         replace_routers(model)
+        gather_packed_weights(model)  # before the decode stack takes references to the packed blocks
     # A bank of experts counts as one layer (`experts_<format>`); one left float (CUDA's, or not on groups of 32)
     # counts as `float`, as do the float linear layers and the routers.
     formats = Counter(
