@@ -163,6 +163,9 @@ void pair_tile(const QuantizedRows& xq, int64_t m0, const PackedBlocks& w, int64
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    // The next pair's group g (quant_tiles.h's prefetch_bytes): blocks 2 and 3 past block0.
+    prefetch_bytes(blocks.block0 + (2 * groups + g) * P * kPlaneBytes, P * kPlaneBytes);
+    prefetch_bytes(blocks.block0 + (3 * groups + g) * P * kPlaneBytes, P * kPlaneBytes);
     const int8_t* xg = x + g * kGroup;
     __m512i sums[R];
 #pragma GCC unroll 8

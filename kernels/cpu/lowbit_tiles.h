@@ -333,6 +333,8 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w0 = block0 + g * bytes;
     const uint8_t* w1 = block1 + g * bytes;
+    prefetch_bytes(w0 + 2 * (block1 - block0), bytes);  // the next pair's group g (quant_tiles.h)
+    prefetch_bytes(w1 + 2 * (block1 - block0), bytes);
     const int8_t* xg = x + g * kGroup;
     __m512i first[R], second[R];
 #pragma GCC unroll 8

@@ -262,6 +262,15 @@ void with_rows(int64_t rows, F&& f) {
   }
 }
 
+// Prefetches the cache lines of the `bytes` bytes at p into L2. A single-row product is bound by how fast the
+// weight streams in, and a thread's blocks are one contiguous run: the tiles ask for the next pair of blocks' group
+// while they multiply this one's, so more of the run is in flight than the hardware prefetchers keep on their own
+// (they stop at every 4 KiB page). Measured on a decode step of the Q4_K_M file (2-core Zen 5 VM): the stack
+// 3.02 -> 2.70 ms, the Q8 LM head 1.03 -> 0.76 ms; one pair ahead, two, four or eight within noise of each other.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(static_cast<const char*>(p) + at, 0, 2);
+}
+
 // Below this much work (in 8-feature x 32-element group products) one thread runs it all: waking the others
 // costs more than they would save.
 constexpr int64_t kMinParallelWork = 2048;
