@@ -85,6 +85,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w = block + g * bytes;
+    prefetch_bytes(w + groups * bytes, bytes);  // the next block's group g (quant_tiles.h)
     const int8_t* xg = x + g * kGroup;
     __m256i first[R], second[R];  // int32 dots of the group's first and second 16 elements (kSuper6), or all
 #pragma GCC unroll 8
