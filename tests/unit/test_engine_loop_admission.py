@@ -99,7 +99,9 @@ def test_a_held_add_ends_aborted_or_past_its_deadline_as_a_queued_one_would() ->
     async def body(loop: EngineLoop) -> tuple[dict[str, CoreOutput], dict[str, CoreOutput], dict[str, CoreOutput]]:
         running = [loop.add(f"b{k}", _group(f"b{k}", 1, max_tokens=200), wait=True) for k in range(3)]
         aborted = loop.add("gone", _group("gone", 2), wait=True)
-        late = loop.add("late", _group("late", 1, deadline=time.monotonic() + 0.2), wait=True)
+        # Past its deadline by the time the loop holds it (the queue is full behind b0..b2), whatever the machine's
+        # speed: with a deadline ahead, a fast machine ran b0..b2's ~375 tokens, then "late", inside it.
+        late = loop.add("late", _group("late", 1, deadline=time.monotonic() + 0.001), wait=True)
         stopped = loop.add("stopped", _group("stopped", 1), wait=True)
         await asyncio.sleep(0.05)
         loop.abort(list(aborted.core_ids))
