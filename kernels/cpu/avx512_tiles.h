@@ -329,6 +329,16 @@ class AmxScope {};
 
 constexpr bool kPairTiles = true;
 
+// Whether a product of one row takes its blocks one at a time (the 256-bit VNNI tiles, the same bits) instead of
+// in pairs. On AMD's Zen 5 one at a time is faster: a decode step of the Q4_K_M file 3.93 -> 3.49 ms, its Q8 LM
+// head 0.77 -> 0.59 ms (a 2-core VM, 3 alternating runs; the pair's two interleaved block streams and lane inserts
+// cost more there than the wider multiply saves). On the Intel Xeon of earlier stops the pairs were measured faster
+// for short runs of rows (the experts', docs/performance.md), so they stay there.
+inline bool single_blocks_for_one_row() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
 // Rows [first, last) of y for output features [16 * pair, 16 * pair + 16) of `w` (P planes): with `scratch` (AMX on,
 // an AmxScope on this thread) and kAmxMinRows rows or more, the pair unpacked into it and run through AMX tiles;
 // otherwise through pair_tile, 8 rows at a time. y points at row 0, feature 0; rows y_stride apart.
@@ -361,6 +371,8 @@ void pair_rows(const QuantizedRows& xq, int64_t first, int64_t last, const Packe
 #else  // without AVX-512 the callers take block_tile's paths and never reach this
 
 constexpr bool kPairTiles = false;
+
+inline bool single_blocks_for_one_row() { return true; }  // there are no pairs
 
 template <int64_t P>
 void pair_rows(const QuantizedRows&, int64_t, int64_t, const PackedBlocks&, int64_t, UnpackedPair*, float*, int64_t) {

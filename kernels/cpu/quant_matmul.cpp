@@ -128,7 +128,9 @@ void run_packed(const QuantizedRows& xq, int64_t m_rows, const uint8_t* packed, 
                 const at::Half* mins, int64_t blocks, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup;
   if constexpr (kPairTiles) {
-    return run_pairs<P>(xq, m_rows, PackedBlocks{packed, scales, mins, blocks, groups, n_rows}, y, y_stride);
+    if (m_rows > 1 || !single_blocks_for_one_row()) {
+      return run_pairs<P>(xq, m_rows, PackedBlocks{packed, scales, mins, blocks, groups, n_rows}, y, y_stride);
+    }
   }
   const int64_t chunk = std::max<int64_t>(kRowTile, kRowChunkBytes / k / kRowTile * kRowTile);
   at::parallel_for(0, blocks, grain_blocks(blocks, k, std::min(m_rows, chunk)), [&](int64_t begin, int64_t end) {
@@ -158,6 +160,7 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
   const int64_t k = xq.k, groups = k / kGroup;
   // AMX tiles for 12 rows or more, as the 4-bit products take them (not Q6_K: two scales a group).
   const bool amx = S != LowBitScales::kSuper6 && kLowBitPairs && m_rows >= kAmxMinRows && amx_enabled();
+  const bool pairs = kLowBitPairs && (m_rows > 1 || !single_blocks_for_one_row());
   const int64_t tile = amx ? kAmxRows : kRowTile;
   const int64_t chunk = std::max<int64_t>(tile, kRowChunkBytes / k / tile * tile);
   at::parallel_for(0, blocks, grain_blocks(blocks, k, std::min(m_rows, chunk)), [&](int64_t begin, int64_t end) {
@@ -171,7 +174,7 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
       const int64_t m_end = std::min(m_rows, m_chunk + chunk);
       for (int64_t b = begin; b < end; ++b) {
         // Two blocks of this thread's at a time where it has two left (a pair gives the bits of two single tiles).
-        const bool paired = kLowBitPairs && b + 1 < end;
+        const bool paired = pairs && b + 1 < end;
         lowbit_rows<H, S>(xq, half, m_chunk, m_end, packed, tables, b, paired, amx ? &*scratch : nullptr, y, y_stride,
                           n_rows);
         if (paired) ++b;
