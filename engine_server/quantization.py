@@ -7,14 +7,16 @@
   gate/up in one and down in one); its other tensors (F32, F16, Q2_K, Q3_K, ...) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
   (`quantize_q8`).
-- `fp8`: every linear layer but the LM head and the routers in float8 e4m3 (`layers.fp8_linear`): an FP8 checkpoint's
-  weights as it stores them (`loader.fp8_checkpoint`: per channel, per tensor, or per block of 128 x 128), any
-  other model's float weights quantized per output channel at load; activations are rounded to e4m3 per token
-  on the fly. On CUDA (compute capability 8.9+: e4m3 tensor cores) the weights stay e4m3 and `kernels.fp8_linear`
-  multiplies them; on the CPU they are dequantized once to float and x is rounded to e4m3 before each product:
-  the same arithmetic, for loading and measuring FP8 models without a GPU (neither faster nor smaller than
-  float). Under tensor parallelism each rank quantizes its slice of the float weights per channel, an FP8
-  checkpoint's included (dequantized first); a mixture of experts' banks stay float.
+- `fp8`: every linear layer but the LM head and the routers, and every bank of experts, in float8 e4m3
+  (`layers.fp8_linear`, `layers.fp8_experts`): an FP8 checkpoint's weights as it stores them
+  (`loader.fp8_checkpoint`: per channel, per tensor, or per block of 128 x 128), any other model's float weights
+  quantized per output channel at load; activations are rounded to e4m3 per token on the fly (an expert's
+  SiLU-and-mul rows per token and expert). On CUDA (compute capability 8.9+: e4m3 tensor cores) the weights stay
+  e4m3 and `kernels.fp8_linear` / `kernels.fused_moe.fp8_fused_moe` multiply them; on the CPU they are
+  dequantized once to float and the rows are rounded to e4m3 before each product: the same arithmetic, for
+  loading and measuring FP8 models without a GPU (neither faster nor smaller than float). Under tensor
+  parallelism each rank quantizes its slice of the float weights per channel, an FP8 checkpoint's included
+  (dequantized first).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), `fp8` for an FP8 checkpoint on CUDA
   where the FP8 GEMMs run, otherwise `none` (an FP8 checkpoint then loads dequantized to float).
 A mixture of experts' routers stay float under `gguf` and `int8` (their logits choose the experts: a rounding step
@@ -59,6 +61,13 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from engine_server.layers.decode_stack import build_decode_stack
+from engine_server.layers.fp8_experts import (
+    Fp8Bank,
+    Fp8Experts,
+    Fp8ExpertWeights,
+    quantize_fp8_experts,
+    replace_fp8_experts,
+)
 from engine_server.layers.fp8_linear import Fp8Linear, Fp8Weight, concat_fp8_rows, quantize_fp8, replace_fp8_linears
 from engine_server.layers.lowbit_weight import LowBitWeight
 from engine_server.layers.quantized_experts import (
@@ -86,7 +95,7 @@ from engine_server.layers.weight_arena import gather_packed_weights
 from engine_server.loader.fp8_checkpoint import read_fp8_weights
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
-from engine_server.models.base import FUSED_SHARDS, CausalLM
+from engine_server.models.base import FUSED_SHARDS, CausalLM, expert_weight
 from engine_server.parallel.layers import (
     EXPERT_PARTS,
     ColumnParallelLinear,
@@ -100,7 +109,7 @@ from kernels.reference import QUANT_GROUP
 Scheme = Literal["none", "gguf", "int8", "fp8"]
 # What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF), or a linear
 # layer's FP8 weight (an FP8 checkpoint).
-StoredWeight = QuantizedWeight | ExpertWeights | Fp8Weight
+StoredWeight = QuantizedWeight | ExpertWeights | Fp8Weight | Fp8ExpertWeights
 
 
 def resolve_quantization(
@@ -165,15 +174,22 @@ def _fp8_refusal(device: torch.device, kernels: bool) -> str | None:
 
 
 def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, StoredWeight], frozenset[str]]:
-    """The FP8 weight of each of `model`'s linear layers that `source`, an FP8 checkpoint, stores in FP8 (all of a
-    fused layer's shards: `concat_fp8_rows`), by module name, and the checkpoint names they were read from (for
+    """The FP8 weight of each of `model`'s linear layers and expert banks that `source`, an FP8 checkpoint, stores
+    in FP8 (all of a fused layer's shards: `concat_fp8_rows`; all of a bank's experts' projections, each expert's
+    gate and up rows joined the same way), by module name, and the checkpoint names they were read from (for
     `ModelSource.lazy_weights`, which then leaves them to this). Empty for any other source, and under tensor
     parallelism, where every rank quantizes its slice of the dequantized weights instead (module doc)."""
     if source.fp8 is None or model.tp.size > 1:
         return {}, frozenset()
     parts: dict[str, dict[str, str]] = {}  # module -> shard ("" for a whole layer) -> checkpoint weight name
+    expert_parts: dict[str, dict[tuple[int, str], str]] = {}  # bank -> (expert, part) -> checkpoint weight name
     for name in source.fp8.fp8_weights(source.path):
-        module = model.checkpoint_name(name).removesuffix(".weight")
+        checkpoint_name = model.checkpoint_name(name)
+        expert = expert_weight(checkpoint_name)
+        if expert is not None:
+            expert_parts.setdefault(expert[0], {})[expert[1:]] = name
+            continue
+        module = checkpoint_name.removesuffix(".weight")
         target, shard = module, ""
         for fused, part, shard_name in FUSED_SHARDS:
             if module.endswith(f".{part}"):
@@ -185,11 +201,40 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
         expected = [s for f, _, s in FUSED_SHARDS if target.endswith(f".{f}")] if "" not in shards else [""]
         if isinstance(modules.get(target), nn.Linear) and set(shards) == set(expected):
             chosen[target] = [shards[s] for s in expected]
-    read = read_fp8_weights(source.path, source.fp8, [n for names in chosen.values() for n in names])
+    banks: dict[str, dict[tuple[int, str], str]] = {}
+    for target, stored_parts in expert_parts.items():
+        bank = modules.get(target)
+        if isinstance(bank, ParallelExperts) and set(stored_parts) == {
+            (e, part) for e in range(bank.num_experts) for part in EXPERT_PARTS
+        }:
+            banks[target] = stored_parts
+    names = [n for ns in chosen.values() for n in ns] + [n for ps in banks.values() for n in ps.values()]
+    read = read_fp8_weights(source.path, source.fp8, names)
     weights: dict[str, StoredWeight] = {
         target: concat_fp8_rows([read[n] for n in names]) for target, names in chosen.items()
     }
+    for target, stored_parts in banks.items():
+        experts = range(len(stored_parts) // len(EXPERT_PARTS))
+        gate_up = [concat_fp8_rows([read[stored_parts[e, "gate"]], read[stored_parts[e, "up"]]]) for e in experts]
+        down = [read[stored_parts[e, "down"]] for e in experts]
+        weights[target] = _fp8_bank_weights(Fp8Bank.stack(gate_up), Fp8Bank.stack(down))
     return weights, frozenset(read)
+
+
+def _fp8_bank_weights(gate_up: Fp8Bank, down: Fp8Bank) -> Fp8ExpertWeights:
+    """A bank's stored FP8 projections as one `Fp8ExpertWeights`: as stored when both are scaled alike (per channel,
+    or per blocks of one size), else both per channel (`Fp8Experts` takes one layout), the block-scaled one's
+    values quantized again per channel (as `concat_fp8_rows` does for a block straddling two shards)."""
+    if gate_up.block == down.block:
+        return Fp8ExpertWeights(gate_up, down)
+
+    def per_channel(bank: Fp8Bank) -> Fp8Bank:
+        if bank.block is None:
+            return bank
+        experts = [quantize_fp8(bank.expert(e).dequantize()) for e in range(bank.qs.shape[0])]
+        return Fp8Bank.stack(experts)
+
+    return Fp8ExpertWeights(per_channel(gate_up), per_channel(down))
 
 
 def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeight]:
@@ -283,8 +328,9 @@ def quantize_model(
 
 def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[str, int]:
     """`quantize_model` under `fp8`: each linear layer's FP8 weight from `stored` (`stored_fp8_weights`), else its
-    float weight quantized per channel; the LM head and the routers stay float unless stored in FP8 (module doc).
-    Returns layers per format (`fp8`, `fp8_block`, `float`)."""
+    float weight quantized per channel; the LM head and the routers stay float unless stored in FP8 (module doc);
+    each bank of experts likewise (`layers.fp8_experts`). Returns layers per format (`fp8`, `fp8_block`, a bank as
+    `experts_fp8` / `experts_fp8_block`, `float`)."""
 
     def weight_for(name: str, linear: nn.Linear) -> Fp8Weight | None:
         weight = stored.get(name)
@@ -294,18 +340,25 @@ def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[s
             return None
         return quantize_fp8(linear.weight)
 
+    def bank_for(name: str, bank: ParallelExperts) -> Fp8ExpertWeights:
+        weights = stored.get(name)
+        return weights if isinstance(weights, Fp8ExpertWeights) else quantize_fp8_experts(bank)
+
     replace_fp8_linears(model, weight_for)
+    replace_fp8_experts(model, bank_for)
     modules = list(model.modules())
     inner = {id(m.dense) for m in modules if isinstance(m, Fp8Linear)}  # the CPU's dequantized copies
     return dict(Counter(
-        module.format if isinstance(module, Fp8Linear) else "float"
+        module.format if isinstance(module, Fp8Linear)
+        else f"experts_{module.format}" if isinstance(module, Fp8Experts)
+        else "float"
         for module in modules
-        if isinstance(module, Fp8Linear | nn.Linear | ParallelExperts) and id(module) not in inner
+        if isinstance(module, Fp8Linear | nn.Linear | ParallelExperts | Fp8Experts) and id(module) not in inner
     ))  # fmt: skip
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    return None if weight is None or isinstance(weight, ExpertWeights | Fp8Weight) else weight
+    return None if weight is None or isinstance(weight, ExpertWeights | Fp8Weight | Fp8ExpertWeights) else weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:

@@ -10,6 +10,13 @@ masked; blocks past the last expert's run do nothing. Accumulation is float32 (I
 result matches the reference to float rounding; the pairs of a token are summed in choice order, not expert
 order as the CPU path sums them.
 
+`fp8_fused_moe` runs the same two launches on FP8 experts (`--quantization fp8`; contract
+`kernels.reference.fp8_fused_moe`): the weights e4m3 with float32 scales per channel or per block (`fp8_linear`'s
+layouts, one per expert), x rounded to e4m3 per token and the SiLU-and-mul rows per pair
+(`kernels.fp8_linear.fp8_quantize_per_token`), e4m3 times e4m3 on the tensor cores with float32 sums, both
+scales applied to the sums (a block's to each K tile's partial product) as `kernels.fp8_linear`'s GEMM does. It
+needs compute capability 8.9 or newer, as that GEMM does.
+
 The block sizes are a first guess, not yet tuned on hardware.
 """
 
@@ -22,7 +29,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._checks import check_dtype, check_same_device, check_shape, unit_last_stride
 from kernels._dot import dot
-from kernels.reference import silu_and_mul
+from kernels.fp8_linear import check_scale, fp8_quantize_per_token
+from kernels.reference import FP8_DTYPE, silu_and_mul
 
 _BLOCK_M = 16
 _BLOCK_N = 64
@@ -53,13 +61,20 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, pair_weights_ptr,
-    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
-    A_ROWS_PER_PAIR_DIV: tl.constexpr, SCALE: tl.constexpr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, pair_weights_ptr,
+    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
+    A_ROWS_PER_PAIR_DIV: tl.constexpr, SCALE: tl.constexpr, W_SCALES: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Program (m, n): for block m of the sorted pairs, whose expert is e, out[pair, n-block] =
-    a[pair // A_ROWS_PER_PAIR_DIV, :] @ w[e, n-block, :].T (times the pair's weight with SCALE), in float32."""
+    a[pair // A_ROWS_PER_PAIR_DIV, :] @ w[e, n-block, :].T (times the pair's weight with SCALE), in float32.
+
+    W_SCALES 0: a and w are floats. Otherwise both are e4m3, a's row r multiplied by a_scale[r] and w[e] by its
+    scales after the sums: W_SCALES 1, one per output channel (`w_scale[e, n]`); 2, one per block of SCALE_ROWS x
+    SCALE_COLS (`w_scale[e, n // SCALE_ROWS, k // SCALE_COLS]`, applied to each K tile's partial product: BLOCK_K
+    divides SCALE_COLS). WIDEN (the interpreter) multiplies e4m3 tiles widened to float32: the same products."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -72,6 +87,7 @@ def _grouped_gemm_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
+    scale_base = w_scale_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -80,7 +96,23 @@ def _grouped_gemm_kernel(
                     other=0.0)  # fmt: skip
         w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)  # fmt: skip
-        acc = dot(a, w, acc, "ieee", UPCAST_DOT)
+        if W_SCALES == 0:
+            acc = dot(a, w, acc, "ieee", UPCAST_DOT)
+        else:
+            if WIDEN:  # the interpreter multiplies e4m3 bytes as integers: widen them first (exact)
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            if W_SCALES == 1:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                partial = tl.dot(a, w, input_precision="ieee")
+                block_scale = tl.load(scale_base + (cols // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=col_ok,
+                                      other=0.0)  # fmt: skip
+                acc += partial * block_scale[None, :]
+    if W_SCALES != 0:
+        acc = acc * tl.load(a_scale_ptr + a_rows, mask=pair_ok, other=0.0)[:, None]
+    if W_SCALES == 1:
+        acc = acc * tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
     if SCALE:
         acc = acc * tl.load(pair_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -95,16 +127,27 @@ def _grouped_gemm(
     num_pairs: int,
     a_rows_per_pair: int,
     pair_weights: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """`[num_pairs, N]`: each pair's row of `a` (row `pair // a_rows_per_pair`) times its expert's `w[e].T`."""
-    out = torch.empty(num_pairs, w.shape[1], dtype=a.dtype, device=a.device)
+    """`[num_pairs, N]` in `out_dtype`: each pair's row of `a` (row `pair // a_rows_per_pair`) times its expert's
+    `w[e].T`. With `scales` (a's `[rows, 1]`, w's `[E, N, 1]` or per block of `block` `[E, nb, kb]`), a and w are
+    e4m3 (kernel doc)."""
+    out = torch.empty(num_pairs, w.shape[1], dtype=out_dtype, device=a.device)
+    a_scale, w_scale = scales if scales is not None else (a, a)
+    w_scales = 0 if scales is None else 1 if block is None else 2
+    block_k = _BLOCK_K if block is None else next(b for b in (_BLOCK_K, 16) if block[1] % b == 0)
     grid = (block_experts.numel(), triton.cdiv(w.shape[1], _BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, w, out, pair_ids, block_experts, pair_weights if pair_weights is not None else a,
+        a, a_scale, w, w_scale, out, pair_ids, block_experts, pair_weights if pair_weights is not None else a,
         num_pairs, w.shape[1], w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_ROWS_PER_PAIR_DIV=a_rows_per_pair, SCALE=pair_weights is not None,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
+        w_scale.stride(0) if scales is not None else 0, w_scale.stride(1) if scales is not None else 0,
+        A_ROWS_PER_PAIR_DIV=a_rows_per_pair, SCALE=pair_weights is not None, W_SCALES=w_scales,
+        SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 0,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
         UPCAST_DOT=a.dtype == torch.bfloat16 and isinstance(_grouped_gemm_kernel, InterpretedFunction),
+        WIDEN=isinstance(_grouped_gemm_kernel, InterpretedFunction),
     )  # fmt: skip
     return out
 
@@ -133,8 +176,58 @@ def fused_moe(
     w13, w2 = w13.contiguous(), w2.contiguous()
     pair_ids, block_experts = align_pairs(experts, num_experts, _BLOCK_M)
     num_pairs = tokens * top_k
-    gate_up = _grouped_gemm(x, w13, pair_ids, block_experts, num_pairs, top_k, None)
+    gate_up = _grouped_gemm(x, w13, pair_ids, block_experts, num_pairs, top_k, None, x.dtype)
     down = _grouped_gemm(
-        silu_and_mul(gate_up), w2, pair_ids, block_experts, num_pairs, 1, weights.reshape(-1).float().contiguous()
+        silu_and_mul(gate_up),
+        w2,
+        pair_ids,
+        block_experts,
+        num_pairs,
+        1,
+        weights.reshape(-1).float().contiguous(),
+        x.dtype,
     )
     return down.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def fp8_fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    weights: torch.Tensor, experts: torch.Tensor, block: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`kernels.reference.fp8_fused_moe` on the GPU (module doc): x `[T, H]` (float32, float16 or bfloat16), w13
+    `[E, 2I, H]` and w2 `[E, H, I]` e4m3 with float32 scales `[E, 2I, 1]` / `[E, H, 1]` (per channel) or per block
+    of `block` (`[E, ceil(2I/bn), ceil(H/bk)]` / `[E, ceil(H/bn), ceil(I/bk)]`), routing `weights` and `experts`
+    `[T, k]` -> `[T, H]` in x's dtype (gate/up and down in float32, a token's pairs summed in float32). Raises
+    ValueError on dtypes, shapes or devices the kernels cannot read."""
+    check_dtype("x", x)
+    check_dtype("w13", w13, (FP8_DTYPE,))
+    check_dtype("w2", w2, (FP8_DTYPE,))
+    check_same_device(x=x, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, weights=weights, experts=experts)
+    if x.dim() != 2 or w13.dim() != 3 or experts.dim() != 2:
+        raise ValueError(f"x must be 2-d, w13 3-d, experts 2-d; got {x.dim()}, {w13.dim()}, {experts.dim()}")
+    tokens, hidden = x.shape
+    num_experts, double_inter, _ = w13.shape
+    check_shape("w13", w13, (num_experts, double_inter, hidden))
+    check_shape("w2", w2, (num_experts, hidden, double_inter // 2))
+    check_shape("weights", weights, tuple(experts.shape))
+    for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+        if scale.dim() != 3 or scale.shape[0] != num_experts:
+            raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected one scale tensor per expert")
+        check_scale(scale[0], weight.shape[1], weight.shape[2], block)
+    top_k = experts.shape[1]
+    if tokens == 0:
+        return x.new_zeros(0, hidden)
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    pair_ids, block_experts = align_pairs(experts, num_experts, _BLOCK_M)
+    num_pairs = tokens * top_k
+    xq, x_scale = fp8_quantize_per_token(x)
+    gate_up = _grouped_gemm(
+        xq, w13, pair_ids, block_experts, num_pairs, top_k, None, torch.float32, (x_scale, w13_scale), block
+    )
+    hidden_q, hidden_scale = fp8_quantize_per_token(silu_and_mul(gate_up))
+    down = _grouped_gemm(
+        hidden_q, w2, pair_ids, block_experts, num_pairs, 1, weights.reshape(-1).float().contiguous(), torch.float32,
+        (hidden_scale, w2_scale), block,
+    )  # fmt: skip
+    return down.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

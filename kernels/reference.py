@@ -525,9 +525,7 @@ def fp8_quantize_blocks(
     return to_fp8(w / expand_fp8_scale(scale, rows, cols, block)), scale
 
 
-def expand_fp8_scale(
-    scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None = None
-) -> torch.Tensor:
+def expand_fp8_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None = None) -> torch.Tensor:
     """An FP8 weight `[N, K]`'s scale as the float32 multiplier of each element (a tensor that broadcasts to
     `[N, K]`): without `block`, `[]` / `[1]` (per tensor) or `[N]` / `[N, 1]` (per channel); with `block` (bn, bk),
     `[ceil(N/bn), ceil(K/bk)]`, one per block of bn x bk elements (the last row and column of blocks partial)."""
@@ -554,4 +552,25 @@ def fp8_linear(
     out = F.linear(xq.float() * x_scale, fp8_dequantize(weight, scale, block))
     if bias is not None:
         out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+    weights: torch.Tensor, experts: torch.Tensor, block: tuple[int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`fused_moe` with FP8 experts (`kernels.fused_moe.fp8_fused_moe`): w13 `[E, 2I, H]` and w2 `[E, H, I]` in e4m3
+    with their float32 scales (each expert's `[N, 1]` per channel, or per block of `block`: `fp8_linear`'s layouts,
+    stacked over the experts), x `[T, H]`, routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype. Each
+    (token, choice) pair is two `fp8_linear`s in float32: x's row rounded per token times gate/up, `silu_and_mul`,
+    that row rounded to e4m3 again times down, scaled by the pair's weight; a token's pairs are summed in float32,
+    then rounded once to x's dtype. One pair at a time: a reference."""
+    tokens, top_k = experts.shape
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    for token in range(tokens):
+        for choice in range(top_k):
+            e = int(experts[token, choice])
+            hidden = silu_and_mul(fp8_linear(x[token : token + 1].float(), w13[e], w13_scale[e], block=block))
+            down = fp8_linear(hidden, w2[e], w2_scale[e], block=block)
+            out[token] += weights[token, choice].float() * down[0]
     return out.to(x.dtype)

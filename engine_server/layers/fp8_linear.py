@@ -75,6 +75,13 @@ def concat_fp8_rows(weights: list[Fp8Weight]) -> Fp8Weight:
     return quantize_fp8(torch.cat([w.dequantize() for w in weights]))
 
 
+def fp8_rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` rounded to e4m3 per row (`kernels.reference.fp8_quantize_per_token`) and back, in x's dtype: what
+    the CPU multiplies where the GPU multiplies e4m3 rows and applies their scales after the sums."""
+    xq, x_scale = fp8_quantize_per_token(x)
+    return (xq.float() * x_scale).to(x.dtype)
+
+
 class Fp8Linear(nn.Module):
     """`F.linear(x, W, bias)` with W an `Fp8Weight` and x rounded to e4m3 per token (any leading dims of x), as
     `kernels.reference.fp8_linear`. On CUDA `qs` and `scales` are the weight's (module doc); on the CPU `dense` holds
@@ -113,8 +120,7 @@ class Fp8Linear(nn.Module):
 
             out = fp8_linear(rows, self.qs, self.scales, self.bias, self.block)
         else:
-            xq, x_scale = fp8_quantize_per_token(rows)
-            out = self.dense((xq.float() * x_scale).to(x.dtype))
+            out = self.dense(fp8_rounded_rows(rows))
             if self.bias is not None:
                 out = out + self.bias
         result: torch.Tensor = out.reshape(*x.shape[:-1], self.out_features)

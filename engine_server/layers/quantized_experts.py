@@ -142,6 +142,21 @@ def expert_weights(
 def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExperts], ExpertWeights | None]) -> int:
     """Swap each `ParallelExperts` of `model` for a `QuantizedExperts` of `weights_for(name, bank)`; None keeps that
     bank float. Returns how many were swapped."""
+
+    def layer_for(name: str, bank: ParallelExperts) -> nn.Module | None:
+        weights = weights_for(name, bank)
+        if weights is None:
+            return None
+        if len(weights.gate_up) != bank.num_experts or weights.gate_up[0].shape != tuple(bank.w13.shape[1:]):
+            raise ValueError(f"{name}: quantized experts do not match the bank's {tuple(bank.w13.shape)}")
+        return QuantizedExperts(weights)
+
+    return swap_experts(model, layer_for)
+
+
+def swap_experts(model: nn.Module, layer_for: Callable[[str, ParallelExperts], nn.Module | None]) -> int:
+    """Put `layer_for(name, bank)` in each `ParallelExperts`' place in `model` (by its `named_modules` name); None
+    keeps that bank. Returns how many were swapped."""
     banks = [
         (parent, f"{prefix}.{name}" if prefix else name, name, child)
         for prefix, parent in model.named_modules()
@@ -150,13 +165,10 @@ def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExpert
     ]
     swapped = 0
     for parent, full_name, name, bank in banks:
-        weights = weights_for(full_name, bank)
-        if weights is None:
-            continue
-        if len(weights.gate_up) != bank.num_experts or weights.gate_up[0].shape != tuple(bank.w13.shape[1:]):
-            raise ValueError(f"{full_name}: quantized experts do not match the bank's {tuple(bank.w13.shape)}")
-        setattr(parent, name, QuantizedExperts(weights))
-        swapped += 1
+        layer = layer_for(full_name, bank)
+        if layer is not None:
+            setattr(parent, name, layer)
+            swapped += 1
     return swapped
 
 

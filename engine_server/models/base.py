@@ -52,6 +52,13 @@ _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
 
 
+def expert_weight(name: str) -> tuple[str, int, str] | None:
+    """(bank, expert, part: "gate", "up" or "down") of one expert's projection weight named as `load_weights` reads
+    it (`<bank>.<e>.gate_proj.weight`, after `checkpoint_name`), None for any other name."""
+    match = _EXPERT_WEIGHT.fullmatch(name)
+    return None if match is None else (match["bank"], int(match["expert"]), _EXPERT_PART[match["proj"]])
+
+
 class CausalLM(nn.Module):
     """A decoder-only language model over a paged KV cache. Subclasses name a family and its quirks.
 

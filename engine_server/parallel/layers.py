@@ -259,22 +259,39 @@ class ParallelExperts(nn.Module):
             from kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
 
             return fused_moe(x, self.w13, self.w2, weights, experts)
-        k = experts.shape[1]
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k
-        pair_weights = weights.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            hidden = activation(F.linear(x.index_select(0, rows), self.w13[expert]))
-            out.index_add_(0, rows, F.linear(hidden, self.w2[expert]) * pair_weights[start : start + count])
-            start += count
-        return out
+        return grouped_experts(
+            x, weights, experts, self.num_experts,
+            lambda e, rows: F.linear(rows, self.w13[e]), lambda e, rows: F.linear(rows, self.w2[e]), activation,
+        )  # fmt: skip
+
+
+# One expert's product: (expert, its rows `[M, K]`) -> `[M, N]`.
+ExpertProduct = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def grouped_experts(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int, gate_up: ExpertProduct,
+    down: ExpertProduct, activation: Activation,
+) -> torch.Tensor:  # fmt: skip
+    """`sum_j weights[t, j] * down(e, activation(gate_up(e, x[t])))` for `e = experts[t, j]` -> `[T, H]` in x's
+    dtype, tokens grouped by expert: each expert that any token chose runs once over all of its tokens' rows, and
+    adds its weighted output into theirs, experts in ascending order (as transformers sums them)."""
+    k = experts.shape[1]
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // k
+    pair_weights = weights.flatten()[order].unsqueeze(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        hidden = activation(gate_up(expert, x.index_select(0, rows)))
+        out.index_add_(0, rows, down(expert, hidden) * pair_weights[start : start + count])
+        start += count
+    return out
 
 
 class _VocabRows:

@@ -24,6 +24,7 @@ from kernels import (
     activation,
     bitmask,
     fp8_linear,
+    fused_moe,
     int8_linear,
     kv_cache,
     paged_attention,
@@ -114,12 +115,29 @@ def fp8_calls(dtype: torch.dtype) -> None:
         fp8_linear.fp8_linear(x, weight, blocks, block=(128, 128), use_scaled_mm=False)
 
 
+def moe_calls(dtype: torch.dtype) -> None:
+    """The mixture of experts' grouped GEMMs, float and FP8 (per channel and per 128 x 128 block), at Qwen3-30B-A3B's
+    widths (4 of its 128 experts: the kernels do not depend on their number), decode rows and a prefill chunk."""
+    hidden, inter, experts = 2048, 768, 4
+    w13, w2 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype), torch.zeros(experts, hidden, inter, dtype=dtype)
+    q13, q2 = w13.to(reference.FP8_DTYPE), w2.to(reference.FP8_DTYPE)
+    channel13, channel2 = torch.ones(experts, 2 * inter, 1), torch.ones(experts, hidden, 1)
+    block13, block2 = torch.ones(experts, 12, 16), torch.ones(experts, 16, 6)
+    for tokens in (3, 100):
+        x = torch.zeros(tokens, hidden, dtype=dtype)
+        weights, chosen = torch.full((tokens, 2), 0.5), torch.arange(2 * tokens).reshape(tokens, 2) % experts
+        fused_moe.fused_moe(x, w13, w2, weights, chosen)
+        fused_moe.fp8_fused_moe(x, q13, channel13, q2, channel2, weights, chosen)
+        fused_moe.fp8_fused_moe(x, q13, block13, q2, block2, weights, chosen, block=(128, 128))
+
+
 def quick_calls() -> None:
     """The riskiest specializations: every kernel once, attention's tile shapes, its float32 path and FP8 cache."""
     elementwise_calls(torch.bfloat16)
     int8_calls(torch.bfloat16)
     int8_calls(torch.float32)
     fp8_calls(torch.bfloat16)
+    moe_calls(torch.bfloat16)
     attention([(1, 40), (7, 20)], 28, 4, 128, torch.bfloat16)  # prefill tiles, a group of 7
     attention([(1, 40), (1, 20)], 8, 1, 96, torch.bfloat16)  # decode tiles, padded head dim
     attention([(1, 40), (7, 20)], 4, 4, 128, torch.float32)  # float32: the most shared memory
@@ -133,6 +151,7 @@ def full_calls() -> None:
         elementwise_calls(dtype)
         int8_calls(dtype)
         fp8_calls(dtype)
+        moe_calls(dtype)
         for (heads, kv_heads, head_dim), fp8 in itertools.product(ATTENTION_SHAPES, (False, True)):
             attention([(1, 40), (7, 20)], heads, kv_heads, head_dim, dtype, fp8)
             attention([(1, 40), (1, 20)], heads, kv_heads, head_dim, dtype, fp8)
@@ -165,8 +184,9 @@ def main(argv: list[str]) -> int:
     for fn, args, kwargs in launches:
         for target, shared_limit in targets:
             capability = (target.arch // 10, target.arch % 10)
-            if fn.fn.__module__ == fp8_linear.__name__ and capability < fp8_linear.FP8_MIN_CAPABILITY:
-                continue  # e4m3 tensor cores: the FP8 GEMM is never launched below sm_89
+            fp8 = fn.fn.__module__ == fp8_linear.__name__ or kwargs.get("W_SCALES", 0) > 0
+            if fp8 and capability < fp8_linear.FP8_MIN_CAPABILITY:
+                continue  # e4m3 tensor cores: the FP8 GEMMs are never launched below sm_89
             start = time.perf_counter()
             try:
                 kernel = compile_launch(fn, args, kwargs, target)
