@@ -396,3 +396,21 @@ def test_a_float_mixture_of_experts_is_quantized_at_load_as_a_per_channel_checkp
     assert served["at load"][0] == served["checkpoint"][0]
     for at_load, stored in zip(served["at load"][1], served["checkpoint"][1], strict=True):
         assert torch.equal(at_load, stored)
+
+
+@pytest.mark.slow  # engines on a saved model, two ranks
+def test_fp8_experts_under_tensor_parallelism(tmp_path: Path) -> None:
+    """At TP=2 each rank quantizes its slice of every expert (half of the intermediate rows of gate/up, half of
+    down's columns, each output channel scaled over its slice) and of the shared expert; the block all-reduces as
+    at TP=1. Its output stays near the float model's as TP=1's does (this Qwen2-MoE, measured: top-1 1.0 at both
+    sizes, mean KL 0.009 at TP=2 and 0.028 at TP=1)."""
+    folder = save_family(tmp_path / "moe", "qwen2-moe", head_spread=1.0)
+    with engine(folder, "none") as float_llm:
+        sequences, log_probs = reference_of(float_llm, QUALITY_PROMPTS[:4], 16)
+    config = EngineConfig(model=str(folder), device="cpu", quantization="fp8", tensor_parallel_size=2,
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    with LLM(config=config) as llm:
+        banks = [m for m in llm.core.runner.model.modules() if isinstance(m, Fp8Experts)]
+        assert banks and all(bank.w13.shape[1] == 32 and bank.w2.shape[2] == 16 for bank in banks)  # 16 rows a rank
+        result = compare(log_probs, llm, "fp8 tp2", QUALITY_PROMPTS[:4], 16, sequences, free_running=False)
+    assert result.top1_agreement >= MIN_TOP1 and result.mean_kl <= MAX_MEAN_KL, result
