@@ -227,14 +227,7 @@ def _fp8_bank_weights(gate_up: Fp8Bank, down: Fp8Bank) -> Fp8ExpertWeights:
     values quantized again per channel (as `concat_fp8_rows` does for a block straddling two shards)."""
     if gate_up.block == down.block:
         return Fp8ExpertWeights(gate_up, down)
-
-    def per_channel(bank: Fp8Bank) -> Fp8Bank:
-        if bank.block is None:
-            return bank
-        experts = [quantize_fp8(bank.expert(e).dequantize()) for e in range(bank.qs.shape[0])]
-        return Fp8Bank.stack(experts)
-
-    return Fp8ExpertWeights(per_channel(gate_up), per_channel(down))
+    return Fp8ExpertWeights(gate_up.per_channel(), down.per_channel())
 
 
 def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeight]:

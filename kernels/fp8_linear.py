@@ -28,7 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._checks import check_dtype, check_same_device, unit_last_stride
 from kernels._e4m3 import round_to_e4m3
-from kernels.reference import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from kernels.reference import FP8_DTYPE, FP8_GPU_BLOCK_COLUMNS, FP8_MAX, FP8_MIN_SCALE
 
 _QUANT_BLOCK = 1024
 _BLOCK_K = 64
@@ -128,13 +128,14 @@ def _blocks(rows: int) -> tuple[int, int]:
 
 def check_scale(scale: torch.Tensor, features: int, depth: int, block: tuple[int, int] | None) -> None:
     """An FP8 weight `[N, K]`'s float32 scale must be `[N, 1]` (per channel, `block` None) or `[ceil(N/bn),
-    ceil(K/bk)]` (per block of `block` = (bn, bk), bk a multiple of 16): raises ValueError otherwise."""
+    ceil(K/bk)]` (per block of `block` = (bn, bk), bk a multiple of `FP8_GPU_BLOCK_COLUMNS`, 32): raises ValueError
+    otherwise."""
     check_dtype("scale", scale, (torch.float32,))
     if block is None:
         expected = (features, 1)
     else:
-        if block[0] < 1 or block[1] % 16 or block[1] < 16:
-            raise ValueError(f"block {block}: rows >= 1 and columns a multiple of 16 expected")
+        if block[0] < 1 or block[1] % FP8_GPU_BLOCK_COLUMNS or block[1] < FP8_GPU_BLOCK_COLUMNS:
+            raise ValueError(f"block {block}: rows >= 1 and columns a multiple of {FP8_GPU_BLOCK_COLUMNS} expected")
         expected = (-(-features // block[0]), -(-depth // block[1]))
     if tuple(scale.shape) != expected:
         raise ValueError(f"scale has shape {tuple(scale.shape)}; expected {list(expected)} for block {block}")
@@ -169,7 +170,7 @@ def fp8_linear(
         return _scaled_mm(xq, x_scale, weight, scale, bias, x.dtype)
     out = torch.empty(rows, features, dtype=x.dtype, device=x.device)
     block_m, block_n = _blocks(rows)
-    block_k = _BLOCK_K if block is None else next(b for b in (64, 32, 16) if block[1] % b == 0)
+    block_k = _BLOCK_K if block is None else next(b for b in (64, FP8_GPU_BLOCK_COLUMNS) if block[1] % b == 0)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(features, block_n))
     _fp8_gemm_kernel[grid](
         xq, x_scale, weight, scale, bias if bias is not None else scale, out,

@@ -73,8 +73,9 @@ def _grouped_gemm_kernel(
 
     W_SCALES 0: a and w are floats. Otherwise both are e4m3, a's row r multiplied by a_scale[r] and w[e] by its
     scales after the sums: W_SCALES 1, one per output channel (`w_scale[e, n]`); 2, one per block of SCALE_ROWS x
-    SCALE_COLS (`w_scale[e, n // SCALE_ROWS, k // SCALE_COLS]`, applied to each K tile's partial product: BLOCK_K
-    divides SCALE_COLS). WIDEN (the interpreter) multiplies e4m3 tiles widened to float32: the same products."""
+    SCALE_COLS (`w_scale[e, n // SCALE_ROWS, k // SCALE_COLS]`, applied to each K tile's partial product: BLOCK_K,
+    32, divides SCALE_COLS: `check_scale`). WIDEN (the interpreter) multiplies e4m3 tiles widened to float32: the
+    same products."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -137,7 +138,6 @@ def _grouped_gemm(
     out = torch.empty(num_pairs, w.shape[1], dtype=out_dtype, device=a.device)
     a_scale, w_scale = scales if scales is not None else (a, a)
     w_scales = 0 if scales is None else 1 if block is None else 2
-    block_k = _BLOCK_K if block is None else next(b for b in (_BLOCK_K, 16) if block[1] % b == 0)
     grid = (block_experts.numel(), triton.cdiv(w.shape[1], _BLOCK_N))
     _grouped_gemm_kernel[grid](
         a, a_scale, w, w_scale, out, pair_ids, block_experts, pair_weights if pair_weights is not None else a,
@@ -145,7 +145,7 @@ def _grouped_gemm(
         w_scale.stride(0) if scales is not None else 0, w_scale.stride(1) if scales is not None else 0,
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair, SCALE=pair_weights is not None, W_SCALES=w_scales,
         SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 0,
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         UPCAST_DOT=a.dtype == torch.bfloat16 and isinstance(_grouped_gemm_kernel, InterpretedFunction),
         WIDEN=isinstance(_grouped_gemm_kernel, InterpretedFunction),
     )  # fmt: skip

@@ -461,6 +461,9 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torc
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_BLOCK = 128  # the block-wise checkpoints' weight_block_size (DeepSeek-V3, Qwen3-FP8): [128, 128]
+# The GPU kernels' e4m3 K tiles are 32 columns wide at least (tl.dot's least K for 8-bit floats) and never straddle
+# two blocks: they take blocks a multiple of this many columns wide (`engine_server.layers.fp8_linear.gpu_layout`).
+FP8_GPU_BLOCK_COLUMNS = 32
 # A row of zeros gets this scale instead of 0, so that dividing by it is defined (its values stay 0).
 FP8_MIN_SCALE = 1e-12
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_server.layers.fp8_linear import Fp8Weight, fp8_rounded_rows
+from engine_server.layers.fp8_linear import Fp8Weight, fp8_rounded_rows, gpu_layout, quantize_fp8
 from engine_server.layers.quantized_experts import swap_experts
 from engine_server.parallel.layers import Activation, ParallelExperts, grouped_experts
 from kernels.reference import fp8_quantize_per_channel
@@ -47,6 +47,12 @@ class Fp8Bank:
         if len(layouts) != 1:
             raise ValueError(f"the experts' FP8 weights differ in shape or layout: {sorted(map(str, layouts))}")
         return cls(torch.stack([w.qs for w in weights]), torch.stack([w.scales for w in weights]), weights[0].block)
+
+    def per_channel(self) -> Fp8Bank:
+        """The bank with one scale per output channel: itself, or a block-scaled one's values quantized again."""
+        if self.block is None:
+            return self
+        return Fp8Bank.stack([quantize_fp8(self.expert(e).dequantize()) for e in range(self.qs.shape[0])])
 
     def expert(self, index: int) -> Fp8Weight:
         return Fp8Weight(self.qs[index], self.scales[index], self.block)
@@ -99,8 +105,10 @@ class Fp8Experts(nn.Module):
         gate_up, down = weights.gate_up, weights.down
         if gate_up.block != down.block:
             raise ValueError(f"gate/up scaled per {gate_up.block} but down per {down.block}")
+        if gate_up.qs.is_cuda and gpu_layout(gate_up.expert(0)) is not gate_up.expert(0):
+            gate_up, down = gate_up.per_channel(), down.per_channel()  # blocks the GPU kernel cannot take
         self.num_experts = gate_up.qs.shape[0]
-        self.format = weights.format
+        self.format = Fp8ExpertWeights(gate_up, down).format
         self.block = gate_up.block
         if gate_up.qs.is_cuda:
             self.register_buffer("w13", gate_up.qs.contiguous(), persistent=False)

@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from engine_server.layers.quantized_linear import swap_linears
-from kernels.reference import fp8_dequantize, fp8_quantize_per_channel, fp8_quantize_per_token
+from kernels.reference import (
+    FP8_GPU_BLOCK_COLUMNS,
+    fp8_dequantize,
+    fp8_quantize_per_channel,
+    fp8_quantize_per_token,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,16 @@ def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     """A float weight `[N, K]` in e4m3 with one scale per output channel (its largest magnitude maps to 448)."""
     qs, scales = fp8_quantize_per_channel(weight.detach())
     return Fp8Weight(qs, scales)
+
+
+def gpu_layout(weight: Fp8Weight) -> Fp8Weight:
+    """`weight` as the GPU kernels take it: as it is, unless its blocks are not a multiple of
+    `FP8_GPU_BLOCK_COLUMNS` (32) columns wide (the e4m3 K tiles are that wide at least, and never straddle two
+    blocks); such a weight is quantized again per channel (its values rounded once more: format `fp8`). The
+    checkpoints' blocks are 128 wide."""
+    if weight.block is None or weight.block[1] % FP8_GPU_BLOCK_COLUMNS == 0:
+        return weight
+    return quantize_fp8(weight.dequantize())
 
 
 def concat_fp8_rows(weights: list[Fp8Weight]) -> Fp8Weight:
@@ -92,6 +107,8 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
+        if weight.qs.is_cuda:
+            weight = gpu_layout(weight)
         self.out_features, self.in_features = weight.shape
         self.format = weight.format
         self.block = weight.block

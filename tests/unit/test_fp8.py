@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from benchmarks.quality import QUALITY_PROMPTS, compare, reference_of
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig
-from engine_server.layers.fp8_experts import Fp8Experts
-from engine_server.layers.fp8_linear import Fp8Linear, Fp8Weight, concat_fp8_rows, quantize_fp8
+from engine_server.layers.fp8_experts import Fp8Bank, Fp8Experts
+from engine_server.layers.fp8_linear import Fp8Linear, Fp8Weight, concat_fp8_rows, gpu_layout, quantize_fp8
 from engine_server.layers.moe import SparseMoE
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.loader.fp8_checkpoint import Fp8Checkpoint, fp8_checkpoint
@@ -66,6 +66,22 @@ def test_quantize_dequantize_round_trip(block: tuple[int, int] | None) -> None:
 def test_a_zero_row_quantizes_to_zeros() -> None:
     qs, scale = reference.fp8_quantize_per_token(torch.zeros(2, 8))
     assert not qs.float().any() and bool((scale == reference.FP8_MIN_SCALE).all())
+
+
+def test_the_gpu_takes_blocks_a_multiple_of_32_columns_wide_or_quantizes_them_again_per_channel() -> None:
+    """`gpu_layout`: per-channel weights and 128- or 32-column blocks as they are; 48-column blocks (a checkpoint's
+    could be: the e4m3 K tiles of the GPU kernels are 32 wide) quantized again per channel, for dense layers and for
+    banks of experts alike."""
+    generator = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 256, generator=generator)
+    blocks = [Fp8Weight(*reference.fp8_quantize_blocks(w, block), block) for block in [(128, 128), (16, 32)]]
+    for weight in (quantize_fp8(w), *blocks):
+        assert gpu_layout(weight) is weight
+    narrow = Fp8Weight(*reference.fp8_quantize_blocks(w, (32, 48)), (32, 48))
+    again = gpu_layout(narrow)
+    assert again.block is None and torch.equal(again.dequantize(), quantize_fp8(narrow.dequantize()).dequantize())
+    bank = Fp8Bank.stack([narrow, narrow])
+    assert bank.per_channel().block is None and torch.equal(bank.per_channel().dequantize()[1], again.dequantize())
 
 
 def test_fused_shards_keep_their_scales_or_are_quantized_again() -> None:
@@ -414,3 +430,20 @@ def test_fp8_experts_under_tensor_parallelism(tmp_path: Path) -> None:
         assert banks and all(bank.w13.shape[1] == 32 and bank.w2.shape[2] == 16 for bank in banks)  # 16 rows a rank
         result = compare(log_probs, llm, "fp8 tp2", QUALITY_PROMPTS[:4], 16, sequences, free_running=False)
     assert result.top1_agreement >= MIN_TOP1 and result.mean_kl <= MAX_MEAN_KL, result
+
+
+@pytest.mark.slow  # an engine on a saved model
+def test_experts_whose_blocks_straddle_gate_and_up_are_quantized_again_per_channel(tmp_path: Path) -> None:
+    """Experts of 40 rows in a checkpoint of 32 x 48 blocks: a block would straddle an expert's gate and up rows, so
+    its gate/up is quantized again per channel (`concat_fp8_rows`), and its down with it (a bank takes one layout):
+    each the per-channel rounding of the checkpoint's own values."""
+    folder = save_family(tmp_path / "moe", "qwen3-moe", head_spread=1.0, moe_intermediate_size=40)
+    (tmp_path / "checkpoint").mkdir()
+    _, fp8_folder, _, dequantized = fp8_and_float_folders(folder, tmp_path / "checkpoint", "blockwise")
+    with engine(fp8_folder, "fp8") as llm:
+        bank = llm.core.runner.model.model.layers[0].mlp.experts
+        assert isinstance(bank, Fp8Experts) and bank.format == "fp8"
+        prefix = "model.layers.0.mlp.experts.7"
+        gate_up = torch.cat([dequantized[f"{prefix}.{part}_proj.weight"] for part in ("gate", "up")])
+        assert torch.equal(bank.w13[7], quantize_fp8(gate_up).dequantize())
+        assert torch.equal(bank.w2[7], quantize_fp8(dequantized[f"{prefix}.down_proj.weight"]).dequantize())

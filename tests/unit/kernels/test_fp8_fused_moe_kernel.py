@@ -76,7 +76,7 @@ def run_kernel(x: torch.Tensor, bank: Fp8ExpertWeights, weights: torch.Tensor, c
         (3, 1, 16, 32, 16, None),  # most experts unused
         (5, 2, 4, 256, 128, (128, 128)),  # DeepSeek's blocks
         (9, 2, 4, 96, 80, (64, 64)),  # partial blocks in both dims
-        (6, 2, 4, 96, 48, (16, 48)),  # blocks of 48 columns: 16-wide K tiles
+        (6, 2, 4, 96, 48, (16, 96)),  # blocks of 96 columns: three K tiles each, down's block partial
     ],
 )
 def test_fp8_fused_moe_matches_the_reference(
@@ -135,4 +135,6 @@ def test_no_tokens_and_the_argument_checks(device: torch.device) -> None:
     with pytest.raises(ValueError, match="w2_scale has shape"):
         fp8_fused_moe(x, gate_up.qs, gate_up.scales, down.qs, down.scales[0], weights, chosen)
     with pytest.raises(ValueError, match="scale has shape"):
-        fp8_fused_moe(x, gate_up.qs, gate_up.scales, down.qs, down.scales, weights, chosen, block=(16, 16))
+        fp8_fused_moe(x, gate_up.qs, gate_up.scales, down.qs, down.scales, weights, chosen, block=(16, 32))
+    with pytest.raises(ValueError, match="multiple of 32"):  # e4m3 K tiles are 32 wide at least
+        fp8_fused_moe(x, gate_up.qs, gate_up.scales, down.qs, down.scales, weights, chosen, block=(16, 48))
