@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_server.layers.fp8_linear import Fp8Weight, fp8_rounded_rows, gpu_layout, quantize_fp8
+from engine_server.layers.fp8_linear import Fp8Weight, fp8_rounded_rows, gpu_takes, quantize_fp8
 from engine_server.layers.quantized_experts import swap_experts
 from engine_server.parallel.layers import Activation, ParallelExperts, grouped_experts
 from kernels.reference import fp8_quantize_per_channel
@@ -105,7 +105,7 @@ class Fp8Experts(nn.Module):
         gate_up, down = weights.gate_up, weights.down
         if gate_up.block != down.block:
             raise ValueError(f"gate/up scaled per {gate_up.block} but down per {down.block}")
-        if gate_up.qs.is_cuda and gpu_layout(gate_up.expert(0)) is not gate_up.expert(0):
+        if gate_up.qs.is_cuda and not gpu_takes(gate_up.block):
             gate_up, down = gate_up.per_channel(), down.per_channel()  # blocks the GPU kernel cannot take
         self.num_experts = gate_up.qs.shape[0]
         self.format = Fp8ExpertWeights(gate_up, down).format

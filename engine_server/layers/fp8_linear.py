@@ -63,14 +63,17 @@ def quantize_fp8(weight: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(qs, scales)
 
 
+def gpu_takes(block: tuple[int, int] | None) -> bool:
+    """Whether the GPU kernels take FP8 weights scaled per `block` (None: per channel): blocks a multiple of
+    `FP8_GPU_BLOCK_COLUMNS` (32) columns wide, as their e4m3 K tiles are that wide at least and never straddle two
+    blocks. The published checkpoints' blocks are 128 wide."""
+    return block is None or block[1] % FP8_GPU_BLOCK_COLUMNS == 0
+
+
 def gpu_layout(weight: Fp8Weight) -> Fp8Weight:
-    """`weight` as the GPU kernels take it: as it is, unless its blocks are not a multiple of
-    `FP8_GPU_BLOCK_COLUMNS` (32) columns wide (the e4m3 K tiles are that wide at least, and never straddle two
-    blocks); such a weight is quantized again per channel (its values rounded once more: format `fp8`). The
-    checkpoints' blocks are 128 wide."""
-    if weight.block is None or weight.block[1] % FP8_GPU_BLOCK_COLUMNS == 0:
-        return weight
-    return quantize_fp8(weight.dequantize())
+    """`weight` as the GPU kernels take it: as it is where `gpu_takes` its blocks, else quantized again per channel
+    (its values rounded once more: format `fp8`)."""
+    return weight if gpu_takes(weight.block) else quantize_fp8(weight.dequantize())
 
 
 def concat_fp8_rows(weights: list[Fp8Weight]) -> Fp8Weight:

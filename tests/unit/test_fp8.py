@@ -18,7 +18,7 @@ from benchmarks.quality import QUALITY_PROMPTS, compare, reference_of
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.layers.fp8_experts import Fp8Bank, Fp8Experts
-from engine_server.layers.fp8_linear import Fp8Linear, Fp8Weight, concat_fp8_rows, gpu_layout, quantize_fp8
+from engine_server.layers.fp8_linear import Fp8Linear, Fp8Weight, concat_fp8_rows, gpu_layout, gpu_takes, quantize_fp8
 from engine_server.layers.moe import SparseMoE
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.loader.fp8_checkpoint import Fp8Checkpoint, fp8_checkpoint
@@ -76,7 +76,8 @@ def test_the_gpu_takes_blocks_a_multiple_of_32_columns_wide_or_quantizes_them_ag
     w = torch.randn(64, 256, generator=generator)
     blocks = [Fp8Weight(*reference.fp8_quantize_blocks(w, block), block) for block in [(128, 128), (16, 32)]]
     for weight in (quantize_fp8(w), *blocks):
-        assert gpu_layout(weight) is weight
+        assert gpu_takes(weight.block) and gpu_layout(weight) is weight
+    assert not gpu_takes((32, 48)) and not gpu_takes((128, 16))
     narrow = Fp8Weight(*reference.fp8_quantize_blocks(w, (32, 48)), (32, 48))
     again = gpu_layout(narrow)
     assert again.block is None and torch.equal(again.dequantize(), quantize_fp8(narrow.dequantize()).dequantize())
