@@ -448,3 +448,18 @@ def test_experts_whose_blocks_straddle_gate_and_up_are_quantized_again_per_chann
         gate_up = torch.cat([dequantized[f"{prefix}.{part}_proj.weight"] for part in ("gate", "up")])
         assert torch.equal(bank.w13[7], quantize_fp8(gate_up).dequantize())
         assert torch.equal(bank.w2[7], quantize_fp8(dequantized[f"{prefix}.down_proj.weight"]).dequantize())
+
+
+@pytest.mark.slow  # engines on a saved model
+def test_an_fp8_mixture_of_experts_loads_dequantized_by_default_on_the_cpu(
+    moe_checkpoint: tuple[str, Path, Path, dict[str, torch.Tensor]],
+) -> None:
+    """`auto` on the CPU reads the checkpoint's experts dequantized (each e4m3 value times its scale), as its dense
+    layers: the same greedy tokens as the float model saved with those values."""
+    _, folder, plain, _ = moe_checkpoint
+    with engine(folder, "auto") as llm:
+        assert llm.core.runner.quantization == "none"
+        ours = [r.choices[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with engine(plain, "none") as float_llm:
+        theirs = [r.choices[0].token_ids for r in float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert ours == theirs
