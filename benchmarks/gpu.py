@@ -164,14 +164,25 @@ def hf_seconds(hf: Any, workload: Workload) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step streams: every parameter, plus the weights held in another form (the
-    8/4-bit weights and scales of quantized layers; the CPU's MKL-packed layers, as float32)."""
+    8/4-bit weights and scales of quantized layers; FP8 layers' and banks' e4m3 values and scales, or on the CPU
+    their dequantized banks; the CPU's MKL-packed layers, as float32). A bank of experts counts whole, as a step of
+    many sequences reads nearly every expert."""
+    from engine_server.layers.fp8_experts import Fp8Experts
+    from engine_server.layers.fp8_linear import Fp8Linear
     from engine_server.layers.packed_linear import PackedLinear
     from engine_server.layers.quantized_linear import QuantizedLinear
+
+    def size(*tensors: torch.Tensor | None) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight is listed once
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            total += sum(t.numel() * t.element_size() for t in (module.qs, module.scales, module.mins) if t is not None)
+            total += size(module.qs, module.scales, module.mins)
+        elif isinstance(module, Fp8Linear):  # on the CPU its dense layer's parameters are counted above instead
+            total += size(module.qs, module.scales)
+        elif isinstance(module, Fp8Experts):
+            total += size(module.w13, module.w2, module.w13_scale, module.w2_scale)
         elif isinstance(module, PackedLinear):  # MKL's packed copy is opaque: count the float32 weight it holds
             total += module.in_features * module.out_features * 4 * (module.weight.stride() == (0, 0))
     return total

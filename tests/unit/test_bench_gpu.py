@@ -6,8 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import chart, gpu
+from engine_server.layers.fp8_experts import Fp8Experts, quantize_fp8_experts
+from engine_server.parallel.group import SINGLE
+from engine_server.parallel.layers import ParallelExperts
 
 pytestmark = pytest.mark.slow  # a tiny CPU run of the GPU benchmark
 
@@ -28,6 +32,13 @@ def test_roofline_counts_weights_once_per_step_and_the_kv_each_sequence_reads() 
     # Steps: 3. KV tokens read: seq 0 at contexts 2, 3, 4; seq 1 at context 1 -> 10 tokens.
     seconds = gpu.roofline_seconds(workload, weight_bytes=100, kv_bytes_per_token=10, bandwidth=50.0)
     assert seconds == pytest.approx((3 * 100 + 10 * 10) / 50.0)
+
+
+def test_weight_bytes_count_fp8_banks_held_as_buffers() -> None:
+    """An FP8 bank's weights are buffers, not parameters: counted all the same (on the CPU, its dequantized values)."""
+    bank = ParallelExperts(4, 64, 32, SINGLE)
+    experts = Fp8Experts(quantize_fp8_experts(bank), torch.float32)
+    assert gpu.weight_bytes(bank) == gpu.weight_bytes(experts) == (4 * 64 * 64 + 4 * 64 * 32) * 4
 
 
 @pytest.mark.slow
