@@ -6,13 +6,19 @@ the capture itself runs as it does on CUDA; tests/gpu/test_decode_graphs_gpu.py 
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
+from engine_server import LLM, SamplingParams, model_loading
 from engine_server.attention_metadata import AttentionMetadata
+from engine_server.config import CacheConfig, EngineConfig
 from engine_server.core.request import Request
 from engine_server.cuda_graphs import DecodeGraphs, EagerCapture, bucket_for, graph_batch_sizes
 from engine_server.transfer import host_tensor, to_device
+from tests.families import save_family
 from tests.unit.runner_factories import greedy_request, make_lockstep, tiny_engine_config, tiny_runner
 
 SCRATCH = 99
@@ -182,3 +188,35 @@ def test_cpu_inputs_are_not_pinned() -> None:
     moved = to_device(host, torch.device("cpu"), torch.int32)
     assert moved.dtype == torch.int32 and moved.tolist() == [1, 2, 3] and not moved.is_pinned()
     assert to_device(host, "cpu") is host  # nothing to copy on the CPU
+
+
+@pytest.mark.slow  # engines on a saved model
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_a_mixture_of_experts_decodes_through_padded_graph_buffers_as_eagerly(
+    quantization: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU half of lifting `_captures_decode_graphs`' MoE guard (tests/gpu/test_moe_graphs_gpu.py is the GPU
+    half): with the guard lifted and `EagerCapture` standing in for `torch.cuda.graph`, a Qwen3-MoE decodes
+    through the static buffers, its padding rows routed to experts beside the real ones, to the eager engine's
+    tokens, float and FP8 experts alike."""
+    folder = save_family(tmp_path / "moe", "qwen3-moe", head_spread=1.0)
+    config = EngineConfig(
+        model=str(folder), device="cpu", quantization=quantization,  # type: ignore[arg-type]
+        cache=CacheConfig(memory_bytes=64 * 1024**2),
+    )
+    with LLM(config=dataclasses.replace(config, enforce_eager=True)) as eager:
+        theirs = _moe_tokens(eager)
+    monkeypatch.setattr(model_loading, "_captures_decode_graphs", lambda loaded, config: not config.enforce_eager)
+    monkeypatch.setattr(model_loading, "CudaGraphCapture", EagerCapture)
+    with LLM(config=config) as llm:
+        graphs = llm.core.runner.decode_graphs
+        assert graphs is not None
+        ours = _moe_tokens(llm)
+        assert sum(graphs.replays.values()) > 0
+    assert ours == theirs
+
+
+def _moe_tokens(llm: LLM) -> list[list[int]]:
+    prompts = [[17, 3000, 45, 902, 12], [5, 77], [40000, 123, 9, 9, 9, 801, 2024, 7]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    return [r.choices[0].token_ids for r in llm.generate(prompts, greedy, use_tqdm=False)]
