@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_server import LLM, SamplingParams
-from engine_server import model_loading
+from engine_server import LLM, SamplingParams, model_loading
 from engine_server.config import CacheConfig, EngineConfig
 from tests.families import save_family
 
