@@ -210,15 +210,19 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
             banks[target] = stored_parts
     names = [n for ns in chosen.values() for n in ns] + [n for ps in banks.values() for n in ps.values()]
     read = read_fp8_weights(source.path, source.fp8, names)
+    # Each tensor read is let go once joined (`pop`): a bank's experts are stacked into a copy, and a model's
+    # banks are most of its bytes, so holding both would double the peak.
     weights: dict[str, StoredWeight] = {
-        target: concat_fp8_rows([read[n] for n in names]) for target, names in chosen.items()
+        target: concat_fp8_rows([read.pop(n) for n in shard_names]) for target, shard_names in chosen.items()
     }
     for target, stored_parts in banks.items():
         experts = range(len(stored_parts) // len(EXPERT_PARTS))
-        gate_up = [concat_fp8_rows([read[stored_parts[e, "gate"]], read[stored_parts[e, "up"]]]) for e in experts]
-        down = [read[stored_parts[e, "down"]] for e in experts]
+        gate_up = [
+            concat_fp8_rows([read.pop(stored_parts[e, "gate"]), read.pop(stored_parts[e, "up"])]) for e in experts
+        ]
+        down = [read.pop(stored_parts[e, "down"]) for e in experts]
         weights[target] = _fp8_bank_weights(Fp8Bank.stack(gate_up), Fp8Bank.stack(down))
-    return weights, frozenset(read)
+    return weights, frozenset(names)
 
 
 def _fp8_bank_weights(gate_up: Fp8Bank, down: Fp8Bank) -> Fp8ExpertWeights:
