@@ -152,24 +152,34 @@ def _grouped_gemm(
     return out
 
 
+def _check_bank(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+    weight_dtype: torch.dtype, **others: torch.Tensor,
+) -> None:  # fmt: skip
+    """The launchers' common checks: x `[T, H]` in a float dtype, w13 `[E, 2I, H]` and w2 `[E, H, I]` of
+    `weight_dtype`, `weights` shaped as `experts` `[T, k]`, all of them and `others` on one device. Raises
+    ValueError otherwise."""
+    check_dtype("x", x)
+    check_dtype("w13", w13, (weight_dtype,))
+    check_dtype("w2", w2, (weight_dtype,))
+    check_same_device(x=x, w13=w13, w2=w2, weights=weights, experts=experts, **others)
+    if x.dim() != 2 or w13.dim() != 3 or experts.dim() != 2:
+        raise ValueError(f"x must be 2-d, w13 3-d, experts 2-d; got {x.dim()}, {w13.dim()}, {experts.dim()}")
+    hidden = x.shape[1]
+    num_experts, double_inter, _ = w13.shape
+    check_shape("w13", w13, (num_experts, double_inter, hidden))
+    check_shape("w2", w2, (num_experts, hidden, double_inter // 2))
+    check_shape("weights", weights, tuple(experts.shape))
+
+
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 ) -> torch.Tensor:
     """`kernels.reference.fused_moe` on the GPU (module doc): x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`,
     routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype. Raises ValueError on dtypes, shapes or
     devices the kernels cannot read."""
-    check_dtype("x", x)
-    check_dtype("w13", w13, (x.dtype,))
-    check_dtype("w2", w2, (x.dtype,))
-    check_same_device(x=x, w13=w13, w2=w2, weights=weights, experts=experts)
-    if x.dim() != 2 or w13.dim() != 3 or experts.dim() != 2:
-        raise ValueError(f"x must be 2-d, w13 3-d, experts 2-d; got {x.dim()}, {w13.dim()}, {experts.dim()}")
-    tokens, hidden = x.shape
-    num_experts, double_inter, _ = w13.shape
-    check_shape("w13", w13, (num_experts, double_inter, hidden))
-    check_shape("w2", w2, (num_experts, hidden, double_inter // 2))
-    check_shape("weights", weights, tuple(experts.shape))
-    top_k = experts.shape[1]
+    _check_bank(x, w13, w2, weights, experts, x.dtype)
+    (tokens, hidden), num_experts, top_k = x.shape, w13.shape[0], experts.shape[1]
     if tokens == 0:
         return x.new_zeros(0, hidden)
     x = unit_last_stride(x)
@@ -199,22 +209,12 @@ def fp8_fused_moe(
     of `block` (`[E, ceil(2I/bn), ceil(H/bk)]` / `[E, ceil(H/bn), ceil(I/bk)]`), routing `weights` and `experts`
     `[T, k]` -> `[T, H]` in x's dtype (gate/up and down in float32, a token's pairs summed in float32). Raises
     ValueError on dtypes, shapes or devices the kernels cannot read."""
-    check_dtype("x", x)
-    check_dtype("w13", w13, (FP8_DTYPE,))
-    check_dtype("w2", w2, (FP8_DTYPE,))
-    check_same_device(x=x, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale, weights=weights, experts=experts)
-    if x.dim() != 2 or w13.dim() != 3 or experts.dim() != 2:
-        raise ValueError(f"x must be 2-d, w13 3-d, experts 2-d; got {x.dim()}, {w13.dim()}, {experts.dim()}")
-    tokens, hidden = x.shape
-    num_experts, double_inter, _ = w13.shape
-    check_shape("w13", w13, (num_experts, double_inter, hidden))
-    check_shape("w2", w2, (num_experts, hidden, double_inter // 2))
-    check_shape("weights", weights, tuple(experts.shape))
+    _check_bank(x, w13, w2, weights, experts, FP8_DTYPE, w13_scale=w13_scale, w2_scale=w2_scale)
+    (tokens, hidden), num_experts, top_k = x.shape, w13.shape[0], experts.shape[1]
     for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
         if scale.dim() != 3 or scale.shape[0] != num_experts:
             raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected one scale tensor per expert")
         check_scale(scale[0], weight.shape[1], weight.shape[2], block)
-    top_k = experts.shape[1]
     if tokens == 0:
         return x.new_zeros(0, hidden)
     w13, w2 = w13.contiguous(), w2.contiguous()

@@ -204,16 +204,26 @@ def test_a_mixture_of_experts_decodes_through_padded_graph_buffers_as_eagerly(
         model=str(folder), device="cpu", quantization=quantization,  # type: ignore[arg-type]
         cache=CacheConfig(memory_bytes=64 * 1024**2),
     )
+    monkeypatch.setattr(model_loading, "CudaGraphCapture", EagerCapture)
+    theirs, ours, replays = moe_tokens_eager_and_through_graphs(config, monkeypatch)
+    assert replays > 0
+    assert ours == theirs
+
+
+def moe_tokens_eager_and_through_graphs(
+    config: EngineConfig, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """Greedy tokens of three prompts from `config`'s engine eagerly, then with `_captures_decode_graphs`' MoE guard
+    lifted, and how many decode graphs the second replayed (tests/gpu/test_moe_graphs_gpu.py shares it)."""
     with LLM(config=dataclasses.replace(config, enforce_eager=True)) as eager:
+        assert eager.core.runner.decode_graphs is None
         theirs = _moe_tokens(eager)
     monkeypatch.setattr(model_loading, "_captures_decode_graphs", lambda loaded, config: not config.enforce_eager)
-    monkeypatch.setattr(model_loading, "CudaGraphCapture", EagerCapture)
     with LLM(config=config) as llm:
         graphs = llm.core.runner.decode_graphs
         assert graphs is not None
         ours = _moe_tokens(llm)
-        assert sum(graphs.replays.values()) > 0
-    assert ours == theirs
+    return theirs, ours, sum(graphs.replays.values())
 
 
 def _moe_tokens(llm: LLM) -> list[list[int]]:
