@@ -11,7 +11,8 @@ prompt's estimate, the gateway holding no tokenizer, plus its output cap, or `DE
 in its project's current minute, in the database every gateway replica shares (`store.rate_windows`), so
 replicas enforce one limit. Over a limit it is a 429 in OpenAI's shape with `retry-after`; every admitted
 response carries `x-ratelimit-limit-requests`, `-remaining-requests`, `-reset-requests` and their token
-equivalents. When the request ends its reservation is corrected to the tokens it actually used (`settle`). Batch
+equivalents. When the request ends (a stream too when its client leaves early) its reservation is corrected to
+the tokens it actually used (`settle`). Batch
 lines are not counted here; a project past its `batch_tokens_per_day` (summed from the usage table, as flushed)
 cannot create a new batch that day (429), while the batches it has run on.
 """

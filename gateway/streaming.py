@@ -3,6 +3,11 @@
 Per choice, chat sends a role chunk first, then content chunks, then a chunk holding only the finish reason;
 completions sends text chunks and then the finish chunk. With `stream_options.include_usage`, every chunk has
 `"usage": null` and one last chunk with no choices carries the totals, as OpenAI does.
+
+However a stream ends (finished, failed, or its client gone), its request's usage is counted once
+(`RequestTimer.finish`): each engine stream's `usage`, or for one that did not finish, what its last message said it
+had used so far (`usage_so_far`), so a client that leaves early is billed for what it was sent and its rate-limit
+reservation is settled.
 """
 
 from __future__ import annotations
@@ -47,22 +52,23 @@ async def chat_chunks(
     timer: RequestTimer,
 ) -> AsyncIterator[dict[str, Any]]:
     started: set[int] = set()
-    usage: list[types_pb2.Usage] = []
-    async for message in messages:
-        timer.token()
-        for delta in message.choices:
-            if delta.index not in started:
-                started.add(delta.index)
-                yield header.chunk([from_engine.role_delta(delta.index)])
-            for choice in from_engine.chat_deltas(delta, want_logprobs):
-                yield header.chunk([choice])
-            if delta.finish_reason:
-                yield header.chunk([from_engine.finish_delta(delta, delta.index, chat=True)])
-        if message.HasField("usage"):
-            usage.append(message.usage)
-    timer.finish(usage)
+    used = types_pb2.Usage()
+    try:
+        async for message in messages:
+            timer.token()
+            used = from_engine.used(message)
+            for delta in message.choices:
+                if delta.index not in started:
+                    started.add(delta.index)
+                    yield header.chunk([from_engine.role_delta(delta.index)])
+                for choice in from_engine.chat_deltas(delta, want_logprobs):
+                    yield header.chunk([choice])
+                if delta.finish_reason:
+                    yield header.chunk([from_engine.finish_delta(delta, delta.index, chat=True)])
+    finally:
+        timer.finish([used])
     if header.include_usage:
-        yield header.usage_chunk(usage)
+        yield header.usage_chunk([used])
 
 
 async def completion_chunks(
@@ -71,23 +77,24 @@ async def completion_chunks(
 ) -> AsyncIterator[dict[str, Any]]:
     """`messages` are (prompt position, engine message) pairs; choice i of prompt p has index p * n + i."""
     offsets: dict[int, int] = {}
-    usage: list[types_pb2.Usage] = []
-    async for prompt_index, message in messages:
-        timer.token()
-        for delta in message.choices:
-            index = prompt_index * n + delta.index
-            if index not in offsets and echoes:
-                offsets[index] = len(echoes[prompt_index])
-                yield header.chunk([{"index": index, "text": echoes[prompt_index], "logprobs": None,
-                                     "finish_reason": None}])
-            offset = offsets.setdefault(index, 0)
-            if from_engine.has_content(delta):
-                yield header.chunk([from_engine.completion_delta(delta, index, want_logprobs, offset)])
-                offsets[index] = offset + len(delta.text)
-            if delta.finish_reason:
-                yield header.chunk([from_engine.finish_delta(delta, index, chat=False)])
-        if message.HasField("usage"):
-            usage.append(message.usage)
-    timer.finish(usage)
+    used: dict[int, types_pb2.Usage] = {}  # per prompt (each its own engine stream)
+    try:
+        async for prompt_index, message in messages:
+            timer.token()
+            used[prompt_index] = from_engine.used(message)
+            for delta in message.choices:
+                index = prompt_index * n + delta.index
+                if index not in offsets and echoes:
+                    offsets[index] = len(echoes[prompt_index])
+                    yield header.chunk([{"index": index, "text": echoes[prompt_index], "logprobs": None,
+                                         "finish_reason": None}])
+                offset = offsets.setdefault(index, 0)
+                if from_engine.has_content(delta):
+                    yield header.chunk([from_engine.completion_delta(delta, index, want_logprobs, offset)])
+                    offsets[index] = offset + len(delta.text)
+                if delta.finish_reason:
+                    yield header.chunk([from_engine.finish_delta(delta, index, chat=False)])
+    finally:
+        timer.finish(used.values())
     if header.include_usage:
-        yield header.usage_chunk(usage)
+        yield header.usage_chunk(list(used.values()))

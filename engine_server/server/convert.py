@@ -218,12 +218,15 @@ def generate_response(result: GenerationResult, model: str) -> engine_pb2.Genera
 
 
 def stream_response(
-    request_id: str, deltas: Sequence[Choice], model: str, usage: Usage | None = None
+    request_id: str, deltas: Sequence[Choice], model: str, usage_so_far: Usage, last: bool = False
 ) -> engine_pb2.StreamResponse:
-    """One stream message; `usage` is given on the last one only."""
-    response = engine_pb2.StreamResponse(request_id=request_id, choices=[delta_message(d) for d in deltas], model=model)
-    if usage is not None:
-        response.usage.CopyFrom(usage_message(usage))
+    """One stream message: `usage_so_far` (the request's usage up to this message) on every one, and as `usage`
+    too on the `last`."""
+    so_far = usage_message(usage_so_far)
+    response = engine_pb2.StreamResponse(request_id=request_id, choices=[delta_message(d) for d in deltas],
+                                         model=model, usage_so_far=so_far)  # fmt: skip
+    if last:
+        response.usage.CopyFrom(so_far)
     return response
 
 

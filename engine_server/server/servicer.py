@@ -120,10 +120,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                     # aclosing: a cancelled call closes the generator at once, which aborts the request in the core.
                     async with contextlib.aclosing(engine.generate(generation, _deadline(context))) as updates:
                         async for update in updates:
-                            usage = update.result.usage if update.finished else None
                             if update.finished:
                                 record_generation(span, generation.request_id, update.result)
-                            yield convert.stream_response(generation.request_id, update.deltas, model, usage)
+                            yield convert.stream_response(generation.request_id, update.deltas, model,
+                                                          update.result.usage, last=update.finished)
         except Exception as exc:
             await _fail(context, exc)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import APIError
+from gateway.translate import from_engine as out_engine
 from gateway.translate import responses_from_engine as out
 from gateway.translate.responses_to_engine import new_item_id
 from ladle.v1 import engine_pb2, types_pb2
@@ -164,26 +165,30 @@ class ResponseEvents:
 
 async def response_events(
     messages: AsyncIterator[engine_pb2.StreamResponse], events: ResponseEvents,
-    on_finished: Callable[[dict[str, Any], types_pb2.Usage], Awaitable[None]], on_output: Callable[[], None],
+    on_finished: Callable[[dict[str, Any]], Awaitable[None]], on_output: Callable[[], None],
+    on_ended: Callable[[types_pb2.Usage], None],
 ) -> AsyncIterator[Event]:
-    """The events of the streamed response. `on_finished(response, engine usage)` runs before the last event is
-    sent (so a stored response can be retrieved, and continued, once a client has seen it end); `on_output()` after
-    each engine message (the route's latency metrics). A failure of the engine stream after the start becomes an
-    `error` and a `response.failed` event."""
+    """The events of the streamed response. `on_finished(response)` runs before the last event is sent (so a stored
+    response can be retrieved, and continued, once a client has seen it end); `on_output()` after each engine
+    message (the route's latency metrics); `on_ended(engine usage)` once, however the stream ends: finished,
+    failed, or left by its client (then with what the engine's last message said it had used so far). A failure
+    of the engine stream after the start becomes an `error` and a `response.failed` event."""
     for event in events.start():
         yield event
     finish: types_pb2.FinishReason.ValueType = types_pb2.FINISH_REASON_UNSPECIFIED
     usage = types_pb2.Usage()
     try:
-        async for message in messages:
-            on_output()
-            for delta in message.choices:
-                for event in events.delta(delta):
-                    yield event
-                if delta.finish_reason:
-                    finish = delta.finish_reason
-            if message.HasField("usage"):
-                usage = message.usage
+        try:
+            async for message in messages:
+                on_output()
+                usage = out_engine.used(message)
+                for delta in message.choices:
+                    for event in events.delta(delta):
+                        yield event
+                    if delta.finish_reason:
+                        finish = delta.finish_reason
+        finally:
+            on_ended(usage)
     except APIError as error:
         for event in events.failure(error):
             yield event
@@ -191,5 +196,5 @@ async def response_events(
     closing, response = events.finish(finish, usage)
     for event in closing:
         yield event
-    await on_finished(response, usage)
+    await on_finished(response)
     yield events.last(response)

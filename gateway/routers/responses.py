@@ -30,7 +30,6 @@ from gateway.schemas.responses import ResponsesRequest
 from gateway.store.ids import RESPONSE_PREFIX, new_id
 from gateway.translate import responses_from_engine, responses_to_engine
 from gateway.translate.cache_salt import project_cache_salt
-from ladle.v1 import types_pb2
 
 ROUTE = "/v1/responses"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -63,18 +62,19 @@ async def create_response(
     shell = responses_from_engine.response_shell(body, response_id, model, "in_progress")
     timer = RequestTimer(metrics, ROUTE, project, model, admission)
 
-    async def finished(response: dict[str, Any], usage: types_pb2.Usage) -> None:
-        timer.finish([usage])
+    async def finished(response: dict[str, Any]) -> None:
         if body.store:
             await responses.store_response(response, project, items)
 
     if body.stream:
         messages_stream = await calls.started(calls.stream(pool, request))
-        events = response_events(messages_stream, ResponseEvents(shell, want_logprobs), finished, timer.token)
+        events = response_events(messages_stream, ResponseEvents(shell, want_logprobs), finished, timer.token,
+                                 lambda usage: timer.finish([usage]))
         return sse.named_response(events)
     reply = await calls.generate(pool, request)
     response = responses_from_engine.from_reply(shell, reply, want_logprobs)
-    await finished(response, reply.usage)
+    timer.finish([reply.usage])
+    await finished(response)
     return FiniteJSONResponse(response)
 
 

@@ -45,6 +45,12 @@ def usage(messages: Iterable[types_pb2.Usage]) -> dict[str, Any]:
     }
 
 
+def used(message: engine_pb2.StreamResponse) -> types_pb2.Usage:
+    """What one engine stream has used as of `message`: its `usage` on the last message, else `usage_so_far` (all
+    zeros from an engine that predates that field)."""
+    return message.usage if message.HasField("usage") else message.usage_so_far
+
+
 def response(
     object_name: str, response_id: str, model: str, choices: list[dict[str, Any]], usage_body: dict[str, Any]
 ) -> dict[str, Any]:

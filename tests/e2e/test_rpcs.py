@@ -77,6 +77,12 @@ def test_stream_deltas_add_up_to_generate(stub: Stub) -> None:
     assert all(not r.HasField("usage") for r in responses[:-1])
     last = responses[-1]
     assert last.usage.completion_tokens == 10 and last.usage.prompt_tokens == 5
+    # usage_so_far on every message: the prompt, and every token sent up to and with it
+    sent = 0
+    for r in responses:
+        sent += sum(len(c.token_ids) for c in r.choices)
+        assert (r.usage_so_far.prompt_tokens, r.usage_so_far.completion_tokens) == (5, sent)
+    assert last.usage_so_far == last.usage
     text, ids, finish = joined_stream(responses)[0]
     whole = stub.Generate(generate("The capital of France is", 10), timeout=60).choices[0]
     assert (text, ids) == (whole.text, list(whole.token_ids))

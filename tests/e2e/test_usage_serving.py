@@ -138,3 +138,35 @@ def test_usage_per_project_and_kind_equals_the_responses_and_survives_a_restart(
         assert endpoint_totals(restarted, "sk-ops", group_by=["project_id", "batch"]) == expected
     finally:
         assert restarted.stop() == 0
+
+
+def test_a_stream_its_client_leaves_is_counted_with_what_the_engine_had_sent(
+    engine: EngineProcess, model_id: str, tmp_path: Path
+) -> None:
+    """A client that reads three content chunks of a long stream and hangs up: its project is counted one request,
+    the prompt's tokens and what was generated before the engine aborted (at least the three chunks' tokens, far
+    fewer than max_tokens), not nothing."""
+    gateway = start(tmp_path, engine, "left")
+    messages: Any = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    try:
+        whole = sdk(gateway, "sk-beta").chat.completions.create(model=model_id, messages=messages, max_tokens=1)
+        assert whole.usage is not None
+        body = {"model": model_id, "messages": messages, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        content_chunks = 0
+        with httpx.stream("POST", gateway.base_url + "/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sk-alpha"}) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    content_chunks += 1
+                    if content_chunks == 3:
+                        break  # leaving the block closes the connection
+        deadline = time.monotonic() + 30
+        while (totals := endpoint_totals(gateway, "sk-alpha"))[("", "interactive", "requests")] == 0:
+            assert time.monotonic() < deadline, "the stream left early was never counted"
+            time.sleep(0.2)
+        assert totals[("", "interactive", "requests")] == 1
+        assert totals[("", "interactive", "input")] == whole.usage.prompt_tokens
+        assert 3 <= totals[("", "interactive", "output")] < 400
+    finally:
+        assert gateway.stop() == 0

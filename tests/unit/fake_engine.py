@@ -85,13 +85,18 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
         text = _input_text(request.input).upper()
         half = len(text) // 2
+        # As the engine: usage so far on every message (one "token" a message here), usage on the last.
+        first = types_pb2.Usage(prompt_tokens=len(text), completion_tokens=1, total_tokens=len(text) + 1)
         yield engine_pb2.StreamResponse(request_id=request.request_id, choices=[
-            types_pb2.ChoiceDelta(index=0, text=text[:half])])
+            types_pb2.ChoiceDelta(index=0, text=text[:half], token_ids=[1])], usage_so_far=first)
         if self.unavailable:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
         self.generated += 1
+        last = types_pb2.Usage(prompt_tokens=len(text), completion_tokens=2, total_tokens=len(text) + 2)
+        finish = types_pb2.FINISH_REASON_STOP
         yield engine_pb2.StreamResponse(request_id=request.request_id, choices=[
-            types_pb2.ChoiceDelta(index=0, text=text[half:], finish_reason=types_pb2.FINISH_REASON_STOP)])
+            types_pb2.ChoiceDelta(index=0, text=text[half:], token_ids=[2], finish_reason=finish)],
+            usage=last, usage_so_far=last)
 
     async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
         return engine_pb2.GetModelInfoResponse(

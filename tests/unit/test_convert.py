@@ -217,14 +217,19 @@ def test_generate_response() -> None:
     )
 
 
-def test_stream_response_has_usage_only_when_given() -> None:
+def test_stream_response_has_usage_on_the_last_message_and_usage_so_far_on_every_one() -> None:
     running = Choice(0, "h", [5])
-    middle = convert.stream_response("req", [running], "m")
+    middle = convert.stream_response("req", [running], "m", Usage(3, 1, cached_prompt_tokens=2))
     assert not middle.HasField("usage")
+    so_far = middle.usage_so_far
+    assert (so_far.prompt_tokens, so_far.completion_tokens, so_far.total_tokens, so_far.cached_prompt_tokens) == (
+        3, 1, 4, 2,
+    )
     assert middle.choices[0].finish_reason == types_pb2.FINISH_REASON_UNSPECIFIED
     assert middle.choices[0].matched_stop.WhichOneof("kind") is None
-    last = convert.stream_response("req", [Choice(0, "", [2], FinishReason.STOP, 2)], "m", Usage(3, 2))
+    last = convert.stream_response("req", [Choice(0, "", [2], FinishReason.STOP, 2)], "m", Usage(3, 2), last=True)
     assert last.usage.total_tokens == 5 and last.choices[0].matched_stop.token_id == 2
+    assert last.usage_so_far == last.usage
 
 
 def test_load_response() -> None:

@@ -191,6 +191,7 @@ class StreamResponse(_message.Message):
     CHOICES_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    USAGE_SO_FAR_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id."""
     model: _builtins.str
@@ -203,6 +204,13 @@ class StreamResponse(_message.Message):
     def usage(self) -> _types_pb2.Usage:
         """Set only on the last message of the stream, once every choice has finished."""
 
+    @_builtins.property
+    def usage_so_far(self) -> _types_pb2.Usage:
+        """What the request has used up to and including this message, on every message: its prompt tokens (and how
+        many the prefix cache served) and the tokens generated so far, summed over choices. On the last message it
+        equals `usage`. A caller that stops reading early, or whose stream breaks, still knows what the request cost.
+        """
+
     def __init__(
         self,
         *,
@@ -210,10 +218,11 @@ class StreamResponse(_message.Message):
         choices: _abc.Iterable[_types_pb2.ChoiceDelta] | None = ...,
         usage: _types_pb2.Usage | None = ...,
         model: _builtins.str = ...,
+        usage_so_far: _types_pb2.Usage | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "request_id", b"request_id", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

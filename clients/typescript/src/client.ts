@@ -82,8 +82,8 @@ export class EngineClient {
     return unary(this.engine.generate(request, options));
   }
 
-  /** Deltas as the engine produces them; the last message carries usage. Leaving the loop early cancels the
-   * call, as does `options.signal`; either way the engine aborts the request. */
+  /** Deltas as the engine produces them; every message carries usageSoFar, the last one usage too. Leaving the
+   * loop early cancels the call, as does `options.signal`; either way the engine aborts the request. */
   stream(request: MessageInitShape<typeof StreamRequestSchema>, options?: CallOptions): AsyncIterable<StreamResponse> {
     return streamed((opened) => this.engine.stream(request, opened), options);
   }

@@ -64,7 +64,7 @@ test("Generate from token ids equals Generate from the same text", async () => {
   assert.equal(byIds.usage?.promptTokens, ids.length);
 });
 
-test("Stream: deltas as an async iterator add up to Generate's answer; usage on the last message only", async () => {
+test("Stream: deltas as an async iterator add up to Generate's answer; usage on the last message, usageSoFar on each", async () => {
   const messages: StreamResponse[] = [];
   for await (const message of client.stream({ requestId: "ts-s", input: text("The capital of France is"), sampling: greedy(10) })) {
     messages.push(message);
@@ -73,6 +73,11 @@ test("Stream: deltas as an async iterator add up to Generate's answer; usage on 
   assert.ok(messages.every((m) => m.requestId === "ts-s"));
   assert.ok(messages.slice(0, -1).every((m) => m.usage === undefined));
   assert.deepEqual([messages.at(-1)!.usage?.promptTokens, messages.at(-1)!.usage?.completionTokens], [5, 10]);
+  let sent = 0;
+  for (const m of messages) {
+    sent += m.choices.reduce((sum, c) => sum + c.tokenIds.length, 0);
+    assert.deepEqual([m.usageSoFar?.promptTokens, m.usageSoFar?.completionTokens], [5, sent]);
+  }
   const deltas = messages.flatMap((m) => m.choices);
   const whole = (await client.generate({ input: text("The capital of France is"), sampling: greedy(10) })).choices[0]!;
   assert.equal(deltas.map((d) => d.text).join(""), whole.text);
