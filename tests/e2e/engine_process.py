@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,10 +59,23 @@ def start_engine(log_path: Path, *extra_args: str, threads: int | None = None) -
         process.kill()
         raise RuntimeError(f"ladle engine did not report its address: {line!r}\n{log_path.read_text()}")
     engine = EngineProcess(process, line.rsplit(" on ", 1)[1].strip(), log_path)
-    with EngineClient(engine.address) as client:
-        try:
-            client.wait_until_serving(STARTUP_TIMEOUT_S)
-        except TimeoutError:
-            engine.stop(5)
-            raise
+    wait_until_serving(engine)
     return engine
+
+
+def wait_until_serving(engine: EngineProcess, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait until `engine`'s health is SERVING; RuntimeError (with its log's tail) as soon as it exits instead,
+    TimeoutError (after stopping it) when `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    with EngineClient(engine.address) as client:
+        while True:
+            status = engine.process.poll()
+            if status is not None:
+                raise RuntimeError(f"ladle engine exited with {status} while starting:\n{engine.log()[-4000:]}")
+            try:
+                client.wait_until_serving(min(2.0, max(deadline - time.monotonic(), 0.0)))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    engine.stop(5)
+                    raise
