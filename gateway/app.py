@@ -54,7 +54,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     pool = EnginePool(config)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics, tracing.tracer)
-    stored_responses = ResponseService(pool, config.batch_lease_s, metrics.usage)
+    stored_responses = ResponseService(pool, config.batch_lease_s, metrics.usage, config.response_retention_s,
+                                       config.file_sweep_interval_s)
     metrics.watch_batches(service.count_by_status, service.lines_in_flight)
 
     @asynccontextmanager

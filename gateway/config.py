@@ -49,9 +49,9 @@ class GatewayConfig:
     with at most `batch_window` engine items in flight (None: twice the engine's max_num_seqs) and all of one
     project's together at most `batch_project_window` (None: the batch window times the number of engines),
     holding a batch under a lease of `batch_lease_s` seconds (a worker that dies releases its batch when the
-    lease runs out). Every `file_sweep_interval_s` the files whose expiry has
-    passed are deleted. Below `min_free_disk_bytes` free on the blob directory's file system (0: no floor),
-    uploads and new batches are refused with 507 (gateway/disk.py).
+    lease runs out). Every `file_sweep_interval_s` the files whose expiry has passed are deleted, and the stored
+    responses older than `response_retention_s` (None: kept until deleted). Below `min_free_disk_bytes` free on
+    the blob directory's file system (0: no floor), uploads and new batches are refused with 507 (gateway/disk.py).
     """
 
     engines: tuple[str, ...]
@@ -75,6 +75,7 @@ class GatewayConfig:
     batch_project_window: int | None = None
     batch_lease_s: float = 30.0
     file_sweep_interval_s: float = 60.0
+    response_retention_s: float | None = None
     min_free_disk_bytes: int = DEFAULT_MIN_FREE_DISK_BYTES
     metrics_api_key: str | None = field(default=None, repr=False)
     rate_limits_file: Path | None = None
@@ -93,6 +94,8 @@ class GatewayConfig:
             raise ValueError("batch_lease_s must be more than 1 second")
         if self.file_sweep_interval_s <= 0:
             raise ValueError("file_sweep_interval_s must be positive")
+        if self.response_retention_s is not None and self.response_retention_s <= 0:
+            raise ValueError("response_retention_s must be positive (or None: kept until deleted)")
         if self.min_free_disk_bytes < 0:
             raise ValueError("min_free_disk_bytes must be >= 0 (0: no floor)")
         for name in ("project_max_file_bytes", "project_max_active_batches"):

@@ -195,7 +195,10 @@ def _gateway_flags(parser: argparse.ArgumentParser) -> None:
          "0: no limit)", type=int)
     _add(parser, "--project-max-active-batches", 100, "unfinished batches a project may have (then HTTP 429; "
          "0: no limit)", type=int)
-    _add(parser, "--file-sweep-interval", 60.0, "seconds between deletions of expired files", type=float)
+    _add(parser, "--file-sweep-interval", 60.0, "seconds between deletions of expired files (and of stored responses "
+         "past --response-retention-days)", type=float)
+    _add(parser, "--response-retention-days", 0.0, "days a stored /v1/responses response is kept, then deleted "
+         "(OpenAI keeps them 30; 0: until deleted)", type=float)
     _add(parser, "--min-free-disk-mib", 1024.0, "free space the --data-dir volume keeps: below it uploads and new "
          "batches are refused with HTTP 507 (0: no floor)", type=float)
     _add(parser, "--metrics-api-key", "", "the key /metrics answers to (default: the keys of the project 'default'; "
@@ -368,6 +371,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         project_max_file_bytes=args.project_max_file_bytes or None,
         project_max_active_batches=args.project_max_active_batches or None,
         file_sweep_interval_s=args.file_sweep_interval,
+        response_retention_s=args.response_retention_days * 86_400 or None,
         min_free_disk_bytes=int(args.min_free_disk_mib * 1024 * 1024),
         metrics_api_key=args.metrics_api_key or None,
         rate_limits_file=Path(args.rate_limits_file) if args.rate_limits_file else None,

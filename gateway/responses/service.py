@@ -1,17 +1,22 @@
 """`ResponseService`: what the `/v1/responses` routes need, opened in the app's lifespan.
 
-It holds the stored responses (`ResponseStore`, on the database the files and batches use) and runs the
-`BackgroundRunner`. Its calls turn a Responses body into the conversation to send (the items of the stored chain
-`previous_response_id` names, then the body's own), and store, cancel and look up responses for one project.
+It holds the stored responses (`ResponseStore`, on the database the files and batches use), runs the
+`BackgroundRunner`, and with a retention deletes the responses that have outlived it (every gateway sweeps; two
+sweeps on a shared database delete each response once). Its calls turn a Responses body into the conversation to
+send (the items of the stored chain `previous_response_id` names, then the body's own), and store, cancel and look
+up responses for one project.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
+import structlog
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.engines import EnginePool
 from gateway.errors import APIError, invalid
@@ -19,6 +24,8 @@ from gateway.responses.background import BackgroundRunner
 from gateway.store import ids
 from gateway.store.responses import ResponseStore, StoredResponse
 from gateway.usage import UsageLedger
+
+log = structlog.get_logger(__name__)
 
 CONTINUABLE = frozenset({"completed", "incomplete"})
 
@@ -30,13 +37,18 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 class ResponseService:
     """Stored responses and background runs of one gateway."""
 
-    def __init__(self, pool: EnginePool, lease_s: float, usage: UsageLedger) -> None:
+    def __init__(self, pool: EnginePool, lease_s: float, usage: UsageLedger, retention_s: float | None = None,
+                 sweep_interval_s: float = 60.0) -> None:
+        """`retention_s`: how long a stored response is kept (None: until deleted), checked every
+        `sweep_interval_s`."""
         self.pool = pool
         self.lease_s = lease_s
         self.usage = usage  # where background responses count what they used
+        self.retention_s = retention_s
+        self.sweep_interval_s = sweep_interval_s
         self._store: ResponseStore | None = None
         self._runner: BackgroundRunner | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def store(self) -> ResponseStore:
@@ -46,13 +58,36 @@ class ResponseService:
     async def start(self, db: Engine) -> None:
         self._store = ResponseStore(db)
         self._runner = BackgroundRunner(self._store, self.pool, self.lease_s, self.usage)
-        self._task = asyncio.create_task(self._runner.run(), name="background-responses")
+        self._tasks.append(asyncio.create_task(self._runner.run(), name="background-responses"))
+        if self.retention_s is not None:
+            self._tasks.append(asyncio.create_task(self._sweep(self.retention_s), name="response-retention"))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+
+    def delete_expired(self, retention_s: float, now: float | None = None) -> int:
+        """Delete every response created more than `retention_s` before `now` (default: the present) that has
+        ended; how many. Blocking."""
+        created_before = int((time.time() if now is None else now) - retention_s)
+        deleted = 0
+        while page := self.store.delete_created_before(created_before):
+            deleted += page
+        return deleted
+
+    async def _sweep(self, retention_s: float) -> None:
+        """`delete_expired`, then wait `sweep_interval_s`, until cancelled; a database error is logged and the
+        next sweep tried."""
+        while True:
+            try:
+                deleted = await asyncio.to_thread(self.delete_expired, retention_s)
+                if deleted:
+                    log.info("stored responses past their retention deleted", responses=deleted)
+            except SQLAlchemyError:
+                log.exception("could not delete stored responses past their retention; trying again later")
+            await asyncio.sleep(self.sweep_interval_s)
 
     async def history(self, previous_response_id: str | None, project: str) -> list[dict[str, Any]]:
         """The items a response continuing `previous_response_id` starts from: every stored response of its

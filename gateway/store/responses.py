@@ -87,6 +87,19 @@ class ResponseStore:
                                                        responses.c.project == project))
         return result.rowcount == 1
 
+    def delete_created_before(self, created_before: int, limit: int = 500) -> int:
+        """Delete up to `limit` responses created before `created_before` (unix seconds) that have ended (a
+        background response still queued or running is kept until it ends); how many. Responses that continue a
+        deleted one keep their own record; their chain stops there (`chain`)."""
+        with self.db.begin() as c:
+            old = c.execute(select(responses.c.pk).where(responses.c.created_at < created_before,
+                                                         responses.c.status.not_in(RUNNABLE))
+                            .order_by(responses.c.created_at).limit(limit)).scalars().all()
+            if not old:
+                return 0
+            result = c.execute(delete(responses).where(responses.c.pk.in_(old), responses.c.status.not_in(RUNNABLE)))
+        return int(result.rowcount)
+
     def chain(self, response_id: str, project: str) -> list[StoredResponse]:
         """The response `response_id` and the ones it continues, oldest first: [] if the project has no such
         response. The walk stops at a response that was deleted, or after MAX_CHAIN responses."""

@@ -167,6 +167,8 @@ responses = Table(
     Column("attempts", Integer, nullable=False, server_default="0"),  # claims of a background response
 )
 Index("ladle_responses_runnable", responses.c.status, responses.c.lease_expires_at)
+# The retention sweep (`ResponseStore.delete_created_before`) reads responses by age.
+Index("ladle_responses_created_at", responses.c.created_at)
 
 # Tokens used per project, UTC day, model and kind ("interactive": the HTTP routes and background responses;
 # "batch": batch jobs' lines), summed from the engine's usage as the gateways flush them (gateway/usage.py).

@@ -139,3 +139,25 @@ def test_a_thousand_responses_lines_each_once(engine: EngineProcess, model_id: s
         assert Counter(r["custom_id"] for r in results) == Counter(f"r{i}" for i in range(LINES))
         assert {r["response"]["status_code"] for r in results} == {200}
         assert {r["response"]["body"]["status"] for r in results} <= {"completed", "incomplete"}
+
+
+def test_stored_responses_past_their_retention_are_deleted(engine: EngineProcess, model_id: str,
+                                                           tmp_path: Path) -> None:
+    """With `--response-retention-days` (here 5 s) a stored response can be read at first, and is gone (404) once
+    it is older than that. (That younger ones are kept: tests/unit/test_responses_store.py.)"""
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--response-retention-days", str(5 / 86_400),
+                            "--file-sweep-interval", "0.2")
+    sdk = client(gateway.base_url)
+    try:
+        first = sdk.responses.create(model=model_id, input="Say hi.", max_output_tokens=4)
+        assert sdk.responses.retrieve(first.id).id == first.id
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                sdk.responses.retrieve(first.id)
+            except openai.NotFoundError:
+                break
+            assert time.monotonic() < deadline, "the response outlived its retention"
+            time.sleep(0.2)
+    finally:
+        assert gateway.stop() == 0

@@ -1,6 +1,7 @@
-"""`ResponseStore` on SQLite and PostgreSQL: records scoped to their project, chains followed oldest first, and the
-background lease: a claim fences its writes, a cancellation or a newer claim stops the old worker, a response
-given back waits until its retry time, an expired lease is claimed again."""
+"""`ResponseStore` on SQLite and PostgreSQL: records scoped to their project, chains followed oldest first, the
+background lease (a claim fences its writes, a cancellation or a newer claim stops the old worker, a response
+given back waits until its retry time, an expired lease is claimed again), and retention: responses past it are
+deleted once they have ended, a page at a time."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from sqlalchemy import Engine
 from gateway.store.responses import ResponseStore
 
 
-def response(response_id: str, status: str = "completed", previous: str | None = None) -> dict[str, Any]:
-    return {"id": response_id, "object": "response", "created_at": 1, "status": status,
+def response(response_id: str, status: str = "completed", previous: str | None = None, created_at: int = 1
+             ) -> dict[str, Any]:
+    return {"id": response_id, "object": "response", "created_at": created_at, "status": status,
             "previous_response_id": previous, "output": [{"type": "message", "id": f"msg_{response_id}"}]}
 
 
@@ -73,3 +75,20 @@ def test_a_response_given_back_waits_for_its_retry_time(store_db: Engine) -> Non
     assert store.claim_next("w2", now=102.0, lease_s=10) is None
     again = store.claim_next("w2", now=104.0, lease_s=10)
     assert again is not None and again.attempts == 1  # giving back does not count as an attempt
+
+
+def test_responses_past_their_retention_are_deleted_once_they_have_ended(store_db: Engine) -> None:
+    store = ResponseStore(store_db)
+    for name, created_at in (("old_1", 100), ("old_2", 150), ("old_3", 199), ("new", 200)):
+        store.insert(response(f"resp_{name}", created_at=created_at), "alpha", [])
+    store.insert(response("resp_next", previous="resp_old_3", created_at=300), "alpha", [])
+    store.insert(response("resp_running", status="queued", created_at=50), "alpha", [], engine_request=b"req")
+    assert store.delete_created_before(200, limit=2) == 2  # the oldest first, a page at a time
+    assert store.get("resp_old_3", "alpha") is not None
+    assert store.delete_created_before(200, limit=2) == 1 and store.delete_created_before(200) == 0
+    assert store.get("resp_old_1", "alpha") is None and store.get("resp_new", "alpha") is not None
+    assert store.get("resp_running", "alpha") is not None  # queued: kept until it ends
+    assert [r.id for r in store.chain("resp_next", "alpha")] == ["resp_next"]  # its history is gone
+    claim = store.claim_next("w", now=1000.0, lease_s=10)
+    assert claim is not None and store.finish(claim, dict(claim.response, status="completed"))
+    assert store.delete_created_before(200) == 1 and store.get("resp_running", "alpha") is None
