@@ -26,7 +26,7 @@ from engine_server.pooling.requests import EmbedInput, ScoreInput
 from engine_server.server import convert, convert_pooling
 from engine_server.server.engine_loop import LoadSnapshot
 from engine_server.server.serving import GenerationInput, ServingEngine
-from engine_server.server.tracing import RpcTracing, record_generation
+from engine_server.server.tracing import RpcTracing, record_generation, record_pooling
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -161,10 +161,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.EmbedResponse:
         try:
-            with self._admitted() as engine:
+            with self._admitted() as engine, self.tracing.call("Embed", context) as span:
                 call = _with_request_id(convert_pooling.embed_input(request, Priority.INTERACTIVE))
                 with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc="Embed"):
                     result = await engine.embed(call, _deadline(context))
+                    record_pooling(span, call.request_id, result.prompt_tokens)
                     return convert_pooling.embed_response(result, engine.info.model_id)
         except Exception as exc:
             await _fail(context, exc)
@@ -173,10 +174,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.ScoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.ScoreResponse:
         try:
-            with self._admitted() as engine:
+            with self._admitted() as engine, self.tracing.call("Score", context) as span:
                 call = _with_request_id(convert_pooling.score_input(request, Priority.INTERACTIVE))
                 with structlog.contextvars.bound_contextvars(request_id=call.request_id, rpc="Score"):
                     result = await engine.score(call, _deadline(context))
+                    record_pooling(span, call.request_id, result.prompt_tokens)
                     return convert_pooling.score_response(result, engine.info.model_id)
         except Exception as exc:
             await _fail(context, exc)

@@ -64,6 +64,13 @@ class RpcTracing:
             yield span
 
 
+def record_pooling(span: trace.Span | None, request_id: str, prompt_tokens: int) -> None:
+    """An Embed or Score call's request id and the tokens it read, as attributes of `span`."""
+    if span is None or not span.is_recording():
+        return
+    set_attributes(span, {"ladle.request_id": request_id, "gen_ai.usage.input_tokens": prompt_tokens})
+
+
 def record_generation(span: trace.Span | None, request_id: str, result: GenerationResult) -> None:
     """The generation's phases as events of `span`, and its counts as attributes."""
     if span is None or not span.is_recording():

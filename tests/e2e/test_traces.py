@@ -1,8 +1,8 @@
 """Traces across the gateway and the engine, received by a real OTLP collector endpoint (the collector's gRPC
 TraceService, served in this process with the `opentelemetry-proto` messages): one chat request is a trace whose
 gateway span is the parent of the engine's span, which has the request's phases as events; a client's
-`traceparent` is continued; a batch line's engine span carries its batch id; trace ids appear in both processes'
-logs."""
+`traceparent` is continued; embeddings and score requests are traces into the engine's Embed and Score spans; a
+batch line's engine span carries its batch id; trace ids appear in both processes' logs."""
 
 from __future__ import annotations
 
@@ -122,6 +122,27 @@ def test_a_chat_request_is_one_trace_from_the_gateway_into_the_engine(
     assert times == sorted(times)
     trace_hex = trace_id.hex()
     assert trace_hex in gateway.log()  # the request's log line names its trace
+
+
+@pytest.mark.parametrize(("route", "body", "rpc"), [
+    ("/embeddings", {"input": ["Say hi.", "Say bye."]}, "Embed"),
+    ("/score", {"text_1": "a colour", "text_2": ["red", "a dog"]}, "Score"),
+])
+def test_a_pooling_request_is_one_trace_from_the_gateway_into_the_engine(
+    traced: tuple[Collector, EngineProcess, GatewayProcess], model_id: str, route: str, body: dict[str, Any],
+    rpc: str,
+) -> None:
+    collector, _, gateway = traced
+    reply = httpx.post(gateway.base_url + route, json={"model": model_id, **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    request_id = reply.headers["x-request-id"]
+    [(_, http_span)] = collector.wait_for(1, lambda s, span: s == "ladle-gateway"
+                                          and attributes(span).get("ladle.request_id") == request_id)
+    [(_, engine_span)] = collector.wait_for(1, lambda s, span: s == "ladle-engine"
+                                            and span.trace_id == http_span.trace_id)
+    assert engine_span.name == f"ladle.v1.EngineService/{rpc}"
+    assert engine_span.parent_span_id == http_span.span_id
+    assert attributes(engine_span)["gen_ai.usage.input_tokens"] == reply.json()["usage"]["prompt_tokens"] > 0
 
 
 def test_a_clients_traceparent_is_continued(traced: tuple[Collector, EngineProcess, GatewayProcess],
