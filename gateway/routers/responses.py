@@ -1,7 +1,7 @@
-"""`/v1/responses`: create a response (whole, streamed as semantic events, or in the background), and retrieve,
-delete, list the input items of and cancel stored ones, each request those of its project (another project's id
-is answered as unknown, 404). The conversions are `translate.responses_to_engine` / `responses_from_engine`; the
-store and background runs `responses.service`."""
+"""`/v1/responses`: create a response (whole, streamed as semantic events, or in the background), count the input
+tokens one would read, and retrieve, delete, list the input items of and cancel stored ones, each request those of
+its project (another project's id is answered as unknown, 404). The conversions are `translate.responses_to_engine`
+/ `responses_from_engine`; the store and background runs `responses.service`."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
 from gateway.responses import truncation
 from gateway.responses.events import ResponseEvents, response_events
-from gateway.schemas.responses import ResponsesRequest
+from gateway.schemas.responses import InputTokensRequest, ResponsesRequest
 from gateway.store.ids import RESPONSE_PREFIX, new_id
 from gateway.translate import responses_from_engine, responses_to_engine
 from gateway.translate.cache_salt import project_cache_salt
+from ladle.v1 import engine_pb2
 
 ROUTE = "/v1/responses"
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -76,6 +77,25 @@ async def create_response(
     timer.finish([reply.usage])
     await finished(response)
     return FiniteJSONResponse(response)
+
+
+@router.post(ROUTE + "/input_tokens", response_model=None)
+async def count_input_tokens(
+    body: InputTokensRequest, pool: Pool, rid: CallId, project: Project, responses: Responses
+) -> Any:
+    """How many input tokens a response to `body` would read (OpenAI's `POST /v1/responses/input_tokens`): its
+    conversation (a stored chain `previous_response_id` names, then the body's input, with its instructions and
+    tools) rendered by the engine as a generation would render it (Tokenize), after `truncation: "auto"` when
+    asked. Nothing is generated, stored or counted against the project's limits."""
+    served = served_model(pool, body.model or pool.model_id or "")
+    items = responses_to_engine.input_items(body)
+    history = await responses.history(body.previous_response_id, project)
+    request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
+                                                   adapter=served.adapter)
+    if body.truncation == "auto":
+        await truncation.fit_context(pool, request)
+    reply = await calls.tokenize(pool, engine_pb2.TokenizeRequest(input=request.input))
+    return {"object": "response.input_tokens", "input_tokens": len(reply.token_ids)}
 
 
 @router.get(ROUTE + "/{response_id}", response_model=None)

@@ -78,3 +78,10 @@ class ResponsesRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     cache_salt: str | None = Field(default=None, min_length=1)
+
+
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a Responses body whose tokens are counted; the model is optional there
+    (the served one when absent)."""
+
+    model: str = ""  # optional here, required when creating

@@ -2,7 +2,8 @@
 string, items and instructions (greedy output equal to the chat route's for the same conversation), json_schema
 output that validates, a function tool round trip through previous_response_id, streamed semantic events in order
 and equal to the whole response for the same seed, retrieve / delete / input_items, background runs polled and
-cancelled, truncation, a batch job of /v1/responses lines, and the errors in OpenAI's shape."""
+cancelled, truncation, input token counts equal to what a response reads, a batch job of /v1/responses lines, and
+the errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -202,6 +203,30 @@ def test_truncation_auto_drops_the_oldest_turns(openai_client: openai.OpenAI, mo
     response = openai_client.responses.create(**body, truncation="auto")
     assert response.truncation == "auto" and json.loads(response.output_text) in ({"ok": True}, {"ok": False})
     assert response.usage is not None and 150 < response.usage.input_tokens <= 300
+
+
+def test_input_token_counts_equal_what_a_response_reads(openai_client: openai.OpenAI, model_id: str) -> None:
+    """`responses.input_tokens.count` gives the input_tokens the same body's response is billed: with instructions,
+    with a tool, continuing a stored response, and with the model left out; an unknown previous id is a 404."""
+    bodies: list[dict[str, Any]] = [
+        {"input": "Name a colour.", "instructions": "Answer in one word."},
+        {"input": "What is the weather in Paris?", "tools": [WEATHER_TOOL]},
+    ]
+    counts = []
+    for body in bodies:
+        created = openai_client.responses.create(model=model_id, max_output_tokens=2, **body)
+        assert created.usage is not None
+        count = openai_client.responses.input_tokens.count(model=model_id, **body)
+        assert count.object == "response.input_tokens" and count.input_tokens == created.usage.input_tokens
+        counts.append(count.input_tokens)
+    assert counts[1] > counts[0] and openai_client.responses.input_tokens.count(**bodies[0]).input_tokens == counts[0]
+    follow = {"input": "And another?", "previous_response_id": created.id}
+    counted = openai_client.responses.input_tokens.count(model=model_id, **follow).input_tokens
+    continued = openai_client.responses.create(model=model_id, max_output_tokens=2, **follow)
+    alone = openai_client.responses.input_tokens.count(model=model_id, input="And another?").input_tokens
+    assert continued.usage is not None and counted == continued.usage.input_tokens > alone
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.input_tokens.count(model=model_id, input="x", previous_response_id="resp_unknown")
 
 
 def test_errors_in_openais_shape(gateway_http: httpx.Client, model_id: str) -> None:
