@@ -30,6 +30,7 @@ from gateway.routers import (
     batches,
     chat,
     completions,
+    conversations,
     embeddings,
     files,
     models,
@@ -94,7 +95,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys, tracer=tracing.tracer)
-    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses, usage,
-                   adapters, operations):
+    for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses,
+                   conversations, usage, adapters, operations):
         app.include_router(module.router)
     return app

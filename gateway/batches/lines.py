@@ -300,7 +300,7 @@ def response_body(line: InputLine, replies: Sequence[EngineReply], request_id: s
 def _responses_request(
     body: ResponsesRequest, request_id: str, cache_salt: str, adapter: str
 ) -> engine_pb2.GenerateRequest:
-    for name in ("previous_response_id", "background"):
+    for name in ("previous_response_id", "conversation", "background"):
         if getattr(body, name):
             raise APIError(400, f"{name} is not supported in a batch line: send the whole conversation as input "
                            "items", param=name)

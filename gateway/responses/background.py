@@ -17,6 +17,7 @@ import functools
 import os
 import secrets
 import time
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import SQLAlchemyError
@@ -24,6 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway import calls
 from gateway.engines import EnginePool
 from gateway.errors import APIError
+from gateway.responses.conversations import ConversationService
 from gateway.store.responses import MAX_ATTEMPTS, ResponseClaim, ResponseStore
 from gateway.translate import responses_from_engine
 from gateway.usage import UsageLedger
@@ -41,8 +43,11 @@ TRANSIENT = frozenset({429, 503})
 class BackgroundRunner:
     """Claims and runs background responses; `cancel_local` stops one running here at once."""
 
-    def __init__(self, store: ResponseStore, pool: EnginePool, lease_s: float, usage: UsageLedger) -> None:
+    def __init__(self, store: ResponseStore, pool: EnginePool, lease_s: float, usage: UsageLedger,
+                 conversations: ConversationService | None = None) -> None:
+        """`conversations`: where a response created in a conversation appends its items when it has ended."""
         self.store = store
+        self.conversations = conversations
         self.pool = pool
         self.usage = usage
         self.lease_s = lease_s
@@ -120,10 +125,13 @@ class BackgroundRunner:
         self.usage.record(claim.project, str(claim.response.get("model", "")), "interactive", [reply.usage])
         await self._finish(claim, responses_from_engine.from_reply(claim.response, reply, request.sampling.logprobs))
 
-    async def _finish(self, claim: ResponseClaim, response: dict[str, object]) -> None:
+    async def _finish(self, claim: ResponseClaim, response: dict[str, Any]) -> None:
         try:
             if not await asyncio.to_thread(self.store.finish, claim, response):
                 log.info("background response ended after its claim was lost", response_id=claim.response_id)
+                return
+            if self.conversations is not None:
+                await asyncio.to_thread(self.conversations.append_ended, response, claim.project, claim.input_items)
         except SQLAlchemyError:
             log.warning("could not record a background response's end; it will run again",
                         response_id=claim.response_id, exc_info=True)

@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.engines import EnginePool
 from gateway.errors import APIError, invalid
 from gateway.responses.background import BackgroundRunner
+from gateway.responses.conversations import ConversationService
 from gateway.store import ids
 from gateway.store.responses import ResponseStore, StoredResponse
 from gateway.usage import UsageLedger
@@ -46,6 +47,7 @@ class ResponseService:
         self.usage = usage  # where background responses count what they used
         self.retention_s = retention_s
         self.sweep_interval_s = sweep_interval_s
+        self.conversations = ConversationService()
         self._store: ResponseStore | None = None
         self._runner: BackgroundRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -57,7 +59,8 @@ class ResponseService:
 
     async def start(self, db: Engine) -> None:
         self._store = ResponseStore(db)
-        self._runner = BackgroundRunner(self._store, self.pool, self.lease_s, self.usage)
+        self.conversations.start(db)
+        self._runner = BackgroundRunner(self._store, self.pool, self.lease_s, self.usage, self.conversations)
         self._tasks.append(asyncio.create_task(self._runner.run(), name="background-responses"))
         if self.retention_s is not None:
             self._tasks.append(asyncio.create_task(self._sweep(self.retention_s), name="response-retention"))
@@ -89,10 +92,14 @@ class ResponseService:
                 log.exception("could not delete stored responses past their retention; trying again later")
             await asyncio.sleep(self.sweep_interval_s)
 
-    async def history(self, previous_response_id: str | None, project: str) -> list[dict[str, Any]]:
-        """The items a response continuing `previous_response_id` starts from: every stored response of its
-        chain's input items and output, oldest first. 404 if the project has no such response; 400 if it has not
-        ended with output to continue from."""
+    async def history(self, previous_response_id: str | None, conversation_id: str | None, project: str
+                      ) -> list[dict[str, Any]]:
+        """The items a response starts from: its conversation's (`conversation_id`), or those continuing
+        `previous_response_id` (every stored response of its chain's input items and output, oldest first), or
+        none. 404 if the project has no such conversation or response; 400 if the response has not ended with
+        output to continue from."""
+        if conversation_id is not None:
+            return await self.conversations.history(conversation_id, project)
         if previous_response_id is None:
             return []
         chain: list[StoredResponse] = []
@@ -112,6 +119,13 @@ class ResponseService:
 
     async def store_response(self, response: dict[str, Any], project: str, items: list[dict[str, Any]]) -> None:
         await asyncio.to_thread(self.store.insert, response, project, items)
+
+    async def ended(self, response: dict[str, Any], project: str, items: list[dict[str, Any]], store: bool) -> None:
+        """A response that ran here has ended: stored (with `store`), then its input `items` and output appended
+        to its conversation, if it has one."""
+        if store:
+            await self.store_response(response, project, items)
+        await asyncio.to_thread(self.conversations.append_ended, response, project, items)
 
     async def queue(self, response: dict[str, Any], project: str, items: list[dict[str, Any]],
                     engine_request: bytes) -> None:

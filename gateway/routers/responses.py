@@ -49,7 +49,8 @@ async def create_response(
     if body.background and body.stream:
         raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
     items = responses_to_engine.input_items(body)
-    history = await responses.history(body.previous_response_id, project)
+    conversation = responses_to_engine.conversation_id(body)
+    history = await responses.history(body.previous_response_id, conversation, project)
     request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
                                                    adapter=served.adapter)
     if body.truncation == "auto":
@@ -57,15 +58,14 @@ async def create_response(
     want_logprobs = request.sampling.logprobs
     response_id = new_id(RESPONSE_PREFIX)
     if body.background:
-        shell = responses_from_engine.response_shell(body, response_id, model, "queued")
+        shell = responses_from_engine.response_shell(body, response_id, model, "queued", conversation_id=conversation)
         await responses.queue(shell, project, items, request.SerializeToString())
         return FiniteJSONResponse(shell)
-    shell = responses_from_engine.response_shell(body, response_id, model, "in_progress")
+    shell = responses_from_engine.response_shell(body, response_id, model, "in_progress", conversation_id=conversation)
     timer = RequestTimer(metrics, ROUTE, project, model, admission)
 
     async def finished(response: dict[str, Any]) -> None:
-        if body.store:
-            await responses.store_response(response, project, items)
+        await responses.ended(response, project, items, body.store)
 
     if body.stream:
         messages_stream = await calls.started(calls.stream(pool, request))
@@ -84,12 +84,13 @@ async def count_input_tokens(
     body: InputTokensRequest, pool: Pool, rid: CallId, project: Project, responses: Responses
 ) -> Any:
     """How many input tokens a response to `body` would read (OpenAI's `POST /v1/responses/input_tokens`): its
-    conversation (a stored chain `previous_response_id` names, then the body's input, with its instructions and
-    tools) rendered by the engine as a generation would render it (Tokenize), after `truncation: "auto"` when
-    asked. Nothing is generated, stored or counted against the project's limits."""
+    conversation (a stored `conversation`'s items or the chain `previous_response_id` names, then the body's input,
+    with its instructions and tools) rendered by the engine as a generation would render it (Tokenize), after
+    `truncation: "auto"` when asked. Nothing is generated, stored or counted against the project's limits."""
     served = served_model(pool, body.model or pool.model_id or "")
     items = responses_to_engine.input_items(body)
-    history = await responses.history(body.previous_response_id, project)
+    conversation = responses_to_engine.conversation_id(body)
+    history = await responses.history(body.previous_response_id, conversation, project)
     request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
                                                    adapter=served.adapter)
     if body.truncation == "auto":

@@ -10,9 +10,11 @@ FILE_PREFIX = "file-"
 BATCH_PREFIX = "batch_"
 BATCH_REQUEST_PREFIX = "batch_req_"
 RESPONSE_PREFIX = "resp_"
+CONVERSATION_PREFIX = "conv_"
 
 _SHAPES = {
-    prefix: re.compile(re.escape(prefix) + r"[0-9a-f]{32}") for prefix in (FILE_PREFIX, BATCH_PREFIX, RESPONSE_PREFIX)
+    prefix: re.compile(re.escape(prefix) + r"[0-9a-f]{32}")
+    for prefix in (FILE_PREFIX, BATCH_PREFIX, RESPONSE_PREFIX, CONVERSATION_PREFIX)
 }
 
 
@@ -21,5 +23,6 @@ def new_id(prefix: str) -> str:
 
 
 def is_id(value: str, prefix: str) -> bool:
-    """Whether `value` is an id of the kind `prefix` names (FILE_PREFIX, BATCH_PREFIX or RESPONSE_PREFIX)."""
+    """Whether `value` is an id of the kind `prefix` names (FILE_PREFIX, BATCH_PREFIX, RESPONSE_PREFIX or
+    CONVERSATION_PREFIX)."""
     return _SHAPES[prefix].fullmatch(value) is not None

@@ -51,6 +51,7 @@ class ResponseClaim:
     engine_request: bytes
     response: dict[str, Any]  # as created (queued): the shell the result is built on
     attempts: int
+    input_items: list[dict[str, Any]]  # the response's own input items (its conversation gets them at the end)
 
 
 class ResponseStore:
@@ -136,7 +137,7 @@ class ResponseStore:
                     row = c.execute(select(responses).where(responses.c.id == response_id)).one()
                     shell = json.loads(row.response_json)
                     return ResponseClaim(row.id, row.project, row.lease_epoch, row.engine_request or b"", shell,
-                                         row.attempts)
+                                         row.attempts, json.loads(row.input_items_json))
         return None
 
     def renew(self, claim: ResponseClaim, now: float, lease_s: float) -> bool:

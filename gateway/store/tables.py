@@ -1,5 +1,5 @@
-"""The schema: files, batches and the segments of a batch's results, and stored responses, as SQLAlchemy Core
-tables.
+"""The schema: files, batches and the segments of a batch's results, stored responses and conversations, as SQLAlchemy
+Core tables.
 
 Every table has an integer `pk` that grows with insertion, which orders lists and pages them (`after`) without
 relying on clock resolution. Times are Unix seconds, as OpenAI reports them; a lease's expiry is a float.
@@ -10,7 +10,20 @@ the tables of an older database with ALTER TABLE.
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Boolean, Column, Float, Index, Integer, LargeBinary, MetaData, String, Table, Text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
 
 DEFAULT_PROJECT = "default"  # the project of --api-key, of every request when no keys are set, of old rows
 
@@ -169,6 +182,28 @@ responses = Table(
 Index("ladle_responses_runnable", responses.c.status, responses.c.lease_expires_at)
 # The retention sweep (`ResponseStore.delete_created_before`) reads responses by age.
 Index("ladle_responses_created_at", responses.c.created_at)
+
+# Conversations of the Conversations API (gateway.store.conversations): a project's, with their metadata, and their
+# items in the order they were added (`pk`); an item's id is unique within its conversation.
+conversations = Table(
+    "ladle_conversations",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("id", String(64), nullable=False, unique=True),
+    Column("project", String(64), nullable=False, index=True),
+    Column("created_at", BigInteger, nullable=False),
+    Column("metadata_json", Text, nullable=False),
+)
+conversation_items = Table(
+    "ladle_conversation_items",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("conversation_pk", Integer, nullable=False),
+    Column("item_id", String(128), nullable=False),
+    Column("item_json", Text, nullable=False),
+    UniqueConstraint("conversation_pk", "item_id", name="ladle_conversation_items_id"),
+)
+Index("ladle_conversation_items_order", conversation_items.c.conversation_pk, conversation_items.c.pk)
 
 # Tokens used per project, UTC day, model and kind ("interactive": the HTTP routes and background responses;
 # "batch": batch jobs' lines), summed from the engine's usage as the gateways flush them (gateway/usage.py).

@@ -21,9 +21,11 @@ INCOMPLETE_REASONS = {types_pb2.FINISH_REASON_LENGTH: "max_output_tokens"}
 
 
 def response_shell(
-    body: ResponsesRequest, response_id: str, model: str, status: str, created_at: int | None = None
+    body: ResponsesRequest, response_id: str, model: str, status: str, created_at: int | None = None,
+    conversation_id: str | None = None,
 ) -> dict[str, Any]:
-    """The Response as created: the request's settings, `status` (queued or in_progress), no output yet."""
+    """The Response as created: the request's settings, `status` (queued or in_progress), no output yet; in the
+    stored conversation `conversation_id`, if any."""
     fmt = body.text.format if body.text and body.text.format else None
     text: dict[str, Any] = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
     reasoning = body.reasoning.model_dump() if body.reasoning else {"effort": None, "summary": None}
@@ -38,6 +40,7 @@ def response_shell(
         "tools": body.tools or [], "top_logprobs": body.top_logprobs, "top_p": body.top_p,
         "truncation": body.truncation or "disabled", "usage": None, "user": body.user,
         "metadata": body.metadata or {},
+        "conversation": {"id": conversation_id} if conversation_id else None,
     }
 
 

@@ -1,12 +1,12 @@
 """OpenAI Responses API bodies -> the engine's chat requests. Pure functions.
 
 A Responses request is a chat request in other clothes: its `input` items (messages, earlier output items,
-function calls and their outputs), after the items of the stored responses it continues (`previous_response_id`,
-resolved by the caller), become the conversation; `instructions` its system message; `text.format`, `tools`,
-`tool_choice`, `reasoning.effort` and `max_output_tokens` the chat fields they stand for. The chat request is
-built with the chat route's own schema and `to_engine.chat_request`, so both routes check and send the same things.
-What a text-only model or ladle cannot do (images, files, hosted tools such as web_search, conversations, stored
-prompts) is a 400 naming the field.
+function calls and their outputs), after the items of the stored responses it continues (`previous_response_id`)
+or of its stored `conversation` (both resolved by the caller), become the conversation; `instructions` its system
+message; `text.format`, `tools`, `tool_choice`, `reasoning.effort` and `max_output_tokens` the chat fields they
+stand for. The chat request is built with the chat route's own schema and `to_engine.chat_request`, so both routes
+check and send the same things. What a text-only model or ladle cannot do (images, files, hosted tools such as
+web_search, stored prompts) is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ INCLUDES = frozenset({
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
 _ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
 _ROLES = frozenset({"user", "system", "developer", "assistant"})
+MAX_ITEM_ID = 128  # characters of an item id a client chooses (the stored column's width)
 
 
 def new_item_id(kind: str) -> str:
@@ -46,15 +47,24 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return [{"id": new_item_id("message"), "type": "message", "role": "user", "status": "completed",
                  "content": [{"type": "input_text", "text": body.input}]}]
+    return checked_items(body.input, "input")
+
+
+def checked_items(raw_items: Sequence[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    """Input items as they are stored (a response's input, a conversation's items): every item gets its `type`
+    and an `id` (a string of at most MAX_ITEM_ID characters), a message's string content becomes one text part.
+    400 naming `param[i]` for an item this gateway cannot read."""
     items = []
-    for i, raw in enumerate(body.input):
+    for i, raw in enumerate(raw_items):
         item = dict(raw)
         kind = item.setdefault("type", "message")
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": part, "text": item["content"]}]
-        _check_item(item, f"input[{i}]")
+        _check_item(item, f"{param}[{i}]")
         item.setdefault("id", new_item_id(kind))
+        if not isinstance(item["id"], str) or not 0 < len(item["id"]) <= MAX_ITEM_ID:
+            raise invalid(f"{param}[{i}].id must be a string of 1 to {MAX_ITEM_ID} characters", f"{param}[{i}].id")
         items.append(item)
     return items
 
@@ -135,10 +145,9 @@ def chat_messages(instructions: str | None, items: Sequence[dict[str, Any]]) -> 
 
 def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request the Responses body stands for, over `messages` (`chat_messages`)."""
-    refused = [name for name in ("conversation", "prompt") if getattr(body, name) is not None]
-    if refused:
-        raise invalid(f"{refused[0]} is not supported; send the conversation as input items or with "
-                      "previous_response_id", refused[0])
+    if body.prompt is not None:
+        raise invalid("prompt (stored prompt templates) is not supported; send the prompt as instructions and input "
+                      "items", "prompt")
     for value in body.include or []:
         if value not in INCLUDES:
             raise invalid(f"include value {value!r} is not one of OpenAI's: {', '.join(sorted(INCLUDES))}",
@@ -223,3 +232,17 @@ def generate_request(
 
 
 _RENAMED = {"response_format": "text.format", "max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def conversation_id(body: ResponsesRequest) -> str | None:
+    """The id of the stored conversation `body` continues (`conversation`: its id, or {"id": ...}), or None; 400
+    for a malformed value, or one beside previous_response_id (a response continues one or the other)."""
+    value = body.conversation
+    if value is None:
+        return None
+    found = value.get("id") if isinstance(value, dict) else value
+    if not isinstance(found, str) or not found:
+        raise invalid("conversation must be a conversation id or {\"id\": \"conv_...\"}", "conversation")
+    if body.previous_response_id is not None:
+        raise invalid("conversation and previous_response_id cannot be used together", "conversation")
+    return found

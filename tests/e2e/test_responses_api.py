@@ -245,7 +245,8 @@ def test_errors_in_openais_shape(gateway_http: httpx.Client, model_id: str) -> N
     assert error(400, {"model": model_id, "input": "x", "background": True, "store": False})["param"] == "store"
     assert error(404, {"model": "gpt-4o", "input": "x"})["code"] == "model_not_found"
     assert error(400, {"model": model_id, "input": "x", "include": ["everything"]})["param"] == "include"
-    assert error(400, {"model": model_id, "input": "x", "conversation": "conv_1"})["param"] == "conversation"
+    assert error(404, {"model": model_id, "input": "x", "conversation": "conv_1"})["param"] == "conversation"
+    assert error(400, {"model": model_id, "input": "x", "prompt": {"id": "pmpt_1"}})["param"] == "prompt"
     for path in ("/v1/responses/resp_nope", "/v1/responses/" + "resp_" + "f" * 32):
         assert error(404, {}, "GET", path)["code"] == "not_found"
 

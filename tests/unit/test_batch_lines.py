@@ -152,3 +152,13 @@ def test_result_line_shapes() -> None:
     unrun = lines.unrun_record("batch_req_2", "b", "batch_expired", "late")
     assert unrun["response"] is None and unrun["error"] == {"code": "batch_expired", "message": "late"}
     assert lines.encode(unrun).endswith(b"\n") and b"\n" not in lines.encode(unrun)[:-1]
+
+
+@pytest.mark.parametrize("field", [{"previous_response_id": "resp_" + "0" * 32},
+                                   {"conversation": "conv_" + "0" * 32}, {"background": True}])
+def test_a_responses_line_carries_its_whole_conversation(field: dict[str, Any]) -> None:
+    body = {"model": MODEL, "input": "hi", **field}
+    line = {"custom_id": "r", "method": "POST", "url": "/v1/responses", "body": body}
+    _, errors = check(encoded(line), "/v1/responses")
+    [name] = field
+    assert [(e.code, e.param) for e in errors] == [("invalid_body", f"body.{name}")]
