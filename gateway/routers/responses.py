@@ -87,7 +87,8 @@ async def count_input_tokens(
     conversation (a stored `conversation`'s items or the chain `previous_response_id` names, then the body's input,
     with its instructions and tools) rendered by the engine as a generation would render it (Tokenize), after
     `truncation: "auto"` when asked. Nothing is generated, stored or counted against the project's limits."""
-    served = served_model(pool, body.model or pool.model_id or "")
+    served = served_model(pool, body.model if body.model is not None else pool.model_id or "")
+    body = body.model_copy(update={"model": served.id})
     items = responses_to_engine.input_items(body)
     conversation = responses_to_engine.conversation_id(body)
     history = await responses.history(body.previous_response_id, conversation, project)

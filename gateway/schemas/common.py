@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # effect on generation here. Python's JSON parser reads the non-standard NaN / Infinity literals; a number field
 # refuses them as "not a finite number" rather than with a misleading range error.
 IGNORE_EXTRA = ConfigDict(extra="ignore", allow_inf_nan=False)
+# OpenAI's own newer APIs (Responses, Conversations) type-check as OpenAI does: no value is converted to a field's
+# type (a boolean or a string is no number, 2.0 no integer); a JSON integer is still a number.
+STRICT_IGNORE_EXTRA = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 UINT32_MAX = 2**32 - 1  # token ids and token counts are uint32 in ladle.v1
 INT32_MAX = 2**31 - 1

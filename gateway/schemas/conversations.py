@@ -8,22 +8,22 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 
-from gateway.schemas.common import IGNORE_EXTRA
+from gateway.schemas.common import STRICT_IGNORE_EXTRA
 
 Metadata = dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]]
 
 
 class ConversationCreateRequest(BaseModel):
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
     items: list[dict[str, Any]] | None = None
     metadata: Metadata | None = Field(default=None, max_length=16)
 
 
 class ConversationUpdateRequest(BaseModel):
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
     metadata: Metadata | None = Field(max_length=16)
 
 
 class ItemsCreateRequest(BaseModel):
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
     items: list[dict[str, Any]]

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.schemas.common import IGNORE_EXTRA, INT32_MAX, INT64_MAX, INT64_MIN, UINT32_MAX
+from gateway.schemas.common import INT32_MAX, INT64_MAX, INT64_MIN, STRICT_IGNORE_EXTRA, UINT32_MAX
 
 # Statuses of a stored response (OpenAI's): background ones pass through queued and in_progress.
 ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
@@ -21,7 +21,7 @@ FINISHED_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"}
 class TextFormat(BaseModel):
     """`text.format`: plain text, any JSON object, or JSON that validates against `schema`."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, allow_inf_nan=False, strict=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -30,7 +30,7 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
@@ -39,13 +39,13 @@ class ReasoningConfig(BaseModel):
     """`reasoning`: `effort` is passed to the chat template (`reasoning_effort`, and `enable_thinking` false for
     "none"); the model's reasoning comes back as reasoning output items."""
 
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(BaseModel):
-    model_config = IGNORE_EXTRA
+    model_config = STRICT_IGNORE_EXTRA
 
     model: str
     input: str | list[dict[str, Any]] = Field(default_factory=list)
@@ -82,6 +82,6 @@ class ResponsesRequest(BaseModel):
 
 class InputTokensRequest(ResponsesRequest):
     """`POST /v1/responses/input_tokens`: a Responses body whose tokens are counted; the model is optional there
-    (the served one when absent)."""
+    (the served one when absent; a model named, even "", must be one served)."""
 
-    model: str = ""  # optional here, required when creating
+    model: str | None = None  # type: ignore[assignment]  # optional here, required when creating

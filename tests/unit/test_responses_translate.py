@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pydantic
 import pytest
 from openai import omit
 from openai._models import construct_type
@@ -172,3 +173,14 @@ def test_streamed_events_are_what_the_sdk_accumulates_into_the_whole_reply() -> 
     added = [e for e in events if e["type"] == "response.output_item.added"]
     assert [e["output_index"] for e in added] == [0, 1, 2, 3]
     assert [e["item"]["id"] for e in added] == [i["id"] for i in response["output"]]
+
+
+@pytest.mark.parametrize("fields", [{"temperature": False}, {"temperature": "0.5"}, {"max_output_tokens": 8.0},
+                                    {"store": "yes"}, {"text": {"format": {"type": "json_schema", "strict": 1}}},
+                                    {"reasoning": {"effort": 1}}])
+def test_bodies_are_type_checked_as_openai_checks_them(fields: dict[str, Any]) -> None:
+    """No value is converted to its field's type (a boolean or a string is no number, 8.0 no integer), nested
+    objects too; a JSON integer is still a number."""
+    with pytest.raises(pydantic.ValidationError):
+        body(**fields)
+    assert body(temperature=1, top_p=1).temperature == 1.0
