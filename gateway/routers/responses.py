@@ -18,14 +18,17 @@ from gateway.deps import (
     Project,
     RequestTimer,
     Responses,
+    ServedModel,
     admit,
     require_api_key,
     served_model,
 )
+from gateway.engines import EnginePool
 from gateway.errors import invalid
 from gateway.json_output import FiniteJSONResponse
 from gateway.responses import truncation
 from gateway.responses.events import ResponseEvents, response_events
+from gateway.responses.service import ResponseService
 from gateway.schemas.responses import InputTokensRequest, ResponsesRequest
 from gateway.store.ids import RESPONSE_PREFIX, new_id
 from gateway.translate import responses_from_engine, responses_to_engine
@@ -48,13 +51,7 @@ async def create_response(
         raise invalid("background responses must be stored: send store: true (the default)", "store")
     if body.background and body.stream:
         raise invalid("streaming a background response is not supported; poll GET /v1/responses/{id}", "stream")
-    items = responses_to_engine.input_items(body)
-    conversation = responses_to_engine.conversation_id(body)
-    history = await responses.history(body.previous_response_id, conversation, project)
-    request = responses_to_engine.generate_request(body, history + items, rid, cache_salt=project_cache_salt(project),
-                                                   adapter=served.adapter)
-    if body.truncation == "auto":
-        await truncation.fit_context(pool, request)
+    items, conversation, request = await _engine_request(body, served, pool, rid, project, responses)
     want_logprobs = request.sampling.logprobs
     response_id = new_id(RESPONSE_PREFIX)
     if body.background:
@@ -88,7 +85,18 @@ async def count_input_tokens(
     with its instructions and tools) rendered by the engine as a generation would render it (Tokenize), after
     `truncation: "auto"` when asked. Nothing is generated, stored or counted against the project's limits."""
     served = served_model(pool, body.model if body.model is not None else pool.model_id or "")
-    body = body.model_copy(update={"model": served.id})
+    _, _, request = await _engine_request(body.model_copy(update={"model": served.id}), served, pool, rid, project,
+                                          responses)
+    reply = await calls.tokenize(pool, engine_pb2.TokenizeRequest(input=request.input))
+    return {"object": "response.input_tokens", "input_tokens": len(reply.token_ids)}
+
+
+async def _engine_request(
+    body: ResponsesRequest, served: ServedModel, pool: EnginePool, rid: str, project: str, responses: ResponseService
+) -> tuple[list[dict[str, Any]], str | None, engine_pb2.GenerateRequest]:
+    """`body`'s own input items, the stored conversation it continues (None: none), and the engine request for its
+    whole conversation (a conversation's items or a previous_response_id chain's, then its own), with
+    `truncation: "auto"` applied."""
     items = responses_to_engine.input_items(body)
     conversation = responses_to_engine.conversation_id(body)
     history = await responses.history(body.previous_response_id, conversation, project)
@@ -96,8 +104,7 @@ async def count_input_tokens(
                                                    adapter=served.adapter)
     if body.truncation == "auto":
         await truncation.fit_context(pool, request)
-    reply = await calls.tokenize(pool, engine_pb2.TokenizeRequest(input=request.input))
-    return {"object": "response.input_tokens", "input_tokens": len(reply.token_ids)}
+    return items, conversation, request
 
 
 @router.get(ROUTE + "/{response_id}", response_model=None)
