@@ -5,11 +5,15 @@ Each engine reads an adapter's folder on its own host, so a load goes to every S
 all or nothing: when some engines fail, the adapter is unloaded again from those that loaded it, and the error
 names each engine's failure (and any engine whose unload failed too, which then still holds it). An unload goes to
 every SERVING engine too; an engine that does not hold the adapter is no failure unless none held it (404).
-Engines that are down at the time are left as they are: an engine that restarts comes back with its
-`--lora-modules` adapters only, and requests for an adapter go only to the engines that hold it
-(`EnginePool.eligible`); unload the adapter and load it again to put it back on every engine. After either, the
-pool reads every engine again at once, so the next request and `GET /v1/models` see the change (other gateway
-replicas see it at their next poll).
+Engines that are down at the time are left as they are, and requests for an adapter go only to the engines that
+hold it (`EnginePool.eligible`). After either, the pool reads every engine again at once, so the next request and
+`GET /v1/models` see the change (other gateway replicas see it at their next poll).
+
+`AdapterRegistry` records what the routes loaded (name and folder, in the database the replicas share) and forgets
+what they unloaded. An engine restarts with its `--lora-modules` adapters only, so whenever an engine turns SERVING
+(back from a restart, or new behind a `dns:` name) the gateway that sees it loads every recorded adapter it lacks
+(`restore`; an engine that has it already, loaded meanwhile by another replica, is no failure). An adapter that an
+engine cannot load (its folder missing on that host, say) is logged, and that engine serves on without it.
 
 An engine's refusal is the route's answer: INVALID_ARGUMENT (a folder holding no adapter the model takes; its
 `param` is lora_path or lora_name), ALREADY_EXISTS (the name is taken) and FAILED_PRECONDITION (an engine started
@@ -21,16 +25,77 @@ engine's failure; the status is the most specific one (a 4xx before a 5xx).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+import sqlalchemy
+import sqlalchemy.exc
+import structlog
 
 from gateway import calls
 from gateway.engines import Engine, EnginePool
 from gateway.errors import APIError, from_rpc_error, invalid
+from gateway.store.adapters import AdapterStore
+
+log = structlog.get_logger(__name__)
 
 Call = Callable[[Engine], Awaitable[Any]]
+
+
+class AdapterRegistry:
+    """Loads and unloads adapters on every engine (`load_adapter`, `unload_adapter`), recording them in the
+    database once it is `open`, and gives a recorded adapter back to an engine that turns SERVING (`restore`)."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+        self._store: AdapterStore | None = None
+
+    def open(self, db: sqlalchemy.Engine) -> None:
+        """Record loads in `db` from now on, and restore them to every engine that turns SERVING."""
+        self._store = AdapterStore(db)
+        self.pool.on_serving = self.restore
+
+    async def load(self, name: str, path: str) -> None:
+        await load_adapter(self.pool, name, path)
+        if self._store is not None:
+            await asyncio.to_thread(self._store.record, name, path, int(time.time()))
+
+    async def unload(self, name: str) -> None:
+        try:
+            await unload_adapter(self.pool, name)
+        finally:  # however the engines answered, nothing gives the adapter back to an engine any more
+            if self._store is not None:
+                await asyncio.to_thread(self._store.forget, name)
+
+    async def restore(self, engine: Engine) -> None:
+        """Load onto `engine` every recorded adapter it does not serve; log the ones it refuses."""
+        if self._store is None:
+            return
+        try:
+            loaded = await asyncio.to_thread(self._store.loaded)
+        except sqlalchemy.exc.SQLAlchemyError:
+            log.warning("cannot read the loaded adapters; an engine back may lack some", engine=engine.address,
+                        exc_info=True)
+            return
+        missing = {name: path for name, path in loaded.items() if not engine.holds(name)}
+        if not missing:
+            return
+        restored = []
+        for name, path in missing.items():
+            try:
+                with calls.holding(self.pool, engine):
+                    await engine.client.load_adapter(name, path)
+            except grpc.RpcError as error:
+                if _code(error) is not grpc.StatusCode.ALREADY_EXISTS:
+                    log.warning("an engine could not load an adapter back; it serves on without it",
+                                engine=engine.address, adapter=name, path=path, error=adapter_error(error).message)
+                    continue
+            restored.append(name)
+        if restored:
+            log.info("adapters loaded onto an engine that came back", engine=engine.address, adapters=restored)
+            await self.pool.refresh()
 
 
 async def load_adapter(pool: EnginePool, name: str, path: str) -> None:

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from gateway.adapters import AdapterRegistry
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
@@ -53,6 +54,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     limiter = RateLimiter(RateLimits(config.rate_limits_file))
     tracing = Tracing.configure("ladle-gateway", config.otlp_traces_endpoint)
     pool = EnginePool(config)
+    adapter_registry = AdapterRegistry(pool)
     metrics = GatewayMetrics(pool)
     service = BatchService(config, pool, metrics, tracing.tracer)
     stored_responses = ResponseService(pool, config.batch_lease_s, metrics.usage, config.response_retention_s,
@@ -65,6 +67,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await pool.start()
         try:
             await service.start()
+            adapter_registry.open(service.db)
             usage_flush = asyncio.create_task(flush_usage(metrics.usage, UsageStore(service.db)), name="usage-flush")
             limiter.open(RateWindowStore(service.db), UsageStore(service.db))
             try:
@@ -91,6 +94,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.metrics = metrics
     app.state.batches = service
     app.state.responses = stored_responses
+    app.state.adapters = adapter_registry
     app.state.limiter = limiter
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,

@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from opentelemetry import trace
 
+from gateway.adapters import AdapterRegistry
 from gateway.batches.service import BatchService
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
@@ -42,6 +43,11 @@ def get_batches(request: Request) -> BatchService:
 def get_responses(request: Request) -> ResponseService:
     responses: ResponseService = request.app.state.responses
     return responses
+
+
+def get_adapters(request: Request) -> AdapterRegistry:
+    adapters: AdapterRegistry = request.app.state.adapters
+    return adapters
 
 
 def get_limiter(request: Request) -> RateLimiter:
@@ -242,6 +248,7 @@ RequestId = Annotated[str, Depends(request_id)]
 CallId = Annotated[str, Depends(call_id)]
 Batches = Annotated[BatchService, Depends(get_batches)]
 Responses = Annotated[ResponseService, Depends(get_responses)]
+Adapters = Annotated[AdapterRegistry, Depends(get_adapters)]
 Config = Annotated[GatewayConfig, Depends(get_config)]
 Project = Annotated[str, Depends(request_project)]
 IsAdmin = Annotated[bool, Depends(request_is_admin)]

@@ -28,8 +28,9 @@ import asyncio
 import contextlib
 import socket
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -114,6 +115,9 @@ class EnginePool:
         self._channel_retries = len(config.engines) == 1 and not config.engines[0].startswith(DNS_PREFIX)
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # Run (as a task of its own) when a poll finds an engine SERVING that was not: gateway.adapters gives it
+        # back the adapters it lost in a restart.
+        self.on_serving: Callable[[Engine], Coroutine[Any, Any, None]] | None = None
 
     async def start(self) -> None:
         await self._refresh()
@@ -306,3 +310,6 @@ class EnginePool:
         engine.serving = serving
         if serving != was_serving:
             log.info("engine status changed", engine=engine.address, serving=serving)
+        if serving and not was_serving and self.on_serving is not None:
+            self._tasks = [task for task in self._tasks if not task.done()]
+            self._tasks.append(asyncio.create_task(self.on_serving(engine), name=f"engine-serving-{engine.address}"))

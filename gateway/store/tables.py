@@ -205,6 +205,17 @@ conversation_items = Table(
 )
 Index("ladle_conversation_items_order", conversation_items.c.conversation_pk, conversation_items.c.pk)
 
+# LoRA adapters loaded through the gateway's admin route (gateway.adapters), by name: what every engine that turns
+# SERVING is given again (an engine restarts with its --lora-modules only).
+lora_adapters = Table(
+    "ladle_lora_adapters",
+    metadata,
+    Column("pk", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(256), nullable=False, unique=True),
+    Column("path", Text, nullable=False),
+    Column("loaded_at", BigInteger, nullable=False),
+)
+
 # Tokens used per project, UTC day, model and kind ("interactive": the HTTP routes and background responses;
 # "batch": batch jobs' lines), summed from the engine's usage as the gateways flush them (gateway/usage.py).
 usage = Table(

@@ -25,7 +25,7 @@ import pytest
 from ladle.client import EngineClient
 from ladle.v1 import engine_pb2, types_pb2
 from tests.e2e.engine_process import EngineProcess, start_engine
-from tests.e2e.gateway_process import GatewayProcess, start_gateway
+from tests.e2e.gateway_process import GatewayProcess, free_port, start_gateway
 from tests.families import save_family
 from tests.lora_adapters import save_adapter
 
@@ -202,3 +202,47 @@ def test_ladle_batch_selects_adapters_per_line(served: Served, tmp_path: Path) -
     assert bodies["a"]["model"] == "first" and bodies["b"]["model"] == served.base
     assert bodies["a"]["choices"][0]["text"] == engine_text(served, "first", chat=False)
     assert bodies["b"]["choices"][0]["text"] == engine_text(served, "", chat=False)
+
+
+def test_an_engine_that_restarts_gets_its_loaded_adapters_back(tmp_path: Path) -> None:
+    """An adapter loaded through the gateway is loaded again onto its engine when that engine restarts (which
+    brings back its --lora-modules only): the adapter answers as before once the gateway sees the engine SERVING;
+    one unloaded is not brought back."""
+    base = save_family(tmp_path / "base", "llama")
+    folders = {name: save_adapter(base, tmp_path / name, ["q_proj", "v_proj"], rank=8, seed=seed)
+               for name, seed in (("kept", 3), ("dropped", 4))}
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ADMIN} ops admin\n")
+    port = free_port()
+    flags = ("--model", str(base), "--quantization", "none", "--enable-lora", "--kv-cache-mib", "64", "--port",
+             str(port))
+    engine = start_engine(tmp_path / "engine-1.log", *flags, threads=1)
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--api-keys-file", str(keys),
+                            "--health-interval", "0.25")
+    try:
+        with openai.OpenAI(base_url=gateway.base_url, api_key=ADMIN, max_retries=0, timeout=120) as client, \
+                httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=120) as admin:
+            for name, folder in folders.items():
+                loaded = admin.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+                assert loaded.status_code == 200, loaded.text
+            assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "dropped"}).status_code == 200
+
+            def text(model: str) -> str:
+                reply = client.chat.completions.create(model=model, messages=MESSAGES,  # type: ignore[arg-type]
+                                                       max_tokens=MAX_TOKENS, temperature=0)
+                return reply.choices[0].message.content or ""
+
+            before = text("kept")
+            assert engine.stop() == 0
+            engine = start_engine(tmp_path / "engine-2.log", *flags, threads=1)  # the same address, no adapters
+            deadline = time.monotonic() + 60
+            while "adapters loaded onto an engine that came back" not in gateway.log():
+                assert time.monotonic() < deadline, "the restarted engine did not get its adapter back"
+                time.sleep(0.25)
+            with EngineClient(engine.address) as direct:  # the engine's own view, not the gateway's
+                assert [a.name for a in direct.model_info().lora.adapters] == ["kept"]
+            assert [card.id for card in client.models.list().data][1:] == ["kept"]
+            assert text("kept") == before
+    finally:
+        assert gateway.stop() == 0
+        engine.stop()

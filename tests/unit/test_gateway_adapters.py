@@ -368,3 +368,34 @@ async def test_an_adapters_call_fails_over_only_to_engines_that_hold_it() -> Non
             assert failed.value.status == 503 and other.used["x"] == 0
         finally:
             await pool.close()
+
+
+async def test_an_engine_that_comes_back_gets_the_recorded_adapters_again(tmp_path: Path) -> None:
+    """Loads are recorded and unloads forgotten; an engine that turns SERVING again without its adapters (as after
+    a restart) is given the recorded ones back, and one that cannot load an adapter serves on without it."""
+    fakes = [LoraFakeEngine(), LoraFakeEngine()]
+    async with fake_engines(*fakes) as addresses, gateway(addresses, tmp_path) as (http, pool):
+        for name in ("x", "y"):
+            assert (await http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": f"/a/{name}"})
+                    ).status_code == 200
+        assert (await http.post("/v1/unload_lora_adapter", json={"lora_name": "y"})).status_code == 200
+        fakes[1].adapters.clear()  # its process restarted: --lora-modules only (none here)
+        fakes[1].bad_paths = set()
+        pool.mark_down(pool.engines[1])
+        for _ in range(200):
+            if fakes[1].adapters:
+                break
+            await asyncio.sleep(0.01)
+        assert fakes[1].adapters == {"x": "/a/x"}  # "y" was unloaded: not brought back
+        assert fakes[0].adapters == {"x": "/a/x"}
+
+        fakes[0].adapters.clear()
+        fakes[0].bad_paths = {"/a/x"}  # its host lost the folder
+        pool.mark_down(pool.engines[0])
+        for _ in range(200):
+            if pool.engines[0].serving:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert fakes[0].adapters == {} and pool.engines[0].serving
+        assert (await http.post(CHAT, json=chat("x"))).status_code == 200  # served by the engine that holds it
