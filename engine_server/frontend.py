@@ -18,6 +18,7 @@ from engine_server.errors import ValidationError
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start
+from engine_server.sampling import TokenLogprobs
 from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
 from engine_server.tools import (
@@ -84,6 +85,18 @@ class TokenLogprob:
     top_logprobs: tuple[TopLogprob, ...] = ()
 
 
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt's tokens: the first one (which has no log-probability: nothing comes before it), then every later
+    one with its log-probability given the tokens before it and its best alternatives (`tokens[i]` is prompt token
+    i + 1)."""
+
+    first_token_id: int
+    first_token: str
+    first_token_bytes: bytes
+    tokens: list[TokenLogprob]
+
+
 @dataclass
 class Choice:
     """One choice of a result; grows as tokens arrive.
@@ -136,6 +149,8 @@ class GenerationResult:
     choices: list[Choice]
     usage: Usage
     timeline: RequestTimeline | None = field(default=None, compare=False)  # the first choice's, when finished (traces)
+    # With SamplingParams.prompt_logprobs, once the prompt has run; else None.
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -263,6 +278,8 @@ class InputProcessor:
         for i in range(params.n):
             # Choice i of a seeded request draws from seed+i: choices differ, each one is reproducible.
             choice_params = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            if i and params.prompt_logprobs is not None:  # the choices share one prompt: the first one reads it
+                choice_params = dataclasses.replace(choice_params, prompt_logprobs=None)
             requests.append(
                 Request(
                     core_request_id(request_id, i),
@@ -328,6 +345,13 @@ class RequestTracker:
         finish = _CORE_FINISH[output.status] if output.status is not None else None
         delta = self._processors[choice_index].process(new_ids, finish, output.stop_token_id)
         logprobs = self._logprobs(output) if self.params.logprobs else None
+        if output.prompt_logprobs is not None:
+            first = self.result.prompt_token_ids[:1]
+            names, raw = self.token_text.token_strings(first), self.token_text.token_bytes(first)
+            self.result.prompt_logprobs = PromptLogprobs(
+                first[0] if first else 0, names[0] if first else "", raw[0] if first else b"",
+                self._token_logprobs(output.prompt_logprobs),
+            )
         text, call_deltas, reasoning_text = delta.text, list[ToolCallDelta](), ""
         reason, matched = delta.finish_reason, delta.matched_stop
         thinking = self._reasoning[choice_index]
@@ -369,11 +393,12 @@ class RequestTracker:
         return text
 
     def _logprobs(self, output: CoreOutput) -> list[TokenLogprob]:
+        return self._token_logprobs([token.logprobs for token in output.new_tokens if token.logprobs is not None])
+
+    def _token_logprobs(self, found: Sequence[TokenLogprobs]) -> list[TokenLogprob]:
+        """Host log-probabilities with each token's text and bytes."""
         result = []
-        for token in output.new_tokens:
-            sampled = token.logprobs
-            if sampled is None:
-                continue
+        for sampled in found:
             ids = [sampled.token_id, *(tid for tid, _ in sampled.top)]
             names, raw = self.token_text.token_strings(ids), self.token_text.token_bytes(ids)
             tops = tuple(

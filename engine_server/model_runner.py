@@ -298,6 +298,8 @@ class ModelRunner:
         except StepInterrupted:
             self._decode_rows.invalidate()  # it holds the stopped step's layout
             raise
+        if any(item.request.prompt_logprobs is not None for item in items):
+            self._read_prompt_logprobs(items, hidden, last_rows)
         # A pooling request's row samples nothing: its vector is pooled from the hidden states (engine_server.pooling).
         pooled = self.pooler.pool(items, hidden, last_rows) if output.has_pooling else None
         step = self._launch_sampling(output, sampling, hidden, last_rows) if sampling else LaunchedStep(sampling, None)
@@ -334,6 +336,46 @@ class ModelRunner:
         self._last_sampled = (sampled.token_ids, step)
         self._decode_rows.mark_launched(len(sampling) == len(items))
         return step
+
+    def _read_prompt_logprobs(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, last_rows: list[int] | None
+    ) -> None:
+        """Append to `Request.prompt_logprobs` what the step's chunks give: the row at prompt position p predicts
+        prompt token p + 1, its log-probability (float32 log_softmax of the raw logits, as the sampler's) with the
+        request's `prompt_logprobs` best alternatives. Positions a request has already (a preemption's rerun) are
+        skipped. Blocking: the values go to the host at once (only such requests pay it)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        owners: list[Request] = []
+        for i, item in enumerate(items):
+            request = item.request
+            found = request.prompt_logprobs
+            if found is None:
+                continue
+            first_row = (last_rows[i] if last_rows is not None else i) - item.num_new_tokens + 1
+            for offset in range(item.num_new_tokens):
+                position = item.start_position + offset
+                if len(found) <= position < request.num_prompt_tokens - 1:
+                    rows.append(first_row + offset)
+                    targets.append(request.prompt_token_ids[position + 1])
+                    owners.append(request)
+        if not rows:
+            return
+        logits = self._logits(hidden, to_device(host_tensor(rows, torch.long, self.device), self.device))
+        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
+        chosen = logprobs.gather(1, to_device(host_tensor(targets, torch.long, self.device), self.device)[:, None])
+        k = max(owner.sampling_params.prompt_logprobs or 0 for owner in owners)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen_list = chosen[:, 0].tolist()
+        top_value_list = top_values.tolist() if top_values is not None else None
+        top_id_list = top_ids.tolist() if top_ids is not None else None
+        for j, (owner, target) in enumerate(zip(owners, targets, strict=True)):
+            wanted = owner.sampling_params.prompt_logprobs or 0
+            top: tuple[tuple[int, float], ...] = ()
+            if wanted and top_id_list is not None and top_value_list is not None:
+                top = tuple(zip(top_id_list[j][:wanted], top_value_list[j][:wanted], strict=True))
+            assert owner.prompt_logprobs is not None
+            owner.prompt_logprobs.append(TokenLogprobs(target, chosen_list[j], top))
 
     def _attach_pooled(self, step: LaunchedStep, pooled: dict[str, torch.Tensor]) -> None:
         """Give `step` the vectors it pooled, on their way to the host (on CUDA `step.ready` then covers them too:

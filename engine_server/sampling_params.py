@@ -33,9 +33,11 @@ class SamplingParams:
     means "up to the context", or up to `default_max_tokens` when that is set (the model's generation default,
     see engine_server.generation_defaults): unlike max_tokens, that cap shrinks to what the context leaves after
     the prompt instead of making the request invalid, and never goes below min_tokens. logprobs True returns the
-    sampled token's log-probability; top_logprobs (0..20) adds the k best. `constraint` restricts the output to a
-    formal language (structured output); the grammar's end ends the choice with `stop` whatever min_tokens and
-    ignore_eos say.
+    sampled token's log-probability; top_logprobs (0..20) adds the k best. prompt_logprobs k (0..20; None: not
+    asked) returns each prompt token's log-probability given the tokens before it (from the second token on), with
+    the k best alternatives (vLLM's prompt_logprobs; what echo with logprobs needs). `constraint` restricts the
+    output to a formal language (structured output); the grammar's end ends the choice with `stop` whatever
+    min_tokens and ignore_eos say.
     """
 
     n: int = 1
@@ -56,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
@@ -124,6 +127,11 @@ class SamplingParams:
             )
         if self.top_logprobs > 0 and not self.logprobs:
             raise ValidationError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValidationError(
+                f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
+                param="prompt_logprobs",
+            )
 
     def _validate_logit_bias(self, vocab_size: int) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:

@@ -13,7 +13,7 @@ reservation is settled.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,20 +73,26 @@ async def chat_chunks(
 
 async def completion_chunks(
     messages: AsyncIterator[tuple[int, engine_pb2.StreamResponse]], header: StreamHeader, n: int,
-    want_logprobs: bool, echoes: list[str], timer: RequestTimer,
+    want_logprobs: bool, echo: Callable[[int, engine_pb2.StreamResponse], from_engine.Echo] | None,
+    timer: RequestTimer,
 ) -> AsyncIterator[dict[str, Any]]:
-    """`messages` are (prompt position, engine message) pairs; choice i of prompt p has index p * n + i."""
+    """`messages` are (prompt position, engine message) pairs; choice i of prompt p has index p * n + i. `echo`
+    (None: no echo) gives what prompt p echoes, from its engine stream's first message (its prompt logprobs)."""
     offsets: dict[int, int] = {}
+    echoes: dict[int, from_engine.Echo] = {}
     used: dict[int, types_pb2.Usage] = {}  # per prompt (each its own engine stream)
     try:
         async for prompt_index, message in messages:
             timer.token()
             used[prompt_index] = from_engine.used(message)
+            if echo is not None and prompt_index not in echoes:
+                echoes[prompt_index] = echo(prompt_index, message)
             for delta in message.choices:
                 index = prompt_index * n + delta.index
-                if index not in offsets and echoes:
-                    offsets[index] = len(echoes[prompt_index])
-                    yield header.chunk([{"index": index, "text": echoes[prompt_index], "logprobs": None,
+                if index not in offsets and echo is not None:
+                    echoed = echoes[prompt_index]
+                    offsets[index] = len(echoed.text)
+                    yield header.chunk([{"index": index, "text": echoed.text, "logprobs": echoed.logprobs,
                                          "finish_reason": None}])
                 offset = offsets.setdefault(index, 0)
                 if from_engine.has_content(delta):

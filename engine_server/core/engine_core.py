@@ -22,6 +22,7 @@ from engine_server.core.step_timing import StepTimeModel, default_step_targets
 from engine_server.loader import ModelSource
 from engine_server.model_loading import load_model
 from engine_server.model_runner import CollectedTokens, LaunchedStep, ModelRunner, SampledToken
+from engine_server.sampling import TokenLogprobs
 from engine_server.speculative.speculator import Speculator
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from engine_server.workers import WorkerGroup, start_tensor_parallel
@@ -47,6 +48,8 @@ class CoreOutput:
     num_cached_tokens: int = 0
     pooled: torch.Tensor | None = None
     timeline: RequestTimeline | None = field(default=None, compare=False)  # on the last output only (traces)
+    # Its prompt's log-probabilities (`Request.prompt_logprobs`), once, on the first output after they are all known.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -88,6 +91,15 @@ def coalesce(outputs: Iterable[CoreOutput]) -> list[CoreOutput]:
     return list(merged.values())
 
 
+def _handing_prompt_logprobs(request: Request, output: CoreOutput) -> CoreOutput:
+    """`output` with `request`'s prompt log-probabilities once they are all known (they move to it: the request
+    keeps None, so they go out once and its prompt may come from the prefix cache again)."""
+    found = request.prompt_logprobs
+    if found is not None and len(found) >= request.num_prompt_tokens - 1:
+        output.prompt_logprobs, request.prompt_logprobs = found, None
+    return output
+
+
 def _merge(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
     """`later` applied onto `earlier` (modified and returned): tokens appended, the later status."""
     earlier.new_tokens.extend(later.new_tokens)
@@ -95,6 +107,8 @@ def _merge(earlier: CoreOutput, later: CoreOutput) -> CoreOutput:
     earlier.status, earlier.stop_token_id = later.status, later.stop_token_id
     if later.pooled is not None:
         earlier.pooled = later.pooled
+    if later.prompt_logprobs is not None:
+        earlier.prompt_logprobs = later.prompt_logprobs
     if later.timeline is not None:
         earlier.timeline = later.timeline
     return earlier
@@ -297,7 +311,8 @@ class EngineCore:
             if (request.final_only and not request.wants_logprobs) or request.status.is_finished:
                 continue
             token = detail if detail is not None else SampledToken(token_id)
-            output = CoreOutput(request.request_id, [token], None, None, request.num_cached_tokens)
+            output = _handing_prompt_logprobs(
+                request, CoreOutput(request.request_id, [token], None, None, request.num_cached_tokens))
             if request.final_only:
                 self._held.add(output)
             else:
@@ -351,9 +366,11 @@ class EngineCore:
                 outputs.append(self._final(request, output))
                 self.runner.release(request.request_id)
             elif request.final_only:
-                self._held.add(CoreOutput(request.request_id, tokens, None, None, request.num_cached_tokens))
+                self._held.add(_handing_prompt_logprobs(
+                    request, CoreOutput(request.request_id, tokens, None, None, request.num_cached_tokens)))
             else:
-                outputs.append(CoreOutput(request.request_id, tokens, None, None, request.num_cached_tokens))
+                outputs.append(_handing_prompt_logprobs(
+                    request, CoreOutput(request.request_id, tokens, None, None, request.num_cached_tokens)))
         for request in scheduled.finished:
             outputs.append(self._finished_output(request))
             self.runner.release(request.request_id)
@@ -381,6 +398,7 @@ class EngineCore:
             self.speculator.finish(request)
         output.num_cached_tokens = request.num_cached_tokens
         output.timeline = request.timeline()
+        _handing_prompt_logprobs(request, output)
         if not request.final_only:
             return output
         merged = self._held.add(output)  # the steps held for their log-probabilities, in order

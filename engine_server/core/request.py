@@ -19,6 +19,7 @@ from engine_server.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_server.lora.peft_format import LoraAdapter
+    from engine_server.sampling.sampler import TokenLogprobs
     from engine_server.structured.compiler import CompiledConstraint
 
 
@@ -105,6 +106,7 @@ class Request:
         "pooling",
         "preempted_times",
         "priority",
+        "prompt_logprobs",
         "prompt_token_ids",
         "request_id",
         "sampling_params",
@@ -198,6 +200,10 @@ class Request:
             or params.repetition_penalty != 1.0
         )
         self.wants_logprobs = params.logprobs or params.top_logprobs > 0
+        # With sampling_params.prompt_logprobs: entry i is prompt token i + 1's log-probability given the tokens
+        # before it, filled by the runner as the prompt's chunks run (each position once, a preemption's rerun
+        # adds nothing) and handed out by the engine core with the request's first output; None when not asked.
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if params.prompt_logprobs is not None else None
         # Speculative decoding (engine_server.speculative): whether the engine proposes tokens for this request (the
         # engine core sets it at admission); then it never runs ahead of its tokens (async scheduling), since a
         # proposal starts from its last token. `draft_token_ids`: the tokens proposed to follow its last one, set by

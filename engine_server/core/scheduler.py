@@ -666,8 +666,9 @@ class Scheduler:
                 if len(self._running) >= self.config.max_num_seqs:
                     self._preempt_latest_batch(preempted)  # `_has_seat` saw a BATCH tail
                 cached_blocks: list[int]
-                if request.pooling is not None and request.pooling.computes_every_token:
-                    cached_blocks, num_cached = [], 0  # every position's hidden state is pooled, or depends on all
+                if (request.pooling is not None and request.pooling.computes_every_token) or _reads_prompt(request):
+                    # every position's hidden state is pooled, or depends on all; or each gives a prompt logprob
+                    cached_blocks, num_cached = [], 0
                 else:
                     cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
@@ -845,3 +846,10 @@ class _SteadyRecord:
             np.flatnonzero(self.steps_left <= 0).tolist() if self.min_steps_left <= 0 else [],
             finish_epoch,
         )
+
+
+def _reads_prompt(request: Request) -> bool:
+    """Whether `request` still wants prompt log-probabilities, which only computing its prompt gives (so the prefix
+    cache serves it none of its prompt)."""
+    logprobs = request.prompt_logprobs
+    return logprobs is not None and len(logprobs) < request.num_prompt_tokens - 1

@@ -25,7 +25,15 @@ from engine_server.errors import (
     UnsupportedByModelError,
     ValidationError,
 )
-from engine_server.frontend import ChatPrompt, Choice, GenerationResult, Prompt, TokenLogprob, Usage
+from engine_server.frontend import (
+    ChatPrompt,
+    Choice,
+    GenerationResult,
+    Prompt,
+    PromptLogprobs,
+    TokenLogprob,
+    Usage,
+)
 from engine_server.generation_defaults import GenerationDefaults
 from engine_server.lora.registry import ServedAdapter
 from engine_server.output.types import FinishReason
@@ -65,6 +73,7 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "repetition_penalty",
     "seed",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 
 
@@ -213,18 +222,21 @@ def generate_response(result: GenerationResult, model: str) -> engine_pb2.Genera
         request_id=result.request_id,
         choices=[choice_message(c) for c in result.choices],
         usage=usage_message(result.usage),
+        prompt_logprobs=prompt_logprobs_message(result.prompt_logprobs),
         model=model,
     )
 
 
 def stream_response(
-    request_id: str, deltas: Sequence[Choice], model: str, usage_so_far: Usage, last: bool = False
+    request_id: str, deltas: Sequence[Choice], model: str, usage_so_far: Usage, last: bool = False,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> engine_pb2.StreamResponse:
     """One stream message: `usage_so_far` (the request's usage up to this message) on every one, and as `usage`
-    too on the `last`."""
+    too on the `last`; the request's `prompt_logprobs` on the message that first has them."""
     so_far = usage_message(usage_so_far)
     response = engine_pb2.StreamResponse(request_id=request_id, choices=[delta_message(d) for d in deltas],
-                                         model=model, usage_so_far=so_far)  # fmt: skip
+                                         model=model, usage_so_far=so_far,
+                                         prompt_logprobs=prompt_logprobs_message(prompt_logprobs))  # fmt: skip
     if last:
         response.usage.CopyFrom(so_far)
     return response
@@ -288,6 +300,14 @@ def logprob_message(logprob: TokenLogprob) -> types_pb2.TokenLogprob:
             for t in logprob.top_logprobs
         ],
     )
+
+
+def prompt_logprobs_message(found: PromptLogprobs | None) -> types_pb2.PromptLogprobs | None:
+    if found is None:
+        return None
+    return types_pb2.PromptLogprobs(first_token_id=found.first_token_id, first_token=found.first_token,
+                                    first_token_bytes=found.first_token_bytes,
+                                    tokens=[logprob_message(lp) for lp in found.tokens])  # fmt: skip
 
 
 def usage_message(usage: Usage) -> types_pb2.Usage:

@@ -118,12 +118,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 model = engine.info.model_id
                 with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Stream"):
                     # aclosing: a cancelled call closes the generator at once, which aborts the request in the core.
+                    prompt_logprobs_sent = False
                     async with contextlib.aclosing(engine.generate(generation, _deadline(context))) as updates:
                         async for update in updates:
                             if update.finished:
                                 record_generation(span, generation.request_id, update.result)
+                            prompt_logprobs = None if prompt_logprobs_sent else update.result.prompt_logprobs
+                            prompt_logprobs_sent = prompt_logprobs_sent or prompt_logprobs is not None
                             yield convert.stream_response(generation.request_id, update.deltas, model,
-                                                          update.result.usage, last=update.finished)
+                                                          update.result.usage, last=update.finished,
+                                                          prompt_logprobs=prompt_logprobs)
         except Exception as exc:
             await _fail(context, exc)
 

@@ -34,13 +34,13 @@ async def create_completion(
     requests = to_engine.completion_requests(body, rid, cache_salt=project_cache_salt(project),
                                               adapter=served.adapter)
     prompts = body.prompts()
-    echoes = [p if isinstance(p, str) else "" for p in prompts] if body.echo else []
     want_logprobs = body.logprobs is not None
     timer = RequestTimer(metrics, ROUTE, project, model, admission)
     if body.stream:
         streams = await calls.started_all([calls.stream(pool, r) for r in requests])
         header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))
-        chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echoes, timer)
+        echo = from_engine.stream_echo(body, prompts)
+        chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echo, timer)
         return sse.response(chunks)
     responses = await calls.generate_all(pool, requests)
     timer.finish([r.usage for r in responses])

@@ -9,7 +9,8 @@ layout; both are built here so the routers only choose which. Embeddings, scores
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.schemas.chat import ChatFields
@@ -81,16 +82,44 @@ def text_completion(
     `p * n + i` is prompt p's choice i, with the prompt echoed in front when `echo` is set."""
     prompts = body.prompts()
     want_logprobs = body.logprobs is not None
-    choices = [
-        completion_choice(c, p * body.n + c.index, want_logprobs, _echo(body, prompts[p]))
-        for p, reply in enumerate(replies)
-        for c in reply.choices
-    ]
+    choices = []
+    for p, reply in enumerate(replies):
+        echo = echoed(body, prompts[p], reply.prompt_logprobs if reply.HasField("prompt_logprobs") else None)
+        choices += [completion_choice(c, p * body.n + c.index, want_logprobs, echo) for c in reply.choices]
     return response("text_completion", response_id, model, choices, usage(r.usage for r in replies))
 
 
-def _echo(body: CompletionRequest, prompt: str | list[int]) -> str:
-    return prompt if body.echo and isinstance(prompt, str) else ""
+@dataclass(frozen=True)
+class Echo:
+    """A prompt echoed in front of a completion: its text, and with logprobs its tokens' entries of the legacy
+    layout (`completion_logprobs`'s lists: the first token's logprob and alternatives are None)."""
+
+    text: str = ""
+    logprobs: dict[str, Any] | None = None
+
+
+def echoed(body: CompletionRequest, prompt: str | list[int], found: types_pb2.PromptLogprobs | None) -> Echo:
+    """What `body` echoes of `prompt`, given the engine's `found` prompt logprobs (asked for whenever echo needs
+    them: with logprobs, or for a token-id prompt, whose text they carry). A text prompt is echoed as it was sent;
+    offsets run over its tokens' texts."""
+    if not body.echo:
+        return Echo()
+    if found is None:
+        return Echo(prompt if isinstance(prompt, str) else "")
+    texts = [found.first_token, *(lp.token for lp in found.tokens)]
+    text = prompt if isinstance(prompt, str) else "".join(texts)
+    if body.logprobs is None:
+        return Echo(text)
+    offsets, offset = [], 0
+    for token in texts:
+        offsets.append(offset)
+        offset += len(token)
+    return Echo(text, {
+        "tokens": texts,
+        "token_logprobs": [None, *(lp.logprob for lp in found.tokens)],
+        "top_logprobs": [None, *({t.token: t.logprob for t in lp.top_logprobs} for lp in found.tokens)],
+        "text_offset": offsets,
+    })
 
 
 def matched_stop(message: types_pb2.MatchedStop) -> str | int | None:
@@ -213,15 +242,37 @@ def completion_logprobs(logprobs: Sequence[types_pb2.TokenLogprob], text_offset:
     }
 
 
-def completion_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool, echo: str = "") -> dict[str, Any]:
+def stream_echo(
+    body: CompletionRequest, prompts: Sequence[str | list[int]]
+) -> Callable[[int, engine_pb2.StreamResponse], Echo] | None:
+    """What a streamed completion echoes of prompt p, from its engine stream's first message; None without echo."""
+    if not body.echo:
+        return None
+
+    def echo(p: int, first: engine_pb2.StreamResponse) -> Echo:
+        return echoed(body, prompts[p], first.prompt_logprobs if first.HasField("prompt_logprobs") else None)
+
+    return echo
+
+
+def completion_choice(
+    choice: types_pb2.Choice, index: int, want_logprobs: bool, echo: Echo = Echo()
+) -> dict[str, Any]:
     return {
         "index": index,
-        "text": echo + choice.text,
-        "logprobs": completion_logprobs(choice.logprobs, len(echo)) if want_logprobs else None,
+        "text": echo.text + choice.text,
+        "logprobs": _with_echo(echo, completion_logprobs(choice.logprobs, len(echo.text))) if want_logprobs else None,
         "finish_reason": finish_reason(choice.finish_reason),
         "stop_reason": matched_stop(choice.matched_stop),
     }
 
+
+
+def _with_echo(echo: Echo, logprobs: dict[str, Any]) -> dict[str, Any]:
+    """The echoed prompt's entries, then `logprobs`' (the completion's, offsets already past the echo)."""
+    if echo.logprobs is None:
+        return logprobs
+    return {key: [*echo.logprobs[key], *values] for key, values in logprobs.items()}
 
 
 def completion_delta(

@@ -249,18 +249,17 @@ def _completion_requests(
         raise invalid("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid("best_of other than n is not supported", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise invalid("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
     prompts = body.prompts()
     if not prompts:
         raise invalid("prompt must not be empty", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise invalid(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed in one request",
                       "prompt")
-    if body.echo and not isinstance(prompts[0], str):
-        raise invalid("echo is supported for text prompts only", "echo")
     want_logprobs = body.logprobs is not None
     params = sampling(body, body.max_tokens, want_logprobs, body.logprobs or 0)
+    if body.echo and (want_logprobs or not isinstance(prompts[0], str)):
+        # The echoed prompt's tokens (and their logprobs), from the engine: a token-id prompt's text is theirs too.
+        params.prompt_logprobs = body.logprobs or 0
     spec = constraint(body)
     salt = request_cache_salt(cache_salt, body.cache_salt)
     requests = []

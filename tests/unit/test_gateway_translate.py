@@ -223,3 +223,30 @@ def test_nan_and_infinity_literals_are_not_finite_numbers(literal: str) -> None:
                                                       f'"{field}": {literal}}}')
         (error,) = refused.value.errors()
         assert (error["loc"], error["msg"]) == ((field,), "Input should be a finite number")
+
+
+def test_echo_asks_the_engine_for_the_prompts_tokens_when_it_needs_them() -> None:
+    def asked(**fields: Any) -> int | None:
+        body = CompletionRequest.model_validate({"model": "m", "max_tokens": 1, **fields})
+        params = to_engine.completion_requests(body, "r")[0].sampling
+        return params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+
+    assert asked(prompt="hi", echo=True, logprobs=2) == 2  # the echoed prompt's logprobs
+    assert asked(prompt=[1, 2], echo=True) == 0  # a token-id prompt's text comes with its tokens
+    assert asked(prompt="hi", echo=True) is None and asked(prompt="hi", logprobs=2) is None
+
+
+def test_an_echoed_prompt_leads_the_legacy_logprobs() -> None:
+    found = types_pb2.PromptLogprobs(first_token_id=1, first_token="Hel", tokens=[
+        types_pb2.TokenLogprob(token_id=2, token="lo", logprob=-0.5,
+                               top_logprobs=[types_pb2.TopLogprob(token="lo", logprob=-0.5)])])
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "Hello", "echo": True, "logprobs": 1})
+    echo = from_engine.echoed(body, "Hello", found)
+    choice = types_pb2.Choice(text="!", logprobs=[types_pb2.TokenLogprob(token="!", logprob=-1.0)])
+    out = from_engine.completion_choice(choice, 0, True, echo)
+    assert out["text"] == "Hello!"
+    assert out["logprobs"] == {"tokens": ["Hel", "lo", "!"], "token_logprobs": [None, -0.5, -1.0],
+                               "top_logprobs": [None, {"lo": -0.5}, {}], "text_offset": [0, 3, 5]}
+    by_ids = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "echo": True})
+    assert from_engine.echoed(by_ids, [1, 2], found) == from_engine.Echo("Hello")
+    assert from_engine.echoed(CompletionRequest.model_validate({"model": "m", "prompt": "x"}), "x", found).text == ""

@@ -101,6 +101,7 @@ class GenerateResponse(_message.Message):
     CHOICES_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id (the caller's, or the one the engine generated)."""
     model: _builtins.str
@@ -113,6 +114,10 @@ class GenerateResponse(_message.Message):
     def usage(self) -> _types_pb2.Usage:
         """Token counts for the whole request."""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _types_pb2.PromptLogprobs:
+        """With SamplingParams.prompt_logprobs: the prompt's tokens with their log-probabilities."""
+
     def __init__(
         self,
         *,
@@ -120,10 +125,11 @@ class GenerateResponse(_message.Message):
         choices: _abc.Iterable[_types_pb2.Choice] | None = ...,
         usage: _types_pb2.Usage | None = ...,
         model: _builtins.str = ...,
+        prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -192,6 +198,7 @@ class StreamResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     USAGE_SO_FAR_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request id."""
     model: _builtins.str
@@ -211,6 +218,10 @@ class StreamResponse(_message.Message):
         equals `usage`. A caller that stops reading early, or whose stream breaks, still knows what the request cost.
         """
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _types_pb2.PromptLogprobs:
+        """With SamplingParams.prompt_logprobs: as GenerateResponse.prompt_logprobs, on the first message only."""
+
     def __init__(
         self,
         *,
@@ -219,10 +230,11 @@ class StreamResponse(_message.Message):
         usage: _types_pb2.Usage | None = ...,
         model: _builtins.str = ...,
         usage_so_far: _types_pb2.Usage | None = ...,
+        prompt_logprobs: _types_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "request_id", b"request_id", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "model", b"model", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "usage", b"usage", "usage_so_far", b"usage_so_far"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

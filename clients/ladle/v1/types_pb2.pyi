@@ -425,6 +425,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate per choice. Unset: up to the context length."""
     temperature: _builtins.float
@@ -457,6 +458,11 @@ class SamplingParams(_message.Message):
     """Leave special tokens out of the returned text. Unset: true."""
     include_stop_str_in_output: _builtins.bool
     """Include the matched stop string at the end of the text."""
+    prompt_logprobs: _builtins.int
+    """Return each prompt token's log-probability given the tokens before it (from the second token on), with this
+    many best alternatives, in [0, 20] (vLLM's prompt_logprobs). Unset: none. Such a request computes its whole
+    prompt: the prefix cache serves none of it.
+    """
     @_builtins.property
     def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
         """Added to the logit of each token id, values in [-100, 100]."""
@@ -491,10 +497,11 @@ class SamplingParams(_message.Message):
         top_logprobs: _builtins.int = ...,
         skip_special_tokens: _builtins.bool | None = ...,
         include_stop_str_in_output: _builtins.bool = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_tokens", b"max_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -506,6 +513,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -528,6 +537,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
@@ -756,6 +767,40 @@ class ChoiceDelta(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChoiceDelta: _TypeAlias = ChoiceDelta  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """PromptLogprobs are a prompt's tokens, each after the first with its log-probability given the tokens before it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    first_token_id: _builtins.int
+    """The prompt's first token, which has no log-probability (nothing comes before it): its id, text and bytes."""
+    first_token: _builtins.str
+    first_token_bytes: _builtins.bytes
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """Every later prompt token, in order (entry i is prompt token i + 1), with its best alternatives."""
+
+    def __init__(
+        self,
+        *,
+        first_token_id: _builtins.int = ...,
+        first_token: _builtins.str = ...,
+        first_token_bytes: _builtins.bytes = ...,
+        tokens: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "first_token_bytes", b"first_token_bytes", "first_token_id", b"first_token_id", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class TokenLogprob(_message.Message):
