@@ -83,6 +83,7 @@ class TokenLogprob:
     logprob: float
     token_bytes: bytes
     top_logprobs: tuple[TopLogprob, ...] = ()
+    rank: int = 0  # among the vocabulary (1: the most likely); 0 where not computed (a sampled token's)
 
 
 @dataclass(frozen=True)
@@ -404,7 +405,7 @@ class RequestTracker:
             tops = tuple(
                 TopLogprob(tid, names[i], lp, raw[i]) for i, (tid, lp) in enumerate(sampled.top, start=1)
             )
-            result.append(TokenLogprob(sampled.token_id, names[0], sampled.logprob, raw[0], tops))
+            result.append(TokenLogprob(sampled.token_id, names[0], sampled.logprob, raw[0], tops, sampled.rank))
         return result
 
 

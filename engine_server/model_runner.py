@@ -341,9 +341,9 @@ class ModelRunner:
         self, items: list[ScheduledRequest], hidden: torch.Tensor, last_rows: list[int] | None
     ) -> None:
         """Append to `Request.prompt_logprobs` what the step's chunks give: the row at prompt position p predicts
-        prompt token p + 1, its log-probability (float32 log_softmax of the raw logits, as the sampler's) with the
-        request's `prompt_logprobs` best alternatives. Positions a request has already (a preemption's rerun) are
-        skipped. Blocking: the values go to the host at once (only such requests pay it)."""
+        prompt token p + 1, its log-probability (float32 log_softmax of the raw logits, as the sampler's) and rank,
+        with the request's `prompt_logprobs` best alternatives. Positions a request has already (a preemption's
+        rerun) are skipped. Blocking: the values go to the host at once (only such requests pay it)."""
         rows: list[int] = []
         targets: list[int] = []
         owners: list[Request] = []
@@ -366,6 +366,7 @@ class ModelRunner:
         chosen = logprobs.gather(1, to_device(host_tensor(targets, torch.long, self.device), self.device)[:, None])
         k = max(owner.sampling_params.prompt_logprobs or 0 for owner in owners)
         top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # 1 + the tokens more likely than the prompt's
         chosen_list = chosen[:, 0].tolist()
         top_value_list = top_values.tolist() if top_values is not None else None
         top_id_list = top_ids.tolist() if top_ids is not None else None
@@ -375,7 +376,7 @@ class ModelRunner:
             if wanted and top_id_list is not None and top_value_list is not None:
                 top = tuple(zip(top_id_list[j][:wanted], top_value_list[j][:wanted], strict=True))
             assert owner.prompt_logprobs is not None
-            owner.prompt_logprobs.append(TokenLogprobs(target, chosen_list[j], top))
+            owner.prompt_logprobs.append(TokenLogprobs(target, chosen_list[j], top, ranks[j]))
 
     def _attach_pooled(self, step: LaunchedStep, pooled: dict[str, torch.Tensor]) -> None:
         """Give `step` the vectors it pooled, on their way to the host (on CUDA `step.ready` then covers them too:

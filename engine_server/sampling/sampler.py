@@ -48,6 +48,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; len = the row's top_logprobs
+    rank: int = 0  # among the vocabulary by logprob (1: the most likely); 0 where not computed (sampled tokens)
 
 
 @dataclass(frozen=True, eq=False)

@@ -295,6 +295,7 @@ def logprob_message(logprob: TokenLogprob) -> types_pb2.TokenLogprob:
         token=logprob.token,
         logprob=logprob.logprob,
         token_bytes=logprob.token_bytes,
+        rank=logprob.rank,
         top_logprobs=[
             types_pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob, token_bytes=t.token_bytes)
             for t in logprob.top_logprobs

@@ -89,6 +89,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: each prompt token's log-probability and the k best alternatives, in vLLM's layout.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Structured outputs: OpenAI, vLLM (current and the older guided_* names) and SGLang spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -72,7 +72,10 @@ def chat_completion(
 ) -> dict[str, Any]:
     """The whole `chat.completion` for one conversation's engine reply (the route and batch lines share it)."""
     choices = [chat_choice(c, c.index, body.logprobs) for c in reply.choices]
-    return response("chat.completion", response_id, model, choices, usage([reply.usage]))
+    whole = response("chat.completion", response_id, model, choices, usage([reply.usage]))
+    if body.prompt_logprobs is not None:
+        whole["prompt_logprobs"] = vllm_prompt_logprobs(reply)
+    return whole
 
 
 def text_completion(
@@ -85,8 +88,26 @@ def text_completion(
     choices = []
     for p, reply in enumerate(replies):
         echo = echoed(body, prompts[p], reply.prompt_logprobs if reply.HasField("prompt_logprobs") else None)
-        choices += [completion_choice(c, p * body.n + c.index, want_logprobs, echo) for c in reply.choices]
+        for c in reply.choices:
+            choice = completion_choice(c, p * body.n + c.index, want_logprobs, echo)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(reply)
+            choices.append(choice)
     return response("text_completion", response_id, model, choices, usage(r.usage for r in replies))
+
+
+def vllm_prompt_logprobs(reply: engine_pb2.GenerateResponse) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict by token id of the token
+    itself and its best alternatives, each `{"logprob", "rank", "decoded_token"}`; None without them."""
+    if not reply.HasField("prompt_logprobs"):
+        return None
+    entries: list[dict[str, Any] | None] = [None]
+    for lp in reply.prompt_logprobs.tokens:
+        entry = {str(t.token_id): {"logprob": t.logprob, "rank": rank, "decoded_token": t.token}
+                 for rank, t in enumerate(lp.top_logprobs, start=1)}
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}
+        entries.append(entry)
+    return entries
 
 
 @dataclass(frozen=True)

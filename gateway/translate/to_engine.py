@@ -64,6 +64,8 @@ def sampling(
     for name, value in optional.items():
         if value is not None:
             setattr(params, name, value)
+    if body.prompt_logprobs is not None:
+        params.prompt_logprobs = body.prompt_logprobs
     if body.seed is not None:
         params.seed = body.seed % ENGINE_SEEDS  # OpenAI's seeds are int64, negative ones too
     for key, bias in (body.logit_bias or {}).items():
@@ -259,7 +261,7 @@ def _completion_requests(
     params = sampling(body, body.max_tokens, want_logprobs, body.logprobs or 0)
     if body.echo and (want_logprobs or not isinstance(prompts[0], str)):
         # The echoed prompt's tokens (and their logprobs), from the engine: a token-id prompt's text is theirs too.
-        params.prompt_logprobs = body.logprobs or 0
+        params.prompt_logprobs = max(body.logprobs or 0, body.prompt_logprobs or 0)
     spec = constraint(body)
     salt = request_cache_salt(cache_salt, body.cache_salt)
     requests = []

@@ -89,6 +89,25 @@ def test_completions_echo_logprobs_as_lm_eval_harness_asks(gateway_http: httpx.C
     assert streamed_tokens[:len(ids) + 1] == logprobs["tokens"]
 
 
+def test_vllms_prompt_logprobs_field(gateway_http: httpx.Client, model_id: str, stub: Stub) -> None:
+    """vLLM's `prompt_logprobs` (extra_body) on completions (per choice) and chat (per response): None for the first
+    prompt token, then a dict by token id of the prompt's token (its rank) and the k best (ranks 1..k)."""
+    ids = prompt_ids(stub)
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    found = gateway_http.post("/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert found[0] is None and len(found) == len(ids)
+    for token_id, entry in zip(ids[1:], found[1:], strict=True):
+        assert str(token_id) in entry and entry[str(token_id)]["rank"] >= 1 and 2 <= len(entry) <= 3
+        assert sorted(v["rank"] for k, v in entry.items() if k != str(token_id))[:2] in ([1, 2], [1], [2])
+    chat = gateway_http.post("/v1/chat/completions", json={
+        "model": model_id, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1, "prompt_logprobs": 0,
+    }).json()
+    assert chat["prompt_logprobs"][0] is None and chat["usage"]["prompt_tokens"] == len(chat["prompt_logprobs"])
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # the prompt's own token alone
+    plain = gateway_http.post("/v1/completions", json={**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
 def test_prompt_logprobs_out_of_range_are_refused(stub: Stub) -> None:
     import grpc
 

@@ -34,14 +34,17 @@ def prompt() -> list[int]:
     return [rng.randrange(100, 20_000) for _ in range(PROMPT_LENGTH)]
 
 
-def expected(folder: Path, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' log-probabilities of prompt tokens 1.. and the TOP best token ids at positions 0..n-2."""
+def expected(folder: Path, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """transformers' log-probabilities of prompt tokens 1.., the TOP best token ids at positions 0..n-2, and each
+    prompt token's rank (1 + the tokens more likely)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
-    return logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], logprobs.topk(TOP, dim=-1).indices
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    return chosen[:, 0], logprobs.topk(TOP, dim=-1).indices, ranks
 
 
 def engine(folder: Path, chunk: int) -> LLM:
@@ -58,7 +61,7 @@ def read(llm: LLM, prompts: list[list[int]], **params: Any) -> list[Any]:
 
 @pytest.mark.parametrize("chunk", [2048, 16])
 def test_prompt_logprobs_equal_transformers(folder: Path, prompt: list[int], chunk: int) -> None:
-    want, want_top = expected(folder, prompt)
+    want, want_top, want_ranks = expected(folder, prompt)
     other = [7, 8, 9, *prompt[:20]]
     with engine(folder, chunk) as llm:
         alone = read(llm, [prompt])[0]
@@ -72,6 +75,7 @@ def test_prompt_logprobs_equal_transformers(folder: Path, prompt: list[int], chu
         assert [entry.token_id for entry in found] == prompt[1:]
         torch.testing.assert_close(torch.tensor([entry.logprob for entry in found]), want, atol=1e-4, rtol=0)
         assert [[top.token_id for top in entry.top_logprobs] for entry in found] == want_top.tolist()
+        assert [entry.rank for entry in found] == want_ranks
         assert all(entry.token and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6 for entry in found)
         assert result.choices[0].token_ids == plain.choices[0].token_ids  # the output is what it would be
     assert beside.prompt_logprobs is not None and len(beside.prompt_logprobs.tokens) == len(other) - 1

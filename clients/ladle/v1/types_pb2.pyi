@@ -813,6 +813,7 @@ class TokenLogprob(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The token id."""
     token: _builtins.str
@@ -821,6 +822,10 @@ class TokenLogprob(_message.Message):
     """Natural log-probability under the model's distribution."""
     token_bytes: _builtins.bytes
     """The token's UTF-8 bytes (a token may hold part of a character)."""
+    rank: _builtins.int
+    """The token's rank among every token of the vocabulary by log-probability (1: the most likely); set for a
+    prompt's tokens (PromptLogprobs), 0 where not computed.
+    """
     @_builtins.property
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
         """The most likely tokens at this position, best first (top_logprobs of them)."""
@@ -833,10 +838,11 @@ class TokenLogprob(_message.Message):
         logprob: _builtins.float = ...,
         token_bytes: _builtins.bytes = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "rank", b"rank", "token", b"token", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
