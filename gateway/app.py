@@ -38,6 +38,7 @@ from gateway.routers import (
     operations,
     responses,
     scores,
+    tokenize,
     usage,
 )
 from gateway.schemas.errors import ERROR_RESPONSES
@@ -100,6 +101,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys, tracer=tracing.tracer)
     for module in (models, chat, completions, batch_chat, embeddings, scores, files, batches, responses,
-                   conversations, usage, adapters, operations):
+                   conversations, tokenize, usage, adapters, operations):
         app.include_router(module.router)
+    app.include_router(tokenize.version_router)
     return app

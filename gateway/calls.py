@@ -190,6 +190,12 @@ async def tokenize(pool: EnginePool, request: engine_pb2.TokenizeRequest) -> eng
                         lambda engine, timeout: engine.client.tokenize(request, timeout=timeout))
 
 
+async def detokenize(pool: EnginePool, request: engine_pb2.DetokenizeRequest) -> engine_pb2.DetokenizeResponse:
+    """One Detokenize call (routed as a generation of those token ids)."""
+    ids = types_pb2.Input(token_ids=types_pb2.TokenIds(ids=request.token_ids))
+    return await _unary(pool, [ids], "", lambda engine, timeout: engine.client.detokenize(request, timeout=timeout))
+
+
 async def generate_all(
     pool: EnginePool, requests: Sequence[engine_pb2.GenerateRequest]
 ) -> list[engine_pb2.GenerateResponse]:

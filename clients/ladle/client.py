@@ -129,6 +129,11 @@ class EngineClient:
     ) -> engine_pb2.TokenizeResponse:
         return self.stub.Tokenize(request, timeout=self._pick(timeout), metadata=self._metadata)
 
+    def detokenize(
+        self, request: engine_pb2.DetokenizeRequest, *, timeout: Timeout = "default"
+    ) -> engine_pb2.DetokenizeResponse:
+        return self.stub.Detokenize(request, timeout=self._pick(timeout), metadata=self._metadata)
+
     def model_info(self, *, timeout: Timeout = "default") -> engine_pb2.GetModelInfoResponse:
         request = engine_pb2.GetModelInfoRequest()
         return self.stub.GetModelInfo(request, timeout=self._pick(timeout), metadata=self._metadata)
@@ -234,6 +239,11 @@ class AsyncEngineClient:
         self, request: engine_pb2.TokenizeRequest, *, timeout: Timeout = "default"
     ) -> engine_pb2.TokenizeResponse:
         return await self.stub.Tokenize(request, timeout=self._pick(timeout), metadata=self._call_metadata())
+
+    async def detokenize(
+        self, request: engine_pb2.DetokenizeRequest, *, timeout: Timeout = "default"
+    ) -> engine_pb2.DetokenizeResponse:
+        return await self.stub.Detokenize(request, timeout=self._pick(timeout), metadata=self._call_metadata())
 
     async def model_info(self, *, timeout: Timeout = "default") -> engine_pb2.GetModelInfoResponse:
         request = engine_pb2.GetModelInfoRequest()

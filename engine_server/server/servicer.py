@@ -161,6 +161,16 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         except Exception as exc:
             await _fail(context, exc)
 
+    async def Detokenize(
+        self, request: engine_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> engine_pb2.DetokenizeResponse:
+        try:
+            with self._admitted() as engine:
+                skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+                return engine_pb2.DetokenizeResponse(text=await engine.detokenize(list(request.token_ids), skip))
+        except Exception as exc:
+            await _fail(context, exc)
+
     async def Embed(
         self, request: engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> engine_pb2.EmbedResponse:

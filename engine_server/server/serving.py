@@ -59,7 +59,7 @@ from engine_server.pooling.requests import (
     pooling_requests,
     pooling_token_ids,
 )
-from engine_server.sampling_params import SamplingParams
+from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.server.engine_loop import EngineLoop, LoadSnapshot, RequestStream
 from engine_server.structured.compiler import GrammarCompiler, GrammarCompilerConfig
 from engine_server.tokenizer.loading import load_tokenizer
@@ -294,6 +294,13 @@ class ServingEngine:
         else:
             ids = await self._off_loop(self.inputs.tokenize, prompt, add_special_tokens)
         return TokenizeResult(list(ids), self.token_text.token_strings(ids), text)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `token_ids` as generated text is decoded; ValidationError (param "tokens") for an id outside
+        the vocabulary."""
+        validate_token_ids(token_ids, self.info.vocab_size, param="tokens")
+        text: str = await self._off_loop(self.tokenizer.decode, token_ids, skip_special_tokens=skip_special_tokens)
+        return text
 
     async def generate(
         self, request: GenerationInput, deadline: float | None = None, whole: bool = False, wait: bool = False

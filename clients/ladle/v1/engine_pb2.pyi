@@ -391,6 +391,57 @@ class TokenizeRequest(_message.Message):
 Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
 
 @_typing.final
+class DetokenizeRequest(_message.Message):
+    """DetokenizeRequest names the token ids to decode."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    skip_special_tokens: _builtins.bool
+    """Leave special tokens out of the text. Unset: true, as for generated text."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The ids, each in [0, vocab_size)."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens", "skip_special_tokens", b"skip_special_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens", "skip_special_tokens", b"skip_special_tokens", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
+
+Global___DetokenizeRequest: _TypeAlias = DetokenizeRequest  # noqa: Y015
+
+@_typing.final
+class DetokenizeResponse(_message.Message):
+    """DetokenizeResponse holds the text of the token ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015
+
+@_typing.final
 class TokenizeResponse(_message.Message):
     """TokenizeResponse holds the token ids of the input."""
 

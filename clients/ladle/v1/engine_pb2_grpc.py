@@ -55,6 +55,11 @@ class EngineServiceStub:
                 request_serializer=ladle_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=ladle_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/ladle.v1.EngineService/Detokenize',
+                request_serializer=ladle_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=ladle_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/ladle.v1.EngineService/GetModelInfo',
                 request_serializer=ladle_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
@@ -118,6 +123,13 @@ class EngineServiceServicer:
 
     def Tokenize(self, request, context):
         """Tokenize returns the token ids the engine would see for an input (chat input is templated first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Detokenize returns the text of token ids, decoded as generation decodes its output.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,6 +206,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=ladle_dot_v1_dot_engine__pb2.TokenizeRequest.FromString,
                     response_serializer=ladle_dot_v1_dot_engine__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=ladle_dot_v1_dot_engine__pb2.DetokenizeRequest.FromString,
+                    response_serializer=ladle_dot_v1_dot_engine__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -335,6 +352,33 @@ class EngineService:
             '/ladle.v1.EngineService/Tokenize',
             ladle_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
             ladle_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ladle.v1.EngineService/Detokenize',
+            ladle_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
+            ladle_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

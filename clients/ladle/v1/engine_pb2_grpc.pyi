@@ -59,6 +59,8 @@ class EngineServiceStub:
     """
     Tokenize: _grpc.UnaryUnaryMultiCallable[_engine_pb2.TokenizeRequest, _engine_pb2.TokenizeResponse]
     """Tokenize returns the token ids the engine would see for an input (chat input is templated first)."""
+    Detokenize: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DetokenizeRequest, _engine_pb2.DetokenizeResponse]
+    """Detokenize returns the text of token ids, decoded as generation decodes its output."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]
     """GetModelInfo describes the served model: context length, vocabulary, eos ids, defaults."""
     GetLoad: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]
@@ -102,6 +104,8 @@ class EngineServiceAsyncStub(EngineServiceStub):
     """
     Tokenize: _aio.UnaryUnaryMultiCallable[_engine_pb2.TokenizeRequest, _engine_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Tokenize returns the token ids the engine would see for an input (chat input is templated first)."""
+    Detokenize: _aio.UnaryUnaryMultiCallable[_engine_pb2.DetokenizeRequest, _engine_pb2.DetokenizeResponse]  # type: ignore[assignment]
+    """Detokenize returns the text of token ids, decoded as generation decodes its output."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetModelInfoRequest, _engine_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """GetModelInfo describes the served model: context length, vocabulary, eos ids, defaults."""
     GetLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.GetLoadRequest, _engine_pb2.GetLoadResponse]  # type: ignore[assignment]
@@ -166,6 +170,14 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.TokenizeResponse, _abc.Awaitable[_engine_pb2.TokenizeResponse]]:
         """Tokenize returns the token ids the engine would see for an input (chat input is templated first)."""
+
+    @_abc_1.abstractmethod
+    def Detokenize(
+        self,
+        request: _engine_pb2.DetokenizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.DetokenizeResponse, _abc.Awaitable[_engine_pb2.DetokenizeResponse]]:
+        """Detokenize returns the text of token ids, decoded as generation decodes its output."""
 
     @_abc_1.abstractmethod
     def GetModelInfo(

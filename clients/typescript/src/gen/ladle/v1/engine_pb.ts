@@ -25,7 +25,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file ladle/v1/engine.proto.
  */
 export const file_ladle_v1_engine: GenFile = /*@__PURE__*/
-  fileDesc("ChVsYWRsZS92MS9lbmdpbmUucHJvdG8SCGxhZGxlLnYxIuYBCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJEg8KB2FkYXB0ZXIYByABKAkiqwEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIhCgdjaG9pY2VzGAIgAygLMhAubGFkbGUudjEuQ2hvaWNlEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkSMQoPcHJvbXB0X2xvZ3Byb2JzGAUgASgLMhgubGFkbGUudjEuUHJvbXB0TG9ncHJvYnMi5AEKDVN0cmVhbVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJEg8KB2FkYXB0ZXIYByABKAki1QEKDlN0cmVhbVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSJgoHY2hvaWNlcxgCIAMoCzIVLmxhZGxlLnYxLkNob2ljZURlbHRhEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkSJQoMdXNhZ2Vfc29fZmFyGAUgASgLMg8ubGFkbGUudjEuVXNhZ2USMQoPcHJvbXB0X2xvZ3Byb2JzGAYgASgLMhgubGFkbGUudjEuUHJvbXB0TG9ncHJvYnMiqAEKDEJhdGNoUmVxdWVzdBIPCgdpdGVtX2lkGAEgASgJEioKB3JlcXVlc3QYAiABKAsyGS5sYWRsZS52MS5HZW5lcmF0ZVJlcXVlc3QSJwoFZW1iZWQYAyABKAsyFi5sYWRsZS52MS5FbWJlZFJlcXVlc3RIABInCgVzY29yZRgEIAEoCzIWLmxhZGxlLnYxLlNjb3JlUmVxdWVzdEgAQgkKB3Bvb2xpbmci4QEKDUJhdGNoUmVzcG9uc2USDwoHaXRlbV9pZBgBIAEoCRIsCgZyZXN1bHQYAiABKAsyGi5sYWRsZS52MS5HZW5lcmF0ZVJlc3BvbnNlSAASJAoFZXJyb3IYAyABKAsyEy5sYWRsZS52MS5JdGVtRXJyb3JIABIvCgxlbWJlZF9yZXN1bHQYBCABKAsyFy5sYWRsZS52MS5FbWJlZFJlc3BvbnNlSAASLwoMc2NvcmVfcmVzdWx0GAUgASgLMhcubGFkbGUudjEuU2NvcmVSZXNwb25zZUgAQgkKB291dGNvbWUiOQoJSXRlbUVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRINCgVwYXJhbRgDIAEoCSJpCg9Ub2tlbml6ZVJlcXVlc3QSHgoFaW5wdXQYASABKAsyDy5sYWRsZS52MS5JbnB1dBIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zIkoKEFRva2VuaXplUmVzcG9uc2USEQoJdG9rZW5faWRzGAEgAygNEg4KBnRva2VucxgCIAMoCRITCgtwcm9tcHRfdGV4dBgDIAEoCSIVChNHZXRNb2RlbEluZm9SZXF1ZXN0IvICChRHZXRNb2RlbEluZm9SZXNwb25zZRIQCghtb2RlbF9pZBgBIAEoCRIWCg5jb250ZXh0X2xlbmd0aBgCIAEoDRISCgp2b2NhYl9zaXplGAMgASgNEhUKDWVvc190b2tlbl9pZHMYBCADKA0SGQoRaGFzX2NoYXRfdGVtcGxhdGUYBSABKAgSLAoIZGVmYXVsdHMYBiABKAsyGi5sYWRsZS52MS5TYW1wbGluZ0RlZmF1bHRzEhQKDGFyY2hpdGVjdHVyZRgHIAEoCRIOCgZkZXZpY2UYCCABKAkSDQoFZHR5cGUYCSABKAkSJwoGbGltaXRzGAogASgLMhcubGFkbGUudjEuUmVxdWVzdExpbWl0cxIUCgxtYXhfbnVtX3NlcXMYCyABKA0SJgoHcG9vbGluZxgMIAEoCzIVLmxhZGxlLnYxLlBvb2xpbmdJbmZvEiAKBGxvcmEYDSABKAsyEi5sYWRsZS52MS5Mb3JhSW5mbyJdCghMb3JhSW5mbxInCghhZGFwdGVycxgBIAMoCzIVLmxhZGxlLnYxLkFkYXB0ZXJJbmZvEhEKCW1heF9sb3JhcxgCIAEoDRIVCg1tYXhfbG9yYV9yYW5rGAMgASgNIk8KC0FkYXB0ZXJJbmZvEgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCRIMCgRyYW5rGAMgASgNEhYKDnRhcmdldF9tb2R1bGVzGAQgAygJIjAKEkxvYWRBZGFwdGVyUmVxdWVzdBIMCgRuYW1lGAEgASgJEgwKBHBhdGgYAiABKAkiPQoTTG9hZEFkYXB0ZXJSZXNwb25zZRImCgdhZGFwdGVyGAEgASgLMhUubGFkbGUudjEuQWRhcHRlckluZm8iJAoUVW5sb2FkQWRhcHRlclJlcXVlc3QSDAoEbmFtZRgBIAEoCSIXChVVbmxvYWRBZGFwdGVyUmVzcG9uc2UiWwoLUG9vbGluZ0luZm8SDgoGbWV0aG9kGAEgASgJEhEKCW5vcm1hbGl6ZRgCIAEoCBISCgpkaW1lbnNpb25zGAMgASgNEhUKDWNyb3NzX2VuY29kZXIYBCABKAgihAEKEFNhbXBsaW5nRGVmYXVsdHMSEwoLdGVtcGVyYXR1cmUYASABKAISDQoFdG9wX3AYAiABKAISDQoFdG9wX2sYAyABKAUSGgoScmVwZXRpdGlvbl9wZW5hbHR5GAQgASgCEhIKCm1heF90b2tlbnMYBSABKA0SDQoFbWluX3AYBiABKAIiUgoNUmVxdWVzdExpbWl0cxINCgVtYXhfbhgBIAEoDRIYChBtYXhfc3RvcF9zdHJpbmdzGAIgASgNEhgKEG1heF90b3BfbG9ncHJvYnMYAyABKA0iEAoOR2V0TG9hZFJlcXVlc3QiwwIKD0dldExvYWRSZXNwb25zZRIPCgdydW5uaW5nGAEgASgNEg8KB3dhaXRpbmcYAiABKA0SFgoOa3ZfYmxvY2tzX3VzZWQYAyABKA0SFwoPa3ZfYmxvY2tzX3RvdGFsGAQgASgNEhUKDWt2X2Jsb2NrX3NpemUYBSABKA0SEAoIa3ZfdXNhZ2UYBiABKAISEQoJYWNjZXB0aW5nGAcgASgIEiMKG3NwZWN1bGF0aXZlX3Byb3Bvc2VkX3Rva2VucxgIIAEoBBIjChtzcGVjdWxhdGl2ZV9hY2NlcHRlZF90b2tlbnMYCSABKAQSIQoZc3BlY3VsYXRpdmVfdmVyaWZpZWRfcm93cxgKIAEoBBIiChpzcGVjdWxhdGl2ZV9rZXB0X2hpc3RvZ3JhbRgLIAMoBBIQCghhZGFwdGVycxgMIAMoCSKLAgoMRW1iZWRSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSHwoGaW5wdXRzGAIgAygLMg8ubGFkbGUudjEuSW5wdXQSFwoKZGltZW5zaW9ucxgDIAEoDUgAiAEBEhYKCW5vcm1hbGl6ZRgEIAEoCEgBiAEBEiQKCHByaW9yaXR5GAUgASgOMhIubGFkbGUudjEuUHJpb3JpdHkSIwoWdHJ1bmNhdGVfcHJvbXB0X3Rva2VucxgGIAEoDUgCiAEBEhIKCmNhY2hlX3NhbHQYByABKAlCDQoLX2RpbWVuc2lvbnNCDAoKX25vcm1hbGl6ZUIZChdfdHJ1bmNhdGVfcHJvbXB0X3Rva2VucyJ7Cg1FbWJlZFJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSJwoKZW1iZWRkaW5ncxgCIAMoCzITLmxhZGxlLnYxLkVtYmVkZGluZxIeCgV1c2FnZRgDIAEoCzIPLmxhZGxlLnYxLlVzYWdlEg0KBW1vZGVsGAQgASgJIj4KCUVtYmVkZGluZxINCgVpbmRleBgBIAEoDRIOCgZ2YWx1ZXMYAiADKAISEgoKbnVtX3Rva2VucxgDIAEoDSLgAQoMU2NvcmVSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSHgoFcXVlcnkYAiABKAsyDy5sYWRsZS52MS5JbnB1dBIiCglkb2N1bWVudHMYAyADKAsyDy5sYWRsZS52MS5JbnB1dBIkCghwcmlvcml0eRgEIAEoDjISLmxhZGxlLnYxLlByaW9yaXR5EiMKFnRydW5jYXRlX3Byb21wdF90b2tlbnMYBSABKA1IAIgBARISCgpjYWNoZV9zYWx0GAYgASgJQhkKF190cnVuY2F0ZV9wcm9tcHRfdG9rZW5zImIKDVNjb3JlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIOCgZzY29yZXMYAiADKAISHgoFdXNhZ2UYAyABKAsyDy5sYWRsZS52MS5Vc2FnZRINCgVtb2RlbBgEIAEoCTKzBQoNRW5naW5lU2VydmljZRJBCghHZW5lcmF0ZRIZLmxhZGxlLnYxLkdlbmVyYXRlUmVxdWVzdBoaLmxhZGxlLnYxLkdlbmVyYXRlUmVzcG9uc2USPQoGU3RyZWFtEhcubGFkbGUudjEuU3RyZWFtUmVxdWVzdBoYLmxhZGxlLnYxLlN0cmVhbVJlc3BvbnNlMAESPAoFQmF0Y2gSFi5sYWRsZS52MS5CYXRjaFJlcXVlc3QaFy5sYWRsZS52MS5CYXRjaFJlc3BvbnNlKAEwARJBCghUb2tlbml6ZRIZLmxhZGxlLnYxLlRva2VuaXplUmVxdWVzdBoaLmxhZGxlLnYxLlRva2VuaXplUmVzcG9uc2USTQoMR2V0TW9kZWxJbmZvEh0ubGFkbGUudjEuR2V0TW9kZWxJbmZvUmVxdWVzdBoeLmxhZGxlLnYxLkdldE1vZGVsSW5mb1Jlc3BvbnNlEj4KB0dldExvYWQSGC5sYWRsZS52MS5HZXRMb2FkUmVxdWVzdBoZLmxhZGxlLnYxLkdldExvYWRSZXNwb25zZRI4CgVFbWJlZBIWLmxhZGxlLnYxLkVtYmVkUmVxdWVzdBoXLmxhZGxlLnYxLkVtYmVkUmVzcG9uc2USOAoFU2NvcmUSFi5sYWRsZS52MS5TY29yZVJlcXVlc3QaFy5sYWRsZS52MS5TY29yZVJlc3BvbnNlEkoKC0xvYWRBZGFwdGVyEhwubGFkbGUudjEuTG9hZEFkYXB0ZXJSZXF1ZXN0Gh0ubGFkbGUudjEuTG9hZEFkYXB0ZXJSZXNwb25zZRJQCg1VbmxvYWRBZGFwdGVyEh4ubGFkbGUudjEuVW5sb2FkQWRhcHRlclJlcXVlc3QaHy5sYWRsZS52MS5VbmxvYWRBZGFwdGVyUmVzcG9uc2ViBnByb3RvMw", [file_ladle_v1_types]);
+  fileDesc("ChVsYWRsZS92MS9lbmdpbmUucHJvdG8SCGxhZGxlLnYxIuYBCg9HZW5lcmF0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJEg8KB2FkYXB0ZXIYByABKAkiqwEKEEdlbmVyYXRlUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIhCgdjaG9pY2VzGAIgAygLMhAubGFkbGUudjEuQ2hvaWNlEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkSMQoPcHJvbXB0X2xvZ3Byb2JzGAUgASgLMhgubGFkbGUudjEuUHJvbXB0TG9ncHJvYnMi5AEKDVN0cmVhbVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVpbnB1dBgCIAEoCzIPLmxhZGxlLnYxLklucHV0EioKCHNhbXBsaW5nGAMgASgLMhgubGFkbGUudjEuU2FtcGxpbmdQYXJhbXMSKAoKY29uc3RyYWludBgEIAEoCzIULmxhZGxlLnYxLkNvbnN0cmFpbnQSJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRISCgpjYWNoZV9zYWx0GAYgASgJEg8KB2FkYXB0ZXIYByABKAki1QEKDlN0cmVhbVJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSJgoHY2hvaWNlcxgCIAMoCzIVLmxhZGxlLnYxLkNob2ljZURlbHRhEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkSJQoMdXNhZ2Vfc29fZmFyGAUgASgLMg8ubGFkbGUudjEuVXNhZ2USMQoPcHJvbXB0X2xvZ3Byb2JzGAYgASgLMhgubGFkbGUudjEuUHJvbXB0TG9ncHJvYnMiqAEKDEJhdGNoUmVxdWVzdBIPCgdpdGVtX2lkGAEgASgJEioKB3JlcXVlc3QYAiABKAsyGS5sYWRsZS52MS5HZW5lcmF0ZVJlcXVlc3QSJwoFZW1iZWQYAyABKAsyFi5sYWRsZS52MS5FbWJlZFJlcXVlc3RIABInCgVzY29yZRgEIAEoCzIWLmxhZGxlLnYxLlNjb3JlUmVxdWVzdEgAQgkKB3Bvb2xpbmci4QEKDUJhdGNoUmVzcG9uc2USDwoHaXRlbV9pZBgBIAEoCRIsCgZyZXN1bHQYAiABKAsyGi5sYWRsZS52MS5HZW5lcmF0ZVJlc3BvbnNlSAASJAoFZXJyb3IYAyABKAsyEy5sYWRsZS52MS5JdGVtRXJyb3JIABIvCgxlbWJlZF9yZXN1bHQYBCABKAsyFy5sYWRsZS52MS5FbWJlZFJlc3BvbnNlSAASLwoMc2NvcmVfcmVzdWx0GAUgASgLMhcubGFkbGUudjEuU2NvcmVSZXNwb25zZUgAQgkKB291dGNvbWUiOQoJSXRlbUVycm9yEgwKBGNvZGUYASABKAUSDwoHbWVzc2FnZRgCIAEoCRINCgVwYXJhbRgDIAEoCSJpCg9Ub2tlbml6ZVJlcXVlc3QSHgoFaW5wdXQYASABKAsyDy5sYWRsZS52MS5JbnB1dBIfChJhZGRfc3BlY2lhbF90b2tlbnMYAiABKAhIAIgBAUIVChNfYWRkX3NwZWNpYWxfdG9rZW5zImAKEURldG9rZW5pemVSZXF1ZXN0EhEKCXRva2VuX2lkcxgBIAMoDRIgChNza2lwX3NwZWNpYWxfdG9rZW5zGAIgASgISACIAQFCFgoUX3NraXBfc3BlY2lhbF90b2tlbnMiIgoSRGV0b2tlbml6ZVJlc3BvbnNlEgwKBHRleHQYASABKAkiSgoQVG9rZW5pemVSZXNwb25zZRIRCgl0b2tlbl9pZHMYASADKA0SDgoGdG9rZW5zGAIgAygJEhMKC3Byb21wdF90ZXh0GAMgASgJIhUKE0dldE1vZGVsSW5mb1JlcXVlc3Qi8gIKFEdldE1vZGVsSW5mb1Jlc3BvbnNlEhAKCG1vZGVsX2lkGAEgASgJEhYKDmNvbnRleHRfbGVuZ3RoGAIgASgNEhIKCnZvY2FiX3NpemUYAyABKA0SFQoNZW9zX3Rva2VuX2lkcxgEIAMoDRIZChFoYXNfY2hhdF90ZW1wbGF0ZRgFIAEoCBIsCghkZWZhdWx0cxgGIAEoCzIaLmxhZGxlLnYxLlNhbXBsaW5nRGVmYXVsdHMSFAoMYXJjaGl0ZWN0dXJlGAcgASgJEg4KBmRldmljZRgIIAEoCRINCgVkdHlwZRgJIAEoCRInCgZsaW1pdHMYCiABKAsyFy5sYWRsZS52MS5SZXF1ZXN0TGltaXRzEhQKDG1heF9udW1fc2VxcxgLIAEoDRImCgdwb29saW5nGAwgASgLMhUubGFkbGUudjEuUG9vbGluZ0luZm8SIAoEbG9yYRgNIAEoCzISLmxhZGxlLnYxLkxvcmFJbmZvIl0KCExvcmFJbmZvEicKCGFkYXB0ZXJzGAEgAygLMhUubGFkbGUudjEuQWRhcHRlckluZm8SEQoJbWF4X2xvcmFzGAIgASgNEhUKDW1heF9sb3JhX3JhbmsYAyABKA0iTwoLQWRhcHRlckluZm8SDAoEbmFtZRgBIAEoCRIMCgRwYXRoGAIgASgJEgwKBHJhbmsYAyABKA0SFgoOdGFyZ2V0X21vZHVsZXMYBCADKAkiMAoSTG9hZEFkYXB0ZXJSZXF1ZXN0EgwKBG5hbWUYASABKAkSDAoEcGF0aBgCIAEoCSI9ChNMb2FkQWRhcHRlclJlc3BvbnNlEiYKB2FkYXB0ZXIYASABKAsyFS5sYWRsZS52MS5BZGFwdGVySW5mbyIkChRVbmxvYWRBZGFwdGVyUmVxdWVzdBIMCgRuYW1lGAEgASgJIhcKFVVubG9hZEFkYXB0ZXJSZXNwb25zZSJbCgtQb29saW5nSW5mbxIOCgZtZXRob2QYASABKAkSEQoJbm9ybWFsaXplGAIgASgIEhIKCmRpbWVuc2lvbnMYAyABKA0SFQoNY3Jvc3NfZW5jb2RlchgEIAEoCCKEAQoQU2FtcGxpbmdEZWZhdWx0cxITCgt0ZW1wZXJhdHVyZRgBIAEoAhINCgV0b3BfcBgCIAEoAhINCgV0b3BfaxgDIAEoBRIaChJyZXBldGl0aW9uX3BlbmFsdHkYBCABKAISEgoKbWF4X3Rva2VucxgFIAEoDRINCgVtaW5fcBgGIAEoAiJSCg1SZXF1ZXN0TGltaXRzEg0KBW1heF9uGAEgASgNEhgKEG1heF9zdG9wX3N0cmluZ3MYAiABKA0SGAoQbWF4X3RvcF9sb2dwcm9icxgDIAEoDSIQCg5HZXRMb2FkUmVxdWVzdCLDAgoPR2V0TG9hZFJlc3BvbnNlEg8KB3J1bm5pbmcYASABKA0SDwoHd2FpdGluZxgCIAEoDRIWCg5rdl9ibG9ja3NfdXNlZBgDIAEoDRIXCg9rdl9ibG9ja3NfdG90YWwYBCABKA0SFQoNa3ZfYmxvY2tfc2l6ZRgFIAEoDRIQCghrdl91c2FnZRgGIAEoAhIRCglhY2NlcHRpbmcYByABKAgSIwobc3BlY3VsYXRpdmVfcHJvcG9zZWRfdG9rZW5zGAggASgEEiMKG3NwZWN1bGF0aXZlX2FjY2VwdGVkX3Rva2VucxgJIAEoBBIhChlzcGVjdWxhdGl2ZV92ZXJpZmllZF9yb3dzGAogASgEEiIKGnNwZWN1bGF0aXZlX2tlcHRfaGlzdG9ncmFtGAsgAygEEhAKCGFkYXB0ZXJzGAwgAygJIosCCgxFbWJlZFJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIfCgZpbnB1dHMYAiADKAsyDy5sYWRsZS52MS5JbnB1dBIXCgpkaW1lbnNpb25zGAMgASgNSACIAQESFgoJbm9ybWFsaXplGAQgASgISAGIAQESJAoIcHJpb3JpdHkYBSABKA4yEi5sYWRsZS52MS5Qcmlvcml0eRIjChZ0cnVuY2F0ZV9wcm9tcHRfdG9rZW5zGAYgASgNSAKIAQESEgoKY2FjaGVfc2FsdBgHIAEoCUINCgtfZGltZW5zaW9uc0IMCgpfbm9ybWFsaXplQhkKF190cnVuY2F0ZV9wcm9tcHRfdG9rZW5zInsKDUVtYmVkUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRInCgplbWJlZGRpbmdzGAIgAygLMhMubGFkbGUudjEuRW1iZWRkaW5nEh4KBXVzYWdlGAMgASgLMg8ubGFkbGUudjEuVXNhZ2USDQoFbW9kZWwYBCABKAkiPgoJRW1iZWRkaW5nEg0KBWluZGV4GAEgASgNEg4KBnZhbHVlcxgCIAMoAhISCgpudW1fdG9rZW5zGAMgASgNIuABCgxTY29yZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIeCgVxdWVyeRgCIAEoCzIPLmxhZGxlLnYxLklucHV0EiIKCWRvY3VtZW50cxgDIAMoCzIPLmxhZGxlLnYxLklucHV0EiQKCHByaW9yaXR5GAQgASgOMhIubGFkbGUudjEuUHJpb3JpdHkSIwoWdHJ1bmNhdGVfcHJvbXB0X3Rva2VucxgFIAEoDUgAiAEBEhIKCmNhY2hlX3NhbHQYBiABKAlCGQoXX3RydW5jYXRlX3Byb21wdF90b2tlbnMiYgoNU2NvcmVSZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEg4KBnNjb3JlcxgCIAMoAhIeCgV1c2FnZRgDIAEoCzIPLmxhZGxlLnYxLlVzYWdlEg0KBW1vZGVsGAQgASgJMvwFCg1FbmdpbmVTZXJ2aWNlEkEKCEdlbmVyYXRlEhkubGFkbGUudjEuR2VuZXJhdGVSZXF1ZXN0GhoubGFkbGUudjEuR2VuZXJhdGVSZXNwb25zZRI9CgZTdHJlYW0SFy5sYWRsZS52MS5TdHJlYW1SZXF1ZXN0GhgubGFkbGUudjEuU3RyZWFtUmVzcG9uc2UwARI8CgVCYXRjaBIWLmxhZGxlLnYxLkJhdGNoUmVxdWVzdBoXLmxhZGxlLnYxLkJhdGNoUmVzcG9uc2UoATABEkEKCFRva2VuaXplEhkubGFkbGUudjEuVG9rZW5pemVSZXF1ZXN0GhoubGFkbGUudjEuVG9rZW5pemVSZXNwb25zZRJHCgpEZXRva2VuaXplEhsubGFkbGUudjEuRGV0b2tlbml6ZVJlcXVlc3QaHC5sYWRsZS52MS5EZXRva2VuaXplUmVzcG9uc2USTQoMR2V0TW9kZWxJbmZvEh0ubGFkbGUudjEuR2V0TW9kZWxJbmZvUmVxdWVzdBoeLmxhZGxlLnYxLkdldE1vZGVsSW5mb1Jlc3BvbnNlEj4KB0dldExvYWQSGC5sYWRsZS52MS5HZXRMb2FkUmVxdWVzdBoZLmxhZGxlLnYxLkdldExvYWRSZXNwb25zZRI4CgVFbWJlZBIWLmxhZGxlLnYxLkVtYmVkUmVxdWVzdBoXLmxhZGxlLnYxLkVtYmVkUmVzcG9uc2USOAoFU2NvcmUSFi5sYWRsZS52MS5TY29yZVJlcXVlc3QaFy5sYWRsZS52MS5TY29yZVJlc3BvbnNlEkoKC0xvYWRBZGFwdGVyEhwubGFkbGUudjEuTG9hZEFkYXB0ZXJSZXF1ZXN0Gh0ubGFkbGUudjEuTG9hZEFkYXB0ZXJSZXNwb25zZRJQCg1VbmxvYWRBZGFwdGVyEh4ubGFkbGUudjEuVW5sb2FkQWRhcHRlclJlcXVlc3QaHy5sYWRsZS52MS5VbmxvYWRBZGFwdGVyUmVzcG9uc2ViBnByb3RvMw", [file_ladle_v1_types]);
 
 /**
  * GenerateRequest asks for one generation, returned whole.
@@ -440,6 +440,53 @@ export const TokenizeRequestSchema: GenMessage<TokenizeRequest> = /*@__PURE__*/
   messageDesc(file_ladle_v1_engine, 7);
 
 /**
+ * DetokenizeRequest names the token ids to decode.
+ *
+ * @generated from message ladle.v1.DetokenizeRequest
+ */
+export type DetokenizeRequest = Message<"ladle.v1.DetokenizeRequest"> & {
+  /**
+   * The ids, each in [0, vocab_size).
+   *
+   * @generated from field: repeated uint32 token_ids = 1;
+   */
+  tokenIds: number[];
+
+  /**
+   * Leave special tokens out of the text. Unset: true, as for generated text.
+   *
+   * @generated from field: optional bool skip_special_tokens = 2;
+   */
+  skipSpecialTokens?: boolean | undefined;
+};
+
+/**
+ * Describes the message ladle.v1.DetokenizeRequest.
+ * Use `create(DetokenizeRequestSchema)` to create a new message.
+ */
+export const DetokenizeRequestSchema: GenMessage<DetokenizeRequest> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 8);
+
+/**
+ * DetokenizeResponse holds the text of the token ids.
+ *
+ * @generated from message ladle.v1.DetokenizeResponse
+ */
+export type DetokenizeResponse = Message<"ladle.v1.DetokenizeResponse"> & {
+  /**
+   * @generated from field: string text = 1;
+   */
+  text: string;
+};
+
+/**
+ * Describes the message ladle.v1.DetokenizeResponse.
+ * Use `create(DetokenizeResponseSchema)` to create a new message.
+ */
+export const DetokenizeResponseSchema: GenMessage<DetokenizeResponse> = /*@__PURE__*/
+  messageDesc(file_ladle_v1_engine, 9);
+
+/**
  * TokenizeResponse holds the token ids of the input.
  *
  * @generated from message ladle.v1.TokenizeResponse
@@ -472,7 +519,7 @@ export type TokenizeResponse = Message<"ladle.v1.TokenizeResponse"> & {
  * Use `create(TokenizeResponseSchema)` to create a new message.
  */
 export const TokenizeResponseSchema: GenMessage<TokenizeResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 8);
+  messageDesc(file_ladle_v1_engine, 10);
 
 /**
  * GetModelInfoRequest has no fields.
@@ -487,7 +534,7 @@ export type GetModelInfoRequest = Message<"ladle.v1.GetModelInfoRequest"> & {
  * Use `create(GetModelInfoRequestSchema)` to create a new message.
  */
 export const GetModelInfoRequestSchema: GenMessage<GetModelInfoRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 9);
+  messageDesc(file_ladle_v1_engine, 11);
 
 /**
  * GetModelInfoResponse describes the served model.
@@ -593,7 +640,7 @@ export type GetModelInfoResponse = Message<"ladle.v1.GetModelInfoResponse"> & {
  * Use `create(GetModelInfoResponseSchema)` to create a new message.
  */
 export const GetModelInfoResponseSchema: GenMessage<GetModelInfoResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 10);
+  messageDesc(file_ladle_v1_engine, 12);
 
 /**
  * LoraInfo says which LoRA adapters an engine serves and what it can hold.
@@ -628,7 +675,7 @@ export type LoraInfo = Message<"ladle.v1.LoraInfo"> & {
  * Use `create(LoraInfoSchema)` to create a new message.
  */
 export const LoraInfoSchema: GenMessage<LoraInfo> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 11);
+  messageDesc(file_ladle_v1_engine, 13);
 
 /**
  * AdapterInfo describes one served LoRA adapter.
@@ -670,7 +717,7 @@ export type AdapterInfo = Message<"ladle.v1.AdapterInfo"> & {
  * Use `create(AdapterInfoSchema)` to create a new message.
  */
 export const AdapterInfoSchema: GenMessage<AdapterInfo> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 12);
+  messageDesc(file_ladle_v1_engine, 14);
 
 /**
  * LoadAdapterRequest names an adapter and where to read it.
@@ -698,7 +745,7 @@ export type LoadAdapterRequest = Message<"ladle.v1.LoadAdapterRequest"> & {
  * Use `create(LoadAdapterRequestSchema)` to create a new message.
  */
 export const LoadAdapterRequestSchema: GenMessage<LoadAdapterRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 13);
+  messageDesc(file_ladle_v1_engine, 15);
 
 /**
  * LoadAdapterResponse describes the adapter now served.
@@ -719,7 +766,7 @@ export type LoadAdapterResponse = Message<"ladle.v1.LoadAdapterResponse"> & {
  * Use `create(LoadAdapterResponseSchema)` to create a new message.
  */
 export const LoadAdapterResponseSchema: GenMessage<LoadAdapterResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 14);
+  messageDesc(file_ladle_v1_engine, 16);
 
 /**
  * UnloadAdapterRequest names the adapter to stop serving.
@@ -740,7 +787,7 @@ export type UnloadAdapterRequest = Message<"ladle.v1.UnloadAdapterRequest"> & {
  * Use `create(UnloadAdapterRequestSchema)` to create a new message.
  */
 export const UnloadAdapterRequestSchema: GenMessage<UnloadAdapterRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 15);
+  messageDesc(file_ladle_v1_engine, 17);
 
 /**
  * UnloadAdapterResponse has no fields.
@@ -755,7 +802,7 @@ export type UnloadAdapterResponse = Message<"ladle.v1.UnloadAdapterResponse"> & 
  * Use `create(UnloadAdapterResponseSchema)` to create a new message.
  */
 export const UnloadAdapterResponseSchema: GenMessage<UnloadAdapterResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 16);
+  messageDesc(file_ladle_v1_engine, 18);
 
 /**
  * PoolingInfo says how the engine turns hidden states into embeddings.
@@ -799,7 +846,7 @@ export type PoolingInfo = Message<"ladle.v1.PoolingInfo"> & {
  * Use `create(PoolingInfoSchema)` to create a new message.
  */
 export const PoolingInfoSchema: GenMessage<PoolingInfo> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 17);
+  messageDesc(file_ladle_v1_engine, 19);
 
 /**
  * SamplingDefaults are the values used for unset sampling fields: the model's own (its generation_config.json,
@@ -858,7 +905,7 @@ export type SamplingDefaults = Message<"ladle.v1.SamplingDefaults"> & {
  * Use `create(SamplingDefaultsSchema)` to create a new message.
  */
 export const SamplingDefaultsSchema: GenMessage<SamplingDefaults> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 18);
+  messageDesc(file_ladle_v1_engine, 20);
 
 /**
  * RequestLimits are the caps the engine enforces with INVALID_ARGUMENT.
@@ -893,7 +940,7 @@ export type RequestLimits = Message<"ladle.v1.RequestLimits"> & {
  * Use `create(RequestLimitsSchema)` to create a new message.
  */
 export const RequestLimitsSchema: GenMessage<RequestLimits> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 19);
+  messageDesc(file_ladle_v1_engine, 21);
 
 /**
  * GetLoadRequest has no fields.
@@ -908,7 +955,7 @@ export type GetLoadRequest = Message<"ladle.v1.GetLoadRequest"> & {
  * Use `create(GetLoadRequestSchema)` to create a new message.
  */
 export const GetLoadRequestSchema: GenMessage<GetLoadRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 20);
+  messageDesc(file_ladle_v1_engine, 22);
 
 /**
  * GetLoadResponse is a snapshot of the engine's load.
@@ -1008,7 +1055,7 @@ export type GetLoadResponse = Message<"ladle.v1.GetLoadResponse"> & {
  * Use `create(GetLoadResponseSchema)` to create a new message.
  */
 export const GetLoadResponseSchema: GenMessage<GetLoadResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 21);
+  messageDesc(file_ladle_v1_engine, 23);
 
 /**
  * EmbedRequest asks for one embedding per input.
@@ -1074,7 +1121,7 @@ export type EmbedRequest = Message<"ladle.v1.EmbedRequest"> & {
  * Use `create(EmbedRequestSchema)` to create a new message.
  */
 export const EmbedRequestSchema: GenMessage<EmbedRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 22);
+  messageDesc(file_ladle_v1_engine, 24);
 
 /**
  * EmbedResponse holds the embeddings of an EmbedRequest, in the order of its inputs.
@@ -1116,7 +1163,7 @@ export type EmbedResponse = Message<"ladle.v1.EmbedResponse"> & {
  * Use `create(EmbedResponseSchema)` to create a new message.
  */
 export const EmbedResponseSchema: GenMessage<EmbedResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 23);
+  messageDesc(file_ladle_v1_engine, 25);
 
 /**
  * Embedding is the vector of one input.
@@ -1151,7 +1198,7 @@ export type Embedding = Message<"ladle.v1.Embedding"> & {
  * Use `create(EmbeddingSchema)` to create a new message.
  */
 export const EmbeddingSchema: GenMessage<Embedding> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 24);
+  messageDesc(file_ladle_v1_engine, 26);
 
 /**
  * ScoreRequest asks how relevant each document is to a query.
@@ -1207,7 +1254,7 @@ export type ScoreRequest = Message<"ladle.v1.ScoreRequest"> & {
  * Use `create(ScoreRequestSchema)` to create a new message.
  */
 export const ScoreRequestSchema: GenMessage<ScoreRequest> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 25);
+  messageDesc(file_ladle_v1_engine, 27);
 
 /**
  * ScoreResponse holds one score per document, in the order of the documents.
@@ -1250,7 +1297,7 @@ export type ScoreResponse = Message<"ladle.v1.ScoreResponse"> & {
  * Use `create(ScoreResponseSchema)` to create a new message.
  */
 export const ScoreResponseSchema: GenMessage<ScoreResponse> = /*@__PURE__*/
-  messageDesc(file_ladle_v1_engine, 26);
+  messageDesc(file_ladle_v1_engine, 28);
 
 /**
  * EngineService generates text with one model, and pools its hidden states into embeddings and scores.
@@ -1301,6 +1348,16 @@ export const EngineService: GenService<{
     methodKind: "unary";
     input: typeof TokenizeRequestSchema;
     output: typeof TokenizeResponseSchema;
+  },
+  /**
+   * Detokenize returns the text of token ids, decoded as generation decodes its output.
+   *
+   * @generated from rpc ladle.v1.EngineService.Detokenize
+   */
+  detokenize: {
+    methodKind: "unary";
+    input: typeof DetokenizeRequestSchema;
+    output: typeof DetokenizeResponseSchema;
   },
   /**
    * GetModelInfo describes the served model: context length, vocabulary, eos ids, defaults.

@@ -1,0 +1,62 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize` (and `GET /version`): what the engine's tokenizer makes of a
+prompt or a conversation (rendered with the model's chat template, as a chat request would be), and the text of
+token ids. The engine does both (Tokenize, Detokenize): the gateway holds no tokenizer."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import pydantic
+from fastapi import APIRouter, Depends
+
+from gateway import calls
+from gateway.deps import CallId, Pool, require_api_key, served_model
+from gateway.errors import invalid, validation_param
+from gateway.schemas.chat import ChatCompletionRequest
+from gateway.schemas.tokenize import DetokenizeRequest, TokenizeRequest
+from gateway.translate import to_engine
+from ladle.v1 import engine_pb2, types_pb2
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+# `GET /version` answers without a key, as /health does.
+version_router = APIRouter()
+
+
+@router.post("/tokenize", response_model=None)
+async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId) -> Any:
+    """`{"count", "max_model_len", "tokens", "token_strs"}` (the tokens' texts with `return_token_strs`)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("send exactly one of prompt and messages", "prompt")
+    served = served_model(pool, body.model if body.model is not None else pool.model_id or "")
+    request = engine_pb2.TokenizeRequest()
+    if body.messages is not None:
+        try:
+            chat = ChatCompletionRequest.model_validate({
+                "model": served.id, "messages": body.messages, "tools": body.tools,
+                "chat_template_kwargs": body.chat_template_kwargs, "add_generation_prompt": body.add_generation_prompt,
+            })
+        except pydantic.ValidationError as exc:
+            param = validation_param(tuple(exc.errors()[0].get("loc", ())))
+            raise invalid(f"{param}: {exc.errors()[0].get('msg', 'invalid value')}", param) from None
+        request.input.CopyFrom(to_engine.chat_request(chat, chat.messages, rid).input)
+    else:
+        request.input.CopyFrom(types_pb2.Input(text=body.prompt or ""))
+        request.add_special_tokens = body.add_special_tokens is not False
+    reply = await calls.tokenize(pool, request)
+    info = pool.model_info()
+    return {"count": len(reply.token_ids), "max_model_len": info.context_length if info is not None else None,
+            "tokens": list(reply.token_ids), "token_strs": list(reply.tokens) if body.return_token_strs else None}
+
+
+@router.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeRequest, pool: Pool) -> Any:
+    """`{"prompt": text}` of the token ids."""
+    served_model(pool, body.model if body.model is not None else pool.model_id or "")
+    reply = await calls.detokenize(pool, engine_pb2.DetokenizeRequest(token_ids=body.tokens))
+    return {"prompt": reply.text}
+
+
+@version_router.get("/version", response_model=None)
+async def version() -> Any:
+    return {"version": metadata.version("ladle")}
