@@ -114,7 +114,7 @@ def test_a_completions_stream_left_early_counts_each_prompts_engine_stream() -> 
                               (1, MESSAGES[1])]:
             yield prompt, reply
 
-    asyncio.run(read(completion_chunks(merged(), header, 1, False, [], request_timer), 4))
+    asyncio.run(read(completion_chunks(merged(), header, 1, False, None, request_timer), 4))
     # prompt 0 finished (3 tokens); prompt 1 had sent one message when the client left
     assert counted(metrics) == UsageCounts(requests=1, input_tokens=2 * PROMPT, cached_tokens=4, output_tokens=4)
 

@@ -428,6 +428,7 @@ class DetokenizeResponse(_message.Message):
 
     TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
+    """The decoded text."""
     def __init__(
         self,
         *,

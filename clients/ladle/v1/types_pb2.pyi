@@ -779,9 +779,11 @@ class PromptLogprobs(_message.Message):
     FIRST_TOKEN_BYTES_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
-    """The prompt's first token, which has no log-probability (nothing comes before it): its id, text and bytes."""
+    """The id of the prompt's first token, which has no log-probability (nothing comes before it)."""
     first_token: _builtins.str
+    """The first token's text."""
     first_token_bytes: _builtins.bytes
+    """The first token's UTF-8 bytes (a token may hold part of a character)."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """Every later prompt token, in order (entry i is prompt token i + 1), with its best alternatives."""

@@ -474,6 +474,8 @@ export const DetokenizeRequestSchema: GenMessage<DetokenizeRequest> = /*@__PURE_
  */
 export type DetokenizeResponse = Message<"ladle.v1.DetokenizeResponse"> & {
   /**
+   * The decoded text.
+   *
    * @generated from field: string text = 1;
    */
   text: string;

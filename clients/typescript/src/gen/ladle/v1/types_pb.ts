@@ -761,18 +761,22 @@ export const ChoiceDeltaSchema: GenMessage<ChoiceDelta> = /*@__PURE__*/
  */
 export type PromptLogprobs = Message<"ladle.v1.PromptLogprobs"> & {
   /**
-   * The prompt's first token, which has no log-probability (nothing comes before it): its id, text and bytes.
+   * The id of the prompt's first token, which has no log-probability (nothing comes before it).
    *
    * @generated from field: uint32 first_token_id = 1;
    */
   firstTokenId: number;
 
   /**
+   * The first token's text.
+   *
    * @generated from field: string first_token = 2;
    */
   firstToken: string;
 
   /**
+   * The first token's UTF-8 bytes (a token may hold part of a character).
+   *
    * @generated from field: bytes first_token_bytes = 3;
    */
   firstTokenBytes: Uint8Array;
