@@ -74,10 +74,11 @@ async def chat_chunks(
 async def completion_chunks(
     messages: AsyncIterator[tuple[int, engine_pb2.StreamResponse]], header: StreamHeader, n: int,
     want_logprobs: bool, echo: Callable[[int, engine_pb2.StreamResponse], from_engine.Echo] | None,
-    timer: RequestTimer,
+    timer: RequestTimer, prompt_only: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
     """`messages` are (prompt position, engine message) pairs; choice i of prompt p has index p * n + i. `echo`
-    (None: no echo) gives what prompt p echoes, from its engine stream's first message (its prompt logprobs)."""
+    (None: no echo) gives what prompt p echoes, from its engine stream's first message (its prompt logprobs).
+    `prompt_only` (max_tokens 0): the echo and the finish alone; the engine's token is neither sent nor counted."""
     offsets: dict[int, int] = {}
     echoes: dict[int, from_engine.Echo] = {}
     used: dict[int, types_pb2.Usage] = {}  # per prompt (each its own engine stream)
@@ -85,6 +86,8 @@ async def completion_chunks(
         async for prompt_index, message in messages:
             timer.token()
             used[prompt_index] = from_engine.used(message)
+            if prompt_only:
+                used[prompt_index] = from_engine.input_only(used[prompt_index])
             if echo is not None and prompt_index not in echoes:
                 echoes[prompt_index] = echo(prompt_index, message)
             for delta in message.choices:
@@ -95,7 +98,7 @@ async def completion_chunks(
                     yield header.chunk([{"index": index, "text": echoed.text, "logprobs": echoed.logprobs,
                                          "finish_reason": None}])
                 offset = offsets.setdefault(index, 0)
-                if from_engine.has_content(delta):
+                if from_engine.has_content(delta) and not prompt_only:
                     yield header.chunk([from_engine.completion_delta(delta, index, want_logprobs, offset)])
                     offsets[index] = offset + len(delta.text)
                 if delta.finish_reason:

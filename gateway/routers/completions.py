@@ -40,8 +40,11 @@ async def create_completion(
         streams = await calls.started_all([calls.stream(pool, r) for r in requests])
         header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))
         echo = from_engine.stream_echo(body, prompts)
-        chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echo, timer)
+        chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echo, timer,
+                                   prompt_only=body.max_tokens == 0)
         return sse.response(chunks)
     responses = await calls.generate_all(pool, requests)
+    if body.max_tokens == 0:  # the prompt alone: the one token the engine made is neither answered nor counted
+        responses = [from_engine.prompt_only(r) for r in responses]
     timer.finish([r.usage for r in responses])
     return FiniteJSONResponse(from_engine.text_completion(body, responses, f"cmpl-{rid}", model))

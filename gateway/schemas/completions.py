@@ -17,7 +17,8 @@ MAX_PROMPTS = 512
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)  # OpenAI's completions default
+    # OpenAI's completions default. 0 (with echo, as vLLM takes it): the prompt alone, for its logprobs.
+    max_tokens: int | None = Field(default=16, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)

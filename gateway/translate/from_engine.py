@@ -78,11 +78,34 @@ def chat_completion(
     return whole
 
 
+def prompt_only(reply: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
+    """`reply` without its output, for a completions body with max_tokens 0 (the engine generated one token: each
+    choice keeps no text, token or logprob, ends as `length`, and its tokens are not counted)."""
+    stripped = engine_pb2.GenerateResponse()
+    stripped.CopyFrom(reply)
+    for choice in stripped.choices:
+        choice.text, choice.reasoning_content = "", ""
+        del choice.token_ids[:], choice.logprobs[:], choice.tool_calls[:]
+        choice.finish_reason = types_pb2.FINISH_REASON_LENGTH
+        choice.ClearField("matched_stop")
+    stripped.usage.CopyFrom(input_only(stripped.usage))
+    return stripped
+
+
+def input_only(used: types_pb2.Usage) -> types_pb2.Usage:
+    """`used` with no output tokens (a max_tokens 0 completion's: `prompt_only`)."""
+    return types_pb2.Usage(prompt_tokens=used.prompt_tokens, total_tokens=used.prompt_tokens,
+                           cached_prompt_tokens=used.cached_prompt_tokens)
+
+
 def text_completion(
     body: CompletionRequest, replies: Sequence[engine_pb2.GenerateResponse], response_id: str, model: str
 ) -> dict[str, Any]:
     """The whole `text_completion` for a completions body whose prompts got `replies`, in prompt order: choice
-    `p * n + i` is prompt p's choice i, with the prompt echoed in front when `echo` is set."""
+    `p * n + i` is prompt p's choice i, with the prompt echoed in front when `echo` is set (and alone with
+    max_tokens 0: `prompt_only`)."""
+    if body.max_tokens == 0:
+        replies = [prompt_only(reply) for reply in replies]
     prompts = body.prompts()
     want_logprobs = body.logprobs is not None
     choices = []

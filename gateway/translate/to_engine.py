@@ -258,7 +258,11 @@ def _completion_requests(
         raise invalid(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS} are allowed in one request",
                       "prompt")
     want_logprobs = body.logprobs is not None
-    params = sampling(body, body.max_tokens, want_logprobs, body.logprobs or 0)
+    if body.max_tokens == 0 and not body.echo:
+        raise invalid("max_tokens 0 needs echo: true (the answer is then the prompt alone)", "max_tokens")
+    # The engine generates at least one token; with max_tokens 0 the answer leaves it out (from_engine.prompt_only).
+    engine_max_tokens = 1 if body.max_tokens == 0 else body.max_tokens
+    params = sampling(body, engine_max_tokens, want_logprobs, body.logprobs or 0)
     if body.echo and (want_logprobs or not isinstance(prompts[0], str)):
         # The echoed prompt's tokens (and their logprobs), from the engine: a token-id prompt's text is theirs too.
         params.prompt_logprobs = max(body.logprobs or 0, body.prompt_logprobs or 0)

@@ -89,6 +89,25 @@ def test_completions_echo_logprobs_as_lm_eval_harness_asks(gateway_http: httpx.C
     assert streamed_tokens[:len(ids) + 1] == logprobs["tokens"]
 
 
+def test_max_tokens_0_answers_the_prompt_alone(gateway_http: httpx.Client, model_id: str, stub: Stub) -> None:
+    """vLLM's `max_tokens: 0` with echo: the prompt and its logprobs, no completion, no output tokens counted."""
+    ids = prompt_ids(stub)
+    whole = completion(gateway_http, model_id, PROMPT, max_tokens=0)
+    choice = whole["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == completion(gateway_http, model_id, PROMPT)["choices"][0]["logprobs"][
+        "tokens"][:len(ids)]
+    assert whole["usage"]["completion_tokens"] == 0 and whole["usage"]["prompt_tokens"] == len(ids)
+    with gateway_http.stream("POST", "/v1/completions", json={
+            "model": model_id, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": True,
+            "stream_options": {"include_usage": True}}) as reply:
+        chunks = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == PROMPT
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    refused = gateway_http.post("/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_vllms_prompt_logprobs_field(gateway_http: httpx.Client, model_id: str, stub: Stub) -> None:
     """vLLM's `prompt_logprobs` (extra_body) on completions (per choice) and chat (per response): None for the first
     prompt token, then a dict by token id of the prompt's token (its rank) and the k best (ranks 1..k)."""

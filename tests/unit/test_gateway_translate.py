@@ -13,7 +13,7 @@ from gateway.errors import APIError, validation_param
 from gateway.schemas.chat import BatchChatCompletionRequest, ChatCompletionRequest
 from gateway.schemas.completions import MAX_PROMPTS, CompletionRequest
 from gateway.translate import from_engine, to_engine
-from ladle.v1 import types_pb2
+from ladle.v1 import engine_pb2, types_pb2
 
 HELLO = [{"role": "user", "content": "Hi"}]
 
@@ -250,3 +250,23 @@ def test_an_echoed_prompt_leads_the_legacy_logprobs() -> None:
     by_ids = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2], "echo": True})
     assert from_engine.echoed(by_ids, [1, 2], found) == from_engine.Echo("Hello")
     assert from_engine.echoed(CompletionRequest.model_validate({"model": "m", "prompt": "x"}), "x", found).text == ""
+
+
+def test_max_tokens_0_echoes_the_prompt_alone() -> None:
+    def request(**fields: Any) -> Any:
+        body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": 0, **fields})
+        return to_engine.completion_requests(body, "r")[0]
+
+    with pytest.raises(APIError) as refused:
+        request()
+    assert refused.value.param == "max_tokens"
+    assert request(echo=True).sampling.max_tokens == 1  # the engine makes one token, which is left out
+    reply = types_pb2.Choice(text="!", token_ids=[5], finish_reason=types_pb2.FINISH_REASON_STOP,
+                             logprobs=[types_pb2.TokenLogprob(token="!", logprob=-1.0)])
+    whole = engine_pb2.GenerateResponse(choices=[reply], usage=types_pb2.Usage(
+        prompt_tokens=3, completion_tokens=1, total_tokens=4, cached_prompt_tokens=2))
+    body = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": 0, "echo": True})
+    out = from_engine.text_completion(body, [whole], "cmpl-1", "m")
+    assert out["choices"][0]["text"] == "hi" and out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["total_tokens"] == 3
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
