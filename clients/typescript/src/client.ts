@@ -23,6 +23,8 @@ import {
   EngineService,
   type BatchRequestSchema,
   type BatchResponse,
+  type DetokenizeRequestSchema,
+  type DetokenizeResponse,
   type EmbedRequestSchema,
   type EmbedResponse,
   type GenerateRequestSchema,
@@ -107,6 +109,14 @@ export class EngineClient {
 
   tokenize(request: MessageInitShape<typeof TokenizeRequestSchema>, options?: CallOptions): Promise<TokenizeResponse> {
     return unary(this.engine.tokenize(request, options));
+  }
+
+  /** The text of token ids, decoded as generated text is. */
+  detokenize(
+    request: MessageInitShape<typeof DetokenizeRequestSchema>,
+    options?: CallOptions,
+  ): Promise<DetokenizeResponse> {
+    return unary(this.engine.detokenize(request, options));
   }
 
   modelInfo(options?: CallOptions): Promise<GetModelInfoResponse> {

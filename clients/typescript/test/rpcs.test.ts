@@ -85,11 +85,12 @@ test("Stream: deltas as an async iterator add up to Generate's answer; usage on 
   assert.equal(deltas.at(-1)!.finishReason, FinishReason.LENGTH);
 });
 
-test("Tokenize text and chat", async () => {
+test("Tokenize text and chat; Detokenize gives the text back", async () => {
   const plain = await client.tokenize({ input: text("Hello world") });
   assert.equal(plain.tokenIds.length, 2);
   assert.equal(plain.tokens.length, 2);
   assert.equal(plain.promptText, "");
+  assert.equal((await client.detokenize({ tokenIds: plain.tokenIds })).text, "Hello world");
   const templated = await client.tokenize({ input: chat([{ role: "user", content: "Hi" }]) });
   assert.ok(templated.promptText.startsWith("<|im_start|>"));
   assert.ok(templated.promptText.endsWith("<|im_start|>assistant\n"));
