@@ -45,6 +45,7 @@ _GRAMMAR_FINISH = {
     GrammarState.TERMINATED: RequestStatus.FINISHED_STOPPED,
     GrammarState.REJECTED: RequestStatus.FINISHED_ABORTED,
 }
+_PROMPT_LOGPROB_ROWS = 256  # prompt rows whose log-probabilities are computed at once (`_read_prompt_logprobs`)
 
 
 @dataclass(slots=True)
@@ -361,22 +362,26 @@ class ModelRunner:
                     owners.append(request)
         if not rows:
             return
-        logits = self._logits(hidden, to_device(host_tensor(rows, torch.long, self.device), self.device))
-        logprobs = torch.log_softmax(logits[:, : self.sampler.vocab_size].float(), dim=-1)
-        chosen = logprobs.gather(1, to_device(host_tensor(targets, torch.long, self.device), self.device)[:, None])
         k = max(owner.sampling_params.prompt_logprobs or 0 for owner in owners)
-        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # 1 + the tokens more likely than the prompt's
-        chosen_list = chosen[:, 0].tolist()
-        top_value_list = top_values.tolist() if top_values is not None else None
-        top_id_list = top_ids.tolist() if top_ids is not None else None
-        for j, (owner, target) in enumerate(zip(owners, targets, strict=True)):
-            wanted = owner.sampling_params.prompt_logprobs or 0
-            top: tuple[tuple[int, float], ...] = ()
-            if wanted and top_id_list is not None and top_value_list is not None:
-                top = tuple(zip(top_id_list[j][:wanted], top_value_list[j][:wanted], strict=True))
-            assert owner.prompt_logprobs is not None
-            owner.prompt_logprobs.append(TokenLogprobs(target, chosen_list[j], top, ranks[j]))
+        # A slice of rows at a time: a whole prefill chunk's [rows, vocab] float32 would be gigabytes.
+        for begin in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            end = begin + _PROMPT_LOGPROB_ROWS
+            index = to_device(host_tensor(rows[begin:end], torch.long, self.device), self.device)
+            logprobs = torch.log_softmax(self._logits(hidden, index)[:, : self.sampler.vocab_size].float(), dim=-1)
+            wanted_ids = to_device(host_tensor(targets[begin:end], torch.long, self.device), self.device)
+            chosen = logprobs.gather(1, wanted_ids[:, None])
+            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # 1 + the tokens more likely than the prompt's
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            chosen_list = chosen[:, 0].tolist()
+            top_value_list = top_values.tolist() if top_values is not None else None
+            top_id_list = top_ids.tolist() if top_ids is not None else None
+            for j, (owner, target) in enumerate(zip(owners[begin:end], targets[begin:end], strict=True)):
+                wanted = owner.sampling_params.prompt_logprobs or 0
+                top: tuple[tuple[int, float], ...] = ()
+                if wanted and top_id_list is not None and top_value_list is not None:
+                    top = tuple(zip(top_id_list[j][:wanted], top_value_list[j][:wanted], strict=True))
+                assert owner.prompt_logprobs is not None
+                owner.prompt_logprobs.append(TokenLogprobs(target, chosen_list[j], top, ranks[j]))
 
     def _attach_pooled(self, step: LaunchedStep, pooled: dict[str, torch.Tensor]) -> None:
         """Give `step` the vectors it pooled, on their way to the host (on CUDA `step.ready` then covers them too:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine_server import model_runner
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.errors import ValidationError
 from engine_server.llm import LLM
@@ -59,8 +60,12 @@ def read(llm: LLM, prompts: list[list[int]], **params: Any) -> list[Any]:
     return llm.generate(prompts, sampling, use_tqdm=False)
 
 
-@pytest.mark.parametrize("chunk", [2048, 16])
-def test_prompt_logprobs_equal_transformers(folder: Path, prompt: list[int], chunk: int) -> None:
+@pytest.mark.parametrize(("chunk", "slice_rows"), [(2048, 256), (16, 256), (2048, 7)])
+def test_prompt_logprobs_equal_transformers(
+    folder: Path, prompt: list[int], chunk: int, slice_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one prefill, in 16-token chunks, and read 7 rows at a time (the runner's slices of a long chunk)."""
+    monkeypatch.setattr(model_runner, "_PROMPT_LOGPROB_ROWS", slice_rows)
     want, want_top, want_ranks = expected(folder, prompt)
     other = [7, 8, 9, *prompt[:20]]
     with engine(folder, chunk) as llm:
