@@ -33,11 +33,12 @@ KNOWN_ROUTES = frozenset({
     "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/chat/completions/batch", "/v1/embeddings",
     "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/files", "/v1/batches", "/health", "/metrics",
     "/v1/responses", "/v1/organization/usage/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/v1/responses/input_tokens", "/v1/conversations", "/tokenize", "/detokenize", "/version",
 })
 # Routes that read their body as a stream and cap it themselves (uploads may be far larger than a request).
 OWN_BODY_LIMIT = frozenset({"/v1/files"})
-# Paths answered without the API key: load balancers' health checks, and the API's public description.
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
+# Paths answered without the API key: load balancers' health checks, the API's public description, the version.
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/version"})
 METRICS_PATH = "/metrics"  # the operator's key only (deps.authorize_metrics), not any project's
 
 
@@ -56,6 +57,12 @@ def route_label(path: str) -> str:
             if path.endswith(tail):
                 return "/v1/responses/{response_id}" + tail
         return "/v1/responses/{response_id}"
+    if path.startswith("/v1/conversations/"):
+        if "/items/" in path:
+            return "/v1/conversations/{conversation_id}/items/{item_id}"
+        if path.endswith("/items"):
+            return "/v1/conversations/{conversation_id}/items"
+        return "/v1/conversations/{conversation_id}"
     return "other"
 
 
