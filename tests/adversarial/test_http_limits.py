@@ -21,7 +21,7 @@ from tests.e2e.helpers import assert_error
 pytestmark = pytest.mark.slow
 
 KEY = "sk-adversarial-0123456789"
-PUBLIC_ROUTES = {("GET", "/health")}  # answered without a key (and the OpenAPI document itself, /openapi.json)
+PUBLIC_ROUTES = {("GET", "/health"), ("GET", "/version")}  # answered without a key (and /openapi.json)
 
 
 def test_a_100_mb_body(http: httpx.Client, model_id: str) -> None:
