@@ -299,7 +299,7 @@ class ModelRunner:
         except StepInterrupted:
             self._decode_rows.invalidate()  # it holds the stopped step's layout
             raise
-        if any(item.request.prompt_logprobs is not None for item in items):
+        if output.reads_prompts:
             self._read_prompt_logprobs(items, hidden, last_rows)
         # A pooling request's row samples nothing: its vector is pooled from the hidden states (engine_server.pooling).
         pooled = self.pooler.pool(items, hidden, last_rows) if output.has_pooling else None

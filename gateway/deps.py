@@ -189,6 +189,12 @@ def served_model(pool: EnginePool, requested: str) -> ServedModel:
     raise model_not_found(unknown_model_message(requested, model_id, [a.name for a in pool.adapters()]))
 
 
+def served_or_default(pool: EnginePool, requested: str | None) -> ServedModel:
+    """`served_model` for a body whose `model` is optional: absent, the served model; named (even ""), it must be
+    served."""
+    return served_model(pool, requested if requested is not None else pool.model_id or "")
+
+
 def base_model(pool: EnginePool, requested: str) -> str:
     """The served model id for a pooling request (embeddings, score, rerank); a LoRA adapter's name is a 400:
     adapters change generation only."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import pydantic
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -162,6 +163,14 @@ def validation_param(loc: tuple[int | str, ...]) -> str | None:
         elif not part.startswith(("function-", "union[", "tagged-union[")) and "[" not in part:
             text += f".{part}" if text else part
     return text or None
+
+
+def invalid_body(exc: pydantic.ValidationError) -> APIError:
+    """The 400 for a body that a route re-reads with another schema (a Responses body as chat, a tokenize body's
+    messages): its first error, naming the field."""
+    first = exc.errors()[0]
+    param = validation_param(tuple(first.get("loc", ())))
+    return invalid(f"{param}: {first.get('msg', 'invalid value')}", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -116,6 +116,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.total_preemptions = 0  # since start, for metrics and tests
         self._num_pooling = 0  # pooling requests queued or running (engine_server.pooling)
+        self._num_reading_prompts = 0  # requests queued or running that asked for prompt logprobs
         self.kv_cache = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, window=window
         )
@@ -189,6 +190,7 @@ class Scheduler:
         self._seq[request.request_id] = seq
         self._waiting[request.priority].append(request)
         self._num_pooling += request.pooling is not None
+        self._num_reading_prompts += request.sampling_params.prompt_logprobs is not None
         if request.priority is Priority.INTERACTIVE:
             self._last_interactive = max(self._last_interactive, request.arrival_time)
         if request.deadline is not None:
@@ -370,6 +372,7 @@ class Scheduler:
             num_running_rows=num_running_rows,
             num_draft_tokens=num_draft_tokens,
             has_pooling=self._num_pooling > 0,
+            reads_prompts=self._num_reading_prompts > 0,
         )
 
     def _schedule_steady(self, record: _SteadyRecord, finished: list[Request], now: float) -> SchedulerOutput | None:
@@ -747,6 +750,7 @@ class Scheduler:
         """Drop a finished request: free its blocks and forget it (it is already out of the queues)."""
         self._num_finished += 1
         self._num_pooling -= request.pooling is not None
+        self._num_reading_prompts -= request.sampling_params.prompt_logprobs is not None
         self._give_back_adapter_slot(request)
         self.kv_cache.free(request)
         del self._requests[request.request_id]

@@ -105,6 +105,7 @@ class SchedulerOutput:
         "num_prefill_tokens",
         "num_running_rows",
         "preempted_ids",
+        "reads_prompts",
         "steady",
     )
 
@@ -122,6 +123,7 @@ class SchedulerOutput:
         num_draft_tokens: int = 0,
         num_running_rows: int = 0,
         has_pooling: bool = False,
+        reads_prompts: bool = False,
     ) -> None:
         if steady is not None and scheduled is not None:
             raise ValueError("a steady step's rows come from its columns")
@@ -142,6 +144,8 @@ class SchedulerOutput:
         self.num_running_rows = num_running_rows
         # Some row may be a pooling request's (engine_server.pooling): False spares the runner a look at every row.
         self.has_pooling = has_pooling
+        # Some row may want its prompt's logprobs (`Request.prompt_logprobs`): False spares the runner that look too.
+        self.reads_prompts = reads_prompts
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
 from gateway.errors import APIError, invalid
 from gateway.store import ids
-from gateway.store.conversations import ConversationRecord, ConversationStore, Order, UnknownItemError
+from gateway.store.conversations import ConversationRecord, ConversationStore, UnknownItemError
+from gateway.store.pages import Order
 from gateway.translate.responses_to_engine import checked_items, new_item_id
 
 MAX_ADDED_ITEMS = 20  # items one create call adds, as OpenAI allows
 ENDED_WITH_OUTPUT = frozenset({"completed", "incomplete"})  # responses whose items join their conversation
+T = TypeVar("T")
 
 
 def not_found(conversation_id: str, param: str | None = None) -> APIError:
@@ -44,6 +46,20 @@ def item_list(items: list[dict[str, Any]], has_more: bool = False) -> dict[str, 
             "last_id": items[-1]["id"] if items else None, "has_more": has_more}
 
 
+def _checked(conversation_id: str, param: str | None = None) -> str:
+    """`conversation_id` if it has the shape of one (a made-up id never reaches a query); else the 404."""
+    if not ids.is_id(conversation_id, ids.CONVERSATION_PREFIX):
+        raise not_found(conversation_id, param)
+    return conversation_id
+
+
+def _found(value: T | None, conversation_id: str, param: str | None = None) -> T:
+    """What the store answered, or the 404 when it answered None (the project has no such conversation)."""
+    if value is None:
+        raise not_found(conversation_id, param)
+    return value
+
+
 class ConversationService:
     """Conversations on the database the stored responses use."""
 
@@ -63,73 +79,52 @@ class ConversationService:
                                          int(time.time()), metadata, added_items(items))
         return record.body()
 
-    async def get(self, conversation_id: str, project: str, param: str | None = None) -> ConversationRecord:
-        found = None
-        if ids.is_id(conversation_id, ids.CONVERSATION_PREFIX):
-            found = await asyncio.to_thread(self.store.get, conversation_id, project)
-        if found is None:
-            raise not_found(conversation_id, param)
-        return found
+    async def get(self, conversation_id: str, project: str) -> ConversationRecord:
+        return _found(await asyncio.to_thread(self.store.get, _checked(conversation_id), project), conversation_id)
 
     async def update(self, conversation_id: str, project: str, metadata: dict[str, str]) -> dict[str, Any]:
-        await self.get(conversation_id, project)
-        record = await asyncio.to_thread(self.store.update_metadata, conversation_id, project, metadata)
-        if record is None:
-            raise not_found(conversation_id)
-        return record.body()
+        record = await asyncio.to_thread(self.store.update_metadata, _checked(conversation_id), project, metadata)
+        return _found(record, conversation_id).body()
 
     async def delete(self, conversation_id: str, project: str) -> dict[str, Any]:
-        await self.get(conversation_id, project)
-        if not await asyncio.to_thread(self.store.delete, conversation_id, project):
+        if not await asyncio.to_thread(self.store.delete, _checked(conversation_id), project):
             raise not_found(conversation_id)
         return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
     async def add_items(self, conversation_id: str, project: str, items: list[dict[str, Any]]) -> dict[str, Any]:
-        await self.get(conversation_id, project)
-        stored = await asyncio.to_thread(self.store.add_items, conversation_id, project, added_items(items))
-        if stored is None:
-            raise not_found(conversation_id)
-        return item_list(stored)
+        checked = added_items(items)
+        stored = await asyncio.to_thread(self.store.add_items, _checked(conversation_id), project, checked)
+        return item_list(_found(stored, conversation_id))
 
     async def list_items(self, conversation_id: str, project: str, limit: int, after: str | None, order: Order
                          ) -> dict[str, Any]:
-        await self.get(conversation_id, project)
         try:
-            page = await asyncio.to_thread(self.store.item_page, conversation_id, project, limit, after, order)
+            page = await asyncio.to_thread(self.store.item_page, _checked(conversation_id), project, limit, after,
+                                           order)
         except UnknownItemError:
             raise invalid(f"after {after!r} is not an item of {conversation_id}", "after") from None
-        if page is None:
-            raise not_found(conversation_id)
+        page = _found(page, conversation_id)
         return item_list(page.items, page.has_more)
 
     async def item(self, conversation_id: str, project: str, item_id: str) -> dict[str, Any]:
-        await self.get(conversation_id, project)
         try:
-            found = await asyncio.to_thread(self.store.item, conversation_id, project, item_id)
+            found = await asyncio.to_thread(self.store.item, _checked(conversation_id), project, item_id)
         except UnknownItemError:
             raise item_not_found(item_id) from None
-        if found is None:
-            raise not_found(conversation_id)
-        return found
+        return _found(found, conversation_id)
 
     async def delete_item(self, conversation_id: str, project: str, item_id: str) -> dict[str, Any]:
-        await self.get(conversation_id, project)
         try:
-            record = await asyncio.to_thread(self.store.delete_item, conversation_id, project, item_id)
+            record = await asyncio.to_thread(self.store.delete_item, _checked(conversation_id), project, item_id)
         except UnknownItemError:
             raise item_not_found(item_id) from None
-        if record is None:
-            raise not_found(conversation_id)
-        return record.body()
+        return _found(record, conversation_id).body()
 
     async def history(self, conversation_id: str, project: str) -> list[dict[str, Any]]:
         """The items a response in the conversation starts from, oldest first; 404 (naming `conversation`) for
         an unknown one."""
-        await self.get(conversation_id, project, "conversation")
-        found = await asyncio.to_thread(self.store.items, conversation_id, project)
-        if found is None:
-            raise not_found(conversation_id, "conversation")
-        return found
+        found = await asyncio.to_thread(self.store.items, _checked(conversation_id, "conversation"), project)
+        return _found(found, conversation_id, "conversation")
 
     def append_ended(self, response: dict[str, Any], project: str, input_items: list[dict[str, Any]]) -> None:
         """Blocking: append a response's input items and output to its conversation, if it has one and ended

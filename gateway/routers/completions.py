@@ -44,7 +44,8 @@ async def create_completion(
                                    prompt_only=body.max_tokens == 0)
         return sse.response(chunks)
     responses = await calls.generate_all(pool, requests)
-    if body.max_tokens == 0:  # the prompt alone: the one token the engine made is neither answered nor counted
-        responses = [from_engine.prompt_only(r) for r in responses]
-    timer.finish([r.usage for r in responses])
+    used = [r.usage for r in responses]
+    if body.max_tokens == 0:  # the prompt alone: the one token the engine made is not counted (nor answered)
+        used = [from_engine.input_only(u) for u in used]
+    timer.finish(used)
     return FiniteJSONResponse(from_engine.text_completion(body, responses, f"cmpl-{rid}", model))

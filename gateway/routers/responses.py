@@ -22,6 +22,7 @@ from gateway.deps import (
     admit,
     require_api_key,
     served_model,
+    served_or_default,
 )
 from gateway.engines import EnginePool
 from gateway.errors import invalid
@@ -84,7 +85,7 @@ async def count_input_tokens(
     conversation (a stored `conversation`'s items or the chain `previous_response_id` names, then the body's input,
     with its instructions and tools) rendered by the engine as a generation would render it (Tokenize), after
     `truncation: "auto"` when asked. Nothing is generated, stored or counted against the project's limits."""
-    served = served_model(pool, body.model if body.model is not None else pool.model_id or "")
+    served = served_or_default(pool, body.model)
     _, _, request = await _engine_request(body.model_copy(update={"model": served.id}), served, pool, rid, project,
                                           responses)
     reply = await calls.tokenize(pool, engine_pb2.TokenizeRequest(input=request.input))

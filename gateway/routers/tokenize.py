@@ -11,8 +11,8 @@ import pydantic
 from fastapi import APIRouter, Depends
 
 from gateway import calls
-from gateway.deps import CallId, Pool, require_api_key, served_model
-from gateway.errors import invalid, validation_param
+from gateway.deps import CallId, Pool, require_api_key, served_or_default
+from gateway.errors import invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.tokenize import DetokenizeRequest, TokenizeRequest
 from gateway.translate import to_engine
@@ -28,7 +28,7 @@ async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId) -> Any:
     """`{"count", "max_model_len", "tokens", "token_strs"}` (the tokens' texts with `return_token_strs`)."""
     if (body.prompt is None) == (body.messages is None):
         raise invalid("send exactly one of prompt and messages", "prompt")
-    served = served_model(pool, body.model if body.model is not None else pool.model_id or "")
+    served = served_or_default(pool, body.model)
     request = engine_pb2.TokenizeRequest()
     if body.messages is not None:
         try:
@@ -37,8 +37,7 @@ async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId) -> Any:
                 "chat_template_kwargs": body.chat_template_kwargs, "add_generation_prompt": body.add_generation_prompt,
             })
         except pydantic.ValidationError as exc:
-            param = validation_param(tuple(exc.errors()[0].get("loc", ())))
-            raise invalid(f"{param}: {exc.errors()[0].get('msg', 'invalid value')}", param) from None
+            raise invalid_body(exc) from None
         request.input.CopyFrom(to_engine.chat_request(chat, chat.messages, rid).input)
     else:
         request.input.CopyFrom(types_pb2.Input(text=body.prompt or ""))
@@ -52,7 +51,7 @@ async def tokenize(body: TokenizeRequest, pool: Pool, rid: CallId) -> Any:
 @router.post("/detokenize", response_model=None)
 async def detokenize(body: DetokenizeRequest, pool: Pool) -> Any:
     """`{"prompt": text}` of the token ids."""
-    served_model(pool, body.model if body.model is not None else pool.model_id or "")
+    served_or_default(pool, body.model)
     reply = await calls.detokenize(pool, engine_pb2.DetokenizeRequest(token_ids=body.tokens))
     return {"prompt": reply.text}
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy import Connection, Engine, delete, insert, select, update
 
+from gateway.store.pages import Order, UnknownCursorError, page
 from gateway.store.tables import conversation_items, conversations
-
-Order = Literal["asc", "desc"]
 
 
 @dataclass(frozen=True)
@@ -115,15 +114,12 @@ class ConversationStore:
             row = self._row(c, conversation_id, project)
             if row is None:
                 return None
-            conditions = [conversation_items.c.conversation_pk == row.pk]
-            if after is not None:
-                anchor = self._item_pk(c, row.pk, after)
-                conditions.append(conversation_items.c.pk < anchor if order == "desc"
-                                  else conversation_items.c.pk > anchor)
-            key = conversation_items.c.pk.desc() if order == "desc" else conversation_items.c.pk.asc()
-            found = list(c.execute(select(conversation_items.c.item_json).where(*conditions).order_by(key)
-                                   .limit(limit + 1)).scalars())
-        return ItemPage([json.loads(text) for text in found[:limit]], len(found) > limit)
+            try:
+                found = page(c, conversation_items, limit, after, order, key=conversation_items.c.item_id,
+                             scope=[conversation_items.c.conversation_pk == row.pk])
+            except UnknownCursorError:
+                raise UnknownItemError(after) from None
+        return ItemPage([json.loads(r.item_json) for r in found.rows], found.has_more)
 
     def item(self, conversation_id: str, project: str, item_id: str) -> dict[str, Any] | None:
         """The item; None if the project has no such conversation; UnknownItemError if it holds no such item."""
@@ -155,14 +151,6 @@ class ConversationStore:
     def _row(self, c: Connection, conversation_id: str, project: str) -> Any:
         return c.execute(select(conversations).where(conversations.c.id == conversation_id,
                                                      conversations.c.project == project)).one_or_none()
-
-    def _item_pk(self, c: Connection, conversation_pk: int, item_id: str) -> int:
-        pk = c.execute(select(conversation_items.c.pk).where(conversation_items.c.conversation_pk == conversation_pk,
-                                                             conversation_items.c.item_id == item_id)
-                       ).scalar_one_or_none()
-        if pk is None:
-            raise UnknownItemError(item_id)
-        return int(pk)
 
     def _add(self, c: Connection, conversation_pk: int, items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if not items:

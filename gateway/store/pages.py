@@ -28,13 +28,14 @@ def page(
     order: Order,
     where: list[ColumnElement[bool]] | None = None,
     scope: list[ColumnElement[bool]] | None = None,
+    key: ColumnElement[Any] | None = None,
 ) -> Page:
-    """Rows ordered by insertion (`pk`), newest first for "desc", starting after the row whose id is `after`.
-    Rows meet `where` and `scope`; the `after` row must meet `scope` (a caller's project) too."""
+    """Rows ordered by insertion (`pk`), newest first for "desc", starting after the row whose `key` (default: its
+    `id`) is `after`. Rows meet `where` and `scope`; the `after` row must meet `scope` (a caller's project) too."""
     conditions = [*(where or []), *(scope or [])]
     if after is not None:
         anchor = connection.execute(
-            select(table.c.pk).where(table.c.id == after, *(scope or []))
+            select(table.c.pk).where((table.c.id if key is None else key) == after, *(scope or []))
         ).scalar_one_or_none()
         if anchor is None:
             raise UnknownCursorError(after)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pydantic
 
-from gateway.errors import APIError, invalid, validation_param
+from gateway.errors import APIError, invalid, invalid_body
 from gateway.schemas.chat import ChatCompletionRequest
 from gateway.schemas.responses import ResponsesRequest
 from gateway.translate import to_engine
@@ -181,9 +181,7 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCom
     try:
         return ChatCompletionRequest.model_validate(chat)
     except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        param = validation_param(tuple(first.get("loc", ())))
-        raise invalid(f"{param}: {first.get('msg', 'invalid value')}", param) from None
+        raise invalid_body(exc) from None
 
 
 def wants_logprobs(body: ResponsesRequest) -> bool:
