@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 Architecture = Literal[
-    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3",
-    "bert",
+    "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
+    "gemma3", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -27,6 +27,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "gpt_oss": "gpt_oss",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -37,7 +38,7 @@ _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
-_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe", "olmoe")
+_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss")
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -67,6 +68,22 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN (rope_type "yarn": Qwen's long-context setting, gpt-oss, DeepSeek): each inverse frequency is blended
+    between itself (extrapolated, the fast-turning dims) and itself divided by `factor` (interpolated, the slow
+    ones) along a linear ramp over the dims between the correction dims of `beta_fast` and `beta_slow` rotations in
+    `original_max_position_embeddings` positions (`truncate`: the ramp's ends rounded to whole dims), and cos/sin
+    are multiplied by `attention_factor`, as transformers' `_compute_yarn_parameters` computes them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a transformer, independent of where its weights come from: a decoder (Llama, Qwen2, Qwen3), or
     an encoder (BERT: `encoder` set), which attends both ways, has no KV cache to keep and only pools.
@@ -90,7 +107,7 @@ class ModelConfig:
     # [-clip_qkv, clip_qkv] after them (0: not clamped).
     qk_norm_whole: bool = False
     clip_qkv: float = 0.0
-    rope_scaling: RopeScaling | LongRope | None = None
+    rope_scaling: RopeScaling | LongRope | Yarn | None = None
     # Phi-3 / Phi-4-mini: rope rotates only the first `partial_rotary_factor` of each head's dims; the rest pass.
     partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
@@ -103,17 +120,25 @@ class ModelConfig:
     gelu_tanh: bool = False  # the MLP's GELU is the tanh approximation (hidden_act gelu_new)
     # A cross-encoder (`BertForSequenceClassification`): its classifier's outputs over the CLS token; 0 without one.
     num_labels: int = 0
-    # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; `layers.moe`): a layer's MLP is `num_experts` experts
-    # of `moe_intermediate_size` each, `num_experts_per_tok` of them chosen per token by a softmax router (top-k weights
-    # renormalised to sum to 1 with `norm_topk_prob`), plus, with `shared_expert_intermediate_size`, an expert every
-    # token goes through, scaled by a sigmoid gate (Qwen2-MoE). `dense_layers` keep a dense MLP of
-    # `intermediate_size` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). 0 experts: a dense model.
+    # Mixture-of-experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss; `layers.moe`): a layer's MLP is `num_experts`
+    # experts of `moe_intermediate_size` each, `num_experts_per_tok` of them chosen per token by a softmax router
+    # (top-k weights renormalised to sum to 1 with `norm_topk_prob`), plus, with `shared_expert_intermediate_size`, an
+    # expert every token goes through, scaled by a sigmoid gate (Qwen2-MoE). `dense_layers` keep a dense MLP of
+    # `intermediate_size` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). 0 experts: a dense model. gpt-oss:
+    # the router and the experts' projections have biases (`expert_biases`), and with `swiglu_limit` > 0 the experts'
+    # activation is its clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], then
+    # `gate * sigmoid(swiglu_alpha * gate) * (up + 1)` (`kernels.reference.clamped_swiglu`).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
+    expert_biases: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    # gpt-oss: a learned sink logit per query head, one more term of each attention softmax's denominator.
+    attention_sinks: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
@@ -189,10 +214,18 @@ class ModelConfig:
         rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        scaling: RopeScaling | LongRope | None = None
+        scaling: RopeScaling | LongRope | Yarn | None = None
         partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        max_positions = int(cfg.get("max_position_embeddings", 2048))
+        linear_factor: dict[str, Any] = {}
         if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
             scaling = _long_rope(cfg, rope)
+        elif rope_type == "yarn":
+            scaling = _yarn(cfg, rope)
+            # vLLM's context length under YaRN: the original one times the factor (Qwen's configs keep the short one).
+            max_positions = max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
+        elif rope_type == "linear" and not gemma:
+            linear_factor = {"rope_linear_factor": float(rope["factor"])}
         elif rope_type == "llama3":
             scaling = RopeScaling(
                 factor=float(rope["factor"]),
@@ -201,7 +234,7 @@ class ModelConfig:
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope type {rope_type!r}")
+            raise ValueError(f"unsupported rope type {rope_type!r} (default, linear, llama3, longrope and yarn are)")
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
@@ -218,10 +251,11 @@ class ModelConfig:
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe"),
+            attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch == "olmoe",
             clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
@@ -231,6 +265,7 @@ class ModelConfig:
             name=name,
             layer_windows=_layer_windows(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
+            **linear_factor,
             **gemma,
         )
 
@@ -285,6 +320,30 @@ def _long_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
     )
 
 
+def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
+    """A YaRN `rope_scaling` (`rope_parameters`) with transformers' defaults: `factor` from the context lengths when
+    unset, betas 32 and 1, `truncate` on, and the attention factor `0.1 * ln(factor) + 1` (with DeepSeek's `mscale`
+    and `mscale_all_dim`, the ratio of two such) unless given."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        ratio, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(float(ratio)) / mscale(float(all_dims)) if ratio and all_dims else mscale()
+    return Yarn(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        attention_factor=float(attention),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
@@ -312,7 +371,7 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     elif model_type == "gemma3_text":  # an earlier config: every `sliding_window_pattern`-th layer is global
         pattern = int(cfg.get("sliding_window_pattern") or 6)
         windowed = [(i + 1) % pattern != 0 for i in range(layers)]
-    elif model_type == "gemma2":  # an earlier config: the even layers are local, the odd ones global
+    elif model_type in ("gemma2", "gpt_oss"):  # an earlier config: the even layers are local, the odd ones global
         windowed = [i % 2 == 0 for i in range(layers)]
     else:
         windowed = [True] * layers
@@ -383,14 +442,15 @@ def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
         return True
     if arch == "qwen2_moe":
         return bool(cfg.get("qkv_bias", True))
-    return arch != "mixtral" and bool(cfg.get("attention_bias", False))
+    return arch != "mixtral" and bool(cfg.get("attention_bias", arch == "gpt_oss"))
 
 
 def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE `config.json` ({} for
-    a dense family). Mixtral's and OLMoE's experts are `intermediate_size` wide; Mixtral always renormalises its
-    top-k weights, OLMoE as `norm_topk_prob` says."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / gpt-oss
+    `config.json` ({} for a dense family). Mixtral's, OLMoE's and gpt-oss's experts are `intermediate_size` wide;
+    Mixtral always renormalises its top-k weights, OLMoE as `norm_topk_prob` says; gpt-oss softmaxes the top-k
+    logits (the same weights), with biases and its clamped SwiGLU."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return {}
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
@@ -398,6 +458,16 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
+    if arch == "gpt_oss":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            expert_biases=True,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        )
     if arch in ("mixtral", "olmoe"):
         return dict(
             num_experts=experts,
@@ -603,6 +673,10 @@ class EngineConfig:
     # then override_generation_config, a JSON object such as '{"temperature": 0.7}', on top. vLLM's names.
     generation_config: str = "auto"
     override_generation_config: str | None = None
+    # A JSON object laid over the model's config.json before it is read (vLLM's --hf-overrides), e.g.
+    # '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}' for
+    # Qwen's long context; `hf_override_values` parses it.
+    hf_overrides: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -612,7 +686,20 @@ class EngineConfig:
     lora: LoraConfig | None = None  # None: no LoRA adapters (vLLM's --enable-lora off)
 
     def __post_init__(self) -> None:
+        self.hf_override_values()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora is not None and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served under tensor parallelism yet: use --tensor-parallel-size 1")
+
+    def hf_override_values(self) -> dict[str, Any]:
+        """`hf_overrides` as a dict ({} when unset); ValueError unless it is a JSON object."""
+        if not self.hf_overrides:
+            return {}
+        try:
+            values = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-overrides is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"--hf-overrides must be a JSON object, got {self.hf_overrides!r}")
+        return values

@@ -98,3 +98,25 @@ class RopeScalingParams(Protocol):
 
     @property
     def original_max_position_embeddings(self) -> int: ...
+
+
+class YarnParams(Protocol):
+    """YaRN rope scaling, as `kernels.reference.yarn_inv_freq` reads it (engine_server.config.Yarn)."""
+
+    @property
+    def factor(self) -> float: ...
+
+    @property
+    def original_max_position_embeddings(self) -> int: ...
+
+    @property
+    def beta_fast(self) -> float: ...
+
+    @property
+    def beta_slow(self) -> float: ...
+
+    @property
+    def attention_factor(self) -> float: ...
+
+    @property
+    def truncate(self) -> bool: ...

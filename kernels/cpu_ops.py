@@ -86,15 +86,16 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract; decode rows run the C++ kernel (float32, a head dim in `HEAD_DIMS`),
     the rest the reference."""
     plan = meta.reference_plan
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS or plan.decode_token_index.numel() == 0:
-        return reference.paged_attention(q, kv_cache, meta, scale, window, softcap)
+        return reference.paged_attention(q, kv_cache, meta, scale, window, softcap, sinks)
     if plan.all_decode:
         return paged_decode_attention(
-            q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
+            q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap, sinks
         )
     out = torch.empty_like(q)
     decoded = paged_decode_attention(
@@ -105,9 +106,10 @@ def paged_attention(
         scale,
         window,
         softcap,
+        sinks,
     )
     out.index_copy_(0, plan.decode_token_index, decoded)
-    reference.attend_prefills(q, kv_cache, meta, scale, out, window, softcap)
+    reference.attend_prefills(q, kv_cache, meta, scale, out, window, softcap, sinks)
     return out
 
 
@@ -118,6 +120,7 @@ def paged_attention_by_token(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.paged_attention`'s contract with every token, prefill tokens included, run through the decode
     kernel as a row of its own (its sequence's block table, positions [0, p]).
@@ -130,13 +133,13 @@ def paged_attention_by_token(
     `paged_attention` where the kernel does not apply.
     """
     if q.dtype != torch.float32 or q.shape[-1] not in HEAD_DIMS:
-        return paged_attention(q, kv_cache, meta, scale, window, softcap)
+        return paged_attention(q, kv_cache, meta, scale, window, softcap, sinks)
     if meta.max_query_len == 1:
         return paged_decode_attention(
-            q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
+            q.contiguous(), kv_cache, meta.block_tables, meta.seq_lens, scale, window, softcap, sinks
         )
     tables, lens = meta.token_rows
-    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale, window, softcap)
+    return paged_decode_attention(q.contiguous(), kv_cache, tables, lens, scale, window, softcap, sinks)
 
 
 def paged_decode_attention(
@@ -147,20 +150,22 @@ def paged_decode_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q `[B, H, D]` (one new token per row) over positions `[0, seq_lens[b])` of the paged cache -> `[B, H, D]`;
     with a sliding `window` > 0, over `[seq_lens[b] - window, seq_lens[b])` only; with `softcap` > 0, scores
-    soft-capped as `reference.paged_attention` says.
+    soft-capped, and with `sinks` (`[H]` float32) a sink logit per head, as `reference.paged_attention` says.
 
     An FP8 cache (`reference.is_fp8_kv_cache`) is read as the reference reads it: each tile's rows decoded to the
     float32 values `reference.fp8_kv_values` gives, so a row's result is the same bits as over a float32 cache
     holding them.
 
     Raises RuntimeError on a malformed input (dtype, shape, a length beyond the block table, a block id outside
-    the cache, a negative window or soft-cap), before anything is read. Needs the extension (`cpu_ops()` is not None).
+    the cache, a negative window or soft-cap, sinks not `[H]` float32), before anything is read. Needs the
+    extension (`cpu_ops()` is not None).
     """
     out: torch.Tensor = torch.ops.ladle_cpu.paged_decode_attention(
-        q, kv_cache, block_tables, seq_lens, scale, window, softcap
+        q, kv_cache, block_tables, seq_lens, scale, window, softcap, sinks
     )
     return out
 

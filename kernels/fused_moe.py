@@ -22,6 +22,8 @@ The block sizes are a first guess, not yet tuned on hardware.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -61,15 +63,16 @@ def align_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, pair_weights_ptr,
-    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
-    A_ROWS_PER_PAIR_DIV: tl.constexpr, SCALE: tl.constexpr, W_SCALES: tl.constexpr,
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, pair_ids_ptr, block_experts_ptr, pair_weights_ptr,
+    num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_be,
+    A_ROWS_PER_PAIR_DIV: tl.constexpr, SCALE: tl.constexpr, W_SCALES: tl.constexpr, BIAS: tl.constexpr,
     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     WIDEN: tl.constexpr,
 ):  # fmt: skip
     """Program (m, n): for block m of the sorted pairs, whose expert is e, out[pair, n-block] =
-    a[pair // A_ROWS_PER_PAIR_DIV, :] @ w[e, n-block, :].T (times the pair's weight with SCALE), in float32.
+    a[pair // A_ROWS_PER_PAIR_DIV, :] @ w[e, n-block, :].T (plus `bias[e, n-block]` with BIAS, then times the
+    pair's weight with SCALE), in float32.
 
     W_SCALES 0: a and w are floats. Otherwise both are e4m3, a's row r multiplied by a_scale[r] and w[e] by its
     scales after the sums: W_SCALES 1, one per output channel (`w_scale[e, n]`); 2, one per block of SCALE_ROWS x
@@ -114,6 +117,9 @@ def _grouped_gemm_kernel(
         acc = acc * tl.load(a_scale_ptr + a_rows, mask=pair_ok, other=0.0)[:, None]
     if W_SCALES == 1:
         acc = acc * tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
+    if BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if SCALE:
         acc = acc * tl.load(pair_weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :]
@@ -131,19 +137,23 @@ def _grouped_gemm(
     out_dtype: torch.dtype,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     block: tuple[int, int] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[num_pairs, N]` in `out_dtype`: each pair's row of `a` (row `pair // a_rows_per_pair`) times its expert's
-    `w[e].T`. With `scales` (a's `[rows, 1]`, w's `[E, N, 1]` or per block of `block` `[E, nb, kb]`), a and w are
-    e4m3 (kernel doc)."""
+    `w[e].T`, plus `bias[e]` (`[E, N]`) when given. With `scales` (a's `[rows, 1]`, w's `[E, N, 1]` or per block
+    of `block` `[E, nb, kb]`), a and w are e4m3 (kernel doc)."""
     out = torch.empty(num_pairs, w.shape[1], dtype=out_dtype, device=a.device)
     a_scale, w_scale = scales if scales is not None else (a, a)
     w_scales = 0 if scales is None else 1 if block is None else 2
+    bias = bias.contiguous() if bias is not None else None
     grid = (block_experts.numel(), triton.cdiv(w.shape[1], _BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, a_scale, w, w_scale, out, pair_ids, block_experts, pair_weights if pair_weights is not None else a,
+        a, a_scale, w, w_scale, bias if bias is not None else a, out, pair_ids, block_experts,
+        pair_weights if pair_weights is not None else a,
         num_pairs, w.shape[1], w.shape[2], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         w_scale.stride(0) if scales is not None else 0, w_scale.stride(1) if scales is not None else 0,
-        A_ROWS_PER_PAIR_DIV=a_rows_per_pair, SCALE=pair_weights is not None, W_SCALES=w_scales,
+        bias.stride(0) if bias is not None else 0,
+        A_ROWS_PER_PAIR_DIV=a_rows_per_pair, SCALE=pair_weights is not None, W_SCALES=w_scales, BIAS=bias is not None,
         SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 0,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K,
         UPCAST_DOT=a.dtype == torch.bfloat16 and isinstance(_grouped_gemm_kernel, InterpretedFunction),
@@ -173,12 +183,21 @@ def _check_bank(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """`kernels.reference.fused_moe` on the GPU (module doc): x `[T, H]`, w13 `[E, 2I, H]`, w2 `[E, H, I]`,
-    routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype. Raises ValueError on dtypes, shapes or
-    devices the kernels cannot read."""
+    routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype; biases `b13` `[E, 2I]` and `b2` `[E, H]`
+    added in the GEMMs' epilogues when given, `activation` (SiLU-and-mul, or gpt-oss's clamped SwiGLU) between
+    them. Raises ValueError on dtypes, shapes or devices the kernels cannot read."""
     _check_bank(x, w13, w2, weights, experts, x.dtype)
+    _check_biases(w13, w2, b13, b2)
     (tokens, hidden), num_experts, top_k = x.shape, w13.shape[0], experts.shape[1]
     if tokens == 0:
         return x.new_zeros(0, hidden)
@@ -186,9 +205,9 @@ def fused_moe(
     w13, w2 = w13.contiguous(), w2.contiguous()
     pair_ids, block_experts = align_pairs(experts, num_experts, _BLOCK_M)
     num_pairs = tokens * top_k
-    gate_up = _grouped_gemm(x, w13, pair_ids, block_experts, num_pairs, top_k, None, x.dtype)
+    gate_up = _grouped_gemm(x, w13, pair_ids, block_experts, num_pairs, top_k, None, x.dtype, bias=b13)
     down = _grouped_gemm(
-        silu_and_mul(gate_up),
+        activation(gate_up),
         w2,
         pair_ids,
         block_experts,
@@ -196,20 +215,35 @@ def fused_moe(
         1,
         weights.reshape(-1).float().contiguous(),
         x.dtype,
+        bias=b2,
     )
     return down.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None) -> None:
+    """Biases come both or neither, `b13` `[E, 2I]` and `b2` `[E, H]` on the weights' device; ValueError otherwise."""
+    if (b13 is None) != (b2 is None):
+        raise ValueError("the experts' biases come both (b13 and b2) or neither")
+    if b13 is not None and b2 is not None:
+        check_same_device(w13=w13, b13=b13, b2=b2)
+        check_shape("b13", b13, tuple(w13.shape[:2]))
+        check_shape("b2", b2, tuple(w2.shape[:2]))
 
 
 def fp8_fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     weights: torch.Tensor, experts: torch.Tensor, block: tuple[int, int] | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:  # fmt: skip
     """`kernels.reference.fp8_fused_moe` on the GPU (module doc): x `[T, H]` (float32, float16 or bfloat16), w13
     `[E, 2I, H]` and w2 `[E, H, I]` e4m3 with float32 scales `[E, 2I, 1]` / `[E, H, 1]` (per channel) or per block
     of `block` (`[E, ceil(2I/bn), ceil(H/bk)]` / `[E, ceil(H/bn), ceil(I/bk)]`), routing `weights` and `experts`
-    `[T, k]` -> `[T, H]` in x's dtype (gate/up and down in float32, a token's pairs summed in float32). Raises
-    ValueError on dtypes, shapes or devices the kernels cannot read."""
+    `[T, k]` -> `[T, H]` in x's dtype (gate/up and down in float32, a token's pairs summed in float32); biases
+    `b13`, `b2` and `activation` as `fused_moe` takes them. Raises ValueError on dtypes, shapes or devices the
+    kernels cannot read."""
     _check_bank(x, w13, w2, weights, experts, FP8_DTYPE, w13_scale=w13_scale, w2_scale=w2_scale)
+    _check_biases(w13, w2, b13, b2)
     (tokens, hidden), num_experts, top_k = x.shape, w13.shape[0], experts.shape[1]
     for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
         if scale.dim() != 3 or scale.shape[0] != num_experts:
@@ -223,11 +257,11 @@ def fp8_fused_moe(
     num_pairs = tokens * top_k
     xq, x_scale = fp8_quantize_per_token(x)
     gate_up = _grouped_gemm(
-        xq, w13, pair_ids, block_experts, num_pairs, top_k, None, torch.float32, (x_scale, w13_scale), block
+        xq, w13, pair_ids, block_experts, num_pairs, top_k, None, torch.float32, (x_scale, w13_scale), block, b13
     )
-    hidden_q, hidden_scale = fp8_quantize_per_token(silu_and_mul(gate_up))
+    hidden_q, hidden_scale = fp8_quantize_per_token(activation(gate_up))
     down = _grouped_gemm(
         hidden_q, w2, pair_ids, block_experts, num_pairs, 1, weights.reshape(-1).float().contiguous(), torch.float32,
-        (hidden_scale, w2_scale), block,
+        (hidden_scale, w2_scale), block, b2,
     )  # fmt: skip
     return down.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -27,7 +27,9 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     write_kv_cache: Callable[..., None]
     # Typed in full: the engine's metadata is checked against the kernels' own `AttentionInputs` where it calls.
-    paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionInputs, float, int, float], torch.Tensor]
+    paged_attention: Callable[
+        [torch.Tensor, torch.Tensor, AttentionInputs, float, int, float, torch.Tensor | None], torch.Tensor
+    ]
     # LoRA adapters' two products over rows of many adapters (engine_server.lora): `reference.lora_shrink`'s and
     # `reference.lora_expand`'s contracts.
     lora_shrink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = reference.lora_shrink

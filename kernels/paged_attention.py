@@ -57,6 +57,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
+    sinks_ptr,
     qk_scale,
     window,
     softcap,
@@ -77,6 +78,7 @@ def _paged_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """For new token t of sequence i at position p and query head h (KV head `h // GROUP`):
 
@@ -86,7 +88,9 @@ def _paged_attention_kernel(
     `block_tables[i, j // BLOCK_SIZE] * BLOCK_SIZE + j % BLOCK_SIZE` of the cache `[2, slots, NUM_KV_HEADS,
     head_dim]`. The softmax runs online over BLOCK_N keys at a time, in base 2 (`qk_scale` = scale * log2(e)),
     with float32 statistics and accumulator. With SOFTCAP, each score s is first capped to
-    `softcap * tanh(s / softcap)` (`qk_scale` is then the plain scale: the cap comes before base 2). With FP8,
+    `softcap * tanh(s / softcap)` (`qk_scale` is then the plain scale: the cap comes before base 2). With SINKS,
+    head h's softmax starts from one more logit, `sinks[h]` (float32), as if it were a key whose value is 0: the
+    running max starts at it and the running sum at 1 (its weight), so the sink only adds to the denominator. With FP8,
     the cache is uint8 rows of `head_dim` e4m3 values and their float32 scale (`reference.fp8_kv_rows`), each
     tile decoded as the reference decodes it (`_decode_fp8_rows`) before its dot.
     """
@@ -117,8 +121,12 @@ def _paged_attention_kernel(
     kv_end = context + tl.minimum(q_len, (local_tile + 1) * BLOCK_Q)
     kv_begin = tl.where(window > 0, tl.maximum(context + local_tile * BLOCK_Q - window + 1, 0), 0)
     # A finite floor instead of -inf keeps fully masked (padding) rows free of inf - inf = NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=-1.0e30).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     row_len = head_dim + _FP8_SCALE_BYTES if FP8 else head_dim  # a cached row: an FP8 one ends with its scale
@@ -174,18 +182,25 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.reference.paged_attention` on the GPU: causal attention of q `[T, H, D]` over the paged cache.
 
     For new token t of sequence i at position p, `out[t, h] = softmax(scale * q[t, h] · K[j]) @ V[j]` over the
     sequence's cached positions j <= p (and > p - window for a sliding `window` > 0), read through its block
-    table from KV head `h // (H / Hkv)`, scores soft-capped with `softcap` > 0 (Gemma 2). The
+    table from KV head `h // (H / Hkv)`, scores soft-capped with `softcap` > 0 (Gemma 2), each head's softmax
+    with a sink logit of `sinks` (`[H]` float32, gpt-oss) when given. The
     contiguous cache `[2, num_blocks, block_size, Hkv, D]` must already hold this step's K/V and share q's
     dtype, or be an FP8 cache (`[..., D + 4]` uint8, `reference.fp8_kv_rows`' rows); D is padded to a power of
     two (>= 16) with masks, so any head dim works. Returns a new contiguous
     `[T, H, D]` tensor. q may be strided over tokens and heads.
     """
     _check_arguments(q, kv_cache, meta)
+    if sinks is not None:
+        check_dtype("sinks", sinks, (torch.float32,))
+        check_same_device(q=q, sinks=sinks)
+        if sinks.shape != (q.shape[1],) or not sinks.is_contiguous():
+            raise ValueError(f"sinks must be a contiguous [{q.shape[1]}] (a logit per query head); got {sinks.shape}")
     _, _, block_size, kv_heads, _ = kv_cache.shape
     head_dim = kv_cache_head_dim(kv_cache)
     tokens, heads, _ = q.shape
@@ -210,6 +225,7 @@ def paged_attention(
         block_tables,
         meta.seq_lens,
         meta.query_start_loc,
+        sinks if sinks is not None else q,
         scale if softcap > 0 else scale * _LOG2E,
         window,
         float(softcap),
@@ -231,6 +247,7 @@ def paged_attention(
         UPCAST_DOT=q.dtype == torch.bfloat16 and isinstance(_paged_attention_kernel, InterpretedFunction),
         SOFTCAP=softcap > 0,
         FP8=is_fp8_kv_cache(kv_cache),
+        SINKS=sinks is not None,
     )
     return out
 

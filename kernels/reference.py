@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kernels.attention_inputs import AttentionInputs, RopeScalingParams
+    from kernels.attention_inputs import AttentionInputs, RopeScalingParams, YarnParams
 
 
 @overload
@@ -82,6 +82,35 @@ def build_cos_sin_cache(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
+def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnParams) -> torch.Tensor:
+    """YaRN's inverse frequencies (float32, in transformers' order of operations): with `f` the plain ones, dim i
+    gets `f / factor * r_i + f * (1 - r_i)`, `r_i` a ramp from 0 to 1 between the dims where `beta_fast` and `beta_slow`
+    rotations fit in the original context (`d(b) = D * ln(orig / (2π b)) / (2 ln theta)`, clamped to [0, D-1],
+    rounded outwards when `truncate`)."""
+
+    def correction_dim(rotations: float) -> float:
+        orig = yarn.original_max_position_embeddings
+        return rotary_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    extrapolated = 1 - ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    powers = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return 1.0 / (yarn.factor * powers) * (1 - extrapolated) + 1.0 / powers * extrapolated
+
+
+def build_yarn_cos_sin_cache(
+    rotary_dim: int, max_positions: int, theta: float, yarn: YarnParams, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """YaRN: `build_cos_sin_cache`'s rows over `yarn_inv_freq`, times `attention_factor`."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), yarn_inv_freq(rotary_dim, theta, yarn))
+    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * yarn.attention_factor).to(dtype)
+
+
 def build_longrope_cos_sin_cache(
     rotary_dim: int,
     max_positions: int,
@@ -119,6 +148,15 @@ def rotary_embedding(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     return rotate(q), rotate(k)
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' activation of x `[..., 2d]` (gate, then up): the gate clamped to at most `limit`, the up
+    to [-limit, limit], then `gate * sigmoid(alpha * gate) * (up + 1)` (transformers' `GptOssExperts`)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +209,7 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` over the paged cache; returns `[T, H, D]`.
 
@@ -178,8 +217,10 @@ def paged_attention(
     sequence's cached positions j <= p, with K/V read through its block table from KV head `h // (H / Hkv)`
     (grouped-query attention); with a sliding `window` > 0, over p - window < j <= p only (transformers'
     sliding-window mask); with `softcap` > 0, each score s is capped to `softcap * tanh(s / softcap)` before the
-    softmax (Gemma 2's attention-logit soft-capping). The cache must already hold this step's K/V (see
-    `write_kv_cache`).
+    softmax (Gemma 2's attention-logit soft-capping); with `sinks` (`[H]` float32, gpt-oss's attention sinks), head
+    h's softmax has one more logit, `sinks[h]`, whose weight is dropped: each output is the plain one times
+    `Z / (Z + exp(sinks[h]))`, Z the sum of the exponentiated scores. The cache must already hold this step's K/V
+    (see `write_kv_cache`).
 
     Decode rows (one new token) are computed together: one gather of their blocks and one batched attention,
     with the H / Hkv query heads of each KV head stacked as rows so K/V are never repeated. Rows with several
@@ -207,14 +248,16 @@ def paged_attention(
             before = plan.decode_seq_lens.to(torch.int64).unsqueeze(1) - window
             outside = torch.arange(span, device=q.device).unsqueeze(0) < before
             mask = mask.masked_fill(outside.view(rows, 1, 1, span), float("-inf"))
+        decode_sinks = None if sinks is None else sinks.view(kv_heads, group, 1)
         decoded = _attend(
-            queries.reshape(rows, kv_heads, group, dim), keys, values, mask.to(q.dtype), scale, softcap
+            queries.reshape(rows, kv_heads, group, dim), keys, values, mask.to(q.dtype), scale, softcap,
+            sinks=decode_sinks,
         ).reshape(rows, heads, dim)
         if plan.all_decode:  # the common pure-decode step: no scatter back
             return decoded
         out.index_copy_(0, plan.decode_token_index, decoded)
 
-    attend_prefills(q, kv_cache, meta, scale, out, window, softcap)
+    attend_prefills(q, kv_cache, meta, scale, out, window, softcap, sinks)
     return out
 
 
@@ -226,10 +269,11 @@ def attend_prefills(
     out: torch.Tensor,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The rows of `paged_attention` with several new tokens (prefill chunks): one causal SDPA each (over the
-    sliding `window`, when > 0; scores soft-capped with `softcap` > 0), written into `out` `[T, H, D]` at their
-    tokens' places. Decode rows of `out` are left as they are."""
+    sliding `window`, when > 0; scores soft-capped with `softcap` > 0; `sinks` as `paged_attention` says), written
+    into `out` `[T, H, D]` at their tokens' places. Decode rows of `out` are left as they are."""
     _, _, _, kv_heads, _ = kv_cache.shape
     dim = kv_cache_head_dim(kv_cache)
     group = q.shape[1] // kv_heads
@@ -249,7 +293,8 @@ def attend_prefills(
             mask = torch.ones(p.query_len, p.seq_len, dtype=torch.bool, device=q.device).tril_(context)
             if windowed:
                 mask.triu_(context - window + 1)
-        o = _attend(queries[None], keys[None], values[None], mask, scale, softcap, enable_gqa=group > 1)
+        o = _attend(queries[None], keys[None], values[None], mask, scale, softcap, enable_gqa=group > 1,
+                    sinks=None if sinks is None else sinks.view(-1, 1, 1))  # fmt: skip
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
 
 
@@ -261,12 +306,15 @@ def _attend(
     scale: float,
     softcap: float,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of q `[..., L, D]` over k, v `[..., S, D]` (`mask`: boolean, True = attend, or additive; None: causal
     from the top left; `enable_gqa`: k and v have fewer heads, each serving a group of q's, dim -3); with `softcap`
     > 0, the same attention written out, each score capped to `softcap * tanh(s / softcap)` before the mask (SDPA
-    has no soft-capping)."""
-    if softcap <= 0:
+    has no soft-capping); with `sinks` (a logit per query row, shaped to broadcast as the scores' `[..., L, 1]`),
+    written out too, each row's softmax over its scores and its sink, the sink's weight then dropped (as
+    transformers' gpt-oss attention computes it)."""
+    if softcap <= 0 and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
         )
@@ -274,11 +322,16 @@ def _attend(
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril_()
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    with_sinks = torch.cat((scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)), dim=-1)
+    weights = torch.softmax(with_sinks, dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -388,18 +441,32 @@ def int8_linear(x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor) -> torc
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """A mixture of experts' SwiGLU experts: x `[T, H]`, w13 `[E, 2I, H]` (each expert's gate rows, then up),
     w2 `[E, H, I]`, each token's routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype:
     `sum_j weights[t, j] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t]))` for `e = experts[t, j]`, computed in
-    float32 one (token, choice) pair at a time (the experts' weights gathered per pair: a reference, not fast)."""
+    float32 one (token, choice) pair at a time (the experts' weights gathered per pair: a reference, not fast).
+    With biases `b13` `[E, 2I]` and `b2` `[E, H]` (gpt-oss) each product adds its expert's; `activation` takes the
+    place of SiLU-and-mul on the gate/up rows (`clamped_swiglu`)."""
     tokens, top_k = experts.shape
     pairs = experts.flatten()
     rows = x.float().repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [P, H, 1]
     gate_up = torch.bmm(w13.float()[pairs], rows).squeeze(-1)  # [P, 2I]
-    hidden = silu_and_mul(gate_up).unsqueeze(-1)  # [P, I, 1]
-    out = torch.bmm(w2.float()[pairs], hidden).squeeze(-1) * weights.float().reshape(-1, 1)  # [P, H]
+    if b13 is not None:
+        gate_up = gate_up + b13.float()[pairs]
+    hidden = activation(gate_up).unsqueeze(-1)  # [P, I, 1]
+    down = torch.bmm(w2.float()[pairs], hidden).squeeze(-1)  # [P, H]
+    if b2 is not None:
+        down = down + b2.float()[pairs]
+    out = down * weights.float().reshape(-1, 1)
     return out.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
@@ -561,19 +628,24 @@ def fp8_linear(
 def fp8_fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
     weights: torch.Tensor, experts: torch.Tensor, block: tuple[int, int] | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:  # fmt: skip
     """`fused_moe` with FP8 experts (`kernels.fused_moe.fp8_fused_moe`): w13 `[E, 2I, H]` and w2 `[E, H, I]` in e4m3
     with their float32 scales (each expert's `[N, 1]` per channel, or per block of `block`: `fp8_linear`'s layouts,
     stacked over the experts), x `[T, H]`, routing `weights` and `experts` `[T, k]` -> `[T, H]` in x's dtype. Each
-    (token, choice) pair is two `fp8_linear`s in float32: x's row rounded per token times gate/up, `silu_and_mul`,
-    that row rounded to e4m3 again times down, scaled by the pair's weight; a token's pairs are summed in float32,
-    then rounded once to x's dtype. One pair at a time: a reference."""
+    (token, choice) pair is two `fp8_linear`s in float32: x's row rounded per token times gate/up (plus `b13[e]`),
+    `activation` (`silu_and_mul`, or gpt-oss's `clamped_swiglu`), that row rounded to e4m3 again times down (plus
+    `b2[e]`), scaled by the pair's weight; a token's pairs are summed in float32, then rounded once to x's dtype.
+    One pair at a time: a reference."""
     tokens, top_k = experts.shape
     out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
     for token in range(tokens):
         for choice in range(top_k):
             e = int(experts[token, choice])
-            hidden = silu_and_mul(fp8_linear(x[token : token + 1].float(), w13[e], w13_scale[e], block=block))
+            gate_up = fp8_linear(x[token : token + 1].float(), w13[e], w13_scale[e], block=block)
+            hidden = activation(gate_up if b13 is None else gate_up + b13[e].float())
             down = fp8_linear(hidden, w2[e], w2_scale[e], block=block)
+            down = down if b2 is None else down + b2[e].float()
             out[token] += weights[token, choice].float() * down[0]
     return out.to(x.dtype)

@@ -182,6 +182,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--override-generation-config", "", "JSON object applied over those defaults, e.g. "
          "'{\"temperature\": 0.7, \"max_tokens\": 256}' (keys: temperature, top_p, top_k, min_p, "
          "repetition_penalty, max_tokens or max_new_tokens)")
+    _add(parser, "--hf-overrides", "", "JSON object laid over the model's config.json before it is read (vLLM's "
+         "flag), e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+         "\"original_max_position_embeddings\": 32768}}' for a Qwen model's 128k context")
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -318,6 +321,7 @@ def _engine(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config or None,
+            hf_overrides=args.hf_overrides or None,
             speculative=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             lora=lora,

@@ -13,8 +13,8 @@ from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from engine_server.parallel.sharding import heads_per_rank, kv_heads_per_rank, qkv_slices
+from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
+from engine_server.parallel.sharding import heads_per_rank, kv_heads_per_rank, qkv_slices, query_heads_of_rank
 from kernels.kernel_set import KernelOps
 
 
@@ -22,7 +22,9 @@ class PagedSelfAttention(nn.Module):
     """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases), of this
     rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's). `window`: the layer's
     sliding window (`ModelConfig.attention_window`; 0: it attends to every earlier position); its scores are
-    soft-capped with `ModelConfig.attention_softcap` (Gemma 2)."""
+    soft-capped with `ModelConfig.attention_softcap` (Gemma 2). With `ModelConfig.attention_sinks` (gpt-oss) each
+    query head has a learned sink logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more
+    term of its softmax's denominator (`kernels.reference.paged_attention`)."""
 
     def __init__(
         self,
@@ -56,6 +58,18 @@ class PagedSelfAttention(nn.Module):
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.clip_qkv = config.clip_qkv
+        self.sink_heads = query_heads_of_rank(config.num_attention_heads, tp.size, tp.rank)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
+
+    def load_sinks(self, tensor: CheckpointTensor) -> None:
+        """Copy a checkpoint's `sinks` (`[num_attention_heads]`, any float dtype), keeping this rank's heads."""
+        if self.sinks is None:
+            raise ValueError("this model's attention has no sinks")
+        whole, heads = read_whole(tensor), self.num_heads * self.tp.size
+        if whole.shape != (heads,):
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({heads},)")
+        with torch.no_grad():
+            self.sinks.copy_(whole[self.sink_heads.start : self.sink_heads.stop].float())
 
     def forward(
         self,
@@ -95,7 +109,8 @@ class PagedSelfAttention(nn.Module):
             q = torch.cat((q_turned, q[..., dim:]), dim=-1)
             k = torch.cat((k_turned, k[..., dim:]), dim=-1)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap).reshape(tokens, self.q_size)
+        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks)
+        out = out.reshape(tokens, self.q_size)
         projected = self.o_proj(out)
         if lora is not None:
             projected = lora.add("o_proj", out, projected, ops)

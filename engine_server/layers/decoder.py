@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import LongRope, ModelConfig
+from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
@@ -20,7 +20,7 @@ from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from kernels.kernel_set import KernelOps
-from kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache
+from kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache, build_yarn_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):
@@ -204,6 +204,10 @@ class DecoderModel(nn.Module):
                 config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling.short_factor,
                 scaling.long_factor, scaling.attention_factor, dtype,
             )  # fmt: skip
+        elif isinstance(scaling, Yarn):
+            cache = build_yarn_cos_sin_cache(
+                config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype
+            )
         else:
             cache = build_cos_sin_cache(
                 config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype,

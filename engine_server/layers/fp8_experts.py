@@ -7,7 +7,8 @@ expert). A float bank is quantized per channel at load (`quantize_fp8_experts`);
 taken as stored (`engine_server.quantization.stored_fp8_weights`).
 
 `Fp8Experts` takes a `ParallelExperts`' place and computes what `kernels.reference.fp8_fused_moe` says: x rounded
-to e4m3 per token before gate/up, the SiLU-and-mul rows rounded per (token, expert) pair before down.
+to e4m3 per token before gate/up, the activation's rows rounded per (token, expert) pair before down; a bank with
+biases (gpt-oss) keeps them in its float dtype, added to each product.
 - On CUDA the banks stay e4m3 (one byte per weight) and `kernels.fused_moe.fp8_fused_moe` runs them.
 - On the CPU, which has no e4m3 arithmetic, each bank is dequantized once to a float bank of the model's dtype
   (the e4m3 values times their scales, exactly) and the rows are rounded in torch before each product, as
@@ -100,8 +101,16 @@ class Fp8Experts(nn.Module):
     w13_scale: torch.Tensor | None
     w2_scale: torch.Tensor | None
 
-    def __init__(self, weights: Fp8ExpertWeights, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weights: Fp8ExpertWeights,
+        dtype: torch.dtype,
+        biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
+        b13, b2 = biases if biases is not None else (None, None)
+        self.register_buffer("b13", b13, persistent=False)
+        self.register_buffer("b2", b2, persistent=False)
         gate_up, down = weights.gate_up, weights.down
         if gate_up.block != down.block:
             raise ValueError(f"gate/up scaled per {gate_up.block} but down per {down.block}")
@@ -125,16 +134,20 @@ class Fp8Experts(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, activation: Activation
     ) -> torch.Tensor:
         """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `[T, H]` (this rank's
-        partial sum under tensor parallelism). On CUDA the kernel applies SiLU-and-mul itself; on the CPU
-        `activation` does (the backend's `silu_and_mul`)."""
+        partial sum under tensor parallelism); `activation` maps the gate/up rows (the backend's `silu_and_mul`,
+        or gpt-oss's clamped SwiGLU)."""
+        b13: torch.Tensor | None = self.b13
+        b2: torch.Tensor | None = self.b2
         if self.w13_scale is not None and self.w2_scale is not None:
             from kernels.fused_moe import fp8_fused_moe  # Triton: imported only where there is a GPU
 
-            return fp8_fused_moe(x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, experts, self.block)
+            return fp8_fused_moe(
+                x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, experts, self.block, b13, b2, activation
+            )
         return grouped_experts(
             x, weights, experts, self.num_experts,
-            lambda e, rows: F.linear(fp8_rounded_rows(rows), self.w13[e]),
-            lambda e, rows: F.linear(fp8_rounded_rows(rows), self.w2[e]),
+            lambda e, rows: F.linear(fp8_rounded_rows(rows), self.w13[e], None if b13 is None else b13[e]),
+            lambda e, rows: F.linear(fp8_rounded_rows(rows), self.w2[e], None if b2 is None else b2[e]),
             activation,
         )  # fmt: skip
 
@@ -154,6 +167,9 @@ def replace_fp8_experts(model: nn.Module, weights_for: Callable[[str, ParallelEx
                 f"match the bank's {tuple(bank.w13.shape)} / {tuple(bank.w2.shape)}"
             )
         device = bank.w13.device
-        return Fp8Experts(Fp8ExpertWeights(weights.gate_up.to(device), weights.down.to(device)), bank.w13.dtype)
+        biases = None if bank.b13 is None or bank.b2 is None else (bank.b13.detach(), bank.b2.detach())
+        return Fp8Experts(
+            Fp8ExpertWeights(weights.gate_up.to(device), weights.down.to(device)), bank.w13.dtype, biases
+        )
 
     return swap_experts(model, layer_for)

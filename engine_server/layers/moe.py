@@ -1,15 +1,18 @@
 """Mixture-of-experts feed-forward block: a softmax router picks each token's experts, which run grouped by expert.
 
-Mixtral, Qwen2-MoE and Qwen3-MoE share it (`ModelConfig` says which quirks apply): the router's logits are the
-hidden state times its `[num_experts, hidden]` weight, softmaxed in float32, the top `num_experts_per_tok` kept
-(and renormalised to sum to 1 with `norm_topk_prob`, as Mixtral always does); each chosen expert is a SwiGLU MLP
-whose output is scaled by its weight. Qwen2-MoE adds a shared expert every token goes through, scaled by
-`sigmoid(x @ shared_expert_gate)`. Under tensor parallelism every expert's intermediate rows are split over the
-ranks (`parallel.layers.ParallelExperts`; the router and the shared gate are whole on every rank), and the block
-all-reduces once, as a dense MLP does.
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss share it (`ModelConfig` says which quirks apply): the router's
+logits are the hidden state times its `[num_experts, hidden]` weight (plus a bias: gpt-oss), softmaxed in float32,
+the top `num_experts_per_tok` kept (and renormalised to sum to 1 with `norm_topk_prob`, as Mixtral always does:
+the softmax of the top-k logits that gpt-oss takes); each chosen expert is a SwiGLU MLP (gpt-oss: with biases and
+its clamped SwiGLU, `kernels.reference.clamped_swiglu`) whose output is scaled by its weight. Qwen2-MoE adds a shared
+expert every token goes through, scaled by `sigmoid(x @ shared_expert_gate)`. Under tensor parallelism every
+expert's intermediate rows are split over the ranks (`parallel.layers.ParallelExperts`; the router and the shared
+gate are whole on every rank), and the block all-reduces once, as a dense MLP does.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +21,9 @@ from torch import nn
 from engine_server.config import ModelConfig
 from engine_server.layers.mlp import GatedMLP
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import ParallelExperts
+from engine_server.parallel.layers import Activation, ParallelExperts
 from kernels.kernel_set import KernelOps
+from kernels.reference import clamped_swiglu
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,8 +48,16 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         hidden, experts = config.hidden_size, config.num_experts
-        self.gate = nn.Linear(hidden, experts, bias=False, dtype=dtype)
-        self.experts = ParallelExperts(experts, hidden, config.moe_intermediate_size, tp, dtype)
+        self.gate = nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
+        self.experts = ParallelExperts(
+            experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases
+        )
+        # gpt-oss's clamped SwiGLU (plain torch ops on every backend), else the kernel set's SiLU-and-mul.
+        self.activation: Activation | None = (
+            functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+            if config.swiglu_limit > 0
+            else None
+        )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared, dtype, tp) if shared else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if shared else None
@@ -53,7 +65,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank."""
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, experts, ops.silu_and_mul)
+        out = self.experts(x, weights, experts, self.activation or ops.silu_and_mul)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate scales this rank's partial sum: summed over the ranks, it scales the whole.
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x, ops)

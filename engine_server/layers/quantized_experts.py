@@ -117,8 +117,9 @@ class RowwiseLinear(nn.Module):
 
 def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
     """`bank`'s float experts (this rank's slices) as 8-bit groups of 32 (`quantize_q8`); None (the bank stays
-    float) when its hidden size or this rank's intermediate rows are not a multiple of 32."""
-    if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP:
+    float) when its hidden size or this rank's intermediate rows are not a multiple of 32, or when its experts have
+    biases (gpt-oss: the C++ expert kernel has neither biases nor gpt-oss's clamped SwiGLU)."""
+    if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP or bank.b13 is not None:
         return None
     return ExpertWeights(
         tuple(quantize_q8(bank.w13[e]) for e in range(bank.num_experts)),

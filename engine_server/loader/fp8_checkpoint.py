@@ -114,6 +114,10 @@ def fp8_checkpoint(config: Mapping[str, Any]) -> Fp8Checkpoint | None:
     if not quantization:
         return None
     method = quantization.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's experts: dequantized by its model class as it loads (models.gpt_oss)
+        if config.get("model_type") != "gpt_oss":
+            raise ValueError("quantization_config: mxfp4 is read for gpt-oss's experts only")
+        return None
     if method == "fp8":
         if quantization.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config: FP8 format {quantization['fmt']!r}; only e4m3 is read")

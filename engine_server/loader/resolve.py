@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from engine_server.config import ModelConfig
 from engine_server.loader.dummy import dummy_config
@@ -33,19 +34,25 @@ def default_gguf_path() -> Path:
     )
 
 
-def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> ModelSource:
+def resolve_model(
+    spec: str, cache_dir: Path | None = None, seed: int = 0, hf_overrides: dict[str, Any] | None = None
+) -> ModelSource:
     """Resolve `spec` to a loadable model, converting a GGUF file into `cache_dir` on first use.
 
-    `cache_dir` defaults to `$LADLE_CACHE_DIR` or `~/.cache/ladle`; `seed` only affects `dummy:` weights.
+    `cache_dir` defaults to `$LADLE_CACHE_DIR` or `~/.cache/ladle`; `seed` only affects `dummy:` weights;
+    `hf_overrides` replace keys of the model's config.json before it is read (`EngineConfig.hf_overrides`).
     Raises `ValueError` naming `spec` for an unknown spec, a missing file, an unsupported architecture or
     an unsupported quantization.
     """
     cache = cache_dir if cache_dir is not None else default_cache_dir()
+    overrides = hf_overrides or {}
     if spec == DEFAULT_SPEC:
         gguf_path = default_gguf_path()
         folder = ensure_converted(gguf_path, cache, spec)
-        return hf_folder_source(folder, DEFAULT_MODEL_NAME, spec, gguf_path)
+        return hf_folder_source(folder, DEFAULT_MODEL_NAME, spec, gguf_path, overrides)
     if spec.startswith(DUMMY_PREFIX):
+        if overrides:
+            raise ValueError(f"model {spec!r}: --hf-overrides apply to a config.json; a dummy preset has none")
         config = dummy_config(spec.removeprefix(DUMMY_PREFIX), spec)
         tokenizer_folder = resolve_model(DEFAULT_SPEC, cache).tokenizer_path
         return ModelSource(
@@ -56,9 +63,10 @@ def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> Mo
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ValueError(f"model {spec!r}: GGUF file not found")
-        return hf_folder_source(ensure_converted(path.resolve(), cache, spec), path.stem, spec, path.resolve())
+        folder = ensure_converted(path.resolve(), cache, spec)
+        return hf_folder_source(folder, path.stem, spec, path.resolve(), overrides)
     if path.is_dir():
-        return hf_folder_source(path.resolve(), path.resolve().name, spec)
+        return hf_folder_source(path.resolve(), path.resolve().name, spec, hf_overrides=overrides)
     reason = "not a folder or a .gguf file" if path.exists() else "no such file or folder"
     raise ValueError(
         f"model {spec!r}: {reason}; expected 'default', 'dummy:<preset>', a .gguf file "
@@ -66,9 +74,12 @@ def resolve_model(spec: str, cache_dir: Path | None = None, seed: int = 0) -> Mo
     )
 
 
-def hf_folder_source(folder: Path, name: str, spec: str, gguf_path: Path | None = None) -> ModelSource:
+def hf_folder_source(
+    folder: Path, name: str, spec: str, gguf_path: Path | None = None, hf_overrides: dict[str, Any] | None = None
+) -> ModelSource:
     """A source over a Hugging Face folder used in place, after checking it has what the runner needs;
-    `gguf_path` is the file the folder was converted from, if any."""
+    `gguf_path` is the file the folder was converted from, if any; `hf_overrides` replace keys of its
+    config.json."""
     missing = [
         what
         for what, present in (
@@ -81,7 +92,7 @@ def hf_folder_source(folder: Path, name: str, spec: str, gguf_path: Path | None 
     if missing:
         raise ValueError(f"model {spec!r}: folder {folder} lacks {', '.join(missing)}")
     try:
-        hf_config = read_hf_config(folder)
+        hf_config = {**read_hf_config(folder), **(hf_overrides or {})}
         config = ModelConfig.from_hf_config(hf_config, name=name)
         fp8 = fp8_checkpoint(hf_config)
     except (KeyError, TypeError, ValueError) as exc:

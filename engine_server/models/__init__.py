@@ -8,6 +8,7 @@ from engine_server.models.bert import BertEncoder
 from engine_server.models.gemma import GemmaForCausalLM
 from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
+from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.olmoe import OlmoeForCausalLM
@@ -25,8 +26,8 @@ StepModel = CausalLM | BertEncoder
 
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gemma", "gemma2", "gemma3"); ValueError for anything else (an
-    encoder, "bert", is a `BertEncoder`)."""
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3"); ValueError for anything
+    else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -36,6 +37,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "qwen2_moe": Qwen2MoeForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
         "olmoe": OlmoeForCausalLM,
+        "gpt_oss": GptOssForCausalLM,
         "gemma": GemmaForCausalLM,
         "gemma2": Gemma2ForCausalLM,
         "gemma3": Gemma3ForCausalLM,

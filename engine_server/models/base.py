@@ -11,13 +11,13 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
+from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
-    EXPERT_PARTS,
     CheckpointTensor,
     ColumnParallelLinear,
     ParallelExperts,
@@ -48,8 +48,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _EXPERT_WEIGHT = re.compile(r"(?P<bank>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # All experts' projection in one 3-D tensor (transformers 5's own layout): `<block>.experts.gate_up_proj`
-# `[E, 2 * I, H]` (gate rows, then up rows) or `<block>.experts.down_proj` `[E, H, I]`.
-_EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+# `[E, 2 * I, H]` (gate rows, then up rows) or `<block>.experts.down_proj` `[E, H, I]`; where experts have biases,
+# theirs in one 2-D tensor each, `gate_up_proj_bias` `[E, 2 * I]` (gate, then up) and `down_proj_bias` `[E, H]`.
+_EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?")
 
 
 def expert_weight(name: str) -> tuple[str, int, str] | None:
@@ -178,6 +179,13 @@ class CausalLM(nn.Module):
                     target, shard = module_name.removesuffix(part) + fused, shard_name
                     break
             module = modules.get(target)
+            if isinstance(module, PagedSelfAttention) and kind == "sinks":  # gpt-oss's per-head sink logits
+                try:
+                    module.load_sinks(tensor)
+                except ValueError as error:
+                    raise ValueError(f"weight {name!r}: {error}") from None
+                loaded.add((name, ""))
+                continue
             if module is None or kind not in ("weight", "bias"):
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             # A fused layer stored fused (Phi-3's qkv_proj and gate_up_proj): every part at once.
@@ -223,18 +231,23 @@ class CausalLM(nn.Module):
     def _load_bank(
         modules: dict[str, nn.Module], name: str, match: re.Match[str], tensor: CheckpointTensor
     ) -> list[tuple[str, str]]:
-        """Load every expert's slices of one 3-D tensor; returns what `_expected_shards` lists for them."""
+        """Load every expert's slices of one 3-D tensor (2-D for biases); returns what `_expected_shards` lists
+        for them."""
         bank = modules.get(match["bank"])
-        if not isinstance(bank, ParallelExperts) or tensor.dim() != 3 or tensor.shape[0] != bank.num_experts:
+        bias = "_bias" if match["bias"] else ""
+        if (
+            not isinstance(bank, ParallelExperts) or tensor.dim() != (2 if bias else 3)
+            or tensor.shape[0] != bank.num_experts or (bias and bank.b13 is None)
+        ):  # fmt: skip
             raise ValueError(f"unexpected weight {name!r} of shape {tuple(tensor.shape)}")
         whole = read_whole(tensor)
         loaded = []
         for expert in range(bank.num_experts):
             if match["proj"] == "down_proj":
-                pieces = {"down": whole[expert]}
+                pieces = {f"down{bias}": whole[expert]}
             else:
                 gate, up = whole[expert].chunk(2)
-                pieces = {"gate": gate, "up": up}
+                pieces = {f"gate{bias}": gate, f"up{bias}": up}
             for part, weight in pieces.items():
                 try:
                     bank.load_expert(expert, part, weight)
@@ -247,7 +260,7 @@ class CausalLM(nn.Module):
         expected: set[tuple[str, str]] = set()
         banks = {name: module for name, module in self.named_modules() if isinstance(module, ParallelExperts)}
         for name, bank in banks.items():
-            expected.update((name, f"{e}.{part}") for e in range(bank.num_experts) for part in EXPERT_PARTS)
+            expected.update((name, f"{e}.{part}") for e in range(bank.num_experts) for part in bank.parts)
         for name in params:
             if name.rpartition(".")[0] in banks:
                 continue

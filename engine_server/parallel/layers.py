@@ -210,13 +210,17 @@ class RowParallelLinear(_LocalLinear):
 
 
 EXPERT_PARTS = ("gate", "up", "down")
+# The biases of each expert's projections, where a family has them (gpt-oss: `ParallelExperts(biases=True)`).
+EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
 
 
 class ParallelExperts(nn.Module):
     """A mixture of experts' SwiGLU weights as two 3-D tensors: `w13[e] = cat(gate_e, up_e)` rows `[2 * I_r, H]`
     and `w2[e] = down_e` `[H, I_r]`, where `I_r` are this rank's rows of each expert's intermediate size (all of
     them at size 1): every rank holds every expert's slice, like a `GatedMLP`'s gate/up and down, so the experts'
-    output on a rank is its partial sum of the block's (the caller all-reduces)."""
+    output on a rank is its partial sum of the block's (the caller all-reduces). With `biases` (gpt-oss) each
+    projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
+    others hold zeros, so the all-reduced sum adds it once)."""
 
     def __init__(
         self,
@@ -225,24 +229,39 @@ class ParallelExperts(nn.Module):
         intermediate_size: int,
         tp: TensorParallel,
         dtype: torch.dtype = torch.float32,
+        biases: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.rows = even_slice(intermediate_size, tp.size, tp.rank, "expert intermediate rows")
+        self.adds_down_bias = tp.rank == 0
         local = len(self.rows.rows)
         self.w13 = _parameter(num_experts, 2 * local, hidden_size, dtype=dtype)
         self.w2 = _parameter(num_experts, hidden_size, local, dtype=dtype)
+        self.b13 = _parameter(num_experts, 2 * local, dtype=dtype) if biases else None
+        self.b2 = _parameter(num_experts, hidden_size, dtype=dtype) if biases else None
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """What each expert is loaded as (`load_expert`'s parts): its projections, and their biases if it has them."""
+        return EXPERT_PARTS + (EXPERT_BIAS_PARTS if self.b13 is not None else ())
 
     def load_expert(self, expert: int, part: str, tensor: CheckpointTensor) -> None:
-        """Copy expert `expert`'s `part` ("gate", "up": `[I, H]`; "down": `[H, I]`), whole or as this rank's slice."""
-        if not 0 <= expert < self.num_experts or part not in EXPERT_PARTS:
+        """Copy expert `expert`'s `part` ("gate", "up": `[I, H]`; "down": `[H, I]`; with biases "gate_bias",
+        "up_bias": `[I]`, "down_bias": `[H]`), whole or as this rank's slice."""
+        if not 0 <= expert < self.num_experts or part not in self.parts:
             raise ValueError(f"no expert {expert} {part!r} in a bank of {self.num_experts}")
         rows, local = self.rows, len(self.rows.rows)
         what = f"expert {expert} {part}"
         if part == "down":
             _copy(self.w2.data[expert], _kept(tensor, rows.full, rows.rows, 1, what), what)
+        elif part == "down_bias" and self.b2 is not None:
+            bias = read_whole(tensor)
+            _copy(self.b2.data[expert], bias if self.adds_down_bias else torch.zeros_like(bias), what)
         else:
-            dest = self.w13.data[expert].narrow(0, 0 if part == "gate" else local, local)
+            bank = self.w13 if part in EXPERT_PARTS else self.b13
+            assert bank is not None
+            dest = bank.data[expert].narrow(0, 0 if part.startswith("gate") else local, local)
             _copy(dest, _kept(tensor, rows.full, rows.rows, 0, what), what)
 
     def forward(
@@ -253,15 +272,19 @@ class ParallelExperts(nn.Module):
 
         Tokens are grouped by expert: each expert that any token chose runs once over all of its tokens (one GEMM for
         gate/up, one for down), and adds its weighted output into theirs, experts in ascending order (as transformers
-        sums them). `activation` is the backend's `silu_and_mul`. On CUDA the Triton fused-MoE kernel runs
-        instead (`kernels.fused_moe`: the same sums, each token's choices added in choice order)."""
+        sums them). `activation` maps the gate/up product `[M, 2I]` to `[M, I]` (the backend's `silu_and_mul`, or
+        gpt-oss's clamped SwiGLU). On CUDA the Triton fused-MoE kernel runs instead (`kernels.fused_moe`: the same
+        sums, each token's choices added in choice order)."""
         if x.is_cuda:
             from kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
 
-            return fused_moe(x, self.w13, self.w2, weights, experts)
+            return fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, activation)
+        b13, b2 = self.b13, self.b2
         return grouped_experts(
             x, weights, experts, self.num_experts,
-            lambda e, rows: F.linear(rows, self.w13[e]), lambda e, rows: F.linear(rows, self.w2[e]), activation,
+            lambda e, rows: F.linear(rows, self.w13[e], None if b13 is None else b13[e]),
+            lambda e, rows: F.linear(rows, self.w2[e], None if b2 is None else b2[e]),
+            activation,
         )  # fmt: skip
 
 

@@ -411,7 +411,7 @@ class DecodeStack : public torch::CustomClassHolder {
       std::tie(q, k) = rotary_embedding(positions, q, k, cos_sin_cache_);
       write_kv_cache(k, v, kv_caches[i], slot_mapping);
       const at::Tensor attention =
-          paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window, 0.0);
+          paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale_, layer.window, 0.0, std::nullopt);
       const at::Tensor attended = attention.view({tokens, q_size});
       at::Tensor projected = linears_[layer.o](attended);
       lora.add(layer.lora[kO], kO, attended, projected);

@@ -9,6 +9,8 @@
 //   seq_lens     [B] int32: row b attends to positions [0, seq_lens[b])
 //   window       a sliding window > 0 narrows that to [seq_lens[b] - window, seq_lens[b]); 0: none
 //   softcap      > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2); 0: none
+//   sinks        [H] float32 or none: head h's softmax has one more logit, sinks[h], whose weight is dropped
+//                (gpt-oss's attention sinks): out[b, h] is scaled by Z / (Z + exp(sinks[h])), Z its sum of weights
 //   returns      [B, H, D]: out[b, h] = softmax(scale * q[b, h] . K[j]) @ V[j] over the row's positions j,
 //                K/V from KV head h / (H / Hkv).
 // Consecutive rows with the same block table (one sequence's tokens of a step: a prompt chunk, or a decode's last
@@ -22,7 +24,8 @@
 //   - softmax online over the row's tiles (FlashAttention's): the running max, each tile's weights
 //     exp(s - max), the running sum and the value sums rescaled when the max grows;
 //   - value sums: acc += weight_t * v_t by fused multiply-adds in position order (dims across the lanes);
-//   - out = acc * (1 / sum).
+//   - out = acc * (1 / sum); with a sink s, taken against m = max(running max, s) (std::exp):
+//     out = acc * (exp(max - m) / (sum * exp(max - m) + exp(s - m))).
 // The fused multiply-adds are explicit (kernels/cpu/lanes.h: AVX-512, AVX2's FMA, else std::fma), so every x86
 // gives the same bits; the build's -ffp-contract=off fuses nothing else. exp is a polynomial with ~1e-7 relative
 // error, so results match the reference SDPA to float32 rounding, not bit for bit. Built with -fopenmp, so
@@ -262,7 +265,7 @@ struct Scratch {
 template <int64_t Dim, typename Cache>
 void attend(const float* q, const Cache* keys, const Cache* values, const int32_t* table, const int32_t* lens,
             int64_t rows, int64_t block_size, int64_t kv_heads, int64_t group, int64_t window, float scale,
-            float softcap, Scratch& scratch, float* out) {
+            float softcap, const float* sinks, Scratch& scratch, float* out) {
   constexpr bool fp8 = std::is_same_v<Cache, uint8_t>;
   constexpr int64_t row_length = fp8 ? Dim + kFp8ScaleBytes : Dim;  // of a cached row, in Cache elements
   constexpr int64_t pass = std::min(Dim, kPassFloats);
@@ -379,14 +382,20 @@ void attend(const float* q, const Cache* keys, const Cache* values, const int32_
     }
   }
   for (int64_t i = 0; i < rows * heads; ++i) {
-    const vec16 inv = splat(1.f / running[2 * i + 1]);
+    float factor = 1.f / running[2 * i + 1];
+    if (sinks != nullptr) {
+      const float sink = sinks[i % heads], most = std::max(running[2 * i], sink);
+      const float kept = std::exp(running[2 * i] - most);
+      factor = kept / (running[2 * i + 1] * kept + std::exp(sink - most));
+    }
+    const vec16 inv = splat(factor);
     for (int64_t d = 0; d < Dim; d += kLanes) store(out + i * Dim + d, load(acc + i * Dim + d) * inv);
   }
 }
 
 template <typename Cache>
 using AttendFn = void (*)(const float*, const Cache*, const Cache*, const int32_t*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float, Scratch&, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float, const float*, Scratch&, float*);
 
 // The rows' groups: runs of consecutive rows with the same block table, cut to at most `most` rows each.
 std::vector<std::pair<int64_t, int64_t>> row_groups(const int32_t* tables, int64_t rows, int64_t width,
@@ -421,7 +430,8 @@ AttendFn<Cache> attend_for(int64_t dim) {
 namespace ladle_cpu {
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be [B, H, D] float32");
   const bool fp8 = kv_cache.scalar_type() == at::kByte;
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && (fp8 || kv_cache.scalar_type() == at::kFloat) &&
@@ -437,6 +447,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t width = block_tables.size(1);
   TORCH_CHECK(kv_cache.size(4) == (fp8 ? dim + kFp8ScaleBytes : dim), "head dim of q and kv_cache differ");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(!sinks.has_value() || (sinks->dim() == 1 && sinks->size(0) == heads &&
+                                     sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
+              "sinks must be [H] float32, contiguous");
+  const float* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256",
               static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
@@ -480,7 +494,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
         for (int64_t g = share; g < count_groups; g += shares) {
           const int64_t first = groups[g].first, count = groups[g].second - groups[g].first;
           attend_fn(q_ptr + first * heads * dim, cache, cache + half, tables + first * width, lens_ptr + first,
-                    count, block_size, kv_heads, group, window, fscale, fsoftcap, scratch,
+                    count, block_size, kv_heads, group, window, fscale, fsoftcap, sinks_ptr, scratch,
                     out_ptr + first * heads * dim);
         }
       }
@@ -498,6 +512,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
-        "int window=0, float softcap=0.) -> Tensor");
+        "int window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::paged_decode_attention));
 }

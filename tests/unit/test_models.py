@@ -43,6 +43,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama-bias": (transformers.LlamaConfig, {"attention_bias": True, "num_key_value_heads": 1}),
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
+    # Qwen's long-context setting: YaRN over a quarter of the context; linear rope scaling on Llama.
+    "qwen3-yarn": (
+        transformers.Qwen3Config,
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64}},
+    ),
+    "llama-linear-rope": (transformers.LlamaConfig, {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
     # Phi-3: fused checkpoint tensors; partial rotary with LongRoPE's short factors (the sequences here stay below
     # original_max_position_embeddings: tests/unit/test_family_engines.py crosses it).
     "phi3": (transformers.Phi3Config, {"pad_token_id": 0}),
@@ -65,6 +72,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48},
     ),
+    # gpt-oss: attention sinks, biases everywhere, a 6-position window on the even layers, YaRN, top-2 of 4 experts
+    # with biases and the clamped SwiGLU (a limit of 0.5 clamps many of these small activations).
+    "gpt-oss": (
+        transformers.GptOssConfig,
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6, "swiglu_limit": 0.5,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    ),
     # OLMoE: top-2 of 4 unnormalised, q/k norms over the whole projection, q/k/v clamped.
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 1.0}),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
@@ -85,6 +100,7 @@ MODEL_CLASSES = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
+    transformers.GptOssConfig: transformers.GptOssForCausalLM,
 }
 
 
@@ -98,7 +114,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
         for name, param in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith("mlp.gate.weight"):  # routers far from uniform: no near-ties between experts
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks")):
+                # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
     config = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config)

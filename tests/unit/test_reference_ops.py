@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import RopeScaling
+from engine_server.config import ModelConfig, RopeScaling, Yarn
 from kernels import reference
 
 
@@ -167,6 +168,42 @@ def test_rotary_embedding_matches_hf(rope_parameters: dict[str, float | str]) ->
 
     cos, sin = LlamaRotaryEmbedding(hf_config)(q, positions[None])
     # HF rotates [batch, heads, seq, dim]; ours is [seq, heads, dim].
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(q_out, q_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},  # Qwen's long-context setting
+        # gpt-oss's: no truncation of the ramp, betas given
+        {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+         "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0,  # DeepSeek's attention factor
+         "original_max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5, "original_max_position_embeddings": 512},
+    ],
+)  # fmt: skip
+def test_yarn_rope_matches_hf(rope: dict[str, Any]) -> None:
+    head_dim, theta = 64, 150000.0
+    hf_config = transformers.LlamaConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=1024,
+        rope_parameters={**rope, "rope_theta": theta},
+    )  # fmt: skip
+    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    yarn = config.rope_scaling
+    assert isinstance(yarn, Yarn)
+    # vLLM's context length under YaRN: the original one times the factor, when that is longer.
+    assert config.max_position_embeddings == max(1024, int(rope["original_max_position_embeddings"] * rope["factor"]))
+    rotary = LlamaRotaryEmbedding(hf_config)
+    torch.testing.assert_close(reference.yarn_inv_freq(head_dim, theta, yarn), rotary.inv_freq, rtol=0, atol=0)
+    assert yarn.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    cache = reference.build_yarn_cos_sin_cache(head_dim, 2048, theta, yarn)
+    positions = torch.tensor([0, 3, 100, 1023, 2047])
+    q, k = torch.randn(5, 4, head_dim), torch.randn(5, 4, head_dim)
+    q_out, k_out = reference.rotary_embedding(positions, q, k, cache)
+    cos, sin = rotary(q, positions[None])
     q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     torch.testing.assert_close(q_out, q_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_out, k_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

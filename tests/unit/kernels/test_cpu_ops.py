@@ -171,6 +171,36 @@ def test_soft_capped_scores_match_the_reference(window: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize(("window", "sink_scale"), [(0, 1.0), (7, 1.0), (0, 30.0), (7, -30.0)])
+def test_attention_sinks_match_the_reference(window: int, sink_scale: float) -> None:
+    """gpt-oss's sink logits, of the scores' size and far above and below them: the decode kernel by row and by
+    token matches the reference (a sink far above every score leaves almost nothing: the ratio must still be
+    right), with and without a window; sinks change the result, and each row is the same bits as alone."""
+    spec = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 40), (1, 257)]
+    q, cache, meta = make_batch(spec, 9, 3, 64, 16, seed=5)
+    sinks = torch.randn(9, generator=torch.Generator().manual_seed(1)) * sink_scale
+    expected = reference.paged_attention(q, cache, meta, 0.125, window, 0.0, sinks)
+    got = cpu.paged_attention(q, cache, meta, 0.125, window, 0.0, sinks)
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    by_token = cpu.paged_attention_by_token(q, cache, meta, 0.125, window, 0.0, sinks)
+    torch.testing.assert_close(by_token, expected, **TOLERANCE)
+    if sink_scale > 0:
+        assert (cpu.paged_attention(q, cache, meta, 0.125, window) - expected).abs().max() > 1e-2
+    tables, lens = meta.token_rows
+    alone = torch.cat([cpu.paged_decode_attention(q[i : i + 1], cache, tables[i : i + 1], lens[i : i + 1], 0.125,
+                                                  window, 0.0, sinks) for i in range(q.shape[0])])  # fmt: skip
+    assert torch.equal(by_token, alone)
+
+
+@needs_kernels
+def test_sinks_of_the_wrong_shape_are_refused() -> None:
+    q, cache, meta = make_batch([(1, 20)], 4, 2, 64, 16)
+    for sinks in (torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(4, 2)):
+        with pytest.raises(RuntimeError, match=r"sinks must be \[H\] float32"):
+            cpu.paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.125, 0, 0.0, sinks)
+
+
+@needs_kernels
 @pytest.mark.parametrize("window", [0, 70])
 def test_slots_past_a_sequence_and_before_its_window_are_never_read(window: int) -> None:
     """The kernel scores whole tiles of 64 positions and masks what is not a row's: NaN in every cache slot outside

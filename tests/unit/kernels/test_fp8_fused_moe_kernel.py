@@ -11,6 +11,7 @@ that element), and differ only by the order of down's float32 sums and by the fi
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -100,6 +101,33 @@ def test_the_cpu_layer_is_the_reference(block: tuple[int, int] | None) -> None:
     torch.testing.assert_close(layer.w13, bank.gate_up.dequantize(), atol=0, rtol=0)
     out = layer(x, weights, chosen, reference.silu_and_mul)
     torch.testing.assert_close(out, run_reference(x, bank, weights, chosen), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)], ids=["channel", "block"])
+def test_biases_and_the_clamped_swiglu(device: torch.device, block: tuple[int, int] | None) -> None:
+    """gpt-oss's experts in FP8: biases (multiples of 1/32, so the gate/up sums stay exact) added to both products
+    and its clamped SwiGLU between them: the kernel, the CPU layer and the reference agree, and the biases count."""
+    x, bank, weights, chosen = operands(13, 2, 8, 64, 48, block, seed=9)
+    generator = torch.Generator().manual_seed(10)
+    b13 = torch.randint(-32, 33, (8, 96), generator=generator).float() / 32
+    b2 = torch.randint(-32, 33, (8, 64), generator=generator).float() / 32
+    activation = functools.partial(reference.clamped_swiglu, alpha=1.702, limit=0.5)
+    gate_up, down = bank.gate_up, bank.down
+    expected = reference.fp8_fused_moe(
+        x, gate_up.qs, gate_up.scales, down.qs, down.scales, weights, chosen, block, b13, b2, activation
+    )
+    moved = Fp8ExpertWeights(gate_up.to(device), down.to(device))
+    out = fp8_fused_moe(
+        x.to(device), moved.gate_up.qs, moved.gate_up.scales, moved.down.qs, moved.down.scales, weights.to(device),
+        chosen.to(device), block, b13.to(device), b2.to(device), activation,
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+    layer = Fp8Experts(bank, torch.float32, (b13, b2))
+    torch.testing.assert_close(layer(x, weights, chosen, activation), expected, **TOLERANCES[torch.float32])
+    unbiased = reference.fp8_fused_moe(
+        x, gate_up.qs, gate_up.scales, down.qs, down.scales, weights, chosen, block, activation=activation
+    )
+    assert (unbiased - expected).abs().max() > 0.1
 
 
 def test_a_float_bank_is_quantized_per_channel_and_the_kernel_serves_it(device: torch.device) -> None:

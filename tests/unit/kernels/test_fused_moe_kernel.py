@@ -4,6 +4,7 @@ hidden and intermediate sizes, unused experts, dtypes, and the pair alignment it
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -58,6 +59,36 @@ def test_fused_moe_equals_the_engines_grouped_experts(device: torch.device) -> N
     grouped = bank(args["x"], args["weights"], args["experts"], reference.silu_and_mul)
     fused = fused_moe(*(args[name].to(device) for name in ("x", "w13", "w2", "weights", "experts")))
     torch.testing.assert_close(fused.cpu(), grouped, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_moe_with_biases_and_the_clamped_swiglu(device: torch.device, dtype: torch.dtype) -> None:
+    """gpt-oss's experts: a bias on each projection (added before the routing weight scales the pair) and the
+    clamped SwiGLU (a limit of 1 clamps most of these activations): the kernel, the reference and the engine's
+    grouped experts agree, and the biases and the activation each change the result."""
+    args = operands(19, 3, 8, 64, 48, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    b13, b2 = torch.randn(8, 96, generator=generator), torch.randn(8, 64, generator=generator)
+    activation = functools.partial(reference.clamped_swiglu, alpha=1.702, limit=1.0)
+    x, w13, w2, b13_d, b2_d = (t.to(device, dtype) for t in (args["x"], args["w13"], args["w2"], b13, b2))
+    weights, chosen = args["weights"].to(device), args["experts"].to(device)
+    out = fused_moe(x, w13, w2, weights, chosen, b13_d, b2_d, activation)
+    expected = reference.fused_moe(x, w13, w2, weights, chosen, b13_d, b2_d, activation)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    for unlike in (reference.fused_moe(x, w13, w2, weights, chosen, activation=activation),
+                   reference.fused_moe(x, w13, w2, weights, chosen, b13_d, b2_d)):  # fmt: skip
+        assert (unlike.float() - expected.float()).abs().max() > 0.1
+    bank = ParallelExperts(8, 64, 48, SINGLE, biases=True)
+    for name, value in (("w13", args["w13"]), ("w2", args["w2"]), ("b13", b13), ("b2", b2)):
+        getattr(bank, name).data.copy_(value)
+    grouped = bank(args["x"], args["weights"], args["experts"], activation)
+    torch.testing.assert_close(grouped, reference.fused_moe(args["x"], args["w13"], args["w2"], args["weights"],
+                                                            args["experts"], b13, b2, activation),
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    with pytest.raises(ValueError, match="both"):
+        fused_moe(x, w13, w2, weights, chosen, b13_d, None)
+    with pytest.raises(ValueError, match="b2 has shape"):
+        fused_moe(x, w13, w2, weights, chosen, b13_d, b2_d[:, :10])
 
 
 def test_pairs_are_sorted_by_expert_into_whole_blocks() -> None:

@@ -62,12 +62,14 @@ def check(
     block_size: int = 16,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, dtype, device, block_size)
     scale = head_dim**-0.5
-    out = paged_attention(q, cache, meta, scale, window, softcap)
+    sinks = None if sinks is None else sinks.to(device)
+    out = paged_attention(q, cache, meta, scale, window, softcap, sinks)
     assert out.shape == q.shape and out.dtype == dtype
-    expected = reference.paged_attention(q, cache, meta, scale, window, softcap)
+    expected = reference.paged_attention(q, cache, meta, scale, window, softcap, sinks)
     torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
 
 
@@ -139,6 +141,23 @@ def test_paged_attention_sliding_window(device: torch.device, window: int) -> No
 def test_paged_attention_soft_capped(device: torch.device, window: int) -> None:
     """Gemma 2's soft-capping (a cap of 0.5 bends most of these scores), with and without a window."""
     check(MIXED, 6, 2, 64, torch.float32, device, window=window, softcap=0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("window", "sink_scale"), [(0, 1.0), (33, 1.0), (0, 30.0)])
+def test_paged_attention_with_sinks(device: torch.device, dtype: torch.dtype, window: int, sink_scale: float) -> None:
+    """gpt-oss's sink logits (one per query head, of the scores' size or far above them), with and without a
+    window, over prefills of several key tiles too."""
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(2)) * sink_scale
+    check([*MIXED, *LONG], 6, 2, 64, dtype, device, window=window, sinks=sinks)
+
+
+def test_paged_attention_refuses_sinks_of_the_wrong_shape(device: torch.device) -> None:
+    q, cache, meta = make_batch(DECODE, 6, 2, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="sinks must be a contiguous"):
+        paged_attention(q, cache, meta, 0.125, 0, 0.0, torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q, cache, meta, 0.125, 0, 0.0, torch.zeros(6, device=device, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
