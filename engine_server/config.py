@@ -629,11 +629,15 @@ class LoraConfig:
 ASYNC_SCHEDULING_MODES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 QuantizationMode = Literal["auto", "none", "gguf", "int8", "fp8"]  # EngineConfig.quantization
 # EngineConfig.tool_call_parser: "auto" (read off the chat template) or a format (engine_server.tools.ToolFormat).
-ToolCallParserName = Literal["auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder"]
+# "openai" is vLLM's name for gpt-oss's harmony calls (engine_server.harmony), which "auto" also picks for its template.
+ToolCallParserName = Literal[
+    "auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder", "openai"
+]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
 # EngineConfig.reasoning_parser: "auto" (on when the chat template mentions <think>), "none", or a family whose
 # <think>...</think> reasoning is split off (engine_server.reasoning; both read the same tags).
-ReasoningParserName = Literal["auto", "none", "qwen3", "deepseek_r1"]
+# "openai_gptoss" (vLLM's name) reads gpt-oss's harmony channels, as "auto" does for its template.
+ReasoningParserName = Literal["auto", "none", "qwen3", "deepseek_r1", "openai_gptoss"]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParserName)
 QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)  # the command line's --quantization choices
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 from engine_server.core.engine_core import CoreOutput
 from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
 from engine_server.errors import ValidationError
+from engine_server.harmony import HarmonyStream, is_harmony_template
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start
@@ -34,6 +35,7 @@ from engine_server.tools import (
     tool_parsing,
 )
 from engine_server.tools.grammar import forced_call_constraint
+from engine_server.tools.types import new_call_id
 
 if TYPE_CHECKING:
     from engine_server.lora.peft_format import LoraAdapter
@@ -127,6 +129,7 @@ class PreparedPrompt:
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
     reasoning: ReasoningStart | None = None  # how the output's reasoning is split off (None: it is not)
+    harmony: bool = False  # the output is read as harmony (gpt-oss: `engine_server.harmony`), not by the two above
 
 
 @dataclass
@@ -185,9 +188,14 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_compiler = grammar_compiler
         template = getattr(tokenizer, "chat_template", None)
-        self.tool_template = ToolTemplate.detect(template, tool_call_parser)
+        # gpt-oss: its chat template writes harmony, whose channels carry the reasoning, the answer and the calls
+        # (vLLM's parser names for it force it).
+        forced = tool_call_parser == "openai" or reasoning_parser == "openai_gptoss"
+        self.harmony = forced or is_harmony_template(template)
+        self.tool_template = ToolTemplate.detect(template, "auto" if tool_call_parser == "openai" else tool_call_parser)
         thinks = THINK_OPEN in (str(template) if template is not None else "")
-        self.splits_reasoning = reasoning_parser not in ("auto", "none") or (reasoning_parser == "auto" and thinks)
+        splits = reasoning_parser not in ("auto", "none", "openai_gptoss") or (reasoning_parser == "auto" and thinks)
+        self.splits_reasoning = splits and not self.harmony
 
     def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
         """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the
@@ -221,6 +229,8 @@ class InputProcessor:
         text = _unicode(self.render(prompt), "messages")
         ids = self._chat_ids(text)
         choice = prompt.effective_tool_choice
+        if self.harmony:
+            return self._prepare_harmony(ids, params, prompt, choice)
         if choice.forced:
             if params.constraint is not None:
                 raise ValidationError(
@@ -238,6 +248,21 @@ class InputProcessor:
             # The reasoning is free; a response_format or a forced tool call constrains the answer after it.
             params = dataclasses.replace(params, constraint=params.constraint.after(reasoning.value))
         return PreparedPrompt(ids, params, parsing, reasoning)
+
+    def _prepare_harmony(
+        self, ids: list[int], params: SamplingParams, prompt: ChatPrompt, choice: ToolChoice
+    ) -> PreparedPrompt:
+        """A chat of a harmony model (gpt-oss): its output is decoded with the special tokens kept (its channel
+        markers are special tokens) and read by `engine_server.harmony`. A constraint (response_format) applies to
+        the whole output, which is then content as written. A forced tool_choice is refused (ValidationError): its
+        grammar would have to write harmony's headers, which this engine does not build yet."""
+        if choice.forced:
+            raise ValidationError(
+                "tool_choice 'required' or a named function is not supported for this model's harmony format "
+                "(gpt-oss) yet: use 'auto'", "tool_choice",
+            )  # fmt: skip
+        params = dataclasses.replace(params, skip_special_tokens=False)
+        return PreparedPrompt(ids, params, tool_parsing(prompt.tools, choice, self.tool_template), harmony=True)
 
     def _chat_ids(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -319,18 +344,25 @@ class RequestTracker:
         token_text: TokenTextCodec | None = None,
         tool_parsing: ToolParsing | None = None,
         reasoning: ReasoningStart | None = None,
+        harmony: bool = False,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
         `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser, and
-        `reasoning` (from there too) first splits its reasoning off: the tool parser reads the content only."""
+        `reasoning` (from there too) first splits its reasoning off: the tool parser reads the content only.
+        With `harmony` (from there too) a `HarmonyStream` reads each choice instead, its calls when `tool_parsing`
+        is given."""
         self.params = params
         self.token_text = token_text or TokenTextCodec(tokenizer)
         self.result = GenerationResult(
             request_id, prompt_token_ids, [Choice(i) for i in range(params.n)], Usage(len(prompt_token_ids))
         )
         self._processors = [OutputProcessor(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
-        self._tool_streams = [ToolCallStream(tool_parsing) if tool_parsing else None for _ in range(params.n)]
-        self._reasoning = [ReasoningStream(reasoning) if reasoning else None for _ in range(params.n)]
+        self._tool_parsing = tool_parsing
+        self._harmony = [HarmonyStream(tool_parsing is not None) if harmony else None for _ in range(params.n)]
+        self._tool_streams = [
+            ToolCallStream(tool_parsing) if tool_parsing and not harmony else None for _ in range(params.n)
+        ]
+        self._reasoning = [ReasoningStream(reasoning) if reasoning and not harmony else None for _ in range(params.n)]
         self._tokenizer = tokenizer
 
     @property
@@ -355,6 +387,23 @@ class RequestTracker:
             )
         text, call_deltas, reasoning_text = delta.text, list[ToolCallDelta](), ""
         reason, matched = delta.finish_reason, delta.matched_stop
+        harmony = self._harmony[choice_index]
+        if harmony is not None and choice.finish_reason is None:
+            read = harmony.feed(text)
+            if delta.finished:
+                read.extend(harmony.finish())
+                ids = [*choice.token_ids, *delta.token_ids]
+                self.result.usage.reasoning_tokens += self._tokens_within(ids, harmony.reasoning_end)
+            reasoning_text, text = read.reasoning, read.content
+            choice.reasoning_text += reasoning_text
+            for call in read.calls:
+                made = ToolCall(new_call_id(), call.name, call.arguments)
+                call_deltas += [ToolCallDelta(len(choice.tool_calls), made.id, made.name, ""),
+                                ToolCallDelta(len(choice.tool_calls), arguments_delta=made.arguments_json)]
+                choice.tool_calls.append(made)
+            if reason is not None and self._tool_parsing is not None:
+                reason = self._tool_parsing.finish_reason_for(reason, bool(choice.tool_calls))
+                matched = None if reason is FinishReason.TOOL_CALLS else matched
         thinking = self._reasoning[choice_index]
         if thinking is not None and choice.finish_reason is None:
             reasoning_text, text = thinking.feed(text)
@@ -388,6 +437,18 @@ class RequestTracker:
             tool_call_deltas=call_deltas, reasoning_text=reasoning_text,
         )
         return step, delta.abort_core
+
+    def _tokens_within(self, token_ids: Sequence[int], chars: int) -> int:
+        """How many of `token_ids`' first tokens it takes for their text to reach `chars` characters (0 for 0):
+        a binary search over prefixes, each decoded as the choice's text was."""
+        low, high = 0, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            if len(self._decode(token_ids[:middle])) >= chars:
+                high = middle
+            else:
+                low = middle + 1
+        return low if chars else 0
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(token_ids), skip_special_tokens=self.params.skip_special_tokens)

@@ -120,6 +120,19 @@ def _base_defaults(setting: str, model_spec: str, model_folder: Path | None) -> 
     return _from_file(path, f"{GENERATION_CONFIG_FLAG} {setting!r}")
 
 
+def generation_config_eos_ids(model_folder: Path) -> tuple[int, ...]:
+    """The `eos_token_id` (an id or a list of them) of `model_folder`'s generation_config.json; () without one, or
+    when it is unreadable or holds no such ids (the sampling defaults report a bad file; this never fails)."""
+    path = model_folder / GENERATION_CONFIG_FILE
+    try:
+        values = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ()
+    eos = values.get("eos_token_id") if isinstance(values, dict) else None
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+
+
 def _from_file(path: Path, flag: str) -> GenerationDefaults:
     where = f"{flag} ({path})"
     try:

@@ -24,7 +24,11 @@ from engine_server.frontend import (
     RequestTracker,
     split_core_request_id,
 )
-from engine_server.generation_defaults import GenerationDefaults, resolve_generation_defaults
+from engine_server.generation_defaults import (
+    GenerationDefaults,
+    generation_config_eos_ids,
+    resolve_generation_defaults,
+)
 from engine_server.host_memory import freeze_startup_heap
 from engine_server.loader import ModelSource, resolve_model
 from engine_server.lora.peft_format import LoraAdapter
@@ -38,10 +42,13 @@ from engine_server.tokenizer.loading import load_tokenizer
 
 
 def engine_eos_ids(source: ModelSource, tokenizer: Any) -> tuple[int, ...]:
-    """The model's eos ids: config.json's plus the tokenizer's own eos token."""
+    """The model's eos ids: config.json's, the tokenizer's own eos token, and those of the model folder's
+    generation_config.json (as vLLM stops on them: gpt-oss lists its `<|call|>` and `<|return|>` there, Llama 3
+    Instruct its `<|eot_id|>` and `<|eom_id|>`)."""
     ids = set(source.config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    ids.update(generation_config_eos_ids(source.path))
     return tuple(sorted(ids))
 
 
@@ -170,7 +177,7 @@ class LLM:
             )
             tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
-                item.reasoning,
+                item.reasoning, item.harmony,
             )
             # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the
             # text grows) come once, at the finish, so their text is decoded once and per-step host work is small.

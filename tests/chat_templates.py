@@ -24,6 +24,7 @@ class FamilyTemplate:
     eos: str
     cue: str
     tool_cue: str
+    stops: tuple[str, ...] = ()  # further end-of-sequence tokens (listed in the model's generation_config.json)
 
 
 # Mistral-7B-Instruct-v0.3 (tokenizer v3): tools before the last user turn, calls as one JSON list after
@@ -369,4 +370,66 @@ DEEPSEEK_R1 = FamilyTemplate(
     eos="<|im_end|>",
     cue="\n",
     tool_cue="\n",
+)
+
+# gpt-oss: OpenAI's harmony format. A system message with the reasoning effort and the channels, a developer message
+# with the instructions and the tools as a TypeScript namespace, every message `<|start|>ROLE ... <|message|> ...
+# <|end|>`; earlier calls as messages to `functions.NAME` on the commentary channel ending `<|call|>`, their results
+# as messages from `functions.NAME` to the assistant; the generation prompt `<|start|>assistant` (the reply writes its
+# own channel headers). The end of a reply is `<|return|>` (the eos) or `<|call|>` (also an end of sequence: the
+# released generation_config.json lists it).
+GPT_OSS = FamilyTemplate(
+    template="""\
+{%- set effort = reasoning_effort if reasoning_effort is defined else "medium" %}
+{{- "<|start|>system<|message|>You are a helpful assistant.\\nReasoning: " + effort + "\\n\\n" }}
+{{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
+{%- if tools %}{{- "\\nCalls to these tools must go to the commentary channel: 'functions'." }}{%- endif %}
+{{- "<|end|>" }}
+{%- if messages[0].role in ["system", "developer"] %}
+    {%- set instructions = messages[0].content %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set instructions = "" %}
+{%- endif %}
+{%- if instructions or tools %}
+    {{- "<|start|>developer<|message|>" }}
+    {%- if instructions %}{{- "# Instructions\\n\\n" + instructions + "\\n\\n" }}{%- endif %}
+    {%- if tools %}
+        {{- "# Tools\\n\\n## functions\\n\\nnamespace functions {\\n" }}
+        {%- for tool in tools %}
+            {%- set f = tool.function if tool.function is defined else tool %}
+            {{- "\\n// " + (f.description or "") + "\\ntype " + f.name + " = (_: " }}
+            {{- f.parameters | tojson }}{{- ") => any;\\n" }}
+        {%- endfor %}
+        {{- "\\n} // namespace functions" }}
+    {%- endif %}
+    {{- "<|end|>" }}
+{%- endif %}
+{%- set ns = namespace(last_call="") %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- elif message.role == "assistant" and message.tool_calls %}
+        {%- for call in message.tool_calls %}
+            {%- set ns.last_call = call.function.name %}
+            {%- set arguments = call.function.arguments %}
+            {{- "<|start|>assistant to=functions." + call.function.name + "<|channel|>commentary json<|message|>" }}
+            {%- if arguments is string %}{{- arguments }}{%- else %}{{- arguments | tojson }}{%- endif %}
+            {{- "<|call|>" }}
+        {%- endfor %}
+    {%- elif message.role == "assistant" %}
+        {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+    {%- elif message.role == "tool" %}
+        {{- "<|start|>functions." + ns.last_call + " to=assistant<|channel|>commentary<|message|>" }}
+        {{- message.content + "<|end|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|start|>assistant" }}{%- endif %}
+""",
+    special_tokens=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"),
+    bos="<|startoftext|>",
+    eos="<|return|>",
+    cue="assistant",
+    tool_cue="assistant",
+    stops=("<|call|>",),
 )

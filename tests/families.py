@@ -53,6 +53,9 @@ WINDOW = 20
 # Gemma: Llama's pre-norm block with Gemma's (1 + w) norms, scaled tied embeddings and GeGLU.
 # Gemma 2: Gemma's block without q/k norms, windows on alternate layers, and soft-capping tight enough to bend these
 # small models' attention scores (a real model's cap of 50 would leave them as they are).
+# gpt-oss: attention sinks, biases on q/k/v/o, the router and the experts, windows on the even layers, YaRN (over a
+# 64-token original context: every position's rope differs from plain rope's), top-2 of 4 experts with the clamped
+# SwiGLU (a limit of 1 clamps many of these activations; the released 7 would clamp few).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -91,6 +94,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
          "final_logit_softcapping": 3.0},
     ),
+    "gpt-oss": (
+        "GptOssConfig",
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
+         "swiglu_limit": 1.0,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
+    ),
 }  # fmt: skip
 # Every model `save_family` can write: the families above, and plain Llama (the base of the LoRA tests).
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {**FAMILIES, "llama": ("LlamaConfig", {})}
@@ -116,8 +126,10 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
     width = math.sqrt(_SHAPE["hidden_size"] / config.hidden_size)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):  # a router: logits ~N(0, 2.4²), spread but not one-hot
-                parameter.normal_(0.0, 0.3 * width)
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router: logits ~N(0, 2.4²), spread
+                parameter.normal_(0.0, 0.3 * width)  # but not one-hot
+            elif name.endswith("self_attn.sinks"):  # sink logits of the scores' size: each takes a share
+                parameter.normal_(0.0, 1.0)
             elif parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08 * width)
             elif "norm" in name or name.endswith("bias"):

@@ -35,17 +35,20 @@ def save_scripted_model(
     special_tokens: Sequence[str],
     bos_token: str,
     eos_token: str,
+    stop_tokens: Sequence[str] = (),
 ) -> Path:
     """Save the model and tokenizer to `folder` (see the module docstring); returns `folder`.
 
     `scripts` maps a cue (a special token, or text: a token of its own) to the pieces written after it, the last of
-    them `eos_token`. `special_tokens` are the family's control tokens (the bos, the eos and the pieces among them
-    are special too). Raises ValueError when a piece repeats or there are more scripted tokens than dimensions."""
+    them `eos_token` or one of `stop_tokens`, further end-of-sequence tokens that generation_config.json lists (as
+    gpt-oss lists its `<|call|>`). `special_tokens` are the family's control tokens (the bos, the eos and the pieces
+    among them are special too). Raises ValueError when a piece repeats or there are more scripted tokens than
+    dimensions."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     specials = list(dict.fromkeys([bos_token, eos_token, *special_tokens]))
-    pieces = [p for script in scripts.values() for p in script if p != eos_token]
+    pieces = [p for script in scripts.values() for p in script if p != eos_token and p not in stop_tokens]
     if len(set(pieces)) != len(pieces):
         raise ValueError(f"a piece repeats: {pieces}")
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -91,6 +94,9 @@ def save_scripted_model(
             for before, after in itertools.pairwise(chain):
                 head[after, basis[before]] = MARGIN / HIDDEN**0.5
     model.save_pretrained(folder)
+    if stop_tokens:
+        ends = [token_id(eos_token), *(token_id(t) for t in stop_tokens)]
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos_token, eos_token=eos_token)
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(folder)

@@ -100,6 +100,8 @@ class Fp8Experts(nn.Module):
     w2: torch.Tensor
     w13_scale: torch.Tensor | None
     w2_scale: torch.Tensor | None
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
 
     def __init__(
         self,
@@ -136,8 +138,7 @@ class Fp8Experts(nn.Module):
         """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `[T, H]` (this rank's
         partial sum under tensor parallelism); `activation` maps the gate/up rows (the backend's `silu_and_mul`,
         or gpt-oss's clamped SwiGLU)."""
-        b13: torch.Tensor | None = self.b13
-        b2: torch.Tensor | None = self.b2
+        b13, b2 = self.b13, self.b2
         if self.w13_scale is not None and self.w2_scale is not None:
             from kernels.fused_moe import fp8_fused_moe  # Triton: imported only where there is a GPU
 

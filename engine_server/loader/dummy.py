@@ -88,6 +88,20 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:gemma-3-4b",
     ),
+    # gpt-oss-20b's shapes (its config.json, read as a folder's would be): 24 layers alternating a 128-position
+    # window and full attention, sinks, YaRN x32, 32 experts of 2,880 with biases, 4 active (3.6B of 21B active).
+    "gpt-oss-20b": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+            "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+            "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "attention_bias": True,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:gpt-oss-20b",
+    ),
 }  # fmt: skip
 
 

@@ -11,7 +11,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     `lm_head.weight` is listed only for untied models; q/k/v biases only with `attention_bias`, o_proj's only with
     `ModelConfig.o_proj_bias`; per-head q/k norms only with `qk_norm`; the pre/post feed-forward norms only with
-    `sandwich_norms` (Gemma 2 and 3).
+    `sandwich_norms` (Gemma 2 and 3); attention sinks only with `attention_sinks`; experts with biases (gpt-oss)
+    as gpt-oss's checkpoints store them (`mlp.router` with a bias, each projection and its bias one bank for all
+    the experts, `models.gpt_oss`), other experts one tensor per expert and projection.
     """
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -32,11 +34,16 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         if cfg.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.attention_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if cfg.is_moe_layer(i):
+            if cfg.expert_biases:
+                shapes.update(_biased_experts_shapes(p + "mlp.", cfg.num_experts, h, cfg.moe_intermediate_size))
+                continue
             shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
             for e in range(cfg.num_experts):
                 shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
@@ -49,6 +56,19 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def _biased_experts_shapes(prefix: str, experts: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's router and experts under `prefix`, in its checkpoints' names and layouts."""
+    banks = prefix + "experts."
+    return {
+        prefix + "router.weight": (experts, hidden),
+        prefix + "router.bias": (experts,),
+        banks + "gate_up_proj": (experts, hidden, 2 * intermediate),
+        banks + "gate_up_proj_bias": (experts, 2 * intermediate),
+        banks + "down_proj": (experts, intermediate, hidden),
+        banks + "down_proj_bias": (experts, hidden),
+    }
 
 
 def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:

@@ -81,6 +81,9 @@ class ChatFields(SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # OpenAI's reasoning effort: the chat template's `reasoning_effort` (gpt-oss's "Reasoning: <effort>"), and
+    # `enable_thinking` false for "none" (Qwen3), unless chat_template_kwargs sets them.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def completion_cap(self) -> int | None:
         """max_completion_tokens wins over the deprecated max_tokens, as in OpenAI's API."""

@@ -136,8 +136,11 @@ def chat_input(body: ChatFields, messages: list[ChatMessage]) -> types_pb2.Input
         if choice != "none" and not body.tools:
             raise invalid(f"tool_choice {choice!r} needs tools", "tool_choice")
         chat.tool_choice.mode = _TOOL_MODES[choice]
-    if body.chat_template_kwargs:
-        template_kwargs(body.chat_template_kwargs, chat)
+    effort = body.reasoning_effort
+    kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"} if effort is not None else {}
+    kwargs.update(body.chat_template_kwargs or {})
+    if kwargs:
+        template_kwargs(kwargs, chat)
     return types_pb2.Input(chat=chat)
 
 

@@ -127,7 +127,7 @@ def serve_scripted(
     from tests.scripted import save_scripted_model
 
     t = template
-    folder = save_scripted_model(root / "model", t.template, scripts, t.special_tokens, t.bos, t.eos)
+    folder = save_scripted_model(root / "model", t.template, scripts, t.special_tokens, t.bos, t.eos, t.stops)
     engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
     gateway = start_gateway(root / "gateway.log", engine.address)
     with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:

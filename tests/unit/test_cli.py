@@ -149,3 +149,11 @@ def test_speculative_config_is_vllms_json_and_reaches_the_engine(capsys: pytest.
         with pytest.raises(SystemExit):
             parser.parse_args(["engine", "--speculative-config", bad])
         assert fragment in capsys.readouterr().err, bad
+
+
+def test_hf_overrides_reach_the_engine_child() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).hf_overrides == ""
+    override = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+    child = engine_command(parser.parse_args(["serve", "--hf-overrides", override]), "127.0.0.1", 50051)
+    assert cli.build_parser().parse_args(child[3:]).hf_overrides == override

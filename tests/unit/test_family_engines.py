@@ -9,11 +9,13 @@ weights (its experts in the C++ expert kernel) batch-invariant."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -59,6 +61,13 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """(name, saved folder, transformers' greedy tokens for `prompts()`)."""
     folder = save_family(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, folder, reference_tokens(folder)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """gpt-oss (tests/families.py), with transformers' greedy tokens for `prompts()`."""
+    folder = save_family(tmp_path_factory.mktemp("gpt-oss-paths"), "gpt-oss")
+    return folder, reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +263,85 @@ def test_a_json_schema_constrains_a_mixture_of_experts(moe_folder: tuple[Path, l
         results = llm.generate(prompts()[:4], params, use_tqdm=False)
     for result in results:
         jsonschema.validate(json.loads(result.choices[0].text), schema)
+
+
+def test_gpt_oss_under_tensor_parallelism_and_chunked_prefill_equals_transformers(
+    gpt_oss_folder: tuple[Path, list[list[int]]],
+) -> None:
+    """Two ranks (each with its heads' sinks, its slices of every expert and its gate/up biases; the down biases
+    added once), then one rank prefilling in 24-token chunks (the windowed layers reach back into the previous
+    chunk)."""
+    folder, theirs = gpt_oss_folder
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, prompts()) == theirs
+    with engine(folder, chunk=24) as llm:
+        assert tokens(llm, prompts()) == theirs
+
+
+def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[int]]]) -> None:
+    """int8: the attention's projections quantized, the experts (biases, clamped SwiGLU: not the C++ expert
+    kernel's) and the biased router float, no decode stack (sinks); fp8: every expert in e4m3 with its biases
+    kept. Both mostly agree with the float path's first tokens."""
+    from engine_server.layers.fp8_experts import Fp8Experts
+    from engine_server.parallel.layers import ParallelExperts
+
+    folder, theirs = gpt_oss_folder
+    batch = prompts()
+    for quantization, bank_type in (("int8", ParallelExperts), ("fp8", Fp8Experts)):
+        with engine(folder, quantization=quantization) as llm:
+            model = llm.core.runner.loaded.model
+            banks = [m for m in model.modules() if isinstance(m, ParallelExperts | Fp8Experts | QuantizedExperts)]
+            assert len(banks) == 4 and all(type(bank) is bank_type for bank in banks), quantization
+            assert model.model.decode_stack is None
+            ours = tokens(llm, batch)
+        agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
+        assert agree >= 6, (quantization, agree)
+
+
+def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path: Path) -> None:
+    """The released files' layout: every expert projection as MXFP4 blocks and scales (`quantization_config`
+    mxfp4). The engine's greedy tokens equal transformers' on a folder holding the same experts dequantized."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine_server.loader.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    folder = save_family(tmp_path / "mxfp4", "gpt-oss")
+    tensors = load_file(folder / "model.safetensors")
+    packed: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).transpose(1, 2)  # [E, out, in], as the MXFP4 files store them
+        blocks, scales = quantize_mxfp4(rows)
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        tensors[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+    save_file(tensors, tmp_path / "dequantized.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    others = {n: t for n, t in tensors.items() if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**others, **packed}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    reference_folder = save_family(tmp_path / "dequantized", "gpt-oss")
+    (reference_folder / "model.safetensors").unlink()
+    (tmp_path / "dequantized.safetensors").rename(reference_folder / "model.safetensors")
+    with engine(folder) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(reference_folder)
+
+
+def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> None:
+    """vLLM's --hf-overrides: a plain Llama served with Qwen's long-context YaRN laid over its config.json gives
+    transformers' tokens for the same weights saved with that config (and the longer context); a malformed value
+    is refused before anything loads."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    plain = save_family(tmp_path / "plain", "llama")
+    theirs = reference_tokens(save_family(tmp_path / "yarn", "llama", rope_parameters=yarn))
+    config = EngineConfig(
+        model=str(plain), device="cpu", quantization="none", cache=CacheConfig(memory_bytes=64 * 1024**2),
+        hf_overrides=json.dumps({"rope_parameters": yarn, "max_position_embeddings": 128}),
+    )  # fmt: skip
+    with LLM(config=config) as llm:
+        assert llm.core.runner.loaded.model.config.max_position_embeddings == 256  # 64 x 4, as vLLM derives it
+        assert tokens(llm, prompts()) == theirs
+        assert tokens(llm, prompts()[:1]) != reference_tokens(plain)[:1]
+    for bad, message in (("[1]", "must be a JSON object"), ("{", "not JSON")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(model=str(plain), hf_overrides=bad)

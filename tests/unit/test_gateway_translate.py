@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pydantic
 import pytest
 from pydantic import ValidationError
 
@@ -203,6 +204,24 @@ def test_add_generation_prompt_in_chat_template_kwargs_sets_the_chat_input_field
         bad = chat(chat_template_kwargs={"add_generation_prompt": "no"})
         to_engine.chat_request(bad, bad.messages, "r")
     assert refused.value.param == "chat_template_kwargs"
+
+
+def test_reasoning_effort_is_a_template_variable_unless_the_kwargs_set_it() -> None:
+    """OpenAI's `reasoning_effort`: the template's `reasoning_effort` (gpt-oss), and thinking off for "none"
+    (Qwen3's `enable_thinking`); chat_template_kwargs win where they say otherwise."""
+
+    def variables(**fields: object) -> dict[str, object]:
+        body = chat(**fields)
+        text = to_engine.chat_request(body, body.messages, "r").input.chat.chat_template_kwargs_json
+        return json.loads(text) if text else {}
+
+    assert variables() == {}
+    assert variables(reasoning_effort="low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert variables(reasoning_effort="none") == {"reasoning_effort": "none", "enable_thinking": False}
+    both = variables(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
+    assert both == {"reasoning_effort": "low", "enable_thinking": True}
+    with pytest.raises(pydantic.ValidationError):
+        chat(reasoning_effort="extreme")
 
 
 def test_a_prompt_list_over_the_cap_is_a_400() -> None:

@@ -279,3 +279,17 @@ def test_llm_applies_the_embedded_defaults_to_omitted_params(llm: Any, monkeypat
     assert result.usage.completion_tokens <= 512
     llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
     assert seen[-1] == SamplingParams(max_tokens=1)  # a given SamplingParams is used as it is
+
+
+def test_generation_config_eos_ids_are_read_and_never_fail(tmp_path: Path) -> None:
+    """generation_config.json's `eos_token_id` (an id or a list: gpt-oss lists `<|call|>` there) adds end-of-sequence
+    ids; a folder without the file, a broken file or odd values add none and raise nothing."""
+    from engine_server.generation_defaults import generation_config_eos_ids
+
+    assert generation_config_eos_ids(tmp_path) == ()
+    path = tmp_path / "generation_config.json"
+    for text, ids in (('{"eos_token_id": [200002, 199999, 200012]}', (200002, 199999, 200012)),
+                      ('{"eos_token_id": 7}', (7,)), ('{"eos_token_id": [true, -1, "x", 3]}', (3,)),
+                      ("{nope", ()), ("[1]", ()), ('{"temperature": 0.6}', ())):  # fmt: skip
+        path.write_text(text)
+        assert generation_config_eos_ids(tmp_path) == ids, text

@@ -64,11 +64,13 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
 
 def state_shapes(model: torch.nn.Module, tied: bool) -> dict[str, tuple[int, ...]]:
     """The model's parameter shapes as a checkpoint stores them: transformers 5 holds a mixture of experts' experts
-    as 3-D tensors, which it saves one per expert and projection (`experts.<e>.gate_proj.weight`)."""
+    as 3-D tensors, which it saves one per expert and projection (`experts.<e>.gate_proj.weight`), but gpt-oss's
+    as they are (its checkpoints' own banks)."""
     shapes: dict[str, tuple[int, ...]] = {}
+    banked = type(model).__name__.startswith("GptOss")
     for name, tensor in model.state_dict().items():
         bank, _, projection = name.rpartition(".")
-        if bank.endswith(".experts") and projection in ("gate_up_proj", "down_proj"):
+        if bank.endswith(".experts") and projection in ("gate_up_proj", "down_proj") and not banked:
             experts, rows, columns = tensor.shape
             for e in range(experts):
                 if projection == "down_proj":
@@ -235,6 +237,11 @@ def test_dummy_preset_configs() -> None:
     assert params == 30_532_122_624  # Qwen3-30B-A3B's
 
 
+    gpt_oss = DUMMY_PRESETS["gpt-oss-20b"]  # its layout too
+    params = sum(math.prod(shape) for shape in parameter_shapes(gpt_oss).values())
+    assert params == 20_914_757_184  # gpt-oss-20b's (the model card's "21B")
+    assert [gpt_oss.attention_window(i) for i in range(4)] == [128, 0, 128, 0] and gpt_oss.attention_sinks
+    assert (gpt_oss.max_position_embeddings, gpt_oss.num_experts, gpt_oss.expert_biases) == (131072, 32, True)
     gemma = DUMMY_PRESETS["gemma-3-4b"]  # its layout is held to transformers' by the test above
     params = sum(math.prod(shape) for shape in parameter_shapes(gemma).values())
     assert params == 3_880_263_168  # Gemma 3 4B's language model (the published 4B counts its vision tower too)
