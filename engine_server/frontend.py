@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 from engine_server.core.engine_core import CoreOutput
 from engine_server.core.request import Priority, Request, RequestStatus, RequestTimeline
 from engine_server.errors import ValidationError
-from engine_server.harmony import HarmonyStream, is_harmony_template
+from engine_server.harmony import HarmonyStream
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
 from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start
@@ -188,11 +188,10 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_compiler = grammar_compiler
         template = getattr(tokenizer, "chat_template", None)
+        self.tool_template = ToolTemplate.detect(template, tool_call_parser)
         # gpt-oss: its chat template writes harmony, whose channels carry the reasoning, the answer and the calls
-        # (vLLM's parser names for it force it).
-        forced = tool_call_parser == "openai" or reasoning_parser == "openai_gptoss"
-        self.harmony = forced or is_harmony_template(template)
-        self.tool_template = ToolTemplate.detect(template, "auto" if tool_call_parser == "openai" else tool_call_parser)
+        # (vLLM's parser names for it, "openai" and "openai_gptoss", force it).
+        self.harmony = self.tool_template.format is ToolFormat.HARMONY or reasoning_parser == "openai_gptoss"
         thinks = THINK_OPEN in (str(template) if template is not None else "")
         splits = reasoning_parser not in ("auto", "none", "openai_gptoss") or (reasoning_parser == "auto" and thinks)
         self.splits_reasoning = splits and not self.harmony
@@ -254,14 +253,19 @@ class InputProcessor:
     ) -> PreparedPrompt:
         """A chat of a harmony model (gpt-oss): its output is decoded with the special tokens kept (its channel
         markers are special tokens) and read by `engine_server.harmony`. A constraint (response_format) applies to
-        the whole output, which is then content as written. A forced tool_choice is refused (ValidationError): its
-        grammar would have to write harmony's headers, which this engine does not build yet."""
+        the final channel's body, after a free reasoning message (`Constraint.after_reasoning` "harmony"); a forced
+        tool_choice becomes a grammar of harmony's call messages (`forced_call_constraint`), and one beside a
+        constraint of the request's own is refused (ValidationError, param "tool_choice")."""
+        constraint = params.constraint
         if choice.forced:
-            raise ValidationError(
-                "tool_choice 'required' or a named function is not supported for this model's harmony format "
-                "(gpt-oss) yet: use 'auto'", "tool_choice",
-            )  # fmt: skip
-        params = dataclasses.replace(params, skip_special_tokens=False)
+            if constraint is not None:
+                raise ValidationError(
+                    "tool_choice 'required' or a named function cannot be combined with a constraint", "tool_choice"
+                )
+            constraint = forced_call_constraint(prompt.tools, choice, ToolFormat.HARMONY)
+        elif constraint is not None and not constraint.after_reasoning:
+            constraint = constraint.after("harmony")
+        params = dataclasses.replace(params, skip_special_tokens=False, constraint=constraint)
         return PreparedPrompt(ids, params, tool_parsing(prompt.tools, choice, self.tool_template), harmony=True)
 
     def _chat_ids(self, text: str) -> list[int]:

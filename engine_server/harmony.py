@@ -38,11 +38,6 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_][\w-]*)")
 
 
-def is_harmony_template(chat_template: object) -> bool:
-    """Whether a chat template writes harmony (gpt-oss's): it renders `<|channel|>` headers."""
-    return CHANNEL in str(chat_template or "")
-
-
 @dataclass(frozen=True)
 class HarmonyCall:
     """A tool call read from a message to `functions.NAME`: the name and the body (its JSON arguments)."""

@@ -33,6 +33,14 @@ from typing import Any
 
 import structlog
 import xgrammar as xgr
+from xgrammar.structural_tag import (
+    AnyTextFormat,
+    GrammarFormat,
+    OptionalFormat,
+    SequenceFormat,
+    StructuralTag,
+    TagFormat,
+)
 
 from engine_server.errors import ValidationError
 from engine_server.structured.constraint import Constraint, ConstraintKind
@@ -101,6 +109,8 @@ class XGrammarCompile:
         grammar = self.grammar(constraint)
         if constraint.after_reasoning in ("inside", "if_opened"):
             grammar = after_reasoning(grammar, constraint.after_reasoning)
+        elif constraint.after_reasoning == "harmony":
+            grammar = harmony_answer(grammar)
         return self._compiler.compile_grammar(grammar)
 
     def grammar(self, constraint: Constraint) -> xgr.Grammar:
@@ -116,6 +126,18 @@ class XGrammarCompile:
         if kind is ConstraintKind.CHOICE:
             return xgr.Grammar.from_ebnf(choice_ebnf(constraint.choices))
         return xgr.Grammar.from_ebnf(constraint.spec)
+
+
+def harmony_answer(answer: xgr.Grammar) -> xgr.Grammar:
+    """`answer` as the body of a harmony final message (gpt-oss, `engine_server.harmony`), after at most one free
+    analysis message: `[<|channel|>analysis<|message|> text <|end|><|start|>assistant]
+    <|channel|>final<|message|>` answer `<|return|>` (its end of sequence, here part of the language)."""
+    analysis = TagFormat(
+        begin="<|channel|>analysis<|message|>", content=AnyTextFormat(), end="<|end|><|start|>assistant"
+    )
+    final = TagFormat(begin="<|channel|>final<|message|>", content=GrammarFormat(grammar=str(answer)), end="<|return|>")
+    tag = StructuralTag(format=SequenceFormat(elements=[OptionalFormat(content=analysis), final]))
+    return xgr.Grammar.from_structural_tag(tag)
 
 
 # A reasoning up to its closing tag: any text in which "</think>" does not occur, then the tag and the whitespace

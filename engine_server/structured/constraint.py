@@ -48,7 +48,8 @@ class Constraint:
     # A thinking model's reasoning comes first, free, and the language constrains what follows its </think>
     # (engine_server.reasoning): "inside" when the prompt opened <think>, "if_opened" when the output may open it
     # (or answer at once). "" constrains the whole output, unless the engine splits a reasoning off, which then
-    # sets one of those; "none" constrains the whole output in any case (a grammar that spells the reasoning too).
+    # sets one of those; "none" constrains the whole output in any case (a grammar that spells the reasoning too);
+    # "harmony" (gpt-oss) constrains the body of the final channel's message, after at most one free analysis one.
     after_reasoning: str = ""
 
     @classmethod
@@ -83,7 +84,7 @@ class Constraint:
 
     def validate(self) -> None:
         """Raise ValidationError on a malformed constraint. Cheap: it checks shape, not compilability."""
-        if self.after_reasoning not in ("", "inside", "if_opened", "none"):
+        if self.after_reasoning not in ("", "inside", "if_opened", "none", "harmony"):
             raise ValidationError(f"unknown after_reasoning {self.after_reasoning!r}", param="constraint")
         if not isinstance(self.kind, ConstraintKind):
             raise ValidationError(f"unknown constraint kind {self.kind!r}", param="constraint")

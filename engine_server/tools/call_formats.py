@@ -210,6 +210,8 @@ def make_parser(
             return PythonicParser(names)
         case ToolFormat.QWEN3_CODER:
             return Qwen3CoderParser(names, schemas)
+        case ToolFormat.HARMONY:
+            raise ValueError("harmony output is read whole by engine_server.harmony, not by a tool-call parser")
 
 
 def parse_tool_calls(

@@ -10,6 +10,9 @@ names never collide:
 - one call of tool T (Qwen3-Coder): `<tool_call>\n<function=T>\n`, a `<parameter=p>` block per parameter
   (`_xml_call_grammar`), `</function>\n</tool_call>`;
 - one call of tool T (pythonic): `[T(p=VALUE, ...)]`, every parameter named (`_pythonic_call_grammar`);
+- one call of tool T (harmony, gpt-oss): `<|channel|>commentary to=functions.T <|constrain|>json<|message|>`
+  ARGS(T), after at most one free reasoning message (`<|channel|>analysis<|message|>` text `<|end|><|start|>
+  assistant`, `harmony_reasoning`); the end of sequence (`<|call|>`) follows the complete grammar;
 - a named function: exactly one call of it; "required": exactly one call of any tool (a union);
 - with `parallel=True` (Hermes only), one or more calls separated by "\n".
 Why one call by default: the proto has no `parallel_tool_calls`, and small models, once inside a grammar that
@@ -27,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import xgrammar as xgr
+from xgrammar.structural_tag import AnyTextFormat, OptionalFormat, StructuralTag, TagFormat
 
 from engine_server.errors import ValidationError
 from engine_server.structured import Constraint
@@ -56,6 +60,8 @@ def forced_call_constraint(
         tools = [t for t in tools if t.name == choice.function_name][:1]
     calls = [_call_grammar(t, fmt) for t in tools]
     one = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    if fmt is ToolFormat.HARMONY:
+        return Constraint.grammar(str(xgr.Grammar.concat(harmony_reasoning(), one)))
     if not parallel or choice.mode is ToolChoiceMode.FUNCTION or fmt is not ToolFormat.HERMES:
         return Constraint.grammar(str(one))
     # One or more: a new root that repeats the single-call grammar's root (str() always names its root "root").
@@ -87,6 +93,8 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             return _xml_call_grammar(tool, schema)
         case ToolFormat.PYTHONIC:
             return _pythonic_call_grammar(tool, schema)
+        case ToolFormat.HARMONY:
+            head, tail = f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>", ""
     try:
         arguments = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
@@ -94,6 +102,15 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             f"parameters of tool {tool.name!r} cannot be enforced: {xgrammar_reason(exc)}", "tools"
         ) from exc
     return xgr.Grammar.concat(_literal_grammar(head), arguments, _literal_grammar(tail))
+
+
+def harmony_reasoning() -> xgr.Grammar:
+    """At most one harmony reasoning message and the next message's start: `<|channel|>analysis<|message|>`, any
+    text without `<|end|>`, `<|end|><|start|>assistant` (xgrammar's structural tags spell the "any text")."""
+    analysis = TagFormat(
+        begin="<|channel|>analysis<|message|>", content=AnyTextFormat(), end="<|end|><|start|>assistant"
+    )
+    return xgr.Grammar.from_structural_tag(StructuralTag(format=OptionalFormat(content=analysis)))
 
 
 def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:

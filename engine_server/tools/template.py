@@ -1,6 +1,7 @@
 """What a model's chat template knows about tools, read once from the template text.
 
 Rules (first match wins for the format):
+- the template writes `<|channel|>` headers → HARMONY (gpt-oss; its output is read by `engine_server.harmony`);
 - the template mentions `[TOOL_CALLS]` → MISTRAL, or MISTRAL_V11 when it also writes `[ARGS]`;
 - it mentions `<function=` and `<parameter=` → QWEN3_CODER;
 - it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
@@ -39,6 +40,9 @@ class ToolFormat(enum.Enum):
     PYTHONIC = "pythonic"
     # <tool_call><function=f><parameter=p>value</parameter></function></tool_call> (Qwen3-Coder).
     QWEN3_CODER = "qwen3_coder"
+    # <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|> (gpt-oss's harmony; vLLM calls
+    # its parser "openai"). Its reasoning and answer are channels too: `engine_server.harmony` reads all of them.
+    HARMONY = "openai"
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,9 @@ class ToolTemplate:
             text = "\n".join(str(t) for t in chat_template.values())
         else:
             text = chat_template if isinstance(chat_template, str) else ""
-        if "[TOOL_CALLS]" in text:
+        if "<|channel|>" in text:
+            fmt = ToolFormat.HARMONY
+        elif "[TOOL_CALLS]" in text:
             fmt = ToolFormat.MISTRAL_V11 if "[ARGS]" in text else ToolFormat.MISTRAL
         elif "<function=" in text and "<parameter=" in text:
             fmt = ToolFormat.QWEN3_CODER

@@ -35,8 +35,8 @@ SCRIPTS = {
                              "assistant<|channel|>final<|message|>", ANSWER, "<|return|>")},
     # Reasoning, then a call to get_weather, ending at <|call|>.
     "call": {"assistant": ("<|channel|>", "analysis", "<|message|>", CALL_THOUGHT, "<|end|>", "<|start|>",
-                           "assistant to=functions.get_weather<|channel|>commentary json<|message|>", ARGUMENTS,
-                           "<|call|>")},
+                           "assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+                           ARGUMENTS, "<|call|>")},
 }  # fmt: skip
 
 
@@ -115,14 +115,39 @@ def test_a_call_is_a_tool_call_streamed_or_not(calling: Served) -> None:
     assert again.choices[0].finish_reason == "tool_calls"
 
 
-def test_without_tools_the_call_is_not_read_and_forced_calls_are_refused(calling: Served) -> None:
+def test_without_tools_the_call_is_not_read(calling: Served) -> None:
     reply = calling.client.chat.completions.create(model=calling.model, messages=QUESTION, max_tokens=32)  # type: ignore[arg-type]
     choice = reply.choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls and not choice.message.content
+
+
+def test_a_forced_call_is_a_grammar_of_harmony_calls_after_free_reasoning(calling: Served) -> None:
+    """tool_choice required and a named function: a grammar that lets the analysis message through and then
+    writes harmony's call header and the tool's arguments (the scripted reply fits it token for token, so the
+    reply is the script's); beside a response_format, a 400."""
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = calling.client.chat.completions.create(model=calling.model, messages=QUESTION, tools=TOOLS,  # type: ignore[arg-type]
+                                                       tool_choice=tool_choice, max_tokens=32)  # type: ignore[arg-type]  # fmt: skip
+        choice = reply.choices[0]
+        (call,) = choice.message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == ("get_weather", ARGUMENTS), tool_choice
+        assert (choice.message.model_extra or {})["reasoning_content"] == CALL_THOUGHT
     with pytest.raises(openai.BadRequestError) as refused:
         calling.client.chat.completions.create(model=calling.model, messages=QUESTION, tools=TOOLS,  # type: ignore[arg-type]
-                                               tool_choice="required", max_tokens=32)  # fmt: skip
-    assert refused.value.body["param"] == "tool_choice" and "harmony" in refused.value.body["message"]  # type: ignore[index]
+                                               tool_choice="required", response_format={"type": "json_object"},
+                                               max_tokens=32)  # fmt: skip
+    assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_a_json_schema_constrains_the_final_channel_after_the_reasoning(answering: Served) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}  # fmt: skip
+    response_format: Any = {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema, "strict": True}}
+    reply = answering.client.chat.completions.create(model=answering.model, messages=QUESTION, max_tokens=32,  # type: ignore[arg-type]
+                                                     response_format=response_format)  # fmt: skip
+    message = reply.choices[0].message
+    assert json.loads(message.content or "") == {"answer": 4}
+    assert (message.model_extra or {})["reasoning_content"] == THOUGHT
 
 
 def test_the_responses_api_sees_a_reasoning_item_and_a_function_call(calling: Served) -> None:

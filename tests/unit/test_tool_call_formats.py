@@ -144,8 +144,7 @@ def test_a_named_parser_overrides_the_template() -> None:
     hermes_template = "<tool_call>\n{{ tool_call | tojson }}\n</tool_call>"
     assert ToolTemplate.detect(hermes_template, "pythonic").format is PYTHONIC
     assert ToolTemplate.detect(hermes_template, "auto").format is ToolFormat.HERMES
-    # every format can be named; "openai" is harmony (gpt-oss), read by engine_server.harmony
-    assert {f.value for f in ToolFormat} | {"auto", "openai"} == set(TOOL_CALL_PARSERS)
+    assert {f.value for f in ToolFormat} | {"auto"} == set(TOOL_CALL_PARSERS)  # every format can be named
 
 
 def test_mistral_call_ids_are_nine_letters_or_digits_and_others_keep_openais_shape() -> None:
