@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "bert",
+    "gemma3", "smollm3", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -28,6 +28,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
     "gpt_oss": "gpt_oss",
+    "smollm3": "smollm3",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -38,7 +39,7 @@ _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
-_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss")
+_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3")
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -139,6 +140,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.0
     # gpt-oss: a learned sink logit per query head, one more term of each attention softmax's denominator.
     attention_sinks: bool = False
+    # SmolLM3: the layers whose attention uses no rope at all (NoPE; its `no_rope_layers` holds 0 for them).
+    nope_layers: tuple[int, ...] = ()
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
@@ -193,6 +196,10 @@ class ModelConfig:
         `max_window_layers`) or the windows differ."""
         windows = {self.attention_window(i) for i in range(self.num_hidden_layers)}
         return windows.pop() if len(windows) == 1 else 0
+
+    def uses_rope(self, index: int) -> bool:
+        """Whether layer `index`'s attention turns q and k by their positions (all but `nope_layers`)."""
+        return index not in self.nope_layers
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
@@ -264,6 +271,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
             layer_windows=_layer_windows(model_type, cfg),
+            nope_layers=_nope_layers(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
             **linear_factor,
             **gemma,
@@ -344,6 +352,21 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
     )
 
 
+def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without rope: where `no_rope_layers` is 0, or (without that list) every
+    `no_rope_layer_interval`-th layer (4), as transformers builds them; () for the other families."""
+    if model_type != "smollm3":
+        return ()
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers must have one entry for each of the {layers} layers; got {len(flags)}")
+    return tuple(i for i, uses in enumerate(flags) if not uses)
+
+
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
@@ -352,7 +375,7 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     positive integer or a layer type not known."""
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
-    if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
+    if (model_type.startswith("qwen") or model_type == "smollm3") and not cfg.get("use_sliding_window"):
         window = None
     if window is None:
         return ()

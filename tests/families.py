@@ -56,6 +56,7 @@ WINDOW = 20
 # gpt-oss: attention sinks, biases on q/k/v/o, the router and the experts, windows on the even layers, YaRN (over a
 # 64-token original context: every position's rope differs from plain rope's), top-2 of 4 experts with the clamped
 # SwiGLU (a limit of 1 clamps many of these activations; the released 7 would clamp few).
+# SmolLM3: Llama's block with no rope on every second layer (every fourth in the released model).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -94,6 +95,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
          "final_logit_softcapping": 3.0},
     ),
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": 0}),
     "gpt-oss": (
         "GptOssConfig",
         {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,

@@ -22,7 +22,8 @@ class PagedSelfAttention(nn.Module):
     """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases), of this
     rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's). `window`: the layer's
     sliding window (`ModelConfig.attention_window`; 0: it attends to every earlier position); its scores are
-    soft-capped with `ModelConfig.attention_softcap` (Gemma 2). With `ModelConfig.attention_sinks` (gpt-oss) each
+    soft-capped with `ModelConfig.attention_softcap` (Gemma 2); without `rope` (SmolLM3's NoPE layers) q and k are
+    not turned by their positions. With `ModelConfig.attention_sinks` (gpt-oss) each
     query head has a learned sink logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more
     term of its softmax's denominator (`kernels.reference.paged_attention`)."""
 
@@ -33,10 +34,12 @@ class PagedSelfAttention(nn.Module):
         o_proj_bias: bool = False,
         tp: TensorParallel = SINGLE,
         window: int = 0,
+        rope: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.window = window
+        self.rope = rope
         self.num_heads = heads_per_rank(config.num_attention_heads, tp.size)
         self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.size)
         self.head_dim = config.head_dim
@@ -99,9 +102,9 @@ class PagedSelfAttention(nn.Module):
         if not self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
-        if self.rotary_dim == self.head_dim:
+        if self.rope and self.rotary_dim == self.head_dim:
             q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
-        else:  # partial rotary (Phi-3 style): the leading rotary_dim dims turn, the rest pass as they are
+        elif self.rope:  # partial rotary (Phi-3 style): the leading rotary_dim dims turn, the rest pass as they are
             dim = self.rotary_dim
             q_turned, k_turned = ops.rotary_embedding(
                 positions, q[..., :dim].contiguous(), k[..., :dim].contiguous(), cos_sin_cache

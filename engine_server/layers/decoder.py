@@ -32,7 +32,9 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.index = index
-        self.self_attn = PagedSelfAttention(config, dtype, o_proj_bias, tp, config.attention_window(index))
+        self.self_attn = PagedSelfAttention(
+            config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index)
+        )
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)

@@ -345,3 +345,15 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
     for bad, message in (("[1]", "must be a JSON object"), ("{", "not JSON")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model=str(plain), hf_overrides=bad)
+
+
+def test_smollm3_on_the_quantized_path_is_batch_invariant(tmp_path: Path) -> None:
+    """int8 weights on SmolLM3's layers (the C++ decode stack turns every layer's q and k, so it does not run its
+    NoPE layers): each prompt's tokens are the same alone and batched, and mostly agree with the float path's."""
+    folder = save_family(tmp_path, "smollm3")
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, quantization="int8") as llm:
+        assert llm.core.runner.loaded.model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6

@@ -50,6 +50,8 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "original_max_position_embeddings": 64}},
     ),
     "llama-linear-rope": (transformers.LlamaConfig, {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
+    # SmolLM3: no rope on every second layer here (every fourth in the released model), o_proj's bias.
+    "smollm3": (transformers.SmolLM3Config, {"no_rope_layer_interval": 2, "attention_bias": True, "pad_token_id": 0}),
     # Phi-3: fused checkpoint tensors; partial rotary with LongRoPE's short factors (the sequences here stay below
     # original_max_position_embeddings: tests/unit/test_family_engines.py crosses it).
     "phi3": (transformers.Phi3Config, {"pad_token_id": 0}),
@@ -101,6 +103,7 @@ MODEL_CLASSES = {
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
+    transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
 }
 
 
@@ -449,3 +452,15 @@ def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:
     state["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(100, 64)
     with pytest.raises(ValueError, match=r"qkv_proj.weight.*has 100 rows, expected the 128 of its parts"):
         get_model_class(config.architecture)(config).load_weights(state.items())
+
+
+def test_smollm3_configs_read_their_nope_layers_and_windows_only_when_asked() -> None:
+    base = {**SMALL, "model_type": "smollm3", "num_hidden_layers": 8}
+    assert ModelConfig.from_hf_config(base).nope_layers == (3, 7)  # every 4th layer by default, as transformers
+    listed = ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0, 1, 1, 1, 1, 0, 0]})
+    assert listed.nope_layers == (1, 6, 7) and not listed.uses_rope(6) and listed.uses_rope(0)
+    windows = {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 4}
+    assert ModelConfig.from_hf_config({**base, **windows}).layer_windows == ()  # use_sliding_window is off
+    assert ModelConfig.from_hf_config({**base, **windows, "use_sliding_window": True}).layer_windows == (16, 0) * 4
+    with pytest.raises(ValueError, match="one entry for each of the 8 layers"):
+        ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0]})
