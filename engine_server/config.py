@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "bert",
+    "gemma3", "smollm3", "granite", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -29,6 +29,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "olmoe": "olmoe",
     "gpt_oss": "gpt_oss",
     "smollm3": "smollm3",
+    "granite": "granite",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -39,7 +40,9 @@ _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
-_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = ("llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3")
+_O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
+    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite"
+)  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -142,6 +145,11 @@ class ModelConfig:
     attention_sinks: bool = False
     # SmolLM3: the layers whose attention uses no rope at all (NoPE; its `no_rope_layers` holds 0 for them).
     nope_layers: tuple[int, ...] = ()
+    # Granite: each block's attention and MLP outputs are scaled by `residual_multiplier` before their residual
+    # adds, and the logits divided by `logits_scaling` (its embeddings by `embedding_multiplier` and its scores by
+    # `attention_scale`, the fields above, from its `embedding_multiplier` and `attention_multiplier`).
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
@@ -272,6 +280,7 @@ class ModelConfig:
             name=name,
             layer_windows=_layer_windows(model_type, cfg),
             nope_layers=_nope_layers(model_type, cfg),
+            **_granite_fields(arch, cfg),
             **_experts_from_hf_config(arch, cfg),
             **linear_factor,
             **gemma,
@@ -350,6 +359,21 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
         attention_factor=float(attention),
         truncate=bool(rope.get("truncate", True)),
     )
+
+
+def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers as `ModelConfig` fields ({} for the other families); ValueError for a Granite whose
+    MLP has biases (`mlp_bias`), which no Granite release sets and this engine does not build."""
+    if arch != "granite":
+        return {}
+    if cfg.get("mlp_bias"):
+        raise ValueError("granite with mlp_bias is not supported")
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "attention_scale": float(cfg.get("attention_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }
 
 
 def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:

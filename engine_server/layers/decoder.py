@@ -32,6 +32,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.index = index
+        self.residual_multiplier = config.residual_multiplier
         self.self_attn = PagedSelfAttention(
             config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index)
         )
@@ -58,8 +59,11 @@ class DecoderLayer(nn.Module):
         step's LoRA adapters (engine_server.lora), added to each projection."""
         layer_lora = None if lora is None else lora.layer(self.index)
         attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
+        if self.residual_multiplier != 1.0:  # Granite: each output scaled before its residual add
+            attended = attended * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm.add_and_norm(attended, residual, ops)
-        return self.feed_forward(hidden, ops, layer_lora), residual
+        out = self.feed_forward(hidden, ops, layer_lora)
+        return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
     def feed_forward(self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
         """The MLP (a dense one with the step's adapters; experts take none: engine_server.lora.peft_format)."""

@@ -121,6 +121,8 @@ class CausalLM(nn.Module):
         logits = gather_vocab(self.lm_head(hidden), self.vocab_shard, self.tp)
         if logits is None:
             return None
+        if self.config.logits_scaling != 1.0:  # Granite: logits divided by its logits_scaling
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         if cap > 0:  # Gemma 2: logits soft-capped to cap * tanh(logits / cap), in the weights' dtype
             logits = torch.tanh(logits / cap) * cap

@@ -50,6 +50,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "original_max_position_embeddings": 64}},
     ),
     "llama-linear-rope": (transformers.LlamaConfig, {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}),
+    # Granite: multipliers on the embeddings, the scores, the residual adds and the logits (Granite 3.x's values).
+    "granite": (
+        transformers.GraniteConfig,
+        {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
+         "logits_scaling": 8.0},
+    ),
     # SmolLM3: no rope on every second layer here (every fourth in the released model), o_proj's bias.
     "smollm3": (transformers.SmolLM3Config, {"no_rope_layer_interval": 2, "attention_bias": True, "pad_token_id": 0}),
     # Phi-3: fused checkpoint tensors; partial rotary with LongRoPE's short factors (the sequences here stay below
@@ -104,6 +110,7 @@ MODEL_CLASSES = {
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
+    transformers.GraniteConfig: transformers.GraniteForCausalLM,
 }
 
 
@@ -353,6 +360,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma", "hidden_activation": "silu"}, "gemma hidden_activation 'silu' is not supported"),
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),
         ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
+        ({"model_type": "granite", "mlp_bias": True}, "granite with mlp_bias is not supported"),
         ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma, gemma2"),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
