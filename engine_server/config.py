@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -30,6 +30,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gpt_oss": "gpt_oss",
     "smollm3": "smollm3",
     "granite": "granite",
+    "olmo2": "olmo2",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -150,6 +151,8 @@ class ModelConfig:
     # `attention_scale`, the fields above, from its `embedding_multiplier` and `attention_multiplier`).
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # OLMo 2: no norm before the attention or the MLP; each one's output normalised before its residual add.
+    post_norms: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
@@ -269,9 +272,10 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2"),
             attention_sinks=arch == "gpt_oss",
-            qk_norm_whole=arch == "olmoe",
+            qk_norm_whole=arch in ("olmoe", "olmo2"),
+            post_norms=arch == "olmo2",
             clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
             partial_rotary_factor=partial,

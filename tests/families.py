@@ -58,6 +58,7 @@ WINDOW = 20
 # SwiGLU (a limit of 1 clamps many of these activations; the released 7 would clamp few).
 # SmolLM3: Llama's block with no rope on every second layer (every fourth in the released model).
 # Granite: Llama's block with Granite 3.x's multipliers (embeddings x12, scores x1/64, residuals x0.22, logits /8).
+# OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -97,6 +98,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "final_logit_softcapping": 3.0},
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
     "granite": (
         "GraniteConfig",
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,

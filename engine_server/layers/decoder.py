@@ -122,6 +122,36 @@ class SandwichDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(self.feed_forward(hidden, ops, layer_lora), ops), residual
 
 
+class PostNormDecoderLayer(DecoderLayer):
+    """OLMo 2's block: `h += post_attn(attn(h)); h += post_ff(mlp(h))`, no norm before the attention or the MLP,
+    each output normalised before its residual add. Same interface as `DecoderLayer`: it takes the previous layer's
+    `(output, residual stream)`, adds them, and returns its MLP's normalised output beside the stream it adds to."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
+    ) -> None:
+        super().__init__(config, dtype, o_proj_bias, tp, index)
+        del self.input_layernorm  # no pre-norms: the checkpoint has none to load
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LoraBatch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_lora = None if lora is None else lora.layer(self.index)
+        stream = hidden if residual is None else hidden + residual
+        attended = self.self_attn(positions, stream, kv_cache, cos_sin_cache, meta, ops, layer_lora)
+        stream = stream + self.post_attention_layernorm(attended, ops)
+        return self.post_feedforward_layernorm(self.feed_forward(stream, ops, layer_lora), ops), stream
+
+
 def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens: int) -> torch.Tensor:
     """`[T]` bool: whether each token's sequence is longer than `longer_than` as of this step."""
     long = meta.seq_lens > longer_than
@@ -196,7 +226,10 @@ class DecoderModel(nn.Module):
         if self.scales_embeddings:
             multiplier = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(dtype)
             self.register_buffer("embedding_multiplier", multiplier, persistent=False)
-        block = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        block = (
+            SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
+            else DecoderLayer
+        )  # fmt: skip
         self.layers = nn.ModuleList(
             block(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )

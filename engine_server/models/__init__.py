@@ -12,6 +12,7 @@ from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
+from engine_server.models.olmo2 import Olmo2ForCausalLM
 from engine_server.models.olmoe import OlmoeForCausalLM
 from engine_server.models.phi3 import Phi3ForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM
@@ -28,8 +29,8 @@ StepModel = CausalLM | BertEncoder
 
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite");
-    ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
+    "olmo2"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -45,6 +46,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "gemma3": Gemma3ForCausalLM,
         "smollm3": SmolLM3ForCausalLM,
         "granite": GraniteForCausalLM,
+        "olmo2": Olmo2ForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -56,6 +56,8 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
          "logits_scaling": 8.0},
     ),
+    # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
+    "olmo2": (transformers.Olmo2Config, {"pad_token_id": 0}),
     # SmolLM3: no rope on every second layer here (every fourth in the released model), o_proj's bias.
     "smollm3": (transformers.SmolLM3Config, {"no_rope_layer_interval": 2, "attention_bias": True, "pad_token_id": 0}),
     # Phi-3: fused checkpoint tensors; partial rotary with LongRoPE's short factors (the sequences here stay below
@@ -111,6 +113,7 @@ MODEL_CLASSES = {
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
+    transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
 }
 
 
