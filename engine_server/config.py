@@ -31,6 +31,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "smollm3": "smollm3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "olmo3": "olmo2",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -230,12 +231,17 @@ class ModelConfig:
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
         rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        local_rope: dict[str, Any] = {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5's rope per layer type (OLMo 3)
+            rope, local_rope = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+            if (local_rope.get("rope_type") or "default") != "default":
+                raise ValueError(f"sliding_attention rope type {local_rope['rope_type']!r} is not supported")
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         scaling: RopeScaling | LongRope | Yarn | None = None
         partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
-        linear_factor: dict[str, Any] = {}
+        rope_fields: dict[str, Any] = {}
         if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
             scaling = _long_rope(cfg, rope)
         elif rope_type == "yarn":
@@ -243,7 +249,7 @@ class ModelConfig:
             # vLLM's context length under YaRN: the original one times the factor (Qwen's configs keep the short one).
             max_positions = max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
         elif rope_type == "linear" and not gemma:
-            linear_factor = {"rope_linear_factor": float(rope["factor"])}
+            rope_fields = {"rope_linear_factor": float(rope["factor"])}
         elif rope_type == "llama3":
             scaling = RopeScaling(
                 factor=float(rope["factor"]),
@@ -253,6 +259,10 @@ class ModelConfig:
             )
         elif rope_type != "default":
             raise ValueError(f"unsupported rope type {rope_type!r} (default, linear, llama3, longrope and yarn are)")
+        local_theta = float(local_rope.get("rope_theta") or rope_theta)
+        if local_rope and (local_theta != rope_theta or scaling is not None or rope_fields):
+            # The windowed layers' own rope: a base of its own and no scaling (`DecoderModel`'s local table).
+            rope_fields = {**rope_fields, "local_rope_theta": local_theta}
         heads = int(cfg["num_attention_heads"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
@@ -286,7 +296,7 @@ class ModelConfig:
             nope_layers=_nope_layers(model_type, cfg),
             **_granite_fields(arch, cfg),
             **_experts_from_hf_config(arch, cfg),
-            **linear_factor,
+            **rope_fields,
             **gemma,
         )
 

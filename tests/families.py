@@ -58,7 +58,8 @@ WINDOW = 20
 # SwiGLU (a limit of 1 clamps many of these activations; the released 7 would clamp few).
 # SmolLM3: Llama's block with no rope on every second layer (every fourth in the released model).
 # Granite: Llama's block with Granite 3.x's multipliers (embeddings x12, scores x1/64, residuals x0.22, logits /8).
-# OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
+# OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection. OLMo 3: that block with
+# windows on three layers in four, YaRN on the full-attention ones only.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -99,6 +100,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": 0}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
+    "olmo3": (
+        "Olmo3Config",
+        {"pad_token_id": 0, "sliding_window": WINDOW,
+         "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 64},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
     "granite": (
         "GraniteConfig",
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,

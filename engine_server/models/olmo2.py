@@ -1,5 +1,5 @@
-"""OLMo 2 (OLMo-2-1124-7B/13B, OLMo-2-0325-32B): norms after the attention and the MLP, q/k norms over the whole
-projection."""
+"""OLMo 2 (OLMo-2-1124-7B/13B, OLMo-2-0325-32B) and OLMo 3: norms after the attention and the MLP, q/k norms over
+the whole projection; OLMo 3 adds windowed layers (its `layer_types`) with a rope of their own."""
 
 from __future__ import annotations
 
@@ -9,4 +9,6 @@ from engine_server.models.base import CausalLM
 class Olmo2ForCausalLM(CausalLM):
     """OLMo 2: Llama's projections under the post-norm block (`layers.decoder.PostNormDecoderLayer`: its
     `post_attention_layernorm` normalises the attention's output, not the MLP's input) and q and k each normalised
-    over all their heads at once (`qk_norm_whole`, so tensor parallelism is refused as for OLMoE)."""
+    over all their heads at once (`qk_norm_whole`, so tensor parallelism is refused as for OLMoE). OLMo 3
+    (`olmo3`) is this class too: its windows and its rope per layer type (the full-attention layers' YaRN, the
+    windowed ones' plain base, `ModelConfig.local_rope_theta`) are read from its config."""

@@ -58,6 +58,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     ),
     # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
     "olmo2": (transformers.Olmo2Config, {"pad_token_id": 0}),
+    # OLMo 3: OLMo 2's block with a 6-position window on three layers in four; YaRN on the full-attention layers
+    # only (the windowed ones keep plain rope of another base).
+    "olmo3": (
+        transformers.Olmo3Config,
+        {"pad_token_id": 0, "num_hidden_layers": 4, "sliding_window": 6,
+         "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 64},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
     # SmolLM3: no rope on every second layer here (every fourth in the released model), o_proj's bias.
     "smollm3": (transformers.SmolLM3Config, {"no_rope_layer_interval": 2, "attention_bias": True, "pad_token_id": 0}),
     # Phi-3: fused checkpoint tensors; partial rotary with LongRoPE's short factors (the sequences here stay below
@@ -114,6 +123,7 @@ MODEL_CLASSES = {
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
+    transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
 }
 
 
@@ -364,6 +374,9 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),
         ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ({"model_type": "granite", "mlp_bias": True}, "granite with mlp_bias is not supported"),
+        ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+          "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
+         "sliding_attention rope type 'yarn' is not supported"),
         ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, gemma, gemma2"),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
