@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "olmo2", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -32,6 +32,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "granite": "granite",
     "olmo2": "olmo2",
     "olmo3": "olmo2",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -87,6 +89,21 @@ class Yarn:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's shape (DeepSeek-V2/V3; `layers.mla`): queries through a rank-`q_lora_rank`
+    projection (0: one `q_proj`), keys and values from a `kv_lora_rank` latent; each head's key is
+    `qk_nope_head_dim` dims without positions and `qk_rope_head_dim` turned by rope (shared by every head), its
+    value `v_head_dim`; `rope_interleave`: the rope dims come in interleaved pairs (DeepSeek-V3's layout)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
 
 
 @dataclass(frozen=True)
@@ -154,6 +171,18 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # OLMo 2: no norm before the attention or the MLP; each one's output normalised before its residual add.
     post_norms: bool = False
+    # DeepSeek-V3 (and Kimi K2): multi-head latent attention (`head_dim` is then its key's, the cache's, and every
+    # head has its own KV head), and its router: sigmoid scores (`moe_scoring`), a learned bias added to them for
+    # the choice only (`router_score_bias`), the top-k taken within the best `moe_topk_groups` of `moe_groups`
+    # groups of experts (each group scored by its two best), the chosen scores renormalised and scaled by
+    # `routed_scaling_factor`; its shared experts have no gate (`shared_expert_gated` off).
+    latent_attention: LatentAttention | None = None
+    moe_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    router_score_bias: bool = False
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
@@ -194,7 +223,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many of each head's leading dims rope rotates (`head_dim` unless `partial_rotary_factor` < 1)."""
+        """How many of each head's leading dims rope rotates (`head_dim` unless `partial_rotary_factor` < 1; latent
+        attention's rope key dims)."""
+        if self.latent_attention is not None:
+            return self.latent_attention.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def attention_window(self, index: int) -> int:
@@ -264,6 +296,13 @@ class ModelConfig:
             # The windowed layers' own rope: a base of its own and no scaling (`DecoderModel`'s local table).
             rope_fields = {**rope_fields, "local_rope_theta": local_theta}
         heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if arch == "deepseek_v3":  # latent attention: the cache holds every head's whole key
+            latent = _latent_attention_fields(cfg, rope)
+            rope_fields = {**rope_fields, **latent}
+            mla: LatentAttention = latent["latent_attention"]
+            head_dim, kv_heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
         if gemma:
@@ -275,8 +314,8 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
@@ -373,6 +412,25 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
         attention_factor=float(attention),
         truncate=bool(rope.get("truncate", True)),
     )
+
+
+def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention (`LatentAttention`) and its score scale: the key's head dim ** -0.5, times
+    the square of YaRN's `mscale_all_dim` attention factor when its rope is scaled (transformers' `scaling`)."""
+    mla = LatentAttention(
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    all_dims = float(rope.get("mscale_all_dim") or 0.0)
+    if (rope.get("rope_type") or "default") != "default" and all_dims and float(rope["factor"]) > 1:
+        mscale = 0.1 * all_dims * math.log(float(rope["factor"])) + 1.0
+        scale *= mscale * mscale
+    return {"latent_attention": mla, "attention_scale": scale}
 
 
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -511,14 +569,34 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     `config.json` ({} for a dense family). Mixtral's, OLMoE's and gpt-oss's experts are `intermediate_size` wide;
     Mixtral always renormalises its top-k weights, OLMoE as `norm_topk_prob` says; gpt-oss softmaxes the top-k
     logits (the same weights), with biases and its clamped SwiGLU."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"):
         return {}
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if experts < 1 or not 1 <= top_k <= experts:
         raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
+    if arch == "deepseek_v3":
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError("deepseek_v3 routing other than sigmoid scores with noaux_tc is not supported")
+        groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if experts % groups or not 1 <= top_groups <= groups:
+            raise ValueError(f"deepseek_v3: {experts} experts in {groups} groups, {top_groups} of them chosen")
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            shared_expert_gated=False,
+            dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+            moe_scoring="sigmoid",
+            router_score_bias=True,
+            moe_groups=groups,
+            moe_topk_groups=top_groups,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        )
     if arch == "gpt_oss":
         return dict(
             num_experts=experts,

@@ -58,6 +58,9 @@ WINDOW = 20
 # SwiGLU (a limit of 1 clamps many of these activations; the released 7 would clamp few).
 # SmolLM3: Llama's block with no rope on every second layer (every fourth in the released model).
 # Granite: Llama's block with Granite 3.x's multipliers (embeddings x12, scores x1/64, residuals x0.22, logits /8).
+# DeepSeek-V3: latent attention (rank-48 queries, a rank-32 latent, 16 nope + 8 interleaved rope dims per key, 16
+# per value) under YaRN with mscale; one dense layer, then 8 experts in 4 groups (2 chosen), 2 per token, sigmoid
+# scores with a load-balancing bias, scaled by 2.5, beside a shared expert.
 # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection. OLMo 3: that block with
 # windows on three layers in four, YaRN on the full-attention ones only.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -99,6 +102,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "final_logit_softcapping": 3.0},
     ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": 0}),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}},
+    ),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
     "olmo3": (
         "Olmo3Config",
@@ -152,6 +165,9 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
                 parameter.normal_(0.0, 0.08 * width)
             elif "norm" in name or name.endswith("bias"):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's load-balancing bias, of the scores' size
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
         if head_spread:
             head = model.get_output_embeddings().weight
             head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))

@@ -20,6 +20,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
@@ -65,10 +66,12 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     reduce = model.tp.shm_reduce
     if model.tp.size > 1 and reduce is None:
         return None
-    first = layers[0].self_attn
+    if not all(isinstance(layer.self_attn, PagedSelfAttention) for layer in layers):
+        return None  # latent attention (DeepSeek-V3)
+    first = cast(PagedSelfAttention, layers[0].self_attn)
     if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
         return None
-    if first.sinks is not None or not all(layer.self_attn.rope for layer in layers):
+    if first.sinks is not None or not all(cast(PagedSelfAttention, layer.self_attn).rope for layer in layers):
         return None
     if model.scales_embeddings or any(layer.residual_multiplier != 1.0 for layer in layers):
         return None
@@ -76,7 +79,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
+        attention, mlp = cast(PagedSelfAttention, layer.self_attn), layer.mlp
         parts: list[nn.Module] = [attention.qkv_proj, attention.o_proj]
         moe = None
         if isinstance(mlp, SparseMoE):
@@ -116,9 +119,9 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             layer.input_layernorm.weight.detach(),
             layer.post_attention_layernorm.weight.detach(),
             *ids,
-            layer.self_attn.window,
+            cast(PagedSelfAttention, layer.self_attn).window,
         )
-        attention = layer.self_attn
+        attention = cast(PagedSelfAttention, layer.self_attn)
         if attention.q_norm is not None and attention.k_norm is not None:
             q_weight, k_weight = attention.q_norm.weight.detach(), attention.k_norm.weight.detach()
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)

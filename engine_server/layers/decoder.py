@@ -11,6 +11,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm
@@ -33,8 +34,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.residual_multiplier = config.residual_multiplier
-        self.self_attn = PagedSelfAttention(
-            config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index)
+        self.self_attn: PagedSelfAttention | MultiLatentAttention = (
+            MultiLatentAttention(config, dtype, tp)
+            if config.latent_attention is not None
+            else PagedSelfAttention(
+                config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index)
+            )
         )
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(config, dtype, tp)

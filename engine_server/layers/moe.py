@@ -26,6 +26,38 @@ from kernels.kernel_set import KernelOps
 from kernels.reference import clamped_swiglu
 
 
+class GroupedTopkRouter(nn.Module):
+    """DeepSeek-V3's router (`ModelConfig.moe_scoring` "sigmoid"): each expert's score `sigmoid(x . w_e)` in
+    float32; the choice goes by score + `e_score_correction_bias` (a learned bias that balances the load), within
+    the `topk_groups` best of `groups` equal groups of experts (a group scored by its two best biased scores); the
+    chosen experts' weights are their scores (without the bias), renormalised to sum to 1 with `renormalize`
+    (+1e-20), times `scaling` (transformers' `DeepseekV3TopkRouter`)."""
+
+    def __init__(
+        self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)  # float32, as trained
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
+        self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
+        self.renormalize, self.scaling = renormalize, scaling
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, H]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
+        biased = scores + self.e_score_correction_bias.float()
+        tokens, experts = biased.shape
+        group_scores = biased.view(tokens, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        chosen_groups = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1.0)
+        allowed = group_mask.unsqueeze(-1).expand(tokens, self.groups, experts // self.groups).reshape(tokens, -1)
+        chosen = torch.topk(biased.masked_fill(allowed == 0, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * self.scaling).to(x.dtype), chosen
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits `[T, E]` -> (weights `[T, k]` in the logits' dtype, expert ids `[T, k]`): the top-k of the
     softmax taken in float32, renormalised to sum to 1 if asked (transformers' Mixtral / Qwen-MoE routers)."""
@@ -48,7 +80,14 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         hidden, experts = config.hidden_size, config.num_experts
-        self.gate = nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
+        self.gate: nn.Module = (
+            GroupedTopkRouter(
+                hidden, experts, self.top_k, config.moe_groups, config.moe_topk_groups, config.norm_topk_prob,
+                config.routed_scaling_factor,
+            )
+            if config.moe_scoring == "sigmoid"
+            else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
+        )  # fmt: skip
         self.experts = ParallelExperts(
             experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases
         )
@@ -60,13 +99,19 @@ class SparseMoE(nn.Module):
         )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared, dtype, tp) if shared else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if shared else None
+        gated = shared and config.shared_expert_gated
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank."""
-        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        if isinstance(self.gate, GroupedTopkRouter):
+            weights, experts = self.gate.route(x)
+        else:
+            weights, experts = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, experts, self.activation or ops.silu_and_mul)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate scales this rank's partial sum: summed over the ranks, it scales the whole.
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x, ops)
+        elif self.shared_expert is not None:  # DeepSeek's shared experts: no gate
+            out = out + self.shared_expert.partial(x, ops)
         return self.tp.all_reduce_sum(out)

@@ -88,6 +88,21 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:gemma-3-4b",
     ),
+    # Moonlight-16B-A3B's shapes (DeepSeek-V3's architecture, its config.json): latent attention (a 512 latent,
+    # 128 + 64 key dims, 128 value dims per head, one q_proj), one dense layer, then 64 experts of 1,408, 6 active,
+    # and 2 shared ones.
+    "moonlight-16b-a3b": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
+            "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "n_routed_experts": 64, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1, "n_shared_experts": 2,
+            "moe_intermediate_size": 1408, "first_k_dense_replace": 1, "routed_scaling_factor": 2.446,
+            "norm_topk_prob": True, "rope_theta": 50000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False, "rope_interleave": True,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:moonlight-16b-a3b",
+    ),
     # gpt-oss-20b's shapes (its config.json, read as a folder's would be): 24 layers alternating a 128-position
     # window and full attention, sinks, YaRN x32, 32 experts of 2,880 with biases, 4 active (3.6B of 21B active).
     "gpt-oss-20b": replace(

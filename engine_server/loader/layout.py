@@ -21,6 +21,11 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
+        if cfg.latent_attention is not None:
+            shapes.update(_latent_attention_shapes(p + "self_attn.", cfg))
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes.update(_mlp_block_shapes(p, cfg, i))
+            continue
         shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
@@ -40,21 +45,49 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
-        if cfg.is_moe_layer(i):
-            if cfg.expert_biases:
-                shapes.update(_biased_experts_shapes(p + "mlp.", cfg.num_experts, h, cfg.moe_intermediate_size))
-                continue
-            shapes[p + "mlp.gate.weight"] = (cfg.num_experts, h)
-            for e in range(cfg.num_experts):
-                shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
-            if cfg.shared_expert_intermediate_size:
-                shapes.update(_mlp_shapes(p + "mlp.shared_expert.", h, cfg.shared_expert_intermediate_size))
-                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
-        else:
-            shapes.update(_mlp_shapes(p + "mlp.", h, cfg.intermediate_size))
+        shapes.update(_mlp_block_shapes(p, cfg, i))
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _mlp_block_shapes(p: str, cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer `i`'s MLP under `p`: dense, or a mixture of experts (its router, experts and shared expert)."""
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(i):
+        return _mlp_shapes(p + "mlp.", h, cfg.intermediate_size)
+    if cfg.expert_biases:
+        return _biased_experts_shapes(p + "mlp.", cfg.num_experts, h, cfg.moe_intermediate_size)
+    shapes: dict[str, tuple[int, ...]] = {p + "mlp.gate.weight": (cfg.num_experts, h)}
+    if cfg.router_score_bias:
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (cfg.num_experts,)
+    for e in range(cfg.num_experts):
+        shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        shared = "mlp.shared_expert." if cfg.shared_expert_gated else "mlp.shared_experts."
+        shapes.update(_mlp_shapes(p + shared, h, cfg.shared_expert_intermediate_size))
+        if cfg.shared_expert_gated:
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+def _latent_attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V3's latent attention projections and norms under `prefix`."""
+    mla, h, heads = cfg.latent_attention, cfg.hidden_size, cfg.num_attention_heads
+    assert mla is not None
+    key = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if mla.q_lora_rank:
+        shapes[prefix + "q_a_proj.weight"] = (mla.q_lora_rank, h)
+        shapes[prefix + "q_a_layernorm.weight"] = (mla.q_lora_rank,)
+        shapes[prefix + "q_b_proj.weight"] = (heads * key, mla.q_lora_rank)
+    else:
+        shapes[prefix + "q_proj.weight"] = (heads * key, h)
+    shapes[prefix + "kv_a_proj_with_mqa.weight"] = (mla.kv_lora_rank + mla.qk_rope_head_dim, h)
+    shapes[prefix + "kv_a_layernorm.weight"] = (mla.kv_lora_rank,)
+    shapes[prefix + "kv_b_proj.weight"] = (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+    shapes[prefix + "o_proj.weight"] = (h, heads * mla.v_head_dim)
     return shapes
 
 

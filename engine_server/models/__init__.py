@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
+from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine_server.models.gemma import GemmaForCausalLM
 from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
@@ -30,7 +31,7 @@ StepModel = CausalLM | BertEncoder
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-    "olmo2"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
+    "olmo2", "deepseek_v3"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -47,6 +48,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "smollm3": SmolLM3ForCausalLM,
         "granite": GraniteForCausalLM,
         "olmo2": Olmo2ForCausalLM,
+        "deepseek_v3": DeepseekV3ForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

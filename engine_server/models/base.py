@@ -177,7 +177,7 @@ class CausalLM(nn.Module):
             module_name, _, kind = name.rpartition(".")
             target, shard = module_name, ""
             for fused, part, shard_name in FUSED_SHARDS:
-                if module_name.endswith(f".{part}"):
+                if module_name.endswith(f".{part}") and module_name.removesuffix(part) + fused in modules:
                     target, shard = module_name.removesuffix(part) + fused, shard_name
                     break
             module = modules.get(target)
@@ -188,7 +188,7 @@ class CausalLM(nn.Module):
                     raise ValueError(f"weight {name!r}: {error}") from None
                 loaded.add((name, ""))
                 continue
-            if module is None or kind not in ("weight", "bias"):
+            if module is None or (kind not in ("weight", "bias") and not _own_parameter(module, kind)):
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             # A fused layer stored fused (Phi-3's qkv_proj and gate_up_proj): every part at once.
             fused_whole = not shard and isinstance(module, ColumnParallelLinear) and len(module.parts) > 1
@@ -269,6 +269,11 @@ class CausalLM(nn.Module):
             shards = [s for fused, _, s in FUSED_SHARDS if f".{fused}." in name] or [""]
             expected.update((name, s) for s in shards)
         return expected
+
+
+def _own_parameter(module: nn.Module, name: str) -> bool:
+    """Whether `name` is a parameter of `module` itself (DeepSeek's router's `e_score_correction_bias`)."""
+    return name in dict(module.named_parameters(recurse=False))
 
 
 def _load_fused(module: ColumnParallelLinear, tensor: CheckpointTensor) -> None:

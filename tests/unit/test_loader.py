@@ -59,6 +59,17 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
     if cfg.layer_windows:
         shape["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.layer_windows]
     model_type = {"gemma3": "gemma3_text"}.get(cfg.architecture, cfg.architecture)  # Gemma 3's text model
+    mla = cfg.latent_attention
+    if mla is not None:  # DeepSeek-V3: its latent attention's shape, its experts' names
+        shape.pop("head_dim")
+        experts = dict(
+            n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size, first_k_dense_replace=len(cfg.dense_layers),
+            n_shared_experts=cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+            n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups, q_lora_rank=mla.q_lora_rank or None,
+            kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+        )  # fmt: skip
     return transformers.AutoConfig.for_model(model_type, **shape, **experts)
 
 
@@ -237,6 +248,10 @@ def test_dummy_preset_configs() -> None:
     assert params == 30_532_122_624  # Qwen3-30B-A3B's
 
 
+    moonlight = DUMMY_PRESETS["moonlight-16b-a3b"]  # its layout too
+    params = sum(math.prod(shape) for shape in parameter_shapes(moonlight).values())
+    assert params == 15_960_110_208  # Moonlight-16B-A3B's
+    assert (moonlight.head_dim, moonlight.num_key_value_heads, moonlight.rotary_dim) == (192, 16, 64)
     gpt_oss = DUMMY_PRESETS["gpt-oss-20b"]  # its layout too
     params = sum(math.prod(shape) for shape in parameter_shapes(gpt_oss).values())
     assert params == 20_914_757_184  # gpt-oss-20b's (the model card's "21B")

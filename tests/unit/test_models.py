@@ -56,6 +56,26 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
          "logits_scaling": 8.0},
     ),
+    # DeepSeek-V3: latent attention (a rank-32 query, a rank-24 latent, 12 nope + 8 interleaved rope dims per key,
+    # 10 per value) under YaRN with mscale; one dense layer, then 8 experts in 4 groups (2 chosen) of which 3 per
+    # token, sigmoid scores with a correction bias, scaled by 2.5, and a shared expert.
+    "deepseek-v3": (
+        transformers.DeepseekV3Config,
+        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+         "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}},
+    ),
+    # Moonlight's layout of it: one q_proj (no query rank), the rope dims as halves (not interleaved), no scaling.
+    "deepseek-v3-q-proj": (
+        transformers.DeepseekV3Config,
+        {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1,
+         "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,
+         "rope_interleave": False, "pad_token_id": 0},
+    ),
     # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
     "olmo2": (transformers.Olmo2Config, {"pad_token_id": 0}),
     # OLMo 3: OLMo 2's block with a 6-position window on three layers in four; YaRN on the full-attention layers
@@ -124,6 +144,7 @@ MODEL_CLASSES = {
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
     transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
+    transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
 }
 
 
@@ -140,6 +161,9 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
+        for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
     config = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config)
     ours.load_weights(hf.state_dict().items())

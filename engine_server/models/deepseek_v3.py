@@ -1,0 +1,35 @@
+"""DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight): multi-head latent attention over a mixture of many small
+experts, a sigmoid router with group-limited choice, shared experts, the first layers dense."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Iterator
+
+from engine_server.models.base import CausalLM
+from engine_server.parallel.layers import CheckpointTensor
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3: each layer's attention is `layers.mla.MultiLatentAttention`, its MLP dense for the first
+    `first_k_dense_replace` layers and otherwise a mixture of experts with `layers.moe.GroupedTopkRouter` and
+    ungated shared experts (checkpoint `mlp.shared_experts`, read as `mlp.shared_expert`). The multi-token-prediction
+    layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read."""
+
+    checkpoint_renames = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> None:
+        """`CausalLM.load_weights` without the layers past `num_hidden_layers` (the prediction layers)."""
+        super().load_weights(self._decoder_layers(weights), replaced)
+
+    def _decoder_layers(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        for name, tensor in weights:
+            layer = _LAYER.match(name)
+            if layer is None or int(layer.group(1)) < self.config.num_hidden_layers:
+                yield name, tensor
