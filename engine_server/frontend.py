@@ -393,18 +393,8 @@ class RequestTracker:
         reason, matched = delta.finish_reason, delta.matched_stop
         harmony = self._harmony[choice_index]
         if harmony is not None and choice.finish_reason is None:
-            read = harmony.feed(text)
-            if delta.finished:
-                read.extend(harmony.finish())
-                ids = [*choice.token_ids, *delta.token_ids]
-                self.result.usage.reasoning_tokens += self._tokens_within(ids, harmony.reasoning_end)
-            reasoning_text, text = read.reasoning, read.content
-            choice.reasoning_text += reasoning_text
-            for call in read.calls:
-                made = ToolCall(new_call_id(), call.name, call.arguments)
-                call_deltas += [ToolCallDelta(len(choice.tool_calls), made.id, made.name, ""),
-                                ToolCallDelta(len(choice.tool_calls), arguments_delta=made.arguments_json)]
-                choice.tool_calls.append(made)
+            read = self._read_harmony(harmony, choice, text, delta.token_ids, delta.finished)
+            text, reasoning_text, call_deltas = read
             if reason is not None and self._tool_parsing is not None:
                 reason = self._tool_parsing.finish_reason_for(reason, bool(choice.tool_calls))
                 matched = None if reason is FinishReason.TOOL_CALLS else matched
@@ -441,6 +431,26 @@ class RequestTracker:
             tool_call_deltas=call_deltas, reasoning_text=reasoning_text,
         )
         return step, delta.abort_core
+
+    def _read_harmony(
+        self, harmony: HarmonyStream, choice: Choice, text: str, new_ids: Sequence[int], finished: bool
+    ) -> tuple[str, str, list[ToolCallDelta]]:
+        """(content, reasoning, call deltas) of a harmony choice's new `text`; its reasoning and calls are added to
+        `choice`, and at the end its reasoning tokens to the usage."""
+        read = harmony.feed(text)
+        if finished:
+            read.extend(harmony.finish())
+            ids = [*choice.token_ids, *new_ids]
+            self.result.usage.reasoning_tokens += self._tokens_within(ids, harmony.reasoning_end)
+        choice.reasoning_text += read.reasoning
+        deltas: list[ToolCallDelta] = []
+        for call in read.calls:
+            made = ToolCall(new_call_id(), call.name, call.arguments)
+            index = len(choice.tool_calls)
+            deltas.append(ToolCallDelta(index, made.id, made.name, ""))
+            deltas.append(ToolCallDelta(index, arguments_delta=made.arguments_json))
+            choice.tool_calls.append(made)
+        return read.content, read.reasoning, deltas
 
     def _tokens_within(self, token_ids: Sequence[int], chars: int) -> int:
         """How many of `token_ids`' first tokens it takes for their text to reach `chars` characters (0 for 0):

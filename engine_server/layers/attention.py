@@ -23,9 +23,9 @@ class PagedSelfAttention(nn.Module):
     rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's). `window`: the layer's
     sliding window (`ModelConfig.attention_window`; 0: it attends to every earlier position); its scores are
     soft-capped with `ModelConfig.attention_softcap` (Gemma 2); without `rope` (SmolLM3's NoPE layers) q and k are
-    not turned by their positions. With `ModelConfig.attention_sinks` (gpt-oss) each
-    query head has a learned sink logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more
-    term of its softmax's denominator (`kernels.reference.paged_attention`)."""
+    not turned by their positions. With `ModelConfig.attention_sinks` (gpt-oss) each query head has a learned sink
+    logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more term of its softmax's
+    denominator (`kernels.reference.paged_attention`)."""
 
     def __init__(
         self,
