@@ -34,6 +34,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "olmo3": "olmo2",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "mistral4": "deepseek_v3",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -171,12 +172,18 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # OLMo 2: no norm before the attention or the MLP; each one's output normalised before its residual add.
     post_norms: bool = False
-    # DeepSeek-V3 (and Kimi K2): multi-head latent attention (`head_dim` is then its key's, the cache's, and every
-    # head has its own KV head), and its router: sigmoid scores (`moe_scoring`), a learned bias added to them for
-    # the choice only (`router_score_bias`), the top-k taken within the best `moe_topk_groups` of `moe_groups`
-    # groups of experts (each group scored by its two best), the chosen scores renormalised and scaled by
-    # `routed_scaling_factor`; its shared experts have no gate (`shared_expert_gated` off).
+    # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then its key's, the cache's,
+    # and every head has its own KV head), and its router (`grouped_router`, `layers.moe.GroupedTopkRouter`):
+    # sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to them for the choice only
+    # (`router_score_bias`), the top-k taken within the best `moe_topk_groups` of `moe_groups` groups of experts
+    # (each group scored by its two best), the chosen scores renormalised and scaled by `routed_scaling_factor`; its
+    # shared experts have no gate (`shared_expert_gated` off).
     latent_attention: LatentAttention | None = None
+    # Mistral 4: its queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's attention
+    # temperature), beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's original context.
+    query_scale_beta: float = 0.0
+    query_scale_positions: int = 1
+    grouped_router: bool = False
     moe_scoring: Literal["softmax", "sigmoid"] = "softmax"
     router_score_bias: bool = False
     moe_groups: int = 1
@@ -299,7 +306,7 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if arch == "deepseek_v3":  # latent attention: the cache holds every head's whole key
-            latent = _latent_attention_fields(cfg, rope)
+            latent = _latent_attention_fields(cfg, rope, model_type)
             rope_fields = {**rope_fields, **latent}
             mla: LatentAttention = latent["latent_attention"]
             head_dim, kv_heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, heads
@@ -414,9 +421,10 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
     )
 
 
-def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
     """DeepSeek-V3's latent attention (`LatentAttention`) and its score scale: the key's head dim ** -0.5, times
-    the square of YaRN's `mscale_all_dim` attention factor when its rope is scaled (transformers' `scaling`)."""
+    the square of YaRN's `mscale_all_dim` attention factor when its rope is scaled (transformers' `scaling`);
+    Mistral 4's query scale (`query_scale_beta`) from its rope's `llama_4_scaling_beta`."""
     mla = LatentAttention(
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=int(cfg["kv_lora_rank"]),
@@ -430,7 +438,12 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any]) -> dict[
     if (rope.get("rope_type") or "default") != "default" and all_dims and float(rope["factor"]) > 1:
         mscale = 0.1 * all_dims * math.log(float(rope["factor"])) + 1.0
         scale *= mscale * mscale
-    return {"latent_attention": mla, "attention_scale": scale}
+    fields: dict[str, Any] = {"latent_attention": mla, "attention_scale": scale}
+    beta = float(rope.get("llama_4_scaling_beta") or 0.0) if model_type == "mistral4" else 0.0
+    if beta:
+        fields["query_scale_beta"] = beta
+        fields["query_scale_positions"] = int(rope["original_max_position_embeddings"])
+    return fields
 
 
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -578,8 +591,11 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
     if arch == "deepseek_v3":
-        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ValueError("deepseek_v3 routing other than sigmoid scores with noaux_tc is not supported")
+        mistral4 = cfg.get("model_type") == "mistral4"  # softmax scores, no load-balancing bias
+        scoring = cfg.get("scoring_func", "softmax" if mistral4 else "sigmoid")
+        method = cfg.get("topk_method", "group_limited_greedy" if mistral4 else "noaux_tc")
+        if (scoring, method) not in (("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy")):
+            raise ValueError(f"{cfg.get('model_type')} routing by {scoring} scores with {method} is not supported")
         groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
         if experts % groups or not 1 <= top_groups <= groups:
             raise ValueError(f"deepseek_v3: {experts} experts in {groups} groups, {top_groups} of them chosen")
@@ -591,8 +607,9 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
             shared_expert_gated=False,
             dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
-            moe_scoring="sigmoid",
-            router_score_bias=True,
+            grouped_router=True,
+            moe_scoring=scoring,
+            router_score_bias=method == "noaux_tc",
             moe_groups=groups,
             moe_topk_groups=top_groups,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),

@@ -46,6 +46,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_lora_rank = mla.kv_lora_rank
         self.interleaved = mla.rope_interleave
         self.scale = config.attention_scale or self.head_dim**-0.5
+        self.query_scale_beta, self.query_scale_positions = config.query_scale_beta, config.query_scale_positions
         hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
         if mla.q_lora_rank:
             self.q_a_proj: nn.Module | None = nn.Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype)
@@ -85,6 +86,9 @@ class MultiLatentAttention(nn.Module):
         q_rope, k_rope = self._halves(q_rope), self._halves(k_rope.reshape(tokens, 1, self.rope_dim))
         q_rope, k_rope = ops.rotary_embedding(positions, q_rope.contiguous(), k_rope.contiguous(), cos_sin_cache)
         q = torch.cat((q_rope, q_nope), dim=-1)
+        if self.query_scale_beta:  # Mistral 4: Llama 4's temperature, by position (`ModelConfig.query_scale_beta`)
+            steps = torch.floor(positions.to(torch.float32) / self.query_scale_positions)
+            q = q * (1 + self.query_scale_beta * torch.log(1 + steps)).to(q.dtype)[:, None, None]
         k = torch.cat((k_rope.expand(tokens, heads, self.rope_dim), k_nope), dim=-1)
         v = torch.nn.functional.pad(v, (0, self.head_dim - self.value_dim))
         ops.write_kv_cache(k, v.contiguous(), kv_cache, meta.slot_mapping)

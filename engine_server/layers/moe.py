@@ -27,31 +27,38 @@ from kernels.reference import clamped_swiglu
 
 
 class GroupedTopkRouter(nn.Module):
-    """DeepSeek-V3's router (`ModelConfig.moe_scoring` "sigmoid"): each expert's score `sigmoid(x . w_e)` in
-    float32; the choice goes by score + `e_score_correction_bias` (a learned bias that balances the load), within
-    the `topk_groups` best of `groups` equal groups of experts (a group scored by its two best biased scores); the
-    chosen experts' weights are their scores (without the bias), renormalised to sum to 1 with `renormalize`
-    (+1e-20), times `scaling` (transformers' `DeepseekV3TopkRouter`)."""
+    """DeepSeek-V3's and Mistral 4's router: each expert's score, `sigmoid(x . w_e)` (DeepSeek-V3) or the softmax
+    of the logits (Mistral 4), in float32; the choice goes by score (+ `e_score_correction_bias`, DeepSeek-V3's
+    learned bias that balances the load), within the `topk_groups` best of `groups` equal groups of experts (a group
+    scored by its two best); the chosen experts' weights are their scores (without the bias), renormalised to sum to
+    1 with `renormalize` (+1e-20), times `scaling` (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`)."""
 
     def __init__(
-        self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float
-    ) -> None:
+        self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
+        sigmoid: bool = True, score_bias: bool = True,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)  # float32, as trained
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(experts), requires_grad=False) if score_bias else None
+        )
         self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
-        self.renormalize, self.scaling = renormalize, scaling
+        self.renormalize, self.scaling, self.sigmoid = renormalize, scaling, sigmoid
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))
-        biased = scores + self.e_score_correction_bias.float()
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        bias = self.e_score_correction_bias
+        biased = scores if bias is None else scores + bias.float()
         tokens, experts = biased.shape
         group_scores = biased.view(tokens, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
         chosen_groups = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1.0)
         allowed = group_mask.unsqueeze(-1).expand(tokens, self.groups, experts // self.groups).reshape(tokens, -1)
-        chosen = torch.topk(biased.masked_fill(allowed == 0, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+        # Outside the chosen groups: -inf (DeepSeek-V3) or 0 (Mistral 4, whose softmax scores are all above it).
+        masked = biased.masked_fill(allowed == 0, float("-inf") if bias is not None else 0.0)
+        chosen = torch.topk(masked, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -83,9 +90,10 @@ class SparseMoE(nn.Module):
         self.gate: nn.Module = (
             GroupedTopkRouter(
                 hidden, experts, self.top_k, config.moe_groups, config.moe_topk_groups, config.norm_topk_prob,
-                config.routed_scaling_factor,
+                config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
+                score_bias=config.router_score_bias,
             )
-            if config.moe_scoring == "sigmoid"
+            if config.grouped_router
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
         )  # fmt: skip
         self.experts = ParallelExperts(

@@ -76,6 +76,19 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 2, "first_k_dense_replace": 1,
          "rope_interleave": False, "pad_token_id": 0},
     ),
+    # Mistral 4: DeepSeek-V3's latent attention with Llama 4's query temperature (over an 8-token original context,
+    # so these sequences reach 8 of its steps), softmax routing within the best of 2 groups, no load-balancing bias.
+    "mistral4": (
+        transformers.Mistral4Config,
+        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+         "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "routed_scaling_factor": 1.5, "pad_token_id": 0,
+         "rope_parameters": {"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
+                             "partial_rotary_factor": 0.5}},
+    ),
     # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
     "olmo2": (transformers.Olmo2Config, {"pad_token_id": 0}),
     # OLMo 3: OLMo 2's block with a 6-position window on three layers in four; YaRN on the full-attention layers
@@ -145,6 +158,7 @@ MODEL_CLASSES = {
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
     transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
+    transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
 }
 
 
