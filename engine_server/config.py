@@ -35,6 +35,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "mistral4": "deepseek_v3",
+    "deepseek_v2": "deepseek_v3",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -176,8 +177,9 @@ class ModelConfig:
     # and every head has its own KV head), and its router (`grouped_router`, `layers.moe.GroupedTopkRouter`):
     # sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to them for the choice only
     # (`router_score_bias`), the top-k taken within the best `moe_topk_groups` of `moe_groups` groups of experts
-    # (each group scored by its two best), the chosen scores renormalised and scaled by `routed_scaling_factor`; its
-    # shared experts have no gate (`shared_expert_gated` off).
+    # (each group scored by the sum of its two best, or DeepSeek-V2's best: `moe_group_score`), the chosen scores
+    # renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`; its shared experts have no gate
+    # (`shared_expert_gated` off).
     latent_attention: LatentAttention | None = None
     # Mistral 4: its queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's attention
     # temperature), beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's original context.
@@ -188,6 +190,7 @@ class ModelConfig:
     router_score_bias: bool = False
     moe_groups: int = 1
     moe_topk_groups: int = 1
+    moe_group_score: Literal["top2", "max"] = "top2"
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
@@ -591,27 +594,30 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
     if arch == "deepseek_v3":
-        mistral4 = cfg.get("model_type") == "mistral4"  # softmax scores, no load-balancing bias
-        scoring = cfg.get("scoring_func", "softmax" if mistral4 else "sigmoid")
-        method = cfg.get("topk_method", "group_limited_greedy" if mistral4 else "noaux_tc")
-        if (scoring, method) not in (("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy")):
-            raise ValueError(f"{cfg.get('model_type')} routing by {scoring} scores with {method} is not supported")
+        model_type = cfg.get("model_type")
+        softmax = model_type in ("mistral4", "deepseek_v2")  # softmax scores, no load-balancing bias
+        scoring = cfg.get("scoring_func", "softmax" if softmax else "sigmoid")
+        method = cfg.get("topk_method") or ("group_limited_greedy" if softmax else "noaux_tc")
+        served = (("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy"), ("softmax", "greedy"))
+        if (scoring, method) not in served:
+            raise ValueError(f"{model_type} routing by {scoring} scores with {method} is not supported")
         groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
         if experts % groups or not 1 <= top_groups <= groups:
-            raise ValueError(f"deepseek_v3: {experts} experts in {groups} groups, {top_groups} of them chosen")
+            raise ValueError(f"{model_type}: {experts} experts in {groups} groups, {top_groups} of them chosen")
         return dict(
             num_experts=experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
             shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
             shared_expert_gated=False,
             dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
             grouped_router=True,
             moe_scoring=scoring,
             router_score_bias=method == "noaux_tc",
-            moe_groups=groups,
-            moe_topk_groups=top_groups,
+            moe_groups=groups if method != "greedy" else 1,
+            moe_topk_groups=top_groups if method != "greedy" else 1,
+            moe_group_score="max" if model_type == "deepseek_v2" else "top2",
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         )
     if arch == "gpt_oss":

@@ -61,6 +61,8 @@ WINDOW = 20
 # DeepSeek-V3: latent attention (rank-48 queries, a rank-32 latent, 16 nope + 8 interleaved rope dims per key, 16
 # per value) under YaRN with mscale; one dense layer, then 8 experts in 4 groups (2 chosen), 2 per token, sigmoid
 # scores with a load-balancing bias, scaled by 2.5, beside a shared expert.
+# DeepSeek-V2: that attention with its complex rope, softmax routing within the best 2 of 4 groups (each scored by
+# its best expert), weights scaled, not renormalised.
 # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection. OLMo 3: that block with
 # windows on three layers in four, YaRN on the full-attention ones only.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -111,6 +113,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "bos_token_id": 1, "eos_token_id": 2,
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}},
+    ),
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+         "topk_group": 2, "topk_method": "group_limited_greedy", "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
     ),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
     "olmo3": (

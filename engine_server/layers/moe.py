@@ -27,15 +27,16 @@ from kernels.reference import clamped_swiglu
 
 
 class GroupedTopkRouter(nn.Module):
-    """DeepSeek-V3's and Mistral 4's router: each expert's score, `sigmoid(x . w_e)` (DeepSeek-V3) or the softmax
-    of the logits (Mistral 4), in float32; the choice goes by score (+ `e_score_correction_bias`, DeepSeek-V3's
+    """DeepSeek-V3's, Mistral 4's and DeepSeek-V2's router: each expert's score, `sigmoid(x . w_e)` (DeepSeek-V3) or
+    the softmax of the logits, in float32; the choice goes by score (+ `e_score_correction_bias`, DeepSeek-V3's
     learned bias that balances the load), within the `topk_groups` best of `groups` equal groups of experts (a group
-    scored by its two best); the chosen experts' weights are their scores (without the bias), renormalised to sum to
-    1 with `renormalize` (+1e-20), times `scaling` (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`)."""
+    scored by the sum of its two best, or by its best with `group_max`: DeepSeek-V2); the chosen experts' weights
+    are their scores (without the bias), renormalised to sum to 1 with `renormalize` (+1e-20), times `scaling`
+    (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`, `DeepseekV2TopkRouter`)."""
 
     def __init__(
         self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
-        sigmoid: bool = True, score_bias: bool = True,
+        sigmoid: bool = True, score_bias: bool = True, group_max: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)  # float32, as trained
@@ -43,7 +44,7 @@ class GroupedTopkRouter(nn.Module):
             nn.Parameter(torch.zeros(experts), requires_grad=False) if score_bias else None
         )
         self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
-        self.renormalize, self.scaling, self.sigmoid = renormalize, scaling, sigmoid
+        self.renormalize, self.scaling, self.sigmoid, self.group_max = renormalize, scaling, sigmoid, group_max
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
@@ -52,7 +53,8 @@ class GroupedTopkRouter(nn.Module):
         bias = self.e_score_correction_bias
         biased = scores if bias is None else scores + bias.float()
         tokens, experts = biased.shape
-        group_scores = biased.view(tokens, self.groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        grouped = biased.view(tokens, self.groups, -1)
+        group_scores = grouped.max(dim=-1).values if self.group_max else grouped.topk(2, dim=-1)[0].sum(dim=-1)
         chosen_groups = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1.0)
         allowed = group_mask.unsqueeze(-1).expand(tokens, self.groups, experts // self.groups).reshape(tokens, -1)
@@ -91,7 +93,7 @@ class SparseMoE(nn.Module):
             GroupedTopkRouter(
                 hidden, experts, self.top_k, config.moe_groups, config.moe_topk_groups, config.norm_topk_prob,
                 config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
-                score_bias=config.router_score_bias,
+                score_bias=config.router_score_bias, group_max=config.moe_group_score == "max",
             )
             if config.grouped_router
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)

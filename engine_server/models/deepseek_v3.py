@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight): multi-head latent attention over a mixture of many small
-experts, a sigmoid router with group-limited choice, shared experts, the first layers dense."""
+"""DeepSeek-V3 (and R1, V3.1, Kimi K2, Moonlight; DeepSeek-V2 and Mistral 4 with their own routers): multi-head
+latent attention over a mixture of many small experts, a router with group-limited choice, shared experts, the
+first layers dense."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
-    """DeepSeek-V3: each layer's attention is `layers.mla.MultiLatentAttention`, its MLP dense for the first
+    """DeepSeek-V3 (and the `deepseek_v2`, `kimi_k2` and `mistral4` model types, their quirks read into
+    `ModelConfig`): each layer's attention is `layers.mla.MultiLatentAttention`, its MLP dense for the first
     `first_k_dense_replace` layers and otherwise a mixture of experts with `layers.moe.GroupedTopkRouter` and
     ungated shared experts (checkpoint `mlp.shared_experts`, read as `mlp.shared_expert`). The multi-token-prediction
     layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read."""

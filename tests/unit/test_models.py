@@ -89,6 +89,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                              "partial_rotary_factor": 0.5}},
     ),
+    # DeepSeek-V2: the same attention with its complex (interleaved) rope; softmax routing within the best 2 of 4
+    # groups of 2 experts, each group scored by its best, weights not renormalised but scaled.
+    "deepseek-v2": (
+        transformers.DeepseekV2Config,
+        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+         "topk_group": 2, "topk_method": "group_limited_greedy", "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0},
+    ),
     # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
     "olmo2": (transformers.Olmo2Config, {"pad_token_id": 0}),
     # OLMo 3: OLMo 2's block with a 6-position window on three layers in four; YaRN on the full-attention layers
@@ -159,6 +168,7 @@ MODEL_CLASSES = {
     transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
+    transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
 }
 
 
@@ -415,7 +425,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
-        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, deepseek_v3, "),
+        ({"model_type": "gpt2"}, r"'gpt2' \(no family of this engine implements it\); supported: bert, deepseek_v2, "),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
