@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -370,6 +371,14 @@ async def test_an_adapters_call_fails_over_only_to_engines_that_hold_it() -> Non
             await pool.close()
 
 
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for `condition`, polling every 10 ms; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
 async def test_an_engine_that_comes_back_gets_the_recorded_adapters_again(tmp_path: Path) -> None:
     """Loads are recorded and unloads forgotten; an engine that turns SERVING again without its adapters (as after
     a restart) is given the recorded ones back, and one that cannot load an adapter serves on without it."""
@@ -382,20 +391,14 @@ async def test_an_engine_that_comes_back_gets_the_recorded_adapters_again(tmp_pa
         fakes[1].adapters.clear()  # its process restarted: --lora-modules only (none here)
         fakes[1].bad_paths = set()
         pool.mark_down(pool.engines[1])
-        for _ in range(200):
-            if fakes[1].adapters:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: bool(fakes[1].adapters))  # a health check, then the load (slow on a loaded machine)
         assert fakes[1].adapters == {"x": "/a/x"}  # "y" was unloaded: not brought back
         assert fakes[0].adapters == {"x": "/a/x"}
 
         fakes[0].adapters.clear()
         fakes[0].bad_paths = {"/a/x"}  # its host lost the folder
         pool.mark_down(pool.engines[0])
-        for _ in range(200):
-            if pool.engines[0].serving:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: pool.engines[0].serving)
         await asyncio.sleep(0.2)
         assert fakes[0].adapters == {} and pool.engines[0].serving
         assert (await http.post(CHAT, json=chat("x"))).status_code == 200  # served by the engine that holds it
