@@ -58,7 +58,7 @@ class GroupedTopkRouter(nn.Module):
         chosen_groups = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, chosen_groups, 1.0)
         allowed = group_mask.unsqueeze(-1).expand(tokens, self.groups, experts // self.groups).reshape(tokens, -1)
-        # Outside the chosen groups: -inf (DeepSeek-V3) or 0 (Mistral 4, whose softmax scores are all above it).
+        # Outside the chosen groups: -inf (DeepSeek-V3) or 0 (V2, Mistral 4: their softmax scores are all above it).
         masked = biased.masked_fill(allowed == 0, float("-inf") if bias is not None else 0.0)
         chosen = torch.topk(masked, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
