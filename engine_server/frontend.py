@@ -18,7 +18,7 @@ from engine_server.errors import ValidationError
 from engine_server.harmony import HarmonyStream
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
-from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start
+from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start, shortest_prefix
 from engine_server.sampling import TokenLogprobs
 from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
@@ -441,7 +441,9 @@ class RequestTracker:
         if finished:
             read.extend(harmony.finish())
             ids = [*choice.token_ids, *new_ids]
-            self.result.usage.reasoning_tokens += self._tokens_within(ids, harmony.reasoning_end)
+            chars = harmony.reasoning_end  # the reasoning's tokens: those its text takes
+            reasoning = shortest_prefix(ids, lambda prefix: len(self._decode(prefix)) >= chars)
+            self.result.usage.reasoning_tokens += reasoning
         choice.reasoning_text += read.reasoning
         deltas: list[ToolCallDelta] = []
         for call in read.calls:
@@ -451,18 +453,6 @@ class RequestTracker:
             deltas.append(ToolCallDelta(index, arguments_delta=made.arguments_json))
             choice.tool_calls.append(made)
         return read.content, read.reasoning, deltas
-
-    def _tokens_within(self, token_ids: Sequence[int], chars: int) -> int:
-        """How many of `token_ids`' first tokens it takes for their text to reach `chars` characters (0 for 0):
-        a binary search over prefixes, each decoded as the choice's text was."""
-        low, high = 0, len(token_ids)
-        while low < high:
-            middle = (low + high) // 2
-            if len(self._decode(token_ids[:middle])) >= chars:
-                high = middle
-            else:
-                low = middle + 1
-        return low if chars else 0
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tokenizer.decode(list(token_ids), skip_special_tokens=self.params.skip_special_tokens)

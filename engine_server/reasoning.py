@@ -23,6 +23,19 @@ from engine_server.tools.parsers import partial_suffix_len
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
+def shortest_prefix(token_ids: Sequence[int], holds: Callable[[Sequence[int]], bool]) -> int:
+    """The fewest leading tokens of `token_ids` for which `holds` is true (a binary search: `holds` must stay true
+    for every longer prefix); `len(token_ids)` when only the whole holds, or nothing does."""
+    low, high = 0, len(token_ids)
+    while low < high:
+        middle = (low + high) // 2
+        if holds(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 class ReasoningStart(enum.Enum):
     """Where a choice's reasoning starts (see the module docstring)."""
 
@@ -64,14 +77,7 @@ class ReasoningStream:
             return 0
         if self._state is _State.REASONING:
             return len(token_ids)
-        low, high = 1, len(token_ids)  # the shortest prefix whose text holds the closing tag
-        while low < high:
-            middle = (low + high) // 2
-            if THINK_CLOSE in decode(token_ids[:middle]):
-                high = middle
-            else:
-                low = middle + 1
-        return low
+        return shortest_prefix(token_ids, lambda prefix: THINK_CLOSE in decode(prefix))
 
     @property
     def in_reasoning(self) -> bool:

@@ -61,7 +61,6 @@ class PagedSelfAttention(nn.Module):
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.clip_qkv = config.clip_qkv
-        self.sink_heads = query_heads_of_rank(config.num_attention_heads, tp.size, tp.rank)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
 
     def load_sinks(self, tensor: CheckpointTensor) -> None:
@@ -71,8 +70,9 @@ class PagedSelfAttention(nn.Module):
         whole, heads = read_whole(tensor), self.num_heads * self.tp.size
         if whole.shape != (heads,):
             raise ValueError(f"has shape {tuple(whole.shape)}, expected ({heads},)")
+        kept = query_heads_of_rank(heads, self.tp.size, self.tp.rank)
         with torch.no_grad():
-            self.sinks.copy_(whole[self.sink_heads.start : self.sink_heads.stop].float())
+            self.sinks.copy_(whole[kept.start : kept.stop].float())
 
     def forward(
         self,

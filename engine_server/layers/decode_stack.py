@@ -68,18 +68,19 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if not all(isinstance(layer.self_attn, PagedSelfAttention) for layer in layers):
         return None  # latent attention (DeepSeek-V3)
-    first = cast(PagedSelfAttention, layers[0].self_attn)
+    attentions = [cast(PagedSelfAttention, layer.self_attn) for layer in layers]
+    first = attentions[0]
     if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
         return None
-    if first.sinks is not None or not all(cast(PagedSelfAttention, layer.self_attn).rope for layer in layers):
+    if first.sinks is not None or not all(attention.rope for attention in attentions):
         return None
     if model.scales_embeddings or any(layer.residual_multiplier != 1.0 for layer in layers):
         return None
     if model.local_rope or not all(type(layer) is DecoderLayer for layer in layers):  # Gemma's blocks and rope
         return None
     plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
-    for layer in layers:
-        attention, mlp = cast(PagedSelfAttention, layer.self_attn), layer.mlp
+    for layer, attention in zip(layers, attentions, strict=True):
+        mlp = layer.mlp
         parts: list[nn.Module] = [attention.qkv_proj, attention.o_proj]
         moe = None
         if isinstance(mlp, SparseMoE):
@@ -113,15 +114,14 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             stack.add_linear_part(index, *part)
         return index
 
-    for layer, (own, moe) in zip(layers, plans, strict=True):
+    for layer, attention, (own, moe) in zip(layers, attentions, plans, strict=True):
         ids = [add(linear) for linear in own] + ([-1, -1] if moe is not None else [])
         stack.add_layer(
             layer.input_layernorm.weight.detach(),
             layer.post_attention_layernorm.weight.detach(),
             *ids,
-            cast(PagedSelfAttention, layer.self_attn).window,
+            attention.window,
         )
-        attention = cast(PagedSelfAttention, layer.self_attn)
         if attention.q_norm is not None and attention.k_norm is not None:
             q_weight, k_weight = attention.q_norm.weight.detach(), attention.k_norm.weight.detach()
             stack.set_qk_norms(q_weight, k_weight, attention.q_norm.eps, attention.qk_norm_whole)
