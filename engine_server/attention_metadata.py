@@ -10,6 +10,8 @@ Contract shared by the runner, the model and every attention kernel:
   lives in slot `block_tables[i][p // block_size] * block_size + p % block_size`.
 - Each layer writes the K/V of all T new tokens before computing attention, so a sequence may read blocks that
   another sequence of the same step writes (shared prefix blocks).
+- A linear-attention layer (Qwen3-Next, Qwen3.5: `layers.gated_deltanet`) has no KV cache: its entry in the list of
+  caches is a float32 `[state_slots, state_size]` tensor, sequence i's state in row `state_slots[i]`.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class AttentionMetadata:
     # tensor-parallel step channel) without copying them back from the device; None where not built here.
     host_block_tables: torch.Tensor | None = None
     host_slot_mapping: torch.Tensor | None = None
+    # Models with linear attention (`ModelConfig.linear_attention`): each sequence's row of the layers' state tensors
+    # (`[B]` int64 on the device, and the host's copy), set by the runner from its requests' slots; else None.
+    state_slots: torch.Tensor | None = None
+    state_slots_cpu: list[int] | None = None
 
     @classmethod
     def build(
@@ -213,7 +219,13 @@ def kv_cache_bytes_per_block(
     storage, row = kv_cache_layout(config, dtype, cache_dtype)
     itemsize = torch.empty((), dtype=storage).element_size()
     kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
-    return 2 * block_size * kv_heads * row * itemsize * config.num_hidden_layers
+    return 2 * block_size * kv_heads * row * itemsize * config.attention_layers
+
+
+def recurrent_state_bytes(config: ModelConfig, slots: int) -> int:
+    """Bytes the linear-attention layers' states of `slots` sequences take (0 for a model without such layers)."""
+    linear = config.linear_attention
+    return 0 if linear is None else 4 * linear.state_size * len(linear.layers) * slots
 
 
 def kv_cache_layout(config: ModelConfig, dtype: torch.dtype, cache_dtype: KVCacheDType) -> tuple[torch.dtype, int]:
@@ -238,10 +250,18 @@ def allocate_kv_cache(
     device: torch.device | str,
     tp_size: int = 1,
     cache_dtype: KVCacheDType = "auto",
+    state_slots: int = 0,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
-    and row), of one rank's KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`)."""
+    and row), of one rank's KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`);
+    a linear-attention layer's is its float32 states, `[state_slots, state_size]`."""
     storage, row = kv_cache_layout(config, dtype, cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
     shape = (2, num_blocks, block_size, kv_heads, row)
-    return [torch.zeros(shape, dtype=storage, device=device) for _ in range(config.num_hidden_layers)]
+    linear = config.linear_attention
+    return [
+        torch.zeros(state_slots, linear.state_size, dtype=torch.float32, device=device)
+        if linear is not None and config.is_linear_layer(index)
+        else torch.zeros(shape, dtype=storage, device=device)
+        for index in range(config.num_hidden_layers)
+    ]

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -36,6 +36,11 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "kimi_k2": "deepseek_v3",
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_text": "qwen3_next",
+    "qwen3_5_moe_text": "qwen3_next",
+    "qwen3_5": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
@@ -106,6 +111,42 @@ class LatentAttention:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool = True
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet's shape (Qwen3-Next, Qwen3.5; `layers.gated_deltanet`): the linear attention of `layers`,
+    whose state per sequence is a short convolution's last `conv_kernel - 1` inputs over q, k and v
+    (`conv_dim` channels) and one `key_head_dim x value_head_dim` matrix per value head, in place of a KV cache.
+    Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads. `grouped_projection`:
+    the checkpoint's input projections are Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, their rows grouped by key
+    head (Qwen3.5 stores q/k/v, z, b and a apart)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[int, ...]
+    grouped_projection: bool = False
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: the convolution's inputs, then the matrices."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -212,6 +253,21 @@ class ModelConfig:
     rope_linear_factor: float = 1.0
     attention_softcap: float = 0.0
     final_logit_softcap: float = 0.0
+    # Qwen3-Next and Qwen3.5: hybrids whose `linear_attention.layers` run Gated DeltaNet (a state per sequence, no
+    # KV cache) and the rest gated attention: q_proj gives each head its query and as many gate values
+    # (`attention_output_gate`), and the attention's output is multiplied by their sigmoid before o_proj.
+    linear_attention: LinearAttention | None = None
+    attention_output_gate: bool = False
+
+    def is_linear_layer(self, index: int) -> bool:
+        """Whether layer `index` is linear attention (`linear_attention`), which keeps a state and no KV cache."""
+        return self.linear_attention is not None and index in self.linear_attention.layers
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that keep K/V in the paged cache (all but the linear-attention ones)."""
+        linear = self.linear_attention
+        return self.num_hidden_layers - (len(linear.layers) if linear is not None else 0)
 
     @property
     def o_proj_bias(self) -> bool:
@@ -270,6 +326,8 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
+        if model_type in ("qwen3_5", "qwen3_5_moe"):  # the multimodal checkpoint: its text model is served
+            cfg = _text_config(cfg)
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
         rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -281,7 +339,9 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         scaling: RopeScaling | LongRope | Yarn | None = None
-        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        hybrid = _hybrid_fields(arch, cfg)
+        default_partial = 0.25 if hybrid else 1.0  # Qwen3-Next's rope turns a quarter of each head by default
+        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or default_partial)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         rope_fields: dict[str, Any] = {}
         if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
@@ -331,7 +391,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next"),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2"),
             post_norms=arch == "olmo2",
@@ -347,6 +407,7 @@ class ModelConfig:
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
             **gemma,
+            **hybrid,
         )
 
     @classmethod
@@ -447,6 +508,48 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         fields["query_scale_beta"] = beta
         fields["query_scale_positions"] = int(rope["original_max_position_embeddings"])
     return fields
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Qwen3.5 `config.json`'s text model (`text_config`), with the top level's word-embedding tie."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{cfg.get('model_type')} config.json has no text_config")
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "tie_word_embeddings": tie}
+
+
+def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5's `ModelConfig` fields ({} for the other families): the linear-attention layers
+    (`layer_types`, or every layer but each `full_attention_interval`-th, 4), their shape, zero-centred norms
+    (`norm_offset` 1) and the attention's output gate."""
+    if arch != "qwen3_next":
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name linear_attention or full_attention for each of the {layers} "
+                         f"layers; got {types!r}")  # fmt: skip
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{cfg.get('model_type')}: hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+    linear = LinearAttention(
+        num_key_heads=int(cfg.get("linear_num_key_heads") or 16),
+        num_value_heads=int(cfg.get("linear_num_value_heads") or 32),
+        key_head_dim=int(cfg.get("linear_key_head_dim") or 128),
+        value_head_dim=int(cfg.get("linear_value_head_dim") or 128),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+        layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        grouped_projection=cfg.get("model_type") == "qwen3_next",
+    )
+    if linear.num_value_heads % linear.num_key_heads or linear.conv_kernel < 2:
+        raise ValueError(f"linear attention of {linear.num_value_heads} value heads over {linear.num_key_heads} key "
+                         f"heads with a {linear.conv_kernel}-tap convolution is not supported")  # fmt: skip
+    if len(linear.layers) == layers:
+        raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
+    return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
 
 
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -585,8 +688,10 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     `config.json` ({} for a dense family). Mixtral's, OLMoE's and gpt-oss's experts are `intermediate_size` wide;
     Mixtral always renormalises its top-k weights, OLMoE as `norm_topk_prob` says; gpt-oss softmaxes the top-k
     logits (the same weights), with biases and its clamped SwiGLU."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"):
         return {}
+    if arch == "qwen3_next" and not cfg.get("num_experts"):
+        return {}  # Qwen3.5's dense models
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     if experts < 1 or not 1 <= top_k <= experts:
@@ -644,9 +749,10 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        # Qwen3.5's MoE router always renormalises (its config has no norm_topk_prob).
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_next")),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-        if arch == "qwen2_moe"
+        if arch in ("qwen2_moe", "qwen3_next")
         else 0,
         dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
     )

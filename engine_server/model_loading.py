@@ -37,6 +37,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from engine_server.attention_metadata import recurrent_state_bytes
 from engine_server.config import EngineConfig, ModelConfig
 from engine_server.cuda_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture, graph_batch_sizes
 from engine_server.host_memory import keep_freed_memory_for_reuse, release_freed_memory
@@ -92,6 +93,9 @@ class LoadedModel:
     decode_graphs: DecodeGraphs | None = None
     tp: TensorParallel = SINGLE
     lora_slots: LoraSlots | None = None  # the LoRA adapters' slots (engine_server.lora), when the engine serves them
+    # Rows of the linear-attention layers' state tensors (`layers.gated_deltanet`): one per running request; 0 for a
+    # model without such layers.
+    state_slots: int = 0
 
     @property
     def scratch_block(self) -> int:
@@ -117,15 +121,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def num_kv_blocks(
     model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int, tp_size: int = 1
 ) -> int:
-    """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism); at least
-    enough for one sequence of max_model_len tokens."""
+    """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism), beside the
+    linear-attention states of `max_num_seqs` requests where the model has such layers; at least enough for one
+    sequence of max_model_len tokens."""
     block_size = config.cache.block_size
     per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size, config.cache.dtype)
     needed_for_one = -(-max_model_len // block_size) + 1
-    blocks = config.cache.memory_bytes // per_block
+    states = recurrent_state_bytes(model_config, config.scheduler.max_num_seqs)
+    blocks = max(config.cache.memory_bytes - states, 0) // per_block
     if blocks < needed_for_one:
+        held = f" after the {states} B of {config.scheduler.max_num_seqs} linear-attention states" if states else ""
         raise ValueError(
-            f"KV cache memory {config.cache.memory_bytes} B holds {blocks} blocks; one {max_model_len}-token "
+            f"KV cache memory {config.cache.memory_bytes} B holds {blocks} blocks{held}; one {max_model_len}-token "
             f"sequence needs {needed_for_one} ({needed_for_one * per_block} B)"
         )
     return int(blocks)
@@ -136,6 +143,9 @@ def load_model(
 ) -> LoadedModel:
     """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring);
     under tensor parallelism, `tp`'s shards of it (every rank of the group calls this together)."""
+    if config.speculative is not None and source.config.linear_attention is not None:
+        # Verifying drafts would advance the states past tokens that are then rejected.
+        raise ValueError("speculative decoding is not served on models with linear attention (Qwen3-Next, Qwen3.5)")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.
@@ -162,16 +172,20 @@ def load_model(
     num_blocks = tp.broadcast_from_driver(num_kv_blocks(source.config, config, dtype, max_model_len, tp.size))
     block_size = config.cache.block_size
     # An encoder keeps nothing between steps: its blocks only count the tokens in flight, and hold no memory.
+    state_slots = config.scheduler.max_num_seqs if source.config.linear_attention is not None else 0
     kv_caches = (
         []
         if source.config.encoder
-        else allocate_kv_cache(source.config, num_blocks + 1, block_size, dtype, device, tp.size, config.cache.dtype)
+        else allocate_kv_cache(
+            source.config, num_blocks + 1, block_size, dtype, device, tp.size, config.cache.dtype, state_slots
+        )
     )
     _quantize(model, source, quantization, device, kernels, stored)
     loaded = LoadedModel(
         device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks, kv_caches=kv_caches,
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
+        state_slots=state_slots,
     )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
     if config.lora is not None:
@@ -179,6 +193,8 @@ def load_model(
             raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
         if source.config.latent_attention is not None:
             raise ValueError("LoRA adapters are not applied to multi-head latent attention (DeepSeek-V3) yet")
+        if source.config.linear_attention is not None:
+            raise ValueError("LoRA adapters are not applied to linear attention (Qwen3-Next, Qwen3.5) yet")
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
         log.info(
@@ -262,6 +278,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         return False
     if loaded.model_config.encoder:
         return False  # an encoder never decodes
+    if loaded.model_config.linear_attention is not None:
+        # Its layers pick each row's state slot and chunk form from host lists every step.
+        log.warning("a model with linear attention (Qwen3-Next, Qwen3.5) decodes eagerly: no CUDA graphs yet")
+        return False
     if loaded.model_config.num_experts:
         # Each expert's GEMM is sized by the tokens routed to it, which a recorded graph cannot follow.
         log.warning("a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs")

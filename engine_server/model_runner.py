@@ -237,7 +237,10 @@ class ModelRunner:
         self.lora_slots = loaded.lora_slots  # the LoRA adapters' slot weights (None: the engine serves no adapter)
         # A step runs within `launch` here, so another thread can stop it (engine_server.step_interrupt); not under
         # tensor parallelism, where every rank would have to stop at the same layer.
-        self.can_interrupt = self.device.type == "cpu" and fan_out is None
+        # Linear attention's states (`layers.gated_deltanet`): one row per running request (`Request.state_slot`);
+        # a step advances them as it goes, so it is never stopped half way.
+        self.state_slots = loaded.state_slots
+        self.can_interrupt = self.device.type == "cpu" and fan_out is None and not self.state_slots
         self.sampler = Sampler(loaded.model_config.vocab_size, self.device)
         self.grammars = GrammarMatchers(loaded.model_config.vocab_size, self.device)
         model = loaded.model
@@ -531,6 +534,8 @@ class ModelRunner:
             return graphs.run_layout(step_ids, layout, pending, adapter_slots), None
         lora = self._lora_batch(adapter_slots)
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
+        if self.state_slots:
+            self._set_state_slots(meta, steady.requests if steady is not None else output.scheduled)
         host_positions = torch.from_numpy(layout.seq_lens - 1)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
             host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
@@ -569,6 +574,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
+        if self.state_slots:
+            self._set_state_slots(meta, scheduled)
         host_ids, host_positions = (
             host_tensor(tokens.known, torch.long, self.device),
             host_tensor(positions, torch.long, self.device),
@@ -604,6 +611,14 @@ class ModelRunner:
             self.fan_out.forward(input_ids, positions, meta)
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
         return hidden
+
+    def _set_state_slots(self, meta: AttentionMetadata, rows: Sequence[Request | ScheduledRequest]) -> None:
+        """Give `meta` each row's linear-attention state slot (`Request.state_slot`)."""
+        slots = [(row.request if isinstance(row, ScheduledRequest) else row).state_slot for row in rows]
+        if min(slots, default=0) < 0:
+            raise RuntimeError("a request runs without a state slot on a model with linear attention")
+        meta.state_slots_cpu = slots
+        meta.state_slots = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
 
     @staticmethod
     def _adapter_slots(requests: list[Request]) -> list[int] | None:

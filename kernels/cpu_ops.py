@@ -16,6 +16,12 @@
 - Quantized linear layers (`kernels/cpu/quant_matmul.cpp`) and the decode stack (`kernels/cpu/decoder.cpp`), which
   runs a quantized model's decode step through all these kernels in one call; both are used through
   `engine_server.layers` (`QuantizedLinear`, `decode_stack`), not through `KernelOps`.
+- Gated DeltaNet's core (`kernels/cpu/gated_delta.cpp`, Qwen3-Next and Qwen3.5): the convolution, then every token
+  in turn against its sequence's state (which stays in cache, where the reference takes a prefill chunk in the
+  chunked form, whose rounding depends on where the chunks start), then the gated norm; and the attention's output
+  gate (`sigmoid_mul`). torch's elementwise exp, sigmoid and SiLU give an element other bits where it falls in a
+  tensor's scalar tail; these kernels' depend on its index within its row alone, so a sequence's output does not
+  depend on its batch or its chunking (bit for bit).
 - LoRA's shrink and expand over rows of many adapters (`kernels/cpu/lora.cpp`): the rows grouped by slot in the
   kernel and each slot's rows one small GEMM against its weight, where the reference syncs and gathers per slot;
   each output element summed by fused multiply-adds in one fixed order, so a row's result does not depend on its
@@ -42,7 +48,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,6 +74,7 @@ _SOURCES = (
     "decoder.cpp",
     "seeded_noise.cpp",
     "lora.cpp",
+    "gated_delta.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
@@ -252,6 +259,44 @@ def lora_expand(out: torch.Tensor, y: torch.Tensor, b: torch.Tensor, slots: torc
     torch.ops.ladle_cpu.lora_expand(out, unit_last_stride(y), b.contiguous(), slots)
 
 
+def gated_delta_net(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    key_heads: int,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """`reference.gated_delta_net`'s contract on the C++ kernel (float32 rows; anything else on the reference)."""
+    inputs = (mixed, z, a, b, conv_weight, a_log, dt_bias, norm_weight, states)
+    if not all(t.dtype == torch.float32 for t in inputs) or not all(_rows(t) for t in (mixed, z, a, b, states)):
+        return reference.gated_delta_net(
+            mixed, z, a, b, conv_weight, a_log, dt_bias, norm_weight, eps, key_heads, states, slots, query_lens, fresh
+        )
+    out: torch.Tensor = torch.ops.ladle_cpu.gated_delta_net(
+        mixed, z, a, b, conv_weight.contiguous(), a_log.contiguous(), dt_bias.contiguous(), norm_weight.contiguous(),
+        eps, key_heads, states, torch.tensor(slots, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
+        torch.tensor(fresh, dtype=torch.bool),
+    )  # fmt: skip
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`reference.sigmoid_mul`'s contract; one pass per row for float32 `[rows, n]` inputs of one shape."""
+    if not (_rows(x) and _rows(gate) and x.shape == gate.shape):
+        return reference.sigmoid_mul(x, gate)
+    out: torch.Tensor = torch.ops.ladle_cpu.sigmoid_mul(x, gate)
+    return out
+
+
 def _slot_ids(slots: torch.Tensor) -> bool:
     return slots.dim() == 1 and slots.dtype in (torch.int32, torch.int64)
 
@@ -280,6 +325,8 @@ def cpu_ops() -> KernelOps | None:
         paged_attention=paged_attention,
         lora_shrink=lora_shrink,
         lora_expand=lora_expand,
+        gated_delta_net=gated_delta_net,
+        sigmoid_mul=sigmoid_mul,
     )
 
 

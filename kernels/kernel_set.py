@@ -34,6 +34,10 @@ class KernelOps:
     # `reference.lora_expand`'s contracts.
     lora_shrink: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = reference.lora_shrink
     lora_expand: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] = reference.lora_expand
+    # Qwen3-Next and Qwen3.5: a Gated DeltaNet layer's core over a step's sequences (`gated_delta.gated_delta_net`)
+    # and the attention's output gate (`reference.sigmoid_mul`).
+    gated_delta_net: Callable[..., torch.Tensor] = reference.gated_delta_net
+    sigmoid_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = reference.sigmoid_mul
 
 
 REFERENCE_OPS = KernelOps(

@@ -15,8 +15,15 @@ from typing import TYPE_CHECKING, overload
 import torch
 import torch.nn.functional as F
 
+from kernels.gated_delta import gated_delta_net as gated_delta_net  # the kernel sets' op of Gated DeltaNet
+
 if TYPE_CHECKING:
     from kernels.attention_inputs import AttentionInputs, RopeScalingParams, YarnParams
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`x * sigmoid(gate)` (Qwen3-Next's and Qwen3.5's attention output gate), in x's dtype."""
+    return x * torch.sigmoid(gate)
 
 
 @overload

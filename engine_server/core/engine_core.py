@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 
 import structlog
@@ -151,9 +151,14 @@ class EngineCore:
         # A model whose every layer is windowed frees the blocks outside the window, unless a draft model, which
         # attends over the same blocks, may read them.
         window = 0 if spec is not None and spec.method == "draft_model" else self.model_config.uniform_window
+        # Linear attention (Qwen3-Next, Qwen3.5) keeps a state per running request, in a slot of its own; a state
+        # holds a whole prefix at once, not block by block, so no prefix is served from the cache.
+        recurrent = self.model_config.linear_attention is not None
+        cache = replace(config.cache, enable_prefix_caching=False) if recurrent else config.cache
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len, self.step_time, window,
+            config.scheduler, cache, self.runner.num_blocks, self.max_model_len, self.step_time, window,
             lora_slots=config.lora.max_loras if config.lora is not None else 0,
+            state_slots=self.runner.state_slots,
         )  # fmt: skip
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         async_scheduling = config.async_scheduling

@@ -112,6 +112,7 @@ class Request:
         "sampling_params",
         "scheduled_time",
         "speculative",
+        "state_slot",
         "status",
         "stop_token_id",
         "stop_token_ids",
@@ -165,6 +166,7 @@ class Request:
         self.cache_salt = cache_salt
         self.lora = lora
         self.lora_slot = -1  # the adapter's slot while the request runs (the scheduler's AdapterSlots), else -1
+        self.state_slot = -1  # its linear-attention state's slot while it runs (the scheduler's StateSlots), else -1
         self.max_tokens = (
             0 if pooling is not None else resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
         )

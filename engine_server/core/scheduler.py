@@ -74,6 +74,7 @@ from engine_server.core.adapter_slots import AdapterSlots
 from engine_server.core.kv_cache_manager import KVCacheManager
 from engine_server.core.request import Priority, Request, RequestStatus, receive_pending_tokens
 from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
+from engine_server.core.state_slots import StateSlots
 from engine_server.core.step_timing import INTERACTIVE_QUIET_S, StepTimeModel
 from engine_server.errors import QueueFullError
 
@@ -105,11 +106,14 @@ class Scheduler:
         step_time: StepTimeModel | None = None,
         window: int = 0,
         lora_slots: int = 0,
+        state_slots: int = 0,
     ) -> None:
         """`step_time` caps the prefill of steps without INTERACTIVE prefill (module docstring); the caller
         feeds it the measured steps. None: no cap. `window` > 0: every layer of the model attends through that
         sliding window, and requests give back the blocks outside it (`KVCacheManager`). `lora_slots` > 0: the
-        LoRA slots (`--max-loras`) that running requests of adapters share (`AdapterSlots`)."""
+        LoRA slots (`--max-loras`) that running requests of adapters share (`AdapterSlots`). `state_slots` > 0: the
+        model keeps a linear-attention state per running request, in one of these slots each (`StateSlots`; as many
+        as `max_num_seqs`)."""
         self.config = scheduler_config
         self.step_time = step_time
         self._last_interactive = -math.inf  # monotonic time an INTERACTIVE request last arrived or ran
@@ -130,6 +134,9 @@ class Scheduler:
         self._steady: _SteadyRecord | None = None  # the last step, when it was a steady decode step
         self._num_finished = 0  # requests finished since start: a steady update checks no row's status unless it moved
         self.adapter_slots = AdapterSlots(lora_slots) if lora_slots else None
+        self.state_slots = StateSlots(state_slots) if state_slots else None
+        if state_slots and state_slots < scheduler_config.max_num_seqs:
+            raise ValueError(f"{state_slots} state slots for {scheduler_config.max_num_seqs} running requests")
 
     # -- queries -------------------------------------------------------------------------------------
 
@@ -431,6 +438,7 @@ class Scheduler:
         for item in reversed(admitted):
             request = item.request
             self._give_back_adapter_slot(request)  # its slot keeps the adapter the step loaded: a later step reuses it
+            self._give_back_state_slot(request)
             self.kv_cache.free(request)
             request.num_computed_tokens = 0
             request.num_pending_tokens -= item.needs_sample
@@ -688,6 +696,8 @@ class Scheduler:
                     self._give_back_adapter_slot(request)
                     return budget  # no overtaking: a later or lower-priority request must not jump ahead
                 queue.popleft()
+                if self.state_slots is not None:
+                    request.state_slot = self.state_slots.acquire()
                 if request.status is RequestStatus.WAITING:
                     request.num_cached_tokens = num_cached
                 request.num_computed_tokens = num_cached
@@ -725,8 +735,15 @@ class Scheduler:
             self.adapter_slots.release(request.lora_slot)
             request.lora_slot = -1
 
+    def _give_back_state_slot(self, request: Request) -> None:
+        """The request no longer runs: its linear-attention state's slot (if it holds one) is free."""
+        if request.state_slot >= 0 and self.state_slots is not None:
+            self.state_slots.release(request.state_slot)
+            request.state_slot = -1
+
     def _preempt(self, request: Request) -> None:
         self._give_back_adapter_slot(request)
+        self._give_back_state_slot(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -752,6 +769,7 @@ class Scheduler:
         self._num_pooling -= request.pooling is not None
         self._num_reading_prompts -= request.sampling_params.prompt_logprobs is not None
         self._give_back_adapter_slot(request)
+        self._give_back_state_slot(request)
         self.kv_cache.free(request)
         del self._requests[request.request_id]
         del self._seq[request.request_id]

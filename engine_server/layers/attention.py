@@ -14,7 +14,13 @@ from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
-from engine_server.parallel.sharding import heads_per_rank, kv_heads_per_rank, qkv_slices, query_heads_of_rank
+from engine_server.parallel.sharding import (
+    PartSlice,
+    heads_per_rank,
+    kv_heads_per_rank,
+    qkv_slices,
+    query_heads_of_rank,
+)
 from kernels.kernel_set import KernelOps
 
 
@@ -25,7 +31,9 @@ class PagedSelfAttention(nn.Module):
     soft-capped with `ModelConfig.attention_softcap` (Gemma 2); without `rope` (SmolLM3's NoPE layers) q and k are
     not turned by their positions. With `ModelConfig.attention_sinks` (gpt-oss) each query head has a learned sink
     logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more term of its softmax's
-    denominator (`kernels.reference.paged_attention`)."""
+    denominator (`kernels.reference.paged_attention`). With `ModelConfig.attention_output_gate` (Qwen3-Next, Qwen3.5)
+    q_proj gives each head its query and then as many gate values, and the attention's output is multiplied by
+    their sigmoid before `o_proj`."""
 
     def __init__(
         self,
@@ -49,6 +57,11 @@ class PagedSelfAttention(nn.Module):
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.softcap = config.attention_softcap
         parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, self.head_dim, tp.size, tp.rank)
+        self.output_gate = config.attention_output_gate
+        if self.output_gate:  # each head's rows are its query's, then its gate's: twice the rows, head for head
+            q_part = parts[0]
+            parts = (PartSlice(2 * q_part.full, range(2 * q_part.rows.start, 2 * q_part.rows.stop)), *parts[1:])
+        self.q_width = len(parts[0].rows)
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
         full_q = config.num_attention_heads * self.head_dim
         self.o_proj: nn.Module = RowParallelLinear(full_q, config.hidden_size, o_proj_bias, tp, dtype)
@@ -91,7 +104,11 @@ class PagedSelfAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             qkv = lora.add("qkv_proj", hidden, qkv, ops)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_width, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            query_and_gate = q.reshape(tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = query_and_gate[..., : self.head_dim].contiguous(), query_and_gate[..., self.head_dim :]
         if self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         if self.clip_qkv:
@@ -114,6 +131,8 @@ class PagedSelfAttention(nn.Module):
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         out = out.reshape(tokens, self.q_size)
+        if gate is not None:
+            out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
         projected = self.o_proj(out)
         if lora is not None:
             projected = lora.add("o_proj", out, projected, ops)

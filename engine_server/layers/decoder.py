@@ -11,6 +11,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
@@ -34,8 +35,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.residual_multiplier = config.residual_multiplier
-        self.self_attn: PagedSelfAttention | MultiLatentAttention = (
-            MultiLatentAttention(config, dtype, tp)
+        # The token mixer: attention, or Gated DeltaNet on a hybrid's linear layers (whose checkpoints call it
+        # `linear_attn`: `models.qwen3_next` reads it under this name).
+        self.self_attn: PagedSelfAttention | MultiLatentAttention | GatedDeltaNet = (
+            GatedDeltaNet(config, dtype, tp)
+            if config.is_linear_layer(index)
+            else MultiLatentAttention(config, dtype, tp)
             if config.latent_attention is not None
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index)

@@ -20,6 +20,7 @@ from engine_server.models.qwen2 import Qwen2ForCausalLM
 from engine_server.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine_server.models.qwen3 import Qwen3ForCausalLM
 from engine_server.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine_server.models.qwen3_next import Qwen3NextForCausalLM
 from engine_server.models.smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["BertEncoder", "CausalLM", "StepModel", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
@@ -31,7 +32,7 @@ StepModel = CausalLM | BertEncoder
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-    "olmo2", "deepseek_v3"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
+    "olmo2", "deepseek_v3", "qwen3_next"); ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -49,6 +50,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "granite": GraniteForCausalLM,
         "olmo2": Olmo2ForCausalLM,
         "deepseek_v3": DeepseekV3ForCausalLM,
+        "qwen3_next": Qwen3NextForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -38,6 +38,10 @@ FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
     ("qkv_proj", "v_proj", "v"),
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
+    ("in_proj", "in_proj_qkv", "qkv"),  # Gated DeltaNet's input projections (layers.gated_deltanet)
+    ("in_proj", "in_proj_z", "z"),
+    ("in_proj", "in_proj_b", "b"),
+    ("in_proj", "in_proj_a", "a"),
 )
 _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard) for fused, _, shard in FUSED_SHARDS}
 # A bare decoder's checkpoint names (no `model.` prefix, no LM head): `load_weights` reads them under `model.`.

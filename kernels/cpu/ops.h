@@ -50,5 +50,8 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots);
 void lora_expand(const at::Tensor& out, const at::Tensor& y, const at::Tensor& b, const at::Tensor& slots);
+at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& states, const at::Tensor& slots,
+                            const at::Tensor& query_lens, const at::Tensor& fresh);
 
 }  // namespace ladle_cpu

@@ -57,6 +57,7 @@ def make_scheduler(
     max_model_len: int = 4096,
     enable_prefix_caching: bool = True,
     step_time: StepTimeModel | None = None,
+    state_slots: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -66,6 +67,7 @@ def make_scheduler(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         step_time=step_time,
+        state_slots=state_slots,
     )
 
 

@@ -37,6 +37,11 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+LINEAR_ATTENTION = {
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+    "layer_types": ["linear_attention", "full_attention"],
+}  # fmt: skip
+MAX_SEQUENCES = 8  # the linear-attention states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
     "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
@@ -143,6 +148,20 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     ),
     # OLMoE: top-2 of 4 unnormalised, q/k norms over the whole projection, q/k/v clamped.
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 1.0}),
+    # Hybrids of Gated DeltaNet and gated attention (the first layer linear, the second full): Qwen3.5's dense model
+    # (2 key heads of 16 dims, each serving 2 value heads of 8); Qwen3-Next's grouped q/k/v/z and b/a projections
+    # beside top-2 of 8 experts and a gated shared expert; Qwen3.5's mixture of experts (always renormalised).
+    "qwen3.5": (transformers.Qwen3_5TextConfig, {"head_dim": 16, **LINEAR_ATTENTION}),
+    "qwen3-next": (
+        transformers.Qwen3NextConfig,
+        {"head_dim": 16, **LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48},
+    ),
+    "qwen3.5-moe": (
+        transformers.Qwen3_5MoeTextConfig,
+        {"head_dim": 16, **LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48},
+    ),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
     "gemma2": (
@@ -169,6 +188,9 @@ MODEL_CLASSES = {
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
+    transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
+    transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
+    transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
 }
 
 
@@ -204,7 +226,9 @@ class PagedRunner:
     tables: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.kv_caches = allocate_kv_cache(self.model.config, self.num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+        self.kv_caches = allocate_kv_cache(
+            self.model.config, self.num_blocks, BLOCK_SIZE, torch.float32, "cpu", state_slots=MAX_SEQUENCES
+        )
         self.free = list(range(1, self.num_blocks))  # block 0 left unused so padding never aliases real data
         random.Random(0).shuffle(self.free)
 
@@ -224,6 +248,8 @@ class PagedRunner:
             tables.append(list(table))
             self.computed[seq] = end
         meta = AttentionMetadata.build(q_lens, s_lens, tables, BLOCK_SIZE, "cpu")
+        meta.state_slots_cpu = [seq for seq, _ in chunks]  # linear attention's: sequence i's state is in slot i
+        meta.state_slots = torch.tensor(meta.state_slots_cpu)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
             return self.model.compute_logits(hidden)

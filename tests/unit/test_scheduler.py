@@ -129,6 +129,31 @@ def test_preemption_storm_completes_every_request_with_correct_outputs(prefix_ca
     assert (sched.num_running, sched.num_waiting) == (0, 0)
 
 
+def test_every_running_request_holds_a_state_slot_of_its_own_and_only_while_it_runs() -> None:
+    """A model with linear attention (Qwen3-Next, Qwen3.5): as many state slots as seats. Through a preemption storm
+    and an abort, after every step each running request holds one slot no other holds, no queued or finished one
+    holds any, and every slot is free at the end."""
+    sched = make_scheduler(num_blocks=24, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                           enable_prefix_caching=False, state_slots=4)  # fmt: skip
+    runner = FakeRunner(4)
+    reqs = [make_request(f"r{i}", 5 + 3 * i, max_tokens=20 + i, arrival_time=float(i)) for i in range(10)]
+    for r in reqs:
+        sched.add_request(r)
+    for steps in range(10_000):
+        if not sched.has_unfinished():
+            break
+        out, _ = step(sched, runner)
+        if steps == 3:
+            sched.abort_request(sched.running_requests[0].request_id)
+        held = [r.state_slot for r in sched.running_requests]
+        assert min(held, default=0) >= 0 and len(set(held)) == len(held)
+        assert all(r.state_slot == -1 for r in reqs if r not in sched.running_requests)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert sched.state_slots is not None and sched.state_slots.num_free == 4
+    with pytest.raises(ValueError, match="2 state slots for 4 running requests"):
+        make_scheduler(max_num_seqs=4, state_slots=2)
+
+
 def test_prefix_shared_with_running_request_and_in_same_step() -> None:
     sched = make_scheduler(num_blocks=200, max_num_batched_tokens=4096)
     runner = FakeRunner(16)

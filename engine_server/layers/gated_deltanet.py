@@ -1,0 +1,119 @@
+"""Gated DeltaNet: the linear attention of Qwen3-Next's and Qwen3.5's hybrid layers, over a state per sequence.
+
+Where an attention layer keeps every token's K/V in the paged cache, this layer keeps, per running sequence, one
+fixed-size state (`ModelConfig.linear_attention`): the short convolution's last inputs and a matrix per value head
+(`kernels.gated_delta`). The states of all sequences live in one float32 tensor per layer, `[slots, state_size]`,
+row `AttentionMetadata.state_slots[i]` being sequence i's (the scheduler gives each running request a slot,
+`engine_server.core.state_slots`); a sequence whose chunk starts at position 0 starts from zeros. Between the input
+and output projections the kernel set's `gated_delta_net` runs the step (on the CPU one C++ call).
+
+A step's update of the states cannot be taken back, so a step with this layer is never stopped half way
+(`ModelRunner.can_interrupt`), and nothing else that re-runs tokens (prefix caching, speculative decoding) serves
+these models.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_server.attention_metadata import AttentionMetadata
+from engine_server.config import LinearAttention, ModelConfig
+from engine_server.lora.slots import LayerLora
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
+from engine_server.parallel.sharding import PartSlice
+from kernels.kernel_set import KernelOps
+
+
+class GatedRMSNorm(nn.Module):
+    """The gated norm's weight `[Dv]` and eps (`kernels.gated_delta.gated_norm`: `weight * rms_norm(x) * silu(z)`
+    over each value head), which the kernel set's `gated_delta_net` applies; not offset like the model's norms."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+
+class DepthwiseConv(nn.Module):
+    """The short causal convolution's weight, `[channels, 1, kernel]` as checkpoints store it (no bias)."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=dtype), requires_grad=False)
+
+
+def split_grouped_projections(
+    name: str, tensor: CheckpointTensor, shape: LinearAttention
+) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` weight as Qwen3.5's separate projections: rows grouped by key head
+    (`[q, k, v, z]` of each group, `[b, a]` of each) become `in_proj_qkv` (all q, then all k, then all v), `in_proj_z`,
+    `in_proj_b` and `in_proj_a`, each head in its order. ValueError when the rows do not add up."""
+    whole = read_whole(tensor)
+    groups, per_group = shape.num_key_heads, shape.num_value_heads // shape.num_key_heads
+    base = name.rpartition(".in_proj_")[0]
+    if name.endswith("in_proj_qkvz.weight"):
+        value_rows = per_group * shape.value_head_dim
+        sizes = [shape.key_head_dim, shape.key_head_dim, value_rows, value_rows]
+    else:
+        sizes = [per_group, per_group]
+    if whole.dim() != 2 or whole.shape[0] != groups * sum(sizes):
+        raise ValueError(f"weight {name!r} of shape {tuple(whole.shape)}: expected {groups * sum(sizes)} rows")
+    parts = whole.view(groups, sum(sizes), whole.shape[1]).split(sizes, dim=1)
+    rows = [part.reshape(-1, whole.shape[1]) for part in parts]
+    if len(rows) == 4:
+        q, k, v, z = rows
+        return [(f"{base}.in_proj_qkv.weight", torch.cat((q, k, v))), (f"{base}.in_proj_z.weight", z)]
+    b, a = rows
+    return [(f"{base}.in_proj_b.weight", b), (f"{base}.in_proj_a.weight", a)]
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer: `in_proj` (rows `cat(qkv, z, b, a)`), then the kernel set's `gated_delta_net`
+    (the convolution over q/k/v, the gated delta rule with decay `g = -exp(A_log) * softplus(a + dt_bias)` and write
+    strength `beta = sigmoid(b)`, the gated norm by `z`), then `out_proj`. Same call as `PagedSelfAttention`, with
+    this layer's state tensor in place of its KV cache (and no rope). Not sharded: tensor parallelism is refused for
+    these models before they load."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if config.linear_attention is None:
+            raise ValueError("GatedDeltaNet needs the model's linear_attention shape")
+        if tp.size > 1:
+            raise ValueError("linear attention (Qwen3-Next, Qwen3.5) is not sharded: use tensor_parallel_size 1")
+        shape = self.shape = config.linear_attention
+        heads = shape.num_value_heads
+        self.sizes = [shape.conv_dim, shape.value_dim, heads, heads]
+        parts = [PartSlice(size, range(size)) for size in self.sizes]
+        self.in_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, False, dtype)
+        self.conv1d = DepthwiseConv(shape.conv_dim, shape.conv_kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.ones(heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(shape.value_head_dim, config.rms_norm_eps, dtype)
+        self.out_proj: nn.Module = RowParallelLinear(shape.value_dim, config.hidden_size, False, tp, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        state: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LayerLora | None = None,
+    ) -> torch.Tensor:
+        """hidden `[T, hidden]` -> `[T, hidden]`; advances each sequence's state in `state` (its row
+        `meta.state_slots[i]`) by its chunk. `positions`, `cos_sin_cache` and `lora` are not read."""
+        slots = meta.state_slots_cpu
+        if slots is None:
+            raise ValueError("a step through linear attention needs each sequence's state slot (state_slots)")
+        mixed, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
+        # A chunk that starts its sequence starts from zeros (a slot's last holder left its own state there).
+        fresh = [length == count for count, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]
+        core = ops.gated_delta_net(
+            mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+            self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
+        )  # fmt: skip
+        result: torch.Tensor = self.out_proj(core)
+        return result

@@ -1,0 +1,47 @@
+"""Qwen3-Next and Qwen3.5 (dense and mixture of experts): hybrids of Gated DeltaNet linear attention
+(`layers.gated_deltanet`, three layers in four) and gated full attention, with zero-centred norms."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator
+
+from engine_server.layers.gated_deltanet import split_grouped_projections
+from engine_server.models.base import CausalLM
+from engine_server.parallel.layers import CheckpointTensor
+
+# What a checkpoint holds beside the text model, not read: Qwen3.5's vision tower (its multimodal checkpoints) and
+# the multi-token-prediction layers both families ship.
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_LANGUAGE_MODEL = "model.language_model."  # the text model's weights in a multimodal Qwen3.5 checkpoint
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next (`qwen3_next`) and Qwen3.5 (`qwen3_5`, `qwen3_5_moe` and their `_text` models): a layer's token
+    mixer is `GatedDeltaNet` where `ModelConfig.linear_attention` says (checkpoint `linear_attn`, read as
+    `self_attn`), else attention with q/k norms, partial rope and an output gate; its MLP is dense (Qwen3.5) or a
+    mixture of experts beside a sigmoid-gated shared expert (Qwen2-MoE's). A multimodal Qwen3.5 checkpoint's text
+    model is served (`model.language_model.` read as `model.`); its vision tower and every checkpoint's
+    multi-token-prediction layers are not read. Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` are split into
+    Qwen3.5's projections as they load."""
+
+    checkpoint_renames = ((".linear_attn.", ".self_attn."),)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> None:
+        """`CausalLM.load_weights` of the text model's weights, Qwen3-Next's grouped projections split."""
+        super().load_weights(self._text_weights(weights), replaced)
+
+    def _text_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        shape = self.config.linear_attention
+        for name, tensor in weights:
+            if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            if name.startswith(_LANGUAGE_MODEL):
+                name = "model." + name.removeprefix(_LANGUAGE_MODEL)
+            if shape is not None and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
+                yield from split_grouped_projections(name, tensor, shape)
+            else:
+                yield name, tensor

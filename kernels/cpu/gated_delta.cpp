@@ -1,0 +1,278 @@
+// Gated DeltaNet's core (the linear attention of Qwen3-Next and Qwen3.5) over one step's sequences on the CPU: the
+// contract of kernels/gated_delta.py's gated_delta_net, everything between the layer's input projection and its
+// output projection, in three passes:
+//   1. the short causal convolution and SiLU of each sequence's tokens after its state's last K - 1 inputs, the
+//      channels in blocks (the state's inputs advance);
+//   2. the gated delta rule, each (sequence, value head) a task whose Dk x Dv state matrix stays in cache while its
+//      tokens pass in order: with q and k L2-normalised (eps 1e-6 inside the root), q scaled by Dk^-0.5, the decay
+//      g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = sigmoid(b),
+//        S *= exp(g);  recalled = k S;  S += k^T (beta (v - recalled));  o = q S
+//      where the reference takes a prefill chunk in the chunked (WY) form;
+//   3. the gated RMSNorm of each head's output, times SiLU(z).
+// Every value of a token is computed by code that depends only on its index within its row (vector lanes, then a
+// scalar tail, by channel or dim) and on its sequence's earlier tokens, in one fixed order (built with
+// -ffp-contract=off): a sequence's output is the same alone, batched, or prefilled in chunks of any size, bit for
+// bit. (torch's own elementwise exp, sigmoid and SiLU are not: which elements of a tensor take its scalar tail
+// depends on the tensor's size.)
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace {
+
+using namespace ladle_cpu;
+
+constexpr int64_t kChannelBlock = 256;  // channels of one convolution task (a multiple of kLanes)
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+inline vec16 silu_lanes(vec16 x) { return x / (1.f + exp_lanes(-x)); }
+
+// 1 / sqrt(sum(x^2) + 1e-6) of n floats, summed in index order.
+inline float inverse_norm(const float* x, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum + 1e-6f);
+}
+
+// torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)).
+inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+
+void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* name) {
+  LADLE_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.scalar_type() == at::kFloat &&
+                  t.stride(1) == 1,
+              "%s must be float32 [%lld, %lld] with a contiguous last dim", name, static_cast<long long>(rows),
+              static_cast<long long>(width));
+}
+
+void check_vector(const at::Tensor& t, int64_t n, const char* name) {
+  LADLE_CHECK(t.numel() == n && t.scalar_type() == at::kFloat && t.is_contiguous(),
+              "%s must be %lld contiguous float32 values", name, static_cast<long long>(n));
+}
+
+// Pass 1 for one sequence's tokens [first, end) and channels [c0, c1): out[t][c] = silu(sum_j w[j][c] x[t-K+1+j][c])
+// over its state's inputs then its tokens (zeros for a fresh one), the taps in order; then the state keeps the last
+// K - 1 inputs.
+void convolve(const float* mixed, int64_t mixed_stride, const float* taps, int64_t kernel, int64_t channels,
+              float* state, bool fresh, int64_t first, int64_t end, int64_t c0, int64_t c1, float* out) {
+  const int64_t history = kernel - 1, count = end - first;
+  if (fresh)
+    for (int64_t i = 0; i < history; ++i) std::fill(state + i * channels + c0, state + i * channels + c1, 0.f);
+  // Input row `index` of the window: the state's rows first, then the tokens'.
+  auto input = [&](int64_t index) -> const float* {
+    return index < history ? state + index * channels : mixed + (first + index - history) * mixed_stride;
+  };
+  const int64_t vector_end = c0 + (std::min(c1, channels - channels % kLanes) - c0) / kLanes * kLanes;
+  for (int64_t t = 0; t < count; ++t) {
+    float* o = out + (first + t) * channels;
+    int64_t c = c0;
+    for (; c < vector_end; c += kLanes) {
+      vec16 acc = load(taps + c) * load(input(t) + c);
+      for (int64_t j = 1; j < kernel; ++j) acc = acc + load(taps + j * channels + c) * load(input(t + j) + c);
+      store(o + c, silu_lanes(acc));
+    }
+    for (; c < c1; ++c) {
+      float acc = taps[c] * input(t)[c];
+      for (int64_t j = 1; j < kernel; ++j) acc = acc + taps[j * channels + c] * input(t + j)[c];
+      o[c] = silu(acc);
+    }
+  }
+  // The window's last K - 1 rows become the state: shifted within it first where the chunk is shorter than that.
+  for (int64_t i = 0; i < history; ++i) {
+    const float* src = input(count + i);
+    if (src != state + i * channels) std::copy(src + c0, src + c1, state + i * channels + c0);
+  }
+}
+
+}  // namespace
+
+namespace ladle_cpu {
+
+at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& a, const at::Tensor& b,
+                           const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                           const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
+                           const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh) {
+  const int64_t tokens = mixed.size(0), channels = mixed.size(1), value_heads = a.size(1);
+  LADLE_CHECK(value_heads > 0 && key_heads > 0 && value_heads % key_heads == 0 && z.size(1) % value_heads == 0,
+              "%lld value heads over %lld key heads", static_cast<long long>(value_heads),
+              static_cast<long long>(key_heads));
+  const int64_t dv = z.size(1) / value_heads;
+  const int64_t dk = (channels - value_heads * dv) / (2 * key_heads);
+  LADLE_CHECK(dk > 0 && 2 * key_heads * dk + value_heads * dv == channels,
+              "%lld channels are not q, k (%lld heads) and v (%lld heads of %lld)", static_cast<long long>(channels),
+              static_cast<long long>(key_heads), static_cast<long long>(value_heads), static_cast<long long>(dv));
+  check_rows(mixed, tokens, channels, "mixed");
+  check_rows(z, tokens, value_heads * dv, "z");
+  check_rows(a, tokens, value_heads, "a");
+  check_rows(b, tokens, value_heads, "b");
+  const int64_t kernel = conv_weight.size(0) == channels ? conv_weight.numel() / channels : 0;
+  LADLE_CHECK(kernel >= 2, "conv_weight must be [channels, 1, K] with K >= 2");
+  check_vector(conv_weight, channels * kernel, "conv_weight");
+  check_vector(a_log, value_heads, "A_log");
+  check_vector(dt_bias, value_heads, "dt_bias");
+  check_vector(norm_weight, dv, "norm_weight");
+  const int64_t history = kernel - 1, matrix = dk * dv;
+  LADLE_CHECK(states.dim() == 2 && states.size(1) == history * channels + value_heads * matrix &&
+                  states.scalar_type() == at::kFloat && states.stride(1) == 1,
+              "states must be float32 [slots, %lld]", static_cast<long long>(history * channels + value_heads * matrix));
+  const int64_t rows = slots.numel();
+  LADLE_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && query_lens.dim() == 1 &&
+                  query_lens.scalar_type() == at::kLong && query_lens.numel() == rows && fresh.dim() == 1 &&
+                  fresh.scalar_type() == at::kBool && fresh.numel() == rows,
+              "slots and query_lens (int64) and fresh (bool) must have one entry per sequence");
+  const at::Tensor slot_list = slots.contiguous(), len_list = query_lens.contiguous(), fresh_list = fresh.contiguous();
+  const int64_t* slot_ptr = slot_list.data_ptr<int64_t>();
+  const int64_t* len_ptr = len_list.data_ptr<int64_t>();
+  const bool* fresh_ptr = fresh_list.data_ptr<bool>();
+  std::vector<int64_t> starts(rows + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    LADLE_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < states.size(0), "sequence %lld's slot %lld is not a state row",
+                static_cast<long long>(r), static_cast<long long>(slot_ptr[r]));
+    starts[r + 1] = starts[r] + len_ptr[r];
+  }
+  LADLE_CHECK(starts[rows] == tokens, "the query lengths add up to %lld tokens, not %lld",
+              static_cast<long long>(starts[rows]), static_cast<long long>(tokens));
+
+  // The taps by tap: [K, channels], so a tap's weights over a block of channels are contiguous.
+  std::vector<float> taps(kernel * channels);
+  const float* w = conv_weight.data_ptr<float>();
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t j = 0; j < kernel; ++j) taps[j * channels + c] = w[c * kernel + j];
+  at::Tensor convolved = at::empty({tokens, channels}, mixed.options());
+  at::Tensor core = at::empty({tokens, value_heads * dv}, mixed.options());
+  at::Tensor out = at::empty({tokens, value_heads * dv}, mixed.options());
+  const float* mixed_ptr = mixed.data_ptr<float>();
+  float* conv_ptr = convolved.data_ptr<float>();
+  float* core_ptr = core.data_ptr<float>();
+  float* state_ptr = states.data_ptr<float>();
+  const int64_t slot_stride = states.stride(0);
+
+  const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / blocks, c0 = task % blocks * kChannelBlock;
+      convolve(mixed_ptr, mixed.stride(0), taps.data(), kernel, channels, state_ptr + slot_ptr[row] * slot_stride,
+               fresh_ptr[row], starts[row], starts[row + 1], c0, std::min(c0 + kChannelBlock, channels), conv_ptr);
+    }
+  });
+
+  const float* a_ptr = a.data_ptr<float>();
+  const float* b_ptr = b.data_ptr<float>();
+  const float* a_log_ptr = a_log.data_ptr<float>();
+  const float* dt_ptr = dt_bias.data_ptr<float>();
+  const int64_t group = value_heads / key_heads, k_offset = key_heads * dk, v_offset = 2 * key_heads * dk;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dk));
+  at::parallel_for(0, rows * value_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qn(dk), kn(dk), recalled(dv), delta(dv);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / value_heads, head = task % value_heads, key_head = head / group;
+      float* s = state_ptr + slot_ptr[row] * slot_stride + history * channels + head * matrix;
+      if (fresh_ptr[row]) std::fill(s, s + matrix, 0.f);
+      const float rate = std::exp(a_log_ptr[head]);
+      for (int64_t t = starts[row]; t < starts[row + 1]; ++t) {
+        const float* qt = conv_ptr + t * channels + key_head * dk;
+        const float* kt = qt + k_offset;
+        const float* vt = conv_ptr + t * channels + v_offset + head * dv;
+        const float q_inv = inverse_norm(qt, dk), k_inv = inverse_norm(kt, dk);
+        for (int64_t i = 0; i < dk; ++i) {
+          qn[i] = qt[i] * q_inv * scale;
+          kn[i] = kt[i] * k_inv;
+        }
+        const float decay = std::exp(-rate * softplus(a_ptr[t * a.stride(0) + head] + dt_ptr[head]));
+        const float beta = 1.f / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
+        std::fill(recalled.begin(), recalled.end(), 0.f);
+        for (int64_t i = 0; i < dk; ++i) {  // decay the state and recall k's value, in one pass
+          float* srow = s + i * dv;
+          const float ki = kn[i];
+          for (int64_t j = 0; j < dv; ++j) {
+            srow[j] *= decay;
+            recalled[j] += srow[j] * ki;
+          }
+        }
+        for (int64_t j = 0; j < dv; ++j) delta[j] = (vt[j] - recalled[j]) * beta;
+        float* o = core_ptr + t * value_heads * dv + head * dv;
+        std::fill(o, o + dv, 0.f);
+        for (int64_t i = 0; i < dk; ++i) {  // write the correction and read q's output, in one pass
+          float* srow = s + i * dv;
+          const float ki = kn[i], qi = qn[i];
+          for (int64_t j = 0; j < dv; ++j) {
+            srow[j] += ki * delta[j];
+            o[j] += srow[j] * qi;
+          }
+        }
+      }
+    }
+  });
+
+  const float* z_ptr = z.data_ptr<float>();
+  const float* nw = norm_weight.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  const int64_t dv_vector = dv - dv % kLanes;
+  at::parallel_for(0, tokens * value_heads, std::max<int64_t>(1, 4096 / dv), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / value_heads, head = task % value_heads;
+      const float* x = core_ptr + task * dv;
+      const float* gate = z_ptr + t * z.stride(0) + head * dv;
+      float* o = out_ptr + task * dv;
+      vec16 acc = {};
+      int64_t j = 0;
+      for (; j < dv_vector; j += kLanes) {
+        const vec16 v = load(x + j);
+        acc += v * v;
+      }
+      float sumsq = hsum(acc);
+      for (; j < dv; ++j) sumsq += x[j] * x[j];
+      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dv) + feps);
+      j = 0;
+      for (; j < dv_vector; j += kLanes)
+        store(o + j, load(nw + j) * (load(x + j) * inv) * silu_lanes(load(gate + j)));
+      for (; j < dv; ++j) o[j] = nw[j] * (x[j] * inv) * silu(gate[j]);
+    }
+  });
+  return out;
+}
+
+at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate) {
+  LADLE_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float32 rows");
+  check_rows(gate, x.size(0), x.size(1), "gate");
+  const int64_t rows = x.size(0), n = x.size(1), vector_end = n - n % kLanes;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* x_ptr = x.data_ptr<float>();
+  const float* g_ptr = gate.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, n)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x_ptr + r * x.stride(0);
+      const float* gr = g_ptr + r * gate.stride(0);
+      float* o = out_ptr + r * n;
+      int64_t i = 0;
+      for (; i < vector_end; i += kLanes) store(o + i, load(xr + i) * (1.f / (1.f + exp_lanes(-load(gr + i)))));
+      for (; i < n; ++i) o[i] = xr[i] * (1.f / (1.f + std::exp(-gr[i])));
+    }
+  });
+  return out;
+}
+
+}  // namespace ladle_cpu
+
+TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
+  m.def(
+      "gated_delta_net(Tensor mixed, Tensor z, Tensor a, Tensor b, Tensor conv_weight, Tensor a_log, "
+      "Tensor dt_bias, Tensor norm_weight, float eps, int key_heads, Tensor(a!) states, Tensor slots, "
+      "Tensor query_lens, Tensor fresh) -> Tensor");
+  m.def("sigmoid_mul(Tensor x, Tensor gate) -> Tensor");
+  m.impl("gated_delta_net", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::gated_delta_net));
+  m.impl("sigmoid_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::sigmoid_mul));
+}

@@ -1,0 +1,173 @@
+"""Gated DeltaNet's ops (`kernels.gated_delta`, Qwen3-Next and Qwen3.5): the reference against transformers' own
+functions, the C++ layer core and output gate against the reference, and what makes the CPU path batch-invariant: a
+sequence's output is the same bits alone, batched and prefilled in chunks of any size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops as cpu
+from kernels import reference
+from kernels.gated_delta import causal_conv1d, gated_delta_chunk, gated_delta_step, prepare_qk
+
+needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
+KEY_HEADS, VALUE_HEADS = 2, 4
+TAPS = 4
+
+
+def inputs(tokens: int, dk: int = 16, dv: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q, k `[T, Hk, Dk]`, v `[T, Hv, Dv]`, g (log decays in [-2, 0)) and beta `[T, Hv]`."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(tokens, KEY_HEADS, dk, generator=gen) for _ in range(2))
+    v = torch.randn(tokens, VALUE_HEADS, dv, generator=gen)
+    g = -2 * torch.rand(tokens, VALUE_HEADS, generator=gen)
+    beta = torch.rand(tokens, VALUE_HEADS, generator=gen)
+    return q, k, v, g, beta
+
+
+class Layer:
+    """A layer's random weights and a step's inputs (`in_proj`'s output split as the layer splits it)."""
+
+    def __init__(self, tokens: int, dk: int, dv: int, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.dk, self.dv = dk, dv
+        self.channels = 2 * KEY_HEADS * dk + VALUE_HEADS * dv
+        self.state_size = (TAPS - 1) * self.channels + VALUE_HEADS * dk * dv
+        width = self.channels + VALUE_HEADS * dv + 2 * VALUE_HEADS
+        projected = torch.randn(tokens, width, generator=gen)  # the rows stay strided, as the layer's split leaves them
+        self.mixed, self.z, self.b, self.a = projected.split(
+            [self.channels, VALUE_HEADS * dv, VALUE_HEADS, VALUE_HEADS], dim=-1
+        )
+        self.conv_weight = torch.randn(self.channels, 1, TAPS, generator=gen) * 0.5
+        self.a_log = torch.rand(VALUE_HEADS, generator=gen).log()
+        self.dt_bias = torch.randn(VALUE_HEADS, generator=gen)
+        self.norm_weight = 1 + 0.1 * torch.randn(dv, generator=gen)
+
+    def states(self, slots: int = 6, seed: int = 1) -> torch.Tensor:
+        return torch.randn(slots, self.state_size, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+    def run(self, op: Any, chunks: list[tuple[int, slice, bool]], states: torch.Tensor) -> torch.Tensor:
+        """One step of `op` over `chunks` ((slot, that sequence's token span, fresh) each, in order)."""
+        spans = [span for _, span, _ in chunks]
+        picked = [torch.cat([t[span] for span in spans]) for t in (self.mixed, self.z, self.a, self.b)]
+        out: torch.Tensor = op(
+            *picked, self.conv_weight, self.a_log, self.dt_bias, self.norm_weight, 1e-6, KEY_HEADS, states,
+            [slot for slot, _, _ in chunks], [span.stop - span.start for span in spans],
+            [fresh for _, _, fresh in chunks],
+        )  # fmt: skip
+        return out
+
+
+def test_the_reference_forms_equal_transformers_functions() -> None:
+    """The chunked form over 150 tokens (two whole chunks and a partial one, split anywhere) and the one-token form
+    give transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` outputs and states."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    q, k, v, g, beta = inputs(150)
+    theirs, their_state = hf.torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    qn, kn = prepare_qk(q, k, VALUE_HEADS)
+    zero = torch.zeros(VALUE_HEADS, 16, 8)
+    out, state = gated_delta_chunk(qn, kn, v, g, beta, zero)
+    torch.testing.assert_close(out, theirs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, their_state[0], atol=1e-5, rtol=1e-5)
+    first, carried = gated_delta_chunk(qn[:70], kn[:70], v[:70], g[:70], beta[:70], zero)
+    rest, state = gated_delta_chunk(qn[70:], kn[70:], v[70:], g[70:], beta[70:], carried)
+    torch.testing.assert_close(torch.cat((first, rest)), theirs[0], atol=1e-5, rtol=1e-5)
+    recurrent, _ = hf.torch_recurrent_gated_delta_rule(
+        q[None, :5], k[None, :5], v[None, :5], g=g[None, :5], beta=beta[None, :5], output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    state = zero[None]
+    for t in range(5):
+        step, state = gated_delta_step(qn[t : t + 1], kn[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state)
+        assert torch.equal(step[0], recurrent[0, t])  # the same products and sums, in the same order
+
+
+def test_the_convolution_is_a_causal_conv1d_carrying_its_state() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 24, generator=gen)
+    weight = torch.randn(24, TAPS, generator=gen)
+    whole, state = causal_conv1d(x, weight, torch.zeros(TAPS - 1, 24))
+    expected = F.silu(F.conv1d(x.t()[None], weight[:, None, :], padding=TAPS - 1, groups=24)[0, :, :40]).t()
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(state, x[-(TAPS - 1) :])
+    first, carried = causal_conv1d(x[:2], weight, torch.zeros(TAPS - 1, 24))  # shorter than the state
+    rest, _ = causal_conv1d(x[2:], weight, carried)
+    torch.testing.assert_close(torch.cat((first, rest)), whole, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dk", "dv"), [(16, 8), (9, 5), (32, 64), (128, 128)])
+def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int) -> None:
+    """A fresh prompt, a continued prompt of two tokens (shorter than the convolution's history), another of 44 and
+    one-token rows (one fresh), against the reference's chunked and one-token forms; both advance the states in
+    place alike and leave a slot no sequence holds as it was. (9, 5): channels and value dims with scalar tails."""
+    layer = Layer(82, dk, dv, seed=2)
+    before = layer.states()
+    chunks = [(4, slice(0, 30), True), (1, slice(30, 31), False), (0, slice(31, 75), False),
+              (5, slice(75, 76), True), (2, slice(76, 77), False), (3, slice(77, 79), False)]  # fmt: skip
+    ours_states, theirs_states = before.clone(), before.clone()
+    ours = layer.run(cpu.gated_delta_net, chunks, ours_states)
+    theirs = layer.run(reference.gated_delta_net, chunks, theirs_states)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_states, theirs_states, atol=1e-5, rtol=1e-5)
+    chunks = [(3, slice(0, 40), False)]  # a slot left out: its state stays
+    cpu_before = ours_states.clone()
+    layer.run(cpu.gated_delta_net, chunks, ours_states)
+    assert torch.equal(ours_states[:3], cpu_before[:3]) and torch.equal(ours_states[4:], cpu_before[4:])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("dk", "dv"), [(16, 8), (9, 5)])
+def test_the_kernel_gives_a_sequence_the_same_bits_alone_batched_and_chunked(dk: int, dv: int) -> None:
+    layer = Layer(64, dk, dv, seed=4)
+    alone_states = layer.states()
+    alone = layer.run(cpu.gated_delta_net, [(2, slice(0, 40), True)], alone_states)
+    batched_states = layer.states()
+    batched = layer.run(cpu.gated_delta_net, [(0, slice(40, 64), True), (2, slice(0, 40), True)], batched_states)
+    assert torch.equal(batched[24:], alone) and torch.equal(batched_states[2], alone_states[2])
+    chunked_states = layer.states(seed=5)  # another holder's state in the slot: a fresh start ignores it
+    pieces = [layer.run(cpu.gated_delta_net, [(2, slice(0, 17), True)], chunked_states)]
+    pieces.append(layer.run(cpu.gated_delta_net, [(2, slice(17, 19), False)], chunked_states))
+    for t in range(19, 40):  # then one token a step, beside another sequence's decode row
+        step = layer.run(cpu.gated_delta_net, [(1, slice(50, 51), False), (2, slice(t, t + 1), False)],
+                         chunked_states)  # fmt: skip
+        pieces.append(step[1:])
+    assert torch.equal(torch.cat(pieces), alone) and torch.equal(chunked_states[2], alone_states[2])
+
+
+@needs_kernels
+def test_the_kernel_refuses_what_does_not_add_up_and_falls_back_on_other_dtypes() -> None:
+    layer = Layer(5, 16, 8)
+    states = layer.states()
+    with pytest.raises(RuntimeError, match=r"states must be float32 \[slots, 800\]"):
+        layer.run(cpu.gated_delta_net, [(0, slice(0, 5), True)], states[:, :-1].contiguous())
+    with pytest.raises(RuntimeError, match="query lengths add up to 4 tokens, not 5"):
+        cpu.gated_delta_net(
+            layer.mixed, layer.z, layer.a, layer.b, layer.conv_weight, layer.a_log, layer.dt_bias, layer.norm_weight,
+            1e-6, KEY_HEADS, states, [0], [4], [True],
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="slot 7 is not a state row"):
+        layer.run(cpu.gated_delta_net, [(7, slice(0, 5), True)], states)
+    layer.mixed, layer.z = layer.mixed.to(torch.bfloat16), layer.z.to(torch.bfloat16)
+    ours_states, theirs_states = states.clone(), states.clone()
+    out = layer.run(cpu.gated_delta_net, [(0, slice(0, 5), True)], ours_states)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, layer.run(reference.gated_delta_net, [(0, slice(0, 5), True)], theirs_states))
+
+
+@needs_kernels
+@pytest.mark.parametrize("n", [64, 40, 7])
+def test_the_output_gate_matches_the_reference_and_each_row_alone(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x, gate = torch.randn(9, n, generator=gen), torch.randn(9, 2 * n, generator=gen)[:, n:]
+    out = cpu.sigmoid_mul(x, gate)
+    torch.testing.assert_close(out, reference.sigmoid_mul(x, gate), atol=1e-6, rtol=1e-6)
+    for row in range(9):
+        assert torch.equal(cpu.sigmoid_mul(x[row : row + 1], gate[row : row + 1])[0], out[row])

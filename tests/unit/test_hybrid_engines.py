@@ -1,0 +1,146 @@
+"""Qwen3.5 and Qwen3-Next served whole by the engine: hybrids whose Gated DeltaNet layers keep a state per running
+request (`layers.gated_deltanet`) beside the paged KV cache of their full-attention layers. Greedy output equals
+transformers' token for token on the float path alone, batched, prefilled in chunks and after preemption (each a
+different history of the state slots: a slot's last holder always left its state there); the quantized path is
+batch-invariant; a multimodal Qwen3.5 checkpoint serves its text model; what these models cannot do yet is refused
+by name. The models are tiny random ones saved by transformers (tests/families.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine_server import LLM, SamplingParams
+from engine_server.attention_metadata import kv_cache_bytes_per_block, recurrent_state_bytes
+from engine_server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from engine_server.layers.gated_deltanet import GatedDeltaNet
+from tests.families import _SHAPE, HYBRIDS, LINEAR_ATTENTION, VOCAB_SIZE, hf_greedy, load_reference, save_family
+from tests.unit.pooling.embedding_models import copy_tokenizer
+
+pytestmark = pytest.mark.slow  # engines and transformers' models of their own
+
+NUM_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+MAX_SEQS = 8  # running seats, so as many state slots
+SHARED_PREFIX = 48  # tokens the last prompt shares with the first: a prefix cache would serve them
+
+
+def prompts() -> list[list[int]]:
+    """8 prompts of 1 to 120 tokens (longer than the rule's 64-token chunks, shorter than its 3-input convolution
+    history); the last starts with the first's 48 tokens."""
+    rng = random.Random(7)
+    batch = [[rng.randrange(10, VOCAB_SIZE) for _ in range(length)] for length in (64, 3, 17, 120, 33, 1, 90)]
+    return [*batch, batch[0][:SHARED_PREFIX] + [rng.randrange(10, VOCAB_SIZE) for _ in range(20)]]
+
+
+def engine(folder: Path, quantization: str = "none", chunk: int = 2048, kv_blocks: int = 0, **overrides: Any) -> LLM:
+    """The offline engine on `folder` with `MAX_SEQS` seats; `chunk`: the most tokens a step prefills; `kv_blocks`:
+    a KV cache of that many 16-token blocks (for 256-token sequences) beside the states, instead of 64 MiB."""
+    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    memory = 64 * 1024**2
+    if kv_blocks:
+        states = recurrent_state_bytes(config, MAX_SEQS)
+        memory = states + kv_blocks * kv_cache_bytes_per_block(config, 16, torch.float32)
+    engine_config = EngineConfig(
+        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=memory),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=MAX_SEQS,
+                                  max_model_len=256 if kv_blocks else None),
+    )  # fmt: skip
+    return LLM(config=engine_config, **overrides)
+
+
+def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    return [result.choices[0].token_ids for result in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+
+def reference_tokens(model: Any) -> list[list[int]]:
+    """transformers' greedy tokens for each of `prompts()`, decoded alone."""
+    return [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in prompts()]
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
+    """(name, saved folder, transformers' greedy tokens for `prompts()`)."""
+    folder = save_family(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, folder, reference_tokens(load_reference(folder))
+
+
+def test_greedy_equals_transformers_alone_batched_in_chunks_and_preempted(hybrid: tuple[str, Path, Any]) -> None:
+    """Alone (then its slot serves another request), batched, prefilled 16 tokens a step (a chunk's state carried
+    into the next, decode rows beside the chunks), and on a KV pool of 24 blocks for eight sequences (preempted
+    requests recompute from a zero state, in whichever slot they get next). No prefix is served from a cache: a
+    state holds a whole prefix at once. Every slot is free once the requests end."""
+    name, folder, theirs = hybrid
+    batch = prompts()
+    with engine(folder) as llm:
+        assert not llm.core.scheduler.kv_cache.enable_prefix_caching
+        layers = llm.core.runner.loaded.model.model.layers
+        assert [isinstance(layer.self_attn, GatedDeltaNet) for layer in layers] == [True, True, True, False]
+        assert tokens(llm, batch[:1]) == theirs[:1], name
+        results = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == theirs, name
+        assert results[-1].usage.cached_prompt_tokens == 0
+        slots = llm.core.scheduler.state_slots
+        assert slots is not None and slots.num_free == MAX_SEQS
+    with engine(folder, chunk=16) as llm:
+        assert tokens(llm, batch) == theirs, name
+    with engine(folder, kv_blocks=24) as llm:
+        assert tokens(llm, batch) == theirs, name
+        assert llm.core.scheduler.total_preemptions > 0
+
+
+def test_the_quantized_path_is_batch_invariant(tmp_path: Path) -> None:
+    """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
+    transcendental op by row): each prompt's tokens are the same alone, batched and prefilled in chunks of 24, bit
+    for bit, and mostly agree with the float path's first tokens."""
+    folder = save_family(tmp_path, "qwen3-next", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
+    theirs = reference_tokens(load_reference(folder))
+    batch = prompts()
+    with engine(folder, quantization="int8") as llm:
+        assert llm.core.runner.loaded.model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    with engine(folder, quantization="int8", chunk=24) as llm:
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+
+
+def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """The released Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration`: a `text_config`, the text model's
+    weights under `model.language_model.` and a vision tower beside them, which is not read. Its text output equals
+    transformers' own multimodal model's on text prompts."""
+    import transformers
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "num_position_embeddings": 64}  # fmt: skip
+    config = transformers.Qwen3_5Config(text_config={**_SHAPE, **LINEAR_ATTENTION}, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and "visual" not in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.architecture == "qwen3_next"
+        assert tokens(llm, batch) == theirs
+
+
+def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> None:
+    folder = save_family(tmp_path, "qwen3.5")
+    with pytest.raises(ValueError, match=r"linear attention \(qwen3_next\) is not sharded yet"):
+        engine(folder, tensor_parallel_size=2)
+    speculative = {"method": "ngram", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="speculative decoding is not served on models with linear attention"):
+        engine(folder, speculative_config=speculative)
+    with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to linear attention"):
+        LLM(config=with_lora)
