@@ -85,6 +85,8 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
 
     source = resolve_model(model)
     cfg = source.config
+    if cfg.linear_attention is not None:
+        return _hybrid_hf_model(source, device, dtype)
     hf_config = AutoConfig.for_model(
         cfg.architecture,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -98,6 +100,43 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(_stack_experts(dict(source.weights())), strict=False)
     if unexpected or any(name != "lm_head.weight" for name in missing):  # a tied lm_head is not in the list
+        raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
+    return hf.to(device).eval()
+
+
+def _hybrid_hf_model(source: Any, device: str, dtype: Any) -> Any:
+    """transformers' Qwen3.5 or Qwen3-Next: a folder's own (its config and checkpoint as they are), or a `dummy:`
+    preset's weights (Qwen3.5's layout) in Qwen3.5's text model of the preset's shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not source.random_weights:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=True)
+        return loaded.to(device).eval()
+    cfg = source.config
+    linear = cfg.linear_attention
+    experts = (
+        {"num_experts": cfg.num_experts, "num_experts_per_tok": cfg.num_experts_per_tok,
+         "moe_intermediate_size": cfg.moe_intermediate_size,
+         "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+        if cfg.num_experts else {"intermediate_size": cfg.intermediate_size}
+    )  # fmt: skip
+    hf_config = AutoConfig.for_model(
+        "qwen3_5_moe_text" if cfg.num_experts else "qwen3_5_text",
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                         "partial_rotary_factor": cfg.partial_rotary_factor},
+        layer_types=["linear_attention" if cfg.is_linear_layer(i) else "full_attention"
+                     for i in range(cfg.num_hidden_layers)],
+        linear_num_key_heads=linear.num_key_heads, linear_num_value_heads=linear.num_value_heads,
+        linear_key_head_dim=linear.key_head_dim, linear_value_head_dim=linear.value_head_dim,
+        linear_conv_kernel_dim=linear.conv_kernel, **experts,
+    )  # fmt: skip
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(_stack_experts(dict(source.weights())), strict=False)
+    if unexpected or any(name != "lm_head.weight" for name in missing):
         raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
     return hf.to(device).eval()
 

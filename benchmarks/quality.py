@@ -38,6 +38,7 @@ from benchmarks.common import cpu_model_name, git_commit
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.llm import LLM
+from engine_server.model_runner import ModelRunner
 from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatMessage
 
@@ -102,6 +103,18 @@ def sequence_logits(llm: LLM, token_ids: list[int], prefill: int | None = None) 
     return batch_sequence_logits(llm, [token_ids], [len(token_ids) if prefill is None else prefill])[0]
 
 
+def _hold_states(runner: ModelRunner, meta: AttentionMetadata, sequences: list[int]) -> None:
+    """On a model with linear attention (Qwen3.5), give each row of `meta` its sequence's state slot: sequence i's
+    is slot i (no request runs meanwhile: `LLM` is offline). ValueError when there are more sequences than slots."""
+    if not runner.state_slots:
+        return
+    if max(sequences, default=0) >= runner.state_slots:
+        raise ValueError(f"{max(sequences) + 1} sequences read at once, but the engine holds {runner.state_slots} "
+                         "linear-attention states (--max-num-seqs)")  # fmt: skip
+    meta.state_slots_cpu = sequences
+    meta.state_slots = torch.tensor(sequences, dtype=torch.int64)
+
+
 def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Sequence[int]) -> list[torch.Tensor]:
     """`sequence_logits` of many sequences read together, as the engine batches requests: every sequence's first
     `prefills[i]` tokens in one prefill step, then one decode step per position with a row for each sequence that
@@ -117,6 +130,7 @@ def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Se
             tables.append(pool.allocate(-(-len(ids) // runner.block_size)))
         prefill_ids = [torch.tensor(ids[:count]) for ids, count in zip(sequences, prefills, strict=True)]
         meta = AttentionMetadata.build(list(prefills), list(prefills), tables, runner.block_size, "cpu")
+        _hold_states(runner, meta, list(range(len(sequences))))
         positions = torch.cat([torch.arange(count) for count in prefills])
         logits = runner.forward_logits(torch.cat(prefill_ids), positions, meta)
         rows = [[part] for part in logits.split(list(prefills))]
@@ -126,6 +140,7 @@ def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Se
             at = [prefills[i] + step for i in live]
             meta = AttentionMetadata.build([1] * len(live), [p + 1 for p in at], [tables[i] for i in live],
                                            runner.block_size, "cpu")  # fmt: skip
+            _hold_states(runner, meta, live)
             tokens = torch.tensor([sequences[i][p] for i, p in zip(live, at, strict=True)])
             step_logits = runner.forward_logits(tokens, torch.tensor(at), meta)
             for row, i in enumerate(live):

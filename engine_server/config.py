@@ -381,7 +381,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            # Qwen3.5's mixtures of experts have no dense layer and their config.json no intermediate_size.
+            intermediate_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,

@@ -117,6 +117,46 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:gpt-oss-20b",
     ),
+    # Qwen3.5's layout (three Gated DeltaNet layers, then a gated attention one) at a toy size, for tests that run a
+    # dummy hybrid end to end on the CPU.
+    "qwen3.5-tiny": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "qwen3_5_text", "vocab_size": 49152, "hidden_size": 256, "intermediate_size": 512,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0},
+            "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-tiny",
+    ),
+    # Qwen3.5-9B's language model (its config.json's text_config): 32 layers, three Gated DeltaNet layers (16 key
+    # heads of 128, 32 value heads of 128) to each gated full-attention one (16 query heads of 256, 4 KV heads, rope
+    # over a quarter of each head).
+    "qwen3.5-9b": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-9b",
+    ),
+    # Qwen3.5-35B-A3B's: 40 layers of that pattern (2 KV heads), each MLP 256 experts of 512, 8 active, beside a
+    # gated shared expert of 512 (its config.json has no dense intermediate_size).
+    "qwen3.5-35b-a3b": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-35b-a3b",
+    ),
 }  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Hugging Face parameter names and shapes of a Llama / Qwen2 / Qwen3 decoder and their mixture-of-experts
-variants (Qwen2-MoE / Qwen3-MoE names; Mixtral's are read as these), derived from a `ModelConfig`."""
+variants (Qwen2-MoE / Qwen3-MoE names; Mixtral's are read as these), DeepSeek-V3's latent attention, gpt-oss's
+biased experts and Qwen3.5's linear-attention layers, derived from a `ModelConfig`."""
 
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "post_attention_layernorm.weight"] = (h,)
             shapes.update(_mlp_block_shapes(p, cfg, i))
             continue
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        if cfg.is_linear_layer(i):  # Qwen3.5's Gated DeltaNet (its layout: q/k/v, z, b and a apart)
+            shapes.update(_linear_attention_shapes(p + "linear_attn.", cfg))
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes.update(_mlp_block_shapes(p, cfg, i))
+            continue
+        # Qwen3-Next and Qwen3.5: each head's query rows, then its output gate's.
+        shapes[p + "self_attn.q_proj.weight"] = (q_out * (2 if cfg.attention_output_gate else 1), h)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
         if cfg.attention_bias:
@@ -70,6 +77,24 @@ def _mlp_block_shapes(p: str, cfg: ModelConfig, i: int) -> dict[str, tuple[int, 
         if cfg.shared_expert_gated:
             shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
     return shapes
+
+
+def _linear_attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors under `prefix`, as Qwen3.5's checkpoints store them."""
+    linear, h = cfg.linear_attention, cfg.hidden_size
+    assert linear is not None
+    heads = linear.num_value_heads
+    return {
+        prefix + "in_proj_qkv.weight": (linear.conv_dim, h),
+        prefix + "in_proj_z.weight": (linear.value_dim, h),
+        prefix + "in_proj_b.weight": (heads, h),
+        prefix + "in_proj_a.weight": (heads, h),
+        prefix + "conv1d.weight": (linear.conv_dim, 1, linear.conv_kernel),
+        prefix + "dt_bias": (heads,),
+        prefix + "A_log": (heads,),
+        prefix + "norm.weight": (linear.value_head_dim,),
+        prefix + "out_proj.weight": (h, linear.value_dim),
+    }
 
 
 def _latent_attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -94,6 +94,22 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_and_preempted(hybrid
         assert llm.core.scheduler.total_preemptions > 0
 
 
+def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(hybrid: tuple[str, Path, Any]) -> None:
+    """`ladle bench quality` reads sequences outside the scheduler (`benchmarks.quality.batch_sequence_logits`): a
+    prefill of each, then one decode row per token, each sequence in a state slot of its own."""
+    from benchmarks.quality import batch_sequence_logits
+
+    name, folder, _ = hybrid
+    model = load_reference(folder)
+    batch = [prompt[:40] for prompt in prompts()[:4]]
+    with engine(folder) as llm:
+        ours = batch_sequence_logits(llm, batch, [len(ids) // 2 for ids in batch])
+    for ids, logits in zip(batch, ours, strict=True):
+        with torch.inference_mode():
+            theirs = model(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
     transcendental op by row): each prompt's tokens are the same alone, batched and prefilled in chunks of 24, bit
@@ -132,6 +148,24 @@ def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) ->
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "qwen3_next"
         assert tokens(llm, batch) == theirs
+
+
+def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
+    """`dummy:qwen3.5-tiny`: seeded random weights in Qwen3.5's checkpoint layout, served by the engine, and the
+    same weights in transformers' Qwen3.5 (`benchmarks.common.hf_model`, the benchmarks' peer)."""
+    from benchmarks.common import hf_model
+    from benchmarks.quality import batch_sequence_logits
+
+    model = hf_model("dummy:qwen3.5-tiny", "cpu", torch.float32)
+    batch = [prompt[:40] for prompt in prompts()[:3]]
+    config = EngineConfig(model="dummy:qwen3.5-tiny", device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    with LLM(config=config) as llm:
+        ours = batch_sequence_logits(llm, batch, [len(ids) // 2 for ids in batch])
+    for ids, logits in zip(batch, ours, strict=True):
+        with torch.inference_mode():
+            theirs = model(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> None:

@@ -70,6 +70,20 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
             kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
             qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
         )  # fmt: skip
+    linear = cfg.linear_attention
+    if linear is not None:  # Qwen3.5: its linear-attention layers' shape, its text model (dense or experts)
+        model_type = "qwen3_5_moe_text" if cfg.num_experts else "qwen3_5_text"
+        shape["layer_types"] = [
+            "linear_attention" if cfg.is_linear_layer(i) else "full_attention" for i in range(cfg.num_hidden_layers)
+        ]
+        shape.update(
+            linear_num_key_heads=linear.num_key_heads, linear_num_value_heads=linear.num_value_heads,
+            linear_key_head_dim=linear.key_head_dim, linear_value_head_dim=linear.value_head_dim,
+            linear_conv_kernel_dim=linear.conv_kernel,
+        )  # fmt: skip
+        if cfg.num_experts:
+            experts.pop("mlp_only_layers")
+            experts["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     return transformers.AutoConfig.for_model(model_type, **shape, **experts)
 
 

@@ -142,7 +142,7 @@ def test_every_running_request_holds_a_state_slot_of_its_own_and_only_while_it_r
     for steps in range(10_000):
         if not sched.has_unfinished():
             break
-        out, _ = step(sched, runner)
+        step(sched, runner)
         if steps == 3:
             sched.abort_request(sched.running_requests[0].request_id)
         held = [r.state_slot for r in sched.running_requests]

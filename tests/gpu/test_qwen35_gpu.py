@@ -1,0 +1,52 @@
+"""Qwen3.5 and Qwen3-Next on a real GPU: the linear-attention layers (the torch reference's chunked form and
+one-token form, over state slots on the device) and the gated attention in the Triton kernels, inside the engine.
+
+Skipped without CUDA. Small random models (tests/families.py) in float32: on their float path the GPU engine's greedy
+tokens equal transformers' alone, batched and prefilled 16 tokens a step (as the CPU engine's do,
+tests/unit/test_hybrid_engines.py); under bf16 (the GPU's default) they agree with the CPU's float path as closely
+as bf16 allows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.quality import QUALITY_PROMPTS, compare, reference_of
+from engine_server import LLM, SamplingParams
+from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
+from tests.families import hf_greedy, load_reference, save_family
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+MIN_TOP1, MAX_MEAN_KL = 0.9, 0.3
+
+
+def _engine(folder: Path, device: str, dtype: str = "float32", chunk: int = 2048) -> LLM:
+    config = EngineConfig(model=str(folder), device=device, quantization="none", dtype=dtype,  # type: ignore[arg-type]
+                          cache=CacheConfig(memory_bytes=256 * 1024**2),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=16))  # fmt: skip
+    return LLM(config=config)
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+def test_the_float_path_on_the_gpu_equals_transformers(tmp_path: Path, family: str) -> None:
+    folder = save_family(tmp_path / family, family)
+    prompts = [[(7 * i + 3 * j) % 40000 + 10 for j in range(n)] for i, n in enumerate((5, 33, 70, 1, 130))]
+    theirs = [hf_greedy(load_reference(folder), [prompt], 16)[0] for prompt in prompts]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for chunk in (2048, 16):
+        with _engine(folder, "cuda", chunk=chunk) as llm:
+            ours = [result.choices[0].token_ids for result in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert ours == theirs, chunk
+
+
+def test_bf16_on_the_gpu_agrees_with_the_cpus_float_path(tmp_path: Path) -> None:
+    folder = save_family(tmp_path / "qwen3.5", "qwen3.5", head_spread=1.0)
+    with _engine(folder, "cpu") as cpu:
+        sequences, log_probs = reference_of(cpu, QUALITY_PROMPTS[:8], 16)
+    with _engine(folder, "cuda", dtype="bfloat16") as gpu:
+        result = compare(log_probs, gpu, "bf16 gpu", QUALITY_PROMPTS[:8], 16, sequences, free_running=False)
+    print(result)
+    assert result.top1_agreement >= MIN_TOP1 and result.mean_kl <= MAX_MEAN_KL, result
