@@ -129,6 +129,20 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-tiny",
     ),
+    # A Qwen3.5 of 0.75B parameters (1,024 wide, 24 layers: 18 Gated DeltaNet ones of 16 key and 16 value heads of
+    # 128, 6 attention ones of 8 query heads of 256 and 2 KV heads; tied embeddings of Qwen3.5's vocabulary): the
+    # CPU benchmark's hybrid (benchmarks/results/offline_cpu_hybrid.jsonl).
+    "qwen3.5-0.8b": replace(
+        ModelConfig.from_hf_config({
+            "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
+            "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "full_attention_interval": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-0.8b",
+    ),
     # Qwen3.5-9B's language model (its config.json's text_config): 32 layers, three Gated DeltaNet layers (16 key
     # heads of 128, 32 value heads of 128) to each gated full-attention one (16 query heads of 256, 4 KV heads, rope
     # over a quarter of each head).
