@@ -130,7 +130,10 @@ def num_kv_blocks(
     states = recurrent_state_bytes(model_config, config.scheduler.max_num_seqs)
     blocks = max(config.cache.memory_bytes - states, 0) // per_block
     if blocks < needed_for_one:
-        held = f" after the {states} B of {config.scheduler.max_num_seqs} linear-attention states" if states else ""
+        held = (
+            f" after the {states} B of {config.scheduler.max_num_seqs} requests' linear-attention states (fewer with a "
+            "lower --max-num-seqs)" if states else ""
+        )  # fmt: skip
         raise ValueError(
             f"KV cache memory {config.cache.memory_bytes} B holds {blocks} blocks{held}; one {max_model_len}-token "
             f"sequence needs {needed_for_one} ({needed_for_one * per_block} B)"

@@ -131,7 +131,8 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     ),
     # A Qwen3.5 of 0.75B parameters (1,024 wide, 24 layers: 18 Gated DeltaNet ones of 16 key and 16 value heads of
     # 128, 6 attention ones of 8 query heads of 256 and 2 KV heads; tied embeddings of Qwen3.5's vocabulary): the
-    # CPU benchmark's hybrid (benchmarks/results/offline_cpu_hybrid.jsonl).
+    # CPU benchmark's hybrid (benchmarks/results/offline_cpu_hybrid.jsonl), over a 32k context (a default KV pool
+    # holds a whole sequence's).
     "qwen3.5-0.8b": replace(
         ModelConfig.from_hf_config({
             "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
@@ -139,7 +140,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
             "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
             "linear_value_head_dim": 128, "full_attention_interval": 4,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-            "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+            "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-0.8b",
     ),

@@ -178,3 +178,10 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
     with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
     with pytest.raises(ValueError, match="LoRA adapters are not applied to linear attention"):
         LLM(config=with_lora)
+    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    states = recurrent_state_bytes(config, MAX_SEQS)  # the states are set aside before any block
+    short = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                         cache=CacheConfig(memory_bytes=states + kv_cache_bytes_per_block(config, 16, torch.float32)),
+                         scheduler=SchedulerConfig(max_num_seqs=MAX_SEQS, max_model_len=256))  # fmt: skip
+    with pytest.raises(ValueError, match=r"holds 1 blocks after the \d+ B of 8 requests' linear-attention states"):
+        LLM(config=short)
