@@ -226,16 +226,8 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
       const float* x = core_ptr + task * dv;
       const float* gate = z_ptr + t * z.stride(0) + head * dv;
       float* o = out_ptr + task * dv;
-      vec16 acc = {};
+      const float inv = 1.f / std::sqrt(sum_of_squares(x, dv) / static_cast<float>(dv) + feps);
       int64_t j = 0;
-      for (; j < dv_vector; j += kLanes) {
-        const vec16 v = load(x + j);
-        acc += v * v;
-      }
-      float sumsq = hsum(acc);
-      for (; j < dv; ++j) sumsq += x[j] * x[j];
-      const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(dv) + feps);
-      j = 0;
       for (; j < dv_vector; j += kLanes)
         store(o + j, load(nw + j) * (load(x + j) * inv) * silu_lanes(load(gate + j)));
       for (; j < dv; ++j) o[j] = nw[j] * (x[j] * inv) * silu(gate[j]);

@@ -39,16 +39,8 @@ void check_weight(const at::Tensor& weight, int64_t n) {
 
 // out[i] = weight[i] * (x[i] * (1 / sqrt(mean(x^2) + eps))) for one row of n floats.
 inline void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
-  vec16 acc = {};
+  const float inv = 1.f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vec16 v = load(x + i);
-    acc += v * v;
-  }
-  float sumsq = hsum(acc);
-  for (; i < n; ++i) sumsq += x[i] * x[i];
-  const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
-  i = 0;
   for (; i + kLanes <= n; i += kLanes) store(out + i, load(weight + i) * (load(x + i) * inv));
   for (; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }

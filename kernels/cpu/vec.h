@@ -64,6 +64,20 @@ inline float hsum(vec16 v) {
   return hsum8(halves.half[0] + halves.half[1]);
 }
 
+// sum(x[i]^2) of a row of n floats: 16 lanes of partial sums, their tree (hsum), then the tail in order. The order
+// depends on n alone (RMSNorm's statistic, the same bits for a row whatever its batch).
+inline float sum_of_squares(const float* x, int64_t n) {
+  vec16 acc = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vec16 v = load(x + i);
+    acc += v * v;
+  }
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
 // exp(x) lane-wise, Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
 // 2^n put into the exponent bits. Relative error ~1e-7. Below -87.3 (where float's normal range ends) the
 // result is 0; above 88.7 it is clamped to e^88.7 (~3.4e38).
