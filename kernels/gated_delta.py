@@ -155,6 +155,43 @@ def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: f
     return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
 
 
+def _convolve(
+    mixed: torch.Tensor,
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """`causal_conv1d` of a step's sequences `[T, C]`, each after its state `conv_states[slots[i]]` (`[K - 1, C]`;
+    zeros where `fresh[i]`), which advances: each longer chunk alone, the one-token rows together (a decode step's
+    rows in a few ops, not a few per row)."""
+    out = torch.empty_like(mixed)
+    rows: list[int] = []
+    starts: list[int] = []
+    first = 0
+    for i, count in enumerate(query_lens):
+        if count == 1:
+            rows.append(i)
+            starts.append(first)
+        else:
+            span = slice(first, first + count)
+            before = torch.zeros_like(conv_states[slots[i]]) if fresh[i] else conv_states[slots[i]]
+            out[span], conv_states[slots[i]] = causal_conv1d(mixed[span], weight, before)
+        first += count
+    if rows:
+        tokens = torch.tensor(starts, device=mixed.device)
+        index = torch.tensor([slots[i] for i in rows], device=mixed.device)
+        before = conv_states.index_select(0, index)
+        zeroed = [j for j, i in enumerate(rows) if fresh[i]]
+        if zeroed:
+            before.index_fill_(0, torch.tensor(zeroed, device=mixed.device), 0.0)
+        convolved, after = causal_conv1d(mixed.index_select(0, tokens)[:, None, :], weight, before)
+        conv_states.index_copy_(0, index, after.to(conv_states.dtype))
+        out.index_copy_(0, tokens, convolved[:, 0, :])
+    return out
+
+
 def gated_delta_net(
     mixed: torch.Tensor,
     z: torch.Tensor,
@@ -187,13 +224,7 @@ def gated_delta_net(
     conv_size = (taps - 1) * channels
     conv_states = states[:, :conv_size].view(-1, taps - 1, channels)
     matrices = states[:, conv_size:].view(-1, value_heads, dk, dv)
-    convolved = torch.empty_like(mixed)
-    first = 0
-    for i, count in enumerate(query_lens):
-        span = slice(first, first + count)
-        before = torch.zeros_like(conv_states[slots[i]]) if fresh[i] else conv_states[slots[i]]
-        convolved[span], conv_states[slots[i]] = causal_conv1d(mixed[span], weight, before)
-        first += count
+    convolved = _convolve(mixed, weight, conv_states, slots, query_lens, fresh)
     q, k, v = convolved.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     core = gated_delta_rule(
