@@ -222,10 +222,11 @@ def kv_cache_bytes_per_block(
     return 2 * block_size * kv_heads * row * itemsize * config.attention_layers
 
 
-def recurrent_state_bytes(config: ModelConfig, slots: int) -> int:
-    """Bytes the linear-attention layers' states of `slots` sequences take (0 for a model without such layers)."""
+def recurrent_state_bytes(config: ModelConfig, slots: int, tp_size: int = 1) -> int:
+    """Bytes the linear-attention layers' states of `slots` sequences take on one rank of a tensor-parallel group of
+    `tp_size` (its heads' share); 0 for a model without such layers."""
     linear = config.linear_attention
-    return 0 if linear is None else 4 * linear.state_size * len(linear.layers) * slots
+    return 0 if linear is None else 4 * linear.sharded(tp_size).state_size * len(linear.layers) * slots
 
 
 def kv_cache_layout(config: ModelConfig, dtype: torch.dtype, cache_dtype: KVCacheDType) -> tuple[torch.dtype, int]:
@@ -254,11 +255,11 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
     and row), of one rank's KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`);
-    a linear-attention layer's is its float32 states, `[state_slots, state_size]`."""
+    a linear-attention layer's is its float32 states, `[state_slots, state_size]` (of this rank's heads)."""
     storage, row = kv_cache_layout(config, dtype, cache_dtype)
     kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
     shape = (2, num_blocks, block_size, kv_heads, row)
-    linear = config.linear_attention
+    linear = None if config.linear_attention is None else config.linear_attention.sharded(tp_size)
     return [
         torch.zeros(state_slots, linear.state_size, dtype=torch.float32, device=device)
         if linear is not None and config.is_linear_layer(index)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 Architecture = Literal[
@@ -147,6 +147,14 @@ class LinearAttention:
     def state_size(self) -> int:
         """Float32 values one sequence's state holds in one layer: the convolution's inputs, then the matrices."""
         return self.conv_dim * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+    def sharded(self, size: int) -> LinearAttention:
+        """One rank's share under tensor parallelism over `size` ranks: its block of the key heads and of the value
+        heads (each value head with the key head it reads); ValueError unless `size` divides both."""
+        if self.num_key_heads % size or self.num_value_heads % size:
+            raise ValueError(f"linear attention's {self.num_key_heads} key and {self.num_value_heads} value heads "
+                             f"must both be divisible by the tensor-parallel size ({size})")  # fmt: skip
+        return replace(self, num_key_heads=self.num_key_heads // size, num_value_heads=self.num_value_heads // size)
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ def num_kv_blocks(
     block_size = config.cache.block_size
     per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size, config.cache.dtype)
     needed_for_one = -(-max_model_len // block_size) + 1
-    states = recurrent_state_bytes(model_config, config.scheduler.max_num_seqs)
+    states = recurrent_state_bytes(model_config, config.scheduler.max_num_seqs, tp_size)
     blocks = max(config.cache.memory_bytes - states, 0) // per_block
     if blocks < needed_for_one:
         held = (

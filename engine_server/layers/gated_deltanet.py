@@ -37,11 +37,34 @@ class GatedRMSNorm(nn.Module):
 
 
 class DepthwiseConv(nn.Module):
-    """The short causal convolution's weight, `[channels, 1, kernel]` as checkpoints store it (no bias)."""
+    """The short causal convolution's weight, `[channels, 1, kernel]` as checkpoints store it (no bias), of this
+    rank's channels (`kept`: their rows of the checkpoint's, in order)."""
 
-    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+    def __init__(self, kept: list[range], kernel: int, dtype: torch.dtype) -> None:
         super().__init__()
+        self.kept = kept
+        channels = sum(len(rows) for rows in kept)
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=dtype), requires_grad=False)
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy the checkpoint's whole weight, keeping this rank's channels; ValueError on another shape."""
+        whole = read_whole(tensor)
+        needed = self.kept[-1].stop  # the last of this rank's v channels
+        if kind != "weight" or whole.dim() != 3 or whole.shape[1:] != self.weight.shape[1:] or whole.shape[0] < needed:
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected [channels, 1, {self.weight.shape[2]}]")
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([whole[rows.start : rows.stop] for rows in self.kept]))
+
+
+def split_qkv(name: str, tensor: CheckpointTensor, shape: LinearAttention) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3.5's `in_proj_qkv` weight as its q, k and v rows (`in_proj_q`, `in_proj_k`, `in_proj_v`), each a part of
+    `GatedDeltaNet.in_proj` that tensor parallelism splits by heads. ValueError when the rows do not add up."""
+    whole = read_whole(tensor)
+    if whole.dim() != 2 or whole.shape[0] != shape.conv_dim:
+        raise ValueError(f"weight {name!r} of shape {tuple(whole.shape)}: expected {shape.conv_dim} rows")
+    base = name.removesuffix("_qkv.weight")
+    q, k, v = whole.split([shape.key_dim, shape.key_dim, shape.value_dim])
+    return [(f"{base}_q.weight", q), (f"{base}_k.weight", k), (f"{base}_v.weight", v)]
 
 
 def split_grouped_projections(
@@ -70,28 +93,54 @@ def split_grouped_projections(
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention layer: `in_proj` (rows `cat(qkv, z, b, a)`), then the kernel set's `gated_delta_net`
+    """One linear-attention layer: `in_proj` (rows `cat(q, k, v, z, b, a)`), then the kernel set's `gated_delta_net`
     (the convolution over q/k/v, the gated delta rule with decay `g = -exp(A_log) * softplus(a + dt_bias)` and write
     strength `beta = sigmoid(b)`, the gated norm by `z`), then `out_proj`. Same call as `PagedSelfAttention`, with
-    this layer's state tensor in place of its KV cache (and no rope). Not sharded: tensor parallelism is refused for
-    these models before they load."""
+    this layer's state tensor in place of its KV cache (and no rope).
+
+    Under tensor parallelism a rank holds its block of the key heads and of the value heads (`LinearAttention.
+    sharded`: each value head beside the key head it reads), their rows of every input projection and channels of the
+    convolution, their `A_log` and `dt_bias`, its states of them alone, and the matching columns of `out_proj`, whose
+    partial sums it all-reduces."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if config.linear_attention is None:
             raise ValueError("GatedDeltaNet needs the model's linear_attention shape")
-        if tp.size > 1:
-            raise ValueError("linear attention (Qwen3-Next, Qwen3.5) is not sharded: use tensor_parallel_size 1")
-        shape = self.shape = config.linear_attention
-        heads = shape.num_value_heads
-        self.sizes = [shape.conv_dim, shape.value_dim, heads, heads]
-        parts = [PartSlice(size, range(size)) for size in self.sizes]
+        self.tp = tp
+        whole = config.linear_attention
+        shape = self.shape = whole.sharded(tp.size)  # this rank's heads
+        keys = range(tp.rank * shape.key_dim, (tp.rank + 1) * shape.key_dim)
+        values = range(tp.rank * shape.value_dim, (tp.rank + 1) * shape.value_dim)
+        heads = range(tp.rank * shape.num_value_heads, (tp.rank + 1) * shape.num_value_heads)
+        self.heads = heads
+        parts = [
+            PartSlice(whole.key_dim, keys), PartSlice(whole.key_dim, keys), PartSlice(whole.value_dim, values),
+            PartSlice(whole.value_dim, values), PartSlice(whole.num_value_heads, heads),
+            PartSlice(whole.num_value_heads, heads),
+        ]  # fmt: skip
+        self.sizes = [shape.conv_dim, shape.value_dim, shape.num_value_heads, shape.num_value_heads]
         self.in_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, False, dtype)
-        self.conv1d = DepthwiseConv(shape.conv_dim, shape.conv_kernel, dtype)
-        self.dt_bias = nn.Parameter(torch.ones(heads, dtype=dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(heads, dtype=dtype), requires_grad=False)
+        # The convolution's channels are q, k and v side by side: this rank's of each.
+        offsets = (0, whole.key_dim, 2 * whole.key_dim)
+        kept = [
+            range(offset + rows.start, offset + rows.stop)
+            for offset, rows in zip(offsets, (keys, keys, values), strict=True)
+        ]
+        self.conv1d = DepthwiseConv(kept, whole.conv_kernel, dtype)
+        self.dt_bias = nn.Parameter(torch.ones(shape.num_value_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(shape.num_value_heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(shape.value_head_dim, config.rms_norm_eps, dtype)
-        self.out_proj: nn.Module = RowParallelLinear(shape.value_dim, config.hidden_size, False, tp, dtype)
+        self.out_proj: nn.Module = RowParallelLinear(whole.value_dim, config.hidden_size, False, tp, dtype)
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy the checkpoint's `A_log` or `dt_bias` (`[num_value_heads]`), keeping this rank's heads."""
+        whole = read_whole(tensor)
+        dest = {"A_log": self.A_log, "dt_bias": self.dt_bias}.get(kind)
+        if dest is None or tuple(whole.shape) != (self.shape.num_value_heads * self.tp.size,):
+            raise ValueError(f"{kind} of shape {tuple(whole.shape)} is not one value per value head")
+        with torch.no_grad():
+            dest.copy_(whole[self.heads.start : self.heads.stop])
 
     def forward(
         self,
@@ -115,5 +164,5 @@ class GatedDeltaNet(nn.Module):
             mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
             self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
         )  # fmt: skip
-        result: torch.Tensor = self.out_proj(core)
+        result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(core))
         return result

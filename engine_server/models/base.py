@@ -38,7 +38,9 @@ FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
     ("qkv_proj", "v_proj", "v"),
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
-    ("in_proj", "in_proj_qkv", "qkv"),  # Gated DeltaNet's input projections (layers.gated_deltanet)
+    ("in_proj", "in_proj_q", "lq"),  # Gated DeltaNet's input projections (layers.gated_deltanet)
+    ("in_proj", "in_proj_k", "lk"),
+    ("in_proj", "in_proj_v", "lv"),
     ("in_proj", "in_proj_z", "z"),
     ("in_proj", "in_proj_b", "b"),
     ("in_proj", "in_proj_a", "a"),
@@ -185,6 +187,15 @@ class CausalLM(nn.Module):
                     target, shard = module_name.removesuffix(part) + fused, shard_name
                     break
             module = modules.get(target)
+            own_loader = getattr(module, "load_tensor", None)  # a module that keeps its rank's part its own way
+            if own_loader is not None and not shard and (kind not in ("weight", "bias") or not isinstance(
+                    module, ColumnParallelLinear | RowParallelLinear)):  # fmt: skip
+                try:
+                    own_loader(kind, tensor)
+                except ValueError as error:
+                    raise ValueError(f"weight {name!r}: {error}") from None
+                loaded.add((name, ""))
+                continue
             if isinstance(module, PagedSelfAttention) and kind == "sinks":  # gpt-oss's per-head sink logits
                 try:
                     module.load_sinks(tensor)

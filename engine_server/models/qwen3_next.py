@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator
 
-from engine_server.layers.gated_deltanet import split_grouped_projections
+from engine_server.layers.gated_deltanet import split_grouped_projections, split_qkv
 from engine_server.models.base import CausalLM
 from engine_server.parallel.layers import CheckpointTensor
 
@@ -22,7 +22,8 @@ class Qwen3NextForCausalLM(CausalLM):
     mixture of experts beside a sigmoid-gated shared expert (Qwen2-MoE's). A multimodal Qwen3.5 checkpoint's text
     model is served (`model.language_model.` read as `model.`); its vision tower and every checkpoint's
     multi-token-prediction layers are not read. Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` are split into
-    Qwen3.5's projections as they load."""
+    Qwen3.5's projections as they load, and `in_proj_qkv` into its q, k and v rows (parts that tensor parallelism
+    splits by heads)."""
 
     checkpoint_renames = ((".linear_attn.", ".self_attn."),)
 
@@ -42,6 +43,9 @@ class Qwen3NextForCausalLM(CausalLM):
             if name.startswith(_LANGUAGE_MODEL):
                 name = "model." + name.removeprefix(_LANGUAGE_MODEL)
             if shape is not None and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
-                yield from split_grouped_projections(name, tensor, shape)
+                for part, value in split_grouped_projections(name, tensor, shape):
+                    yield from split_qkv(part, value, shape) if part.endswith("in_proj_qkv.weight") else [(part, value)]
+            elif shape is not None and name.endswith("in_proj_qkv.weight"):
+                yield from split_qkv(name, tensor, shape)
             else:
                 yield name, tensor

@@ -15,12 +15,12 @@ there already; NCCL's do not (they are queued on the device), and rank 0's host 
 a worker's: without the acks it could overwrite a message the worker has not read yet.
 
 Messages:
-- FORWARD: the model's inputs for one step: input ids, positions and the attention metadata, all as the host
-  built them (the metadata's host copies: nothing is copied back from the device, which on CUDA would wait for
-  the steps queued before). Input ids that the previous launch sampled and the host does not have yet (async
-  scheduling: `PendingTokens`) travel as their rows, and their values go device to device, broadcast from rank
-  0 over the model's group (NCCL on CUDA) right after the message, so neither side waits for them on the host;
-  values already on the host (the CPU) go in the buffer.
+- FORWARD: the model's inputs for one step: input ids, positions and the attention metadata (a hybrid's state
+  slots included: -1 for a model without them), all as the host built them (the metadata's host copies: nothing is
+  copied back from the device, which on CUDA would wait for the steps queued before). Input ids that the previous
+  launch sampled and the host does not have yet (async scheduling: `PendingTokens`) travel as their rows, and their
+  values go device to device, broadcast from rank 0 over the model's group (NCCL on CUDA) right after the message,
+  so neither side waits for them on the host; values already on the host (the CPU) go in the buffer.
 - DECODE_GRAPH: a decode step (one new token per row) that every rank runs by replaying its own captured graph
   of the bucket named (engine_server.cuda_graphs): the rows' input ids, sequence lengths, block tables and slots,
   as the host built them; pending tokens as for FORWARD. The graphs' all-reduces are inside them, so each rank's
@@ -162,8 +162,9 @@ class StepSender:
         width = tables.shape[1]
         starts = torch.zeros(batch + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(meta.query_lens_cpu, dtype=torch.int64), 0, out=starts[1:])
+        state_slots = meta.state_slots_cpu if meta.state_slots_cpu is not None else [-1] * batch
         parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
-                 tables.reshape(-1), slots]  # fmt: skip
+                 tables.reshape(-1), slots, torch.tensor(state_slots, dtype=torch.int64)]  # fmt: skip
         num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
                    num_pending, int(on_device))  # fmt: skip
@@ -299,14 +300,19 @@ class StepReceiver:
         num_pending: int,
         pending_on_device: int,
     ) -> ForwardInputs:
-        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens]
-        ids, positions, starts, seq_lens, tables, slots, *pending = self._read(sizes, num_pending, pending_on_device)
+        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, batch]
+        ids, positions, starts, seq_lens, tables, slots, states, *pending = self._read(
+            sizes, num_pending, pending_on_device
+        )
         device = self._device
         input_ids = self._input_ids(ids, pending, pending_on_device)
+        state_slots = states.tolist() if batch and int(states[0]) >= 0 else None  # a hybrid's (layers.gated_deltanet)
         return ForwardInputs(
             input_ids=input_ids,
             positions=to_device(positions, device),
             meta=AttentionMetadata(
+                state_slots=None if state_slots is None else to_device(states, device),
+                state_slots_cpu=state_slots,
                 query_start_loc=to_device(starts, device, torch.int32),
                 seq_lens=to_device(seq_lens, device, torch.int32),
                 block_tables=to_device(tables.view(batch, width), device, torch.int32),

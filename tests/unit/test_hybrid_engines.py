@@ -2,8 +2,9 @@
 request (`layers.gated_deltanet`) beside the paged KV cache of their full-attention layers. Greedy output equals
 transformers' token for token on the float path alone, batched, prefilled in chunks and after preemption (each a
 different history of the state slots: a slot's last holder always left its state there); the quantized path is
-batch-invariant; a multimodal Qwen3.5 checkpoint serves its text model; what these models cannot do yet is refused
-by name. The models are tiny random ones saved by transformers (tests/families.py)."""
+batch-invariant; tensor parallelism splits the linear layers by heads; a multimodal Qwen3.5 checkpoint serves its
+text model; what these models cannot do yet is refused by name. The models are tiny random ones saved by
+transformers (tests/families.py)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,15 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_and_preempted(hybrid
         assert llm.core.scheduler.total_preemptions > 0
 
 
+def test_tensor_parallel_hybrids_equal_transformers(hybrid: tuple[str, Path, Any]) -> None:
+    """Two ranks: each holds one of the two key heads with its two value heads (their rows of every input
+    projection, their channels of the convolution, their states), the gated attention's heads and gates, and for
+    Qwen3-Next its experts' share; each step's state slots reach the worker with the rest of the step."""
+    name, folder, theirs = hybrid
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, prompts()) == theirs, name
+
+
 def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(hybrid: tuple[str, Path, Any]) -> None:
     """`ladle bench quality` reads sequences outside the scheduler (`benchmarks.quality.batch_sequence_logits`): a
     prefill of each, then one decode row per token, each sequence in a state slot of its own."""
@@ -170,8 +180,9 @@ def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
 
 def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> None:
     folder = save_family(tmp_path, "qwen3.5")
-    with pytest.raises(ValueError, match=r"linear attention \(qwen3_next\) is not sharded yet"):
-        engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"linear attention's 2 key and 4 value heads must both be divisible by the "
+                                         r"tensor-parallel size \(4\)"):  # fmt: skip
+        engine(folder, tensor_parallel_size=4)
     speculative = {"method": "ngram", "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="speculative decoding is not served on models with linear attention"):
         engine(folder, speculative_config=speculative)
