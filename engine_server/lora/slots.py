@@ -35,13 +35,16 @@ class LoraSlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.shapes = projection_shapes(config)
-        # Per layer: projection -> (a, one b per segment). A mixture-of-experts layer has no dense MLP to adapt.
+        # Per layer: projection -> (a, one b per segment). A mixture-of-experts layer has no dense MLP to adapt, a
+        # linear-attention layer no attention.
         self.stacks: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
         for layer in range(config.num_hidden_layers):
             stacks = {}
             for name in PROJECTIONS:
                 if name in MLP_PROJECTIONS and config.is_moe_layer(layer):
                     continue
+                if name not in MLP_PROJECTIONS and config.is_linear_layer(layer):
+                    continue  # Gated DeltaNet (Qwen3.5): no q/k/v/o projections to adapt
                 shape = self.shapes[name]
                 a = torch.zeros(max_loras, shape.parts * max_rank, shape.in_features, dtype=dtype, device=device)
                 b = [torch.zeros(max_loras, max_rank, seg.out_features, dtype=dtype, device=device)

@@ -52,14 +52,21 @@ class ProjectionShape:
         return len(self.segments)
 
 
+def _query_rows(config: ModelConfig) -> tuple[int, int]:
+    """(q_proj's rows, the attention output's width): the same, or with an output gate (Qwen3-Next, Qwen3.5) each
+    head's query rows and then its gate's, twice the rows."""
+    width = config.num_attention_heads * config.head_dim
+    return (2 * width if config.attention_output_gate else width), width
+
+
 def projection_shapes(config: ModelConfig) -> dict[str, ProjectionShape]:
     """Each fused projection's shape in a dense layer of `config` (`config.intermediate_size` wide MLP)."""
-    q = config.num_attention_heads * config.head_dim
+    q, width = _query_rows(config)
     kv = config.num_key_value_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
     return {
         "qkv_proj": ProjectionShape(hidden, (Segment(0, q, 0), Segment(q, kv, 1), Segment(q + kv, kv, 2))),
-        "o_proj": ProjectionShape(q, (Segment(0, hidden, 0),)),
+        "o_proj": ProjectionShape(width, (Segment(0, hidden, 0),)),
         "gate_up_proj": ProjectionShape(hidden, (Segment(0, inner, 0), Segment(inner, inner, 1))),
         "down_proj": ProjectionShape(inner, (Segment(0, hidden, 0),)),
     }
@@ -67,7 +74,7 @@ def projection_shapes(config: ModelConfig) -> dict[str, ProjectionShape]:
 
 def module_targets(config: ModelConfig) -> dict[str, Target]:
     """Every module path an adapter may change (`self_attn.q_proj`, `mlp.gate_up_proj`, ...) and its place."""
-    q = config.num_attention_heads * config.head_dim
+    q, width = _query_rows(config)
     kv = config.num_key_value_heads * config.head_dim
     hidden, inner = config.hidden_size, config.intermediate_size
     return {
@@ -75,7 +82,7 @@ def module_targets(config: ModelConfig) -> dict[str, Target]:
         "self_attn.k_proj": Target("qkv_proj", q, kv, hidden),
         "self_attn.v_proj": Target("qkv_proj", q + kv, kv, hidden),
         "self_attn.qkv_proj": Target("qkv_proj", 0, q + 2 * kv, hidden),
-        "self_attn.o_proj": Target("o_proj", 0, hidden, q),
+        "self_attn.o_proj": Target("o_proj", 0, hidden, width),
         "mlp.gate_proj": Target("gate_up_proj", 0, inner, hidden),
         "mlp.up_proj": Target("gate_up_proj", inner, inner, hidden),
         "mlp.gate_up_proj": Target("gate_up_proj", 0, 2 * inner, hidden),

@@ -4,7 +4,7 @@ transformers' token for token on the float path alone, batched, prefilled in chu
 different history of the state slots: a slot's last holder always left its state there); the quantized path is
 batch-invariant; tensor parallelism splits the linear layers by heads; a multimodal Qwen3.5 checkpoint serves its
 text model; what these models cannot do yet is refused by name. The models are tiny random ones saved by
-transformers (tests/families.py)."""
+transformers (tests/families.py); LoRA adapters are PEFT's (tests/lora_adapters.py)."""
 
 from __future__ import annotations
 
@@ -178,6 +178,33 @@ def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
         torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_lora_adapters_on_a_hybrid_equal_peft(tmp_path: Path) -> None:
+    """PEFT's adapter on every attention and MLP projection of a Qwen3.5 (q_proj's query and gate rows alike; the
+    linear layers have none of q/k/v/o), beside the base model in one batch, equals PEFT's greedy output; an adapter
+    on the linear layers' own projections is refused by name, and the engine serves on."""
+    from engine_server.errors import ValidationError
+    from tests.lora_adapters import ATTENTION, MLP, load_peft, save_adapter
+
+    base = save_family(tmp_path / "base", "qwen3.5")
+    folder = save_adapter(base, tmp_path / "adapter", ATTENTION + MLP, 8, seed=1)
+    batch = prompts()[:4]
+    theirs = [hf_greedy(load_peft(base, folder), [prompt], NUM_TOKENS)[0] for prompt in batch]
+    plain = [hf_greedy(load_reference(base), [prompt], NUM_TOKENS)[0] for prompt in batch]
+    assert theirs != plain, "the adapter changes nothing: the test would not see it applied"
+    config = EngineConfig(
+        model=str(base), device="cpu", quantization="none", cache=CacheConfig(memory_bytes=64 * 1024**2),
+        scheduler=SchedulerConfig(max_num_seqs=MAX_SEQS), lora=LoraConfig(max_lora_rank=16),
+    )  # fmt: skip
+    with LLM(config=config) as llm:
+        llm.load_adapter("attention-mlp", str(folder))
+        results = llm.generate(batch + batch, GREEDY, adapters=["attention-mlp"] * 4 + [None] * 4, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == theirs + plain
+        linear = save_adapter(base, tmp_path / "linear", ["in_proj_qkv", "out_proj"], 4, seed=2)
+        with pytest.raises(ValidationError, match=r"not 'linear_attn\.in_proj_qkv'"):
+            llm.load_adapter("linear", str(linear))
+        assert tokens(llm, batch) == plain
+
+
 def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> None:
     folder = save_family(tmp_path, "qwen3.5")
     with pytest.raises(ValueError, match=r"linear attention's 2 key and 4 value heads must both be divisible by the "
@@ -186,9 +213,6 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
     speculative = {"method": "ngram", "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="speculative decoding is not served on models with linear attention"):
         engine(folder, speculative_config=speculative)
-    with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
-    with pytest.raises(ValueError, match="LoRA adapters are not applied to linear attention"):
-        LLM(config=with_lora)
     config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
     states = recurrent_state_bytes(config, MAX_SEQS)  # the states are set aside before any block
     short = EngineConfig(model=str(folder), device="cpu", quantization="none",
