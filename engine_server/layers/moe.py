@@ -120,8 +120,11 @@ class SparseMoE(nn.Module):
             weights, experts = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, experts, self.activation or ops.silu_and_mul)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            # The gate scales this rank's partial sum: summed over the ranks, it scales the whole.
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.partial(x, ops)
+            # The gate scales this rank's partial sum: summed over the ranks, it scales the whole. Through the kernel
+            # set's sigmoid_mul (row by row on the CPU): torch's sigmoid over the step's column of gates gives a row
+            # other bits where it falls in the column's scalar tail, which depends on the batch.
+            shared = self.shared_expert.partial(x, ops)
+            out = out + ops.sigmoid_mul(shared, self.shared_expert_gate(x).expand_as(shared).contiguous())
         elif self.shared_expert is not None:  # DeepSeek's shared experts: no gate
             out = out + self.shared_expert.partial(x, ops)
         return self.tp.all_reduce_sum(out)

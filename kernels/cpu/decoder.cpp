@@ -454,7 +454,8 @@ class DecodeStack : public torch::CustomClassHolder {
                                 e.intermediate);
     if (e.shared_gate.defined()) {
       const at::Tensor shared = linears_[e.shared_down](silu_and_mul(linears_[e.shared_gate_up](x)));
-      out = out + at::sigmoid(rowwise_linear(x, e.shared_gate)) * shared;
+      // As the layers' SparseMoE: each row's gate by sigmoid_mul, whose bits do not depend on the batch.
+      out = out + sigmoid_mul(shared, rowwise_linear(x, e.shared_gate).expand_as(shared).contiguous());
     }
     return out;
   }

@@ -50,8 +50,10 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots);
 void lora_expand(const at::Tensor& out, const at::Tensor& y, const at::Tensor& b, const at::Tensor& slots);
-at::Tensor gated_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                            const at::Tensor& beta, const at::Tensor& states, const at::Tensor& slots,
-                            const at::Tensor& query_lens, const at::Tensor& fresh);
+at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& a, const at::Tensor& b,
+                           const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                           const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
+                           const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh);
+at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate);
 
 }  // namespace ladle_cpu
