@@ -157,6 +157,9 @@ class CausalLM(nn.Module):
         after `checkpoint_renames`) or one 3-D tensor per projection (`...experts.gate_up_proj`, transformers 5's
         in-memory layout).
 
+        A module with a `load_tensor(kind, tensor)` method of its own (Gated DeltaNet's convolution and per-head
+        `A_log` / `dt_bias`, `layers.gated_deltanet`) takes its tensors whole and keeps its rank's part itself.
+
         `replaced` names layers and expert banks (as `named_modules` does) whose weights the caller swaps for others
         right after (a GGUF file's quantized blocks, `engine_server.quantization`): their checkpoint weights count as
         loaded and are not read or copied (given as `LazyTensor`s, nothing of them is read at all); biases load.
