@@ -49,6 +49,67 @@ inline float inverse_norm(const float* x, int64_t n) {
 // torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)).
 inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
+constexpr int64_t kMaxVectors = 16;  // value dims up to 256 take the vector path (its sums kept in registers)
+
+// One token of the rule against one head's state s [Dk, Dv] (Dv = NV * 16): S *= decay; recalled = k S;
+// S += k^T (beta (v - recalled)); o = q S. The recalled values and the output stay in registers across the rows of S.
+// Each element's products and sums are those of `rule_step_scalar`, in the same order: the same bits.
+template <int64_t NV>
+void rule_step(float* s, const float* qn, const float* kn, const float* v, float decay, float beta, int64_t dk,
+               float* o) {
+  vec16 acc[NV];
+  for (int64_t n = 0; n < NV; ++n) acc[n] = vec16{};
+  const vec16 d = splat(decay);
+  for (int64_t i = 0; i < dk; ++i) {  // decay the state and recall k's value, in one pass
+    float* row = s + i * NV * kLanes;
+    const vec16 ki = splat(kn[i]);
+    for (int64_t n = 0; n < NV; ++n) {
+      const vec16 x = load(row + n * kLanes) * d;
+      store(row + n * kLanes, x);
+      acc[n] = acc[n] + x * ki;
+    }
+  }
+  vec16 delta[NV];
+  for (int64_t n = 0; n < NV; ++n) {
+    delta[n] = (load(v + n * kLanes) - acc[n]) * splat(beta);
+    acc[n] = vec16{};
+  }
+  for (int64_t i = 0; i < dk; ++i) {  // write the correction and read q's output, in one pass
+    float* row = s + i * NV * kLanes;
+    const vec16 ki = splat(kn[i]), qi = splat(qn[i]);
+    for (int64_t n = 0; n < NV; ++n) {
+      const vec16 x = load(row + n * kLanes) + ki * delta[n];
+      store(row + n * kLanes, x);
+      acc[n] = acc[n] + x * qi;
+    }
+  }
+  for (int64_t n = 0; n < NV; ++n) store(o + n * kLanes, acc[n]);
+}
+
+// `rule_step` for any Dv, element by element (`recalled` and `delta`: Dv floats of scratch).
+void rule_step_scalar(float* s, const float* qn, const float* kn, const float* v, float decay, float beta, int64_t dk,
+                      int64_t dv, float* recalled, float* delta, float* o) {
+  std::fill(recalled, recalled + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = s + i * dv;
+    const float ki = kn[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] *= decay;
+      recalled[j] += row[j] * ki;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) delta[j] = (v[j] - recalled[j]) * beta;
+  std::fill(o, o + dv, 0.f);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = s + i * dv;
+    const float ki = kn[i], qi = qn[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] += ki * delta[j];
+      o[j] += row[j] * qi;
+    }
+  }
+}
+
 void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* name) {
   LADLE_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.scalar_type() == at::kFloat &&
                   t.stride(1) == 1,
@@ -191,25 +252,13 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
         }
         const float decay = std::exp(-rate * softplus(a_ptr[t * a.stride(0) + head] + dt_ptr[head]));
         const float beta = 1.f / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
-        std::fill(recalled.begin(), recalled.end(), 0.f);
-        for (int64_t i = 0; i < dk; ++i) {  // decay the state and recall k's value, in one pass
-          float* srow = s + i * dv;
-          const float ki = kn[i];
-          for (int64_t j = 0; j < dv; ++j) {
-            srow[j] *= decay;
-            recalled[j] += srow[j] * ki;
-          }
-        }
-        for (int64_t j = 0; j < dv; ++j) delta[j] = (vt[j] - recalled[j]) * beta;
         float* o = core_ptr + t * value_heads * dv + head * dv;
-        std::fill(o, o + dv, 0.f);
-        for (int64_t i = 0; i < dk; ++i) {  // write the correction and read q's output, in one pass
-          float* srow = s + i * dv;
-          const float ki = kn[i], qi = qn[i];
-          for (int64_t j = 0; j < dv; ++j) {
-            srow[j] += ki * delta[j];
-            o[j] += srow[j] * qi;
-          }
+        if (dv % kLanes == 0 && dv / kLanes <= kMaxVectors) {
+          with_count<kMaxVectors>(dv / kLanes, [&](auto vectors) {
+            rule_step<decltype(vectors)::value>(s, qn.data(), kn.data(), vt, decay, beta, dk, o);
+          });
+        } else {
+          rule_step_scalar(s, qn.data(), kn.data(), vt, decay, beta, dk, dv, recalled.data(), delta.data(), o);
         }
       }
     }
