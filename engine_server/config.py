@@ -118,9 +118,7 @@ class LinearAttention:
     """Gated DeltaNet's shape (Qwen3-Next, Qwen3.5; `layers.gated_deltanet`): the linear attention of `layers`,
     whose state per sequence is a short convolution's last `conv_kernel - 1` inputs over q, k and v
     (`conv_dim` channels) and one `key_head_dim x value_head_dim` matrix per value head, in place of a KV cache.
-    Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads. `grouped_projection`:
-    the checkpoint's input projections are Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, their rows grouped by key
-    head (Qwen3.5 stores q/k/v, z, b and a apart)."""
+    Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads."""
 
     num_key_heads: int
     num_value_heads: int
@@ -128,7 +126,6 @@ class LinearAttention:
     value_head_dim: int
     conv_kernel: int
     layers: tuple[int, ...]
-    grouped_projection: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -551,7 +548,6 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
         value_head_dim=int(cfg.get("linear_value_head_dim") or 128),
         conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
         layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
-        grouped_projection=cfg.get("model_type") == "qwen3_next",
     )
     if linear.num_value_heads % linear.num_key_heads or linear.conv_kernel < 2:
         raise ValueError(f"linear attention of {linear.num_value_heads} value heads over {linear.num_key_heads} key "

@@ -535,7 +535,8 @@ class ModelRunner:
         lora = self._lora_batch(adapter_slots)
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
         if self.state_slots:
-            self._set_state_slots(meta, steady.requests if steady is not None else output.scheduled)
+            rows = steady.requests if steady is not None else [item.request for item in output.scheduled]
+            self._set_state_slots(meta, rows)
         host_positions = torch.from_numpy(layout.seq_lens - 1)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
             host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
@@ -575,7 +576,7 @@ class ModelRunner:
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
         if self.state_slots:
-            self._set_state_slots(meta, scheduled)
+            self._set_state_slots(meta, [item.request for item in scheduled])
         host_ids, host_positions = (
             host_tensor(tokens.known, torch.long, self.device),
             host_tensor(positions, torch.long, self.device),
@@ -612,9 +613,9 @@ class ModelRunner:
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
         return hidden
 
-    def _set_state_slots(self, meta: AttentionMetadata, rows: Sequence[Request | ScheduledRequest]) -> None:
-        """Give `meta` each row's linear-attention state slot (`Request.state_slot`)."""
-        slots = [(row.request if isinstance(row, ScheduledRequest) else row).state_slot for row in rows]
+    def _set_state_slots(self, meta: AttentionMetadata, requests: list[Request]) -> None:
+        """Give `meta` each row's linear-attention state slot (`Request.state_slot`; `requests`: the rows')."""
+        slots = [request.state_slot for request in requests]
         if min(slots, default=0) < 0:
             raise RuntimeError("a request runs without a state slot on a model with linear attention")
         meta.state_slots_cpu = slots

@@ -76,7 +76,9 @@ class PagedSelfAttention(nn.Module):
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
 
-    def load_sinks(self, tensor: CheckpointTensor) -> None:
+    own_tensors = ("sinks",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
         """Copy a checkpoint's `sinks` (`[num_attention_heads]`, any float dtype), keeping this rank's heads."""
         if self.sinks is None:
             raise ValueError("this model's attention has no sinks")

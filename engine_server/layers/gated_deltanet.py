@@ -46,11 +46,13 @@ class DepthwiseConv(nn.Module):
         channels = sum(len(rows) for rows in kept)
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=dtype), requires_grad=False)
 
+    own_tensors = ("weight",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
+
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
         """Copy the checkpoint's whole weight, keeping this rank's channels; ValueError on another shape."""
         whole = read_whole(tensor)
         needed = self.kept[-1].stop  # the last of this rank's v channels
-        if kind != "weight" or whole.dim() != 3 or whole.shape[1:] != self.weight.shape[1:] or whole.shape[0] < needed:
+        if whole.dim() != 3 or whole.shape[1:] != self.weight.shape[1:] or whole.shape[0] < needed:
             raise ValueError(f"has shape {tuple(whole.shape)}, expected [channels, 1, {self.weight.shape[2]}]")
         with torch.no_grad():
             self.weight.copy_(torch.cat([whole[rows.start : rows.stop] for rows in self.kept]))
@@ -70,9 +72,9 @@ def split_qkv(name: str, tensor: CheckpointTensor, shape: LinearAttention) -> li
 def split_grouped_projections(
     name: str, tensor: CheckpointTensor, shape: LinearAttention
 ) -> list[tuple[str, torch.Tensor]]:
-    """Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` weight as Qwen3.5's separate projections: rows grouped by key head
-    (`[q, k, v, z]` of each group, `[b, a]` of each) become `in_proj_qkv` (all q, then all k, then all v), `in_proj_z`,
-    `in_proj_b` and `in_proj_a`, each head in its order. ValueError when the rows do not add up."""
+    """Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` weight as the parts `GatedDeltaNet.in_proj` loads: rows grouped by
+    key head (`[q, k, v, z]` of each group, `[b, a]` of each) become `in_proj_q`, `in_proj_k`, `in_proj_v` and
+    `in_proj_z` (or `in_proj_b` and `in_proj_a`), each head in its order. ValueError when the rows do not add up."""
     whole = read_whole(tensor)
     groups, per_group = shape.num_key_heads, shape.num_value_heads // shape.num_key_heads
     base = name.rpartition(".in_proj_")[0]
@@ -85,11 +87,8 @@ def split_grouped_projections(
         raise ValueError(f"weight {name!r} of shape {tuple(whole.shape)}: expected {groups * sum(sizes)} rows")
     parts = whole.view(groups, sum(sizes), whole.shape[1]).split(sizes, dim=1)
     rows = [part.reshape(-1, whole.shape[1]) for part in parts]
-    if len(rows) == 4:
-        q, k, v, z = rows
-        return [(f"{base}.in_proj_qkv.weight", torch.cat((q, k, v))), (f"{base}.in_proj_z.weight", z)]
-    b, a = rows
-    return [(f"{base}.in_proj_b.weight", b), (f"{base}.in_proj_a.weight", a)]
+    names = ("q", "k", "v", "z") if len(rows) == 4 else ("b", "a")
+    return [(f"{base}.in_proj_{part}.weight", part_rows) for part, part_rows in zip(names, rows, strict=True)]
 
 
 class GatedDeltaNet(nn.Module):
@@ -133,11 +132,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(shape.value_head_dim, config.rms_norm_eps, dtype)
         self.out_proj: nn.Module = RowParallelLinear(whole.value_dim, config.hidden_size, False, tp, dtype)
 
+    own_tensors = ("A_log", "dt_bias")  # loaded by `load_tensor` (`CausalLM.load_weights`)
+
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
         """Copy the checkpoint's `A_log` or `dt_bias` (`[num_value_heads]`), keeping this rank's heads."""
         whole = read_whole(tensor)
-        dest = {"A_log": self.A_log, "dt_bias": self.dt_bias}.get(kind)
-        if dest is None or tuple(whole.shape) != (self.shape.num_value_heads * self.tp.size,):
+        dest = self.A_log if kind == "A_log" else self.dt_bias
+        if tuple(whole.shape) != (self.shape.num_value_heads * self.tp.size,):
             raise ValueError(f"{kind} of shape {tuple(whole.shape)} is not one value per value head")
         with torch.no_grad():
             dest.copy_(whole[self.heads.start : self.heads.stop])

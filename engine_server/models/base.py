@@ -11,7 +11,6 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
-from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
@@ -157,8 +156,9 @@ class CausalLM(nn.Module):
         after `checkpoint_renames`) or one 3-D tensor per projection (`...experts.gate_up_proj`, transformers 5's
         in-memory layout).
 
-        A module with a `load_tensor(kind, tensor)` method of its own (Gated DeltaNet's convolution and per-head
-        `A_log` / `dt_bias`, `layers.gated_deltanet`) takes its tensors whole and keeps its rank's part itself.
+        A module that names tensors in its `own_tensors` (gpt-oss's attention sinks; Gated DeltaNet's convolution and
+        per-head `A_log` / `dt_bias`, `layers.gated_deltanet`) takes them whole in its `load_tensor(kind, tensor)` and
+        keeps its rank's part itself.
 
         `replaced` names layers and expert banks (as `named_modules` does) whose weights the caller swaps for others
         right after (a GGUF file's quantized blocks, `engine_server.quantization`): their checkpoint weights count as
@@ -190,18 +190,9 @@ class CausalLM(nn.Module):
                     target, shard = module_name.removesuffix(part) + fused, shard_name
                     break
             module = modules.get(target)
-            own_loader = getattr(module, "load_tensor", None)  # a module that keeps its rank's part its own way
-            if own_loader is not None and not shard and (kind not in ("weight", "bias") or not isinstance(
-                    module, ColumnParallelLinear | RowParallelLinear)):  # fmt: skip
+            if kind in getattr(module, "own_tensors", ()):  # it keeps its rank's part its own way (`load_tensor`)
                 try:
-                    own_loader(kind, tensor)
-                except ValueError as error:
-                    raise ValueError(f"weight {name!r}: {error}") from None
-                loaded.add((name, ""))
-                continue
-            if isinstance(module, PagedSelfAttention) and kind == "sinks":  # gpt-oss's per-head sink logits
-                try:
-                    module.load_sinks(tensor)
+                    module.load_tensor(kind, tensor)  # type: ignore[union-attr]
                 except ValueError as error:
                     raise ValueError(f"weight {name!r}: {error}") from None
                 loaded.add((name, ""))

@@ -43,8 +43,7 @@ class Qwen3NextForCausalLM(CausalLM):
             if name.startswith(_LANGUAGE_MODEL):
                 name = "model." + name.removeprefix(_LANGUAGE_MODEL)
             if shape is not None and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
-                for part, value in split_grouped_projections(name, tensor, shape):
-                    yield from split_qkv(part, value, shape) if part.endswith("in_proj_qkv.weight") else [(part, value)]
+                yield from split_grouped_projections(name, tensor, shape)
             elif shape is not None and name.endswith("in_proj_qkv.weight"):
                 yield from split_qkv(name, tensor, shape)
             else:

@@ -162,9 +162,12 @@ class StepSender:
         width = tables.shape[1]
         starts = torch.zeros(batch + 1, dtype=torch.int64)
         torch.cumsum(torch.tensor(meta.query_lens_cpu, dtype=torch.int64), 0, out=starts[1:])
-        state_slots = meta.state_slots_cpu if meta.state_slots_cpu is not None else [-1] * batch
+        state_slots = (
+            torch.full((batch,), -1, dtype=torch.int64) if meta.state_slots_cpu is None
+            else torch.tensor(meta.state_slots_cpu, dtype=torch.int64)
+        )  # fmt: skip
         parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
-                 tables.reshape(-1), slots, torch.tensor(state_slots, dtype=torch.int64)]  # fmt: skip
+                 tables.reshape(-1), slots, state_slots]  # fmt: skip
         num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
                    num_pending, int(on_device))  # fmt: skip

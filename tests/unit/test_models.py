@@ -41,6 +41,9 @@ LINEAR_ATTENTION = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
     "layer_types": ["linear_attention", "full_attention"],
 }  # fmt: skip
+# Top-2 of 8 experts beside a gated shared expert (Qwen3-Next's and Qwen3.5-MoE's MLP).
+HYBRID_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48}  # fmt: skip
 MAX_SEQUENCES = 8  # the linear-attention states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
@@ -154,13 +157,11 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "qwen3.5": (transformers.Qwen3_5TextConfig, {"head_dim": 16, **LINEAR_ATTENTION}),
     "qwen3-next": (
         transformers.Qwen3NextConfig,
-        {"head_dim": 16, **LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "shared_expert_intermediate_size": 48},
+        {"head_dim": 16, **LINEAR_ATTENTION, **HYBRID_EXPERTS},
     ),
     "qwen3.5-moe": (
         transformers.Qwen3_5MoeTextConfig,
-        {"head_dim": 16, **LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "shared_expert_intermediate_size": 48},
+        {"head_dim": 16, **LINEAR_ATTENTION, **HYBRID_EXPERTS},
     ),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
