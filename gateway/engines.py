@@ -59,6 +59,7 @@ class Engine:
     calls: int = 0  # calls this gateway has in flight on it
     refused: str | None = None  # why the engine refuses this gateway's calls (UNAUTHENTICATED), if it does
     record: PrefixRecord = field(default_factory=PrefixRecord)
+    downs: int = 0  # times a call found it unavailable (EnginePool.mark_down): a poll out meanwhile is stale
 
     @property
     def busy(self) -> int:
@@ -216,6 +217,7 @@ class EnginePool:
         if engine.serving:
             log.warning("engine unavailable; routing around it", engine=engine.address, refused=refused)
         engine.serving = False
+        engine.downs += 1
         engine.refused = refused or engine.refused
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -283,20 +285,27 @@ class EnginePool:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _check(self, engine: Engine, reread_info: bool = False) -> None:
+        """Poll `engine` and record what it answered. An answer that a call's failure (`mark_down`) overtook is
+        dropped: the engine stays down until the next poll, which (finding it SERVING) counts as its comeback."""
         timeout = max(1.0, self.config.health_interval_s)
-        was_serving = engine.serving
+        downs, info = engine.downs, None
         try:
             status = await engine.client.health(timeout=timeout)
             serving = status == health_pb2.HealthCheckResponse.SERVING
-            engine.load = await engine.client.load(timeout=timeout) if serving else None
-            if engine.load is not None and (
-                    reread_info or engine.info is None or adapters_changed(engine.info, engine.load)):
-                engine.info = await engine.client.model_info(timeout=timeout)
+            load = await engine.client.load(timeout=timeout) if serving else None
+            if load is not None and (
+                    reread_info or engine.info is None or adapters_changed(engine.info, load)):
+                info = await engine.client.model_info(timeout=timeout)
             refused = None
         except grpc.RpcError as error:
-            serving = False
-            engine.load = None
-            refused = unauthenticated(error)
+            serving, load, refused = False, None, unauthenticated(error)
+        if engine.downs != downs:
+            return  # e.g. SERVING from before a restart: it says nothing of what the engine is now
+        # Read only now: another poll (a refresh) may have recorded the comeback while this one was out.
+        was_serving = engine.serving
+        engine.load = load
+        if info is not None:  # else kept (while the engine is down too: its model and adapters, as last seen)
+            engine.info = info
         if refused is not None and engine.refused is None:
             log.error("the engine refuses this gateway's token; no calls go to it", engine=engine.address,
                       error=refused)

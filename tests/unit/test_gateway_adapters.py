@@ -161,6 +161,8 @@ class LoraFakeEngine(FakeEngine):
     adapters: dict[str, str] = field(default_factory=dict)  # name -> path
     bad_paths: set[str] = field(default_factory=set)
     used: Counter[str] = field(default_factory=Counter)  # the adapter of every generation received ("" for base)
+    held: asyncio.Event | None = None  # when set to a clear event: GetLoad waits for it (a poll held out)
+    asked: asyncio.Event = field(default_factory=asyncio.Event)  # set by each GetLoad
 
     async def GetModelInfo(self, request: Any, context: Any) -> engine_pb2.GetModelInfoResponse:
         info = await super().GetModelInfo(request, context)
@@ -169,7 +171,11 @@ class LoraFakeEngine(FakeEngine):
         return info
 
     async def GetLoad(self, request: Any, context: Any) -> engine_pb2.GetLoadResponse:
-        return engine_pb2.GetLoadResponse(accepting=True, adapters=list(self.adapters))
+        response = engine_pb2.GetLoadResponse(accepting=True, adapters=list(self.adapters))
+        self.asked.set()
+        if self.held is not None:
+            await self.held.wait()
+        return response
 
     async def LoadAdapter(self, request: engine_pb2.LoadAdapterRequest, context: Any) -> engine_pb2.LoadAdapterResponse:
         if request.path in self.bad_paths:
@@ -369,6 +375,28 @@ async def test_an_adapters_call_fails_over_only_to_engines_that_hold_it() -> Non
             assert failed.value.status == 503 and other.used["x"] == 0
         finally:
             await pool.close()
+
+
+async def test_a_poll_that_a_failed_call_overtook_neither_revives_the_engine_nor_hides_its_comeback(
+        tmp_path: Path) -> None:
+    """A poll answered before the engine restarted (and a call then found it UNAVAILABLE) is dropped: the engine
+    stays down until the next poll, which finds it SERVING and gives it its adapters back."""
+    fake = LoraFakeEngine()
+    async with fake_engines(fake) as addresses, gateway(addresses, tmp_path, health_interval_s=60) as (http, pool):
+        assert (await http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/a/x"})
+                ).status_code == 200
+        engine = pool.engines[0]
+        fake.held, fake.asked = asyncio.Event(), asyncio.Event()
+        poll = asyncio.create_task(pool.refresh())
+        await fake.asked.wait()  # the poll is out: SERVING, with "x"
+        fake.adapters.clear()  # the engine restarts ...
+        pool.mark_down(engine)  # ... and a call finds it UNAVAILABLE
+        fake.held.set()
+        await poll
+        assert not engine.serving and not fake.adapters
+        await pool.refresh()  # the next poll: the comeback
+        await until(lambda: fake.adapters == {"x": "/a/x"})
+        assert engine.serving and [a.name for a in pool.adapters()] == ["x"]
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
