@@ -52,6 +52,7 @@ layers in one call and all-reduces between them through that same shared memory 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Mapping
 from typing import Literal
@@ -93,6 +94,7 @@ from engine_server.layers.quantized_linear import (
 )
 from engine_server.layers.weight_arena import gather_packed_weights
 from engine_server.loader.fp8_checkpoint import read_fp8_weights
+from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.source import ModelSource
 from engine_server.models.base import FUSED_SHARDS, CausalLM, expert_weight
@@ -241,12 +243,15 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
     float weights, so those of the layers present are never read (`CausalLM.load_weights`'s `replaced`)."""
     assert source.gguf_path is not None
     config = source.config
+    converted = json.loads((source.path / "config.json").read_text(encoding="utf-8"))
+    model_type = str(converted["model_type"])
     matrices = stored_matrices(
         source.gguf_path,
-        model_type=config.architecture,
+        model_type=model_type,
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         converted=source.path,
+        hybrid=HybridShape.from_config(converted, model_type) if model_type in TILED_VALUE_HEADS else None,
     )
     stored = {model.checkpoint_name(name): matrix for name, matrix in matrices.items()}
     tied = config.tie_word_embeddings

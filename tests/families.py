@@ -159,8 +159,13 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
 }  # fmt: skip
-# Every model `save_family` can write: the families above, and plain Llama (the base of the LoRA tests).
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {**FAMILIES, **HYBRIDS, "llama": ("LlamaConfig", {})}
+# Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's
+# mixture of experts (its GGUF files' test; its engine's is tests.unit.test_models').
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    **FAMILIES, **HYBRIDS, "llama": ("LlamaConfig", {}),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", {**LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}),
+}  # fmt: skip
 
 
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
@@ -250,8 +255,9 @@ _GGUF_GEMMA_LAYER = {
 }  # fmt: skip
 _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-    "qwen3_moe": "qwen3moe",
+    "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
 }  # fmt: skip
+_GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
 # expert's projections, which llama.cpp stacks into one `[experts, rows, columns]` tensor per projection.
 _GGUF_MOE_LAYER = {
@@ -265,6 +271,49 @@ _GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": 
                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
 
 
+
+def _llama_cpp_linear_attention(config: dict[str, Any], arch: str, layer: str, weights: dict[str, torch.Tensor]
+                                ) -> dict[str, np.ndarray]:
+    """One Gated DeltaNet layer's checkpoint tensors (`weights`, by name under `linear_attn.`) as llama.cpp's converter
+    writes them, by GGUF name: Qwen3-Next's grouped `in_proj_qkvz` split into `attn_qkv` (all q, all k, all v) and
+    `attn_gate`; in Qwen3.5's files, value heads tiled rather than grouped by key head (v, z, a, b, A_log, dt_bias,
+    the convolution's v channels, out_proj's columns); `ssm_a` = -exp(A_log); the convolution squeezed."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    key_dim, value_dim = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    per_key, key_rows = value_heads // key_heads, key_heads * key_dim
+
+    def tile(t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+        if arch == "qwen3next" or per_key == 1:
+            return t
+        t = t.movedim(dim, 0)
+        tiled = t.reshape(key_heads, per_key, width, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return tiled.movedim(0, dim)
+
+    w = {name.removesuffix(".weight"): t.float() for name, t in weights.items()}
+    if "in_proj_qkvz" in w:
+        grouped = w.pop("in_proj_qkvz").reshape(key_heads, 2 * key_dim + 2 * per_key * value_dim, -1)
+        q, k, v, z = grouped.split([key_dim, key_dim, per_key * value_dim, per_key * value_dim], dim=1)
+        w["in_proj_qkv"] = torch.cat([q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]),
+                                      v.reshape(-1, v.shape[-1])])  # fmt: skip
+        w["in_proj_z"] = z.reshape(-1, z.shape[-1])
+    out = {
+        "attn_qkv": torch.cat([w["in_proj_qkv"][: 2 * key_rows], tile(w["in_proj_qkv"][2 * key_rows :], 0, value_dim)]),
+        "attn_gate": tile(w["in_proj_z"], 0, value_dim),
+        "ssm_conv1d": torch.cat([w["conv1d"].squeeze(1)[: 2 * key_rows], tile(w["conv1d"].squeeze(1)[2 * key_rows :], 0,
+                                                                             value_dim)]),
+        "ssm_a": -torch.exp(tile(w["A_log"], 0, 1)),
+        "ssm_dt.bias": tile(w["dt_bias"], 0, 1),
+        "ssm_norm": w["norm"],
+        "ssm_out": tile(w["out_proj"], 1, value_dim),
+    }  # fmt: skip
+    if "in_proj_ba" in w:
+        out["ssm_ba"] = w["in_proj_ba"]
+    else:
+        out["ssm_beta"], out["ssm_alpha"] = tile(w["in_proj_b"], 0, 1), tile(w["in_proj_a"], 0, 1)
+    suffix = {"ssm_a": "", "ssm_dt.bias": ""}
+    return {f"blk.{layer}.{kind}{suffix.get(kind, '.weight')}": t.numpy() for kind, t in out.items()}
+
+
 # Types gguf cannot quantize to (llama.cpp's K-quants): their tensors are written as random blocks
 # (tests.lowbit_blocks), so the file's weights are those blocks' and not the folder's.
 _RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationType values
@@ -273,7 +322,8 @@ _RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationTy
 def write_gguf(
     folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None, types: dict[str, Any] | None = None
 ) -> Path:
-    """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE or Qwen3-MoE as llama.cpp's converter writes it: its
+    """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or Qwen3-Next as
+    llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
     metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
     scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
     F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
@@ -282,7 +332,9 @@ def write_gguf(
     e.g. `blk.0.ffn_down_exps.weight`) in the type it gives; returns `path`. Mixtral is written as
     llama.cpp's `llama` with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar`
     must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
-    layer of a mixture of experts must have experts (no `mlp_only_layers`), as llama.cpp assumes."""
+    layer of a mixture of experts must have experts (no `mlp_only_layers`), and a hybrid's value heads must be as
+    wide as its key heads, as llama.cpp assumes. A hybrid's linear layers are written as `_llama_cpp_linear_attention`
+    says, their projections in `attention`'s type."""
     import json
 
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
@@ -301,7 +353,8 @@ def write_gguf(
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -310,6 +363,15 @@ def write_gguf(
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_sliding_window(config.get("sliding_window") or 0)
+    if arch in _GGUF_HYBRIDS:
+        writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(config["linear_key_head_dim"])
+        writer.add_ssm_group_count(config["linear_num_key_heads"])
+        writer.add_ssm_time_step_rank(config["linear_num_value_heads"])
+        writer.add_ssm_inner_size(config["linear_value_head_dim"] * config["linear_num_value_heads"])
+        writer.add_full_attention_interval(config["layer_types"].index("full_attention") + 1)
+        if arch != "qwen3next":  # Qwen3.5's multimodal rope: on text every section has the same position
+            writer.add_rope_dimension_sections([int(head_dim * rope["partial_rotary_factor"]) // 2, 0, 0, 0])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -345,12 +407,20 @@ def write_gguf(
     else:
         writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
     layer_names = {**(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER), **_GGUF_MOE_LAYER}
+    hybrid = arch in _GGUF_HYBRIDS
+    if hybrid:
+        layer_names["post_attention_layernorm"] = "post_attention_norm"
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
+    linear: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
         stem, param = name.rsplit(".", 1)
         kind_type = None  # norms, embeddings and routers stay F32
-        if gemma and name.endswith("norm.weight"):
+        if hybrid and ".linear_attn." in name:
+            layer, rest = name.removeprefix("model.layers.").split(".linear_attn.")
+            linear.setdefault(layer, {})[rest] = tensor
+            continue
+        if (gemma or hybrid) and name.endswith("norm.weight"):
             tensor = tensor + 1.0
         array = tensor.float().numpy()
         if stem.startswith("model.layers."):
@@ -373,6 +443,10 @@ def write_gguf(
             gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}"
             kind_type = output if stem == "lm_head" else None
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
+    for layer, weights in linear.items():  # the projections in `attention`'s type; the rest F32
+        for gguf_name, array in _llama_cpp_linear_attention(config, arch, layer, weights).items():
+            projection = array.ndim > 1 and not gguf_name.endswith("ssm_conv1d.weight")
+            tensors[gguf_name] = (array, attention if projection else None)
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
     for gguf_name, stored_type in (types or {}).items():

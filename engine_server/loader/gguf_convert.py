@@ -23,11 +23,13 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
+from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape, bare_tensor_name
 from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
 from engine_server.pooling.params import write_sentence_transformers_pooling
 
 # Bump when the converted layout changes so stale cache entries are not reused.
-CONVERTER_VERSION = 4  # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3
+CONVERTER_VERSION = 5  # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids
 # In the converted folder: where each tensor of the GGUF file lies in it (name, type, data offset and size), so a
 # quantized engine maps its blocks without parsing the file's metadata again (gguf's reader builds an array per
 # vocabulary string: ~6 s of CPU for the embedded model's 49,152 tokens and 48,900 merges, at every start).
@@ -73,6 +75,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "mixtral": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
+    **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
 # checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`).
@@ -95,6 +98,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     unknown or already folded into the config."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if architecture in TILED_VALUE_HEADS and (bare := bare_tensor_name(gguf_name)) is not None:
+        return bare
     names = _ARCHITECTURE_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in names:
@@ -134,11 +139,14 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored, Gemma's
-    norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then rounds nothing), and a
-    mixture of experts' 3-D tensors as one tensor per expert (as checkpoints store them)."""
+    norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then rounds nothing), a
+    mixture of experts' 3-D tensors as one tensor per expert (as checkpoints store them), and a Gated DeltaNet
+    hybrid's tensors as its checkpoint holds them (`gguf_hybrid.CheckpointForm`)."""
     model_type = config["model_type"]
     permuted = rope_permuted(model_type)
     norm_shifted = model_type in _NORM_SHIFTED
+    hybrid = CheckpointForm(HybridShape.from_config(config, model_type), model_type) \
+        if model_type in TILED_VALUE_HEADS else None
     for tensor in reader.tensors:
         if tensor.name in _CONSUMED:
             continue
@@ -166,7 +174,10 @@ def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> It
         elif norm_shifted and name.endswith("norm.weight"):
             weight = np.asarray(weight, dtype=np.float32) - np.float32(1.0)
         # F32 tensors come back as read-only views of the memory-mapped file: copy them out.
-        yield name, torch.from_numpy(np.require(weight, np.float32, ["C", "W", "O"]))
+        for checkpoint_name, array in [(name, weight)] if hybrid is None else hybrid.take(name, weight):
+            yield checkpoint_name, torch.from_numpy(np.require(array, np.float32, ["C", "W", "O"]))
+    if hybrid is not None:
+        hybrid.finish()
 
 
 def write_sharded_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
@@ -202,12 +213,21 @@ def write_sharded_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], folde
 
 def save_gguf_tokenizer(gguf_path: Path, folder: Path, config: dict[str, Any], spec: str) -> None:
     """Build the tokenizer (and chat template) from GGUF metadata with transformers and save it."""
-    from transformers import AutoTokenizer  # heavy import, only on the cold path
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy import, only on the cold path
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-        )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+            )
+        except ValueError as exc:
+            if "architecture" not in str(exc):
+                raise
+            # transformers reads no config from this architecture's files (qwen3next); the tokenizer is built from
+            # the file's tokenizer.ggml.* keys alone, as AutoTokenizer's would be.
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(
+                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+            )
     except Exception as exc:  # transformers raises many types for a missing or odd vocabulary
         raise ValueError(f"model {spec!r}: cannot build a tokenizer from the GGUF metadata: {exc}") from exc
     tokenizer.model_max_length = config["max_position_embeddings"]

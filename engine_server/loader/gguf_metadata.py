@@ -1,5 +1,5 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, qwen2 / qwen3 and their
-MoE forms, phi3, gemma2 / gemma3 `<arch>.*` keys)."""
+MoE forms, phi3, gemma2 / gemma3, and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,17 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
+# The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 # A `llama` file with experts is Mixtral (llama.cpp writes Mixtral under its llama architecture).
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # Whether llama.cpp renormalises the top-k routing weights (its `norm_w`, fixed per architecture): Mixtral and
 # Qwen3-MoE do, Qwen2-MoE does not.
-_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False, "qwen3next": True, "qwen35moe": True}
 
 # Gemma as llama.cpp reads it: which layers are global (every 2nd in Gemma 2, every 6th in Gemma 3, unless the file
 # says), the windowed layers' rope base in Gemma 3, and the layer count of the 27B models, whose attention scale is
@@ -91,7 +96,9 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         # GGUF shapes are listed innermost-first: token_embd is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_size": hidden,
-        "intermediate_size": int(required("feed_forward_length")),
+        # A mixture of experts' file may have no dense width (Qwen3.5-MoE's): its experts' then.
+        "intermediate_size": int(read_field(reader, f"{arch}.feed_forward_length", 0) or 0) or int(
+            required("expert_feed_forward_length" if experts else "feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(read_field(reader, f"{arch}.attention.head_count_kv", heads)),
@@ -122,6 +129,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         )
     if arch in _GEMMA_GLOBAL_EVERY:
         config.update(_gemma_config(reader, arch, config, spec))
+    if arch in HYBRID_ARCHITECTURES:
+        config.update(_linear_attention_config(reader, arch, config, spec))
     if experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
@@ -154,10 +163,43 @@ def _experts_config(
     }
     if not keys["moe_intermediate_size"]:
         raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.expert_feed_forward_length")
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen3next", "qwen35moe"):  # a sigmoid-gated shared expert beside the routed ones
         shared = read_field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
         keys["shared_expert_intermediate_size"] = int(shared)
     return keys
+
+
+def _linear_attention_config(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The Gated DeltaNet keys of a Qwen3.5 / Qwen3-Next `config.json` from llama.cpp's `ssm.*` keys (the key
+    heads are its group count, the value heads its time-step rank, a value head's width its inner size over them)
+    and which layers are full attention (every `full_attention_interval`-th). The rope stays plain: on text,
+    Qwen3.5's multimodal rope (`rope.dimension_sections`) gives each section the same position."""
+
+    def required(key: str) -> int:
+        value = read_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
+        return int(value)
+
+    value_heads = required("ssm.time_step_rank")
+    inner = required("ssm.inner_size")
+    key_heads = required("ssm.group_count")
+    if not value_heads or inner % value_heads or not key_heads or value_heads % key_heads:
+        raise ValueError(f"model {spec!r}: {arch}.ssm.inner_size {inner} over {value_heads} value heads in groups "
+                         f"of {key_heads} key heads is not a Gated DeltaNet's shape")
+    interval = int(read_field(reader, f"{arch}.full_attention_interval", 4))
+    layers = int(config["num_hidden_layers"])
+    partial = float(config.pop("partial_rotary_factor", 1.0))
+    return {
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": required("ssm.state_size"),
+        "linear_value_head_dim": inner // value_heads,
+        "linear_conv_kernel_dim": required("ssm.conv_kernel"),
+        "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.pop("rope_theta"),
+                            "partial_rotary_factor": partial},
+    }  # fmt: skip
 
 
 def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from engine_server.layers.lowbit_weight import decode_blocks
-from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight
+from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight, quantize_q8
 from engine_server.loader.gguf_convert import (
     TENSOR_INDEX,
     hf_expert_names,
@@ -35,6 +35,7 @@ from engine_server.loader.gguf_convert import (
     rope_permuted,
     unpermute_rope_rows,
 )
+from engine_server.loader.gguf_hybrid import HybridShape, stored_parts
 
 # Each type's block: (elements, bytes); the low-bit ones' kind names (`layers.lowbit_weight`).
 _BLOCKS = {
@@ -52,11 +53,13 @@ _LOW_BIT = {
 class StoredMatrix:
     """One quantized `[N, K]` matrix of a GGUF file, not read yet: `blocks` `[N, K / block elements, block bytes]`
     is a view of the mapped file, `row_order` (when not None) the file row holding each HF row (llama q/k
-    un-permutation)."""
+    un-permutation, a hybrid's parts: `gguf_hybrid`), `column_order` (when not None) the file column holding each HF
+    column (a hybrid's tiled `out_proj`). `shape` is the HF matrix's."""
 
     blocks: np.ndarray
     kind: GGMLQuantizationType
     row_order: np.ndarray | None = None
+    column_order: np.ndarray | None = None
 
     @property
     def block_elements(self) -> int:
@@ -65,31 +68,42 @@ class StoredMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.blocks.shape[1] * self.block_elements
+        rows = self.blocks.shape[0] if self.row_order is None else len(self.row_order)
+        return rows, self.blocks.shape[1] * self.block_elements
 
     def read(self, rows: range | None = None, columns: range | None = None) -> QuantizedWeight:
-        """The weight of HF rows `rows` and columns `columns` (all when None), copied out of the file.
+        """The weight of HF rows `rows` and columns `columns` (all when None), copied out of the file: its blocks as
+        they are, or, where `column_order` takes columns from within blocks, those columns dequantized and quantized
+        again to 8 bits per group of 32 (`quantize_q8`: near the file's values, not them).
 
         Raises ValueError when `columns` does not start and end on a block boundary (`block_elements`)."""
         wanted = np.arange(self.shape[0]) if rows is None else np.arange(rows.start, rows.stop)
         file_rows = wanted if self.row_order is None else self.row_order[wanted]
         blocks = self.blocks[file_rows] if rows is not None or self.row_order is not None else self.blocks
+        step = self.block_elements
+        if columns is not None and (columns.start % step or columns.stop % step or columns.step != 1):
+            raise ValueError(f"columns {columns} do not fall on blocks of {step}")
+        if self.column_order is not None:
+            file_columns = self.column_order[slice(None) if columns is None else slice(columns.start, columns.stop)]
+            starts = file_columns.reshape(-1, step)
+            if not (starts[:, :1] % step == 0).all() or not (starts == starts[:, :1] + np.arange(step)).all():
+                return quantize_q8(parse_blocks(blocks, self.kind).dequantize()[:, torch.from_numpy(file_columns)])
+            return parse_blocks(blocks[:, starts[:, 0] // step], self.kind)
         if columns is not None:
-            step = self.block_elements
-            if columns.start % step or columns.stop % step or columns.step != 1:
-                raise ValueError(f"columns {columns} do not fall on blocks of {step}")
             blocks = blocks[:, columns.start // step : columns.stop // step]
         return parse_blocks(blocks, self.kind)
 
 
 def stored_matrices(
-    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, converted: Path | None = None
+    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, converted: Path | None = None,
+    hybrid: HybridShape | None = None,
 ) -> dict[str, StoredMatrix]:
     """Every 2-D tensor of `gguf_path` in a type served quantized (module docstring) by HF parameter name (e.g.
     `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), and each expert's matrix of a mixture of
     experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`), mapped and not
-    read; tensors of other types are absent. `converted` is the file's converted folder: its tensor index, when it
-    has one, says where the tensors lie."""
+    read; tensors of other types are absent. `model_type` is the converted config's. A Gated DeltaNet hybrid's
+    (`hybrid`: its shape) linear-attention matrices come as the parts its layers load (`gguf_hybrid.stored_parts`).
+    `converted` is the file's converted folder: its tensor index, when it has one, says where the tensors lie."""
     permuted = rope_permuted(model_type)
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
@@ -102,6 +116,11 @@ def stored_matrices(
         if name is None or data.ndim != 2:
             continue
         blocks = data.reshape(data.shape[0], -1, _BLOCKS[kind][1])
+        layer, _, llama_kind = gguf_name.removeprefix("blk.").rpartition(".")[0].partition(".")
+        parts = None if hybrid is None else stored_parts(llama_kind, layer, len(blocks), hybrid)
+        if parts is not None:
+            matrices.update((p.name, StoredMatrix(blocks, kind, p.rows, p.columns)) for p in parts)
+            continue
         order = None
         if permuted and ".self_attn.q_proj." in name:
             order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads)

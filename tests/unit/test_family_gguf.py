@@ -1,7 +1,8 @@
 """GGUF files of the newer families as llama.cpp writes them (its tensor names, metadata and quantization types,
-written with the `gguf` package): Phi-3 with partial rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w,
-its windowed and global layers implied by llama.cpp's pattern), and the mixtures of experts Qwen3-MoE, Qwen2-MoE and
-Mixtral (each projection's experts in one 3-D tensor). Converted, each float path equals transformers on
+written with the `gguf` package; scripts/check_gguf_writer.py has llama.cpp decode such files): Phi-3 with partial
+rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w, its windowed and global layers implied by llama.cpp's
+pattern), the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (each projection's experts in one 3-D tensor),
+and the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next. Converted, each float path equals transformers on
 the converted folder token for token; served from its own 4- and 8-bit blocks (`--quantization auto`), each holds
 `ladle bench quality`'s thresholds against that float path."""
 
@@ -22,8 +23,9 @@ from safetensors.torch import load_file
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
 from engine_server import model_loading
 from engine_server.config import ModelConfig
+from engine_server.layers.gated_deltanet import split_grouped_projections
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, ExpertWeights, QuantizedExperts, RowwiseLinear
-from engine_server.layers.quantized_linear import QuantizedLinear
+from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from engine_server.quantization import stored_weights
@@ -289,6 +291,25 @@ def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:
         hf_config_from_gguf(GGUFReader(str(tmp_path / "mixtral.gguf")), "mixtral.gguf")
 
 
+def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(tmp_path: Path) -> None:
+    """llama.cpp's `ssm.*` keys give the linear layers' shape: an inner size that is not whole value heads, or value
+    heads that are not whole groups of key heads, is no Gated DeltaNet's."""
+    writer = GGUFWriter(str(tmp_path / "qwen35.gguf"), "qwen35")
+    keys = {"block_count": 4, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
+            "head_count": 2, "layer_norm_rms_eps": 1e-6, "ssm_conv_kernel": 4, "ssm_state_size": 16,
+            "ssm_group_count": 2, "ssm_time_step_rank": 3, "ssm_inner_size": 48,
+            "full_attention_interval": 4}  # fmt: skip
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"inner_size 48 over 3 value heads in groups of 2 key heads"):
+        hf_config_from_gguf(GGUFReader(str(tmp_path / "qwen35.gguf")), "qwen35.gguf")
+
+
 @pytest.mark.parametrize(
     ("attention", "feed_forward"),
     [(GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q6_K),
@@ -318,3 +339,107 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     assert layers["model.layers.3.mlp.gate_up_proj"] == feed_forward.name.lower()
     assert layers["model.layers.3.mlp.down_proj"] == feed_forward.name.lower()
     assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.05, result
+
+
+# The Gated DeltaNet hybrids as llama.cpp writes them (scripts/check_gguf_writer.py runs llama.cpp on such files and
+# finds transformers' tokens): Qwen3.5 with two key heads each read by two value heads, tiled in its files, 32 wide
+# (so out_proj's heads are whole Q8_0 blocks, read in checkpoint order from the file); Qwen3-Next (grouped q/k/v/z
+# and b/a, its value heads never tiled) and Qwen3.5-MoE 16 wide (llama.cpp takes a value head as wide as a key head;
+# out_proj's tiled heads are then half blocks), every layer with experts.
+HYBRID_GGUF: dict[str, dict[str, Any]] = {
+    "qwen3.5": {"linear_key_head_dim": 32, "linear_value_head_dim": 32},
+    "qwen3-next": {"linear_value_head_dim": 16, "mlp_only_layers": []},
+    "qwen3.5-moe": {"linear_value_head_dim": 16},
+}
+HYBRID_KEYS = ("linear_attention", "norm_offset", "attention_output_gate", "rotary_dim", "num_experts",
+               "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+@pytest.fixture(scope="module", params=list(HYBRID_GGUF))
+def hybrid_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    root = tmp_path_factory.mktemp(f"{request.param}-gguf")
+    folder = save_family(root / "hf", request.param, head_spread=0.5, **HYBRID_GGUF[request.param])
+    return request.param, write_gguf(folder, root / "hybrid.gguf", GGMLQuantizationType.Q4_0,
+                                     GGMLQuantizationType.Q8_0)
+
+
+def test_a_hybrid_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    hybrid_gguf: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converted, the config is the saved model's and every tensor comes back as the checkpoint holds it (value heads
+    grouped again, A_log from -exp(A_log), the norms' 1 + w back to w, Qwen3-Next's q/k/v/z regrouped): F32 ones
+    exactly (A_log to an ulp), quantized ones to their rounding; the float path equals transformers on the converted
+    folder token for token. Served from its blocks, each linear-attention projection's weight is the converted one
+    bit for bit (its rows, and out_proj's columns, read in checkpoint order), it is as close to the float path as
+    ladle's own int8 is, and a prompt's tokens are the same alone and batched."""
+    family, gguf = hybrid_gguf
+    source = resolve_model(str(gguf))
+    saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
+    assert [getattr(source.config, key) for key in HYBRID_KEYS] == [getattr(saved, key) for key in HYBRID_KEYS]
+    original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
+    assert converted.keys() == original.keys(), family
+    for name, weight in original.items():
+        assert converted[name].shape == weight.shape, name
+        if name.endswith("A_log"):
+            assert torch.allclose(converted[name], weight, rtol=1e-6, atol=0), name
+        elif name.endswith("norm.weight") and ".linear_attn." not in name:  # as applied, 1 + w (see Gemma 3's)
+            assert torch.equal(converted[name] + 1, weight + 1), name
+        elif weight.dim() == 1 or name.endswith(("embed_tokens.weight", ".gate.weight", "conv1d.weight")):
+            assert torch.equal(converted[name], weight), name
+        else:
+            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(source.path), family
+
+    stored = keep_stored_weights(monkeypatch)
+    layers, result = served_from_blocks(gguf)
+    shape = source.config.linear_attention
+    assert shape is not None
+    for layer in shape.layers:
+        prefix = f"model.layers.{layer}.linear_attn"
+        if family == "qwen3-next":
+            parts = dict(split_grouped_projections("in_proj_qkvz.weight", converted[f"{prefix}.in_proj_qkvz.weight"],
+                                                   shape))
+            parts |= dict(split_grouped_projections("in_proj_ba.weight", converted[f"{prefix}.in_proj_ba.weight"],
+                                                    shape))
+            in_proj = torch.cat([parts[f".in_proj_{p}.weight"] for p in "qkvzba"])
+        else:
+            in_proj = torch.cat([converted[f"{prefix}.in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")])
+        module = f"model.layers.{layer}.self_attn"
+        assert layers[f"{module}.in_proj"] == "q8" and layers[f"{module}.out_proj"] == "q8", layers
+        assert torch.equal(stored[f"{module}.in_proj"].dequantize(), in_proj), (family, layer)
+        out_proj = converted[f"{prefix}.out_proj.weight"]
+        if family == "qwen3.5-moe":  # tiled heads 16 wide: out_proj's columns come from within blocks, requantized
+            out_proj = quantize_q8(out_proj).dequantize()
+        assert torch.equal(stored[f"{module}.out_proj"].dequantize(), out_proj), (family, layer)
+    # Looser than the other families': these random hybrids' recurrent state carries every rounding along, and
+    # ladle's own int8 of the same files measures alike (top-1 0.84 / KL 0.035 for Qwen3-Next, 0.92 / 0.006 for
+    # Qwen3.5, 0.88 / 0.014 for Qwen3.5-MoE; all-Q8_0 files 0.88-0.97); a misread block costs nats.
+    assert result.top1_agreement >= 0.75 and result.mean_kl <= 0.05, (family, result)
+    batch = prompts()
+    with engine(gguf, quantization="auto") as llm:
+        alone = [tokens(llm, [prompt])[0] for prompt in batch[:4]]
+        assert tokens(llm, batch[:4]) == alone, family
+
+
+def test_a_hybrid_gguf_split_over_two_ranks_reads_each_ranks_heads_from_the_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Qwen3.5 over two ranks: each keeps one key head and its two value heads, whose rows of in_proj and columns of
+    out_proj lie apart in the file (tiled); read from the blocks they are the converted weights' slices bit for bit,
+    and the split model is as close to the float path as at one rank."""
+    folder = save_family(tmp_path / "hf", "qwen3.5", head_spread=0.5, **HYBRID_GGUF["qwen3.5"])
+    gguf = write_gguf(folder, tmp_path / "hybrid.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    stored = keep_stored_weights(monkeypatch)
+    layers, result = served_from_blocks(gguf, tensor_parallel_size=2)
+    converted = dict(resolve_model(str(gguf)).weights())
+    shape = resolve_model(str(gguf)).config.linear_attention
+    assert shape is not None and layers["model.layers.0.self_attn.out_proj"] == "q8", layers
+    value_rows = shape.value_dim // 2  # rank 0's: key head 0's value heads, 2 of 32 rows each
+    out_proj = converted["model.layers.0.linear_attn.out_proj.weight"][:, :value_rows]
+    assert torch.equal(stored["model.layers.0.self_attn.out_proj"].dequantize(), out_proj)
+    z = converted["model.layers.0.linear_attn.in_proj_z.weight"][:value_rows]
+    in_proj = stored["model.layers.0.self_attn.in_proj"].dequantize()
+    key_rows = shape.key_head_dim  # rank 0's q, k, v, z, b, a rows, in that order
+    assert torch.equal(in_proj[2 * key_rows + value_rows : 2 * key_rows + 2 * value_rows], z)
+    assert result.top1_agreement >= 0.75 and result.mean_kl <= 0.05, result

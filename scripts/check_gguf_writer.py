@@ -1,0 +1,99 @@
+"""Check the tests' GGUF writer against llama.cpp: `tests.families.write_gguf` stands in for llama.cpp's converter, so
+llama.cpp itself (llama-cpp-python, not a dependency of the project: install it to run this) must read its files as
+the checkpoints they came from.
+
+For each family the GGUF tests write (their shapes and overrides, tests/unit/test_family_gguf.py), a random model is
+saved by transformers, written to an all-F32 GGUF file, and decoded greedily by llama.cpp from that file and by
+transformers from the checkpoint: the tokens must be equal. A file laid out other than as llama.cpp's converter lays
+it (rows permuted, value heads grouped where llama.cpp tiles them) gives other tokens from the first few on. The
+prompts are longer than Phi-3's test model's original context (PROMPTS), where llama.cpp and transformers pick
+LongRoPE's factors alike.
+
+    .venv/bin/python scripts/check_gguf_writer.py --out benchmarks/results/gguf_writer_llama_cpp.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import append_result, git_commit, utc_timestamp
+from tests.families import save_family, write_gguf
+
+# Each longer than the 32 positions Phi-3's LongRoPE test model was trained for: llama.cpp takes the long factors
+# whenever its context is longer than that, transformers (and ladle) once the sequence is.
+_STORY = " It was a long story about the many things that happened on the way, one after another, until the end." * 2
+PROMPTS = tuple(p + _STORY for p in ("The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Write a haiku."))
+NEW_TOKENS = 16
+
+
+def families() -> dict[str, dict[str, Any]]:
+    """Each family the GGUF tests write, with their overrides (`save_family`'s)."""
+    from tests.unit.test_family_gguf import HYBRID_GGUF, MOE_GGUF
+
+    gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
+    return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, **HYBRID_GGUF}
+
+
+def check(family: str, overrides: dict[str, Any], root: Path) -> dict[str, Any]:
+    """llama.cpp's and transformers' greedy tokens for PROMPTS on one family's file and checkpoint."""
+    import llama_cpp
+    import torch
+    import transformers
+    from gguf import GGMLQuantizationType
+
+    folder = save_family(root / "hf", family, head_spread=0.5, **overrides)
+    gguf = write_gguf(folder, root / "model.gguf", GGMLQuantizationType.F32, GGMLQuantizationType.F32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    equal, prefixes, gaps = 0, [], []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            theirs = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids) :]
+        llama.reset()
+        llama.eval(ids)
+        ours: list[int] = []
+        for _ in range(NEW_TOKENS):
+            ours.append(int(llama.scores[llama.n_tokens - 1].argmax()))
+            llama.eval(ours[-1:])
+        equal += ours == theirs.tolist()
+        prefix = next((i for i, (a, b) in enumerate(zip(ours, theirs.tolist(), strict=True)) if a != b), NEW_TOKENS)
+        prefixes.append(prefix)
+        if prefix < NEW_TOKENS:  # how far apart transformers puts the two choices: a near-tie, or a misread file
+            with torch.no_grad():
+                logits = model(torch.tensor([ids + theirs[:prefix].tolist()])).logits[0, -1]
+            gaps.append(round(float(logits[theirs[prefix]] - logits[ours[prefix]]), 5))
+    llama.close()
+    return {"family": family, "overrides": overrides, "prompts": len(PROMPTS), "equal": equal,
+            "common_prefix": prefixes, "logit_gap_where_they_part": gaps,
+            "llama_cpp_python": llama_cpp.__version__, "transformers": transformers.__version__}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", action="append", help="only these families (default: all)")
+    parser.add_argument("--out", type=Path, help="append each family's result to this .jsonl")
+    args = parser.parse_args(argv)
+    chosen = {name: o for name, o in families().items() if not args.family or name in args.family}
+    failed = 0
+    for family, overrides in chosen.items():
+        with tempfile.TemporaryDirectory() as folder:
+            result = check(family, overrides, Path(folder))
+        result = {"benchmark": "gguf_writer", "time": utc_timestamp(), "commit": git_commit(),
+                  "command": " ".join(["scripts/check_gguf_writer.py", *(argv or sys.argv[1:])]), **result}  # fmt: skip
+        append_result(args.out, result)
+        print(f"{family}: llama.cpp equals transformers on {result['equal']} of {len(PROMPTS)} prompts", flush=True)
+        failed += result["equal"] != result["prompts"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
