@@ -216,10 +216,17 @@ def kv_cache_bytes_per_block(
     """Bytes one block id costs across all layers (K and V) on one rank of a tensor-parallel group of `tp_size`
     (which holds its share of the KV heads), for a model of `dtype` and a cache of `cache_dtype`: the unit for
     sizing the pool from memory."""
-    storage, row = kv_cache_layout(config, dtype, cache_dtype)
-    itemsize = torch.empty((), dtype=storage).element_size()
-    kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
-    return 2 * block_size * kv_heads * row * itemsize * config.attention_layers
+    total = 0
+    for index in _cache_layers(config):
+        storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
+        itemsize = torch.empty((), dtype=storage).element_size()
+        total += 2 * block_size * kv_heads_per_rank(config.layer_kv_heads(index), tp_size) * row * itemsize
+    return total
+
+
+def _cache_layers(config: ModelConfig) -> list[int]:
+    """The layers that keep K/V of their own in the paged cache (not linear attention, not sharing another's)."""
+    return [i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i) and config.kv_source(i) == i]
 
 
 def recurrent_state_bytes(config: ModelConfig, slots: int, tp_size: int = 1) -> int:
@@ -229,18 +236,22 @@ def recurrent_state_bytes(config: ModelConfig, slots: int, tp_size: int = 1) -> 
     return 0 if linear is None else 4 * linear.sharded(tp_size).state_size * len(linear.layers) * slots
 
 
-def kv_cache_layout(config: ModelConfig, dtype: torch.dtype, cache_dtype: KVCacheDType) -> tuple[torch.dtype, int]:
-    """(element dtype, row length) of a cache of `cache_dtype` for a model of `dtype`: (dtype, head_dim), or for
-    "fp8" (uint8, head_dim + 4). Raises ValueError for another `cache_dtype`, or an FP8 cache of a head dim that is
-    not a multiple of 4 (the kernels read each row's scale as an aligned float32)."""
+def kv_cache_layout(
+    config: ModelConfig, dtype: torch.dtype, cache_dtype: KVCacheDType, head_dim: int | None = None
+) -> tuple[torch.dtype, int]:
+    """(element dtype, row length) of a cache of `cache_dtype` for a model of `dtype` whose layer has heads
+    `head_dim` wide (`config.head_dim` when None): (dtype, head_dim), or for "fp8" (uint8, head_dim + 4). Raises
+    ValueError for another `cache_dtype`, or an FP8 cache of a head dim that is not a multiple of 4 (the kernels read
+    each row's scale as an aligned float32)."""
+    head_dim = config.head_dim if head_dim is None else head_dim
     if cache_dtype == "auto":
-        return dtype, config.head_dim
+        return dtype, head_dim
     if cache_dtype != "fp8":
         raise ValueError(f"KV cache dtype {cache_dtype!r}: expected auto or fp8")
-    if config.head_dim % FP8_KV_SCALE_BYTES:
+    if head_dim % FP8_KV_SCALE_BYTES:
         raise ValueError(f"--kv-cache-dtype fp8 needs a head dim that is a multiple of 4; this model's is "
-                         f"{config.head_dim}")  # fmt: skip
-    return FP8_KV_DTYPE, config.head_dim + FP8_KV_SCALE_BYTES
+                         f"{head_dim}")  # fmt: skip
+    return FP8_KV_DTYPE, head_dim + FP8_KV_SCALE_BYTES
 
 
 def allocate_kv_cache(
@@ -254,15 +265,19 @@ def allocate_kv_cache(
     state_slots: int = 0,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
-    and row), of one rank's KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`);
-    a linear-attention layer's is its float32 states, `[state_slots, state_size]` (of this rank's heads)."""
-    storage, row = kv_cache_layout(config, dtype, cache_dtype)
-    kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp_size)
-    shape = (2, num_blocks, block_size, kv_heads, row)
+    and row, the layer's own head shape), of one rank's KV heads in a tensor-parallel group of `tp_size`
+    (`parallel.sharding.kv_heads_per_rank`); a linear-attention layer's is its float32 states, `[state_slots,
+    state_size]` (of this rank's heads); a layer that attends over another's K/V (`ModelConfig.kv_source`) gets that
+    layer's very tensor."""
     linear = None if config.linear_attention is None else config.linear_attention.sharded(tp_size)
-    return [
-        torch.zeros(state_slots, linear.state_size, dtype=torch.float32, device=device)
-        if linear is not None and config.is_linear_layer(index)
-        else torch.zeros(shape, dtype=storage, device=device)
-        for index in range(config.num_hidden_layers)
-    ]
+    caches: list[torch.Tensor] = []
+    for index in range(config.num_hidden_layers):
+        if linear is not None and config.is_linear_layer(index):
+            caches.append(torch.zeros(state_slots, linear.state_size, dtype=torch.float32, device=device))
+        elif config.kv_source(index) != index:
+            caches.append(caches[config.kv_source(index)])
+        else:
+            storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
+            kv_heads = kv_heads_per_rank(config.layer_kv_heads(index), tp_size)
+            caches.append(torch.zeros(2, num_blocks, block_size, kv_heads, row, dtype=storage, device=device))
+    return caches

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -44,6 +44,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gemma": "gemma",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
     "bert": "bert",
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
@@ -155,6 +157,32 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class Gemma4Layout:
+    """What Gemma 4's text model (`layers.gemma4`) changes in Gemma 3's block, beyond plain `w` norms (no offset),
+    unscaled attention scores and each head's values RMS-normalised without a weight:
+
+    - its full-attention layers (those without a window) have heads `global_head_dim` wide, `global_kv_heads` KV
+      heads, and with `keys_as_values` no v_proj: a head's values are its key projection (before the key's norm
+      and rope); their rope is "proportional": the first `global_rope_angles` of the head's `global_head_dim / 2`
+      angles turn at `theta^(-2i / global_head_dim)` (`ModelConfig.rope_theta`), the rest not at all;
+    - layer i attends over the K/V of layer `kv_sources[i]`: its own, or, for the last layers, those of the last
+      earlier layer of its kind (KV sharing: such a layer has no K/V projection and writes no cache);
+    - the layers in `wide_mlp_layers` have an MLP twice `intermediate_size` wide;
+    - per-layer inputs (`per_layer_input_size` > 0): each token gets a `per_layer_input_size`-wide input per layer,
+      looked up in a table of `per_layer_vocab_size` rows and mixed with a projection of its embedding, which each
+      layer gates into its output after the MLP; every layer's output is then scaled by its `layer_scalar`."""
+
+    global_head_dim: int
+    global_kv_heads: int
+    keys_as_values: bool
+    global_rope_angles: int
+    kv_sources: tuple[int, ...]
+    wide_mlp_layers: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a transformer, independent of where its weights come from: a decoder (Llama, Qwen2, Qwen3), or
     an encoder (BERT: `encoder` set), which attends both ways, has no KV cache to keep and only pools.
@@ -263,6 +291,31 @@ class ModelConfig:
     # (`attention_output_gate`), and the attention's output is multiplied by their sigmoid before o_proj.
     linear_attention: LinearAttention | None = None
     attention_output_gate: bool = False
+    # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
+    gemma4: Gemma4Layout | None = None
+
+    def is_global_layer(self, index: int) -> bool:
+        """Whether layer `index` is one of Gemma 4's full-attention layers, which have a head shape of their own."""
+        return self.gemma4 is not None and self.attention_window(index) == 0
+
+    def layer_head_dim(self, index: int) -> int:
+        """Layer `index`'s head dim: `head_dim`, or a Gemma 4 full-attention layer's own."""
+        return self.gemma4.global_head_dim if self.gemma4 is not None and self.is_global_layer(index) else self.head_dim
+
+    def layer_kv_heads(self, index: int) -> int:
+        """Layer `index`'s KV heads: `num_key_value_heads`, or a Gemma 4 full-attention layer's own."""
+        if self.gemma4 is not None and self.is_global_layer(index):
+            return self.gemma4.global_kv_heads
+        return self.num_key_value_heads
+
+    def kv_source(self, index: int) -> int:
+        """The layer whose K/V layer `index` attends over: itself, unless it shares an earlier one's (Gemma 4)."""
+        return self.gemma4.kv_sources[index] if self.gemma4 is not None else index
+
+    def layer_intermediate_size(self, index: int) -> int:
+        """Layer `index`'s dense MLP width: `intermediate_size`, twice that for Gemma 4's wide layers."""
+        wide = self.gemma4 is not None and index in self.gemma4.wide_mlp_layers
+        return 2 * self.intermediate_size if wide else self.intermediate_size
 
     def is_linear_layer(self, index: int) -> bool:
         """Whether layer `index` is linear attention (`linear_attention`), which keeps a state and no KV cache."""
@@ -270,9 +323,11 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> int:
-        """Layers that keep K/V in the paged cache (all but the linear-attention ones)."""
+        """Layers that keep K/V in the paged cache of their own (all but the linear-attention ones and those that
+        attend over another layer's: `kv_source`)."""
         linear = self.linear_attention
-        return self.num_hidden_layers - (len(linear.layers) if linear is not None else 0)
+        own = sum(self.kv_source(i) == i for i in range(self.num_hidden_layers))
+        return own - (len(linear.layers) if linear is not None else 0)
 
     @property
     def o_proj_bias(self) -> bool:
@@ -331,10 +386,12 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
-        if model_type in ("qwen3_5", "qwen3_5_moe"):  # the multimodal checkpoint: its text model is served
+        if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4"):  # a multimodal checkpoint: its text model is served
             cfg = _text_config(cfg)
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
+        if arch == "gemma4":
+            gemma = _gemma4_fields(cfg)
         rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         local_rope: dict[str, Any] = {}
         if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5's rope per layer type (OLMo 3)
@@ -397,7 +454,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4"),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2"),
             post_norms=arch == "olmo2",
@@ -517,7 +574,8 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal Qwen3.5 `config.json`'s text model (`text_config`), with the top level's word-embedding tie."""
+    """A multimodal Qwen3.5 or Gemma 4 `config.json`'s text model (`text_config`), with the top level's
+    word-embedding tie."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise ValueError(f"{cfg.get('model_type')} config.json has no text_config")
@@ -676,6 +734,82 @@ def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields["attention_softcap"] = float(cfg.get("attn_logit_softcapping") or 0.0)
         fields["final_logit_softcap"] = float(cfg.get("final_logit_softcapping") or 0.0)
     return fields
+
+
+def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Gemma 4 text `config.json` (`gemma4_text`, or a multimodal one's
+    `text_config`): Gemma 3's block with `w` norms, unscaled scores, windowed layers on their own rope, and the
+    `Gemma4Layout`. The full-attention layers' shape comes from `per_layer_config` (transformers 5's, one entry per
+    such layer) or `global_head_dim` / `num_global_key_value_heads`. ValueError for what is not implemented: a
+    mixture-of-experts block, bidirectional attention, per-layer shapes other than one for every full-attention
+    layer, rope types other than default (windowed) and proportional or default (full)."""
+    if cfg.get("enable_moe_block"):
+        raise ValueError("gemma4_text with enable_moe_block (Gemma 4's mixture of experts) is not supported yet")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma4_text with use_bidirectional_attention is not supported")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma4_text hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+    layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    types = list(cfg.get("layer_types") or [])
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"} or not cfg.get("sliding_window"):
+        raise ValueError("gemma4_text needs layer_types (sliding_attention or full_attention per layer) and a "
+                         "sliding_window")  # fmt: skip
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    keys_as_values = bool(cfg.get("attention_k_eq_v", False))
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    if overrides:
+        shapes = {(v.get("head_dim", head_dim), v.get("num_key_value_heads", kv_heads)) for v in overrides.values()}
+        if set(overrides) != set(full) or len(shapes) > 1:
+            raise ValueError(f"gemma4_text per_layer_config {cfg['per_layer_config']!r}: only one shape, for the "
+                             "full-attention layers, is supported")  # fmt: skip
+        global_head_dim, global_kv_heads = shapes.pop()
+    else:
+        global_head_dim = int(cfg.get("global_head_dim") or 512)
+        global_kv = cfg.get("num_global_key_value_heads") if keys_as_values else None
+        global_kv_heads = int(global_kv or kv_heads)
+    rope = cfg.get("rope_parameters") or {}
+    local, full_rope = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
+    if (local.get("rope_type") or "default") != "default":
+        raise ValueError(f"gemma4_text sliding_attention rope type {local.get('rope_type')!r} is not supported")
+    full_type = full_rope.get("rope_type") or "default"
+    if full_type not in ("default", "proportional") or float(full_rope.get("factor") or 1.0) != 1.0:
+        raise ValueError(f"gemma4_text full_attention rope {full_rope!r} is not supported (default and proportional "
+                         "without a factor are)")  # fmt: skip
+    fraction = float(full_rope.get("partial_rotary_factor") or 1.0) if full_type == "proportional" else 1.0
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first_shared = layers - shared
+    sources = list(range(layers))
+    for index in range(first_shared, layers):  # the last earlier layer of its kind that keeps its own K/V
+        earlier = [i for i in range(first_shared) if types[i] == types[index]]
+        if not earlier:
+            raise ValueError(f"gemma4_text num_kv_shared_layers {shared}: layer {index} ({types[index]}) has no "
+                             "earlier layer of its kind to share")  # fmt: skip
+        sources[index] = earlier[-1]
+    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    layout = Gemma4Layout(
+        global_head_dim=int(global_head_dim),
+        global_kv_heads=int(global_kv_heads),
+        keys_as_values=keys_as_values,
+        global_rope_angles=int(fraction * int(global_head_dim) // 2),
+        kv_sources=tuple(sources),
+        wide_mlp_layers=tuple(range(first_shared, layers)) if cfg.get("use_double_wide_mlp") else (),
+        per_layer_input_size=per_layer,
+        per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if per_layer else 0,
+    )
+    softcap = cfg.get("final_logit_softcapping")
+    return {
+        "rope_theta": float(full_rope.get("rope_theta") or 1_000_000.0),
+        "local_rope_theta": float(local.get("rope_theta") or 10_000.0),
+        "embedding_multiplier": int(cfg["hidden_size"]) ** 0.5,
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "attention_scale": 1.0,
+        "final_logit_softcap": float(softcap or 0.0),
+        "gemma4": layout,
+    }
 
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:

@@ -76,15 +76,20 @@ def build_cos_sin_cache(
     scaling: RopeScalingParams | None = None,
     dtype: torch.dtype = torch.float32,
     linear_factor: float = 1.0,
+    rotated_angles: int | None = None,
 ) -> torch.Tensor:
     """`[max_positions, D]`: row p is `cat(cos(p * f), sin(p * f))` over the D/2 inverse frequencies f (divided by
-    `linear_factor`: linear rope scaling, as transformers' "linear" rope type divides them).
+    `linear_factor`: linear rope scaling, as transformers' "linear" rope type divides them). With `rotated_angles`
+    (Gemma 4's "proportional" rope) only the first that many frequencies are kept, the others 0 (cos 1, sin 0: those
+    dims pass unturned).
 
     Angles are computed in float32 (as Hugging Face does) and the result is cast to `dtype`.
     """
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     if linear_factor != 1.0:
         inv_freq = inv_freq / linear_factor
+    if rotated_angles is not None:
+        inv_freq = torch.cat((inv_freq[:rotated_angles], torch.zeros(head_dim // 2 - rotated_angles)))
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 

@@ -97,6 +97,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     ),
+    # Gemma 4: six layers, two of them full attention with heads of their own (32 wide, one KV head, values from the
+    # keys' projection, proportional rope turning a quarter of the angles); the last two attend over layers 3's and
+    # 2's K/V and have MLPs twice as wide; per-layer inputs 8 wide; final logits soft-capped.
+    "gemma4": (
+        "Gemma4TextConfig",
+        {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+         "sliding_window": WINDOW, "num_hidden_layers": 6, "tie_word_embeddings": True,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+         "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB_SIZE,
+         "final_logit_softcapping": 30.0},
+    ),
     "gemma": ("GemmaConfig", {"head_dim": 16, "tie_word_embeddings": True}),
     "gemma2": (
         "Gemma2Config",
@@ -199,6 +210,8 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
         for name, buffer in model.named_buffers():  # DeepSeek-V3's load-balancing bias, of the scores' size
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.3, 0.3)
+            elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
+                buffer.uniform_(0.5, 1.5)
         if head_spread:
             head = model.get_output_embeddings().weight
             head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))

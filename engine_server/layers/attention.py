@@ -33,7 +33,13 @@ class PagedSelfAttention(nn.Module):
     logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more term of its softmax's
     denominator (`kernels.reference.paged_attention`). With `ModelConfig.attention_output_gate` (Qwen3-Next, Qwen3.5)
     q_proj gives each head its query and then as many gate values, and the attention's output is multiplied by
-    their sigmoid before `o_proj`."""
+    their sigmoid before `o_proj`.
+
+    Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
+    rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
+    weight, on a full-attention layer with `keys_as_values` no v_proj (values are the key projection, before its
+    norm and rope), and on a layer that attends over an earlier layer's K/V (`kv_source`) no K/V projection at all:
+    `qkv_proj` holds the queries alone and the step's K/V are already in the shared cache."""
 
     def __init__(
         self,
@@ -43,20 +49,28 @@ class PagedSelfAttention(nn.Module):
         tp: TensorParallel = SINGLE,
         window: int = 0,
         rope: bool = True,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.window = window
         self.rope = rope
+        kv_heads = config.layer_kv_heads(index)
         self.num_heads = heads_per_rank(config.num_attention_heads, tp.size)
-        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp.size)
-        self.head_dim = config.head_dim
+        self.num_kv_heads = kv_heads_per_rank(kv_heads, tp.size)
+        self.head_dim = config.layer_head_dim(index)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.rotary_dim = config.rotary_dim
+        self.rotary_dim = self.head_dim if config.gemma4 is not None else config.rotary_dim
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.softcap = config.attention_softcap
-        parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, self.head_dim, tp.size, tp.rank)
+        self.shares_kv = config.kv_source(index) != index
+        self.keys_as_values = config.gemma4 is not None and config.gemma4.keys_as_values and config.is_global_layer(
+            index)
+        parts: tuple[PartSlice, ...] = qkv_slices(config.num_attention_heads, kv_heads, self.head_dim, tp.size,
+                                                  tp.rank)  # fmt: skip
+        if self.shares_kv or self.keys_as_values:  # the queries alone, or the queries and keys
+            parts = parts[:1] if self.shares_kv else parts[:2]
         self.output_gate = config.attention_output_gate
         if self.output_gate:  # each head's rows are its query's, then its gate's: twice the rows, head for head
             q_part = parts[0]
@@ -72,7 +86,12 @@ class PagedSelfAttention(nn.Module):
             raise ValueError("q/k norms over the whole projection (OLMoE) are not sharded: use tensor_parallel_size 1")
         q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm and not self.shares_kv else None
+        # Gemma 4's value norm has no weight to load: a buffer of ones, so `ops.rms_norm` takes it as a norm's.
+        self.value_norm = config.gemma4 is not None
+        if self.value_norm:
+            self.register_buffer("value_norm_weight", torch.ones(self.head_dim, dtype=dtype), persistent=False)
+        self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
 
@@ -106,7 +125,13 @@ class PagedSelfAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             qkv = lora.add("qkv_proj", hidden, qkv, ops)
-        q, k, v = qkv.split([self.q_width, self.kv_size, self.kv_size], dim=-1)
+        if self.shares_kv:
+            return self._attend_shared(positions, qkv, kv_cache, cos_sin_cache, meta, ops)
+        if self.keys_as_values:
+            q, k = qkv.split([self.q_width, self.kv_size], dim=-1)
+            v = k
+        else:
+            q, k, v = qkv.split([self.q_width, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.output_gate:
             query_and_gate = q.reshape(tokens, self.num_heads, 2 * self.head_dim)
@@ -121,6 +146,8 @@ class PagedSelfAttention(nn.Module):
         if not self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
+        if self.value_norm:
+            v = ops.rms_norm(v.contiguous(), self.get_buffer("value_norm_weight"), self.norm_eps)
         if self.rope and self.rotary_dim == self.head_dim:
             q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         elif self.rope:  # partial rotary (Phi-3 style): the leading rotary_dim dims turn, the rest pass as they are
@@ -135,6 +162,29 @@ class PagedSelfAttention(nn.Module):
         out = out.reshape(tokens, self.q_size)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
+        return self._project(out, ops, lora)
+
+    def _attend_shared(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """A layer over an earlier layer's K/V (Gemma 4): its queries (normed, turned) attend over the shared cache,
+        which that layer has written this step's K/V into already; nothing is written."""
+        tokens = q.shape[0]
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q, ops)
+        if self.rope:  # rotary_embedding takes a k too (and leaves its inputs as they are): q's own
+            q, _ = ops.rotary_embedding(positions, q, q, cos_sin_cache)
+        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks)
+        return self._project(out.reshape(tokens, self.q_size), ops, None)
+
+    def _project(self, out: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
         projected = self.o_proj(out)
         if lora is not None:
             projected = lora.add("o_proj", out, projected, ops)

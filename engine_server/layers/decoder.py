@@ -43,13 +43,13 @@ class DecoderLayer(nn.Module):
             else MultiLatentAttention(config, dtype, tp)
             if config.latent_attention is not None
             else PagedSelfAttention(
-                config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index)
+                config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index
             )
         )
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)
-            else GatedMLP(config.hidden_size, config.intermediate_size, dtype, tp, config.hidden_act)
+            else GatedMLP(config.hidden_size, config.layer_intermediate_size(index), dtype, tp, config.hidden_act)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -224,6 +224,9 @@ class DecoderModel(nn.Module):
     states are the same on every rank (each all-reduce hands every rank the same sum), the KV cache each rank's own.
     """
 
+    # A family's own block (Gemma 4's), else the one the config's norms pick.
+    layer_class: type[DecoderLayer] | None = None
+
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False, tp: TensorParallel = SINGLE
     ) -> None:
@@ -236,7 +239,7 @@ class DecoderModel(nn.Module):
         if self.scales_embeddings:
             multiplier = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(dtype)
             self.register_buffer("embedding_multiplier", multiplier, persistent=False)
-        block = (
+        block = self.layer_class or (
             SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
             else DecoderLayer
         )  # fmt: skip

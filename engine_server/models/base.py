@@ -80,13 +80,15 @@ class CausalLM(nn.Module):
 
     # Checkpoint name fragments a family spells its own way, and ours: `(theirs, ours)`, replaced in every name.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # The decoder stack: a family's own (Gemma 4's) or the shared one.
+    decoder_class: type[DecoderModel] = DecoderModel
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
         self.ops: KernelOps | None = None
-        self.model = DecoderModel(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
+        self.model = self.decoder_class(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
         embedding = self.model.embed_tokens
         self.vocab_shard = embedding.shard
         self.lm_head: nn.Module = (
@@ -272,10 +274,15 @@ class CausalLM(nn.Module):
         banks = {name: module for name, module in self.named_modules() if isinstance(module, ParallelExperts)}
         for name, bank in banks.items():
             expected.update((name, f"{e}.{part}") for e in range(bank.num_experts) for part in bank.parts)
+        modules = dict(self.named_modules())
         for name in params:
-            if name.rpartition(".")[0] in banks:
+            owner = name.rpartition(".")[0]
+            if owner in banks:
                 continue
             shards = [s for fused, _, s in FUSED_SHARDS if f".{fused}." in name] or [""]
+            module = modules[owner]
+            if isinstance(module, ColumnParallelLinear) and len(module.parts) < len(shards):
+                shards = shards[: len(module.parts)]  # the leading parts alone (Gemma 4's q or q/k projections)
             expected.update((name, s) for s in shards)
         return expected
 

@@ -421,6 +421,7 @@ AttendFn<Cache> attend_for(int64_t dim) {
     case 64: return attend<64, Cache>;
     case 128: return attend<128, Cache>;
     case 256: return attend<256, Cache>;
+    case 512: return attend<512, Cache>;  // Gemma 4's full-attention layers
     default: return nullptr;
   }
 }
@@ -451,7 +452,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                      sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
               "sinks must be [H] float32, contiguous");
   const float* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256",
+  LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256, 512",
               static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
   const at::Tensor lens = seq_lens.contiguous();

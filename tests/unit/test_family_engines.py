@@ -21,6 +21,7 @@ from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from tests.families import FAMILIES, VOCAB_SIZE, WINDOW, hf_greedy, load_reference, save_family
+from tests.unit.pooling.embedding_models import copy_tokenizer
 
 pytestmark = pytest.mark.slow  # engines and transformers' models of their own
 
@@ -224,6 +225,60 @@ def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Pa
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+
+
+def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
+    """Gemma 4 (tests/families.py: per-layer inputs, full-attention layers of their own shape, the last two layers
+    over earlier layers' K/V) keeps transformers' tokens over two ranks (one KV head on the full-attention layers,
+    repeated on both), prefilled in 16-token chunks, and preempted from a 24-block pool (a recomputed sequence
+    writes the shared K/V again before the layers that read them). Its KV cache is four layers' (the sharing layers
+    keep none), and on int8 weights each prompt's tokens are the same alone and batched, and mostly agree with the
+    float path's first tokens."""
+    folder = save_family(tmp_path, "gemma4", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, batch) == theirs
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        assert tokens(llm, batch) == theirs
+        assert llm.core.scheduler.total_preemptions > 0
+        caches = llm.core.runner.kv_caches
+        assert caches[4] is caches[3] and caches[5] is caches[2] and len({id(c) for c in caches}) == 4
+        assert caches[2].shape[-2:] == (1, 32) and caches[0].shape[-2:] == (2, 16)
+    with engine(folder, quantization="int8") as llm:
+        assert llm.core.runner.loaded.model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+    with_adapters = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                                 lora=LoraConfig(max_loras=1, max_lora_rank=8))  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to Gemma 4 yet"):
+        LLM(config=with_adapters)
+
+
+def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """The released Gemma 4 checkpoints are `Gemma4ForConditionalGeneration`: a `text_config`, the text model's
+    weights under `model.language_model.`, a vision tower (and on the small models an audio tower) beside them,
+    which are not read. Its text output equals transformers' own multimodal model's on text prompts."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+    config = transformers.Gemma4Config(text_config={**_SHAPE, **FAMILIES["gemma4"][1]}, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and "language_model" in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.architecture == "gemma4"
+        assert tokens(llm, batch) == theirs
 
 
 def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(

@@ -163,6 +163,16 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         transformers.Qwen3_5MoeTextConfig,
         {"head_dim": 16, **LINEAR_ATTENTION, **HYBRID_EXPERTS},
     ),
+    # Gemma 4: windowed layers 16 wide, full-attention ones 32 wide with one KV head, values from the keys'
+    # projection and proportional rope; the fourth layer attends over the second's K/V (its MLP twice as wide);
+    # per-layer inputs 8 wide; logits soft-capped.
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+         "sliding_window": 6, "num_hidden_layers": 4, "num_kv_shared_layers": 1, "use_double_wide_mlp": True,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 5.0},
+    ),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
     "gemma2": (
@@ -192,6 +202,7 @@ MODEL_CLASSES = {
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
+    transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
 }
 
 
@@ -211,6 +222,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.3, 0.3)
+            elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
+                buffer.uniform_(0.5, 1.5)
     config = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config)
     ours.load_weights(hf.state_dict().items())
@@ -459,6 +472,14 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma3_text", "sliding_window": None}, "gemma3_text without a sliding_window"),
         ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
         ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
+        ({"model_type": "gemma4_text", "enable_moe_block": True}, r"enable_moe_block \(Gemma 4's mixture of experts"),
+        ({"model_type": "gemma4_text", "sliding_window": 4, "layer_types": ["full_attention"] * 2,
+          "num_kv_shared_layers": 1, "per_layer_config": {"1": {"head_dim": 32}}},
+         r"per_layer_config .* only one shape, for the full-attention layers"),
+        ({"model_type": "gemma4_text", "sliding_window": 4, "layer_types": ["full_attention", "sliding_attention"],
+          "num_kv_shared_layers": 1}, r"layer 1 \(sliding_attention\) has no earlier layer of its kind to share"),
+        ({"model_type": "gemma4_text", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "full_attention rope"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
         ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
     ],

@@ -45,7 +45,7 @@ def make_batch(
 @needs_kernels
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 4, 256), (12, 1, 32), (4, 2, 16)],
+    [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 4, 256), (12, 1, 32), (4, 2, 16), (8, 1, 512)],
 )
 @pytest.mark.parametrize("block_size", [16, 32, 5])
 def test_decode_rows_match_the_reference(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -238,7 +238,7 @@ def fp8_cache_of(cache: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("window", [0, 30])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 8, 128), (4, 2, 16)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 8, 128), (4, 2, 16), (4, 1, 512)])
 def test_attention_over_an_fp8_cache_is_attention_over_its_decoded_values(
     heads: int, kv_heads: int, head_dim: int, window: int
 ) -> None:

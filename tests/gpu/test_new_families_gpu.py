@@ -1,5 +1,7 @@
-"""Qwen3.5 and Qwen3-Next on a real GPU: the linear-attention layers (the torch reference's chunked form and
-one-token form, over state slots on the device) and the gated attention in the Triton kernels, inside the engine.
+"""Qwen3.5, Qwen3-Next and Gemma 4 on a real GPU: the linear-attention layers (the torch reference's chunked form
+and one-token form, over state slots on the device) and the gated attention in the Triton kernels, inside the engine;
+Gemma 4's full-attention layers (heads 32 wide beside the windowed layers' 16, one KV head) and the layers that
+attend over earlier layers' K/V in the same kernels.
 
 Skipped without CUDA. Small random models (tests/families.py) in float32: on their float path the GPU engine's greedy
 tokens equal transformers' alone, batched and prefilled 16 tokens a step (as the CPU engine's do,
@@ -30,7 +32,7 @@ def _engine(folder: Path, device: str, dtype: str = "float32", chunk: int = 2048
     return LLM(config=config)
 
 
-@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next"])
+@pytest.mark.parametrize("family", ["qwen3.5", "qwen3-next", "gemma4"])
 def test_the_float_path_on_the_gpu_equals_transformers(tmp_path: Path, family: str) -> None:
     folder = save_family(tmp_path / family, family)
     prompts = [[(7 * i + 3 * j) % 40000 + 10 for j in range(n)] for i, n in enumerate((5, 33, 70, 1, 130))]
@@ -42,8 +44,9 @@ def test_the_float_path_on_the_gpu_equals_transformers(tmp_path: Path, family: s
         assert ours == theirs, chunk
 
 
-def test_bf16_on_the_gpu_agrees_with_the_cpus_float_path(tmp_path: Path) -> None:
-    folder = save_family(tmp_path / "qwen3.5", "qwen3.5", head_spread=1.0)
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma4"])
+def test_bf16_on_the_gpu_agrees_with_the_cpus_float_path(tmp_path: Path, family: str) -> None:
+    folder = save_family(tmp_path / family, family, head_spread=1.0)
     with _engine(folder, "cpu") as cpu:
         sequences, log_probs = reference_of(cpu, QUALITY_PROMPTS[:8], 16)
     with _engine(folder, "cuda", dtype="bfloat16") as gpu:

@@ -1,0 +1,121 @@
+"""Gemma 4's text decoder (`ModelConfig.gemma4`): Gemma 3's sandwich block with per-layer inputs and a per-layer
+output scale, full-attention layers of their own head shape and proportional rope, and the last layers attending
+over earlier layers' K/V (the attention's side: `layers.attention.PagedSelfAttention`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_server.attention_metadata import AttentionMetadata
+from engine_server.config import ModelConfig
+from engine_server.layers.decoder import DecoderModel, SandwichDecoderLayer
+from engine_server.layers.norm import RMSNorm
+from engine_server.lora.slots import LoraBatch
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import VocabParallelEmbedding
+from engine_server.step_interrupt import StepInterrupt, StepInterrupted
+from kernels.kernel_set import KernelOps
+from kernels.reference import build_cos_sin_cache
+
+
+class Gemma4DecoderLayer(SandwichDecoderLayer):
+    """Gemma 3's block, then (with per-layer inputs) `h += norm(proj(gelu(gate(h)) * per_layer_input))`, then
+    `h *= layer_scalar`. It hands the next layer its whole output and no residual stream (`(h, None)`: the next
+    layer's input norm then starts the stream afresh, as the first layer's does)."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
+    ) -> None:
+        super().__init__(config, dtype, o_proj_bias, tp, index)
+        layout = config.gemma4
+        assert layout is not None
+        self.layer_scalar = nn.Parameter(torch.ones(1, dtype=dtype), requires_grad=False)
+        self.per_layer_input_size = layout.per_layer_input_size
+        if self.per_layer_input_size:
+            self.per_layer_input_gate = nn.Linear(config.hidden_size, self.per_layer_input_size, bias=False,
+                                                  dtype=dtype)  # fmt: skip
+            self.per_layer_projection = nn.Linear(self.per_layer_input_size, config.hidden_size, bias=False,
+                                                  dtype=dtype)  # fmt: skip
+            self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(  # type: ignore[override]
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LoraBatch | None = None,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """`per_layer_input` `[T, per_layer_input_size]`: this layer's slice of `PerLayerInputs`' output."""
+        out, residual = super().forward(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, lora)
+        hidden = residual + out
+        if per_layer_input is not None:
+            gated = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated), ops)
+        return hidden * self.layer_scalar, None
+
+
+class Gemma4DecoderModel(DecoderModel):
+    """`DecoderModel` with Gemma 4's layers, their per-layer inputs, and the full-attention layers' proportional
+    rope (`global_rope_angles` of `global_head_dim / 2` angles turning; the windowed layers' table is the local
+    one). Runs its layers in Python (no decode stack): K/V shared between layers are the same cache tensor
+    (`attention_metadata.allocate_kv_cache`), written by the first layer to reach it in the step."""
+
+    layer_class = Gemma4DecoderLayer
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(config, dtype, o_proj_bias, tp)
+        layout = config.gemma4
+        assert layout is not None
+        self.hidden_size = config.hidden_size
+        table = build_cos_sin_cache(layout.global_head_dim, config.max_position_embeddings, config.rope_theta,
+                                    None, dtype, rotated_angles=layout.global_rope_angles)  # fmt: skip
+        self.register_buffer("cos_sin_cache", table, persistent=False)
+        self.per_layer_width = layout.per_layer_input_size
+        if self.per_layer_width:
+            packed = config.num_hidden_layers * self.per_layer_width
+            self.embed_tokens_per_layer = VocabParallelEmbedding(layout.per_layer_vocab_size, packed, tp, dtype)
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, packed, bias=False, dtype=dtype)
+            self.per_layer_projection_norm = RMSNorm(self.per_layer_width, config.rms_norm_eps, dtype)
+            # Rounded to the weights' dtype, as transformers' scaled embedding rounds its scale.
+            table_scale = torch.tensor(self.per_layer_width**0.5).to(dtype)
+            self.register_buffer("per_layer_table_scale", table_scale, persistent=False)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeddings: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """Each token's input to every layer, `[T, layers, width]`: `(norm(proj(e) / sqrt(hidden)) + table[id] *
+        sqrt(width)) / sqrt(2)`, `e` its scaled embedding, `table` the `embed_tokens_per_layer` rows."""
+        tokens, layers = input_ids.shape[0], len(self.layers)
+        looked_up = self.embed_tokens_per_layer(input_ids) * self.get_buffer("per_layer_table_scale")
+        projected = self.per_layer_model_projection(embeddings) * self.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.reshape(tokens, layers, self.per_layer_width), ops)
+        return (projected + looked_up.reshape(tokens, layers, self.per_layer_width)) * 2.0**-0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        interrupt: StepInterrupt | None = None,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) * self.get_buffer("embedding_multiplier")
+        per_layer = self.per_layer_inputs(input_ids, hidden, ops) if self.per_layer_width else None
+        cos_sin, local = self.get_buffer("cos_sin_cache"), self.get_buffer("local_cos_sin_cache")
+        residual: torch.Tensor | None = None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            table = local if self.local_rope_layers[index] else cos_sin
+            layer_input = None if per_layer is None else per_layer[:, index]
+            hidden, residual = layer(positions, hidden, residual, kv_cache, table, meta, ops, lora, layer_input)
+            if interrupt is not None and interrupt.is_set():
+                raise StepInterrupted
+        return self.norm(hidden, ops)
