@@ -170,7 +170,9 @@ class Gemma4Layout:
     - the layers in `wide_mlp_layers` have an MLP twice `intermediate_size` wide;
     - per-layer inputs (`per_layer_input_size` > 0): each token gets a `per_layer_input_size`-wide input per layer,
       looked up in a table of `per_layer_vocab_size` rows and mixed with a projection of its embedding, which each
-      layer gates into its output after the MLP; every layer's output is then scaled by its `layer_scalar`."""
+      layer gates into its output after the MLP; every layer's output is then scaled by its `layer_scalar`;
+    - a mixture of experts beside every layer's dense MLP (`experts` > 0): `experts_per_token` of `experts` GELU
+      experts `expert_intermediate_size` wide, chosen by a router of its own from the residual stream."""
 
     global_head_dim: int
     global_kv_heads: int
@@ -180,6 +182,9 @@ class Gemma4Layout:
     wide_mlp_layers: tuple[int, ...] = ()
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -743,8 +748,12 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     such layer) or `global_head_dim` / `num_global_key_value_heads`. ValueError for what is not implemented: a
     mixture-of-experts block, bidirectional attention, per-layer shapes other than one for every full-attention
     layer, rope types other than default (windowed) and proportional or default (full)."""
-    if cfg.get("enable_moe_block"):
-        raise ValueError("gemma4_text with enable_moe_block (Gemma 4's mixture of experts) is not supported yet")
+    experts = int(cfg.get("num_experts") or 0) if cfg.get("enable_moe_block") else 0
+    chosen = int(cfg.get("top_k_experts") or 0) if experts else 0
+    if experts and not 0 < chosen <= experts:
+        raise ValueError(f"gemma4_text: top_k_experts {chosen} must be in 1..num_experts ({experts})")
+    if cfg.get("enable_moe_block") and not experts:
+        raise ValueError("gemma4_text with enable_moe_block needs num_experts")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("gemma4_text with use_bidirectional_attention is not supported")
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
@@ -798,6 +807,9 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         wide_mlp_layers=tuple(range(first_shared, layers)) if cfg.get("use_double_wide_mlp") else (),
         per_layer_input_size=per_layer,
         per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if per_layer else 0,
+        experts=experts,
+        experts_per_token=chosen,
+        expert_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
     )
     softcap = cfg.get("final_logit_softcapping")
     return {

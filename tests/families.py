@@ -108,6 +108,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB_SIZE,
          "final_logit_softcapping": 30.0},
     ),
+    # Gemma 4's mixture of experts (26B A4B's block): top-2 of 4 GELU experts beside each layer's dense MLP, no
+    # per-layer inputs or shared K/V.
+    "gemma4-moe": (
+        "Gemma4TextConfig",
+        {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+         "sliding_window": WINDOW, "tie_word_embeddings": True,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+         "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+         "moe_intermediate_size": 32, "final_logit_softcapping": 30.0},
+    ),
     "gemma": ("GemmaConfig", {"head_dim": 16, "tie_word_embeddings": True}),
     "gemma2": (
         "Gemma2Config",
@@ -199,14 +209,15 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
     width = math.sqrt(_SHAPE["hidden_size"] / config.hidden_size)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # a router: logits ~N(0, 2.4²), spread
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.proj.weight")):  # a router: logits
+                # ~N(0, 2.4²), spread
                 parameter.normal_(0.0, 0.3 * width)  # but not one-hot
             elif name.endswith("self_attn.sinks"):  # sink logits of the scores' size: each takes a share
                 parameter.normal_(0.0, 1.0)
             elif parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08 * width)
-            elif "norm" in name or name.endswith("bias"):
-                parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):  # Gemma 4's
+                parameter.add_(torch.randn_like(parameter) * 0.1)  # router's scales too (1 at init)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's load-balancing bias, of the scores' size
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.3, 0.3)

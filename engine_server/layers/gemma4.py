@@ -14,16 +14,41 @@ from engine_server.layers.decoder import DecoderModel, SandwichDecoderLayer
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import VocabParallelEmbedding
+from engine_server.parallel.layers import ParallelExperts, VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
+from kernels import reference
 from kernels.kernel_set import KernelOps
 from kernels.reference import build_cos_sin_cache
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's router: logits `proj(rms(x) * scale / sqrt(hidden))` (the norm without a weight), softmaxed in float32,
+    the top k kept and renormalised to sum to 1, each then times its expert's `per_expert_scale` (transformers'
+    `Gemma4TextRouter`). `proj` stays float (`quantized_experts.ROUTER_SUFFIXES`)."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k, self.eps, self.root = top_k, eps, hidden**-0.5
+        self.proj = nn.Linear(hidden, experts, bias=False, dtype=dtype)
+        self.scale = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(experts, dtype=dtype), requires_grad=False)
+        self.register_buffer("ones", torch.ones(hidden, dtype=dtype), persistent=False)
+
+    def route(self, x: torch.Tensor, ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, hidden]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
+        normed = ops.rms_norm(x.contiguous(), self.get_buffer("ones"), self.eps) * self.scale * self.root
+        probs = torch.softmax(self.proj(normed).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights * self.per_expert_scale[experts]).to(x.dtype), experts
+
+
 class Gemma4DecoderLayer(SandwichDecoderLayer):
-    """Gemma 3's block, then (with per-layer inputs) `h += norm(proj(gelu(gate(h)) * per_layer_input))`, then
-    `h *= layer_scalar`. It hands the next layer its whole output and no residual stream (`(h, None)`: the next
-    layer's input norm then starts the stream afresh, as the first layer's does)."""
+    """Gemma 3's block; with experts (`Gemma4Layout.experts`) a mixture of them beside the dense MLP: the MLP's output
+    and the experts' (chosen from the residual stream, run on its own norm of it) each normalised, summed, and
+    normalised again before the residual add. Then (with per-layer inputs) `h += norm(proj(gelu(gate(h)) *
+    per_layer_input))`, and `h *= layer_scalar`. It hands the next layer its whole output and no residual stream
+    (`(h, None)`: the next layer's input norm then starts the stream afresh, as the first layer's does)."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
@@ -39,6 +64,16 @@ class Gemma4DecoderLayer(SandwichDecoderLayer):
             self.per_layer_projection = nn.Linear(self.per_layer_input_size, config.hidden_size, bias=False,
                                                   dtype=dtype)  # fmt: skip
             self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.tp = tp
+        self.has_experts = layout.experts > 0
+        if self.has_experts:
+            hidden, eps = config.hidden_size, config.rms_norm_eps
+            self.router = Gemma4Router(hidden, layout.experts, layout.experts_per_token, eps, dtype)
+            self.experts = ParallelExperts(layout.experts, hidden, layout.expert_intermediate_size, tp, dtype,
+                                           gated_silu=False)  # fmt: skip
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps, dtype)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps, dtype)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps, dtype)
 
     def forward(  # type: ignore[override]
         self,
@@ -52,9 +87,18 @@ class Gemma4DecoderLayer(SandwichDecoderLayer):
         lora: LoraBatch | None = None,
         per_layer_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """`per_layer_input` `[T, per_layer_input_size]`: this layer's slice of `PerLayerInputs`' output."""
-        out, residual = super().forward(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, lora)
-        hidden = residual + out
+        """`per_layer_input` `[T, per_layer_input_size]`: this layer's slice of the decoder's per-layer inputs."""
+        layer_lora = None if lora is None else lora.layer(self.index)
+        attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
+        normed = self.post_attention_layernorm(attended, ops)
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(normed, residual, ops)
+        out = self.feed_forward(hidden, ops, layer_lora)
+        if self.has_experts:
+            weights, chosen = self.router.route(residual, ops)
+            experts_in = self.pre_feedforward_layernorm_2(residual, ops)
+            mixed = self.tp.all_reduce_sum(self.experts(experts_in, weights, chosen, reference.gelu_tanh_and_mul))
+            out = self.post_feedforward_layernorm_1(out, ops) + self.post_feedforward_layernorm_2(mixed, ops)
+        hidden = residual + self.post_feedforward_layernorm(out, ops)
         if per_layer_input is not None:
             gated = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated), ops)

@@ -37,7 +37,7 @@ from engine_server.parallel.layers import ParallelExperts
 from kernels.reference import QUANT_GROUP
 
 # A mixture of experts' router and its shared expert's one-output gate: their logits stay float.
-ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate")
+ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate", ".router.proj")  # the last: Gemma 4's
 
 
 # The formats of the experts' kernels (kernels/cpu/moe.cpp): those of `packed_linear`, one per weight.
@@ -117,9 +117,12 @@ class RowwiseLinear(nn.Module):
 
 def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
     """`bank`'s float experts (this rank's slices) as 8-bit groups of 32 (`quantize_q8`); None (the bank stays
-    float) when its hidden size or this rank's intermediate rows are not a multiple of 32, or when its experts have
-    biases (gpt-oss: the C++ expert kernel has neither biases nor gpt-oss's clamped SwiGLU)."""
+    float) when its hidden size or this rank's intermediate rows are not a multiple of 32, when its experts have
+    biases (gpt-oss: the C++ expert kernel has neither biases nor gpt-oss's clamped SwiGLU), or when their activation
+    is not SiLU (Gemma 4's GELU)."""
     if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP or bank.b13 is not None:
+        return None
+    if not bank.gated_silu:
         return None
     return ExpertWeights(
         tuple(quantize_q8(bank.w13[e]) for e in range(bank.num_experts)),

@@ -220,7 +220,8 @@ class ParallelExperts(nn.Module):
     them at size 1): every rank holds every expert's slice, like a `GatedMLP`'s gate/up and down, so the experts'
     output on a rank is its partial sum of the block's (the caller all-reduces). With `biases` (gpt-oss) each
     projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
-    others hold zeros, so the all-reduced sum adds it once)."""
+    others hold zeros, so the all-reduced sum adds it once). `gated_silu` says whether the caller's activation is
+    SiLU-and-mul (Gemma 4's experts take GELU's): the quantized expert kernels compute that one alone."""
 
     def __init__(
         self,
@@ -230,9 +231,11 @@ class ParallelExperts(nn.Module):
         tp: TensorParallel,
         dtype: torch.dtype = torch.float32,
         biases: bool = False,
+        gated_silu: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.gated_silu = gated_silu
         self.rows = even_slice(intermediate_size, tp.size, tp.rank, "expert intermediate rows")
         self.adds_down_bias = tp.rank == 0
         local = len(self.rows.rows)

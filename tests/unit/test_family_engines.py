@@ -20,6 +20,8 @@ import torch
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
+from engine_server.layers.quantized_linear import QuantizedLinear
+from engine_server.parallel.layers import ParallelExperts
 from tests.families import FAMILIES, VOCAB_SIZE, WINDOW, hf_greedy, load_reference, save_family
 from tests.unit.pooling.embedding_models import copy_tokenizer
 
@@ -253,6 +255,25 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
                                  lora=LoraConfig(max_loras=1, max_lora_rank=8))  # fmt: skip
     with pytest.raises(ValueError, match="LoRA adapters are not applied to Gemma 4 yet"):
         LLM(config=with_adapters)
+
+
+def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
+    """Gemma 4's mixture of experts (tests/families.py: top-2 of 4 GELU experts beside each dense MLP) keeps
+    transformers' tokens over two ranks (each expert's rows split) and prefilled in 16-token chunks; on int8 the
+    experts stay float (the C++ expert kernel computes SiLU alone), the rest quantized, and the first tokens mostly
+    agree with the float path's."""
+    folder = save_family(tmp_path, "gemma4-moe", head_spread=0.5)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, batch) == theirs
+    with engine(folder, chunk=16) as llm:
+        assert tokens(llm, batch) == theirs
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        assert isinstance(model.model.layers[0].experts, ParallelExperts)
+        assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+        ours = tokens(llm, batch)
+    assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 6
 
 
 def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:

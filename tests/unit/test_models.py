@@ -173,6 +173,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
          "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 5.0},
     ),
+    # Gemma 4's mixture of experts: top-2 of 4 GELU experts beside each layer's dense MLP, its own router.
+    "gemma4-moe": (
+        transformers.Gemma4TextConfig,
+        {"head_dim": 16, "global_head_dim": 32, "sliding_window": 6, "hidden_size_per_layer_input": 0,
+         "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 4,
+         "top_k_experts": 2, "moe_intermediate_size": 32},
+    ),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
     "gemma2": (
@@ -214,9 +221,9 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
     hf = MODEL_CLASSES[config_cls](hf_config).eval()
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0; perturb them so they are tested
         for name, param in hf.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
@@ -472,7 +479,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma3_text", "sliding_window": None}, "gemma3_text without a sliding_window"),
         ({"model_type": "gemma3_text", "hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
         ({"model_type": "gemma3_text", "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn'"),
-        ({"model_type": "gemma4_text", "enable_moe_block": True}, r"enable_moe_block \(Gemma 4's mixture of experts"),
+        ({"model_type": "gemma4_text", "enable_moe_block": True}, "enable_moe_block needs num_experts"),
         ({"model_type": "gemma4_text", "sliding_window": 4, "layer_types": ["full_attention"] * 2,
           "num_kv_shared_layers": 1, "per_layer_config": {"1": {"head_dim": 32}}},
          r"per_layer_config .* only one shape, for the full-attention layers"),
