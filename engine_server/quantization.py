@@ -55,7 +55,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from gguf import GGMLQuantizationType
@@ -261,8 +261,10 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
         weight: StoredWeight | None = None
         if isinstance(module, nn.Linear) and not name.endswith(ROUTER_SUFFIXES):
             weight = _stored_weight(stored, name, module, tied)
-        elif isinstance(module, VocabParallelEmbedding) and module.tp.size == 1 and f"{name}.weight" in stored:
-            embeddings.append((name, module))  # looked up from its blocks (`QuantizedEmbedding`): read below
+        elif name == "model.embed_tokens" and module.tp.size == 1 and f"{name}.weight" in stored:
+            # Looked up from its blocks (`QuantizedEmbedding`): read below. Another table (Gemma 4's per-layer
+            # inputs') stays float: quantize_model swaps the token embeddings alone.
+            embeddings.append((name, cast(VocabParallelEmbedding, module)))
         elif isinstance(module, ParallelExperts):
             weight = _stored_experts(stored, name, module)
         if weight is not None:

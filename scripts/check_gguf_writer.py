@@ -38,7 +38,7 @@ def families() -> dict[str, dict[str, Any]]:
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
-    return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, **HYBRID_GGUF}
+    return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, **HYBRID_GGUF, "gemma4": {}, "gemma4-moe": {}}
 
 
 def check(family: str, overrides: dict[str, Any], root: Path) -> dict[str, Any]:

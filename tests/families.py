@@ -98,13 +98,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
     ),
     # Gemma 4: six layers, two of them full attention with heads of their own (32 wide, one KV head, values from the
-    # keys' projection, proportional rope turning a quarter of the angles); the last two attend over layers 3's and
-    # 2's K/V and have MLPs twice as wide; per-layer inputs 8 wide; final logits soft-capped.
+    # keys' projection, proportional rope turning a quarter of the angles); the last two attend over layers 2's and
+    # 3's K/V (the layers before them end on a full-attention one, as llama.cpp assumes) and have MLPs twice as
+    # wide; per-layer inputs 8 wide; final logits soft-capped.
     "gemma4": (
         "Gemma4TextConfig",
         {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
          "sliding_window": WINDOW, "num_hidden_layers": 6, "tie_word_embeddings": True,
-         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+         "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
+         "num_kv_shared_layers": 2,
          "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB_SIZE,
          "final_logit_softcapping": 30.0},
     ),
@@ -280,6 +282,7 @@ _GGUF_GEMMA_LAYER = {
 _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
+    "gemma4_text": "gemma4",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -338,6 +341,67 @@ def _llama_cpp_linear_attention(config: dict[str, Any], arch: str, layer: str, w
     return {f"blk.{layer}.{kind}{suffix.get(kind, '.weight')}": t.numpy() for kind, t in out.items()}
 
 
+# Gemma 4 as llama.cpp's converter names it: its per-layer inputs' layers, router and expert norms, and the tensors
+# whose checkpoint names have no `.weight` (or are not a module's).
+_GGUF_GEMMA4_LAYER = {
+    "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm",
+    "router.proj": "ffn_gate_inp", "pre_feedforward_layernorm_2": "pre_ffw_norm_2",
+    "post_feedforward_layernorm_1": "post_ffw_norm_1", "post_feedforward_layernorm_2": "post_ffw_norm_2",
+}  # fmt: skip
+_GGUF_GEMMA4_BARE = {
+    "layer_scalar": "layer_output_scale.weight", "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale", "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+}  # fmt: skip
+_GGUF_GEMMA4_GLOBAL = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}  # fmt: skip
+
+
+def _gemma4_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """Gemma 4's keys as llama.cpp's converter writes them: per-layer KV heads and MLP widths, the full-attention
+    layers' head dim beside the windowed ones', the window pattern, shared K/V, per-layer inputs, experts; and the
+    `rope_freqs` tensor that makes its full-attention layers' rope proportional (1 for the angles that turn, 1e30 for
+    the rest)."""
+    layers, types = config["num_hidden_layers"], config["layer_types"]
+    windowed = [kind == "sliding_attention" for kind in types]
+    full = config["per_layer_config"][str(windowed.index(False))]
+    shared = config.get("num_kv_shared_layers") or 0
+    width = config["intermediate_size"]
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    wide = config.get("use_double_wide_mlp")
+    writer.add_feed_forward_length([width * 2 if wide and i >= layers - shared else width for i in range(layers)])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if w else full["num_key_value_heads"] for w in windowed])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_key_length(full["head_dim"])
+    writer.add_value_length(full["head_dim"])
+    writer.add_key_length_swa(config["head_dim"])
+    writer.add_value_length_swa(config["head_dim"])
+    writer.add_rope_dimension_count(full["head_dim"])
+    writer.add_rope_dimension_count_swa(config["head_dim"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_sliding_window_pattern(windowed)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config.get("hidden_size_per_layer_input") or 0)
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config.get("enable_moe_block"):
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["top_k_experts"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    turning = int(full["head_dim"] * rope["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * turning + [1e30] * (full["head_dim"] // 2 - turning)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
 # Types gguf cannot quantize to (llama.cpp's K-quants): their tensors are written as random blocks
 # (tests.lowbit_blocks), so the file's weights are those blocks' and not the folder's.
 _RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationType values
@@ -346,8 +410,8 @@ _RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationTy
 def write_gguf(
     folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None, types: dict[str, Any] | None = None
 ) -> Path:
-    """`folder`'s Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or Qwen3-Next as
-    llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
+    """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or Qwen3-Next
+    as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
     metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
     scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
     F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
@@ -358,12 +422,12 @@ def write_gguf(
     must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
     layer of a mixture of experts must have experts (no `mlp_only_layers`), and a hybrid's value heads must be as
     wide as its key heads, as llama.cpp assumes. A hybrid's linear layers are written as `_llama_cpp_linear_attention`
-    says, their projections in `attention`'s type."""
+    says, their projections in `attention`'s type; Gemma 4's keys as `_gemma4_metadata` says, its per-layer inputs'
+    projections and experts' banks in `feed_forward`'s type (the layers before its sharing ones must end on a
+    full-attention one, as llama.cpp assumes)."""
     import json
 
-    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
+    from gguf import GGUFWriter
 
     config = json.loads((folder / "config.json").read_text())
     arch = _GGUF_ARCHITECTURES[config["model_type"]]
@@ -374,6 +438,20 @@ def write_gguf(
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     writer = GGUFWriter(str(path), arch)
+    if arch == "gemma4":
+        _gemma4_metadata(writer, config)
+    else:
+        _common_metadata(writer, config, arch, rope, head_dim)
+    _tokenizer_metadata(writer, folder)
+    _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types)
+    return path
+
+
+def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[str, Any], head_dim: int) -> None:
+    """The keys llama.cpp's converter writes for every family but Gemma 4 (`_gemma4_metadata`)."""
+    from gguf import RopeScalingType
+
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
@@ -417,6 +495,12 @@ def write_gguf(
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _tokenizer_metadata(writer: Any, folder: Path) -> None:
+    """The embedded tokenizer's vocabulary (`folder`'s tokenizer.json) and chat template, as a `gpt2` tokenizer."""
+    import json
+
     vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
     tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
     writer.add_tokenizer_model("gpt2")
@@ -430,7 +514,22 @@ def write_gguf(
         writer.add_chat_template(template.read_text())
     else:
         writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+
+
+def _write_tensors(
+    writer: Any, folder: Path, config: dict[str, Any], arch: str, feed_forward: Any, attention: Any, output: Any,
+    types: dict[str, Any] | None,
+) -> None:
+    """`folder`'s checkpoint tensors under llama.cpp's names and in the types `write_gguf` says; writes the file."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    gemma, gemma4 = arch.startswith("gemma"), arch == "gemma4"
+    heads = config["num_attention_heads"]
     layer_names = {**(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER), **_GGUF_MOE_LAYER}
+    if gemma4:
+        layer_names.update(_GGUF_GEMMA4_LAYER)
     hybrid = arch in _GGUF_HYBRIDS
     if hybrid:
         layer_names["post_attention_layernorm"] = "post_attention_norm"
@@ -444,9 +543,15 @@ def write_gguf(
             layer, rest = name.removeprefix("model.layers.").split(".linear_attn.")
             linear.setdefault(layer, {})[rest] = tensor
             continue
-        if (gemma or hybrid) and name.endswith("norm.weight"):
+        if (gemma or hybrid) and not gemma4 and name.endswith("norm.weight"):  # Gemma 4's norms are plain w
             tensor = tensor + 1.0
         array = tensor.float().numpy()
+        bare = name.removeprefix("model.layers.").partition(".")
+        if gemma4 and (name in _GGUF_GEMMA4_GLOBAL or bare[2] in _GGUF_GEMMA4_BARE):
+            gguf_name = _GGUF_GEMMA4_GLOBAL.get(name) or f"blk.{bare[0]}.{_GGUF_GEMMA4_BARE[bare[2]]}"
+            banked = gguf_name.endswith("_exps.weight")  # the experts' banks in `feed_forward`'s type
+            tensors[gguf_name] = (array, feed_forward if banked else None)
+            continue
         if stem.startswith("model.layers."):
             layer, kind = stem.removeprefix("model.layers.").split(".", 1)
             expert = _EXPERT.fullmatch(kind)
@@ -456,7 +561,7 @@ def write_gguf(
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
             if layer_names[kind] in _GGUF_ROUTERS:
                 array = array.reshape(-1) if layer_names[kind] == "ffn_gate_inp_shexp" else array
-            elif kind.startswith(("mlp.", "block_sparse_moe.")):
+            elif kind.startswith(("mlp.", "block_sparse_moe.", "per_layer_")):
                 kind_type = feed_forward
             elif kind.startswith("self_attn.") and not kind.endswith("_norm"):  # Gemma's q/k norms stay F32
                 kind_type = attention
@@ -464,8 +569,9 @@ def write_gguf(
                 heads_here = heads if kind == "self_attn.q_proj" else config["num_key_value_heads"]
                 array = array.reshape(heads_here, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
         else:
-            gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}"
-            kind_type = output if stem == "lm_head" else None
+            gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}" if stem in _GGUF_GLOBAL else _GGUF_GEMMA4_GLOBAL[name]
+            kind_type = output if stem == "lm_head" else feed_forward if stem.endswith("per_layer_model_projection") \
+                else None
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
     for layer, weights in linear.items():  # the projections in `attention`'s type; the rest F32
         for gguf_name, array in _llama_cpp_linear_attention(config, arch, layer, weights).items():
@@ -490,4 +596,3 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path

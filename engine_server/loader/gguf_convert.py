@@ -29,7 +29,7 @@ from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
 from engine_server.pooling.params import write_sentence_transformers_pooling
 
 # Bump when the converted layout changes so stale cache entries are not reused.
-CONVERTER_VERSION = 5  # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids
+CONVERTER_VERSION = 6  # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids; 6: Gemma 4
 # In the converted folder: where each tensor of the GGUF file lies in it (name, type, data offset and size), so a
 # quantized engine maps its blocks without parsing the file's metadata again (gguf's reader builds an array per
 # vocabulary string: ~6 s of CPU for the embedded model's 49,152 tokens and 48,900 merges, at every start).
@@ -70,7 +70,33 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma 4: Gemma's norm names, its per-layer inputs (`inp_gate`, `proj`, `post_norm`), its router and the norms
+# around its experts; tensors llama.cpp names apart from the checkpoint's parameter names are `_GEMMA4_BARE`.
+_GEMMA4_LAYER_NAMES = {
+    **_GEMMA_LAYER_NAMES,
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+}
+_GEMMA4_BARE = {
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",  # the bank whole, [experts, 2 * width, hidden]
+    "ffn_down_exps.weight": "experts.down_proj",
+}
+_GEMMA4_GLOBAL = {
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+}
+_LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 _ARCHITECTURE_LAYER_NAMES = {
+    "gemma4_text": _GEMMA4_LAYER_NAMES,
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
     "mixtral": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "gemma2": _GEMMA_LAYER_NAMES,
@@ -90,7 +116,8 @@ _ROPE_PERMUTED = ("llama", "mixtral")
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Folded into config.json's rope_scaling: llama3's divisors, LongRoPE's factors.
-_CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+_CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # Gemma 4's rope_freqs:
+# its proportional rope's turning angles (`gguf_metadata`)
 
 
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
@@ -98,6 +125,12 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     unknown or already folded into the config."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if architecture == "gemma4_text":
+        if gguf_name in _GEMMA4_GLOBAL:
+            return _GEMMA4_GLOBAL[gguf_name]
+        parameter = _LAYER_PARAMETER.fullmatch(gguf_name)
+        if parameter is not None and parameter.group(2) in _GEMMA4_BARE:
+            return f"model.layers.{parameter.group(1)}.{_GEMMA4_BARE[parameter.group(2)]}"
     if architecture in TILED_VALUE_HEADS and (bare := bare_tensor_name(gguf_name)) is not None:
         return bare
     names = _ARCHITECTURE_LAYER_NAMES.get(architecture, _LAYER_NAMES)
@@ -113,6 +146,8 @@ def hf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list
     file of `architecture` (as `hf_tensor_name`), in expert order; None when `gguf_name` is not one."""
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _EXPERT_BANKS or match.group(3) != "weight":
+        return None
+    if architecture == "gemma4_text":  # its banks load whole (`_GEMMA4_BARE`), as transformers holds them
         return None
     pattern, projections = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
     proj = projections[_EXPERT_BANKS[match.group(2)]]
@@ -220,11 +255,9 @@ def save_gguf_tokenizer(gguf_path: Path, folder: Path, config: dict[str, Any], s
             tokenizer = AutoTokenizer.from_pretrained(
                 str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
             )
-        except ValueError as exc:
-            if "architecture" not in str(exc):
-                raise
-            # transformers reads no config from this architecture's files (qwen3next); the tokenizer is built from
-            # the file's tokenizer.ggml.* keys alone, as AutoTokenizer's would be.
+        except Exception:  # transformers raises many types for a config it cannot read
+            # transformers reads no config from this file (qwen3next's architecture; Gemma 4's per-layer MLP
+            # widths): the tokenizer is built from the file's tokenizer.ggml.* keys alone, as AutoTokenizer's is.
             tokenizer = PreTrainedTokenizerFast.from_pretrained(
                 str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
             )

@@ -1,5 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, qwen2 / qwen3 and their
-MoE forms, phi3, gemma2 / gemma3, and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
+MoE forms, phi3, gemma2 / gemma3 / gemma4, and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*`
+keys)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -72,6 +74,8 @@ def gguf_architecture(reader: GGUFReader, spec: str) -> str:
 def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     """Build a transformers-loadable `config.json` dict from the file's metadata and tensor list."""
     arch = gguf_architecture(reader, spec)
+    if arch == "gemma4":
+        return _gemma4_config(reader, spec)
     experts = int(read_field(reader, f"{arch}.expert_count", 0) or 0)
     model_type, hf_class = _MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
@@ -237,6 +241,86 @@ def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], spec: s
         "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
     }
     return keys
+
+
+def _gemma4_config(reader: GGUFReader, spec: str) -> dict[str, Any]:
+    """A Gemma 4 text `config.json` from llama.cpp's `gemma4` keys and tensors: per-layer arrays for the KV heads (the
+    windowed layers' and the full-attention layers') and the MLP width (twice as wide on the sharing layers with
+    `use_double_wide_mlp`), `key_length` (full-attention) beside `key_length_swa`, `sliding_window_pattern`, the
+    proportional rope's turning angles from `rope_freqs` (1 for those that turn, 1e30 for the rest), values from the
+    keys' projection where a full-attention layer has no `attn_v`, per-layer inputs and experts."""
+    arch = "gemma4"
+    tensors = {t.name: t for t in reader.tensors}
+
+    def required(key: str) -> Any:
+        value = read_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    layers = int(required("block_count"))
+    pattern = [bool(x) for x in np.atleast_1d(required("attention.sliding_window_pattern"))]
+    if len(pattern) != layers:
+        raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries, "
+                         f"not one per each of {layers} layers")  # fmt: skip
+
+    def per_layer(key: str) -> list[int]:
+        value = np.atleast_1d(required(key))
+        return [int(v) for v in (value if len(value) == layers else [value[0]] * layers)]
+
+    kv_heads, widths = per_layer("attention.head_count_kv"), per_layer("feed_forward_length")
+    shared = int(read_field(reader, f"{arch}.attention.shared_kv_layers", 0) or 0)
+    full = [i for i, windowed in enumerate(pattern) if not windowed]
+    swa_kv = next((kv_heads[i] for i in range(layers) if pattern[i]), kv_heads[0])
+    global_kv = kv_heads[full[0]] if full else swa_kv
+    global_head_dim = int(required("attention.key_length"))
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length_swa") or global_head_dim)
+    angles = global_head_dim // 2
+    if "rope_freqs.weight" in tensors:
+        factors = np.asarray(dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type))
+        angles = int((factors.ravel() == 1.0).sum())
+    owners = [i for i in full if i < layers - shared]
+    keys_as_values = bool(owners) and all(f"blk.{i}.attn_v.weight" not in tensors for i in owners)
+    per_layer_width = int(read_field(reader, f"{arch}.embedding_length_per_layer_input", 0) or 0)
+    full_rope = {"rope_type": "proportional", "partial_rotary_factor": 2 * angles / global_head_dim,
+                 "rope_theta": _short_float(read_field(reader, f"{arch}.rope.freq_base", 1e6))}  # fmt: skip
+    local_rope = {"rope_type": "default", "rope_theta": _short_float(read_field(reader, f"{arch}.rope.freq_base_swa",
+                                                                               1e4))}  # fmt: skip
+    softcap = read_field(reader, f"{arch}.final_logit_softcapping")
+    config: dict[str, Any] = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": int(required("embedding_length")),
+        "intermediate_size": min(widths),
+        "use_double_wide_mlp": max(widths) == 2 * min(widths),
+        "num_hidden_layers": layers,
+        "num_attention_heads": int(np.atleast_1d(required("attention.head_count"))[0]),
+        "num_key_value_heads": swa_kv,
+        "head_dim": head_dim,
+        "per_layer_config": {str(i): {"head_dim": global_head_dim, "num_key_value_heads": global_kv} for i in full},
+        "attention_k_eq_v": keys_as_values,
+        "num_kv_shared_layers": shared,
+        "layer_types": ["sliding_attention" if windowed else "full_attention" for windowed in pattern],
+        "sliding_window": int(required("attention.sliding_window")),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": _short_float(required("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": {"full_attention": full_rope, "sliding_attention": local_rope},
+        "max_position_embeddings": int(required("context_length")),
+        "final_logit_softcapping": None if softcap is None else _short_float(softcap),
+        "hidden_size_per_layer_input": per_layer_width,
+        "vocab_size_per_layer_input": int(tensors["per_layer_token_embd.weight"].shape[-1]) if per_layer_width else 0,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": int(read_field(reader, "tokenizer.ggml.bos_token_id", 2)),
+        "eos_token_id": int(read_field(reader, "tokenizer.ggml.eos_token_id", 1)),
+        "torch_dtype": "float32",
+    }
+    experts = int(read_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:
+        config.update({"enable_moe_block": True, "num_experts": experts,
+                       "top_k_experts": int(required("expert_used_count")),
+                       "moe_intermediate_size": int(required("expert_feed_forward_length"))})  # fmt: skip
+    return config
 
 
 def _long_rope_config(reader: GGUFReader, arch: str, tensors: dict[str, Any], spec: str) -> dict[str, Any]:

@@ -244,8 +244,8 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
         assert tokens(llm, batch) == theirs
         assert llm.core.scheduler.total_preemptions > 0
         caches = llm.core.runner.kv_caches
-        assert caches[4] is caches[3] and caches[5] is caches[2] and len({id(c) for c in caches}) == 4
-        assert caches[2].shape[-2:] == (1, 32) and caches[0].shape[-2:] == (2, 16)
+        assert caches[4] is caches[2] and caches[5] is caches[3] and len({id(c) for c in caches}) == 4
+        assert caches[3].shape[-2:] == (1, 32) and caches[0].shape[-2:] == (2, 16)
     with engine(folder, quantization="int8") as llm:
         assert llm.core.runner.loaded.model.model.decode_stack is None
         alone = [tokens(llm, [prompt])[0] for prompt in batch]

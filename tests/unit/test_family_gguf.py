@@ -2,13 +2,14 @@
 written with the `gguf` package; scripts/check_gguf_writer.py has llama.cpp decode such files): Phi-3 with partial
 rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w, its windowed and global layers implied by llama.cpp's
 pattern), the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (each projection's experts in one 3-D tensor),
-and the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next. Converted, each float path equals transformers on
+the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts). Converted, each float path equals transformers on
 the converted folder token for token; served from its own 4- and 8-bit blocks (`--quantization auto`), each holds
 `ladle bench quality`'s thresholds against that float path."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -443,3 +444,62 @@ def test_a_hybrid_gguf_split_over_two_ranks_reads_each_ranks_heads_from_the_bloc
     key_rows = shape.key_head_dim  # rank 0's q, k, v, z, b, a rows, in that order
     assert torch.equal(in_proj[2 * key_rows + value_rows : 2 * key_rows + 2 * value_rows], z)
     assert result.top1_agreement >= 0.75 and result.mean_kl <= 0.05, result
+
+
+# Gemma 4 as llama.cpp writes it (scripts/check_gguf_writer.py has llama.cpp decode such files): per-layer arrays of
+# KV heads and MLP widths, the full-attention layers' head dim beside the windowed ones', `rope_freqs` making their
+# rope proportional, no attn_v where values are the keys' projection, the per-layer inputs' tables, layer scalars,
+# and (26B A4B's block) the router's scales and the experts' fused banks. Per-layer inputs 32 wide, so every matrix
+# is whole blocks of 32; the per-layer input table in Q8_0, as llama.cpp's quantizer leaves it.
+GEMMA4_GGUF: dict[str, dict[str, Any]] = {"gemma4": {"hidden_size_per_layer_input": 32}, "gemma4-moe": {}}
+
+
+@pytest.fixture(scope="module", params=list(GEMMA4_GGUF))
+def gemma4_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    root = tmp_path_factory.mktemp(f"{request.param}-gguf")
+    folder = save_family(root / "hf", request.param, head_spread=0.5, **GEMMA4_GGUF[request.param])
+    table = {"per_layer_token_embd.weight": GGMLQuantizationType.Q8_0} if request.param == "gemma4" else {}
+    return request.param, write_gguf(folder, root / "gemma4.gguf", GGMLQuantizationType.Q4_0,
+                                     GGMLQuantizationType.Q8_0, types=table)
+
+
+def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    gemma4_gguf: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Converted, the config is the saved model's (its layout: head shapes, shared K/V, wide MLPs, per-layer inputs,
+    experts) and every tensor comes back under the name transformers saved it with, F32 ones exactly (norms as they
+    are: Gemma 4's are not 1 + w); the float path equals transformers on the converted folder token for token.
+    Served from its blocks, each projection's weight is the converted one bit for bit, the per-layer input table and
+    the experts stay float (the experts' activation is GELU), it holds the quality thresholds, and a prompt's tokens
+    are the same alone and batched."""
+    family, gguf = gemma4_gguf
+    source = resolve_model(str(gguf))
+    saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
+    assert source.config == replace(saved, name=source.config.name, bos_token_id=source.config.bos_token_id,
+                                    eos_token_ids=source.config.eos_token_ids), family  # fmt: skip
+    original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
+    assert converted.keys() == original.keys(), family
+    for name, weight in original.items():
+        assert converted[name].shape == weight.shape, name
+        if weight.dim() == 1 or name.endswith(("model.embed_tokens.weight", "router.proj.weight")):
+            assert torch.equal(converted[name], weight), name
+        else:
+            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(source.path), family
+    stored = keep_stored_weights(monkeypatch)
+    layers, result = served_from_blocks(gguf)
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj" if
+                                                                         family == "gemma4" else
+                                                                         "model.layers.3.mlp.gate_up_proj"] == "q4"
+    assert "model.embed_tokens_per_layer" not in stored and not any(f.startswith("experts_") for f in layers.values())
+    float_weights = dict(source.weights())
+    for name, weight in stored.items():
+        if name.endswith(("qkv_proj", "gate_up_proj")):
+            continue  # fused from parts: their parts are the other families' tests'
+        assert torch.equal(weight.dequantize(), float_weights[f"{name}.weight"]), name
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, (family, result)
+    batch = prompts()
+    with engine(gguf, quantization="auto") as llm:
+        alone = [tokens(llm, [prompt])[0] for prompt in batch[:4]]
+        assert tokens(llm, batch[:4]) == alone, family
