@@ -2,9 +2,9 @@
 written with the `gguf` package; scripts/check_gguf_writer.py has llama.cpp decode such files): Phi-3 with partial
 rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w, its windowed and global layers implied by llama.cpp's
 pattern), the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (each projection's experts in one 3-D tensor),
-the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts). Converted, each float path equals transformers on
-the converted folder token for token; served from its own 4- and 8-bit blocks (`--quantization auto`), each holds
-`ladle bench quality`'s thresholds against that float path."""
+the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts). Converted,
+each float path equals transformers on the converted folder token for token; served from its own 4- and 8-bit blocks
+(`--quantization auto`), each holds `ladle bench quality`'s thresholds against that float path."""
 
 from __future__ import annotations
 
