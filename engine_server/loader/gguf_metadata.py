@@ -4,6 +4,7 @@ keys)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -56,6 +57,15 @@ def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _arch_field(reader: GGUFReader, arch: str, spec: str, key: str) -> Any:
+    """The decoded value of the architecture's metadata key `<arch>.<key>`; ValueError naming the file `spec` and the
+    key when it lacks it."""
+    value = read_field(reader, f"{arch}.{key}")
+    if value is None:
+        raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
+    return value
+
+
 def _short_float(value: float) -> float:
     """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); keep the shortest decimal."""
     return float(str(np.float32(value)))
@@ -79,12 +89,7 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     experts = int(read_field(reader, f"{arch}.expert_count", 0) or 0)
     model_type, hf_class = _MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
-
-    def required(key: str) -> Any:
-        value = read_field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
-        return value
+    required = functools.partial(_arch_field, reader, arch, spec)
 
     if "token_embd.weight" not in tensors:
         raise ValueError(f"model {spec!r}: GGUF file has no token_embd.weight tensor")
@@ -180,10 +185,7 @@ def _linear_attention_config(reader: GGUFReader, arch: str, config: dict[str, An
     Qwen3.5's multimodal rope (`rope.dimension_sections`) gives each section the same position."""
 
     def required(key: str) -> int:
-        value = read_field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
-        return int(value)
+        return int(_arch_field(reader, arch, spec, key))
 
     value_heads = required("ssm.time_step_rank")
     inner = required("ssm.inner_size")
@@ -251,12 +253,7 @@ def _gemma4_config(reader: GGUFReader, spec: str) -> dict[str, Any]:
     keys' projection where a full-attention layer has no `attn_v`, per-layer inputs and experts."""
     arch = "gemma4"
     tensors = {t.name: t for t in reader.tensors}
-
-    def required(key: str) -> Any:
-        value = read_field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ValueError(f"model {spec!r}: GGUF metadata lacks {arch}.{key}")
-        return value
+    required = functools.partial(_arch_field, reader, arch, spec)
 
     layers = int(required("block_count"))
     pattern = [bool(x) for x in np.atleast_1d(required("attention.sliding_window_pattern"))]

@@ -53,6 +53,26 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
         assert tokens(llm, prompts()) == reference_tokens(source.path)
 
 
+def assert_tensors_come_back(
+    original: dict[str, torch.Tensor], converted: dict[str, torch.Tensor], exact: tuple[str, ...],
+    own: dict[str, Any] | None = None,
+) -> None:
+    """Every tensor of the converted folder under the name transformers saved it with, of its shape: 1-D ones and
+    those whose names end with one of `exact` bit for bit (F32 in the file), the others to their 4- or 8-bit
+    rounding (a relative error near 0.08 for Q4_0; rows in the wrong order would give ~1.4); a name ending with a key
+    of `own` is checked by its value, `check(converted, original)`."""
+    assert converted.keys() == original.keys()
+    for name, weight in original.items():
+        assert converted[name].shape == weight.shape, name
+        check = next((c for suffix, c in (own or {}).items() if name.endswith(suffix)), None)
+        if check is not None:
+            assert check(converted[name], weight), name
+        elif weight.dim() == 1 or name.endswith(exact):
+            assert torch.equal(converted[name], weight), name
+        else:
+            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+
+
 def keep_stored_weights(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """A dict that gets a copy of every model's stored (quantized) weights as it loads: loading empties the one
     `stored_weights` returns once the weights are packed."""
@@ -191,13 +211,7 @@ def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its
     # tensor, Mixtral's q/k rows un-permuted): F32 ones exactly, quantized ones to their 4- or 8-bit rounding (a
     # relative error near 0.08 for Q4_0; rows in the wrong order would give ~1.4).
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
-    assert converted.keys() == original.keys(), family
-    for name, weight in original.items():
-        assert converted[name].shape == weight.shape, name
-        if weight.dim() == 1 or name.endswith(("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight")):
-            assert torch.equal(converted[name], weight), name
-        else:
-            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+    assert_tensors_come_back(original, converted, ("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight"))
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == reference_tokens(source.path), family
     layers, result = served_from_blocks(gguf)
@@ -378,17 +392,11 @@ def test_a_hybrid_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
     assert [getattr(source.config, key) for key in HYBRID_KEYS] == [getattr(saved, key) for key in HYBRID_KEYS]
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
-    assert converted.keys() == original.keys(), family
-    for name, weight in original.items():
-        assert converted[name].shape == weight.shape, name
-        if name.endswith("A_log"):
-            assert torch.allclose(converted[name], weight, rtol=1e-6, atol=0), name
-        elif name.endswith("norm.weight") and ".linear_attn." not in name:  # as applied, 1 + w (see Gemma 3's)
-            assert torch.equal(converted[name] + 1, weight + 1), name
-        elif weight.dim() == 1 or name.endswith(("embed_tokens.weight", ".gate.weight", "conv1d.weight")):
-            assert torch.equal(converted[name], weight), name
-        else:
-            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+    norms = [name for name in original if name.endswith("norm.weight") and ".linear_attn." not in name]
+    assert_tensors_come_back(original, converted, ("embed_tokens.weight", ".gate.weight", "conv1d.weight"), {
+        "A_log": lambda ours, theirs: torch.allclose(ours, theirs, rtol=1e-6, atol=0),
+        **dict.fromkeys(norms, lambda ours, theirs: torch.equal(ours + 1, theirs + 1)),  # as applied, 1 + w
+    })  # fmt: skip
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == reference_tokens(source.path), family
 
@@ -478,13 +486,7 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     assert source.config == replace(saved, name=source.config.name, bos_token_id=source.config.bos_token_id,
                                     eos_token_ids=source.config.eos_token_ids), family  # fmt: skip
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
-    assert converted.keys() == original.keys(), family
-    for name, weight in original.items():
-        assert converted[name].shape == weight.shape, name
-        if weight.dim() == 1 or name.endswith(("model.embed_tokens.weight", "router.proj.weight")):
-            assert torch.equal(converted[name], weight), name
-        else:
-            assert ((converted[name] - weight).norm() / weight.norm()).item() < 0.15, name
+    assert_tensors_come_back(original, converted, ("model.embed_tokens.weight", "router.proj.weight"))
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == reference_tokens(source.path), family
     stored = keep_stored_weights(monkeypatch)
