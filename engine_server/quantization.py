@@ -109,6 +109,10 @@ from engine_server.parallel.layers import (
 from kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8", "fp8"]
+# Gemma 4's per-layer input table (`layers.gemma4`): on the CPU quantized (its blocks under gguf, 8-bit groups of 32
+# under int8) and looked up row by row, as the token embeddings are from a GGUF file's blocks. E2B's holds 2.3B
+# values: 9 GB as float32, 2.4 GB as 8-bit.
+PER_LAYER_TABLE = "model.embed_tokens_per_layer"
 # What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF), or a linear
 # layer's FP8 weight (an FP8 checkpoint).
 StoredWeight = QuantizedWeight | ExpertWeights | Fp8Weight | Fp8ExpertWeights
@@ -261,9 +265,8 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
         weight: StoredWeight | None = None
         if isinstance(module, nn.Linear) and not name.endswith(ROUTER_SUFFIXES):
             weight = _stored_weight(stored, name, module, tied)
-        elif name == "model.embed_tokens" and module.tp.size == 1 and f"{name}.weight" in stored:
-            # Looked up from its blocks (`QuantizedEmbedding`): read below. Another table (Gemma 4's per-layer
-            # inputs') stays float: quantize_model swaps the token embeddings alone.
+        elif name in ("model.embed_tokens", PER_LAYER_TABLE) and module.tp.size == 1 and f"{name}.weight" in stored:
+            # Looked up from its blocks (`QuantizedEmbedding`, as `quantize_model` swaps them in): read below.
             embeddings.append((name, cast(VocabParallelEmbedding, module)))
         elif isinstance(module, ParallelExperts):
             weight = _stored_experts(stored, name, module)
@@ -271,7 +274,7 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
             weights[name] = weight
     head = _linear_weight(weights.get("lm_head"))
     for name, module in embeddings:
-        if tied and head is not None and head.shape == tuple(module.weight.shape):
+        if name == "model.embed_tokens" and tied and head is not None and head.shape == tuple(module.weight.shape):
             weights[name] = head  # the very blocks the LM head multiplies: one copy for both (`quantize_model`)
         else:
             weights[name] = stored[f"{name}.weight"].read()
@@ -306,10 +309,18 @@ def quantize_model(
                 model.model.register_module("embed_tokens", QuantizedEmbedding(head))
             elif isinstance(embedding, Q4Weight | Q8Weight | LowBitWeight):
                 model.model.register_module("embed_tokens", QuantizedEmbedding(embedding))
+            table = weights.get(PER_LAYER_TABLE)
+            if isinstance(table, Q4Weight | Q8Weight | LowBitWeight):
+                model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), QuantizedEmbedding(table))
     else:
         replace_linears(model, _int8_weight)
         if on_cpu:
             replace_experts(model, lambda name, bank: quantize_experts(bank))
+            table_module = getattr(model.model, PER_LAYER_TABLE.removeprefix("model."), None)
+            if isinstance(table_module, VocabParallelEmbedding) and table_module.tp.size == 1 and \
+                    table_module.weight.shape[1] % QUANT_GROUP == 0:  # fmt: skip
+                quantized = QuantizedEmbedding(quantize_q8(table_module.weight.detach()))
+                model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), quantized)
     if on_cpu:
         replace_routers(model)
         gather_packed_weights(model)  # before the decode stack takes references to the packed blocks

@@ -100,14 +100,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Gemma 4: six layers, two of them full attention with heads of their own (32 wide, one KV head, values from the
     # keys' projection, proportional rope turning a quarter of the angles); the last two attend over layers 2's and
     # 3's K/V (the layers before them end on a full-attention one, as llama.cpp assumes) and have MLPs twice as
-    # wide; per-layer inputs 8 wide; final logits soft-capped.
+    # wide; per-layer inputs 16 wide; final logits soft-capped.
     "gemma4": (
         "Gemma4TextConfig",
         {"head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
          "sliding_window": WINDOW, "num_hidden_layers": 6, "tie_word_embeddings": True,
          "layer_types": ["sliding_attention"] * 3 + ["full_attention", "sliding_attention", "full_attention"],
          "num_kv_shared_layers": 2,
-         "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB_SIZE,
+         "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
          "final_logit_softcapping": 30.0},
     ),
     # Gemma 4's mixture of experts (26B A4B's block): top-2 of 4 GELU experts beside each layer's dense MLP, no

@@ -20,7 +20,7 @@ import torch
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
-from engine_server.layers.quantized_linear import QuantizedLinear
+from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from engine_server.parallel.layers import ParallelExperts
 from tests.families import FAMILIES, VOCAB_SIZE, WINDOW, hf_greedy, load_reference, save_family
 from tests.unit.pooling.embedding_models import copy_tokenizer
@@ -234,8 +234,8 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
     over earlier layers' K/V) keeps transformers' tokens over two ranks (one KV head on the full-attention layers,
     repeated on both), prefilled in 16-token chunks, and preempted from a 24-block pool (a recomputed sequence
     writes the shared K/V again before the layers that read them). Its KV cache is four layers' (the sharing layers
-    keep none), and on int8 weights each prompt's tokens are the same alone and batched, and mostly agree with the
-    float path's first tokens."""
+    keep none), and on int8 weights (the per-layer input table too, looked up in 8-bit rows) each prompt's tokens
+    are the same alone and batched, and mostly agree with the float path's first tokens."""
     folder = save_family(tmp_path, "gemma4", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
@@ -247,7 +247,8 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
         assert caches[4] is caches[2] and caches[5] is caches[3] and len({id(c) for c in caches}) == 4
         assert caches[3].shape[-2:] == (1, 32) and caches[0].shape[-2:] == (2, 16)
     with engine(folder, quantization="int8") as llm:
-        assert llm.core.runner.loaded.model.model.decode_stack is None
+        decoder = llm.core.runner.loaded.model.model
+        assert decoder.decode_stack is None and isinstance(decoder.embed_tokens_per_layer, QuantizedEmbedding)
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6

@@ -477,8 +477,8 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     """Converted, the config is the saved model's (its layout: head shapes, shared K/V, wide MLPs, per-layer inputs,
     experts) and every tensor comes back under the name transformers saved it with, F32 ones exactly (norms as they
     are: Gemma 4's are not 1 + w); the float path equals transformers on the converted folder token for token.
-    Served from its blocks, each projection's weight is the converted one bit for bit, the per-layer input table and
-    the experts stay float (the experts' activation is GELU), it holds the quality thresholds, and a prompt's tokens
+    Served from its blocks, each projection's weight, and the per-layer input table's, is the converted one bit for
+    bit, the experts stay float (their activation is GELU), it holds the quality thresholds, and a prompt's tokens
     are the same alone and batched."""
     family, gguf = gemma4_gguf
     source = resolve_model(str(gguf))
@@ -494,8 +494,11 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj" if
                                                                          family == "gemma4" else
                                                                          "model.layers.3.mlp.gate_up_proj"] == "q4"
-    assert "model.embed_tokens_per_layer" not in stored and not any(f.startswith("experts_") for f in layers.values())
+    assert not any(f.startswith("experts_") for f in layers.values()), layers
     float_weights = dict(source.weights())
+    if family == "gemma4":  # the per-layer input table's Q8_0 blocks, looked up as the file holds them
+        table = stored["model.embed_tokens_per_layer"].dequantize()
+        assert torch.equal(table, float_weights["model.embed_tokens_per_layer.weight"])
     for name, weight in stored.items():
         if name.endswith(("qkv_proj", "gate_up_proj")):
             continue  # fused from parts: their parts are the other families' tests'
