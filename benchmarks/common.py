@@ -87,6 +87,8 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     cfg = source.config
     if cfg.linear_attention is not None:
         return _hybrid_hf_model(source, device, dtype)
+    if cfg.gemma4 is not None:
+        return _gemma4_hf_model(source, device, dtype)
     hf_config = AutoConfig.for_model(
         cfg.architecture,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -100,6 +102,25 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(_stack_experts(dict(source.weights())), strict=False)
     if unexpected or any(name != "lm_head.weight" for name in missing):  # a tied lm_head is not in the list
+        raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
+    return hf.to(device).eval()
+
+
+def _gemma4_hf_model(source: Any, device: str, dtype: Any) -> Any:
+    """transformers' Gemma 4: a folder's own, or a `dummy:` preset's weights in the `Gemma4TextConfig` the preset was
+    made from (`loader.dummy.GEMMA4_HF_CONFIGS`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine_server.loader.dummy import GEMMA4_HF_CONFIGS
+
+    if not source.random_weights:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=True)
+        return loaded.to(device).eval()
+    arguments = dict(GEMMA4_HF_CONFIGS[source.config.name.removeprefix("dummy:")])
+    hf_config = AutoConfig.for_model(str(arguments.pop("model_type")), **arguments)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    missing, unexpected = hf.load_state_dict(dict(source.weights()), strict=False)
+    if unexpected or any(name != "lm_head.weight" for name in missing):
         raise ValueError(f"weights do not fit transformers' model: missing {missing}, unexpected {unexpected}")
     return hf.to(device).eval()
 

@@ -779,8 +779,11 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         global_head_dim = int(cfg.get("global_head_dim") or 512)
         global_kv = cfg.get("num_global_key_value_heads") if keys_as_values else None
         global_kv_heads = int(global_kv or kv_heads)
+    # transformers' defaults where a config names no rope for a layer type.
     rope = cfg.get("rope_parameters") or {}
-    local, full_rope = rope.get("sliding_attention") or {}, rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0}
+    full_rope = rope.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1_000_000.0}  # fmt: skip
     if (local.get("rope_type") or "default") != "default":
         raise ValueError(f"gemma4_text sliding_attention rope type {local.get('rope_type')!r} is not supported")
     full_type = full_rope.get("rope_type") or "default"

@@ -20,6 +20,32 @@ INIT_STD = 0.02
 # Dummy models reuse the embedded SmolLM2 tokenizer, so their special ids are SmolLM2's.
 _BOS, _EOS = 1, 2
 
+# Gemma 4's presets as transformers' `Gemma4TextConfig` arguments (`benchmarks.common.hf_model` builds the peer from
+# them). Neither is a released model's shape: each has every Gemma 4 feature (windowed layers 4 to each full one, the
+# full-attention layers' heads twice as wide with values from the keys' projection, the last layers over earlier
+# ones' K/V with double-wide MLPs, per-layer inputs, soft-capped logits) at a test's scale (`gemma4-tiny`) and a
+# 2-core CPU benchmark's (`gemma4-small`: 15 layers, 1,024 wide, one KV head, ~0.5B parameters).
+_GEMMA4_LAYER_TYPES = ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(15)]
+_GEMMA4_FEATURES: dict[str, object] = {
+    "model_type": "gemma4_text", "vocab_size": 49152, "attention_k_eq_v": True, "use_double_wide_mlp": True,
+    "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 512,
+    "layer_types": _GEMMA4_LAYER_TYPES,
+}  # fmt: skip
+GEMMA4_HF_CONFIGS: dict[str, dict[str, object]] = {
+    "gemma4-tiny": {
+        **_GEMMA4_FEATURES, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 10,
+        "layer_types": _GEMMA4_LAYER_TYPES[:10], "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "global_head_dim": 128, "num_global_key_value_heads": 1, "num_kv_shared_layers": 3,
+        "hidden_size_per_layer_input": 64, "vocab_size_per_layer_input": 49152, "max_position_embeddings": 8192,
+    },
+    "gemma4-small": {
+        **_GEMMA4_FEATURES, "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 15,
+        "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+        "num_global_key_value_heads": 1, "num_kv_shared_layers": 5, "hidden_size_per_layer_input": 256,
+        "vocab_size_per_layer_input": 49152, "max_position_embeddings": 32768,
+    },
+}  # fmt: skip
+
 DUMMY_PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -172,6 +198,11 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-35b-a3b",
     ),
+    **{
+        preset: replace(ModelConfig.from_hf_config(hf), bos_token_id=_BOS, eos_token_ids=(_EOS,),
+                        name=f"dummy:{preset}")
+        for preset, hf in GEMMA4_HF_CONFIGS.items()
+    },
 }  # fmt: skip
 
 

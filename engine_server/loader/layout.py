@@ -1,6 +1,6 @@
 """Hugging Face parameter names and shapes of a Llama / Qwen2 / Qwen3 decoder and their mixture-of-experts
 variants (Qwen2-MoE / Qwen3-MoE names; Mixtral's are read as these), DeepSeek-V3's latent attention, gpt-oss's
-biased experts and Qwen3.5's linear-attention layers, derived from a `ModelConfig`."""
+biased experts, Qwen3.5's linear-attention layers and Gemma 4, derived from a `ModelConfig`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     as gpt-oss's checkpoints store them (`mlp.router` with a bias, each projection and its bias one bank for all
     the experts, `models.gpt_oss`), other experts one tensor per expert and projection.
     """
+    if cfg.gemma4 is not None:
+        return _gemma4_shapes(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
@@ -53,6 +55,55 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes.update(_mlp_block_shapes(p, cfg, i))
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _gemma4_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Gemma 4's parameters (`layers.gemma4`): each layer's attention of its own head shape (no k/v projections or
+    key norm on a layer that attends over another's K/V, no v_proj where values are the keys' projection), its
+    sandwich norms, MLP of its width, `layer_scalar`, per-layer input projections and experts; the per-layer input
+    table and projection; tied embeddings."""
+    layout = cfg.gemma4
+    assert layout is not None
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        p, d, kv = f"model.layers.{i}.", cfg.layer_head_dim(i), cfg.layer_kv_heads(i) * cfg.layer_head_dim(i)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (heads * d, h)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        if cfg.kv_source(i) == i:
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            if not (layout.keys_as_values and cfg.is_global_layer(i)):
+                shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * d)
+        for norm in ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            shapes[f"{p}{norm}.weight"] = (h,)
+        shapes.update(_mlp_shapes(p + "mlp.", h, cfg.layer_intermediate_size(i)))
+        shapes[p + "layer_scalar"] = (1,)
+        if layout.per_layer_input_size:
+            shapes[p + "per_layer_input_gate.weight"] = (layout.per_layer_input_size, h)
+            shapes[p + "per_layer_projection.weight"] = (h, layout.per_layer_input_size)
+            shapes[p + "post_per_layer_input_norm.weight"] = (h,)
+        if layout.experts:
+            width = layout.expert_intermediate_size
+            shapes.update({
+                p + "router.proj.weight": (layout.experts, h), p + "router.scale": (h,),
+                p + "router.per_expert_scale": (layout.experts,),
+                p + "experts.gate_up_proj": (layout.experts, 2 * width, h),
+                p + "experts.down_proj": (layout.experts, h, width),
+                p + "pre_feedforward_layernorm_2.weight": (h,), p + "post_feedforward_layernorm_1.weight": (h,),
+                p + "post_feedforward_layernorm_2.weight": (h,),
+            })  # fmt: skip
+    if layout.per_layer_input_size:
+        packed = cfg.num_hidden_layers * layout.per_layer_input_size
+        shapes["model.embed_tokens_per_layer.weight"] = (layout.per_layer_vocab_size, packed)
+        shapes["model.per_layer_model_projection.weight"] = (packed, h)
+        shapes["model.per_layer_projection_norm.weight"] = (layout.per_layer_input_size,)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
@@ -139,5 +190,6 @@ def _mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[
 
 
 def is_norm_weight(name: str) -> bool:
-    """True for RMSNorm scales (layer norms, final norm, Qwen3 q/k norms), which initialise to 1."""
-    return name.endswith("norm.weight")
+    """True for RMSNorm scales (layer norms, final norm, Qwen3 q/k norms) and Gemma 4's other scales (its layers'
+    output scale, its router's), which initialise to 1."""
+    return name.endswith(("norm.weight", "layer_scalar", "router.scale", "router.per_expert_scale"))
