@@ -80,6 +80,9 @@ class AttentionMetadata:
     # (`[B]` int64 on the device, and the host's copy), set by the runner from its requests' slots; else None.
     state_slots: torch.Tensor | None = None
     state_slots_cpu: list[int] | None = None
+    # Set by the runner for a step whose caller reads each sequence's last token's final hidden state alone (no
+    # prompt logprobs, pooling or drafts): layers that write no K/V (Gemma 4's sharing ones) may skip the others.
+    last_rows_only: bool = False
 
     @classmethod
     def build(
@@ -161,6 +164,24 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens_cpu)
+
+    @cached_property
+    def last_rows(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Each sequence's last new token: (its row `[B]` int64 on the device, this step's metadata for those rows
+        alone: one query each over the same context). Computed on first use, then cached."""
+        device = self.block_tables.device
+        rows = torch.tensor(self.query_lens_cpu, dtype=torch.int64).cumsum(0) - 1
+        batch = len(self.query_lens_cpu)
+        rows_on_device = to_device(rows, device)
+        meta = AttentionMetadata(
+            query_start_loc=to_device(torch.arange(batch + 1, dtype=torch.int32), device),
+            seq_lens=self.seq_lens, block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping.index_select(0, rows_on_device), max_query_len=1,
+            max_seq_len=self.max_seq_len, query_lens_cpu=[1] * batch, seq_lens_cpu=self.seq_lens_cpu,
+            block_size=self.block_size, host_block_tables=self.host_block_tables,
+            state_slots=self.state_slots, state_slots_cpu=self.state_slots_cpu,
+        )  # fmt: skip
+        return rows_on_device, meta
 
     @cached_property
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -510,7 +510,9 @@ class ModelRunner:
             scheduled = output.scheduled
             if any(item.num_new_tokens != 1 for item in scheduled):
                 self._decode_rows.invalidate()
-                return self._forward_eager(scheduled, interrupt)
+                # Whether the step reads each sequence's last token alone (`AttentionMetadata.last_rows_only`).
+                last_only = not (output.reads_prompts or output.has_pooling or output.num_draft_tokens)
+                return self._forward_eager(scheduled, interrupt, last_only)
             layout, continues = self._decode_rows.layout(scheduled)
         num_rows = len(layout.seq_lens)
         adapter_slots = None
@@ -554,7 +556,7 @@ class ModelRunner:
         return hidden, None
 
     def _forward_eager(
-        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None
+        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None, last_rows_only: bool = False
     ) -> tuple[torch.Tensor, list[int]]:
         if self.draft is not None:  # the drafts are the draft model's own: decoded now, verified by this step
             speculating = [item for item in scheduled if item.draft_token_ids]
@@ -575,6 +577,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             query_lens, seq_lens, [item.block_ids for item in scheduled], self.block_size, self.device
         )
+        meta.last_rows_only = last_rows_only and self.draft is None
         if self.state_slots:
             self._set_state_slots(meta, [item.request for item in scheduled])
         host_ids, host_positions = (

@@ -109,7 +109,10 @@ class Gemma4DecoderModel(DecoderModel):
     """`DecoderModel` with Gemma 4's layers, their per-layer inputs, and the full-attention layers' proportional
     rope (`global_rope_angles` of `global_head_dim / 2` angles turning; the windowed layers' table is the local
     one). Runs its layers in Python (no decode stack): K/V shared between layers are the same cache tensor
-    (`attention_metadata.allocate_kv_cache`), written by the first layer to reach it in the step."""
+    (`attention_metadata.allocate_kv_cache`), written by the first layer to reach it in the step. Where the step
+    reads each sequence's last token alone (`AttentionMetadata.last_rows_only`), the layers that share K/V run for
+    those tokens only (as transformers' prefill does); the other rows it returns hold their states from before those
+    layers."""
 
     layer_class = Gemma4DecoderLayer
 
@@ -123,6 +126,9 @@ class Gemma4DecoderModel(DecoderModel):
         table = build_cos_sin_cache(layout.global_head_dim, config.max_position_embeddings, config.rope_theta,
                                     None, dtype, rotated_angles=layout.global_rope_angles)  # fmt: skip
         self.register_buffer("cos_sin_cache", table, persistent=False)
+        # The first layer that attends over another's K/V (none: past the last layer).
+        sharing = [i for i in range(config.num_hidden_layers) if config.kv_source(i) != i]
+        self.first_sharing_layer = sharing[0] if sharing else config.num_hidden_layers
         self.per_layer_width = layout.per_layer_input_size
         if self.per_layer_width:
             packed = config.num_hidden_layers * self.per_layer_width
@@ -156,10 +162,21 @@ class Gemma4DecoderModel(DecoderModel):
         per_layer = self.per_layer_inputs(input_ids, hidden, ops) if self.per_layer_width else None
         cos_sin, local = self.get_buffer("cos_sin_cache"), self.get_buffer("local_cos_sin_cache")
         residual: torch.Tensor | None = None
+        full: tuple[torch.Tensor, torch.Tensor] | None = None  # (all rows' hidden states, the rows kept)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if index == self.first_sharing_layer and meta.last_rows_only and lora is None and meta.max_query_len > 1:
+                # The sharing layers write no K/V: where the step reads each sequence's last token alone, the
+                # other tokens' states past here are never read, so these layers run for the last tokens only.
+                rows, meta = meta.last_rows
+                full = (hidden, rows)
+                hidden, positions = hidden.index_select(0, rows), positions.index_select(0, rows)
+                per_layer = None if per_layer is None else per_layer.index_select(0, rows)
             table = local if self.local_rope_layers[index] else cos_sin
             layer_input = None if per_layer is None else per_layer[:, index]
             hidden, residual = layer(positions, hidden, residual, kv_cache, table, meta, ops, lora, layer_input)
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted
-        return self.norm(hidden, ops)
+        hidden = self.norm(hidden, ops)
+        if full is not None:  # the rows skipped keep their states from before the sharing layers (unread)
+            hidden = full[0].index_copy(0, full[1], hidden)
+        return hidden

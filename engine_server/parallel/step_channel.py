@@ -170,7 +170,7 @@ class StepSender:
                  tables.reshape(-1), slots, state_slots]  # fmt: skip
         num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
-                   num_pending, int(on_device))  # fmt: skip
+                   num_pending, int(on_device), int(meta.last_rows_only))  # fmt: skip
         self._send_pending(pending, on_device)
 
     def decode_graph(
@@ -281,7 +281,7 @@ class StepReceiver:
 
     def _parse(self, kind: MessageKind, fields: list[int]) -> Message:
         if kind is MessageKind.FORWARD:
-            return Message(kind, forward=self._forward(*fields[:8]))
+            return Message(kind, forward=self._forward(*fields[:9]))
         if kind is MessageKind.DECODE_GRAPH:
             return Message(kind, decode=self._decode_graph(*fields[:5]))
         if kind is MessageKind.CAPTURE:
@@ -302,6 +302,7 @@ class StepReceiver:
         block_size: int,
         num_pending: int,
         pending_on_device: int,
+        last_rows_only: int,
     ) -> ForwardInputs:
         sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, batch]
         ids, positions, starts, seq_lens, tables, slots, states, *pending = self._read(
@@ -325,6 +326,7 @@ class StepReceiver:
                 query_lens_cpu=starts.diff().tolist(),
                 seq_lens_cpu=seq_lens.tolist(),
                 block_size=block_size,
+                last_rows_only=bool(last_rows_only),
             ),
         )
 

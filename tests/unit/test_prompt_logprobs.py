@@ -24,9 +24,11 @@ PROMPT_LENGTH = 40
 TOP = 3
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_family(tmp_path_factory.mktemp("llama"), "llama", head_spread=1.0)
+@pytest.fixture(scope="module", params=["llama", "gemma4"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama, and Gemma 4, whose K/V-sharing layers run for a step's last tokens alone unless the step reads more
+    (`AttentionMetadata.last_rows_only`): a step that reads its prompt runs them for every row."""
+    return save_family(tmp_path_factory.mktemp(request.param), request.param, head_spread=1.0)
 
 
 @pytest.fixture(scope="module")
