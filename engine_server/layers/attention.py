@@ -65,8 +65,8 @@ class PagedSelfAttention(nn.Module):
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.softcap = config.attention_softcap
         self.shares_kv = config.kv_source(index) != index
-        self.keys_as_values = config.gemma4 is not None and config.gemma4.keys_as_values and config.is_global_layer(
-            index)
+        layout = config.gemma4
+        self.keys_as_values = layout is not None and layout.keys_as_values and config.is_global_layer(index)
         parts: tuple[PartSlice, ...] = qkv_slices(config.num_attention_heads, kv_heads, self.head_dim, tp.size,
                                                   tp.rank)  # fmt: skip
         if self.shares_kv or self.keys_as_values:  # the queries alone, or the queries and keys

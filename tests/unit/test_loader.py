@@ -17,7 +17,7 @@ from gguf import GGUFWriter, PoolingType
 
 from engine_server.config import ModelConfig, RopeScaling
 from engine_server.loader import DUMMY_PRESETS, ModelSource, default_gguf_path, gguf_convert, resolve_model
-from engine_server.loader.dummy import INIT_STD, random_tensor
+from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, INIT_STD, random_tensor
 from engine_server.loader.gguf_metadata import llama3_rope_factors
 from engine_server.loader.layout import parameter_shapes
 from engine_server.tokenizer.loading import load_tokenizer
@@ -46,7 +46,11 @@ def gguf_reference() -> Iterator[torch.nn.Module]:
 
 
 def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
-    """The transformers config of `cfg`'s shape, to check our parameter layout against transformers'."""
+    """The transformers config of `cfg`'s shape, to check our parameter layout against transformers'. A Gemma 4
+    preset's is the `Gemma4TextConfig` it was parsed from (`loader.dummy.GEMMA4_HF_CONFIGS`)."""
+    if cfg.gemma4 is not None:
+        arguments = dict(GEMMA4_HF_CONFIGS[cfg.name.removeprefix("dummy:")])
+        return transformers.AutoConfig.for_model(str(arguments.pop("model_type")), **arguments)
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias")  # fmt: skip
     experts = {}
