@@ -419,12 +419,9 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
     each expert's gate and up rows of this rank, and its down projection's columns of those rows. None (the bank
     stays float) when any expert's projection is not stored quantized or is stored in a type the experts' kernels
     do not take (`_EXPERT_KINDS`), when an expert's gate and up differ in format, when this rank's rows do not
-    fall on the down projection's blocks (groups of 32 columns; super-blocks of 256 for a K-quant), or when the
-    experts' activation is not SiLU."""
+    fall on the down projection's blocks (groups of 32 columns; super-blocks of 256 for a K-quant)."""
     rows = bank.rows.rows
     names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in EXPERT_PARTS}
-    if not bank.gated_silu:  # the expert kernels compute SiLU alone
-        return None
     if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP or not all(n in stored for ns in names.values() for n in ns):
         return None
     if any(stored[n].kind not in _EXPERT_KINDS for ns in names.values() for n in ns):

@@ -486,11 +486,13 @@ QuantizedProduct = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def quantized_moe(
-    x: torch.Tensor, gate_up: QuantizedProduct, down: QuantizedProduct, weights: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor, gate_up: QuantizedProduct, down: QuantizedProduct, weights: torch.Tensor, experts: torch.Tensor,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """The CPU's quantized mixture of experts (`torch.ops.ladle_cpu.moe_packed`): x `[T, H]` float32, each token's
     routing `weights` and `experts` `[T, k]` -> `[T, H]` float32, `sum_j weights[t, j] * down(e, silu_and_mul(
-    gate_up(e, x[t])))` for `e = experts[t, j]`, the k terms added in ascending expert order. `gate_up(e, rows)` and
+    gate_up(e, x[t])))` for `e = experts[t, j]` (with `gelu`, `gelu_tanh_and_mul`: Gemma 4's experts), the k terms
+    added in ascending expert order. `gate_up(e, rows)` and
     `down(e, rows)` are expert e's quantized products (rows `[M, K]` -> `[M, N]`) in its bank's format: `q4_linear`
     / `q8_linear` of its weights, or `lowbit_linear` of a 5-bit or K-quant weight's values (Q5_0, Q5_1, Q4_K, Q5_K,
     Q6_K; gate/up and down each in its own), so x and the hidden activations are quantized per group of 32 as the
@@ -499,7 +501,8 @@ def quantized_moe(
     for token in range(x.shape[0]):
         for choice in torch.argsort(experts[token], stable=True).tolist():
             expert = int(experts[token, choice])
-            hidden = silu_and_mul(gate_up(expert, x[token : token + 1].float()))
+            product = gate_up(expert, x[token : token + 1].float())
+            hidden = gelu_tanh_and_mul(product) if gelu else silu_and_mul(product)
             out[token] += weights[token, choice].float() * down(expert, hidden)[0]
     return out
 

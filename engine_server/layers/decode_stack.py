@@ -35,10 +35,10 @@ MoeParts = tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]
 
 def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     """A mixture of experts' quantized experts, its router and its shared expert's projections (None without one),
-    or None where the stack does not run it (float experts, a float router, a shared expert not quantized or not
-    SiLU)."""
+    or None where the stack does not run it (float experts, or GELU ones; a float router, a shared expert not
+    quantized or not SiLU)."""
     experts, router = mlp.experts, mlp.gate
-    if not isinstance(experts, QuantizedExperts) or not isinstance(router, RowwiseLinear):
+    if not isinstance(experts, QuantizedExperts) or not isinstance(router, RowwiseLinear) or experts.gelu:
         return None
     shared, shared_gate = mlp.shared_expert, mlp.shared_expert_gate
     if shared is None:

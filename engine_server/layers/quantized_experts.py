@@ -68,10 +68,12 @@ def _stacked(weights: tuple[ExpertWeight, ...]) -> list[torch.Tensor]:
 class QuantizedExperts(nn.Module):
     """`ParallelExperts`' forward over quantized experts (CPU, float32; needs the C++ kernels).
 
-    Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`)."""
+    Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`). With
+    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), else SiLU; both in the kernel."""
 
-    def __init__(self, weights: ExpertWeights) -> None:
+    def __init__(self, weights: ExpertWeights, gelu: bool = False) -> None:
         super().__init__()
+        self.gelu = gelu
         if len({weight_format(w) for w in weights.gate_up}) != 1 or len({weight_format(w) for w in weights.down}) != 1:
             raise ValueError("every expert of a bank must be stored in the same formats")
         self.num_experts = len(weights.gate_up)
@@ -90,10 +92,12 @@ class QuantizedExperts(nn.Module):
         activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `[T, H]` (this rank's partial
-        sum under tensor parallelism). The activation is SiLU, in the kernel (`activation` is not used)."""
+        sum under tensor parallelism). The activation is the bank's (`gelu`), in the kernel (`activation` is not
+        used)."""
         out: torch.Tensor = torch.ops.ladle_cpu.moe_packed(
             x.contiguous(), experts.contiguous(), weights.float().contiguous(),
             self.w13, self.w13_scales, self.w13_mins, self.w2, self.w2_scales, self.w2_mins, self.intermediate,
+            self.gelu,
         )  # fmt: skip
         return out
 
@@ -118,11 +122,8 @@ class RowwiseLinear(nn.Module):
 def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
     """`bank`'s float experts (this rank's slices) as 8-bit groups of 32 (`quantize_q8`); None (the bank stays
     float) when its hidden size or this rank's intermediate rows are not a multiple of 32, when its experts have
-    biases (gpt-oss: the C++ expert kernel has neither biases nor gpt-oss's clamped SwiGLU), or when their activation
-    is not SiLU (Gemma 4's GELU)."""
+    biases (gpt-oss: the C++ expert kernel has neither biases nor gpt-oss's clamped SwiGLU)."""
     if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP or bank.b13 is not None:
-        return None
-    if not bank.gated_silu:
         return None
     return ExpertWeights(
         tuple(quantize_q8(bank.w13[e]) for e in range(bank.num_experts)),
@@ -153,7 +154,7 @@ def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExpert
             return None
         if len(weights.gate_up) != bank.num_experts or weights.gate_up[0].shape != tuple(bank.w13.shape[1:]):
             raise ValueError(f"{name}: quantized experts do not match the bank's {tuple(bank.w13.shape)}")
-        return QuantizedExperts(weights)
+        return QuantizedExperts(weights, gelu=not bank.gated_silu)
 
     return swap_experts(model, layer_for)
 

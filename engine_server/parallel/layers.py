@@ -221,7 +221,8 @@ class ParallelExperts(nn.Module):
     output on a rank is its partial sum of the block's (the caller all-reduces). With `biases` (gpt-oss) each
     projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
     others hold zeros, so the all-reduced sum adds it once). `gated_silu` says whether the caller's activation is
-    SiLU-and-mul (Gemma 4's experts take GELU's): the quantized expert kernels compute that one alone."""
+    SiLU-and-mul, or GELU's (Gemma 4's experts): the quantized expert kernel is told which
+    (`layers.quantized_experts.QuantizedExperts`)."""
 
     def __init__(
         self,

@@ -7,7 +7,8 @@
 // I / 32, P', 128], ...), or either bank in the 5-bit and K-quant blocks of lowbit_tiles.h (`pack_lowbit` of each
 // expert, stacked: w13 [E, 2I / 8, H / 32, 1, 128 + 32 * high bits], its tables with E first; Q5_0's mins
 // [E, 0]), gate/up in one type and down in one type, told apart as packed_linear tells them. Returns [T, H]:
-// sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j], each product as
+// sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j] (act: SiLU, or with `gelu`
+// GELU's tanh form, Gemma 4's), each product as
 // `packed_linear` computes it (x and the hidden activations quantized to 8 bits per group of 32), the k terms added
 // in ascending expert order (as transformers sums them).
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
@@ -311,7 +312,7 @@ constexpr int64_t kPairsPerChunk = 4096;
 // moe_packed for x's rows (tokens), each with its top_k `chosen` experts (ids checked) and routing `weights`, added
 // into `out` (zeros, [tokens, H]).
 void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights, int64_t top_k, const Bank& gate_up,
-                const Bank& down, float* out) {
+                const Bank& down, bool gelu, float* out) {
   const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
   const int64_t num_experts = gate_up.experts, intermediate = gate_up.n_rows / 2;
   // The pairs sorted by expert, stably: sorted[p] is pair t * k + j; start[e] is where expert e's run begins.
@@ -328,7 +329,8 @@ void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights
   const QuantizedRows rows = gather_rows(quantize_rows(x), token_of, x);
   at::Tensor hidden_rows = at::empty({pairs, 2 * intermediate}, x.options());
   run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
-  const QuantizedRows activated = quantize_rows(ladle_cpu::silu_and_mul(hidden_rows));
+  const QuantizedRows activated =
+      quantize_rows(gelu ? ladle_cpu::gelu_tanh_and_mul(hidden_rows) : ladle_cpu::silu_and_mul(hidden_rows));
   at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
   const float* y = expert_out.data_ptr<float>();
   run_bank(activated, start, down, expert_out.data_ptr<float>());
@@ -356,7 +358,7 @@ namespace ladle_cpu {
 at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w13_mins,
                       const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
-                      int64_t intermediate) {
+                      int64_t intermediate, bool gelu) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous [T, H] float32 tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -381,7 +383,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
   for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, tokens - t0);
     run_tokens(x.narrow(0, t0, n), chosen + t0 * top_k, weights.data_ptr<float>() + t0 * top_k, top_k, gate_up,
-               down, out.data_ptr<float>() + t0 * hidden);
+               down, gelu, out.data_ptr<float>() + t0 * hidden);
   }
   return out;
 }
@@ -423,7 +425,7 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "moe_packed(Tensor x, Tensor experts, Tensor weights, Tensor w13, Tensor w13_scales, Tensor w13_mins, "
-      "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate) -> Tensor");
+      "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate, bool gelu=False) -> Tensor");
   m.def("rowwise_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("moe_packed", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::moe_packed));
   m.impl("rowwise_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rowwise_linear));

@@ -185,6 +185,39 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// gelu_tanh(x[:, :d]) * x[:, d:] with gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3),
+// written g / (1 + exp(-2u)) (1 + tanh(u) = 2 sigmoid(2u): no cancellation in either tail; Gemma 4's experts;
+// torch's gelu(approximate="tanh") to float32 rounding).
+// A row's result depends on its values alone (each column in the same lane or tail), as silu_and_mul's.
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) % 2 == 0, "x's last dim must be even");
+  at::Tensor out = at::empty({rows, d}, x.options());
+  const float* x_ptr = x.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  constexpr float kScale = 0.7978845608028654f, kCube = 0.044715f;
+  at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = x_ptr + r * stride;
+      const float* up = gate + d;
+      float* o = out_ptr + r * d;
+      int64_t i = 0;
+      for (; i + kLanes <= d; i += kLanes) {
+        const vec16 g = load(gate + i);
+        const vec16 u = kScale * (g + kCube * g * g * g);
+        store(o + i, g / (1.f + exp_lanes(-2.f * u)) * load(up + i));
+      }
+      for (; i < d; ++i) {
+        const float g = gate[i], u = kScale * (g + kCube * g * g * g);
+        o[i] = g / (1.f + std::exp(-2.f * u)) * up[i];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace ladle_cpu
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
@@ -192,8 +225,10 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::add_rms_norm));
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rotary_embedding));
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::silu_and_mul));
+  m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::gelu_tanh_and_mul));
 }

@@ -261,8 +261,8 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
 def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
     """Gemma 4's mixture of experts (tests/families.py: top-2 of 4 GELU experts beside each dense MLP) keeps
     transformers' tokens over two ranks (each expert's rows split) and prefilled in 16-token chunks; on int8 the
-    experts stay float (the C++ expert kernel computes SiLU alone), the rest quantized, and the first tokens mostly
-    agree with the float path's."""
+    experts run in the C++ expert kernel with GELU, a prompt's tokens are the same alone and batched, and the first
+    tokens mostly agree with the float path's."""
     folder = save_family(tmp_path, "gemma4-moe", head_spread=0.5)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
@@ -271,9 +271,11 @@ def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
         assert tokens(llm, batch) == theirs
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
-        assert isinstance(model.model.layers[0].experts, ParallelExperts)
+        experts = model.model.layers[0].experts
+        assert isinstance(experts, QuantizedExperts) and experts.gelu
         assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
         ours = tokens(llm, batch)
+        assert [tokens(llm, [prompt])[0] for prompt in batch] == ours
     assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 6
 
 
@@ -381,7 +383,7 @@ def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[i
     kernel's) and the biased router float, no decode stack (sinks); fp8: every expert in e4m3 with its biases
     kept. Both mostly agree with the float path's first tokens."""
     from engine_server.layers.fp8_experts import Fp8Experts
-    from engine_server.parallel.layers import ParallelExperts
+    from engine_server.layers.quantized_experts import QuantizedExperts
 
     folder, theirs = gpt_oss_folder
     batch = prompts()

@@ -392,6 +392,19 @@ def test_silu_and_mul_matches_the_reference(d: int) -> None:
     torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), atol=1e-6, rtol=1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("d", [1536, 40])
+def test_gelu_tanh_and_mul_matches_the_reference(d: int) -> None:
+    """The C++ op the GELU experts run (`moe_packed(gelu=True)`) against `reference.gelu_tanh_and_mul`, gates far
+    into both tails (where tanh is written through exp)."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(19, 2 * d + 8, generator=gen)[:, : 2 * d] * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    # Products up to ~500: a few float32 ulps apart (torch's tanh and this exp differ in their last bits).
+    torch.testing.assert_close(torch.ops.ladle_cpu.gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul(x), atol=5e-6,
+                               rtol=1e-5)  # fmt: skip
+
+
 def test_pointwise_ops_fall_back_to_the_reference_where_the_kernels_do_not_apply() -> None:
     heads = torch.randn(5, 4, 16)  # Qwen3's per-head q/k norm is 3-D
     weight = torch.rand(16)

@@ -58,10 +58,12 @@ def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
     return run
 
 
-def reference_moe(bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+def reference_moe(
+    bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gelu: bool = False
+) -> torch.Tensor:
     gate_up, down = [product(w) for w in bank.gate_up], [product(w) for w in bank.down]
     return reference.quantized_moe(
-        x, lambda e, rows: gate_up[e](e, rows), lambda e, rows: down[e](e, rows), weights, chosen
+        x, lambda e, rows: gate_up[e](e, rows), lambda e, rows: down[e](e, rows), weights, chosen, gelu
     )
 
 
@@ -108,6 +110,22 @@ def test_moe_matches_the_reference(
     x = torch.randn(tokens, hidden, generator=gen)
     weights, chosen = routing(tokens, experts, top_k, gen)
     torch.testing.assert_close(layer(x, weights, chosen), reference_moe(bank, x, weights, chosen), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("gate_up", "down"), [("q8", "q4"), ("q4_k", "q6_k")])
+def test_gelu_experts_match_the_reference_and_not_the_silu_ones(gate_up: str, down: str) -> None:
+    """Gemma 4's experts (`QuantizedExperts(gelu=True)`): the GELU (tanh) product, to float32 rounding, which SiLU's
+    is far from; a token's result alone equals its result in the batch, bit for bit."""
+    gen = torch.Generator().manual_seed(41)
+    bank = random_bank(5, 256, 256, gate_up, down, gen)
+    layer = QuantizedExperts(bank, gelu=True)
+    x = torch.randn(19, 256, generator=gen)
+    weights, chosen = routing(19, 5, 2, gen)
+    together = layer(x, weights, chosen)
+    torch.testing.assert_close(together, reference_moe(bank, x, weights, chosen, gelu=True), atol=2e-4, rtol=1e-4)
+    assert (together - reference_moe(bank, x, weights, chosen)).abs().max() > 1e-2
+    for t in (0, 7, 18):
+        assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
 
 
 def test_a_tokens_result_does_not_depend_on_its_batch() -> None:
