@@ -596,3 +596,23 @@ def _write_tensors(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def assert_dummy_equals_transformers(preset: str, batch: list[list[int]], atol: float = 1e-4) -> None:
+    """`dummy:<preset>` served by the engine (float path) and the same seeded weights in transformers
+    (`benchmarks.common.hf_model`, the benchmarks' peer) give each of `batch`'s prompts the same logits, within
+    `atol` (the engine's from half the prompt on, as `benchmarks.quality.batch_sequence_logits` reads them)."""
+    from benchmarks.common import hf_model
+    from benchmarks.quality import batch_sequence_logits
+    from engine_server import LLM
+    from engine_server.config import CacheConfig, EngineConfig
+
+    model = hf_model(f"dummy:{preset}", "cpu", torch.float32)
+    config = EngineConfig(model=f"dummy:{preset}", device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
+    with LLM(config=config) as llm:
+        ours = batch_sequence_logits(llm, batch, [len(ids) // 2 for ids in batch])
+    for ids, logits in zip(batch, ours, strict=True):
+        with torch.inference_mode():
+            theirs = model(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(logits, theirs, atol=atol, rtol=1e-4)

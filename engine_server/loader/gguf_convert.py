@@ -23,8 +23,9 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
-from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape, bare_tensor_name
+from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
 from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
 from engine_server.pooling.params import write_sentence_transformers_pooling
 
@@ -94,6 +95,12 @@ _GEMMA4_GLOBAL = {
     "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
     "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
+# Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
+# `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
+_BARE_LAYER_NAMES = {
+    "gemma4_text": _GEMMA4_BARE,
+    **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
+}
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 _ARCHITECTURE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_LAYER_NAMES,
@@ -125,14 +132,12 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     unknown or already folded into the config."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if architecture == "gemma4_text":
-        if gguf_name in _GEMMA4_GLOBAL:
-            return _GEMMA4_GLOBAL[gguf_name]
-        parameter = _LAYER_PARAMETER.fullmatch(gguf_name)
-        if parameter is not None and parameter.group(2) in _GEMMA4_BARE:
-            return f"model.layers.{parameter.group(1)}.{_GEMMA4_BARE[parameter.group(2)]}"
-    if architecture in TILED_VALUE_HEADS and (bare := bare_tensor_name(gguf_name)) is not None:
-        return bare
+    if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
+        return _GEMMA4_GLOBAL[gguf_name]
+    bare_names = _BARE_LAYER_NAMES.get(architecture, {})
+    parameter = _LAYER_PARAMETER.fullmatch(gguf_name)
+    if parameter is not None and parameter.group(2) in bare_names:
+        return f"model.layers.{parameter.group(1)}.{bare_names[parameter.group(2)]}"
     names = _ARCHITECTURE_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in names:

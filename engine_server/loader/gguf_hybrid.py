@@ -19,7 +19,6 @@ their rows and columns in checkpoint order (`gguf_quant.StoredMatrix` reads them
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,9 +38,8 @@ LAYER_NAMES = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
-# Tensors llama.cpp names without the `.weight` / `.bias` checkpoints give them.
-_BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
-_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+# Tensors llama.cpp names apart from the checkpoint's `<module>.weight` / `.bias` (`gguf_convert.hf_tensor_name`).
+BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 _WRITE_AND_DECAY = {"ssm_beta": "in_proj_b", "ssm_alpha": "in_proj_a"}
 
 
@@ -71,14 +69,6 @@ class HybridShape:
         if not self.tiled:
             return np.arange(count)
         return np.arange(count).reshape(per_key, self.key_heads, width).transpose(1, 0, 2).reshape(-1)
-
-
-def bare_tensor_name(gguf_name: str) -> str | None:
-    """The checkpoint name of a hybrid's tensor that llama.cpp names bare (`blk.N.ssm_a`, `blk.N.ssm_dt.bias`)."""
-    match = _LAYER.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _BARE_NAMES:
-        return None
-    return f"model.layers.{match.group(1)}.{_BARE_NAMES[match.group(2)]}"
 
 
 class CheckpointForm:

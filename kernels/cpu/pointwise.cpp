@@ -160,8 +160,13 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
   return {q_out, k_out};
 }
 
-// silu(x[:, :d]) * x[:, d:] with silu(g) = g / (1 + exp(-g)).
-at::Tensor silu_and_mul(const at::Tensor& x) {
+namespace {
+
+// act(x[:, :d]) * x[:, d:] for x [rows, 2d] with strided rows: `vector_act` on each full vector of lanes, `scalar_act`
+// on the row's tail. A row's result depends on its values alone (each column in the same lane or tail, whatever the
+// number of rows).
+template <typename VectorAct, typename ScalarAct>
+at::Tensor gated_and_mul(const at::Tensor& x, VectorAct vector_act, ScalarAct scalar_act) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   TORCH_CHECK(x.size(1) % 2 == 0, "x's last dim must be even");
@@ -175,47 +180,31 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const float* up = gate + d;
       float* o = out_ptr + r * d;
       int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes) {
-        const vec16 g = load(gate + i);
-        store(o + i, g / (1.f + exp_lanes(-g)) * load(up + i));
-      }
-      for (; i < d; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      for (; i + kLanes <= d; i += kLanes) store(o + i, vector_act(load(gate + i)) * load(up + i));
+      for (; i < d; ++i) o[i] = scalar_act(gate[i]) * up[i];
     }
   });
   return out;
 }
 
+constexpr float kGeluScale = 0.7978845608028654f, kGeluCube = 0.044715f;  // sqrt(2 / pi), GELU's cube term
+
+}  // namespace
+
+// silu(x[:, :d]) * x[:, d:] with silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return gated_and_mul(
+      x, [](vec16 g) { return g / (1.f + exp_lanes(-g)); }, [](float g) { return g / (1.f + std::exp(-g)); });
+}
+
 // gelu_tanh(x[:, :d]) * x[:, d:] with gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3),
 // written g / (1 + exp(-2u)) (1 + tanh(u) = 2 sigmoid(2u): no cancellation in either tail; Gemma 4's experts;
 // torch's gelu(approximate="tanh") to float32 rounding).
-// A row's result depends on its values alone (each column in the same lane or tail), as silu_and_mul's.
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
-  check_rows(x, "x");
-  const int64_t rows = x.size(0), d = x.size(1) / 2;
-  TORCH_CHECK(x.size(1) % 2 == 0, "x's last dim must be even");
-  at::Tensor out = at::empty({rows, d}, x.options());
-  const float* x_ptr = x.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
-  const int64_t stride = x.stride(0);
-  constexpr float kScale = 0.7978845608028654f, kCube = 0.044715f;
-  at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = x_ptr + r * stride;
-      const float* up = gate + d;
-      float* o = out_ptr + r * d;
-      int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes) {
-        const vec16 g = load(gate + i);
-        const vec16 u = kScale * (g + kCube * g * g * g);
-        store(o + i, g / (1.f + exp_lanes(-2.f * u)) * load(up + i));
-      }
-      for (; i < d; ++i) {
-        const float g = gate[i], u = kScale * (g + kCube * g * g * g);
-        o[i] = g / (1.f + std::exp(-2.f * u)) * up[i];
-      }
-    }
-  });
-  return out;
+  return gated_and_mul(
+      x,
+      [](vec16 g) { return g / (1.f + exp_lanes(-2.f * (kGeluScale * (g + kGeluCube * g * g * g)))); },
+      [](float g) { return g / (1.f + std::exp(-2.f * (kGeluScale * (g + kGeluCube * g * g * g)))); });
 }
 
 }  // namespace ladle_cpu

@@ -22,7 +22,15 @@ from engine_server.config import CacheConfig, EngineConfig, LoraConfig, Schedule
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from engine_server.parallel.layers import ParallelExperts
-from tests.families import FAMILIES, VOCAB_SIZE, WINDOW, hf_greedy, load_reference, save_family
+from tests.families import (
+    FAMILIES,
+    VOCAB_SIZE,
+    WINDOW,
+    assert_dummy_equals_transformers,
+    hf_greedy,
+    load_reference,
+    save_family,
+)
 from tests.unit.pooling.embedding_models import copy_tokenizer
 
 pytestmark = pytest.mark.slow  # engines and transformers' models of their own
@@ -282,22 +290,10 @@ def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
 def test_a_dummy_gemma4_equals_transformers_holding_its_weights() -> None:
     """`dummy:gemma4-tiny`: seeded random weights in Gemma 4's checkpoint layout (per-layer head shapes, no K/V
     projections on the sharing layers, no v_proj where values are the keys', per-layer inputs), served by the engine,
-    and the same weights in transformers' Gemma 4 (`benchmarks.common.hf_model`, the benchmarks' peer)."""
-    from benchmarks.common import hf_model
-    from benchmarks.quality import batch_sequence_logits
-
-    model = hf_model("dummy:gemma4-tiny", "cpu", torch.float32)
-    batch = [prompt[:40] for prompt in prompts()[:3]]
-    config = EngineConfig(model="dummy:gemma4-tiny", device="cpu", quantization="none",
-                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
-    with LLM(config=config) as llm:
-        ours = batch_sequence_logits(llm, batch, [len(ids) // 2 for ids in batch])
-    for ids, logits in zip(batch, ours, strict=True):
-        with torch.inference_mode():
-            theirs = model(torch.tensor([ids])).logits[0].float()
-        # Ten layers of float32 sums in other orders: a few of 2M logits differ by up to ~1.5e-4 (a misplaced
-        # weight moves them all by tenths).
-        torch.testing.assert_close(logits, theirs, atol=3e-4, rtol=1e-4)
+    and the same weights in transformers' Gemma 4 (`benchmarks.common.hf_model`, the benchmarks' peer). Ten layers
+    of float32 sums in other orders: a few of 2M logits differ by up to ~1.5e-4 (a misplaced weight moves them all by
+    tenths)."""
+    assert_dummy_equals_transformers("gemma4-tiny", [prompt[:40] for prompt in prompts()[:3]], atol=3e-4)
 
 
 def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:

@@ -20,7 +20,16 @@ from engine_server import LLM, SamplingParams
 from engine_server.attention_metadata import kv_cache_bytes_per_block, recurrent_state_bytes
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_server.layers.gated_deltanet import GatedDeltaNet
-from tests.families import _SHAPE, HYBRIDS, LINEAR_ATTENTION, VOCAB_SIZE, hf_greedy, load_reference, save_family
+from tests.families import (
+    _SHAPE,
+    HYBRIDS,
+    LINEAR_ATTENTION,
+    VOCAB_SIZE,
+    assert_dummy_equals_transformers,
+    hf_greedy,
+    load_reference,
+    save_family,
+)
 from tests.unit.pooling.embedding_models import copy_tokenizer
 
 pytestmark = pytest.mark.slow  # engines and transformers' models of their own
@@ -171,19 +180,7 @@ def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) ->
 def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
     """`dummy:qwen3.5-tiny`: seeded random weights in Qwen3.5's checkpoint layout, served by the engine, and the
     same weights in transformers' Qwen3.5 (`benchmarks.common.hf_model`, the benchmarks' peer)."""
-    from benchmarks.common import hf_model
-    from benchmarks.quality import batch_sequence_logits
-
-    model = hf_model("dummy:qwen3.5-tiny", "cpu", torch.float32)
-    batch = [prompt[:40] for prompt in prompts()[:3]]
-    config = EngineConfig(model="dummy:qwen3.5-tiny", device="cpu", quantization="none",
-                          cache=CacheConfig(memory_bytes=64 * 1024**2))  # fmt: skip
-    with LLM(config=config) as llm:
-        ours = batch_sequence_logits(llm, batch, [len(ids) // 2 for ids in batch])
-    for ids, logits in zip(batch, ours, strict=True):
-        with torch.inference_mode():
-            theirs = model(torch.tensor([ids])).logits[0].float()
-        torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4)
+    assert_dummy_equals_transformers("qwen3.5-tiny", [prompt[:40] for prompt in prompts()[:3]])
 
 
 def test_lora_adapters_on_a_hybrid_equal_peft(tmp_path: Path) -> None:
