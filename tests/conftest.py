@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,62 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return next((package for package in SHARED_PROCESS_PACKAGES if path.startswith(package)), path)
 
     return PackageOrFileScheduling(config, log)
+
+
+# --- Disk -----------------------------------------------------------------------------------------------------
+# The suite writes checkpoints, GGUF files and their conversions (~6 GB over a 2-core run when nothing was removed
+# before the end, which filled a CI disk). A passing test's tmp_path goes at its teardown (pyproject.toml:
+# tmp_path_retention_policy = "failed"), a module-scoped fixture's folders when the fixture ends (below), and the
+# run's own model cache with the run: the files peak at what the running tests hold.
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ladle_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's model cache (`LADLE_CACHE_DIR`, GGUF conversions), set for every test and every process they start,
+    so the suite never writes the user's `~/.cache/ladle`: one folder per run, which its xdist workers share (a
+    conversion is written aside and renamed into place, so two workers converting one file is safe), removed with
+    the run's temporary folders."""
+    basetemp = tmp_path_factory.getbasetemp()
+    folder = (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / "ladle-cache"
+    folder.mkdir(exist_ok=True)
+    os.environ["LADLE_CACHE_DIR"] = str(folder)
+    return folder
+
+
+# Folders a module-scoped fixture made under the run's temporary folder (by fixture, with the failure count then),
+# and every folder some fixture's setup has claimed (one made by a nested fixture belongs to that one).
+_MODULE_FOLDERS: dict[int, tuple[list[Path], int]] = {}
+_CLAIMED_FOLDERS: set[Path] = set()
+
+
+def _temporary_folders(config: pytest.Config) -> set[Path]:
+    """The folders in this process's base temporary folder (none before pytest made it)."""
+    basetemp = config._tmp_path_factory._basetemp  # type: ignore[attr-defined]  # None until first used
+    if basetemp is None or not basetemp.is_dir():
+        return set()
+    return {path for path in basetemp.iterdir() if not path.is_symlink()}  # not pytest's `<name>current` links
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
+    """Record the folders a module-scoped fixture makes with `tmp_path_factory.mktemp` while it sets up."""
+    before = _temporary_folders(request.config)
+    try:
+        return (yield)
+    finally:
+        made = _temporary_folders(request.config) - before - _CLAIMED_FOLDERS
+        _CLAIMED_FOLDERS.update(made)
+        if fixturedef.scope == "module" and made:
+            _MODULE_FOLDERS[id(fixturedef)] = (sorted(made), request.session.testsfailed)
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    """Remove a module-scoped fixture's folders once it has ended (its processes stopped), as a passing test's
+    tmp_path is removed: kept if a test failed meanwhile, or under tmp_path_retention_policy = "all"."""
+    folders, failed_before = _MODULE_FOLDERS.pop(id(fixturedef), ([], 0))
+    keep = request.session.testsfailed > failed_before or request.config.getini("tmp_path_retention_policy") == "all"
+    for folder in [] if keep else folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow  # reads and converts the embedded model's GGUF
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ladle-cache")
+def cache_dir(ladle_cache_dir: Path) -> Path:
+    """The run's model cache, where the other tests' engines find the embedded model already converted."""
+    return ladle_cache_dir
 
 
 @pytest.fixture(scope="module")
