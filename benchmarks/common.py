@@ -106,6 +106,19 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     return hf.to(device).eval()
 
 
+def _folder_hf_model(source: Any, device: str, dtype: Any) -> Any:
+    """transformers' model on a real model's folder: its checkpoint as it is, or a GGUF file's tensors as ladle reads
+    them, written out as a checkpoint (`write_float_checkpoint`) for the load."""
+    from transformers import AutoModelForCausalLM
+
+    from engine_server.loader import write_float_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="float-checkpoint-") as scratch:
+        folder = source.path if source.gguf_path is None else write_float_checkpoint(source, Path(scratch))
+        loaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        return loaded.to(device).eval()
+
+
 def _gemma4_hf_model(source: Any, device: str, dtype: Any) -> Any:
     """transformers' Gemma 4: a folder's own, or a `dummy:` preset's weights in the `Gemma4TextConfig` the preset was
     made from (`loader.dummy.GEMMA4_HF_CONFIGS`)."""
@@ -114,8 +127,7 @@ def _gemma4_hf_model(source: Any, device: str, dtype: Any) -> Any:
     from engine_server.loader.dummy import GEMMA4_HF_CONFIGS
 
     if not source.random_weights:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=True)
-        return loaded.to(device).eval()
+        return _folder_hf_model(source, device, dtype)
     arguments = dict(GEMMA4_HF_CONFIGS[source.config.name.removeprefix("dummy:")])
     hf_config = AutoConfig.for_model(str(arguments.pop("model_type")), **arguments)
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -131,8 +143,7 @@ def _hybrid_hf_model(source: Any, device: str, dtype: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not source.random_weights:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, local_files_only=True)
-        return loaded.to(device).eval()
+        return _folder_hf_model(source, device, dtype)
     cfg = source.config
     linear = cfg.linear_attention
     experts = (

@@ -11,8 +11,11 @@ float rounding could flip.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +241,16 @@ def load_reference(folder: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+
+
+@contextlib.contextmanager
+def float_checkpoint(source: Any) -> Iterator[Path]:
+    """A GGUF file's model (`source`, resolved) as ladle reads its weights, written out as a whole fp32 checkpoint
+    in a temporary folder, removed afterwards: for transformers, the oracle (the cache holds no float copy)."""
+    from engine_server.loader import write_float_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="float-checkpoint-") as folder:
+        yield write_float_checkpoint(source, Path(folder))
 
 
 def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:

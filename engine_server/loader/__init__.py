@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_server.loader.dummy import DUMMY_PRESETS
 from engine_server.loader.resolve import default_gguf_path, default_model_source, resolve_model
-from engine_server.loader.source import ModelSource, default_cache_dir
+from engine_server.loader.source import ModelSource, default_cache_dir, write_float_checkpoint
 
 __all__ = [
     "DUMMY_PRESETS",
@@ -13,4 +13,5 @@ __all__ = [
     "default_gguf_path",
     "default_model_source",
     "resolve_model",
+    "write_float_checkpoint",
 ]

@@ -1,4 +1,10 @@
-"""Convert a GGUF file, once, into a cached Hugging Face folder (config.json, fp32 safetensors, tokenizer).
+"""Convert a GGUF file, once, into a cached Hugging Face folder of its metadata (config.json, tokenizer, the tensor
+index), and read its weights from the file itself in Hugging Face form (`iter_hf_tensors`).
+
+The folder holds no weights: a quantized engine serves the file's blocks (`gguf_quant`), and every other reader
+dequantizes the file's tensors as it loads them (fp32, transformers' own dequantization: gguf's). A float copy was
+~7x the file (fp32 of 4.5-bit blocks: 517 MB for the embedded model's 90 MB, ~28 GB for a 7B Q4_K_M), written at
+the first start. `write_float_checkpoint` writes one where a whole checkpoint is wanted (transformers' oracle).
 
 The cache entry is keyed by the file's name, size and mtime plus `CONVERTER_VERSION`, and is written into a
 temporary sibling folder that is renamed into place only when complete, so a crash never leaves a half folder
@@ -13,29 +19,39 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, overload
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quant_shape_from_byte_shape
 from safetensors.torch import save_file
 
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
 from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
+from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
 from engine_server.pooling.params import write_sentence_transformers_pooling
 
 # Bump when the converted layout changes so stale cache entries are not reused.
-CONVERTER_VERSION = 6  # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids; 6: Gemma 4
+# 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids; 6: Gemma 4; 7: no float copy
+CONVERTER_VERSION = 7
 # In the converted folder: where each tensor of the GGUF file lies in it (name, type, data offset and size), so a
 # quantized engine maps its blocks without parsing the file's metadata again (gguf's reader builds an array per
 # vocabulary string: ~6 s of CPU for the embedded model's 49,152 tokens and 48,900 merges, at every start).
 TENSOR_INDEX = "gguf_tensors.json"
-SHARD_BYTES = 2 * 1024**3  # bounds peak memory during conversion: one shard is held at a time
+SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is written: one shard is held at a time
+_FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
+# numpy's type of the tensors gguf stores as plain arrays; every other type is blocks of bytes.
+_ARRAY_TYPES = {
+    GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8, GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}  # fmt: skip
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -177,50 +193,149 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], spec: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every tensor to fp32 and yield it under its HF name, with llama q/k rows restored, Gemma's
-    norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then rounds nothing), a
-    mixture of experts' 3-D tensors as one tensor per expert (as checkpoints store them), and a Gated DeltaNet
-    hybrid's tensors as its checkpoint holds them (`gguf_hybrid.CheckpointForm`)."""
+class GgufTensor(Protocol):
+    """One tensor of a GGUF file as gguf's `ReaderTensor` gives it: `data` is its array (plain types) or its blocks'
+    bytes `[rows..., bytes a row]` (quantized types), in numpy order."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tensor_type(self) -> GGMLQuantizationType: ...
+
+    @property
+    def data(self) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class IndexedTensor:
+    """A `GgufTensor` found through a converted folder's `TENSOR_INDEX`: `data` views the mapped file."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+
+
+def indexed_tensors(gguf_path: Path, converted: Path | None = None) -> list[IndexedTensor]:
+    """Every tensor of `gguf_path`, mapped and not read: located by `converted`'s `TENSOR_INDEX` when it has one
+    (no parse of the file's metadata), else by gguf's reader."""
+    index = None if converted is None else converted / TENSOR_INDEX
+    if index is None or not index.is_file():
+        return [IndexedTensor(t.name, t.tensor_type, t.data) for t in GGUFReader(gguf_path).tensors]
+    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    tensors = []
+    for entry in json.loads(index.read_text(encoding="utf-8")):
+        kind = GGMLQuantizationType(entry["type"])
+        raw = mapped[entry["offset"] : entry["offset"] + entry["bytes"]].view(_ARRAY_TYPES.get(kind, np.uint8))
+        tensors.append(IndexedTensor(entry["name"], kind, raw.reshape(entry["shape"])))
+    return tensors
+
+
+@overload
+def iter_hf_tensors(
+    tensors: Iterable[GgufTensor], config: dict[str, Any], spec: str, lazy: Literal[False] = False
+) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@overload
+def iter_hf_tensors(
+    tensors: Iterable[GgufTensor], config: dict[str, Any], spec: str, lazy: bool
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]: ...
+
+
+def iter_hf_tensors(
+    tensors: Iterable[GgufTensor], config: dict[str, Any], spec: str, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Every tensor of a GGUF file as fp32 under its HF name (`config` is the converted config.json), with llama q/k
+    rows restored, Gemma's norms back to the w of its (1 + w) (exact for 1 + w >= 0.5: the subtraction of 1 then
+    rounds nothing), a mixture of experts' 3-D tensors as one tensor per expert (as checkpoints store them), and a
+    Gated DeltaNet hybrid's tensors as its checkpoint holds them (`gguf_hybrid.CheckpointForm`).
+
+    `lazy`: each comes unread (`LazyTensor`), its bytes dequantized only if loading reads it (what a quantized
+    engine serves from the blocks is never dequantized); a hybrid's linear-attention tensors, rebuilt from the
+    file's as they come, are read at once. ValueError names `spec` for a tensor of no known name or type."""
     model_type = config["model_type"]
-    permuted = rope_permuted(model_type)
-    norm_shifted = model_type in _NORM_SHIFTED
     hybrid = CheckpointForm(HybridShape.from_config(config, model_type), model_type) \
         if model_type in TILED_VALUE_HEADS else None
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if tensor.name in _CONSUMED:
             continue
         experts = hf_expert_names(tensor.name, int(tensor.data.shape[0]), model_type)
         name = hf_tensor_name(tensor.name, model_type)
         if name is None and experts is None:
             raise ValueError(f"model {spec!r}: unexpected GGUF tensor {tensor.name!r}")
-        try:
-            weight = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError as exc:
-            raise ValueError(
-                f"model {spec!r}: tensor {tensor.name!r} has unsupported quantization {tensor.tensor_type.name}"
-            ) from exc
         if experts is not None:
-            for expert_name, expert in zip(experts, np.asarray(weight, dtype=np.float32), strict=True):
-                yield expert_name, torch.from_numpy(np.require(expert, np.float32, ["C", "W", "O"]))
+            for index, expert_name in enumerate(experts):
+                yield expert_name, _hf_weight(tensor, spec, expert_name, lambda array: array, lazy, index)
             continue
         assert name is not None
-        if name.endswith(".shared_expert_gate.weight"):  # llama.cpp stores the [1, H] gate as [H]
-            weight = np.asarray(weight).reshape(1, -1)
-        if permuted and ".self_attn.q_proj." in name:
-            weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-        elif permuted and ".self_attn.k_proj." in name:
-            weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
-        elif norm_shifted and name.endswith("norm.weight"):
-            weight = np.asarray(weight, dtype=np.float32) - np.float32(1.0)
-        # F32 tensors come back as read-only views of the memory-mapped file: copy them out.
-        for checkpoint_name, array in [(name, weight)] if hybrid is None else hybrid.take(name, weight):
-            yield checkpoint_name, torch.from_numpy(np.require(array, np.float32, ["C", "W", "O"]))
+        restore = _restore(name, config)
+        if hybrid is not None and hybrid.changes(name):
+            for checkpoint_name, array in hybrid.take(name, restore(_dequantized(tensor, spec))):
+                yield checkpoint_name, _float32(array)
+            continue
+        yield name, _hf_weight(tensor, spec, name, restore, lazy)
     if hybrid is not None:
         hybrid.finish()
 
 
-def write_sharded_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+def check_tensor_types(tensors: Iterable[GgufTensor], spec: str) -> None:
+    """ValueError naming `spec` for a tensor of a type gguf cannot dequantize (dequantizing one row of each)."""
+    for tensor in tensors:
+        rows = tensor.data.reshape(-1, tensor.data.shape[-1]) if tensor.data.ndim else tensor.data.reshape(1, 1)
+        _dequantized(tensor, spec, rows[:1])
+
+
+def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.ndarray]:
+    """What turns tensor `name`'s dequantized file values back into the checkpoint's (the identity for most)."""
+    model_type = config["model_type"]
+    if name.endswith(_FLATTENED_GATE):  # llama.cpp stores the [1, H] gate as [H]
+        return lambda array: array.reshape(1, -1)
+    if rope_permuted(model_type) and ".self_attn.q_proj." in name:
+        return lambda array: unpermute_rope_rows(array, config["num_attention_heads"])
+    if rope_permuted(model_type) and ".self_attn.k_proj." in name:
+        return lambda array: unpermute_rope_rows(array, config["num_key_value_heads"])
+    if model_type in _NORM_SHIFTED and name.endswith("norm.weight"):
+        return lambda array: np.asarray(array, dtype=np.float32) - np.float32(1.0)
+    return lambda array: array
+
+
+def _hf_weight(
+    tensor: GgufTensor, spec: str, name: str, restore: Callable[[np.ndarray], np.ndarray], lazy: bool,
+    expert: int | None = None,
+) -> torch.Tensor | LazyTensor:
+    """`tensor` (or its expert `expert`'s slice), HF tensor `name`, dequantized and restored, now or (`lazy`) when
+    read."""
+    data = tensor.data if expert is None else tensor.data[expert]
+
+    def read() -> torch.Tensor:
+        return _float32(restore(_dequantized(tensor, spec, data)))
+
+    if not lazy:
+        return read()
+    plain = tensor.tensor_type in _ARRAY_TYPES
+    shape = tuple(data.shape) if plain else quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
+    if name.endswith(_FLATTENED_GATE):
+        shape = (1, int(np.prod(shape)))
+    return LazyTensor(ComputedSlice(shape, read))
+
+
+def _dequantized(tensor: GgufTensor, spec: str, data: np.ndarray | None = None) -> np.ndarray:
+    """`data` (default: all of `tensor`) dequantized to fp32 by gguf; ValueError naming `spec` for a type it lacks."""
+    try:
+        return dequantize(tensor.data if data is None else data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"model {spec!r}: tensor {tensor.name!r} has unsupported quantization {tensor.tensor_type.name}"
+        ) from exc
+
+
+def _float32(array: np.ndarray) -> torch.Tensor:
+    """`array` as a writable, contiguous fp32 tensor of its own (F32 tensors come as read-only views of the file)."""
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W", "O"]))
+
+
+def write_sharded_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path) -> None:
     """Write `model.safetensors`, or HF-style numbered shards plus an index when over `SHARD_BYTES`."""
     shards: list[list[str]] = []
     pending: dict[str, torch.Tensor] = {}
@@ -284,12 +399,16 @@ def write_tensor_index(reader: GGUFReader, folder: Path) -> None:
 
 
 def convert_gguf(gguf_path: Path, folder: Path, spec: str) -> None:
-    """Write the HF form of `gguf_path` into the existing empty `folder` (with an embedding model's pooling as a
-    sentence-transformers configuration: `engine_server.pooling`), and its `TENSOR_INDEX`."""
+    """Write the HF form of `gguf_path`'s metadata into the existing empty `folder`: config.json, the tokenizer, an
+    embedding model's pooling as a sentence-transformers configuration (`engine_server.pooling`) and the file's
+    `TENSOR_INDEX`; no weights (module docstring). ValueError naming `spec` for a tensor whose name or type could
+    not be read, found now rather than at a load."""
     reader = GGUFReader(gguf_path)
     config = hf_config_from_gguf(reader, spec)
+    check_tensor_types(reader.tensors, spec)
+    for _ in iter_hf_tensors(reader.tensors, config, spec, lazy=True):  # every tensor's name known, none read
+        pass
     write_tensor_index(reader, folder)
-    write_sharded_safetensors(iter_hf_tensors(reader, config, spec), folder)
     save_gguf_tokenizer(gguf_path, folder, config, spec)
     pooling = gguf_pooling(reader)
     if pooling is not None:  # normalized, as llama.cpp's server returns embeddings
@@ -309,12 +428,27 @@ def cached_gguf_folder(gguf_path: Path, cache_dir: Path) -> Path:
     return cache_dir / "gguf" / f"{gguf_path.stem}-{cache_key(gguf_path)}"
 
 
+def drop_float_copies(entries: Path) -> list[Path]:
+    """Remove, and return, the entries under `entries` (a cache's `gguf` folder) that hold safetensors: float copies
+    that converters before version 7 wrote (~7x their file), which no later version reads (the version is in every
+    entry's key). Entries of this version hold none; a conversion in progress (a hidden staging folder) is left."""
+    dropped = [
+        entry for entry in entries.iterdir()
+        if entry.is_dir() and not entry.name.startswith(".") and any(entry.glob("*.safetensors"))
+    ]  # fmt: skip
+    for entry in dropped:
+        shutil.rmtree(entry, ignore_errors=True)
+    return dropped
+
+
 def ensure_converted(gguf_path: Path, cache_dir: Path, spec: str) -> Path:
-    """Return the cached HF folder of `gguf_path`, converting it first if no complete entry exists."""
+    """Return the cached HF folder of `gguf_path`, converting it first if no complete entry exists; a conversion
+    also removes the cache's float copies (`drop_float_copies`)."""
     final = cached_gguf_folder(gguf_path, cache_dir)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    drop_float_copies(final.parent)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         staging.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared between users

@@ -41,6 +41,10 @@ LAYER_NAMES = {
 # Tensors llama.cpp names apart from the checkpoint's `<module>.weight` / `.bias` (`gguf_convert.hf_tensor_name`).
 BARE_NAMES = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 _WRITE_AND_DECAY = {"ssm_beta": "in_proj_b", "ssm_alpha": "in_proj_a"}
+# The checkpoint tensors `CheckpointForm.take` changes: by suffix, and by suffix within the linear attention.
+_CHANGED = (".A_log", ".dt_bias", ".conv1d.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".in_proj_qkv.weight",
+            ".in_proj_z.weight")  # fmt: skip
+_CHANGED_LINEAR = (".out_proj.weight",)
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,17 @@ class CheckpointForm:
         self.grouped_qkvz = model_type == "qwen3_next"
         self._halves: dict[str, dict[str, np.ndarray]] = {}
 
+    @staticmethod
+    def changes(name: str) -> bool:
+        """Whether `take` changes checkpoint tensor `name` (or holds it back); what it would yield unchanged needs
+        no pass through it."""
+        linear = ".linear_attn." in name
+        return name.endswith(_CHANGED) or (linear and name.endswith(_CHANGED_LINEAR)) or (
+            name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"))
+
     def take(self, name: str, weight: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+        """The checkpoint tensors that `name`'s file values (`weight`, fp32) complete: itself changed back (module
+        doc), both of Qwen3-Next's `in_proj_qkvz` halves once the second comes, or nothing yet."""
         shape = self.shape
         weight = np.asarray(weight, dtype=np.float32)
         if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):

@@ -17,21 +17,20 @@ parsing the file with gguf's reader.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from engine_server.layers.lowbit_weight import decode_blocks
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight, quantize_q8
 from engine_server.loader.gguf_convert import (
-    TENSOR_INDEX,
     hf_expert_names,
     hf_tensor_name,
+    indexed_tensors,
     rope_permuted,
     unpermute_rope_rows,
 )
@@ -135,17 +134,9 @@ def _mapped_tensors(
 ) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
     """(GGUF name, type, blocks' bytes `[rows..., bytes a row]`) of each tensor of the mapped file of a type served
     quantized."""
-    index = None if converted is None else converted / TENSOR_INDEX
-    if index is None or not index.is_file():
-        parsed = GGUFReader(gguf_path).tensors
-        tensors = [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.data.shape) for t in parsed]
-    else:
-        entries = json.loads(index.read_text(encoding="utf-8"))
-        tensors = [(e["name"], GGMLQuantizationType(e["type"]), e["offset"], e["bytes"], e["shape"]) for e in entries]
-    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    for name, kind, start, size, shape in tensors:
-        if kind in _BLOCKS:
-            yield name, kind, mapped[start : start + size].reshape(shape)
+    for tensor in indexed_tensors(gguf_path, converted):
+        if tensor.tensor_type in _BLOCKS:
+            yield tensor.name, tensor.tensor_type, tensor.data
 
 
 def read_quantized_weights(

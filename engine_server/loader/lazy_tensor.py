@@ -1,4 +1,4 @@
-"""`LazyTensor`: a safetensors checkpoint tensor read only where it is narrowed, for sharded (tensor-parallel) loading.
+"""`LazyTensor`: a checkpoint tensor read only where it is narrowed (sharded, tensor-parallel loading), or not at all.
 
 A sharded layer keeps a block of rows (column-parallel, vocab) or columns (row-parallel) of each checkpoint tensor
 (`engine_server.parallel.layers`). `narrow` gives a view of just that block of the memory-mapped file, so the copy
@@ -10,10 +10,14 @@ mapped file pages, shared) in 0.15 s, against ~1 GB in 1.1 s with the whole-file
 
 At tensor-parallel size 1 the whole-file read of `source.iter_safetensors` is faster (one sequential read instead
 of page faults) and stays the unsharded path; `source.iter_lazy_safetensors` yields these.
+
+A GGUF file's tensors come as `LazyTensor`s over a `ComputedSlice` (`gguf_convert.iter_hf_tensors`): dequantized
+whole when first read, and never when the engine serves the file's blocks in their place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +29,27 @@ class SafeSlice(Protocol):
     def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class ComputedSlice:
+    """A `SafeSlice` over a tensor that `compute` makes when it is first indexed (then held: a rank's narrowing
+    reads it once). `shape` is the shape `compute` returns."""
+
+    def __init__(self, shape: tuple[int, ...], compute: Callable[[], torch.Tensor]) -> None:
+        self._shape = list(shape)
+        self._compute: Callable[[], torch.Tensor] | None = compute
+        self._tensor: torch.Tensor | None = None
+
+    def get_shape(self) -> list[int]:
+        return self._shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if self._tensor is None:
+            assert self._compute is not None
+            self._tensor, self._compute = self._compute(), None
+            if list(self._tensor.shape) != self._shape:
+                raise ValueError(f"computed a tensor of shape {list(self._tensor.shape)}, expected {self._shape}")
+        return self._tensor[index]
 
 
 class LazyTensor:

@@ -78,13 +78,13 @@ def hf_folder_source(
     folder: Path, name: str, spec: str, gguf_path: Path | None = None, hf_overrides: dict[str, Any] | None = None
 ) -> ModelSource:
     """A source over a Hugging Face folder used in place, after checking it has what the runner needs;
-    `gguf_path` is the file the folder was converted from, if any; `hf_overrides` replace keys of its
-    config.json."""
+    `gguf_path` is the file the folder was converted from, if any (the weights are then read from it);
+    `hf_overrides` replace keys of its config.json."""
     missing = [
         what
         for what, present in (
             ("config.json", (folder / "config.json").is_file()),
-            ("*.safetensors", bool(safetensors_files(folder))),
+            ("*.safetensors", gguf_path is not None or bool(safetensors_files(folder))),
             ("tokenizer files", any((folder / f).is_file() for f in _TOKENIZER_FILES)),
         )
         if not present

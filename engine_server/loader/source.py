@@ -1,14 +1,17 @@
 """`ModelSource`: a resolved model, i.e. its shape, where its files live and how to iterate its weights.
 
 A source never holds weights in memory: `weights()` streams `(hf_name, tensor)` pairs from safetensors files
-(one file read at a time) or, for `dummy:` presets, generates them one at a time; `lazy_weights()` streams them
-unread (`LazyTensor`), for a tensor-parallel rank that reads only its slice of each.
+(one file read at a time), from a GGUF file (each tensor dequantized as it comes: `gguf_convert.iter_hf_tensors`)
+or, for `dummy:` presets, generates them one at a time; `lazy_weights()` streams them unread (`LazyTensor`), for a
+tensor-parallel rank that reads only its slice of each, or a quantized engine that reads none of what a GGUF
+file's blocks replace.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ from safetensors.torch import load as safetensors_load
 from engine_server.config import ModelConfig
 from engine_server.loader.dummy import iter_random_weights
 from engine_server.loader.fp8_checkpoint import Fp8Checkpoint
+from engine_server.loader.gguf_convert import TENSOR_INDEX, indexed_tensors, iter_hf_tensors, write_sharded_safetensors
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
 
@@ -42,6 +46,8 @@ class ModelSource:
     - `tokenizer_path` is a folder `engine_server.tokenizer.loading.load_tokenizer` can open. For real models
       it equals `path`; for `dummy:` presets it is the embedded default model's folder, whose tokenizer only
       emits ids < 49152 and so fits every preset's vocabulary.
+    - `gguf_path` set: `path` is the file's converted folder (config.json, tokenizer, `TENSOR_INDEX`: no weights),
+      and the weights are read from the file.
     - `fp8` is the layout of an FP8 checkpoint (`loader.fp8_checkpoint`): `weights()` and `lazy_weights()` then
       yield its FP8 weights dequantized to float32, and no scales, as a float checkpoint's.
     - `random_weights=True` means `path` holds no weights for this config: `weights()` generates them from
@@ -54,24 +60,30 @@ class ModelSource:
     tokenizer_path: Path
     random_weights: bool = False
     seed: int = 0
-    gguf_path: Path | None = None  # the GGUF file `path` was converted from, whose quantized blocks can be served
+    gguf_path: Path | None = None  # the GGUF file `path` was converted from: the weights, blocks that can be served
     fp8: Fp8Checkpoint | None = None  # an FP8 checkpoint's layout, whose e4m3 weights can be served as they are
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every parameter once, in unspecified order: fp32 (converted/dummy) or the stored dtype."""
         if self.random_weights:
             return iter_random_weights(self.config, self.seed)
+        if self.gguf_path is not None:
+            return iter_hf_tensors(indexed_tensors(self.gguf_path, self.path), read_hf_config(self.path), self.name)
         if self.fp8 is not None:
             return self.fp8.dequantized(self.path, iter_safetensors(self.path))
         return iter_safetensors(self.path)
 
     def lazy_weights(self, fp8_kept: Collection[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
         """`weights()` for a sharded (tensor-parallel) load: each real tensor unread, so a rank reads only the slice
-        it keeps (`LazyTensor.narrow`). `dummy:` presets still yield whole tensors: they are generated, not read.
+        it keeps (`LazyTensor.narrow`; a GGUF file's tensors are dequantized whole when first read, and not at all
+        when unread). `dummy:` presets still yield whole tensors: they are generated, not read.
         An FP8 checkpoint's FP8 weights are read whole and dequantized, except those named in `fp8_kept`, which
         come out unread and without their scales (the caller serves those as FP8: `engine_server.quantization`)."""
         if self.random_weights:
             return iter_random_weights(self.config, self.seed)
+        if self.gguf_path is not None:
+            config = read_hf_config(self.path)
+            return iter_hf_tensors(indexed_tensors(self.gguf_path, self.path), config, self.name, lazy=True)
         if self.fp8 is not None:
             return self.fp8.dequantized(self.path, iter_lazy_safetensors(self.path), fp8_kept)
         return iter_lazy_safetensors(self.path)
@@ -79,6 +91,25 @@ class ModelSource:
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected parameter names and shapes for `config`, without reading or generating any weights."""
         return parameter_shapes(self.config)
+
+
+def write_float_checkpoint(source: ModelSource, folder: Path) -> Path:
+    """`source` as a whole Hugging Face checkpoint in `folder` (made if missing), returned: the files of its folder
+    but the weights and `TENSOR_INDEX` (config.json, tokenizer, pooling), and `weights()` as fp32 safetensors. For
+    what reads only checkpoints, e.g. transformers on a GGUF file's model as ladle reads it; not for `dummy:`
+    presets (their folder is the embedded model's)."""
+    if source.random_weights:
+        raise ValueError(f"model {source.name!r}: random weights have no folder of their own to write out")
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in source.path.iterdir():
+        if entry.name == TENSOR_INDEX or entry.name.endswith((".safetensors", ".safetensors.index.json")):
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, folder / entry.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(entry, folder / entry.name)
+    write_sharded_safetensors(source.weights(), folder)
+    return folder
 
 
 def safetensors_files(folder: Path) -> list[Path]:

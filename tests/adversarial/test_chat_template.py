@@ -9,7 +9,6 @@ at fault), and the engine goes on serving chat that stays inside the sandbox, te
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from engine_server.loader import resolve_model
+from engine_server.loader import resolve_model, write_float_checkpoint
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 from tests.adversarial.helpers import assert_rpc_error, rpc_error, still_serves_grpc
 from tests.e2e.engine_process import EngineProcess, start_engine
@@ -56,11 +55,7 @@ class HostileModel:
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileModel]:
-    folder = tmp_path_factory.mktemp("hostile-model")
-    source = resolve_model("default").path
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        (folder / name).symlink_to(source / name)
-    shutil.copy(source / "tokenizer_config.json", folder / "tokenizer_config.json")
+    folder = write_float_checkpoint(resolve_model("default"), tmp_path_factory.mktemp("hostile-model"))
     marker = folder / "escaped"
     (folder / "chat_template.jinja").write_text(hostile_template(marker))
     engine = start_engine(folder / "engine.log", "--model", str(folder), "--max-num-seqs", "4")

@@ -16,7 +16,7 @@ from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.loader import resolve_model
 from engine_server.tokenizer.chat import ChatMessage
-from tests.families import hf_greedy
+from tests.families import float_checkpoint, hf_greedy
 
 pytestmark = pytest.mark.slow  # the embedded model, and transformers' on the same weights
 
@@ -31,14 +31,14 @@ def _chat(text: str) -> ChatPrompt:
 
 @pytest.fixture(scope="module")
 def hf_model() -> Any:
-    """transformers' own model on the weights the engine loads (the GGUF file's float conversion, whose every
-    tensor is transformers' own GGUF loader's to 1e-6 and whose config runs in transformers as the GGUF does:
-    tests/unit/test_loader.py), fp32 on the CPU. Reading the conversion rather than the GGUF again leaves no
+    """transformers' own model on the weights the engine loads (the GGUF file's tensors dequantized, every one
+    transformers' own GGUF loader's to 1e-6, in the converted config, which runs in transformers as the GGUF does:
+    tests/unit/test_loader.py), fp32 on the CPU. Reading them as ladle does rather than the GGUF again leaves no
     rounding between the two models' weights and skips transformers' slow GGUF dequantization."""
     from transformers import AutoModelForCausalLM
 
-    folder = resolve_model("default").path
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    with float_checkpoint(resolve_model("default")) as folder:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
 def test_greedy_matches_transformers_token_for_token(float_reference: Any, hf_model: Any) -> None:

@@ -30,12 +30,18 @@ from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from engine_server.quantization import stored_weights
-from tests.families import save_family, write_gguf
+from tests.families import float_checkpoint, save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
 
 pytestmark = pytest.mark.slow  # engines, conversions and transformers' models of their own
 
 QUALITY_PROMPTS = ("The capital of France is", "Write a haiku about rain.", "def fibonacci(n):", "1, 2, 3, 4,")
+
+
+def converted_reference_tokens(source: Any) -> list[list[int]]:
+    """transformers' greedy tokens (`reference_tokens`) on a GGUF file's model as ladle reads its weights."""
+    with float_checkpoint(source) as folder:
+        return reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +56,7 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
     config = source.config
     assert (config.architecture, config.rotary_dim, config.head_dim) == ("phi3", 12, 16)
     with engine(phi3_gguf) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(source.path)
+        assert tokens(llm, prompts()) == converted_reference_tokens(source)
 
 
 def assert_tensors_come_back(
@@ -138,7 +144,7 @@ def test_the_converted_gemma3_gguf_is_exact_on_the_float_path(gemma3_gguf: Path)
     norms = [name for name in original if name.endswith("norm.weight")]
     assert len(norms) == 1 + 6 * 6 and all(torch.equal(converted[n] + 1, original[n] + 1) for n in norms)
     with engine(gemma3_gguf) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(source.path)
+        assert tokens(llm, prompts()) == converted_reference_tokens(source)
 
 
 def test_gemma3_served_from_its_blocks_holds_the_quality_thresholds(gemma3_gguf: Path) -> None:
@@ -213,7 +219,7 @@ def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
     assert_tensors_come_back(original, converted, ("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight"))
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(source.path), family
+        assert tokens(llm, prompts()) == converted_reference_tokens(source), family
     layers, result = served_from_blocks(gguf)
     banks = [fmt for fmt in layers.values() if fmt.startswith("experts_")]
     assert banks == [f"experts_q4_{source.config.moe_intermediate_size}"] * 4, layers
@@ -398,7 +404,7 @@ def test_a_hybrid_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
         **dict.fromkeys(norms, lambda ours, theirs: torch.equal(ours + 1, theirs + 1)),  # as applied, 1 + w
     })  # fmt: skip
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(source.path), family
+        assert tokens(llm, prompts()) == converted_reference_tokens(source), family
 
     stored = keep_stored_weights(monkeypatch)
     layers, result = served_from_blocks(gguf)
@@ -488,7 +494,7 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
     assert_tensors_come_back(original, converted, ("model.embed_tokens.weight", "router.proj.weight"))
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(source.path), family
+        assert tokens(llm, prompts()) == converted_reference_tokens(source), family
     stored = keep_stored_weights(monkeypatch)
     layers, result = served_from_blocks(gguf)
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj" if

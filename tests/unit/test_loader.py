@@ -16,10 +16,18 @@ import transformers
 from gguf import GGUFWriter, PoolingType
 
 from engine_server.config import ModelConfig, RopeScaling
-from engine_server.loader import DUMMY_PRESETS, ModelSource, default_gguf_path, gguf_convert, resolve_model
+from engine_server.loader import (
+    DUMMY_PRESETS,
+    ModelSource,
+    default_gguf_path,
+    gguf_convert,
+    resolve_model,
+    write_float_checkpoint,
+)
 from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, INIT_STD, random_tensor
 from engine_server.loader.gguf_metadata import llama3_rope_factors
 from engine_server.loader.layout import parameter_shapes
+from engine_server.loader.lazy_tensor import LazyTensor
 from engine_server.tokenizer.loading import load_tokenizer
 
 pytestmark = pytest.mark.slow  # reads and converts the embedded model's GGUF
@@ -145,15 +153,37 @@ def test_dequantized_weights_equal_transformers_gguf_loader(
 
 
 def test_converted_folder_runs_in_transformers_like_the_gguf(
-    default_source: ModelSource, gguf_reference: torch.nn.Module
+    default_source: ModelSource, gguf_reference: torch.nn.Module, tmp_path: Path
 ) -> None:
-    """config.json is right: transformers on our folder gives the GGUF model's logits."""
+    """config.json is right: transformers on our folder (with the weights written out) gives the GGUF model's
+    logits."""
+    folder = write_float_checkpoint(default_source, tmp_path / "float")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_source.path), dtype=torch.float32, local_files_only=True
+        str(folder), dtype=torch.float32, local_files_only=True
     ).eval()
     ids = torch.tensor([[1, 19556, 905, 30, 2]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, gguf_reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cache_entry_holds_no_weights_which_are_read_from_the_file(
+    default_source: ModelSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The converted folder is the file's metadata alone (a float copy was 517 MB beside this 90 MB file): the
+    weights are read from the GGUF file, lazily as eagerly, and a lazy tensor left unread dequantizes nothing."""
+    files = [path for path in default_source.path.rglob("*") if path.is_file()]
+    assert not [path for path in files if ".safetensors" in path.name], files
+    assert sum(path.stat().st_size for path in files) < 16 * 1024**2
+    eager = dict(default_source.weights())
+    calls: list[str] = []
+    real = gguf_convert.dequantize
+    monkeypatch.setattr(gguf_convert, "dequantize", lambda data, kind: calls.append(kind.name) or real(data, kind))
+    lazy = dict(default_source.lazy_weights())
+    assert calls == [] and set(lazy) == set(eager)
+    for name, tensor in lazy.items():
+        assert isinstance(tensor, LazyTensor) and tensor.shape == eager[name].shape, name
+        assert torch.equal(tensor.materialize(), eager[name]), name
+    assert len(calls) == len(eager)
 
 
 def test_tokenizer_and_chat_template_from_gguf(default_source: ModelSource) -> None:
@@ -402,6 +432,30 @@ def test_synthetic_gguf_round_trip(
         assert torch.equal(tensor, state[name]), name
     tokenizer = load_tokenizer(source.tokenizer_path)
     assert tokenizer.decode(tokenizer.encode("the cat")) == "the cat"
+
+
+def test_a_conversion_drops_the_float_copies_of_earlier_converters(
+    default_source: ModelSource, tmp_path: Path
+) -> None:
+    """Converters before version 7 wrote each file's weights again as fp32 beside its metadata (517 MB for the
+    embedded model): a new conversion removes those entries, and leaves this version's and a conversion in
+    progress."""
+    tiny = dataclasses.replace(
+        DUMMY_PRESETS["smollm2-135m"], vocab_size=512, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny, {n: torch.ones(s) for n, s in parameter_shapes(tiny).items()}, default_source.path)
+    cache = tmp_path / "cache"
+    entries = cache / "gguf"
+    old, staging, current = entries / "old-0123456789abcdef", entries / ".staging.x", entries / "current-0123"
+    for folder in (old, staging, current):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    (old / "model.safetensors").write_bytes(b"float copy")
+    (staging / "model.safetensors").write_bytes(b"half a float copy")
+    source = resolve_model(str(path), cache_dir=cache)
+    assert sorted(p.name for p in entries.iterdir()) == sorted([staging.name, current.name, source.path.name])
 
 
 def test_unsupported_tensor_type_is_refused(default_source: ModelSource, tmp_path: Path, cache_dir: Path) -> None:

@@ -21,7 +21,6 @@ from engine_server.loader import ModelSource, default_gguf_path, resolve_model
 from engine_server.loader.gguf_convert import TENSOR_INDEX
 from engine_server.loader.gguf_quant import parse_blocks, read_quantized_weights, stored_matrices
 from engine_server.loader.lazy_tensor import LazyTensor
-from engine_server.loader.source import iter_lazy_safetensors, iter_safetensors
 from engine_server.quantization import resolve_quantization
 from kernels import cpu_ops as cpu
 from tests.unit.runner_factories import TINY_LLAMA
@@ -94,7 +93,7 @@ def test_embedded_model_blocks_equal_its_converted_float_weights() -> None:
         default_gguf_path(), model_type="llama", num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
     )  # fmt: skip
-    converted = dict(iter_safetensors(embedded.path))
+    converted = dict(embedded.weights())
     assert len(stored) == 7 * config.num_hidden_layers + 1  # every projection (Q4_1) and the embedding (Q8_0)
     for name, weight in stored.items():  # q/k rows un-permuted as in the conversion, every value equal
         assert torch.equal(weight.dequantize(), converted[name]), name
@@ -147,18 +146,17 @@ def test_quality_against_the_float_reference(llm: Any, float_reference: Any) -> 
 def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     from benchmarks.quality import make_llm
 
-    # The converted file's float tensors are read only where they stay float: the norms (the embedding is looked up
-    # from its Q8_0 blocks, whose values test_embedded_model_blocks_equal_its_converted_float_weights holds equal).
+    # The file's tensors are dequantized only where they stay float: the norms (the embedding is looked up from its
+    # Q8_0 blocks, whose values test_embedded_model_blocks_equal_its_converted_float_weights holds equal).
     read: set[str] = set()
+    real = source_module.iter_hf_tensors
 
-    def recorded(folder: Path) -> Iterator[tuple[str, Any]]:
-        for name, tensor in iter_lazy_safetensors(folder):
+    def recorded(tensors: Any, config: Any, spec: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+        assert lazy, "read whole"
+        for name, tensor in real(tensors, config, spec, lazy=True):
             yield name, _Recorded(name, tensor, read)
 
-    with (
-        mock.patch.object(source_module, "iter_lazy_safetensors", recorded),
-        mock.patch.object(source_module, "iter_safetensors", side_effect=AssertionError("read whole")),
-    ):
+    with mock.patch.object(source_module, "iter_hf_tensors", recorded):
         quantized = make_llm("default", "auto")  # auto: the file's own blocks on the CPU
     assert read == {"model.norm.weight"} | {
         f"model.layers.{i}.{norm}.weight" for i in range(30) for norm in ("input_layernorm", "post_attention_layernorm")
@@ -174,7 +172,7 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     # The tied table is looked up from the LM head's own packed blocks (no second copy), its float values exactly.
     assert embedding.packed is not None and embedding.packed[0].data_ptr() == head.qs.data_ptr()
     ids = torch.tensor([[0, 1], [49151, 2]])
-    table = dict(iter_safetensors(resolve_model("default").path))["model.embed_tokens.weight"]
+    table = dict(resolve_model("default").weights())["model.embed_tokens.weight"]
     assert torch.equal(embedding(ids), table[ids])
     # A greedy answer must not depend on what ran beside it or before it: each prompt alone, with its chat
     # template's prefix found in the prefix cache, answers as it did in a batch of all of them (bit-exact

@@ -9,6 +9,7 @@ row-parallel slice off the groups of 32 leaves the layer float.
 
 from __future__ import annotations
 
+import functools
 from datetime import timedelta
 from pathlib import Path
 from typing import cast
@@ -19,7 +20,6 @@ import torch
 import torch.distributed as dist
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
-from safetensors import safe_open
 
 from engine_server.loader import default_gguf_path, resolve_model
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
@@ -50,10 +50,15 @@ def _layers(tp: TensorParallel) -> dict[str, torch.nn.Linear]:
         }
 
 
+@functools.cache
+def _float_weights() -> dict[str, torch.Tensor]:
+    """The embedded model's float weights: the file's blocks dequantized (test_quantization)."""
+    return dict(resolve_model("default").weights())
+
+
 def _whole(name: str) -> torch.Tensor:
-    """The whole float weight from the converted folder: the file's blocks dequantized (test_quantization)."""
-    with safe_open(resolve_model("default").path / "model.safetensors", "pt") as checkpoint:
-        return checkpoint.get_tensor(f"{name}.weight")
+    """The whole float weight of layer `name`."""
+    return _float_weights()[f"{name}.weight"]
 
 
 def _expected_slice(name: str, layer: torch.nn.Linear) -> torch.Tensor:

@@ -16,6 +16,7 @@ from engine_server.errors import UnsupportedByModelError, ValidationError
 from engine_server.loader import resolve_model
 from engine_server.pooling.params import PoolingMethod
 from engine_server.tokenizer.chat import ChatMessage
+from tests.families import float_checkpoint
 from tests.unit.pooling.embedding_models import (
     load_reference,
     reference_embedding,
@@ -43,12 +44,12 @@ def _assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def hf_embedded() -> Any:
-    """transformers' bare decoder on the weights the engine loads, fp32: the embedded GGUF file's float conversion,
+    """transformers' bare decoder on the weights the engine loads, fp32: the embedded GGUF file's tensors dequantized,
     which tests/unit/test_loader.py holds to transformers' own GGUF loader (every tensor to 1e-6)."""
     from transformers import AutoModel
 
-    folder = resolve_model("default").path
-    return AutoModel.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    with float_checkpoint(resolve_model("default")) as folder:
+        return AutoModel.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
 def test_the_embedded_model_embeds_as_transformers_last_token_normalized(llm: LLM, hf_embedded: Any) -> None:
@@ -237,7 +238,8 @@ def test_an_embedding_gguf_keeps_its_pooling_type(tmp_path: Path) -> None:
     llm = LLM(config=EngineConfig(model=str(path), device="cpu", quantization="none", cache_dir=str(tmp_path)))
     assert (llm.pooling.method, llm.pooling.normalize) == (PoolingMethod.MEAN, True)
     source = resolve_model(str(path), cache_dir=tmp_path)
-    reference = load_reference(source.path)
+    with float_checkpoint(source) as folder:
+        reference = load_reference(folder)
     text = "the cat sat on the mat"
     (vector,) = llm.embed([text], use_tqdm=False)
     _assert_close(vector, reference_embedding(reference, llm.tokenizer.encode(text), "mean_tokens", True))
