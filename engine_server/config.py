@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 Architecture = Literal[
@@ -1072,7 +1073,7 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
-    cache_dir: str | None = None  # where converted models live; default ~/.cache/ladle
+    cache_dir: str | None = None  # where converted models live (`cache_path`); default $LADLE_CACHE_DIR, ~/.cache/ladle
     # CUDA graphs replay decode steps when the device is CUDA, unless enforce_eager (vLLM's name) is set. One
     # graph per batch-size bucket up to min(max_num_seqs, max_cuda_graph_batch); larger batches run eagerly.
     enforce_eager: bool = False
@@ -1117,6 +1118,10 @@ class EngineConfig:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora is not None and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not served under tensor parallelism yet: use --tensor-parallel-size 1")
+
+    def cache_path(self) -> Path | None:
+        """`cache_dir` as a path; None: the loader's default (`$LADLE_CACHE_DIR`, else ~/.cache/ladle)."""
+        return Path(self.cache_dir) if self.cache_dir else None
 
     def hf_override_values(self) -> dict[str, Any]:
         """`hf_overrides` as a dict ({} when unset); ValueError unless it is a JSON object."""

@@ -86,7 +86,8 @@ class LLM:
             if isinstance(speculative_config, dict):
                 speculative_config = SpeculativeConfig.from_json(json.dumps(speculative_config))
             self.config = dataclasses.replace(self.config, speculative=speculative_config)
-        source = resolve_model(self.config.model, hf_overrides=self.config.hf_override_values())
+        config = self.config
+        source = resolve_model(config.model, config.cache_path(), hf_overrides=config.hf_override_values())
         self.model_name = source.name
         # Resolved before the model loads, so a bad --generation-config fails at once.
         self.generation_defaults = engine_generation_defaults(self.config, source)

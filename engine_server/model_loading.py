@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import structlog
 import torch
@@ -257,7 +256,7 @@ def _load_draft(config: EngineConfig, target: LoadedModel) -> DraftModel | None:
     if spec is None or spec.method != "draft_model" or spec.model is None or not target.tp.is_driver:
         return None
     draft = DraftModel(
-        resolve_model(spec.model, Path(config.cache_dir) if config.cache_dir else None, seed=config.seed),
+        resolve_model(spec.model, config.cache_path(), seed=config.seed),
         target_vocab_size=target.model_config.vocab_size,
         max_model_len=target.max_model_len,
         num_cache_blocks=target.num_blocks + 1,

@@ -224,7 +224,7 @@ class ServingEngine:
     def _load(
         cls, config: EngineConfig, loop: asyncio.AbstractEventLoop, grammar_config: GrammarCompilerConfig | None
     ) -> ServingEngine:
-        source = resolve_model(config.model, hf_overrides=config.hf_override_values())
+        source = resolve_model(config.model, config.cache_path(), hf_overrides=config.hf_override_values())
         # Resolved before the model loads, so a bad --generation-config fails at once.
         defaults = engine_generation_defaults(config, source)
         log.info("generation defaults", **asdict(defaults))

@@ -221,7 +221,7 @@ def test_an_embedding_gguf_keeps_its_pooling_type(tmp_path: Path) -> None:
     from gguf import PoolingType
 
     from engine_server.config import ModelConfig
-    from engine_server.loader import resolve_model
+    from engine_server.loader import default_cache_dir, resolve_model
     from engine_server.loader.dummy import random_tensor
     from engine_server.loader.layout import parameter_shapes
     from tests.unit.test_loader import write_tiny_gguf
@@ -237,6 +237,9 @@ def test_an_embedding_gguf_keeps_its_pooling_type(tmp_path: Path) -> None:
     write_tiny_gguf(path, tiny, state, default.tokenizer_path, pooling_type=PoolingType.MEAN)
     llm = LLM(config=EngineConfig(model=str(path), device="cpu", quantization="none", cache_dir=str(tmp_path)))
     assert (llm.pooling.method, llm.pooling.normalize) == (PoolingMethod.MEAN, True)
+    # Converted into the engine's cache_dir alone, not also into the default cache (the frontend's resolve once did).
+    assert [entry.name.startswith("tiny-embedding-") for entry in (tmp_path / "gguf").iterdir()] == [True]
+    assert not list(default_cache_dir().glob("gguf/tiny-embedding-*"))
     source = resolve_model(str(path), cache_dir=tmp_path)
     with float_checkpoint(source) as folder:
         reference = load_reference(folder)
