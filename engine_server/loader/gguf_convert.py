@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quant_shape_from_byte_shape
 from safetensors.torch import save_file
 
+from engine_server.loader.gguf_blocks import dequantize_blocks
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
@@ -321,9 +322,15 @@ def _hf_weight(
 
 
 def _dequantized(tensor: GgufTensor, spec: str, data: np.ndarray | None = None) -> np.ndarray:
-    """`data` (default: all of `tensor`) dequantized to fp32 by gguf; ValueError naming `spec` for a type it lacks."""
+    """`data` (default: all of `tensor`) dequantized to fp32: a matrix of the types ladle serves from their blocks
+    by `gguf_blocks` (gguf's values, 2-3x faster), anything else by gguf; ValueError naming `spec` for a type gguf
+    lacks."""
+    data = tensor.data if data is None else data
+    values = dequantize_blocks(data, tensor.tensor_type)
+    if values is not None:
+        return values.numpy()
     try:
-        return dequantize(tensor.data if data is None else data, tensor.tensor_type)
+        return dequantize(data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ValueError(
             f"model {spec!r}: tensor {tensor.name!r} has unsupported quantization {tensor.tensor_type.name}"
@@ -331,8 +338,8 @@ def _dequantized(tensor: GgufTensor, spec: str, data: np.ndarray | None = None) 
 
 
 def _float32(array: np.ndarray) -> torch.Tensor:
-    """`array` as a writable, contiguous fp32 tensor of its own (F32 tensors come as read-only views of the file)."""
-    return torch.from_numpy(np.require(array, np.float32, ["C", "W", "O"]))
+    """`array` as a writable, contiguous fp32 tensor (F32 tensors come as read-only views of the file: copied)."""
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
 
 
 def write_sharded_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folder: Path) -> None:

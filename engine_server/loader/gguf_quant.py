@@ -1,13 +1,10 @@
 """A GGUF file's quantized matrices as `QuantizedWeight`s, under their Hugging Face names: Q4_0, Q4_1, Q8_0, Q5_0,
 Q5_1 and llama.cpp's K-quants Q4_K, Q5_K and Q6_K (the types of the Q4_K_M, Q5_K_M and Q6_K files people download).
 
-The converted folder (`gguf_convert`) holds these tensors dequantized to float32; this reads the same file's
-blocks as they are, so a quantized engine serves exactly the weights llama.cpp serves. Block layouts (32
-elements each, float16 scales): Q4_0 `d, qs[16]` (element = d * (q - 8)); Q4_1 `d, m, qs[16]` (element =
-d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds element j low and j + 16 high. The
-5-bit and K-quant blocks are decoded by `layers.lowbit_weight.decode_blocks` (K-quant blocks are 256 wide).
-Llama q/k rows are un-permuted as in the conversion. Other types (F32, F16, BF16, Q2_K, Q3_K, the IQ types) are
-not returned: those tensors stay float.
+These are read as the file's blocks (`gguf_blocks`), so a quantized engine serves exactly the weights llama.cpp
+serves; the float path dequantizes the same tensors (`gguf_convert.iter_hf_tensors`). Llama q/k rows are
+un-permuted as there. Other types (F32, F16, BF16, Q2_K, Q3_K, the IQ types) are not returned: those tensors stay
+float.
 
 `stored_matrices` maps the file and reads nothing yet: each `StoredMatrix.read` copies out only the rows and the
 groups of 32 columns it is asked for, so a tensor-parallel rank reads only its own slice of every matrix. Where
@@ -25,8 +22,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine_server.layers.lowbit_weight import decode_blocks
-from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight, quantize_q8
+from engine_server.layers.quantized_linear import QuantizedWeight, quantize_q8
+from engine_server.loader.gguf_blocks import BLOCKS, parse_blocks
 from engine_server.loader.gguf_convert import (
     hf_expert_names,
     hf_tensor_name,
@@ -35,17 +32,6 @@ from engine_server.loader.gguf_convert import (
     unpermute_rope_rows,
 )
 from engine_server.loader.gguf_hybrid import HybridShape, stored_parts
-
-# Each type's block: (elements, bytes); the low-bit ones' kind names (`layers.lowbit_weight`).
-_BLOCKS = {
-    GGMLQuantizationType.Q4_0: (32, 18), GGMLQuantizationType.Q4_1: (32, 20), GGMLQuantizationType.Q8_0: (32, 34),
-    GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q5_1: (32, 24), GGMLQuantizationType.Q4_K: (256, 144),
-    GGMLQuantizationType.Q5_K: (256, 176), GGMLQuantizationType.Q6_K: (256, 210),
-}  # fmt: skip
-_LOW_BIT = {
-    GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
-    GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -63,7 +49,7 @@ class StoredMatrix:
     @property
     def block_elements(self) -> int:
         """The columns one block holds (32, or 256 for a K-quant): a slice's columns fall on multiples of it."""
-        return _BLOCKS[self.kind][0]
+        return BLOCKS[self.kind][0]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -108,13 +94,13 @@ def stored_matrices(
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
         experts = hf_expert_names(gguf_name, data.shape[0], model_type) if data.ndim == 3 else None
         if experts is not None:  # one matrix per expert, each a view of the bank's blocks
-            bank = data.reshape(*data.shape[:2], -1, _BLOCKS[kind][1])
+            bank = data.reshape(*data.shape[:2], -1, BLOCKS[kind][1])
             matrices.update((expert, StoredMatrix(bank[e], kind)) for e, expert in enumerate(experts))
             continue
         name = hf_tensor_name(gguf_name, model_type)
         if name is None or data.ndim != 2:
             continue
-        blocks = data.reshape(data.shape[0], -1, _BLOCKS[kind][1])
+        blocks = data.reshape(data.shape[0], -1, BLOCKS[kind][1])
         layer, _, llama_kind = gguf_name.removeprefix("blk.").rpartition(".")[0].partition(".")
         parts = None if hybrid is None else stored_parts(llama_kind, layer, len(blocks), hybrid)
         if parts is not None:
@@ -135,7 +121,7 @@ def _mapped_tensors(
     """(GGUF name, type, blocks' bytes `[rows..., bytes a row]`) of each tensor of the mapped file of a type served
     quantized."""
     for tensor in indexed_tensors(gguf_path, converted):
-        if tensor.tensor_type in _BLOCKS:
+        if tensor.tensor_type in BLOCKS:
             yield tensor.name, tensor.tensor_type, tensor.data
 
 
@@ -145,26 +131,3 @@ def read_quantized_weights(
     """`stored_matrices` of `gguf_path`, each read whole."""
     matrices = stored_matrices(gguf_path, model_type=model_type, num_heads=num_heads, num_kv_heads=num_kv_heads)
     return {name: matrix.read() for name, matrix in matrices.items()}
-
-
-def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWeight:
-    """`[N, K / block elements, block bytes]` uint8 blocks of one type -> its weight (copied out of the file)."""
-    if kind in _LOW_BIT:
-        return decode_blocks(torch.from_numpy(np.array(blocks)), _LOW_BIT[kind])
-    rows = blocks.shape[0]
-    scales = _float16(blocks, 0)
-    if kind == GGMLQuantizationType.Q8_0:
-        qs = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8).reshape(rows, -1)
-        return Q8Weight(torch.from_numpy(qs.copy()), torch.from_numpy(scales))
-    if kind == GGMLQuantizationType.Q4_1:
-        mins, nibbles = _float16(blocks, 2), blocks[..., 4:20]
-    else:
-        mins, nibbles = (-8.0 * scales).astype(np.float16), blocks[..., 2:18]  # exact: a power of two
-    qs = np.ascontiguousarray(nibbles).reshape(rows, -1)
-    return Q4Weight(torch.from_numpy(qs.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
-
-
-def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:
-    """The float16 at byte `offset` of every block, as a contiguous `[N, K/32]` float16 array."""
-    raw = np.ascontiguousarray(blocks[..., offset : offset + 2])
-    return np.ascontiguousarray(raw.view(np.float16)[..., 0])

@@ -176,8 +176,8 @@ def test_the_cache_entry_holds_no_weights_which_are_read_from_the_file(
     assert sum(path.stat().st_size for path in files) < 16 * 1024**2
     eager = dict(default_source.weights())
     calls: list[str] = []
-    real = gguf_convert.dequantize
-    monkeypatch.setattr(gguf_convert, "dequantize", lambda data, kind: calls.append(kind.name) or real(data, kind))
+    real = gguf_convert._dequantized
+    monkeypatch.setattr(gguf_convert, "_dequantized", lambda tensor, *a: calls.append(tensor.name) or real(tensor, *a))
     lazy = dict(default_source.lazy_weights())
     assert calls == [] and set(lazy) == set(eager)
     for name, tensor in lazy.items():

@@ -18,11 +18,14 @@ import engine_server.loader.source as source_module
 from benchmarks.quality import measure
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from engine_server.loader import ModelSource, default_gguf_path, resolve_model
+from engine_server.loader.gguf_blocks import dequantize_blocks, parse_blocks
 from engine_server.loader.gguf_convert import TENSOR_INDEX
-from engine_server.loader.gguf_quant import parse_blocks, read_quantized_weights, stored_matrices
+from engine_server.loader.gguf_quant import read_quantized_weights, stored_matrices
 from engine_server.loader.lazy_tensor import LazyTensor
 from engine_server.quantization import resolve_quantization
 from kernels import cpu_ops as cpu
+from tests.lowbit_blocks import KINDS as LOW_BIT_KINDS
+from tests.lowbit_blocks import random_blocks
 from tests.unit.runner_factories import TINY_LLAMA
 
 pytestmark = pytest.mark.slow  # quantizes and runs the embedded model
@@ -84,6 +87,22 @@ def test_parsed_blocks_dequantize_like_the_gguf_package(kind: GGMLQuantizationTy
     block_bytes = raw.shape[1] // 3
     parsed = parse_blocks(raw.reshape(6, 3, block_bytes), kind)
     assert torch.equal(parsed.dequantize(), torch.from_numpy(dequantize(raw, kind)))
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, *LOW_BIT_KINDS.values()])
+def test_a_matrixs_blocks_dequantize_as_the_gguf_package_does(kind: GGMLQuantizationType) -> None:
+    """The float path's dequantization of a file's matrices (`dequantize_blocks`, the engine's own decoding) gives
+    gguf's values from a matrix's bytes as the file holds them (a zero's sign aside: gguf's Q4_0 `d * (q - 8)` is
+    -0.0 where the engine's `d * q - 8d` is 0.0 for a negative d); not a matrix: None (gguf's then)."""
+    name = next((key for key, value in LOW_BIT_KINDS.items() if value == kind), None)
+    if name is None:
+        raw = quantize(np.random.default_rng(0).standard_normal((6, 256)).astype(np.float32), kind)
+    else:
+        raw = random_blocks(name, 6, 512, torch.Generator().manual_seed(2)).reshape(6, -1).numpy()
+    values = dequantize_blocks(raw, kind)
+    assert values is not None
+    assert torch.equal(values, torch.from_numpy(dequantize(raw, kind).copy()))
+    assert dequantize_blocks(raw[0], kind) is None and dequantize_blocks(raw, GGMLQuantizationType.F16) is None
 
 
 def test_embedded_model_blocks_equal_its_converted_float_weights() -> None:
