@@ -85,9 +85,10 @@ def stored_matrices(
 ) -> dict[str, StoredMatrix]:
     """Every 2-D tensor of `gguf_path` in a type served quantized (module docstring) by HF parameter name (e.g.
     `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), and each expert's matrix of a mixture of
-    experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`), mapped and not
-    read; tensors of other types are absent. `model_type` is the converted config's. A Gated DeltaNet hybrid's
-    (`hybrid`: its shape) linear-attention matrices come as the parts its layers load (`gguf_hybrid.stored_parts`).
+    experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`; so a whole bank's
+    too, Gemma 4's fused `gate_up_proj` split in its halves), mapped and not read; tensors of other types are absent.
+    `model_type` is the converted config's. A Gated DeltaNet hybrid's (`hybrid`: its shape) linear-attention
+    matrices come as the parts its layers load (`gguf_hybrid.stored_parts`).
     `converted` is the file's converted folder: its tensor index, when it has one, says where the tensors lie."""
     permuted = rope_permuted(model_type)
     matrices: dict[str, StoredMatrix] = {}
@@ -98,6 +99,9 @@ def stored_matrices(
             matrices.update((expert, StoredMatrix(bank[e], kind)) for e, expert in enumerate(experts))
             continue
         name = hf_tensor_name(gguf_name, model_type)
+        if name is not None and data.ndim == 3 and name.endswith(_FUSED_BANKS):
+            matrices.update(_fused_bank_matrices(name, data, kind))
+            continue
         if name is None or data.ndim != 2:
             continue
         blocks = data.reshape(data.shape[0], -1, BLOCKS[kind][1])
@@ -113,6 +117,27 @@ def stored_matrices(
             order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_kv_heads)
         matrices[name] = StoredMatrix(blocks, kind, order)
     return matrices
+
+
+# Banks a checkpoint holds whole, `[experts, rows, columns]` (Gemma 4's: gate and up rows in one), by name suffix.
+_FUSED_BANKS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _fused_bank_matrices(
+    name: str, data: np.ndarray, kind: GGMLQuantizationType
+) -> Iterator[tuple[str, StoredMatrix]]:
+    """Each expert's gate, up (the first and second half of its `gate_up_proj` rows) or down matrix of a whole bank
+    `name`, by the per-expert names the experts' loading takes (`<bank>.<e>.gate_proj.weight`, ...), each a view of
+    the bank's blocks."""
+    bank = data.reshape(*data.shape[:2], -1, BLOCKS[kind][1])
+    base, _, projection = name.rpartition(".")
+    for expert, blocks in enumerate(bank):
+        if projection == "down_proj":
+            yield f"{base}.{expert}.down_proj.weight", StoredMatrix(blocks, kind)
+            continue
+        half = len(blocks) // 2
+        yield f"{base}.{expert}.gate_proj.weight", StoredMatrix(blocks, kind, np.arange(half))
+        yield f"{base}.{expert}.up_proj.weight", StoredMatrix(blocks, kind, np.arange(half, 2 * half))
 
 
 def _mapped_tensors(

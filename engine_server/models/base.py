@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
                 continue
             bank = _EXPERT_BANK.fullmatch(name)
             if bank is not None:
-                loaded.update(self._load_bank(modules, name, bank, tensor))
+                loaded.update(self._load_bank(modules, name, bank, tensor, replaced))
                 continue
             module_name, _, kind = name.rpartition(".")
             target, shard = module_name, ""
@@ -242,10 +242,11 @@ class CausalLM(nn.Module):
 
     @staticmethod
     def _load_bank(
-        modules: dict[str, nn.Module], name: str, match: re.Match[str], tensor: CheckpointTensor
+        modules: dict[str, nn.Module], name: str, match: re.Match[str], tensor: CheckpointTensor,
+        replaced: Collection[str],
     ) -> list[tuple[str, str]]:
         """Load every expert's slices of one 3-D tensor (2-D for biases); returns what `_expected_shards` lists
-        for them."""
+        for them. A bank in `replaced` takes its biases alone: its weights count as loaded, unread."""
         bank = modules.get(match["bank"])
         bias = "_bias" if match["bias"] else ""
         if (
@@ -253,6 +254,9 @@ class CausalLM(nn.Module):
             or tensor.shape[0] != bank.num_experts or (bias and bank.b13 is None)
         ):  # fmt: skip
             raise ValueError(f"unexpected weight {name!r} of shape {tuple(tensor.shape)}")
+        parts = ["down"] if match["proj"] == "down_proj" else ["gate", "up"]
+        if match["bank"] in replaced and not bias:
+            return [(match["bank"], f"{expert}.{part}") for expert in range(bank.num_experts) for part in parts]
         whole = read_whole(tensor)
         loaded = []
         for expert in range(bank.num_experts):

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
+import engine_server.loader.source as source_module
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
 from engine_server import model_loading
 from engine_server.config import ModelConfig
@@ -32,6 +33,7 @@ from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from engine_server.quantization import stored_weights
 from tests.families import float_checkpoint, save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
+from tests.unit.test_quantization import RecordedTensor
 
 pytestmark = pytest.mark.slow  # engines, conversions and transformers' models of their own
 
@@ -484,8 +486,8 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     experts) and every tensor comes back under the name transformers saved it with, F32 ones exactly (norms as they
     are: Gemma 4's are not 1 + w); the float path equals transformers on the converted folder token for token.
     Served from its blocks, each projection's weight, and the per-layer input table's, is the converted one bit for
-    bit, the experts stay float (their activation is GELU), it holds the quality thresholds, and a prompt's tokens
-    are the same alone and batched."""
+    bit, so is each expert's gate, up and down from the fused banks (`gate_up_proj` split in its halves; GELU in
+    the experts' kernel), it holds the quality thresholds, and a prompt's tokens are the same alone and batched."""
     family, gguf = gemma4_gguf
     source = resolve_model(str(gguf))
     saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
@@ -496,17 +498,36 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == converted_reference_tokens(source), family
     stored = keep_stored_weights(monkeypatch)
-    layers, result = served_from_blocks(gguf)
+    read: set[str] = set()  # the file's tensors dequantized while the blocks are served: no bank among them
+    real = source_module.iter_hf_tensors
+
+    def recorded(tensors: Any, config: Any, spec: str, lazy: bool = False) -> Any:
+        for name, tensor in real(tensors, config, spec, lazy=lazy):
+            yield name, RecordedTensor(name, tensor, read) if lazy else tensor
+
+    with monkeypatch.context() as patch:
+        patch.setattr(source_module, "iter_hf_tensors", recorded)
+        layers, result = served_from_blocks(gguf)
+    assert read and not [name for name in read if ".experts." in name], read
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj" if
                                                                          family == "gemma4" else
                                                                          "model.layers.3.mlp.gate_up_proj"] == "q4"
-    assert not any(f.startswith("experts_") for f in layers.values()), layers
+    banks = {name: fmt for name, fmt in layers.items() if fmt.startswith("experts_")}
+    width = source.config.gemma4.expert_intermediate_size if source.config.gemma4 is not None else 0
+    assert banks == ({} if family == "gemma4" else {
+        f"model.layers.{layer}.experts": f"experts_q4_{width}" for layer in range(source.config.num_hidden_layers)
+    }), layers
     float_weights = dict(source.weights())
+    for bank in banks:  # each expert's rows of the fused float bank, as its kernel holds them (gate, then up)
+        gate_up, down = float_weights[f"{bank}.gate_up_proj"], float_weights[f"{bank}.down_proj"]
+        for expert, (packed, packed_down) in enumerate(zip(stored[bank].gate_up, stored[bank].down, strict=True)):
+            assert torch.equal(packed.dequantize(), gate_up[expert]), (bank, expert)
+            assert torch.equal(packed_down.dequantize(), down[expert]), (bank, expert)
     if family == "gemma4":  # the per-layer input table's Q8_0 blocks, looked up as the file holds them
         table = stored["model.embed_tokens_per_layer"].dequantize()
         assert torch.equal(table, float_weights["model.embed_tokens_per_layer.weight"])
     for name, weight in stored.items():
-        if name.endswith(("qkv_proj", "gate_up_proj")):
+        if name.endswith(("qkv_proj", "gate_up_proj")) or name in banks:
             continue  # fused from parts: their parts are the other families' tests'
         assert torch.equal(weight.dequantize(), float_weights[f"{name}.weight"]), name
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, (family, result)

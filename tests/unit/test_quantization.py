@@ -137,7 +137,7 @@ def test_the_converted_folders_tensor_index_maps_the_blocks_the_file_parse_finds
             assert other.row_order is not None and np.array_equal(other.row_order, matrix.row_order), name
 
 
-class _Recorded:
+class RecordedTensor:
     """A lazy checkpoint tensor that adds its name to `read` when read."""
 
     def __init__(self, name: str, tensor: LazyTensor, read: set[str]) -> None:
@@ -173,7 +173,7 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     def recorded(tensors: Any, config: Any, spec: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
         assert lazy, "read whole"
         for name, tensor in real(tensors, config, spec, lazy=True):
-            yield name, _Recorded(name, tensor, read)
+            yield name, RecordedTensor(name, tensor, read)
 
     with mock.patch.object(source_module, "iter_hf_tensors", recorded):
         quantized = make_llm("default", "auto")  # auto: the file's own blocks on the CPU
