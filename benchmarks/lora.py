@@ -43,11 +43,10 @@ def write_random_adapter(
 
     from engine_server.lora.targets import module_targets
 
-    targets = module_targets(config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
-        for path, target in targets.items():
+        for path, target in module_targets(config, layer).items():
             if path.rsplit(".", 1)[-1] not in modules:
                 continue
             prefix = f"base_model.model.model.layers.{layer}.{path}"

@@ -318,6 +318,15 @@ class ModelConfig:
         """The layer whose K/V layer `index` attends over: itself, unless it shares an earlier one's (Gemma 4)."""
         return self.gemma4.kv_sources[index] if self.gemma4 is not None else index
 
+    def qkv_parts(self, index: int) -> int:
+        """How many of q, k and v layer `index`'s fused `qkv_proj` holds, in that order: 1 where it attends over an
+        earlier layer's K/V (`kv_source`: the queries alone), 2 on a Gemma 4 full-attention layer whose values are
+        its keys' projection (`Gemma4Layout.keys_as_values`), else 3."""
+        if self.kv_source(index) != index:
+            return 1
+        keys_as_values = self.gemma4 is not None and self.gemma4.keys_as_values and self.is_global_layer(index)
+        return 2 if keys_as_values else 3
+
     def layer_intermediate_size(self, index: int) -> int:
         """Layer `index`'s dense MLP width: `intermediate_size`, twice that for Gemma 4's wide layers."""
         wide = self.gemma4 is not None and index in self.gemma4.wide_mlp_layers

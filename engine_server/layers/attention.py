@@ -69,8 +69,7 @@ class PagedSelfAttention(nn.Module):
         self.keys_as_values = layout is not None and layout.keys_as_values and config.is_global_layer(index)
         parts: tuple[PartSlice, ...] = qkv_slices(config.num_attention_heads, kv_heads, self.head_dim, tp.size,
                                                   tp.rank)  # fmt: skip
-        if self.shares_kv or self.keys_as_values:  # the queries alone, or the queries and keys
-            parts = parts[:1] if self.shares_kv else parts[:2]
+        parts = parts[: config.qkv_parts(index)]  # the queries alone, or the queries and keys, or all three
         self.output_gate = config.attention_output_gate
         if self.output_gate:  # each head's rows are its query's, then its gate's: twice the rows, head for head
             q_part = parts[0]
@@ -126,7 +125,7 @@ class PagedSelfAttention(nn.Module):
         if lora is not None:
             qkv = lora.add("qkv_proj", hidden, qkv, ops)
         if self.shares_kv:
-            return self._attend_shared(positions, qkv, kv_cache, cos_sin_cache, meta, ops)
+            return self._attend_shared(positions, qkv, kv_cache, cos_sin_cache, meta, ops, lora)
         if self.keys_as_values:
             q, k = qkv.split([self.q_width, self.kv_size], dim=-1)
             v = k
@@ -172,9 +171,11 @@ class PagedSelfAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        lora: LayerLora | None,
     ) -> torch.Tensor:
         """A layer over an earlier layer's K/V (Gemma 4): its queries (normed, turned) attend over the shared cache,
-        which that layer has written this step's K/V into already; nothing is written."""
+        which that layer has written this step's K/V into already; nothing is written. `lora`: the step's adapters
+        on o_proj (the queries have theirs already)."""
         tokens = q.shape[0]
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         if self.q_norm is not None:
@@ -182,7 +183,7 @@ class PagedSelfAttention(nn.Module):
         if self.rope:  # rotary_embedding takes a k too (and leaves its inputs as they are): q's own
             q, _ = ops.rotary_embedding(positions, q, q, cos_sin_cache)
         out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks)
-        return self._project(out.reshape(tokens, self.q_size), ops, None)
+        return self._project(out.reshape(tokens, self.q_size), ops, lora)
 
     def _project(self, out: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
         projected = self.o_proj(out)

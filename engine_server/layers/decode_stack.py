@@ -149,7 +149,7 @@ def register_lora(model: DecoderModel, slots: LoraSlots) -> bool:
         return False
     for layer, projections in enumerate(slots.stacks):
         for name, (a, bs) in projections.items():
-            segments = slots.shapes[name].segments
+            segments = slots.shapes[layer][name].segments
             offsets, parts = [segment.out_offset for segment in segments], [segment.part for segment in segments]
             stack.set_lora(layer, PROJECTIONS.index(name), a, bs, offsets, parts, slots.max_rank)
     model.decode_stack_lora = slots

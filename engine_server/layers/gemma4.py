@@ -4,6 +4,8 @@ over earlier layers' K/V (the attention's side: `layers.attention.PagedSelfAtten
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,13 +166,14 @@ class Gemma4DecoderModel(DecoderModel):
         residual: torch.Tensor | None = None
         full: tuple[torch.Tensor, torch.Tensor] | None = None  # (all rows' hidden states, the rows kept)
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if index == self.first_sharing_layer and meta.last_rows_only and lora is None and meta.max_query_len > 1:
+            if index == self.first_sharing_layer and meta.last_rows_only and meta.max_query_len > 1:
                 # The sharing layers write no K/V: where the step reads each sequence's last token alone, the
                 # other tokens' states past here are never read, so these layers run for the last tokens only.
                 rows, meta = meta.last_rows
                 full = (hidden, rows)
                 hidden, positions = hidden.index_select(0, rows), positions.index_select(0, rows)
                 per_layer = None if per_layer is None else per_layer.index_select(0, rows)
+                lora = None if lora is None else replace(lora, slots=lora.slots.index_select(0, rows))
             table = local if self.local_rope_layers[index] else cos_sin
             layer_input = None if per_layer is None else per_layer[:, index]
             hidden, residual = layer(positions, hidden, residual, kv_cache, table, meta, ops, lora, layer_input)

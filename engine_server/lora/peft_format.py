@@ -76,7 +76,6 @@ def read_peft_adapter(path: str, name: str, key: str, config: ModelConfig, max_r
     folder = Path(path)
     settings = _read_settings(folder)
     tensors = _read_tensors(folder)
-    targets = module_targets(config)
     pairs: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _TENSOR_NAME.fullmatch(tensor_name)
@@ -86,7 +85,7 @@ def read_peft_adapter(path: str, name: str, key: str, config: ModelConfig, max_r
         path_in_model, layer, module, side = match[1], int(match[2]), match[3], match[4]
         pairs.setdefault((layer, module, path_in_model), {})[side] = tensor
     pieces = [
-        _piece(layer, module, path_in_model, sides, targets, config, settings, max_rank)
+        _piece(layer, module, path_in_model, sides, config, settings, max_rank)
         for (layer, module, path_in_model), sides in sorted(pairs.items())
     ]
     if not pieces:
@@ -100,17 +99,18 @@ def _piece(
     module: str,
     path_in_model: str,
     sides: dict[str, torch.Tensor],
-    targets: dict[str, Target],
     config: ModelConfig,
     settings: dict[str, Any],
     max_rank: int,
 ) -> LoraPiece:
     where = f"layers.{layer}.{module}"
-    if module not in targets:
-        raise _invalid(f"{where}: ladle serves adapters on {', '.join(sorted(targets))}, not {module!r}")
-    target = targets[module]
     if not 0 <= layer < config.num_hidden_layers:
         raise _invalid(f"{where}: the model has {config.num_hidden_layers} layers")
+    targets = module_targets(config, layer)
+    if module not in targets:
+        raise _invalid(f"{where}: ladle serves adapters on {', '.join(sorted(targets))} in layer {layer}, "
+                       f"not {module!r}")
+    target = targets[module]
     if target.projection in MLP_PROJECTIONS and config.is_moe_layer(layer):
         raise _invalid(f"{where}: layer {layer}'s MLP is a mixture of experts; adapters on experts are not served")
     if target.projection not in MLP_PROJECTIONS and config.is_linear_layer(layer):

@@ -1,7 +1,8 @@
 """Adapters' weights stacked in slots on the model's device, and their application to a step's rows.
 
-For each layer and fused projection (`targets.PROJECTIONS`) the slots hold `a` `[S, P * R, in]` and, per segment
-(`targets.Segment`), `b` `[S, R, rows]` (S = --max-loras, R = --max-lora-rank, P the projection's segments): slot s
+For each layer and fused projection (`targets.PROJECTIONS`, in the layer's own shape: Gemma 4's differ) the slots
+hold `a` `[S, P * R, in]` and, per segment (`targets.Segment`), `b` `[S, R, rows]` (S = --max-loras,
+R = --max-lora-rank, P the projection's segments): slot s
 is one adapter, each of its modules in its segments' rank blocks and rows, B transposed and already scaled,
 everything else zero. A step's rows of many adapters then run as one shrink per projection and one expand per
 segment (`KernelOps.lora_shrink` / `lora_expand`), indexed by each row's slot (-1: the base model alone).
@@ -34,7 +35,7 @@ class LoraSlots:
     ) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.shapes = projection_shapes(config)
+        self.shapes = [projection_shapes(config, layer) for layer in range(config.num_hidden_layers)]  # per layer
         # Per layer: projection -> (a, one b per segment). A mixture-of-experts layer has no dense MLP to adapt, a
         # linear-attention layer no attention.
         self.stacks: list[dict[str, tuple[torch.Tensor, list[torch.Tensor]]]] = []
@@ -45,7 +46,7 @@ class LoraSlots:
                     continue
                 if name not in MLP_PROJECTIONS and config.is_linear_layer(layer):
                     continue  # Gated DeltaNet (Qwen3.5): no q/k/v/o projections to adapt
-                shape = self.shapes[name]
+                shape = self.shapes[layer][name]
                 a = torch.zeros(max_loras, shape.parts * max_rank, shape.in_features, dtype=dtype, device=device)
                 b = [torch.zeros(max_loras, max_rank, seg.out_features, dtype=dtype, device=device)
                      for seg in shape.segments]  # fmt: skip
@@ -74,7 +75,8 @@ class LoraSlots:
             a, bs = self.stacks[piece.layer][target.projection]
             r = piece.a.shape[0]
             first, last = target.out_offset, target.out_offset + target.out_features
-            for index, (segment, b) in enumerate(zip(self.shapes[target.projection].segments, bs, strict=True)):
+            segments = self.shapes[piece.layer][target.projection].segments
+            for index, (segment, b) in enumerate(zip(segments, bs, strict=True)):
                 lo, hi = max(first, segment.out_offset), min(last, segment.out_offset + segment.out_features)
                 if lo >= hi:
                     continue
@@ -111,12 +113,13 @@ class LoraBatch:
     def layer(self, index: int) -> LayerLora:
         """The step's adapters in layer `index`."""
         weights = self.weights
-        return LayerLora(weights.stacks[index], weights.shapes, weights.max_rank, self.slots, self.changed)
+        return LayerLora(weights.stacks[index], weights.shapes[index], weights.max_rank, self.slots, self.changed)
 
 
 @dataclass(frozen=True)
 class LayerLora:
-    """One layer's slot weights and the step's per-token slots: what the layer's projections add."""
+    """One layer's slot weights (`shapes`: its projections') and the step's per-token slots: what the layer's
+    projections add."""
 
     stacks: dict[str, tuple[torch.Tensor, list[torch.Tensor]]]
     shapes: dict[str, ProjectionShape]

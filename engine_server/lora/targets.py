@@ -52,36 +52,43 @@ class ProjectionShape:
         return len(self.segments)
 
 
-def _query_rows(config: ModelConfig) -> tuple[int, int]:
-    """(q_proj's rows, the attention output's width): the same, or with an output gate (Qwen3-Next, Qwen3.5) each
-    head's query rows and then its gate's, twice the rows."""
-    width = config.num_attention_heads * config.head_dim
+def _query_rows(config: ModelConfig, layer: int) -> tuple[int, int]:
+    """(q_proj's rows, the attention output's width) in `layer`: the same, or with an output gate (Qwen3-Next,
+    Qwen3.5) each head's query rows and then its gate's, twice the rows."""
+    width = config.num_attention_heads * config.layer_head_dim(layer)
     return (2 * width if config.attention_output_gate else width), width
 
 
-def projection_shapes(config: ModelConfig) -> dict[str, ProjectionShape]:
-    """Each fused projection's shape in a dense layer of `config` (`config.intermediate_size` wide MLP)."""
-    q, width = _query_rows(config)
-    kv = config.num_key_value_heads * config.head_dim
-    hidden, inner = config.hidden_size, config.intermediate_size
+def projection_shapes(config: ModelConfig, layer: int) -> dict[str, ProjectionShape]:
+    """Each fused projection's shape in dense layer `layer` of `config`: its heads' (Gemma 4's full-attention layers
+    have their own), the q/k/v its `qkv_proj` holds (`ModelConfig.qkv_parts`), its MLP's width."""
+    q, width = _query_rows(config, layer)
+    kv = config.layer_kv_heads(layer) * config.layer_head_dim(layer)
+    hidden, inner = config.hidden_size, config.layer_intermediate_size(layer)
+    qkv = (Segment(0, q, 0), Segment(q, kv, 1), Segment(q + kv, kv, 2))[: config.qkv_parts(layer)]
     return {
-        "qkv_proj": ProjectionShape(hidden, (Segment(0, q, 0), Segment(q, kv, 1), Segment(q + kv, kv, 2))),
+        "qkv_proj": ProjectionShape(hidden, qkv),
         "o_proj": ProjectionShape(width, (Segment(0, hidden, 0),)),
         "gate_up_proj": ProjectionShape(hidden, (Segment(0, inner, 0), Segment(inner, inner, 1))),
         "down_proj": ProjectionShape(inner, (Segment(0, hidden, 0),)),
     }
 
 
-def module_targets(config: ModelConfig) -> dict[str, Target]:
-    """Every module path an adapter may change (`self_attn.q_proj`, `mlp.gate_up_proj`, ...) and its place."""
-    q, width = _query_rows(config)
-    kv = config.num_key_value_heads * config.head_dim
-    hidden, inner = config.hidden_size, config.intermediate_size
+def module_targets(config: ModelConfig, layer: int) -> dict[str, Target]:
+    """Every module path an adapter may change in layer `layer` (`self_attn.q_proj`, `mlp.gate_up_proj`, ...) and
+    its place: k_proj and v_proj only where the layer has them (`ModelConfig.qkv_parts`)."""
+    q, width = _query_rows(config, layer)
+    kv = config.layer_kv_heads(layer) * config.layer_head_dim(layer)
+    hidden, inner = config.hidden_size, config.layer_intermediate_size(layer)
+    parts = config.qkv_parts(layer)
+    attention = {"self_attn.q_proj": Target("qkv_proj", 0, q, hidden)}
+    if parts > 1:
+        attention["self_attn.k_proj"] = Target("qkv_proj", q, kv, hidden)
+    if parts > 2:
+        attention["self_attn.v_proj"] = Target("qkv_proj", q + kv, kv, hidden)
     return {
-        "self_attn.q_proj": Target("qkv_proj", 0, q, hidden),
-        "self_attn.k_proj": Target("qkv_proj", q, kv, hidden),
-        "self_attn.v_proj": Target("qkv_proj", q + kv, kv, hidden),
-        "self_attn.qkv_proj": Target("qkv_proj", 0, q + 2 * kv, hidden),
+        **attention,
+        "self_attn.qkv_proj": Target("qkv_proj", 0, q + (parts - 1) * kv, hidden),
         "self_attn.o_proj": Target("o_proj", 0, hidden, width),
         "mlp.gate_proj": Target("gate_up_proj", 0, inner, hidden),
         "mlp.up_proj": Target("gate_up_proj", inner, inner, hidden),

@@ -175,10 +175,10 @@ def random_adapter(model: ModelConfig, name: str, modules: tuple[str, ...], rank
     """An adapter of `rank` on `modules` of every layer (an MLP's modules only where the MLP is dense), its weights
     drawn from `seed` and large enough to change the greedy tokens."""
     gen = torch.Generator().manual_seed(seed)
-    targets, pieces = module_targets(model), []
+    pieces = []
     for layer in range(model.num_hidden_layers):
         for module in modules:
-            target = targets[module]
+            target = module_targets(model, layer)[module]
             if target.projection in MLP_PROJECTIONS and model.is_moe_layer(layer):
                 continue
             a = torch.randn(rank, target.in_features, generator=gen) * 0.3

@@ -260,10 +260,6 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
-    with_adapters = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                                 lora=LoraConfig(max_loras=1, max_lora_rank=8))  # fmt: skip
-    with pytest.raises(ValueError, match="LoRA adapters are not applied to Gemma 4 yet"):
-        LLM(config=with_adapters)
 
 
 def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
@@ -41,10 +42,12 @@ def prompts(count: int = 4, seed: int = 7) -> list[list[int]]:
     return [[rng.randrange(10, VOCAB_SIZE) for _ in range(rng.choice((1, 5, 17, 40, 70)))] for _ in range(count)]
 
 
-def engine(base: Path, max_loras: int = 4, quantization: str = "none", **lora: Any) -> LLM:
+def engine(
+    base: Path, max_loras: int = 4, quantization: str = "none", max_num_batched_tokens: int = 4096, **lora: Any
+) -> LLM:
     config = EngineConfig(
         model=str(base), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=64 * 1024**2),
-        scheduler=SchedulerConfig(max_num_batched_tokens=4096),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
         lora=LoraConfig(max_loras=max_loras, max_lora_rank=16, **lora),
     )  # fmt: skip
     return LLM(config=config)
@@ -112,6 +115,42 @@ def test_phi3_fused_projections_equal_peft(tmp_path: Path) -> None:
     assert expected != hf_greedy(load_reference(base), prompts(), NUM_TOKENS)
 
 
+@pytest.mark.parametrize("family", ["gemma4", "gemma4-moe"])
+def test_gemma4_adapters_equal_peft_on_every_kind_of_layer(family: str, tmp_path: Path) -> None:
+    """Gemma 4's layers differ in shape (tests/families.py): sliding layers' heads 16 wide, full-attention layers'
+    32 wide with one KV head and no v_proj (values are the keys' projection), the last two layers no k/v_proj (they
+    read earlier layers' K/V) and MLPs twice as wide; its experts model has a dense MLP beside the experts. Adapters
+    on every projection they have equal PEFT token for token, in one batch with the base model and a second
+    adapter (so the sharing layers' last-token rows keep each row's adapter) and prefilled in 16-token chunks."""
+    base = save_family(tmp_path / family, family, head_spread=0.5)
+    folders = {
+        "all-r8": save_adapter(base, tmp_path / "all", ATTENTION + MLP, 8, seed=6),
+        "qv-r4": save_adapter(base, tmp_path / "qv", ["q_proj", "v_proj"], 4, seed=7),
+    }
+    expected: dict[str | None, list[list[int]]] = {None: hf_greedy(load_reference(base), prompts(), NUM_TOKENS)}
+    for name, folder in folders.items():
+        expected[name] = hf_greedy(load_peft(base, folder), prompts(), NUM_TOKENS)
+    assert expected["all-r8"] != expected[None] and expected["qv-r4"] != expected[None]
+    names: list[str | None] = [None, *folders]
+    batch = [prompt for _ in names for prompt in prompts()]
+    adapters = [name for name in names for _ in prompts()]
+    for chunk in (4096, 16):
+        llm = engine(base, max_num_batched_tokens=chunk)
+        for name, folder in folders.items():
+            llm.load_adapter(name, str(folder))
+        got = tokens(llm.generate(batch, GREEDY, adapters=adapters, use_tqdm=False))
+        assert [got[i * 4 : (i + 1) * 4] for i in range(len(names))] == [expected[n] for n in names], (family, chunk)
+    # A projection the layer lacks (a K/V-sharing layer's k_proj; a full-attention layer's v_proj) is refused by name.
+    layer, module = (4, "k_proj") if family == "gemma4" else (2, "v_proj")
+    hidden = json.loads((base / "config.json").read_text())["hidden_size"]
+    prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+    tensors = {f"{prefix}.lora_A.weight": torch.zeros(4, hidden), f"{prefix}.lora_B.weight": torch.zeros(16, 4)}
+    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": [module]}
+    with pytest.raises(ValidationError, match=f"in layer {layer}, not 'self_attn.{module}'"):
+        llm.load_adapter("lacking", str(_write_adapter(tmp_path / "lacking", settings, tensors)))
+    llm.close()
+
+
 def test_adapter_equals_its_weights_merged_into_the_base(models: Any, tmp_path: Path) -> None:
     base, folders, _ = models
     for name in ("attention-r8", "mlp-r16-rslora"):
@@ -167,8 +206,6 @@ def _write_adapter(folder: Path, config: dict[str, Any], tensors: dict[str, Any]
 
 
 def test_adapters_ladle_does_not_apply_are_refused_by_name(models: Any, tmp_path: Path) -> None:
-    import torch
-
     base, folders, _ = models
     llm = engine(base)
     good = folders["qv-r8"]
