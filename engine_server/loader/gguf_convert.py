@@ -2,7 +2,8 @@
 index), and read its weights from the file itself in Hugging Face form (`iter_hf_tensors`).
 
 The folder holds no weights: a quantized engine serves the file's blocks (`gguf_quant`), and every other reader
-dequantizes the file's tensors as it loads them (fp32, transformers' own dequantization: gguf's). A float copy was
+dequantizes the file's tensors as it loads them (fp32, gguf's values: transformers' GGUF loader's; the engine's own
+block decoding computes them where it has one, `gguf_blocks`). A float copy was
 ~7x the file (fp32 of 4.5-bit blocks: 517 MB for the embedded model's 90 MB, ~28 GB for a 7B Q4_K_M), written at
 the first start. `write_float_checkpoint` writes one where a whole checkpoint is wanted (transformers' oracle).
 

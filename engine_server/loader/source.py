@@ -64,7 +64,7 @@ class ModelSource:
     fp8: Fp8Checkpoint | None = None  # an FP8 checkpoint's layout, whose e4m3 weights can be served as they are
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield every parameter once, in unspecified order: fp32 (converted/dummy) or the stored dtype."""
+        """Yield every parameter once, in unspecified order: fp32 (a GGUF file, dummy) or the stored dtype."""
         if self.random_weights:
             return iter_random_weights(self.config, self.seed)
         if self.gguf_path is not None:
