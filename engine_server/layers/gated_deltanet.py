@@ -19,6 +19,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LinearAttention, ModelConfig
+from engine_server.loader.lazy_tensor import LazyTensor, derived
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
@@ -58,37 +59,52 @@ class DepthwiseConv(nn.Module):
             self.weight.copy_(torch.cat([whole[rows.start : rows.stop] for rows in self.kept]))
 
 
-def split_qkv(name: str, tensor: CheckpointTensor, shape: LinearAttention) -> list[tuple[str, torch.Tensor]]:
+def split_qkv(name: str, tensor: CheckpointTensor, shape: LinearAttention) -> list[tuple[str, CheckpointTensor]]:
     """Qwen3.5's `in_proj_qkv` weight as its q, k and v rows (`in_proj_q`, `in_proj_k`, `in_proj_v`), each a part of
-    `GatedDeltaNet.in_proj` that tensor parallelism splits by heads. ValueError when the rows do not add up."""
-    whole = read_whole(tensor)
-    if whole.dim() != 2 or whole.shape[0] != shape.conv_dim:
-        raise ValueError(f"weight {name!r} of shape {tuple(whole.shape)}: expected {shape.conv_dim} rows")
-    base = name.removesuffix("_qkv.weight")
-    q, k, v = whole.split([shape.key_dim, shape.key_dim, shape.value_dim])
-    return [(f"{base}_q.weight", q), (f"{base}_k.weight", k), (f"{base}_v.weight", v)]
+    `GatedDeltaNet.in_proj` that tensor parallelism splits by heads; unread parts of an unread tensor (a layer
+    served from a GGUF file's blocks reads none). ValueError when the rows do not add up."""
+    if tensor.dim() != 2 or tensor.shape[0] != shape.conv_dim:
+        raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)}: expected {shape.conv_dim} rows")
+    return _row_parts(name.removesuffix("_qkv.weight") + "_{}.weight", tensor, ("q", "k", "v"),
+                      [shape.key_dim, shape.key_dim, shape.value_dim], groups=1)  # fmt: skip
 
 
 def split_grouped_projections(
     name: str, tensor: CheckpointTensor, shape: LinearAttention
-) -> list[tuple[str, torch.Tensor]]:
+) -> list[tuple[str, CheckpointTensor]]:
     """Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` weight as the parts `GatedDeltaNet.in_proj` loads: rows grouped by
     key head (`[q, k, v, z]` of each group, `[b, a]` of each) become `in_proj_q`, `in_proj_k`, `in_proj_v` and
-    `in_proj_z` (or `in_proj_b` and `in_proj_a`), each head in its order. ValueError when the rows do not add up."""
-    whole = read_whole(tensor)
+    `in_proj_z` (or `in_proj_b` and `in_proj_a`), each head in its order; unread parts of an unread tensor.
+    ValueError when the rows do not add up."""
     groups, per_group = shape.num_key_heads, shape.num_value_heads // shape.num_key_heads
     base = name.rpartition(".in_proj_")[0]
+    names: tuple[str, ...]
     if name.endswith("in_proj_qkvz.weight"):
         value_rows = per_group * shape.value_head_dim
-        sizes = [shape.key_head_dim, shape.key_head_dim, value_rows, value_rows]
+        sizes, names = [shape.key_head_dim, shape.key_head_dim, value_rows, value_rows], ("q", "k", "v", "z")
     else:
-        sizes = [per_group, per_group]
-    if whole.dim() != 2 or whole.shape[0] != groups * sum(sizes):
-        raise ValueError(f"weight {name!r} of shape {tuple(whole.shape)}: expected {groups * sum(sizes)} rows")
-    parts = whole.view(groups, sum(sizes), whole.shape[1]).split(sizes, dim=1)
-    rows = [part.reshape(-1, whole.shape[1]) for part in parts]
-    names = ("q", "k", "v", "z") if len(rows) == 4 else ("b", "a")
-    return [(f"{base}.in_proj_{part}.weight", part_rows) for part, part_rows in zip(names, rows, strict=True)]
+        sizes, names = [per_group, per_group], ("b", "a")
+    if tensor.dim() != 2 or tensor.shape[0] != groups * sum(sizes):
+        raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)}: expected {groups * sum(sizes)} rows")
+    return _row_parts(base + ".in_proj_{}.weight", tensor, names, sizes, groups)
+
+
+def _row_parts(
+    pattern: str, tensor: CheckpointTensor, names: tuple[str, ...], sizes: list[int], groups: int
+) -> list[tuple[str, CheckpointTensor]]:
+    """`tensor`'s rows, `groups` groups each of parts `sizes` rows in turn, as one tensor per part (its rows of every
+    group), named `pattern.format(name)`: now, or unread for an unread tensor (`loader.lazy_tensor.derived`)."""
+    columns = tensor.shape[1]
+
+    def part(index: int) -> CheckpointTensor:
+        def cut(whole: torch.Tensor) -> torch.Tensor:
+            return whole.view(groups, sum(sizes), columns).split(sizes, dim=1)[index].reshape(-1, columns)
+
+        if isinstance(tensor, LazyTensor):
+            return derived(tensor, (groups * sizes[index], columns), cut)
+        return cut(read_whole(tensor))
+
+    return [(pattern.format(name), part(index)) for index, name in enumerate(names)]
 
 
 class GatedDeltaNet(nn.Module):

@@ -48,6 +48,7 @@ CONVERTER_VERSION = 7
 TENSOR_INDEX = "gguf_tensors.json"
 SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is written: one shard is held at a time
 _FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
+_SQUEEZED_CONVOLUTION = ".linear_attn.conv1d.weight"  # a hybrid's [channels, 1, kernel], stored as [channels, kernel]
 # numpy's type of the tensors gguf stores as plain arrays; every other type is blocks of bytes.
 _ARRAY_TYPES = {
     GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F64: np.float64,
@@ -254,8 +255,8 @@ def iter_hf_tensors(
     Gated DeltaNet hybrid's tensors as its checkpoint holds them (`gguf_hybrid.CheckpointForm`).
 
     `lazy`: each comes unread (`LazyTensor`), its bytes dequantized only if loading reads it (what a quantized
-    engine serves from the blocks is never dequantized); a hybrid's linear-attention tensors, rebuilt from the
-    file's as they come, are read at once. ValueError names `spec` for a tensor of no known name or type."""
+    engine serves from the blocks is never dequantized); Qwen3-Next's q/k/v and z, joined again from two of the
+    file's tensors, are read at once. ValueError names `spec` for a tensor of no known name or type."""
     model_type = config["model_type"]
     hybrid = CheckpointForm(HybridShape.from_config(config, model_type), model_type) \
         if model_type in TILED_VALUE_HEADS else None
@@ -272,10 +273,12 @@ def iter_hf_tensors(
             continue
         assert name is not None
         restore = _restore(name, config)
-        if hybrid is not None and hybrid.changes(name):
+        if hybrid is not None and hybrid.holds_back(name):
             for checkpoint_name, array in hybrid.take(name, restore(_dequantized(tensor, spec))):
                 yield checkpoint_name, _float32(array)
             continue
+        if hybrid is not None and hybrid.changes(name):
+            restore = _taken(hybrid, name, restore)
         yield name, _hf_weight(tensor, spec, name, restore, lazy)
     if hybrid is not None:
         hybrid.finish()
@@ -302,6 +305,18 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     return lambda array: array
 
 
+def _taken(
+    hybrid: CheckpointForm, name: str, restore: Callable[[np.ndarray], np.ndarray]
+) -> Callable[[np.ndarray], np.ndarray]:
+    """`restore`, then what `hybrid` changes in tensor `name` (one it gives back at once, alone)."""
+
+    def restored(array: np.ndarray) -> np.ndarray:
+        ((_, taken),) = hybrid.take(name, restore(array))
+        return taken
+
+    return restored
+
+
 def _hf_weight(
     tensor: GgufTensor, spec: str, name: str, restore: Callable[[np.ndarray], np.ndarray], lazy: bool,
     expert: int | None = None,
@@ -319,6 +334,8 @@ def _hf_weight(
     shape = tuple(data.shape) if plain else quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
     if name.endswith(_FLATTENED_GATE):
         shape = (1, int(np.prod(shape)))
+    elif name.endswith(_SQUEEZED_CONVOLUTION):
+        shape = (shape[0], 1, *shape[1:])
     return LazyTensor(ComputedSlice(shape, read))
 
 

@@ -92,6 +92,11 @@ class CheckpointForm:
         return name.endswith(_CHANGED) or (linear and name.endswith(_CHANGED_LINEAR)) or (
             name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"))
 
+    def holds_back(self, name: str) -> bool:
+        """Whether `take` may hold `name` back for another tensor (Qwen3-Next's q/k/v and z, joined again): every
+        other tensor it gives back at once, alone and under its own name."""
+        return self.grouped_qkvz and name.endswith((".in_proj_qkv.weight", ".in_proj_z.weight"))
+
     def take(self, name: str, weight: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
         """The checkpoint tensors that `name`'s file values (`weight`, fp32) complete: itself changed back (module
         doc), both of Qwen3-Next's `in_proj_qkvz` halves once the second comes, or nothing yet."""

@@ -83,3 +83,10 @@ class LazyTensor:
 
     def __repr__(self) -> str:
         return f"LazyTensor(shape={tuple(self.shape)})"
+
+
+
+def derived(tensor: LazyTensor, shape: tuple[int, ...], derive: Callable[[torch.Tensor], torch.Tensor]) -> LazyTensor:
+    """An unread tensor of `shape`: `derive` of all of `tensor` once it is read (a part of a checkpoint tensor that
+    a replaced layer never reads, so neither is the tensor)."""
+    return LazyTensor(ComputedSlice(shape, lambda: derive(tensor.materialize())))

@@ -33,7 +33,7 @@ from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from engine_server.quantization import stored_weights
 from tests.families import float_checkpoint, save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
-from tests.unit.test_quantization import RecordedTensor
+from tests.unit.test_quantization import recorded_tensor
 
 pytestmark = pytest.mark.slow  # engines, conversions and transformers' models of their own
 
@@ -93,6 +93,22 @@ def keep_stored_weights(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr(model_loading, "stored_weights", keep)
     return stored
+
+
+def served_from_blocks_reading(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, str], Any, set[str]]:
+    """`served_from_blocks`, and the names of the file's tensors the engine serving the blocks read of those that come
+    unread (all but Qwen3-Next's q/k/v and z, joined from two of the file's tensors as they come)."""
+    read: set[str] = set()
+    real = source_module.iter_hf_tensors
+
+    def recorded(tensors: Any, config: Any, spec: str, lazy: bool = False) -> Any:
+        for name, tensor in real(tensors, config, spec, lazy=lazy):
+            yield name, recorded_tensor(name, tensor, read)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(source_module, "iter_hf_tensors", recorded)
+        layers, result = served_from_blocks(gguf)
+    return layers, result, read
 
 
 def served_from_blocks(gguf: Path, tensor_parallel_size: int = 1) -> tuple[dict[str, str], Any]:
@@ -409,7 +425,9 @@ def test_a_hybrid_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
         assert tokens(llm, prompts()) == converted_reference_tokens(source), family
 
     stored = keep_stored_weights(monkeypatch)
-    layers, result = served_from_blocks(gguf)
+    layers, result, read = served_from_blocks_reading(gguf, monkeypatch)
+    assert not [name for name in read if ".in_proj" in name or ".out_proj" in name], read  # none dequantized
+    assert any(name.endswith(".linear_attn.conv1d.weight") for name in read), read
     shape = source.config.linear_attention
     assert shape is not None
     for layer in shape.layers:
@@ -498,17 +516,8 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == converted_reference_tokens(source), family
     stored = keep_stored_weights(monkeypatch)
-    read: set[str] = set()  # the file's tensors dequantized while the blocks are served: no bank among them
-    real = source_module.iter_hf_tensors
-
-    def recorded(tensors: Any, config: Any, spec: str, lazy: bool = False) -> Any:
-        for name, tensor in real(tensors, config, spec, lazy=lazy):
-            yield name, RecordedTensor(name, tensor, read) if lazy else tensor
-
-    with monkeypatch.context() as patch:
-        patch.setattr(source_module, "iter_hf_tensors", recorded)
-        layers, result = served_from_blocks(gguf)
-    assert read and not [name for name in read if ".experts." in name], read
+    layers, result, read = served_from_blocks_reading(gguf, monkeypatch)
+    assert read and not [name for name in read if ".experts." in name], read  # no bank dequantized
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.gate_up_proj" if
                                                                          family == "gemma4" else
                                                                          "model.layers.3.mlp.gate_up_proj"] == "q4"

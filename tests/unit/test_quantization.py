@@ -137,18 +137,23 @@ def test_the_converted_folders_tensor_index_maps_the_blocks_the_file_parse_finds
             assert other.row_order is not None and np.array_equal(other.row_order, matrix.row_order), name
 
 
-class RecordedTensor:
-    """A lazy checkpoint tensor that adds its name to `read` when read."""
+class _RecordingSlice:
+    """A `SafeSlice` over a lazy checkpoint tensor that adds the tensor's name to `read` when it is read."""
 
     def __init__(self, name: str, tensor: LazyTensor, read: set[str]) -> None:
-        self.name, self.tensor, self.read, self.shape = name, tensor, read, tensor.shape
+        self.name, self.tensor, self.read = name, tensor, read
 
-    def dim(self) -> int:
-        return self.tensor.dim()
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
 
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         self.read.add(self.name)
-        return self.tensor.narrow(dim, start, length)
+        return self.tensor.materialize()[index]
+
+
+def recorded_tensor(name: str, tensor: Any, read: set[str]) -> Any:
+    """`tensor`, which adds `name` to `read` when read if it is a lazy one (a tensor given whole is read already)."""
+    return LazyTensor(_RecordingSlice(name, tensor, read)) if isinstance(tensor, LazyTensor) else tensor
 
 
 @needs_kernels
@@ -173,7 +178,7 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     def recorded(tensors: Any, config: Any, spec: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
         assert lazy, "read whole"
         for name, tensor in real(tensors, config, spec, lazy=True):
-            yield name, RecordedTensor(name, tensor, read)
+            yield name, recorded_tensor(name, tensor, read)
 
     with mock.patch.object(source_module, "iter_hf_tensors", recorded):
         quantized = make_llm("default", "auto")  # auto: the file's own blocks on the CPU
