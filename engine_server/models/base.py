@@ -254,8 +254,8 @@ class CausalLM(nn.Module):
             or tensor.shape[0] != bank.num_experts or (bias and bank.b13 is None)
         ):  # fmt: skip
             raise ValueError(f"unexpected weight {name!r} of shape {tuple(tensor.shape)}")
-        parts = ["down"] if match["proj"] == "down_proj" else ["gate", "up"]
         if match["bank"] in replaced and not bias:
+            parts = ["down"] if match["proj"] == "down_proj" else ["gate", "up"]
             return [(match["bank"], f"{expert}.{part}") for expert in range(bank.num_experts) for part in parts]
         whole = read_whole(tensor)
         loaded = []
