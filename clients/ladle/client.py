@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ladle.auth import bearer_metadata
+from ladle.kept_status import KeptStatusCall
 from ladle.tracing import context_metadata
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 
@@ -220,8 +221,11 @@ class AsyncEngineClient:
         metadata: Sequence[tuple[str, str]] = (),
     ) -> BatchCall:
         """Items may come from a (async) generator, so an unbounded batch is fed as the engine asks for more;
-        cancelling the call aborts every item still running. `metadata` is sent with the call's own."""
-        return self.stub.Batch(items, timeout=self._pick(timeout), metadata=(*self._call_metadata(), *metadata))
+        cancelling the call aborts every item still running. `metadata` is sent with the call's own. The call's
+        error and status are those the engine ended it with, even while items were still being sent
+        (`KeptStatusCall`)."""
+        call = self.stub.Batch(items, timeout=self._pick(timeout), metadata=(*self._call_metadata(), *metadata))
+        return KeptStatusCall(call)
 
     async def embed(
         self, request: engine_pb2.EmbedRequest, *, timeout: Timeout = "default"

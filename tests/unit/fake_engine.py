@@ -12,8 +12,8 @@ Tests script failures through `FakeEngine`: `refuse_once` (RESOURCE_EXHAUSTED th
 `invalid` (INVALID_ARGUMENT for a text), `abort_once` (a result with finish reason ABORT the first time a text is
 seen, as a draining engine answers), `die_after` (a Batch call ends UNAVAILABLE after that many results),
 `die_after_s` (the next Batch call ends UNAVAILABLE after that many seconds, whatever it is doing), `kill_calls()`
-(every running Batch call ends UNAVAILABLE now),
-`unavailable` (every Generate / Stream / Embed / Score call fails UNAVAILABLE; a stream after its first chunk when
+(every running Batch call ends UNAVAILABLE now), `unavailable` (every Generate / Stream / Embed / Score / Batch
+call fails UNAVAILABLE, a Batch call before it reads an item; a stream after its first chunk when
 `unavailable_after_output`), `delay_s` per item, and poison: `oversize` (the call fails RESOURCE_EXHAUSTED with
 grpc's "message larger than max" as the item with that text is answered, as a reply over the message limit
 does) and `break_call` (the call fails INTERNAL whenever an item with that text arrives).
@@ -128,6 +128,8 @@ class FakeEngine(engine_pb2_grpc.EngineServiceServicer):
         self, request_iterator: AsyncIterator[engine_pb2.BatchRequest], context: Any
     ) -> AsyncIterator[engine_pb2.BatchResponse]:
         self.calls += 1
+        if self.unavailable:  # as a draining engine refuses a new Batch call, before reading any item
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine went away")
         die_after, self.die_after = self.die_after, None
         kill = asyncio.Event()
         self._kills.add(kill)

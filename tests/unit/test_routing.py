@@ -212,6 +212,24 @@ async def test_a_stream_fails_over_before_output_and_ends_in_an_error_after_it(
     assert failed.value.status == 503  # and no second engine once output was sent
 
 
+async def test_a_batch_call_its_engine_refuses_is_sent_to_the_other_every_time(
+    two_engines: tuple[EnginePool, FakeEngine, FakeEngine],
+) -> None:
+    """The engine refuses while the gateway is still sending the call's items: the refusal must still read
+    UNAVAILABLE, not grpc.aio's INTERNAL (ladle.kept_status), for the call to go to the other engine."""
+    pool, first, second = two_engines
+    for attempt in range(20):
+        requests = [request(f"round {attempt} line {i}") for i in range(8)]
+        for engine in pool.engines:  # as the health poll finds them
+            engine.serving = True
+        target = pool.pick([requests[0].input])  # where the call goes first (and so is recorded)
+        for fake in (first, second):
+            fake.unavailable = fake is fake_of(pool, (first, second), target.address)
+        results = await calls.batch_rpc(pool, requests, "messages")
+        assert [r.choices[0].text.strip() for r in results] == [f"ROUND {attempt} LINE {i}" for i in range(8)]
+    assert sum(pool.failovers.values()) == 20
+
+
 async def test_an_error_other_than_unavailable_is_not_retried(
     two_engines: tuple[EnginePool, FakeEngine, FakeEngine],
 ) -> None:
