@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -47,6 +47,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",
+    "llama4_text": "llama4",
+    "llama4": "llama4",
     "bert": "bert",
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
@@ -55,7 +57,7 @@ _NOT_YET: dict[str, str] = {
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
-    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite"
+    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4"
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -244,8 +246,17 @@ class ModelConfig:
     swiglu_alpha: float = 1.0
     # gpt-oss: a learned sink logit per query head, one more term of each attention softmax's denominator.
     attention_sinks: bool = False
-    # SmolLM3: the layers whose attention uses no rope at all (NoPE; its `no_rope_layers` holds 0 for them).
+    # SmolLM3 and Llama 4: the layers whose attention uses no rope at all (NoPE; `no_rope_layers` holds 0 for them).
     nope_layers: tuple[int, ...] = ()
+    # Llama 4: on its rope layers each head of q and k is RMS-normalised without a weight (`qk_unit_norm`;
+    # transformers' L2 norm after rope, the same since rope keeps a head's norm); on its NoPE layers each query is
+    # scaled by `1 + nope_temperature_scale * ln(1 + floor((position + 1) / nope_temperature_floor))` (its
+    # attention temperature tuning; 0: none); its rope layers attend within chunks of `attention_chunk` positions
+    # (0: none), which this engine serves only as far as one chunk: `max_model_len` is capped to it.
+    qk_unit_norm: bool = False
+    nope_temperature_scale: float = 0.0
+    nope_temperature_floor: float = 1.0
+    attention_chunk: int = 0
     # Granite: each block's attention and MLP outputs are scaled by `residual_multiplier` before their residual
     # adds, and the logits divided by `logits_scaling` (its embeddings by `embedding_multiplier` and its scores by
     # `attention_scale`, the fields above, from its `embedding_multiplier` and `attention_multiplier`).
@@ -273,6 +284,8 @@ class ModelConfig:
     moe_group_score: Literal["top2", "max"] = "top2"
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
+    # Llama 4's router: the sigmoid of each chosen expert's logit scales that expert's input (not its output).
+    moe_input_scaled: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()
@@ -401,7 +414,7 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
-        if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4"):  # a multimodal checkpoint: its text model is served
+        if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"):  # multimodal: its text model is served
             cfg = _text_config(cfg)
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
@@ -458,8 +471,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            # Qwen3.5's mixtures of experts have no dense layer and their config.json no intermediate_size.
-            intermediate_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
+            intermediate_size=_dense_width(arch, cfg),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -481,6 +493,7 @@ class ModelConfig:
             name=name,
             layer_windows=_layer_windows(model_type, cfg),
             nope_layers=_nope_layers(model_type, cfg),
+            **_llama4_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
@@ -646,9 +659,9 @@ def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
-    """SmolLM3's layers without rope: where `no_rope_layers` is 0, or (without that list) every
+    """SmolLM3's and Llama 4's layers without rope: where `no_rope_layers` is 0, or (without that list) every
     `no_rope_layer_interval`-th layer (4), as transformers builds them; () for the other families."""
-    if model_type != "smollm3":
+    if model_type not in ("smollm3", "llama4", "llama4_text"):
         return ()
     layers = int(cfg["num_hidden_layers"])
     flags = cfg.get("no_rope_layers")
@@ -658,6 +671,28 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if len(flags) != layers:
         raise ValueError(f"no_rope_layers must have one entry for each of the {layers} layers; got {len(flags)}")
     return tuple(i for i, uses in enumerate(flags) if not uses)
+
+
+def _dense_width(arch: Architecture, cfg: dict[str, Any]) -> int:
+    """A dense MLP's intermediate width: `intermediate_size`; Llama 4's `intermediate_size_mlp` (its
+    `intermediate_size` is the experts'); a Qwen3.5 mixture of experts', which has no dense layer and no
+    `intermediate_size`, its experts' width."""
+    if arch == "llama4":
+        return int(cfg["intermediate_size_mlp"])
+    return int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"])
+
+
+def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's attention quirks (`ModelConfig.qk_unit_norm` and the fields after it); {} for other families."""
+    if arch != "llama4":
+        return {}
+    tuning = bool(cfg.get("attn_temperature_tuning", True))
+    return dict(
+        qk_unit_norm=bool(cfg.get("use_qk_norm", True)),
+        nope_temperature_scale=float(cfg.get("attn_scale") or 0.1) if tuning else 0.0,
+        nope_temperature_floor=float(cfg.get("floor_scale") or 8192),
+        attention_chunk=int(cfg.get("attention_chunk_size") or 0),
+    )
 
 
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -852,7 +887,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     `config.json` ({} for a dense family). Mixtral's, OLMoE's and gpt-oss's experts are `intermediate_size` wide;
     Mixtral always renormalises its top-k weights, OLMoE as `norm_topk_prob` says; gpt-oss softmaxes the top-k
     logits (the same weights), with biases and its clamped SwiGLU."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4"):
         return {}
     if arch == "qwen3_next" and not cfg.get("num_experts"):
         return {}  # Qwen3.5's dense models
@@ -888,6 +923,21 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_topk_groups=top_groups if method != "greedy" else 1,
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        )
+    if arch == "llama4":
+        layers = int(cfg["num_hidden_layers"])
+        step = int(cfg.get("interleave_moe_layer_step") or 1)
+        moe_layers = cfg.get("moe_layers")
+        if moe_layers is None:  # as transformers' Llama4TextConfig derives them
+            moe_layers = list(range(step - 1, layers, step))
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            shared_expert_intermediate_size=int(cfg["intermediate_size"]),
+            shared_expert_gated=False,
+            dense_layers=tuple(i for i in range(layers) if i not in set(moe_layers)),
+            moe_input_scaled=True,
         )
     if arch == "gpt_oss":
         return dict(

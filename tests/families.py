@@ -68,6 +68,10 @@ WINDOW = 20
 # its best expert), weights scaled, not renormalised.
 # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection. OLMo 3: that block with
 # windows on three layers in four, YaRN on the full-attention ones only.
+# Llama 4: NoPE on alternate layers (every fourth in the released models) with a temperature steep enough to move
+# these short prompts' queries (floor 4, scale 0.5; the released 8192 and 0.1 would not), weightless q/k norms on
+# the rope layers, interleaved rope pairs under Llama 3 scaling; top-1 of 4 experts on alternate layers (Maverick's
+# interleaving), each chosen expert's input scaled by its sigmoid score, beside a shared expert; dense layers wider.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -161,6 +165,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
          "logits_scaling": 8.0, "pad_token_id": 0},
     ),
+    "llama4": (
+        "Llama4TextConfig",
+        {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
+         "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0, 1, 0],
+         "attention_chunk_size": 1024, "floor_scale": 4, "attn_scale": 0.5, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
     "gpt-oss": (
         "GptOssConfig",
         {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW,
@@ -194,6 +206,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+# Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
+ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "router.proj.weight", "feed_forward.router.weight")
+
+
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
     """A random `family` model (MODELS, with `overrides` of its config) saved to `folder` with the embedded
     tokenizer; returns `folder`.
@@ -214,7 +230,7 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
     width = math.sqrt(_SHAPE["hidden_size"] / config.hidden_size)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.proj.weight")):  # a router: logits
+            if name.endswith(ROUTERS):  # a router: logits
                 # ~N(0, 2.4²), spread
                 parameter.normal_(0.0, 0.3 * width)  # but not one-hot
             elif name.endswith("self_attn.sinks"):  # sink logits of the scores' size: each takes a share

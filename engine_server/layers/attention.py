@@ -33,7 +33,9 @@ class PagedSelfAttention(nn.Module):
     logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more term of its softmax's
     denominator (`kernels.reference.paged_attention`). With `ModelConfig.attention_output_gate` (Qwen3-Next, Qwen3.5)
     q_proj gives each head its query and then as many gate values, and the attention's output is multiplied by
-    their sigmoid before `o_proj`.
+    their sigmoid before `o_proj`. Llama 4: each head of q and k RMS-normalised without a weight on its rope layers
+    (`ModelConfig.qk_unit_norm`), and its NoPE layers' queries scaled by their position's attention temperature
+    (`ModelConfig.nope_temperature_scale`).
 
     Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
     rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
@@ -86,10 +88,14 @@ class PagedSelfAttention(nn.Module):
         q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm and not self.shares_kv else None
-        # Gemma 4's value norm has no weight to load: a buffer of ones, so `ops.rms_norm` takes it as a norm's.
+        # Gemma 4's value norm and Llama 4's q/k norms have no weight to load: a buffer of ones, so `ops.rms_norm`
+        # takes it as a norm's.
         self.value_norm = config.gemma4 is not None
-        if self.value_norm:
-            self.register_buffer("value_norm_weight", torch.ones(self.head_dim, dtype=dtype), persistent=False)
+        self.qk_unit_norm = config.qk_unit_norm and rope
+        if self.value_norm or self.qk_unit_norm:
+            self.register_buffer("unit_norm_weight", torch.ones(self.head_dim, dtype=dtype), persistent=False)
+        self.temperature_scale = 0.0 if rope else config.nope_temperature_scale
+        self.temperature_floor = config.nope_temperature_floor
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
@@ -146,7 +152,12 @@ class PagedSelfAttention(nn.Module):
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
         if self.value_norm:
-            v = ops.rms_norm(v.contiguous(), self.get_buffer("value_norm_weight"), self.norm_eps)
+            v = ops.rms_norm(v.contiguous(), self.get_buffer("unit_norm_weight"), self.norm_eps)
+        if self.qk_unit_norm:  # before rope, which keeps each head's norm: transformers norms after it
+            q = ops.rms_norm(q.contiguous(), self.get_buffer("unit_norm_weight"), self.norm_eps)
+            k = ops.rms_norm(k.contiguous(), self.get_buffer("unit_norm_weight"), self.norm_eps)
+        if self.temperature_scale:
+            q = q * self._temperature(positions, q.dtype)
         if self.rope and self.rotary_dim == self.head_dim:
             q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         elif self.rope:  # partial rotary (Phi-3 style): the leading rotary_dim dims turn, the rest pass as they are
@@ -184,6 +195,11 @@ class PagedSelfAttention(nn.Module):
             q, _ = ops.rotary_embedding(positions, q, q, cos_sin_cache)
         out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self._project(out.reshape(tokens, self.q_size), ops, lora)
+
+    def _temperature(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Llama 4's query scale on a NoPE layer, `[T, 1, 1]`: `1 + scale * ln(1 + floor((p + 1) / floor))`."""
+        steps = torch.floor((positions.to(torch.float32) + 1.0) / self.temperature_floor)
+        return (torch.log1p(steps) * self.temperature_scale + 1.0).to(dtype)[:, None, None]
 
     def _project(self, out: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
         projected = self.o_proj(out)

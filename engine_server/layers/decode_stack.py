@@ -55,10 +55,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     """A `torch.classes.ladle_cpu.DecodeStack` over `model`'s weights (shared, not copied), or None where it does not
     apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
     `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU,
-    soft-capping, Gemma 3's local rope), attention sinks (gpt-oss), layers without rope (SmolLM3), Granite's
-    multiplied embeddings and residuals, weights not on the CPU or not float32, a head
-    dim the attention kernel is not built for, no C++ kernels, or tensor parallelism without the shared-memory
-    all-reduce (which the stack then runs between its layers, on the same buffers)."""
+    soft-capping, Gemma 3's local rope), attention sinks (gpt-oss), layers without rope (SmolLM3) or with weightless
+    q/k norms (Llama 4), Llama 4's router, Granite's multiplied embeddings and residuals, weights not on the CPU or
+    not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor parallelism without
+    the shared-memory all-reduce (which the stack then runs between its layers, on the same buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
@@ -72,8 +72,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     first = attentions[0]
     if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
         return None
-    if first.sinks is not None or not all(attention.rope for attention in attentions):
+    if first.sinks is not None or not all(attention.rope and not attention.qk_unit_norm for attention in attentions):
         return None
+    if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.input_scaled for layer in layers):
+        return None  # Llama 4's router, which scales the experts' inputs
     if model.scales_embeddings or any(layer.residual_multiplier != 1.0 for layer in layers):
         return None
     if model.local_rope or not all(type(layer) is DecoderLayer for layer in layers):  # Gemma's blocks and rope

@@ -5,7 +5,9 @@ logits are the hidden state times its `[num_experts, hidden]` weight (plus a bia
 the top `num_experts_per_tok` kept (and renormalised to sum to 1 with `norm_topk_prob`, as Mixtral always does:
 the softmax of the top-k logits that gpt-oss takes); each chosen expert is a SwiGLU MLP (gpt-oss: with biases and
 its clamped SwiGLU, `kernels.reference.clamped_swiglu`) whose output is scaled by its weight. Qwen2-MoE adds a shared
-expert every token goes through, scaled by `sigmoid(x @ shared_expert_gate)`. Under tensor parallelism every
+expert every token goes through, scaled by `sigmoid(x @ shared_expert_gate)`. Llama 4's router (`ModelConfig.
+moe_input_scaled`) takes the top-k logits and scales each chosen expert's input by the sigmoid of its logit; its
+shared expert has no gate. Under tensor parallelism every
 expert's intermediate rows are split over the ranks (`parallel.layers.ParallelExperts`; the router and the shared
 gate are whole on every rank), and the block all-reduces once, as a dense MLP does.
 """
@@ -67,6 +69,13 @@ class GroupedTopkRouter(nn.Module):
         return (weights * self.scaling).to(x.dtype), chosen
 
 
+def sigmoid_top_k(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits `[T, E]` -> (the sigmoid of the top-k logits, in float32 then the logits' dtype, `[T, k]`;
+    expert ids `[T, k]`): Llama 4's router (transformers' `Llama4Router`)."""
+    top, experts = torch.topk(logits, top_k, dim=-1)
+    return torch.sigmoid(top.float()).to(logits.dtype), experts
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits `[T, E]` -> (weights `[T, k]` in the logits' dtype, expert ids `[T, k]`): the top-k of the
     softmax taken in float32, renormalised to sum to 1 if asked (transformers' Mixtral / Qwen-MoE routers)."""
@@ -88,6 +97,7 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
+        self.input_scaled = config.moe_input_scaled
         hidden, experts = config.hidden_size, config.num_experts
         self.gate: nn.Module = (
             GroupedTopkRouter(
@@ -114,11 +124,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank."""
-        if isinstance(self.gate, GroupedTopkRouter):
-            weights, experts = self.gate.route(x)
+        activation = self.activation or ops.silu_and_mul
+        if self.input_scaled:
+            out = self._input_scaled_experts(x, activation)
         else:
-            weights, experts = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, experts, self.activation or ops.silu_and_mul)
+            if isinstance(self.gate, GroupedTopkRouter):
+                weights, experts = self.gate.route(x)
+            else:
+                weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+            out = self.experts(x, weights, experts, activation)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate scales this rank's partial sum: summed over the ranks, it scales the whole. Through the kernel
             # set's sigmoid_mul (row by row on the CPU): torch's sigmoid over the step's column of gates gives a row
@@ -128,3 +142,13 @@ class SparseMoE(nn.Module):
         elif self.shared_expert is not None:  # DeepSeek's shared experts: no gate
             out = out + self.shared_expert.partial(x, ops)
         return self.tp.all_reduce_sum(out)
+
+    def _input_scaled_experts(self, x: torch.Tensor, activation: Activation) -> torch.Tensor:
+        """Llama 4's `sum_j expert_j(s_j * x)`: each (token, chosen expert) pair is a row of its own, the token
+        scaled by its score, run with weight 1."""
+        scores, experts = sigmoid_top_k(self.gate(x), self.top_k)
+        tokens, k = experts.shape
+        rows = (x[:, None, :] * scores[..., None]).reshape(tokens * k, x.shape[-1])
+        ones = torch.ones(tokens * k, 1, dtype=x.dtype, device=x.device)
+        out = self.experts(rows, ones, experts.reshape(tokens * k, 1), activation)
+        return out.view(tokens, k, -1).sum(dim=1)

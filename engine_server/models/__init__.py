@@ -13,6 +13,7 @@ from engine_server.models.gemma4 import Gemma4ForCausalLM
 from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
+from engine_server.models.llama4 import Llama4ForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.olmo2 import Olmo2ForCausalLM
 from engine_server.models.olmoe import OlmoeForCausalLM
@@ -33,7 +34,7 @@ StepModel = CausalLM | BertEncoder
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-    "olmo2", "deepseek_v3", "qwen3_next", "gemma4"); ValueError for anything else (an encoder, "bert", is a
+    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4"); ValueError for anything else (an encoder, "bert", is a
     `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -49,6 +50,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "gemma2": Gemma2ForCausalLM,
         "gemma3": Gemma3ForCausalLM,
         "gemma4": Gemma4ForCausalLM,
+        "llama4": Llama4ForCausalLM,
         "smollm3": SmolLM3ForCausalLM,
         "granite": GraniteForCausalLM,
         "olmo2": Olmo2ForCausalLM,

@@ -20,7 +20,7 @@ from tests.unit.test_family_engines import NUM_TOKENS, prompts, reference_tokens
 # tests.families name: what GetModelInfo says
 FAMILY_ARCHITECTURES = {
     "qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "mixtral": "mixtral", "gemma3": "gemma3", "gemma2": "gemma2",
-    "mistral-window": "llama", "phi3-longrope": "phi3", "olmoe": "olmoe", "gemma4": "gemma4",
+    "mistral-window": "llama", "phi3-longrope": "phi3", "olmoe": "olmoe", "gemma4": "gemma4", "llama4": "llama4",
 }  # fmt: skip
 
 

@@ -132,10 +132,11 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
         assert llm.core.scheduler.total_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2"])
-def test_tensor_parallel_phi3_and_gemma2_equal_transformers(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2", "llama4"])
+def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
-    heads; Gemma 2's soft-capped attention on each rank's heads and its final-logit cap after the vocab gather."""
+    heads; Gemma 2's soft-capped attention on each rank's heads and its final-logit cap after the vocab gather;
+    Llama 4's q/k norms and temperature on each rank's heads, its input-scaled experts' rows split."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()) == reference_tokens(folder), name
@@ -318,6 +319,36 @@ def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) ->
         assert tokens(llm, batch) == theirs
 
 
+def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """The released Llama 4 checkpoints are `Llama4ForConditionalGeneration`: a `text_config`, the text model's
+    weights under `language_model.`, a vision model and its projector beside them, which are not read. Its text
+    output equals that of transformers' text model within the multimodal one (whose own forward fails without
+    images in transformers 5.24: it reads `image_outputs` from the text model's output)."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, ROUTERS
+
+    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+              "image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
+              "projector_output_dim": 64}  # fmt: skip
+    config = transformers.Llama4Config(text_config={**_SHAPE, **FAMILIES["llama4"][1]}, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "language_model" in name and name.endswith(ROUTERS):
+                parameter.normal_(0.0, 0.3)
+            elif parameter.dim() > 1 and "language_model" in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = [hf_greedy(model.language_model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.architecture == "llama4"
+        assert tokens(llm, batch) == theirs
+
+
 def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
     moe_folder: tuple[Path, list[list[int]]],
 ) -> None:
@@ -439,15 +470,19 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
             EngineConfig(model=str(plain), hf_overrides=bad)
 
 
-@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2"])
-def test_newer_dense_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "llama4"])
+def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
-    pre-norm blocks, so it runs neither SmolLM3's NoPE layers, Granite's multipliers nor OLMo 2's post-norm
-    blocks): each prompt's tokens are the same alone and batched, and mostly agree with the float path's."""
+    pre-norm blocks, so it runs neither SmolLM3's or Llama 4's NoPE layers, Granite's multipliers nor OLMo 2's
+    post-norm blocks; Llama 4's experts quantized too): each prompt's tokens are the same alone and batched, and
+    mostly agree with the float path's."""
     folder = save_family(tmp_path, name)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, quantization="int8") as llm:
-        assert llm.core.runner.loaded.model.model.decode_stack is None
+        model = llm.core.runner.loaded.model
+        assert model.model.decode_stack is None
+        banks = sum(isinstance(module, QuantizedExperts) for module in model.modules())
+        assert banks == (2 if name == "llama4" else 0)  # Llama 4's sparse layers, one in two
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
@@ -473,3 +508,16 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
     with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
     with pytest.raises(ValueError, match="LoRA adapters are not applied to multi-head latent attention"):
         LLM(config=with_lora)
+
+
+def test_llama4_serves_one_attention_chunk_of_context(tmp_path: Path) -> None:
+    """Llama 4's rope layers attend within chunks, served as far as the first chunk: the context is capped there,
+    and a longer one asked for is refused before anything loads."""
+    folder = save_family(tmp_path, "llama4", attention_chunk_size=64)
+    with engine(folder) as llm:
+        assert llm.core.max_model_len == 64
+        assert tokens(llm, [list(range(10, 40))])[0]  # it generates within the cap
+    asked = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                         scheduler=SchedulerConfig(max_model_len=128))  # fmt: skip
+    with pytest.raises(ValueError, match=r"attention chunk \(64 tokens\).*--max-model-len 64"):
+        LLM(config=asked)

@@ -180,6 +180,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "layer_types": ["sliding_attention", "full_attention"], "enable_moe_block": True, "num_experts": 4,
          "top_k_experts": 2, "moe_intermediate_size": 32},
     ),
+    # Llama 4: NoPE on the second layer, with a temperature steep enough for these short sequences (floor 2, scale
+    # 0.5); weightless q/k norms and interleaved rope on the first; top-1 of 4 experts on the second layer, each
+    # chosen expert's input scaled by its sigmoid score, beside a shared expert; the first layer dense and wider.
+    "llama4": (
+        transformers.Llama4TextConfig,
+        {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
+         "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0], "floor_scale": 2,
+         "attn_scale": 0.5, "attention_chunk_size": 1024},
+    ),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
     "gemma2": (
@@ -210,6 +219,7 @@ MODEL_CLASSES = {
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
+    transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
 }
 
 
@@ -223,7 +233,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
         for name, param in hf.named_parameters():
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight")):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight",
+                                "feed_forward.router.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
@@ -591,3 +602,20 @@ def test_smollm3_configs_read_their_nope_layers_and_windows_only_when_asked() ->
     assert ModelConfig.from_hf_config({**base, **windows, "use_sliding_window": True}).layer_windows == (16, 0) * 4
     with pytest.raises(ValueError, match="one entry for each of the 8 layers"):
         ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0]})
+
+
+def test_llama4_configs_read_their_layers_and_cap_the_context_at_the_attention_chunk() -> None:
+    text = {**SMALL, "model_type": "llama4_text", "num_hidden_layers": 8, "intermediate_size": 32,
+            "intermediate_size_mlp": 96, "num_local_experts": 4, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2, "attention_chunk_size": 8192}  # fmt: skip
+    config = ModelConfig.from_hf_config(text)
+    assert config.architecture == "llama4" and config.nope_layers == (3, 7)  # every 4th, as transformers
+    assert config.dense_layers == (0, 2, 4, 6) and config.moe_input_scaled and not config.shared_expert_gated
+    assert (config.intermediate_size, config.moe_intermediate_size, config.shared_expert_intermediate_size) == (
+        96, 32, 32)  # fmt: skip
+    assert config.qk_unit_norm and (config.nope_temperature_scale, config.nope_temperature_floor) == (0.1, 8192)
+    assert config.attention_chunk == 8192 and config.o_proj_bias is False
+    untuned = ModelConfig.from_hf_config({**text, "attn_temperature_tuning": False, "use_qk_norm": False})
+    assert untuned.nope_temperature_scale == 0.0 and not untuned.qk_unit_norm
+    multimodal = {"model_type": "llama4", "text_config": text, "vision_config": {}}
+    assert ModelConfig.from_hf_config(multimodal) == config

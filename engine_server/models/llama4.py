@@ -1,0 +1,59 @@
+"""Llama 4 (Scout, Maverick; text): Llama's block with NoPE every fourth layer, weightless q/k norms and attention
+temperature, and a mixture of experts whose router scales each chosen expert's input, beside a shared expert."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Iterator
+
+import torch
+
+from engine_server.models.base import CausalLM
+from engine_server.parallel.layers import CheckpointTensor, read_whole
+
+_LANGUAGE_MODEL = "language_model."  # the text model's weights in a multimodal Llama 4 checkpoint
+_SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")  # its vision tower and projection, not read
+# The experts as Llama 4 checkpoints store them: `gate_up_proj` `[E, H, 2I]` (the gate's columns first), `down_proj`
+# `[E, I, H]`; and q/k projections whose rope pairs are interleaved.
+_EXPERTS = re.compile(r".+\.mlp\.experts\.(?:gate_up_proj|down_proj)")
+_QUERY_KEY = re.compile(r".+\.self_attn\.[qk]_proj\.(?:weight|bias)")
+
+
+class Llama4ForCausalLM(CausalLM):
+    """Llama 4's text model (`llama4_text`, or a multimodal `llama4` checkpoint's `language_model.`, its vision
+    tower not read). Its quirks are `ModelConfig`'s: `nope_layers`, `qk_unit_norm`, the NoPE layers' temperature,
+    `moe_input_scaled` (the router is `feed_forward.router`, read as `mlp.gate`; `feed_forward` as `mlp`), ungated
+    shared experts, dense layers of `intermediate_size_mlp` between the sparse ones (Maverick). Rope turns
+    interleaved pairs of each head's dims, which the shared rotary reads as halves: the rows of q_proj and k_proj
+    are reordered so at load (the same order on both sides leaves each score unchanged)."""
+
+    checkpoint_renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."))
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> None:
+        """`CausalLM.load_weights` of the text model's weights in the shared layouts."""
+        super().load_weights(self._shared_layouts(weights), replaced)
+
+    def _shared_layouts(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        head_dim = self.config.head_dim
+        for name, tensor in weights:
+            if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            name = name.removeprefix(_LANGUAGE_MODEL)
+            ours = self.checkpoint_name(name)
+            if _EXPERTS.fullmatch(ours):
+                yield ours, read_whole(tensor).transpose(1, 2)  # [E, 2I, H] gate rows first, [E, H, I]
+            elif _QUERY_KEY.fullmatch(ours) and self.config.rotary_dim:
+                yield ours, rope_halves(read_whole(tensor), head_dim)
+            else:
+                yield name, tensor
+
+
+def rope_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A q/k projection's rows (weight `[heads * head_dim, in]` or bias) with each head's interleaved rope pairs
+    `(x0, x1), (x2, x3), ...` laid out as halves `(x0, x2, ..., x1, x3, ...)`."""
+    heads = rows.view(-1, head_dim, *rows.shape[1:])
+    return torch.cat((heads[:, 0::2], heads[:, 1::2]), dim=1).reshape(rows.shape)
