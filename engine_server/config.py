@@ -255,7 +255,7 @@ class ModelConfig:
     # (0: none), which this engine serves only as far as one chunk: `max_model_len` is capped to it.
     qk_unit_norm: bool = False
     nope_temperature_scale: float = 0.0
-    nope_temperature_floor: float = 1.0
+    nope_temperature_floor: int = 1
     attention_chunk: int = 0
     # Granite: each block's attention and MLP outputs are scaled by `residual_multiplier` before their residual
     # adds, and the logits divided by `logits_scaling` (its embeddings by `embedding_multiplier` and its scores by
@@ -690,7 +690,7 @@ def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(
         qk_unit_norm=bool(cfg.get("use_qk_norm", True)),
         nope_temperature_scale=float(cfg.get("attn_scale") or 0.1) if tuning else 0.0,
-        nope_temperature_floor=float(cfg.get("floor_scale") or 8192),
+        nope_temperature_floor=int(cfg.get("floor_scale") or 8192),
         attention_chunk=int(cfg.get("attention_chunk_size") or 0),
     )
 

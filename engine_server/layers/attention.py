@@ -94,8 +94,12 @@ class PagedSelfAttention(nn.Module):
         self.qk_unit_norm = config.qk_unit_norm and rope
         if self.value_norm or self.qk_unit_norm:
             self.register_buffer("unit_norm_weight", torch.ones(self.head_dim, dtype=dtype), persistent=False)
-        self.temperature_scale = 0.0 if rope else config.nope_temperature_scale
         self.temperature_floor = config.nope_temperature_floor
+        self.temperature = not rope and config.nope_temperature_scale > 0
+        if self.temperature:  # by `floor((p + 1) / floor)`: one table, so a position's scale never depends on the batch
+            steps = torch.arange(config.max_position_embeddings // self.temperature_floor + 2, dtype=torch.float32)
+            table = torch.log1p(steps) * config.nope_temperature_scale + 1.0
+            self.register_buffer("temperatures", table, persistent=False)
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
@@ -156,7 +160,7 @@ class PagedSelfAttention(nn.Module):
         if self.qk_unit_norm:  # before rope, which keeps each head's norm: transformers norms after it
             q = ops.rms_norm(q.contiguous(), self.get_buffer("unit_norm_weight"), self.norm_eps)
             k = ops.rms_norm(k.contiguous(), self.get_buffer("unit_norm_weight"), self.norm_eps)
-        if self.temperature_scale:
+        if self.temperature:
             q = q * self._temperature(positions, q.dtype)
         if self.rope and self.rotary_dim == self.head_dim:
             q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
@@ -197,9 +201,11 @@ class PagedSelfAttention(nn.Module):
         return self._project(out.reshape(tokens, self.q_size), ops, lora)
 
     def _temperature(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Llama 4's query scale on a NoPE layer, `[T, 1, 1]`: `1 + scale * ln(1 + floor((p + 1) / floor))`."""
-        steps = torch.floor((positions.to(torch.float32) + 1.0) / self.temperature_floor)
-        return (torch.log1p(steps) * self.temperature_scale + 1.0).to(dtype)[:, None, None]
+        """Llama 4's query scale on a NoPE layer, `[T, 1, 1]`: `1 + scale * ln(1 + floor((p + 1) / floor))`, read
+        from the table computed once (torch's log1p over a step's column would give a position other bits where
+        it falls in the column's scalar tail, which depends on the batch)."""
+        steps = torch.div(positions + 1, self.temperature_floor, rounding_mode="floor")
+        return self.get_buffer("temperatures")[steps].to(dtype)[:, None, None]
 
     def _project(self, out: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
         projected = self.o_proj(out)

@@ -69,13 +69,6 @@ class GroupedTopkRouter(nn.Module):
         return (weights * self.scaling).to(x.dtype), chosen
 
 
-def sigmoid_top_k(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits `[T, E]` -> (the sigmoid of the top-k logits, in float32 then the logits' dtype, `[T, k]`;
-    expert ids `[T, k]`): Llama 4's router (transformers' `Llama4Router`)."""
-    top, experts = torch.topk(logits, top_k, dim=-1)
-    return torch.sigmoid(top.float()).to(logits.dtype), experts
-
-
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits `[T, E]` -> (weights `[T, k]` in the logits' dtype, expert ids `[T, k]`): the top-k of the
     softmax taken in float32, renormalised to sum to 1 if asked (transformers' Mixtral / Qwen-MoE routers)."""
@@ -126,7 +119,7 @@ class SparseMoE(nn.Module):
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank."""
         activation = self.activation or ops.silu_and_mul
         if self.input_scaled:
-            out = self._input_scaled_experts(x, activation)
+            out = self._input_scaled_experts(x, ops, activation)
         else:
             if isinstance(self.gate, GroupedTopkRouter):
                 weights, experts = self.gate.route(x)
@@ -143,12 +136,14 @@ class SparseMoE(nn.Module):
             out = out + self.shared_expert.partial(x, ops)
         return self.tp.all_reduce_sum(out)
 
-    def _input_scaled_experts(self, x: torch.Tensor, activation: Activation) -> torch.Tensor:
-        """Llama 4's `sum_j expert_j(s_j * x)`: each (token, chosen expert) pair is a row of its own, the token
-        scaled by its score, run with weight 1."""
-        scores, experts = sigmoid_top_k(self.gate(x), self.top_k)
+    def _input_scaled_experts(self, x: torch.Tensor, ops: KernelOps, activation: Activation) -> torch.Tensor:
+        """Llama 4's `sum_j expert_j(sigmoid(l_j) * x)` over the top-k logits `l_j` (transformers' `Llama4Router`):
+        each (token, chosen expert) pair is a row of its own, the token scaled by its score through the kernel
+        set's sigmoid_mul (row by row on the CPU, as the shared gate's above), run with weight 1."""
+        logits, experts = torch.topk(self.gate(x), self.top_k, dim=-1)
         tokens, k = experts.shape
-        rows = (x[:, None, :] * scores[..., None]).reshape(tokens * k, x.shape[-1])
+        rows = x.repeat_interleave(k, dim=0)  # token t's k rows together, in the order of its experts
+        rows = ops.sigmoid_mul(rows, logits.reshape(tokens * k, 1).expand_as(rows).contiguous())
         ones = torch.ones(tokens * k, 1, dtype=x.dtype, device=x.device)
         out = self.experts(rows, ones, experts.reshape(tokens * k, 1), activation)
         return out.view(tokens, k, -1).sum(dim=1)
