@@ -46,7 +46,7 @@ class Llama4ForCausalLM(CausalLM):
             ours = self.checkpoint_name(name)
             if _EXPERTS.fullmatch(ours):
                 yield ours, read_whole(tensor).transpose(1, 2)  # [E, 2I, H] gate rows first, [E, H, I]
-            elif _QUERY_KEY.fullmatch(ours) and self.config.rotary_dim:
+            elif _QUERY_KEY.fullmatch(ours):
                 yield ours, rope_halves(read_whole(tensor), head_dim)
             else:
                 yield name, tensor
