@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Iterator
 
-import torch
-
+from engine_server.loader.gguf_convert import unpermute_rope_rows
 from engine_server.models.base import CausalLM
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 
@@ -38,22 +37,14 @@ class Llama4ForCausalLM(CausalLM):
     def _shared_layouts(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
-        head_dim = self.config.head_dim
         for name, tensor in weights:
             if name.startswith(_SKIPPED_PREFIXES):
                 continue
-            name = name.removeprefix(_LANGUAGE_MODEL)
-            ours = self.checkpoint_name(name)
+            ours = self.checkpoint_name(name.removeprefix(_LANGUAGE_MODEL))
             if _EXPERTS.fullmatch(ours):
                 yield ours, read_whole(tensor).transpose(1, 2)  # [E, 2I, H] gate rows first, [E, H, I]
-            elif _QUERY_KEY.fullmatch(ours):
-                yield ours, rope_halves(read_whole(tensor), head_dim)
+            elif _QUERY_KEY.fullmatch(ours):  # each head's interleaved rope pairs as halves
+                rows = read_whole(tensor)
+                yield ours, unpermute_rope_rows(rows, rows.shape[0] // self.config.head_dim)
             else:
-                yield name, tensor
-
-
-def rope_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """A q/k projection's rows (weight `[heads * head_dim, in]` or bias) with each head's interleaved rope pairs
-    `(x0, x1), (x2, x3), ...` laid out as halves `(x0, x2, ..., x1, x3, ...)`."""
-    heads = rows.view(-1, head_dim, *rows.shape[1:])
-    return torch.cat((heads[:, 0::2], heads[:, 1::2]), dim=1).reshape(rows.shape)
+                yield ours, tensor
