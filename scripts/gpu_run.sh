@@ -11,6 +11,7 @@
 #   tests          the kernel tests on the hardware and tests/gpu (graphs vs eager, GPU vs CPU reference,
 #                  on the joined GGUF when present)                                 -> $OUT/tests.log
 #   kernel-tests   only tests/unit/kernels; gpu-tests: only tests/gpu               -> $OUT/tests.log
+#                  PYTEST_ARGS adds pytest arguments, e.g. PYTEST_ARGS='-n 4' (pytest-xdist is on the image)
 #   bench:MODEL    `ladle bench gpu --models MODEL`                                  -> $OUT/gpu.jsonl, bench.log
 #   quick:MODEL    the same with --skip-hf (ladle only, ~1.5 min)                    -> $OUT/gpu.jsonl, bench.log
 #                  BENCH_ARGS adds `ladle bench gpu` arguments to both, e.g. BENCH_ARGS='--tensor-parallel-size 2'
@@ -65,9 +66,10 @@ print("triton", triton.__version__, "transformers", transformers.__version__)'; 
     tests|kernel-tests|gpu-tests)
       case "$stage" in kernel-tests) paths=(tests/unit/kernels) ;; gpu-tests) paths=(tests/gpu) ;;
                        *) paths=(tests/unit/kernels tests/gpu) ;; esac
+      # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
       gguf=$(ls "$MODEL_DIR"/*.gguf 2>/dev/null | head -1)
       LADLE_GPU_REFERENCE_MODEL=${gguf:-default} python3 -m pytest "${paths[@]}" -q -rA -p no:cacheprovider \
-        2>&1 | tee -a "$OUT/tests.log" || status=1 ;;
+        ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/tests.log" || status=1 ;;
     bench:*)
       # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
       python3 -m benchmarks.gpu --models "${stage#bench:}" ${BENCH_ARGS:-} --out "$OUT/gpu.jsonl" 2>&1 \
