@@ -112,7 +112,7 @@ def _hold_states(runner: ModelRunner, meta: AttentionMetadata, sequences: list[i
         raise ValueError(f"{max(sequences) + 1} sequences read at once, but the engine holds {runner.state_slots} "
                          "linear-attention states (--max-num-seqs)")  # fmt: skip
     meta.state_slots_cpu = sequences
-    meta.state_slots = torch.tensor(sequences, dtype=torch.int64)
+    meta.state_slots = torch.tensor(sequences, dtype=torch.int64, device=runner.device)
 
 
 def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Sequence[int]) -> list[torch.Tensor]:
@@ -121,34 +121,36 @@ def batch_sequence_logits(llm: LLM, sequences: Sequence[list[int]], prefills: Se
     still has a token to read. The engine's kernels give a row the same result whatever its batch (the quantized
     ones bit for bit: tests/unit/kernels/test_cpu_ops.py), so this is what reading each alone gives, in far fewer
     forwards. The KV blocks are taken from the engine's pool and given back unpublished, so its prefix cache is
-    left as it was (blocks it holds are never written)."""
+    left as it was (blocks it holds are never written). The inputs go to the engine's device; the logits come back
+    on the host."""
     runner = llm.core.runner
+    device = runner.device
     pool = llm.core.scheduler.kv_cache.pool
     tables: list[list[int]] = []
     try:
         for ids in sequences:
             tables.append(pool.allocate(-(-len(ids) // runner.block_size)))
         prefill_ids = [torch.tensor(ids[:count]) for ids, count in zip(sequences, prefills, strict=True)]
-        meta = AttentionMetadata.build(list(prefills), list(prefills), tables, runner.block_size, "cpu")
+        meta = AttentionMetadata.build(list(prefills), list(prefills), tables, runner.block_size, device)
         _hold_states(runner, meta, list(range(len(sequences))))
         positions = torch.cat([torch.arange(count) for count in prefills])
-        logits = runner.forward_logits(torch.cat(prefill_ids), positions, meta)
+        logits = runner.forward_logits(torch.cat(prefill_ids).to(device), positions.to(device), meta)
         rows = [[part] for part in logits.split(list(prefills))]
         lengths = [len(ids) for ids in sequences]
         for step in range(max(length - count for length, count in zip(lengths, prefills, strict=True))):
             live = [i for i, count in enumerate(prefills) if count + step < lengths[i]]
             at = [prefills[i] + step for i in live]
             meta = AttentionMetadata.build([1] * len(live), [p + 1 for p in at], [tables[i] for i in live],
-                                           runner.block_size, "cpu")  # fmt: skip
+                                           runner.block_size, device)  # fmt: skip
             _hold_states(runner, meta, live)
-            tokens = torch.tensor([sequences[i][p] for i, p in zip(live, at, strict=True)])
-            step_logits = runner.forward_logits(tokens, torch.tensor(at), meta)
+            tokens = torch.tensor([sequences[i][p] for i, p in zip(live, at, strict=True)], device=device)
+            step_logits = runner.forward_logits(tokens, torch.tensor(at, device=device), meta)
             for row, i in enumerate(live):
                 rows[i].append(step_logits[row : row + 1])
     finally:
         for table in tables:
             pool.free(table)
-    return [torch.cat(parts) for parts in rows]
+    return [torch.cat(parts).cpu() for parts in rows]
 
 
 def reference_log_probs(reference: LLM, sequences: tuple[list[list[int]], list[list[int]]]) -> list[torch.Tensor]:

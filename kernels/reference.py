@@ -556,11 +556,18 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def fp8_scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """max(amax / 448, FP8_MIN_SCALE) in float32, the division correctly rounded on every device (as the kernels'
+    `div_rn`). CUDA's division by a Python number multiplies by its rounded reciprocal instead, which is one unit
+    in the last place off for some amax, so the divisor is a tensor on amax's device."""
+    return (amax / torch.tensor(FP8_MAX, device=amax.device)).clamp(min=FP8_MIN_SCALE)
+
+
 def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[M, K]` -> (xq `[M, K]` e4m3, scale `[M, 1]` float32) with x ≈ float(xq) * scale: scale =
-    max(max|x[m]| / 448, FP8_MIN_SCALE) in float32, xq = to_fp8(x / scale) computed in float32."""
+    `fp8_scale_of(max|x[m]|)`, xq = to_fp8(x / scale) computed in float32 (both divisions correctly rounded)."""
     x32 = x.float()
-    scale = (x32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    scale = fp8_scale_of(x32.abs().amax(-1, keepdim=True))
     return to_fp8(x32 / scale), scale
 
 
@@ -606,7 +613,7 @@ def fp8_quantize_blocks(
     w = weight.float()
     padded = F.pad(w.abs(), (0, -cols % block[1], 0, -rows % block[0]))
     blocks = padded.reshape(padded.shape[0] // block[0], block[0], padded.shape[1] // block[1], block[1])
-    scale = (blocks.amax((1, 3)) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    scale = fp8_scale_of(blocks.amax((1, 3)))
     return to_fp8(w / expand_fp8_scale(scale, rows, cols, block)), scale
 
 

@@ -64,10 +64,13 @@ class Layer:
 
 def test_the_reference_forms_equal_transformers_functions() -> None:
     """The chunked form over 150 tokens (two whole chunks and a partial one, split anywhere) and the one-token form
-    give transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` outputs and states."""
+    give transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` outputs and states.
+    Their q and k come with each key head repeated for its value heads, as transformers' layer gives them: the
+    functions of older versions (5.17) take no fewer key heads. The order of the repeat is held by the models' tests."""
     from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
     q, k, v, g, beta = inputs(150)
+    q, k = (t.repeat_interleave(VALUE_HEADS // KEY_HEADS, dim=1) for t in (q, k))
     theirs, their_state = hf.torch_chunk_gated_delta_rule(
         q[None], k[None], v[None], g=g[None], beta=beta[None], output_final_state=True, use_qk_l2norm_in_kernel=True
     )
