@@ -85,10 +85,12 @@ def _fp8_gemm_kernel(
         if WIDEN:  # Triton's interpreter multiplies e4m3 bytes as integers: widen them first (exact)
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        # Each tile's product is added to the float32 sums here, not accumulated inside the dot: Hopper's e4m3
+        # tensor cores keep ~13 bits of a running sum, so summing all of K there would lose precision with K.
+        partial = tl.dot(a, b, input_precision="ieee")
         if SCALE_COLS == 0:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc += partial
         else:
-            partial = tl.dot(a, b, input_precision="ieee")
             scale = tl.load(ws_ptr + (cols // SCALE_ROWS) * ws_row_stride + k0 // SCALE_COLS, mask=col_ok, other=0.0)
             acc += partial * scale[None, :]
     acc = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]

@@ -106,10 +106,10 @@ def _grouped_gemm_kernel(
             if WIDEN:  # the interpreter multiplies e4m3 bytes as integers: widen them first (exact)
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
+            partial = tl.dot(a, w, input_precision="ieee")  # added here in float32: see kernels.fp8_linear
             if W_SCALES == 1:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
+                acc += partial
             else:
-                partial = tl.dot(a, w, input_precision="ieee")
                 block_scale = tl.load(scale_base + (cols // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=col_ok,
                                       other=0.0)  # fmt: skip
                 acc += partial * block_scale[None, :]

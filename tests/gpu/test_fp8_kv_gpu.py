@@ -14,16 +14,21 @@ import pytest
 import torch
 
 from engine_server import LLM
-from engine_server.config import CacheConfig, EngineConfig
+from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.gpu.test_decode_graphs_gpu import MODEL, PROMPTS, _first_divergence, _greedy
 from tests.unit.test_fp8_kv_cache import round_writes_like_fp8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CACHE = CacheConfig(memory_bytes=2 * 1024**3)
+# No step-time target: the scheduler's prefill chunks and decode rows would follow each engine's measured step times
+# (the FP8 engine's first steps compile its kernels), and on a GPU a GEMM's bits depend on its row count, so the two
+# engines must batch alike for their tokens to be compared.
+SCHEDULER = SchedulerConfig(batch_step_target_s=0)
 
 
 def test_an_fp8_cache_decodes_with_graphs_as_its_bf16_rounding_does() -> None:
-    fp8 = LLM(config=EngineConfig(model=MODEL, device="cuda", cache=dataclasses.replace(CACHE, dtype="fp8")))
+    fp8_cache = dataclasses.replace(CACHE, dtype="fp8")
+    fp8 = LLM(config=EngineConfig(model=MODEL, device="cuda", cache=fp8_cache, scheduler=SCHEDULER))
     runner = fp8.core.runner
     assert runner.decode_graphs is not None
     assert all(c.dtype == torch.uint8 and c.shape[-1] == runner.loaded.model_config.head_dim + 4
@@ -31,7 +36,7 @@ def test_an_fp8_cache_decodes_with_graphs_as_its_bf16_rounding_does() -> None:
     ours = _greedy(fp8)
     del fp8, runner
     torch.cuda.empty_cache()
-    bf16 = LLM(config=EngineConfig(model=MODEL, device="cuda", enforce_eager=True, cache=CACHE))
+    bf16 = LLM(config=EngineConfig(model=MODEL, device="cuda", enforce_eager=True, cache=CACHE, scheduler=SCHEDULER))
     theirs = _greedy(round_writes_like_fp8(bf16))  # eager: its ops are swapped after start-up
     divergences = {p: _first_divergence(a, b) for p, a, b in zip(PROMPTS, ours, theirs, strict=True)}
     assert {p: i for p, i in divergences.items() if i is not None} == {}
