@@ -6,7 +6,13 @@ ceil(K/bk)]`). x's rows are quantized first by a small Triton kernel (`_quantize
 magnitude maps to 448), so a step streams one byte per weight and multiplies e4m3 by e4m3 with float32 sums.
 Contract: `kernels.reference.fp8_linear`.
 
-Two GEMMs take the quantized rows:
+Three GEMMs take the quantized rows:
+- `_fp8_few_rows_kernel` for at most `FEW_ROWS` rows (a decode step of a few sequences, single-stream serving): it
+  rounds x itself as it goes, so no quantization kernel runs first, and sums the e4m3 products on the CUDA cores
+  in float32. At one row on an H200, the quantization and `torch._scaled_mm` below took 1.4-1.8x bf16's time on
+  three of Llama 3.1 8B's four projections though they read half the bytes (0.87x on the widest, gate_up:
+  benchmarks/results/gpu_h200_fp8_gemm.jsonl); this one streams each weight byte once, in one launch. It is not
+  yet timed on hardware (scripts/fp8_gemm_timings.py does: `fp8_few_rows`).
 - `torch._scaled_mm` (cuBLASLt/CUTLASS, rowwise scales) for per-channel weights in bfloat16 where this torch and
   GPU run it (sm_89+, probed once per device against the reference: `scaled_mm_available`);
 - otherwise `_fp8_gemm_kernel`, which also takes block-wise scales (each K tile's partial product scaled by its
@@ -32,6 +38,9 @@ from kernels.reference import FP8_DTYPE, FP8_GPU_BLOCK_COLUMNS, FP8_MAX, FP8_MIN
 
 _QUANT_BLOCK = 1024
 _BLOCK_K = 64
+FEW_ROWS = 4  # x with at most this many rows takes `_fp8_few_rows_kernel`
+_FEW_ROWS_BLOCK_K = 256
+_FEW_ROWS_SUMS = 8192  # ROWS * BLOCK_N * BLOCK_K running sums per program: BLOCK_N shrinks as the rows grow
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores
 
 
@@ -102,6 +111,52 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _fp8_few_rows_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, ws_row_stride,
+    MAX: tl.constexpr, MIN_SCALE: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program n writes out[:M, n-block] for all M <= ROWS rows of x at once: each row's scale from its largest
+    magnitude (a first pass over x), then per K tile the row rounded to e4m3 as `_quantize_rows_kernel` rounds it,
+    times the weight tile's e4m3 values, both widened to float32 (the products exact), summed in float32; then
+    xs[m] and the weight's scales as in `_fp8_gemm_kernel`. x is read twice, the weight once.
+    A row's arithmetic does not depend on ROWS (BLOCK_K is the weight's alone), nor then on the rows beside it."""
+    pid_n = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    row_ok = rows < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    x_scale = tl.maximum(tl.math.div_rn(amax, MAX), MIN_SCALE)
+    # Each lane keeps its own float32 sums over the K tiles; one reduction across lanes at the end.
+    sums = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xq = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -MAX), MAX))
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        if SCALE_COLS == 0:
+            sums += xq[:, None, :] * w[None, :, :]
+        else:
+            scale = tl.load(ws_ptr + (cols // SCALE_ROWS) * ws_row_stride + k0 // SCALE_COLS, mask=col_ok, other=0.0)
+            sums += xq[:, None, :] * (w * scale[:, None])[None, :, :]
+    acc = tl.sum(sums, axis=2) * x_scale[:, None]
+    if SCALE_COLS == 0:
+        acc = acc * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.reference.fp8_quantize_per_token` on the GPU: x `[M, K]` (float32, float16 or bfloat16) ->
     (xq `[M, K]` e4m3, scale `[M, 1]` float32)."""
@@ -145,13 +200,16 @@ def check_scale(scale: torch.Tensor, features: int, depth: int, block: tuple[int
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None, use_scaled_mm: bool | None = None,
+    block: tuple[int, int] | None = None, use_scaled_mm: bool | None = None, few_rows: bool | None = None,
+    few_rows_tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`kernels.reference.fp8_linear` on the GPU: x `[M, K]` (float32, float16 or bfloat16) times the e4m3 weight
     `[N, K]` with its float32 `scale` (`[N, 1]`, or per block of `block`: `check_scale`) plus `bias` `[N]` ->
-    `[M, N]` in x's dtype. `use_scaled_mm` (tests) forces the GEMM (None: `torch._scaled_mm` where
-    `scaled_mm_available` and the scale is per channel). Raises ValueError on dtypes, shapes or devices it
-    cannot read."""
+    `[M, N]` in x's dtype. `few_rows` and `use_scaled_mm` (tests, benchmarks) force the GEMM (None:
+    `_fp8_few_rows_kernel` for at most `FEW_ROWS` rows, else `torch._scaled_mm` where `scaled_mm_available` and the
+    scale is per channel, else `_fp8_gemm_kernel`). `few_rows_tiles` (BLOCK_N, BLOCK_K, num_warps) replaces the
+    few-rows kernel's tiles (scripts/fp8_gemm_timings.py sweeps them). Raises ValueError on dtypes, shapes or
+    devices it cannot read."""
     check_dtype("x", x)
     check_dtype("weight", weight, (FP8_DTYPE,))
     check_same_device(x=x, weight=weight, scale=scale)
@@ -164,8 +222,10 @@ def fp8_linear(
         raise ValueError(f"bias has shape {tuple(bias.shape)} on {bias.device}; expected [{features}] on {x.device}")
     if rows == 0 or features == 0:
         return x.new_zeros(rows, features)
-    xq, x_scale = fp8_quantize_per_token(x)
     weight, scale = weight.contiguous(), scale.contiguous()
+    if few_rows if few_rows is not None else rows <= FEW_ROWS:
+        return _few_rows(unit_last_stride(x), weight, scale, bias, block, few_rows_tiles)
+    xq, x_scale = fp8_quantize_per_token(x)
     if use_scaled_mm is None:
         use_scaled_mm = block is None and x.dtype == torch.bfloat16 and scaled_mm_available(x.device)
     if use_scaled_mm:
@@ -180,6 +240,36 @@ def fp8_linear(
         SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 0, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         WIDEN=isinstance(_fp8_gemm_kernel, InterpretedFunction),
+    )  # fmt: skip
+    return out
+
+
+def _few_rows(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    block: tuple[int, int] | None, tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`_fp8_few_rows_kernel` over x's rows (at most 16: its tiles hold them all), arguments checked by the caller;
+    `tiles` (BLOCK_N, BLOCK_K, num_warps) in place of the default ones."""
+    rows, depth = x.shape
+    if rows > 16:
+        raise ValueError(f"the few-rows kernel takes at most 16 rows of x; got {rows}")
+    features = weight.shape[0]
+    row_tile = triton.next_power_of_2(rows)
+    block_k = min(triton.next_power_of_2(depth), _FEW_ROWS_BLOCK_K)
+    if block is not None:  # a K tile never straddles two blocks: a power of two dividing their width
+        block_k = min(block_k, block[1] & -block[1])
+    block_n = max(_FEW_ROWS_SUMS // (row_tile * block_k), 1)
+    num_warps = 4
+    if tiles is not None:
+        block_n, block_k, num_warps = tiles
+        if block is not None and block[1] % block_k:
+            raise ValueError(f"BLOCK_K {block_k} does not divide the weight's blocks {block}")
+    out = torch.empty(rows, features, dtype=x.dtype, device=x.device)
+    _fp8_few_rows_kernel[(triton.cdiv(features, block_n),)](
+        x, weight, scale, bias if bias is not None else scale, out,
+        rows, features, depth, x.stride(0), scale.stride(0),
+        MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 0,
+        HAS_BIAS=bias is not None, ROWS=row_tile, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return out
 

@@ -8,16 +8,20 @@ times, in microseconds per call, each replayed from a CUDA graph as a decode ste
 - `quantize`: the per-token e4m3 quantization of x (`kernels.fp8_linear.fp8_quantize_per_token`);
 - `scaled_mm`: `torch._scaled_mm` on the quantized x and the e4m3 weight (rowwise scales);
 - `fp8_auto`: `fp8_linear` as the engine calls it (the quantization, then `torch._scaled_mm` where available);
-- `fp8_triton`: `fp8_linear` through the Triton GEMM instead.
+- `fp8_triton`: `fp8_linear` through the Triton GEMM instead;
+- `fp8_few_rows` (up to 16 rows): `fp8_linear` through the few-rows kernel, which rounds x itself (the engine's
+  choice up to `kernels.fp8_linear.FEW_ROWS` rows); up to 4 rows, `few_rows_tiles` times it over other tiles
+  (BLOCK_N, BLOCK_K, num_warps), to choose its defaults from.
 Each time also gives the weight bytes' bandwidth (bytes / time), to read against the copy bandwidth measured first.
 
-    python3 scripts/fp8_gemm_timings.py --out fp8_gemm.jsonl      # on a GPU (~30 s)
+    python3 scripts/fp8_gemm_timings.py --out fp8_gemm.jsonl      # on a GPU (~1 min)
     TRITON_INTERPRET=1 python3 scripts/fp8_gemm_timings.py --smoke  # on the CPU: the calls run, the times mean nothing
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -34,7 +38,10 @@ from kernels.fp8_linear import _scaled_mm, fp8_linear, fp8_quantize_per_token, s
 
 # Llama 3.1 8B: hidden 4096, 32 query and 8 KV heads of 128, intermediate 14336.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-ROWS = (1, 8, 32, 128, 512)
+ROWS = (1, 2, 4, 8, 32, 128, 512)
+# (BLOCK_N, BLOCK_K, num_warps) of the few-rows kernel, timed up to 4 rows.
+FEW_ROWS_TILES = [(32, 256, 4), (16, 256, 4), (8, 256, 4), (64, 128, 4), (32, 128, 4), (64, 256, 8), (32, 512, 8),
+                  (16, 512, 4), (128, 64, 4), (16, 128, 2)]  # fmt: skip
 
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -68,15 +75,21 @@ def _variants(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, ws: torch.Tens
         "bf16": lambda: F.linear(x, w),
         "quantize": lambda: fp8_quantize_per_token(x),
         "fp8_auto": lambda: fp8_linear(x, wq, ws),
-        "fp8_triton": lambda: fp8_linear(x, wq, ws, use_scaled_mm=False),
+        "fp8_triton": lambda: fp8_linear(x, wq, ws, use_scaled_mm=False, few_rows=False),
     }
+    if x.shape[0] <= 16:
+        variants["fp8_few_rows"] = lambda: fp8_linear(x, wq, ws, few_rows=True)
     if scaled_mm_available(x.device):
         variants["scaled_mm"] = lambda: _scaled_mm(xq, xs, wq, ws, None, torch.bfloat16)
     return variants
 
 
-def measure(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device) -> list[dict[str, object]]:
-    """One record per (shape, M): each variant's microseconds and the weight bytes' GB/s."""
+def measure(
+    shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device,
+    sweep: list[tuple[int, int, int]],
+) -> list[dict[str, object]]:  # fmt: skip
+    """One record per (shape, M): each variant's microseconds and the weight bytes' GB/s; up to 4 rows, the few-rows
+    kernel's microseconds over each tile of `sweep` too."""
     gen = torch.Generator().manual_seed(0)
     records: list[dict[str, object]] = []
     for name, (features, depth) in shapes.items():
@@ -85,12 +98,19 @@ def measure(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: t
         for m in rows:
             x = torch.randn(m, depth, generator=gen).to(device, torch.bfloat16)
             times = {key: round(_time_us(fn, device), 2) for key, fn in _variants(x, w, wq, ws).items()}
+            tiles = {}
+            if m <= 4:
+                for tile in sweep:
+                    call = functools.partial(fp8_linear, x, wq, ws, few_rows=True, few_rows_tiles=tile)
+                    tiles["x".join(map(str, tile))] = round(_time_us(call, device), 2)
             weight_bytes = {"bf16": 2 * features * depth, "fp8": features * depth + 4 * features}
             bandwidth = {
                 key: round((weight_bytes["bf16" if key == "bf16" else "fp8"]) / (us / 1e6) / 1e9, 1)
                 for key, us in times.items() if key != "quantize"
             }  # fmt: skip
             record = {"shape": name, "n": features, "k": depth, "m": m, "us": times, "weight_gb_per_s": bandwidth}
+            if tiles:
+                record["few_rows_tiles_us"] = tiles
             print(json.dumps(record), flush=True)
             records.append(record)
     return records
@@ -103,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = {"tiny": (96, 64)} if args.smoke else SHAPES
-    rows = (1, 5) if args.smoke else ROWS
+    rows = (1, 5, 20) if args.smoke else ROWS
     result = {
         "benchmark": "fp8_gemm_timings",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "copy_bandwidth_gb_per_s": _copy_bandwidth(device),
         "scaled_mm": scaled_mm_available(device),
-        "records": measure(shapes, rows, device),
+        "records": measure(shapes, rows, device, FEW_ROWS_TILES[:2] if args.smoke else FEW_ROWS_TILES),
     }
     if args.out:
         with args.out.open("a") as f:

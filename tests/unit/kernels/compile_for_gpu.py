@@ -105,11 +105,11 @@ def int8_calls(dtype: torch.dtype) -> None:
 
 
 def fp8_calls(dtype: torch.dtype) -> None:
-    """The FP8 GEMM (the Triton kernel, not `torch._scaled_mm`) per channel, per 128 x 128 block and per 128 x 32
-    block, decode and prefill rows, at Qwen2.5-0.5B's widths."""
+    """The FP8 GEMMs (the Triton kernels, not `torch._scaled_mm`) per channel, per 128 x 128 block and per 128 x 32
+    block, at Qwen2.5-0.5B's widths: the few-rows kernel (1 and 3 rows), the GEMM's decode and prefill tiles."""
     weight = torch.zeros(4864, 896, dtype=reference.FP8_DTYPE)
     channels, blocks = torch.ones(4864, 1), torch.ones(38, 7)
-    for rows in (3, 100):
+    for rows in (1, 3, 8, 100):
         x = torch.zeros(rows, 896, dtype=dtype)
         fp8_linear.fp8_linear(x, weight, channels, use_scaled_mm=False)
         fp8_linear.fp8_linear(x, weight, blocks, block=(128, 128), use_scaled_mm=False)

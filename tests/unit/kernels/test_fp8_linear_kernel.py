@@ -101,6 +101,57 @@ def test_block_scaled_product_with_bias_matches_the_reference(
     assert_product_close(out, reference.fp8_linear(x, weight, scale, bias, block), x, weight, scale, block)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("block", [None, (128, 128), (16, 32), (48, 96)], ids=str)
+def test_the_few_rows_kernel_matches_the_reference(
+    device: torch.device, dtype: torch.dtype, rows: int, block: tuple[int, int] | None
+) -> None:
+    """A decode step's few rows in one launch: each row rounded to e4m3 inside the kernel as the reference rounds it
+    (a zero row, a huge value), per channel and per block (96-wide blocks: K tiles of 32), ragged N and K, bias."""
+    features, depth = 70, 200
+    x, weight, scale = operands(rows, features, depth, dtype, device, block, seed=rows)
+    x[0] = 0
+    x[-1, -1] = 3e4
+    bias = torch.randn(features, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    out = fp8_linear(x, weight, scale, bias, block=block, few_rows=True)
+    assert out.shape == (rows, features) and out.dtype == dtype
+    assert_product_close(out, reference.fp8_linear(x, weight, scale, bias, block), x, weight, scale, block)
+
+
+def test_few_rows_take_the_few_rows_kernel(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to FEW_ROWS rows (strided ones too) go to the few-rows kernel; more to the quantization and a GEMM."""
+    from kernels import fp8_linear as module
+
+    taken: list[int] = []
+    few_rows = module._few_rows
+
+    def recorded(x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        taken.append(x.shape[0])
+        return few_rows(x, *rest)
+
+    monkeypatch.setattr(module, "_few_rows", recorded)
+    x, weight, scale = operands(module.FEW_ROWS + 1, 40, 64, torch.float32, device, None)
+    wide = torch.cat([x, x], dim=1)[:, :64]
+    for count in (1, module.FEW_ROWS, module.FEW_ROWS + 1):
+        expected = reference.fp8_linear(x[:count], weight, scale)
+        torch.testing.assert_close(fp8_linear(wide[:count], weight, scale), expected)
+    assert taken == [1, module.FEW_ROWS]
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        fp8_linear(torch.zeros(17, 64, device=device), weight, scale, few_rows=True)
+
+
+def test_the_few_rows_kernel_takes_other_tiles(device: torch.device) -> None:
+    """The tiles a benchmark sweeps give the same products (a row's sums in another order)."""
+    x, weight, scale = operands(3, 70, 200, torch.float32, device, (128, 128))
+    expected = reference.fp8_linear(x, weight, scale, block=(128, 128))
+    for tiles in ((16, 128, 4), (64, 32, 8), (8, 64, 2)):
+        out = fp8_linear(x, weight, scale, block=(128, 128), few_rows=True, few_rows_tiles=tiles)
+        assert_product_close(out, expected, x, weight, scale, (128, 128))
+    with pytest.raises(ValueError, match="does not divide"):
+        fp8_linear(x, weight, scale, block=(128, 128), few_rows=True, few_rows_tiles=(16, 256, 4))
+
+
 def test_the_product_is_close_to_the_float_one(device: torch.device) -> None:
     """What FP8 costs on random data: both operands at 3 mantissa bits, within ~2% of the float product's scale."""
     generator = torch.Generator().manual_seed(3)
