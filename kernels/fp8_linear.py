@@ -36,7 +36,8 @@ from kernels._checks import check_dtype, check_same_device, unit_last_stride
 from kernels._e4m3 import round_to_e4m3
 from kernels.reference import FP8_DTYPE, FP8_GPU_BLOCK_COLUMNS, FP8_MAX, FP8_MIN_SCALE
 
-_QUANT_BLOCK = 1024
+# A row of x up to this long is read in one tile by `_quantize_rows_kernel` (one load per pass, ~32 values a thread).
+_QUANT_BLOCK = 16384
 _BLOCK_K = 64
 FEW_ROWS = 4  # x with at most this many rows takes `_fp8_few_rows_kernel`
 _FEW_ROWS_BLOCK_K = 256
@@ -170,7 +171,7 @@ def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if rows and depth:
         block = min(_QUANT_BLOCK, triton.next_power_of_2(depth))
         _quantize_rows_kernel[(rows,)](x, xq, scale, depth, x.stride(0), MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
-                                       BLOCK=block)  # fmt: skip
+                                       BLOCK=block, num_warps=min(16, max(4, block // 1024)))  # fmt: skip
     return xq, scale
 
 
@@ -201,15 +202,15 @@ def check_scale(scale: torch.Tensor, features: int, depth: int, block: tuple[int
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
     block: tuple[int, int] | None = None, use_scaled_mm: bool | None = None, few_rows: bool | None = None,
-    few_rows_tiles: tuple[int, int, int] | None = None,
+    few_rows_tiles: tuple[int, int, int] | None = None, gemm_tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`kernels.reference.fp8_linear` on the GPU: x `[M, K]` (float32, float16 or bfloat16) times the e4m3 weight
     `[N, K]` with its float32 `scale` (`[N, 1]`, or per block of `block`: `check_scale`) plus `bias` `[N]` ->
     `[M, N]` in x's dtype. `few_rows` and `use_scaled_mm` (tests, benchmarks) force the GEMM (None:
     `_fp8_few_rows_kernel` for at most `FEW_ROWS` rows, else `torch._scaled_mm` where `scaled_mm_available` and the
-    scale is per channel, else `_fp8_gemm_kernel`). `few_rows_tiles` (BLOCK_N, BLOCK_K, num_warps) replaces the
-    few-rows kernel's tiles (scripts/fp8_gemm_timings.py sweeps them). Raises ValueError on dtypes, shapes or
-    devices it cannot read."""
+    scale is per channel, else `_fp8_gemm_kernel`). `few_rows_tiles` (BLOCK_N, BLOCK_K, num_warps) and
+    `gemm_tiles` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) replace the Triton kernels' tiles
+    (scripts/fp8_gemm_timings.py sweeps them). Raises ValueError on dtypes, shapes or devices it cannot read."""
     check_dtype("x", x)
     check_dtype("weight", weight, (FP8_DTYPE,))
     check_same_device(x=x, weight=weight, scale=scale)
@@ -233,13 +234,18 @@ def fp8_linear(
     out = torch.empty(rows, features, dtype=x.dtype, device=x.device)
     block_m, block_n = _blocks(rows)
     block_k = _BLOCK_K if block is None else next(b for b in (64, FP8_GPU_BLOCK_COLUMNS) if block[1] % b == 0)
+    launch: dict[str, int] = {}
+    if gemm_tiles is not None:
+        block_m, block_n, block_k, launch["num_warps"], launch["num_stages"] = gemm_tiles
+        if block is not None and block[1] % block_k:
+            raise ValueError(f"BLOCK_K {block_k} does not divide the weight's blocks {block}")
     grid = (triton.cdiv(rows, block_m), triton.cdiv(features, block_n))
     _fp8_gemm_kernel[grid](
         xq, x_scale, weight, scale, bias if bias is not None else scale, out,
         rows, features, depth, scale.stride(0),
         SCALE_ROWS=block[0] if block else 1, SCALE_COLS=block[1] if block else 0, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        WIDEN=isinstance(_fp8_gemm_kernel, InterpretedFunction),
+        WIDEN=isinstance(_fp8_gemm_kernel, InterpretedFunction), **launch,
     )  # fmt: skip
     return out
 

@@ -11,10 +11,11 @@ times, in microseconds per call, each replayed from a CUDA graph as a decode ste
 - `fp8_triton`: `fp8_linear` through the Triton GEMM instead;
 - `fp8_few_rows` (up to 16 rows): `fp8_linear` through the few-rows kernel, which rounds x itself (the engine's
   choice up to `kernels.fp8_linear.FEW_ROWS` rows); up to 4 rows, `few_rows_tiles` times it over other tiles
-  (BLOCK_N, BLOCK_K, num_warps), to choose its defaults from.
+  (BLOCK_N, BLOCK_K, num_warps), to choose its defaults from; from 8 rows, `gemm_tiles_us` times the Triton GEMM
+  over other tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): whether it can beat `torch._scaled_mm`.
 Each time also gives the weight bytes' bandwidth (bytes / time), to read against the copy bandwidth measured first.
 
-    python3 scripts/fp8_gemm_timings.py --out fp8_gemm.jsonl      # on a GPU (~1 min)
+    python3 scripts/fp8_gemm_timings.py --out fp8_gemm.jsonl      # on a GPU (~2 min: compiles the swept tiles)
     TRITON_INTERPRET=1 python3 scripts/fp8_gemm_timings.py --smoke  # on the CPU: the calls run, the times mean nothing
 """
 
@@ -42,6 +43,9 @@ ROWS = (1, 2, 4, 8, 32, 128, 512)
 # (BLOCK_N, BLOCK_K, num_warps) of the few-rows kernel, timed up to 4 rows.
 FEW_ROWS_TILES = [(32, 256, 4), (16, 256, 4), (8, 256, 4), (64, 128, 4), (32, 128, 4), (64, 256, 8), (32, 512, 8),
                   (16, 512, 4), (128, 64, 4), (16, 128, 2)]  # fmt: skip
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the Triton FP8 GEMM, timed from 8 rows.
+GEMM_TILES = [(16, 64, 128, 4, 4), (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (64, 64, 128, 4, 5),
+              (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (64, 256, 128, 8, 4), (16, 128, 256, 4, 4)]  # fmt: skip
 
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -86,10 +90,10 @@ def _variants(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, ws: torch.Tens
 
 def measure(
     shapes: dict[str, tuple[int, int]], rows: tuple[int, ...], device: torch.device,
-    sweep: list[tuple[int, int, int]],
+    sweep: list[tuple[int, int, int]], gemm_sweep: list[tuple[int, int, int, int, int]],
 ) -> list[dict[str, object]]:  # fmt: skip
     """One record per (shape, M): each variant's microseconds and the weight bytes' GB/s; up to 4 rows, the few-rows
-    kernel's microseconds over each tile of `sweep` too."""
+    kernel's microseconds over each tile of `sweep` too; from 8 rows, the Triton GEMM's over `gemm_sweep`."""
     gen = torch.Generator().manual_seed(0)
     records: list[dict[str, object]] = []
     for name, (features, depth) in shapes.items():
@@ -108,9 +112,17 @@ def measure(
                 key: round((weight_bytes["bf16" if key == "bf16" else "fp8"]) / (us / 1e6) / 1e9, 1)
                 for key, us in times.items() if key != "quantize"
             }  # fmt: skip
+            gemm = {}
+            if m >= 8:
+                for gemm_tile in gemm_sweep:
+                    call = functools.partial(fp8_linear, x, wq, ws, use_scaled_mm=False, few_rows=False,
+                                             gemm_tiles=gemm_tile)  # fmt: skip
+                    gemm["x".join(map(str, gemm_tile))] = round(_time_us(call, device), 2)
             record = {"shape": name, "n": features, "k": depth, "m": m, "us": times, "weight_gb_per_s": bandwidth}
             if tiles:
                 record["few_rows_tiles_us"] = tiles
+            if gemm:
+                record["gemm_tiles_us"] = gemm
             print(json.dumps(record), flush=True)
             records.append(record)
     return records
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = {"tiny": (96, 64)} if args.smoke else SHAPES
-    rows = (1, 5, 20) if args.smoke else ROWS
+    rows = (1, 5, 8) if args.smoke else ROWS
     result = {
         "benchmark": "fp8_gemm_timings",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -133,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "copy_bandwidth_gb_per_s": _copy_bandwidth(device),
         "scaled_mm": scaled_mm_available(device),
-        "records": measure(shapes, rows, device, FEW_ROWS_TILES[:2] if args.smoke else FEW_ROWS_TILES),
+        "records": measure(shapes, rows, device, FEW_ROWS_TILES[:2] if args.smoke else FEW_ROWS_TILES,
+                           [(16, 32, 32, 4, 2)] if args.smoke else GEMM_TILES),
     }
     if args.out:
         with args.out.open("a") as f:

@@ -59,11 +59,12 @@ def operands(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("rows", "depth"), [(1, 64), (7, 100), (33, 1500)])
+@pytest.mark.parametrize(("rows", "depth"), [(1, 64), (7, 100), (33, 1500), (3, 40000)])
 def test_per_token_quantization_equals_the_reference(
     device: torch.device, dtype: torch.dtype, rows: int, depth: int
 ) -> None:
-    """Rows of any length (1500: two loop blocks, the second partial), a zero row and one with a huge value."""
+    """Rows of any length (1500: one partial tile; 40000: three tiles of 16384, the last partial), a zero row and one
+    with a huge value."""
     x = torch.randn(rows, depth, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
     x[0] = 0
     x[-1, -1] = 3e4
@@ -150,6 +151,16 @@ def test_the_few_rows_kernel_takes_other_tiles(device: torch.device) -> None:
         assert_product_close(out, expected, x, weight, scale, (128, 128))
     with pytest.raises(ValueError, match="does not divide"):
         fp8_linear(x, weight, scale, block=(128, 128), few_rows=True, few_rows_tiles=(16, 256, 4))
+
+
+def test_the_gemm_takes_other_tiles(device: torch.device) -> None:
+    x, weight, scale = operands(20, 70, 256, torch.float32, device, (128, 128))
+    expected = reference.fp8_linear(x, weight, scale, block=(128, 128))
+    for tiles in ((16, 32, 32, 4, 2), (64, 128, 128, 4, 3)):
+        out = fp8_linear(x, weight, scale, block=(128, 128), use_scaled_mm=False, gemm_tiles=tiles)
+        assert_product_close(out, expected, x, weight, scale, (128, 128))
+    with pytest.raises(ValueError, match="does not divide"):
+        fp8_linear(x, weight, scale, block=(128, 128), use_scaled_mm=False, gemm_tiles=(16, 32, 256, 4, 2))
 
 
 def test_the_product_is_close_to_the_float_one(device: torch.device) -> None:
