@@ -183,6 +183,55 @@ class AttentionMetadata:
         )  # fmt: skip
         return rows_on_device, meta
 
+    def chunked(self, chunk: int) -> AttentionMetadata:
+        """This step's metadata for a layer whose token at position p attends to the positions of its own chunk
+        only, `[p - p % chunk, p]` (Llama 4's rope layers: `ModelConfig.attention_chunk`). Each sequence becomes one
+        sequence per chunk its new tokens fall in: those tokens as its queries, its block table from the chunk's
+        first block on, its length counted from the chunk's start. So every attention kernel serves it as plain
+        causal attention, and the new tokens keep their rows. Itself when no sequence reaches past its first
+        chunk; computed once per step and chunk. `chunk` must be a multiple of the block size (ValueError)."""
+        if self.max_seq_len <= chunk:
+            return self
+        if chunk % self.block_size:
+            raise ValueError(f"an attention chunk of {chunk} positions is not a multiple of the block size "
+                             f"{self.block_size}")  # fmt: skip
+        cached = self.__dict__.setdefault("_chunked", {})
+        if chunk not in cached:
+            cached[chunk] = self._split_at_chunks(chunk)
+        result: AttentionMetadata = cached[chunk]
+        return result
+
+    def _split_at_chunks(self, chunk: int) -> AttentionMetadata:
+        """`chunked`'s metadata, built on the host and moved to the device."""
+        tables = self.host_block_tables if self.host_block_tables is not None else self.block_tables.cpu()
+        rows: list[int] = []  # the sequence of each part
+        firsts: list[int] = []  # the block each part's table starts from
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for i, (query_len, seq_len) in enumerate(zip(self.query_lens_cpu, self.seq_lens_cpu, strict=True)):
+            first = seq_len - query_len
+            for start in range(first - first % chunk, seq_len, chunk):
+                end = min(seq_len, start + chunk)
+                rows.append(i)
+                firsts.append(start // self.block_size)
+                query_lens.append(end - max(first, start))
+                seq_lens.append(end - start)
+        width = tables.shape[1] - min(firsts)
+        parts = torch.zeros(len(rows), width, dtype=tables.dtype)
+        for part, (row, block) in enumerate(zip(rows, firsts, strict=True)):
+            parts[part, : tables.shape[1] - block] = tables[row, block:]
+        starts = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor(query_lens, dtype=torch.int64), 0, out=starts[1:])
+        device = self.block_tables.device
+        return AttentionMetadata(
+            query_start_loc=to_device(starts, device, torch.int32),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+            block_tables=to_device(parts.to(torch.int32), device),
+            slot_mapping=self.slot_mapping, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, block_size=self.block_size, host_block_tables=parts,
+            host_slot_mapping=self.host_slot_mapping,
+        )  # fmt: skip
+
     @cached_property
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every new token as a decode row of its own: (block tables `[T, max_blocks]` int32, its sequence's

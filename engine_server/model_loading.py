@@ -284,6 +284,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         # Its layers pick each row's state slot and chunk form from host lists every step.
         log.warning("a model with linear attention (Qwen3-Next, Qwen3.5) decodes eagerly: no CUDA graphs yet")
         return False
+    if loaded.model_config.attention_chunk and loaded.max_model_len > loaded.model_config.attention_chunk:
+        # Llama 4's rope layers split each step's sequences at their chunks from host lists (a MoE model anyway).
+        log.warning("a model attending within chunks (Llama 4) decodes eagerly: no CUDA graphs yet")
+        return False
     if loaded.model_config.num_experts:
         # Each expert's GEMM is sized by the tokens routed to it, which a recorded graph cannot follow.
         log.warning("a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs")

@@ -169,7 +169,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Llama4TextConfig",
         {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
          "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0, 1, 0],
-         "attention_chunk_size": 1024, "floor_scale": 4, "attn_scale": 0.5, "pad_token_id": 0,
+         "attention_chunk_size": 32, "floor_scale": 4, "attn_scale": 0.5, "pad_token_id": 0,
          "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     ),

@@ -130,15 +130,12 @@ class EngineCore:
         self.model_config = source.config
         limit = config.scheduler.max_model_len or source.config.max_position_embeddings
         self.max_model_len = min(limit, source.config.max_position_embeddings)
-        chunk = source.config.attention_chunk
-        if chunk and self.max_model_len > chunk:  # Llama 4: attention within chunks is not served past the first
-            if config.scheduler.max_model_len:
-                raise ValueError(
-                    f"max_model_len {self.max_model_len} is past this model's attention chunk ({chunk} tokens): its "
-                    f"chunked attention is served within one chunk only; use --max-model-len {chunk} or less"
-                )
-            log.info("max_model_len capped at the attention chunk", max_model_len=chunk, model_limit=self.max_model_len)
-            self.max_model_len = chunk
+        chunk, block_size = source.config.attention_chunk, config.cache.block_size
+        if chunk and self.max_model_len > chunk and chunk % block_size:  # Llama 4: AttentionMetadata.chunked
+            raise ValueError(
+                f"this model attends within chunks of {chunk} positions, which the KV block size {block_size} does "
+                f"not divide: serve it with --max-model-len {chunk} or less"
+            )
         if source.config.encoder:  # an encoder's input runs whole in one step: it must fit the step's budget
             self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)
         # Under tensor parallelism this process is rank 0 and the other ranks are worker processes (`workers`).

@@ -34,8 +34,9 @@ class PagedSelfAttention(nn.Module):
     denominator (`kernels.reference.paged_attention`). With `ModelConfig.attention_output_gate` (Qwen3-Next, Qwen3.5)
     q_proj gives each head its query and then as many gate values, and the attention's output is multiplied by
     their sigmoid before `o_proj`. Llama 4: each head of q and k RMS-normalised without a weight on its rope layers
-    (`ModelConfig.qk_unit_norm`), and its NoPE layers' queries scaled by their position's attention temperature
-    (`ModelConfig.nope_temperature_scale`).
+    (`ModelConfig.qk_unit_norm`), its NoPE layers' queries scaled by their position's attention temperature
+    (`ModelConfig.nope_temperature_scale`), and its rope layers attending within chunks (`ModelConfig.attention_chunk`:
+    `AttentionMetadata.chunked`).
 
     Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
     rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
@@ -57,6 +58,7 @@ class PagedSelfAttention(nn.Module):
         self.tp = tp
         self.window = window
         self.rope = rope
+        self.chunk = config.attention_chunk if rope else 0  # Llama 4: its NoPE layers attend to every position
         kv_heads = config.layer_kv_heads(index)
         self.num_heads = heads_per_rank(config.num_attention_heads, tp.size)
         self.num_kv_heads = kv_heads_per_rank(kv_heads, tp.size)
@@ -172,7 +174,8 @@ class PagedSelfAttention(nn.Module):
             q = torch.cat((q_turned, q[..., dim:]), dim=-1)
             k = torch.cat((k_turned, k[..., dim:]), dim=-1)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale, self.window, self.softcap, self.sinks)
+        attend = meta.chunked(self.chunk) if self.chunk else meta
+        out = ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)
         out = out.reshape(tokens, self.q_size)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))

@@ -9,6 +9,7 @@ weights (its experts in the C++ expert kernel) batch-invariant."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -510,18 +511,17 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
-def test_llama4_serves_one_attention_chunk_of_context(tmp_path: Path) -> None:
-    """Llama 4's rope layers attend within chunks, served as far as the first chunk: the context is capped there,
-    and a longer one asked for is refused before anything loads. LoRA adapters on it are refused."""
-    folder = save_family(tmp_path, "llama4", attention_chunk_size=64)
-    with engine(folder) as llm:
-        assert llm.core.max_model_len == 64
-        assert tokens(llm, [list(range(10, 40))])[0]  # it generates within the cap
-    asked = EngineConfig(model=str(folder), device="cpu", quantization="none",
-                         scheduler=SchedulerConfig(max_model_len=128))  # fmt: skip
-    with pytest.raises(ValueError, match=r"attention chunk \(64 tokens\).*--max-model-len 64"):
-        LLM(config=asked)
+def test_llama4_chunks_must_be_whole_blocks_past_the_first_and_lora_is_refused(tmp_path: Path) -> None:
+    """Llama 4's rope layers attend within chunks (tests/families.py: of 32 positions, which the family tests cross):
+    a chunk the KV block size does not divide is served only as far as the first chunk, and refused past it before
+    anything loads. LoRA adapters on it are refused."""
+    folder = save_family(tmp_path, "llama4", attention_chunk_size=40)
+    past = EngineConfig(model=str(folder), device="cpu", quantization="none")
+    with pytest.raises(ValueError, match=r"chunks of 40 positions, which the KV block size 16 does not divide"):
+        LLM(config=past)
+    within = dataclasses.replace(past, scheduler=SchedulerConfig(max_model_len=40))
+    with LLM(config=within) as llm:
+        assert tokens(llm, [list(range(10, 20))])[0]
     # Its q/k rows are reordered at load (interleaved rope pairs as halves): an adapter's would need the same.
-    with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
     with pytest.raises(ValueError, match="LoRA adapters are not applied to Llama 4 yet"):
-        LLM(config=with_lora)
+        LLM(config=dataclasses.replace(within, lora=LoraConfig()))

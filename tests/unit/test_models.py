@@ -181,13 +181,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "top_k_experts": 2, "moe_intermediate_size": 32},
     ),
     # Llama 4: NoPE on the second layer, with a temperature steep enough for these short sequences (floor 2, scale
-    # 0.5); weightless q/k norms and interleaved rope on the first; top-1 of 4 experts on the second layer, each
-    # chosen expert's input scaled by its sigmoid score, beside a shared expert; the first layer dense and wider.
+    # 0.5); weightless q/k norms, interleaved rope and attention within chunks of 8 positions (two blocks) on the
+    # first, so these sequences cross chunks in prefill, chunked prefill and decode; top-1 of 4 experts on the second
+    # layer, each chosen expert's input scaled by its sigmoid score, beside a shared expert; the first layer dense.
     "llama4": (
         transformers.Llama4TextConfig,
         {"head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
          "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0], "floor_scale": 2,
-         "attn_scale": 0.5, "attention_chunk_size": 1024},
+         "attn_scale": 0.5, "attention_chunk_size": 8},
     ),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
@@ -604,7 +605,7 @@ def test_smollm3_configs_read_their_nope_layers_and_windows_only_when_asked() ->
         ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0]})
 
 
-def test_llama4_configs_read_their_layers_and_cap_the_context_at_the_attention_chunk() -> None:
+def test_llama4_configs_read_their_layers() -> None:
     text = {**SMALL, "model_type": "llama4_text", "num_hidden_layers": 8, "intermediate_size": 32,
             "intermediate_size_mlp": 96, "num_local_experts": 4, "num_experts_per_tok": 1,
             "interleave_moe_layer_step": 2, "attention_chunk_size": 8192}  # fmt: skip

@@ -24,15 +24,19 @@ def naive_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """q `[n, H, D]` at positions context..context+n-1 over k, v `[context+n, Hkv, D]`, causally, head by head;
     with a sliding `window`, the token at position p over the `window` positions up to p only; with `softcap`,
-    scores s replaced by softcap * tanh(s / softcap) (Gemma 2)."""
+    scores s replaced by softcap * tanh(s / softcap) (Gemma 2); with `chunk`, over its own chunk's positions only,
+    `[p - p % chunk, p]` (Llama 4)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
         end = context + t + 1
         begin = max(0, end - window) if window else 0
+        if chunk:
+            begin = max(begin, (end - 1) - (end - 1) % chunk)
         for h in range(heads):
             kv = h // (heads // kv_heads)
             scores = scale * (k[begin:end, kv] @ q[t, h])
@@ -87,6 +91,43 @@ def test_paged_attention_matches_naive_causal_attention(
         expected = naive_attention(q[start : start + qlen], k, v, slen - qlen, scale, window, softcap)
         torch.testing.assert_close(out[start : start + qlen], expected, atol=1e-5, rtol=1e-5)
         start += qlen
+
+
+@pytest.mark.parametrize(("block_size", "chunk"), [(1, 3), (4, 4), (4, 8), (16, 16)])
+def test_chunked_metadata_attends_within_chunks(block_size: int, chunk: int) -> None:
+    """`AttentionMetadata.chunked`: each sequence split at its chunks, which plain paged attention then serves as
+    attention within chunks: prefills from the start and after context (across one chunk or several), decodes at
+    and past a chunk's first position; then a decode-only step (`build`'s shortcut). The split metadata leaves the
+    slot mapping and the tokens' order as they were, and is the step's own once no sequence passes a chunk."""
+    batch = [(1, 1), (5, 5), (1, 9), (3, 10), (1, 17), (7, 7), (12, 13), (1, 4), (9, 16), (1, 8)]
+    heads, kv_heads, head_dim = 4, 2, 8
+    gen = torch.Generator().manual_seed(block_size * 10 + chunk)
+    pool = list(range(sum(-(-s // block_size) for _, s in batch)))
+    random.Random(chunk).shuffle(pool)
+    tables = [[pool.pop() for _ in range(-(-s // block_size))] for _, s in batch]
+    cache = torch.zeros(2, sum(map(len, tables)), block_size, kv_heads, head_dim)
+    keys = [torch.randn(s, kv_heads, head_dim, generator=gen) for _, s in batch]
+    values = [torch.randn(s, kv_heads, head_dim, generator=gen) for _, s in batch]
+    everything = AttentionMetadata.build([s for _, s in batch], [s for _, s in batch], tables, block_size, "cpu")
+    reference.write_kv_cache(torch.cat(keys), torch.cat(values), cache, everything.slot_mapping)
+    for step in (batch, [(1, s) for _, s in batch]):
+        meta = AttentionMetadata.build([q for q, _ in step], [s for _, s in step], tables, block_size, "cpu")
+        q = torch.randn(meta.num_tokens, heads, head_dim, generator=gen)
+        split = meta.chunked(chunk)
+        assert split is meta.chunked(chunk) and split.slot_mapping is meta.slot_mapping
+        assert split.num_tokens == meta.num_tokens
+        assert split is not meta and len(split.query_lens_cpu) >= len(meta.query_lens_cpu)
+        out = reference.paged_attention(q, cache, split, head_dim**-0.5)
+        start = 0
+        for (query_len, seq_len), k, v in zip(step, keys, values, strict=True):
+            expected = naive_attention(q[start : start + query_len], k, v, seq_len - query_len, head_dim**-0.5,
+                                       chunk=chunk)  # fmt: skip
+            torch.testing.assert_close(out[start : start + query_len], expected, atol=1e-5, rtol=1e-5)
+            start += query_len
+    short = AttentionMetadata.build([2, 1], [3, 2], [[0], [1]], block_size=4, device="cpu")
+    assert short.chunked(4) is short  # no sequence past its first chunk
+    with pytest.raises(ValueError, match="not a multiple of the block size 4"):
+        AttentionMetadata.build([9], [9], [[0, 1, 2]], block_size=4, device="cpu").chunked(6)
 
 
 def test_metadata_slot_mapping_follows_block_tables() -> None:
