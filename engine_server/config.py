@@ -252,7 +252,7 @@ class ModelConfig:
     # transformers' L2 norm after rope, the same since rope keeps a head's norm); on its NoPE layers each query is
     # scaled by `1 + nope_temperature_scale * ln(1 + floor((position + 1) / nope_temperature_floor))` (its
     # attention temperature tuning; 0: none); its rope layers attend within chunks of `attention_chunk` positions
-    # (0: none), which this engine serves only as far as one chunk: `max_model_len` is capped to it.
+    # (0: none; `AttentionMetadata.chunked`).
     qk_unit_norm: bool = False
     nope_temperature_scale: float = 0.0
     nope_temperature_floor: int = 1
