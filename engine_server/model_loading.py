@@ -195,8 +195,6 @@ def load_model(
             raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
         if source.config.latent_attention is not None:
             raise ValueError("LoRA adapters are not applied to multi-head latent attention (DeepSeek-V3) yet")
-        if source.config.architecture == "llama4":  # an adapter's q/k rows would need the base model's reordering
-            raise ValueError("LoRA adapters are not applied to Llama 4 yet")
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
         log.info(

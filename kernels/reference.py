@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING, TypeVar, overload
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -143,6 +144,19 @@ def build_longrope_cos_sin_cache(
         freqs = torch.outer(positions, inv_freq)
         halves.append(torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1))
     return torch.cat(halves).to(dtype)
+
+
+RopeRowsT = TypeVar("RopeRowsT", np.ndarray, torch.Tensor)
+
+
+def unpermute_rope_rows(weight: RopeRowsT, n_head: int) -> RopeRowsT:
+    """A q/k projection's rows (weight or bias, numpy or torch) with each head's rope pairs moved from interleaved
+    (x[2i], x[2i+1]) to halves (x[i], x[i + half]), the pairs `rotary_embedding` turns: the view (n_head, half, 2)
+    read as (n_head, 2, half). Interleaved are llama.cpp's `llama` files (its converter permutes HF's halves that
+    way; Qwen's, on its neox rope, are not permuted), Llama 4's own checkpoints (`models.llama4`) and so the q/k
+    updates of LoRA adapters trained on them (`lora.peft_format`)."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def rotary_embedding(

@@ -17,10 +17,11 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
 def save_adapter(
-    base: Path, folder: Path, targets: list[str], rank: int, *, alpha: int = 16, rslora: bool = False, seed: int = 0,
-    scale: float = 0.15, **settings: Any,
+    base: Path, folder: Path, targets: list[str] | str, rank: int, *, alpha: int = 16, rslora: bool = False,
+    seed: int = 0, scale: float = 0.15, **settings: Any,
 ) -> Path:  # fmt: skip
-    """A random adapter of `rank` on the `targets` modules of the model in `base`, saved by PEFT to `folder`."""
+    """A random adapter of `rank` on the `targets` modules of the model in `base` (names, or PEFT's regex over module
+    paths), saved by PEFT to `folder`."""
     import peft
 
     from tests.families import load_reference

@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar, overload
+from typing import Any, Literal, Protocol, overload
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, 
 from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
 from engine_server.pooling.params import write_sentence_transformers_pooling
+from kernels.reference import unpermute_rope_rows
 
 # Bump when the converted layout changes so stale cache entries are not reused.
 # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids; 6: Gemma 4; 7: no float copy
@@ -179,25 +180,10 @@ def hf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list
     return [f"model.layers.{layer}.{pattern.format(expert=e, proj=proj)}.weight" for e in range(num_experts)]
 
 
-RowsT = TypeVar("RowsT", np.ndarray, torch.Tensor)
-
-
 def rope_permuted(architecture: str) -> bool:
     """Whether a GGUF file of `architecture` (as `hf_tensor_name`) holds its q/k rows permuted
     (`unpermute_rope_rows`)."""
     return architecture in _ROPE_PERMUTED
-
-
-def unpermute_rope_rows(weight: RowsT, n_head: int) -> RowsT:
-    """Undo llama.cpp's convert-time row permutation of a llama q/k projection (weight or bias, numpy or torch).
-
-    llama.cpp's llama rope rotates adjacent pairs (x[2i], x[2i+1]), so its converter reorders each head's rows
-    from HF's (first half, second half) layout to interleaved pairs: view (n_head, 2, half) → (n_head, half, 2).
-    We apply the inverse view. Qwen2/3 use llama.cpp's neox rope, whose files are not permuted. Llama 4's own
-    checkpoints hold their q/k rows in interleaved pairs too (`models.llama4`).
-    """
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 class GgufTensor(Protocol):

@@ -29,9 +29,9 @@ from engine_server.loader.gguf_convert import (
     hf_tensor_name,
     indexed_tensors,
     rope_permuted,
-    unpermute_rope_rows,
 )
 from engine_server.loader.gguf_hybrid import HybridShape, stored_parts
+from kernels.reference import unpermute_rope_rows
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import torch
 from engine_server.config import ModelConfig
 from engine_server.errors import ValidationError
 from engine_server.lora.targets import MLP_PROJECTIONS, Target, module_targets
+from kernels.reference import unpermute_rope_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -38,6 +39,12 @@ _REFUSED_SETTINGS = {
     "fan_in_fan_out": "fan_in_fan_out (Conv1D models)",
     "layer_replication": "layer_replication",
 }
+
+# Families whose checkpoints name or lay out projections apart from the shared layers, as their model classes load
+# them (`models.llama4`): Llama 4's MLP is `feed_forward`, and its q/k rows hold each head's rope pairs interleaved,
+# so an adapter's q/k updates are reordered as the base rows are.
+_MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {"llama4": (("feed_forward.", "mlp."),)}
+_INTERLEAVED_ROPE_ROWS = ("llama4",)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ def read_peft_adapter(path: str, name: str, key: str, config: ModelConfig, max_r
             raise _invalid(f"tensor {tensor_name!r} is not a LoRA A/B weight of a decoder layer's projection; "
                            "ladle serves adapters on q/k/v/o and gate/up/down (not on embeddings or the LM head)")
         path_in_model, layer, module, side = match[1], int(match[2]), match[3], match[4]
+        for theirs, ours in _MODULE_RENAMES.get(config.architecture, ()):
+            module = ours + module.removeprefix(theirs) if module.startswith(theirs) else module
         pairs.setdefault((layer, module, path_in_model), {})[side] = tensor
     pieces = [
         _piece(layer, module, path_in_model, sides, config, settings, max_rank)
@@ -128,7 +137,13 @@ def _piece(
         raise _invalid(f"{where}: rank {rank} is above the engine's --max-lora-rank {max_rank}")
     alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, path_in_model, settings.get("lora_alpha", 8)))
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    return LoraPiece(layer, target, a.contiguous(), (b.float() * scaling).to(b.dtype).contiguous())
+    b = (b.float() * scaling).to(b.dtype)
+    if config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer))
+    elif config.architecture in _INTERLEAVED_ROPE_ROWS and module == "self_attn.qkv_proj":
+        raise _invalid(f"{where}: a fused q/k/v adapter on {config.architecture}, whose q/k rows are reordered at "
+                       "load, is not served; adapters on q_proj, k_proj and v_proj are")  # fmt: skip
+    return LoraPiece(layer, target, a.contiguous(), b.contiguous())
 
 
 def _pattern_value(patterns: dict[str, Any], module_path: str, default: Any) -> Any:

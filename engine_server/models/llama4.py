@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Iterator
 
-from engine_server.loader.gguf_convert import unpermute_rope_rows
 from engine_server.models.base import CausalLM
 from engine_server.parallel.layers import CheckpointTensor, read_whole
+from kernels.reference import unpermute_rope_rows
 
 _LANGUAGE_MODEL = "language_model."  # the text model's weights in a multimodal Llama 4 checkpoint
 _SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")  # its vision tower and projection, not read

@@ -511,10 +511,10 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
-def test_llama4_chunks_must_be_whole_blocks_past_the_first_and_lora_is_refused(tmp_path: Path) -> None:
+def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> None:
     """Llama 4's rope layers attend within chunks (tests/families.py: of 32 positions, which the family tests cross):
     a chunk the KV block size does not divide is served only as far as the first chunk, and refused past it before
-    anything loads. LoRA adapters on it are refused."""
+    anything loads."""
     folder = save_family(tmp_path, "llama4", attention_chunk_size=40)
     past = EngineConfig(model=str(folder), device="cpu", quantization="none")
     with pytest.raises(ValueError, match=r"chunks of 40 positions, which the KV block size 16 does not divide"):
@@ -522,6 +522,4 @@ def test_llama4_chunks_must_be_whole_blocks_past_the_first_and_lora_is_refused(t
     within = dataclasses.replace(past, scheduler=SchedulerConfig(max_model_len=40))
     with LLM(config=within) as llm:
         assert tokens(llm, [list(range(10, 20))])[0]
-    # Its q/k rows are reordered at load (interleaved rope pairs as halves): an adapter's would need the same.
-    with pytest.raises(ValueError, match="LoRA adapters are not applied to Llama 4 yet"):
-        LLM(config=dataclasses.replace(within, lora=LoraConfig()))
+

@@ -151,6 +151,40 @@ def test_gemma4_adapters_equal_peft_on_every_kind_of_layer(family: str, tmp_path
     llm.close()
 
 
+def test_llama4_adapters_equal_peft(tmp_path: Path) -> None:
+    """Llama 4 (tests/families.py): its q/k rows hold each head's rope pairs interleaved, reordered at load, and an
+    adapter's q/k updates with them, on its rope and NoPE layers alike; its dense layers' MLP is `feed_forward`.
+    Adapters on every attention projection and the dense layers' MLPs, and on q/k alone, equal PEFT token for token
+    in one batch with the base model, past the model's 32-position attention chunks. A fused q/k/v adapter, whose
+    rows would need the same reordering per part, is refused by name."""
+    base = save_family(tmp_path / "llama4", "llama4")
+    attention_and_dense = r".*\.(q|k|v|o)_proj|.*layers\.[02]\.feed_forward\.(gate|up|down)_proj"  # layers 1, 3: MoE
+    folders = {
+        "all-r8": save_adapter(base, tmp_path / "all", attention_and_dense, 8, seed=8),
+        "qk-r4": save_adapter(base, tmp_path / "qk", ["q_proj", "k_proj"], 4, seed=9),
+    }
+    # Each prompt alone: transformers' NoPE temperature counts a batch's left padding among the positions.
+    models = {None: load_reference(base), **{name: load_peft(base, folder) for name, folder in folders.items()}}
+    expected = {name: [hf_greedy(model, [p], NUM_TOKENS)[0] for p in prompts()] for name, model in models.items()}
+    assert expected["all-r8"] != expected[None] and expected["qk-r4"] != expected[None]
+    names: list[str | None] = [None, *folders]
+    llm = engine(base)
+    for name, folder in folders.items():
+        llm.load_adapter(name, str(folder))
+    batch = [prompt for _ in names for prompt in prompts()]
+    got = tokens(llm.generate(batch, GREEDY, adapters=[name for name in names for _ in prompts()], use_tqdm=False))
+    assert [got[i * 4 : (i + 1) * 4] for i in range(len(names))] == [expected[n] for n in names]
+    config = json.loads((base / "config.json").read_text())
+    rows = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * config["head_dim"]
+    prefix = "base_model.model.model.layers.0.self_attn.qkv_proj"
+    tensors = {f"{prefix}.lora_A.weight": torch.zeros(4, config["hidden_size"]),
+               f"{prefix}.lora_B.weight": torch.zeros(rows, 4)}  # fmt: skip
+    settings = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["qkv_proj"]}
+    with pytest.raises(ValidationError, match="a fused q/k/v adapter on llama4"):
+        llm.load_adapter("fused", str(_write_adapter(tmp_path / "fused", settings, tensors)))
+    llm.close()
+
+
 def test_adapter_equals_its_weights_merged_into_the_base(models: Any, tmp_path: Path) -> None:
     base, folders, _ = models
     for name in ("attention-r8", "mlp-r16-rslora"):
