@@ -46,6 +46,19 @@ FP8_MIN_CAPABILITY = (8, 9)  # e4m3 tensor cores
 
 
 @triton.jit
+def _store_rows(acc, ws_ptr, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, N, SCALE_COLS: tl.constexpr,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The FP8 GEMMs' last step: the float32 sums `acc` `[rows, cols]` times the weight's per-channel scales (with
+    SCALE_COLS == 0; per-block scales are in already), plus the bias, rounded once to out's dtype and stored."""
+    if SCALE_COLS == 0:
+        acc = acc * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                           BLOCK: tl.constexpr):  # fmt: skip
     """Program m: scale[m] = max(max_k |x[m, k]| / MAX, MIN_SCALE), q[m, k] = e4m3(clamp(x[m, k] / scale[m],
@@ -104,12 +117,7 @@ def _fp8_gemm_kernel(
             scale = tl.load(ws_ptr + (cols // SCALE_ROWS) * ws_row_stride + k0 // SCALE_COLS, mask=col_ok, other=0.0)
             acc += partial * scale[None, :]
     acc = acc * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    if SCALE_COLS == 0:
-        acc = acc * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_rows(acc, ws_ptr, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, N, SCALE_COLS, HAS_BIAS)
 
 
 @triton.jit
@@ -150,12 +158,7 @@ def _fp8_few_rows_kernel(
             scale = tl.load(ws_ptr + (cols // SCALE_ROWS) * ws_row_stride + k0 // SCALE_COLS, mask=col_ok, other=0.0)
             sums += xq[:, None, :] * (w * scale[:, None])[None, :, :]
     acc = tl.sum(sums, axis=2) * x_scale[:, None]
-    if SCALE_COLS == 0:
-        acc = acc * tl.load(ws_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_rows(acc, ws_ptr, bias_ptr, out_ptr, rows, cols, row_ok, col_ok, N, SCALE_COLS, HAS_BIAS)
 
 
 def fp8_quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
