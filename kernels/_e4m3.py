@@ -22,6 +22,13 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def scaled_to_e4m3(x, scale, MAX: tl.constexpr):
+    """float32 x / scale, correctly rounded, clamped to +-MAX (448) and rounded to e4m3 (`round_to_e4m3`): how
+    `kernels.reference.fp8_quantize_per_token` rounds each value against its row's scale."""
+    return round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAX), MAX))
+
+
+@triton.jit
 def e4m3_bits(v):
     """The e4m3 byte (uint8) of float32 v, a value e4m3 holds exactly (`round_to_e4m3`'s): sign, then 4 exponent bits
     (bias 7) and 3 mantissa bits, or for |v| < 2^-6 a subnormal's multiple of 2^-9. Bit arithmetic, not Triton's

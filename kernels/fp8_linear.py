@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._checks import check_dtype, check_same_device, unit_last_stride
-from kernels._e4m3 import round_to_e4m3
+from kernels._e4m3 import scaled_to_e4m3
 from kernels.reference import FP8_DTYPE, FP8_GPU_BLOCK_COLUMNS, FP8_MAX, FP8_MIN_SCALE
 
 # A row of x up to this long is read in one tile by `_quantize_rows_kernel` (one load per pass, ~32 values a thread).
@@ -73,7 +73,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, MAX: tl.constex
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -MAX), MAX))
+        q = scaled_to_e4m3(x, scale, MAX)
         tl.store(q_ptr + row * K + ks, q.to(tl.float8e4nv), mask=ks < K)
     tl.store(scale_ptr + row, scale)
 
@@ -149,7 +149,7 @@ def _fp8_few_rows_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        xq = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, x_scale[:, None]), -MAX), MAX))
+        xq = scaled_to_e4m3(x, x_scale[:, None], MAX)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)  # fmt: skip
         if SCALE_COLS == 0:
@@ -240,8 +240,7 @@ def fp8_linear(
     launch: dict[str, int] = {}
     if gemm_tiles is not None:
         block_m, block_n, block_k, launch["num_warps"], launch["num_stages"] = gemm_tiles
-        if block is not None and block[1] % block_k:
-            raise ValueError(f"BLOCK_K {block_k} does not divide the weight's blocks {block}")
+        _check_tile_depth(block_k, block)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(features, block_n))
     _fp8_gemm_kernel[grid](
         xq, x_scale, weight, scale, bias if bias is not None else scale, out,
@@ -251,6 +250,12 @@ def fp8_linear(
         WIDEN=isinstance(_fp8_gemm_kernel, InterpretedFunction), **launch,
     )  # fmt: skip
     return out
+
+
+def _check_tile_depth(block_k: int, block: tuple[int, int] | None) -> None:
+    """A K tile of a block-scaled weight must not straddle two blocks: ValueError unless BLOCK_K divides them."""
+    if block is not None and block[1] % block_k:
+        raise ValueError(f"BLOCK_K {block_k} does not divide the weight's blocks {block}")
 
 
 def _few_rows(
@@ -271,8 +276,7 @@ def _few_rows(
     num_warps = 4
     if tiles is not None:
         block_n, block_k, num_warps = tiles
-        if block is not None and block[1] % block_k:
-            raise ValueError(f"BLOCK_K {block_k} does not divide the weight's blocks {block}")
+        _check_tile_depth(block_k, block)
     out = torch.empty(rows, features, dtype=x.dtype, device=x.device)
     _fp8_few_rows_kernel[(triton.cdiv(features, block_n),)](
         x, weight, scale, bias if bias is not None else scale, out,

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, check_dtype, check_same_device, unit_last_stride
-from kernels._e4m3 import e4m3_bits, round_to_e4m3
+from kernels._e4m3 import e4m3_bits, scaled_to_e4m3
 from kernels.reference import (
     FP8_KV_DTYPE,
     FP8_KV_SCALE_BYTES,
@@ -75,7 +75,7 @@ def _store_fp8_rows(base, x, mask, head_dim, dims):
     scale = max(max|x| / 448, FP8_MIN_SCALE), the e4m3 bits of x / scale clamped to ±448 (both divisions
     correctly rounded, as torch's), then the scale."""
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX), _FP8_MIN_SCALE)[:, None]
-    scaled = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX))
+    scaled = scaled_to_e4m3(x, scale, _FP8_MAX)
     tl.store(base + dims, e4m3_bits(scaled), mask=mask)
     scale_ptr = (base + head_dim).to(tl.pointer_type(tl.float32), bitcast=True)
     tl.store(scale_ptr, scale, mask=tl.max(mask.to(tl.int32), axis=1)[:, None] > 0)
