@@ -264,13 +264,13 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # OLMo 2: no norm before the attention or the MLP; each one's output normalised before its residual add.
     post_norms: bool = False
-    # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then its key's, the cache's,
-    # and every head has its own KV head), and its router (`grouped_router`, `layers.moe.GroupedTopkRouter`):
-    # sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to them for the choice only
-    # (`router_score_bias`), the top-k taken within the best `moe_topk_groups` of `moe_groups` groups of experts
-    # (each group scored by the sum of its two best, or DeepSeek-V2's best: `moe_group_score`), the chosen scores
-    # renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`; its shared experts have no gate
-    # (`shared_expert_gated` off).
+    # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then the cache's, a latent
+    # and its rope key, under one KV head: `layers.mla`), and its router (`grouped_router`,
+    # `layers.moe.GroupedTopkRouter`): sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to
+    # them for the choice only (`router_score_bias`), the top-k taken within the best `moe_topk_groups` of
+    # `moe_groups` groups of experts (each group scored by the sum of its two best, or DeepSeek-V2's best:
+    # `moe_group_score`), the chosen scores renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`;
+    # its shared experts have no gate (`shared_expert_gated` off).
     latent_attention: LatentAttention | None = None
     # Mistral 4: its queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's attention
     # temperature), beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's original context.
@@ -458,11 +458,11 @@ class ModelConfig:
         heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        if arch == "deepseek_v3":  # latent attention: the cache holds every head's whole key
+        if arch == "deepseek_v3":  # latent attention: the cache holds one row per token, its latent and rope key
             latent = _latent_attention_fields(cfg, rope, model_type)
             rope_fields = {**rope_fields, **latent}
             mla: LatentAttention = latent["latent_attention"]
-            head_dim, kv_heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, heads
+            head_dim, kv_heads = mla.kv_lora_rank + mla.qk_rope_head_dim, 1
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
         if gemma:

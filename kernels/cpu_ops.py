@@ -77,7 +77,7 @@ _SOURCES = (
     "gated_delta.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-HEAD_DIMS = (16, 32, 64, 128, 256, 512)  # the head dims the kernel is instantiated for
+HEAD_DIMS = (16, 32, 64, 128, 256, 512, 576)  # the head dims the kernel is instantiated for
 DISABLE_ENV = "LADLE_CPU_KERNELS"
 # A build takes ~40 s; a lock this old was left by a process that died building.
 STALE_LOCK_S = 600.0

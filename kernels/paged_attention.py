@@ -31,6 +31,9 @@ _PREFILL_ROWS, _DECODE_ROWS = 64, 16
 # Keys per step of the online softmax; float32 tiles are twice the bytes, so they take half as many keys.
 _KEYS, _KEYS_FP32 = 64, 32
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+# Heads padded to 1,024 dims (DeepSeek's 576-dim latent rows, `engine_server.layers.mla`) take tiles of 16 rows and
+# 16 keys, which fit a block's shared memory, and a wide GQA group is split over programs to fit them (H100: 232 KB).
+_WIDE_DIMS, _WIDE_ROWS, _WIDE_KEYS = 1024, 16, 16
 _FP8_SCALE_BYTES = tl.constexpr(FP8_KV_SCALE_BYTES)
 
 
@@ -74,13 +77,15 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEAD_SPLITS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
     SINKS: tl.constexpr,
 ):
-    """For new token t of sequence i at position p and query head h (KV head `h // GROUP`):
+    """For new token t of sequence i at position p and query head h (KV head `h // (GROUP * HEAD_SPLITS)`; a
+    program takes GROUP of its heads, the share `program_id(1)`):
 
         out[t, h] = sum_j softmax_j(scale * q[t, h] · K[j]) V[j],   j over the sequence's positions <= p
 
@@ -95,7 +100,8 @@ def _paged_attention_kernel(
     tile decoded as the reference decodes it (`_decode_fp8_rows`) before its dot.
     """
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    part = tl.program_id(1)  # GROUP query heads of KV head part // HEAD_SPLITS: its (part % HEAD_SPLITS)-th share
+    kv_head = part // HEAD_SPLITS
     seq = _find_sequence(query_start_ptr, tile, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -107,7 +113,7 @@ def _paged_attention_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     token = local_tile * BLOCK_Q + rows // GROUP  # index among the sequence's new tokens
-    head = kv_head * GROUP + rows % GROUP
+    head = part * GROUP + rows % GROUP
     # BLOCK_M need not be a multiple of GROUP: the last partial group belongs to the next tile.
     row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
     position = context + token
@@ -160,7 +166,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_offsets = (q_start + token).to(tl.int64)[:, None] * (NUM_KV_HEADS * GROUP * head_dim)
+    out_offsets = (q_start + token).to(tl.int64)[:, None] * (NUM_KV_HEADS * HEAD_SPLITS * GROUP * head_dim)
     out_offsets += head[:, None] * head_dim + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -209,12 +215,16 @@ def paged_attention(
     if tokens == 0:
         return out
     q = unit_last_stride(q)
-    group = heads // kv_heads
-    block_m = max(_PREFILL_ROWS if meta.max_query_len > 1 else _DECODE_ROWS, triton.next_power_of_2(group))
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    wide = block_d >= _WIDE_DIMS
+    rows = _WIDE_ROWS if wide else _PREFILL_ROWS if meta.max_query_len > 1 else _DECODE_ROWS
+    splits = _head_splits(heads // kv_heads, rows) if wide else 1
+    group = heads // kv_heads // splits
+    block_m = max(rows, triton.next_power_of_2(group))
     block_q = block_m // group
     # Sequence i gets tiles [start_i // block_q + i, start_{i+1} // block_q + i + 1): at least the
     # ceil(query_len / block_q) it needs; the spare ones exit at once.
-    grid = (tokens // block_q + num_seqs, kv_heads)
+    grid = (tokens // block_q + num_seqs, kv_heads * splits)
     block_tables = meta.block_tables
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
@@ -239,17 +249,24 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_N=_KEYS_FP32 if q.dtype == torch.float32 else _KEYS,
-        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_N=_WIDE_KEYS if wide else _KEYS_FP32 if q.dtype == torch.float32 else _KEYS,
+        BLOCK_D=block_d,
         NUM_KV_HEADS=kv_heads,
+        HEAD_SPLITS=splits,
         # float32 models get full-precision dots; TF32 would cost ~1e-3 relative error.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=q.dtype == torch.bfloat16 and isinstance(_paged_attention_kernel, InterpretedFunction),
         SOFTCAP=softcap > 0,
         FP8=is_fp8_kv_cache(kv_cache),
         SINKS=sinks is not None,
+        num_warps=8 if wide else 4,  # a wide tile: its float32 accumulator over twice the threads (no spills)
     )
     return out
+
+
+def _head_splits(group: int, rows: int) -> int:
+    """The fewest equal shares of a GQA group of `group` query heads that each fit a tile of `rows` rows."""
+    return next(s for s in range(1, group + 1) if group % s == 0 and triton.next_power_of_2(group // s) <= rows)
 
 
 def _check_arguments(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionInputs) -> None:

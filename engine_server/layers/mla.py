@@ -1,5 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Mistral 4), run as plain multi-head attention over the
-paged KV cache.
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, Mistral 4) over a paged cache of the latent itself.
 
 The queries come from a low-rank projection (`q_a_proj`, its norm, `q_b_proj`; or one `q_proj`); the keys and
 values from one compressed latent per token (`kv_a_proj_with_mqa`: `kv_lora_rank` latent dims and one rope key of
@@ -7,14 +6,18 @@ values from one compressed latent per token (`kv_a_proj_with_mqa`: `kv_lora_rank
 positions (`qk_nope_head_dim`) and a value (`v_head_dim`). Each head's key is its nope part beside the shared rope
 key; only the rope dims turn by position.
 
-This module expands every token's latent into per-head keys and values and caches those: the cache's head dim is
-the key's (`qk_nope_head_dim + qk_rope_head_dim`) and each value is stored zero-padded to it, so the attention
-kernels (and their sinks, windows, FP8 rows) are the ones every other family uses. That costs the memory a latent
-cache would save; keeping the latent (and absorbing `kv_b_proj` into the query and the output) is a later step.
-Within a head the rope dims lead (`cat(rope, nope)` for both the query and the key: the same order on both sides
-leaves their product unchanged), so the shared partial rotary turns them; DeepSeek-V3's interleaved rope pairs
-(`rope_interleave`) are first laid out as halves, which is what transformers' interleaved rotation computes.
-Tensor parallelism is refused: the heads are not split yet.
+The cache holds each token's normalised latent and its turned rope key, `kv_lora_rank + qk_rope_head_dim` values
+(576 for V3) under one KV head, not every head's expanded key and value: `kv_b_proj` is absorbed instead (the
+peers' decode form). Head h's nope score `q_nope . (W_uk[h] c)` is `(W_uk[h]^T q_nope) . c`, so its query becomes
+`cat(W_uk[h]^T q_nope, q_rope)` over keys `cat(c, k_rope)`: multi-query attention with a head dim of 576. The
+values are those same rows; the first `kv_lora_rank` dims of each head's output are the latent its scores weight,
+which `W_uv[h]` then expands to the head's value. So the attention kernels (and their FP8 rows and prefix caching)
+are the ones every other family uses; the cache row is written as the key and again as the value.
+
+`kv_b_proj` stays float under every quantization (`LatentExpansion`: not an `nn.Linear`, which is what the
+quantizers swap), as in vLLM, which dequantizes it for the same absorption; an FP8 checkpoint's is read
+dequantized. DeepSeek-V3's interleaved rope pairs (`rope_interleave`) are first laid out as halves, which is what
+transformers' interleaved rotation computes. Tensor parallelism is refused: the heads are not split yet.
 """
 
 from __future__ import annotations
@@ -30,6 +33,24 @@ from engine_server.parallel.group import SINGLE, TensorParallel
 from kernels.kernel_set import KernelOps
 
 
+class LatentExpansion(nn.Module):
+    """`kv_b_proj`'s weight `[heads * (nope + value), kv_lora_rank]` as the checkpoint stores it, read by
+    `MultiLatentAttention` as each head's two halves (`key_half`, `value_half`) and never run as a linear layer."""
+
+    def __init__(self, heads: int, nope_dim: int, value_dim: int, kv_lora_rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads, self.nope_dim, self.value_dim = heads, nope_dim, value_dim
+        self.weight = nn.Parameter(torch.empty(heads * (nope_dim + value_dim), kv_lora_rank, dtype=dtype))
+
+    def key_half(self) -> torch.Tensor:
+        """W_uk `[heads, nope, kv_lora_rank]`: the latent to each head's key part without positions (a view)."""
+        return self.weight.view(self.heads, self.nope_dim + self.value_dim, -1)[:, : self.nope_dim]
+
+    def value_half(self) -> torch.Tensor:
+        """W_uv `[heads, value, kv_lora_rank]`: the latent to each head's value (a view)."""
+        return self.weight.view(self.heads, self.nope_dim + self.value_dim, -1)[:, self.nope_dim :]
+
+
 class MultiLatentAttention(nn.Module):
     """One layer's latent attention (module doc); parameters named as DeepSeek's checkpoints name them."""
 
@@ -42,22 +63,22 @@ class MultiLatentAttention(nn.Module):
         assert mla is not None
         self.num_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim, self.value_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
-        self.head_dim = self.nope_dim + self.rope_dim  # the cache's, and the key's
+        self.query_dim = self.nope_dim + self.rope_dim  # each head's query and key as the checkpoint computes them
         self.kv_lora_rank = mla.kv_lora_rank
         self.interleaved = mla.rope_interleave
-        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.scale = config.attention_scale or self.query_dim**-0.5
         self.query_scale_beta, self.query_scale_positions = config.query_scale_beta, config.query_scale_positions
         hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
         if mla.q_lora_rank:
             self.q_a_proj: nn.Module | None = nn.Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm: RMSNorm | None = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype)
-            self.q_b_proj: nn.Module = nn.Linear(mla.q_lora_rank, heads * self.head_dim, bias=False, dtype=dtype)
+            self.q_b_proj: nn.Module = nn.Linear(mla.q_lora_rank, heads * self.query_dim, bias=False, dtype=dtype)
         else:
             self.q_a_proj = self.q_a_layernorm = None
-            self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False, dtype=dtype)
+            self.q_proj = nn.Linear(hidden, heads * self.query_dim, bias=False, dtype=dtype)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.value_dim), bias=False, dtype=dtype)
+        self.kv_b_proj = LatentExpansion(heads, self.nope_dim, self.value_dim, self.kv_lora_rank, dtype)
         self.o_proj = nn.Linear(heads * self.value_dim, hidden, bias=bias, dtype=dtype)
 
     def forward(
@@ -70,8 +91,9 @@ class MultiLatentAttention(nn.Module):
         ops: KernelOps,
         lora: LayerLora | None = None,
     ) -> torch.Tensor:
-        """hidden `[T, hidden]` -> `[T, hidden]`; writes this step's keys and (padded) values into `kv_cache`
-        before attending. `lora` must be None: adapters are not applied to latent attention."""
+        """hidden `[T, hidden]` -> `[T, hidden]`; writes this step's latent rows (`[T, 1, kv_lora_rank + rope]`,
+        as key and as value) into `kv_cache` before attending. `lora` must be None: adapters are not applied to
+        latent attention."""
         if lora is not None:
             raise ValueError("LoRA adapters are not applied to multi-head latent attention")
         tokens, heads = hidden.shape[0], self.num_heads
@@ -79,21 +101,23 @@ class MultiLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden), ops))
         else:
             q = self.q_proj(hidden)
-        q_nope, q_rope = q.view(tokens, heads, self.head_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_rope = q.view(tokens, heads, self.query_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent, ops)).view(tokens, heads, self.nope_dim + self.value_dim)
-        k_nope, v = kv.split([self.nope_dim, self.value_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent, ops)
         q_rope, k_rope = self._halves(q_rope), self._halves(k_rope.reshape(tokens, 1, self.rope_dim))
         q_rope, k_rope = ops.rotary_embedding(positions, q_rope.contiguous(), k_rope.contiguous(), cos_sin_cache)
-        q = torch.cat((q_rope, q_nope), dim=-1)
+        # [heads, T, nope] @ [heads, nope, rank]: each head's query in the latent's space
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.key_half()).transpose(0, 1)
+        q = torch.cat((q_latent, q_rope), dim=-1)
         if self.query_scale_beta:  # Mistral 4: Llama 4's temperature, by position (`ModelConfig.query_scale_beta`)
             steps = torch.floor(positions.to(torch.float32) / self.query_scale_positions)
             q = q * (1 + self.query_scale_beta * torch.log(1 + steps)).to(q.dtype)[:, None, None]
-        k = torch.cat((k_rope.expand(tokens, heads, self.rope_dim), k_nope), dim=-1)
-        v = torch.nn.functional.pad(v, (0, self.head_dim - self.value_dim))
-        ops.write_kv_cache(k, v.contiguous(), kv_cache, meta.slot_mapping)
+        rows = torch.cat((latent.view(tokens, 1, self.kv_lora_rank), k_rope), dim=-1)
+        ops.write_kv_cache(rows, rows, kv_cache, meta.slot_mapping)
         out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, None)
-        return self.o_proj(out[..., : self.value_dim].reshape(tokens, heads * self.value_dim))
+        # [heads, T, rank] @ [heads, rank, value]: each head's weighted latent expanded to its value
+        values = torch.bmm(out[..., : self.kv_lora_rank].transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2))
+        return self.o_proj(values.transpose(0, 1).reshape(tokens, heads * self.value_dim))
 
     def _halves(self, x: torch.Tensor) -> torch.Tensor:
         """Rope dims in interleaved pairs `(x0, x1), (x2, x3), ...` laid out as halves `(x0, x2, ..., x1, x3, ...)`,

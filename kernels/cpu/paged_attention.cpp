@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -268,7 +269,7 @@ void attend(const float* q, const Cache* keys, const Cache* values, const int32_
             float softcap, const float* sinks, Scratch& scratch, float* out) {
   constexpr bool fp8 = std::is_same_v<Cache, uint8_t>;
   constexpr int64_t row_length = fp8 ? Dim + kFp8ScaleBytes : Dim;  // of a cached row, in Cache elements
-  constexpr int64_t pass = std::min(Dim, kPassFloats);
+  constexpr int64_t pass = std::gcd(Dim, kPassFloats);  // a divisor of Dim: DeepSeek's 576 in passes of 64
   constexpr int64_t pass_chunks = pass / kLanes;
   const int64_t sum_heads = std::max<int64_t>(1, std::min<int64_t>(kMaxSumHeads, kSumFloats / pass));
   const int64_t token_stride = kv_heads * row_length;
@@ -422,6 +423,7 @@ AttendFn<Cache> attend_for(int64_t dim) {
     case 128: return attend<128, Cache>;
     case 256: return attend<256, Cache>;
     case 512: return attend<512, Cache>;  // Gemma 4's full-attention layers
+    case 576: return attend<576, Cache>;  // DeepSeek's latent rows (layers/mla.py): 512 + 64 rope dims
     default: return nullptr;
   }
 }
@@ -452,7 +454,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                      sinks->scalar_type() == at::kFloat && sinks->is_contiguous()),
               "sinks must be [H] float32, contiguous");
   const float* sinks_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256, 512",
+  LADLE_CHECK(attend_for<float>(dim) != nullptr, "head dim %lld is not one of 16, 32, 64, 128, 256, 512, 576",
               static_cast<long long>(dim));
   TORCH_CHECK(block_tables.size(0) == rows && seq_lens.size(0) == rows, "one block table and length per row");
   const at::Tensor lens = seq_lens.contiguous();

@@ -20,6 +20,7 @@ import torch
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from engine_server.layers.mla import LatentExpansion
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from engine_server.parallel.layers import ParallelExperts
@@ -491,19 +492,30 @@ def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp
 
 def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None:
     """int8: the latent attention's projections and the experts quantized, the sigmoid router float (no decode
-    stack: the attention is not the stack's); fp8: the projections and experts in e4m3. Both mostly agree with the
-    float path's first tokens. Tensor parallelism is refused before any worker starts (the heads are not split
-    yet)."""
+    stack: the attention is not the stack's); fp8: the projections and experts in e4m3; `kv_b_proj`, absorbed into
+    the queries and outputs, float under both. The cache holds one row per token and layer, the 32-dim latent and
+    its 8 rope dims under one KV head; an FP8 cache holds those rows in e4m3 beside their scales. All mostly agree
+    with the float path's first tokens. Tensor parallelism is refused before any worker starts (the heads are not
+    split yet)."""
     folder = save_family(tmp_path, "deepseek-v3", head_spread=1.0)  # a clear next token (families.save_family)
     theirs = reference_tokens(folder)
     # At least this many of the 8 first tokens agree: e4m3 moves this tiny model's latents more than 8-bit groups do
     # (over 8 prompts x 16 tokens, top-1 0.76 against int8's 0.88; Qwen3-MoE's are 0.86 and 0.98).
-    for quantization, least in (("int8", 7), ("fp8", 5)):
-        with engine(folder, quantization=quantization) as llm:
-            assert llm.core.runner.loaded.model.model.decode_stack is None
+    for quantization, cache, least in (("int8", "auto", 7), ("fp8", "auto", 5), ("none", "fp8", 7)):
+        config = EngineConfig(
+            model=str(folder), device="cpu", quantization=quantization,
+            cache=CacheConfig(memory_bytes=64 * 1024**2, dtype=cache),
+        )  # fmt: skip
+        with LLM(config=config) as llm:
+            model = llm.core.runner.loaded.model.model
+            assert model.decode_stack is None
+            expansion = model.layers[0].self_attn.kv_b_proj
+            assert isinstance(expansion, LatentExpansion) and expansion.weight.dtype == torch.float32
+            rows = (32 + 8 + 4, torch.uint8) if cache == "fp8" else (32 + 8, torch.float32)
+            assert all((c.shape[2:], c.dtype) == ((16, 1, rows[0]), rows[1]) for c in llm.core.runner.kv_caches)
             ours = tokens(llm, prompts())
         agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
-        assert agree >= least, (quantization, agree)
+        assert agree >= least, (quantization, cache, agree)
     with pytest.raises(ValueError, match=r"multi-head latent attention \(deepseek_v3\) is not sharded yet"):
         engine(folder, tensor_parallel_size=2)
     with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())

@@ -30,7 +30,10 @@ from tests.unit.runner_factories import TINY_LLAMA
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 # The projections an FP8 checkpoint stores in e4m3 (Mixtral's experts' are w1 / w3 / w2: gate / up / down).
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+LINEARS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # DeepSeek's latent attention
+)  # fmt: skip
 
 
 # --- the reference ------------------------------------------------------------------------------------------
@@ -391,6 +394,34 @@ def test_an_fp8_mixture_of_experts_is_served_as_stored(
             sequences, log_probs = reference_of(float_llm, QUALITY_PROMPTS[:4], 16)
         result = compare(log_probs, llm, layout, QUALITY_PROMPTS[:4], 16, sequences, free_running=False)
     assert result.top1_agreement >= MOE_MIN_TOP1 and result.mean_kl <= MOE_MAX_MEAN_KL, result
+
+
+@pytest.mark.slow  # engines on a saved model
+def test_a_latent_attention_checkpoint_in_fp8(tmp_path: Path) -> None:
+    """DeepSeek-V3's block-wise FP8 checkpoint (tests/families.py's small one, every projection in e4m3): served in
+    FP8 as stored, but for `kv_b_proj`, which latent attention absorbs into its queries and outputs (layers.mla):
+    that one is read dequantized, its float weight exactly the stored values times their scales. By default the CPU
+    loads the whole checkpoint dequantized, greedy as the float model on those values is.
+
+    No closeness bound against that float model here: this random MoE flips experts at near-ties under any
+    rounding (int8 at load: top-1 0.88, mean KL 0.4-1.2, max 38), so a bound loose enough for it would say
+    nothing. The exact checks above it are what catch a wrong layout or scale."""
+    float_model = save_family(tmp_path / "float", "deepseek-v3", head_spread=1.0)
+    (tmp_path / "fp8").mkdir()
+    _, folder, plain, dequantized = fp8_and_float_folders(float_model, tmp_path / "fp8", "blockwise")
+    prefix = "model.layers.1.self_attn"
+    with engine(folder, "fp8") as llm:
+        attention = llm.core.runner.model.get_submodule(prefix)
+        assert torch.equal(attention.kv_b_proj.weight, dequantized[f"{prefix}.kv_b_proj.weight"])
+        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+            projection = getattr(attention, name)
+            assert isinstance(projection, Fp8Linear) and projection.format == "fp8_block", name
+            assert torch.equal(_dense_weight(projection), dequantized[f"{prefix}.{name}.weight"]), name
+        assert all(r.choices[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with engine(plain, "none") as float_llm:
+        float_greedy = [r.choices[0].token_ids for r in float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with engine(folder, "auto") as llm:
+        assert [r.choices[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == float_greedy
 
 
 @pytest.mark.slow  # engines on a saved model

@@ -15,6 +15,7 @@ import torch
 import transformers
 from gguf import GGUFWriter, PoolingType
 
+from engine_server.attention_metadata import kv_cache_bytes_per_block
 from engine_server.config import ModelConfig, RopeScaling
 from engine_server.loader import (
     DUMMY_PRESETS,
@@ -300,7 +301,9 @@ def test_dummy_preset_configs() -> None:
     moonlight = DUMMY_PRESETS["moonlight-16b-a3b"]  # its layout too
     params = sum(math.prod(shape) for shape in parameter_shapes(moonlight).values())
     assert params == 15_960_110_208  # Moonlight-16B-A3B's
-    assert (moonlight.head_dim, moonlight.num_key_value_heads, moonlight.rotary_dim) == (192, 16, 64)
+    assert (moonlight.head_dim, moonlight.num_key_value_heads, moonlight.rotary_dim) == (576, 1, 64)
+    # Its cache: one latent row per token and layer (512 + 64 rope dims), 5.3x less than 16 heads' keys and values
+    assert kv_cache_bytes_per_block(moonlight, 16, torch.bfloat16) == 27 * 16 * 2 * 576 * 2
     gpt_oss = DUMMY_PRESETS["gpt-oss-20b"]  # its layout too
     params = sum(math.prod(shape) for shape in parameter_shapes(gpt_oss).values())
     assert params == 20_914_757_184  # gpt-oss-20b's (the model card's "21B")

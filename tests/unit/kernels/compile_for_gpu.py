@@ -48,8 +48,8 @@ SM80 = (GPUTarget("cuda", 80, 32), 166912)
 SM90 = (GPUTarget("cuda", 90, 32), 232448)
 Launch = tuple[JITFunction[Any], tuple[Any, ...], dict[str, Any]]
 # (query heads, KV heads, head dim): Llama-3-8B, Qwen2.5-7B (group 7), a wide group with a padded head dim,
-# and no grouping with another padded one.
-ATTENTION_SHAPES = [(32, 8, 128), (28, 4, 128), (8, 1, 96), (4, 4, 80)]
+# no grouping with another padded one, and DeepSeek-V3's latent rows (576 dims padded to 1,024, 128 heads).
+ATTENTION_SHAPES = [(32, 8, 128), (28, 4, 128), (8, 1, 96), (4, 4, 80), (128, 1, 576)]
 
 
 def record_launches(calls: Callable[[], None]) -> list[Launch]:
@@ -145,6 +145,8 @@ def quick_calls() -> None:
     attention([(1, 40), (7, 20)], 4, 4, 128, torch.float32)  # float32: the most shared memory
     attention([(1, 40), (7, 20)], 32, 8, 128, torch.bfloat16, fp8=True)  # an FP8 cache, prefill tiles
     attention([(1, 40), (1, 20)], 32, 8, 128, torch.bfloat16, fp8=True)  # and decode tiles
+    attention([(1, 40), (7, 20)], 128, 1, 576, torch.bfloat16)  # latent rows: narrow tiles, the group split
+    attention([(1, 40), (1, 20)], 128, 1, 576, torch.bfloat16, fp8=True)
 
 
 def full_calls() -> None:

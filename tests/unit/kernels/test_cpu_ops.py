@@ -45,12 +45,13 @@ def make_batch(
 @needs_kernels
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 4, 256), (12, 1, 32), (4, 2, 16), (8, 1, 512)],
+    [(9, 3, 64), (14, 2, 64), (16, 8, 128), (4, 4, 256), (12, 1, 32), (4, 2, 16), (8, 1, 512), (16, 1, 576)],
 )
 @pytest.mark.parametrize("block_size", [16, 32, 5])
 def test_decode_rows_match_the_reference(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
-    """GQA groups of 1 to 12 (more than the 8 heads the kernel holds at once), lengths of 1, within a vector,
-    a vector and one more, and several blocks; block sizes that are and are not multiples of 16."""
+    """GQA groups of 1 to 16 (more than the 8 heads the kernel holds at once), head dims up to DeepSeek's latent
+    rows (576, summed in passes that divide it), lengths of 1, within a vector, a vector and one more, and several
+    blocks; block sizes that are and are not multiples of 16."""
     spec = [(1, n) for n in (1, 2, 15, 16, 17, 31, 64, 100, 257)]
     q, cache, meta = make_batch(spec, heads, kv_heads, head_dim, block_size, seed=heads + head_dim + block_size)
     scale = head_dim**-0.5
@@ -238,7 +239,9 @@ def fp8_cache_of(cache: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 @needs_kernels
 @pytest.mark.parametrize("window", [0, 30])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 8, 128), (4, 2, 16), (4, 1, 512)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 8, 128), (4, 2, 16), (4, 1, 512), (8, 1, 576)]
+)
 def test_attention_over_an_fp8_cache_is_attention_over_its_decoded_values(
     heads: int, kv_heads: int, head_dim: int, window: int
 ) -> None:

@@ -94,6 +94,22 @@ def test_paged_attention_wide_gqa_group(device: torch.device, spec: list[tuple[i
     check(spec, 8, 1, 96, torch.float16, device)
 
 
+@pytest.mark.parametrize(
+    ("spec", "heads"), [(MIXED, 48), (DECODE, 128)], ids=["mixed-48-heads", "decode-128-heads"]
+)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_paged_attention_over_latent_rows(
+    device: torch.device, spec: list[tuple[int, int]], heads: int, fp8: bool
+) -> None:
+    """DeepSeek's latent attention (`engine_server.layers.mla`): every query head over one KV head of 576 dims,
+    padded to 1,024; the group split over programs of 16 heads each (48 heads: 3 programs, V3's 128: 8)."""
+    q, cache, meta = make_batch(spec, heads, 1, 576, torch.bfloat16, device)
+    if fp8:
+        cache = reference.fp8_kv_rows(cache.float())
+    expected = reference.paged_attention(q, cache, meta, 192**-0.5)
+    torch.testing.assert_close(paged_attention(q, cache, meta, 192**-0.5), expected, **TOLERANCES[torch.bfloat16])
+
+
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_paged_attention_small_blocks(device: torch.device, block_size: int) -> None:
     """Key tiles span several cache blocks when blocks are smaller than a tile."""

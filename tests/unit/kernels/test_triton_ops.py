@@ -74,10 +74,21 @@ def tiny_config(architecture: str) -> ModelConfig:
     )
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+# DeepSeek-V3's latent attention (dense layers): the cache's rows its 512-dim latent and 64 rope dims, as V3's.
+TINY_DEEPSEEK = ModelConfig.from_hf_config({
+    "model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 2, "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+})  # fmt: skip
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "deepseek_v3"])
 def test_model_forward_with_triton_ops_matches_reference(device: torch.device, architecture: str) -> None:
     """Two engine steps (prompts, then a decode beside a prompt chunk and a new prompt) through both op sets."""
-    config = tiny_config(architecture)
+    config = TINY_DEEPSEEK if architecture == "deepseek_v3" else tiny_config(architecture)
     torch.manual_seed(0)
     with torch.device(device):
         model = get_model_class(config.architecture)(config).eval()
