@@ -34,6 +34,9 @@ _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 # Heads padded to 1,024 dims (DeepSeek's 576-dim latent rows, `engine_server.layers.mla`) take tiles of 16 rows and
 # 16 keys, which fit a block's shared memory, and a wide GQA group is split over programs to fit them (H100: 232 KB).
 _WIDE_DIMS, _WIDE_ROWS, _WIDE_KEYS = 1024, 16, 16
+# and 8 warps (the float32 accumulator over twice the threads: no spills over a bf16 cache) with one stage (no
+# prefetched tiles: a float32 model's fit an A100's 164 KB too).
+_WIDE_LAUNCH = {"num_warps": 8, "num_stages": 1}
 _FP8_SCALE_BYTES = tl.constexpr(FP8_KV_SCALE_BYTES)
 
 
@@ -259,7 +262,7 @@ def paged_attention(
         SOFTCAP=softcap > 0,
         FP8=is_fp8_kv_cache(kv_cache),
         SINKS=sinks is not None,
-        num_warps=8 if wide else 4,  # a wide tile: its float32 accumulator over twice the threads (no spills)
+        **_WIDE_LAUNCH if wide else {},
     )
     return out
 
