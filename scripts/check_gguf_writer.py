@@ -34,11 +34,12 @@ NEW_TOKENS = 16
 
 def families() -> dict[str, dict[str, Any]]:
     """Each family the GGUF tests write, with their overrides (`save_family`'s)."""
-    from tests.unit.test_family_gguf import HYBRID_GGUF, MOE_GGUF
+    from tests.unit.test_family_gguf import HYBRID_GGUF, LLAMA4_GGUF, MOE_GGUF
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
-    return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, **HYBRID_GGUF, "gemma4": {}, "gemma4-moe": {}}
+    return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
+            "gemma4-moe": {}}
 
 
 def check(family: str, overrides: dict[str, Any], root: Path) -> dict[str, Any]:

@@ -311,7 +311,7 @@ _GGUF_GEMMA_LAYER = {
 _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
-    "gemma4_text": "gemma4",
+    "gemma4_text": "gemma4", "llama4_text": "llama4",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -439,8 +439,8 @@ _RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationTy
 def write_gguf(
     folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None, types: dict[str, Any] | None = None
 ) -> Path:
-    """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or Qwen3-Next
-    as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
+    """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Llama 4, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or
+    Qwen3-Next as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
     metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
     scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
     F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
@@ -453,7 +453,9 @@ def write_gguf(
     wide as its key heads, as llama.cpp assumes. A hybrid's linear layers are written as `_llama_cpp_linear_attention`
     says, their projections in `attention`'s type; Gemma 4's keys as `_gemma4_metadata` says, its per-layer inputs'
     projections and experts' banks in `feed_forward`'s type (the layers before its sharing ones must end on a
-    full-attention one, as llama.cpp assumes)."""
+    full-attention one, as llama.cpp assumes). Llama 4's q/k rows stay as its checkpoint's, its banks of experts split
+    into gate, up and down, llama3 rope scaling written as its `rope_freqs` divisors; what llama.cpp fixes for it
+    (NoPE every 4th layer, chunks of 8,192, the temperature's floor 8,192 and scale 0.1) must be the model's."""
     import json
 
     from gguf import GGUFWriter
@@ -472,6 +474,8 @@ def write_gguf(
     else:
         _common_metadata(writer, config, arch, rope, head_dim)
     _tokenizer_metadata(writer, folder)
+    if arch == "llama4":  # its converter's name for Llama 4's split of text before BPE (GPT-4o's)
+        writer.add_tokenizer_pre("llama4")
     _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types)
     return path
 
@@ -484,7 +488,11 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
-    if "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
+    if arch == "llama4":  # its dense layers' width; `intermediate_size` is its experts'
+        writer.add_feed_forward_length(config["intermediate_size_mlp"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+        writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+    elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config["num_key_value_heads"])
@@ -493,7 +501,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if arch != "llama4":  # llama.cpp reads a llama4 file's 0 as MobileLLM's (no chunks); its converter writes none
+        writer.add_sliding_window(config.get("sliding_window") or 0)
     if arch in _GGUF_HYBRIDS:
         writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(config["linear_key_head_dim"])
@@ -503,6 +512,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_full_attention_interval(config["layer_types"].index("full_attention") + 1)
         if arch != "qwen3next":  # Qwen3.5's multimodal rope: on text every section has the same position
             writer.add_rope_dimension_sections([int(head_dim * rope["partial_rotary_factor"]) // 2, 0, 0, 0])
+    if rope.get("rope_type") == "llama3":  # the per-frequency divisors, as a tensor
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, head_dim))
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -520,10 +531,29 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        if arch != "llama":
+        if arch not in ("llama", "llama4"):
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """llama3 rope scaling's divisor of each frequency, as llama.cpp's converter computes its `rope_freqs` tensor: 1
+    for wavelengths under the original context over `high_freq_factor`, `factor` over it over `low_freq_factor`,
+    interpolated between."""
+    low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+    original = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            divisors.append(1.0)
+        elif wavelength > original / low:
+            divisors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def _tokenizer_metadata(writer: Any, folder: Path) -> None:
@@ -576,6 +606,15 @@ def _write_tensors(
             tensor = tensor + 1.0
         array = tensor.float().numpy()
         bare = name.removeprefix("model.layers.").partition(".")
+        if arch == "llama4" and stem.endswith(".feed_forward.experts"):  # the banks: [E, H, 2I] and [E, I, H]
+            if param == "gate_up_proj":
+                gate, up = (np.ascontiguousarray(half.swapaxes(1, 2)) for half in np.split(array, 2, axis=-1))
+                tensors[f"blk.{bare[0]}.ffn_gate_exps.weight"] = (gate, feed_forward)
+                tensors[f"blk.{bare[0]}.ffn_up_exps.weight"] = (up, feed_forward)
+            else:
+                down = np.ascontiguousarray(array.swapaxes(1, 2))
+                tensors[f"blk.{bare[0]}.ffn_down_exps.weight"] = (down, feed_forward)
+            continue
         if gemma4 and (name in _GGUF_GEMMA4_GLOBAL or bare[2] in _GGUF_GEMMA4_BARE):
             gguf_name = _GGUF_GEMMA4_GLOBAL.get(name) or f"blk.{bare[0]}.{_GGUF_GEMMA4_BARE[bare[2]]}"
             banked = gguf_name.endswith("_exps.weight")  # the experts' banks in `feed_forward`'s type
@@ -583,6 +622,8 @@ def _write_tensors(
             continue
         if stem.startswith("model.layers."):
             layer, kind = stem.removeprefix("model.layers.").split(".", 1)
+            if arch == "llama4":  # Llama 4's MLP is its `feed_forward`, its router `feed_forward.router`
+                kind = kind.replace("feed_forward.router", "mlp.gate").replace("feed_forward.", "mlp.")
             expert = _EXPERT.fullmatch(kind)
             if expert is not None:
                 banks.setdefault(f"blk.{layer}.{_GGUF_EXPERT[expert[2]]}.{param}", {})[int(expert[1])] = array

@@ -115,6 +115,18 @@ _GEMMA4_GLOBAL = {
     "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
     "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
+# Llama 4: its MLP is `feed_forward` (dense, or a router, experts and a shared expert, `_EXPERT_NAMES`).
+_LLAMA4_LAYER_NAMES = {
+    **{kind: name for kind, name in _LAYER_NAMES.items() if not kind.startswith("ffn_")},
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+    "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -128,17 +140,27 @@ _ARCHITECTURE_LAYER_NAMES = {
     "mixtral": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
+    "llama4_text": _LLAMA4_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
-# checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`).
+# checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`). Llama 4's come so
+# too, as ladle loads them; its checkpoints hold each layer's as two banks (`transformers_banks`).
 _EXPERT_BANKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "llama4_text": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
 }
-_QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"})
-# The families whose llama.cpp files have their q/k rows permuted (llama.cpp's `llama` architecture).
+_QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", _PROJECTIONS)
+_LLAMA4_EXPERT = re.compile(
+    r"model\.layers\.(?P<layer>\d+)\.feed_forward\.experts\.(?P<expert>\d+)\.(?P<proj>\w+_proj)\.weight"
+)
+# The families whose llama.cpp files hold each head's q/k rows with its rope pairs interleaved (llama.cpp's turning):
+# those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's,
+# whose checkpoints hold them interleaved too (the model reorders them at load, `models.llama4`).
 _ROPE_PERMUTED = ("llama", "mixtral")
+_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -181,9 +203,47 @@ def hf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list
 
 
 def rope_permuted(architecture: str) -> bool:
-    """Whether a GGUF file of `architecture` (as `hf_tensor_name`) holds its q/k rows permuted
-    (`unpermute_rope_rows`)."""
+    """Whether a GGUF file of `architecture` (as `hf_tensor_name`) holds its q/k rows permuted from the checkpoint's
+    (`unpermute_rope_rows` restores them)."""
     return architecture in _ROPE_PERMUTED
+
+
+def rope_interleaved(architecture: str) -> bool:
+    """Whether a GGUF file of `architecture` (as `hf_tensor_name`) holds each head's q/k rows with its rope pairs
+    interleaved, where ladle's layers take them as halves (`unpermute_rope_rows`): its permuted files' and Llama
+    4's."""
+    return architecture in _ROPE_INTERLEAVED
+
+
+def transformers_banks(
+    weights: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights` (a GGUF file's, `iter_hf_tensors`) as transformers loads them: a Llama 4's experts, which come one
+    tensor per expert and projection, as each layer's two banks of its checkpoints, `gate_up_proj` `[E, H, 2I]` (the
+    gates' columns first) and `down_proj` `[E, I, H]` (each yielded once all of a layer's experts are in); every
+    other tensor as it comes."""
+    if config["model_type"] != "llama4_text":
+        yield from weights
+        return
+    experts = int(config["num_local_experts"])
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = _LLAMA4_EXPERT.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer = pending.setdefault(match["layer"], {})
+        layer[f"{match['expert']}.{match['proj']}"] = tensor
+        if len(layer) < 3 * experts:
+            continue
+        del pending[match["layer"]]
+        bank = f"model.layers.{match['layer']}.feed_forward.experts"
+        gate_up = [torch.cat((layer[f"{e}.gate_proj"], layer[f"{e}.up_proj"])).T for e in range(experts)]
+        yield f"{bank}.gate_up_proj", torch.stack(gate_up).contiguous()
+        yield f"{bank}.down_proj", torch.stack([layer[f"{e}.down_proj"].T for e in range(experts)]).contiguous()
+    if pending:
+        raise ValueError(f"layers {sorted(pending)} have experts missing")
+
 
 
 class GgufTensor(Protocol):

@@ -1,6 +1,6 @@
-"""GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, qwen2 / qwen3 and their
-MoE forms, phi3, gemma2 / gemma3 / gemma4, and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*`
-keys)."""
+"""GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next
+`<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
+    "llama4": ("llama4_text", "Llama4ForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -44,11 +45,20 @@ _GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
-# Llama 3.x files carry their rope scaling only as a `rope_freqs` tensor of per-frequency divisors; these are
-# the band edges every released Llama 3.1/3.2 model uses, checked against the tensor before being trusted.
-_LLAMA3_LOW_FREQ_FACTOR = 1.0
-_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+# Llama 3.x and Llama 4 files carry their rope scaling only as a `rope_freqs` tensor of per-frequency divisors;
+# these are the (low, high) band edges the released models use, each checked against the tensor before being
+# trusted: Llama 3.1/3.2's, and Llama 4 Scout's single edge (no frequency between the bands).
+_LLAMA3_FREQ_BANDS = ((1.0, 4.0), (1.0, 1.0))
 _LLAMA3_ORIGINAL_CONTEXT = 8192
+
+# Llama 4 as llama.cpp reads a `llama4` file: what its converter does not store is fixed there, as Scout and
+# Maverick have it: every 4th layer turns no rope and attends to every position, the others within chunks of 8,192
+# positions; the NoPE layers' attention temperature (floor 8,192, scale 0.1); weightless q/k norms on the rope
+# layers, but in the 128-expert model (Maverick).
+_LLAMA4_NOPE_EVERY = 4
+_LLAMA4_CHUNK = 8192
+_LLAMA4_TEMPERATURE = {"floor_scale": 8192, "attn_scale": 0.1}
+_LLAMA4_EXPERTS_WITHOUT_QK_NORM = 128
 
 
 def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -126,7 +136,7 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     if rope_dims is not None and int(rope_dims) != head_dim:
         config["partial_rotary_factor"] = int(rope_dims) / head_dim
     window = read_field(reader, f"{arch}.attention.sliding_window")
-    if window:
+    if window and arch != "llama4":  # llama4: its chunks' size, fixed (`_llama4_config`)
         config["sliding_window"] = int(window)
     if "rope_factors_long.weight" in tensors:
         config.update(_long_rope_config(reader, arch, tensors, spec))
@@ -140,9 +150,45 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_gemma_config(reader, arch, config, spec))
     if arch in HYBRID_ARCHITECTURES:
         config.update(_linear_attention_config(reader, arch, config, spec))
-    if experts:
+    if arch == "llama4":
+        config.update(_llama4_config(reader, config, experts, window, spec))
+    elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
+
+
+def _llama4_config(
+    reader: GGUFReader, config: dict[str, Any], experts: int, window: Any, spec: str
+) -> dict[str, Any]:
+    """The keys of a Llama 4 text `config.json` (transformers' `Llama4TextConfig`) from a `llama4` file: the experts'
+    width (`intermediate_size`) beside the dense layers' (`intermediate_size_mlp`, the file's `feed_forward_length`),
+    which layers have experts (every `interleave_moe_layer_step`-th), and what llama.cpp fixes (`_LLAMA4_*`).
+    ValueError for what llama.cpp reads otherwise: a file without experts, or with `attention.sliding_window` 0
+    (MobileLLM's form: no chunks, no temperature, rope on other layers)."""
+    required = functools.partial(_arch_field, reader, "llama4", spec)
+    if window is not None and int(window) == 0:
+        raise ValueError(f"model {spec!r}: a llama4 file with attention.sliding_window 0 (MobileLLM's form) is not "
+                         "supported")  # fmt: skip
+    if not experts:
+        raise ValueError(f"model {spec!r}: a llama4 file without experts is not supported")
+    used = int(read_field(reader, "llama4.expert_used_count", 0) or 0)
+    layers = int(config["num_hidden_layers"])
+    step = int(required("interleave_moe_layer_step"))
+    if not 0 < used <= experts or not 0 < step <= layers:
+        raise ValueError(f"model {spec!r}: llama4.expert_used_count {used} of {experts} experts, experts every "
+                         f"{step} of {layers} layers is not Llama 4's shape")  # fmt: skip
+    return {
+        "intermediate_size": int(required("expert_feed_forward_length")),
+        "intermediate_size_mlp": int(required("feed_forward_length")),
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "interleave_moe_layer_step": step,
+        "no_rope_layers": [int((i + 1) % _LLAMA4_NOPE_EVERY != 0) for i in range(layers)],
+        "attention_chunk_size": _LLAMA4_CHUNK,
+        "attn_temperature_tuning": True,
+        **_LLAMA4_TEMPERATURE,
+        "use_qk_norm": experts != _LLAMA4_EXPERTS_WITHOUT_QK_NORM,
+    }
 
 
 def _experts_config(
@@ -346,32 +392,34 @@ def _long_rope_config(reader: GGUFReader, arch: str, tensors: dict[str, Any], sp
 def llama3_rope_factors(
     theta: float, head_dim: int, factor: float, low: float, high: float, original: int
 ) -> np.ndarray:
-    """Per-frequency divisors of llama3 rope scaling, as llama.cpp stores them in `rope_freqs`."""
+    """Per-frequency divisors of llama3 rope scaling, as llama.cpp stores them in `rope_freqs` (with `low` equal to
+    `high` no frequency lies between the bands)."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high: the medium band is empty
+        smooth = (original / wavelen - low) / (high - low)
+        medium = 1.0 / ((1 - smooth) / factor + smooth)
     return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
 
 
 def llama3_scaling_from_factors(
     factors: np.ndarray, theta: float, head_dim: int, original: int | None, spec: str
 ) -> dict[str, Any]:
-    """Recover the HF `rope_scaling` dict from a `rope_freqs` tensor, or refuse if it is not llama3's."""
+    """Recover the HF `rope_scaling` dict from a `rope_freqs` tensor (the first of `_LLAMA3_FREQ_BANDS` it matches),
+    or refuse if it is not llama3's."""
     original = original or _LLAMA3_ORIGINAL_CONTEXT
     factor = float(factors.max())
-    expected = llama3_rope_factors(
-        theta, head_dim, factor, _LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, original
-    )
-    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-3):
-        raise ValueError(f"model {spec!r}: rope_freqs tensor does not match llama3 rope scaling; unsupported")
-    return {
-        "rope_type": "llama3",
-        "factor": _short_float(factor),
-        "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
-        "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
-        "original_max_position_embeddings": original,
-    }
+    for low, high in _LLAMA3_FREQ_BANDS:
+        expected = llama3_rope_factors(theta, head_dim, factor, low, high, original)
+        if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-3):
+            return {
+                "rope_type": "llama3",
+                "factor": _short_float(factor),
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
+    raise ValueError(f"model {spec!r}: rope_freqs tensor does not match llama3 rope scaling; unsupported")
 
 
 # llama.cpp's `{arch}.pooling_type` values that ladle pools with (0 is none, 4 a reranker's: not an embedding model).

@@ -2,8 +2,9 @@
 Q5_1 and llama.cpp's K-quants Q4_K, Q5_K and Q6_K (the types of the Q4_K_M, Q5_K_M and Q6_K files people download).
 
 These are read as the file's blocks (`gguf_blocks`), so a quantized engine serves exactly the weights llama.cpp
-serves; the float path dequantizes the same tensors (`gguf_convert.iter_hf_tensors`). Llama q/k rows are
-un-permuted as there. Other types (F32, F16, BF16, Q2_K, Q3_K, the IQ types) are not returned: those tensors stay
+serves; the float path dequantizes the same tensors (`gguf_convert.iter_hf_tensors`). Q/k rows whose rope pairs
+the file interleaves (llama's, Mixtral's, Llama 4's: `gguf_convert.rope_interleaved`) are read in halves order, as
+the layers take them. Other types (F32, F16, BF16, Q2_K, Q3_K, the IQ types) are not returned: those tensors stay
 float.
 
 `stored_matrices` maps the file and reads nothing yet: each `StoredMatrix.read` copies out only the rows and the
@@ -28,7 +29,7 @@ from engine_server.loader.gguf_convert import (
     hf_expert_names,
     hf_tensor_name,
     indexed_tensors,
-    rope_permuted,
+    rope_interleaved,
 )
 from engine_server.loader.gguf_hybrid import HybridShape, stored_parts
 from kernels.reference import unpermute_rope_rows
@@ -90,7 +91,7 @@ def stored_matrices(
     `model_type` is the converted config's. A Gated DeltaNet hybrid's (`hybrid`: its shape) linear-attention
     matrices come as the parts its layers load (`gguf_hybrid.stored_parts`).
     `converted` is the file's converted folder: its tensor index, when it has one, says where the tensors lie."""
-    permuted = rope_permuted(model_type)
+    permuted = rope_interleaved(model_type)
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
         experts = hf_expert_names(gguf_name, data.shape[0], model_type) if data.ndim == 3 else None

@@ -23,7 +23,13 @@ from safetensors.torch import load as safetensors_load
 from engine_server.config import ModelConfig
 from engine_server.loader.dummy import iter_random_weights
 from engine_server.loader.fp8_checkpoint import Fp8Checkpoint
-from engine_server.loader.gguf_convert import TENSOR_INDEX, indexed_tensors, iter_hf_tensors, write_sharded_safetensors
+from engine_server.loader.gguf_convert import (
+    TENSOR_INDEX,
+    indexed_tensors,
+    iter_hf_tensors,
+    transformers_banks,
+    write_sharded_safetensors,
+)
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
 
@@ -95,9 +101,10 @@ class ModelSource:
 
 def write_float_checkpoint(source: ModelSource, folder: Path) -> Path:
     """`source` as a whole Hugging Face checkpoint in `folder` (made if missing), returned: the files of its folder
-    but the weights and `TENSOR_INDEX` (config.json, tokenizer, pooling), and `weights()` as fp32 safetensors. For
-    what reads only checkpoints, e.g. transformers on a GGUF file's model as ladle reads it; not for `dummy:`
-    presets (their folder is the embedded model's)."""
+    but the weights and `TENSOR_INDEX` (config.json, tokenizer, pooling), and `weights()` as fp32 safetensors (a
+    GGUF file's Llama 4 experts as its checkpoints' banks, `gguf_convert.transformers_banks`). For what reads only
+    checkpoints, e.g. transformers on a GGUF file's model as ladle reads it; not for `dummy:` presets (their folder
+    is the embedded model's)."""
     if source.random_weights:
         raise ValueError(f"model {source.name!r}: random weights have no folder of their own to write out")
     folder.mkdir(parents=True, exist_ok=True)
@@ -108,7 +115,10 @@ def write_float_checkpoint(source: ModelSource, folder: Path) -> Path:
             shutil.copytree(entry, folder / entry.name, dirs_exist_ok=True)
         else:
             shutil.copy2(entry, folder / entry.name)
-    write_sharded_safetensors(source.weights(), folder)
+    weights = source.weights()
+    if source.gguf_path is not None:
+        weights = transformers_banks(weights, read_hf_config(source.path))
+    write_sharded_safetensors(weights, folder)
     return folder
 
 

@@ -3,9 +3,13 @@ temperature, and a mixture of experts whose router scales each chosen expert's i
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
+import torch
+
+from engine_server.loader.lazy_tensor import LazyTensor, derived
 from engine_server.models.base import CausalLM
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 from kernels.reference import unpermute_rope_rows
@@ -24,7 +28,8 @@ class Llama4ForCausalLM(CausalLM):
     `moe_input_scaled` (the router is `feed_forward.router`, read as `mlp.gate`; `feed_forward` as `mlp`), ungated
     shared experts, dense layers of `intermediate_size_mlp` between the sparse ones (Maverick). Rope turns
     interleaved pairs of each head's dims, which the shared rotary reads as halves: the rows of q_proj and k_proj
-    are reordered so at load (the same order on both sides leaves each score unchanged)."""
+    are reordered so at load (the same order on both sides leaves each score unchanged). A GGUF file's experts come
+    one tensor per expert (`loader.gguf_convert`), as the shared loading takes them."""
 
     checkpoint_renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."))
 
@@ -41,10 +46,21 @@ class Llama4ForCausalLM(CausalLM):
             if name.startswith(_SKIPPED_PREFIXES):
                 continue
             ours = self.checkpoint_name(name.removeprefix(_LANGUAGE_MODEL))
-            if _EXPERTS.fullmatch(ours):
-                yield ours, read_whole(tensor).transpose(1, 2)  # [E, 2I, H] gate rows first, [E, H, I]
+            if _EXPERTS.fullmatch(ours):  # [E, 2I, H] gate rows first, [E, H, I]
+                yield ours, _reordered(tensor, lambda bank: bank.transpose(1, 2), transposed=True)
             elif _QUERY_KEY.fullmatch(ours):  # each head's interleaved rope pairs as halves
-                rows = read_whole(tensor)
-                yield ours, unpermute_rope_rows(rows, rows.shape[0] // self.config.head_dim)
+                heads = tensor.shape[0] // self.config.head_dim
+                yield ours, _reordered(tensor, functools.partial(unpermute_rope_rows, n_head=heads))
             else:
                 yield ours, tensor
+
+
+def _reordered(
+    tensor: CheckpointTensor, reorder: Callable[[torch.Tensor], torch.Tensor], transposed: bool = False
+) -> CheckpointTensor:
+    """`reorder(tensor)`; of an unread tensor (`LazyTensor`) unread too, so a layer whose weights are replaced (a GGUF
+    file's blocks) reads none of it. `transposed`: the result's last two dims swapped."""
+    if not isinstance(tensor, LazyTensor):
+        return reorder(read_whole(tensor))
+    shape = tuple(tensor.shape)
+    return derived(tensor, (*shape[:-2], shape[-1], shape[-2]) if transposed else shape, reorder)

@@ -1,10 +1,10 @@
 """GGUF files of the newer families as llama.cpp writes them (its tensor names, metadata and quantization types,
 written with the `gguf` package; scripts/check_gguf_writer.py has llama.cpp decode such files): Phi-3 with partial
 rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w, its windowed and global layers implied by llama.cpp's
-pattern), the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (each projection's experts in one 3-D tensor),
-the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts). Converted,
-each float path equals transformers on the converted folder token for token; served from its own 4- and 8-bit blocks
-(`--quantization auto`), each holds `ladle bench quality`'s thresholds against that float path."""
+pattern), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and Llama 4 (each projection's experts in one 3-D
+tensor), the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts).
+Converted, each float path equals transformers on the converted folder token for token; served from its own 4- and
+8-bit blocks (`--quantization auto`), each holds `ladle bench quality`'s thresholds against that float path."""
 
 from __future__ import annotations
 
@@ -328,6 +328,61 @@ def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match=r"layers \[1\] of a llama file with experts have no router"):
         hf_config_from_gguf(GGUFReader(str(tmp_path / "mixtral.gguf")), "mixtral.gguf")
+
+
+# Llama 4 as llama.cpp reads a `llama4` file: what it fixes rather than reads (NoPE every 4th layer, chunks of 8,192,
+# the NoPE layers' temperature) as the released models have it, and Scout's rope scaling (no frequency between
+# llama3's bands). The family's other quirks stay: Maverick's dense layers between the sparse ones, q/k norms.
+LLAMA4_GGUF: dict[str, Any] = {
+    "no_rope_layers": None, "attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
+
+
+def test_a_llama4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """A Llama 4 file as llama.cpp's converter writes it (its q/k rows as the checkpoint holds them, rope pairs
+    interleaved; each projection's experts in one 3-D tensor; llama3 scaling as `rope_freqs`): converted, the config
+    is the saved model's; written out for transformers, every tensor comes back under its checkpoint name (the
+    experts as the checkpoint's two banks a layer), and the float path equals transformers on that checkpoint token
+    for token. Served from its blocks, q/k/v and the dense, shared and routed experts' projections are the file's
+    blocks (q/k rows read in the layers' order) and hold `ladle bench quality`'s thresholds against the float path."""
+    folder = save_family(tmp_path / "hf", "llama4", head_spread=0.5, **LLAMA4_GGUF)
+    gguf = write_gguf(folder, tmp_path / "llama4.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    source = resolve_model(str(gguf))
+    saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    assert source.config == replace(saved, name=source.config.name)
+    with float_checkpoint(source) as checkpoint:
+        converted = load_file(checkpoint / "model.safetensors")
+        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",))
+        expected = reference_tokens(checkpoint)
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == expected
+    layers, result = served_from_blocks(gguf)
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
+    assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 2, layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_a_llama4_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: Path) -> None:
+    """llama.cpp reads a `llama4` file with `attention.sliding_window` 0 as MobileLLM's (no chunks, no temperature,
+    rope on other layers) and builds no Llama 4 without experts: both are refused by name."""
+    keys = {"block_count": 4, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
+            "head_count": 2, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 1,
+            "expert_feed_forward_length": 16, "interleave_moe_layer_step": 1}  # fmt: skip
+    for name, changed, refusal in (("mobilellm", {"sliding_window": 0}, "sliding_window 0"),
+                                   ("dense", {"expert_count": 0}, "without experts")):  # fmt: skip
+        writer = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama4")
+        for key, value in {**keys, **changed}.items():
+            getattr(writer, f"add_{key}")(value)
+        writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ValueError, match=refusal):
+            hf_config_from_gguf(GGUFReader(str(tmp_path / f"{name}.gguf")), f"{name}.gguf")
 
 
 def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(tmp_path: Path) -> None:
