@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from engine_server.parallel.sharding import kv_heads_per_rank
 from engine_server.transfer import padded_rows, to_device
 from kernels.attention_inputs import PrefillSpan, ReferencePlan
 from kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES
+
+if TYPE_CHECKING:
+    from engine_server.core.scheduler_output import StateCopies
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class AttentionMetadata:
     # (`[B]` int64 on the device, and the host's copy), set by the runner from its requests' slots; else None.
     state_slots: torch.Tensor | None = None
     state_slots_cpu: list[int] | None = None
+    # Rows of those state tensors the step copies (`core.scheduler_output.StateCopies`: prefix snapshots restored
+    # before the layers' update, saved after it); None: none.
+    state_copies: StateCopies | None = None
     # Set by the runner for a step whose caller reads each sequence's last token's final hidden state alone (no
     # prompt logprobs, pooling or drafts): layers that write no K/V (Gemma 4's sharing ones) may skip the others.
     last_rows_only: bool = False

@@ -93,8 +93,9 @@ class LoadedModel:
     tp: TensorParallel = SINGLE
     lora_slots: LoraSlots | None = None  # the LoRA adapters' slots (engine_server.lora), when the engine serves them
     # Rows of the linear-attention layers' state tensors (`layers.gated_deltanet`): one per running request; 0 for a
-    # model without such layers.
+    # model without such layers; after them `state_snapshots` rows of prefixes' states (`core.state_snapshots`).
     state_slots: int = 0
+    state_snapshots: int = 0
 
     @property
     def scratch_block(self) -> int:
@@ -117,21 +118,42 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+# A hybrid's prefix snapshots (`core.state_snapshots`) take at most this share of the cache memory left beside its
+# running requests' states, unless `CacheConfig.state_snapshots` says how many.
+SNAPSHOT_MEMORY_SHARE = 1 / 8
+
+
+def state_snapshot_rows(model_config: ModelConfig, config: EngineConfig, tp_size: int = 1) -> int:
+    """How many prefix snapshots of a hybrid's linear-attention states to keep (`CacheConfig.state_snapshots`, or by
+    default as many as fit `SNAPSHOT_MEMORY_SHARE` of the memory left beside `max_num_seqs` requests' states, at most
+    `max_num_seqs`); 0 for a model without linear attention or with prefix caching off. Every rank of a
+    tensor-parallel group computes the same count (its share of each state, of the same memory)."""
+    if model_config.linear_attention is None or not config.cache.enable_prefix_caching:
+        return 0
+    if config.cache.state_snapshots is not None:
+        return config.cache.state_snapshots
+    seats = config.scheduler.max_num_seqs
+    left = config.cache.memory_bytes - recurrent_state_bytes(model_config, seats, tp_size)
+    fit = int(left * SNAPSHOT_MEMORY_SHARE) // recurrent_state_bytes(model_config, 1, tp_size)
+    return max(0, min(seats, fit))
+
+
 def num_kv_blocks(
     model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int, tp_size: int = 1
 ) -> int:
     """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism), beside the
-    linear-attention states of `max_num_seqs` requests where the model has such layers; at least enough for one
-    sequence of max_model_len tokens."""
+    linear-attention states of `max_num_seqs` requests and of the prefix snapshots (`state_snapshot_rows`) where the
+    model has such layers; at least enough for one sequence of max_model_len tokens."""
     block_size = config.cache.block_size
     per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size, config.cache.dtype)
     needed_for_one = -(-max_model_len // block_size) + 1
-    states = recurrent_state_bytes(model_config, config.scheduler.max_num_seqs, tp_size)
+    rows = config.scheduler.max_num_seqs + state_snapshot_rows(model_config, config, tp_size)
+    states = recurrent_state_bytes(model_config, rows, tp_size)
     blocks = max(config.cache.memory_bytes - states, 0) // per_block
     if blocks < needed_for_one:
         held = (
-            f" after the {states} B of {config.scheduler.max_num_seqs} requests' linear-attention states (fewer with a "
-            "lower --max-num-seqs)" if states else ""
+            f" after the {states} B of {rows} linear-attention states ({config.scheduler.max_num_seqs} requests' and "
+            "the prefix snapshots': fewer with a lower --max-num-seqs)" if states else ""
         )  # fmt: skip
         raise ValueError(
             f"KV cache memory {config.cache.memory_bytes} B holds {blocks} blocks{held}; one {max_model_len}-token "
@@ -175,11 +197,13 @@ def load_model(
     block_size = config.cache.block_size
     # An encoder keeps nothing between steps: its blocks only count the tokens in flight, and hold no memory.
     state_slots = config.scheduler.max_num_seqs if source.config.linear_attention is not None else 0
+    snapshots = state_snapshot_rows(source.config, config, tp.size)
     kv_caches = (
         []
         if source.config.encoder
         else allocate_kv_cache(
-            source.config, num_blocks + 1, block_size, dtype, device, tp.size, config.cache.dtype, state_slots
+            source.config, num_blocks + 1, block_size, dtype, device, tp.size, config.cache.dtype,
+            state_slots + snapshots,
         )
     )
     _quantize(model, source, quantization, device, kernels, stored)
@@ -187,7 +211,7 @@ def load_model(
         device=device, dtype=dtype, model_config=source.config, model=model, quantization=quantization,
         block_size=block_size, max_model_len=max_model_len, num_blocks=num_blocks, kv_caches=kv_caches,
         max_graph_batch=min(config.scheduler.max_num_seqs, config.max_cuda_graph_batch), tp=tp,
-        state_slots=state_slots,
+        state_slots=state_slots, state_snapshots=snapshots,
     )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
     if config.lora is not None:

@@ -24,7 +24,7 @@ import torch
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.core.request import Request, RequestStatus
-from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, StateCopies, SteadyDecode
 from engine_server.cuda_graphs import DecodeGraphs, EagerCapture, GraphCapture
 from engine_server.decode_rows import DecodeRows
 from engine_server.lora.slots import LoraBatch
@@ -240,6 +240,7 @@ class ModelRunner:
         # Linear attention's states (`layers.gated_deltanet`): one row per running request (`Request.state_slot`);
         # a step advances them as it goes, so it is never stopped half way.
         self.state_slots = loaded.state_slots
+        self.state_snapshots = loaded.state_snapshots
         self.can_interrupt = self.device.type == "cpu" and fan_out is None and not self.state_slots
         self.sampler = Sampler(loaded.model_config.vocab_size, self.device)
         self.grammars = GrammarMatchers(loaded.model_config.vocab_size, self.device)
@@ -512,7 +513,7 @@ class ModelRunner:
                 self._decode_rows.invalidate()
                 # Whether the step reads each sequence's last token alone (`AttentionMetadata.last_rows_only`).
                 last_only = not (output.reads_prompts or output.has_pooling or output.num_draft_tokens)
-                return self._forward_eager(scheduled, interrupt, last_only)
+                return self._forward_eager(scheduled, interrupt, last_only, output.state_copies)
             layout, continues = self._decode_rows.layout(scheduled)
         num_rows = len(layout.seq_lens)
         adapter_slots = None
@@ -538,7 +539,7 @@ class ModelRunner:
         meta = AttentionMetadata.from_decode_layout(layout, self.block_size, self.device)
         if self.state_slots:
             rows = steady.requests if steady is not None else [item.request for item in output.scheduled]
-            self._set_state_slots(meta, rows)
+            self._set_state_slots(meta, rows, output.state_copies)
         host_positions = torch.from_numpy(layout.seq_lens - 1)
         if self.fan_out is not None:  # before the index_copy_ below, which on the CPU writes the host tensor
             host_ids, sent_pending = _host_decode_inputs(step_ids, pending_rows, pending)
@@ -556,7 +557,8 @@ class ModelRunner:
         return hidden, None
 
     def _forward_eager(
-        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None, last_rows_only: bool = False
+        self, scheduled: list[ScheduledRequest], interrupt: StepInterrupt | None, last_rows_only: bool = False,
+        state_copies: StateCopies | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         if self.draft is not None:  # the drafts are the draft model's own: decoded now, verified by this step
             speculating = [item for item in scheduled if item.draft_token_ids]
@@ -579,7 +581,7 @@ class ModelRunner:
         )
         meta.last_rows_only = last_rows_only and self.draft is None
         if self.state_slots:
-            self._set_state_slots(meta, [item.request for item in scheduled])
+            self._set_state_slots(meta, [item.request for item in scheduled], state_copies)
         host_ids, host_positions = (
             host_tensor(tokens.known, torch.long, self.device),
             host_tensor(positions, torch.long, self.device),
@@ -616,13 +618,17 @@ class ModelRunner:
         hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta, interrupt, lora)
         return hidden
 
-    def _set_state_slots(self, meta: AttentionMetadata, requests: list[Request]) -> None:
-        """Give `meta` each row's linear-attention state slot (`Request.state_slot`; `requests`: the rows')."""
+    def _set_state_slots(
+        self, meta: AttentionMetadata, requests: list[Request], copies: StateCopies | None = None
+    ) -> None:
+        """Give `meta` each row's linear-attention state slot (`Request.state_slot`; `requests`: the rows') and the
+        step's copies of state rows (`copies`)."""
         slots = [request.state_slot for request in requests]
         if min(slots, default=0) < 0:
             raise RuntimeError("a request runs without a state slot on a model with linear attention")
         meta.state_slots_cpu = slots
         meta.state_slots = to_device(torch.tensor(slots, dtype=torch.int64), self.device)
+        meta.state_copies = copies
 
     @staticmethod
     def _adapter_slots(requests: list[Request]) -> list[int] | None:

@@ -74,6 +74,15 @@ def batch_step_target(value: str) -> float | None:
     return seconds
 
 
+def state_snapshots(value: str) -> int | None:
+    """--state-snapshots: "auto" (None: the engine sizes them from the KV cache memory) or a count >= 0."""
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is neither 'auto' nor a count >= 0")
+    return int(value)
+
+
 def kv_cache_dtype(value: str) -> KVCacheDType:
     """--kv-cache-dtype: "auto" or "fp8" (vLLM's "fp8_e4m3" names the same); vLLM's "fp8_e5m2" is refused."""
     if value == "fp8_e4m3":
@@ -136,6 +145,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--kv-cache-dtype", "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a "
          "float32 scale per token and KV head: about half a 16-bit cache's bytes, a quarter of float32's, so as many "
          "more tokens fit; fp8_e4m3 is the same)", type=kv_cache_dtype, metavar="{auto,fp8}")
+    _add(parser, "--state-snapshots", "auto", "a hybrid model's (Qwen3.5, Qwen3-Next) prefix cache: how many "
+         "snapshots of its linear-attention states at prompts' last block boundaries to keep, from which later "
+         "requests with those prefixes start (auto: as many as fit an eighth of the KV cache memory beside the running "
+         "requests' states, at most --max-num-seqs; 0: no prefix served from the cache)", type=state_snapshots)
     _add(parser, "--grammar-timeout", 10.0, "seconds a constraint may take to compile (then INVALID_ARGUMENT)",
          type=float)
     _add(parser, "--enforce-eager", False, "never use CUDA graphs (they replay decode steps on CUDA otherwise)",
@@ -327,7 +340,11 @@ def _engine(args: argparse.Namespace) -> int:
             speculative=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             lora=lora,
-            cache=CacheConfig(memory_bytes=args.kv_cache_mib * 1024**2, dtype=args.kv_cache_dtype),
+            cache=CacheConfig(
+                memory_bytes=args.kv_cache_mib * 1024**2,
+                dtype=args.kv_cache_dtype,
+                state_snapshots=args.state_snapshots,
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_waiting=args.max_waiting,

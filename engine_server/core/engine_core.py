@@ -158,13 +158,18 @@ class EngineCore:
         # attends over the same blocks, may read them.
         window = 0 if spec is not None and spec.method == "draft_model" else self.model_config.uniform_window
         # Linear attention (Qwen3-Next, Qwen3.5) keeps a state per running request, in a slot of its own; a state
-        # holds a whole prefix at once, not block by block, so no prefix is served from the cache.
+        # holds a whole prefix at once, not block by block, so a prefix is served from the cache only where its
+        # states were saved at its end (`core.state_snapshots`): none without snapshot rows.
         recurrent = self.model_config.linear_attention is not None
-        cache = replace(config.cache, enable_prefix_caching=False) if recurrent else config.cache
+        cache = (
+            replace(config.cache, enable_prefix_caching=False)
+            if recurrent and not self.runner.state_snapshots
+            else config.cache
+        )
         self.scheduler = Scheduler(
             config.scheduler, cache, self.runner.num_blocks, self.max_model_len, self.step_time, window,
             lora_slots=config.lora.max_loras if config.lora is not None else 0,
-            state_slots=self.runner.state_slots,
+            state_slots=self.runner.state_slots, state_snapshots=self.runner.state_snapshots,
         )  # fmt: skip
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         async_scheduling = config.async_scheduling

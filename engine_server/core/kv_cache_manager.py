@@ -150,6 +150,11 @@ class KVCacheManager:
             blocks.append(block_id)
         return blocks, len(blocks) * self.block_size
 
+    def prefix_hash(self, request: Request, num_blocks: int) -> bytes:
+        """The chained hash of `request`'s first `num_blocks` (> 0) full blocks (`hash_block`'s of the last)."""
+        self._hash_full_blocks(request, num_blocks)
+        return request.block_hashes[num_blocks - 1]
+
     def slots_in_place(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """The request's block table when `num_new_tokens` more fit in the blocks it holds and fill none of
         them (nothing to allocate or publish), else None: then call `allocate_slots`. Changes nothing.

@@ -73,8 +73,9 @@ from engine_server.config import CacheConfig, SchedulerConfig
 from engine_server.core.adapter_slots import AdapterSlots
 from engine_server.core.kv_cache_manager import KVCacheManager
 from engine_server.core.request import Priority, Request, RequestStatus, receive_pending_tokens
-from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, SteadyDecode
+from engine_server.core.scheduler_output import ScheduledRequest, SchedulerOutput, StateCopies, SteadyDecode
 from engine_server.core.state_slots import StateSlots
+from engine_server.core.state_snapshots import StateSnapshots
 from engine_server.core.step_timing import INTERACTIVE_QUIET_S, StepTimeModel
 from engine_server.errors import QueueFullError
 
@@ -107,13 +108,16 @@ class Scheduler:
         window: int = 0,
         lora_slots: int = 0,
         state_slots: int = 0,
+        state_snapshots: int = 0,
     ) -> None:
         """`step_time` caps the prefill of steps without INTERACTIVE prefill (module docstring); the caller
         feeds it the measured steps. None: no cap. `window` > 0: every layer of the model attends through that
         sliding window, and requests give back the blocks outside it (`KVCacheManager`). `lora_slots` > 0: the
         LoRA slots (`--max-loras`) that running requests of adapters share (`AdapterSlots`). `state_slots` > 0: the
         model keeps a linear-attention state per running request, in one of these slots each (`StateSlots`; as many
-        as `max_num_seqs`)."""
+        as `max_num_seqs`); `state_snapshots` > 0 rows after them hold states at prompts' block boundaries, from
+        which later requests with those prefixes start (`StateSnapshots`: with prefix caching on, a hybrid's cached
+        prefix is one that ends at a snapshot)."""
         self.config = scheduler_config
         self.step_time = step_time
         self._last_interactive = -math.inf  # monotonic time an INTERACTIVE request last arrived or ran
@@ -137,6 +141,13 @@ class Scheduler:
         self.state_slots = StateSlots(state_slots) if state_slots else None
         if state_slots and state_slots < scheduler_config.max_num_seqs:
             raise ValueError(f"{state_slots} state slots for {scheduler_config.max_num_seqs} running requests")
+        self.snapshots = (
+            StateSnapshots(state_slots, state_snapshots)
+            if state_slots and state_snapshots and cache_config.enable_prefix_caching
+            else None
+        )
+        self._restores: tuple[list[int], list[int]] = ([], [])  # this step's copies (`StateCopies`)
+        self._saves: tuple[list[int], list[int]] = ([], [])
 
     # -- queries -------------------------------------------------------------------------------------
 
@@ -247,6 +258,9 @@ class Scheduler:
         """Pick this step's batch and advance `num_computed_tokens` of every scheduled request."""
         now = time.monotonic() if now is None else now
         self.kv_cache.begin_step()
+        if self.snapshots is not None:
+            self.snapshots.begin_step()
+            self._restores, self._saves = ([], []), ([], [])
         finished = self.take_expired(now)
         record, self._steady = self._steady, None
         if record is not None:
@@ -288,6 +302,8 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
+                if self.snapshots is not None:
+                    num_new = self._up_to_snapshot(request, start, num_new)
             if request.num_pending_tokens and not self._may_run_ahead(request):
                 i += 1
                 continue
@@ -308,6 +324,8 @@ class Scheduler:
                         break  # it preempted itself, so it was the tail: nothing after it is left
             # `_advance`, inline: this runs for every running request every step.
             request.num_computed_tokens = start + num_new
+            if self.snapshots is not None and remaining != 1:
+                self._snapshot_if_due(request)
             needs_sample = num_new - num_drafts == remaining and request.pooling is None
             if needs_sample:
                 request.num_pending_tokens += 1  # until update_from_output brings its token
@@ -380,6 +398,7 @@ class Scheduler:
             num_draft_tokens=num_draft_tokens,
             has_pooling=self._num_pooling > 0,
             reads_prompts=self._num_reading_prompts > 0,
+            state_copies=StateCopies(self._restores, self._saves) if self._restores[0] or self._saves[0] else None,
         )
 
     def _schedule_steady(self, record: _SteadyRecord, finished: list[Request], now: float) -> SchedulerOutput | None:
@@ -434,6 +453,8 @@ class Scheduler:
         between (no async scheduling).
         """
         self._steady = None  # its counts go back: the next step is scheduled by the general path
+        if self.snapshots is not None:
+            self.snapshots.undo()
         admitted = output.scheduled[output.num_running_rows :]
         for item in reversed(admitted):
             request = item.request
@@ -682,7 +703,13 @@ class Scheduler:
                     cached_blocks, num_cached = [], 0
                 else:
                     cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+                restore = None
+                if self.snapshots is not None:  # a hybrid's states must start where the cached prefix ends
+                    cached_blocks, restore = self._snapshot_hit(request, cached_blocks)
+                    num_cached = len(cached_blocks) * self.kv_cache.block_size
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
+                if self.snapshots is not None:
+                    num_new = self._up_to_snapshot(request, num_cached, num_new)
                 if request.pooling is not None and request.pooling.bidirectional:
                     if request.num_tokens > budget:
                         return budget  # an encoder's input runs whole: it waits for a step with room for all of it
@@ -698,6 +725,9 @@ class Scheduler:
                 queue.popleft()
                 if self.state_slots is not None:
                     request.state_slot = self.state_slots.acquire()
+                    if restore is not None:
+                        self._restores[0].append(restore)
+                        self._restores[1].append(request.state_slot)
                 if request.status is RequestStatus.WAITING:
                     request.num_cached_tokens = num_cached
                 request.num_computed_tokens = num_cached
@@ -706,9 +736,47 @@ class Scheduler:
                     request.scheduled_time = time.monotonic()
                 bisect.insort(self._running, request, key=self._rank)
                 scheduled.append(self._advance(request, num_new, blocks, num_cached))
+                if self.snapshots is not None:
+                    self._snapshot_if_due(request)
                 budget -= num_new
                 prefill_left -= num_new
         return budget
+
+    # -- linear-attention state snapshots (`StateSnapshots`) ------------------------------------------
+
+    def _snapshot_point(self, request: Request) -> int:
+        """Where a hybrid's prompt has its states saved: its last block boundary before its last token (0: none,
+        a prompt of one block or less)."""
+        size = self.kv_cache.block_size
+        return (request.num_prompt_tokens - 1) // size * size
+
+    def _up_to_snapshot(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, or fewer so the chunk ends at the prompt's snapshot point when it would
+        cross it."""
+        point = self._snapshot_point(request)
+        return point - start if start < point < start + num_new else num_new
+
+    def _snapshot_if_due(self, request: Request) -> None:
+        """Have this step save the request's states when its chunk ends at its prompt's snapshot point and no
+        snapshot holds that prefix yet."""
+        point = self._snapshot_point(request)
+        if request.num_computed_tokens != point or point == 0:
+            return
+        assert self.snapshots is not None
+        row = self.snapshots.reserve(self.kv_cache.prefix_hash(request, point // self.kv_cache.block_size))
+        if row is not None:
+            self._saves[0].append(request.state_slot)
+            self._saves[1].append(row)
+
+    def _snapshot_hit(self, request: Request, cached_blocks: list[int]) -> tuple[list[int], int | None]:
+        """The longest leading run of `cached_blocks` (a cache hit) whose end has a snapshot, and that snapshot's
+        row (None, with no blocks, when no such end has one)."""
+        assert self.snapshots is not None
+        for count in range(len(cached_blocks), 0, -1):
+            row = self.snapshots.find(request.block_hashes[count - 1])
+            if row is not None:
+                return cached_blocks[:count], row
+        return [], None
 
     def _advance(self, request: Request, num_new: int, blocks: list[int], num_cached: int) -> ScheduledRequest:
         start = request.num_computed_tokens

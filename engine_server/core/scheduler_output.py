@@ -87,6 +87,16 @@ class SteadyDecode:
         ]
 
 
+@dataclass(frozen=True)
+class StateCopies:
+    """Rows of the linear-attention layers' state tensors a step copies (`core.state_snapshots`), as (source rows,
+    destination rows): `restores` before the step's update of the states (a prefix's snapshot into the slot of the
+    request that starts from it), `saves` after it (a slot that reached a prompt's snapshot point into its row)."""
+
+    restores: tuple[list[int], list[int]]
+    saves: tuple[list[int], list[int]]
+
+
 class SchedulerOutput:
     """The batch for one engine step, in the order the runner should lay it out. Read-only once built.
 
@@ -106,6 +116,7 @@ class SchedulerOutput:
         "num_running_rows",
         "preempted_ids",
         "reads_prompts",
+        "state_copies",
         "steady",
     )
 
@@ -124,6 +135,7 @@ class SchedulerOutput:
         num_running_rows: int = 0,
         has_pooling: bool = False,
         reads_prompts: bool = False,
+        state_copies: StateCopies | None = None,
     ) -> None:
         if steady is not None and scheduled is not None:
             raise ValueError("a steady step's rows come from its columns")
@@ -146,6 +158,8 @@ class SchedulerOutput:
         self.has_pooling = has_pooling
         # Some row may want its prompt's logprobs (`Request.prompt_logprobs`): False spares the runner that look too.
         self.reads_prompts = reads_prompts
+        # A hybrid model's state rows the step copies (engine_server.core.state_snapshots); None: none.
+        self.state_copies = state_copies
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -5,11 +5,13 @@ fixed-size state (`ModelConfig.linear_attention`): the short convolution's last 
 (`kernels.gated_delta`). The states of all sequences live in one float32 tensor per layer, `[slots, state_size]`,
 row `AttentionMetadata.state_slots[i]` being sequence i's (the scheduler gives each running request a slot,
 `engine_server.core.state_slots`); a sequence whose chunk starts at position 0 starts from zeros. Between the input
-and output projections the kernel set's `gated_delta_net` runs the step (on the CPU one C++ call).
+and output projections the kernel set's `gated_delta_net` runs the step (on the CPU one C++ call). Rows after the
+slots hold prefixes' snapshots (`engine_server.core.state_snapshots`): the step's `AttentionMetadata.state_copies`
+copy them into the slots of the requests that start from them before the update, and slots that reached a
+prompt's snapshot point into theirs after it.
 
 A step's update of the states cannot be taken back, so a step with this layer is never stopped half way
-(`ModelRunner.can_interrupt`), and nothing else that re-runs tokens (prefix caching, speculative decoding) serves
-these models.
+(`ModelRunner.can_interrupt`), and speculative decoding (which re-runs rejected tokens) does not serve these models.
 """
 
 from __future__ import annotations
@@ -175,11 +177,24 @@ class GatedDeltaNet(nn.Module):
         if slots is None:
             raise ValueError("a step through linear attention needs each sequence's state slot (state_slots)")
         mixed, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
+        copies = meta.state_copies
+        if copies is not None:  # prefixes' snapshots into the slots of the requests that start from them
+            _copy_rows(state, *copies.restores)
         # A chunk that starts its sequence starts from zeros (a slot's last holder left its own state there).
         fresh = [length == count for count, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]
         core = ops.gated_delta_net(
             mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
             self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
         )  # fmt: skip
+        if copies is not None:  # slots at their prompts' snapshot points into their snapshot rows
+            _copy_rows(state, *copies.saves)
         result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(core))
         return result
+
+
+def _copy_rows(state: torch.Tensor, sources: list[int], destinations: list[int]) -> None:
+    """Copy rows `sources` of `state` over rows `destinations` (none may be among `sources`)."""
+    if sources:
+        device = state.device
+        rows = state.index_select(0, torch.tensor(sources, dtype=torch.int64, device=device))
+        state.index_copy_(0, torch.tensor(destinations, dtype=torch.int64, device=device), rows)

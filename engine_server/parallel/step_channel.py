@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata, DecodeLayout
+from engine_server.core.scheduler_output import StateCopies
 from engine_server.transfer import to_device
 
 _HEADER = 16
@@ -65,9 +66,10 @@ class MessageKind(enum.IntEnum):
 
 def buffer_capacity(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> int:
     """int64 values the buffer must hold for the largest step: 5 per token (ids, positions, slots, and a pending
-    token's row and value), 2 per sequence and 1 (query starts, lengths), and a full block table per sequence; or
-    one logits row per token."""
-    return 5 * max_tokens + 2 * max_seqs + 1 + max_seqs * (max_blocks_per_seq + 1)
+    token's row and value), 2 per sequence and 1 (query starts, lengths), a full block table and a state slot per
+    sequence, and 4 per sequence for a hybrid's state copies (a restore's rows and a save's); or one logits row per
+    token."""
+    return 5 * max_tokens + 2 * max_seqs + 1 + max_seqs * (max_blocks_per_seq + 1) + 4 * max_seqs
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,14 @@ class StepSender:
             torch.full((batch,), -1, dtype=torch.int64) if meta.state_slots_cpu is None
             else torch.tensor(meta.state_slots_cpu, dtype=torch.int64)
         )  # fmt: skip
+        copies = meta.state_copies
+        restores, saves = (([], []), ([], [])) if copies is None else (copies.restores, copies.saves)
+        copied = torch.tensor([*restores[0], *restores[1], *saves[0], *saves[1]], dtype=torch.int64)
         parts = [input_ids, positions, starts, torch.tensor(meta.seq_lens_cpu, dtype=torch.int64),
-                 tables.reshape(-1), slots, state_slots]  # fmt: skip
+                 tables.reshape(-1), slots, state_slots, copied]  # fmt: skip
         num_pending, on_device = self._write(parts, pending)
         self._send(MessageKind.FORWARD, tokens, batch, width, meta.max_query_len, meta.max_seq_len, meta.block_size,
-                   num_pending, int(on_device), int(meta.last_rows_only))  # fmt: skip
+                   num_pending, int(on_device), int(meta.last_rows_only), len(restores[0]), len(saves[0]))  # fmt: skip
         self._send_pending(pending, on_device)
 
     def decode_graph(
@@ -281,7 +286,7 @@ class StepReceiver:
 
     def _parse(self, kind: MessageKind, fields: list[int]) -> Message:
         if kind is MessageKind.FORWARD:
-            return Message(kind, forward=self._forward(*fields[:9]))
+            return Message(kind, forward=self._forward(*fields[:11]))
         if kind is MessageKind.DECODE_GRAPH:
             return Message(kind, decode=self._decode_graph(*fields[:5]))
         if kind is MessageKind.CAPTURE:
@@ -303,11 +308,16 @@ class StepReceiver:
         num_pending: int,
         pending_on_device: int,
         last_rows_only: int,
+        num_restores: int,
+        num_saves: int,
     ) -> ForwardInputs:
-        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, batch]
-        ids, positions, starts, seq_lens, tables, slots, states, *pending = self._read(
+        sizes = [tokens, tokens, batch + 1, batch, batch * width, tokens, batch, 2 * (num_restores + num_saves)]
+        ids, positions, starts, seq_lens, tables, slots, states, copied, *pending = self._read(
             sizes, num_pending, pending_on_device
         )
+        rows = copied.tolist()
+        restores, saves = rows[: 2 * num_restores], rows[2 * num_restores :]
+        copies = StateCopies((restores[:num_restores], restores[num_restores:]), (saves[:num_saves], saves[num_saves:]))
         device = self._device
         input_ids = self._input_ids(ids, pending, pending_on_device)
         state_slots = states.tolist() if batch and int(states[0]) >= 0 else None  # a hybrid's (layers.gated_deltanet)
@@ -317,6 +327,7 @@ class StepReceiver:
             meta=AttentionMetadata(
                 state_slots=None if state_slots is None else to_device(states, device),
                 state_slots_cpu=state_slots,
+                state_copies=copies if rows else None,
                 query_start_loc=to_device(starts, device, torch.int32),
                 seq_lens=to_device(seq_lens, device, torch.int32),
                 block_tables=to_device(tables.view(batch, width), device, torch.int32),

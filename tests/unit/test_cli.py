@@ -127,6 +127,19 @@ def test_batch_step_target_flag_reaches_the_engine(monkeypatch: pytest.MonkeyPat
     assert cli.build_parser().parse_args(["engine"]).batch_step_target == 0.3
 
 
+def test_state_snapshots_flag_reaches_the_engine() -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args(["engine"]).state_snapshots is None  # auto: sized from the KV cache memory
+    for command in ("serve", "batch"):
+        extra = ["-i", "a", "-o", "b"] if command == "batch" else []
+        for value, expected in (("0", 0), ("12", 12), ("auto", None)):
+            child = engine_command(parser.parse_args([command, *extra, "--state-snapshots", value]), "127.0.0.1", 0)
+            assert cli.build_parser().parse_args(child[3:]).state_snapshots == expected
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["engine", "--state-snapshots", bad])
+
+
 def test_speculative_config_is_vllms_json_and_reaches_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
     parser = cli.build_parser()
     assert parser.parse_args(["engine"]).speculative_config is None

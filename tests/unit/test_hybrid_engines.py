@@ -1,7 +1,8 @@
 """Qwen3.5 and Qwen3-Next served whole by the engine: hybrids whose Gated DeltaNet layers keep a state per running
 request (`layers.gated_deltanet`) beside the paged KV cache of their full-attention layers. Greedy output equals
-transformers' token for token on the float path alone, batched, prefilled in chunks and after preemption (each a
-different history of the state slots: a slot's last holder always left its state there); the quantized path is
+transformers' token for token on the float path alone, batched, prefilled in chunks, after preemption (each a
+different history of the state slots: a slot's last holder always left its state there) and from a prefix snapshot
+(`core.state_snapshots`); the quantized path is
 batch-invariant; tensor parallelism splits the linear layers by heads; a multimodal Qwen3.5 checkpoint serves its
 text model; what these models cannot do yet is refused by name. The models are tiny random ones saved by
 transformers (tests/families.py); LoRA adapters are PEFT's (tests/lora_adapters.py)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +50,22 @@ def prompts() -> list[list[int]]:
     return [*batch, batch[0][:SHARED_PREFIX] + [rng.randrange(10, VOCAB_SIZE) for _ in range(20)]]
 
 
-def engine(folder: Path, quantization: str = "none", chunk: int = 2048, kv_blocks: int = 0, **overrides: Any) -> LLM:
+def engine(
+    folder: Path, quantization: str = "none", chunk: int = 2048, kv_blocks: int = 0, snapshots: int | None = None,
+    **overrides: Any,
+) -> LLM:
     """The offline engine on `folder` with `MAX_SEQS` seats; `chunk`: the most tokens a step prefills; `kv_blocks`:
-    a KV cache of that many 16-token blocks (for 256-token sequences) beside the states, instead of 64 MiB."""
+    a KV cache of that many 16-token blocks (for 256-token sequences) beside the states (the running requests' and
+    `MAX_SEQS` prefix snapshots), instead of 64 MiB; `snapshots`: `CacheConfig.state_snapshots`."""
     config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
     memory = 64 * 1024**2
     if kv_blocks:
-        states = recurrent_state_bytes(config, MAX_SEQS)
+        states = recurrent_state_bytes(config, MAX_SEQS + (MAX_SEQS if snapshots is None else snapshots))
         memory = states + kv_blocks * kv_cache_bytes_per_block(config, 16, torch.float32)
+        snapshots = MAX_SEQS if snapshots is None else snapshots
+    cache = CacheConfig(memory_bytes=memory, state_snapshots=snapshots)
     engine_config = EngineConfig(
-        model=str(folder), device="cpu", quantization=quantization, cache=CacheConfig(memory_bytes=memory),
+        model=str(folder), device="cpu", quantization=quantization, cache=cache,
         scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=MAX_SEQS,
                                   max_model_len=256 if kv_blocks else None),
     )  # fmt: skip
@@ -80,21 +88,33 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return request.param, folder, reference_tokens(load_reference(folder))
 
 
-def test_greedy_equals_transformers_alone_batched_in_chunks_and_preempted(hybrid: tuple[str, Path, Any]) -> None:
+def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_the_prefix_cache(
+    hybrid: tuple[str, Path, Any],
+) -> None:
     """Alone (then its slot serves another request), batched, prefilled 16 tokens a step (a chunk's state carried
     into the next, decode rows beside the chunks), and on a KV pool of 24 blocks for eight sequences (preempted
-    requests recompute from a zero state, in whichever slot they get next). No prefix is served from a cache: a
-    state holds a whole prefix at once. Every slot is free once the requests end."""
+    requests recompute from a zero state, in whichever slot they get next). From the prefix cache: the first prompt,
+    run alone first, saves its states at its last block boundary (48 of its 64 tokens), and in the batch after it
+    both it and the last prompt (which shares those 48 tokens) start from that snapshot, copied into their slots
+    (but not in the step that saves it); with no snapshot rows nothing is served from the cache. Every slot is free
+    once the requests end."""
     name, folder, theirs = hybrid
     batch = prompts()
     with engine(folder) as llm:
-        assert not llm.core.scheduler.kv_cache.enable_prefix_caching
+        assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
         assert [isinstance(layer.self_attn, GatedDeltaNet) for layer in layers] == [True, True, True, False]
         assert tokens(llm, batch[:1]) == theirs[:1], name
+        snapshots = llm.core.scheduler.snapshots
+        assert snapshots is not None and len(snapshots) == 1 and snapshots.count == MAX_SEQS
         results = llm.generate(batch, GREEDY, use_tqdm=False)
         assert [result.choices[0].token_ids for result in results] == theirs, name
-        assert results[-1].usage.cached_prompt_tokens == 0
+        cached = [result.usage.cached_prompt_tokens for result in results]
+        assert cached == [SHARED_PREFIX, 0, 0, 0, 0, 0, 0, SHARED_PREFIX], name
+    with engine(folder) as llm:  # in one step: the first saves its states after the step, the last cannot use them
+        results = llm.generate([batch[0], batch[-1]], GREEDY, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == [theirs[0], theirs[-1]], name
+        assert [result.usage.cached_prompt_tokens for result in results] == [0, 0], name
         slots = llm.core.scheduler.state_slots
         assert slots is not None and slots.num_free == MAX_SEQS
     with engine(folder, chunk=16) as llm:
@@ -102,15 +122,25 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_and_preempted(hybrid
     with engine(folder, kv_blocks=24) as llm:
         assert tokens(llm, batch) == theirs, name
         assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, snapshots=0) as llm:
+        assert not llm.core.scheduler.kv_cache.enable_prefix_caching and llm.core.scheduler.snapshots is None
+        assert tokens(llm, batch[:1]) == theirs[:1], name
+        results = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == theirs, name
+        assert all(result.usage.cached_prompt_tokens == 0 for result in results)
 
 
 def test_tensor_parallel_hybrids_equal_transformers(hybrid: tuple[str, Path, Any]) -> None:
     """Two ranks: each holds one of the two key heads with its two value heads (their rows of every input
     projection, their channels of the convolution, their states), the gated attention's heads and gates, and for
-    Qwen3-Next its experts' share; each step's state slots reach the worker with the rest of the step."""
+    Qwen3-Next its experts' share; each step's state slots and copies (the first prompt's snapshot saved, then
+    restored for it and the last) reach the worker with the rest of the step."""
     name, folder, theirs = hybrid
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, prompts()) == theirs, name
+        assert tokens(llm, prompts()[:1]) == theirs[:1], name
+        results = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert [result.choices[0].token_ids for result in results] == theirs, name
+        assert results[-1].usage.cached_prompt_tokens == SHARED_PREFIX, name
 
 
 def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(hybrid: tuple[str, Path, Any]) -> None:
@@ -132,8 +162,8 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
     transcendental op by row, the shared expert's gate too): each prompt's tokens and their log-probabilities are the
-    same alone, batched and prefilled in chunks of 24, bit for bit, and mostly agree with the float path's first
-    tokens."""
+    same alone, batched, prefilled in chunks of 24 and with no prefix cache (so the restored snapshots' states are
+    those computed from the first token), bit for bit, and mostly agree with the float path's first tokens."""
     folder = save_family(tmp_path, "qwen3-next", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
     theirs = reference_tokens(load_reference(folder))
     batch = prompts()
@@ -148,6 +178,8 @@ def test_the_quantized_path_is_batch_invariant(tmp_path: Path) -> None:
         alone = [read(llm, [prompt])[0] for prompt in batch]
         assert read(llm, batch) == alone
     with engine(folder, quantization="int8", chunk=24) as llm:
+        assert read(llm, batch) == alone
+    with engine(folder, quantization="int8", snapshots=0) as llm:  # from their first token: as from a snapshot
         assert read(llm, batch) == alone
     agree = sum(ours[0][0] == reference[0] for ours, reference in zip(alone, theirs, strict=True))
     assert agree >= 6
@@ -223,5 +255,8 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
     short = EngineConfig(model=str(folder), device="cpu", quantization="none",
                          cache=CacheConfig(memory_bytes=states + kv_cache_bytes_per_block(config, 16, torch.float32)),
                          scheduler=SchedulerConfig(max_num_seqs=MAX_SEQS, max_model_len=256))  # fmt: skip
-    with pytest.raises(ValueError, match=r"holds 1 blocks after the \d+ B of 8 requests' linear-attention states"):
+    with pytest.raises(ValueError, match=r"holds 1 blocks after the \d+ B of 8 linear-attention states \(8 "
+                                         r"requests' and the prefix snapshots'"):  # fmt: skip
         LLM(config=short)
+    with pytest.raises(ValueError, match=r"holds 0 blocks after the \d+ B of 12 linear-attention states"):
+        LLM(config=replace(short, cache=replace(short.cache, state_snapshots=4)))  # snapshots set aside too
