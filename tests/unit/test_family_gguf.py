@@ -46,6 +46,24 @@ def converted_reference_tokens(source: Any) -> list[list[int]]:
         return reference_tokens(folder)
 
 
+def metadata_gguf(
+    path: Path, arch: str, keys: dict[str, Any], tensors: dict[str, tuple[int, ...]] | None = None
+) -> GGUFReader:
+    """A GGUF file of `arch` at `path` holding `keys` (each written by `GGUFWriter.add_<key>`), a zero 64-token
+    embedding 32 wide and `tensors` (zeros of those shapes; the embedding's too, when named), opened: the metadata
+    a config is read from, before any weight."""
+    writer = GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        getattr(writer, f"add_{key}")(value)
+    for name, shape in {"token_embd.weight": (64, 32), **(tensors or {})}.items():
+        writer.add_tensor(name, np.zeros(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFReader(str(path))
+
+
 @pytest.fixture(scope="module")
 def phi3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("phi3-gguf")
@@ -176,26 +194,12 @@ def test_gemma3_served_from_its_blocks_holds_the_quality_thresholds(gemma3_gguf:
 def test_a_gemma2_ggufs_metadata_gives_its_config(tmp_path: Path, layers: int) -> None:
     """llama.cpp's Gemma 2 keys (no tensors needed): soft-caps, the window on every other layer from the first, one
     rope base, and the attention scale llama.cpp derives (head dim 32 here, hidden / heads 24 for the 27B)."""
-    writer = GGUFWriter(str(tmp_path / "gemma2.gguf"), "gemma2")
-    writer.add_block_count(layers)
-    writer.add_context_length(1024)
-    writer.add_embedding_length(96)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(4)
-    writer.add_head_count_kv(2)
-    writer.add_key_length(32)
-    writer.add_value_length(32)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10_000.0)
-    writer.add_sliding_window(4096)
-    writer.add_attn_logit_softcapping(50.0)
-    writer.add_final_logit_softcapping(30.0)
-    writer.add_tensor("token_embd.weight", np.zeros((256, 96), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    raw = hf_config_from_gguf(GGUFReader(str(tmp_path / "gemma2.gguf")), "gemma2.gguf")
+    keys = {"block_count": layers, "context_length": 1024, "embedding_length": 96, "feed_forward_length": 128,
+            "head_count": 4, "head_count_kv": 2, "key_length": 32, "value_length": 32, "layer_norm_rms_eps": 1e-6,
+            "rope_freq_base": 10_000.0, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0}  # fmt: skip
+    reader = metadata_gguf(tmp_path / "gemma2.gguf", "gemma2", keys, {"token_embd.weight": (256, 96)})
+    raw = hf_config_from_gguf(reader, "gemma2.gguf")
     config = ModelConfig.from_hf_config(raw)
     assert config.architecture == "gemma2" and config.tie_word_embeddings and config.head_dim == 32
     assert config.layer_windows[:4] == (4096, 0, 4096, 0) and len(config.layer_windows) == layers
@@ -315,19 +319,12 @@ def test_a_moe_gguf_with_k_quant_experts_is_served_from_their_blocks(
 
 def test_a_mixtral_gguf_with_a_dense_layer_is_refused(tmp_path: Path) -> None:
     """llama.cpp builds every layer of a file with experts with them: a layer without a router is not Mixtral."""
-    writer = GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
     keys = {"block_count": 2, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
             "head_count": 2, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 2}  # fmt: skip
-    for key, value in keys.items():
-        getattr(writer, f"add_{key}")(value)
-    writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
-    writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    reader = metadata_gguf(tmp_path / "mixtral.gguf", "llama", keys, {"blk.0.ffn_gate_inp.weight": (4, 32)})
     with pytest.raises(ValueError, match=r"layers \[1\] of a llama file with experts have no router"):
-        hf_config_from_gguf(GGUFReader(str(tmp_path / "mixtral.gguf")), "mixtral.gguf")
+        hf_config_from_gguf(reader, "mixtral.gguf")
+
 
 
 # Llama 4 as llama.cpp reads a `llama4` file: what it fixes rather than reads (NoPE every 4th layer, chunks of 8,192,
@@ -373,35 +370,21 @@ def test_a_llama4_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: 
             "expert_feed_forward_length": 16, "interleave_moe_layer_step": 1}  # fmt: skip
     for name, changed, refusal in (("mobilellm", {"sliding_window": 0}, "sliding_window 0"),
                                    ("dense", {"expert_count": 0}, "without experts")):  # fmt: skip
-        writer = GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama4")
-        for key, value in {**keys, **changed}.items():
-            getattr(writer, f"add_{key}")(value)
-        writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", "llama4", {**keys, **changed})
         with pytest.raises(ValueError, match=refusal):
-            hf_config_from_gguf(GGUFReader(str(tmp_path / f"{name}.gguf")), f"{name}.gguf")
+            hf_config_from_gguf(reader, f"{name}.gguf")
 
 
 def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(tmp_path: Path) -> None:
     """llama.cpp's `ssm.*` keys give the linear layers' shape: an inner size that is not whole value heads, or value
     heads that are not whole groups of key heads, is no Gated DeltaNet's."""
-    writer = GGUFWriter(str(tmp_path / "qwen35.gguf"), "qwen35")
     keys = {"block_count": 4, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
             "head_count": 2, "layer_norm_rms_eps": 1e-6, "ssm_conv_kernel": 4, "ssm_state_size": 16,
             "ssm_group_count": 2, "ssm_time_step_rank": 3, "ssm_inner_size": 48,
             "full_attention_interval": 4}  # fmt: skip
-    for key, value in keys.items():
-        getattr(writer, f"add_{key}")(value)
-    writer.add_tensor("token_embd.weight", np.zeros((64, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    reader = metadata_gguf(tmp_path / "qwen35.gguf", "qwen35", keys)
     with pytest.raises(ValueError, match=r"inner_size 48 over 3 value heads in groups of 2 key heads"):
-        hf_config_from_gguf(GGUFReader(str(tmp_path / "qwen35.gguf")), "qwen35.gguf")
+        hf_config_from_gguf(reader, "qwen35.gguf")
 
 
 @pytest.mark.parametrize(
