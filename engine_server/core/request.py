@@ -111,6 +111,7 @@ class Request:
         "request_id",
         "sampling_params",
         "scheduled_time",
+        "snapshot_at",
         "speculative",
         "state_slot",
         "status",
@@ -167,6 +168,9 @@ class Request:
         self.lora = lora
         self.lora_slot = -1  # the adapter's slot while the request runs (the scheduler's AdapterSlots), else -1
         self.state_slot = -1  # its linear-attention state's slot while it runs (the scheduler's StateSlots), else -1
+        # Where its states are also saved, beside its prompt's last block boundary: the end of the cached prefix it
+        # was admitted with, where no snapshot was (the scheduler's StateSnapshots); 0: nowhere else.
+        self.snapshot_at = 0
         self.max_tokens = (
             0 if pooling is not None else resolve_max_tokens(sampling_params, len(self.prompt_token_ids), max_model_len)
         )

@@ -705,6 +705,7 @@ class Scheduler:
                     cached_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
                 restore = None
                 if self.snapshots is not None:  # a hybrid's states must start where the cached prefix ends
+                    request.snapshot_at = num_cached  # where it diverges from a prefix computed before
                     cached_blocks, restore = self._snapshot_hit(request, cached_blocks)
                     num_cached = len(cached_blocks) * self.kv_cache.block_size
                 num_new = min(request.num_tokens - num_cached, budget, prefill_left)
@@ -744,23 +745,26 @@ class Scheduler:
 
     # -- linear-attention state snapshots (`StateSnapshots`) ------------------------------------------
 
-    def _snapshot_point(self, request: Request) -> int:
-        """Where a hybrid's prompt has its states saved: its last block boundary before its last token (0: none,
-        a prompt of one block or less)."""
+    def _snapshot_points(self, request: Request) -> tuple[int, int]:
+        """Where a hybrid's request has its states saved (block boundaries; 0: none): where the cached prefix it was
+        admitted with ended without a snapshot (`Request.snapshot_at`: there another request's prompt went on
+        otherwise, so a third that shares the prefix finds one), and its prompt's last block boundary before its
+        last token (a chat's next turn, or the same prompt again, starts there)."""
         size = self.kv_cache.block_size
-        return (request.num_prompt_tokens - 1) // size * size
+        return request.snapshot_at, (request.num_prompt_tokens - 1) // size * size
 
     def _up_to_snapshot(self, request: Request, start: int, num_new: int) -> int:
-        """`num_new` tokens from `start`, or fewer so the chunk ends at the prompt's snapshot point when it would
-        cross it."""
-        point = self._snapshot_point(request)
-        return point - start if start < point < start + num_new else num_new
+        """`num_new` tokens from `start`, or fewer so the chunk ends at the first snapshot point it would cross."""
+        for point in sorted(self._snapshot_points(request)):
+            if start < point < start + num_new:
+                return point - start
+        return num_new
 
     def _snapshot_if_due(self, request: Request) -> None:
-        """Have this step save the request's states when its chunk ends at its prompt's snapshot point and no
+        """Have this step save the request's states when its chunk ends at one of its snapshot points and no
         snapshot holds that prefix yet."""
-        point = self._snapshot_point(request)
-        if request.num_computed_tokens != point or point == 0:
+        point = request.num_computed_tokens
+        if point == 0 or point not in self._snapshot_points(request):
             return
         assert self.snapshots is not None
         row = self.snapshots.reserve(self.kv_cache.prefix_hash(request, point // self.kv_cache.block_size))

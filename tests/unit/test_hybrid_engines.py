@@ -130,6 +130,25 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
         assert all(result.usage.cached_prompt_tokens == 0 for result in results)
 
 
+def test_a_prefix_shared_past_no_snapshot_is_saved_where_the_prompts_part(tmp_path: Path) -> None:
+    """Three prompts of a shared 40-token prefix (a system prompt) and 30 tokens of their own: the first saves its
+    states only at its last block boundary (64, inside its own tokens), so the second finds the shared blocks (32
+    tokens) but no snapshot there: it computes them, and saves its states where the cached prefix ended. The third
+    starts from that snapshot. Each equals transformers."""
+    folder = save_family(tmp_path, "qwen3.5")
+    rng = random.Random(3)
+    shared = [rng.randrange(10, VOCAB_SIZE) for _ in range(40)]
+    batch = [shared + [rng.randrange(10, VOCAB_SIZE) for _ in range(30)] for _ in range(3)]
+    model = load_reference(folder)
+    with engine(folder) as llm:
+        results = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in batch]
+        assert [result.choices[0].token_ids for result in results] == [hf_greedy(model, [p], NUM_TOKENS)[0]
+                                                                       for p in batch]  # fmt: skip
+        assert [result.usage.cached_prompt_tokens for result in results] == [0, 0, 32]
+        snapshots = llm.core.scheduler.snapshots
+        assert snapshots is not None and len(snapshots) == 4  # 64 twice (their own), 32, and 64 of the third
+
+
 def test_tensor_parallel_hybrids_equal_transformers(hybrid: tuple[str, Path, Any]) -> None:
     """Two ranks: each holds one of the two key heads with its two value heads (their rows of every input
     projection, their channels of the convolution, their states), the gated attention's heads and gates, and for
