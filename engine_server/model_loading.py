@@ -127,10 +127,13 @@ def state_snapshot_rows(model_config: ModelConfig, config: EngineConfig, tp_size
     """How many prefix snapshots of a hybrid's linear-attention states to keep (`CacheConfig.state_snapshots`, or by
     default as many as fit `SNAPSHOT_MEMORY_SHARE` of the memory left beside `max_num_seqs` requests' states, at most
     `max_num_seqs`); 0 for a model without linear attention or with prefix caching off. Every rank of a
-    tensor-parallel group computes the same count (its share of each state, of the same memory)."""
+    tensor-parallel group computes the same count (its share of each state, of the same memory). ValueError for a
+    negative count."""
     if model_config.linear_attention is None or not config.cache.enable_prefix_caching:
         return 0
     if config.cache.state_snapshots is not None:
+        if config.cache.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {config.cache.state_snapshots}")
         return config.cache.state_snapshots
     seats = config.scheduler.max_num_seqs
     left = config.cache.memory_bytes - recurrent_state_bytes(model_config, seats, tp_size)

@@ -279,3 +279,5 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
         LLM(config=short)
     with pytest.raises(ValueError, match=r"holds 0 blocks after the \d+ B of 12 linear-attention states"):
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=4)))  # snapshots set aside too
+    with pytest.raises(ValueError, match="state_snapshots must be >= 0, got -1"):
+        LLM(config=replace(short, cache=replace(short.cache, state_snapshots=-1)))
