@@ -27,8 +27,9 @@ class StateSnapshots:
             raise ValueError(f"a snapshot store needs rows, got {count}")
         self.first_row, self.count = first_row, count
         self._rows: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
-        self._free = list(range(first_row + count - 1, first_row - 1, -1))  # popped from the end: lowest first
+        self._free: list[int] = []  # popped from the end: lowest first
         self._step: dict[bytes, int] = {}  # reserved since `begin_step`: written by that step, after its forward
+        self.clear()
 
     def __len__(self) -> int:
         return len(self._rows)
