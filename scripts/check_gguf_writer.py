@@ -23,7 +23,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import append_result, git_commit, utc_timestamp
-from tests.families import save_family, write_gguf
+from tests.families import MODELS, save_family, write_gguf
 
 # Each longer than the 32 positions Phi-3's LongRoPE test model was trained for: llama.cpp takes the long factors
 # whenever its context is longer than that, transformers (and ladle) once the sequence is.
@@ -34,12 +34,16 @@ NEW_TOKENS = 16
 
 def families() -> dict[str, dict[str, Any]]:
     """Each family the GGUF tests write, with their overrides (`save_family`'s)."""
-    from tests.unit.test_family_gguf import HYBRID_GGUF, LLAMA4_GGUF, MOE_GGUF
+    from tests.unit.test_family_gguf import GPT_OSS_GGUF, HYBRID_GGUF, LLAMA4_GGUF, MOE_GGUF
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
+    # llama.cpp rounds YaRN's correction range outward (floor and ceil), as transformers does with `truncate`; the
+    # released gpt-oss does not (`truncate` false, which ladle reads a gpt-oss file as). Compared with the range
+    # rounded, llama.cpp and transformers run the same rope and the check sees the file's layout alone.
+    gpt_oss_rope = {**MODELS["gpt-oss"][1]["rope_parameters"], "truncate": True}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
-            "gemma4-moe": {}}
+            "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}}
 
 
 def check(family: str, overrides: dict[str, Any], root: Path) -> dict[str, Any]:

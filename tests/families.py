@@ -311,13 +311,14 @@ _GGUF_GEMMA_LAYER = {
 _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
-    "gemma4_text": "gemma4", "llama4_text": "llama4",
+    "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
 # expert's projections, which llama.cpp stacks into one `[experts, rows, columns]` tensor per projection.
 _GGUF_MOE_LAYER = {
-    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.gate": "ffn_gate_inp", "mlp.router": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
@@ -476,8 +477,28 @@ def write_gguf(
     _tokenizer_metadata(writer, folder)
     if arch == "llama4":  # its converter's name for Llama 4's split of text before BPE (GPT-4o's)
         writer.add_tokenizer_pre("llama4")
+    if arch == "gpt-oss":  # llama.cpp fixes the experts' SwiGLU; the file names o200k's split
+        assert (config["swiglu_alpha"], config["swiglu_limit"]) == (1.702, 7.0), config
+        writer.add_tokenizer_pre("gpt-4o")
     _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types)
     return path
+
+
+def _gpt_oss_tensors(layer: str, param: str, array: np.ndarray, feed_forward: Any) -> dict[str, tuple[np.ndarray, Any]]:
+    """A gpt-oss layer's sinks or one of its experts' banks (`param`: `gate_up_proj` `[E, H, 2I]` and its bias
+    `[E, 2I]`, gate and up alternating; `down_proj` `[E, I, H]` and its bias) as llama.cpp's converter writes them:
+    gate, up and down `[E, out, in]` in `feed_forward`'s type, their biases F32."""
+    if param == "sinks":
+        return {f"blk.{layer}.attn_sinks.weight": (array, None)}
+    bias = param.endswith("_bias")
+    kind = "bias" if bias else "weight"
+    if param.startswith("down_proj"):
+        parts = {"ffn_down_exps": array if bias else array.swapaxes(1, 2)}
+    else:
+        parts = {"ffn_gate_exps": array[..., 0::2], "ffn_up_exps": array[..., 1::2]}
+        parts = parts if bias else {name: part.swapaxes(1, 2) for name, part in parts.items()}
+    return {f"blk.{layer}.{name}.{kind}": (np.ascontiguousarray(part), None if bias else feed_forward)
+            for name, part in parts.items()}  # fmt: skip
 
 
 def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[str, Any], head_dim: int) -> None:
@@ -517,6 +538,10 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":  # gpt-oss's: its betas are llama.cpp's defaults, not written
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if config.get("attn_logit_softcapping"):
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
@@ -531,7 +556,9 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        if arch not in ("llama", "llama4"):
+        if arch == "gpt-oss":  # its experts are intermediate_size wide
+            writer.add_expert_feed_forward_length(config["intermediate_size"])
+        elif arch not in ("llama", "llama4"):
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
@@ -590,7 +617,7 @@ def _write_tensors(
     if gemma4:
         layer_names.update(_GGUF_GEMMA4_LAYER)
     hybrid = arch in _GGUF_HYBRIDS
-    if hybrid:
+    if hybrid or arch == "gpt-oss":
         layer_names["post_attention_layernorm"] = "post_attention_norm"
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
@@ -614,6 +641,9 @@ def _write_tensors(
             else:
                 down = np.ascontiguousarray(array.swapaxes(1, 2))
                 tensors[f"blk.{bare[0]}.ffn_down_exps.weight"] = (down, feed_forward)
+            continue
+        if arch == "gpt-oss" and (stem.endswith(".mlp.experts") or param == "sinks"):
+            tensors.update(_gpt_oss_tensors(bare[0], param, array, feed_forward))
             continue
         if gemma4 and (name in _GGUF_GEMMA4_GLOBAL or bare[2] in _GGUF_GEMMA4_BARE):
             gguf_name = _GGUF_GEMMA4_GLOBAL.get(name) or f"blk.{bare[0]}.{_GGUF_GEMMA4_BARE[bare[2]]}"

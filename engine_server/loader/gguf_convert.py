@@ -127,10 +127,18 @@ _LLAMA4_LAYER_NAMES = {
     "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
     "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
 }
+# gpt-oss: the norm before its MLP is `post_attention_norm`, its router `mlp.router` (with a bias), its attention
+# sinks a bare parameter (`_BARE_LAYER_NAMES`); its experts have biases too (`hf_expert_names`).
+_GPT_OSS_LAYER_NAMES = {
+    **{kind: name for kind, name in _LAYER_NAMES.items() if not kind.startswith("ffn_")},
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.router",
+}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_BARE,
+    "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -141,6 +149,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
     "llama4_text": _LLAMA4_LAYER_NAMES,
+    "gpt_oss": _GPT_OSS_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -153,8 +162,11 @@ _EXPERT_NAMES = {
     "llama4_text": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
 }
 _QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", _PROJECTIONS)
-_LLAMA4_EXPERT = re.compile(
-    r"model\.layers\.(?P<layer>\d+)\.feed_forward\.experts\.(?P<expert>\d+)\.(?P<proj>\w+_proj)\.weight"
+# One expert's projection as `iter_hf_tensors` names it (a weight, or gpt-oss's bias), in the families whose
+# checkpoints hold them as banks (`transformers_banks`).
+_BANKED_EXPERT = re.compile(
+    r"model\.layers\.(?P<layer>\d+)\.(?P<block>feed_forward|mlp)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<param>weight|bias)"
 )
 # The families whose llama.cpp files hold each head's q/k rows with its rope pairs interleaved (llama.cpp's turning):
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's,
@@ -189,17 +201,18 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
 
 
 def hf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list[str] | None:
-    """The HF parameter name of each expert's slice of a GGUF expert tensor (`blk.N.ffn_gate_exps.weight`, ...) of a
-    file of `architecture` (as `hf_tensor_name`), in expert order; None when `gguf_name` is not one."""
+    """The HF parameter name of each expert's slice of a GGUF expert tensor (`blk.N.ffn_gate_exps.weight`, ...;
+    gpt-oss's `.bias` too, `[experts, rows]`) of a file of `architecture` (as `hf_tensor_name`), in expert order;
+    None when `gguf_name` is not one."""
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _EXPERT_BANKS or match.group(3) != "weight":
+    if match is None or match.group(2) not in _EXPERT_BANKS:
         return None
-    if architecture == "gemma4_text":  # its banks load whole (`_GEMMA4_BARE`), as transformers holds them
-        return None
+    if architecture == "gemma4_text" or (match.group(3) == "bias" and architecture != "gpt_oss"):
+        return None  # Gemma 4's banks load whole (`_GEMMA4_BARE`), as transformers holds them
     pattern, projections = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
     proj = projections[_EXPERT_BANKS[match.group(2)]]
-    layer = match.group(1)
-    return [f"model.layers.{layer}.{pattern.format(expert=e, proj=proj)}.weight" for e in range(num_experts)]
+    layer, param = match.group(1), match.group(3)
+    return [f"model.layers.{layer}.{pattern.format(expert=e, proj=proj)}.{param}" for e in range(num_experts)]
 
 
 def rope_permuted(architecture: str) -> bool:
@@ -218,32 +231,46 @@ def rope_interleaved(architecture: str) -> bool:
 def transformers_banks(
     weights: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """`weights` (a GGUF file's, `iter_hf_tensors`) as transformers loads them: a Llama 4's experts, which come one
-    tensor per expert and projection, as each layer's two banks of its checkpoints, `gate_up_proj` `[E, H, 2I]` (the
-    gates' columns first) and `down_proj` `[E, I, H]` (each yielded once all of a layer's experts are in); every
-    other tensor as it comes."""
-    if config["model_type"] != "llama4_text":
+    """`weights` (a GGUF file's, `iter_hf_tensors`) as transformers loads them, for the families whose checkpoints
+    hold each layer's experts as banks, where they come one tensor per expert and projection (each bank yielded once
+    all of a layer's experts are in); every other tensor as it comes:
+    - Llama 4: `gate_up_proj` `[E, H, 2I]` (the gates' columns first) and `down_proj` `[E, I, H]`;
+    - gpt-oss: `gate_up_proj` `[E, H, 2I]` and its bias `[E, 2I]` with gate and up columns alternating, `down_proj`
+      `[E, I, H]` and its bias `[E, H]`."""
+    model_type = config["model_type"]
+    if model_type not in ("llama4_text", "gpt_oss"):
         yield from weights
         return
     experts = int(config["num_local_experts"])
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    params = ("weight", "bias") if model_type == "gpt_oss" else ("weight",)
+    pending: dict[str, dict[tuple[str, str, int], torch.Tensor]] = {}
     for name, tensor in weights:
-        match = _LLAMA4_EXPERT.fullmatch(name)
+        match = _BANKED_EXPERT.fullmatch(name)
         if match is None:
             yield name, tensor
             continue
         layer = pending.setdefault(match["layer"], {})
-        layer[f"{match['expert']}.{match['proj']}"] = tensor
-        if len(layer) < 3 * experts:
+        layer[match["param"], match["proj"], int(match["expert"])] = tensor
+        if len(layer) < 3 * experts * len(params):
             continue
         del pending[match["layer"]]
-        bank = f"model.layers.{match['layer']}.feed_forward.experts"
-        gate_up = [torch.cat((layer[f"{e}.gate_proj"], layer[f"{e}.up_proj"])).T for e in range(experts)]
-        yield f"{bank}.gate_up_proj", torch.stack(gate_up).contiguous()
-        yield f"{bank}.down_proj", torch.stack([layer[f"{e}.down_proj"].T for e in range(experts)]).contiguous()
+        bank = f"model.layers.{match['layer']}.{match['block']}.experts"
+        for param in params:
+            suffix = "_bias" if param == "bias" else ""
+            gate, up = _stacked(layer, param, "gate_proj", experts), _stacked(layer, param, "up_proj", experts)
+            alternating = model_type == "gpt_oss"
+            joined = torch.stack((gate, up), dim=-1).flatten(-2) if alternating else torch.cat((gate, up), dim=-1)
+            yield f"{bank}.gate_up_proj{suffix}", joined.contiguous()
+            yield f"{bank}.down_proj{suffix}", _stacked(layer, param, "down_proj", experts).contiguous()
     if pending:
         raise ValueError(f"layers {sorted(pending)} have experts missing")
 
+
+def _stacked(layer: dict[tuple[str, str, int], torch.Tensor], param: str, proj: str, experts: int) -> torch.Tensor:
+    """Projection `proj`'s `param` of each of a layer's `experts` (`layer`: by (param, proj, expert)), stacked as a
+    bank holds them: `[E, in, out]` for weights (each `[out, in]` transposed), `[E, out]` for biases."""
+    parts = [layer[param, proj, expert] for expert in range(experts)]
+    return torch.stack([part.T if param == "weight" else part for part in parts])
 
 
 class GgufTensor(Protocol):

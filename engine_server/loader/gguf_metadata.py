@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
-their MoE forms, phi3, gemma2 / gemma3 / gemma4, and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next
-`<arch>.*` keys)."""
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, and the Gated DeltaNet hybrids qwen35 / qwen35moe /
+qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "llama4": ("llama4_text", "Llama4ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -59,6 +60,17 @@ _LLAMA4_NOPE_EVERY = 4
 _LLAMA4_CHUNK = 8192
 _LLAMA4_TEMPERATURE = {"floor_scale": 8192, "attn_scale": 0.1}
 _LLAMA4_EXPERTS_WITHOUT_QK_NORM = 128
+
+# gpt-oss as llama.cpp reads a `gpt-oss` file: its experts' clamped SwiGLU (`swiglu_oai`: alpha 1.702, limit 7), every
+# second layer windowed (unless the file's `attention.sliding_window_pattern` says), YaRN's beta defaults where the
+# file gives none. The released config's YaRN keeps its correction range unrounded (`truncate` false); llama.cpp
+# rounds it, but the model was trained without. Generation ends at `<|return|>` and `<|call|>` (llama.cpp's
+# end-of-generation tokens for harmony), not at `<|end|>`, which closes each message, the reasoning's too.
+_GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+_GPT_OSS_WINDOW_EVERY = 2
+_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+_HARMONY_STOPS = ("<|return|>", "<|call|>")
+_HARMONY_MESSAGE_END = "<|end|>"
 
 
 def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -152,6 +164,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_linear_attention_config(reader, arch, config, spec))
     if arch == "llama4":
         config.update(_llama4_config(reader, config, experts, window, spec))
+    elif arch == "gpt-oss":
+        config.update(_gpt_oss_config(reader, config, experts, spec))
     elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
@@ -189,6 +203,61 @@ def _llama4_config(
         **_LLAMA4_TEMPERATURE,
         "use_qk_norm": experts != _LLAMA4_EXPERTS_WITHOUT_QK_NORM,
     }
+
+
+def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, spec: str) -> dict[str, Any]:
+    """The keys of a gpt-oss `config.json` from a `gpt-oss` file: its experts (`expert_feed_forward_length` wide),
+    which layers are windowed (`attention.sliding_window_pattern`: every n-th layer full, or a flag per layer),
+    YaRN from `rope.scaling.*`, and what llama.cpp fixes (`_GPT_OSS_*`, the harmony stop tokens). ValueError for a
+    file without experts or a window, or with a rope scaling other than YaRN."""
+    arch = "gpt-oss"
+    required = functools.partial(_arch_field, reader, arch, spec)
+    if not experts:
+        raise ValueError(f"model {spec!r}: a gpt-oss file without experts is not supported")
+    used = int(required("expert_used_count"))
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: gpt-oss.expert_used_count {used} is not in 1..{experts}")
+    if not config.get("sliding_window"):
+        raise ValueError(f"model {spec!r}: a gpt-oss file without attention.sliding_window is not supported")
+    layers = int(config["num_hidden_layers"])
+    pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern", _GPT_OSS_WINDOW_EVERY)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries, "
+                             f"not one per each of {layers} layers")  # fmt: skip
+        windowed = [bool(flag) for flag in pattern]
+    elif isinstance(pattern, int) and pattern >= 1:
+        windowed = [i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern {pattern!r} is not supported")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    scaling = read_field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "yarn":
+        betas = {name: _short_float(read_field(reader, f"{arch}.rope.scaling.yarn_{name}", default))
+                 for name, default in _YARN_BETAS.items()}  # fmt: skip
+        rope.update(rope_type="yarn", factor=_short_float(required("rope.scaling.factor")), **betas, truncate=False,
+                    original_max_position_embeddings=int(required("rope.scaling.original_context_length")))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (yarn is)")
+    return {
+        "intermediate_size": int(required("expert_feed_forward_length")),
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "layer_types": ["sliding_attention" if flag else "full_attention" for flag in windowed],
+        "rope_parameters": rope,
+        **_GPT_OSS_SWIGLU,
+        "eos_token_id": _harmony_stops(reader, config["eos_token_id"]),
+    }
+
+
+def _harmony_stops(reader: GGUFReader, eos: int | list[int]) -> int | list[int]:
+    """The file's end-of-sequence ids with harmony's stop tokens (`_HARMONY_STOPS`) where its vocabulary has them, and
+    without `<|end|>` (a file may name it its end-of-turn token)."""
+    tokens = read_field(reader, "tokenizer.ggml.tokens") or []
+    ids = {token: index for index, token in enumerate(tokens) if token in (*_HARMONY_STOPS, _HARMONY_MESSAGE_END)}
+    stops = [i for i in ([eos] if isinstance(eos, int) else eos) if i != ids.get(_HARMONY_MESSAGE_END)]
+    stops += [ids[token] for token in _HARMONY_STOPS if token in ids and ids[token] not in stops]
+    return stops[0] if len(stops) == 1 else stops
 
 
 def _experts_config(

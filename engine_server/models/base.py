@@ -49,8 +49,11 @@ _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard)
 _BARE_DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# One expert's projection of a mixture of experts: `<block>.experts.<e>.<proj>.weight` (`ParallelExperts`).
-_EXPERT_WEIGHT = re.compile(r"(?P<bank>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+# One expert's projection of a mixture of experts: `<block>.experts.<e>.<proj>.weight` (`ParallelExperts`), or its
+# `.bias` (gpt-oss's, from a GGUF file).
+_EXPERT_WEIGHT = re.compile(
+    r"(?P<bank>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight|bias)"
+)
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # All experts' projection in one 3-D tensor (transformers 5's own layout): `<block>.experts.gate_up_proj`
 # `[E, 2 * I, H]` (gate rows, then up rows) or `<block>.experts.down_proj` `[E, H, I]`; where experts have biases,
@@ -62,7 +65,9 @@ def expert_weight(name: str) -> tuple[str, int, str] | None:
     """(bank, expert, part: "gate", "up" or "down") of one expert's projection weight named as `load_weights` reads
     it (`<bank>.<e>.gate_proj.weight`, after `checkpoint_name`), None for any other name."""
     match = _EXPERT_WEIGHT.fullmatch(name)
-    return None if match is None else (match["bank"], int(match["expert"]), _EXPERT_PART[match["proj"]])
+    if match is None or match["kind"] != "weight":
+        return None
+    return match["bank"], int(match["expert"]), _EXPERT_PART[match["proj"]]
 
 
 class CausalLM(nn.Module):
@@ -176,7 +181,7 @@ class CausalLM(nn.Module):
             name = self.checkpoint_name(name)
             expert = _EXPERT_WEIGHT.fullmatch(name)
             if expert is not None:
-                if expert["bank"] in replaced:
+                if expert["bank"] in replaced and expert["kind"] == "weight":  # a replaced bank's biases load
                     loaded.add((expert["bank"], f"{int(expert['expert'])}.{_EXPERT_PART[expert['proj']]}"))
                 else:
                     loaded.add(self._load_expert(modules, name, expert, tensor))
@@ -233,7 +238,7 @@ class CausalLM(nn.Module):
         bank = modules.get(match["bank"])
         if not isinstance(bank, ParallelExperts):
             raise ValueError(f"unexpected weight {name!r}: no mixture of experts there")
-        part = _EXPERT_PART[match["proj"]]
+        part = _EXPERT_PART[match["proj"]] + ("_bias" if match["kind"] == "bias" else "")
         try:
             bank.load_expert(int(match["expert"]), part, tensor)
         except ValueError as error:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
@@ -371,6 +371,59 @@ def test_a_llama4_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: 
     for name, changed, refusal in (("mobilellm", {"sliding_window": 0}, "sliding_window 0"),
                                    ("dense", {"expert_count": 0}, "without experts")):  # fmt: skip
         reader = metadata_gguf(tmp_path / f"{name}.gguf", "llama4", {**keys, **changed})
+        with pytest.raises(ValueError, match=refusal):
+            hf_config_from_gguf(reader, f"{name}.gguf")
+
+
+# gpt-oss as llama.cpp reads a `gpt-oss` file: its experts' SwiGLU clamped at 7 (fixed there), and the tokenizer's
+# bos and eos ids the test writer gives every file.
+GPT_OSS_GGUF: dict[str, Any] = {"swiglu_limit": 7.0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_is_exact_on_the_float_path_and_served_from_its_blocks(
+    tmp_path: Path,
+) -> None:
+    """A gpt-oss file as llama.cpp's converter writes it (each bank of experts split into gate, up and down in MXFP4,
+    their biases F32 beside them; sinks, YaRN and the windowed layers from its metadata): converted, the config is the
+    saved model's; written out for transformers, every tensor comes back under its checkpoint name (the experts as
+    the checkpoint's banks, gate and up alternating), and the float path equals transformers on that checkpoint token
+    for token. Served from its blocks, q/k/v and o are the file's Q8_0 blocks, the MXFP4 experts float (their values
+    exact), and it holds `ladle bench quality`'s thresholds against the float path."""
+    folder = save_family(tmp_path / "hf", "gpt-oss", head_spread=1.0, **GPT_OSS_GGUF)
+    gguf = write_gguf(folder, tmp_path / "gpt-oss.gguf", GGMLQuantizationType.MXFP4, GGMLQuantizationType.Q8_0)
+    source = resolve_model(str(gguf))
+    saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    assert source.config == replace(saved, name=source.config.name)
+    with float_checkpoint(source) as checkpoint:
+        converted = load_file(checkpoint / "model.safetensors")
+        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",))
+        bank = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.1.ffn_gate_exps.weight")
+        gate = torch.from_numpy(dequantize(bank.data, bank.tensor_type))  # [E, I, H], the MXFP4 values
+        assert torch.equal(converted["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2], gate.transpose(1, 2))
+        expected = reference_tokens(checkpoint)
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == expected
+    layers, result = served_from_blocks(gguf)
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.3.self_attn.o_proj"] == "q8"
+    assert len(layers) == 2 * 4, layers  # the experts stay float: no kernel takes MXFP4 or their biases
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_a_gpt_oss_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: Path) -> None:
+    """A `gpt-oss` file without experts or a window, or with a rope scaling other than YaRN, is not gpt-oss as llama.cpp
+    builds it: each is refused by name. Its window pattern and harmony's stop tokens are read."""
+    keys = {"block_count": 4, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
+            "head_count": 2, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 2,
+            "expert_feed_forward_length": 16, "sliding_window": 8, "rope_scaling_type": RopeScalingType.YARN,
+            "rope_scaling_factor": 4.0, "rope_scaling_orig_ctx_len": 16, "sliding_window_pattern": 3,
+            "token_list": ["a", "<|end|>", "<|return|>", "<|call|>"], "eos_token_id": 1}  # fmt: skip
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "gpt-oss.gguf", "gpt-oss", keys), "gpt-oss.gguf")
+    assert config["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    assert config["eos_token_id"] == [2, 3] and config["rope_parameters"]["truncate"] is False
+    for name, changed, refusal in (("dense", {"expert_count": 0}, "without experts"),
+                                   ("windowless", {"sliding_window": 0}, "without attention.sliding_window"),
+                                   ("linear", {"rope_scaling_type": RopeScalingType.LINEAR}, "'linear' is not")):
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", "gpt-oss", {**keys, **changed})
         with pytest.raises(ValueError, match=refusal):
             hf_config_from_gguf(reader, f"{name}.gguf")
 
