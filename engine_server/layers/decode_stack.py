@@ -35,10 +35,12 @@ MoeParts = tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]
 
 def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     """A mixture of experts' quantized experts, its router and its shared expert's projections (None without one),
-    or None where the stack does not run it (float experts, or GELU ones; a float router, a shared expert not
-    quantized or not SiLU)."""
+    or None where the stack does not run it (float experts, GELU ones or gpt-oss's, with biases and the clamped
+    SwiGLU; a float or biased router, a shared expert not quantized or not SiLU)."""
     experts, router = mlp.experts, mlp.gate
     if not isinstance(experts, QuantizedExperts) or not isinstance(router, RowwiseLinear) or experts.gelu:
+        return None
+    if experts.swiglu is not None or experts.b13 is not None or router.bias is not None:
         return None
     shared, shared_gate = mlp.shared_expert, mlp.shared_expert_gate
     if shared is None:

@@ -101,14 +101,13 @@ class SparseMoE(nn.Module):
             if config.grouped_router
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
         )  # fmt: skip
-        self.experts = ParallelExperts(
-            experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases
-        )
         # gpt-oss's clamped SwiGLU (plain torch ops on every backend), else the kernel set's SiLU-and-mul.
+        swiglu = (config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit > 0 else None
+        self.experts = ParallelExperts(
+            experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases, swiglu=swiglu
+        )
         self.activation: Activation | None = (
-            functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-            if config.swiglu_limit > 0
-            else None
+            None if swiglu is None else functools.partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1])
         )
         shared = config.shared_expert_intermediate_size
         self.shared_expert = GatedMLP(hidden, shared, dtype, tp) if shared else None

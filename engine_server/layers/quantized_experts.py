@@ -18,7 +18,7 @@ may change with the number of rows, and then which experts a token gets could de
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -47,10 +47,13 @@ ExpertWeight = Q4Weight | Q8Weight | LowBitWeight
 @dataclass(frozen=True)
 class ExpertWeights:
     """One bank's experts as this rank keeps them, in expert order: `gate_up[e]` expert e's gate rows then its up
-    rows (`[2 * I_r, H]`), `down[e]` its down projection (`[H, I_r]`)."""
+    rows (`[2 * I_r, H]`), `down[e]` its down projection (`[H, I_r]`); where the experts have biases (gpt-oss),
+    `b13` `[E, 2 * I_r]` and `b2` `[E, H]` (`ParallelExperts`'), float."""
 
     gate_up: tuple[ExpertWeight, ...]
     down: tuple[ExpertWeight, ...]
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
 
     @property
     def format(self) -> str:
@@ -69,11 +72,13 @@ class QuantizedExperts(nn.Module):
     """`ParallelExperts`' forward over quantized experts (CPU, float32; needs the C++ kernels).
 
     Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`). With
-    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), else SiLU; both in the kernel."""
+    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), with `swiglu` (alpha, limit) gpt-oss's clamped
+    SwiGLU, else SiLU; each in the kernel, as are the weights' biases."""
 
-    def __init__(self, weights: ExpertWeights, gelu: bool = False) -> None:
+    def __init__(self, weights: ExpertWeights, gelu: bool = False, swiglu: tuple[float, float] | None = None) -> None:
         super().__init__()
         self.gelu = gelu
+        self.swiglu = swiglu
         if len({weight_format(w) for w in weights.gate_up}) != 1 or len({weight_format(w) for w in weights.down}) != 1:
             raise ValueError("every expert of a bank must be stored in the same formats")
         self.num_experts = len(weights.gate_up)
@@ -83,6 +88,8 @@ class QuantizedExperts(nn.Module):
         for name, tensors in (("w13", _stacked(weights.gate_up)), ("w2", _stacked(weights.down))):
             for suffix, tensor in zip(("", "_scales", "_mins"), tensors, strict=True):
                 self.register_buffer(name + suffix, tensor, persistent=False)
+        for name, bias in (("b13", weights.b13), ("b2", weights.b2)):
+            self.register_buffer(name, None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
     def forward(
         self,
@@ -92,38 +99,43 @@ class QuantizedExperts(nn.Module):
         activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `[T, H]` (this rank's partial
-        sum under tensor parallelism). The activation is the bank's (`gelu`), in the kernel (`activation` is not
-        used)."""
+        sum under tensor parallelism). The activation is the bank's (`gelu`, `swiglu`), in the kernel (`activation`
+        is not used)."""
+        alpha, limit = self.swiglu or (0.0, 0.0)
         out: torch.Tensor = torch.ops.ladle_cpu.moe_packed(
             x.contiguous(), experts.contiguous(), weights.float().contiguous(),
             self.w13, self.w13_scales, self.w13_mins, self.w2, self.w2_scales, self.w2_mins, self.intermediate,
-            self.gelu,
+            self.gelu, self.b13, self.b2, alpha, limit,
         )  # fmt: skip
         return out
 
     def extra_repr(self) -> str:
         shape = f"experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}"
-        return f"{shape}, format={self.format}"
+        return f"{shape}, format={self.format}, biases={self.b13 is not None}"
 
 
 class RowwiseLinear(nn.Module):
-    """`F.linear(x, weight)` (no bias) in float32 with each row's dot products summed in one fixed order."""
+    """`F.linear(x, weight, bias)` in float32 with each row's dot products summed in one fixed order (the bias, if
+    any, added to each after it)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().float().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         out: torch.Tensor = torch.ops.ladle_cpu.rowwise_linear(rows.contiguous(), self.weight)
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
     """`bank`'s float experts (this rank's slices) as 8-bit groups of 32 (`quantize_q8`); None (the bank stays
-    float) when its hidden size or this rank's intermediate rows are not a multiple of 32, when its experts have
-    biases (gpt-oss: the C++ expert kernel has neither biases nor gpt-oss's clamped SwiGLU)."""
-    if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP or bank.b13 is not None:
+    float) when its hidden size or this rank's intermediate rows are not a multiple of 32. Its biases, if any, are
+    `replace_experts`' to add."""
+    if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP:
         return None
     return ExpertWeights(
         tuple(quantize_q8(bank.w13[e]) for e in range(bank.num_experts)),
@@ -145,8 +157,8 @@ def expert_weights(
 
 
 def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExperts], ExpertWeights | None]) -> int:
-    """Swap each `ParallelExperts` of `model` for a `QuantizedExperts` of `weights_for(name, bank)`; None keeps that
-    bank float. Returns how many were swapped."""
+    """Swap each `ParallelExperts` of `model` for a `QuantizedExperts` of `weights_for(name, bank)` with the bank's
+    biases (this rank's) and activation; None keeps that bank float. Returns how many were swapped."""
 
     def layer_for(name: str, bank: ParallelExperts) -> nn.Module | None:
         weights = weights_for(name, bank)
@@ -154,7 +166,8 @@ def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExpert
             return None
         if len(weights.gate_up) != bank.num_experts or weights.gate_up[0].shape != tuple(bank.w13.shape[1:]):
             raise ValueError(f"{name}: quantized experts do not match the bank's {tuple(bank.w13.shape)}")
-        return QuantizedExperts(weights, gelu=not bank.gated_silu)
+        weights = replace(weights, b13=bank.b13, b2=bank.b2)
+        return QuantizedExperts(weights, gelu=not bank.gated_silu, swiglu=bank.swiglu)
 
     return swap_experts(model, layer_for)
 
@@ -178,14 +191,14 @@ def swap_experts(model: nn.Module, layer_for: Callable[[str, ParallelExperts], n
 
 
 def replace_routers(model: nn.Module) -> int:
-    """Swap every float router of `model` (`ROUTER_SUFFIXES`, bias-free `nn.Linear`s) for a `RowwiseLinear` of the
-    same weight; returns how many."""
+    """Swap every float router of `model` (`ROUTER_SUFFIXES`' `nn.Linear`s; gpt-oss's with a bias) for a
+    `RowwiseLinear` of the same weight and bias; returns how many."""
     targets = [
         (parent, name, child)
         for prefix, parent in model.named_modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.bias is None and f"{prefix}.{name}".endswith(ROUTER_SUFFIXES)
+        if isinstance(child, nn.Linear) and f"{prefix}.{name}".endswith(ROUTER_SUFFIXES)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, RowwiseLinear(child.weight))
+        setattr(parent, name, RowwiseLinear(child.weight, child.bias))
     return len(targets)

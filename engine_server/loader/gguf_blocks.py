@@ -1,5 +1,6 @@
 """A GGUF file's quantized blocks parsed as they are (`parse_blocks`): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and llama.cpp's
-K-quants Q4_K, Q5_K and Q6_K, each type's block layout (`BLOCKS`), and their values (`dequantize_blocks`).
+K-quants Q4_K, Q5_K and Q6_K, each type's block layout (`BLOCKS`), and their values (`dequantize_blocks`); and
+MXFP4's (gpt-oss's experts), parsed as the Q5_0 blocks that hold the same values (`mxfp4_as_q5_0`).
 
 Block layouts (32 elements each, float16 scales): Q4_0 `d, qs[16]` (element = d * (q - 8)); Q4_1 `d, m, qs[16]`
 (element = d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds element j low and j + 16
@@ -22,6 +23,16 @@ BLOCKS = {
     GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q5_1: (32, 24), GGMLQuantizationType.Q4_K: (256, 144),
     GGMLQuantizationType.Q5_K: (256, 176), GGMLQuantizationType.Q6_K: (256, 210),
 }  # fmt: skip
+# MXFP4 (llama.cpp's layout): per 32 elements an E8M0 exponent byte e, then 16 bytes of e2m1 codes (element j the low
+# nibble of byte j, element j + 16 its high nibble); element = E2M1[code] * 2 ** (e - 127). Served as Q5_0 blocks
+# (`mxfp4_as_q5_0`), so `SERVED_BLOCKS` holds it beside `BLOCKS`.
+MXFP4_BLOCK = (32, 17)
+SERVED_BLOCKS = {**BLOCKS, GGMLQuantizationType.MXFP4: MXFP4_BLOCK}
+# Twice each e2m1 code's value (an integer in -12..12) and the exponent bias that halving moves to: Q5_0's scale.
+_DOUBLED_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)
+_HALF_SCALE_BIAS = 128
+# The float16 powers of two (subnormal ones included): a Q5_0 scale outside them cannot hold the block's.
+_FLOAT16_EXPONENTS = (-24, 15)
 _LOW_BIT = {
     GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
     GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
@@ -29,7 +40,10 @@ _LOW_BIT = {
 
 
 def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWeight:
-    """`[N, K / block elements, block bytes]` uint8 blocks of one type -> its weight (copied out of the file)."""
+    """`[N, K / block elements, block bytes]` uint8 blocks of one type (`SERVED_BLOCKS`) -> its weight (copied out of
+    the file; MXFP4's as Q5_0, `mxfp4_as_q5_0`)."""
+    if kind == GGMLQuantizationType.MXFP4:
+        return decode_blocks(torch.from_numpy(mxfp4_as_q5_0(blocks)), "q5_0")
     if kind in _LOW_BIT:
         return decode_blocks(torch.from_numpy(np.array(blocks)), _LOW_BIT[kind])
     rows = blocks.shape[0]
@@ -43,6 +57,27 @@ def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWei
         mins, nibbles = (-8.0 * scales).astype(np.float16), blocks[..., 2:18]  # exact: a power of two
     qs = np.ascontiguousarray(nibbles).reshape(rows, -1)
     return Q4Weight(torch.from_numpy(qs.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
+
+
+def mxfp4_as_q5_0(blocks: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks `[..., 17]` -> Q5_0 blocks `[..., 22]` (float16 d, 32 high bits, 16 nibble bytes) of the same
+    values: each code's value doubled is an integer q in -12..12, stored as u = q + 16 (Q5_0's element is
+    d * (u - 16)), under d = 2 ** (e - 128), exact in float16 for e in 104..143. A block with a smaller exponent
+    (every value under 12 * 2 ** -25) reads as zeros; ValueError for a larger one (values past float16's range)."""
+    exponents = blocks[..., 0].astype(np.int32) - _HALF_SCALE_BIAS
+    if (exponents > _FLOAT16_EXPONENTS[1]).any():
+        raise ValueError(f"MXFP4 scale exponents up to {int(exponents.max()) + 1} are past float16's range")
+    scales = np.where(exponents < _FLOAT16_EXPONENTS[0], 0.0, np.ldexp(1.0, exponents)).astype(np.float16)
+    codes = blocks[..., 1:17]
+    values = np.concatenate((codes & 0x0F, codes >> 4), axis=-1)  # elements 0..15, then 16..31
+    unsigned = (_DOUBLED_E2M1[values] + 16).astype(np.uint32)  # 4..28: five bits
+    high = ((unsigned >> 4) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    nibbles = (unsigned[..., :16] & 0x0F) | ((unsigned[..., 16:] & 0x0F) << 4)
+    out = np.empty((*blocks.shape[:-1], 22), dtype=np.uint8)
+    out[..., 0:2] = scales[..., None].view(np.uint8)
+    out[..., 2:6] = high.astype("<u4")[..., None].view(np.uint8)
+    out[..., 6:22] = nibbles.astype(np.uint8)
+    return out
 
 
 def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:

@@ -221,8 +221,8 @@ class ParallelExperts(nn.Module):
     output on a rank is its partial sum of the block's (the caller all-reduces). With `biases` (gpt-oss) each
     projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
     others hold zeros, so the all-reduced sum adds it once). `gated_silu` says whether the caller's activation is
-    SiLU-and-mul, or GELU's (Gemma 4's experts): the quantized expert kernel is told which
-    (`layers.quantized_experts.QuantizedExperts`)."""
+    SiLU-and-mul, or GELU's (Gemma 4's experts), `swiglu` (alpha, limit) when it is gpt-oss's clamped SwiGLU: the
+    quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`)."""
 
     def __init__(
         self,
@@ -233,10 +233,12 @@ class ParallelExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
         biases: bool = False,
         gated_silu: bool = True,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gated_silu = gated_silu
+        self.swiglu = swiglu
         self.rows = even_slice(intermediate_size, tp.size, tp.rank, "expert intermediate rows")
         self.adds_down_bias = tp.rank == 0
         local = len(self.rows.rows)

@@ -10,7 +10,9 @@
 // sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j] (act: SiLU, or with `gelu`
 // GELU's tanh form, Gemma 4's), each product as
 // `packed_linear` computes it (x and the hidden activations quantized to 8 bits per group of 32), the k terms added
-// in ascending expert order (as transformers sums them).
+// in ascending expert order (as transformers sums them). gpt-oss's experts: with `b13` [E, 2I] and `b2` [E, H]
+// (float32) each product adds its expert's bias, and with `swiglu_limit` > 0 the activation is its clamped SwiGLU
+// (`clamped_swiglu`, pointwise.cpp) of gate_e(x_t) + b13[e] and up's.
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
 //     order, so each expert's rows are one run; every expert's gate/up then runs over its run, block by block of
 //     8 output features (pairs of blocks on AVX-512: avx512_tiles.h's `pair_rows`, lowbit_tiles.h's
@@ -37,6 +39,7 @@
 #include <cstring>
 #include <numeric>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "avx512_tiles.h"
@@ -309,10 +312,34 @@ inline void dot_tile(const float* x, int64_t x_stride, const float* w, int64_t k
 // on every call (`engine_server/host_memory.py`); each pass reads the experts' weights again, 1/8 of the work here.
 constexpr int64_t kPairsPerChunk = 4096;
 
+// What lies between and after an expert's two products: the activation (SiLU, GELU's tanh form, or gpt-oss's
+// clamped SwiGLU where `swiglu_limit` > 0) and the biases, if any (`b13` [E, 2I], `b2` [E, H]).
+struct ExpertActivation {
+  bool gelu;
+  double swiglu_alpha, swiglu_limit;
+  const float* b13;
+  const float* b2;
+};
+
+// rows [pairs, width], sorted by expert (`start[e]`: where expert e's run begins), each plus its expert's row of
+// `bias` [E, width].
+void add_expert_bias(float* rows, const std::vector<int64_t>& start, const float* bias, int64_t width) {
+  const int64_t experts = static_cast<int64_t>(start.size()) - 1;
+  at::parallel_for(0, experts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const float* b = bias + e * width;
+      for (int64_t r = start[e]; r < start[e + 1]; ++r) {
+        float* row = rows + r * width;
+        for (int64_t i = 0; i < width; ++i) row[i] += b[i];
+      }
+    }
+  });
+}
+
 // moe_packed for x's rows (tokens), each with its top_k `chosen` experts (ids checked) and routing `weights`, added
 // into `out` (zeros, [tokens, H]).
 void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights, int64_t top_k, const Bank& gate_up,
-                const Bank& down, bool gelu, float* out) {
+                const Bank& down, const ExpertActivation& act, float* out) {
   const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
   const int64_t num_experts = gate_up.experts, intermediate = gate_up.n_rows / 2;
   // The pairs sorted by expert, stably: sorted[p] is pair t * k + j; start[e] is where expert e's run begins.
@@ -329,11 +356,15 @@ void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights
   const QuantizedRows rows = gather_rows(quantize_rows(x), token_of, x);
   at::Tensor hidden_rows = at::empty({pairs, 2 * intermediate}, x.options());
   run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
-  const QuantizedRows activated =
-      quantize_rows(gelu ? ladle_cpu::gelu_tanh_and_mul(hidden_rows) : ladle_cpu::silu_and_mul(hidden_rows));
+  if (act.b13 != nullptr) add_expert_bias(hidden_rows.data_ptr<float>(), start, act.b13, 2 * intermediate);
+  const QuantizedRows activated = quantize_rows(
+      act.swiglu_limit > 0 ? ladle_cpu::clamped_swiglu(hidden_rows, act.swiglu_alpha, act.swiglu_limit)
+      : act.gelu           ? ladle_cpu::gelu_tanh_and_mul(hidden_rows)
+                           : ladle_cpu::silu_and_mul(hidden_rows));
   at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
   const float* y = expert_out.data_ptr<float>();
   run_bank(activated, start, down, expert_out.data_ptr<float>());
+  if (act.b2 != nullptr) add_expert_bias(expert_out.data_ptr<float>(), start, act.b2, hidden);
 
   // Each token's k outputs, weighted and added in ascending expert order.
   at::parallel_for(0, tokens, std::max<int64_t>(1, 16384 / (top_k * hidden)), [&](int64_t begin, int64_t end) {
@@ -358,7 +389,8 @@ namespace ladle_cpu {
 at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w13_mins,
                       const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
-                      int64_t intermediate, bool gelu) {
+                      int64_t intermediate, bool gelu, const std::optional<at::Tensor>& b13,
+                      const std::optional<at::Tensor>& b2, double swiglu_alpha, double swiglu_limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous [T, H] float32 tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -373,6 +405,14 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
   const int64_t num_experts = w13.size(0), top_k = experts.size(1), pairs = tokens * top_k;
   const Bank gate_up = check_bank(w13, w13_scales, w13_mins, num_experts, hidden, 2 * intermediate, "w13");
   const Bank down = check_bank(w2, w2_scales, w2_mins, num_experts, intermediate, hidden, "w2");
+  for (const auto& [bias, width, what] : {std::tuple{&b13, 2 * intermediate, "b13"}, std::tuple{&b2, hidden, "b2"}}) {
+    LADLE_CHECK(!bias->has_value() || ((*bias)->dim() == 2 && (*bias)->size(0) == num_experts &&
+                                       (*bias)->size(1) == width && (*bias)->scalar_type() == at::kFloat &&
+                                       (*bias)->is_contiguous()),
+                "%s must be a contiguous [E, %lld] float32 tensor", what, static_cast<long long>(width));
+  }
+  const ExpertActivation act{gelu, swiglu_alpha, swiglu_limit, b13 ? b13->data_ptr<float>() : nullptr,
+                             b2 ? b2->data_ptr<float>() : nullptr};
   const int64_t* chosen = experts.data_ptr<int64_t>();
   for (int64_t p = 0; p < pairs; ++p) {
     LADLE_CHECK(chosen[p] >= 0 && chosen[p] < num_experts, "expert id %lld is not in 0..%lld",
@@ -383,7 +423,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
   for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, tokens - t0);
     run_tokens(x.narrow(0, t0, n), chosen + t0 * top_k, weights.data_ptr<float>() + t0 * top_k, top_k, gate_up,
-               down, gelu, out.data_ptr<float>() + t0 * hidden);
+               down, act, out.data_ptr<float>() + t0 * hidden);
   }
   return out;
 }
@@ -425,7 +465,8 @@ at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "moe_packed(Tensor x, Tensor experts, Tensor weights, Tensor w13, Tensor w13_scales, Tensor w13_mins, "
-      "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate, bool gelu=False) -> Tensor");
+      "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate, bool gelu=False, Tensor? b13=None, "
+      "Tensor? b2=None, float swiglu_alpha=0., float swiglu_limit=0.) -> Tensor");
   m.def("rowwise_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("moe_packed", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::moe_packed));
   m.impl("rowwise_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rowwise_linear));

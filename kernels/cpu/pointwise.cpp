@@ -162,9 +162,9 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 
 namespace {
 
-// act(x[:, :d]) * x[:, d:] for x [rows, 2d] with strided rows: `vector_act` on each full vector of lanes, `scalar_act`
-// on the row's tail. A row's result depends on its values alone (each column in the same lane or tail, whatever the
-// number of rows).
+// act(x[:, :d], x[:, d:]) for x [rows, 2d] with strided rows: `vector_act(gate, up)` on each full vector of lanes,
+// `scalar_act` on the row's tail. A row's result depends on its values alone (each column in the same lane or tail,
+// whatever the number of rows).
 template <typename VectorAct, typename ScalarAct>
 at::Tensor gated_and_mul(const at::Tensor& x, VectorAct vector_act, ScalarAct scalar_act) {
   check_rows(x, "x");
@@ -180,8 +180,8 @@ at::Tensor gated_and_mul(const at::Tensor& x, VectorAct vector_act, ScalarAct sc
       const float* up = gate + d;
       float* o = out_ptr + r * d;
       int64_t i = 0;
-      for (; i + kLanes <= d; i += kLanes) store(o + i, vector_act(load(gate + i)) * load(up + i));
-      for (; i < d; ++i) o[i] = scalar_act(gate[i]) * up[i];
+      for (; i + kLanes <= d; i += kLanes) store(o + i, vector_act(load(gate + i), load(up + i)));
+      for (; i < d; ++i) o[i] = scalar_act(gate[i], up[i]);
     }
   });
   return out;
@@ -194,7 +194,8 @@ constexpr float kGeluScale = 0.7978845608028654f, kGeluCube = 0.044715f;  // sqr
 // silu(x[:, :d]) * x[:, d:] with silu(g) = g / (1 + exp(-g)).
 at::Tensor silu_and_mul(const at::Tensor& x) {
   return gated_and_mul(
-      x, [](vec16 g) { return g / (1.f + exp_lanes(-g)); }, [](float g) { return g / (1.f + std::exp(-g)); });
+      x, [](vec16 g, vec16 u) { return g / (1.f + exp_lanes(-g)) * u; },
+      [](float g, float u) { return g / (1.f + std::exp(-g)) * u; });
 }
 
 // gelu_tanh(x[:, :d]) * x[:, d:] with gelu_tanh(g) = g / 2 * (1 + tanh(u)), u = sqrt(2 / pi) * (g + 0.044715 g^3),
@@ -203,8 +204,28 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
   return gated_and_mul(
       x,
-      [](vec16 g) { return g / (1.f + exp_lanes(-2.f * (kGeluScale * (g + kGeluCube * g * g * g)))); },
-      [](float g) { return g / (1.f + std::exp(-2.f * (kGeluScale * (g + kGeluCube * g * g * g)))); });
+      [](vec16 g, vec16 u) { return g / (1.f + exp_lanes(-2.f * (kGeluScale * (g + kGeluCube * g * g * g)))) * u; },
+      [](float g, float u) { return g / (1.f + std::exp(-2.f * (kGeluScale * (g + kGeluCube * g * g * g)))) * u; });
+}
+
+// gpt-oss's experts' activation: the gate clamped to at most `limit`, the up to [-limit, limit], then
+// gate * sigmoid(alpha * gate) * (up + 1), the sigmoid written 1 / (1 + exp(-alpha * gate)) (torch's sigmoid to
+// float32 rounding).
+at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit) {
+  TORCH_CHECK(limit > 0, "limit must be positive");
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  return gated_and_mul(
+      x,
+      [a, l](vec16 g, vec16 u) {
+        g = g > l ? splat(l) : g;
+        u = u > l ? splat(l) : (u < -l ? splat(-l) : u);
+        return g / (1.f + exp_lanes(-a * g)) * (u + 1.f);
+      },
+      [a, l](float g, float u) {
+        g = std::min(g, l);
+        u = std::clamp(u, -l, l);
+        return g / (1.f + std::exp(-a * g)) * (u + 1.f);
+      });
 }
 
 }  // namespace ladle_cpu
@@ -215,9 +236,11 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
+  m.def("clamped_swiglu(Tensor x, float alpha, float limit) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::add_rms_norm));
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rotary_embedding));
   m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::silu_and_mul));
   m.impl("gelu_tanh_and_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::gelu_tanh_and_mul));
+  m.impl("clamped_swiglu", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::clamped_swiglu));
 }

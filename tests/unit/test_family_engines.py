@@ -404,21 +404,32 @@ def test_gpt_oss_under_tensor_parallelism_and_chunked_prefill_equals_transformer
 
 
 def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[int]]]) -> None:
-    """int8: the attention's projections quantized, the experts (biases, clamped SwiGLU: not the C++ expert
-    kernel's) and the biased router float, no decode stack (sinks); fp8: every expert in e4m3 with its biases
-    kept. Both mostly agree with the float path's first tokens."""
+    """int8: the attention's projections quantized, every bank of experts in the C++ expert kernel (with its biases
+    and the clamped SwiGLU), the biased router float but multiplied row by row, no decode stack (sinks); each
+    prompt's tokens are the same alone, batched and prefilled in chunks, bit for bit. fp8: every expert in e4m3
+    with its biases kept. Both mostly agree with the float path's first tokens."""
     from engine_server.layers.fp8_experts import Fp8Experts
-    from engine_server.layers.quantized_experts import QuantizedExperts
+    from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
 
     folder, theirs = gpt_oss_folder
     batch = prompts()
-    for quantization, bank_type in (("int8", ParallelExperts), ("fp8", Fp8Experts)):
+    for quantization, bank_type in (("int8", QuantizedExperts), ("fp8", Fp8Experts)):
         with engine(folder, quantization=quantization) as llm:
             model = llm.core.runner.loaded.model
             banks = [m for m in model.modules() if isinstance(m, ParallelExperts | Fp8Experts | QuantizedExperts)]
             assert len(banks) == 4 and all(type(bank) is bank_type for bank in banks), quantization
             assert model.model.decode_stack is None
-            ours = tokens(llm, batch)
+            if quantization == "int8":
+                assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0) for bank in banks)
+                routers = [m for name, m in model.named_modules() if name.endswith(".mlp.gate")]
+                assert len(routers) == 4 and all(isinstance(r, RowwiseLinear) and r.bias is not None for r in routers)
+                ours = [tokens(llm, [prompt])[0] for prompt in batch]
+                assert tokens(llm, batch) == ours
+            else:
+                ours = tokens(llm, batch)
+        if quantization == "int8":
+            with engine(folder, quantization="int8", chunk=24) as llm:
+                assert tokens(llm, batch) == ours
         agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
         assert agree >= 6, (quantization, agree)
 

@@ -408,6 +408,22 @@ def test_gelu_tanh_and_mul_matches_the_reference(d: int) -> None:
                                rtol=1e-5)  # fmt: skip
 
 
+@needs_kernels
+@pytest.mark.parametrize("d", [1536, 40])
+def test_clamped_swiglu_matches_the_reference(d: int) -> None:
+    """The C++ op gpt-oss's quantized experts run (`moe_packed`'s `swiglu_limit`) against `reference.clamped_swiglu`:
+    gates and ups both sides of the limit (the gate clamped above only, the up both ways), far into the tails."""
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(19, 2 * d + 8, generator=gen)[:, : 2 * d] * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    x[0, d : d + 2] = torch.tensor([-100.0, 100.0])
+    ours = torch.ops.ladle_cpu.clamped_swiglu(x, 1.702, 7.0)
+    torch.testing.assert_close(ours, reference.clamped_swiglu(x, 1.702, 7.0), atol=5e-6, rtol=1e-5)
+    assert (ours - reference.clamped_swiglu(x, 1.702, 70.0)).abs().max() > 1.0  # the clamp bites
+    with pytest.raises(RuntimeError, match="limit must be positive"):
+        torch.ops.ladle_cpu.clamped_swiglu(x, 1.702, 0.0)
+
+
 def test_pointwise_ops_fall_back_to_the_reference_where_the_kernels_do_not_apply() -> None:
     heads = torch.randn(5, 4, 16)  # Qwen3's per-head q/k norm is 3-D
     weight = torch.rand(16)

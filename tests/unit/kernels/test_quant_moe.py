@@ -5,6 +5,7 @@ against the float `ParallelExperts` they replace. Banks in the 5-bit and K-quant
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import cast
 
 import pytest
@@ -59,12 +60,14 @@ def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
 
 
 def reference_moe(
-    bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gelu: bool = False
+    bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gelu: bool = False,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     gate_up, down = [product(w) for w in bank.gate_up], [product(w) for w in bank.down]
     return reference.quantized_moe(
-        x, lambda e, rows: gate_up[e](e, rows), lambda e, rows: down[e](e, rows), weights, chosen, gelu
-    )
+        x, lambda e, rows: gate_up[e](e, rows), lambda e, rows: down[e](e, rows), weights, chosen, gelu,
+        bank.b13, bank.b2, swiglu,
+    )  # fmt: skip
 
 
 def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +127,28 @@ def test_gelu_experts_match_the_reference_and_not_the_silu_ones(gate_up: str, do
     together = layer(x, weights, chosen)
     torch.testing.assert_close(together, reference_moe(bank, x, weights, chosen, gelu=True), atol=2e-4, rtol=1e-4)
     assert (together - reference_moe(bank, x, weights, chosen)).abs().max() > 1e-2
+    for t in (0, 7, 18):
+        assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
+
+
+@pytest.mark.parametrize(("gate_up", "down"), [("q8", "q8"), ("q5_0", "q5_0"), ("q4", "q5_1")])
+def test_gpt_oss_experts_match_the_reference_and_not_the_plain_ones(gate_up: str, down: str) -> None:
+    """gpt-oss's experts (`QuantizedExperts(swiglu=...)` over a bank with biases): each product plus its expert's
+    bias, the clamped SwiGLU between (a limit of 2 clamps many of these products), to float32 rounding; without the
+    biases, or with SiLU, the result is far off; a token's result alone equals its result in the batch, bit for
+    bit."""
+    gen = torch.Generator().manual_seed(43)
+    plain = random_bank(5, 96, 64, gate_up, down, gen)
+    bank = replace(plain, b13=torch.randn(5, 128, generator=gen), b2=torch.randn(5, 96, generator=gen))
+    layer = QuantizedExperts(bank, swiglu=(1.702, 2.0))
+    x = torch.randn(19, 96, generator=gen) * 0.3
+    weights, chosen = routing(19, 5, 2, gen)
+    together = layer(x, weights, chosen)
+    expected = reference_moe(bank, x, weights, chosen, swiglu=(1.702, 2.0))
+    torch.testing.assert_close(together, expected, atol=2e-4, rtol=1e-4)
+    for other in (reference_moe(plain, x, weights, chosen, swiglu=(1.702, 2.0)), reference_moe(bank, x, weights,
+                                                                                                 chosen)):
+        assert (together - other).abs().max() > 1e-2
     for t in (0, 7, 18):
         assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
 
