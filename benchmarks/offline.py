@@ -84,8 +84,10 @@ def bench_ladle(
     repeats: int = 1,
     tensor_parallel_size: int = 1,
     kv_cache_dtype: str = "auto",
+    max_model_len: int | None = None,
 ) -> dict[str, Any]:
-    """ladle's offline LLM on the workload, over a KV cache of `kv_cache_dtype`. Under tensor parallelism the
+    """ladle's offline LLM on the workload, over a KV cache of `kv_cache_dtype` for sequences of up to
+    `max_model_len` tokens (None: the model's context length). Under tensor parallelism the
     result also says how long rank 0 spent inside all-reduces (waiting for the other ranks included) and their
     share of the timed runs' wall time."""
     from engine_server import LLM, SamplingParams
@@ -95,7 +97,8 @@ def bench_ladle(
         model=model,
         device=device,  # type: ignore[arg-type]
         quantization=quantization,  # type: ignore[arg-type]
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4)),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(2048, len(prompts[0]) * 4),
+                                  max_model_len=max_model_len),
         # A repeat must prefill its prompts again.
         cache=CacheConfig(enable_prefix_caching=False, dtype=kv_cache_dtype),  # type: ignore[arg-type]
         tensor_parallel_size=tensor_parallel_size,

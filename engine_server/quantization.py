@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
@@ -113,9 +114,35 @@ Scheme = Literal["none", "gguf", "int8", "fp8"]
 # under int8) and looked up row by row, as the token embeddings are from a GGUF file's blocks. E2B's holds 2.3B
 # values: 9 GB as float32, 2.4 GB as 8-bit.
 PER_LAYER_TABLE = "model.embed_tokens_per_layer"
-# What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF), or a linear
-# layer's FP8 weight (an FP8 checkpoint).
-StoredWeight = QuantizedWeight | ExpertWeights | Fp8Weight | Fp8ExpertWeights
+
+
+@dataclass(frozen=True)
+class StoredBank:
+    """A bank of experts that a GGUF file stores in types the experts' kernels take, not read yet: each expert's
+    gate, up and down matrices, and this rank's intermediate `rows` of them. `read` gives its `ExpertWeights`, so
+    the banks of a large model are read and packed one at a time (read as parsed, a bank's weights take ~1.1 bytes
+    a value, packed ~0.7 for Q5_0: gpt-oss-20b's 19B expert values would need 21 GB at once)."""
+
+    gate: tuple[StoredMatrix, ...]
+    up: tuple[StoredMatrix, ...]
+    down: tuple[StoredMatrix, ...]
+    rows: range
+
+    def read(self) -> ExpertWeights | None:
+        """This rank's slices of every expert (gate and up rows, down's columns of those rows); None (the bank stays
+        float) when an expert's gate and up come in different formats."""
+        gate = [matrix.read(self.rows) for matrix in self.gate]
+        up = [matrix.read(self.rows) for matrix in self.up]
+        down = [matrix.read(columns=self.rows) for matrix in self.down]
+        try:
+            return expert_weights(gate, up, down)
+        except ValueError:  # gate and up in different formats
+            return None
+
+
+# What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF, read when
+# packed), or a linear layer's FP8 weight (an FP8 checkpoint).
+StoredWeight = QuantizedWeight | StoredBank | ExpertWeights | Fp8Weight | Fp8ExpertWeights
 
 
 def resolve_quantization(
@@ -282,12 +309,12 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
 
 
 def quantize_model(
-    model: CausalLM, source: ModelSource, scheme: Scheme, stored: Mapping[str, StoredWeight] | None = None
+    model: CausalLM, source: ModelSource, scheme: Scheme, stored: MutableMapping[str, StoredWeight] | None = None
 ) -> dict[str, int]:
     """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`, and give its decoder the C++ decode
     stack where every projection is quantized; returns layers per format (`q4`, `q8`, and `float` for those left
     as they were) and `decode_stack` (1 when attached). Under `gguf`, `stored` is `stored_weights`' result when
-    the caller has it already (computed here otherwise).
+    the caller has it already (computed here otherwise); on the CPU it is emptied once its weights are packed.
 
     On the CPU the model also gets `kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
     decode kernel), so that with the integer kernels a token's result does not depend on its batch or on the
@@ -300,7 +327,7 @@ def quantize_model(
     if scheme == "gguf":
         weights = stored_weights(model, source) if stored is None else stored
         replace_linears(model, lambda name, linear: _linear_weight(weights.get(name)))
-        if on_cpu:
+        if on_cpu:  # each bank read as it is packed (`StoredBank`)
             replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)))
             embedding = weights.get("model.embed_tokens")
             head = getattr(model, "lm_head", None)
@@ -323,6 +350,8 @@ def quantize_model(
                 model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), quantized)
     if on_cpu:
         replace_routers(model)
+        if scheme == "gguf":  # the file's weights as read, let go before their packed forms are gathered: some
+            weights.clear()  # share storage with them (a 20B model's embeddings and attention: ~2 GB held twice)
         gather_packed_weights(model)  # before the decode stack takes references to the packed blocks
     # A bank of experts counts as one layer (`experts_<format>`); one left float (CUDA's, or not on groups of 32)
     # counts as `float`, as do the float linear layers and the routers.
@@ -373,10 +402,15 @@ def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[s
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    return None if weight is None or isinstance(weight, ExpertWeights | Fp8Weight | Fp8ExpertWeights) else weight
+    if weight is None or isinstance(weight, StoredBank | ExpertWeights | Fp8Weight | Fp8ExpertWeights):
+        return None
+    return weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:
+    """A bank's weights, read now if the file's (`StoredBank`)."""
+    if isinstance(weight, StoredBank):
+        return weight.read()
     return weight if isinstance(weight, ExpertWeights) else None
 
 
@@ -414,12 +448,11 @@ def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear
     return pad_rows(concat_rows(shards), padding)
 
 
-def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelExperts) -> ExpertWeights | None:
-    """This rank's slices of bank `name`'s experts as the file stores them (`<name>.<e>.gate_proj.weight`, ...):
-    each expert's gate and up rows of this rank, and its down projection's columns of those rows. None (the bank
-    stays float) when any expert's projection is not stored quantized or is stored in a type the experts' kernels
-    do not take (`_EXPERT_KINDS`), when an expert's gate and up differ in format, when this rank's rows do not
-    fall on the down projection's blocks (groups of 32 columns; super-blocks of 256 for a K-quant)."""
+def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelExperts) -> StoredBank | None:
+    """Bank `name`'s experts as the file stores them (`<name>.<e>.gate_proj.weight`, ...), to be read as this rank's
+    slices (`StoredBank`). None (the bank stays float) when any expert's projection is not stored quantized or is
+    stored in a type the experts' kernels do not take (`_EXPERT_KINDS`), when this rank's rows do not fall on the
+    down projection's blocks (groups of 32 columns; super-blocks of 256 for a K-quant)."""
     rows = bank.rows.rows
     names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in EXPERT_PARTS}
     if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP or not all(n in stored for ns in names.values() for n in ns):
@@ -428,13 +461,8 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
         return None
     if any(rows.start % stored[n].block_elements or rows.stop % stored[n].block_elements for n in names["down"]):
         return None
-    gate = [stored[n].read(rows) for n in names["gate"]]
-    up = [stored[n].read(rows) for n in names["up"]]
-    down = [stored[n].read(columns=rows) for n in names["down"]]
-    try:
-        return expert_weights(gate, up, down)
-    except ValueError:  # gate and up in different formats
-        return None
+    gate, up, down = (tuple(stored[n] for n in names[part]) for part in EXPERT_PARTS)
+    return StoredBank(gate, up, down, rows)
 
 
 # The types the experts' kernels take (kernels/cpu/moe.cpp): those of the dense quantized layers.

@@ -124,8 +124,8 @@ def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch
     high = u >> 4
     bits = HIGH_BITS[weight.kind]
     if bits == 1:  # byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
-        shifts = (2 * torch.arange(4)).view(1, 1, 1, 4, 1)
-        byte = ((high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 1))).sum(3)
+        shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)  # uint8 throughout: no widening
+        byte = ((high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 1))).sum(3, dtype=torch.uint8)
         planes.append(byte.permute(0, 2, 1, 3).reshape(blocks, groups, 32))
     elif bits == 2:  # chunks 2v and 2v + 1 in bytes 32v ..: bits 4(c % 2) .. +1 of 4c + i, +2 .. +3 of 16 + 4c + i
         shifts = (4 * (torch.arange(4) % 2)).view(1, 1, 1, 4, 1)

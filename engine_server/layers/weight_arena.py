@@ -2,9 +2,11 @@
 
 A decode step on the CPU streams every packed weight once. Packed one by one, the ~120 projections of a small
 model are ~120 separate allocations of 4 KiB pages: every page of them is a TLB miss on the way through, and
-inside a virtual machine each miss is a two-level page walk. `gather_packed_weights` copies the packed blocks of
+inside a virtual machine each miss is a two-level page walk. `gather_packed_weights` moves the packed blocks of
 every quantized layer (`QuantizedLinear` with all its shards, `QuantizedExperts`, and a tied `QuantizedEmbedding`'s
-view of its LM head) into one buffer, in the model's order, and points the layers at views of it; the buffer is
+view of its LM head) into one buffer, in the model's order, each tensor set to its view of it (`Tensor.set_`: every
+layer holding the tensor reads the copy, and the old storage goes at once, so a 14 GB model never takes twice
+that, as copying all before letting any go would: gpt-oss-20b's file, benchmarks/gpt_oss_gguf.py); the buffer is
 an anonymous mapping advised `MADV_HUGEPAGE`, so where the kernel's transparent huge pages are `madvise` or
 `always` it is backed by 2 MiB pages (measured on the Q4_K_M file of SmolLM2-135M, 2 cores: a single-stream
 decode step 5.38 -> 5.04 ms, docs/performance.md). The values are the same bytes: every product gives the same bits.
@@ -18,10 +20,14 @@ import mmap
 import torch
 from torch import nn
 
+from engine_server.host_memory import release_freed_memory
 from engine_server.layers.quantized_experts import QuantizedExperts
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 HUGE_PAGE_BYTES = 2 << 20
+# While gathering, the heap's freed pages are given back this often (the old storages under glibc's raised mmap
+# threshold, `host_memory`: ~2 GB of gpt-oss-20b's 15 GB would otherwise stay resident beside their copies).
+TRIM_EVERY_BYTES = 512 << 20
 TENSOR_ALIGNMENT = 64  # a cache line: where every packed tensor starts in the buffer
 
 
@@ -47,25 +53,11 @@ def _packed_tensors(module: nn.Module) -> list[torch.Tensor]:
     return []
 
 
-def _repoint(module: nn.Module, moved: dict[int, torch.Tensor]) -> None:
-    """Points `module` at the moved tensors (`moved`: a tensor's id -> its view in the buffer)."""
-    if isinstance(module, QuantizedLinear):
-        module.parts = [(moved[id(p)], moved[id(s)], moved[id(m)], rows) for p, s, m, rows in module.parts]
-        module.qs, module.scales, module.mins, _ = module.parts[0]  # registered buffers: reassigned in place
-    elif isinstance(module, QuantizedEmbedding) and module.packed is not None:
-        packed, scales, mins = module.packed
-        module.packed = (moved[id(packed)], moved[id(scales)], moved[id(mins)])
-    elif isinstance(module, QuantizedExperts):
-        for name, tensor in list(module.named_buffers(recurse=False)):
-            if tensor is not None:
-                setattr(module, name, moved[id(tensor)])
-
-
 def gather_packed_weights(model: nn.Module) -> int:
     """Moves the packed blocks of `model`'s CPU quantized layers into one `huge_page_buffer`, each tensor once
-    (64-byte aligned, in module order), and points every layer that reads one at its copy; returns the buffer's
-    bytes (0 when nothing is packed on the CPU). Call it before anything else (the C++ decode stack) takes
-    references to the layers' tensors: those would keep reading the old copies."""
+    (64-byte aligned, in module order), setting each tensor to its copy (module doc); returns the buffer's bytes (0
+    when nothing is packed on the CPU). Call it before anything else (the C++ decode stack) takes references to the
+    tensors' data: those would keep reading the old storage."""
     tensors: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for tensor in _packed_tensors(module):
@@ -75,13 +67,14 @@ def gather_packed_weights(model: nn.Module) -> int:
     spans = {key: -(-tensor.numel() * tensor.element_size() // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
              for key, tensor in tensors.items()}  # fmt: skip
     buffer = huge_page_buffer(sum(spans.values()))
-    moved: dict[int, torch.Tensor] = {}
-    offset = 0
+    offset = trimmed = 0
     for key, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
-        moved[key] = buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-        moved[key].copy_(tensor)
+        copy = buffer[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        tensor.set_(copy)  # type: ignore[call-overload]  # the layers' tensor now reads the buffer
         offset += spans[key]
-    for module in model.modules():
-        _repoint(module, moved)
+        if offset - trimmed >= TRIM_EVERY_BYTES:  # storages freed inside the heap stay mapped until trimmed
+            release_freed_memory()
+            trimmed = offset
     return offset

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from engine_server.layers.lowbit_weight import decode_blocks
+from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedWeight
 
 # Each type's block: (elements, bytes); the low-bit ones' kind names (`layers.lowbit_weight`).
@@ -25,7 +25,7 @@ BLOCKS = {
 }  # fmt: skip
 # MXFP4 (llama.cpp's layout): per 32 elements an E8M0 exponent byte e, then 16 bytes of e2m1 codes (element j the low
 # nibble of byte j, element j + 16 its high nibble); element = E2M1[code] * 2 ** (e - 127). Served as Q5_0 blocks
-# (`mxfp4_as_q5_0`), so `SERVED_BLOCKS` holds it beside `BLOCKS`.
+# (`mxfp4_as_q5_0`: the Q5_0 weight of its values), so `SERVED_BLOCKS` holds it beside `BLOCKS`.
 MXFP4_BLOCK = (32, 17)
 SERVED_BLOCKS = {**BLOCKS, GGMLQuantizationType.MXFP4: MXFP4_BLOCK}
 # Twice each e2m1 code's value (an integer in -12..12) and the exponent bias that halving moves to: Q5_0's scale.
@@ -33,6 +33,21 @@ _DOUBLED_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -1
 _HALF_SCALE_BIAS = 128
 # The float16 powers of two (subnormal ones included): a Q5_0 scale outside them cannot hold the block's.
 _FLOAT16_EXPONENTS = (-24, 15)
+
+
+def _mxfp4_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per MXFP4 byte (the codes of elements j and j + 16), each element's u = doubled value + 16 (Q5_0's unsigned
+    5-bit value); per exponent byte, the Q5_0 scale 2 ** (e - 128) in float16 (0 below float16's powers of two)."""
+    codes = np.arange(256)
+    low, high = _DOUBLED_E2M1[codes & 0x0F] + 16, _DOUBLED_E2M1[codes >> 4] + 16
+    exponents = codes - _HALF_SCALE_BIAS
+    scales = np.where(exponents < _FLOAT16_EXPONENTS[0], 0.0, np.ldexp(1.0, np.minimum(exponents, 15)))
+    return low.astype(np.uint8), high.astype(np.uint8), scales.astype(np.float16)
+
+
+_MXFP4_LOW_U, _MXFP4_HIGH_U, _MXFP4_SCALES = _mxfp4_tables()
+
+
 _LOW_BIT = {
     GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
     GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k",
@@ -43,7 +58,7 @@ def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWei
     """`[N, K / block elements, block bytes]` uint8 blocks of one type (`SERVED_BLOCKS`) -> its weight (copied out of
     the file; MXFP4's as Q5_0, `mxfp4_as_q5_0`)."""
     if kind == GGMLQuantizationType.MXFP4:
-        return decode_blocks(torch.from_numpy(mxfp4_as_q5_0(blocks)), "q5_0")
+        return mxfp4_as_q5_0(blocks)
     if kind in _LOW_BIT:
         return decode_blocks(torch.from_numpy(np.array(blocks)), _LOW_BIT[kind])
     rows = blocks.shape[0]
@@ -59,25 +74,20 @@ def parse_blocks(blocks: np.ndarray, kind: GGMLQuantizationType) -> QuantizedWei
     return Q4Weight(torch.from_numpy(qs.copy()), torch.from_numpy(scales), torch.from_numpy(mins))
 
 
-def mxfp4_as_q5_0(blocks: np.ndarray) -> np.ndarray:
-    """MXFP4 blocks `[..., 17]` -> Q5_0 blocks `[..., 22]` (float16 d, 32 high bits, 16 nibble bytes) of the same
-    values: each code's value doubled is an integer q in -12..12, stored as u = q + 16 (Q5_0's element is
-    d * (u - 16)), under d = 2 ** (e - 128), exact in float16 for e in 104..143. A block with a smaller exponent
-    (every value under 12 * 2 ** -25) reads as zeros; ValueError for a larger one (values past float16's range)."""
-    exponents = blocks[..., 0].astype(np.int32) - _HALF_SCALE_BIAS
-    if (exponents > _FLOAT16_EXPONENTS[1]).any():
-        raise ValueError(f"MXFP4 scale exponents up to {int(exponents.max()) + 1} are past float16's range")
-    scales = np.where(exponents < _FLOAT16_EXPONENTS[0], 0.0, np.ldexp(1.0, exponents)).astype(np.float16)
+def mxfp4_as_q5_0(blocks: np.ndarray) -> LowBitWeight:
+    """MXFP4 blocks `[N, K / 32, 17]` -> the `q5_0` `LowBitWeight` of the same values: each code's value doubled is
+    an integer q in -12..12, held as u = q + 16 (Q5_0's element is scale * (u - 16)) under scale 2 ** (e - 128),
+    exact in float16 for e in 104..143. A block with a smaller exponent (every value under 12 * 2 ** -25) reads as
+    zeros; ValueError for a larger one (values past float16's range)."""
+    exponents = blocks[..., 0]
+    if (exponents > _HALF_SCALE_BIAS + _FLOAT16_EXPONENTS[1]).any():
+        raise ValueError(f"MXFP4 scale exponents up to {int(exponents.max()) - 127} are past float16's range")
     codes = blocks[..., 1:17]
-    values = np.concatenate((codes & 0x0F, codes >> 4), axis=-1)  # elements 0..15, then 16..31
-    unsigned = (_DOUBLED_E2M1[values] + 16).astype(np.uint32)  # 4..28: five bits
-    high = ((unsigned >> 4) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
-    nibbles = (unsigned[..., :16] & 0x0F) | ((unsigned[..., 16:] & 0x0F) << 4)
-    out = np.empty((*blocks.shape[:-1], 22), dtype=np.uint8)
-    out[..., 0:2] = scales[..., None].view(np.uint8)
-    out[..., 2:6] = high.astype("<u4")[..., None].view(np.uint8)
-    out[..., 6:22] = nibbles.astype(np.uint8)
-    return out
+    values = np.concatenate((_MXFP4_LOW_U[codes], _MXFP4_HIGH_U[codes]), axis=-1)  # elements 0..15, 16..31
+    scales = torch.from_numpy(_MXFP4_SCALES[exponents])
+    shifts = (-16.0 * scales.float()).half()  # exact: a power of two
+    return LowBitWeight("q5_0", torch.from_numpy(values.reshape(len(blocks), -1)),
+                        torch.stack([scales, shifts], -1).contiguous())  # fmt: skip
 
 
 def _float16(blocks: np.ndarray, offset: int) -> np.ndarray:

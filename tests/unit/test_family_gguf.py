@@ -30,7 +30,7 @@ from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, ExpertWeight
 from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
-from engine_server.quantization import stored_weights
+from engine_server.quantization import StoredBank, stored_weights
 from tests.families import float_checkpoint, save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
 from tests.unit.test_quantization import recorded_tensor
@@ -100,13 +100,13 @@ def assert_tensors_come_back(
 
 
 def keep_stored_weights(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """A dict that gets a copy of every model's stored (quantized) weights as it loads: loading empties the one
-    `stored_weights` returns once the weights are packed."""
+    """A dict that gets a copy of every model's stored (quantized) weights as it loads, each bank of experts read
+    (`StoredBank.read`): loading empties the one `stored_weights` returns once the weights are packed."""
     stored: dict[str, Any] = {}
 
     def keep(model: Any, source: Any) -> dict[str, Any]:
         weights = stored_weights(model, source)
-        stored.update(weights)
+        stored.update({name: w.read() if isinstance(w, StoredBank) else w for name, w in weights.items()})
         return weights
 
     monkeypatch.setattr(model_loading, "stored_weights", keep)
