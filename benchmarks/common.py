@@ -225,6 +225,27 @@ class Served:
         return bearer_metadata(self.engine_token)
 
 
+def write_gpt2_tokenizer(writer: Any, folder: Path, vocab_size: int | None = None) -> None:
+    """A tokenizer saved in `folder` (tokenizer.json's BPE vocabulary and merges, its chat template) into a
+    `GGUFWriter`'s metadata as llama.cpp's `gpt2` tokenizer: its first 17 tokens control ones, bos 1, eos 2 (the
+    embedded model's). With `vocab_size`, padded to that many entries with reserved tokens (a model's embedding
+    keeps its size)."""
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    tokens += [f"<|reserved_{i}|>" for i in range((vocab_size or len(tokens)) - len(tokens))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
+    writer.add_token_types([3 if i < 17 else 1 for i in range(len(tokens))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    template = folder / "chat_template.jinja"  # where transformers 5 saves it, else in tokenizer_config.json
+    if template.is_file():
+        writer.add_chat_template(template.read_text())
+    else:
+        writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

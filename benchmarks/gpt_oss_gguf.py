@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
+from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp, write_gpt2_tokenizer
 from benchmarks.offline import bench_ladle, bench_llama_cpp, make_workload
+from engine_server.loader import resolve_model
 from engine_server.loader.source import default_cache_dir
 
 # gpt-oss-20b's shapes (its config.json; the `dummy:gpt-oss-20b` preset's).
@@ -93,26 +94,6 @@ def _tensors() -> Iterator[tuple[str, Any, tuple[tuple[int, ...], Callable[[np.r
             yield f"{blk}.{name}.bias", None, _float(np.zeros((EXPERTS, EXPERT_WIDTH), np.float32))
 
 
-def _tokenizer(writer: Any) -> None:
-    """The embedded model's vocabulary, merges and chat template, padded with reserved tokens to VOCAB entries."""
-    from engine_server.loader import resolve_model
-
-    folder = resolve_model("default").tokenizer_path
-    model = json.loads((folder / "tokenizer.json").read_text())["model"]
-    tokens = sorted(model["vocab"], key=model["vocab"].get)
-    tokens += [f"<|reserved_{i}|>" for i in range(VOCAB - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-4o")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
-    writer.add_token_types([3 if i < 17 else 1 for i in range(len(tokens))])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    template = folder / "chat_template.jinja"  # where transformers 5 saves it, else in tokenizer_config.json
-    writer.add_chat_template(template.read_text() if template.is_file() else
-                             json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])  # fmt: skip
-
-
 def gpt_oss_gguf(cache: Path | None = None) -> Path:
     """The benchmark's file (module doc), written once (streamed tensor by tensor) and then reused."""
     from gguf import GGUFWriter, RopeScalingType
@@ -140,7 +121,8 @@ def gpt_oss_gguf(cache: Path | None = None) -> Path:
     writer.add_rope_scaling_type(RopeScalingType.YARN)
     writer.add_rope_scaling_factor(32.0)
     writer.add_rope_scaling_orig_ctx_len(4096)
-    _tokenizer(writer)
+    write_gpt2_tokenizer(writer, resolve_model("default").tokenizer_path, VOCAB)
+    writer.add_tokenizer_pre("gpt-4o")
     # The tensors' infos first (their shapes and types), then their data, one tensor in memory at a time.
     tensors = list(_tensors())
     for name, kind, (shape, _) in tensors:

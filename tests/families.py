@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.common import write_gpt2_tokenizer
 from tests.unit.pooling.embedding_models import copy_tokenizer
 
 VOCAB_SIZE = 49152
@@ -474,7 +475,7 @@ def write_gguf(
         _gemma4_metadata(writer, config)
     else:
         _common_metadata(writer, config, arch, rope, head_dim)
-    _tokenizer_metadata(writer, folder)
+    write_gpt2_tokenizer(writer, folder)
     if arch == "llama4":  # its converter's name for Llama 4's split of text before BPE (GPT-4o's)
         writer.add_tokenizer_pre("llama4")
     if arch == "gpt-oss":  # llama.cpp fixes the experts' SwiGLU; the file names o200k's split
@@ -581,25 +582,6 @@ def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
             smooth = (original / wavelength - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(divisors, dtype=np.float32)
-
-
-def _tokenizer_metadata(writer: Any, folder: Path) -> None:
-    """The embedded tokenizer's vocabulary (`folder`'s tokenizer.json) and chat template, as a `gpt2` tokenizer."""
-    import json
-
-    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
-    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in vocab["merges"]])
-    writer.add_token_types([3 if i < 17 else 1 for i in range(len(tokens))])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    template = folder / "chat_template.jinja"
-    if template.is_file():
-        writer.add_chat_template(template.read_text())
-    else:
-        writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
 
 
 def _write_tensors(

@@ -337,6 +337,19 @@ LLAMA4_GGUF: dict[str, Any] = {
 }  # fmt: skip
 
 
+def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """`gguf`, written from the checkpoint in `folder`, converted: its config is the saved model's, and written out
+    for transformers every tensor comes back under its checkpoint name (`assert_tensors_come_back`). Returns those
+    tensors and transformers' greedy tokens on them (`reference_tokens`)."""
+    source = resolve_model(str(gguf))
+    saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    assert source.config == replace(saved, name=source.config.name)
+    with float_checkpoint(source) as checkpoint:
+        converted = load_file(checkpoint / "model.safetensors")
+        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",))
+        return converted, reference_tokens(checkpoint)
+
+
 def test_a_llama4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
     """A Llama 4 file as llama.cpp's converter writes it (its q/k rows as the checkpoint holds them, rope pairs
     interleaved; each projection's experts in one 3-D tensor; llama3 scaling as `rope_freqs`): converted, the config
@@ -346,13 +359,7 @@ def test_a_llama4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp
     blocks (q/k rows read in the layers' order) and hold `ladle bench quality`'s thresholds against the float path."""
     folder = save_family(tmp_path / "hf", "llama4", head_spread=0.5, **LLAMA4_GGUF)
     gguf = write_gguf(folder, tmp_path / "llama4.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
-    source = resolve_model(str(gguf))
-    saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
-    assert source.config == replace(saved, name=source.config.name)
-    with float_checkpoint(source) as checkpoint:
-        converted = load_file(checkpoint / "model.safetensors")
-        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",))
-        expected = reference_tokens(checkpoint)
+    _, expected = converted_as_saved(folder, gguf)
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == expected
     layers, result = served_from_blocks(gguf)
@@ -392,16 +399,10 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_exact_on_the_float_path_and_served
     and it holds `ladle bench quality`'s thresholds against the float path."""
     folder = save_family(tmp_path / "hf", "gpt-oss", head_spread=1.0, **GPT_OSS_GGUF)
     gguf = write_gguf(folder, tmp_path / "gpt-oss.gguf", GGMLQuantizationType.MXFP4, GGMLQuantizationType.Q8_0)
-    source = resolve_model(str(gguf))
-    saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
-    assert source.config == replace(saved, name=source.config.name)
-    with float_checkpoint(source) as checkpoint:
-        converted = load_file(checkpoint / "model.safetensors")
-        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",))
-        bank = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.1.ffn_gate_exps.weight")
-        gate = torch.from_numpy(dequantize(bank.data, bank.tensor_type))  # [E, I, H], the MXFP4 values
-        assert torch.equal(converted["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2], gate.transpose(1, 2))
-        expected = reference_tokens(checkpoint)
+    converted, expected = converted_as_saved(folder, gguf)
+    bank = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.1.ffn_gate_exps.weight")
+    gate = torch.from_numpy(dequantize(bank.data, bank.tensor_type))  # [E, I, H], the MXFP4 values
+    assert torch.equal(converted["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2], gate.transpose(1, 2))
     with engine(gguf) as llm:
         assert tokens(llm, prompts()) == expected
     layers, result = served_from_blocks(gguf)
