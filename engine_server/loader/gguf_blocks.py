@@ -35,17 +35,18 @@ _HALF_SCALE_BIAS = 128
 _FLOAT16_EXPONENTS = (-24, 15)
 
 
-def _mxfp4_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per MXFP4 byte (the codes of elements j and j + 16), each element's u = doubled value + 16 (Q5_0's unsigned
-    5-bit value); per exponent byte, the Q5_0 scale 2 ** (e - 128) in float16 (0 below float16's powers of two)."""
+def _mxfp4_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per MXFP4 byte (the codes of elements j and j + 16), both elements' u = doubled value + 16 (Q5_0's unsigned
+    5-bit value) as one little-endian uint16, element j's in its low byte; per exponent byte, the Q5_0 scale
+    2 ** (e - 128) in float16 (0 below float16's powers of two)."""
     codes = np.arange(256)
     low, high = _DOUBLED_E2M1[codes & 0x0F] + 16, _DOUBLED_E2M1[codes >> 4] + 16
     exponents = codes - _HALF_SCALE_BIAS
     scales = np.where(exponents < _FLOAT16_EXPONENTS[0], 0.0, np.ldexp(1.0, np.minimum(exponents, 15)))
-    return low.astype(np.uint8), high.astype(np.uint8), scales.astype(np.float16)
+    return (low | (high << 8)).astype("<u2"), scales.astype(np.float16)
 
 
-_MXFP4_LOW_U, _MXFP4_HIGH_U, _MXFP4_SCALES = _mxfp4_tables()
+_MXFP4_PAIRS, _MXFP4_SCALES = _mxfp4_tables()
 
 
 _LOW_BIT = {
@@ -82,8 +83,8 @@ def mxfp4_as_q5_0(blocks: np.ndarray) -> LowBitWeight:
     exponents = blocks[..., 0]
     if (exponents > _HALF_SCALE_BIAS + _FLOAT16_EXPONENTS[1]).any():
         raise ValueError(f"MXFP4 scale exponents up to {int(exponents.max()) - 127} are past float16's range")
-    codes = blocks[..., 1:17]
-    values = np.concatenate((_MXFP4_LOW_U[codes], _MXFP4_HIGH_U[codes]), axis=-1)  # elements 0..15, 16..31
+    pairs = np.take(_MXFP4_PAIRS, blocks[..., 1:17]).view(np.uint8)  # [..., 16 bytes j, 2]: u of j, of j + 16
+    values = np.ascontiguousarray(pairs.reshape(*pairs.shape[:-1], 16, 2).swapaxes(-1, -2))  # 0..15, then 16..31
     scales = torch.from_numpy(_MXFP4_SCALES[exponents])
     shifts = (-16.0 * scales.float()).half()  # exact: a power of two
     return LowBitWeight("q5_0", torch.from_numpy(values.reshape(len(blocks), -1)),
