@@ -128,9 +128,9 @@ def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch
         byte = ((high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 1))).sum(3, dtype=torch.uint8)
         planes.append(byte.permute(0, 2, 1, 3).reshape(blocks, groups, 32))
     elif bits == 2:  # chunks 2v and 2v + 1 in bytes 32v ..: bits 4(c % 2) .. +1 of 4c + i, +2 .. +3 of 16 + 4c + i
-        shifts = (4 * (torch.arange(4) % 2)).view(1, 1, 1, 4, 1)
+        shifts = (4 * (torch.arange(4, dtype=torch.uint8) % 2)).view(1, 1, 1, 4, 1)
         parts = (high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 2))  # [block, j, group, c, i]
-        byte = parts.reshape(blocks, 8, groups, 2, 2, 4).sum(4)  # [block, j, group, v, i]
+        byte = parts.reshape(blocks, 8, groups, 2, 2, 4).sum(4, dtype=torch.uint8)  # [block, j, group, v, i]
         planes.append(byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 64))
     packed = torch.cat(planes, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
     # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
