@@ -14,6 +14,7 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -108,35 +109,49 @@ def pad_lowbit(weight: LowBitWeight, rows: int) -> LowBitWeight:
     return replace(weight, values=padded(weight.values), groups=padded(weight.groups), supers=supers)
 
 
-def pack_lowbit(weight: LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_lowbit(
+    weight: LowBitWeight, planes: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed, scales, mins) in kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
     packed `[N/8, K/32, 1, 128 + 32 * high bits]` uint8; for `q5_*` scales and mins `[N/8, K/32, 8]` float16; for
     the K-quants scales `[N/8, K/256, 16]` float16 (8 features' d, then their dmin) and mins `[N/8, K/32, 16]` (8
     features' sc, then their m; Q6_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 * scale).
-    Rows past N are zero."""
+    Rows past N are zero. `planes(values, high bits)` makes packed where given (the C++ `lowbit_planes`, ~10x
+    faster than the torch ops here, which are its reference)."""
     n, k = weight.shape
     blocks, groups = -(-n // 8), k // QUANT_GROUP
     padded = pad_lowbit(weight, blocks * 8 - n)
+    if planes is not None:
+        return _lowbit_tables(weight.kind, padded, planes(weight.values.contiguous(), HIGH_BITS[weight.kind]))
     # [block, feature j, group, half, chunk c, byte i]: element 32g + 16 half + 4c + i of feature j.
     u = padded.values.reshape(blocks, 8, groups, 2, 4, 4)
     nibbles = (u[:, :, :, 0] & 0x0F) | ((u[:, :, :, 1] & 0x0F) << 4)
-    planes = [nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 128)]
+    made = [nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 128)]
     high = u >> 4
     bits = HIGH_BITS[weight.kind]
     if bits == 1:  # byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
         shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)  # uint8 throughout: no widening
         byte = ((high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 1))).sum(3, dtype=torch.uint8)
-        planes.append(byte.permute(0, 2, 1, 3).reshape(blocks, groups, 32))
+        made.append(byte.permute(0, 2, 1, 3).reshape(blocks, groups, 32))
     elif bits == 2:  # chunks 2v and 2v + 1 in bytes 32v ..: bits 4(c % 2) .. +1 of 4c + i, +2 .. +3 of 16 + 4c + i
         shifts = (4 * (torch.arange(4, dtype=torch.uint8) % 2)).view(1, 1, 1, 4, 1)
         parts = (high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 2))  # [block, j, group, c, i]
         byte = parts.reshape(blocks, 8, groups, 2, 2, 4).sum(4, dtype=torch.uint8)  # [block, j, group, v, i]
-        planes.append(byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 64))
-    packed = torch.cat(planes, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
+        made.append(byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 64))
+    packed = torch.cat(made, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
+    return _lowbit_tables(weight.kind, padded, packed)
+
+
+def _lowbit_tables(
+    kind: str, padded: LowBitWeight, packed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_lowbit`'s result: `packed` with the scale tables of `padded` (the weight with its rows padded to whole
+    blocks of 8) laid out as the kernels read them."""
+    blocks, groups = packed.shape[0], packed.shape[1]
     # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
     table = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1)
     if padded.supers is None:  # Q5_0's mins are -16 * its scales: the kernel computes them (an empty table)
-        mins = table[:, :, 1].contiguous() if weight.kind == "q5_1" else torch.empty(0, dtype=torch.float16)
+        mins = table[:, :, 1].contiguous() if kind == "q5_1" else torch.empty(0, dtype=torch.float16)
         return packed, table[:, :, 0].contiguous(), mins
     supers = padded.supers.reshape(blocks, 8, -1, 2).permute(0, 2, 3, 1).reshape(blocks, -1, 16)
     return packed, supers.contiguous(), table.reshape(blocks, groups, 16).contiguous()

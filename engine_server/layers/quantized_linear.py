@@ -174,7 +174,7 @@ def pack_for_cpu(weight: Q4Weight | Q8Weight | LowBitWeight) -> tuple[torch.Tens
     if cpu_ops() is None:
         raise RuntimeError("quantized weights on the CPU need the C++ CPU kernels, which could not be built here")
     if isinstance(weight, LowBitWeight):
-        return pack_lowbit(weight)
+        return pack_lowbit(weight, torch.ops.ladle_cpu.lowbit_planes)
     if isinstance(weight, Q4Weight):
         packed = torch.ops.ladle_cpu.pack_q4(weight.qs, weight.scales, weight.mins)
     else:

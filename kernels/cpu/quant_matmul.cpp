@@ -269,6 +269,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_q8(const at::Tensor& qs, con
       [&](int64_t n, int64_t g) { return s[n * groups + g]; }, [](int64_t, int64_t) { return at::Half(0.f); });
 }
 
+// The packed blocks of a 5-bit or K-quant weight's values u [N, K] uint8 with `high_bits` bits over each nibble
+// (lowbit_tiles.h's layout; the Python reference: `layers.lowbit_weight.pack_lowbit`): [N / 8 (rounded up), K / 32, 1,
+// 128 + 32 * high_bits] uint8, rows past N zero. One pass over u, blocks shared out over the threads.
+at::Tensor lowbit_planes(const at::Tensor& values, int64_t high_bits) {
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kByte && values.is_contiguous(),
+              "values must be a contiguous [N, K] uint8 tensor");
+  const int64_t n_rows = values.size(0), k = values.size(1), groups = k / kGroup;
+  LADLE_CHECK(k % kGroup == 0, "K must be a multiple of 32, got %lld", static_cast<long long>(k));
+  LADLE_CHECK(high_bits >= 0 && high_bits <= 2, "high_bits must be 0, 1 or 2, got %lld",
+              static_cast<long long>(high_bits));
+  const int64_t blocks = (n_rows + kBlock - 1) / kBlock, bytes = kPlaneBytes + 32 * high_bits;
+  at::Tensor packed = at::zeros({blocks, groups, 1, bytes}, values.options());
+  const uint8_t* u = values.data_ptr<uint8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t j = 0; j < kBlock && b * kBlock + j < n_rows; ++j) {
+        const uint8_t* row = u + (b * kBlock + j) * k;
+        for (int64_t g = 0; g < groups; ++g) {
+          uint8_t* group = out + (b * groups + g) * bytes;
+          const uint8_t* x = row + g * kGroup;
+          for (int64_t c = 0; c < 4; ++c) {
+            for (int64_t i = 0; i < 4; ++i) {
+              const uint8_t lo = x[4 * c + i], hi = x[kGroup / 2 + 4 * c + i];
+              group[32 * c + 4 * j + i] = static_cast<uint8_t>((lo & 0x0F) | ((hi & 0x0F) << 4));
+              if (high_bits == 1) {  // byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
+                group[kPlaneBytes + 4 * j + i] |=
+                    static_cast<uint8_t>(((lo >> 4) << (2 * c)) | ((hi >> 4) << (2 * c + 1)));
+              } else if (high_bits == 2) {  // chunk c in the 32 bytes at 32 (c / 2): bits 4 (c % 2) .. of 4c + i, +2 ..
+                const int shift = 4 * static_cast<int>(c % 2);
+                group[kPlaneBytes + 32 * (c / 2) + 4 * j + i] |=
+                    static_cast<uint8_t>(((lo >> 4) << shift) | ((hi >> 4) << (shift + 2)));
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  return packed;
+}
+
 // Rows `index` of a weight pack_q8 packed, dequantized: float32 [R, K], q * scale as `Q8Weight.dequantize` gives
 // them (the same bits), read from the packed blocks (a tied embedding's lookups from its LM head's blocks).
 at::Tensor q8_packed_rows(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& index) {
@@ -421,6 +463,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("set_quant_amx(bool on) -> bool", &ladle_cpu::set_quant_amx);
   m.def("pack_q4(Tensor qs, Tensor scales, Tensor mins) -> (Tensor, Tensor, Tensor)");
   m.def("pack_q8(Tensor qs, Tensor scales) -> (Tensor, Tensor, Tensor)");
+  m.def("lowbit_planes(Tensor values, int high_bits) -> Tensor");
   m.def("q8_packed_rows(Tensor packed, Tensor scales, Tensor index) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor scales, Tensor mins, int n) -> Tensor");
   // The shards of a fused projection stored in different formats: x quantized once, each part's product written
@@ -430,6 +473,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor qs, Tensor scales) -> Tensor");
   m.impl("pack_q4", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::pack_q4));
   m.impl("pack_q8", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::pack_q8));
+  m.impl("lowbit_planes", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::lowbit_planes));
   m.impl("q8_packed_rows", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::q8_packed_rows));
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::packed_linear));
   m.impl("packed_linear_parts", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::packed_linear_parts));

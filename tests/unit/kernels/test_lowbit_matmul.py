@@ -74,6 +74,18 @@ def test_the_kernel_matches_the_reference(kind: str, m: int, n: int, k: int) -> 
 
 
 @needs_kernels
+@needs_kernels
+@pytest.mark.parametrize(("kind", "n", "k"), [(kind, *shape[1:]) for kind, *shape in _shapes()])
+def test_the_cpp_packing_equals_the_torch_one(kind: str, n: int, k: int) -> None:
+    """`pack_lowbit` through the C++ `lowbit_planes` (what loading uses, `pack_for_cpu`) gives the torch reference's
+    packed blocks and tables, byte for byte, ragged blocks of 8 features included."""
+    weight = _weight(kind, n, k, seed=n + k)
+    ours = pack_lowbit(weight, torch.ops.ladle_cpu.lowbit_planes)
+    assert all(torch.equal(a, b) for a, b in zip(ours, pack_lowbit(weight), strict=True))
+    with pytest.raises(RuntimeError, match="high_bits must be 0, 1 or 2"):
+        torch.ops.ladle_cpu.lowbit_planes(weight.values, 3)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_row_alone_equals_the_row_in_a_batch(kind: str) -> None:
     k = 512 if block_elements(kind) == 256 else 576
