@@ -142,7 +142,7 @@ class StoredBank:
 
 # What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF, read when
 # packed), or a linear layer's FP8 weight (an FP8 checkpoint).
-StoredWeight = QuantizedWeight | StoredBank | ExpertWeights | Fp8Weight | Fp8ExpertWeights
+StoredWeight = QuantizedWeight | StoredBank | Fp8Weight | Fp8ExpertWeights
 
 
 def resolve_quantization(
@@ -402,16 +402,12 @@ def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[s
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    if weight is None or isinstance(weight, StoredBank | ExpertWeights | Fp8Weight | Fp8ExpertWeights):
-        return None
-    return weight
+    return None if weight is None or isinstance(weight, StoredBank | Fp8Weight | Fp8ExpertWeights) else weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:
-    """A bank's weights, read now if the file's (`StoredBank`)."""
-    if isinstance(weight, StoredBank):
-        return weight.read()
-    return weight if isinstance(weight, ExpertWeights) else None
+    """A bank's weights (a `StoredBank`), read now; None for anything else."""
+    return weight.read() if isinstance(weight, StoredBank) else None
 
 
 def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear, tied: bool) -> QuantizedWeight | None:

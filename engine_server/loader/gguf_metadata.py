@@ -62,13 +62,13 @@ _LLAMA4_TEMPERATURE = {"floor_scale": 8192, "attn_scale": 0.1}
 _LLAMA4_EXPERTS_WITHOUT_QK_NORM = 128
 
 # gpt-oss as llama.cpp reads a `gpt-oss` file: its experts' clamped SwiGLU (`swiglu_oai`: alpha 1.702, limit 7), every
-# second layer windowed (unless the file's `attention.sliding_window_pattern` says), YaRN's beta defaults where the
-# file gives none. The released config's YaRN keeps its correction range unrounded (`truncate` false); llama.cpp
+# second layer windowed (unless the file's `attention.sliding_window_pattern` says); YaRN's betas where the file
+# gives them (else the config's defaults, llama.cpp's too). The released config's YaRN keeps its correction range
+# unrounded (`truncate` false); llama.cpp
 # rounds it, but the model was trained without. Generation ends at `<|return|>` and `<|call|>` (llama.cpp's
 # end-of-generation tokens for harmony), not at `<|end|>`, which closes each message, the reasoning's too.
 _GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 _GPT_OSS_WINDOW_EVERY = 2
-_YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
 _HARMONY_STOPS = ("<|return|>", "<|call|>")
 _HARMONY_MESSAGE_END = "<|end|>"
 
@@ -222,10 +222,7 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
     layers = int(config["num_hidden_layers"])
     pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern", _GPT_OSS_WINDOW_EVERY)
     if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries, "
-                             f"not one per each of {layers} layers")  # fmt: skip
-        windowed = [bool(flag) for flag in pattern]
+        windowed = _windowed_layers(pattern, arch, layers, spec)
     elif isinstance(pattern, int) and pattern >= 1:
         windowed = [i % pattern < pattern - 1 for i in range(layers)]
     else:
@@ -233,8 +230,8 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
     scaling = read_field(reader, f"{arch}.rope.scaling.type")
     if scaling == "yarn":
-        betas = {name: _short_float(read_field(reader, f"{arch}.rope.scaling.yarn_{name}", default))
-                 for name, default in _YARN_BETAS.items()}  # fmt: skip
+        betas = {name: _short_float(value) for name in ("beta_fast", "beta_slow")
+                 if (value := read_field(reader, f"{arch}.rope.scaling.yarn_{name}")) is not None}  # fmt: skip
         rope.update(rope_type="yarn", factor=_short_float(required("rope.scaling.factor")), **betas, truncate=False,
                     original_max_position_embeddings=int(required("rope.scaling.original_context_length")))
     elif scaling not in (None, "none"):
@@ -248,6 +245,15 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
         **_GPT_OSS_SWIGLU,
         "eos_token_id": _harmony_stops(reader, config["eos_token_id"]),
     }
+
+
+def _windowed_layers(flags: list[Any], arch: str, layers: int, spec: str) -> list[bool]:
+    """`<arch>.attention.sliding_window_pattern` as a flag per layer (true: windowed); ValueError naming `spec` when
+    it is not one per layer."""
+    if len(flags) != layers:
+        raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern has {len(flags)} entries, "
+                         f"not one per each of {layers} layers")  # fmt: skip
+    return [bool(flag) for flag in flags]
 
 
 def _harmony_stops(reader: GGUFReader, eos: int | list[int]) -> int | list[int]:
@@ -371,10 +377,7 @@ def _gemma4_config(reader: GGUFReader, spec: str) -> dict[str, Any]:
     required = functools.partial(_arch_field, reader, arch, spec)
 
     layers = int(required("block_count"))
-    pattern = [bool(x) for x in np.atleast_1d(required("attention.sliding_window_pattern"))]
-    if len(pattern) != layers:
-        raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries, "
-                         f"not one per each of {layers} layers")  # fmt: skip
+    pattern = _windowed_layers(list(np.atleast_1d(required("attention.sliding_window_pattern"))), arch, layers, spec)
 
     def per_layer(key: str) -> list[int]:
         value = np.atleast_1d(required(key))
