@@ -465,7 +465,7 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
 _EXPERT_KINDS = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-    GGMLQuantizationType.MXFP4,  # read as Q5_0 (`gguf_blocks.mxfp4_as_q5_0`)
+    GGMLQuantizationType.MXFP4,
 })  # fmt: skip
 
 

@@ -1,8 +1,8 @@
-"""Random GGUF blocks of the 5-bit and K-quant types, for the tests of their decoding and kernels: every byte
-random (any bit pattern is a valid block) but the float16 scales, drawn small and positive as a quantizer writes
-them (a min or dmin so that the weights average zero), and narrowed by each kind's integer range (5-bit values;
-K-quants' 6-bit sub-block scales and Q6_K's int8 ones), so the weights are as wide as the 4-bit kernels' tests draw
-theirs and the same tolerances hold."""
+"""Random GGUF blocks of the 5-bit, K-quant and MXFP4 types, for the tests of their decoding and kernels: every
+byte random (any bit pattern is a valid block) but the float16 scales, drawn small and positive as a quantizer
+writes them (a min or dmin so that the weights average zero), and narrowed by each kind's integer range (5-bit
+values; K-quants' 6-bit sub-block scales and Q6_K's int8 ones), so the weights are as wide as the 4-bit kernels'
+tests draw theirs and the same tolerances hold; MXFP4's exponent bytes likewise (values up to 6 * 2 ** -5)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 KINDS = {
     "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1, "q4_k": GGMLQuantizationType.Q4_K,
-    "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K,
+    "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K, "mxfp4": GGMLQuantizationType.MXFP4,
 }  # fmt: skip
 # Byte offsets of each kind's float16 scales in its block.
 _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 _NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128}
+MXFP4_EXPONENTS = (118, 123)  # the exponent bytes drawn: 2 ** (e - 127) from 2 ** -9 to 2 ** -5
 _MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5}  # of u (a K-quant's m averages sc's mean, so d * mean u)
 
 
@@ -28,6 +29,9 @@ def random_blocks(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
     """`[n, k / block elements, block bytes]` uint8 blocks of `kind` (see the module docstring)."""
     elements, size = GGML_QUANT_SIZES[KINDS[kind]]
     blocks = torch.randint(0, 256, (n, k // elements, size), dtype=torch.uint8, generator=gen)
+    if kind == "mxfp4":
+        blocks[..., 0] = torch.randint(*MXFP4_EXPONENTS, (n, k // elements), dtype=torch.uint8, generator=gen)
+        return blocks
     scale = (torch.rand(n, k // elements, generator=gen) * 0.02 + 0.001) / _NARROWER[kind]
     # The second float16 (a min or dmin) centres the weights on zero, as a quantizer's do: the values' mean times
     # the scale (a Q5_1 min is subtracted as a negative one).

@@ -1,4 +1,4 @@
-"""GGUF's 5-bit groups (Q5_0, Q5_1) and llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) as the CPU kernels serve them.
+"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and MXFP4 as the CPU kernels serve them.
 
 A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
 the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
@@ -8,7 +8,9 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `q4_k` / `q5_k` (super-blocks of 256, eight groups of 32): `supers` [N, K/256, 2] float16 (d, dmin) and `groups`
   [N, K/32, 2] uint8 (the 6-bit sc, m): element = (d * sc) * u - dmin * m, in float32;
 - `q6_k` (super-blocks of 256, sixteen groups of 16): `supers` [N, K/256, 2] float16 (d, 0) and `groups` [N, K/32,
-  2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32.
+  2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32;
+- `mxfp4` (groups of 32; gpt-oss's experts): `u` the e2m1 codes (0..15) and `groups` [N, K/32, 1] uint8 (the E8M0
+  exponent e): element = E2M1[u] * 2 ** (e - 127), computed as gguf does, twice the value times 2 ** (e - 128).
 `pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h).
 """
 
@@ -23,8 +25,10 @@ from kernels.reference import QUANT_GROUP
 
 SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
-HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q4_k": 0, "q5_k": 1, "q6_k": 2}
+HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0}
 K_QUANTS = frozenset({"q4_k", "q5_k", "q6_k"})
+# Twice each e2m1 code's value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negative (code 8 is -0).
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,10 @@ class LowBitWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, op for op as the gguf package's dequantizer computes it."""
         rows = self.values.shape[0]
+        if self.kind == "mxfp4":
+            doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[self.values.long()]
+            scale = _e8m0_half_scales(self.groups[..., 0]).repeat_interleave(QUANT_GROUP, dim=1)
+            return doubled * scale
         if self.kind not in K_QUANTS:
             u = self.values.reshape(rows, -1, QUANT_GROUP).float()
             scale, shift = self.groups.float().unbind(-1)
@@ -83,6 +91,14 @@ class LowBitWeight:
         return replace(self, values=self.values[:, start:stop], groups=groups, supers=supers)
 
 
+def _e8m0_half_scales(exponents: torch.Tensor) -> torch.Tensor:
+    """2 ** (e - 128) in float32 for uint8 exponents e, built as a float's bits (subnormal below e = 2), as gguf's
+    `e8m0_to_fp32_half` builds them."""
+    e = exponents.to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def concat_lowbit(weights: list[LowBitWeight]) -> LowBitWeight:
     """Shards of one kind as one weight, rows in order. Raises ValueError on mixed kinds."""
     kinds = {w.kind for w in weights}
@@ -115,7 +131,8 @@ def pack_lowbit(
     """(packed, scales, mins) in kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
     packed `[N/8, K/32, 1, 128 + 32 * high bits]` uint8; for `q5_*` scales and mins `[N/8, K/32, 8]` float16; for
     the K-quants scales `[N/8, K/256, 16]` float16 (8 features' d, then their dmin) and mins `[N/8, K/32, 16]` (8
-    features' sc, then their m; Q6_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 * scale).
+    features' sc, then their m; Q6_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 * scale);
+    for `mxfp4` scales `[N/8, K/32, 8]` uint8 (the exponents), mins empty.
     Rows past N are zero. `planes(values, high bits)` makes packed where given (the C++ `lowbit_planes`, ~10x
     faster than the torch ops here, which are its reference)."""
     n, k = weight.shape
@@ -148,6 +165,9 @@ def _lowbit_tables(
     """`pack_lowbit`'s result: `packed` with the scale tables of `padded` (the weight with its rows padded to whole
     blocks of 8) laid out as the kernels read them."""
     blocks, groups = packed.shape[0], packed.shape[1]
+    if kind == "mxfp4":  # the exponents as the scales, [block, group, feature j]; no mins
+        exponents = padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
+        return packed, exponents, torch.empty(0, dtype=torch.uint8)
     # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
     table = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1)
     if padded.supers is None:  # Q5_0's mins are -16 * its scales: the kernel computes them (an empty table)
@@ -188,6 +208,8 @@ def unpack_lowbit_rows(
     else:
         high = torch.zeros_like(u)
     values = (u | (high << 4)).reshape(count, -1)
+    if kind == "mxfp4":  # scales [blocks, groups, 8]: the exponents
+        return LowBitWeight(kind, values, scales[block, :, feature].unsqueeze(-1))
     if kind in K_QUANTS:  # scales [blocks, supers, 16]: 8 features' d then their dmin; mins likewise sc then m
         supers = torch.stack([scales[block, :, feature], scales[block, :, 8 + feature]], -1)
         table = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
@@ -205,13 +227,17 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     scales[12], qh[32], qs[128]` (qs by 32 bytes: elements 64c + l low, 64c + 32 + l high; bit s of qh[l]: element
     32s + l's fifth; scales: eight 6-bit sc and m packed in 12 bytes); Q6_K `ql[128], qh[64], scales[16] int8, d`
     (ql by 64 bytes per half h of 128: elements 128h + l low, 128h + 64 + l high; qh by 32 per half: bits 2s .. of
-    byte l are element 128h + 32s + l's two high bits)."""
+    byte l are element 128h + 32s + l's two high bits); MXFP4 `e, qs[16]` (qs byte j: code j low, j + 16 high)."""
     rows = blocks.shape[0]
     b = blocks.to(torch.int32)
 
     def half(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: [N, blocks]
         return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
 
+    if kind == "mxfp4":
+        qs = blocks[..., 1:17]
+        values = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(rows, -1)
+        return LowBitWeight(kind, values, blocks[..., :1].clone())
     if kind in ("q5_0", "q5_1"):
         base = 2 if kind == "q5_0" else 4
         qh = b[..., base] | (b[..., base + 1] << 8) | (b[..., base + 2] << 16) | (b[..., base + 3] << 24)

@@ -1,6 +1,6 @@
 """A GGUF file's quantized matrices as `QuantizedWeight`s, under their Hugging Face names: Q4_0, Q4_1, Q8_0, Q5_0,
 Q5_1 and llama.cpp's K-quants Q4_K, Q5_K and Q6_K (the types of the Q4_K_M, Q5_K_M and Q6_K files people download),
-and MXFP4 (gpt-oss's experts) as the Q5_0 blocks of its values (`gguf_blocks.mxfp4_as_q5_0`).
+and MXFP4 (gpt-oss's experts).
 
 These are read as the file's blocks (`gguf_blocks`), so a quantized engine serves exactly the weights llama.cpp
 serves; the float path dequantizes the same tensors (`gguf_convert.iter_hf_tensors`). Q/k rows whose rope pairs
@@ -25,7 +25,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from engine_server.layers.quantized_linear import QuantizedWeight, quantize_q8
-from engine_server.loader.gguf_blocks import SERVED_BLOCKS, parse_blocks
+from engine_server.loader.gguf_blocks import BLOCKS, parse_blocks
 from engine_server.loader.gguf_convert import (
     hf_expert_names,
     hf_tensor_name,
@@ -51,7 +51,7 @@ class StoredMatrix:
     @property
     def block_elements(self) -> int:
         """The columns one block holds (32, or 256 for a K-quant): a slice's columns fall on multiples of it."""
-        return SERVED_BLOCKS[self.kind][0]
+        return BLOCKS[self.kind][0]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -97,7 +97,7 @@ def stored_matrices(
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
         experts = hf_expert_names(gguf_name, data.shape[0], model_type) if data.ndim == 3 else None
         if experts is not None:  # one matrix per expert, each a view of the bank's blocks
-            bank = data.reshape(*data.shape[:2], -1, SERVED_BLOCKS[kind][1])
+            bank = data.reshape(*data.shape[:2], -1, BLOCKS[kind][1])
             matrices.update((expert, StoredMatrix(bank[e], kind)) for e, expert in enumerate(experts))
             continue
         name = hf_tensor_name(gguf_name, model_type)
@@ -106,7 +106,7 @@ def stored_matrices(
             continue
         if name is None or data.ndim != 2:
             continue
-        blocks = data.reshape(data.shape[0], -1, SERVED_BLOCKS[kind][1])
+        blocks = data.reshape(data.shape[0], -1, BLOCKS[kind][1])
         layer, _, llama_kind = gguf_name.removeprefix("blk.").rpartition(".")[0].partition(".")
         parts = None if hybrid is None else stored_parts(llama_kind, layer, len(blocks), hybrid)
         if parts is not None:
@@ -131,7 +131,7 @@ def _fused_bank_matrices(
     """Each expert's gate, up (the first and second half of its `gate_up_proj` rows) or down matrix of a whole bank
     `name`, by the per-expert names the experts' loading takes (`<bank>.<e>.gate_proj.weight`, ...), each a view of
     the bank's blocks."""
-    bank = data.reshape(*data.shape[:2], -1, SERVED_BLOCKS[kind][1])
+    bank = data.reshape(*data.shape[:2], -1, BLOCKS[kind][1])
     base, _, projection = name.rpartition(".")
     for expert, blocks in enumerate(bank):
         if projection == "down_proj":
@@ -148,7 +148,7 @@ def _mapped_tensors(
     """(GGUF name, type, blocks' bytes `[rows..., bytes a row]`) of each tensor of the mapped file of a type served
     quantized."""
     for tensor in indexed_tensors(gguf_path, converted):
-        if tensor.tensor_type in SERVED_BLOCKS:
+        if tensor.tensor_type in BLOCKS:
             yield tensor.name, tensor.tensor_type, tensor.data
 
 

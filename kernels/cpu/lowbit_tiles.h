@@ -1,8 +1,8 @@
-// The tiles of the CPU's 5- and 6-bit GGUF products and of llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
-// kept as the file stores them: the same layout of 8 output features per packed block as the 4-bit kernels
-// (quant_tiles.h), x quantized to 8 bits per group of 32 the same way (`quantize_rows`), and per group of 32 a
-// nibble plane (as q4's) with, for 5 and 6 bits, a plane of the values' high bits after it. Contracts:
-// kernels/reference.py `lowbit_linear`.
+// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and of
+// MXFP4 (gpt-oss's experts), kept as the file stores them: the same layout of 8 output features per packed block as
+// the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group of 32 the same way (`quantize_rows`), and per
+// group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane of the values' high bits after it.
+// Contracts: kernels/reference.py `lowbit_linear`.
 //
 // Per packed block b and group g of 32, `kLowBitPlane` + 32 * H bytes (H = high bits a value, 0..2):
 //   bytes 0..127: the nibble plane: chunk c (0..3), byte 4 * j + i: u[8b + j][32g + 4c + i] & 15 (low nibble) and
@@ -16,11 +16,15 @@
 //   kSuper (Q4_K, Q5_K): `scales` [N / 8, K / 256, 16] float16 (8 features' d, then their dmin) and `mins`
 //           [N / 8, K / 32, 16] uint8 (8 features' 6-bit sc, then their m): element = (d * sc) * u - dmin * m;
 //   kSuper6 (Q6_K): `scales` as kSuper (dmin zero) and `mins` [N / 8, K / 32, 16] int8 (the scales of the group's
-//           two 16-element halves: 8 features' first, then their second): element = (d * sc) * (u - 32).
-// The float steps are q4's per group: for kTable and kSuper, acc += (u . xq) * (scale * dx) then acc += min * dx *
-// sum(xq); for kSuper6 the halves' scales combine the integer dots first, sc0 * (u - 32) . xq over the first half
-// plus sc1 * ... over the second, exactly in int32, then acc += dot * (d * dx). Every row of a tile runs through
-// the same instructions whatever rows are beside it, so a row's result does not depend on its batch.
+//           two 16-element halves: 8 features' first, then their second): element = (d * sc) * (u - 32);
+//   kE8M0 (MXFP4, H = 0): `scales` [N / 8, K / 32, 8] uint8, each group's E8M0 exponent e (no mins table), and
+//           the nibbles e2m1 codes: u = kE2M1Offset[code] (twice the code's value, plus 12: 0..24, looked up in
+//           registers), element = 2^(e - 128) * (u - 12), so scale 2^(e - 128) and min -12 * scale, both exact.
+// The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
+// acc += min * dx * sum(xq); for kSuper6 the halves' scales combine the integer dots first, sc0 * (u - 32) . xq
+// over the first half plus sc1 * ... over the second, exactly in int32, then acc += dot * (d * dx). Every row of a
+// tile runs through the same instructions whatever rows are beside it, so a row's result does not depend on its
+// batch.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +39,23 @@ namespace ladle_quant {
 constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block's group
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
-enum class LowBitScales { kTable, kSuper, kSuper6 };
+enum class LowBitScales { kTable, kSuper, kSuper6, kE8M0 };
+
+// u of each e2m1 code (kE8M0): twice its value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives) plus 12.
+alignas(16) constexpr uint8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+constexpr float kE2M1Min = -12.f;
+
+// 2^(e - 128), exactly (subnormal for e < 2): an E8M0 exponent's scale, halved so that u's doubled values are right.
+inline float e8m0_half_scale(uint8_t e) { return std::ldexp(1.f, static_cast<int>(e) - 128); }
+
+#ifdef LADLE_QUANT_AVX2
+// e8m0_half_scale of 8 int32 exponents 0..255: (e - 1) << 23 as a float's bits, 0x00200000 << e below 2 (subnormal).
+inline __m256 e8m0_half_scales(__m256i e) {
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+#endif
 
 inline constexpr int64_t lowbit_group_bytes(int64_t high_bits) { return kLowBitPlane + 32 * high_bits; }
 
@@ -73,7 +93,8 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
   const int32_t* x_totals = xq.totals + m0 * groups;
   const int32_t* x_half = half == nullptr ? nullptr : half + m0 * groups;
   const int8_t* x = xq.row(m0);
-  const at::Half* super = S == LowBitScales::kTable ? nullptr : t.scales + b * (groups / kSuperGroups) * 16;
+  const at::Half* super =
+      S == LowBitScales::kTable || S == LowBitScales::kE8M0 ? nullptr : t.scales + b * (groups / kSuperGroups) * 16;
   alignas(32) float out[R][kBlock];
 #ifdef LADLE_QUANT_AVX2
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -95,7 +116,12 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
       __m256i low = _mm256_and_si256(raw, nibble);
       __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-      if constexpr (H == 1) {
+      if constexpr (S == LowBitScales::kE8M0) {
+        const __m256i codes =
+            _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset)));
+        low = _mm256_shuffle_epi8(codes, low);
+        high = _mm256_shuffle_epi8(codes, high);
+      } else if constexpr (H == 1) {
         const __m256i bits = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kLowBitPlane)),
                                               _mm_cvtsi32_si128(static_cast<int>(2 * c)));
         low = _mm256_or_si256(low, _mm256_and_si256(_mm256_slli_epi16(bits, 4), _mm256_set1_epi8(0x10)));
@@ -139,7 +165,11 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       }
     } else {
       __m256 scale, min;
-      if constexpr (S == LowBitScales::kTable) {
+      if constexpr (S == LowBitScales::kE8M0) {
+        const uint8_t* e = t.small + (b * groups + g) * kBlock;
+        scale = e8m0_half_scales(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e))));
+        min = _mm256_mul_ps(scale, _mm256_set1_ps(kE2M1Min));
+      } else if constexpr (S == LowBitScales::kTable) {
         const int64_t at = (b * groups + g) * kBlock;
         scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.scales + at)));
         min = t.mins == nullptr ? _mm256_mul_ps(scale, _mm256_set1_ps(-16.f))
@@ -185,13 +215,20 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
             low |= (bits & 3) << 4;
             high |= ((bits >> 2) & 3) << 4;
           }
+          if (S == LowBitScales::kE8M0) {
+            low = kE2M1Offset[low];
+            high = kE2M1Offset[high];
+          }
           u[4 * c + i] = static_cast<uint8_t>(low);
           u[16 + 4 * c + i] = static_cast<uint8_t>(high);
         }
       }
       float scale = 0.f, min = 0.f;
       int32_t sc0 = 0, sc1 = 0;
-      if (S == LowBitScales::kTable) {
+      if (S == LowBitScales::kE8M0) {
+        scale = e8m0_half_scale(t.small[(b * groups + g) * kBlock + j]);
+        min = scale * kE2M1Min;
+      } else if (S == LowBitScales::kTable) {
         scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
         min = t.mins == nullptr ? scale * -16.f : to_float(t.mins[(b * groups + g) * kBlock + j]);
       } else {
@@ -264,8 +301,8 @@ inline __m512i lowbit_shift(__m512i v) {
 
 // Chunk C of one group of two blocks as values u (0..63, so also valid signed bytes): `low` elements 4C .. 4C + 3
 // of the group, `high` 16 + 4C .. 16 + 4C + 3, 16 features x 4 elements each. Each value's high bits are shifted
-// to bit 4 (and 5) of its byte and merged in one `vpternlogd` (low | (shifted & mask)).
-template <int64_t H, int C>
+// to bit 4 (and 5) of its byte and merged in one `vpternlogd` (low | (shifted & mask)); kE8M0's codes are looked up.
+template <int64_t H, LowBitScales S, int C>
 inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], __m512i& low,
                               __m512i& high) {
   constexpr int kOrMasked = 0xF8;  // vpternlogd's table for A | (B & C)
@@ -273,7 +310,11 @@ inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512
   const __m512i raw = lowbit_pair(w0 + C * 32, w1 + C * 32);
   low = _mm512_and_si512(raw, nibble);
   high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-  if constexpr (H == 1) {  // bit 2C of a byte is its low element's, bit 2C + 1 its high element's
+  if constexpr (S == LowBitScales::kE8M0) {
+    const __m512i codes = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset)));
+    low = _mm512_shuffle_epi8(codes, low);
+    high = _mm512_shuffle_epi8(codes, high);
+  } else if constexpr (H == 1) {  // bit 2C of a byte is its low element's, bit 2C + 1 its high element's
     const __m512i fifth = _mm512_set1_epi8(0x10);
     low = _mm512_ternarylogic_epi32(low, lowbit_shift<4 - 2 * C>(high_bits[0]), fifth, kOrMasked);
     high = _mm512_ternarylogic_epi32(high, lowbit_shift<3 - 2 * C>(high_bits[0]), fifth, kOrMasked);
@@ -293,11 +334,19 @@ inline void for_each_chunk(F&& f) {
   f(std::integral_constant<int, 3>{});
 }
 
-// Group g's scales and mins of blocks b and b + 1 (kTable, kSuper) as 16 floats each: lowbit_tile's values.
+// Group g's scales and mins of blocks b and b + 1 (kTable, kSuper, kE8M0) as 16 floats each: lowbit_tile's values.
 template <LowBitScales S>
 inline void lowbit_pair_scales(const LowBitTables& t, int64_t b, int64_t g, int64_t groups, __m512& scale,
                                __m512& min) {
-  if constexpr (S == LowBitScales::kTable) {
+  if constexpr (S == LowBitScales::kE8M0) {  // as e8m0_half_scales, 16 lanes
+    const uint8_t* e0 = t.small + (b * groups + g) * kBlock;
+    const __m512i e = _mm512_cvtepu8_epi32(lowbit_bytes16(e0, e0 + groups * kBlock));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    scale = _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, tiny));
+    min = _mm512_mul_ps(scale, _mm512_set1_ps(kE2M1Min));
+  } else if constexpr (S == LowBitScales::kTable) {
     const int64_t at0 = (b * groups + g) * kBlock, at1 = at0 + groups * kBlock;
     scale = lowbit_halves(t.scales + at0, t.scales + at1);
     min = t.mins == nullptr ? _mm512_mul_ps(scale, _mm512_set1_ps(-16.f)) : lowbit_halves(t.mins + at0, t.mins + at1);
@@ -345,7 +394,7 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
     for_each_chunk([&](auto chunk) {
       constexpr int c = decltype(chunk)::value;
       __m512i low, high;
-      lowbit_pair_chunk<H, c>(w0, w1, high_bits, low, high);
+      lowbit_pair_chunk<H, S, c>(w0, w1, high_bits, low, high);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         int32_t x_low, x_high;
@@ -395,8 +444,9 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
 constexpr bool kLowBitPairs = true;
 
 #ifdef LADLE_QUANT_AMX
-// Blocks b and b + 1 (kTable or kSuper) unpacked into AMX's B layout (avx512_tiles.h's `unpack_pair`): the values u
-// as signed bytes, the scales and mins as lowbit_tile's floats, so `amx_tile<1, ...>` gives lowbit_tile's bits.
+// Blocks b and b + 1 (kTable, kSuper or kE8M0) unpacked into AMX's B layout (avx512_tiles.h's `unpack_pair`): the
+// values u as signed bytes, the scales and mins as lowbit_tile's floats, so `amx_tile<1, ...>` gives lowbit_tile's
+// bits.
 template <int64_t H, LowBitScales S>
 void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowBitTables& t, int64_t b,
                         int64_t groups, UnpackedPair& out) {
@@ -411,7 +461,7 @@ void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowB
     for_each_chunk([&](auto chunk) {
       constexpr int c = decltype(chunk)::value;
       __m512i low, high;
-      lowbit_pair_chunk<H, c>(w0, w1, high_bits, low, high);
+      lowbit_pair_chunk<H, S, c>(w0, w1, high_bits, low, high);
       _mm512_store_si512(rows + c * 64, low);
       _mm512_store_si512(rows + (4 + c) * 64, high);
     });

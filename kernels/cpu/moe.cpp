@@ -4,13 +4,13 @@
 // moe_packed: x [T, H] float32; each token's chosen `experts` [T, k] int64 and routing `weights` [T, k] float32;
 // every expert's gate/up rows as one packed weight (`pack_q4` / `pack_q8` of cat(gate_e, up_e), stacked:
 // w13 [E, 2I / 8, H / 32, P, 128], scales and mins [E, 2I / 8, H / 32, 8]) and its down rows (w2 [E, H / 8,
-// I / 32, P', 128], ...), or either bank in the 5-bit and K-quant blocks of lowbit_tiles.h (`pack_lowbit` of each
-// expert, stacked: w13 [E, 2I / 8, H / 32, 1, 128 + 32 * high bits], its tables with E first; Q5_0's mins
-// [E, 0]), gate/up in one type and down in one type, told apart as packed_linear tells them. Returns [T, H]:
-// sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j] (act: SiLU, or with `gelu`
-// GELU's tanh form, Gemma 4's), each product as
-// `packed_linear` computes it (x and the hidden activations quantized to 8 bits per group of 32), the k terms added
-// in ascending expert order (as transformers sums them). gpt-oss's experts: with `b13` [E, 2I] and `b2` [E, H]
+// I / 32, P', 128], ...), or either bank in the 5-bit, K-quant and MXFP4 blocks of lowbit_tiles.h (`pack_lowbit` of
+// each expert, stacked: w13 [E, 2I / 8, H / 32, 1, 128 + 32 * high bits], its tables with E first; Q5_0's and
+// MXFP4's mins [E, 0]), gate/up in one type and down in one type, told apart as packed_linear tells them. Returns
+// [T, H]: sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j] (act: SiLU, or with
+// `gelu` GELU's tanh form, Gemma 4's), each product as `packed_linear` computes it (x and the hidden activations
+// quantized to 8 bits per group of 32), the k terms added in ascending expert order (as transformers sums them).
+// gpt-oss's experts: with `b13` [E, 2I] and `b2` [E, H]
 // (float32) each product adds its expert's bias, and with `swiglu_limit` > 0 the activation is its clamped SwiGLU
 // (`clamped_swiglu`, pointwise.cpp) of gate_e(x_t) + b13[e] and up's.
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
@@ -54,13 +54,13 @@ using namespace ladle_quant;
 
 // One packed bank of experts: E weights of n_rows output features each, stacked. `high_bits` -1: `pack_q4` /
 // `pack_q8`'s blocks of `planes` planes (quant_matmul.cpp); 0..2: lowbit_tiles.h's (`pack_lowbit`: Q5_0, Q5_1,
-// Q4_K, Q5_K, Q6_K) with that many high-bit planes and scales of kind `lowbit`. Each expert's tensors lie
+// Q4_K, Q5_K, Q6_K, MXFP4) with that many high-bit planes and scales of kind `lowbit`. Each expert's tensors lie
 // `*_stride` elements after the one before.
 struct Bank {
   const uint8_t* packed;
-  const at::Half* scales;
-  const at::Half* mins;  // q4 / q8 and Q5_1's float16 mins; nullptr for Q5_0 (-16 * scale) and the K-quants
-  const uint8_t* small;  // the K-quants' group scales (uint8, int8 for Q6_K); nullptr otherwise
+  const at::Half* scales;  // nullptr for MXFP4 (its exponents are `small`)
+  const at::Half* mins;    // q4 / q8 and Q5_1's float16 mins; nullptr for Q5_0 (-16 * scale), K-quants, MXFP4
+  const uint8_t* small;    // the K-quants' group scales (uint8, int8 for Q6_K), MXFP4's exponents; else nullptr
   int64_t experts, blocks, groups, planes, n_rows;
   int64_t high_bits;
   LowBitScales lowbit;
@@ -72,7 +72,8 @@ struct Bank {
   }
   const uint8_t* lowbit_blocks(int64_t e) const { return packed + e * packed_stride; }
   LowBitTables tables(int64_t e) const {
-    return LowBitTables{scales + e * scales_stride, mins == nullptr ? nullptr : mins + e * mins_stride,
+    return LowBitTables{scales == nullptr ? nullptr : scales + e * scales_stride,
+                        mins == nullptr ? nullptr : mins + e * mins_stride,
                         small == nullptr ? nullptr : small + e * mins_stride};
   }
 };
@@ -89,6 +90,19 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
               "%lld",
               what, static_cast<long long>(packed.size(4)));
   bank.high_bits = high_bits;
+  if (scales.scalar_type() == at::kByte) {  // kE8M0: MXFP4's e2m1 codes with an exponent a group
+    LADLE_CHECK(high_bits == 0, "%s: MXFP4 groups (uint8 exponents) take no high-bit plane, not %lld", what,
+                static_cast<long long>(high_bits));
+    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                    scales.size(2) == groups && scales.size(3) == kBlock && scales.is_contiguous() &&
+                    mins.numel() == 0,
+                "%s's MXFP4 exponents must be a contiguous [E, N / 8, K / 32, 8] uint8 tensor (mins empty)", what);
+    bank.lowbit = LowBitScales::kE8M0;
+    bank.scales = nullptr;
+    bank.small = scales.data_ptr<uint8_t>();
+    bank.mins_stride = scales.numel() / experts;
+    return;
+  }
   if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
     LADLE_CHECK(high_bits == 1, "%s: 5-bit groups (float16 scales and mins) take one high-bit plane, not %lld", what,
                 static_cast<long long>(high_bits));
@@ -142,7 +156,8 @@ Bank check_bank(const at::Tensor& packed, const at::Tensor& scales, const at::Te
               what, static_cast<long long>(n_rows), static_cast<long long>(blocks));
   LADLE_CHECK(scales.dim() >= 1 && scales.size(0) == experts && mins.dim() >= 1 && mins.size(0) == experts,
               "%s's scales and mins must be stacked over the %lld experts", what, static_cast<long long>(experts));
-  Bank bank{packed.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), nullptr, nullptr, experts, blocks,
+  const at::Half* halves = scales.scalar_type() == at::kHalf ? scales.data_ptr<at::Half>() : nullptr;
+  Bank bank{packed.data_ptr<uint8_t>(), halves, nullptr, nullptr, experts, blocks,
             packed.size(2), packed.size(3), n_rows, -1, LowBitScales::kTable, packed.numel() / experts,
             scales.numel() / experts, 0};
   if (mins.scalar_type() != at::kHalf || packed.size(4) != kPlaneBytes) {  // as quant_matmul.cpp's check_packed
@@ -248,6 +263,8 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
     case LowBitScales::kSuper:
       if (bank.high_bits == 0) return run_lowbit_bank<0, LowBitScales::kSuper>(rows, nullptr, start, bank, y);
       return run_lowbit_bank<1, LowBitScales::kSuper>(rows, nullptr, start, bank, y);
+    case LowBitScales::kE8M0:
+      return run_lowbit_bank<0, LowBitScales::kE8M0>(rows, nullptr, start, bank, y);
     case LowBitScales::kSuper6: {
       const at::Tensor half = half_totals(rows, start.back());
       return run_lowbit_bank<2, LowBitScales::kSuper6>(rows, half.data_ptr<int32_t>(), start, bank, y);

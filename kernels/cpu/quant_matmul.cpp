@@ -26,8 +26,8 @@
 // the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
 // the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
 // float32 rounding (the reference sums in float64).
-// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1) and llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) go through the same entry
-// point in their own layout (lowbit_tiles.h), told apart by their tables' types and their groups' bytes.
+// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and MXFP4 go through the same
+// entry point in their own layout (lowbit_tiles.h), told apart by their tables' types and their groups' bytes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -192,6 +192,15 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
               "packed must be [N / 8, K / 32, 1, 128 + 32 * (0..2)] uint8, got a last dim of %lld",
               static_cast<long long>(packed.size(3)));
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (scales.scalar_type() == at::kByte) {  // kE8M0: MXFP4's e2m1 codes with an exponent a group
+    LADLE_CHECK(high_bits == 0, "MXFP4 groups (uint8 exponents) take no high-bit plane, not %lld",
+                static_cast<long long>(high_bits));
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups &&
+                    scales.size(2) == kBlock && scales.is_contiguous() && mins.numel() == 0,
+                "MXFP4 exponents must be a contiguous [N / 8, K / 32, 8] uint8 tensor (mins empty)");
+    const LowBitTables tables{nullptr, nullptr, scales.data_ptr<uint8_t>()};
+    return run_lowbit<0, LowBitScales::kE8M0>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
+  }
   if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
     LADLE_CHECK(high_bits == 1, "5-bit groups (float16 scales and mins) take one high-bit plane, not %lld",
                 static_cast<long long>(high_bits));

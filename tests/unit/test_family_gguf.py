@@ -394,8 +394,8 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_exact_on_the_float_path_and_served
     their biases F32 beside them; sinks, YaRN and the windowed layers from its metadata): converted, the config is the
     saved model's; written out for transformers, every tensor comes back under its checkpoint name (the experts as
     the checkpoint's banks, gate and up alternating), and the float path equals transformers on that checkpoint token
-    for token. Served from its blocks, q/k/v and o are the file's Q8_0 blocks, the MXFP4 experts the Q5_0 blocks of
-    their values in the expert kernel (with their biases and the clamped SwiGLU), the biased router float row by row,
+    for token. Served from its blocks, q/k/v and o are the file's Q8_0 blocks, the experts its MXFP4 blocks in the
+    expert kernel (with their biases and the clamped SwiGLU), the biased router float row by row,
     and it holds `ladle bench quality`'s thresholds against the float path."""
     folder = save_family(tmp_path / "hf", "gpt-oss", head_spread=1.0, **GPT_OSS_GGUF)
     gguf = write_gguf(folder, tmp_path / "gpt-oss.gguf", GGMLQuantizationType.MXFP4, GGMLQuantizationType.Q8_0)
@@ -407,7 +407,7 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_exact_on_the_float_path_and_served
         assert tokens(llm, prompts()) == expected
     layers, result = served_from_blocks(gguf)
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.3.self_attn.o_proj"] == "q8"
-    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q5_0_96"] * 4, layers
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_mxfp4_96"] * 4, layers
     assert len(layers) == 3 * 4, layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
 

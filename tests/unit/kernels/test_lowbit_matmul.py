@@ -1,9 +1,11 @@
-"""GGUF's 5-bit blocks and llama.cpp's K-quants on the CPU (`engine_server/layers/lowbit_weight.py`,
+"""GGUF's 5-bit blocks, llama.cpp's K-quants and MXFP4 on the CPU (`engine_server/layers/lowbit_weight.py`,
 `kernels/cpu/lowbit_tiles.h`): their decoding bit for bit against the gguf package's reference dequantizer, the
 kernels against `kernels.reference.lowbit_linear`, a row alone against the same row in a batch (bit for bit), the
 shards of a fused projection kept in their own formats, and slices on block boundaries."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -84,6 +86,28 @@ def test_the_cpp_packing_equals_the_torch_one(kind: str, n: int, k: int) -> None
     assert all(torch.equal(a, b) for a, b in zip(ours, pack_lowbit(weight), strict=True))
     with pytest.raises(RuntimeError, match="high_bits must be 0, 1 or 2"):
         torch.ops.ladle_cpu.lowbit_planes(weight.values, 3)
+
+
+@needs_kernels
+def test_an_mxfp4_exponent_scales_the_product_exactly() -> None:
+    """Each MXFP4 group's exponent byte e is the power of two 2 ** (e - 128) the kernels apply to its doubled codes:
+    a product with every exponent e equals the product at e = 127 times 2 ** (e - 127), bit for bit, across the
+    range where nothing is subnormal; at e = 0 and 1 (subnormal scales) it is the reference's to float32 rounding."""
+    base = _weight("mxfp4", 20, 96, seed=11)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(12))
+
+    def product(e: int) -> tuple[torch.Tensor, LowBitWeight]:
+        weight = replace(base, groups=torch.full_like(base.groups, e))
+        return torch.ops.ladle_cpu.packed_linear(x, *pack_lowbit(weight), 20), weight
+
+    unit = product(127)[0]
+    for e in (20, 60, 126, 128, 200, 230):
+        assert torch.equal(product(e)[0], unit * 2.0 ** (e - 127)), e
+    for e in (0, 1):
+        got, weight = product(e)
+        expected = reference.lowbit_linear(x, weight.dequantize())
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -1,4 +1,4 @@
-"""Banks of experts in GGUF's 5-bit types and llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) through the
+"""Banks of experts in GGUF's 5-bit types, llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and MXFP4 through the
 quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp` over lowbit_tiles.h):
 each expert's product bit for bit the dense layers' (`QuantizedLinear` on the same blocks), a token's result alone
 and in any batch (AMX tiles or not), its input checks, and a GGUF bank's slices under tensor parallelism
@@ -32,7 +32,9 @@ from tests.unit.kernels.test_quant_moe import (
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 
-@pytest.mark.parametrize(("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1")])
+@pytest.mark.parametrize(
+    ("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4")]
+)
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:
     """A token sent to one expert with weight 1 gets down(silu_and_mul(gate_up(x))) of `QuantizedLinear`s on that
     expert's very blocks, bit for bit, its expert's run long enough for AMX tiles (where the CPU has them)."""
@@ -57,7 +59,9 @@ def crowded_routing(tokens: int, experts: int, gen: torch.Generator) -> tuple[to
     return reference_route(logits, 2)
 
 
-@pytest.mark.parametrize(("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k")])
+@pytest.mark.parametrize(
+    ("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k"), ("mxfp4", "mxfp4")]
+)
 def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -> None:
     gen = torch.Generator().manual_seed(23)
     layer = QuantizedExperts(random_bank(5, 256, 256, gate_up, down, gen))
@@ -71,7 +75,7 @@ def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -
     assert torch.equal(torch.cat(halves), together)
 
 
-@pytest.mark.parametrize(("gate_up", "down"), [("q4_k", "q5_1"), ("q5_k", "q6_k"), ("q5_0", "q4_k")])
+@pytest.mark.parametrize(("gate_up", "down"), [("q4_k", "q5_1"), ("q5_k", "q6_k"), ("q5_0", "q4_k"), ("mxfp4", "q5_0")])
 def test_amx_tiles_give_the_vnni_tiles_bits(gate_up: str, down: str) -> None:
     skip_without_amx()
     gen = torch.Generator().manual_seed(29)
@@ -104,6 +108,13 @@ def test_malformed_lowbit_banks_are_refused() -> None:
             torch.randn(2, 96), chosen, weights, narrow.w13, narrow.w13_scales,
             torch.zeros(3, 16, 3, 16, dtype=torch.uint8), narrow.w2, narrow.w2_scales, narrow.w2_mins, 64,
         )  # fmt: skip
+    mxfp4 = QuantizedExperts(random_bank(3, 96, 64, "mxfp4", "mxfp4", gen))
+    fp4 = [mxfp4.w13, mxfp4.w13_scales, mxfp4.w13_mins, mxfp4.w2, mxfp4.w2_scales, mxfp4.w2_mins]
+    with pytest.raises(RuntimeError, match=r"MXFP4 groups \(uint8 exponents\) take no high-bit plane"):
+        torch.ops.ladle_cpu.moe_packed(torch.randn(2, 96), chosen, weights, *fp4[:3], narrow.w2, *fp4[4:], 64)
+    with pytest.raises(RuntimeError, match="w2's MXFP4 exponents must be"):
+        torch.ops.ladle_cpu.moe_packed(torch.randn(2, 96), chosen, weights, *fp4[:4], fp4[4][..., :4].contiguous(),
+                                       fp4[5], 64)  # fmt: skip
 
 
 def test_gate_and_up_in_different_formats_are_refused() -> None:

@@ -1,7 +1,7 @@
 """The quantized kernels' portable loops (`kernels/cpu/quant_matmul.cpp` and `lowbit_tiles.h` without AVX2: ARM,
-older x86), which the engine's own build never takes on an AVX2 machine: quant_matmul.cpp alone, built for
-baseline x86-64 in a child process (its ops would clash with the engine's build in this one), against
-`kernels.reference`."""
+older x86) and their AVX2 ones (x86 without AVX-512: Zen 2/3, Intel's desktop parts), which the engine's own build
+does not take on an AVX-512 machine such as CI's: quant_matmul.cpp alone, built for baseline x86-64 and for Haswell
+in a child process (its ops would clash with the engine's build in this one), against `kernels.reference`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ SOURCE = Path(__file__).resolve().parents[3] / "kernels" / "cpu" / "quant_matmul
 CHILD = textwrap.dedent(
     """
     import sys
+    from dataclasses import replace
+
     import torch
     from torch.utils.cpp_extension import load
 
@@ -30,7 +32,7 @@ CHILD = textwrap.dedent(
 
     with _ninja_on_path():
         load(name="ladle_quant_portable", sources=[sys.argv[1]], build_directory=sys.argv[2],
-             is_python_module=False, extra_cflags=["-O2", "-march=x86-64", "-ffp-contract=off"])
+             is_python_module=False, extra_cflags=["-O2", f"-march={sys.argv[3]}", "-ffp-contract=off"])
     gen = torch.Generator().manual_seed(0)
     for m, n, k in [(1, 9, 64), (7, 20, 96), (13, 33, 576)]:
         q4 = Q4Weight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
@@ -45,22 +47,30 @@ CHILD = textwrap.dedent(
         got8 = torch.ops.ladle_cpu.q8_linear(x, q8.qs, q8.scales)
         torch.testing.assert_close(got8, reference.q8_linear(x, q8.qs, q8.scales), atol=1e-4, rtol=1e-5)
         assert torch.equal(torch.ops.ladle_cpu.q4_linear(x[-1:], q4.qs, q4.scales, q4.mins), got4[-1:])
-    for kind in KINDS:  # the 5-bit and K-quant loops (lowbit_tiles.h)
+    for kind in KINDS:  # the 5-bit, K-quant and MXFP4 loops (lowbit_tiles.h)
         m, n, k = 9, 20, 512 if block_elements(kind) == 256 else 96
         w = decode_blocks(random_blocks(kind, n, k, gen), kind)
         x = torch.randn(m, k, generator=gen) * 3
         got = torch.ops.ladle_cpu.packed_linear(x, *pack_lowbit(w), n)
         torch.testing.assert_close(got, reference.lowbit_linear(x, w.dequantize()), atol=1e-4, rtol=1e-5)
         assert torch.equal(torch.ops.ladle_cpu.packed_linear(x[-1:], *pack_lowbit(w), n), got[-1:])
+    fp4 = decode_blocks(random_blocks("mxfp4", 20, 96, gen), "mxfp4")
+    x = torch.randn(9, 96, generator=gen)
+    for e in (0, 1, 2, 200):  # MXFP4's exponent bytes at their ends: subnormal scales, and a large one
+        w = replace(fp4, groups=torch.full_like(fp4.groups, e))
+        got = torch.ops.ladle_cpu.packed_linear(x, *pack_lowbit(w), 20)
+        expected = reference.lowbit_linear(x, w.dequantize())
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
     print("portable ok")
     """
 )
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="needs g++ on x86-64")
-def test_portable_loops_match_the_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_portable_and_avx2_loops_match_the_reference(arch: str, tmp_path: Path) -> None:
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(SOURCE), str(tmp_path)],
+        [sys.executable, "-c", CHILD, str(SOURCE), str(tmp_path), arch],
         capture_output=True,
         text=True,
         timeout=600,

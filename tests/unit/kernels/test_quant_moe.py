@@ -88,7 +88,7 @@ CASES = [
     (5, 4, 2, 96, 64, "q8", "q8"),
     (13, 8, 3, 64, 96, "q4", "q8"),
     (40, 6, 1, 128, 32, "q8", "q4"),
-    # The 5-bit and K-quant kinds (test_lowbit_moe.py): every kind as gate/up and as down,
+    # The 5-bit, K-quant and MXFP4 kinds (test_lowbit_moe.py): every kind as gate/up and as down,
     # K-quants over one and several super-blocks, a Q4_K_M file's pairs (Q4_K with Q6_K, Q5_0 with Q8_0 fallbacks),
     # one decode row, ragged row tiles, and an expert with more rows than AMX's kAmxMinRows.
     (1, 4, 2, 256, 256, "q4_k", "q6_k"),
@@ -99,6 +99,8 @@ CASES = [
     (20, 3, 2, 256, 96, "q4_k", "q5_0"),
     (11, 4, 2, 96, 64, "q5_0", "q8"),
     (6, 4, 1, 256, 64, "q4", "q5_1"),
+    (8, 4, 2, 96, 64, "mxfp4", "mxfp4"),  # gpt-oss's files
+    (15, 4, 2, 256, 64, "mxfp4", "q8"),
 ]
 
 
@@ -131,7 +133,7 @@ def test_gelu_experts_match_the_reference_and_not_the_silu_ones(gate_up: str, do
         assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
 
 
-@pytest.mark.parametrize(("gate_up", "down"), [("q8", "q8"), ("q5_0", "q5_0"), ("q4", "q5_1")])
+@pytest.mark.parametrize(("gate_up", "down"), [("q8", "q8"), ("q5_0", "q5_0"), ("q4", "q5_1"), ("mxfp4", "mxfp4")])
 def test_gpt_oss_experts_match_the_reference_and_not_the_plain_ones(gate_up: str, down: str) -> None:
     """gpt-oss's experts (`QuantizedExperts(swiglu=...)` over a bank with biases): each product plus its expert's
     bias, the clamped SwiGLU between (a limit of 2 clamps many of these products), to float32 rounding; without the
