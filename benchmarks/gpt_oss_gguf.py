@@ -1,7 +1,7 @@
 """gpt-oss-20b as people run it on a CPU: a GGUF file in llama.cpp's `gpt-oss` layout at gpt-oss-20b's shapes (MXFP4
 experts, Q8_0 attention, embeddings and LM head, as ggml-org's gpt-oss-20b-mxfp4.gguf holds them), made here with
-random values (never fetched), served by ladle from its blocks (the experts as the Q5_0 blocks of their values, in
-the C++ expert kernel) and by llama.cpp, each in a process of its own on the same token ids: single-stream output
+random values (never fetched), served by ladle from its blocks (the experts as their MXFP4 blocks, in the C++
+expert kernel) and by llama.cpp, each in a process of its own on the same token ids: single-stream output
 tok/s (prefill included), the seconds from start to the timed run (conversion, loading and a warm-up), and the
 process's peak resident memory.
 

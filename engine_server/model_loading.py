@@ -5,7 +5,8 @@
 with `capture_decode_graphs` and `EagerCapture`). The order is part of the contract:
 - torch's seed is set right before the model is built, so random weights are the same on every load;
 - under `gguf` the file's quantized blocks are read (`quantization.stored_weights`) before the float weights load
-  (under `fp8`, an FP8 checkpoint's e4m3 weights: `quantization.stored_fp8_weights`),
+  (under `fp8`, an FP8 checkpoint's e4m3 weights: `quantization.stored_fp8_weights`; under `int8` on the CPU, an
+  MXFP4 checkpoint's banks of experts are found, to be read as they are packed: `quantization.stored_mxfp4_banks`),
   and the float weights of the layers they replace are never read (the embedded model: 0.1 s of CPU and 0.5 GB
   peak RSS to load its converted weights, against 2-3.5 s and 1.3 GB reading all of them);
 - the KV cache is allocated before the weights are quantized and, on the CPU, MKL-packed (zeroing it right after
@@ -60,6 +61,7 @@ from engine_server.quantization import (
     quantize_model,
     resolve_quantization,
     stored_fp8_weights,
+    stored_mxfp4_banks,
     stored_weights,
 )
 from engine_server.speculative.draft_model import DraftModel
@@ -188,6 +190,8 @@ def load_model(
     # the converted file but what is kept). Sharded, each rank reads only its slice of each tensor; otherwise one
     # sequential read per file is faster.
     stored = stored_weights(model, source) if quantization == "gguf" and isinstance(model, CausalLM) else {}
+    if quantization == "int8" and device.type == "cpu" and isinstance(model, CausalLM):
+        stored = stored_mxfp4_banks(model, source)  # an MXFP4 checkpoint's experts, served as stored
     fp8_kept: frozenset[str] = frozenset()  # an FP8 checkpoint's weights served as stored: not dequantized
     if quantization == "fp8" and isinstance(model, CausalLM):
         stored, fp8_kept = stored_fp8_weights(model, source)

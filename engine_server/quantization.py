@@ -6,7 +6,8 @@
   serves from that file, a mixture of experts' banks included (`layers.quantized_experts`, in any of those types,
   gate/up in one and down in one); its other tensors (F32, F16, Q2_K, Q3_K, ...) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
-  (`quantize_q8`).
+  (`quantize_q8`); on the CPU an MXFP4 checkpoint's banks of experts (gpt-oss's released files) are served as
+  stored instead (`loader.mxfp4.StoredMxfp4Bank`, read bank by bank: never float, never rounded again).
 - `fp8`: every linear layer but the LM head and the routers, and every bank of experts, in float8 e4m3
   (`layers.fp8_linear`, `layers.fp8_experts`): an FP8 checkpoint's weights as it stores them
   (`loader.fp8_checkpoint`: per channel, per tensor, or per block of 128 x 128), any other model's float weights
@@ -17,8 +18,9 @@
   loading and measuring FP8 models without a GPU (neither faster nor smaller than float). Under tensor
   parallelism each rank quantizes its slice of the float weights per channel, an FP8 checkpoint's included
   (dequantized first).
-- `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), `fp8` for an FP8 checkpoint on CUDA
-  where the FP8 GEMMs run, otherwise `none` (an FP8 checkpoint then loads dequantized to float).
+- `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), `int8` for an MXFP4 checkpoint there
+  (its experts as stored), `fp8` for an FP8 checkpoint on CUDA where the FP8 GEMMs run, otherwise `none` (an FP8
+  or MXFP4 checkpoint then loads dequantized to float).
 A mixture of experts' routers stay float under `gguf` and `int8` (their logits choose the experts: a rounding step
 could change the choice), multiplied row by row in one fixed order on the CPU (`RowwiseLinear`) so that the choice
 does not depend on the batch either.
@@ -97,7 +99,8 @@ from engine_server.layers.weight_arena import gather_packed_weights
 from engine_server.loader.fp8_checkpoint import read_fp8_weights
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
-from engine_server.loader.source import ModelSource
+from engine_server.loader.mxfp4 import StoredMxfp4Bank, is_mxfp4_checkpoint, mxfp4_bank_tensors
+from engine_server.loader.source import ModelSource, read_hf_config, tensor_files
 from engine_server.models.base import FUSED_SHARDS, CausalLM, expert_weight
 from engine_server.parallel.layers import (
     EXPERT_PARTS,
@@ -140,9 +143,9 @@ class StoredBank:
             return None
 
 
-# What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF, read when
-# packed), or a linear layer's FP8 weight (an FP8 checkpoint).
-StoredWeight = QuantizedWeight | StoredBank | Fp8Weight | Fp8ExpertWeights
+# What a file stores quantized for one module: a linear layer's weight, or a bank of experts' (GGUF, or an MXFP4
+# checkpoint's: read when packed), or a linear layer's FP8 weight (an FP8 checkpoint).
+StoredWeight = QuantizedWeight | StoredBank | StoredMxfp4Bank | Fp8Weight | Fp8ExpertWeights
 
 
 def resolve_quantization(
@@ -161,6 +164,8 @@ def resolve_quantization(
     if mode == "auto":
         if cpu_float32 and kernels and source.gguf_path is not None:
             return "gguf"
+        if cpu_float32 and kernels and _mxfp4_source(source):
+            return "int8"
         fp8 = source.fp8 is not None and device.type == "cuda" and _fp8_refusal(device, kernels) is None
         return "fp8" if fp8 else "none"
     if mode == "none":
@@ -314,7 +319,8 @@ def quantize_model(
     """Swap `model`'s linear layers for `QuantizedLinear`s under `scheme`, and give its decoder the C++ decode
     stack where every projection is quantized; returns layers per format (`q4`, `q8`, and `float` for those left
     as they were) and `decode_stack` (1 when attached). Under `gguf`, `stored` is `stored_weights`' result when
-    the caller has it already (computed here otherwise); on the CPU it is emptied once its weights are packed.
+    the caller has it already (computed here otherwise); under `int8`, `stored_mxfp4_banks`' (the banks it names
+    were never loaded as float); on the CPU it is emptied once its weights are packed.
 
     On the CPU the model also gets `kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
     decode kernel), so that with the integer kernels a token's result does not depend on its batch or on the
@@ -325,7 +331,7 @@ def quantize_model(
         return _quantize_fp8(model, {} if stored is None else stored)
     on_cpu = model.model.norm.weight.device.type == "cpu"
     if scheme == "gguf":
-        weights = stored_weights(model, source) if stored is None else stored
+        weights: MutableMapping[str, StoredWeight] = stored_weights(model, source) if stored is None else stored
         replace_linears(model, lambda name, linear: _linear_weight(weights.get(name)))
         if on_cpu:  # each bank read as it is packed (`StoredBank`)
             replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)))
@@ -341,8 +347,9 @@ def quantize_model(
                 model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), QuantizedEmbedding(table))
     else:
         replace_linears(model, _int8_weight)
-        if on_cpu:
-            replace_experts(model, lambda name, bank: quantize_experts(bank))
+        if on_cpu:  # an MXFP4 checkpoint's banks as stored (`stored_mxfp4_banks`), each read as it is packed
+            weights = {} if stored is None else stored
+            replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)) or quantize_experts(bank))
             table_module = getattr(model.model, PER_LAYER_TABLE.removeprefix("model."), None)
             if isinstance(table_module, VocabParallelEmbedding) and table_module.tp.size == 1 and \
                     table_module.weight.shape[1] % QUANT_GROUP == 0:  # fmt: skip
@@ -350,8 +357,8 @@ def quantize_model(
                 model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), quantized)
     if on_cpu:
         replace_routers(model)
-        if scheme == "gguf":  # the file's weights as read, let go before their packed forms are gathered: some
-            weights.clear()  # share storage with them (a 20B model's embeddings and attention: ~2 GB held twice)
+        # The file's weights as read, let go before their packed forms are gathered: some share storage with them
+        weights.clear()  # (a 20B model's embeddings and attention: ~2 GB held twice)
         gather_packed_weights(model)  # before the decode stack takes references to the packed blocks
     # A bank of experts counts as one layer (`experts_<format>`); one left float (CUDA's, or not on groups of 32)
     # counts as `float`, as do the float linear layers and the routers.
@@ -402,12 +409,37 @@ def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[s
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    return None if weight is None or isinstance(weight, StoredBank | Fp8Weight | Fp8ExpertWeights) else weight
+    stored_elsewise = StoredBank | StoredMxfp4Bank | Fp8Weight | Fp8ExpertWeights
+    return None if weight is None or isinstance(weight, stored_elsewise) else weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:
-    """A bank's weights (a `StoredBank`), read now; None for anything else."""
-    return weight.read() if isinstance(weight, StoredBank) else None
+    """A bank's weights (a `StoredBank` or `StoredMxfp4Bank`), read now; None for anything else."""
+    return weight.read() if isinstance(weight, StoredBank | StoredMxfp4Bank) else None
+
+
+def _mxfp4_source(source: ModelSource) -> bool:
+    """Whether `source` is a checkpoint folder whose config declares MXFP4 weights (gpt-oss's released files)."""
+    return not source.random_weights and source.gguf_path is None and is_mxfp4_checkpoint(read_hf_config(source.path))
+
+
+def stored_mxfp4_banks(model: CausalLM, source: ModelSource) -> dict[str, StoredWeight]:
+    """The banks of experts that `source`, an MXFP4 checkpoint, stores in MXFP4, by module name, unread
+    (`StoredMxfp4Bank`: this rank's rows), for `int8` on the CPU to serve as stored. A bank whose rank's rows do not
+    fall on groups of 32 is left out: it loads dequantized and stays float, as under `int8` any such bank does.
+    Empty for any other source."""
+    if not _mxfp4_source(source):
+        return {}
+    files = tensor_files(source.path)
+    banks: dict[str, StoredWeight] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, ParallelExperts):
+            continue
+        rows = module.rows.rows
+        tensors = mxfp4_bank_tensors(name)
+        if rows.start % QUANT_GROUP == 0 and rows.stop % QUANT_GROUP == 0 and all(t in files for t in tensors):
+            banks[name] = StoredMxfp4Bank(name, {t: files[t] for t in tensors}, rows)
+    return banks
 
 
 def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear, tied: bool) -> QuantizedWeight | None:

@@ -127,6 +127,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+def tensor_files(folder: Path) -> dict[str, Path]:
+    """Each tensor name of a Hugging Face folder's weight files -> the file that holds it (headers only read)."""
+    files: dict[str, Path] = {}
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), file))
+    return files
+
+
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the tensors of every `*.safetensors` file in `folder`, one file (shard) in memory at a time.
 

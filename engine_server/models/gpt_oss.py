@@ -34,16 +34,18 @@ class GptOssForCausalLM(CausalLM):
     ) -> None:
         """`CausalLM.load_weights` over `standard_experts(weights)`."""
         dtype = self.model.embed_tokens.weight.dtype
-        super().load_weights(standard_experts(weights, dtype), replaced)
+        super().load_weights(standard_experts(weights, dtype, replaced), replaced)
 
 
 def standard_experts(
-    weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype = torch.float32
+    weights: Iterable[tuple[str, CheckpointTensor]], dtype: torch.dtype = torch.float32,
+    replaced: Collection[str] = frozenset(),
 ) -> Iterator[tuple[str, CheckpointTensor]]:
     """gpt-oss's expert tensors in transformers 5's bank layout (`models.base`: `gate_up_proj` `[E, 2I, H]` with
     the gate rows first, `down_proj` `[E, H, I]`, biases `[E, 2I]` gate first and `[E, H]`); other tensors as they
-    come. An MXFP4 projection's blocks and scales are paired (in either order) and dequantized to `dtype`.
-    ValueError for blocks or scales left without their other half."""
+    come. An MXFP4 projection's blocks and scales are paired (in either order) and dequantized to `dtype`, except
+    in a bank named in `replaced` (served as stored: `quantization.stored_mxfp4_banks`), whose projections are never
+    read: an empty `[E, 0, 0]` stands for each. ValueError for blocks or scales left without their other half."""
     pending: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         match = _EXPERTS.fullmatch(name)
@@ -52,7 +54,10 @@ def standard_experts(
             continue
         bank, proj, kind = match["bank"], match["proj"], match["kind"] or ""
         target = f"{bank}.{proj}"
-        if kind in (BLOCKS_SUFFIX, SCALES_SUFFIX):
+        if kind in (BLOCKS_SUFFIX, SCALES_SUFFIX) and bank in replaced:
+            if kind == BLOCKS_SUFFIX:  # counted as loaded, unread (`CausalLM.load_weights`)
+                yield target, torch.empty(tensor.shape[0], 0, 0)
+        elif kind in (BLOCKS_SUFFIX, SCALES_SUFFIX):
             pending[name] = read_whole(tensor)
             blocks, scales = pending.get(target + BLOCKS_SUFFIX), pending.get(target + SCALES_SUFFIX)
             if blocks is None or scales is None:

@@ -434,11 +434,9 @@ def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[i
         assert agree >= 6, (quantization, agree)
 
 
-def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path: Path) -> None:
-    """The released files' layout: every expert projection as MXFP4 blocks and scales (`quantization_config`
-    mxfp4). The engine's greedy tokens equal transformers' on a folder holding the same experts dequantized."""
-    import json
-
+def mxfp4_gpt_oss(tmp_path: Path) -> tuple[Path, Path]:
+    """gpt-oss in its released files' layout: every expert projection as MXFP4 blocks and scales
+    (`quantization_config` mxfp4), and a float folder holding the same experts dequantized (transformers' oracle)."""
     from safetensors.torch import load_file, save_file
 
     from engine_server.loader.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -459,8 +457,50 @@ def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path: Path) -> None:
     reference_folder = save_family(tmp_path / "dequantized", "gpt-oss")
     (reference_folder / "model.safetensors").unlink()
     (tmp_path / "dequantized.safetensors").rename(reference_folder / "model.safetensors")
+    return folder, reference_folder
+
+
+def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path: Path) -> None:
+    """The released files' layout on the float path: the engine's greedy tokens equal transformers' on a folder
+    holding the same experts dequantized."""
+    folder, reference_folder = mxfp4_gpt_oss(tmp_path)
     with engine(folder) as llm:
         assert tokens(llm, prompts()) == reference_tokens(reference_folder)
+
+
+def test_gpt_oss_mxfp4_experts_are_served_as_stored_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`auto` on the CPU serves an MXFP4 checkpoint as `int8` with its experts as stored: every bank in the expert
+    kernel in MXFP4 (with its biases and the clamped SwiGLU), none dequantized on the way (the float experts are
+    never loaded); each prompt's tokens are the same alone and batched, and mostly agree with transformers' first
+    tokens on the dequantized experts. Under TP=2 each rank's 48 rows are not whole groups of 32: the banks load
+    dequantized and stay float there, as any int8 bank does."""
+    import engine_server.models.gpt_oss as gpt_oss
+
+    folder, reference_folder = mxfp4_gpt_oss(tmp_path)
+    theirs = reference_tokens(reference_folder)
+    dequantize = gpt_oss.dequantize_mxfp4
+
+    def refused(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise AssertionError("an MXFP4 bank served as stored was dequantized")
+
+    monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", refused)
+    batch = prompts()
+    with engine(folder, quantization="auto") as llm:
+        loaded = llm.core.runner.loaded
+        assert loaded.quantization == "int8"
+        banks = [m for m in loaded.model.modules() if isinstance(m, ParallelExperts | QuantizedExperts)]
+        assert len(banks) == 4 and all(isinstance(b, QuantizedExperts) and b.format == "mxfp4" for b in banks)
+        assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0) for bank in banks)
+        ours = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == ours
+    agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
+    assert agree >= 6, agree
+    monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", dequantize)
+    with engine(folder, quantization="int8", tensor_parallel_size=2) as llm:
+        assert not [m for m in llm.core.runner.loaded.model.modules() if isinstance(m, QuantizedExperts)]
+        assert len(tokens(llm, batch)) == len(batch)
 
 
 def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> None:
