@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -61,8 +62,8 @@ def _banks(gen: torch.Generator) -> dict[str, QuantizedExperts]:
 
 def _packed_gb(bank: QuantizedExperts) -> float:
     """The bank's packed weights and tables, in GB."""
-    tables = (bank.w13, bank.w13_scales, bank.w13_mins, bank.w2, bank.w2_scales, bank.w2_mins)
-    return round(sum(t.nbytes for t in tables) / 1e9, 3)
+    names = ("w13", "w13_scales", "w13_mins", "w2", "w2_scales", "w2_mins")
+    return round(sum(cast(torch.Tensor, getattr(bank, name)).nbytes for name in names) / 1e9, 3)
 
 
 def _seconds_per_call(layer: QuantizedExperts, tokens: int, calls: int, gen: torch.Generator) -> float:
