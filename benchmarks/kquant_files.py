@@ -1,4 +1,5 @@
-"""The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M and Q6_K, made here, never fetched.
+"""The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and IQ4_NL, made here, never
+fetched.
 
 The embedded file's weights (its Q4_1 and Q8_0 blocks dequantized) are written as an F32 GGUF with its metadata
 and tokenizer as they are (the gguf package), then quantized by llama.cpp's own quantizer (llama-cpp-python's
@@ -11,7 +12,8 @@ llama-cpp-python is not a dependency of the project: install it to make these fi
 For this model (hidden size 576, not a multiple of 256) llama.cpp falls back, per tensor, from the K-quant types
 to Q5_0 / Q5_1 / Q8_0 where a row is not made of whole 256-element super-blocks: a Q4_K_M file is then Q5_0 with
 Q4_K and Q6_K feed-forward down projections and Q8_0 value projections and embeddings; Q5_K_M the same with Q5_1 and
-Q5_K; Q6_K is Q8_0 with Q6_K down projections. `python -m benchmarks.kquant_files` makes them and prints the paths.
+Q5_K; Q6_K is Q8_0 with Q6_K down projections; IQ4_XS falls back to IQ4_NL the same way. `python -m
+benchmarks.kquant_files` makes them and prints the paths.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import numpy as np
 
 from engine_server.loader.source import default_cache_dir
 
-# llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M and Q6_K.
-FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+# llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and IQ4_NL.
+FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25}
 
 
 def source_gguf() -> Path:

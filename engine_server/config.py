@@ -1149,8 +1149,8 @@ class EngineConfig:
     # greedy output equal to transformers'), "gguf" (a GGUF file's own 4/8-bit blocks), "int8" (8-bit groups of
     # 32 of any model's weights), "fp8" (e4m3 weights with per-channel or block scales, activations per token) or
     # "auto", the default: gguf for a GGUF file on the CPU, where its quality was measured to hold and it is faster
-    # at every batch size (docs/models.md, Quantized weights), fp8 for an FP8 checkpoint on a GPU with e4m3 tensor
-    # cores, none everywhere else.
+    # at every batch size (docs/models.md, Quantized weights), int8 for an MXFP4 checkpoint there (gpt-oss's experts
+    # served as stored), fp8 for an FP8 checkpoint on a GPU with e4m3 tensor cores, none everywhere else.
     quantization: QuantizationMode = "auto"
     # How tool calls are read from the output: "auto" picks the format the chat template implies
     # (engine_server/tools/template.py), a format's name forces it (vLLM's --tool-call-parser).

@@ -420,7 +420,9 @@ def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:
 
 def _mxfp4_source(source: ModelSource) -> bool:
     """Whether `source` is a checkpoint folder whose config declares MXFP4 weights (gpt-oss's released files)."""
-    return not source.random_weights and source.gguf_path is None and is_mxfp4_checkpoint(read_hf_config(source.path))
+    if source.random_weights or source.gguf_path is not None or not (source.path / "config.json").is_file():
+        return False
+    return is_mxfp4_checkpoint(read_hf_config(source.path))
 
 
 def stored_mxfp4_banks(model: CausalLM, source: ModelSource) -> dict[str, StoredWeight]:
@@ -497,7 +499,7 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
 _EXPERT_KINDS = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-    GGMLQuantizationType.MXFP4,
+    GGMLQuantizationType.MXFP4, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
 })  # fmt: skip
 
 

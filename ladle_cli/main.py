@@ -161,9 +161,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          "every row runs, with the prefill that fits 0.15 s on the CPU, 0.06 on CUDA, or 3x a given target; 0: no "
          "cap, batch steps take the whole token budget)",
          type=batch_step_target)
-    _add(parser, "--quantization", "auto", "weights kept quantized: auto (gguf for a GGUF file on the CPU, fp8 "
-         "for an FP8 checkpoint on an sm_89+ GPU, none elsewhere), none (float, the exact path: greedy output equal "
-         "to transformers'), gguf (a GGUF file's own blocks, CPU), int8 (8-bit groups of any model's weights), fp8 "
+    _add(parser, "--quantization", "auto", "weights kept quantized: auto (gguf for a GGUF file on the CPU, int8 "
+         "for an MXFP4 checkpoint there, fp8 for an FP8 checkpoint on an sm_89+ GPU, none elsewhere), none (float, "
+         "the exact path: greedy output equal to transformers'), gguf (a GGUF file's own blocks, CPU), int8 (8-bit "
+         "groups of any model's weights; on the CPU an MXFP4 checkpoint's experts as stored), fp8 "
          "(e4m3 weights per channel or as an FP8 checkpoint stores them, activations per token; on the CPU "
          "dequantized, for loading and measuring)", choices=QUANTIZATION_MODES)
     _add(parser, "--tool-call-parser", "auto", "the format tool calls are read in: auto (the one the chat "

@@ -435,7 +435,7 @@ def _gemma4_metadata(writer: Any, config: dict[str, Any]) -> None:
 
 # Types gguf cannot quantize to (llama.cpp's K-quants): their tensors are written as random blocks
 # (tests.lowbit_blocks), so the file's weights are those blocks' and not the folder's.
-_RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k"}  # GGMLQuantizationType values
+_RANDOM_BLOCK_KINDS = {12: "q4_k", 13: "q5_k", 14: "q6_k", 20: "iq4_nl", 23: "iq4_xs"}  # GGMLQuantizationType values
 
 
 def write_gguf(
@@ -666,7 +666,7 @@ def _write_tensors(
     for index, (gguf_name, (array, kind_type)) in enumerate(tensors.items()):
         if kind_type is None or kind_type == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-        elif kind_type in _RANDOM_BLOCK_KINDS:  # gguf has no K-quant quantizer: blocks drawn, not from `array`
+        elif kind_type in _RANDOM_BLOCK_KINDS:  # gguf has no K-quant or IQ4 quantizer: blocks drawn, not `array`
             from tests.lowbit_blocks import random_blocks
 
             blocks = random_blocks(_RANDOM_BLOCK_KINDS[kind_type], math.prod(array.shape[:-1]), array.shape[-1],

@@ -1,4 +1,5 @@
-"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and MXFP4 as the CPU kernels serve them.
+"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and IQ4_XS, and
+MXFP4, as the CPU kernels serve them.
 
 A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
 the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
@@ -10,7 +11,11 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `q6_k` (super-blocks of 256, sixteen groups of 16): `supers` [N, K/256, 2] float16 (d, 0) and `groups` [N, K/32,
   2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32;
 - `mxfp4` (groups of 32; gpt-oss's experts): `u` the e2m1 codes (0..15) and `groups` [N, K/32, 1] uint8 (the E8M0
-  exponent e): element = E2M1[u] * 2 ** (e - 127), computed as gguf does, twice the value times 2 ** (e - 128).
+  exponent e): element = E2M1[u] * 2 ** (e - 127), computed as gguf does, twice the value times 2 ** (e - 128);
+- `iq4_nl` (groups of 32): `u` the codes (0..15) of IQ4's codebook `IQ4_VALUES` and `groups` [N, K/32, 1] float16
+  (d): element = d * IQ4_VALUES[u];
+- `iq4_xs` (super-blocks of 256): the same codes, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 1] int8
+  (each group's 6-bit scale less 32): element = (d * sc) * IQ4_VALUES[u], in float32.
 `pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h).
 """
 
@@ -25,8 +30,11 @@ from kernels.reference import QUANT_GROUP
 
 SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
-HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0}
+HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0}
 K_QUANTS = frozenset({"q4_k", "q5_k", "q6_k"})
+SUPER_KINDS = K_QUANTS | {"iq4_xs"}  # scaled per super-block of 256: slices fall on them
+# IQ4_NL's (and IQ4_XS's) non-linear codebook (llama.cpp's kvalues_iq4nl).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # Twice each e2m1 code's value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negative (code 8 is -0).
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
@@ -48,7 +56,7 @@ class LowBitWeight:
     @property
     def column_step(self) -> int:
         """The columns a slice of this weight must start and end on: its block's width."""
-        return SUPER_BLOCK if self.kind in K_QUANTS else QUANT_GROUP
+        return SUPER_BLOCK if self.kind in SUPER_KINDS else QUANT_GROUP
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, op for op as the gguf package's dequantizer computes it."""
@@ -57,6 +65,14 @@ class LowBitWeight:
             doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[self.values.long()]
             scale = _e8m0_half_scales(self.groups[..., 0]).repeat_interleave(QUANT_GROUP, dim=1)
             return doubled * scale
+        if self.kind in ("iq4_nl", "iq4_xs"):
+            v = torch.tensor(IQ4_VALUES, dtype=torch.float32)[self.values.long()].reshape(rows, -1, QUANT_GROUP)
+            scale = self.groups[..., 0].float()
+            if self.kind == "iq4_xs":
+                assert self.supers is not None
+                per_group = SUPER_BLOCK // QUANT_GROUP
+                scale = self.supers[..., 0].float().repeat_interleave(per_group, dim=1) * scale
+            return (scale.unsqueeze(-1) * v).reshape(self.shape)
         if self.kind not in K_QUANTS:
             u = self.values.reshape(rows, -1, QUANT_GROUP).float()
             scale, shift = self.groups.float().unbind(-1)
@@ -168,6 +184,13 @@ def _lowbit_tables(
     if kind == "mxfp4":  # the exponents as the scales, [block, group, feature j]; no mins
         exponents = padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
         return packed, exponents, torch.empty(0, dtype=torch.uint8)
+    if kind == "iq4_nl":  # d [block, group, j]; no mins (an empty int8 table names the kind)
+        scales = padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
+        return packed, scales, torch.empty(0, dtype=torch.int8)
+    if kind == "iq4_xs":  # d [block, super, j]; the groups' int8 scales [block, group, j]
+        assert padded.supers is not None
+        supers = padded.supers.reshape(blocks, 8, -1).permute(0, 2, 1).contiguous()
+        return packed, supers, padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
     # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
     table = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1)
     if padded.supers is None:  # Q5_0's mins are -16 * its scales: the kernel computes them (an empty table)
@@ -208,8 +231,11 @@ def unpack_lowbit_rows(
     else:
         high = torch.zeros_like(u)
     values = (u | (high << 4)).reshape(count, -1)
-    if kind == "mxfp4":  # scales [blocks, groups, 8]: the exponents
+    if kind in ("mxfp4", "iq4_nl"):  # scales [blocks, groups, 8]: the exponents, or d
         return LowBitWeight(kind, values, scales[block, :, feature].unsqueeze(-1))
+    if kind == "iq4_xs":  # scales [blocks, supers, 8]: d; mins [blocks, groups, 8]: sc
+        supers = scales[block, :, feature].unsqueeze(-1)
+        return LowBitWeight(kind, values, mins[block, :, feature].unsqueeze(-1), supers)
     if kind in K_QUANTS:  # scales [blocks, supers, 16]: 8 features' d then their dmin; mins likewise sc then m
         supers = torch.stack([scales[block, :, feature], scales[block, :, 8 + feature]], -1)
         table = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
@@ -227,17 +253,34 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     scales[12], qh[32], qs[128]` (qs by 32 bytes: elements 64c + l low, 64c + 32 + l high; bit s of qh[l]: element
     32s + l's fifth; scales: eight 6-bit sc and m packed in 12 bytes); Q6_K `ql[128], qh[64], scales[16] int8, d`
     (ql by 64 bytes per half h of 128: elements 128h + l low, 128h + 64 + l high; qh by 32 per half: bits 2s .. of
-    byte l are element 128h + 32s + l's two high bits); MXFP4 `e, qs[16]` (qs byte j: code j low, j + 16 high)."""
+    byte l are element 128h + 32s + l's two high bits); MXFP4 `e, qs[16]` (qs byte j: code j low, j + 16 high);
+    IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d, scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of
+    32, as IQ4_NL's; group i's scale: nibble i of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it,
+    less 32)."""
     rows = blocks.shape[0]
+    if kind == "mxfp4":  # in uint8 throughout
+        qs = blocks[..., 1:17]
+        values = torch.empty(*qs.shape[:-1], 32, dtype=torch.uint8)
+        torch.bitwise_and(qs, 0x0F, out=values[..., :16])
+        torch.bitwise_right_shift(qs, 4, out=values[..., 16:])
+        return LowBitWeight(kind, values.reshape(rows, -1), blocks[..., :1].clone())
     b = blocks.to(torch.int32)
 
     def half(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: [N, blocks]
         return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
 
-    if kind == "mxfp4":
-        qs = blocks[..., 1:17]
+    if kind == "iq4_nl":
+        qs = blocks[..., 2:18]
         values = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(rows, -1)
-        return LowBitWeight(kind, values, blocks[..., :1].clone())
+        return LowBitWeight(kind, values, half(0).unsqueeze(-1).contiguous())
+    if kind == "iq4_xs":  # per group i of 8: low 4 bits in scales_l's nibble i, high 2 at bit 2i of scales_h
+        scales_h = (b[..., 2] | (b[..., 3] << 8)).unsqueeze(-1) >> (2 * torch.arange(8))
+        scales_l = b[..., 4:8].repeat_interleave(2, -1) >> (4 * (torch.arange(8) % 2))
+        sc = ((scales_l & 0x0F) | ((scales_h & 3) << 4)) - 32
+        qs = blocks[..., 8:136].reshape(rows, -1, 8, 16)
+        values = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(rows, -1)
+        groups = sc.to(torch.int8).reshape(rows, -1, 1)
+        return LowBitWeight(kind, values, groups, half(0).unsqueeze(-1).contiguous())
     if kind in ("q5_0", "q5_1"):
         base = 2 if kind == "q5_0" else 4
         qh = b[..., base] | (b[..., base + 1] << 8) | (b[..., base + 2] << 16) | (b[..., base + 3] << 24)

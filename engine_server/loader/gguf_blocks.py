@@ -1,10 +1,10 @@
 """A GGUF file's quantized blocks parsed as they are (`parse_blocks`): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, llama.cpp's
-K-quants Q4_K, Q5_K and Q6_K, and MXFP4 (gpt-oss's experts), each type's block layout (`BLOCKS`), and their values
-(`dequantize_blocks`).
+K-quants Q4_K, Q5_K and Q6_K, its non-linear IQ4_NL and IQ4_XS, and MXFP4 (gpt-oss's experts), each type's block
+layout (`BLOCKS`), and their values (`dequantize_blocks`).
 
 Block layouts (32 elements each, float16 scales): Q4_0 `d, qs[16]` (element = d * (q - 8)); Q4_1 `d, m, qs[16]`
 (element = d * q + m); Q8_0 `d, qs[32] int8` (element = d * q). A nibble byte j holds element j low and j + 16
-high. The 5-bit, K-quant and MXFP4 blocks are decoded by `layers.lowbit_weight.decode_blocks` (K-quant blocks are
+high. The 5-bit, K-quant, IQ4 and MXFP4 blocks are decoded by `layers.lowbit_weight.decode_blocks` (K-quant blocks are
 256 wide). The values equal gguf's own dequantization bit for bit, in torch (2-3x gguf's numpy on two cores).
 """
 
@@ -22,11 +22,13 @@ BLOCKS = {
     GGMLQuantizationType.Q4_0: (32, 18), GGMLQuantizationType.Q4_1: (32, 20), GGMLQuantizationType.Q8_0: (32, 34),
     GGMLQuantizationType.Q5_0: (32, 22), GGMLQuantizationType.Q5_1: (32, 24), GGMLQuantizationType.Q4_K: (256, 144),
     GGMLQuantizationType.Q5_K: (256, 176), GGMLQuantizationType.Q6_K: (256, 210),
-    GGMLQuantizationType.MXFP4: (32, 17),
+    GGMLQuantizationType.MXFP4: (32, 17), GGMLQuantizationType.IQ4_NL: (32, 18),
+    GGMLQuantizationType.IQ4_XS: (256, 136),
 }  # fmt: skip
 _LOW_BIT = {
     GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
     GGMLQuantizationType.Q5_K: "q5_k", GGMLQuantizationType.Q6_K: "q6_k", GGMLQuantizationType.MXFP4: "mxfp4",
+    GGMLQuantizationType.IQ4_NL: "iq4_nl", GGMLQuantizationType.IQ4_XS: "iq4_xs",
 }  # fmt: skip
 
 

@@ -1,7 +1,8 @@
-// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and of
-// MXFP4 (gpt-oss's experts), kept as the file stores them: the same layout of 8 output features per packed block as
-// the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group of 32 the same way (`quantize_rows`), and per
-// group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane of the values' high bits after it.
+// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), of its
+// non-linear 4-bit types (IQ4_NL, IQ4_XS) and of MXFP4 (gpt-oss's experts), kept as the file stores them: the same
+// layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
+// of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
+// of the values' high bits after it.
 // Contracts: kernels/reference.py `lowbit_linear`.
 //
 // Per packed block b and group g of 32, `kLowBitPlane` + 32 * H bytes (H = high bits a value, 0..2):
@@ -19,10 +20,17 @@
 //           two 16-element halves: 8 features' first, then their second): element = (d * sc) * (u - 32);
 //   kE8M0 (MXFP4, H = 0): `scales` [N / 8, K / 32, 8] uint8, each group's E8M0 exponent e (no mins table), and
 //           the nibbles e2m1 codes: u = kE2M1Offset[code] (twice the code's value, plus 12: 0..24, looked up in
-//           registers), element = 2^(e - 128) * (u - 12), so scale 2^(e - 128) and min -12 * scale, both exact.
+//           registers), element = 2^(e - 128) * (u - 12), so scale 2^(e - 128) and min -12 * scale, both exact;
+//   kCodebook (IQ4_NL, H = 0): `scales` [N / 8, K / 32, 8] float16 d, `mins` an empty int8 tensor, and the nibbles
+//           codes of IQ4_NL's 16-value codebook (kIQ4Values, -127..113): element = d * kIQ4Values[code];
+//   kCodebookSuper (IQ4_XS, H = 0): `scales` [N / 8, K / 256, 8] float16 d and `mins` [N / 8, K / 32, 8] int8 (each
+//           group's scale sc, -32..31): element = (d * sc) * kIQ4Values[code], the scale d * sc in float32.
+//           The codebook kinds' dots are signed: v . xq, where the VNNI instructions take u = v + 128 (unsigned) and
+//           subtract 128 * sum(xq), and AVX2 without them multiplies |xq| by v with xq's signs (exact either way).
 // The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
-// acc += min * dx * sum(xq); for kSuper6 the halves' scales combine the integer dots first, sc0 * (u - 32) . xq
-// over the first half plus sc1 * ... over the second, exactly in int32, then acc += dot * (d * dx). Every row of a
+// acc += min * dx * sum(xq); for the codebook kinds the first of these alone (v . xq); for kSuper6 the halves'
+// scales combine the integer dots first, sc0 * (u - 32) . xq over the first half plus sc1 * ... over the second,
+// exactly in int32, then acc += dot * (d * dx). Every row of a
 // tile runs through the same instructions whatever rows are beside it, so a row's result does not depend on its
 // batch.
 #pragma once
@@ -39,7 +47,22 @@ namespace ladle_quant {
 constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block's group
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
-enum class LowBitScales { kTable, kSuper, kSuper6, kE8M0 };
+enum class LowBitScales { kTable, kSuper, kSuper6, kE8M0, kCodebook, kCodebookSuper };
+
+// Whether a kind's values are IQ4's signed codebook entries (no min; scale d, or d * sc per group).
+constexpr bool is_codebook(LowBitScales s) {
+  return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper;
+}
+// Whether a kind runs on AMX tiles (one float scale and min a group, unsigned values): not Q6_K's halves, and not the
+// codebooks' signed values.
+constexpr bool lowbit_amx(LowBitScales s) { return s != LowBitScales::kSuper6 && !is_codebook(s); }
+
+// IQ4_NL's (and IQ4_XS's) codebook, and each entry plus 128 (the unsigned form the VNNI dots take).
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+alignas(16) constexpr uint8_t kIQ4Offset[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                129, 141, 153, 166, 181, 197, 217, 241};
+constexpr int32_t kIQ4Bias = 128;
 
 // u of each e2m1 code (kE8M0): twice its value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives) plus 12.
 alignas(16) constexpr uint8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -93,8 +116,10 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
   const int32_t* x_totals = xq.totals + m0 * groups;
   const int32_t* x_half = half == nullptr ? nullptr : half + m0 * groups;
   const int8_t* x = xq.row(m0);
-  const at::Half* super =
-      S == LowBitScales::kTable || S == LowBitScales::kE8M0 ? nullptr : t.scales + b * (groups / kSuperGroups) * 16;
+  const int64_t super_width = S == LowBitScales::kCodebookSuper ? kBlock : 2 * kBlock;  // halves per super-block
+  const at::Half* super = S == LowBitScales::kTable || S == LowBitScales::kE8M0 || S == LowBitScales::kCodebook
+                              ? nullptr
+                              : t.scales + b * (groups / kSuperGroups) * super_width;
   alignas(32) float out[R][kBlock];
 #ifdef LADLE_QUANT_AVX2
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -116,9 +141,13 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
       __m256i low = _mm256_and_si256(raw, nibble);
       __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-      if constexpr (S == LowBitScales::kE8M0) {
-        const __m256i codes =
-            _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset)));
+      if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {
+#ifdef LADLE_QUANT_VNNI
+        const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Offset;
+#else  // AVX2's dots take the codebooks' values signed
+        const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Values;
+#endif
+        const __m256i codes = _mm256_broadcastsi128_si256(_mm_load_si128(static_cast<const __m128i*>(table)));
         low = _mm256_shuffle_epi8(codes, low);
         high = _mm256_shuffle_epi8(codes, high);
       } else if constexpr (H == 1) {
@@ -143,12 +172,42 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         first[r] = _mm256_dpbusd_epi32(first[r], low, _mm256_set1_epi32(x_low));
         other = _mm256_dpbusd_epi32(other, high, _mm256_set1_epi32(x_high));
 #else  // u <= 63: each int16 pair sum fits (63 * 127 * 2), widened to int32 per chunk
+        if constexpr (is_codebook(S)) {  // |xq| times v with xq's sign: |v|, |xq| <= 127, so the pairs fit too
+          const __m256i xl = _mm256_set1_epi32(x_low), xh = _mm256_set1_epi32(x_high);
+          const __m256i pl = _mm256_maddubs_epi16(_mm256_abs_epi8(xl), _mm256_sign_epi8(low, xl));
+          const __m256i ph = _mm256_maddubs_epi16(_mm256_abs_epi8(xh), _mm256_sign_epi8(high, xh));
+          first[r] = _mm256_add_epi32(first[r], _mm256_madd_epi16(pl, ones));
+          other = _mm256_add_epi32(other, _mm256_madd_epi16(ph, ones));
+          continue;
+        }
         first[r] = _mm256_add_epi32(first[r], _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)), ones));
         other = _mm256_add_epi32(other, _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high)), ones));
 #endif
       }
     }
-    if constexpr (S == LowBitScales::kSuper6) {
+    if constexpr (is_codebook(S)) {
+      __m256 scale;
+      if constexpr (S == LowBitScales::kCodebook) {
+        const at::Half* d = t.scales + (b * groups + g) * kBlock;
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+      } else {
+        const at::Half* d = super + (g / kSuperGroups) * kBlock;
+        const uint8_t* sc = t.small + (b * groups + g) * kBlock;
+        const __m256i sc32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+        scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d))),
+                              _mm256_cvtepi32_ps(sc32));
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+#ifdef LADLE_QUANT_VNNI
+        const __m256i dot = _mm256_sub_epi32(first[r], _mm256_set1_epi32(kIQ4Bias * x_totals[r * groups + g]));
+#else
+        const __m256i dot = first[r];
+#endif
+        const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), row_scale, acc[r]);
+      }
+    } else if constexpr (S == LowBitScales::kSuper6) {
       const at::Half* d_half = super + (g / kSuperGroups) * 16;
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half)));
       const uint8_t* sc = t.small + (b * groups + g) * 16;
@@ -201,7 +260,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w = block + g * bytes;
     for (int64_t j = 0; j < kBlock; ++j) {
-      uint8_t u[kGroup];  // feature j's values of this group
+      int32_t u[kGroup];  // feature j's values of this group (the codebooks' signed)
       for (int64_t c = 0; c < 4; ++c) {
         for (int64_t i = 0; i < 4; ++i) {
           const int64_t at = 4 * j + i;
@@ -215,12 +274,16 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
             low |= (bits & 3) << 4;
             high |= ((bits >> 2) & 3) << 4;
           }
+          int32_t first_value = static_cast<int32_t>(low), second_value = static_cast<int32_t>(high);
           if (S == LowBitScales::kE8M0) {
-            low = kE2M1Offset[low];
-            high = kE2M1Offset[high];
+            first_value = kE2M1Offset[low];
+            second_value = kE2M1Offset[high];
+          } else if (is_codebook(S)) {
+            first_value = kIQ4Values[low];
+            second_value = kIQ4Values[high];
           }
-          u[4 * c + i] = static_cast<uint8_t>(low);
-          u[16 + 4 * c + i] = static_cast<uint8_t>(high);
+          u[4 * c + i] = first_value;
+          u[16 + 4 * c + i] = second_value;
         }
       }
       float scale = 0.f, min = 0.f;
@@ -228,6 +291,11 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       if (S == LowBitScales::kE8M0) {
         scale = e8m0_half_scale(t.small[(b * groups + g) * kBlock + j]);
         min = scale * kE2M1Min;
+      } else if (S == LowBitScales::kCodebook) {
+        scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
+      } else if (S == LowBitScales::kCodebookSuper) {
+        const int8_t sc = static_cast<int8_t>(t.small[(b * groups + g) * kBlock + j]);
+        scale = to_float(super[(g / kSuperGroups) * kBlock + j]) * static_cast<float>(sc);
       } else if (S == LowBitScales::kTable) {
         scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
         min = t.mins == nullptr ? scale * -16.f : to_float(t.mins[(b * groups + g) * kBlock + j]);
@@ -255,7 +323,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
           out[r][j] = std::fma(static_cast<float>(dot), row_scale, out[r][j]);
         } else {
           out[r][j] = std::fma(static_cast<float>(dot0 + dot1), row_scale, out[r][j]);
-          out[r][j] = std::fma(min, x_sums[r * groups + g], out[r][j]);
+          if (!is_codebook(S)) out[r][j] = std::fma(min, x_sums[r * groups + g], out[r][j]);
         }
       }
     }
@@ -310,8 +378,9 @@ inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512
   const __m512i raw = lowbit_pair(w0 + C * 32, w1 + C * 32);
   low = _mm512_and_si512(raw, nibble);
   high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-  if constexpr (S == LowBitScales::kE8M0) {
-    const __m512i codes = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset)));
+  if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {  // the codebooks unsigned: v + 128
+    const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Offset;
+    const __m512i codes = _mm512_broadcast_i32x4(_mm_load_si128(static_cast<const __m128i*>(table)));
     low = _mm512_shuffle_epi8(codes, low);
     high = _mm512_shuffle_epi8(codes, high);
   } else if constexpr (H == 1) {  // bit 2C of a byte is its low element's, bit 2C + 1 its high element's
@@ -334,11 +403,25 @@ inline void for_each_chunk(F&& f) {
   f(std::integral_constant<int, 3>{});
 }
 
-// Group g's scales and mins of blocks b and b + 1 (kTable, kSuper, kE8M0) as 16 floats each: lowbit_tile's values.
+// Group g's scales and mins of blocks b and b + 1 (kTable, kSuper, kE8M0; the codebooks' scales, min zero) as 16
+// floats each: lowbit_tile's values.
 template <LowBitScales S>
 inline void lowbit_pair_scales(const LowBitTables& t, int64_t b, int64_t g, int64_t groups, __m512& scale,
                                __m512& min) {
-  if constexpr (S == LowBitScales::kE8M0) {  // as e8m0_half_scales, 16 lanes
+  if constexpr (S == LowBitScales::kCodebook) {
+    const int64_t at0 = (b * groups + g) * kBlock;
+    scale = lowbit_halves(t.scales + at0, t.scales + at0 + groups * kBlock);
+    min = _mm512_setzero_ps();
+  } else if constexpr (S == LowBitScales::kCodebookSuper) {
+    const int64_t supers = groups / kSuperGroups;
+    const at::Half* d0 = t.scales + (b * supers + g / kSuperGroups) * kBlock;
+    const int8_t* sc0 = reinterpret_cast<const int8_t*>(t.small) + (b * groups + g) * kBlock;
+    const __m512 d = lowbit_halves(d0, d0 + supers * kBlock);
+    const __m128i sc = lowbit_bytes16(reinterpret_cast<const uint8_t*>(sc0),
+                                      reinterpret_cast<const uint8_t*>(sc0 + groups * kBlock));
+    scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    min = _mm512_setzero_ps();
+  } else if constexpr (S == LowBitScales::kE8M0) {  // as e8m0_half_scales, 16 lanes
     const uint8_t* e0 = t.small + (b * groups + g) * kBlock;
     const __m512i e = _mm512_cvtepu8_epi32(lowbit_bytes16(e0, e0 + groups * kBlock));
     const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
@@ -428,6 +511,11 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[r * groups + g]));
+        if constexpr (is_codebook(S)) {  // v . xq = u . xq - 128 * sum(xq)
+          const __m512i dot = _mm512_sub_epi32(first[r], _mm512_set1_epi32(kIQ4Bias * x_totals[r * groups + g]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, acc[r]);
+          continue;
+        }
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[r]), row_scale, acc[r]);
         acc[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[r * groups + g]), acc[r]);
       }
@@ -450,7 +538,7 @@ constexpr bool kLowBitPairs = true;
 template <int64_t H, LowBitScales S>
 void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowBitTables& t, int64_t b,
                         int64_t groups, UnpackedPair& out) {
-  static_assert(S != LowBitScales::kSuper6, "Q6_K's halves take two scales a group: not an AMX tile's one");
+  static_assert(lowbit_amx(S), "Q6_K's halves take two scales a group, the codebooks signed values: not AMX's");
   const int64_t bytes = lowbit_group_bytes(H);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w0 = block0 + g * bytes;
@@ -491,7 +579,7 @@ void lowbit_rows(const QuantizedRows& xq, const int32_t* half, int64_t first, in
   const int64_t cols = std::min(kBlock, n_rows - b * kBlock);
   float* columns = y + b * kBlock;
 #ifdef LADLE_QUANT_AMX
-  if constexpr (S != LowBitScales::kSuper6) {
+  if constexpr (lowbit_amx(S)) {
     if (scratch != nullptr && paired && last - first >= kAmxMinRows) {
       unpack_lowbit_pair<H, S>(block, block + block_bytes, t, b, groups, *scratch);
       const int64_t both = std::min(2 * kBlock, n_rows - b * kBlock);

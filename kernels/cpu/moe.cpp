@@ -4,13 +4,13 @@
 // moe_packed: x [T, H] float32; each token's chosen `experts` [T, k] int64 and routing `weights` [T, k] float32;
 // every expert's gate/up rows as one packed weight (`pack_q4` / `pack_q8` of cat(gate_e, up_e), stacked:
 // w13 [E, 2I / 8, H / 32, P, 128], scales and mins [E, 2I / 8, H / 32, 8]) and its down rows (w2 [E, H / 8,
-// I / 32, P', 128], ...), or either bank in the 5-bit, K-quant and MXFP4 blocks of lowbit_tiles.h (`pack_lowbit` of
-// each expert, stacked: w13 [E, 2I / 8, H / 32, 1, 128 + 32 * high bits], its tables with E first; Q5_0's and
-// MXFP4's mins [E, 0]), gate/up in one type and down in one type, told apart as packed_linear tells them. Returns
-// [T, H]: sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j] (act: SiLU, or with
-// `gelu` GELU's tanh form, Gemma 4's), each product as `packed_linear` computes it (x and the hidden activations
-// quantized to 8 bits per group of 32), the k terms added in ascending expert order (as transformers sums them).
-// gpt-oss's experts: with `b13` [E, 2I] and `b2` [E, H]
+// I / 32, P', 128], ...), or either bank in the 5-bit, K-quant, IQ4 and MXFP4 blocks of lowbit_tiles.h (`pack_lowbit`
+// of each expert, stacked: w13 [E, 2I / 8, H / 32, 1, 128 + 32 * high bits], its tables with E first; Q5_0's,
+// IQ4_NL's and MXFP4's mins [E, 0]), gate/up in one type and down in one type, told apart as packed_linear tells
+// them. Returns [T, H]: sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)) for e = experts[t, j] (act:
+// SiLU, or with `gelu` GELU's tanh form, Gemma 4's), each product as `packed_linear` computes it (x and the hidden
+// activations quantized to 8 bits per group of 32), the k terms added in ascending expert order (as transformers
+// sums them). gpt-oss's experts: with `b13` [E, 2I] and `b2` [E, H]
 // (float32) each product adds its expert's bias, and with `swiglu_limit` > 0 the activation is its clamped SwiGLU
 // (`clamped_swiglu`, pointwise.cpp) of gate_e(x_t) + b13[e] and up's.
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
@@ -54,8 +54,8 @@ using namespace ladle_quant;
 
 // One packed bank of experts: E weights of n_rows output features each, stacked. `high_bits` -1: `pack_q4` /
 // `pack_q8`'s blocks of `planes` planes (quant_matmul.cpp); 0..2: lowbit_tiles.h's (`pack_lowbit`: Q5_0, Q5_1,
-// Q4_K, Q5_K, Q6_K, MXFP4) with that many high-bit planes and scales of kind `lowbit`. Each expert's tensors lie
-// `*_stride` elements after the one before.
+// Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4) with that many high-bit planes and scales of kind `lowbit`. Each
+// expert's tensors lie `*_stride` elements after the one before.
 struct Bank {
   const uint8_t* packed;
   const at::Half* scales;  // nullptr for MXFP4 (its exponents are `small`)
@@ -101,6 +101,25 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
     bank.scales = nullptr;
     bank.small = scales.data_ptr<uint8_t>();
     bank.mins_stride = scales.numel() / experts;
+    return;
+  }
+  if (mins.scalar_type() == at::kChar && high_bits == 0) {  // the IQ4 codebook: int8 group scales, or none
+    const bool super = mins.numel() != 0;
+    LADLE_CHECK(!super || groups % kSuperGroups == 0,
+                "%s: IQ4_XS super-blocks are 256 wide: K = %lld is not a multiple", what,
+                static_cast<long long>(groups * kGroup));
+    const int64_t scale_groups = super ? groups / kSuperGroups : groups;
+    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                    scales.size(2) == scale_groups && scales.size(3) == kBlock && scales.scalar_type() == at::kHalf &&
+                    scales.is_contiguous() &&
+                    (!super || (mins.dim() == 4 && mins.size(1) == blocks && mins.size(2) == groups &&
+                                mins.size(3) == kBlock && mins.is_contiguous())),
+                "%s's IQ4 tables must be contiguous [E, N / 8, K / 32 (IQ4_NL) or K / 256 (IQ4_XS), 8] float16 scales "
+                "and, for IQ4_XS, [E, N / 8, K / 32, 8] int8 group scales (IQ4_NL: empty)",
+                what);
+    bank.lowbit = super ? LowBitScales::kCodebookSuper : LowBitScales::kCodebook;
+    bank.small = super ? static_cast<const uint8_t*>(mins.data_ptr()) : nullptr;
+    bank.mins_stride = mins.numel() / experts;
     return;
   }
   if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
@@ -244,7 +263,7 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
 template <int64_t H, LowBitScales S>
 void run_lowbit_bank(const QuantizedRows& rows, const int32_t* half, const std::vector<int64_t>& start,
                      const Bank& bank, float* y) {
-  const bool amx = S != LowBitScales::kSuper6 && kLowBitPairs && amx_enabled();
+  const bool amx = lowbit_amx(S) && kLowBitPairs && amx_enabled();
   const int64_t span = kLowBitPairs ? 2 : 1;
   share_items(start, bank.blocks, bank.groups, span, amx, [&](int64_t e, int64_t b, UnpackedPair* scratch) {
     const bool paired = kLowBitPairs && b + 1 < bank.blocks;
@@ -265,6 +284,10 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
       return run_lowbit_bank<1, LowBitScales::kSuper>(rows, nullptr, start, bank, y);
     case LowBitScales::kE8M0:
       return run_lowbit_bank<0, LowBitScales::kE8M0>(rows, nullptr, start, bank, y);
+    case LowBitScales::kCodebook:
+      return run_lowbit_bank<0, LowBitScales::kCodebook>(rows, nullptr, start, bank, y);
+    case LowBitScales::kCodebookSuper:
+      return run_lowbit_bank<0, LowBitScales::kCodebookSuper>(rows, nullptr, start, bank, y);
     case LowBitScales::kSuper6: {
       const at::Tensor half = half_totals(rows, start.back());
       return run_lowbit_bank<2, LowBitScales::kSuper6>(rows, half.data_ptr<int32_t>(), start, bank, y);

@@ -26,8 +26,9 @@
 // the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
 // the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
 // float32 rounding (the reference sums in float64).
-// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and MXFP4 go through the same
-// entry point in their own layout (lowbit_tiles.h), told apart by their tables' types and their groups' bytes.
+// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), IQ4_NL, IQ4_XS and MXFP4 go
+// through the same entry point in their own layout (lowbit_tiles.h), told apart by their tables' types and their
+// groups' bytes.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -159,7 +160,7 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
                 const LowBitTables& tables, int64_t blocks, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup;
   // AMX tiles for 12 rows or more, as the 4-bit products take them (not Q6_K: two scales a group).
-  const bool amx = S != LowBitScales::kSuper6 && kLowBitPairs && m_rows >= kAmxMinRows && amx_enabled();
+  const bool amx = lowbit_amx(S) && kLowBitPairs && m_rows >= kAmxMinRows && amx_enabled();
   const bool pairs = kLowBitPairs && (m_rows > 1 || !single_blocks_for_one_row());
   const int64_t tile = amx ? kAmxRows : kRowTile;
   const int64_t chunk = std::max<int64_t>(tile, kRowChunkBytes / k / tile * tile);
@@ -200,6 +201,25 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
                 "MXFP4 exponents must be a contiguous [N / 8, K / 32, 8] uint8 tensor (mins empty)");
     const LowBitTables tables{nullptr, nullptr, scales.data_ptr<uint8_t>()};
     return run_lowbit<0, LowBitScales::kE8M0>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
+  }
+  if (mins.scalar_type() == at::kChar && high_bits == 0) {  // the IQ4 codebook: int8 group scales, or none
+    const bool super = mins.numel() != 0;
+    LADLE_CHECK(!super || groups % kSuperGroups == 0, "IQ4_XS super-blocks are 256 wide: K = %lld is not a multiple",
+                static_cast<long long>(groups * kGroup));
+    const int64_t scale_groups = super ? groups / kSuperGroups : groups;
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == scale_groups &&
+                    scales.size(2) == kBlock && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                    (!super || (mins.dim() == 3 && mins.size(0) == blocks && mins.size(1) == groups &&
+                                mins.size(2) == kBlock && mins.is_contiguous())),
+                "IQ4 tables must be contiguous [N / 8, K / 32 (IQ4_NL) or K / 256 (IQ4_XS), 8] float16 scales and, for "
+                "IQ4_XS, [N / 8, K / 32, 8] int8 group scales (IQ4_NL: empty)");
+    const LowBitTables tables{scales.data_ptr<at::Half>(), nullptr,
+                              super ? static_cast<const uint8_t*>(mins.data_ptr()) : nullptr};
+    if (super) {
+      return run_lowbit<0, LowBitScales::kCodebookSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y,
+                                                         y_stride);
+    }
+    return run_lowbit<0, LowBitScales::kCodebook>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
   if (mins.scalar_type() == at::kHalf) {  // kTable: 5-bit values with a scale and a min a group
     LADLE_CHECK(high_bits == 1, "5-bit groups (float16 scales and mins) take one high-bit plane, not %lld",

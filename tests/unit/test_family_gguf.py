@@ -446,19 +446,21 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
 @pytest.mark.parametrize(
     ("attention", "feed_forward"),
     [(GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q6_K),
-     (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K)],
-    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k"],
+     (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K),
+     (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)],
+    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs"],
 )  # fmt: skip
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A Phi-3 256 wide (every row whole K-quant super-blocks) with its attention in a 5- or 8-bit type and its MLP
-    in a K-quant (random blocks: gguf has no K-quant quantizer), served from the file's blocks: every projection's
-    weight as read is the file's float weight (what `--quantization none` serves) bit for bit, and the served model
-    is close to its float path. The blocks are random, not quantized from trained-like weights, so the activations'
-    8-bit rounding moves these logits more than a real model's: the thresholds are looser than the real files'
-    (benchmarks/results/quality_kquant.jsonl), and far below what a misread block gives (KL of nats)."""
+    in a K-quant, or both in llama.cpp's IQ4 types (random blocks: gguf has no K-quant or IQ4 quantizer), served
+    from the file's blocks: every projection's weight as read is the file's float weight (what `--quantization none`
+    serves) bit for bit, and the served model is close to its float path. The blocks are random, not quantized from
+    trained-like weights, so the activations' 8-bit rounding moves these logits more than a real model's: the
+    thresholds are looser than the real files' (benchmarks/results/quality_kquant.jsonl), and far below what a
+    misread block gives (KL of nats)."""
     folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
     gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
     stored = keep_stored_weights(monkeypatch)

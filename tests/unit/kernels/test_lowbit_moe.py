@@ -1,5 +1,5 @@
-"""Banks of experts in GGUF's 5-bit types, llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and MXFP4 through the
-quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp` over lowbit_tiles.h):
+"""Banks of experts in GGUF's 5-bit types, llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), IQ4 and MXFP4 through
+the quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp` over lowbit_tiles.h):
 each expert's product bit for bit the dense layers' (`QuantizedLinear` on the same blocks), a token's result alone
 and in any batch (AMX tiles or not), its input checks, and a GGUF bank's slices under tensor parallelism
 (`quantization._stored_experts`) on whole K-quant super-blocks. Their match with `kernels.reference.quantized_moe`
@@ -33,7 +33,8 @@ from tests.unit.kernels.test_quant_moe import (
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 
 @pytest.mark.parametrize(
-    ("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4")]
+    ("gate_up", "down"),
+    [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4"), ("iq4_xs", "iq4_nl")],
 )
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:
     """A token sent to one expert with weight 1 gets down(silu_and_mul(gate_up(x))) of `QuantizedLinear`s on that
@@ -60,7 +61,8 @@ def crowded_routing(tokens: int, experts: int, gen: torch.Generator) -> tuple[to
 
 
 @pytest.mark.parametrize(
-    ("gate_up", "down"), [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k"), ("mxfp4", "mxfp4")]
+    ("gate_up", "down"),
+    [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k"), ("mxfp4", "mxfp4"), ("iq4_nl", "iq4_xs")],
 )
 def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -> None:
     gen = torch.Generator().manual_seed(23)
@@ -115,6 +117,10 @@ def test_malformed_lowbit_banks_are_refused() -> None:
     with pytest.raises(RuntimeError, match="w2's MXFP4 exponents must be"):
         torch.ops.ladle_cpu.moe_packed(torch.randn(2, 96), chosen, weights, *fp4[:4], fp4[4][..., :4].contiguous(),
                                        fp4[5], 64)  # fmt: skip
+    iq4 = QuantizedExperts(random_bank(3, 256, 256, "iq4_xs", "iq4_xs", gen))
+    four = [iq4.w13, iq4.w13_scales, iq4.w13_mins, iq4.w2, iq4.w2_scales, iq4.w2_mins]
+    with pytest.raises(RuntimeError, match="w13's IQ4 tables must be"):
+        torch.ops.ladle_cpu.moe_packed(x, chosen, weights, four[0], four[1][:, :, :, :4].contiguous(), *four[2:], 256)
 
 
 def test_gate_and_up_in_different_formats_are_refused() -> None:

@@ -88,7 +88,7 @@ CASES = [
     (5, 4, 2, 96, 64, "q8", "q8"),
     (13, 8, 3, 64, 96, "q4", "q8"),
     (40, 6, 1, 128, 32, "q8", "q4"),
-    # The 5-bit, K-quant and MXFP4 kinds (test_lowbit_moe.py): every kind as gate/up and as down,
+    # The 5-bit, K-quant, IQ4 and MXFP4 kinds (test_lowbit_moe.py): every kind as gate/up and as down,
     # K-quants over one and several super-blocks, a Q4_K_M file's pairs (Q4_K with Q6_K, Q5_0 with Q8_0 fallbacks),
     # one decode row, ragged row tiles, and an expert with more rows than AMX's kAmxMinRows.
     (1, 4, 2, 256, 256, "q4_k", "q6_k"),
@@ -101,6 +101,8 @@ CASES = [
     (6, 4, 1, 256, 64, "q4", "q5_1"),
     (8, 4, 2, 96, 64, "mxfp4", "mxfp4"),  # gpt-oss's files
     (15, 4, 2, 256, 64, "mxfp4", "q8"),
+    (9, 4, 2, 256, 256, "iq4_xs", "iq4_nl"),  # IQ4_XS files (IQ4_NL where a row is not whole super-blocks)
+    (14, 5, 2, 96, 64, "iq4_nl", "q5_0"),
 ]
 
 
