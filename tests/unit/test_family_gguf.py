@@ -271,7 +271,7 @@ def test_a_moe_gguf_split_over_two_ranks_serves_each_ranks_slice_of_the_expert_b
 # down in Q6_K or Q4_K, with Q5_0 / Q5_1 where a row is not whole super-blocks; every type here is some layer's.
 K_QUANT_EXPERTS = [
     (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K), (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q5_0),
-    (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1),
+    (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.IQ4_XS, GGMLQuantizationType.IQ4_NL),
 ]  # fmt: skip
 
 
@@ -279,10 +279,11 @@ def test_a_moe_gguf_with_k_quant_experts_is_served_from_their_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Qwen3-MoE 256 wide (every expert's rows whole K-quant super-blocks) whose banks of experts are in a Q4_K_M
-    file's types (`K_QUANT_EXPERTS`: random blocks for the K-quants, gguf has no K-quant quantizer), attention in
-    Q8_0: served from the file's blocks, every bank is a `QuantizedExperts` in its layer's types, each expert's
-    weights as read are the gguf package's dequantization of its slice of the file's 3-D tensors bit for bit, and
-    the served model is close to its float path (the thresholds of the K-quant test above: random blocks)."""
+    file's types and an IQ4_XS file's (`K_QUANT_EXPERTS`: random blocks, gguf has no K-quant or IQ4 quantizer),
+    attention in Q8_0: served from the file's blocks, every bank is a `QuantizedExperts` in its layer's types, each
+    expert's weights as read are the gguf package's dequantization of its slice of the file's 3-D tensors bit for
+    bit, and the served model is close to its float path (the thresholds of the K-quant test above: random
+    blocks)."""
     folder = save_family(
         tmp_path / "hf", "qwen3-moe", head_spread=0.5, mlp_only_layers=[], hidden_size=256, moe_intermediate_size=256
     )
