@@ -67,6 +67,12 @@ def utc_timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def report_result(out: Path | None, result: dict[str, Any]) -> None:
+    """Print `result` as indented JSON and append it to `out` (`append_result`)."""
+    print(json.dumps(result, indent=2))
+    append_result(out, result)
+
+
 def append_result(out: Path | None, result: dict[str, Any]) -> None:
     """Append `result` as one JSON line to `out` (creating its folder); nothing when `out` is None."""
     if out is None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import multiprocessing
 import resource
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp, write_gpt2_tokenizer
+from benchmarks.common import cpu_model_name, git_commit, report_result, utc_timestamp, write_gpt2_tokenizer
 from benchmarks.offline import bench_ladle, bench_llama_cpp, make_workload
 from engine_server.loader import resolve_model
 from engine_server.loader.source import default_cache_dir
@@ -183,12 +182,28 @@ def _measure(system: str, path: str, prompts: list[list[int]], output_len: int, 
     queue.put(timed)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The one-stream workload's arguments and `--out` (this module's and `benchmarks.gpt_oss_mxfp4`'s)."""
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per system; the median's figures")
     parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
+
+
+def measure_in_child(system: str, path: Path, prompts: list[list[int]], output_len: int, repeats: int) -> Any:
+    """`_measure` of `system` on `path` in a process of its own (spawned: nothing of this one's memory shared)."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_measure, args=(system, str(path), prompts, output_len, repeats, queue))
+    process.start()
+    measured = queue.get()
+    process.join()
+    return measured
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     path = gpt_oss_gguf()
@@ -196,14 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = make_workload(1, args.input_len, 49152, 0)
     systems: dict[str, Any] = {}
     names = ["ladle"] + (["llama_cpp"] if importlib.util.find_spec("llama_cpp") is not None else [])
-    context = multiprocessing.get_context("spawn")
     for system in names:
-        queue = context.Queue()
-        process = context.Process(target=_measure,
-                                  args=(system, str(path), prompts, args.output_len, args.repeats, queue))  # fmt: skip
-        process.start()
-        systems[system] = queue.get()
-        process.join()
+        systems[system] = measure_in_child(system, path, prompts, args.output_len, args.repeats)
         print(f"{system}: {systems[system]}", flush=True)
     llama, ours = (systems.get(name, {}).get("output_tok_per_s") for name in ("llama_cpp", "ladle"))
     result = {
@@ -217,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "systems": systems,
         "ratio_vs_llama_cpp": round(ours / llama, 3) if ours and llama else None,
     }  # fmt: skip
-    print(json.dumps(result, indent=2))
-    append_result(args.out, result)
+    report_result(args.out, result)
     return 0
 
 

@@ -25,8 +25,19 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
-from benchmarks.gpt_oss_gguf import EXPERT_WIDTH, EXPERTS, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, _measure
+from benchmarks.common import cpu_model_name, git_commit, report_result, utc_timestamp
+from benchmarks.gpt_oss_gguf import (
+    EXPERT_WIDTH,
+    EXPERTS,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    add_run_arguments,
+    measure_in_child,
+)
 from benchmarks.offline import make_workload
 from engine_server.loader import resolve_model
 from engine_server.loader.source import default_cache_dir
@@ -97,23 +108,14 @@ def gpt_oss_mxfp4_folder(cache: Path | None = None) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median's figures")
-    parser.add_argument("--out", type=Path, help="append the JSON result to this .jsonl file")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     folder = gpt_oss_mxfp4_folder()
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1024**3
     print(f"{folder}: {size:.2f} GiB ({time.perf_counter() - started:.0f} s)", flush=True)
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
     prompts = make_workload(1, args.input_len, 49152, 0)
-    process = context.Process(target=_measure,
-                              args=("ladle", str(folder), prompts, args.output_len, args.repeats, queue))  # fmt: skip
-    process.start()
-    ladle: dict[str, Any] = queue.get()
-    process.join()
+    ladle: dict[str, Any] = measure_in_child("ladle", folder, prompts, args.output_len, args.repeats)
     result = {
         "benchmark": "gpt_oss_mxfp4", "time": utc_timestamp(), "commit": git_commit(),
         "command": "python -m benchmarks.gpt_oss_mxfp4 " + " ".join(argv or []),
@@ -123,8 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "ignore_eos": True, "repeats": args.repeats},
         "systems": {"ladle": ladle},
     }  # fmt: skip
-    print(json.dumps(result, indent=2))
-    append_result(args.out, result)
+    report_result(args.out, result)
     return 0
 
 

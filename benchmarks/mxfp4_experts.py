@@ -13,7 +13,6 @@ over a run of calls. Both products are the same to float32 rounding (checked bef
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import cast
 
 import torch
 
-from benchmarks.common import append_result, cpu_model_name, git_commit, utc_timestamp
+from benchmarks.common import cpu_model_name, git_commit, report_result, utc_timestamp
 from engine_server.layers.lowbit_weight import E2M1_DOUBLED, LowBitWeight
 from engine_server.layers.quantized_experts import QuantizedExperts, expert_weights
 from engine_server.layers.quantized_linear import QuantizedWeight
@@ -111,8 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "packed_gb": {kind: _packed_gb(bank) for kind, bank in banks.items()}},
         "relative_difference": difference, "workloads": workloads,
     }  # fmt: skip
-    print(json.dumps(result, indent=2))
-    append_result(args.out, result)
+    report_result(args.out, result)
     return 0
 
 
