@@ -29,7 +29,7 @@ import numpy as np
 from engine_server.loader.source import default_cache_dir
 
 # llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and IQ4_NL.
-FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25}
+FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25, "q3_k_s": 11}
 
 
 def source_gguf() -> Path:

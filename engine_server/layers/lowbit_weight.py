@@ -1,5 +1,5 @@
-"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and IQ4_XS, and
-MXFP4, as the CPU kernels serve them.
+"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q3_K, Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and IQ4_XS,
+and MXFP4, as the CPU kernels serve them.
 
 A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
 the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
@@ -9,7 +9,8 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `q4_k` / `q5_k` (super-blocks of 256, eight groups of 32): `supers` [N, K/256, 2] float16 (d, dmin) and `groups`
   [N, K/32, 2] uint8 (the 6-bit sc, m): element = (d * sc) * u - dmin * m, in float32;
 - `q6_k` (super-blocks of 256, sixteen groups of 16): `supers` [N, K/256, 2] float16 (d, 0) and `groups` [N, K/32,
-  2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32;
+  2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32; `q3_k` likewise
+  with 3-bit values (0..7) and each half's 6-bit scale less 32: element = (d * sc) * (u - 4);
 - `mxfp4` (groups of 32; gpt-oss's experts): `u` the e2m1 codes (0..15) and `groups` [N, K/32, 1] uint8 (the E8M0
   exponent e): element = E2M1[u] * 2 ** (e - 127), computed as gguf does, twice the value times 2 ** (e - 128);
 - `iq4_nl` (groups of 32): `u` the codes (0..15) of IQ4's codebook `IQ4_VALUES` and `groups` [N, K/32, 1] float16
@@ -30,8 +31,10 @@ from kernels.reference import QUANT_GROUP
 
 SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
-HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0}
-K_QUANTS = frozenset({"q4_k", "q5_k", "q6_k"})
+HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0}
+K_QUANTS = frozenset({"q3_k", "q4_k", "q5_k", "q6_k"})
+# The value offsets of the kinds scaled per half of a group (16 elements): element = (d * sc) * (u - offset).
+HALF_GROUP_OFFSETS = {"q6_k": 32, "q3_k": 4}
 SUPER_KINDS = K_QUANTS | {"iq4_xs"}  # scaled per super-block of 256: slices fall on them
 # IQ4_NL's (and IQ4_XS's) non-linear codebook (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -81,8 +84,8 @@ class LowBitWeight:
             return (scale.unsqueeze(-1) * u + shift.unsqueeze(-1)).reshape(self.shape)
         assert self.supers is not None
         d, dmin = self.supers.float().unbind(-1)
-        if self.kind == "q6_k":
-            u = self.values.reshape(rows, -1, QUANT_GROUP // 2).float() - 32.0
+        if self.kind in HALF_GROUP_OFFSETS:
+            u = self.values.reshape(rows, -1, QUANT_GROUP // 2).float() - float(HALF_GROUP_OFFSETS[self.kind])
             sc = self.groups.reshape(rows, -1).float()
             return ((d.repeat_interleave(16, dim=1) * sc).unsqueeze(-1) * u).reshape(self.shape)
         u = self.values.reshape(rows, -1, QUANT_GROUP).float()
@@ -254,9 +257,11 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     32s + l's fifth; scales: eight 6-bit sc and m packed in 12 bytes); Q6_K `ql[128], qh[64], scales[16] int8, d`
     (ql by 64 bytes per half h of 128: elements 128h + l low, 128h + 64 + l high; qh by 32 per half: bits 2s .. of
     byte l are element 128h + 32s + l's two high bits); MXFP4 `e, qs[16]` (qs byte j: code j low, j + 16 high);
-    IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d, scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of
-    32, as IQ4_NL's; group i's scale: nibble i of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it,
-    less 32)."""
+    Q3_K `hmask[32], qs[64], scales[12], d` (element 128h + 32j + l: bits 2j .. 2j + 1 of qs[32h + l], over them bit
+    4h + j of hmask[l]; sixteen 6-bit scales of 16 elements: their low 4 bits the nibbles of scales[0..7], low ones
+    first, their high 2 bits 2k .. 2k + 1 of scales[8..11], less 32); IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
+    scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of 32, as IQ4_NL's; group i's scale: nibble i
+    of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it, less 32)."""
     rows = blocks.shape[0]
     if kind == "mxfp4":  # in uint8 throughout
         qs = blocks[..., 1:17]
@@ -303,6 +308,17 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
             low = low | (((qh.unsqueeze(-2) >> torch.arange(8).view(8, 1)) & 1).reshape(rows, -1, 256) << 4)
         groups = torch.stack([sc, m], -1).to(torch.uint8).reshape(rows, -1, 2)
         return LowBitWeight(kind, low.to(torch.uint8).reshape(rows, -1), groups, torch.stack([d, dmin], -1))
+    if kind == "q3_k":  # element 128h + 32j + l: bits 2j of qs[32h + l], bit 4h + j of hmask[l]; scales as below
+        qs = b[..., 32:96].reshape(rows, -1, 2, 1, 32)
+        low = (qs >> (2 * torch.arange(4)).view(4, 1)) & 3  # [h, j, l]
+        high = (b[..., 0:32].unsqueeze(-2) >> torch.arange(8).view(8, 1)) & 1  # [4h + j, l]
+        values = (low.reshape(rows, -1, 256) | (high.reshape(rows, -1, 256) << 2)).to(torch.uint8).reshape(rows, -1)
+        s = b[..., 96:108]  # 16 scales: low 4 bits in nibbles of bytes 0..7 (low first), high 2 in bits 2k of 8..11
+        low_bits = torch.cat([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], -1)
+        high_bits = torch.cat([(s[..., 8:12] >> shift) & 3 for shift in (0, 2, 4, 6)], -1)
+        sc = ((low_bits | (high_bits << 4)) - 32).to(torch.int8).reshape(rows, -1, 2)
+        d = half(108)
+        return LowBitWeight(kind, values, sc, torch.stack([d, torch.zeros_like(d)], -1))
     if kind == "q6_k":
         ql = b[..., 0:128].reshape(rows, -1, 2, 2, 32)  # [half h, 32-byte part p, l]
         qh = b[..., 128:192].reshape(rows, -1, 2, 32)

@@ -1,4 +1,4 @@
-// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), of its
+// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q3_K .. Q6_K), of its
 // non-linear 4-bit types (IQ4_NL, IQ4_XS) and of MXFP4 (gpt-oss's experts), kept as the file stores them: the same
 // layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
 // of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
@@ -16,8 +16,9 @@
 //           min = -16 * scale, exact in float32, the value a float16 table of them would hold);
 //   kSuper (Q4_K, Q5_K): `scales` [N / 8, K / 256, 16] float16 (8 features' d, then their dmin) and `mins`
 //           [N / 8, K / 32, 16] uint8 (8 features' 6-bit sc, then their m): element = (d * sc) * u - dmin * m;
-//   kSuper6 (Q6_K): `scales` as kSuper (dmin zero) and `mins` [N / 8, K / 32, 16] int8 (the scales of the group's
-//           two 16-element halves: 8 features' first, then their second): element = (d * sc) * (u - 32);
+//   kSuper6 (Q6_K, H = 2; Q3_K, H = 0): `scales` as kSuper (dmin zero) and `mins` [N / 8, K / 32, 16] int8 (the
+//           scales of the group's two 16-element halves: 8 features' first, then their second): element =
+//           (d * sc) * (u - o), o = kSuper6Offset<H> (Q6_K's 32, Q3_K's 4; Q3_K's sc is its 6-bit scale less 32);
 //   kE8M0 (MXFP4, H = 0): `scales` [N / 8, K / 32, 8] uint8, each group's E8M0 exponent e (no mins table), and
 //           the nibbles e2m1 codes: u = kE2M1Offset[code] (twice the code's value, plus 12: 0..24, looked up in
 //           registers), element = 2^(e - 128) * (u - 12), so scale 2^(e - 128) and min -12 * scale, both exact;
@@ -29,7 +30,7 @@
 //           subtract 128 * sum(xq), and AVX2 without them multiplies |xq| by v with xq's signs (exact either way).
 // The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
 // acc += min * dx * sum(xq); for the codebook kinds the first of these alone (v . xq); for kSuper6 the halves'
-// scales combine the integer dots first, sc0 * (u - 32) . xq over the first half plus sc1 * ... over the second,
+// scales combine the integer dots first, sc0 * (u - o) . xq over the first half plus sc1 * ... over the second,
 // exactly in int32, then acc += dot * (d * dx). Every row of a
 // tile runs through the same instructions whatever rows are beside it, so a row's result does not depend on its
 // batch.
@@ -48,6 +49,10 @@ constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block'
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
 enum class LowBitScales { kTable, kSuper, kSuper6, kE8M0, kCodebook, kCodebookSuper };
+
+// kSuper6's offset of the values: Q6_K's 6-bit u less 32 (two high-bit planes), Q3_K's 3-bit u less 4 (none).
+template <int64_t H>
+constexpr int32_t kSuper6Offset = H == 2 ? 32 : 4;
 
 // Whether a kind's values are IQ4's signed codebook entries (no min; scale d, or d * sc per group).
 constexpr bool is_codebook(LowBitScales s) {
@@ -214,10 +219,10 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
       const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
 #pragma GCC unroll 8
-      for (int64_t r = 0; r < R; ++r) {  // (u - 32) . xq = u . xq - 32 * sum(xq), per half
+      for (int64_t r = 0; r < R; ++r) {  // (u - o) . xq = u . xq - o * sum(xq), per half
         const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
-        const __m256i dot0 = _mm256_sub_epi32(first[r], _mm256_set1_epi32(32 * t0));
-        const __m256i dot1 = _mm256_sub_epi32(second[r], _mm256_set1_epi32(32 * t1));
+        const __m256i dot0 = _mm256_sub_epi32(first[r], _mm256_set1_epi32(kSuper6Offset<H> * t0));
+        const __m256i dot1 = _mm256_sub_epi32(second[r], _mm256_set1_epi32(kSuper6Offset<H> * t1));
         const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
         const __m256 row_scale = _mm256_mul_ps(d, _mm256_set1_ps(x_scales[r * groups + g]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), row_scale, acc[r]);
@@ -319,7 +324,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         const float row_scale = scale * x_scales[r * groups + g];
         if (S == LowBitScales::kSuper6) {
           const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
-          const int32_t dot = (dot0 - 32 * t0) * sc0 + (dot1 - 32 * t1) * sc1;
+          const int32_t dot = (dot0 - kSuper6Offset<H> * t0) * sc0 + (dot1 - kSuper6Offset<H> * t1) * sc1;
           out[r][j] = std::fma(static_cast<float>(dot), row_scale, out[r][j]);
         } else {
           out[r][j] = std::fma(static_cast<float>(dot0 + dot1), row_scale, out[r][j]);
@@ -499,8 +504,8 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
-        const __m512i dot0 = _mm512_sub_epi32(first[r], _mm512_set1_epi32(32 * t0));
-        const __m512i dot1 = _mm512_sub_epi32(second[r], _mm512_set1_epi32(32 * t1));
+        const __m512i dot0 = _mm512_sub_epi32(first[r], _mm512_set1_epi32(kSuper6Offset<H> * t0));
+        const __m512i dot1 = _mm512_sub_epi32(second[r], _mm512_set1_epi32(kSuper6Offset<H> * t1));
         const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(dot0, sc0), _mm512_mullo_epi32(dot1, sc1));
         const __m512 row_scale = _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * groups + g]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, acc[r]);

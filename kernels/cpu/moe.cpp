@@ -103,7 +103,8 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
     bank.mins_stride = scales.numel() / experts;
     return;
   }
-  if (mins.scalar_type() == at::kChar && high_bits == 0) {  // the IQ4 codebook: int8 group scales, or none
+  if (mins.scalar_type() == at::kChar && high_bits == 0 && (mins.numel() == 0 || mins.size(-1) == kBlock)) {
+    // the IQ4 codebook: int8 group scales (8 a group: not Q3_K's 16), or none
     const bool super = mins.numel() != 0;
     LADLE_CHECK(!super || groups % kSuperGroups == 0,
                 "%s: IQ4_XS super-blocks are 256 wide: K = %lld is not a multiple", what,
@@ -147,12 +148,12 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
   LADLE_CHECK(mins.dim() == 4 && mins.size(0) == experts && mins.size(1) == blocks && mins.size(2) == groups &&
                   mins.size(3) == 2 * kBlock && mins.is_contiguous() &&
                   (mins.scalar_type() == at::kByte || mins.scalar_type() == at::kChar),
-              "%s's K-quant group scales must be a contiguous [E, N / 8, K / 32, 16] uint8 (sc, m) or int8 (Q6_K) "
-              "tensor",
+              "%s's K-quant group scales must be a contiguous [E, N / 8, K / 32, 16] uint8 (sc, m) or int8 (Q6_K, "
+              "Q3_K) tensor",
               what);
   if (mins.scalar_type() == at::kChar) {
-    LADLE_CHECK(high_bits == 2, "%s: Q6_K groups take two high-bit planes, not %lld", what,
-                static_cast<long long>(high_bits));
+    LADLE_CHECK(high_bits == 2 || high_bits == 0, "%s: Q6_K groups take two high-bit planes (Q3_K none), not %lld",
+                what, static_cast<long long>(high_bits));
     bank.lowbit = LowBitScales::kSuper6;
   } else {
     LADLE_CHECK(high_bits <= 1, "%s: Q4_K / Q5_K groups take at most one high-bit plane, not %lld", what,
@@ -290,6 +291,9 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
       return run_lowbit_bank<0, LowBitScales::kCodebookSuper>(rows, nullptr, start, bank, y);
     case LowBitScales::kSuper6: {
       const at::Tensor half = half_totals(rows, start.back());
+      if (bank.high_bits == 0) {  // Q3_K
+        return run_lowbit_bank<0, LowBitScales::kSuper6>(rows, half.data_ptr<int32_t>(), start, bank, y);
+      }
       return run_lowbit_bank<2, LowBitScales::kSuper6>(rows, half.data_ptr<int32_t>(), start, bank, y);
     }
   }

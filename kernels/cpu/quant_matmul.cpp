@@ -26,7 +26,7 @@
 // the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
 // the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
 // float32 rounding (the reference sums in float64).
-// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), IQ4_NL, IQ4_XS and MXFP4 go
+// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q3_K .. Q6_K), IQ4_NL, IQ4_XS and MXFP4 go
 // through the same entry point in their own layout (lowbit_tiles.h), told apart by their tables' types and their
 // groups' bytes.
 
@@ -202,7 +202,8 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
     const LowBitTables tables{nullptr, nullptr, scales.data_ptr<uint8_t>()};
     return run_lowbit<0, LowBitScales::kE8M0>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
-  if (mins.scalar_type() == at::kChar && high_bits == 0) {  // the IQ4 codebook: int8 group scales, or none
+  if (mins.scalar_type() == at::kChar && high_bits == 0 && (mins.numel() == 0 || mins.size(-1) == kBlock)) {
+    // the IQ4 codebook: int8 group scales (8 a group: not Q3_K's 16), or none
     const bool super = mins.numel() != 0;
     LADLE_CHECK(!super || groups % kSuperGroups == 0, "IQ4_XS super-blocks are 256 wide: K = %lld is not a multiple",
                 static_cast<long long>(groups * kGroup));
@@ -239,12 +240,18 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
               "K-quant scales must be a contiguous [N / 8, K / 256, 16] float16 tensor (d, then dmin)");
   TORCH_CHECK(mins.dim() == 3 && mins.size(0) == blocks && mins.size(1) == groups && mins.size(2) == 2 * kBlock &&
                   mins.is_contiguous() && (mins.scalar_type() == at::kByte || mins.scalar_type() == at::kChar),
-              "K-quant group scales must be a contiguous [N / 8, K / 32, 16] uint8 (sc, m) or int8 (Q6_K) tensor");
+              "K-quant group scales must be a contiguous [N / 8, K / 32, 16] uint8 (sc, m) or int8 (Q6_K, Q3_K) "
+              "tensor");
   const LowBitTables tables{scales.data_ptr<at::Half>(), nullptr, static_cast<const uint8_t*>(mins.data_ptr())};
   if (mins.scalar_type() == at::kChar) {
-    LADLE_CHECK(high_bits == 2, "Q6_K groups take two high-bit planes, not %lld", static_cast<long long>(high_bits));
+    LADLE_CHECK(high_bits == 2 || high_bits == 0, "Q6_K groups take two high-bit planes (Q3_K none), not %lld",
+                static_cast<long long>(high_bits));
     const at::Tensor half = half_totals(xq, m_rows);
-    return run_lowbit<2, LowBitScales::kSuper6>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y, y_stride);
+    const int32_t* halves = half.data_ptr<int32_t>();
+    if (high_bits == 0) {  // Q3_K
+      return run_lowbit<0, LowBitScales::kSuper6>(xq, halves, m_rows, w, tables, blocks, n_rows, y, y_stride);
+    }
+    return run_lowbit<2, LowBitScales::kSuper6>(xq, halves, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
   if (high_bits == 0) return run_lowbit<0, LowBitScales::kSuper>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   LADLE_CHECK(high_bits == 1, "Q4_K / Q5_K groups take at most one high-bit plane, not %lld",

@@ -448,8 +448,9 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
     ("attention", "feed_forward"),
     [(GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q6_K),
      (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K),
-     (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)],
-    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs"],
+     (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS),
+     (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q3_K)],
+    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k"],
 )  # fmt: skip
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
