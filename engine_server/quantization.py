@@ -410,8 +410,8 @@ def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[s
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:
-    stored_elsewise = StoredBank | StoredMxfp4Bank | Fp8Weight | Fp8ExpertWeights
-    return None if weight is None or isinstance(weight, stored_elsewise) else weight
+    not_a_linear = StoredBank | StoredMxfp4Bank | Fp8Weight | Fp8ExpertWeights
+    return None if weight is None or isinstance(weight, not_a_linear) else weight
 
 
 def _bank_weights(weight: StoredWeight | None) -> ExpertWeights | None:

@@ -159,7 +159,8 @@ template <int64_t H, LowBitScales S>
 void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, const uint8_t* packed,
                 const LowBitTables& tables, int64_t blocks, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t k = xq.k, groups = k / kGroup;
-  // AMX tiles for 12 rows or more, as the 4-bit products take them (not Q6_K: two scales a group).
+  // AMX tiles for 12 rows or more, as the 4-bit products take them (`lowbit_amx`: not Q6_K / Q3_K, two scales a
+  // group, nor the IQ4 codebooks' signed values).
   const bool amx = lowbit_amx(S) && kLowBitPairs && m_rows >= kAmxMinRows && amx_enabled();
   const bool pairs = kLowBitPairs && (m_rows > 1 || !single_blocks_for_one_row());
   const int64_t tile = amx ? kAmxRows : kRowTile;
