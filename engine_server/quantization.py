@@ -333,16 +333,20 @@ def quantize_model(
     on_cpu = model.model.norm.weight.device.type == "cpu"
     if scheme == "gguf":
         weights: MutableMapping[str, StoredWeight] = stored_weights(model, source) if stored is None else stored
-        replace_linears(model, lambda name, linear: _linear_weight(weights.get(name)))
+        tied = "model.embed_tokens" in weights and weights["model.embed_tokens"] is weights.get("lm_head")
+        # Each layer's weight as read is let go once it is packed (popped), so that the file's copies of the
+        # projections are not all held beside their packed forms (gpt-oss-20b's attention and LM head: 1.3 GB).
+        replace_linears(model, lambda name, linear: _linear_weight(weights.pop(name, None)))
         if on_cpu:  # each bank read as it is packed (`StoredBank`)
-            replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)))
-            embedding = weights.get("model.embed_tokens")
+            replace_experts(model, lambda name, bank: _bank_weights(weights.pop(name, None)))
+            embedding = weights.pop("model.embed_tokens", None)
             head = getattr(model, "lm_head", None)
-            if embedding is not None and embedding is weights.get("lm_head") and isinstance(head, QuantizedLinear):
+            if tied and isinstance(head, QuantizedLinear):
                 # A tied LM head's packed blocks serve the lookups too: no second copy of the table.
                 model.model.register_module("embed_tokens", QuantizedEmbedding(head))
             elif isinstance(embedding, Q4Weight | Q8Weight | LowBitWeight):
                 model.model.register_module("embed_tokens", QuantizedEmbedding(embedding))
+            del embedding
             table = weights.get(PER_LAYER_TABLE)
             if isinstance(table, Q4Weight | Q8Weight | LowBitWeight):
                 model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), QuantizedEmbedding(table))
