@@ -150,8 +150,10 @@ def pack_lowbit(
     """(packed, scales, mins) in kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
     packed `[N/8, K/32, 1, 128 + 32 * high bits]` uint8; for `q5_*` scales and mins `[N/8, K/32, 8]` float16; for
     the K-quants scales `[N/8, K/256, 16]` float16 (8 features' d, then their dmin) and mins `[N/8, K/32, 16]` (8
-    features' sc, then their m; Q6_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 * scale);
-    for `mxfp4` scales `[N/8, K/32, 8]` uint8 (the exponents), mins empty.
+    features' sc, then their m; Q6_K, Q3_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 *
+    scale); for `mxfp4` scales `[N/8, K/32, 8]` uint8 (the exponents), mins an empty uint8 tensor; for `iq4_nl`
+    scales `[N/8, K/32, 8]` float16, mins an empty int8 tensor; for `iq4_xs` scales `[N/8, K/256, 8]` float16 and
+    mins `[N/8, K/32, 8]` int8.
     Rows past N are zero. `planes(values, high bits)` makes packed where given (the C++ `lowbit_planes`, ~10x
     faster than the torch ops here, which are its reference)."""
     n, k = weight.shape
@@ -184,16 +186,15 @@ def _lowbit_tables(
     """`pack_lowbit`'s result: `packed` with the scale tables of `padded` (the weight with its rows padded to whole
     blocks of 8) laid out as the kernels read them."""
     blocks, groups = packed.shape[0], packed.shape[1]
-    if kind == "mxfp4":  # the exponents as the scales, [block, group, feature j]; no mins
-        exponents = padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
-        return packed, exponents, torch.empty(0, dtype=torch.uint8)
-    if kind == "iq4_nl":  # d [block, group, j]; no mins (an empty int8 table names the kind)
-        scales = padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
-        return packed, scales, torch.empty(0, dtype=torch.int8)
-    if kind == "iq4_xs":  # d [block, super, j]; the groups' int8 scales [block, group, j]
+
+    def by_feature(table: torch.Tensor) -> torch.Tensor:  # [N, ..., 1] -> [block, ..., feature j]
+        return table.reshape(blocks, 8, -1).permute(0, 2, 1).contiguous()
+
+    if kind in ("mxfp4", "iq4_nl"):  # the exponents, or d, per group; no mins (their empty table's dtype: the kind)
+        return packed, by_feature(padded.groups), torch.empty(0, dtype=torch.uint8 if kind == "mxfp4" else torch.int8)
+    if kind == "iq4_xs":  # d per super-block; the groups' int8 scales
         assert padded.supers is not None
-        supers = padded.supers.reshape(blocks, 8, -1).permute(0, 2, 1).contiguous()
-        return packed, supers, padded.groups.reshape(blocks, 8, groups).permute(0, 2, 1).contiguous()
+        return packed, by_feature(padded.supers), by_feature(padded.groups)
     # Tables: [N, ..., 2] -> [block, ..., 2, feature j] -> [block, ..., 16] (or the two halves [block, ..., 8]).
     table = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1)
     if padded.supers is None:  # Q5_0's mins are -16 * its scales: the kernel computes them (an empty table)
@@ -248,6 +249,14 @@ def unpack_lowbit_rows(
     return LowBitWeight(kind, values, torch.stack([scale, shift], -1))
 
 
+def _nibble_codes(qs: torch.Tensor) -> torch.Tensor:
+    """Bytes `[..., 16]` each holding codes j (low nibble) and j + 16 (high) -> the 32 codes `[..., 32]`, uint8."""
+    codes = torch.empty(*qs.shape[:-1], 32, dtype=torch.uint8)
+    torch.bitwise_and(qs, 0x0F, out=codes[..., :16])
+    torch.bitwise_right_shift(qs, 4, out=codes[..., 16:])
+    return codes
+
+
 def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     """A GGUF tensor's raw blocks `[N, blocks a row, block bytes]` uint8 of `kind` as a `LowBitWeight` (copied).
 
@@ -263,27 +272,21 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of 32, as IQ4_NL's; group i's scale: nibble i
     of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it, less 32)."""
     rows = blocks.shape[0]
-    if kind == "mxfp4":  # in uint8 throughout
-        qs = blocks[..., 1:17]
-        values = torch.empty(*qs.shape[:-1], 32, dtype=torch.uint8)
-        torch.bitwise_and(qs, 0x0F, out=values[..., :16])
-        torch.bitwise_right_shift(qs, 4, out=values[..., 16:])
-        return LowBitWeight(kind, values.reshape(rows, -1), blocks[..., :1].clone())
+    if kind == "mxfp4":
+        return LowBitWeight(kind, _nibble_codes(blocks[..., 1:17]).reshape(rows, -1), blocks[..., :1].clone())
     b = blocks.to(torch.int32)
 
     def half(at: int) -> torch.Tensor:  # the float16 at byte `at` of every block: [N, blocks]
         return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
 
     if kind == "iq4_nl":
-        qs = blocks[..., 2:18]
-        values = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(rows, -1)
+        values = _nibble_codes(blocks[..., 2:18]).reshape(rows, -1)
         return LowBitWeight(kind, values, half(0).unsqueeze(-1).contiguous())
     if kind == "iq4_xs":  # per group i of 8: low 4 bits in scales_l's nibble i, high 2 at bit 2i of scales_h
         scales_h = (b[..., 2] | (b[..., 3] << 8)).unsqueeze(-1) >> (2 * torch.arange(8))
         scales_l = b[..., 4:8].repeat_interleave(2, -1) >> (4 * (torch.arange(8) % 2))
         sc = ((scales_l & 0x0F) | ((scales_h & 3) << 4)) - 32
-        qs = blocks[..., 8:136].reshape(rows, -1, 8, 16)
-        values = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(rows, -1)
+        values = _nibble_codes(blocks[..., 8:136].reshape(rows, -1, 8, 16)).reshape(rows, -1)
         groups = sc.to(torch.int8).reshape(rows, -1, 1)
         return LowBitWeight(kind, values, groups, half(0).unsqueeze(-1).contiguous())
     if kind in ("q5_0", "q5_1"):
