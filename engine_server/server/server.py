@@ -41,6 +41,7 @@ from engine_server.config import EngineConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.errors import EngineUnavailableError
 from engine_server.host_memory import freeze_startup_heap
+from engine_server.server import listener
 from engine_server.server.auth import BearerTokenInterceptor
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
@@ -118,6 +119,7 @@ class EngineServer:
         self._recovery: asyncio.Task[None] | None = None
         self._reserved: socket.socket | None = None  # holds the port until the server listens on it
         self._bind = ""
+        self._port = 0
         self._loop: asyncio.AbstractEventLoop | None = None  # set when a tensor-parallel engine has loaded
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -139,7 +141,8 @@ class EngineServer:
             reserved.close()
             raise RuntimeError(f"cannot bind {bind_host}:{self.config.port}: {exc}") from exc
         self._reserved = reserved
-        self._bind = f"{bind_host}:{reserved.getsockname()[1]}"
+        self._port = reserved.getsockname()[1]
+        self._bind = f"{bind_host}:{self._port}"
         return self._bind
 
     async def load(self) -> None:
@@ -227,7 +230,9 @@ class EngineServer:
         Without a grace, new calls are answered UNAVAILABLE while health says NOT_SERVING. With one, calls are
         served as usual during it (balancers are taking the engine out of rotation), then the server stops
         listening: a new connection is refused and an open one is told (GOAWAY) to take new calls elsewhere,
-        which a proxy can do safely, as the engine never saw them.
+        which a proxy can do safely, as the engine never saw them. Before it stops listening the listener is
+        quiesced (`listener.quiesce`): the kernel takes no new connection and the server accepts the ones it
+        took, which closing the listener would reset with their requests already sent.
         """
         log.info(
             "draining",
@@ -240,6 +245,7 @@ class EngineServer:
         stopped: asyncio.Task[None] | None = None
         if self.config.drain_grace > 0 and self.engine is not None:
             await asyncio.sleep(self.config.drain_grace)
+            await listener.quiesce(self._port)
             limit = self.config.shutdown_timeout + DRAIN_ABORT_WAIT_S + STOP_GRACE_S
             stopped = asyncio.create_task(self.server.stop(limit))
             self.servicer.start_draining(refuse_new=False)
