@@ -355,11 +355,8 @@ def quantize_model(
         if on_cpu:  # an MXFP4 checkpoint's banks as stored (`stored_mxfp4_banks`), each read as it is packed
             weights = {} if stored is None else stored
             replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)) or quantize_experts(bank))
-            table_module = getattr(model.model, PER_LAYER_TABLE.removeprefix("model."), None)
-            if isinstance(table_module, VocabParallelEmbedding) and table_module.tp.size == 1 and \
-                    table_module.weight.shape[1] % QUANT_GROUP == 0:  # fmt: skip
-                quantized = QuantizedEmbedding(quantize_q8(table_module.weight.detach()))
-                model.model.register_module(PER_LAYER_TABLE.removeprefix("model."), quantized)
+            for table in ("model.embed_tokens", PER_LAYER_TABLE):
+                _int8_table(model, table.removeprefix("model."))
     if on_cpu:
         replace_routers(model)
         # The file's weights as read, let go before their packed forms are gathered: some share storage with them
@@ -411,6 +408,26 @@ def _quantize_fp8(model: CausalLM, stored: Mapping[str, StoredWeight]) -> dict[s
         for module in modules
         if isinstance(module, Fp8Linear | nn.Linear | ParallelExperts | Fp8Experts) and id(module) not in inner
     ))  # fmt: skip
+
+
+def _int8_table(model: CausalLM, name: str) -> None:
+    """Under `int8` on the CPU, the decoder's lookup table `name` (the token embeddings, Gemma 4's per-layer table)
+    looked up from 8-bit blocks (`QuantizedEmbedding`): a tied LM head's own packed ones for the token table (no
+    second copy: the head is the table), else the table quantized per group of 32 (`quantize_q8`). Stays float when
+    sharded, not on groups of 32, or tied to a head left float (the head holds the same tensor anyway)."""
+    table = getattr(model.model, name, None)
+    if not isinstance(table, VocabParallelEmbedding) or table.tp.size != 1 or table.weight.shape[1] % QUANT_GROUP:
+        return
+    quantized: QuantizedEmbedding | None
+    if name == "embed_tokens" and model.config.tie_word_embeddings:
+        head = getattr(model, "lm_head", None)
+        tied_q8 = isinstance(head, QuantizedLinear) and head.format == "q8" and len(head.parts) == 1 and \
+            (head.out_features, head.in_features) == tuple(table.weight.shape)  # fmt: skip
+        quantized = QuantizedEmbedding(head) if tied_q8 else None
+    else:
+        quantized = QuantizedEmbedding(quantize_q8(table.weight.detach()))
+    if quantized is not None:
+        model.model.register_module(name, quantized)
 
 
 def _linear_weight(weight: StoredWeight | None) -> QuantizedWeight | None:

@@ -421,6 +421,8 @@ def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[i
             assert model.model.decode_stack is None
             if quantization == "int8":
                 assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0) for bank in banks)
+                table = model.model.embed_tokens  # untied: its own 8-bit rows, quantized from the float table
+                assert isinstance(table, QuantizedEmbedding) and table.format == "q8" and table.packed is None
                 routers = [m for name, m in model.named_modules() if name.endswith(".mlp.gate")]
                 assert len(routers) == 4 and all(isinstance(r, RowwiseLinear) and r.bias is not None for r in routers)
                 ours = [tokens(llm, [prompt])[0] for prompt in batch]

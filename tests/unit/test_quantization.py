@@ -224,3 +224,22 @@ def test_a_gguf_engine_serves_the_files_blocks(llm: Any) -> None:
     batched = [r.choices[0].token_ids for r in quantized.generate(chats, params, use_tqdm=False)]
     alone = [quantized.generate([chat], params, use_tqdm=False)[0].choices[0].token_ids for chat in chats]
     assert alone == batched
+
+
+@needs_kernels
+def test_int8_looks_the_tied_token_table_up_in_the_heads_8_bit_rows() -> None:
+    """Under int8 the tied table is the LM head's packed 8-bit rows (no float copy of it kept): the embedded model's
+    table is Q8_0 already, so its lookups are the float table's values exactly."""
+    from benchmarks.quality import make_llm
+    from engine_server.layers.quantized_linear import quantize_q8
+
+    quantized = make_llm("default", "int8")
+    model = quantized.core.runner.model
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(embedding, QuantizedEmbedding) and isinstance(head, QuantizedLinear) and head.format == "q8"
+    assert embedding.packed is not None and embedding.packed[0].data_ptr() == head.qs.data_ptr()
+    table = dict(resolve_model("default").weights())["model.embed_tokens.weight"]
+    ids = torch.tensor([[0, 1], [49151, 2]])
+    assert torch.equal(embedding(ids), quantize_q8(table).dequantize()[ids])
+    assert torch.equal(embedding(ids), table[ids])
+    assert not any(p.shape == table.shape for p in model.parameters())  # no float table left
