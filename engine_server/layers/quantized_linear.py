@@ -99,20 +99,31 @@ def weight_format(weight: QuantizedWeight) -> str:
     return "q4" if isinstance(weight, Q4Weight) else "q8"
 
 
+Q8_CHUNK_VALUES = 1 << 22  # `quantize_q8`'s rows at a time: ~16 MB of float32 per temporary
+
+
 def quantize_q8(weight: torch.Tensor) -> Q8Weight:
     """Symmetric 8-bit groups of 32 along K, GGUF Q8_0's scheme: scale = max|w| / 127, q = round(w / scale) in
     float32, the scale then stored in float16.
+
+    Quantized Q8_CHUNK_VALUES values at a time, so that the float temporaries stay small beside a large matrix (a
+    200k-entry vocabulary's table or LM head: 2.3 GB each in float32).
 
     Raises ValueError when K is not a multiple of 32.
     """
     rows, cols = weight.shape
     if cols % QUANT_GROUP:
         raise ValueError(f"cannot quantize a weight with {cols} input features: not a multiple of {QUANT_GROUP}")
-    groups = weight.detach().float().reshape(rows, -1, QUANT_GROUP)
-    scales = groups.abs().amax(-1) / 127.0
-    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    qs = torch.round(groups * inverse.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return Q8Weight(qs.reshape(rows, cols).contiguous(), scales.half().contiguous())
+    qs = torch.empty(rows, cols, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, cols // QUANT_GROUP, dtype=torch.float16, device=weight.device)
+    step = max(1, Q8_CHUNK_VALUES // cols)
+    for start in range(0, rows, step):
+        groups = weight[start : start + step].detach().float().reshape(-1, cols // QUANT_GROUP, QUANT_GROUP)
+        chunk_scales = groups.abs().amax(-1) / 127.0
+        inverse = torch.where(chunk_scales > 0, 1.0 / chunk_scales, torch.zeros_like(chunk_scales))
+        qs[start : start + step] = torch.round(groups * inverse.unsqueeze(-1)).clamp_(-127, 127).flatten(1)
+        scales[start : start + step] = chunk_scales
+    return Q8Weight(qs, scales)
 
 
 def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:

@@ -243,3 +243,18 @@ def test_int8_looks_the_tied_token_table_up_in_the_heads_8_bit_rows() -> None:
     assert torch.equal(embedding(ids), quantize_q8(table).dequantize()[ids])
     assert torch.equal(embedding(ids), table[ids])
     assert not any(p.shape == table.shape for p in model.parameters())  # no float table left
+
+
+def test_quantize_q8_in_chunks_equals_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked to bound its temporaries, `quantize_q8` gives the same blocks as quantizing all rows in one pass
+    (chunks of one row, of a few rows ending mid-matrix, and a row longer than a chunk)."""
+    from engine_server.layers import quantized_linear
+
+    weight = torch.randn(13, 96, generator=torch.Generator().manual_seed(0)) * 0.02
+    weight[2, :32] = 0.0  # a group of zeros: scale 0
+    monkeypatch.setattr(quantized_linear, "Q8_CHUNK_VALUES", 1 << 40)
+    whole = quantized_linear.quantize_q8(weight)
+    for chunk in (1, 96 * 5, 64):
+        monkeypatch.setattr(quantized_linear, "Q8_CHUNK_VALUES", chunk)
+        chunked = quantized_linear.quantize_q8(weight)
+        assert torch.equal(chunked.qs, whole.qs) and torch.equal(chunked.scales, whole.scales), chunk
