@@ -354,9 +354,9 @@ def quantize_model(
         replace_linears(model, _int8_weight)
         if on_cpu:  # an MXFP4 checkpoint's banks as stored (`stored_mxfp4_banks`), each read as it is packed
             weights = {} if stored is None else stored
-            replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)) or quantize_experts(bank))
-            for table in ("model.embed_tokens", PER_LAYER_TABLE):
+            for table in ("model.embed_tokens", PER_LAYER_TABLE):  # before the experts: its float copy let go
                 _int8_table(model, table.removeprefix("model."))
+            replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)) or quantize_experts(bank))
     if on_cpu:
         replace_routers(model)
         # The file's weights as read, let go before their packed forms are gathered: some share storage with them
