@@ -18,7 +18,7 @@ may change with the number of rows, and then which experts a token gets could de
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ class ExpertWeights:
     down: tuple[ExpertWeight, ...]
     b13: torch.Tensor | None = None
     b2: torch.Tensor | None = None
+    # The same experts as two weights of the whole bank, every expert's rows in expert order (gate_up's, then
+    # down's), where a reader has them so (`bank_weights`): packed at once instead of expert by expert and stacked.
+    whole: tuple[ExpertWeight, ExpertWeight] | None = None
 
     @property
     def format(self) -> str:
@@ -63,9 +66,37 @@ class ExpertWeights:
         return "+".join(formats)
 
 
-def _stacked(weights: tuple[ExpertWeight, ...]) -> list[torch.Tensor]:
-    """Each weight packed for the CPU kernels (`pack_for_cpu`), stacked over the experts: packed, scales, mins."""
-    return [torch.stack(parts) for parts in zip(*(pack_for_cpu(weight) for weight in weights), strict=True)]
+def _stacked(weights: tuple[ExpertWeight, ...], whole: ExpertWeight | None = None) -> list[torch.Tensor]:
+    """Each weight packed for the CPU kernels (`pack_for_cpu`), stacked over the experts: packed, scales, mins.
+    Given `whole` (all of them as one weight, rows in expert order) and experts of whole blocks of 8 rows, `whole`
+    packed at once: the kernels' blocks of 8 rows are each expert's, so it is the same stack without the copy."""
+    experts, rows = len(weights), weights[0].shape[0]
+    if whole is None or rows % 8:
+        return [torch.stack(parts) for parts in zip(*(pack_for_cpu(weight) for weight in weights), strict=True)]
+    return [
+        tensor.reshape(experts, rows // 8, *tensor.shape[1:]) if tensor.numel() else tensor.new_empty(experts, 0)
+        for tensor in pack_for_cpu(whole)
+    ]
+
+
+def row_slice(weight: ExpertWeight, start: int, stop: int) -> ExpertWeight:
+    """Rows `start` to `stop` of `weight`, as views of its tensors."""
+    return replace(weight, **{  # type: ignore[arg-type]  # every tensor field is per row
+        f.name: getattr(weight, f.name)[start:stop]
+        for f in fields(weight)
+        if isinstance(getattr(weight, f.name), torch.Tensor)
+    })
+
+
+def bank_weights(gate_up: ExpertWeight, down: ExpertWeight, experts: int) -> ExpertWeights:
+    """`ExpertWeights` of a whole bank's `gate_up` (every expert's gate rows then up rows, expert after expert) and
+    `down` (every expert's rows likewise): each expert's weights are views of them, and they stay `whole`."""
+    per_gate_up, per_down = gate_up.shape[0] // experts, down.shape[0] // experts
+    return ExpertWeights(
+        tuple(row_slice(gate_up, e * per_gate_up, (e + 1) * per_gate_up) for e in range(experts)),
+        tuple(row_slice(down, e * per_down, (e + 1) * per_down) for e in range(experts)),
+        whole=(gate_up, down),
+    )
 
 
 class QuantizedExperts(nn.Module):
@@ -85,7 +116,9 @@ class QuantizedExperts(nn.Module):
         self.intermediate = weights.down[0].shape[1]
         self.hidden = weights.down[0].shape[0]
         self.format = weights.format
-        for name, tensors in (("w13", _stacked(weights.gate_up)), ("w2", _stacked(weights.down))):
+        whole_gate_up, whole_down = weights.whole or (None, None)
+        stacked = (("w13", _stacked(weights.gate_up, whole_gate_up)), ("w2", _stacked(weights.down, whole_down)))
+        for name, tensors in stacked:
             for suffix, tensor in zip(("", "_scales", "_mins"), tensors, strict=True):
                 self.register_buffer(name + suffix, tensor, persistent=False)
         for name, bias in (("b13", weights.b13), ("b2", weights.b2)):
@@ -137,10 +170,8 @@ def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
     `replace_experts`' to add."""
     if bank.w13.shape[2] % QUANT_GROUP or bank.w2.shape[2] % QUANT_GROUP:
         return None
-    return ExpertWeights(
-        tuple(quantize_q8(bank.w13[e]) for e in range(bank.num_experts)),
-        tuple(quantize_q8(bank.w2[e]) for e in range(bank.num_experts)),
-    )
+    gate_up, down = (quantize_q8(w.detach().reshape(-1, w.shape[2])) for w in (bank.w13, bank.w2))
+    return bank_weights(gate_up, down, bank.num_experts)
 
 
 def expert_weights(
