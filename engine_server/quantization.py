@@ -354,8 +354,8 @@ def quantize_model(
         replace_linears(model, _int8_weight)
         if on_cpu:  # an MXFP4 checkpoint's banks as stored (`stored_mxfp4_banks`), each read as it is packed
             weights = {} if stored is None else stored
-            for table in ("model.embed_tokens", PER_LAYER_TABLE):  # before the experts: its float copy let go
-                _int8_table(model, table.removeprefix("model."))
+            for lookup in ("model.embed_tokens", PER_LAYER_TABLE):  # before the experts: its float copy let go
+                _int8_table(model, lookup.removeprefix("model."))
             replace_experts(model, lambda name, bank: _bank_weights(weights.get(name)) or quantize_experts(bank))
     if on_cpu:
         replace_routers(model)
@@ -418,12 +418,12 @@ def _int8_table(model: CausalLM, name: str) -> None:
     table = getattr(model.model, name, None)
     if not isinstance(table, VocabParallelEmbedding) or table.tp.size != 1 or table.weight.shape[1] % QUANT_GROUP:
         return
-    quantized: QuantizedEmbedding | None
+    quantized: QuantizedEmbedding | None = None
     if name == "embed_tokens" and model.config.tie_word_embeddings:
         head = getattr(model, "lm_head", None)
-        tied_q8 = isinstance(head, QuantizedLinear) and head.format == "q8" and len(head.parts) == 1 and \
-            (head.out_features, head.in_features) == tuple(table.weight.shape)  # fmt: skip
-        quantized = QuantizedEmbedding(head) if tied_q8 else None
+        if isinstance(head, QuantizedLinear) and head.format == "q8" and len(head.parts) == 1 and \
+                (head.out_features, head.in_features) == tuple(table.weight.shape):  # fmt: skip
+            quantized = QuantizedEmbedding(head)
     else:
         quantized = QuantizedEmbedding(quantize_q8(table.weight.detach()))
     if quantized is not None:

@@ -81,7 +81,7 @@ def _stacked(weights: tuple[ExpertWeight, ...], whole: ExpertWeight | None = Non
 
 def row_slice(weight: ExpertWeight, start: int, stop: int) -> ExpertWeight:
     """Rows `start` to `stop` of `weight`, as views of its tensors."""
-    return replace(weight, **{  # type: ignore[arg-type]  # every tensor field is per row
+    return replace(weight, **{  # every tensor field is per row
         f.name: getattr(weight, f.name)[start:stop]
         for f in fields(weight)
         if isinstance(getattr(weight, f.name), torch.Tensor)
