@@ -97,6 +97,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.responses = stored_responses
     app.state.adapters = adapter_registry
     app.state.limiter = limiter
+    app.state.draining = False  # set on SIGTERM under --drain-grace (gateway.server): /health answers 503
     install_error_handlers(app)
     app.add_middleware(RequestContextMiddleware, metrics=metrics, max_request_bytes=config.max_request_bytes,
                        keys=keys, tracer=tracing.tracer)

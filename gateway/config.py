@@ -62,6 +62,9 @@ class GatewayConfig:
     project_max_active_batches: int | None = DEFAULT_PROJECT_MAX_ACTIVE_BATCHES
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     request_timeout_s: float = 600.0
+    # Seconds after SIGTERM during which /health answers 503 (`draining`) but requests are still served, so a
+    # balancer's or Kubernetes' readiness checks take the gateway out of rotation before it stops listening.
+    drain_grace_s: float = 0.0
     max_engine_message_bytes: int = 64 * 1024 * 1024  # the largest engine reply taken (the engine's own limit)
     health_interval_s: float = 1.0
     resolve_interval_s: float = 10.0

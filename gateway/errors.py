@@ -62,6 +62,12 @@ def no_engine(message: str = "no engine is ready to serve requests; retry shortl
     return APIError(503, message, type="service_unavailable_error", code="engine_unavailable")
 
 
+def draining() -> APIError:
+    """/health's answer while the gateway drains (`--drain-grace`): it still serves, but is leaving rotation."""
+    message = "this gateway is stopping; it serves until its drain grace ends"
+    return APIError(503, message, type="service_unavailable_error", code="draining")
+
+
 MAX_NAMED_ADAPTERS = 10  # in an unknown model's message; GET /v1/models lists every one
 
 

@@ -1,19 +1,28 @@
 """Run the gateway under uvicorn: bind, announce the address (port 0 picks a free one), serve until a signal;
-SIGHUP reads the API keys and rate limits files again."""
+SIGHUP reads the API keys and rate limits files again.
+
+With `drain_grace_s` (`ladle gateway --drain-grace`), SIGTERM or SIGINT first turns /health to 503 (`draining`)
+while every request is still served, for that many seconds (readiness checks take the gateway out of rotation);
+then the listener is quiesced (`ladle.listener`: no connection the kernel completed is reset) and uvicorn shuts
+down as without a grace. A second signal during the grace stops at once."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterator
+from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.engines import EnginePool
 from gateway.http_protocol import BoundedHeadProtocol
+from ladle import listener
 
 
 class _Server(uvicorn.Server):
@@ -21,9 +30,26 @@ class _Server(uvicorn.Server):
     shutdown) instead of being re-raised once uvicorn is done, which would kill the process by the signal, and
     that SIGHUP calls `on_hangup`."""
 
-    def __init__(self, config: uvicorn.Config, on_hangup: Callable[[], object]) -> None:
+    def __init__(self, config: uvicorn.Config, on_hangup: Callable[[], object], app: FastAPI,
+                 drain_grace_s: float = 0.0) -> None:
         super().__init__(config)
         self.on_hangup = on_hangup
+        self.app = app
+        self.drain_grace_s = drain_grace_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """The first signal under a drain grace: /health says `draining`, and the exit comes after the grace."""
+        if self.drain_grace_s > 0 and not self.app.state.draining:
+            self.app.state.draining = True
+            asyncio.get_running_loop().call_later(self.drain_grace_s, super().handle_exit, sig, None)
+            return
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.app.state.draining:  # after the grace: take the connections the kernel completed, then close
+            for port in {sock.getsockname()[1] for server in self.servers for sock in server.sockets}:
+                await listener.quiesce(port)
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -55,6 +81,8 @@ async def serve(
         uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
                        timeout_graceful_shutdown=30, lifespan="on", http=BoundedHeadProtocol),
         on_hangup=lambda: (app.state.keys.reload(), app.state.limiter.limits.reload()),
+        app=app,
+        drain_grace_s=config.drain_grace_s,
     )
     task = asyncio.create_task(server.serve())
     if on_ready is not None:

@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
          choices=["cache_aware", "least_busy"])
     _add(gateway, "--host", "127.0.0.1", "address to listen on")
     _add(gateway, "--port", 8000, "HTTP port (0: any free port; the URL is printed)", type=int)
+    _add(gateway, "--drain-grace", 0.0, "seconds after SIGTERM during which /health answers 503 (draining) but "
+         "requests are still served, so readiness checks take the gateway out of rotation before it stops listening",
+         type=float)
     _add(gateway, "--otlp-traces-endpoint", "", "OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) to send traces "
          "to (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     _gateway_flags(gateway)
@@ -401,6 +404,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         rate_limits_file=Path(args.rate_limits_file) if args.rate_limits_file else None,
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", "") or None,
         request_timeout_s=args.request_timeout,
+        drain_grace_s=getattr(args, "drain_grace", 0.0),
         max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
         data_dir=Path(args.data_dir) if args.data_dir else None,

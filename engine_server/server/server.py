@@ -41,12 +41,12 @@ from engine_server.config import EngineConfig
 from engine_server.core.engine_core import EngineCore
 from engine_server.errors import EngineUnavailableError
 from engine_server.host_memory import freeze_startup_heap
-from engine_server.server import listener
 from engine_server.server.auth import BearerTokenInterceptor
 from engine_server.server.servicer import EngineServicer
 from engine_server.server.serving import ServingEngine
 from engine_server.server.tracing import RpcTracing
 from engine_server.structured.compiler import GrammarCompilerConfig
+from ladle import listener
 from ladle.tracing import Tracing
 from ladle.v1 import engine_pb2, engine_pb2_grpc
 

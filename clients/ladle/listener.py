@@ -1,9 +1,10 @@
-"""Stop taking new TCP connections on the engine's port without dropping the ones the kernel already took.
+"""Stop taking new TCP connections on a server's port without dropping the ones the kernel already took (the
+engine's gRPC port, the gateway's HTTP port, when they drain).
 
 Closing a listening socket resets every connection still in its accept queue: connections whose handshake the
 kernel completed but the server had not yet accepted. A client that writes its request as soon as it connects
 (nginx's `grpc_pass` does, and it streams request bodies, so it never sends one twice) then fails the call with a
-reset, though the engine never saw it. `quiesce` closes that window before grpc closes its listener:
+reset, though the server never saw it. `quiesce` closes that window before the server closes its listener:
 
 1. a socket filter on each of the process's listening sockets for the port drops new connection requests (SYN
    without ACK), so the kernel completes no more handshakes; a dropped client sends its SYN again after about a
