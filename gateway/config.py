@@ -65,6 +65,9 @@ class GatewayConfig:
     # Seconds after SIGTERM during which /health answers 503 (`draining`) but requests are still served, so a
     # balancer's or Kubernetes' readiness checks take the gateway out of rotation before it stops listening.
     drain_grace_s: float = 0.0
+    # Seconds the requests in flight get to finish once the gateway stops (after any drain grace); then they are
+    # cut. A long non-streaming generation needs up to request_timeout_s.
+    shutdown_timeout_s: float = 30.0
     max_engine_message_bytes: int = 64 * 1024 * 1024  # the largest engine reply taken (the engine's own limit)
     health_interval_s: float = 1.0
     resolve_interval_s: float = 10.0

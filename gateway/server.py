@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -73,13 +74,13 @@ async def serve(
     on_ready: Callable[[str], None] | None = None,
 ) -> int:
     """Serve HTTP on host:port until SIGINT/SIGTERM or until `stop_when` completes; in-flight requests get up to
-    30 s to finish; a request whose head exceeds `http_protocol.MAX_HEAD_BYTES` is refused with 431. `announce`
-    receives the bound URL; `on_ready` the model id once an engine is SERVING (and so /health answers 200).
-    Returns 0, or 1 if the port could not be bound. KeysFileError if the API keys file is bad."""
+    `config.shutdown_timeout_s` to finish; a request whose head exceeds `http_protocol.MAX_HEAD_BYTES` is refused
+    with 431. `announce` receives the bound URL; `on_ready` the model id once an engine is SERVING (and so /health
+    answers 200). Returns 0, or 1 if the port could not be bound. KeysFileError if the API keys file is bad."""
     app = create_app(config)
     server = _Server(
-        uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                       timeout_graceful_shutdown=30, lifespan="on", http=BoundedHeadProtocol),
+        uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
+                       timeout_graceful_shutdown=math.ceil(config.shutdown_timeout_s), http=BoundedHeadProtocol),
         on_hangup=lambda: (app.state.keys.reload(), app.state.limiter.limits.reload()),
         app=app,
         drain_grace_s=config.drain_grace_s,

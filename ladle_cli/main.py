@@ -285,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(gateway, "--drain-grace", 0.0, "seconds after SIGTERM during which /health answers 503 (draining) but "
          "requests are still served, so readiness checks take the gateway out of rotation before it stops listening",
          type=float)
+    _add(gateway, "--shutdown-timeout", 30.0, "seconds requests in flight get to finish once the gateway stops "
+         "(after --drain-grace); then they are cut", type=float)
     _add(gateway, "--otlp-traces-endpoint", "", "OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317) to send traces "
          "to (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT; neither: no traces)")
     _gateway_flags(gateway)
@@ -405,6 +407,7 @@ def _gateway_config(args: argparse.Namespace, engines: str) -> Any:
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", "") or None,
         request_timeout_s=args.request_timeout,
         drain_grace_s=getattr(args, "drain_grace", 0.0),
+        shutdown_timeout_s=args.shutdown_timeout,
         max_engine_message_bytes=int(args.max_engine_message_mib * 1024 * 1024),
         max_request_bytes=int(args.max_request_mib * 1024 * 1024),
         data_dir=Path(args.data_dir) if args.data_dir else None,

@@ -1,5 +1,6 @@
 """`ladle gateway --drain-grace S`: after SIGTERM /health answers 503 `draining` while requests are still served,
-for S seconds; then the gateway stops listening and exits 0. A second signal during the grace stops it at once."""
+for S seconds; then the gateway stops listening and exits 0. A second signal during the grace stops it at once.
+A request still running `--shutdown-timeout` seconds after that is cut."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from tests.e2e.engine_process import EngineProcess
 from tests.e2e.gateway_process import GatewayProcess, start_gateway
@@ -65,5 +67,26 @@ def test_a_second_signal_ends_the_grace(engine: EngineProcess, tmp_path: Path) -
             wait_until_draining(http)
         gateway.process.send_signal(signal.SIGTERM)
         assert gateway.process.wait(30) == 0, gateway.log()
+    finally:
+        gateway.stop()
+
+
+def test_a_request_still_running_after_the_shutdown_timeout_is_cut(engine: EngineProcess, tmp_path: Path) -> None:
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--shutdown-timeout", "1")
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=60) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
+                    "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as reply:
+                chunks = reply.iter_lines()
+                assert next(chunks).startswith("data: ")  # running
+                gateway.process.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                with pytest.raises(httpx.HTTPError):
+                    lines = list(chunks)
+                    pytest.fail(f"the stream ended normally after {len(lines)} more lines")
+        assert gateway.process.wait(30) == 0, gateway.log()
+        assert time.monotonic() - signalled < 20, "it waited for the generation instead of its shutdown timeout"
     finally:
         gateway.stop()
