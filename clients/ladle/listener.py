@@ -57,12 +57,9 @@ REFUSE_SYN_PROGRAM = b"".join([
 def listening_sockets(port: int) -> list[socket.socket]:
     """Duplicates of this process's listening TCP sockets bound to `port` (the caller closes them)."""
     found: list[socket.socket] = []
-    for name in os.listdir("/proc/self/fd"):
+    for fd in [fd for fd in map(int, os.listdir("/proc/self/fd")) if _is_socket(fd)]:  # before any duplicate
         with contextlib.suppress(OSError):
-            if int(name) in {sock.fileno() for sock in found} or not os.readlink(
-                    f"/proc/self/fd/{name}").startswith("socket:"):
-                continue  # not a socket, or one of our own duplicates
-            sock = socket.socket(fileno=os.dup(int(name)))
+            sock = socket.socket(fileno=os.dup(fd))
             if (sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6)
                     and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
                     and sock.getsockname()[1] == port):
@@ -70,6 +67,13 @@ def listening_sockets(port: int) -> list[socket.socket]:
             else:
                 sock.close()
     return found
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:  # closed since the listing (the listing's own descriptor)
+        return False
 
 
 def refuse_new_connections(sock: socket.socket) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import signal
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -31,6 +33,16 @@ def wait_until_draining(http: httpx.Client, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@contextmanager
+def gateway_with(engine: EngineProcess, tmp_path: Path, *flags: str) -> Iterator[GatewayProcess]:
+    """A gateway in front of the shared engine with `flags`, stopped at the end whatever happened."""
+    gateway = start_gateway(tmp_path / "gateway.log", engine.address, *flags)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+
+
 def refuses(gateway: GatewayProcess) -> bool:
     address = urlsplit(gateway.url)
     try:
@@ -41,8 +53,7 @@ def refuses(gateway: GatewayProcess) -> bool:
 
 
 def test_a_gateway_serves_through_its_drain_grace_then_exits(engine: EngineProcess, tmp_path: Path) -> None:
-    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--drain-grace", str(GRACE_S))
-    try:
+    with gateway_with(engine, tmp_path, "--drain-grace", str(GRACE_S)) as gateway:
         with httpx.Client(base_url=gateway.url, timeout=60) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
             gateway.process.send_signal(signal.SIGTERM)
@@ -55,25 +66,19 @@ def test_a_gateway_serves_through_its_drain_grace_then_exits(engine: EngineProce
         assert gateway.process.wait(60) == 0, gateway.log()
         assert time.monotonic() - signalled >= GRACE_S - 0.1, "it stopped before its grace ended"
         assert refuses(gateway)
-    finally:
-        gateway.stop()
 
 
 def test_a_second_signal_ends_the_grace(engine: EngineProcess, tmp_path: Path) -> None:
-    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--drain-grace", "300")
-    try:
+    with gateway_with(engine, tmp_path, "--drain-grace", "300") as gateway:
         with httpx.Client(base_url=gateway.url, timeout=60) as http:
             gateway.process.send_signal(signal.SIGTERM)
             wait_until_draining(http)
         gateway.process.send_signal(signal.SIGTERM)
         assert gateway.process.wait(30) == 0, gateway.log()
-    finally:
-        gateway.stop()
 
 
 def test_a_request_still_running_after_the_shutdown_timeout_is_cut(engine: EngineProcess, tmp_path: Path) -> None:
-    gateway = start_gateway(tmp_path / "gateway.log", engine.address, "--shutdown-timeout", "1")
-    try:
+    with gateway_with(engine, tmp_path, "--shutdown-timeout", "1") as gateway:
         with httpx.Client(base_url=gateway.url, timeout=60) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
             body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
@@ -88,5 +93,3 @@ def test_a_request_still_running_after_the_shutdown_timeout_is_cut(engine: Engin
                     pytest.fail(f"the stream ended normally after {len(lines)} more lines")
         assert gateway.process.wait(30) == 0, gateway.log()
         assert time.monotonic() - signalled < 20, "it waited for the generation instead of its shutdown timeout"
-    finally:
-        gateway.stop()
