@@ -1,5 +1,5 @@
-"""The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and IQ4_NL, made here, never
-fetched.
+"""The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL, Q3_K_S and Q2_K, made
+here, never fetched.
 
 The embedded file's weights (its Q4_1 and Q8_0 blocks dequantized) are written as an F32 GGUF with its metadata
 and tokenizer as they are (the gguf package), then quantized by llama.cpp's own quantizer (llama-cpp-python's
@@ -28,8 +28,9 @@ import numpy as np
 
 from engine_server.loader.source import default_cache_dir
 
-# llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M, Q6_K, IQ4_XS and IQ4_NL.
-FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25, "q3_k_s": 11}
+# llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL, Q3_K_S
+# and Q2_K.
+FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25, "q3_k_s": 11, "q2_k": 10}
 
 
 def source_gguf() -> Path:

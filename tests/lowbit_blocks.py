@@ -14,13 +14,16 @@ KINDS = {
     "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1, "q4_k": GGMLQuantizationType.Q4_K,
     "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K, "mxfp4": GGMLQuantizationType.MXFP4,
     "iq4_nl": GGMLQuantizationType.IQ4_NL, "iq4_xs": GGMLQuantizationType.IQ4_XS, "q3_k": GGMLQuantizationType.Q3_K,
+    "q2_k": GGMLQuantizationType.Q2_K,
 }  # fmt: skip
 # Byte offsets of each kind's float16 scales in its block.
 _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,),
-           "q3_k": (108,)}
-_NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128, "iq4_nl": 8, "iq4_xs": 128, "q3_k": 4}
+           "q3_k": (108,), "q2_k": (80, 82)}
+_NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128, "iq4_nl": 8, "iq4_xs": 128, "q3_k": 4,
+             "q2_k": 2}
 MXFP4_EXPONENTS = (118, 123)  # the exponent bytes drawn: 2 ** (e - 127) from 2 ** -9 to 2 ** -5
-_MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5}  # of u (a K-quant's m averages sc's mean, so d * mean u)
+# Of u (a K-quant's m averages sc's mean, so d * mean u).
+_MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5, "q2_k": 1.5}
 
 
 def block_elements(kind: str) -> int:

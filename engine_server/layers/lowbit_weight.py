@@ -1,5 +1,5 @@
-"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q3_K, Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and IQ4_XS,
-and MXFP4, as the CPU kernels serve them.
+"""GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and
+IQ4_XS, and MXFP4, as the CPU kernels serve them.
 
 A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
 the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
@@ -11,13 +11,17 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `q6_k` (super-blocks of 256, sixteen groups of 16): `supers` [N, K/256, 2] float16 (d, 0) and `groups` [N, K/32,
   2] int8 (the scales of each group of 32's two halves): element = (d * sc) * (u - 32), in float32; `q3_k` likewise
   with 3-bit values (0..7) and each half's 6-bit scale less 32: element = (d * sc) * (u - 4);
+- `q2_k` (super-blocks of 256, sixteen groups of 16): 2-bit values (0..3), `supers` [N, K/256, 2] float16 (d, dmin)
+  and `groups` [N, K/32, 2] uint8 (each half's byte as stored: sc | m << 4, both 4-bit): element = (d * sc) * u -
+  dmin * m, in float32;
 - `mxfp4` (groups of 32; gpt-oss's experts): `u` the e2m1 codes (0..15) and `groups` [N, K/32, 1] uint8 (the E8M0
   exponent e): element = E2M1[u] * 2 ** (e - 127), computed as gguf does, twice the value times 2 ** (e - 128);
 - `iq4_nl` (groups of 32): `u` the codes (0..15) of IQ4's codebook `IQ4_VALUES` and `groups` [N, K/32, 1] float16
   (d): element = d * IQ4_VALUES[u];
 - `iq4_xs` (super-blocks of 256): the same codes, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 1] int8
   (each group's 6-bit scale less 32): element = (d * sc) * IQ4_VALUES[u], in float32.
-`pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h).
+`pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h): Q2_K's values
+in a 2-bit plane of their own, the others' in a nibble plane with their high bits after it.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ from kernels.reference import QUANT_GROUP
 
 SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
-HIGH_BITS = {"q5_0": 1, "q5_1": 1, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0}
-K_QUANTS = frozenset({"q3_k", "q4_k", "q5_k", "q6_k"})
+HIGH_BITS = {
+    "q5_0": 1, "q5_1": 1, "q2_k": 0, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0,
+}  # fmt: skip
+K_QUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"})
+TWO_BIT_KINDS = frozenset({"q2_k"})  # values 0..3, packed 2 bits each with no nibble plane
+TWO_BIT_PLANE = 64  # bytes of a 2-bit group of 8 features: the layout of a nibble plane's two high-bit planes
 # The value offsets of the kinds scaled per half of a group (16 elements): element = (d * sc) * (u - offset).
 HALF_GROUP_OFFSETS = {"q6_k": 32, "q3_k": 4}
 SUPER_KINDS = K_QUANTS | {"iq4_xs"}  # scaled per super-block of 256: slices fall on them
@@ -84,6 +92,12 @@ class LowBitWeight:
             return (scale.unsqueeze(-1) * u + shift.unsqueeze(-1)).reshape(self.shape)
         assert self.supers is not None
         d, dmin = self.supers.float().unbind(-1)
+        if self.kind == "q2_k":  # as gguf: (d * sc) * u - dmin * m per half of 16
+            u = self.values.reshape(rows, -1, QUANT_GROUP // 2).float()
+            halves = self.groups.reshape(rows, -1)
+            scale = d.repeat_interleave(16, dim=1) * (halves & 0x0F).float()
+            shift = dmin.repeat_interleave(16, dim=1) * (halves >> 4).float()
+            return (scale.unsqueeze(-1) * u - shift.unsqueeze(-1)).reshape(self.shape)
         if self.kind in HALF_GROUP_OFFSETS:
             u = self.values.reshape(rows, -1, QUANT_GROUP // 2).float() - float(HALF_GROUP_OFFSETS[self.kind])
             sc = self.groups.reshape(rows, -1).float()
@@ -154,19 +168,33 @@ def pack_lowbit(
     scale); for `mxfp4` scales `[N/8, K/32, 8]` uint8 (the exponents), mins an empty uint8 tensor; for `iq4_nl`
     scales `[N/8, K/32, 8]` float16, mins an empty int8 tensor; for `iq4_xs` scales `[N/8, K/256, 8]` float16 and
     mins `[N/8, K/32, 8]` int8.
+    For `q2_k` packed is `[N/8, K/32, 1, 64]`: the values' 2-bit plane alone (laid out as the two high-bit planes of
+    `u << 4`, whose nibbles are empty), scales and mins as the other K-quants' (mins: the halves' uint8 sc | m << 4).
     Rows past N are zero. `planes(values, high bits)` makes packed where given (the C++ `lowbit_planes`, ~10x
     faster than the torch ops here, which are its reference)."""
-    n, k = weight.shape
-    blocks, groups = -(-n // 8), k // QUANT_GROUP
-    padded = pad_lowbit(weight, blocks * 8 - n)
+    n = weight.shape[0]
+    padded = pad_lowbit(weight, -(-n // 8) * 8 - n)
+    two_bit = weight.kind in TWO_BIT_KINDS
+    bits = 2 if two_bit else HIGH_BITS[weight.kind]
     if planes is not None:
-        return _lowbit_tables(weight.kind, padded, planes(weight.values.contiguous(), HIGH_BITS[weight.kind]))
+        values = weight.values << 4 if two_bit else weight.values
+        packed = planes(values.contiguous(), bits)
+    else:
+        packed = _planes(padded.values << 4 if two_bit else padded.values, bits)
+    if two_bit:  # the nibble plane is empty: drop it
+        packed = packed[..., -TWO_BIT_PLANE:].contiguous()
+    return _lowbit_tables(weight.kind, padded, packed)
+
+
+def _planes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The torch reference of the C++ `lowbit_planes`: values `[N, K]` (N a multiple of 8) with `bits` high bits over
+    each nibble -> `[N/8, K/32, 1, 128 + 32 * bits]` uint8 (kernels/cpu/lowbit_tiles.h's layout)."""
+    blocks, groups = values.shape[0] // 8, values.shape[1] // QUANT_GROUP
     # [block, feature j, group, half, chunk c, byte i]: element 32g + 16 half + 4c + i of feature j.
-    u = padded.values.reshape(blocks, 8, groups, 2, 4, 4)
+    u = values.reshape(blocks, 8, groups, 2, 4, 4)
     nibbles = (u[:, :, :, 0] & 0x0F) | ((u[:, :, :, 1] & 0x0F) << 4)
     made = [nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 128)]
     high = u >> 4
-    bits = HIGH_BITS[weight.kind]
     if bits == 1:  # byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
         shifts = (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)  # uint8 throughout: no widening
         byte = ((high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 1))).sum(3, dtype=torch.uint8)
@@ -176,8 +204,7 @@ def pack_lowbit(
         parts = (high[:, :, :, 0] << shifts) | (high[:, :, :, 1] << (shifts + 2))  # [block, j, group, c, i]
         byte = parts.reshape(blocks, 8, groups, 2, 2, 4).sum(4, dtype=torch.uint8)  # [block, j, group, v, i]
         made.append(byte.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 64))
-    packed = torch.cat(made, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
-    return _lowbit_tables(weight.kind, padded, packed)
+    return torch.cat(made, -1).to(torch.uint8).reshape(blocks, groups, 1, -1).contiguous()
 
 
 def _lowbit_tables(
@@ -221,8 +248,11 @@ def unpack_lowbit_rows(
     rows = torch.arange(len(index))
     planes = packed[block, :, 0]  # [R, groups, bytes]
     count, groups = planes.shape[:2]
+    two_bit = kind in TWO_BIT_KINDS
+    if two_bit:  # the 2-bit plane holds u as two high-bit planes hold u >> 4: unpack u << 4 (an empty nibble)
+        planes = torch.cat([planes.new_zeros(count, groups, 128), planes], -1)
     u = unpack_nibbles(planes[..., :128], feature).reshape(count, groups, 2, 4, 4)  # [R, g, half, c, i]
-    bits = HIGH_BITS[kind]
+    bits = 2 if two_bit else HIGH_BITS[kind]
     if bits == 1:  # byte 4j + i: bit 2c that of element 4c + i, bit 2c + 1 that of 16 + 4c + i
         byte = planes[..., 128:].reshape(count, groups, 8, 4)[rows, :, feature].unsqueeze(2)  # [R, g, 1, i]
         shifts = (2 * torch.arange(4)).view(1, 1, 4, 1)
@@ -235,6 +265,8 @@ def unpack_lowbit_rows(
     else:
         high = torch.zeros_like(u)
     values = (u | (high << 4)).reshape(count, -1)
+    if two_bit:
+        values = values >> 4
     if kind in ("mxfp4", "iq4_nl"):  # scales [blocks, groups, 8]: the exponents, or d
         return LowBitWeight(kind, values, scales[block, :, feature].unsqueeze(-1))
     if kind == "iq4_xs":  # scales [blocks, supers, 8]: d; mins [blocks, groups, 8]: sc
@@ -268,7 +300,9 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     byte l are element 128h + 32s + l's two high bits); MXFP4 `e, qs[16]` (qs byte j: code j low, j + 16 high);
     Q3_K `hmask[32], qs[64], scales[12], d` (element 128h + 32j + l: bits 2j .. 2j + 1 of qs[32h + l], over them bit
     4h + j of hmask[l]; sixteen 6-bit scales of 16 elements: their low 4 bits the nibbles of scales[0..7], low ones
-    first, their high 2 bits 2k .. 2k + 1 of scales[8..11], less 32); IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
+    first, their high 2 bits 2k .. 2k + 1 of scales[8..11], less 32); Q2_K `scales[16], qs[64], d, dmin` (element
+    128h + 32j + l: bits 2j .. 2j + 1 of qs[32h + l]; scales[s] the sc (low nibble) and m (high) of elements 16s ..
+    16s + 15); IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
     scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of 32, as IQ4_NL's; group i's scale: nibble i
     of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it, less 32)."""
     rows = blocks.shape[0]
@@ -311,6 +345,11 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
             low = low | (((qh.unsqueeze(-2) >> torch.arange(8).view(8, 1)) & 1).reshape(rows, -1, 256) << 4)
         groups = torch.stack([sc, m], -1).to(torch.uint8).reshape(rows, -1, 2)
         return LowBitWeight(kind, low.to(torch.uint8).reshape(rows, -1), groups, torch.stack([d, dmin], -1))
+    if kind == "q2_k":  # element 128h + 32j + l: bits 2j of qs[32h + l]; each half's byte sc | m << 4 as stored
+        qs = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32)
+        values = (qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3  # [h, j, l], uint8 throughout
+        halves = blocks[..., 0:16].reshape(rows, -1, 2).clone()
+        return LowBitWeight(kind, values.reshape(rows, -1), halves, torch.stack([half(80), half(82)], -1))
     if kind == "q3_k":  # element 128h + 32j + l: bits 2j of qs[32h + l], bit 4h + j of hmask[l]; scales as below
         qs = b[..., 32:96].reshape(rows, -1, 2, 1, 32)
         low = (qs >> (2 * torch.arange(4)).view(4, 1)) & 3  # [h, j, l]

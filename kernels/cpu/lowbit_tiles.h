@@ -1,4 +1,4 @@
-// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q3_K .. Q6_K), of its
+// The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), of its
 // non-linear 4-bit types (IQ4_NL, IQ4_XS) and of MXFP4 (gpt-oss's experts), kept as the file stores them: the same
 // layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
 // of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
@@ -11,6 +11,8 @@
 //   H = 1: 32 bytes, byte 4 * j + i: bit 2c the high bit (u >> 4) of element 4c + i, bit 2c + 1 of 16 + 4c + i;
 //   H = 2: 64 bytes, chunk c in the 32 bytes at 32 * (c / 2), byte 4 * j + i: bits 4 (c % 2) .. +1 the high
 //          bits (u >> 4) of element 4c + i, bits 4 (c % 2) + 2 .. +3 those of 16 + 4c + i.
+// Q2_K's 2-bit values (kSuper2) take no nibble plane: their group is `kTwoBitPlane` bytes laid out as the H = 2
+// plane, holding u itself (0..3) where that plane holds u >> 4.
 // How u becomes a weight, by the scales' kind:
 //   kTable (Q5_0, Q5_1): scales, mins [N / 8, K / 32, 8] float16: element = scale * u + min (Q5_0: no mins table,
 //           min = -16 * scale, exact in float32, the value a float16 table of them would hold);
@@ -19,6 +21,9 @@
 //   kSuper6 (Q6_K, H = 2; Q3_K, H = 0): `scales` as kSuper (dmin zero) and `mins` [N / 8, K / 32, 16] int8 (the
 //           scales of the group's two 16-element halves: 8 features' first, then their second): element =
 //           (d * sc) * (u - o), o = kSuper6Offset<H> (Q6_K's 32, Q3_K's 4; Q3_K's sc is its 6-bit scale less 32);
+//   kSuper2 (Q2_K, the 2-bit plane): `scales` as kSuper and `mins` [N / 8, K / 32, 16] uint8 (the bytes of the
+//           group's two 16-element halves as Q2_K stores them, sc | m << 4, 8 features' first half, then their
+//           second): element = (d * sc) * u - dmin * m, per half;
 //   kE8M0 (MXFP4, H = 0): `scales` [N / 8, K / 32, 8] uint8, each group's E8M0 exponent e (no mins table), and
 //           the nibbles e2m1 codes: u = kE2M1Offset[code] (twice the code's value, plus 12: 0..24, looked up in
 //           registers), element = 2^(e - 128) * (u - 12), so scale 2^(e - 128) and min -12 * scale, both exact;
@@ -31,7 +36,8 @@
 // The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
 // acc += min * dx * sum(xq); for the codebook kinds the first of these alone (v . xq); for kSuper6 the halves'
 // scales combine the integer dots first, sc0 * (u - o) . xq over the first half plus sc1 * ... over the second,
-// exactly in int32, then acc += dot * (d * dx). Every row of a
+// exactly in int32, then acc += dot * (d * dx); kSuper2 likewise, then acc -= (m0 * sum0(xq) + m1 * sum1(xq)) *
+// (dmin * dx), the mins' integer sum over the halves' sums of xq. Every row of a
 // tile runs through the same instructions whatever rows are beside it, so a row's result does not depend on its
 // batch.
 #pragma once
@@ -48,7 +54,9 @@ namespace ladle_quant {
 constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block's group
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
-enum class LowBitScales { kTable, kSuper, kSuper6, kE8M0, kCodebook, kCodebookSuper };
+enum class LowBitScales { kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper };
+
+constexpr int64_t kTwoBitPlane = 64;  // a group of Q2_K's 2-bit values, 8 features x 32 elements
 
 // kSuper6's offset of the values: Q6_K's 6-bit u less 32 (two high-bit planes), Q3_K's 3-bit u less 4 (none).
 template <int64_t H>
@@ -60,7 +68,11 @@ constexpr bool is_codebook(LowBitScales s) {
 }
 // Whether a kind runs on AMX tiles (one float scale and min a group, unsigned values): not Q6_K's halves, and not the
 // codebooks' signed values.
-constexpr bool lowbit_amx(LowBitScales s) { return s != LowBitScales::kSuper6 && !is_codebook(s); }
+constexpr bool lowbit_amx(LowBitScales s) {
+  return s != LowBitScales::kSuper6 && s != LowBitScales::kSuper2 && !is_codebook(s);
+}
+// Whether a kind scales each half of a group (16 elements) by its own integer scale: its halves' dots kept apart.
+constexpr bool half_scaled(LowBitScales s) { return s == LowBitScales::kSuper6 || s == LowBitScales::kSuper2; }
 
 // IQ4_NL's (and IQ4_XS's) codebook, and each entry plus 128 (the unsigned form the VNNI dots take).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -86,8 +98,13 @@ inline __m256 e8m0_half_scales(__m256i e) {
 #endif
 
 inline constexpr int64_t lowbit_group_bytes(int64_t high_bits) { return kLowBitPlane + 32 * high_bits; }
+// The bytes of one block's group of kind S with H high-bit planes (Q2_K's: its 2-bit plane alone).
+template <int64_t H, LowBitScales S>
+constexpr int64_t group_bytes() {
+  return S == LowBitScales::kSuper2 ? kTwoBitPlane : lowbit_group_bytes(H);
+}
 
-// Sum of each row's first 16 quantized values of each group ([M, K / 32]), for kSuper6's halves.
+// Sum of each row's first 16 quantized values of each group ([M, K / 32]), for the half-scaled kinds.
 inline at::Tensor half_totals(const QuantizedRows& xq, int64_t rows) {
   const int64_t groups = xq.k / kGroup;
   at::Tensor out = at::empty({rows, groups}, at::TensorOptions().dtype(at::kInt));
@@ -111,11 +128,11 @@ struct LowBitTables {
 };
 
 // Rows [m0, m0 + R) of y for one packed block: y[m0 + r, 0 .. cols) (cols <= 8), rows y_stride apart. `block`
-// points at the block's first group; `half` is `half_totals` (kSuper6 only).
+// points at the block's first group; `half` is `half_totals` (the half-scaled kinds only).
 template <int64_t H, LowBitScales S, int64_t R>
 void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const uint8_t* block,
                  const LowBitTables& t, int64_t b, float* y, int64_t y_stride, int64_t cols) {
-  const int64_t k = xq.k, groups = k / kGroup, bytes = lowbit_group_bytes(H);
+  const int64_t k = xq.k, groups = k / kGroup, bytes = group_bytes<H, S>();
   const float* x_scales = xq.scales + m0 * groups;
   const float* x_sums = xq.sums + m0 * groups;
   const int32_t* x_totals = xq.totals + m0 * groups;
@@ -138,14 +155,23 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
     const uint8_t* w = block + g * bytes;
     prefetch_bytes(w + groups * bytes, bytes);  // the next block's group g (quant_tiles.h)
     const int8_t* xg = x + g * kGroup;
-    __m256i first[R], second[R];  // int32 dots of the group's first and second 16 elements (kSuper6), or all
+    __m256i first[R], second[R];  // int32 dots of the group's first and second 16 elements (half-scaled), or all
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) first[r] = second[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
     for (int64_t c = 0; c < 4; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
-      __m256i low = _mm256_and_si256(raw, nibble);
-      __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      __m256i low, high;
+      if constexpr (S == LowBitScales::kSuper2) {  // chunk c's 2-bit values at bits 4 (c % 2) of part c / 2
+        const __m256i two = _mm256_set1_epi8(3);
+        const __m256i bits = _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * (c / 2))),
+                                              _mm_cvtsi32_si128(static_cast<int>(4 * (c % 2))));
+        low = _mm256_and_si256(bits, two);
+        high = _mm256_and_si256(_mm256_srli_epi16(bits, 2), two);
+      } else {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 32));
+        low = _mm256_and_si256(raw, nibble);
+        high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+      }
       if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {
 #ifdef LADLE_QUANT_VNNI
         const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Offset;
@@ -172,7 +198,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         int32_t x_low, x_high;
         std::memcpy(&x_low, xg + r * k + 4 * c, 4);
         std::memcpy(&x_high, xg + r * k + 16 + 4 * c, 4);
-        __m256i& other = S == LowBitScales::kSuper6 ? second[r] : first[r];
+        __m256i& other = half_scaled(S) ? second[r] : first[r];
 #ifdef LADLE_QUANT_VNNI
         first[r] = _mm256_dpbusd_epi32(first[r], low, _mm256_set1_epi32(x_low));
         other = _mm256_dpbusd_epi32(other, high, _mm256_set1_epi32(x_high));
@@ -211,6 +237,26 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
 #endif
         const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[r * groups + g]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), row_scale, acc[r]);
+      }
+    } else if constexpr (S == LowBitScales::kSuper2) {
+      const at::Half* pair = super + (g / kSuperGroups) * 16;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 8)));
+      const uint8_t* halves = t.small + (b * groups + g) * 16;
+      const __m256i h0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(halves)));
+      const __m256i h1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(halves + 8)));
+      const __m256i low4 = _mm256_set1_epi32(0x0F);
+      const __m256i sc0 = _mm256_and_si256(h0, low4), sc1 = _mm256_and_si256(h1, low4);
+      const __m256i m0 = _mm256_srli_epi32(h0, 4), m1 = _mm256_srli_epi32(h1, 4);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {  // sc . (u . xq) per half, less m . sum(xq) per half, both in int32
+        const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+        const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(first[r], sc0), _mm256_mullo_epi32(second[r], sc1));
+        const __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(t0)),
+                                              _mm256_mullo_epi32(m1, _mm256_set1_epi32(t1)));
+        const __m256 dx = _mm256_set1_ps(x_scales[r * groups + g]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
       }
     } else if constexpr (S == LowBitScales::kSuper6) {
       const at::Half* d_half = super + (g / kSuperGroups) * 16;
@@ -269,9 +315,12 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       for (int64_t c = 0; c < 4; ++c) {
         for (int64_t i = 0; i < 4; ++i) {
           const int64_t at = 4 * j + i;
-          const uint8_t byte = w[c * 32 + at];
+          const uint8_t byte = S == LowBitScales::kSuper2 ? w[32 * (c / 2) + at] >> (4 * (c % 2)) : w[c * 32 + at];
           uint32_t low = byte & 0x0F, high = byte >> 4;
-          if (H == 1) {
+          if (S == LowBitScales::kSuper2) {
+            low = byte & 3;
+            high = (byte >> 2) & 3;
+          } else if (H == 1) {
             low |= ((w[kLowBitPlane + at] >> (2 * c)) & 1) << 4;
             high |= ((w[kLowBitPlane + at] >> (2 * c + 1)) & 1) << 4;
           } else if (H == 2) {
@@ -292,7 +341,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         }
       }
       float scale = 0.f, min = 0.f;
-      int32_t sc0 = 0, sc1 = 0;
+      int32_t sc0 = 0, sc1 = 0, m0 = 0, m1 = 0;
       if (S == LowBitScales::kE8M0) {
         scale = e8m0_half_scale(t.small[(b * groups + g) * kBlock + j]);
         min = scale * kE2M1Min;
@@ -310,6 +359,11 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         if (S == LowBitScales::kSuper) {
           scale = to_float(pair[j]) * static_cast<float>(small[j]);
           min = 0.f - to_float(pair[8 + j]) * static_cast<float>(small[8 + j]);
+        } else if (S == LowBitScales::kSuper2) {
+          scale = to_float(pair[j]);
+          min = to_float(pair[8 + j]);  // dmin
+          sc0 = small[j] & 0x0F, m0 = small[j] >> 4;
+          sc1 = small[8 + j] & 0x0F, m1 = small[8 + j] >> 4;
         } else {
           scale = to_float(pair[j]);
           sc0 = static_cast<int8_t>(small[j]);
@@ -326,6 +380,11 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
           const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
           const int32_t dot = (dot0 - kSuper6Offset<H> * t0) * sc0 + (dot1 - kSuper6Offset<H> * t1) * sc1;
           out[r][j] = std::fma(static_cast<float>(dot), row_scale, out[r][j]);
+        } else if (S == LowBitScales::kSuper2) {
+          const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+          const int32_t mins = m0 * t0 + m1 * t1;
+          out[r][j] = std::fma(static_cast<float>(dot0 * sc0 + dot1 * sc1), row_scale, out[r][j]);
+          out[r][j] = std::fma(-static_cast<float>(mins), min * x_scales[r * groups + g], out[r][j]);
         } else {
           out[r][j] = std::fma(static_cast<float>(dot0 + dot1), row_scale, out[r][j]);
           if (!is_codebook(S)) out[r][j] = std::fma(min, x_sums[r * groups + g], out[r][j]);
@@ -379,6 +438,13 @@ template <int64_t H, LowBitScales S, int C>
 inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], __m512i& low,
                               __m512i& high) {
   constexpr int kOrMasked = 0xF8;  // vpternlogd's table for A | (B & C)
+  if constexpr (S == LowBitScales::kSuper2) {  // chunk C's 2-bit values at bits 4 (C % 2) of part C / 2
+    const __m512i two = _mm512_set1_epi8(3);
+    const __m512i bits = lowbit_shift<-4 * (C % 2)>(lowbit_pair(w0 + 32 * (C / 2), w1 + 32 * (C / 2)));
+    low = _mm512_and_si512(bits, two);
+    high = _mm512_and_si512(_mm512_srli_epi16(bits, 2), two);
+    return;
+  }
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i raw = lowbit_pair(w0 + C * 32, w1 + C * 32);
   low = _mm512_and_si512(raw, nibble);
@@ -459,7 +525,7 @@ template <int64_t H, LowBitScales S, int64_t R>
 void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const uint8_t* block0,
                       const uint8_t* block1, const LowBitTables& t, int64_t b, float* y, int64_t y_stride,
                       int64_t cols0, int64_t cols1) {
-  const int64_t k = xq.k, groups = k / kGroup, bytes = lowbit_group_bytes(H), supers = groups / kSuperGroups;
+  const int64_t k = xq.k, groups = k / kGroup, bytes = group_bytes<H, S>(), supers = groups / kSuperGroups;
   const float* x_scales = xq.scales + m0 * groups;
   const float* x_sums = xq.sums + m0 * groups;
   const int32_t* x_totals = xq.totals + m0 * groups;
@@ -489,11 +555,32 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
         std::memcpy(&x_low, xg + r * k + 4 * c, 4);
         std::memcpy(&x_high, xg + r * k + 16 + 4 * c, 4);
         first[r] = _mm512_dpbusd_epi32(first[r], low, _mm512_set1_epi32(x_low));
-        __m512i& other = S == LowBitScales::kSuper6 ? second[r] : first[r];
+        __m512i& other = half_scaled(S) ? second[r] : first[r];
         other = _mm512_dpbusd_epi32(other, high, _mm512_set1_epi32(x_high));
       }
     });
-    if constexpr (S == LowBitScales::kSuper6) {  // the blocks' d and the halves' scales of this group
+    if constexpr (S == LowBitScales::kSuper2) {  // the blocks' d and dmin, the halves' sc and m of this group
+      const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;
+      const at::Half* super1 = super0 + supers * 16;
+      const uint8_t* halves0 = t.small + (b * groups + g) * 16;
+      const uint8_t* halves1 = halves0 + groups * 16;
+      const __m512 d = lowbit_halves(super0, super1), dmin = lowbit_halves(super0 + 8, super1 + 8);
+      const __m512i h0 = _mm512_cvtepu8_epi32(lowbit_bytes16(halves0, halves1));
+      const __m512i h1 = _mm512_cvtepu8_epi32(lowbit_bytes16(halves0 + 8, halves1 + 8));
+      const __m512i low4 = _mm512_set1_epi32(0x0F);
+      const __m512i sc0 = _mm512_and_si512(h0, low4), sc1 = _mm512_and_si512(h1, low4);
+      const __m512i m0 = _mm512_srli_epi32(h0, 4), m1 = _mm512_srli_epi32(h1, 4);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+        const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(first[r], sc0), _mm512_mullo_epi32(second[r], sc1));
+        const __m512i mins = _mm512_add_epi32(_mm512_mullo_epi32(m0, _mm512_set1_epi32(t0)),
+                                              _mm512_mullo_epi32(m1, _mm512_set1_epi32(t1)));
+        const __m512 dx = _mm512_set1_ps(x_scales[r * groups + g]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx), acc[r]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(dmin, dx), acc[r]);
+      }
+    } else if constexpr (S == LowBitScales::kSuper6) {  // the blocks' d and the halves' scales of this group
       const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;
       const at::Half* super1 = super0 + supers * 16;
       const uint8_t* small0 = t.small + (b * groups + g) * 16;
@@ -571,15 +658,15 @@ constexpr bool kLowBitPairs = false;
 
 // Rows [first, last) of y for block b of a packed weight (`packed` its first block's first group), and block b + 1
 // with it where `paired` (kLowBitPairs only): y points at row 0, feature 0, rows y_stride apart, n_rows features.
-// AMX tiles where `scratch` is given (AMX on, an AmxScope on this thread; never for kSuper6), the pair and
-// kAmxMinRows rows or more; otherwise lowbit_pair_tile or lowbit_tile, kRowTile rows at a time. Every path gives
-// lowbit_tile's bits. The dense products (quant_matmul.cpp's run_lowbit) and the experts' (moe.cpp) both run
+// AMX tiles where `scratch` is given (AMX on, an AmxScope on this thread; never for the half-scaled kinds), the
+// pair and kAmxMinRows rows or more; otherwise lowbit_pair_tile or lowbit_tile, kRowTile rows at a time. Every path
+// gives lowbit_tile's bits. The dense products (quant_matmul.cpp's run_lowbit) and the experts' (moe.cpp) both run
 // their rows through here.
 template <int64_t H, LowBitScales S>
 void lowbit_rows(const QuantizedRows& xq, const int32_t* half, int64_t first, int64_t last, const uint8_t* packed,
                  const LowBitTables& t, int64_t b, bool paired, UnpackedPair* scratch, float* y, int64_t y_stride,
                  int64_t n_rows) {
-  const int64_t groups = xq.k / kGroup, block_bytes = groups * lowbit_group_bytes(H);
+  const int64_t groups = xq.k / kGroup, block_bytes = groups * group_bytes<H, S>();
   const uint8_t* block = packed + b * block_bytes;
   const int64_t cols = std::min(kBlock, n_rows - b * kBlock);
   float* columns = y + b * kBlock;

@@ -54,8 +54,8 @@ using namespace ladle_quant;
 
 // One packed bank of experts: E weights of n_rows output features each, stacked. `high_bits` -1: `pack_q4` /
 // `pack_q8`'s blocks of `planes` planes (quant_matmul.cpp); 0..2: lowbit_tiles.h's (`pack_lowbit`: Q5_0, Q5_1,
-// Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4) with that many high-bit planes and scales of kind `lowbit`. Each
-// expert's tensors lie `*_stride` elements after the one before.
+// Q2_K .. Q6_K, IQ4_NL, IQ4_XS, MXFP4) with that many high-bit planes (Q2_K: none, nor a nibble plane) and scales
+// of kind `lowbit`. Each expert's tensors lie `*_stride` elements after the one before.
 struct Bank {
   const uint8_t* packed;
   const at::Half* scales;  // nullptr for MXFP4 (its exponents are `small`)
@@ -84,12 +84,29 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
                        const char* what) {
   const int64_t experts = bank.experts, blocks = bank.blocks, groups = bank.groups;
   const int64_t high_bits = (packed.size(4) - kLowBitPlane) / 32;
-  LADLE_CHECK(packed.size(3) == 1 && packed.size(4) == lowbit_group_bytes(high_bits) && high_bits >= 0 &&
-                  high_bits <= 2,
-              "%s must be [E, N / 8, K / 32, 1, 128 + 32 * (0..2)] uint8 (stacked pack_lowbit), got a last dim of "
-              "%lld",
+  const bool two_bit = packed.size(4) == kTwoBitPlane;  // Q2_K
+  LADLE_CHECK(packed.size(3) == 1 && (two_bit || (packed.size(4) == lowbit_group_bytes(high_bits) && high_bits >= 0 &&
+                                                  high_bits <= 2)),
+              "%s must be [E, N / 8, K / 32, 1, 64 (Q2_K) or 128 + 32 * (0..2)] uint8 (stacked pack_lowbit), got a "
+              "last dim of %lld",
               what, static_cast<long long>(packed.size(4)));
-  bank.high_bits = high_bits;
+  bank.high_bits = two_bit ? 0 : high_bits;
+  if (two_bit) {  // kSuper2: Q2_K's d and dmin a super-block, its halves' bytes (sc | m << 4) a group
+    LADLE_CHECK(groups % kSuperGroups == 0, "%s: Q2_K super-blocks are 256 wide: K = %lld is not a multiple", what,
+                static_cast<long long>(groups * kGroup));
+    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                    scales.size(2) == groups / kSuperGroups && scales.size(3) == 2 * kBlock &&
+                    scales.scalar_type() == at::kHalf && scales.is_contiguous() && mins.dim() == 4 &&
+                    mins.size(0) == experts && mins.size(1) == blocks && mins.size(2) == groups &&
+                    mins.size(3) == 2 * kBlock && mins.scalar_type() == at::kByte && mins.is_contiguous(),
+                "%s's Q2_K tables must be a contiguous [E, N / 8, K / 256, 16] float16 tensor (d, then dmin) and a "
+                "contiguous [E, N / 8, K / 32, 16] uint8 one (the halves' sc | m << 4)",
+                what);
+    bank.lowbit = LowBitScales::kSuper2;
+    bank.small = mins.data_ptr<uint8_t>();
+    bank.mins_stride = mins.numel() / experts;
+    return;
+  }
   if (scales.scalar_type() == at::kByte) {  // kE8M0: MXFP4's e2m1 codes with an exponent a group
     LADLE_CHECK(high_bits == 0, "%s: MXFP4 groups (uint8 exponents) take no high-bit plane, not %lld", what,
                 static_cast<long long>(high_bits));
@@ -289,6 +306,10 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
       return run_lowbit_bank<0, LowBitScales::kCodebook>(rows, nullptr, start, bank, y);
     case LowBitScales::kCodebookSuper:
       return run_lowbit_bank<0, LowBitScales::kCodebookSuper>(rows, nullptr, start, bank, y);
+    case LowBitScales::kSuper2: {
+      const at::Tensor half = half_totals(rows, start.back());
+      return run_lowbit_bank<0, LowBitScales::kSuper2>(rows, half.data_ptr<int32_t>(), start, bank, y);
+    }
     case LowBitScales::kSuper6: {
       const at::Tensor half = half_totals(rows, start.back());
       if (bank.high_bits == 0) {  // Q3_K

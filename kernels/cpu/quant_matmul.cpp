@@ -26,7 +26,7 @@
 // the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
 // the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
 // float32 rounding (the reference sums in float64).
-// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q3_K .. Q6_K), IQ4_NL, IQ4_XS and MXFP4 go
+// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q2_K .. Q6_K), IQ4_NL, IQ4_XS and MXFP4 go
 // through the same entry point in their own layout (lowbit_tiles.h), told apart by their tables' types and their
 // groups' bytes.
 
@@ -190,10 +190,26 @@ void run_lowbit(const QuantizedRows& xq, const int32_t* half, int64_t m_rows, co
 void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& packed, const at::Tensor& scales,
                    const at::Tensor& mins, int64_t n_rows, float* y, int64_t y_stride) {
   const int64_t blocks = packed.size(0), groups = packed.size(1), high_bits = (packed.size(3) - kLowBitPlane) / 32;
-  LADLE_CHECK(packed.size(2) == 1 && packed.size(3) == lowbit_group_bytes(high_bits) && high_bits <= 2,
-              "packed must be [N / 8, K / 32, 1, 128 + 32 * (0..2)] uint8, got a last dim of %lld",
+  const bool two_bit = packed.size(3) == kTwoBitPlane;  // Q2_K
+  LADLE_CHECK(packed.size(2) == 1 && (two_bit || (packed.size(3) == lowbit_group_bytes(high_bits) && high_bits >= 0 &&
+                                                  high_bits <= 2)),
+              "packed must be [N / 8, K / 32, 1, 64 (Q2_K) or 128 + 32 * (0..2)] uint8, got a last dim of %lld",
               static_cast<long long>(packed.size(3)));
   const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (two_bit) {  // kSuper2: Q2_K's d and dmin a super-block, its halves' bytes (sc | m << 4) a group
+    LADLE_CHECK(groups % kSuperGroups == 0, "Q2_K super-blocks are 256 wide: K = %lld is not a multiple",
+                static_cast<long long>(groups * kGroup));
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups / kSuperGroups &&
+                    scales.size(2) == 2 * kBlock && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                    mins.dim() == 3 && mins.size(0) == blocks && mins.size(1) == groups &&
+                    mins.size(2) == 2 * kBlock && mins.scalar_type() == at::kByte && mins.is_contiguous(),
+                "Q2_K tables must be a contiguous [N / 8, K / 256, 16] float16 tensor (d, then dmin) and a contiguous "
+                "[N / 8, K / 32, 16] uint8 one (the halves' sc | m << 4)");
+    const LowBitTables tables{scales.data_ptr<at::Half>(), nullptr, mins.data_ptr<uint8_t>()};
+    const at::Tensor half = half_totals(xq, m_rows);
+    return run_lowbit<0, LowBitScales::kSuper2>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y,
+                                                y_stride);
+  }
   if (scales.scalar_type() == at::kByte) {  // kE8M0: MXFP4's e2m1 codes with an exponent a group
     LADLE_CHECK(high_bits == 0, "MXFP4 groups (uint8 exponents) take no high-bit plane, not %lld",
                 static_cast<long long>(high_bits));

@@ -449,8 +449,9 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
     [(GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q6_K),
      (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K),
      (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS),
-     (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q3_K)],
-    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k"],
+     (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q3_K),
+     (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)],
+    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k", "q3_k-q2_k"],
 )  # fmt: skip
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
@@ -462,7 +463,8 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     serves) bit for bit, and the served model is close to its float path. The blocks are random, not quantized from
     trained-like weights, so the activations' 8-bit rounding moves these logits more than a real model's: the
     thresholds are looser than the real files' (benchmarks/results/quality_kquant.jsonl), and far below what a
-    misread block gives (KL of nats)."""
+    misread block gives (KL of nats). Random Q2_K blocks leave this model's logits flatter still, so near-ties flip
+    more often: its top-1 bar is lower (81% measured, at a mean KL of 0.002)."""
     folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
     gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
     stored = keep_stored_weights(monkeypatch)
@@ -475,7 +477,8 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     assert layers["model.layers.0.self_attn.qkv_proj"] == kinds.get(attention, attention.name.lower())
     assert layers["model.layers.3.mlp.gate_up_proj"] == feed_forward.name.lower()
     assert layers["model.layers.3.mlp.down_proj"] == feed_forward.name.lower()
-    assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.05, result
+    top1 = 0.8 if feed_forward == GGMLQuantizationType.Q2_K else 0.9
+    assert result.top1_agreement >= top1 and result.mean_kl <= 0.05, result
 
 
 # The Gated DeltaNet hybrids as llama.cpp writes them (scripts/check_gguf_writer.py runs llama.cpp on such files and

@@ -1,4 +1,4 @@
-"""Banks of experts in GGUF's 5-bit types, llama.cpp's K-quants (Q5_0, Q5_1, Q3_K .. Q6_K), IQ4 and MXFP4 through
+"""Banks of experts in GGUF's 5-bit types, llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), IQ4 and MXFP4 through
 the quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp` over lowbit_tiles.h):
 each expert's product bit for bit the dense layers' (`QuantizedLinear` on the same blocks), a token's result alone
 and in any batch (AMX tiles or not), its input checks, and a GGUF bank's slices under tensor parallelism
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kerne
 @pytest.mark.parametrize(
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4"), ("iq4_xs", "iq4_nl"),
-     ("q3_k", "q3_k")],
+     ("q3_k", "q3_k"), ("q2_k", "q2_k")],
 )
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:
     """A token sent to one expert with weight 1 gets down(silu_and_mul(gate_up(x))) of `QuantizedLinear`s on that
@@ -64,7 +64,7 @@ def crowded_routing(tokens: int, experts: int, gen: torch.Generator) -> tuple[to
 @pytest.mark.parametrize(
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k"), ("mxfp4", "mxfp4"), ("iq4_nl", "iq4_xs"),
-     ("q3_k", "q5_k")],
+     ("q3_k", "q5_k"), ("q2_k", "q3_k")],
 )
 def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -> None:
     gen = torch.Generator().manual_seed(23)

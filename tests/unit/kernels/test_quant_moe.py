@@ -104,6 +104,7 @@ CASES = [
     (9, 4, 2, 256, 256, "iq4_xs", "iq4_nl"),  # IQ4_XS files (IQ4_NL where a row is not whole super-blocks)
     (14, 5, 2, 96, 64, "iq4_nl", "q5_0"),
     (11, 4, 2, 256, 256, "q3_k", "q4_k"),  # Q3_K_M files
+    (10, 4, 2, 256, 256, "q2_k", "q3_k"),  # Q2_K files (their down projections Q3_K)
 ]
 
 
