@@ -88,6 +88,15 @@ def test_the_cpp_packing_equals_the_torch_one(kind: str, n: int, k: int) -> None
         torch.ops.ladle_cpu.lowbit_planes(weight.values, 3)
 
 
+def test_q2_k_is_held_in_the_files_bytes() -> None:
+    """Q2_K's values take 2 bits in the kernels' layout as in the file (a 2-bit plane, no nibble plane) and its
+    halves' scales stay one byte each: whole blocks of 8 rows pack into exactly their blocks' 84 bytes per 256."""
+    blocks = random_blocks("q2_k", 16, 512, torch.Generator().manual_seed(9))
+    packed, scales, mins = pack_lowbit(decode_blocks(blocks, "q2_k"))
+    assert packed.shape == (2, 16, 1, 64)
+    assert packed.numel() + 2 * scales.numel() + mins.numel() == blocks.numel()
+
+
 @needs_kernels
 def test_an_mxfp4_exponent_scales_the_product_exactly() -> None:
     """Each MXFP4 group's exponent byte e is the power of two 2 ** (e - 128) the kernels apply to its doubled codes:
