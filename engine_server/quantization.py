@@ -521,7 +521,8 @@ _EXPERT_KINDS = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
     GGMLQuantizationType.MXFP4, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
-    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ3_S,
+    GGMLQuantizationType.IQ2_XXS,
 })  # fmt: skip
 
 

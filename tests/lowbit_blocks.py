@@ -1,8 +1,8 @@
-"""Random GGUF blocks of the 5-bit, K-quant, IQ4 and MXFP4 types, for the tests of their decoding and kernels: every
-byte random (any bit pattern is a valid block) but the float16 scales, drawn small and positive as a quantizer
-writes them (a min or dmin so that the weights average zero), and narrowed by each kind's integer range (5-bit
-values; K-quants' 6-bit sub-block scales and Q6_K's int8 ones), so the weights are as wide as the 4-bit kernels'
-tests draw theirs and the same tolerances hold; MXFP4's exponent bytes likewise (values up to 6 * 2 ** -5)."""
+"""Random GGUF blocks of the 5-bit, K-quant, IQ4, IQ2 / IQ3 grid and MXFP4 types, for the tests of their decoding and
+kernels: every byte random (any bit pattern is a valid block) but the float16 scales, drawn small and positive as a
+quantizer writes them (a min or dmin so that the weights average zero), and narrowed by each kind's integer range
+(5-bit values; K-quants' 6-bit sub-block scales and Q6_K's int8 ones), so the weights are as wide as the 4-bit
+kernels' tests draw theirs and the same tolerances hold; MXFP4's exponent bytes likewise (values up to 6 * 2 ** -5)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ KINDS = {
     "q5_0": GGMLQuantizationType.Q5_0, "q5_1": GGMLQuantizationType.Q5_1, "q4_k": GGMLQuantizationType.Q4_K,
     "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K, "mxfp4": GGMLQuantizationType.MXFP4,
     "iq4_nl": GGMLQuantizationType.IQ4_NL, "iq4_xs": GGMLQuantizationType.IQ4_XS, "q3_k": GGMLQuantizationType.Q3_K,
-    "q2_k": GGMLQuantizationType.Q2_K,
+    "q2_k": GGMLQuantizationType.Q2_K, "iq3_xxs": GGMLQuantizationType.IQ3_XXS, "iq3_s": GGMLQuantizationType.IQ3_S,
+    "iq2_xxs": GGMLQuantizationType.IQ2_XXS,
 }  # fmt: skip
 # Byte offsets of each kind's float16 scales in its block.
 _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,),
-           "q3_k": (108,), "q2_k": (80, 82)}
+           "q3_k": (108,), "q2_k": (80, 82), "iq3_xxs": (0,), "iq3_s": (0,), "iq2_xxs": (0,)}
 _NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128, "iq4_nl": 8, "iq4_xs": 128, "q3_k": 4,
-             "q2_k": 2}
+             "q2_k": 2, "iq3_xxs": 16, "iq3_s": 16, "iq2_xxs": 8}
 MXFP4_EXPONENTS = (118, 123)  # the exponent bytes drawn: 2 ** (e - 127) from 2 ** -9 to 2 ** -5
 # Of u (a K-quant's m averages sc's mean, so d * mean u).
 _MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5, "q2_k": 1.5}

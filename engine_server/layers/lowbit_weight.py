@@ -1,5 +1,5 @@
 """GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and
-IQ4_XS, and MXFP4, as the CPU kernels serve them.
+IQ4_XS, its grid types IQ3_XXS, IQ3_S and IQ2_XXS, and MXFP4, as the CPU kernels serve them.
 
 A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
 the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
@@ -19,13 +19,18 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `iq4_nl` (groups of 32): `u` the codes (0..15) of IQ4's codebook `IQ4_VALUES` and `groups` [N, K/32, 1] float16
   (d): element = d * IQ4_VALUES[u];
 - `iq4_xs` (super-blocks of 256): the same codes, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 1] int8
-  (each group's 6-bit scale less 32): element = (d * sc) * IQ4_VALUES[u], in float32.
+  (each group's 6-bit scale less 32): element = (d * sc) * IQ4_VALUES[u], in float32;
+- `iq3_xxs`, `iq3_s`, `iq2_xxs` (super-blocks of 256 whose groups of 32 pick runs of 4 or 8 values from a grid of
+  magnitudes, each with its sign): `u` each element's code in the kind's 16-entry `CODEBOOKS` (its magnitude's index
+  in the grid's values, plus 8 when negative) and `groups` [N, K/32, 1] float32, each group's scale as gguf computes
+  it from d and the group's scale bits: element = scale * CODEBOOKS[kind][u].
 `pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h): Q2_K's values
 in a 2-bit plane of their own, the others' in a nibble plane with their high bits after it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,15 +42,22 @@ SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
 HIGH_BITS = {
     "q5_0": 1, "q5_1": 1, "q2_k": 0, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0,
+    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0,
 }  # fmt: skip
 K_QUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"})
 TWO_BIT_KINDS = frozenset({"q2_k"})  # values 0..3, packed 2 bits each with no nibble plane
 TWO_BIT_PLANE = 64  # bytes of a 2-bit group of 8 features: the layout of a nibble plane's two high-bit planes
 # The value offsets of the kinds scaled per half of a group (16 elements): element = (d * sc) * (u - offset).
 HALF_GROUP_OFFSETS = {"q6_k": 32, "q3_k": 4}
-SUPER_KINDS = K_QUANTS | {"iq4_xs"}  # scaled per super-block of 256: slices fall on them
+# The kinds whose file blocks are 256 wide (scaled per super-block, or grid kinds): slices fall on them.
+SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs"}
 # IQ4_NL's (and IQ4_XS's) non-linear codebook (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The grid types' magnitudes (gguf's `grid_map`s, llama.cpp's grids' values); a code is a magnitude's index, plus 8
+# for its negative.
+GRID_VALUES = {"iq3_xxs": (4, 12, 20, 28, 36, 44, 52, 62), "iq3_s": (1, 3, 5, 7, 9, 11, 13, 15), "iq2_xxs": (8, 25, 43)}
+CODEBOOKS = {kind: (*v, *[0] * (8 - len(v)), *[-x for x in v], *[0] * (8 - len(v))) for kind, v in GRID_VALUES.items()}
+GRID_KINDS = frozenset(GRID_VALUES)
 # Twice each e2m1 code's value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negative (code 8 is -0).
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
@@ -76,6 +88,9 @@ class LowBitWeight:
             doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[self.values.long()]
             scale = _e8m0_half_scales(self.groups[..., 0]).repeat_interleave(QUANT_GROUP, dim=1)
             return doubled * scale
+        if self.kind in GRID_KINDS:  # as gguf: (scale * magnitude) * sign, the same bits as scale * (sign * magnitude)
+            v = torch.tensor(CODEBOOKS[self.kind], dtype=torch.float32)[self.values.long()]
+            return (self.groups[..., 0].unsqueeze(-1) * v.reshape(rows, -1, QUANT_GROUP)).reshape(self.shape)
         if self.kind in ("iq4_nl", "iq4_xs"):
             v = torch.tensor(IQ4_VALUES, dtype=torch.float32)[self.values.long()].reshape(rows, -1, QUANT_GROUP)
             scale = self.groups[..., 0].float()
@@ -167,7 +182,8 @@ def pack_lowbit(
     features' sc, then their m; Q6_K, Q3_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 *
     scale); for `mxfp4` scales `[N/8, K/32, 8]` uint8 (the exponents), mins an empty uint8 tensor; for `iq4_nl`
     scales `[N/8, K/32, 8]` float16, mins an empty int8 tensor; for `iq4_xs` scales `[N/8, K/256, 8]` float16 and
-    mins `[N/8, K/32, 8]` int8.
+    mins `[N/8, K/32, 8]` int8; for the grid kinds scales `[N/8, K/32, 8]` float32 and mins the kind's codebook, 16
+    int8 values.
     For `q2_k` packed is `[N/8, K/32, 1, 64]`: the values' 2-bit plane alone (laid out as the two high-bit planes of
     `u << 4`, whose nibbles are empty), scales and mins as the other K-quants' (mins: the halves' uint8 sc | m << 4).
     Rows past N are zero. `planes(values, high bits)` makes packed where given (the C++ `lowbit_planes`, ~10x
@@ -217,6 +233,8 @@ def _lowbit_tables(
     def by_feature(table: torch.Tensor) -> torch.Tensor:  # [N, ..., 1] -> [block, ..., feature j]
         return table.reshape(blocks, 8, -1).permute(0, 2, 1).contiguous()
 
+    if kind in GRID_KINDS:  # each group's float32 scale; the kind's codebook in place of mins
+        return packed, by_feature(padded.groups), torch.tensor(CODEBOOKS[kind], dtype=torch.int8)
     if kind in ("mxfp4", "iq4_nl"):  # the exponents, or d, per group; no mins (their empty table's dtype: the kind)
         return packed, by_feature(padded.groups), torch.empty(0, dtype=torch.uint8 if kind == "mxfp4" else torch.int8)
     if kind == "iq4_xs":  # d per super-block; the groups' int8 scales
@@ -267,7 +285,7 @@ def unpack_lowbit_rows(
     values = (u | (high << 4)).reshape(count, -1)
     if two_bit:
         values = values >> 4
-    if kind in ("mxfp4", "iq4_nl"):  # scales [blocks, groups, 8]: the exponents, or d
+    if kind in ("mxfp4", "iq4_nl") or kind in GRID_KINDS:  # scales [blocks, groups, 8]: the exponents, d or scale
         return LowBitWeight(kind, values, scales[block, :, feature].unsqueeze(-1))
     if kind == "iq4_xs":  # scales [blocks, supers, 8]: d; mins [blocks, groups, 8]: sc
         supers = scales[block, :, feature].unsqueeze(-1)
@@ -289,6 +307,72 @@ def _nibble_codes(qs: torch.Tensor) -> torch.Tensor:
     return codes
 
 
+@functools.cache
+def _grid_codes(kind: str) -> torch.Tensor:
+    """A grid kind's grid as codes: `[entries, 4 or 8]` uint8, each value's index in `GRID_VALUES[kind]` (the gguf
+    package's grids, llama.cpp's)."""
+    from gguf import quants
+
+    grids = {"iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S, "iq2_xxs": quants.IQ2_XXS}
+    grids[kind].init_grid()
+    grid = grids[kind].grid
+    assert grid is not None
+    values = torch.from_numpy(grid.reshape(grid.shape[-2], grid.shape[-1]).copy())
+    return (values.unsqueeze(-1) == torch.tensor(GRID_VALUES[kind], dtype=torch.float32)).int().argmax(-1).byte()
+
+
+@functools.cache
+def _sign_patterns() -> torch.Tensor:
+    """llama.cpp's `ksigns_iq2xs`: 7 stored sign bits -> the 8 signs of a run (the eighth makes the count of
+    negatives even), as `[128, 8]` uint8 (1: negative)."""
+    from gguf import quants
+
+    patterns = torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+    return (patterns.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+
+
+def _grid_signs(words: torch.Tensor) -> torch.Tensor:
+    """The signs of the four runs of 8 that each uint32 of `words` (as int64) holds in 7-bit indices at bits 0, 7, 14,
+    21 -> `[..., 32]` uint8 (1: negative)."""
+    index = (words.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21])) & 0x7F
+    return _sign_patterns()[index].flatten(-2)
+
+
+def _decode_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Tensor]) -> LowBitWeight:
+    """IQ3_XXS `d, qs[64], words[8] (uint32)`: group i's 8 grid indices qs[8i ..] (4 values each), its signs and 4-bit
+    scale s (bits 28..31) in words[i], scale d * (0.5 + s) * 0.5; IQ2_XXS `d, then per group 4 grid indices (8 values
+    each) and a uint32 as IQ3_XXS's`, scale d * (0.5 + s) * 0.25; IQ3_S `d, qs[64], qh[8], signs[32], scales[4]`:
+    grid index qs[j] | bit j % 8 of qh[j / 8] << 8 (4 values each), one sign bit an element, group i's 4-bit scale
+    s the nibble i of scales (low first), scale d * (1 + 2 * s). Element = scale * magnitude * sign, gguf's order."""
+    rows, count = blocks.shape[0], blocks.shape[1]
+    grid, d = _grid_codes(kind), half(0).float().unsqueeze(-1)  # d: [N, blocks, 1]
+
+    def words(part: torch.Tensor) -> torch.Tensor:  # little-endian uint32s as int64
+        return (part.reshape(*part.shape[:-1], -1, 4).long() << torch.tensor([0, 8, 16, 24])).sum(-1)
+
+    if kind == "iq3_xxs":
+        magnitudes = grid[blocks[..., 2:66].long()].reshape(rows, count, 8, 32)
+        scale_words = words(blocks[..., 66:98])  # [N, blocks, 8]
+        signs = _grid_signs(scale_words)
+        scale = d * (0.5 + (scale_words >> 28).float()) * 0.5
+    elif kind == "iq2_xxs":
+        parts = blocks[..., 2:66].reshape(rows, count, 8, 8)
+        magnitudes = grid[parts[..., :4].long()].reshape(rows, count, 8, 32)
+        scale_words = words(parts[..., 4:8]).squeeze(-1)
+        signs = _grid_signs(scale_words)
+        scale = d * (0.5 + (scale_words >> 28).float()) * 0.25
+    else:  # iq3_s
+        high = (blocks[..., 66:74].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        index = blocks[..., 2:66].long() | (high.reshape(rows, count, 64).long() << 8)
+        magnitudes = grid[index].reshape(rows, count, 8, 32)
+        bits = (blocks[..., 74:106].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        signs = bits.reshape(rows, count, 8, 32)
+        nibbles = (blocks[..., 106:110].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0x0F
+        scale = d * (1 + 2 * nibbles.reshape(rows, count, 8)).float()
+    codes = (magnitudes | (signs << 3)).reshape(rows, -1)
+    return LowBitWeight(kind, codes, scale.reshape(rows, -1, 1).contiguous())
+
+
 def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     """A GGUF tensor's raw blocks `[N, blocks a row, block bytes]` uint8 of `kind` as a `LowBitWeight` (copied).
 
@@ -302,7 +386,7 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     4h + j of hmask[l]; sixteen 6-bit scales of 16 elements: their low 4 bits the nibbles of scales[0..7], low ones
     first, their high 2 bits 2k .. 2k + 1 of scales[8..11], less 32); Q2_K `scales[16], qs[64], d, dmin` (element
     128h + 32j + l: bits 2j .. 2j + 1 of qs[32h + l]; scales[s] the sc (low nibble) and m (high) of elements 16s ..
-    16s + 15); IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
+    16s + 15); the grid kinds as `_decode_grid` reads them; IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
     scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of 32, as IQ4_NL's; group i's scale: nibble i
     of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it, less 32)."""
     rows = blocks.shape[0]
@@ -345,6 +429,8 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
             low = low | (((qh.unsqueeze(-2) >> torch.arange(8).view(8, 1)) & 1).reshape(rows, -1, 256) << 4)
         groups = torch.stack([sc, m], -1).to(torch.uint8).reshape(rows, -1, 2)
         return LowBitWeight(kind, low.to(torch.uint8).reshape(rows, -1), groups, torch.stack([d, dmin], -1))
+    if kind in GRID_KINDS:
+        return _decode_grid(blocks, kind, half)
     if kind == "q2_k":  # element 128h + 32j + l: bits 2j of qs[32h + l]; each half's byte sc | m << 4 as stored
         qs = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32)
         values = (qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3  # [h, j, l], uint8 throughout

@@ -1,5 +1,6 @@
 // The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), of its
-// non-linear 4-bit types (IQ4_NL, IQ4_XS) and of MXFP4 (gpt-oss's experts), kept as the file stores them: the same
+// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS, IQ3_S, IQ2_XXS) and of MXFP4 (gpt-oss's experts), kept as the file
+// stores them or, for the IQ2 / IQ3 grids, as each element's value in a 16-entry codebook: the same
 // layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
 // of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
 // of the values' high bits after it.
@@ -30,7 +31,10 @@
 //   kCodebook (IQ4_NL, H = 0): `scales` [N / 8, K / 32, 8] float16 d, `mins` an empty int8 tensor, and the nibbles
 //           codes of IQ4_NL's 16-value codebook (kIQ4Values, -127..113): element = d * kIQ4Values[code];
 //   kCodebookSuper (IQ4_XS, H = 0): `scales` [N / 8, K / 256, 8] float16 d and `mins` [N / 8, K / 32, 8] int8 (each
-//           group's scale sc, -32..31): element = (d * sc) * kIQ4Values[code], the scale d * sc in float32.
+//           group's scale sc, -32..31): element = (d * sc) * kIQ4Values[code], the scale d * sc in float32;
+//   kCodebookF32 (IQ3_XXS, IQ3_S, IQ2_XXS, H = 0): `scales` [N / 8, K / 32, 8] float32, each group's scale as the
+//           file's blocks make it, and `mins` the kind's codebook, 16 int8 (its grid's magnitudes, then their
+//           negatives): element = scale * codebook[code].
 //           The codebook kinds' dots are signed: v . xq, where the VNNI instructions take u = v + 128 (unsigned) and
 //           subtract 128 * sum(xq), and AVX2 without them multiplies |xq| by v with xq's signs (exact either way).
 // The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
@@ -54,7 +58,7 @@ namespace ladle_quant {
 constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block's group
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
-enum class LowBitScales { kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper };
+enum class LowBitScales { kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper, kCodebookF32 };
 
 constexpr int64_t kTwoBitPlane = 64;  // a group of Q2_K's 2-bit values, 8 features x 32 elements
 
@@ -64,7 +68,7 @@ constexpr int32_t kSuper6Offset = H == 2 ? 32 : 4;
 
 // Whether a kind's values are IQ4's signed codebook entries (no min; scale d, or d * sc per group).
 constexpr bool is_codebook(LowBitScales s) {
-  return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper;
+  return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper || s == LowBitScales::kCodebookF32;
 }
 // Whether a kind runs on AMX tiles (one float scale and min a group, unsigned values): not Q6_K's halves, and not the
 // codebooks' signed values.
@@ -125,7 +129,25 @@ struct LowBitTables {
   const at::Half* scales;  // kTable: [blocks, groups, 8]; kSuper*: [blocks, groups / 8, 16]
   const at::Half* mins;    // kTable: [blocks, groups, 8], or nullptr for Q5_0's -16 * scale
   const uint8_t* small;    // kSuper*: [blocks, groups, 16]
+  const float* group_scales = nullptr;  // kCodebookF32: [blocks, groups, 8]
+  const int8_t* codebook = nullptr;     // kCodebookF32: its 16 values
 };
+
+#ifdef LADLE_QUANT_AVX2
+// The 16 values kind S's nibbles look up (kE8M0 and the codebooks), as the integer dots take them: kE8M0's u
+// (unsigned), a codebook's values v signed, or v + 128 (unsigned) with VNNI.
+template <LowBitScales S>
+inline __m128i code_values(const LowBitTables& t) {
+  if constexpr (S == LowBitScales::kE8M0) return _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
+  const __m128i v = S == LowBitScales::kCodebookF32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.codebook))
+                                                     : _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+#ifdef LADLE_QUANT_VNNI
+  return _mm_xor_si128(v, _mm_set1_epi8(static_cast<char>(0x80)));  // v + 128 as an unsigned byte
+#else
+  return v;
+#endif
+}
+#endif
 
 // Rows [m0, m0 + R) of y for one packed block: y[m0 + r, 0 .. cols) (cols <= 8), rows y_stride apart. `block`
 // points at the block's first group; `half` is `half_totals` (the half-scaled kinds only).
@@ -173,12 +195,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
       }
       if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {
-#ifdef LADLE_QUANT_VNNI
-        const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Offset;
-#else  // AVX2's dots take the codebooks' values signed
-        const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Values;
-#endif
-        const __m256i codes = _mm256_broadcastsi128_si256(_mm_load_si128(static_cast<const __m128i*>(table)));
+        const __m256i codes = _mm256_broadcastsi128_si256(code_values<S>(t));
         low = _mm256_shuffle_epi8(codes, low);
         high = _mm256_shuffle_epi8(codes, high);
       } else if constexpr (H == 1) {
@@ -221,6 +238,8 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
       if constexpr (S == LowBitScales::kCodebook) {
         const at::Half* d = t.scales + (b * groups + g) * kBlock;
         scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+      } else if constexpr (S == LowBitScales::kCodebookF32) {
+        scale = _mm256_loadu_ps(t.group_scales + (b * groups + g) * kBlock);
       } else {
         const at::Half* d = super + (g / kSuperGroups) * kBlock;
         const uint8_t* sc = t.small + (b * groups + g) * kBlock;
@@ -333,8 +352,9 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
             first_value = kE2M1Offset[low];
             second_value = kE2M1Offset[high];
           } else if (is_codebook(S)) {
-            first_value = kIQ4Values[low];
-            second_value = kIQ4Values[high];
+            const int8_t* values = S == LowBitScales::kCodebookF32 ? t.codebook : kIQ4Values;
+            first_value = values[low];
+            second_value = values[high];
           }
           u[4 * c + i] = first_value;
           u[16 + 4 * c + i] = second_value;
@@ -347,6 +367,8 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         min = scale * kE2M1Min;
       } else if (S == LowBitScales::kCodebook) {
         scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
+      } else if (S == LowBitScales::kCodebookF32) {
+        scale = t.group_scales[(b * groups + g) * kBlock + j];
       } else if (S == LowBitScales::kCodebookSuper) {
         const int8_t sc = static_cast<int8_t>(t.small[(b * groups + g) * kBlock + j]);
         scale = to_float(super[(g / kSuperGroups) * kBlock + j]) * static_cast<float>(sc);
@@ -435,8 +457,8 @@ inline __m512i lowbit_shift(__m512i v) {
 // of the group, `high` 16 + 4C .. 16 + 4C + 3, 16 features x 4 elements each. Each value's high bits are shifted
 // to bit 4 (and 5) of its byte and merged in one `vpternlogd` (low | (shifted & mask)); kE8M0's codes are looked up.
 template <int64_t H, LowBitScales S, int C>
-inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], __m512i& low,
-                              __m512i& high) {
+inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512i (&high_bits)[2], __m512i codes,
+                              __m512i& low, __m512i& high) {
   constexpr int kOrMasked = 0xF8;  // vpternlogd's table for A | (B & C)
   if constexpr (S == LowBitScales::kSuper2) {  // chunk C's 2-bit values at bits 4 (C % 2) of part C / 2
     const __m512i two = _mm512_set1_epi8(3);
@@ -449,9 +471,7 @@ inline void lowbit_pair_chunk(const uint8_t* w0, const uint8_t* w1, const __m512
   const __m512i raw = lowbit_pair(w0 + C * 32, w1 + C * 32);
   low = _mm512_and_si512(raw, nibble);
   high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-  if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {  // the codebooks unsigned: v + 128
-    const void* table = S == LowBitScales::kE8M0 ? static_cast<const void*>(kE2M1Offset) : kIQ4Offset;
-    const __m512i codes = _mm512_broadcast_i32x4(_mm_load_si128(static_cast<const __m128i*>(table)));
+  if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {  // `codes`: code_values (the codebooks v + 128)
     low = _mm512_shuffle_epi8(codes, low);
     high = _mm512_shuffle_epi8(codes, high);
   } else if constexpr (H == 1) {  // bit 2C of a byte is its low element's, bit 2C + 1 its high element's
@@ -482,6 +502,11 @@ inline void lowbit_pair_scales(const LowBitTables& t, int64_t b, int64_t g, int6
   if constexpr (S == LowBitScales::kCodebook) {
     const int64_t at0 = (b * groups + g) * kBlock;
     scale = lowbit_halves(t.scales + at0, t.scales + at0 + groups * kBlock);
+    min = _mm512_setzero_ps();
+  } else if constexpr (S == LowBitScales::kCodebookF32) {  // 8 floats of each block
+    const float* s0 = t.group_scales + (b * groups + g) * kBlock;
+    const __m512d first = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(s0)));
+    scale = _mm512_castpd_ps(_mm512_insertf64x4(first, _mm256_castps_pd(_mm256_loadu_ps(s0 + groups * kBlock)), 1));
     min = _mm512_setzero_ps();
   } else if constexpr (S == LowBitScales::kCodebookSuper) {
     const int64_t supers = groups / kSuperGroups;
@@ -526,6 +551,7 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
                       const uint8_t* block1, const LowBitTables& t, int64_t b, float* y, int64_t y_stride,
                       int64_t cols0, int64_t cols1) {
   const int64_t k = xq.k, groups = k / kGroup, bytes = group_bytes<H, S>(), supers = groups / kSuperGroups;
+  const __m512i codes = _mm512_broadcast_i32x4(code_values<S>(t));  // the kinds that look their values up
   const float* x_scales = xq.scales + m0 * groups;
   const float* x_sums = xq.sums + m0 * groups;
   const int32_t* x_totals = xq.totals + m0 * groups;
@@ -548,7 +574,7 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
     for_each_chunk([&](auto chunk) {
       constexpr int c = decltype(chunk)::value;
       __m512i low, high;
-      lowbit_pair_chunk<H, S, c>(w0, w1, high_bits, low, high);
+      lowbit_pair_chunk<H, S, c>(w0, w1, high_bits, codes, low, high);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) {
         int32_t x_low, x_high;
@@ -632,7 +658,7 @@ void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowB
                         int64_t groups, UnpackedPair& out) {
   static_assert(lowbit_amx(S), "Q6_K's halves take two scales a group, the codebooks signed values: not AMX's");
   const int64_t bytes = lowbit_group_bytes(H);
-  for (int64_t g = 0; g < groups; ++g) {
+  const __m512i codes = _mm512_broadcast_i32x4(code_values<S>(t));  // kE8M0's  for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w0 = block0 + g * bytes;
     const uint8_t* w1 = block1 + g * bytes;
     int8_t* rows = out.weights + g * kAmxGroupBytes;
@@ -641,7 +667,7 @@ void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowB
     for_each_chunk([&](auto chunk) {
       constexpr int c = decltype(chunk)::value;
       __m512i low, high;
-      lowbit_pair_chunk<H, S, c>(w0, w1, high_bits, low, high);
+      lowbit_pair_chunk<H, S, c>(w0, w1, high_bits, codes, low, high);
       _mm512_store_si512(rows + c * 64, low);
       _mm512_store_si512(rows + (4 + c) * 64, high);
     });

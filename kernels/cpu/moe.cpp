@@ -65,6 +65,8 @@ struct Bank {
   int64_t high_bits;
   LowBitScales lowbit;
   int64_t packed_stride, scales_stride, mins_stride;
+  const float* group_scales = nullptr;  // kCodebookF32's float32 scales, scales_stride apart
+  const int8_t* codebook = nullptr;     // kCodebookF32's 16 values, mins_stride apart
 
   PackedBlocks expert(int64_t e) const {
     return PackedBlocks{packed + e * packed_stride, scales + e * scales_stride, mins + e * mins_stride, blocks,
@@ -74,7 +76,9 @@ struct Bank {
   LowBitTables tables(int64_t e) const {
     return LowBitTables{scales == nullptr ? nullptr : scales + e * scales_stride,
                         mins == nullptr ? nullptr : mins + e * mins_stride,
-                        small == nullptr ? nullptr : small + e * mins_stride};
+                        small == nullptr ? nullptr : small + e * mins_stride,
+                        group_scales == nullptr ? nullptr : group_scales + e * scales_stride,
+                        codebook == nullptr ? nullptr : codebook + e * mins_stride};
   }
 };
 
@@ -105,6 +109,22 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
     bank.lowbit = LowBitScales::kSuper2;
     bank.small = mins.data_ptr<uint8_t>();
     bank.mins_stride = mins.numel() / experts;
+    return;
+  }
+  if (scales.scalar_type() == at::kFloat) {  // kCodebookF32: IQ2 / IQ3 codes with a float32 scale a group
+    LADLE_CHECK(high_bits == 0, "%s: codebook groups (float32 scales) take no high-bit plane, not %lld", what,
+                static_cast<long long>(high_bits));
+    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                    scales.size(2) == groups && scales.size(3) == kBlock && scales.is_contiguous() &&
+                    mins.scalar_type() == at::kChar && mins.dim() == 2 && mins.size(0) == experts &&
+                    mins.size(1) == 16 && mins.is_contiguous(),
+                "%s's codebook tables must be a contiguous [E, N / 8, K / 32, 8] float32 tensor (each group's scale) "
+                "and [E, 16] int8 codebooks",
+                what);
+    bank.lowbit = LowBitScales::kCodebookF32;
+    bank.group_scales = scales.data_ptr<float>();
+    bank.codebook = mins.data_ptr<int8_t>();
+    bank.mins_stride = 16;
     return;
   }
   if (scales.scalar_type() == at::kByte) {  // kE8M0: MXFP4's e2m1 codes with an exponent a group
@@ -306,6 +326,8 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
       return run_lowbit_bank<0, LowBitScales::kCodebook>(rows, nullptr, start, bank, y);
     case LowBitScales::kCodebookSuper:
       return run_lowbit_bank<0, LowBitScales::kCodebookSuper>(rows, nullptr, start, bank, y);
+    case LowBitScales::kCodebookF32:
+      return run_lowbit_bank<0, LowBitScales::kCodebookF32>(rows, nullptr, start, bank, y);
     case LowBitScales::kSuper2: {
       const at::Tensor half = half_totals(rows, start.back());
       return run_lowbit_bank<0, LowBitScales::kSuper2>(rows, half.data_ptr<int32_t>(), start, bank, y);

@@ -26,7 +26,7 @@
 // the same instructions in the same order whatever M is and wherever it falls in a tile, or through ones that give
 // the same bits, so a row's result does not depend on its batch (bit for bit); it matches the reference to
 // float32 rounding (the reference sums in float64).
-// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q2_K .. Q6_K), IQ4_NL, IQ4_XS and MXFP4 go
+// The 5- and 6-bit GGUF blocks (Q5_0, Q5_1), llama.cpp's K-quants (Q2_K .. Q6_K), its IQ types and MXFP4 go
 // through the same entry point in their own layout (lowbit_tiles.h), told apart by their tables' types and their
 // groups' bytes.
 
@@ -209,6 +209,17 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
     const at::Tensor half = half_totals(xq, m_rows);
     return run_lowbit<0, LowBitScales::kSuper2>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y,
                                                 y_stride);
+  }
+  if (scales.scalar_type() == at::kFloat) {  // kCodebookF32: IQ2 / IQ3 codes with a float32 scale a group
+    LADLE_CHECK(high_bits == 0, "codebook groups (float32 scales) take no high-bit plane, not %lld",
+                static_cast<long long>(high_bits));
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups &&
+                    scales.size(2) == kBlock && scales.is_contiguous() && mins.scalar_type() == at::kChar &&
+                    mins.dim() == 1 && mins.numel() == 16 && mins.is_contiguous(),
+                "codebook tables must be a contiguous [N / 8, K / 32, 8] float32 tensor (each group's scale) and the "
+                "16 int8 values of the codebook");
+    const LowBitTables tables{nullptr, nullptr, nullptr, scales.data_ptr<float>(), mins.data_ptr<int8_t>()};
+    return run_lowbit<0, LowBitScales::kCodebookF32>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
   if (scales.scalar_type() == at::kByte) {  // kE8M0: MXFP4's e2m1 codes with an exponent a group
     LADLE_CHECK(high_bits == 0, "MXFP4 groups (uint8 exponents) take no high-bit plane, not %lld",

@@ -450,8 +450,11 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
      (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K),
      (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS),
      (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q3_K),
-     (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K)],
-    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k", "q3_k-q2_k"],
+     (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K),
+     (GGMLQuantizationType.IQ3_S, GGMLQuantizationType.IQ3_XXS),
+     (GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ2_XXS)],
+    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k", "q3_k-q2_k", "iq3_s-iq3_xxs",
+         "q2_k-iq2_xxs"],
 )  # fmt: skip
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
@@ -463,8 +466,8 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     serves) bit for bit, and the served model is close to its float path. The blocks are random, not quantized from
     trained-like weights, so the activations' 8-bit rounding moves these logits more than a real model's: the
     thresholds are looser than the real files' (benchmarks/results/quality_kquant.jsonl), and far below what a
-    misread block gives (KL of nats). Random Q2_K blocks leave this model's logits flatter still, so near-ties flip
-    more often: its top-1 bar is lower (81% measured, at a mean KL of 0.002)."""
+    misread block gives (KL of nats). On 96 positions of these flat logits the top-1 share is the noisier measure
+    (81-96% measured, at mean KLs of 0.0002-0.002): its bar is the loose one, the KL's the tight one."""
     folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
     gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
     stored = keep_stored_weights(monkeypatch)
@@ -477,8 +480,7 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     assert layers["model.layers.0.self_attn.qkv_proj"] == kinds.get(attention, attention.name.lower())
     assert layers["model.layers.3.mlp.gate_up_proj"] == feed_forward.name.lower()
     assert layers["model.layers.3.mlp.down_proj"] == feed_forward.name.lower()
-    top1 = 0.8 if feed_forward == GGMLQuantizationType.Q2_K else 0.9
-    assert result.top1_agreement >= top1 and result.mean_kl <= 0.05, result
+    assert result.top1_agreement >= 0.8 and result.mean_kl <= 0.01, result
 
 
 # The Gated DeltaNet hybrids as llama.cpp writes them (scripts/check_gguf_writer.py runs llama.cpp on such files and

@@ -105,6 +105,8 @@ CASES = [
     (14, 5, 2, 96, 64, "iq4_nl", "q5_0"),
     (11, 4, 2, 256, 256, "q3_k", "q4_k"),  # Q3_K_M files
     (10, 4, 2, 256, 256, "q2_k", "q3_k"),  # Q2_K files (their down projections Q3_K)
+    (12, 4, 2, 256, 256, "iq3_xxs", "iq3_s"),  # IQ3_XXS / IQ3_M files
+    (9, 4, 2, 256, 256, "iq2_xxs", "q2_k"),  # IQ2_XXS files
 ]
 
 
