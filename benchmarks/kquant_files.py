@@ -1,5 +1,5 @@
-"""The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL, Q3_K_S and Q2_K
-(pure), made here, never fetched.
+"""The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL, Q3_K_S, and Q2_K,
+IQ3_XXS and IQ3_S (pure), made here, never fetched.
 
 The embedded file's weights (its Q4_1 and Q8_0 blocks dequantized) are written as an F32 GGUF with its metadata
 and tokenizer as they are (the gguf package), then quantized by llama.cpp's own quantizer (llama-cpp-python's
@@ -29,11 +29,15 @@ import numpy as np
 from engine_server.loader.source import default_cache_dir
 
 # llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL and
-# Q3_K_S, and Q2_K `--pure` (its every tensor in the mix's own type where the rows allow it).
-FILE_TYPES = {"q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25, "q3_k_s": 11, "q2_k_pure": 10}
+# Q3_K_S, and Q2_K, IQ3_XXS and IQ3_S `--pure` (every tensor in the mix's own type where the rows allow it).
+FILE_TYPES = {
+    "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25, "q3_k_s": 11, "q2_k_pure": 10,
+    "iq3_xxs_pure": 23, "iq3_s_pure": 26,
+}  # fmt: skip
 # The Q2_K mix itself gives this model no Q2_K tensor: its down projections (the only rows of whole super-blocks)
-# are Q3_K in it. Pure, they are Q2_K (and the rest falls back as before).
-PURE_MIXES = frozenset({"q2_k_pure"})
+# are Q3_K in it; the IQ3 mixes likewise give some of them other types. Pure, all 30 are the type (and the rest falls
+# back as before). (IQ2_XXS takes an importance matrix, which llama-cpp-python cannot pass the quantizer.)
+PURE_MIXES = frozenset({"q2_k_pure", "iq3_xxs_pure", "iq3_s_pure"})
 
 
 def source_gguf() -> Path:
