@@ -23,21 +23,25 @@ import ctypes
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from engine_server.loader.source import default_cache_dir
 
 # llama.cpp's file types (llama_ftype): the mixes `llama-quantize` names Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL and
-# Q3_K_S, and Q2_K, IQ3_XXS and IQ3_S `--pure` (every tensor in the mix's own type where the rows allow it).
+# Q3_K_S, and Q2_K and IQ3_S `--pure` (every tensor in the mix's own type where the rows allow it).
 FILE_TYPES = {
     "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18, "iq4_xs": 30, "iq4_nl": 25, "q3_k_s": 11, "q2_k_pure": 10,
-    "iq3_xxs_pure": 23, "iq3_s_pure": 26,
+    "iq3_s_pure": 26,
 }  # fmt: skip
 # The Q2_K mix itself gives this model no Q2_K tensor: its down projections (the only rows of whole super-blocks)
-# are Q3_K in it; the IQ3 mixes likewise give some of them other types. Pure, all 30 are the type (and the rest falls
-# back as before). (IQ2_XXS takes an importance matrix, which llama-cpp-python cannot pass the quantizer.)
-PURE_MIXES = frozenset({"q2_k_pure", "iq3_xxs_pure", "iq3_s_pure"})
+# are Q3_K in it. Pure, all 30 are the type (and the rest falls back as before).
+PURE_MIXES = frozenset({"q2_k_pure", "iq3_s_pure"})
+# The types llama.cpp's quantizer refuses without an importance matrix (which llama-cpp-python cannot pass it):
+# made with ggml's quantizer directly (`ggml_gguf`), pure as above.
+GGML_PURE = {"iq3_xxs_pure": GGMLQuantizationType.IQ3_XXS, "iq2_xxs_pure": GGMLQuantizationType.IQ2_XXS}
 
 
 def source_gguf() -> Path:
@@ -58,7 +62,7 @@ def kquant_dir(source: Path) -> Path:
 
 def float_gguf(source: Path | None = None) -> Path:
     """The F32 GGUF of `source` (the embedded file by default): every tensor dequantized, metadata as it is."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     source = source or source_gguf()
@@ -66,6 +70,18 @@ def float_gguf(source: Path | None = None) -> Path:
     if out.is_file():
         return out
     reader = GGUFReader(source)
+    writer = _writer_like(reader, out)
+    for tensor in reader.tensors:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        writer.add_tensor(tensor.name, values.reshape([int(n) for n in reversed(tensor.shape)]))
+    _finish(writer, out)
+    return out
+
+
+def _writer_like(reader: Any, out: Path) -> Any:
+    """A `GGUFWriter` to `out`.part with every metadata field of `reader`'s file."""
+    from gguf import GGUFValueType, GGUFWriter
+
     arch_field = reader.fields["general.architecture"]
     writer = GGUFWriter(str(out) + ".part", bytes(arch_field.parts[arch_field.data[0]]).decode())
     for name, field in reader.fields.items():
@@ -83,14 +99,52 @@ def float_gguf(source: Path | None = None) -> Path:
             writer.add_key_value(name, bytes(field.parts[field.data[0]]).decode(), kind)
         else:
             writer.add_key_value(name, field.parts[field.data[0]][0], kind)
-    for tensor in reader.tensors:
-        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        writer.add_tensor(tensor.name, values.reshape([int(n) for n in reversed(tensor.shape)]))
+    return writer
+
+
+def _finish(writer: Any, out: Path) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     os.replace(str(out) + ".part", out)
+
+
+def ggml_gguf(mix: str, source: Path | None = None) -> Path:
+    """`source` (the embedded file by default) with every matrix quantized by ggml's own quantizer
+    (`ggml_quantize_chunk`, what `llama-quantize` calls) to `GGML_PURE[mix]` where its rows are whole 256-wide
+    blocks, else to IQ4_NL (llama.cpp's fallback for these types), with an importance matrix of ones (plain squared
+    error: the types llama.cpp will not quantize without one); norms stay F32. Raises ImportError without
+    llama-cpp-python (whose ggml library this loads)."""
+    import llama_cpp
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    source = source or source_gguf()
+    out = kquant_dir(source) / f"{mix}.gguf"
+    if out.is_file():
+        return out
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
+    reader = GGUFReader(float_gguf(source))
+    writer = _writer_like(reader, out)
+    for tensor in reader.tensors:
+        values = np.ascontiguousarray(tensor.data, dtype=np.float32)
+        if values.ndim != 2:
+            writer.add_tensor(tensor.name, values)
+            continue
+        rows, cols = values.shape
+        kind = GGML_PURE[mix] if cols % 256 == 0 else GGMLQuantizationType.IQ4_NL
+        elements, size = GGML_QUANT_SIZES[kind]
+        blocks = np.empty((rows, cols // elements * size), dtype=np.uint8)
+        importance = np.ones(cols, dtype=np.float32)
+        written = ggml.ggml_quantize_chunk(int(kind), values.ctypes.data, blocks.ctypes.data, 0, rows, cols,
+                                           importance.ctypes.data)  # fmt: skip
+        if written != blocks.nbytes:
+            raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes of {tensor.name}'s {blocks.nbytes}")
+        writer.add_tensor(tensor.name, blocks, raw_dtype=kind)
+    _finish(writer, out)
     return out
 
 
@@ -117,11 +171,12 @@ def kquant_gguf(mix: str, source: Path | None = None, threads: int = 2) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kquant_files", description=__doc__.splitlines()[0])
-    parser.add_argument("--mixes", default=",".join(FILE_TYPES), help="comma-separated: " + ", ".join(FILE_TYPES))
+    mixes = [*FILE_TYPES, *GGML_PURE]
+    parser.add_argument("--mixes", default=",".join(mixes), help="comma-separated: " + ", ".join(mixes))
     args = parser.parse_args(argv)
     print("f32", float_gguf())
     for mix in args.mixes.split(","):
-        print(mix, kquant_gguf(mix))
+        print(mix, ggml_gguf(mix) if mix in GGML_PURE else kquant_gguf(mix))
     return 0
 
 
