@@ -69,14 +69,20 @@ class ExpertWeights:
 def _stacked(weights: tuple[ExpertWeight, ...], whole: ExpertWeight | None = None) -> list[torch.Tensor]:
     """Each weight packed for the CPU kernels (`pack_for_cpu`), stacked over the experts: packed, scales, mins.
     Given `whole` (all of them as one weight, rows in expert order) and experts of whole blocks of 8 rows, `whole`
-    packed at once: the kernels' blocks of 8 rows are each expert's, so it is the same stack without the copy."""
+    packed at once: the kernels' blocks of 8 rows are each expert's, so it is the same stack without the copy (a
+    table that is not per block, a grid kind's codebook, repeated for each expert)."""
     experts, rows = len(weights), weights[0].shape[0]
     if whole is None or rows % 8:
         return [torch.stack(parts) for parts in zip(*(pack_for_cpu(weight) for weight in weights), strict=True)]
-    return [
-        tensor.reshape(experts, rows // 8, *tensor.shape[1:]) if tensor.numel() else tensor.new_empty(experts, 0)
-        for tensor in pack_for_cpu(whole)
-    ]
+
+    def per_expert(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.numel():
+            return tensor.new_empty(experts, 0)
+        if tensor.dim() == 1:
+            return tensor.expand(experts, -1).contiguous()
+        return tensor.reshape(experts, rows // 8, *tensor.shape[1:])
+
+    return [per_expert(tensor) for tensor in pack_for_cpu(whole)]
 
 
 def row_slice(weight: ExpertWeight, start: int, stop: int) -> ExpertWeight:

@@ -31,6 +31,24 @@ def assert_same_packing(ours: ExpertWeights, theirs: ExpertWeights) -> None:
         assert torch.equal(getattr(mine, name), getattr(other, name)), name
 
 
+@pytest.mark.parametrize("kind", ["q2_k", "iq3_xxs", "iq4_xs"])
+def test_gguf_experts_packed_whole_equal_expert_by_expert(kind: str) -> None:
+    """A bank of a file's blocks read whole (`bank_weights`) packs to the experts' stack, a grid kind's codebook
+    repeated for each expert."""
+    from engine_server.layers.lowbit_weight import decode_blocks
+    from engine_server.layers.quantized_experts import bank_weights, row_slice
+    from tests.lowbit_blocks import random_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    gate_up = decode_blocks(random_blocks(kind, EXPERTS * 2 * INTERMEDIATE, HIDDEN, gen), kind)
+    down = decode_blocks(random_blocks(kind, EXPERTS * HIDDEN, INTERMEDIATE * 2, gen), kind)
+    whole = bank_weights(gate_up, down, EXPERTS)
+    per = 2 * INTERMEDIATE
+    theirs = ExpertWeights(tuple(row_slice(gate_up, e * per, (e + 1) * per) for e in range(EXPERTS)),
+                           tuple(row_slice(down, e * HIDDEN, (e + 1) * HIDDEN) for e in range(EXPERTS)))  # fmt: skip
+    assert_same_packing(whole, theirs)
+
+
 def test_int8_experts_quantized_whole_equal_expert_by_expert() -> None:
     from engine_server.layers.quantized_linear import quantize_q8
 
