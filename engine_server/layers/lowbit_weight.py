@@ -23,7 +23,10 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `iq3_xxs`, `iq3_s`, `iq2_xxs` (super-blocks of 256 whose groups of 32 pick runs of 4 or 8 values from a grid of
   magnitudes, each with its sign): `u` each element's code in the kind's 16-entry `CODEBOOKS` (its magnitude's index
   in the grid's values, plus 8 when negative) and `groups` [N, K/32, 1] float32, each group's scale as gguf computes
-  it from d and the group's scale bits: element = scale * CODEBOOKS[kind][u].
+  it from d and the group's scale bits: element = scale * CODEBOOKS[kind][u];
+- `iq2_xs`, `iq2_s` (likewise, runs of 8 from grids of 512 and 1024 entries of 8, 25, 43, scaled per half of a group):
+  `u` the codes of `IQ2_CODEBOOK`, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 2] uint8 (each half's
+  4-bit scale s): element = (d * (0.5 + s) * 0.25) * IQ2_CODEBOOK[u], in float32.
 `pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h): Q2_K's values
 in a 2-bit plane of their own, the others' in a nibble plane with their high bits after it.
 """
@@ -42,7 +45,7 @@ SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
 HIGH_BITS = {
     "q5_0": 1, "q5_1": 1, "q2_k": 0, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0,
-    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0,
+    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0, "iq2_xs": 0, "iq2_s": 0,
 }  # fmt: skip
 K_QUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"})
 TWO_BIT_KINDS = frozenset({"q2_k"})  # values 0..3, packed 2 bits each with no nibble plane
@@ -50,7 +53,7 @@ TWO_BIT_PLANE = 64  # bytes of a 2-bit group of 8 features: the layout of a nibb
 # The value offsets of the kinds scaled per half of a group (16 elements): element = (d * sc) * (u - offset).
 HALF_GROUP_OFFSETS = {"q6_k": 32, "q3_k": 4}
 # The kinds whose file blocks are 256 wide (scaled per super-block, or grid kinds): slices fall on them.
-SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs"}
+SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s"}
 # IQ4_NL's (and IQ4_XS's) non-linear codebook (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The grid types' magnitudes (gguf's `grid_map`s, llama.cpp's grids' values); a code is a magnitude's index, plus 8
@@ -58,6 +61,9 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 GRID_VALUES = {"iq3_xxs": (4, 12, 20, 28, 36, 44, 52, 62), "iq3_s": (1, 3, 5, 7, 9, 11, 13, 15), "iq2_xxs": (8, 25, 43)}
 CODEBOOKS = {kind: (*v, *[0] * (8 - len(v)), *[-x for x in v], *[0] * (8 - len(v))) for kind, v in GRID_VALUES.items()}
 GRID_KINDS = frozenset(GRID_VALUES)
+# IQ2_XS's and IQ2_S's magnitudes and codebook (kernels/cpu/lowbit_tiles.h's kIQ2Values): scaled per half of a group.
+HALF_GRID_KINDS = frozenset({"iq2_xs", "iq2_s"})
+IQ2_CODEBOOK = CODEBOOKS["iq2_xxs"]
 # Twice each e2m1 code's value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negative (code 8 is -0).
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
@@ -88,6 +94,12 @@ class LowBitWeight:
             doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[self.values.long()]
             scale = _e8m0_half_scales(self.groups[..., 0]).repeat_interleave(QUANT_GROUP, dim=1)
             return doubled * scale
+        if self.kind in HALF_GRID_KINDS:  # as gguf: (d * (0.5 + s) * 0.25 * magnitude) * sign
+            assert self.supers is not None
+            v = torch.tensor(IQ2_CODEBOOK, dtype=torch.float32)[self.values.long()].reshape(rows, -1, 16)
+            d = self.supers[..., 0].float().repeat_interleave(SUPER_BLOCK // 16, dim=1)
+            scale = d * (0.5 + self.groups.reshape(rows, -1).float()) * 0.25
+            return (scale.unsqueeze(-1) * v).reshape(self.shape)
         if self.kind in GRID_KINDS:  # as gguf: (scale * magnitude) * sign, the same bits as scale * (sign * magnitude)
             v = torch.tensor(CODEBOOKS[self.kind], dtype=torch.float32)[self.values.long()]
             return (self.groups[..., 0].unsqueeze(-1) * v.reshape(rows, -1, QUANT_GROUP)).reshape(self.shape)
@@ -233,6 +245,10 @@ def _lowbit_tables(
     def by_feature(table: torch.Tensor) -> torch.Tensor:  # [N, ..., 1] -> [block, ..., feature j]
         return table.reshape(blocks, 8, -1).permute(0, 2, 1).contiguous()
 
+    if kind in HALF_GRID_KINDS:  # d per super-block; each half's 2s + 1, 8 features' first halves then second
+        assert padded.supers is not None
+        halves = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1).reshape(blocks, groups, 16)
+        return packed, by_feature(padded.supers), (2 * halves + 1).to(torch.int8)
     if kind in GRID_KINDS:  # each group's float32 scale; the kind's codebook in place of mins
         return packed, by_feature(padded.groups), torch.tensor(CODEBOOKS[kind], dtype=torch.int8)
     if kind in ("mxfp4", "iq4_nl"):  # the exponents, or d, per group; no mins (their empty table's dtype: the kind)
@@ -290,6 +306,9 @@ def unpack_lowbit_rows(
     if kind == "iq4_xs":  # scales [blocks, supers, 8]: d; mins [blocks, groups, 8]: sc
         supers = scales[block, :, feature].unsqueeze(-1)
         return LowBitWeight(kind, values, mins[block, :, feature].unsqueeze(-1), supers)
+    if kind in HALF_GRID_KINDS:  # scales [blocks, supers, 8]: d; mins [blocks, groups, 16]: the halves' 2s + 1
+        halves = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
+        return LowBitWeight(kind, values, ((halves - 1) // 2).to(torch.uint8), scales[block, :, feature].unsqueeze(-1))
     if kind in K_QUANTS:  # scales [blocks, supers, 16]: 8 features' d then their dmin; mins likewise sc then m
         supers = torch.stack([scales[block, :, feature], scales[block, :, 8 + feature]], -1)
         table = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
@@ -313,12 +332,14 @@ def _grid_codes(kind: str) -> torch.Tensor:
     package's grids, llama.cpp's)."""
     from gguf import quants
 
-    grids = {"iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S, "iq2_xxs": quants.IQ2_XXS}
+    grids = {"iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S, "iq2_xxs": quants.IQ2_XXS, "iq2_xs": quants.IQ2_XS,
+             "iq2_s": quants.IQ2_S}  # fmt: skip
     grids[kind].init_grid()
     grid = grids[kind].grid
     assert grid is not None
     values = torch.from_numpy(grid.reshape(grid.shape[-2], grid.shape[-1]).copy())
-    return (values.unsqueeze(-1) == torch.tensor(GRID_VALUES[kind], dtype=torch.float32)).int().argmax(-1).byte()
+    magnitudes = GRID_VALUES.get(kind, GRID_VALUES["iq2_xxs"])  # IQ2_XS's and IQ2_S's are IQ2_XXS's
+    return (values.unsqueeze(-1) == torch.tensor(magnitudes, dtype=torch.float32)).int().argmax(-1).byte()
 
 
 @functools.cache
@@ -371,6 +392,28 @@ def _decode_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Te
         scale = d * (1 + 2 * nibbles.reshape(rows, count, 8)).float()
     codes = (magnitudes | (signs << 3)).reshape(rows, -1)
     return LowBitWeight(kind, codes, scale.reshape(rows, -1, 1).contiguous())
+
+
+def _decode_half_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Tensor]) -> LowBitWeight:
+    """IQ2_XS `d, qs[32] (uint16), scales[8]`: run j of 8 elements is grid entry qs[j] & 511 with the signs of the 7
+    bits qs[j] >> 9; IQ2_S `d, qs[32], signs[32], qh[8], scales[8]`: run j is entry qs[j] | bits 2 (j % 4) .. +1 of
+    qh[j / 4] << 8, signed by the bits of signs[j]. Either's 16 4-bit scales (one a half of a group) are the nibbles of
+    scales, low first."""
+    rows, count = blocks.shape[0], blocks.shape[1]
+    grid = _grid_codes(kind)
+    if kind == "iq2_xs":
+        words = blocks[..., 2:66].reshape(rows, count, 32, 2).long()
+        words = words[..., 0] | (words[..., 1] << 8)
+        magnitudes, signs = grid[words & 511], _sign_patterns()[words >> 9]  # [N, blocks, 32, 8] each
+        scales = blocks[..., 66:74]
+    else:  # iq2_s
+        high = (blocks[..., 66:74].unsqueeze(-1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)) & 3
+        magnitudes = grid[blocks[..., 2:34].long() | (high.reshape(rows, count, 32).long() << 8)]
+        signs = (blocks[..., 34:66].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        scales = blocks[..., 74:82]
+    codes = (magnitudes | (signs << 3)).reshape(rows, -1)
+    nibbles = (scales.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0x0F
+    return LowBitWeight(kind, codes, nibbles.reshape(rows, -1, 2), half(0).unsqueeze(-1).contiguous())
 
 
 def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
@@ -431,6 +474,8 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
         return LowBitWeight(kind, low.to(torch.uint8).reshape(rows, -1), groups, torch.stack([d, dmin], -1))
     if kind in GRID_KINDS:
         return _decode_grid(blocks, kind, half)
+    if kind in HALF_GRID_KINDS:
+        return _decode_half_grid(blocks, kind, half)
     if kind == "q2_k":  # element 128h + 32j + l: bits 2j of qs[32h + l]; each half's byte sc | m << 4 as stored
         qs = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32)
         values = (qs >> (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)) & 3  # [h, j, l], uint8 throughout

@@ -1,6 +1,6 @@
 // The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), of its
-// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS, IQ3_S, IQ2_XXS) and of MXFP4 (gpt-oss's experts), kept as the file
-// stores them or, for the IQ2 / IQ3 grids, as each element's value in a 16-entry codebook: the same
+// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S) and of MXFP4 (gpt-oss's experts), kept
+// as the file stores them or, for the IQ2 / IQ3 grids, as each element's value in a 16-entry codebook: the same
 // layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
 // of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
 // of the values' high bits after it.
@@ -34,7 +34,11 @@
 //           group's scale sc, -32..31): element = (d * sc) * kIQ4Values[code], the scale d * sc in float32;
 //   kCodebookF32 (IQ3_XXS, IQ3_S, IQ2_XXS, H = 0): `scales` [N / 8, K / 32, 8] float32, each group's scale as the
 //           file's blocks make it, and `mins` the kind's codebook, 16 int8 (its grid's magnitudes, then their
-//           negatives): element = scale * codebook[code].
+//           negatives): element = scale * codebook[code];
+//   kCodebookHalves (IQ2_XS, IQ2_S, H = 0): `scales` [N / 8, K / 256, 8] float16 d, `mins` [N / 8, K / 32, 16] int8
+//           (each 16-element half's 2s + 1, s its 4-bit scale: 8 features' first halves, then their second), and
+//           the codes of kIQ2Values (8, 25, 43, then their negatives): element = (d (2s + 1) / 8) * value, the
+//           halves' integer dots combined as kSuper6's.
 //           The codebook kinds' dots are signed: v . xq, where the VNNI instructions take u = v + 128 (unsigned) and
 //           subtract 128 * sum(xq), and AVX2 without them multiplies |xq| by v with xq's signs (exact either way).
 // The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
@@ -58,7 +62,9 @@ namespace ladle_quant {
 constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block's group
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
-enum class LowBitScales { kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper, kCodebookF32 };
+enum class LowBitScales {
+  kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper, kCodebookF32, kCodebookHalves
+};
 
 constexpr int64_t kTwoBitPlane = 64;  // a group of Q2_K's 2-bit values, 8 features x 32 elements
 
@@ -68,7 +74,8 @@ constexpr int32_t kSuper6Offset = H == 2 ? 32 : 4;
 
 // Whether a kind's values are IQ4's signed codebook entries (no min; scale d, or d * sc per group).
 constexpr bool is_codebook(LowBitScales s) {
-  return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper || s == LowBitScales::kCodebookF32;
+  return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper || s == LowBitScales::kCodebookF32 ||
+         s == LowBitScales::kCodebookHalves;
 }
 // Whether a kind runs on AMX tiles (one float scale and min a group, unsigned values): not Q6_K's halves, and not the
 // codebooks' signed values.
@@ -76,7 +83,9 @@ constexpr bool lowbit_amx(LowBitScales s) {
   return s != LowBitScales::kSuper6 && s != LowBitScales::kSuper2 && !is_codebook(s);
 }
 // Whether a kind scales each half of a group (16 elements) by its own integer scale: its halves' dots kept apart.
-constexpr bool half_scaled(LowBitScales s) { return s == LowBitScales::kSuper6 || s == LowBitScales::kSuper2; }
+constexpr bool half_scaled(LowBitScales s) {
+  return s == LowBitScales::kSuper6 || s == LowBitScales::kSuper2 || s == LowBitScales::kCodebookHalves;
+}
 
 // IQ4_NL's (and IQ4_XS's) codebook, and each entry plus 128 (the unsigned form the VNNI dots take).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -84,6 +93,10 @@ alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -
 alignas(16) constexpr uint8_t kIQ4Offset[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                                 129, 141, 153, 166, 181, 197, 217, 241};
 constexpr int32_t kIQ4Bias = 128;
+// IQ2_XS's and IQ2_S's codebook: their grids' magnitudes, then the same negative; and the unit of their scales, d / 8
+// (their half's scale d (0.5 + s) / 4 = (d / 8) (2s + 1)).
+alignas(16) constexpr int8_t kIQ2Values[16] = {8, 25, 43, 0, 0, 0, 0, 0, -8, -25, -43, 0, 0, 0, 0, 0};
+constexpr float kIQ2Unit = 0.125f;
 
 // u of each e2m1 code (kE8M0): twice its value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives) plus 12.
 alignas(16) constexpr uint8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -139,8 +152,10 @@ struct LowBitTables {
 template <LowBitScales S>
 inline __m128i code_values(const LowBitTables& t) {
   if constexpr (S == LowBitScales::kE8M0) return _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
-  const __m128i v = S == LowBitScales::kCodebookF32 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(t.codebook))
-                                                     : _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+  const void* table = S == LowBitScales::kCodebookF32      ? static_cast<const void*>(t.codebook)
+                      : S == LowBitScales::kCodebookHalves ? static_cast<const void*>(kIQ2Values)
+                                                           : static_cast<const void*>(kIQ4Values);
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(table));
 #ifdef LADLE_QUANT_VNNI
   return _mm_xor_si128(v, _mm_set1_epi8(static_cast<char>(0x80)));  // v + 128 as an unsigned byte
 #else
@@ -160,8 +175,11 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
   const int32_t* x_totals = xq.totals + m0 * groups;
   const int32_t* x_half = half == nullptr ? nullptr : half + m0 * groups;
   const int8_t* x = xq.row(m0);
-  const int64_t super_width = S == LowBitScales::kCodebookSuper ? kBlock : 2 * kBlock;  // halves per super-block
-  const at::Half* super = S == LowBitScales::kTable || S == LowBitScales::kE8M0 || S == LowBitScales::kCodebook
+  // float16 values per super-block: d alone (8 features), or d and dmin (16)
+  const int64_t super_width =
+      S == LowBitScales::kCodebookSuper || S == LowBitScales::kCodebookHalves ? kBlock : 2 * kBlock;
+  const at::Half* super = S == LowBitScales::kTable || S == LowBitScales::kE8M0 || S == LowBitScales::kCodebook ||
+                                  S == LowBitScales::kCodebookF32
                               ? nullptr
                               : t.scales + b * (groups / kSuperGroups) * super_width;
   alignas(32) float out[R][kBlock];
@@ -233,7 +251,27 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
 #endif
       }
     }
-    if constexpr (is_codebook(S)) {
+    if constexpr (S == LowBitScales::kCodebookHalves) {  // as kSuper6's, the halves' scales 2s + 1
+      const at::Half* d_half = super + (g / kSuperGroups) * kBlock;
+      const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half))),
+                                     _mm256_set1_ps(kIQ2Unit));
+      const uint8_t* sc = t.small + (b * groups + g) * 16;
+      const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+      const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+#ifdef LADLE_QUANT_VNNI  // v . xq = u . xq - 128 * sum(xq), per half
+        const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+        const __m256i dot0 = _mm256_sub_epi32(first[r], _mm256_set1_epi32(kIQ4Bias * t0));
+        const __m256i dot1 = _mm256_sub_epi32(second[r], _mm256_set1_epi32(kIQ4Bias * t1));
+#else
+        const __m256i dot0 = first[r], dot1 = second[r];
+#endif
+        const __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(dot0, sc0), _mm256_mullo_epi32(dot1, sc1));
+        const __m256 row_scale = _mm256_mul_ps(d, _mm256_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), row_scale, acc[r]);
+      }
+    } else if constexpr (is_codebook(S)) {
       __m256 scale;
       if constexpr (S == LowBitScales::kCodebook) {
         const at::Half* d = t.scales + (b * groups + g) * kBlock;
@@ -352,7 +390,9 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
             first_value = kE2M1Offset[low];
             second_value = kE2M1Offset[high];
           } else if (is_codebook(S)) {
-            const int8_t* values = S == LowBitScales::kCodebookF32 ? t.codebook : kIQ4Values;
+            const int8_t* values = S == LowBitScales::kCodebookF32      ? t.codebook
+                                   : S == LowBitScales::kCodebookHalves ? kIQ2Values
+                                                                        : kIQ4Values;
             first_value = values[low];
             second_value = values[high];
           }
@@ -369,6 +409,10 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
       } else if (S == LowBitScales::kCodebookF32) {
         scale = t.group_scales[(b * groups + g) * kBlock + j];
+      } else if (S == LowBitScales::kCodebookHalves) {
+        scale = to_float(super[(g / kSuperGroups) * kBlock + j]) * kIQ2Unit;
+        sc0 = static_cast<int8_t>(t.small[(b * groups + g) * 16 + j]);
+        sc1 = static_cast<int8_t>(t.small[(b * groups + g) * 16 + 8 + j]);
       } else if (S == LowBitScales::kCodebookSuper) {
         const int8_t sc = static_cast<int8_t>(t.small[(b * groups + g) * kBlock + j]);
         scale = to_float(super[(g / kSuperGroups) * kBlock + j]) * static_cast<float>(sc);
@@ -402,6 +446,8 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
           const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
           const int32_t dot = (dot0 - kSuper6Offset<H> * t0) * sc0 + (dot1 - kSuper6Offset<H> * t1) * sc1;
           out[r][j] = std::fma(static_cast<float>(dot), row_scale, out[r][j]);
+        } else if (S == LowBitScales::kCodebookHalves) {  // u are the signed values here
+          out[r][j] = std::fma(static_cast<float>(dot0 * sc0 + dot1 * sc1), row_scale, out[r][j]);
         } else if (S == LowBitScales::kSuper2) {
           const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
           const int32_t mins = m0 * t0 + m1 * t1;
@@ -585,7 +631,23 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
         other = _mm512_dpbusd_epi32(other, high, _mm512_set1_epi32(x_high));
       }
     });
-    if constexpr (S == LowBitScales::kSuper2) {  // the blocks' d and dmin, the halves' sc and m of this group
+    if constexpr (S == LowBitScales::kCodebookHalves) {  // the blocks' d / 8 and the halves' 2s + 1
+      const at::Half* d0 = t.scales + (b * supers + g / kSuperGroups) * kBlock;
+      const __m512 d = _mm512_mul_ps(lowbit_halves(d0, d0 + supers * kBlock), _mm512_set1_ps(kIQ2Unit));
+      const uint8_t* small0 = t.small + (b * groups + g) * 16;
+      const uint8_t* small1 = small0 + groups * 16;
+      const __m512i sc0 = _mm512_cvtepi8_epi32(lowbit_bytes16(small0, small1));
+      const __m512i sc1 = _mm512_cvtepi8_epi32(lowbit_bytes16(small0 + 8, small1 + 8));
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {  // v . xq = u . xq - 128 * sum(xq), per half
+        const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
+        const __m512i dot0 = _mm512_sub_epi32(first[r], _mm512_set1_epi32(kIQ4Bias * t0));
+        const __m512i dot1 = _mm512_sub_epi32(second[r], _mm512_set1_epi32(kIQ4Bias * t1));
+        const __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(dot0, sc0), _mm512_mullo_epi32(dot1, sc1));
+        const __m512 row_scale = _mm512_mul_ps(d, _mm512_set1_ps(x_scales[r * groups + g]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), row_scale, acc[r]);
+      }
+    } else if constexpr (S == LowBitScales::kSuper2) {  // the blocks' d and dmin, the halves' sc and m of this group
       const at::Half* super0 = t.scales + (b * supers + g / kSuperGroups) * 16;
       const at::Half* super1 = super0 + supers * 16;
       const uint8_t* halves0 = t.small + (b * groups + g) * 16;

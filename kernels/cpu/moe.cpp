@@ -140,6 +140,22 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
     bank.mins_stride = scales.numel() / experts;
     return;
   }
+  if (mins.scalar_type() == at::kChar && high_bits == 0 && mins.size(-1) == 2 * kBlock && scales.size(-1) == kBlock) {
+    // kCodebookHalves (IQ2_XS, IQ2_S): d a super-block (8 a block: not Q3_K's d and dmin), 2s + 1 a half
+    LADLE_CHECK(groups % kSuperGroups == 0, "%s: IQ2_XS / IQ2_S super-blocks are 256 wide: K = %lld is not a multiple",
+                what, static_cast<long long>(groups * kGroup));
+    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                    scales.size(2) == groups / kSuperGroups && scales.scalar_type() == at::kHalf &&
+                    scales.is_contiguous() && mins.dim() == 4 && mins.size(0) == experts && mins.size(1) == blocks &&
+                    mins.size(2) == groups && mins.is_contiguous(),
+                "%s's IQ2_XS / IQ2_S tables must be a contiguous [E, N / 8, K / 256, 8] float16 tensor (d) and a "
+                "contiguous [E, N / 8, K / 32, 16] int8 one (each half's 2s + 1)",
+                what);
+    bank.lowbit = LowBitScales::kCodebookHalves;
+    bank.small = static_cast<const uint8_t*>(mins.data_ptr());
+    bank.mins_stride = mins.numel() / experts;
+    return;
+  }
   if (mins.scalar_type() == at::kChar && high_bits == 0 && (mins.numel() == 0 || mins.size(-1) == kBlock)) {
     // the IQ4 codebook: int8 group scales (8 a group: not Q3_K's 16), or none
     const bool super = mins.numel() != 0;
@@ -328,6 +344,10 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
       return run_lowbit_bank<0, LowBitScales::kCodebookSuper>(rows, nullptr, start, bank, y);
     case LowBitScales::kCodebookF32:
       return run_lowbit_bank<0, LowBitScales::kCodebookF32>(rows, nullptr, start, bank, y);
+    case LowBitScales::kCodebookHalves: {
+      const at::Tensor half = half_totals(rows, start.back());
+      return run_lowbit_bank<0, LowBitScales::kCodebookHalves>(rows, half.data_ptr<int32_t>(), start, bank, y);
+    }
     case LowBitScales::kSuper2: {
       const at::Tensor half = half_totals(rows, start.back());
       return run_lowbit_bank<0, LowBitScales::kSuper2>(rows, half.data_ptr<int32_t>(), start, bank, y);

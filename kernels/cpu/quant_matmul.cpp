@@ -230,6 +230,20 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
     const LowBitTables tables{nullptr, nullptr, scales.data_ptr<uint8_t>()};
     return run_lowbit<0, LowBitScales::kE8M0>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
   }
+  if (mins.scalar_type() == at::kChar && high_bits == 0 && mins.size(-1) == 2 * kBlock && scales.size(-1) == kBlock) {
+    // kCodebookHalves (IQ2_XS, IQ2_S): d a super-block (8 a block: not Q3_K's d and dmin), 2s + 1 a half
+    LADLE_CHECK(groups % kSuperGroups == 0, "IQ2_XS / IQ2_S super-blocks are 256 wide: K = %lld is not a multiple",
+                static_cast<long long>(groups * kGroup));
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups / kSuperGroups &&
+                    scales.scalar_type() == at::kHalf && scales.is_contiguous() && mins.dim() == 3 &&
+                    mins.size(0) == blocks && mins.size(1) == groups && mins.is_contiguous(),
+                "IQ2_XS / IQ2_S tables must be a contiguous [N / 8, K / 256, 8] float16 tensor (d) and a contiguous "
+                "[N / 8, K / 32, 16] int8 one (each half's 2s + 1)");
+    const LowBitTables tables{scales.data_ptr<at::Half>(), nullptr, static_cast<const uint8_t*>(mins.data_ptr())};
+    const at::Tensor half = half_totals(xq, m_rows);
+    return run_lowbit<0, LowBitScales::kCodebookHalves>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks,
+                                                        n_rows, y, y_stride);
+  }
   if (mins.scalar_type() == at::kChar && high_bits == 0 && (mins.numel() == 0 || mins.size(-1) == kBlock)) {
     // the IQ4 codebook: int8 group scales (8 a group: not Q3_K's 16), or none
     const bool super = mins.numel() != 0;

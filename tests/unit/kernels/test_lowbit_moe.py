@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kerne
 @pytest.mark.parametrize(
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4"), ("iq4_xs", "iq4_nl"),
-     ("q3_k", "q3_k"), ("q2_k", "q2_k"), ("iq3_xxs", "iq3_s"), ("iq2_xxs", "q2_k")],
+     ("q3_k", "q3_k"), ("q2_k", "q2_k"), ("iq3_xxs", "iq3_s"), ("iq2_xxs", "q2_k"),
+     ("iq2_s", "iq2_xs")],
 )
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:
     """A token sent to one expert with weight 1 gets down(silu_and_mul(gate_up(x))) of `QuantizedLinear`s on that
@@ -64,7 +65,8 @@ def crowded_routing(tokens: int, experts: int, gen: torch.Generator) -> tuple[to
 @pytest.mark.parametrize(
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k"), ("mxfp4", "mxfp4"), ("iq4_nl", "iq4_xs"),
-     ("q3_k", "q5_k"), ("q2_k", "q3_k"), ("iq2_xxs", "iq3_xxs"), ("iq3_s", "q4_k")],
+     ("q3_k", "q5_k"), ("q2_k", "q3_k"), ("iq2_xxs", "iq3_xxs"), ("iq3_s", "q4_k"),
+     ("iq2_xs", "iq2_s")],
 )
 def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -> None:
     gen = torch.Generator().manual_seed(23)
