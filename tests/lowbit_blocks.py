@@ -16,14 +16,15 @@ KINDS = {
     "iq4_nl": GGMLQuantizationType.IQ4_NL, "iq4_xs": GGMLQuantizationType.IQ4_XS, "q3_k": GGMLQuantizationType.Q3_K,
     "q2_k": GGMLQuantizationType.Q2_K, "iq3_xxs": GGMLQuantizationType.IQ3_XXS, "iq3_s": GGMLQuantizationType.IQ3_S,
     "iq2_xxs": GGMLQuantizationType.IQ2_XXS, "iq2_xs": GGMLQuantizationType.IQ2_XS, "iq2_s": GGMLQuantizationType.IQ2_S,
+    "iq1_s": GGMLQuantizationType.IQ1_S,
 }  # fmt: skip
 # Byte offsets of each kind's float16 scales in its block.
 _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,),
            "q3_k": (108,), "q2_k": (80, 82), "iq3_xxs": (0,), "iq3_s": (0,), "iq2_xxs": (0,),
-           "iq2_xs": (0,), "iq2_s": (0,)}
+           "iq2_xs": (0,), "iq2_s": (0,), "iq1_s": (0,)}
 _NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128, "iq4_nl": 8, "iq4_xs": 128, "q3_k": 4,
              "q2_k": 2, "iq3_xxs": 16, "iq3_s": 16, "iq2_xxs": 8,
-             "iq2_xs": 8, "iq2_s": 8}
+             "iq2_xs": 8, "iq2_s": 8, "iq1_s": 0.5}
 MXFP4_EXPONENTS = (118, 123)  # the exponent bytes drawn: 2 ** (e - 127) from 2 ** -9 to 2 ** -5
 # Of u (a K-quant's m averages sc's mean, so d * mean u).
 _MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5, "q2_k": 1.5}

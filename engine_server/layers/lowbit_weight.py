@@ -23,7 +23,9 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
 - `iq3_xxs`, `iq3_s`, `iq2_xxs` (super-blocks of 256 whose groups of 32 pick runs of 4 or 8 values from a grid of
   magnitudes, each with its sign): `u` each element's code in the kind's 16-entry `CODEBOOKS` (its magnitude's index
   in the grid's values, plus 8 when negative) and `groups` [N, K/32, 1] float32, each group's scale as gguf computes
-  it from d and the group's scale bits: element = scale * CODEBOOKS[kind][u];
+  it from d and the group's scale bits: element = scale * CODEBOOKS[kind][u]; `iq1_s` likewise, its runs of 8 from
+  a grid of -1, 0, 1 shifted by the group's delta (+-1/8): its codebook holds 8 (g + delta), its scale is gguf's over
+  8;
 - `iq2_xs`, `iq2_s` (likewise, runs of 8 from grids of 512 and 1024 entries of 8, 25, 43, scaled per half of a group):
   `u` the codes of `IQ2_CODEBOOK`, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 2] uint8 (each half's
   4-bit scale s): element = (d * (0.5 + s) * 0.25) * IQ2_CODEBOOK[u], in float32.
@@ -45,7 +47,7 @@ SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
 HIGH_BITS = {
     "q5_0": 1, "q5_1": 1, "q2_k": 0, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0,
-    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0, "iq2_xs": 0, "iq2_s": 0,
+    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0, "iq2_xs": 0, "iq2_s": 0, "iq1_s": 0,
 }  # fmt: skip
 K_QUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"})
 TWO_BIT_KINDS = frozenset({"q2_k"})  # values 0..3, packed 2 bits each with no nibble plane
@@ -53,14 +55,17 @@ TWO_BIT_PLANE = 64  # bytes of a 2-bit group of 8 features: the layout of a nibb
 # The value offsets of the kinds scaled per half of a group (16 elements): element = (d * sc) * (u - offset).
 HALF_GROUP_OFFSETS = {"q6_k": 32, "q3_k": 4}
 # The kinds whose file blocks are 256 wide (scaled per super-block, or grid kinds): slices fall on them.
-SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s"}
+SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s"}
 # IQ4_NL's (and IQ4_XS's) non-linear codebook (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The grid types' magnitudes (gguf's `grid_map`s, llama.cpp's grids' values); a code is a magnitude's index, plus 8
 # for its negative.
 GRID_VALUES = {"iq3_xxs": (4, 12, 20, 28, 36, 44, 52, 62), "iq3_s": (1, 3, 5, 7, 9, 11, 13, 15), "iq2_xxs": (8, 25, 43)}
 CODEBOOKS = {kind: (*v, *[0] * (8 - len(v)), *[-x for x in v], *[0] * (8 - len(v))) for kind, v in GRID_VALUES.items()}
-GRID_KINDS = frozenset(GRID_VALUES)
+# IQ1_S's: a code is (g + 1) + 3 (delta < 0) for its grid value g in -1, 0, 1 and its group's delta +-1/8, the
+# value 8 (g + delta).
+CODEBOOKS["iq1_s"] = (-7, 1, 9, -9, -1, 7, *[0] * 10)
+GRID_KINDS = frozenset(CODEBOOKS)
 # IQ2_XS's and IQ2_S's magnitudes and codebook (kernels/cpu/lowbit_tiles.h's kIQ2Values): scaled per half of a group.
 HALF_GRID_KINDS = frozenset({"iq2_xs", "iq2_s"})
 IQ2_CODEBOOK = CODEBOOKS["iq2_xxs"]
@@ -333,12 +338,13 @@ def _grid_codes(kind: str) -> torch.Tensor:
     from gguf import quants
 
     grids = {"iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S, "iq2_xxs": quants.IQ2_XXS, "iq2_xs": quants.IQ2_XS,
-             "iq2_s": quants.IQ2_S}  # fmt: skip
+             "iq2_s": quants.IQ2_S, "iq1_s": quants.IQ1_S}  # fmt: skip
     grids[kind].init_grid()
     grid = grids[kind].grid
     assert grid is not None
     values = torch.from_numpy(grid.reshape(grid.shape[-2], grid.shape[-1]).copy())
-    magnitudes = GRID_VALUES.get(kind, GRID_VALUES["iq2_xxs"])  # IQ2_XS's and IQ2_S's are IQ2_XXS's
+    # IQ2_XS's and IQ2_S's magnitudes are IQ2_XXS's; IQ1_S's values -1, 0, 1 (its index g + 1)
+    magnitudes = (-1, 0, 1) if kind == "iq1_s" else GRID_VALUES.get(kind, GRID_VALUES["iq2_xxs"])
     return (values.unsqueeze(-1) == torch.tensor(magnitudes, dtype=torch.float32)).int().argmax(-1).byte()
 
 
@@ -367,6 +373,15 @@ def _decode_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Te
     s the nibble i of scales (low first), scale d * (1 + 2 * s). Element = scale * magnitude * sign, gguf's order."""
     rows, count = blocks.shape[0], blocks.shape[1]
     grid, d = _grid_codes(kind), half(0).float().unsqueeze(-1)  # d: [N, blocks, 1]
+    if kind == "iq1_s":  # `d, qs[32], qh[8] (uint16)`: see `decode_blocks`
+        qh = blocks[..., 34:50].reshape(rows, count, 8, 2).long()
+        qh = qh[..., 0] | (qh[..., 1] << 8)  # [N, blocks, 8]
+        high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7  # each run's index bits 8..10
+        runs = grid[blocks[..., 2:34].long() | (high.reshape(rows, count, 32) << 8)]  # [N, blocks, 32, 8]
+        negative = (qh >> 15).to(torch.uint8)  # the group's delta -1/8
+        codes = runs.reshape(rows, count, 8, 32) + 3 * negative.unsqueeze(-1)
+        scale = d * (2 * ((qh >> 12) & 7) + 1).float() * 0.125  # gguf's d (2s + 1), over 8 (exact)
+        return LowBitWeight(kind, codes.reshape(rows, -1), scale.reshape(rows, -1, 1).contiguous())
 
     def words(part: torch.Tensor) -> torch.Tensor:  # little-endian uint32s as int64
         return (part.reshape(*part.shape[:-1], -1, 4).long() << torch.tensor([0, 8, 16, 24])).sum(-1)
@@ -429,7 +444,9 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     4h + j of hmask[l]; sixteen 6-bit scales of 16 elements: their low 4 bits the nibbles of scales[0..7], low ones
     first, their high 2 bits 2k .. 2k + 1 of scales[8..11], less 32); Q2_K `scales[16], qs[64], d, dmin` (element
     128h + 32j + l: bits 2j .. 2j + 1 of qs[32h + l]; scales[s] the sc (low nibble) and m (high) of elements 16s ..
-    16s + 15); the grid kinds as `_decode_grid` reads them; IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
+    16s + 15); the grid kinds as `_decode_grid` and `_decode_half_grid` read them (IQ1_S `d, qs[32], qh[8]`
+    (uint16): group i's run j of 8 is grid entry qs[4i + j] | bits 3j .. 3j + 2 of qh[i] << 8, its scale s bits
+    12..14, its delta's sign bit 15); IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
     scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of 32, as IQ4_NL's; group i's scale: nibble i
     of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it, less 32)."""
     rows = blocks.shape[0]

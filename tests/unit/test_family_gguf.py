@@ -453,9 +453,10 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
      (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K),
      (GGMLQuantizationType.IQ3_S, GGMLQuantizationType.IQ3_XXS),
      (GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ2_XXS),
-     (GGMLQuantizationType.IQ2_XS, GGMLQuantizationType.IQ2_S)],
+     (GGMLQuantizationType.IQ2_XS, GGMLQuantizationType.IQ2_S),
+     (GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ1_S)],
     ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k", "q3_k-q2_k", "iq3_s-iq3_xxs",
-         "q2_k-iq2_xxs", "iq2_xs-iq2_s"],
+         "q2_k-iq2_xxs", "iq2_xs-iq2_s", "iq2_s-iq1_s"],
 )  # fmt: skip
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,

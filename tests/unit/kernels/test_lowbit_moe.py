@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kerne
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4"), ("iq4_xs", "iq4_nl"),
      ("q3_k", "q3_k"), ("q2_k", "q2_k"), ("iq3_xxs", "iq3_s"), ("iq2_xxs", "q2_k"),
-     ("iq2_s", "iq2_xs")],
+     ("iq2_s", "iq2_xs"), ("iq1_s", "iq2_s")],
 )
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:
     """A token sent to one expert with weight 1 gets down(silu_and_mul(gate_up(x))) of `QuantizedLinear`s on that
