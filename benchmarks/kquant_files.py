@@ -1,5 +1,5 @@
 """The embedded model as the GGUF files people download: Q4_K_M, Q5_K_M, Q6_K, IQ4_XS, IQ4_NL, Q3_K_S, and Q2_K,
-IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S and IQ1_S (pure), made here, never fetched.
+IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M (pure), made here, never fetched.
 
 The embedded file's weights (its Q4_1 and Q8_0 blocks dequantized) are written as an F32 GGUF with its metadata
 and tokenizer as they are (the gguf package), then quantized by llama.cpp's own quantizer (llama-cpp-python's
@@ -44,7 +44,7 @@ PURE_MIXES = frozenset({"q2_k_pure", "iq3_s_pure"})
 GGML_PURE = {
     "iq3_xxs_pure": GGMLQuantizationType.IQ3_XXS, "iq2_xxs_pure": GGMLQuantizationType.IQ2_XXS,
     "iq2_xs_pure": GGMLQuantizationType.IQ2_XS, "iq2_s_pure": GGMLQuantizationType.IQ2_S,
-    "iq1_s_pure": GGMLQuantizationType.IQ1_S,
+    "iq1_s_pure": GGMLQuantizationType.IQ1_S, "iq1_m_pure": GGMLQuantizationType.IQ1_M,
 }  # fmt: skip
 
 

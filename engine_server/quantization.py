@@ -2,10 +2,10 @@
 
 - `none`: the float weights, the exact path (greedy output equal to transformers').
 - `gguf`: a GGUF model's own blocks (`loader.gguf_quant`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, the K-quants Q2_K .. Q6_K,
-  IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and MXFP4, each tensor in its own type, a fused
+  IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M and MXFP4, each tensor in its own type, a fused
   projection's shards in theirs), exactly the weights llama.cpp serves from that file, a mixture of experts' banks
   included (`layers.quantized_experts`, in any of those types, gate/up in one and down in one); its other tensors
-  (F32, F16, IQ1_M, ...) stay float.
+  (F32, F16, BF16, the ternary TQ1_0 / TQ2_0, ...) stay float.
 - `int8`: every linear layer and bank of experts of any model, its float weights quantized to 8-bit groups of 32
   (`quantize_q8`); on the CPU an MXFP4 checkpoint's banks of experts (gpt-oss's released files) are served as
   stored instead (`loader.mxfp4.StoredMxfp4Bank`, read bank by bank: never float, never rounded again).
@@ -524,6 +524,7 @@ _EXPERT_KINDS = frozenset({
     GGMLQuantizationType.MXFP4, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
     GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ3_S,
     GGMLQuantizationType.IQ2_XXS, GGMLQuantizationType.IQ2_XS, GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ1_S,
+    GGMLQuantizationType.IQ1_M,
 })  # fmt: skip
 
 

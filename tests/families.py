@@ -437,7 +437,7 @@ def _gemma4_metadata(writer: Any, config: dict[str, Any]) -> None:
 # (tests.lowbit_blocks), so the file's weights are those blocks' and not the folder's.
 _RANDOM_BLOCK_KINDS = {  # GGMLQuantizationType values
     10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 16: "iq2_xxs", 17: "iq2_xs", 18: "iq3_xxs",
-    19: "iq1_s", 20: "iq4_nl", 21: "iq3_s", 22: "iq2_s", 23: "iq4_xs",
+    19: "iq1_s", 20: "iq4_nl", 21: "iq3_s", 22: "iq2_s", 23: "iq4_xs", 29: "iq1_m",
 }
 
 

@@ -16,7 +16,7 @@ KINDS = {
     "iq4_nl": GGMLQuantizationType.IQ4_NL, "iq4_xs": GGMLQuantizationType.IQ4_XS, "q3_k": GGMLQuantizationType.Q3_K,
     "q2_k": GGMLQuantizationType.Q2_K, "iq3_xxs": GGMLQuantizationType.IQ3_XXS, "iq3_s": GGMLQuantizationType.IQ3_S,
     "iq2_xxs": GGMLQuantizationType.IQ2_XXS, "iq2_xs": GGMLQuantizationType.IQ2_XS, "iq2_s": GGMLQuantizationType.IQ2_S,
-    "iq1_s": GGMLQuantizationType.IQ1_S,
+    "iq1_s": GGMLQuantizationType.IQ1_S, "iq1_m": GGMLQuantizationType.IQ1_M,
 }  # fmt: skip
 # Byte offsets of each kind's float16 scales in its block.
 _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,),
@@ -24,7 +24,7 @@ _HALVES = {"q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k":
            "iq2_xs": (0,), "iq2_s": (0,), "iq1_s": (0,)}
 _NARROWER = {"q5_0": 2, "q5_1": 2, "q4_k": 32, "q5_k": 64, "q6_k": 128, "iq4_nl": 8, "iq4_xs": 128, "q3_k": 4,
              "q2_k": 2, "iq3_xxs": 16, "iq3_s": 16, "iq2_xxs": 8,
-             "iq2_xs": 8, "iq2_s": 8, "iq1_s": 0.5}
+             "iq2_xs": 8, "iq2_s": 8, "iq1_s": 0.5, "iq1_m": 0.5}
 MXFP4_EXPONENTS = (118, 123)  # the exponent bytes drawn: 2 ** (e - 127) from 2 ** -9 to 2 ** -5
 # Of u (a K-quant's m averages sc's mean, so d * mean u).
 _MEAN_VALUE = {"q5_1": 15.5, "q4_k": 7.5, "q5_k": 15.5, "q2_k": 1.5}
@@ -45,6 +45,12 @@ def random_blocks(kind: str, n: int, k: int, gen: torch.Generator) -> torch.Tens
     # The second float16 (a min or dmin) centres the weights on zero, as a quantizer's do: the values' mean times
     # the scale (a Q5_1 min is subtracted as a negative one).
     halves = [scale, scale * _MEAN_VALUE.get(kind, 0.0) * (-1.0 if kind == "q5_1" else 1.0)]
+    if kind == "iq1_m":  # d's float16 bits are the top nibbles of the 4 scale words (bytes 48..55), word j's at 4j
+        bits = scale.half().view(torch.int16).int() & 0xFFFF
+        for j in range(4):
+            high = 49 + 2 * j
+            blocks[..., high] = (blocks[..., high] & 0x0F) | (((bits >> (4 * j)) & 0x0F) << 4).to(torch.uint8)
+        return blocks
     for at, value in zip(_HALVES[kind], halves, strict=False):
         blocks[..., at : at + 2] = value.half().unsqueeze(-1).view(torch.uint8).reshape(n, k // elements, 2)
     return blocks

@@ -28,7 +28,8 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
   8;
 - `iq2_xs`, `iq2_s` (likewise, runs of 8 from grids of 512 and 1024 entries of 8, 25, 43, scaled per half of a group):
   `u` the codes of `IQ2_CODEBOOK`, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 2] uint8 (each half's
-  4-bit scale s): element = (d * (0.5 + s) * 0.25) * IQ2_CODEBOOK[u], in float32.
+  4-bit scale s): element = (d * (0.5 + s) * 0.25) * IQ2_CODEBOOK[u], in float32; `iq1_m` likewise (IQ1_S's grid
+  and codebook, a delta per run of 8, 3-bit s): element = (d * (2s + 1)) * (CODEBOOKS["iq1_s"][u] / 8).
 `pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h): Q2_K's values
 in a 2-bit plane of their own, the others' in a nibble plane with their high bits after it.
 """
@@ -47,7 +48,7 @@ SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
 HIGH_BITS = {
     "q5_0": 1, "q5_1": 1, "q2_k": 0, "q3_k": 0, "q4_k": 0, "q5_k": 1, "q6_k": 2, "mxfp4": 0, "iq4_nl": 0, "iq4_xs": 0,
-    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0, "iq2_xs": 0, "iq2_s": 0, "iq1_s": 0,
+    "iq3_xxs": 0, "iq3_s": 0, "iq2_xxs": 0, "iq2_xs": 0, "iq2_s": 0, "iq1_s": 0, "iq1_m": 0,
 }  # fmt: skip
 K_QUANTS = frozenset({"q2_k", "q3_k", "q4_k", "q5_k", "q6_k"})
 TWO_BIT_KINDS = frozenset({"q2_k"})  # values 0..3, packed 2 bits each with no nibble plane
@@ -55,7 +56,7 @@ TWO_BIT_PLANE = 64  # bytes of a 2-bit group of 8 features: the layout of a nibb
 # The value offsets of the kinds scaled per half of a group (16 elements): element = (d * sc) * (u - offset).
 HALF_GROUP_OFFSETS = {"q6_k": 32, "q3_k": 4}
 # The kinds whose file blocks are 256 wide (scaled per super-block, or grid kinds): slices fall on them.
-SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s"}
+SUPER_KINDS = K_QUANTS | {"iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m"}
 # IQ4_NL's (and IQ4_XS's) non-linear codebook (llama.cpp's kvalues_iq4nl).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # The grid types' magnitudes (gguf's `grid_map`s, llama.cpp's grids' values); a code is a magnitude's index, plus 8
@@ -67,7 +68,7 @@ CODEBOOKS = {kind: (*v, *[0] * (8 - len(v)), *[-x for x in v], *[0] * (8 - len(v
 CODEBOOKS["iq1_s"] = (-7, 1, 9, -9, -1, 7, *[0] * 10)
 GRID_KINDS = frozenset(CODEBOOKS)
 # IQ2_XS's and IQ2_S's magnitudes and codebook (kernels/cpu/lowbit_tiles.h's kIQ2Values): scaled per half of a group.
-HALF_GRID_KINDS = frozenset({"iq2_xs", "iq2_s"})
+HALF_GRID_KINDS = frozenset({"iq2_xs", "iq2_s", "iq1_m"})
 IQ2_CODEBOOK = CODEBOOKS["iq2_xxs"]
 # Twice each e2m1 code's value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negative (code 8 is -0).
 E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -99,11 +100,15 @@ class LowBitWeight:
             doubled = torch.tensor(E2M1_DOUBLED, dtype=torch.float32)[self.values.long()]
             scale = _e8m0_half_scales(self.groups[..., 0]).repeat_interleave(QUANT_GROUP, dim=1)
             return doubled * scale
-        if self.kind in HALF_GRID_KINDS:  # as gguf: (d * (0.5 + s) * 0.25 * magnitude) * sign
+        if self.kind in HALF_GRID_KINDS:  # as gguf: (d * (0.5 + s) * 0.25 * magnitude) * sign; IQ1_M's d (2s + 1)
             assert self.supers is not None
-            v = torch.tensor(IQ2_CODEBOOK, dtype=torch.float32)[self.values.long()].reshape(rows, -1, 16)
+            codebook = torch.tensor(CODEBOOKS["iq1_s"] if self.kind == "iq1_m" else IQ2_CODEBOOK, dtype=torch.float32)
+            v = codebook[self.values.long()].reshape(rows, -1, 16)
             d = self.supers[..., 0].float().repeat_interleave(SUPER_BLOCK // 16, dim=1)
-            scale = d * (0.5 + self.groups.reshape(rows, -1).float()) * 0.25
+            s = self.groups.reshape(rows, -1)
+            if self.kind == "iq1_m":  # times g + delta, exactly v / 8
+                return ((d * (2 * s + 1).float()).unsqueeze(-1) * (v * 0.125)).reshape(self.shape)
+            scale = d * (0.5 + s.float()) * 0.25
             return (scale.unsqueeze(-1) * v).reshape(self.shape)
         if self.kind in GRID_KINDS:  # as gguf: (scale * magnitude) * sign, the same bits as scale * (sign * magnitude)
             v = torch.tensor(CODEBOOKS[self.kind], dtype=torch.float32)[self.values.long()]
@@ -200,7 +205,8 @@ def pack_lowbit(
     scale); for `mxfp4` scales `[N/8, K/32, 8]` uint8 (the exponents), mins an empty uint8 tensor; for `iq4_nl`
     scales `[N/8, K/32, 8]` float16, mins an empty int8 tensor; for `iq4_xs` scales `[N/8, K/256, 8]` float16 and
     mins `[N/8, K/32, 8]` int8; for the grid kinds scales `[N/8, K/32, 8]` float32 and mins the kind's codebook, 16
-    int8 values.
+    int8 values; for IQ2_XS, IQ2_S and IQ1_M scales `[N/8, K/256, 8]` float32 (d) and mins `[N/8, K/32, 16]` (each
+    half's 2s + 1: int8, IQ1_M's uint8).
     For `q2_k` packed is `[N/8, K/32, 1, 64]`: the values' 2-bit plane alone (laid out as the two high-bit planes of
     `u << 4`, whose nibbles are empty), scales and mins as the other K-quants' (mins: the halves' uint8 sc | m << 4).
     Rows past N are zero. `planes(values, high bits)` makes packed where given (the C++ `lowbit_planes`, ~10x
@@ -253,7 +259,10 @@ def _lowbit_tables(
     if kind in HALF_GRID_KINDS:  # d per super-block; each half's 2s + 1, 8 features' first halves then second
         assert padded.supers is not None
         halves = padded.groups.reshape(blocks, 8, groups, 2).permute(0, 2, 3, 1).reshape(blocks, groups, 16)
-        return packed, by_feature(padded.supers), (2 * halves + 1).to(torch.int8)
+        # d in float32 (no K-quant's float16 table reads as one), the halves int8 for the IQ2 kinds and uint8 for
+        # IQ1_M (the dtype tells the kernels which codebook)
+        scales = by_feature(padded.supers).float()
+        return packed, scales, (2 * halves + 1).to(torch.uint8 if kind == "iq1_m" else torch.int8)
     if kind in GRID_KINDS:  # each group's float32 scale; the kind's codebook in place of mins
         return packed, by_feature(padded.groups), torch.tensor(CODEBOOKS[kind], dtype=torch.int8)
     if kind in ("mxfp4", "iq4_nl"):  # the exponents, or d, per group; no mins (their empty table's dtype: the kind)
@@ -311,9 +320,10 @@ def unpack_lowbit_rows(
     if kind == "iq4_xs":  # scales [blocks, supers, 8]: d; mins [blocks, groups, 8]: sc
         supers = scales[block, :, feature].unsqueeze(-1)
         return LowBitWeight(kind, values, mins[block, :, feature].unsqueeze(-1), supers)
-    if kind in HALF_GRID_KINDS:  # scales [blocks, supers, 8]: d; mins [blocks, groups, 16]: the halves' 2s + 1
+    if kind in HALF_GRID_KINDS:  # scales [blocks, supers, 8]: d (float32); mins [blocks, groups, 16]: 2s + 1
         halves = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
-        return LowBitWeight(kind, values, ((halves - 1) // 2).to(torch.uint8), scales[block, :, feature].unsqueeze(-1))
+        supers = scales[block, :, feature].half().unsqueeze(-1)  # float16's values, held in float32
+        return LowBitWeight(kind, values, ((halves - 1) // 2).to(torch.uint8), supers)
     if kind in K_QUANTS:  # scales [blocks, supers, 16]: 8 features' d then their dmin; mins likewise sc then m
         supers = torch.stack([scales[block, :, feature], scales[block, :, 8 + feature]], -1)
         table = torch.stack([mins[block, :, feature], mins[block, :, 8 + feature]], -1)
@@ -338,13 +348,13 @@ def _grid_codes(kind: str) -> torch.Tensor:
     from gguf import quants
 
     grids = {"iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S, "iq2_xxs": quants.IQ2_XXS, "iq2_xs": quants.IQ2_XS,
-             "iq2_s": quants.IQ2_S, "iq1_s": quants.IQ1_S}  # fmt: skip
+             "iq2_s": quants.IQ2_S, "iq1_s": quants.IQ1_S, "iq1_m": quants.IQ1_M}  # fmt: skip
     grids[kind].init_grid()
     grid = grids[kind].grid
     assert grid is not None
     values = torch.from_numpy(grid.reshape(grid.shape[-2], grid.shape[-1]).copy())
     # IQ2_XS's and IQ2_S's magnitudes are IQ2_XXS's; IQ1_S's values -1, 0, 1 (its index g + 1)
-    magnitudes = (-1, 0, 1) if kind == "iq1_s" else GRID_VALUES.get(kind, GRID_VALUES["iq2_xxs"])
+    magnitudes = (-1, 0, 1) if kind in ("iq1_s", "iq1_m") else GRID_VALUES.get(kind, GRID_VALUES["iq2_xxs"])
     return (values.unsqueeze(-1) == torch.tensor(magnitudes, dtype=torch.float32)).int().argmax(-1).byte()
 
 
@@ -409,6 +419,23 @@ def _decode_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Te
     return LowBitWeight(kind, codes, scale.reshape(rows, -1, 1).contiguous())
 
 
+def _decode_iq1_m(blocks: torch.Tensor, grid: torch.Tensor) -> LowBitWeight:
+    """IQ1_M `qs[32], qh[16], scales[4] (uint16)`: run j of 8 is IQ1_S's grid entry qs[j] | (nibble j of qh, low
+    first) & 7 << 8, its delta's sign that nibble's bit 3; the 16 3-bit scales of the halves are bits 3i .. 3i + 2 of
+    each scales word (i < 4); d's float16 bits are the words' top nibbles, word k's at bits 4k."""
+    rows, count = blocks.shape[0], blocks.shape[1]
+    words = blocks[..., 48:56].reshape(rows, count, 4, 2).long()
+    words = words[..., 0] | (words[..., 1] << 8)  # [N, blocks, 4]
+    bits = ((words >> 12) << torch.tensor([0, 4, 8, 12])).sum(-1)  # d's float16 bits
+    d = torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8).view(torch.float16)  # [N, blocks, 1]
+    scales = ((words.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7).reshape(rows, -1, 2).to(torch.uint8)
+    nibbles = (blocks[..., 32:48].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0x0F
+    nibbles = nibbles.reshape(rows, count, 32)
+    runs = grid[blocks[..., 0:32].long() | ((nibbles & 7).long() << 8)]  # [N, blocks, 32, 8]
+    codes = runs + 3 * (nibbles >> 3).unsqueeze(-1)
+    return LowBitWeight("iq1_m", codes.reshape(rows, -1), scales, d.contiguous())
+
+
 def _decode_half_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Tensor]) -> LowBitWeight:
     """IQ2_XS `d, qs[32] (uint16), scales[8]`: run j of 8 elements is grid entry qs[j] & 511 with the signs of the 7
     bits qs[j] >> 9; IQ2_S `d, qs[32], signs[32], qh[8], scales[8]`: run j is entry qs[j] | bits 2 (j % 4) .. +1 of
@@ -416,6 +443,8 @@ def _decode_half_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], tor
     scales, low first."""
     rows, count = blocks.shape[0], blocks.shape[1]
     grid = _grid_codes(kind)
+    if kind == "iq1_m":
+        return _decode_iq1_m(blocks, grid)
     if kind == "iq2_xs":
         words = blocks[..., 2:66].reshape(rows, count, 32, 2).long()
         words = words[..., 0] | (words[..., 1] << 8)

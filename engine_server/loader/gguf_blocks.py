@@ -1,6 +1,6 @@
 """A GGUF file's quantized blocks parsed as they are (`parse_blocks`): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, llama.cpp's
-K-quants Q2_K .. Q6_K, its non-linear IQ4_NL and IQ4_XS, its grid types IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S
-and IQ1_S, and MXFP4 (gpt-oss's experts), each type's block layout (`BLOCKS`), and their values
+K-quants Q2_K .. Q6_K, its non-linear IQ4_NL and IQ4_XS, its grid types IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S,
+IQ1_S and IQ1_M, and MXFP4 (gpt-oss's experts), each type's block layout (`BLOCKS`), and their values
 (`dequantize_blocks`).
 
 Block layouts (32 elements each, float16 scales): Q4_0 `d, qs[16]` (element = d * (q - 8)); Q4_1 `d, m, qs[16]`
@@ -27,7 +27,7 @@ BLOCKS = {
     GGMLQuantizationType.IQ4_XS: (256, 136), GGMLQuantizationType.Q2_K: (256, 84),
     GGMLQuantizationType.IQ3_XXS: (256, 98), GGMLQuantizationType.IQ3_S: (256, 110),
     GGMLQuantizationType.IQ2_XXS: (256, 66), GGMLQuantizationType.IQ2_XS: (256, 74),
-    GGMLQuantizationType.IQ2_S: (256, 82), GGMLQuantizationType.IQ1_S: (256, 50),
+    GGMLQuantizationType.IQ2_S: (256, 82), GGMLQuantizationType.IQ1_S: (256, 50), GGMLQuantizationType.IQ1_M: (256, 56),
 }  # fmt: skip
 _LOW_BIT = {
     GGMLQuantizationType.Q5_0: "q5_0", GGMLQuantizationType.Q5_1: "q5_1", GGMLQuantizationType.Q4_K: "q4_k",
@@ -35,7 +35,7 @@ _LOW_BIT = {
     GGMLQuantizationType.IQ4_NL: "iq4_nl", GGMLQuantizationType.IQ4_XS: "iq4_xs", GGMLQuantizationType.Q3_K: "q3_k",
     GGMLQuantizationType.Q2_K: "q2_k", GGMLQuantizationType.IQ3_XXS: "iq3_xxs", GGMLQuantizationType.IQ3_S: "iq3_s",
     GGMLQuantizationType.IQ2_XXS: "iq2_xxs", GGMLQuantizationType.IQ2_XS: "iq2_xs",
-    GGMLQuantizationType.IQ2_S: "iq2_s", GGMLQuantizationType.IQ1_S: "iq1_s",
+    GGMLQuantizationType.IQ2_S: "iq2_s", GGMLQuantizationType.IQ1_S: "iq1_s", GGMLQuantizationType.IQ1_M: "iq1_m",
 }  # fmt: skip
 
 

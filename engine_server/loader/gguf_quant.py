@@ -1,12 +1,12 @@
 """A GGUF file's quantized matrices as `QuantizedWeight`s, under their Hugging Face names: Q4_0, Q4_1, Q8_0, Q5_0,
 Q5_1, llama.cpp's K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (the types of the Q2_K, Q3_K_M, Q4_K_M, Q5_K_M and Q6_K
 files people download), its non-linear IQ4_NL and IQ4_XS, its grid types IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS,
-IQ2_S and IQ1_S, and MXFP4 (gpt-oss's experts).
+IQ2_S, IQ1_S and IQ1_M, and MXFP4 (gpt-oss's experts).
 
 These are read as the file's blocks (`gguf_blocks`), so a quantized engine serves exactly the weights llama.cpp
 serves; the float path dequantizes the same tensors (`gguf_convert.iter_hf_tensors`). Q/k rows whose rope pairs
 the file interleaves (llama's, Mixtral's, Llama 4's: `gguf_convert.rope_interleaved`) are read in halves order, as
-the layers take them. Other types (F32, F16, BF16, IQ1_M) are not returned: those tensors stay
+the layers take them. Other types (F32, F16, BF16, TQ1_0, TQ2_0) are not returned: those tensors stay
 float.
 
 `stored_matrices` maps the file and reads nothing yet: each `StoredMatrix.read` copies out only the rows and the

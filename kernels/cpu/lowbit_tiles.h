@@ -1,5 +1,5 @@
 // The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), of its
-// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S) and of MXFP4 (gpt-oss's experts), kept
+// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS .. IQ1_M) and of MXFP4 (gpt-oss's experts), kept
 // as the file stores them or, for the IQ2 / IQ3 grids, as each element's value in a 16-entry codebook: the same
 // layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
 // of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
@@ -35,10 +35,13 @@
 //   kCodebookF32 (IQ3_XXS, IQ3_S, IQ2_XXS, H = 0): `scales` [N / 8, K / 32, 8] float32, each group's scale as the
 //           file's blocks make it, and `mins` the kind's codebook, 16 int8 (its grid's magnitudes, then their
 //           negatives): element = scale * codebook[code];
-//   kCodebookHalves (IQ2_XS, IQ2_S, H = 0): `scales` [N / 8, K / 256, 8] float16 d, `mins` [N / 8, K / 32, 16] int8
+//   kCodebookHalves (IQ2_XS, IQ2_S, H = 0): `scales` [N / 8, K / 256, 8] float32 d (float16's values; float32 so
+//           that no K-quant table is taken for one), `mins` [N / 8, K / 32, 16] int8
 //           (each 16-element half's 2s + 1, s its 4-bit scale: 8 features' first halves, then their second), and
 //           the codes of kIQ2Values (8, 25, 43, then their negatives): element = (d (2s + 1) / 8) * value, the
-//           halves' integer dots combined as kSuper6's.
+//           halves' integer dots combined as kSuper6's;
+//   kCodebookHalvesIQ1 (IQ1_M, H = 0): the same with `mins` uint8 (2s + 1, s 3-bit) and the codes of kIQ1Values,
+//           8 (g + delta) for IQ1_M's grid values g (-1, 0, 1) and run deltas (+-1/8).
 //           The codebook kinds' dots are signed: v . xq, where the VNNI instructions take u = v + 128 (unsigned) and
 //           subtract 128 * sum(xq), and AVX2 without them multiplies |xq| by v with xq's signs (exact either way).
 // The float steps are q4's per group: for kTable, kSuper and kE8M0, acc += (u . xq) * (scale * dx) then
@@ -63,7 +66,8 @@ constexpr int64_t kLowBitPlane = kPlaneBytes;  // the nibble plane of one block'
 constexpr int64_t kSuperGroups = 8;            // groups of 32 in a K-quant super-block of 256
 
 enum class LowBitScales {
-  kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper, kCodebookF32, kCodebookHalves
+  kTable, kSuper, kSuper6, kSuper2, kE8M0, kCodebook, kCodebookSuper, kCodebookF32, kCodebookHalves,
+  kCodebookHalvesIQ1
 };
 
 constexpr int64_t kTwoBitPlane = 64;  // a group of Q2_K's 2-bit values, 8 features x 32 elements
@@ -73,9 +77,13 @@ template <int64_t H>
 constexpr int32_t kSuper6Offset = H == 2 ? 32 : 4;
 
 // Whether a kind's values are IQ4's signed codebook entries (no min; scale d, or d * sc per group).
+// Whether a kind's codes scale each half of a group by d (2s + 1) / 8 (IQ2_XS, IQ2_S; IQ1_M).
+constexpr bool codebook_halves(LowBitScales s) {
+  return s == LowBitScales::kCodebookHalves || s == LowBitScales::kCodebookHalvesIQ1;
+}
 constexpr bool is_codebook(LowBitScales s) {
   return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper || s == LowBitScales::kCodebookF32 ||
-         s == LowBitScales::kCodebookHalves;
+         codebook_halves(s);
 }
 // Whether a kind runs on AMX tiles (one float scale and min a group, unsigned values): not Q6_K's halves, and not the
 // codebooks' signed values.
@@ -84,7 +92,7 @@ constexpr bool lowbit_amx(LowBitScales s) {
 }
 // Whether a kind scales each half of a group (16 elements) by its own integer scale: its halves' dots kept apart.
 constexpr bool half_scaled(LowBitScales s) {
-  return s == LowBitScales::kSuper6 || s == LowBitScales::kSuper2 || s == LowBitScales::kCodebookHalves;
+  return s == LowBitScales::kSuper6 || s == LowBitScales::kSuper2 || codebook_halves(s);
 }
 
 // IQ4_NL's (and IQ4_XS's) codebook, and each entry plus 128 (the unsigned form the VNNI dots take).
@@ -97,6 +105,8 @@ constexpr int32_t kIQ4Bias = 128;
 // (their half's scale d (0.5 + s) / 4 = (d / 8) (2s + 1)).
 alignas(16) constexpr int8_t kIQ2Values[16] = {8, 25, 43, 0, 0, 0, 0, 0, -8, -25, -43, 0, 0, 0, 0, 0};
 constexpr float kIQ2Unit = 0.125f;
+// IQ1_M's codebook: a code (g + 1) + 3 (delta < 0) holds 8 (g + delta), its scale's unit d / 8 as IQ2's.
+alignas(16) constexpr int8_t kIQ1Values[16] = {-7, 1, 9, -9, -1, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 // u of each e2m1 code (kE8M0): twice its value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives) plus 12.
 alignas(16) constexpr uint8_t kE2M1Offset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -142,7 +152,7 @@ struct LowBitTables {
   const at::Half* scales;  // kTable: [blocks, groups, 8]; kSuper*: [blocks, groups / 8, 16]
   const at::Half* mins;    // kTable: [blocks, groups, 8], or nullptr for Q5_0's -16 * scale
   const uint8_t* small;    // kSuper*: [blocks, groups, 16]
-  const float* group_scales = nullptr;  // kCodebookF32: [blocks, groups, 8]
+  const float* group_scales = nullptr;  // kCodebookF32: [blocks, groups, 8]; the halves' kinds' d [blocks, supers, 8]
   const int8_t* codebook = nullptr;     // kCodebookF32: its 16 values
 };
 
@@ -152,9 +162,10 @@ struct LowBitTables {
 template <LowBitScales S>
 inline __m128i code_values(const LowBitTables& t) {
   if constexpr (S == LowBitScales::kE8M0) return _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Offset));
-  const void* table = S == LowBitScales::kCodebookF32      ? static_cast<const void*>(t.codebook)
-                      : S == LowBitScales::kCodebookHalves ? static_cast<const void*>(kIQ2Values)
-                                                           : static_cast<const void*>(kIQ4Values);
+  const void* table = S == LowBitScales::kCodebookF32         ? static_cast<const void*>(t.codebook)
+                      : S == LowBitScales::kCodebookHalves    ? static_cast<const void*>(kIQ2Values)
+                      : S == LowBitScales::kCodebookHalvesIQ1 ? static_cast<const void*>(kIQ1Values)
+                                                              : static_cast<const void*>(kIQ4Values);
   const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(table));
 #ifdef LADLE_QUANT_VNNI
   return _mm_xor_si128(v, _mm_set1_epi8(static_cast<char>(0x80)));  // v + 128 as an unsigned byte
@@ -176,12 +187,13 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
   const int32_t* x_half = half == nullptr ? nullptr : half + m0 * groups;
   const int8_t* x = xq.row(m0);
   // float16 values per super-block: d alone (8 features), or d and dmin (16)
-  const int64_t super_width =
-      S == LowBitScales::kCodebookSuper || S == LowBitScales::kCodebookHalves ? kBlock : 2 * kBlock;
+  const int64_t super_width = S == LowBitScales::kCodebookSuper ? kBlock : 2 * kBlock;
   const at::Half* super = S == LowBitScales::kTable || S == LowBitScales::kE8M0 || S == LowBitScales::kCodebook ||
-                                  S == LowBitScales::kCodebookF32
+                                  S == LowBitScales::kCodebookF32 || codebook_halves(S)
                               ? nullptr
                               : t.scales + b * (groups / kSuperGroups) * super_width;
+  // the halves' kinds' float32 d of this block's super-blocks
+  const float* block_d = codebook_halves(S) ? t.group_scales + b * (groups / kSuperGroups) * kBlock : nullptr;
   alignas(32) float out[R][kBlock];
 #ifdef LADLE_QUANT_AVX2
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -251,10 +263,8 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
 #endif
       }
     }
-    if constexpr (S == LowBitScales::kCodebookHalves) {  // as kSuper6's, the halves' scales 2s + 1
-      const at::Half* d_half = super + (g / kSuperGroups) * kBlock;
-      const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_half))),
-                                     _mm256_set1_ps(kIQ2Unit));
+    if constexpr (codebook_halves(S)) {  // as kSuper6's, the halves' scales 2s + 1
+      const __m256 d = _mm256_mul_ps(_mm256_loadu_ps(block_d + (g / kSuperGroups) * kBlock), _mm256_set1_ps(kIQ2Unit));
       const uint8_t* sc = t.small + (b * groups + g) * 16;
       const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
       const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
@@ -390,9 +400,10 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
             first_value = kE2M1Offset[low];
             second_value = kE2M1Offset[high];
           } else if (is_codebook(S)) {
-            const int8_t* values = S == LowBitScales::kCodebookF32      ? t.codebook
-                                   : S == LowBitScales::kCodebookHalves ? kIQ2Values
-                                                                        : kIQ4Values;
+            const int8_t* values = S == LowBitScales::kCodebookF32         ? t.codebook
+                                   : S == LowBitScales::kCodebookHalves    ? kIQ2Values
+                                   : S == LowBitScales::kCodebookHalvesIQ1 ? kIQ1Values
+                                                                           : kIQ4Values;
             first_value = values[low];
             second_value = values[high];
           }
@@ -409,8 +420,8 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         scale = to_float(t.scales[(b * groups + g) * kBlock + j]);
       } else if (S == LowBitScales::kCodebookF32) {
         scale = t.group_scales[(b * groups + g) * kBlock + j];
-      } else if (S == LowBitScales::kCodebookHalves) {
-        scale = to_float(super[(g / kSuperGroups) * kBlock + j]) * kIQ2Unit;
+      } else if (codebook_halves(S)) {
+        scale = block_d[(g / kSuperGroups) * kBlock + j] * kIQ2Unit;
         sc0 = static_cast<int8_t>(t.small[(b * groups + g) * 16 + j]);
         sc1 = static_cast<int8_t>(t.small[(b * groups + g) * 16 + 8 + j]);
       } else if (S == LowBitScales::kCodebookSuper) {
@@ -446,7 +457,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
           const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
           const int32_t dot = (dot0 - kSuper6Offset<H> * t0) * sc0 + (dot1 - kSuper6Offset<H> * t1) * sc1;
           out[r][j] = std::fma(static_cast<float>(dot), row_scale, out[r][j]);
-        } else if (S == LowBitScales::kCodebookHalves) {  // u are the signed values here
+        } else if (codebook_halves(S)) {  // u are the signed values here
           out[r][j] = std::fma(static_cast<float>(dot0 * sc0 + dot1 * sc1), row_scale, out[r][j]);
         } else if (S == LowBitScales::kSuper2) {
           const int32_t t0 = x_half[r * groups + g], t1 = x_totals[r * groups + g] - t0;
@@ -476,6 +487,12 @@ inline __m512 lowbit_halves(const at::Half* a, const at::Half* c) {
   return _mm512_cvtph_ps(_mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), 1));
+}
+
+// 8 floats of each block -> 16 floats.
+inline __m512 lowbit_floats(const float* a, const float* c) {
+  const __m512d first = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(first, _mm256_castps_pd(_mm256_loadu_ps(c)), 1));
 }
 
 // 8 bytes of each block -> one 128-bit lane.
@@ -549,10 +566,9 @@ inline void lowbit_pair_scales(const LowBitTables& t, int64_t b, int64_t g, int6
     const int64_t at0 = (b * groups + g) * kBlock;
     scale = lowbit_halves(t.scales + at0, t.scales + at0 + groups * kBlock);
     min = _mm512_setzero_ps();
-  } else if constexpr (S == LowBitScales::kCodebookF32) {  // 8 floats of each block
+  } else if constexpr (S == LowBitScales::kCodebookF32) {
     const float* s0 = t.group_scales + (b * groups + g) * kBlock;
-    const __m512d first = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(s0)));
-    scale = _mm512_castpd_ps(_mm512_insertf64x4(first, _mm256_castps_pd(_mm256_loadu_ps(s0 + groups * kBlock)), 1));
+    scale = lowbit_floats(s0, s0 + groups * kBlock);
     min = _mm512_setzero_ps();
   } else if constexpr (S == LowBitScales::kCodebookSuper) {
     const int64_t supers = groups / kSuperGroups;
@@ -631,9 +647,9 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
         other = _mm512_dpbusd_epi32(other, high, _mm512_set1_epi32(x_high));
       }
     });
-    if constexpr (S == LowBitScales::kCodebookHalves) {  // the blocks' d / 8 and the halves' 2s + 1
-      const at::Half* d0 = t.scales + (b * supers + g / kSuperGroups) * kBlock;
-      const __m512 d = _mm512_mul_ps(lowbit_halves(d0, d0 + supers * kBlock), _mm512_set1_ps(kIQ2Unit));
+    if constexpr (codebook_halves(S)) {  // the blocks' d / 8 and the halves' 2s + 1
+      const float* d0 = t.group_scales + (b * supers + g / kSuperGroups) * kBlock;
+      const __m512 d = _mm512_mul_ps(lowbit_floats(d0, d0 + supers * kBlock), _mm512_set1_ps(kIQ2Unit));
       const uint8_t* small0 = t.small + (b * groups + g) * 16;
       const uint8_t* small1 = small0 + groups * 16;
       const __m512i sc0 = _mm512_cvtepi8_epi32(lowbit_bytes16(small0, small1));

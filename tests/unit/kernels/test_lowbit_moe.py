@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kerne
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_1"), ("mxfp4", "mxfp4"), ("iq4_xs", "iq4_nl"),
      ("q3_k", "q3_k"), ("q2_k", "q2_k"), ("iq3_xxs", "iq3_s"), ("iq2_xxs", "q2_k"),
-     ("iq2_s", "iq2_xs"), ("iq1_s", "iq2_s")],
+     ("iq2_s", "iq2_xs"), ("iq1_s", "iq2_s"), ("iq1_m", "iq1_m")],
 )
 def test_each_experts_product_is_the_dense_layers_bit_for_bit(gate_up: str, down: str) -> None:
     """A token sent to one expert with weight 1 gets down(silu_and_mul(gate_up(x))) of `QuantizedLinear`s on that
@@ -66,7 +66,7 @@ def crowded_routing(tokens: int, experts: int, gen: torch.Generator) -> tuple[to
     ("gate_up", "down"),
     [("q4_k", "q6_k"), ("q5_k", "q5_0"), ("q5_1", "q4_k"), ("q6_k", "q5_k"), ("mxfp4", "mxfp4"), ("iq4_nl", "iq4_xs"),
      ("q3_k", "q5_k"), ("q2_k", "q3_k"), ("iq2_xxs", "iq3_xxs"), ("iq3_s", "q4_k"),
-     ("iq2_xs", "iq2_s")],
+     ("iq2_xs", "iq2_s"), ("iq1_m", "iq2_xs")],
 )
 def test_a_tokens_result_does_not_depend_on_its_batch(gate_up: str, down: str) -> None:
     gen = torch.Generator().manual_seed(23)
@@ -121,6 +121,12 @@ def test_malformed_lowbit_banks_are_refused() -> None:
     with pytest.raises(RuntimeError, match="w2's MXFP4 exponents must be"):
         torch.ops.ladle_cpu.moe_packed(torch.randn(2, 96), chosen, weights, *fp4[:4], fp4[4][..., :4].contiguous(),
                                        fp4[5], 64)  # fmt: skip
+    iq2 = QuantizedExperts(random_bank(3, 256, 256, "iq2_xs", "iq2_xs", gen))
+    grid = [iq2.w13, iq2.w13_scales, iq2.w13_mins, iq2.w2, iq2.w2_scales, iq2.w2_mins]
+    with pytest.raises(RuntimeError, match=r"w13's IQ2_XS / IQ2_S / IQ1_M tables must be"):
+        run(grid[0], grid[1], grid[2][..., :8].contiguous(), *grid[3:])
+    with pytest.raises(RuntimeError, match=r"w13's K-quant scales must be"):  # d in float16: not read as IQ2's
+        run(grid[0], grid[1].half(), *grid[2:])
     iq4 = QuantizedExperts(random_bank(3, 256, 256, "iq4_xs", "iq4_xs", gen))
     four = [iq4.w13, iq4.w13_scales, iq4.w13_mins, iq4.w2, iq4.w2_scales, iq4.w2_mins]
     with pytest.raises(RuntimeError, match="w13's IQ4 tables must be"):

@@ -109,6 +109,7 @@ CASES = [
     (9, 4, 2, 256, 256, "iq2_xxs", "q2_k"),  # IQ2_XXS files
     (13, 4, 2, 256, 256, "iq2_s", "iq2_xs"),  # IQ2_M / IQ2_XS files
     (11, 4, 2, 256, 256, "iq1_s", "iq2_xxs"),  # IQ1_S files
+    (10, 4, 2, 256, 256, "iq1_m", "iq2_s"),  # IQ1_M files
 ]
 
 
