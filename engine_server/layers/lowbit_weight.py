@@ -1,5 +1,6 @@
 """GGUF's 5-bit groups (Q5_0, Q5_1), llama.cpp's K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), its non-linear IQ4_NL and
-IQ4_XS, its grid types IQ3_XXS, IQ3_S and IQ2_XXS, and MXFP4, as the CPU kernels serve them.
+IQ4_XS, its grid types (IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M), and MXFP4, as the CPU kernels serve
+them.
 
 A `LowBitWeight` holds what a file's blocks say, element by element: each value `u` (unsigned, 0..31 or 0..63) and
 the scales that make it a weight, in the forms the blocks store them, so `dequantize` gives the gguf package's
