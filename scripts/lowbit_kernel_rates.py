@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1)
     decode, prefill = torch.randn(1, k, generator=gen), torch.randn(PREFILL_ROWS, k, generator=gen)
     times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in packed}
-    for kind, tensors in packed.items():  # warm each kind once
+    for tensors in packed.values():  # warm each kind once
         _seconds(tensors, decode, n, 3)
     for _ in range(args.rounds):
         for kind, tensors in packed.items():
