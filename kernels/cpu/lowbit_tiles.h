@@ -1,6 +1,6 @@
 // The tiles of the CPU's 5- and 6-bit GGUF products, of llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), of its
-// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS .. IQ1_M) and of MXFP4 (gpt-oss's experts), kept
-// as the file stores them or, for the IQ2 / IQ3 grids, as each element's value in a 16-entry codebook: the same
+// non-linear types (IQ4_NL, IQ4_XS; IQ3_XXS .. IQ1_M) and of MXFP4 (gpt-oss's experts), kept as the file stores
+// them or, for the IQ3 / IQ2 / IQ1 grids, as each element's code in a 16-entry codebook: the same
 // layout of 8 output features per packed block as the 4-bit kernels (quant_tiles.h), x quantized to 8 bits per group
 // of 32 the same way (`quantize_rows`), and per group of 32 a nibble plane (as q4's) with, for 5 and 6 bits, a plane
 // of the values' high bits after it.
@@ -36,9 +36,8 @@
 //           file's blocks make it, and `mins` the kind's codebook, 16 int8 (its grid's magnitudes, then their
 //           negatives): element = scale * codebook[code];
 //   kCodebookHalves (IQ2_XS, IQ2_S, H = 0): `scales` [N / 8, K / 256, 8] float32 d (float16's values; float32 so
-//           that no K-quant table is taken for one), `mins` [N / 8, K / 32, 16] int8
-//           (each 16-element half's 2s + 1, s its 4-bit scale: 8 features' first halves, then their second), and
-//           the codes of kIQ2Values (8, 25, 43, then their negatives): element = (d (2s + 1) / 8) * value, the
+//           that no K-quant table is taken for one), `mins` [N / 8, K / 32, 16] int8 (each 16-element half's
+//           2s + 1, s its 4-bit scale: 8 features' first halves, then their second), and the codes of kIQ2Values (8, 25, 43, then their negatives): element = (d (2s + 1) / 8) * value, the
 //           halves' integer dots combined as kSuper6's;
 //   kCodebookHalvesIQ1 (IQ1_M, H = 0): the same with `mins` uint8 (2s + 1, s 3-bit) and the codes of kIQ1Values,
 //           8 (g + delta) for IQ1_M's grid values g (-1, 0, 1) and run deltas (+-1/8).
@@ -76,11 +75,11 @@ constexpr int64_t kTwoBitPlane = 64;  // a group of Q2_K's 2-bit values, 8 featu
 template <int64_t H>
 constexpr int32_t kSuper6Offset = H == 2 ? 32 : 4;
 
-// Whether a kind's values are IQ4's signed codebook entries (no min; scale d, or d * sc per group).
 // Whether a kind's codes scale each half of a group by d (2s + 1) / 8 (IQ2_XS, IQ2_S; IQ1_M).
 constexpr bool codebook_halves(LowBitScales s) {
   return s == LowBitScales::kCodebookHalves || s == LowBitScales::kCodebookHalvesIQ1;
 }
+// Whether a kind's values are a codebook's signed entries (no min; a scale per group or half).
 constexpr bool is_codebook(LowBitScales s) {
   return s == LowBitScales::kCodebook || s == LowBitScales::kCodebookSuper || s == LowBitScales::kCodebookF32 ||
          codebook_halves(s);
@@ -95,11 +94,9 @@ constexpr bool half_scaled(LowBitScales s) {
   return s == LowBitScales::kSuper6 || s == LowBitScales::kSuper2 || codebook_halves(s);
 }
 
-// IQ4_NL's (and IQ4_XS's) codebook, and each entry plus 128 (the unsigned form the VNNI dots take).
+// IQ4_NL's (and IQ4_XS's) codebook; the VNNI dots take each codebook's entries plus kIQ4Bias (`code_values`).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
-alignas(16) constexpr uint8_t kIQ4Offset[16] = {1,   24,  45,  63,  79,  93,  106, 118,
-                                                129, 141, 153, 166, 181, 197, 217, 241};
 constexpr int32_t kIQ4Bias = 128;
 // IQ2_XS's and IQ2_S's codebook: their grids' magnitudes, then the same negative; and the unit of their scales, d / 8
 // (their half's scale d (0.5 + s) / 4 = (d / 8) (2s + 1)).

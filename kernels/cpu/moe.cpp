@@ -65,7 +65,7 @@ struct Bank {
   int64_t high_bits;
   LowBitScales lowbit;
   int64_t packed_stride, scales_stride, mins_stride;
-  const float* group_scales = nullptr;  // kCodebookF32's float32 scales, scales_stride apart
+  const float* group_scales = nullptr;  // kCodebookF32's group scales or the halves' kinds' d, scales_stride apart
   const int8_t* codebook = nullptr;     // kCodebookF32's 16 values, mins_stride apart
 
   PackedBlocks expert(int64_t e) const {
