@@ -733,7 +733,8 @@ void unpack_lowbit_pair(const uint8_t* block0, const uint8_t* block1, const LowB
                         int64_t groups, UnpackedPair& out) {
   static_assert(lowbit_amx(S), "Q6_K's halves take two scales a group, the codebooks signed values: not AMX's");
   const int64_t bytes = lowbit_group_bytes(H);
-  const __m512i codes = _mm512_broadcast_i32x4(code_values<S>(t));  // kE8M0's  for (int64_t g = 0; g < groups; ++g) {
+  const __m512i codes = _mm512_broadcast_i32x4(code_values<S>(t));  // kE8M0's
+  for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w0 = block0 + g * bytes;
     const uint8_t* w1 = block1 + g * bytes;
     int8_t* rows = out.weights + g * kAmxGroupBytes;

@@ -77,3 +77,24 @@ def test_portable_and_avx2_loops_match_the_reference(arch: str, tmp_path: Path) 
         cwd=SOURCE.parents[2],
     )
     assert child.returncode == 0 and "portable ok" in child.stdout, child.stderr[-3000:]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("g++") is None, reason="needs g++ on x86-64")
+@pytest.mark.parametrize("source", ["quant_matmul.cpp", "moe.cpp"])
+def test_the_amx_tiles_compile(source: str) -> None:
+    """The AMX paths (avx512_tiles.h, lowbit_tiles.h's `unpack_lowbit_pair`) are built only for CPUs with AMX (Intel
+    Sapphire Rapids and later), which the machine running the tests may lack: the sources that hold them compile for
+    one (syntax only: nothing built here could run)."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    flags = ["-std=c++17", "-fsyntax-only", "-march=sapphirerapids", "-fopenmp", *includes]
+    compiler = subprocess.run(
+        ["g++", *flags, str(SOURCE.parent / source)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert compiler.returncode == 0, compiler.stderr[-3000:]
