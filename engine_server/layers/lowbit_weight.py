@@ -344,19 +344,17 @@ def _nibble_codes(qs: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _grid_codes(kind: str) -> torch.Tensor:
-    """A grid kind's grid as codes: `[entries, 4 or 8]` uint8, each value's index in `GRID_VALUES[kind]` (the gguf
-    package's grids, llama.cpp's)."""
+    """A grid kind's grid as codes: `[entries, 4 or 8]` uint8, each value's index in the kind's magnitudes (the gguf
+    package's grids and `grid_map`s, llama.cpp's grids)."""
     from gguf import quants
 
-    grids = {"iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S, "iq2_xxs": quants.IQ2_XXS, "iq2_xs": quants.IQ2_XS,
-             "iq2_s": quants.IQ2_S, "iq1_s": quants.IQ1_S, "iq1_m": quants.IQ1_M}  # fmt: skip
-    grids[kind].init_grid()
-    grid = grids[kind].grid
+    quant = getattr(quants, kind.upper())
+    quant.init_grid()
+    grid = quant.grid
     assert grid is not None
     values = torch.from_numpy(grid.reshape(grid.shape[-2], grid.shape[-1]).copy())
-    # IQ2_XS's and IQ2_S's magnitudes are IQ2_XXS's; IQ1_S's values -1, 0, 1 (its index g + 1)
-    magnitudes = (-1, 0, 1) if kind in ("iq1_s", "iq1_m") else GRID_VALUES.get(kind, GRID_VALUES["iq2_xxs"])
-    return (values.unsqueeze(-1) == torch.tensor(magnitudes, dtype=torch.float32)).int().argmax(-1).byte()
+    magnitudes = torch.tensor(quant.grid_map, dtype=torch.float32)  # IQ1's -1, 0, 1: its index is g + 1
+    return (values.unsqueeze(-1) == magnitudes).int().argmax(-1).byte()
 
 
 @functools.cache
@@ -384,15 +382,6 @@ def _decode_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Te
     s the nibble i of scales (low first), scale d * (1 + 2 * s). Element = scale * magnitude * sign, gguf's order."""
     rows, count = blocks.shape[0], blocks.shape[1]
     grid, d = _grid_codes(kind), half(0).float().unsqueeze(-1)  # d: [N, blocks, 1]
-    if kind == "iq1_s":  # `d, qs[32], qh[8] (uint16)`: see `decode_blocks`
-        qh = blocks[..., 34:50].reshape(rows, count, 8, 2).long()
-        qh = qh[..., 0] | (qh[..., 1] << 8)  # [N, blocks, 8]
-        high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7  # each run's index bits 8..10
-        runs = grid[blocks[..., 2:34].long() | (high.reshape(rows, count, 32) << 8)]  # [N, blocks, 32, 8]
-        negative = (qh >> 15).to(torch.uint8)  # the group's delta -1/8
-        codes = runs.reshape(rows, count, 8, 32) + 3 * negative.unsqueeze(-1)
-        scale = d * (2 * ((qh >> 12) & 7) + 1).float() * 0.125  # gguf's d (2s + 1), over 8 (exact)
-        return LowBitWeight(kind, codes.reshape(rows, -1), scale.reshape(rows, -1, 1).contiguous())
 
     def words(part: torch.Tensor) -> torch.Tensor:  # little-endian uint32s as int64
         return (part.reshape(*part.shape[:-1], -1, 4).long() << torch.tensor([0, 8, 16, 24])).sum(-1)
@@ -420,7 +409,22 @@ def _decode_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], torch.Te
     return LowBitWeight(kind, codes, scale.reshape(rows, -1, 1).contiguous())
 
 
-def _decode_iq1_m(blocks: torch.Tensor, grid: torch.Tensor) -> LowBitWeight:
+def _decode_iq1_s(blocks: torch.Tensor, half: Callable[[int], torch.Tensor]) -> LowBitWeight:
+    """IQ1_S `d, qs[32], qh[8] (uint16)`: group i's run j of 8 is grid entry qs[4i + j] | bits 3j .. 3j + 2 of qh[i]
+    << 8, its scale s bits 12..14 of qh[i], its delta's sign bit 15; scale d (2s + 1) / 8, gguf's d (2s + 1) over 8
+    (exact), for the codebook's 8 (g + delta)."""
+    rows, count = blocks.shape[0], blocks.shape[1]
+    qh = blocks[..., 34:50].reshape(rows, count, 8, 2).long()
+    qh = qh[..., 0] | (qh[..., 1] << 8)  # [N, blocks, 8]
+    high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7  # each run's index bits 8..10
+    runs = _grid_codes("iq1_s")[blocks[..., 2:34].long() | (high.reshape(rows, count, 32) << 8)]  # [N, blocks, 32, 8]
+    negative = (qh >> 15).to(torch.uint8)  # the group's delta -1/8
+    codes = runs.reshape(rows, count, 8, 32) + 3 * negative.unsqueeze(-1)
+    scale = half(0).float().unsqueeze(-1) * (2 * ((qh >> 12) & 7) + 1).float() * 0.125
+    return LowBitWeight("iq1_s", codes.reshape(rows, -1), scale.reshape(rows, -1, 1).contiguous())
+
+
+def _decode_iq1_m(blocks: torch.Tensor) -> LowBitWeight:
     """IQ1_M `qs[32], qh[16], scales[4] (uint16)`: run j of 8 is IQ1_S's grid entry qs[j] | (nibble j of qh, low
     first) & 7 << 8, its delta's sign that nibble's bit 3; the 16 3-bit scales of the halves are bits 3i .. 3i + 2 of
     each scales word (i < 4); d's float16 bits are the words' top nibbles, word k's at bits 4k."""
@@ -432,7 +436,7 @@ def _decode_iq1_m(blocks: torch.Tensor, grid: torch.Tensor) -> LowBitWeight:
     scales = ((words.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9])) & 7).reshape(rows, -1, 2).to(torch.uint8)
     nibbles = (blocks[..., 32:48].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0x0F
     nibbles = nibbles.reshape(rows, count, 32)
-    runs = grid[blocks[..., 0:32].long() | ((nibbles & 7).long() << 8)]  # [N, blocks, 32, 8]
+    runs = _grid_codes("iq1_m")[blocks[..., 0:32].long() | ((nibbles & 7).long() << 8)]  # [N, blocks, 32, 8]
     codes = runs + 3 * (nibbles >> 3).unsqueeze(-1)
     return LowBitWeight("iq1_m", codes.reshape(rows, -1), scales, d.contiguous())
 
@@ -444,8 +448,6 @@ def _decode_half_grid(blocks: torch.Tensor, kind: str, half: Callable[[int], tor
     scales, low first."""
     rows, count = blocks.shape[0], blocks.shape[1]
     grid = _grid_codes(kind)
-    if kind == "iq1_m":
-        return _decode_iq1_m(blocks, grid)
     if kind == "iq2_xs":
         words = blocks[..., 2:66].reshape(rows, count, 32, 2).long()
         words = words[..., 0] | (words[..., 1] << 8)
@@ -474,9 +476,8 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
     4h + j of hmask[l]; sixteen 6-bit scales of 16 elements: their low 4 bits the nibbles of scales[0..7], low ones
     first, their high 2 bits 2k .. 2k + 1 of scales[8..11], less 32); Q2_K `scales[16], qs[64], d, dmin` (element
     128h + 32j + l: bits 2j .. 2j + 1 of qs[32h + l]; scales[s] the sc (low nibble) and m (high) of elements 16s ..
-    16s + 15); the grid kinds as `_decode_grid` and `_decode_half_grid` read them (IQ1_S `d, qs[32], qh[8]`
-    (uint16): group i's run j of 8 is grid entry qs[4i + j] | bits 3j .. 3j + 2 of qh[i] << 8, its scale s bits
-    12..14, its delta's sign bit 15); IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
+    16s + 15); the grid kinds as `_decode_grid`, `_decode_half_grid`, `_decode_iq1_s` and `_decode_iq1_m` read
+    them; IQ4_NL `d, qs[16]` (as Q4_0's); IQ4_XS `d,
     scales_h (uint16), scales_l[4], qs[128]` (qs by 16 bytes a group of 32, as IQ4_NL's; group i's scale: nibble i
     of scales_l, low first, with bits 2i .. 2i + 1 of scales_h over it, less 32)."""
     rows = blocks.shape[0]
@@ -519,6 +520,10 @@ def decode_blocks(blocks: torch.Tensor, kind: str) -> LowBitWeight:
             low = low | (((qh.unsqueeze(-2) >> torch.arange(8).view(8, 1)) & 1).reshape(rows, -1, 256) << 4)
         groups = torch.stack([sc, m], -1).to(torch.uint8).reshape(rows, -1, 2)
         return LowBitWeight(kind, low.to(torch.uint8).reshape(rows, -1), groups, torch.stack([d, dmin], -1))
+    if kind == "iq1_s":
+        return _decode_iq1_s(blocks, half)
+    if kind == "iq1_m":
+        return _decode_iq1_m(blocks)
     if kind in GRID_KINDS:
         return _decode_grid(blocks, kind, half)
     if kind in HALF_GRID_KINDS:

@@ -197,6 +197,7 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
 #ifndef LADLE_QUANT_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
+  [[maybe_unused]] const __m256i codes = _mm256_broadcastsi128_si256(code_values<S>(t));  // the looked-up kinds'
   __m256 acc[R];
 #pragma GCC unroll 8
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -222,7 +223,6 @@ void lowbit_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, const
         high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
       }
       if constexpr (S == LowBitScales::kE8M0 || is_codebook(S)) {
-        const __m256i codes = _mm256_broadcastsi128_si256(code_values<S>(t));
         low = _mm256_shuffle_epi8(codes, low);
         high = _mm256_shuffle_epi8(codes, high);
       } else if constexpr (H == 1) {
@@ -610,7 +610,7 @@ void lowbit_pair_tile(const QuantizedRows& xq, const int32_t* half, int64_t m0, 
                       const uint8_t* block1, const LowBitTables& t, int64_t b, float* y, int64_t y_stride,
                       int64_t cols0, int64_t cols1) {
   const int64_t k = xq.k, groups = k / kGroup, bytes = group_bytes<H, S>(), supers = groups / kSuperGroups;
-  const __m512i codes = _mm512_broadcast_i32x4(code_values<S>(t));  // the kinds that look their values up
+  [[maybe_unused]] const __m512i codes = _mm512_broadcast_i32x4(code_values<S>(t));  // the looked-up kinds'
   const float* x_scales = xq.scales + m0 * groups;
   const float* x_sums = xq.sums + m0 * groups;
   const int32_t* x_totals = xq.totals + m0 * groups;
