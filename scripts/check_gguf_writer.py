@@ -9,6 +9,9 @@ it (rows permuted, value heads grouped where llama.cpp tiles them) gives other t
 prompts are longer than Phi-3's test model's original context (PROMPTS), where llama.cpp and transformers pick
 LongRoPE's factors alike.
 
+With `--fuse-gate-up-exps` the files of the families with experts hold each layer's gate and up banks as one
+tensor, as llama.cpp's converter writes them when given that option.
+
     .venv/bin/python scripts/check_gguf_writer.py --out benchmarks/results/gguf_writer_llama_cpp.jsonl
 """
 
@@ -46,15 +49,17 @@ def families() -> dict[str, dict[str, Any]]:
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}}
 
 
-def check(family: str, overrides: dict[str, Any], root: Path) -> dict[str, Any]:
-    """llama.cpp's and transformers' greedy tokens for PROMPTS on one family's file and checkpoint."""
+def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps: bool = False) -> dict[str, Any]:
+    """llama.cpp's and transformers' greedy tokens for PROMPTS on one family's file and checkpoint (its gate and up
+    banks of experts fused: `fuse_gate_up_exps`)."""
     import llama_cpp
     import torch
     import transformers
     from gguf import GGMLQuantizationType
 
     folder = save_family(root / "hf", family, head_spread=0.5, **overrides)
-    gguf = write_gguf(folder, root / "model.gguf", GGMLQuantizationType.F32, GGMLQuantizationType.F32)
+    f32 = GGMLQuantizationType.F32
+    gguf = write_gguf(folder, root / "model.gguf", f32, f32, fuse_gate_up_exps=fuse_gate_up_exps)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
@@ -77,7 +82,8 @@ def check(family: str, overrides: dict[str, Any], root: Path) -> dict[str, Any]:
                 logits = model(torch.tensor([ids + theirs[:prefix].tolist()])).logits[0, -1]
             gaps.append(round(float(logits[theirs[prefix]] - logits[ours[prefix]]), 5))
     llama.close()
-    return {"family": family, "overrides": overrides, "prompts": len(PROMPTS), "equal": equal,
+    return {"family": family, "overrides": overrides, "fuse_gate_up_exps": fuse_gate_up_exps,
+            "prompts": len(PROMPTS), "equal": equal,
             "common_prefix": prefixes, "logit_gap_where_they_part": gaps,
             "llama_cpp_python": llama_cpp.__version__, "transformers": transformers.__version__}  # fmt: skip
 
@@ -86,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", action="append", help="only these families (default: all)")
     parser.add_argument("--out", type=Path, help="append each family's result to this .jsonl")
+    parser.add_argument(
+        "--fuse-gate-up-exps", action="store_true", help="each layer's gate and up experts in one tensor"
+    )
     args = parser.parse_args(argv)
     chosen = {name: o for name, o in families().items() if not args.family or name in args.family}
     failed = 0
     for family, overrides in chosen.items():
         with tempfile.TemporaryDirectory() as folder:
-            result = check(family, overrides, Path(folder))
+            result = check(family, overrides, Path(folder), args.fuse_gate_up_exps)
         result = {"benchmark": "gguf_writer", "time": utc_timestamp(), "commit": git_commit(),
                   "command": " ".join(["scripts/check_gguf_writer.py", *(argv or sys.argv[1:])]), **result}  # fmt: skip
         append_result(args.out, result)

@@ -442,7 +442,8 @@ _RANDOM_BLOCK_KINDS = {  # GGMLQuantizationType values
 
 
 def write_gguf(
-    folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None, types: dict[str, Any] | None = None
+    folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None,
+    types: dict[str, Any] | None = None, fuse_gate_up_exps: bool = False,
 ) -> Path:
     """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Llama 4, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or
     Qwen3-Next as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
@@ -460,7 +461,9 @@ def write_gguf(
     projections and experts' banks in `feed_forward`'s type (the layers before its sharing ones must end on a
     full-attention one, as llama.cpp assumes). Llama 4's q/k rows stay as its checkpoint's, its banks of experts split
     into gate, up and down, llama3 rope scaling written as its `rope_freqs` divisors; what llama.cpp fixes for it
-    (NoPE every 4th layer, chunks of 8,192, the temperature's floor 8,192 and scale 0.1) must be the model's."""
+    (NoPE every 4th layer, chunks of 8,192, the temperature's floor 8,192 and scale 0.1) must be the model's.
+    `fuse_gate_up_exps`: each layer's gate and up banks written as one, as llama.cpp's converter does with
+    `--fuse-gate-up-exps` (`_fused_gate_up_exps`)."""
     import json
 
     from gguf import GGUFWriter
@@ -484,8 +487,25 @@ def write_gguf(
     if arch == "gpt-oss":  # llama.cpp fixes the experts' SwiGLU; the file names o200k's split
         assert (config["swiglu_alpha"], config["swiglu_limit"]) == (1.702, 7.0), config
         writer.add_tokenizer_pre("gpt-4o")
-    _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types)
+    _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types, fuse_gate_up_exps)
     return path
+
+
+def _fused_gate_up_exps(tensors: dict[str, tuple[np.ndarray, Any]]) -> dict[str, tuple[np.ndarray, Any]]:
+    """`tensors` (by GGUF name: array and type) with each layer's `ffn_gate_exps` and `ffn_up_exps` (weights, and
+    gpt-oss's biases) joined into one `ffn_gate_up_exps`, as llama.cpp's converter writes them with
+    `--fuse-gate-up-exps`: `[experts, 2 * width, ...]`, each expert's gate rows before its up rows, in their type."""
+    fused: dict[str, tuple[np.ndarray, Any]] = {}
+    for name, (array, kind) in tensors.items():
+        if ".ffn_up_exps." in name:
+            continue
+        if ".ffn_gate_exps." not in name:
+            fused[name] = (array, kind)
+            continue
+        up, up_kind = tensors[name.replace(".ffn_gate_exps.", ".ffn_up_exps.")]
+        assert up_kind == kind, (name, kind, up_kind)
+        fused[name.replace(".ffn_gate_exps.", ".ffn_gate_up_exps.")] = (np.concatenate([array, up], axis=1), kind)
+    return fused
 
 
 def _gpt_oss_tensors(layer: str, param: str, array: np.ndarray, feed_forward: Any) -> dict[str, tuple[np.ndarray, Any]]:
@@ -589,7 +609,7 @@ def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
 
 def _write_tensors(
     writer: Any, folder: Path, config: dict[str, Any], arch: str, feed_forward: Any, attention: Any, output: Any,
-    types: dict[str, Any] | None,
+    types: dict[str, Any] | None, fuse_gate_up_exps: bool = False,
 ) -> None:
     """`folder`'s checkpoint tensors under llama.cpp's names and in the types `write_gguf` says; writes the file."""
     from gguf import GGMLQuantizationType
@@ -666,6 +686,8 @@ def _write_tensors(
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)
+    if fuse_gate_up_exps:
+        tensors = _fused_gate_up_exps(tensors)
     for index, (gguf_name, (array, kind_type)) in enumerate(tensors.items()):
         if kind_type is None or kind_type == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))

@@ -128,7 +128,7 @@ _LLAMA4_LAYER_NAMES = {
     "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
 }
 # gpt-oss: the norm before its MLP is `post_attention_norm`, its router `mlp.router` (with a bias), its attention
-# sinks a bare parameter (`_BARE_LAYER_NAMES`); its experts have biases too (`hf_expert_names`).
+# sinks a bare parameter (`_BARE_LAYER_NAMES`); its experts have biases too (`hf_expert_slices`).
 _GPT_OSS_LAYER_NAMES = {
     **{kind: name for kind, name in _LAYER_NAMES.items() if not kind.startswith("ffn_")},
     "post_attention_norm": "post_attention_layernorm",
@@ -154,8 +154,13 @@ _ARCHITECTURE_LAYER_NAMES = {
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
 # checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`). Llama 4's come so
-# too, as ladle loads them; its checkpoints hold each layer's as two banks (`transformers_banks`).
-_EXPERT_BANKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+# too, as ladle loads them; its checkpoints hold each layer's as two banks (`transformers_banks`). llama.cpp's
+# converter run with `--fuse-gate-up-exps` writes a layer's gate and up banks as one, `ffn_gate_up_exps`
+# `[experts, 2 * width, columns]`: each expert's gate rows, then its up rows (gpt-oss's bias `[experts, 2 * width]`
+# likewise), for any architecture with experts. Each tensor's projections, in the order its rows hold them:
+_EXPERT_BANKS = {
+    "ffn_gate_exps": ("gate",), "ffn_up_exps": ("up",), "ffn_down_exps": ("down",), "ffn_gate_up_exps": ("gate", "up"),
+}  # fmt: skip
 _PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
@@ -200,19 +205,43 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     return f"model.layers.{layer}.{names[kind]}.{param}"
 
 
-def hf_expert_names(gguf_name: str, num_experts: int, architecture: str) -> list[str] | None:
-    """The HF parameter name of each expert's slice of a GGUF expert tensor (`blk.N.ffn_gate_exps.weight`, ...;
-    gpt-oss's `.bias` too, `[experts, rows]`) of a file of `architecture` (as `hf_tensor_name`), in expert order;
-    None when `gguf_name` is not one."""
+@dataclass(frozen=True)
+class ExpertSlice:
+    """One expert's projection in a GGUF expert tensor: HF parameter `name`, held by rows `rows` of the tensor's
+    expert `expert` (all of them, or a half of a fused gate/up bank's)."""
+
+    name: str
+    expert: int
+    rows: slice
+
+    def of(self, data: np.ndarray) -> np.ndarray:
+        """This projection's part of `data`, the tensor's array or its blocks' bytes (`[experts, rows, ...]`): a
+        view."""
+        return data[self.expert, self.rows]
+
+
+def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) -> list[ExpertSlice] | None:
+    """Each expert's projections in a GGUF expert tensor (`blk.N.ffn_gate_exps.weight`, a fused
+    `ffn_gate_up_exps`, ...; gpt-oss's `.bias` too, `[experts, rows]`) of `shape` (`[experts, rows, ...]`) in a file
+    of `architecture` (as `hf_tensor_name`), by expert and then by row; None when `gguf_name` is not one. ValueError
+    for a fused bank whose rows do not split in halves."""
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _EXPERT_BANKS:
         return None
     if architecture == "gemma4_text" or (match.group(3) == "bias" and architecture != "gpt_oss"):
         return None  # Gemma 4's banks load whole (`_GEMMA4_BARE`), as transformers holds them
     pattern, projections = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
-    proj = projections[_EXPERT_BANKS[match.group(2)]]
+    parts = _EXPERT_BANKS[match.group(2)]
+    width, rest = divmod(int(shape[1]), len(parts))
+    if rest:
+        raise ValueError(f"GGUF tensor {gguf_name!r}: {shape[1]} rows do not split into gate and up halves")
     layer, param = match.group(1), match.group(3)
-    return [f"model.layers.{layer}.{pattern.format(expert=e, proj=proj)}.{param}" for e in range(num_experts)]
+    return [
+        ExpertSlice(f"model.layers.{layer}.{pattern.format(expert=e, proj=projections[part])}.{param}", e,
+                    slice(i * width, (i + 1) * width))
+        for e in range(int(shape[0]))
+        for i, part in enumerate(parts)
+    ]  # fmt: skip
 
 
 def rope_permuted(architecture: str) -> bool:
@@ -340,13 +369,16 @@ def iter_hf_tensors(
     for tensor in tensors:
         if tensor.name in _CONSUMED:
             continue
-        experts = hf_expert_names(tensor.name, int(tensor.data.shape[0]), model_type)
+        try:
+            experts = hf_expert_slices(tensor.name, tensor.data.shape, model_type)
+        except ValueError as exc:
+            raise ValueError(f"model {spec!r}: {exc}") from exc
         name = hf_tensor_name(tensor.name, model_type)
         if name is None and experts is None:
             raise ValueError(f"model {spec!r}: unexpected GGUF tensor {tensor.name!r}")
         if experts is not None:
-            for index, expert_name in enumerate(experts):
-                yield expert_name, _hf_weight(tensor, spec, expert_name, lambda array: array, lazy, index)
+            for part in experts:
+                yield part.name, _hf_weight(tensor, spec, part.name, lambda array: array, lazy, part.of(tensor.data))
             continue
         assert name is not None
         restore = _restore(name, config)
@@ -396,11 +428,11 @@ def _taken(
 
 def _hf_weight(
     tensor: GgufTensor, spec: str, name: str, restore: Callable[[np.ndarray], np.ndarray], lazy: bool,
-    expert: int | None = None,
+    data: np.ndarray | None = None,
 ) -> torch.Tensor | LazyTensor:
-    """`tensor` (or its expert `expert`'s slice), HF tensor `name`, dequantized and restored, now or (`lazy`) when
-    read."""
-    data = tensor.data if expert is None else tensor.data[expert]
+    """`tensor` (or `data`, a part of its array: an expert's projection), HF tensor `name`, dequantized and
+    restored, now or (`lazy`) when read."""
+    data = tensor.data if data is None else data
 
     def read() -> torch.Tensor:
         return _float32(restore(_dequantized(tensor, spec, data)))

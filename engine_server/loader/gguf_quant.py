@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType
 from engine_server.layers.quantized_linear import QuantizedWeight, quantize_q8
 from engine_server.loader.gguf_blocks import BLOCKS, parse_blocks
 from engine_server.loader.gguf_convert import (
-    hf_expert_names,
+    hf_expert_slices,
     hf_tensor_name,
     indexed_tensors,
     rope_interleaved,
@@ -88,18 +88,19 @@ def stored_matrices(
 ) -> dict[str, StoredMatrix]:
     """Every 2-D tensor of `gguf_path` in a type served quantized (module docstring) by HF parameter name (e.g.
     `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), and each expert's matrix of a mixture of
-    experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`; so a whole bank's
-    too, Gemma 4's fused `gate_up_proj` split in its halves), mapped and not read; tensors of other types are absent.
+    experts' 3-D tensors by its checkpoint name (`model.layers.0.mlp.experts.3.gate_proj.weight`; a fused
+    `ffn_gate_up_exps` split in its halves, Gemma 4's whole `gate_up_proj` bank too), mapped and not read; tensors
+    of other types are absent.
     `model_type` is the converted config's. A Gated DeltaNet hybrid's (`hybrid`: its shape) linear-attention
     matrices come as the parts its layers load (`gguf_hybrid.stored_parts`).
     `converted` is the file's converted folder: its tensor index, when it has one, says where the tensors lie."""
     permuted = rope_interleaved(model_type)
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
-        experts = hf_expert_names(gguf_name, data.shape[0], model_type) if data.ndim == 3 else None
-        if experts is not None:  # one matrix per expert, each a view of the bank's blocks
+        experts = hf_expert_slices(gguf_name, data.shape, model_type) if data.ndim == 3 else None
+        if experts is not None:  # one matrix per expert and projection, each a view of the bank's blocks
             bank = data.reshape(*data.shape[:2], -1, BLOCKS[kind][1])
-            matrices.update((expert, StoredMatrix(bank[e], kind)) for e, expert in enumerate(experts))
+            matrices.update((part.name, StoredMatrix(part.of(bank), kind)) for part in experts)
             continue
         name = hf_tensor_name(gguf_name, model_type)
         if name is not None and data.ndim == 3 and name.endswith(_FUSED_BANKS):

@@ -2,7 +2,8 @@
 written with the `gguf` package; scripts/check_gguf_writer.py has llama.cpp decode such files): Phi-3 with partial
 rotary and LongRoPE, Gemma 3 (its norms stored as 1 + w, its windowed and global layers implied by llama.cpp's
 pattern), the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and Llama 4 (each projection's experts in one 3-D
-tensor), the Gated DeltaNet hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts).
+tensor; or gate and up in one, llama.cpp's `--fuse-gate-up-exps` form), the Gated DeltaNet hybrids Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next, and Gemma 4 (with and without experts).
 Converted, each float path equals transformers on the converted folder token for token; served from its own 4- and
 8-bit blocks (`--quantization auto`), each holds `ladle bench quality`'s thresholds against that float path."""
 
@@ -29,6 +30,7 @@ from engine_server.layers.gated_deltanet import split_grouped_projections
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, ExpertWeights, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
 from engine_server.loader import resolve_model
+from engine_server.loader.gguf_convert import hf_expert_slices
 from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from engine_server.quantization import StoredBank, stored_weights
 from tests.families import float_checkpoint, save_family, write_gguf
@@ -443,6 +445,67 @@ def test_a_gpt_oss_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path:
         reader = metadata_gguf(tmp_path / f"{name}.gguf", "gpt-oss", {**keys, **changed})
         with pytest.raises(ValueError, match=refusal):
             hf_config_from_gguf(reader, f"{name}.gguf")
+
+
+# Every family with experts the GGUF tests write, for llama.cpp's converter's `--fuse-gate-up-exps` form. llama.cpp
+# reads each layer's fused gate/up bank where its loader takes one (Qwen3.5-MoE and Qwen3-Next in
+# llama-cpp-python 0.3.36, as scripts/check_gguf_writer.py --fuse-gate-up-exps found); ladle reads it for all.
+FUSED_GGUF: dict[str, dict[str, Any]] = {
+    "qwen3-moe": MOE_GGUF["qwen3-moe"], "mixtral": {}, "llama4": LLAMA4_GGUF, "gpt-oss": GPT_OSS_GGUF,
+    "qwen3.5-moe": {"linear_value_head_dim": 16},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(FUSED_GGUF))
+def test_a_moe_gguf_with_fused_gate_up_banks_reads_as_its_split_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """A file whose layers hold their gate and up experts in one `ffn_gate_up_exps` tensor (each expert's gate rows,
+    then its up rows; gpt-oss's biases likewise) is the file with them apart: the same config, every float tensor
+    bit for bit, and served from its blocks every bank's experts are the same blocks (the fused tensor's halves, in
+    the same types) and give the same tokens."""
+    folder = save_family(tmp_path / "hf", family, head_spread=0.5, **FUSED_GGUF[family])
+    experts = GGMLQuantizationType.MXFP4 if family == "gpt-oss" else GGMLQuantizationType.Q4_0
+    split = write_gguf(folder, tmp_path / "split.gguf", experts, GGMLQuantizationType.Q8_0)
+    fused = write_gguf(folder, tmp_path / "fused.gguf", experts, GGMLQuantizationType.Q8_0, fuse_gate_up_exps=True)
+    names = {t.name.split(".")[2] for t in GGUFReader(fused).tensors if t.name.endswith("_exps.weight")}
+    assert names == {"ffn_gate_up_exps", "ffn_down_exps"}, names
+    split_source, fused_source = resolve_model(str(split)), resolve_model(str(fused))
+    assert fused_source.config == replace(split_source.config, name=fused_source.config.name)
+    split_weights, fused_weights = dict(split_source.weights()), dict(fused_source.weights())
+    assert fused_weights.keys() == split_weights.keys()
+    for name, weight in split_weights.items():
+        assert torch.equal(torch.as_tensor(fused_weights[name]), torch.as_tensor(weight)), name
+    served: list[tuple[dict[str, Any], list[list[int]]]] = []
+    for gguf in (split, fused):
+        stored = keep_stored_weights(monkeypatch)
+        with engine(gguf, quantization="auto") as llm:
+            served.append((stored, tokens(llm, prompts()[:4])))
+    (split_stored, split_tokens), (fused_stored, fused_tokens) = served
+    banks = [name for name, weight in fused_stored.items() if isinstance(weight, ExpertWeights)]
+    assert banks and sorted(banks) == sorted(n for n, w in split_stored.items() if isinstance(w, ExpertWeights))
+    for name in banks:
+        ours, theirs = fused_stored[name], split_stored[name]
+        assert ours.format == theirs.format, name
+        for mine, other in zip((*ours.gate_up, *ours.down), (*theirs.gate_up, *theirs.down), strict=True):
+            assert torch.equal(mine.dequantize(), other.dequantize()), name
+        for bias in ("b13", "b2"):
+            assert (getattr(ours, bias) is None) == (getattr(theirs, bias) is None), name
+            assert getattr(ours, bias) is None or torch.equal(getattr(ours, bias), getattr(theirs, bias)), name
+    assert fused_tokens == split_tokens, family
+
+
+def test_a_fused_gate_up_bank_is_read_in_halves_and_one_of_odd_rows_is_refused() -> None:
+    """Each expert's gate rows are the first half of its rows in `ffn_gate_up_exps`, its up rows the second; a bank
+    whose rows have no halves is no such bank."""
+    halves = [(p.name, p.expert, p.rows) for p in hf_expert_slices("blk.2.ffn_gate_up_exps.weight", (2, 6, 32),
+                                                                   "mixtral") or []]  # fmt: skip
+    assert halves == [
+        (f"model.layers.2.block_sparse_moe.experts.{e}.{w}.weight", e, slice(start, start + 3))
+        for e in range(2) for w, start in (("w1", 0), ("w3", 3))
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="7 rows do not split into gate and up halves"):
+        hf_expert_slices("blk.0.ffn_gate_up_exps.weight", (4, 7, 32), "qwen3_moe")
 
 
 def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(tmp_path: Path) -> None:
