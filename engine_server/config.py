@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -37,6 +37,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "kimi_k2": "deepseek_v3",
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
+    "glm4_moe": "glm4_moe",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -430,7 +431,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
-        default_partial = 0.25 if hybrid else 1.0  # Qwen3-Next's rope turns a quarter of each head by default
+        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4.5's half
+        default_partial = 0.25 if hybrid else 0.5 if arch == "glm4_moe" else 1.0
         partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or default_partial)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         rope_fields: dict[str, Any] = {}
@@ -481,7 +483,8 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4")
+            or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2"),
             post_norms=arch == "olmo2",
@@ -883,11 +886,14 @@ def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
 
 
 def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / gpt-oss
-    `config.json` ({} for a dense family). Mixtral's, OLMoE's and gpt-oss's experts are `intermediate_size` wide;
-    Mixtral always renormalises its top-k weights, OLMoE as `norm_topk_prob` says; gpt-oss softmaxes the top-k
-    logits (the same weights), with biases and its clamped SwiGLU."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4"):
+    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / gpt-oss /
+    DeepSeek-V3 / GLM-4.5 / Llama 4 / Qwen3-Next `config.json` ({} for a dense family). Mixtral's, OLMoE's and
+    gpt-oss's experts are `intermediate_size` wide; Mixtral always renormalises its top-k weights, OLMoE as
+    `norm_topk_prob` says; gpt-oss softmaxes the top-k logits (the same weights), with biases and its clamped
+    SwiGLU."""
+    if arch not in (
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe"
+    ):  # fmt: skip
         return {}
     if arch == "qwen3_next" and not cfg.get("num_experts"):
         return {}  # Qwen3.5's dense models
@@ -897,7 +903,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):  # GLM-4.5's experts and router are DeepSeek-V3's
         model_type = cfg.get("model_type")
         softmax = model_type in ("mistral4", "deepseek_v2")  # softmax scores, no load-balancing bias
         scoring = cfg.get("scoring_func", "softmax" if softmax else "sigmoid")

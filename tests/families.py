@@ -65,6 +65,9 @@ WINDOW = 20
 # DeepSeek-V3: latent attention (rank-48 queries, a rank-32 latent, 16 nope + 8 interleaved rope dims per key, 16
 # per value) under YaRN with mscale; one dense layer, then 8 experts in 4 groups (2 chosen), 2 per token, sigmoid
 # scores with a load-balancing bias, scaled by 2.5, beside a shared expert.
+# GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head (its
+# default), then DeepSeek-V3's experts: one dense layer, 8 experts in 2 groups (1 chosen, as GLM-4.5's one group
+# would not exercise), 2 per token, sigmoid scores with a load-balancing bias, scaled by 2.5, beside a shared expert.
 # DeepSeek-V2: that attention with its complex rope, softmax routing within the best 2 of 4 groups (each scored by
 # its best expert), weights scaled, not renormalised.
 # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection. OLMo 3: that block with
@@ -144,6 +147,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "bos_token_id": 1, "eos_token_id": 2,
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}},
+    ),
+    "glm4-moe": (
+        "Glm4MoeConfig",
+        {"attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+         "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
     "deepseek-v2": (
         "DeepseekV2Config",

@@ -10,6 +10,7 @@ from engine_server.models.gemma import GemmaForCausalLM
 from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
 from engine_server.models.gemma4 import Gemma4ForCausalLM
+from engine_server.models.glm4_moe import Glm4MoeForCausalLM
 from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
@@ -34,8 +35,8 @@ StepModel = CausalLM | BertEncoder
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4"); ValueError for anything else (an encoder, "bert", is a
-    `BertEncoder`)."""
+    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe"); ValueError for anything else (an
+    encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -56,6 +57,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "olmo2": Olmo2ForCausalLM,
         "deepseek_v3": DeepseekV3ForCausalLM,
         "qwen3_next": Qwen3NextForCausalLM,
+        "glm4_moe": Glm4MoeForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -576,6 +576,23 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
+def test_glm4_moe_split_over_two_ranks_and_quantized(tmp_path: Path) -> None:
+    """GLM-4.5: two ranks (each its heads' q/k/v rows and biases, the half-head rope and the q/k norms on them, its
+    rows of every expert) keep transformers' tokens. int8 quantizes the projections and the three sparse layers'
+    banks (the grouped sigmoid router float); each prompt's tokens are the same alone and batched, and mostly agree
+    with the float path's."""
+    folder = save_family(tmp_path, "glm4-moe", head_spread=1.0)  # a clear next token (families.save_family)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, batch) == theirs
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == 3
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
+
+
 def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> None:
     """Llama 4's rope layers attend within chunks (tests/families.py: of 32 positions, which the family tests cross):
     a chunk the KV block size does not divide is served only as far as the first chunk, and refused past it before

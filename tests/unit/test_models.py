@@ -97,6 +97,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                              "partial_rotary_factor": 0.5}},
     ),
+    # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head, then
+    # DeepSeek-V3's experts (8 in 2 groups, 1 chosen, 3 per token, a correction bias, scaled by 2.5, a shared one).
+    "glm4-moe": (
+        transformers.Glm4MoeConfig,
+        {"attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 2,
+         "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0},
+    ),
     # DeepSeek-V2: the same attention with its complex (interleaved) rope; softmax routing within the best 2 of 4
     # groups of 2 experts, each group scored by its best, weights not renormalised but scaled.
     "deepseek-v2": (
@@ -216,6 +224,7 @@ MODEL_CLASSES = {
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
+    transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,

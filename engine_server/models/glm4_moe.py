@@ -1,0 +1,14 @@
+"""GLM-4.5 (and GLM-4.6, GLM-4.7, GLM-4.5-Air): DeepSeek-V3's mixture of experts under grouped-query attention."""
+
+from __future__ import annotations
+
+from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+
+class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.5 (`glm4_moe`): each layer's attention is the standard grouped-query attention with q/k/v biases
+    (`attention_bias`), rope over the first half of each head (`partial_rotary_factor` 0.5) and, where
+    `use_qk_norm` says, per-head q/k norms; its MLP dense for the first `first_k_dense_replace` layers and otherwise
+    DeepSeek-V3's (`layers.moe.GroupedTopkRouter`: sigmoid scores with a load-balancing bias, `routed_scaling_factor`,
+    ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
+    (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's."""
