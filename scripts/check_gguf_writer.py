@@ -37,7 +37,7 @@ NEW_TOKENS = 16
 
 def families() -> dict[str, dict[str, Any]]:
     """Each family the GGUF tests write, with their overrides (`save_family`'s)."""
-    from tests.unit.test_family_gguf import GPT_OSS_GGUF, HYBRID_GGUF, LLAMA4_GGUF, MOE_GGUF
+    from tests.unit.test_family_gguf import GLM4_MOE_GGUF, GPT_OSS_GGUF, HYBRID_GGUF, LLAMA4_GGUF, MOE_GGUF
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
@@ -46,7 +46,7 @@ def families() -> dict[str, dict[str, Any]]:
     # rounded, llama.cpp and transformers run the same rope and the check sees the file's layout alone.
     gpt_oss_rope = {**MODELS["gpt-oss"][1]["rope_parameters"], "truncate": True}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
-            "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}}
+            "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4-moe": GLM4_MOE_GGUF}
 
 
 def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps: bool = False) -> dict[str, Any]:

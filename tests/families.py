@@ -321,7 +321,7 @@ _GGUF_GEMMA_LAYER = {
 _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
-    "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss",
+    "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -536,10 +536,10 @@ def _gpt_oss_tensors(layer: str, param: str, array: np.ndarray, feed_forward: An
 
 def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[str, Any], head_dim: int) -> None:
     """The keys llama.cpp's converter writes for every family but Gemma 4 (`_gemma4_metadata`)."""
-    from gguf import RopeScalingType
+    from gguf import ExpertGatingFuncType, RopeScalingType
 
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_block_count(config["num_hidden_layers"] + _prediction_layers(config, arch))
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(hidden)
     if arch == "llama4":  # its dense layers' width; `intermediate_size` is its experts'
@@ -585,7 +585,14 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    experts = config.get("num_local_experts") or config.get("num_experts")
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    if arch == "glm4moe":  # DeepSeek-V3's experts, as its converter describes them
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_nextn_predict_layers(_prediction_layers(config, arch))
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
@@ -595,6 +602,32 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _prediction_layers(config: dict[str, Any], arch: str) -> int:
+    """How many multi-token-prediction layers llama.cpp's converter writes after the decoder layers: GLM-4.5's
+    (its checkpoints hold them; `_prediction_layer_tensors`), none for the other families here."""
+    return int(config.get("num_nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+
+
+def _prediction_layer_tensors(
+    tensors: dict[str, tuple[np.ndarray, Any]], config: dict[str, Any], arch: str
+) -> dict[str, tuple[np.ndarray, Any]]:
+    """GLM-4.5's multi-token-prediction layers as its converter writes them, `blk.<n>` after the decoder layers: a
+    decoder layer's tensors (here the last one's, as drawn: transformers' model holds none of its own) and the
+    `nextn.*` ones that feed it (its projection of the joined embedding and hidden state, their norms)."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    last = f"blk.{layers - 1}."
+    out: dict[str, tuple[np.ndarray, Any]] = {}
+    rng = np.random.default_rng(layers)
+    for extra in range(layers, layers + _prediction_layers(config, arch)):
+        out.update({f"blk.{extra}." + name.removeprefix(last): value for name, value in tensors.items()
+                    if name.startswith(last)})  # fmt: skip
+        out[f"blk.{extra}.nextn.eh_proj.weight"] = ((rng.standard_normal((hidden, 2 * hidden)) * 0.08).astype(
+            np.float32), None)  # fmt: skip
+        for norm in ("enorm", "hnorm", "shared_head_norm"):
+            out[f"blk.{extra}.nextn.{norm}.weight"] = (np.ones(hidden, np.float32), None)
+    return out
 
 
 def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
@@ -631,8 +664,10 @@ def _write_tensors(
     if gemma4:
         layer_names.update(_GGUF_GEMMA4_LAYER)
     hybrid = arch in _GGUF_HYBRIDS
-    if hybrid or arch == "gpt-oss":
+    if hybrid or arch in ("gpt-oss", "glm4moe"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
+    if arch == "glm4moe":  # DeepSeek-V3's shared experts
+        layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
     linear: dict[str, dict[str, torch.Tensor]] = {}
@@ -673,7 +708,9 @@ def _write_tensors(
                 banks.setdefault(f"blk.{layer}.{_GGUF_EXPERT[expert[2]]}.{param}", {})[int(expert[1])] = array
                 continue
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
-            if layer_names[kind] in _GGUF_ROUTERS:
+            if param == "e_score_correction_bias":  # the router's load-balancing bias
+                gguf_name = f"blk.{layer}.exp_probs_b.bias"
+            elif layer_names[kind] in _GGUF_ROUTERS:
                 array = array.reshape(-1) if layer_names[kind] == "ffn_gate_inp_shexp" else array
             elif kind.startswith(("mlp.", "block_sparse_moe.", "per_layer_")):
                 kind_type = feed_forward
@@ -693,6 +730,7 @@ def _write_tensors(
             tensors[gguf_name] = (array, attention if projection else None)
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
+    tensors.update(_prediction_layer_tensors(tensors, config, arch))
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)
     if fuse_gate_up_exps:

@@ -134,11 +134,18 @@ _GPT_OSS_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_gate_inp": "mlp.router",
 }
+# GLM-4.5: the norm before its MLP is `post_attention_norm`; its shared experts are DeepSeek-V3's, `shared_experts`.
+_GLM4_MOE_LAYER_NAMES = {
+    **{kind: name for kind, name in _LAYER_NAMES.items() if kind != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
+}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_BARE,
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
+    "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -150,6 +157,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "gemma3_text": _GEMMA_LAYER_NAMES,
     "llama4_text": _LLAMA4_LAYER_NAMES,
     "gpt_oss": _GPT_OSS_LAYER_NAMES,
+    "glm4_moe": _GLM4_MOE_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -218,6 +226,16 @@ class ExpertSlice:
         """This projection's part of `data`, the tensor's array or its blocks' bytes (`[experts, rows, ...]`): a
         view."""
         return data[self.expert, self.rows]
+
+
+def prediction_layer_tensor(gguf_name: str, config: dict[str, Any]) -> bool:
+    """Whether `gguf_name` is a tensor of a multi-token-prediction layer, which a file of `config` (its converted
+    config.json) holds after its decoder layers (`blk.<n>` for n from `num_hidden_layers` on, as many as
+    `num_nextn_predict_layers`: GLM-4.5's, with their `nextn.*` tensors): never read, as the checkpoint's are not."""
+    match = _LAYER_PARAMETER.fullmatch(gguf_name)
+    return match is not None and int(match.group(1)) >= int(config["num_hidden_layers"]) and bool(
+        config.get("num_nextn_predict_layers")
+    )
 
 
 def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) -> list[ExpertSlice] | None:
@@ -367,7 +385,7 @@ def iter_hf_tensors(
     hybrid = CheckpointForm(HybridShape.from_config(config, model_type), model_type) \
         if model_type in TILED_VALUE_HEADS else None
     for tensor in tensors:
-        if tensor.name in _CONSUMED:
+        if tensor.name in _CONSUMED or prediction_layer_tensor(tensor.name, config):
             continue
         try:
             experts = hf_expert_slices(tensor.name, tensor.data.shape, model_type)

@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
-their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, and the Gated DeltaNet hybrids qwen35 / qwen35moe /
-qwen3next `<arch>.*` keys)."""
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4moe, and the Gated DeltaNet hybrids qwen35 / qwen35moe
+/ qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "llama4": ("llama4_text", "Llama4ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -166,6 +167,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_llama4_config(reader, config, experts, window, spec))
     elif arch == "gpt-oss":
         config.update(_gpt_oss_config(reader, config, experts, spec))
+    elif arch == "glm4moe":
+        config.update(_glm4_moe_config(reader, config, experts, tensors, spec))
     elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
@@ -244,6 +247,52 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
         "rope_parameters": rope,
         **_GPT_OSS_SWIGLU,
         "eos_token_id": _harmony_stops(reader, config["eos_token_id"]),
+    }
+
+
+# llama.cpp's `expert_gating_func` values (its `llama_expert_gating_func_type`): a GLM-4.5 file's router is sigmoid.
+_GATING_SIGMOID = 2
+
+
+def _glm4_moe_config(
+    reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of a GLM-4.5 `config.json` (transformers' `Glm4MoeConfig`) from a `glm4moe` file: its layers less the
+    multi-token-prediction ones after them (`nextn_predict_layers`, counted in `block_count`; never read), DeepSeek-V3's
+    experts from the `expert_*` keys (sigmoid scores, `expert_weights_scale`, `expert_weights_norm`, the shared
+    experts' count, groups where the file has them) after `leading_dense_block_count` dense layers, q/k norms where
+    the file has their tensors, and rope over `rope.dimension_count` dims of each head (stated even when whole:
+    the config's default is half). ValueError for a file without experts, with a router other than sigmoid, or
+    with no layer left but its prediction layers."""
+    arch = "glm4moe"
+    required = functools.partial(_arch_field, reader, arch, spec)
+    if not experts:
+        raise ValueError(f"model {spec!r}: a glm4moe file without experts is not supported")
+    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SIGMOID))
+    if gating != _GATING_SIGMOID:
+        raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (2, sigmoid, is)")
+    used = int(required("expert_used_count"))
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    predicting = int(read_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    layers = int(config["num_hidden_layers"]) - predicting
+    if predicting < 0 or layers < 1:
+        raise ValueError(f"model {spec!r}: {arch}.nextn_predict_layers {predicting} of "
+                         f"{config['num_hidden_layers']} blocks leaves no decoder layer")  # fmt: skip
+    return {
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": predicting,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(required("expert_feed_forward_length")),
+        "n_shared_experts": int(read_field(reader, f"{arch}.expert_shared_count", 0) or 0),
+        "first_k_dense_replace": int(read_field(reader, f"{arch}.leading_dense_block_count", 0) or 0),
+        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", False)),
+        "n_group": int(read_field(reader, f"{arch}.expert_group_count", 0) or 1),
+        "topk_group": int(read_field(reader, f"{arch}.expert_group_used_count", 0) or 1),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+        "partial_rotary_factor": config.get("partial_rotary_factor", 1.0),
     }
 
 
