@@ -34,7 +34,12 @@ class GroupedTopkRouter(nn.Module):
     learned bias that balances the load), within the `topk_groups` best of `groups` equal groups of experts (a group
     scored by the sum of its two best, or by its best with `group_max`: DeepSeek-V2); the chosen experts' weights
     are their scores (without the bias), renormalised to sum to 1 with `renormalize` (+1e-20), times `scaling`
-    (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`, `DeepseekV2TopkRouter`)."""
+    (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`, `DeepseekV2TopkRouter`).
+
+    `rowwise` (set on the quantized CPU path, `quantized_experts.replace_routers`): the logits and sigmoid scores
+    through the C++ kernels whose bits depend on a row alone (`rowwise_linear`, `sigmoid_mul`), so that a token's
+    experts and weights do not depend on its batch. A float GEMM's blocking changes with the number of rows, and
+    torch's elementwise sigmoid takes a tensor's scalar tail another way than its vectors."""
 
     def __init__(
         self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
@@ -47,11 +52,17 @@ class GroupedTopkRouter(nn.Module):
         )
         self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
         self.renormalize, self.scaling, self.sigmoid, self.group_max = renormalize, scaling, sigmoid, group_max
+        self.rowwise = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        if self.rowwise:
+            logits = torch.ops.ladle_cpu.rowwise_linear(x.float().contiguous(), self.weight.float().contiguous())
+            scores = (torch.ops.ladle_cpu.sigmoid_mul(torch.ones_like(logits), logits) if self.sigmoid
+                      else torch.softmax(logits, dim=-1))  # fmt: skip
+        else:
+            logits = F.linear(x.float(), self.weight.float())
+            scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
         bias = self.e_score_correction_bias
         biased = scores if bias is None else scores + bias.float()
         tokens, experts = biased.shape

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine_server.layers.lowbit_weight import LowBitWeight
+from engine_server.layers.moe import GroupedTopkRouter
 from engine_server.layers.quantized_linear import (
     Q4Weight,
     Q8Weight,
@@ -229,7 +230,11 @@ def swap_experts(model: nn.Module, layer_for: Callable[[str, ParallelExperts], n
 
 def replace_routers(model: nn.Module) -> int:
     """Swap every float router of `model` (`ROUTER_SUFFIXES`' `nn.Linear`s; gpt-oss's with a bias) for a
-    `RowwiseLinear` of the same weight and bias; returns how many."""
+    `RowwiseLinear` of the same weight and bias, and route each `GroupedTopkRouter` (DeepSeek-V3's, GLM-4.5's) row
+    by row too (its `rowwise`); returns how many routers."""
+    grouped = [module for module in model.modules() if isinstance(module, GroupedTopkRouter)]
+    for router in grouped:
+        router.rowwise = True
     targets = [
         (parent, name, child)
         for prefix, parent in model.named_modules()
@@ -238,4 +243,4 @@ def replace_routers(model: nn.Module) -> int:
     ]
     for parent, name, child in targets:
         setattr(parent, name, RowwiseLinear(child.weight, child.bias))
-    return len(targets)
+    return len(targets) + len(grouped)
