@@ -37,6 +37,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "kimi_k2": "deepseek_v3",
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
+    "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
     "glm4_moe": "glm4_moe",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
@@ -579,6 +580,17 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
     )
 
 
+def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
+    transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else (GLM-4.7-Flash
+    with neither) the first one, as transformers defaults it."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds:
+        return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    default = 1 if cfg.get("model_type") == "glm4_moe_lite" else 0
+    return tuple(range(int(cfg.get("first_k_dense_replace", default) or 0)))
+
+
 def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
     """DeepSeek-V3's latent attention (`LatentAttention`) and its score scale: the key's head dim ** -0.5, times
     the square of YaRN's `mscale_all_dim` attention factor when its rope is scaled (transformers' `scaling`);
@@ -921,7 +933,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
             shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
             shared_expert_gated=False,
-            dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+            dense_layers=_dense_layers(cfg),
             grouped_router=True,
             moe_scoring=scoring,
             router_score_bias=method == "noaux_tc",

@@ -68,6 +68,8 @@ WINDOW = 20
 # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head (its
 # default), then DeepSeek-V3's experts: one dense layer, 8 experts in 2 groups (1 chosen, as GLM-4.5's one group
 # would not exercise), 2 per token, sigmoid scores with a load-balancing bias, scaled by 2.5, beside a shared expert.
+# GLM-4.7-Flash: DeepSeek-V3's latent attention and experts (top-2 of 8 in one group, scaled by 1.8), dense and
+# sparse layers alternating as `mlp_layer_types` names them.
 # DeepSeek-V2: that attention with its complex rope, softmax routing within the best 2 of 4 groups (each scored by
 # its best expert), weights scaled, not renormalised.
 # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection. OLMo 3: that block with
@@ -153,6 +155,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
          "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "glm4-moe-lite": (
+        "Glm4MoeLiteConfig",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
+         "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
     ),
     "deepseek-v2": (
         "DeepseekV2Config",

@@ -105,6 +105,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0},
     ),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved rope dims) and experts, the dense layers named by
+    # `mlp_layer_types` (the second of two here, where DeepSeek's dense layers come first).
+    "glm4-moe-lite": (
+        transformers.Glm4MoeLiteConfig,
+        {"num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 1,
+         "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.8,
+         "mlp_layer_types": ["sparse", "dense"], "pad_token_id": 0},
+    ),
     # DeepSeek-V2: the same attention with its complex (interleaved) rope; softmax routing within the best 2 of 4
     # groups of 2 experts, each group scored by its best, weights not renormalised but scaled.
     "deepseek-v2": (
@@ -225,6 +234,7 @@ MODEL_CLASSES = {
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
+    transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
