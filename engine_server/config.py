@@ -15,7 +15,8 @@ from typing import Any, Literal, get_args
 
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
-    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "bert",
+    "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
+    "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -39,6 +40,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "deepseek_v2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
     "glm4_moe": "glm4_moe",
+    "glm4": "glm4",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -432,8 +434,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
-        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4.5's half
-        default_partial = 0.25 if hybrid else 0.5 if arch == "glm4_moe" else 1.0
+        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half
+        default_partial = 0.25 if hybrid else 0.5 if arch in ("glm4", "glm4_moe") else 1.0
         partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or default_partial)
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         rope_fields: dict[str, Any] = {}
@@ -503,6 +505,7 @@ class ModelConfig:
             **rope_fields,
             **gemma,
             **hybrid,
+            **_glm4_fields(arch),
         )
 
     @classmethod
@@ -578,6 +581,12 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
         attention_factor=float(attention),
         truncate=bool(rope.get("truncate", True)),
     )
+
+
+def _glm4_fields(arch: Architecture) -> dict[str, Any]:
+    """GLM-4's `ModelConfig` fields ({} for the other families): Gemma's four norms around the attention and the MLP,
+    under its own names (`models.glm4`), with plain weights."""
+    return {"sandwich_norms": True} if arch == "glm4" else {}
 
 
 def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
@@ -889,12 +898,12 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
     """Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias` (default on), Mixtral never; the others by
-    `attention_bias`."""
+    `attention_bias` (default on for gpt-oss and GLM-4, as transformers' configs have it)."""
     if arch == "qwen2":
         return True
     if arch == "qwen2_moe":
         return bool(cfg.get("qkv_bias", True))
-    return arch != "mixtral" and bool(cfg.get("attention_bias", arch == "gpt_oss"))
+    return arch != "mixtral" and bool(cfg.get("attention_bias", arch in ("gpt_oss", "glm4")))
 
 
 def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

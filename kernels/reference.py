@@ -149,14 +149,21 @@ def build_longrope_cos_sin_cache(
 RopeRowsT = TypeVar("RopeRowsT", np.ndarray, torch.Tensor)
 
 
-def unpermute_rope_rows(weight: RopeRowsT, n_head: int) -> RopeRowsT:
+def unpermute_rope_rows(weight: RopeRowsT, n_head: int, rotary_dim: int | None = None) -> RopeRowsT:
     """A q/k projection's rows (weight or bias, numpy or torch) with each head's rope pairs moved from interleaved
     (x[2i], x[2i+1]) to halves (x[i], x[i + half]), the pairs `rotary_embedding` turns: the view (n_head, half, 2)
     read as (n_head, 2, half). Interleaved are llama.cpp's `llama` files (its converter permutes HF's halves that
-    way; Qwen's, on its neox rope, are not permuted), Llama 4's own checkpoints (`models.llama4`) and so the q/k
-    updates of LoRA adapters trained on them (`lora.peft_format`)."""
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    way; Qwen's, on its neox rope, are not permuted), Llama 4's and GLM-4's own checkpoints (`models.llama4`,
+    `models.glm4`) and so the q/k updates of LoRA adapters trained on them (`lora.peft_format`). `rotary_dim`: only
+    each head's first that many rows turn (GLM-4's half), and only they move; the rest stay where they are."""
+    head_dim = weight.shape[0] // n_head
+    if rotary_dim is None or rotary_dim == head_dim:
+        half = head_dim // 2
+        return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    within = np.arange(head_dim)
+    within[:rotary_dim] = np.arange(rotary_dim).reshape(rotary_dim // 2, 2).T.reshape(-1)
+    order = (np.arange(n_head)[:, None] * head_dim + within).reshape(-1)
+    return weight[order if isinstance(weight, np.ndarray) else torch.from_numpy(order)]
 
 
 def rotary_embedding(

@@ -41,10 +41,11 @@ _REFUSED_SETTINGS = {
 }
 
 # Families whose checkpoints name or lay out projections apart from the shared layers, as their model classes load
-# them (`models.llama4`): Llama 4's MLP is `feed_forward`, and its q/k rows hold each head's rope pairs interleaved,
-# so an adapter's q/k updates are reordered as the base rows are.
+# them (`models.llama4`, `models.glm4`): Llama 4's MLP is `feed_forward`, and its q/k rows hold each head's rope pairs
+# interleaved (GLM-4's those of the first `rotary_dim` rows of each head), so an adapter's q/k updates are reordered as
+# the base rows are.
 _MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {"llama4": (("feed_forward.", "mlp."),)}
-_INTERLEAVED_ROPE_ROWS = ("llama4",)
+_INTERLEAVED_ROPE_ROWS = ("llama4", "glm4")
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def _piece(
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     b = (b.float() * scaling).to(b.dtype)
     if config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
-        b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer))
+        b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer), config.rotary_dim)
     elif config.architecture in _INTERLEAVED_ROPE_ROWS and module == "self_attn.qkv_proj":
         raise _invalid(f"{where}: a fused q/k/v adapter on {config.architecture}, whose q/k rows are reordered at "
                        "load, is not served; adapters on q_proj, k_proj and v_proj are")  # fmt: skip

@@ -10,6 +10,7 @@ from engine_server.models.gemma import GemmaForCausalLM
 from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
 from engine_server.models.gemma4 import Gemma4ForCausalLM
+from engine_server.models.glm4 import Glm4ForCausalLM
 from engine_server.models.glm4_moe import Glm4MoeForCausalLM
 from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
@@ -35,7 +36,7 @@ StepModel = CausalLM | BertEncoder
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe"); ValueError for anything else (an
+    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4"); ValueError for anything else (an
     encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -58,6 +59,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "deepseek_v3": DeepseekV3ForCausalLM,
         "qwen3_next": Qwen3NextForCausalLM,
         "glm4_moe": Glm4MoeForCausalLM,
+        "glm4": Glm4ForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import cast
 
 import torch
@@ -14,6 +14,7 @@ from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
+from engine_server.loader.lazy_tensor import LazyTensor, derived
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
@@ -294,6 +295,17 @@ class CausalLM(nn.Module):
                 shards = shards[: len(module.parts)]  # the leading parts alone (Gemma 4's q or q/k projections)
             expected.update((name, s) for s in shards)
         return expected
+
+
+def reordered_tensor(
+    tensor: CheckpointTensor, reorder: Callable[[torch.Tensor], torch.Tensor], transposed: bool = False
+) -> CheckpointTensor:
+    """`reorder(tensor)`; of an unread tensor (`LazyTensor`) unread too, so a layer whose weights are replaced (a GGUF
+    file's blocks) reads none of it. `transposed`: the result's last two dims swapped."""
+    if not isinstance(tensor, LazyTensor):
+        return reorder(read_whole(tensor))
+    shape = tuple(tensor.shape)
+    return derived(tensor, (*shape[:-2], shape[-1], shape[-2]) if transposed else shape, reorder)
 
 
 def _own_parameter(module: nn.Module, name: str) -> bool:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
-import torch
-
-from engine_server.loader.lazy_tensor import LazyTensor, derived
-from engine_server.models.base import CausalLM
-from engine_server.parallel.layers import CheckpointTensor, read_whole
+from engine_server.models.base import CausalLM, reordered_tensor
+from engine_server.parallel.layers import CheckpointTensor
 from kernels.reference import unpermute_rope_rows
 
 _LANGUAGE_MODEL = "language_model."  # the text model's weights in a multimodal Llama 4 checkpoint
@@ -47,20 +44,10 @@ class Llama4ForCausalLM(CausalLM):
                 continue
             ours = self.checkpoint_name(name.removeprefix(_LANGUAGE_MODEL))
             if _EXPERTS.fullmatch(ours):  # [E, 2I, H] gate rows first, [E, H, I]
-                yield ours, _reordered(tensor, lambda bank: bank.transpose(1, 2), transposed=True)
+                yield ours, reordered_tensor(tensor, lambda bank: bank.transpose(1, 2), transposed=True)
             elif _QUERY_KEY.fullmatch(ours):  # each head's interleaved rope pairs as halves
                 heads = tensor.shape[0] // self.config.head_dim
-                yield ours, _reordered(tensor, functools.partial(unpermute_rope_rows, n_head=heads))
+                yield ours, reordered_tensor(tensor, functools.partial(unpermute_rope_rows, n_head=heads))
             else:
                 yield ours, tensor
 
-
-def _reordered(
-    tensor: CheckpointTensor, reorder: Callable[[torch.Tensor], torch.Tensor], transposed: bool = False
-) -> CheckpointTensor:
-    """`reorder(tensor)`; of an unread tensor (`LazyTensor`) unread too, so a layer whose weights are replaced (a GGUF
-    file's blocks) reads none of it. `transposed`: the result's last two dims swapped."""
-    if not isinstance(tensor, LazyTensor):
-        return reorder(read_whole(tensor))
-    shape = tuple(tensor.shape)
-    return derived(tensor, (*shape[:-2], shape[-1], shape[-2]) if transposed else shape, reorder)

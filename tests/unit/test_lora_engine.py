@@ -185,6 +185,22 @@ def test_llama4_adapters_equal_peft(tmp_path: Path) -> None:
     llm.close()
 
 
+def test_glm4_qk_adapters_equal_peft(tmp_path: Path) -> None:
+    """GLM-4 (tests/families.py): the first half of each head's q/k rows holds rope pairs interleaved, reordered at
+    load, and an adapter's q/k updates with them (the rest of each head's rows where they are). An adapter on q and
+    k equals PEFT token for token in one batch with the base model."""
+    base = save_family(tmp_path / "glm4", "glm4")
+    folder = save_adapter(base, tmp_path / "qk", ["q_proj", "k_proj"], 4, seed=9)
+    expected = {name: hf_greedy(model, prompts(), NUM_TOKENS)
+                for name, model in ((None, load_reference(base)), ("qk-r4", load_peft(base, folder)))}  # fmt: skip
+    assert expected["qk-r4"] != expected[None]
+    with engine(base) as llm:
+        llm.load_adapter("qk-r4", str(folder))
+        batch = prompts() * 2
+        got = tokens(llm.generate(batch, GREEDY, adapters=[None] * 4 + ["qk-r4"] * 4, use_tqdm=False))
+    assert [got[:4], got[4:]] == [expected[None], expected["qk-r4"]]
+
+
 def test_adapter_equals_its_weights_merged_into_the_base(models: Any, tmp_path: Path) -> None:
     base, folders, _ = models
     for name in ("attention-r8", "mlp-r16-rslora"):

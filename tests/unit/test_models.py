@@ -97,6 +97,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                              "partial_rotary_factor": 0.5}},
     ),
+    # GLM-4: sandwich norms under its own names, fused gate/up, q/k/v biases, rope over the first half of each head
+    # with its pairs interleaved (head dim 24: 12 turned, 12 not).
+    "glm4": (transformers.Glm4Config, {"head_dim": 24, "pad_token_id": 0}),
     # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head, then
     # DeepSeek-V3's experts (8 in 2 groups, 1 chosen, 3 per token, a correction bias, scaled by 2.5, a shared one).
     "glm4-moe": (
@@ -234,6 +237,7 @@ MODEL_CLASSES = {
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
+    transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
