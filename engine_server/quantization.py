@@ -289,6 +289,7 @@ def stored_weights(model: CausalLM, source: ModelSource) -> dict[str, StoredWeig
         num_kv_heads=config.num_key_value_heads,
         converted=source.path,
         hybrid=HybridShape.from_config(converted, model_type) if model_type in TILED_VALUE_HEADS else None,
+        rotary_dim=config.rotary_dim,
     )
     stored = {model.checkpoint_name(name): matrix for name, matrix in matrices.items()}
     tied = config.tie_word_embeddings

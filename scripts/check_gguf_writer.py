@@ -46,7 +46,8 @@ def families() -> dict[str, dict[str, Any]]:
     # rounded, llama.cpp and transformers run the same rope and the check sees the file's layout alone.
     gpt_oss_rope = {**MODELS["gpt-oss"][1]["rope_parameters"], "truncate": True}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
-            "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4-moe": GLM4_MOE_GGUF}
+            "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
+            "glm4-moe": GLM4_MOE_GGUF}
 
 
 def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps: bool = False) -> dict[str, Any]:

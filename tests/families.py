@@ -334,7 +334,7 @@ _GGUF_GEMMA_LAYER = {
 _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
-    "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe",
+    "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -467,25 +467,26 @@ def write_gguf(
     folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None,
     types: dict[str, Any] | None = None, fuse_gate_up_exps: bool = False,
 ) -> Path:
-    """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Llama 4, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE or
-    Qwen3-Next as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp read such files): its
-    metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps and linear rope
-    scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and routers in
-    F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
+    """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Llama 4, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE,
+    Qwen3-Next, gpt-oss, GLM-4 or GLM-4.5 as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp
+    read such files): its metadata (LongRoPE factors as tensors; Gemma's norm weights w stored as 1 + w, its soft-caps
+    and linear rope scaling; the experts' counts and sizes), the embedded tokenizer's vocabulary, norms, embeddings and
+    routers in F32, the attention projections in `attention`'s and the MLP's (the experts' and the shared expert's) in
     `feed_forward`'s quantization type (gguf `GGMLQuantizationType`s; a K-quant's tensors random blocks,
     `_RANDOM_BLOCK_KINDS`), the LM head in `output`'s (F32 when None), and a tensor named in `types` (its GGUF name,
-    e.g. `blk.0.ffn_down_exps.weight`) in the type it gives; returns `path`. Mixtral is written as
-    llama.cpp's `llama` with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar`
-    must be its head dim and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every
-    layer of a mixture of experts must have experts (no `mlp_only_layers`), and a hybrid's value heads must be as
-    wide as its key heads, as llama.cpp assumes. A hybrid's linear layers are written as `_llama_cpp_linear_attention`
-    says, their projections in `attention`'s type; Gemma 4's keys as `_gemma4_metadata` says, its per-layer inputs'
-    projections and experts' banks in `feed_forward`'s type (the layers before its sharing ones must end on a
-    full-attention one, as llama.cpp assumes). Llama 4's q/k rows stay as its checkpoint's, its banks of experts split
-    into gate, up and down, llama3 rope scaling written as its `rope_freqs` divisors; what llama.cpp fixes for it
-    (NoPE every 4th layer, chunks of 8,192, the temperature's floor 8,192 and scale 0.1) must be the model's.
-    `fuse_gate_up_exps`: each layer's gate and up banks written as one, as llama.cpp's converter does with
-    `--fuse-gate-up-exps` (`_fused_gate_up_exps`)."""
+    e.g. `blk.0.ffn_down_exps.weight`) in the type it gives; returns `path`. Mixtral is written as llama.cpp's `llama`
+    with experts, its q/k rows permuted as its converter does. A Gemma's `query_pre_attn_scalar` must be its head dim
+    and its global layers every 2nd (Gemma 2) or 6th (Gemma 3), as llama.cpp assumes; every layer of a mixture of
+    experts must have experts (no `mlp_only_layers`), and a hybrid's value heads must be as wide as its key heads, as
+    llama.cpp assumes. A hybrid's linear layers are written as `_llama_cpp_linear_attention` says, their projections in
+    `attention`'s type; Gemma 4's keys as `_gemma4_metadata` says, its per-layer inputs' projections and experts' banks
+    in `feed_forward`'s type (the layers before its sharing ones must end on a full-attention one, as llama.cpp
+    assumes). Llama 4's q/k rows stay as its checkpoint's, its banks of experts split into gate, up and down, llama3
+    rope scaling written as its `rope_freqs` divisors; what llama.cpp fixes for it (NoPE every 4th layer, chunks of
+    8,192, the temperature's floor 8,192 and scale 0.1) must be the model's. GLM-4's q/k rows stay as its checkpoint's
+    too (the turned half of each head interleaved); GLM-4.5's multi-token-prediction layers follow its decoder layers
+    (`_prediction_layer_tensors`). `fuse_gate_up_exps`: each layer's gate and up banks written as one, as llama.cpp's
+    converter does with `--fuse-gate-up-exps` (`_fused_gate_up_exps`)."""
     import json
 
     from gguf import GGUFWriter
@@ -679,6 +680,9 @@ def _write_tensors(
     hybrid = arch in _GGUF_HYBRIDS
     if hybrid or arch in ("gpt-oss", "glm4moe"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
+    if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
+        layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
+                            "post_mlp_layernorm": "post_ffw_norm"})  # fmt: skip
     if arch == "glm4moe":  # DeepSeek-V3's shared experts
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
     tensors: dict[str, tuple[np.ndarray, Any]] = {}

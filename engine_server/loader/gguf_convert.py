@@ -140,6 +140,14 @@ _GLM4_MOE_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
 }
+# GLM-4: Gemma's four norms under its checkpoint's names (`models.glm4` reads them as Gemma's), its `ffn_up` the fused
+# gate_up_proj.
+_GLM4_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
+}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -158,6 +166,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "llama4_text": _LLAMA4_LAYER_NAMES,
     "gpt_oss": _GPT_OSS_LAYER_NAMES,
     "glm4_moe": _GLM4_MOE_LAYER_NAMES,
+    "glm4": _GLM4_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -182,10 +191,11 @@ _BANKED_EXPERT = re.compile(
     r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<param>weight|bias)"
 )
 # The families whose llama.cpp files hold each head's q/k rows with its rope pairs interleaved (llama.cpp's turning):
-# those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's,
-# whose checkpoints hold them interleaved too (the model reorders them at load, `models.llama4`).
+# those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
+# and GLM-4's (the turned half of each head), whose checkpoints hold them interleaved too (the model reorders them at
+# load, `models.llama4`, `models.glm4`).
 _ROPE_PERMUTED = ("llama", "mixtral")
-_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text")
+_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

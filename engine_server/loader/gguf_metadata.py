@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
-their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4moe, and the Gated DeltaNet hybrids qwen35 / qwen35moe
-/ qwen3next `<arch>.*` keys)."""
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, and the Gated DeltaNet hybrids qwen35 /
+qwen35moe / qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama4": ("llama4_text", "Llama4ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -143,6 +144,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": int(read_field(reader, "tokenizer.ggml.bos_token_id", 1)),
         "eos_token_id": [eos, int(eot)] if eot is not None and int(eot) != eos else eos,
+        # The file's, or none: a transformers config's default (GLM-4's 151329) may lie past a smaller vocabulary.
+        "pad_token_id": None if (pad := read_field(reader, "tokenizer.ggml.padding_token_id")) is None else int(pad),
         "torch_dtype": "float32",
     }
     rope_dims = read_field(reader, f"{arch}.rope.dimension_count")
@@ -169,6 +172,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_gpt_oss_config(reader, config, experts, spec))
     elif arch == "glm4moe":
         config.update(_glm4_moe_config(reader, config, experts, tensors, spec))
+    elif arch == "glm4":  # rope over `rope.dimension_count` dims, stated when whole too (the config's default: half)
+        config["partial_rotary_factor"] = config.get("partial_rotary_factor", 1.0)
     elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config

@@ -84,7 +84,7 @@ class StoredMatrix:
 
 def stored_matrices(
     gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, converted: Path | None = None,
-    hybrid: HybridShape | None = None,
+    hybrid: HybridShape | None = None, rotary_dim: int | None = None,
 ) -> dict[str, StoredMatrix]:
     """Every 2-D tensor of `gguf_path` in a type served quantized (module docstring) by HF parameter name (e.g.
     `model.layers.0.self_attn.q_proj.weight`, `model.embed_tokens.weight`), and each expert's matrix of a mixture of
@@ -93,7 +93,9 @@ def stored_matrices(
     of other types are absent.
     `model_type` is the converted config's. A Gated DeltaNet hybrid's (`hybrid`: its shape) linear-attention
     matrices come as the parts its layers load (`gguf_hybrid.stored_parts`).
-    `converted` is the file's converted folder: its tensor index, when it has one, says where the tensors lie."""
+    `converted` is the file's converted folder: its tensor index, when it has one, says where the tensors lie.
+    `rotary_dim`: the dims of each head rope turns, where fewer than all (GLM-4's half: only those q/k rows are read
+    reordered)."""
     permuted = rope_interleaved(model_type)
     matrices: dict[str, StoredMatrix] = {}
     for gguf_name, kind, data in _mapped_tensors(gguf_path, converted):
@@ -116,9 +118,9 @@ def stored_matrices(
             continue
         order = None
         if permuted and ".self_attn.q_proj." in name:
-            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads)
+            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads, rotary_dim)
         elif permuted and ".self_attn.k_proj." in name:
-            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_kv_heads)
+            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_kv_heads, rotary_dim)
         matrices[name] = StoredMatrix(blocks, kind, order)
     return matrices
 
@@ -155,8 +157,10 @@ def _mapped_tensors(
 
 
 def read_quantized_weights(
-    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int
+    gguf_path: Path, *, model_type: str, num_heads: int, num_kv_heads: int, rotary_dim: int | None = None
 ) -> dict[str, QuantizedWeight]:
     """`stored_matrices` of `gguf_path`, each read whole."""
-    matrices = stored_matrices(gguf_path, model_type=model_type, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    matrices = stored_matrices(
+        gguf_path, model_type=model_type, num_heads=num_heads, num_kv_heads=num_kv_heads, rotary_dim=rotary_dim
+    )
     return {name: matrix.read() for name, matrix in matrices.items()}

@@ -398,6 +398,23 @@ def test_a_llama4_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: 
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
+def test_a_glm4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """A GLM-4 file as llama.cpp's converter writes it (q/k rows as the checkpoint holds them, the turned half of
+    each head's rope pairs interleaved; Gemma's four norm names, `ffn_norm` the one before the MLP; the fused gate/up
+    as `ffn_up`; rope over `rope.dimension_count` dims): converted, the config is the saved model's and every tensor
+    comes back under its checkpoint name, and the float path equals transformers token for token. Served from its
+    blocks, q/k/v (their turned rows read in the layers' order) and gate/up are the file's blocks, and it holds
+    `ladle bench quality`'s thresholds against the float path."""
+    folder = save_family(tmp_path / "hf", "glm4", head_spread=0.5)
+    gguf = write_gguf(folder, tmp_path / "glm4.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    _, expected = converted_as_saved(folder, gguf)
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == expected
+    layers, result = served_from_blocks(gguf)
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
 # GLM-4.5 as llama.cpp reads a `glm4moe` file: one group of experts (it reads no group counts for the architecture;
 # the released models have one group).
 GLM4_MOE_GGUF: dict[str, Any] = {"n_group": 1, "topk_group": 1}
