@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "bert",
+    "minimax_m2", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -41,6 +41,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
     "glm4_moe": "glm4_moe",
     "glm4": "glm4",
+    "minimax_m2": "minimax_m2",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -436,7 +437,10 @@ class ModelConfig:
         hybrid = _hybrid_fields(arch, cfg)
         # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half
         default_partial = 0.25 if hybrid else 0.5 if arch in ("glm4", "glm4_moe") else 1.0
-        partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or default_partial)
+        partial = float(
+            cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
+            or default_partial
+        )  # fmt: skip
         max_positions = int(cfg.get("max_position_embeddings", 2048))
         rope_fields: dict[str, Any] = {}
         if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
@@ -486,10 +490,10 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4")
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2")
             or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
-            qk_norm_whole=arch in ("olmoe", "olmo2"),
+            qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2"),
             post_norms=arch == "olmo2",
             clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
@@ -581,6 +585,14 @@ def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
         attention_factor=float(attention),
         truncate=bool(rope.get("truncate", True)),
     )
+
+
+def _rotary_fraction(cfg: dict[str, Any]) -> float:
+    """The share of each head rope turns from a legacy `rotary_dim` (MiniMax-M2's released configs), else 0."""
+    if not cfg.get("rotary_dim"):
+        return 0.0
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    return int(cfg["rotary_dim"]) / head_dim
 
 
 def _glm4_fields(arch: Architecture) -> dict[str, Any]:
@@ -913,7 +925,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     `norm_topk_prob` says; gpt-oss softmaxes the top-k logits (the same weights), with biases and its clamped
     SwiGLU."""
     if arch not in (
-        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe"
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
+        "minimax_m2",
     ):  # fmt: skip
         return {}
     if arch == "qwen3_next" and not cfg.get("num_experts"):
@@ -950,6 +963,16 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_topk_groups=top_groups if method != "greedy" else 1,
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        )
+    if arch == "minimax_m2":  # DeepSeek-V3's router in one group: sigmoid scores, a bias for the choice, renormalised
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            grouped_router=True,
+            moe_scoring="sigmoid",
+            router_score_bias=True,
         )
     if arch == "llama4":
         layers = int(cfg["num_hidden_layers"])

@@ -65,6 +65,8 @@ WINDOW = 20
 # DeepSeek-V3: latent attention (rank-48 queries, a rank-32 latent, 16 nope + 8 interleaved rope dims per key, 16
 # per value) under YaRN with mscale; one dense layer, then 8 experts in 4 groups (2 chosen), 2 per token, sigmoid
 # scores with a load-balancing bias, scaled by 2.5, beside a shared expert.
+# MiniMax-M2: q/k norms over the whole projection, rope over half of each head (its legacy `rotary_dim`), top-2 of 8
+# experts in every layer by sigmoid scores with a load-balancing bias, renormalised.
 # GLM-4: Gemma's sandwich norms under its own names with plain weights, fused gate/up, q/k/v biases, rope over the
 # first half of each 24-wide head with its pairs interleaved.
 # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head (its
@@ -151,6 +153,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "bos_token_id": 1, "eos_token_id": 2,
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}},
+    ),
+    "minimax-m2": (
+        "MiniMaxM2Config",
+        {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
     "glm4": ("Glm4Config", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "glm4-moe": (

@@ -16,6 +16,7 @@ from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.llama4 import Llama4ForCausalLM
+from engine_server.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.olmo2 import Olmo2ForCausalLM
 from engine_server.models.olmoe import OlmoeForCausalLM
@@ -36,8 +37,8 @@ StepModel = CausalLM | BertEncoder
 def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4"); ValueError for anything else (an
-    encoder, "bert", is a `BertEncoder`)."""
+    "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2"); ValueError for
+    anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
@@ -60,6 +61,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "qwen3_next": Qwen3NextForCausalLM,
         "glm4_moe": Glm4MoeForCausalLM,
         "glm4": Glm4ForCausalLM,
+        "minimax_m2": MiniMaxM2ForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

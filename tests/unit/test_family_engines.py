@@ -594,6 +594,22 @@ def test_glm4_moe_split_over_two_ranks_and_quantized(tmp_path: Path) -> None:
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
 
 
+def test_minimax_m2_on_int8_is_batch_invariant_and_not_split(tmp_path: Path) -> None:
+    """MiniMax-M2: int8 quantizes the projections and every layer's bank (the sigmoid router float, routed row by
+    row); each prompt's tokens are the same alone and batched, and mostly agree with the float path's. Tensor
+    parallelism is refused before any worker starts (its q/k norms span every head)."""
+    folder = save_family(tmp_path, "minimax-m2", head_spread=1.0)  # a clear next token (families.save_family)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == 4
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
+    with pytest.raises(ValueError, match=r"q/k norms over every head \(minimax_m2\) is not sharded yet"):
+        engine(folder, tensor_parallel_size=2)
+
+
 def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> None:
     """Llama 4's rope layers attend within chunks (tests/families.py: of 32 positions, which the family tests cross):
     a chunk the KV block size does not divide is served only as far as the first chunk, and refused past it before

@@ -97,6 +97,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                              "partial_rotary_factor": 0.5}},
     ),
+    # MiniMax-M2: q/k norms over the whole projection, rope over half of each head (its legacy `rotary_dim`), top-2 of
+    # 8 experts by sigmoid scores with a load-balancing bias, renormalised.
+    "minimax-m2": (
+        transformers.MiniMaxM2Config,
+        {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # GLM-4: sandwich norms under its own names, fused gate/up, q/k/v biases, rope over the first half of each head
     # with its pairs interleaved (head dim 24: 12 turned, 12 not).
     "glm4": (transformers.Glm4Config, {"head_dim": 24, "pad_token_id": 0}),
@@ -238,6 +245,7 @@ MODEL_CLASSES = {
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
+    transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
