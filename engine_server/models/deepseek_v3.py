@@ -20,7 +20,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     ungated shared experts (checkpoint `mlp.shared_experts`, read as `mlp.shared_expert`). The multi-token-prediction
     layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read."""
 
-    checkpoint_renames = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 
     def load_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
