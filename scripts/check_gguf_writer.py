@@ -47,7 +47,7 @@ def families() -> dict[str, dict[str, Any]]:
     gpt_oss_rope = {**MODELS["gpt-oss"][1]["rope_parameters"], "truncate": True}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
-            "glm4-moe": GLM4_MOE_GGUF}
+            "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}}
 
 
 def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps: bool = False) -> dict[str, Any]:

@@ -342,6 +342,7 @@ _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
+    "minimax_m2": "minimax-m2",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -607,6 +608,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    if arch == "minimax-m2":
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if arch == "glm4moe":  # DeepSeek-V3's experts, as its converter describes them
         writer.add_expert_shared_count(config["n_shared_experts"])
         writer.add_leading_dense_block_count(config["first_k_dense_replace"])
@@ -617,7 +620,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        if arch == "gpt-oss":  # its experts are intermediate_size wide
+        if arch in ("gpt-oss", "minimax-m2"):  # their experts are intermediate_size wide
             writer.add_expert_feed_forward_length(config["intermediate_size"])
         elif arch not in ("llama", "llama4"):
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
@@ -731,10 +734,11 @@ def _write_tensors(
             if expert is not None:
                 banks.setdefault(f"blk.{layer}.{_GGUF_EXPERT[expert[2]]}.{param}", {})[int(expert[1])] = array
                 continue
+            if param == "e_score_correction_bias":  # the router's load-balancing bias (on MiniMax-M2's block)
+                tensors[f"blk.{layer}.exp_probs_b.bias"] = (array, None)
+                continue
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
-            if param == "e_score_correction_bias":  # the router's load-balancing bias
-                gguf_name = f"blk.{layer}.exp_probs_b.bias"
-            elif layer_names[kind] in _GGUF_ROUTERS:
+            if layer_names[kind] in _GGUF_ROUTERS:
                 array = array.reshape(-1) if layer_names[kind] == "ffn_gate_inp_shexp" else array
             elif kind.startswith(("mlp.", "block_sparse_moe.", "per_layer_")):
                 kind_type = feed_forward

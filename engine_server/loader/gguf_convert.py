@@ -154,6 +154,7 @@ _BARE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_BARE,
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
+    "minimax_m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},  # (on its block)
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -161,6 +162,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_LAYER_NAMES,
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
     "mixtral": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
+    "minimax_m2": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "gemma2": _GEMMA_LAYER_NAMES,
     "gemma3_text": _GEMMA_LAYER_NAMES,
     "llama4_text": _LLAMA4_LAYER_NAMES,
@@ -181,6 +183,7 @@ _EXPERT_BANKS = {
 _PROJECTIONS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "minimax_m2": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
     "llama4_text": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
 }
 _QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", _PROJECTIONS)

@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
-their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, and the Gated DeltaNet hybrids qwen35 /
-qwen35moe / qwen3next `<arch>.*` keys)."""
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, and the Gated DeltaNet hybrids
+qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
+    "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -174,6 +175,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_glm4_moe_config(reader, config, experts, tensors, spec))
     elif arch == "glm4":  # rope over `rope.dimension_count` dims, stated when whole too (the config's default: half)
         config["partial_rotary_factor"] = config.get("partial_rotary_factor", 1.0)
+    elif arch == "minimax-m2":
+        config.update(_minimax_m2_config(reader, experts, spec))
     elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
@@ -298,6 +301,28 @@ def _glm4_moe_config(
         "topk_group": int(read_field(reader, f"{arch}.expert_group_used_count", 0) or 1),
         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
         "partial_rotary_factor": config.get("partial_rotary_factor", 1.0),
+    }
+
+
+def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str, Any]:
+    """The keys of a MiniMax-M2 `config.json` from a `minimax-m2` file: its experts (`expert_feed_forward_length`
+    wide, every layer's) and their sigmoid routing (`expert_gating_func`, sigmoid when the file omits it, as
+    llama.cpp takes it). ValueError for a file without experts or with a router other than sigmoid."""
+    arch = "minimax-m2"
+    required = functools.partial(_arch_field, reader, arch, spec)
+    if not experts:
+        raise ValueError(f"model {spec!r}: a minimax-m2 file without experts is not supported")
+    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SIGMOID))
+    if gating != _GATING_SIGMOID:
+        raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (2, sigmoid, is)")
+    used = int(required("expert_used_count"))
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    return {
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "intermediate_size": int(required("expert_feed_forward_length")),
+        "scoring_func": "sigmoid",
     }
 
 
