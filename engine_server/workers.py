@@ -116,9 +116,10 @@ def start_tensor_parallel(
     model = source.config
     if model.encoder:
         raise ValueError(f"--tensor-parallel-size {size}: an encoder model runs on one device (it is small and pools)")
-    if model.latent_attention is not None or model.qk_norm_whole:
-        what = "multi-head latent attention" if model.latent_attention is not None else "q/k norms over every head"
-        raise ValueError(f"--tensor-parallel-size {size}: {what} ({model.architecture}) is not sharded yet")
+    if model.latent_attention is not None:
+        raise ValueError(
+            f"--tensor-parallel-size {size}: multi-head latent attention ({model.architecture}) is not sharded yet"
+        )
     check_shardable(model.num_attention_heads, model.num_key_value_heads, model.mlp_widths, size)
     if model.linear_attention is not None:
         model.linear_attention.sharded(size)  # its key and value heads split too

@@ -10,13 +10,14 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
-from engine_server.layers.norm import RMSNorm
+from engine_server.layers.norm import RMSNorm, ShardedRMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import (
     PartSlice,
     heads_per_rank,
+    kv_head_replicas,
     kv_heads_per_rank,
     qkv_slices,
     query_heads_of_rank,
@@ -85,11 +86,17 @@ class PagedSelfAttention(nn.Module):
         # Qwen3 normalises each head of q and k (over head_dim) before rope; OLMoE all of q and all of k at once,
         # which a rank holding some of the heads cannot do alone.
         self.qk_norm_whole = config.qk_norm_whole
-        if self.qk_norm_whole and tp.size > 1:
-            raise ValueError("q/k norms over the whole projection (OLMoE) are not sharded: use tensor_parallel_size 1")
-        q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
-        self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if config.qk_norm and not self.shares_kv else None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm and self.qk_norm_whole and tp.size > 1:  # each rank its heads' columns (`ShardedRMSNorm`)
+            q_part, k_part = parts[0], parts[1]
+            self.q_norm = ShardedRMSNorm(q_part.full, q_part.rows, 1, config.rms_norm_eps, dtype, tp)
+            replicas = kv_head_replicas(kv_heads, tp.size)
+            self.k_norm = ShardedRMSNorm(k_part.full, k_part.rows, replicas, config.rms_norm_eps, dtype, tp)
+        elif config.qk_norm:
+            q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype) if not self.shares_kv else None
         # Gemma 4's value norm and Llama 4's q/k norms have no weight to load: a buffer of ones, so `ops.rms_norm`
         # takes it as a norm's.
         self.value_norm = config.gemma4 is not None

@@ -76,6 +76,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if first.sinks is not None or not all(attention.rope and not attention.qk_unit_norm for attention in attentions):
         return None
+    if model.tp.size > 1 and first.qk_norm_whole:  # its q/k norms all-reduce their squares (`ShardedRMSNorm`)
+        return None
     if any(isinstance(layer.mlp, SparseMoE) and layer.mlp.input_scaled for layer in layers):
         return None  # Llama 4's router, which scales the experts' inputs
     if model.scales_embeddings or any(layer.residual_multiplier != 1.0 for layer in layers):

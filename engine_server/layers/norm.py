@@ -1,10 +1,12 @@
-"""RMSNorm layer with an optional fused residual add."""
+"""RMSNorm layer with an optional fused residual add, and its form over a projection split by heads over ranks."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine_server.parallel.group import TensorParallel
+from engine_server.parallel.layers import CheckpointTensor, read_whole
 from kernels.kernel_set import KernelOps
 
 
@@ -26,3 +28,41 @@ class RMSNorm(nn.Module):
         """`(norm(x + residual), x + residual)`: the normalised value and the new residual stream."""
         out, new_residual = ops.rms_norm(x, self.weight, self.eps, residual)
         return out, new_residual
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection whose heads are split over the tensor-parallel ranks (OLMoE's, OLMo 2's and
+    MiniMax-M2's q/k norms, over all of q or all of k at once): each rank holds `kept`, its heads' columns of the
+    `full`-wide projection and of the weight, and the mean square is the sum of every rank's squares (all-reduced)
+    over `full`. A rank among `replicas` holding the same heads (KV heads replicated past their count) adds its
+    share of their squares, so that each head counts once. Computed as `kernels.reference.rms_norm` computes it; at
+    one rank it is that norm, but for the order of the float sums."""
+
+    own_tensors = ("weight",)  # the checkpoint's whole weight, kept's columns of it (`load_tensor`)
+
+    def __init__(
+        self, full: int, kept: range, replicas: int, eps: float, dtype: torch.dtype, tp: TensorParallel
+    ) -> None:
+        super().__init__(len(kept), eps, dtype)
+        self.full, self.kept, self.replicas, self.tp = full, kept, replicas, tp
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy this rank's columns of a checkpoint's whole `[full]` weight."""
+        whole = read_whole(tensor)
+        if whole.shape != (self.full,):
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({self.full},)")
+        with torch.no_grad():
+            self.weight.copy_(whole[self.kept.start : self.kept.stop])
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        if self.replicas > 1:
+            squares = squares / self.replicas
+        mean = self.tp.all_reduce_sum(squares) / self.full
+        return self.weight * (x32 * torch.rsqrt(mean + self.eps)).to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("a sharded q/k norm takes no residual")

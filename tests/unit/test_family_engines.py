@@ -594,20 +594,33 @@ def test_glm4_moe_split_over_two_ranks_and_quantized(tmp_path: Path) -> None:
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
 
 
-def test_minimax_m2_on_int8_is_batch_invariant_and_not_split(tmp_path: Path) -> None:
+def test_minimax_m2_on_int8_is_batch_invariant_and_split_over_two_ranks(tmp_path: Path) -> None:
     """MiniMax-M2: int8 quantizes the projections and every layer's bank (the sigmoid router float, routed row by
-    row); each prompt's tokens are the same alone and batched, and mostly agree with the float path's. Tensor
-    parallelism is refused before any worker starts (its q/k norms span every head)."""
+    row); each prompt's tokens are the same alone and batched, and mostly agree with the float path's. Over two
+    ranks (its q/k norms over every head summing their squares over the ranks) it keeps transformers' tokens."""
     folder = save_family(tmp_path, "minimax-m2", head_spread=1.0)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert tokens(llm, batch) == theirs
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
         assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == 4
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
-    with pytest.raises(ValueError, match=r"q/k norms over every head \(minimax_m2\) is not sharded yet"):
-        engine(folder, tensor_parallel_size=2)
+
+
+def test_olmoe_on_int8_over_two_ranks_is_batch_invariant_and_close(tmp_path: Path) -> None:
+    """OLMoE on int8 over two ranks: its q/k norms over every head sum their squares over the ranks in the layers
+    (`ShardedRMSNorm`; no C++ decode stack, whose norms would see one rank's heads); each prompt's tokens are the
+    same alone and batched and mostly agree with the float path's."""
+    folder = save_family(tmp_path, "olmoe", head_spread=1.0)  # a clear next token (families.save_family)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, quantization="int8", tensor_parallel_size=2) as llm:
+        assert llm.core.runner.loaded.model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
 
 
 def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ from tests.unit.parallel.tp_model_ranks import BLOCK_SIZE, first_prompt, rank_ma
 
 # name -> (config class, config, group size). Head layouts: KV heads split one per rank, replicated over ranks,
 # several per rank; a vocabulary that 3 does not divide (padded); biases on q/k/v and o (Llama, Qwen3), q/k norms
-# (Qwen3).
+# (Qwen3's per head; OLMo 2's and MiniMax-M2's over the whole projection, their squares summed over the ranks, with
+# MiniMax-M2's one KV head replicated on three).
 CASES: dict[str, tuple[type[Any], dict[str, Any], int]] = {
     "llama-bias-2": (
         transformers.LlamaConfig,
@@ -51,6 +52,17 @@ CASES: dict[str, tuple[type[Any], dict[str, Any], int]] = {
         dict(num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=False),
         3,
     ),
+    "olmo2-whole-qk-norm-2": (
+        transformers.Olmo2Config,
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+        2,
+    ),
+    "minimax-m2-whole-qk-norm-replicated-kv-3": (
+        transformers.MiniMaxM2Config,
+        dict(num_attention_heads=6, num_key_value_heads=1, head_dim=8, rotary_dim=4, num_local_experts=4,
+             num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False),
+        3,
+    ),
 }
 SMALL: dict[str, Any] = dict(
     vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128
@@ -59,6 +71,8 @@ MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
+    transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
 }
 
 
