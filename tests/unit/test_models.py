@@ -15,6 +15,7 @@ import transformers
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.config import LongRope, ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.norm import ShardedRMSNorm
 from engine_server.models import CausalLM, get_model_class
 from engine_server.parallel.group import TensorParallel
 
@@ -474,7 +475,7 @@ def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
         get_model_class(config.architecture)(config).load_weights(bad.items())
 
 
-def test_olmoe_config_and_its_whole_projection_norms_refuse_sharding() -> None:
+def test_olmoe_config_and_its_whole_projection_norms_split_by_rank() -> None:
     shape = {**SMALL, "intermediate_size": 32}
     olmoe = transformers.OlmoeConfig(**shape, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0).to_dict()
     config = ModelConfig.from_hf_config(olmoe)
@@ -482,9 +483,13 @@ def test_olmoe_config_and_its_whole_projection_norms_refuse_sharding() -> None:
     assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 32, False)
     assert ModelConfig.from_hf_config({**olmoe, "norm_topk_prob": True}).norm_topk_prob
     no_group = cast(dist.ProcessGroup, object())  # nothing runs a collective
-    two_ranks = TensorParallel(rank=0, size=2, group=no_group, control_group=no_group)
-    with pytest.raises(ValueError, match="whole projection"):
-        PagedSelfAttention(config, torch.float32, tp=two_ranks)
+    two_ranks = TensorParallel(rank=1, size=2, group=no_group, control_group=no_group)
+    attention = PagedSelfAttention(config, torch.float32, tp=two_ranks)  # each rank its heads' columns of the norms
+    q_norm, k_norm = attention.q_norm, attention.k_norm
+    assert isinstance(q_norm, ShardedRMSNorm) and isinstance(k_norm, ShardedRMSNorm)
+    q_full, kv_full = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    assert (q_norm.full, q_norm.kept, q_norm.weight.shape) == (q_full, range(q_full // 2, q_full), (q_full // 2,))
+    assert (k_norm.full, k_norm.kept, k_norm.replicas) == (kv_full, range(kv_full // 2, kv_full), 1)
 
 
 def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> None:
