@@ -262,6 +262,21 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
 _GATING_SIGMOID = 2
 
 
+def _sigmoid_routed_experts(reader: GGUFReader, arch: str, experts: int, spec: str) -> int:
+    """The experts each token uses (`expert_used_count`) in a file of `arch` whose router llama.cpp gates by sigmoid
+    (GLM-4.5's, MiniMax-M2's). ValueError for a file without experts, with another `expert_gating_func` (sigmoid
+    when the file omits it, as llama.cpp takes it), or using none or more than it has."""
+    if not experts:
+        raise ValueError(f"model {spec!r}: a {arch} file without experts is not supported")
+    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SIGMOID))
+    if gating != _GATING_SIGMOID:
+        raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (2, sigmoid, is)")
+    used = int(_arch_field(reader, arch, spec, "expert_used_count"))
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    return used
+
+
 def _glm4_moe_config(
     reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
 ) -> dict[str, Any]:
@@ -274,14 +289,7 @@ def _glm4_moe_config(
     with no layer left but its prediction layers."""
     arch = "glm4moe"
     required = functools.partial(_arch_field, reader, arch, spec)
-    if not experts:
-        raise ValueError(f"model {spec!r}: a glm4moe file without experts is not supported")
-    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SIGMOID))
-    if gating != _GATING_SIGMOID:
-        raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (2, sigmoid, is)")
-    used = int(required("expert_used_count"))
-    if not 0 < used <= experts:
-        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    used = _sigmoid_routed_experts(reader, arch, experts, spec)
     predicting = int(read_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
     layers = int(config["num_hidden_layers"]) - predicting
     if predicting < 0 or layers < 1:
@@ -309,19 +317,10 @@ def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str,
     wide, every layer's) and their sigmoid routing (`expert_gating_func`, sigmoid when the file omits it, as
     llama.cpp takes it). ValueError for a file without experts or with a router other than sigmoid."""
     arch = "minimax-m2"
-    required = functools.partial(_arch_field, reader, arch, spec)
-    if not experts:
-        raise ValueError(f"model {spec!r}: a minimax-m2 file without experts is not supported")
-    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SIGMOID))
-    if gating != _GATING_SIGMOID:
-        raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (2, sigmoid, is)")
-    used = int(required("expert_used_count"))
-    if not 0 < used <= experts:
-        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
     return {
         "num_local_experts": experts,
-        "num_experts_per_tok": used,
-        "intermediate_size": int(required("expert_feed_forward_length")),
+        "num_experts_per_tok": _sigmoid_routed_experts(reader, arch, experts, spec),
+        "intermediate_size": int(_arch_field(reader, arch, spec, "expert_feed_forward_length")),
         "scoring_func": "sigmoid",
     }
 

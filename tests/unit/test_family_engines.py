@@ -577,34 +577,20 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
-def test_glm4_moe_split_over_two_ranks_and_quantized(tmp_path: Path) -> None:
-    """GLM-4.5: two ranks (each its heads' q/k/v rows and biases, the half-head rope and the q/k norms on them, its
-    rows of every expert) keep transformers' tokens. int8 quantizes the projections and the three sparse layers'
-    banks (the grouped sigmoid router float); each prompt's tokens are the same alone and batched, and mostly agree
-    with the float path's."""
-    folder = save_family(tmp_path, "glm4-moe", head_spread=1.0)  # a clear next token (families.save_family)
+@pytest.mark.parametrize(("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4)])
+def test_sigmoid_routed_families_split_over_two_ranks_and_on_int8(name: str, banks: int, tmp_path: Path) -> None:
+    """GLM-4.5 and MiniMax-M2: two ranks keep transformers' tokens (each rank its heads' q/k/v rows, GLM-4.5's biases
+    and per-head q/k norms, MiniMax-M2's q/k norms over every head summing their squares over the ranks; its rows
+    of every expert). int8 quantizes the projections and every sparse layer's bank (GLM-4.5's first layer is dense;
+    the sigmoid router float, routed row by row); each prompt's tokens are the same alone and batched, and mostly
+    agree with the float path's."""
+    folder = save_family(tmp_path, name, head_spread=1.0)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, batch) == theirs
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
-        assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == 3
-        alone = [tokens(llm, [prompt])[0] for prompt in batch]
-        assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
-
-
-def test_minimax_m2_on_int8_is_batch_invariant_and_split_over_two_ranks(tmp_path: Path) -> None:
-    """MiniMax-M2: int8 quantizes the projections and every layer's bank (the sigmoid router float, routed row by
-    row); each prompt's tokens are the same alone and batched, and mostly agree with the float path's. Over two
-    ranks (its q/k norms over every head summing their squares over the ranks) it keeps transformers' tokens."""
-    folder = save_family(tmp_path, "minimax-m2", head_spread=1.0)  # a clear next token (families.save_family)
-    theirs, batch = reference_tokens(folder), prompts()
-    with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, batch) == theirs
-    with engine(folder, quantization="int8") as llm:
-        model = llm.core.runner.loaded.model
-        assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == 4
+        assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == banks
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7

@@ -368,6 +368,20 @@ def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor
         return converted, reference_tokens(checkpoint)
 
 
+def exact_then_served(tmp_path: Path, family: str, **overrides: Any) -> tuple[Path, dict[str, str], Any]:
+    """`family`'s random model (with `overrides`) written as llama.cpp's converter writes it, its MLP in Q4_0 and its
+    attention in Q8_0: converted, it is the saved model (`converted_as_saved`) and its float path equals transformers
+    token for token. Returns the file and, served from its blocks, its layers' formats and `ladle bench quality`'s
+    comparison with the float path (`served_from_blocks`)."""
+    folder = save_family(tmp_path / "hf", family, head_spread=0.5, **overrides)
+    gguf = write_gguf(folder, tmp_path / f"{family}.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    _, expected = converted_as_saved(folder, gguf)
+    with engine(gguf) as llm:
+        assert tokens(llm, prompts()) == expected
+    layers, result = served_from_blocks(gguf)
+    return gguf, layers, result
+
+
 def test_a_llama4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
     """A Llama 4 file as llama.cpp's converter writes it (its q/k rows as the checkpoint holds them, rope pairs
     interleaved; each projection's experts in one 3-D tensor; llama3 scaling as `rope_freqs`): converted, the config
@@ -375,12 +389,7 @@ def test_a_llama4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp
     experts as the checkpoint's two banks a layer), and the float path equals transformers on that checkpoint token
     for token. Served from its blocks, q/k/v and the dense, shared and routed experts' projections are the file's
     blocks (q/k rows read in the layers' order) and hold `ladle bench quality`'s thresholds against the float path."""
-    folder = save_family(tmp_path / "hf", "llama4", head_spread=0.5, **LLAMA4_GGUF)
-    gguf = write_gguf(folder, tmp_path / "llama4.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
-    _, expected = converted_as_saved(folder, gguf)
-    with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == expected
-    layers, result = served_from_blocks(gguf)
+    _, layers, result = exact_then_served(tmp_path, "llama4", **LLAMA4_GGUF)
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
     assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 2, layers
@@ -407,12 +416,7 @@ def test_a_glm4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_p
     comes back under its checkpoint name, and the float path equals transformers token for token. Served from its
     blocks, q/k/v (their turned rows read in the layers' order) and gate/up are the file's blocks, and it holds
     `ladle bench quality`'s thresholds against the float path."""
-    folder = save_family(tmp_path / "hf", "glm4", head_spread=0.5)
-    gguf = write_gguf(folder, tmp_path / "glm4.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
-    _, expected = converted_as_saved(folder, gguf)
-    with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == expected
-    layers, result = served_from_blocks(gguf)
+    _, layers, result = exact_then_served(tmp_path, "glm4")
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
 
@@ -426,12 +430,7 @@ def test_a_minimax_m2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks
     `ladle bench quality`'s 0.01, top-1 within 0.9 (measured 92.7% / 0.0031; at Q8_0 93.8% / 0.0043, where a
     softmax-routed Qwen3-MoE gives 95.8% / 0.0003: the two sigmoid-routed families here, this and GLM-4.5, sit
     lower at 8 bits too; the routing computed row by row chooses as the float router does, test_quant_moe.py)."""
-    folder = save_family(tmp_path / "hf", "minimax-m2", head_spread=0.5)
-    gguf = write_gguf(folder, tmp_path / "minimax-m2.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
-    _, expected = converted_as_saved(folder, gguf)
-    with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == expected
-    layers, result = served_from_blocks(gguf)
+    _, layers, result = exact_then_served(tmp_path, "minimax-m2")
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 4, layers
     assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.01, result
@@ -452,13 +451,8 @@ def test_a_glm4_moe_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(t
     the float path: mean KL within `ladle bench quality`'s 0.01, top-1 within 0.9 (measured 93.8% / 0.005; the
     experts' outputs scaled by 2.5, GLM-4.5's `routed_scaling_factor`, move this random model's next layers more than
     other families' do: with a scale of 1 its Q8_0 file gives 99.0% / 0.0016, at 2.5 93.8% / 0.0043)."""
-    folder = save_family(tmp_path / "hf", "glm4-moe", head_spread=0.5, **GLM4_MOE_GGUF)
-    gguf = write_gguf(folder, tmp_path / "glm4moe.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    gguf, layers, result = exact_then_served(tmp_path, "glm4-moe", **GLM4_MOE_GGUF)
     assert {t.name for t in GGUFReader(gguf).tensors} >= {"blk.4.nextn.eh_proj.weight", "blk.4.ffn_gate_exps.weight"}
-    _, expected = converted_as_saved(folder, gguf)
-    with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == expected
-    layers, result = served_from_blocks(gguf)
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
     assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
