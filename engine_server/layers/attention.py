@@ -84,7 +84,7 @@ class PagedSelfAttention(nn.Module):
         full_q = config.num_attention_heads * self.head_dim
         self.o_proj: nn.Module = RowParallelLinear(full_q, config.hidden_size, o_proj_bias, tp, dtype)
         # Qwen3 normalises each head of q and k (over head_dim) before rope; OLMoE all of q and all of k at once,
-        # which a rank holding some of the heads cannot do alone.
+        # which a rank holding some of the heads does with the other ranks' squares summed in (`ShardedRMSNorm`).
         self.qk_norm_whole = config.qk_norm_whole
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
