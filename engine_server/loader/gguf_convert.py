@@ -262,17 +262,28 @@ def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) 
     if architecture == "gemma4_text" or (match.group(3) == "bias" and architecture != "gpt_oss"):
         return None  # Gemma 4's banks load whole (`_GEMMA4_BARE`), as transformers holds them
     pattern, projections = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
-    parts = _EXPERT_BANKS[match.group(2)]
+    layer, param = match.group(1), match.group(3)
+
+    def name_of(expert: int, part: str) -> str:
+        return f"model.layers.{layer}.{pattern.format(expert=expert, proj=projections[part])}.{param}"
+
+    return bank_slices(gguf_name, shape, _EXPERT_BANKS[match.group(2)], name_of)
+
+
+def bank_slices(
+    gguf_name: str, shape: tuple[int, ...], parts: tuple[str, ...], name_of: Callable[[int, str], str]
+) -> list[ExpertSlice]:
+    """Each expert's projections `parts` (`gate`, `up`, `down`; in the order its rows hold them) in GGUF tensor
+    `gguf_name` of `shape` (`[experts, rows, ...]`), each named `name_of(expert, part)`, by expert and then by row.
+    ValueError when the rows do not split evenly into the parts (a fused gate/up bank's into halves)."""
     width, rest = divmod(int(shape[1]), len(parts))
     if rest:
-        raise ValueError(f"GGUF tensor {gguf_name!r}: {shape[1]} rows do not split into gate and up halves")
-    layer, param = match.group(1), match.group(3)
+        raise ValueError(f"GGUF tensor {gguf_name!r}: {shape[1]} rows do not split into {' and '.join(parts)} halves")
     return [
-        ExpertSlice(f"model.layers.{layer}.{pattern.format(expert=e, proj=projections[part])}.{param}", e,
-                    slice(i * width, (i + 1) * width))
-        for e in range(int(shape[0]))
+        ExpertSlice(name_of(expert, part), expert, slice(i * width, (i + 1) * width))
+        for expert in range(int(shape[0]))
         for i, part in enumerate(parts)
-    ]  # fmt: skip
+    ]
 
 
 def rope_permuted(architecture: str) -> bool:

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from engine_server.layers.quantized_linear import QuantizedWeight, quantize_q8
 from engine_server.loader.gguf_blocks import BLOCKS, parse_blocks
 from engine_server.loader.gguf_convert import (
+    bank_slices,
     hf_expert_slices,
     hf_tensor_name,
     indexed_tensors,
@@ -134,16 +135,12 @@ def _fused_bank_matrices(
 ) -> Iterator[tuple[str, StoredMatrix]]:
     """Each expert's gate, up (the first and second half of its `gate_up_proj` rows) or down matrix of a whole bank
     `name`, by the per-expert names the experts' loading takes (`<bank>.<e>.gate_proj.weight`, ...), each a view of
-    the bank's blocks."""
+    the bank's blocks (`gguf_convert.bank_slices`)."""
     bank = data.reshape(*data.shape[:2], -1, BLOCKS[kind][1])
     base, _, projection = name.rpartition(".")
-    for expert, blocks in enumerate(bank):
-        if projection == "down_proj":
-            yield f"{base}.{expert}.down_proj.weight", StoredMatrix(blocks, kind)
-            continue
-        half = len(blocks) // 2
-        yield f"{base}.{expert}.gate_proj.weight", StoredMatrix(blocks, kind, np.arange(half))
-        yield f"{base}.{expert}.up_proj.weight", StoredMatrix(blocks, kind, np.arange(half, 2 * half))
+    parts = ("down",) if projection == "down_proj" else ("gate", "up")
+    for part in bank_slices(name, bank.shape, parts, lambda expert, proj: f"{base}.{expert}.{proj}_proj.weight"):
+        yield part.name, StoredMatrix(part.of(bank), kind)
 
 
 def _mapped_tensors(
