@@ -7,10 +7,12 @@ saved by transformers, written to an all-F32 GGUF file, and decoded greedily by 
 transformers from the checkpoint: the tokens must be equal. A file laid out other than as llama.cpp's converter lays
 it (rows permuted, value heads grouped where llama.cpp tiles them) gives other tokens from the first few on. The
 prompts are longer than Phi-3's test model's original context (PROMPTS), where llama.cpp and transformers pick
-LongRoPE's factors alike.
+LongRoPE's factors alike. Where two near-tied tokens part them, the logits both give along transformers' tokens
+(`max_logit_difference`) still say whether llama.cpp read the file as the checkpoint.
 
 With `--fuse-gate-up-exps` the files of the families with experts hold each layer's gate and up banks as one
-tensor, as llama.cpp's converter writes them when given that option.
+tensor, as llama.cpp's converter writes them when given that option; with `--joined-kv-b` DeepSeek's files hold each
+layer's `kv_b_proj` whole, as its converter wrote them before it split the tensor in two.
 
     .venv/bin/python scripts/check_gguf_writer.py --out benchmarks/results/gguf_writer_llama_cpp.jsonl
 """
@@ -37,7 +39,14 @@ NEW_TOKENS = 16
 
 def families() -> dict[str, dict[str, Any]]:
     """Each family the GGUF tests write, with their overrides (`save_family`'s)."""
-    from tests.unit.test_family_gguf import GLM4_MOE_GGUF, GPT_OSS_GGUF, HYBRID_GGUF, LLAMA4_GGUF, MOE_GGUF
+    from tests.unit.test_family_gguf import (
+        DEEPSEEK_GGUF,
+        GLM4_MOE_GGUF,
+        GPT_OSS_GGUF,
+        HYBRID_GGUF,
+        LLAMA4_GGUF,
+        MOE_GGUF,
+    )
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
@@ -45,14 +54,22 @@ def families() -> dict[str, dict[str, Any]]:
     # released gpt-oss does not (`truncate` false, which ladle reads a gpt-oss file as). Compared with the range
     # rounded, llama.cpp and transformers run the same rope and the check sees the file's layout alone.
     gpt_oss_rope = {**MODELS["gpt-oss"][1]["rope_parameters"], "truncate": True}
+    # llama.cpp reads a `deepseek2` file without a q rank only at DeepSeek-V2-Lite's 27 layers (or 26): it asks for
+    # `attention.q_lora_rank` at any other count. Over 27 random layers, rounding flips some top-2 choices of experts
+    # (logits then part by ~0.5, at 4 layers by 0.01): every expert is used, so the check sees the file's layout.
+    deepseek_v2 = {**DEEPSEEK_GGUF["deepseek-v2"], "num_hidden_layers": 27, "num_experts_per_tok": 8}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
-            "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}}
+            "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
+            "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"]}
 
 
-def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps: bool = False) -> dict[str, Any]:
+def check(
+    family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps: bool = False, joined_kv_b: bool = False
+) -> dict[str, Any]:
     """llama.cpp's and transformers' greedy tokens for PROMPTS on one family's file and checkpoint (its gate and up
-    banks of experts fused: `fuse_gate_up_exps`)."""
+    banks of experts fused: `fuse_gate_up_exps`; DeepSeek's `kv_b_proj` whole, as older files hold it:
+    `joined_kv_b`)."""
     import llama_cpp
     import torch
     import transformers
@@ -60,11 +77,12 @@ def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps:
 
     folder = save_family(root / "hf", family, head_spread=0.5, **overrides)
     f32 = GGMLQuantizationType.F32
-    gguf = write_gguf(folder, root / "model.gguf", f32, f32, fuse_gate_up_exps=fuse_gate_up_exps)
+    gguf = write_gguf(folder, root / "model.gguf", f32, f32, fuse_gate_up_exps=fuse_gate_up_exps,
+                      joined_kv_b=joined_kv_b)  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
-    equal, prefixes, gaps = 0, [], []
+    equal, prefixes, gaps, differences = 0, [], [], []
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         with torch.no_grad():
@@ -82,10 +100,18 @@ def check(family: str, overrides: dict[str, Any], root: Path, fuse_gate_up_exps:
             with torch.no_grad():
                 logits = model(torch.tensor([ids + theirs[:prefix].tolist()])).logits[0, -1]
             gaps.append(round(float(logits[theirs[prefix]] - logits[ours[prefix]]), 5))
+        # Both models' logits along transformers' tokens: a misread file moves them by whole units, rounding by little.
+        sequence = ids + theirs.tolist()
+        llama.reset()
+        llama.eval(sequence)
+        with torch.no_grad():
+            reference = model(torch.tensor([sequence])).logits[0, len(ids) - 1 :]
+        read = torch.from_numpy(llama.scores[len(ids) - 1 : len(sequence)].copy())
+        differences.append(round(float((read - reference).abs().max()), 5))
     llama.close()
     return {"family": family, "overrides": overrides, "fuse_gate_up_exps": fuse_gate_up_exps,
-            "prompts": len(PROMPTS), "equal": equal,
-            "common_prefix": prefixes, "logit_gap_where_they_part": gaps,
+            "joined_kv_b": joined_kv_b, "prompts": len(PROMPTS), "equal": equal,
+            "common_prefix": prefixes, "logit_gap_where_they_part": gaps, "max_logit_difference": differences,
             "llama_cpp_python": llama_cpp.__version__, "transformers": transformers.__version__}  # fmt: skip
 
 
@@ -96,12 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fuse-gate-up-exps", action="store_true", help="each layer's gate and up experts in one tensor"
     )
+    parser.add_argument("--joined-kv-b", action="store_true", help="DeepSeek's kv_b_proj whole, as older files hold it")
     args = parser.parse_args(argv)
     chosen = {name: o for name, o in families().items() if not args.family or name in args.family}
     failed = 0
     for family, overrides in chosen.items():
         with tempfile.TemporaryDirectory() as folder:
-            result = check(family, overrides, Path(folder), args.fuse_gate_up_exps)
+            result = check(family, overrides, Path(folder), args.fuse_gate_up_exps, args.joined_kv_b)
         result = {"benchmark": "gguf_writer", "time": utc_timestamp(), "commit": git_commit(),
                   "command": " ".join(["scripts/check_gguf_writer.py", *(argv or sys.argv[1:])]), **result}  # fmt: skip
         append_result(args.out, result)

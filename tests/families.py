@@ -342,7 +342,8 @@ _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
-    "minimax_m2": "minimax-m2",
+    "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
+    "glm4_moe_lite": "deepseek2",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -465,6 +466,14 @@ def _gemma4_metadata(writer: Any, config: dict[str, Any]) -> None:
 
 # Types gguf cannot quantize to (llama.cpp's K-quants): their tensors are written as random blocks
 # (tests.lowbit_blocks), so the file's weights are those blocks' and not the folder's.
+# DeepSeek-V2/V3's latent attention (`kv_b_proj` is written as two tensors, `_latent_expansion_halves`).
+_GGUF_LATENT_LAYER = {
+    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+}  # fmt: skip
+
+
 _RANDOM_BLOCK_KINDS = {  # GGMLQuantizationType values
     10: "q2_k", 11: "q3_k", 12: "q4_k", 13: "q5_k", 14: "q6_k", 16: "iq2_xxs", 17: "iq2_xs", 18: "iq3_xxs",
     19: "iq1_s", 20: "iq4_nl", 21: "iq3_s", 22: "iq2_s", 23: "iq4_xs", 29: "iq1_m",
@@ -473,7 +482,7 @@ _RANDOM_BLOCK_KINDS = {  # GGMLQuantizationType values
 
 def write_gguf(
     folder: Path, path: Path, feed_forward: Any, attention: Any, output: Any = None,
-    types: dict[str, Any] | None = None, fuse_gate_up_exps: bool = False,
+    types: dict[str, Any] | None = None, fuse_gate_up_exps: bool = False, joined_kv_b: bool = False,
 ) -> Path:
     """`folder`'s Phi-3, Gemma 2, Gemma 3, Gemma 4, Mixtral, Llama 4, Qwen2-MoE, Qwen3-MoE, Qwen3.5, Qwen3.5-MoE,
     Qwen3-Next, gpt-oss, GLM-4 or GLM-4.5 as llama.cpp's converter writes it (scripts/check_gguf_writer.py has llama.cpp
@@ -494,7 +503,9 @@ def write_gguf(
     8,192, the temperature's floor 8,192 and scale 0.1) must be the model's. GLM-4's q/k rows stay as its checkpoint's
     too (the turned half of each head interleaved); GLM-4.5's multi-token-prediction layers follow its decoder layers
     (`_prediction_layer_tensors`). `fuse_gate_up_exps`: each layer's gate and up banks written as one, as llama.cpp's
-    converter does with `--fuse-gate-up-exps` (`_fused_gate_up_exps`)."""
+    converter does with `--fuse-gate-up-exps` (`_fused_gate_up_exps`). DeepSeek-V2/V3 are written as its `deepseek2`
+    (`_deepseek2_metadata`), each layer's `kv_b_proj` split in two as its converter does now
+    (`_latent_expansion_halves`), or whole (`attn_kv_b`) as it did before, with `joined_kv_b`."""
     import json
 
     from gguf import GGUFWriter
@@ -518,7 +529,8 @@ def write_gguf(
     if arch == "gpt-oss":  # llama.cpp fixes the experts' SwiGLU; the file names o200k's split
         assert (config["swiglu_alpha"], config["swiglu_limit"]) == (1.702, 7.0), config
         writer.add_tokenizer_pre("gpt-4o")
-    _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types, fuse_gate_up_exps)
+    _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types, fuse_gate_up_exps,
+                   joined_kv_b)  # fmt: skip
     return path
 
 
@@ -537,6 +549,24 @@ def _fused_gate_up_exps(tensors: dict[str, tuple[np.ndarray, Any]]) -> dict[str,
         assert up_kind == kind, (name, kind, up_kind)
         fused[name.replace(".ffn_gate_exps.", ".ffn_gate_up_exps.")] = (np.concatenate([array, up], axis=1), kind)
     return fused
+
+
+def _latent_expansion_halves(
+    tensors: dict[str, tuple[np.ndarray, Any]], config: dict[str, Any]
+) -> dict[str, tuple[np.ndarray, Any]]:
+    """`tensors` with each layer's `attn_kv_b` `[heads * (nope + value), rank]` split as llama.cpp's converter splits
+    it now: `attn_k_b` `[heads, rank, nope]` (each head's key rows, transposed) and `attn_v_b` `[heads, value, rank]`,
+    each in its type (quantized along its own rows)."""
+    split: dict[str, tuple[np.ndarray, Any]] = {}
+    heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
+    for name, (array, kind) in tensors.items():
+        if not name.endswith(".attn_kv_b.weight"):
+            split[name] = (array, kind)
+            continue
+        per_head = array.reshape(heads, -1, array.shape[-1])
+        split[name.replace("attn_kv_b", "attn_k_b")] = (np.ascontiguousarray(per_head[:, :nope].swapaxes(1, 2)), kind)
+        split[name.replace("attn_kv_b", "attn_v_b")] = (np.ascontiguousarray(per_head[:, nope:]), kind)
+    return split
 
 
 def _gpt_oss_tensors(layer: str, param: str, array: np.ndarray, feed_forward: Any) -> dict[str, tuple[np.ndarray, Any]]:
@@ -571,12 +601,15 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if arch == "deepseek2":
+        _deepseek2_metadata(writer, config, rope)
+    else:
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if arch != "llama4":  # llama.cpp reads a llama4 file's 0 as MobileLLM's (no chunks); its converter writes none
         writer.add_sliding_window(config.get("sliding_window") or 0)
     if arch in _GGUF_HYBRIDS:
@@ -628,16 +661,52 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
+def _deepseek2_metadata(writer: Any, config: dict[str, Any], rope: dict[str, Any]) -> None:
+    """DeepSeek-V2/V3's and GLM-4.7-Flash's keys as llama.cpp's converter writes them (its `deepseek2`): the latent as
+    one KV head whose key is the latent and the rope key and whose value is the latent, each head's own widths as
+    `*_mla`, the ranks, the experts' routing (softmax for V2, sigmoid for the others) with DeepSeek's YaRN attention
+    scale, and GLM-4.7-Flash's prediction layers (`_prediction_layer_tensors`). Its dense layers must lead."""
+    from gguf import ExpertGatingFuncType
+
+    rank, rope_dims = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    writer.add_head_count_kv(1)
+    writer.add_key_length(rank + rope_dims)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(config["qk_nope_head_dim"] + rope_dims)
+    writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_kv_lora_rank(rank)
+    if config.get("q_lora_rank"):
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    writer.add_rope_dimension_count(rope_dims)
+    kinds = config.get("mlp_layer_types")  # GLM-4.7-Flash's: llama.cpp reads the leading dense ones alone
+    dense = config["first_k_dense_replace"] if kinds is None else kinds.index("sparse")
+    assert kinds is None or set(kinds[dense:]) == {"sparse"}, kinds
+    writer.add_leading_dense_block_count(dense)
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    if config.get("num_nextn_predict_layers"):
+        writer.add_nextn_predict_layers(config["num_nextn_predict_layers"])
+    sigmoid = config["model_type"] != "deepseek_v2"
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if sigmoid else ExpertGatingFuncType.SOFTMAX)
+    if config.get("n_group") and (sigmoid or config.get("topk_method") == "group_limited_greedy"):
+        writer.add_expert_group_count(config["n_group"])
+        writer.add_expert_group_used_count(config["topk_group"])
+    if rope.get("mscale_all_dim") is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def _prediction_layers(config: dict[str, Any], arch: str) -> int:
-    """How many multi-token-prediction layers llama.cpp's converter writes after the decoder layers: GLM-4.5's
-    (its checkpoints hold them; `_prediction_layer_tensors`), none for the other families here."""
-    return int(config.get("num_nextn_predict_layers") or 0) if arch == "glm4moe" else 0
+    """How many multi-token-prediction layers llama.cpp's converter writes after the decoder layers: GLM-4.5's and
+    GLM-4.7-Flash's (their checkpoints hold them; `_prediction_layer_tensors`), none for the other families here."""
+    return int(config.get("num_nextn_predict_layers") or 0) if arch in ("glm4moe", "deepseek2") else 0
 
 
 def _prediction_layer_tensors(
     tensors: dict[str, tuple[np.ndarray, Any]], config: dict[str, Any], arch: str
 ) -> dict[str, tuple[np.ndarray, Any]]:
-    """GLM-4.5's multi-token-prediction layers as its converter writes them, `blk.<n>` after the decoder layers: a
+    """GLM-4.5's (and GLM-4.7-Flash's) multi-token-prediction layers as its converter writes them, `blk.<n>` after the decoder layers: a
     decoder layer's tensors (here the last one's, as drawn: transformers' model holds none of its own) and the
     `nextn.*` ones that feed it (its projection of the joined embedding and hidden state, their norms)."""
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
@@ -675,7 +744,7 @@ def _llama3_rope_freqs(rope: dict[str, Any], head_dim: int) -> np.ndarray:
 
 def _write_tensors(
     writer: Any, folder: Path, config: dict[str, Any], arch: str, feed_forward: Any, attention: Any, output: Any,
-    types: dict[str, Any] | None, fuse_gate_up_exps: bool = False,
+    types: dict[str, Any] | None, fuse_gate_up_exps: bool = False, joined_kv_b: bool = False,
 ) -> None:
     """`folder`'s checkpoint tensors under llama.cpp's names and in the types `write_gguf` says; writes the file."""
     from gguf import GGMLQuantizationType
@@ -693,8 +762,10 @@ def _write_tensors(
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
         layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
                             "post_mlp_layernorm": "post_ffw_norm"})  # fmt: skip
-    if arch == "glm4moe":  # DeepSeek-V3's shared experts
+    if arch in ("glm4moe", "deepseek2"):  # DeepSeek-V3's shared experts
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
+    if arch == "deepseek2":
+        layer_names.update(_GGUF_LATENT_LAYER)
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
     linear: dict[str, dict[str, torch.Tensor]] = {}
@@ -761,6 +832,8 @@ def _write_tensors(
     tensors.update(_prediction_layer_tensors(tensors, config, arch))
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)
+    if arch == "deepseek2" and not joined_kv_b:
+        tensors = _latent_expansion_halves(tensors, config)
     if fuse_gate_up_exps:
         tensors = _fused_gate_up_exps(tensors)
     for index, (gguf_name, (array, kind_type)) in enumerate(tensors.items()):

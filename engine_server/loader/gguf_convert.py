@@ -140,6 +140,20 @@ _GLM4_MOE_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
 }
+# DeepSeek-V2/V3 (llama.cpp's `deepseek2`): latent attention's projections and norms, DeepSeek's shared experts. A
+# newer converter splits `kv_b_proj` into `attn_k_b` and `attn_v_b` (`LatentExpansionParts` joins them again).
+_DEEPSEEK_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
+}
+_DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")
+_SPLIT_EXPANSION = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 # GLM-4: Gemma's four norms under its checkpoint's names (`models.glm4` reads them as Gemma's), its `ffn_up` the fused
 # gate_up_proj.
 _GLM4_LAYER_NAMES = {
@@ -154,6 +168,7 @@ _BARE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_BARE,
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
+    **{model_type: {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"} for model_type in _DEEPSEEK_TYPES},
     "minimax_m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},  # (on its block)
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
 }
@@ -169,6 +184,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "gpt_oss": _GPT_OSS_LAYER_NAMES,
     "glm4_moe": _GLM4_MOE_LAYER_NAMES,
     "glm4": _GLM4_LAYER_NAMES,
+    **{model_type: _DEEPSEEK_LAYER_NAMES for model_type in _DEEPSEEK_TYPES},
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -408,8 +424,21 @@ def iter_hf_tensors(
     model_type = config["model_type"]
     hybrid = CheckpointForm(HybridShape.from_config(config, model_type), model_type) \
         if model_type in TILED_VALUE_HEADS else None
+    expansions: dict[str, dict[str, np.ndarray]] = {}  # a deepseek2 layer's attn_k_b / attn_v_b, until both are in
     for tensor in tensors:
         if tensor.name in _CONSUMED or prediction_layer_tensor(tensor.name, config):
+            continue
+        split = _SPLIT_EXPANSION.fullmatch(tensor.name) if model_type in _DEEPSEEK_TYPES else None
+        if split is not None:
+            parts = expansions.setdefault(split[1], {})
+            parts[split[2]] = _dequantized(tensor, spec)
+            if len(parts) == 2:
+                del expansions[split[1]]
+                try:
+                    joined = joined_expansion(**parts)
+                except ValueError as exc:
+                    raise ValueError(f"model {spec!r}: layer {split[1]}: {exc}") from exc
+                yield f"model.layers.{split[1]}.self_attn.kv_b_proj.weight", _float32(joined)
             continue
         try:
             experts = hf_expert_slices(tensor.name, tensor.data.shape, model_type)
@@ -433,6 +462,18 @@ def iter_hf_tensors(
         yield name, _hf_weight(tensor, spec, name, restore, lazy)
     if hybrid is not None:
         hybrid.finish()
+    if expansions:
+        raise ValueError(f"model {spec!r}: layers {sorted(expansions, key=int)} have one of attn_k_b and attn_v_b")
+
+
+def joined_expansion(k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """A latent attention layer's `kv_b_proj` `[heads * (nope + value), kv_lora_rank]` (each head's key rows, then
+    its value rows), from the halves a `deepseek2` file holds apart: `attn_k_b` `k` `[heads, kv_lora_rank, nope]`
+    (each head's key rows, transposed) and `attn_v_b` `v` `[heads, value, kv_lora_rank]`."""
+    heads, rank = v.shape[0], v.shape[2]
+    if k.shape[:2] != (heads, rank):
+        raise ValueError(f"attn_k_b {k.shape} and attn_v_b {v.shape} are not one layer's halves")
+    return np.concatenate((k.transpose(0, 2, 1), v), axis=1).reshape(-1, rank)
 
 
 def check_tensor_types(tensors: Iterable[GgufTensor], spec: str) -> None:

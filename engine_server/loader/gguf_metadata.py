@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
-their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, and the Gated DeltaNet hybrids
-qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
+Kimi K2, GLM-4.7-Flash), and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
     "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+    # DeepSeek-V3's form (sigmoid routing); a file routed by softmax is DeepSeek-V2's (`_deepseek2_config`).
+    "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -177,6 +179,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config["partial_rotary_factor"] = config.get("partial_rotary_factor", 1.0)
     elif arch == "minimax-m2":
         config.update(_minimax_m2_config(reader, experts, spec))
+    elif arch == "deepseek2":
+        config.update(_deepseek2_config(reader, config, experts, tensors, spec))
     elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
@@ -238,15 +242,7 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
         windowed = [i % pattern < pattern - 1 for i in range(layers)]
     else:
         raise ValueError(f"model {spec!r}: {arch}.attention.sliding_window_pattern {pattern!r} is not supported")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
-    scaling = read_field(reader, f"{arch}.rope.scaling.type")
-    if scaling == "yarn":
-        betas = {name: _short_float(value) for name in ("beta_fast", "beta_slow")
-                 if (value := read_field(reader, f"{arch}.rope.scaling.yarn_{name}")) is not None}  # fmt: skip
-        rope.update(rope_type="yarn", factor=_short_float(required("rope.scaling.factor")), **betas, truncate=False,
-                    original_max_position_embeddings=int(required("rope.scaling.original_context_length")))
-    elif scaling not in (None, "none"):
-        raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (yarn is)")
+    rope = _yarn_rope(reader, arch, config, spec, truncate=False)
     return {
         "intermediate_size": int(required("expert_feed_forward_length")),
         "num_local_experts": experts,
@@ -290,11 +286,7 @@ def _glm4_moe_config(
     arch = "glm4moe"
     required = functools.partial(_arch_field, reader, arch, spec)
     used = _sigmoid_routed_experts(reader, arch, experts, spec)
-    predicting = int(read_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
-    layers = int(config["num_hidden_layers"]) - predicting
-    if predicting < 0 or layers < 1:
-        raise ValueError(f"model {spec!r}: {arch}.nextn_predict_layers {predicting} of "
-                         f"{config['num_hidden_layers']} blocks leaves no decoder layer")  # fmt: skip
+    layers, predicting = _decoder_layers(reader, arch, config, spec)
     return {
         "num_hidden_layers": layers,
         "num_nextn_predict_layers": predicting,
@@ -312,6 +304,17 @@ def _glm4_moe_config(
     }
 
 
+def _decoder_layers(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str) -> tuple[int, int]:
+    """(decoder layers, multi-token-prediction layers) of a file whose converter writes the latter after the former
+    and counts them in `block_count` (`nextn_predict_layers`); ValueError when they leave no decoder layer."""
+    predicting = int(read_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    layers = int(config["num_hidden_layers"]) - predicting
+    if predicting < 0 or layers < 1:
+        raise ValueError(f"model {spec!r}: {arch}.nextn_predict_layers {predicting} of "
+                         f"{config['num_hidden_layers']} blocks leaves no decoder layer")  # fmt: skip
+    return layers, predicting
+
+
 def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str, Any]:
     """The keys of a MiniMax-M2 `config.json` from a `minimax-m2` file: its experts (`expert_feed_forward_length`
     wide, every layer's) and their sigmoid routing (`expert_gating_func`, sigmoid when the file omits it, as
@@ -322,6 +325,101 @@ def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str,
         "num_experts_per_tok": _sigmoid_routed_experts(reader, arch, experts, spec),
         "intermediate_size": int(_arch_field(reader, arch, spec, "expert_feed_forward_length")),
         "scoring_func": "sigmoid",
+    }
+
+
+def _yarn_rope(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str, **extra: Any) -> dict[str, Any]:
+    """The `rope_parameters` of a file of `arch` whose rope is plain or YaRN (`rope.scaling.*`: its factor, original
+    context and, where the file gives them, betas; with `extra` keys then), its base taken out of `config`.
+    ValueError for another rope scaling."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    scaling = read_field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "yarn":
+        required = functools.partial(_arch_field, reader, arch, spec)
+        betas = {name: _short_float(value) for name in ("beta_fast", "beta_slow")
+                 if (value := read_field(reader, f"{arch}.rope.scaling.yarn_{name}")) is not None}  # fmt: skip
+        rope.update(rope_type="yarn", factor=_short_float(required("rope.scaling.factor")), **betas, **extra,
+                    original_max_position_embeddings=int(required("rope.scaling.original_context_length")))
+    elif scaling not in (None, "none"):
+        raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (yarn is)")
+    return rope
+
+
+# llama.cpp's `expert_gating_func` for softmax; a `deepseek2` file without the key is routed by softmax there (the
+# DeepSeek-V2 files written before the key).
+_GATING_SOFTMAX = 1
+# llama.cpp's DeepSeek YaRN: `rope.scaling.yarn_log_multiplier` is 0.1 * the checkpoint's `mscale_all_dim`.
+_YARN_LOG_MULTIPLIER = 0.1
+
+
+def _deepseek2_config(
+    reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of a DeepSeek-V3 (`deepseek_v3`: sigmoid routing with the `exp_probs_b` bias) or DeepSeek-V2
+    (`deepseek_v2`: softmax routing, groups' best scores) `config.json` from a `deepseek2` file, as llama.cpp reads it:
+    - latent attention from `attention.q_lora_rank` (absent: one q projection), `kv_lora_rank`, rope over
+      `rope.dimension_count` dims, and each head's key and value widths from `attention.key_length_mla` /
+      `value_length_mla` (files converted since llama.cpp keeps the latent as one KV head, `key_length` its row) or,
+      in older files, `key_length` / `value_length`; rope pairs interleaved, as the checkpoints hold them;
+    - experts after `leading_dense_block_count` dense layers (`expert_*`: counts, width, shared experts, groups, the
+      weights' scale and renormalisation);
+    - YaRN with DeepSeek's attention scale (`rope.scaling.yarn_log_multiplier`, `mscale_all_dim` / 10);
+    - its multi-token-prediction layers (`nextn_predict_layers`, GLM-4.7-Flash's), not read.
+    ValueError for a file without experts, with a router other than softmax or sigmoid, or sigmoid without its bias."""
+    arch = "deepseek2"
+    required = functools.partial(_arch_field, reader, arch, spec)
+    if not experts:
+        raise ValueError(f"model {spec!r}: a {arch} file without experts is not supported")
+    used = int(required("expert_used_count"))
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SOFTMAX))
+    if gating not in (_GATING_SOFTMAX, _GATING_SIGMOID):
+        raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (1, softmax, and 2, "
+                         "sigmoid, are)")  # fmt: skip
+    dense = int(read_field(reader, f"{arch}.leading_dense_block_count", 0) or 0)
+    sigmoid = gating == _GATING_SIGMOID
+    if sigmoid and f"blk.{dense}.exp_probs_b.bias" not in tensors:
+        raise ValueError(f"model {spec!r}: a {arch} file routed by sigmoid has no exp_probs_b (its routing bias)")
+    rope_dims = int(required("rope.dimension_count"))
+    if read_field(reader, f"{arch}.attention.key_length_mla") is not None:
+        key, value = int(required("attention.key_length_mla")), int(required("attention.value_length_mla"))
+    else:
+        key, value = int(required("attention.key_length")), int(required("attention.value_length"))
+    groups = int(read_field(reader, f"{arch}.expert_group_count", 0) or 1)
+    layers, predicting = _decoder_layers(reader, arch, config, spec)
+    config.pop("partial_rotary_factor", None)
+    log_multiplier = read_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+    if log_multiplier is None:  # no DeepSeek scale: llama.cpp turns YaRN's without its attention factor
+        rope = _yarn_rope(reader, arch, config, spec, attention_factor=1.0)
+    else:
+        all_dims = _short_float(float(np.float32(log_multiplier) / np.float32(_YARN_LOG_MULTIPLIER)))
+        rope = _yarn_rope(reader, arch, config, spec, mscale=all_dims, mscale_all_dim=all_dims)
+    return {
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": predicting,
+        "num_key_value_heads": config["num_attention_heads"],
+        "head_dim": rope_dims,
+        "q_lora_rank": int(read_field(reader, f"{arch}.attention.q_lora_rank", 0) or 0) or None,
+        "kv_lora_rank": int(required("attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dims,
+        "qk_nope_head_dim": key - rope_dims,
+        "v_head_dim": value,
+        "rope_interleave": True,
+        "rope_parameters": rope,
+        "n_routed_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(required("expert_feed_forward_length")),
+        "n_shared_experts": int(read_field(reader, f"{arch}.expert_shared_count", 0) or 0),
+        "first_k_dense_replace": dense,
+        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", False)),
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+        "n_group": groups,
+        "topk_group": int(read_field(reader, f"{arch}.expert_group_used_count", 0) or 1),
     }
 
 

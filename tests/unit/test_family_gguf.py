@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -473,6 +474,91 @@ def test_a_glm4_moe_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path
                                    ("softmax", softmax, "expert_gating_func 1"),
                                    ("all-nextn", {"nextn_predict_layers": 3}, "leaves no decoder layer")):
         reader = metadata_gguf(tmp_path / f"{name}.gguf", "glm4moe", {**keys, **changed})
+        with pytest.raises(ValueError, match=refusal):
+            hf_config_from_gguf(reader, f"{name}.gguf")
+
+
+# DeepSeek-V3, DeepSeek-V2-Lite (softmax routing, no q rank, no groups) and GLM-4.7-Flash (its dense layer leading,
+# as llama.cpp reads them, and a prediction layer) as llama.cpp writes their `deepseek2` files, each projection's rows
+# in whole blocks of 32 (llama.cpp's converter falls back to F16 for others): a q rank of 64, key parts 32 wide.
+DEEPSEEK_GGUF: dict[str, dict[str, Any]] = {
+    "deepseek-v3": {"q_lora_rank": 64, "qk_nope_head_dim": 32},
+    "deepseek-v2": {"q_lora_rank": None, "qk_nope_head_dim": 32, "topk_method": "greedy", "n_group": None,
+                    "topk_group": None},
+    "glm4-moe-lite": {"q_lora_rank": 64, "qk_nope_head_dim": 32, "num_nextn_predict_layers": 1,
+                      "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(DEEPSEEK_GGUF))
+def test_a_deepseek2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path, family: str) -> None:
+    """A DeepSeek-V3 file (sigmoid routing in groups with `exp_probs_b`, YaRN with DeepSeek's attention scale, a q
+    rank), a DeepSeek-V2-Lite one (softmax routing, one q projection) and a GLM-4.7-Flash one (DeepSeek-V3's routing
+    in one group, a prediction layer after the decoder layers) as llama.cpp's converter writes them now
+    (`deepseek2`: the latent as one KV head, each layer's `kv_b_proj` split into `attn_k_b` and `attn_v_b`):
+    converted, the config is the saved model's and every tensor comes back under its checkpoint name (`kv_b_proj`
+    joined again), and the float path equals transformers token for token. Served from its blocks, the latent
+    attention's projections, the dense layer, the shared experts and every bank of experts are the file's blocks
+    (`kv_b_proj`, absorbed, and the router stay float). Close to the float path: mean KL within `ladle bench
+    quality`'s 0.01, top-1 within 0.9, as GLM-4.5's (measured: DeepSeek-V3 94.8% / 0.0051, its experts' outputs
+    scaled by 2.5 as GLM-4.5's; GLM-4.7-Flash 92.7% / 0.0071; DeepSeek-V2 91.7% / 0.0004, its flips at near-ties of
+    these random models)."""
+    _, layers, result = exact_then_served(tmp_path, family, **DEEPSEEK_GGUF[family])
+    queries = ("q_a_proj", "q_b_proj") if DEEPSEEK_GGUF[family]["q_lora_rank"] else ("q_proj",)
+    for projection in (*queries, "kv_a_proj_with_mqa", "o_proj"):
+        assert layers[f"model.layers.1.self_attn.{projection}"] == "q8", layers
+    assert layers["model.layers.0.mlp.gate_up_proj"] == "q4", layers
+    assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
+    assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.01, result
+
+
+def test_a_deepseek2_gguf_with_kv_b_whole_reads_as_its_split_form(tmp_path: Path) -> None:
+    """Files llama.cpp's converter wrote before it split `kv_b_proj` hold it whole (`attn_kv_b`), each head's key
+    widths as `key_length` (no `*_mla` keys): such a file converts to the same config and the same tensors, bit for
+    bit, as its split form (`kv_b_proj` F32 in both: quantized, each form's blocks run along its own rows)."""
+    folder = save_family(tmp_path / "hf", "deepseek-v3", **DEEPSEEK_GGUF["deepseek-v3"])
+    plain = {f"blk.{layer}.attn_kv_b.weight": GGMLQuantizationType.F32 for layer in range(4)}
+    split = write_gguf(folder, tmp_path / "split.gguf", GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q8_0,
+                       types=plain)  # fmt: skip
+    whole = write_gguf(folder, tmp_path / "whole.gguf", GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q8_0,
+                       types=plain, joined_kv_b=True)  # fmt: skip
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in GGUFReader(whole).tensors}
+    assert "blk.0.attn_k_b.weight" in {t.name for t in GGUFReader(split).tensors}
+    converted = {}
+    for gguf in (split, whole):
+        source = resolve_model(str(gguf))
+        converted[gguf.stem] = (source.config, dict(source.weights()))
+    assert replace(converted["split"][0], name="") == replace(converted["whole"][0], name="")
+    split_tensors, whole_tensors = converted["split"][1], converted["whole"][1]
+    assert split_tensors.keys() == whole_tensors.keys()
+    for name, tensor in split_tensors.items():
+        assert torch.equal(tensor, whole_tensors[name]), name
+
+
+def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: Path) -> None:
+    """A `deepseek2` file's keys as llama.cpp reads them: an older file's head widths from `key_length` /
+    `value_length` (no `*_mla` keys), softmax routing where `expert_gating_func` is absent, YaRN without DeepSeek's
+    scale turned without an attention factor, its prediction layers not counted. A file without experts, with
+    another router, routed by sigmoid without its bias or whose prediction layers leave no decoder layer is refused
+    by name."""
+    keys = {"block_count": 3, "context_length": 64, "embedding_length": 32, "feed_forward_length": 32,
+            "head_count": 2, "head_count_kv": 2, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 2,
+            "expert_feed_forward_length": 16, "kv_lora_rank": 32, "key_length": 24, "value_length": 16,
+            "rope_dimension_count": 8, "nextn_predict_layers": 1, "rope_scaling_type": RopeScalingType.YARN,
+            "rope_scaling_factor": 4.0, "rope_scaling_orig_ctx_len": 16}  # fmt: skip
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "ds.gguf", "deepseek2", keys), "ds.gguf")
+    shape = (config["model_type"], config["num_hidden_layers"], config["qk_nope_head_dim"], config["v_head_dim"],
+             config["q_lora_rank"], config["topk_method"], config["rope_parameters"]["attention_factor"])  # fmt: skip
+    assert shape == ("deepseek_v2", 2, 16, 16, None, "greedy", 1.0)
+    assert ModelConfig.from_hf_config(config).latent_attention is not None
+    sigmoid = {"expert_gating_func": ExpertGatingFuncType.SIGMOID}
+    for name, changed, refusal in (("dense", {"expert_count": 0}, "without experts"),
+                                   ("gating", {"expert_gating_func": SimpleNamespace(value=3)},
+                                    "expert_gating_func 3"),
+                                   ("unbiased", sigmoid, "no exp_probs_b"),
+                                   ("all-nextn", {"nextn_predict_layers": 3}, "leaves no decoder layer")):
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", "deepseek2", {**keys, **changed})
         with pytest.raises(ValueError, match=refusal):
             hf_config_from_gguf(reader, f"{name}.gguf")
 
