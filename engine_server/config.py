@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "bert",
+    "minimax_m2", "ernie4_5", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -42,6 +42,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4_moe": "glm4_moe",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
+    "seed_oss": "llama",  # Seed-OSS: Llama with q/k/v biases and o_proj's apart (`attention_out_bias`)
+    "ernie4_5": "ernie4_5",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -214,6 +216,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections (`o_proj_bias`: and o_proj's).
+    attention_out_bias: bool | None = None  # Seed-OSS: o_proj's bias, set apart from q/k/v's (None: `o_proj_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
     # OLMoE: the q/k norms span the whole projection (all heads at once), and q, k and v are clamped to
     # [-clip_qkv, clip_qkv] after them (0: not clamped).
@@ -364,8 +367,11 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Whether o_proj has a bias: `attention_bias` puts one there too for Llama and Qwen3 (as transformers'
-        modeling files do), never for Qwen2 and Qwen2-MoE, whose configs set it for q/k/v only."""
+        """Whether o_proj has a bias: `attention_out_bias` where a config sets it apart (Seed-OSS); else
+        `attention_bias` puts one there too for Llama and Qwen3 (as transformers' modeling files do), never for Qwen2
+        and Qwen2-MoE, whose configs set it for q/k/v only."""
+        if self.attention_out_bias is not None:
+            return self.attention_out_bias
         return self.attention_bias and self.architecture in _O_PROJ_BIAS_FAMILIES
 
     @property
@@ -419,6 +425,7 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
+        _refuse_mlp_biases(model_type, cfg)
         if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"):  # multimodal: its text model is served
             cfg = _text_config(cfg)
         arch = _HF_ARCHITECTURES[model_type]
@@ -490,6 +497,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
+            attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss" else None,
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2")
             or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
@@ -677,6 +685,18 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if len(linear.layers) == layers:
         raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+# The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
+# release of these families sets and the shared layers do not build.
+_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "ernie4_5": "use_bias"}
+
+
+def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
+    """ValueError for a Seed-OSS or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
+    key = _MLP_BIAS_KEYS.get(model_type)
+    if key is not None and cfg.get(key):
+        raise ValueError(f"{model_type} with {key} is not supported")
 
 
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -160,6 +160,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
     "glm4": ("Glm4Config", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Seed-OSS: Llama with q/k/v biases and none on o_proj (`attention_out_bias`); ERNIE 4.5: rope over interleaved
+    # pairs of each whole head, tied embeddings.
+    "seed-oss": ("SeedOssConfig", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "ernie4.5": ("Ernie4_5Config", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "glm4-moe": (
         "Glm4MoeConfig",
         {"attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
@@ -706,9 +710,10 @@ def _prediction_layers(config: dict[str, Any], arch: str) -> int:
 def _prediction_layer_tensors(
     tensors: dict[str, tuple[np.ndarray, Any]], config: dict[str, Any], arch: str
 ) -> dict[str, tuple[np.ndarray, Any]]:
-    """GLM-4.5's (and GLM-4.7-Flash's) multi-token-prediction layers as its converter writes them, `blk.<n>` after the decoder layers: a
-    decoder layer's tensors (here the last one's, as drawn: transformers' model holds none of its own) and the
-    `nextn.*` ones that feed it (its projection of the joined embedding and hidden state, their norms)."""
+    """GLM-4.5's (and GLM-4.7-Flash's) multi-token-prediction layers as its converter writes them, `blk.<n>` after
+    the decoder layers: a decoder layer's tensors (here the last one's, as drawn: transformers' model holds none of
+    its own) and the `nextn.*` ones that feed it (its projection of the joined embedding and hidden state, their
+    norms)."""
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     last = f"blk.{layers - 1}."
     out: dict[str, tuple[np.ndarray, Any]] = {}

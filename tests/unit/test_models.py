@@ -108,6 +108,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # GLM-4: sandwich norms under its own names, fused gate/up, q/k/v biases, rope over the first half of each head
     # with its pairs interleaved (head dim 24: 12 turned, 12 not).
     "glm4": (transformers.Glm4Config, {"head_dim": 24, "pad_token_id": 0}),
+    # Seed-OSS: q/k/v biases, o_proj's apart (here on, as `attention_out_bias` allows); ERNIE 4.5: interleaved rope
+    # over each whole head.
+    "seed-oss": (transformers.SeedOssConfig, {"head_dim": 24, "attention_out_bias": True, "pad_token_id": 0}),
+    "ernie4.5": (transformers.Ernie4_5Config, {"head_dim": 24, "pad_token_id": 0}),
     # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head, then
     # DeepSeek-V3's experts (8 in 2 groups, 1 chosen, 3 per token, a correction bias, scaled by 2.5, a shared one).
     "glm4-moe": (
@@ -246,6 +250,8 @@ MODEL_CLASSES = {
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
+    transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
+    transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
@@ -517,6 +523,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "gemma2 hidden_activation 'gelu' is not supported"),
         ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ({"model_type": "granite", "mlp_bias": True}, "granite with mlp_bias is not supported"),
+        ({"model_type": "seed_oss", "mlp_bias": True}, "seed_oss with mlp_bias is not supported"),
+        ({"model_type": "ernie4_5", "use_bias": True}, "ernie4_5 with use_bias is not supported"),
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
