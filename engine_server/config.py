@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -44,6 +44,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "minimax_m2": "minimax_m2",
     "seed_oss": "llama",  # Seed-OSS: Llama with q/k/v biases and o_proj's apart (`attention_out_bias`)
     "ernie4_5": "ernie4_5",
+    "ernie4_5_moe": "ernie4_5_moe",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -609,6 +610,30 @@ def _glm4_fields(arch: Architecture) -> dict[str, Any]:
     return {"sandwich_norms": True} if arch == "glm4" else {}
 
 
+def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+    """ERNIE 4.5's experts as `ModelConfig` fields: softmax scores, the choice by score plus its load-balancing bias
+    (`moe_statics`), the chosen scores renormalised (transformers' `Ernie4_5_MoeTopKRouter`; its `moe_norm_min`
+    floor of 1e-12 under the sum never binds: a softmax's top-k sum to more); ungated shared experts; experts on every
+    `moe_layer_interval`-th layer from `moe_layer_start_index` to `moe_layer_end_index` (-1: the last)."""
+    layers = int(cfg["num_hidden_layers"])
+    start, interval = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_interval") or 1)
+    end = int(cfg.get("moe_layer_end_index", -1))
+    end = layers - 1 if end == -1 else end
+    width = int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=width * int(cfg.get("moe_num_shared_experts") or 0),
+        shared_expert_gated=False,
+        dense_layers=tuple(i for i in range(layers) if not ((i + 1) % interval == 0 and start <= i <= end)),
+        grouped_router=True,
+        moe_scoring="softmax",
+        router_score_bias=True,
+    )
+
+
 def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
     transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else (GLM-4.7-Flash
@@ -689,7 +714,7 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
 # release of these families sets and the shared layers do not build.
-_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "ernie4_5": "use_bias"}
+_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}
 
 
 def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
@@ -946,13 +971,14 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2",
+        "minimax_m2", "ernie4_5_moe",
     ):  # fmt: skip
         return {}
     if arch == "qwen3_next" and not cfg.get("num_experts"):
         return {}  # Qwen3.5's dense models
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+                  or cfg.get("moe_num_experts") or 0)  # fmt: skip
+    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_k") or 0)
     if experts < 1 or not 1 <= top_k <= experts:
         raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -984,6 +1010,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
         )
+    if arch == "ernie4_5_moe":
+        return _ernie4_5_moe_fields(cfg, experts, top_k)
     if arch == "minimax_m2":  # DeepSeek-V3's router in one group: sigmoid scores, a bias for the choice, renormalised
         return dict(
             num_experts=experts,

@@ -164,6 +164,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # pairs of each whole head, tied embeddings.
     "seed-oss": ("SeedOssConfig", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "ernie4.5": ("Ernie4_5Config", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # ERNIE 4.5's experts: top-2 of 8 by softmax plus a routing bias, a shared expert, the first layer dense.
+    "ernie4.5-moe": (
+        "Ernie4_5_MoeConfig",
+        {"head_dim": 24, "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
+         "moe_layer_start_index": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "glm4-moe": (
         "Glm4MoeConfig",
         {"attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,

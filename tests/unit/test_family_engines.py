@@ -577,13 +577,14 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
-@pytest.mark.parametrize(("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4)])
-def test_sigmoid_routed_families_split_over_two_ranks_and_on_int8(name: str, banks: int, tmp_path: Path) -> None:
-    """GLM-4.5 and MiniMax-M2: two ranks keep transformers' tokens (each rank its heads' q/k/v rows, GLM-4.5's biases
-    and per-head q/k norms, MiniMax-M2's q/k norms over every head summing their squares over the ranks; its rows
-    of every expert). int8 quantizes the projections and every sparse layer's bank (GLM-4.5's first layer is dense;
-    the sigmoid router float, routed row by row); each prompt's tokens are the same alone and batched, and mostly
-    agree with the float path's."""
+@pytest.mark.parametrize(("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4), ("ernie4.5-moe", 3)])
+def test_bias_routed_families_split_over_two_ranks_and_on_int8(name: str, banks: int, tmp_path: Path) -> None:
+    """GLM-4.5, MiniMax-M2 (sigmoid scores) and ERNIE 4.5 (softmax), each choosing its experts with a load-balancing
+    bias: two ranks keep transformers' tokens (each rank its heads' q/k/v rows, GLM-4.5's biases and per-head q/k
+    norms, MiniMax-M2's q/k norms over every head summing their squares over the ranks, ERNIE's interleaved rope rows
+    reordered before the split; its rows of every expert). int8 quantizes the projections and every sparse layer's
+    bank (the first layer is dense but in MiniMax-M2; the router float, routed row by row); each prompt's tokens are
+    the same alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name, head_spread=1.0)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:

@@ -112,6 +112,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # over each whole head.
     "seed-oss": (transformers.SeedOssConfig, {"head_dim": 24, "attention_out_bias": True, "pad_token_id": 0}),
     "ernie4.5": (transformers.Ernie4_5Config, {"head_dim": 24, "pad_token_id": 0}),
+    # ERNIE 4.5's experts: top-3 of 8 by softmax plus a routing bias, 2 shared experts, on every second layer.
+    "ernie4.5-moe": (
+        transformers.Ernie4_5_MoeConfig,
+        {"head_dim": 24, "moe_num_experts": 8, "moe_k": 3, "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
+         "moe_layer_start_index": 0, "moe_layer_interval": 2, "pad_token_id": 0},
+    ),
     # GLM-4.5: grouped-query attention with q/k/v biases, per-head q/k norms and rope over half of each head, then
     # DeepSeek-V3's experts (8 in 2 groups, 1 chosen, 3 per token, a correction bias, scaled by 2.5, a shared one).
     "glm4-moe": (
@@ -252,6 +258,7 @@ MODEL_CLASSES = {
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
+    transformers.Ernie4_5_MoeConfig: transformers.Ernie4_5_MoeForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
