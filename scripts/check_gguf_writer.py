@@ -46,6 +46,7 @@ def families() -> dict[str, dict[str, Any]]:
         HYBRID_GGUF,
         LLAMA4_GGUF,
         MOE_GGUF,
+        PLAIN_GGUF,
     )
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
@@ -61,7 +62,8 @@ def families() -> dict[str, dict[str, Any]]:
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
-            "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"]}
+            "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"],
+            **PLAIN_GGUF}
 
 
 def check(

@@ -353,7 +353,7 @@ _GGUF_ARCHITECTURES = {
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
-    "glm4_moe_lite": "deepseek2",
+    "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -650,7 +650,13 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") \
+        or config.get("moe_num_experts")  # fmt: skip
+    if arch == "ernie4_5-moe":  # its converter's keys (the shared experts' width from the dense one: as released)
+        writer.add_interleave_moe_layer_step(config["moe_layer_interval"])
+        writer.add_leading_dense_block_count(config["moe_layer_start_index"])
+        writer.add_expert_shared_count(config["moe_num_shared_experts"])
+        writer.add_expert_shared_feed_forward_length(config["intermediate_size"] // config["num_key_value_heads"])
     if arch == "minimax-m2":
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if arch == "glm4moe":  # DeepSeek-V3's experts, as its converter describes them
@@ -662,7 +668,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_nextn_predict_layers(_prediction_layers(config, arch))
     if experts:
         writer.add_expert_count(experts)
-        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_used_count(config.get("num_experts_per_tok") or config["moe_k"])
         if arch in ("gpt-oss", "minimax-m2"):  # their experts are intermediate_size wide
             writer.add_expert_feed_forward_length(config["intermediate_size"])
         elif arch not in ("llama", "llama4"):
@@ -768,12 +774,12 @@ def _write_tensors(
     if gemma4:
         layer_names.update(_GGUF_GEMMA4_LAYER)
     hybrid = arch in _GGUF_HYBRIDS
-    if hybrid or arch in ("gpt-oss", "glm4moe"):
+    if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
         layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
                             "post_mlp_layernorm": "post_ffw_norm"})  # fmt: skip
-    if arch in ("glm4moe", "deepseek2"):  # DeepSeek-V3's shared experts
+    if arch in ("glm4moe", "deepseek2", "ernie4_5-moe"):  # DeepSeek-V3's shared experts
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
     if arch == "deepseek2":
         layer_names.update(_GGUF_LATENT_LAYER)

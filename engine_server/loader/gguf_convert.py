@@ -153,6 +153,15 @@ _DEEPSEEK_LAYER_NAMES = {
     **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
 }
 _DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")
+# Seed-OSS: the norm before its MLP is `post_attention_norm`, as gpt-oss's.
+_SEED_OSS_LAYER_NAMES = {
+    **{kind: name for kind, name in _LAYER_NAMES.items() if kind != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+}
+# ERNIE 4.5's experts: DeepSeek's shared experts' names, its routing bias on `moe_statics`.
+_ERNIE_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES, **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
+}
 _SPLIT_EXPANSION = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 # GLM-4: Gemma's four norms under its checkpoint's names (`models.glm4` reads them as Gemma's), its `ffn_up` the fused
 # gate_up_proj.
@@ -169,6 +178,7 @@ _BARE_LAYER_NAMES = {
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
     **{model_type: {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"} for model_type in _DEEPSEEK_TYPES},
+    "ernie4_5_moe": {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
     "minimax_m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},  # (on its block)
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
 }
@@ -185,6 +195,8 @@ _ARCHITECTURE_LAYER_NAMES = {
     "glm4_moe": _GLM4_MOE_LAYER_NAMES,
     "glm4": _GLM4_LAYER_NAMES,
     **{model_type: _DEEPSEEK_LAYER_NAMES for model_type in _DEEPSEEK_TYPES},
+    "ernie4_5_moe": _ERNIE_MOE_LAYER_NAMES,
+    "seed_oss": _SEED_OSS_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -211,10 +223,10 @@ _BANKED_EXPERT = re.compile(
 )
 # The families whose llama.cpp files hold each head's q/k rows with its rope pairs interleaved (llama.cpp's turning):
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
-# and GLM-4's (the turned half of each head), whose checkpoints hold them interleaved too (the model reorders them at
-# load, `models.llama4`, `models.glm4`).
+# and GLM-4's (the turned half of each head) and ERNIE 4.5's, whose checkpoints hold them interleaved too (the model
+# reorders them at load, `models.llama4`, `models.interleaved_rope`).
 _ROPE_PERMUTED = ("llama", "mixtral")
-_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4")
+_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

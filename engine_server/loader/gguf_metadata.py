@@ -1,6 +1,7 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
 their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
-Kimi K2, GLM-4.7-Flash), and the Gated DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
+Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, and the Gated DeltaNet hybrids qwen35 / qwen35moe /
+qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     # DeepSeek-V3's form (sigmoid routing); a file routed by softmax is DeepSeek-V2's (`_deepseek2_config`).
     "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
+    "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -181,6 +185,10 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_minimax_m2_config(reader, experts, spec))
     elif arch == "deepseek2":
         config.update(_deepseek2_config(reader, config, experts, tensors, spec))
+    elif arch == "seed_oss":  # o_proj's bias apart from q/k/v's
+        config["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    elif arch in ("ernie4_5", "ernie4_5-moe"):
+        config.update(_ernie4_5_config(reader, arch, config, experts, tensors, spec))
     elif experts:
         config.update(_experts_config(reader, arch, experts, tensors, spec))
     return config
@@ -325,6 +333,41 @@ def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str,
         "num_experts_per_tok": _sigmoid_routed_experts(reader, arch, experts, spec),
         "intermediate_size": int(_arch_field(reader, arch, spec, "expert_feed_forward_length")),
         "scoring_func": "sigmoid",
+    }
+
+
+def _ernie4_5_config(
+    reader: GGUFReader, arch: str, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of an ERNIE 4.5 `config.json` from an `ernie4_5` or `ernie4_5-moe` file: no biases (`use_bias`),
+    and the experts (`ernie4_5-moe`) on every `interleave_moe_layer_step`-th layer after
+    `leading_dense_block_count` dense ones, to the last, as llama.cpp builds them, with `expert_shared_count` shared
+    experts as wide as the routed ones (the file's `expert_shared_feed_forward_length`, where it has one, must say
+    so). ValueError for a file with biases, or with experts llama.cpp would build otherwise than transformers."""
+    if "blk.0.attn_q.bias" in tensors:
+        raise ValueError(f"model {spec!r}: an {arch} file with biases is not supported")
+    keys: dict[str, Any] = {"use_bias": False}
+    if arch == "ernie4_5":
+        return keys
+    required = functools.partial(_arch_field, reader, arch, spec)
+    used = int(required("expert_used_count"))
+    if not 0 < used <= experts:
+        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    width = int(required("expert_feed_forward_length"))
+    shared = int(read_field(reader, f"{arch}.expert_shared_count", 0))
+    shared_width = int(read_field(reader, f"{arch}.expert_shared_feed_forward_length", width * shared))
+    if shared and shared_width != width * shared:
+        raise ValueError(f"model {spec!r}: {shared} shared experts {shared_width} wide in all, not {shared} of the "
+                         f"routed experts' {width}")  # fmt: skip
+    return {
+        **keys,
+        "moe_num_experts": experts,
+        "moe_k": used,
+        "moe_intermediate_size": width,
+        "moe_num_shared_experts": shared,
+        "moe_layer_start_index": int(read_field(reader, f"{arch}.leading_dense_block_count", 0)),
+        "moe_layer_end_index": -1,
+        "moe_layer_interval": int(read_field(reader, f"{arch}.interleave_moe_layer_step", 1) or 1),
     }
 
 

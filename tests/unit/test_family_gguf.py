@@ -563,6 +563,50 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
+# Seed-OSS, ERNIE 4.5 and ERNIE 4.5 MoE as llama.cpp writes their files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`); the
+# MoE's shared experts as wide as its converter says they are (the dense width over the KV heads, as released).
+PLAIN_GGUF: dict[str, dict[str, Any]] = {
+    "seed-oss": {}, "ernie4.5": {},
+    "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(PLAIN_GGUF))
+def test_seed_oss_and_ernie_ggufs_are_exact_on_the_float_path_and_served_from_their_blocks(
+    tmp_path: Path, family: str
+) -> None:
+    """A Seed-OSS file (q/k/v biases, none on o_proj), an ERNIE 4.5 one (q/k rows as the checkpoint holds them, rope
+    pairs interleaved) and an ERNIE 4.5 MoE one (experts after a dense layer, a shared expert, the routing bias as
+    `exp_probs_b` `[1, experts]`) as llama.cpp's converter writes them: converted, each config is the saved model's,
+    every tensor comes back, and the float path equals transformers token for token; served from its blocks (ERNIE's
+    q/k rows read in halves order), each holds `ladle bench quality`'s thresholds."""
+    _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
+    if family == "ernie4.5-moe":
+        assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
+        assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_an_ernie_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: Path) -> None:
+    """An `ernie4_5-moe` file's experts as llama.cpp builds them: after `leading_dense_block_count` dense layers, on
+    every `interleave_moe_layer_step`-th, to the last. A file with biases, or whose shared experts' width is not
+    theirs times the routed experts' (transformers' shape), is refused by name."""
+    keys = {"block_count": 6, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+            "head_count": 2, "layer_norm_rms_eps": 1e-5, "expert_count": 4, "expert_used_count": 2,
+            "expert_feed_forward_length": 16, "leading_dense_block_count": 1, "interleave_moe_layer_step": 2,
+            "expert_shared_count": 2, "expert_shared_feed_forward_length": 32}  # fmt: skip
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "ernie.gguf", "ernie4_5-moe", keys), "ernie.gguf")
+    assert ModelConfig.from_hf_config(config).dense_layers == (0, 2, 4)
+    for name, arch, changed, tensors, refusal in (
+        ("biased", "ernie4_5", {}, {"blk.0.attn_q.bias": (32,)}, "with biases"),
+        ("shared", "ernie4_5-moe", {"expert_shared_feed_forward_length": 48}, {}, "shared experts 48 wide"),
+    ):
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", arch, {**keys, **changed}, tensors)
+        with pytest.raises(ValueError, match=refusal):
+            hf_config_from_gguf(reader, f"{name}.gguf")
+
+
 # gpt-oss as llama.cpp reads a `gpt-oss` file: its experts' SwiGLU clamped at 7 (fixed there), and the tokenizer's
 # bos and eos ids the test writer gives every file.
 GPT_OSS_GGUF: dict[str, Any] = {"swiglu_limit": 7.0, "bos_token_id": 1, "eos_token_id": 2}
