@@ -235,11 +235,7 @@ def _gpt_oss_config(reader: GGUFReader, config: dict[str, Any], experts: int, sp
     file without experts or a window, or with a rope scaling other than YaRN."""
     arch = "gpt-oss"
     required = functools.partial(_arch_field, reader, arch, spec)
-    if not experts:
-        raise ValueError(f"model {spec!r}: a gpt-oss file without experts is not supported")
-    used = int(required("expert_used_count"))
-    if not 0 < used <= experts:
-        raise ValueError(f"model {spec!r}: gpt-oss.expert_used_count {used} is not in 1..{experts}")
+    used = _experts_used(reader, arch, experts, spec)
     if not config.get("sliding_window"):
         raise ValueError(f"model {spec!r}: a gpt-oss file without attention.sliding_window is not supported")
     layers = int(config["num_hidden_layers"])
@@ -270,11 +266,18 @@ def _sigmoid_routed_experts(reader: GGUFReader, arch: str, experts: int, spec: s
     """The experts each token uses (`expert_used_count`) in a file of `arch` whose router llama.cpp gates by sigmoid
     (GLM-4.5's, MiniMax-M2's). ValueError for a file without experts, with another `expert_gating_func` (sigmoid
     when the file omits it, as llama.cpp takes it), or using none or more than it has."""
-    if not experts:
-        raise ValueError(f"model {spec!r}: a {arch} file without experts is not supported")
+    used = _experts_used(reader, arch, experts, spec)
     gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SIGMOID))
     if gating != _GATING_SIGMOID:
         raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (2, sigmoid, is)")
+    return used
+
+
+def _experts_used(reader: GGUFReader, arch: str, experts: int, spec: str) -> int:
+    """`expert_used_count` of a file of `arch` with `experts` experts; ValueError for a file without experts or one
+    whose tokens use none or more than it has."""
+    if not experts:
+        raise ValueError(f"model {spec!r}: a {arch} file without experts is not supported")
     used = int(_arch_field(reader, arch, spec, "expert_used_count"))
     if not 0 < used <= experts:
         raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
@@ -350,9 +353,7 @@ def _ernie4_5_config(
     if arch == "ernie4_5":
         return keys
     required = functools.partial(_arch_field, reader, arch, spec)
-    used = int(required("expert_used_count"))
-    if not 0 < used <= experts:
-        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    used = _experts_used(reader, arch, experts, spec)
     width = int(required("expert_feed_forward_length"))
     shared = int(read_field(reader, f"{arch}.expert_shared_count", 0))
     shared_width = int(read_field(reader, f"{arch}.expert_shared_feed_forward_length", width * shared))
@@ -411,11 +412,7 @@ def _deepseek2_config(
     ValueError for a file without experts, with a router other than softmax or sigmoid, or sigmoid without its bias."""
     arch = "deepseek2"
     required = functools.partial(_arch_field, reader, arch, spec)
-    if not experts:
-        raise ValueError(f"model {spec!r}: a {arch} file without experts is not supported")
-    used = int(required("expert_used_count"))
-    if not 0 < used <= experts:
-        raise ValueError(f"model {spec!r}: {arch}.expert_used_count {used} is not in 1..{experts}")
+    used = _experts_used(reader, arch, experts, spec)
     gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SOFTMAX))
     if gating not in (_GATING_SOFTMAX, _GATING_SIGMOID):
         raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (1, softmax, and 2, "
