@@ -34,6 +34,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "granite": "granite",
     "olmo2": "olmo2",
     "olmo3": "olmo2",
+    "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "mistral4": "deepseek_v3",
@@ -502,7 +503,7 @@ class ModelConfig:
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2")
             or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
-            qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2"),
+            qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
             post_norms=arch == "olmo2",
             clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
@@ -741,7 +742,11 @@ def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's and Llama 4's layers without rope: where `no_rope_layers` is 0, or (without that list) every
-    `no_rope_layer_interval`-th layer (4), as transformers builds them; () for the other families."""
+    `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
+    it has windows at all; () for the other families."""
+    if model_type == "exaone4":
+        windows = _layer_windows(model_type, cfg)
+        return tuple(i for i, window in enumerate(windows) if not window)
     if model_type not in ("smollm3", "llama4", "llama4_text"):
         return ()
     layers = int(cfg["num_hidden_layers"])
@@ -805,9 +810,21 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         windowed = [(i + 1) % pattern != 0 for i in range(layers)]
     elif model_type in ("gemma2", "gpt_oss"):  # an earlier config: the even layers are local, the odd ones global
         windowed = [i % 2 == 0 for i in range(layers)]
+    elif model_type == "exaone4":  # its pattern: "LLLG" (local, local, local, global, repeated) or every n-th global
+        windowed = _exaone4_windowed(cfg.get("sliding_window_pattern") or 4, layers)
     else:
         windowed = [True] * layers
     return tuple(window if on else 0 for on in windowed) if any(windowed) else ()
+
+
+def _exaone4_windowed(pattern: str | int, layers: int) -> list[bool]:
+    """EXAONE 4's windowed layers by its `sliding_window_pattern`: a string of `L` (local) and `G` (global) repeated
+    over the layers, or every `pattern`-th layer global; ValueError for another string."""
+    if isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise ValueError(f"sliding_window_pattern {pattern!r} is not a string of L and G")
+        return [pattern[i % len(pattern)] == "L" for i in range(layers)]
+    return [(i + 1) % int(pattern) != 0 for i in range(layers)]
 
 
 def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

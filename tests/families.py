@@ -193,6 +193,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "eos_token_id": 2},
     ),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
+    # EXAONE 4 (32B's form): OLMo 2's post-norm block, per-head q/k norms, 3 windowed layers to 1 global without rope.
+    "exaone4": ("Exaone4Config", {"sliding_window": WINDOW, "sliding_window_pattern": 4, "pad_token_id": 0}),
     "olmo3": (
         "Olmo3Config",
         {"pad_token_id": 0, "sliding_window": WINDOW,

@@ -1,5 +1,6 @@
 """OLMo 2 (OLMo-2-1124-7B/13B, OLMo-2-0325-32B) and OLMo 3: norms after the attention and the MLP, q/k norms over
-the whole projection; OLMo 3 adds windowed layers (its `layer_types`) with a rope of their own."""
+the whole projection; OLMo 3 adds windowed layers (its `layer_types`) with a rope of their own. EXAONE 4.0 is this
+block with per-head q/k norms and no rope on its global layers."""
 
 from __future__ import annotations
 
@@ -11,4 +12,6 @@ class Olmo2ForCausalLM(CausalLM):
     `post_attention_layernorm` normalises the attention's output, not the MLP's input) and q and k each normalised
     over all their heads at once (`qk_norm_whole`, so tensor parallelism is refused as for OLMoE). OLMo 3
     (`olmo3`) is this class too: its windows and its rope per layer type (the full-attention layers' YaRN, the
-    windowed ones' plain base, `ModelConfig.local_rope_theta`) are read from its config."""
+    windowed ones' plain base, `ModelConfig.local_rope_theta`) are read from its config. EXAONE 4 (`exaone4`) is
+    this class too, its q/k norms per head (`qk_norm`, not `qk_norm_whole`) and its global layers NoPE
+    (`nope_layers`)."""

@@ -146,6 +146,16 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     ),
     # OLMo 2: norms after the attention and the MLP only, q/k norms over the whole projection.
     "olmo2": (transformers.Olmo2Config, {"pad_token_id": 0}),
+    # EXAONE 4: OLMo 2's post-norm block with per-head q/k norms; windowed layers alternating with global ones that
+    # turn no rope (the 32B's form), or no window and rope everywhere (the 1.2B's).
+    "exaone4": (
+        transformers.Exaone4Config,
+        {"num_hidden_layers": 4, "sliding_window": 6, "sliding_window_pattern": 2, "pad_token_id": 0},
+    ),
+    "exaone4-full": (
+        transformers.Exaone4Config,
+        {"sliding_window": None, "layer_types": ["full_attention"] * 2, "pad_token_id": 0},
+    ),
     # OLMo 3: OLMo 2's block with a 6-position window on three layers in four; YaRN on the full-attention layers
     # only (the windowed ones keep plain rope of another base).
     "olmo3": (
@@ -258,6 +268,7 @@ MODEL_CLASSES = {
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
+    transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
     transformers.Ernie4_5_MoeConfig: transformers.Ernie4_5_MoeForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -593,6 +604,23 @@ def test_sliding_windows_are_read_per_layer_as_transformers_builds_them() -> Non
         assert ModelConfig.from_hf_config(raw).layer_windows == ()
     listed = {**mistral, "layer_types": ["full_attention", "sliding_attention"]}
     assert ModelConfig.from_hf_config(listed).layer_windows == (0, 32)
+
+
+def test_exaone4_configs_read_their_windows_and_nope_layers() -> None:
+    """EXAONE 4's windows from `layer_types`, or from `sliding_window_pattern` as a string of L and G or every n-th
+    layer global; its global layers turn no rope, and without a window every layer turns it; its q/k norms are per
+    head."""
+    base = {**SMALL, "model_type": "exaone4", "num_hidden_layers": 8, "sliding_window": 16}
+    for pattern in ("LLLG", 4):
+        config = ModelConfig.from_hf_config({**base, "sliding_window_pattern": pattern})
+        assert config.layer_windows == (16, 16, 16, 0) * 2 and config.nope_layers == (3, 7)
+        assert config.qk_norm and not config.qk_norm_whole and config.post_norms
+    listed = ModelConfig.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"] * 4})
+    assert listed.layer_windows == (16, 0) * 4 and listed.nope_layers == (1, 3, 5, 7)
+    plain = ModelConfig.from_hf_config({**base, "sliding_window": None})
+    assert plain.layer_windows == () and plain.nope_layers == ()
+    with pytest.raises(ValueError, match="not a string of L and G"):
+        ModelConfig.from_hf_config({**base, "sliding_window_pattern": "LLXG"})
 
 
 def test_gemma3_configs_read_in_either_layout() -> None:
