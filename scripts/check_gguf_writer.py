@@ -59,11 +59,15 @@ def families() -> dict[str, dict[str, Any]]:
     # `attention.q_lora_rank` at any other count. Over 27 random layers, rounding flips some top-2 choices of experts
     # (logits then part by ~0.5, at 4 layers by 0.01): every expert is used, so the check sees the file's layout.
     deepseek_v2 = {**DEEPSEEK_GGUF["deepseek-v2"], "num_hidden_layers": 27, "num_experts_per_tok": 8}
+    # llama.cpp (0.3.36) windows an `exaone4` file's layers, and leaves its global ones without rope, only at EXAONE
+    # 4.0-32B's 64 layers; at any other count it turns every layer and attends to all (transformers and ladle read
+    # the file's window and flags at any count).
+    exaone4 = {**PLAIN_GGUF["exaone4"], "num_hidden_layers": 64}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
             "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"],
-            **PLAIN_GGUF}
+            **PLAIN_GGUF, "exaone4": exaone4}
 
 
 def check(

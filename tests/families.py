@@ -194,7 +194,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
     # EXAONE 4 (32B's form): OLMo 2's post-norm block, per-head q/k norms, 3 windowed layers to 1 global without rope.
-    "exaone4": ("Exaone4Config", {"sliding_window": WINDOW, "sliding_window_pattern": 4, "pad_token_id": 0}),
+    "exaone4": (
+        "Exaone4Config",
+        {"sliding_window": WINDOW, "sliding_window_pattern": 4, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     "olmo3": (
         "Olmo3Config",
         {"pad_token_id": 0, "sliding_window": WINDOW,
@@ -356,6 +360,7 @@ _GGUF_ARCHITECTURES = {
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
+    "exaone4": "exaone4",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -624,6 +629,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_value_length(head_dim)
     if arch != "llama4":  # llama.cpp reads a llama4 file's 0 as MobileLLM's (no chunks); its converter writes none
         writer.add_sliding_window(config.get("sliding_window") or 0)
+    if arch == "exaone4" and config.get("sliding_window"):  # its converter's flag per layer
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
     if arch in _GGUF_HYBRIDS:
         writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(config["linear_key_head_dim"])
@@ -776,8 +783,10 @@ def _write_tensors(
     if gemma4:
         layer_names.update(_GGUF_GEMMA4_LAYER)
     hybrid = arch in _GGUF_HYBRIDS
-    if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss"):
+    if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss", "exaone4"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
+    if arch == "exaone4":  # OLMo 2's norm after the MLP
+        layer_names["post_feedforward_layernorm"] = "post_ffw_norm"
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
         layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
                             "post_mlp_layernorm": "post_ffw_norm"})  # fmt: skip

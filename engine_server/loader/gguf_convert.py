@@ -158,6 +158,12 @@ _SEED_OSS_LAYER_NAMES = {
     **{kind: name for kind, name in _LAYER_NAMES.items() if kind != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
 }
+# EXAONE 4: OLMo 2's norms after the attention and the MLP, none before them.
+_EXAONE4_LAYER_NAMES = {
+    **{kind: name for kind, name in _LAYER_NAMES.items() if kind not in ("attn_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # ERNIE 4.5's experts: DeepSeek's shared experts' names, its routing bias on `moe_statics`.
 _ERNIE_MOE_LAYER_NAMES = {
     **_LAYER_NAMES, **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
@@ -197,6 +203,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     **{model_type: _DEEPSEEK_LAYER_NAMES for model_type in _DEEPSEEK_TYPES},
     "ernie4_5_moe": _ERNIE_MOE_LAYER_NAMES,
     "seed_oss": _SEED_OSS_LAYER_NAMES,
+    "exaone4": _EXAONE4_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which

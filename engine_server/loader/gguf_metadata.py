@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
 their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
-Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, and the Gated DeltaNet hybrids qwen35 / qwen35moe /
+Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, and the Gated DeltaNet hybrids qwen35 / qwen35moe /
 qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
+    "exaone4": ("exaone4", "Exaone4ForCausalLM"),
 }
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
@@ -187,6 +188,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_deepseek2_config(reader, config, experts, tensors, spec))
     elif arch == "seed_oss":  # o_proj's bias apart from q/k/v's
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
+    elif arch == "exaone4":
+        config.update(_exaone4_config(reader, config, spec))
     elif arch in ("ernie4_5", "ernie4_5-moe"):
         config.update(_ernie4_5_config(reader, arch, config, experts, tensors, spec))
     elif experts:
@@ -337,6 +340,25 @@ def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str,
         "intermediate_size": int(_arch_field(reader, arch, spec, "expert_feed_forward_length")),
         "scoring_func": "sigmoid",
     }
+
+
+# EXAONE 4 as llama.cpp reads an `exaone4` file with a window but no pattern: every 4th layer global.
+_EXAONE4_GLOBAL_EVERY = 4
+
+
+def _exaone4_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The keys of an EXAONE 4 `config.json` from an `exaone4` file: each layer's type, windowed where
+    `attention.sliding_window_pattern` flags it (or, a number, every n-th layer global; every 4th without the key),
+    all full without a window (the global layers turn no rope: `config`)."""
+    layers = int(config["num_hidden_layers"])
+    if not config.get("sliding_window"):
+        return {"sliding_window": None, "layer_types": ["full_attention"] * layers}
+    pattern = read_field(reader, "exaone4.attention.sliding_window_pattern", _EXAONE4_GLOBAL_EVERY)
+    if isinstance(pattern, list):
+        windowed = _windowed_layers(pattern, "exaone4", layers, spec)
+    else:  # every n-th layer global
+        windowed = [(i + 1) % max(int(pattern), 1) != 0 for i in range(layers)]
+    return {"layer_types": ["sliding_attention" if flag else "full_attention" for flag in windowed]}
 
 
 def _ernie4_5_config(

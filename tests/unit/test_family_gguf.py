@@ -563,29 +563,44 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
-# Seed-OSS, ERNIE 4.5 and ERNIE 4.5 MoE as llama.cpp writes their files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`); the
-# MoE's shared experts as wide as its converter says they are (the dense width over the KV heads, as released).
+# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE and EXAONE 4 as llama.cpp writes their files (`seed_oss`, `ernie4_5`,
+# `ernie4_5-moe`, `exaone4`); the MoE's shared experts as wide as its converter says they are (the dense width over the
+# KV heads, as released).
 PLAIN_GGUF: dict[str, dict[str, Any]] = {
-    "seed-oss": {}, "ernie4.5": {},
+    "seed-oss": {}, "ernie4.5": {}, "exaone4": {},
     "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(PLAIN_GGUF))
-def test_seed_oss_and_ernie_ggufs_are_exact_on_the_float_path_and_served_from_their_blocks(
-    tmp_path: Path, family: str
-) -> None:
+def test_seed_oss_ernie_and_exaone4_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Path, family: str) -> None:
     """A Seed-OSS file (q/k/v biases, none on o_proj), an ERNIE 4.5 one (q/k rows as the checkpoint holds them, rope
-    pairs interleaved) and an ERNIE 4.5 MoE one (experts after a dense layer, a shared expert, the routing bias as
-    `exp_probs_b` `[1, experts]`) as llama.cpp's converter writes them: converted, each config is the saved model's,
-    every tensor comes back, and the float path equals transformers token for token; served from its blocks (ERNIE's
-    q/k rows read in halves order), each holds `ladle bench quality`'s thresholds."""
+    pairs interleaved), an ERNIE 4.5 MoE one (experts after a dense layer, a shared expert, the routing bias as
+    `exp_probs_b` `[1, experts]`) and an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for
+    its windows, the global layers without rope) as llama.cpp's converter writes them: converted, each config is the
+    saved model's, every tensor comes back, and the float path equals transformers token for token; served from its
+    blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench quality`'s thresholds."""
     _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
     if family == "ernie4.5-moe":
         assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
         assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_an_exaone4_gguf_reads_its_windows_from_flags_a_number_or_none(tmp_path: Path) -> None:
+    """An `exaone4` file's windowed layers: those its `attention.sliding_window_pattern` flags, every n-th global where
+    it is a number (every 4th without it), none without a window (EXAONE 4.0-1.2B: every layer full, with rope)."""
+    keys = {"block_count": 4, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+            "head_count": 2, "layer_norm_rms_eps": 1e-5, "sliding_window": 8}  # fmt: skip
+    for name, changed, windows, nope in (
+        ("flags", {"sliding_window_pattern": [True, False, True, False]}, (8, 0, 8, 0), (1, 3)),
+        ("every", {}, (8, 8, 8, 0), (3,)),
+        ("none", {"sliding_window": 0}, (), ()),
+    ):
+        config = hf_config_from_gguf(metadata_gguf(tmp_path / f"{name}.gguf", "exaone4", {**keys, **changed}), name)
+        model = ModelConfig.from_hf_config(config)
+        assert (model.layer_windows, model.nope_layers) == (windows, nope), name
 
 
 def test_an_ernie_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: Path) -> None:
