@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "ernie4_5_moe", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -46,6 +46,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "seed_oss": "llama",  # Seed-OSS: Llama with q/k/v biases and o_proj's apart (`attention_out_bias`)
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5_moe",
+    "cohere": "cohere",  # Command R / R+: the attention and the MLP in parallel off one LayerNorm
+    "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -274,6 +276,11 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # OLMo 2: no norm before the attention or the MLP; each one's output normalised before its residual add.
     post_norms: bool = False
+    # Cohere: mean-centred LayerNorms (no bias) in place of RMSNorms (`rms_norm_eps` is their epsilon), one per block
+    # feeding the attention and the MLP in parallel (`parallel_block`), and the logits times `logit_scale`.
+    layer_norm: bool = False
+    parallel_block: bool = False
+    logit_scale: float = 1.0
     # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then the cache's, a latent
     # and its rope key, under one KV head: `layers.mla`), and its router (`grouped_router`,
     # `layers.moe.GroupedTopkRouter`): sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to
@@ -494,7 +501,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -515,6 +522,7 @@ class ModelConfig:
             nope_layers=_nope_layers(model_type, cfg),
             **_llama4_fields(arch, cfg),
             **_granite_fields(arch, cfg),
+            **_cohere_fields(arch, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
             **gemma,
@@ -725,6 +733,16 @@ def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
         raise ValueError(f"{model_type} with {key} is not supported")
 
 
+def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Cohere's `ModelConfig` fields ({} for the other families): its LayerNorms, parallel block and `logit_scale`.
+    ValueError for Command R+'s per-head q/k LayerNorms (`use_qk_norm`), which this engine does not build yet."""
+    if arch != "cohere":
+        return {}
+    if cfg.get("use_qk_norm"):
+        raise ValueError("cohere with use_qk_norm (per-head q/k LayerNorms) is not supported")
+    return {"layer_norm": True, "parallel_block": True, "logit_scale": float(cfg.get("logit_scale", 1.0))}
+
+
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers as `ModelConfig` fields ({} for the other families); ValueError for a Granite whose
     MLP has biases (`mlp_bias`), which no Granite release sets and this engine does not build."""
@@ -743,9 +761,13 @@ def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's and Llama 4's layers without rope: where `no_rope_layers` is 0, or (without that list) every
     `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
-    it has windows at all; () for the other families."""
+    it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
+    on windowed layers alone); () for the other families."""
     if model_type == "exaone4":
         windows = _layer_windows(model_type, cfg)
+        return tuple(i for i, window in enumerate(windows) if not window)
+    if model_type == "cohere2":  # rope on its windowed layers only: with no window, on none
+        windows = _layer_windows(model_type, cfg) or (0,) * int(cfg["num_hidden_layers"])
         return tuple(i for i, window in enumerate(windows) if not window)
     if model_type not in ("smollm3", "llama4", "llama4_text"):
         return ()

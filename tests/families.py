@@ -193,6 +193,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "eos_token_id": 2},
     ),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
+    # Cohere 2 (Command R7B's form): the attention and the MLP in parallel off one LayerNorm, 3 windowed layers to 1
+    # global without rope, interleaved rope, logits scaled.
+    "cohere2": (
+        "Cohere2Config",
+        {"sliding_window": WINDOW, "logit_scale": 0.3, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # EXAONE 4 (32B's form): OLMo 2's post-norm block, per-head q/k norms, 3 windowed layers to 1 global without rope.
     "exaone4": (
         "Exaone4Config",

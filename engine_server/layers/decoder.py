@@ -15,7 +15,7 @@ from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
-from engine_server.layers.norm import RMSNorm
+from engine_server.layers.norm import RMSNorm, norm_class
 from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
 from engine_server.lora.targets import PROJECTIONS
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -51,8 +51,9 @@ class DecoderLayer(nn.Module):
             if config.is_moe_layer(index)
             else GatedMLP(config.hidden_size, config.layer_intermediate_size(index), dtype, tp, config.hidden_act)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        norm = norm_class(config.layer_norm)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
         self,
@@ -162,6 +163,35 @@ class PostNormDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(self.feed_forward(stream, ops, layer_lora), ops), stream
 
 
+class ParallelDecoderLayer(DecoderLayer):
+    """Cohere's block: `h += attn(norm(h)) + mlp(norm(h))`, the attention and the MLP both reading the one input norm.
+    Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual stream)`, adds them, and
+    returns the sum of its attention's and MLP's outputs beside the stream it adds to."""
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
+    ) -> None:
+        super().__init__(config, dtype, o_proj_bias, tp, index)
+        del self.post_attention_layernorm  # one norm feeds both: the checkpoint has no second
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LoraBatch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_lora = None if lora is None else lora.layer(self.index)
+        stream = hidden if residual is None else hidden + residual
+        normed = self.input_layernorm(stream, ops)
+        attended = self.self_attn(positions, normed, kv_cache, cos_sin_cache, meta, ops, layer_lora)
+        return attended + self.feed_forward(normed, ops, layer_lora), stream
+
+
 def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens: int) -> torch.Tensor:
     """`[T]` bool: whether each token's sequence is longer than `longer_than` as of this step."""
     long = meta.seq_lens > longer_than
@@ -241,12 +271,12 @@ class DecoderModel(nn.Module):
             self.register_buffer("embedding_multiplier", multiplier, persistent=False)
         block = self.layer_class or (
             SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
-            else DecoderLayer
+            else ParallelDecoderLayer if config.parallel_block else DecoderLayer
         )  # fmt: skip
         self.layers = nn.ModuleList(
             block(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = norm_class(config.layer_norm)(config.hidden_size, config.rms_norm_eps, dtype)
         scaling = config.rope_scaling
         # LongRoPE: a second table of rows for the tokens of sequences past `original_max_position_embeddings`.
         self.long_rope_after: int | None = None

@@ -1,4 +1,5 @@
-"""RMSNorm layer with an optional fused residual add, and its form over a projection split by heads over ranks."""
+"""RMSNorm layer with an optional fused residual add, its form over a projection split by heads over ranks, and
+Cohere's LayerNorm (mean-centred, without a bias) with the same interface."""
 
 from __future__ import annotations
 
@@ -66,3 +67,28 @@ class ShardedRMSNorm(RMSNorm):
         self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("a sharded q/k norm takes no residual")
+
+
+class LayerNorm(RMSNorm):
+    """Cohere's LayerNorm: `weight * (x - mean(x)) / sqrt(var(x) + eps)` over the last dim, no bias, computed in
+    float32 as transformers' `CohereLayerNorm` computes it (row by row: a token's result does not depend on its
+    batch)."""
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        variance = centred.pow(2).mean(-1, keepdim=True)
+        return (self.weight.float() * (centred * torch.rsqrt(variance + self.eps))).to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`."""
+        stream = x + residual
+        return self.forward(stream, ops), stream
+
+
+def norm_class(config_layer_norm: bool) -> type[RMSNorm]:
+    """The norm a model's blocks use: Cohere's `LayerNorm` where its config says (`ModelConfig.layer_norm`), else
+    `RMSNorm`."""
+    return LayerNorm if config_layer_norm else RMSNorm

@@ -50,7 +50,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if cfg.attention_sinks:
             shapes[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if not cfg.parallel_block:  # Cohere's one norm feeds the attention and the MLP
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)

@@ -42,10 +42,10 @@ _REFUSED_SETTINGS = {
 
 # Families whose checkpoints name or lay out projections apart from the shared layers, as their model classes load
 # them (`models.llama4`, `models.interleaved_rope`): Llama 4's MLP is `feed_forward`, and its q/k rows hold each head's
-# rope pairs interleaved (ERNIE 4.5's too; GLM-4's those of the first `rotary_dim` rows of each head), so an adapter's
-# q/k updates are reordered as the base rows are.
+# rope pairs interleaved (ERNIE 4.5's and Cohere's too; GLM-4's those of the first `rotary_dim` rows of each head), so
+# an adapter's q/k updates are reordered as the base rows are.
 _MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {"llama4": (("feed_forward.", "mlp."),)}
-_INTERLEAVED_ROPE_ROWS = ("llama4", "glm4", "ernie4_5")
+_INTERLEAVED_ROPE_ROWS = ("llama4", "glm4", "ernie4_5", "ernie4_5_moe", "cohere")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
+from engine_server.models.cohere import CohereForCausalLM
 from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine_server.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine_server.models.gemma import GemmaForCausalLM
@@ -39,7 +40,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
-    "ernie4_5_moe");
+    "ernie4_5_moe", "cohere");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -66,6 +67,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "minimax_m2": MiniMaxM2ForCausalLM,
         "ernie4_5": Ernie4_5ForCausalLM,
         "ernie4_5_moe": Ernie4_5MoeForCausalLM,
+        "cohere": CohereForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -136,6 +136,8 @@ class CausalLM(nn.Module):
             return None
         if self.config.logits_scaling != 1.0:  # Granite: logits divided by its logits_scaling
             logits = logits / self.config.logits_scaling
+        if self.config.logit_scale != 1.0:  # Cohere: logits times its logit_scale
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap
         if cap > 0:  # Gemma 2: logits soft-capped to cap * tanh(logits / cap), in the weights' dtype
             logits = torch.tanh(logits / cap) * cap

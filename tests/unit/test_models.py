@@ -113,6 +113,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "seed-oss": (transformers.SeedOssConfig, {"head_dim": 24, "attention_out_bias": True, "pad_token_id": 0}),
     "ernie4.5": (transformers.Ernie4_5Config, {"head_dim": 24, "pad_token_id": 0}),
     # ERNIE 4.5's experts: top-3 of 8 by softmax plus a routing bias, 2 shared experts, on every second layer.
+    # Cohere: the attention and the MLP in parallel off one LayerNorm, interleaved rope, logits scaled (not by a power
+    # of two); Cohere 2 with windows on three layers in four, the fourth without rope.
+    "cohere": (transformers.CohereConfig, {"logit_scale": 0.3, "pad_token_id": 0}),
+    "cohere2": (
+        transformers.Cohere2Config,
+        {"num_hidden_layers": 4, "sliding_window": 6, "logit_scale": 0.3, "pad_token_id": 0},
+    ),
     "ernie4.5-moe": (
         transformers.Ernie4_5_MoeConfig,
         {"head_dim": 24, "moe_num_experts": 8, "moe_k": 3, "moe_intermediate_size": 32, "moe_num_shared_experts": 2,
@@ -269,6 +276,8 @@ MODEL_CLASSES = {
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
     transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
+    transformers.CohereConfig: transformers.CohereForCausalLM,
+    transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
     transformers.Ernie4_5_MoeConfig: transformers.Ernie4_5_MoeForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -543,6 +552,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "granite", "mlp_bias": True}, "granite with mlp_bias is not supported"),
         ({"model_type": "seed_oss", "mlp_bias": True}, "seed_oss with mlp_bias is not supported"),
         ({"model_type": "ernie4_5", "use_bias": True}, "ernie4_5 with use_bias is not supported"),
+        ({"model_type": "cohere", "use_qk_norm": True}, "cohere with use_qk_norm"),
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
