@@ -194,10 +194,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),
     # Cohere 2 (Command R7B's form): the attention and the MLP in parallel off one LayerNorm, 3 windowed layers to 1
-    # global without rope, interleaved rope, logits scaled.
+    # global without rope, interleaved rope, tied embeddings (llama.cpp reads no other head), logits scaled.
     "cohere2": (
         "Cohere2Config",
-        {"sliding_window": WINDOW, "logit_scale": 0.3, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+        {"sliding_window": WINDOW, "logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # Cohere (Command R): that block on every layer, rope everywhere.
+    "cohere": (
+        "CohereConfig",
+        {"logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
     # EXAONE 4 (32B's form): OLMo 2's post-norm block, per-head q/k norms, 3 windowed layers to 1 global without rope.
     "exaone4": (
@@ -366,7 +372,7 @@ _GGUF_ARCHITECTURES = {
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
-    "exaone4": "exaone4",
+    "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -624,7 +630,11 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch in ("command-r", "cohere2"):  # LayerNorms, their logits scaled
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+        writer.add_logit_scale(config["logit_scale"])
+    else:
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "deepseek2":
         _deepseek2_metadata(writer, config, rope)

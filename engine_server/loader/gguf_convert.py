@@ -230,10 +230,10 @@ _BANKED_EXPERT = re.compile(
 )
 # The families whose llama.cpp files hold each head's q/k rows with its rope pairs interleaved (llama.cpp's turning):
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
-# and GLM-4's (the turned half of each head) and ERNIE 4.5's, whose checkpoints hold them interleaved too (the model
-# reorders them at load, `models.llama4`, `models.interleaved_rope`).
+# and GLM-4's (the turned half of each head), ERNIE 4.5's and Cohere's, whose checkpoints hold them interleaved too
+# (the model reorders them at load, `models.llama4`, `models.interleaved_rope`).
 _ROPE_PERMUTED = ("llama", "mixtral")
-_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe")
+_ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")

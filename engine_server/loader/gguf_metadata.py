@@ -1,7 +1,7 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
 their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
-Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, and the Gated DeltaNet hybrids qwen35 / qwen35moe /
-qwen3next `<arch>.*` keys)."""
+Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, command-r / cohere2, and the Gated DeltaNet
+hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,13 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),
+    "command-r": ("cohere", "CohereForCausalLM"),
+    "cohere2": ("cohere2", "Cohere2ForCausalLM"),
 }
+# Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
+_LAYER_NORMED = ("command-r", "cohere2")
+# Cohere 2 as llama.cpp reads a `cohere2` file: every 4th layer global (its windows' pattern is fixed there).
+_COHERE2_GLOBAL_EVERY = 4
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
 HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
 # A `llama` file with experts is Mixtral (llama.cpp writes Mixtral under its llama architecture).
@@ -145,7 +151,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         "num_key_value_heads": int(read_field(reader, f"{arch}.attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _short_float(required("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _short_float(required(
+            "attention.layer_norm_epsilon" if arch in _LAYER_NORMED else "attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(required("context_length")),
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -190,6 +197,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     elif arch == "exaone4":
         config.update(_exaone4_config(reader, config, spec))
+    elif arch in _LAYER_NORMED:
+        config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):
         config.update(_ernie4_5_config(reader, arch, config, experts, tensors, spec))
     elif experts:
@@ -344,6 +353,22 @@ def _minimax_m2_config(reader: GGUFReader, experts: int, spec: str) -> dict[str,
 
 # EXAONE 4 as llama.cpp reads an `exaone4` file with a window but no pattern: every 4th layer global.
 _EXAONE4_GLOBAL_EVERY = 4
+
+
+def _cohere_config(reader: GGUFReader, arch: str, config: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a Cohere `config.json` from a `command-r` or `cohere2` file: its LayerNorms' epsilon (read as
+    `layer_norm_eps`), `logit_scale`, per-head q/k norms where the file has them (`use_qk_norm`: refused when the config
+    is read), and Cohere 2's windows (every 4th layer global, as llama.cpp fixes them)."""
+    keys: dict[str, Any] = {
+        "layer_norm_eps": config.pop("rms_norm_eps"),
+        "logit_scale": _short_float(read_field(reader, f"{arch}.logit_scale", 1.0)),
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+    }
+    if arch == "cohere2" and config.get("sliding_window"):
+        layers = int(config["num_hidden_layers"])
+        keys["layer_types"] = ["full_attention" if (i + 1) % _COHERE2_GLOBAL_EVERY == 0 else "sliding_attention"
+                               for i in range(layers)]  # fmt: skip
+    return keys
 
 
 def _exaone4_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:

@@ -563,11 +563,11 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
-# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE and EXAONE 4 as llama.cpp writes their files (`seed_oss`, `ernie4_5`,
-# `ernie4_5-moe`, `exaone4`); the MoE's shared experts as wide as its converter says they are (the dense width over the
-# KV heads, as released).
+# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2 and Cohere as llama.cpp writes their files (`seed_oss`,
+# `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`); the MoE's shared experts as wide as its converter
+# says they are (the dense width over the KV heads, as released).
 PLAIN_GGUF: dict[str, dict[str, Any]] = {
-    "seed-oss": {}, "ernie4.5": {}, "exaone4": {},
+    "seed-oss": {}, "ernie4.5": {}, "exaone4": {}, "cohere2": {}, "cohere": {},
     "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
 }  # fmt: skip
 
@@ -576,8 +576,9 @@ PLAIN_GGUF: dict[str, dict[str, Any]] = {
 def test_seed_oss_ernie_and_exaone4_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Path, family: str) -> None:
     """A Seed-OSS file (q/k/v biases, none on o_proj), an ERNIE 4.5 one (q/k rows as the checkpoint holds them, rope
     pairs interleaved), an ERNIE 4.5 MoE one (experts after a dense layer, a shared expert, the routing bias as
-    `exp_probs_b` `[1, experts]`) and an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for
-    its windows, the global layers without rope) as llama.cpp's converter writes them: converted, each config is the
+    `exp_probs_b` `[1, experts]`), an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for its
+    windows, the global layers without rope) and Cohere's (LayerNorms, `logit_scale`, rope pairs interleaved;
+    Cohere 2's every 4th layer global) as llama.cpp's converter writes them: converted, each config is the
     saved model's, every tensor comes back, and the float path equals transformers token for token; served from its
     blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench quality`'s thresholds."""
     _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
