@@ -372,7 +372,7 @@ _GGUF_ARCHITECTURES = {
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
-    "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2",
+    "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -799,9 +799,9 @@ def _write_tensors(
     if gemma4:
         layer_names.update(_GGUF_GEMMA4_LAYER)
     hybrid = arch in _GGUF_HYBRIDS
-    if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss", "exaone4"):
+    if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss", "exaone4", "olmo2"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
-    if arch == "exaone4":  # OLMo 2's norm after the MLP
+    if arch in ("exaone4", "olmo2"):  # OLMo 2's norm after the MLP
         layer_names["post_feedforward_layernorm"] = "post_ffw_norm"
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
         layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",

@@ -158,7 +158,7 @@ _SEED_OSS_LAYER_NAMES = {
     **{kind: name for kind, name in _LAYER_NAMES.items() if kind != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
 }
-# EXAONE 4: OLMo 2's norms after the attention and the MLP, none before them.
+# EXAONE 4 and OLMo 2 / 3: norms after the attention and the MLP, none before them.
 _EXAONE4_LAYER_NAMES = {
     **{kind: name for kind, name in _LAYER_NAMES.items() if kind not in ("attn_norm", "ffn_norm")},
     "post_attention_norm": "post_attention_layernorm",
@@ -204,6 +204,8 @@ _ARCHITECTURE_LAYER_NAMES = {
     "ernie4_5_moe": _ERNIE_MOE_LAYER_NAMES,
     "seed_oss": _SEED_OSS_LAYER_NAMES,
     "exaone4": _EXAONE4_LAYER_NAMES,
+    "olmo2": _EXAONE4_LAYER_NAMES,
+    "olmo3": _EXAONE4_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which

@@ -1,7 +1,7 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
 their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
-Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, command-r / cohere2, and the Gated DeltaNet
-hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
+Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, olmo2, command-r / cohere2, and the Gated
+DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
     "exaone4": ("exaone4", "Exaone4ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "command-r": ("cohere", "CohereForCausalLM"),
     "cohere2": ("cohere2", "Cohere2ForCausalLM"),
 }
@@ -197,6 +198,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     elif arch == "exaone4":
         config.update(_exaone4_config(reader, config, spec))
+    elif arch == "olmo2":
+        config.update(_olmo2_config(reader, config, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):
@@ -369,6 +372,25 @@ def _cohere_config(reader: GGUFReader, arch: str, config: dict[str, Any], tensor
         keys["layer_types"] = ["full_attention" if (i + 1) % _COHERE2_GLOBAL_EVERY == 0 else "sliding_attention"
                                for i in range(layers)]  # fmt: skip
     return keys
+
+
+def _olmo2_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The keys of an OLMo 2 `config.json` from an `olmo2` file; one with windows (its layers flagged by
+    `attention.sliding_window_pattern`) is OLMo 3's (`olmo3`). ValueError for a windowed file with a scaled rope:
+    OLMo 3 scales its full-attention layers' rope alone, which such a file does not say."""
+    if not config.get("sliding_window"):
+        return {}
+    if read_field(reader, "olmo2.rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"model {spec!r}: an olmo2 file with windows and a scaled rope (OLMo 3's YaRN) is not "
+                         "supported")  # fmt: skip
+    layers = int(config["num_hidden_layers"])
+    flags = read_field(reader, "olmo2.attention.sliding_window_pattern")
+    if not isinstance(flags, list):
+        raise ValueError(f"model {spec!r}: an olmo2 file with a window flags no layers "
+                         "(attention.sliding_window_pattern)")  # fmt: skip
+    windowed = _windowed_layers(flags, "olmo2", layers, spec)
+    return {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"],
+            "layer_types": ["sliding_attention" if flag else "full_attention" for flag in windowed]}  # fmt: skip
 
 
 def _exaone4_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:
