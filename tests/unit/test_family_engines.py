@@ -134,12 +134,14 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
         assert llm.core.scheduler.total_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2", "llama4", "glm4"])
+@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4"])
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
     heads; Gemma 2's soft-capped attention on each rank's heads and its final-logit cap after the vocab gather;
     Llama 4's q/k norms and temperature on each rank's heads, its input-scaled experts' rows split; GLM-4's
-    reordered q/k rows and biases split by head, its half-head rope and sandwich norms."""
+    reordered q/k rows and biases split by head, its half-head rope and sandwich norms; Cohere 2's parallel block
+    (each half all-reduced) and its logit scale after the vocab gather; EXAONE 4's per-head q/k norms under its
+    post-norm block, its NoPE global layers."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()) == reference_tokens(folder), name
