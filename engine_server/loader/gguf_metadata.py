@@ -310,23 +310,32 @@ def _glm4_moe_config(
     the config's default is half). ValueError for a file without experts, with a router other than sigmoid, or
     with no layer left but its prediction layers."""
     arch = "glm4moe"
-    required = functools.partial(_arch_field, reader, arch, spec)
     used = _sigmoid_routed_experts(reader, arch, experts, spec)
     layers, predicting = _decoder_layers(reader, arch, config, spec)
     return {
         "num_hidden_layers": layers,
         "num_nextn_predict_layers": predicting,
-        "n_routed_experts": experts,
-        "num_experts_per_tok": used,
-        "moe_intermediate_size": int(required("expert_feed_forward_length")),
-        "n_shared_experts": int(read_field(reader, f"{arch}.expert_shared_count", 0) or 0),
-        "first_k_dense_replace": int(read_field(reader, f"{arch}.leading_dense_block_count", 0) or 0),
-        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0)),
-        "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", False)),
+        **_deepseek_experts(reader, arch, experts, used, spec),
         "n_group": int(read_field(reader, f"{arch}.expert_group_count", 0) or 1),
         "topk_group": int(read_field(reader, f"{arch}.expert_group_used_count", 0) or 1),
         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
         "partial_rotary_factor": config.get("partial_rotary_factor", 1.0),
+    }
+
+
+def _deepseek_experts(reader: GGUFReader, arch: str, experts: int, used: int, spec: str) -> dict[str, Any]:
+    """DeepSeek's expert keys of a `config.json` (GLM-4.5's and DeepSeek's files): `experts` experts of which `used`
+    per token, `expert_feed_forward_length` wide, `expert_shared_count` shared ones, after
+    `leading_dense_block_count` dense layers, weighted by `expert_weights_scale` (1 when absent) and renormalised
+    where `expert_weights_norm` says."""
+    return {
+        "n_routed_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": int(_arch_field(reader, arch, spec, "expert_feed_forward_length")),
+        "n_shared_experts": int(read_field(reader, f"{arch}.expert_shared_count", 0) or 0),
+        "first_k_dense_replace": int(read_field(reader, f"{arch}.leading_dense_block_count", 0) or 0),
+        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", False)),
     }
 
 
@@ -518,13 +527,7 @@ def _deepseek2_config(
         "v_head_dim": value,
         "rope_interleave": True,
         "rope_parameters": rope,
-        "n_routed_experts": experts,
-        "num_experts_per_tok": used,
-        "moe_intermediate_size": int(required("expert_feed_forward_length")),
-        "n_shared_experts": int(read_field(reader, f"{arch}.expert_shared_count", 0) or 0),
-        "first_k_dense_replace": dense,
-        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
-        "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", False)),
+        **_deepseek_experts(reader, arch, experts, used, spec),
         "scoring_func": "sigmoid" if sigmoid else "softmax",
         "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
         "n_group": groups,
