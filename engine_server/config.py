@@ -803,11 +803,17 @@ def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+# The families whose configs written before `layer_types` make every `sliding_window_pattern`-th layer global, and
+# that pattern's default (Command R7B's released config.json has the pattern and no `layer_types`).
+_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4}
+
+
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
-    `use_sliding_window` is set, Gemma 3's but every `sliding_window_pattern`-th (6), and every layer of any other
-    family does when `sliding_window` is set. () when no layer has a window. ValueError for a window that is not a
+    `use_sliding_window` is set, Gemma 3's and Cohere 2's but every `sliding_window_pattern`-th (6, 4:
+    `_GLOBAL_EVERY`), and every layer of any other family does when `sliding_window` is set. () when no layer has a
+    window. ValueError for a window that is not a
     positive integer or a layer type not known."""
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
@@ -827,8 +833,8 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     elif model_type.startswith("qwen"):
         first = int(cfg.get("max_window_layers", layers))
         windowed = [i >= first for i in range(layers)]
-    elif model_type == "gemma3_text":  # an earlier config: every `sliding_window_pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+    elif model_type in _GLOBAL_EVERY:  # an earlier config: every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or _GLOBAL_EVERY[model_type])
         windowed = [(i + 1) % pattern != 0 for i in range(layers)]
     elif model_type in ("gemma2", "gpt_oss"):  # an earlier config: the even layers are local, the odd ones global
         windowed = [i % 2 == 0 for i in range(layers)]

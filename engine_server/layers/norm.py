@@ -88,7 +88,7 @@ class LayerNorm(RMSNorm):
         return self.forward(stream, ops), stream
 
 
-def norm_class(config_layer_norm: bool) -> type[RMSNorm]:
+def norm_class(layer_norm: bool) -> type[RMSNorm]:
     """The norm a model's blocks use: Cohere's `LayerNorm` where its config says (`ModelConfig.layer_norm`), else
     `RMSNorm`."""
-    return LayerNorm if config_layer_norm else RMSNorm
+    return LayerNorm if layer_norm else RMSNorm

@@ -634,6 +634,17 @@ def test_exaone4_configs_read_their_windows_and_nope_layers() -> None:
         ModelConfig.from_hf_config({**base, "sliding_window_pattern": "LLXG"})
 
 
+def test_cohere2_configs_read_their_windows_from_the_pattern_without_layer_types() -> None:
+    """Command R7B's released config.json has `sliding_window_pattern` (4) and no `layer_types`: every 4th layer is
+    global and turns no rope, as transformers builds it; the layers `layer_types` lists where it has them."""
+    base = {**SMALL, "model_type": "cohere2", "num_hidden_layers": 8, "sliding_window": 16}
+    for config in ({**base, "sliding_window_pattern": 4}, base):
+        model = ModelConfig.from_hf_config(config)
+        assert model.layer_windows == (16, 16, 16, 0) * 2 and model.nope_layers == (3, 7)
+    built = transformers.Cohere2Config(**{**SMALL, "num_hidden_layers": 8, "sliding_window": 16}).to_dict()
+    assert ModelConfig.from_hf_config(built).layer_windows == (16, 16, 16, 0) * 2
+
+
 def test_gemma3_configs_read_in_either_layout() -> None:
     """transformers 5's `rope_parameters` by layer type and `layer_types`, and an earlier config.json's
     `rope_theta`, `rope_local_base_freq`, `rope_scaling` and `sliding_window_pattern`, give the same config."""
