@@ -10,7 +10,8 @@ Contract shared by the runner, the model and every attention kernel:
   lives in slot `block_tables[i][p // block_size] * block_size + p % block_size`.
 - Each layer writes the K/V of all T new tokens before computing attention, so a sequence may read blocks that
   another sequence of the same step writes (shared prefix blocks).
-- A linear-attention layer (Qwen3-Next, Qwen3.5: `layers.gated_deltanet`) has no KV cache: its entry in the list of
+- A recurrent layer (Qwen3-Next's and Qwen3.5's linear attention, `layers.gated_deltanet`; LFM2's short convolution,
+  `layers.short_conv`) has no KV cache: its entry in the list of
   caches is a float32 `[state_slots, state_size]` tensor, sequence i's state in row `state_slots[i]`.
 """
 
@@ -79,7 +80,7 @@ class AttentionMetadata:
     # tensor-parallel step channel) without copying them back from the device; None where not built here.
     host_block_tables: torch.Tensor | None = None
     host_slot_mapping: torch.Tensor | None = None
-    # Models with linear attention (`ModelConfig.linear_attention`): each sequence's row of the layers' state tensors
+    # Models with recurrent layers (`ModelConfig.recurrent`): each sequence's row of the layers' state tensors
     # (`[B]` int64 on the device, and the host's copy), set by the runner from its requests' slots; else None.
     state_slots: torch.Tensor | None = None
     state_slots_cpu: list[int] | None = None
@@ -301,15 +302,15 @@ def kv_cache_bytes_per_block(
 
 
 def _cache_layers(config: ModelConfig) -> list[int]:
-    """The layers that keep K/V of their own in the paged cache (not linear attention, not sharing another's)."""
-    return [i for i in range(config.num_hidden_layers) if not config.is_linear_layer(i) and config.kv_source(i) == i]
+    """The layers that keep K/V of their own in the paged cache (not recurrent ones, not sharing another's)."""
+    return [i for i in range(config.num_hidden_layers) if not config.is_recurrent_layer(i) and config.kv_source(i) == i]
 
 
 def recurrent_state_bytes(config: ModelConfig, slots: int, tp_size: int = 1) -> int:
-    """Bytes the linear-attention layers' states of `slots` sequences take on one rank of a tensor-parallel group of
-    `tp_size` (its heads' share); 0 for a model without such layers."""
-    linear = config.linear_attention
-    return 0 if linear is None else 4 * linear.sharded(tp_size).state_size * len(linear.layers) * slots
+    """Bytes the recurrent layers' states (`ModelConfig.recurrent`) of `slots` sequences take on one rank of a
+    tensor-parallel group of `tp_size` (its heads' or channels' share); 0 for a model without such layers."""
+    recurrent = config.recurrent
+    return 0 if recurrent is None else 4 * recurrent.sharded(tp_size).state_size * len(recurrent.layers) * slots
 
 
 def kv_cache_layout(
@@ -342,14 +343,14 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
     and row, the layer's own head shape), of one rank's KV heads in a tensor-parallel group of `tp_size`
-    (`parallel.sharding.kv_heads_per_rank`); a linear-attention layer's is its float32 states, `[state_slots,
+    (`parallel.sharding.kv_heads_per_rank`); a recurrent layer's is its float32 states, `[state_slots,
     state_size]` (of this rank's heads); a layer that attends over another's K/V (`ModelConfig.kv_source`) gets that
     layer's very tensor."""
-    linear = None if config.linear_attention is None else config.linear_attention.sharded(tp_size)
+    recurrent = None if config.recurrent is None else config.recurrent.sharded(tp_size)
     caches: list[torch.Tensor] = []
     for index in range(config.num_hidden_layers):
-        if linear is not None and config.is_linear_layer(index):
-            caches.append(torch.zeros(state_slots, linear.state_size, dtype=torch.float32, device=device))
+        if recurrent is not None and config.is_recurrent_layer(index):
+            caches.append(torch.zeros(state_slots, recurrent.state_size, dtype=torch.float32, device=device))
         elif config.kv_source(index) != index:
             caches.append(caches[config.kv_source(index)])
         else:

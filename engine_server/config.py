@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -48,6 +48,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "ernie4_5_moe": "ernie4_5_moe",
     "cohere": "cohere",  # Command R / R+: the attention and the MLP in parallel off one LayerNorm
     "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
+    "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -69,6 +70,10 @@ _NOT_YET: dict[str, str] = {
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4"
+)  # fmt: skip
+# Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
+_QK_NORM_FAMILIES: tuple[Architecture, ...] = (
+    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2"
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -168,6 +173,34 @@ class LinearAttention:
             raise ValueError(f"linear attention's {self.num_key_heads} key and {self.num_value_heads} value heads "
                              f"must both be divisible by the tensor-parallel size ({size})")  # fmt: skip
         return replace(self, num_key_heads=self.num_key_heads // size, num_value_heads=self.num_value_heads // size)
+
+
+@dataclass(frozen=True)
+class ShortConvolution:
+    """LFM2's gated short convolution (`layers.short_conv`) on `layers`: `in_proj` gives B, C and x, each `channels`
+    wide; the layer's output is `out_proj(C * conv(B * x))`, conv a depthwise causal convolution of `conv_kernel`
+    taps without a bias or an activation. Its state per sequence is the last `conv_kernel - 1` values of `B * x`."""
+
+    channels: int
+    conv_kernel: int
+    layers: tuple[int, ...]
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer."""
+        return self.channels * (self.conv_kernel - 1)
+
+    def sharded(self, size: int) -> ShortConvolution:
+        """One rank's share under tensor parallelism over `size` ranks: a block of the channels; ValueError unless
+        `size` divides them."""
+        if self.channels % size:
+            raise ValueError(f"the short convolution's {self.channels} channels must be divisible by the "
+                             f"tensor-parallel size ({size})")  # fmt: skip
+        return replace(self, channels=self.channels // size)
+
+
+# The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.
+RecurrentShape = LinearAttention | ShortConvolution
 
 
 @dataclass(frozen=True)
@@ -327,6 +360,8 @@ class ModelConfig:
     # (`attention_output_gate`), and the attention's output is multiplied by their sigmoid before o_proj.
     linear_attention: LinearAttention | None = None
     attention_output_gate: bool = False
+    # LFM2: hybrids whose `short_convolution.layers` run a gated short convolution (a state per sequence, no KV cache).
+    short_convolution: ShortConvolution | None = None
     # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
     gemma4: Gemma4Layout | None = None
 
@@ -363,16 +398,28 @@ class ModelConfig:
         return 2 * self.intermediate_size if wide else self.intermediate_size
 
     def is_linear_layer(self, index: int) -> bool:
-        """Whether layer `index` is linear attention (`linear_attention`), which keeps a state and no KV cache."""
+        """Whether layer `index` is linear attention (`linear_attention`: Gated DeltaNet)."""
         return self.linear_attention is not None and index in self.linear_attention.layers
 
     @property
+    def recurrent(self) -> RecurrentShape | None:
+        """The shape of the layers that keep a fixed-size state per running sequence and no KV cache: Gated
+        DeltaNet's (`linear_attention`) or LFM2's short convolution's (`short_convolution`); None for a model
+        without such layers."""
+        return self.linear_attention or self.short_convolution
+
+    def is_recurrent_layer(self, index: int) -> bool:
+        """Whether layer `index` keeps a state per sequence (`recurrent`) and no KV cache."""
+        recurrent = self.recurrent
+        return recurrent is not None and index in recurrent.layers
+
+    @property
     def attention_layers(self) -> int:
-        """Layers that keep K/V in the paged cache of their own (all but the linear-attention ones and those that
-        attend over another layer's: `kv_source`)."""
-        linear = self.linear_attention
+        """Layers that keep K/V in the paged cache of their own (all but the recurrent ones and those that attend
+        over another layer's: `kv_source`)."""
+        recurrent = self.recurrent
         own = sum(self.kv_source(i) == i for i in range(self.num_hidden_layers))
-        return own - (len(linear.layers) if linear is not None else 0)
+        return own - (len(recurrent.layers) if recurrent is not None else 0)
 
     @property
     def o_proj_bias(self) -> bool:
@@ -437,6 +484,8 @@ class ModelConfig:
         _refuse_mlp_biases(model_type, cfg)
         if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"):  # multimodal: its text model is served
             cfg = _text_config(cfg)
+        if model_type == "lfm2":
+            cfg = _lfm2_config(cfg)
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
         if arch == "gemma4":
@@ -507,7 +556,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
             attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss" else None,
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2")
+            qk_norm=arch in _QK_NORM_FAMILIES
             or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
@@ -528,6 +577,7 @@ class ModelConfig:
             **gemma,
             **hybrid,
             **_glm4_fields(arch),
+            **_lfm2_fields(arch, cfg),
         )
 
     @classmethod
@@ -719,6 +769,54 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if len(linear.layers) == layers:
         raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An LFM2 `config.json` under the keys the rest of `from_hf_config` reads, as transformers' `Lfm2Config` and
+    `Lfm2MLP` read it: the MLP's width from `block_ff_dim` (else `intermediate_size`), which with
+    `block_auto_adjust_ff_dim` becomes two thirds of it, times `block_ffn_dim_multiplier` and rounded up to a multiple
+    of `block_multiple_of` where a multiplier is set; `norm_eps` as every norm's epsilon; embeddings tied unless
+    `tie_embedding` (or `tie_word_embeddings`) says not. ValueError for biases on the convolution layers' projections
+    (`conv_bias`), which no release sets."""
+    if cfg.get("conv_bias"):
+        raise ValueError("lfm2 with conv_bias is not supported")
+    width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            width = int(float(multiplier) * width)
+            multiple = int(cfg.get("block_multiple_of") or 256)
+            width = multiple * ((width + multiple - 1) // multiple)
+    tie = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))
+    return {**cfg, "intermediate_size": width, "rms_norm_eps": float(cfg.get("norm_eps") or 1e-5),
+            "tie_word_embeddings": bool(tie)}  # fmt: skip
+
+
+def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's short-convolution layers (`ShortConvolution`; {} for the other families): those `layer_types` calls
+    "conv", else those not in `full_attn_idxs` (no list: every layer attends)."""
+    if arch != "lfm2":
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        attending = cfg.get("full_attn_idxs")
+        attending = range(layers) if attending is None else attending
+        types = ["full_attention" if i in attending else "conv" for i in range(layers)]
+    if len(types) != layers or set(types) - {"conv", "full_attention"}:
+        raise ValueError(f"layer_types must name conv or full_attention for each of the {layers} layers; "
+                         f"got {types!r}")  # fmt: skip
+    conv = ShortConvolution(
+        channels=int(cfg["hidden_size"]),
+        conv_kernel=int(cfg.get("conv_L_cache") or 3),
+        layers=tuple(i for i, kind in enumerate(types) if kind == "conv"),
+    )
+    if conv.conv_kernel < 2:
+        raise ValueError(f"lfm2 conv_L_cache {conv.conv_kernel}: a convolution of at least 2 taps is supported")
+    if len(conv.layers) == layers:
+        raise ValueError("a model of convolution layers only (no full_attention layer) is not supported")
+    return {"short_convolution": conv} if conv.layers else {}
 
 
 # The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
@@ -1129,7 +1227,7 @@ class CacheConfig:
     memory_bytes: int = 2 * 1024**3  # KV pool size; on CUDA the runner may size from free memory instead.
     enable_prefix_caching: bool = True
     dtype: KVCacheDType = "auto"
-    # A hybrid's (linear attention: Qwen3.5, Qwen3-Next) prefix cache: how many snapshots of its states at prompts'
+    # A hybrid's (recurrent layers: Qwen3.5, Qwen3-Next, LFM2) prefix cache: how many snapshots of its states at prompts'
     # block boundaries to keep (engine_server.core.state_snapshots). None: as many as fit an eighth of the memory
     # left beside the running requests' states, at most max_num_seqs; 0: none, and no prefix served from the cache.
     state_snapshots: int | None = None

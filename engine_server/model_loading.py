@@ -126,12 +126,12 @@ SNAPSHOT_MEMORY_SHARE = 1 / 8
 
 
 def state_snapshot_rows(model_config: ModelConfig, config: EngineConfig, tp_size: int = 1) -> int:
-    """How many prefix snapshots of a hybrid's linear-attention states to keep (`CacheConfig.state_snapshots`, or by
+    """How many prefix snapshots of a hybrid's recurrent states to keep (`CacheConfig.state_snapshots`, or by
     default as many as fit `SNAPSHOT_MEMORY_SHARE` of the memory left beside `max_num_seqs` requests' states, at most
-    `max_num_seqs`); 0 for a model without linear attention or with prefix caching off. Every rank of a
-    tensor-parallel group computes the same count (its share of each state, of the same memory). ValueError for a
-    negative count."""
-    if model_config.linear_attention is None or not config.cache.enable_prefix_caching:
+    `max_num_seqs`); 0 for a model without recurrent layers (`ModelConfig.recurrent`) or with prefix caching off.
+    Every rank of a tensor-parallel group computes the same count (its share of each state, of the same memory).
+    ValueError for a negative count."""
+    if model_config.recurrent is None or not config.cache.enable_prefix_caching:
         return 0
     if config.cache.state_snapshots is not None:
         if config.cache.state_snapshots < 0:
@@ -147,7 +147,7 @@ def num_kv_blocks(
     model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int, tp_size: int = 1
 ) -> int:
     """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism), beside the
-    linear-attention states of `max_num_seqs` requests and of the prefix snapshots (`state_snapshot_rows`) where the
+    recurrent layers' states of `max_num_seqs` requests and of the prefix snapshots (`state_snapshot_rows`) where the
     model has such layers; at least enough for one sequence of max_model_len tokens."""
     block_size = config.cache.block_size
     per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size, config.cache.dtype)
@@ -157,7 +157,7 @@ def num_kv_blocks(
     blocks = max(config.cache.memory_bytes - states, 0) // per_block
     if blocks < needed_for_one:
         held = (
-            f" after the {states} B of {rows} linear-attention states ({config.scheduler.max_num_seqs} requests' and "
+            f" after the {states} B of {rows} recurrent states ({config.scheduler.max_num_seqs} requests' and "
             "the prefix snapshots': fewer with a lower --max-num-seqs)" if states else ""
         )  # fmt: skip
         raise ValueError(
@@ -172,9 +172,10 @@ def load_model(
 ) -> LoadedModel:
     """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring);
     under tensor parallelism, `tp`'s shards of it (every rank of the group calls this together)."""
-    if config.speculative is not None and source.config.linear_attention is not None:
+    if config.speculative is not None and source.config.recurrent is not None:
         # Verifying drafts would advance the states past tokens that are then rejected.
-        raise ValueError("speculative decoding is not served on models with linear attention (Qwen3-Next, Qwen3.5)")
+        raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
+                         "LFM2)")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.
@@ -203,7 +204,7 @@ def load_model(
     num_blocks = tp.broadcast_from_driver(num_kv_blocks(source.config, config, dtype, max_model_len, tp.size))
     block_size = config.cache.block_size
     # An encoder keeps nothing between steps: its blocks only count the tokens in flight, and hold no memory.
-    state_slots = config.scheduler.max_num_seqs if source.config.linear_attention is not None else 0
+    state_slots = config.scheduler.max_num_seqs if source.config.recurrent is not None else 0
     snapshots = state_snapshot_rows(source.config, config, tp.size)
     kv_caches = (
         []
@@ -309,9 +310,9 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         return False
     if loaded.model_config.encoder:
         return False  # an encoder never decodes
-    if loaded.model_config.linear_attention is not None:
+    if loaded.model_config.recurrent is not None:
         # Its layers pick each row's state slot and chunk form from host lists every step.
-        log.warning("a model with linear attention (Qwen3-Next, Qwen3.5) decodes eagerly: no CUDA graphs yet")
+        log.warning("a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.attention_chunk and loaded.max_model_len > loaded.model_config.attention_chunk:
         # Llama 4's rope layers split each step's sequences at their chunks from host lists (a MoE model anyway).

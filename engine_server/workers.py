@@ -121,8 +121,8 @@ def start_tensor_parallel(
             f"--tensor-parallel-size {size}: multi-head latent attention ({model.architecture}) is not sharded yet"
         )
     check_shardable(model.num_attention_heads, model.num_key_value_heads, model.mlp_widths, size)
-    if model.linear_attention is not None:
-        model.linear_attention.sharded(size)  # its key and value heads split too
+    if model.recurrent is not None:
+        model.recurrent.sharded(size)  # its heads (or channels) split too
     device = resolve_device(config.device)
     shared = device.type == "cuda" and os.environ.get(SHARED_DEVICE_ENV) == "1"
     if device.type == "cuda" and not shared and torch.cuda.device_count() < size:

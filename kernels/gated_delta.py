@@ -1,5 +1,6 @@
-"""Plain-torch ops of the gated delta rule (Gated DeltaNet, the linear attention of Qwen3-Next and Qwen3.5) and its
-short causal convolution: what every device runs, one sequence's chunk or a batch of decode rows at a time.
+"""Plain-torch ops of the gated delta rule (Gated DeltaNet, the linear attention of Qwen3-Next and Qwen3.5) after its
+short causal convolution (`kernels.causal_conv`): what every device runs, one sequence's chunk or a batch of decode
+rows at a time.
 
 A sequence's state between steps is two tensors: the convolution's last `K - 1` inputs `[K - 1, C]` (zeros before
 its first token) and the recurrent state `[H, Dk, Dv]` in float32, one `Dk x Dv` matrix per value head (zeros
@@ -23,21 +24,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.causal_conv import convolve
+
 CHUNK = 64  # tokens a chunk's triangular solve covers (the chunk size of transformers' and FLA's kernels)
-
-
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The depthwise causal convolution and SiLU over tokens: x `[..., T, C]` (one sequence's chunk, or with a
-    leading batch dim one token per row as `[B, 1, C]`), weight `[C, K]`, state `[..., K - 1, C]` (the inputs before
-    x) -> (`silu(conv)` `[..., T, C]` in x's dtype, the new state: the last `K - 1` inputs, state included when x is
-    shorter). Each output is the taps' products summed in tap order, elementwise: the same bits whatever T or B."""
-    taps = weight.shape[1]
-    window = torch.cat((state.to(x.dtype), x), dim=-2)  # [..., K - 1 + T, C]
-    length = x.shape[-2]
-    out = window[..., :length, :] * weight[:, 0]
-    for tap in range(1, taps):
-        out = out + window[..., tap : tap + length, :] * weight[:, tap]
-    return F.silu(out), window[..., window.shape[-2] - (taps - 1) :, :]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -155,43 +144,6 @@ def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: f
     return ((weight * normed) * F.silu(gate.float())).to(x.dtype)
 
 
-def _convolve(
-    mixed: torch.Tensor,
-    weight: torch.Tensor,
-    conv_states: torch.Tensor,
-    slots: Sequence[int],
-    query_lens: Sequence[int],
-    fresh: Sequence[bool],
-) -> torch.Tensor:
-    """`causal_conv1d` of a step's sequences `[T, C]`, each after its state `conv_states[slots[i]]` (`[K - 1, C]`;
-    zeros where `fresh[i]`), which advances: each longer chunk alone, the one-token rows together (a decode step's
-    rows in a few ops, not a few per row)."""
-    out = torch.empty_like(mixed)
-    rows: list[int] = []
-    starts: list[int] = []
-    first = 0
-    for i, count in enumerate(query_lens):
-        if count == 1:
-            rows.append(i)
-            starts.append(first)
-        else:
-            span = slice(first, first + count)
-            before = torch.zeros_like(conv_states[slots[i]]) if fresh[i] else conv_states[slots[i]]
-            out[span], conv_states[slots[i]] = causal_conv1d(mixed[span], weight, before)
-        first += count
-    if rows:
-        tokens = torch.tensor(starts, device=mixed.device)
-        index = torch.tensor([slots[i] for i in rows], device=mixed.device)
-        before = conv_states.index_select(0, index)
-        zeroed = [j for j, i in enumerate(rows) if fresh[i]]
-        if zeroed:
-            before.index_fill_(0, torch.tensor(zeroed, device=mixed.device), 0.0)
-        convolved, after = causal_conv1d(mixed.index_select(0, tokens)[:, None, :], weight, before)
-        conv_states.index_copy_(0, index, after.to(conv_states.dtype))
-        out.index_copy_(0, tokens, convolved[:, 0, :])
-    return out
-
-
 def gated_delta_net(
     mixed: torch.Tensor,
     z: torch.Tensor,
@@ -224,7 +176,7 @@ def gated_delta_net(
     conv_size = (taps - 1) * channels
     conv_states = states[:, :conv_size].view(-1, taps - 1, channels)
     matrices = states[:, conv_size:].view(-1, value_heads, dk, dv)
-    convolved = _convolve(mixed, weight, conv_states, slots, query_lens, fresh)
+    convolved = convolve(mixed, weight, conv_states, slots, query_lens, fresh, silu=True)
     q, k, v = convolved.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     core = gated_delta_rule(

@@ -38,6 +38,8 @@ class KernelOps:
     # and the attention's output gate (`reference.sigmoid_mul`).
     gated_delta_net: Callable[..., torch.Tensor] = reference.gated_delta_net
     sigmoid_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = reference.sigmoid_mul
+    # LFM2: a short-convolution layer's convolution over a step's sequences (`causal_conv.short_convolution`).
+    short_convolution: Callable[..., torch.Tensor] = reference.short_convolution
 
 
 REFERENCE_OPS = KernelOps(

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.causal_conv import short_convolution as short_convolution  # the kernel sets' op of LFM2's convolution
 from kernels.gated_delta import gated_delta_net as gated_delta_net  # the kernel sets' op of Gated DeltaNet
 
 if TYPE_CHECKING:

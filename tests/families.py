@@ -242,7 +242,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # Hybrids of Gated DeltaNet linear attention and gated full attention (three linear layers, then a full one), whose
 # linear layers keep a state per sequence and no KV cache (tests/unit/test_hybrid_engines.py): Qwen3.5's dense model
 # (2 key heads of 16 dims, each serving 2 value heads of 8; partial rope over 4 of 16 dims); Qwen3-Next's grouped
-# q/k/v/z and b/a projections beside top-2 of 8 experts and a gated shared expert, its first layer dense.
+# q/k/v/z and b/a projections beside top-2 of 8 experts and a gated shared expert, its first layer dense. LFM2: gated
+# short convolutions (3 taps) in place of the linear attention, plain attention with per-head q/k norms.
 LINEAR_ATTENTION: dict[str, Any] = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "head_dim": 16, "pad_token_id": 0,
@@ -254,6 +255,7 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
         {**LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
 }  # fmt: skip
 # Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's
 # mixture of experts (its GGUF files' test; its engine's is tests.unit.test_models').
@@ -338,8 +340,10 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     step_input = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    # A hybrid's linear-attention layers (Qwen3-Next, Qwen3.5) keep states, which the cache lays out by the config.
-    hybrid = "linear_attention" in (getattr(model.config.get_text_config(), "layer_types", None) or ())
+    # A hybrid's recurrent layers (Qwen3-Next's, Qwen3.5's linear attention, LFM2's convolutions) keep states, which
+    # the cache lays out by the config.
+    kinds = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    hybrid = bool({"linear_attention", "conv"} & set(kinds))
     cache = DynamicCache(config=model.config) if hybrid else DynamicCache()
     steps: list[torch.Tensor] = []
     with torch.inference_mode():

@@ -157,10 +157,11 @@ class EngineCore:
         # A model whose every layer is windowed frees the blocks outside the window, unless a draft model, which
         # attends over the same blocks, may read them.
         window = 0 if spec is not None and spec.method == "draft_model" else self.model_config.uniform_window
-        # Linear attention (Qwen3-Next, Qwen3.5) keeps a state per running request, in a slot of its own; a state
-        # holds a whole prefix at once, not block by block, so a prefix is served from the cache only where its
-        # states were saved at its end (`core.state_snapshots`): none without snapshot rows.
-        recurrent = self.model_config.linear_attention is not None
+        # Recurrent layers (Qwen3-Next's and Qwen3.5's linear attention, LFM2's convolutions) keep a state per running
+        # request, in a slot of its own; a state holds a whole prefix at once, not block by block, so a prefix is
+        # served from the cache only where its states were saved at its end (`core.state_snapshots`): none without
+        # snapshot rows.
+        recurrent = self.model_config.recurrent is not None
         cache = (
             replace(config.cache, enable_prefix_caching=False)
             if recurrent and not self.runner.state_snapshots

@@ -16,6 +16,7 @@ from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm, norm_class
+from engine_server.layers.short_conv import ShortConv
 from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
 from engine_server.lora.targets import PROJECTIONS
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -35,11 +36,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.residual_multiplier = config.residual_multiplier
-        # The token mixer: attention, or Gated DeltaNet on a hybrid's linear layers (whose checkpoints call it
-        # `linear_attn`: `models.qwen3_next` reads it under this name).
-        self.self_attn: PagedSelfAttention | MultiLatentAttention | GatedDeltaNet = (
+        # The token mixer: attention, or on a hybrid's recurrent layers Gated DeltaNet (whose checkpoints call it
+        # `linear_attn`: `models.qwen3_next` reads it under this name) or LFM2's short convolution (`conv`:
+        # `models.lfm2`).
+        self.self_attn: PagedSelfAttention | MultiLatentAttention | GatedDeltaNet | ShortConv = (
             GatedDeltaNet(config, dtype, tp)
             if config.is_linear_layer(index)
+            else ShortConv(config, dtype, tp)
+            if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp)
             if config.latent_attention is not None
             else PagedSelfAttention(

@@ -179,7 +179,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
         copies = meta.state_copies
         if copies is not None:  # prefixes' snapshots into the slots of the requests that start from them
-            _copy_rows(state, *copies.restores)
+            copy_state_rows(state, *copies.restores)
         # A chunk that starts its sequence starts from zeros (a slot's last holder left its own state there).
         fresh = [length == count for count, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]
         core = ops.gated_delta_net(
@@ -187,12 +187,12 @@ class GatedDeltaNet(nn.Module):
             self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
         )  # fmt: skip
         if copies is not None:  # slots at their prompts' snapshot points into their snapshot rows
-            _copy_rows(state, *copies.saves)
+            copy_state_rows(state, *copies.saves)
         result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(core))
         return result
 
 
-def _copy_rows(state: torch.Tensor, sources: list[int], destinations: list[int]) -> None:
+def copy_state_rows(state: torch.Tensor, sources: list[int], destinations: list[int]) -> None:
     """Copy rows `sources` of `state` over rows `destinations` (none may be among `sources`)."""
     if sources:
         device = state.device

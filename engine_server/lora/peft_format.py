@@ -123,8 +123,9 @@ def _piece(
     target = targets[module]
     if target.projection in MLP_PROJECTIONS and config.is_moe_layer(layer):
         raise _invalid(f"{where}: layer {layer}'s MLP is a mixture of experts; adapters on experts are not served")
-    if target.projection not in MLP_PROJECTIONS and config.is_linear_layer(layer):
-        raise _invalid(f"{where}: layer {layer} is linear attention (Gated DeltaNet), which has no {module}")
+    if target.projection not in MLP_PROJECTIONS and config.is_recurrent_layer(layer):
+        kind = "linear attention (Gated DeltaNet)" if config.is_linear_layer(layer) else "a short convolution"
+        raise _invalid(f"{where}: layer {layer} is {kind}, which has no {module}")
     if set(sides) != {"A", "B"}:
         raise _invalid(f"{where}: lora_A and lora_B come in pairs; only lora_{''.join(sides)} is there")
     a, b = sides["A"], sides["B"]

@@ -44,8 +44,8 @@ class LoraSlots:
             for name in PROJECTIONS:
                 if name in MLP_PROJECTIONS and config.is_moe_layer(layer):
                     continue
-                if name not in MLP_PROJECTIONS and config.is_linear_layer(layer):
-                    continue  # Gated DeltaNet (Qwen3.5): no q/k/v/o projections to adapt
+                if name not in MLP_PROJECTIONS and config.is_recurrent_layer(layer):
+                    continue  # Gated DeltaNet (Qwen3.5), LFM2's convolution: no q/k/v/o projections to adapt
                 shape = self.shapes[layer][name]
                 a = torch.zeros(max_loras, shape.parts * max_rank, shape.in_features, dtype=dtype, device=device)
                 b = [torch.zeros(max_loras, max_rank, seg.out_features, dtype=dtype, device=device)

@@ -53,8 +53,8 @@ class DraftModel:
                 f"draft model {source.name!r} handles {config.max_position_embeddings} positions, fewer than the "
                 f"engine's {max_model_len} (lower --max-model-len or pick another draft)"
             )
-        if config.linear_attention is not None:  # its states would advance past the drafts the target rejects
-            raise ValueError(f"draft model {source.name!r} has linear attention, which a draft model cannot have yet")
+        if config.recurrent is not None:  # its states would advance past the drafts the target rejects
+            raise ValueError(f"draft model {source.name!r} has recurrent layers, which a draft model cannot have yet")
         model = get_model_class(config.architecture)(config, dtype=dtype)
         model.load_weights(source.weights())
         self.model: CausalLM = model.to(device).eval()

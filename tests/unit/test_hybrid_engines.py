@@ -1,5 +1,6 @@
-"""Qwen3.5 and Qwen3-Next served whole by the engine: hybrids whose Gated DeltaNet layers keep a state per running
-request (`layers.gated_deltanet`) beside the paged KV cache of their full-attention layers. Greedy output equals
+"""Qwen3.5, Qwen3-Next and LFM2 served whole by the engine: hybrids whose Gated DeltaNet layers
+(`layers.gated_deltanet`), or LFM2's short convolutions (`layers.short_conv`), keep a state per running request beside
+the paged KV cache of their full-attention layers. Greedy output equals
 transformers' token for token on the float path alone, batched, prefilled in chunks, after preemption (each a
 different history of the state slots: a slot's last holder always left its state there) and from a prefix snapshot
 (`core.state_snapshots`); the quantized path is
@@ -22,6 +23,7 @@ from engine_server import LLM, SamplingParams
 from engine_server.attention_metadata import kv_cache_bytes_per_block, recurrent_state_bytes
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
 from engine_server.layers.gated_deltanet import GatedDeltaNet
+from engine_server.layers.short_conv import ShortConv
 from tests.families import (
     _SHAPE,
     HYBRIDS,
@@ -103,7 +105,7 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
     with engine(folder) as llm:
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
-        assert [isinstance(layer.self_attn, GatedDeltaNet) for layer in layers] == [True, True, True, False]
+        assert [isinstance(layer.self_attn, GatedDeltaNet | ShortConv) for layer in layers] == [True] * 3 + [False]
         assert tokens(llm, batch[:1]) == theirs[:1], name
         snapshots = llm.core.scheduler.snapshots
         assert snapshots is not None and len(snapshots) == 1 and snapshots.count == MAX_SEQS
@@ -178,12 +180,14 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
         torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4, msg=name)
 
 
-def test_the_quantized_path_is_batch_invariant(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3-next", "lfm2"])
+def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
-    transcendental op by row, the shared expert's gate too): each prompt's tokens and their log-probabilities are the
-    same alone, batched, prefilled in chunks of 24 and with no prefix cache (so the restored snapshots' states are
-    those computed from the first token), bit for bit, and mostly agree with the float path's first tokens."""
-    folder = save_family(tmp_path, "qwen3-next", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
+    transcendental op by row, the shared expert's gate too; LFM2's convolutions elementwise): each prompt's tokens and
+    their log-probabilities are the same alone, batched, prefilled in chunks of 24 and with no prefix cache (so the
+    restored snapshots' states are those computed from the first token), bit for bit, and mostly agree with the float
+    path's first tokens."""
+    folder = save_family(tmp_path, family, head_spread=0.5)  # a clear head: no near-ties for int8 to flip
     theirs = reference_tokens(load_reference(folder))
     batch = prompts()
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
@@ -267,17 +271,17 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
                                          r"tensor-parallel size \(4\)"):  # fmt: skip
         engine(folder, tensor_parallel_size=4)
     speculative = {"method": "ngram", "num_speculative_tokens": 4}
-    with pytest.raises(ValueError, match="speculative decoding is not served on models with linear attention"):
+    with pytest.raises(ValueError, match="speculative decoding is not served on models with recurrent layers"):
         engine(folder, speculative_config=speculative)
     config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
     states = recurrent_state_bytes(config, MAX_SEQS)  # the states are set aside before any block
     short = EngineConfig(model=str(folder), device="cpu", quantization="none",
                          cache=CacheConfig(memory_bytes=states + kv_cache_bytes_per_block(config, 16, torch.float32)),
                          scheduler=SchedulerConfig(max_num_seqs=MAX_SEQS, max_model_len=256))  # fmt: skip
-    with pytest.raises(ValueError, match=r"holds 1 blocks after the \d+ B of 8 linear-attention states \(8 "
+    with pytest.raises(ValueError, match=r"holds 1 blocks after the \d+ B of 8 recurrent states \(8 "
                                          r"requests' and the prefix snapshots'"):  # fmt: skip
         LLM(config=short)
-    with pytest.raises(ValueError, match=r"holds 0 blocks after the \d+ B of 12 linear-attention states"):
+    with pytest.raises(ValueError, match=r"holds 0 blocks after the \d+ B of 12 recurrent states"):
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=4)))  # snapshots set aside too
     with pytest.raises(ValueError, match="state_snapshots must be >= 0, got -1"):
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=-1)))

@@ -218,6 +218,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         transformers.Qwen3_5MoeTextConfig,
         {"head_dim": 16, **LINEAR_ATTENTION, **HYBRID_EXPERTS},
     ),
+    # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
+    "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
+                                       "pad_token_id": 0}),
     # Gemma 4: windowed layers 16 wide, full-attention ones 32 wide with one KV head, values from the keys'
     # projection and proportional rope; the fourth layer attends over the second's K/V (its MLP twice as wide);
     # per-layer inputs 8 wide; logits soft-capped.
@@ -286,6 +289,7 @@ MODEL_CLASSES = {
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
+    transformers.Lfm2Config: transformers.Lfm2ForCausalLM,
 }
 
 
@@ -643,6 +647,35 @@ def test_cohere2_configs_read_their_windows_from_the_pattern_without_layer_types
         assert model.layer_windows == (16, 16, 16, 0) * 2 and model.nope_layers == (3, 7)
     built = transformers.Cohere2Config(**{**SMALL, "num_hidden_layers": 8, "sliding_window": 16}).to_dict()
     assert ModelConfig.from_hf_config(built).layer_windows == (16, 16, 16, 0) * 2
+
+
+def test_lfm2_configs_read_as_transformers_builds_them() -> None:
+    """LFM2's released config.json (LFM2-1.2B's and LFM2-350M's keys): the MLP's width from `block_ff_dim`, cut to two
+    thirds and rounded up to `block_multiple_of` as transformers' `Lfm2MLP` builds it, convolutions on the layers not
+    in `full_attn_idxs`, `norm_eps`, `tie_embedding`; a convolution with biases and a model of convolutions only are
+    refused by name."""
+    released = {"model_type": "lfm2", "vocab_size": 65536, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+                "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-05, "tie_embedding": True,
+                "max_position_embeddings": 128000, "rope_theta": 1000000.0, "bos_token_id": 1, "eos_token_id": 7,
+                "pad_token_id": 0}  # fmt: skip
+    for hidden, width, attending in ((2048, 12288, [2, 5, 8, 10, 12, 14]), (1024, 6656, [2, 5, 8, 10, 12, 14])):
+        raw = {**released, "hidden_size": hidden, "block_ff_dim": width, "num_hidden_layers": 16,
+               "full_attn_idxs": attending}  # fmt: skip
+        config = ModelConfig.from_hf_config(raw)
+        theirs = transformers.Lfm2Config(**{k: v for k, v in raw.items() if k != "model_type"})
+        with torch.device("meta"):
+            mlp = transformers.models.lfm2.modeling_lfm2.Lfm2MLP(theirs)
+        assert config.intermediate_size == mlp.w1.out_features
+        assert config.short_convolution is not None
+        assert config.short_convolution.layers == tuple(i for i in range(16) if i not in attending)
+        assert (config.short_convolution.channels, config.short_convolution.conv_kernel) == (hidden, 3)
+        assert config.rms_norm_eps == 1e-5 and config.tie_word_embeddings and config.qk_norm
+        assert ModelConfig.from_hf_config(theirs.to_dict()) == config  # transformers' own dict of it
+    with pytest.raises(ValueError, match="lfm2 with conv_bias is not supported"):
+        ModelConfig.from_hf_config({**raw, "conv_bias": True})
+    with pytest.raises(ValueError, match="convolution layers only"):
+        ModelConfig.from_hf_config({**raw, "full_attn_idxs": []})
 
 
 def test_gemma3_configs_read_in_either_layout() -> None:

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from kernels import cpu_ops as cpu
 from kernels import reference
-from kernels.gated_delta import causal_conv1d, gated_delta_chunk, gated_delta_step, prepare_qk
+from kernels.causal_conv import causal_conv1d
+from kernels.gated_delta import gated_delta_chunk, gated_delta_step, prepare_qk
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 KEY_HEADS, VALUE_HEADS = 2, 4
