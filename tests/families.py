@@ -359,7 +359,8 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
 
 # llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for the checkpoint names of the families written to GGUF here,
 # and its architecture names (Gemma's norms after attention and around the MLP have names of their own).
-_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+                "model.embedding_norm": "token_embd_norm"}  # LFM2's final norm  # fmt: skip
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -376,7 +377,15 @@ _GGUF_ARCHITECTURES = {
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
-    "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2",
+    "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
+}  # fmt: skip
+# LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
+_GGUF_LFM2_LAYER = {
+    "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output", "self_attn.q_layernorm": "attn_q_norm",
+    "self_attn.k_layernorm": "attn_k_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
+    "feed_forward.w2": "ffn_down", "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
+    "conv.out_proj": "shortconv.out_proj",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -631,6 +640,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_feed_forward_length(config["intermediate_size_mlp"])
         writer.add_expert_feed_forward_length(config["intermediate_size"])
         writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
+    elif arch == "lfm2":
+        writer.add_feed_forward_length(_lfm2_feed_forward_length(config))
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
@@ -638,10 +649,15 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         writer.add_logit_scale(config["logit_scale"])
     else:
-        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_layer_norm_rms_eps(config["norm_eps"] if arch == "lfm2" else config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "deepseek2":
         _deepseek2_metadata(writer, config, rope)
+    elif arch == "lfm2":  # KV heads on the attention layers, 0 on the convolution ones: how it tells them apart
+        kv_heads = config["num_key_value_heads"]
+        writer.add_head_count_kv([kv_heads if kind == "full_attention" else 0 for kind in config["layer_types"]])
+        writer.add_shortconv_l_cache(config["conv_L_cache"])
+        writer.add_rope_dimension_count(head_dim)
     else:
         writer.add_head_count_kv(config["num_key_value_heads"])
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -704,6 +720,19 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _lfm2_feed_forward_length(config: dict[str, Any]) -> int:
+    """LFM2's MLP width as llama.cpp's converter writes it: with `block_auto_adjust_ff_dim`, two thirds of
+    `intermediate_size`, times `block_ffn_dim_multiplier` where set, rounded up to a multiple of `block_multiple_of`."""
+    width = int(config["intermediate_size"])
+    if config["block_auto_adjust_ff_dim"]:
+        width = int(2 * width / 3)
+        if config["block_ffn_dim_multiplier"] is not None:
+            width = int(config["block_ffn_dim_multiplier"] * width)
+        multiple = int(config["block_multiple_of"])
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
 
 
 def _deepseek2_metadata(writer: Any, config: dict[str, Any], rope: dict[str, Any]) -> None:
@@ -814,6 +843,8 @@ def _write_tensors(
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
     if arch == "deepseek2":
         layer_names.update(_GGUF_LATENT_LAYER)
+    if arch == "lfm2":
+        layer_names = _GGUF_LFM2_LAYER
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
     linear: dict[str, dict[str, torch.Tensor]] = {}
@@ -857,7 +888,11 @@ def _write_tensors(
                 tensors[f"blk.{layer}.exp_probs_b.bias"] = (array, None)
                 continue
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
-            if layer_names[kind] in _GGUF_ROUTERS:
+            if arch == "lfm2":  # the MLP's in `feed_forward`'s type, the mixers' projections in `attention`'s
+                kind_type = feed_forward if kind.startswith("feed_forward.") else None if kind.endswith(
+                    ("norm", "conv.conv")) else attention  # fmt: skip
+                array = array.squeeze(1) if kind == "conv.conv" else array  # stored [channels, taps]
+            elif layer_names[kind] in _GGUF_ROUTERS:
                 array = array.reshape(-1) if layer_names[kind] == "ffn_gate_inp_shexp" else array
             elif kind.startswith(("mlp.", "block_sparse_moe.", "per_layer_")):
                 kind_type = feed_forward

@@ -50,6 +50,7 @@ TENSOR_INDEX = "gguf_tensors.json"
 SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is written: one shard is held at a time
 _FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
 _SQUEEZED_CONVOLUTION = ".linear_attn.conv1d.weight"  # a hybrid's [channels, 1, kernel], stored as [channels, kernel]
+_LFM2_CONVOLUTION = ".conv.conv.weight"  # LFM2's [channels, 1, taps], stored as [channels, taps] (`_restore`)
 # numpy's type of the tensors gguf stores as plain arrays; every other type is blocks of bytes.
 _ARRAY_TYPES = {
     GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F64: np.float64,
@@ -177,6 +178,23 @@ _GLM4_LAYER_NAMES = {
     "post_ffw_norm": "post_mlp_layernorm",
     "ffn_up": "mlp.gate_up_proj",
 }
+# LFM2: its own names for the attention's output and q/k norms, the block's norms and the MLP; the convolution's
+# tensors (`_BARE_LAYER_NAMES`), and the final norm its checkpoints call `embedding_norm` (`_LFM2_GLOBAL`).
+_LFM2_LAYER_NAMES = {
+    "attn_norm": "operator_norm",
+    "ffn_norm": "ffn_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+}
+_LFM2_GLOBAL = {"token_embd_norm.weight": "model.embedding_norm.weight",
+                "output_norm.weight": "model.embedding_norm.weight"}  # fmt: skip
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -187,6 +205,7 @@ _BARE_LAYER_NAMES = {
     "ernie4_5_moe": {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
     "minimax_m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},  # (on its block)
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
+    "lfm2": {f"shortconv.{part}.weight": f"conv.{part}.weight" for part in ("conv", "in_proj", "out_proj")},
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 _ARCHITECTURE_LAYER_NAMES = {
@@ -206,6 +225,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "exaone4": _EXAONE4_LAYER_NAMES,
     "olmo2": _EXAONE4_LAYER_NAMES,
     "olmo3": _EXAONE4_LAYER_NAMES,
+    "lfm2": _LFM2_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -247,6 +267,8 @@ _CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_shor
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a GGUF tensor of a file of `architecture` (its `general.architecture`); None if
     unknown or already folded into the config."""
+    if architecture == "lfm2" and gguf_name in _LFM2_GLOBAL:
+        return _LFM2_GLOBAL[gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
@@ -509,6 +531,8 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     model_type = config["model_type"]
     if name.endswith(_FLATTENED_GATE):  # llama.cpp stores the [1, H] gate as [H]
         return lambda array: array.reshape(1, -1)
+    if model_type == "lfm2" and name.endswith(_LFM2_CONVOLUTION):
+        return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
     if rope_permuted(model_type) and ".self_attn.q_proj." in name:
         return lambda array: unpermute_rope_rows(array, config["num_attention_heads"])
     if rope_permuted(model_type) and ".self_attn.k_proj." in name:
@@ -547,7 +571,7 @@ def _hf_weight(
     shape = tuple(data.shape) if plain else quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
     if name.endswith(_FLATTENED_GATE):
         shape = (1, int(np.prod(shape)))
-    elif name.endswith(_SQUEEZED_CONVOLUTION):
+    elif name.endswith((_SQUEEZED_CONVOLUTION, _LFM2_CONVOLUTION)):
         shape = (shape[0], 1, *shape[1:])
     return LazyTensor(ComputedSlice(shape, read))
 

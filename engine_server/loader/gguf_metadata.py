@@ -43,6 +43,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "command-r": ("cohere", "CohereForCausalLM"),
     "cohere2": ("cohere2", "Cohere2ForCausalLM"),
+    "lfm2": ("lfm2", "Lfm2ForCausalLM"),
 }
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
 _LAYER_NORMED = ("command-r", "cohere2")
@@ -105,6 +106,32 @@ def _arch_field(reader: GGUFReader, arch: str, spec: str, key: str) -> Any:
     return value
 
 
+def _per_layer(value: Any) -> list[int]:
+    """A metadata value that is one count for every layer or a count per layer, as a list of counts."""
+    return [int(count) for count in value] if isinstance(value, list) else [int(value)]
+
+
+def _lfm2_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The keys of an LFM2 `config.json` from an `lfm2` file: its convolution layers are those with no KV heads in
+    `attention.head_count_kv` (a count per layer), their taps `shortconv.l_cache`; the MLP's width is the file's
+    `feed_forward_length` as it stands (llama.cpp's converter wrote it after LFM2's adjustment); the norms' epsilon
+    under LFM2's key. ValueError for attention layers of different KV head counts (LFM2 has one) or a file whose
+    convolution taps are missing."""
+    required = functools.partial(_arch_field, reader, "lfm2", spec)
+    layers = int(config["num_hidden_layers"])
+    kv_heads = _per_layer(required("attention.head_count_kv"))
+    kv_heads = kv_heads * layers if len(kv_heads) == 1 else kv_heads
+    if len(kv_heads) != layers or len({count for count in kv_heads if count}) != 1:
+        raise ValueError(f"model {spec!r}: lfm2.attention.head_count_kv {kv_heads} is not one KV head count on the "
+                         f"attention layers and 0 on the convolution layers of {layers}")  # fmt: skip
+    return {
+        "layer_types": ["full_attention" if count else "conv" for count in kv_heads],
+        "conv_L_cache": int(required("shortconv.l_cache")),
+        "block_auto_adjust_ff_dim": False,
+        "norm_eps": config["rms_norm_eps"],
+    }
+
+
 def _short_float(value: float) -> float:
     """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); keep the shortest decimal."""
     return float(str(np.float32(value)))
@@ -149,7 +176,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
             required("expert_feed_forward_length" if experts else "feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(read_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        # A count per layer in an `lfm2` file, 0 on its convolution layers (`_lfm2_config`).
+        "num_key_value_heads": max(_per_layer(read_field(reader, f"{arch}.attention.head_count_kv", heads))),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _short_float(required(
@@ -200,6 +228,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_exaone4_config(reader, config, spec))
     elif arch == "olmo2":
         config.update(_olmo2_config(reader, config, spec))
+    elif arch == "lfm2":
+        config.update(_lfm2_config(reader, config, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

@@ -971,3 +971,25 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     with engine(gguf, quantization="auto") as llm:
         alone = [tokens(llm, [prompt])[0] for prompt in batch[:4]]
         assert tokens(llm, batch[:4]) == alone, family
+
+
+def test_an_lfm2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An LFM2 file as llama.cpp's converter writes it (`lfm2`: no KV heads on the convolution layers, the
+    convolution squeezed to `[channels, taps]`, the final norm as `token_embd_norm`, the MLP's adjusted width):
+    converted, its config is the saved model's, every tensor comes back and the float path equals transformers token
+    for token; served from its blocks (each convolution layer's B, C and x rows one Q8_0 matrix), it holds `ladle
+    bench quality`'s thresholds. Over two ranks, rank 0's rows of B, C and x (the first half of each) are the
+    converted weights' bit for bit."""
+    gguf, layers, result = exact_then_served(tmp_path, "lfm2")
+    assert layers["model.layers.0.self_attn.in_proj"] == "q8" and layers["model.layers.0.self_attn.out_proj"] == "q8"
+    assert layers["model.layers.3.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+    stored = keep_stored_weights(monkeypatch)
+    _, split = served_from_blocks(gguf, tensor_parallel_size=2)
+    whole = dict(resolve_model(str(gguf)).weights())["model.layers.0.conv.in_proj.weight"]
+    channels = whole.shape[0] // 3
+    rank0 = torch.cat([part[: channels // 2] for part in whole.split(channels)])
+    assert torch.equal(stored["model.layers.0.self_attn.in_proj"].dequantize(), rank0)
+    assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
