@@ -49,6 +49,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "cohere": "cohere",  # Command R / R+: the attention and the MLP in parallel off one LayerNorm
     "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
     "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
+    "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -333,6 +334,7 @@ class ModelConfig:
     moe_topk_groups: int = 1
     moe_group_score: Literal["top2", "max"] = "top2"
     routed_scaling_factor: float = 1.0
+    moe_renorm_epsilon: float = 1e-20  # added to the chosen scores' sum that renormalises them (LFM2-MoE: 1e-6)
     shared_expert_gated: bool = True
     # Llama 4's router: the sigmoid of each chosen expert's logit scales that expert's input (not its output).
     moe_input_scaled: bool = False
@@ -484,7 +486,7 @@ class ModelConfig:
         _refuse_mlp_biases(model_type, cfg)
         if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"):  # multimodal: its text model is served
             cfg = _text_config(cfg)
-        if model_type == "lfm2":
+        if model_type in ("lfm2", "lfm2_moe"):
             cfg = _lfm2_config(cfg)
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
@@ -781,7 +783,7 @@ def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("conv_bias"):
         raise ValueError("lfm2 with conv_bias is not supported")
     width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
-    if cfg.get("block_auto_adjust_ff_dim", True):
+    if cfg.get("model_type") == "lfm2" and cfg.get("block_auto_adjust_ff_dim", True):  # (LFM2-MoE's is as stated)
         width = int(2 * width / 3)
         multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
         if multiplier is not None:
@@ -1114,11 +1116,11 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe",
+        "minimax_m2", "ernie4_5_moe", "lfm2",
     ):  # fmt: skip
         return {}
-    if arch == "qwen3_next" and not cfg.get("num_experts"):
-        return {}  # Qwen3.5's dense models
+    if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
+        return {}  # Qwen3.5's and LFM2's dense models
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
                   or cfg.get("moe_num_experts") or 0)  # fmt: skip
     top_k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_k") or 0)
@@ -1155,6 +1157,19 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         )
     if arch == "ernie4_5_moe":
         return _ernie4_5_moe_fields(cfg, experts, top_k)
+    if arch == "lfm2":  # LFM2-MoE: DeepSeek-V3's router in one group, its bias optional, the sum's epsilon 1e-6
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            dense_layers=tuple(range(int(cfg.get("num_dense_layers", 2)))),
+            grouped_router=True,
+            moe_scoring="sigmoid",
+            router_score_bias=bool(cfg.get("use_expert_bias", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            moe_renorm_epsilon=1e-6,
+        )
     if arch == "minimax_m2":  # DeepSeek-V3's router in one group: sigmoid scores, a bias for the choice, renormalised
         return dict(
             num_experts=experts,

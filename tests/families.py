@@ -267,7 +267,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
-ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "router.proj.weight", "feed_forward.router.weight")
+ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "router.proj.weight", "feed_forward.router.weight",
+           "feed_forward.gate.weight")  # fmt: skip
 
 
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
@@ -300,7 +301,7 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
             elif "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):  # Gemma 4's
                 parameter.add_(torch.randn_like(parameter) * 0.1)  # router's scales too (1 at init)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's load-balancing bias, of the scores' size
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # (LFM2-MoE's)
                 buffer.uniform_(-0.3, 0.3)
             elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
                 buffer.uniform_(0.5, 1.5)

@@ -33,8 +33,9 @@ class GroupedTopkRouter(nn.Module):
     the softmax of the logits, in float32; the choice goes by score (+ `e_score_correction_bias`, DeepSeek-V3's
     learned bias that balances the load), within the `topk_groups` best of `groups` equal groups of experts (a group
     scored by the sum of its two best, or by its best with `group_max`: DeepSeek-V2); the chosen experts' weights
-    are their scores (without the bias), renormalised to sum to 1 with `renormalize` (+1e-20), times `scaling`
-    (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`, `DeepseekV2TopkRouter`).
+    are their scores (without the bias), renormalised to sum to 1 with `renormalize` (their sum plus `epsilon`), times
+    `scaling` (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`, `DeepseekV2TopkRouter`; LFM2-MoE's, whose
+    epsilon is 1e-6, not 1e-20).
 
     `rowwise` (set on the quantized CPU path, `quantized_experts.replace_routers`): the logits and sigmoid scores
     through the C++ kernels whose bits depend on a row alone (`rowwise_linear`, `sigmoid_mul`), so that a token's
@@ -43,7 +44,7 @@ class GroupedTopkRouter(nn.Module):
 
     def __init__(
         self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
-        sigmoid: bool = True, score_bias: bool = True, group_max: bool = False,
+        sigmoid: bool = True, score_bias: bool = True, group_max: bool = False, epsilon: float = 1e-20,
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)  # float32, as trained
@@ -52,6 +53,7 @@ class GroupedTopkRouter(nn.Module):
         )
         self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
         self.renormalize, self.scaling, self.sigmoid, self.group_max = renormalize, scaling, sigmoid, group_max
+        self.epsilon = epsilon
         self.rowwise = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,7 @@ class GroupedTopkRouter(nn.Module):
         chosen = torch.topk(masked, k=self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, chosen)
         if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.epsilon)
         return (weights * self.scaling).to(x.dtype), chosen
 
 
@@ -108,6 +110,7 @@ class SparseMoE(nn.Module):
                 hidden, experts, self.top_k, config.moe_groups, config.moe_topk_groups, config.norm_topk_prob,
                 config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
                 score_bias=config.router_score_bias, group_max=config.moe_group_score == "max",
+                epsilon=config.moe_renorm_epsilon,
             )
             if config.grouped_router
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)

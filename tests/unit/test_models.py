@@ -221,6 +221,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
     "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                        "pad_token_id": 0}),
+    # LFM2-MoE: the first layer dense, then top-3 of 8 experts by sigmoid scores plus a routing bias, renormalised.
+    "lfm2-moe": (
+        transformers.Lfm2MoeConfig,
+        {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1,
+         "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "pad_token_id": 0},
+    ),
     # Gemma 4: windowed layers 16 wide, full-attention ones 32 wide with one KV head, values from the keys'
     # projection and proportional rope; the fourth layer attends over the second's K/V (its MLP twice as wide);
     # per-layer inputs 8 wide; logits soft-capped.
@@ -290,6 +296,7 @@ MODEL_CLASSES = {
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
     transformers.Lfm2Config: transformers.Lfm2ForCausalLM,
+    transformers.Lfm2MoeConfig: transformers.Lfm2MoeForCausalLM,
 }
 
 
@@ -304,11 +311,11 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight",
-                                "feed_forward.router.weight")):
+                                "feed_forward.router.weight", "feed_forward.gate.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.uniform_(-0.3, 0.3)
             elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
                 buffer.uniform_(0.5, 1.5)
@@ -676,6 +683,24 @@ def test_lfm2_configs_read_as_transformers_builds_them() -> None:
         ModelConfig.from_hf_config({**raw, "conv_bias": True})
     with pytest.raises(ValueError, match="convolution layers only"):
         ModelConfig.from_hf_config({**raw, "full_attn_idxs": []})
+
+
+def test_lfm2_moe_routes_as_transformers_where_the_chosen_scores_are_small() -> None:
+    """LFM2-MoE renormalises the chosen sigmoid scores by their sum plus 1e-6 (DeepSeek-V3's router: 1e-20): with
+    logits near -9 the scores are ~1e-4, where the two differ by parts in a thousand. Weights and experts equal
+    transformers' router's."""
+    hf, ours = build_pair("lfm2-moe")
+    theirs, router = hf.model.layers[1].feed_forward, ours.model.layers[1].mlp.gate
+    target = -9.0 + torch.randn(6, 8, generator=torch.Generator().manual_seed(0))  # each token's logits
+    x = target @ torch.linalg.pinv(theirs.gate.weight.detach()).T
+    with torch.no_grad():
+        _, expected, experts = theirs.gate(x, theirs.expert_bias)
+    weights, chosen = router.route(x)
+    ours_sorted, theirs_sorted = chosen.sort(-1), experts.sort(-1)
+    assert torch.equal(ours_sorted.values, theirs_sorted.values)
+    assert expected.sum(-1).max() < 0.9999  # renormalised by a sum where 1e-6 counts
+    torch.testing.assert_close(weights.gather(1, ours_sorted.indices), expected.gather(1, theirs_sorted.indices),
+                               rtol=1e-5, atol=0.0)  # fmt: skip
 
 
 def test_gemma3_configs_read_in_either_layout() -> None:
