@@ -67,7 +67,7 @@ def families() -> dict[str, dict[str, Any]]:
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
             "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"],
-            **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}}
+            **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {}}
 
 
 def check(

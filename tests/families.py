@@ -257,12 +257,15 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
 }  # fmt: skip
-# Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's
-# mixture of experts (its GGUF files' test; its engine's is tests.unit.test_models').
+# Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's and
+# LFM2's mixtures of experts (their GGUF files' tests; their engines' are tests.unit.test_models').
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     **FAMILIES, **HYBRIDS, "llama": ("LlamaConfig", {}),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", {**LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}),
+    # LFM2-MoE: LFM2's layers, its first dense and top-2 of 8 experts (sigmoid scores, a routing bias) after it.
+    "lfm2-moe": ("Lfm2MoeConfig", {**HYBRIDS["lfm2"][1], "num_dense_layers": 1, "num_experts": 8,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
 }  # fmt: skip
 
 
@@ -379,6 +382,7 @@ _GGUF_ARCHITECTURES = {
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
+    "lfm2_moe": "lfm2moe",
 }  # fmt: skip
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
 _GGUF_LFM2_LAYER = {
@@ -386,7 +390,7 @@ _GGUF_LFM2_LAYER = {
     "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output", "self_attn.q_layernorm": "attn_q_norm",
     "self_attn.k_layernorm": "attn_k_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
     "feed_forward.w2": "ffn_down", "conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj",
-    "conv.out_proj": "shortconv.out_proj",
+    "conv.out_proj": "shortconv.out_proj", "feed_forward.gate": "ffn_gate_inp",
 }  # fmt: skip
 _GGUF_HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 # A mixture of experts: the routers (kept F32, as llama.cpp's converter keeps them), the shared expert, and each
@@ -398,7 +402,7 @@ _GGUF_MOE_LAYER = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
 _GGUF_ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
-_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)")
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)")
 _GGUF_EXPERT = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps",
                 "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}  # fmt: skip
 
@@ -643,6 +647,10 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
     elif arch == "lfm2":
         writer.add_feed_forward_length(_lfm2_feed_forward_length(config))
+    elif arch == "lfm2moe":  # its dense layers' width as stated; its experts' below
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_leading_dense_block_count(config["num_dense_layers"])
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
@@ -650,11 +658,11 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         writer.add_logit_scale(config["logit_scale"])
     else:
-        writer.add_layer_norm_rms_eps(config["norm_eps"] if arch == "lfm2" else config["rms_norm_eps"])
+        writer.add_layer_norm_rms_eps(config["norm_eps"] if arch.startswith("lfm2") else config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "deepseek2":
         _deepseek2_metadata(writer, config, rope)
-    elif arch == "lfm2":  # KV heads on the attention layers, 0 on the convolution ones: how it tells them apart
+    elif arch in ("lfm2", "lfm2moe"):  # KV heads on the attention layers, 0 on the convolution ones (which it is)
         kv_heads = config["num_key_value_heads"]
         writer.add_head_count_kv([kv_heads if kind == "full_attention" else 0 for kind in config["layer_types"]])
         writer.add_shortconv_l_cache(config["conv_L_cache"])
@@ -844,7 +852,7 @@ def _write_tensors(
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
     if arch == "deepseek2":
         layer_names.update(_GGUF_LATENT_LAYER)
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         layer_names = _GGUF_LFM2_LAYER
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
@@ -885,13 +893,13 @@ def _write_tensors(
             if expert is not None:
                 banks.setdefault(f"blk.{layer}.{_GGUF_EXPERT[expert[2]]}.{param}", {})[int(expert[1])] = array
                 continue
-            if param == "e_score_correction_bias":  # the router's load-balancing bias (on MiniMax-M2's block)
+            if param in ("e_score_correction_bias", "expert_bias"):  # the routing bias (on MiniMax-M2's, LFM2-MoE's block)
                 tensors[f"blk.{layer}.exp_probs_b.bias"] = (array, None)
                 continue
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
-            if arch == "lfm2":  # the MLP's in `feed_forward`'s type, the mixers' projections in `attention`'s
-                kind_type = feed_forward if kind.startswith("feed_forward.") else None if kind.endswith(
-                    ("norm", "conv.conv")) else attention  # fmt: skip
+            if arch in ("lfm2", "lfm2moe"):  # the MLP's in `feed_forward`'s type, the mixers' in `attention`'s
+                kind_type = None if kind.endswith(("norm", "conv.conv", "feed_forward.gate")) else feed_forward \
+                    if kind.startswith("feed_forward.") else attention  # fmt: skip
                 array = array.squeeze(1) if kind == "conv.conv" else array  # stored [channels, taps]
             elif layer_names[kind] in _GGUF_ROUTERS:
                 array = array.reshape(-1) if layer_names[kind] == "ffn_gate_inp_shexp" else array

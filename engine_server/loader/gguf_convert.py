@@ -193,8 +193,10 @@ _LFM2_LAYER_NAMES = {
     "ffn_up": "feed_forward.w3",
     "ffn_down": "feed_forward.w2",
 }
+_LFM2_MOE_LAYER_NAMES = {**_LFM2_LAYER_NAMES, "ffn_gate_inp": "feed_forward.gate"}  # its router
 _LFM2_GLOBAL = {"token_embd_norm.weight": "model.embedding_norm.weight",
                 "output_norm.weight": "model.embedding_norm.weight"}  # fmt: skip
+_LFM2_BARE = {f"shortconv.{part}.weight": f"conv.{part}.weight" for part in ("conv", "in_proj", "out_proj")}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -205,7 +207,8 @@ _BARE_LAYER_NAMES = {
     "ernie4_5_moe": {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
     "minimax_m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},  # (on its block)
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
-    "lfm2": {f"shortconv.{part}.weight": f"conv.{part}.weight" for part in ("conv", "in_proj", "out_proj")},
+    "lfm2": _LFM2_BARE,
+    "lfm2_moe": {**_LFM2_BARE, "exp_probs_b.bias": "feed_forward.expert_bias"},  # the routing bias, [experts]
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 _ARCHITECTURE_LAYER_NAMES = {
@@ -226,6 +229,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "olmo2": _EXAONE4_LAYER_NAMES,
     "olmo3": _EXAONE4_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
+    "lfm2_moe": _LFM2_MOE_LAYER_NAMES,
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -242,6 +246,7 @@ _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
     "minimax_m2": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
     "llama4_text": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
+    "lfm2_moe": ("feed_forward.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 _QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", _PROJECTIONS)
 # One expert's projection as `iter_hf_tensors` names it (a weight, or gpt-oss's bias), in the families whose
@@ -267,7 +272,7 @@ _CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_shor
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF parameter name of a GGUF tensor of a file of `architecture` (its `general.architecture`); None if
     unknown or already folded into the config."""
-    if architecture == "lfm2" and gguf_name in _LFM2_GLOBAL:
+    if architecture in ("lfm2", "lfm2_moe") and gguf_name in _LFM2_GLOBAL:
         return _LFM2_GLOBAL[gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -531,7 +536,7 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     model_type = config["model_type"]
     if name.endswith(_FLATTENED_GATE):  # llama.cpp stores the [1, H] gate as [H]
         return lambda array: array.reshape(1, -1)
-    if model_type == "lfm2" and name.endswith(_LFM2_CONVOLUTION):
+    if model_type in ("lfm2", "lfm2_moe") and name.endswith(_LFM2_CONVOLUTION):
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
     if rope_permuted(model_type) and ".self_attn.q_proj." in name:
         return lambda array: unpermute_rope_rows(array, config["num_attention_heads"])

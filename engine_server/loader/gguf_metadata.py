@@ -44,6 +44,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "command-r": ("cohere", "CohereForCausalLM"),
     "cohere2": ("cohere2", "Cohere2ForCausalLM"),
     "lfm2": ("lfm2", "Lfm2ForCausalLM"),
+    "lfm2moe": ("lfm2_moe", "Lfm2MoeForCausalLM"),
 }
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
 _LAYER_NORMED = ("command-r", "cohere2")
@@ -111,25 +112,41 @@ def _per_layer(value: Any) -> list[int]:
     return [int(count) for count in value] if isinstance(value, list) else [int(value)]
 
 
-def _lfm2_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:
-    """The keys of an LFM2 `config.json` from an `lfm2` file: its convolution layers are those with no KV heads in
-    `attention.head_count_kv` (a count per layer), their taps `shortconv.l_cache`; the MLP's width is the file's
-    `feed_forward_length` as it stands (llama.cpp's converter wrote it after LFM2's adjustment); the norms' epsilon
-    under LFM2's key. ValueError for attention layers of different KV head counts (LFM2 has one) or a file whose
-    convolution taps are missing."""
-    required = functools.partial(_arch_field, reader, "lfm2", spec)
+def _lfm2_config(
+    reader: GGUFReader, arch: str, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of an LFM2 or LFM2-MoE `config.json` from an `lfm2` / `lfm2moe` file: its convolution layers are those
+    with no KV heads in `attention.head_count_kv` (a count per layer), their taps `shortconv.l_cache`; the MLP's width
+    is the file's `feed_forward_length` as it stands (llama.cpp's converter wrote it after LFM2's adjustment); the
+    norms' epsilon under LFM2's key. LFM2-MoE's experts (`expert_*` keys, sigmoid routing, renormalised as llama.cpp
+    fixes it) follow its `leading_dense_block_count` dense layers, chosen with the routing bias where the file has
+    `exp_probs_b`. ValueError for attention layers of different KV head counts (LFM2 has one), a file whose
+    convolution taps are missing, or an `lfm2moe` file without experts or routed otherwise."""
+    required = functools.partial(_arch_field, reader, arch, spec)
     layers = int(config["num_hidden_layers"])
     kv_heads = _per_layer(required("attention.head_count_kv"))
     kv_heads = kv_heads * layers if len(kv_heads) == 1 else kv_heads
     if len(kv_heads) != layers or len({count for count in kv_heads if count}) != 1:
         raise ValueError(f"model {spec!r}: lfm2.attention.head_count_kv {kv_heads} is not one KV head count on the "
                          f"attention layers and 0 on the convolution layers of {layers}")  # fmt: skip
-    return {
+    keys: dict[str, Any] = {
         "layer_types": ["full_attention" if count else "conv" for count in kv_heads],
         "conv_L_cache": int(required("shortconv.l_cache")),
         "block_auto_adjust_ff_dim": False,
         "norm_eps": config["rms_norm_eps"],
     }
+    if arch == "lfm2moe":
+        dense = int(read_field(reader, f"{arch}.leading_dense_block_count", 0) or 0)
+        keys.update(
+            num_experts=experts,
+            num_experts_per_tok=_sigmoid_routed_experts(reader, arch, experts, spec),
+            moe_intermediate_size=int(required("expert_feed_forward_length")),
+            num_dense_layers=dense,
+            use_expert_bias=f"blk.{dense}.exp_probs_b.bias" in tensors,
+            norm_topk_prob=True,
+            routed_scaling_factor=float(read_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        )
+    return keys
 
 
 def _short_float(value: float) -> float:
@@ -228,8 +245,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_exaone4_config(reader, config, spec))
     elif arch == "olmo2":
         config.update(_olmo2_config(reader, config, spec))
-    elif arch == "lfm2":
-        config.update(_lfm2_config(reader, config, spec))
+    elif arch in ("lfm2", "lfm2moe"):
+        config.update(_lfm2_config(reader, arch, config, experts, tensors, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

@@ -973,6 +973,17 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
         assert tokens(llm, batch[:4]) == alone, family
 
 
+def test_an_lfm2_moe_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """An LFM2-MoE file (`lfm2moe`): LFM2's layers, then its experts' banks, router and routing bias (`exp_probs_b`)
+    after `leading_dense_block_count` dense layers, routed by sigmoid: converted, it is the saved model and its float
+    path equals transformers token for token; served from its blocks (the experts' Q4_0 banks in the C++ expert
+    kernel), it holds the thresholds."""
+    _, layers, result = exact_then_served(tmp_path, "lfm2-moe")
+    assert layers["model.layers.0.mlp.gate_up_proj"] == "q4" and layers["model.layers.0.self_attn.in_proj"] == "q8"
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
 def test_an_lfm2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
