@@ -893,7 +893,8 @@ def _write_tensors(
             if expert is not None:
                 banks.setdefault(f"blk.{layer}.{_GGUF_EXPERT[expert[2]]}.{param}", {})[int(expert[1])] = array
                 continue
-            if param in ("e_score_correction_bias", "expert_bias"):  # the routing bias (on MiniMax-M2's, LFM2-MoE's block)
+            if param in ("e_score_correction_bias", "expert_bias"):  # the routing bias (MiniMax-M2's, LFM2-MoE's:
+                # on the block)
                 tensors[f"blk.{layer}.exp_probs_b.bias"] = (array, None)
                 continue
             gguf_name = f"blk.{layer}.{layer_names[kind]}.{param}"
