@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -32,6 +32,11 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gpt_oss": "gpt_oss",
     "smollm3": "smollm3",
     "granite": "granite",
+    # Granite 3.0's mixtures of experts, with a shared MLP (granitemoeshared), and Granite 4.0: Mamba-2 layers and
+    # attention ones (no rope in the H models), each with experts beside a shared MLP or the shared MLP alone.
+    "granitemoe": "granitemoe",
+    "granitemoeshared": "granitemoe",
+    "granitemoehybrid": "granitemoe",
     "olmo2": "olmo2",
     "olmo3": "olmo2",
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
@@ -70,7 +75,7 @@ _NOT_YET: dict[str, str] = {
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
-    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4"
+    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe"
 )  # fmt: skip
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
@@ -200,8 +205,47 @@ class ShortConvolution:
         return replace(self, channels=self.channels // size)
 
 
+@dataclass(frozen=True)
+class Mamba2:
+    """Mamba-2's shape (Granite 4.0's hybrids; `layers.mamba2`) on `layers`: `in_proj` gives the gate z (`inner`
+    wide), x (`num_heads` heads `head_dim` wide), B and C (`groups` groups `state_dim` wide; each group serves
+    `num_heads / groups` consecutive heads) and a time step per head; a depthwise causal convolution of
+    `conv_kernel` taps (with a bias where `conv_bias`) and SiLU over x, B and C. Its state per sequence is the
+    convolution's last `conv_kernel - 1` inputs and one `head_dim x state_dim` matrix per head (`kernels.mamba2`)."""
+
+    num_heads: int
+    head_dim: int
+    state_dim: int
+    groups: int
+    conv_kernel: int
+    conv_bias: bool
+    layers: tuple[int, ...]
+
+    @property
+    def inner(self) -> int:
+        """Width of x, of z and of the output projection's input."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C side by side."""
+        return self.inner + 2 * self.groups * self.state_dim
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: the convolution's inputs, then the matrices."""
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.head_dim * self.state_dim
+
+    def sharded(self, size: int) -> Mamba2:
+        """One rank's share under tensor parallelism over `size` ranks: ValueError unless `size` is 1 (Mamba-2's
+        layers are not split yet)."""
+        if size != 1:
+            raise ValueError(f"Mamba-2 layers are not split over ranks yet (tensor-parallel size {size})")
+        return self
+
+
 # The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.
-RecurrentShape = LinearAttention | ShortConvolution
+RecurrentShape = LinearAttention | ShortConvolution | Mamba2
 
 
 @dataclass(frozen=True)
@@ -364,6 +408,8 @@ class ModelConfig:
     attention_output_gate: bool = False
     # LFM2: hybrids whose `short_convolution.layers` run a gated short convolution (a state per sequence, no KV cache).
     short_convolution: ShortConvolution | None = None
+    # Granite 4.0's hybrids: `mamba2.layers` run Mamba-2 (a state per sequence, no KV cache).
+    mamba2: Mamba2 | None = None
     # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
     gemma4: Gemma4Layout | None = None
 
@@ -406,9 +452,9 @@ class ModelConfig:
     @property
     def recurrent(self) -> RecurrentShape | None:
         """The shape of the layers that keep a fixed-size state per running sequence and no KV cache: Gated
-        DeltaNet's (`linear_attention`) or LFM2's short convolution's (`short_convolution`); None for a model
-        without such layers."""
-        return self.linear_attention or self.short_convolution
+        DeltaNet's (`linear_attention`), LFM2's short convolution's (`short_convolution`) or Mamba-2's (`mamba2`);
+        None for a model without such layers."""
+        return self.linear_attention or self.short_convolution or self.mamba2
 
     def is_recurrent_layer(self, index: int) -> bool:
         """Whether layer `index` keeps a state per sequence (`recurrent`) and no KV cache."""
@@ -580,6 +626,7 @@ class ModelConfig:
             **hybrid,
             **_glm4_fields(arch),
             **_lfm2_fields(arch, cfg),
+            **_mamba2_fields(model_type, cfg),
         )
 
     @classmethod
@@ -773,6 +820,53 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
 
 
+def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0's Mamba-2 layers (`Mamba2`; {} for the other families and for a Granite 4.0 of attention layers
+    only): those `layer_types` (`layers_block_type`) calls "mamba" (transformers 5: "linear_attention"), their heads
+    `mamba_d_head` wide ("auto": `mamba_expand * hidden_size` over the heads). ValueError for what the layer does not
+    build: biases on its projections, a time step clamped to a range, an activation other than SiLU."""
+    if model_type != "granitemoehybrid":
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    if len(types) != layers or set(types) - {"mamba", "linear_attention", "attention", "full_attention"}:
+        raise ValueError(f"layer_types must name mamba or attention for each of the {layers} layers; got {types!r}")
+    mamba = tuple(i for i, kind in enumerate(types) if kind in ("mamba", "linear_attention"))
+    if not mamba:
+        return {}
+    if len(mamba) == layers:
+        raise ValueError("a model of Mamba-2 layers only (no attention layer) is not supported")
+    if cfg.get("mamba_proj_bias"):
+        raise ValueError("granitemoehybrid with mamba_proj_bias is not supported")
+    limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or (0.0, math.inf)]
+    if limit != [0.0, math.inf]:
+        raise ValueError(f"granitemoehybrid with time_step_limit {limit} is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"granitemoehybrid hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+    heads, hidden = int(cfg.get("mamba_n_heads") or 128), int(cfg["hidden_size"])
+    head_dim = cfg.get("mamba_d_head") or "auto"
+    inner = int(cfg.get("mamba_expand") or 2) * hidden
+    shape = Mamba2(
+        num_heads=heads,
+        head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+        state_dim=int(cfg.get("mamba_d_state") or 256),
+        groups=int(cfg.get("mamba_n_groups") or 1),
+        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        layers=mamba,
+    )
+    if shape.num_heads % shape.groups or shape.conv_kernel < 2:
+        raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
+                         "convolution is not supported")  # fmt: skip
+    return {"mamba2": shape}
+
+
+def _json_float(value: Any) -> float:
+    """A float of a config.json: a number, or transformers 5's tag for one JSON cannot spell (`{"__float__":
+    "Infinity"}`, also "-Infinity" and "NaN")."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
 def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """An LFM2 `config.json` under the keys the rest of `from_hf_config` reads, as transformers' `Lfm2Config` and
     `Lfm2MLP` read it: the MLP's width from `block_ff_dim` (else `intermediate_size`), which with
@@ -844,9 +938,10 @@ def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Granite's multipliers as `ModelConfig` fields ({} for the other families); ValueError for a Granite whose
-    MLP has biases (`mlp_bias`), which no Granite release sets and this engine does not build."""
-    if arch != "granite":
+    """Granite's multipliers as `ModelConfig` fields (Granite's and Granite MoE's; {} for the other families);
+    ValueError for a Granite whose MLP has biases (`mlp_bias`), which no Granite release sets and this engine does
+    not build."""
+    if arch not in ("granite", "granitemoe"):
         return {}
     if cfg.get("mlp_bias"):
         raise ValueError("granite with mlp_bias is not supported")
@@ -862,7 +957,11 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's and Llama 4's layers without rope: where `no_rope_layers` is 0, or (without that list) every
     `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
     it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
-    on windowed layers alone); () for the other families."""
+    on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
+    models' "nope", or none); () for the other families."""
+    if model_type == "granitemoehybrid":
+        rope = cfg.get("position_embedding_type") == "rope"
+        return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
     if model_type == "exaone4":
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
@@ -883,10 +982,12 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 def _dense_width(arch: Architecture, cfg: dict[str, Any]) -> int:
     """A dense MLP's intermediate width: `intermediate_size`; Llama 4's `intermediate_size_mlp` (its
-    `intermediate_size` is the experts'); a Qwen3.5 mixture of experts', which has no dense layer and no
-    `intermediate_size`, its experts' width."""
+    `intermediate_size` is the experts'); a Granite 4.0 without experts, its shared MLP's; a Qwen3.5 mixture of
+    experts', which has no dense layer and no `intermediate_size`, its experts' width."""
     if arch == "llama4":
         return int(cfg["intermediate_size_mlp"])
+    if arch == "granitemoe" and not cfg.get("num_local_experts"):
+        return int(cfg["shared_intermediate_size"])
     return int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"])
 
 
@@ -1116,11 +1217,13 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe",
     ):  # fmt: skip
         return {}
     if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
         return {}  # Qwen3.5's and LFM2's dense models
+    if arch == "granitemoe" and not cfg.get("num_local_experts"):
+        return {}  # Granite 4.0's dense models: the shared MLP alone
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
                   or cfg.get("moe_num_experts") or 0)  # fmt: skip
     top_k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_k") or 0)
@@ -1204,6 +1307,16 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             expert_biases=True,
             swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
             swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        )
+    if arch == "granitemoe":  # softmax over the top-k logits (Mixtral's renormalised weights), a shared MLP beside
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=int(cfg.get("shared_intermediate_size") or 0)
+            if cfg.get("model_type") != "granitemoe" else 0,
+            shared_expert_gated=False,
         )
     if arch in ("mixtral", "olmoe"):
         return dict(

@@ -21,7 +21,9 @@
   chunked form, whose rounding depends on where the chunks start), then the gated norm; and the attention's output
   gate (`sigmoid_mul`). torch's elementwise exp, sigmoid and SiLU give an element other bits where it falls in a
   tensor's scalar tail; these kernels' depend on its index within its row alone, so a sequence's output does not
-  depend on its batch or its chunking (bit for bit).
+  depend on its batch or its chunking (bit for bit). Mamba-2's core (`kernels/cpu/mamba2.cpp`, Granite 4.0's
+  hybrids) likewise: the convolution with its bias, every token's scan step against its head's state, the gated
+  norm over each group.
 - LoRA's shrink and expand over rows of many adapters (`kernels/cpu/lora.cpp`): the rows grouped by slot in the
   kernel and each slot's rows one small GEMM against its weight, where the reference syncs and gathers per slot;
   each output element summed by fused multiply-adds in one fixed order, so a row's result does not depend on its
@@ -75,6 +77,7 @@ _SOURCES = (
     "seeded_noise.cpp",
     "lora.cpp",
     "gated_delta.cpp",
+    "mamba2.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256, 512, 576)  # the head dims the kernel is instantiated for
@@ -289,6 +292,41 @@ def gated_delta_net(
     return out
 
 
+def mamba2_mixer(
+    xbc: torch.Tensor,
+    z: torch.Tensor,
+    dt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    d: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    groups: int,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """`reference.mamba2_mixer`'s contract on the C++ kernel (float32 rows; anything else on the reference)."""
+    weights = [t for t in (conv_weight, conv_bias, a_log, dt_bias, d, norm_weight) if t is not None]
+    if not all(t.dtype == torch.float32 for t in (xbc, z, dt, states, *weights)) or not all(
+        _rows(t) for t in (xbc, z, dt, states)
+    ):
+        return reference.mamba2_mixer(
+            xbc, z, dt, conv_weight, conv_bias, a_log, dt_bias, d, norm_weight, eps, groups, states, slots,
+            query_lens, fresh,
+        )  # fmt: skip
+    out: torch.Tensor = torch.ops.ladle_cpu.mamba2_mixer(
+        xbc, z, dt, conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(),
+        a_log.contiguous(), dt_bias.contiguous(), d.contiguous(), norm_weight.contiguous(), eps, groups, states,
+        torch.tensor(slots, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
+        torch.tensor(fresh, dtype=torch.bool),
+    )  # fmt: skip
+    return out
+
+
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """`reference.sigmoid_mul`'s contract; one pass per row for float32 `[rows, n]` inputs of one shape."""
     if not (_rows(x) and _rows(gate) and x.shape == gate.shape):
@@ -327,6 +365,7 @@ def cpu_ops() -> KernelOps | None:
         lora_expand=lora_expand,
         gated_delta_net=gated_delta_net,
         sigmoid_mul=sigmoid_mul,
+        mamba2_mixer=mamba2_mixer,
     )
 
 

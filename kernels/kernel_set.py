@@ -40,6 +40,8 @@ class KernelOps:
     sigmoid_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = reference.sigmoid_mul
     # LFM2: a short-convolution layer's convolution over a step's sequences (`causal_conv.short_convolution`).
     short_convolution: Callable[..., torch.Tensor] = reference.short_convolution
+    # Granite 4.0's hybrids: a Mamba-2 layer's core over a step's sequences (`mamba2.mamba2_mixer`).
+    mamba2_mixer: Callable[..., torch.Tensor] = reference.mamba2_mixer
 
 
 REFERENCE_OPS = KernelOps(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kernels.causal_conv import short_convolution as short_convolution  # the kernel sets' op of LFM2's convolution
 from kernels.gated_delta import gated_delta_net as gated_delta_net  # the kernel sets' op of Gated DeltaNet
+from kernels.mamba2 import mamba2_mixer as mamba2_mixer  # the kernel sets' op of Mamba-2
 
 if TYPE_CHECKING:
     from kernels.attention_inputs import AttentionInputs, RopeScalingParams, YarnParams

@@ -244,6 +244,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # (2 key heads of 16 dims, each serving 2 value heads of 8; partial rope over 4 of 16 dims); Qwen3-Next's grouped
 # q/k/v/z and b/a projections beside top-2 of 8 experts and a gated shared expert, its first layer dense. LFM2: gated
 # short convolutions (3 taps) in place of the linear attention, plain attention with per-head q/k norms.
+# Granite 4.0 H: Mamba-2 (4 heads 32 wide in 2 groups, a 16-wide state, a 4-tap convolution with a bias) in place of
+# the linear attention, attention without rope; top-2 of 4 experts beside a shared MLP; Granite's multipliers.
+GRANITE4_H: dict[str, Any] = {
+    "layer_types": ["mamba"] * 3 + ["attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
+    "mamba_n_groups": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
+    "embedding_multiplier": 12.0, "attention_multiplier": 0.0625, "residual_multiplier": 0.22, "logits_scaling": 8.0,
+    "pad_token_id": 0,
+}  # fmt: skip
 LINEAR_ATTENTION: dict[str, Any] = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "head_dim": 16, "pad_token_id": 0,
@@ -256,6 +264,7 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
+    "granite4-h": ("GraniteMoeHybridConfig", GRANITE4_H),
 }  # fmt: skip
 # Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's and
 # LFM2's mixtures of experts (their GGUF files' tests; their engines' are tests.unit.test_models').
@@ -271,7 +280,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "router.proj.weight", "feed_forward.router.weight",
-           "feed_forward.gate.weight")  # fmt: skip
+           "feed_forward.gate.weight", "block_sparse_moe.router.weight")  # fmt: skip
 
 
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
@@ -347,7 +356,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     # A hybrid's recurrent layers (Qwen3-Next's, Qwen3.5's linear attention, LFM2's convolutions) keep states, which
     # the cache lays out by the config.
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    hybrid = bool({"linear_attention", "conv"} & set(kinds))
+    hybrid = bool({"linear_attention", "conv", "mamba"} & set(kinds))
     cache = DynamicCache(config=model.config) if hybrid else DynamicCache()
     steps: list[torch.Tensor] = []
     with torch.inference_mode():

@@ -12,6 +12,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
+from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
@@ -37,11 +38,13 @@ class DecoderLayer(nn.Module):
         self.index = index
         self.residual_multiplier = config.residual_multiplier
         # The token mixer: attention, or on a hybrid's recurrent layers Gated DeltaNet (whose checkpoints call it
-        # `linear_attn`: `models.qwen3_next` reads it under this name) or LFM2's short convolution (`conv`:
-        # `models.lfm2`).
-        self.self_attn: PagedSelfAttention | MultiLatentAttention | GatedDeltaNet | ShortConv = (
+        # `linear_attn`: `models.qwen3_next` reads it under this name), LFM2's short convolution (`conv`:
+        # `models.lfm2`) or Mamba-2 (`mamba`: `models.granitemoe`).
+        self.self_attn: PagedSelfAttention | MultiLatentAttention | GatedDeltaNet | ShortConv | Mamba2Mixer = (
             GatedDeltaNet(config, dtype, tp)
             if config.is_linear_layer(index)
+            else Mamba2Mixer(config, dtype, tp)
+            if config.mamba2 is not None and index in config.mamba2.layers
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp)

@@ -40,25 +40,34 @@ class GatedRMSNorm(nn.Module):
 
 
 class DepthwiseConv(nn.Module):
-    """The short causal convolution's weight, `[channels, 1, kernel]` as checkpoints store it (no bias), of this
-    rank's channels (`kept`: their rows of the checkpoint's, in order)."""
+    """The short causal convolution's weight, `[channels, 1, kernel]` as checkpoints store it, and with `bias` its
+    bias `[channels]` (Mamba-2's), of this rank's channels (`kept`: their rows of the checkpoint's, in order)."""
 
-    def __init__(self, kept: list[range], kernel: int, dtype: torch.dtype) -> None:
+    def __init__(self, kept: list[range], kernel: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         self.kept = kept
         channels = sum(len(rows) for rows in kept)
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(channels, dtype=dtype), requires_grad=False) if bias else None
 
-    own_tensors = ("weight",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
+    own_tensors = ("weight", "bias")  # loaded by `load_tensor` (`CausalLM.load_weights`)
 
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
-        """Copy the checkpoint's whole weight, keeping this rank's channels; ValueError on another shape."""
+        """Copy the checkpoint's whole weight (or bias), keeping this rank's channels; ValueError on another shape,
+        or for a bias this convolution has none of."""
         whole = read_whole(tensor)
         needed = self.kept[-1].stop  # the last of this rank's v channels
-        if whole.dim() != 3 or whole.shape[1:] != self.weight.shape[1:] or whole.shape[0] < needed:
+        if kind == "bias":
+            if self.bias is None or whole.dim() != 1 or whole.shape[0] < needed:
+                raise ValueError(f"a bias of shape {tuple(whole.shape)} for a convolution of "
+                                 f"{'no bias' if self.bias is None else f'{self.bias.shape[0]} channels'}")  # fmt: skip
+            dest = self.bias
+        elif whole.dim() != 3 or whole.shape[1:] != self.weight.shape[1:] or whole.shape[0] < needed:
             raise ValueError(f"has shape {tuple(whole.shape)}, expected [channels, 1, {self.weight.shape[2]}]")
+        else:
+            dest = self.weight
         with torch.no_grad():
-            self.weight.copy_(torch.cat([whole[rows.start : rows.stop] for rows in self.kept]))
+            dest.copy_(torch.cat([whole[rows.start : rows.stop] for rows in self.kept]))
 
 
 def split_qkv(name: str, tensor: CheckpointTensor, shape: LinearAttention) -> list[tuple[str, CheckpointTensor]]:

@@ -2,7 +2,7 @@
 // contract of kernels/gated_delta.py's gated_delta_net, everything between the layer's input projection and its
 // output projection, in three passes:
 //   1. the short causal convolution and SiLU of each sequence's tokens after its state's last K - 1 inputs, the
-//      channels in blocks (the state's inputs advance);
+//      channels in blocks (the state's inputs advance: causal_conv.h);
 //   2. the gated delta rule, each (sequence, value head) a task whose Dk x Dv state matrix stays in cache while its
 //      tokens pass in order: with q and k L2-normalised (eps 1e-6 inside the root), q scaled by Dk^-0.5, the decay
 //      g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = sigmoid(b),
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "causal_conv.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -34,10 +35,6 @@ namespace {
 using namespace ladle_cpu;
 
 constexpr int64_t kChannelBlock = 256;  // channels of one convolution task (a multiple of kLanes)
-
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
-inline vec16 silu_lanes(vec16 x) { return x / (1.f + exp_lanes(-x)); }
 
 // 1 / sqrt(sum(x^2) + 1e-6) of n floats, summed in index order.
 inline float inverse_norm(const float* x, int64_t n) {
@@ -122,40 +119,6 @@ void check_vector(const at::Tensor& t, int64_t n, const char* name) {
               "%s must be %lld contiguous float32 values", name, static_cast<long long>(n));
 }
 
-// Pass 1 for one sequence's tokens [first, end) and channels [c0, c1): out[t][c] = silu(sum_j w[j][c] x[t-K+1+j][c])
-// over its state's inputs then its tokens (zeros for a fresh one), the taps in order; then the state keeps the last
-// K - 1 inputs.
-void convolve(const float* mixed, int64_t mixed_stride, const float* taps, int64_t kernel, int64_t channels,
-              float* state, bool fresh, int64_t first, int64_t end, int64_t c0, int64_t c1, float* out) {
-  const int64_t history = kernel - 1, count = end - first;
-  if (fresh)
-    for (int64_t i = 0; i < history; ++i) std::fill(state + i * channels + c0, state + i * channels + c1, 0.f);
-  // Input row `index` of the window: the state's rows first, then the tokens'.
-  auto input = [&](int64_t index) -> const float* {
-    return index < history ? state + index * channels : mixed + (first + index - history) * mixed_stride;
-  };
-  const int64_t vector_end = c0 + (std::min(c1, channels - channels % kLanes) - c0) / kLanes * kLanes;
-  for (int64_t t = 0; t < count; ++t) {
-    float* o = out + (first + t) * channels;
-    int64_t c = c0;
-    for (; c < vector_end; c += kLanes) {
-      vec16 acc = load(taps + c) * load(input(t) + c);
-      for (int64_t j = 1; j < kernel; ++j) acc = acc + load(taps + j * channels + c) * load(input(t + j) + c);
-      store(o + c, silu_lanes(acc));
-    }
-    for (; c < c1; ++c) {
-      float acc = taps[c] * input(t)[c];
-      for (int64_t j = 1; j < kernel; ++j) acc = acc + taps[j * channels + c] * input(t + j)[c];
-      o[c] = silu(acc);
-    }
-  }
-  // The window's last K - 1 rows become the state: shifted within it first where the chunk is shorter than that.
-  for (int64_t i = 0; i < history; ++i) {
-    const float* src = input(count + i);
-    if (src != state + i * channels) std::copy(src + c0, src + c1, state + i * channels + c0);
-  }
-}
-
 }  // namespace
 
 namespace ladle_cpu {
@@ -223,8 +186,9 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
   at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / blocks, c0 = task % blocks * kChannelBlock;
-      convolve(mixed_ptr, mixed.stride(0), taps.data(), kernel, channels, state_ptr + slot_ptr[row] * slot_stride,
-               fresh_ptr[row], starts[row], starts[row + 1], c0, std::min(c0 + kChannelBlock, channels), conv_ptr);
+      convolve_silu(mixed_ptr, mixed.stride(0), taps.data(), nullptr, kernel, channels,
+                    state_ptr + slot_ptr[row] * slot_stride, fresh_ptr[row], starts[row], starts[row + 1], c0,
+                    std::min(c0 + kChannelBlock, channels), conv_ptr);
     }
   });
 

@@ -45,7 +45,10 @@ LINEAR_ATTENTION = {
 # Top-2 of 8 experts beside a gated shared expert (Qwen3-Next's and Qwen3.5-MoE's MLP).
 HYBRID_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48}  # fmt: skip
-MAX_SEQUENCES = 8  # the linear-attention states' slots (`PagedRunner`: sequence i's is slot i)
+# Granite 3.x's multipliers: embeddings x12, scores x1/64, residuals x0.22, logits /8.
+GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
+                       "logits_scaling": 8.0}  # fmt: skip
+MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
     "llama3-rope": (transformers.LlamaConfig, {"rope_parameters": LLAMA3_ROPE}),
@@ -221,6 +224,30 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # LFM2: gated short convolutions (3 taps) on the first and last layers, attention with per-head q/k norms between.
     "lfm2": (transformers.Lfm2Config, {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                        "pad_token_id": 0}),
+    # Granite 4.0 H: Mamba-2 on the first and last layers (4 heads 32 wide in 2 groups, a 16-wide state, a 4-tap
+    # convolution with a bias), attention without rope between; top-2 of 4 experts beside a shared MLP; Granite's
+    # multipliers. Granite 4.0's dense form: attention layers alone, rope, the shared MLP alone. Granite 3.0's
+    # mixtures of experts, with a shared MLP (granitemoeshared) and without.
+    "granite4-h": (
+        transformers.GraniteMoeHybridConfig,
+        {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 4,
+         "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 2, "num_local_experts": 4,
+         "num_experts_per_tok": 2, "shared_intermediate_size": 48, **GRANITE_MULTIPLIERS, "pad_token_id": 0},
+    ),
+    "granite4-dense": (
+        transformers.GraniteMoeHybridConfig,
+        {"layer_types": ["attention"] * 2, "num_local_experts": 0, "shared_intermediate_size": 48,
+         "position_embedding_type": "rope", **GRANITE_MULTIPLIERS, "pad_token_id": 0},
+    ),
+    "granitemoe": (
+        transformers.GraniteMoeConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, **GRANITE_MULTIPLIERS},
+    ),
+    "granitemoeshared": (
+        transformers.GraniteMoeSharedConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+         **GRANITE_MULTIPLIERS},
+    ),
     # LFM2-MoE: the first layer dense, then top-3 of 8 experts by sigmoid scores plus a routing bias, renormalised.
     "lfm2-moe": (
         transformers.Lfm2MoeConfig,
@@ -297,6 +324,9 @@ MODEL_CLASSES = {
     transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
     transformers.Lfm2Config: transformers.Lfm2ForCausalLM,
     transformers.Lfm2MoeConfig: transformers.Lfm2MoeForCausalLM,
+    transformers.GraniteMoeHybridConfig: transformers.GraniteMoeHybridForCausalLM,
+    transformers.GraniteMoeConfig: transformers.GraniteMoeForCausalLM,
+    transformers.GraniteMoeSharedConfig: transformers.GraniteMoeSharedForCausalLM,
 }
 
 
@@ -311,7 +341,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight",
-                                "feed_forward.router.weight", "feed_forward.gate.weight")):
+                                "feed_forward.router.weight", "feed_forward.gate.weight",
+                                "block_sparse_moe.router.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size

@@ -1,0 +1,39 @@
+"""IBM's Granite mixtures of experts (Granite 3.0 MoE, with a shared MLP or without) and Granite 4.0's hybrids of
+Mamba-2 (`layers.mamba2`) and attention: Granite's multiplied block under names of their own."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_server.config import ModelConfig
+from engine_server.models.base import CausalLM
+from engine_server.parallel.group import SINGLE, TensorParallel
+
+# The experts' banks and router as Granite's checkpoints hold them (`block_sparse_moe.input_linear` `[E, 2I, H]`, gate
+# rows then up rows; `output_linear` `[E, H, I]`; `router.layer`), and as transformers 5 names them.
+_EXPERT_RENAMES = (
+    (".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+    (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+    (".block_sparse_moe.router.layer.", ".mlp.gate."),
+    (".block_sparse_moe.router.", ".mlp.gate."),
+    (".block_sparse_moe.experts.", ".mlp.experts."),
+)
+
+
+class GraniteMoeForCausalLM(CausalLM):
+    """Granite MoE (`granitemoe`), Granite MoE with a shared MLP (`granitemoeshared`) and Granite 4.0
+    (`granitemoehybrid`): Granite's multipliers (embeddings, attention scale, residuals, logits); each layer's MLP is
+    a mixture of experts (`block_sparse_moe`: softmax over the top-k logits) beside the shared MLP (`shared_mlp`, its
+    `input_linear` gate rows then up rows: read as an ungated shared expert), or the shared MLP alone where the model
+    has no experts (Granite 4.0's dense models). Granite 4.0's Mamba-2 layers (checkpoint `mamba`) take the token
+    mixer's place (`ModelConfig.mamba2`); its H models' attention turns no rope."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, dtype, tp)
+        shared = ".mlp.shared_expert." if config.num_experts else ".mlp."
+        self.checkpoint_renames = (
+            (".mamba.", ".self_attn."),
+            *_EXPERT_RENAMES,
+            (".shared_mlp.input_linear.", f"{shared}gate_up_proj."),
+            (".shared_mlp.output_linear.", f"{shared}down_proj."),
+        )
