@@ -716,6 +716,33 @@ def test_lfm2_configs_read_as_transformers_builds_them() -> None:
         ModelConfig.from_hf_config({**raw, "full_attn_idxs": []})
 
 
+def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_built() -> None:
+    """Granite 4.0 H's released config.json names its layers "mamba" and "attention" (transformers 5: linear_attention
+    and full_attention), its position embedding "nope", its heads' width "auto" or a number: the same shape either
+    way, NoPE on every layer; its dense forms (every layer attention, rope) have no Mamba-2. Biases on the Mamba-2
+    projections, a clamped time step and a model of Mamba-2 layers only are refused by name."""
+    released = {**SMALL, "model_type": "granitemoehybrid", "num_hidden_layers": 4, "mamba_n_heads": 8,
+                "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_expand": 2, "mamba_d_head": "auto",
+                "position_embedding_type": "nope", "layer_types": ["mamba", "mamba", "attention", "mamba"],
+                "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64, "bos_token_id": 1,
+                "eos_token_id": 2}  # fmt: skip
+    config = ModelConfig.from_hf_config(released)
+    built = transformers.GraniteMoeHybridConfig(**{k: v for k, v in released.items() if k != "model_type"})
+    assert ModelConfig.from_hf_config(built.to_dict()) == config
+    assert config.mamba2 is not None and config.mamba2.layers == (0, 1, 3)
+    assert (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.groups) == (8, 16, 1)
+    assert config.nope_layers == (0, 1, 2, 3) and config.num_experts == 4
+    assert config.shared_expert_intermediate_size == 64 and not config.shared_expert_gated
+    dense = ModelConfig.from_hf_config({**released, "layer_types": ["attention"] * 4, "num_local_experts": 0,
+                                        "position_embedding_type": "rope"})  # fmt: skip
+    assert dense.mamba2 is None and dense.nope_layers == () and dense.intermediate_size == 64
+    for changed, refusal in (({"mamba_proj_bias": True}, "mamba_proj_bias"),
+                             ({"time_step_limit": [0.001, 0.1]}, "time_step_limit"),
+                             ({"layer_types": ["mamba"] * 4}, "Mamba-2 layers only")):  # fmt: skip
+        with pytest.raises(ValueError, match=refusal):
+            ModelConfig.from_hf_config({**released, **changed})
+
+
 def test_lfm2_moe_routes_as_transformers_where_the_chosen_scores_are_small() -> None:
     """LFM2-MoE renormalises the chosen sigmoid scores by their sum plus 1e-6 (DeepSeek-V3's router: 1e-20): with
     logits near -9 the scores are ~1e-4, where the two differ by parts in a thousand. Weights and experts equal
