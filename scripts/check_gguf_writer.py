@@ -43,6 +43,7 @@ def families() -> dict[str, dict[str, Any]]:
         DEEPSEEK_GGUF,
         GLM4_MOE_GGUF,
         GPT_OSS_GGUF,
+        GRANITE_GGUF,
         HYBRID_GGUF,
         LLAMA4_GGUF,
         MOE_GGUF,
@@ -67,7 +68,8 @@ def families() -> dict[str, dict[str, Any]]:
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
             "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"],
-            **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {}}
+            **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
+            **GRANITE_GGUF}
 
 
 def check(

@@ -272,6 +272,14 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     **FAMILIES, **HYBRIDS, "llama": ("LlamaConfig", {}),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", {**LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}),
+    # Granite 4.0 H's dense form (Granite-4.0-H-Micro's: the shared MLP alone), Granite 3.x (Llama's block with its
+    # multipliers) and Granite 3.0's mixture of experts with a shared MLP.
+    "granite4-h-dense": ("GraniteMoeHybridConfig", {**GRANITE4_H, "num_local_experts": 0}),
+    "granite": ("GraniteConfig", {k: v for k, v in GRANITE4_H.items() if k.endswith(("multiplier", "scaling"))}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", {
+        **{k: v for k, v in GRANITE4_H.items() if k.endswith(("multiplier", "scaling"))},
+        "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
+    }),
     # LFM2-MoE: LFM2's layers, its first dense and top-2 of 8 experts (sigmoid scores, a routing bias) after it.
     "lfm2-moe": ("Lfm2MoeConfig", {**HYBRIDS["lfm2"][1], "num_dense_layers": 1, "num_experts": 8,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
@@ -391,8 +399,10 @@ _GGUF_ARCHITECTURES = {
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
-    "lfm2_moe": "lfm2moe",
+    "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
+    "granitemoehybrid": "granitehybrid",
 }  # fmt: skip
+_GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
 _GGUF_LFM2_LAYER = {
     "operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -656,6 +666,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_interleave_moe_layer_step(config["interleave_moe_layer_step"])
     elif arch == "lfm2":
         writer.add_feed_forward_length(_lfm2_feed_forward_length(config))
+    elif arch == "granitehybrid" and not config.get("num_local_experts"):  # its dense MLP: the shared MLP
+        writer.add_feed_forward_length(config["shared_intermediate_size"])
     elif arch == "lfm2moe":  # its dense layers' width as stated; its experts' below
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_leading_dense_block_count(config["num_dense_layers"])
@@ -671,6 +683,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "deepseek2":
         _deepseek2_metadata(writer, config, rope)
+    elif arch == "granitehybrid":  # KV heads on the attention layers, 0 on the Mamba-2 ones; their ssm.* keys
+        _granite_hybrid_metadata(writer, config, head_dim)
     elif arch in ("lfm2", "lfm2moe"):  # KV heads on the attention layers, 0 on the convolution ones (which it is)
         kv_heads = config["num_key_value_heads"]
         writer.add_head_count_kv([kv_heads if kind == "full_attention" else 0 for kind in config["layer_types"]])
@@ -722,6 +736,11 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_expert_shared_feed_forward_length(config["intermediate_size"] // config["num_key_value_heads"])
     if arch == "minimax-m2":
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if arch in _GGUF_GRANITES:  # its multipliers, as llama.cpp's converter names them
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
     if arch == "glm4moe":  # DeepSeek-V3's experts, as its converter describes them
         writer.add_expert_shared_count(config["n_shared_experts"])
         writer.add_leading_dense_block_count(config["first_k_dense_replace"])
@@ -732,12 +751,67 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["moe_k"])
-        if arch in ("gpt-oss", "minimax-m2"):  # their experts are intermediate_size wide
+        if arch in ("gpt-oss", "minimax-m2", "granitemoe", "granitehybrid"):  # their experts: intermediate_size wide
             writer.add_expert_feed_forward_length(config["intermediate_size"])
         elif arch not in ("llama", "llama4"):
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        if config.get("shared_expert_intermediate_size"):
-            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+        shared = config.get("shared_expert_intermediate_size") or config.get("shared_intermediate_size")
+        if shared:
+            writer.add_expert_shared_feed_forward_length(shared)
+
+
+def _granite_hybrid_metadata(writer: Any, config: dict[str, Any], head_dim: int) -> None:
+    """Granite 4.0's keys as llama.cpp's converter writes them (`granitehybrid`): KV heads per layer (0 on the Mamba-2
+    ones), the Mamba-2 shape as `ssm.*` (the heads as its time-step rank), and rope off (its hybrids turn none;
+    the context then 2^20, as written)."""
+    layers = config["layer_types"]
+    attending = ("attention", "full_attention")  # the released configs' name, transformers 5's
+    writer.add_head_count_kv([config["num_key_value_heads"] if kind in attending else 0 for kind in layers])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+    writer.add_ssm_state_size(config["mamba_d_state"])
+    writer.add_ssm_group_count(config["mamba_n_groups"])
+    writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
+    writer.add_ssm_time_step_rank(config["mamba_n_heads"])
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)
+
+
+def _llama_cpp_granite(
+    name: str, array: np.ndarray, config: dict[str, Any], feed_forward: Any, attention: Any
+) -> dict[str, tuple[np.ndarray, Any]]:
+    """One of Granite MoE's or Granite 4.0's checkpoint tensors (`model.layers.N.<rest>`) as llama.cpp's converter
+    writes it, by GGUF name with its type: the experts' `input_linear` bank split into gate and up banks and the
+    shared MLP's into gate and up (`_shexp`, or plain where there are no experts), in `feed_forward`'s type; the
+    router F32; Mamba-2's projections in `attention`'s type, its convolution squeezed, `A_log` as `-exp(A_log)` and
+    `D` each `[heads, 1]`, the gated norm's weight `[groups, inner / groups]`, F32; {} for any other tensor."""
+    layer, _, rest = name.removeprefix("model.layers.").partition(".")
+    blk = f"blk.{layer}."
+    shared = "_shexp" if config.get("num_local_experts") else ""
+    if rest == "block_sparse_moe.input_linear.weight":
+        gate, up = np.split(array, 2, axis=1)
+        return {f"{blk}ffn_gate_exps.weight": (gate, feed_forward), f"{blk}ffn_up_exps.weight": (up, feed_forward)}
+    if rest == "shared_mlp.input_linear.weight":
+        gate, up = np.split(array, 2, axis=0)
+        return {f"{blk}ffn_gate{shared}.weight": (gate, feed_forward),
+                f"{blk}ffn_up{shared}.weight": (up, feed_forward)}  # fmt: skip
+    simple = {"block_sparse_moe.output_linear.weight": ("ffn_down_exps.weight", feed_forward),
+              "block_sparse_moe.router.layer.weight": ("ffn_gate_inp.weight", None),
+              "shared_mlp.output_linear.weight": (f"ffn_down{shared}.weight", feed_forward),
+              "mamba.in_proj.weight": ("ssm_in.weight", attention),
+              "mamba.out_proj.weight": ("ssm_out.weight", attention),
+              "mamba.conv1d.bias": ("ssm_conv1d.bias", None), "mamba.dt_bias": ("ssm_dt.bias", None)}  # fmt: skip
+    if rest in simple:
+        gguf_name, kind = simple[rest]
+        return {blk + gguf_name: (array, kind)}
+    groups = config.get("mamba_n_groups") or 1
+    reshaped = {"mamba.conv1d.weight": ("ssm_conv1d.weight", lambda a: a.squeeze(1)),
+                "mamba.A_log": ("ssm_a", lambda a: -np.exp(a)[:, None]), "mamba.D": ("ssm_d", lambda a: a[:, None]),
+                "mamba.norm.weight": ("ssm_norm.weight", lambda a: a.reshape(groups, -1))}  # fmt: skip
+    if rest in reshaped:
+        gguf_name, change = reshaped[rest]
+        return {blk + gguf_name: (np.ascontiguousarray(change(array)), None)}
+    return {}
 
 
 def _lfm2_feed_forward_length(config: dict[str, Any]) -> int:
@@ -877,6 +951,9 @@ def _write_tensors(
             tensor = tensor + 1.0
         array = tensor.float().numpy()
         bare = name.removeprefix("model.layers.").partition(".")
+        if arch in _GGUF_GRANITES and (granite := _llama_cpp_granite(name, array, config, feed_forward, attention)):
+            tensors.update(granite)
+            continue
         if arch == "llama4" and stem.endswith(".feed_forward.experts"):  # the banks: [E, H, 2I] and [E, I, H]
             if param == "gate_up_proj":
                 gate, up = (np.ascontiguousarray(half.swapaxes(1, 2)) for half in np.split(array, 2, axis=-1))
@@ -917,7 +994,7 @@ def _write_tensors(
                 kind_type = feed_forward
             elif kind.startswith("self_attn.") and not kind.endswith("_norm"):  # Gemma's q/k norms stay F32
                 kind_type = attention
-            if arch == "llama" and kind in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", *_GGUF_GRANITES) and kind in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads_here = heads if kind == "self_attn.q_proj" else config["num_key_value_heads"]
                 array = array.reshape(heads_here, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
         else:

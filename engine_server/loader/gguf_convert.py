@@ -51,6 +51,11 @@ SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is writ
 _FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
 _SQUEEZED_CONVOLUTION = ".linear_attn.conv1d.weight"  # a hybrid's [channels, 1, kernel], stored as [channels, kernel]
 _LFM2_CONVOLUTION = ".conv.conv.weight"  # LFM2's [channels, 1, taps], stored as [channels, taps] (`_restore`)
+# Granite 4.0's Mamba-2 tensors that llama.cpp stores reshaped (`_restore`): the convolution squeezed, `A_log` as
+# `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight `[groups, inner / groups]`.
+_MAMBA_CONVOLUTION = ".mamba.conv1d.weight"
+_MAMBA_FLATTENED = (".mamba.A_log", ".mamba.D", ".mamba.norm.weight")
+_GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 # numpy's type of the tensors gguf stores as plain arrays; every other type is blocks of bytes.
 _ARRAY_TYPES = {
     GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F64: np.float64,
@@ -197,6 +202,18 @@ _LFM2_MOE_LAYER_NAMES = {**_LFM2_LAYER_NAMES, "ffn_gate_inp": "feed_forward.gate
 _LFM2_GLOBAL = {"token_embd_norm.weight": "model.embedding_norm.weight",
                 "output_norm.weight": "model.embedding_norm.weight"}  # fmt: skip
 _LFM2_BARE = {f"shortconv.{part}.weight": f"conv.{part}.weight" for part in ("conv", "in_proj", "out_proj")}
+# Granite MoE: the router as its checkpoints name it, the shared MLP (gate, up and down apart in the file; joined
+# into the checkpoint's `shared_mlp.input_linear` only for transformers, `transformers_banks`) under the names ladle
+# loads. Granite 4.0's Mamba-2 tensors (`_MAMBA_*`).
+_GRANITE_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.router.layer",
+    **{f"ffn_{part}_shexp": f"mlp.shared_expert.{part}_proj" for part in ("gate", "up", "down")},
+}  # fmt: skip
+_MAMBA_BARE = {
+    "ssm_in.weight": "mamba.in_proj.weight", "ssm_conv1d.weight": "mamba.conv1d.weight",
+    "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log", "ssm_d": "mamba.D",
+    "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
+}  # fmt: skip
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -209,6 +226,7 @@ _BARE_LAYER_NAMES = {
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},
     "lfm2": _LFM2_BARE,
     "lfm2_moe": {**_LFM2_BARE, "exp_probs_b.bias": "feed_forward.expert_bias"},  # the routing bias, [experts]
+    "granitemoehybrid": _MAMBA_BARE,
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 _ARCHITECTURE_LAYER_NAMES = {
@@ -230,6 +248,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "olmo3": _EXAONE4_LAYER_NAMES,
     "lfm2": _LFM2_LAYER_NAMES,
     "lfm2_moe": _LFM2_MOE_LAYER_NAMES,
+    **{model_type: _GRANITE_MOE_LAYER_NAMES for model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid")},
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -255,11 +274,15 @@ _BANKED_EXPERT = re.compile(
     r"model\.layers\.(?P<layer>\d+)\.(?P<block>feed_forward|mlp)\.experts\.(?P<expert>\d+)\."
     r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<param>weight|bias)"
 )
+# Granite MoE's shared MLP (and Granite 4.0's dense MLP) as `iter_hf_tensors` names it (`_granite_checkpoint`).
+_GRANITE_MLP = re.compile(
+    r"model\.layers\.(?P<layer>\d+)\.mlp\.(?:shared_expert\.)?(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+)
 # The families whose llama.cpp files hold each head's q/k rows with its rope pairs interleaved (llama.cpp's turning):
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
 # and GLM-4's (the turned half of each head), ERNIE 4.5's and Cohere's, whose checkpoints hold them interleaved too
 # (the model reorders them at load, `models.llama4`, `models.interleaved_rope`).
-_ROPE_PERMUTED = ("llama", "mixtral")
+_ROPE_PERMUTED = ("llama", "mixtral", *_GRANITE_TYPES)
 _ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
@@ -371,8 +394,14 @@ def transformers_banks(
     all of a layer's experts are in); every other tensor as it comes:
     - Llama 4: `gate_up_proj` `[E, H, 2I]` (the gates' columns first) and `down_proj` `[E, I, H]`;
     - gpt-oss: `gate_up_proj` `[E, H, 2I]` and its bias `[E, 2I]` with gate and up columns alternating, `down_proj`
-      `[E, I, H]` and its bias `[E, H]`."""
+      `[E, I, H]` and its bias `[E, H]`;
+    - Granite MoE and Granite 4.0 (`_granite_checkpoint`): `block_sparse_moe.input_linear` `[E, 2I, H]` (each
+      expert's gate rows, then its up rows) and `output_linear` `[E, H, I]`; the shared MLP's gate and up rows joined
+      into `shared_mlp.input_linear`, its down projection `shared_mlp.output_linear`."""
     model_type = config["model_type"]
+    if model_type in _GRANITE_TYPES[1:]:
+        yield from _granite_checkpoint(weights, int(config.get("num_local_experts") or 0))
+        return
     if model_type not in ("llama4_text", "gpt_oss"):
         yield from weights
         return
@@ -399,6 +428,38 @@ def transformers_banks(
             yield f"{bank}.down_proj{suffix}", _stacked(layer, param, "down_proj", experts).contiguous()
     if pending:
         raise ValueError(f"layers {sorted(pending)} have experts missing")
+
+
+def _granite_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]], experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`transformers_banks` for Granite MoE and Granite 4.0 (`experts` per layer; 0: Granite 4.0's dense MLP, which
+    its checkpoints hold as the shared MLP): each layer's banks and shared MLP once all of their parts are in."""
+    banks: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    shared: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        expert, mlp = _BANKED_EXPERT.fullmatch(name), _GRANITE_MLP.fullmatch(name)
+        if expert is not None:
+            layer, parts = expert["layer"], banks.setdefault(expert["layer"], {})
+            parts[expert["proj"], int(expert["expert"])] = tensor
+            if len(parts) == 3 * experts:
+                del banks[layer]
+                prefix = f"model.layers.{layer}.block_sparse_moe."
+                gate_up = [torch.cat((parts["gate_proj", e], parts["up_proj", e])) for e in range(experts)]
+                yield f"{prefix}input_linear.weight", torch.stack(gate_up)
+                yield f"{prefix}output_linear.weight", torch.stack([parts["down_proj", e] for e in range(experts)])
+        elif mlp is not None:
+            layer, projections = mlp["layer"], shared.setdefault(mlp["layer"], {})
+            projections[mlp["proj"]] = tensor
+            if len(projections) == 3:
+                del shared[layer]
+                prefix = f"model.layers.{layer}.shared_mlp."
+                yield f"{prefix}input_linear.weight", torch.cat((projections["gate_proj"], projections["up_proj"]))
+                yield f"{prefix}output_linear.weight", projections["down_proj"]
+        else:
+            yield name, tensor
+    if banks or shared:
+        raise ValueError(f"layers {sorted({*banks, *shared}, key=int)} have experts or shared MLP parts missing")
 
 
 def _stacked(layer: dict[tuple[str, str, int], torch.Tensor], param: str, proj: str, experts: int) -> torch.Tensor:
@@ -538,6 +599,12 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
         return lambda array: array.reshape(1, -1)
     if model_type in ("lfm2", "lfm2_moe") and name.endswith(_LFM2_CONVOLUTION):
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
+    if model_type == "granitemoehybrid" and name.endswith(_MAMBA_CONVOLUTION):
+        return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
+    if model_type == "granitemoehybrid" and name.endswith(".mamba.A_log"):  # stored as -exp(A_log)
+        return lambda array: np.log(-np.asarray(array, dtype=np.float32)).reshape(-1)
+    if model_type == "granitemoehybrid" and name.endswith(_MAMBA_FLATTENED):
+        return lambda array: array.reshape(-1)
     if rope_permuted(model_type) and ".self_attn.q_proj." in name:
         return lambda array: unpermute_rope_rows(array, config["num_attention_heads"])
     if rope_permuted(model_type) and ".self_attn.k_proj." in name:
@@ -576,8 +643,10 @@ def _hf_weight(
     shape = tuple(data.shape) if plain else quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
     if name.endswith(_FLATTENED_GATE):
         shape = (1, int(np.prod(shape)))
-    elif name.endswith((_SQUEEZED_CONVOLUTION, _LFM2_CONVOLUTION)):
+    elif name.endswith((_SQUEEZED_CONVOLUTION, _LFM2_CONVOLUTION, _MAMBA_CONVOLUTION)):
         shape = (shape[0], 1, *shape[1:])
+    elif name.endswith(_MAMBA_FLATTENED):
+        shape = (int(np.prod(shape)),)
     return LazyTensor(ComputedSlice(shape, read))
 
 

@@ -45,7 +45,16 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "cohere2": ("cohere2", "Cohere2ForCausalLM"),
     "lfm2": ("lfm2", "Lfm2ForCausalLM"),
     "lfm2moe": ("lfm2_moe", "Lfm2MoeForCausalLM"),
+    # Granite 3.x; Granite 3.0's mixtures of experts (a shared MLP beside: granitemoeshared); Granite 4.0's Mamba-2
+    # hybrids (llama.cpp writes its dense, attention-only models as `granite` or `granitemoe`).
+    "granite": ("granite", "GraniteForCausalLM"),
+    "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
+    "granitehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
 }
+# llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
+# Granite 4.0 file is read with the released models' 128K context (`_granite_config`), as a bound for --max-model-len.
+_NO_CONTEXT_STATED = 2**20
+_GRANITE4_CONTEXT = 131072
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
 _LAYER_NORMED = ("command-r", "cohere2")
 # Cohere 2 as llama.cpp reads a `cohere2` file: every 4th layer global (its windows' pattern is fixed there).
@@ -149,6 +158,71 @@ def _lfm2_config(
     return keys
 
 
+def _granite_config(
+    reader: GGUFReader, arch: str, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of a Granite `config.json` from a `granite`, `granitemoe` or `granitehybrid` file: its multipliers
+    (`embedding_scale`, `residual_scale`, `attention.scale`, whose absence llama.cpp reads as `head_dim ** -0.5`,
+    `logit_scale`); Granite MoE's experts (`expert_feed_forward_length` wide: transformers' `intermediate_size`) and
+    shared MLP (`expert_shared_feed_forward_length`: then `granitemoeshared`); Granite 4.0's Mamba-2 layers, those
+    with no KV heads in `attention.head_count_kv`, from the `ssm.*` keys (the heads are its time-step rank, their
+    width its inner size over them), the convolution's bias where the file has it, rope only where
+    `rope.scaling.finetuned` says (llama.cpp turns none in a hybrid of Mamba-2 layers), and without experts the
+    dense MLP as its shared MLP. ValueError for what does not add up."""
+    required = functools.partial(_arch_field, reader, arch, spec)
+    head_dim = int(config["head_dim"])
+    keys: dict[str, Any] = {
+        "embedding_multiplier": _short_float(read_field(reader, f"{arch}.embedding_scale", 1.0)),
+        "residual_multiplier": _short_float(read_field(reader, f"{arch}.residual_scale", 1.0)),
+        "attention_multiplier": _short_float(read_field(reader, f"{arch}.attention.scale", 0.0)) or head_dim**-0.5,
+        "logits_scaling": _short_float(read_field(reader, f"{arch}.logit_scale", 1.0)),
+    }
+    shared = int(read_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
+    if experts:
+        keys.update(
+            num_local_experts=experts,
+            num_experts_per_tok=_experts_used(reader, arch, experts, spec),
+            intermediate_size=int(required("expert_feed_forward_length")),
+        )
+        if shared:
+            keys["shared_intermediate_size"] = shared
+    elif arch == "granitemoe":
+        raise ValueError(f"model {spec!r}: a granitemoe file without experts is not supported")
+    if arch == "granitemoe":
+        return {**keys, "model_type": "granitemoeshared" if shared else "granitemoe",
+                "architectures": ["GraniteMoeSharedForCausalLM" if shared else "GraniteMoeForCausalLM"]}  # fmt: skip
+    if arch == "granite":
+        return keys
+    layers = int(config["num_hidden_layers"])
+    kv_heads = _per_layer(required("attention.head_count_kv"))
+    kv_heads = kv_heads * layers if len(kv_heads) == 1 else kv_heads
+    if len(kv_heads) != layers or len({count for count in kv_heads if count}) != 1:
+        raise ValueError(f"model {spec!r}: granitehybrid.attention.head_count_kv {kv_heads} is not one KV head count "
+                         f"on the attention layers and 0 on the Mamba-2 layers of {layers}")  # fmt: skip
+    mamba = [i for i, count in enumerate(kv_heads) if not count]
+    heads, inner, hidden = int(required("ssm.time_step_rank")), int(required("ssm.inner_size")), config["hidden_size"]
+    if not mamba or inner % heads or inner % hidden:
+        raise ValueError(f"model {spec!r}: a granitehybrid file of Mamba-2 layers {mamba}, {heads} heads over an inner "
+                         f"size of {inner} is not supported")  # fmt: skip
+    if not experts:  # the dense MLP is Granite 4.0's shared MLP
+        keys.update(num_local_experts=0, shared_intermediate_size=config["intermediate_size"])
+    rope = bool(read_field(reader, f"{arch}.rope.scaling.finetuned", False))
+    if not rope and config["max_position_embeddings"] == _NO_CONTEXT_STATED:
+        keys["max_position_embeddings"] = _GRANITE4_CONTEXT
+    return {
+        **keys,
+        "layer_types": ["mamba" if i in mamba else "attention" for i in range(layers)],
+        "position_embedding_type": "rope" if rope else "nope",
+        "mamba_n_heads": heads,
+        "mamba_d_head": inner // heads,
+        "mamba_expand": inner // hidden,
+        "mamba_d_state": int(required("ssm.state_size")),
+        "mamba_n_groups": int(required("ssm.group_count")),
+        "mamba_d_conv": int(required("ssm.conv_kernel")),
+        "mamba_conv_bias": f"blk.{mamba[0]}.ssm_conv1d.bias" in tensors,
+    }
+
+
 def _short_float(value: float) -> float:
     """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); keep the shortest decimal."""
     return float(str(np.float32(value)))
@@ -247,6 +321,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_olmo2_config(reader, config, spec))
     elif arch in ("lfm2", "lfm2moe"):
         config.update(_lfm2_config(reader, arch, config, experts, tensors, spec))
+    elif arch in ("granite", "granitemoe", "granitehybrid"):
+        config.update(_granite_config(reader, arch, config, experts, tensors, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

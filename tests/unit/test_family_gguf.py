@@ -1004,3 +1004,33 @@ def test_an_lfm2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     rank0 = torch.cat([part[: channels // 2] for part in whole.split(channels)])
     assert torch.equal(stored["model.layers.0.self_attn.in_proj"].dequantize(), rank0)
     assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
+
+
+# Granite 4.0 H (`granitehybrid`: Mamba-2 layers, attention without rope, experts beside a shared MLP), its dense form
+# (the shared MLP alone), Granite 3.0's mixture of experts with a shared MLP (`granitemoe`) and Granite 3.x
+# (`granite`) as llama.cpp's converter writes them: their multipliers as its scales, q/k rows permuted.
+# A Granite 4.0 H file states no context (2^20, as its converter writes): read as the released models' 131,072.
+GRANITE_GGUF: dict[str, dict[str, Any]] = {
+    "granite4-h": {"max_position_embeddings": 131072}, "granite4-h-dense": {"max_position_embeddings": 131072},
+    "granite": {}, "granitemoeshared": {},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(GRANITE_GGUF))
+def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path, family: str) -> None:
+    """A `granitehybrid` file (Mamba-2 tensors as `ssm_*`: `ssm_a` is `-exp(A_log)`, the convolution squeezed, the
+    gated norm's weight by group; no KV heads on the Mamba-2 layers; rope off; the experts' and the shared MLP's
+    fused tensors split; q/k rows permuted), with experts and without, a `granitemoe` one with a shared MLP and a
+    `granite` one, their multipliers as llama.cpp's scales: converted, each config is the saved model's, every tensor
+    comes back (joined again into the checkpoint's fused banks for transformers) and the float path equals
+    transformers token for token; served from its blocks (Mamba-2's in_proj one Q8_0 matrix of z, x/B/C and dt
+    rows; the shared MLP in Q4_0), each holds `ladle bench quality`'s thresholds."""
+    _, layers, result = exact_then_served(tmp_path, family, **GRANITE_GGUF[family])
+    attention = 3 if family.startswith("granite4") else 0
+    assert layers[f"model.layers.{attention}.self_attn.qkv_proj"] == "q8"
+    if family.startswith("granite4"):
+        assert layers["model.layers.0.self_attn.in_proj"] == layers["model.layers.0.self_attn.out_proj"] == "q8"
+    if family != "granite":
+        shared = "mlp.gate_up_proj" if family == "granite4-h-dense" else "mlp.shared_expert.gate_up_proj"
+        assert layers[f"model.layers.0.{shared}"] == "q4", layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
