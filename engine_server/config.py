@@ -237,11 +237,13 @@ class Mamba2:
         return self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.head_dim * self.state_dim
 
     def sharded(self, size: int) -> Mamba2:
-        """One rank's share under tensor parallelism over `size` ranks: ValueError unless `size` is 1 (Mamba-2's
-        layers are not split yet)."""
-        if size != 1:
-            raise ValueError(f"Mamba-2 layers are not split over ranks yet (tensor-parallel size {size})")
-        return self
+        """One rank's share under tensor parallelism over `size` ranks: a block of the heads and the groups they read
+        (a block of the groups, or where there are fewer groups than ranks the one group its heads share, then held by
+        several ranks); ValueError unless `size` divides the heads, and the groups or by them."""
+        if self.num_heads % size or (self.groups % size and size % self.groups):
+            raise ValueError(f"Mamba-2's {self.num_heads} heads in {self.groups} groups cannot be split over "
+                             f"{size} tensor-parallel ranks")  # fmt: skip
+        return replace(self, num_heads=self.num_heads // size, groups=max(self.groups // size, 1))
 
 
 # The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.

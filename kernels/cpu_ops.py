@@ -301,7 +301,7 @@ def mamba2_mixer(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     d: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
     groups: int,
     states: torch.Tensor,
@@ -320,7 +320,8 @@ def mamba2_mixer(
         )  # fmt: skip
     out: torch.Tensor = torch.ops.ladle_cpu.mamba2_mixer(
         xbc, z, dt, conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(),
-        a_log.contiguous(), dt_bias.contiguous(), d.contiguous(), norm_weight.contiguous(), eps, groups, states,
+        a_log.contiguous(), dt_bias.contiguous(), d.contiguous(),
+        None if norm_weight is None else norm_weight.contiguous(), eps, groups, states,
         torch.tensor(slots, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
         torch.tensor(fresh, dtype=torch.bool),
     )  # fmt: skip

@@ -131,7 +131,7 @@ def mamba2_mixer(
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
     d: torch.Tensor,
-    norm_weight: torch.Tensor,
+    norm_weight: torch.Tensor | None,
     eps: float,
     groups: int,
     states: torch.Tensor,
@@ -146,7 +146,8 @@ def mamba2_mixer(
     heads). Sequence i's `query_lens[i]` tokens follow each other in that order; its state is row `slots[i]` of
     `states` (`[slots, (K - 1) * C + H * P * N]` float32: the convolution's last inputs `[K - 1, C]`, then the
     matrices `[H, P, N]`), zeroed first where `fresh[i]`, advanced in place. Returns `[T, H * P]` in xbc's dtype:
-    `rms_norm((y + D x) * silu(z))` times the norm's weight."""
+    `rms_norm((y + D x) * silu(z))` times the norm's weight; with a norm weight of None, `(y + D x) * silu(z)`
+    unnormalised (for a caller whose groups span tensor-parallel ranks)."""
     tokens, channels = xbc.shape
     heads = dt.shape[1]
     inner = z.shape[1]
@@ -165,5 +166,7 @@ def mamba2_mixer(
     step = F.softplus(dt.float() + dt_bias.float())
     heads_x = x.reshape(tokens, heads, head_dim)
     y = ssd_scan(heads_x, step, -a_log.float().exp(), b, c, matrices, slots, query_lens, fresh)
-    y = y + d.float()[:, None] * heads_x.float()
-    return gated_group_norm(y.reshape(tokens, inner).to(xbc.dtype), z, norm_weight, eps, groups)
+    y = (y + d.float()[:, None] * heads_x.float()).reshape(tokens, inner)
+    if norm_weight is None:
+        return (y * F.silu(z.float())).to(xbc.dtype)
+    return gated_group_norm(y.to(xbc.dtype), z, norm_weight, eps, groups)

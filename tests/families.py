@@ -244,11 +244,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # (2 key heads of 16 dims, each serving 2 value heads of 8; partial rope over 4 of 16 dims); Qwen3-Next's grouped
 # q/k/v/z and b/a projections beside top-2 of 8 experts and a gated shared expert, its first layer dense. LFM2: gated
 # short convolutions (3 taps) in place of the linear attention, plain attention with per-head q/k norms.
-# Granite 4.0 H: Mamba-2 (4 heads 32 wide in 2 groups, a 16-wide state, a 4-tap convolution with a bias) in place of
-# the linear attention, attention without rope; top-2 of 4 experts beside a shared MLP; Granite's multipliers.
+# Granite 4.0 H: Mamba-2 (4 heads 32 wide in one group, as released, a 16-wide state, a 4-tap convolution with a
+# bias) in place of the linear attention, attention without rope; top-2 of 4 experts beside a shared MLP; Granite's
+# multipliers.
 GRANITE4_H: dict[str, Any] = {
     "layer_types": ["mamba"] * 3 + ["attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
-    "mamba_n_groups": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
+    "mamba_n_groups": 1, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
     "embedding_multiplier": 12.0, "attention_multiplier": 0.0625, "residual_multiplier": 0.22, "logits_scaling": 8.0,
     "pad_token_id": 0,
 }  # fmt: skip

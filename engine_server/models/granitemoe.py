@@ -32,6 +32,7 @@ class GraniteMoeForCausalLM(CausalLM):
         super().__init__(config, dtype, tp)
         shared = ".mlp.shared_expert." if config.num_experts else ".mlp."
         self.checkpoint_renames = (
+            *((f".mamba.{kind}", f".self_attn.{kind}.weight") for kind in ("A_log", "dt_bias", "D")),  # HeadSlices
             (".mamba.", ".self_attn."),
             *_EXPERT_RENAMES,
             (".shared_mlp.input_linear.", f"{shared}gate_up_proj."),

@@ -7,7 +7,8 @@
 //      with dt = softplus(dt_raw + dt_bias), A = -exp(A_log) and the head's group's B and C,
 //        S = exp(dt A) S + (dt x) B^T;  y = S C + D x
 //      where the reference takes a prefill chunk in the chunked (state space dual) form;
-//   3. the gated RMSNorm: rms_norm(y * silu(z)) over each group's heads, times the norm's weight.
+//   3. the gated RMSNorm: rms_norm(y * silu(z)) over each group's heads, times the norm's weight (without a weight:
+//      y * silu(z) alone, for a caller whose groups span tensor-parallel ranks).
 // Every value of a token is computed by code that depends only on its index within its row (vector lanes, then a
 // scalar tail) and on its sequence's earlier tokens, in one fixed order (built with -ffp-contract=off): a sequence's
 // output is the same alone, batched, or prefilled in chunks of any size, bit for bit.
@@ -81,7 +82,7 @@ namespace ladle_cpu {
 
 at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& dt, const at::Tensor& conv_weight,
                         const std::optional<at::Tensor>& conv_bias, const at::Tensor& a_log, const at::Tensor& dt_bias,
-                        const at::Tensor& d, const at::Tensor& norm_weight, double eps, int64_t groups,
+                        const at::Tensor& d, const std::optional<at::Tensor>& norm_weight, double eps, int64_t groups,
                         const at::Tensor& states, const at::Tensor& slots, const at::Tensor& query_lens,
                         const at::Tensor& fresh) {
   const int64_t tokens = xbc.size(0), channels = xbc.size(1), heads = dt.size(1), inner = z.size(1);
@@ -101,7 +102,7 @@ at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Te
   check_vector(a_log, heads, "A_log");
   check_vector(dt_bias, heads, "dt_bias");
   check_vector(d, heads, "D");
-  check_vector(norm_weight, inner, "norm_weight");
+  if (norm_weight.has_value()) check_vector(*norm_weight, inner, "norm_weight");
   const int64_t history = kernel - 1, matrix = p * n;
   LADLE_CHECK(states.dim() == 2 && states.size(1) == history * channels + heads * matrix &&
                   states.scalar_type() == at::kFloat && states.stride(1) == 1,
@@ -170,7 +171,7 @@ at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Te
   });
 
   const float* z_ptr = z.data_ptr<float>();
-  const float* nw = norm_weight.data_ptr<float>();
+  const float* nw = norm_weight.has_value() ? norm_weight->data_ptr<float>() : nullptr;
   float* out_ptr = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   const int64_t width = inner / groups, width_vector = width - width % kLanes;
@@ -185,6 +186,10 @@ at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Te
       int64_t j = 0;
       for (; j < width_vector; j += kLanes) store(gated.data() + j, load(y + j) * silu_lanes(load(gate + j)));
       for (; j < width; ++j) gated[j] = y[j] * silu(gate[j]);
+      if (nw == nullptr) {  // the gate alone
+        std::copy(gated.begin(), gated.end(), o);
+        continue;
+      }
       const float inv = 1.f / std::sqrt(sum_of_squares(gated.data(), width) / static_cast<float>(width) + feps);
       j = 0;
       for (; j < width_vector; j += kLanes) store(o + j, load(weight + j) * (load(gated.data() + j) * inv));
@@ -199,7 +204,7 @@ at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Te
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "mamba2_mixer(Tensor xbc, Tensor z, Tensor dt, Tensor conv_weight, Tensor? conv_bias, Tensor a_log, "
-      "Tensor dt_bias, Tensor d, Tensor norm_weight, float eps, int groups, Tensor(a!) states, Tensor slots, "
+      "Tensor dt_bias, Tensor d, Tensor? norm_weight, float eps, int groups, Tensor(a!) states, Tensor slots, "
       "Tensor query_lens, Tensor fresh) -> Tensor");
   m.impl("mamba2_mixer", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::mamba2_mixer));
 }

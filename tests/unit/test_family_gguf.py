@@ -1017,7 +1017,9 @@ GRANITE_GGUF: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("family", sorted(GRANITE_GGUF))
-def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path, family: str) -> None:
+def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
     """A `granitehybrid` file (Mamba-2 tensors as `ssm_*`: `ssm_a` is `-exp(A_log)`, the convolution squeezed, the
     gated norm's weight by group; no KV heads on the Mamba-2 layers; rope off; the experts' and the shared MLP's
     fused tensors split; q/k rows permuted), with experts and without, a `granitemoe` one with a shared MLP and a
@@ -1025,7 +1027,7 @@ def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tm
     comes back (joined again into the checkpoint's fused banks for transformers) and the float path equals
     transformers token for token; served from its blocks (Mamba-2's in_proj one Q8_0 matrix of z, x/B/C and dt
     rows; the shared MLP in Q4_0), each holds `ladle bench quality`'s thresholds."""
-    _, layers, result = exact_then_served(tmp_path, family, **GRANITE_GGUF[family])
+    gguf, layers, result = exact_then_served(tmp_path, family, **GRANITE_GGUF[family])
     attention = 3 if family.startswith("granite4") else 0
     assert layers[f"model.layers.{attention}.self_attn.qkv_proj"] == "q8"
     if family.startswith("granite4"):
@@ -1034,3 +1036,11 @@ def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tm
         shared = "mlp.gate_up_proj" if family == "granite4-h-dense" else "mlp.shared_expert.gate_up_proj"
         assert layers[f"model.layers.0.{shared}"] == "q4", layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+    if family == "granite4-h":  # over two ranks: rank 0's z, x and dt rows of its 2 heads, the one group's B and C
+        stored = keep_stored_weights(monkeypatch)
+        _, split = served_from_blocks(gguf, tensor_parallel_size=2)
+        whole = dict(resolve_model(str(gguf)).weights())["model.layers.0.mamba.in_proj.weight"]
+        z, x, b, c, dt = whole.split([128, 128, 16, 16, 4])
+        rank0 = torch.cat([z[:64], x[:64], b, c, dt[:2]])
+        assert torch.equal(stored["model.layers.0.self_attn.in_proj"].dequantize(), rank0)
+        assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split

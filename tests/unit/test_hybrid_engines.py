@@ -156,13 +156,11 @@ def test_a_prefix_shared_past_no_snapshot_is_saved_where_the_prompts_part(tmp_pa
 def test_tensor_parallel_hybrids_equal_transformers(hybrid: tuple[str, Path, Any]) -> None:
     """Two ranks: each holds one of the two key heads with its two value heads (their rows of every input
     projection, their channels of the convolution, their states), the gated attention's heads and gates, and for
-    Qwen3-Next its experts' share; each step's state slots and copies (the first prompt's snapshot saved, then
-    restored for it and the last) reach the worker with the rest of the step."""
+    Qwen3-Next its experts' share; LFM2's half of the convolution's channels; Granite 4.0 H's half of the Mamba-2
+    heads, both reading the one group's B and C, its gated norm's statistic summed over the ranks. Each step's state
+    slots and copies (the first prompt's snapshot saved, then restored for it and the last) reach the worker with
+    the rest of the step."""
     name, folder, theirs = hybrid
-    if name == "granite4-h":
-        with pytest.raises(ValueError, match=r"Mamba-2 layers are not split over ranks yet \(tensor-parallel size 2\)"):
-            engine(folder, tensor_parallel_size=2)
-        return
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()[:1]) == theirs[:1], name
         results = llm.generate(prompts(), GREEDY, use_tqdm=False)
