@@ -37,14 +37,14 @@ class MixerInputs:
 
     def run(
         self, op: Any, spans: list[slice], slots: list[int], fresh: list[bool], states: torch.Tensor | None = None,
-        bias: bool = True,
+        bias: bool = True, norm: bool = True,
     ) -> torch.Tensor:
         """One step of `op` over the sequences `spans` (token spans) in `slots`, from zeroed states unless given."""
         picked = [torch.cat([t[span] for span in spans]) for t in (self.xbc, self.z, self.dt)]
         out: torch.Tensor = op(
             *picked, self.conv_weight, self.conv_bias if bias else None, self.a_log, self.dt_bias, self.d,
-            self.norm_weight, 1e-5, GROUPS, torch.zeros(4, self.size) if states is None else states, slots,
-            [span.stop - span.start for span in spans], fresh,
+            self.norm_weight if norm else None, 1e-5, GROUPS, torch.zeros(4, self.size) if states is None else states,
+            slots, [span.stop - span.start for span in spans], fresh,
         )  # fmt: skip
         return out
 
@@ -123,7 +123,8 @@ def test_a_sequence_is_the_same_alone_batched_and_in_chunks() -> None:
 def test_the_cpu_kernel_equals_the_reference_and_is_batch_invariant() -> None:
     """The C++ core (`kernels/cpu/mamba2.cpp`) equals the reference on a step of a prefill, a decode row and another
     prefill; a sequence's output is the same bits alone, batched and prefilled in chunks of any size (the
-    reference's chunked form is not), and a convolution without a bias is served too."""
+    reference's chunked form is not); a convolution without a bias is served too, and without a norm weight the
+    output is the gate's alone (for groups split over ranks)."""
     layer = MixerInputs()
     spans = [slice(0, 70), slice(70, 71), slice(71, 80)]
     expected = layer.run(reference_mixer, spans, [2, 0, 3], [True, True, True])
@@ -135,4 +136,7 @@ def test_the_cpu_kernel_equals_the_reference_and_is_batch_invariant() -> None:
     assert torch.equal(ours[:70], alone) and torch.equal(torch.cat(steps), alone)
     unbiased = layer.run(cpu.mamba2_mixer, spans, [2, 0, 3], [True, True, True], bias=False)
     torch.testing.assert_close(unbiased, layer.run(reference_mixer, spans, [2, 0, 3], [True] * 3, bias=False),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    gated = layer.run(cpu.mamba2_mixer, spans, [2, 0, 3], [True] * 3, norm=False)
+    torch.testing.assert_close(gated, layer.run(reference_mixer, spans, [2, 0, 3], [True] * 3, norm=False),
                                atol=1e-4, rtol=1e-4)  # fmt: skip
