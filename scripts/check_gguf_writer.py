@@ -43,12 +43,12 @@ def families() -> dict[str, dict[str, Any]]:
         DEEPSEEK_GGUF,
         GLM4_MOE_GGUF,
         GPT_OSS_GGUF,
-        GRANITE_GGUF,
         HYBRID_GGUF,
         LLAMA4_GGUF,
         MOE_GGUF,
         PLAIN_GGUF,
     )
+    from tests.unit.test_recurrent_gguf import GRANITE_GGUF
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
