@@ -142,12 +142,26 @@ def served_from_blocks(
     quality`'s comparison on QUALITY_PROMPTS; the candidate split over `tensor_parallel_size` ranks. With
     `expected`, the float path's greedy tokens on the engine tests' `prompts()` must be those (one float engine for
     both)."""
+    return served_candidate(gguf, float_reference(gguf, expected), tensor_parallel_size)
+
+
+def float_reference(gguf: Path, expected: list[list[int]] | None = None) -> tuple[Any, Any]:
+    """`gguf`'s float path (`none`) on QUALITY_PROMPTS: (its greedy sequences, their log-probabilities), what
+    `served_candidate` compares against; with `expected`, its greedy tokens on `prompts()` checked first."""
     reference = make_llm(str(gguf), "none")
     if expected is not None:
         assert tokens(reference, prompts()) == expected
     sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
     log_probs = reference_log_probs(reference, sequences)
     reference.close()
+    return sequences, log_probs
+
+
+def served_candidate(
+    gguf: Path, reference: tuple[Any, Any], tensor_parallel_size: int = 1
+) -> tuple[dict[str, str], Any]:
+    """`served_from_blocks` against a `float_reference` computed once (for a file served at several sizes)."""
+    sequences, log_probs = reference
     candidate = make_llm(str(gguf), "auto", tensor_parallel_size)
     model = candidate.core.runner.model
     layers = {
@@ -380,11 +394,18 @@ def exact_then_served(tmp_path: Path, family: str, **overrides: Any) -> tuple[Pa
     attention in Q8_0: converted, it is the saved model (`converted_as_saved`) and its float path equals transformers
     token for token. Returns the file and, served from its blocks, its layers' formats and `ladle bench quality`'s
     comparison with the float path (`served_from_blocks`)."""
+    gguf, expected = written_and_converted(tmp_path, family, **overrides)
+    layers, result = served_from_blocks(gguf, expected=expected)
+    return gguf, layers, result
+
+
+def written_and_converted(tmp_path: Path, family: str, **overrides: Any) -> tuple[Path, list[list[int]]]:
+    """`exact_then_served`'s file, converted and checked against the saved model (`converted_as_saved`), and
+    transformers' greedy tokens on the engine tests' `prompts()`, which its float path must give."""
     folder = save_family(tmp_path / "hf", family, head_spread=0.5, **overrides)
     gguf = write_gguf(folder, tmp_path / f"{family}.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
     _, expected = converted_as_saved(folder, gguf)
-    layers, result = served_from_blocks(gguf, expected=expected)
-    return gguf, layers, result
+    return gguf, expected
 
 
 def test_a_llama4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:

@@ -14,9 +14,28 @@ import pytest
 import torch
 
 from engine_server.loader import resolve_model
-from tests.unit.test_family_gguf import exact_then_served, keep_stored_weights, served_from_blocks
+from tests.unit.test_family_gguf import (
+    exact_then_served,
+    float_reference,
+    keep_stored_weights,
+    served_candidate,
+    written_and_converted,
+)
 
 pytestmark = pytest.mark.slow  # engines, conversions and transformers' models of their own
+
+
+def served_whole_and_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, **overrides: Any
+) -> tuple[Path, dict[str, str], Any, Any, dict[str, Any]]:
+    """`exact_then_served`, then the file served from its blocks over two ranks against the same float reference:
+    (the file, the layers' formats, the comparison at one rank, at two, rank 0's stored weights at two)."""
+    gguf, expected = written_and_converted(tmp_path, family, **overrides)
+    reference = float_reference(gguf, expected)
+    layers, result = served_candidate(gguf, reference)
+    stored = keep_stored_weights(monkeypatch)
+    _, split = served_candidate(gguf, reference, tensor_parallel_size=2)
+    return gguf, layers, result, split, stored
 
 
 def test_an_lfm2_moe_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
@@ -39,12 +58,10 @@ def test_an_lfm2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     for token; served from its blocks (each convolution layer's B, C and x rows one Q8_0 matrix), it holds `ladle
     bench quality`'s thresholds. Over two ranks, rank 0's rows of B, C and x (the first half of each) are the
     converted weights' bit for bit."""
-    gguf, layers, result = exact_then_served(tmp_path, "lfm2")
+    gguf, layers, result, split, stored = served_whole_and_split(tmp_path, monkeypatch, "lfm2")
     assert layers["model.layers.0.self_attn.in_proj"] == "q8" and layers["model.layers.0.self_attn.out_proj"] == "q8"
     assert layers["model.layers.3.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
-    stored = keep_stored_weights(monkeypatch)
-    _, split = served_from_blocks(gguf, tensor_parallel_size=2)
     whole = dict(resolve_model(str(gguf)).weights())["model.layers.0.conv.in_proj.weight"]
     channels = whole.shape[0] // 3
     rank0 = torch.cat([part[: channels // 2] for part in whole.split(channels)])
@@ -73,7 +90,11 @@ def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     comes back (joined again into the checkpoint's fused banks for transformers) and the float path equals
     transformers token for token; served from its blocks (Mamba-2's in_proj one Q8_0 matrix of z, x/B/C and dt
     rows; the shared MLP in Q4_0), each holds `ladle bench quality`'s thresholds."""
-    gguf, layers, result = exact_then_served(tmp_path, family, **GRANITE_GGUF[family])
+    if family == "granite4-h":  # also over two ranks, against the same float reference
+        gguf, layers, result, split, stored = served_whole_and_split(tmp_path, monkeypatch, family,
+                                                                     **GRANITE_GGUF[family])  # fmt: skip
+    else:
+        gguf, layers, result = exact_then_served(tmp_path, family, **GRANITE_GGUF[family])
     attention = 3 if family.startswith("granite4") else 0
     assert layers[f"model.layers.{attention}.self_attn.qkv_proj"] == "q8"
     if family.startswith("granite4"):
@@ -83,8 +104,6 @@ def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
         assert layers[f"model.layers.0.{shared}"] == "q4", layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
     if family == "granite4-h":  # over two ranks: rank 0's z, x and dt rows of its 2 heads, the one group's B and C
-        stored = keep_stored_weights(monkeypatch)
-        _, split = served_from_blocks(gguf, tensor_parallel_size=2)
         whole = dict(resolve_model(str(gguf)).weights())["model.layers.0.mamba.in_proj.weight"]
         z, x, b, c, dt = whole.split([128, 128, 16, 16, 4])
         rank0 = torch.cat([z[:64], x[:64], b, c, dt[:2]])
