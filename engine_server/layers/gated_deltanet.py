@@ -16,6 +16,8 @@ A step's update of the states cannot be taken back, so a step with this layer is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -182,23 +184,36 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """hidden `[T, hidden]` -> `[T, hidden]`; advances each sequence's state in `state` (its row
         `meta.state_slots[i]`) by its chunk. `positions`, `cos_sin_cache` and `lora` are not read."""
-        slots = meta.state_slots_cpu
-        if slots is None:
-            raise ValueError("a step through linear attention needs each sequence's state slot (state_slots)")
         mixed, z, b, a = self.in_proj(hidden).split(self.sizes, dim=-1)
-        copies = meta.state_copies
-        if copies is not None:  # prefixes' snapshots into the slots of the requests that start from them
-            copy_state_rows(state, *copies.restores)
-        # A chunk that starts its sequence starts from zeros (a slot's last holder left its own state there).
-        fresh = [length == count for count, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]
-        core = ops.gated_delta_net(
-            mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
-            self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
+        core = advance_states(
+            meta, state, "linear attention",
+            lambda slots, fresh: ops.gated_delta_net(
+                mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
+            ),
         )  # fmt: skip
-        if copies is not None:  # slots at their prompts' snapshot points into their snapshot rows
-            copy_state_rows(state, *copies.saves)
         result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(core))
         return result
+
+
+def advance_states(
+    meta: AttentionMetadata, state: torch.Tensor, what: str, step: Callable[[list[int], list[bool]], torch.Tensor]
+) -> torch.Tensor:
+    """A recurrent layer's core over a step, `step(slots, fresh)` (each sequence's state row, and whether its chunk
+    starts it: then it starts from zeros, whatever a slot's last holder left there), between the step's prefix
+    snapshot copies: restored into the slots of the requests that start from them before, slots at their prompts'
+    snapshot points saved after. ValueError naming `what` when the step has no state slots."""
+    slots = meta.state_slots_cpu
+    if slots is None:
+        raise ValueError(f"a step through {what} needs each sequence's state slot (state_slots)")
+    copies = meta.state_copies
+    if copies is not None:
+        copy_state_rows(state, *copies.restores)
+    fresh = [length == count for count, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]
+    out = step(slots, fresh)
+    if copies is not None:
+        copy_state_rows(state, *copies.saves)
+    return out
 
 
 def copy_state_rows(state: torch.Tensor, sources: list[int], destinations: list[int]) -> None:

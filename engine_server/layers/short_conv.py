@@ -15,7 +15,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
-from engine_server.layers.gated_deltanet import DepthwiseConv, copy_state_rows
+from engine_server.layers.gated_deltanet import DepthwiseConv, advance_states
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -57,17 +57,11 @@ class ShortConv(nn.Module):
     ) -> torch.Tensor:
         """hidden `[T, hidden]` -> `[T, hidden]`; advances each sequence's state in `state` (its row
         `meta.state_slots[i]`) by its chunk. `positions`, `cos_sin_cache` and `lora` are not read."""
-        slots = meta.state_slots_cpu
-        if slots is None:
-            raise ValueError("a step through a short convolution needs each sequence's state slot (state_slots)")
         b, c, x = self.in_proj(hidden).split(self.channels, dim=-1)
-        copies = meta.state_copies
-        if copies is not None:  # prefixes' snapshots into the slots of the requests that start from them
-            copy_state_rows(state, *copies.restores)
-        # A chunk that starts its sequence starts from zeros (a slot's last holder left its own state there).
-        fresh = [length == count for count, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)]
-        convolved = ops.short_convolution(b * x, self.conv1d.weight, state, slots, meta.query_lens_cpu, fresh)
-        if copies is not None:  # slots at their prompts' snapshot points into their snapshot rows
-            copy_state_rows(state, *copies.saves)
+        convolved = advance_states(
+            meta, state, "a short convolution",
+            lambda slots, fresh: ops.short_convolution(b * x, self.conv1d.weight, state, slots, meta.query_lens_cpu,
+                                                       fresh),
+        )  # fmt: skip
         result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(c * convolved))
         return result

@@ -121,6 +121,17 @@ def _per_layer(value: Any) -> list[int]:
     return [int(count) for count in value] if isinstance(value, list) else [int(value)]
 
 
+def _kv_heads_by_layer(reader: GGUFReader, arch: str, layers: int, recurrent: str, spec: str) -> list[int]:
+    """Each of a hybrid file's `layers` KV head counts (`attention.head_count_kv`, one for all or one per layer): 0
+    on its `recurrent` layers, how llama.cpp marks them. ValueError unless the attention layers have one count."""
+    kv_heads = _per_layer(_arch_field(reader, arch, spec, "attention.head_count_kv"))
+    kv_heads = kv_heads * layers if len(kv_heads) == 1 else kv_heads
+    if len(kv_heads) != layers or len({count for count in kv_heads if count}) != 1:
+        raise ValueError(f"model {spec!r}: {arch}.attention.head_count_kv {kv_heads} is not one KV head count on the "
+                         f"attention layers and 0 on the {recurrent} layers of {layers}")  # fmt: skip
+    return kv_heads
+
+
 def _lfm2_config(
     reader: GGUFReader, arch: str, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
 ) -> dict[str, Any]:
@@ -132,12 +143,7 @@ def _lfm2_config(
     `exp_probs_b`. ValueError for attention layers of different KV head counts (LFM2 has one), a file whose
     convolution taps are missing, or an `lfm2moe` file without experts or routed otherwise."""
     required = functools.partial(_arch_field, reader, arch, spec)
-    layers = int(config["num_hidden_layers"])
-    kv_heads = _per_layer(required("attention.head_count_kv"))
-    kv_heads = kv_heads * layers if len(kv_heads) == 1 else kv_heads
-    if len(kv_heads) != layers or len({count for count in kv_heads if count}) != 1:
-        raise ValueError(f"model {spec!r}: lfm2.attention.head_count_kv {kv_heads} is not one KV head count on the "
-                         f"attention layers and 0 on the convolution layers of {layers}")  # fmt: skip
+    kv_heads = _kv_heads_by_layer(reader, arch, int(config["num_hidden_layers"]), "convolution", spec)
     keys: dict[str, Any] = {
         "layer_types": ["full_attention" if count else "conv" for count in kv_heads],
         "conv_L_cache": int(required("shortconv.l_cache")),
@@ -194,11 +200,7 @@ def _granite_config(
     if arch == "granite":
         return keys
     layers = int(config["num_hidden_layers"])
-    kv_heads = _per_layer(required("attention.head_count_kv"))
-    kv_heads = kv_heads * layers if len(kv_heads) == 1 else kv_heads
-    if len(kv_heads) != layers or len({count for count in kv_heads if count}) != 1:
-        raise ValueError(f"model {spec!r}: granitehybrid.attention.head_count_kv {kv_heads} is not one KV head count "
-                         f"on the attention layers and 0 on the Mamba-2 layers of {layers}")  # fmt: skip
+    kv_heads = _kv_heads_by_layer(reader, arch, layers, "Mamba-2", spec)
     mamba = [i for i, count in enumerate(kv_heads) if not count]
     heads, inner, hidden = int(required("ssm.time_step_rank")), int(required("ssm.inner_size")), config["hidden_size"]
     if not mamba or inner % heads or inner % hidden:
