@@ -1357,10 +1357,10 @@ class CacheConfig:
     memory_bytes: int = 2 * 1024**3  # KV pool size; on CUDA the runner may size from free memory instead.
     enable_prefix_caching: bool = True
     dtype: KVCacheDType = "auto"
-    # A hybrid's (recurrent layers: Qwen3.5, Qwen3-Next, LFM2) prefix cache: how many snapshots of its states at
-    # prompts' block boundaries to keep (engine_server.core.state_snapshots). None: as many as fit an eighth of the
-    # memory left beside the running requests' states, at most max_num_seqs; 0: none, and no prefix served from the
-    # cache.
+    # A hybrid's (recurrent layers: Qwen3.5, Qwen3-Next, LFM2, Granite 4.0) prefix cache: how many snapshots of its
+    # states at prompts' block boundaries to keep (engine_server.core.state_snapshots). None: as many as fit an eighth
+    # of the memory left beside the running requests' states, at most max_num_seqs; 0: none, and no prefix served
+    # from the cache.
     state_snapshots: int | None = None
 
 
