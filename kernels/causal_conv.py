@@ -8,7 +8,7 @@ token), for a convolution of `K` taps over `C` channels.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,46 @@ def causal_conv1d(
     return F.silu(out) if silu else out, window[..., window.shape[-2] - (taps - 1) :, :]
 
 
+def advance_sequences(
+    out: torch.Tensor,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+    chunk: Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    rows: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Advance a step's sequences through a recurrent op, writing `out` (`[T, ...]`, returned): sequence i's
+    `query_lens[i]` tokens follow each other in that order and its state is `states[slots[i]]`, advanced in place
+    (from zeros where `fresh[i]`). Each longer chunk alone, `chunk(its token span, its state) -> (its output, its new
+    state)`; the one-token rows together (a decode step's rows in a few ops, not a few per row), `rows(their token
+    indices, their states stacked) -> (their outputs, their new states)`."""
+    device = states.device
+    single: list[int] = []
+    starts: list[int] = []
+    first = 0
+    for i, count in enumerate(query_lens):
+        if count == 1:
+            single.append(i)
+            starts.append(first)
+        else:
+            span = slice(first, first + count)
+            before = torch.zeros_like(states[slots[i]]) if fresh[i] else states[slots[i]]
+            out[span], states[slots[i]] = chunk(span, before)
+        first += count
+    if single:
+        tokens = torch.tensor(starts, device=device)
+        index = torch.tensor([slots[i] for i in single], device=device)
+        before = states.index_select(0, index)
+        zeroed = [j for j, i in enumerate(single) if fresh[i]]
+        if zeroed:
+            before.index_fill_(0, torch.tensor(zeroed, device=device), 0.0)
+        step, after = rows(tokens, before)
+        states.index_copy_(0, index, after.to(states.dtype))
+        out.index_copy_(0, tokens, step)
+    return out
+
+
 def convolve(
     mixed: torch.Tensor,
     weight: torch.Tensor,
@@ -40,32 +80,16 @@ def convolve(
     silu: bool,
 ) -> torch.Tensor:
     """`causal_conv1d` of a step's sequences `[T, C]`, each after its state `conv_states[slots[i]]` (`[K - 1, C]`;
-    zeros where `fresh[i]`), which advances: each longer chunk alone, the one-token rows together (a decode step's
-    rows in a few ops, not a few per row)."""
-    out = torch.empty_like(mixed)
-    rows: list[int] = []
-    starts: list[int] = []
-    first = 0
-    for i, count in enumerate(query_lens):
-        if count == 1:
-            rows.append(i)
-            starts.append(first)
-        else:
-            span = slice(first, first + count)
-            before = torch.zeros_like(conv_states[slots[i]]) if fresh[i] else conv_states[slots[i]]
-            out[span], conv_states[slots[i]] = causal_conv1d(mixed[span], weight, before, silu)
-        first += count
-    if rows:
-        tokens = torch.tensor(starts, device=mixed.device)
-        index = torch.tensor([slots[i] for i in rows], device=mixed.device)
-        before = conv_states.index_select(0, index)
-        zeroed = [j for j, i in enumerate(rows) if fresh[i]]
-        if zeroed:
-            before.index_fill_(0, torch.tensor(zeroed, device=mixed.device), 0.0)
+    zeros where `fresh[i]`), which advances (`advance_sequences`)."""
+
+    def rows(tokens: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         convolved, after = causal_conv1d(mixed.index_select(0, tokens)[:, None, :], weight, before, silu)
-        conv_states.index_copy_(0, index, after.to(conv_states.dtype))
-        out.index_copy_(0, tokens, convolved[:, 0, :])
-    return out
+        return convolved[:, 0, :], after
+
+    return advance_sequences(
+        torch.empty_like(mixed), conv_states, slots, query_lens, fresh,
+        lambda span, before: causal_conv1d(mixed[span], weight, before, silu), rows,
+    )  # fmt: skip
 
 
 def short_convolution(

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.causal_conv import convolve
+from kernels.causal_conv import advance_sequences, convolve
 
 CHUNK = 64  # tokens a chunk's triangular solve covers (the chunk size of transformers' and FLA's kernels)
 
@@ -109,31 +109,19 @@ def gated_delta_rule(
     its state is `states[slots[i]]` (`[slots, Hv, Dk, Dv]` float32, advanced in place; zeroed first where
     `fresh[i]`). Returns the output `[T, Hv, Dv]` float32."""
     value_heads = v.shape[1]
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    rows = [i for i, count in enumerate(query_lens) if count == 1]
-    starts = [0]
-    for count in query_lens:
-        starts.append(starts[-1] + count)
-    for i, count in enumerate(query_lens):
-        if count > 1:
-            span = slice(starts[i], starts[i] + count)
-            qn, kn = prepare_qk(q[span], k[span], value_heads)
-            state = torch.zeros_like(states[slots[i]]) if fresh[i] else states[slots[i]]
-            out[span], states[slots[i]] = gated_delta_chunk(qn, kn, v[span], g[span], beta[span], state)
-    if rows:
-        tokens = torch.tensor([starts[i] for i in rows], device=v.device)
-        index = torch.tensor([slots[i] for i in rows], device=v.device)
-        state = states.index_select(0, index)
-        zeroed = [j for j, i in enumerate(rows) if fresh[i]]
-        if zeroed:
-            state.index_fill_(0, torch.tensor(zeroed, device=v.device), 0.0)
+
+    def chunk(span: slice, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qn, kn = prepare_qk(q[span], k[span], value_heads)
+        return gated_delta_chunk(qn, kn, v[span], g[span], beta[span], state)
+
+    def rows(tokens: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qn, kn = prepare_qk(q.index_select(0, tokens), k.index_select(0, tokens), value_heads)
-        step, state = gated_delta_step(
+        return gated_delta_step(
             qn, kn, v.index_select(0, tokens), g.index_select(0, tokens), beta.index_select(0, tokens), state
         )
-        states.index_copy_(0, index, state)
-        out.index_copy_(0, tokens, step)
-    return out
+
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    return advance_sequences(out, states, slots, query_lens, fresh, chunk, rows)
 
 
 def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

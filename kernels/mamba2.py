@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels.causal_conv import convolve
+from kernels.causal_conv import advance_sequences, convolve
 
 CHUNK = 64  # tokens one masked product covers
 
@@ -85,30 +85,17 @@ def ssd_scan(
     i's `query_lens[i]` tokens follow each other in that order and its state is `states[slots[i]]` (`[slots, H, P,
     N]` float32, advanced in place; zeroed first where `fresh[i]`). Returns the output `[T, H, P]` float32 (without
     the `D` term)."""
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    rows = [i for i, count in enumerate(query_lens) if count == 1]
-    starts = [0]
-    for count in query_lens:
-        starts.append(starts[-1] + count)
-    for i, count in enumerate(query_lens):
-        if count > 1:
-            span = slice(starts[i], starts[i] + count)
-            state = torch.zeros_like(states[slots[i]]) if fresh[i] else states[slots[i]]
-            out[span], states[slots[i]] = ssd_chunk(x[span], dt[span], a, b[span], c[span], state)
-    if rows:
-        tokens = torch.tensor([starts[i] for i in rows], device=x.device)
-        index = torch.tensor([slots[i] for i in rows], device=x.device)
-        state = states.index_select(0, index)
-        zeroed = [j for j, i in enumerate(rows) if fresh[i]]
-        if zeroed:
-            state.index_fill_(0, torch.tensor(zeroed, device=x.device), 0.0)
-        step, state = ssd_step(
+    def rows(tokens: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ssd_step(
             x.index_select(0, tokens), dt.index_select(0, tokens), a, b.index_select(0, tokens),
             c.index_select(0, tokens), state,
         )  # fmt: skip
-        states.index_copy_(0, index, state)
-        out.index_copy_(0, tokens, step)
-    return out
+
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    return advance_sequences(
+        out, states, slots, query_lens, fresh,
+        lambda span, state: ssd_chunk(x[span], dt[span], a, b[span], c[span], state), rows,
+    )  # fmt: skip
 
 
 def gated_group_norm(

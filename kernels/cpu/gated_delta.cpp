@@ -34,17 +34,12 @@ namespace {
 
 using namespace ladle_cpu;
 
-constexpr int64_t kChannelBlock = 256;  // channels of one convolution task (a multiple of kLanes)
-
 // 1 / sqrt(sum(x^2) + 1e-6) of n floats, summed in index order.
 inline float inverse_norm(const float* x, int64_t n) {
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
   return 1.f / std::sqrt(sum + 1e-6f);
 }
-
-// torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)).
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
 
 constexpr int64_t kMaxVectors = 16;  // value dims up to 256 take the vector path (its sums kept in registers)
 
@@ -107,18 +102,6 @@ void rule_step_scalar(float* s, const float* qn, const float* kn, const float* v
   }
 }
 
-void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* name) {
-  LADLE_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.scalar_type() == at::kFloat &&
-                  t.stride(1) == 1,
-              "%s must be float32 [%lld, %lld] with a contiguous last dim", name, static_cast<long long>(rows),
-              static_cast<long long>(width));
-}
-
-void check_vector(const at::Tensor& t, int64_t n, const char* name) {
-  LADLE_CHECK(t.numel() == n && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "%s must be %lld contiguous float32 values", name, static_cast<long long>(n));
-}
-
 }  // namespace
 
 namespace ladle_cpu {
@@ -150,47 +133,18 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
   LADLE_CHECK(states.dim() == 2 && states.size(1) == history * channels + value_heads * matrix &&
                   states.scalar_type() == at::kFloat && states.stride(1) == 1,
               "states must be float32 [slots, %lld]", static_cast<long long>(history * channels + value_heads * matrix));
-  const int64_t rows = slots.numel();
-  LADLE_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && query_lens.dim() == 1 &&
-                  query_lens.scalar_type() == at::kLong && query_lens.numel() == rows && fresh.dim() == 1 &&
-                  fresh.scalar_type() == at::kBool && fresh.numel() == rows,
-              "slots and query_lens (int64) and fresh (bool) must have one entry per sequence");
-  const at::Tensor slot_list = slots.contiguous(), len_list = query_lens.contiguous(), fresh_list = fresh.contiguous();
-  const int64_t* slot_ptr = slot_list.data_ptr<int64_t>();
-  const int64_t* len_ptr = len_list.data_ptr<int64_t>();
-  const bool* fresh_ptr = fresh_list.data_ptr<bool>();
-  std::vector<int64_t> starts(rows + 1, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    LADLE_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < states.size(0), "sequence %lld's slot %lld is not a state row",
-                static_cast<long long>(r), static_cast<long long>(slot_ptr[r]));
-    starts[r + 1] = starts[r] + len_ptr[r];
-  }
-  LADLE_CHECK(starts[rows] == tokens, "the query lengths add up to %lld tokens, not %lld",
-              static_cast<long long>(starts[rows]), static_cast<long long>(tokens));
-
-  // The taps by tap: [K, channels], so a tap's weights over a block of channels are contiguous.
-  std::vector<float> taps(kernel * channels);
-  const float* w = conv_weight.data_ptr<float>();
-  for (int64_t c = 0; c < channels; ++c)
-    for (int64_t j = 0; j < kernel; ++j) taps[j * channels + c] = w[c * kernel + j];
-  at::Tensor convolved = at::empty({tokens, channels}, mixed.options());
+  const StepSequences step = step_sequences(slots, query_lens, fresh, states, tokens);
+  const int64_t rows = step.rows();
+  const int64_t* slot_ptr = step.slot;
+  const bool* fresh_ptr = step.fresh;
+  const std::vector<int64_t>& starts = step.starts;
+  const at::Tensor convolved = convolve_step(mixed, conv_weight, nullptr, kernel, states, step);
+  const float* conv_ptr = convolved.data_ptr<float>();
   at::Tensor core = at::empty({tokens, value_heads * dv}, mixed.options());
   at::Tensor out = at::empty({tokens, value_heads * dv}, mixed.options());
-  const float* mixed_ptr = mixed.data_ptr<float>();
-  float* conv_ptr = convolved.data_ptr<float>();
   float* core_ptr = core.data_ptr<float>();
   float* state_ptr = states.data_ptr<float>();
   const int64_t slot_stride = states.stride(0);
-
-  const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
-  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / blocks, c0 = task % blocks * kChannelBlock;
-      convolve_silu(mixed_ptr, mixed.stride(0), taps.data(), nullptr, kernel, channels,
-                    state_ptr + slot_ptr[row] * slot_stride, fresh_ptr[row], starts[row], starts[row + 1], c0,
-                    std::min(c0 + kChannelBlock, channels), conv_ptr);
-    }
-  });
 
   const float* a_ptr = a.data_ptr<float>();
   const float* b_ptr = b.data_ptr<float>();

@@ -33,11 +33,6 @@ namespace {
 
 using namespace ladle_cpu;
 
-constexpr int64_t kChannelBlock = 256;  // channels of one convolution task (a multiple of kLanes)
-
-// torch's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)).
-inline float softplus(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
-
 // One token of one head: S [P, N] = S * decay + (dt x[p]) B; y[p] = S[p] . C + d x[p]. Each row of S is N floats:
 // 16 lanes of products, their tree (hsum), then the tail in order, for any N.
 void scan_step(float* s, const float* x, const float* b, const float* c, float dt, float decay, float d, int64_t p,
@@ -62,18 +57,6 @@ void scan_step(float* s, const float* x, const float* b, const float* c, float d
     }
     y[i] = sum + d * x[i];
   }
-}
-
-void check_rows(const at::Tensor& t, int64_t rows, int64_t width, const char* name) {
-  LADLE_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == width && t.scalar_type() == at::kFloat &&
-                  t.stride(1) == 1,
-              "%s must be float32 [%lld, %lld] with a contiguous last dim", name, static_cast<long long>(rows),
-              static_cast<long long>(width));
-}
-
-void check_vector(const at::Tensor& t, int64_t n, const char* name) {
-  LADLE_CHECK(t.numel() == n && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "%s must be %lld contiguous float32 values", name, static_cast<long long>(n));
 }
 
 }  // namespace
@@ -107,48 +90,19 @@ at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Te
   LADLE_CHECK(states.dim() == 2 && states.size(1) == history * channels + heads * matrix &&
                   states.scalar_type() == at::kFloat && states.stride(1) == 1,
               "states must be float32 [slots, %lld]", static_cast<long long>(history * channels + heads * matrix));
-  const int64_t rows = slots.numel();
-  LADLE_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && query_lens.dim() == 1 &&
-                  query_lens.scalar_type() == at::kLong && query_lens.numel() == rows && fresh.dim() == 1 &&
-                  fresh.scalar_type() == at::kBool && fresh.numel() == rows,
-              "slots and query_lens (int64) and fresh (bool) must have one entry per sequence");
-  const at::Tensor slot_list = slots.contiguous(), len_list = query_lens.contiguous(), fresh_list = fresh.contiguous();
-  const int64_t* slot_ptr = slot_list.data_ptr<int64_t>();
-  const int64_t* len_ptr = len_list.data_ptr<int64_t>();
-  const bool* fresh_ptr = fresh_list.data_ptr<bool>();
-  std::vector<int64_t> starts(rows + 1, 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    LADLE_CHECK(slot_ptr[r] >= 0 && slot_ptr[r] < states.size(0), "sequence %lld's slot %lld is not a state row",
-                static_cast<long long>(r), static_cast<long long>(slot_ptr[r]));
-    starts[r + 1] = starts[r] + len_ptr[r];
-  }
-  LADLE_CHECK(starts[rows] == tokens, "the query lengths add up to %lld tokens, not %lld",
-              static_cast<long long>(starts[rows]), static_cast<long long>(tokens));
-
-  // The taps by tap: [K, channels], so a tap's weights over a block of channels are contiguous.
-  std::vector<float> taps(kernel * channels);
-  const float* w = conv_weight.data_ptr<float>();
-  for (int64_t c = 0; c < channels; ++c)
-    for (int64_t j = 0; j < kernel; ++j) taps[j * channels + c] = w[c * kernel + j];
+  const StepSequences step = step_sequences(slots, query_lens, fresh, states, tokens);
+  const int64_t rows = step.rows();
+  const int64_t* slot_ptr = step.slot;
+  const bool* fresh_ptr = step.fresh;
+  const std::vector<int64_t>& starts = step.starts;
   const float* bias = conv_bias.has_value() ? conv_bias->data_ptr<float>() : nullptr;
-  at::Tensor convolved = at::empty({tokens, channels}, xbc.options());
+  const at::Tensor convolved = convolve_step(xbc, conv_weight, bias, kernel, states, step);
+  const float* conv_ptr = convolved.data_ptr<float>();
   at::Tensor scanned = at::empty({tokens, inner}, xbc.options());
   at::Tensor out = at::empty({tokens, inner}, xbc.options());
-  const float* xbc_ptr = xbc.data_ptr<float>();
-  float* conv_ptr = convolved.data_ptr<float>();
   float* scan_ptr = scanned.data_ptr<float>();
   float* state_ptr = states.data_ptr<float>();
   const int64_t slot_stride = states.stride(0);
-
-  const int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
-  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / blocks, c0 = task % blocks * kChannelBlock;
-      convolve_silu(xbc_ptr, xbc.stride(0), taps.data(), bias, kernel, channels,
-                    state_ptr + slot_ptr[row] * slot_stride, fresh_ptr[row], starts[row], starts[row + 1], c0,
-                    std::min(c0 + kChannelBlock, channels), conv_ptr);
-    }
-  });
 
   const float* dt_ptr = dt.data_ptr<float>();
   const float* a_log_ptr = a_log.data_ptr<float>();
