@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -55,6 +55,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
     "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
     "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
+    # NVIDIA's Nemotron-H and Nemotron Nano 2: one sublayer per block (Mamba-2, attention without rope, or an ungated
+    # relu² MLP), read as pre-norm layers of a mixer and the MLP after it (`nemotron_blocks`).
+    "nemotron_h": "nemotron_h",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
@@ -396,7 +399,9 @@ class ModelConfig:
     # logits likewise with `final_logit_softcap` (0: no cap).
     norm_offset: float = 0.0
     embedding_multiplier: float = 1.0
-    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    # The dense MLP's activation: gated, `down(act(gate(x)) * up(x))` with SiLU or GELU (tanh); or Nemotron-H's
+    # ungated `down(relu(up(x))²)` ("relu2", `layers.mlp.UngatedMLP`).
+    hidden_act: Literal["silu", "gelu_tanh", "relu2"] = "silu"
     sandwich_norms: bool = False
     attention_scale: float = 0.0
     local_rope_theta: float = 0.0
@@ -410,8 +415,13 @@ class ModelConfig:
     attention_output_gate: bool = False
     # LFM2: hybrids whose `short_convolution.layers` run a gated short convolution (a state per sequence, no KV cache).
     short_convolution: ShortConvolution | None = None
-    # Granite 4.0's hybrids: `mamba2.layers` run Mamba-2 (a state per sequence, no KV cache).
+    # Granite 4.0's and Nemotron-H's hybrids: `mamba2.layers` run Mamba-2 (a state per sequence, no KV cache).
     mamba2: Mamba2 | None = None
+    # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
+    # Mamba-2, "*" attention, "-" MLP), which `nemotron_blocks` pairs into this config's layers; the layers without
+    # an MLP (a mixer not followed by one) are `mlp_free_layers`.
+    block_pattern: str = ""
+    mlp_free_layers: tuple[int, ...] = ()
     # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
     gemma4: Gemma4Layout | None = None
 
@@ -520,6 +530,10 @@ class ModelConfig:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
         return self.num_experts > 0 and index not in self.dense_layers
 
+    def has_mlp(self, index: int) -> bool:
+        """Whether layer `index` has an MLP after its token mixer (all but Nemotron-H's `mlp_free_layers`)."""
+        return index not in self.mlp_free_layers
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
@@ -536,6 +550,11 @@ class ModelConfig:
             cfg = _text_config(cfg)
         if model_type in ("lfm2", "lfm2_moe"):
             cfg = _lfm2_config(cfg)
+        nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
+        if nemotron:  # its blocks paired into layers: the rest reads the pairs' count
+            cfg = {**cfg, "num_hidden_layers": len(nemotron_blocks(nemotron["block_pattern"])),
+                   "rms_norm_eps": cfg.get("layer_norm_epsilon") or 1e-5,
+                   "head_dim": cfg.get("head_dim") or cfg.get("attention_head_dim")}  # fmt: skip
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
         if arch == "gemma4":
@@ -629,6 +648,7 @@ class ModelConfig:
             **_glm4_fields(arch),
             **_lfm2_fields(arch, cfg),
             **_mamba2_fields(model_type, cfg),
+            **nemotron,
         )
 
     @classmethod
@@ -863,6 +883,84 @@ def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"mamba2": shape}
 
 
+# Nemotron-H's block kinds in its `hybrid_override_pattern`, and what `layers_block_type` lists call them (transformers
+# 5's names, and the older ones).
+_NEMOTRON_BLOCKS = {
+    "M": "M", "mamba": "M", "linear_attention": "M", "*": "*", "attention": "*", "full_attention": "*", "-": "-",
+    "mlp": "-", "E": "E", "moe": "E",
+}  # fmt: skip
+
+
+def nemotron_blocks(pattern: str) -> tuple[tuple[int, int | None], ...]:
+    """Nemotron-H's checkpoint blocks (`pattern`, one character each: "M" Mamba-2, "*" attention, "-" MLP) as this
+    engine's layers: `(mixer block, MLP block)` per layer, a mixer and the MLP block right after it, or None where
+    the next block is another mixer (or there is none). `h += mixer(norm(h)); h += mlp(norm(h))` is the block pair's
+    sum as the checkpoint runs it, so each layer is a pre-norm block as any other family's. ValueError for an MLP
+    block that follows no mixer (no release has one) or a character of another kind."""
+    layers: list[tuple[int, int | None]] = []
+    for block, kind in enumerate(pattern):
+        if kind in "M*":
+            layers.append((block, None))
+        elif kind == "-" and layers and layers[-1][1] is None and block == layers[-1][0] + 1:
+            layers[-1] = (layers[-1][0], block)
+        elif kind == "-":
+            raise ValueError(f"nemotron_h block {block} is an MLP that follows no Mamba-2 or attention block "
+                             f"(pattern {pattern!r}): not supported")  # fmt: skip
+        else:
+            raise ValueError(f"nemotron_h block {block} of kind {kind!r} (pattern {pattern!r}) is not supported: "
+                             "M (Mamba-2), * (attention) and - (MLP) are")  # fmt: skip
+    return tuple(layers)
+
+
+def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's `ModelConfig` fields from its config.json: its blocks (`hybrid_override_pattern`, or
+    `layers_block_type` / `layer_types` as transformers 5 writes them), the layers they pair into (`nemotron_blocks`)
+    and those of them that run Mamba-2 (`mamba_num_heads` heads `mamba_head_dim` wide, `n_groups` groups of
+    `ssm_state_size`, `conv_kernel` taps with a bias where `use_conv_bias`) or have no MLP; the MLP's relu². ValueError
+    for what this engine does not build: experts ("E", Nemotron 3's), biases on the projections, a window, a clamped
+    time step, another activation, no attention or no Mamba-2 block. (transformers' own Nemotron-H clamps the time
+    step at `time_step_min` in its chunked form alone; its one-token form, vLLM and llama.cpp clamp none.)"""
+    listed = cfg.get("layers_block_type") or cfg.get("layer_types")
+    source = cfg.get("hybrid_override_pattern") or listed or ""
+    unknown = [kind for kind in source if kind not in _NEMOTRON_BLOCKS]
+    if not source or unknown:
+        raise ValueError(f"nemotron_h blocks {source!r} are not a hybrid_override_pattern of M, *, - and E")
+    pattern = "".join(_NEMOTRON_BLOCKS[kind] for kind in source)
+    if "E" in pattern:
+        raise ValueError("nemotron_h with mixture-of-experts blocks (E, Nemotron 3's) is not supported yet")
+    if "M" not in pattern or "*" not in pattern:
+        raise ValueError(f"nemotron_h blocks {pattern!r}: a hybrid of Mamba-2 and attention blocks is supported")
+    for key in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias", "sliding_window"):
+        if cfg.get(key):
+            raise ValueError(f"nemotron_h with {key} is not supported")
+    limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0, math.inf)]
+    if limit != [0.0, math.inf]:
+        raise ValueError(f"nemotron_h with time_step_limit {limit} is not supported")
+    activations = (cfg.get("mlp_hidden_act") or "relu2", cfg.get("mamba_hidden_act") or "silu")
+    if activations != ("relu2", "silu"):
+        raise ValueError(f"nemotron_h with mlp_hidden_act {activations[0]!r} and mamba_hidden_act {activations[1]!r} "
+                         "is not supported (relu2 and silu are)")  # fmt: skip
+    layers = nemotron_blocks(pattern)
+    shape = Mamba2(
+        num_heads=int(cfg.get("mamba_num_heads") or 128),
+        head_dim=int(cfg.get("mamba_head_dim") or 64),
+        state_dim=int(cfg.get("ssm_state_size") or 128),
+        groups=int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 8),
+        conv_kernel=int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4),
+        conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+        layers=tuple(i for i, (mixer, _) in enumerate(layers) if pattern[mixer] == "M"),
+    )
+    if shape.num_heads % shape.groups or shape.conv_kernel < 2:
+        raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
+                         "convolution is not supported")  # fmt: skip
+    return {
+        "block_pattern": pattern,
+        "mamba2": shape,
+        "mlp_free_layers": tuple(i for i, (_, mlp) in enumerate(layers) if mlp is None),
+        "hidden_act": "relu2",
+    }
+
+
 def _json_float(value: Any) -> float:
     """A float of a config.json: a number, or transformers 5's tag for one JSON cannot spell (`{"__float__":
     "Infinity"}`, also "-Infinity" and "NaN")."""
@@ -961,6 +1059,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
     on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
     models' "nope", or none); () for the other families."""
+    if model_type == "nemotron_h":  # its attention turns no rope
+        return tuple(range(int(cfg["num_hidden_layers"])))
     if model_type == "granitemoehybrid":
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
@@ -1357,10 +1457,10 @@ class CacheConfig:
     memory_bytes: int = 2 * 1024**3  # KV pool size; on CUDA the runner may size from free memory instead.
     enable_prefix_caching: bool = True
     dtype: KVCacheDType = "auto"
-    # A hybrid's (recurrent layers: Qwen3.5, Qwen3-Next, LFM2, Granite 4.0) prefix cache: how many snapshots of its
-    # states at prompts' block boundaries to keep (engine_server.core.state_snapshots). None: as many as fit an eighth
-    # of the memory left beside the running requests' states, at most max_num_seqs; 0: none, and no prefix served
-    # from the cache.
+    # A hybrid's (recurrent layers: Qwen3.5, Qwen3-Next, LFM2, Granite 4.0, Nemotron-H) prefix cache: how many
+    # snapshots of its states at prompts' block boundaries to keep (engine_server.core.state_snapshots). None: as many
+    # as fit an eighth of the memory left beside the running requests' states, at most max_num_seqs; 0: none, and no
+    # prefix served from the cache.
     state_snapshots: int | None = None
 
 

@@ -175,7 +175,7 @@ def load_model(
     if config.speculative is not None and source.config.recurrent is not None:
         # Verifying drafts would advance the states past tokens that are then rejected.
         raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
-                         "LFM2, Granite 4.0)")
+                         "LFM2, Granite 4.0, Nemotron-H)")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.
@@ -227,6 +227,8 @@ def load_model(
             raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
         if source.config.latent_attention is not None:
             raise ValueError("LoRA adapters are not applied to multi-head latent attention (DeepSeek-V3) yet")
+        if source.config.block_pattern:
+            raise ValueError("LoRA adapters are not applied to Nemotron-H (its ungated MLPs, its paired blocks) yet")
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
         log.info(
@@ -312,8 +314,8 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         return False  # an encoder never decodes
     if loaded.model_config.recurrent is not None:
         # Its layers pick each row's state slot and chunk form from host lists every step.
-        log.warning("a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2, Granite 4.0) decodes eagerly: no CUDA "
-                    "graphs yet")
+        log.warning("a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2, Granite 4.0, Nemotron-H) decodes "
+                    "eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.attention_chunk and loaded.max_model_len > loaded.model_config.attention_chunk:
         # Llama 4's rope layers split each step's sequences at their chunks from host lists (a MoE model anyway).

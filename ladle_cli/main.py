@@ -145,10 +145,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--kv-cache-dtype", "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a "
          "float32 scale per token and KV head: about half a 16-bit cache's bytes, a quarter of float32's, so as many "
          "more tokens fit; fp8_e4m3 is the same)", type=kv_cache_dtype, metavar="{auto,fp8}")
-    _add(parser, "--state-snapshots", "auto", "a hybrid model's (Qwen3.5, Qwen3-Next, LFM2, Granite 4.0) prefix "
-         "cache: how many snapshots of its recurrent states at prompts' last block boundaries to keep, from which "
-         "later requests with those prefixes start (auto: as many as fit an eighth of the KV cache memory beside the "
-         "running requests' states, at most --max-num-seqs; 0: no prefix served from the cache)", type=state_snapshots)
+    _add(parser, "--state-snapshots", "auto", "a hybrid model's (Qwen3.5, Qwen3-Next, LFM2, Granite 4.0, "
+         "Nemotron-H) prefix cache: how many snapshots of its recurrent states at prompts' last block boundaries to "
+         "keep, from which later requests with those prefixes start (auto: as many as fit an eighth of the KV cache "
+         "memory beside the running requests' states, at most --max-num-seqs; 0: no prefix served from the cache)",
+         type=state_snapshots)
     _add(parser, "--grammar-timeout", 10.0, "seconds a constraint may take to compile (then INVALID_ARGUMENT)",
          type=float)
     _add(parser, "--enforce-eager", False, "never use CUDA graphs (they replay decode steps on CUDA otherwise)",

@@ -246,7 +246,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # short convolutions (3 taps) in place of the linear attention, plain attention with per-head q/k norms.
 # Granite 4.0 H: Mamba-2 (4 heads 32 wide in one group, as released, a 16-wide state, a 4-tap convolution with a
 # bias) in place of the linear attention, attention without rope; top-2 of 4 experts beside a shared MLP; Granite's
-# multipliers.
+# multipliers. Nemotron-H: one sublayer per checkpoint block (Mamba-2 of 4 heads 32 wide in 2 groups, attention
+# without rope, ungated relu² MLPs), blocks M - M M * - pairing into the same four layers, the second and third without
+# an MLP.
 GRANITE4_H: dict[str, Any] = {
     "layer_types": ["mamba"] * 3 + ["attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
     "mamba_n_groups": 1, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
@@ -266,6 +268,11 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
     "granite4-h": ("GraniteMoeHybridConfig", GRANITE4_H),
+    "nemotron-h": (
+        "NemotronHConfig",
+        {"layers_block_type": ["mamba", "mlp", "mamba", "mamba", "attention", "mlp"], "head_dim": 16,
+         "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "pad_token_id": 0},
+    ),
 }  # fmt: skip
 # Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's and
 # LFM2's mixtures of experts (their GGUF files' tests; their engines' are tests.unit.test_models').
@@ -329,9 +336,23 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
         if head_spread:
             head = model.get_output_embeddings().weight
             head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))
+    unclamped_time_step(model)
     model.save_pretrained(folder)
     copy_tokenizer(folder)
     return folder
+
+
+def unclamped_time_step(model: Any) -> None:
+    """transformers' Nemotron-H clamps Mamba-2's time step at `time_step_min` (which also sets the time steps' random
+    init) in its chunked form alone, the prefill's: its one-token form, vLLM, llama.cpp and ladle clamp none (the
+    config's `time_step_limit`, (0, inf)). With `time_step_min` 0 once `model` is built (in its config, so a reload
+    keeps it, and in its mixers), transformers runs one form; other models are left as they are."""
+    if getattr(model.config, "model_type", None) != "nemotron_h":
+        return
+    model.config.time_step_min = 0.0
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.0, math.inf)
 
 
 def load_reference(folder: Path) -> Any:

@@ -22,6 +22,7 @@ from torch import nn
 
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
+from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
@@ -93,7 +94,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             moe = _moe_parts(mlp)
             if moe is None:
                 return None
-        elif mlp.activation == "silu":
+        elif isinstance(mlp, GatedMLP) and mlp.activation == "silu":
             parts += [mlp.gate_up_proj, mlp.down_proj]
         else:
             return None

@@ -14,7 +14,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
-from engine_server.layers.mlp import GatedMLP
+from engine_server.layers.mlp import GatedMLP, UngatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm, norm_class
 from engine_server.layers.short_conv import ShortConv
@@ -29,7 +29,8 @@ from kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache,
 
 class DecoderLayer(nn.Module):
     """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm. The MLP is a
-    mixture of experts where the config says so for layer `index` (`ModelConfig.is_moe_layer`), else dense."""
+    mixture of experts where the config says so for layer `index` (`ModelConfig.is_moe_layer`), else dense; a layer
+    of Nemotron-H's may have none (`ModelConfig.has_mlp`: `h += attn(norm(h))` alone, `mlp` and its norm None)."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
@@ -53,14 +54,21 @@ class DecoderLayer(nn.Module):
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index
             )
         )
-        self.mlp: GatedMLP | SparseMoE = (
-            SparseMoE(config, dtype, tp)
+        width = config.layer_intermediate_size(index)
+        self.mlp: GatedMLP | SparseMoE | UngatedMLP | None = (
+            None
+            if not config.has_mlp(index)
+            else SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)
-            else GatedMLP(config.hidden_size, config.layer_intermediate_size(index), dtype, tp, config.hidden_act)
+            else UngatedMLP(config.hidden_size, width, dtype, tp)
+            if config.hidden_act == "relu2"
+            else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
         )
         norm = norm_class(config.layer_norm)
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+        if self.mlp is None:
+            del self.post_attention_layernorm  # nothing to normalise for: the checkpoint has no such norm
 
     def forward(
         self,
@@ -79,12 +87,15 @@ class DecoderLayer(nn.Module):
         attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
         if self.residual_multiplier != 1.0:  # Granite: each output scaled before its residual add
             attended = attended * self.residual_multiplier
+        if self.mlp is None:  # (Nemotron-H) the next layer's norm adds the mixer's output to the stream
+            return attended, residual
         hidden, residual = self.post_attention_layernorm.add_and_norm(attended, residual, ops)
         out = self.feed_forward(hidden, ops, layer_lora)
         return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
     def feed_forward(self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
-        """The MLP (a dense one with the step's adapters; experts take none: engine_server.lora.peft_format)."""
+        """The MLP (a gated one with the step's adapters; experts take none: engine_server.lora.peft_format)."""
+        assert self.mlp is not None, "a layer without an MLP feeds nothing forward"
         if lora is not None and isinstance(self.mlp, GatedMLP):
             return self.mlp(hidden, ops, lora)
         return self.mlp(hidden, ops)

@@ -1,5 +1,5 @@
-"""Gated feed-forward block (SwiGLU, or Gemma's GELU-tanh GeGLU) with the gate and up projections fused into one
-matmul."""
+"""Feed-forward blocks: gated (SwiGLU, or Gemma's GELU-tanh GeGLU) with the gate and up projections fused into one
+matmul, or Nemotron-H's ungated relu²."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from engine_server.parallel.sharding import gate_up_slices
+from engine_server.parallel.sharding import even_slice, gate_up_slices
 from kernels import reference
 from kernels.kernel_set import KernelOps
 
@@ -49,4 +49,28 @@ class GatedMLP(nn.Module):
         result: torch.Tensor = self.down_proj(gated)
         if lora is not None:
             result = lora.add("down_proj", gated, result, ops)
+        return result
+
+
+class UngatedMLP(nn.Module):
+    """`down(relu(up(x))²)`: Nemotron-H's MLP (transformers' `relu2`), no gate.
+
+    Under tensor parallelism a rank holds a block of up's rows and the matching columns of down, whose partial sums
+    it all-reduces, as `GatedMLP` does."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        part = even_slice(intermediate_size, tp.size, tp.rank, "intermediate_size")
+        self.up_proj: nn.Module = ColumnParallelLinear(hidden_size, [part], False, dtype)
+        self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self.tp.all_reduce_sum(self.partial(x, ops))
+
+    def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
+        result: torch.Tensor = self.down_proj(torch.relu(self.up_proj(x)).square())
         return result

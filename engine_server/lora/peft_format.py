@@ -124,7 +124,8 @@ def _piece(
     if target.projection in MLP_PROJECTIONS and config.is_moe_layer(layer):
         raise _invalid(f"{where}: layer {layer}'s MLP is a mixture of experts; adapters on experts are not served")
     if target.projection not in MLP_PROJECTIONS and config.is_recurrent_layer(layer):
-        kind = "linear attention (Gated DeltaNet)" if config.is_linear_layer(layer) else "a short convolution"
+        kind = ("linear attention (Gated DeltaNet)" if config.is_linear_layer(layer)
+                else "Mamba-2" if config.mamba2 is not None else "a short convolution")  # fmt: skip
         raise _invalid(f"{where}: layer {layer} is {kind}, which has no {module}")
     if set(sides) != {"A", "B"}:
         raise _invalid(f"{where}: lora_A and lora_B come in pairs; only lora_{''.join(sides)} is there")

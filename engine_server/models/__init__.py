@@ -22,6 +22,7 @@ from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.llama4 import Llama4ForCausalLM
 from engine_server.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
+from engine_server.models.nemotron_h import NemotronHForCausalLM
 from engine_server.models.olmo2 import Olmo2ForCausalLM
 from engine_server.models.olmoe import OlmoeForCausalLM
 from engine_server.models.phi3 import Phi3ForCausalLM
@@ -42,7 +43,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
-    "ernie4_5_moe", "cohere", "lfm2", "granitemoe");
+    "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -72,6 +73,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "cohere": CohereForCausalLM,
         "lfm2": Lfm2ForCausalLM,
         "granitemoe": GraniteMoeForCausalLM,
+        "nemotron_h": NemotronHForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

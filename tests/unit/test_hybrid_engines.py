@@ -184,7 +184,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
         torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h"])
+@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h"])
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
     transcendental op by row, the shared expert's gate too; LFM2's convolutions elementwise): each prompt's tokens and
@@ -289,3 +289,6 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=4)))  # snapshots set aside too
     with pytest.raises(ValueError, match="state_snapshots must be >= 0, got -1"):
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=-1)))
+    nemotron = save_family(tmp_path / "nemotron", "nemotron-h")  # its MLPs take no adapter: none is taken at all
+    with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Nemotron-H \(its ungated MLPs"):
+        LLM(config=EngineConfig(model=str(nemotron), device="cpu", quantization="none", lora=LoraConfig()))

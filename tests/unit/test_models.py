@@ -18,6 +18,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import ShardedRMSNorm
 from engine_server.models import CausalLM, get_model_class
 from engine_server.parallel.group import TensorParallel
+from tests.families import unclamped_time_step
 
 BLOCK_SIZE = 4
 VOCAB = 128
@@ -254,6 +255,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "num_dense_layers": 1,
          "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "pad_token_id": 0},
     ),
+    # Nemotron-H: one sublayer per block; Mamba-2 (4 heads 16 wide in 2 groups, a 16-wide state, a 4-tap convolution
+    # with a bias), attention without rope and ungated relu² MLPs: blocks M - M * - M pair into four layers, the
+    # second and the last without an MLP.
+    "nemotron-h": (
+        transformers.NemotronHConfig,
+        {"layers_block_type": ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"], "head_dim": 16,
+         "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "pad_token_id": 0},
+    ),
     # Gemma 4: windowed layers 16 wide, full-attention ones 32 wide with one KV head, values from the keys'
     # projection and proportional rope; the fourth layer attends over the second's K/V (its MLP twice as wide);
     # per-layer inputs 8 wide; logits soft-capped.
@@ -327,6 +336,7 @@ MODEL_CLASSES = {
     transformers.GraniteMoeHybridConfig: transformers.GraniteMoeHybridForCausalLM,
     transformers.GraniteMoeConfig: transformers.GraniteMoeForCausalLM,
     transformers.GraniteMoeSharedConfig: transformers.GraniteMoeSharedForCausalLM,
+    transformers.NemotronHConfig: transformers.NemotronHForCausalLM,
 }
 
 
@@ -336,6 +346,7 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
     torch.manual_seed(0)
     hf_config = config_cls(**{**SMALL, **extra})
     hf = MODEL_CLASSES[config_cls](hf_config).eval()
+    unclamped_time_step(hf)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0; perturb them so they are tested
         for name, param in hf.named_parameters():
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
@@ -739,6 +750,34 @@ def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_b
     for changed, refusal in (({"mamba_proj_bias": True}, "mamba_proj_bias"),
                              ({"time_step_limit": [0.001, 0.1]}, "time_step_limit"),
                              ({"layer_types": ["mamba"] * 4}, "Mamba-2 layers only")):  # fmt: skip
+        with pytest.raises(ValueError, match=refusal):
+            ModelConfig.from_hf_config({**released, **changed})
+
+
+def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not_built() -> None:
+    """Nemotron Nano 2's released config.json keys (its `hybrid_override_pattern` of M, - and * blocks) and transformers
+    5's own dict of it (`layers_block_type`) read the same: a Mamba-2 or attention block and the MLP after it are one
+    layer, a mixer followed by another mixer a layer without an MLP; every attention layer without rope. Experts (E),
+    an MLP after no mixer, biases, a window and a clamped time step are refused by name."""
+    released = {**SMALL, "model_type": "nemotron_h", "hybrid_override_pattern": "M-MM*-M-", "num_hidden_layers": 8,
+                "head_dim": 16, "attention_head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16,
+                "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "use_conv_bias": True, "mlp_hidden_act": "relu2",
+                "layer_norm_epsilon": 1e-5, "time_step_limit": [0.0, math.inf], "use_bias": False,
+                "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 12}  # fmt: skip
+    config = ModelConfig.from_hf_config(released)
+    built = transformers.NemotronHConfig(**{k: v for k, v in released.items() if k != "model_type"})
+    assert ModelConfig.from_hf_config(built.to_dict()) == config
+    assert config.block_pattern == "M-MM*-M-" and config.num_hidden_layers == 5 and config.head_dim == 16
+    assert config.mamba2 is not None and config.mamba2.layers == (0, 1, 2, 4) and config.mlp_free_layers == (1, 2)
+    assert (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.groups) == (8, 16, 2)
+    assert config.nope_layers == tuple(range(5)) and config.hidden_act == "relu2" and config.rms_norm_eps == 1e-5
+    for changed, refusal in (({"hybrid_override_pattern": "M-*E"}, "mixture-of-experts blocks"),
+                             ({"hybrid_override_pattern": "-M*"}, "block 0 is an MLP that follows no"),
+                             ({"hybrid_override_pattern": "M--*"}, "block 2 is an MLP that follows no"),
+                             ({"hybrid_override_pattern": "M-M-"}, "a hybrid of Mamba-2 and attention"),
+                             ({"mamba_proj_bias": True}, "mamba_proj_bias"), ({"sliding_window": 8}, "sliding_window"),
+                             ({"time_step_limit": [0.001, math.inf]}, "time_step_limit"),
+                             ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'")):  # fmt: skip
         with pytest.raises(ValueError, match=refusal):
             ModelConfig.from_hf_config({**released, **changed})
 
