@@ -422,7 +422,7 @@ _GGUF_ARCHITECTURES = {
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
-    "granitemoehybrid": "granitehybrid",
+    "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h",
 }  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -601,7 +601,7 @@ def write_gguf(
     config = json.loads((folder / "config.json").read_text())
     arch = _GGUF_ARCHITECTURES[config["model_type"]]
     gemma = arch.startswith("gemma")
-    rope = config["rope_parameters"]
+    rope = config.get("rope_parameters") or {"rope_theta": 10000.0}  # (Nemotron-H turns none)
     if gemma and "full_attention" in rope:
         rope = rope["full_attention"]
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
@@ -609,6 +609,8 @@ def write_gguf(
     writer = GGUFWriter(str(path), arch)
     if arch == "gemma4":
         _gemma4_metadata(writer, config)
+    elif arch == "nemotron_h":
+        _nemotron_h_metadata(writer, config, head_dim)
     else:
         _common_metadata(writer, config, arch, rope, head_dim)
     write_gpt2_tokenizer(writer, folder)
@@ -836,6 +838,59 @@ def _llama_cpp_granite(
     return {}
 
 
+def _nemotron_h_metadata(writer: Any, config: dict[str, Any], head_dim: int) -> None:
+    """Nemotron-H's keys as llama.cpp's converter writes them (`nemotron_h`, Granite 4.0's hybrid converter's): a count
+    per block of KV heads (0 but on attention blocks) and of the MLP's width (0 but on MLP blocks), the Mamba-2 shape
+    as `ssm.*`, no rope (the context then 2^20, as written)."""
+    blocks = config["layers_block_type"]
+    writer.add_block_count(len(blocks))
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length([config["intermediate_size"] if kind == "mlp" else 0 for kind in blocks])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if kind == "full_attention" else 0 for kind in blocks])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_layer_norm_eps(config["layer_norm_epsilon"])  # (from `layer_norm_epsilon`; the released configs'
+    writer.add_layer_norm_rms_eps(config["layer_norm_epsilon"])  # `rms_norm_eps`, the same, read by ladle)
+    writer.add_ssm_conv_kernel(config["conv_kernel"])
+    writer.add_ssm_state_size(config["ssm_state_size"])
+    writer.add_ssm_group_count(config["n_groups"])
+    writer.add_ssm_inner_size(config["mamba_num_heads"] * config["mamba_head_dim"])
+    writer.add_ssm_time_step_rank(config["mamba_num_heads"])
+
+
+def _llama_cpp_nemotron_h(
+    name: str, array: np.ndarray, config: dict[str, Any], feed_forward: Any, attention: Any
+) -> dict[str, tuple[np.ndarray, Any]]:
+    """One of Nemotron-H's checkpoint tensors as llama.cpp's converter writes it, by GGUF name with its type: the
+    embeddings, final norm and LM head as every family's; a block's norm `attn_norm`; attention's projections in
+    `attention`'s type, q/k rows permuted as its llama converter does; the MLP's `ffn_up` / `ffn_down` in
+    `feed_forward`'s; Mamba-2's as Granite 4.0's (`_llama_cpp_granite`)."""
+    globals_ = {"backbone.embeddings.weight": ("token_embd.weight", None),
+                "backbone.norm_f.weight": ("output_norm.weight", None), "lm_head.weight": ("output.weight", None)}
+    if name in globals_:  # (its checkpoints, transformers' saved ones too, hold the rest under `backbone.`)
+        gguf_name, kind = globals_[name]
+        return {gguf_name: (array, kind)}
+    layer, _, rest = name.removeprefix("backbone.layers.").partition(".")
+    blk = f"blk.{layer}."
+    if config["layers_block_type"][int(layer)] == "linear_attention" and rest != "norm.weight":
+        mamba = f"model.layers.{layer}.{rest.replace('mixer.', 'mamba.', 1)}"
+        return _llama_cpp_granite(mamba, array, {"mamba_n_groups": config["n_groups"]}, feed_forward, attention)
+    projections = {"mixer.q_proj.weight": ("attn_q", attention), "mixer.k_proj.weight": ("attn_k", attention),
+                   "mixer.v_proj.weight": ("attn_v", attention), "mixer.o_proj.weight": ("attn_output", attention),
+                   "mixer.up_proj.weight": ("ffn_up", feed_forward),
+                   "mixer.down_proj.weight": ("ffn_down", feed_forward),
+                   "norm.weight": ("attn_norm", None)}  # fmt: skip
+    gguf_kind, kind = projections[rest]
+    if gguf_kind in ("attn_q", "attn_k"):
+        heads = config["num_attention_heads" if gguf_kind == "attn_q" else "num_key_value_heads"]
+        array = array.reshape(heads, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+    return {f"{blk}{gguf_kind}.weight": (np.ascontiguousarray(array), kind)}
+
+
 def _lfm2_feed_forward_length(config: dict[str, Any]) -> int:
     """LFM2's MLP width as llama.cpp's converter writes it: with `block_auto_adjust_ff_dim`, two thirds of
     `intermediate_size`, times `block_ffn_dim_multiplier` where set, rounded up to a multiple of `block_multiple_of`."""
@@ -973,6 +1028,9 @@ def _write_tensors(
             tensor = tensor + 1.0
         array = tensor.float().numpy()
         bare = name.removeprefix("model.layers.").partition(".")
+        if arch == "nemotron_h":
+            tensors.update(_llama_cpp_nemotron_h(name, array, config, feed_forward, attention))
+            continue
         if arch in _GGUF_GRANITES and (granite := _llama_cpp_granite(name, array, config, feed_forward, attention)):
             tensors.update(granite)
             continue
@@ -1030,7 +1088,8 @@ def _write_tensors(
             tensors[gguf_name] = (array, attention if projection else None)
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
-    tensors.update(_prediction_layer_tensors(tensors, config, arch))
+    if arch != "nemotron_h":  # (whose config states no layer count: its blocks are its pattern's)
+        tensors.update(_prediction_layer_tensors(tensors, config, arch))
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)
     if arch == "deepseek2" and not joined_kv_b:

@@ -51,10 +51,13 @@ SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is writ
 _FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
 _SQUEEZED_CONVOLUTION = ".linear_attn.conv1d.weight"  # a hybrid's [channels, 1, kernel], stored as [channels, kernel]
 _LFM2_CONVOLUTION = ".conv.conv.weight"  # LFM2's [channels, 1, taps], stored as [channels, taps] (`_restore`)
-# Granite 4.0's Mamba-2 tensors that llama.cpp stores reshaped (`_restore`): the convolution squeezed, `A_log` as
-# `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight `[groups, inner / groups]`.
-_MAMBA_CONVOLUTION = ".mamba.conv1d.weight"
-_MAMBA_FLATTENED = (".mamba.A_log", ".mamba.D", ".mamba.norm.weight")
+# Granite 4.0's and Nemotron-H's Mamba-2 tensors (`mamba.`, `mixer.`) that llama.cpp stores reshaped (`_restore`): the
+# convolution squeezed, `A_log` as `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight
+# `[groups, inner / groups]`.
+_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h")
+_MAMBA_CONVOLUTION = (".mamba.conv1d.weight", ".mixer.conv1d.weight")
+_MAMBA_A_LOG = (".mamba.A_log", ".mixer.A_log")
+_MAMBA_FLATTENED = (*_MAMBA_A_LOG, ".mamba.D", ".mixer.D", ".mamba.norm.weight", ".mixer.norm.weight")
 _GRANITE_TYPES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 # numpy's type of the tensors gguf stores as plain arrays; every other type is blocks of bytes.
 _ARRAY_TYPES = {
@@ -214,6 +217,16 @@ _MAMBA_BARE = {
     "ssm_conv1d.bias": "mamba.conv1d.bias", "ssm_dt.bias": "mamba.dt_bias", "ssm_a": "mamba.A_log", "ssm_d": "mamba.D",
     "ssm_norm.weight": "mamba.norm.weight", "ssm_out.weight": "mamba.out_proj.weight",
 }  # fmt: skip
+# Nemotron-H: every block's one norm and one mixer (Mamba-2's, attention's or the MLP's projections), as its
+# checkpoints name them, under `backbone.` (`models.nemotron_h` pairs them into layers).
+_NEMOTRON_H_LAYER_NAMES = {
+    "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
+    "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+}  # fmt: skip
+_NEMOTRON_H_BARE = {gguf: ours.replace("mamba.", "mixer.", 1) for gguf, ours in _MAMBA_BARE.items()}
+_NEMOTRON_H_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight"}
+# Where a family's checkpoints hold their layers other than under `model.layers.`.
+_LAYERS_PREFIX = {"nemotron_h": "backbone.layers."}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -227,6 +240,7 @@ _BARE_LAYER_NAMES = {
     "lfm2": _LFM2_BARE,
     "lfm2_moe": {**_LFM2_BARE, "exp_probs_b.bias": "feed_forward.expert_bias"},  # the routing bias, [experts]
     "granitemoehybrid": _MAMBA_BARE,
+    "nemotron_h": _NEMOTRON_H_BARE,
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 _ARCHITECTURE_LAYER_NAMES = {
@@ -250,6 +264,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "lfm2_moe": _LFM2_MOE_LAYER_NAMES,
     **{model_type: _GRANITE_MOE_LAYER_NAMES for model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid")},
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
+    "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
 # checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`). Llama 4's come so
@@ -282,7 +297,7 @@ _GRANITE_MLP = re.compile(
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
 # and GLM-4's (the turned half of each head), ERNIE 4.5's and Cohere's, whose checkpoints hold them interleaved too
 # (the model reorders them at load, `models.llama4`, `models.interleaved_rope`).
-_ROPE_PERMUTED = ("llama", "mixtral", *_GRANITE_TYPES)
+_ROPE_PERMUTED = ("llama", "mixtral", *_GRANITE_TYPES, "nemotron_h")  # (Nemotron-H's converter is Granite 4.0's)
 _ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")
@@ -297,20 +312,23 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
     unknown or already folded into the config."""
     if architecture in ("lfm2", "lfm2_moe") and gguf_name in _LFM2_GLOBAL:
         return _LFM2_GLOBAL[gguf_name]
+    if architecture == "nemotron_h" and gguf_name in _NEMOTRON_H_GLOBAL:
+        return _NEMOTRON_H_GLOBAL[gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
         return _GEMMA4_GLOBAL[gguf_name]
     bare_names = _BARE_LAYER_NAMES.get(architecture, {})
+    layers = _LAYERS_PREFIX.get(architecture, "model.layers.")
     parameter = _LAYER_PARAMETER.fullmatch(gguf_name)
     if parameter is not None and parameter.group(2) in bare_names:
-        return f"model.layers.{parameter.group(1)}.{bare_names[parameter.group(2)]}"
+        return f"{layers}{parameter.group(1)}.{bare_names[parameter.group(2)]}"
     names = _ARCHITECTURE_LAYER_NAMES.get(architecture, _LAYER_NAMES)
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in names:
         return None
     layer, kind, param = match.groups()
-    return f"model.layers.{layer}.{names[kind]}.{param}"
+    return f"{layers}{layer}.{names[kind]}.{param}"
 
 
 @dataclass(frozen=True)
@@ -377,6 +395,15 @@ def rope_permuted(architecture: str) -> bool:
     """Whether a GGUF file of `architecture` (as `hf_tensor_name`) holds its q/k rows permuted from the checkpoint's
     (`unpermute_rope_rows` restores them)."""
     return architecture in _ROPE_PERMUTED
+
+
+def rotated_projection(name: str) -> str | None:
+    """"q" or "k" where HF tensor `name` is a layer's query or key projection (`self_attn.q_proj`; Nemotron-H's
+    `mixer.q_proj`), whose rows a permuted file holds in another order; None for any other tensor."""
+    for part in ("q", "k"):
+        if f".self_attn.{part}_proj." in name or f".mixer.{part}_proj." in name:
+            return part
+    return None
 
 
 def rope_interleaved(architecture: str) -> bool:
@@ -599,16 +626,16 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
         return lambda array: array.reshape(1, -1)
     if model_type in ("lfm2", "lfm2_moe") and name.endswith(_LFM2_CONVOLUTION):
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
-    if model_type == "granitemoehybrid" and name.endswith(_MAMBA_CONVOLUTION):
+    if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_CONVOLUTION):
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
-    if model_type == "granitemoehybrid" and name.endswith(".mamba.A_log"):  # stored as -exp(A_log)
+    if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_A_LOG):  # stored as -exp(A_log)
         return lambda array: np.log(-np.asarray(array, dtype=np.float32)).reshape(-1)
-    if model_type == "granitemoehybrid" and name.endswith(_MAMBA_FLATTENED):
+    if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_FLATTENED):
         return lambda array: array.reshape(-1)
-    if rope_permuted(model_type) and ".self_attn.q_proj." in name:
-        return lambda array: unpermute_rope_rows(array, config["num_attention_heads"])
-    if rope_permuted(model_type) and ".self_attn.k_proj." in name:
-        return lambda array: unpermute_rope_rows(array, config["num_key_value_heads"])
+    rotated = rotated_projection(name) if rope_permuted(model_type) else None
+    if rotated is not None:
+        heads = config["num_attention_heads"] if rotated == "q" else config["num_key_value_heads"]
+        return lambda array: unpermute_rope_rows(array, heads)
     if model_type in _NORM_SHIFTED and name.endswith("norm.weight"):
         return lambda array: np.asarray(array, dtype=np.float32) - np.float32(1.0)
     return lambda array: array
@@ -643,7 +670,7 @@ def _hf_weight(
     shape = tuple(data.shape) if plain else quant_shape_from_byte_shape(data.shape, tensor.tensor_type)
     if name.endswith(_FLATTENED_GATE):
         shape = (1, int(np.prod(shape)))
-    elif name.endswith((_SQUEEZED_CONVOLUTION, _LFM2_CONVOLUTION, _MAMBA_CONVOLUTION)):
+    elif name.endswith((_SQUEEZED_CONVOLUTION, _LFM2_CONVOLUTION, *_MAMBA_CONVOLUTION)):
         shape = (shape[0], 1, *shape[1:])
     elif name.endswith(_MAMBA_FLATTENED):
         shape = (int(np.prod(shape)),)

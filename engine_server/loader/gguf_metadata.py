@@ -50,11 +50,14 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "granite": ("granite", "GraniteForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
     "granitehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    # Nemotron-H and Nemotron Nano 2: a block per Mamba-2 layer, attention layer or MLP (`_nemotron_h_config`).
+    "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
-# Granite 4.0 file is read with the released models' 128K context (`_granite_config`), as a bound for --max-model-len.
+# Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
+# `_granite_config`, `_nemotron_h_config`), as a bound for --max-model-len.
 _NO_CONTEXT_STATED = 2**20
-_GRANITE4_CONTEXT = 131072
+_HYBRID_CONTEXT = 131072
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
 _LAYER_NORMED = ("command-r", "cohere2")
 # Cohere 2 as llama.cpp reads a `cohere2` file: every 4th layer global (its windows' pattern is fixed there).
@@ -210,7 +213,7 @@ def _granite_config(
         keys.update(num_local_experts=0, shared_intermediate_size=config["intermediate_size"])
     rope = bool(read_field(reader, f"{arch}.rope.scaling.finetuned", False))
     if not rope and config["max_position_embeddings"] == _NO_CONTEXT_STATED:
-        keys["max_position_embeddings"] = _GRANITE4_CONTEXT
+        keys["max_position_embeddings"] = _HYBRID_CONTEXT
     return {
         **keys,
         "layer_types": ["mamba" if i in mamba else "attention" for i in range(layers)],
@@ -223,6 +226,48 @@ def _granite_config(
         "mamba_d_conv": int(required("ssm.conv_kernel")),
         "mamba_conv_bias": f"blk.{mamba[0]}.ssm_conv1d.bias" in tensors,
     }
+
+
+# A `nemotron_h` file's blocks by the tensor each kind has: Mamba-2's input projection, attention's queries, the MLP's
+# up projection, or experts (Nemotron 3's, then refused by `config`); their characters in Nemotron-H's pattern.
+_NEMOTRON_BLOCK_TENSORS = {"ssm_in": "M", "attn_q": "*", "ffn_up": "-", "ffn_up_exps": "E"}
+
+
+def _nemotron_h_config(
+    reader: GGUFReader, arch: str, config: dict[str, Any], tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of a Nemotron-H `config.json` from a `nemotron_h` file: its blocks' pattern (`hybrid_override_pattern`)
+    from the tensors each block has (`_NEMOTRON_BLOCK_TENSORS`), the MLP's width (`feed_forward_length`, a width per
+    block, 0 on the others), Mamba-2 from the `ssm.*` keys (its heads the time-step rank, their width the inner size
+    over them), the convolution's bias where the file has it, and the released models' context where the converter
+    wrote none of its own (2^20). ValueError for a block of none of these kinds or Mamba-2 heads that do not divide
+    its inner size."""
+    required = functools.partial(_arch_field, reader, arch, spec)
+    blocks = int(config["num_hidden_layers"])
+    pattern = ""
+    for block in range(blocks):
+        kinds = [kind for tensor, kind in _NEMOTRON_BLOCK_TENSORS.items() if f"blk.{block}.{tensor}.weight" in tensors]
+        if len(kinds) != 1:
+            raise ValueError(f"model {spec!r}: nemotron_h block {block} is not one Mamba-2, attention or MLP block")
+        pattern += kinds[0]
+    heads, inner = int(required("ssm.time_step_rank")), int(required("ssm.inner_size"))
+    if "M" not in pattern or inner % heads:
+        raise ValueError(f"model {spec!r}: a nemotron_h file of blocks {pattern!r}, {heads} Mamba-2 heads over an "
+                         f"inner size of {inner} is not supported")  # fmt: skip
+    keys: dict[str, Any] = {
+        "hybrid_override_pattern": pattern,
+        "mamba_num_heads": heads,
+        "mamba_head_dim": inner // heads,
+        "ssm_state_size": int(required("ssm.state_size")),
+        "n_groups": int(required("ssm.group_count")),
+        "conv_kernel": int(required("ssm.conv_kernel")),
+        "use_conv_bias": f"blk.{pattern.index('M')}.ssm_conv1d.bias" in tensors,
+        "mlp_hidden_act": "relu2",
+        "layer_norm_epsilon": config["rms_norm_eps"],
+    }
+    if config["max_position_embeddings"] == _NO_CONTEXT_STATED:
+        keys["max_position_embeddings"] = _HYBRID_CONTEXT
+    return keys
 
 
 def _short_float(value: float) -> float:
@@ -265,7 +310,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_size": hidden,
         # A mixture of experts' file may have no dense width (Qwen3.5-MoE's): its experts' then.
-        "intermediate_size": int(read_field(reader, f"{arch}.feed_forward_length", 0) or 0) or int(
+        # A width per layer in a `nemotron_h` file, 0 on the layers without an MLP (`_nemotron_h_config`).
+        "intermediate_size": max(_per_layer(read_field(reader, f"{arch}.feed_forward_length", 0) or 0)) or int(
             required("expert_feed_forward_length" if experts else "feed_forward_length")),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": heads,
@@ -325,6 +371,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_lfm2_config(reader, arch, config, experts, tensors, spec))
     elif arch in ("granite", "granitemoe", "granitehybrid"):
         config.update(_granite_config(reader, arch, config, experts, tensors, spec))
+    elif arch == "nemotron_h":
+        config.update(_nemotron_h_config(reader, arch, config, tensors, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

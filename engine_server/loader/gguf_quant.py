@@ -33,6 +33,7 @@ from engine_server.loader.gguf_convert import (
     hf_tensor_name,
     indexed_tensors,
     rope_interleaved,
+    rotated_projection,
 )
 from engine_server.loader.gguf_hybrid import HybridShape, stored_parts
 from kernels.reference import unpermute_rope_rows
@@ -118,10 +119,10 @@ def stored_matrices(
             matrices.update((p.name, StoredMatrix(blocks, kind, p.rows, p.columns)) for p in parts)
             continue
         order = None
-        if permuted and ".self_attn.q_proj." in name:
-            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_heads, rotary_dim)
-        elif permuted and ".self_attn.k_proj." in name:
-            order = unpermute_rope_rows(np.arange(blocks.shape[0]), num_kv_heads, rotary_dim)
+        rotated = rotated_projection(name) if permuted else None
+        if rotated is not None:
+            heads = num_heads if rotated == "q" else num_kv_heads
+            order = unpermute_rope_rows(np.arange(blocks.shape[0]), heads, rotary_dim)
         matrices[name] = StoredMatrix(blocks, kind, order)
     return matrices
 

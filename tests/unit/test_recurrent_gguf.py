@@ -1,9 +1,10 @@
 """The recurrent hybrids' GGUF files other than Gated DeltaNet's (tests/unit/test_family_gguf.py has those): LFM2's
 and LFM2-MoE's short convolutions (`lfm2`, `lfm2moe`), Granite 4.0's Mamba-2 (`granitehybrid`) and the Granite
-families llama.cpp writes beside it (`granitemoe`, `granite`), each written as llama.cpp's converter writes it
-(`tests.families.write_gguf`; scripts/check_gguf_writer.py has llama.cpp read such files): converted, the config and
-every tensor are the checkpoint's and the float path equals transformers token for token; served from its blocks,
-it holds `ladle bench quality`'s thresholds, and over two ranks each rank's rows come from the blocks bit for bit."""
+families llama.cpp writes beside it (`granitemoe`, `granite`), and Nemotron-H's (`nemotron_h`), each written as
+llama.cpp's converter writes it (`tests.families.write_gguf`; scripts/check_gguf_writer.py has llama.cpp read such
+files): converted, the config and every tensor are the checkpoint's and the float path equals transformers token for
+token; served from its blocks, it holds `ladle bench quality`'s thresholds, and over two ranks each rank's rows come
+from the blocks bit for bit."""
 
 from __future__ import annotations
 
@@ -109,3 +110,30 @@ def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
         rank0 = torch.cat([z[:64], x[:64], b, c, dt[:2]])
         assert torch.equal(stored["model.layers.0.self_attn.in_proj"].dequantize(), rank0)
         assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
+
+
+# A Nemotron-H file states no context (2^20, as its converter writes): read as Nemotron Nano 2's 131,072.
+NEMOTRON_H_GGUF: dict[str, Any] = {"max_position_embeddings": 131072}
+
+
+def test_a_nemotron_h_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `nemotron_h` file as llama.cpp's converter writes it (a block per Mamba-2 layer, attention layer or MLP, each
+    with its one norm `attn_norm`; Mamba-2 as Granite 4.0's `ssm_*`; KV heads and MLP widths per block, 0 elsewhere;
+    q/k rows permuted; no rope, the context 2^20): converted, the config is the saved model's (blocks told apart by
+    their tensors, read as the released models' 131,072 context), every tensor comes back and the float path equals
+    transformers token for token; served from its blocks, the MLPs' up and down projections in Q4_0, it holds `ladle
+    bench quality`'s thresholds. Over two ranks (a group of the two each), rank 0's z, x and dt rows of its 2 heads and
+    its group's B and C rows are the converted weights' bit for bit."""
+    gguf, layers, result, split, stored = served_whole_and_split(tmp_path, monkeypatch, "nemotron-h", **NEMOTRON_H_GGUF)
+    # blocks M - M M * -: layers 0 (Mamba-2, MLP), 1 and 2 (Mamba-2), 3 (attention, MLP)
+    assert layers["model.layers.0.self_attn.in_proj"] == layers["model.layers.2.self_attn.out_proj"] == "q8"
+    assert layers["model.layers.3.self_attn.qkv_proj"] == "q8" and layers["model.layers.3.mlp.up_proj"] == "q4"
+    assert "model.layers.1.mlp.up_proj" not in layers, layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+    whole = dict(resolve_model(str(gguf)).weights())["backbone.layers.0.mixer.in_proj.weight"]
+    z, x, b, c, dt = whole.split([128, 128, 32, 32, 4])
+    rank0 = torch.cat([z[:64], x[:64], b[:16], c[:16], dt[:2]])
+    assert torch.equal(stored["model.layers.0.self_attn.in_proj"].dequantize(), rank0)
+    assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
