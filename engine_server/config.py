@@ -494,8 +494,9 @@ class ModelConfig:
     def mlp_widths(self) -> dict[str, int]:
         """The intermediate width of each kind of MLP the model has, by its config name (what tensor parallelism
         splits): `intermediate_size` where any layer is dense, the experts' and the shared expert's where present."""
-        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        widths = {"intermediate_size": self.intermediate_size} if moe_layers < self.num_hidden_layers else {}
+        with_mlp = [i for i in range(self.num_hidden_layers) if self.has_mlp(i)]
+        moe_layers = sum(self.is_moe_layer(i) for i in with_mlp)
+        widths = {"intermediate_size": self.intermediate_size} if moe_layers < len(with_mlp) else {}
         if moe_layers:
             widths["moe_intermediate_size"] = self.moe_intermediate_size
             if self.shared_expert_intermediate_size:
@@ -551,10 +552,12 @@ class ModelConfig:
         if model_type in ("lfm2", "lfm2_moe"):
             cfg = _lfm2_config(cfg)
         nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
-        if nemotron:  # its blocks paired into layers: the rest reads the pairs' count
+        if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
+            # dense width is its experts', as a file of it states: the config's own is unused)
+            width = cfg["intermediate_size" if "-" in nemotron["block_pattern"] else "moe_intermediate_size"]
             cfg = {**cfg, "num_hidden_layers": len(nemotron_blocks(nemotron["block_pattern"])),
                    "rms_norm_eps": cfg.get("layer_norm_epsilon") or 1e-5,
-                   "head_dim": cfg.get("head_dim") or cfg.get("attention_head_dim")}  # fmt: skip
+                   "head_dim": cfg.get("head_dim") or cfg.get("attention_head_dim"), "intermediate_size": width}
         arch = _HF_ARCHITECTURES[model_type]
         gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
         if arch == "gemma4":
@@ -892,18 +895,19 @@ _NEMOTRON_BLOCKS = {
 
 
 def nemotron_blocks(pattern: str) -> tuple[tuple[int, int | None], ...]:
-    """Nemotron-H's checkpoint blocks (`pattern`, one character each: "M" Mamba-2, "*" attention, "-" MLP) as this
-    engine's layers: `(mixer block, MLP block)` per layer, a mixer and the MLP block right after it, or None where
-    the next block is another mixer (or there is none). `h += mixer(norm(h)); h += mlp(norm(h))` is the block pair's
-    sum as the checkpoint runs it, so each layer is a pre-norm block as any other family's. ValueError for an MLP
-    block that follows no mixer (no release has one) or a character of another kind."""
+    """Nemotron-H's checkpoint blocks (`pattern`, one character each: "M" Mamba-2, "*" attention, "-" MLP, "E"
+    experts) as this engine's layers: `(mixer block, MLP block)` per layer, a mixer and the MLP or experts block right
+    after it, or None where the next block is another mixer (or there is none). `h += mixer(norm(h)); h +=
+    mlp(norm(h))` is the block pair's sum as the checkpoint runs it, so each layer is a pre-norm block as any other
+    family's. ValueError for an MLP block that follows no mixer (no release has one) or a character of another
+    kind."""
     layers: list[tuple[int, int | None]] = []
     for block, kind in enumerate(pattern):
         if kind in "M*":
             layers.append((block, None))
-        elif kind == "-" and layers and layers[-1][1] is None and block == layers[-1][0] + 1:
+        elif kind in "-E" and layers and layers[-1][1] is None and block == layers[-1][0] + 1:
             layers[-1] = (layers[-1][0], block)
-        elif kind == "-":
+        elif kind in "-E":
             raise ValueError(f"nemotron_h block {block} is an MLP that follows no Mamba-2 or attention block "
                              f"(pattern {pattern!r}): not supported")  # fmt: skip
         else:
@@ -916,9 +920,10 @@ def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Nemotron-H's `ModelConfig` fields from its config.json: its blocks (`hybrid_override_pattern`, or
     `layers_block_type` / `layer_types` as transformers 5 writes them), the layers they pair into (`nemotron_blocks`)
     and those of them that run Mamba-2 (`mamba_num_heads` heads `mamba_head_dim` wide, `n_groups` groups of
-    `ssm_state_size`, `conv_kernel` taps with a bias where `use_conv_bias`) or have no MLP; the MLP's relu². ValueError
-    for what this engine does not build: experts ("E", Nemotron 3's), biases on the projections, a window, a clamped
-    time step, another activation, no attention or no Mamba-2 block. (transformers' own Nemotron-H clamps the time
+    `ssm_state_size`, `conv_kernel` taps with a bias where `use_conv_bias`) or have no MLP; the MLP's relu²; where
+    blocks are experts ("E", Nemotron 3's), those layers' mixture of experts (`_nemotron_h_experts`). ValueError for
+    what this engine does not build: biases on the projections, a window, a clamped time step, another activation,
+    latent expert projections, no attention or no Mamba-2 block. (transformers' own Nemotron-H clamps the time
     step at `time_step_min` in its chunked form alone; its one-token form, vLLM and llama.cpp clamp none.)"""
     listed = cfg.get("layers_block_type") or cfg.get("layer_types")
     source = cfg.get("hybrid_override_pattern") or listed or ""
@@ -926,8 +931,6 @@ def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if not source or unknown:
         raise ValueError(f"nemotron_h blocks {source!r} are not a hybrid_override_pattern of M, *, - and E")
     pattern = "".join(_NEMOTRON_BLOCKS[kind] for kind in source)
-    if "E" in pattern:
-        raise ValueError("nemotron_h with mixture-of-experts blocks (E, Nemotron 3's) is not supported yet")
     if "M" not in pattern or "*" not in pattern:
         raise ValueError(f"nemotron_h blocks {pattern!r}: a hybrid of Mamba-2 and attention blocks is supported")
     for key in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias", "sliding_window"):
@@ -958,6 +961,40 @@ def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "mamba2": shape,
         "mlp_free_layers": tuple(i for i, (_, mlp) in enumerate(layers) if mlp is None),
         "hidden_act": "relu2",
+        **(_nemotron_h_experts(cfg, pattern, layers) if "E" in pattern else {}),
+    }
+
+
+def _nemotron_h_experts(
+    cfg: dict[str, Any], pattern: str, layers: tuple[tuple[int, int | None], ...]
+) -> dict[str, Any]:
+    """Nemotron 3's mixture of experts on the layers whose MLP block is "E": `n_routed_experts` ungated relu² experts
+    `moe_intermediate_size` wide, `num_experts_per_tok` of them chosen by DeepSeek-V3's router (sigmoid scores, the
+    routing bias for the choice, `topk_group` of `n_group` groups, renormalised with `norm_topk_prob`, times
+    `routed_scaling_factor`), beside a relu² shared expert `moe_shared_expert_intermediate_size` wide (which
+    transformers always builds); the layers whose MLP block is "-" dense. ValueError for latent expert projections
+    (`moe_latent_size`, Nemotron 3 Super's) or routing that does not add up."""
+    if cfg.get("moe_latent_size") is not None:
+        raise ValueError("nemotron_h with moe_latent_size (latent expert projections) is not supported")
+    experts, top_k = int(cfg.get("n_routed_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+    groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if not 1 <= top_k <= experts or experts % groups or not 1 <= top_groups <= groups:
+        raise ValueError(f"nemotron_h: {top_k} of {experts} experts in {groups} groups, {top_groups} of them chosen, "
+                         "is not a routing")  # fmt: skip
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(cfg["moe_shared_expert_intermediate_size"]),
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "dense_layers": tuple(i for i, (_, mlp) in enumerate(layers) if mlp is not None and pattern[mlp] == "-"),
+        "grouped_router": True,
+        "moe_scoring": "sigmoid",
+        "router_score_bias": True,
+        "moe_groups": groups,
+        "moe_topk_groups": top_groups,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
     }
 
 

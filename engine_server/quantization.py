@@ -105,6 +105,7 @@ from engine_server.loader.source import ModelSource, read_hf_config, tensor_file
 from engine_server.models.base import FUSED_SHARDS, CausalLM, expert_weight
 from engine_server.parallel.layers import (
     EXPERT_PARTS,
+    UNGATED_EXPERT_PARTS,
     ColumnParallelLinear,
     ParallelExperts,
     ParallelLMHead,
@@ -127,7 +128,7 @@ class StoredBank:
     the banks of a large model are read and packed one at a time (read as parsed, a bank's weights take ~1.1 bytes
     a value, packed ~0.7 for Q5_0: gpt-oss-20b's 19B expert values would need 21 GB at once)."""
 
-    gate: tuple[StoredMatrix, ...]
+    gate: tuple[StoredMatrix, ...]  # () for ungated experts (Nemotron-H's)
     up: tuple[StoredMatrix, ...]
     down: tuple[StoredMatrix, ...]
     rows: range
@@ -507,14 +508,15 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
     stored in a type the experts' kernels do not take (`_EXPERT_KINDS`), when this rank's rows do not fall on the
     down projection's blocks (groups of 32 columns; super-blocks of 256 for a K-quant)."""
     rows = bank.rows.rows
-    names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in EXPERT_PARTS}
+    parts = EXPERT_PARTS if bank.gated else UNGATED_EXPERT_PARTS
+    names = {part: [f"{name}.{e}.{part}_proj.weight" for e in range(bank.num_experts)] for part in parts}
     if rows.start % QUANT_GROUP or rows.stop % QUANT_GROUP or not all(n in stored for ns in names.values() for n in ns):
         return None
     if any(stored[n].kind not in _EXPERT_KINDS for ns in names.values() for n in ns):
         return None
     if any(rows.start % stored[n].block_elements or rows.stop % stored[n].block_elements for n in names["down"]):
         return None
-    gate, up, down = (tuple(stored[n] for n in names[part]) for part in EXPERT_PARTS)
+    gate, up, down = (tuple(stored[n] for n in names.get(part, ())) for part in EXPERT_PARTS)
     return StoredBank(gate, up, down, rows)
 
 

@@ -511,7 +511,7 @@ QuantizedProduct = Callable[[int, torch.Tensor], torch.Tensor]
 def quantized_moe(
     x: torch.Tensor, gate_up: QuantizedProduct, down: QuantizedProduct, weights: torch.Tensor, experts: torch.Tensor,
     gelu: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-    swiglu: tuple[float, float] | None = None,
+    swiglu: tuple[float, float] | None = None, relu2: bool = False,
 ) -> torch.Tensor:
     """The CPU's quantized mixture of experts (`torch.ops.ladle_cpu.moe_packed`): x `[T, H]` float32, each token's
     routing `weights` and `experts` `[T, k]` -> `[T, H]` float32, `sum_j weights[t, j] * down(e, silu_and_mul(
@@ -521,14 +521,17 @@ def quantized_moe(
     / `q8_linear` of its weights, or `lowbit_linear` of a 5-bit or K-quant weight's values (Q5_0, Q5_1, Q4_K, Q5_K,
     Q6_K; gate/up and down each in its own), so x and the hidden activations are quantized per group of 32 as the
     kernel does. gpt-oss's experts: `b13` `[E, 2I]` and `b2` `[E, H]` added to expert e's gate/up and down products,
-    and with `swiglu` (alpha, limit) the activation is `clamped_swiglu`."""
+    and with `swiglu` (alpha, limit) the activation is `clamped_swiglu`. With `relu2` (Nemotron-H's ungated experts)
+    `gate_up(e, rows)` is the up product alone, `[M, I]`, and the activation `relu(up)²`."""
     out = torch.zeros_like(x, dtype=torch.float32)
     for token in range(x.shape[0]):
         for choice in torch.argsort(experts[token], stable=True).tolist():
             expert = int(experts[token, choice])
             product = gate_up(expert, x[token : token + 1].float())
             product = product if b13 is None else product + b13[expert].float()
-            if swiglu is not None:
+            if relu2:
+                hidden = torch.relu(product).square()
+            elif swiglu is not None:
                 hidden = clamped_swiglu(product, *swiglu)
             else:
                 hidden = gelu_tanh_and_mul(product) if gelu else silu_and_mul(product)

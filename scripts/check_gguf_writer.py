@@ -48,7 +48,7 @@ def families() -> dict[str, dict[str, Any]]:
         MOE_GGUF,
         PLAIN_GGUF,
     )
-    from tests.unit.test_recurrent_gguf import GRANITE_GGUF, NEMOTRON_H_GGUF
+    from tests.unit.test_recurrent_gguf import GRANITE_GGUF, NEMOTRON_3_GGUF, NEMOTRON_H_GGUF
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
@@ -69,7 +69,7 @@ def families() -> dict[str, dict[str, Any]]:
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
             "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"],
             **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
-            **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF}
+            **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF}
 
 
 def check(

@@ -288,6 +288,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         **{k: v for k, v in GRANITE4_H.items() if k.endswith(("multiplier", "scaling"))},
         "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
     }),
+    # Nemotron 3 (Nano's form): Nemotron-H's blocks with experts (E) after the mixers: top-2 of 8 ungated relu²
+    # experts in 2 groups (1 chosen) by sigmoid scores and a routing bias, scaled by 2.5, beside a relu² shared expert.
+    "nemotron-h-moe": ("NemotronHConfig", {
+        **HYBRIDS["nemotron-h"][1], "layers_block_type": ["mamba", "moe", "mamba", "mamba", "attention", "moe"],
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
+        "moe_shared_expert_intermediate_size": 64, "routed_scaling_factor": 2.5,
+    }),
     # LFM2-MoE: LFM2's layers, its first dense and top-2 of 8 experts (sigmoid scores, a routing bias) after it.
     "lfm2-moe": ("Lfm2MoeConfig", {**HYBRIDS["lfm2"][1], "num_dense_layers": 1, "num_experts": 8,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
@@ -296,7 +303,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "router.proj.weight", "feed_forward.router.weight",
-           "feed_forward.gate.weight", "block_sparse_moe.router.weight")  # fmt: skip
+           "feed_forward.gate.weight", "block_sparse_moe.router.weight", "mixer.gate.weight")  # fmt: skip
 
 
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
@@ -600,6 +607,8 @@ def write_gguf(
 
     config = json.loads((folder / "config.json").read_text())
     arch = _GGUF_ARCHITECTURES[config["model_type"]]
+    if arch == "nemotron_h" and "moe" in config["layers_block_type"]:  # Nemotron 3's: its converter's other name
+        arch = "nemotron_h_moe"
     gemma = arch.startswith("gemma")
     rope = config.get("rope_parameters") or {"rope_theta": 10000.0}  # (Nemotron-H turns none)
     if gemma and "full_attention" in rope:
@@ -609,7 +618,7 @@ def write_gguf(
     writer = GGUFWriter(str(path), arch)
     if arch == "gemma4":
         _gemma4_metadata(writer, config)
-    elif arch == "nemotron_h":
+    elif arch.startswith("nemotron_h"):
         _nemotron_h_metadata(writer, config, head_dim)
     else:
         _common_metadata(writer, config, arch, rope, head_dim)
@@ -840,13 +849,25 @@ def _llama_cpp_granite(
 
 def _nemotron_h_metadata(writer: Any, config: dict[str, Any], head_dim: int) -> None:
     """Nemotron-H's keys as llama.cpp's converter writes them (`nemotron_h`, Granite 4.0's hybrid converter's): a count
-    per block of KV heads (0 but on attention blocks) and of the MLP's width (0 but on MLP blocks), the Mamba-2 shape
-    as `ssm.*`, no rope (the context then 2^20, as written)."""
+    per block of KV heads (0 but on attention blocks) and of the MLP's width (0 but on MLP blocks; in a Nemotron 3
+    file, `nemotron_h_moe`, the experts' width on experts blocks and 0 on all others), the Mamba-2 shape as `ssm.*`,
+    no rope (the context then 2^20, as written); Nemotron 3's `expert_*` keys (no count of groups used)."""
     blocks = config["layers_block_type"]
+    moe = "moe" in blocks
     writer.add_block_count(len(blocks))
     writer.add_context_length(2**20)
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length([config["intermediate_size"] if kind == "mlp" else 0 for kind in blocks])
+    width, kind_with = (config["moe_intermediate_size"], "moe") if moe else (config["intermediate_size"], "mlp")
+    writer.add_feed_forward_length([width if kind == kind_with else 0 for kind in blocks])
+    if moe:
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(config["moe_shared_expert_intermediate_size"])
+        writer.add_expert_count(config["n_routed_experts"])
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_group_count(config["n_group"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv([config["num_key_value_heads"] if kind == "full_attention" else 0 for kind in blocks])
     writer.add_key_length(head_dim)
@@ -879,11 +900,16 @@ def _llama_cpp_nemotron_h(
     if config["layers_block_type"][int(layer)] == "linear_attention" and rest != "norm.weight":
         mamba = f"model.layers.{layer}.{rest.replace('mixer.', 'mamba.', 1)}"
         return _llama_cpp_granite(mamba, array, {"mamba_n_groups": config["n_groups"]}, feed_forward, attention)
-    projections = {"mixer.q_proj.weight": ("attn_q", attention), "mixer.k_proj.weight": ("attn_k", attention),
+    projections = {"mixer.gate.weight": ("ffn_gate_inp", None),
+                   "mixer.shared_experts.up_proj.weight": ("ffn_up_shexp", feed_forward),
+                   "mixer.shared_experts.down_proj.weight": ("ffn_down_shexp", feed_forward),
+                   "mixer.q_proj.weight": ("attn_q", attention), "mixer.k_proj.weight": ("attn_k", attention),
                    "mixer.v_proj.weight": ("attn_v", attention), "mixer.o_proj.weight": ("attn_output", attention),
                    "mixer.up_proj.weight": ("ffn_up", feed_forward),
                    "mixer.down_proj.weight": ("ffn_down", feed_forward),
                    "norm.weight": ("attn_norm", None)}  # fmt: skip
+    if rest == "mixer.gate.e_score_correction_bias":  # Nemotron 3's routing bias
+        return {f"{blk}exp_probs_b.bias": (array, None)}
     gguf_kind, kind = projections[rest]
     if gguf_kind in ("attn_q", "attn_k"):
         heads = config["num_attention_heads" if gguf_kind == "attn_q" else "num_key_value_heads"]
@@ -1028,7 +1054,12 @@ def _write_tensors(
             tensor = tensor + 1.0
         array = tensor.float().numpy()
         bare = name.removeprefix("model.layers.").partition(".")
-        if arch == "nemotron_h":
+        if arch.startswith("nemotron_h") and ".mixer.experts." in name:  # Nemotron 3's, stacked by projection
+            layer, _, rest = name.removeprefix("backbone.layers.").partition(".mixer.experts.")
+            expert, proj, _ = rest.split(".")
+            banks.setdefault(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", {})[int(expert)] = array
+            continue
+        if arch.startswith("nemotron_h"):
             tensors.update(_llama_cpp_nemotron_h(name, array, config, feed_forward, attention))
             continue
         if arch in _GGUF_GRANITES and (granite := _llama_cpp_granite(name, array, config, feed_forward, attention)):
@@ -1088,7 +1119,7 @@ def _write_tensors(
             tensors[gguf_name] = (array, attention if projection else None)
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
-    if arch != "nemotron_h":  # (whose config states no layer count: its blocks are its pattern's)
+    if not arch.startswith("nemotron_h"):  # (whose config states no layer count: its blocks are its pattern's)
         tensors.update(_prediction_layer_tensors(tensors, config, arch))
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)

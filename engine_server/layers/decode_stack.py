@@ -36,16 +36,18 @@ MoeParts = tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]
 
 def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     """A mixture of experts' quantized experts, its router and its shared expert's projections (None without one),
-    or None where the stack does not run it (float experts, GELU ones or gpt-oss's, with biases and the clamped
-    SwiGLU; a float or biased router, a shared expert not quantized or not SiLU)."""
+    or None where the stack does not run it (float experts, GELU ones, Nemotron-H's relu² ones or gpt-oss's, with
+    biases and the clamped SwiGLU; a float or biased router, a shared expert not quantized or not SiLU)."""
     experts, router = mlp.experts, mlp.gate
     if not isinstance(experts, QuantizedExperts) or not isinstance(router, RowwiseLinear) or experts.gelu:
         return None
-    if experts.swiglu is not None or experts.b13 is not None or router.bias is not None:
+    if experts.relu2 or experts.swiglu is not None or experts.b13 is not None or router.bias is not None:
         return None
     shared, shared_gate = mlp.shared_expert, mlp.shared_expert_gate
     if shared is None:
         return experts, router, None
+    if not isinstance(shared, GatedMLP):
+        return None
     parts = [shared.gate_up_proj, shared.down_proj]
     if shared.activation != "silu" or not isinstance(shared_gate, RowwiseLinear):
         return None

@@ -158,9 +158,12 @@ class Fp8Experts(nn.Module):
 
 def replace_fp8_experts(model: nn.Module, weights_for: Callable[[str, ParallelExperts], Fp8ExpertWeights]) -> int:
     """Swap every `ParallelExperts` of `model` for an `Fp8Experts` of `weights_for(name, bank)`, moved to the bank's
-    device; returns how many. Raises ValueError when a bank's FP8 weights do not have its shapes."""
+    device; returns how many. Raises ValueError when a bank's FP8 weights do not have its shapes. On CUDA an ungated
+    bank (Nemotron-H's) stays as it is: the fused FP8 kernel runs gated experts."""
 
     def layer_for(name: str, bank: ParallelExperts) -> nn.Module:
+        if not bank.gated and bank.w13.is_cuda:
+            return bank
         weights = weights_for(name, bank)
         if weights.gate_up.qs.shape != bank.w13.shape or weights.down.qs.shape != bank.w2.shape:
             raise ValueError(

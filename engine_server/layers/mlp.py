@@ -52,6 +52,11 @@ class GatedMLP(nn.Module):
         return result
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """`relu(x)²`, Nemotron-H's activation (transformers' `relu2`), of its MLPs and its experts."""
+    return torch.relu(x).square()
+
+
 class UngatedMLP(nn.Module):
     """`down(relu(up(x))²)`: Nemotron-H's MLP (transformers' `relu2`), no gate.
 
@@ -72,5 +77,5 @@ class UngatedMLP(nn.Module):
 
     def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
-        result: torch.Tensor = self.down_proj(torch.relu(self.up_proj(x)).square())
+        result: torch.Tensor = self.down_proj(relu_squared(self.up_proj(x)))
         return result

@@ -4,7 +4,8 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss share it (`ModelConfig` says wh
 logits are the hidden state times its `[num_experts, hidden]` weight (plus a bias: gpt-oss), softmaxed in float32,
 the top `num_experts_per_tok` kept (and renormalised to sum to 1 with `norm_topk_prob`, as Mixtral always does:
 the softmax of the top-k logits that gpt-oss takes); each chosen expert is a SwiGLU MLP (gpt-oss: with biases and
-its clamped SwiGLU, `kernels.reference.clamped_swiglu`) whose output is scaled by its weight. Qwen2-MoE adds a shared
+its clamped SwiGLU, `kernels.reference.clamped_swiglu`; Nemotron-H's ungated, `down(relu(up(x))²)`, as is its shared
+expert) whose output is scaled by its weight. Qwen2-MoE adds a shared
 expert every token goes through, scaled by `sigmoid(x @ shared_expert_gate)`. Llama 4's router (`ModelConfig.
 moe_input_scaled`) takes the top-k logits and scales each chosen expert's input by the sigmoid of its logit; its
 shared expert has no gate. Under tensor parallelism every
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_server.config import ModelConfig
-from engine_server.layers.mlp import GatedMLP
+from engine_server.layers.mlp import GatedMLP, UngatedMLP, relu_squared
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import Activation, ParallelExperts
 from kernels.kernel_set import KernelOps
@@ -115,16 +116,22 @@ class SparseMoE(nn.Module):
             if config.grouped_router
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
         )  # fmt: skip
-        # gpt-oss's clamped SwiGLU (plain torch ops on every backend), else the kernel set's SiLU-and-mul.
+        # gpt-oss's clamped SwiGLU (plain torch ops on every backend), Nemotron-H's relu² (ungated), else the kernel
+        # set's SiLU-and-mul.
         swiglu = (config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit > 0 else None
+        relu2 = config.hidden_act == "relu2"
         self.experts = ParallelExperts(
-            experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases, swiglu=swiglu
-        )
+            experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases, swiglu=swiglu,
+            gated=not relu2,
+        )  # fmt: skip
         self.activation: Activation | None = (
-            None if swiglu is None else functools.partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1])
-        )
+            relu_squared if relu2
+            else None if swiglu is None else functools.partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1])
+        )  # fmt: skip
         shared = config.shared_expert_intermediate_size
-        self.shared_expert = GatedMLP(hidden, shared, dtype, tp) if shared else None
+        self.shared_expert: GatedMLP | UngatedMLP | None = None
+        if shared:
+            self.shared_expert = UngatedMLP(hidden, shared, dtype, tp) if relu2 else GatedMLP(hidden, shared, dtype, tp)
         gated = shared and config.shared_expert_gated
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
 

@@ -111,12 +111,16 @@ class QuantizedExperts(nn.Module):
 
     Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`). With
     `gelu` the experts' activation is GELU's tanh form (Gemma 4's), with `swiglu` (alpha, limit) gpt-oss's clamped
-    SwiGLU, else SiLU; each in the kernel, as are the weights' biases."""
+    SwiGLU, with `relu2` relu² of ungated experts (Nemotron-H's: `gate_up` holds each expert's up rows alone), else
+    SiLU; each in the kernel, as are the weights' biases."""
 
-    def __init__(self, weights: ExpertWeights, gelu: bool = False, swiglu: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self, weights: ExpertWeights, gelu: bool = False, swiglu: tuple[float, float] | None = None, relu2: bool = False
+    ) -> None:
         super().__init__()
         self.gelu = gelu
         self.swiglu = swiglu
+        self.relu2 = relu2
         if len({weight_format(w) for w in weights.gate_up}) != 1 or len({weight_format(w) for w in weights.down}) != 1:
             raise ValueError("every expert of a bank must be stored in the same formats")
         self.num_experts = len(weights.gate_up)
@@ -145,7 +149,7 @@ class QuantizedExperts(nn.Module):
         out: torch.Tensor = torch.ops.ladle_cpu.moe_packed(
             x.contiguous(), experts.contiguous(), weights.float().contiguous(),
             self.w13, self.w13_scales, self.w13_mins, self.w2, self.w2_scales, self.w2_mins, self.intermediate,
-            self.gelu, self.b13, self.b2, alpha, limit,
+            self.gelu, self.b13, self.b2, alpha, limit, self.relu2,
         )  # fmt: skip
         return out
 
@@ -184,10 +188,10 @@ def quantize_experts(bank: ParallelExperts) -> ExpertWeights | None:
 def expert_weights(
     gate: list[QuantizedWeight], up: list[QuantizedWeight], down: list[QuantizedWeight]
 ) -> ExpertWeights:
-    """Per-expert gate, up and down weights (this rank's slices) as one bank's `ExpertWeights`. Raises ValueError
-    when an expert's gate and up are stored in different formats (a `StackedWeight`, which the kernel does not
-    take)."""
-    gate_up = tuple(concat_rows([g, u]) for g, u in zip(gate, up, strict=True))
+    """Per-expert gate, up and down weights (this rank's slices) as one bank's `ExpertWeights`; no gate weights: the
+    up rows alone (ungated experts, Nemotron-H's). Raises ValueError when an expert's gate and up are stored in
+    different formats (a `StackedWeight`, which the kernel does not take)."""
+    gate_up = tuple(concat_rows([g, u]) for g, u in zip(gate, up, strict=True)) if gate else tuple(up)
     kept = [w for w in (*gate_up, *down) if isinstance(w, Q4Weight | Q8Weight | LowBitWeight)]
     if len(kept) != len(gate_up) + len(down):
         raise ValueError("an expert's gate and up are served in one format")
@@ -205,7 +209,7 @@ def replace_experts(model: nn.Module, weights_for: Callable[[str, ParallelExpert
         if len(weights.gate_up) != bank.num_experts or weights.gate_up[0].shape != tuple(bank.w13.shape[1:]):
             raise ValueError(f"{name}: quantized experts do not match the bank's {tuple(bank.w13.shape)}")
         weights = replace(weights, b13=bank.b13, b2=bank.b2)
-        return QuantizedExperts(weights, gelu=not bank.gated_silu, swiglu=bank.swiglu)
+        return QuantizedExperts(weights, gelu=not bank.gated_silu, swiglu=bank.swiglu, relu2=not bank.gated)
 
     return swap_experts(model, layer_for)
 

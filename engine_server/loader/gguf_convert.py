@@ -222,8 +222,14 @@ _MAMBA_BARE = {
 _NEMOTRON_H_LAYER_NAMES = {
     "attn_norm": "norm", "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj", "attn_v": "mixer.v_proj",
     "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+    # Nemotron 3's experts blocks: the router and the shared expert (the experts' banks: `_EXPERT_NAMES`).
+    "ffn_gate_inp": "mixer.gate", "ffn_up_shexp": "mixer.shared_experts.up_proj",
+    "ffn_down_shexp": "mixer.shared_experts.down_proj",
 }  # fmt: skip
-_NEMOTRON_H_BARE = {gguf: ours.replace("mamba.", "mixer.", 1) for gguf, ours in _MAMBA_BARE.items()}
+_NEMOTRON_H_BARE = {
+    **{gguf: ours.replace("mamba.", "mixer.", 1) for gguf, ours in _MAMBA_BARE.items()},
+    "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+}  # fmt: skip
 _NEMOTRON_H_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight"}
 # Where a family's checkpoints hold their layers other than under `model.layers.`.
 _LAYERS_PREFIX = {"nemotron_h": "backbone.layers."}
@@ -281,6 +287,7 @@ _EXPERT_NAMES = {
     "minimax_m2": ("block_sparse_moe.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
     "llama4_text": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
     "lfm2_moe": ("feed_forward.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "nemotron_h": ("mixer.experts.{expert}.{proj}", _PROJECTIONS),  # (up and down alone: ungated)
 }
 _QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", _PROJECTIONS)
 # One expert's projection as `iter_hf_tensors` names it (a weight, or gpt-oss's bias), in the families whose
@@ -370,7 +377,8 @@ def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) 
     layer, param = match.group(1), match.group(3)
 
     def name_of(expert: int, part: str) -> str:
-        return f"model.layers.{layer}.{pattern.format(expert=expert, proj=projections[part])}.{param}"
+        layers = _LAYERS_PREFIX.get(architecture, "model.layers.")
+        return f"{layers}{layer}.{pattern.format(expert=expert, proj=projections[part])}.{param}"
 
     return bank_slices(gguf_name, shape, _EXPERT_BANKS[match.group(2)], name_of)
 

@@ -50,8 +50,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "granite": ("granite", "GraniteForCausalLM"),
     "granitemoe": ("granitemoe", "GraniteMoeForCausalLM"),
     "granitehybrid": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
-    # Nemotron-H and Nemotron Nano 2: a block per Mamba-2 layer, attention layer or MLP (`_nemotron_h_config`).
+    # Nemotron-H and Nemotron Nano 2: a block per Mamba-2 layer, attention layer or MLP (`_nemotron_h_config`); Nemotron
+    # 3's experts blocks in place of the MLPs.
     "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
+    "nemotron_h_moe": ("nemotron_h", "NemotronHForCausalLM"),
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -234,14 +236,15 @@ _NEMOTRON_BLOCK_TENSORS = {"ssm_in": "M", "attn_q": "*", "ffn_up": "-", "ffn_up_
 
 
 def _nemotron_h_config(
-    reader: GGUFReader, arch: str, config: dict[str, Any], tensors: dict[str, Any], spec: str
+    reader: GGUFReader, arch: str, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
 ) -> dict[str, Any]:
-    """The keys of a Nemotron-H `config.json` from a `nemotron_h` file: its blocks' pattern (`hybrid_override_pattern`)
-    from the tensors each block has (`_NEMOTRON_BLOCK_TENSORS`), the MLP's width (`feed_forward_length`, a width per
-    block, 0 on the others), Mamba-2 from the `ssm.*` keys (its heads the time-step rank, their width the inner size
-    over them), the convolution's bias where the file has it, and the released models' context where the converter
-    wrote none of its own (2^20). ValueError for a block of none of these kinds or Mamba-2 heads that do not divide
-    its inner size."""
+    """The keys of a Nemotron-H `config.json` from a `nemotron_h` or `nemotron_h_moe` file: its blocks' pattern
+    (`hybrid_override_pattern`) from the tensors each block has (`_NEMOTRON_BLOCK_TENSORS`), the MLP's width (its up
+    projection's rows: a `nemotron_h_moe` file's `feed_forward_length` states the experts' alone), Mamba-2 from the
+    `ssm.*` keys (its heads the time-step rank, their width the inner size over them), the convolution's bias where
+    the file has it, the released models' context where the converter wrote none of its own (2^20), and Nemotron 3's
+    experts from the `expert_*` keys (`_nemotron_h_experts`). ValueError for a block of none of these kinds or
+    Mamba-2 heads that do not divide its inner size."""
     required = functools.partial(_arch_field, reader, arch, spec)
     blocks = int(config["num_hidden_layers"])
     pattern = ""
@@ -265,9 +268,36 @@ def _nemotron_h_config(
         "mlp_hidden_act": "relu2",
         "layer_norm_epsilon": config["rms_norm_eps"],
     }
+    if "-" in pattern:  # (llama.cpp's shapes are innermost first: [hidden, width])
+        keys["intermediate_size"] = int(tensors[f"blk.{pattern.index('-')}.ffn_up.weight"].shape[-1])
     if config["max_position_embeddings"] == _NO_CONTEXT_STATED:
         keys["max_position_embeddings"] = _HYBRID_CONTEXT
+    if "E" in pattern:
+        keys.update(_nemotron_h_experts(reader, arch, experts, spec))
     return keys
+
+
+def _nemotron_h_experts(reader: GGUFReader, arch: str, experts: int, spec: str) -> dict[str, Any]:
+    """Nemotron 3's experts keys from a `nemotron_h_moe` file, as its converter writes them: their count, the used
+    count, widths (the shared expert's too), renormalisation, scale and groups (routed by sigmoid with the `exp_probs_b`
+    bias, as llama.cpp reads it where `expert_gating_func` is absent). ValueError for a file without experts, gated
+    otherwise, or with several groups and no count of those used (its converter writes none: the released models
+    have one group)."""
+    required = functools.partial(_arch_field, reader, arch, spec)
+    groups = int(read_field(reader, f"{arch}.expert_group_count", 1) or 1)
+    used_groups = read_field(reader, f"{arch}.expert_group_used_count")
+    if groups > 1 and used_groups is None:
+        raise ValueError(f"model {spec!r}: {arch}.expert_group_count {groups} without expert_group_used_count")
+    return {
+        "n_routed_experts": experts,
+        "num_experts_per_tok": _sigmoid_routed_experts(reader, arch, experts, spec),
+        "moe_intermediate_size": int(required("expert_feed_forward_length")),
+        "moe_shared_expert_intermediate_size": int(required("expert_shared_feed_forward_length")),
+        "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", True)),
+        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+        "n_group": groups,
+        "topk_group": int(used_groups or 1),
+    }
 
 
 def _short_float(value: float) -> float:
@@ -371,8 +401,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_lfm2_config(reader, arch, config, experts, tensors, spec))
     elif arch in ("granite", "granitemoe", "granitehybrid"):
         config.update(_granite_config(reader, arch, config, experts, tensors, spec))
-    elif arch == "nemotron_h":
-        config.update(_nemotron_h_config(reader, arch, config, tensors, spec))
+    elif arch in ("nemotron_h", "nemotron_h_moe"):
+        config.update(_nemotron_h_config(reader, arch, config, experts, tensors, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

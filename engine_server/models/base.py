@@ -58,8 +58,9 @@ _EXPERT_WEIGHT = re.compile(
 _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # All experts' projection in one 3-D tensor (transformers 5's own layout): `<block>.experts.gate_up_proj`
 # `[E, 2 * I, H]` (gate rows, then up rows) or `<block>.experts.down_proj` `[E, H, I]`; where experts have biases,
-# theirs in one 2-D tensor each, `gate_up_proj_bias` `[E, 2 * I]` (gate, then up) and `down_proj_bias` `[E, H]`.
-_EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?")
+# theirs in one 2-D tensor each, `gate_up_proj_bias` `[E, 2 * I]` (gate, then up) and `down_proj_bias` `[E, H]`;
+# ungated experts' (Nemotron-H's) `up_proj` `[E, I, H]`.
+_EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)(?P<bias>_bias)?")
 
 
 def expert_weight(name: str) -> tuple[str, int, str] | None:
@@ -88,6 +89,8 @@ class CausalLM(nn.Module):
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # The decoder stack: a family's own (Gemma 4's) or the shared one.
     decoder_class: type[DecoderModel] = DecoderModel
+    # Checkpoint tensors a family's checkpoints carry that serving does not read (Nemotron 3's `mtp.` layers).
+    ignored_prefixes: tuple[str, ...] = ()
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -181,6 +184,8 @@ class CausalLM(nn.Module):
                 name = f"model.{name}"
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if self.ignored_prefixes and name.startswith(self.ignored_prefixes):
+                continue
             name = self.checkpoint_name(name)
             expert = _EXPERT_WEIGHT.fullmatch(name)
             if expert is not None:
@@ -263,13 +268,13 @@ class CausalLM(nn.Module):
         ):  # fmt: skip
             raise ValueError(f"unexpected weight {name!r} of shape {tuple(tensor.shape)}")
         if match["bank"] in replaced and not bias:
-            parts = ["down"] if match["proj"] == "down_proj" else ["gate", "up"]
+            parts = {"down_proj": ["down"], "up_proj": ["up"]}.get(match["proj"], ["gate", "up"])
             return [(match["bank"], f"{expert}.{part}") for expert in range(bank.num_experts) for part in parts]
         whole = read_whole(tensor)
         loaded = []
         for expert in range(bank.num_experts):
-            if match["proj"] == "down_proj":
-                pieces = {f"down{bias}": whole[expert]}
+            if match["proj"] in ("down_proj", "up_proj"):
+                pieces = {f"{match['proj'].removesuffix('_proj')}{bias}": whole[expert]}
             else:
                 gate, up = whole[expert].chunk(2)
                 pieces = {f"gate{bias}": gate, f"up{bias}": up}

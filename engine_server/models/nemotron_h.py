@@ -26,7 +26,11 @@ class NemotronHForCausalLM(CausalLM):
     """Nemotron-H (`nemotron_h`): each checkpoint block is `h += mixer(norm(h))`, its mixer Mamba-2, attention (no
     rope) or an MLP (`down(relu(up(x))²)`). `config.nemotron_blocks` pairs a Mamba-2 or attention block with the MLP
     block after it into one layer (its norm the layer's input norm, the MLP's the post-attention norm), so layer and
-    block numbers differ: `checkpoint_name` maps each block's tensors to its layer's."""
+    block numbers differ: `checkpoint_name` maps each block's tensors to its layer's. An "E" block (Nemotron 3's) is a
+    mixture of ungated relu² experts beside a shared expert, routed as DeepSeek-V3 (`mixer.gate`); its
+    multi-token-prediction layers (`mtp.`) are not read, as transformers reads none."""
+
+    ignored_prefixes = ("mtp.",)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)
@@ -52,6 +56,8 @@ class NemotronHForCausalLM(CausalLM):
             rest = "input_layernorm.weight" if is_mixer else "post_attention_layernorm.weight"
         elif rest.removeprefix("mixer.") in _HEAD_VECTORS:
             rest = f"self_attn.{rest.removeprefix('mixer.')}.weight"
+        elif rest.startswith("mixer.shared_experts."):  # Nemotron 3's experts' shared expert
+            rest = "mlp.shared_expert." + rest.removeprefix("mixer.shared_experts.")
         elif rest.startswith("mixer."):
             rest = ("self_attn." if is_mixer else "mlp.") + rest.removeprefix("mixer.")
         return f"model.layers.{layer}.{rest}"

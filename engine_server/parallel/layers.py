@@ -210,6 +210,8 @@ class RowParallelLinear(_LocalLinear):
 
 
 EXPERT_PARTS = ("gate", "up", "down")
+# An ungated expert's projections (Nemotron-H's: `ParallelExperts(gated=False)`).
+UNGATED_EXPERT_PARTS = ("up", "down")
 # The biases of each expert's projections, where a family has them (gpt-oss: `ParallelExperts(biases=True)`).
 EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
 
@@ -222,7 +224,8 @@ class ParallelExperts(nn.Module):
     projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
     others hold zeros, so the all-reduced sum adds it once). `gated_silu` says whether the caller's activation is
     SiLU-and-mul, or GELU's (Gemma 4's experts), `swiglu` (alpha, limit) when it is gpt-oss's clamped SwiGLU: the
-    quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`)."""
+    quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`). Without `gated` (Nemotron-H's
+    experts, `down(relu(up(x))²)`) `w13[e]` is `up_e` alone, `[I_r, H]`, and the caller's activation relu²."""
 
     def __init__(
         self,
@@ -234,15 +237,19 @@ class ParallelExperts(nn.Module):
         biases: bool = False,
         gated_silu: bool = True,
         swiglu: tuple[float, float] | None = None,
+        gated: bool = True,
     ) -> None:
         super().__init__()
+        if biases and not gated:
+            raise ValueError("ungated experts with biases are not built")
         self.num_experts = num_experts
         self.gated_silu = gated_silu
         self.swiglu = swiglu
+        self.gated = gated
         self.rows = even_slice(intermediate_size, tp.size, tp.rank, "expert intermediate rows")
         self.adds_down_bias = tp.rank == 0
         local = len(self.rows.rows)
-        self.w13 = _parameter(num_experts, 2 * local, hidden_size, dtype=dtype)
+        self.w13 = _parameter(num_experts, (2 if gated else 1) * local, hidden_size, dtype=dtype)
         self.w2 = _parameter(num_experts, hidden_size, local, dtype=dtype)
         self.b13 = _parameter(num_experts, 2 * local, dtype=dtype) if biases else None
         self.b2 = _parameter(num_experts, hidden_size, dtype=dtype) if biases else None
@@ -250,6 +257,8 @@ class ParallelExperts(nn.Module):
     @property
     def parts(self) -> tuple[str, ...]:
         """What each expert is loaded as (`load_expert`'s parts): its projections, and their biases if it has them."""
+        if not self.gated:
+            return UNGATED_EXPERT_PARTS
         return EXPERT_PARTS + (EXPERT_BIAS_PARTS if self.b13 is not None else ())
 
     def load_expert(self, expert: int, part: str, tensor: CheckpointTensor) -> None:
@@ -267,7 +276,7 @@ class ParallelExperts(nn.Module):
         else:
             bank = self.w13 if part in EXPERT_PARTS else self.b13
             assert bank is not None
-            dest = bank.data[expert].narrow(0, 0 if part.startswith("gate") else local, local)
+            dest = bank.data[expert].narrow(0, 0 if part.startswith("gate") or not self.gated else local, local)
             _copy(dest, _kept(tensor, rows.full, rows.rows, 0, what), what)
 
     def forward(
@@ -279,9 +288,9 @@ class ParallelExperts(nn.Module):
         Tokens are grouped by expert: each expert that any token chose runs once over all of its tokens (one GEMM for
         gate/up, one for down), and adds its weighted output into theirs, experts in ascending order (as transformers
         sums them). `activation` maps the gate/up product `[M, 2I]` to `[M, I]` (the backend's `silu_and_mul`, or
-        gpt-oss's clamped SwiGLU). On CUDA the Triton fused-MoE kernel runs instead (`kernels.fused_moe`: the same
-        sums, each token's choices added in choice order)."""
-        if x.is_cuda:
+        gpt-oss's clamped SwiGLU; ungated, the up product `[M, I]` to `[M, I]`). On CUDA the Triton fused-MoE kernel
+        runs gated experts instead (`kernels.fused_moe`: the same sums, each token's choices added in choice order)."""
+        if x.is_cuda and self.gated:
             from kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
 
             return fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, activation)

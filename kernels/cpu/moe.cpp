@@ -12,7 +12,8 @@
 // activations quantized to 8 bits per group of 32), the k terms added in ascending expert order (as transformers
 // sums them). gpt-oss's experts: with `b13` [E, 2I] and `b2` [E, H]
 // (float32) each product adds its expert's bias, and with `swiglu_limit` > 0 the activation is its clamped SwiGLU
-// (`clamped_swiglu`, pointwise.cpp) of gate_e(x_t) + b13[e] and up's.
+// (`clamped_swiglu`, pointwise.cpp) of gate_e(x_t) + b13[e] and up's. Nemotron-H's ungated experts (`relu2`): w13
+// holds each expert's up rows alone ([E, I / 8, ...]) and the term is down_e(relu(up_e(x_t))²).
 //   - The (token, choice) pairs are sorted by expert (stable), x is quantized once and its rows gathered in that
 //     order, so each expert's rows are one run; every expert's gate/up then runs over its run, block by block of
 //     8 output features (pairs of blocks on AVX-512: avx512_tiles.h's `pair_rows`, lowbit_tiles.h's
@@ -427,13 +428,15 @@ inline void dot_tile(const float* x, int64_t x_stride, const float* w, int64_t k
 // on every call (`engine_server/host_memory.py`); each pass reads the experts' weights again, 1/8 of the work here.
 constexpr int64_t kPairsPerChunk = 4096;
 
-// What lies between and after an expert's two products: the activation (SiLU, GELU's tanh form, or gpt-oss's
-// clamped SwiGLU where `swiglu_limit` > 0) and the biases, if any (`b13` [E, 2I], `b2` [E, H]).
+// What lies between and after an expert's two products: the activation (SiLU, GELU's tanh form, gpt-oss's clamped
+// SwiGLU where `swiglu_limit` > 0, or with `relu2` relu(up)² of an ungated expert's up rows alone) and the biases, if
+// any (`b13` [E, 2I], `b2` [E, H]).
 struct ExpertActivation {
   bool gelu;
   double swiglu_alpha, swiglu_limit;
   const float* b13;
   const float* b2;
+  bool relu2;
 };
 
 // rows [pairs, width], sorted by expert (`start[e]`: where expert e's run begins), each plus its expert's row of
@@ -456,7 +459,7 @@ void add_expert_bias(float* rows, const std::vector<int64_t>& start, const float
 void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights, int64_t top_k, const Bank& gate_up,
                 const Bank& down, const ExpertActivation& act, float* out) {
   const int64_t tokens = x.size(0), hidden = x.size(1), pairs = tokens * top_k;
-  const int64_t num_experts = gate_up.experts, intermediate = gate_up.n_rows / 2;
+  const int64_t num_experts = gate_up.experts, intermediate = act.relu2 ? gate_up.n_rows : gate_up.n_rows / 2;
   // The pairs sorted by expert, stably: sorted[p] is pair t * k + j; start[e] is where expert e's run begins.
   std::vector<int64_t> start(num_experts + 1, 0);
   for (int64_t p = 0; p < pairs; ++p) ++start[chosen[p] + 1];
@@ -469,13 +472,14 @@ void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights
   }
 
   const QuantizedRows rows = gather_rows(quantize_rows(x), token_of, x);
-  at::Tensor hidden_rows = at::empty({pairs, 2 * intermediate}, x.options());
+  at::Tensor hidden_rows = at::empty({pairs, gate_up.n_rows}, x.options());
   run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
   if (act.b13 != nullptr) add_expert_bias(hidden_rows.data_ptr<float>(), start, act.b13, 2 * intermediate);
   const QuantizedRows activated = quantize_rows(
-      act.swiglu_limit > 0 ? ladle_cpu::clamped_swiglu(hidden_rows, act.swiglu_alpha, act.swiglu_limit)
-      : act.gelu           ? ladle_cpu::gelu_tanh_and_mul(hidden_rows)
-                           : ladle_cpu::silu_and_mul(hidden_rows));
+      act.relu2              ? hidden_rows.relu().square()
+      : act.swiglu_limit > 0 ? ladle_cpu::clamped_swiglu(hidden_rows, act.swiglu_alpha, act.swiglu_limit)
+      : act.gelu             ? ladle_cpu::gelu_tanh_and_mul(hidden_rows)
+                             : ladle_cpu::silu_and_mul(hidden_rows));
   at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
   const float* y = expert_out.data_ptr<float>();
   run_bank(activated, start, down, expert_out.data_ptr<float>());
@@ -505,7 +509,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
                       const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w13_mins,
                       const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
                       int64_t intermediate, bool gelu, const std::optional<at::Tensor>& b13,
-                      const std::optional<at::Tensor>& b2, double swiglu_alpha, double swiglu_limit) {
+                      const std::optional<at::Tensor>& b2, double swiglu_alpha, double swiglu_limit, bool relu2) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous [T, H] float32 tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -518,7 +522,10 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
               "H (%lld) and I (%lld) must be multiples of 32", static_cast<long long>(hidden),
               static_cast<long long>(intermediate));
   const int64_t num_experts = w13.size(0), top_k = experts.size(1), pairs = tokens * top_k;
-  const Bank gate_up = check_bank(w13, w13_scales, w13_mins, num_experts, hidden, 2 * intermediate, "w13");
+  LADLE_CHECK(!relu2 || (!b13.has_value() && swiglu_limit <= 0 && !gelu),
+              "relu2 experts take no bias and no other activation");
+  const Bank gate_up =
+      check_bank(w13, w13_scales, w13_mins, num_experts, hidden, (relu2 ? 1 : 2) * intermediate, "w13");
   const Bank down = check_bank(w2, w2_scales, w2_mins, num_experts, intermediate, hidden, "w2");
   for (const auto& [bias, width, what] : {std::tuple{&b13, 2 * intermediate, "b13"}, std::tuple{&b2, hidden, "b2"}}) {
     LADLE_CHECK(!bias->has_value() || ((*bias)->dim() == 2 && (*bias)->size(0) == num_experts &&
@@ -527,7 +534,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
                 "%s must be a contiguous [E, %lld] float32 tensor", what, static_cast<long long>(width));
   }
   const ExpertActivation act{gelu, swiglu_alpha, swiglu_limit, b13 ? b13->data_ptr<float>() : nullptr,
-                             b2 ? b2->data_ptr<float>() : nullptr};
+                             b2 ? b2->data_ptr<float>() : nullptr, relu2};
   const int64_t* chosen = experts.data_ptr<int64_t>();
   for (int64_t p = 0; p < pairs; ++p) {
     LADLE_CHECK(chosen[p] >= 0 && chosen[p] < num_experts, "expert id %lld is not in 0..%lld",
@@ -581,7 +588,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "moe_packed(Tensor x, Tensor experts, Tensor weights, Tensor w13, Tensor w13_scales, Tensor w13_mins, "
       "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate, bool gelu=False, Tensor? b13=None, "
-      "Tensor? b2=None, float swiglu_alpha=0., float swiglu_limit=0.) -> Tensor");
+      "Tensor? b2=None, float swiglu_alpha=0., float swiglu_limit=0., bool relu2=False) -> Tensor");
   m.def("rowwise_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("moe_packed", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::moe_packed));
   m.impl("rowwise_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rowwise_linear));

@@ -50,7 +50,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
                       const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
                       int64_t intermediate, bool gelu = false, const std::optional<at::Tensor>& b13 = std::nullopt,
                       const std::optional<at::Tensor>& b2 = std::nullopt, double swiglu_alpha = 0.,
-                      double swiglu_limit = 0.);
+                      double swiglu_limit = 0., bool relu2 = false);
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots);
 void lora_expand(const at::Tensor& out, const at::Tensor& y, const at::Tensor& b, const at::Tensor& slots);

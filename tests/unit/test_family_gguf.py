@@ -399,11 +399,14 @@ def exact_then_served(tmp_path: Path, family: str, **overrides: Any) -> tuple[Pa
     return gguf, layers, result
 
 
-def written_and_converted(tmp_path: Path, family: str, **overrides: Any) -> tuple[Path, list[list[int]]]:
-    """`exact_then_served`'s file, converted and checked against the saved model (`converted_as_saved`), and
-    transformers' greedy tokens on the engine tests' `prompts()`, which its float path must give."""
+def written_and_converted(
+    tmp_path: Path, family: str, feed_forward: GGMLQuantizationType = GGMLQuantizationType.Q4_0, **overrides: Any
+) -> tuple[Path, list[list[int]]]:
+    """`exact_then_served`'s file (its MLP in `feed_forward`'s type), converted and checked against the saved model
+    (`converted_as_saved`), and transformers' greedy tokens on the engine tests' `prompts()`, which its float path
+    must give."""
     folder = save_family(tmp_path / "hf", family, head_spread=0.5, **overrides)
-    gguf = write_gguf(folder, tmp_path / f"{family}.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    gguf = write_gguf(folder, tmp_path / f"{family}.gguf", feed_forward, GGMLQuantizationType.Q8_0)
     _, expected = converted_as_saved(folder, gguf)
     return gguf, expected
 

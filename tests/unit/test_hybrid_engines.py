@@ -184,7 +184,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
         torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h"])
+@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe"])
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
     transcendental op by row, the shared expert's gate too; LFM2's convolutions elementwise): each prompt's tokens and

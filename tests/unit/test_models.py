@@ -263,6 +263,17 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"layers_block_type": ["mamba", "mlp", "mamba", "attention", "mlp", "mamba"], "head_dim": 16,
          "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "pad_token_id": 0},
     ),
+    # Nemotron 3 (Nano's form): those blocks with experts (E) after the mixers, top-2 of 8 ungated relu² experts in 2
+    # groups (1 chosen) by sigmoid scores and a routing bias, renormalised, scaled by 2.5, beside a relu² shared expert;
+    # an MLP block (-) after one mixer, and a mixer alone.
+    "nemotron-h-moe": (
+        transformers.NemotronHConfig,
+        {"layers_block_type": ["mamba", "moe", "attention", "mlp", "mamba", "moe", "mamba"], "head_dim": 16,
+         "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "n_routed_experts": 8,
+         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
+         "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+         "pad_token_id": 0},
+    ),
     # Gemma 4: windowed layers 16 wide, full-attention ones 32 wide with one KV head, values from the keys'
     # projection and proportional rope; the fourth layer attends over the second's K/V (its MLP twice as wide);
     # per-layer inputs 8 wide; logits soft-capped.
@@ -353,7 +364,7 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight",
                                 "feed_forward.router.weight", "feed_forward.gate.weight",
-                                "block_sparse_moe.router.weight")):
+                                "block_sparse_moe.router.weight", "mixer.gate.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
@@ -757,8 +768,8 @@ def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_b
 def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not_built() -> None:
     """Nemotron Nano 2's released config.json keys (its `hybrid_override_pattern` of M, - and * blocks) and transformers
     5's own dict of it (`layers_block_type`) read the same: a Mamba-2 or attention block and the MLP after it are one
-    layer, a mixer followed by another mixer a layer without an MLP; every attention layer without rope. Experts (E),
-    an MLP after no mixer, biases, a window and a clamped time step are refused by name."""
+    layer, a mixer followed by another mixer a layer without an MLP; every attention layer without rope. Latent expert
+    projections, an MLP after no mixer, biases, a window and a clamped time step are refused by name."""
     released = {**SMALL, "model_type": "nemotron_h", "hybrid_override_pattern": "M-MM*-M-", "num_hidden_layers": 8,
                 "head_dim": 16, "attention_head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16,
                 "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "use_conv_bias": True, "mlp_hidden_act": "relu2",
@@ -771,7 +782,8 @@ def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not
     assert config.mamba2 is not None and config.mamba2.layers == (0, 1, 2, 4) and config.mlp_free_layers == (1, 2)
     assert (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.groups) == (8, 16, 2)
     assert config.nope_layers == tuple(range(5)) and config.hidden_act == "relu2" and config.rms_norm_eps == 1e-5
-    for changed, refusal in (({"hybrid_override_pattern": "M-*E"}, "mixture-of-experts blocks"),
+    for changed, refusal in (({"hybrid_override_pattern": "M-*E", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                               "moe_latent_size": 16}, "moe_latent_size"),
                              ({"hybrid_override_pattern": "-M*"}, "block 0 is an MLP that follows no"),
                              ({"hybrid_override_pattern": "M--*"}, "block 2 is an MLP that follows no"),
                              ({"hybrid_override_pattern": "M-M-"}, "a hybrid of Mamba-2 and attention"),

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from engine_server.loader import resolve_model
 from tests.unit.test_family_gguf import (
@@ -20,6 +21,7 @@ from tests.unit.test_family_gguf import (
     float_reference,
     keep_stored_weights,
     served_candidate,
+    served_from_blocks,
     written_and_converted,
 )
 
@@ -114,6 +116,8 @@ def test_a_granite_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
 
 # A Nemotron-H file states no context (2^20, as its converter writes): read as Nemotron Nano 2's 131,072.
 NEMOTRON_H_GGUF: dict[str, Any] = {"max_position_embeddings": 131072}
+# Nemotron 3's experts in one group, as released (its converter writes no count of groups used).
+NEMOTRON_3_GGUF: dict[str, Any] = {**NEMOTRON_H_GGUF, "n_group": 1, "topk_group": 1}
 
 
 def test_a_nemotron_h_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
@@ -137,3 +141,18 @@ def test_a_nemotron_h_gguf_is_exact_on_the_float_path_and_served_from_its_blocks
     rank0 = torch.cat([z[:64], x[:64], b[:16], c[:16], dt[:2]])
     assert torch.equal(stored["model.layers.0.self_attn.in_proj"].dequantize(), rank0)
     assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
+
+
+def test_a_nemotron_3_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """A `nemotron_h_moe` file (Nemotron 3's: experts blocks, each layer's ungated experts as `ffn_up_exps` and
+    `ffn_down_exps` banks, the router `ffn_gate_inp` and its bias `exp_probs_b`, the shared expert `_shexp`; one group
+    of experts, as released): converted, it is the saved model and its float path equals transformers token for
+    token; served from its blocks (the experts' banks in the C++ expert kernel, relu² between), it holds the
+    thresholds. Its MLPs are Q8_0 here: this random model's routing (top-2 of 8 by sigmoid scores a +-0.3 bias apart,
+    scaled by 2.5, relu² after) turns on 4-bit noise, 93.75% / 0.020 with Q4_0 experts, 0.004 at a scale of 1
+    (the relu² kernel's Q4_0 banks: tests/unit/kernels/test_quant_moe.py)."""
+    gguf, expected = written_and_converted(tmp_path, "nemotron-h-moe", GGMLQuantizationType.Q8_0, **NEMOTRON_3_GGUF)
+    layers, result = served_from_blocks(gguf, expected=expected)
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q8_32"] * 2, layers
+    assert layers["model.layers.0.mlp.shared_expert.up_proj"] == "q8", layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result

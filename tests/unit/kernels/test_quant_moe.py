@@ -69,12 +69,12 @@ def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
 
 def reference_moe(
     bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gelu: bool = False,
-    swiglu: tuple[float, float] | None = None,
+    swiglu: tuple[float, float] | None = None, relu2: bool = False,
 ) -> torch.Tensor:
     gate_up, down = [product(w) for w in bank.gate_up], [product(w) for w in bank.down]
     return reference.quantized_moe(
         x, lambda e, rows: gate_up[e](e, rows), lambda e, rows: down[e](e, rows), weights, chosen, gelu,
-        bank.b13, bank.b2, swiglu,
+        bank.b13, bank.b2, swiglu, relu2,
     )  # fmt: skip
 
 
@@ -168,6 +168,22 @@ def test_gpt_oss_experts_match_the_reference_and_not_the_plain_ones(gate_up: str
     for other in (reference_moe(plain, x, weights, chosen, swiglu=(1.702, 2.0)), reference_moe(bank, x, weights,
                                                                                                  chosen)):
         assert (together - other).abs().max() > 1e-2
+    for t in (0, 7, 18):
+        assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
+
+
+@pytest.mark.parametrize(("up", "down"), [("q8", "q8"), ("q4", "q4"), ("q4_k", "q6_k")])
+def test_relu2_experts_match_the_reference(up: str, down: str) -> None:
+    """Nemotron-H's ungated experts (`QuantizedExperts(relu2=True)`: each expert's up rows alone, `down(relu(up)²)`),
+    to float32 rounding; a token's result alone equals its result in the batch, bit for bit."""
+    gen = torch.Generator().manual_seed(47)
+    ups = [random_weight(up, 256, 256, gen) for _ in range(5)]
+    bank = ExpertWeights(tuple(ups), tuple(random_weight(down, 256, 256, gen) for _ in range(5)))
+    layer = QuantizedExperts(bank, relu2=True)
+    x = torch.randn(19, 256, generator=gen)
+    weights, chosen = routing(19, 5, 2, gen)
+    together = layer(x, weights, chosen)
+    torch.testing.assert_close(together, reference_moe(bank, x, weights, chosen, relu2=True), atol=2e-4, rtol=1e-4)
     for t in (0, 7, 18):
         assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
 
