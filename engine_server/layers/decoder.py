@@ -30,7 +30,8 @@ from kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache,
 class DecoderLayer(nn.Module):
     """`h += attn(norm(h)); h += mlp(norm(h))`, with the residual adds fused into the following norm. The MLP is a
     mixture of experts where the config says so for layer `index` (`ModelConfig.is_moe_layer`), else dense; a layer
-    of Nemotron-H's may have none (`ModelConfig.has_mlp`: `h += attn(norm(h))` alone, `mlp` and its norm None)."""
+    of Nemotron-H's may have none (`ModelConfig.has_mlp`: `h += attn(norm(h))` alone, `mlp` None and no
+    post-attention norm)."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0

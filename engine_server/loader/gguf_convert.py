@@ -35,7 +35,7 @@ from engine_server.loader.gguf_blocks import dequantize_blocks
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
-from engine_server.loader.gguf_metadata import gguf_pooling, hf_config_from_gguf
+from engine_server.loader.gguf_metadata import GgufFile, gguf_pooling, hf_config_from_gguf
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
 from engine_server.pooling.params import write_sentence_transformers_pooling
 from kernels.reference import unpermute_rope_rows
@@ -532,7 +532,7 @@ def indexed_tensors(gguf_path: Path, converted: Path | None = None) -> list[Inde
     (no parse of the file's metadata), else by gguf's reader."""
     index = None if converted is None else converted / TENSOR_INDEX
     if index is None or not index.is_file():
-        return [IndexedTensor(t.name, t.tensor_type, t.data) for t in GGUFReader(gguf_path).tensors]
+        return [IndexedTensor(t.name, t.tensor_type, t.data) for t in GgufFile(gguf_path).tensors]
     mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     tensors = []
     for entry in json.loads(index.read_text(encoding="utf-8")):
@@ -774,7 +774,7 @@ def convert_gguf(gguf_path: Path, folder: Path, spec: str) -> None:
     embedding model's pooling as a sentence-transformers configuration (`engine_server.pooling`) and the file's
     `TENSOR_INDEX`; no weights (module docstring). ValueError naming `spec` for a tensor whose name or type could
     not be read, found now rather than at a load."""
-    reader = GGUFReader(gguf_path)
+    reader = GgufFile(gguf_path)
     config = hf_config_from_gguf(reader, spec)
     check_tensor_types(reader.tensors, spec)
     for _ in iter_hf_tensors(reader.tensors, config, spec, lazy=True):  # every tensor's name known, none read

@@ -1,5 +1,6 @@
-"""NVIDIA's Nemotron-H (Nemotron-H, Nemotron Nano 2): hybrids of Mamba-2 (`layers.mamba2`), attention without rope
-and ungated relu² MLPs, one of them per checkpoint block, read as this engine's pre-norm layers."""
+"""NVIDIA's Nemotron-H (Nemotron-H, Nemotron Nano 2, Nemotron 3): hybrids of Mamba-2 (`layers.mamba2`), attention
+without rope and ungated relu² MLPs or experts, one of them per checkpoint block, read as this engine's pre-norm
+layers."""
 
 from __future__ import annotations
 

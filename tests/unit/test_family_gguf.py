@@ -33,7 +33,7 @@ from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
 from engine_server.loader import resolve_model
 from engine_server.loader.gguf_convert import hf_expert_slices, iter_hf_tensors
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
-from engine_server.loader.gguf_metadata import hf_config_from_gguf
+from engine_server.loader.gguf_metadata import GgufFile, hf_config_from_gguf
 from engine_server.loader.gguf_quant import stored_matrices
 from engine_server.quantization import StoredBank, stored_weights
 from tests.families import float_checkpoint, save_family, write_gguf
@@ -66,7 +66,7 @@ def metadata_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return GGUFReader(str(path))
+    return GgufFile(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +339,7 @@ def test_a_moe_gguf_with_k_quant_experts_is_served_from_their_blocks(
         f"model.layers.{layer}.mlp.experts": f"experts_{gate_up.name.lower()}+{down.name.lower()}_256"
         for layer, (gate_up, down) in enumerate(experts)
     }, layers
-    tensors = {tensor.name: tensor for tensor in GGUFReader(str(gguf)).tensors}
+    tensors = {tensor.name: tensor for tensor in GgufFile(str(gguf)).tensors}
 
     def file_weights(name: str) -> torch.Tensor:  # [experts, rows, columns], as the gguf package dequantizes them
         tensor = tensors[name]
@@ -481,7 +481,7 @@ def test_a_glm4_moe_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(t
     experts' outputs scaled by 2.5, GLM-4.5's `routed_scaling_factor`, move this random model's next layers more than
     other families' do: with a scale of 1 its Q8_0 file gives 99.0% / 0.0016, at 2.5 93.8% / 0.0043)."""
     gguf, layers, result = exact_then_served(tmp_path, "glm4-moe", **GLM4_MOE_GGUF)
-    assert {t.name for t in GGUFReader(gguf).tensors} >= {"blk.4.nextn.eh_proj.weight", "blk.4.ffn_gate_exps.weight"}
+    assert {t.name for t in GgufFile(gguf).tensors} >= {"blk.4.nextn.eh_proj.weight", "blk.4.ffn_gate_exps.weight"}
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
     assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
@@ -551,11 +551,11 @@ def test_a_deepseek2_gguf_with_kv_b_whole_reads_as_its_split_form(tmp_path: Path
                        types=plain)  # fmt: skip
     whole = write_gguf(folder, tmp_path / "whole.gguf", GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q8_0,
                        types=plain, joined_kv_b=True)  # fmt: skip
-    assert "blk.0.attn_kv_b.weight" in {t.name for t in GGUFReader(whole).tensors}
-    assert "blk.0.attn_k_b.weight" in {t.name for t in GGUFReader(split).tensors}
+    assert "blk.0.attn_kv_b.weight" in {t.name for t in GgufFile(whole).tensors}
+    assert "blk.0.attn_k_b.weight" in {t.name for t in GgufFile(split).tensors}
     converted = {}
     for gguf in (split, whole):  # the config and tensors a conversion reads (the tokenizer is the same vocabulary)
-        reader = GGUFReader(gguf)
+        reader = GgufFile(gguf)
         config = hf_config_from_gguf(reader, gguf.name)
         converted[gguf.stem] = (config, dict(iter_hf_tensors(reader.tensors, config, gguf.name)))
     assert converted["split"][0] == converted["whole"][0]
@@ -689,7 +689,7 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_exact_on_the_float_path_and_served
     folder = save_family(tmp_path / "hf", "gpt-oss", head_spread=1.0, **GPT_OSS_GGUF)
     gguf = write_gguf(folder, tmp_path / "gpt-oss.gguf", GGMLQuantizationType.MXFP4, GGMLQuantizationType.Q8_0)
     converted, expected = converted_as_saved(folder, gguf)
-    bank = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.1.ffn_gate_exps.weight")
+    bank = next(t for t in GgufFile(gguf).tensors if t.name == "blk.1.ffn_gate_exps.weight")
     gate = torch.from_numpy(dequantize(bank.data, bank.tensor_type))  # [E, I, H], the MXFP4 values
     assert torch.equal(converted["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2], gate.transpose(1, 2))
     with engine(gguf) as llm:
@@ -741,7 +741,7 @@ def test_a_moe_gguf_with_fused_gate_up_banks_reads_as_its_split_form(tmp_path: P
     experts = GGMLQuantizationType.MXFP4 if family == "gpt-oss" else GGMLQuantizationType.Q4_0
     split = write_gguf(folder, tmp_path / "split.gguf", experts, GGMLQuantizationType.Q8_0)
     fused = write_gguf(folder, tmp_path / "fused.gguf", experts, GGMLQuantizationType.Q8_0, fuse_gate_up_exps=True)
-    names = {t.name.split(".")[2] for t in GGUFReader(fused).tensors if t.name.endswith("_exps.weight")}
+    names = {t.name.split(".")[2] for t in GgufFile(fused).tensors if t.name.endswith("_exps.weight")}
     assert names == {"ffn_gate_up_exps", "ffn_down_exps"}, names
     split_source, fused_source = resolve_model(str(split)), resolve_model(str(fused))
     assert fused_source.config == replace(split_source.config, name=fused_source.config.name)
@@ -754,8 +754,10 @@ def test_a_moe_gguf_with_fused_gate_up_banks_reads_as_its_split_form(tmp_path: P
     shape = {"model_type": model_type, "num_heads": config.num_attention_heads, "rotary_dim": config.rotary_dim,
              "num_kv_heads": config.num_key_value_heads,
              "hybrid": HybridShape.from_config(converted, model_type) if model_type in TILED_VALUE_HEADS else None}
-    split_experts, fused_experts = ({name: matrix for name, matrix in stored_matrices(gguf, **shape).items()
-                                     if ".experts." in name} for gguf in (split, fused))  # fmt: skip
+    split_experts, fused_experts = ({name: matrix for name, matrix in stored_matrices(gguf, converted=source.path,
+                                                                                      **shape).items()
+                                     if ".experts." in name}
+                                    for gguf, source in ((split, split_source), (fused, fused_source)))  # fmt: skip
     assert split_experts and fused_experts.keys() == split_experts.keys()
     for name, matrix in split_experts.items():
         assert fused_experts[name].kind == matrix.kind, name
