@@ -14,12 +14,14 @@ and a concurrent converter of the same file simply loses the rename race.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -737,21 +739,42 @@ def write_sharded_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], folde
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
+# Held while transformers parses a file with `GgufFile` in gguf's reader's place (`_gguf_parsed_fast`).
+_READER_SWAP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_fast() -> Iterator[None]:
+    """transformers parses the file again with gguf's reader, once for its config and once for its tokenizer (2 s
+    each for the embedded model's vocabulary); inside this block gguf's reader is `GgufFile`, which reads every field
+    the same, ~3x faster. One block at a time (threads wait on `_READER_SWAP`), gguf's own reader back after it."""
+    import gguf
+
+    with _READER_SWAP:
+        original = gguf.GGUFReader
+        gguf.GGUFReader = GgufFile  # type: ignore[misc]
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original  # type: ignore[misc]
+
+
 def save_gguf_tokenizer(gguf_path: Path, folder: Path, config: dict[str, Any], spec: str) -> None:
     """Build the tokenizer (and chat template) from GGUF metadata with transformers and save it."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy import, only on the cold path
 
     try:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-            )
-        except Exception:  # transformers raises many types for a config it cannot read
-            # transformers reads no config from this file (qwen3next's architecture; Gemma 4's per-layer MLP
-            # widths): the tokenizer is built from the file's tokenizer.ggml.* keys alone, as AutoTokenizer's is.
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(
-                str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-            )
+        with _gguf_parsed_fast():
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(
+                    str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+                )
+            except Exception:  # transformers raises many types for a config it cannot read
+                # transformers reads no config from this file (qwen3next's architecture; Gemma 4's per-layer MLP
+                # widths): the tokenizer is built from the file's tokenizer.ggml.* keys alone, as AutoTokenizer's is.
+                tokenizer = PreTrainedTokenizerFast.from_pretrained(
+                    str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+                )
     except Exception as exc:  # transformers raises many types for a missing or odd vocabulary
         raise ValueError(f"model {spec!r}: cannot build a tokenizer from the GGUF metadata: {exc}") from exc
     tokenizer.model_max_length = config["max_position_embeddings"]

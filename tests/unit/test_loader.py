@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGUFWriter, PoolingType
+from gguf import GGUFReader, GGUFWriter, PoolingType
 
 from engine_server.attention_metadata import kv_cache_bytes_per_block
 from engine_server.config import ModelConfig, RopeScaling
@@ -26,7 +26,7 @@ from engine_server.loader import (
     write_float_checkpoint,
 )
 from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, INIT_STD, random_tensor
-from engine_server.loader.gguf_metadata import llama3_rope_factors
+from engine_server.loader.gguf_metadata import GgufFile, llama3_rope_factors
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
 from engine_server.tokenizer.loading import load_tokenizer
@@ -510,3 +510,16 @@ def test_bad_specs_raise_value_error_naming_the_spec(tmp_path: Path, cache_dir: 
         assert repr(spec) in str(info.value)
     with pytest.raises(ValueError, match=r"GGUF metadata lacks llama\.embedding_length"):
         resolve_model(str(tmp_path / "bare.gguf"), cache_dir=cache_dir)
+
+
+def test_gguf_file_reads_every_field_and_tensor_as_ggufs_reader() -> None:
+    """`GgufFile` (gguf's reader over a plain array of the file's pages, the converter's) gives every metadata value
+    of the embedded model (its 49,152 tokens and 48,900 merges too) and every tensor as gguf's own reader does."""
+    theirs, ours = GGUFReader(default_gguf_path()), GgufFile(default_gguf_path())
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+    described = [(t.name, t.tensor_type, t.data.shape, t.data_offset, t.n_bytes) for t in theirs.tensors]
+    assert [(t.name, t.tensor_type, t.data.shape, t.data_offset, t.n_bytes) for t in ours.tensors] == described
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
+    assert not ours.tensors[0].data.flags.writeable  # the file's pages, read-only
