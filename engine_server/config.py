@@ -55,8 +55,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
     "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
     "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
-    # NVIDIA's Nemotron-H and Nemotron Nano 2: one sublayer per block (Mamba-2, attention without rope, or an ungated
-    # relu² MLP), read as pre-norm layers of a mixer and the MLP after it (`nemotron_blocks`).
+    # NVIDIA's Nemotron-H, Nemotron Nano 2 and Nemotron 3: one sublayer per block (Mamba-2, attention without rope, an
+    # ungated relu² MLP or relu² experts), read as pre-norm layers of a mixer and the MLP after it (`nemotron_blocks`).
     "nemotron_h": "nemotron_h",
     "qwen3_next": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
@@ -418,8 +418,8 @@ class ModelConfig:
     # Granite 4.0's and Nemotron-H's hybrids: `mamba2.layers` run Mamba-2 (a state per sequence, no KV cache).
     mamba2: Mamba2 | None = None
     # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
-    # Mamba-2, "*" attention, "-" MLP), which `nemotron_blocks` pairs into this config's layers; the layers without
-    # an MLP (a mixer not followed by one) are `mlp_free_layers`.
+    # Mamba-2, "*" attention, "-" MLP, "E" Nemotron 3's experts), which `nemotron_blocks` pairs into this config's
+    # layers; the layers without an MLP (a mixer not followed by one) are `mlp_free_layers`.
     block_pattern: str = ""
     mlp_free_layers: tuple[int, ...] = ()
     # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
@@ -912,7 +912,7 @@ def nemotron_blocks(pattern: str) -> tuple[tuple[int, int | None], ...]:
                              f"(pattern {pattern!r}): not supported")  # fmt: skip
         else:
             raise ValueError(f"nemotron_h block {block} of kind {kind!r} (pattern {pattern!r}) is not supported: "
-                             "M (Mamba-2), * (attention) and - (MLP) are")  # fmt: skip
+                             "M (Mamba-2), * (attention), - (MLP) and E (experts) are")  # fmt: skip
     return tuple(layers)
 
 

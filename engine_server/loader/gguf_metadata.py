@@ -246,8 +246,8 @@ def _granite_config(
     }
 
 
-# A `nemotron_h` file's blocks by the tensor each kind has: Mamba-2's input projection, attention's queries, the MLP's
-# up projection, or experts (Nemotron 3's, then refused by `config`); their characters in Nemotron-H's pattern.
+# A `nemotron_h` / `nemotron_h_moe` file's blocks by the tensor each kind has: Mamba-2's input projection, attention's
+# queries, the MLP's up projection, or the experts' bank (Nemotron 3's); their characters in Nemotron-H's pattern.
 _NEMOTRON_BLOCK_TENSORS = {"ssm_in": "M", "attn_q": "*", "ffn_up": "-", "ffn_up_exps": "E"}
 
 
@@ -267,7 +267,8 @@ def _nemotron_h_config(
     for block in range(blocks):
         kinds = [kind for tensor, kind in _NEMOTRON_BLOCK_TENSORS.items() if f"blk.{block}.{tensor}.weight" in tensors]
         if len(kinds) != 1:
-            raise ValueError(f"model {spec!r}: nemotron_h block {block} is not one Mamba-2, attention or MLP block")
+            raise ValueError(f"model {spec!r}: nemotron_h block {block} is not one Mamba-2, attention, MLP or "
+                             "experts block")  # fmt: skip
         pattern += kinds[0]
     heads, inner = int(required("ssm.time_step_rank")), int(required("ssm.inner_size"))
     if "M" not in pattern or inner % heads:
