@@ -377,9 +377,9 @@ def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) 
         return None  # Gemma 4's banks load whole (`_GEMMA4_BARE`), as transformers holds them
     pattern, projections = _EXPERT_NAMES.get(architecture, _QWEN_EXPERT_NAMES)
     layer, param = match.group(1), match.group(3)
+    layers = _LAYERS_PREFIX.get(architecture, "model.layers.")
 
     def name_of(expert: int, part: str) -> str:
-        layers = _LAYERS_PREFIX.get(architecture, "model.layers.")
         return f"{layers}{layer}.{pattern.format(expert=expert, proj=projections[part])}.{param}"
 
     return bank_slices(gguf_name, shape, _EXPERT_BANKS[match.group(2)], name_of)

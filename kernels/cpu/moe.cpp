@@ -476,7 +476,7 @@ void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights
   run_bank(rows, start, gate_up, hidden_rows.data_ptr<float>());
   if (act.b13 != nullptr) add_expert_bias(hidden_rows.data_ptr<float>(), start, act.b13, 2 * intermediate);
   const QuantizedRows activated = quantize_rows(
-      act.relu2              ? hidden_rows.relu().square()
+      act.relu2              ? hidden_rows.relu_().square_()
       : act.swiglu_limit > 0 ? ladle_cpu::clamped_swiglu(hidden_rows, act.swiglu_alpha, act.swiglu_limit)
       : act.gelu             ? ladle_cpu::gelu_tanh_and_mul(hidden_rows)
                              : ladle_cpu::silu_and_mul(hidden_rows));
