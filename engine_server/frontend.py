@@ -238,9 +238,10 @@ class InputProcessor:
             constraint = forced_call_constraint(prompt.tools, choice, self.tool_template.format)
             params = dataclasses.replace(params, constraint=constraint)
         parsing = tool_parsing(prompt.tools, choice, self.tool_template)
-        if parsing is not None and parsing.format in (ToolFormat.MISTRAL, ToolFormat.MISTRAL_V11):
-            # Mistral's tokenizers hold [TOOL_CALLS] as a special token: decoded with the special tokens skipped,
-            # the calls' marker would vanish from the text (vLLM keeps them for this parser too).
+        if parsing is not None and parsing.format.keeps_special_tokens:
+            # Mistral's tokenizers hold [TOOL_CALLS] as a special token (DeepSeek, Kimi, GLM their markers): decoded
+            # with the special tokens skipped, the calls' markers would vanish from the text (vLLM keeps them for
+            # these parsers too).
             params = dataclasses.replace(params, skip_special_tokens=False)
         reasoning = reasoning_start(text) if self.splits_reasoning else None
         if reasoning is not None and params.constraint is not None and not params.constraint.after_reasoning:

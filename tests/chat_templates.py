@@ -433,3 +433,215 @@ GPT_OSS = FamilyTemplate(
     tool_cue="assistant",
     stops=("<|call|>",),
 )
+
+# GLM-4.5 / 4.6: `[gMASK]<sop>`, tools listed in a system turn that teaches `<tool_call>NAME` with `<arg_key>` and
+# `<arg_value>` lines, an answer opened by `<|assistant|>` and its reasoning `<think></think>`, calls written one
+# argument pair at a time (a string value as is, any other as JSON), results in one `<|observation|>` turn of
+# `<tool_response>` blocks. The generation prompt ends with `<|assistant|>`; the model writes its reasoning next.
+GLM45 = FamilyTemplate(
+    template="""\
+[gMASK]<sop>
+{%- if tools %}
+    {{- "<|system|>\\n# Tools\\n\\nYou may call one or more functions, listed in <tools></tools>:\\n<tools>\\n" }}
+    {%- for tool in tools %}{{- tool | tojson + "\\n" }}{%- endfor %}
+    {{- "</tools>\\n\\nWrite each function call in this XML format:\\n<tool_call>{function-name}\\n" }}
+    {{- "<arg_key>{arg-key-1}</arg_key>\\n<arg_value>{arg-value-1}</arg_value>\\n...\\n</tool_call>" }}
+{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == "user" %}{{- "<|user|>\\n" + m.content }}
+    {%- elif m.role == "system" %}{{- "<|system|>\\n" + m.content }}
+    {%- elif m.role == "assistant" %}
+        {{- "<|assistant|>\\n<think></think>" }}
+        {%- if m.content %}{{- "\\n" + m.content }}{%- endif %}
+        {%- for tc in m.tool_calls or [] %}
+            {{- "\\n<tool_call>" + tc.function.name + "\\n" }}
+            {%- for k, v in tc.function.arguments.items() %}
+                {{- "<arg_key>" + k + "</arg_key>\\n<arg_value>" + (v if v is string else v | tojson) }}
+                {{- "</arg_value>\\n" }}
+            {%- endfor %}
+            {{- "</tool_call>" }}
+        {%- endfor %}
+    {%- elif m.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{- "<|observation|>" }}{%- endif %}
+        {{- "\\n<tool_response>\\n" + m.content + "\\n</tool_response>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|assistant|>" }}{%- endif %}
+""",
+    special_tokens=("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<tool_call>",
+                    "</tool_call>", "<think>", "</think>"),
+    bos="<sop>",
+    eos="<|endoftext|>",
+    cue="<|assistant|>",
+    tool_cue="<|assistant|>",
+    stops=("<|user|>", "<|observation|>"),
+)
+
+# DeepSeek V3.1: the system prompt first, `<｜User｜>` and `<｜Assistant｜>` turns (`</think>` after the assistant
+# marker when not thinking), calls as a `<｜tool▁calls▁begin｜>` section of `NAME<｜tool▁sep｜>ARGUMENTS` calls with the
+# arguments joined to the text as the caller's JSON, results as `<｜tool▁output▁begin｜>` blocks; tools are not listed
+# (the engine's fallback prompt lists them, in the system turn). The generation prompt ends with `</think>`.
+DEEPSEEK_V31 = FamilyTemplate(
+    template="""\
+{%- set ns = namespace(system="", last_user=false) %}
+{%- for m in messages if m.role == "system" %}{%- set ns.system = ns.system + m.content %}{%- endfor %}
+{{- bos_token + ns.system }}
+{%- for m in messages %}
+    {%- if m.role == "user" %}
+        {%- set ns.last_user = true %}{{- "<｜User｜>" + m.content }}
+    {%- elif m.role == "assistant" %}
+        {%- if ns.last_user %}{{- "<｜Assistant｜></think>" }}{%- endif %}
+        {%- set ns.last_user = false %}
+        {%- if m.tool_calls %}
+            {{- (m.content or "") + "<｜tool▁calls▁begin｜>" }}
+            {%- for tool in m.tool_calls %}
+                {{- "<｜tool▁call▁begin｜>" + tool.function.name + "<｜tool▁sep｜>" + tool.function.arguments }}
+                {{- "<｜tool▁call▁end｜>" }}
+            {%- endfor %}
+            {{- "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>" }}
+        {%- else %}{{- m.content + "<｜end▁of▁sentence｜>" }}{%- endif %}
+    {%- elif m.role == "tool" %}
+        {%- set ns.last_user = false %}
+        {{- "<｜tool▁output▁begin｜>" + m.content + "<｜tool▁output▁end｜>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt and ns.last_user %}{{- "<｜Assistant｜></think>" }}{%- endif %}
+""",
+    special_tokens=("<｜User｜>", "<｜Assistant｜>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                    "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>",
+                    "<｜tool▁output▁end｜>"),
+    bos="<｜begin▁of▁sentence｜>",
+    eos="<｜end▁of▁sentence｜>",
+    cue="</think>",
+    tool_cue="<｜tool▁output▁end｜>",
+)
+
+# Kimi K2: tools declared as JSON in a `tool_declare` system turn, `<|im_user|>` / `<|im_assistant|>` / `<|im_system|>`
+# turns closed by `<|im_end|>`, calls as a `<|tool_calls_section_begin|>` section where each call is written by its
+# id (`functions.NAME:N`) and its arguments, results as `tool` turns naming the id they answer.
+KIMI_K2 = FamilyTemplate(
+    template="""\
+{%- if tools %}{{- "<|im_system|>tool_declare<|im_middle|>" + tools | tojson + "<|im_end|>" }}{%- endif %}
+{%- if messages[0].role != "system" %}
+    {{- "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>" }}
+{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == "user" %}{{- "<|im_user|>user<|im_middle|>" + m.content }}
+    {%- elif m.role == "assistant" %}
+        {{- "<|im_assistant|>assistant<|im_middle|>" + (m.content or "") }}
+        {%- if m.tool_calls %}
+            {{- "<|tool_calls_section_begin|>" }}
+            {%- for tool_call in m.tool_calls %}
+                {{- "<|tool_call_begin|>" + tool_call.id + "<|tool_call_argument_begin|>" }}
+                {{- tool_call.function.arguments | tojson + "<|tool_call_end|>" }}
+            {%- endfor %}
+            {{- "<|tool_calls_section_end|>" }}
+        {%- endif %}
+    {%- elif m.role == "tool" %}
+        {{- "<|im_system|>tool<|im_middle|>## Return of " + m.tool_call_id + "\\n" + m.content }}
+    {%- else %}{{- "<|im_system|>" + m.role + "<|im_middle|>" + m.content }}
+    {%- endif %}
+    {{- "<|im_end|>" }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|im_assistant|>assistant<|im_middle|>" }}{%- endif %}
+""",
+    special_tokens=("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                    "<|tool_call_end|>", "<|tool_call_argument_begin|>"),
+    bos="[BOS]",
+    eos="<|im_end|>",
+    cue="<|im_middle|>",
+    tool_cue="<|im_middle|>",
+)
+
+# MiniMax-M2: `]~!b[` then `]~b]ROLE` turns closed by `[e~[`, tools as `<tool>` JSON lines in the system turn with an
+# example `<minimax:tool_call>` block of `<invoke name=...>` calls, calls written the same way (a string value as is,
+# any other as JSON), results as `<response>` blocks of one `]~b]tool` turn; the generation prompt opens the
+# reasoning (`]~b]ai\n<think>\n`), so the reply is reasoning up to `</think>`.
+MINIMAX_M2 = FamilyTemplate(
+    template="""\
+{%- if messages[0].role == "system" %}
+    {%- set system_message = messages[0].content %}{%- set messages = messages[1:] %}
+{%- else %}{%- set system_message = "You are a helpful assistant." %}{%- endif %}
+{{- "]~!b[]~b]system\\n" + system_message }}
+{%- if tools %}
+    {{- "\\n\\n# Tools\\nThe tools you may call, in JSONSchema format:\\n\\n<tools>\\n" }}
+    {%- for tool in tools %}{{- "<tool>" + tool.function | tojson + "</tool>\\n" }}{%- endfor %}
+    {{- "</tools>\\n\\nCall tools in this XML format:\\n\\n<minimax:tool_call>\\n<invoke name=\\"tool-name-1\\">\\n" }}
+    {{- "<parameter name=\\"param-key-1\\">param-value-1</parameter>\\n...\\n</invoke>\\n</minimax:tool_call>" }}
+{%- endif %}
+{{- "[e~[\\n" }}
+{%- for m in messages %}
+    {%- if m.role == "assistant" %}
+        {{- "]~b]ai\\n" + (m.content or "") }}
+        {%- if m.tool_calls %}
+            {{- "\\n<minimax:tool_call>\\n" }}
+            {%- for tc in m.tool_calls %}
+                {{- "<invoke name=\\"" + tc.function.name + "\\">\\n" }}
+                {%- for k, v in tc.function.arguments.items() %}
+                    {{- "<parameter name=\\"" + k + "\\">" + (v if v is string else v | tojson) + "</parameter>\\n" }}
+                {%- endfor %}
+                {{- "</invoke>\\n" }}
+            {%- endfor %}
+            {{- "</minimax:tool_call>" }}
+        {%- endif %}
+        {{- "[e~[\\n" }}
+    {%- elif m.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}{{- "]~b]tool" }}{%- endif %}
+        {{- "\\n<response>" + m.content + "</response>" }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- "[e~[\\n" }}{%- endif %}
+    {%- else %}{{- "]~b]" + m.role + "\\n" + m.content + "[e~[\\n" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "]~b]ai\\n<think>\\n" }}{%- endif %}
+""",
+    special_tokens=("]~!b[", "]~b]", "<minimax:tool_call>", "</minimax:tool_call>"),
+    bos="]~!b[",
+    eos="[e~[",
+    cue="<think>\n",
+    tool_cue="<think>\n",
+)
+
+# Seed-OSS: `<seed:bos>ROLE\n ... <seed:eos>` turns, tools as Python signatures in the system turn with an example
+# `<seed:tool_call>` block, calls written as `<function=NAME>` of `<parameter=p>VALUE</parameter>` lines (a value
+# that is not a string written with `| string`), results as `tool` turns.
+SEED_OSS = FamilyTemplate(
+    template="""\
+{%- if messages[0].role == "system" %}
+    {%- set system_message = messages[0].content %}{%- set messages = messages[1:] %}
+{%- elif tools %}{%- set system_message = "You are Doubao, a helpful AI assistant." %}{%- endif %}
+{%- if system_message is defined %}{{- "<seed:bos>system\\n" + system_message }}{%- endif %}
+{%- for item in tools or [] %}
+    {{- "\\n\\nFunction:\\ndef " + item.function.name + "(" }}
+    {{- item.function.parameters.properties | list | join(", ") + "):\\n    \\"\\"\\"" + item.function.description }}
+    {{- "\\"\\"\\"" }}
+{%- endfor %}
+{%- if tools %}
+    {{- "\\n\\nCall a function in this format:\\n<seed:tool_call>\\n<function=example_function_name>\\n" }}
+    {{- "<parameter=example_parameter_1>value_1</parameter>\\n</function>\\n</seed:tool_call>\\n" }}
+{%- endif %}
+{%- if system_message is defined %}{{- "<seed:eos>" }}{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == "assistant" and m.tool_calls %}
+        {{- "<seed:bos>assistant" }}
+        {%- if m.content %}{{- "\\n" + m.content + "\\n" }}{%- endif %}
+        {%- for tool_call in m.tool_calls %}
+            {{- "\\n<seed:tool_call>\\n<function=" + tool_call.function.name + ">\\n" }}
+            {%- for arg_name, arg_value in tool_call.function.arguments | items %}
+                {{- "<parameter=" + arg_name + ">" + (arg_value if arg_value is string else arg_value | string) }}
+                {{- "</parameter>\\n" }}
+            {%- endfor %}
+            {{- "</function>\\n</seed:tool_call>" }}
+        {%- endfor %}
+        {{- "<seed:eos>" }}
+    {%- else %}{{- "<seed:bos>" + m.role + "\\n" + m.content + "<seed:eos>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<seed:bos>assistant\\n" }}{%- endif %}
+""",
+    special_tokens=("<seed:tool_call>", "</seed:tool_call>", "<seed:think>", "</seed:think>"),
+    bos="<seed:bos>",
+    eos="<seed:eos>",
+    cue="\n",
+    tool_cue="\n",
+)

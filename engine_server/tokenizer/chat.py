@@ -49,21 +49,25 @@ class ChatTool:
     parameters: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _arguments(raw: str) -> Any:
-    # Templates index into the arguments (e.g. `tool_call.arguments | tojson`), so give them the parsed object.
+def _arguments(call: ChatToolCall, as_text: bool) -> Any:
+    """A call's arguments for the template: the caller's JSON text `as_text`, else the parsed object, which
+    templates index into (e.g. `tool_call.arguments | tojson`), or the text when it is not JSON."""
+    raw = call.arguments_json
+    if as_text:
+        return raw or "{}"
     try:
         return json.loads(raw) if raw else {}
     except json.JSONDecodeError:
         return raw
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, text_arguments: bool = False) -> dict[str, Any]:
     if message.role not in CHAT_ROLES:
         raise ValidationError(f"unknown chat role {message.role!r}; expected one of {sorted(CHAT_ROLES)}", "messages")
     out: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments_json)}}
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c, text_arguments)}}
             for c in message.tool_calls
         ]
     if message.tool_call_id:
@@ -101,14 +105,28 @@ def render_chat(
         {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
         for t in tools
     ]
-    try:
-        text = tokenizer.apply_chat_template(
-            [_message_dict(m) for m in messages],
+
+    def apply(text_arguments: bool) -> Any:
+        return tokenizer.apply_chat_template(
+            [_message_dict(m, text_arguments) for m in messages],
             tools=tool_dicts or None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
             **extra,
         )
+
+    try:
+        try:
+            text = apply(text_arguments=False)
+        except TypeError as first:
+            # A template that joins a call's arguments to text ('<｜tool▁sep｜>' + arguments: DeepSeek V3's and
+            # V3.1's) takes them as the caller's JSON text; if that fails too, the first error stands.
+            if not any(m.tool_calls for m in messages):
+                raise
+            try:
+                text = apply(text_arguments=True)
+            except Exception:
+                raise first from None
     except ValidationError:
         raise
     except SecurityError as exc:  # the template itself, not the caller's input, is at fault

@@ -1,6 +1,5 @@
-"""Tool-call parsers for Mistral's, the pythonic (Llama 3.2 / Llama 4) and Qwen3-Coder's formats, and `make_parser`
-for every format (`ToolFormat`), under the
-contract of `tools.parsers` (content safe to show now and complete calls per delta, the same result however the
+"""Tool-call parsers for Mistral's, the pythonic (Llama 3.2 / Llama 4) and Qwen3-Coder's formats, under the contract
+of `tools.parsers` (content safe to show now and complete calls per delta, the same result however the
 text is split, anything that is not a valid call left in the content as the model wrote it):
 
 - Mistral: the calls follow a `[TOOL_CALLS]` marker, as a JSON list before v11
@@ -11,7 +10,8 @@ text is split, anything that is not a valid call left in the content as the mode
   between Llama 4's `<|python_start|>` and `<|python_end|>`; output that starts like one is held to the end.
 - Qwen3-Coder: `<tool_call><function=f><parameter=p>value</parameter>...</function></tool_call>` blocks anywhere,
   any number, the values raw text (one newline either side dropped), turned into JSON by the tool's parameter
-  schema: a parameter whose schema type is not "string" is read as JSON when it parses, any other kept a string.
+  schema (`typed_value`): a parameter whose schema type is not "string" is read as JSON when it parses, any other
+  kept a string.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engine_server.tools.parsers import (
-    HERMES_CLOSE,
     HermesParser,
-    Llama3JsonParser,
     ParsedCall,
     ParseStep,
     ToolCallParser,
     WholeOutputParser,
     partial_suffix_len,
 )
-from engine_server.tools.template import ToolFormat
 
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -161,7 +158,7 @@ class Qwen3CoderParser(HermesParser):
         self.schemas = dict(schemas or {})
 
     def find_close(self, body: str) -> int:
-        return body.find(HERMES_CLOSE)
+        return body.find(self.close_tag)
 
     def call_of(self, body: str) -> ParsedCall | None:
         function = _FUNCTION.fullmatch(body)
@@ -176,14 +173,17 @@ class Qwen3CoderParser(HermesParser):
                 return None  # text between parameters: not this format
             end = parameter.end()
             key = parameter.group(1).strip()
-            arguments[key] = _value(parameter.group(2), properties.get(key))
+            arguments[key] = typed_value(parameter.group(2), properties.get(key))
         if inner[end:].strip():
             return None
         return self.call_from({"name": name, "arguments": arguments})
 
 
-def _value(raw: str, schema: Any) -> Any:
-    """A parameter's raw text as its schema reads it (see the module docstring)."""
+def typed_value(raw: str, schema: Any) -> Any:
+    """A parameter's raw text, as the XML formats write values (Qwen3-Coder's, GLM's, MiniMax's, Seed-OSS's), read
+    by the parameter's schema: one newline either side dropped; kept a string when the schema's type is (or
+    includes) "string" or is not given, else read as JSON, or as a Python literal (a template that writes a value
+    with Python's `str`: True, None) when that is JSON-shaped; text that is neither stays a string."""
     text = raw.removeprefix("\n").removesuffix("\n")
     kind = schema.get("type") if isinstance(schema, Mapping) else None
     if kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind):
@@ -191,37 +191,10 @@ def _value(raw: str, schema: Any) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError:
+        pass
+    try:
+        value = ast.literal_eval(text.strip())
+        json.dumps(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return text
-
-
-def make_parser(
-    fmt: ToolFormat, names: Iterable[str] | None = None, schemas: Mapping[str, Mapping[str, Any]] | None = None
-) -> ToolCallParser:
-    """A fresh parser for one choice's output; `schemas` (tool name -> parameters' JSON Schema) is read by the
-    formats whose values are not JSON (Qwen3-Coder)."""
-    match fmt:
-        case ToolFormat.HERMES:
-            return HermesParser(names)
-        case ToolFormat.LLAMA3_JSON:
-            return Llama3JsonParser(names)
-        case ToolFormat.MISTRAL | ToolFormat.MISTRAL_V11:
-            return MistralParser(names)
-        case ToolFormat.PYTHONIC:
-            return PythonicParser(names)
-        case ToolFormat.QWEN3_CODER:
-            return Qwen3CoderParser(names, schemas)
-        case ToolFormat.HARMONY:
-            raise ValueError("harmony output is read whole by engine_server.harmony, not by a tool-call parser")
-
-
-def parse_tool_calls(
-    text: str,
-    fmt: ToolFormat,
-    names: Iterable[str] | None = None,
-    schemas: Mapping[str, Mapping[str, Any]] | None = None,
-) -> ParseStep:
-    """Content and calls of a whole output (the same as streaming it through `make_parser`)."""
-    parser = make_parser(fmt, names, schemas)
-    step = parser.feed(text)
-    step.extend(parser.finish())
-    return step
+    return value

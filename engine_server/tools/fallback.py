@@ -1,10 +1,12 @@
 """Tool calling for chat templates that know nothing of tools: a system prompt and plain-text history turns.
 
-- `tools_system_prompt(tools)` lists the tools as JSON and teaches the Hermes `<tool_call>` format; it goes
-  into the system turn (appended to the caller's system message, or as a new first message).
-- `plain_history(messages)` rewrites earlier assistant tool calls as `<tool_call>` text in the assistant turn,
-  and each run of consecutive `tool` results as one `user` turn of `<tool_response>` blocks, so templates that
-  only know system / user / assistant (or insist they alternate) render the conversation.
+- `tools_system_prompt(tools, fmt)` lists the tools as JSON and teaches the call format the output is read in
+  (Hermes' `<tool_call>` for a template that implies none; a family's own, such as DeepSeek V3's, where its
+  template writes calls but does not list tools); it goes into the system turn (appended to the caller's system
+  message, or as a new first message).
+- `plain_history(messages, fmt)` rewrites earlier assistant tool calls as text in that format in the assistant
+  turn, and each run of consecutive `tool` results as one `user` turn of `<tool_response>` blocks, so templates
+  that only know system / user / assistant (or insist they alternate) render the conversation.
 Both are pure functions of the engine's chat types.
 """
 
@@ -15,6 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
+from engine_server.tools.template import ToolFormat
+from engine_server.tools.writing import call_text
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -27,34 +31,42 @@ def tool_definition(tool: ChatTool) -> dict[str, Any]:
     }
 
 
-def tools_system_prompt(tools: Sequence[ChatTool]) -> str:
-    """The instructions and tool list a model without tool support in its template reads."""
+def tools_system_prompt(tools: Sequence[ChatTool], fmt: ToolFormat = ToolFormat.HERMES) -> str:
+    """The instructions and tool list a model without tool support in its template reads, teaching `fmt`."""
     listing = "\n".join(json.dumps(tool_definition(t), ensure_ascii=False) for t in tools)
+    if fmt is ToolFormat.HERMES:
+        how = (
+            "To call a function, reply with a JSON object holding its name and arguments within "
+            "<tool_call></tool_call> tags, one block per call:\n"
+        )
+    else:
+        how = "To call a function, write the call as in this example, one per call:\n"
     return (
         "# Tools\n\n"
         "You may call one or more functions to help with the user's request. "
         "The functions are listed as JSON schemas within <tools></tools> tags:\n"
         f"<tools>\n{listing}\n</tools>\n\n"
-        "To call a function, reply with a JSON object holding its name and arguments within "
-        "<tool_call></tool_call> tags, one block per call:\n"
-        '<tool_call>\n{"name": "function_name", "arguments": {"argument": "value"}}\n</tool_call>\n'
+        f"{how}{call_text(fmt, 'function_name', {'argument': 'value'})}\n"
         "Function results come back within <tool_response></tool_response> tags."
     )
 
 
-def call_text(call: ChatToolCall) -> str:
-    """One call as the model writes it in the Hermes format."""
+def written_call(call: ChatToolCall, fmt: ToolFormat = ToolFormat.HERMES) -> str:
+    """One call of the conversation as a model of `fmt` writes it (arguments that are not JSON are kept as the
+    caller's text, a JSON string, rather than refuse the conversation)."""
     try:
         arguments: Any = json.loads(call.arguments_json) if call.arguments_json else {}
     except json.JSONDecodeError:
-        arguments = call.arguments_json  # keep the caller's text rather than refuse the conversation
-    body = json.dumps({"name": call.name, "arguments": arguments}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
+        arguments = json.dumps(call.arguments_json, ensure_ascii=False)
+    return call_text(fmt, call.name, arguments if isinstance(arguments, (dict, str)) else json.dumps(arguments))
 
 
-def with_tools_system_prompt(messages: Sequence[ChatMessage], tools: Sequence[ChatTool]) -> list[ChatMessage]:
-    """`messages` with the tools prompt appended to the leading system message, or inserted as one."""
-    prompt = tools_system_prompt(tools)
+def with_tools_system_prompt(
+    messages: Sequence[ChatMessage], tools: Sequence[ChatTool], fmt: ToolFormat = ToolFormat.HERMES
+) -> list[ChatMessage]:
+    """`messages` with the tools prompt (teaching `fmt`) appended to the leading system message, or inserted as
+    one."""
+    prompt = tools_system_prompt(tools, fmt)
     out = list(messages)
     if out and out[0].role in _SYSTEM_ROLES:
         first = out[0]
@@ -65,8 +77,9 @@ def with_tools_system_prompt(messages: Sequence[ChatMessage], tools: Sequence[Ch
     return out
 
 
-def plain_history(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
-    """`messages` with tool calls and tool results rewritten as plain assistant and user turns."""
+def plain_history(messages: Sequence[ChatMessage], fmt: ToolFormat = ToolFormat.HERMES) -> list[ChatMessage]:
+    """`messages` with tool calls (written in `fmt`) and tool results rewritten as plain assistant and user
+    turns."""
     out: list[ChatMessage] = []
     pending_results: list[str] = []
 
@@ -82,7 +95,7 @@ def plain_history(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
         close_results()
         if message.role == "assistant" and message.tool_calls:
             parts = [message.content] if message.content else []
-            parts.extend(call_text(c) for c in message.tool_calls)
+            parts.extend(written_call(c, fmt) for c in message.tool_calls)
             out.append(ChatMessage("assistant", "\n".join(parts), name=message.name))
         else:
             out.append(message)

@@ -10,6 +10,14 @@ names never collide:
 - one call of tool T (Qwen3-Coder): `<tool_call>\n<function=T>\n`, a `<parameter=p>` block per parameter
   (`_xml_call_grammar`), `</function>\n</tool_call>`;
 - one call of tool T (pythonic): `[T(p=VALUE, ...)]`, every parameter named (`_pythonic_call_grammar`);
+- one call of tool T (GLM-4.5, MiniMax-M2, Seed-OSS): the XML of `writing.call_text` with a value per parameter
+  (`_xml_call_grammar`: `<tool_call>T\n`, `<arg_key>p</arg_key>\n<arg_value>VALUE</arg_value>\n` each,
+  `</tool_call>`; MiniMax's `<invoke name="T">` of `<parameter name="p">VALUE</parameter>` lines; Seed-OSS's
+  `<function=T>` of `<parameter=p>VALUE</parameter>` lines);
+- one call of tool T (DeepSeek V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>T<｜tool▁sep｜>` ARGS(T)
+  `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`; V3 / R1 name it `function<｜tool▁sep｜>T` and fence ARGS(T) in a json code
+  block; Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.T:0<|tool_call_argument_begin|>`
+  ARGS(T) `<|tool_call_end|><|tool_calls_section_end|>`;
 - one call of tool T (harmony, gpt-oss): `<|channel|>commentary to=functions.T <|constrain|>json<|message|>`
   ARGS(T), after at most one free reasoning message (`<|channel|>analysis<|message|>` text `<|end|><|start|>
   assistant`, `harmony_reasoning`); the end of sequence (`<|call|>`) follows the complete grammar;
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
@@ -37,6 +46,18 @@ from engine_server.structured import Constraint
 from engine_server.structured.compiler import xgrammar_reason
 from engine_server.structured.constraint import check_schema_depth
 from engine_server.tokenizer.chat import ChatTool
+from engine_server.tools.tagged_formats import (
+    DEEPSEEK_CALL,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+    KIMI_ARGUMENTS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    KIMI_CALLS,
+    KIMI_CALLS_END,
+)
 from engine_server.tools.template import ToolFormat
 from engine_server.tools.types import ToolChoice, ToolChoiceMode
 
@@ -89,8 +110,19 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             head, tail = f'[TOOL_CALLS] [{{"name": {name}, "arguments": ', "}]"
         case ToolFormat.MISTRAL_V11:
             head, tail = f"[TOOL_CALLS]{tool.name}[ARGS]", ""
-        case ToolFormat.QWEN3_CODER:
-            return _xml_call_grammar(tool, schema)
+        case ToolFormat.QWEN3_CODER | ToolFormat.GLM45 | ToolFormat.MINIMAX_M2 | ToolFormat.SEED_OSS:
+            return _xml_call_grammar(tool, schema, _XML_LAYOUTS[fmt])
+        case ToolFormat.DEEPSEEK_V31:
+            head, tail = (
+                f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}{tool.name}{DEEPSEEK_SEP}",
+                DEEPSEEK_CALL_END + DEEPSEEK_CALLS_END,
+            )
+        case ToolFormat.DEEPSEEK_V3:
+            head = f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{tool.name}\n```json\n"
+            tail = f"\n```{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}"
+        case ToolFormat.KIMI_K2:
+            head = f"{KIMI_CALLS}{KIMI_CALL}functions.{tool.name}:0{KIMI_ARGUMENTS}"
+            tail = KIMI_CALL_END + KIMI_CALLS_END
         case ToolFormat.PYTHONIC:
             return _pythonic_call_grammar(tool, schema)
         case ToolFormat.HARMONY:
@@ -113,17 +145,52 @@ def harmony_reasoning() -> xgr.Grammar:
     return xgr.Grammar.from_structural_tag(StructuralTag(format=OptionalFormat(content=analysis)))
 
 
-def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
-    """Qwen3-Coder's call of `tool`: its parameters in the schema's order (the optional ones may be left out), each
-    `<parameter=p>\nVALUE\n</parameter>\n`. A string's VALUE is raw text without "<" (an enum: one of its values;
-    maxLength and minLength bound it), any other type's a JSON value of its schema, as `call_formats` reads them."""
+@dataclass(frozen=True)
+class _XmlLayout:
+    """How an XML format writes one call: `head` and `tail` around it ("{tool}" the tool's name), and around each
+    parameter's value `open` ("{name}" the parameter's) and `close`."""
+
+    head: str
+    open: str
+    close: str
+    tail: str
+
+
+_XML_LAYOUTS = {
+    ToolFormat.QWEN3_CODER: _XmlLayout(
+        "<tool_call>\n<function={tool}>\n", "<parameter={name}>\n", "\n</parameter>\n", "</function>\n</tool_call>"
+    ),
+    ToolFormat.GLM45: _XmlLayout(
+        "<tool_call>{tool}\n", "<arg_key>{name}</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"
+    ),
+    ToolFormat.MINIMAX_M2: _XmlLayout(
+        '<minimax:tool_call>\n<invoke name="{tool}">\n',
+        '<parameter name="{name}">',
+        "</parameter>\n",
+        "</invoke>\n</minimax:tool_call>",
+    ),
+    ToolFormat.SEED_OSS: _XmlLayout(
+        "<seed:tool_call>\n<function={tool}>\n",
+        "<parameter={name}>",
+        "</parameter>\n",
+        "</function>\n</seed:tool_call>",
+    ),
+}
+
+
+def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any], layout: _XmlLayout) -> xgr.Grammar:
+    """An XML format's call of `tool` (`layout`): its parameters in the schema's order (the optional ones may be
+    left out), each value between the layout's `open` and `close`. A string's VALUE is raw text without "<" (an
+    enum: one of its values; maxLength and minLength bound it), any other type's a JSON value of its schema, as
+    `call_formats.typed_value` reads them."""
     required = set(schema.get("required", ()))
-    parts = [_literal_grammar(f"<tool_call>\n<function={tool.name}>\n")]
+    parts = [_literal_grammar(layout.head.format(tool=tool.name))]
     for name, prop in (schema.get("properties") or {}).items():
         value = _parameter_grammar(tool, name, prop, xml=True)
-        one = xgr.Grammar.concat(_literal_grammar(f"<parameter={name}>\n"), value, _literal_grammar("\n</parameter>\n"))
+        opening, closing = _literal_grammar(layout.open.format(name=name)), _literal_grammar(layout.close)
+        one = xgr.Grammar.concat(opening, value, closing)
         parts.append(one if name in required else xgr.Grammar.union(one, _literal_grammar("")))
-    parts.append(_literal_grammar("</function>\n</tool_call>"))
+    parts.append(_literal_grammar(layout.tail))
     return xgr.Grammar.concat(*parts)
 
 

@@ -20,7 +20,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -28,10 +28,12 @@ PYTHON_TAG = "<|python_tag|>"
 
 @dataclass(frozen=True)
 class ParsedCall:
-    """A call found in the output: the function's name and its arguments as JSON object text."""
+    """A call found in the output: the function's name and its arguments as JSON object text; `call_id` is the id the
+    model wrote for it in formats that carry one (Kimi K2's `functions.NAME:N`), else empty (a fresh id is made)."""
 
     name: str
     arguments_json: str
+    call_id: str = ""
 
 
 @dataclass
@@ -82,7 +84,13 @@ class HermesParser(ToolCallParser):
 
     A closing tag counts only outside JSON strings (an argument may contain "</tool_call>"). A block the output
     ends inside (no closing tag) is still a call when its JSON is complete.
+
+    Other block formats subclass it: their tags (`open_tag`, `close_tag`), where a block closes (`find_close`) and
+    what calls a block's body holds (`calls_of`, one or more; `call_of` where a block holds one call).
     """
+
+    open_tag: ClassVar[str] = HERMES_OPEN
+    close_tag: ClassVar[str] = HERMES_CLOSE
 
     def __init__(self, names: Iterable[str] | None = None) -> None:
         super().__init__(names)
@@ -117,7 +125,7 @@ class HermesParser(ToolCallParser):
                 end = self.find_close(self._body)
                 if end < 0:
                     return
-                rest = self._body[end + len(HERMES_CLOSE) :]
+                rest = self._body[end + len(self.close_tag) :]
                 self._close(self._body[:end], step, closed=True)
                 self._pending = rest
                 continue
@@ -126,7 +134,7 @@ class HermesParser(ToolCallParser):
                 if not self._pending:
                     return
                 self._after_call = False
-            start = self._pending.find(HERMES_OPEN)
+            start = self._pending.find(self.open_tag)
             if start < 0:
                 self._release(step, final)
                 return
@@ -134,7 +142,7 @@ class HermesParser(ToolCallParser):
             content = before.rstrip()
             self._emit(step, content)
             self._gap = before[len(content) :]
-            self._body = self._pending[start + len(HERMES_OPEN) :]
+            self._body = self._pending[start + len(self.open_tag) :]
             self._pending = ""
 
     def _release(self, step: ParseStep, final: bool) -> None:
@@ -144,7 +152,7 @@ class HermesParser(ToolCallParser):
             self._emit(step, text.rstrip() if self._made_calls else text)
             self._pending = ""
             return
-        emit = text[: len(text) - partial_suffix_len(text, HERMES_OPEN)].rstrip()
+        emit = text[: len(text) - partial_suffix_len(text, self.open_tag)].rstrip()
         self._emit(step, emit)
         self._pending = text[len(emit) :]
 
@@ -154,7 +162,12 @@ class HermesParser(ToolCallParser):
 
     def find_close(self, body: str) -> int:
         """Where the open call's closing tag starts in `body` (which only grows while the call is open), or -1."""
-        return self._scan.find_outside_strings(body, HERMES_CLOSE)
+        return self._scan.find_outside_strings(body, self.close_tag)
+
+    def calls_of(self, body: str) -> list[ParsedCall]:
+        """The calls a block's body holds, or [] when any part of it is not a call."""
+        call = self.call_of(body)
+        return [] if call is None else [call]
 
     def call_of(self, body: str) -> ParsedCall | None:
         """The call a block's body holds, or None when it holds none."""
@@ -164,11 +177,11 @@ class HermesParser(ToolCallParser):
             return None
 
     def _close(self, body: str, step: ParseStep, closed: bool) -> None:
-        call = self.call_of(body)
-        if call is None:
-            self._emit(step, self._gap + HERMES_OPEN + body + (HERMES_CLOSE if closed else ""))
+        calls = self.calls_of(body)
+        if not calls:
+            self._emit(step, self._gap + self.open_tag + body + (self.close_tag if closed else ""))
         else:
-            step.calls.append(call)
+            step.calls.extend(calls)
             self._made_calls = True
             self._after_call = not self._released
         self._gap, self._body = "", None

@@ -44,12 +44,12 @@ def chat_for_template(
     """The messages and tools to hand the model's chat template.
 
     A template without tool support gets the fallback: tools listed in the system turn, earlier calls and
-    results rewritten as plain turns; it is then given no tools of its own.
+    results rewritten as plain turns (in the template's call format); it is then given no tools of its own.
     """
     shown = list(tools) if choice.mode is not ToolChoiceMode.NONE else []
-    out = list(messages) if template.native_history else plain_history(messages)
+    out = list(messages) if template.native_history else plain_history(messages, template.format)
     if shown and not template.native_tools:
-        return with_tools_system_prompt(out, shown), []
+        return with_tools_system_prompt(out, shown, template.format), []
     return out, shown
 
 

@@ -6,7 +6,7 @@ Runs where detokenization runs (off the step loop), fed the text the output proc
 from __future__ import annotations
 
 from engine_server.output.types import FinishReason
-from engine_server.tools.call_formats import make_parser
+from engine_server.tools.parsing import make_parser
 from engine_server.tools.plan import ToolParsing
 from engine_server.tools.types import ToolCall, ToolCallDelta, new_call_id
 
@@ -17,6 +17,7 @@ class ToolCallStream:
     Each call is released whole, once its closing tag (or the end of the output) shows it is valid, as two
     deltas the way OpenAI streams calls: first `index`, `id` and `name` with empty arguments, then the
     arguments' JSON text in one piece. So the arguments pieces of a call always join to its `arguments_json`.
+    A call's id is the one the model wrote where its format carries one (Kimi K2), else a fresh one.
     """
 
     def __init__(self, parsing: ToolParsing) -> None:
@@ -31,7 +32,7 @@ class ToolCallStream:
             step.extend(self._parser.finish())
         deltas: list[ToolCallDelta] = []
         for parsed in step.calls:
-            call = ToolCall(new_call_id(self.parsing.format), parsed.name, parsed.arguments_json)
+            call = ToolCall(parsed.call_id or new_call_id(self.parsing.format), parsed.name, parsed.arguments_json)
             index = len(self.calls)
             self.calls.append(call)
             deltas.append(ToolCallDelta(index, call.id, call.name, ""))

@@ -3,14 +3,18 @@
 Rules (first match wins for the format):
 - the template writes `<|channel|>` headers → HARMONY (gpt-oss; its output is read by `engine_server.harmony`);
 - the template mentions `[TOOL_CALLS]` → MISTRAL, or MISTRAL_V11 when it also writes `[ARGS]`;
+- it mentions `<minimax:tool_call>` → MINIMAX_M2; `<seed:tool_call>` → SEED_OSS; `<arg_key>` → GLM45;
+  `<|tool_calls_section_begin|>` → KIMI_K2; `<｜tool▁calls▁begin｜>` → DEEPSEEK_V3 when it fences the
+  arguments in a json code block (V3, R1), else DEEPSEEK_V31;
 - it mentions `<function=` and `<parameter=` → QWEN3_CODER;
 - it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
 - it mentions `<|python_start|>` → PYTHONIC (Llama 4);
 - it mentions `<|python_tag|>` or the `ipython` role → LLAMA3_JSON (Llama 3.1+ JSON tool calls);
 - otherwise → HERMES, the format the fallback prompt teaches.
-`native_tools` says the template renders tool definitions itself (it uses a `tools` variable); without it
-the fallback system prompt lists them. `native_history` says it renders earlier calls and tool results
-itself (it reads `tool_calls`); without it they are rewritten into plain turns (see `fallback`).
+`native_tools` says the template renders tool definitions itself (it uses a `tools` variable); without it the
+fallback system prompt lists them and teaches the format (`writing.call_text`). `native_history` says it renders
+earlier calls and tool results itself (it reads `tool_calls`); without it they are rewritten into plain turns, the
+calls in the format (see `fallback`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,30 @@ class ToolFormat(enum.Enum):
     # <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|> (gpt-oss's harmony; vLLM calls
     # its parser "openai"). Its reasoning and answer are channels too: `engine_server.harmony` reads all of them.
     HARMONY = "openai"
+    # <tool_call>f\n<arg_key>p</arg_key>\n<arg_value>v</arg_value>\n</tool_call> (GLM-4.5, 4.6, 4.7; vLLM's "glm45").
+    GLM45 = "glm45"
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{...}\n```<｜tool▁call▁end｜>
+    # <｜tool▁calls▁end｜> (DeepSeek V3, R1).
+    DEEPSEEK_V3 = "deepseek_v3"
+    # <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜> (V3.1).
+    DEEPSEEK_V31 = "deepseek_v31"
+    # <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>
+    # <|tool_calls_section_end|> (Kimi K2); the model's `functions.f:0` is the call's id.
+    KIMI_K2 = "kimi_k2"
+    # <minimax:tool_call>\n<invoke name="f">\n<parameter name="p">v</parameter>\n</invoke>\n</minimax:tool_call>
+    MINIMAX_M2 = "minimax_m2"
+    # <seed:tool_call>\n<function=f>\n<parameter=p>v</parameter>\n</function>\n</seed:tool_call> (Seed-OSS).
+    SEED_OSS = "seed_oss"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output is decoded with the special tokens kept: the format's markers are special tokens in
+        its family's vocabulary (skipped, they would vanish from the text before the parser sees them)."""
+        return self not in (ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.PYTHONIC, ToolFormat.QWEN3_CODER)
+
+
+# Parser names vLLM gives one of these formats under another name (`--tool-call-parser`).
+FORMAT_ALIASES: dict[str, ToolFormat] = {"glm47": ToolFormat.GLM45}
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,16 @@ class ToolTemplate:
             fmt = ToolFormat.HARMONY
         elif "[TOOL_CALLS]" in text:
             fmt = ToolFormat.MISTRAL_V11 if "[ARGS]" in text else ToolFormat.MISTRAL
+        elif "<minimax:tool_call>" in text:
+            fmt = ToolFormat.MINIMAX_M2
+        elif "<seed:tool_call>" in text:
+            fmt = ToolFormat.SEED_OSS
+        elif "<arg_key>" in text:
+            fmt = ToolFormat.GLM45
+        elif "<|tool_calls_section_begin|>" in text:
+            fmt = ToolFormat.KIMI_K2
+        elif "<｜tool▁calls▁begin｜>" in text:
+            fmt = ToolFormat.DEEPSEEK_V3 if "```json" in text else ToolFormat.DEEPSEEK_V31
         elif "<function=" in text and "<parameter=" in text:
             fmt = ToolFormat.QWEN3_CODER
         elif "<tool_call>" in text:
@@ -76,7 +114,7 @@ class ToolTemplate:
         else:
             fmt = ToolFormat.HERMES
         return cls(
-            format=fmt if parser == "auto" else ToolFormat(parser),
+            format=fmt if parser == "auto" else FORMAT_ALIASES.get(parser) or ToolFormat(parser),
             native_tools=bool(_TOOLS_VARIABLE.search(text)),
             native_history=bool(_TOOL_CALLS_VARIABLE.search(text)),
         )

@@ -28,7 +28,20 @@ import httpx
 import openai
 import pytest
 
-from tests.chat_templates import HERMES, LLAMA3_JSON, MISTRAL_V3, MISTRAL_V11, PYTHONIC, QWEN3_CODER, FamilyTemplate
+from tests.chat_templates import (
+    DEEPSEEK_V31,
+    GLM45,
+    HERMES,
+    KIMI_K2,
+    LLAMA3_JSON,
+    MINIMAX_M2,
+    MISTRAL_V3,
+    MISTRAL_V11,
+    PYTHONIC,
+    QWEN3_CODER,
+    SEED_OSS,
+    FamilyTemplate,
+)
 from tests.e2e.engine_process import EngineProcess
 from tests.e2e.gateway_process import GatewayProcess, serve_scripted
 
@@ -52,7 +65,7 @@ WEATHER_TOOL: dict[str, Any] = {
             "required": ["city", "state", "unit"],
         },
     },
-}  # fmt: skip
+}
 CONVERSATION: list[Any] = [
     {"role": "user", "content": "Hi! How are you doing today?"},
     {"role": "assistant", "content": "I'm doing well! How can I help you?"},
@@ -74,6 +87,7 @@ class Family:
     reply: tuple[str, ...]
     calls: tuple[tuple[str, dict[str, str]], ...]
     after_result: tuple[str, ...] | None = None
+    ids: str = r"call_[0-9a-f]{24}"  # the calls' ids: OpenAI's shape, or the family's own
 
 
 def _dallas(open_: str, between: tuple[str, str], close: str) -> tuple[str, ...]:
@@ -89,12 +103,14 @@ FAMILIES: dict[str, Family] = {
          "</s>"),
         (DALLAS,),
         after_result=(ANSWER, "</s>"),
+        ids=r"[A-Za-z0-9]{9}",
     ),
     "mistral_v11": Family(
         MISTRAL_V11,
         ("[TOOL_CALLS]", "get_current_weather", "[ARGS]", json.dumps(DALLAS[1]), "</s>"),
         (DALLAS,),
         after_result=(ANSWER, "</s>"),
+        ids=r"[A-Za-z0-9]{9}",
     ),
     "hermes": Family(
         HERMES,
@@ -121,6 +137,50 @@ FAMILIES: dict[str, Family] = {
                   ("\n</parameter>\n<parameter=state>\n", "\n</parameter>\n<parameter=unit>\n"),
                   "\n</parameter>\n</function>\n</tool_call>"),
          "<|im_end|>"),
+        (DALLAS,),
+    ),
+    # The markers are special tokens of these families (kept in the text for the parser); GLM and MiniMax reason
+    # first (MiniMax's prompt opens the reasoning), and Kimi's call id is the one its model wrote.
+    "glm45": Family(
+        GLM45,
+        ("<think>", "The user wants the weather.", "</think>", "<tool_call>",
+         *_dallas("get_current_weather\n<arg_key>city</arg_key>\n<arg_value>",
+                  ("</arg_value>\n<arg_key>state</arg_key>\n<arg_value>",
+                   "</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>"), "</arg_value>\n"),
+         "</tool_call>", "<|observation|>"),
+        (DALLAS,),
+    ),
+    "deepseek_v31": Family(
+        DEEPSEEK_V31,
+        ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "get_current_weather", "<｜tool▁sep｜>",
+         *_dallas('{"city": "', _JSON_BETWEEN, '"}'), "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
+         "<｜end▁of▁sentence｜>"),
+        (DALLAS,),
+        after_result=(ANSWER, "<｜end▁of▁sentence｜>"),
+    ),
+    "kimi_k2": Family(
+        KIMI_K2,
+        ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.get_current_weather:0",
+         "<|tool_call_argument_begin|>", *_dallas('{"city": "', _JSON_BETWEEN, '"}'), "<|tool_call_end|>",
+         "<|tool_calls_section_end|>", "<|im_end|>"),
+        (DALLAS,),
+        ids=r"functions\.get_current_weather:0",
+    ),
+    "minimax_m2": Family(
+        MINIMAX_M2,
+        ("The user wants the weather.", "</think>", "\n\n", "<minimax:tool_call>",
+         *_dallas('\n<invoke name="get_current_weather">\n<parameter name="city">',
+                  ('</parameter>\n<parameter name="state">', '</parameter>\n<parameter name="unit">'),
+                  "</parameter>\n</invoke>\n"),
+         "</minimax:tool_call>", "[e~["),
+        (DALLAS,),
+    ),
+    "seed_oss": Family(
+        SEED_OSS,
+        ("<seed:tool_call>",
+         *_dallas("\n<function=get_current_weather>\n<parameter=city>",
+                  ("</parameter>\n<parameter=state>", "</parameter>\n<parameter=unit>"), "</parameter>\n</function>\n"),
+         "</seed:tool_call>", "<seed:eos>"),
         (DALLAS,),
     ),
 }
@@ -151,9 +211,7 @@ def _calls(tool_calls: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _check_ids(served: Served, ids: list[str]) -> None:
-    mistral = served.family.template in (MISTRAL_V3, MISTRAL_V11)
-    pattern = r"[A-Za-z0-9]{9}" if mistral else r"call_[0-9a-f]{24}"
-    assert all(re.fullmatch(pattern, i) for i in ids), ids
+    assert all(re.fullmatch(served.family.ids, i) for i in ids), ids
     assert len(set(ids)) == len(ids)
 
 

@@ -11,8 +11,9 @@ import pytest
 
 from engine_server.config import TOOL_CALL_PARSERS
 from engine_server.tools import ToolFormat, ToolTemplate
-from engine_server.tools.call_formats import make_parser, parse_tool_calls
 from engine_server.tools.parsers import ParsedCall, ParseStep
+from engine_server.tools.parsing import make_parser, parse_tool_calls
+from engine_server.tools.template import FORMAT_ALIASES
 from engine_server.tools.types import new_call_id
 
 NAMES = ("get_weather", "search")
@@ -144,7 +145,7 @@ def test_a_named_parser_overrides_the_template() -> None:
     hermes_template = "<tool_call>\n{{ tool_call | tojson }}\n</tool_call>"
     assert ToolTemplate.detect(hermes_template, "pythonic").format is PYTHONIC
     assert ToolTemplate.detect(hermes_template, "auto").format is ToolFormat.HERMES
-    assert {f.value for f in ToolFormat} | {"auto"} == set(TOOL_CALL_PARSERS)  # every format can be named
+    assert {f.value for f in ToolFormat} | set(FORMAT_ALIASES) | {"auto"} == set(TOOL_CALL_PARSERS)  # every format
 
 
 def test_mistral_call_ids_are_nine_letters_or_digits_and_others_keep_openais_shape() -> None:

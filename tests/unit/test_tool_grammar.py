@@ -19,11 +19,15 @@ from engine_server.structured import Constraint, ConstraintKind
 from engine_server.structured.compiler import GrammarCompilerConfig, XGrammarCompile
 from engine_server.tokenizer.chat import ChatMessage, ChatTool
 from engine_server.tools import ToolChoice, ToolChoiceMode, ToolFormat
-from engine_server.tools.call_formats import parse_tool_calls
 from engine_server.tools.grammar import forced_call_constraint
+from engine_server.tools.parsing import parse_tool_calls
+from engine_server.tools.writing import call_text
 
-# One token per printable ASCII character (plus newline), and an end token: a walk can spell any string.
-VOCAB = ["<end>", "\n", *(chr(c) for c in range(32, 127))]
+# One token per printable ASCII character (plus newline), DeepSeek's markers (not ASCII) whole and after their "<"
+# (a walk that took the "<" alone goes on), and an end token: a walk can spell any string of them.
+DEEPSEEK_MARKERS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>"]  # fmt: skip
+VOCAB = ["<end>", "\n", *(chr(c) for c in range(32, 127)), *DEEPSEEK_MARKERS, *(m[1:] for m in DEEPSEEK_MARKERS)]
 END = 0
 WEATHER = ChatTool(
     "get_weather",
@@ -58,6 +62,8 @@ SEARCH = ChatTool(
 )
 NO_ARGS = ChatTool("now", "The current time")
 TOOLS = [WEATHER, SEARCH, NO_ARGS]
+TAGGED = [ToolFormat.GLM45, ToolFormat.DEEPSEEK_V3, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2, ToolFormat.MINIMAX_M2,
+          ToolFormat.SEED_OSS]  # fmt: skip
 SCHEMAS = {t.name: t.parameters or {"type": "object", "properties": {}} for t in TOOLS}
 
 
@@ -98,6 +104,8 @@ def _walk(grammar: xgr.CompiledGrammar, rng: random.Random, max_steps: int = 400
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.QWEN3_CODER, {"get_weather", "search", "now"}),
         (ToolChoice.function("search"), ToolFormat.QWEN3_CODER, {"search"}),
         (ToolChoice(ToolChoiceMode.REQUIRED), ToolFormat.PYTHONIC, {"get_weather", "search", "now"}),
+        *((ToolChoice(ToolChoiceMode.REQUIRED), fmt, {"get_weather", "search", "now"}) for fmt in TAGGED),
+        *((ToolChoice.function("search"), fmt, {"search"}) for fmt in TAGGED),
     ],
 )
 def test_every_sentence_is_exactly_one_schema_valid_call(
@@ -123,6 +131,15 @@ def test_every_sentence_is_exactly_one_schema_valid_call(
 def _accepts(compile_fn: XGrammarCompile, constraint: Constraint, text: str) -> bool:
     matcher = xgr.GrammarMatcher(compile_fn(constraint))
     return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize("fmt", [f for f in ToolFormat if f is not ToolFormat.HARMONY])
+def test_the_grammar_writes_a_call_as_the_family_template_lays_it_out(
+    compile_fn: XGrammarCompile, fmt: ToolFormat
+) -> None:
+    named = forced_call_constraint(TOOLS, ToolChoice.function("get_weather"), fmt)
+    assert _accepts(compile_fn, named, call_text(fmt, "get_weather", {"city": "Oslo", "unit": "celsius"}))
+    assert not _accepts(compile_fn, named, call_text(fmt, "search", {"query": "Oslo"}))
 
 
 def test_the_hermes_call_is_written_as_the_fallback_prompt_teaches(compile_fn: XGrammarCompile) -> None:

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine_server.tools.call_formats import make_parser, parse_tool_calls
 from engine_server.tools.parsers import HermesParser, ParsedCall, ParseStep
+from engine_server.tools.parsing import make_parser, parse_tool_calls
 from engine_server.tools.template import ToolFormat
 
 NAMES = ("get_weather", "search")

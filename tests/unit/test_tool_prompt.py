@@ -12,8 +12,8 @@ from engine_server.errors import ValidationError
 from engine_server.frontend import ChatPrompt, InputProcessor
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, ChatToolCall
 from engine_server.tools import ToolChoice, ToolChoiceMode, ToolFormat, ToolTemplate
-from engine_server.tools.call_formats import parse_tool_calls
 from engine_server.tools.fallback import plain_history, tools_system_prompt, with_tools_system_prompt
+from engine_server.tools.parsing import parse_tool_calls
 
 WEATHER = ChatTool(
     "get_weather",

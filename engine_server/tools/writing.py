@@ -1,0 +1,80 @@
+"""A tool call written as a model of each format writes it (`call_text`): the fallback prompt's example and the calls
+of a conversation rewritten as plain text (`fallback`) use it, and what it writes parses back (`parsing`) into the
+same call, for every format but harmony (whose calls are messages of their own, `engine_server.harmony`).
+
+The layout is the canonical one of each family's chat template (the one the forced-call grammar writes too): JSON
+arguments as `json.dumps` writes them, and in the XML formats a string value as is and any other value as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from engine_server.tools.call_formats import MISTRAL_ARGS, MISTRAL_CALLS
+from engine_server.tools.parsers import HERMES_CLOSE, HERMES_OPEN
+from engine_server.tools.tagged_formats import (
+    DEEPSEEK_CALL,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS,
+    DEEPSEEK_CALLS_END,
+    DEEPSEEK_SEP,
+    KIMI_ARGUMENTS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    KIMI_CALLS,
+    KIMI_CALLS_END,
+)
+from engine_server.tools.template import ToolFormat
+
+
+def call_text(fmt: ToolFormat, name: str, arguments: Mapping[str, Any] | str) -> str:
+    """One call of `name` as a model of `fmt` writes it; `arguments` are an object, or JSON text that is not one
+    (kept as the caller wrote it, in the formats whose arguments are JSON). Raises ValueError for harmony."""
+    as_json = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    pairs = dict(arguments) if isinstance(arguments, Mapping) else {}
+    match fmt:
+        case ToolFormat.HERMES:
+            return f'{HERMES_OPEN}\n{{"name": {_name(name)}, "arguments": {as_json}}}\n{HERMES_CLOSE}'
+        case ToolFormat.LLAMA3_JSON:
+            return f'{{"name": {_name(name)}, "parameters": {as_json}}}'
+        case ToolFormat.MISTRAL:
+            return f'{MISTRAL_CALLS} [{{"name": {_name(name)}, "arguments": {as_json}}}]'
+        case ToolFormat.MISTRAL_V11:
+            return f"{MISTRAL_CALLS}{name}{MISTRAL_ARGS}{as_json}"
+        case ToolFormat.PYTHONIC:
+            listed = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in pairs.items())
+            return f"[{name}({listed})]"
+        case ToolFormat.QWEN3_CODER:
+            body = "".join(f"<parameter={k}>\n{_xml(v)}\n</parameter>\n" for k, v in pairs.items())
+            return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+        case ToolFormat.GLM45:
+            body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml(v)}</arg_value>\n" for k, v in pairs.items())
+            return f"<tool_call>{name}\n{body}</tool_call>"
+        case ToolFormat.MINIMAX_M2:
+            body = "".join(f'<parameter name="{k}">{_xml(v)}</parameter>\n' for k, v in pairs.items())
+            return f'<minimax:tool_call>\n<invoke name="{name}">\n{body}</invoke>\n</minimax:tool_call>'
+        case ToolFormat.SEED_OSS:
+            body = "".join(f"<parameter={k}>{_xml(v)}</parameter>\n" for k, v in pairs.items())
+            return f"<seed:tool_call>\n<function={name}>\n{body}</function>\n</seed:tool_call>"
+        case ToolFormat.DEEPSEEK_V31:
+            return (
+                f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}{name}{DEEPSEEK_SEP}{as_json}{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}"
+            )
+        case ToolFormat.DEEPSEEK_V3:
+            call = f"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{name}\n```json\n{as_json}\n```{DEEPSEEK_CALL_END}"
+            return f"{DEEPSEEK_CALLS}{call}{DEEPSEEK_CALLS_END}"
+        case ToolFormat.KIMI_K2:
+            call = f"{KIMI_CALL}functions.{name}:0{KIMI_ARGUMENTS}{as_json}{KIMI_CALL_END}"
+            return f"{KIMI_CALLS}{call}{KIMI_CALLS_END}"
+        case ToolFormat.HARMONY:
+            raise ValueError("harmony calls are messages of their own, not text in a reply")
+
+
+def _name(name: str) -> str:
+    return json.dumps(name, ensure_ascii=False)
+
+
+def _xml(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
