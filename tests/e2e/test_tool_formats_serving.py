@@ -1,16 +1,19 @@
 """Each family's tool-call format end to end: `ladle engine --tool-call-parser auto` on a scripted model (a real
 checkpoint whose reply is known, tests/scripted.py) carrying the family's chat template (tests/chat_templates.py)
 and special tokens, behind the gateway, through the official OpenAI SDK:
-- the calls the model writes come back as `tool_calls`, whole and streamed (each call delta in a chunk of its own);
-  a call of a tool the request did not give stays text;
+- the calls the model writes come back as `tool_calls`, whole and streamed (each call delta in a chunk of its own),
+  with ids in OpenAI's shape, Mistral's 9 characters or the id Kimi K2's model wrote; a call of a tool the request
+  did not give stays text; where the markers are special tokens (Mistral, GLM, DeepSeek, Kimi, MiniMax, Seed-OSS)
+  they reach the parser, and a reasoning before the calls (GLM, MiniMax) is split off first;
 - calls sent back with their results render through the family's template (Mistral's refuses any id that is not 9
-  letters and digits);
+  letters and digits; DeepSeek V3.1's joins the arguments to text);
 - forced calls (required, named) are written in the family's format;
 - the batched-chat route, a batch job and `ladle batch` parse them too;
 - the steps of vLLM's tool-calling client example (Mistral-7B-Instruct-v0.3 with its tool template) run against the
   Mistral v3 template.
 
-How each format parses, split at every point of a stream, is tested in tests/unit/test_tool_call_formats.py."""
+How each format parses, split at every point of a stream, is tested in tests/unit/test_tool_call_formats.py and
+tests/unit/test_tagged_tool_formats.py."""
 
 from __future__ import annotations
 
