@@ -1630,10 +1630,13 @@ ToolCallParserName = Literal[
     "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "seed_oss",
 ]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
-# EngineConfig.reasoning_parser: "auto" (on when the chat template mentions <think>), "none", or a family whose
-# <think>...</think> reasoning is split off (engine_server.reasoning; both read the same tags).
+# EngineConfig.reasoning_parser: "auto" (on when the chat template mentions a known opening tag: <think>,
+# <seed:think>, [THINK]), "none", or a family (vLLM's names) whose reasoning is split off between its tags
+# (engine_server.reasoning: seed_oss <seed:think>, mistral [THINK], the others <think>).
 # "openai_gptoss" (vLLM's name) reads gpt-oss's harmony channels, as "auto" does for its template.
-ReasoningParserName = Literal["auto", "none", "qwen3", "deepseek_r1", "openai_gptoss"]
+ReasoningParserName = Literal[
+    "auto", "none", "qwen3", "deepseek_r1", "glm45", "kimi_k2", "minimax_m2", "seed_oss", "mistral", "openai_gptoss"
+]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParserName)
 QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)  # the command line's --quantization choices
 

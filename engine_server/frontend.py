@@ -18,7 +18,15 @@ from engine_server.errors import ValidationError
 from engine_server.harmony import HarmonyStream
 from engine_server.output import OutputProcessor, TokenTextCodec
 from engine_server.output.types import FinishReason
-from engine_server.reasoning import THINK_OPEN, ReasoningStart, ReasoningStream, reasoning_start, shortest_prefix
+from engine_server.reasoning import (
+    THINK,
+    ReasoningStart,
+    ReasoningStream,
+    ReasoningTags,
+    parser_reasoning_tags,
+    reasoning_start,
+    shortest_prefix,
+)
 from engine_server.sampling import TokenLogprobs
 from engine_server.sampling_params import SamplingParams, validate_token_ids
 from engine_server.tokenizer.chat import ChatMessage, ChatTool, render_chat
@@ -129,6 +137,7 @@ class PreparedPrompt:
     params: SamplingParams
     tool_parsing: ToolParsing | None = None
     reasoning: ReasoningStart | None = None  # how the output's reasoning is split off (None: it is not)
+    reasoning_tags: ReasoningTags = THINK  # the tags it is written between
     harmony: bool = False  # the output is read as harmony (gpt-oss: `engine_server.harmony`), not by the two above
 
 
@@ -192,9 +201,12 @@ class InputProcessor:
         # gpt-oss: its chat template writes harmony, whose channels carry the reasoning, the answer and the calls
         # (vLLM's parser names for it, "openai" and "openai_gptoss", force it).
         self.harmony = self.tool_template.format is ToolFormat.HARMONY or reasoning_parser == "openai_gptoss"
-        thinks = THINK_OPEN in (str(template) if template is not None else "")
-        splits = reasoning_parser not in ("auto", "none", "openai_gptoss") or (reasoning_parser == "auto" and thinks)
-        self.splits_reasoning = splits and not self.harmony
+        tags = parser_reasoning_tags(reasoning_parser, str(template) if template is not None else "")
+        self.reasoning_tags: ReasoningTags | None = None if self.harmony else tags
+        self.splits_reasoning = self.reasoning_tags is not None
+        # Tags that are special tokens of the vocabulary (Magistral's [THINK]) vanish from text decoded without them.
+        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        self._reasoning_tags_special = tags is not None and bool({tags.open, tags.close} & special)
 
     def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
         """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the
@@ -243,11 +255,15 @@ class InputProcessor:
             # with the special tokens skipped, the calls' markers would vanish from the text (vLLM keeps them for
             # these parsers too).
             params = dataclasses.replace(params, skip_special_tokens=False)
-        reasoning = reasoning_start(text) if self.splits_reasoning else None
+        tags = self.reasoning_tags or THINK
+        reasoning = reasoning_start(text, tags) if self.splits_reasoning else None
         if reasoning is not None and params.constraint is not None and not params.constraint.after_reasoning:
             # The reasoning is free; a response_format or a forced tool call constrains the answer after it.
-            params = dataclasses.replace(params, constraint=params.constraint.after(reasoning.value))
-        return PreparedPrompt(ids, params, parsing, reasoning)
+            after = params.constraint.after(reasoning.value, (tags.open, tags.close))
+            params = dataclasses.replace(params, constraint=after)
+        if reasoning is not None and self._reasoning_tags_special:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return PreparedPrompt(ids, params, parsing, reasoning, tags)
 
     def _prepare_harmony(
         self, ids: list[int], params: SamplingParams, prompt: ChatPrompt, choice: ToolChoice
@@ -350,10 +366,12 @@ class RequestTracker:
         tool_parsing: ToolParsing | None = None,
         reasoning: ReasoningStart | None = None,
         harmony: bool = False,
+        reasoning_tags: ReasoningTags = THINK,
     ) -> None:
         """`token_text` names tokens for logprobs; share one per tokenizer across requests (it caches).
         `tool_parsing` (from `PreparedPrompt`) makes each choice's text go through a tool-call parser, and
-        `reasoning` (from there too) first splits its reasoning off: the tool parser reads the content only.
+        `reasoning` (from there too) first splits its reasoning off (written between `reasoning_tags`): the tool
+        parser reads the content only.
         With `harmony` (from there too) a `HarmonyStream` reads each choice instead, its calls when `tool_parsing`
         is given."""
         self.params = params
@@ -367,7 +385,9 @@ class RequestTracker:
         self._tool_streams = [
             ToolCallStream(tool_parsing) if tool_parsing and not harmony else None for _ in range(params.n)
         ]
-        self._reasoning = [ReasoningStream(reasoning) if reasoning and not harmony else None for _ in range(params.n)]
+        self._reasoning = [
+            ReasoningStream(reasoning, reasoning_tags) if reasoning and not harmony else None for _ in range(params.n)
+        ]
         self._tokenizer = tokenizer
 
     @property

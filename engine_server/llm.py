@@ -178,7 +178,7 @@ class LLM:
             )
             tracker = RequestTracker(
                 self.tokenizer, request_id, item.token_ids, item.params, self.token_text, item.tool_parsing,
-                item.reasoning, item.harmony,
+                item.reasoning, item.harmony, item.reasoning_tags,
             )
             # Tokens of choices that nothing needs to see before they finish (no stop strings to match as the
             # text grows) come once, at the finish, so their text is decoded once and per-step host work is small.

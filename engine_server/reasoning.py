@@ -1,7 +1,11 @@
-"""Reasoning split from the answer: a thinking model's `<think>…</think>` (Qwen3, DeepSeek-R1, QwQ) apart from its
-content, as vLLM's, SGLang's and llama.cpp's servers return it (`reasoning_content`).
+"""Reasoning split from the answer: a thinking model's `<think>…</think>` (Qwen3, DeepSeek-R1, QwQ, GLM-4.5,
+MiniMax-M2, Kimi K2), Seed-OSS's `<seed:think>…</seed:think>` or Magistral's `[THINK]…[/THINK]` (`ReasoningTags`) apart
+from its content, as vLLM's, SGLang's and llama.cpp's servers return it (`reasoning_content`). Which tags a model
+writes is read off its chat template (`template_reasoning_tags`: the first pair whose opening tag it mentions) or
+named by the reasoning parser (`parser_reasoning_tags`).
 
-Where the reasoning starts is read off the rendered prompt (`reasoning_start`):
+Where the reasoning starts is read off the rendered prompt (`reasoning_start`; `<think>` and `</think>` stand for
+the family's tags here):
 - the prompt ends inside a `<think>` it opened (R1-style templates open it in the generation prompt): the output
   is reasoning from its first character, up to `</think>`;
 - the prompt ends with a closed `<think>…</think>` (Qwen3's template with `enable_thinking: false` writes an empty
@@ -17,10 +21,41 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from engine_server.tools.parsers import partial_suffix_len
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    """The tags a family writes its reasoning between."""
+
+    open: str
+    close: str
+
+
+THINK = ReasoningTags(THINK_OPEN, THINK_CLOSE)
+SEED_THINK = ReasoningTags("<seed:think>", "</seed:think>")  # Seed-OSS
+MISTRAL_THINK = ReasoningTags("[THINK]", "[/THINK]")  # Magistral (its tags are special tokens of its vocabulary)
+_DETECTED = (SEED_THINK, MISTRAL_THINK, THINK)
+# The reasoning parser names (vLLM's) that name a pair; "auto" reads it off the template, "none" splits nothing.
+_NAMED = {"qwen3": THINK, "deepseek_r1": THINK, "glm45": THINK, "kimi_k2": THINK, "minimax_m2": THINK,
+          "seed_oss": SEED_THINK, "mistral": MISTRAL_THINK}  # fmt: skip
+
+
+def template_reasoning_tags(template_text: str) -> ReasoningTags | None:
+    """The tags of the first known pair whose opening tag `template_text` (a chat template) mentions, or None."""
+    return next((tags for tags in _DETECTED if tags.open in template_text), None)
+
+
+def parser_reasoning_tags(parser: str, template_text: str) -> ReasoningTags | None:
+    """The tags a reasoning parser name (`EngineConfig.reasoning_parser`) splits on: "auto" those the template
+    implies (None when it implies none), a family's name its pair, anything else (none, openai_gptoss) None."""
+    if parser == "auto":
+        return template_reasoning_tags(template_text)
+    return _NAMED.get(parser)
 
 
 def shortest_prefix(token_ids: Sequence[int], holds: Callable[[Sequence[int]], bool]) -> int:
@@ -43,13 +78,13 @@ class ReasoningStart(enum.Enum):
     IF_OPENED = "if_opened"  # the output is reasoning if it opens with <think>
 
 
-def reasoning_start(prompt_text: str) -> ReasoningStart | None:
+def reasoning_start(prompt_text: str, tags: ReasoningTags = THINK) -> ReasoningStart | None:
     """How a choice of a prompt rendered as `prompt_text` is split; None: it is not (the prompt closed the
     reasoning itself)."""
-    opened, closed = prompt_text.rfind(THINK_OPEN), prompt_text.rfind(THINK_CLOSE)
-    if opened > closed and not prompt_text[opened + len(THINK_OPEN) :].strip():
+    opened, closed = prompt_text.rfind(tags.open), prompt_text.rfind(tags.close)
+    if opened > closed and not prompt_text[opened + len(tags.open) :].strip():
         return ReasoningStart.INSIDE
-    if closed >= 0 and not prompt_text[closed + len(THINK_CLOSE) :].strip():
+    if closed >= 0 and not prompt_text[closed + len(tags.close) :].strip():
         return None
     return ReasoningStart.IF_OPENED
 
@@ -64,7 +99,8 @@ class _State(enum.Enum):
 class ReasoningStream:
     """One choice's text split into reasoning and content as it arrives (see the module docstring)."""
 
-    def __init__(self, start: ReasoningStart) -> None:
+    def __init__(self, start: ReasoningStart, tags: ReasoningTags = THINK) -> None:
+        self.tags = tags
         self._state = _State.REASONING if start is ReasoningStart.INSIDE else _State.OPENING
         self._held = ""
         self.entered = self._state is _State.REASONING  # the output has (had) a reasoning
@@ -77,7 +113,7 @@ class ReasoningStream:
             return 0
         if self._state is _State.REASONING:
             return len(token_ids)
-        return shortest_prefix(token_ids, lambda prefix: THINK_CLOSE in decode(prefix))
+        return shortest_prefix(token_ids, lambda prefix: self.tags.close in decode(prefix))
 
     @property
     def in_reasoning(self) -> bool:
@@ -91,23 +127,23 @@ class ReasoningStream:
         while self._held:
             if self._state is _State.OPENING:
                 head = self._held.lstrip()
-                if head.startswith(THINK_OPEN):
-                    self._held = head[len(THINK_OPEN) :]
+                if head.startswith(self.tags.open):
+                    self._held = head[len(self.tags.open) :]
                     self._state = _State.REASONING
                     self.entered = True
-                elif THINK_OPEN.startswith(head):  # whitespace, or a partial tag: wait
+                elif self.tags.open.startswith(head):  # whitespace, or a partial tag: wait
                     break
                 else:
                     self._state = _State.CONTENT
             elif self._state is _State.REASONING:
-                end = self._held.find(THINK_CLOSE)
+                end = self._held.find(self.tags.close)
                 if end < 0:
-                    keep = partial_suffix_len(self._held, THINK_CLOSE)
+                    keep = partial_suffix_len(self._held, self.tags.close)
                     reasoning += self._held[: len(self._held) - keep]
                     self._held = self._held[len(self._held) - keep :]
                     break
                 reasoning += self._held[:end]
-                self._held = self._held[end + len(THINK_CLOSE) :]
+                self._held = self._held[end + len(self.tags.close) :]
                 self._state = _State.ANSWER_START
             elif self._state is _State.ANSWER_START:
                 self._held = self._held.lstrip()

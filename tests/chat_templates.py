@@ -604,9 +604,11 @@ MINIMAX_M2 = FamilyTemplate(
 
 # Seed-OSS: `<seed:bos>ROLE\n ... <seed:eos>` turns, tools as Python signatures in the system turn with an example
 # `<seed:tool_call>` block, calls written as `<function=NAME>` of `<parameter=p>VALUE</parameter>` lines (a value
-# that is not a string written with `| string`), results as `tool` turns.
+# that is not a string written with `| string`), results as `tool` turns; a reply thinks first between
+# `<seed:think>` and `</seed:think>` (an earlier reply's thinking is written back when the message carries it).
 SEED_OSS = FamilyTemplate(
     template="""\
+{%- set think_begin_token, think_end_token = "<seed:think>", "</seed:think>" %}
 {%- if messages[0].role == "system" %}
     {%- set system_message = messages[0].content %}{%- set messages = messages[1:] %}
 {%- elif tools %}{%- set system_message = "You are Doubao, a helpful AI assistant." %}{%- endif %}
@@ -624,6 +626,9 @@ SEED_OSS = FamilyTemplate(
 {%- for m in messages %}
     {%- if m.role == "assistant" and m.tool_calls %}
         {{- "<seed:bos>assistant" }}
+        {%- if m.reasoning_content %}
+            {{- "\\n" + think_begin_token + m.reasoning_content + think_end_token }}
+        {%- endif %}
         {%- if m.content %}{{- "\\n" + m.content + "\\n" }}{%- endif %}
         {%- for tool_call in m.tool_calls %}
             {{- "\\n<seed:tool_call>\\n<function=" + tool_call.function.name + ">\\n" }}
@@ -644,4 +649,24 @@ SEED_OSS = FamilyTemplate(
     eos="<seed:eos>",
     cue="\n",
     tool_cue="\n",
+)
+
+# Magistral (Mistral's reasoning models): a system prompt that asks for the thinking between `[THINK]` and `[/THINK]`
+# (special tokens of its vocabulary, so the engine keeps the special tokens in the text it splits), `[INST]` turns;
+# the reply opens `[THINK]` itself.
+MAGISTRAL = FamilyTemplate(
+    template="""\
+{{- bos_token + "[SYSTEM_PROMPT]First draft your thinking process between [THINK] and [/THINK], then answer." }}
+{{- "[/SYSTEM_PROMPT]" }}
+{%- for m in messages %}
+    {%- if m.role == "user" %}{{- "[INST]" + m.content + "[/INST]" }}
+    {%- elif m.role == "assistant" %}{{- m.content + eos_token }}
+    {%- endif %}
+{%- endfor %}
+""",
+    special_tokens=("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[THINK]", "[/THINK]"),
+    bos="<s>",
+    eos="</s>",
+    cue="[/INST]",
+    tool_cue="[/INST]",
 )

@@ -108,7 +108,7 @@ class XGrammarCompile:
     def __call__(self, constraint: Constraint) -> xgr.CompiledGrammar:
         grammar = self.grammar(constraint)
         if constraint.after_reasoning in ("inside", "if_opened"):
-            grammar = after_reasoning(grammar, constraint.after_reasoning)
+            grammar = after_reasoning(grammar, constraint.after_reasoning, constraint.reasoning_tags)
         elif constraint.after_reasoning == "harmony":
             grammar = harmony_answer(grammar)
         return self._compiler.compile_grammar(grammar)
@@ -140,26 +140,25 @@ def harmony_answer(answer: xgr.Grammar) -> xgr.Grammar:
     return xgr.Grammar.from_structural_tag(tag)
 
 
-# A reasoning up to its closing tag: any text in which "</think>" does not occur, then the tag and the whitespace
-# before the answer. The alternatives spell "not the tag" one prefix at a time; the optional last one lets the
-# reasoning end on a prefix ("a<" then "</think>"). xgrammar's parser takes the ambiguity this leaves.
-_REASONING_EBNF = r"""
-root ::= reasoning "</think>" [ \n\t\r]*
-reasoning ::= ([^<] | "<" [^/] | "</" [^t] | "</t" [^h] | "</th" [^i] | "</thi" [^n] | "</thin" [^k]
-    | "</think" [^>])* ("<" | "</" | "</t" | "</th" | "</thi" | "</thin" | "</think")?
-"""
-_OPEN_EBNF = r'root ::= [ \n\t\r]* "<think>"'
+_WHITESPACE = r"root ::= [ \n\t\r]*"
 
 
-def after_reasoning(answer: xgr.Grammar, start: str) -> xgr.Grammar:
-    """`answer` after a thinking model's reasoning (`Constraint.after_reasoning`): "inside" (the prompt opened
-    <think>): the reasoning, its end tag, then the answer; "if_opened": that after an opening <think>, or the
-    answer alone."""
-    thought = xgr.Grammar.concat(xgr.Grammar.from_ebnf(_REASONING_EBNF), answer)
+def after_reasoning(answer: xgr.Grammar, start: str, tags: tuple[str, str] = ("<think>", "</think>")) -> xgr.Grammar:
+    """`answer` after a thinking model's reasoning (`Constraint.after_reasoning`) between `tags` (opening, closing):
+    "inside" (the prompt opened the reasoning): any text up to the first closing tag (xgrammar's any-text, which
+    ends where the tag first occurs, as `engine_server.reasoning` splits), the tag, whitespace, then the answer;
+    "if_opened": that after whitespace and the opening tag, or the answer alone."""
+    opening, closing = tags
+
+    def thought(begin: str) -> xgr.Grammar:
+        reasoning = StructuralTag(format=TagFormat(begin=begin, content=AnyTextFormat(), end=closing))
+        whitespace = xgr.Grammar.from_ebnf(_WHITESPACE)
+        return xgr.Grammar.concat(xgr.Grammar.from_structural_tag(reasoning), whitespace, answer)
+
     if start == "inside":
-        return thought
+        return thought("")
     if start == "if_opened":
-        return xgr.Grammar.union(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_OPEN_EBNF), thought), answer)
+        return xgr.Grammar.union(xgr.Grammar.concat(xgr.Grammar.from_ebnf(_WHITESPACE), thought(opening)), answer)
     raise ValueError(f"after_reasoning must be inside or if_opened, got {start!r}")
 
 

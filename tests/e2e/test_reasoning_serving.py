@@ -1,11 +1,12 @@
 """A thinking model's reasoning apart from its answer, end to end: `ladle engine` (`--reasoning-parser auto`) on a
 scripted model (a real checkpoint whose reply is known, tests/scripted.py) carrying Qwen3's chat template (the
-output opens `<think>`; `enable_thinking: false` closes an empty one in the prompt) or an R1-style one (the prompt
-opens `<think>`), behind the gateway: the official OpenAI SDK (chat, streamed and not), the batched-chat route, a
-batch job, `ladle batch` and a gRPC stub all see the reasoning under `reasoning_content` and `reasoning`, the answer
-alone in `content`, and the reasoning's tokens counted; a json_schema answer after the reasoning validates; a reply
-cut inside its reasoning has no content. How the split works at every split point of a stream is tested in
-tests/unit/test_reasoning.py, and through the engine in tests/unit/test_reasoning_engine.py."""
+output opens `<think>`; `enable_thinking: false` closes an empty one in the prompt), an R1-style one (the prompt
+opens `<think>`) or Magistral's (`[THINK]...[/THINK]`, special tokens), behind the gateway: the official OpenAI
+SDK (chat, streamed and not), the batched-chat route, a batch job, `ladle batch` and a gRPC stub all see the
+reasoning under `reasoning_content` and `reasoning`, the answer alone in `content`, and the reasoning's tokens
+counted; a json_schema answer after the reasoning validates; a reply cut inside its reasoning has no content. How
+the split works at every split point of a stream is tested in tests/unit/test_reasoning.py, and through the engine
+in tests/unit/test_reasoning_engine.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import openai
 import pytest
 
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.chat_templates import DEEPSEEK_R1, QWEN3, FamilyTemplate
+from tests.chat_templates import DEEPSEEK_R1, MAGISTRAL, QWEN3, FamilyTemplate
 from tests.e2e.engine_process import EngineProcess
 from tests.e2e.gateway_process import GatewayProcess, serve_scripted
 
@@ -63,6 +64,12 @@ THINKERS = {
         DEEPSEEK_R1,
         {"\n": ("Two and two make four.\n", "</think>", "\n\n" + ANSWER, "<|im_end|>")},
         reasoning="Two and two make four.\n", reasoning_tokens=2, completion_tokens=4,
+    ),
+    # Magistral: its own tags, special tokens of its vocabulary (decoded with the special tokens kept).
+    "mistral": Thinker(
+        MAGISTRAL,
+        {"[/INST]": ("[THINK]", "Two and two make four.", "[/THINK]", ANSWER, "</s>")},
+        reasoning="Two and two make four.", reasoning_tokens=3, completion_tokens=5,
     ),
 }
 

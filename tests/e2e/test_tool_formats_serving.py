@@ -4,7 +4,7 @@ and special tokens, behind the gateway, through the official OpenAI SDK:
 - the calls the model writes come back as `tool_calls`, whole and streamed (each call delta in a chunk of its own),
   with ids in OpenAI's shape, Mistral's 9 characters or the id Kimi K2's model wrote; a call of a tool the request
   did not give stays text; where the markers are special tokens (Mistral, GLM, DeepSeek, Kimi, MiniMax, Seed-OSS)
-  they reach the parser, and a reasoning before the calls (GLM, MiniMax) is split off first;
+  they reach the parser, and a reasoning before the calls (GLM, MiniMax, Seed-OSS) is split off first;
 - calls sent back with their results render through the family's template (Mistral's refuses any id that is not 9
   letters and digits; DeepSeek V3.1's joins the arguments to text);
 - forced calls (required, named) are written in the family's format;
@@ -142,8 +142,9 @@ FAMILIES: dict[str, Family] = {
          "<|im_end|>"),
         (DALLAS,),
     ),
-    # The markers are special tokens of these families (kept in the text for the parser); GLM and MiniMax reason
-    # first (MiniMax's prompt opens the reasoning), and Kimi's call id is the one its model wrote.
+    # The markers are special tokens of these families (kept in the text for the parser); GLM, MiniMax and Seed-OSS
+    # reason first (MiniMax's prompt opens the reasoning; Seed-OSS's tags are its own), and Kimi's call id is the
+    # one its model wrote.
     "glm45": Family(
         GLM45,
         ("<think>", "The user wants the weather.", "</think>", "<tool_call>",
@@ -180,7 +181,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "seed_oss": Family(
         SEED_OSS,
-        ("<seed:tool_call>",
+        ("<seed:think>", "The user wants the weather.", "</seed:think>", "<seed:tool_call>",
          *_dallas("\n<function=get_current_weather>\n<parameter=city>",
                   ("</parameter>\n<parameter=state>", "</parameter>\n<parameter=unit>"), "</parameter>\n</function>\n"),
          "</seed:tool_call>", "<seed:eos>"),

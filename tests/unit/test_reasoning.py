@@ -1,4 +1,5 @@
-"""Reasoning split from the answer: where it starts (read off the prompt), and a stream cut anywhere."""
+"""Reasoning split from the answer: where it starts (read off the prompt), a stream cut anywhere, and the families'
+own tags (Seed-OSS's, Magistral's: read off the template or named, kept as special tokens where they are some)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,19 @@ from typing import Any
 
 import pytest
 
+from engine_server.config import REASONING_PARSERS
 from engine_server.frontend import ChatPrompt, InputProcessor
-from engine_server.reasoning import ReasoningStart, ReasoningStream, reasoning_start
+from engine_server.reasoning import (
+    MISTRAL_THINK,
+    SEED_THINK,
+    THINK,
+    ReasoningStart,
+    ReasoningStream,
+    ReasoningTags,
+    parser_reasoning_tags,
+    reasoning_start,
+    template_reasoning_tags,
+)
 from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatMessage
 
@@ -30,8 +42,8 @@ def test_where_the_reasoning_starts_is_read_off_the_prompt(prompt: str, start: R
     assert reasoning_start(prompt) is start
 
 
-def _split(text: str, start: ReasoningStart, cuts: list[int]) -> tuple[str, str]:
-    stream = ReasoningStream(start)
+def _split(text: str, start: ReasoningStart, cuts: list[int], tags: ReasoningTags = THINK) -> tuple[str, str]:
+    stream = ReasoningStream(start, tags)
     reasoning = content = ""
     for begin, end in itertools.pairwise([0, *cuts, len(text)]):
         r, c = stream.feed(text[begin:end])
@@ -62,6 +74,25 @@ def test_a_stream_cut_anywhere_splits_like_the_whole_text(
     for cut in range(1, len(text)):
         assert _split(text, start, [cut]) == (reasoning, content), cut
     assert _split(text, start, list(range(1, len(text)))) == (reasoning, content)
+
+
+@pytest.mark.parametrize("tags", [SEED_THINK, MISTRAL_THINK])
+@pytest.mark.parametrize(("text", "start", "reasoning", "content"), CASES)
+def test_a_familys_own_tags_split_as_think_does(
+    tags: ReasoningTags, text: str, start: ReasoningStart, reasoning: str, content: str
+) -> None:
+    def retag(s: str) -> str:  # whole tags, then the partial ones of the cases ("<thin" is "[THIN" for Magistral)
+        s = s.replace("</think>", "\0").replace("<think>", "\1")
+        s = s.replace("</thi", tags.close[:5]).replace("<thin", tags.open[:5])
+        return s.replace("\0", tags.close).replace("\1", tags.open)
+
+    text, reasoning, content = retag(text), retag(reasoning), retag(content)
+    whole = _split(text, start, [], tags)
+    assert whole == (reasoning, content)
+    for cut in range(1, len(text)):
+        assert _split(text, start, [cut], tags) == whole, cut
+    assert reasoning_start(f"user: hi{tags.open}\n", tags) is INSIDE
+    assert reasoning_start(f"user: hi{tags.open}{tags.close}", tags) is None
 
 
 def test_a_partial_tag_is_held_and_reasoning_streams_as_it_comes() -> None:
@@ -104,3 +135,36 @@ def test_a_thinking_template_turns_the_split_on_and_its_prompt_says_where(
     assert off.prepare(prompt, SamplingParams()).reasoning is None
     plain = InputProcessor(smollm2_tokenizer, 49152, 2048, eos_token_ids=[2])  # no <think> in its template
     assert not plain.splits_reasoning and plain.prepare(prompt, SamplingParams()).reasoning is None
+
+
+def test_the_tags_are_read_off_the_template_or_named_by_the_parser() -> None:
+    assert template_reasoning_tags("{{ '<seed:think>' + reasoning + '</seed:think>' }}") == SEED_THINK
+    assert template_reasoning_tags("{{ '[THINK]' + thinking + '[/THINK]' }}") == MISTRAL_THINK
+    assert template_reasoning_tags(QWEN3_LIKE) == THINK and template_reasoning_tags("{{ messages }}") is None
+    assert parser_reasoning_tags("seed_oss", "") == SEED_THINK
+    assert parser_reasoning_tags("mistral", QWEN3_LIKE) == MISTRAL_THINK  # a named parser wins over the template
+    assert parser_reasoning_tags("auto", R1_LIKE) == THINK
+    for parser in ("none", "openai_gptoss"):
+        assert parser_reasoning_tags(parser, QWEN3_LIKE) is None
+    named = set(REASONING_PARSERS) - {"auto", "none", "openai_gptoss"}
+    assert all(parser_reasoning_tags(p, "") is not None for p in named)  # every other name names a pair
+
+
+MAGISTRAL_LIKE = (
+    "{%- for m in messages %}[INST]{{ m.content }}[/INST]{%- endfor %}"
+    "{#- a reply thinks first: [THINK]...[/THINK] #}"
+)
+
+
+def test_tags_that_are_special_tokens_keep_the_special_tokens_in_the_text(smollm2_tokenizer: Any) -> None:
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = MAGISTRAL_LIKE
+    prompt = ChatPrompt([ChatMessage("user", "What is 2 + 2?")])
+    plain = InputProcessor(tokenizer, 49152, 2048, eos_token_ids=[2]).prepare(prompt, SamplingParams())
+    assert plain.reasoning is IF_OPENED and plain.reasoning_tags == MISTRAL_THINK
+    assert plain.params.skip_special_tokens  # text tags: nothing to keep
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    special = InputProcessor(tokenizer, 49152, 2048, eos_token_ids=[2]).prepare(prompt, SamplingParams())
+    assert special.reasoning is IF_OPENED and not special.params.skip_special_tokens
+    ids = tokenizer.encode("[THINK]2 and 2.[/THINK]4", add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "[THINK]2 and 2.[/THINK]4"  # what the split reads
