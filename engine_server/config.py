@@ -1627,7 +1627,7 @@ QuantizationMode = Literal["auto", "none", "gguf", "int8", "fp8"]  # EngineConfi
 # "openai" is vLLM's name for gpt-oss's harmony calls (engine_server.harmony), which "auto" also picks for its template.
 ToolCallParserName = Literal[
     "auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder", "openai", "glm45", "glm47",
-    "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "seed_oss",
+    "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "seed_oss", "nemotron_json", "lfm2", "granite",
 ]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
 # EngineConfig.reasoning_parser: "auto" (on when the chat template mentions a known opening tag: <think>,

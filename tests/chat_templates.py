@@ -670,3 +670,82 @@ MAGISTRAL = FamilyTemplate(
     cue="[/INST]",
     tool_cue="[/INST]",
 )
+
+# NVIDIA Nemotron Nano 2: `<SPECIAL_10>System` and `<SPECIAL_11>ROLE` turns, an assistant turn closed by
+# `<SPECIAL_12>`; tools as a JSON list in `<AVAILABLE_TOOLS>`, calls as a JSON list in `<TOOLCALL>`, results as a list
+# in a user turn's `<TOOL_RESPONSE>`; the generation prompt opens the reasoning (`<think>\n\n`).
+NEMOTRON = FamilyTemplate(
+    template="""\
+{{- "<SPECIAL_10>System\\n" }}
+{%- if messages[0].role == "system" %}{{- messages[0].content }}{%- set messages = messages[1:] %}{%- endif %}
+{%- if tools %}
+    {{- "You can use these tools if required:\\n<AVAILABLE_TOOLS>[" }}
+    {%- for tool in tools %}{{- tool.function | tojson + (", " if not loop.last else "") }}{%- endfor %}
+    {{- "]</AVAILABLE_TOOLS>\\n\\nTo call tools, write:\\n" }}
+    {{- "<TOOLCALL>[{\\"name\\": \\"tool_name1\\", \\"arguments\\": " }}
+    {{- "tool_args1}]</TOOLCALL>\\n\\nTool results come back as <TOOL_RESPONSE>[...]</TOOL_RESPONSE>." }}
+{%- endif %}
+{{- "\\n\\n" }}
+{%- for m in messages %}
+    {%- if m.role == "user" %}{{- "<SPECIAL_11>User\\n" + m.content + "\\n" }}
+    {%- elif m.role == "tool" %}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}
+            {{- "<SPECIAL_11>User\\n<TOOL_RESPONSE>[" }}
+        {%- endif %}
+        {{- m.content }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}{{- "]</TOOL_RESPONSE>\\n\\n" }}
+        {%- else %}{{- ", " }}{%- endif %}
+    {%- elif m.role == "assistant" %}
+        {{- "<SPECIAL_11>Assistant\\n" + (m.content or "") }}
+        {%- if m.tool_calls %}
+            {{- "<TOOLCALL>[" }}
+            {%- for call in m.tool_calls %}
+                {{- '{"name": "' + call.function.name + '", "arguments": ' + call.function.arguments | tojson + "}" }}
+                {{- ", " if not loop.last else "" }}
+            {%- endfor %}
+            {{- "]</TOOLCALL>" }}
+        {%- endif %}
+        {{- "\\n<SPECIAL_12>\\n\\n" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<SPECIAL_11>Assistant\\n<think>\\n\\n" }}{%- endif %}
+""",
+    special_tokens=("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<TOOLCALL>", "</TOOLCALL>"),
+    bos="<s>",
+    eos="<SPECIAL_12>",
+    cue="<think>\n\n",
+    tool_cue="<think>\n\n",
+)
+
+# LFM2: ChatML turns, tools as a JSON list between `<|tool_list_start|>` and `<|tool_list_end|>` in the system turn,
+# results wrapped in `<|tool_response_start|>`; its replies write pythonic calls between `<|tool_call_start|>` and
+# `<|tool_call_end|>`. The template does not read `tool_calls`: calls sent back are written by the engine, in LFM2's
+# layout, into the assistant turn's text (`engine_server.tools.fallback.plain_history`).
+LFM2 = FamilyTemplate(
+    template="""\
+{{- bos_token }}
+{%- set ns = namespace(system="") %}
+{%- if messages[0].role == "system" %}{%- set ns.system = messages[0].content %}{%- set messages = messages[1:] %}
+{%- endif %}
+{%- if tools %}
+    {%- set ns.system = ns.system + ("\\n" if ns.system else "") + "List of tools: <|tool_list_start|>[" %}
+    {%- for tool in tools %}{%- set ns.system = ns.system + tool | tojson + (", " if not loop.last else "") %}
+    {%- endfor %}
+    {%- set ns.system = ns.system + "]<|tool_list_end|>" %}
+{%- endif %}
+{%- if ns.system %}{{- "<|im_start|>system\\n" + ns.system + "<|im_end|>\\n" }}{%- endif %}
+{%- for m in messages %}
+    {%- if m.role == "tool" %}
+        {{- "<|im_start|>tool\\n<|tool_response_start|>" + m.content + "<|tool_response_end|><|im_end|>\\n" }}
+    {%- else %}{{- "<|im_start|>" + m.role + "\\n" + m.content + "<|im_end|>\\n" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|im_start|>assistant\\n" }}{%- endif %}
+""",
+    special_tokens=("<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+                    "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>"),
+    bos="<|startoftext|>",
+    eos="<|im_end|>",
+    cue="\n",
+    tool_cue="\n",
+)

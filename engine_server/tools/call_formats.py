@@ -20,7 +20,7 @@ import ast
 import json
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from engine_server.tools.parsers import (
     HermesParser,
@@ -37,7 +37,10 @@ _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 class MistralParser(ToolCallParser):
-    """Mistral's `[TOOL_CALLS]` calls, both forms (see the module docstring)."""
+    """Mistral's `[TOOL_CALLS]` calls, both forms (see the module docstring). Formats that write a JSON list of
+    calls after a marker of their own to the end of the output subclass it (`marker`: Granite 3's `<|tool_call|>`)."""
+
+    marker: ClassVar[str] = MISTRAL_CALLS
 
     def __init__(self, names: Iterable[str] | None = None) -> None:
         super().__init__(names)
@@ -49,11 +52,11 @@ class MistralParser(ToolCallParser):
             self._calls += text
             return ParseStep()
         self._pending += text
-        start = self._pending.find(MISTRAL_CALLS)
+        start = self._pending.find(self.marker)
         if start >= 0:
             self._calls = self._pending[start:]
             self._pending = self._pending[:start]
-        held = len(self._pending) - partial_suffix_len(self._pending, MISTRAL_CALLS)
+        held = len(self._pending) - partial_suffix_len(self._pending, self.marker)
         released = self._pending[:held].rstrip()
         self._pending = self._pending[len(released) :]
         return ParseStep(released)
@@ -68,18 +71,11 @@ class MistralParser(ToolCallParser):
 
     def _parse(self, text: str) -> list[ParsedCall]:
         """The calls of the text from the marker on, or [] when any part of it is not a call."""
-        body = text[len(MISTRAL_CALLS) :].strip()
+        body = text[len(self.marker) :].strip()
         if body.startswith("["):  # before v11: one JSON list of calls
-            try:
-                objects, end = json.JSONDecoder().raw_decode(body)
-            except json.JSONDecodeError:
-                return []
-            if body[end:].strip() or not isinstance(objects, list) or not objects:
-                return []
-            calls = [self.call_from(obj) for obj in objects]
-            return [call for call in calls if call is not None] if None not in calls else []
+            return json_list_calls(self, body)
         calls_v11: list[ParsedCall] = []
-        for part in body.split(MISTRAL_CALLS):
+        for part in body.split(self.marker):
             name, marker, arguments = part.strip().partition(MISTRAL_ARGS)
             if not marker:
                 return []
@@ -92,6 +88,19 @@ class MistralParser(ToolCallParser):
                 return []
             calls_v11.append(call)
         return calls_v11
+
+
+def json_list_calls(parser: ToolCallParser, text: str) -> list[ParsedCall]:
+    """The calls of `text`, one JSON list of `{"name": ..., "arguments": {...}}` objects and nothing else, or [] when
+    any part of it is not a call."""
+    try:
+        objects, end = json.JSONDecoder().raw_decode(text.strip())
+    except json.JSONDecodeError:
+        return []
+    if text.strip()[end:].strip() or not isinstance(objects, list) or not objects:
+        return []
+    calls = [parser.call_from(obj) for obj in objects]
+    return [call for call in calls if call is not None] if None not in calls else []
 
 
 class PythonicParser(WholeOutputParser):

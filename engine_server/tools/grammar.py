@@ -17,7 +17,9 @@ names never collide:
 - one call of tool T (DeepSeek V3.1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>T<｜tool▁sep｜>` ARGS(T)
   `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`; V3 / R1 name it `function<｜tool▁sep｜>T` and fence ARGS(T) in a json code
   block; Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.T:0<|tool_call_argument_begin|>`
-  ARGS(T) `<|tool_call_end|><|tool_calls_section_end|>`;
+  ARGS(T) `<|tool_call_end|><|tool_calls_section_end|>`; Nemotron: `<TOOLCALL>[{"name": "T", "arguments": ` ARGS(T)
+  `}]</TOOLCALL>`; Granite 3: `<|tool_call|>[{"name": "T", "arguments": ` ARGS(T) `}]`; LFM2: the pythonic call
+  between `<|tool_call_start|>` and `<|tool_call_end|>`;
 - one call of tool T (harmony, gpt-oss): `<|channel|>commentary to=functions.T <|constrain|>json<|message|>`
   ARGS(T), after at most one free reasoning message (`<|channel|>analysis<|message|>` text `<|end|><|start|>
   assistant`, `harmony_reasoning`); the end of sequence (`<|call|>`) follows the complete grammar;
@@ -52,11 +54,16 @@ from engine_server.tools.tagged_formats import (
     DEEPSEEK_CALLS,
     DEEPSEEK_CALLS_END,
     DEEPSEEK_SEP,
+    GRANITE_CALLS,
     KIMI_ARGUMENTS,
     KIMI_CALL,
     KIMI_CALL_END,
     KIMI_CALLS,
     KIMI_CALLS_END,
+    LFM2_CALLS,
+    LFM2_CALLS_END,
+    NEMOTRON_CALLS,
+    NEMOTRON_CALLS_END,
 )
 from engine_server.tools.template import ToolFormat
 from engine_server.tools.types import ToolChoice, ToolChoiceMode
@@ -123,6 +130,13 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
         case ToolFormat.KIMI_K2:
             head = f"{KIMI_CALLS}{KIMI_CALL}functions.{tool.name}:0{KIMI_ARGUMENTS}"
             tail = KIMI_CALL_END + KIMI_CALLS_END
+        case ToolFormat.NEMOTRON:
+            head, tail = f'{NEMOTRON_CALLS}[{{"name": {name}, "arguments": ', "}]" + NEMOTRON_CALLS_END
+        case ToolFormat.GRANITE:
+            head, tail = f'{GRANITE_CALLS}[{{"name": {name}, "arguments": ', "}]"
+        case ToolFormat.LFM2:
+            calls = _pythonic_call_grammar(tool, schema)
+            return xgr.Grammar.concat(_literal_grammar(LFM2_CALLS), calls, _literal_grammar(LFM2_CALLS_END))
         case ToolFormat.PYTHONIC:
             return _pythonic_call_grammar(tool, schema)
         case ToolFormat.HARMONY:

@@ -1,6 +1,6 @@
 """`make_parser`: a fresh tool-call parser for any format (`ToolFormat`), and `parse_tool_calls` for a whole output.
 The parsers live in `parsers` (the contract, Hermes, Llama 3 JSON), `call_formats` (Mistral, pythonic,
-Qwen3-Coder) and `tagged_formats` (GLM-4.5, DeepSeek, Kimi K2, MiniMax-M2, Seed-OSS)."""
+Qwen3-Coder) and `tagged_formats` (GLM-4.5, DeepSeek, Kimi K2, MiniMax-M2, Seed-OSS, Nemotron, LFM2, Granite 3)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ from engine_server.tools.parsers import HermesParser, Llama3JsonParser, ParseSte
 from engine_server.tools.tagged_formats import (
     DeepSeekParser,
     Glm45Parser,
+    GraniteParser,
     KimiK2Parser,
+    Lfm2Parser,
     MiniMaxM2Parser,
+    NemotronParser,
     SeedOssParser,
 )
 from engine_server.tools.template import ToolFormat
@@ -45,6 +48,12 @@ def make_parser(
             return MiniMaxM2Parser(names, schemas)
         case ToolFormat.SEED_OSS:
             return SeedOssParser(names, schemas)
+        case ToolFormat.NEMOTRON:
+            return NemotronParser(names)
+        case ToolFormat.LFM2:
+            return Lfm2Parser(names)
+        case ToolFormat.GRANITE:
+            return GraniteParser(names)
         case ToolFormat.HARMONY:
             raise ValueError("harmony output is read whole by engine_server.harmony, not by a tool-call parser")
 

@@ -14,6 +14,10 @@ output ends, and a block that is not calls stays in the content as written):
 - MiniMax-M2: `<minimax:tool_call>` blocks of one or more `<invoke name="NAME">` elements, each of
   `<parameter name="k">v</parameter>` elements (values as GLM's).
 - Seed-OSS: Qwen3-Coder's `<function=NAME><parameter=k>v</parameter></function>` in `<seed:tool_call>` blocks.
+- Nemotron (Nano 2, Nemotron-H, Llama-Nemotron): `<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>`.
+- LFM2: `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`, pythonic calls (a JSON list of calls read too).
+- Granite 3: `<|tool_call|>[{"name": ..., "arguments": {...}}]`, a JSON list from the marker to the end of the output
+  (Mistral's parser with Granite's marker).
 Between the elements of a block only whitespace may stand.
 """
 
@@ -25,7 +29,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from engine_server.tools.call_formats import Qwen3CoderParser, typed_value
+from engine_server.tools.call_formats import (
+    MistralParser,
+    PythonicParser,
+    Qwen3CoderParser,
+    json_list_calls,
+    typed_value,
+)
 from engine_server.tools.parsers import HermesParser, ParsedCall
 
 GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -35,6 +45,9 @@ KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_secti
 KIMI_CALL, KIMI_CALL_END, KIMI_ARGUMENTS = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 MINIMAX_CALLS, MINIMAX_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
 SEED_CALLS, SEED_CALLS_END = "<seed:tool_call>", "</seed:tool_call>"
+NEMOTRON_CALLS, NEMOTRON_CALLS_END = "<TOOLCALL>", "</TOOLCALL>"
+LFM2_CALLS, LFM2_CALLS_END = "<|tool_call_start|>", "<|tool_call_end|>"
+GRANITE_CALLS = "<|tool_call|>"
 
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _INVOKE = re.compile(r"\s*<invoke name=([^>\n]+)>(.*?)</invoke>", re.DOTALL)
@@ -191,3 +204,30 @@ def _json_call(parser: HermesParser, name: str, arguments: str) -> ParsedCall | 
     if arguments.strip()[end:].strip() or not name or "\n" in name:
         return None
     return parser.call_from({"name": name, "arguments": obj})
+
+
+class NemotronParser(HermesParser):
+    """Nemotron's `<TOOLCALL>` blocks of a JSON list of calls."""
+
+    open_tag, close_tag = NEMOTRON_CALLS, NEMOTRON_CALLS_END
+
+    def calls_of(self, body: str) -> list[ParsedCall]:
+        return json_list_calls(self, body)
+
+
+class Lfm2Parser(HermesParser):
+    """LFM2's `<|tool_call_start|>` blocks of pythonic calls (or of a JSON list of calls)."""
+
+    open_tag, close_tag = LFM2_CALLS, LFM2_CALLS_END
+
+    def find_close(self, body: str) -> int:
+        return body.find(self.close_tag)  # a marker token: it does not occur inside the calls
+
+    def calls_of(self, body: str) -> list[ParsedCall]:
+        return PythonicParser(self.names).parse(body) or json_list_calls(self, body)
+
+
+class GraniteParser(MistralParser):
+    """Granite 3's `<|tool_call|>` and a JSON list of calls to the end of the output."""
+
+    marker = GRANITE_CALLS

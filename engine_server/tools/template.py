@@ -5,7 +5,8 @@ Rules (first match wins for the format):
 - the template mentions `[TOOL_CALLS]` → MISTRAL, or MISTRAL_V11 when it also writes `[ARGS]`;
 - it mentions `<minimax:tool_call>` → MINIMAX_M2; `<seed:tool_call>` → SEED_OSS; `<arg_key>` → GLM45;
   `<|tool_calls_section_begin|>` → KIMI_K2; `<｜tool▁calls▁begin｜>` → DEEPSEEK_V3 when it fences the
-  arguments in a json code block (V3, R1), else DEEPSEEK_V31;
+  arguments in a json code block (V3, R1), else DEEPSEEK_V31; `<TOOLCALL>` → NEMOTRON; `<|tool_call_start|>` or
+  `<|tool_list_start|>` → LFM2; `<|tool_call|>` → GRANITE;
 - it mentions `<function=` and `<parameter=` → QWEN3_CODER;
 - it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
 - it mentions `<|python_start|>` → PYTHONIC (Llama 4);
@@ -61,6 +62,12 @@ class ToolFormat(enum.Enum):
     MINIMAX_M2 = "minimax_m2"
     # <seed:tool_call>\n<function=f>\n<parameter=p>v</parameter>\n</function>\n</seed:tool_call> (Seed-OSS).
     SEED_OSS = "seed_oss"
+    # <TOOLCALL>[{"name": "f", "arguments": {...}}]</TOOLCALL> (Nemotron Nano 2, Nemotron-H; NVIDIA's parser name).
+    NEMOTRON = "nemotron_json"
+    # <|tool_call_start|>[f(a=1)]<|tool_call_end|> (LFM2, pythonic calls between its markers).
+    LFM2 = "lfm2"
+    # <|tool_call|>[{"name": "f", "arguments": {...}}] (Granite 3.x; Granite 4 writes Hermes' <tool_call>).
+    GRANITE = "granite"
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -103,6 +110,12 @@ class ToolTemplate:
             fmt = ToolFormat.KIMI_K2
         elif "<｜tool▁calls▁begin｜>" in text:
             fmt = ToolFormat.DEEPSEEK_V3 if "```json" in text else ToolFormat.DEEPSEEK_V31
+        elif "<TOOLCALL>" in text:
+            fmt = ToolFormat.NEMOTRON
+        elif "<|tool_call_start|>" in text or "<|tool_list_start|>" in text:  # LFM2's lists tools, its model calls
+            fmt = ToolFormat.LFM2
+        elif "<|tool_call|>" in text:
+            fmt = ToolFormat.GRANITE
         elif "<function=" in text and "<parameter=" in text:
             fmt = ToolFormat.QWEN3_CODER
         elif "<tool_call>" in text:

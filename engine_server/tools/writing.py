@@ -20,11 +20,16 @@ from engine_server.tools.tagged_formats import (
     DEEPSEEK_CALLS,
     DEEPSEEK_CALLS_END,
     DEEPSEEK_SEP,
+    GRANITE_CALLS,
     KIMI_ARGUMENTS,
     KIMI_CALL,
     KIMI_CALL_END,
     KIMI_CALLS,
     KIMI_CALLS_END,
+    LFM2_CALLS,
+    LFM2_CALLS_END,
+    NEMOTRON_CALLS,
+    NEMOTRON_CALLS_END,
 )
 from engine_server.tools.template import ToolFormat
 
@@ -68,6 +73,12 @@ def call_text(fmt: ToolFormat, name: str, arguments: Mapping[str, Any] | str) ->
         case ToolFormat.KIMI_K2:
             call = f"{KIMI_CALL}functions.{name}:0{KIMI_ARGUMENTS}{as_json}{KIMI_CALL_END}"
             return f"{KIMI_CALLS}{call}{KIMI_CALLS_END}"
+        case ToolFormat.NEMOTRON:
+            return f'{NEMOTRON_CALLS}[{{"name": {_name(name)}, "arguments": {as_json}}}]{NEMOTRON_CALLS_END}'
+        case ToolFormat.LFM2:
+            return LFM2_CALLS + call_text(ToolFormat.PYTHONIC, name, arguments) + LFM2_CALLS_END
+        case ToolFormat.GRANITE:
+            return f'{GRANITE_CALLS}[{{"name": {_name(name)}, "arguments": {as_json}}}]'
         case ToolFormat.HARMONY:
             raise ValueError("harmony calls are messages of their own, not text in a reply")
 

@@ -3,10 +3,12 @@ checkpoint whose reply is known, tests/scripted.py) carrying the family's chat t
 and special tokens, behind the gateway, through the official OpenAI SDK:
 - the calls the model writes come back as `tool_calls`, whole and streamed (each call delta in a chunk of its own),
   with ids in OpenAI's shape, Mistral's 9 characters or the id Kimi K2's model wrote; a call of a tool the request
-  did not give stays text; where the markers are special tokens (Mistral, GLM, DeepSeek, Kimi, MiniMax, Seed-OSS)
-  they reach the parser, and a reasoning before the calls (GLM, MiniMax, Seed-OSS) is split off first;
+  did not give stays text; where the markers are special tokens (Mistral, GLM, DeepSeek, Kimi, MiniMax, Seed-OSS,
+  Nemotron, LFM2) they reach the parser, and a reasoning before the calls (GLM, MiniMax, Seed-OSS, Nemotron) is
+  split off first;
 - calls sent back with their results render through the family's template (Mistral's refuses any id that is not 9
-  letters and digits; DeepSeek V3.1's joins the arguments to text);
+  letters and digits; DeepSeek V3.1's joins the arguments to text; LFM2's does not read tool_calls, so the engine
+  writes them in LFM2's layout);
 - forced calls (required, named) are written in the family's format;
 - the batched-chat route, a batch job and `ladle batch` parse them too;
 - the steps of vLLM's tool-calling client example (Mistral-7B-Instruct-v0.3 with its tool template) run against the
@@ -36,10 +38,12 @@ from tests.chat_templates import (
     GLM45,
     HERMES,
     KIMI_K2,
+    LFM2,
     LLAMA3_JSON,
     MINIMAX_M2,
     MISTRAL_V3,
     MISTRAL_V11,
+    NEMOTRON,
     PYTHONIC,
     QWEN3_CODER,
     SEED_OSS,
@@ -185,6 +189,20 @@ FAMILIES: dict[str, Family] = {
          *_dallas("\n<function=get_current_weather>\n<parameter=city>",
                   ("</parameter>\n<parameter=state>", "</parameter>\n<parameter=unit>"), "</parameter>\n</function>\n"),
          "</seed:tool_call>", "<seed:eos>"),
+        (DALLAS,),
+    ),
+    # Nemotron's prompt opens the reasoning; LFM2's template does not read tool_calls (the engine writes them back).
+    "nemotron": Family(
+        NEMOTRON,
+        ("The user wants the weather.", "</think>", "<TOOLCALL>",
+         *_dallas('[{"name": "get_current_weather", "arguments": {"city": "', _JSON_BETWEEN, '"}}]'), "</TOOLCALL>",
+         "<SPECIAL_12>"),
+        (DALLAS,),
+    ),
+    "lfm2": Family(
+        LFM2,
+        ("<|tool_call_start|>", *_dallas('[get_current_weather(city="', ('", state="', '", unit="'), '")]'),
+         "<|tool_call_end|>", "<|im_end|>"),
         (DALLAS,),
     ),
 }

@@ -1,4 +1,5 @@
-"""GLM-4.5's, DeepSeek's (V3 / R1 and V3.1), Kimi K2's, MiniMax-M2's and Seed-OSS's tool-call formats: canned outputs
+"""GLM-4.5's, DeepSeek's (V3 / R1 and V3.1), Kimi K2's, MiniMax-M2's, Seed-OSS's, Nemotron's, LFM2's and Granite 3's
+tool-call formats: canned outputs
 in each family's layout, malformed blocks left as written, streams cut at every point, the formats read off the
 families' templates, Kimi's ids kept, every format's written call parsed back, the fallback prompt teaching the
 template's own format, and the special tokens kept where the markers are special tokens."""
@@ -34,6 +35,7 @@ SCHEMAS = {
 }
 GLM, MINIMAX, SEED = ToolFormat.GLM45, ToolFormat.MINIMAX_M2, ToolFormat.SEED_OSS
 DEEPSEEK, DEEPSEEK_V31, KIMI = ToolFormat.DEEPSEEK_V3, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
+NEMOTRON, LFM2, GRANITE = ToolFormat.NEMOTRON, ToolFormat.LFM2, ToolFormat.GRANITE
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -75,6 +77,17 @@ CASES = [
      "{'lang': 'en'}</parameter>\n<parameter=safe>False</parameter>\n</function>\n</seed:tool_call>", SEED, "",
      [NEWS]),
     ("No tools needed.", GLM, "No tools needed.", []),
+    # Nemotron: a JSON list in <TOOLCALL>, after its reasoning's answer text; arguments as a JSON string read too.
+    ('Checking both.\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+     f'{{"name": "search", "arguments": {json.dumps(NEWS.arguments_json)}}}]</TOOLCALL>', NEMOTRON, "Checking both.",
+     [PARIS, NEWS]),
+    # LFM2: pythonic calls between its markers, text around them; a JSON list between them reads too.
+    ('<|tool_call_start|>[get_weather(city="Paris", days=3)]<|tool_call_end|>Checking the weather.', LFM2,
+     "Checking the weather.", [PARIS]),
+    ('<|tool_call_start|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]<|tool_call_end|>',
+     LFM2, "", [PARIS]),
+    # Granite 3: a JSON list from its marker to the end.
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]', GRANITE, "", [PARIS]),
 ]  # fmt: skip
 
 
@@ -120,6 +133,11 @@ def test_a_stream_cut_anywhere_parses_like_the_whole_text(
          "</minimax:tool_call>", MINIMAX),  # the invoke never closes
         ("<minimax:tool_call>\nstray\n</minimax:tool_call>", MINIMAX),
         ("<seed:tool_call>\n<function=delete_all>\n</function>\n</seed:tool_call>", SEED),
+        ('<TOOLCALL>{"name": "get_weather", "arguments": {}}</TOOLCALL>', NEMOTRON),  # not a list
+        ('<TOOLCALL>[{"name": "get_weather", "arguments": {}}] and</TOOLCALL>', NEMOTRON),
+        ('<|tool_call_start|>[delete_all(path="/")]<|tool_call_end|>', LFM2),
+        ("<|tool_call_start|>[get_weather(Paris)]<|tool_call_end|>", LFM2),  # positional
+        ('<|tool_call|>[{"name": "get_weather", "arguments": {}}] and more', GRANITE),
     ],
 )  # fmt: skip
 def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolFormat) -> None:
@@ -140,6 +158,9 @@ def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolForm
         ("{%- set toolcall_begin_token = '<minimax:tool_call>' -%}<invoke name=\"tool-name-1\">", MINIMAX),
         ("{%- set toolcall_begin_token = '<seed:tool_call>' -%}\\n<function=\" + tool_call.name + \">\\n"
          "{{ \"<parameter=\" + arg_name + \">\" }}", SEED),
+        ("{{- '<TOOLCALL>[' -}}{%- for call in message.tool_calls -%}", NEMOTRON),
+        ('{{- "List of tools: <|tool_list_start|>[" -}}', LFM2),  # its template lists tools; its model calls
+        ("{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message.tool_calls | tojson }}", GRANITE),
     ],
 )  # fmt: skip
 def test_the_format_is_read_off_the_family_template(template: str, fmt: ToolFormat) -> None:
