@@ -33,6 +33,7 @@ def tool_definition(tool: ChatTool) -> dict[str, Any]:
 
 def tools_system_prompt(tools: Sequence[ChatTool], fmt: ToolFormat = ToolFormat.HERMES) -> str:
     """The instructions and tool list a model without tool support in its template reads, teaching `fmt`."""
+    fmt = _written(fmt)
     listing = "\n".join(json.dumps(tool_definition(t), ensure_ascii=False) for t in tools)
     if fmt is ToolFormat.HERMES:
         how = (
@@ -58,7 +59,14 @@ def written_call(call: ChatToolCall, fmt: ToolFormat = ToolFormat.HERMES) -> str
         arguments: Any = json.loads(call.arguments_json) if call.arguments_json else {}
     except json.JSONDecodeError:
         arguments = json.dumps(call.arguments_json, ensure_ascii=False)
-    return call_text(fmt, call.name, arguments if isinstance(arguments, (dict, str)) else json.dumps(arguments))
+    value = arguments if isinstance(arguments, (dict, str)) else json.dumps(arguments)
+    return call_text(_written(fmt), call.name, value)
+
+
+def _written(fmt: ToolFormat) -> ToolFormat:
+    """The format a plain template's text shows calls in: `fmt`, or Hermes' for harmony (whose calls are messages
+    of their own, which a template without tool support cannot write)."""
+    return ToolFormat.HERMES if fmt is ToolFormat.HARMONY else fmt
 
 
 def with_tools_system_prompt(

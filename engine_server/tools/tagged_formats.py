@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engine_server.tools.call_formats import (
@@ -95,7 +95,9 @@ def _unquoted(name: str) -> str:
 class _SchemaTyped(HermesParser):
     """A block parser whose values are raw text typed by each tool's parameter schema."""
 
-    def __init__(self, names: Any = None, schemas: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self, names: Iterable[str] | None = None, schemas: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
         super().__init__(names)
         self.schemas = dict(schemas or {})
 

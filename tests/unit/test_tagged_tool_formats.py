@@ -216,6 +216,10 @@ def test_the_fallback_teaches_the_template_format_and_writes_history_in_it() -> 
     (call,) = parse_tool_calls(plain[1].content, KIMI, NAMES).calls
     assert json.loads(call.arguments_json) == {"city": "Paris"}
     assert "<tool_call>" in tools_system_prompt([WEATHER])  # Hermes stays the default
+    # harmony's calls are messages, not text: a plain template forced to it (--tool-call-parser openai) is taught
+    # Hermes' and its history written so
+    assert tools_system_prompt([WEATHER], ToolFormat.HARMONY) == tools_system_prompt([WEATHER])
+    assert plain_history(HISTORY, ToolFormat.HARMONY) == plain_history(HISTORY)
 
 
 @pytest.fixture
