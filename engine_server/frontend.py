@@ -259,7 +259,7 @@ class InputProcessor:
         reasoning = reasoning_start(text, tags) if self.splits_reasoning else None
         if reasoning is not None and params.constraint is not None and not params.constraint.after_reasoning:
             # The reasoning is free; a response_format or a forced tool call constrains the answer after it.
-            after = params.constraint.after(reasoning.value, (tags.open, tags.close))
+            after = params.constraint.after(reasoning.value, (tags.open, tags.close, *(tags.answer or ())))
             params = dataclasses.replace(params, constraint=after)
         if reasoning is not None and self._reasoning_tags_special:
             params = dataclasses.replace(params, skip_special_tokens=False)

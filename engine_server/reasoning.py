@@ -30,19 +30,23 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class ReasoningTags:
-    """The tags a family writes its reasoning between."""
+    """The tags a family writes its reasoning between, and the markers it wraps its answer in (`answer`: opening,
+    closing), which are dropped from the content (Cohere's `<|START_RESPONSE|>` ... `<|END_RESPONSE|>`)."""
 
     open: str
     close: str
+    answer: tuple[str, str] | None = None
 
 
 THINK = ReasoningTags(THINK_OPEN, THINK_CLOSE)
 SEED_THINK = ReasoningTags("<seed:think>", "</seed:think>")  # Seed-OSS
 MISTRAL_THINK = ReasoningTags("[THINK]", "[/THINK]")  # Magistral (its tags are special tokens of its vocabulary)
-_DETECTED = (SEED_THINK, MISTRAL_THINK, THINK)
+# Command R7B / Command A: a plan, then actions or the answer in its markers (special tokens, as the tags).
+COHERE_THINK = ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>", ("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
+_DETECTED = (SEED_THINK, MISTRAL_THINK, COHERE_THINK, THINK)
 # The reasoning parser names (vLLM's) that name a pair; "auto" reads it off the template, "none" splits nothing.
 _NAMED = {"qwen3": THINK, "deepseek_r1": THINK, "glm45": THINK, "kimi_k2": THINK, "minimax_m2": THINK,
-          "seed_oss": SEED_THINK, "mistral": MISTRAL_THINK}  # fmt: skip
+          "seed_oss": SEED_THINK, "mistral": MISTRAL_THINK, "cohere": COHERE_THINK}  # fmt: skip
 
 
 def template_reasoning_tags(template_text: str) -> ReasoningTags | None:
@@ -103,6 +107,7 @@ class ReasoningStream:
         self.tags = tags
         self._state = _State.REASONING if start is ReasoningStart.INSIDE else _State.OPENING
         self._held = ""
+        self._answer = MarkerFilter(tags.answer or ())
         self.entered = self._state is _State.REASONING  # the output has (had) a reasoning
 
     def reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> int:
@@ -122,6 +127,15 @@ class ReasoningStream:
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) released by `text`."""
+        reasoning, content = self._split(text)
+        return reasoning, self._answer.feed(content)
+
+    def finish(self) -> tuple[str, str]:
+        """(reasoning, content) still held at the end of the output."""
+        reasoning, content = self._split_rest()
+        return reasoning, self._answer.feed(content) + self._answer.finish()
+
+    def _split(self, text: str) -> tuple[str, str]:
         self._held += text
         reasoning, content = "", ""
         while self._held:
@@ -154,8 +168,7 @@ class ReasoningStream:
                 self._held = ""
         return reasoning, content
 
-    def finish(self) -> tuple[str, str]:
-        """(reasoning, content) still held at the end of the output."""
+    def _split_rest(self) -> tuple[str, str]:
         held, self._held = self._held, ""
         if self._state is _State.REASONING:
             return held, ""  # a partial closing tag at the very end: part of the reasoning as written
@@ -163,3 +176,26 @@ class ReasoningStream:
             self._state = _State.CONTENT
             return "", held  # whitespace, or the start of a tag that never came
         return "", "" if self._state is _State.ANSWER_START else held
+
+
+class MarkerFilter:
+    """Drops every occurrence of `markers` from a text that arrives in pieces: a piece's end that may be the start
+    of a marker is held until the next piece (or `finish`) shows whether it is one."""
+
+    def __init__(self, markers: Sequence[str]) -> None:
+        self.markers = tuple(markers)
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self.markers:
+            return text
+        text = self._held + text
+        for marker in self.markers:
+            text = text.replace(marker, "")
+        keep = max((partial_suffix_len(text, marker) for marker in self.markers), default=0)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return held

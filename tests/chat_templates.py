@@ -749,3 +749,56 @@ LFM2 = FamilyTemplate(
     cue="\n",
     tool_cue="\n",
 )
+
+# Command R7B / Command A (Cohere): `<|START_OF_TURN_TOKEN|>` turns of a role token, a system preamble that (with
+# tools) teaches a plan in `<|START_THINKING|>`, actions as a JSON list of `tool_name` / `parameters` objects in
+# `<|START_ACTION|>`, and the answer in `<|START_RESPONSE|>` ... `<|END_RESPONSE|>`; tools listed as JSON; results
+# in `<|START_TOOL_RESULT|>` system turns. The generation prompt ends with `<|CHATBOT_TOKEN|>`.
+COMMAND_R7B = FamilyTemplate(
+    template="""\
+{{- bos_token + "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># System Preamble\\nYou are Command." }}
+{%- if tools %}
+    {{- "\\n\\n## Tool Use\\n0. Write <|START_THINKING|>, a step by step plan, then <|END_THINKING|>.\\n" }}
+    {{- "1. Action: write <|START_ACTION|>, a list of JSON tool calls with \\"tool_name\\" and \\"parameters\\", " }}
+    {{- "then <|END_ACTION|>.\\n2. Response: write <|START_RESPONSE|>, the answer, then <|END_RESPONSE|>.\\n\\n" }}
+    {{- "## Available Tools\\n```json\\n[" }}
+    {%- for tool in tools %}
+        {{- '\\n    {"name": "' + tool.function.name + '", "parameters": ' + tool.function.parameters | tojson + "}" }}
+        {{- "," if not loop.last else "" }}
+    {%- endfor %}
+    {{- "\\n]\\n```" }}
+{%- endif %}
+{{- "<|END_OF_TURN_TOKEN|>" }}
+{%- set ns = namespace(call=0) %}
+{%- for m in messages %}
+    {%- if m.role == "system" %}{{- "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>" + m.content + "<|END_OF_TURN_TOKEN|>" }}
+    {%- elif m.role == "user" %}{{- "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>" + m.content + "<|END_OF_TURN_TOKEN|>" }}
+    {%- elif m.role == "assistant" and m.tool_calls %}
+        {{- "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>" + (m.reasoning_content or "") }}
+        {{- "<|END_THINKING|><|START_ACTION|>[" }}
+        {%- for tc in m.tool_calls %}
+            {{- '\\n    {"tool_call_id": "' + ns.call | string + '", "tool_name": "' + tc.function.name }}
+            {{- '", "parameters": ' + tc.function.arguments | tojson + "}" + ("," if not loop.last else "") }}
+            {%- set ns.call = ns.call + 1 %}
+        {%- endfor %}
+        {{- "\\n]<|END_ACTION|><|END_OF_TURN_TOKEN|>" }}
+    {%- elif m.role == "assistant" %}
+        {{- "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>" + m.content + "<|END_RESPONSE|>" }}
+        {{- "<|END_OF_TURN_TOKEN|>" }}
+    {%- elif m.role == "tool" %}
+        {{- "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>[" }}
+        {{- '{"tool_call_id": "' + m.tool_call_id + '", "results": {"0": ' + m.content | tojson + "}}" }}
+        {{- "]<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>" }}{%- endif %}
+""",
+    special_tokens=("<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>",
+                    "<|CHATBOT_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>",
+                    "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>",
+                    "<|END_TOOL_RESULT|>"),
+    bos="<BOS_TOKEN>",
+    eos="<|END_OF_TURN_TOKEN|>",
+    cue="<|CHATBOT_TOKEN|>",
+    tool_cue="<|CHATBOT_TOKEN|>",
+)

@@ -143,12 +143,20 @@ def harmony_answer(answer: xgr.Grammar) -> xgr.Grammar:
 _WHITESPACE = r"root ::= [ \n\t\r]*"
 
 
-def after_reasoning(answer: xgr.Grammar, start: str, tags: tuple[str, str] = ("<think>", "</think>")) -> xgr.Grammar:
+def _literal_grammar(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
+
+
+def after_reasoning(answer: xgr.Grammar, start: str, tags: tuple[str, ...] = ("<think>", "</think>")) -> xgr.Grammar:
     """`answer` after a thinking model's reasoning (`Constraint.after_reasoning`) between `tags` (opening, closing):
     "inside" (the prompt opened the reasoning): any text up to the first closing tag (xgrammar's any-text, which
     ends where the tag first occurs, as `engine_server.reasoning` splits), the tag, whitespace, then the answer;
-    "if_opened": that after whitespace and the opening tag, or the answer alone."""
-    opening, closing = tags
+    "if_opened": that after whitespace and the opening tag, or the answer alone. Two further tags are the markers
+    the family wraps its answer in: the answer may stand between them."""
+    opening, closing = tags[:2]
+    if len(tags) == 4:
+        wrapped = xgr.Grammar.concat(_literal_grammar(tags[2]), answer, _literal_grammar(tags[3]))
+        answer = xgr.Grammar.union(wrapped, answer)
 
     def thought(begin: str) -> xgr.Grammar:
         reasoning = StructuralTag(format=TagFormat(begin=begin, content=AnyTextFormat(), end=closing))

@@ -51,8 +51,10 @@ class Constraint:
     # sets one of those; "none" constrains the whole output in any case (a grammar that spells the reasoning too);
     # "harmony" (gpt-oss) constrains the body of the final channel's message, after at most one free analysis one.
     after_reasoning: str = ""
-    # The (opening, closing) tags of that reasoning: <think> and </think>, or a family's own (Seed-OSS, Magistral).
-    reasoning_tags: tuple[str, str] = ("<think>", "</think>")
+    # The (opening, closing) tags of that reasoning: <think> and </think>, or a family's own (Seed-OSS, Magistral);
+    # then, for a family that wraps its answer in markers (Cohere's <|START_RESPONSE|>, <|END_RESPONSE|>), those two:
+    # the constrained answer may stand between them.
+    reasoning_tags: tuple[str, ...] = ("<think>", "</think>")
 
     @classmethod
     def json_schema(cls, schema: str | Mapping[str, Any]) -> Constraint:
@@ -75,7 +77,7 @@ class Constraint:
     def grammar(cls, ebnf: str) -> Constraint:
         return cls(ConstraintKind.GRAMMAR, ebnf)
 
-    def after(self, reasoning: str, tags: tuple[str, str] = ("<think>", "</think>")) -> Constraint:
+    def after(self, reasoning: str, tags: tuple[str, ...] = ("<think>", "</think>")) -> Constraint:
         """This constraint on what follows a reasoning that starts as `reasoning` says (see `after_reasoning`),
         written between `tags`."""
         return dataclasses.replace(self, after_reasoning=reasoning, reasoning_tags=tags)
@@ -89,8 +91,8 @@ class Constraint:
         """Raise ValidationError on a malformed constraint. Cheap: it checks shape, not compilability."""
         if self.after_reasoning not in ("", "inside", "if_opened", "none", "harmony"):
             raise ValidationError(f"unknown after_reasoning {self.after_reasoning!r}", param="constraint")
-        if len(self.reasoning_tags) != 2 or not all(isinstance(t, str) and t for t in self.reasoning_tags):
-            raise ValidationError("reasoning_tags must be two non-empty strings", param="constraint")
+        if len(self.reasoning_tags) not in (2, 4) or not all(isinstance(t, str) and t for t in self.reasoning_tags):
+            raise ValidationError("reasoning_tags must be two or four non-empty strings", param="constraint")
         if not isinstance(self.kind, ConstraintKind):
             raise ValidationError(f"unknown constraint kind {self.kind!r}", param="constraint")
         if self.kind is ConstraintKind.CHOICE:

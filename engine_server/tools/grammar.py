@@ -19,7 +19,8 @@ names never collide:
   block; Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.T:0<|tool_call_argument_begin|>`
   ARGS(T) `<|tool_call_end|><|tool_calls_section_end|>`; Nemotron: `<TOOLCALL>[{"name": "T", "arguments": ` ARGS(T)
   `}]</TOOLCALL>`; Granite 3: `<|tool_call|>[{"name": "T", "arguments": ` ARGS(T) `}]`; LFM2: the pythonic call
-  between `<|tool_call_start|>` and `<|tool_call_end|>`;
+  between `<|tool_call_start|>` and `<|tool_call_end|>`; Cohere: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name":
+  "T", "parameters": ` ARGS(T) `}]<|END_ACTION|>`;
 - one call of tool T (harmony, gpt-oss): `<|channel|>commentary to=functions.T <|constrain|>json<|message|>`
   ARGS(T), after at most one free reasoning message (`<|channel|>analysis<|message|>` text `<|end|><|start|>
   assistant`, `harmony_reasoning`); the end of sequence (`<|call|>`) follows the complete grammar;
@@ -49,6 +50,8 @@ from engine_server.structured.compiler import xgrammar_reason
 from engine_server.structured.constraint import check_schema_depth
 from engine_server.tokenizer.chat import ChatTool
 from engine_server.tools.tagged_formats import (
+    COHERE_CALLS,
+    COHERE_CALLS_END,
     DEEPSEEK_CALL,
     DEEPSEEK_CALL_END,
     DEEPSEEK_CALLS,
@@ -134,6 +137,9 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             head, tail = f'{NEMOTRON_CALLS}[{{"name": {name}, "arguments": ', "}]" + NEMOTRON_CALLS_END
         case ToolFormat.GRANITE:
             head, tail = f'{GRANITE_CALLS}[{{"name": {name}, "arguments": ', "}]"
+        case ToolFormat.COHERE:
+            head = f'{COHERE_CALLS}[{{"tool_call_id": "0", "tool_name": {name}, "parameters": '
+            tail = "}]" + COHERE_CALLS_END
         case ToolFormat.LFM2:
             calls = _pythonic_call_grammar(tool, schema)
             return xgr.Grammar.concat(_literal_grammar(LFM2_CALLS), calls, _literal_grammar(LFM2_CALLS_END))

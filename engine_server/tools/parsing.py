@@ -1,6 +1,7 @@
 """`make_parser`: a fresh tool-call parser for any format (`ToolFormat`), and `parse_tool_calls` for a whole output.
 The parsers live in `parsers` (the contract, Hermes, Llama 3 JSON), `call_formats` (Mistral, pythonic,
-Qwen3-Coder) and `tagged_formats` (GLM-4.5, DeepSeek, Kimi K2, MiniMax-M2, Seed-OSS, Nemotron, LFM2, Granite 3)."""
+Qwen3-Coder) and `tagged_formats` (GLM-4.5, DeepSeek, Kimi K2, MiniMax-M2, Seed-OSS, Nemotron, LFM2, Granite 3,
+Cohere)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from engine_server.tools.call_formats import MistralParser, PythonicParser, Qwen3CoderParser
 from engine_server.tools.parsers import HermesParser, Llama3JsonParser, ParseStep, ToolCallParser
 from engine_server.tools.tagged_formats import (
+    CohereParser,
     DeepSeekParser,
     Glm45Parser,
     GraniteParser,
@@ -54,6 +56,8 @@ def make_parser(
             return Lfm2Parser(names)
         case ToolFormat.GRANITE:
             return GraniteParser(names)
+        case ToolFormat.COHERE:
+            return CohereParser(names)
         case ToolFormat.HARMONY:
             raise ValueError("harmony output is read whole by engine_server.harmony, not by a tool-call parser")
 

@@ -18,6 +18,8 @@ output ends, and a block that is not calls stays in the content as written):
 - LFM2: `<|tool_call_start|>[f(a=1), g(b="x")]<|tool_call_end|>`, pythonic calls (a JSON list of calls read too).
 - Granite 3: `<|tool_call|>[{"name": ..., "arguments": {...}}]`, a JSON list from the marker to the end of the output
   (Mistral's parser with Granite's marker).
+- Command R7B / Command A (Cohere): `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}},
+  ...]<|END_ACTION|>`.
 Between the elements of a block only whitespace may stand.
 """
 
@@ -48,6 +50,7 @@ SEED_CALLS, SEED_CALLS_END = "<seed:tool_call>", "</seed:tool_call>"
 NEMOTRON_CALLS, NEMOTRON_CALLS_END = "<TOOLCALL>", "</TOOLCALL>"
 LFM2_CALLS, LFM2_CALLS_END = "<|tool_call_start|>", "<|tool_call_end|>"
 GRANITE_CALLS = "<|tool_call|>"
+COHERE_CALLS, COHERE_CALLS_END = "<|START_ACTION|>", "<|END_ACTION|>"
 
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _INVOKE = re.compile(r"\s*<invoke name=([^>\n]+)>(.*?)</invoke>", re.DOTALL)
@@ -233,3 +236,24 @@ class GraniteParser(MistralParser):
     """Granite 3's `<|tool_call|>` and a JSON list of calls to the end of the output."""
 
     marker = GRANITE_CALLS
+
+
+class CohereParser(HermesParser):
+    """Cohere's `<|START_ACTION|>` blocks of a JSON list of `tool_name` / `parameters` objects."""
+
+    open_tag, close_tag = COHERE_CALLS, COHERE_CALLS_END
+
+    def find_close(self, body: str) -> int:
+        return body.find(self.close_tag)
+
+    def calls_of(self, body: str) -> list[ParsedCall]:
+        try:
+            objects, end = json.JSONDecoder().raw_decode(body.strip())
+        except json.JSONDecodeError:
+            return []
+        if body.strip()[end:].strip() or not isinstance(objects, list) or not objects:
+            return []
+        named = [{"name": o.get("tool_name"), "arguments": o.get("parameters", {})} if isinstance(o, dict) else None
+                 for o in objects]  # fmt: skip
+        calls = [self.call_from(obj) for obj in named]
+        return [call for call in calls if call is not None] if None not in calls else []

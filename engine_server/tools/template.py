@@ -6,7 +6,7 @@ Rules (first match wins for the format):
 - it mentions `<minimax:tool_call>` → MINIMAX_M2; `<seed:tool_call>` → SEED_OSS; `<arg_key>` → GLM45;
   `<|tool_calls_section_begin|>` → KIMI_K2; `<｜tool▁calls▁begin｜>` → DEEPSEEK_V3 when it fences the
   arguments in a json code block (V3, R1), else DEEPSEEK_V31; `<TOOLCALL>` → NEMOTRON; `<|tool_call_start|>` or
-  `<|tool_list_start|>` → LFM2; `<|tool_call|>` → GRANITE;
+  `<|tool_list_start|>` → LFM2; `<|tool_call|>` → GRANITE; `<|START_ACTION|>` → COHERE;
 - it mentions `<function=` and `<parameter=` → QWEN3_CODER;
 - it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
 - it mentions `<|python_start|>` → PYTHONIC (Llama 4);
@@ -68,6 +68,8 @@ class ToolFormat(enum.Enum):
     LFM2 = "lfm2"
     # <|tool_call|>[{"name": "f", "arguments": {...}}] (Granite 3.x; Granite 4 writes Hermes' <tool_call>).
     GRANITE = "granite"
+    # <|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}]<|END_ACTION|> (Command R7B, A).
+    COHERE = "cohere"
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -116,6 +118,8 @@ class ToolTemplate:
             fmt = ToolFormat.LFM2
         elif "<|tool_call|>" in text:
             fmt = ToolFormat.GRANITE
+        elif "<|START_ACTION|>" in text:
+            fmt = ToolFormat.COHERE
         elif "<function=" in text and "<parameter=" in text:
             fmt = ToolFormat.QWEN3_CODER
         elif "<tool_call>" in text:

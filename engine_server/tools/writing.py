@@ -15,6 +15,8 @@ from typing import Any
 from engine_server.tools.call_formats import MISTRAL_ARGS, MISTRAL_CALLS
 from engine_server.tools.parsers import HERMES_CLOSE, HERMES_OPEN
 from engine_server.tools.tagged_formats import (
+    COHERE_CALLS,
+    COHERE_CALLS_END,
     DEEPSEEK_CALL,
     DEEPSEEK_CALL_END,
     DEEPSEEK_CALLS,
@@ -79,6 +81,9 @@ def call_text(fmt: ToolFormat, name: str, arguments: Mapping[str, Any] | str) ->
             return LFM2_CALLS + call_text(ToolFormat.PYTHONIC, name, arguments) + LFM2_CALLS_END
         case ToolFormat.GRANITE:
             return f'{GRANITE_CALLS}[{{"name": {_name(name)}, "arguments": {as_json}}}]'
+        case ToolFormat.COHERE:
+            call = f'{{"tool_call_id": "0", "tool_name": {_name(name)}, "parameters": {as_json}}}'
+            return f"{COHERE_CALLS}[{call}]{COHERE_CALLS_END}"
         case ToolFormat.HARMONY:
             raise ValueError("harmony calls are messages of their own, not text in a reply")
 

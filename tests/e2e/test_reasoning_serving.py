@@ -1,7 +1,8 @@
 """A thinking model's reasoning apart from its answer, end to end: `ladle engine` (`--reasoning-parser auto`) on a
 scripted model (a real checkpoint whose reply is known, tests/scripted.py) carrying Qwen3's chat template (the
 output opens `<think>`; `enable_thinking: false` closes an empty one in the prompt), an R1-style one (the prompt
-opens `<think>`) or Magistral's (`[THINK]...[/THINK]`, special tokens), behind the gateway: the official OpenAI
+opens `<think>`), Magistral's (`[THINK]...[/THINK]`, special tokens) or Cohere's (a plan in its tags, the answer
+in its response markers), behind the gateway: the official OpenAI
 SDK (chat, streamed and not), the batched-chat route, a batch job, `ladle batch` and a gRPC stub all see the
 reasoning under `reasoning_content` and `reasoning`, the answer alone in `content`, and the reasoning's tokens
 counted; a json_schema answer after the reasoning validates; a reply cut inside its reasoning has no content. How
@@ -26,7 +27,7 @@ import openai
 import pytest
 
 from ladle.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.chat_templates import DEEPSEEK_R1, MAGISTRAL, QWEN3, FamilyTemplate
+from tests.chat_templates import COMMAND_R7B, DEEPSEEK_R1, MAGISTRAL, QWEN3, FamilyTemplate
 from tests.e2e.engine_process import EngineProcess
 from tests.e2e.gateway_process import GatewayProcess, serve_scripted
 
@@ -70,6 +71,13 @@ THINKERS = {
         MAGISTRAL,
         {"[/INST]": ("[THINK]", "Two and two make four.", "[/THINK]", ANSWER, "</s>")},
         reasoning="Two and two make four.", reasoning_tokens=3, completion_tokens=5,
+    ),
+    # Cohere: a plan in its own tags, then the answer in its response markers (both dropped from the content).
+    "cohere": Thinker(
+        COMMAND_R7B,
+        {"<|CHATBOT_TOKEN|>": ("<|START_THINKING|>", "Two and two make four.", "<|END_THINKING|>",
+                               "<|START_RESPONSE|>", ANSWER, "<|END_RESPONSE|>", "<|END_OF_TURN_TOKEN|>")},
+        reasoning="Two and two make four.", reasoning_tokens=3, completion_tokens=7,
     ),
 }
 

@@ -4,8 +4,8 @@ and special tokens, behind the gateway, through the official OpenAI SDK:
 - the calls the model writes come back as `tool_calls`, whole and streamed (each call delta in a chunk of its own),
   with ids in OpenAI's shape, Mistral's 9 characters or the id Kimi K2's model wrote; a call of a tool the request
   did not give stays text; where the markers are special tokens (Mistral, GLM, DeepSeek, Kimi, MiniMax, Seed-OSS,
-  Nemotron, LFM2) they reach the parser, and a reasoning before the calls (GLM, MiniMax, Seed-OSS, Nemotron) is
-  split off first;
+  Nemotron, LFM2, Cohere) they reach the parser, and a reasoning before the calls (GLM, MiniMax, Seed-OSS, Nemotron,
+  Cohere's plan) is split off first;
 - calls sent back with their results render through the family's template (Mistral's refuses any id that is not 9
   letters and digits; DeepSeek V3.1's joins the arguments to text; LFM2's does not read tool_calls, so the engine
   writes them in LFM2's layout);
@@ -34,6 +34,7 @@ import openai
 import pytest
 
 from tests.chat_templates import (
+    COMMAND_R7B,
     DEEPSEEK_V31,
     GLM45,
     HERMES,
@@ -203,6 +204,15 @@ FAMILIES: dict[str, Family] = {
         LFM2,
         ("<|tool_call_start|>", *_dallas('[get_current_weather(city="', ('", state="', '", unit="'), '")]'),
          "<|tool_call_end|>", "<|im_end|>"),
+        (DALLAS,),
+    ),
+    # Cohere's plan is a reasoning of its own tags; its actions are a JSON list of tool_name / parameters objects.
+    "cohere": Family(
+        COMMAND_R7B,
+        ("<|START_THINKING|>", "I will look up the weather in Dallas.", "<|END_THINKING|>", "<|START_ACTION|>",
+         *_dallas('[{"tool_call_id": "0", "tool_name": "get_current_weather", "parameters": {"city": "',
+                  _JSON_BETWEEN, '"}}]'),
+         "<|END_ACTION|>", "<|END_OF_TURN_TOKEN|>"),
         (DALLAS,),
     ),
 }

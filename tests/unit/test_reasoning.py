@@ -12,9 +12,11 @@ import pytest
 from engine_server.config import REASONING_PARSERS
 from engine_server.frontend import ChatPrompt, InputProcessor
 from engine_server.reasoning import (
+    COHERE_THINK,
     MISTRAL_THINK,
     SEED_THINK,
     THINK,
+    MarkerFilter,
     ReasoningStart,
     ReasoningStream,
     ReasoningTags,
@@ -76,7 +78,7 @@ def test_a_stream_cut_anywhere_splits_like_the_whole_text(
     assert _split(text, start, list(range(1, len(text)))) == (reasoning, content)
 
 
-@pytest.mark.parametrize("tags", [SEED_THINK, MISTRAL_THINK])
+@pytest.mark.parametrize("tags", [SEED_THINK, MISTRAL_THINK, COHERE_THINK])
 @pytest.mark.parametrize(("text", "start", "reasoning", "content"), CASES)
 def test_a_familys_own_tags_split_as_think_does(
     tags: ReasoningTags, text: str, start: ReasoningStart, reasoning: str, content: str
@@ -168,3 +170,23 @@ def test_tags_that_are_special_tokens_keep_the_special_tokens_in_the_text(smollm
     assert special.reasoning is IF_OPENED and not special.params.skip_special_tokens
     ids = tokenizer.encode("[THINK]2 and 2.[/THINK]4", add_special_tokens=False)
     assert tokenizer.decode(ids, skip_special_tokens=False) == "[THINK]2 and 2.[/THINK]4"  # what the split reads
+
+
+COHERE_REPLY = "<|START_THINKING|>Add them.<|END_THINKING|><|START_RESPONSE|>It is 4.<|END_RESPONSE|>"
+
+
+@pytest.mark.parametrize("text", [COHERE_REPLY, "<|START_RESPONSE|>It is 4.<|END_RESPONSE|>"])
+def test_cohere_answer_markers_are_dropped_from_the_content_however_the_text_is_cut(text: str) -> None:
+    whole = _split(text, IF_OPENED, [], COHERE_THINK)
+    assert whole == ("Add them." if "THINKING" in text else "", "It is 4.")
+    for cut in range(1, len(text)):
+        assert _split(text, IF_OPENED, [cut], COHERE_THINK) == whole, cut
+    assert template_reasoning_tags("0. Start by writing <|START_THINKING|> followed by a plan") == COHERE_THINK
+
+
+def test_a_marker_filter_holds_a_partial_marker_and_gives_back_one_that_never_completes() -> None:
+    markers = MarkerFilter(["<|END_RESPONSE|>"])
+    assert markers.feed("It is 4.<|END_") == "It is 4."
+    assert markers.feed("RESPONSE|>") == ""
+    assert markers.feed("a <|END") == "a "
+    assert markers.finish() == "<|END"  # the end came first: it was text

@@ -13,14 +13,23 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from engine_server.reasoning import MISTRAL_THINK, SEED_THINK, THINK, ReasoningStart, ReasoningStream, ReasoningTags
+from engine_server.reasoning import (
+    COHERE_THINK,
+    MISTRAL_THINK,
+    SEED_THINK,
+    THINK,
+    ReasoningStart,
+    ReasoningStream,
+    ReasoningTags,
+)
 from engine_server.structured import Constraint
 from engine_server.structured.compiler import GrammarCompilerConfig, XGrammarCompile
 
 # Every printable ASCII character, newline, and each family's two tags as tokens of their own (as Qwen3's vocabulary
 # has them), so that a walk may think, close its thought and answer within a few hundred steps.
 VOCAB = ["<end>", "\n", *(chr(c) for c in range(32, 127))]
-VOCAB += [tag for tags in (THINK, SEED_THINK, MISTRAL_THINK) for tag in (tags.open, tags.close)]
+VOCAB += [tag for tags in (THINK, SEED_THINK, MISTRAL_THINK, COHERE_THINK) for tag in (tags.open, tags.close)]
+VOCAB += list(COHERE_THINK.answer or ())
 END, OPEN, CLOSE = 0, VOCAB.index("<think>"), VOCAB.index("</think>")
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"],
           "additionalProperties": False}  # fmt: skip
@@ -61,14 +70,18 @@ def _split(text: str, start: ReasoningStart, tags: ReasoningTags = THINK) -> tup
     return reasoning + held_reasoning, content + held_content
 
 
+def _tags(tags: ReasoningTags) -> tuple[str, ...]:
+    return (tags.open, tags.close, *(tags.answer or ()))
+
+
 @pytest.mark.parametrize("start", [ReasoningStart.INSIDE, ReasoningStart.IF_OPENED])
 @pytest.mark.parametrize(("kind", "tags"), [("regex", THINK), ("json", THINK), ("json", SEED_THINK),
-                                            ("regex", MISTRAL_THINK)])  # fmt: skip
+                                            ("regex", MISTRAL_THINK), ("json", COHERE_THINK)])  # fmt: skip
 def test_the_answer_after_any_reasoning_satisfies_the_constraint(
     compile_fn: XGrammarCompile, start: ReasoningStart, kind: str, tags: ReasoningTags
 ) -> None:
     constraint = Constraint.regex("(yes|no)") if kind == "regex" else Constraint.json_schema(PERSON)
-    grammar = compile_fn(constraint.after(start.value, (tags.open, tags.close)))
+    grammar = compile_fn(constraint.after(start.value, _tags(tags)))
     rng = random.Random(11)
     walks = [w for w in (_walk(grammar, rng, tags=tags) for _ in range(80)) if w is not None]
     assert len(walks) >= 40
@@ -108,3 +121,13 @@ def test_the_reasoning_ends_at_the_first_closing_tag_whatever_comes_before_it(
         "yes",
     )
     assert not accepts(f"a{first}{tags.close}x{tags.close}yes")  # "x</think>yes" is no answer of the constraint
+
+
+def test_a_cohere_answer_may_stand_in_its_markers(compile_fn: XGrammarCompile) -> None:
+    grammar = compile_fn(Constraint.regex("(yes|no)").after("if_opened", _tags(COHERE_THINK)))
+    for text in ("<|START_THINKING|>x<|END_THINKING|><|START_RESPONSE|>yes<|END_RESPONSE|>", "<|START_RESPONSE|>no"
+                 "<|END_RESPONSE|>", "yes"):  # fmt: skip
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(text) and matcher.is_completed(), text
+    matcher = xgr.GrammarMatcher(grammar)
+    assert not (matcher.accept_string("<|START_RESPONSE|>maybe<|END_RESPONSE|>") and matcher.is_completed())

@@ -1,5 +1,5 @@
-"""GLM-4.5's, DeepSeek's (V3 / R1 and V3.1), Kimi K2's, MiniMax-M2's, Seed-OSS's, Nemotron's, LFM2's and Granite 3's
-tool-call formats: canned outputs
+"""GLM-4.5's, DeepSeek's (V3 / R1 and V3.1), Kimi K2's, MiniMax-M2's, Seed-OSS's, Nemotron's, LFM2's, Granite 3's and
+Cohere's tool-call formats: canned outputs
 in each family's layout, malformed blocks left as written, streams cut at every point, the formats read off the
 families' templates, Kimi's ids kept, every format's written call parsed back, the fallback prompt teaching the
 template's own format, and the special tokens kept where the markers are special tokens."""
@@ -35,7 +35,7 @@ SCHEMAS = {
 }
 GLM, MINIMAX, SEED = ToolFormat.GLM45, ToolFormat.MINIMAX_M2, ToolFormat.SEED_OSS
 DEEPSEEK, DEEPSEEK_V31, KIMI = ToolFormat.DEEPSEEK_V3, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
-NEMOTRON, LFM2, GRANITE = ToolFormat.NEMOTRON, ToolFormat.LFM2, ToolFormat.GRANITE
+NEMOTRON, LFM2, GRANITE, COHERE = ToolFormat.NEMOTRON, ToolFormat.LFM2, ToolFormat.GRANITE, ToolFormat.COHERE
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -88,6 +88,10 @@ CASES = [
      LFM2, "", [PARIS]),
     # Granite 3: a JSON list from its marker to the end.
     ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]', GRANITE, "", [PARIS]),
+    # Cohere: tool_name / parameters objects in <|START_ACTION|> (the plan before it is the reasoning's).
+    ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
+     f'"days": 3}}}},\n    {{"tool_call_id": "1", "tool_name": "search", "parameters": {NEWS.arguments_json}}}\n]'
+     "<|END_ACTION|>", COHERE, "", [PARIS, NEWS]),
 ]  # fmt: skip
 
 
@@ -138,6 +142,9 @@ def test_a_stream_cut_anywhere_parses_like_the_whole_text(
         ('<|tool_call_start|>[delete_all(path="/")]<|tool_call_end|>', LFM2),
         ("<|tool_call_start|>[get_weather(Paris)]<|tool_call_end|>", LFM2),  # positional
         ('<|tool_call|>[{"name": "get_weather", "arguments": {}}] and more', GRANITE),
+        ('<|START_ACTION|>[{"tool_call_id": "0", "name": "get_weather", "arguments": {}}]<|END_ACTION|>', COHERE),
+        ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": []}]<|END_ACTION|>',
+         COHERE),
     ],
 )  # fmt: skip
 def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolFormat) -> None:
@@ -161,6 +168,7 @@ def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolForm
         ("{{- '<TOOLCALL>[' -}}{%- for call in message.tool_calls -%}", NEMOTRON),
         ('{{- "List of tools: <|tool_list_start|>[" -}}', LFM2),  # its template lists tools; its model calls
         ("{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message.tool_calls | tojson }}", GRANITE),
+        ("1. Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls", COHERE),
     ],
 )  # fmt: skip
 def test_the_format_is_read_off_the_family_template(template: str, fmt: ToolFormat) -> None:
