@@ -1628,17 +1628,17 @@ QuantizationMode = Literal["auto", "none", "gguf", "int8", "fp8"]  # EngineConfi
 ToolCallParserName = Literal[
     "auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder", "openai", "glm45", "glm47",
     "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "seed_oss", "nemotron_json", "lfm2", "granite",
-    "cohere",
+    "cohere", "gemma4",
 ]
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParserName)  # the command line's --tool-call-parser choices
 # EngineConfig.reasoning_parser: "auto" (on when the chat template mentions a known opening tag: <think>,
-# <seed:think>, [THINK], <|START_THINKING|>), "none", or a family (vLLM's names) whose reasoning is split off between
-# its tags (engine_server.reasoning: seed_oss <seed:think>, mistral [THINK], cohere <|START_THINKING|>, the others
-# <think>).
+# <seed:think>, [THINK], <|START_THINKING|>, <|channel>thought), "none", or a family (vLLM's names) whose reasoning
+# is split off between its tags (engine_server.reasoning: seed_oss <seed:think>, mistral [THINK], cohere
+# <|START_THINKING|>, gemma4 <|channel>thought, the others <think>).
 # "openai_gptoss" (vLLM's name) reads gpt-oss's harmony channels, as "auto" does for its template.
 ReasoningParserName = Literal[
     "auto", "none", "qwen3", "deepseek_r1", "glm45", "kimi_k2", "minimax_m2", "seed_oss", "mistral", "cohere",
-    "openai_gptoss",
+    "gemma4", "openai_gptoss",
 ]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParserName)
 QUANTIZATION_MODES: tuple[str, ...] = get_args(QuantizationMode)  # the command line's --quantization choices

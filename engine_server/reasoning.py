@@ -1,5 +1,6 @@
 """Reasoning split from the answer: a thinking model's `<think>…</think>` (Qwen3, DeepSeek-R1, QwQ, GLM-4.5,
-MiniMax-M2, Kimi K2), Seed-OSS's `<seed:think>…</seed:think>` or Magistral's `[THINK]…[/THINK]` (`ReasoningTags`) apart
+MiniMax-M2, Kimi K2), Seed-OSS's `<seed:think>…</seed:think>`, Magistral's `[THINK]…[/THINK]`, Cohere's plan or Gemma
+4's thought channel (`ReasoningTags`) apart
 from its content, as vLLM's, SGLang's and llama.cpp's servers return it (`reasoning_content`). Which tags a model
 writes is read off its chat template (`template_reasoning_tags`: the first pair whose opening tag it mentions) or
 named by the reasoning parser (`parser_reasoning_tags`).
@@ -43,10 +44,12 @@ SEED_THINK = ReasoningTags("<seed:think>", "</seed:think>")  # Seed-OSS
 MISTRAL_THINK = ReasoningTags("[THINK]", "[/THINK]")  # Magistral (its tags are special tokens of its vocabulary)
 # Command R7B / Command A: a plan, then actions or the answer in its markers (special tokens, as the tags).
 COHERE_THINK = ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>", ("<|START_RESPONSE|>", "<|END_RESPONSE|>"))
-_DETECTED = (SEED_THINK, MISTRAL_THINK, COHERE_THINK, THINK)
+# Gemma 4: its thought channel (with thinking off its template closes an empty one in the prompt).
+GEMMA4_THINK = ReasoningTags("<|channel>thought", "<channel|>")
+_DETECTED = (SEED_THINK, MISTRAL_THINK, COHERE_THINK, GEMMA4_THINK, THINK)
 # The reasoning parser names (vLLM's) that name a pair; "auto" reads it off the template, "none" splits nothing.
 _NAMED = {"qwen3": THINK, "deepseek_r1": THINK, "glm45": THINK, "kimi_k2": THINK, "minimax_m2": THINK,
-          "seed_oss": SEED_THINK, "mistral": MISTRAL_THINK, "cohere": COHERE_THINK}  # fmt: skip
+          "seed_oss": SEED_THINK, "mistral": MISTRAL_THINK, "cohere": COHERE_THINK, "gemma4": GEMMA4_THINK}  # fmt: skip
 
 
 def template_reasoning_tags(template_text: str) -> ReasoningTags | None:

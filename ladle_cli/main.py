@@ -170,13 +170,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          "dequantized, for loading and measuring)", choices=QUANTIZATION_MODES)
     _add(parser, "--tool-call-parser", "auto", "the format tool calls are read in: auto (the one the chat "
          "template implies: Mistral's [TOOL_CALLS], MiniMax-M2's, Seed-OSS's, GLM-4.5's, Kimi K2's, DeepSeek's, "
-         "Nemotron's, LFM2's, Granite 3's, Cohere's, Qwen3-Coder's XML, Hermes <tool_call>, pythonic for "
-         "<|python_start|>, Llama 3 JSON, gpt-oss's harmony; Hermes otherwise) or a format's name, vLLM's (openai: "
-         "harmony)", choices=TOOL_CALL_PARSERS)
+         "Nemotron's, LFM2's, Granite 3's, Cohere's, Gemma 4's, Qwen3-Coder's XML, Hermes <tool_call>, pythonic "
+         "for <|python_start|>, Llama 3 JSON, gpt-oss's harmony; Hermes otherwise) or a format's name, vLLM's "
+         "(openai: harmony)", choices=TOOL_CALL_PARSERS)
     _add(parser, "--reasoning-parser", "auto", "split a chat's reasoning (<think>...</think>, Seed-OSS's "
-         "<seed:think>, Magistral's [THINK], Cohere's <|START_THINKING|>) off its content (reasoning_content): auto "
-         "(when the chat template mentions the opening tag; gpt-oss's harmony analysis channel when it writes "
-         "<|channel|>), none, or a family's name, vLLM's (openai_gptoss: harmony)", choices=REASONING_PARSERS)
+         "<seed:think>, Magistral's [THINK], Cohere's <|START_THINKING|>, Gemma 4's <|channel>) off its content "
+         "(reasoning_content): auto (when the chat template mentions the opening tag; gpt-oss's harmony analysis "
+         "channel when it writes <|channel|>), none, or a family's name, vLLM's (openai_gptoss: harmony)",
+         choices=REASONING_PARSERS)
     _add(parser, "--tensor-parallel-size", 1, "split the model over this many processes (tensor parallelism): this "
          "one and N-1 workers, one GPU each on CUDA, an even share of the cores each on the CPU", type=int)
     _add(parser, "--speculative-config", "", "speculative decoding, as vLLM spells it: a JSON object with "

@@ -802,3 +802,48 @@ COMMAND_R7B = FamilyTemplate(
     cue="<|CHATBOT_TOKEN|>",
     tool_cue="<|CHATBOT_TOKEN|>",
 )
+
+# Gemma 4: `<|turn>ROLE` ... `<turn|>` turns (the assistant's role is `model`), tools as `<|tool>declaration:NAME{...}
+# <tool|>` in the system turn, calls as `<|tool_call>call:NAME{key:VALUE}<tool_call|>` in its own literals (strings
+# between `<|"|>` quotes, keys bare and sorted); without `enable_thinking` the generation prompt closes an empty
+# thought channel (`<|channel>thought\n<channel|>`), so the reply starts with the answer.
+GEMMA4 = FamilyTemplate(
+    template="""\
+{%- macro literal(value) -%}
+    {%- if value is string -%}{{- '<|"|>' + value + '<|"|>' -}}
+    {%- elif value is mapping -%}
+        {{- "{" -}}{%- for k, v in value | dictsort -%}{{- k + ":" + literal(v) + ("," if not loop.last else "") -}}
+        {%- endfor -%}{{- "}" -}}
+    {%- else -%}{{- value | tojson -}}
+    {%- endif -%}
+{%- endmacro -%}
+{{- bos_token }}
+{%- set loop_messages = messages %}
+{%- if tools or messages[0].role == "system" %}
+    {{- "<|turn>system\\n" }}
+    {%- if messages[0].role == "system" %}{{- messages[0].content }}{%- set loop_messages = messages[1:] %}{%- endif %}
+    {%- for tool in tools or [] %}
+        {{- "<|tool>declaration:" + tool.function.name + '{description:<|"|>' + tool.function.description }}
+        {{- '<|"|>,parameters:' + tool.function.parameters | tojson + "}<tool|>" }}
+    {%- endfor %}
+    {{- "<turn|>\\n" }}
+{%- endif %}
+{%- for message in loop_messages %}
+    {{- "<|turn>" + ("model" if message.role == "assistant" else message.role) + "\\n" }}
+    {%- for tool_call in message.tool_calls or [] %}
+        {{- "<|tool_call>call:" + tool_call.function.name + literal(tool_call.function.arguments) + "<tool_call|>" }}
+    {%- endfor %}
+    {{- (message.content or "") + "<turn|>\\n" }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- "<|turn>model\\n" }}
+    {%- if not enable_thinking | default(false) %}{{- "<|channel>thought\\n<channel|>" }}{%- endif %}
+{%- endif %}
+""",
+    special_tokens=("<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|channel>",
+                    "<channel|>"),
+    bos="<bos>",
+    eos="<turn|>",
+    cue="<channel|>",
+    tool_cue="<channel|>",
+)

@@ -20,7 +20,8 @@ names never collide:
   ARGS(T) `<|tool_call_end|><|tool_calls_section_end|>`; Nemotron: `<TOOLCALL>[{"name": "T", "arguments": ` ARGS(T)
   `}]</TOOLCALL>`; Granite 3: `<|tool_call|>[{"name": "T", "arguments": ` ARGS(T) `}]`; LFM2: the pythonic call
   between `<|tool_call_start|>` and `<|tool_call_end|>`; Cohere: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name":
-  "T", "parameters": ` ARGS(T) `}]<|END_ACTION|>`;
+  "T", "parameters": ` ARGS(T) `}]<|END_ACTION|>`; Gemma 4: `<|tool_call>call:T{p:VALUE,...}<tool_call|>`
+  (`_gemma_call_grammar`);
 - one call of tool T (harmony, gpt-oss): `<|channel|>commentary to=functions.T <|constrain|>json<|message|>`
   ARGS(T), after at most one free reasoning message (`<|channel|>analysis<|message|>` text `<|end|><|start|>
   assistant`, `harmony_reasoning`); the end of sequence (`<|call|>`) follows the complete grammar;
@@ -57,6 +58,9 @@ from engine_server.tools.tagged_formats import (
     DEEPSEEK_CALLS,
     DEEPSEEK_CALLS_END,
     DEEPSEEK_SEP,
+    GEMMA_CALL,
+    GEMMA_CALL_END,
+    GEMMA_QUOTE,
     GRANITE_CALLS,
     KIMI_ARGUMENTS,
     KIMI_CALL,
@@ -143,6 +147,8 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
         case ToolFormat.LFM2:
             calls = _pythonic_call_grammar(tool, schema)
             return xgr.Grammar.concat(_literal_grammar(LFM2_CALLS), calls, _literal_grammar(LFM2_CALLS_END))
+        case ToolFormat.GEMMA4:
+            return _gemma_call_grammar(tool, schema)
         case ToolFormat.PYTHONIC:
             return _pythonic_call_grammar(tool, schema)
         case ToolFormat.HARMONY:
@@ -223,6 +229,21 @@ def _pythonic_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Gra
         value = _parameter_grammar(tool, name, prop, xml=False)
         parts += [_literal_grammar(f"{', ' if i else ''}{name}="), value]
     parts.append(_literal_grammar(")]"))
+    return xgr.Grammar.concat(*parts)
+
+
+def _gemma_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
+    """Gemma 4's call of `tool`: `<|tool_call>call:T{`, every parameter of the schema in key order (its template sorts
+    them) as `p:VALUE` joined by ",", `}<tool_call|>`. A string's VALUE is between `<|"|>` quotes (raw text without
+    "<", or one of its enum's values), any other type's JSON of its schema (`tagged_formats.gemma_json` reads JSON's
+    spellings too)."""
+    parts = [_literal_grammar(f"{GEMMA_CALL}call:{tool.name}{{")]
+    for i, (name, prop) in enumerate(sorted((schema.get("properties") or {}).items())):
+        value = _parameter_grammar(tool, name, prop, xml=True)
+        if not isinstance(prop, Mapping) or prop.get("type") in (None, "string"):
+            value = xgr.Grammar.concat(_literal_grammar(GEMMA_QUOTE), value, _literal_grammar(GEMMA_QUOTE))
+        parts += [_literal_grammar(f"{',' if i else ''}{name}:"), value]
+    parts.append(_literal_grammar("}" + GEMMA_CALL_END))
     return xgr.Grammar.concat(*parts)
 
 

@@ -1,7 +1,7 @@
 """`make_parser`: a fresh tool-call parser for any format (`ToolFormat`), and `parse_tool_calls` for a whole output.
 The parsers live in `parsers` (the contract, Hermes, Llama 3 JSON), `call_formats` (Mistral, pythonic,
 Qwen3-Coder) and `tagged_formats` (GLM-4.5, DeepSeek, Kimi K2, MiniMax-M2, Seed-OSS, Nemotron, LFM2, Granite 3,
-Cohere)."""
+Cohere, Gemma 4)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from engine_server.tools.parsers import HermesParser, Llama3JsonParser, ParseSte
 from engine_server.tools.tagged_formats import (
     CohereParser,
     DeepSeekParser,
+    Gemma4Parser,
     Glm45Parser,
     GraniteParser,
     KimiK2Parser,
@@ -58,6 +59,8 @@ def make_parser(
             return GraniteParser(names)
         case ToolFormat.COHERE:
             return CohereParser(names)
+        case ToolFormat.GEMMA4:
+            return Gemma4Parser(names)
         case ToolFormat.HARMONY:
             raise ValueError("harmony output is read whole by engine_server.harmony, not by a tool-call parser")
 

@@ -20,6 +20,8 @@ output ends, and a block that is not calls stays in the content as written):
   (Mistral's parser with Granite's marker).
 - Command R7B / Command A (Cohere): `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}},
   ...]<|END_ACTION|>`.
+- Gemma 4: `<|tool_call>call:NAME{key:VALUE,...}<tool_call|>`, once per call, in Gemma's own literals (`gemma_json`):
+  strings between `<|"|>` quotes, keys bare, numbers, true / false, nested `{...}` and `[...]`.
 Between the elements of a block only whitespace may stand.
 """
 
@@ -51,6 +53,10 @@ NEMOTRON_CALLS, NEMOTRON_CALLS_END = "<TOOLCALL>", "</TOOLCALL>"
 LFM2_CALLS, LFM2_CALLS_END = "<|tool_call_start|>", "<|tool_call_end|>"
 GRANITE_CALLS = "<|tool_call|>"
 COHERE_CALLS, COHERE_CALLS_END = "<|START_ACTION|>", "<|END_ACTION|>"
+GEMMA_CALL, GEMMA_CALL_END, GEMMA_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+_GEMMA_WORD = re.compile(r'[^\s{}\[\],:<"]+')
+_JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"')
+_GEMMA_LITERALS = {"true": "true", "false": "false", "null": "null", "True": "true", "False": "false", "None": "null"}
 
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _INVOKE = re.compile(r"\s*<invoke name=([^>\n]+)>(.*?)</invoke>", re.DOTALL)
@@ -257,3 +263,68 @@ class CohereParser(HermesParser):
                  for o in objects]  # fmt: skip
         calls = [self.call_from(obj) for obj in named]
         return [call for call in calls if call is not None] if None not in calls else []
+
+
+class Gemma4Parser(HermesParser):
+    """Gemma 4's `<|tool_call>call:NAME{...}<tool_call|>` blocks (see the module docstring)."""
+
+    open_tag, close_tag = GEMMA_CALL, GEMMA_CALL_END
+
+    def find_close(self, body: str) -> int:
+        return body.find(self.close_tag)
+
+    def call_of(self, body: str) -> ParsedCall | None:
+        head, brace, rest = body.strip().partition("{")
+        if not head.startswith("call:") or not brace:
+            return None
+        text = gemma_json("{" + rest)
+        try:
+            arguments = json.loads(text) if text is not None else None
+        except json.JSONDecodeError:
+            return None
+        return self.call_from({"name": head.removeprefix("call:").strip(), "arguments": arguments})
+
+
+def gemma_json(text: str) -> str | None:
+    """Gemma 4's literal `text` as JSON text (strings between `<|"|>` quotes or JSON's, bare or quoted keys, numbers,
+    true / false / null and Python's spellings of them), or None when it holds anything else. The result may still
+    not parse (brackets out of balance): `json.loads` says."""
+    out: list[str] = []
+    pos = 0
+    while pos < len(text):
+        char = text[pos]
+        if text.startswith(GEMMA_QUOTE, pos):
+            end = text.find(GEMMA_QUOTE, pos + len(GEMMA_QUOTE))
+            if end < 0:
+                return None
+            out.append(json.dumps(text[pos + len(GEMMA_QUOTE) : end], ensure_ascii=False))
+            pos = end + len(GEMMA_QUOTE)
+        elif char == '"':
+            string = _JSON_STRING.match(text, pos)
+            if string is None:
+                return None
+            out.append(string.group())
+            pos = string.end()
+        elif char in "{}[],:":
+            out.append(char)
+            pos += 1
+        elif char.isspace():
+            pos += 1
+        else:
+            word = _GEMMA_WORD.match(text, pos)
+            if word is None:
+                return None
+            pos = word.end()
+            if text[pos:].lstrip().startswith(":"):  # a key
+                out.append(json.dumps(word.group()))
+            elif word.group() in _GEMMA_LITERALS:
+                out.append(_GEMMA_LITERALS[word.group()])
+            else:
+                try:
+                    number = json.loads(word.group())
+                except json.JSONDecodeError:
+                    return None
+                if not isinstance(number, (int, float)):
+                    return None
+                out.append(word.group())
+    return "".join(out)

@@ -6,7 +6,8 @@ Rules (first match wins for the format):
 - it mentions `<minimax:tool_call>` → MINIMAX_M2; `<seed:tool_call>` → SEED_OSS; `<arg_key>` → GLM45;
   `<|tool_calls_section_begin|>` → KIMI_K2; `<｜tool▁calls▁begin｜>` → DEEPSEEK_V3 when it fences the
   arguments in a json code block (V3, R1), else DEEPSEEK_V31; `<TOOLCALL>` → NEMOTRON; `<|tool_call_start|>` or
-  `<|tool_list_start|>` → LFM2; `<|tool_call|>` → GRANITE; `<|START_ACTION|>` → COHERE;
+  `<|tool_list_start|>` → LFM2; `<|tool_call|>` → GRANITE; `<|START_ACTION|>` → COHERE; `<|tool_call>` →
+  GEMMA4;
 - it mentions `<function=` and `<parameter=` → QWEN3_CODER;
 - it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
 - it mentions `<|python_start|>` → PYTHONIC (Llama 4);
@@ -70,6 +71,8 @@ class ToolFormat(enum.Enum):
     GRANITE = "granite"
     # <|START_ACTION|>[{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}]<|END_ACTION|> (Command R7B, A).
     COHERE = "cohere"
+    # <|tool_call>call:f{a:<|"|>x<|"|>,n:3}<tool_call|> (Gemma 4, its own literals).
+    GEMMA4 = "gemma4"
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -120,6 +123,8 @@ class ToolTemplate:
             fmt = ToolFormat.GRANITE
         elif "<|START_ACTION|>" in text:
             fmt = ToolFormat.COHERE
+        elif "<|tool_call>" in text:
+            fmt = ToolFormat.GEMMA4
         elif "<function=" in text and "<parameter=" in text:
             fmt = ToolFormat.QWEN3_CODER
         elif "<tool_call>" in text:

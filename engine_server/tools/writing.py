@@ -22,6 +22,9 @@ from engine_server.tools.tagged_formats import (
     DEEPSEEK_CALLS,
     DEEPSEEK_CALLS_END,
     DEEPSEEK_SEP,
+    GEMMA_CALL,
+    GEMMA_CALL_END,
+    GEMMA_QUOTE,
     GRANITE_CALLS,
     KIMI_ARGUMENTS,
     KIMI_CALL,
@@ -84,8 +87,23 @@ def call_text(fmt: ToolFormat, name: str, arguments: Mapping[str, Any] | str) ->
         case ToolFormat.COHERE:
             call = f'{{"tool_call_id": "0", "tool_name": {_name(name)}, "parameters": {as_json}}}'
             return f"{COHERE_CALLS}[{call}]{COHERE_CALLS_END}"
+        case ToolFormat.GEMMA4:
+            listed = ",".join(f"{key}:{gemma_literal(value)}" for key, value in sorted(pairs.items()))
+            return f"{GEMMA_CALL}call:{name}{{{listed}}}{GEMMA_CALL_END}"
         case ToolFormat.HARMONY:
             raise ValueError("harmony calls are messages of their own, not text in a reply")
+
+
+def gemma_literal(value: Any) -> str:
+    """`value` in Gemma 4's literals, as its template writes arguments: strings between `<|"|>` quotes, keys bare
+    and sorted, numbers and true / false / null as JSON writes them."""
+    if isinstance(value, str):
+        return GEMMA_QUOTE + value + GEMMA_QUOTE
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{key}:{gemma_literal(item)}" for key, item in sorted(value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma_literal(item) for item in value) + "]"
+    return json.dumps(value)
 
 
 def _name(name: str) -> str:

@@ -36,6 +36,7 @@ import pytest
 from tests.chat_templates import (
     COMMAND_R7B,
     DEEPSEEK_V31,
+    GEMMA4,
     GLM45,
     HERMES,
     KIMI_K2,
@@ -213,6 +214,14 @@ FAMILIES: dict[str, Family] = {
          *_dallas('[{"tool_call_id": "0", "tool_name": "get_current_weather", "parameters": {"city": "',
                   _JSON_BETWEEN, '"}}]'),
          "<|END_ACTION|>", "<|END_OF_TURN_TOKEN|>"),
+        (DALLAS,),
+    ),
+    # Gemma 4 writes its own literals; its prompt closed an empty thought channel.
+    "gemma4": Family(
+        GEMMA4,
+        ("<|tool_call>", *_dallas('call:get_current_weather{city:<|"|>', ('<|"|>,state:<|"|>', '<|"|>,unit:<|"|>'),
+                                  '<|"|>}'),
+         "<tool_call|>", "<turn|>"),
         (DALLAS,),
     ),
 }

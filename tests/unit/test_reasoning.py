@@ -13,6 +13,7 @@ from engine_server.config import REASONING_PARSERS
 from engine_server.frontend import ChatPrompt, InputProcessor
 from engine_server.reasoning import (
     COHERE_THINK,
+    GEMMA4_THINK,
     MISTRAL_THINK,
     SEED_THINK,
     THINK,
@@ -78,7 +79,7 @@ def test_a_stream_cut_anywhere_splits_like_the_whole_text(
     assert _split(text, start, list(range(1, len(text)))) == (reasoning, content)
 
 
-@pytest.mark.parametrize("tags", [SEED_THINK, MISTRAL_THINK, COHERE_THINK])
+@pytest.mark.parametrize("tags", [SEED_THINK, MISTRAL_THINK, COHERE_THINK, GEMMA4_THINK])
 @pytest.mark.parametrize(("text", "start", "reasoning", "content"), CASES)
 def test_a_familys_own_tags_split_as_think_does(
     tags: ReasoningTags, text: str, start: ReasoningStart, reasoning: str, content: str
@@ -143,6 +144,10 @@ def test_the_tags_are_read_off_the_template_or_named_by_the_parser() -> None:
     assert template_reasoning_tags("{{ '<seed:think>' + reasoning + '</seed:think>' }}") == SEED_THINK
     assert template_reasoning_tags("{{ '[THINK]' + thinking + '[/THINK]' }}") == MISTRAL_THINK
     assert template_reasoning_tags(QWEN3_LIKE) == THINK and template_reasoning_tags("{{ messages }}") is None
+    gemma4 = "{%- if not enable_thinking | default(false) -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}"
+    assert template_reasoning_tags(gemma4) == GEMMA4_THINK
+    assert reasoning_start("<|turn>model\n<|channel>thought\n<channel|>", GEMMA4_THINK) is None  # thinking off
+    assert reasoning_start("<|turn>model\n", GEMMA4_THINK) is IF_OPENED
     assert parser_reasoning_tags("seed_oss", "") == SEED_THINK
     assert parser_reasoning_tags("mistral", QWEN3_LIKE) == MISTRAL_THINK  # a named parser wins over the template
     assert parser_reasoning_tags("auto", R1_LIKE) == THINK

@@ -1,5 +1,5 @@
-"""GLM-4.5's, DeepSeek's (V3 / R1 and V3.1), Kimi K2's, MiniMax-M2's, Seed-OSS's, Nemotron's, LFM2's, Granite 3's and
-Cohere's tool-call formats: canned outputs
+"""GLM-4.5's, DeepSeek's (V3 / R1 and V3.1), Kimi K2's, MiniMax-M2's, Seed-OSS's, Nemotron's, LFM2's, Granite 3's,
+Cohere's and Gemma 4's tool-call formats: canned outputs
 in each family's layout, malformed blocks left as written, streams cut at every point, the formats read off the
 families' templates, Kimi's ids kept, every format's written call parsed back, the fallback prompt teaching the
 template's own format, and the special tokens kept where the markers are special tokens."""
@@ -36,6 +36,7 @@ SCHEMAS = {
 GLM, MINIMAX, SEED = ToolFormat.GLM45, ToolFormat.MINIMAX_M2, ToolFormat.SEED_OSS
 DEEPSEEK, DEEPSEEK_V31, KIMI = ToolFormat.DEEPSEEK_V3, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
 NEMOTRON, LFM2, GRANITE, COHERE = ToolFormat.NEMOTRON, ToolFormat.LFM2, ToolFormat.GRANITE, ToolFormat.COHERE
+GEMMA = ToolFormat.GEMMA4
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -92,6 +93,12 @@ CASES = [
     ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris", '
      f'"days": 3}}}},\n    {{"tool_call_id": "1", "tool_name": "search", "parameters": {NEWS.arguments_json}}}\n]'
      "<|END_ACTION|>", COHERE, "", [PARIS, NEWS]),
+    # Gemma 4: its literals (strings in <|"|> quotes, bare keys), one block per call; JSON's spellings read too.
+    ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|><|tool_call>call:search{filters:{lang:'
+     '<|"|>en<|"|>},query:<|"|>news<|"|>,safe:false}<tool_call|>', GEMMA, "",
+     [PARIS, _call("search", filters={"lang": "en"}, query="news", safe=False)]),
+    ('Let me check.<|tool_call>call:search{"query": "news", "filters": {"lang": "en"}, "safe": False}<tool_call|>',
+     GEMMA, "Let me check.", [NEWS]),
 ]  # fmt: skip
 
 
@@ -145,6 +152,10 @@ def test_a_stream_cut_anywhere_parses_like_the_whole_text(
         ('<|START_ACTION|>[{"tool_call_id": "0", "name": "get_weather", "arguments": {}}]<|END_ACTION|>', COHERE),
         ('<|START_ACTION|>[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": []}]<|END_ACTION|>',
          COHERE),
+        ("<|tool_call>call:get_weather{city:Paris}<tool_call|>", GEMMA),  # a bare word is no value
+        ('<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>', GEMMA),  # an unclosed quote
+        ('<|tool_call>get_weather{city:<|"|>Paris<|"|>}<tool_call|>', GEMMA),  # no "call:"
+        ('<|tool_call>call:delete_all{path:<|"|>/<|"|>}<tool_call|>', GEMMA),
     ],
 )  # fmt: skip
 def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolFormat) -> None:
@@ -169,6 +180,7 @@ def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolForm
         ('{{- "List of tools: <|tool_list_start|>[" -}}', LFM2),  # its template lists tools; its model calls
         ("{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message.tool_calls | tojson }}", GRANITE),
         ("1. Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls", COHERE),
+        ("{{- '<|tool_call>call:' + function['name'] + '{' -}}", GEMMA),
     ],
 )  # fmt: skip
 def test_the_format_is_read_off_the_family_template(template: str, fmt: ToolFormat) -> None:
@@ -186,7 +198,7 @@ XML_ARGUMENTS = {"city": "São Paulo, it's", "days": 3}  # XML values are raw te
 
 @pytest.mark.parametrize("fmt", [f for f in ToolFormat if f is not ToolFormat.HARMONY])
 def test_a_written_call_parses_back_into_the_same_call(fmt: ToolFormat) -> None:
-    xml = fmt in (ToolFormat.QWEN3_CODER, GLM, MINIMAX, SEED)
+    xml = fmt in (ToolFormat.QWEN3_CODER, GLM, MINIMAX, SEED)  # Gemma's strings hold any text but its quote
     arguments = XML_ARGUMENTS if xml else ARGUMENTS
     text = call_text(fmt, "get_weather", arguments)
     (call,) = parse_tool_calls(text, fmt, NAMES, SCHEMAS).calls
