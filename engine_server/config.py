@@ -1683,6 +1683,9 @@ class EngineConfig:
     # '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}' for
     # Qwen's long context; `hf_override_values` parses it.
     hf_overrides: str | None = None
+    # The chat template used instead of the model's (vLLM's --chat-template): the path of a file holding it, or the
+    # template itself; `chat_template_text` reads it.
+    chat_template: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -1693,6 +1696,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.hf_override_values()
+        self.chat_template_text()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.lora is not None and self.tensor_parallel_size > 1:
@@ -1701,6 +1705,21 @@ class EngineConfig:
     def cache_path(self) -> Path | None:
         """`cache_dir` as a path; None: the loader's default (`$LADLE_CACHE_DIR`, else ~/.cache/ladle)."""
         return Path(self.cache_dir) if self.cache_dir else None
+
+    def chat_template_text(self) -> str | None:
+        """`chat_template` as template text (a file's contents when it names a file; None when unset). ValueError
+        when it looks like a path (one line ending .jinja, .j2 or .txt) that is not a readable file."""
+        if not self.chat_template:
+            return None
+        path = Path(self.chat_template)
+        if "\n" not in self.chat_template and len(self.chat_template) < 4096 and path.is_file():
+            try:
+                return path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"--chat-template {self.chat_template!r} cannot be read: {exc}") from None
+        if "\n" not in self.chat_template and path.suffix in (".jinja", ".j2", ".txt"):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a file")
+        return self.chat_template
 
     def hf_override_values(self) -> dict[str, Any]:
         """`hf_overrides` as a dict ({} when unset); ValueError unless it is a JSON object."""

@@ -206,7 +206,8 @@ class InputProcessor:
         self.splits_reasoning = self.reasoning_tags is not None
         # Tags that are special tokens of the vocabulary (Magistral's [THINK]) vanish from text decoded without them.
         special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-        self._reasoning_tags_special = tags is not None and bool({tags.open, tags.close} & special)
+        marks = {tags.open, tags.close, *(tags.answer or ())} if tags is not None else set()
+        self._reasoning_tags_special = bool(marks & special)
 
     def compile_constraint(self, params: SamplingParams) -> Future[CompiledConstraint | None]:
         """The compiled grammar of `params.constraint` (None without one), as a future that resolves within the

@@ -91,7 +91,7 @@ class LLM:
         self.model_name = source.name
         # Resolved before the model loads, so a bad --generation-config fails at once.
         self.generation_defaults = engine_generation_defaults(self.config, source)
-        self.tokenizer = load_tokenizer(source.tokenizer_path)
+        self.tokenizer = load_tokenizer(source.tokenizer_path, config.chat_template_text())
         self.core = EngineCore(self.config, source)
         self.eos_token_ids = engine_eos_ids(source, self.tokenizer)
         # An encoder only pools: no grammar to compile (its tokenizer may have no eos for one to end on).

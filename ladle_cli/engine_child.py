@@ -46,7 +46,7 @@ def engine_command(args: argparse.Namespace, host: str, port: int) -> list[str]:
         "--tool-call-parser", args.tool_call_parser, "--reasoning-parser", args.reasoning_parser,
         "--generation-config", args.generation_config,
         "--override-generation-config", args.override_generation_config,
-        "--hf-overrides", args.hf_overrides,
+        "--hf-overrides", args.hf_overrides, "--chat-template", args.chat_template,
         "--batch-step-target", "auto" if args.batch_step_target is None else str(args.batch_step_target),
         "--speculative-config", _speculative_json(args.speculative_config),
         "--tensor-parallel-size", str(args.tensor_parallel_size),

@@ -204,6 +204,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--hf-overrides", "", "JSON object laid over the model's config.json before it is read (vLLM's "
          "flag), e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
          "\"original_max_position_embeddings\": 32768}}' for a Qwen model's 128k context")
+    _add(parser, "--chat-template", "", "the chat template to use instead of the model's (vLLM's flag): a file "
+         "holding it, or the template itself")
+    _add(parser, "--enable-auto-tool-choice", False, "accepted for vLLM's command lines: tool_choice 'auto' is "
+         "always on (the calls are read in --tool-call-parser's format)", action="store_true")
 
 
 def _gateway_flags(parser: argparse.ArgumentParser) -> None:
@@ -346,6 +350,7 @@ def _engine(args: argparse.Namespace) -> int:
             generation_config=args.generation_config,
             override_generation_config=args.override_generation_config or None,
             hf_overrides=args.hf_overrides or None,
+            chat_template=args.chat_template or None,
             speculative=args.speculative_config,
             tensor_parallel_size=args.tensor_parallel_size,
             lora=lora,

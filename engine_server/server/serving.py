@@ -228,7 +228,7 @@ class ServingEngine:
         # Resolved before the model loads, so a bad --generation-config fails at once.
         defaults = engine_generation_defaults(config, source)
         log.info("generation defaults", **asdict(defaults))
-        tokenizer = load_tokenizer(source.tokenizer_path)
+        tokenizer = load_tokenizer(source.tokenizer_path, config.chat_template_text())
         core = EngineCore(config, source)
         faults.install_from_env(core.runner.model)
         eos = engine_eos_ids(source, tokenizer)

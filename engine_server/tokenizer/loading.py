@@ -8,11 +8,12 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+def load_tokenizer(path: Path, chat_template: str | None = None) -> PreTrainedTokenizerFast:
     """Load the fast tokenizer saved in `path` (a `ModelSource.tokenizer_path`).
 
     Raises `ValueError` if the folder holds no usable fast tokenizer. The chat template, if the folder has one
-    (`chat_template.jinja` or inside `tokenizer_config.json`), is available as `tokenizer.chat_template`.
+    (`chat_template.jinja` or inside `tokenizer_config.json`), is available as `tokenizer.chat_template`;
+    `chat_template` (the text of one) replaces it.
     """
     try:
         if _generic_fast_tokenizer(path):
@@ -24,6 +25,8 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerFast:
         raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from exc
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"tokenizer in {path} is not a fast (tokenizers-backed) tokenizer")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 

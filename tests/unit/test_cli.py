@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import ladle_cli as cli
+from engine_server.config import EngineConfig
 from ladle_cli.engine_child import engine_command
 
 
@@ -170,3 +171,17 @@ def test_hf_overrides_reach_the_engine_child() -> None:
     override = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
     child = engine_command(parser.parse_args(["serve", "--hf-overrides", override]), "127.0.0.1", 50051)
     assert cli.build_parser().parse_args(child[3:]).hf_overrides == override
+
+
+def test_vllms_chat_template_and_auto_tool_choice_flags_are_taken(tmp_path: Path) -> None:
+    parser = cli.build_parser()
+    template = tmp_path / "tool_chat_template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--chat-template", str(template)])
+    child = cli.build_parser().parse_args(engine_command(args, "127.0.0.1", 50051)[3:])
+    assert child.chat_template == str(template)
+    assert EngineConfig(chat_template=str(template)).chat_template_text() == template.read_text()
+    assert EngineConfig(chat_template="{{ messages }}").chat_template_text() == "{{ messages }}"  # the text itself
+    assert EngineConfig().chat_template_text() is None
+    with pytest.raises(ValueError, match="is not a file"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))

@@ -198,6 +198,8 @@ def test_tokenizer_and_chat_template_from_gguf(default_source: ModelSource) -> N
     )
     assert isinstance(prompt, str)
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    replaced = load_tokenizer(default_source.tokenizer_path, "{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert replaced.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"  # vLLM's flag
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
