@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from engine_server.tools.parsers import (
+    JSON_ERRORS,
     HermesParser,
     ParsedCall,
     ParseStep,
@@ -81,7 +82,7 @@ class MistralParser(ToolCallParser):
                 return []
             try:
                 obj, end = json.JSONDecoder().raw_decode(arguments.strip())
-            except json.JSONDecodeError:
+            except JSON_ERRORS:
                 return []
             call = self.call_from({"name": name.strip(), "arguments": obj})
             if call is None or arguments.strip()[end:].strip():
@@ -95,7 +96,7 @@ def json_list_calls(parser: ToolCallParser, text: str) -> list[ParsedCall]:
     any part of it is not a call."""
     try:
         objects, end = json.JSONDecoder().raw_decode(text.strip())
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return []
     if text.strip()[end:].strip() or not isinstance(objects, list) or not objects:
         return []
@@ -199,7 +200,7 @@ def typed_value(raw: str, schema: Any) -> Any:
         return text
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         pass
     try:
         value = ast.literal_eval(text.strip())

@@ -57,7 +57,7 @@ def written_call(call: ChatToolCall, fmt: ToolFormat = ToolFormat.HERMES) -> str
     caller's text, a JSON string, rather than refuse the conversation)."""
     try:
         arguments: Any = json.loads(call.arguments_json) if call.arguments_json else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         arguments = json.dumps(call.arguments_json, ensure_ascii=False)
     value = arguments if isinstance(arguments, (dict, str)) else json.dumps(arguments)
     return call_text(_written(fmt), call.name, value)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# What reading a model's JSON may raise: malformed text, or nesting deeper than the decoder recurses (a model can
+# write "[[[[..." for as long as max_tokens lets it); either way the text is not a call.
+JSON_ERRORS = (json.JSONDecodeError, RecursionError)
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -72,7 +75,7 @@ class ToolCallParser(ABC):
         if isinstance(arguments, str):  # some models send the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except JSON_ERRORS:
                 return None
         if not isinstance(arguments, dict):
             return None
@@ -173,7 +176,7 @@ class HermesParser(ToolCallParser):
         """The call a block's body holds, or None when it holds none."""
         try:
             return self.call_from(json.loads(body))
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return None
 
     def _close(self, body: str, step: ParseStep, closed: bool) -> None:
@@ -277,7 +280,7 @@ class Llama3JsonParser(WholeOutputParser):
                 pos = _skip_space(body, pos + 1)
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except json.JSONDecodeError:
+            except JSON_ERRORS:
                 return []
             call = self.call_from(obj)
             if call is None:

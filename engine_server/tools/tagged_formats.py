@@ -40,7 +40,7 @@ from engine_server.tools.call_formats import (
     json_list_calls,
     typed_value,
 )
-from engine_server.tools.parsers import HermesParser, ParsedCall
+from engine_server.tools.parsers import JSON_ERRORS, HermesParser, ParsedCall
 
 GLM_KEY, GLM_KEY_END, GLM_VALUE, GLM_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 DEEPSEEK_CALLS, DEEPSEEK_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -210,7 +210,7 @@ def _json_call(parser: HermesParser, name: str, arguments: str) -> ParsedCall | 
     """The call of `name` whose arguments are the JSON object text `arguments` (nothing after it), else None."""
     try:
         obj, end = json.JSONDecoder().raw_decode(arguments.strip())
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return None
     if arguments.strip()[end:].strip() or not name or "\n" in name:
         return None
@@ -255,7 +255,7 @@ class CohereParser(HermesParser):
     def calls_of(self, body: str) -> list[ParsedCall]:
         try:
             objects, end = json.JSONDecoder().raw_decode(body.strip())
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return []
         if body.strip()[end:].strip() or not isinstance(objects, list) or not objects:
             return []
@@ -280,7 +280,7 @@ class Gemma4Parser(HermesParser):
         text = gemma_json("{" + rest)
         try:
             arguments = json.loads(text) if text is not None else None
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return None
         return self.call_from({"name": head.removeprefix("call:").strip(), "arguments": arguments})
 
@@ -322,7 +322,7 @@ def gemma_json(text: str) -> str | None:
             else:
                 try:
                     number = json.loads(word.group())
-                except json.JSONDecodeError:
+                except JSON_ERRORS:
                     return None
                 if not isinstance(number, (int, float)):
                     return None

@@ -269,3 +269,28 @@ def test_a_deepseek_template_keeps_special_tokens_and_is_taught_its_own_format(d
     assert prepared.params.skip_special_tokens is False
     text = inputs.render(ChatPrompt(HISTORY[:1], [WEATHER]))
     assert f"{B}{CB}function_name{SEP}" in text  # the fallback prompt's example is in V3.1's own layout
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than json's decoder recurses
+
+
+@pytest.mark.parametrize(
+    ("text", "fmt"),
+    [
+        (f"<tool_call>{DEEP}</tool_call>", ToolFormat.HERMES),
+        (f'<tool_call>{{"name": "search", "arguments": {DEEP}}}</tool_call>', ToolFormat.HERMES),
+        (f"[TOOL_CALLS] {DEEP}", ToolFormat.MISTRAL),
+        (DEEP, ToolFormat.LLAMA3_JSON),
+        (f"{B}{CB}search{SEP}{DEEP}{CE}{E}", DEEPSEEK_V31),
+        (f"<TOOLCALL>{DEEP}</TOOLCALL>", NEMOTRON),
+        (f"<|tool_call>call:search{{query:{DEEP}}}<tool_call|>", GEMMA),
+    ],
+    ids=["hermes", "hermes-arguments", "mistral", "llama3-json", "deepseek", "nemotron", "gemma4"],
+)
+def test_nesting_deeper_than_the_json_decoder_recurses_stays_text(text: str, fmt: ToolFormat) -> None:
+    assert parse_tool_calls(text, fmt, NAMES, SCHEMAS) == ParseStep(text)
+
+
+def test_an_xml_value_too_deep_to_read_as_its_type_stays_the_text_written() -> None:
+    glm = f"<tool_call>search\n<arg_key>filters</arg_key>\n<arg_value>{DEEP}</arg_value>\n</tool_call>"
+    assert parse_tool_calls(glm, GLM, NAMES, SCHEMAS).calls == [_call("search", filters=DEEP)]
