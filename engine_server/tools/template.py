@@ -81,8 +81,26 @@ class ToolFormat(enum.Enum):
         return self not in (ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.PYTHONIC, ToolFormat.QWEN3_CODER)
 
 
-# Parser names vLLM gives one of these formats under another name (`--tool-call-parser`).
-FORMAT_ALIASES: dict[str, ToolFormat] = {"glm47": ToolFormat.GLM45}
+# The names vLLM's and SGLang's `--tool-call-parser` give these formats besides their own values, so a command line
+# of theirs runs here as written.
+FORMAT_ALIASES: dict[str, ToolFormat] = {
+    # vLLM's
+    "glm47": ToolFormat.GLM45,
+    "llama4_pythonic": ToolFormat.PYTHONIC,
+    "llama4_json": ToolFormat.LLAMA3_JSON,
+    "qwen3_xml": ToolFormat.QWEN3_CODER,
+    "ernie45": ToolFormat.HERMES,
+    # SGLang's
+    "deepseekv3": ToolFormat.DEEPSEEK_V3,
+    "deepseekv31": ToolFormat.DEEPSEEK_V31,
+    "glm": ToolFormat.GLM45,
+    "gpt-oss": ToolFormat.HARMONY,
+    "llama3": ToolFormat.LLAMA3_JSON,
+    "llama4": ToolFormat.PYTHONIC,
+    "qwen": ToolFormat.HERMES,
+    "qwen25": ToolFormat.HERMES,
+    "minimax-m2": ToolFormat.MINIMAX_M2,
+}
 
 
 @dataclass(frozen=True)

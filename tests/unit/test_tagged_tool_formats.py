@@ -187,9 +187,11 @@ def test_the_format_is_read_off_the_family_template(template: str, fmt: ToolForm
     assert ToolTemplate.detect(template).format is fmt
 
 
-def test_every_format_can_be_named_and_glm47_is_glm45() -> None:
+def test_every_format_can_be_named_also_by_vllms_and_sglangs_other_names() -> None:
     assert {f.value for f in ToolFormat} | set(FORMAT_ALIASES) | {"auto"} == set(TOOL_CALL_PARSERS)
     assert ToolTemplate.detect("<tool_call>{{ x }}</tool_call>", "glm47").format is GLM
+    for alias, fmt in FORMAT_ALIASES.items():
+        assert ToolTemplate.detect("{{ messages }}", alias).format is fmt, alias
 
 
 ARGUMENTS = {"city": 'São "Paulo"\nwest', "days": 3}
