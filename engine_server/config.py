@@ -1628,7 +1628,7 @@ QuantizationMode = Literal["auto", "none", "gguf", "int8", "fp8"]  # EngineConfi
 ToolCallParserName = Literal[
     "auto", "hermes", "llama3_json", "mistral", "mistral_v11", "pythonic", "qwen3_coder", "openai", "glm45", "glm47",
     "deepseek_v3", "deepseek_v31", "kimi_k2", "minimax_m2", "seed_oss", "nemotron_json", "lfm2", "granite",
-    "cohere", "gemma4",
+    "cohere", "gemma4", "olmo3",
     # other names of these formats: vLLM's, then SGLang's (engine_server.tools.template.FORMAT_ALIASES)
     "llama4_pythonic", "llama4_json", "qwen3_xml", "ernie45",
     "deepseekv3", "deepseekv31", "glm", "gpt-oss", "llama3", "llama4", "qwen", "qwen25", "minimax-m2",

@@ -170,9 +170,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
          "dequantized, for loading and measuring)", choices=QUANTIZATION_MODES)
     _add(parser, "--tool-call-parser", "auto", "the format tool calls are read in: auto (the one the chat "
          "template implies: Mistral's [TOOL_CALLS], MiniMax-M2's, Seed-OSS's, GLM-4.5's, Kimi K2's, DeepSeek's, "
-         "Nemotron's, LFM2's, Granite 3's, Cohere's, Gemma 4's, Qwen3-Coder's XML, Hermes <tool_call>, pythonic "
-         "for <|python_start|>, Llama 3 JSON, gpt-oss's harmony; Hermes otherwise) or a format's name, vLLM's "
-         "(openai: harmony)", choices=TOOL_CALL_PARSERS)
+         "Nemotron's, LFM2's, Granite 3's, Cohere's, Gemma 4's, OLMo 3's, Qwen3-Coder's XML, Hermes <tool_call>, "
+         "pythonic for <|python_start|>, Llama 3 JSON, gpt-oss's harmony; Hermes otherwise) or a format's name, "
+         "vLLM's or SGLang's (openai: harmony)", choices=TOOL_CALL_PARSERS)
     _add(parser, "--reasoning-parser", "auto", "split a chat's reasoning (<think>...</think>, Seed-OSS's "
          "<seed:think>, Magistral's [THINK], Cohere's <|START_THINKING|>, Gemma 4's <|channel>) off its content "
          "(reasoning_content): auto (when the chat template mentions the opening tag; gpt-oss's harmony analysis "

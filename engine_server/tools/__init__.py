@@ -8,7 +8,7 @@
 - `parsers` — the parsers' contract, and the Hermes `<tool_call>` and Llama 3 JSON parsers, usable on a stream of
   text deltas; `call_formats` — Mistral's `[TOOL_CALLS]` (both forms), pythonic and Qwen3-Coder XML parsers;
   `tagged_formats` — GLM-4.5's, DeepSeek's, Kimi K2's, MiniMax-M2's, Seed-OSS's, Nemotron's, LFM2's, Granite 3's,
-  Cohere's and Gemma 4's;
+  Cohere's, Gemma 4's and OLMo 3's;
   `parsing` — `make_parser` for any format.
 - `writing` — a call written as a model of each format writes it (the fallback's example and history turns).
 - `stream` — one choice's calls as they are parsed, as OpenAI-style stream deltas.

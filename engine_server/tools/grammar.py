@@ -21,7 +21,7 @@ names never collide:
   `}]</TOOLCALL>`; Granite 3: `<|tool_call|>[{"name": "T", "arguments": ` ARGS(T) `}]`; LFM2: the pythonic call
   between `<|tool_call_start|>` and `<|tool_call_end|>`; Cohere: `<|START_ACTION|>[{"tool_call_id": "0", "tool_name":
   "T", "parameters": ` ARGS(T) `}]<|END_ACTION|>`; Gemma 4: `<|tool_call>call:T{p:VALUE,...}<tool_call|>`
-  (`_gemma_call_grammar`);
+  (`_gemma_call_grammar`); OLMo 3: `<function_calls>\nT(p=VALUE, ...)\n</function_calls>`;
 - one call of tool T (harmony, gpt-oss): `<|channel|>commentary to=functions.T <|constrain|>json<|message|>`
   ARGS(T), after at most one free reasoning message (`<|channel|>analysis<|message|>` text `<|end|><|start|>
   assistant`, `harmony_reasoning`); the end of sequence (`<|call|>`) follows the complete grammar;
@@ -71,6 +71,8 @@ from engine_server.tools.tagged_formats import (
     LFM2_CALLS_END,
     NEMOTRON_CALLS,
     NEMOTRON_CALLS_END,
+    OLMO3_CALLS,
+    OLMO3_CALLS_END,
 )
 from engine_server.tools.template import ToolFormat
 from engine_server.tools.types import ToolChoice, ToolChoiceMode
@@ -149,6 +151,8 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             return xgr.Grammar.concat(_literal_grammar(LFM2_CALLS), calls, _literal_grammar(LFM2_CALLS_END))
         case ToolFormat.GEMMA4:
             return _gemma_call_grammar(tool, schema)
+        case ToolFormat.OLMO3:
+            return _pythonic_call_grammar(tool, schema, f"{OLMO3_CALLS}\n", f"\n{OLMO3_CALLS_END}")
         case ToolFormat.PYTHONIC:
             return _pythonic_call_grammar(tool, schema)
         case ToolFormat.HARMONY:
@@ -220,15 +224,17 @@ def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any], layout: _XmlLay
     return xgr.Grammar.concat(*parts)
 
 
-def _pythonic_call_grammar(tool: ChatTool, schema: Mapping[str, Any]) -> xgr.Grammar:
-    """The pythonic call of `tool`, `[T(p1=VALUE, p2=VALUE)]`, every parameter of the schema in its order (a call
-    that names all is valid whichever are required), each VALUE JSON of its schema (JSON's true / false / null
-    are read as Python's)."""
-    parts = [_literal_grammar(f"[{tool.name}(")]
+def _pythonic_call_grammar(
+    tool: ChatTool, schema: Mapping[str, Any], head: str = "[", tail: str = "]"
+) -> xgr.Grammar:
+    """The pythonic call of `tool`, `[T(p1=VALUE, p2=VALUE)]` (`head` and `tail` in place of the brackets), every
+    parameter of the schema in its order (a call that names all is valid whichever are required), each VALUE JSON of
+    its schema (JSON's true / false / null are read as Python's)."""
+    parts = [_literal_grammar(f"{head}{tool.name}(")]
     for i, (name, prop) in enumerate((schema.get("properties") or {}).items()):
         value = _parameter_grammar(tool, name, prop, xml=False)
         parts += [_literal_grammar(f"{', ' if i else ''}{name}="), value]
-    parts.append(_literal_grammar(")]"))
+    parts.append(_literal_grammar(f"){tail}"))
     return xgr.Grammar.concat(*parts)
 
 

@@ -1,7 +1,7 @@
 """`make_parser`: a fresh tool-call parser for any format (`ToolFormat`), and `parse_tool_calls` for a whole output.
 The parsers live in `parsers` (the contract, Hermes, Llama 3 JSON), `call_formats` (Mistral, pythonic,
 Qwen3-Coder) and `tagged_formats` (GLM-4.5, DeepSeek, Kimi K2, MiniMax-M2, Seed-OSS, Nemotron, LFM2, Granite 3,
-Cohere, Gemma 4)."""
+Cohere, Gemma 4, OLMo 3)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from engine_server.tools.tagged_formats import (
     Lfm2Parser,
     MiniMaxM2Parser,
     NemotronParser,
+    Olmo3Parser,
     SeedOssParser,
 )
 from engine_server.tools.template import ToolFormat
@@ -61,6 +62,8 @@ def make_parser(
             return CohereParser(names)
         case ToolFormat.GEMMA4:
             return Gemma4Parser(names)
+        case ToolFormat.OLMO3:
+            return Olmo3Parser(names)
         case ToolFormat.HARMONY:
             raise ValueError("harmony output is read whole by engine_server.harmony, not by a tool-call parser")
 

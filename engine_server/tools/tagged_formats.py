@@ -20,6 +20,7 @@ output ends, and a block that is not calls stays in the content as written):
   (Mistral's parser with Granite's marker).
 - Command R7B / Command A (Cohere): `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}},
   ...]<|END_ACTION|>`.
+- OLMo 3: `<function_calls>` blocks of pythonic calls, one a line, without the list's brackets.
 - Gemma 4: `<|tool_call>call:NAME{key:VALUE,...}<tool_call|>`, once per call, in Gemma's own literals (`gemma_json`):
   strings between `<|"|>` quotes, keys bare, numbers, true / false, nested `{...}` and `[...]`.
 Between the elements of a block only whitespace may stand.
@@ -53,6 +54,7 @@ NEMOTRON_CALLS, NEMOTRON_CALLS_END = "<TOOLCALL>", "</TOOLCALL>"
 LFM2_CALLS, LFM2_CALLS_END = "<|tool_call_start|>", "<|tool_call_end|>"
 GRANITE_CALLS = "<|tool_call|>"
 COHERE_CALLS, COHERE_CALLS_END = "<|START_ACTION|>", "<|END_ACTION|>"
+OLMO3_CALLS, OLMO3_CALLS_END = "<function_calls>", "</function_calls>"
 GEMMA_CALL, GEMMA_CALL_END, GEMMA_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _GEMMA_WORD = re.compile(r'[^\s{}\[\],:<"]+')
 _JSON_STRING = re.compile(r'"(?:[^"\\\x00-\x1f]|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*"')
@@ -263,6 +265,19 @@ class CohereParser(HermesParser):
                  for o in objects]  # fmt: skip
         calls = [self.call_from(obj) for obj in named]
         return [call for call in calls if call is not None] if None not in calls else []
+
+
+class Olmo3Parser(HermesParser):
+    """OLMo 3's `<function_calls>` blocks of pythonic calls, one a line."""
+
+    open_tag, close_tag = OLMO3_CALLS, OLMO3_CALLS_END
+
+    def find_close(self, body: str) -> int:
+        return body.find(self.close_tag)
+
+    def calls_of(self, body: str) -> list[ParsedCall]:
+        lines = [line.strip() for line in body.strip().splitlines() if line.strip()]
+        return PythonicParser(self.names).parse("[" + ", ".join(lines) + "]") if lines else []
 
 
 class Gemma4Parser(HermesParser):

@@ -7,7 +7,7 @@ Rules (first match wins for the format):
   `<|tool_calls_section_begin|>` → KIMI_K2; `<｜tool▁calls▁begin｜>` → DEEPSEEK_V3 when it fences the
   arguments in a json code block (V3, R1), else DEEPSEEK_V31; `<TOOLCALL>` → NEMOTRON; `<|tool_call_start|>` or
   `<|tool_list_start|>` → LFM2; `<|tool_call|>` → GRANITE; `<|START_ACTION|>` → COHERE; `<|tool_call>` →
-  GEMMA4;
+  GEMMA4; `<function_calls>` → OLMO3;
 - it mentions `<function=` and `<parameter=` → QWEN3_CODER;
 - it mentions `<tool_call>` → HERMES (Hermes 2 Pro, Qwen 2/2.5/3, ...);
 - it mentions `<|python_start|>` → PYTHONIC (Llama 4);
@@ -73,12 +73,15 @@ class ToolFormat(enum.Enum):
     COHERE = "cohere"
     # <|tool_call>call:f{a:<|"|>x<|"|>,n:3}<tool_call|> (Gemma 4, its own literals).
     GEMMA4 = "gemma4"
+    # <function_calls>\nf(a=1)\ng(b="x")\n</function_calls> (OLMo 3: pythonic calls, one a line).
+    OLMO3 = "olmo3"
 
     @property
     def keeps_special_tokens(self) -> bool:
         """Whether the output is decoded with the special tokens kept: the format's markers are special tokens in
         its family's vocabulary (skipped, they would vanish from the text before the parser sees them)."""
-        return self not in (ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.PYTHONIC, ToolFormat.QWEN3_CODER)
+        plain_text = (ToolFormat.HERMES, ToolFormat.LLAMA3_JSON, ToolFormat.PYTHONIC, ToolFormat.QWEN3_CODER)
+        return self not in (*plain_text, ToolFormat.OLMO3)
 
 
 # The names vLLM's and SGLang's `--tool-call-parser` give these formats besides their own values, so a command line
@@ -143,6 +146,8 @@ class ToolTemplate:
             fmt = ToolFormat.COHERE
         elif "<|tool_call>" in text:
             fmt = ToolFormat.GEMMA4
+        elif "<function_calls>" in text:
+            fmt = ToolFormat.OLMO3
         elif "<function=" in text and "<parameter=" in text:
             fmt = ToolFormat.QWEN3_CODER
         elif "<tool_call>" in text:

@@ -35,6 +35,8 @@ from engine_server.tools.tagged_formats import (
     LFM2_CALLS_END,
     NEMOTRON_CALLS,
     NEMOTRON_CALLS_END,
+    OLMO3_CALLS,
+    OLMO3_CALLS_END,
 )
 from engine_server.tools.template import ToolFormat
 
@@ -90,6 +92,9 @@ def call_text(fmt: ToolFormat, name: str, arguments: Mapping[str, Any] | str) ->
         case ToolFormat.GEMMA4:
             listed = ",".join(f"{key}:{gemma_literal(value)}" for key, value in sorted(pairs.items()))
             return f"{GEMMA_CALL}call:{name}{{{listed}}}{GEMMA_CALL_END}"
+        case ToolFormat.OLMO3:
+            call = call_text(ToolFormat.PYTHONIC, name, arguments)[1:-1]  # one call, without the list's brackets
+            return f"{OLMO3_CALLS}\n{call}\n{OLMO3_CALLS_END}"
         case ToolFormat.HARMONY:
             raise ValueError("harmony calls are messages of their own, not text in a reply")
 

@@ -36,7 +36,7 @@ SCHEMAS = {
 GLM, MINIMAX, SEED = ToolFormat.GLM45, ToolFormat.MINIMAX_M2, ToolFormat.SEED_OSS
 DEEPSEEK, DEEPSEEK_V31, KIMI = ToolFormat.DEEPSEEK_V3, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2
 NEMOTRON, LFM2, GRANITE, COHERE = ToolFormat.NEMOTRON, ToolFormat.LFM2, ToolFormat.GRANITE, ToolFormat.COHERE
-GEMMA = ToolFormat.GEMMA4
+GEMMA, OLMO3 = ToolFormat.GEMMA4, ToolFormat.OLMO3
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -99,6 +99,9 @@ CASES = [
      [PARIS, _call("search", filters={"lang": "en"}, query="news", safe=False)]),
     ('Let me check.<|tool_call>call:search{"query": "news", "filters": {"lang": "en"}, "safe": False}<tool_call|>',
      GEMMA, "Let me check.", [NEWS]),
+    # OLMo 3: pythonic calls one a line in <function_calls>; JSON's true / false / null read as Python's.
+    ('I will check.\n<function_calls>\nget_weather(city="Paris", days=3)\nsearch(query="news", filters={"lang": '
+     '"en"}, safe=false)\n</function_calls>', OLMO3, "I will check.", [PARIS, NEWS]),
 ]  # fmt: skip
 
 
@@ -156,6 +159,8 @@ def test_a_stream_cut_anywhere_parses_like_the_whole_text(
         ('<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>', GEMMA),  # an unclosed quote
         ('<|tool_call>get_weather{city:<|"|>Paris<|"|>}<tool_call|>', GEMMA),  # no "call:"
         ('<|tool_call>call:delete_all{path:<|"|>/<|"|>}<tool_call|>', GEMMA),
+        ('<function_calls>\nget_weather("Paris")\n</function_calls>', OLMO3),  # positional
+        ("<function_calls>\n</function_calls>", OLMO3),
     ],
 )  # fmt: skip
 def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolFormat) -> None:
@@ -181,6 +186,7 @@ def test_malformed_calls_stay_in_the_content_as_written(text: str, fmt: ToolForm
         ("{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' + message.tool_calls | tojson }}", GRANITE),
         ("1. Action: write <|START_ACTION|> followed by a list of JSON-formatted tool calls", COHERE),
         ("{{- '<|tool_call>call:' + function['name'] + '{' -}}", GEMMA),
+        ("output them within <function_calls></function_calls> XML tags, one call a line", OLMO3),
     ],
 )  # fmt: skip
 def test_the_format_is_read_off_the_family_template(template: str, fmt: ToolFormat) -> None:

@@ -64,7 +64,7 @@ NO_ARGS = ChatTool("now", "The current time")
 TOOLS = [WEATHER, SEARCH, NO_ARGS]
 TAGGED = [ToolFormat.GLM45, ToolFormat.DEEPSEEK_V3, ToolFormat.DEEPSEEK_V31, ToolFormat.KIMI_K2, ToolFormat.MINIMAX_M2,
           ToolFormat.SEED_OSS, ToolFormat.NEMOTRON, ToolFormat.LFM2, ToolFormat.GRANITE, ToolFormat.COHERE,
-          ToolFormat.GEMMA4]  # fmt: skip
+          ToolFormat.GEMMA4, ToolFormat.OLMO3]  # fmt: skip
 SCHEMAS = {t.name: t.parameters or {"type": "object", "properties": {}} for t in TOOLS}
 
 
