@@ -255,16 +255,13 @@ class CohereParser(HermesParser):
         return body.find(self.close_tag)
 
     def calls_of(self, body: str) -> list[ParsedCall]:
-        try:
-            objects, end = json.JSONDecoder().raw_decode(body.strip())
-        except JSON_ERRORS:
-            return []
-        if body.strip()[end:].strip() or not isinstance(objects, list) or not objects:
-            return []
-        named = [{"name": o.get("tool_name"), "arguments": o.get("parameters", {})} if isinstance(o, dict) else None
-                 for o in objects]  # fmt: skip
-        calls = [self.call_from(obj) for obj in named]
-        return [call for call in calls if call is not None] if None not in calls else []
+        return json_list_calls(self, body)
+
+    def call_from(self, obj: Any) -> ParsedCall | None:
+        """A call from Cohere's `{"tool_name": ..., "parameters": {...}}` (its keys only)."""
+        if not isinstance(obj, dict):
+            return None
+        return super().call_from({"name": obj.get("tool_name"), "arguments": obj.get("parameters", {})})
 
 
 class Olmo3Parser(HermesParser):
