@@ -40,9 +40,12 @@ def stop_process(process: subprocess.Popen[str], timeout: float) -> int:
         return process.wait()
 
 
-def start_engine(log_path: Path, *extra_args: str, threads: int | None = None) -> EngineProcess:
+def start_engine(
+    log_path: Path, *extra_args: str, threads: int | None = None, wait: bool = True
+) -> EngineProcess:
     """Start `ladle engine` on a free loopback port (unless `extra_args` name one) and wait until its health is
-    SERVING. `threads` caps its torch/OpenMP threads, for tests that run several engines on a few cores."""
+    SERVING (without `wait`, return once its port is bound, the model still loading: `wait_until_serving` then).
+    `threads` caps its torch/OpenMP threads, for tests that run several engines on a few cores."""
     command = [
         sys.executable, "-m", "ladle_cli", "engine", "--model", "default", "--device", "cpu",
         "--host", "127.0.0.1", "--port", "0", "--kv-cache-mib", str(KV_CACHE_MIB), *extra_args,
@@ -59,7 +62,8 @@ def start_engine(log_path: Path, *extra_args: str, threads: int | None = None) -
         process.kill()
         raise RuntimeError(f"ladle engine did not report its address: {line!r}\n{log_path.read_text()}")
     engine = EngineProcess(process, line.rsplit(" on ", 1)[1].strip(), log_path)
-    wait_until_serving(engine)
+    if wait:
+        wait_until_serving(engine)
     return engine
 
 

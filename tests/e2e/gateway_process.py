@@ -123,13 +123,16 @@ def serve_scripted(
     an official OpenAI client of the gateway). Both processes must stop cleanly at the end."""
     import openai
 
-    from tests.e2e.engine_process import start_engine
+    from tests.e2e.engine_process import start_engine, wait_until_serving
     from tests.scripted import save_scripted_model
 
     t = template
     folder = save_scripted_model(root / "model", t.template, scripts, t.special_tokens, t.bos, t.eos, t.stops)
-    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1)
-    gateway = start_gateway(root / "gateway.log", engine.address)
+    # The gateway starts while the engine loads its model (its port is bound first): the two start-ups overlap.
+    engine = start_engine(root / "engine.log", "--model", str(folder), "--quantization", "none", threads=1, wait=False)
+    gateway = start_gateway(root / "gateway.log", engine.address, wait_healthy=False)
+    wait_until_serving(engine)
+    wait_until_healthy(gateway)
     with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=300) as client:
         yield client.models.list().data[0].id, engine, gateway, client
     assert gateway.stop() == 0 and engine.stop() == 0
