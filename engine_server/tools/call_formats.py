@@ -163,12 +163,11 @@ class Qwen3CoderParser(HermesParser):
     """Qwen3-Coder's XML calls (see the module docstring); `schemas` maps a tool's name to its parameters'
     JSON Schema, which says how each value is read."""
 
+    json_body = False  # values are raw text: no strings to skip
+
     def __init__(self, names: Iterable[str] | None = None, schemas: Mapping[str, Mapping[str, Any]] | None = None):
         super().__init__(names)
         self.schemas = dict(schemas or {})
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)
 
     def call_of(self, body: str) -> ParsedCall | None:
         function = _FUNCTION.fullmatch(body)

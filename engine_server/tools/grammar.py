@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
@@ -51,31 +50,17 @@ from engine_server.structured.compiler import xgrammar_reason
 from engine_server.structured.constraint import check_schema_depth
 from engine_server.tokenizer.chat import ChatTool
 from engine_server.tools.tagged_formats import (
-    COHERE_CALLS,
-    COHERE_CALLS_END,
-    DEEPSEEK_CALL,
-    DEEPSEEK_CALL_END,
-    DEEPSEEK_CALLS,
-    DEEPSEEK_CALLS_END,
-    DEEPSEEK_SEP,
     GEMMA_CALL,
     GEMMA_CALL_END,
     GEMMA_QUOTE,
-    GRANITE_CALLS,
-    KIMI_ARGUMENTS,
-    KIMI_CALL,
-    KIMI_CALL_END,
-    KIMI_CALLS,
-    KIMI_CALLS_END,
     LFM2_CALLS,
     LFM2_CALLS_END,
-    NEMOTRON_CALLS,
-    NEMOTRON_CALLS_END,
     OLMO3_CALLS,
     OLMO3_CALLS_END,
 )
 from engine_server.tools.template import ToolFormat
 from engine_server.tools.types import ToolChoice, ToolChoiceMode
+from engine_server.tools.writing import XML_LAYOUTS, XmlLayout, json_call_frame
 
 _CALLS_RULE = "tool_calls"
 _CALL_SEPARATOR = "\n"
@@ -116,36 +101,9 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
     if schema.get("type", "object") != "object":
         raise ValidationError(f"parameters of tool {tool.name!r} must describe a JSON object", "tools")
     check_schema_depth(schema, "tools")
-    name = json.dumps(tool.name, ensure_ascii=False)
+    if fmt in XML_LAYOUTS:
+        return _xml_call_grammar(tool, schema, XML_LAYOUTS[fmt])
     match fmt:
-        case ToolFormat.HERMES:
-            head, tail = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
-        case ToolFormat.LLAMA3_JSON:
-            head, tail = f'{{"name": {name}, "parameters": ', "}"
-        case ToolFormat.MISTRAL:
-            head, tail = f'[TOOL_CALLS] [{{"name": {name}, "arguments": ', "}]"
-        case ToolFormat.MISTRAL_V11:
-            head, tail = f"[TOOL_CALLS]{tool.name}[ARGS]", ""
-        case ToolFormat.QWEN3_CODER | ToolFormat.GLM45 | ToolFormat.MINIMAX_M2 | ToolFormat.SEED_OSS:
-            return _xml_call_grammar(tool, schema, _XML_LAYOUTS[fmt])
-        case ToolFormat.DEEPSEEK_V31:
-            head, tail = (
-                f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}{tool.name}{DEEPSEEK_SEP}",
-                DEEPSEEK_CALL_END + DEEPSEEK_CALLS_END,
-            )
-        case ToolFormat.DEEPSEEK_V3:
-            head = f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{tool.name}\n```json\n"
-            tail = f"\n```{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}"
-        case ToolFormat.KIMI_K2:
-            head = f"{KIMI_CALLS}{KIMI_CALL}functions.{tool.name}:0{KIMI_ARGUMENTS}"
-            tail = KIMI_CALL_END + KIMI_CALLS_END
-        case ToolFormat.NEMOTRON:
-            head, tail = f'{NEMOTRON_CALLS}[{{"name": {name}, "arguments": ', "}]" + NEMOTRON_CALLS_END
-        case ToolFormat.GRANITE:
-            head, tail = f'{GRANITE_CALLS}[{{"name": {name}, "arguments": ', "}]"
-        case ToolFormat.COHERE:
-            head = f'{COHERE_CALLS}[{{"tool_call_id": "0", "tool_name": {name}, "parameters": '
-            tail = "}]" + COHERE_CALLS_END
         case ToolFormat.LFM2:
             calls = _pythonic_call_grammar(tool, schema)
             return xgr.Grammar.concat(_literal_grammar(LFM2_CALLS), calls, _literal_grammar(LFM2_CALLS_END))
@@ -155,8 +113,10 @@ def _call_grammar(tool: ChatTool, fmt: ToolFormat) -> xgr.Grammar:
             return _pythonic_call_grammar(tool, schema, f"{OLMO3_CALLS}\n", f"\n{OLMO3_CALLS_END}")
         case ToolFormat.PYTHONIC:
             return _pythonic_call_grammar(tool, schema)
-        case ToolFormat.HARMONY:
-            head, tail = f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>", ""
+    frame = json_call_frame(fmt, tool.name)
+    if frame is None:
+        raise ValueError(f"no forced-call grammar for the {fmt.value} format")
+    head, tail = frame
     try:
         arguments = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     except Exception as exc:  # xgrammar reports an unusable schema as an exception: the caller's input
@@ -175,40 +135,7 @@ def harmony_reasoning() -> xgr.Grammar:
     return xgr.Grammar.from_structural_tag(StructuralTag(format=OptionalFormat(content=analysis)))
 
 
-@dataclass(frozen=True)
-class _XmlLayout:
-    """How an XML format writes one call: `head` and `tail` around it ("{tool}" the tool's name), and around each
-    parameter's value `open` ("{name}" the parameter's) and `close`."""
-
-    head: str
-    open: str
-    close: str
-    tail: str
-
-
-_XML_LAYOUTS = {
-    ToolFormat.QWEN3_CODER: _XmlLayout(
-        "<tool_call>\n<function={tool}>\n", "<parameter={name}>\n", "\n</parameter>\n", "</function>\n</tool_call>"
-    ),
-    ToolFormat.GLM45: _XmlLayout(
-        "<tool_call>{tool}\n", "<arg_key>{name}</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"
-    ),
-    ToolFormat.MINIMAX_M2: _XmlLayout(
-        '<minimax:tool_call>\n<invoke name="{tool}">\n',
-        '<parameter name="{name}">',
-        "</parameter>\n",
-        "</invoke>\n</minimax:tool_call>",
-    ),
-    ToolFormat.SEED_OSS: _XmlLayout(
-        "<seed:tool_call>\n<function={tool}>\n",
-        "<parameter={name}>",
-        "</parameter>\n",
-        "</function>\n</seed:tool_call>",
-    ),
-}
-
-
-def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any], layout: _XmlLayout) -> xgr.Grammar:
+def _xml_call_grammar(tool: ChatTool, schema: Mapping[str, Any], layout: XmlLayout) -> xgr.Grammar:
     """An XML format's call of `tool` (`layout`): its parameters in the schema's order (the optional ones may be
     left out), each value between the layout's `open` and `close`. A string's VALUE is raw text without "<" (an
     enum: one of its values; maxLength and minLength bound it), any other type's a JSON value of its schema, as

@@ -88,12 +88,15 @@ class HermesParser(ToolCallParser):
     A closing tag counts only outside JSON strings (an argument may contain "</tool_call>"). A block the output
     ends inside (no closing tag) is still a call when its JSON is complete.
 
-    Other block formats subclass it: their tags (`open_tag`, `close_tag`), where a block closes (`find_close`) and
-    what calls a block's body holds (`calls_of`, one or more; `call_of` where a block holds one call).
+    Other block formats subclass it: their tags (`open_tag`, `close_tag`), whether the body is JSON whose strings
+    the closing tag is looked for outside of (`json_body`; formats of raw-text values or whose closing tag is a
+    marker token look for its first occurrence), and what calls a block's body holds (`calls_of`, one or more;
+    `call_of` where a block holds one call).
     """
 
     open_tag: ClassVar[str] = HERMES_OPEN
     close_tag: ClassVar[str] = HERMES_CLOSE
+    json_body: ClassVar[bool] = True
 
     def __init__(self, names: Iterable[str] | None = None) -> None:
         super().__init__(names)
@@ -165,6 +168,8 @@ class HermesParser(ToolCallParser):
 
     def find_close(self, body: str) -> int:
         """Where the open call's closing tag starts in `body` (which only grows while the call is open), or -1."""
+        if not self.json_body:
+            return body.find(self.close_tag)
         return self._scan.find_outside_strings(body, self.close_tag)
 
     def calls_of(self, body: str) -> list[ParsedCall]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from engine_server.tools.call_formats import (
@@ -84,6 +84,12 @@ def _elements(body: str, begin: str, end: str) -> list[str] | None:
     return insides
 
 
+def _every_call(insides: list[str] | None, read: Callable[[str], ParsedCall | None]) -> list[ParsedCall]:
+    """The call `read` makes of each element's inside, or [] when there are none or one is not a call."""
+    calls = [read(inside) for inside in insides or ()]
+    return [] if not calls or None in calls else [c for c in calls if c is not None]
+
+
 def _pairs(pattern: re.Pattern[str], text: str) -> list[tuple[str, str]] | None:
     """The (key, value) groups of `pattern`'s matches that make up `text` back to back (trailing whitespace
     allowed), or None when anything else stands between or after them."""
@@ -106,14 +112,13 @@ def _unquoted(name: str) -> str:
 class _SchemaTyped(HermesParser):
     """A block parser whose values are raw text typed by each tool's parameter schema."""
 
+    json_body = False  # values are raw text: no strings to skip
+
     def __init__(
         self, names: Iterable[str] | None = None, schemas: Mapping[str, Mapping[str, Any]] | None = None
     ) -> None:
         super().__init__(names)
         self.schemas = dict(schemas or {})
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)  # values are raw text, not JSON: no strings to skip
 
     def typed_call(self, name: str, pairs: list[tuple[str, str]]) -> ParsedCall | None:
         properties = self.schemas.get(name, {}).get("properties", {})
@@ -162,14 +167,10 @@ class DeepSeekParser(HermesParser):
     """DeepSeek V3 / R1's and V3.1's tool-call sections, both layouts (see the module docstring)."""
 
     open_tag, close_tag = DEEPSEEK_CALLS, DEEPSEEK_CALLS_END
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)  # a marker token: it does not occur inside the JSON
+    json_body = False  # its closing tag is a marker token
 
     def calls_of(self, body: str) -> list[ParsedCall]:
-        insides = _elements(body, DEEPSEEK_CALL, DEEPSEEK_CALL_END)
-        calls = [] if insides is None else [self._call(inside) for inside in insides]
-        return [] if not calls or None in calls else [c for c in calls if c is not None]
+        return _every_call(_elements(body, DEEPSEEK_CALL, DEEPSEEK_CALL_END), self._call)
 
     def _call(self, inside: str) -> ParsedCall | None:
         head, sep, rest = inside.partition(DEEPSEEK_SEP)
@@ -190,14 +191,10 @@ class KimiK2Parser(HermesParser):
     """Kimi K2's tool-call sections; each call keeps the id the model wrote (see the module docstring)."""
 
     open_tag, close_tag = KIMI_CALLS, KIMI_CALLS_END
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)
+    json_body = False  # its closing tag is a marker token
 
     def calls_of(self, body: str) -> list[ParsedCall]:
-        insides = _elements(body, KIMI_CALL, KIMI_CALL_END)
-        calls = [] if insides is None else [self._call(inside) for inside in insides]
-        return [] if not calls or None in calls else [c for c in calls if c is not None]
+        return _every_call(_elements(body, KIMI_CALL, KIMI_CALL_END), self._call)
 
     def _call(self, inside: str) -> ParsedCall | None:
         call_id, sep, arguments = inside.partition(KIMI_ARGUMENTS)
@@ -232,9 +229,7 @@ class Lfm2Parser(HermesParser):
     """LFM2's `<|tool_call_start|>` blocks of pythonic calls (or of a JSON list of calls)."""
 
     open_tag, close_tag = LFM2_CALLS, LFM2_CALLS_END
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)  # a marker token: it does not occur inside the calls
+    json_body = False  # its closing tag is a marker token
 
     def calls_of(self, body: str) -> list[ParsedCall]:
         return PythonicParser(self.names).parse(body) or json_list_calls(self, body)
@@ -250,9 +245,7 @@ class CohereParser(HermesParser):
     """Cohere's `<|START_ACTION|>` blocks of a JSON list of `tool_name` / `parameters` objects."""
 
     open_tag, close_tag = COHERE_CALLS, COHERE_CALLS_END
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)
+    json_body = False  # its closing tag is a marker token
 
     def calls_of(self, body: str) -> list[ParsedCall]:
         return json_list_calls(self, body)
@@ -268,9 +261,7 @@ class Olmo3Parser(HermesParser):
     """OLMo 3's `<function_calls>` blocks of pythonic calls, one a line."""
 
     open_tag, close_tag = OLMO3_CALLS, OLMO3_CALLS_END
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)
+    json_body = False  # its closing tag is a marker token
 
     def calls_of(self, body: str) -> list[ParsedCall]:
         lines = [line.strip() for line in body.strip().splitlines() if line.strip()]
@@ -281,9 +272,7 @@ class Gemma4Parser(HermesParser):
     """Gemma 4's `<|tool_call>call:NAME{...}<tool_call|>` blocks (see the module docstring)."""
 
     open_tag, close_tag = GEMMA_CALL, GEMMA_CALL_END
-
-    def find_close(self, body: str) -> int:
-        return body.find(self.close_tag)
+    json_body = False  # its closing tag is a marker token
 
     def call_of(self, body: str) -> ParsedCall | None:
         head, brace, rest = body.strip().partition("{")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from engine_server.tools.call_formats import MISTRAL_ARGS, MISTRAL_CALLS
@@ -41,62 +42,99 @@ from engine_server.tools.tagged_formats import (
 from engine_server.tools.template import ToolFormat
 
 
+@dataclass(frozen=True)
+class XmlLayout:
+    """How an XML format writes one call: `head` and `tail` around it ("{tool}" the tool's name), and around each
+    parameter's value `open` ("{name}" the parameter's) and `close`."""
+
+    head: str
+    open: str
+    close: str
+    tail: str
+
+
+XML_LAYOUTS = {
+    ToolFormat.QWEN3_CODER: XmlLayout(
+        "<tool_call>\n<function={tool}>\n", "<parameter={name}>\n", "\n</parameter>\n", "</function>\n</tool_call>"
+    ),
+    ToolFormat.GLM45: XmlLayout(
+        "<tool_call>{tool}\n", "<arg_key>{name}</arg_key>\n<arg_value>", "</arg_value>\n", "</tool_call>"
+    ),
+    ToolFormat.MINIMAX_M2: XmlLayout(
+        '<minimax:tool_call>\n<invoke name="{tool}">\n',
+        '<parameter name="{name}">',
+        "</parameter>\n",
+        "</invoke>\n</minimax:tool_call>",
+    ),
+    ToolFormat.SEED_OSS: XmlLayout(
+        "<seed:tool_call>\n<function={tool}>\n",
+        "<parameter={name}>",
+        "</parameter>\n",
+        "</function>\n</seed:tool_call>",
+    ),
+}
+
+
+def json_call_frame(fmt: ToolFormat, name: str) -> tuple[str, str] | None:
+    """The text around a call's arguments (head, tail) in the formats whose arguments are one JSON object, or None
+    for the others; the forced-call grammar writes the same frame around the arguments' schema."""
+    quoted = _name(name)
+    match fmt:
+        case ToolFormat.HERMES:
+            return f'{HERMES_OPEN}\n{{"name": {quoted}, "arguments": ', f"}}\n{HERMES_CLOSE}"
+        case ToolFormat.LLAMA3_JSON:
+            return f'{{"name": {quoted}, "parameters": ', "}"
+        case ToolFormat.MISTRAL:
+            return f'{MISTRAL_CALLS} [{{"name": {quoted}, "arguments": ', "}]"
+        case ToolFormat.MISTRAL_V11:
+            return f"{MISTRAL_CALLS}{name}{MISTRAL_ARGS}", ""
+        case ToolFormat.DEEPSEEK_V31:
+            return f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}{name}{DEEPSEEK_SEP}", DEEPSEEK_CALL_END + DEEPSEEK_CALLS_END
+        case ToolFormat.DEEPSEEK_V3:
+            head = f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{name}\n```json\n"
+            return head, f"\n```{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}"
+        case ToolFormat.KIMI_K2:
+            return f"{KIMI_CALLS}{KIMI_CALL}functions.{name}:0{KIMI_ARGUMENTS}", KIMI_CALL_END + KIMI_CALLS_END
+        case ToolFormat.NEMOTRON:
+            return f'{NEMOTRON_CALLS}[{{"name": {quoted}, "arguments": ', "}]" + NEMOTRON_CALLS_END
+        case ToolFormat.GRANITE:
+            return f'{GRANITE_CALLS}[{{"name": {quoted}, "arguments": ', "}]"
+        case ToolFormat.COHERE:
+            head = f'{COHERE_CALLS}[{{"tool_call_id": "0", "tool_name": {quoted}, "parameters": '
+            return head, "}]" + COHERE_CALLS_END
+        case ToolFormat.HARMONY:  # the body of a call message (its grammar; no reply text holds one)
+            return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", ""
+        case _:
+            return None
+
+
 def call_text(fmt: ToolFormat, name: str, arguments: Mapping[str, Any] | str) -> str:
     """One call of `name` as a model of `fmt` writes it; `arguments` are an object, or JSON text that is not one
     (kept as the caller wrote it, in the formats whose arguments are JSON). Raises ValueError for harmony."""
+    if fmt is ToolFormat.HARMONY:
+        raise ValueError("harmony calls are messages of their own, not text in a reply")
     as_json = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     pairs = dict(arguments) if isinstance(arguments, Mapping) else {}
+    frame = json_call_frame(fmt, name)
+    if frame is not None:
+        return frame[0] + as_json + frame[1]
+    if fmt in XML_LAYOUTS:
+        layout = XML_LAYOUTS[fmt]
+        body = "".join(layout.open.format(name=k) + _xml(v) + layout.close for k, v in pairs.items())
+        return layout.head.format(tool=name) + body + layout.tail
     match fmt:
-        case ToolFormat.HERMES:
-            return f'{HERMES_OPEN}\n{{"name": {_name(name)}, "arguments": {as_json}}}\n{HERMES_CLOSE}'
-        case ToolFormat.LLAMA3_JSON:
-            return f'{{"name": {_name(name)}, "parameters": {as_json}}}'
-        case ToolFormat.MISTRAL:
-            return f'{MISTRAL_CALLS} [{{"name": {_name(name)}, "arguments": {as_json}}}]'
-        case ToolFormat.MISTRAL_V11:
-            return f"{MISTRAL_CALLS}{name}{MISTRAL_ARGS}{as_json}"
         case ToolFormat.PYTHONIC:
             listed = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in pairs.items())
             return f"[{name}({listed})]"
-        case ToolFormat.QWEN3_CODER:
-            body = "".join(f"<parameter={k}>\n{_xml(v)}\n</parameter>\n" for k, v in pairs.items())
-            return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
-        case ToolFormat.GLM45:
-            body = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{_xml(v)}</arg_value>\n" for k, v in pairs.items())
-            return f"<tool_call>{name}\n{body}</tool_call>"
-        case ToolFormat.MINIMAX_M2:
-            body = "".join(f'<parameter name="{k}">{_xml(v)}</parameter>\n' for k, v in pairs.items())
-            return f'<minimax:tool_call>\n<invoke name="{name}">\n{body}</invoke>\n</minimax:tool_call>'
-        case ToolFormat.SEED_OSS:
-            body = "".join(f"<parameter={k}>{_xml(v)}</parameter>\n" for k, v in pairs.items())
-            return f"<seed:tool_call>\n<function={name}>\n{body}</function>\n</seed:tool_call>"
-        case ToolFormat.DEEPSEEK_V31:
-            return (
-                f"{DEEPSEEK_CALLS}{DEEPSEEK_CALL}{name}{DEEPSEEK_SEP}{as_json}{DEEPSEEK_CALL_END}{DEEPSEEK_CALLS_END}"
-            )
-        case ToolFormat.DEEPSEEK_V3:
-            call = f"{DEEPSEEK_CALL}function{DEEPSEEK_SEP}{name}\n```json\n{as_json}\n```{DEEPSEEK_CALL_END}"
-            return f"{DEEPSEEK_CALLS}{call}{DEEPSEEK_CALLS_END}"
-        case ToolFormat.KIMI_K2:
-            call = f"{KIMI_CALL}functions.{name}:0{KIMI_ARGUMENTS}{as_json}{KIMI_CALL_END}"
-            return f"{KIMI_CALLS}{call}{KIMI_CALLS_END}"
-        case ToolFormat.NEMOTRON:
-            return f'{NEMOTRON_CALLS}[{{"name": {_name(name)}, "arguments": {as_json}}}]{NEMOTRON_CALLS_END}'
         case ToolFormat.LFM2:
             return LFM2_CALLS + call_text(ToolFormat.PYTHONIC, name, arguments) + LFM2_CALLS_END
-        case ToolFormat.GRANITE:
-            return f'{GRANITE_CALLS}[{{"name": {_name(name)}, "arguments": {as_json}}}]'
-        case ToolFormat.COHERE:
-            call = f'{{"tool_call_id": "0", "tool_name": {_name(name)}, "parameters": {as_json}}}'
-            return f"{COHERE_CALLS}[{call}]{COHERE_CALLS_END}"
-        case ToolFormat.GEMMA4:
-            listed = ",".join(f"{key}:{gemma_literal(value)}" for key, value in sorted(pairs.items()))
-            return f"{GEMMA_CALL}call:{name}{{{listed}}}{GEMMA_CALL_END}"
         case ToolFormat.OLMO3:
             call = call_text(ToolFormat.PYTHONIC, name, arguments)[1:-1]  # one call, without the list's brackets
             return f"{OLMO3_CALLS}\n{call}\n{OLMO3_CALLS_END}"
-        case ToolFormat.HARMONY:
-            raise ValueError("harmony calls are messages of their own, not text in a reply")
+        case ToolFormat.GEMMA4:
+            listed = ",".join(f"{key}:{gemma_literal(value)}" for key, value in sorted(pairs.items()))
+            return f"{GEMMA_CALL}call:{name}{{{listed}}}{GEMMA_CALL_END}"
+    raise ValueError(f"no writer for the {fmt.value} format")
 
 
 def gemma_literal(value: Any) -> str:
