@@ -22,6 +22,13 @@ Architecture = Literal[
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "llama",
+    "ministral": "llama",  # Ministral 8B (2410): Mistral with windowed layers by `layer_types`
+    # Ministral 3: Mistral under YaRN with Llama 4's query temperature over its original context
+    # (`query_scale_beta`); Mistral 3 (Mistral Small 3.1 / 3.2, Magistral Small, Ministral 3, Mistral Small 4): a
+    # multimodal checkpoint whose text model (`mistral`, `ministral3` or `mistral4`) is served, read as that family
+    # (`_mistral3_text_type`), its Pixtral vision tower not read.
+    "ministral3": "llama",
+    "mistral3": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
@@ -48,6 +55,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4_moe": "glm4_moe",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
+    "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_arcee_fields`)
     "seed_oss": "llama",  # Seed-OSS: Llama with q/k/v biases and o_proj's apart (`attention_out_bias`)
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5_moe",
@@ -372,8 +380,9 @@ class ModelConfig:
     # `moe_group_score`), the chosen scores renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`;
     # its shared experts have no gate (`shared_expert_gated` off).
     latent_attention: LatentAttention | None = None
-    # Mistral 4: its queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's attention
-    # temperature), beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's original context.
+    # Mistral 4 and Ministral 3: their queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's
+    # attention temperature) on every layer, beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's
+    # original context.
     query_scale_beta: float = 0.0
     query_scale_positions: int = 1
     grouped_router: bool = False
@@ -547,8 +556,10 @@ class ModelConfig:
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
         _refuse_mlp_biases(model_type, cfg)
-        if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4"):  # multimodal: its text model is served
+        if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3"):  # multimodal: its text model
             cfg = _text_config(cfg)
+        if model_type == "mistral3":  # read as its text model's own family
+            model_type = _mistral3_text_type(cfg)
         if model_type in ("lfm2", "lfm2_moe"):
             cfg = _lfm2_config(cfg)
         nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
@@ -609,6 +620,8 @@ class ModelConfig:
             rope_fields = {**rope_fields, **latent}
             mla: LatentAttention = latent["latent_attention"]
             head_dim, kv_heads = mla.kv_lora_rank + mla.qk_rope_head_dim, 1
+        else:
+            rope_fields = {**rope_fields, **_query_scale_fields(model_type, rope)}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
         if gemma:
@@ -644,6 +657,7 @@ class ModelConfig:
             **_llama4_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
+            **_arcee_fields(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
             **gemma,
@@ -781,7 +795,7 @@ def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
 def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
     """DeepSeek-V3's latent attention (`LatentAttention`) and its score scale: the key's head dim ** -0.5, times
     the square of YaRN's `mscale_all_dim` attention factor when its rope is scaled (transformers' `scaling`);
-    Mistral 4's query scale (`query_scale_beta`) from its rope's `llama_4_scaling_beta`."""
+    Mistral 4's query scale (`_query_scale_fields`)."""
     mla = LatentAttention(
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=int(cfg["kv_lora_rank"]),
@@ -796,15 +810,30 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         mscale = 0.1 * all_dims * math.log(float(rope["factor"])) + 1.0
         scale *= mscale * mscale
     fields: dict[str, Any] = {"latent_attention": mla, "attention_scale": scale}
-    beta = float(rope.get("llama_4_scaling_beta") or 0.0) if model_type == "mistral4" else 0.0
-    if beta:
-        fields["query_scale_beta"] = beta
-        fields["query_scale_positions"] = int(rope["original_max_position_embeddings"])
-    return fields
+    return {**fields, **_query_scale_fields(model_type, rope)}
+
+
+def _query_scale_fields(model_type: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """Mistral 4's and Ministral 3's query scale by position (`ModelConfig.query_scale_beta`), from their rope's
+    `llama_4_scaling_beta` over its `original_max_position_embeddings`; {} for other families or no beta."""
+    beta = float(rope.get("llama_4_scaling_beta") or 0.0) if model_type in ("mistral4", "ministral3") else 0.0
+    if not beta:
+        return {}
+    return {"query_scale_beta": beta, "query_scale_positions": int(rope["original_max_position_embeddings"])}
+
+
+def _mistral3_text_type(text: dict[str, Any]) -> str:
+    """The family of a multimodal Mistral 3 checkpoint's text model: its `text_config`'s `model_type` (Mistral Small
+    3.1's `mistral`, Ministral 3's `ministral3`, Mistral Small 4's `mistral4`); ValueError for another."""
+    model_type = str(text.get("model_type") or "mistral")
+    if model_type not in ("mistral", "ministral", "ministral3", "mistral4"):
+        raise ValueError(f"mistral3 text_config model_type {model_type!r} is not supported "
+                         "(mistral, ministral, ministral3 and mistral4 are)")
+    return model_type
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A multimodal Qwen3.5 or Gemma 4 `config.json`'s text model (`text_config`), with the top level's
+    """A multimodal `config.json`'s text model (`text_config`), with the top level's
     word-embedding tie."""
     text = cfg.get("text_config")
     if not isinstance(text, dict):
@@ -1054,14 +1083,25 @@ def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
 # release of these families sets and the shared layers do not build.
-_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}
+_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "arcee": "mlp_bias", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}
 
 
 def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
-    """ValueError for a Seed-OSS or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
+    """ValueError for a Seed-OSS, Arcee or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
     key = _MLP_BIAS_KEYS.get(model_type)
     if key is not None and cfg.get(key):
         raise ValueError(f"{model_type} with {key} is not supported")
+
+
+def _arcee_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Arcee AFM's MLP, ungated `down(relu(up(x))²)` (`hidden_act` relu2, its default); {} for the other families.
+    ValueError for another activation."""
+    if model_type != "arcee":
+        return {}
+    activation = cfg.get("hidden_act") or "relu2"
+    if activation != "relu2":
+        raise ValueError(f"arcee hidden_act {activation!r} is not supported (relu2 is)")
+    return {"hidden_act": "relu2"}
 
 
 def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

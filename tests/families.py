@@ -82,6 +82,9 @@ WINDOW = 20
 # these short prompts' queries (floor 4, scale 0.5; the released 8192 and 0.1 would not), weightless q/k norms on
 # the rope layers, interleaved rope pairs under Llama 3 scaling; top-1 of 4 experts on alternate layers (Maverick's
 # interleaving), each chosen expert's input scaled by its sigmoid score, beside a shared expert; dense layers wider.
+# Arcee AFM: Llama's block with an ungated relu² MLP, under YaRN (AFM-4.5B's 64K context).
+# Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
+# (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi3-longrope": (
@@ -217,6 +220,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0,
                                                 "original_max_position_embeddings": 64},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    ),
+    "arcee": (
+        "ArceeConfig",
+        {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32}},
+    ),
+    "ministral3": (
+        "Ministral3Config",
+        {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "rope_parameters": {"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}},
     ),
     "granite": (
         "GraniteConfig",
@@ -429,7 +445,7 @@ _GGUF_ARCHITECTURES = {
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
-    "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
 }  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -750,6 +766,9 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "mistral3":  # Ministral 3's, as its converter writes them
+        writer.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        writer.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if config.get("attn_logit_softcapping"):
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
@@ -1105,7 +1124,8 @@ def _write_tensors(
                 kind_type = feed_forward
             elif kind.startswith("self_attn.") and not kind.endswith("_norm"):  # Gemma's q/k norms stay F32
                 kind_type = attention
-            if arch in ("llama", *_GGUF_GRANITES) and kind in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "mistral3", "arcee", *_GGUF_GRANITES) and kind in ("self_attn.q_proj",
+                                                                                     "self_attn.k_proj"):
                 heads_here = heads if kind == "self_attn.q_proj" else config["num_key_value_heads"]
                 array = array.reshape(heads_here, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
         else:

@@ -103,12 +103,18 @@ class PagedSelfAttention(nn.Module):
         self.qk_unit_norm = config.qk_unit_norm and rope
         if self.value_norm or self.qk_unit_norm:
             self.register_buffer("unit_norm_weight", torch.ones(self.head_dim, dtype=dtype), persistent=False)
-        self.temperature_floor = config.nope_temperature_floor
-        self.temperature = not rope and config.nope_temperature_scale > 0
-        if self.temperature:  # by `floor((p + 1) / floor)`: one table, so a position's scale never depends on the batch
+        # A query temperature by position, `1 + scale * ln(1 + floor((p + offset) / floor))`: Llama 4's on its NoPE
+        # layers (offset 1), Ministral 3's on every layer (offset 0, `ModelConfig.query_scale_beta`).
+        if config.query_scale_beta > 0:
+            scale, self.temperature_offset = config.query_scale_beta, 0
+            self.temperature_floor = config.query_scale_positions
+        else:
+            scale = 0.0 if rope else config.nope_temperature_scale
+            self.temperature_floor, self.temperature_offset = config.nope_temperature_floor, 1
+        self.temperature = scale > 0
+        if self.temperature:  # one table, so a position's scale never depends on the batch
             steps = torch.arange(config.max_position_embeddings // self.temperature_floor + 2, dtype=torch.float32)
-            table = torch.log1p(steps) * config.nope_temperature_scale + 1.0
-            self.register_buffer("temperatures", table, persistent=False)
+            self.register_buffer("temperatures", torch.log1p(steps) * scale + 1.0, persistent=False)
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
@@ -211,10 +217,10 @@ class PagedSelfAttention(nn.Module):
         return self._project(out.reshape(tokens, self.q_size), ops, lora)
 
     def _temperature(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Llama 4's query scale on a NoPE layer, `[T, 1, 1]`: `1 + scale * ln(1 + floor((p + 1) / floor))`, read
+        """The query scale of each position, `[T, 1, 1]`: `1 + scale * ln(1 + floor((p + offset) / floor))`, read
         from the table computed once (torch's log1p over a step's column would give a position other bits where
         it falls in the column's scalar tail, which depends on the batch)."""
-        steps = torch.div(positions + 1, self.temperature_floor, rounding_mode="floor")
+        steps = torch.div(positions + self.temperature_offset, self.temperature_floor, rounding_mode="floor")
         return self.get_buffer("temperatures")[steps].to(dtype)[:, None, None]
 
     def _project(self, out: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:

@@ -306,7 +306,8 @@ _GRANITE_MLP = re.compile(
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
 # and GLM-4's (the turned half of each head), ERNIE 4.5's and Cohere's, whose checkpoints hold them interleaved too
 # (the model reorders them at load, `models.llama4`, `models.interleaved_rope`).
-_ROPE_PERMUTED = ("llama", "mixtral", *_GRANITE_TYPES, "nemotron_h")  # (Nemotron-H's converter is Granite 4.0's)
+_ROPE_PERMUTED = ("llama", "mixtral", "ministral3", "arcee", *_GRANITE_TYPES, "nemotron_h")  # (Nemotron-H's
+# converter is Granite 4.0's; Ministral 3's and Arcee's, Llama's)
 _ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 # Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
 _NORM_SHIFTED = ("gemma2", "gemma3_text")

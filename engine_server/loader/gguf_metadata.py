@@ -30,6 +30,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
     "gemma4": ("gemma4_text", "Gemma4ForCausalLM"),
     "llama4": ("llama4_text", "Llama4ForCausalLM"),
+    # Ministral 3 (and Mistral 3's text models in newer conversions): Llama's tensors under YaRN, with Llama 4's query
+    # temperature over the original context (`_mistral3_config`).
+    "mistral3": ("ministral3", "Ministral3ForCausalLM"),
+    "arcee": ("arcee", "ArceeForCausalLM"),  # Arcee AFM: Llama's tensors, an ungated relu² MLP
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),
@@ -408,6 +412,10 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_minimax_m2_config(reader, experts, spec))
     elif arch == "deepseek2":
         config.update(_deepseek2_config(reader, config, experts, tensors, spec))
+    elif arch == "mistral3":
+        config.update(_mistral3_config(reader, config, spec))
+    elif arch == "arcee":  # its MLP's activation, fixed by llama.cpp; YaRN (or none) as the file states
+        config.update(hidden_act="relu2", rope_parameters=_yarn_rope(reader, arch, config, spec))
     elif arch == "seed_oss":  # o_proj's bias apart from q/k/v's
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     elif arch == "exaone4":
@@ -685,6 +693,22 @@ def _yarn_rope(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str,
     elif scaling not in (None, "none"):
         raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (yarn is)")
     return rope
+
+
+def _mistral3_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:
+    """A `mistral3` file's rope and query scale as llama.cpp reads them: YaRN (or none) with the attention factor of
+    `mscale` 1 over `rope.scaling.yarn_log_multiplier` (the checkpoint's `mscale_all_dim`; absent: 1), and the
+    queries scaled by `1 + beta * ln(1 + floor(p / original))`, beta `attention.temperature_scale` (absent or 0:
+    none) over the rope's original context."""
+    arch = "mistral3"
+    log_multiplier = read_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
+    all_dims = 1.0 if log_multiplier is None else _short_float(log_multiplier)
+    rope = _yarn_rope(reader, arch, config, spec, mscale=1.0, mscale_all_dim=all_dims)
+    beta = _short_float(read_field(reader, f"{arch}.attention.temperature_scale", 0.0) or 0.0)
+    if beta:
+        original = _arch_field(reader, arch, spec, "rope.scaling.original_context_length")
+        rope.update(llama_4_scaling_beta=beta, original_max_position_embeddings=int(original))
+    return {"rope_parameters": rope}
 
 
 # llama.cpp's `expert_gating_func` for softmax; a `deepseek2` file without the key is routed by softmax there (the

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import cast
 
 import torch
@@ -48,6 +48,8 @@ FUSED_SHARDS: tuple[tuple[str, str, str], ...] = (
 _PART_INDEX = {shard: [s for f, _, s in FUSED_SHARDS if f == fused].index(shard) for fused, _, shard in FUSED_SHARDS}
 # A bare decoder's checkpoint names (no `model.` prefix, no LM head): `load_weights` reads them under `model.`.
 _BARE_DECODER_PREFIXES = ("layers.", "embed_tokens.", "norm.")
+# A multimodal checkpoint's text model (`text_model_weights`): transformers 5's prefix, and the earlier one.
+_LANGUAGE_MODEL, _EARLIER_LANGUAGE_MODEL = "model.language_model.", "language_model."
 # Buffers some older checkpoints carry; we derive them from the config instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection of a mixture of experts: `<block>.experts.<e>.<proj>.weight` (`ParallelExperts`), or its
@@ -61,6 +63,22 @@ _EXPERT_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # theirs in one 2-D tensor each, `gate_up_proj_bias` `[E, 2 * I]` (gate, then up) and `down_proj_bias` `[E, H]`;
 # ungated experts' (Nemotron-H's) `up_proj` `[E, I, H]`.
 _EXPERT_BANK = re.compile(r"(?P<bank>.+\.experts)\.(?P<proj>gate_up_proj|up_proj|down_proj)(?P<bias>_bias)?")
+
+
+def text_model_weights(
+    weights: Iterable[tuple[str, CheckpointTensor]], skipped: tuple[str, ...]
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """A multimodal checkpoint's text model under the names of a text-only one: `model.language_model.X`
+    (transformers 5's layout) as `model.X`, `language_model.X` (the earlier one: `language_model.model.X`,
+    `language_model.lm_head.weight`) as `X`; the tensors under a `skipped` prefix (its vision and audio towers,
+    their projectors) left out, every other as it is."""
+    for name, tensor in weights:
+        if name.startswith(skipped):
+            continue
+        if name.startswith(_LANGUAGE_MODEL):
+            yield "model." + name.removeprefix(_LANGUAGE_MODEL), tensor
+        else:
+            yield name.removeprefix(_EARLIER_LANGUAGE_MODEL), tensor
 
 
 def expert_weight(name: str) -> tuple[str, int, str] | None:

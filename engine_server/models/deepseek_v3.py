@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Iterator
 
-from engine_server.models.base import CausalLM
+from engine_server.models.base import CausalLM, text_model_weights
+from engine_server.models.llama import MISTRAL3_TOWERS
 from engine_server.parallel.layers import CheckpointTensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -18,20 +19,23 @@ class DeepseekV3ForCausalLM(CausalLM):
     `ModelConfig`): each layer's attention is `layers.mla.MultiLatentAttention`, its MLP dense for the first
     `first_k_dense_replace` layers and otherwise a mixture of experts with `layers.moe.GroupedTopkRouter` and
     ungated shared experts (checkpoint `mlp.shared_experts`, read as `mlp.shared_expert`). The multi-token-prediction
-    layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read."""
+    layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read. A
+    multimodal Mistral 3 checkpoint's Mistral 4 text model is read as a text-only checkpoint's, its vision tower left
+    out."""
 
     checkpoint_renames: tuple[tuple[str, str], ...] = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 
     def load_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> None:
-        """`CausalLM.load_weights` without the layers past `num_hidden_layers` (the prediction layers)."""
+        """`CausalLM.load_weights` of the text model without the layers past `num_hidden_layers` (the prediction
+        layers)."""
         super().load_weights(self._decoder_layers(weights), replaced)
 
     def _decoder_layers(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
-        for name, tensor in weights:
+        for name, tensor in text_model_weights(weights, MISTRAL3_TOWERS):
             layer = _LAYER.match(name)
             if layer is None or int(layer.group(1)) < self.config.num_hidden_layers:
                 yield name, tensor

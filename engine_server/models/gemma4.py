@@ -3,13 +3,12 @@ shape (values from the keys' projection, proportional rope) and K/V shared by th
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 
 from engine_server.layers.gemma4 import Gemma4DecoderModel
-from engine_server.models.base import CausalLM
+from engine_server.models.base import CausalLM, text_model_weights
 from engine_server.parallel.layers import CheckpointTensor
 
-_LANGUAGE_MODEL = "model.language_model."  # the text model's weights in a multimodal Gemma 4 checkpoint
 # What a multimodal checkpoint holds beside its text model, not read: the vision and audio towers and their
 # projections into the text model's embeddings.
 _SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
@@ -27,11 +26,4 @@ class Gemma4ForCausalLM(CausalLM):
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> None:
         """`CausalLM.load_weights` of the text model's weights."""
-        super().load_weights(self._text_weights(weights), replaced)
-
-    @staticmethod
-    def _text_weights(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
-        for name, tensor in weights:
-            if name.startswith(_SKIPPED_PREFIXES):
-                continue
-            yield ("model." + name.removeprefix(_LANGUAGE_MODEL) if name.startswith(_LANGUAGE_MODEL) else name), tensor
+        super().load_weights(text_model_weights(weights, _SKIPPED_PREFIXES), replaced)

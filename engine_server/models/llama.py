@@ -1,9 +1,26 @@
-"""Llama family (Llama 2/3 incl. llama3 rope scaling, SmolLM2, Mistral with or without its sliding window)."""
+"""Llama family (Llama 2/3 incl. llama3 rope scaling, SmolLM2, Mistral with or without its sliding window, Ministral,
+Ministral 3, a multimodal Mistral 3 checkpoint's text model, Arcee AFM's ungated relu² MLP)."""
 
 from __future__ import annotations
 
-from engine_server.models.base import CausalLM
+from collections.abc import Collection, Iterable
+
+from engine_server.models.base import CausalLM, text_model_weights
+from engine_server.parallel.layers import CheckpointTensor
+
+# What a multimodal Mistral 3 checkpoint (Mistral Small 3.1 / 3.2, Ministral 3) holds beside its text model, not
+# read: the Pixtral vision tower and its projector, under either layout's names.
+MISTRAL3_TOWERS = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."
+)  # fmt: skip
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama: `attention_bias`, when set, applies to q/k/v and o_proj alike."""
+    """Llama: `attention_bias`, when set, applies to q/k/v and o_proj alike. A multimodal Mistral 3 checkpoint's
+    text model is read as a text-only checkpoint's (`text_model_weights`), its vision tower left out."""
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> None:
+        """`CausalLM.load_weights` of the text model's weights."""
+        super().load_weights(text_model_weights(weights, MISTRAL3_TOWERS), replaced)

@@ -7,11 +7,10 @@ import functools
 import re
 from collections.abc import Collection, Iterable, Iterator
 
-from engine_server.models.base import CausalLM, reordered_tensor
+from engine_server.models.base import CausalLM, reordered_tensor, text_model_weights
 from engine_server.parallel.layers import CheckpointTensor
 from kernels.reference import unpermute_rope_rows
 
-_LANGUAGE_MODEL = "language_model."  # the text model's weights in a multimodal Llama 4 checkpoint
 _SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")  # its vision tower and projection, not read
 # The experts as Llama 4 checkpoints store them: `gate_up_proj` `[E, H, 2I]` (the gate's columns first), `down_proj`
 # `[E, I, H]`; and q/k projections whose rope pairs are interleaved.
@@ -39,10 +38,8 @@ class Llama4ForCausalLM(CausalLM):
     def _shared_layouts(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
-        for name, tensor in weights:
-            if name.startswith(_SKIPPED_PREFIXES):
-                continue
-            ours = self.checkpoint_name(name.removeprefix(_LANGUAGE_MODEL))
+        for name, tensor in text_model_weights(weights, _SKIPPED_PREFIXES):
+            ours = self.checkpoint_name(name)
             if _EXPERTS.fullmatch(ours):  # [E, 2I, H] gate rows first, [E, H, I]
                 yield ours, reordered_tensor(tensor, lambda bank: bank.transpose(1, 2), transposed=True)
             elif _QUERY_KEY.fullmatch(ours):  # each head's interleaved rope pairs as halves

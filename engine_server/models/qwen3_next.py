@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator
 
 from engine_server.layers.gated_deltanet import split_grouped_projections, split_qkv
-from engine_server.models.base import CausalLM
+from engine_server.models.base import CausalLM, text_model_weights
 from engine_server.parallel.layers import CheckpointTensor
 
 # What a checkpoint holds beside the text model, not read: Qwen3.5's vision tower (its multimodal checkpoints) and
 # the multi-token-prediction layers both families ship.
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-_LANGUAGE_MODEL = "model.language_model."  # the text model's weights in a multimodal Qwen3.5 checkpoint
 
 
 class Qwen3NextForCausalLM(CausalLM):
@@ -37,11 +36,7 @@ class Qwen3NextForCausalLM(CausalLM):
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
         shape = self.config.linear_attention
-        for name, tensor in weights:
-            if name.startswith(_SKIPPED_PREFIXES):
-                continue
-            if name.startswith(_LANGUAGE_MODEL):
-                name = "model." + name.removeprefix(_LANGUAGE_MODEL)
+        for name, tensor in text_model_weights(weights, _SKIPPED_PREFIXES):
             if shape is not None and name.endswith(("in_proj_qkvz.weight", "in_proj_ba.weight")):
                 yield from split_grouped_projections(name, tensor, shape)
             elif shape is not None and name.endswith("in_proj_qkv.weight"):

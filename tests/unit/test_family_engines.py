@@ -354,6 +354,54 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) ->
         assert tokens(llm, batch) == theirs
 
 
+# Mistral Small 4's text model (`mistral4`): DeepSeek-V3's latent attention with Llama 4's query temperature (over a
+# 32-token original context), softmax routing of top-2 of 8 experts within the best of 2 groups, a shared expert.
+MISTRAL4_TEXT = {
+    "model_type": "mistral4", "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+    "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.5, "pad_token_id": 0,
+    "rope_parameters": {"type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                        "llama_4_scaling_beta": 0.5},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("text_model", ["ministral3", "mistral4"])
+def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str, tmp_path: Path) -> None:
+    """Mistral Small 3.1 / 3.2, Ministral 3 and Mistral Small 4 are released as `Mistral3ForConditionalGeneration`: a
+    `text_config` (Ministral 3's, or Mistral 4's latent attention and experts), the text model's weights under
+    `language_model.`, a Pixtral vision tower and its projector beside them, which are not read. Its text output
+    equals transformers' own multimodal model's on text prompts (Mistral 4's checked whole only so: transformers
+    builds no causal LM of it alone)."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, ROUTERS
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "head_dim": 16, "image_size": 28, "patch_size": 14}  # fmt: skip
+    quirks = {**FAMILIES["ministral3"][1], "model_type": "ministral3"} if text_model == "ministral3" else MISTRAL4_TEXT
+    config = transformers.Mistral3Config(text_config={**_SHAPE, **quirks}, vision_config=vision,
+                                         tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "language_model" in name and name.endswith(ROUTERS):
+                parameter.normal_(0.0, 0.3)
+            elif parameter.dim() > 1 and "language_model" in name:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    with engine(tmp_path) as llm:
+        config = llm.core.model_config
+        assert config.architecture == ("llama" if text_model == "ministral3" else "deepseek_v3")
+        assert config.query_scale_beta == 0.5
+        assert tokens(llm, batch) == theirs
+
+
 def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
     moe_folder: tuple[Path, list[list[int]]],
 ) -> None:
@@ -528,11 +576,12 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
             EngineConfig(model=str(plain), hf_overrides=bad)
 
 
-@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "cohere2", "llama4"])
+@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3"])
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
     pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers,
-    OLMo 2's post-norm blocks nor Cohere's parallel ones; Llama 4's experts quantized too): each prompt's tokens are
+    OLMo 2's post-norm blocks, Cohere's parallel ones nor Ministral 3's scaled queries; Llama 4's experts quantized
+    too): each prompt's tokens are
     the same alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name)
     theirs, batch = reference_tokens(folder), prompts()

@@ -592,11 +592,11 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
-# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2 and Cohere as llama.cpp writes their files (`seed_oss`,
-# `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`); the MoE's shared experts as wide as its converter
-# says they are (the dense width over the KV heads, as released).
+# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2, Cohere, Ministral 3 and Arcee as llama.cpp writes their
+# files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`, `mistral3`, `arcee`); the MoE's
+# shared experts as wide as its converter says they are (the dense width over the KV heads, as released).
 PLAIN_GGUF: dict[str, dict[str, Any]] = {
-    "seed-oss": {}, "ernie4.5": {}, "exaone4": {}, "cohere2": {}, "cohere": {},
+    "seed-oss": {}, "ernie4.5": {}, "exaone4": {}, "cohere2": {}, "cohere": {}, "ministral3": {}, "arcee": {},
     "olmo2": {"bos_token_id": 1, "eos_token_id": 2},
     "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
 }  # fmt: skip
@@ -608,12 +608,14 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     pairs interleaved), an ERNIE 4.5 MoE one (experts after a dense layer, a shared expert, the routing bias as
     `exp_probs_b` `[1, experts]`), an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for its
     windows, the global layers without rope), Cohere's (LayerNorms, `logit_scale`, rope pairs interleaved; Cohere
-    2's every 4th layer global) and an OLMo 2 one (its q/k norms over the whole projection) as llama.cpp's converter
-    writes them: converted, each config is the
-    saved model's, every tensor comes back, and the float path equals transformers token for token; served from its
-    blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench quality`'s thresholds."""
+    2's every 4th layer global), an OLMo 2 one (its q/k norms over the whole projection), a Ministral 3 one (YaRN, its
+    query temperature) and an Arcee one (an ungated relu² MLP, YaRN) as llama.cpp's converter writes them:
+    converted, each config is the saved model's, every tensor comes back, and the float path equals transformers
+    token for token; served from its blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench
+    quality`'s thresholds."""
     _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
-    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.0.mlp.gate_up_proj"] == "q4"
+    mlp = "up_proj" if family == "arcee" else "gate_up_proj"  # Arcee's ungated MLP
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers[f"model.layers.0.mlp.{mlp}"] == "q4"
     if family == "ernie4.5-moe":
         assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
         assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers

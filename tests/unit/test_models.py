@@ -102,6 +102,23 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1,
                              "partial_rotary_factor": 0.5}},
     ),
+    # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer (over an 8-token original
+    # context, so these sequences reach several of its steps; beta 0.5, the released 0.1 would move them less);
+    # Ministral (2410): windows on the layers its `layer_types` names.
+    "ministral3": (
+        transformers.Ministral3Config,
+        {"head_dim": 16, "pad_token_id": 0,
+         "rope_parameters": {"type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}},
+    ),
+    # Arcee AFM: Llama's block with an ungated relu² MLP.
+    "arcee": (transformers.ArceeConfig, {"head_dim": 16, "pad_token_id": 0}),
+    "ministral": (
+        transformers.MinistralConfig,
+        {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+         "pad_token_id": 0},
+    ),
     # MiniMax-M2: q/k norms over the whole projection, rope over half of each head (its legacy `rotary_dim`), top-2 of
     # 8 experts by sigmoid scores with a load-balancing bias, renormalised.
     "minimax-m2": (
@@ -311,6 +328,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
 }  # fmt: skip
 MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
+    transformers.Ministral3Config: transformers.Ministral3ForCausalLM,
+    transformers.MinistralConfig: transformers.MinistralForCausalLM,
+    transformers.ArceeConfig: transformers.ArceeForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
     transformers.Phi3Config: transformers.Phi3ForCausalLM,
@@ -615,13 +635,15 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "gemma2", "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope type 'linear'"),
         ({"model_type": "granite", "mlp_bias": True}, "granite with mlp_bias is not supported"),
         ({"model_type": "seed_oss", "mlp_bias": True}, "seed_oss with mlp_bias is not supported"),
+        ({"model_type": "arcee", "mlp_bias": True}, "arcee with mlp_bias is not supported"),
+        ({"model_type": "arcee", "hidden_act": "silu"}, "arcee hidden_act 'silu' is not supported"),
         ({"model_type": "ernie4_5", "use_bias": True}, "ernie4_5 with use_bias is not supported"),
         ({"model_type": "cohere", "use_qk_norm": True}, "cohere with use_qk_norm"),
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
         ({"model_type": "gpt2"},
-         r"'gpt2' \(no family of this engine implements it\); supported: bert, cohere, cohere2, deepseek_v2, "),
+         r"'gpt2' \(no family of this engine implements it\); supported: arcee, bert, cohere, cohere2, "),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
@@ -871,6 +893,24 @@ def test_smollm3_configs_read_their_nope_layers_and_windows_only_when_asked() ->
     assert ModelConfig.from_hf_config({**base, **windows, "use_sliding_window": True}).layer_windows == (16, 0) * 4
     with pytest.raises(ValueError, match="one entry for each of the 8 layers"):
         ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0]})
+
+
+def test_mistral3_configs_read_their_text_model() -> None:
+    """A multimodal Mistral 3 checkpoint's config is its text model's: Mistral Small 3.1's `mistral` (no query
+    scale), Ministral 3's `ministral3` (its `llama_4_scaling_beta` over the rope's original context); the top
+    level's word-embedding tie wins; another text family is refused."""
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
+    ministral3 = {**SMALL, "model_type": "ministral3", "rope_parameters": rope, "max_position_embeddings": 262144}
+    config = ModelConfig.from_hf_config({"model_type": "mistral3", "text_config": ministral3, "vision_config": {}})
+    assert config.architecture == "llama" and (config.query_scale_beta, config.query_scale_positions) == (0.1, 16384)
+    assert config.rope_scaling is not None and config.max_position_embeddings == 262144
+    assert config == ModelConfig.from_hf_config(ministral3)
+    small = {**SMALL, "model_type": "mistral", "tie_word_embeddings": True}
+    config = ModelConfig.from_hf_config({"model_type": "mistral3", "text_config": small, "tie_word_embeddings": False})
+    assert config.query_scale_beta == 0.0 and not config.tie_word_embeddings
+    with pytest.raises(ValueError, match="mistral3 text_config model_type 'qwen2' is not supported"):
+        ModelConfig.from_hf_config({"model_type": "mistral3", "text_config": {**SMALL, "model_type": "qwen2"}})
 
 
 def test_llama4_configs_read_their_layers() -> None:
