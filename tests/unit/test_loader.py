@@ -514,13 +514,65 @@ def test_bad_specs_raise_value_error_naming_the_spec(tmp_path: Path, cache_dir: 
         resolve_model(str(tmp_path / "bare.gguf"), cache_dir=cache_dir)
 
 
+def assert_fields_equal(ours: GGUFReader, theirs: GGUFReader) -> None:
+    """Every field of `ours` as `theirs` has it: offset, value, types, and the parts (values and widths) and the
+    indices into them that `contents()` reads."""
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), key
+        assert len(mine.parts) == len(field.parts), key
+        for part, their_part in zip(mine.parts, field.parts, strict=True):
+            assert part.dtype.itemsize == their_part.dtype.itemsize and np.array_equal(part, their_part), key
+        assert mine.contents() == field.contents(), key
+
+
+def test_gguf_file_reads_arrays_of_every_kind_as_ggufs_reader(tmp_path: Path) -> None:
+    """Arrays cut in one pass (`GgufFile._array_parts`): of strings (an empty one and non-ASCII ones too), of each
+    number type and of bools, and an empty array; an array of arrays is left to gguf's reader. Each reads as gguf's
+    reader reads it."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    path = tmp_path / "arrays.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_array("t.strings", ["", "a", "ünïcode ✓", "x" * 300])
+    writer.add_array("t.empty", [])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_array("t.bools", [True, False, True])
+    for kind in (GGUFValueType.UINT8, GGUFValueType.INT16, GGUFValueType.UINT32, GGUFValueType.INT64,
+                 GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):  # fmt: skip
+        writer.add_key_value(f"t.{kind.name.lower()}", [1, 2, 3, 100], GGUFValueType.ARRAY, sub_type=kind)
+    writer.add_uint32("t.after", 7)  # read at the offset the arrays end at
+    writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = GgufFile(path), GGUFReader(path)
+    assert_fields_equal(ours, theirs)
+    assert ours.fields["t.after"].contents() == 7 and ours.fields["t.strings"].contents()[2] == "ünïcode ✓"
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+    # An empty array (gguf's writer writes none; older writers did): a one-item array's count set to 0, its item cut.
+    empty = tmp_path / "empty.gguf"
+    writer = GGUFWriter(str(empty), "llama")
+    writer.add_key_value("t.empty", [7], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    raw = bytearray(empty.read_bytes())
+    count = raw.index(b"t.empty") + len(b"t.empty") + 8  # past the value type and the item type
+    raw[count : count + 12] = bytes(8)  # the count 0, and no item
+    empty.write_bytes(bytes(raw))
+    ours, theirs = GgufFile(empty), GGUFReader(empty)
+    assert_fields_equal(ours, theirs)
+    assert ours.fields["t.empty"].contents() == []
+
+
 def test_gguf_file_reads_every_field_and_tensor_as_ggufs_reader() -> None:
     """`GgufFile` (gguf's reader over a plain array of the file's pages, the converter's) gives every metadata value
     of the embedded model (its 49,152 tokens and 48,900 merges too) and every tensor as gguf's own reader does."""
     theirs, ours = GGUFReader(default_gguf_path()), GgufFile(default_gguf_path())
-    assert list(ours.fields) == list(theirs.fields)
-    for key, field in theirs.fields.items():
-        assert ours.fields[key].contents() == field.contents(), key
+    assert_fields_equal(ours, theirs)
     described = [(t.name, t.tensor_type, t.data.shape, t.data_offset, t.n_bytes) for t in theirs.tensors]
     assert [(t.name, t.tensor_type, t.data.shape, t.data_offset, t.n_bytes) for t in ours.tensors] == described
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
