@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -56,6 +56,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_arcee_fields`)
+    # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
+    # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
+    "hunyuan_v1_dense": "hunyuan",
+    "hunyuan_v1_moe": "hunyuan",
     "seed_oss": "llama",  # Seed-OSS: Llama with q/k/v biases and o_proj's apart (`attention_out_bias`)
     "ernie4_5": "ernie4_5",
     "ernie4_5_moe": "ernie4_5_moe",
@@ -86,11 +90,11 @@ _NOT_YET: dict[str, str] = {
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
-    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe"
+    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan"
 )  # fmt: skip
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
-    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2"
+    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan"
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -313,6 +317,7 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2/2.5: bias on the q, k and v projections (`o_proj_bias`: and o_proj's).
     attention_out_bias: bool | None = None  # Seed-OSS: o_proj's bias, set apart from q/k/v's (None: `o_proj_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
+    qk_norm_after_rope: bool = False  # Hunyuan: those norms after rope (which mixes the weighted dims' pairs)
     # OLMoE: the q/k norms span the whole projection (all heads at once), and q, k and v are clamped to
     # [-clip_qkv, clip_qkv] after them (0: not clamped).
     qk_norm_whole: bool = False
@@ -581,6 +586,8 @@ class ModelConfig:
                 raise ValueError(f"sliding_attention rope type {local_rope['rope_type']!r} is not supported")
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if arch == "hunyuan" and rope_type == "dynamic" and rope.get("alpha"):
+            rope_theta, rope_type = _ntk_alpha_theta(cfg, rope_theta, float(rope["alpha"])), "default"
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
         # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half
@@ -645,6 +652,7 @@ class ModelConfig:
             or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
+            qk_norm_after_rope=arch == "hunyuan",
             post_norms=arch == "olmo2",
             clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
@@ -1093,6 +1101,25 @@ def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
         raise ValueError(f"{model_type} with {key} is not supported")
 
 
+def _ntk_alpha_theta(cfg: dict[str, Any], theta: float, alpha: float) -> float:
+    """Hunyuan's rope base under its NTK scaling with a fixed `alpha` (its configs' `dynamic` rope with an `alpha`,
+    which transformers turns as `ntk_alpha`): `theta * alpha ** (d / (d - 2))` over the head dim `d`; the
+    frequencies then do not depend on the sequence's length."""
+    dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    return theta * alpha ** (dim / (dim - 2))
+
+
+def _uniform(cfg: dict[str, Any], key: str, default: int) -> int:
+    """A Hunyuan MoE config value given once or per layer (`moe_topk`, `num_experts`, `num_shared_expert`); ValueError
+    for a list whose layers differ, which this engine does not build."""
+    value = cfg.get(key, default)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise ValueError(f"{cfg.get('model_type')}: {key} {value!r} differs between layers (not supported)")
+        value = value[0]
+    return int(value)
+
+
 def _arcee_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Arcee AFM's MLP, ungated `down(relu(up(x))²)` (`hidden_act` relu2, its default); {} for the other families.
     ValueError for another activation."""
@@ -1396,9 +1423,11 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan",
     ):  # fmt: skip
         return {}
+    if arch == "hunyuan":
+        return _hunyuan_experts(cfg)
     if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
         return {}  # Qwen3.5's and LFM2's dense models
     if arch == "granitemoe" and not cfg.get("num_local_experts"):
@@ -1517,6 +1546,28 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         if arch in ("qwen2_moe", "qwen3_next")
         else 0,
         dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
+    )
+
+
+def _hunyuan_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan MoE's fields ({} for the dense models): Mixtral's softmax top-`moe_topk` of `num_experts` experts,
+    renormalised, each `intermediate_size` wide (as transformers builds them), beside an ungated shared MLP of that
+    width on every layer. ValueError for counts that differ between layers, or more than one shared MLP."""
+    if cfg.get("model_type") != "hunyuan_v1_moe":
+        return {}
+    experts, top_k = _uniform(cfg, "num_experts", 1), _uniform(cfg, "moe_topk", 1)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"hunyuan_v1_moe: moe_topk {top_k} must be in [1, num_experts {experts}]")
+    if _uniform(cfg, "num_shared_expert", 1) != 1:
+        raise ValueError(f"hunyuan_v1_moe: num_shared_expert {cfg['num_shared_expert']!r} is not supported (1 is)")
+    width = int(cfg["intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=width,
+        shared_expert_gated=False,
     )
 
 

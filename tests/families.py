@@ -82,6 +82,8 @@ WINDOW = 20
 # these short prompts' queries (floor 4, scale 0.5; the released 8192 and 0.1 would not), weightless q/k norms on
 # the rope layers, interleaved rope pairs under Llama 3 scaling; top-1 of 4 experts on alternate layers (Maverick's
 # interleaving), each chosen expert's input scaled by its sigmoid score, beside a shared expert; dense layers wider.
+# Hunyuan-A13B's form: per-head q/k norms after rope, rope's base stretched by NTK's alpha, top-2 of 4 experts by
+# softmax beside an ungated shared MLP (its counts per layer, as Hunyuan-A13B's config.json gives them).
 # Arcee AFM: Llama's block with an ungated relu² MLP, under YaRN (AFM-4.5B's 64K context).
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
@@ -221,6 +223,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                 "original_max_position_embeddings": 64},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     ),
+    "hunyuan-moe": (
+        "HunYuanMoEV1Config",
+        {"head_dim": 16, "num_experts": 4, "moe_topk": [2] * 4, "num_shared_expert": [1] * 4, "intermediate_size": 64,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}},
+    ),
     "arcee": (
         "ArceeConfig",
         {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
@@ -318,8 +326,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
-ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "router.proj.weight", "feed_forward.router.weight",
-           "feed_forward.gate.weight", "block_sparse_moe.router.weight", "mixer.gate.weight")  # fmt: skip
+ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router.proj.weight",
+           "feed_forward.router.weight", "feed_forward.gate.weight", "block_sparse_moe.router.weight",
+           "mixer.gate.weight")  # fmt: skip
 
 
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:

@@ -86,6 +86,7 @@ class PagedSelfAttention(nn.Module):
         # Qwen3 normalises each head of q and k (over head_dim) before rope; OLMoE all of q and all of k at once,
         # which a rank holding some of the heads does with the other ranks' squares summed in (`ShardedRMSNorm`).
         self.qk_norm_whole = config.qk_norm_whole
+        self.qk_norm_after_rope = config.qk_norm_after_rope  # Hunyuan: per head, after rope
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm and self.qk_norm_whole and tp.size > 1:  # each rank its heads' columns (`ShardedRMSNorm`)
@@ -167,7 +168,8 @@ class PagedSelfAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if not self.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+        norm_heads_now = not self.qk_norm_whole and not self.qk_norm_after_rope
+        if norm_heads_now and self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
         if self.value_norm:
@@ -186,6 +188,9 @@ class PagedSelfAttention(nn.Module):
             )
             q = torch.cat((q_turned, q[..., dim:]), dim=-1)
             k = torch.cat((k_turned, k[..., dim:]), dim=-1)
+        if self.qk_norm_after_rope and self.q_norm is not None and self.k_norm is not None:  # Hunyuan's, per head
+            q = self.q_norm(q, ops)
+            k = self.k_norm(k, ops)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         attend = meta.chunked(self.chunk) if self.chunk else meta
         out = ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)

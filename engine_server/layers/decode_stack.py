@@ -61,10 +61,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     apply: a projection that is not a `QuantizedLinear`, a mixture of experts not over `QuantizedExperts` with a
     `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU,
     soft-capping, Gemma 3's local rope), attention sinks (gpt-oss), layers without rope (SmolLM3) or with weightless
-    q/k norms (Llama 4), queries scaled by position (Ministral 3), Llama 4's router, Granite's multiplied embeddings
-    and residuals, weights not on the CPU or not float32, a head dim the attention kernel is not built for, no C++
-    kernels, or tensor parallelism without the shared-memory all-reduce (which the stack then runs between its
-    layers, on the same buffers)."""
+    q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama 4's router,
+    Granite's multiplied embeddings and residuals, weights not on the CPU or not float32, a head dim the attention
+    kernel is not built for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce (which the
+    stack then runs between its layers, on the same buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
@@ -81,6 +81,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     if first.sinks is not None or not all(attention.rope and not attention.qk_unit_norm for attention in attentions):
         return None
     if any(attention.temperature for attention in attentions):  # Ministral 3's query scale by position
+        return None
+    if first.qk_norm_after_rope:  # Hunyuan's q/k norms, which the stack runs before rope
         return None
     if model.tp.size > 1 and first.qk_norm_whole:  # its q/k norms all-reduce their squares (`ShardedRMSNorm`)
         return None

@@ -112,6 +112,18 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
                              "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
                              "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5}},
     ),
+    # Hunyuan: per-head q/k norms after rope, NTK's alpha on rope's base (a `dynamic` rope with an alpha), q/k/v/o
+    # biases here; its MoE: top-2 of 4 experts by softmax, renormalised, beside an ungated shared MLP.
+    "hunyuan-dense": (
+        transformers.HunYuanDenseV1Config,
+        {"head_dim": 16, "attention_bias": True, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}},
+    ),
+    "hunyuan-moe": (
+        transformers.HunYuanMoEV1Config,
+        {"head_dim": 16, "num_experts": 4, "moe_topk": 2, "intermediate_size": 48, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}},
+    ),
     # Arcee AFM: Llama's block with an ungated relu² MLP.
     "arcee": (transformers.ArceeConfig, {"head_dim": 16, "pad_token_id": 0}),
     "ministral": (
@@ -331,6 +343,8 @@ MODEL_CLASSES = {
     transformers.Ministral3Config: transformers.Ministral3ForCausalLM,
     transformers.MinistralConfig: transformers.MinistralForCausalLM,
     transformers.ArceeConfig: transformers.ArceeForCausalLM,
+    transformers.HunYuanDenseV1Config: transformers.HunYuanDenseV1ForCausalLM,
+    transformers.HunYuanMoEV1Config: transformers.HunYuanMoEV1ForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
     transformers.Phi3Config: transformers.Phi3ForCausalLM,
@@ -382,8 +396,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
         for name, param in hf.named_parameters():
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks", "router.proj.weight",
-                                "feed_forward.router.weight", "feed_forward.gate.weight",
+            elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "sinks",
+                                "router.proj.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
                                 "block_sparse_moe.router.weight", "mixer.gate.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
@@ -637,6 +651,10 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "seed_oss", "mlp_bias": True}, "seed_oss with mlp_bias is not supported"),
         ({"model_type": "arcee", "mlp_bias": True}, "arcee with mlp_bias is not supported"),
         ({"model_type": "arcee", "hidden_act": "silu"}, "arcee hidden_act 'silu' is not supported"),
+        ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": [2, 1]}, r"moe_topk \[2, 1\] differs"),
+        ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": 2, "num_shared_expert": 2},
+         "num_shared_expert 2 is not supported"),
+        ({"model_type": "hunyuan_v1_moe", "num_experts": 2, "moe_topk": 3}, "moe_topk 3 must be in"),
         ({"model_type": "ernie4_5", "use_bias": True}, "ernie4_5 with use_bias is not supported"),
         ({"model_type": "cohere", "use_qk_norm": True}, "cohere with use_qk_norm"),
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
