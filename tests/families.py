@@ -331,6 +331,17 @@ ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router
            "mixer.gate.weight")  # fmt: skip
 
 
+def draw_language_model(model: Any) -> None:
+    """A multimodal model's language model (its parameters under `language_model`) drawn as `save_family` draws a
+    text model's: routers wide, other matrices at 0.08; the vision side left at transformers' init."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "language_model" in name and name.endswith(ROUTERS):
+                parameter.normal_(0.0, 0.3)
+            elif parameter.dim() > 1 and "language_model" in name:
+                parameter.normal_(0.0, 0.08)
+
+
 def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0.0, **overrides: Any) -> Path:
     """A random `family` model (MODELS, with `overrides` of its config) saved to `folder` with the embedded
     tokenizer; returns `folder`.

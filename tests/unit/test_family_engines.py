@@ -331,7 +331,7 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) ->
     images in transformers 5.24: it reads `image_outputs` from the text model's output)."""
     import transformers
 
-    from tests.families import _SHAPE, FAMILIES, ROUTERS
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
 
     vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
               "image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
@@ -339,12 +339,7 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) ->
     config = transformers.Llama4Config(text_config={**_SHAPE, **FAMILIES["llama4"][1]}, vision_config=vision)
     torch.manual_seed(0)
     model = transformers.Llama4ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "language_model" in name and name.endswith(ROUTERS):
-                parameter.normal_(0.0, 0.3)
-            elif parameter.dim() > 1 and "language_model" in name:
-                parameter.normal_(0.0, 0.08)
+    draw_language_model(model)
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
@@ -376,7 +371,7 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str,
     builds no causal LM of it alone)."""
     import transformers
 
-    from tests.families import _SHAPE, FAMILIES, ROUTERS
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
 
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
               "head_dim": 16, "image_size": 28, "patch_size": 14}  # fmt: skip
@@ -385,12 +380,7 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str,
                                          tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Mistral3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "language_model" in name and name.endswith(ROUTERS):
-                parameter.normal_(0.0, 0.3)
-            elif parameter.dim() > 1 and "language_model" in name:
-                parameter.normal_(0.0, 0.08)
+    draw_language_model(model)
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
