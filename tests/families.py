@@ -223,6 +223,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                 "original_max_position_embeddings": 64},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     ),
+    "hunyuan-dense": (
+        "HunYuanDenseV1Config",
+        {"head_dim": 16, "attention_bias": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 128.0, "factor": 1.0}},
+    ),
     "hunyuan-moe": (
         "HunYuanMoEV1Config",
         {"head_dim": 16, "num_experts": 4, "moe_topk": [2] * 4, "num_shared_expert": [1] * 4, "intermediate_size": 64,
@@ -451,6 +456,7 @@ _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.o_proj": "attn_output",
+    "self_attn.query_layernorm": "attn_q_norm", "self_attn.key_layernorm": "attn_k_norm",
     "mlp.gate_up_proj": "ffn_up", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }  # fmt: skip
 _GGUF_GEMMA_LAYER = {
@@ -466,6 +472,7 @@ _GGUF_ARCHITECTURES = {
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
+    "hunyuan_v1_dense": "hunyuan-dense",
 }  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -749,7 +756,10 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_logit_scale(config["logit_scale"])
     else:
         writer.add_layer_norm_rms_eps(config["norm_eps"] if arch.startswith("lfm2") else config["rms_norm_eps"])
-    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "dynamic" and rope.get("alpha"):  # Hunyuan's: NTK's alpha applied to the base
+        writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
+    else:
+        writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "deepseek2":
         _deepseek2_metadata(writer, config, rope)
     elif arch == "granitehybrid":  # KV heads on the attention layers, 0 on the Mamba-2 ones; their ssm.* keys

@@ -251,6 +251,10 @@ _BARE_LAYER_NAMES = {
     "nemotron_h": _NEMOTRON_H_BARE,
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
+# Hunyuan: its q/k norms' own names (applied after rope).
+_HUNYUAN_LAYER_NAMES = {
+    **_LAYER_NAMES, "attn_q_norm": "self_attn.query_layernorm", "attn_k_norm": "self_attn.key_layernorm"
+}  # fmt: skip
 _ARCHITECTURE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_LAYER_NAMES,
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
@@ -273,6 +277,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     **{model_type: _GRANITE_MOE_LAYER_NAMES for model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid")},
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
+    "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
 # checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`). Llama 4's come so

@@ -37,6 +37,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # temperature over the original context (`_mistral3_config`).
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
     "arcee": ("arcee", "ArceeForCausalLM"),  # Arcee AFM: Llama's tensors, an ungated relu² MLP
+    # Hunyuan's dense models: the rope base as its converter writes it, NTK's alpha already applied.
+    "hunyuan-dense": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "glm4": ("glm4", "Glm4ForCausalLM"),

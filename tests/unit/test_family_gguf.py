@@ -382,7 +382,9 @@ def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor
     tensors and transformers' greedy tokens on them (`reference_tokens`)."""
     source = resolve_model(str(gguf))
     saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
-    assert source.config == replace(saved, name=source.config.name)
+    # A file holds the rope base in float32 (Hunyuan's, stretched by NTK's alpha, is no float32 in its config).
+    assert np.float32(source.config.rope_theta) == np.float32(saved.rope_theta)
+    assert source.config == replace(saved, name=source.config.name, rope_theta=source.config.rope_theta)
     with float_checkpoint(source) as checkpoint:
         converted = load_file(checkpoint / "model.safetensors")
         assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",))
@@ -592,11 +594,13 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
-# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2, Cohere, Ministral 3 and Arcee as llama.cpp writes their
-# files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`, `mistral3`, `arcee`); the MoE's
-# shared experts as wide as its converter says they are (the dense width over the KV heads, as released).
+# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2, Cohere, Ministral 3, Arcee and Hunyuan as llama.cpp writes
+# their files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`, `mistral3`, `arcee`,
+# `hunyuan-dense`); the MoE's shared experts as wide as its converter says they are (the dense width over the KV
+# heads, as released).
 PLAIN_GGUF: dict[str, dict[str, Any]] = {
     "seed-oss": {}, "ernie4.5": {}, "exaone4": {}, "cohere2": {}, "cohere": {}, "ministral3": {}, "arcee": {},
+    "hunyuan-dense": {},
     "olmo2": {"bos_token_id": 1, "eos_token_id": 2},
     "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
 }  # fmt: skip
@@ -609,7 +613,8 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     `exp_probs_b` `[1, experts]`), an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for its
     windows, the global layers without rope), Cohere's (LayerNorms, `logit_scale`, rope pairs interleaved; Cohere
     2's every 4th layer global), an OLMo 2 one (its q/k norms over the whole projection), a Ministral 3 one (YaRN, its
-    query temperature) and an Arcee one (an ungated relu² MLP, YaRN) as llama.cpp's converter writes them:
+    query temperature), an Arcee one (an ungated relu² MLP, YaRN) and a Hunyuan one (q/k norms after rope, the
+    rope base stretched by NTK's alpha, written in float32) as llama.cpp's converter writes them:
     converted, each config is the saved model's, every tensor comes back, and the float path equals transformers
     token for token; served from its blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench
     quality`'s thresholds."""
