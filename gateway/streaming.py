@@ -49,8 +49,10 @@ class StreamHeader:
 
 async def chat_chunks(
     messages: AsyncIterator[engine_pb2.StreamResponse], header: StreamHeader, want_logprobs: bool,
-    timer: RequestTimer,
+    timer: RequestTimer, first_call_only: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
+    """Each choice's role, content, tool call and finish chunks; with `first_call_only`
+    (`from_engine.one_call`), only each choice's first tool call."""
     started: set[int] = set()
     used = types_pb2.Usage()
     try:
@@ -61,7 +63,7 @@ async def chat_chunks(
                 if delta.index not in started:
                     started.add(delta.index)
                     yield header.chunk([from_engine.role_delta(delta.index)])
-                for choice in from_engine.chat_deltas(delta, want_logprobs):
+                for choice in from_engine.chat_deltas(delta, want_logprobs, first_call_only):
                     yield header.chunk([choice])
                 if delta.finish_reason:
                     yield header.chunk([from_engine.finish_delta(delta, delta.index, chat=True)])

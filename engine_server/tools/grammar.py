@@ -29,7 +29,8 @@ names never collide:
 - with `parallel=True` (Hermes only), one or more calls separated by "\n".
 Why one call by default: the proto has no `parallel_tool_calls`, and small models, once inside a grammar that
 allows another call, tend to repeat calls until max_tokens cuts the last one in half. One call is always a
-valid OpenAI answer; in auto mode the model may still make several.
+valid OpenAI answer; in auto mode the model may still make several (the gateway keeps the first of them where the
+request sets `parallel_tool_calls` false).
 The JSON has no free whitespace (", " and ": " separators), matching the engine's JSON constraints. The text
 goes through the ordinary constraint path (`Constraint.grammar`), so it is compiled off the step loop, with
 the compiler's time limit, and cached by its text: the same tools compile once.

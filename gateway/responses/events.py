@@ -63,7 +63,8 @@ class ResponseEvents:
             logprobs = out.logprobs(delta.logprobs) if self.want_logprobs else []
             events += self._text("message", delta.text, logprobs)
         for call in delta.tool_calls:
-            events += self._call(call)
+            if call.index == 0 or self.shell["parallel_tool_calls"]:  # `parallel_tool_calls` false: the first alone
+                events += self._call(call)
         return events
 
     def finish(

@@ -63,7 +63,8 @@ async def create_batch_chat_completion(
     responses = await calls.batch_rpc(pool, requests, "messages")
     usage = [r.usage for r in responses]
     timer.finish(usage)
-    choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs) for i, r in enumerate(responses)]
+    choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs, from_engine.one_call(body))
+               for i, r in enumerate(responses)]  # fmt: skip
     return FiniteJSONResponse(
         from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage(usage))
     )

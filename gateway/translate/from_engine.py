@@ -71,7 +71,7 @@ def chat_completion(
     body: ChatFields, reply: engine_pb2.GenerateResponse, response_id: str, model: str
 ) -> dict[str, Any]:
     """The whole `chat.completion` for one conversation's engine reply (the route and batch lines share it)."""
-    choices = [chat_choice(c, c.index, body.logprobs) for c in reply.choices]
+    choices = [chat_choice(c, c.index, body.logprobs, one_call(body)) for c in reply.choices]
     whole = response("chat.completion", response_id, model, choices, usage([reply.usage]))
     if body.prompt_logprobs is not None:
         whole["prompt_logprobs"] = vllm_prompt_logprobs(reply)
@@ -174,6 +174,12 @@ def matched_stop(message: types_pb2.MatchedStop) -> str | int | None:
 # -- chat ----------------------------------------------------------------------------------------------------
 
 
+def one_call(body: ChatFields) -> bool:
+    """Whether a choice answers with at most one tool call: `parallel_tool_calls` false, as OpenAI defines it. The
+    model may still write several (in auto mode nothing stops it); the first is kept, as vLLM keeps it."""
+    return body.parallel_tool_calls is False
+
+
 def tool_calls(calls: Sequence[types_pb2.ToolCall]) -> list[dict[str, Any]] | None:
     if not calls:
         return None
@@ -199,9 +205,12 @@ def chat_logprobs(logprobs: Sequence[types_pb2.TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def chat_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool) -> dict[str, Any]:
-    """One finished choice as an OpenAI chat choice at position `index`."""
-    calls = tool_calls(choice.tool_calls)
+def chat_choice(
+    choice: types_pb2.Choice, index: int, want_logprobs: bool, first_call_only: bool = False
+) -> dict[str, Any]:
+    """One finished choice as an OpenAI chat choice at position `index`; with `first_call_only` (`one_call`), its
+    first tool call alone."""
+    calls = tool_calls(choice.tool_calls[:1] if first_call_only else choice.tool_calls)
     answered = choice.text or not (calls or choice.reasoning_content)
     message: dict[str, Any] = {"role": "assistant", "content": choice.text if answered else None}
     if choice.reasoning_content:  # both names: clients read either (vLLM's `reasoning`, the older field)
@@ -218,10 +227,13 @@ def chat_choice(choice: types_pb2.Choice, index: int, want_logprobs: bool) -> di
 
 
 
-def chat_deltas(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> list[dict[str, Any]]:
+def chat_deltas(
+    delta: types_pb2.ChoiceDelta, want_logprobs: bool, first_call_only: bool = False
+) -> list[dict[str, Any]]:
     """The new content of one choice's stream delta as OpenAI chat chunk choices, one per chunk: the reasoning and
     content (with their logprobs), then each tool call delta on its own, as OpenAI streams calls (clients read
-    `delta.tool_calls[0]` of each chunk). Its finish reason, if any, goes in a chunk of its own: `finish_delta`."""
+    `delta.tool_calls[0]` of each chunk); with `first_call_only` (`one_call`), the first call's deltas alone. Its
+    finish reason, if any, goes in a chunk of its own: `finish_delta`."""
     body: dict[str, Any] = {}
     if delta.reasoning_content:
         body["reasoning_content"] = body["reasoning"] = delta.reasoning_content
@@ -229,7 +241,7 @@ def chat_deltas(delta: types_pb2.ChoiceDelta, want_logprobs: bool) -> list[dict[
         body["content"] = delta.text
     logprobs = chat_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None
     bodies = [body] if body or logprobs else []
-    bodies += [{"tool_calls": [_tool_call_delta(t)]} for t in delta.tool_calls]
+    bodies += [{"tool_calls": [_tool_call_delta(t)]} for t in delta.tool_calls if not first_call_only or t.index == 0]
     return [
         {"index": delta.index, "delta": b, "logprobs": logprobs if i == 0 else None, "finish_reason": None}
         for i, b in enumerate(bodies)

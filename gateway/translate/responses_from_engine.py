@@ -83,8 +83,9 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
-def output_items(choice: types_pb2.Choice, want_logprobs: bool) -> list[dict[str, Any]]:
-    """The output items of one finished choice: reasoning, then the answer, then the tool calls."""
+def output_items(choice: types_pb2.Choice, want_logprobs: bool, first_call_only: bool = False) -> list[dict[str, Any]]:
+    """The output items of one finished choice: reasoning, then the answer, then the tool calls (with
+    `first_call_only`, `parallel_tool_calls` false, the first alone)."""
     status = "incomplete" if choice.finish_reason in INCOMPLETE_REASONS else "completed"
     items = []
     if choice.reasoning_content:
@@ -93,7 +94,7 @@ def output_items(choice: types_pb2.Choice, want_logprobs: bool) -> list[dict[str
         part = output_text_part(choice.text, logprobs(choice.logprobs) if want_logprobs else None)
         items.append(message_item(new_item_id("message"), [part], status))
     items += [function_call_item(new_item_id("function_call"), c.id, c.name, c.arguments_json, status)
-              for c in choice.tool_calls]
+              for c in (choice.tool_calls[:1] if first_call_only else choice.tool_calls)]
     return items
 
 
@@ -114,7 +115,8 @@ def finished(shell: dict[str, Any], output: list[dict[str, Any]], finish: types_
 def from_reply(shell: dict[str, Any], reply: engine_pb2.GenerateResponse, want_logprobs: bool) -> dict[str, Any]:
     """`finished` over a whole (non-streamed) engine reply; a Responses request always has one choice."""
     choice = reply.choices[0]
-    return finished(shell, output_items(choice, want_logprobs), choice.finish_reason, reply.usage)
+    items = output_items(choice, want_logprobs, first_call_only=not shell["parallel_tool_calls"])
+    return finished(shell, items, choice.finish_reason, reply.usage)
 
 
 def failed(shell: dict[str, Any], code: str, message: str) -> dict[str, Any]:

@@ -290,6 +290,28 @@ def test_the_sdk_reads_the_calls_whole_and_streamed(served: Served) -> None:
     _check_ids(served, ids)
 
 
+def test_parallel_tool_calls_false_answers_with_the_first_call(served: Served) -> None:
+    """`parallel_tool_calls: false` (OpenAI: at most one call a turn): where the model writes several calls (Hermes',
+    pythonic, ...) the answer holds its first, whole and streamed, finishing as `tool_calls`; one call is as before."""
+    body = {"messages": CONVERSATION, "tools": [WEATHER_TOOL], "max_tokens": MAX_TOKENS, "parallel_tool_calls": False}
+    reply = served.client.chat.completions.create(model=served.model, **body)
+    (choice,) = reply.choices
+    assert _calls(choice.message.tool_calls) == list(served.family.calls[:1]) and choice.finish_reason == "tool_calls"
+    calls, ids, finish = _streamed(served, **body)
+    assert calls == list(served.family.calls[:1]) and finish == "tool_calls"
+    _check_ids(served, ids)
+    # The Responses API likewise, whole and streamed (its flat tools; the same conversation as input items).
+    flat = {"type": "function", **WEATHER_TOOL["function"]}
+    request = {"model": served.model, "input": CONVERSATION, "tools": [flat], "parallel_tool_calls": False,
+               "max_output_tokens": MAX_TOKENS}  # fmt: skip
+    whole = served.client.responses.create(**request)
+    with served.client.responses.stream(**request) as stream:
+        streamed = stream.get_final_response()
+    for response in (whole, streamed):
+        items = [(i.name, json.loads(i.arguments)) for i in response.output if i.type == "function_call"]
+        assert items == list(served.family.calls[:1]) and response.parallel_tool_calls is False, response.output
+
+
 def test_calls_sent_back_render_through_the_family_template(served: Served) -> None:
     first = served.client.chat.completions.create(model=served.model, messages=CONVERSATION, tools=[WEATHER_TOOL],
                                                   max_tokens=MAX_TOKENS)  # type: ignore[arg-type]  # fmt: skip
