@@ -1552,7 +1552,11 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
 def _hunyuan_experts(cfg: dict[str, Any]) -> dict[str, Any]:
     """Hunyuan MoE's fields ({} for the dense models): Mixtral's softmax top-`moe_topk` of `num_experts` experts,
     renormalised, each `intermediate_size` wide (as transformers builds them), beside an ungated shared MLP of that
-    width on every layer. ValueError for counts that differ between layers, or more than one shared MLP."""
+    width on every layer. ValueError for counts that differ between layers, more than one shared MLP, and (dense or
+    not) what the released models' configs can switch that this engine does not build: no q/k norms (`use_qk_norm`
+    false) or Hunyuan-Large's cross-layer attention (`use_cla`)."""
+    if cfg.get("use_qk_norm") is False or cfg.get("use_cla"):
+        raise ValueError(f"{cfg.get('model_type')} with use_qk_norm false or use_cla is not supported")
     if cfg.get("model_type") != "hunyuan_v1_moe":
         return {}
     experts, top_k = _uniform(cfg, "num_experts", 1), _uniform(cfg, "moe_topk", 1)

@@ -655,6 +655,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": 2, "num_shared_expert": 2},
          "num_shared_expert 2 is not supported"),
         ({"model_type": "hunyuan_v1_moe", "num_experts": 2, "moe_topk": 3}, "moe_topk 3 must be in"),
+        ({"model_type": "hunyuan_v1_dense", "use_cla": True}, "hunyuan_v1_dense with use_qk_norm false or use_cla"),
+        ({"model_type": "hunyuan_v1_moe", "use_qk_norm": False}, "hunyuan_v1_moe with use_qk_norm false or use_cla"),
         ({"model_type": "ernie4_5", "use_bias": True}, "ernie4_5 with use_bias is not supported"),
         ({"model_type": "cohere", "use_qk_norm": True}, "cohere with use_qk_norm"),
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
