@@ -16,7 +16,8 @@ from typing import Any, Literal, get_args
 Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
-    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "bert",
+    "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
+    "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -55,7 +56,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4_moe": "glm4_moe",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
-    "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_arcee_fields`)
+    "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
+    "apertus": "apertus",  # Apertus: Qwen3's per-head q/k norms, an ungated MLP with xIELU learned per layer
     # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
     # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
     "hunyuan_v1_dense": "hunyuan",
@@ -90,11 +92,13 @@ _NOT_YET: dict[str, str] = {
 }
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
-    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan"
+    "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
+    "apertus",
 )  # fmt: skip
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
-    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan"
+    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan",
+    "apertus",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -413,9 +417,10 @@ class ModelConfig:
     # logits likewise with `final_logit_softcap` (0: no cap).
     norm_offset: float = 0.0
     embedding_multiplier: float = 1.0
-    # The dense MLP's activation: gated, `down(act(gate(x)) * up(x))` with SiLU or GELU (tanh); or Nemotron-H's
-    # ungated `down(relu(up(x))²)` ("relu2", `layers.mlp.UngatedMLP`).
-    hidden_act: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    # The dense MLP's activation: gated, `down(act(gate(x)) * up(x))` with SiLU or GELU (tanh); or ungated
+    # `down(act(up(x)))` (`layers.mlp.UngatedMLP`) with Nemotron-H's and Arcee's relu² ("relu2") or Apertus's xIELU,
+    # whose four scalars each layer's checkpoint holds ("xielu").
+    hidden_act: Literal["silu", "gelu_tanh", "relu2", "xielu"] = "silu"
     sandwich_norms: bool = False
     attention_scale: float = 0.0
     local_rope_theta: float = 0.0
@@ -665,7 +670,7 @@ class ModelConfig:
             **_llama4_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
-            **_arcee_fields(model_type, cfg),
+            **_ungated_mlp_fields(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
             **gemma,
@@ -1091,11 +1096,12 @@ def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
 # release of these families sets and the shared layers do not build.
-_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "arcee": "mlp_bias", "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}
+_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "arcee": "mlp_bias", "apertus": "mlp_bias", "ernie4_5": "use_bias",
+                  "ernie4_5_moe": "use_bias"}  # fmt: skip
 
 
 def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
-    """ValueError for a Seed-OSS, Arcee or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
+    """ValueError for a Seed-OSS, Arcee, Apertus or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
     key = _MLP_BIAS_KEYS.get(model_type)
     if key is not None and cfg.get(key):
         raise ValueError(f"{model_type} with {key} is not supported")
@@ -1120,15 +1126,20 @@ def _uniform(cfg: dict[str, Any], key: str, default: int) -> int:
     return int(value)
 
 
-def _arcee_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Arcee AFM's MLP, ungated `down(relu(up(x))²)` (`hidden_act` relu2, its default); {} for the other families.
-    ValueError for another activation."""
-    if model_type != "arcee":
+# The families whose MLP is ungated, `down(act(up(x)))`: their activations, the default first.
+_UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "apertus": ("xielu", "relu2")}
+
+
+def _ungated_mlp_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The activation of Arcee AFM's MLP (relu²) and of Apertus's (xIELU, or relu² as transformers builds it too),
+    ungated; {} for the other families. ValueError for another activation."""
+    supported = _UNGATED_ACTIVATIONS.get(model_type)
+    if supported is None:
         return {}
-    activation = cfg.get("hidden_act") or "relu2"
-    if activation != "relu2":
-        raise ValueError(f"arcee hidden_act {activation!r} is not supported (relu2 is)")
-    return {"hidden_act": "relu2"}
+    activation = cfg.get("hidden_act") or supported[0]
+    if activation not in supported:
+        raise ValueError(f"{model_type} hidden_act {activation!r} is not supported ({' or '.join(supported)})")
+    return {"hidden_act": activation}
 
 
 def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,8 @@ WINDOW = 20
 # Hunyuan-A13B's form: per-head q/k norms after rope, rope's base stretched by NTK's alpha, top-2 of 4 experts by
 # softmax beside an ungated shared MLP (its counts per layer, as Hunyuan-A13B's config.json gives them).
 # Arcee AFM: Llama's block with an ungated relu² MLP, under YaRN (AFM-4.5B's 64K context).
+# Apertus: per-head q/k norms before rope, an ungated MLP with xIELU (its scalars drawn per layer), Apertus 8B's Llama 3
+# rope scaling (factor 8 over 8,192: with its base of 12M most of these 16-wide heads' frequencies are scaled).
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -240,6 +242,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 32}},
     ),
+    "apertus": (
+        "ApertusConfig",
+        {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "rope_parameters": {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    ),
     "ministral3": (
         "Ministral3Config",
         {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
@@ -376,11 +384,15 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
                 parameter.normal_(0.0, 0.08 * width)
             elif "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):  # Gemma 4's
                 parameter.add_(torch.randn_like(parameter) * 0.1)  # router's scales too (1 at init)
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
+                parameter.add_(torch.randn_like(parameter) * 0.5)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's load-balancing bias, of the scores' size
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # (LFM2-MoE's)
                 buffer.uniform_(-0.3, 0.3)
             elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
                 buffer.uniform_(0.5, 1.5)
+            elif name.endswith("act_fn.beta"):  # xIELU's slope at 0 (0.5 at init)
+                buffer.uniform_(0.3, 0.7)
         if head_spread:
             head = model.get_output_embeddings().weight
             head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))
@@ -472,7 +484,7 @@ _GGUF_ARCHITECTURES = {
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
-    "hunyuan_v1_dense": "hunyuan-dense",
+    "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus",
 }  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -1089,6 +1101,9 @@ def _write_tensors(
         layer_names.update(_GGUF_LATENT_LAYER)
     if arch in ("lfm2", "lfm2moe"):
         layer_names = _GGUF_LFM2_LAYER
+    if arch == "apertus":  # its norms' own names
+        layer_names.update({"attention_layernorm": "attn_norm", "feedforward_layernorm": "ffn_norm"})
+    xielu: dict[str, dict[int, float]] = {}  # Apertus's xIELU scalars, written as metadata
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
     linear: dict[str, dict[str, torch.Tensor]] = {}
@@ -1103,6 +1118,9 @@ def _write_tensors(
             tensor = tensor + 1.0
         array = tensor.float().numpy()
         bare = name.removeprefix("model.layers.").partition(".")
+        if ".mlp.act_fn." in name:
+            xielu.setdefault(param, {})[int(bare[0])] = float(tensor)
+            continue
         if arch.startswith("nemotron_h") and ".mixer.experts." in name:  # Nemotron 3's, stacked by projection
             layer, _, rest = name.removeprefix("backbone.layers.").partition(".mixer.experts.")
             expert, proj, _ = rest.split(".")
@@ -1177,6 +1195,11 @@ def _write_tensors(
         tensors = _latent_expansion_halves(tensors, config)
     if fuse_gate_up_exps:
         tensors = _fused_gate_up_exps(tensors)
+    if xielu:  # as llama.cpp's converter writes them: each scalar as stored (before softplus), one per layer
+        writer.add_xielu_alpha_p([xielu["alpha_p"][i] for i in sorted(xielu["alpha_p"])])
+        writer.add_xielu_alpha_n([xielu["alpha_n"][i] for i in sorted(xielu["alpha_n"])])
+        writer.add_xielu_beta([xielu["beta"][i] for i in sorted(xielu["beta"])])
+        writer.add_xielu_eps([xielu["eps"][i] for i in sorted(xielu["eps"])])
     for index, (gguf_name, (array, kind_type)) in enumerate(tensors.items()):
         if kind_type is None or kind_type == GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))

@@ -61,8 +61,8 @@ class DecoderLayer(nn.Module):
             if not config.has_mlp(index)
             else SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)
-            else UngatedMLP(config.hidden_size, width, dtype, tp)
-            if config.hidden_act == "relu2"
+            else UngatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
+            if config.hidden_act in ("relu2", "xielu")
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
         )
         norm = norm_class(config.layer_norm)

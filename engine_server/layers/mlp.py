@@ -1,5 +1,5 @@
 """Feed-forward blocks: gated (SwiGLU, or Gemma's GELU-tanh GeGLU) with the gate and up projections fused into one
-matmul, or Nemotron-H's ungated relu²."""
+matmul, or ungated: Nemotron-H's and Arcee's relu², Apertus's xIELU (learned per layer)."""
 
 from __future__ import annotations
 
@@ -57,25 +57,54 @@ def relu_squared(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
 
 
+class XIELU(nn.Module):
+    """xIELU (Apertus's activation, arXiv 2411.13010) with its four learned scalars as checkpoints store them
+    (`mlp.act_fn.alpha_p`, `alpha_n`, `beta`, `eps`): with `a_p = softplus(alpha_p)` and `a_n = beta +
+    softplus(alpha_n)`, `a_p x² + beta x` for x > 0, else `a_n (expm1(min(x, eps)) - x) + beta x` (transformers'
+    `XIELUActivation`, in the input's dtype)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1, dtype=dtype), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1, dtype=dtype), requires_grad=False)
+        self.beta = nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False)
+        self.eps = nn.Parameter(torch.zeros((), dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = nn.functional.softplus(self.alpha_p)
+        alpha_n = self.beta + nn.functional.softplus(self.alpha_n)
+        positive = alpha_p * x * x + self.beta * x
+        negative = (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x
+        return torch.where(x > 0, positive, negative)
+
+
 class UngatedMLP(nn.Module):
-    """`down(relu(up(x))²)`: Nemotron-H's MLP (transformers' `relu2`), no gate.
+    """`down(act(up(x)))`, no gate: act `relu(x)²` (Nemotron-H's and Arcee's, transformers' `relu2`) or xIELU
+    (Apertus's, `XIELU`, whose scalars load as `act_fn.*`).
 
     Under tensor parallelism a rank holds a block of up's rows and the matching columns of down, whose partial sums
-    it all-reduces, as `GatedMLP` does."""
+    it all-reduces, as `GatedMLP` does (the activation is elementwise: every rank holds xIELU's scalars whole)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        activation: str = "relu2",
     ) -> None:
         super().__init__()
         self.tp = tp
         part = even_slice(intermediate_size, tp.size, tp.rank, "intermediate_size")
         self.up_proj: nn.Module = ColumnParallelLinear(hidden_size, [part], False, dtype)
         self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
+        self.act_fn: nn.Module | None = XIELU(dtype) if activation == "xielu" else None
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         return self.tp.all_reduce_sum(self.partial(x, ops))
 
     def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
-        result: torch.Tensor = self.down_proj(relu_squared(self.up_proj(x)))
+        up = self.up_proj(x)
+        result: torch.Tensor = self.down_proj(relu_squared(up) if self.act_fn is None else self.act_fn(up))
         return result

@@ -278,6 +278,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
     "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
+    "apertus": {**_LAYER_NAMES, "attn_norm": "attention_layernorm", "ffn_norm": "feedforward_layernorm"},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
 # checkpoints store one tensor per expert (Mixtral as w1 / w3 / w2 under `block_sparse_moe.`). Llama 4's come so
@@ -614,8 +615,19 @@ def iter_hf_tensors(
         yield name, _hf_weight(tensor, spec, name, restore, lazy)
     if hybrid is not None:
         hybrid.finish()
+    yield from _xielu_tensors(config)
     if expansions:
         raise ValueError(f"model {spec!r}: layers {sorted(expansions, key=int)} have one of attn_k_b and attn_v_b")
+
+
+def _xielu_tensors(config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apertus's xIELU scalars, which its files hold as metadata (`xielu_parameters` in the converted config), as
+    each layer's checkpoint tensors: `alpha_p` and `alpha_n` of shape [1], `beta` and `eps` 0-D (none for other
+    models)."""
+    for name, values in config.get("xielu_parameters", {}).items():
+        shape = (1,) if name.startswith("alpha") else ()
+        for layer, value in enumerate(values):
+            yield f"model.layers.{layer}.mlp.act_fn.{name}", torch.tensor(value, dtype=torch.float32).reshape(shape)
 
 
 def joined_expansion(k: np.ndarray, v: np.ndarray) -> np.ndarray:

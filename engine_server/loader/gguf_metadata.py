@@ -37,6 +37,9 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # temperature over the original context (`_mistral3_config`).
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
     "arcee": ("arcee", "ArceeForCausalLM"),  # Arcee AFM: Llama's tensors, an ungated relu² MLP
+    # Apertus: Llama's tensors (q/k rows as its checkpoints hold them), q/k norms, an ungated MLP whose xIELU scalars
+    # are metadata (`_apertus_config`).
+    "apertus": ("apertus", "ApertusForCausalLM"),
     # Hunyuan's dense models: the rope base as its converter writes it, NTK's alpha already applied.
     "hunyuan-dense": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
@@ -466,6 +469,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_mistral3_config(reader, config, spec))
     elif arch == "arcee":  # its MLP's activation, fixed by llama.cpp; YaRN (or none) as the file states
         config.update(hidden_act="relu2", rope_parameters=_yarn_rope(reader, arch, config, spec))
+    elif arch == "apertus":
+        config.update(_apertus_config(reader, config["num_hidden_layers"], spec))
     elif arch == "seed_oss":  # o_proj's bias apart from q/k/v's
         config["attention_out_bias"] = "blk.0.attn_output.bias" in tensors
     elif arch == "exaone4":
@@ -743,6 +748,27 @@ def _yarn_rope(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str,
     elif scaling not in (None, "none"):
         raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (yarn is)")
     return rope
+
+
+# Apertus's xIELU scalars, as its checkpoints name them; an `apertus` file's metadata keys are `xielu.<name>`.
+_XIELU_SCALARS = ("alpha_p", "alpha_n", "beta", "eps")
+
+
+def _apertus_config(reader: GGUFReader, layers: int, spec: str) -> dict[str, Any]:
+    """An `apertus` file's MLP activation, xIELU, with its four scalars per layer as the file's `xielu.*` keys give
+    them (one for all layers or one per layer, as llama.cpp reads them; stored as the checkpoint's, before softplus)
+    under `xielu_parameters`, which `gguf_convert` gives back as each layer's `mlp.act_fn.*` tensors. ValueError
+    for a missing key or a list of another length."""
+    scalars: dict[str, list[float]] = {}
+    for name in _XIELU_SCALARS:
+        value = read_field(reader, f"xielu.{name}")
+        if value is None:
+            raise ValueError(f"model {spec!r}: GGUF metadata lacks xielu.{name}")
+        values = [float(item) for item in value] if isinstance(value, list) else [float(value)] * layers
+        if len(values) != layers:
+            raise ValueError(f"model {spec!r}: xielu.{name} has {len(values)} values for {layers} layers")
+        scalars[name] = values
+    return {"hidden_act": "xielu", "xielu_parameters": scalars}
 
 
 def _mistral3_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> dict[str, Any]:

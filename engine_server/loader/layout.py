@@ -1,6 +1,7 @@
 """Hugging Face parameter names and shapes of a Llama / Qwen2 / Qwen3 decoder and their mixture-of-experts
 variants (Qwen2-MoE / Qwen3-MoE names; Mixtral's are read as these), DeepSeek-V3's latent attention, gpt-oss's
-biased experts, Qwen3.5's linear-attention layers and Gemma 4, derived from a `ModelConfig`."""
+biased experts, Qwen3.5's linear-attention layers and Gemma 4, derived from a `ModelConfig` (an ungated MLP's up
+and down, with Apertus's xIELU scalars)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,15 @@ def _gemma4_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _mlp_block_shapes(p: str, cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Layer `i`'s MLP under `p`: dense, or a mixture of experts (its router, experts and shared expert)."""
     h = cfg.hidden_size
+    if not cfg.is_moe_layer(i) and cfg.hidden_act in ("relu2", "xielu"):  # ungated: up and down (Arcee, Apertus)
+        width = cfg.intermediate_size
+        ungated: dict[str, tuple[int, ...]] = {
+            p + "mlp.up_proj.weight": (width, h), p + "mlp.down_proj.weight": (h, width)
+        }  # fmt: skip
+        if cfg.hidden_act == "xielu":  # its four learned scalars (`layers.mlp.XIELU`)
+            ungated.update({p + "mlp.act_fn.alpha_p": (1,), p + "mlp.act_fn.alpha_n": (1,), p + "mlp.act_fn.beta": (),
+                           p + "mlp.act_fn.eps": ()})  # fmt: skip
+        return ungated
     if not cfg.is_moe_layer(i):
         return _mlp_shapes(p + "mlp.", h, cfg.intermediate_size)
     if cfg.expert_biases:

@@ -366,4 +366,5 @@ def _load_into(module: nn.Module, kind: str, shard: str, tensor: CheckpointTenso
             raise ValueError(f"{type(module).__name__} has no {kind}")
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        dest.data.copy_(read_whole(tensor))
+        # (an unread scalar, e.g. xIELU's `beta`, has no rows to narrow: read whole)
+        dest.data.copy_(tensor.materialize() if isinstance(tensor, LazyTensor) else read_whole(tensor))

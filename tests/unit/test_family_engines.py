@@ -566,12 +566,14 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
             EngineConfig(model=str(plain), hf_overrides=bad)
 
 
-@pytest.mark.parametrize("name", ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe"])
+@pytest.mark.parametrize(
+    "name", ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus"]
+)
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
     pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers,
-    OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries nor Hunyuan's q/k norms after
-    rope; Llama 4's and Hunyuan's experts quantized too): each prompt's tokens are
+    OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries, Hunyuan's q/k norms after
+    rope nor Apertus's xIELU MLP; Llama 4's and Hunyuan's experts quantized too): each prompt's tokens are
     the same alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name)
     theirs, batch = reference_tokens(folder), prompts()

@@ -594,13 +594,13 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
             hf_config_from_gguf(reader, f"{name}.gguf")
 
 
-# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2, Cohere, Ministral 3, Arcee and Hunyuan as llama.cpp writes
-# their files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`, `mistral3`, `arcee`,
-# `hunyuan-dense`); the MoE's shared experts as wide as its converter says they are (the dense width over the KV
-# heads, as released).
+# Seed-OSS, ERNIE 4.5, ERNIE 4.5 MoE, EXAONE 4, Cohere 2, Cohere, Ministral 3, Arcee, Hunyuan and Apertus as llama.cpp
+# writes their files (`seed_oss`, `ernie4_5`, `ernie4_5-moe`, `exaone4`, `cohere2`, `command-r`, `mistral3`, `arcee`,
+# `hunyuan-dense`, `apertus`); the MoE's shared experts as wide as its converter says they are (the dense width over
+# the KV heads, as released).
 PLAIN_GGUF: dict[str, dict[str, Any]] = {
     "seed-oss": {}, "ernie4.5": {}, "exaone4": {}, "cohere2": {}, "cohere": {}, "ministral3": {}, "arcee": {},
-    "hunyuan-dense": {},
+    "hunyuan-dense": {}, "apertus": {},
     "olmo2": {"bos_token_id": 1, "eos_token_id": 2},
     "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
 }  # fmt: skip
@@ -613,13 +613,15 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     `exp_probs_b` `[1, experts]`), an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for its
     windows, the global layers without rope), Cohere's (LayerNorms, `logit_scale`, rope pairs interleaved; Cohere
     2's every 4th layer global), an OLMo 2 one (its q/k norms over the whole projection), a Ministral 3 one (YaRN, its
-    query temperature), an Arcee one (an ungated relu² MLP, YaRN) and a Hunyuan one (q/k norms after rope, the
-    rope base stretched by NTK's alpha, written in float32) as llama.cpp's converter writes them:
+    query temperature), an Arcee one (an ungated relu² MLP, YaRN), a Hunyuan one (q/k norms after rope, the
+    rope base stretched by NTK's alpha, written in float32) and an Apertus one (q/k rows as the checkpoint holds
+    them, llama3 scaling as `rope_freqs`, its xIELU's scalars per layer as `xielu.*` metadata) as llama.cpp's
+    converter writes them:
     converted, each config is the saved model's, every tensor comes back, and the float path equals transformers
     token for token; served from its blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench
     quality`'s thresholds."""
     _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
-    mlp = "up_proj" if family == "arcee" else "gate_up_proj"  # Arcee's ungated MLP
+    mlp = "up_proj" if family in ("arcee", "apertus") else "gate_up_proj"  # their ungated MLPs
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers[f"model.layers.0.mlp.{mlp}"] == "q4"
     if family == "ernie4.5-moe":
         assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
@@ -627,6 +629,30 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     # OLMo 2's post-norm model parts at near-ties: 94.8% / 0.0008 measured (its KL the others' size).
     top1 = 0.9 if family == "olmo2" else 0.95
     assert result.top1_agreement >= top1 and result.mean_kl <= 0.01, result
+
+
+def test_an_apertus_gguf_reads_its_xielu_scalars_per_layer_and_refuses_them_missing_or_miscounted(
+    tmp_path: Path,
+) -> None:
+    """An `apertus` file's `xielu.*` keys, a value per layer, become each layer's scalars (`xielu_parameters`, the
+    checkpoint's `mlp.act_fn.*`); a file without one, or with a list of another length than its layers (which
+    llama.cpp refuses too), is refused by name."""
+    keys = {"block_count": 2, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+            "head_count": 2, "layer_norm_rms_eps": 1e-5}  # fmt: skip
+    xielu = {"xielu_alpha_p": [0.25, -0.5], "xielu_alpha_n": [1.5, 2.0], "xielu_beta": [0.5, 0.375],
+             "xielu_eps": [-1e-6, -2e-6]}  # fmt: skip
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "apertus.gguf", "apertus", {**keys, **xielu}), "apertus")
+    assert config["hidden_act"] == "xielu"
+    assert config["xielu_parameters"] == {
+        "alpha_p": [0.25, -0.5], "alpha_n": [1.5, 2.0], "beta": [0.5, 0.375],
+        "eps": [float(np.float32(-1e-6)), float(np.float32(-2e-6))],
+    }  # fmt: skip
+    for name, changed, refusal in (("missing", {"xielu_eps": None}, "lacks xielu.eps"),
+                                   ("short", {"xielu_beta": [0.5]}, "xielu.beta has 1 values for 2")):  # fmt: skip
+        written = {key: value for key, value in {**keys, **xielu, **changed}.items() if value is not None}
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", "apertus", written)
+        with pytest.raises(ValueError, match=refusal):
+            hf_config_from_gguf(reader, f"{name}.gguf")
 
 
 def test_an_exaone4_gguf_reads_its_windows_from_flags_a_number_or_none(tmp_path: Path) -> None:

@@ -126,6 +126,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     ),
     # Arcee AFM: Llama's block with an ungated relu² MLP.
     "arcee": (transformers.ArceeConfig, {"head_dim": 16, "pad_token_id": 0}),
+    # Apertus: per-head q/k norms before rope, an ungated MLP with xIELU (its scalars drawn per layer), Llama 3 rope
+    # scaling (Apertus 8B's, over a short original context here), q/k/v/o biases.
+    "apertus": (
+        transformers.ApertusConfig,
+        {"head_dim": 16, "attention_bias": True, "pad_token_id": 0,
+         "rope_parameters": {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    ),
     "ministral": (
         transformers.MinistralConfig,
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
@@ -343,6 +351,7 @@ MODEL_CLASSES = {
     transformers.Ministral3Config: transformers.Ministral3ForCausalLM,
     transformers.MinistralConfig: transformers.MinistralForCausalLM,
     transformers.ArceeConfig: transformers.ArceeForCausalLM,
+    transformers.ApertusConfig: transformers.ApertusForCausalLM,
     transformers.HunYuanDenseV1Config: transformers.HunYuanDenseV1ForCausalLM,
     transformers.HunYuanMoEV1Config: transformers.HunYuanMoEV1ForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
@@ -401,11 +410,15 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                                 "block_sparse_moe.router.weight", "mixer.gate.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
+            elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
+                param.add_(torch.randn_like(param) * 0.5)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.uniform_(-0.3, 0.3)
             elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
                 buffer.uniform_(0.5, 1.5)
+            elif name.endswith("act_fn.beta"):  # xIELU's slope at 0 (0.5 at init)
+                buffer.uniform_(0.3, 0.7)
     config = ModelConfig.from_hf_config(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config)
     ours.load_weights(hf.state_dict().items())
@@ -651,6 +664,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "seed_oss", "mlp_bias": True}, "seed_oss with mlp_bias is not supported"),
         ({"model_type": "arcee", "mlp_bias": True}, "arcee with mlp_bias is not supported"),
         ({"model_type": "arcee", "hidden_act": "silu"}, "arcee hidden_act 'silu' is not supported"),
+        ({"model_type": "apertus", "hidden_act": "silu"}, r"apertus hidden_act 'silu' is not supported \(xielu or"),
+        ({"model_type": "apertus", "mlp_bias": True}, "apertus with mlp_bias is not supported"),
         ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": [2, 1]}, r"moe_topk \[2, 1\] differs"),
         ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": 2, "num_shared_expert": 2},
          "num_shared_expert 2 is not supported"),
@@ -663,7 +678,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
         ({"model_type": "gpt2"},
-         r"'gpt2' \(no family of this engine implements it\); supported: arcee, bert, cohere, cohere2, "),
+         r"'gpt2' \(no family of this engine implements it\); supported: apertus, arcee, bert, cohere, "),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),

@@ -56,6 +56,11 @@ CASES: dict[str, tuple[ModelConfig, int]] = {
         ),
         3,
     ),
+    # Apertus: an ungated MLP, its xIELU's four scalars (two of them 0-D) replicated on every rank.
+    "apertus-xielu-2": (
+        ModelConfig(architecture="apertus", hidden_act="xielu", qk_norm=True, tie_word_embeddings=False, **_SMALL),
+        2,
+    ),
 }
 
 
@@ -116,7 +121,7 @@ def _loaded(config: ModelConfig, tp: TensorParallel, weights: Iterator[tuple[str
 
 def _own_bytes(name: str, full_bytes: int, config: ModelConfig, rank: int, size: int) -> int:
     """The bytes of checkpoint tensor `name` that rank `rank` keeps, from the partition arithmetic."""
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".act_fn." in name:
         return full_bytes  # replicated on every rank
     if name.endswith("o_proj.bias"):
         return full_bytes if rank == 0 else 0  # only rank 0 adds it
@@ -130,7 +135,7 @@ def _own_bytes(name: str, full_bytes: int, config: ModelConfig, rank: int, size:
 def _is_partitioned(name: str, config: ModelConfig, size: int) -> bool:
     """Whether the ranks' slices of `name` partition it (each byte kept by one rank), i.e. it is not replicated."""
     replicated_kv = (".k_proj." in name or ".v_proj." in name) and config.num_key_value_heads < size
-    return not (name.endswith("norm.weight") or replicated_kv)
+    return not (name.endswith("norm.weight") or ".act_fn." in name or replicated_kv)
 
 
 def _rank_main(rank: int, size: int, init_method: str, folder: str, case: str) -> None:
