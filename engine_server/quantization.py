@@ -57,8 +57,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, cast
 
 import torch
@@ -101,7 +102,7 @@ from engine_server.loader.fp8_checkpoint import read_fp8_weights
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.mxfp4 import StoredMxfp4Bank, is_mxfp4_checkpoint, mxfp4_bank_tensors
-from engine_server.loader.source import ModelSource, read_hf_config, tensor_files
+from engine_server.loader.source import ModelSource, iter_lazy_safetensors, read_hf_config, tensor_files
 from engine_server.models.base import FUSED_SHARDS, CausalLM, expert_weight
 from engine_server.parallel.layers import (
     EXPERT_PARTS,
@@ -218,13 +219,17 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
     in FP8 (all of a fused layer's shards: `concat_fp8_rows`; all of a bank's experts' projections, each expert's
     gate and up rows joined the same way), by module name, and the checkpoint names they were read from (for
     `ModelSource.lazy_weights`, which then leaves them to this). Empty for any other source, and under tensor
-    parallelism, where every rank quantizes its slice of the dequantized weights instead (module doc)."""
+    parallelism, where every rank quantizes its slice of the dequantized weights instead (module doc).
+
+    Names are the model's own (`CausalLM.checkpoint_weights`: a multimodal checkpoint's text model read as a text
+    model's); a weight the model reorders, splits or transposes at load (GLM-4's and Llama 4's q/k rows, Llama 4's
+    banks) is left to be dequantized, reordered and quantized again as a float checkpoint's would be."""
     if source.fp8 is None or model.tp.size > 1:
         return {}, frozenset()
     parts: dict[str, dict[str, str]] = {}  # module -> shard ("" for a whole layer) -> checkpoint weight name
     expert_parts: dict[str, dict[tuple[int, str], str]] = {}  # bank -> (expert, part) -> checkpoint weight name
-    for name in source.fp8.fp8_weights(source.path):
-        checkpoint_name = model.checkpoint_name(name)
+    for name, ours in _as_loaded(model, source.path, frozenset(source.fp8.fp8_weights(source.path))):
+        checkpoint_name = model.checkpoint_name(ours)
         expert = expert_weight(checkpoint_name)
         if expert is not None:
             expert_parts.setdefault(expert[0], {})[expert[1:]] = name
@@ -263,6 +268,18 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
         down = [read.pop(stored_parts[e, "down"]) for e in experts]
         weights[target] = _fp8_bank_weights(Fp8Bank.stack(gate_up), Fp8Bank.stack(down))
     return weights, frozenset(names)
+
+
+def _as_loaded(model: CausalLM, folder: Path, names: frozenset[str]) -> Iterator[tuple[str, str]]:
+    """(checkpoint name, the name `model` loads it under) of each of `names` (tensors of `folder`'s checkpoint) that
+    `model.checkpoint_weights` passes on unchanged, its tower's weights and any it reorders or derives left out;
+    nothing is read (the tensors are unread `LazyTensor`s, followed by identity)."""
+    unread = [(name, tensor) for name, tensor in iter_lazy_safetensors(folder) if name in names]
+    origin = {id(tensor): name for name, tensor in unread}
+    for ours, tensor in model.checkpoint_weights(unread):
+        name = origin.get(id(tensor))
+        if name is not None:
+            yield name, ours
 
 
 def _fp8_bank_weights(gate_up: Fp8Bank, down: Fp8Bank) -> Fp8ExpertWeights:

@@ -170,10 +170,20 @@ class CausalLM(nn.Module):
             name = name.replace(theirs, ours)
         return name
 
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """A family's checkpoint tensors as `load_weights` reads them (`weights` itself here): a family overrides it
+        to read a multimodal checkpoint's text model (`text_model_weights`), reorder rows, split or join tensors.
+        A tensor it passes on unchanged is the same object (under its name or another): what `replaced` names, and
+        an FP8 checkpoint's weights taken as stored (`quantization.stored_fp8_weights`), rely on it."""
+        return weights
+
     def load_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; raise ValueError on any mismatch.
+        """Copy Hugging Face-named tensors in (after `checkpoint_weights`), fusing q/k/v and gate/up; raise
+        ValueError on any mismatch.
 
         Every parameter (and every shard of a fused one) must be provided exactly as shaped; unknown names are
         refused. With `ModelConfig.norm_offset` (Gemma), every RMSNorm's weight becomes offset + the checkpoint's:
@@ -197,7 +207,7 @@ class CausalLM(nn.Module):
         """
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str]] = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_weights(weights, replaced):
             if name.startswith(_BARE_DECODER_PREFIXES):
                 name = f"model.{name}"
             if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):

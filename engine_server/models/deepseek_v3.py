@@ -25,12 +25,11 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     checkpoint_renames: tuple[tuple[str, str], ...] = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` of the text model without the layers past `num_hidden_layers` (the prediction
-        layers)."""
-        super().load_weights(self._decoder_layers(weights), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The text model's weights without the layers past `num_hidden_layers` (the prediction layers)."""
+        return super().checkpoint_weights(self._decoder_layers(weights), replaced)
 
     def _decoder_layers(
         self, weights: Iterable[tuple[str, CheckpointTensor]]

@@ -28,11 +28,11 @@ class Ernie4_5MoeForCausalLM(Ernie4_5ForCausalLM):
         (".mlp.moe_statics.", ".mlp.gate."),
     )
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`Ernie4_5ForCausalLM.load_weights` with each routing bias flattened."""
-        super().load_weights(_flat_routing_biases(weights), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """`Ernie4_5ForCausalLM.checkpoint_weights` with each routing bias flattened."""
+        return super().checkpoint_weights(_flat_routing_biases(weights), replaced)
 
 
 def _flat_routing_biases(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:

@@ -22,8 +22,8 @@ class Gemma4ForCausalLM(CausalLM):
 
     decoder_class = Gemma4DecoderModel
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` of the text model's weights."""
-        super().load_weights(text_model_weights(weights, _SKIPPED_PREFIXES), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The text model's weights."""
+        return super().checkpoint_weights(text_model_weights(weights, _SKIPPED_PREFIXES), replaced)

@@ -29,12 +29,12 @@ class GptOssForCausalLM(CausalLM):
 
     checkpoint_renames = ((".mlp.router.", ".mlp.gate."),)
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` over `standard_experts(weights)`."""
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """`standard_experts(weights)`."""
         dtype = self.model.embed_tokens.weight.dtype
-        super().load_weights(standard_experts(weights, dtype, replaced), replaced)
+        return super().checkpoint_weights(standard_experts(weights, dtype, replaced), replaced)
 
 
 def standard_experts(

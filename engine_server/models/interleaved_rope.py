@@ -20,11 +20,11 @@ class InterleavedRopeCausalLM(CausalLM):
     leaves each score unchanged, and the turned dims are then the pairs the checkpoint turned. A GGUF file's blocks
     are read in that order too (`gguf_quant`), and an adapter's q/k updates likewise (`lora.peft_format`)."""
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` with each head's turned q/k rows in halves order."""
-        super().load_weights(self._halves(weights), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """Each head's turned q/k rows in halves order."""
+        return super().checkpoint_weights(self._halves(weights), replaced)
 
     def _halves(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         head_dim, rotary_dim = self.config.head_dim, self.config.rotary_dim

@@ -19,8 +19,8 @@ class LlamaForCausalLM(CausalLM):
     """Llama: `attention_bias`, when set, applies to q/k/v and o_proj alike. A multimodal Mistral 3 checkpoint's
     text model is read as a text-only checkpoint's (`text_model_weights`), its vision tower left out."""
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` of the text model's weights."""
-        super().load_weights(text_model_weights(weights, MISTRAL3_TOWERS), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The text model's weights."""
+        return super().checkpoint_weights(text_model_weights(weights, MISTRAL3_TOWERS), replaced)

@@ -29,11 +29,11 @@ class Llama4ForCausalLM(CausalLM):
 
     checkpoint_renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."))
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` of the text model's weights in the shared layouts."""
-        super().load_weights(self._shared_layouts(weights), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The text model's weights in the shared layouts."""
+        return super().checkpoint_weights(self._shared_layouts(weights), replaced)
 
     def _shared_layouts(
         self, weights: Iterable[tuple[str, CheckpointTensor]]

@@ -26,11 +26,11 @@ class Qwen3NextForCausalLM(CausalLM):
 
     checkpoint_renames = ((".linear_attn.", ".self_attn."),)
 
-    def load_weights(
+    def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
-    ) -> None:
-        """`CausalLM.load_weights` of the text model's weights, Qwen3-Next's grouped projections split."""
-        super().load_weights(self._text_weights(weights), replaced)
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """The text model's weights, Qwen3-Next's grouped projections split."""
+        return super().checkpoint_weights(self._text_weights(weights), replaced)
 
     def _text_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]]

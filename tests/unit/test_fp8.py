@@ -323,6 +323,63 @@ def test_the_checkpoint_is_served_in_fp8_as_stored(
     assert result.top1_agreement >= MIN_TOP1 and result.mean_kl <= MAX_MEAN_KL, result
 
 
+@pytest.mark.slow  # an engine on a saved model
+def test_a_multimodal_fp8_checkpoints_text_model_is_served_as_stored(tmp_path: Path) -> None:
+    """Ministral 3's, Mistral Small 3.1's and Qwen3.5's FP8 releases are multimodal checkpoints, the text model's
+    weights under `language_model.` (as released, and as transformers saves them): each of its projections is an
+    `Fp8Linear` of the checkpoint's own blocks, not dequantized and quantized again per channel; the vision tower
+    (quantized here too) is not read."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
+    from tests.unit.pooling.embedding_models import copy_tokenizer
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "head_dim": 16, "image_size": 28, "patch_size": 14}  # fmt: skip
+    text = {**_SHAPE, **FAMILIES["ministral3"][1], "model_type": "ministral3"}
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    draw_language_model(model)
+    model.save_pretrained(tmp_path / "float")
+    copy_tokenizer(tmp_path / "float")
+    dequantized = write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", "blockwise")
+    with engine(tmp_path / "fp8", "fp8") as llm:
+        served = llm.core.runner.model
+        layers = {name: m for name, m in served.named_modules() if isinstance(m, Fp8Linear)}
+        assert len(layers) == 4 * 4 and {m.format for m in layers.values()} == {"fp8_block"}
+        attention = served.model.layers[1].self_attn
+        stored = "language_model.model.layers.1.self_attn.o_proj.weight"
+        assert torch.equal(_dense_weight(attention.o_proj), dequantized[stored])
+        assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].choices[0].token_ids
+
+
+@pytest.mark.slow  # engines on a saved model
+def test_fp8_rows_the_model_reorders_at_load_are_quantized_again_in_its_order(tmp_path: Path) -> None:
+    """GLM-4's checkpoints hold each head's rope pairs interleaved, which loading reads in halves order
+    (`models.interleaved_rope`): an FP8 checkpoint's q and k rows are dequantized, reordered and quantized again per
+    channel (taken as stored they were served in the checkpoint's order: each head's scores scrambled), its other
+    projections served as stored; the output stays close to the float model's on the same values."""
+    float_glm = save_family(tmp_path / "float", "glm4", head_spread=1.0)
+    _, folder, plain, dequantized = fp8_and_float_folders(float_glm, tmp_path, "blockwise")
+    with engine(folder, "fp8") as llm:
+        layers = llm.core.runner.model.model.layers
+        assert {layer.self_attn.qkv_proj.format for layer in layers} == {"fp8"}
+        assert {layer.self_attn.o_proj.format for layer in layers} == {"fp8_block"}
+        o_proj = dequantized["model.layers.1.self_attn.o_proj.weight"]
+        assert torch.equal(_dense_weight(layers[1].self_attn.o_proj), o_proj)
+        config = llm.core.model_config
+        q, k, v = (dequantized[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+        halves = [reference.unpermute_rope_rows(w, n, config.rotary_dim)
+                  for w, n in ((q, config.num_attention_heads), (k, config.num_key_value_heads))]  # fmt: skip
+        expected = reference.fp8_dequantize(*reference.fp8_quantize_per_channel(torch.cat([*halves, v])))
+        assert torch.equal(_dense_weight(layers[1].self_attn.qkv_proj), expected)  # each row's, in the load order
+        with engine(plain, "none") as float_llm:
+            sequences, log_probs = reference_of(float_llm, QUALITY_PROMPTS[:4], 16)
+        result = compare(log_probs, llm, "fp8", QUALITY_PROMPTS[:4], 16, sequences, free_running=False)
+    assert result.top1_agreement >= MIN_TOP1 and result.mean_kl <= MAX_MEAN_KL, result
+
+
 @pytest.mark.slow  # engines on a saved model
 def test_a_float_model_is_quantized_per_channel_at_load(float_folder: Path) -> None:
     with engine(float_folder, "none") as float_llm:
