@@ -34,6 +34,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "mixtral": "mixtral",
+    # PhiMoE (Phi-3.5-MoE, Phi-mini-MoE, Phi-tiny-MoE): Mixtral's layout with biased LayerNorms, q/k/v/o biases, an LM
+    # head bias and its sparsemixer's top-2 routing (`_phimoe_fields`).
+    "phimoe": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
@@ -381,6 +384,9 @@ class ModelConfig:
     layer_norm: bool = False
     parallel_block: bool = False
     logit_scale: float = 1.0
+    # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`).
+    layer_norm_bias: bool = False
+    lm_head_bias: bool = False
     # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then the cache's, a latent
     # and its rope key, under one KV head: `layers.mla`), and its router (`grouped_router`,
     # `layers.moe.GroupedTopkRouter`): sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to
@@ -395,7 +401,10 @@ class ModelConfig:
     query_scale_beta: float = 0.0
     query_scale_positions: int = 1
     grouped_router: bool = False
-    moe_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # PhiMoE's sparsemixer ("sparsemixer", `layers.moe.sparsemixer_route`): the top-2 logits, each weighted by the
+    # softmax over the logits within `2 * router_jitter` of it (relatively), the first's taken out for the second.
+    moe_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
+    router_jitter: float = 0.0
     router_score_bias: bool = False
     moe_groups: int = 1
     moe_topk_groups: int = 1
@@ -652,7 +661,8 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
-            attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss" else None,
+            attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss"
+            else bool(cfg.get("attention_bias")) if model_type == "phimoe" else None,
             qk_norm=arch in _QK_NORM_FAMILIES
             or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
             attention_sinks=arch == "gpt_oss",
@@ -670,6 +680,7 @@ class ModelConfig:
             **_llama4_fields(arch, cfg),
             **_granite_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
+            **_phimoe_fields(model_type, cfg),
             **_ungated_mlp_fields(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
@@ -718,10 +729,16 @@ class ModelConfig:
 
 def _long_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
     """A LongRoPE `rope_scaling` (`rope_parameters`), with transformers' default attention factor:
-    `sqrt(1 + ln(s) / ln(original))` for `s = max_position_embeddings / original` (1 when `s` <= 1)."""
+    `sqrt(1 + ln(s) / ln(original))` for `s = max_position_embeddings / original` (1 when `s` <= 1), or PhiMoE's
+    `short_mscale` (ValueError where its `long_mscale` differs)."""
     original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
     factor = rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
     attention = rope.get("attention_factor")
+    if "short_mscale" in rope:  # PhiMoE's own factors for each regime, one and the same in its releases
+        if rope["short_mscale"] != rope.get("long_mscale"):
+            raise ValueError(f"longrope short_mscale {rope['short_mscale']} and long_mscale {rope.get('long_mscale')} "
+                             "differ (not supported)")  # fmt: skip
+        attention = rope["short_mscale"]
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return LongRope(
@@ -1152,6 +1169,23 @@ def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"layer_norm": True, "parallel_block": True, "logit_scale": float(cfg.get("logit_scale", 1.0))}
 
 
+def _phimoe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """PhiMoE's `ModelConfig` fields ({} for the other families): LayerNorms with biases (`rms_norm_eps` their
+    epsilon), the LM head's bias (`lm_head_bias`), and its sparsemixer's routing with `router_jitter_noise` as its
+    epsilon. ValueError for other than two experts a token (sparsemixer takes two)."""
+    if model_type != "phimoe":
+        return {}
+    if int(cfg.get("num_experts_per_tok", 2)) != 2:
+        raise ValueError(f"phimoe num_experts_per_tok {cfg['num_experts_per_tok']} is not supported (sparsemixer: 2)")
+    return {
+        "layer_norm": True,
+        "layer_norm_bias": True,
+        "lm_head_bias": bool(cfg.get("lm_head_bias", False)),
+        "moe_scoring": "sparsemixer",
+        "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
+    }
+
+
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers as `ModelConfig` fields (Granite's and Granite MoE's; {} for the other families);
     ValueError for a Granite whose MLP has biases (`mlp_bias`), which no Granite release sets and this engine does
@@ -1417,13 +1451,16 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
-    """Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias` (default on), Mixtral never; the others by
-    `attention_bias` (default on for gpt-oss and GLM-4, as transformers' configs have it)."""
+    """Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias` (default on), Mixtral never (PhiMoE, in its layout, by
+    `attention_bias`); the others by `attention_bias` (default on for gpt-oss and GLM-4, as transformers' configs
+    have it)."""
     if arch == "qwen2":
         return True
     if arch == "qwen2_moe":
         return bool(cfg.get("qkv_bias", True))
-    return arch != "mixtral" and bool(cfg.get("attention_bias", arch in ("gpt_oss", "glm4")))
+    if arch == "mixtral" and cfg.get("model_type") != "phimoe":
+        return False
+    return bool(cfg.get("attention_bias", arch in ("gpt_oss", "glm4")))
 
 
 def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -87,6 +87,9 @@ WINDOW = 20
 # Arcee AFM: Llama's block with an ungated relu² MLP, under YaRN (AFM-4.5B's 64K context).
 # Apertus: per-head q/k norms before rope, an ungated MLP with xIELU (its scalars drawn per layer), Apertus 8B's Llama 3
 # rope scaling (factor 8 over 8,192: with its base of 12M most of these 16-wide heads' frequencies are scaled).
+# PhiMoE: Mixtral's layout with biased LayerNorms, q/k/v/o and LM head biases, LongRoPE with its mscale (the prompts
+# stay short of its original context: transformers' PhiMoE keeps the short factors past it), top-2 of 4 experts by
+# its sparsemixer, its reach widened to 0.1 (the released 0.01 weighs most chosen experts 1).
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -97,6 +100,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "original_max_position_embeddings": 32, "rope_scaling": PHI3_LONGROPE},
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phimoe": (
+        "PhimoeConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": True, "lm_head_bias": True,
+         "router_jitter_noise": 0.1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         "original_max_position_embeddings": 512,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 512,
+                             "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [4.0] * 8,
+                             "short_mscale": 1.2, "long_mscale": 1.2}},
+    ),
     "qwen3-moe": (
         "Qwen3MoeConfig",
         {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,

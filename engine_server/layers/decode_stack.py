@@ -24,6 +24,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
+from engine_server.layers.norm import RMSNorm
 from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.lora.slots import LoraSlots
@@ -42,6 +43,8 @@ def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     if not isinstance(experts, QuantizedExperts) or not isinstance(router, RowwiseLinear) or experts.gelu:
         return None
     if experts.relu2 or experts.swiglu is not None or experts.b13 is not None or router.bias is not None:
+        return None
+    if mlp.sparsemixer:  # PhiMoE's router, which the stack's softmax top-k is not
         return None
     shared, shared_gate = mlp.shared_expert, mlp.shared_expert_gate
     if shared is None:
@@ -62,6 +65,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU,
     soft-capping, Gemma 3's local rope), attention sinks (gpt-oss), layers without rope (SmolLM3) or with weightless
     q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama 4's router,
+    PhiMoE's LayerNorms and router,
     Granite's multiplied embeddings and residuals, weights not on the CPU or not float32, a head dim the attention
     kernel is not built for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce (which the
     stack then runs between its layers, on the same buffers)."""
@@ -91,6 +95,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     if model.scales_embeddings or any(layer.residual_multiplier != 1.0 for layer in layers):
         return None
     if model.local_rope or not all(type(layer) is DecoderLayer for layer in layers):  # Gemma's blocks and rope
+        return None
+    if type(model.norm) is not RMSNorm:  # PhiMoE's LayerNorms (Cohere's blocks are refused above)
         return None
     plans: list[tuple[list[QuantizedLinear], MoeParts | None]] = []
     for layer, attention in zip(layers, attentions, strict=True):

@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
             if config.hidden_act in ("relu2", "xielu")
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
         )
-        norm = norm_class(config.layer_norm)
+        norm = norm_class(config.layer_norm, config.layer_norm_bias)
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         if self.mlp is None:
@@ -295,7 +295,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             block(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )
-        self.norm = norm_class(config.layer_norm)(config.hidden_size, config.rms_norm_eps, dtype)
+        norm = norm_class(config.layer_norm, config.layer_norm_bias)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         scaling = config.rope_scaling
         # LongRoPE: a second table of rows for the tokens of sequences past `original_max_position_embeddings`.
         self.long_rope_after: int | None = None

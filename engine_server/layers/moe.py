@@ -8,7 +8,7 @@ its clamped SwiGLU, `kernels.reference.clamped_swiglu`; Nemotron-H's ungated, `d
 expert) whose output is scaled by its weight. Qwen2-MoE adds a shared
 expert every token goes through, scaled by `sigmoid(x @ shared_expert_gate)`. Llama 4's router (`ModelConfig.
 moe_input_scaled`) takes the top-k logits and scales each chosen expert's input by the sigmoid of its logit; its
-shared expert has no gate. Under tensor parallelism every
+shared expert has no gate. PhiMoE's router is its sparsemixer (`sparsemixer_route`). Under tensor parallelism every
 expert's intermediate rows are split over the ranks (`parallel.layers.ParallelExperts`; the router and the shared
 gate are whole on every rank), and the block all-reduces once, as a dense MLP does.
 """
@@ -93,6 +93,22 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), experts
 
 
+def sparsemixer_route(logits: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's router as transformers' `sparsemixer` routes at inference: logits `[T, E]` -> (weights `[T, 2]` in
+    the logits' dtype, expert ids `[T, 2]`), in float32. The first expert is the top logit `m`, weighted by the
+    softmax at `m` over the logits `s` with `(m - s) / max(|s|, m) <= 2 * jitter` (the rest masked out); the second
+    is the top of the others, weighted likewise among the others."""
+    scores = logits.float()
+    weights, experts = [], []
+    for _ in range(2):
+        top, index = scores.max(dim=-1, keepdim=True)
+        far = (top - scores) / scores.abs().clamp(min=top) > 2 * jitter  # (nan, hence kept, for masked-out -inf)
+        weights.append(torch.softmax(scores.masked_fill(far, float("-inf")), dim=-1).gather(-1, index))
+        experts.append(index)
+        scores = scores.scatter(-1, index, float("-inf"))
+    return torch.cat(weights, dim=-1).to(logits.dtype), torch.cat(experts, dim=-1)
+
+
 class SparseMoE(nn.Module):
     """`sum_j w_j * expert_j(x)` over each token's chosen experts (+ the gated shared expert), all-reduced.
 
@@ -105,6 +121,8 @@ class SparseMoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.input_scaled = config.moe_input_scaled
+        self.sparsemixer = config.moe_scoring == "sparsemixer" and not config.grouped_router
+        self.router_jitter = config.router_jitter
         hidden, experts = config.hidden_size, config.num_experts
         self.gate: nn.Module = (
             GroupedTopkRouter(
@@ -143,6 +161,8 @@ class SparseMoE(nn.Module):
         else:
             if isinstance(self.gate, GroupedTopkRouter):
                 weights, experts = self.gate.route(x)
+            elif self.sparsemixer:
+                weights, experts = sparsemixer_route(self.gate(x), self.router_jitter)
             else:
                 weights, experts = route(self.gate(x), self.top_k, self.renormalize)
             out = self.experts(x, weights, experts, activation)

@@ -1,9 +1,12 @@
 """RMSNorm layer with an optional fused residual add, its form over a projection split by heads over ranks, and
-Cohere's LayerNorm (mean-centred, without a bias) with the same interface."""
+Cohere's LayerNorm (mean-centred, without a bias) and PhiMoE's (with one) with the same interface."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_server.parallel.group import TensorParallel
@@ -88,7 +91,26 @@ class LayerNorm(RMSNorm):
         return self.forward(stream, ops), stream
 
 
-def norm_class(layer_norm: bool) -> type[RMSNorm]:
-    """The norm a model's blocks use: Cohere's `LayerNorm` where its config says (`ModelConfig.layer_norm`), else
-    `RMSNorm`."""
-    return LayerNorm if layer_norm else RMSNorm
+class BiasedLayerNorm(RMSNorm):
+    """PhiMoE's LayerNorm: torch's `layer_norm` with a weight and a bias (its `nn.LayerNorm`), in the input's dtype;
+    row by row, as `LayerNorm`."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(size, eps, dtype)
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`."""
+        stream = x + residual
+        return self.forward(stream, ops), stream
+
+
+def norm_class(layer_norm: bool, bias: bool = False) -> Callable[[int, float, torch.dtype], RMSNorm]:
+    """The norm a model's blocks use: a LayerNorm where its config says (`ModelConfig.layer_norm`), PhiMoE's with a
+    bias (`layer_norm_bias`) or Cohere's without, else `RMSNorm`."""
+    return (BiasedLayerNorm if bias else LayerNorm) if layer_norm else RMSNorm

@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module = (
             ParallelLMHead.tied_to(embedding)
             if config.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, bias=config.lm_head_bias)
         )
 
     def forward(
@@ -370,6 +370,8 @@ def _load_into(module: nn.Module, kind: str, shard: str, tensor: CheckpointTenso
         isinstance(module, VocabParallelEmbedding | ParallelLMHead) and kind == "weight"
     ):
         module.load(tensor)
+    elif isinstance(module, ParallelLMHead) and kind == "bias":
+        module.load_bias(tensor)
     else:
         dest = getattr(module, kind, None)
         if not isinstance(dest, torch.Tensor):

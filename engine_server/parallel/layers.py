@@ -378,16 +378,26 @@ class VocabParallelEmbedding(_VocabRows, nn.Module):
 
 
 class ParallelLMHead(_VocabRows, _LocalLinear):
-    """`hidden @ W_r.T` over this rank's vocab rows (padding rows give zero logits); `gather_vocab` of the result
-    is the full `[N, vocab]` logits on rank 0."""
+    """`hidden @ W_r.T (+ b_r)` over this rank's vocab rows (padding rows give zero logits); `gather_vocab` of the
+    result is the full `[N, vocab]` logits on rank 0. `bias`: one per vocab entry (PhiMoE's), this rank's part."""
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype = torch.float32
-    ) -> None:
+        self, vocab_size: int, hidden_size: int, tp: TensorParallel, dtype: torch.dtype = torch.float32,
+        bias: bool = False,
+    ) -> None:  # fmt: skip
         self.shard = vocab_shard(vocab_size, tp.size, tp.rank)
-        _LocalLinear.__init__(self, hidden_size, self.shard.per_rank, False, dtype)
+        _LocalLinear.__init__(self, hidden_size, self.shard.per_rank, bias, dtype)
         self.tp = tp
         self.weight.data[self.shard.num_valid :].zero_()
+        if self.bias is not None:
+            self.bias.data.zero_()
+
+    def load_bias(self, bias: CheckpointTensor) -> None:
+        """Copy the full `[vocab]` bias's entries this rank keeps (or exactly its `num_valid` real ones)."""
+        assert self.bias is not None, "an LM head without a bias loads none"
+        shard = self.shard
+        rows = range(shard.start, shard.valid_end)
+        _copy(self.bias.data[: shard.num_valid], _kept(bias, shard.vocab_size, rows, 0, "LM head bias"), "LM head bias")
 
     @classmethod
     def tied_to(cls, embedding: VocabParallelEmbedding) -> ParallelLMHead:

@@ -134,14 +134,15 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
         assert llm.core.scheduler.total_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4"])
+@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe"])
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
     heads; Gemma 2's soft-capped attention on each rank's heads and its final-logit cap after the vocab gather;
     Llama 4's q/k norms and temperature on each rank's heads, its input-scaled experts' rows split; GLM-4's
     reordered q/k rows and biases split by head, its half-head rope and sandwich norms; Cohere 2's parallel block
     (each half all-reduced) and its logit scale after the vocab gather; EXAONE 4's per-head q/k norms under its
-    post-norm block, its NoPE global layers."""
+    post-norm block, its NoPE global layers; PhiMoE's LM head bias split with its vocab rows, its sparsemixer over
+    each rank's whole router."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()) == reference_tokens(folder), name
@@ -567,13 +568,14 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    "name", ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus"]
+    "name", ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe"]
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
     pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers,
     OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries, Hunyuan's q/k norms after
-    rope nor Apertus's xIELU MLP; Llama 4's and Hunyuan's experts quantized too): each prompt's tokens are
+    rope, Apertus's xIELU MLP nor PhiMoE's LayerNorms and router; Llama 4's, Hunyuan's and PhiMoE's experts
+    quantized too): each prompt's tokens are
     the same alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name)
     theirs, batch = reference_tokens(folder), prompts()
@@ -581,7 +583,7 @@ def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp
         model = llm.core.runner.loaded.model
         assert model.model.decode_stack is None
         banks = sum(isinstance(module, QuantizedExperts) for module in model.modules())
-        assert banks == {"llama4": 2, "hunyuan-moe": 4}.get(name, 0)  # Llama 4's sparse layers, one in two
+        assert banks == {"llama4": 2, "hunyuan-moe": 4, "phimoe": 4}.get(name, 0)  # Llama 4's sparse layers, one in two
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6

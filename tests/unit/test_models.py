@@ -227,6 +227,17 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # Mixtures of experts: top-2 of 4 renormalised; top-3 of 8 small experts renormalised, the first layer dense;
     # top-2 of 4 unnormalised beside a gated shared expert.
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # PhiMoE: Mixtral's layout with biased LayerNorms, q/k/v/o and LM head biases, LongRoPE with its mscale; its
+    # sparsemixer's reach widened (0.5: most tokens' weights are softmaxes over several logits; at the released
+    # 0.01 they are mostly 1).
+    "phimoe": (
+        transformers.PhimoeConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": True, "lm_head_bias": True,
+         "router_jitter_noise": 0.5, "pad_token_id": 0, "original_max_position_embeddings": 200,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 200,
+                             "short_factor": [1.0 + 0.25 * i for i in range(8)], "long_factor": [4.0] * 8,
+                             "short_mscale": 1.2, "long_mscale": 1.2}},
+    ),
     "qwen3-moe": (
         transformers.Qwen3MoeConfig,
         {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
@@ -351,6 +362,7 @@ MODEL_CLASSES = {
     transformers.Ministral3Config: transformers.Ministral3ForCausalLM,
     transformers.MinistralConfig: transformers.MinistralForCausalLM,
     transformers.ArceeConfig: transformers.ArceeForCausalLM,
+    transformers.PhimoeConfig: transformers.PhimoeForCausalLM,
     transformers.ApertusConfig: transformers.ApertusForCausalLM,
     transformers.HunYuanDenseV1Config: transformers.HunYuanDenseV1ForCausalLM,
     transformers.HunYuanMoEV1Config: transformers.HunYuanMoEV1ForCausalLM,
@@ -666,6 +678,12 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "arcee", "hidden_act": "silu"}, "arcee hidden_act 'silu' is not supported"),
         ({"model_type": "apertus", "hidden_act": "silu"}, r"apertus hidden_act 'silu' is not supported \(xielu or"),
         ({"model_type": "apertus", "mlp_bias": True}, "apertus with mlp_bias is not supported"),
+        ({"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 3},
+         r"phimoe num_experts_per_tok 3 is not supported \(sparsemixer: 2\)"),
+        ({"model_type": "phimoe", "num_local_experts": 4, "original_max_position_embeddings": 8,
+          "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                              "short_mscale": 1.2, "long_mscale": 1.3}},
+         "longrope short_mscale 1.2 and long_mscale 1.3 differ"),
         ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": [2, 1]}, r"moe_topk \[2, 1\] differs"),
         ({"model_type": "hunyuan_v1_moe", "num_experts": 4, "moe_topk": 2, "num_shared_expert": 2},
          "num_shared_expert 2 is not supported"),
