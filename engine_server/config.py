@@ -48,6 +48,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitemoe",
+    "bamba": "granitemoe",  # Bamba: Granite 4.0's hybrid layout without its multipliers (`_bamba_config`)
     "olmo2": "olmo2",
     "olmo3": "olmo2",
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
@@ -581,6 +582,8 @@ class ModelConfig:
             model_type = _mistral3_text_type(cfg)
         if model_type in ("lfm2", "lfm2_moe"):
             cfg = _lfm2_config(cfg)
+        if model_type == "bamba":
+            cfg = _bamba_config(cfg)
         nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
         if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
             # dense width is its experts', as a file of it states: the config's own is unused)
@@ -904,12 +907,40 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
 
 
+# The families of Mamba-2 layers between attention layers (`_mamba2_fields`): Granite 4.0's hybrids and Bamba, read as
+# one (`_bamba_config`).
+_MAMBA2_HYBRIDS = ("granitemoehybrid", "bamba")
+
+
+def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba `config.json` under the keys of the Granite 4.0 hybrid it is laid out as (`granitemoehybrid`'s, which
+    came from it; its checkpoint names are read by `models.granitemoe`): Mamba-2 layers but those
+    `attn_layer_indices` names, each layer's dense SwiGLU MLP (`intermediate_size`) as Granite's shared MLP without
+    experts, rope over half of each head (transformers' Bamba fixes `partial_rotary_factor` at 0.5), and none of
+    Granite's multipliers (its attention scaled by `head_dim ** -0.5`)."""
+    layers, hidden, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    attention = {int(i) for i in cfg.get("attn_layer_indices") or ()}
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    return {
+        **cfg,
+        "layer_types": ["attention" if i in attention else "mamba" for i in range(layers)],
+        "position_embedding_type": "rope",
+        "partial_rotary_factor": 0.5,
+        "shared_intermediate_size": int(cfg["intermediate_size"]),
+        "num_local_experts": 0,
+        "embedding_multiplier": 1.0,
+        "attention_multiplier": head_dim**-0.5,
+        "residual_multiplier": 1.0,
+        "logits_scaling": 1.0,
+    }
+
+
 def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite 4.0's Mamba-2 layers (`Mamba2`; {} for the other families and for a Granite 4.0 of attention layers
     only): those `layer_types` (`layers_block_type`) calls "mamba" (transformers 5: "linear_attention"), their heads
     `mamba_d_head` wide ("auto": `mamba_expand * hidden_size` over the heads). ValueError for what the layer does not
     build: biases on its projections, a time step clamped to a range, an activation other than SiLU."""
-    if model_type != "granitemoehybrid":
+    if model_type not in _MAMBA2_HYBRIDS:
         return {}
     layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
@@ -921,12 +952,12 @@ def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if len(mamba) == layers:
         raise ValueError("a model of Mamba-2 layers only (no attention layer) is not supported")
     if cfg.get("mamba_proj_bias"):
-        raise ValueError("granitemoehybrid with mamba_proj_bias is not supported")
+        raise ValueError(f"{model_type} with mamba_proj_bias is not supported")
     limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or (0.0, math.inf)]
     if limit != [0.0, math.inf]:
-        raise ValueError(f"granitemoehybrid with time_step_limit {limit} is not supported")
+        raise ValueError(f"{model_type} with time_step_limit {limit} is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"granitemoehybrid hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+        raise ValueError(f"{model_type} hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
     heads, hidden = int(cfg.get("mamba_n_heads") or 128), int(cfg["hidden_size"])
     head_dim = cfg.get("mamba_d_head") or "auto"
     inner = int(cfg.get("mamba_expand") or 2) * hidden
@@ -1113,12 +1144,12 @@ def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
 # release of these families sets and the shared layers do not build.
-_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "arcee": "mlp_bias", "apertus": "mlp_bias", "ernie4_5": "use_bias",
-                  "ernie4_5_moe": "use_bias"}  # fmt: skip
+_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "arcee": "mlp_bias", "apertus": "mlp_bias", "bamba": "mlp_bias",
+                  "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}  # fmt: skip
 
 
 def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
-    """ValueError for a Seed-OSS, Arcee, Apertus or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
+    """ValueError for a Seed-OSS, Arcee, Apertus, Bamba or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
     key = _MLP_BIAS_KEYS.get(model_type)
     if key is not None and cfg.get(key):
         raise ValueError(f"{model_type} with {key} is not supported")
@@ -1210,7 +1241,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     models' "nope", or none); () for the other families."""
     if model_type == "nemotron_h":  # its attention turns no rope
         return tuple(range(int(cfg["num_hidden_layers"])))
-    if model_type == "granitemoehybrid":
+    if model_type in _MAMBA2_HYBRIDS:
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
     if model_type == "exaone4":

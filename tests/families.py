@@ -332,6 +332,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # Granite 4.0 H's dense form (Granite-4.0-H-Micro's: the shared MLP alone), Granite 3.x (Llama's block with its
     # multipliers) and Granite 3.0's mixture of experts with a shared MLP.
     "granite4-h-dense": ("GraniteMoeHybridConfig", {**GRANITE4_H, "num_local_experts": 0}),
+    # Bamba: Granite 4.0 H's layout without its multipliers (Mamba-2 of 4 heads 32 wide in 2 groups), attention on the
+    # third layer with rope over half of each head, a dense SwiGLU MLP after every layer.
+    "bamba": (
+        "BambaConfig",
+        {"attn_layer_indices": [2], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 2,
+         "mamba_chunk_size": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "granite": ("GraniteConfig", {k: v for k, v in GRANITE4_H.items() if k.endswith(("multiplier", "scaling"))}),
     "granitemoeshared": ("GraniteMoeSharedConfig", {
         **{k: v for k, v in GRANITE4_H.items() if k.endswith(("multiplier", "scaling"))},

@@ -1,5 +1,6 @@
 """IBM's Granite mixtures of experts (Granite 3.0 MoE, with a shared MLP or without) and Granite 4.0's hybrids of
-Mamba-2 (`layers.mamba2`) and attention: Granite's multiplied block under names of their own."""
+Mamba-2 (`layers.mamba2`) and attention: Granite's multiplied block under names of their own; Bamba, the hybrid
+Granite 4.0 was built from, in the same layout."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class GraniteMoeForCausalLM(CausalLM):
     a mixture of experts (`block_sparse_moe`: softmax over the top-k logits) beside the shared MLP (`shared_mlp`, its
     `input_linear` gate rows then up rows: read as an ungated shared expert), or the shared MLP alone where the model
     has no experts (Granite 4.0's dense models). Granite 4.0's Mamba-2 layers (checkpoint `mamba`) take the token
-    mixer's place (`ModelConfig.mamba2`); its H models' attention turns no rope."""
+    mixer's place (`ModelConfig.mamba2`); its H models' attention turns no rope. Bamba (`bamba`, read as this layout
+    by `config._bamba_config`) names its dense MLP `feed_forward`, the norm before it `pre_ff_layernorm` and the final
+    one `final_layernorm`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)
@@ -37,4 +40,8 @@ class GraniteMoeForCausalLM(CausalLM):
             *_EXPERT_RENAMES,
             (".shared_mlp.input_linear.", f"{shared}gate_up_proj."),
             (".shared_mlp.output_linear.", f"{shared}down_proj."),
+            # Bamba's names for what Granite 4.0 calls its dense MLP, the norm before it and the final norm.
+            (".feed_forward.", ".mlp."),
+            (".pre_ff_layernorm.", ".post_attention_layernorm."),
+            ("model.final_layernorm.", "model.norm."),
         )

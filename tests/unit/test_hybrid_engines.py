@@ -212,6 +212,19 @@ def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> N
     assert agree >= 6
 
 
+def test_a_bamba_checkpoint_is_served_as_granite_4s_layout(tmp_path: Path) -> None:
+    """Bamba (its `attn_layer_indices`, `feed_forward`, `pre_ff_layernorm` and `final_layernorm`, rope over half of
+    each head) read as the Granite 4.0 hybrid it is laid out as, without Granite's multipliers: its greedy tokens
+    equal transformers' alone and batched (the paged model's chunks: tests/unit/test_models.py)."""
+    folder = save_family(tmp_path, "bamba")
+    theirs = reference_tokens(load_reference(folder))
+    with engine(folder) as llm:
+        layers = llm.core.runner.loaded.model.model.layers
+        assert [isinstance(layer.self_attn, Mamba2Mixer) for layer in layers] == [True, True, False, True]
+        assert tokens(llm, prompts()[:1]) == theirs[:1]
+        assert tokens(llm, prompts()) == theirs
+
+
 def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     """The released Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration`: a `text_config`, the text model's
     weights under `model.language_model.` and a vision tower beside them, which is not read. Its text output equals
