@@ -58,6 +58,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "deepseek_v2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
     "glm4_moe": "glm4_moe",
+    # Upstage's Solar Open: GLM-4.5's experts on every layer under Llama's attention (rope over each whole head).
+    "solar_open": "glm4_moe",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
@@ -607,8 +609,10 @@ class ModelConfig:
             rope_theta, rope_type = _ntk_alpha_theta(cfg, rope_theta, float(rope["alpha"])), "default"
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
-        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half
-        default_partial = 0.25 if hybrid else 0.5 if arch in ("glm4", "glm4_moe") else 1.0
+        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's, in
+        # GLM-4.5's layout, all of it)
+        halved = arch in ("glm4", "glm4_moe") and model_type != "solar_open"
+        default_partial = 0.25 if hybrid else 0.5 if halved else 1.0
         partial = float(
             cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
             or default_partial

@@ -174,6 +174,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0},
     ),
+    # Solar Open: GLM-4.5's experts on every layer (top-3 of 8 by sigmoid scores and a correction bias, renormalised,
+    # a shared one) under Llama's attention (q/k/v biases here, none on o_proj; rope over each whole head).
+    "solar-open": (
+        transformers.SolarOpenConfig,
+        {"head_dim": 16, "attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 3,
+         "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0},
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved rope dims) and experts, the dense layers named by
     # `mlp_layer_types` (the second of two here, where DeepSeek's dense layers come first).
     "glm4-moe-lite": (
@@ -389,6 +396,7 @@ MODEL_CLASSES = {
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
+    transformers.SolarOpenConfig: transformers.SolarOpenForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
