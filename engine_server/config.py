@@ -23,6 +23,7 @@ Architecture = Literal[
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "llama",
+    "cwm": "llama",  # Meta's Code World Model: Llama with windows on the layers `layer_types` names (3 in 4)
     "ministral": "llama",  # Ministral 8B (2410): Mistral with windowed layers by `layer_types`
     # Ministral 3: Mistral under YaRN with Llama 4's query temperature over its original context
     # (`query_scale_beta`); Mistral 3 (Mistral Small 3.1 / 3.2, Magistral Small, Ministral 3, Mistral Small 4): a

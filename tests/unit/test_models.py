@@ -124,6 +124,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "num_experts": 4, "moe_topk": 2, "intermediate_size": 48, "pad_token_id": 0,
          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}},
     ),
+    # CWM: Llama under Llama 3 rope scaling with windowed layers (3 in 4, here 1 in 2, a window shorter than the
+    # prompts).
+    "cwm": (
+        transformers.CwmConfig,
+        {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"], "pad_token_id": 0,
+         "rope_parameters": LLAMA3_ROPE},
+    ),
     # Arcee AFM: Llama's block with an ungated relu² MLP.
     "arcee": (transformers.ArceeConfig, {"head_dim": 16, "pad_token_id": 0}),
     # Apertus: per-head q/k norms before rope, an ungated MLP with xIELU (its scalars drawn per layer), Llama 3 rope
@@ -375,6 +382,7 @@ MODEL_CLASSES = {
     transformers.Ministral3Config: transformers.Ministral3ForCausalLM,
     transformers.MinistralConfig: transformers.MinistralForCausalLM,
     transformers.ArceeConfig: transformers.ArceeForCausalLM,
+    transformers.CwmConfig: transformers.CwmForCausalLM,
     transformers.PhimoeConfig: transformers.PhimoeForCausalLM,
     transformers.ApertusConfig: transformers.ApertusForCausalLM,
     transformers.HunYuanDenseV1Config: transformers.HunYuanDenseV1ForCausalLM,
