@@ -23,6 +23,9 @@ Architecture = Literal[
 _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "llama",
+    "internlm3": "llama",  # InternLM3: Llama (q/k/v/o biases by `qkv_bias`), dynamic NTK rope
+    "iquestcoder": "llama",  # IQuest-Coder-V1: Llama
+    "helium": "ernie4_5",  # Kyutai's Helium: Llama with rope over interleaved pairs (ERNIE 4.5's), q/k/v biases
     "cwm": "llama",  # Meta's Code World Model: Llama with windows on the layers `layer_types` names (3 in 4)
     "ministral": "llama",  # Ministral 8B (2410): Mistral with windowed layers by `layer_types`
     # Ministral 3: Mistral under YaRN with Llama 4's query temperature over its original context
@@ -578,7 +581,7 @@ class ModelConfig:
             )
         if model_type == "bert":
             return cls._encoder_from_hf_config(cfg, name)
-        _refuse_mlp_biases(model_type, cfg)
+        _refuse_unbuilt(model_type, cfg)
         if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3"):  # multimodal: its text model
             cfg = _text_config(cfg)
         if model_type == "mistral3":  # read as its text model's own family
@@ -608,6 +611,8 @@ class ModelConfig:
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         if arch == "hunyuan" and rope_type == "dynamic" and rope.get("alpha"):
             rope_theta, rope_type = _ntk_alpha_theta(cfg, rope_theta, float(rope["alpha"])), "default"
+        elif rope_type == "dynamic":  # dynamic NTK (InternLM3's): as transformers computes it, rope's base grows with
+            rope_type = "default"  # a sequence past max_position_embeddings alone, which the engine does not serve
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
         # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's, in
@@ -636,7 +641,9 @@ class ModelConfig:
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
             )
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope type {rope_type!r} (default, linear, llama3, longrope and yarn are)")
+            raise ValueError(
+                f"unsupported rope type {rope_type!r} (default, dynamic, linear, llama3, longrope and yarn are)"
+            )
         local_theta = float(local_rope.get("rope_theta") or rope_theta)
         if local_rope and (local_theta != rope_theta or scaling is not None or rope_fields):
             # The windowed layers' own rope: a base of its own and no scaling (`DecoderModel`'s local table).
@@ -1147,17 +1154,20 @@ def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"short_convolution": conv} if conv.layers else {}
 
 
-# The configs' keys that put biases on the MLP's projections (ERNIE 4.5's `use_bias`: on every projection), which no
-# release of these families sets and the shared layers do not build.
-_MLP_BIAS_KEYS = {"seed_oss": "mlp_bias", "arcee": "mlp_bias", "apertus": "mlp_bias", "bamba": "mlp_bias",
-                  "ernie4_5": "use_bias", "ernie4_5_moe": "use_bias"}  # fmt: skip
+# Config keys that, set, ask for what no release of these families sets and the shared layers do not build: biases on
+# the MLP's projections (ERNIE 4.5's `use_bias`: on every projection; InternLM3's released configs call it `bias`,
+# transformers `mlp_bias`), IQuest-Coder's clamped q/k/v (which transformers refuses too).
+_UNBUILT_KEYS = {"seed_oss": ("mlp_bias",), "arcee": ("mlp_bias",), "apertus": ("mlp_bias",), "bamba": ("mlp_bias",),
+                 "helium": ("mlp_bias",), "internlm3": ("mlp_bias", "bias"), "iquestcoder": ("clip_qkv",),
+                 "ernie4_5": ("use_bias",), "ernie4_5_moe": ("use_bias",)}  # fmt: skip
 
 
-def _refuse_mlp_biases(model_type: str, cfg: dict[str, Any]) -> None:
-    """ValueError for a Seed-OSS, Arcee, Apertus, Bamba or ERNIE 4.5 config whose MLP has biases (`_MLP_BIAS_KEYS`)."""
-    key = _MLP_BIAS_KEYS.get(model_type)
-    if key is not None and cfg.get(key):
-        raise ValueError(f"{model_type} with {key} is not supported")
+def _refuse_unbuilt(model_type: str, cfg: dict[str, Any]) -> None:
+    """ValueError for a config of `_UNBUILT_KEYS`' families (Seed-OSS, Arcee, Apertus, Bamba, Helium, InternLM3,
+    IQuest-Coder, ERNIE 4.5) that sets one of its keys."""
+    for key in _UNBUILT_KEYS.get(model_type, ()):
+        if cfg.get(key):
+            raise ValueError(f"{model_type} with {key} is not supported")
 
 
 def _ntk_alpha_theta(cfg: dict[str, Any], theta: float, alpha: float) -> float:
@@ -1296,6 +1306,10 @@ def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 _GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4}
 
 
+# Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
+_WINDOWLESS = ("internlm3", "iquestcoder")
+
+
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
@@ -1306,6 +1320,10 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
     if (model_type.startswith("qwen") or model_type == "smollm3") and not cfg.get("use_sliding_window"):
+        window = None
+    if model_type in _WINDOWLESS:
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window is not supported (transformers builds none)")
         window = None
     if window is None:
         return ()
@@ -1496,6 +1514,8 @@ def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
         return bool(cfg.get("qkv_bias", True))
     if arch == "mixtral" and cfg.get("model_type") != "phimoe":
         return False
+    if cfg.get("model_type") == "internlm3" and "attention_bias" not in cfg:  # its released configs' name for it
+        return bool(cfg.get("qkv_bias", False))
     return bool(cfg.get("attention_bias", arch in ("gpt_oss", "glm4")))
 
 

@@ -124,6 +124,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "num_experts": 4, "moe_topk": 2, "intermediate_size": 48, "pad_token_id": 0,
          "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}},
     ),
+    # InternLM3: Llama under dynamic NTK rope (the sequences here short of max_position_embeddings, where it acts);
+    # IQuest-Coder: Llama; Helium: Llama with rope over interleaved pairs, q/k/v biases.
+    "internlm3": (
+        transformers.InternLM3Config,
+        {"head_dim": 16, "pad_token_id": 0, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 50000.0,
+                                                                 "factor": 6.0}},
+    ),
+    "iquestcoder": (transformers.IQuestCoderConfig, {"head_dim": 16, "pad_token_id": 0}),
+    "helium": (transformers.HeliumConfig, {"head_dim": 16, "attention_bias": True, "pad_token_id": 0}),
     # CWM: Llama under Llama 3 rope scaling with windowed layers (3 in 4, here 1 in 2, a window shorter than the
     # prompts).
     "cwm": (
@@ -383,6 +392,9 @@ MODEL_CLASSES = {
     transformers.MinistralConfig: transformers.MinistralForCausalLM,
     transformers.ArceeConfig: transformers.ArceeForCausalLM,
     transformers.CwmConfig: transformers.CwmForCausalLM,
+    transformers.InternLM3Config: transformers.LlamaForCausalLM,
+    transformers.IQuestCoderConfig: transformers.LlamaForCausalLM,
+    transformers.HeliumConfig: transformers.HeliumForCausalLM,
     transformers.PhimoeConfig: transformers.PhimoeForCausalLM,
     transformers.ApertusConfig: transformers.ApertusForCausalLM,
     transformers.HunYuanDenseV1Config: transformers.HunYuanDenseV1ForCausalLM,
@@ -702,6 +714,10 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "apertus", "hidden_act": "silu"}, r"apertus hidden_act 'silu' is not supported \(xielu or"),
         ({"model_type": "apertus", "mlp_bias": True}, "apertus with mlp_bias is not supported"),
         ({"model_type": "bamba", "mlp_bias": True}, "bamba with mlp_bias is not supported"),
+        ({"model_type": "internlm3", "bias": True}, "internlm3 with bias is not supported"),
+        ({"model_type": "iquestcoder", "clip_qkv": 8.0}, "iquestcoder with clip_qkv is not supported"),
+        ({"model_type": "iquestcoder", "sliding_window": 4, "use_sliding_window": True},
+         "iquestcoder with use_sliding_window is not supported"),
         ({"model_type": "bamba", "attn_layer_indices": [1], "time_step_limit": [0.001, 100.0]},
          r"bamba with time_step_limit \[0.001, 100.0\] is not supported"),
         ({"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 3},
