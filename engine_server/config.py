@@ -26,6 +26,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "internlm3": "llama",  # InternLM3: Llama (q/k/v/o biases by `qkv_bias`), dynamic NTK rope
     "iquestcoder": "llama",  # IQuest-Coder-V1: Llama
     "helium": "ernie4_5",  # Kyutai's Helium: Llama with rope over interleaved pairs (ERNIE 4.5's), q/k/v biases
+    "jais2": "llama",  # Jais 2: Llama with biased LayerNorms and an ungated relu² MLP with biases (`_jais2_fields`)
     "cwm": "llama",  # Meta's Code World Model: Llama with windows on the layers `layer_types` names (3 in 4)
     "ministral": "llama",  # Ministral 8B (2410): Mistral with windowed layers by `layer_types`
     # Ministral 3: Mistral under YaRN with Llama 4's query temperature over its original context
@@ -391,9 +392,11 @@ class ModelConfig:
     layer_norm: bool = False
     parallel_block: bool = False
     logit_scale: float = 1.0
-    # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`).
+    # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`). Jais 2: biased
+    # LayerNorms and biases on its ungated MLP's projections (`mlp_bias`).
     layer_norm_bias: bool = False
     lm_head_bias: bool = False
+    mlp_bias: bool = False
     # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then the cache's, a latent
     # and its rope key, under one KV head: `layers.mla`), and its router (`grouped_router`,
     # `layers.moe.GroupedTopkRouter`): sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to
@@ -696,6 +699,7 @@ class ModelConfig:
             **_granite_fields(arch, cfg),
             **_cohere_fields(arch, cfg),
             **_phimoe_fields(model_type, cfg),
+            **_jais2_fields(model_type, cfg),
             **_ungated_mlp_fields(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
@@ -1190,12 +1194,12 @@ def _uniform(cfg: dict[str, Any], key: str, default: int) -> int:
 
 
 # The families whose MLP is ungated, `down(act(up(x)))`: their activations, the default first.
-_UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "apertus": ("xielu", "relu2")}
+_UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "apertus": ("xielu", "relu2"), "jais2": ("relu2",)}
 
 
 def _ungated_mlp_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The activation of Arcee AFM's MLP (relu²) and of Apertus's (xIELU, or relu² as transformers builds it too),
-    ungated; {} for the other families. ValueError for another activation."""
+    """The activation of Arcee AFM's and Jais 2's MLP (relu²) and of Apertus's (xIELU, or relu² as transformers builds
+    it too), ungated; {} for the other families. ValueError for another activation."""
     supported = _UNGATED_ACTIVATIONS.get(model_type)
     if supported is None:
         return {}
@@ -1230,6 +1234,14 @@ def _phimoe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "moe_scoring": "sparsemixer",
         "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
     }
+
+
+def _jais2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Jais 2's `ModelConfig` fields ({} for the other families): LayerNorms with biases (`layer_norm_eps` their
+    epsilon) and its ungated MLP's biases (`mlp_bias`, on in its config's default and releases)."""
+    if model_type != "jais2":
+        return {}
+    return {"layer_norm": True, "layer_norm_bias": True, "mlp_bias": bool(cfg.get("mlp_bias", True))}
 
 
 def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

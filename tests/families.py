@@ -85,6 +85,7 @@ WINDOW = 20
 # Hunyuan-A13B's form: per-head q/k norms after rope, rope's base stretched by NTK's alpha, top-2 of 4 experts by
 # softmax beside an ungated shared MLP (its counts per layer, as Hunyuan-A13B's config.json gives them).
 # Arcee AFM: Llama's block with an ungated relu² MLP, under YaRN (AFM-4.5B's 64K context).
+# Jais 2: Llama with biased LayerNorms, q/k/v/o biases and an ungated relu² MLP with biases.
 # CWM: Llama under its Llama 3 rope scaling, windows on three layers in four (its default pattern).
 # Apertus: per-head q/k norms before rope, an ungated MLP with xIELU (its scalars drawn per layer), Apertus 8B's Llama 3
 # rope scaling (factor 8 over 8,192: with its base of 12M most of these 16-wide heads' frequencies are scaled).
@@ -262,6 +263,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                              "original_max_position_embeddings": 32}},
     ),
+    "jais2": ("Jais2Config", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "cwm": (
         "CwmConfig",
         {"head_dim": 16, "sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
             if not config.has_mlp(index)
             else SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)
-            else UngatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
+            else UngatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act, config.mlp_bias)
             if config.hidden_act in ("relu2", "xielu")
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
         )

@@ -79,8 +79,9 @@ class XIELU(nn.Module):
 
 
 class UngatedMLP(nn.Module):
-    """`down(act(up(x)))`, no gate: act `relu(x)²` (Nemotron-H's and Arcee's, transformers' `relu2`) or xIELU
-    (Apertus's, `XIELU`, whose scalars load as `act_fn.*`).
+    """`down(act(up(x)))`, no gate: act `relu(x)²` (Nemotron-H's, Arcee's and Jais 2's, transformers' `relu2`) or
+    xIELU (Apertus's, `XIELU`, whose scalars load as `act_fn.*`); with `bias`, up and down have biases (Jais 2's;
+    down's added on rank 0 alone under tensor parallelism).
 
     Under tensor parallelism a rank holds a block of up's rows and the matching columns of down, whose partial sums
     it all-reduces, as `GatedMLP` does (the activation is elementwise: every rank holds xIELU's scalars whole)."""
@@ -92,12 +93,13 @@ class UngatedMLP(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
         activation: str = "relu2",
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
         part = even_slice(intermediate_size, tp.size, tp.rank, "intermediate_size")
-        self.up_proj: nn.Module = ColumnParallelLinear(hidden_size, [part], False, dtype)
-        self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
+        self.up_proj: nn.Module = ColumnParallelLinear(hidden_size, [part], bias, dtype)
+        self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, bias, tp, dtype)
         self.act_fn: nn.Module | None = XIELU(dtype) if activation == "xielu" else None
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:

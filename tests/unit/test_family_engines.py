@@ -134,7 +134,9 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
         assert llm.core.scheduler.total_preemptions > 0
 
 
-@pytest.mark.parametrize("name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe"])
+@pytest.mark.parametrize(
+    "name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe", "jais2"]
+)
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
     heads; Gemma 2's soft-capped attention on each rank's heads and its final-logit cap after the vocab gather;
@@ -142,7 +144,7 @@ def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tm
     reordered q/k rows and biases split by head, its half-head rope and sandwich norms; Cohere 2's parallel block
     (each half all-reduced) and its logit scale after the vocab gather; EXAONE 4's per-head q/k norms under its
     post-norm block, its NoPE global layers; PhiMoE's LM head bias split with its vocab rows, its sparsemixer over
-    each rank's whole router."""
+    each rank's whole router; Jais 2's MLP biases (up's split with its rows, down's added once)."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()) == reference_tokens(folder), name
@@ -568,7 +570,8 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    "name", ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe"]
+    "name",
+    ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe", "jais2"],
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs

@@ -133,6 +133,8 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     ),
     "iquestcoder": (transformers.IQuestCoderConfig, {"head_dim": 16, "pad_token_id": 0}),
     "helium": (transformers.HeliumConfig, {"head_dim": 16, "attention_bias": True, "pad_token_id": 0}),
+    # Jais 2: Llama with biased LayerNorms, q/k/v/o biases and an ungated relu² MLP with biases.
+    "jais2": (transformers.Jais2Config, {"head_dim": 16, "pad_token_id": 0}),
     # CWM: Llama under Llama 3 rope scaling with windowed layers (3 in 4, here 1 in 2, a window shorter than the
     # prompts).
     "cwm": (
@@ -392,6 +394,7 @@ MODEL_CLASSES = {
     transformers.MinistralConfig: transformers.MinistralForCausalLM,
     transformers.ArceeConfig: transformers.ArceeForCausalLM,
     transformers.CwmConfig: transformers.CwmForCausalLM,
+    transformers.Jais2Config: transformers.Jais2ForCausalLM,
     transformers.InternLM3Config: transformers.LlamaForCausalLM,
     transformers.IQuestCoderConfig: transformers.LlamaForCausalLM,
     transformers.HeliumConfig: transformers.HeliumForCausalLM,
