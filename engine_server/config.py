@@ -65,6 +65,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4_moe": "glm4_moe",
     # Upstage's Solar Open: GLM-4.5's experts on every layer under Llama's attention (rope over each whole head).
     "solar_open": "glm4_moe",
+    # LG's K-EXAONE: GLM-4.5's layout under EXAONE 4's attention (per-head q/k norms, windows on 3 layers in 4, no rope
+    # on the global ones), a pre-norm block.
+    "exaone_moe": "glm4_moe",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
@@ -618,9 +621,9 @@ class ModelConfig:
             rope_type = "default"  # a sequence past max_position_embeddings alone, which the engine does not serve
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
-        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's, in
-        # GLM-4.5's layout, all of it)
-        halved = arch in ("glm4", "glm4_moe") and model_type != "solar_open"
+        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's and
+        # K-EXAONE's, in GLM-4.5's layout, all of it)
+        halved = arch in ("glm4", "glm4_moe") and model_type not in ("solar_open", "exaone_moe")
         default_partial = 0.25 if hybrid else 0.5 if halved else 1.0
         partial = float(
             cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
@@ -682,7 +685,7 @@ class ModelConfig:
             attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss"
             else bool(cfg.get("attention_bias")) if model_type == "phimoe" else None,
             qk_norm=arch in _QK_NORM_FAMILIES
-            or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
+            or (arch == "glm4_moe" and (model_type == "exaone_moe" or bool(cfg.get("use_qk_norm", False)))),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
             qk_norm_after_rope=arch == "hunyuan",
@@ -1271,7 +1274,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in _MAMBA2_HYBRIDS:
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
-    if model_type == "exaone4":
+    if model_type in ("exaone4", "exaone_moe"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
     if model_type == "cohere2":  # rope on its windowed layers only: with no window, on none
@@ -1356,7 +1359,8 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         windowed = [(i + 1) % pattern != 0 for i in range(layers)]
     elif model_type in ("gemma2", "gpt_oss"):  # an earlier config: the even layers are local, the odd ones global
         windowed = [i % 2 == 0 for i in range(layers)]
-    elif model_type == "exaone4":  # its pattern: "LLLG" (local, local, local, global, repeated) or every n-th global
+    elif model_type in ("exaone4", "exaone_moe"):  # its pattern: "LLLG" (local, local, local, global, repeated) or
+        # every n-th global
         windowed = _exaone4_windowed(cfg.get("sliding_window_pattern") or 4, layers)
     else:
         windowed = [True] * layers
@@ -1571,7 +1575,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
-            shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+            shared_expert_intermediate_size=int(cfg["moe_intermediate_size"])
+            * int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0),  # (K-EXAONE's name for it)
             shared_expert_gated=False,
             dense_layers=_dense_layers(cfg),
             grouped_router=True,

@@ -1,4 +1,5 @@
-"""GLM-4.5 (and GLM-4.6, GLM-4.7, GLM-4.5-Air): DeepSeek-V3's mixture of experts under grouped-query attention."""
+"""GLM-4.5 (and GLM-4.6, GLM-4.7, GLM-4.5-Air), Solar Open and K-EXAONE: DeepSeek-V3's mixture of experts under
+grouped-query attention."""
 
 from __future__ import annotations
 
@@ -11,4 +12,12 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     `use_qk_norm` says, per-head q/k norms; its MLP dense for the first `first_k_dense_replace` layers and otherwise
     DeepSeek-V3's (`layers.moe.GroupedTopkRouter`: sigmoid scores with a load-balancing bias, `routed_scaling_factor`,
     ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
-    (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's."""
+    (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
+    Open and K-EXAONE (`exaone_moe`) come in this layout: their quirks are `ModelConfig`'s."""
+
+    ignored_prefixes = ("mtp.",)
+    # K-EXAONE's checkpoints hold the router's load-balancing bias on the block, `mlp.e_score_correction_bias`.
+    checkpoint_renames = (
+        *DeepseekV3ForCausalLM.checkpoint_renames,
+        (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+    )

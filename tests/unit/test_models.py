@@ -199,6 +199,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 3,
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0},
     ),
+    # K-EXAONE: EXAONE 4's attention (per-head q/k norms; windows on 3 layers in 4, here shorter than the prompts, the
+    # global ones without rope) in a pre-norm block, GLM-4.5's experts (top-2 of 8 by sigmoid scores and a correction
+    # bias, a shared one, scaled by 2.5) after a dense first layer.
+    "exaone-moe": (
+        transformers.ExaoneMoeConfig,
+        {"head_dim": 16, "num_hidden_layers": 4, "sliding_window": 6, "sliding_window_pattern": 4, "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_shared_experts": 1, "first_k_dense_replace": 1,
+         "pad_token_id": 0},
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved rope dims) and experts, the dense layers named by
     # `mlp_layer_types` (the second of two here, where DeepSeek's dense layers come first).
     "glm4-moe-lite": (
@@ -420,6 +429,7 @@ MODEL_CLASSES = {
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.SolarOpenConfig: transformers.SolarOpenForCausalLM,
+    transformers.ExaoneMoeConfig: transformers.ExaoneMoeForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
