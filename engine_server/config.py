@@ -45,6 +45,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "flex_olmo": "olmoe",  # FlexOlmo: OLMoE's experts and q/k norms under OLMo 2's post-norm block
     "gpt_oss": "gpt_oss",
     "smollm3": "smollm3",
     "granite": "granite",
@@ -689,7 +690,7 @@ class ModelConfig:
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
             qk_norm_after_rope=arch == "hunyuan",
-            post_norms=arch == "olmo2",
+            post_norms=arch == "olmo2" or model_type == "flex_olmo",
             clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
             rope_scaling=scaling,
             partial_rotary_factor=partial,

@@ -93,7 +93,8 @@ WINDOW = 20
 # stay short of its original context: transformers' PhiMoE keeps the short factors past it), top-2 of 4 experts by
 # its sparsemixer, its reach widened to 0.1 (the released 0.01 weighs most chosen experts 1).
 # Solar Open: GLM-4.5's experts (top-2 of 8 by sigmoid scores and a correction bias, a shared one) on every layer
-# under Llama's attention. K-EXAONE: those experts after a dense first layer under EXAONE 4's attention (per-head q/k
+# under Llama's attention. FlexOlmo: OLMoE's experts (top-2 of 4) and q/k norms under OLMo 2's post-norm block.
+# K-EXAONE: those experts after a dense first layer under EXAONE 4's attention (per-head q/k
 # norms, windows on three layers in four, the fourth without rope) in a pre-norm block.
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
@@ -204,6 +205,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "SolarOpenConfig",
         {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "n_shared_experts": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "flex-olmo": (
+        "FlexOlmoConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
     ),
     "exaone-moe": (
         "ExaoneMoeConfig",

@@ -8,4 +8,5 @@ from engine_server.models.base import CausalLM
 class OlmoeForCausalLM(CausalLM):
     """OLMoE: top-k of `num_experts` experts of `intermediate_size`, renormalised only with `norm_topk_prob` (the
     released checkpoints: not); q and k each normalised over all their heads at once (`qk_norm_whole`), then q, k
-    and v clamped with `clip_qkv` when set; no shared expert, no dense layers."""
+    and v clamped with `clip_qkv` when set; no shared expert, no dense layers. FlexOlmo (`flex_olmo`) is this under
+    OLMo 2's post-norm block (`ModelConfig.post_norms`)."""

@@ -199,6 +199,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 3,
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0},
     ),
+    # FlexOlmo: OLMoE's experts (top-2 of 4, not renormalised) and whole-projection q/k norms under OLMo 2's post-norm
+    # block.
+    "flex-olmo": (
+        transformers.FlexOlmoConfig,
+        {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "pad_token_id": 0},
+    ),
     # K-EXAONE: EXAONE 4's attention (per-head q/k norms; windows on 3 layers in 4, here shorter than the prompts, the
     # global ones without rope) in a pre-norm block, GLM-4.5's experts (top-2 of 8 by sigmoid scores and a correction
     # bias, a shared one, scaled by 2.5) after a dense first layer.
@@ -430,6 +436,7 @@ MODEL_CLASSES = {
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.SolarOpenConfig: transformers.SolarOpenForCausalLM,
     transformers.ExaoneMoeConfig: transformers.ExaoneMoeForCausalLM,
+    transformers.FlexOlmoConfig: transformers.FlexOlmoForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
