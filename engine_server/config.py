@@ -17,7 +17,7 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "bert",
+    "afmoe", "bert",
 ]  # fmt: skip
 
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -72,6 +72,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
+    # Arcee's Trinity (AFMoE): gated attention with q/k norms, rope on its windowed layers alone, sandwich norms,
+    # DeepSeek-V3's sigmoid routing in one group beside shared experts (`_afmoe_fields`).
+    "afmoe": "afmoe",
     "apertus": "apertus",  # Apertus: Qwen3's per-head q/k norms, an ungated MLP with xIELU learned per layer
     # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
     # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
@@ -108,12 +111,12 @@ _NOT_YET: dict[str, str] = {
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
-    "apertus",
+    "apertus", "afmoe",
 )  # fmt: skip
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan",
-    "apertus",
+    "apertus", "afmoe",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -704,6 +707,7 @@ class ModelConfig:
             **_cohere_fields(arch, cfg),
             **_phimoe_fields(model_type, cfg),
             **_jais2_fields(model_type, cfg),
+            **_afmoe_fields(arch, cfg),
             **_ungated_mlp_fields(model_type, cfg),
             **_experts_from_hf_config(arch, cfg),
             **rope_fields,
@@ -1240,6 +1244,41 @@ def _phimoe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _afmoe_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """AFMoE's (Arcee Trinity's) `ModelConfig` fields ({} for the other families): norms before and after the
+    attention and the MLP (plain weights), each head's attention output gated by the sigmoid of its `gate_proj` rows
+    (read into q_proj's, `models.afmoe`), and with `mup_enabled` its embeddings times `sqrt(hidden_size)`."""
+    if arch != "afmoe":
+        return {}
+    fields: dict[str, Any] = {"sandwich_norms": True, "attention_output_gate": True}
+    if cfg.get("mup_enabled"):
+        fields["embedding_multiplier"] = float(cfg["hidden_size"]) ** 0.5
+    return fields
+
+
+def _afmoe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """AFMoE's experts (after its first `num_dense_layers` dense layers): DeepSeek-V3's sigmoid scores with a
+    load-balancing bias (`expert_bias`) for the choice, in one group, the chosen scores renormalised and times
+    `route_scale`, beside `num_shared_experts` ungated shared experts, each `moe_intermediate_size` wide."""
+    experts, top_k = int(cfg.get("num_experts") or 64), int(cfg.get("num_experts_per_tok") or 6)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"afmoe: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    width = int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=width * int(cfg.get("num_shared_experts") or 0),
+        shared_expert_gated=False,
+        dense_layers=tuple(range(int(cfg.get("num_dense_layers") or 0))),
+        grouped_router=True,
+        moe_scoring="sigmoid",
+        router_score_bias=True,
+        routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
+    )
+
+
 def _jais2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Jais 2's `ModelConfig` fields ({} for the other families): LayerNorms with biases (`layer_norm_eps` their
     epsilon) and its ungated MLP's biases (`mlp_bias`, on in its config's default and releases)."""
@@ -1278,6 +1317,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in ("exaone4", "exaone_moe"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
+    if model_type == "afmoe":  # rope on its windowed layers alone
+        return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
     if model_type == "cohere2":  # rope on its windowed layers only: with no window, on none
         windows = _layer_windows(model_type, cfg) or (0,) * int(cfg["num_hidden_layers"])
         return tuple(i for i, window in enumerate(windows) if not window)
@@ -1322,6 +1363,15 @@ def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 _GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4}
 
 
+def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """AFMoE's `layer_types`, or (a config without them) every `global_attn_every_n_layers`-th layer full attention
+    and the others windowed, as transformers fills them in."""
+    every = int(cfg.get("global_attn_every_n_layers") or 4)
+    layers = int(cfg["num_hidden_layers"])
+    return list(cfg.get("layer_types") or
+                ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)])  # fmt: skip
+
+
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
 _WINDOWLESS = ("internlm3", "iquestcoder")
 
@@ -1345,7 +1395,7 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         return ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer; got {window!r}")
-    types = cfg.get("layer_types")
+    types = _afmoe_layer_types(cfg) if model_type == "afmoe" else cfg.get("layer_types")
     if types is not None:
         unknown = set(types) - {"sliding_attention", "full_attention"}
         if unknown or len(types) != layers:
@@ -1544,11 +1594,13 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe",
     ):  # fmt: skip
         return {}
     if arch == "hunyuan":
         return _hunyuan_experts(cfg)
+    if arch == "afmoe":
+        return _afmoe_experts(cfg)
     if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
         return {}  # Qwen3.5's and LFM2's dense models
     if arch == "granitemoe" and not cfg.get("num_local_experts"):

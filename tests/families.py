@@ -93,7 +93,9 @@ WINDOW = 20
 # stay short of its original context: transformers' PhiMoE keeps the short factors past it), top-2 of 4 experts by
 # its sparsemixer, its reach widened to 0.1 (the released 0.01 weighs most chosen experts 1).
 # Solar Open: GLM-4.5's experts (top-2 of 8 by sigmoid scores and a correction bias, a shared one) on every layer
-# under Llama's attention. FlexOlmo: OLMoE's experts (top-2 of 4) and q/k norms under OLMo 2's post-norm block.
+# under Llama's attention. AFMoE (Arcee Trinity): gated attention, q/k norms, rope on its windowed layers alone (three
+# in four), sandwich norms; top-2 of 8 experts by sigmoid scores and a routing bias beside a shared one, after a
+# dense first layer. FlexOlmo: OLMoE's experts (top-2 of 4) and q/k norms under OLMo 2's post-norm block.
 # K-EXAONE: those experts after a dense first layer under EXAONE 4's attention (per-head q/k
 # norms, windows on three layers in four, the fourth without rope) in a pre-norm block.
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
@@ -205,6 +207,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "SolarOpenConfig",
         {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "n_shared_experts": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "afmoe": (
+        "AfmoeConfig",
+        {"head_dim": 16, "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "num_shared_experts": 1, "route_scale": 2.0, "sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
     ),
     "flex-olmo": (
         "FlexOlmoConfig",
@@ -389,7 +397,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router.proj.weight",
            "feed_forward.router.weight", "feed_forward.gate.weight", "block_sparse_moe.router.weight",
-           "mixer.gate.weight")  # fmt: skip
+           "mixer.gate.weight", "mlp.router.gate.weight")  # fmt: skip
 
 
 def draw_language_model(model: Any) -> None:

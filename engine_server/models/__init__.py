@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
+from engine_server.models.afmoe import AfmoeForCausalLM
 from engine_server.models.apertus import ApertusForCausalLM
 from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
@@ -45,7 +46,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
-    "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus");
+    "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -78,6 +79,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "nemotron_h": NemotronHForCausalLM,
         "hunyuan": HunYuanForCausalLM,
         "apertus": ApertusForCausalLM,
+        "afmoe": AfmoeForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -199,6 +199,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "attention_bias": True, "n_routed_experts": 8, "num_experts_per_tok": 3,
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 1.5, "pad_token_id": 0},
     ),
+    # AFMoE (Arcee Trinity): gated attention with per-head q/k norms, rope on the windowed layers alone (one in two
+    # here, a window shorter than the prompts), sandwich norms, muP's embedding scale; a dense first layer, then
+    # top-2 of 8 experts by sigmoid scores and a routing bias, renormalised and scaled, beside 2 shared experts.
+    "afmoe": (
+        transformers.AfmoeConfig,
+        {"head_dim": 16, "num_hidden_layers": 3, "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "num_shared_experts": 2, "route_scale": 2.0, "global_attn_every_n_layers": 2,
+         "sliding_window": 6, "mup_enabled": True, "pad_token_id": 0},
+    ),
     # FlexOlmo: OLMoE's experts (top-2 of 4, not renormalised) and whole-projection q/k norms under OLMo 2's post-norm
     # block.
     "flex-olmo": (
@@ -437,6 +446,7 @@ MODEL_CLASSES = {
     transformers.SolarOpenConfig: transformers.SolarOpenForCausalLM,
     transformers.ExaoneMoeConfig: transformers.ExaoneMoeForCausalLM,
     transformers.FlexOlmoConfig: transformers.FlexOlmoForCausalLM,
+    transformers.AfmoeConfig: transformers.AfmoeForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
@@ -474,7 +484,7 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "sinks",
                                 "router.proj.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
-                                "block_sparse_moe.router.weight", "mixer.gate.weight")):
+                                "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer

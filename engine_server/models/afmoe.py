@@ -1,0 +1,78 @@
+"""AFMoE (Arcee's Trinity Nano, Mini and Large): gated attention with per-head q/k norms and rope on its windowed
+layers alone, norms before and after the attention and the MLP, and DeepSeek-V3's sigmoid routing beside shared
+experts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterable, Iterator
+
+import torch
+
+from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
+from engine_server.models.base import CausalLM
+from engine_server.parallel.layers import CheckpointTensor, read_whole
+
+# A layer's query and output-gate projections, which the shared attention reads as one (`_query_and_gate`).
+_QUERY_OR_GATE = re.compile(r"(?P<layer>.+\.self_attn)\.(?P<part>q_proj|gate_proj)\.weight")
+
+
+class AfmoeForCausalLM(CausalLM):
+    """AFMoE (`afmoe`): its quirks are `ModelConfig`'s (`sandwich_norms`, `attention_output_gate`, the windowed
+    layers' rope, the grouped router). Checkpoint names read as the shared layers': the norms around the MLP
+    (`pre_mlp_layernorm`, `post_mlp_layernorm`), the router (`mlp.router.gate`) and its bias (`mlp.expert_bias`), the
+    shared experts; each layer's `self_attn.gate_proj` joins its `q_proj` as the shared attention takes a gated
+    query (each head's query rows, then its gate's)."""
+
+    checkpoint_renames = (
+        (".pre_mlp_layernorm.", ".pre_feedforward_layernorm."),
+        (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
+        (".mlp.router.gate.", ".mlp.gate."),
+        (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+        (".mlp.shared_experts.", ".mlp.shared_expert."),
+    )
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """Each layer's q_proj and gate_proj as one q_proj (`_query_and_gate`), yielded once both are read."""
+        return super().checkpoint_weights(self._query_and_gate(weights), replaced)
+
+    def _query_and_gate(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        held: dict[str, dict[str, CheckpointTensor]] = {}
+        for name, tensor in weights:
+            match = _QUERY_OR_GATE.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            parts = held.setdefault(match["layer"], {})
+            parts[match["part"]] = tensor
+            if len(parts) == 2:
+                del held[match["layer"]]
+                gated = _gated_query(parts["q_proj"], parts["gate_proj"], self.config.head_dim)
+                yield f"{match['layer']}.q_proj.weight", gated
+        if held:
+            raise ValueError(f"checkpoint holds a query or an output gate without the other: {sorted(held)}")
+
+
+def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
+    """`[heads * head_dim, hidden]` query and gate rows as `[heads * 2 * head_dim, hidden]`, each head's query rows
+    then its gate's; unread (`LazyTensor`) until loading reads it, when either is."""
+    if tuple(query.shape) != tuple(gate.shape):
+        raise ValueError(f"q_proj {tuple(query.shape)} and gate_proj {tuple(gate.shape)} differ in shape")
+    rows, columns = query.shape[0], query.shape[1]
+
+    def join() -> torch.Tensor:
+        q, g = (_whole(part).reshape(-1, head_dim, columns) for part in (query, gate))
+        return torch.cat([q, g], dim=1).reshape(-1, columns)
+
+    if isinstance(query, torch.Tensor) and isinstance(gate, torch.Tensor):
+        return join()
+    return LazyTensor(ComputedSlice((2 * rows, columns), join))
+
+
+def _whole(tensor: CheckpointTensor) -> torch.Tensor:
+    """All of a checkpoint tensor, read."""
+    return tensor.materialize() if isinstance(tensor, LazyTensor) else read_whole(tensor)
