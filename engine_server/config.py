@@ -60,6 +60,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
@@ -1601,6 +1602,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         return _hunyuan_experts(cfg)
     if arch == "afmoe":
         return _afmoe_experts(cfg)
+    if cfg.get("model_type") == "youtu":  # DeepSeek-V3's attention, no experts
+        return {}
     if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
         return {}  # Qwen3.5's and LFM2's dense models
     if arch == "granitemoe" and not cfg.get("num_local_experts"):

@@ -223,6 +223,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_shared_experts": 1, "first_k_dense_replace": 1,
          "pad_token_id": 0},
     ),
+    # Youtu-LLM: DeepSeek-V3's latent attention (interleaved rope dims, a low-rank query) over dense MLPs, tied
+    # embeddings.
+    "youtu": (
+        transformers.YoutuConfig,
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "pad_token_id": 0},
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved rope dims) and experts, the dense layers named by
     # `mlp_layer_types` (the second of two here, where DeepSeek's dense layers come first).
     "glm4-moe-lite": (
@@ -447,6 +454,7 @@ MODEL_CLASSES = {
     transformers.ExaoneMoeConfig: transformers.ExaoneMoeForCausalLM,
     transformers.FlexOlmoConfig: transformers.FlexOlmoForCausalLM,
     transformers.AfmoeConfig: transformers.AfmoeForCausalLM,
+    transformers.YoutuConfig: transformers.YoutuForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
