@@ -70,6 +70,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # LG's K-EXAONE: GLM-4.5's layout under EXAONE 4's attention (per-head q/k norms, windows on 3 layers in 4, no rope
     # on the global ones), a pre-norm block.
     "exaone_moe": "glm4_moe",
+    # Tencent's Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads).
+    "hy_v3": "glm4_moe",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
@@ -626,9 +628,9 @@ class ModelConfig:
             rope_type = "default"  # a sequence past max_position_embeddings alone, which the engine does not serve
         scaling: RopeScaling | LongRope | Yarn | None = None
         hybrid = _hybrid_fields(arch, cfg)
-        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's and
-        # K-EXAONE's, in GLM-4.5's layout, all of it)
-        halved = arch in ("glm4", "glm4_moe") and model_type not in ("solar_open", "exaone_moe")
+        # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's,
+        # K-EXAONE's and Hy3's, in GLM-4.5's layout, all of it)
+        halved = arch in ("glm4", "glm4_moe") and model_type not in _WHOLE_ROPE_GLM4_MOE
         default_partial = 0.25 if hybrid else 0.5 if halved else 1.0
         partial = float(
             cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
@@ -688,9 +690,9 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=_attention_bias(arch, cfg),
             attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss"
-            else bool(cfg.get("attention_bias")) if model_type == "phimoe" else None,
+            else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3") else None,
             qk_norm=arch in _QK_NORM_FAMILIES
-            or (arch == "glm4_moe" and (model_type == "exaone_moe" or bool(cfg.get("use_qk_norm", False)))),
+            or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3") or bool(cfg.get("use_qk_norm", False)))),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
             qk_norm_after_rope=arch == "hunyuan",
@@ -1373,6 +1375,10 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
                 ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)])  # fmt: skip
 
 
+# The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3")
+
+
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
 _WINDOWLESS = ("internlm3", "iquestcoder")
 
@@ -1641,7 +1647,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_groups=groups if method != "greedy" else 1,
             moe_topk_groups=top_groups if method != "greedy" else 1,
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            # (Hy3's `router_scaling_factor`)
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or cfg.get("router_scaling_factor") or 1.0),
         )
     if arch == "ernie4_5_moe":
         return _ernie4_5_moe_fields(cfg, experts, top_k)

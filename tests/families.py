@@ -95,9 +95,10 @@ WINDOW = 20
 # Solar Open: GLM-4.5's experts (top-2 of 8 by sigmoid scores and a correction bias, a shared one) on every layer
 # under Llama's attention. AFMoE (Arcee Trinity): gated attention, q/k norms, rope on its windowed layers alone (three
 # in four), sandwich norms; top-2 of 8 experts by sigmoid scores and a routing bias beside a shared one, after a
-# dense first layer. FlexOlmo: OLMoE's experts (top-2 of 4) and q/k norms under OLMo 2's post-norm block.
-# K-EXAONE: those experts after a dense first layer under EXAONE 4's attention (per-head q/k
-# norms, windows on three layers in four, the fourth without rope) in a pre-norm block.
+# dense first layer. Hy3: GLM-4.5's layout under Apertus's attention, its routing scaled by 2.5. FlexOlmo: OLMoE's
+# experts (top-2 of 4) and q/k norms under OLMo 2's post-norm block. K-EXAONE: GLM-4.5's experts after a dense first
+# layer under EXAONE 4's attention (per-head q/k norms, windows on three layers in four, the fourth without rope) in
+# a pre-norm block.
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -217,6 +218,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "flex-olmo": (
         "FlexOlmoConfig",
         {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
+    "hy-v3": (
+        "HYV3Config",
+        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
     "exaone-moe": (

@@ -13,11 +13,15 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     DeepSeek-V3's (`layers.moe.GroupedTopkRouter`: sigmoid scores with a load-balancing bias, `routed_scaling_factor`,
     ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
     (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
-    Open and K-EXAONE (`exaone_moe`) come in this layout: their quirks are `ModelConfig`'s."""
+    Open, K-EXAONE (`exaone_moe`) and Hy3 (`hy_v3`) come in this layout: their quirks are `ModelConfig`'s."""
 
     ignored_prefixes = ("mtp.",)
-    # K-EXAONE's checkpoints hold the router's load-balancing bias on the block, `mlp.e_score_correction_bias`.
+    # K-EXAONE's checkpoints hold the router's load-balancing bias on the block (`mlp.e_score_correction_bias`);
+    # Hy3's name the router `mlp.router.gate`, its bias `mlp.expert_bias` and the shared experts `shared_mlp`.
     checkpoint_renames = (
         *DeepseekV3ForCausalLM.checkpoint_renames,
         (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+        (".mlp.router.gate.", ".mlp.gate."),
+        (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+        (".mlp.shared_mlp.", ".mlp.shared_expert."),
     )

@@ -230,6 +230,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
          "qk_rope_head_dim": 8, "v_head_dim": 16, "pad_token_id": 0},
     ),
+    # Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads, q/k/v/o biases
+    # here), a dense first layer, then top-2 of 8 experts by sigmoid scores and a correction bias, renormalised and
+    # scaled, beside a shared one.
+    "hy-v3": (
+        transformers.HYV3Config,
+        {"head_dim": 16, "attention_bias": True, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0,
+         "initializer_range": 0.05},  # (its 0.006 leaves the experts' share too small to tell)
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved rope dims) and experts, the dense layers named by
     # `mlp_layer_types` (the second of two here, where DeepSeek's dense layers come first).
     "glm4-moe-lite": (
@@ -455,6 +464,7 @@ MODEL_CLASSES = {
     transformers.FlexOlmoConfig: transformers.FlexOlmoForCausalLM,
     transformers.AfmoeConfig: transformers.AfmoeForCausalLM,
     transformers.YoutuConfig: transformers.YoutuForCausalLM,
+    transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
