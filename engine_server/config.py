@@ -72,6 +72,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "exaone_moe": "glm4_moe",
     # Tencent's Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads).
     "hy_v3": "glm4_moe",
+    # Sarvam's 30B (GLM-4.5's model, rope over whole heads, q/k norms on by default) and 105B (DeepSeek-V3's); their
+    # released configs' own names read too (`num_experts`, `num_shared_experts`, `use_qkv_bias`, "deepseek_yarn").
+    "sarvam_moe": "glm4_moe",
+    "sarvam_mla": "deepseek_v3",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
@@ -622,6 +626,8 @@ class ModelConfig:
                 raise ValueError(f"sliding_attention rope type {local_rope['rope_type']!r} is not supported")
         rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type == "deepseek_yarn":  # Sarvam's released name for YaRN
+            rope_type = "yarn"
         if arch == "hunyuan" and rope_type == "dynamic" and rope.get("alpha"):
             rope_theta, rope_type = _ntk_alpha_theta(cfg, rope_theta, float(rope["alpha"])), "default"
         elif rope_type == "dynamic":  # dynamic NTK (InternLM3's): as transformers computes it, rope's base grows with
@@ -692,7 +698,8 @@ class ModelConfig:
             attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss"
             else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3") else None,
             qk_norm=arch in _QK_NORM_FAMILIES
-            or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3") or bool(cfg.get("use_qk_norm", False)))),
+            or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
+                                        or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
             attention_sinks=arch == "gpt_oss",
             qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
             qk_norm_after_rope=arch == "hunyuan",
@@ -844,11 +851,11 @@ def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[
 def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
     transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else (GLM-4.7-Flash
-    with neither) the first one, as transformers defaults it."""
+    and Sarvam with neither) the first one, as transformers defaults them."""
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
-    default = 1 if cfg.get("model_type") == "glm4_moe_lite" else 0
+    default = 1 if cfg.get("model_type") in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla") else 0
     return tuple(range(int(cfg.get("first_k_dense_replace", default) or 0)))
 
 
@@ -866,7 +873,7 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
-    if (rope.get("rope_type") or "default") != "default" and all_dims and float(rope["factor"]) > 1:
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default" and all_dims and float(rope["factor"]) > 1:
         mscale = 0.1 * all_dims * math.log(float(rope["factor"])) + 1.0
         scale *= mscale * mscale
     fields: dict[str, Any] = {"latent_attention": mla, "attention_scale": scale}
@@ -1376,7 +1383,7 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 # The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
-_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3")
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe")
 
 
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
@@ -1590,6 +1597,8 @@ def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
         return False
     if cfg.get("model_type") == "internlm3" and "attention_bias" not in cfg:  # its released configs' name for it
         return bool(cfg.get("qkv_bias", False))
+    if cfg.get("model_type") == "sarvam_moe" and "attention_bias" not in cfg:  # Sarvam 30B's released name
+        return bool(cfg.get("use_qkv_bias", False))
     return bool(cfg.get("attention_bias", arch in ("gpt_oss", "glm4")))
 
 

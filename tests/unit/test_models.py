@@ -239,6 +239,22 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0,
          "initializer_range": 0.05},  # (its 0.006 leaves the experts' share too small to tell)
     ),
+    # Sarvam 30B: GLM-4.5's model with rope over whole heads and q/k norms (its defaults); Sarvam 105B: DeepSeek-V3's
+    # (no query rank, YaRN), the first layer dense.
+    "sarvam-moe": (
+        transformers.SarvamMoEConfig,
+        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "num_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0, "initializer_range": 0.05},
+    ),
+    "sarvam-mla": (
+        transformers.SarvamMLAConfig,
+        {"num_key_value_heads": 4, "kv_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
+         "n_routed_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "pad_token_id": 0,
+         "initializer_range": 0.05, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                        "original_max_position_embeddings": 16, "mscale_all_dim": 1.0,
+                                                        "mscale": 1.0}},
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention (interleaved rope dims) and experts, the dense layers named by
     # `mlp_layer_types` (the second of two here, where DeepSeek's dense layers come first).
     "glm4-moe-lite": (
@@ -465,6 +481,8 @@ MODEL_CLASSES = {
     transformers.AfmoeConfig: transformers.AfmoeForCausalLM,
     transformers.YoutuConfig: transformers.YoutuForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
+    transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
+    transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
@@ -1036,6 +1054,29 @@ def test_smollm3_configs_read_their_nope_layers_and_windows_only_when_asked() ->
     assert ModelConfig.from_hf_config({**base, **windows, "use_sliding_window": True}).layer_windows == (16, 0) * 4
     with pytest.raises(ValueError, match="one entry for each of the 8 layers"):
         ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0]})
+
+
+def test_sarvam_configs_read_as_released_or_as_transformers_writes_them() -> None:
+    """Sarvam's released configs (written for its own code) name the experts `num_experts` / `num_shared_experts`,
+    q/k/v biases `use_qkv_bias` and YaRN "deepseek_yarn", and store the 105B's cache row as `head_dim`: each reads
+    as transformers' own form of it does."""
+    moe = {"model_type": "sarvam_moe", "num_hidden_layers": 2, "n_routed_experts": 8, "n_shared_experts": 1,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "attention_bias": True, "head_dim": 16}  # fmt: skip
+    released_moe = {k: v for k, v in moe.items() if k not in ("n_routed_experts", "n_shared_experts", "attention_bias")}
+    released_moe.update(num_experts=8, num_shared_experts=1, use_qkv_bias=True)
+    assert ModelConfig.from_hf_config({**SMALL, **released_moe}) == ModelConfig.from_hf_config({**SMALL, **moe})
+    served = ModelConfig.from_hf_config({**SMALL, **moe})
+    assert served.qk_norm and served.attention_bias and served.rotary_dim == 16 and served.dense_layers == (0,)
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dim": 1.0, "mscale": 1.0,
+            "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+    mla = {"model_type": "sarvam_mla", "kv_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8,
+           "v_head_dim": 10, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, **yarn}}
+    released_mla = {**{k: v for k, v in mla.items() if k not in ("n_routed_experts", "n_shared_experts")},
+                    "num_experts": 8, "num_shared_experts": 1, "head_dim": 32, "q_head_dim": 20,
+                    "rope_scaling": {"type": "deepseek_yarn", **yarn}, "rope_theta": 10000.0}  # fmt: skip
+    del released_mla["rope_parameters"]
+    assert ModelConfig.from_hf_config({**SMALL, **released_mla}) == ModelConfig.from_hf_config({**SMALL, **mla})
 
 
 def test_mistral3_configs_read_their_text_model() -> None:
