@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from engine_server.config import ModelConfig, RopeScaling
+from engine_server.hf_config import model_config_from_hf
 from engine_server.loader.layout import is_norm_weight, parameter_shapes
 
 INIT_STD = 0.02
@@ -102,9 +103,9 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     ),
     # Gemma 3 4B's language model (its config.json's text_config; the vision tower is not served): 34 layers, five
     # windowed (1,024 positions, rope base 1e4) to each global one (rope base 1e6, linear scaling x8). Read through
-    # `ModelConfig.from_hf_config`, so the preset gets Gemma's quirks exactly as a checkpoint folder would.
+    # `hf_config.model_config_from_hf`, so the preset gets Gemma's quirks exactly as a checkpoint folder would.
     "gemma-3-4b": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240,
             "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
             "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
@@ -118,7 +119,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     # 128 + 64 key dims, 128 value dims per head, one q_proj), one dense layer, then 64 experts of 1,408, 6 active,
     # and 2 shared ones.
     "moonlight-16b-a3b": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "deepseek_v3", "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
             "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
             "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
@@ -132,7 +133,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     # gpt-oss-20b's shapes (its config.json, read as a folder's would be): 24 layers alternating a 128-position
     # window and full attention, sinks, YaRN x32, 32 experts of 2,880 with biases, 4 active (3.6B of 21B active).
     "gpt-oss-20b": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
             "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
             "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
@@ -146,7 +147,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     # Qwen3.5's layout (three Gated DeltaNet layers, then a gated attention one) at a toy size, for tests that run a
     # dummy hybrid end to end on the CPU.
     "qwen3.5-tiny": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "qwen3_5_text", "vocab_size": 49152, "hidden_size": 256, "intermediate_size": 512,
             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
@@ -160,7 +161,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     # CPU benchmark's hybrid (benchmarks/results/offline_cpu_hybrid.jsonl), over a 32k context (a default KV pool
     # holds a whole sequence's).
     "qwen3.5-0.8b": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 1024, "intermediate_size": 3584,
             "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
             "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
@@ -174,7 +175,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     # heads of 128, 32 value heads of 128) to each gated full-attention one (16 query heads of 256, 4 KV heads, rope
     # over a quarter of each head).
     "qwen3.5-9b": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
             "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -187,7 +188,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     # Qwen3.5-35B-A3B's: 40 layers of that pattern (2 KV heads), each MLP 256 experts of 512, 8 active, beside a
     # gated shared expert of 512 (its config.json has no dense intermediate_size).
     "qwen3.5-35b-a3b": replace(
-        ModelConfig.from_hf_config({
+        model_config_from_hf({
             "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
             "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
             "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -199,7 +200,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:qwen3.5-35b-a3b",
     ),
     **{
-        preset: replace(ModelConfig.from_hf_config(hf), bos_token_id=_BOS, eos_token_ids=(_EOS,),
+        preset: replace(model_config_from_hf(hf), bos_token_id=_BOS, eos_token_ids=(_EOS,),
                         name=f"dummy:{preset}")
         for preset, hf in GEMMA4_HF_CONFIGS.items()
     },

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from engine_server.config import ModelConfig
+from engine_server.hf_config import model_config_from_hf
 from engine_server.loader.dummy import dummy_config
 from engine_server.loader.fp8_checkpoint import fp8_checkpoint
 from engine_server.loader.gguf_convert import ensure_converted
@@ -93,7 +93,7 @@ def hf_folder_source(
         raise ValueError(f"model {spec!r}: folder {folder} lacks {', '.join(missing)}")
     try:
         hf_config = {**read_hf_config(folder), **(hf_overrides or {})}
-        config = ModelConfig.from_hf_config(hf_config, name=name)
+        config = model_config_from_hf(hf_config, name=name)
         fp8 = fp8_checkpoint(hf_config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"model {spec!r}: bad config.json: {exc}") from exc

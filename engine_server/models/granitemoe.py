@@ -28,8 +28,8 @@ class GraniteMoeForCausalLM(CausalLM):
     `input_linear` gate rows then up rows: read as an ungated shared expert), or the shared MLP alone where the model
     has no experts (Granite 4.0's dense models). Granite 4.0's Mamba-2 layers (checkpoint `mamba`) take the token
     mixer's place (`ModelConfig.mamba2`); its H models' attention turns no rope. Bamba (`bamba`, read as this layout
-    by `config._bamba_config`) names its dense MLP `feed_forward`, the norm before it `pre_ff_layernorm` and the final
-    one `final_layernorm`."""
+    by `hf_config._bamba_config`) names its dense MLP `feed_forward`, the norm before it `pre_ff_layernorm` and the
+    final one `final_layernorm`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 import engine_server.loader.source as source_module
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
 from engine_server import model_loading
-from engine_server.config import ModelConfig
+from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.gated_deltanet import split_grouped_projections
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, ExpertWeights, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
@@ -225,7 +225,7 @@ def test_a_gemma2_ggufs_metadata_gives_its_config(tmp_path: Path, layers: int) -
             "final_logit_softcapping": 30.0}  # fmt: skip
     reader = metadata_gguf(tmp_path / "gemma2.gguf", "gemma2", keys, {"token_embd.weight": (256, 96)})
     raw = hf_config_from_gguf(reader, "gemma2.gguf")
-    config = ModelConfig.from_hf_config(raw)
+    config = model_config_from_hf(raw)
     assert config.architecture == "gemma2" and config.tie_word_embeddings and config.head_dim == 32
     assert config.layer_windows[:4] == (4096, 0, 4096, 0) and len(config.layer_windows) == layers
     assert (config.attention_softcap, config.final_logit_softcap, config.rope_theta) == (50.0, 30.0, 10_000.0)
@@ -258,7 +258,7 @@ def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its
     prompt's tokens are the same alone and batched (the quantized path does not depend on the batch)."""
     family, gguf = moe_gguf
     source = resolve_model(str(gguf))
-    saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
+    saved = model_config_from_hf(json.loads((gguf.parent / "hf" / "config.json").read_text()))
     assert [getattr(source.config, key) for key in MOE_KEYS] == [getattr(saved, key) for key in MOE_KEYS], family
     # Every tensor comes back under the name transformers saved it with (each expert's from its slice of the 3-D
     # tensor, Mixtral's q/k rows un-permuted): F32 ones exactly, quantized ones to their 4- or 8-bit rounding (a
@@ -381,7 +381,7 @@ def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor
     for transformers every tensor comes back under its checkpoint name (`assert_tensors_come_back`). Returns those
     tensors and transformers' greedy tokens on them (`reference_tokens`)."""
     source = resolve_model(str(gguf))
-    saved = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    saved = model_config_from_hf(json.loads((folder / "config.json").read_text()))
     # A file holds the rope base in float32 (Hunyuan's, stretched by NTK's alpha, is no float32 in its config).
     assert np.float32(source.config.rope_theta) == np.float32(saved.rope_theta)
     assert source.config == replace(saved, name=source.config.name, rope_theta=source.config.rope_theta)
@@ -582,7 +582,7 @@ def test_a_deepseek2_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_pat
     shape = (config["model_type"], config["num_hidden_layers"], config["qk_nope_head_dim"], config["v_head_dim"],
              config["q_lora_rank"], config["topk_method"], config["rope_parameters"]["attention_factor"])  # fmt: skip
     assert shape == ("deepseek_v2", 2, 16, 16, None, "greedy", 1.0)
-    assert ModelConfig.from_hf_config(config).latent_attention is not None
+    assert model_config_from_hf(config).latent_attention is not None
     sigmoid = {"expert_gating_func": ExpertGatingFuncType.SIGMOID}
     for name, changed, refusal in (("dense", {"expert_count": 0}, "without experts"),
                                    ("gating", {"expert_gating_func": SimpleNamespace(value=3)},
@@ -666,7 +666,7 @@ def test_an_exaone4_gguf_reads_its_windows_from_flags_a_number_or_none(tmp_path:
         ("none", {"sliding_window": 0}, (), ()),
     ):
         config = hf_config_from_gguf(metadata_gguf(tmp_path / f"{name}.gguf", "exaone4", {**keys, **changed}), name)
-        model = ModelConfig.from_hf_config(config)
+        model = model_config_from_hf(config)
         assert (model.layer_windows, model.nope_layers) == (windows, nope), name
 
 
@@ -678,7 +678,7 @@ def test_an_olmo2_gguf_with_windows_is_olmo3s_and_one_with_scaled_rope_too_is_re
             "sliding_window_pattern": [True, True, True, False]}  # fmt: skip
     config = hf_config_from_gguf(metadata_gguf(tmp_path / "olmo3.gguf", "olmo2", keys), "olmo3.gguf")
     assert config["model_type"] == "olmo3"
-    assert ModelConfig.from_hf_config(config).layer_windows == (8, 8, 8, 0)
+    assert model_config_from_hf(config).layer_windows == (8, 8, 8, 0)
     yarn = {"rope_scaling_type": RopeScalingType.YARN, "rope_scaling_factor": 8.0, "rope_scaling_orig_ctx_len": 16}
     reader = metadata_gguf(tmp_path / "yarn.gguf", "olmo2", {**keys, **yarn})
     with pytest.raises(ValueError, match="windows and a scaled rope"):
@@ -694,7 +694,7 @@ def test_an_ernie_gguf_in_a_form_llama_cpp_reads_otherwise_is_refused(tmp_path: 
             "expert_feed_forward_length": 16, "leading_dense_block_count": 1, "interleave_moe_layer_step": 2,
             "expert_shared_count": 2, "expert_shared_feed_forward_length": 32}  # fmt: skip
     config = hf_config_from_gguf(metadata_gguf(tmp_path / "ernie.gguf", "ernie4_5-moe", keys), "ernie.gguf")
-    assert ModelConfig.from_hf_config(config).dense_layers == (0, 2, 4)
+    assert model_config_from_hf(config).dense_layers == (0, 2, 4)
     for name, arch, changed, tensors, refusal in (
         ("biased", "ernie4_5", {}, {"blk.0.attn_q.bias": (32,)}, "with biases"),
         ("shared", "ernie4_5-moe", {"expert_shared_feed_forward_length": 48}, {}, "shared experts 48 wide"),
@@ -903,7 +903,7 @@ def test_a_hybrid_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     ladle's own int8 is, and a prompt's tokens are the same alone and batched."""
     family, gguf = hybrid_gguf
     source = resolve_model(str(gguf))
-    saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
+    saved = model_config_from_hf(json.loads((gguf.parent / "hf" / "config.json").read_text()))
     assert [getattr(source.config, key) for key in HYBRID_KEYS] == [getattr(saved, key) for key in HYBRID_KEYS]
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
     norms = [name for name in original if name.endswith("norm.weight") and ".linear_attn." not in name]
@@ -998,7 +998,7 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     the experts' kernel), it holds the quality thresholds, and a prompt's tokens are the same alone and batched."""
     family, gguf = gemma4_gguf
     source = resolve_model(str(gguf))
-    saved = ModelConfig.from_hf_config(json.loads((gguf.parent / "hf" / "config.json").read_text()))
+    saved = model_config_from_hf(json.loads((gguf.parent / "hf" / "config.json").read_text()))
     assert source.config == replace(saved, name=source.config.name, bos_token_id=source.config.bos_token_id,
                                     eos_token_ids=source.config.eos_token_ids), family  # fmt: skip
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())

@@ -21,7 +21,8 @@ import torch
 
 from engine_server import LLM, SamplingParams
 from engine_server.attention_metadata import kv_cache_bytes_per_block, recurrent_state_bytes
-from engine_server.config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig
+from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
+from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.short_conv import ShortConv
@@ -60,7 +61,7 @@ def engine(
     """The offline engine on `folder` with `MAX_SEQS` seats; `chunk`: the most tokens a step prefills; `kv_blocks`:
     a KV cache of that many 16-token blocks (for 256-token sequences) beside the states (the running requests' and
     `MAX_SEQS` prefix snapshots), instead of 64 MiB; `snapshots`: `CacheConfig.state_snapshots`."""
-    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    config = model_config_from_hf(json.loads((folder / "config.json").read_text()))
     memory = 64 * 1024**2
     if kv_blocks:
         states = recurrent_state_bytes(config, MAX_SEQS + (MAX_SEQS if snapshots is None else snapshots))
@@ -290,7 +291,7 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
     speculative = {"method": "ngram", "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="speculative decoding is not served on models with recurrent layers"):
         engine(folder, speculative_config=speculative)
-    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    config = model_config_from_hf(json.loads((folder / "config.json").read_text()))
     states = recurrent_state_bytes(config, MAX_SEQS)  # the states are set aside before any block
     short = EngineConfig(model=str(folder), device="cpu", quantization="none",
                          cache=CacheConfig(memory_bytes=states + kv_cache_bytes_per_block(config, 16, torch.float32)),

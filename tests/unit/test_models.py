@@ -13,7 +13,8 @@ import torch.distributed as dist
 import transformers
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from engine_server.config import LongRope, ModelConfig
+from engine_server.config import LongRope
+from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import ShardedRMSNorm
 from engine_server.models import CausalLM, get_model_class
@@ -532,7 +533,7 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 buffer.uniform_(0.5, 1.5)
             elif name.endswith("act_fn.beta"):  # xIELU's slope at 0 (0.5 at init)
                 buffer.uniform_(0.3, 0.7)
-    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    config = model_config_from_hf(hf_config.to_dict())
     ours = get_model_class(config.architecture)(config)
     ours.load_weights(hf.state_dict().items())
     return hf, ours.eval()
@@ -666,7 +667,7 @@ def test_greedy_generation_matches_hf_generate(pair: tuple[transformers.PreTrain
 
 
 def test_registry_and_cache_size() -> None:
-    config = ModelConfig.from_hf_config(transformers.LlamaConfig(**SMALL).to_dict())
+    config = model_config_from_hf(transformers.LlamaConfig(**SMALL).to_dict())
     assert get_model_class("llama").__name__ == "LlamaForCausalLM"
     with pytest.raises(ValueError, match="unsupported"):
         get_model_class("gpt2")
@@ -677,7 +678,7 @@ def test_registry_and_cache_size() -> None:
 
 def test_load_weights_rejects_missing_unknown_and_misshaped() -> None:
     hf, _ = build_pair("qwen2")
-    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    config = model_config_from_hf(hf.config.to_dict())
     state = dict(hf.state_dict())
     model = get_model_class(config.architecture)(config)
     with pytest.raises(ValueError, match="missing"):
@@ -705,7 +706,7 @@ def test_replaced_layers_weights_are_not_read_and_their_biases_load() -> None:
     """What a GGUF engine loads: the layers its quantized blocks replace (here the fused QKV, stored as three
     tensors with biases, and an MLP projection) keep their weights unread; everything else loads as always."""
     hf, _ = build_pair("qwen2")
-    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    config = model_config_from_hf(hf.config.to_dict())
     replaced = {"model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"}
     state = dict(hf.state_dict())
     unread = {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"} | {"model.layers.1.mlp.down_proj.weight"}
@@ -722,7 +723,7 @@ def test_replaced_layers_weights_are_not_read_and_their_biases_load() -> None:
 
 def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
     hf, _ = build_pair("mixtral")
-    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    config = model_config_from_hf(hf.config.to_dict())
     state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.1.mlp.experts.down_proj"}
     with pytest.raises(ValueError, match=r"missing 4 weights, e.g. \['model.layers.1.mlp.experts\[0.down\]"):
         get_model_class(config.architecture)(config).load_weights(state.items())
@@ -735,10 +736,10 @@ def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
 def test_olmoe_config_and_its_whole_projection_norms_split_by_rank() -> None:
     shape = {**SMALL, "intermediate_size": 32}
     olmoe = transformers.OlmoeConfig(**shape, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0).to_dict()
-    config = ModelConfig.from_hf_config(olmoe)
+    config = model_config_from_hf(olmoe)
     assert (config.architecture, config.qk_norm, config.qk_norm_whole, config.clip_qkv) == ("olmoe", True, True, 2.0)
     assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 32, False)
-    assert ModelConfig.from_hf_config({**olmoe, "norm_topk_prob": True}).norm_topk_prob
+    assert model_config_from_hf({**olmoe, "norm_topk_prob": True}).norm_topk_prob
     no_group = cast(dist.ProcessGroup, object())  # nothing runs a collective
     two_ranks = TensorParallel(rank=1, size=2, group=no_group, control_group=no_group)
     attention = PagedSelfAttention(config, torch.float32, tp=two_ranks)  # each rank its heads' columns of the norms
@@ -754,13 +755,13 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         decoder_sparse_step=2,
     )  # fmt: skip
-    config = ModelConfig.from_hf_config(qwen2_moe.to_dict())
+    config = model_config_from_hf(qwen2_moe.to_dict())
     assert [config.is_moe_layer(i) for i in range(2)] == [False, True]  # every second layer is sparse
     assert config.attention_bias and not config.o_proj_bias and not config.norm_topk_prob
     assert config.mlp_widths == {
         "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48
     }  # fmt: skip
-    mixtral = ModelConfig.from_hf_config(transformers.MixtralConfig(**SMALL, num_local_experts=4).to_dict())
+    mixtral = model_config_from_hf(transformers.MixtralConfig(**SMALL, num_local_experts=4).to_dict())
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (4, 2, 96)
     assert mixtral.norm_topk_prob and mixtral.mlp_widths == {"moe_intermediate_size": 96}
 
@@ -825,7 +826,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
 )
 def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_config({**SMALL, **config})
+        model_config_from_hf({**SMALL, **config})
 
 
 def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> None:
@@ -839,29 +840,29 @@ def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> Non
         "partial_rotary_factor": 0.75, "rope_scaling": {"type": "su", **factors},
     }  # fmt: skip
     for raw in (new.to_dict(), old):
-        config = ModelConfig.from_hf_config(raw)
+        config = model_config_from_hf(raw)
         assert (config.architecture, config.rotary_dim, config.head_dim) == ("phi3", 12, 16)
         scaling = config.rope_scaling
         assert isinstance(scaling, LongRope) and scaling.original_max_position_embeddings == 64
         assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(16) / math.log(64)))
-    assert ModelConfig.from_hf_config(old).layer_windows == ()
-    assert ModelConfig.from_hf_config({**old, "sliding_window": 256}).layer_windows == (256, 256)
+    assert model_config_from_hf(old).layer_windows == ()
+    assert model_config_from_hf({**old, "sliding_window": 256}).layer_windows == (256, 256)
 
 
 def test_sliding_windows_are_read_per_layer_as_transformers_builds_them() -> None:
     """Every layer of Mistral / Mixtral / Phi-3 when `sliding_window` is set; Qwen's layers from
     `max_window_layers` on, only with `use_sliding_window`; `layer_types` where a config lists them."""
     mistral = transformers.MistralConfig(**SMALL, sliding_window=32).to_dict()
-    assert ModelConfig.from_hf_config(mistral).layer_windows == (32, 32)
-    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).layer_windows == ()
+    assert model_config_from_hf(mistral).layer_windows == (32, 32)
+    assert model_config_from_hf({**mistral, "sliding_window": None}).layer_windows == ()
     qwen = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=32, max_window_layers=1)
-    config = ModelConfig.from_hf_config(qwen.to_dict())
+    config = model_config_from_hf(qwen.to_dict())
     assert config.layer_windows == (0, 32) and [config.attention_window(i) for i in range(3)] == [0, 32, 0]
     for raw in (transformers.Qwen2Config(**SMALL, sliding_window=32).to_dict(),  # use_sliding_window unset
                 {**qwen.to_dict(), "use_sliding_window": False}):
-        assert ModelConfig.from_hf_config(raw).layer_windows == ()
+        assert model_config_from_hf(raw).layer_windows == ()
     listed = {**mistral, "layer_types": ["full_attention", "sliding_attention"]}
-    assert ModelConfig.from_hf_config(listed).layer_windows == (0, 32)
+    assert model_config_from_hf(listed).layer_windows == (0, 32)
 
 
 def test_exaone4_configs_read_their_windows_and_nope_layers() -> None:
@@ -870,15 +871,15 @@ def test_exaone4_configs_read_their_windows_and_nope_layers() -> None:
     head."""
     base = {**SMALL, "model_type": "exaone4", "num_hidden_layers": 8, "sliding_window": 16}
     for pattern in ("LLLG", 4):
-        config = ModelConfig.from_hf_config({**base, "sliding_window_pattern": pattern})
+        config = model_config_from_hf({**base, "sliding_window_pattern": pattern})
         assert config.layer_windows == (16, 16, 16, 0) * 2 and config.nope_layers == (3, 7)
         assert config.qk_norm and not config.qk_norm_whole and config.post_norms
-    listed = ModelConfig.from_hf_config({**base, "layer_types": ["sliding_attention", "full_attention"] * 4})
+    listed = model_config_from_hf({**base, "layer_types": ["sliding_attention", "full_attention"] * 4})
     assert listed.layer_windows == (16, 0) * 4 and listed.nope_layers == (1, 3, 5, 7)
-    plain = ModelConfig.from_hf_config({**base, "sliding_window": None})
+    plain = model_config_from_hf({**base, "sliding_window": None})
     assert plain.layer_windows == () and plain.nope_layers == ()
     with pytest.raises(ValueError, match="not a string of L and G"):
-        ModelConfig.from_hf_config({**base, "sliding_window_pattern": "LLXG"})
+        model_config_from_hf({**base, "sliding_window_pattern": "LLXG"})
 
 
 def test_cohere2_configs_read_their_windows_from_the_pattern_without_layer_types() -> None:
@@ -886,10 +887,10 @@ def test_cohere2_configs_read_their_windows_from_the_pattern_without_layer_types
     global and turns no rope, as transformers builds it; the layers `layer_types` lists where it has them."""
     base = {**SMALL, "model_type": "cohere2", "num_hidden_layers": 8, "sliding_window": 16}
     for config in ({**base, "sliding_window_pattern": 4}, base):
-        model = ModelConfig.from_hf_config(config)
+        model = model_config_from_hf(config)
         assert model.layer_windows == (16, 16, 16, 0) * 2 and model.nope_layers == (3, 7)
     built = transformers.Cohere2Config(**{**SMALL, "num_hidden_layers": 8, "sliding_window": 16}).to_dict()
-    assert ModelConfig.from_hf_config(built).layer_windows == (16, 16, 16, 0) * 2
+    assert model_config_from_hf(built).layer_windows == (16, 16, 16, 0) * 2
 
 
 def test_lfm2_configs_read_as_transformers_builds_them() -> None:
@@ -905,7 +906,7 @@ def test_lfm2_configs_read_as_transformers_builds_them() -> None:
     for hidden, width, attending in ((2048, 12288, [2, 5, 8, 10, 12, 14]), (1024, 6656, [2, 5, 8, 10, 12, 14])):
         raw = {**released, "hidden_size": hidden, "block_ff_dim": width, "num_hidden_layers": 16,
                "full_attn_idxs": attending}  # fmt: skip
-        config = ModelConfig.from_hf_config(raw)
+        config = model_config_from_hf(raw)
         theirs = transformers.Lfm2Config(**{k: v for k, v in raw.items() if k != "model_type"})
         with torch.device("meta"):
             mlp = transformers.models.lfm2.modeling_lfm2.Lfm2MLP(theirs)
@@ -914,11 +915,11 @@ def test_lfm2_configs_read_as_transformers_builds_them() -> None:
         assert config.short_convolution.layers == tuple(i for i in range(16) if i not in attending)
         assert (config.short_convolution.channels, config.short_convolution.conv_kernel) == (hidden, 3)
         assert config.rms_norm_eps == 1e-5 and config.tie_word_embeddings and config.qk_norm
-        assert ModelConfig.from_hf_config(theirs.to_dict()) == config  # transformers' own dict of it
+        assert model_config_from_hf(theirs.to_dict()) == config  # transformers' own dict of it
     with pytest.raises(ValueError, match="lfm2 with conv_bias is not supported"):
-        ModelConfig.from_hf_config({**raw, "conv_bias": True})
+        model_config_from_hf({**raw, "conv_bias": True})
     with pytest.raises(ValueError, match="convolution layers only"):
-        ModelConfig.from_hf_config({**raw, "full_attn_idxs": []})
+        model_config_from_hf({**raw, "full_attn_idxs": []})
 
 
 def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_built() -> None:
@@ -931,21 +932,21 @@ def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_b
                 "position_embedding_type": "nope", "layer_types": ["mamba", "mamba", "attention", "mamba"],
                 "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64, "bos_token_id": 1,
                 "eos_token_id": 2}  # fmt: skip
-    config = ModelConfig.from_hf_config(released)
+    config = model_config_from_hf(released)
     built = transformers.GraniteMoeHybridConfig(**{k: v for k, v in released.items() if k != "model_type"})
-    assert ModelConfig.from_hf_config(built.to_dict()) == config
+    assert model_config_from_hf(built.to_dict()) == config
     assert config.mamba2 is not None and config.mamba2.layers == (0, 1, 3)
     assert (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.groups) == (8, 16, 1)
     assert config.nope_layers == (0, 1, 2, 3) and config.num_experts == 4
     assert config.shared_expert_intermediate_size == 64 and not config.shared_expert_gated
-    dense = ModelConfig.from_hf_config({**released, "layer_types": ["attention"] * 4, "num_local_experts": 0,
+    dense = model_config_from_hf({**released, "layer_types": ["attention"] * 4, "num_local_experts": 0,
                                         "position_embedding_type": "rope"})  # fmt: skip
     assert dense.mamba2 is None and dense.nope_layers == () and dense.intermediate_size == 64
     for changed, refusal in (({"mamba_proj_bias": True}, "mamba_proj_bias"),
                              ({"time_step_limit": [0.001, 0.1]}, "time_step_limit"),
                              ({"layer_types": ["mamba"] * 4}, "Mamba-2 layers only")):  # fmt: skip
         with pytest.raises(ValueError, match=refusal):
-            ModelConfig.from_hf_config({**released, **changed})
+            model_config_from_hf({**released, **changed})
 
 
 def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not_built() -> None:
@@ -958,9 +959,9 @@ def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not
                 "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4, "use_conv_bias": True, "mlp_hidden_act": "relu2",
                 "layer_norm_epsilon": 1e-5, "time_step_limit": [0.0, math.inf], "use_bias": False,
                 "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 12}  # fmt: skip
-    config = ModelConfig.from_hf_config(released)
+    config = model_config_from_hf(released)
     built = transformers.NemotronHConfig(**{k: v for k, v in released.items() if k != "model_type"})
-    assert ModelConfig.from_hf_config(built.to_dict()) == config
+    assert model_config_from_hf(built.to_dict()) == config
     assert config.block_pattern == "M-MM*-M-" and config.num_hidden_layers == 5 and config.head_dim == 16
     assert config.mamba2 is not None and config.mamba2.layers == (0, 1, 2, 4) and config.mlp_free_layers == (1, 2)
     assert (config.mamba2.num_heads, config.mamba2.head_dim, config.mamba2.groups) == (8, 16, 2)
@@ -974,7 +975,7 @@ def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not
                              ({"time_step_limit": [0.001, math.inf]}, "time_step_limit"),
                              ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'")):  # fmt: skip
         with pytest.raises(ValueError, match=refusal):
-            ModelConfig.from_hf_config({**released, **changed})
+            model_config_from_hf({**released, **changed})
 
 
 def test_lfm2_moe_routes_as_transformers_where_the_chosen_scores_are_small() -> None:
@@ -1006,7 +1007,7 @@ def test_gemma3_configs_read_in_either_layout() -> None:
     old = {**shape, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 6,
            "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1}  # fmt: skip
-    configs = [ModelConfig.from_hf_config(raw) for raw in (new, old)]
+    configs = [model_config_from_hf(raw) for raw in (new, old)]
     assert configs[0] == configs[1]
     config = configs[0]
     assert config.architecture == "gemma3" and config.layer_windows == (8, 8, 8, 8, 8, 0)
@@ -1023,7 +1024,7 @@ def test_gemma2_configs_read_in_either_layout() -> None:
     new = transformers.Gemma2Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 1e4}).to_dict()
     old = {**shape, "model_type": "gemma2", "rope_theta": 1e4, "tie_word_embeddings": True, "bos_token_id": 2,
            "eos_token_id": 1}  # fmt: skip
-    configs = [ModelConfig.from_hf_config(raw) for raw in (new, old)]
+    configs = [model_config_from_hf(raw) for raw in (new, old)]
     assert configs[0] == configs[1]
     config = configs[0]
     assert config.architecture == "gemma2" and config.layer_windows == (8, 0, 8, 0)
@@ -1031,13 +1032,13 @@ def test_gemma2_configs_read_in_either_layout() -> None:
     assert (config.rope_theta, config.local_rope_theta, config.rope_linear_factor) == (1e4, 0.0, 1.0)
     assert config.attention_scale == 32**-0.5 and config.embedding_multiplier == 64**0.5
     assert config.norm_offset == 1.0 and config.sandwich_norms and not config.qk_norm
-    no_caps = ModelConfig.from_hf_config({**old, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    no_caps = model_config_from_hf({**old, "attn_logit_softcapping": None, "final_logit_softcapping": None})
     assert (no_caps.attention_softcap, no_caps.final_logit_softcap) == (0.0, 0.0)
 
 
 def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:
     hf, _ = build_pair("phi3")
-    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    config = model_config_from_hf(hf.config.to_dict())
     state = dict(hf.state_dict())
     state["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(100, 64)
     with pytest.raises(ValueError, match=r"qkv_proj.weight.*has 100 rows, expected the 128 of its parts"):
@@ -1046,14 +1047,14 @@ def test_a_fused_checkpoint_tensor_of_the_wrong_size_is_refused() -> None:
 
 def test_smollm3_configs_read_their_nope_layers_and_windows_only_when_asked() -> None:
     base = {**SMALL, "model_type": "smollm3", "num_hidden_layers": 8}
-    assert ModelConfig.from_hf_config(base).nope_layers == (3, 7)  # every 4th layer by default, as transformers
-    listed = ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0, 1, 1, 1, 1, 0, 0]})
+    assert model_config_from_hf(base).nope_layers == (3, 7)  # every 4th layer by default, as transformers
+    listed = model_config_from_hf({**base, "no_rope_layers": [1, 0, 1, 1, 1, 1, 0, 0]})
     assert listed.nope_layers == (1, 6, 7) and not listed.uses_rope(6) and listed.uses_rope(0)
     windows = {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 4}
-    assert ModelConfig.from_hf_config({**base, **windows}).layer_windows == ()  # use_sliding_window is off
-    assert ModelConfig.from_hf_config({**base, **windows, "use_sliding_window": True}).layer_windows == (16, 0) * 4
+    assert model_config_from_hf({**base, **windows}).layer_windows == ()  # use_sliding_window is off
+    assert model_config_from_hf({**base, **windows, "use_sliding_window": True}).layer_windows == (16, 0) * 4
     with pytest.raises(ValueError, match="one entry for each of the 8 layers"):
-        ModelConfig.from_hf_config({**base, "no_rope_layers": [1, 0]})
+        model_config_from_hf({**base, "no_rope_layers": [1, 0]})
 
 
 def test_sarvam_configs_read_as_released_or_as_transformers_writes_them() -> None:
@@ -1064,8 +1065,8 @@ def test_sarvam_configs_read_as_released_or_as_transformers_writes_them() -> Non
            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "attention_bias": True, "head_dim": 16}  # fmt: skip
     released_moe = {k: v for k, v in moe.items() if k not in ("n_routed_experts", "n_shared_experts", "attention_bias")}
     released_moe.update(num_experts=8, num_shared_experts=1, use_qkv_bias=True)
-    assert ModelConfig.from_hf_config({**SMALL, **released_moe}) == ModelConfig.from_hf_config({**SMALL, **moe})
-    served = ModelConfig.from_hf_config({**SMALL, **moe})
+    assert model_config_from_hf({**SMALL, **released_moe}) == model_config_from_hf({**SMALL, **moe})
+    served = model_config_from_hf({**SMALL, **moe})
     assert served.qk_norm and served.attention_bias and served.rotary_dim == 16 and served.dense_layers == (0,)
     yarn = {"factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dim": 1.0, "mscale": 1.0,
             "beta_fast": 32, "beta_slow": 1}  # fmt: skip
@@ -1076,7 +1077,7 @@ def test_sarvam_configs_read_as_released_or_as_transformers_writes_them() -> Non
                     "num_experts": 8, "num_shared_experts": 1, "head_dim": 32, "q_head_dim": 20,
                     "rope_scaling": {"type": "deepseek_yarn", **yarn}, "rope_theta": 10000.0}  # fmt: skip
     del released_mla["rope_parameters"]
-    assert ModelConfig.from_hf_config({**SMALL, **released_mla}) == ModelConfig.from_hf_config({**SMALL, **mla})
+    assert model_config_from_hf({**SMALL, **released_mla}) == model_config_from_hf({**SMALL, **mla})
 
 
 def test_mistral3_configs_read_their_text_model() -> None:
@@ -1086,29 +1087,29 @@ def test_mistral3_configs_read_their_text_model() -> None:
     rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16384,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
     ministral3 = {**SMALL, "model_type": "ministral3", "rope_parameters": rope, "max_position_embeddings": 262144}
-    config = ModelConfig.from_hf_config({"model_type": "mistral3", "text_config": ministral3, "vision_config": {}})
+    config = model_config_from_hf({"model_type": "mistral3", "text_config": ministral3, "vision_config": {}})
     assert config.architecture == "llama" and (config.query_scale_beta, config.query_scale_positions) == (0.1, 16384)
     assert config.rope_scaling is not None and config.max_position_embeddings == 262144
-    assert config == ModelConfig.from_hf_config(ministral3)
+    assert config == model_config_from_hf(ministral3)
     small = {**SMALL, "model_type": "mistral", "tie_word_embeddings": True}
-    config = ModelConfig.from_hf_config({"model_type": "mistral3", "text_config": small, "tie_word_embeddings": False})
+    config = model_config_from_hf({"model_type": "mistral3", "text_config": small, "tie_word_embeddings": False})
     assert config.query_scale_beta == 0.0 and not config.tie_word_embeddings
     with pytest.raises(ValueError, match="mistral3 text_config model_type 'qwen2' is not supported"):
-        ModelConfig.from_hf_config({"model_type": "mistral3", "text_config": {**SMALL, "model_type": "qwen2"}})
+        model_config_from_hf({"model_type": "mistral3", "text_config": {**SMALL, "model_type": "qwen2"}})
 
 
 def test_llama4_configs_read_their_layers() -> None:
     text = {**SMALL, "model_type": "llama4_text", "num_hidden_layers": 8, "intermediate_size": 32,
             "intermediate_size_mlp": 96, "num_local_experts": 4, "num_experts_per_tok": 1,
             "interleave_moe_layer_step": 2, "attention_chunk_size": 8192}  # fmt: skip
-    config = ModelConfig.from_hf_config(text)
+    config = model_config_from_hf(text)
     assert config.architecture == "llama4" and config.nope_layers == (3, 7)  # every 4th, as transformers
     assert config.dense_layers == (0, 2, 4, 6) and config.moe_input_scaled and not config.shared_expert_gated
     assert (config.intermediate_size, config.moe_intermediate_size, config.shared_expert_intermediate_size) == (
         96, 32, 32)  # fmt: skip
     assert config.qk_unit_norm and (config.nope_temperature_scale, config.nope_temperature_floor) == (0.1, 8192)
     assert config.attention_chunk == 8192 and config.o_proj_bias is False
-    untuned = ModelConfig.from_hf_config({**text, "attn_temperature_tuning": False, "use_qk_norm": False})
+    untuned = model_config_from_hf({**text, "attn_temperature_tuning": False, "use_qk_norm": False})
     assert untuned.nope_temperature_scale == 0.0 and not untuned.qk_unit_norm
     multimodal = {"model_type": "llama4", "text_config": text, "vision_config": {}}
-    assert ModelConfig.from_hf_config(multimodal) == config
+    assert model_config_from_hf(multimodal) == config

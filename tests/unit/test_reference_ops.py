@@ -12,7 +12,8 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import ModelConfig, RopeScaling, Yarn
+from engine_server.config import RopeScaling, Yarn
+from engine_server.hf_config import model_config_from_hf
 from kernels import reference
 
 
@@ -232,7 +233,7 @@ def test_yarn_rope_matches_hf(rope: dict[str, Any]) -> None:
         hidden_size=4 * head_dim, num_attention_heads=4, max_position_embeddings=1024,
         rope_parameters={**rope, "rope_theta": theta},
     )  # fmt: skip
-    config = ModelConfig.from_hf_config(hf_config.to_dict())
+    config = model_config_from_hf(hf_config.to_dict())
     yarn = config.rope_scaling
     assert isinstance(yarn, Yarn)
     # vLLM's context length under YaRN: the original one times the factor, when that is longer.

@@ -16,6 +16,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache
 from engine_server.config import ModelConfig
+from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.models import get_model_class
 from kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary, seeded_noise
@@ -75,7 +76,7 @@ def tiny_config(architecture: str) -> ModelConfig:
 
 
 # DeepSeek-V3's latent attention (dense layers): the cache's rows its 512-dim latent and 64 rope dims, as V3's.
-TINY_DEEPSEEK = ModelConfig.from_hf_config({
+TINY_DEEPSEEK = model_config_from_hf({
     "model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
     "num_hidden_layers": 2, "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 512,
     "qk_nope_head_dim": 16, "qk_rope_head_dim": 64, "v_head_dim": 16, "n_routed_experts": 4,

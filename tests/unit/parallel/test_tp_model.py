@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_per_block
-from engine_server.config import ModelConfig
+from engine_server.hf_config import model_config_from_hf
 from tests.unit.parallel.ranks import run_ranks
 from tests.unit.parallel.tp_model_ranks import BLOCK_SIZE, first_prompt, rank_main
 
@@ -92,7 +92,7 @@ def _hf_model(case: str) -> transformers.PreTrainedModel:
 def test_a_sharded_model_gives_the_unsharded_logits(case: str, tmp_path: Path) -> None:
     size = CASES[case][2]
     hf = _hf_model(case)
-    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    config = model_config_from_hf(hf.config.to_dict())
     with torch.inference_mode():
         hf_logits = hf(torch.tensor([first_prompt(config.vocab_size)])).logits[0].float()
     args = (size, f"file://{tmp_path / 'rendezvous'}", config, dict(hf.state_dict()), hf_logits)
@@ -100,7 +100,7 @@ def test_a_sharded_model_gives_the_unsharded_logits(case: str, tmp_path: Path) -
 
 
 def test_each_rank_caches_only_its_kv_heads() -> None:
-    config = ModelConfig.from_hf_config(transformers.Qwen2Config(**{**SMALL, "num_key_value_heads": 2}).to_dict())
+    config = model_config_from_hf(transformers.Qwen2Config(**{**SMALL, "num_key_value_heads": 2}).to_dict())
     full = kv_cache_bytes_per_block(config, BLOCK_SIZE, torch.float32)
     assert kv_cache_bytes_per_block(config, BLOCK_SIZE, torch.float32, tp_size=2) == full // 2
     assert kv_cache_bytes_per_block(config, BLOCK_SIZE, torch.float32, tp_size=4) == full // 2  # replicated heads

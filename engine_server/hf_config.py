@@ -1,0 +1,1276 @@
+"""How a Hugging Face `config.json` becomes a `ModelConfig` (`model_config_from_hf`): which family serves each
+`model_type` (`_HF_ARCHITECTURES`), and each family's quirks read into the config's fields, or refused by name."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from engine_server.config import (
+    NEMOTRON_BLOCKS,
+    Architecture,
+    Gemma4Layout,
+    LatentAttention,
+    LinearAttention,
+    LongRope,
+    Mamba2,
+    ModelConfig,
+    RopeScaling,
+    ShortConvolution,
+    Yarn,
+    nemotron_blocks,
+)
+
+# Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
+_HF_ARCHITECTURES: dict[str, Architecture] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "internlm3": "llama",  # InternLM3: Llama (q/k/v/o biases by `qkv_bias`), dynamic NTK rope
+    "iquestcoder": "llama",  # IQuest-Coder-V1: Llama
+    "helium": "ernie4_5",  # Kyutai's Helium: Llama with rope over interleaved pairs (ERNIE 4.5's), q/k/v biases
+    "jais2": "llama",  # Jais 2: Llama with biased LayerNorms and an ungated relu² MLP with biases (`_jais2_fields`)
+    "cwm": "llama",  # Meta's Code World Model: Llama with windows on the layers `layer_types` names (3 in 4)
+    "ministral": "llama",  # Ministral 8B (2410): Mistral with windowed layers by `layer_types`
+    # Ministral 3: Mistral under YaRN with Llama 4's query temperature over its original context
+    # (`query_scale_beta`); Mistral 3 (Mistral Small 3.1 / 3.2, Magistral Small, Ministral 3, Mistral Small 4): a
+    # multimodal checkpoint whose text model (`mistral`, `ministral3` or `mistral4`) is served, read as that family
+    # (`_mistral3_text_type`), its Pixtral vision tower not read.
+    "ministral3": "llama",
+    "mistral3": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+    # PhiMoE (Phi-3.5-MoE, Phi-mini-MoE, Phi-tiny-MoE): Mixtral's layout with biased LayerNorms, q/k/v/o biases, an LM
+    # head bias and its sparsemixer's top-2 routing (`_phimoe_fields`).
+    "phimoe": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
+    "flex_olmo": "olmoe",  # FlexOlmo: OLMoE's experts and q/k norms under OLMo 2's post-norm block
+    "gpt_oss": "gpt_oss",
+    "smollm3": "smollm3",
+    "granite": "granite",
+    # Granite 3.0's mixtures of experts, with a shared MLP (granitemoeshared), and Granite 4.0: Mamba-2 layers and
+    # attention ones (no rope in the H models), each with experts beside a shared MLP or the shared MLP alone.
+    "granitemoe": "granitemoe",
+    "granitemoeshared": "granitemoe",
+    "granitemoehybrid": "granitemoe",
+    "bamba": "granitemoe",  # Bamba: Granite 4.0's hybrid layout without its multipliers (`_bamba_config`)
+    "olmo2": "olmo2",
+    "olmo3": "olmo2",
+    "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
+    "mistral4": "deepseek_v3",
+    "deepseek_v2": "deepseek_v3",
+    "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
+    "glm4_moe": "glm4_moe",
+    # Upstage's Solar Open: GLM-4.5's experts on every layer under Llama's attention (rope over each whole head).
+    "solar_open": "glm4_moe",
+    # LG's K-EXAONE: GLM-4.5's layout under EXAONE 4's attention (per-head q/k norms, windows on 3 layers in 4, no rope
+    # on the global ones), a pre-norm block.
+    "exaone_moe": "glm4_moe",
+    # Tencent's Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads).
+    "hy_v3": "glm4_moe",
+    # Sarvam's 30B (GLM-4.5's model, rope over whole heads, q/k norms on by default) and 105B (DeepSeek-V3's); their
+    # released configs' own names read too (`num_experts`, `num_shared_experts`, `use_qkv_bias`, "deepseek_yarn").
+    "sarvam_moe": "glm4_moe",
+    "sarvam_mla": "deepseek_v3",
+    "glm4": "glm4",
+    "minimax_m2": "minimax_m2",
+    "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
+    # Arcee's Trinity (AFMoE): gated attention with q/k norms, rope on its windowed layers alone, sandwich norms,
+    # DeepSeek-V3's sigmoid routing in one group beside shared experts (`_afmoe_fields`).
+    "afmoe": "afmoe",
+    "apertus": "apertus",  # Apertus: Qwen3's per-head q/k norms, an ungated MLP with xIELU learned per layer
+    # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
+    # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
+    "hunyuan_v1_dense": "hunyuan",
+    "hunyuan_v1_moe": "hunyuan",
+    "seed_oss": "llama",  # Seed-OSS: Llama with q/k/v biases and o_proj's apart (`attention_out_bias`)
+    "ernie4_5": "ernie4_5",
+    "ernie4_5_moe": "ernie4_5_moe",
+    "cohere": "cohere",  # Command R / R+: the attention and the MLP in parallel off one LayerNorm
+    "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
+    "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
+    "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
+    # NVIDIA's Nemotron-H, Nemotron Nano 2 and Nemotron 3: one sublayer per block (Mamba-2, attention without rope, an
+    # ungated relu² MLP or relu² experts), read as pre-norm layers of a mixer and the MLP after it (`nemotron_blocks`).
+    "nemotron_h": "nemotron_h",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5_text": "qwen3_next",
+    "qwen3_5_moe_text": "qwen3_next",
+    "qwen3_5": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "gemma4_text": "gemma4",
+    "gemma4": "gemma4",
+    "llama4_text": "llama4",
+    "llama4": "llama4",
+    "bert": "bert",
+}
+# Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
+_NOT_YET: dict[str, str] = {
+    "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
+}
+# Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
+_QK_NORM_FAMILIES: tuple[Architecture, ...] = (
+    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan",
+    "apertus", "afmoe",
+)  # fmt: skip
+# Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
+ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+
+
+def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face `config.json` dict (transformers 4.x or 5.x layout), named `name`;
+    ValueError naming what is not served."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in _HF_ARCHITECTURES:
+        why = _NOT_YET.get(model_type, "no family of this engine implements it")
+        raise ValueError(
+            f"unsupported model_type {model_type!r} ({why}); supported: {', '.join(sorted(_HF_ARCHITECTURES))}"
+        )
+    if model_type == "bert":
+        return _encoder_config(cfg, name)
+    _refuse_unbuilt(model_type, cfg)
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3"):  # multimodal: its text model
+        cfg = _text_config(cfg)
+    if model_type == "mistral3":  # read as its text model's own family
+        model_type = _mistral3_text_type(cfg)
+    if model_type in ("lfm2", "lfm2_moe"):
+        cfg = _lfm2_config(cfg)
+    if model_type == "bamba":
+        cfg = _bamba_config(cfg)
+    nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
+    if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
+        # dense width is its experts', as a file of it states: the config's own is unused)
+        width = cfg["intermediate_size" if "-" in nemotron["block_pattern"] else "moe_intermediate_size"]
+        cfg = {**cfg, "num_hidden_layers": len(nemotron_blocks(nemotron["block_pattern"])),
+               "rms_norm_eps": cfg.get("layer_norm_epsilon") or 1e-5,
+               "head_dim": cfg.get("head_dim") or cfg.get("attention_head_dim"), "intermediate_size": width}
+    arch = _HF_ARCHITECTURES[model_type]
+    gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
+    if arch == "gemma4":
+        gemma = _gemma4_fields(cfg)
+    rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    local_rope: dict[str, Any] = {}
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5's rope per layer type (OLMo 3)
+        rope, local_rope = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        if (local_rope.get("rope_type") or "default") != "default":
+            raise ValueError(f"sliding_attention rope type {local_rope['rope_type']!r} is not supported")
+    rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "deepseek_yarn":  # Sarvam's released name for YaRN
+        rope_type = "yarn"
+    if arch == "hunyuan" and rope_type == "dynamic" and rope.get("alpha"):
+        rope_theta, rope_type = _ntk_alpha_theta(cfg, rope_theta, float(rope["alpha"])), "default"
+    elif rope_type == "dynamic":  # dynamic NTK (InternLM3's): as transformers computes it, rope's base grows with
+        rope_type = "default"  # a sequence past max_position_embeddings alone, which the engine does not serve
+    scaling: RopeScaling | LongRope | Yarn | None = None
+    hybrid = _hybrid_fields(arch, cfg)
+    # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's,
+    # K-EXAONE's and Hy3's, in GLM-4.5's layout, all of it)
+    halved = arch in ("glm4", "glm4_moe") and model_type not in _WHOLE_ROPE_GLM4_MOE
+    default_partial = 0.25 if hybrid else 0.5 if halved else 1.0
+    partial = float(
+        cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
+        or default_partial
+    )  # fmt: skip
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    rope_fields: dict[str, Any] = {}
+    if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
+        scaling = _long_rope(cfg, rope)
+    elif rope_type == "yarn":
+        scaling = _yarn(cfg, rope)
+        # vLLM's context length under YaRN: the original one times the factor (Qwen's configs keep the short one).
+        max_positions = max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
+    elif rope_type == "linear" and not gemma:
+        rope_fields = {"rope_linear_factor": float(rope["factor"])}
+    elif rope_type == "llama3":
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type != "default":
+        raise ValueError(
+            f"unsupported rope type {rope_type!r} (default, dynamic, linear, llama3, longrope and yarn are)"
+        )
+    local_theta = float(local_rope.get("rope_theta") or rope_theta)
+    if local_rope and (local_theta != rope_theta or scaling is not None or rope_fields):
+        # The windowed layers' own rope: a base of its own and no scaling (`DecoderModel`'s local table).
+        rope_fields = {**rope_fields, "local_rope_theta": local_theta}
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if arch == "deepseek_v3":  # latent attention: the cache holds one row per token, its latent and rope key
+        latent = _latent_attention_fields(cfg, rope, model_type)
+        rope_fields = {**rope_fields, **latent}
+        mla: LatentAttention = latent["latent_attention"]
+        head_dim, kv_heads = mla.kv_lora_rank + mla.qk_rope_head_dim, 1
+    else:
+        rope_fields = {**rope_fields, **_query_scale_fields(model_type, rope)}
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+    if gemma:
+        rope_theta = gemma.pop("rope_theta")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=_dense_width(arch, cfg),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or cfg.get("layer_norm_eps") or 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=_attention_bias(arch, cfg),
+        attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss"
+        else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3") else None,
+        qk_norm=arch in _QK_NORM_FAMILIES
+        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
+                                    or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
+        attention_sinks=arch == "gpt_oss",
+        qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
+        qk_norm_after_rope=arch == "hunyuan",
+        post_norms=arch == "olmo2" or model_type == "flex_olmo",
+        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
+        rope_scaling=scaling,
+        partial_rotary_factor=partial,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        name=name,
+        layer_windows=_layer_windows(model_type, cfg),
+        nope_layers=_nope_layers(model_type, cfg),
+        **_llama4_fields(arch, cfg),
+        **_granite_fields(arch, cfg),
+        **_cohere_fields(arch, cfg),
+        **_phimoe_fields(model_type, cfg),
+        **_jais2_fields(model_type, cfg),
+        **_afmoe_fields(arch, cfg),
+        **_ungated_mlp_fields(model_type, cfg),
+        **_experts_from_hf_config(arch, cfg),
+        **rope_fields,
+        **gemma,
+        **hybrid,
+        **_glm4_fields(arch),
+        **_lfm2_fields(arch, cfg),
+        **_mamba2_fields(model_type, cfg),
+        **nemotron,
+    )
+
+def _encoder_config(cfg: dict[str, Any], name: str) -> ModelConfig:
+    """A BERT `config.json`: absolute positions (no rope), LayerNorm, a GELU MLP."""
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"BERT position_embedding_type {cfg['position_embedding_type']!r} is not supported")
+    activation = cfg.get("hidden_act", "gelu")
+    if activation not in ENCODER_ACTIVATIONS:
+        supported = sorted(ENCODER_ACTIVATIONS)
+        raise ValueError(f"BERT hidden_act {activation!r} is not supported; supported: {supported}")
+    heads = int(cfg["num_attention_heads"])
+    classifies = any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ())
+    num_labels = (len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))) if classifies else 0
+    return ModelConfig(
+        architecture="bert",
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=int(cfg["hidden_size"]) // heads,
+        rms_norm_eps=0.0,
+        rope_theta=0.0,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 512)),
+        tie_word_embeddings=False,
+        attention_bias=True,
+        name=name,
+        encoder=True,
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        type_vocab_size=int(cfg.get("type_vocab_size", 2)),
+        gelu_tanh=ENCODER_ACTIVATIONS[activation],
+        num_labels=num_labels,
+    )
+
+
+def _long_rope(cfg: dict[str, Any], rope: dict[str, Any]) -> LongRope:
+    """A LongRoPE `rope_scaling` (`rope_parameters`), with transformers' default attention factor:
+    `sqrt(1 + ln(s) / ln(original))` for `s = max_position_embeddings / original` (1 when `s` <= 1), or PhiMoE's
+    `short_mscale` (ValueError where its `long_mscale` differs)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+    attention = rope.get("attention_factor")
+    if "short_mscale" in rope:  # PhiMoE's own factors for each regime, one and the same in its releases
+        if rope["short_mscale"] != rope.get("long_mscale"):
+            raise ValueError(f"longrope short_mscale {rope['short_mscale']} and long_mscale {rope.get('long_mscale')} "
+                             "differ (not supported)")  # fmt: skip
+        attention = rope["short_mscale"]
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRope(
+        short_factor=tuple(float(x) for x in rope["short_factor"]),
+        long_factor=tuple(float(x) for x in rope["long_factor"]),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+    )
+
+
+def _yarn(cfg: dict[str, Any], rope: dict[str, Any]) -> Yarn:
+    """A YaRN `rope_scaling` (`rope_parameters`) with transformers' defaults: `factor` from the context lengths when
+    unset, betas 32 and 1, `truncate` on, and the attention factor `0.1 * ln(factor) + 1` (with DeepSeek's `mscale`
+    and `mscale_all_dim`, the ratio of two such) unless given."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or int(cfg.get("max_position_embeddings", original)) / original)
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        ratio, all_dims = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(float(ratio)) / mscale(float(all_dims)) if ratio and all_dims else mscale()
+    return Yarn(
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        attention_factor=float(attention),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _rotary_fraction(cfg: dict[str, Any]) -> float:
+    """The share of each head rope turns from a legacy `rotary_dim` (MiniMax-M2's released configs), else 0."""
+    if not cfg.get("rotary_dim"):
+        return 0.0
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    return int(cfg["rotary_dim"]) / head_dim
+
+
+def _glm4_fields(arch: Architecture) -> dict[str, Any]:
+    """GLM-4's `ModelConfig` fields ({} for the other families): Gemma's four norms around the attention and the MLP,
+    under its own names (`models.glm4`), with plain weights."""
+    return {"sandwich_norms": True} if arch == "glm4" else {}
+
+
+def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+    """ERNIE 4.5's experts as `ModelConfig` fields: softmax scores, the choice by score plus its load-balancing bias
+    (`moe_statics`), the chosen scores renormalised (transformers' `Ernie4_5_MoeTopKRouter`; its `moe_norm_min`
+    floor of 1e-12 under the sum never binds: a softmax's top-k sum to more); ungated shared experts; experts on every
+    `moe_layer_interval`-th layer from `moe_layer_start_index` to `moe_layer_end_index` (-1: the last)."""
+    layers = int(cfg["num_hidden_layers"])
+    start, interval = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_interval") or 1)
+    end = int(cfg.get("moe_layer_end_index", -1))
+    end = layers - 1 if end == -1 else end
+    width = int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=width * int(cfg.get("moe_num_shared_experts") or 0),
+        shared_expert_gated=False,
+        dense_layers=tuple(i for i in range(layers) if not ((i + 1) % interval == 0 and start <= i <= end)),
+        grouped_router=True,
+        moe_scoring="softmax",
+        router_score_bias=True,
+    )
+
+
+def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
+    transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else (GLM-4.7-Flash
+    and Sarvam with neither) the first one, as transformers defaults them."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds:
+        return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    default = 1 if cfg.get("model_type") in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla") else 0
+    return tuple(range(int(cfg.get("first_k_dense_replace", default) or 0)))
+
+
+def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """DeepSeek-V3's latent attention (`LatentAttention`) and its score scale: the key's head dim ** -0.5, times
+    the square of YaRN's `mscale_all_dim` attention factor when its rope is scaled (transformers' `scaling`);
+    Mistral 4's query scale (`_query_scale_fields`)."""
+    mla = LatentAttention(
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    all_dims = float(rope.get("mscale_all_dim") or 0.0)
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default" and all_dims and float(rope["factor"]) > 1:
+        mscale = 0.1 * all_dims * math.log(float(rope["factor"])) + 1.0
+        scale *= mscale * mscale
+    fields: dict[str, Any] = {"latent_attention": mla, "attention_scale": scale}
+    return {**fields, **_query_scale_fields(model_type, rope)}
+
+
+def _query_scale_fields(model_type: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """Mistral 4's and Ministral 3's query scale by position (`ModelConfig.query_scale_beta`), from their rope's
+    `llama_4_scaling_beta` over its `original_max_position_embeddings`; {} for other families or no beta."""
+    beta = float(rope.get("llama_4_scaling_beta") or 0.0) if model_type in ("mistral4", "ministral3") else 0.0
+    if not beta:
+        return {}
+    return {"query_scale_beta": beta, "query_scale_positions": int(rope["original_max_position_embeddings"])}
+
+
+def _mistral3_text_type(text: dict[str, Any]) -> str:
+    """The family of a multimodal Mistral 3 checkpoint's text model: its `text_config`'s `model_type` (Mistral Small
+    3.1's `mistral`, Ministral 3's `ministral3`, Mistral Small 4's `mistral4`); ValueError for another."""
+    model_type = str(text.get("model_type") or "mistral")
+    if model_type not in ("mistral", "ministral", "ministral3", "mistral4"):
+        raise ValueError(f"mistral3 text_config model_type {model_type!r} is not supported "
+                         "(mistral, ministral, ministral3 and mistral4 are)")
+    return model_type
+
+
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal `config.json`'s text model (`text_config`), with the top level's
+    word-embedding tie."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{cfg.get('model_type')} config.json has no text_config")
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {**text, "tie_word_embeddings": tie}
+
+
+def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5's `ModelConfig` fields ({} for the other families): the linear-attention layers
+    (`layer_types`, or every layer but each `full_attention_interval`-th, 4), their shape, zero-centred norms
+    (`norm_offset` 1) and the attention's output gate."""
+    if arch != "qwen3_next":
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name linear_attention or full_attention for each of the {layers} "
+                         f"layers; got {types!r}")  # fmt: skip
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{cfg.get('model_type')}: hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+    linear = LinearAttention(
+        num_key_heads=int(cfg.get("linear_num_key_heads") or 16),
+        num_value_heads=int(cfg.get("linear_num_value_heads") or 32),
+        key_head_dim=int(cfg.get("linear_key_head_dim") or 128),
+        value_head_dim=int(cfg.get("linear_value_head_dim") or 128),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+        layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+    )
+    if linear.num_value_heads % linear.num_key_heads or linear.conv_kernel < 2:
+        raise ValueError(f"linear attention of {linear.num_value_heads} value heads over {linear.num_key_heads} key "
+                         f"heads with a {linear.conv_kernel}-tap convolution is not supported")  # fmt: skip
+    if len(linear.layers) == layers:
+        raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
+    return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+# The families of Mamba-2 layers between attention layers (`_mamba2_fields`): Granite 4.0's hybrids and Bamba, read as
+# one (`_bamba_config`).
+_MAMBA2_HYBRIDS = ("granitemoehybrid", "bamba")
+
+
+def _bamba_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba `config.json` under the keys of the Granite 4.0 hybrid it is laid out as (`granitemoehybrid`'s, which
+    came from it; its checkpoint names are read by `models.granitemoe`): Mamba-2 layers but those
+    `attn_layer_indices` names, each layer's dense SwiGLU MLP (`intermediate_size`) as Granite's shared MLP without
+    experts, rope over half of each head (transformers' Bamba fixes `partial_rotary_factor` at 0.5), and none of
+    Granite's multipliers (its attention scaled by `head_dim ** -0.5`)."""
+    layers, hidden, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    attention = {int(i) for i in cfg.get("attn_layer_indices") or ()}
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    return {
+        **cfg,
+        "layer_types": ["attention" if i in attention else "mamba" for i in range(layers)],
+        "position_embedding_type": "rope",
+        "partial_rotary_factor": 0.5,
+        "shared_intermediate_size": int(cfg["intermediate_size"]),
+        "num_local_experts": 0,
+        "embedding_multiplier": 1.0,
+        "attention_multiplier": head_dim**-0.5,
+        "residual_multiplier": 1.0,
+        "logits_scaling": 1.0,
+    }
+
+
+def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0's Mamba-2 layers (`Mamba2`; {} for the other families and for a Granite 4.0 of attention layers
+    only): those `layer_types` (`layers_block_type`) calls "mamba" (transformers 5: "linear_attention"), their heads
+    `mamba_d_head` wide ("auto": `mamba_expand * hidden_size` over the heads). ValueError for what the layer does not
+    build: biases on its projections, a time step clamped to a range, an activation other than SiLU."""
+    if model_type not in _MAMBA2_HYBRIDS:
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    if len(types) != layers or set(types) - {"mamba", "linear_attention", "attention", "full_attention"}:
+        raise ValueError(f"layer_types must name mamba or attention for each of the {layers} layers; got {types!r}")
+    mamba = tuple(i for i, kind in enumerate(types) if kind in ("mamba", "linear_attention"))
+    if not mamba:
+        return {}
+    if len(mamba) == layers:
+        raise ValueError("a model of Mamba-2 layers only (no attention layer) is not supported")
+    if cfg.get("mamba_proj_bias"):
+        raise ValueError(f"{model_type} with mamba_proj_bias is not supported")
+    limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or (0.0, math.inf)]
+    if limit != [0.0, math.inf]:
+        raise ValueError(f"{model_type} with time_step_limit {limit} is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{model_type} hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+    heads, hidden = int(cfg.get("mamba_n_heads") or 128), int(cfg["hidden_size"])
+    head_dim = cfg.get("mamba_d_head") or "auto"
+    inner = int(cfg.get("mamba_expand") or 2) * hidden
+    shape = Mamba2(
+        num_heads=heads,
+        head_dim=inner // heads if head_dim == "auto" else int(head_dim),
+        state_dim=int(cfg.get("mamba_d_state") or 256),
+        groups=int(cfg.get("mamba_n_groups") or 1),
+        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        layers=mamba,
+    )
+    if shape.num_heads % shape.groups or shape.conv_kernel < 2:
+        raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
+                         "convolution is not supported")  # fmt: skip
+    return {"mamba2": shape}
+
+
+def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's `ModelConfig` fields from its config.json: its blocks (`hybrid_override_pattern`, or
+    `layers_block_type` / `layer_types` as transformers 5 writes them), the layers they pair into (`nemotron_blocks`)
+    and those of them that run Mamba-2 (`mamba_num_heads` heads `mamba_head_dim` wide, `n_groups` groups of
+    `ssm_state_size`, `conv_kernel` taps with a bias where `use_conv_bias`) or have no MLP; the MLP's relu²; where
+    blocks are experts ("E", Nemotron 3's), those layers' mixture of experts (`_nemotron_h_experts`). ValueError for
+    what this engine does not build: biases on the projections, a window, a clamped time step, another activation,
+    latent expert projections, no attention or no Mamba-2 block. (transformers' own Nemotron-H clamps the time
+    step at `time_step_min` in its chunked form alone; its one-token form, vLLM and llama.cpp clamp none.)"""
+    listed = cfg.get("layers_block_type") or cfg.get("layer_types")
+    source = cfg.get("hybrid_override_pattern") or listed or ""
+    unknown = [kind for kind in source if kind not in NEMOTRON_BLOCKS]
+    if not source or unknown:
+        raise ValueError(f"nemotron_h blocks {source!r} are not a hybrid_override_pattern of M, *, - and E")
+    pattern = "".join(NEMOTRON_BLOCKS[kind] for kind in source)
+    if "M" not in pattern or "*" not in pattern:
+        raise ValueError(f"nemotron_h blocks {pattern!r}: a hybrid of Mamba-2 and attention blocks is supported")
+    for key in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias", "sliding_window"):
+        if cfg.get(key):
+            raise ValueError(f"nemotron_h with {key} is not supported")
+    limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0, math.inf)]
+    if limit != [0.0, math.inf]:
+        raise ValueError(f"nemotron_h with time_step_limit {limit} is not supported")
+    activations = (cfg.get("mlp_hidden_act") or "relu2", cfg.get("mamba_hidden_act") or "silu")
+    if activations != ("relu2", "silu"):
+        raise ValueError(f"nemotron_h with mlp_hidden_act {activations[0]!r} and mamba_hidden_act {activations[1]!r} "
+                         "is not supported (relu2 and silu are)")  # fmt: skip
+    layers = nemotron_blocks(pattern)
+    shape = Mamba2(
+        num_heads=int(cfg.get("mamba_num_heads") or 128),
+        head_dim=int(cfg.get("mamba_head_dim") or 64),
+        state_dim=int(cfg.get("ssm_state_size") or 128),
+        groups=int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 8),
+        conv_kernel=int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4),
+        conv_bias=bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
+        layers=tuple(i for i, (mixer, _) in enumerate(layers) if pattern[mixer] == "M"),
+    )
+    if shape.num_heads % shape.groups or shape.conv_kernel < 2:
+        raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
+                         "convolution is not supported")  # fmt: skip
+    return {
+        "block_pattern": pattern,
+        "mamba2": shape,
+        "mlp_free_layers": tuple(i for i, (_, mlp) in enumerate(layers) if mlp is None),
+        "hidden_act": "relu2",
+        **(_nemotron_h_experts(cfg, pattern, layers) if "E" in pattern else {}),
+    }
+
+
+def _nemotron_h_experts(
+    cfg: dict[str, Any], pattern: str, layers: tuple[tuple[int, int | None], ...]
+) -> dict[str, Any]:
+    """Nemotron 3's mixture of experts on the layers whose MLP block is "E": `n_routed_experts` ungated relu² experts
+    `moe_intermediate_size` wide, `num_experts_per_tok` of them chosen by DeepSeek-V3's router (sigmoid scores, the
+    routing bias for the choice, `topk_group` of `n_group` groups, renormalised with `norm_topk_prob`, times
+    `routed_scaling_factor`), beside a relu² shared expert `moe_shared_expert_intermediate_size` wide (which
+    transformers always builds); the layers whose MLP block is "-" dense. ValueError for latent expert projections
+    (`moe_latent_size`, Nemotron 3 Super's) or routing that does not add up."""
+    if cfg.get("moe_latent_size") is not None:
+        raise ValueError("nemotron_h with moe_latent_size (latent expert projections) is not supported")
+    experts, top_k = int(cfg.get("n_routed_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+    groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    if not 1 <= top_k <= experts or experts % groups or not 1 <= top_groups <= groups:
+        raise ValueError(f"nemotron_h: {top_k} of {experts} experts in {groups} groups, {top_groups} of them chosen, "
+                         "is not a routing")  # fmt: skip
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+        "shared_expert_intermediate_size": int(cfg["moe_shared_expert_intermediate_size"]),
+        "shared_expert_gated": False,
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+        "dense_layers": tuple(i for i, (_, mlp) in enumerate(layers) if mlp is not None and pattern[mlp] == "-"),
+        "grouped_router": True,
+        "moe_scoring": "sigmoid",
+        "router_score_bias": True,
+        "moe_groups": groups,
+        "moe_topk_groups": top_groups,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+    }
+
+
+def _json_float(value: Any) -> float:
+    """A float of a config.json: a number, or transformers 5's tag for one JSON cannot spell (`{"__float__":
+    "Infinity"}`, also "-Infinity" and "NaN")."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
+
+
+def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An LFM2 `config.json` under the keys the rest of `model_config_from_hf` reads, as transformers' `Lfm2Config` and
+    `Lfm2MLP` read it: the MLP's width from `block_ff_dim` (else `intermediate_size`), which with
+    `block_auto_adjust_ff_dim` becomes two thirds of it, times `block_ffn_dim_multiplier` and rounded up to a multiple
+    of `block_multiple_of` where a multiplier is set; `norm_eps` as every norm's epsilon; embeddings tied unless
+    `tie_embedding` (or `tie_word_embeddings`) says not. ValueError for biases on the convolution layers' projections
+    (`conv_bias`), which no release sets."""
+    if cfg.get("conv_bias"):
+        raise ValueError("lfm2 with conv_bias is not supported")
+    width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
+    if cfg.get("model_type") == "lfm2" and cfg.get("block_auto_adjust_ff_dim", True):  # (LFM2-MoE's is as stated)
+        width = int(2 * width / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            width = int(float(multiplier) * width)
+            multiple = int(cfg.get("block_multiple_of") or 256)
+            width = multiple * ((width + multiple - 1) // multiple)
+    tie = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))
+    return {**cfg, "intermediate_size": width, "rms_norm_eps": float(cfg.get("norm_eps") or 1e-5),
+            "tie_word_embeddings": bool(tie)}  # fmt: skip
+
+
+def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's short-convolution layers (`ShortConvolution`; {} for the other families): those `layer_types` calls
+    "conv", else those not in `full_attn_idxs` (no list: every layer attends)."""
+    if arch != "lfm2":
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        attending = cfg.get("full_attn_idxs")
+        attending = range(layers) if attending is None else attending
+        types = ["full_attention" if i in attending else "conv" for i in range(layers)]
+    if len(types) != layers or set(types) - {"conv", "full_attention"}:
+        raise ValueError(f"layer_types must name conv or full_attention for each of the {layers} layers; "
+                         f"got {types!r}")  # fmt: skip
+    conv = ShortConvolution(
+        channels=int(cfg["hidden_size"]),
+        conv_kernel=int(cfg.get("conv_L_cache") or 3),
+        layers=tuple(i for i, kind in enumerate(types) if kind == "conv"),
+    )
+    if conv.conv_kernel < 2:
+        raise ValueError(f"lfm2 conv_L_cache {conv.conv_kernel}: a convolution of at least 2 taps is supported")
+    if len(conv.layers) == layers:
+        raise ValueError("a model of convolution layers only (no full_attention layer) is not supported")
+    return {"short_convolution": conv} if conv.layers else {}
+
+
+# Config keys that, set, ask for what no release of these families sets and the shared layers do not build: biases on
+# the MLP's projections (ERNIE 4.5's `use_bias`: on every projection; InternLM3's released configs call it `bias`,
+# transformers `mlp_bias`), IQuest-Coder's clamped q/k/v (which transformers refuses too).
+_UNBUILT_KEYS = {"seed_oss": ("mlp_bias",), "arcee": ("mlp_bias",), "apertus": ("mlp_bias",), "bamba": ("mlp_bias",),
+                 "helium": ("mlp_bias",), "internlm3": ("mlp_bias", "bias"), "iquestcoder": ("clip_qkv",),
+                 "ernie4_5": ("use_bias",), "ernie4_5_moe": ("use_bias",)}  # fmt: skip
+
+
+def _refuse_unbuilt(model_type: str, cfg: dict[str, Any]) -> None:
+    """ValueError for a config of `_UNBUILT_KEYS`' families (Seed-OSS, Arcee, Apertus, Bamba, Helium, InternLM3,
+    IQuest-Coder, ERNIE 4.5) that sets one of its keys."""
+    for key in _UNBUILT_KEYS.get(model_type, ()):
+        if cfg.get(key):
+            raise ValueError(f"{model_type} with {key} is not supported")
+
+
+def _ntk_alpha_theta(cfg: dict[str, Any], theta: float, alpha: float) -> float:
+    """Hunyuan's rope base under its NTK scaling with a fixed `alpha` (its configs' `dynamic` rope with an `alpha`,
+    which transformers turns as `ntk_alpha`): `theta * alpha ** (d / (d - 2))` over the head dim `d`; the
+    frequencies then do not depend on the sequence's length."""
+    dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    return theta * alpha ** (dim / (dim - 2))
+
+
+def _uniform(cfg: dict[str, Any], key: str, default: int) -> int:
+    """A Hunyuan MoE config value given once or per layer (`moe_topk`, `num_experts`, `num_shared_expert`); ValueError
+    for a list whose layers differ, which this engine does not build."""
+    value = cfg.get(key, default)
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise ValueError(f"{cfg.get('model_type')}: {key} {value!r} differs between layers (not supported)")
+        value = value[0]
+    return int(value)
+
+
+# The families whose MLP is ungated, `down(act(up(x)))`: their activations, the default first.
+_UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "apertus": ("xielu", "relu2"), "jais2": ("relu2",)}
+
+
+def _ungated_mlp_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The activation of Arcee AFM's and Jais 2's MLP (relu²) and of Apertus's (xIELU, or relu² as transformers builds
+    it too), ungated; {} for the other families. ValueError for another activation."""
+    supported = _UNGATED_ACTIVATIONS.get(model_type)
+    if supported is None:
+        return {}
+    activation = cfg.get("hidden_act") or supported[0]
+    if activation not in supported:
+        raise ValueError(f"{model_type} hidden_act {activation!r} is not supported ({' or '.join(supported)})")
+    return {"hidden_act": activation}
+
+
+def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Cohere's `ModelConfig` fields ({} for the other families): its LayerNorms, parallel block and `logit_scale`.
+    ValueError for Command R+'s per-head q/k LayerNorms (`use_qk_norm`), which this engine does not build yet."""
+    if arch != "cohere":
+        return {}
+    if cfg.get("use_qk_norm"):
+        raise ValueError("cohere with use_qk_norm (per-head q/k LayerNorms) is not supported")
+    return {"layer_norm": True, "parallel_block": True, "logit_scale": float(cfg.get("logit_scale", 1.0))}
+
+
+def _phimoe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """PhiMoE's `ModelConfig` fields ({} for the other families): LayerNorms with biases (`rms_norm_eps` their
+    epsilon), the LM head's bias (`lm_head_bias`), and its sparsemixer's routing with `router_jitter_noise` as its
+    epsilon. ValueError for other than two experts a token (sparsemixer takes two)."""
+    if model_type != "phimoe":
+        return {}
+    if int(cfg.get("num_experts_per_tok", 2)) != 2:
+        raise ValueError(f"phimoe num_experts_per_tok {cfg['num_experts_per_tok']} is not supported (sparsemixer: 2)")
+    return {
+        "layer_norm": True,
+        "layer_norm_bias": True,
+        "lm_head_bias": bool(cfg.get("lm_head_bias", False)),
+        "moe_scoring": "sparsemixer",
+        "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
+    }
+
+
+def _afmoe_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """AFMoE's (Arcee Trinity's) `ModelConfig` fields ({} for the other families): norms before and after the
+    attention and the MLP (plain weights), each head's attention output gated by the sigmoid of its `gate_proj` rows
+    (read into q_proj's, `models.afmoe`), and with `mup_enabled` its embeddings times `sqrt(hidden_size)`."""
+    if arch != "afmoe":
+        return {}
+    fields: dict[str, Any] = {"sandwich_norms": True, "attention_output_gate": True}
+    if cfg.get("mup_enabled"):
+        fields["embedding_multiplier"] = float(cfg["hidden_size"]) ** 0.5
+    return fields
+
+
+def _afmoe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """AFMoE's experts (after its first `num_dense_layers` dense layers): DeepSeek-V3's sigmoid scores with a
+    load-balancing bias (`expert_bias`) for the choice, in one group, the chosen scores renormalised and times
+    `route_scale`, beside `num_shared_experts` ungated shared experts, each `moe_intermediate_size` wide."""
+    experts, top_k = int(cfg.get("num_experts") or 64), int(cfg.get("num_experts_per_tok") or 6)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"afmoe: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    width = int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=width * int(cfg.get("num_shared_experts") or 0),
+        shared_expert_gated=False,
+        dense_layers=tuple(range(int(cfg.get("num_dense_layers") or 0))),
+        grouped_router=True,
+        moe_scoring="sigmoid",
+        router_score_bias=True,
+        routed_scaling_factor=float(cfg.get("route_scale") or 1.0),
+    )
+
+
+def _jais2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Jais 2's `ModelConfig` fields ({} for the other families): LayerNorms with biases (`layer_norm_eps` their
+    epsilon) and its ungated MLP's biases (`mlp_bias`, on in its config's default and releases)."""
+    if model_type != "jais2":
+        return {}
+    return {"layer_norm": True, "layer_norm_bias": True, "mlp_bias": bool(cfg.get("mlp_bias", True))}
+
+
+def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's multipliers as `ModelConfig` fields (Granite's and Granite MoE's; {} for the other families);
+    ValueError for a Granite whose MLP has biases (`mlp_bias`), which no Granite release sets and this engine does
+    not build."""
+    if arch not in ("granite", "granitemoe"):
+        return {}
+    if cfg.get("mlp_bias"):
+        raise ValueError("granite with mlp_bias is not supported")
+    return {
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "attention_scale": float(cfg.get("attention_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }
+
+
+def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's and Llama 4's layers without rope: where `no_rope_layers` is 0, or (without that list) every
+    `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
+    it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
+    on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
+    models' "nope", or none); () for the other families."""
+    if model_type == "nemotron_h":  # its attention turns no rope
+        return tuple(range(int(cfg["num_hidden_layers"])))
+    if model_type in _MAMBA2_HYBRIDS:
+        rope = cfg.get("position_embedding_type") == "rope"
+        return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
+    if model_type in ("exaone4", "exaone_moe"):
+        windows = _layer_windows(model_type, cfg)
+        return tuple(i for i, window in enumerate(windows) if not window)
+    if model_type == "afmoe":  # rope on its windowed layers alone
+        return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
+    if model_type == "cohere2":  # rope on its windowed layers only: with no window, on none
+        windows = _layer_windows(model_type, cfg) or (0,) * int(cfg["num_hidden_layers"])
+        return tuple(i for i, window in enumerate(windows) if not window)
+    if model_type not in ("smollm3", "llama4", "llama4_text"):
+        return ()
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if len(flags) != layers:
+        raise ValueError(f"no_rope_layers must have one entry for each of the {layers} layers; got {len(flags)}")
+    return tuple(i for i, uses in enumerate(flags) if not uses)
+
+
+def _dense_width(arch: Architecture, cfg: dict[str, Any]) -> int:
+    """A dense MLP's intermediate width: `intermediate_size`; Llama 4's `intermediate_size_mlp` (its
+    `intermediate_size` is the experts'); a Granite 4.0 without experts, its shared MLP's; a Qwen3.5 mixture of
+    experts', which has no dense layer and no `intermediate_size`, its experts' width."""
+    if arch == "llama4":
+        return int(cfg["intermediate_size_mlp"])
+    if arch == "granitemoe" and not cfg.get("num_local_experts"):
+        return int(cfg["shared_intermediate_size"])
+    return int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"])
+
+
+def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's attention quirks (`ModelConfig.qk_unit_norm` and the fields after it); {} for other families."""
+    if arch != "llama4":
+        return {}
+    tuning = bool(cfg.get("attn_temperature_tuning", True))
+    return dict(
+        qk_unit_norm=bool(cfg.get("use_qk_norm", True)),
+        nope_temperature_scale=float(cfg.get("attn_scale") or 0.1) if tuning else 0.0,
+        nope_temperature_floor=int(cfg.get("floor_scale") or 8192),
+        attention_chunk=int(cfg.get("attention_chunk_size") or 0),
+    )
+
+
+# The families whose configs written before `layer_types` make every `sliding_window_pattern`-th layer global, and
+# that pattern's default (Command R7B's released config.json has the pattern and no `layer_types`).
+_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4}
+
+
+def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """AFMoE's `layer_types`, or (a config without them) every `global_attn_every_n_layers`-th layer full attention
+    and the others windowed, as transformers fills them in."""
+    every = int(cfg.get("global_attn_every_n_layers") or 4)
+    layers = int(cfg["num_hidden_layers"])
+    return list(cfg.get("layer_types") or
+                ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)])  # fmt: skip
+
+
+# The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe")
+
+
+# Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
+_WINDOWLESS = ("internlm3", "iquestcoder")
+
+
+def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
+    "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
+    `use_sliding_window` is set, Gemma 3's and Cohere 2's but every `sliding_window_pattern`-th (6, 4:
+    `_GLOBAL_EVERY`), and every layer of any other family does when `sliding_window` is set. () when no layer has a
+    window. ValueError for a window that is not a
+    positive integer or a layer type not known."""
+    window = cfg.get("sliding_window")
+    layers = int(cfg["num_hidden_layers"])
+    if (model_type.startswith("qwen") or model_type == "smollm3") and not cfg.get("use_sliding_window"):
+        window = None
+    if model_type in _WINDOWLESS:
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window is not supported (transformers builds none)")
+        window = None
+    if window is None:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer; got {window!r}")
+    types = _afmoe_layer_types(cfg) if model_type == "afmoe" else cfg.get("layer_types")
+    if types is not None:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown or len(types) != layers:
+            raise ValueError(f"layer_types must name one of sliding_attention, full_attention for each of the "
+                             f"{layers} layers; got {types!r}")
+        windowed = [kind == "sliding_attention" for kind in types]
+    elif model_type.startswith("qwen"):
+        first = int(cfg.get("max_window_layers", layers))
+        windowed = [i >= first for i in range(layers)]
+    elif model_type in _GLOBAL_EVERY:  # an earlier config: every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or _GLOBAL_EVERY[model_type])
+        windowed = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif model_type in ("gemma2", "gpt_oss"):  # an earlier config: the even layers are local, the odd ones global
+        windowed = [i % 2 == 0 for i in range(layers)]
+    elif model_type in ("exaone4", "exaone_moe"):  # its pattern: "LLLG" (local, local, local, global, repeated) or
+        # every n-th global
+        windowed = _exaone4_windowed(cfg.get("sliding_window_pattern") or 4, layers)
+    else:
+        windowed = [True] * layers
+    return tuple(window if on else 0 for on in windowed) if any(windowed) else ()
+
+
+def _exaone4_windowed(pattern: str | int, layers: int) -> list[bool]:
+    """EXAONE 4's windowed layers by its `sliding_window_pattern`: a string of `L` (local) and `G` (global) repeated
+    over the layers, or every `pattern`-th layer global; ValueError for another string."""
+    if isinstance(pattern, str):
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise ValueError(f"sliding_window_pattern {pattern!r} is not a string of L and G")
+        return [pattern[i % len(pattern)] == "L" for i in range(layers)]
+    return [(i + 1) % int(pattern) != 0 for i in range(layers)]
+
+
+def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json` sets
+    apart, with `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters`
+    (per layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
+    what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3 without a
+    sliding window, a rope type other than default (and linear on Gemma 3's global layers), another activation. Gemma
+    (1) is the pre-norm block of Llama with Gemma's norms, embeddings and GeGLU: no sandwich norms, no soft-caps, no
+    windows, queries scaled by the head dim."""
+    gemma3, gemma1 = model_type == "gemma3_text", model_type == "gemma"
+    if gemma3:
+        for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if cfg.get(field_name) is not None:
+                raise ValueError(f"gemma3_text with {field_name} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{model_type} with use_bidirectional_attention is not supported")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if gemma1 and activation == "gelu":  # the released Gemma configs' legacy value, which transformers reads as tanh
+        activation = "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"{model_type} hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+    by_type = cfg.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        full, local = by_type.get("full_attention") or {}, by_type.get("sliding_attention") or {}
+    elif gemma3:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq")}
+    else:  # Gemma and Gemma 2: one rope for every layer
+        rope = by_type or cfg.get("rope_scaling") or {}
+        full = local = {**rope, "rope_theta": rope.get("rope_theta") or cfg.get("rope_theta")}
+    factor = 1.0
+    for kind, params in (("full_attention", full), ("sliding_attention", local)):
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type == "linear" and kind == "full_attention" and gemma3:
+            factor = float(params["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"{model_type} {kind} rope type {rope_type!r} is not supported")
+    if gemma3 and not cfg.get("sliding_window"):  # its local layers' rope is chosen by their window
+        raise ValueError("gemma3_text without a sliding_window is not supported")
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    fields: dict[str, Any] = {
+        "rope_theta": float(full.get("rope_theta") or (1_000_000.0 if gemma3 else 10_000.0)),
+        "norm_offset": 1.0,
+        "embedding_multiplier": hidden**0.5,
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": not gemma1,
+        "attention_scale": float(head_dim if gemma1 else cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
+    }
+    if gemma3:
+        fields["local_rope_theta"] = float(local.get("rope_theta") or 10_000.0)
+        fields["rope_linear_factor"] = factor
+    else:
+        fields["attention_softcap"] = float(cfg.get("attn_logit_softcapping") or 0.0)
+        fields["final_logit_softcap"] = float(cfg.get("final_logit_softcapping") or 0.0)
+    return fields
+
+
+def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Gemma 4 text `config.json` (`gemma4_text`, or a multimodal one's
+    `text_config`): Gemma 3's block with `w` norms, unscaled scores, windowed layers on their own rope, and the
+    `Gemma4Layout`. The full-attention layers' shape comes from `per_layer_config` (transformers 5's, one entry per
+    such layer) or `global_head_dim` / `num_global_key_value_heads`. ValueError for what is not implemented: a
+    mixture-of-experts block, bidirectional attention, per-layer shapes other than one for every full-attention
+    layer, rope types other than default (windowed) and proportional or default (full)."""
+    experts = int(cfg.get("num_experts") or 0) if cfg.get("enable_moe_block") else 0
+    chosen = int(cfg.get("top_k_experts") or 0) if experts else 0
+    if experts and not 0 < chosen <= experts:
+        raise ValueError(f"gemma4_text: top_k_experts {chosen} must be in 1..num_experts ({experts})")
+    if cfg.get("enable_moe_block") and not experts:
+        raise ValueError("gemma4_text with enable_moe_block needs num_experts")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("gemma4_text with use_bidirectional_attention is not supported")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma4_text hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")
+    layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    types = list(cfg.get("layer_types") or [])
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"} or not cfg.get("sliding_window"):
+        raise ValueError("gemma4_text needs layer_types (sliding_attention or full_attention per layer) and a "
+                         "sliding_window")  # fmt: skip
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    keys_as_values = bool(cfg.get("attention_k_eq_v", False))
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+    if overrides:
+        shapes = {(v.get("head_dim", head_dim), v.get("num_key_value_heads", kv_heads)) for v in overrides.values()}
+        if set(overrides) != set(full) or len(shapes) > 1:
+            raise ValueError(f"gemma4_text per_layer_config {cfg['per_layer_config']!r}: only one shape, for the "
+                             "full-attention layers, is supported")  # fmt: skip
+        global_head_dim, global_kv_heads = shapes.pop()
+    else:
+        global_head_dim = int(cfg.get("global_head_dim") or 512)
+        global_kv = cfg.get("num_global_key_value_heads") if keys_as_values else None
+        global_kv_heads = int(global_kv or kv_heads)
+    # transformers' defaults where a config names no rope for a layer type.
+    rope = cfg.get("rope_parameters") or {}
+    local = rope.get("sliding_attention") or {"rope_type": "default", "rope_theta": 10_000.0}
+    full_rope = rope.get("full_attention") or {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1_000_000.0}  # fmt: skip
+    if (local.get("rope_type") or "default") != "default":
+        raise ValueError(f"gemma4_text sliding_attention rope type {local.get('rope_type')!r} is not supported")
+    full_type = full_rope.get("rope_type") or "default"
+    if full_type not in ("default", "proportional") or float(full_rope.get("factor") or 1.0) != 1.0:
+        raise ValueError(f"gemma4_text full_attention rope {full_rope!r} is not supported (default and proportional "
+                         "without a factor are)")  # fmt: skip
+    fraction = float(full_rope.get("partial_rotary_factor") or 1.0) if full_type == "proportional" else 1.0
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first_shared = layers - shared
+    sources = list(range(layers))
+    for index in range(first_shared, layers):  # the last earlier layer of its kind that keeps its own K/V
+        earlier = [i for i in range(first_shared) if types[i] == types[index]]
+        if not earlier:
+            raise ValueError(f"gemma4_text num_kv_shared_layers {shared}: layer {index} ({types[index]}) has no "
+                             "earlier layer of its kind to share")  # fmt: skip
+        sources[index] = earlier[-1]
+    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    layout = Gemma4Layout(
+        global_head_dim=int(global_head_dim),
+        global_kv_heads=int(global_kv_heads),
+        keys_as_values=keys_as_values,
+        global_rope_angles=int(fraction * int(global_head_dim) // 2),
+        kv_sources=tuple(sources),
+        wide_mlp_layers=tuple(range(first_shared, layers)) if cfg.get("use_double_wide_mlp") else (),
+        per_layer_input_size=per_layer,
+        per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input") or cfg["vocab_size"]) if per_layer else 0,
+        experts=experts,
+        experts_per_token=chosen,
+        expert_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+    )
+    softcap = cfg.get("final_logit_softcapping")
+    return {
+        "rope_theta": float(full_rope.get("rope_theta") or 1_000_000.0),
+        "local_rope_theta": float(local.get("rope_theta") or 10_000.0),
+        "embedding_multiplier": int(cfg["hidden_size"]) ** 0.5,
+        "hidden_act": "gelu_tanh",
+        "sandwich_norms": True,
+        "attention_scale": 1.0,
+        "final_logit_softcap": float(softcap or 0.0),
+        "gemma4": layout,
+    }
+
+
+def _attention_bias(arch: Architecture, cfg: dict[str, Any]) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE by `qkv_bias` (default on), Mixtral never (PhiMoE, in its layout, by
+    `attention_bias`); the others by `attention_bias` (default on for gpt-oss and GLM-4, as transformers' configs
+    have it)."""
+    if arch == "qwen2":
+        return True
+    if arch == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True))
+    if arch == "mixtral" and cfg.get("model_type") != "phimoe":
+        return False
+    if cfg.get("model_type") == "internlm3" and "attention_bias" not in cfg:  # its released configs' name for it
+        return bool(cfg.get("qkv_bias", False))
+    if cfg.get("model_type") == "sarvam_moe" and "attention_bias" not in cfg:  # Sarvam 30B's released name
+        return bool(cfg.get("use_qkv_bias", False))
+    return bool(cfg.get("attention_bias", arch in ("gpt_oss", "glm4")))
+
+
+def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / gpt-oss /
+    DeepSeek-V3 / GLM-4.5 / Llama 4 / Qwen3-Next `config.json` ({} for a dense family). Mixtral's, OLMoE's and
+    gpt-oss's experts are `intermediate_size` wide; Mixtral always renormalises its top-k weights, OLMoE as
+    `norm_topk_prob` says; gpt-oss softmaxes the top-k logits (the same weights), with biases and its clamped
+    SwiGLU."""
+    if arch not in (
+        "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe",
+    ):  # fmt: skip
+        return {}
+    if arch == "hunyuan":
+        return _hunyuan_experts(cfg)
+    if arch == "afmoe":
+        return _afmoe_experts(cfg)
+    if cfg.get("model_type") == "youtu":  # DeepSeek-V3's attention, no experts
+        return {}
+    if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
+        return {}  # Qwen3.5's and LFM2's dense models
+    if arch == "granitemoe" and not cfg.get("num_local_experts"):
+        return {}  # Granite 4.0's dense models: the shared MLP alone
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+                  or cfg.get("moe_num_experts") or 0)  # fmt: skip
+    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("moe_k") or 0)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{arch}: hidden_act {cfg['hidden_act']!r} is not supported (experts run SwiGLU)")
+    if arch in ("deepseek_v3", "glm4_moe"):  # GLM-4.5's experts and router are DeepSeek-V3's
+        model_type = cfg.get("model_type")
+        softmax = model_type in ("mistral4", "deepseek_v2")  # softmax scores, no load-balancing bias
+        scoring = cfg.get("scoring_func", "softmax" if softmax else "sigmoid")
+        method = cfg.get("topk_method") or ("group_limited_greedy" if softmax else "noaux_tc")
+        served = (("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy"), ("softmax", "greedy"))
+        if (scoring, method) not in served:
+            raise ValueError(f"{model_type} routing by {scoring} scores with {method} is not supported")
+        groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+        if experts % groups or not 1 <= top_groups <= groups:
+            raise ValueError(f"{model_type}: {experts} experts in {groups} groups, {top_groups} of them chosen")
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
+            shared_expert_intermediate_size=int(cfg["moe_intermediate_size"])
+            * int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0),  # (K-EXAONE's name for it)
+            shared_expert_gated=False,
+            dense_layers=_dense_layers(cfg),
+            grouped_router=True,
+            moe_scoring=scoring,
+            router_score_bias=method == "noaux_tc",
+            moe_groups=groups if method != "greedy" else 1,
+            moe_topk_groups=top_groups if method != "greedy" else 1,
+            moe_group_score="max" if model_type == "deepseek_v2" else "top2",
+            # (Hy3's `router_scaling_factor`)
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or cfg.get("router_scaling_factor") or 1.0),
+        )
+    if arch == "ernie4_5_moe":
+        return _ernie4_5_moe_fields(cfg, experts, top_k)
+    if arch == "lfm2":  # LFM2-MoE: DeepSeek-V3's router in one group, its bias optional, the sum's epsilon 1e-6
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            dense_layers=tuple(range(int(cfg.get("num_dense_layers", 2)))),
+            grouped_router=True,
+            moe_scoring="sigmoid",
+            router_score_bias=bool(cfg.get("use_expert_bias", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            moe_renorm_epsilon=1e-6,
+        )
+    if arch == "minimax_m2":  # DeepSeek-V3's router in one group: sigmoid scores, a bias for the choice, renormalised
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            grouped_router=True,
+            moe_scoring="sigmoid",
+            router_score_bias=True,
+        )
+    if arch == "llama4":
+        layers = int(cfg["num_hidden_layers"])
+        step = int(cfg.get("interleave_moe_layer_step") or 1)
+        moe_layers = cfg.get("moe_layers")
+        if moe_layers is None:  # as transformers' Llama4TextConfig derives them
+            moe_layers = list(range(step - 1, layers, step))
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            shared_expert_intermediate_size=int(cfg["intermediate_size"]),
+            shared_expert_gated=False,
+            dense_layers=tuple(i for i in range(layers) if i not in set(moe_layers)),
+            moe_input_scaled=True,
+        )
+    if arch == "gpt_oss":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            expert_biases=True,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        )
+    if arch == "granitemoe":  # softmax over the top-k logits (Mixtral's renormalised weights), a shared MLP beside
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=int(cfg.get("shared_intermediate_size") or 0)
+            if cfg.get("model_type") != "granitemoe" else 0,
+            shared_expert_gated=False,
+        )
+    if arch in ("mixtral", "olmoe"):
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=arch == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        )
+    layers = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        # Qwen3.5's MoE router always renormalises (its config has no norm_topk_prob).
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_next")),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if arch in ("qwen2_moe", "qwen3_next")
+        else 0,
+        dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
+    )
+
+
+def _hunyuan_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Hunyuan MoE's fields ({} for the dense models): Mixtral's softmax top-`moe_topk` of `num_experts` experts,
+    renormalised, each `intermediate_size` wide (as transformers builds them), beside an ungated shared MLP of that
+    width on every layer. ValueError for counts that differ between layers, more than one shared MLP, and (dense or
+    not) what the released models' configs can switch that this engine does not build: no q/k norms (`use_qk_norm`
+    false) or Hunyuan-Large's cross-layer attention (`use_cla`)."""
+    if cfg.get("use_qk_norm") is False or cfg.get("use_cla"):
+        raise ValueError(f"{cfg.get('model_type')} with use_qk_norm false or use_cla is not supported")
+    if cfg.get("model_type") != "hunyuan_v1_moe":
+        return {}
+    experts, top_k = _uniform(cfg, "num_experts", 1), _uniform(cfg, "moe_topk", 1)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"hunyuan_v1_moe: moe_topk {top_k} must be in [1, num_experts {experts}]")
+    if _uniform(cfg, "num_shared_expert", 1) != 1:
+        raise ValueError(f"hunyuan_v1_moe: num_shared_expert {cfg['num_shared_expert']!r} is not supported (1 is)")
+    width = int(cfg["intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=width,
+        shared_expert_gated=False,
+    )
