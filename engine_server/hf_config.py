@@ -63,6 +63,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
+    # MiniCPM3: that attention (rope over halves, not interleaved pairs) over dense MLPs, with muP's scales
+    # (`_minicpm3_fields`).
+    "minicpm3": "deepseek_v3",
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
@@ -256,6 +259,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_cohere_fields(arch, cfg),
         **_phimoe_fields(model_type, cfg),
         **_jais2_fields(model_type, cfg),
+        **_minicpm3_fields(model_type, cfg),
         **_afmoe_fields(arch, cfg),
         **_ungated_mlp_fields(model_type, cfg),
         **_experts_from_hf_config(arch, cfg),
@@ -406,8 +410,9 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
         qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
-        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        # (MiniCPM3's default: a head's share of the hidden size)
+        v_head_dim=int(cfg.get("v_head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])),
+        rope_interleave=bool(cfg.get("rope_interleave", model_type != "minicpm3")),
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
@@ -797,6 +802,22 @@ def _afmoe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _minicpm3_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniCPM3's muP scales as `ModelConfig` fields ({} for the other families): its embeddings times `scale_emb`,
+    each residual branch times `scale_depth / sqrt(num_hidden_layers)`, the logits divided by `hidden_size /
+    dim_model_base` (a `None` of either: 1, as transformers reads it)."""
+    if model_type != "minicpm3":
+        return {}
+    layers, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+    depth = cfg.get("scale_depth", 1.4)
+    base = cfg.get("dim_model_base", 256)
+    return {
+        "embedding_multiplier": float(cfg.get("scale_emb", 12)),
+        "residual_multiplier": 1.0 if depth is None else float(depth) / math.sqrt(layers),
+        "logits_scaling": 1.0 if base is None else hidden / float(base),
+    }
+
+
 def _jais2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Jais 2's `ModelConfig` fields ({} for the other families): LayerNorms with biases (`layer_norm_eps` their
     epsilon) and its ungated MLP's biases (`mlp_bias`, on in its config's default and releases)."""
@@ -1125,7 +1146,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         return _hunyuan_experts(cfg)
     if arch == "afmoe":
         return _afmoe_experts(cfg)
-    if cfg.get("model_type") == "youtu":  # DeepSeek-V3's attention, no experts
+    if cfg.get("model_type") in ("youtu", "minicpm3"):  # DeepSeek-V3's attention, no experts
         return {}
     if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):
         return {}  # Qwen3.5's and LFM2's dense models

@@ -240,6 +240,17 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0,
          "initializer_range": 0.05},  # (its 0.006 leaves the experts' share too small to tell)
     ),
+    # MiniCPM3: DeepSeek-V2's latent attention (a low-rank query; rope over halves, under LongRoPE's short factors as
+    # MiniCPM3-4B's) over dense MLPs, its embeddings, residual branches and logits scaled (muP).
+    "minicpm3": (
+        transformers.MiniCPM3Config,
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "scale_emb": 4.0, "scale_depth": 2.0, "dim_model_base": 16,
+         "pad_token_id": 0, "initializer_range": 0.02,
+         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 1.28,
+                             "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [4.0] * 4,
+                             "original_max_position_embeddings": 200}},
+    ),
     # Sarvam 30B: GLM-4.5's model with rope over whole heads and q/k norms (its defaults); Sarvam 105B: DeepSeek-V3's
     # (no query rank, YaRN), the first layer dense.
     "sarvam-moe": (
@@ -481,6 +492,7 @@ MODEL_CLASSES = {
     transformers.FlexOlmoConfig: transformers.FlexOlmoForCausalLM,
     transformers.AfmoeConfig: transformers.AfmoeForCausalLM,
     transformers.YoutuConfig: transformers.YoutuForCausalLM,
+    transformers.MiniCPM3Config: transformers.MiniCPM3ForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
