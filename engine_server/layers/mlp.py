@@ -1,5 +1,5 @@
 """Feed-forward blocks: gated (SwiGLU, or Gemma's GELU-tanh GeGLU) with the gate and up projections fused into one
-matmul, or ungated: Nemotron-H's and Arcee's relu², Apertus's xIELU (learned per layer)."""
+matmul, or ungated: Nemotron-H's, Arcee's and Jais 2's relu², Apertus's xIELU (learned per layer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """RMSNorm layer with an optional fused residual add, its form over a projection split by heads over ranks, and
-Cohere's LayerNorm (mean-centred, without a bias) and PhiMoE's (with one) with the same interface."""
+Cohere's LayerNorm (mean-centred, without a bias) and PhiMoE's and Jais 2's (with one) with the same interface."""
 
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ class LayerNorm(RMSNorm):
 
 
 class BiasedLayerNorm(RMSNorm):
-    """PhiMoE's LayerNorm: torch's `layer_norm` with a weight and a bias (its `nn.LayerNorm`), in the input's dtype;
-    row by row, as `LayerNorm`."""
+    """PhiMoE's and Jais 2's LayerNorm: torch's `layer_norm` with a weight and a bias (their `nn.LayerNorm`), in the
+    input's dtype; row by row, as `LayerNorm`."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__(size, eps, dtype)
@@ -111,6 +111,6 @@ class BiasedLayerNorm(RMSNorm):
 
 
 def norm_class(layer_norm: bool, bias: bool = False) -> Callable[[int, float, torch.dtype], RMSNorm]:
-    """The norm a model's blocks use: a LayerNorm where its config says (`ModelConfig.layer_norm`), PhiMoE's with a
-    bias (`layer_norm_bias`) or Cohere's without, else `RMSNorm`."""
+    """The norm a model's blocks use: a LayerNorm where its config says (`ModelConfig.layer_norm`), with a bias
+    (`layer_norm_bias`: PhiMoE's, Jais 2's) or without (Cohere's), else `RMSNorm`."""
     return (BiasedLayerNorm if bias else LayerNorm) if layer_norm else RMSNorm

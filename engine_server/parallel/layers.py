@@ -393,8 +393,10 @@ class ParallelLMHead(_VocabRows, _LocalLinear):
             self.bias.data.zero_()
 
     def load_bias(self, bias: CheckpointTensor) -> None:
-        """Copy the full `[vocab]` bias's entries this rank keeps (or exactly its `num_valid` real ones)."""
-        assert self.bias is not None, "an LM head without a bias loads none"
+        """Copy the full `[vocab]` bias's entries this rank keeps (or exactly its `num_valid` real ones); ValueError
+        for a head built without one."""
+        if self.bias is None:
+            raise ValueError("the LM head has no bias (the config sets no lm_head_bias)")
         shard = self.shard
         rows = range(shard.start, shard.valid_end)
         _copy(self.bias.data[: shard.num_valid], _kept(bias, shard.vocab_size, rows, 0, "LM head bias"), "LM head bias")
