@@ -56,6 +56,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "granitemoe": "granitemoe",
     "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitemoe",
+    # Granite SWA: Granite with windows on the layers `layer_types` names, per-head attention sinks and a rope base per
+    # layer (0: no rope; `_granite_swa_theta`).
+    "granite_swa": "granite",
     "bamba": "granitemoe",  # Bamba: Granite 4.0's hybrid layout without its multipliers (`_bamba_config`)
     "olmo2": "olmo2",
     "olmo3": "olmo2",
@@ -167,6 +170,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         if (local_rope.get("rope_type") or "default") != "default":
             raise ValueError(f"sliding_attention rope type {local_rope['rope_type']!r} is not supported")
     rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    if model_type == "granite_swa":
+        rope_theta = _granite_swa_theta(cfg, rope_theta)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "deepseek_yarn":  # Sarvam's released name for YaRN
         rope_type = "yarn"
@@ -242,7 +247,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
-        attention_sinks=arch == "gpt_oss",
+        attention_sinks=arch == "gpt_oss" or model_type == "granite_swa",
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
         qk_norm_after_rope=arch == "hunyuan",
         post_norms=arch == "olmo2" or model_type == "flex_olmo",
@@ -842,6 +847,16 @@ def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _granite_swa_theta(cfg: dict[str, Any], theta: float) -> float:
+    """Granite SWA's rope base: the one its `layer_rope_theta` gives every layer with rope (0 there: no rope,
+    `_nope_layers`), or `theta` without the list. ValueError for layers of different bases, which the shared rope
+    table (one base, and a windowed layers' one only as Gemma 3's) does not build."""
+    bases = {float(base) for base in cfg.get("layer_rope_theta") or () if base}
+    if len(bases) > 1:
+        raise ValueError(f"granite_swa with layer_rope_theta of several bases {sorted(bases)} is not supported")
+    return bases.pop() if bases else theta
+
+
 def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """SmolLM3's and Llama 4's layers without rope: where `no_rope_layers` is 0, or (without that list) every
     `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
@@ -856,6 +871,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in ("exaone4", "exaone_moe"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
+    if model_type == "granite_swa":  # its layers of rope base 0
+        return tuple(i for i, base in enumerate(cfg.get("layer_rope_theta") or ()) if not base)
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
     if model_type == "cohere2":  # rope on its windowed layers only: with no window, on none

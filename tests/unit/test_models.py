@@ -240,6 +240,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0,
          "initializer_range": 0.05},  # (its 0.006 leaves the experts' share too small to tell)
     ),
+    # Granite SWA: Granite's multipliers, windows on alternate layers (shorter than the prompts), per-head attention
+    # sinks, no rope on the full-attention layers (base 0). Weights drawn wider and the attention sharper than
+    # Granite's (positions then move the logits well past the comparison's tolerance).
+    "granite-swa": (
+        transformers.GraniteSWAConfig,
+        {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
+         "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "attention_multiplier": 0.5,
+         "logits_scaling": 1.0, "initializer_range": 0.1, "pad_token_id": 0},
+    ),
     # MiniCPM3: DeepSeek-V2's latent attention (a low-rank query; rope over halves, under LongRoPE's short factors as
     # MiniCPM3-4B's) over dense MLPs, its embeddings, residual branches and logits scaled (muP).
     "minicpm3": (
@@ -493,6 +502,7 @@ MODEL_CLASSES = {
     transformers.AfmoeConfig: transformers.AfmoeForCausalLM,
     transformers.YoutuConfig: transformers.YoutuForCausalLM,
     transformers.MiniCPM3Config: transformers.MiniCPM3ForCausalLM,
+    transformers.GraniteSWAConfig: transformers.GraniteSWAForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
@@ -793,6 +803,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "apertus", "hidden_act": "silu"}, r"apertus hidden_act 'silu' is not supported \(xielu or"),
         ({"model_type": "apertus", "mlp_bias": True}, "apertus with mlp_bias is not supported"),
         ({"model_type": "bamba", "mlp_bias": True}, "bamba with mlp_bias is not supported"),
+        ({"model_type": "granite_swa", "layer_rope_theta": [10000.0, 0, 500000.0]},
+         r"granite_swa with layer_rope_theta of several bases \[10000.0, 500000.0\] is not supported"),
         ({"model_type": "internlm3", "bias": True}, "internlm3 with bias is not supported"),
         ({"model_type": "iquestcoder", "clip_qkv": 8.0}, "iquestcoder with clip_qkv is not supported"),
         ({"model_type": "iquestcoder", "sliding_window": 4, "use_sliding_window": True},
