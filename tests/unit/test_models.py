@@ -47,9 +47,11 @@ LINEAR_ATTENTION = {
 # Top-2 of 8 experts beside a gated shared expert (Qwen3-Next's and Qwen3.5-MoE's MLP).
 HYBRID_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48}  # fmt: skip
-# Granite 3.x's multipliers: embeddings x12, scores x1/64, residuals x0.22, logits /8.
-GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
-                       "logits_scaling": 8.0}  # fmt: skip
+# Granite's multipliers (embeddings x12, residuals x0.22, logits /8), with weights drawn wider (0.1) and a sharper
+# attention scale (0.5) than Granite 3.x's 1/64: at its 1/64 and transformers' 0.02 init a tiny model's logits barely
+# depend on positions (a rope base 5x off moved them 4e-6, inside the comparisons' 1e-4; now 1.5-3e-3).
+GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "attention_multiplier": 0.5, "residual_multiplier": 0.22,
+                       "logits_scaling": 8.0, "initializer_range": 0.1}  # fmt: skip
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
@@ -240,14 +242,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0,
          "initializer_range": 0.05},  # (its 0.006 leaves the experts' share too small to tell)
     ),
-    # Granite SWA: Granite's multipliers, windows on alternate layers (shorter than the prompts), per-head attention
-    # sinks, no rope on the full-attention layers (base 0). Weights drawn wider and the attention sharper than
-    # Granite's (positions then move the logits well past the comparison's tolerance).
+    # Granite SWA: Granite's multipliers (logits unscaled), windows on alternate layers (shorter than the prompts),
+    # per-head attention sinks, no rope on the full-attention layers (base 0).
     "granite-swa": (
         transformers.GraniteSWAConfig,
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
-         "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "attention_multiplier": 0.5,
-         "logits_scaling": 1.0, "initializer_range": 0.1, "pad_token_id": 0},
+         "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "logits_scaling": 1.0, "pad_token_id": 0},
     ),
     # MiniCPM3: DeepSeek-V2's latent attention (a low-rank query; rope over halves, under LongRoPE's short factors as
     # MiniCPM3-4B's) over dense MLPs, its embeddings, residual branches and logits scaled (muP).
