@@ -91,9 +91,9 @@ class LayerNorm(RMSNorm):
         return self.forward(stream, ops), stream
 
 
-class BiasedLayerNorm(RMSNorm):
+class BiasedLayerNorm(LayerNorm):
     """PhiMoE's and Jais 2's LayerNorm: torch's `layer_norm` with a weight and a bias (their `nn.LayerNorm`), in the
-    input's dtype; row by row, as `LayerNorm`."""
+    input's dtype; row by row, as `LayerNorm` (whose `add_and_norm` it takes)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__(size, eps, dtype)
@@ -101,13 +101,6 @@ class BiasedLayerNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(norm(x + residual), x + residual)`."""
-        stream = x + residual
-        return self.forward(stream, ops), stream
 
 
 def norm_class(layer_norm: bool, bias: bool = False) -> Callable[[int, float, torch.dtype], RMSNorm]:
