@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from engine_server.layers.fp8_linear import Fp8Weight
-from engine_server.loader.lazy_tensor import LazyTensor
+from engine_server.loader.lazy_tensor import LazyTensor, whole
 from kernels.reference import FP8_DTYPE
 
 # What multiplies `<layer>.weight`: one of these next to it.
@@ -101,7 +101,7 @@ class Fp8Checkpoint:
                 continue
             read[name] = tensor
             if weight in read and scale_of[weight] in read:
-                qs, scale = _whole(read.pop(weight)), _whole(read.pop(scale_of[weight]))
+                qs, scale = whole(read.pop(weight)), whole(read.pop(scale_of[weight]))
                 yield weight, self.weight(qs, scale, weight).dequantize()
         if read:
             raise ValueError(f"FP8 checkpoint {folder}: {sorted(read)[:3]} without their weight or scale")
@@ -176,9 +176,6 @@ def _keys(file: Path) -> list[str]:
     with safe_open(file, framework="pt") as handle:
         return list(handle.keys())
 
-
-def _whole(tensor: torch.Tensor | LazyTensor) -> torch.Tensor:
-    return tensor.materialize() if isinstance(tensor, LazyTensor) else tensor
 
 
 def _pair(value: Any) -> tuple[int, int]:

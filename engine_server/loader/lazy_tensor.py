@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engine_server.parallel.layers import CheckpointTensor, read_whole
+
 
 class SafeSlice(Protocol):
     """What `LazyTensor` reads through: safetensors' `safe_open(...).get_slice(name)` (a `PySafeSlice`)."""
@@ -90,3 +92,9 @@ def derived(tensor: LazyTensor, shape: tuple[int, ...], derive: Callable[[torch.
     """An unread tensor of `shape`: `derive` of all of `tensor` once it is read (a part of a checkpoint tensor that
     a replaced layer never reads, so neither is the tensor)."""
     return LazyTensor(ComputedSlice(shape, lambda: derive(tensor.materialize())))
+
+
+def whole(tensor: CheckpointTensor) -> torch.Tensor:
+    """All of a checkpoint tensor, read: an unread one through `LazyTensor.materialize` (a 0-D one too, which
+    `narrow` cannot take), any other as `parallel.layers.read_whole` reads it."""
+    return tensor.materialize() if isinstance(tensor, LazyTensor) else read_whole(tensor)

@@ -9,9 +9,9 @@ from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
-from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
+from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, whole
 from engine_server.models.base import CausalLM
-from engine_server.parallel.layers import CheckpointTensor, read_whole
+from engine_server.parallel.layers import CheckpointTensor
 
 # A layer's query and output-gate projections, which the shared attention reads as one (`_query_and_gate`).
 _QUERY_OR_GATE = re.compile(r"(?P<layer>.+\.self_attn)\.(?P<part>q_proj|gate_proj)\.weight")
@@ -65,14 +65,10 @@ def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int)
     rows, columns = query.shape[0], query.shape[1]
 
     def join() -> torch.Tensor:
-        q, g = (_whole(part).reshape(-1, head_dim, columns) for part in (query, gate))
+        q, g = (whole(part).reshape(-1, head_dim, columns) for part in (query, gate))
         return torch.cat([q, g], dim=1).reshape(-1, columns)
 
     if isinstance(query, torch.Tensor) and isinstance(gate, torch.Tensor):
         return join()
     return LazyTensor(ComputedSlice((2 * rows, columns), join))
 
-
-def _whole(tensor: CheckpointTensor) -> torch.Tensor:
-    """All of a checkpoint tensor, read."""
-    return tensor.materialize() if isinstance(tensor, LazyTensor) else read_whole(tensor)

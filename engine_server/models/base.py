@@ -14,7 +14,7 @@ from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
-from engine_server.loader.lazy_tensor import LazyTensor, derived
+from engine_server.loader.lazy_tensor import LazyTensor, derived, whole
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
@@ -298,13 +298,13 @@ class CausalLM(nn.Module):
         if match["bank"] in replaced and not bias:
             parts = {"down_proj": ["down"], "up_proj": ["up"]}.get(match["proj"], ["gate", "up"])
             return [(match["bank"], f"{expert}.{part}") for expert in range(bank.num_experts) for part in parts]
-        whole = read_whole(tensor)
+        bank_tensor = read_whole(tensor)
         loaded = []
         for expert in range(bank.num_experts):
             if match["proj"] in ("down_proj", "up_proj"):
-                pieces = {f"{match['proj'].removesuffix('_proj')}{bias}": whole[expert]}
+                pieces = {f"{match['proj'].removesuffix('_proj')}{bias}": bank_tensor[expert]}
             else:
-                gate, up = whole[expert].chunk(2)
+                gate, up = bank_tensor[expert].chunk(2)
                 pieces = {f"gate{bias}": gate, f"up{bias}": up}
             for part, weight in pieces.items():
                 try:
@@ -378,5 +378,4 @@ def _load_into(module: nn.Module, kind: str, shard: str, tensor: CheckpointTenso
             raise ValueError(f"{type(module).__name__} has no {kind}")
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        # (an unread scalar, e.g. xIELU's `beta`, has no rows to narrow: read whole)
-        dest.data.copy_(tensor.materialize() if isinstance(tensor, LazyTensor) else read_whole(tensor))
+        dest.data.copy_(whole(tensor))  # (an unread scalar too, e.g. xIELU's `beta`)
