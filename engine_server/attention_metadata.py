@@ -345,7 +345,8 @@ def allocate_kv_cache(
     and row, the layer's own head shape), of one rank's KV heads in a tensor-parallel group of `tp_size`
     (`parallel.sharding.kv_heads_per_rank`); a recurrent layer's is its float32 states, `[state_slots,
     state_size]` (of this rank's heads); a layer that attends over another's K/V (`ModelConfig.kv_source`) gets that
-    layer's very tensor."""
+    layer's very tensor. After the layers' tensors come the states of the layers that keep one beside their K/V
+    (`ModelConfig.state_beside_attention`: Falcon-H1's), one per such layer in its order."""
     recurrent = None if config.recurrent is None else config.recurrent.sharded(tp_size)
     caches: list[torch.Tensor] = []
     for index in range(config.num_hidden_layers):
@@ -357,4 +358,7 @@ def allocate_kv_cache(
             storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
             kv_heads = kv_heads_per_rank(config.layer_kv_heads(index), tp_size)
             caches.append(torch.zeros(2, num_blocks, block_size, kv_heads, row, dtype=storage, device=device))
+    for _ in config.state_beside_attention:
+        assert recurrent is not None
+        caches.append(torch.zeros(state_slots, recurrent.state_size, dtype=torch.float32, device=device))
     return caches

@@ -16,13 +16,13 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "bert",
+    "afmoe", "falcon_h1", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
-    "apertus", "afmoe",
+    "apertus", "afmoe", "falcon_h1",
 )  # fmt: skip
 
 
@@ -152,7 +152,11 @@ class Mamba2:
     wide), x (`num_heads` heads `head_dim` wide), B and C (`groups` groups `state_dim` wide; each group serves
     `num_heads / groups` consecutive heads) and a time step per head; a depthwise causal convolution of
     `conv_kernel` taps (with a bias where `conv_bias`) and SiLU over x, B and C. Its state per sequence is the
-    convolution's last `conv_kernel - 1` inputs and one `head_dim x state_dim` matrix per head (`kernels.mamba2`)."""
+    convolution's last `conv_kernel - 1` inputs and one `head_dim x state_dim` matrix per head (`kernels.mamba2`).
+
+    `gated_norm`: the scan's gated output `y * silu(z)` is RMS-normalised over each group's heads (with a weight);
+    False (Falcon-H1 without `mamba_rms_norm`): taken as it is. `beside_attention` (Falcon-H1): each of `layers` runs
+    attention beside its Mamba-2, keeping K/V in the paged cache as well as the state."""
 
     num_heads: int
     head_dim: int
@@ -161,6 +165,8 @@ class Mamba2:
     conv_kernel: int
     conv_bias: bool
     layers: tuple[int, ...]
+    gated_norm: bool = True
+    beside_attention: bool = False
 
     @property
     def inner(self) -> int:
@@ -189,6 +195,24 @@ class Mamba2:
 
 # The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.
 RecurrentShape = LinearAttention | ShortConvolution | Mamba2
+
+
+@dataclass(frozen=True)
+class FalconH1Scales:
+    """Falcon-H1's µP multipliers inside its layers (its embeddings' and logits' are `ModelConfig.
+    embedding_multiplier` and `logit_scale`), which `models.falcon_h1` folds into the weights they multiply as it
+    loads them: the attention's input (`attention_in`: q, k and v's weights), its keys (`key`), its output
+    (`attention_out`); Mamba-2's input (`ssm_in`), the five parts of its input projection's output (`ssm`: z, x, B, C
+    and the time step) and its output (`ssm_out`); the MLP's gate (`mlp_gate`) and its output (`mlp_down`)."""
+
+    attention_in: float = 1.0
+    key: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    ssm_out: float = 1.0
+    mlp_gate: float = 1.0
+    mlp_down: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -364,8 +388,10 @@ class ModelConfig:
     attention_output_gate: bool = False
     # LFM2: hybrids whose `short_convolution.layers` run a gated short convolution (a state per sequence, no KV cache).
     short_convolution: ShortConvolution | None = None
-    # Granite 4.0's and Nemotron-H's hybrids: `mamba2.layers` run Mamba-2 (a state per sequence, no KV cache).
+    # Granite 4.0's and Nemotron-H's hybrids: `mamba2.layers` run Mamba-2 (a state per sequence, no KV cache);
+    # Falcon-H1's run it beside attention in every layer (`Mamba2.beside_attention`), with `falcon_h1`'s multipliers.
     mamba2: Mamba2 | None = None
+    falcon_h1: FalconH1Scales | None = None
     # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
     # Mamba-2, "*" attention, "-" MLP, "E" Nemotron 3's experts), which `nemotron_blocks` pairs into this config's
     # layers; the layers without an MLP (a mixer not followed by one) are `mlp_free_layers`.
@@ -412,23 +438,29 @@ class ModelConfig:
 
     @property
     def recurrent(self) -> RecurrentShape | None:
-        """The shape of the layers that keep a fixed-size state per running sequence and no KV cache: Gated
-        DeltaNet's (`linear_attention`), LFM2's short convolution's (`short_convolution`) or Mamba-2's (`mamba2`);
-        None for a model without such layers."""
+        """The shape of the layers that keep a fixed-size state per running sequence: Gated DeltaNet's
+        (`linear_attention`), LFM2's short convolution's (`short_convolution`) or Mamba-2's (`mamba2`; Falcon-H1's
+        beside attention, with a KV cache as well); None for a model without such layers."""
         return self.linear_attention or self.short_convolution or self.mamba2
 
     def is_recurrent_layer(self, index: int) -> bool:
-        """Whether layer `index` keeps a state per sequence (`recurrent`) and no KV cache."""
+        """Whether layer `index` keeps a state per sequence (`recurrent`) in place of a KV cache (not Falcon-H1's,
+        which keep both: `Mamba2.beside_attention`)."""
         recurrent = self.recurrent
-        return recurrent is not None and index in recurrent.layers
+        beside = isinstance(recurrent, Mamba2) and recurrent.beside_attention
+        return recurrent is not None and index in recurrent.layers and not beside
+
+    @property
+    def state_beside_attention(self) -> tuple[int, ...]:
+        """The layers that keep a state per sequence beside their K/V (Falcon-H1's: every layer); () for others."""
+        mamba = self.mamba2
+        return mamba.layers if mamba is not None and mamba.beside_attention else ()
 
     @property
     def attention_layers(self) -> int:
         """Layers that keep K/V in the paged cache of their own (all but the recurrent ones and those that attend
         over another layer's: `kv_source`)."""
-        recurrent = self.recurrent
-        own = sum(self.kv_source(i) == i for i in range(self.num_hidden_layers))
-        return own - (len(recurrent.layers) if recurrent is not None else 0)
+        return sum(self.kv_source(i) == i and not self.is_recurrent_layer(i) for i in range(self.num_hidden_layers))
 
     @property
     def o_proj_bias(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 from engine_server.config import (
     NEMOTRON_BLOCKS,
     Architecture,
+    FalconH1Scales,
     Gemma4Layout,
     LatentAttention,
     LinearAttention,
@@ -60,6 +61,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # layer (0: no rope; `_granite_swa_theta`).
     "granite_swa": "granite",
     "bamba": "granitemoe",  # Bamba: Granite 4.0's hybrid layout without its multipliers (`_bamba_config`)
+    "falcon_h1": "falcon_h1",
     "olmo2": "olmo2",
     "olmo3": "olmo2",
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
@@ -274,6 +276,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_glm4_fields(arch),
         **_lfm2_fields(arch, cfg),
         **_mamba2_fields(model_type, cfg),
+        **_falcon_h1_fields(model_type, cfg),
         **nemotron,
     )
 
@@ -533,6 +536,14 @@ def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     if len(mamba) == layers:
         raise ValueError("a model of Mamba-2 layers only (no attention layer) is not supported")
+    return {"mamba2": _mamba2_shape(model_type, cfg, mamba)}
+
+
+def _mamba2_shape(model_type: str, cfg: dict[str, Any], layers: tuple[int, ...], **fields: bool) -> Mamba2:
+    """The `Mamba2` of a Granite 4.0, Bamba or Falcon-H1 `config.json` (their `mamba_*` keys) on `layers`: heads
+    `mamba_d_head` wide ("auto": the inner width, `mamba_d_ssm` or `mamba_expand * hidden_size`, over the heads);
+    `fields`: `Mamba2`'s own (`gated_norm`, `beside_attention`). ValueError for what the layer does not build: biases on
+    its projections, a time step clamped to a range, an activation other than SiLU."""
     if cfg.get("mamba_proj_bias"):
         raise ValueError(f"{model_type} with mamba_proj_bias is not supported")
     limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or (0.0, math.inf)]
@@ -542,7 +553,7 @@ def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{model_type} hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
     heads, hidden = int(cfg.get("mamba_n_heads") or 128), int(cfg["hidden_size"])
     head_dim = cfg.get("mamba_d_head") or "auto"
-    inner = int(cfg.get("mamba_expand") or 2) * hidden
+    inner = int(cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand") or 2) * hidden)
     shape = Mamba2(
         num_heads=heads,
         head_dim=inner // heads if head_dim == "auto" else int(head_dim),
@@ -550,12 +561,51 @@ def _mamba2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         groups=int(cfg.get("mamba_n_groups") or 1),
         conv_kernel=int(cfg.get("mamba_d_conv") or 4),
         conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        layers=mamba,
+        layers=layers,
+        **fields,
     )
     if shape.num_heads % shape.groups or shape.conv_kernel < 2:
         raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
                          "convolution is not supported")  # fmt: skip
-    return {"mamba2": shape}
+    return shape
+
+
+def _falcon_h1_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1's `ModelConfig` fields ({} for the other families): Mamba-2 beside attention in every layer, gated
+    by `silu(z)` alone or RMS-normalised after the gate where `mamba_rms_norm` (`Mamba2.gated_norm`), and its
+    multipliers (`FalconH1Scales`; the embeddings' and the logits' as `embedding_multiplier` and `logit_scale`).
+    ValueError for what its releases do not set and the layers do not build: a norm before the gate
+    (`mamba_norm_before_gate` with `mamba_rms_norm`), biases on the MLP or on Mamba-2's projections
+    (`projectors_bias`), a layer without its MLP (`mamba_use_mlp` false)."""
+    if model_type != "falcon_h1":
+        return {}
+    rms_norm = bool(cfg.get("mamba_rms_norm", False))
+    if rms_norm and cfg.get("mamba_norm_before_gate", True):
+        raise ValueError("falcon_h1 with mamba_rms_norm and mamba_norm_before_gate (the norm before the gate) is not "
+                         "supported; with mamba_norm_before_gate false it is")  # fmt: skip
+    if not cfg.get("mamba_use_mlp", True):
+        raise ValueError("falcon_h1 with mamba_use_mlp false is not supported")
+    layers = tuple(range(int(cfg["num_hidden_layers"])))
+    ssm = tuple(float(m) for m in cfg.get("ssm_multipliers") or (1.0,) * 5)
+    gate, down = (float(m) for m in cfg.get("mlp_multipliers") or (1.0, 1.0))
+    if len(ssm) != 5:
+        raise ValueError(f"falcon_h1 ssm_multipliers must be 5 numbers (z, x, B, C, dt); got {ssm!r}")
+    scales = FalconH1Scales(
+        attention_in=float(cfg.get("attention_in_multiplier") or 1.0),
+        key=float(cfg.get("key_multiplier") or 1.0),
+        attention_out=float(cfg.get("attention_out_multiplier") or 1.0),
+        ssm_in=float(cfg.get("ssm_in_multiplier") or 1.0),
+        ssm=(ssm[0], ssm[1], ssm[2], ssm[3], ssm[4]),
+        ssm_out=float(cfg.get("ssm_out_multiplier") or 1.0),
+        mlp_gate=gate,
+        mlp_down=down,
+    )
+    return {
+        "mamba2": _mamba2_shape(model_type, cfg, layers, gated_norm=rms_norm, beside_attention=True),
+        "falcon_h1": scales,
+        "embedding_multiplier": float(cfg.get("embedding_multiplier") or 1.0),
+        "logit_scale": float(cfg.get("lm_head_multiplier") or 1.0),
+    }
 
 
 def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -699,12 +749,13 @@ def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 # transformers `mlp_bias`), IQuest-Coder's clamped q/k/v (which transformers refuses too).
 _UNBUILT_KEYS = {"seed_oss": ("mlp_bias",), "arcee": ("mlp_bias",), "apertus": ("mlp_bias",), "bamba": ("mlp_bias",),
                  "helium": ("mlp_bias",), "internlm3": ("mlp_bias", "bias"), "iquestcoder": ("clip_qkv",),
-                 "ernie4_5": ("use_bias",), "ernie4_5_moe": ("use_bias",)}  # fmt: skip
+                 "ernie4_5": ("use_bias",), "ernie4_5_moe": ("use_bias",),
+                 "falcon_h1": ("mlp_bias", "projectors_bias")}  # fmt: skip
 
 
 def _refuse_unbuilt(model_type: str, cfg: dict[str, Any]) -> None:
     """ValueError for a config of `_UNBUILT_KEYS`' families (Seed-OSS, Arcee, Apertus, Bamba, Helium, InternLM3,
-    IQuest-Coder, ERNIE 4.5) that sets one of its keys."""
+    IQuest-Coder, ERNIE 4.5, Falcon-H1) that sets one of its keys."""
     for key in _UNBUILT_KEYS.get(model_type, ()):
         if cfg.get(key):
             raise ValueError(f"{model_type} with {key} is not supported")

@@ -229,6 +229,9 @@ def load_model(
             raise ValueError("LoRA adapters are not applied to multi-head latent attention (DeepSeek-V3) yet")
         if source.config.block_pattern:
             raise ValueError("LoRA adapters are not applied to Nemotron-H (its ungated MLPs, its paired blocks) yet")
+        if source.config.falcon_h1 is not None:
+            raise ValueError("LoRA adapters are not applied to Falcon-H1 (its multipliers are folded into the weights "
+                             "an adapter would add to) yet")  # fmt: skip
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
         log.info(

@@ -341,7 +341,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # bias) in place of the linear attention, attention without rope; top-2 of 4 experts beside a shared MLP; Granite's
 # multipliers. Nemotron-H: one sublayer per checkpoint block (Mamba-2 of 4 heads 32 wide in 2 groups, attention
 # without rope, ungated relu² MLPs), blocks M - M M * - pairing into the same four layers, the second and third without
-# an MLP.
+# an MLP. Falcon-H1: attention beside Mamba-2 (4 heads 16 wide in 2 groups) in every layer, every µP multiplier away
+# from 1.
 GRANITE4_H: dict[str, Any] = {
     "layer_types": ["mamba"] * 3 + ["attention"], "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16,
     "mamba_n_groups": 1, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64,
@@ -365,6 +366,14 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
         "NemotronHConfig",
         {"layers_block_type": ["mamba", "mlp", "mamba", "mamba", "attention", "mlp"], "head_dim": 16,
          "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "pad_token_id": 0},
+    ),
+    "falcon-h1": (
+        "FalconH1Config",
+        {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
+         "mamba_chunk_size": 16, "embedding_multiplier": 3.0, "lm_head_multiplier": 0.5, "key_multiplier": 0.6,
+         "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.25,
+         "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.7], "ssm_out_multiplier": 0.6, "mlp_multipliers": [0.9, 0.6],
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
 }  # fmt: skip
 # Every model `save_family` can write: the families above, plain Llama (the base of the LoRA tests) and Qwen3.5's and
@@ -506,10 +515,10 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     step_input = torch.tensor([[0] * (width - len(ids)) + ids for ids in prompts])
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    # A hybrid's recurrent layers (Qwen3-Next's, Qwen3.5's linear attention, LFM2's convolutions) keep states, which
-    # the cache lays out by the config.
+    # A hybrid's recurrent layers (Qwen3-Next's, Qwen3.5's linear attention, LFM2's convolutions, Falcon-H1's Mamba-2
+    # beside attention) keep states, which the cache lays out by the config.
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    hybrid = bool({"linear_attention", "conv", "mamba"} & set(kinds))
+    hybrid = bool({"linear_attention", "conv", "mamba", "hybrid"} & set(kinds))
     cache = DynamicCache(config=model.config) if hybrid else DynamicCache()
     steps: list[torch.Tensor] = []
     with torch.inference_mode():

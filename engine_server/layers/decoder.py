@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
             GatedDeltaNet(config, dtype, tp)
             if config.is_linear_layer(index)
             else Mamba2Mixer(config, dtype, tp)
-            if config.mamba2 is not None and index in config.mamba2.layers
+            if config.mamba2 is not None and config.is_recurrent_layer(index)
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp)

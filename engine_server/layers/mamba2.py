@@ -1,11 +1,13 @@
-"""Mamba-2: the selective state space mixer of Granite 4.0's hybrid layers, over a state per sequence.
+"""Mamba-2: the selective state space mixer of Granite 4.0's, Nemotron-H's and Falcon-H1's hybrid layers, over a
+state per sequence.
 
 `in_proj` gives each token its gate z, x, B, C and a time step per head (`ModelConfig.mamba2`); a depthwise causal
 convolution with SiLU runs over x, B and C, the scan over x (`kernels.mamba2`), then `rms_norm(y * silu(z))` over
-each group's heads and `out_proj`. Where an attention layer keeps every token's K/V in the paged cache, this layer
-keeps, per running sequence, the convolution's last inputs and one matrix per head, in one float32 tensor per layer
-`[slots, state_size]` as Gated DeltaNet's states are (`layers.gated_deltanet`: the same slots, prefix snapshots and
-copies, and the same reasons a step with it is never stopped half way and speculative decoding does not serve it).
+each group's heads (or, as Falcon-H1 may, `y * silu(z)` alone) and `out_proj`. Where an attention layer keeps every
+token's K/V in the paged cache, this layer keeps, per running sequence, the convolution's last inputs and one matrix
+per head, in one float32 tensor per layer `[slots, state_size]` as Gated DeltaNet's states are
+(`layers.gated_deltanet`: the same slots, prefix snapshots and copies, and the same reasons a step with it is never
+stopped half way and speculative decoding does not serve it).
 """
 
 from __future__ import annotations
@@ -81,9 +83,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = HeadSlice(heads, 1.0, dtype)
         self.A_log = HeadSlice(heads, 0.0, dtype)
         self.D = HeadSlice(heads, 1.0, dtype)
-        self.norm = HeadSlice(inner, 1.0, dtype)
+        self.norm = HeadSlice(inner, 1.0, dtype) if whole.gated_norm else None  # (Falcon-H1's may have none)
         self.eps = config.rms_norm_eps
-        self.split_norm = whole.groups < tp.size  # a group's heads (and its norm) on several ranks
+        self.split_norm = whole.gated_norm and whole.groups < tp.size  # a group's heads (and its norm) on several ranks
         self.out_proj: nn.Module = RowParallelLinear(whole.inner, config.hidden_size, False, tp, dtype)
 
     def forward(
@@ -103,7 +105,8 @@ class Mamba2Mixer(nn.Module):
             meta, state, "a Mamba-2 layer",
             lambda slots, fresh: ops.mamba2_mixer(
                 xbc, z, dt, self.conv1d.weight, self.conv1d.bias, self.A_log.weight, self.dt_bias.weight,
-                self.D.weight, None if self.split_norm else self.norm.weight, self.eps, self.shape.groups, state,
+                self.D.weight, None if self.split_norm or self.norm is None else self.norm.weight, self.eps,
+                self.shape.groups, state,
                 slots, meta.query_lens_cpu, fresh,
             ),
         )  # fmt: skip
@@ -121,4 +124,5 @@ class Mamba2Mixer(nn.Module):
         squares[:, self.group] = gated.float().pow(2).sum(dim=-1)
         total = self.tp.all_reduce_sum(squares)[:, self.group : self.group + 1]
         normed = gated.float() * torch.rsqrt(total / width + self.eps)
+        assert self.norm is not None, "a split norm is a norm"
         return self.norm.weight * normed.to(gated.dtype)

@@ -23,6 +23,7 @@ from engine_server import LLM, SamplingParams
 from engine_server.attention_metadata import kv_cache_bytes_per_block, recurrent_state_bytes
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from engine_server.hf_config import model_config_from_hf
+from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.short_conv import ShortConv
@@ -108,7 +109,11 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
         recurrent = GatedDeltaNet | ShortConv | Mamba2Mixer
-        assert [isinstance(layer.self_attn, recurrent) for layer in layers] == [True] * 3 + [False]
+        if name == "falcon-h1":  # attention beside Mamba-2 in every layer
+            assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
+                       for layer in layers)  # fmt: skip
+        else:
+            assert [isinstance(layer.self_attn, recurrent) for layer in layers] == [True] * 3 + [False]
         assert tokens(llm, batch[:1]) == theirs[:1], name
         snapshots = llm.core.scheduler.snapshots
         assert snapshots is not None and len(snapshots) == 1 and snapshots.count == MAX_SEQS
@@ -185,7 +190,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
         torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe"])
+@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1"])
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
     transcendental op by row, the shared expert's gate too; LFM2's convolutions elementwise): each prompt's tokens and
@@ -306,3 +311,6 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
     nemotron = save_family(tmp_path / "nemotron", "nemotron-h")  # its MLPs take no adapter: none is taken at all
     with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Nemotron-H \(its ungated MLPs"):
         LLM(config=EngineConfig(model=str(nemotron), device="cpu", quantization="none", lora=LoraConfig()))
+    falcon = save_family(tmp_path / "falcon", "falcon-h1")  # its multipliers are in the weights an adapter adds to
+    with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Falcon-H1 \(its multipliers"):
+        LLM(config=EngineConfig(model=str(falcon), device="cpu", quantization="none", lora=LoraConfig()))

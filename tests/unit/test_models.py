@@ -52,6 +52,13 @@ HYBRID_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_
 # depend on positions (a rope base 5x off moved them 4e-6, inside the comparisons' 1e-4; now 1.5-3e-3).
 GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "attention_multiplier": 0.5, "residual_multiplier": 0.22,
                        "logits_scaling": 8.0, "initializer_range": 0.1}  # fmt: skip
+FALCON_H1 = {
+    "head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+    "mamba_n_groups": 2, "mamba_chunk_size": 16, "embedding_multiplier": 3.0, "lm_head_multiplier": 0.5,
+    "key_multiplier": 0.6, "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.25,
+    "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.7], "ssm_out_multiplier": 0.6, "mlp_multipliers": [0.9, 0.6],
+    "initializer_range": 0.1, "pad_token_id": 0,
+}  # fmt: skip
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
@@ -430,6 +437,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_shared_expert_intermediate_size": 48, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
          "pad_token_id": 0},
     ),
+    # Falcon-H1: attention and Mamba-2 (4 heads 16 wide in 2 groups, a 16-wide state) side by side in every layer,
+    # the scan's output gated by silu(z) alone, and every µP multiplier away from 1 (weights drawn at 0.1, so each
+    # moves the logits). Its other form: the gated output RMS-normalised per group, biases on the attention.
+    "falcon-h1": (transformers.FalconH1Config, FALCON_H1),
+    "falcon-h1-norm": (
+        transformers.FalconH1Config,
+        {**FALCON_H1, "mamba_rms_norm": True, "mamba_norm_before_gate": False, "attention_bias": True},
+    ),
     # Gemma 4: windowed layers 16 wide, full-attention ones 32 wide with one KV head, values from the keys'
     # projection and proportional rope; the fourth layer attends over the second's K/V (its MLP twice as wide);
     # per-layer inputs 8 wide; logits soft-capped.
@@ -527,6 +542,7 @@ MODEL_CLASSES = {
     transformers.GraniteMoeConfig: transformers.GraniteMoeForCausalLM,
     transformers.GraniteMoeSharedConfig: transformers.GraniteMoeSharedForCausalLM,
     transformers.NemotronHConfig: transformers.NemotronHForCausalLM,
+    transformers.FalconH1Config: transformers.FalconH1ForCausalLM,
 }
 
 
@@ -971,6 +987,50 @@ def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_b
                              ({"layer_types": ["mamba"] * 4}, "Mamba-2 layers only")):  # fmt: skip
         with pytest.raises(ValueError, match=refusal):
             model_config_from_hf({**released, **changed})
+
+
+def test_falcon_h1_configs_read_their_layers_and_multipliers_and_refuse_what_is_not_built() -> None:
+    """A config in the shape of Falcon-H1 0.5B's release (heads 64 wide beside a 1,024-wide stream, Mamba-2's inner
+    width `mamba_d_ssm` rather than `mamba_expand` times the stream, one group, no norm in Mamba-2): Mamba-2 beside
+    attention in every layer, each keeping K/V too; the multipliers read in place; what transformers' own config
+    writes reads the same. Refused by name: the norm before the gate, biases on the projections, a clamped time
+    step, ssm_multipliers of another length."""
+    released = {
+        "model_type": "falcon_h1", "vocab_size": 32768, "hidden_size": 1024, "intermediate_size": 2048,
+        "num_hidden_layers": 36, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
+        "rope_theta": 1e11, "max_position_embeddings": 16384, "mamba_d_ssm": 1536, "mamba_n_heads": 24,
+        "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_chunk_size": 128,
+        "mamba_rms_norm": False, "mamba_norm_before_gate": False, "embedding_multiplier": 5.656854249492381,
+        "lm_head_multiplier": 0.0390625, "key_multiplier": 0.390625, "attention_out_multiplier": 0.9375,
+        "attention_in_multiplier": 1.0, "mlp_multipliers": [0.8838834764831844, 0.5859375], "ssm_in_multiplier": 1.25,
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        "ssm_out_multiplier": 0.23570226039551587, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+        "bos_token_id": 1, "eos_token_id": 11,
+    }  # fmt: skip
+    config = model_config_from_hf(released)
+    built = transformers.FalconH1Config(**{k: v for k, v in released.items() if k != "model_type"})
+    assert model_config_from_hf(built.to_dict()) == config
+    mamba = config.mamba2
+    assert mamba is not None and mamba.layers == tuple(range(36)) and mamba.beside_attention and not mamba.gated_norm
+    assert (mamba.num_heads, mamba.head_dim, mamba.state_dim, mamba.groups, mamba.inner) == (24, 64, 128, 1, 1536)
+    assert config.state_beside_attention == tuple(range(36)) and config.attention_layers == 36
+    assert not any(config.is_recurrent_layer(i) for i in range(36)) and config.recurrent is mamba
+    assert (config.embedding_multiplier, config.logit_scale) == (5.656854249492381, 0.0390625)
+    scales = config.falcon_h1
+    assert scales is not None and (scales.key, scales.attention_out, scales.ssm_in) == (0.390625, 0.9375, 1.25)
+    assert scales.ssm[1] == 0.25 and (scales.mlp_gate, scales.mlp_down) == (0.8838834764831844, 0.5859375)
+    assert model_config_from_hf({**released, "mamba_rms_norm": True}).mamba2.gated_norm  # type: ignore[union-attr]
+    for changed, refusal in (
+        ({"mamba_rms_norm": True, "mamba_norm_before_gate": True}, "mamba_rms_norm and mamba_norm_before_gate"),
+        ({"mamba_rms_norm": True, "mamba_norm_before_gate": "absent"}, "mamba_rms_norm and mamba_norm_before_gate"),
+        ({"projectors_bias": True}, "falcon_h1 with projectors_bias is not supported"),
+        ({"mamba_proj_bias": True}, "falcon_h1 with mamba_proj_bias is not supported"),
+        ({"mlp_bias": True}, "falcon_h1 with mlp_bias is not supported"),
+        ({"time_step_limit": [0.0, 0.1]}, "time_step_limit"),
+        ({"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers must be 5 numbers"),
+    ):
+        with pytest.raises(ValueError, match=refusal):  # ("absent": the key left out, transformers' default True)
+            model_config_from_hf({k: v for k, v in {**released, **changed}.items() if v != "absent"})
 
 
 def test_nemotron_h_configs_pair_their_blocks_into_layers_and_refuse_what_is_not_built() -> None:
