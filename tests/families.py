@@ -556,7 +556,7 @@ _GGUF_ARCHITECTURES = {
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
-    "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus",
+    "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1",
 }  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -862,6 +862,12 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_sliding_window(config.get("sliding_window") or 0)
     if arch == "exaone4" and config.get("sliding_window"):  # its converter's flag per layer
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    if arch == "falcon-h1":  # Mamba-2 beside the attention in every layer: its heads as the time-step rank
+        writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+        writer.add_ssm_state_size(config["mamba_d_state"])
+        writer.add_ssm_group_count(config["mamba_n_groups"])
+        writer.add_ssm_inner_size(config["mamba_d_ssm"])
+        writer.add_ssm_time_step_rank(config["mamba_n_heads"])
     if arch in _GGUF_HYBRIDS:
         writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
         writer.add_ssm_state_size(config["linear_key_head_dim"])
@@ -978,6 +984,33 @@ def _llama_cpp_granite(
         gguf_name, change = reshaped[rest]
         return {blk + gguf_name: (np.ascontiguousarray(change(array)), None)}
     return {}
+
+
+def _llama_cpp_falcon_h1(name: str, tensor: torch.Tensor, config: dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """One of Falcon-H1's checkpoint tensors as llama.cpp's converter writes it: each multiplier folded into the
+    tensors whose name holds its projection's (the embeddings', the logits', the attention's, Mamba-2's input
+    projection's five parts and its output's, the MLP's gate and output), under the names `_write_tensors` maps as
+    Llama's (`feed_forward` as `mlp`, `pre_ff_layernorm` as the post-attention norm, the final norm as `norm`)."""
+    gate, down = config["mlp_multipliers"]
+    attention_in = config["attention_in_multiplier"]
+    scales = {"down_proj": down, "gate_proj": gate, "k_proj": config["key_multiplier"] * attention_in,
+              "q_proj": attention_in, "v_proj": attention_in, "o_proj": config["attention_out_multiplier"],
+              "out_proj": config["ssm_out_multiplier"], "lm_head": config["lm_head_multiplier"],
+              "embed_tokens": config["embedding_multiplier"]}  # fmt: skip
+    for part, scale in scales.items():
+        if part in name:
+            tensor = tensor * scale
+            break
+    if "in_proj" in name:
+        inner, grouped = config["mamba_d_ssm"], config["mamba_n_groups"] * config["mamba_d_state"]
+        widths = [inner, inner, grouped, grouped, config["mamba_n_heads"]]
+        rows = torch.cat([torch.full((width,), float(m)) for width, m in zip(widths, config["ssm_multipliers"],
+                                                                              strict=True)])  # fmt: skip
+        tensor = tensor * config["ssm_in_multiplier"] * rows[:, None]
+    for theirs, ours in ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                         ("model.final_layernorm.", "model.norm.")):  # fmt: skip
+        name = name.replace(theirs, ours)
+    return name, tensor
 
 
 def _nemotron_h_metadata(writer: Any, config: dict[str, Any], head_dim: int) -> None:
@@ -1180,6 +1213,8 @@ def _write_tensors(
     banks: dict[str, dict[int, np.ndarray]] = {}
     linear: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
+        if arch == "falcon-h1":
+            name, tensor = _llama_cpp_falcon_h1(name, tensor, config)
         stem, param = name.rsplit(".", 1)
         kind_type = None  # norms, embeddings and routers stay F32
         if hybrid and ".linear_attn." in name:
@@ -1201,7 +1236,9 @@ def _write_tensors(
         if arch.startswith("nemotron_h"):
             tensors.update(_llama_cpp_nemotron_h(name, array, config, feed_forward, attention))
             continue
-        if arch in _GGUF_GRANITES and (granite := _llama_cpp_granite(name, array, config, feed_forward, attention)):
+        if arch in (*_GGUF_GRANITES, "falcon-h1") and (
+            granite := _llama_cpp_granite(name, array, config, feed_forward, attention)
+        ):  # (Falcon-H1's Mamba-2 tensors are Granite 4.0's)
             tensors.update(granite)
             continue
         if arch == "llama4" and stem.endswith(".feed_forward.experts"):  # the banks: [E, H, 2I] and [E, I, H]

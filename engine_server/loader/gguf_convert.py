@@ -53,10 +53,10 @@ SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is writ
 _FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
 _SQUEEZED_CONVOLUTION = ".linear_attn.conv1d.weight"  # a hybrid's [channels, 1, kernel], stored as [channels, kernel]
 _LFM2_CONVOLUTION = ".conv.conv.weight"  # LFM2's [channels, 1, taps], stored as [channels, taps] (`_restore`)
-# Granite 4.0's and Nemotron-H's Mamba-2 tensors (`mamba.`, `mixer.`) that llama.cpp stores reshaped (`_restore`): the
-# convolution squeezed, `A_log` as `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight
+# Granite 4.0's, Nemotron-H's and Falcon-H1's Mamba-2 tensors (`mamba.`, `mixer.`) that llama.cpp stores reshaped
+# (`_restore`): the convolution squeezed, `A_log` as `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight
 # `[groups, inner / groups]`.
-_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h")
+_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 _MAMBA_CONVOLUTION = (".mamba.conv1d.weight", ".mixer.conv1d.weight")
 _MAMBA_A_LOG = (".mamba.A_log", ".mixer.A_log")
 _MAMBA_FLATTENED = (*_MAMBA_A_LOG, ".mamba.D", ".mixer.D", ".mamba.norm.weight", ".mixer.norm.weight")
@@ -233,6 +233,13 @@ _NEMOTRON_H_BARE = {
     "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
 }  # fmt: skip
 _NEMOTRON_H_GLOBAL = {"token_embd.weight": "backbone.embeddings.weight", "output_norm.weight": "backbone.norm_f.weight"}
+# Falcon-H1: its MLP (`feed_forward`), the norm before it and the final norm as its checkpoints name them; Mamba-2's
+# tensors as Granite 4.0's (`_MAMBA_BARE`), the attention's as Llama's.
+_FALCON_H1_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_norm": "pre_ff_layernorm",
+    **{f"ffn_{part}": f"feed_forward.{part}_proj" for part in ("gate", "up", "down")},
+}  # fmt: skip
+_FALCON_H1_GLOBAL = {"output_norm.weight": "model.final_layernorm.weight"}
 # Where a family's checkpoints hold their layers other than under `model.layers.`.
 _LAYERS_PREFIX = {"nemotron_h": "backbone.layers."}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
@@ -249,6 +256,7 @@ _BARE_LAYER_NAMES = {
     "lfm2_moe": {**_LFM2_BARE, "exp_probs_b.bias": "feed_forward.expert_bias"},  # the routing bias, [experts]
     "granitemoehybrid": _MAMBA_BARE,
     "nemotron_h": _NEMOTRON_H_BARE,
+    "falcon_h1": _MAMBA_BARE,
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 # Hunyuan: its q/k norms' own names (applied after rope).
@@ -277,6 +285,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     **{model_type: _GRANITE_MOE_LAYER_NAMES for model_type in ("granitemoe", "granitemoeshared", "granitemoehybrid")},
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
+    "falcon_h1": _FALCON_H1_LAYER_NAMES,
     "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
     "apertus": {**_LAYER_NAMES, "attn_norm": "attention_layernorm", "ffn_norm": "feedforward_layernorm"},
 }
@@ -330,6 +339,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _LFM2_GLOBAL[gguf_name]
     if architecture == "nemotron_h" and gguf_name in _NEMOTRON_H_GLOBAL:
         return _NEMOTRON_H_GLOBAL[gguf_name]
+    if architecture == "falcon_h1" and gguf_name in _FALCON_H1_GLOBAL:
+        return _FALCON_H1_GLOBAL[gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:

@@ -66,6 +66,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     # 3's experts blocks in place of the MLPs.
     "nemotron_h": ("nemotron_h", "NemotronHForCausalLM"),
     "nemotron_h_moe": ("nemotron_h", "NemotronHForCausalLM"),
+    # Falcon-H1: its multipliers folded into the tensors by llama.cpp's converter (`_falcon_h1_config`).
+    "falcon-h1": ("falcon_h1", "FalconH1ForCausalLM"),
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -303,6 +305,33 @@ def _granite_config(
     }
 
 
+def _falcon_h1_config(reader: GGUFReader, tensors: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The keys of a Falcon-H1 `config.json` from a `falcon-h1` file: Mamba-2 beside attention in every layer, its
+    shape from the `ssm.*` keys (the heads are its time-step rank, their width its inner size over them), the
+    convolution's bias and the gated norm where the file has their tensors (llama.cpp normalises after the gate).
+    llama.cpp's converter folds every multiplier of Falcon-H1's (embeddings, attention, Mamba-2, MLP, logits) into
+    the tensors they multiply, so the config states none: transformers' defaults, 1. Biases on the MLP (which
+    llama.cpp would read) come through as `mlp_bias`, refused by name. ValueError for an inner size the heads do not
+    divide."""
+    required = functools.partial(_arch_field, reader, "falcon-h1", spec)
+    heads, inner = int(required("ssm.time_step_rank")), int(required("ssm.inner_size"))
+    if not heads or inner % heads:
+        raise ValueError(f"model {spec!r}: a falcon-h1 file of {heads} Mamba-2 heads over an inner size of {inner} is "
+                         "not supported")  # fmt: skip
+    return {
+        "mamba_d_ssm": inner,
+        "mamba_n_heads": heads,
+        "mamba_d_head": inner // heads,
+        "mamba_d_state": int(required("ssm.state_size")),
+        "mamba_n_groups": int(required("ssm.group_count")),
+        "mamba_d_conv": int(required("ssm.conv_kernel")),
+        "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in tensors,
+        "mamba_rms_norm": "blk.0.ssm_norm.weight" in tensors,
+        "mamba_norm_before_gate": False,
+        "mlp_bias": "blk.0.ffn_gate.bias" in tensors,
+    }
+
+
 # A `nemotron_h` / `nemotron_h_moe` file's blocks by the tensor each kind has: Mamba-2's input projection, attention's
 # queries, the MLP's up projection, or the experts' bank (Nemotron 3's); their characters in Nemotron-H's pattern.
 _NEMOTRON_BLOCK_TENSORS = {"ssm_in": "M", "attn_q": "*", "ffn_up": "-", "ffn_up_exps": "E"}
@@ -483,6 +512,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_granite_config(reader, arch, config, experts, tensors, spec))
     elif arch in ("nemotron_h", "nemotron_h_moe"):
         config.update(_nemotron_h_config(reader, arch, config, experts, tensors, spec))
+    elif arch == "falcon-h1":
+        config.update(_falcon_h1_config(reader, tensors, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

@@ -1,6 +1,7 @@
 """The recurrent hybrids' GGUF files other than Gated DeltaNet's (tests/unit/test_family_gguf.py has those): LFM2's
 and LFM2-MoE's short convolutions (`lfm2`, `lfm2moe`), Granite 4.0's Mamba-2 (`granitehybrid`) and the Granite
-families llama.cpp writes beside it (`granitemoe`, `granite`), and Nemotron-H's (`nemotron_h`), each written as
+families llama.cpp writes beside it (`granitemoe`, `granite`), Nemotron-H's (`nemotron_h`) and Falcon-H1's
+(`falcon-h1`), each written as
 llama.cpp's converter writes it (`tests.families.write_gguf`; scripts/check_gguf_writer.py has llama.cpp read such
 files): converted, the config and every tensor are the checkpoint's and the float path equals transformers token for
 token; served from its blocks, it holds `ladle bench quality`'s thresholds, and over two ranks each rank's rows come
@@ -8,6 +9,8 @@ from the blocks bit for bit."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +18,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from engine_server.config import FalconH1Scales
+from engine_server.hf_config import model_config_from_hf
 from engine_server.loader import resolve_model
+from tests.families import save_family, write_gguf
+from tests.unit.test_family_engines import reference_tokens
 from tests.unit.test_family_gguf import (
+    converted_reference_tokens,
     exact_then_served,
     float_reference,
     keep_stored_weights,
@@ -156,3 +164,32 @@ def test_a_nemotron_3_gguf_is_exact_on_the_float_path_and_served_from_its_blocks
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q8_32"] * 2, layers
     assert layers["model.layers.0.mlp.shared_expert.up_proj"] == "q8", layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_a_falcon_h1_gguf_with_its_multipliers_folded_is_exact_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """A `falcon-h1` file as llama.cpp's converter writes it: every µP multiplier folded into the tensors it
+    multiplies (so the converted config states none), Mamba-2 as Granite 4.0's `ssm_*` (its heads the time-step rank)
+    beside Llama's attention tensors (q/k rows as the checkpoint's). Written in F32, its float path equals transformers
+    on the checkpoint, multipliers and all, token for token (with Mamba-2's gated norm too). Quantized (MLP Q4_0,
+    attention and Mamba-2 Q8_0): its float path equals transformers on the weights as converted, and served from its
+    blocks it holds `ladle bench quality`'s thresholds, over two ranks too."""
+    folder = save_family(tmp_path / "hf", "falcon-h1", head_spread=0.5)
+    saved = model_config_from_hf(json.loads((folder / "config.json").read_text()))
+    exact = write_gguf(folder, tmp_path / "f32.gguf", GGMLQuantizationType.F32, GGMLQuantizationType.F32)
+    source = resolve_model(str(exact))
+    folded = FalconH1Scales()
+    assert source.config == replace(saved, name=source.config.name, falcon_h1=folded, embedding_multiplier=1.0,
+                                    logit_scale=1.0)  # fmt: skip
+    float_reference(exact, reference_tokens(folder))  # (the comparison of its tokens with transformers')
+    normed = save_family(tmp_path / "hf-normed", "falcon-h1", head_spread=0.5, mamba_rms_norm=True,
+                         mamba_norm_before_gate=False)  # (Mamba-2's gated norm, `ssm_norm`, in the file)
+    float_reference(write_gguf(normed, tmp_path / "normed.gguf", GGMLQuantizationType.F32, GGMLQuantizationType.F32),
+                    reference_tokens(normed))  # fmt: skip
+    gguf = write_gguf(folder, tmp_path / "q.gguf", GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)
+    reference = float_reference(gguf, converted_reference_tokens(resolve_model(str(gguf))))
+    layers, result = served_candidate(gguf, reference)
+    assert layers["model.layers.0.mamba.in_proj"] == layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
+    assert layers["model.layers.3.mlp.gate_up_proj"] == "q4", layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+    _, split = served_candidate(gguf, reference, tensor_parallel_size=2)
+    assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
