@@ -58,8 +58,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitemoe",
     # Granite SWA: Granite with windows on the layers `layer_types` names, per-head attention sinks and a rope base per
-    # layer (0: no rope; `_granite_swa_theta`).
+    # layer (0: no rope; `_granite_swa_theta`); Granite-MoE SWA, the same attention over Granite's experts.
     "granite_swa": "granite",
+    "granitemoe_swa": "granitemoe",
     "bamba": "granitemoe",  # Bamba: Granite 4.0's hybrid layout without its multipliers (`_bamba_config`)
     "falcon_h1": "falcon_h1",
     "olmo2": "olmo2",
@@ -154,6 +155,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _lfm2_config(cfg)
     if model_type == "bamba":
         cfg = _bamba_config(cfg)
+    if model_type in _GRANITE_SWA_TYPES:
+        cfg = _granite_swa_config(cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -172,8 +175,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         if (local_rope.get("rope_type") or "default") != "default":
             raise ValueError(f"sliding_attention rope type {local_rope['rope_type']!r} is not supported")
     rope_theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    if model_type == "granite_swa":
-        rope_theta = _granite_swa_theta(cfg, rope_theta)
+    if model_type in _GRANITE_SWA_TYPES:
+        rope_theta = _granite_swa_theta(model_type, cfg, rope_theta)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "deepseek_yarn":  # Sarvam's released name for YaRN
         rope_type = "yarn"
@@ -249,7 +252,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
-        attention_sinks=arch == "gpt_oss" or model_type == "granite_swa",
+        attention_sinks=arch == "gpt_oss" or model_type in _GRANITE_SWA_TYPES,
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
         qk_norm_after_rope=arch == "hunyuan",
         post_norms=arch == "olmo2" or model_type == "flex_olmo",
@@ -898,13 +901,32 @@ def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _granite_swa_theta(cfg: dict[str, Any], theta: float) -> float:
+# Granite SWA and Granite-MoE SWA: windows, attention sinks and a rope base per layer (`_granite_swa_config`).
+_GRANITE_SWA_TYPES = ("granite_swa", "granitemoe_swa")
+_GRANITE_SWA_WINDOW = 128  # transformers' default `sliding_window` for them
+_GRANITE_SWA_GLOBAL_EVERY = 4  # without `layer_types`, every 4th layer (from the first) attends to all
+
+
+def _granite_swa_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Granite SWA or Granite-MoE SWA `config.json` with what transformers fills in where it is absent: a window of
+    128 (`sliding_window`), and layer types with every 4th layer, from the first, full attention."""
+    layers = int(cfg["num_hidden_layers"])
+    default_types = ["full_attention" if i % _GRANITE_SWA_GLOBAL_EVERY == 0 else "sliding_attention"
+                     for i in range(layers)]  # fmt: skip
+    return {
+        **cfg,
+        "sliding_window": cfg.get("sliding_window", _GRANITE_SWA_WINDOW),
+        "layer_types": cfg.get("layer_types") or default_types,
+    }
+
+
+def _granite_swa_theta(model_type: str, cfg: dict[str, Any], theta: float) -> float:
     """Granite SWA's rope base: the one its `layer_rope_theta` gives every layer with rope (0 there: no rope,
     `_nope_layers`), or `theta` without the list. ValueError for layers of different bases, which the shared rope
     table (one base, and a windowed layers' one only as Gemma 3's) does not build."""
     bases = {float(base) for base in cfg.get("layer_rope_theta") or () if base}
     if len(bases) > 1:
-        raise ValueError(f"granite_swa with layer_rope_theta of several bases {sorted(bases)} is not supported")
+        raise ValueError(f"{model_type} with layer_rope_theta of several bases {sorted(bases)} is not supported")
     return bases.pop() if bases else theta
 
 
@@ -922,7 +944,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in ("exaone4", "exaone_moe"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
-    if model_type == "granite_swa":  # its layers of rope base 0
+    if model_type in _GRANITE_SWA_TYPES:  # its layers of rope base 0
         return tuple(i for i, base in enumerate(cfg.get("layer_rope_theta") or ()) if not base)
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")

@@ -29,7 +29,8 @@ class GraniteMoeForCausalLM(CausalLM):
     has no experts (Granite 4.0's dense models). Granite 4.0's Mamba-2 layers (checkpoint `mamba`) take the token
     mixer's place (`ModelConfig.mamba2`); its H models' attention turns no rope. Bamba (`bamba`, read as this layout
     by `hf_config._bamba_config`) names its dense MLP `feed_forward`, the norm before it `pre_ff_layernorm` and the
-    final one `final_layernorm`."""
+    final one `final_layernorm`. Granite-MoE SWA (`granitemoe_swa`) is Granite MoE with a shared MLP under Granite
+    SWA's attention (windows, sinks, a rope base per layer: `ModelConfig`'s)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)

@@ -256,6 +256,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
          "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "logits_scaling": 1.0, "pad_token_id": 0},
     ),
+    # Granite-MoE SWA: that attention (rope on the windowed layer alone) over top-2 of 4 experts beside a shared MLP.
+    "granitemoe-swa": (
+        transformers.GraniteMoeSWAConfig,
+        {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+         "layer_rope_theta": [50000.0, 0], "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "shared_intermediate_size": 48, **GRANITE_MULTIPLIERS, "pad_token_id": 0},
+    ),
     # MiniCPM3: DeepSeek-V2's latent attention (a low-rank query; rope over halves, under LongRoPE's short factors as
     # MiniCPM3-4B's) over dense MLPs, its embeddings, residual branches and logits scaled (muP).
     "minicpm3": (
@@ -518,6 +525,7 @@ MODEL_CLASSES = {
     transformers.YoutuConfig: transformers.YoutuForCausalLM,
     transformers.MiniCPM3Config: transformers.MiniCPM3ForCausalLM,
     transformers.GraniteSWAConfig: transformers.GraniteSWAForCausalLM,
+    transformers.GraniteMoeSWAConfig: transformers.GraniteMoeSWAForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
@@ -987,6 +995,24 @@ def test_granite4_configs_read_their_layers_as_released_and_refuse_what_is_not_b
                              ({"layer_types": ["mamba"] * 4}, "Mamba-2 layers only")):  # fmt: skip
         with pytest.raises(ValueError, match=refusal):
             model_config_from_hf({**released, **changed})
+
+
+def test_granite_swa_configs_without_a_window_or_layer_types_read_as_transformers_fills_them_in() -> None:
+    """Granite SWA's and Granite-MoE SWA's config.json may leave out `sliding_window` and `layer_types`: transformers
+    then windows every layer but every 4th (from the first) at 128 tokens, and so does ladle; a base per layer of
+    several values is refused by name."""
+    for model_type, config_class in (("granite_swa", transformers.GraniteSWAConfig),
+                                     ("granitemoe_swa", transformers.GraniteMoeSWAConfig)):  # fmt: skip
+        bare = {**SMALL, "model_type": model_type, "num_hidden_layers": 8, "bos_token_id": 1, "eos_token_id": 2,
+                "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+        if model_type == "granitemoe_swa":
+            bare.update(num_local_experts=4, num_experts_per_tok=2)
+        config = model_config_from_hf(bare)
+        assert config.layer_windows == (0, 128, 128, 128, 0, 128, 128, 128) and config.attention_sinks
+        built = config_class(**{k: v for k, v in bare.items() if k != "model_type"}).to_dict()
+        assert model_config_from_hf(built) == config
+        with pytest.raises(ValueError, match=f"{model_type} with layer_rope_theta of several bases"):
+            model_config_from_hf({**bare, "layer_rope_theta": [1e4, 0, 5e5, 1e4, 1e4, 1e4, 1e4, 1e4]})
 
 
 def test_falcon_h1_configs_read_their_layers_and_multipliers_and_refuse_what_is_not_built() -> None:
