@@ -357,6 +357,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_renorm_epsilon: float = 1e-20  # added to the chosen scores' sum that renormalises them (LFM2-MoE: 1e-6)
     shared_expert_gated: bool = True
+    # The shared experts' output times this (Cohere2-MoE's "average": routed and shared halves, the routed half
+    # through `routed_scaling_factor`), folded into their down projection at load (`models.cohere`).
+    shared_expert_scale: float = 1.0
     # Llama 4's router: the sigmoid of each chosen expert's logit scales that expert's input (not its output).
     moe_input_scaled: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at

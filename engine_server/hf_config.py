@@ -103,6 +103,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "ernie4_5_moe": "ernie4_5_moe",
     "cohere": "cohere",  # Command R / R+: the attention and the MLP in parallel off one LayerNorm
     "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
+    "cohere2_moe": "cohere",  # Command A+: Command A's block and layers over experts (`_cohere2_moe_config`)
     "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
     "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
     # NVIDIA's Nemotron-H, Nemotron Nano 2 and Nemotron 3: one sublayer per block (Mamba-2, attention without rope, an
@@ -157,6 +158,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _bamba_config(cfg)
     if model_type in _GRANITE_SWA_TYPES:
         cfg = _granite_swa_config(cfg)
+    if model_type == "cohere2_moe":
+        cfg = _cohere2_moe_config(cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -800,13 +803,92 @@ def _ungated_mlp_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Cohere's `ModelConfig` fields ({} for the other families): its LayerNorms, parallel block and `logit_scale`.
-    ValueError for Command R+'s per-head q/k LayerNorms (`use_qk_norm`), which this engine does not build yet."""
+    """Cohere's `ModelConfig` fields ({} for the other families): its LayerNorms (Cohere2-MoE's RMSNorms where its
+    config sets `rms_norm_eps`), parallel block and `logit_scale`. ValueError for Command R+'s per-head q/k
+    LayerNorms (`use_qk_norm`), which this engine does not build yet."""
     if arch != "cohere":
         return {}
     if cfg.get("use_qk_norm"):
         raise ValueError("cohere with use_qk_norm (per-head q/k LayerNorms) is not supported")
-    return {"layer_norm": True, "parallel_block": True, "logit_scale": float(cfg.get("logit_scale", 1.0))}
+    layer_norm = cfg.get("model_type") != "cohere2_moe" or cfg.get("rms_norm_eps") is None
+    return {"layer_norm": layer_norm, "parallel_block": True, "logit_scale": float(cfg.get("logit_scale", 1.0))}
+
+
+# Cohere2-MoE's routers (`expert_selection_fn`) and its ways of adding the shared experts' output
+# (`shared_expert_combination_strategy`).
+_COHERE2_MOE_ROUTERS = ("softmax", "sigmoid")
+_COHERE2_MOE_COMBINATIONS = ("sum", "average")
+
+
+def _cohere2_moe_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Cohere2-MoE `config.json` with what transformers fills in where it is absent: the first
+    `first_k_dense_replace` layers dense (`mlp_layer_types`), windows on all but every
+    `prefix_dense_sliding_window_pattern`-th of them (1: none) and all but every `sliding_window_pattern`-th (4) of
+    the rest (`layer_types`); the dense layers `prefix_dense_intermediate_size` wide (as `intermediate_size`, the
+    experts' width then `moe_intermediate_size`)."""
+    layers = int(cfg["num_hidden_layers"])
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    prefix, pattern = int(cfg.get("prefix_dense_sliding_window_pattern") or 1), int(cfg.get("sliding_window_pattern")
+                                                                                    or 4)  # fmt: skip
+    types = cfg.get("layer_types")
+    if types is None:  # (the rest's pattern counts from the first layer after the prefix, as transformers counts it)
+        types = [_windowed_or_full((i + 1) % prefix) for i in range(first_dense)]
+        types += [_windowed_or_full((i + 1) % pattern) for i in range(layers - first_dense)]
+    kinds = cfg.get("mlp_layer_types") or ["dense" if i < first_dense else "sparse" for i in range(layers)]
+    experts_width = int(cfg["intermediate_size"])
+    return {
+        **cfg,
+        "layer_types": types,
+        "mlp_layer_types": kinds,
+        "intermediate_size": int(cfg.get("prefix_dense_intermediate_size") or experts_width),
+        "moe_intermediate_size": experts_width,
+    }
+
+
+def _windowed_or_full(remainder: int) -> str:
+    """A layer type by its place in a pattern: full attention on the pattern's last layer (remainder 0)."""
+    return "sliding_attention" if remainder else "full_attention"
+
+
+def _cohere2_moe_forced_rope(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Cohere2-MoE's layers that turn rope without a window: its dense ones where `prefix_dense_sliding_window_pattern`
+    is 1 (transformers' `force_rope`)."""
+    if int(cfg.get("prefix_dense_sliding_window_pattern") or 1) != 1:
+        return ()
+    return tuple(i for i, kind in enumerate(cfg.get("mlp_layer_types") or ()) if kind == "dense")
+
+
+def _cohere2_moe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Cohere2-MoE's experts on the layers `mlp_layer_types` calls "sparse" (`_cohere2_moe_config`): the top-k router
+    logits softmaxed (the renormalised top-k of the softmax) or their sigmoids (renormalised with `norm_topk_prob`),
+    one group of DeepSeek-V3's router without a bias; `num_shared_experts` shared experts as one MLP that many times
+    `moe_intermediate_size` wide, added to the routed output (`sum`) or averaged with it (`average`: each half,
+    `routed_scaling_factor` and `shared_expert_scale`). ValueError for another router or combination."""
+    experts, top_k = int(cfg.get("num_experts") or 8), int(cfg.get("num_experts_per_tok") or 2)
+    selection = cfg.get("expert_selection_fn") or "softmax"
+    combination = cfg.get("shared_expert_combination_strategy") or "average"
+    if selection not in _COHERE2_MOE_ROUTERS or combination not in _COHERE2_MOE_COMBINATIONS:
+        raise ValueError(f"cohere2_moe with expert_selection_fn {selection!r} and shared_expert_combination_strategy "
+                         f"{combination!r} is not supported (softmax or sigmoid; sum or average)")  # fmt: skip
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"cohere2_moe: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    shared = int(cfg.get("num_shared_experts") or 0)
+    halves = 0.5 if shared and combination == "average" else 1.0
+    width = int(cfg["moe_intermediate_size"])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=selection == "softmax" or bool(cfg.get("norm_topk_prob", True)),
+        shared_expert_intermediate_size=width * shared,
+        shared_expert_gated=False,
+        shared_expert_scale=halves,
+        dense_layers=_dense_layers(cfg),
+        grouped_router=True,
+        moe_scoring=selection,
+        router_score_bias=False,
+        routed_scaling_factor=halves,
+    )
 
 
 def _phimoe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -948,9 +1030,11 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         return tuple(i for i, base in enumerate(cfg.get("layer_rope_theta") or ()) if not base)
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
-    if model_type == "cohere2":  # rope on its windowed layers only: with no window, on none
+    if model_type in ("cohere2", "cohere2_moe"):  # rope on its windowed layers only: with no window, on none
         windows = _layer_windows(model_type, cfg) or (0,) * int(cfg["num_hidden_layers"])
-        return tuple(i for i, window in enumerate(windows) if not window)
+        # Cohere2-MoE's dense layers turn rope too when its prefix pattern is 1 (each of them global)
+        forced = _cohere2_moe_forced_rope(cfg) if model_type == "cohere2_moe" else ()
+        return tuple(i for i, window in enumerate(windows) if not window and i not in forced)
     if model_type not in ("smollm3", "llama4", "llama4_text"):
         return ()
     layers = int(cfg["num_hidden_layers"])
@@ -989,7 +1073,7 @@ def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The families whose configs written before `layer_types` make every `sliding_window_pattern`-th layer global, and
 # that pattern's default (Command R7B's released config.json has the pattern and no `layer_types`).
-_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4}
+_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4, "cohere2_moe": 4}
 
 
 def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
@@ -1229,13 +1313,15 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere",
     ):  # fmt: skip
         return {}
     if arch == "hunyuan":
         return _hunyuan_experts(cfg)
     if arch == "afmoe":
         return _afmoe_experts(cfg)
+    if arch == "cohere":  # Cohere2-MoE's experts; Command R's and Command A's dense models
+        return _cohere2_moe_experts(cfg) if cfg.get("model_type") == "cohere2_moe" else {}
     if cfg.get("model_type") in ("youtu", "minicpm3"):  # DeepSeek-V3's attention, no experts
         return {}
     if arch in ("qwen3_next", "lfm2") and not cfg.get("num_experts"):

@@ -256,6 +256,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"sliding_window": WINDOW, "logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0,
          "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # Cohere2-MoE (Command A+): Cohere 2's block and windows (its dense first layer global, with rope), then top-2 of 8
+    # experts beside a shared expert, the two averaged.
+    "cohere2-moe": (
+        "Cohere2MoeConfig",
+        {"sliding_window": WINDOW, "logit_scale": 0.3, "first_k_dense_replace": 1, "prefix_dense_intermediate_size": 96,
+         "intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "num_shared_experts": 1,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Cohere (Command R): that block on every layer, rope everywhere.
     "cohere": (
         "CohereConfig",

@@ -256,6 +256,22 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
          "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "logits_scaling": 1.0, "pad_token_id": 0},
     ),
+    # Cohere2-MoE (Command A+): Command A's parallel block and windows (rope on windowed layers, and on its dense
+    # first layer, global), over top-2 of 4 experts (softmax over the top-2 logits) beside a shared expert, the two
+    # averaged; its other form: RMSNorms, sigmoid routing renormalised, shared and routed output summed.
+    "cohere2-moe": (
+        transformers.Cohere2MoeConfig,
+        {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 6, "first_k_dense_replace": 1,
+         "sliding_window_pattern": 2, "prefix_dense_intermediate_size": 96, "intermediate_size": 32,
+         "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "logit_scale": 0.5},
+    ),
+    "cohere2-moe-sigmoid": (
+        transformers.Cohere2MoeConfig,
+        {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 6, "first_k_dense_replace": 1,
+         "prefix_dense_sliding_window_pattern": 2, "sliding_window_pattern": 2, "prefix_dense_intermediate_size": 96,
+         "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 2,
+         "expert_selection_fn": "sigmoid", "shared_expert_combination_strategy": "sum", "rms_norm_eps": 1e-6},
+    ),
     # Granite-MoE SWA: that attention (rope on the windowed layer alone) over top-2 of 4 experts beside a shared MLP.
     "granitemoe-swa": (
         transformers.GraniteMoeSWAConfig,
@@ -526,6 +542,7 @@ MODEL_CLASSES = {
     transformers.MiniCPM3Config: transformers.MiniCPM3ForCausalLM,
     transformers.GraniteSWAConfig: transformers.GraniteSWAForCausalLM,
     transformers.GraniteMoeSWAConfig: transformers.GraniteMoeSWAForCausalLM,
+    transformers.Cohere2MoeConfig: transformers.Cohere2MoeForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
@@ -1013,6 +1030,31 @@ def test_granite_swa_configs_without_a_window_or_layer_types_read_as_transformer
         assert model_config_from_hf(built) == config
         with pytest.raises(ValueError, match=f"{model_type} with layer_rope_theta of several bases"):
             model_config_from_hf({**bare, "layer_rope_theta": [1e4, 0, 5e5, 1e4, 1e4, 1e4, 1e4, 1e4]})
+
+
+def test_cohere2_moe_configs_read_their_layers_as_transformers_builds_them() -> None:
+    """A Cohere2-MoE config.json with `first_k_dense_replace` in place of `layer_types` and `mlp_layer_types` reads as
+    transformers' config builds it (the dense prefix windowed by its own pattern, the rest by theirs); RMSNorms
+    where `rms_norm_eps` is set; the shared experts averaged with the routed ones by halving each, summed without.
+    Another router or combination is refused by name."""
+    raw = {**SMALL, "model_type": "cohere2_moe", "num_hidden_layers": 8, "head_dim": 16, "first_k_dense_replace": 2,
+           "prefix_dense_sliding_window_pattern": 2, "sliding_window_pattern": 3, "sliding_window": 32,
+           "prefix_dense_intermediate_size": 128, "intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2,
+           "num_shared_experts": 2, "layer_norm_eps": 1e-5, "logit_scale": 0.25, "tie_word_embeddings": True,
+           "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+    config = model_config_from_hf(raw)
+    built = transformers.Cohere2MoeConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert model_config_from_hf(built.to_dict()) == config
+    assert config.layer_windows == (32, 0, 32, 32, 0, 32, 32, 0)  # prefix: every 2nd global; then every 3rd
+    assert config.nope_layers == (1, 4, 7) and config.dense_layers == (0, 1) and config.layer_norm
+    assert (config.intermediate_size, config.moe_intermediate_size, config.shared_expert_intermediate_size) == (
+        128, 48, 96)  # fmt: skip
+    assert (config.routed_scaling_factor, config.shared_expert_scale) == (0.5, 0.5)
+    summed = model_config_from_hf({**raw, "shared_expert_combination_strategy": "sum", "rms_norm_eps": 1e-6})
+    assert (summed.routed_scaling_factor, summed.shared_expert_scale, summed.layer_norm) == (1.0, 1.0, False)
+    for changed in ({"expert_selection_fn": "softplus"}, {"shared_expert_combination_strategy": "max"}):
+        with pytest.raises(ValueError, match="cohere2_moe with expert_selection_fn"):
+            model_config_from_hf({**raw, **changed})
 
 
 def test_falcon_h1_configs_read_their_layers_and_multipliers_and_refuse_what_is_not_built() -> None:
