@@ -20,8 +20,9 @@
   parallelism each rank quantizes its slice of the float weights per channel, an FP8 checkpoint's included
   (dequantized first).
 - `auto`: `gguf` for a GGUF model on the CPU (where the kernels are built), `int8` for an MXFP4 checkpoint there
-  (its experts as stored), `fp8` for an FP8 checkpoint on CUDA where the FP8 GEMMs run, otherwise `none` (an FP8
-  or MXFP4 checkpoint then loads dequantized to float).
+  (its experts as stored) or an integer one (GPTQ, AWQ, compressed-tensors: `loader.int_checkpoint`, its 4- or
+  8-bit weights kept 8-bit rather than float32), `fp8` for an FP8 checkpoint on CUDA where the FP8 GEMMs run,
+  otherwise `none` (an FP8, MXFP4 or integer checkpoint then loads dequantized to float).
 A mixture of experts' routers stay float under `gguf` and `int8` (their logits choose the experts: a rounding step
 could change the choice), multiplied row by row in one fixed order on the CPU (`RowwiseLinear`) so that the choice
 does not depend on the batch either.
@@ -167,8 +168,8 @@ def resolve_quantization(
     if mode == "auto":
         if cpu_float32 and kernels and source.gguf_path is not None:
             return "gguf"
-        if cpu_float32 and kernels and _mxfp4_source(source):
-            return "int8"
+        if cpu_float32 and kernels and (_mxfp4_source(source) or source.int_weights is not None):
+            return "int8"  # (a 4- or 8-bit checkpoint's weights stay 8-bit, not float32)
         fp8 = source.fp8 is not None and device.type == "cuda" and _fp8_refusal(device, kernels) is None
         return "fp8" if fp8 else "none"
     if mode == "none":

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from engine_server.layers.fp8_linear import Fp8Weight
+from engine_server.loader.int_checkpoint import is_integer_quantization
 from engine_server.loader.lazy_tensor import LazyTensor, whole
 from kernels.reference import FP8_DTYPE
 
@@ -108,10 +109,11 @@ class Fp8Checkpoint:
 
 
 def fp8_checkpoint(config: Mapping[str, Any]) -> Fp8Checkpoint | None:
-    """The FP8 layout `config` (a config.json) declares, None when it declares no quantization. Raises ValueError
-    for a quantization this engine does not read (another method, or compressed-tensors that is not FP8)."""
+    """The FP8 layout `config` (a config.json) declares, None when it declares no quantization or an integer one
+    (`loader.int_checkpoint`'s). Raises ValueError for a quantization this engine does not read (another method, or
+    compressed-tensors that is neither FP8 nor integer)."""
     quantization = config.get("quantization_config")
-    if not quantization:
+    if not quantization or is_integer_quantization(config):
         return None
     method = quantization.get("quant_method")
     if method == "mxfp4":  # gpt-oss's experts: dequantized by its model class as it loads (models.gpt_oss)
@@ -126,7 +128,8 @@ def fp8_checkpoint(config: Mapping[str, Any]) -> Fp8Checkpoint | None:
         return Fp8Checkpoint("fp8", _pair(block) if block else None, static)
     if method == "compressed-tensors":
         return _compressed_tensors(quantization)
-    raise ValueError(f"quantization_config: quant_method {method!r} is not read (fp8 and compressed-tensors FP8 are)")
+    raise ValueError(f"quantization_config: quant_method {method!r} is not read (fp8, gptq, awq and compressed-tensors "
+                     "are)")
 
 
 def _compressed_tensors(quantization: Mapping[str, Any]) -> Fp8Checkpoint:

@@ -10,6 +10,7 @@ from engine_server.hf_config import model_config_from_hf
 from engine_server.loader.dummy import dummy_config
 from engine_server.loader.fp8_checkpoint import fp8_checkpoint
 from engine_server.loader.gguf_convert import ensure_converted
+from engine_server.loader.int_checkpoint import int_checkpoint
 from engine_server.loader.source import ModelSource, default_cache_dir, read_hf_config, safetensors_files
 
 DEFAULT_SPEC = "default"
@@ -95,9 +96,11 @@ def hf_folder_source(
         hf_config = {**read_hf_config(folder), **(hf_overrides or {})}
         config = model_config_from_hf(hf_config, name=name)
         fp8 = fp8_checkpoint(hf_config)
+        integers = int_checkpoint(hf_config)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"model {spec!r}: bad config.json: {exc}") from exc
-    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder, gguf_path=gguf_path, fp8=fp8)
+    return ModelSource(config=config, path=folder, name=name, tokenizer_path=folder, gguf_path=gguf_path, fp8=fp8,
+                       int_weights=integers)  # fmt: skip
 
 
 def default_model_source() -> ModelSource:

@@ -30,6 +30,7 @@ from engine_server.loader.gguf_convert import (
     transformers_banks,
     write_sharded_safetensors,
 )
+from engine_server.loader.int_checkpoint import IntCheckpoint
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
 
@@ -55,7 +56,9 @@ class ModelSource:
     - `gguf_path` set: `path` is the file's converted folder (config.json, tokenizer, `TENSOR_INDEX`: no weights),
       and the weights are read from the file.
     - `fp8` is the layout of an FP8 checkpoint (`loader.fp8_checkpoint`): `weights()` and `lazy_weights()` then
-      yield its FP8 weights dequantized to float32, and no scales, as a float checkpoint's.
+      yield its FP8 weights dequantized to float32, and no scales, as a float checkpoint's; `int_weights` likewise the
+      layout of a GPTQ, AWQ or compressed-tensors integer checkpoint (`loader.int_checkpoint`), whose quantized
+      layers come out as their float32 weights.
     - `random_weights=True` means `path` holds no weights for this config: `weights()` generates them from
       `seed` (normal, std 0.02; norm weights 1), deterministically and per tensor.
     """
@@ -68,6 +71,7 @@ class ModelSource:
     seed: int = 0
     gguf_path: Path | None = None  # the GGUF file `path` was converted from: the weights, blocks that can be served
     fp8: Fp8Checkpoint | None = None  # an FP8 checkpoint's layout, whose e4m3 weights can be served as they are
+    int_weights: IntCheckpoint | None = None  # a GPTQ, AWQ or compressed-tensors integer checkpoint's layout
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield every parameter once, in unspecified order: fp32 (a GGUF file, dummy) or the stored dtype."""
@@ -77,6 +81,8 @@ class ModelSource:
             return iter_hf_tensors(indexed_tensors(self.gguf_path, self.path), read_hf_config(self.path), self.name)
         if self.fp8 is not None:
             return self.fp8.dequantized(self.path, iter_safetensors(self.path))
+        if self.int_weights is not None:
+            return self.int_weights.dequantized(self.path, iter_safetensors(self.path))
         return iter_safetensors(self.path)
 
     def lazy_weights(self, fp8_kept: Collection[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
@@ -92,6 +98,8 @@ class ModelSource:
             return iter_hf_tensors(indexed_tensors(self.gguf_path, self.path), config, self.name, lazy=True)
         if self.fp8 is not None:
             return self.fp8.dequantized(self.path, iter_lazy_safetensors(self.path), fp8_kept)
+        if self.int_weights is not None:  # (each quantized layer read whole, as its packed parts are)
+            return self.int_weights.dequantized(self.path, iter_lazy_safetensors(self.path))
         return iter_lazy_safetensors(self.path)
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -153,22 +153,25 @@ def test_fp8_is_refused_where_it_cannot_run() -> None:
         resolve_quantization("fp8", source(), CUDA, torch.bfloat16, False)
 
 
-INT4 = {"num_bits": 4, "type": "int", "strategy": "group"}
+FP4 = {"num_bits": 4, "type": "float", "strategy": "group"}
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"quant_method": "awq"}, "quant_method 'awq' is not read"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not read"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "block size"),
-        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": INT4}}}, "not 8-bit floats"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": FP4}}}, "not 8-bit floats"),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "only float-quantized"),
     ],
 )
 def test_other_quantizations_are_refused(config: dict[str, Any], message: str) -> None:
+    """(Integer ones, GPTQ's, AWQ's and compressed-tensors', are `loader.int_checkpoint`'s: tests/unit/
+    test_int_checkpoints.py.)"""
     with pytest.raises(ValueError, match=message):
         fp8_checkpoint({"quantization_config": config})
+    assert fp8_checkpoint({"quantization_config": {"quant_method": "awq", "bits": 4}}) is None
 
 
 # --- FP8 checkpoints ----------------------------------------------------------------------------------------
