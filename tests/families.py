@@ -1297,6 +1297,8 @@ def _write_tensors(
             gguf_name = f"{_GGUF_GLOBAL[stem]}.{param}" if stem in _GGUF_GLOBAL else _GGUF_GEMMA4_GLOBAL[name]
             kind_type = output if stem == "lm_head" else feed_forward if stem.endswith("per_layer_model_projection") \
                 else None
+        if arch == "falcon-h1" and gguf_name.endswith(".ffn_norm.weight"):  # its converter's name for it: no suffix
+            gguf_name = gguf_name.removesuffix(".weight")
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
     for layer, weights in linear.items():  # the projections in `attention`'s type; the rest F32
         for gguf_name, array in _llama_cpp_linear_attention(config, arch, layer, weights).items():

@@ -256,7 +256,7 @@ _BARE_LAYER_NAMES = {
     "lfm2_moe": {**_LFM2_BARE, "exp_probs_b.bias": "feed_forward.expert_bias"},  # the routing bias, [experts]
     "granitemoehybrid": _MAMBA_BARE,
     "nemotron_h": _NEMOTRON_H_BARE,
-    "falcon_h1": _MAMBA_BARE,
+    "falcon_h1": {**_MAMBA_BARE, "ffn_norm": "pre_ff_layernorm.weight"},  # (its converter writes no `.weight`)
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 # Hunyuan: its q/k norms' own names (applied after rope).
