@@ -68,6 +68,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "kimi_k25": "deepseek_v3",  # Kimi K2.5 / K2.6: Kimi K2's text model beside a vision tower (`_kimi_k25_text`)
     "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
     # MiniCPM3: that attention (rope over halves, not interleaved pairs) over dense MLPs, with muP's scales
     # (`_minicpm3_fields`).
@@ -152,6 +153,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _text_config(cfg)
     if model_type == "mistral3":  # read as its text model's own family
         model_type = _mistral3_text_type(cfg)
+    if model_type == "kimi_k25":
+        cfg = _kimi_k25_text(cfg)
+        model_type = cfg["model_type"]
     if model_type in ("lfm2", "lfm2_moe"):
         cfg = _lfm2_config(cfg)
     if model_type == "bamba":
@@ -454,6 +458,20 @@ def _mistral3_text_type(text: dict[str, Any]) -> str:
         raise ValueError(f"mistral3 text_config model_type {model_type!r} is not supported "
                          "(mistral, ministral, ministral3 and mistral4 are)")
     return model_type
+
+
+def _kimi_k25_text(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi K2.5's (and K2.6's) text model: its `text_config`, Kimi K2's DeepSeek-V3 layout (`model_type` `kimi_k2` or
+    `deepseek_v3`), whose own embedding tie holds (its checkpoint has an LM head of its own, under
+    `language_model.lm_head`; the multimodal config's top-level tie is its wrapper's default). ValueError for another
+    text model."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("kimi_k25 config.json has no text_config")
+    model_type = str(text.get("model_type") or "deepseek_v3")
+    if model_type not in ("kimi_k2", "deepseek_v3"):
+        raise ValueError(f"kimi_k25 text_config model_type {model_type!r} is not supported (kimi_k2, deepseek_v3 are)")
+    return {**text, "model_type": model_type}
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,9 @@ from engine_server.models.llama import MISTRAL3_TOWERS
 from engine_server.parallel.layers import CheckpointTensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# What a multimodal checkpoint holds beside its DeepSeek-V3 text model, not read: Mistral 3's (Mistral Small 4's)
+# towers, and Kimi K2.5's vision tower and its projector (`mm_projector`).
+_TOWERS = (*MISTRAL3_TOWERS, "mm_projector.", "model.mm_projector.")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -20,8 +23,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     `first_k_dense_replace` layers and otherwise a mixture of experts with `layers.moe.GroupedTopkRouter` and
     ungated shared experts (checkpoint `mlp.shared_experts`, read as `mlp.shared_expert`). The multi-token-prediction
     layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read. A
-    multimodal Mistral 3 checkpoint's Mistral 4 text model is read as a text-only checkpoint's, its vision tower left
-    out."""
+    multimodal Mistral 3 checkpoint's Mistral 4 text model, and Kimi K2.5's Kimi K2 one (`kimi_k25`), are read as a
+    text-only checkpoint's, their vision towers and projectors left out."""
 
     checkpoint_renames: tuple[tuple[str, str], ...] = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 
@@ -34,7 +37,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def _decoder_layers(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
-        for name, tensor in text_model_weights(weights, MISTRAL3_TOWERS):
+        for name, tensor in text_model_weights(weights, _TOWERS):
             layer = _LAYER.match(name)
             if layer is None or int(layer.group(1)) < self.config.num_hidden_layers:
                 yield name, tensor

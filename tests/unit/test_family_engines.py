@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
@@ -393,6 +394,47 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str,
         assert config.architecture == ("llama" if text_model == "ministral3" else "deepseek_v3")
         assert config.query_scale_beta == 0.5
         assert tokens(llm, batch) == theirs
+
+
+def test_a_kimi_k25_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """Kimi K2.5 is released as `Kimi_K25ForConditionalGeneration`: a `text_config` of Kimi K2's DeepSeek-V3 layout
+    (its own LM head: the text model's tie is read, not the wrapper's), the text model's weights under `language_model.`
+    (`language_model.model.layers.N`, `language_model.lm_head`), a vision tower and its projector (`mm_projector`)
+    beside them, which are not read; transformers 5 holds them as `model.language_model.`, `model.vision_tower.` and
+    `model.mm_projector.`. Written in either layout (transformers' own save turns the language model's `layers` into
+    `blocks`, reversing a rename meant for the vision tower's, so the released layout is written here from its state
+    dict), its text output equals transformers' own multimodal model's on text prompts."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4}  # fmt: skip
+    text = {**_SHAPE, **FAMILIES["deepseek-v3"][1], "model_type": "deepseek_v3", "tie_word_embeddings": False}
+    config = transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                                         tie_word_embeddings=False)  # (transformers would tie the head in memory)
+    torch.manual_seed(0)
+    model = transformers.Kimi_K25ForConditionalGeneration(config).eval()
+    draw_language_model(model)
+    batch = prompts()[:4]
+    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    released = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                ("model.vision_tower.", "vision_tower.encoder."), ("model.mm_projector.", "mm_projector."))  # fmt: skip
+    for layout, renames in (("released", released), ("transformers", ())):
+        folder = tmp_path / layout
+        config.save_pretrained(folder)
+        copy_tokenizer(folder)
+        state = {}
+        for name, tensor in model.state_dict().items():
+            for theirs_prefix, ours in renames:
+                if name.startswith(theirs_prefix):
+                    name = ours + name.removeprefix(theirs_prefix)
+            state[name] = tensor.clone()
+        save_file(state, folder / "model.safetensors")
+        with engine(folder) as llm:
+            assert llm.core.model_config.architecture == "deepseek_v3"
+            assert not llm.core.model_config.tie_word_embeddings
+            assert tokens(llm, batch) == theirs, layout
 
 
 def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
