@@ -16,7 +16,7 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "bert",
+    "afmoe", "falcon_h1", "jamba", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -193,8 +193,38 @@ class Mamba2:
         return replace(self, num_heads=self.num_heads // size, groups=max(self.groups // size, 1))
 
 
+@dataclass(frozen=True)
+class Mamba1:
+    """Mamba-1's shape (Jamba's Mamba layers; `layers.mamba1`) on `layers`: `in_proj` gives x and the gate z (`inner`
+    wide each); a depthwise causal convolution of `conv_kernel` taps (with a bias where `conv_bias`) and SiLU over x;
+    `x_proj` gives the time step's low-rank input (`dt_rank` wide), B and C (`state_dim` each), each RMS-normalised
+    where `inner_norms` (Jamba's); `dt_proj` (with a bias) lifts the time step to every channel. Its state per
+    sequence is the convolution's last `conv_kernel - 1` inputs and a `state_dim`-wide row per channel
+    (`kernels.mamba1`)."""
+
+    inner: int
+    state_dim: int
+    conv_kernel: int
+    dt_rank: int
+    conv_bias: bool
+    layers: tuple[int, ...]
+    inner_norms: bool = True
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: the convolution's inputs, then the rows."""
+        return self.inner * (self.conv_kernel - 1) + self.inner * self.state_dim
+
+    def sharded(self, size: int) -> Mamba1:
+        """One rank's share under tensor parallelism over `size` ranks: a block of the channels; ValueError unless
+        `size` divides them."""
+        if self.inner % size:
+            raise ValueError(f"Mamba's {self.inner} channels must be divisible by the tensor-parallel size ({size})")
+        return replace(self, inner=self.inner // size)
+
+
 # The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.
-RecurrentShape = LinearAttention | ShortConvolution | Mamba2
+RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1
 
 
 @dataclass(frozen=True)
@@ -395,6 +425,8 @@ class ModelConfig:
     # Falcon-H1's run it beside attention in every layer (`Mamba2.beside_attention`), with `falcon_h1`'s multipliers.
     mamba2: Mamba2 | None = None
     falcon_h1: FalconH1Scales | None = None
+    # Jamba: `mamba1.layers` run Mamba-1 (a state per sequence, no KV cache).
+    mamba1: Mamba1 | None = None
     # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
     # Mamba-2, "*" attention, "-" MLP, "E" Nemotron 3's experts), which `nemotron_blocks` pairs into this config's
     # layers; the layers without an MLP (a mixer not followed by one) are `mlp_free_layers`.
@@ -442,9 +474,9 @@ class ModelConfig:
     @property
     def recurrent(self) -> RecurrentShape | None:
         """The shape of the layers that keep a fixed-size state per running sequence: Gated DeltaNet's
-        (`linear_attention`), LFM2's short convolution's (`short_convolution`) or Mamba-2's (`mamba2`; Falcon-H1's
-        beside attention, with a KV cache as well); None for a model without such layers."""
-        return self.linear_attention or self.short_convolution or self.mamba2
+        (`linear_attention`), LFM2's short convolution's (`short_convolution`), Mamba-2's (`mamba2`; Falcon-H1's
+        beside attention, with a KV cache as well) or Mamba-1's (`mamba1`); None for a model without such layers."""
+        return self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1
 
     def is_recurrent_layer(self, index: int) -> bool:
         """Whether layer `index` keeps a state per sequence (`recurrent`) in place of a KV cache (not Falcon-H1's,

@@ -14,6 +14,7 @@ from engine_server.config import (
     LatentAttention,
     LinearAttention,
     LongRope,
+    Mamba1,
     Mamba2,
     ModelConfig,
     RopeScaling,
@@ -94,6 +95,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Arcee's Trinity (AFMoE): gated attention with q/k norms, rope on its windowed layers alone, sandwich norms,
     # DeepSeek-V3's sigmoid routing in one group beside shared experts (`_afmoe_fields`).
     "afmoe": "afmoe",
+    "jamba": "jamba",  # Jamba: Mamba-1 layers, attention without rope every few, experts every other layer
     "apertus": "apertus",  # Apertus: Qwen3's per-head q/k norms, an ungated MLP with xIELU learned per layer
     # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
     # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
@@ -287,6 +289,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_lfm2_fields(arch, cfg),
         **_mamba2_fields(model_type, cfg),
         **_falcon_h1_fields(model_type, cfg),
+        **_jamba_fields(model_type, cfg),
         **nemotron,
     )
 
@@ -592,6 +595,56 @@ def _mamba2_shape(model_type: str, cfg: dict[str, Any], layers: tuple[int, ...],
         raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
                          "convolution is not supported")  # fmt: skip
     return shape
+
+
+def _jamba_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Jamba's layer kinds: its `layers_block_type`, or (without it) attention on every `attn_layer_period`-th layer
+    from `attn_layer_offset` and Mamba on the rest, as transformers builds them."""
+    layers = int(cfg["num_hidden_layers"])
+    period, offset = int(cfg.get("attn_layer_period") or 8), int(cfg.get("attn_layer_offset") or 4)
+    return list(cfg.get("layers_block_type") or ("attention" if i % period == offset else "mamba"
+                                                 for i in range(layers)))  # fmt: skip
+
+
+def _jamba_expert_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Jamba's layers with experts: every `expert_layer_period`-th from `expert_layer_offset` (none with one expert)."""
+    if int(cfg.get("num_experts") or 16) <= 1:
+        return ()
+    period, offset = int(cfg.get("expert_layer_period") or 2), int(cfg.get("expert_layer_offset") or 1)
+    return tuple(i for i in range(int(cfg["num_hidden_layers"])) if i % period == offset)
+
+
+def _jamba_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Jamba's Mamba-1 layers (`Mamba1`; {} for the other families): those its layer types call "mamba", `mamba_expand`
+    times the hidden size wide, a time-step rank of `mamba_dt_rank` ("auto": hidden / 16, rounded up), with Jamba's
+    RMSNorms on the time step, B and C. ValueError for what the layer does not build: biases on its projections,
+    another activation, a model of Mamba layers only or of attention only."""
+    if model_type != "jamba":
+        return {}
+    types = _jamba_layer_types(cfg)
+    layers = int(cfg["num_hidden_layers"])
+    if len(types) != layers or set(types) - {"mamba", "attention"}:
+        raise ValueError(f"jamba layers_block_type must name mamba or attention for each of the {layers} layers; "
+                         f"got {types!r}")  # fmt: skip
+    mamba = tuple(i for i, kind in enumerate(types) if kind == "mamba")
+    if not mamba or len(mamba) == layers:
+        raise ValueError("a jamba model of Mamba layers only, or of attention only, is not supported")
+    if cfg.get("mamba_proj_bias"):
+        raise ValueError("jamba with mamba_proj_bias is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"jamba hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+    hidden = int(cfg["hidden_size"])
+    rank = cfg.get("mamba_dt_rank") or "auto"
+    return {
+        "mamba1": Mamba1(
+            inner=int(cfg.get("mamba_expand") or 2) * hidden,
+            state_dim=int(cfg.get("mamba_d_state") or 16),
+            conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+            dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
+            conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+            layers=mamba,
+        )
+    }
 
 
 def _falcon_h1_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1046,6 +1099,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         return tuple(i for i, window in enumerate(windows) if not window)
     if model_type in _GRANITE_SWA_TYPES:  # its layers of rope base 0
         return tuple(i for i, base in enumerate(cfg.get("layer_rope_theta") or ()) if not base)
+    if model_type == "jamba":  # its attention turns no rope
+        return tuple(range(int(cfg["num_hidden_layers"])))
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
     if model_type in ("cohere2", "cohere2_moe"):  # rope on its windowed layers only: with no window, on none
@@ -1331,13 +1386,23 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere", "jamba",
     ):  # fmt: skip
         return {}
     if arch == "hunyuan":
         return _hunyuan_experts(cfg)
     if arch == "afmoe":
         return _afmoe_experts(cfg)
+    if arch == "jamba":  # the top-k of the softmax, not renormalised, on its expert layers (none: all dense)
+        moe = _jamba_expert_layers(cfg)
+        layers = int(cfg["num_hidden_layers"])
+        return {} if not moe else dict(
+            num_experts=int(cfg.get("num_experts") or 16),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 2),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=False,
+            dense_layers=tuple(i for i in range(layers) if i not in moe),
+        )
     if arch == "cohere":  # Cohere2-MoE's experts; Command R's and Command A's dense models
         return _cohere2_moe_experts(cfg) if cfg.get("model_type") == "cohere2_moe" else {}
     if cfg.get("model_type") in ("youtu", "minicpm3"):  # DeepSeek-V3's attention, no experts

@@ -375,6 +375,13 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
         {"layers_block_type": ["mamba", "mlp", "mamba", "mamba", "attention", "mlp"], "head_dim": 16,
          "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "pad_token_id": 0},
     ),
+    # Jamba: Mamba-1 (128 channels, an 8-wide state) on the first three layers, attention without rope on the last;
+    # top-2 of 4 experts on the second and fourth.
+    "jamba": (
+        "JambaConfig",
+        {"attn_layer_period": 4, "attn_layer_offset": 3, "num_experts": 4, "num_experts_per_tok": 2,
+         "mamba_d_state": 8, "mamba_dt_rank": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "falcon-h1": (
         "FalconH1Config",
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,

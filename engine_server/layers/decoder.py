@@ -12,6 +12,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
+from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP
@@ -41,12 +42,16 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = config.residual_multiplier
         # The token mixer: attention, or on a hybrid's recurrent layers Gated DeltaNet (whose checkpoints call it
         # `linear_attn`: `models.qwen3_next` reads it under this name), LFM2's short convolution (`conv`:
-        # `models.lfm2`) or Mamba-2 (`mamba`: `models.granitemoe`).
-        self.self_attn: PagedSelfAttention | MultiLatentAttention | GatedDeltaNet | ShortConv | Mamba2Mixer = (
+        # `models.lfm2`), Mamba-2 (`mamba`: `models.granitemoe`) or Mamba-1 (`mamba`: `models.jamba`).
+        self.self_attn: (
+            PagedSelfAttention | MultiLatentAttention | GatedDeltaNet | ShortConv | Mamba2Mixer | Mamba1Mixer
+        ) = (
             GatedDeltaNet(config, dtype, tp)
             if config.is_linear_layer(index)
             else Mamba2Mixer(config, dtype, tp)
             if config.mamba2 is not None and config.is_recurrent_layer(index)
+            else Mamba1Mixer(config, dtype, tp)
+            if config.mamba1 is not None and config.is_recurrent_layer(index)
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp)

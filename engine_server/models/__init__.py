@@ -21,6 +21,7 @@ from engine_server.models.gpt_oss import GptOssForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.granitemoe import GraniteMoeForCausalLM
 from engine_server.models.hunyuan import HunYuanForCausalLM
+from engine_server.models.jamba import JambaForCausalLM
 from engine_server.models.lfm2 import Lfm2ForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.llama4 import Llama4ForCausalLM
@@ -47,7 +48,8 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     """The decoder class for an architecture name (`config.Architecture`: "llama", "qwen2", "qwen3", "phi3",
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
-    "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1");
+    "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
+    "jamba");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -82,6 +84,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "apertus": ApertusForCausalLM,
         "afmoe": AfmoeForCausalLM,
         "falcon_h1": FalconH1ForCausalLM,
+        "jamba": JambaForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -25,6 +25,7 @@ from engine_server.config import CacheConfig, EngineConfig, LoraConfig, Schedule
 from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
+from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.short_conv import ShortConv
 from tests.families import (
@@ -108,7 +109,7 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
     with engine(folder) as llm:
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
-        recurrent = GatedDeltaNet | ShortConv | Mamba2Mixer
+        recurrent = GatedDeltaNet | ShortConv | Mamba2Mixer | Mamba1Mixer
         if name == "falcon-h1":  # attention beside Mamba-2 in every layer
             assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
                        for layer in layers)  # fmt: skip
@@ -190,7 +191,9 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
         torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1"])
+@pytest.mark.parametrize(
+    "family", ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba"]
+)
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
     transcendental op by row, the shared expert's gate too; LFM2's convolutions elementwise): each prompt's tokens and

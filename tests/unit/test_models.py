@@ -256,6 +256,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
          "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "logits_scaling": 1.0, "pad_token_id": 0},
     ),
+    # Jamba: Mamba-1 (128 channels, an 8-wide state, a 4-tap convolution with a bias, its time step, B and C
+    # RMS-normalised) on the first and third layers, attention without rope on the others; top-2 of 4 experts (not
+    # renormalised) on the second and fourth, dense SwiGLU MLPs on the others.
+    "jamba": (
+        transformers.JambaConfig,
+        {"attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
+         "mamba_d_state": 8, "mamba_dt_rank": 8, "num_hidden_layers": 4, "pad_token_id": 0},
+    ),
     # Cohere2-MoE (Command A+): Command A's parallel block and windows (rope on windowed layers, and on its dense
     # first layer, global), over top-2 of 4 experts (softmax over the top-2 logits) beside a shared expert, the two
     # averaged; its other form: RMSNorms, sigmoid routing renormalised, shared and routed output summed.
@@ -543,6 +551,7 @@ MODEL_CLASSES = {
     transformers.GraniteSWAConfig: transformers.GraniteSWAForCausalLM,
     transformers.GraniteMoeSWAConfig: transformers.GraniteMoeSWAForCausalLM,
     transformers.Cohere2MoeConfig: transformers.Cohere2MoeForCausalLM,
+    transformers.JambaConfig: transformers.JambaForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
@@ -1054,6 +1063,25 @@ def test_cohere2_moe_configs_read_their_layers_as_transformers_builds_them() -> 
     assert (summed.routed_scaling_factor, summed.shared_expert_scale, summed.layer_norm) == (1.0, 1.0, False)
     for changed in ({"expert_selection_fn": "softplus"}, {"shared_expert_combination_strategy": "max"}):
         with pytest.raises(ValueError, match="cohere2_moe with expert_selection_fn"):
+            model_config_from_hf({**raw, **changed})
+
+
+def test_jamba_configs_read_their_layers_as_transformers_builds_them() -> None:
+    """Jamba's default config (Jamba-v0.1's shape: 32 layers, attention on every 8th from the 5th, 16 experts on every
+    other layer, Mamba-1 of 8,192 channels with a rank-256 time step) reads as transformers builds it; the same from
+    an explicit `layers_block_type`; refused by name: biases on Mamba's projections, Mamba layers only."""
+    raw = transformers.JambaConfig().to_dict()
+    config = model_config_from_hf(raw)
+    mamba = config.mamba1
+    assert mamba is not None and (mamba.inner, mamba.state_dim, mamba.dt_rank, mamba.conv_kernel) == (8192, 16, 256, 4)
+    assert mamba.layers == tuple(i for i in range(32) if i % 8 != 4) and config.attention_layers == 4
+    assert config.dense_layers == tuple(range(0, 32, 2)) and (config.num_experts, config.num_experts_per_tok) == (16, 2)
+    assert config.nope_layers == tuple(range(32)) and not config.norm_topk_prob
+    kinds = ["attention" if i % 8 == 4 else "mamba" for i in range(32)]
+    assert model_config_from_hf({**raw, "attn_layer_period": 3, "layers_block_type": kinds}) == config
+    for changed, refusal in (({"mamba_proj_bias": True}, "jamba with mamba_proj_bias"),
+                             ({"layers_block_type": ["mamba"] * 32}, "Mamba layers only")):  # fmt: skip
+        with pytest.raises(ValueError, match=refusal):
             model_config_from_hf({**raw, **changed})
 
 
