@@ -427,6 +427,12 @@ class ModelConfig:
     falcon_h1: FalconH1Scales | None = None
     # Jamba: `mamba1.layers` run Mamba-1 (a state per sequence, no KV cache).
     mamba1: Mamba1 | None = None
+    # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and
+    # values narrower than the keys (`value_head_dim` < `head_dim`: v_proj's rows and o_proj's columns padded to
+    # `head_dim` with zeros at load, so the cache keeps one row width) and scaled by `value_scale` (folded into v_proj).
+    layer_kv_head_counts: tuple[int, ...] = ()
+    value_head_dim: int = 0
+    value_scale: float = 1.0
     # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
     # Mamba-2, "*" attention, "-" MLP, "E" Nemotron 3's experts), which `nemotron_blocks` pairs into this config's
     # layers; the layers without an MLP (a mixer not followed by one) are `mlp_free_layers`.
@@ -444,9 +450,12 @@ class ModelConfig:
         return self.gemma4.global_head_dim if self.gemma4 is not None and self.is_global_layer(index) else self.head_dim
 
     def layer_kv_heads(self, index: int) -> int:
-        """Layer `index`'s KV heads: `num_key_value_heads`, or a Gemma 4 full-attention layer's own."""
+        """Layer `index`'s KV heads: `num_key_value_heads`, a Gemma 4 full-attention layer's own, or where the
+        layers' counts differ otherwise its entry of `layer_kv_head_counts`."""
         if self.gemma4 is not None and self.is_global_layer(index):
             return self.gemma4.global_kv_heads
+        if self.layer_kv_head_counts:
+            return self.layer_kv_head_counts[index]
         return self.num_key_value_heads
 
     def kv_source(self, index: int) -> int:

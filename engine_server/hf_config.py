@@ -96,6 +96,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # DeepSeek-V3's sigmoid routing in one group beside shared experts (`_afmoe_fields`).
     "afmoe": "afmoe",
     "jamba": "jamba",  # Jamba: Mamba-1 layers, attention without rope every few, experts every other layer
+    # MiMo-V2-Flash: GLM-4.5's experts (no shared ones) under windowed attention with sinks and twice the KV heads,
+    # full attention with its own rope base, values narrower than keys (`_mimo_v2_flash_config`, `_mimo_fields`).
+    "mimo_v2_flash": "glm4_moe",
     "apertus": "apertus",  # Apertus: Qwen3's per-head q/k norms, an ungated MLP with xIELU learned per layer
     # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
     # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
@@ -166,6 +169,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _granite_swa_config(cfg)
     if model_type == "cohere2_moe":
         cfg = _cohere2_moe_config(cfg)
+    if model_type == "mimo_v2_flash":
+        cfg = _mimo_v2_flash_config(cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -203,6 +208,10 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
         or default_partial
     )  # fmt: skip
+    local_partial = local_rope.get("partial_rotary_factor")
+    if local_partial is not None and float(local_partial) != partial:
+        raise ValueError(f"sliding_attention partial_rotary_factor {local_partial} differs from the full layers' "
+                         f"{partial} (not supported)")  # fmt: skip
     max_positions = int(cfg.get("max_position_embeddings", 2048))
     rope_fields: dict[str, Any] = {}
     if rope_type in ("longrope", "su"):  # "su": the name early Phi-3 configs gave it
@@ -261,7 +270,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
-        attention_sinks=arch == "gpt_oss" or model_type in _GRANITE_SWA_TYPES,
+        attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
         qk_norm_after_rope=arch == "hunyuan",
         post_norms=arch == "olmo2" or model_type == "flex_olmo",
@@ -290,6 +299,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_mamba2_fields(model_type, cfg),
         **_falcon_h1_fields(model_type, cfg),
         **_jamba_fields(model_type, cfg),
+        **_mimo_fields(model_type, cfg),
         **nemotron,
     )
 
@@ -595,6 +605,54 @@ def _mamba2_shape(model_type: str, cfg: dict[str, Any], layers: tuple[int, ...],
         raise ValueError(f"Mamba-2 of {shape.num_heads} heads in {shape.groups} groups with a {shape.conv_kernel}-tap "
                          "convolution is not supported")  # fmt: skip
     return shape
+
+
+# MiMo-V2-Flash as transformers fills in what its config.json leaves out: every 6th layer (and the first) full
+# attention, the first layer dense, each layer type's rope (a third of each head turned).
+_MIMO_FULL_EVERY = 6
+_MIMO_ROPE = {
+    "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+}
+
+
+def _mimo_v2_flash_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A MiMo-V2-Flash `config.json` with what transformers fills in where it is absent (`_MIMO_*`), its
+    `sliding_window_size` (the reference's: the positions before the query) read as a window one longer, and its
+    `routed_scaling_factor` of null as 1."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "full_attention" if i == 0 or (i + 1) % _MIMO_FULL_EVERY == 0 else "sliding_attention" for i in range(layers)
+    ]
+    window = cfg.get("sliding_window")
+    if cfg.get("sliding_window_size") is not None:
+        window = int(cfg["sliding_window_size"]) + 1
+    return {
+        **cfg,
+        "layer_types": types,
+        "mlp_layer_types": cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1),
+        "rope_parameters": cfg.get("rope_parameters") or _MIMO_ROPE,
+        "sliding_window": 129 if window is None else window,
+        "routed_scaling_factor": cfg.get("routed_scaling_factor") or 1.0,
+    }
+
+
+def _mimo_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiMo-V2-Flash's `ModelConfig` fields ({} for the other families): twice `num_key_value_heads` on its windowed
+    layers, its values `v_head_dim` wide and scaled by `attention_value_scale`. ValueError for values wider than the
+    keys (the cache row is the keys')."""
+    if model_type != "mimo_v2_flash":
+        return {}
+    kv = int(cfg["num_key_value_heads"])
+    head_dim, value_dim = int(cfg.get("head_dim") or 192), int(cfg.get("v_head_dim") or 128)
+    if value_dim > head_dim:
+        raise ValueError(f"mimo_v2_flash with v_head_dim {value_dim} wider than head_dim {head_dim} is not supported")
+    scale = cfg.get("attention_value_scale")
+    return {
+        "layer_kv_head_counts": tuple(2 * kv if kind == "sliding_attention" else kv for kind in cfg["layer_types"]),
+        "value_head_dim": value_dim,
+        "value_scale": 1.0 if scale is None else float(scale),
+    }
 
 
 def _jamba_layer_types(cfg: dict[str, Any]) -> list[str]:

@@ -256,6 +256,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"sliding_window": WINDOW, "logit_scale": 0.3, "tie_word_embeddings": True, "pad_token_id": 0,
          "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # MiMo-V2-Flash: full attention on the first layer, windowed layers with twice the KV heads and sinks after it;
+    # values 16 wide (keys 32), scaled; the first layer dense, then top-2 of 8 experts by sigmoid scores and a bias.
+    "mimo-v2-flash": (
+        "MiMoV2FlashConfig",
+        {"num_key_value_heads": 1, "head_dim": 32, "v_head_dim": 16, "sliding_window": WINDOW,
+         "layer_types": ["full_attention"] + ["sliding_attention"] * 3, "n_routed_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "attention_value_scale": 0.7, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Cohere2-MoE (Command A+): Cohere 2's block and windows (its dense first layer global, with rope), then top-2 of 8
     # experts beside a shared expert, the two averaged.
     "cohere2-moe": (

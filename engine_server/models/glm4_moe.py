@@ -1,9 +1,13 @@
-"""GLM-4.5 (and GLM-4.6, GLM-4.7, GLM-4.5-Air), Solar Open and K-EXAONE: DeepSeek-V3's mixture of experts under
-grouped-query attention."""
+"""GLM-4.5 (and GLM-4.6, GLM-4.7, GLM-4.5-Air), Solar Open, K-EXAONE, Hy3, Sarvam 30B and MiMo-V2-Flash: DeepSeek-V3's
+mixture of experts under grouped-query attention."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
+
 from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine_server.models.mimo_v2_flash import mimo_weights
+from engine_server.parallel.layers import CheckpointTensor
 
 
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
@@ -13,9 +17,11 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     DeepSeek-V3's (`layers.moe.GroupedTopkRouter`: sigmoid scores with a load-balancing bias, `routed_scaling_factor`,
     ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
     (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
-    Open, K-EXAONE (`exaone_moe`) and Hy3 (`hy_v3`) come in this layout: their quirks are `ModelConfig`'s."""
+    Open, K-EXAONE (`exaone_moe`) and Hy3 (`hy_v3`) come in this layout: their quirks are `ModelConfig`'s; so does
+    MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys' width as they load
+    (`models.mimo_v2_flash`) and whose multi-token-prediction layers (`model.mtp.`) are not read."""
 
-    ignored_prefixes = ("mtp.",)
+    ignored_prefixes = ("mtp.", "model.mtp.")
     # K-EXAONE's checkpoints hold the router's load-balancing bias on the block (`mlp.e_score_correction_bias`);
     # Hy3's name the router `mlp.router.gate`, its bias `mlp.expert_bias` and the shared experts `shared_mlp`.
     checkpoint_renames = (
@@ -24,4 +30,14 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
         (".mlp.router.gate.", ".mlp.gate."),
         (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
         (".mlp.shared_mlp.", ".mlp.shared_expert."),
+        (".self_attn.attention_sink_bias", ".self_attn.sinks"),  # MiMo-V2-Flash's released name for its sinks
     )
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """MiMo-V2-Flash's (values narrower than keys: `value_head_dim`) as `models.mimo_v2_flash.mimo_weights`
+        gives them; the others' as DeepSeek-V3's."""
+        if self.config.value_head_dim:
+            weights = mimo_weights(self.config, weights)
+        return super().checkpoint_weights(weights, replaced)

@@ -136,7 +136,7 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
 
 
 @pytest.mark.parametrize(
-    "name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe", "jais2"]
+    "name", ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe", "jais2", "mimo-v2-flash"]
 )
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
@@ -145,7 +145,8 @@ def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tm
     reordered q/k rows and biases split by head, its half-head rope and sandwich norms; Cohere 2's parallel block
     (each half all-reduced) and its logit scale after the vocab gather; EXAONE 4's per-head q/k norms under its
     post-norm block, its NoPE global layers; PhiMoE's LM head bias split with its vocab rows, its sparsemixer over
-    each rank's whole router; Jais 2's MLP biases (up's split with its rows, down's added once)."""
+    each rank's whole router; Jais 2's MLP biases (up's split with its rows, down's added once); MiMo-V2-Flash's
+    windowed layers' two KV heads a rank each, its full layers' one on both, each rank's padded values and sinks."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         assert tokens(llm, prompts()) == reference_tokens(folder), name
@@ -614,7 +615,7 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     "name",
     ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe", "jais2",
-     "cohere2-moe"],
+     "cohere2-moe", "mimo-v2-flash"],
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
@@ -630,7 +631,7 @@ def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp
         assert model.model.decode_stack is None
         banks = sum(isinstance(module, QuantizedExperts) for module in model.modules())
         # Llama 4's sparse layers, one in two; Cohere2-MoE's after its dense first
-        assert banks == {"llama4": 2, "hunyuan-moe": 4, "phimoe": 4, "cohere2-moe": 3}.get(name, 0)
+        assert banks == {"llama4": 2, "hunyuan-moe": 4, "phimoe": 4, "cohere2-moe": 3, "mimo-v2-flash": 3}.get(name, 0)
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6

@@ -256,6 +256,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
          "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "logits_scaling": 1.0, "pad_token_id": 0},
     ),
+    # MiMo-V2-Flash: a full-attention first layer (rope base 5e6), then windowed layers (6 positions, rope base 1e4)
+    # with twice the KV heads and a sink per head; rope over 10 of each head's 32 dims, values 16 wide and scaled;
+    # the first layer dense, then top-2 of 4 experts by sigmoid scores with a load-balancing bias.
+    "mimo-v2-flash": (
+        transformers.MiMoV2FlashConfig,
+        {"num_hidden_layers": 3, "num_key_value_heads": 1, "head_dim": 32, "v_head_dim": 16, "sliding_window": 6,
+         "layer_types": ["full_attention", "sliding_attention", "sliding_attention"], "n_routed_experts": 4,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "attention_value_scale": 0.7},
+    ),
     # Jamba: Mamba-1 (128 channels, an 8-wide state, a 4-tap convolution with a bias, its time step, B and C
     # RMS-normalised) on the first and third layers, attention without rope on the others; top-2 of 4 experts (not
     # renormalised) on the second and fourth, dense SwiGLU MLPs on the others.
@@ -552,6 +561,7 @@ MODEL_CLASSES = {
     transformers.GraniteMoeSWAConfig: transformers.GraniteMoeSWAForCausalLM,
     transformers.Cohere2MoeConfig: transformers.Cohere2MoeForCausalLM,
     transformers.JambaConfig: transformers.JambaForCausalLM,
+    transformers.MiMoV2FlashConfig: transformers.MiMoV2FlashForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
@@ -1064,6 +1074,25 @@ def test_cohere2_moe_configs_read_their_layers_as_transformers_builds_them() -> 
     for changed in ({"expert_selection_fn": "softplus"}, {"shared_expert_combination_strategy": "max"}):
         with pytest.raises(ValueError, match="cohere2_moe with expert_selection_fn"):
             model_config_from_hf({**raw, **changed})
+
+
+def test_mimo_v2_flash_configs_read_as_transformers_builds_them() -> None:
+    """MiMo-V2-Flash's default config (its release's shape: 48 layers, the first and every 6th full attention with 4 KV
+    heads and rope base 5e6, the rest windowed over 129 positions with 8 KV heads, sinks and base 1e4; heads 192 wide,
+    values 128, a third of each head turned; the first layer dense) reads as transformers builds it, and so does a
+    config.json that states none of what transformers fills in; `sliding_window_size` is the positions before the
+    query (the window one more)."""
+    raw = transformers.MiMoV2FlashConfig().to_dict()
+    config = model_config_from_hf(raw)
+    full = tuple(i for i in range(48) if i == 0 or (i + 1) % 6 == 0)
+    assert config.layer_kv_head_counts == tuple(4 if i in full else 8 for i in range(48))
+    assert config.layer_windows == tuple(0 if i in full else 129 for i in range(48)) and config.attention_sinks
+    assert (config.head_dim, config.value_head_dim, config.value_scale, config.rotary_dim) == (192, 128, 0.707, 64)
+    assert (config.rope_theta, config.local_rope_theta, config.dense_layers) == (5e6, 1e4, (0,))
+    bare = {k: v for k, v in raw.items() if k not in ("layer_types", "mlp_layer_types", "rope_parameters",
+                                                       "sliding_window")}  # fmt: skip
+    assert model_config_from_hf(bare) == config
+    assert model_config_from_hf({**raw, "sliding_window_size": 127}).layer_windows[1] == 128
 
 
 def test_jamba_configs_read_their_layers_as_transformers_builds_them() -> None:
