@@ -554,3 +554,31 @@ def test_an_fp8_mixture_of_experts_loads_dequantized_by_default_on_the_cpu(
     with engine(plain, "none") as float_llm:
         theirs = [r.choices[0].token_ids for r in float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert ours == theirs
+
+
+@pytest.mark.slow  # engines on a saved model
+def test_an_fp8_mimo_v2_flash_checkpoint_pads_its_values_after_dequantizing_them(tmp_path: Path) -> None:
+    """MiMo-V2-Flash is released in FP8 blocks: on the float path it is the model of its dequantized weights, token
+    for token (each head's values scaled and padded to the keys' width after they are dequantized); served as FP8,
+    its q/k/v and o_proj, which loading pads, are quantized again per channel in the padded layout (o_proj: exactly
+    the per-channel quantization of its dequantized, padded columns), its MLPs served as stored. (Its output is not
+    held to the quality thresholds here: this random model's routing, as GLM-4.5's under the same test, turns on
+    e4m3's noise.)"""
+    float_mimo = save_family(tmp_path / "float", "mimo-v2-flash", head_spread=1.0)
+    _, folder, plain, dequantized = fp8_and_float_folders(float_mimo, tmp_path, "blockwise")
+    batch = [prompt[:6] for prompt in PROMPTS]
+    with engine(plain, "none") as float_llm:
+        theirs = [r.choices[0].token_ids for r in float_llm.generate(batch, GREEDY, use_tqdm=False)]
+    with engine(folder, "none") as llm:
+        assert [r.choices[0].token_ids for r in llm.generate(batch, GREEDY, use_tqdm=False)] == theirs
+    with engine(folder, "fp8") as llm:
+        config, layers = llm.core.model_config, llm.core.runner.model.model.layers
+        attention = layers[1].self_attn
+        assert (attention.qkv_proj.format, attention.o_proj.format) == ("fp8", "fp8")
+        assert layers[0].mlp.gate_up_proj.format == "fp8_block"
+        heads, width, values = config.num_attention_heads, config.head_dim, config.value_head_dim
+        o_proj = dequantized["model.layers.1.self_attn.o_proj.weight"].reshape(-1, heads, values)
+        zeros = torch.zeros(o_proj.shape[0], heads, width - values)
+        padded = torch.cat([o_proj, zeros], dim=-1).reshape(-1, heads * width)
+        expected = reference.fp8_dequantize(*reference.fp8_quantize_per_channel(padded))
+        assert torch.equal(_dense_weight(attention.o_proj), expected)

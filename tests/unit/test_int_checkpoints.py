@@ -273,3 +273,54 @@ def test_forms_this_engine_does_not_read_are_refused_by_name(
     with pytest.raises(ValueError, match=message):
         resolve_model(str(folder))
     assert int_checkpoint({}) is None
+
+
+def test_a_kimi_k25_checkpoint_with_int4_weights_serves_its_text_model(tmp_path: Path) -> None:
+    """Kimi K2.5 ships its text model's projections as compressed-tensors W4A16 (symmetric, groups of 32) under
+    `language_model.`: read as the weights they stand for, then as the text model, its greedy tokens are transformers'
+    multimodal model's holding those weights."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
+    from tests.unit.pooling.embedding_models import copy_tokenizer
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "patch_size": 14, "pos_emb_height": 4, "pos_emb_width": 4}  # fmt: skip
+    text = {**_SHAPE, **FAMILIES["deepseek-v3"][1], "model_type": "deepseek_v3", "tie_word_embeddings": False}
+    config = transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                                         tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Kimi_K25ForConditionalGeneration(config).eval()
+    draw_language_model(model)
+    folder = tmp_path / "released"
+    config.save_pretrained(folder)
+    copy_tokenizer(folder)
+    released = {}
+    renames = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+               ("model.vision_tower.", "vision_tower.encoder."), ("model.mm_projector.", "mm_projector."))  # fmt: skip
+    for name, tensor in model.state_dict().items():  # the released layout (transformers' own save renames it)
+        for theirs, ours in renames:
+            if name.startswith(theirs):
+                name = ours + name.removeprefix(theirs)
+        released[name] = tensor.clone()
+    save_file(released, folder / "model.safetensors")
+    scheme = compressed_scheme(bits=4, symmetric=True, strategy="group")
+    tensors, expected = {}, {}
+    for name, weight in released.items():
+        if (name.startswith("language_model.model.layers.") and name.endswith("_proj.weight")
+                and weight.shape[-1] % GROUP == 0):  # fmt: skip
+            parts, expected[name] = compressed_layer(weight, scheme)
+            tensors.update({f"{name.removesuffix('.weight')}.{part}": t for part, t in parts.items()})
+        else:
+            tensors[name] = weight
+    save_file(tensors, folder / "model.safetensors")
+    saved = json.loads((folder / "config.json").read_text())
+    saved["quantization_config"] = quantization_config("compressed-tensors", bits=4, symmetric=True, strategy="group")
+    (folder / "config.json").write_text(json.dumps(saved))
+    in_memory = {name.replace("language_model.model.", "model.language_model."): weight
+                 for name, weight in expected.items()}  # fmt: skip
+    model.load_state_dict(in_memory, strict=False)
+    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in PROMPTS]
+    with engine(folder) as llm:
+        assert llm.core.model_config.architecture == "deepseek_v3"
+        assert tokens(llm) == theirs
