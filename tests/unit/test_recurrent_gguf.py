@@ -172,7 +172,8 @@ def test_a_falcon_h1_gguf_with_its_multipliers_folded_is_exact_and_served_from_i
     beside Llama's attention tensors (q/k rows as the checkpoint's). Written in F32, its float path equals transformers
     on the checkpoint, multipliers and all, token for token (with Mamba-2's gated norm too). Quantized (MLP Q4_0,
     attention and Mamba-2 Q8_0): its float path equals transformers on the weights as converted, and served from its
-    blocks it holds `ladle bench quality`'s thresholds, over two ranks too."""
+    blocks it holds `ladle bench quality`'s thresholds (its Mamba-2 rows split over ranks as Granite 4.0's file's are,
+    tested there)."""
     folder = save_family(tmp_path / "hf", "falcon-h1", head_spread=0.5)
     saved = model_config_from_hf(json.loads((folder / "config.json").read_text()))
     exact = write_gguf(folder, tmp_path / "f32.gguf", GGMLQuantizationType.F32, GGMLQuantizationType.F32)
@@ -191,5 +192,3 @@ def test_a_falcon_h1_gguf_with_its_multipliers_folded_is_exact_and_served_from_i
     assert layers["model.layers.0.mamba.in_proj"] == layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
     assert layers["model.layers.3.mlp.gate_up_proj"] == "q4", layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
-    _, split = served_candidate(gguf, reference, tensor_parallel_size=2)
-    assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
