@@ -69,7 +69,8 @@ def families() -> dict[str, dict[str, Any]]:
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
             "deepseek-v2": deepseek_v2, "glm4-moe-lite": DEEPSEEK_GGUF["glm4-moe-lite"],
             **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
-            **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF, "falcon-h1": {}}
+            **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF, "falcon-h1": {},
+            "jamba": {}}
 
 
 def check(

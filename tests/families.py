@@ -585,7 +585,7 @@ _GGUF_ARCHITECTURES = {
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
-    "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1",
+    "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
 }  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -877,6 +877,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         _deepseek2_metadata(writer, config, rope)
     elif arch == "granitehybrid":  # KV heads on the attention layers, 0 on the Mamba-2 ones; their ssm.* keys
         _granite_hybrid_metadata(writer, config, head_dim)
+    elif arch == "jamba":  # Mamba-1: no KV heads on its layers, its shape as `ssm.*`
+        _jamba_metadata(writer, config)
     elif arch in ("lfm2", "lfm2moe"):  # KV heads on the attention layers, 0 on the convolution ones (which it is)
         kv_heads = config["num_key_value_heads"]
         writer.add_head_count_kv([kv_heads if kind == "full_attention" else 0 for kind in config["layer_types"]])
@@ -954,7 +956,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_expert_used_count(config.get("num_experts_per_tok") or config["moe_k"])
         if arch in ("gpt-oss", "minimax-m2", "granitemoe", "granitehybrid"):  # their experts: intermediate_size wide
             writer.add_expert_feed_forward_length(config["intermediate_size"])
-        elif arch not in ("llama", "llama4"):
+        elif arch not in ("llama", "llama4", "jamba"):  # (Jamba's experts: its feed_forward_length wide)
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         shared = config.get("shared_expert_intermediate_size") or config.get("shared_intermediate_size")
         if shared:
@@ -1040,6 +1042,38 @@ def _llama_cpp_falcon_h1(name: str, tensor: torch.Tensor, config: dict[str, Any]
                          ("model.final_layernorm.", "model.norm.")):  # fmt: skip
         name = name.replace(theirs, ours)
     return name, tensor
+
+
+def _jamba_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """Jamba's keys as llama.cpp's converter writes them (`jamba`): KV heads per layer (0 on the Mamba ones), Mamba-1's
+    shape as `ssm.*`, the experts' count (its experts are `intermediate_size` wide, its `feed_forward_length`)."""
+    period, offset = config["attn_layer_period"], config["attn_layer_offset"]
+    layers = config["num_hidden_layers"]
+    writer.add_head_count_kv([config["num_key_value_heads"] if i % period == offset else 0 for i in range(layers)])
+    writer.add_ssm_conv_kernel(config["mamba_d_conv"])
+    writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
+    writer.add_ssm_state_size(config["mamba_d_state"])
+    writer.add_ssm_time_step_rank(config["mamba_dt_rank"])
+
+
+def _llama_cpp_jamba_mixer(name: str, tensor: torch.Tensor, attention: Any) -> dict[str, tuple[np.ndarray, Any]] | None:
+    """One of Jamba's Mamba-1 tensors (`model.layers.N.mamba.<rest>`) as llama.cpp's converter writes it: its
+    projections in `attention`'s type, the convolution squeezed, `A_log` as `-exp(A_log)`, the rest F32; None for any
+    other tensor."""
+    if ".mamba." not in name:
+        return None
+    layer, _, rest = name.removeprefix("model.layers.").partition(".mamba.")
+    array = tensor.float().numpy()
+    names = {"in_proj.weight": "ssm_in.weight", "x_proj.weight": "ssm_x.weight", "dt_proj.weight": "ssm_dt.weight",
+             "dt_proj.bias": "ssm_dt.bias", "out_proj.weight": "ssm_out.weight", "conv1d.bias": "ssm_conv1d.bias",
+             "dt_layernorm.weight": "ssm_dt_norm.weight", "b_layernorm.weight": "ssm_b_norm.weight",
+             "c_layernorm.weight": "ssm_c_norm.weight", "D": "ssm_d"}  # fmt: skip
+    if rest == "conv1d.weight":
+        return {f"blk.{layer}.ssm_conv1d.weight": (np.ascontiguousarray(array.squeeze(1)), None)}
+    if rest == "A_log":
+        return {f"blk.{layer}.ssm_a": (-np.exp(array), None)}
+    projection = rest in ("in_proj.weight", "x_proj.weight", "out_proj.weight")
+    return {f"blk.{layer}.{names[rest]}": (array, attention if projection else None)}
 
 
 def _nemotron_h_metadata(writer: Any, config: dict[str, Any], head_dim: int) -> None:
@@ -1244,6 +1278,13 @@ def _write_tensors(
     for name, tensor in load_file(folder / "model.safetensors").items():
         if arch == "falcon-h1":
             name, tensor = _llama_cpp_falcon_h1(name, tensor, config)
+        if arch == "jamba":
+            if (jamba := _llama_cpp_jamba_mixer(name, tensor, attention)) is not None:
+                tensors.update(jamba)
+                continue
+            name = name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp.")
+            name = name.replace(".pre_ff_layernorm.", ".post_attention_layernorm.")
+            name = name.replace("model.final_layernorm.", "model.norm.")
         stem, param = name.rsplit(".", 1)
         kind_type = None  # norms, embeddings and routers stay F32
         if hybrid and ".linear_attn." in name:

@@ -56,7 +56,7 @@ _LFM2_CONVOLUTION = ".conv.conv.weight"  # LFM2's [channels, 1, taps], stored as
 # Granite 4.0's, Nemotron-H's and Falcon-H1's Mamba-2 tensors (`mamba.`, `mixer.`) that llama.cpp stores reshaped
 # (`_restore`): the convolution squeezed, `A_log` as `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight
 # `[groups, inner / groups]`.
-_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
+_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1", "jamba")
 _MAMBA_CONVOLUTION = (".mamba.conv1d.weight", ".mixer.conv1d.weight")
 _MAMBA_A_LOG = (".mamba.A_log", ".mixer.A_log")
 _MAMBA_FLATTENED = (*_MAMBA_A_LOG, ".mamba.D", ".mixer.D", ".mamba.norm.weight", ".mixer.norm.weight")
@@ -240,6 +240,15 @@ _FALCON_H1_LAYER_NAMES = {
     **{f"ffn_{part}": f"feed_forward.{part}_proj" for part in ("gate", "up", "down")},
 }  # fmt: skip
 _FALCON_H1_GLOBAL = {"output_norm.weight": "model.final_layernorm.weight"}
+# Jamba: its norms (`pre_ff_layernorm`, `final_layernorm`), MLP and router (`feed_forward`), and Mamba-1's tensors
+# (`ssm_x` its x_proj, `ssm_dt` its dt_proj, the time step's, B's and C's norms; `ssm_a` is `-exp(A_log)` `[inner, N]`).
+_JAMBA_LAYER_NAMES = {
+    **_FALCON_H1_LAYER_NAMES, "ffn_gate_inp": "feed_forward.router", "ssm_in": "mamba.in_proj",
+    "ssm_x": "mamba.x_proj", "ssm_dt": "mamba.dt_proj", "ssm_dt_norm": "mamba.dt_layernorm",
+    "ssm_b_norm": "mamba.b_layernorm", "ssm_c_norm": "mamba.c_layernorm", "ssm_out": "mamba.out_proj",
+    "ssm_conv1d": "mamba.conv1d",
+}  # fmt: skip
+_JAMBA_BARE = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"}
 # Where a family's checkpoints hold their layers other than under `model.layers.`.
 _LAYERS_PREFIX = {"nemotron_h": "backbone.layers."}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
@@ -257,6 +266,7 @@ _BARE_LAYER_NAMES = {
     "granitemoehybrid": _MAMBA_BARE,
     "nemotron_h": _NEMOTRON_H_BARE,
     "falcon_h1": {**_MAMBA_BARE, "ffn_norm": "pre_ff_layernorm.weight"},  # (its converter writes no `.weight`)
+    "jamba": _JAMBA_BARE,
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 # Hunyuan: its q/k norms' own names (applied after rope).
@@ -286,6 +296,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     **{model_type: {**_LAYER_NAMES, **HYBRID_LAYER_NAMES} for model_type in TILED_VALUE_HEADS},
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
     "falcon_h1": _FALCON_H1_LAYER_NAMES,
+    "jamba": _JAMBA_LAYER_NAMES,
     "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
     "apertus": {**_LAYER_NAMES, "attn_norm": "attention_layernorm", "ffn_norm": "feedforward_layernorm"},
 }
@@ -305,6 +316,7 @@ _EXPERT_NAMES = {
     "llama4_text": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
     "lfm2_moe": ("feed_forward.experts.{expert}.{proj}", {"gate": "w1", "up": "w3", "down": "w2"}),
     "nemotron_h": ("mixer.experts.{expert}.{proj}", _PROJECTIONS),  # (up and down alone: ungated)
+    "jamba": ("feed_forward.experts.{expert}.{proj}", _PROJECTIONS),
 }
 _QWEN_EXPERT_NAMES = ("mlp.experts.{expert}.{proj}", _PROJECTIONS)
 # One expert's projection as `iter_hf_tensors` names it (a weight, or gpt-oss's bias), in the families whose
@@ -339,7 +351,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _LFM2_GLOBAL[gguf_name]
     if architecture == "nemotron_h" and gguf_name in _NEMOTRON_H_GLOBAL:
         return _NEMOTRON_H_GLOBAL[gguf_name]
-    if architecture == "falcon_h1" and gguf_name in _FALCON_H1_GLOBAL:
+    if architecture in ("falcon_h1", "jamba") and gguf_name in _FALCON_H1_GLOBAL:
         return _FALCON_H1_GLOBAL[gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
@@ -667,6 +679,8 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
     if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_CONVOLUTION):
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
+    if model_type == "jamba" and name.endswith(_MAMBA_A_LOG):  # Mamba-1's: stored as -exp(A_log), [inner, N]
+        return lambda array: np.log(-np.asarray(array, dtype=np.float32))
     if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_A_LOG):  # stored as -exp(A_log)
         return lambda array: np.log(-np.asarray(array, dtype=np.float32)).reshape(-1)
     if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_FLATTENED):
@@ -711,8 +725,8 @@ def _hf_weight(
         shape = (1, int(np.prod(shape)))
     elif name.endswith((_SQUEEZED_CONVOLUTION, _LFM2_CONVOLUTION, *_MAMBA_CONVOLUTION)):
         shape = (shape[0], 1, *shape[1:])
-    elif name.endswith(_MAMBA_FLATTENED):
-        shape = (int(np.prod(shape)),)
+    elif name.endswith(_MAMBA_FLATTENED) and not (name.endswith(_MAMBA_A_LOG) and len(shape) == 2 and shape[1] > 1):
+        shape = (int(np.prod(shape)),)  # (Mamba-1's A_log, `[inner, N]`, keeps its rows)
     return LazyTensor(ComputedSlice(shape, read))
 
 

@@ -68,6 +68,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "nemotron_h_moe": ("nemotron_h", "NemotronHForCausalLM"),
     # Falcon-H1: its multipliers folded into the tensors by llama.cpp's converter (`_falcon_h1_config`).
     "falcon-h1": ("falcon_h1", "FalconH1ForCausalLM"),
+    # Jamba: Mamba-1 layers (no KV heads) between attention ones, experts where a layer has a router (`_jamba_config`).
+    "jamba": ("jamba", "JambaForCausalLM"),
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -305,6 +307,52 @@ def _granite_config(
     }
 
 
+def _jamba_config(
+    reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """The keys of a Jamba `config.json` from a `jamba` file: its Mamba-1 layers, those with no KV heads in
+    `attention.head_count_kv`, from the `ssm.*` keys (the time-step rank, the state, the convolution; the inner width
+    over the hidden size as `mamba_expand`), its expert layers those with a router (`ffn_gate_inp`), both sets as
+    transformers' Jamba states them: a period and an offset. ValueError for layers that no period and offset give,
+    or an inner width that is not a multiple of the hidden size."""
+    required = functools.partial(_arch_field, reader, "jamba", spec)
+    layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+    kv_heads = _kv_heads_by_layer(reader, "jamba", layers, "Mamba", spec)
+    attention = [i for i, count in enumerate(kv_heads) if count]
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    inner = int(required("ssm.inner_size"))
+    if inner % hidden:
+        raise ValueError(f"model {spec!r}: a jamba file of inner size {inner} over {hidden} is not supported")
+    attention_period, attention_offset = _period_of(attention, layers, "attention", spec)
+    keys: dict[str, Any] = {
+        "num_key_value_heads": max(kv_heads),
+        "attn_layer_period": attention_period,
+        "attn_layer_offset": attention_offset,
+        "mamba_expand": inner // hidden,
+        "mamba_d_state": int(required("ssm.state_size")),
+        "mamba_d_conv": int(required("ssm.conv_kernel")),
+        "mamba_dt_rank": int(required("ssm.time_step_rank")),
+        "mamba_conv_bias": any(name.endswith(".ssm_conv1d.bias") for name in tensors),
+        "num_experts": experts or 1,
+        "num_experts_per_tok": _experts_used(reader, "jamba", experts, spec) if experts else 1,
+    }
+    if routed:
+        keys["expert_layer_period"], keys["expert_layer_offset"] = _period_of(routed, layers, "expert", spec)
+    return keys
+
+
+def _period_of(chosen: list[int], layers: int, what: str, spec: str) -> tuple[int, int]:
+    """(period, offset) of the layers `chosen` of `layers`: every period-th from the offset (offset < period, as
+    transformers' Jamba takes them). ValueError where none gives exactly those layers."""
+    if chosen:
+        offset = chosen[0]
+        period = chosen[1] - chosen[0] if len(chosen) > 1 else layers
+        period = max(period, offset + 1)
+        if [i for i in range(layers) if i % period == offset] == chosen:
+            return period, offset
+    raise ValueError(f"model {spec!r}: jamba {what} layers {chosen} are not every n-th layer from one offset")
+
+
 def _falcon_h1_config(reader: GGUFReader, tensors: dict[str, Any], spec: str) -> dict[str, Any]:
     """The keys of a Falcon-H1 `config.json` from a `falcon-h1` file: Mamba-2 beside attention in every layer, its
     shape from the `ssm.*` keys (the heads are its time-step rank, their width its inner size over them), the
@@ -514,6 +562,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_nemotron_h_config(reader, arch, config, experts, tensors, spec))
     elif arch == "falcon-h1":
         config.update(_falcon_h1_config(reader, tensors, spec))
+    elif arch == "jamba":
+        config.update(_jamba_config(reader, config, experts, tensors, spec))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

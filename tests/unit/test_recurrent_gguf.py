@@ -192,3 +192,19 @@ def test_a_falcon_h1_gguf_with_its_multipliers_folded_is_exact_and_served_from_i
     assert layers["model.layers.0.mamba.in_proj"] == layers["model.layers.0.self_attn.qkv_proj"] == "q8", layers
     assert layers["model.layers.3.mlp.gate_up_proj"] == "q4", layers
     assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_a_jamba_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """A `jamba` file as llama.cpp's converter writes it (Mamba-1 as `ssm_*`: `ssm_x` and `ssm_dt` its projections,
+    the time step's, B's and C's norms, `ssm_a` `-exp(A_log)` of `[inner, N]`, the convolution squeezed; no KV heads on
+    the Mamba layers; the experts' banks where a layer has a router): converted, its config is the saved model's
+    (attention and expert layers read back as a period and an offset), every tensor comes back and the float path
+    equals transformers token for token; served from its blocks (Mamba's in_proj, x_proj and out_proj in Q8_0, the
+    experts in the C++ expert kernel), its mean KL holds the threshold and its top-1 agreement 90%: this random model's
+    Mamba-1 recurrence turns on 8-bit noise (int8 weights of its float checkpoint give 90.6% / 0.006 against the
+    float path, Q8_0 blocks 92.7% / 0.003, Q4_0 experts 93.75% / 0.003)."""
+    gguf, expected = written_and_converted(tmp_path, "jamba", GGMLQuantizationType.Q8_0)
+    layers, result = served_from_blocks(gguf, expected=expected)
+    assert layers["model.layers.0.self_attn.in_proj"] == layers["model.layers.0.self_attn.x_proj"] == "q8", layers
+    assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q8_96"] * 2, layers
+    assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.01, result
