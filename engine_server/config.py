@@ -433,6 +433,9 @@ class ModelConfig:
     layer_kv_head_counts: tuple[int, ...] = ()
     value_head_dim: int = 0
     value_scale: float = 1.0
+    # LFM3: the full-attention layers' "proportional" rope: of each head's `head_dim / 2` rotation angles only the
+    # first `rope_rotated_angles` turn (the others' frequencies 0), over the whole head (0: the plain table).
+    rope_rotated_angles: int = 0
     # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
     # Mamba-2, "*" attention, "-" MLP, "E" Nemotron 3's experts), which `nemotron_blocks` pairs into this config's
     # layers; the layers without an MLP (a mixer not followed by one) are `mlp_free_layers`.

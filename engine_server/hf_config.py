@@ -112,6 +112,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "cohere2_moe": "cohere",  # Command A+: Command A's block and layers over experts (`_cohere2_moe_config`)
     "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
     "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
+    # LFM3: LFM2's layers in Gemma's sandwich, windowed attention layers too, each head's output gated (`_lfm3_fields`)
+    "lfm3": "lfm2",
     # NVIDIA's Nemotron-H, Nemotron Nano 2 and Nemotron 3: one sublayer per block (Mamba-2, attention without rope, an
     # ungated relu² MLP or relu² experts), read as pre-norm layers of a mixer and the MLP after it (`nemotron_blocks`).
     "nemotron_h": "nemotron_h",
@@ -161,7 +163,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "kimi_k25":
         cfg = _kimi_k25_text(cfg)
         model_type = cfg["model_type"]
-    if model_type in ("lfm2", "lfm2_moe"):
+    if model_type == "lfm3":
+        cfg = _lfm3_config(cfg)
+    if model_type in ("lfm2", "lfm2_moe", "lfm3"):
         cfg = _lfm2_config(cfg)
     if model_type == "bamba":
         cfg = _bamba_config(cfg)
@@ -194,6 +198,11 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type == "deepseek_yarn":  # Sarvam's released name for YaRN
         rope_type = "yarn"
+    rotated_angles = 0
+    if rope_type == "proportional" and model_type == "lfm3":  # over the whole head, its first angles alone turning
+        whole = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+        rotated_angles, rope_type = int(float(rope.get("partial_rotary_factor") or 1.0) * whole // 2), "default"
+        rope = {key: value for key, value in rope.items() if key != "partial_rotary_factor"}
     if arch == "hunyuan" and rope_type == "dynamic" and rope.get("alpha"):
         rope_theta, rope_type = _ntk_alpha_theta(cfg, rope_theta, float(rope["alpha"])), "default"
     elif rope_type == "dynamic":  # dynamic NTK (InternLM3's): as transformers computes it, rope's base grows with
@@ -296,6 +305,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **hybrid,
         **_glm4_fields(arch),
         **_lfm2_fields(arch, cfg),
+        **_lfm3_fields(model_type, rotated_angles),
         **_mamba2_fields(model_type, cfg),
         **_falcon_h1_fields(model_type, cfg),
         **_jamba_fields(model_type, cfg),
@@ -864,8 +874,10 @@ def _lfm2_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
         attending = cfg.get("full_attn_idxs")
         attending = range(layers) if attending is None else attending
         types = ["full_attention" if i in attending else "conv" for i in range(layers)]
-    if len(types) != layers or set(types) - {"conv", "full_attention"}:
-        raise ValueError(f"layer_types must name conv or full_attention for each of the {layers} layers; "
+    kinds = {"conv", "full_attention", "sliding_attention"} if cfg.get("model_type") == "lfm3" else {"conv",
+                                                                                                       "full_attention"}
+    if len(types) != layers or set(types) - kinds:
+        raise ValueError(f"layer_types must name {', '.join(sorted(kinds))} for each of the {layers} layers; "
                          f"got {types!r}")  # fmt: skip
     conv = ShortConvolution(
         channels=int(cfg["hidden_size"]),
@@ -1035,6 +1047,37 @@ def _phimoe_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "moe_scoring": "sparsemixer",
         "router_jitter": float(cfg.get("router_jitter_noise", 0.01)),
     }
+
+
+# LFM3 as transformers fills in what its config.json leaves out: the layers' kinds (a full-attention layer in every 4
+# from the third, a windowed one from the fifth, convolutions between) and each kind's rope.
+_LFM3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+}
+
+
+def _lfm3_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An LFM3 `config.json` with what transformers fills in (`_LFM3_ROPE`, its layer kinds, a 256-position window),
+    its attention gate and sandwich norms on (refused off: `use_attention_gate`, `use_sandwich_norm`)."""
+    layers = int(cfg["num_hidden_layers"])
+    for key in ("use_attention_gate", "use_sandwich_norm"):
+        if not cfg.get(key, True):
+            raise ValueError(f"lfm3 with {key} false is not supported")
+    types = cfg.get("layer_types") or [
+        "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+        for i in range(layers)
+    ]
+    return {**cfg, "layer_types": types, "rope_parameters": cfg.get("rope_parameters") or _LFM3_ROPE,
+            "sliding_window": cfg.get("sliding_window", 256)}  # fmt: skip
+
+
+def _lfm3_fields(model_type: str, rotated_angles: int) -> dict[str, Any]:
+    """LFM3's `ModelConfig` fields ({} for the other families): Gemma's sandwich norms, each attention head's output
+    gated (its `g_proj` read into q_proj, `models.lfm2`), its full layers' proportional rope (`rotated_angles`)."""
+    if model_type != "lfm3":
+        return {}
+    return {"sandwich_norms": True, "attention_output_gate": True, "rope_rotated_angles": rotated_angles}
 
 
 def _afmoe_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1244,6 +1287,8 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer; got {window!r}")
     types = _afmoe_layer_types(cfg) if model_type == "afmoe" else cfg.get("layer_types")
+    if types is not None and model_type == "lfm3":  # its convolution layers attend to nothing: no window
+        types = ["full_attention" if kind == "conv" else kind for kind in types]
     if types is not None:
         unknown = set(types) - {"sliding_attention", "full_attention"}
         if unknown or len(types) != layers:

@@ -356,6 +356,13 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
         {"layers_block_type": ["mamba", "mlp", "mamba", "mamba", "attention", "mlp"], "head_dim": 16,
          "mamba_num_heads": 4, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 2, "pad_token_id": 0},
     ),
+    # LFM3: LFM2's convolutions (first and third layers) under Gemma's sandwich norms, a windowed attention layer
+    # (its own rope base) and a full one (proportional rope over half of each head's angles), heads' outputs gated.
+    "lfm3": (
+        "Lfm3Config",
+        {"layer_types": ["conv", "sliding_attention", "conv", "full_attention"], "sliding_window": WINDOW,
+         "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Jamba: Mamba-1 (128 channels, an 8-wide state) on the first three layers, attention without rope on the last;
     # top-2 of 4 experts on the second and fourth.
     "jamba": (

@@ -318,7 +318,7 @@ class DecoderModel(nn.Module):
         else:
             cache = build_cos_sin_cache(
                 config.rotary_dim, config.max_position_embeddings, config.rope_theta, scaling, dtype,
-                config.rope_linear_factor,
+                config.rope_linear_factor, rotated_angles=config.rope_rotated_angles or None,
             )  # fmt: skip
         # Derived from the config, not loaded: kept out of the state dict but moved with the module.
         self.register_buffer("cos_sin_cache", cache, persistent=False)

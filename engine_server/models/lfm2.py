@@ -1,32 +1,102 @@
-"""LFM2 (Liquid AI): hybrids of gated short convolutions (`layers.short_conv`) and grouped-query attention with
-per-head q/k norms, each layer Llama's pre-norm block under names of its own."""
+"""LFM2 and LFM3 (Liquid AI): hybrids of gated short convolutions (`layers.short_conv`) and grouped-query attention with
+per-head q/k norms, each layer Llama's pre-norm block (LFM3: Gemma's sandwich) under names of its own."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection, Iterable, Iterator
+
+import torch
+
+from engine_server.config import ModelConfig
+from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, whole
 from engine_server.models.base import CausalLM
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import CheckpointTensor
+
+# LFM3's query and per-head gate projections, which the shared attention reads as one q_proj.
+_QUERY_OR_GATE = re.compile(r"(?P<layer>.+\.self_attn)\.(?P<part>q_proj|g_proj|gate_proj)\.weight")
+# The names LFM2 and LFM3 share (the attention's `out_proj` is renamed before the convolution's projections take
+# `self_attn.` names).
+_SHARED_RENAMES = (
+    (".self_attn.out_proj.", ".self_attn.o_proj."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+    (".conv.conv.", ".self_attn.conv1d."),
+    (".conv.in_proj.", ".self_attn.in_proj."),
+    (".conv.out_proj.", ".self_attn.out_proj."),
+    (".operator_norm.", ".input_layernorm."),
+)
+# LFM3's four norms as Gemma's sandwich names them (`post_ffn_norm` before `ffn_norm`, which it contains).
+_SANDWICH_NORMS = (
+    (".post_operator_norm.", ".post_attention_layernorm."),
+    (".post_ffn_norm.", ".post_feedforward_layernorm."),
+    (".ffn_norm.", ".pre_feedforward_layernorm."),
+)
+_MLP_RENAMES = (
+    (".feed_forward.", ".mlp."),  # the MLP, or LFM2-MoE's router, experts (one per tensor) and routing bias
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+    (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    ("model.embedding_norm.", "model.norm."),
+)
 
 
 class Lfm2ForCausalLM(CausalLM):
-    """LFM2 (`lfm2`) and LFM2-MoE (`lfm2_moe`): a layer's token mixer is `ShortConv` where
+    """LFM2 (`lfm2`), LFM2-MoE (`lfm2_moe`) and LFM3 (`lfm3`): a layer's token mixer is `ShortConv` where
     `ModelConfig.short_convolution` says (checkpoint `conv`), else attention with an RMSNorm over each head of q and k
     before rope (`qk_norm`); its MLP (`feed_forward`) is SwiGLU (`w1` gate, `w3` up, `w2` down), or past LFM2-MoE's
     dense layers experts of it chosen by DeepSeek-V3's router in one group (`gate`, with `expert_bias` for the choice);
-    the final norm is the checkpoint's `embedding_norm`; embeddings tied."""
+    the final norm is the checkpoint's `embedding_norm`; embeddings tied. LFM3's layers are Gemma's sandwich
+    (`operator_norm` before the mixer, `post_operator_norm` after it, `ffn_norm` and `post_ffn_norm` around the MLP)
+    and each attention head's output is times the sigmoid of its `g_proj` row (`gate_proj` as released): read into
+    q_proj as the shared gated attention takes it (each head's query rows, then its gate row once per dim)."""
 
-    # The attention's `out_proj` is renamed before the convolution's projections take `self_attn.` names.
-    checkpoint_renames = (
-        (".self_attn.out_proj.", ".self_attn.o_proj."),
-        (".self_attn.q_layernorm.", ".self_attn.q_norm."),
-        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
-        (".conv.conv.", ".self_attn.conv1d."),
-        (".conv.in_proj.", ".self_attn.in_proj."),
-        (".conv.out_proj.", ".self_attn.out_proj."),
-        (".operator_norm.", ".input_layernorm."),
-        (".ffn_norm.", ".post_attention_layernorm."),
-        (".feed_forward.", ".mlp."),  # the MLP, or LFM2-MoE's router, experts (one per tensor) and routing bias
-        (".w1.", ".gate_proj."),
-        (".w3.", ".up_proj."),
-        (".w2.", ".down_proj."),
-        (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
-        ("model.embedding_norm.", "model.norm."),
-    )
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, dtype, tp)
+        norms = _SANDWICH_NORMS if config.sandwich_norms else ((".ffn_norm.", ".post_attention_layernorm."),)
+        self.checkpoint_renames = (*_SHARED_RENAMES, *norms, *_MLP_RENAMES)
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """LFM3's q_proj and per-head g_proj as one q_proj (`_query_and_gate`); the rest as they are."""
+        if self.config.attention_output_gate:
+            weights = self._query_and_gate(weights)
+        return super().checkpoint_weights(weights, replaced)
+
+    def _query_and_gate(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        held: dict[str, dict[str, CheckpointTensor]] = {}
+        for name, tensor in weights:
+            match = _QUERY_OR_GATE.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            parts = held.setdefault(match["layer"], {})
+            parts["q_proj" if match["part"] == "q_proj" else "g_proj"] = tensor  # (`gate_proj`: its released name)
+            if len(parts) == 2:
+                del held[match["layer"]]
+                yield f"{match['layer']}.q_proj.weight", _gated_query(parts["q_proj"], parts["g_proj"],
+                                                                      self.config.head_dim)  # fmt: skip
+        if held:
+            raise ValueError(f"checkpoint holds a query or a gate projection without the other: {sorted(held)}")
+
+
+def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
+    """`[heads * head_dim, hidden]` query rows and `[heads, hidden]` gate rows as `[heads * 2 * head_dim, hidden]`:
+    each head's query rows, then its gate row `head_dim` times; unread until loading reads it, when either is."""
+    heads, columns = gate.shape[0], gate.shape[1]
+    if tuple(query.shape) != (heads * head_dim, columns):
+        raise ValueError(f"q_proj {tuple(query.shape)} and g_proj {tuple(gate.shape)} do not fit {head_dim}-wide heads")
+
+    def join() -> torch.Tensor:
+        q = whole(query).reshape(heads, head_dim, columns)
+        g = whole(gate).reshape(heads, 1, columns).expand(heads, head_dim, columns)
+        return torch.cat([q, g], dim=1).reshape(-1, columns)
+
+    if isinstance(query, torch.Tensor) and isinstance(gate, torch.Tensor):
+        return join()
+    return LazyTensor(ComputedSlice((2 * heads * head_dim, columns), join))

@@ -256,6 +256,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"],
          "layer_rope_theta": [0, 50000.0], **GRANITE_MULTIPLIERS, "logits_scaling": 1.0, "pad_token_id": 0},
     ),
+    # LFM3: convolutions on the first, second and fourth layers, full attention (proportional rope over half of each
+    # head's angles) on the third, windowed attention (6 positions, its own rope base) on the fifth; Gemma's sandwich
+    # norms; each head's output gated.
+    "lfm3": (
+        transformers.Lfm3Config,
+        {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": 6, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # MiMo-V2-Flash: a full-attention first layer (rope base 5e6), then windowed layers (6 positions, rope base 1e4)
     # with twice the KV heads and a sink per head; rope over 10 of each head's 32 dims, values 16 wide and scaled;
     # the first layer dense, then top-2 of 4 experts by sigmoid scores with a load-balancing bias.
@@ -562,6 +570,7 @@ MODEL_CLASSES = {
     transformers.Cohere2MoeConfig: transformers.Cohere2MoeForCausalLM,
     transformers.JambaConfig: transformers.JambaForCausalLM,
     transformers.MiMoV2FlashConfig: transformers.MiMoV2FlashForCausalLM,
+    transformers.Lfm3Config: transformers.Lfm3ForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
@@ -1074,6 +1083,27 @@ def test_cohere2_moe_configs_read_their_layers_as_transformers_builds_them() -> 
     for changed in ({"expert_selection_fn": "softplus"}, {"shared_expert_combination_strategy": "max"}):
         with pytest.raises(ValueError, match="cohere2_moe with expert_selection_fn"):
             model_config_from_hf({**raw, **changed})
+
+
+def test_lfm3_configs_read_as_transformers_builds_them() -> None:
+    """LFM3's default config (LFM3-1.7B's shape: 24 layers, a full-attention layer in every 4 from the third and a
+    windowed one from the fifth, convolutions between; proportional rope over half of the full layers' angles) reads
+    as transformers builds it, and so does a config.json without its layer kinds or ropes; its attention gate or
+    sandwich norms off are refused by name."""
+    raw = transformers.Lfm3Config().to_dict()
+    config = model_config_from_hf(raw)
+    full, windowed = tuple(range(2, 24, 4)), tuple(range(4, 24, 4))
+    assert config.short_convolution is not None
+    assert config.short_convolution.layers == tuple(i for i in range(24) if i not in full + windowed)
+    assert config.layer_windows == tuple(256 if i in windowed else 0 for i in range(24))
+    assert (config.rope_theta, config.local_rope_theta, config.rope_rotated_angles, config.rotary_dim) == (
+        1e6, 1e4, 32, 128)  # fmt: skip
+    assert config.sandwich_norms and config.attention_output_gate and config.qk_norm and config.tie_word_embeddings
+    bare = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters", "sliding_window")}
+    assert model_config_from_hf(bare) == config
+    for key in ("use_attention_gate", "use_sandwich_norm"):
+        with pytest.raises(ValueError, match=f"lfm3 with {key} false is not supported"):
+            model_config_from_hf({**raw, key: False})
 
 
 def test_mimo_v2_flash_configs_read_as_transformers_builds_them() -> None:
