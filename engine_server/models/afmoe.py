@@ -5,12 +5,12 @@ experts."""
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 
 import torch
 
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, whole
-from engine_server.models.base import CausalLM
+from engine_server.models.base import CausalLM, joined_queries
 from engine_server.parallel.layers import CheckpointTensor
 
 # A layer's query and output-gate projections, which the shared attention reads as one (`_query_and_gate`).
@@ -35,26 +35,10 @@ class AfmoeForCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """Each layer's q_proj and gate_proj as one q_proj (`_query_and_gate`), yielded once both are read."""
-        return super().checkpoint_weights(self._query_and_gate(weights), replaced)
-
-    def _query_and_gate(
-        self, weights: Iterable[tuple[str, CheckpointTensor]]
-    ) -> Iterator[tuple[str, CheckpointTensor]]:
-        held: dict[str, dict[str, CheckpointTensor]] = {}
-        for name, tensor in weights:
-            match = _QUERY_OR_GATE.fullmatch(name)
-            if match is None:
-                yield name, tensor
-                continue
-            parts = held.setdefault(match["layer"], {})
-            parts[match["part"]] = tensor
-            if len(parts) == 2:
-                del held[match["layer"]]
-                gated = _gated_query(parts["q_proj"], parts["gate_proj"], self.config.head_dim)
-                yield f"{match['layer']}.q_proj.weight", gated
-        if held:
-            raise ValueError(f"checkpoint holds a query or an output gate without the other: {sorted(held)}")
+        """Each layer's q_proj and gate_proj as one q_proj (`_gated_query`), yielded once both are read."""
+        head_dim = self.config.head_dim
+        joined = joined_queries(weights, _QUERY_OR_GATE, lambda query, gate: _gated_query(query, gate, head_dim))
+        return super().checkpoint_weights(joined, replaced)
 
 
 def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:

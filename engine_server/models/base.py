@@ -332,6 +332,30 @@ class CausalLM(nn.Module):
         return expected
 
 
+def joined_queries(
+    weights: Iterable[tuple[str, CheckpointTensor]],
+    pattern: re.Pattern[str],
+    join: Callable[[CheckpointTensor, CheckpointTensor], CheckpointTensor],
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """`weights` with each layer's query and gate projections (the tensors `pattern` matches: its `layer` group the
+    layer, its `part` group `q_proj` for the query and any other name for the gate) yielded as that layer's one
+    `q_proj.weight`, `join(query, gate)`, once both are read (AFMoE's and LFM3's gated attention); every other tensor
+    as it comes. ValueError for a layer with one of them alone."""
+    held: dict[str, dict[str, CheckpointTensor]] = {}
+    for name, tensor in weights:
+        match = pattern.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        parts = held.setdefault(match["layer"], {})
+        parts["query" if match["part"] == "q_proj" else "gate"] = tensor
+        if len(parts) == 2:
+            del held[match["layer"]]
+            yield f"{match['layer']}.q_proj.weight", join(parts["query"], parts["gate"])
+    if held:
+        raise ValueError(f"checkpoint holds a query or its gate projection without the other: {sorted(held)}")
+
+
 def reordered_tensor(
     tensor: CheckpointTensor, reorder: Callable[[torch.Tensor], torch.Tensor], transposed: bool = False
 ) -> CheckpointTensor:

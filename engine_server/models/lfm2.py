@@ -4,13 +4,13 @@ per-head q/k norms, each layer Llama's pre-norm block (LFM3: Gemma's sandwich) u
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 
 import torch
 
 from engine_server.config import ModelConfig
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, whole
-from engine_server.models.base import CausalLM
+from engine_server.models.base import CausalLM, joined_queries
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor
 
@@ -61,28 +61,12 @@ class Lfm2ForCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """LFM3's q_proj and per-head g_proj as one q_proj (`_query_and_gate`); the rest as they are."""
+        """LFM3's q_proj and per-head g_proj (`gate_proj` as released) as one q_proj (`_gated_query`); the rest as
+        they are."""
         if self.config.attention_output_gate:
-            weights = self._query_and_gate(weights)
+            head_dim = self.config.head_dim
+            weights = joined_queries(weights, _QUERY_OR_GATE, lambda query, gate: _gated_query(query, gate, head_dim))
         return super().checkpoint_weights(weights, replaced)
-
-    def _query_and_gate(
-        self, weights: Iterable[tuple[str, CheckpointTensor]]
-    ) -> Iterator[tuple[str, CheckpointTensor]]:
-        held: dict[str, dict[str, CheckpointTensor]] = {}
-        for name, tensor in weights:
-            match = _QUERY_OR_GATE.fullmatch(name)
-            if match is None:
-                yield name, tensor
-                continue
-            parts = held.setdefault(match["layer"], {})
-            parts["q_proj" if match["part"] == "q_proj" else "g_proj"] = tensor  # (`gate_proj`: its released name)
-            if len(parts) == 2:
-                del held[match["layer"]]
-                yield f"{match['layer']}.q_proj.weight", _gated_query(parts["q_proj"], parts["g_proj"],
-                                                                      self.config.head_dim)  # fmt: skip
-        if held:
-            raise ValueError(f"checkpoint holds a query or a gate projection without the other: {sorted(held)}")
 
 
 def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
