@@ -34,7 +34,10 @@ def mimo_weights(
     query_heads = config.num_attention_heads
     for name, tensor in weights:
         values, output = _VALUES.fullmatch(name), _OUTPUT.fullmatch(name)
-        if values is not None:
+        layer = values or output
+        if layer is not None and int(layer["layer"]) >= config.num_hidden_layers:  # a prediction layer: not read
+            yield name, tensor
+        elif values is not None:
             heads = config.layer_kv_heads(int(values["layer"]))
             shape = (heads * head_dim, *tuple(tensor.shape)[1:])
             pad = functools.partial(_pad_rows, heads=heads, rows=value_dim, width=head_dim, scale=config.value_scale)
@@ -44,9 +47,9 @@ def mimo_weights(
             yield name, _changed(tensor, shape, lambda t: _pad_rows(t.t(), query_heads, value_dim, head_dim, 1.0).t())
         else:
             yield name, tensor
-    for layer in range(config.num_hidden_layers):
-        if config.attention_window(layer) == 0:
-            yield f"model.layers.{layer}.self_attn.sinks", torch.full((config.num_attention_heads,), NO_SINK)
+    for index in range(config.num_hidden_layers):
+        if config.attention_window(index) == 0:
+            yield f"model.layers.{index}.self_attn.sinks", torch.full((config.num_attention_heads,), NO_SINK)
 
 
 def _pad_rows(tensor: torch.Tensor, heads: int, rows: int, width: int, scale: float) -> torch.Tensor:

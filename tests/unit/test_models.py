@@ -1123,6 +1123,11 @@ def test_mimo_v2_flash_configs_read_as_transformers_builds_them() -> None:
                                                        "sliding_window")}  # fmt: skip
     assert model_config_from_hf(bare) == config
     assert model_config_from_hf({**raw, "sliding_window_size": 127}).layer_windows[1] == 128
+    from engine_server.models.mimo_v2_flash import mimo_weights
+
+    extra = torch.ones(config.num_key_value_heads * 128, config.hidden_size)  # a prediction layer's, past the last
+    out = dict(mimo_weights(config, [("model.layers.48.self_attn.v_proj.weight", extra)]))
+    assert out["model.layers.48.self_attn.v_proj.weight"] is extra and len(out) == 1 + len(full)  # (+ full sinks)
 
 
 def test_jamba_configs_read_their_layers_as_transformers_builds_them() -> None:
