@@ -103,7 +103,8 @@ from engine_server.loader.fp8_checkpoint import read_fp8_weights
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
 from engine_server.loader.gguf_quant import StoredMatrix, stored_matrices
 from engine_server.loader.mxfp4 import StoredMxfp4Bank, is_mxfp4_checkpoint, mxfp4_bank_tensors
-from engine_server.loader.source import ModelSource, iter_lazy_safetensors, read_hf_config, tensor_files
+from engine_server.loader.source import ModelSource, iter_lazy_safetensors, read_hf_config
+from engine_server.loader.weight_files import tensor_files
 from engine_server.models.base import FUSED_SHARDS, CausalLM, expert_weight
 from engine_server.parallel.layers import (
     EXPERT_PARTS,

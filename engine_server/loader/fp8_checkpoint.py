@@ -30,6 +30,7 @@ from safetensors import safe_open
 from engine_server.layers.fp8_linear import Fp8Weight
 from engine_server.loader.int_checkpoint import is_integer_quantization
 from engine_server.loader.lazy_tensor import LazyTensor, whole
+from engine_server.loader.weight_files import tensor_files
 from kernels.reference import FP8_DTYPE
 
 # What multiplies `<layer>.weight`: one of these next to it.
@@ -54,7 +55,7 @@ class Fp8Checkpoint:
 
     def fp8_weights(self, folder: Path) -> dict[str, str]:
         """Each FP8 weight's name -> its scale's name, from the folder's safetensors headers (nothing read)."""
-        names = [name for file in sorted(folder.glob("*.safetensors")) for name in _keys(file)]
+        names = list(tensor_files(folder))
         return {
             name.removesuffix(suffix) + ".weight": name
             for name in names
@@ -173,11 +174,6 @@ def read_fp8_weights(folder: Path, checkpoint: Fp8Checkpoint, names: Collection[
                 if name in wanted:
                     tensors[name] = handle.get_tensor(name)
     return {name: checkpoint.weight(tensors[name], tensors[scale_of[name]], name) for name in names}
-
-
-def _keys(file: Path) -> list[str]:
-    with safe_open(file, framework="pt") as handle:
-        return list(handle.keys())
 
 
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from safetensors import safe_open
 
 from engine_server.loader.lazy_tensor import LazyTensor, whole
+from engine_server.loader.weight_files import tensor_files
 
 IntMethod = Literal["gptq", "awq", "compressed-tensors"]
 # Each method's tensors of one quantized layer (suffixes of `<layer>.`), the first of them its mark, and which of
@@ -74,7 +74,7 @@ class IntCheckpoint:
     def quantized_layers(self, folder: Path) -> dict[str, set[str]]:
         """Each quantized layer (its name without the suffix) -> the parts the folder's files hold for it (their
         headers read, no tensor). A layer is quantized where its mark is there (and, int-quantized, its scale)."""
-        names = {name for file in sorted(folder.glob("*.safetensors")) for name in _keys(file)}
+        names = set(tensor_files(folder))
         mark = self.parts[0]
         layers: dict[str, set[str]] = {}
         for name in names:
@@ -269,7 +269,3 @@ def _group(value: Any) -> int:
         raise ValueError(f"quantization_config: group_size {value!r}")
     return value
 
-
-def _keys(file: Path) -> list[str]:
-    with safe_open(file, framework="pt") as handle:
-        return list(handle.keys())

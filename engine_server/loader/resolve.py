@@ -11,7 +11,8 @@ from engine_server.loader.dummy import dummy_config
 from engine_server.loader.fp8_checkpoint import fp8_checkpoint
 from engine_server.loader.gguf_convert import ensure_converted
 from engine_server.loader.int_checkpoint import int_checkpoint
-from engine_server.loader.source import ModelSource, default_cache_dir, read_hf_config, safetensors_files
+from engine_server.loader.source import ModelSource, default_cache_dir, read_hf_config
+from engine_server.loader.weight_files import safetensors_files
 
 DEFAULT_SPEC = "default"
 DUMMY_PREFIX = "dummy:"

@@ -33,6 +33,7 @@ from engine_server.loader.gguf_convert import (
 from engine_server.loader.int_checkpoint import IntCheckpoint
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
+from engine_server.loader.weight_files import safetensors_files
 
 CACHE_DIR_ENV = "LADLE_CACHE_DIR"
 
@@ -128,20 +129,6 @@ def write_float_checkpoint(source: ModelSource, folder: Path) -> Path:
         weights = transformers_banks(weights, read_hf_config(source.path))
     write_sharded_safetensors(weights, folder)
     return folder
-
-
-def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a Hugging Face folder, in shard order (the index file is only a name map)."""
-    return sorted(folder.glob("*.safetensors"))
-
-
-def tensor_files(folder: Path) -> dict[str, Path]:
-    """Each tensor name of a Hugging Face folder's weight files -> the file that holds it (headers only read)."""
-    files: dict[str, Path] = {}
-    for file in safetensors_files(folder):
-        with safe_open(file, framework="pt") as handle:
-            files.update(dict.fromkeys(handle.keys(), file))
-    return files
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
