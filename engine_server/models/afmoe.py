@@ -7,10 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable
 
-import torch
-
-from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, whole
-from engine_server.models.base import CausalLM, joined_queries
+from engine_server.models.base import CausalLM, gated_query, joined_queries
 from engine_server.parallel.layers import CheckpointTensor
 
 # A layer's query and output-gate projections, which the shared attention reads as one (`_query_and_gate`).
@@ -35,24 +32,8 @@ class AfmoeForCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """Each layer's q_proj and gate_proj as one q_proj (`_gated_query`), yielded once both are read."""
+        """Each layer's q_proj and gate_proj as one q_proj (`gated_query`), yielded once both are read."""
         head_dim = self.config.head_dim
-        joined = joined_queries(weights, _QUERY_OR_GATE, lambda query, gate: _gated_query(query, gate, head_dim))
+        joined = joined_queries(weights, _QUERY_OR_GATE, lambda query, gate: gated_query(query, gate, head_dim))
         return super().checkpoint_weights(joined, replaced)
-
-
-def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
-    """`[heads * head_dim, hidden]` query and gate rows as `[heads * 2 * head_dim, hidden]`, each head's query rows
-    then its gate's; unread (`LazyTensor`) until loading reads it, when either is."""
-    if tuple(query.shape) != tuple(gate.shape):
-        raise ValueError(f"q_proj {tuple(query.shape)} and gate_proj {tuple(gate.shape)} differ in shape")
-    rows, columns = query.shape[0], query.shape[1]
-
-    def join() -> torch.Tensor:
-        q, g = (whole(part).reshape(-1, head_dim, columns) for part in (query, gate))
-        return torch.cat([q, g], dim=1).reshape(-1, columns)
-
-    if isinstance(query, torch.Tensor) and isinstance(gate, torch.Tensor):
-        return join()
-    return LazyTensor(ComputedSlice((2 * rows, columns), join))
 

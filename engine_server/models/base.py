@@ -14,7 +14,7 @@ from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
-from engine_server.loader.lazy_tensor import LazyTensor, derived, whole
+from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, derived, whole
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import (
@@ -357,14 +357,35 @@ def joined_queries(
 
 
 def reordered_tensor(
-    tensor: CheckpointTensor, reorder: Callable[[torch.Tensor], torch.Tensor], transposed: bool = False
+    tensor: CheckpointTensor,
+    reorder: Callable[[torch.Tensor], torch.Tensor],
+    transposed: bool = False,
+    shape: tuple[int, ...] | None = None,
 ) -> CheckpointTensor:
     """`reorder(tensor)`; of an unread tensor (`LazyTensor`) unread too, so a layer whose weights are replaced (a GGUF
-    file's blocks) reads none of it. `transposed`: the result's last two dims swapped."""
+    file's blocks) reads none of it. The result's shape is the tensor's, its last two dims swapped where `transposed`,
+    or `shape` where given (MiMo-V2-Flash's padded values)."""
     if not isinstance(tensor, LazyTensor):
         return reorder(read_whole(tensor))
-    shape = tuple(tensor.shape)
-    return derived(tensor, (*shape[:-2], shape[-1], shape[-2]) if transposed else shape, reorder)
+    own = tuple(tensor.shape)
+    return derived(tensor, shape or ((*own[:-2], own[-1], own[-2]) if transposed else own), reorder)
+
+
+def gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
+    """`[heads * head_dim, hidden]` query and gate rows as `[heads * 2 * head_dim, hidden]`, each head's query rows
+    then its gate's (the gated attention's q_proj: AFMoE's, LFM3's); unread (`LazyTensor`) until loading reads it,
+    when either is."""
+    if tuple(query.shape) != tuple(gate.shape):
+        raise ValueError(f"q_proj {tuple(query.shape)} and its gate {tuple(gate.shape)} differ in shape")
+    rows, columns = query.shape[0], query.shape[1]
+
+    def join() -> torch.Tensor:
+        q, g = (whole(part).reshape(-1, head_dim, columns) for part in (query, gate))
+        return torch.cat([q, g], dim=1).reshape(-1, columns)
+
+    if isinstance(query, torch.Tensor) and isinstance(gate, torch.Tensor):
+        return join()
+    return LazyTensor(ComputedSlice((2 * rows, columns), join))
 
 
 def _own_parameter(module: nn.Module, name: str) -> bool:

@@ -9,8 +9,7 @@ from collections.abc import Collection, Iterable
 import torch
 
 from engine_server.config import ModelConfig
-from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, whole
-from engine_server.models.base import CausalLM, joined_queries
+from engine_server.models.base import CausalLM, gated_query, joined_queries, reordered_tensor
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor
 
@@ -61,26 +60,18 @@ class Lfm2ForCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """LFM3's q_proj and per-head g_proj (`gate_proj` as released) as one q_proj (`_gated_query`); the rest as
-        they are."""
+        """LFM3's q_proj and per-head g_proj (`gate_proj` as released, each row once per dim) as one q_proj
+        (`gated_query`); the rest as they are."""
         if self.config.attention_output_gate:
             head_dim = self.config.head_dim
-            weights = joined_queries(weights, _QUERY_OR_GATE, lambda query, gate: _gated_query(query, gate, head_dim))
+            weights = joined_queries(weights, _QUERY_OR_GATE,
+                                     lambda query, gate: gated_query(query, _per_dim_gate(gate, head_dim), head_dim))
         return super().checkpoint_weights(weights, replaced)
 
 
-def _gated_query(query: CheckpointTensor, gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
-    """`[heads * head_dim, hidden]` query rows and `[heads, hidden]` gate rows as `[heads * 2 * head_dim, hidden]`:
-    each head's query rows, then its gate row `head_dim` times; unread until loading reads it, when either is."""
-    heads, columns = gate.shape[0], gate.shape[1]
-    if tuple(query.shape) != (heads * head_dim, columns):
-        raise ValueError(f"q_proj {tuple(query.shape)} and g_proj {tuple(gate.shape)} do not fit {head_dim}-wide heads")
 
-    def join() -> torch.Tensor:
-        q = whole(query).reshape(heads, head_dim, columns)
-        g = whole(gate).reshape(heads, 1, columns).expand(heads, head_dim, columns)
-        return torch.cat([q, g], dim=1).reshape(-1, columns)
-
-    if isinstance(query, torch.Tensor) and isinstance(gate, torch.Tensor):
-        return join()
-    return LazyTensor(ComputedSlice((2 * heads * head_dim, columns), join))
+def _per_dim_gate(gate: CheckpointTensor, head_dim: int) -> CheckpointTensor:
+    """A per-head gate `[heads, hidden]` as `[heads * head_dim, hidden]`: each head's row once per dim (the same
+    sigmoid on each of the head's outputs); unread while it is."""
+    shape = (gate.shape[0] * head_dim, gate.shape[1])
+    return reordered_tensor(gate, lambda rows: rows.repeat_interleave(head_dim, dim=0), shape=shape)

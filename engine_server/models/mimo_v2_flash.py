@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from engine_server.config import ModelConfig
-from engine_server.loader.lazy_tensor import LazyTensor, derived, whole
+from engine_server.models.base import reordered_tensor
 from engine_server.parallel.layers import CheckpointTensor
 
 _VALUES = re.compile(r"model\.layers\.(?P<layer>\d+)\.self_attn\.v_proj\.(?P<kind>weight|bias)")
@@ -41,10 +41,12 @@ def mimo_weights(
             heads = config.layer_kv_heads(int(values["layer"]))
             shape = (heads * head_dim, *tuple(tensor.shape)[1:])
             pad = functools.partial(_pad_rows, heads=heads, rows=value_dim, width=head_dim, scale=config.value_scale)
-            yield name, _changed(tensor, shape, pad)
+            yield name, reordered_tensor(tensor, pad, shape=shape)
         elif output is not None:
             shape = (tensor.shape[0], query_heads * head_dim)
-            yield name, _changed(tensor, shape, lambda t: _pad_rows(t.t(), query_heads, value_dim, head_dim, 1.0).t())
+            yield name, reordered_tensor(
+                tensor, lambda t: _pad_rows(t.t(), query_heads, value_dim, head_dim, 1.0).t(), shape=shape
+            )
         else:
             yield name, tensor
     for index in range(config.num_hidden_layers):
@@ -59,11 +61,3 @@ def _pad_rows(tensor: torch.Tensor, heads: int, rows: int, width: int, scale: fl
     padded[:, :rows] = grouped
     return padded.reshape(heads * width, *tensor.shape[1:])
 
-
-def _changed(
-    tensor: CheckpointTensor, shape: tuple[int, ...], change: Callable[[torch.Tensor], torch.Tensor]
-) -> CheckpointTensor:
-    """`change(tensor)` (of shape `shape`); of an unread tensor, unread too."""
-    if isinstance(tensor, LazyTensor):
-        return derived(tensor, shape, change)
-    return change(whole(tensor))
