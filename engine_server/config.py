@@ -16,13 +16,13 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "jamba", "bert",
+    "afmoe", "falcon_h1", "jamba", "gpt_neox", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
-    "apertus", "afmoe", "falcon_h1",
+    "apertus", "afmoe", "falcon_h1", "gpt_neox",
 )  # fmt: skip
 
 
@@ -298,6 +298,8 @@ class ModelConfig:
     attention_out_bias: bool | None = None  # Seed-OSS: o_proj's bias, set apart from q/k/v's (None: `o_proj_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
     qk_norm_after_rope: bool = False  # Hunyuan: those norms after rope (which mixes the weighted dims' pairs)
+    # StableLM 2 (12B): a LayerNorm without a bias over each head of q and k before rope, a weight per head.
+    qk_layer_norm: bool = False
     # OLMoE: the q/k norms span the whole projection (all heads at once), and q, k and v are clamped to
     # [-clip_qkv, clip_qkv] after them (0: not clamped).
     qk_norm_whole: bool = False
@@ -357,6 +359,10 @@ class ModelConfig:
     layer_norm: bool = False
     parallel_block: bool = False
     logit_scale: float = 1.0
+    # GPT-NeoX: the parallel block's MLP reads a norm of its own (`post_attention_layernorm`), `h += attn(ln1(h)) +
+    # mlp(ln2(h))`. OLMo: LayerNorms without a weight or a bias (`norm_weightless`).
+    parallel_mlp_norm: bool = False
+    norm_weightless: bool = False
     # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`). Jais 2: biased
     # LayerNorms and biases on its ungated MLP's projections (`mlp_bias`).
     layer_norm_bias: bool = False
@@ -406,8 +412,10 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     # The dense MLP's activation: gated, `down(act(gate(x)) * up(x))` with SiLU or GELU (tanh); or ungated
     # `down(act(up(x)))` (`layers.mlp.UngatedMLP`) with Nemotron-H's, Arcee's and Jais 2's relu² ("relu2") or
-    # Apertus's xIELU, whose four scalars each layer's checkpoint holds ("xielu").
-    hidden_act: Literal["silu", "gelu_tanh", "relu2", "xielu"] = "silu"
+    # Apertus's xIELU, whose four scalars each layer's checkpoint holds ("xielu"), or where `gated_mlp` is off (the
+    # GPT-NeoX lineage: StarCoder2's and Phi's GELU (tanh), GPT-NeoX's exact GELU, "gelu").
+    hidden_act: Literal["silu", "gelu_tanh", "gelu", "relu2", "xielu"] = "silu"
+    gated_mlp: bool = True
     sandwich_norms: bool = False
     attention_scale: float = 0.0
     local_rope_theta: float = 0.0
@@ -530,6 +538,11 @@ class ModelConfig:
             if self.shared_expert_intermediate_size:
                 widths["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return widths
+
+    @property
+    def ungated_mlp(self) -> bool:
+        """Whether the dense MLP is `down(act(up(x)))` (`layers.mlp.UngatedMLP`): relu², xIELU, or `gated_mlp` off."""
+        return not self.gated_mlp or self.hidden_act in ("relu2", "xielu")
 
     @property
     def rotary_dim(self) -> int:

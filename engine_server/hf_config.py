@@ -22,6 +22,7 @@ from engine_server.config import (
     Yarn,
     nemotron_blocks,
 )
+from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -130,6 +131,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama4_text": "llama4",
     "llama4": "llama4",
     "bert": "bert",
+    **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
@@ -175,6 +177,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _cohere2_moe_config(cfg)
     if model_type == "mimo_v2_flash":
         cfg = _mimo_v2_flash_config(cfg)
+    cfg = classic_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -274,7 +277,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=_attention_bias(arch, cfg),
-        attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type == "seed_oss"
+        attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm")
         else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
@@ -283,7 +286,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
         qk_norm_after_rope=arch == "hunyuan",
         post_norms=arch == "olmo2" or model_type == "flex_olmo",
-        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" else 0.0,
+        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" or model_type == "olmo" else 0.0,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
         bos_token_id=cfg.get("bos_token_id"),
@@ -310,6 +313,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_falcon_h1_fields(model_type, cfg),
         **_jamba_fields(model_type, cfg),
         **_mimo_fields(model_type, cfg),
+        **classic_fields(model_type, cfg),
         **nemotron,
     )
 

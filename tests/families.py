@@ -99,6 +99,12 @@ WINDOW = 20
 # experts (top-2 of 4) and q/k norms under OLMo 2's post-norm block. K-EXAONE: GLM-4.5's experts after a dense first
 # layer under EXAONE 4's attention (per-head q/k norms, windows on three layers in four, the fourth without rope) in
 # a pre-norm block.
+# GPT-NeoX: head-by-head fused q/k/v, rope over a quarter of each head, the attention and an exact-GELU MLP in
+# parallel off LayerNorms of their own. Phi-2: one LayerNorm feeding both, rope over 0.4 of each head, an LM head bias.
+# StableLM 2 12B: a LayerNorm of each head's own over q and k, Phi's parallel block over a SwiGLU MLP. StarCoder2:
+# biases everywhere, a GELU (tanh) MLP, every layer windowed. Nemotron-4: LayerNorm1P (1 + weight, with a bias), an
+# ungated relu² MLP, rope over half of each head. OLMo: LayerNorms without a weight or a bias, q/k/v clamped. EXAONE
+# 3.5: Llama under GPT-2's names (`transformer.h.N.attn.attention...`), tied embeddings.
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -287,6 +293,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                              "original_max_position_embeddings": 32}},
     ),
     "jais2": ("Jais2Config", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gpt-neox": ("GPTNeoXConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "stablelm-12b": (
+        "StableLmConfig",
+        {"qk_layernorm": True, "use_parallel_residual": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
+                                        "eos_token_id": 2}),
+    "nemotron": ("NemotronConfig", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo": ("OlmoConfig", {"clip_qkv": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "exaone": ("ExaoneConfig", {"tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "apertus": (
         "ApertusConfig",
         {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

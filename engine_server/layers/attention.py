@@ -10,7 +10,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
-from engine_server.layers.norm import RMSNorm, ShardedRMSNorm
+from engine_server.layers.norm import HeadLayerNorm, RMSNorm, ShardedRMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
@@ -18,6 +18,7 @@ from engine_server.parallel.sharding import (
     PartSlice,
     heads_per_rank,
     kv_head_replicas,
+    kv_heads_of_rank,
     kv_heads_per_rank,
     qkv_slices,
     query_heads_of_rank,
@@ -37,7 +38,8 @@ class PagedSelfAttention(nn.Module):
     their sigmoid before `o_proj`. Llama 4: each head of q and k RMS-normalised without a weight on its rope layers
     (`ModelConfig.qk_unit_norm`), its NoPE layers' queries scaled by their position's attention temperature
     (`ModelConfig.nope_temperature_scale`), and its rope layers attending within chunks (`ModelConfig.attention_chunk`:
-    `AttentionMetadata.chunked`).
+    `AttentionMetadata.chunked`). StableLM 2 12B: each head of q and k LayerNorm'd with a weight of its own
+    (`ModelConfig.qk_layer_norm`, `layers.norm.HeadLayerNorm`).
 
     Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
     rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
@@ -94,6 +96,12 @@ class PagedSelfAttention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_part.full, q_part.rows, 1, config.rms_norm_eps, dtype, tp)
             replicas = kv_head_replicas(kv_heads, tp.size)
             self.k_norm = ShardedRMSNorm(k_part.full, k_part.rows, replicas, config.rms_norm_eps, dtype, tp)
+        elif config.qk_layer_norm:  # StableLM 2's: a LayerNorm of each head's own, this rank's heads
+            heads, eps = config.num_attention_heads, config.rms_norm_eps
+            kept_q = list(query_heads_of_rank(heads, tp.size, tp.rank))
+            kept_k = list(kv_heads_of_rank(kv_heads, tp.size, tp.rank))
+            self.q_norm = HeadLayerNorm(heads, kept_q, self.head_dim, eps, dtype)
+            self.k_norm = HeadLayerNorm(kv_heads, kept_k, self.head_dim, eps, dtype)
         elif config.qk_norm:
             q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
             self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype)

@@ -67,10 +67,10 @@ class DecoderLayer(nn.Module):
             else SparseMoE(config, dtype, tp)
             if config.is_moe_layer(index)
             else UngatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act, config.mlp_bias)
-            if config.hidden_act in ("relu2", "xielu")
+            if config.ungated_mlp
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
         )
-        norm = norm_class(config.layer_norm, config.layer_norm_bias)
+        norm = norm_class(config)
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         if self.mlp is None:
@@ -188,15 +188,19 @@ class PostNormDecoderLayer(DecoderLayer):
 
 
 class ParallelDecoderLayer(DecoderLayer):
-    """Cohere's block: `h += attn(norm(h)) + mlp(norm(h))`, the attention and the MLP both reading the one input norm.
-    Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual stream)`, adds them, and
-    returns the sum of its attention's and MLP's outputs beside the stream it adds to."""
+    """Cohere's, Phi's and StableLM 2 12B's block: `h += attn(norm(h)) + mlp(norm(h))`, the attention and the MLP both
+    reading the one input norm; GPT-NeoX's (`ModelConfig.parallel_mlp_norm`) `h += attn(ln1(h)) + mlp(ln2(h))`, the
+    MLP reading `post_attention_layernorm`. Same interface as `DecoderLayer`: it takes the previous layer's `(output,
+    residual stream)`, adds them, and returns the sum of its attention's and MLP's outputs beside the stream it adds
+    to."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
     ) -> None:
         super().__init__(config, dtype, o_proj_bias, tp, index)
-        del self.post_attention_layernorm  # one norm feeds both: the checkpoint has no second
+        self.mlp_norm = config.parallel_mlp_norm
+        if not self.mlp_norm:
+            del self.post_attention_layernorm  # one norm feeds both: the checkpoint has no second
 
     def forward(
         self,
@@ -213,7 +217,8 @@ class ParallelDecoderLayer(DecoderLayer):
         stream = hidden if residual is None else hidden + residual
         normed = self.input_layernorm(stream, ops)
         attended = self.self_attn(positions, normed, kv_cache, cos_sin_cache, meta, ops, layer_lora)
-        return attended + self.feed_forward(normed, ops, layer_lora), stream
+        mlp_input = self.post_attention_layernorm(stream, ops) if self.mlp_norm else normed
+        return attended + self.feed_forward(mlp_input, ops, layer_lora), stream
 
 
 def _tokens_of_long_sequences(meta: AttentionMetadata, longer_than: int, tokens: int) -> torch.Tensor:
@@ -300,7 +305,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             block(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
         )
-        norm = norm_class(config.layer_norm, config.layer_norm_bias)
+        norm = norm_class(config)
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         scaling = config.rope_scaling
         # LongRoPE: a second table of rows for the tokens of sequences past `original_max_position_embeddings`.

@@ -1,9 +1,11 @@
 """Feed-forward blocks: gated (SwiGLU, or Gemma's GELU-tanh GeGLU) with the gate and up projections fused into one
-matmul, or ungated: Nemotron-H's, Arcee's and Jais 2's relu², Apertus's xIELU (learned per layer)."""
+matmul, or ungated: Nemotron-H's, Arcee's and Jais 2's relu², Apertus's xIELU (learned per layer), the GPT-NeoX
+lineage's GELU."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_server.lora.slots import LayerLora
@@ -79,9 +81,10 @@ class XIELU(nn.Module):
 
 
 class UngatedMLP(nn.Module):
-    """`down(act(up(x)))`, no gate: act `relu(x)²` (Nemotron-H's, Arcee's and Jais 2's, transformers' `relu2`) or
-    xIELU (Apertus's, `XIELU`, whose scalars load as `act_fn.*`); with `bias`, up and down have biases (Jais 2's;
-    down's added on rank 0 alone under tensor parallelism).
+    """`down(act(up(x)))`, no gate: act `relu(x)²` (Nemotron-H's, Arcee's and Jais 2's, transformers' `relu2`), xIELU
+    (Apertus's, `XIELU`, whose scalars load as `act_fn.*`), GELU's tanh approximation ("gelu_tanh": StarCoder2's,
+    Phi's) or exact GELU ("gelu": GPT-NeoX's); with `bias`, up and down have biases (Jais 2's, the GPT-NeoX
+    lineage's; down's added on rank 0 alone under tensor parallelism).
 
     Under tensor parallelism a rank holds a block of up's rows and the matching columns of down, whose partial sums
     it all-reduces, as `GatedMLP` does (the activation is elementwise: every rank holds xIELU's scalars whole)."""
@@ -101,6 +104,7 @@ class UngatedMLP(nn.Module):
         self.up_proj: nn.Module = ColumnParallelLinear(hidden_size, [part], bias, dtype)
         self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, bias, tp, dtype)
         self.act_fn: nn.Module | None = XIELU(dtype) if activation == "xielu" else None
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         return self.tp.all_reduce_sum(self.partial(x, ops))
@@ -108,5 +112,13 @@ class UngatedMLP(nn.Module):
     def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
         up = self.up_proj(x)
-        result: torch.Tensor = self.down_proj(relu_squared(up) if self.act_fn is None else self.act_fn(up))
+        result: torch.Tensor = self.down_proj(self._activate(up))
         return result
+
+    def _activate(self, up: torch.Tensor) -> torch.Tensor:
+        if self.act_fn is not None:
+            activated: torch.Tensor = self.act_fn(up)
+            return activated
+        if self.activation == "relu2":
+            return relu_squared(up)
+        return F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")

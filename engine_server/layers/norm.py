@@ -1,5 +1,6 @@
 """RMSNorm layer with an optional fused residual add, its form over a projection split by heads over ranks, and
-Cohere's LayerNorm (mean-centred, without a bias) and PhiMoE's and Jais 2's (with one) with the same interface."""
+Cohere's LayerNorm (mean-centred, without a bias), PhiMoE's and Jais 2's (with one), OLMo's (without a weight) and
+StableLM 2's over each head (a weight per head) with the same interface."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_server.config import ModelConfig
 from engine_server.parallel.group import TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 from kernels.kernel_set import KernelOps
@@ -103,7 +105,50 @@ class BiasedLayerNorm(LayerNorm):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def norm_class(layer_norm: bool, bias: bool = False) -> Callable[[int, float, torch.dtype], RMSNorm]:
+class WeightlessLayerNorm(LayerNorm):
+    """OLMo's LayerNorm: torch's `layer_norm` without a weight or a bias, in float32, rounded to the input's dtype (as
+    transformers' `OlmoLayerNorm`). Its `weight` is a buffer of ones, not a parameter: nothing is loaded."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("weight", torch.ones(size, dtype=dtype), persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+
+
+class HeadLayerNorm(LayerNorm):
+    """StableLM 2's q/k norm: a LayerNorm without a bias over each head of `[T, heads, head_dim]`, each head with a
+    weight of its own (`weight` `[heads, head_dim]`, this rank's heads: `kept` of the checkpoint's `total`), in the
+    input's dtype as its `nn.LayerNorm`s compute it. The checkpoint's per-head weights come joined into one `[total,
+    head_dim]` tensor (`models.gpt_neox`), of which `load_tensor` keeps `kept`'s rows."""
+
+    own_tensors = ("weight",)
+
+    def __init__(self, total: int, kept: list[int], head_dim: int, eps: float, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.weight = nn.Parameter(torch.ones(len(kept), head_dim, dtype=dtype))
+        self.total, self.kept, self.eps = total, kept, eps
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy this rank's heads' rows of the whole `[total, head_dim]` weight."""
+        whole = read_whole(tensor)
+        if whole.shape != (self.total, self.weight.shape[1]):
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({self.total}, {self.weight.shape[1]})")
+        with torch.no_grad():
+            self.weight.copy_(whole[self.kept])
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), None, None, self.eps) * self.weight
+
+
+def norm_class(config: ModelConfig) -> Callable[[int, float, torch.dtype], RMSNorm]:
     """The norm a model's blocks use: a LayerNorm where its config says (`ModelConfig.layer_norm`), with a bias
-    (`layer_norm_bias`: PhiMoE's, Jais 2's) or without (Cohere's), else `RMSNorm`."""
-    return (BiasedLayerNorm if bias else LayerNorm) if layer_norm else RMSNorm
+    (`layer_norm_bias`: PhiMoE's, Jais 2's, the GPT-NeoX lineage's), without (Cohere's) or with no weight either
+    (`norm_weightless`: OLMo's), else `RMSNorm`."""
+    if not config.layer_norm:
+        return RMSNorm
+    if config.norm_weightless:
+        return WeightlessLayerNorm
+    return BiasedLayerNorm if config.layer_norm_bias else LayerNorm

@@ -115,7 +115,7 @@ def _gemma4_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _mlp_block_shapes(p: str, cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Layer `i`'s MLP under `p`: dense, or a mixture of experts (its router, experts and shared expert)."""
     h = cfg.hidden_size
-    if not cfg.is_moe_layer(i) and cfg.hidden_act in ("relu2", "xielu"):  # ungated: up and down (Arcee, Apertus)
+    if not cfg.is_moe_layer(i) and cfg.ungated_mlp:  # up and down alone (Arcee, Apertus)
         width = cfg.intermediate_size
         ungated: dict[str, tuple[int, ...]] = {
             p + "mlp.up_proj.weight": (width, h), p + "mlp.down_proj.weight": (h, width)

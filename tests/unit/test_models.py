@@ -520,6 +520,24 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "no_rope_layers": [1, 0], "floor_scale": 2,
          "attn_scale": 0.5, "attention_chunk_size": 8},
     ),
+    # The classic decoders. GPT-NeoX (Pythia): LayerNorms with biases, head-by-head fused q/k/v, rope over a quarter
+    # of each head, exact GELU, the attention and the MLP in parallel off norms of their own (or one after the other).
+    "gpt-neox": (transformers.GPTNeoXConfig, {}),
+    "gpt-neox-sequential": (transformers.GPTNeoXConfig, {"use_parallel_residual": False, "hidden_act": "gelu_new"}),
+    # Phi-2: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, biases everywhere (the LM head
+    # too), rope over 0.4 of each head (6 of these 16 dims).
+    "phi": (transformers.PhiConfig, {"partial_rotary_factor": 0.4}),
+    # StableLM 2 12B: a LayerNorm of each head's own over q and k, the parallel block; StableLM 2 1.6B: q/k/v biases.
+    "stablelm-12b": (transformers.StableLmConfig, {"qk_layernorm": True, "use_parallel_residual": True}),
+    "stablelm": (transformers.StableLmConfig, {"use_qkv_bias": True}),
+    # StarCoder2: biases everywhere, a GELU (tanh) MLP, every layer windowed (a window shorter than the prompts).
+    "starcoder2": (transformers.Starcoder2Config, {"sliding_window": 6}),
+    # Nemotron-4: LayerNorm1P (1 + weight, with a bias), an ungated relu² MLP, rope over half of each head.
+    "nemotron": (transformers.NemotronConfig, {"head_dim": 16}),
+    # OLMo: LayerNorms without a weight or a bias, q/k/v clamped (to 0.1: many of these values are past it).
+    "olmo": (transformers.OlmoConfig, {"clip_qkv": 0.1}),
+    # EXAONE 3.5: Llama under Llama 3 rope scaling, tied embeddings.
+    "exaone": (transformers.ExaoneConfig, {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
     # Gemma 2: soft-capping tight enough to bend these small models' attention scores (~0.05 at transformers' init)
     # and logits (a real model's 50 and 30 would leave them as they are), a 6-position window on the first layer.
     "gemma2": (
@@ -596,6 +614,13 @@ MODEL_CLASSES = {
     transformers.GraniteMoeSharedConfig: transformers.GraniteMoeSharedForCausalLM,
     transformers.NemotronHConfig: transformers.NemotronHForCausalLM,
     transformers.FalconH1Config: transformers.FalconH1ForCausalLM,
+    transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
+    transformers.PhiConfig: transformers.PhiForCausalLM,
+    transformers.StableLmConfig: transformers.StableLmForCausalLM,
+    transformers.Starcoder2Config: transformers.Starcoder2ForCausalLM,
+    transformers.NemotronConfig: transformers.NemotronForCausalLM,
+    transformers.OlmoConfig: transformers.OlmoForCausalLM,
+    transformers.ExaoneConfig: transformers.LlamaForCausalLM,
 }
 
 

@@ -1,0 +1,104 @@
+"""The classic decoders' `config.json`: GPT-NeoX (Pythia, Dolly, RedPajama-INCITE), Phi (Phi-1, 1.5, 2), StableLM
+(StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first) and EXAONE
+(3.0, 3.5). Each is read as a Llama config (`classic_config`: their own key names given Llama's, what their
+transformers class fills in where a file leaves it out) plus the fields of their blocks (`classic_fields`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_server.config import Architecture
+
+# Each classic `model_type` and the family that serves it: the GPT-NeoX lineage's LayerNorms with biases, biased
+# projections and GELU MLPs in `models.gpt_neox`, OLMo's and EXAONE 3's Llama blocks in `models.llama`.
+CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
+    "gpt_neox": "gpt_neox",
+    "phi": "gpt_neox",
+    "stablelm": "gpt_neox",
+    "starcoder2": "gpt_neox",
+    "nemotron": "gpt_neox",
+    "olmo": "llama",
+    "exaone": "llama",
+}
+# The share of each head rope turns where a config does not say (their transformers classes' defaults).
+_PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+# Their MLP's activation: transformers' names and ours (`ModelConfig.hidden_act`), the default first.
+_ACTIVATIONS = {
+    "gpt_neox": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
+    "phi": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
+    "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
+    "nemotron": {"relu2": "relu2"},
+    "stablelm": {"silu": "silu"},
+    "olmo": {"silu": "silu"},
+    "exaone": {"silu": "silu"},
+}
+# Keys a family's config names its own way, and Llama's name for each.
+_RENAMED_KEYS = {
+    "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+    "starcoder2": {"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
+    "nemotron": {"norm_eps": "rms_norm_eps"},
+    "stablelm": {"use_qkv_bias": "attention_bias"},
+    "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
+               "activation_function": "hidden_act"},
+}  # fmt: skip
+# What their transformers classes fill in where a config leaves it out (and their modeling files fix).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt_neox": {"attention_bias": True, "rope_theta": 10000.0},
+    "phi": {"attention_bias": True},  # q/k/v and `dense` always have biases
+    "starcoder2": {"attention_bias": True, "tie_word_embeddings": True},
+    "olmo": {"rms_norm_eps": 1e-5},  # its LayerNorm's epsilon is fixed
+    "stablelm": {"attention_out_bias": False},  # o_proj never has a bias
+}
+
+
+def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with a classic family's own keys given Llama's names and its class's defaults filled in (the same dict
+    for any other `model_type`). ValueError for Phi's q/k LayerNorms (`qk_layernorm`, which no release sets), which
+    this engine does not build."""
+    if model_type not in CLASSIC_ARCHITECTURES:
+        return cfg
+    if model_type == "phi" and cfg.get("qk_layernorm"):
+        raise ValueError("phi with qk_layernorm is not supported")
+    renamed = {_RENAMED_KEYS.get(model_type, {}).get(key, key): value for key, value in cfg.items()}
+    if model_type == "olmo":
+        renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
+    if model_type == "gpt_neox":  # every head its own K/V (a stray `num_key_value_heads` is not read)
+        renamed["num_key_value_heads"] = renamed["num_attention_heads"]
+    for key, value in _DEFAULTS.get(model_type, {}).items():
+        if renamed.get(key) is None:
+            renamed[key] = value
+    rope = renamed.get("rope_parameters") or renamed.get("rope_scaling") or {}
+    given = renamed.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+    if model_type in _PARTIAL_ROTARY and not given:
+        renamed["partial_rotary_factor"] = _PARTIAL_ROTARY[model_type]
+    return renamed
+
+
+def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields of a classic family's blocks (`cfg` as `classic_config` gives it; {} for the other
+    families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
+    and their activation, GPT-NeoX's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's q/k LayerNorms per head,
+    Phi's LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
+    if model_type not in CLASSIC_ARCHITECTURES:
+        return {}
+    activations = _ACTIVATIONS[model_type]
+    activation = cfg.get("hidden_act") or next(iter(activations))
+    if activation not in activations:
+        raise ValueError(f"{model_type} hidden_act {activation!r} is not supported ({', '.join(activations)})")
+    fields: dict[str, Any] = {"hidden_act": activations[activation]}
+    if model_type in ("olmo", "exaone"):
+        return {**fields, "layer_norm": True, "norm_weightless": True} if model_type == "olmo" else fields
+    fields.update(layer_norm=True, layer_norm_bias=True, gated_mlp=model_type == "stablelm")
+    if model_type == "gpt_neox":
+        parallel = bool(cfg.get("use_parallel_residual", True))
+        fields.update(mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel)
+    elif model_type == "phi":
+        fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
+    elif model_type == "stablelm":
+        parallel, head_norms = bool(cfg.get("use_parallel_residual")), bool(cfg.get("qk_layernorm"))
+        fields.update(parallel_block=parallel, qk_layer_norm=head_norms)
+    elif model_type == "starcoder2":
+        fields.update(mlp_bias=bool(cfg.get("attention_bias")))  # its `use_bias`, on every projection
+    else:  # nemotron: LayerNorm1P, `(1 + weight)`, folded into the weight at load
+        fields.update(mlp_bias=bool(cfg.get("mlp_bias")), norm_offset=1.0)
+    return fields

@@ -1,0 +1,86 @@
+"""The GPT-NeoX lineage (GPT-NeoX and Pythia, Phi-1/1.5/2, StableLM, StarCoder2, Nemotron-4): LayerNorms with biases,
+biased projections, rope over a leading share of each head, GELU (or relu²) MLPs without a gate, parallel blocks."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Collection, Iterable, Iterator
+
+import torch
+
+from engine_server.models.base import CausalLM, reordered_tensor
+from engine_server.parallel.layers import CheckpointTensor, read_whole
+
+# GPT-NeoX's q/k/v in one projection, each head's query, key and value rows one after another.
+_HEADWISE_QKV = re.compile(r"gpt_neox\.layers\.(?P<layer>\d+)\.attention\.query_key_value\.(?P<kind>weight|bias)")
+# StableLM 2's q/k LayerNorms, one module per head.
+_HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<head>\d+)\.weight")
+
+
+class GPTNeoXForCausalLM(CausalLM):
+    """The GPT-NeoX lineage (`model_type` gpt_neox, phi, stablelm, starcoder2, nemotron): their quirks are
+    `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`: `layer_norm_bias`, `gated_mlp`,
+    `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`, `lm_head_bias`); their checkpoints'
+    names are read as Llama's (`checkpoint_renames`), GPT-NeoX's head-by-head `query_key_value` rows as `cat(q, k,
+    v)` and StableLM 2's per-head q/k LayerNorms as one `[heads, head_dim]` weight each (`checkpoint_weights`)."""
+
+    checkpoint_renames = (
+        ("gpt_neox.embed_in.", "model.embed_tokens."),
+        ("gpt_neox.layers.", "model.layers."),
+        ("gpt_neox.final_layer_norm.", "model.norm."),
+        ("model.final_layernorm.", "model.norm."),  # Phi's
+        (".attention.dense.", ".self_attn.o_proj."),
+        (".self_attn.dense.", ".self_attn.o_proj."),  # Phi's
+        (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+        (".mlp.dense_4h_to_h.", ".mlp.down_proj."),
+        (".mlp.fc1.", ".mlp.up_proj."),  # Phi's
+        (".mlp.fc2.", ".mlp.down_proj."),
+        (".mlp.c_fc.", ".mlp.up_proj."),  # StarCoder2's
+        (".mlp.c_proj.", ".mlp.down_proj."),
+    )
+
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
+    ) -> Iterable[tuple[str, CheckpointTensor]]:
+        """GPT-NeoX's `query_key_value` as `qkv_proj` rows `cat(q, k, v)`; StableLM 2's q/k norms joined per layer;
+        the earliest GPT-NeoX checkpoints' buffers (`attention.bias`, `attention.masked_bias`) and `embed_out` (its
+        LM head's old name) as transformers reads them."""
+        grouped = functools.partial(_grouped_qkv, heads=self.config.num_attention_heads)
+        for name, tensor in self._joined_head_norms(weights):
+            if name.endswith((".attention.bias", ".attention.masked_bias")):
+                continue
+            if name.startswith("embed_out."):
+                name = "lm_head." + name.removeprefix("embed_out.")
+            match = _HEADWISE_QKV.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            yield f"model.layers.{match['layer']}.self_attn.qkv_proj.{match['kind']}", reordered_tensor(tensor, grouped)
+
+    def _joined_head_norms(
+        self, weights: Iterable[tuple[str, CheckpointTensor]]
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        """`weights` with each layer's per-head q (and k) LayerNorm weights yielded as one `q_norm.weight` (`k_norm`)
+        of `[heads, head_dim]` once every head's is read; ValueError for a layer missing some."""
+        held: dict[str, dict[int, torch.Tensor]] = {}
+        counts = {"q": self.config.num_attention_heads, "k": self.config.num_key_value_heads}
+        for name, tensor in weights:
+            match = _HEAD_NORM.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            key = f"{match['attention']}.{match['part']}_norm.weight"
+            heads = held.setdefault(key, {})
+            heads[int(match["head"])] = read_whole(tensor)
+            if len(heads) == counts[match["part"]]:
+                del held[key]
+                yield key, torch.stack([heads[head] for head in range(len(heads))])
+        if held:
+            raise ValueError(f"checkpoint holds some heads' q/k LayerNorms alone: {sorted(held)}")
+
+
+def _grouped_qkv(whole: torch.Tensor, heads: int) -> torch.Tensor:
+    """GPT-NeoX's `[heads * 3 * head_dim, ...]` rows (each head's q, k, v) as `cat(q, k, v)`."""
+    grouped = whole.reshape(heads, 3, -1, *whole.shape[1:]).transpose(0, 1)
+    return grouped.reshape(whole.shape)
