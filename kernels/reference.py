@@ -168,6 +168,13 @@ def unpermute_rope_rows(weight: RopeRowsT, n_head: int, rotary_dim: int | None =
     return weight[order if isinstance(weight, np.ndarray) else torch.from_numpy(order)]
 
 
+def grouped_qkv_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """GPT-NeoX's fused q/k/v rows (weight, bias or a LoRA update's B), each head's query, key and value in turn
+    (`[n_head * 3 * head_dim, ...]`), as `cat(q, k, v)`: the view (n_head, 3, head_dim) read as (3, n_head, head_dim).
+    `models.gpt_neox` loads its checkpoints' so, `lora.peft_format` an adapter's update of them."""
+    return weight.reshape(n_head, 3, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,7 +102,7 @@ class DecoderLayer(nn.Module):
     def feed_forward(self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
         """The MLP (a gated one with the step's adapters; experts take none: engine_server.lora.peft_format)."""
         assert self.mlp is not None, "a layer without an MLP feeds nothing forward"
-        if lora is not None and isinstance(self.mlp, GatedMLP):
+        if lora is not None and isinstance(self.mlp, GatedMLP | UngatedMLP):
             return self.mlp(hidden, ops, lora)
         return self.mlp(hidden, ops)
 

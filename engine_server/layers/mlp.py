@@ -106,13 +106,19 @@ class UngatedMLP(nn.Module):
         self.act_fn: nn.Module | None = XIELU(dtype) if activation == "xielu" else None
         self.activation = activation
 
-    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return self.tp.all_reduce_sum(self.partial(x, ops))
+    def forward(self, x: torch.Tensor, ops: KernelOps, lora: LayerLora | None = None) -> torch.Tensor:
+        """`lora`: the step's LoRA adapters, added to the up projection (`gate_up_proj`'s one segment) and down's."""
+        return self.tp.all_reduce_sum(self.partial(x, ops, lora))
 
-    def partial(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, ops: KernelOps, lora: LayerLora | None = None) -> torch.Tensor:
         """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
         up = self.up_proj(x)
-        result: torch.Tensor = self.down_proj(self._activate(up))
+        if lora is not None:
+            up = lora.add("gate_up_proj", x, up, ops)
+        activated = self._activate(up)
+        result: torch.Tensor = self.down_proj(activated)
+        if lora is not None:
+            result = lora.add("down_proj", activated, result, ops)
         return result
 
     def _activate(self, up: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,13 @@ import torch
 from engine_server.config import ModelConfig
 from engine_server.errors import ValidationError
 from engine_server.lora.targets import MLP_PROJECTIONS, Target, module_targets
-from kernels.reference import unpermute_rope_rows
+from kernels.reference import grouped_qkv_rows, unpermute_rope_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # `base_model.model.` + the module's path in the model (`model.layers.3.self_attn.q_proj`) + the side.
-_TENSOR_NAME = re.compile(r"(?:base_model\.model\.)?((?:.*\.)?layers\.(\d+)\.(.+))\.lora_([AB])\.weight")
+# (EXAONE 3's layers are `transformer.h.<n>`.)
+_TENSOR_NAME = re.compile(r"(?:base_model\.model\.)?((?:.*\.)?(?:layers|h)\.(\d+)\.(.+))\.lora_([AB])\.weight")
 # Settings that change what PEFT computes beyond `scaling * B @ A` on the served modules: refused when set.
 _REFUSED_SETTINGS = {
     "use_dora": "DoRA adapters",
@@ -41,10 +42,24 @@ _REFUSED_SETTINGS = {
 }
 
 # Families whose checkpoints name or lay out projections apart from the shared layers, as their model classes load
-# them (`models.llama4`, `models.interleaved_rope`): Llama 4's MLP is `feed_forward`, and its q/k rows hold each head's
-# rope pairs interleaved (ERNIE 4.5's and Cohere's too; GLM-4's those of the first `rotary_dim` rows of each head), so
-# an adapter's q/k updates are reordered as the base rows are.
-_MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {"llama4": (("feed_forward.", "mlp."),)}
+# them (`models.llama4`, `models.interleaved_rope`, `models.gpt_neox`, `models.llama`): Llama 4's MLP is
+# `feed_forward`, the GPT-NeoX lineage's projections and EXAONE 3's have names of their own, and Llama 4's q/k rows
+# hold each head's rope pairs interleaved (ERNIE 4.5's and Cohere's too; GLM-4's those of the first `rotary_dim` rows
+# of each head), so an adapter's q/k updates are reordered as the base rows are (GPT-NeoX's `query_key_value` rows,
+# head by head, as `cat(q, k, v)`).
+_MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "llama4": (("feed_forward.", "mlp."),),
+    "gpt_neox": (
+        ("attention.query_key_value", "self_attn.qkv_proj"), ("attention.dense", "self_attn.o_proj"),
+        ("self_attn.dense", "self_attn.o_proj"), ("mlp.dense_h_to_4h", "mlp.up_proj"),
+        ("mlp.dense_4h_to_h", "mlp.down_proj"), ("mlp.fc1", "mlp.up_proj"), ("mlp.fc2", "mlp.down_proj"),
+        ("mlp.c_fc", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"),
+    ),
+    "llama": (
+        ("attn.attention.out_proj", "self_attn.o_proj"), ("attn.attention.", "self_attn."),
+        ("mlp.c_fc_0", "mlp.gate_proj"), ("mlp.c_fc_1", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"),
+    ),
+}  # fmt: skip
 _INTERLEAVED_ROPE_ROWS = ("llama4", "glm4", "ernie4_5", "ernie4_5_moe", "cohere")
 
 
@@ -141,7 +156,9 @@ def _piece(
     alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, path_in_model, settings.get("lora_alpha", 8)))
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     b = (b.float() * scaling).to(b.dtype)
-    if config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
+    if path_in_model.endswith("attention.query_key_value"):  # GPT-NeoX's rows, head by head, as cat(q, k, v)
+        b = grouped_qkv_rows(b, config.num_attention_heads)
+    elif config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
         b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer), config.rotary_dim)
     elif config.architecture in _INTERLEAVED_ROPE_ROWS and module == "self_attn.qkv_proj":
         raise _invalid(f"{where}: a fused q/k/v adapter on {config.architecture}, whose q/k rows are reordered at "

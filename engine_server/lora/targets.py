@@ -61,7 +61,8 @@ def _query_rows(config: ModelConfig, layer: int) -> tuple[int, int]:
 
 def projection_shapes(config: ModelConfig, layer: int) -> dict[str, ProjectionShape]:
     """Each fused projection's shape in dense layer `layer` of `config`: its heads' (Gemma 4's full-attention layers
-    have their own), the q/k/v its `qkv_proj` holds (`ModelConfig.qkv_parts`), its MLP's width."""
+    have their own), the q/k/v its `qkv_proj` holds (`ModelConfig.qkv_parts`), its MLP's width; an ungated MLP's up
+    projection (`ModelConfig.ungated_mlp`) is `gate_up_proj`'s one segment."""
     q, width = _query_rows(config, layer)
     kv = config.layer_kv_heads(layer) * config.layer_head_dim(layer)
     hidden, inner = config.hidden_size, config.layer_intermediate_size(layer)
@@ -69,14 +70,17 @@ def projection_shapes(config: ModelConfig, layer: int) -> dict[str, ProjectionSh
     return {
         "qkv_proj": ProjectionShape(hidden, qkv),
         "o_proj": ProjectionShape(width, (Segment(0, hidden, 0),)),
-        "gate_up_proj": ProjectionShape(hidden, (Segment(0, inner, 0), Segment(inner, inner, 1))),
+        "gate_up_proj": ProjectionShape(
+            hidden, (Segment(0, inner, 0),) if config.ungated_mlp else (Segment(0, inner, 0), Segment(inner, inner, 1))
+        ),
         "down_proj": ProjectionShape(inner, (Segment(0, hidden, 0),)),
     }
 
 
 def module_targets(config: ModelConfig, layer: int) -> dict[str, Target]:
     """Every module path an adapter may change in layer `layer` (`self_attn.q_proj`, `mlp.gate_up_proj`, ...) and
-    its place: k_proj and v_proj only where the layer has them (`ModelConfig.qkv_parts`)."""
+    its place: k_proj and v_proj only where the layer has them (`ModelConfig.qkv_parts`); of an ungated MLP, up_proj
+    and down_proj alone."""
     q, width = _query_rows(config, layer)
     kv = config.layer_kv_heads(layer) * config.layer_head_dim(layer)
     hidden, inner = config.hidden_size, config.layer_intermediate_size(layer)
@@ -86,10 +90,15 @@ def module_targets(config: ModelConfig, layer: int) -> dict[str, Target]:
         attention["self_attn.k_proj"] = Target("qkv_proj", q, kv, hidden)
     if parts > 2:
         attention["self_attn.v_proj"] = Target("qkv_proj", q + kv, kv, hidden)
-    return {
-        **attention,
+    attention.update({
         "self_attn.qkv_proj": Target("qkv_proj", 0, q + (parts - 1) * kv, hidden),
         "self_attn.o_proj": Target("o_proj", 0, hidden, width),
+    })  # fmt: skip
+    if config.ungated_mlp:
+        return {**attention, "mlp.up_proj": Target("gate_up_proj", 0, inner, hidden),
+                "mlp.down_proj": Target("down_proj", 0, hidden, inner)}  # fmt: skip
+    return {
+        **attention,
         "mlp.gate_proj": Target("gate_up_proj", 0, inner, hidden),
         "mlp.up_proj": Target("gate_up_proj", inner, inner, hidden),
         "mlp.gate_up_proj": Target("gate_up_proj", 0, 2 * inner, hidden),

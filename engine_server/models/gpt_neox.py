@@ -11,6 +11,7 @@ import torch
 
 from engine_server.models.base import CausalLM, reordered_tensor
 from engine_server.parallel.layers import CheckpointTensor, read_whole
+from kernels.reference import grouped_qkv_rows
 
 # GPT-NeoX's q/k/v in one projection, each head's query, key and value rows one after another.
 _HEADWISE_QKV = re.compile(r"gpt_neox\.layers\.(?P<layer>\d+)\.attention\.query_key_value\.(?P<kind>weight|bias)")
@@ -46,7 +47,7 @@ class GPTNeoXForCausalLM(CausalLM):
         """GPT-NeoX's `query_key_value` as `qkv_proj` rows `cat(q, k, v)`; StableLM 2's q/k norms joined per layer;
         the earliest GPT-NeoX checkpoints' buffers (`attention.bias`, `attention.masked_bias`) and `embed_out` (its
         LM head's old name) as transformers reads them."""
-        grouped = functools.partial(_grouped_qkv, heads=self.config.num_attention_heads)
+        grouped = functools.partial(grouped_qkv_rows, n_head=self.config.num_attention_heads)
         for name, tensor in self._joined_head_norms(weights):
             if name.endswith((".attention.bias", ".attention.masked_bias")):
                 continue
@@ -78,9 +79,3 @@ class GPTNeoXForCausalLM(CausalLM):
                 yield key, torch.stack([heads[head] for head in range(len(heads))])
         if held:
             raise ValueError(f"checkpoint holds some heads' q/k LayerNorms alone: {sorted(held)}")
-
-
-def _grouped_qkv(whole: torch.Tensor, heads: int) -> torch.Tensor:
-    """GPT-NeoX's `[heads * 3 * head_dim, ...]` rows (each head's q, k, v) as `cat(q, k, v)`."""
-    grouped = whole.reshape(heads, 3, -1, *whole.shape[1:]).transpose(0, 1)
-    return grouped.reshape(whole.shape)

@@ -201,6 +201,29 @@ def test_glm4_qk_adapters_equal_peft(tmp_path: Path) -> None:
     assert [got[:4], got[4:]] == [expected[None], expected["qk-r4"]]
 
 
+# The classic families' adapters under their checkpoints' own module names (`lora.peft_format`'s renames): GPT-NeoX's
+# head-by-head `query_key_value` (its update's rows reordered as the base's) and `dense`, Phi's `dense`, `fc1` and
+# `fc2` (an ungated MLP: `up_proj` the one segment of `gate_up_proj`), StarCoder2's `c_fc` and `c_proj`, EXAONE 3's
+# `attn.attention.*` and `c_fc_0` / `c_fc_1` / `c_proj` under `transformer.h.<n>`.
+CLASSIC_ADAPTERS = {
+    "gpt-neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "phi": ["q_proj", "v_proj", "dense", "fc1", "fc2"],
+    "starcoder2": ["k_proj", "o_proj", "c_fc", "c_proj"],
+    "exaone": ["q_proj", "out_proj", "c_fc_0", "c_fc_1", "c_proj"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(CLASSIC_ADAPTERS))
+def test_classic_family_adapters_equal_peft_under_their_own_names(family: str, tmp_path: Path) -> None:
+    base = save_family(tmp_path / family, family)
+    folder = save_adapter(base, tmp_path / "adapter", CLASSIC_ADAPTERS[family], 8, seed=11)
+    expected = hf_greedy(load_peft(base, folder), prompts(), NUM_TOKENS)
+    assert expected != hf_greedy(load_reference(base), prompts(), NUM_TOKENS)
+    with engine(base) as llm:
+        llm.load_adapter("classic", str(folder))
+        assert tokens(llm.generate(prompts(), GREEDY, adapters="classic", use_tqdm=False)) == expected
+
+
 def test_adapter_equals_its_weights_merged_into_the_base(models: Any, tmp_path: Path) -> None:
     base, folders, _ = models
     for name in ("attention-r8", "mlp-r16-rslora"):
