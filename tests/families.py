@@ -610,7 +610,25 @@ _GGUF_ARCHITECTURES = {
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
     "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
+    "gpt_neox": "gptneox", "phi": "phi2", "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron",
+    "olmo": "olmo", "exaone": "exaone",
 }  # fmt: skip
+# The classic families' llama.cpp architectures, whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their
+# checkpoints' names as Llama's, which `_GGUF_LAYER` and `_GGUF_GLOBAL` then name as llama.cpp does.
+_GGUF_CLASSIC = ("gptneox", "phi2", "stablelm", "starcoder2", "nemotron", "olmo", "exaone")
+_GGUF_LAYER_NORMED = ("gptneox", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+_CLASSIC_AS_LLAMA = (
+    ("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
+    ("gpt_neox.layers.", "model.layers."), ("embed_out.", "lm_head."), ("model.final_layernorm.", "model.norm."),
+    (".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.o_proj."),
+    (".self_attn.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
+    (".mlp.dense_4h_to_h.", ".mlp.down_proj."), (".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj."),
+    (".mlp.c_fc.", ".mlp.up_proj."), (".mlp.c_proj.", ".mlp.down_proj."),
+    ("transformer.wte.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
+    ("transformer.h.", "model.layers."), (".attn.attention.out_proj.", ".self_attn.o_proj."),
+    (".attn.attention.", ".self_attn."), (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
+    (".mlp.c_fc_0.", ".mlp.gate_proj."), (".mlp.c_fc_1.", ".mlp.up_proj."),
+)  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
 _GGUF_LFM2_LAYER = {
@@ -885,12 +903,21 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_leading_dense_block_count(config["num_dense_layers"])
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    elif arch == "phi2":  # its converter's, whatever the MLP's width
+        writer.add_feed_forward_length(4 * hidden)
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     if arch in ("command-r", "cohere2"):  # LayerNorms, their logits scaled
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         writer.add_logit_scale(config["logit_scale"])
+    elif arch in _GGUF_LAYER_NORMED:  # (OLMo's converter writes its fixed 1e-5)
+        writer.add_layer_norm_eps(config.get("layer_norm_eps") or config.get("norm_epsilon") or config.get("norm_eps")
+                                  or 1e-5)  # fmt: skip
+        if arch in ("gptneox", "stablelm"):
+            writer.add_parallel_residual(bool(config.get("use_parallel_residual", arch == "gptneox")))
+        if arch == "olmo" and config.get("clip_qkv") is not None:
+            writer.add_clamp_kqv(config["clip_qkv"])
     else:
         writer.add_layer_norm_rms_eps(config["norm_eps"] if arch.startswith("lfm2") else config["rms_norm_eps"])
     if rope.get("rope_type") == "dynamic" and rope.get("alpha"):  # Hunyuan's: NTK's alpha applied to the base
@@ -909,11 +936,13 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_shortconv_l_cache(config["conv_L_cache"])
         writer.add_rope_dimension_count(head_dim)
     else:
-        writer.add_head_count_kv(config["num_key_value_heads"])
+        if arch != "gptneox":  # (its converter writes none: every head its own K/V; Phi-2's writes the heads')
+            writer.add_head_count_kv(heads if arch == "phi2" else config["num_key_value_heads"])
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if arch != "llama4":  # llama.cpp reads a llama4 file's 0 as MobileLLM's (no chunks); its converter writes none
+    if arch not in ("llama4", "starcoder2"):  # llama.cpp reads a llama4 file's 0 as MobileLLM's (no chunks); its
+        # converter writes none, nor StarCoder2's (llama.cpp runs it without windows)
         writer.add_sliding_window(config.get("sliding_window") or 0)
     if arch == "exaone4" and config.get("sliding_window"):  # its converter's flag per layer
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
@@ -1078,6 +1107,25 @@ def _jamba_metadata(writer: Any, config: dict[str, Any]) -> None:
     writer.add_ssm_inner_size(config["mamba_expand"] * config["hidden_size"])
     writer.add_ssm_state_size(config["mamba_d_state"])
     writer.add_ssm_time_step_rank(config["mamba_dt_rank"])
+
+
+_HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight")
+
+
+def _llama_cpp_classic(
+    name: str, tensor: torch.Tensor, config: dict[str, Any], arch: str
+) -> tuple[str, torch.Tensor]:
+    """A classic family's checkpoint tensor under Llama's name (`_CLASSIC_AS_LLAMA`), as llama.cpp's converter writes
+    it: GPT-NeoX's head-by-head q/k/v rows grouped as `cat(q, k, v)`, Nemotron-4's LayerNorm1P weights as 1 + w."""
+    from kernels.reference import grouped_qkv_rows
+
+    for theirs, ours in _CLASSIC_AS_LLAMA:
+        name = name.replace(theirs, ours)
+    if arch == "gptneox" and ".self_attn.qkv_proj." in name:
+        tensor = grouped_qkv_rows(tensor, config["num_attention_heads"])
+    if arch == "nemotron" and name.endswith("norm.weight"):
+        tensor = tensor + 1.0
+    return name, tensor
 
 
 def _llama_cpp_jamba_mixer(name: str, tensor: torch.Tensor, attention: Any) -> dict[str, tuple[np.ndarray, Any]] | None:
@@ -1299,7 +1347,15 @@ def _write_tensors(
     tensors: dict[str, tuple[np.ndarray, Any]] = {}
     banks: dict[str, dict[int, np.ndarray]] = {}
     linear: dict[str, dict[str, torch.Tensor]] = {}
+    head_norms: dict[str, dict[int, np.ndarray]] = {}  # StableLM 2's per-head q/k norms, stacked by its converter
     for name, tensor in load_file(folder / "model.safetensors").items():
+        if arch in _GGUF_CLASSIC:
+            name, tensor = _llama_cpp_classic(name, tensor, config, arch)
+            head_norm = _HEAD_NORM.fullmatch(name)
+            if head_norm is not None:
+                stacked = f"blk.{head_norm[1]}.attn_{head_norm[2]}_norm.weight"
+                head_norms.setdefault(stacked, {})[int(head_norm[3])] = tensor.float().numpy()
+                continue
         if arch == "falcon-h1":
             name, tensor = _llama_cpp_falcon_h1(name, tensor, config)
         if arch == "jamba":
@@ -1375,7 +1431,7 @@ def _write_tensors(
                 kind_type = feed_forward
             elif kind.startswith("self_attn.") and not kind.endswith("_norm"):  # Gemma's q/k norms stay F32
                 kind_type = attention
-            if arch in ("llama", "mistral3", "arcee", *_GGUF_GRANITES) and kind in ("self_attn.q_proj",
+            if arch in ("llama", "mistral3", "arcee", "olmo", *_GGUF_GRANITES) and kind in ("self_attn.q_proj",
                                                                                      "self_attn.k_proj"):
                 heads_here = heads if kind == "self_attn.q_proj" else config["num_key_value_heads"]
                 array = array.reshape(heads_here, 2, -1, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
@@ -1386,6 +1442,8 @@ def _write_tensors(
         if arch == "falcon-h1" and gguf_name.endswith(".ffn_norm.weight"):  # its converter's name for it: no suffix
             gguf_name = gguf_name.removesuffix(".weight")
         tensors[gguf_name] = (array, kind_type if array.ndim > 1 else None)  # biases stay F32, as llama.cpp's
+    for gguf_name, rows in head_norms.items():
+        tensors[gguf_name] = (np.stack([rows[head] for head in range(len(rows))]), None)
     for layer, weights in linear.items():  # the projections in `attention`'s type; the rest F32
         for gguf_name, array in _llama_cpp_linear_attention(config, arch, layer, weights).items():
             projection = array.ndim > 1 and not gguf_name.endswith("ssm_conv1d.weight")

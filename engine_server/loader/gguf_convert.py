@@ -34,6 +34,14 @@ from gguf.quants import dequantize, quant_shape_from_byte_shape
 from safetensors.torch import save_file
 
 from engine_server.loader.gguf_blocks import dequantize_blocks
+from engine_server.loader.gguf_classic import (
+    CLASSIC_GLOBAL_NAMES,
+    CLASSIC_LAYER_NAMES,
+    CLASSIC_LAYERS_PREFIX,
+    HEADWISE_NORMS,
+    headwise_norms,
+    headwise_qkv_rows,
+)
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
@@ -72,6 +80,8 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "output_norm.bias": "model.norm.bias",  # a final LayerNorm's (StableLM's, StarCoder2's, Nemotron's)
+    "output.bias": "lm_head.bias",
 }
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -250,7 +260,7 @@ _JAMBA_LAYER_NAMES = {
 }  # fmt: skip
 _JAMBA_BARE = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"}
 # Where a family's checkpoints hold their layers other than under `model.layers.`.
-_LAYERS_PREFIX = {"nemotron_h": "backbone.layers."}
+_LAYERS_PREFIX = {"nemotron_h": "backbone.layers.", **CLASSIC_LAYERS_PREFIX}
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -298,6 +308,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "falcon_h1": _FALCON_H1_LAYER_NAMES,
     "jamba": _JAMBA_LAYER_NAMES,
     "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
+    **CLASSIC_LAYER_NAMES,
     "apertus": {**_LAYER_NAMES, "attn_norm": "attention_layernorm", "ffn_norm": "feedforward_layernorm"},
 }
 # A mixture of experts' 3-D tensors, `[experts, rows, columns]`: every expert's gate, up or down projection, which
@@ -333,11 +344,12 @@ _GRANITE_MLP = re.compile(
 # those of its `llama` architecture, whose converter permutes the checkpoint's halves (restored here), and Llama 4's
 # and GLM-4's (the turned half of each head), ERNIE 4.5's and Cohere's, whose checkpoints hold them interleaved too
 # (the model reorders them at load, `models.llama4`, `models.interleaved_rope`).
-_ROPE_PERMUTED = ("llama", "mixtral", "ministral3", "arcee", *_GRANITE_TYPES, "nemotron_h")  # (Nemotron-H's
-# converter is Granite 4.0's; Ministral 3's and Arcee's, Llama's)
+_ROPE_PERMUTED = ("llama", "mixtral", "ministral3", "arcee", *_GRANITE_TYPES, "nemotron_h", "olmo")  # (Nemotron-H's
+# converter is Granite 4.0's; Ministral 3's, Arcee's and OLMo's, Llama's)
 _ROPE_INTERLEAVED = (*_ROPE_PERMUTED, "llama4_text", "glm4", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
-# Families whose RMSNorm applies (1 + w): llama.cpp's converter stores their norm weights as 1 + w.
-_NORM_SHIFTED = ("gemma2", "gemma3_text")
+# Families whose norms apply (1 + w), Gemma's RMSNorms and Nemotron-4's LayerNorm1P: llama.cpp's converter stores
+# their norm weights as 1 + w.
+_NORM_SHIFTED = ("gemma2", "gemma3_text", "nemotron")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Folded into config.json's rope_scaling: llama3's divisors, LongRoPE's factors.
 _CONSUMED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}  # Gemma 4's rope_freqs:
@@ -353,6 +365,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _NEMOTRON_H_GLOBAL[gguf_name]
     if architecture in ("falcon_h1", "jamba") and gguf_name in _FALCON_H1_GLOBAL:
         return _FALCON_H1_GLOBAL[gguf_name]
+    if gguf_name in CLASSIC_GLOBAL_NAMES.get(architecture, {}):
+        return CLASSIC_GLOBAL_NAMES[architecture][gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
@@ -629,6 +643,10 @@ def iter_hf_tensors(
             continue
         assert name is not None
         restore = _restore(name, config)
+        if model_type == "stablelm" and name.endswith(HEADWISE_NORMS):  # one tensor a head in its checkpoints
+            for checkpoint_name, row in headwise_norms(name, restore(_dequantized(tensor, spec))):
+                yield checkpoint_name, _float32(row)
+            continue
         if hybrid is not None and hybrid.holds_back(name):
             for checkpoint_name, array in hybrid.take(name, restore(_dequantized(tensor, spec))):
                 yield checkpoint_name, _float32(array)
@@ -689,6 +707,8 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     if rotated is not None:
         heads = config["num_attention_heads"] if rotated == "q" else config["num_key_value_heads"]
         return lambda array: unpermute_rope_rows(array, heads)
+    if model_type == "gpt_neox" and ".attention.query_key_value." in name:  # its converter's cat(q, k, v)
+        return lambda array: headwise_qkv_rows(array, config["num_attention_heads"])
     if model_type in _NORM_SHIFTED and name.endswith("norm.weight"):
         return lambda array: np.asarray(array, dtype=np.float32) - np.float32(1.0)
     return lambda array: array

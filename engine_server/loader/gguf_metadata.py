@@ -1,7 +1,7 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
 their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
-Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, olmo2, command-r / cohere2, and the Gated
-DeltaNet hybrids qwen35 / qwen35moe / qwen3next `<arch>.*` keys)."""
+Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, olmo2, command-r / cohere2, the Gated
+DeltaNet hybrids qwen35 / qwen35moe / qwen3next and the classic decoders (`gguf_classic`) `<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy.typing as npt
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from engine_server.loader.gguf_classic import CLASSIC_GGUF_ARCHITECTURES, CLASSIC_LAYER_NORMED, classic_gguf_config
 from engine_server.pooling.params import PoolingMethod
 
 # GGUF `general.architecture` → (HF model_type, HF architectures entry).
@@ -70,6 +71,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "falcon-h1": ("falcon_h1", "FalconH1ForCausalLM"),
     # Jamba: Mamba-1 layers (no KV heads) between attention ones, experts where a layer has a router (`_jamba_config`).
     "jamba": ("jamba", "JambaForCausalLM"),
+    # GPT-NeoX, Phi-2, StableLM, StarCoder2, Nemotron-4, OLMo, EXAONE 3 (`gguf_classic`).
+    **CLASSIC_GGUF_ARCHITECTURES,
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -77,7 +80,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 _NO_CONTEXT_STATED = 2**20
 _HYBRID_CONTEXT = 131072
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
-_LAYER_NORMED = ("command-r", "cohere2")
+_LAYER_NORMED = ("command-r", "cohere2", *CLASSIC_LAYER_NORMED)
 # Cohere 2 as llama.cpp reads a `cohere2` file: every 4th layer global (its windows' pattern is fixed there).
 _COHERE2_GLOBAL_EVERY = 4
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
@@ -564,6 +567,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_falcon_h1_config(reader, tensors, spec))
     elif arch == "jamba":
         config.update(_jamba_config(reader, config, experts, tensors, spec))
+    elif arch in CLASSIC_GGUF_ARCHITECTURES:
+        config.update(classic_gguf_config(reader, arch, config, tensors, functools.partial(read_field, reader)))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

@@ -31,6 +31,7 @@ class GPTNeoXForCausalLM(CausalLM):
         ("gpt_neox.layers.", "model.layers."),
         ("gpt_neox.final_layer_norm.", "model.norm."),
         ("model.final_layernorm.", "model.norm."),  # Phi's
+        (".attention.query_key_value.", ".self_attn.qkv_proj."),  # a GGUF file's blocks, rows as `cat(q, k, v)`
         (".attention.dense.", ".self_attn.o_proj."),
         (".self_attn.dense.", ".self_attn.o_proj."),  # Phi's
         (".mlp.dense_h_to_4h.", ".mlp.up_proj."),

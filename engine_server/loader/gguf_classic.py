@@ -1,0 +1,115 @@
+"""The classic decoders' GGUF files as llama.cpp's converter writes them (`gptneox`, `phi2`, `stablelm`,
+`starcoder2`, `nemotron`, `olmo`, `exaone`): their metadata as each family's own `config.json` keys
+(`classic_gguf_config`), so transformers loads the converted folder as the family it is, and the tensor names and
+forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's q/k/v rows, which its converter
+groups as `cat(q, k, v)`, given back head by head with `headwise_qkv_rows`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# llama.cpp's architecture names of the classic families and the (model_type, architectures entry) each converts to.
+CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "gptneox": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "phi2": ("phi", "PhiForCausalLM"),
+    "stablelm": ("stablelm", "StableLmForCausalLM"),
+    "starcoder2": ("starcoder2", "Starcoder2ForCausalLM"),
+    "nemotron": ("nemotron", "NemotronForCausalLM"),
+    "olmo": ("olmo", "OlmoForCausalLM"),
+    "exaone": ("exaone", "ExaoneForCausalLM"),
+}
+# Those whose norms are LayerNorms, their epsilon `attention.layer_norm_epsilon` (OLMo's weightless ones too).
+CLASSIC_LAYER_NORMED = ("gptneox", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+# Each family's name for the LayerNorms' epsilon in its config (OLMo's is fixed: none).
+_EPSILON_KEYS = {"gpt_neox": "layer_norm_eps", "phi": "layer_norm_eps", "stablelm": "layer_norm_eps",
+                 "starcoder2": "norm_epsilon", "nemotron": "norm_eps"}  # fmt: skip
+# The MLP's activation, which llama.cpp fixes per architecture: GPT-NeoX's is the exact GELU its checkpoints were
+# trained with (Pythia's `gelu`; llama.cpp runs its tanh form), Phi-2's and StarCoder2's the tanh form.
+_ACTIVATIONS = {"gpt_neox": "gelu", "phi": "gelu_new", "starcoder2": "gelu_pytorch_tanh", "nemotron": "relu2"}
+# llama.cpp's tensor names and each family's checkpoint names for them, by the model_type the file converts to.
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+CLASSIC_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "gpt_neox": {
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense", "ffn_up": "mlp.dense_h_to_4h",
+        "ffn_down": "mlp.dense_4h_to_h",
+    },
+    "phi": {**_LAYER, "attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+    "stablelm": {**_LAYER, "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"},
+    "starcoder2": {**_LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+    "nemotron": _LAYER,
+    "olmo": _LAYER,
+    "exaone": {
+        "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_q": "attn.attention.q_proj", "attn_k": "attn.attention.k_proj",
+        "attn_v": "attn.attention.v_proj", "attn_output": "attn.attention.out_proj", "ffn_gate": "mlp.c_fc_0",
+        "ffn_up": "mlp.c_fc_1", "ffn_down": "mlp.c_proj",
+    },
+}  # fmt: skip
+CLASSIC_GLOBAL_NAMES: dict[str, dict[str, str]] = {
+    "gpt_neox": {
+        "token_embd.weight": "gpt_neox.embed_in.weight", "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+        "output_norm.bias": "gpt_neox.final_layer_norm.bias", "output.weight": "embed_out.weight",
+    },
+    "phi": {"output_norm.weight": "model.final_layernorm.weight", "output_norm.bias": "model.final_layernorm.bias",
+            "output.bias": "lm_head.bias"},
+    "exaone": {"token_embd.weight": "transformer.wte.weight", "output_norm.weight": "transformer.ln_f.weight"},
+}  # fmt: skip
+CLASSIC_LAYERS_PREFIX = {"gpt_neox": "gpt_neox.layers.", "exaone": "transformer.h."}
+# StableLM 2's per-head q/k LayerNorms, one `[heads, head_dim]` tensor each in the file, one tensor a head in its
+# checkpoints (`headwise_norms`).
+HEADWISE_NORMS = (".self_attn.q_layernorm.weight", ".self_attn.k_layernorm.weight")
+
+
+def classic_gguf_config(
+    reader: Any, arch: str, config: dict[str, Any], tensors: dict[str, Any], read: Any
+) -> dict[str, Any]:
+    """The keys of a classic family's `config.json` from its file (`config` the generic keys read so far, whose
+    `rms_norm_eps` holds the LayerNorms' epsilon; `read(key, default)` a metadata value): the epsilon under the
+    family's own name, its MLP's activation, its biases and blocks as the file's tensors show them (StableLM's
+    parallel block where a layer has no norm before its MLP; GPT-NeoX's as its metadata says), GPT-NeoX's rope share
+    as `rotary_pct`,
+    Phi-2's MLP width from its tensors (its converter writes 4 x hidden whatever it is), OLMo's `clip_qkv`."""
+    model_type = CLASSIC_GGUF_ARCHITECTURES[arch][0]
+    keys: dict[str, Any] = {}
+    if model_type in _EPSILON_KEYS:
+        keys[_EPSILON_KEYS[model_type]] = config.pop("rms_norm_eps")
+    if model_type in _ACTIVATIONS:
+        keys["hidden_act"] = _ACTIVATIONS[model_type]
+    parallel = "blk.0.ffn_norm.weight" not in tensors  # StableLM 2 12B's: one norm feeds both halves
+    if model_type == "gpt_neox":  # two norms either way: as its metadata says (llama.cpp's default, on)
+        parallel = bool(read(f"{arch}.use_parallel_residual", True))
+        keys.update(use_parallel_residual=parallel, attention_bias="blk.0.attn_qkv.bias" in tensors,
+                    rotary_pct=config.pop("partial_rotary_factor", 1.0), rotary_emb_base=config["rope_theta"])
+    elif model_type == "phi":
+        keys["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[-1])
+    elif model_type == "stablelm":
+        keys.update(use_parallel_residual=parallel, use_qkv_bias=config.pop("attention_bias"),
+                    qk_layernorm="blk.0.attn_q_norm.weight" in tensors)
+    elif model_type == "starcoder2":
+        keys["use_bias"] = config.pop("attention_bias")
+    elif model_type == "nemotron":
+        keys["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    elif model_type == "olmo":
+        config.pop("rms_norm_eps")
+        clip = read(f"{arch}.attention.clamp_kqv", None)
+        keys["clip_qkv"] = None if clip is None else float(clip)
+    return keys
+
+
+def headwise_qkv_rows(array: np.ndarray, heads: int) -> np.ndarray:
+    """A GPT-NeoX file's `attn_qkv` rows, `cat(q, k, v)` as its converter groups them, head by head again (each
+    head's query, key and value in turn), as its checkpoints hold `query_key_value`."""
+    return array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
+
+
+def headwise_norms(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A StableLM 2 file's `[heads, head_dim]` q or k LayerNorm weight (HF name `name`) as its checkpoints hold it:
+    one `norms.<head>.weight` a head."""
+    stem = name.removesuffix(".weight")
+    return [(f"{stem}.norms.{head}.weight", row) for head, row in enumerate(array.reshape(array.shape[0], -1))]
