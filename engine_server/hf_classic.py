@@ -1,4 +1,5 @@
-"""The classic decoders' `config.json`: GPT-NeoX (Pythia, Dolly, RedPajama-INCITE), Phi (Phi-1, 1.5, 2), StableLM
+"""The classic decoders' `config.json`: GPT-NeoX (Pythia, Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2
+11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first) and EXAONE
 (3.0, 3.5). Each is read as a Llama config (`classic_config`: their own key names given Llama's, what their
 transformers class fills in where a file leaves it out) plus the fields of their blocks (`classic_fields`)."""
@@ -13,6 +14,7 @@ from engine_server.config import Architecture
 # projections and GELU MLPs in `models.gpt_neox`, OLMo's and EXAONE 3's Llama blocks in `models.llama`.
 CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     "gpt_neox": "gpt_neox",
+    "falcon": "gpt_neox",
     "phi": "gpt_neox",
     "stablelm": "gpt_neox",
     "starcoder2": "gpt_neox",
@@ -25,6 +27,7 @@ _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0
 # Their MLP's activation: transformers' names and ours (`ModelConfig.hidden_act`), the default first.
 _ACTIVATIONS = {
     "gpt_neox": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
+    "falcon": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "phi": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "nemotron": {"relu2": "relu2"},
@@ -35,6 +38,9 @@ _ACTIVATIONS = {
 # Keys a family's config names its own way, and Llama's name for each.
 _RENAMED_KEYS = {
     "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+    "falcon": {"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+               "layer_norm_epsilon": "rms_norm_eps", "ffn_hidden_size": "intermediate_size", "bias": "attention_bias",
+               "activation": "hidden_act"},
     "starcoder2": {"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
     "nemotron": {"norm_eps": "rms_norm_eps"},
     "stablelm": {"use_qkv_bias": "attention_bias"},
@@ -44,6 +50,7 @@ _RENAMED_KEYS = {
 # What their transformers classes fill in where a config leaves it out (and their modeling files fix).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"attention_bias": True, "rope_theta": 10000.0},
+    "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
     "phi": {"attention_bias": True},  # q/k/v and `dense` always have biases
     "starcoder2": {"attention_bias": True, "tie_word_embeddings": True},
     "olmo": {"rms_norm_eps": 1e-5},  # its LayerNorm's epsilon is fixed
@@ -59,11 +66,18 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return cfg
     if model_type == "phi" and cfg.get("qk_layernorm"):
         raise ValueError("phi with qk_layernorm is not supported")
-    renamed = {_RENAMED_KEYS.get(model_type, {}).get(key, key): value for key, value in cfg.items()}
+    if model_type == "falcon" and cfg.get("alibi"):
+        raise ValueError("falcon with alibi (Falcon-RW's positions) is not supported; its rope models are")
+    renamed = dict(cfg)
+    for theirs, ours in _RENAMED_KEYS.get(model_type, {}).items():  # the family's own key over any under Llama's name
+        if theirs in renamed:
+            renamed[ours] = renamed.pop(theirs)
     if model_type == "olmo":
         renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
     if model_type == "gpt_neox":  # every head its own K/V (a stray `num_key_value_heads` is not read)
         renamed["num_key_value_heads"] = renamed["num_attention_heads"]
+    if model_type == "falcon":
+        renamed.update(_falcon_shape(renamed))
     for key, value in _DEFAULTS.get(model_type, {}).items():
         if renamed.get(key) is None:
             renamed[key] = value
@@ -74,10 +88,26 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return renamed
 
 
+def falcon_kv_heads(cfg: dict[str, Any]) -> int:
+    """Falcon's KV heads as transformers builds them from its `config.json` (`cfg`): `num_kv_heads` under its new
+    decoder architecture (40B, 180B, Falcon2), one with `multi_query` (7B), else every head its own."""
+    heads = int(cfg.get("num_attention_heads") or cfg["n_head"])
+    if cfg.get("new_decoder_architecture"):
+        return int(cfg.get("num_kv_heads") or heads)
+    return 1 if cfg.get("multi_query", True) else heads
+
+
+def _falcon_shape(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's KV heads (`falcon_kv_heads`) and MLP width (4 x hidden unless given) under Llama's names."""
+    return {"num_key_value_heads": falcon_kv_heads(cfg),
+            "intermediate_size": int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"]))}
+
+
 def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields of a classic family's blocks (`cfg` as `classic_config` gives it; {} for the other
     families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
-    and their activation, GPT-NeoX's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's q/k LayerNorms per head,
+    and their activation, GPT-NeoX's, Falcon's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's q/k
+    LayerNorms per head,
     Phi's LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return {}
@@ -92,6 +122,11 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type == "gpt_neox":
         parallel = bool(cfg.get("use_parallel_residual", True))
         fields.update(mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel)
+    elif model_type == "falcon":  # its new decoder architecture: the parallel block, by default off two norms
+        new = bool(cfg.get("new_decoder_architecture"))
+        two_norms = new and int(cfg.get("num_ln_in_parallel_attn") or 2) == 2
+        parallel = new or bool(cfg.get("parallel_attn", True))
+        fields.update(mlp_bias=bool(cfg.get("attention_bias")), parallel_block=parallel, parallel_mlp_norm=two_norms)
     elif model_type == "phi":
         fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
     elif model_type == "stablelm":

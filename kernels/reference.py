@@ -168,11 +168,16 @@ def unpermute_rope_rows(weight: RopeRowsT, n_head: int, rotary_dim: int | None =
     return weight[order if isinstance(weight, np.ndarray) else torch.from_numpy(order)]
 
 
-def grouped_qkv_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """GPT-NeoX's fused q/k/v rows (weight, bias or a LoRA update's B), each head's query, key and value in turn
-    (`[n_head * 3 * head_dim, ...]`), as `cat(q, k, v)`: the view (n_head, 3, head_dim) read as (3, n_head, head_dim).
-    `models.gpt_neox` loads its checkpoints' so, `lora.peft_format` an adapter's update of them."""
-    return weight.reshape(n_head, 3, -1, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+def grouped_qkv_rows(weight: torch.Tensor, n_head: int, n_kv_head: int | None = None) -> torch.Tensor:
+    """Fused q/k/v rows grouped by KV head (weight, bias or a LoRA update's B): each of the `n_kv_head` groups its
+    `n_head / n_kv_head` queries, then its key, then its value (Falcon's `query_key_value`; GPT-NeoX's, one query a
+    group: each head's query, key and value in turn), as `cat(q, k, v)`. `models.gpt_neox` loads its checkpoints'
+    so, `lora.peft_format` an adapter's update of them."""
+    kv = n_kv_head or n_head
+    queries = n_head // kv
+    groups = weight.reshape(kv, queries + 2, -1, *weight.shape[1:])
+    parts = (groups[:, :queries], groups[:, queries], groups[:, queries + 1])
+    return torch.cat([part.reshape(-1, *weight.shape[1:]) for part in parts])
 
 
 def rotary_embedding(

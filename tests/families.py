@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from benchmarks.common import write_gpt2_tokenizer
+from engine_server.hf_classic import falcon_kv_heads
+from kernels.reference import grouped_qkv_rows
 from tests.unit.pooling.embedding_models import copy_tokenizer
 
 VOCAB_SIZE = 49152
@@ -100,7 +102,9 @@ WINDOW = 20
 # layer under EXAONE 4's attention (per-head q/k norms, windows on three layers in four, the fourth without rope) in
 # a pre-norm block.
 # GPT-NeoX: head-by-head fused q/k/v, rope over a quarter of each head, the attention and an exact-GELU MLP in
-# parallel off LayerNorms of their own. Phi-2: one LayerNorm feeding both, rope over 0.4 of each head, an LM head bias.
+# parallel off LayerNorms of their own. Falcon 7B: one KV head, the parallel block off one LayerNorm; Falcon 40B: two
+# KV heads (q/k/v grouped by KV head), the parallel block off two norms, biases. Phi-2: one LayerNorm feeding both,
+# rope over 0.4 of each head, an LM head bias.
 # StableLM 2 12B: a LayerNorm of each head's own over q and k, Phi's parallel block over a SwiGLU MLP. StarCoder2:
 # biases everywhere, a GELU (tanh) MLP, every layer windowed. Nemotron-4: LayerNorm1P (1 + weight, with a bias), an
 # ungated relu² MLP, rope over half of each head. OLMo: LayerNorms without a weight or a bias, q/k/v clamped. EXAONE
@@ -294,6 +298,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "jais2": ("Jais2Config", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt-neox": ("GPTNeoXConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "falcon-7b": ("FalconConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "falcon-40b": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True,
+                                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phi": ("PhiConfig", {"partial_rotary_factor": 0.4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "stablelm-12b": (
         "StableLmConfig",
@@ -610,16 +617,18 @@ _GGUF_ARCHITECTURES = {
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
     "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
-    "gpt_neox": "gptneox", "phi": "phi2", "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron",
-    "olmo": "olmo", "exaone": "exaone",
+    "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2", "stablelm": "stablelm", "starcoder2": "starcoder2",
+    "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
 }  # fmt: skip
 # The classic families' llama.cpp architectures, whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their
 # checkpoints' names as Llama's, which `_GGUF_LAYER` and `_GGUF_GLOBAL` then name as llama.cpp does.
-_GGUF_CLASSIC = ("gptneox", "phi2", "stablelm", "starcoder2", "nemotron", "olmo", "exaone")
-_GGUF_LAYER_NORMED = ("gptneox", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+_GGUF_CLASSIC = ("gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo", "exaone")
+_GGUF_LAYER_NORMED = ("gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
 _CLASSIC_AS_LLAMA = (
     ("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
     ("gpt_neox.layers.", "model.layers."), ("embed_out.", "lm_head."), ("model.final_layernorm.", "model.norm."),
+    ("transformer.word_embeddings.", "model.embed_tokens."),
+    (".self_attention.query_key_value.", ".self_attn.qkv_proj."), (".self_attention.dense.", ".self_attn.o_proj."),
     (".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.o_proj."),
     (".self_attn.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
     (".mlp.dense_4h_to_h.", ".mlp.down_proj."), (".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj."),
@@ -889,7 +898,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
 
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     writer.add_block_count(config["num_hidden_layers"] + _prediction_layers(config, arch))
-    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_context_length(2048 if arch == "falcon" else config["max_position_embeddings"])  # (Falcon's converter
+    # writes 2,048 whatever the model's)
     writer.add_embedding_length(hidden)
     if arch == "llama4":  # its dense layers' width; `intermediate_size` is its experts'
         writer.add_feed_forward_length(config["intermediate_size_mlp"])
@@ -903,7 +913,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_leading_dense_block_count(config["num_dense_layers"])
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
-    elif arch == "phi2":  # its converter's, whatever the MLP's width
+    elif arch in ("phi2", "falcon"):  # their converters', whatever the MLP's width
         writer.add_feed_forward_length(4 * hidden)
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
@@ -937,7 +947,11 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_rope_dimension_count(head_dim)
     else:
         if arch != "gptneox":  # (its converter writes none: every head its own K/V; Phi-2's writes the heads')
-            writer.add_head_count_kv(heads if arch == "phi2" else config["num_key_value_heads"])
+            kv_heads = heads if arch == "phi2" else falcon_kv_heads(config) if arch == "falcon" \
+                else config["num_key_value_heads"]  # fmt: skip
+            writer.add_head_count_kv(kv_heads)
+        if arch == "falcon":
+            writer.add_tensor_data_layout("jploski")
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -1116,13 +1130,13 @@ def _llama_cpp_classic(
     name: str, tensor: torch.Tensor, config: dict[str, Any], arch: str
 ) -> tuple[str, torch.Tensor]:
     """A classic family's checkpoint tensor under Llama's name (`_CLASSIC_AS_LLAMA`), as llama.cpp's converter writes
-    it: GPT-NeoX's head-by-head q/k/v rows grouped as `cat(q, k, v)`, Nemotron-4's LayerNorm1P weights as 1 + w."""
-    from kernels.reference import grouped_qkv_rows
-
+    it: GPT-NeoX's head-by-head and Falcon's KV-grouped q/k/v rows as `cat(q, k, v)`, Nemotron-4's LayerNorm1P
+    weights as 1 + w."""
     for theirs, ours in _CLASSIC_AS_LLAMA:
         name = name.replace(theirs, ours)
-    if arch == "gptneox" and ".self_attn.qkv_proj." in name:
-        tensor = grouped_qkv_rows(tensor, config["num_attention_heads"])
+    if arch in ("gptneox", "falcon") and ".self_attn.qkv_proj." in name:  # grouped by KV head: Falcon's groups
+        heads = config["num_attention_heads"]
+        tensor = grouped_qkv_rows(tensor, heads, falcon_kv_heads(config) if arch == "falcon" else heads)
     if arch == "nemotron" and name.endswith("norm.weight"):
         tensor = tensor + 1.0
     return name, tensor
@@ -1330,6 +1344,8 @@ def _write_tensors(
     hybrid = arch in _GGUF_HYBRIDS
     if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss", "exaone4", "olmo2"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
+    if arch == "falcon":  # 40B's and 180B's two norms: llama.cpp's attention reads `attn_norm_2`, its MLP `attn_norm`
+        layer_names.update({"ln_attn": "attn_norm_2", "ln_mlp": "attn_norm"})
     if arch in ("exaone4", "olmo2"):  # OLMo 2's norm after the MLP
         layer_names["post_feedforward_layernorm"] = "post_ffw_norm"
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP

@@ -1,8 +1,8 @@
-"""The classic decoders' GGUF files as llama.cpp's converter writes them (`gptneox`, `phi2`, `stablelm`,
+"""The classic decoders' GGUF files as llama.cpp's converter writes them (`gptneox`, `falcon`, `phi2`, `stablelm`,
 `starcoder2`, `nemotron`, `olmo`, `exaone`): their metadata as each family's own `config.json` keys
 (`classic_gguf_config`), so transformers loads the converted folder as the family it is, and the tensor names and
-forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's q/k/v rows, which its converter
-groups as `cat(q, k, v)`, given back head by head with `headwise_qkv_rows`)."""
+forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's and Falcon's q/k/v rows, which
+their converters group as `cat(q, k, v)`, given back grouped by KV head with `kv_grouped_qkv_rows`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 # llama.cpp's architecture names of the classic families and the (model_type, architectures entry) each converts to.
 CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gptneox": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "falcon": ("falcon", "FalconForCausalLM"),
     "phi2": ("phi", "PhiForCausalLM"),
     "stablelm": ("stablelm", "StableLmForCausalLM"),
     "starcoder2": ("starcoder2", "Starcoder2ForCausalLM"),
@@ -21,13 +22,15 @@ CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "exaone": ("exaone", "ExaoneForCausalLM"),
 }
 # Those whose norms are LayerNorms, their epsilon `attention.layer_norm_epsilon` (OLMo's weightless ones too).
-CLASSIC_LAYER_NORMED = ("gptneox", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+CLASSIC_LAYER_NORMED = ("gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
 # Each family's name for the LayerNorms' epsilon in its config (OLMo's is fixed: none).
-_EPSILON_KEYS = {"gpt_neox": "layer_norm_eps", "phi": "layer_norm_eps", "stablelm": "layer_norm_eps",
+_EPSILON_KEYS = {"gpt_neox": "layer_norm_eps", "falcon": "layer_norm_epsilon", "phi": "layer_norm_eps",
+                 "stablelm": "layer_norm_eps",
                  "starcoder2": "norm_epsilon", "nemotron": "norm_eps"}  # fmt: skip
 # The MLP's activation, which llama.cpp fixes per architecture: GPT-NeoX's is the exact GELU its checkpoints were
 # trained with (Pythia's `gelu`; llama.cpp runs its tanh form), Phi-2's and StarCoder2's the tanh form.
-_ACTIVATIONS = {"gpt_neox": "gelu", "phi": "gelu_new", "starcoder2": "gelu_pytorch_tanh", "nemotron": "relu2"}
+_ACTIVATIONS = {"gpt_neox": "gelu", "falcon": "gelu", "phi": "gelu_new", "starcoder2": "gelu_pytorch_tanh",
+                "nemotron": "relu2"}
 # llama.cpp's tensor names and each family's checkpoint names for them, by the model_type the file converts to.
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
@@ -39,6 +42,10 @@ CLASSIC_LAYER_NAMES: dict[str, dict[str, str]] = {
         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
         "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense", "ffn_up": "mlp.dense_h_to_4h",
         "ffn_down": "mlp.dense_4h_to_h",
+    },
+    "falcon": {  # (40B's and 180B's: `attn_norm` is `ln_mlp`, the one before the MLP: `classic_checkpoint_name`)
+        "attn_norm": "input_layernorm", "attn_norm_2": "ln_attn", "attn_qkv": "self_attention.query_key_value",
+        "attn_output": "self_attention.dense", "ffn_up": "mlp.dense_h_to_4h", "ffn_down": "mlp.dense_4h_to_h",
     },
     "phi": {**_LAYER, "attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
     "stablelm": {**_LAYER, "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm"},
@@ -59,8 +66,12 @@ CLASSIC_GLOBAL_NAMES: dict[str, dict[str, str]] = {
     "phi": {"output_norm.weight": "model.final_layernorm.weight", "output_norm.bias": "model.final_layernorm.bias",
             "output.bias": "lm_head.bias"},
     "exaone": {"token_embd.weight": "transformer.wte.weight", "output_norm.weight": "transformer.ln_f.weight"},
+    "falcon": {
+        "token_embd.weight": "transformer.word_embeddings.weight", "output_norm.weight": "transformer.ln_f.weight",
+        "output_norm.bias": "transformer.ln_f.bias",
+    },
 }  # fmt: skip
-CLASSIC_LAYERS_PREFIX = {"gpt_neox": "gpt_neox.layers.", "exaone": "transformer.h."}
+CLASSIC_LAYERS_PREFIX = {"gpt_neox": "gpt_neox.layers.", "exaone": "transformer.h.", "falcon": "transformer.h."}
 # StableLM 2's per-head q/k LayerNorms, one `[heads, head_dim]` tensor each in the file, one tensor a head in its
 # checkpoints (`headwise_norms`).
 HEADWISE_NORMS = (".self_attn.q_layernorm.weight", ".self_attn.k_layernorm.weight")
@@ -86,6 +97,8 @@ def classic_gguf_config(
         parallel = bool(read(f"{arch}.use_parallel_residual", True))
         keys.update(use_parallel_residual=parallel, attention_bias="blk.0.attn_qkv.bias" in tensors,
                     rotary_pct=config.pop("partial_rotary_factor", 1.0), rotary_emb_base=config["rope_theta"])
+    elif model_type == "falcon":  # its activation's key is `activation`
+        keys.update(_falcon_gguf_shape(config, tensors), activation=keys.pop("hidden_act"))
     elif model_type == "phi":
         keys["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[-1])
     elif model_type == "stablelm":
@@ -102,10 +115,42 @@ def classic_gguf_config(
     return keys
 
 
-def headwise_qkv_rows(array: np.ndarray, heads: int) -> np.ndarray:
-    """A GPT-NeoX file's `attn_qkv` rows, `cat(q, k, v)` as its converter groups them, head by head again (each
-    head's query, key and value in turn), as its checkpoints hold `query_key_value`."""
-    return array.reshape(3, heads, -1, *array.shape[1:]).swapaxes(0, 1).reshape(array.shape)
+def _falcon_gguf_shape(config: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """A `falcon` file's Falcon as its config says it: llama.cpp runs every file's block in parallel, its attention
+    off a second norm where a layer has one (`attn_norm_2`: 40B's and 180B's new decoder architecture), else both
+    halves off the one (7B's
+    multi-query attention with one KV head; Falcon2 11B's new architecture with one norm); MLP width and biases
+    from its tensors (its converter writes 4 x hidden)."""
+    kv_heads = int(config["num_key_value_heads"])
+    config.pop("head_dim")  # hidden / heads, and read-only in transformers' FalconConfig
+    two_norms = "blk.0.attn_norm_2.weight" in tensors
+    new = two_norms or kv_heads > 1
+    return {
+        "new_decoder_architecture": new, "multi_query": not new, "parallel_attn": True,
+        "num_kv_heads": kv_heads if new else config["num_attention_heads"],
+        "num_ln_in_parallel_attn": (2 if two_norms else 1) if new else None,
+        "ffn_hidden_size": int(tensors["blk.0.ffn_up.weight"].shape[-1]), "bias": "blk.0.attn_qkv.bias" in tensors,
+        "alibi": False,
+    }  # fmt: skip
+
+
+def classic_checkpoint_name(name: str, config: dict[str, Any]) -> str:
+    """HF tensor `name` (`hf_tensor_name`'s) as a classic family's checkpoint holds it where the config decides it:
+    a Falcon file with two norms a layer (40B's, 180B's) holds `ln_mlp` as `attn_norm` (llama.cpp's MLP reads it) and
+    `ln_attn` as `attn_norm_2` (its attention does)."""
+    if config["model_type"] == "falcon" and config.get("num_ln_in_parallel_attn") == 2:
+        return name.replace(".input_layernorm.", ".ln_mlp.")
+    return name
+
+
+def kv_grouped_qkv_rows(array: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """A GPT-NeoX or Falcon file's `attn_qkv` rows, `cat(q, k, v)` as their converters arrange them, grouped by KV
+    head again as their checkpoints hold `query_key_value` (each group's queries, then its key and its value; a
+    group a head in GPT-NeoX's)."""
+    head_dim = array.shape[0] // (heads + 2 * kv_heads)
+    q, k, v = np.split(array, [heads * head_dim, (heads + kv_heads) * head_dim])
+    groups = [part.reshape(kv_heads, -1, head_dim, *array.shape[1:]) for part in (q, k, v)]
+    return np.concatenate(groups, axis=1).reshape(array.shape)
 
 
 def headwise_norms(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:

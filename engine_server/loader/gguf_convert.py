@@ -33,14 +33,16 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quant_shape_from_byte_shape
 from safetensors.torch import save_file
 
+from engine_server.hf_classic import falcon_kv_heads
 from engine_server.loader.gguf_blocks import dequantize_blocks
 from engine_server.loader.gguf_classic import (
     CLASSIC_GLOBAL_NAMES,
     CLASSIC_LAYER_NAMES,
     CLASSIC_LAYERS_PREFIX,
     HEADWISE_NORMS,
+    classic_checkpoint_name,
     headwise_norms,
-    headwise_qkv_rows,
+    kv_grouped_qkv_rows,
 )
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
@@ -635,6 +637,8 @@ def iter_hf_tensors(
         except ValueError as exc:
             raise ValueError(f"model {spec!r}: {exc}") from exc
         name = hf_tensor_name(tensor.name, model_type)
+        if name is not None:
+            name = classic_checkpoint_name(name, config)
         if name is None and experts is None:
             raise ValueError(f"model {spec!r}: unexpected GGUF tensor {tensor.name!r}")
         if experts is not None:
@@ -707,8 +711,10 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     if rotated is not None:
         heads = config["num_attention_heads"] if rotated == "q" else config["num_key_value_heads"]
         return lambda array: unpermute_rope_rows(array, heads)
-    if model_type == "gpt_neox" and ".attention.query_key_value." in name:  # its converter's cat(q, k, v)
-        return lambda array: headwise_qkv_rows(array, config["num_attention_heads"])
+    if model_type in ("gpt_neox", "falcon") and name.endswith(("query_key_value.weight", "query_key_value.bias")):
+        heads = config["num_attention_heads"]  # their converters' cat(q, k, v), grouped by KV head again
+        kv_heads = falcon_kv_heads(config) if model_type == "falcon" else heads
+        return lambda array: kv_grouped_qkv_rows(array, heads, kv_heads)
     if model_type in _NORM_SHIFTED and name.endswith("norm.weight"):
         return lambda array: np.asarray(array, dtype=np.float32) - np.float32(1.0)
     return lambda array: array

@@ -1,5 +1,6 @@
-"""The GPT-NeoX lineage (GPT-NeoX and Pythia, Phi-1/1.5/2, StableLM, StarCoder2, Nemotron-4): LayerNorms with biases,
-biased projections, rope over a leading share of each head, GELU (or relu²) MLPs without a gate, parallel blocks."""
+"""The GPT-NeoX lineage (GPT-NeoX and Pythia, Falcon, Phi-1/1.5/2, StableLM, StarCoder2, Nemotron-4): LayerNorms with
+biases, biased projections, rope over a leading share of each head, GELU (or relu²) MLPs without a gate, parallel
+blocks."""
 
 from __future__ import annotations
 
@@ -13,23 +14,34 @@ from engine_server.models.base import CausalLM, reordered_tensor
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 from kernels.reference import grouped_qkv_rows
 
-# GPT-NeoX's q/k/v in one projection, each head's query, key and value rows one after another.
-_HEADWISE_QKV = re.compile(r"gpt_neox\.layers\.(?P<layer>\d+)\.attention\.query_key_value\.(?P<kind>weight|bias)")
+# GPT-NeoX's and Falcon's q/k/v in one projection, grouped by KV head (`kernels.reference.grouped_qkv_rows`).
+_GROUPED_QKV = re.compile(
+    r"(?:gpt_neox\.layers|transformer\.h)\.(?P<layer>\d+)\.(?:attention|self_attention)\.query_key_value\."
+    r"(?P<kind>weight|bias)"
+)
 # StableLM 2's q/k LayerNorms, one module per head.
 _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<head>\d+)\.weight")
 
 
 class GPTNeoXForCausalLM(CausalLM):
-    """The GPT-NeoX lineage (`model_type` gpt_neox, phi, stablelm, starcoder2, nemotron): their quirks are
+    """The GPT-NeoX lineage (`model_type` gpt_neox, falcon, phi, stablelm, starcoder2, nemotron): their quirks are
     `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`: `layer_norm_bias`, `gated_mlp`,
     `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`, `lm_head_bias`); their checkpoints'
-    names are read as Llama's (`checkpoint_renames`), GPT-NeoX's head-by-head `query_key_value` rows as `cat(q, k,
-    v)` and StableLM 2's per-head q/k LayerNorms as one `[heads, head_dim]` weight each (`checkpoint_weights`)."""
+    names are read as Llama's (`checkpoint_renames`), GPT-NeoX's and Falcon's `query_key_value` rows (grouped by KV
+    head) as `cat(q, k, v)` and StableLM 2's per-head q/k LayerNorms as one `[heads, head_dim]` weight each
+    (`checkpoint_weights`)."""
 
     checkpoint_renames = (
         ("gpt_neox.embed_in.", "model.embed_tokens."),
         ("gpt_neox.layers.", "model.layers."),
         ("gpt_neox.final_layer_norm.", "model.norm."),
+        ("transformer.word_embeddings.", "model.embed_tokens."),  # Falcon's
+        ("transformer.h.", "model.layers."),
+        ("transformer.ln_f.", "model.norm."),
+        (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
+        (".self_attention.dense.", ".self_attn.o_proj."),
+        (".ln_attn.", ".input_layernorm."),  # Falcon 40B's and 180B's two norms
+        (".ln_mlp.", ".post_attention_layernorm."),
         ("model.final_layernorm.", "model.norm."),  # Phi's
         (".attention.query_key_value.", ".self_attn.qkv_proj."),  # a GGUF file's blocks, rows as `cat(q, k, v)`
         (".attention.dense.", ".self_attn.o_proj."),
@@ -45,16 +57,20 @@ class GPTNeoXForCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """GPT-NeoX's `query_key_value` as `qkv_proj` rows `cat(q, k, v)`; StableLM 2's q/k norms joined per layer;
+        """GPT-NeoX's and Falcon's `query_key_value` as `qkv_proj` rows `cat(q, k, v)`; StableLM 2's q/k norms joined
+        per layer;
         the earliest GPT-NeoX checkpoints' buffers (`attention.bias`, `attention.masked_bias`) and `embed_out` (its
         LM head's old name) as transformers reads them."""
-        grouped = functools.partial(grouped_qkv_rows, n_head=self.config.num_attention_heads)
+        config = self.config
+        grouped = functools.partial(
+            grouped_qkv_rows, n_head=config.num_attention_heads, n_kv_head=config.num_key_value_heads
+        )
         for name, tensor in self._joined_head_norms(weights):
             if name.endswith((".attention.bias", ".attention.masked_bias")):
                 continue
             if name.startswith("embed_out."):
                 name = "lm_head." + name.removeprefix("embed_out.")
-            match = _HEADWISE_QKV.fullmatch(name)
+            match = _GROUPED_QKV.fullmatch(name)
             if match is None:
                 yield name, tensor
                 continue

@@ -524,6 +524,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # of each head, exact GELU, the attention and the MLP in parallel off norms of their own (or one after the other).
     "gpt-neox": (transformers.GPTNeoXConfig, {}),
     "gpt-neox-sequential": (transformers.GPTNeoXConfig, {"use_parallel_residual": False, "hidden_act": "gelu_new"}),
+    # Falcon 7B: multi-query attention (one KV head), the attention and an exact-GELU MLP in parallel off one
+    # LayerNorm; Falcon 40B / 180B: two KV heads (grouped q/k/v), the parallel block off two (`ln_attn`, `ln_mlp`),
+    # biases here; Falcon-RW's form without alibi: every head its own K/V, the block one after the other.
+    "falcon-7b": (transformers.FalconConfig, {}),
+    "falcon-40b": (transformers.FalconConfig, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True}),
+    "falcon-sequential": (transformers.FalconConfig, {"multi_query": False, "parallel_attn": False}),
     # Phi-2: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, biases everywhere (the LM head
     # too), rope over 0.4 of each head (6 of these 16 dims).
     "phi": (transformers.PhiConfig, {"partial_rotary_factor": 0.4}),
@@ -615,6 +621,7 @@ MODEL_CLASSES = {
     transformers.NemotronHConfig: transformers.NemotronHForCausalLM,
     transformers.FalconH1Config: transformers.FalconH1ForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
+    transformers.FalconConfig: transformers.FalconForCausalLM,
     transformers.PhiConfig: transformers.PhiForCausalLM,
     transformers.StableLmConfig: transformers.StableLmForCausalLM,
     transformers.Starcoder2Config: transformers.Starcoder2ForCausalLM,
