@@ -363,6 +363,11 @@ class ModelConfig:
     # mlp(ln2(h))`. OLMo: LayerNorms without a weight or a bias (`norm_weightless`).
     parallel_mlp_norm: bool = False
     norm_weightless: bool = False
+    # GPT-2, GPT-BigCode: a learned embedding of each position added to its token's (`embed_positions`, of
+    # `max_position_embeddings` rows) and no rope on any layer. GPT-2's checkpoints hold each projection's weight
+    # transposed, `[in, out]` (its Conv1D: `transposed_weights`).
+    absolute_positions: bool = False
+    transposed_weights: bool = False
     # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`). Jais 2: biased
     # LayerNorms and biases on its ungated MLP's projections (`mlp_bias`).
     layer_norm_bias: bool = False
@@ -565,8 +570,9 @@ class ModelConfig:
         return windows.pop() if len(windows) == 1 else 0
 
     def uses_rope(self, index: int) -> bool:
-        """Whether layer `index`'s attention turns q and k by their positions (all but `nope_layers`)."""
-        return index not in self.nope_layers
+        """Whether layer `index`'s attention turns q and k by their positions (all but `nope_layers`; none where
+        positions are learned embeddings, `absolute_positions`)."""
+        return not self.absolute_positions and index not in self.nope_layers
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""

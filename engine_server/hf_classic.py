@@ -1,5 +1,5 @@
-"""The classic decoders' `config.json`: GPT-NeoX (Pythia, Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2
-11B), Phi (Phi-1, 1.5, 2), StableLM
+"""The classic decoders' `config.json`: GPT-2, GPT-BigCode (StarCoder, SantaCoder, WizardCoder), GPT-NeoX (Pythia,
+Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first) and EXAONE
 (3.0, 3.5). Each is read as a Llama config (`classic_config`: their own key names given Llama's, what their
 transformers class fills in where a file leaves it out) plus the fields of their blocks (`classic_fields`)."""
@@ -13,6 +13,8 @@ from engine_server.config import Architecture
 # Each classic `model_type` and the family that serves it: the GPT-NeoX lineage's LayerNorms with biases, biased
 # projections and GELU MLPs in `models.gpt_neox`, OLMo's and EXAONE 3's Llama blocks in `models.llama`.
 CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
+    "gpt2": "gpt_neox",
+    "gpt_bigcode": "gpt_neox",
     "gpt_neox": "gpt_neox",
     "falcon": "gpt_neox",
     "phi": "gpt_neox",
@@ -28,6 +30,8 @@ _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0
 _ACTIVATIONS = {
     "gpt_neox": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "falcon": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
+    "gpt2": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
+    "gpt_bigcode": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "phi": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "nemotron": {"relu2": "relu2"},
@@ -38,6 +42,10 @@ _ACTIVATIONS = {
 # Keys a family's config names its own way, and Llama's name for each.
 _RENAMED_KEYS = {
     "gpt_neox": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+    **{gpt2: {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+              "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+              "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"}
+       for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
                "layer_norm_epsilon": "rms_norm_eps", "ffn_hidden_size": "intermediate_size", "bias": "attention_bias",
                "activation": "hidden_act"},
@@ -47,9 +55,15 @@ _RENAMED_KEYS = {
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
 }  # fmt: skip
+# What a family's config may set that this engine does not build.
+_UNBUILT = {
+    "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
+}  # fmt: skip
 # What their transformers classes fill in where a config leaves it out (and their modeling files fix).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"attention_bias": True, "rope_theta": 10000.0},
+    **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
     "phi": {"attention_bias": True},  # q/k/v and `dense` always have biases
     "starcoder2": {"attention_bias": True, "tie_word_embeddings": True},
@@ -68,6 +82,9 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("phi with qk_layernorm is not supported")
     if model_type == "falcon" and cfg.get("alibi"):
         raise ValueError("falcon with alibi (Falcon-RW's positions) is not supported; its rope models are")
+    for key in _UNBUILT.get(model_type, ()):
+        if cfg.get(key):
+            raise ValueError(f"{model_type} with {key} is not supported")
     renamed = dict(cfg)
     for theirs, ours in _RENAMED_KEYS.get(model_type, {}).items():  # the family's own key over any under Llama's name
         if theirs in renamed:
@@ -78,6 +95,10 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         renamed["num_key_value_heads"] = renamed["num_attention_heads"]
     if model_type == "falcon":
         renamed.update(_falcon_shape(renamed))
+    if model_type in ("gpt2", "gpt_bigcode"):  # the MLP 4 x hidden unless given; GPT-BigCode's one KV head
+        multi_query = model_type == "gpt_bigcode" and renamed.get("multi_query", True)
+        renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * int(renamed["hidden_size"]))
+        renamed["num_key_value_heads"] = 1 if multi_query else renamed["num_attention_heads"]
     for key, value in _DEFAULTS.get(model_type, {}).items():
         if renamed.get(key) is None:
             renamed[key] = value
@@ -119,7 +140,11 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type in ("olmo", "exaone"):
         return {**fields, "layer_norm": True, "norm_weightless": True} if model_type == "olmo" else fields
     fields.update(layer_norm=True, layer_norm_bias=True, gated_mlp=model_type == "stablelm")
-    if model_type == "gpt_neox":
+    if model_type in ("gpt2", "gpt_bigcode"):  # learned positions; GPT-2's Conv1D weights; unscaled scores by config
+        unscaled = not cfg.get("scale_attn_weights", True)
+        fields.update(mlp_bias=True, absolute_positions=True, transposed_weights=model_type == "gpt2",
+                      **({"attention_scale": 1.0} if unscaled else {}))
+    elif model_type == "gpt_neox":
         parallel = bool(cfg.get("use_parallel_residual", True))
         fields.update(mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel)
     elif model_type == "falcon":  # its new decoder architecture: the parallel block, by default off two norms

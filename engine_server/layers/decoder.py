@@ -292,6 +292,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        # GPT-2's and GPT-BigCode's learned positions, added to the tokens' (`ModelConfig.absolute_positions`).
+        self.embed_positions = (
+            VocabParallelEmbedding(config.max_position_embeddings, config.hidden_size, tp, dtype)
+            if config.absolute_positions else None
+        )  # fmt: skip
         # Gemma: the embeddings times sqrt(hidden_size), a float32 scalar rounded to the weights' dtype (as
         # transformers does); a buffer, so it moves with the module (and a CUDA graph reads it in place).
         self.scales_embeddings = config.embedding_multiplier != 1.0
@@ -366,6 +371,8 @@ class DecoderModel(nn.Module):
         before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (run in the
         decode stack when it holds their slots, `decode_stack_lora`; else the step runs the layers)."""
         hidden = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions)
         if self.scales_embeddings:
             hidden = hidden * self.get_buffer("embedding_multiplier")
         stack = self.decode_stack

@@ -52,6 +52,7 @@ _MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "gpt_neox": (
         ("attention.query_key_value", "self_attn.qkv_proj"), ("attention.dense", "self_attn.o_proj"),
         ("self_attention.query_key_value", "self_attn.qkv_proj"), ("self_attention.dense", "self_attn.o_proj"),
+        ("attn.c_attn", "self_attn.qkv_proj"), ("attn.c_proj", "self_attn.o_proj"),
         ("self_attn.dense", "self_attn.o_proj"), ("mlp.dense_h_to_4h", "mlp.up_proj"),
         ("mlp.dense_4h_to_h", "mlp.down_proj"), ("mlp.fc1", "mlp.up_proj"), ("mlp.fc2", "mlp.down_proj"),
         ("mlp.c_fc", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"),
@@ -157,7 +158,8 @@ def _piece(
     alpha = float(_pattern_value(settings.get("alpha_pattern") or {}, path_in_model, settings.get("lora_alpha", 8)))
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     b = (b.float() * scaling).to(b.dtype)
-    if path_in_model.endswith("attention.query_key_value"):  # GPT-NeoX's and Falcon's rows, grouped by KV head
+    if path_in_model.endswith(("attention.query_key_value", "attn.c_attn")):  # grouped by KV head: GPT-NeoX's,
+        # Falcon's, GPT-BigCode's (GPT-2's Conv1D adapters are refused: `fan_in_fan_out`)
         b = grouped_qkv_rows(b, config.num_attention_heads, config.num_key_value_heads)
     elif config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
         b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer), config.rotary_dim)

@@ -1,6 +1,6 @@
-"""The GPT-NeoX lineage (GPT-NeoX and Pythia, Falcon, Phi-1/1.5/2, StableLM, StarCoder2, Nemotron-4): LayerNorms with
-biases, biased projections, rope over a leading share of each head, GELU (or relu²) MLPs without a gate, parallel
-blocks."""
+"""The GPT-NeoX lineage (GPT-2, GPT-BigCode, GPT-NeoX and Pythia, Falcon, Phi-1/1.5/2, StableLM, StarCoder2,
+Nemotron-4): LayerNorms with biases, biased projections, rope over a leading share of each head (or learned positions),
+GELU (or relu²) MLPs without a gate, parallel blocks."""
 
 from __future__ import annotations
 
@@ -19,16 +19,25 @@ _GROUPED_QKV = re.compile(
     r"(?:gpt_neox\.layers|transformer\.h)\.(?P<layer>\d+)\.(?:attention|self_attention)\.query_key_value\."
     r"(?P<kind>weight|bias)"
 )
+# GPT-2's and GPT-BigCode's q/k/v in one projection (`c_attn`): GPT-2's `cat(q, k, v)` of a Conv1D (`[in, out]`),
+# GPT-BigCode's grouped by KV head (one KV head under `multi_query`: `cat(q, k, v)` too).
+_C_ATTN = re.compile(r".+\.attn\.c_attn\.(?:weight|bias)")
+# GPT-2's Conv1D weights, `[in, out]`: each read transposed.
+_CONV1D = re.compile(r".+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
+# The first GPT-2 checkpoints' names, without `transformer.`; their attention's causal-mask buffers.
+_BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.")
+_MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
 # StableLM 2's q/k LayerNorms, one module per head.
 _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<head>\d+)\.weight")
 
 
 class GPTNeoXForCausalLM(CausalLM):
-    """The GPT-NeoX lineage (`model_type` gpt_neox, falcon, phi, stablelm, starcoder2, nemotron): their quirks are
-    `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`: `layer_norm_bias`, `gated_mlp`,
-    `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`, `lm_head_bias`); their checkpoints'
-    names are read as Llama's (`checkpoint_renames`), GPT-NeoX's and Falcon's `query_key_value` rows (grouped by KV
-    head) as `cat(q, k, v)` and StableLM 2's per-head q/k LayerNorms as one `[heads, head_dim]` weight each
+    """The GPT-NeoX lineage (`model_type` gpt2, gpt_bigcode, gpt_neox, falcon, phi, stablelm, starcoder2,
+    nemotron): their quirks are `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`:
+    `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`,
+    `lm_head_bias`, `absolute_positions`); their checkpoints' names are read as Llama's (`checkpoint_renames`),
+    GPT-NeoX's, Falcon's and GPT-BigCode's fused q/k/v rows (grouped by KV head) as `cat(q, k, v)`, GPT-2's Conv1D
+    weights transposed and StableLM 2's per-head q/k LayerNorms as one `[heads, head_dim]` weight each
     (`checkpoint_weights`)."""
 
     checkpoint_renames = (
@@ -38,6 +47,12 @@ class GPTNeoXForCausalLM(CausalLM):
         ("transformer.word_embeddings.", "model.embed_tokens."),  # Falcon's
         ("transformer.h.", "model.layers."),
         ("transformer.ln_f.", "model.norm."),
+        ("transformer.wte.", "model.embed_tokens."),  # GPT-2's and GPT-BigCode's
+        ("transformer.wpe.", "model.embed_positions."),
+        (".ln_1.", ".input_layernorm."),
+        (".ln_2.", ".post_attention_layernorm."),
+        (".attn.c_attn.", ".self_attn.qkv_proj."),
+        (".attn.c_proj.", ".self_attn.o_proj."),
         (".self_attention.query_key_value.", ".self_attn.qkv_proj."),
         (".self_attention.dense.", ".self_attn.o_proj."),
         (".ln_attn.", ".input_layernorm."),  # Falcon 40B's and 180B's two norms
@@ -57,19 +72,26 @@ class GPTNeoXForCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """GPT-NeoX's and Falcon's `query_key_value` as `qkv_proj` rows `cat(q, k, v)`; StableLM 2's q/k norms joined
-        per layer;
-        the earliest GPT-NeoX checkpoints' buffers (`attention.bias`, `attention.masked_bias`) and `embed_out` (its
-        LM head's old name) as transformers reads them."""
+        """GPT-NeoX's and Falcon's `query_key_value` as `qkv_proj` rows `cat(q, k, v)` (GPT-BigCode's `c_attn` too);
+        GPT-2's Conv1D weights transposed; StableLM 2's q/k norms joined per layer; the earliest GPT-NeoX and GPT-2
+        checkpoints' causal-mask buffers, bare names (GPT-2's without `transformer.`) and `embed_out` (GPT-NeoX's LM
+        head's old name) as transformers reads them."""
         config = self.config
         grouped = functools.partial(
             grouped_qkv_rows, n_head=config.num_attention_heads, n_kv_head=config.num_key_value_heads
         )
         for name, tensor in self._joined_head_norms(weights):
-            if name.endswith((".attention.bias", ".attention.masked_bias")):
+            if name.endswith(_MASK_BUFFERS):
                 continue
             if name.startswith("embed_out."):
                 name = "lm_head." + name.removeprefix("embed_out.")
+            if config.absolute_positions and name.startswith(_BARE_GPT2):
+                name = "transformer." + name
+            if config.transposed_weights and _CONV1D.fullmatch(name):
+                tensor = reordered_tensor(tensor, lambda whole: whole.t().contiguous(), transposed=True)
+            if _C_ATTN.fullmatch(name) and not config.transposed_weights:  # GPT-BigCode's, grouped by KV head
+                yield name, reordered_tensor(tensor, grouped)
+                continue
             match = _GROUPED_QKV.fullmatch(name)
             if match is None:
                 yield name, tensor

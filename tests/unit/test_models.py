@@ -530,6 +530,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "falcon-7b": (transformers.FalconConfig, {}),
     "falcon-40b": (transformers.FalconConfig, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True}),
     "falcon-sequential": (transformers.FalconConfig, {"multi_query": False, "parallel_attn": False}),
+    # GPT-2: learned positions, no rope, Conv1D weights ([in, out]) with q/k/v in one; GPT-BigCode (StarCoder): one
+    # KV head (`multi_query`), plain weights; its multi-head form's q/k/v grouped head by head.
+    "gpt2": (transformers.GPT2Config, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
+    "gpt-bigcode": (transformers.GPTBigCodeConfig, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
+    "gpt-bigcode-mha": (
+        transformers.GPTBigCodeConfig,
+        {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "multi_query": False},
+    ),
     # Phi-2: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, biases everywhere (the LM head
     # too), rope over 0.4 of each head (6 of these 16 dims).
     "phi": (transformers.PhiConfig, {"partial_rotary_factor": 0.4}),
@@ -622,6 +630,8 @@ MODEL_CLASSES = {
     transformers.FalconH1Config: transformers.FalconH1ForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.FalconConfig: transformers.FalconForCausalLM,
+    transformers.GPT2Config: transformers.GPT2LMHeadModel,
+    transformers.GPTBigCodeConfig: transformers.GPTBigCodeForCausalLM,
     transformers.PhiConfig: transformers.PhiForCausalLM,
     transformers.StableLmConfig: transformers.StableLmForCausalLM,
     transformers.Starcoder2Config: transformers.Starcoder2ForCausalLM,
@@ -929,8 +939,14 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
-        ({"model_type": "gpt2"},
-         r"'gpt2' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
+        ({"model_type": "mpt"},
+         r"'mpt' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
+        ({"model_type": "falcon", "alibi": True}, r"falcon with alibi \(Falcon-RW's positions\) is not supported"),
+        ({"model_type": "phi", "qk_layernorm": True}, "phi with qk_layernorm is not supported"),
+        ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True},
+         "gpt2 with scale_attn_by_inverse_layer_idx is not supported"),
+        ({"model_type": "gpt_neox", "hidden_act": "relu", "num_attention_heads": 4, "hidden_size": 64},
+         "gpt_neox hidden_act 'relu' is not supported"),
         ({"model_type": "gemma3"}, r"multimodal Gemma 3's vision tower .* its text model \(gemma3_text\) is served"),
         ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
