@@ -598,6 +598,7 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
 # llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for the checkpoint names of the families written to GGUF here,
 # and its architecture names (Gemma's norms after attention and around the MLP have names of their own).
 _GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+                "model.embed_positions": "position_embd",
                 "model.embedding_norm": "token_embd_norm"}  # LFM2's final norm  # fmt: skip
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
@@ -620,17 +621,18 @@ _GGUF_ARCHITECTURES = {
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoehybrid": "granitehybrid", "nemotron_h": "nemotron_h", "ministral3": "mistral3", "arcee": "arcee",
     "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
-    "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2", "stablelm": "stablelm", "starcoder2": "starcoder2",
-    "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
+    "gpt2": "gpt2", "gpt_bigcode": "starcoder", "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2",
+    "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
 }  # fmt: skip
 # The classic families' llama.cpp architectures, whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their
 # checkpoints' names as Llama's, which `_GGUF_LAYER` and `_GGUF_GLOBAL` then name as llama.cpp does.
-_GGUF_CLASSIC = ("gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo", "exaone")
-_GGUF_LAYER_NORMED = ("gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+_GGUF_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+_GGUF_CLASSIC = (*_GGUF_LAYER_NORMED, "exaone")
 _CLASSIC_AS_LLAMA = (
     ("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
     ("gpt_neox.layers.", "model.layers."), ("embed_out.", "lm_head."), ("model.final_layernorm.", "model.norm."),
-    ("transformer.word_embeddings.", "model.embed_tokens."),
+    ("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
+    (".attn.c_attn.", ".self_attn.qkv_proj."), (".attn.c_proj.", ".self_attn.o_proj."),
     (".self_attention.query_key_value.", ".self_attn.qkv_proj."), (".self_attention.dense.", ".self_attn.o_proj."),
     (".attention.query_key_value.", ".self_attn.qkv_proj."), (".attention.dense.", ".self_attn.o_proj."),
     (".self_attn.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.up_proj."),
@@ -817,6 +819,12 @@ def write_gguf(
 
     config = json.loads((folder / "config.json").read_text())
     arch = _GGUF_ARCHITECTURES[config["model_type"]]
+    if arch in ("gpt2", "starcoder"):  # their config's own names as Llama's
+        hidden = config["n_embd"]
+        config = {**config, "hidden_size": hidden, "num_attention_heads": config["n_head"],
+                  "num_hidden_layers": config["n_layer"], "max_position_embeddings": config["n_positions"],
+                  "intermediate_size": config.get("n_inner") or 4 * hidden,
+                  "num_key_value_heads": 1 if config.get("multi_query") else config["n_head"]}  # fmt: skip
     if arch == "nemotron_h" and "moe" in config["layers_block_type"]:  # Nemotron 3's: its converter's other name
         arch = "nemotron_h_moe"
     gemma = arch.startswith("gemma")
@@ -916,7 +924,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_leading_dense_block_count(config["num_dense_layers"])
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
-    elif arch in ("phi2", "falcon"):  # their converters', whatever the MLP's width
+    elif arch in ("phi2", "falcon", "gpt2", "starcoder"):  # their converters', whatever the MLP's width
         writer.add_feed_forward_length(4 * hidden)
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
@@ -925,8 +933,8 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_layer_norm_eps(config["layer_norm_eps"])
         writer.add_logit_scale(config["logit_scale"])
     elif arch in _GGUF_LAYER_NORMED:  # (OLMo's converter writes its fixed 1e-5)
-        writer.add_layer_norm_eps(config.get("layer_norm_eps") or config.get("norm_epsilon") or config.get("norm_eps")
-                                  or 1e-5)  # fmt: skip
+        writer.add_layer_norm_eps(config.get("layer_norm_eps") or config.get("layer_norm_epsilon")
+                                  or config.get("norm_epsilon") or config.get("norm_eps") or 1e-5)  # fmt: skip
         if arch in ("gptneox", "stablelm"):
             writer.add_parallel_residual(bool(config.get("use_parallel_residual", arch == "gptneox")))
         if arch == "olmo" and config.get("clip_qkv") is not None:
@@ -949,7 +957,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_shortconv_l_cache(config["conv_L_cache"])
         writer.add_rope_dimension_count(head_dim)
     else:
-        if arch != "gptneox":  # (its converter writes none: every head its own K/V; Phi-2's writes the heads')
+        if arch not in ("gptneox", "gpt2"):  # (theirs write none: every head its own K/V; Phi-2's the heads')
             kv_heads = heads if arch == "phi2" else falcon_kv_heads(config) if arch == "falcon" \
                 else config["num_key_value_heads"]  # fmt: skip
             writer.add_head_count_kv(kv_heads)
@@ -1126,6 +1134,8 @@ def _jamba_metadata(writer: Any, config: dict[str, Any]) -> None:
     writer.add_ssm_time_step_rank(config["mamba_dt_rank"])
 
 
+_GPT2_CONV1D = tuple(f".{part}.weight" for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_proj",
+                                                    "mlp.down_proj"))  # fmt: skip
 _HEAD_NORM = re.compile(r"model\.layers\.(\d+)\.self_attn\.([qk])_layernorm\.norms\.(\d+)\.weight")
 
 
@@ -1137,6 +1147,8 @@ def _llama_cpp_classic(
     weights as 1 + w."""
     for theirs, ours in _CLASSIC_AS_LLAMA:
         name = name.replace(theirs, ours)
+    if arch == "gpt2" and name.endswith(_GPT2_CONV1D):  # its converter's transposed Conv1D weights
+        tensor = tensor.t().contiguous()
     if arch in ("gptneox", "falcon") and ".self_attn.qkv_proj." in name:  # grouped by KV head: Falcon's groups
         heads = config["num_attention_heads"]
         tensor = grouped_qkv_rows(tensor, heads, falcon_kv_heads(config) if arch == "falcon" else heads)

@@ -1,4 +1,5 @@
-"""The classic decoders' GGUF files as llama.cpp's converter writes them (`gptneox`, `falcon`, `phi2`, `stablelm`,
+"""The classic decoders' GGUF files as llama.cpp's converter writes them (`gpt2`, `starcoder` (GPT-BigCode), `gptneox`,
+`falcon`, `phi2`, `stablelm`,
 `starcoder2`, `nemotron`, `olmo`, `exaone`): their metadata as each family's own `config.json` keys
 (`classic_gguf_config`), so transformers loads the converted folder as the family it is, and the tensor names and
 forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's and Falcon's q/k/v rows, which
@@ -12,6 +13,8 @@ import numpy as np
 
 # llama.cpp's architecture names of the classic families and the (model_type, architectures entry) each converts to.
 CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "gpt2": ("gpt2", "GPT2LMHeadModel"),
+    "starcoder": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "gptneox": ("gpt_neox", "GPTNeoXForCausalLM"),
     "falcon": ("falcon", "FalconForCausalLM"),
     "phi2": ("phi", "PhiForCausalLM"),
@@ -22,22 +25,33 @@ CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "exaone": ("exaone", "ExaoneForCausalLM"),
 }
 # Those whose norms are LayerNorms, their epsilon `attention.layer_norm_epsilon` (OLMo's weightless ones too).
-CLASSIC_LAYER_NORMED = ("gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+CLASSIC_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
 # Each family's name for the LayerNorms' epsilon in its config (OLMo's is fixed: none).
-_EPSILON_KEYS = {"gpt_neox": "layer_norm_eps", "falcon": "layer_norm_epsilon", "phi": "layer_norm_eps",
+_EPSILON_KEYS = {"gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon", "gpt_neox": "layer_norm_eps",
+                 "falcon": "layer_norm_epsilon", "phi": "layer_norm_eps",
                  "stablelm": "layer_norm_eps",
                  "starcoder2": "norm_epsilon", "nemotron": "norm_eps"}  # fmt: skip
 # The MLP's activation, which llama.cpp fixes per architecture: GPT-NeoX's is the exact GELU its checkpoints were
 # trained with (Pythia's `gelu`; llama.cpp runs its tanh form), Phi-2's and StarCoder2's the tanh form.
 _ACTIVATIONS = {"gpt_neox": "gelu", "falcon": "gelu", "phi": "gelu_new", "starcoder2": "gelu_pytorch_tanh",
-                "nemotron": "relu2"}
+                "nemotron": "relu2", "gpt2": "gelu_new", "gpt_bigcode": "gelu_pytorch_tanh"}
 # llama.cpp's tensor names and each family's checkpoint names for them, by the model_type the file converts to.
 _LAYER = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
+_GPT2_LAYER = {
+    "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}  # fmt: skip
+_GPT2_GLOBAL = {
+    "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+}  # fmt: skip
 CLASSIC_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "gpt2": _GPT2_LAYER,
+    "gpt_bigcode": _GPT2_LAYER,
     "gpt_neox": {
         "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
         "attn_qkv": "attention.query_key_value", "attn_output": "attention.dense", "ffn_up": "mlp.dense_h_to_4h",
@@ -59,6 +73,8 @@ CLASSIC_LAYER_NAMES: dict[str, dict[str, str]] = {
     },
 }  # fmt: skip
 CLASSIC_GLOBAL_NAMES: dict[str, dict[str, str]] = {
+    "gpt2": _GPT2_GLOBAL,
+    "gpt_bigcode": _GPT2_GLOBAL,
     "gpt_neox": {
         "token_embd.weight": "gpt_neox.embed_in.weight", "output_norm.weight": "gpt_neox.final_layer_norm.weight",
         "output_norm.bias": "gpt_neox.final_layer_norm.bias", "output.weight": "embed_out.weight",
@@ -71,7 +87,10 @@ CLASSIC_GLOBAL_NAMES: dict[str, dict[str, str]] = {
         "output_norm.bias": "transformer.ln_f.bias",
     },
 }  # fmt: skip
-CLASSIC_LAYERS_PREFIX = {"gpt_neox": "gpt_neox.layers.", "exaone": "transformer.h.", "falcon": "transformer.h."}
+CLASSIC_LAYERS_PREFIX = {"gpt_neox": "gpt_neox.layers.", "exaone": "transformer.h.", "falcon": "transformer.h.",
+                         "gpt2": "transformer.h.", "gpt_bigcode": "transformer.h."}  # fmt: skip
+# GPT-2's Conv1D weights, `[in, out]` in its checkpoints and `[out, in]` in its files (its converter transposes them).
+CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 # StableLM 2's per-head q/k LayerNorms, one `[heads, head_dim]` tensor each in the file, one tensor a head in its
 # checkpoints (`headwise_norms`).
 HEADWISE_NORMS = (".self_attn.q_layernorm.weight", ".self_attn.k_layernorm.weight")
@@ -97,6 +116,13 @@ def classic_gguf_config(
         parallel = bool(read(f"{arch}.use_parallel_residual", True))
         keys.update(use_parallel_residual=parallel, attention_bias="blk.0.attn_qkv.bias" in tensors,
                     rotary_pct=config.pop("partial_rotary_factor", 1.0), rotary_emb_base=config["rope_theta"])
+    elif model_type in ("gpt2", "gpt_bigcode"):  # their own keys; the MLP's width from its tensors (their
+        # converters write 4 x hidden), GPT-BigCode's one KV head (llama.cpp reads no other)
+        keys.update(activation_function=keys.pop("hidden_act"), n_inner=int(tensors["blk.0.ffn_up.weight"].shape[-1]))
+        config.pop("head_dim")
+        keys["attention_bias"] = "blk.0.attn_qkv.bias" in tensors
+        if model_type == "gpt_bigcode":
+            keys["multi_query"] = int(config["num_key_value_heads"]) == 1
     elif model_type == "falcon":  # its activation's key is `activation`
         keys.update(_falcon_gguf_shape(config, tensors), activation=keys.pop("hidden_act"))
     elif model_type == "phi":

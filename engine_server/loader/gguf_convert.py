@@ -39,6 +39,7 @@ from engine_server.loader.gguf_classic import (
     CLASSIC_GLOBAL_NAMES,
     CLASSIC_LAYER_NAMES,
     CLASSIC_LAYERS_PREFIX,
+    CONV1D_WEIGHTS,
     HEADWISE_NORMS,
     classic_checkpoint_name,
     headwise_norms,
@@ -657,7 +658,7 @@ def iter_hf_tensors(
             continue
         if hybrid is not None and hybrid.changes(name):
             restore = _taken(hybrid, name, restore)
-        yield name, _hf_weight(tensor, spec, name, restore, lazy)
+        yield name, _hf_weight(tensor, spec, name, restore, lazy, transposed=_conv1d(name, model_type))
     if hybrid is not None:
         hybrid.finish()
     yield from _xielu_tensors(config)
@@ -711,6 +712,8 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     if rotated is not None:
         heads = config["num_attention_heads"] if rotated == "q" else config["num_key_value_heads"]
         return lambda array: unpermute_rope_rows(array, heads)
+    if _conv1d(name, model_type):  # GPT-2's, `[in, out]` in its checkpoints
+        return lambda array: np.ascontiguousarray(np.asarray(array).T)
     if model_type in ("gpt_neox", "falcon") and name.endswith(("query_key_value.weight", "query_key_value.bias")):
         heads = config["num_attention_heads"]  # their converters' cat(q, k, v), grouped by KV head again
         kv_heads = falcon_kv_heads(config) if model_type == "falcon" else heads
@@ -718,6 +721,11 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
     if model_type in _NORM_SHIFTED and name.endswith("norm.weight"):
         return lambda array: np.asarray(array, dtype=np.float32) - np.float32(1.0)
     return lambda array: array
+
+
+def _conv1d(name: str, model_type: str) -> bool:
+    """Whether HF tensor `name` of a `model_type` model is a Conv1D weight, `[in, out]` (GPT-2's)."""
+    return model_type == "gpt2" and name.endswith(CONV1D_WEIGHTS)
 
 
 def _taken(
@@ -734,10 +742,10 @@ def _taken(
 
 def _hf_weight(
     tensor: GgufTensor, spec: str, name: str, restore: Callable[[np.ndarray], np.ndarray], lazy: bool,
-    data: np.ndarray | None = None,
+    data: np.ndarray | None = None, transposed: bool = False,
 ) -> torch.Tensor | LazyTensor:
     """`tensor` (or `data`, a part of its array: an expert's projection), HF tensor `name`, dequantized and
-    restored, now or (`lazy`) when read."""
+    restored, now or (`lazy`) when read; `transposed`: `restore` transposes it (GPT-2's Conv1D weights)."""
     data = tensor.data if data is None else data
 
     def read() -> torch.Tensor:
@@ -753,6 +761,8 @@ def _hf_weight(
         shape = (shape[0], 1, *shape[1:])
     elif name.endswith(_MAMBA_FLATTENED) and not (name.endswith(_MAMBA_A_LOG) and len(shape) == 2 and shape[1] > 1):
         shape = (int(np.prod(shape)),)  # (Mamba-1's A_log, `[inner, N]`, keeps its rows)
+    elif transposed:
+        shape = tuple(reversed(shape))
     return LazyTensor(ComputedSlice(shape, read))
 
 

@@ -617,6 +617,9 @@ PLAIN_GGUF: dict[str, dict[str, Any]] = {
     # Falcon 7B (one KV head) and 40B (two, q/k/v grouped by them; a second norm before the MLP), without biases as
     # released (its converter regroups weights alone), over the 2,048 positions its converter writes for any Falcon.
     "falcon-7b": {"max_position_embeddings": 2048}, "falcon-40b": {"max_position_embeddings": 2048, "bias": False},
+    # GPT-2 (its Conv1D weights transposed by its converter) and GPT-BigCode (one KV head: llama.cpp's `starcoder`
+    # reads no other), their learned positions as `position_embd`, the MLP 4 x hidden as their converters write it.
+    "gpt2": {"intermediate_size": 256}, "gpt-bigcode": {"intermediate_size": 256},
 }  # fmt: skip
 
 
@@ -636,7 +639,8 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     token for token; served from its blocks (ERNIE's q/k rows read in halves order), each holds `ladle bench
     quality`'s thresholds."""
     _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
-    ungated = ("arcee", "apertus", "gpt-neox", "phi", "starcoder2", "nemotron", "falcon-7b", "falcon-40b")
+    ungated = ("arcee", "apertus", "gpt-neox", "phi", "starcoder2", "nemotron", "falcon-7b", "falcon-40b", "gpt2",
+               "gpt-bigcode")
     mlp = "up_proj" if family in ungated else "gate_up_proj"  # their ungated MLPs
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers[f"model.layers.0.mlp.{mlp}"] == "q4"
     if family == "ernie4.5-moe":

@@ -1405,3 +1405,19 @@ def test_llama4_configs_read_their_layers() -> None:
     assert untuned.nope_temperature_scale == 0.0 and not untuned.qk_unit_norm
     multimodal = {"model_type": "llama4", "text_config": text, "vision_config": {}}
     assert model_config_from_hf(multimodal) == config
+
+
+def test_the_first_gpt2_checkpoints_bare_names_and_mask_buffers_load() -> None:
+    """gpt2's own checkpoint names its tensors without `transformer.` (`h.0.attn.c_attn.weight`, `wte.weight`) and
+    holds each attention's causal-mask buffers (`attn.bias`, `attn.masked_bias`): read as transformers reads them, the
+    model is the one loaded from transformers' names."""
+    hf, ours = build_pair("gpt2")
+    bare = {name.removeprefix("transformer."): tensor for name, tensor in hf.state_dict().items()
+            if name != "lm_head.weight"}  # fmt: skip
+    for layer in range(2):
+        bare[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8, dtype=torch.bool))
+        bare[f"h.{layer}.attn.masked_bias"] = torch.tensor(-1e4)
+    first = get_model_class(ours.config.architecture)(ours.config).eval()
+    first.load_weights(bare.items())
+    tokens = random_tokens(9, 3)
+    torch.testing.assert_close(PagedRunner(first).step([(0, tokens)]), hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
