@@ -15,6 +15,7 @@ from engine_server.config import Architecture
 CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": "gpt_neox",
     "gpt_bigcode": "gpt_neox",
+    "gptj": "gptj",
     "gpt_neox": "gpt_neox",
     "falcon": "gpt_neox",
     "phi": "gpt_neox",
@@ -32,6 +33,7 @@ _ACTIVATIONS = {
     "falcon": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "gpt2": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "gpt_bigcode": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
+    "gptj": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "phi": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "nemotron": {"relu2": "relu2"},
@@ -45,7 +47,7 @@ _RENAMED_KEYS = {
     **{gpt2: {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
               "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
               "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"}
-       for gpt2 in ("gpt2", "gpt_bigcode")},
+       for gpt2 in ("gpt2", "gpt_bigcode", "gptj")},
     "falcon": {"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
                "layer_norm_epsilon": "rms_norm_eps", "ffn_hidden_size": "intermediate_size", "bias": "attention_bias",
                "activation": "hidden_act"},
@@ -65,6 +67,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
+    "gptj": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0},
     "phi": {"attention_bias": True},  # q/k/v and `dense` always have biases
     "starcoder2": {"attention_bias": True, "tie_word_embeddings": True},
     "olmo": {"rms_norm_eps": 1e-5},  # its LayerNorm's epsilon is fixed
@@ -91,10 +94,15 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             renamed[ours] = renamed.pop(theirs)
     if model_type == "olmo":
         renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
-    if model_type == "gpt_neox":  # every head its own K/V (a stray `num_key_value_heads` is not read)
+    if model_type in ("gpt_neox", "gptj"):  # every head its own K/V (a stray `num_key_value_heads` is not read)
         renamed["num_key_value_heads"] = renamed["num_attention_heads"]
     if model_type == "falcon":
         renamed.update(_falcon_shape(renamed))
+    if model_type == "gptj":  # rope over `rotary_dim` of each head (its base fixed), the MLP 4 x hidden unless given
+        hidden, heads = int(renamed["hidden_size"]), int(renamed["num_attention_heads"])
+        renamed["partial_rotary_factor"] = int(renamed.get("rotary_dim") or hidden // heads) / (hidden // heads)
+        renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * hidden)
+        renamed["rope_theta"] = 10000.0
     if model_type in ("gpt2", "gpt_bigcode"):  # the MLP 4 x hidden unless given; GPT-BigCode's one KV head
         multi_query = model_type == "gpt_bigcode" and renamed.get("multi_query", True)
         renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * int(renamed["hidden_size"]))
@@ -144,6 +152,8 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         unscaled = not cfg.get("scale_attn_weights", True)
         fields.update(mlp_bias=True, absolute_positions=True, transposed_weights=model_type == "gpt2",
                       **({"attention_scale": 1.0} if unscaled else {}))
+    elif model_type == "gptj":
+        fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
     elif model_type == "gpt_neox":
         parallel = bool(cfg.get("use_parallel_residual", True))
         fields.update(mlp_bias=True, parallel_block=parallel, parallel_mlp_norm=parallel)

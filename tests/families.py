@@ -103,7 +103,8 @@ WINDOW = 20
 # a pre-norm block.
 # GPT-NeoX: head-by-head fused q/k/v, rope over a quarter of each head, the attention and an exact-GELU MLP in
 # parallel off LayerNorms of their own. GPT-2: learned positions, Conv1D weights, tied embeddings; GPT-BigCode: learned
-# positions, one KV head. Falcon 7B: one KV head, the parallel block off one LayerNorm; Falcon 40B: two
+# positions, one KV head. GPT-J: the parallel block off one LayerNorm, rope over half of each head with its pairs
+# interleaved, an LM head bias. Falcon 7B: one KV head, the parallel block off one LayerNorm; Falcon 40B: two
 # KV heads (q/k/v grouped by KV head), the parallel block off two norms, biases. Phi-2: one LayerNorm feeding both,
 # rope over 0.4 of each head, an LM head bias.
 # StableLM 2 12B: a LayerNorm of each head's own over q and k, Phi's parallel block over a SwiGLU MLP. StarCoder2:
@@ -300,6 +301,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "jais2": ("Jais2Config", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt-neox": ("GPTNeoXConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt2": ("GPT2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gptj": ("GPTJConfig", {"rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt-bigcode": ("GPTBigCodeConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "falcon-7b": ("FalconConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "falcon-40b": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True,

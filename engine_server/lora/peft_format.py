@@ -57,12 +57,14 @@ _MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
         ("mlp.dense_4h_to_h", "mlp.down_proj"), ("mlp.fc1", "mlp.up_proj"), ("mlp.fc2", "mlp.down_proj"),
         ("mlp.c_fc", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"),
     ),
+    "gptj": (("attn.out_proj", "self_attn.o_proj"), ("attn.", "self_attn."), ("mlp.fc_in", "mlp.up_proj"),
+             ("mlp.fc_out", "mlp.down_proj")),
     "llama": (
         ("attn.attention.out_proj", "self_attn.o_proj"), ("attn.attention.", "self_attn."),
         ("mlp.c_fc_0", "mlp.gate_proj"), ("mlp.c_fc_1", "mlp.up_proj"), ("mlp.c_proj", "mlp.down_proj"),
     ),
 }  # fmt: skip
-_INTERLEAVED_ROPE_ROWS = ("llama4", "glm4", "ernie4_5", "ernie4_5_moe", "cohere")
+_INTERLEAVED_ROPE_ROWS = ("llama4", "glm4", "ernie4_5", "ernie4_5_moe", "cohere", "gptj")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from engine_server.models.glm4 import Glm4ForCausalLM
 from engine_server.models.glm4_moe import Glm4MoeForCausalLM
 from engine_server.models.gpt_neox import GPTNeoXForCausalLM
 from engine_server.models.gpt_oss import GptOssForCausalLM
+from engine_server.models.gptj import GPTJForCausalLM
 from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.granitemoe import GraniteMoeForCausalLM
 from engine_server.models.hunyuan import HunYuanForCausalLM
@@ -50,7 +51,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
-    "jamba", "gpt_neox");
+    "jamba", "gpt_neox", "gptj");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -87,6 +88,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "falcon_h1": FalconH1ForCausalLM,
         "jamba": JambaForCausalLM,
         "gpt_neox": GPTNeoXForCausalLM,
+        "gptj": GPTJForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -538,6 +538,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         transformers.GPTBigCodeConfig,
         {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "multi_query": False},
     ),
+    # GPT-J: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, rope over the first 8 of each
+    # head's 16 dims with its pairs interleaved, an LM head bias, q/k/v/o without biases.
+    "gptj": (transformers.GPTJConfig, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8}),
     # Phi-2: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, biases everywhere (the LM head
     # too), rope over 0.4 of each head (6 of these 16 dims).
     "phi": (transformers.PhiConfig, {"partial_rotary_factor": 0.4}),
@@ -631,6 +634,7 @@ MODEL_CLASSES = {
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.FalconConfig: transformers.FalconForCausalLM,
     transformers.GPT2Config: transformers.GPT2LMHeadModel,
+    transformers.GPTJConfig: transformers.GPTJForCausalLM,
     transformers.GPTBigCodeConfig: transformers.GPTBigCodeForCausalLM,
     transformers.PhiConfig: transformers.PhiForCausalLM,
     transformers.StableLmConfig: transformers.StableLmForCausalLM,
