@@ -77,8 +77,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with a classic family's own keys given Llama's names and its class's defaults filled in (the same dict
-    for any other `model_type`). ValueError for Phi's q/k LayerNorms (`qk_layernorm`, which no release sets), which
-    this engine does not build."""
+    for any other `model_type`): Falcon's, GPT-2's and GPT-BigCode's KV heads and MLP widths as transformers builds
+    them, GPT-J's rope share from its `rotary_dim`. ValueError for what this engine does not build: Phi's q/k
+    LayerNorms (`qk_layernorm`, which no release sets), Falcon-RW's alibi, GPT-2's scores scaled by layer
+    (`scale_attn_by_inverse_layer_idx`) and cross-attention."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return cfg
     if model_type == "phi" and cfg.get("qk_layernorm"):
@@ -135,9 +137,9 @@ def _falcon_shape(cfg: dict[str, Any]) -> dict[str, Any]:
 def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields of a classic family's blocks (`cfg` as `classic_config` gives it; {} for the other
     families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
-    and their activation, GPT-NeoX's, Falcon's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's q/k
-    LayerNorms per head,
-    Phi's LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
+    and their activation, GPT-NeoX's, Falcon's, GPT-J's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's
+    q/k LayerNorms per head, GPT-2's and GPT-BigCode's learned positions (GPT-2's Conv1D weights), GPT-J's and Phi's
+    LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return {}
     activations = _ACTIVATIONS[model_type]

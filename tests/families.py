@@ -108,9 +108,7 @@ WINDOW = 20
 # KV heads (q/k/v grouped by KV head), the parallel block off two norms, biases. Phi-2: one LayerNorm feeding both,
 # rope over 0.4 of each head, an LM head bias.
 # StableLM 2 12B: a LayerNorm of each head's own over q and k, Phi's parallel block over a SwiGLU MLP. StarCoder2:
-# biases everywhere, a GELU (tanh) MLP, every layer windowed. Nemotron-4: LayerNorm1P (1 + weight, with a bias), an
-# ungated relu² MLP, rope over half of each head. OLMo: LayerNorms without a weight or a bias, q/k/v clamped. EXAONE
-# 3.5: Llama under GPT-2's names (`transformer.h.N.attn.attention...`), tied embeddings.
+# biases everywhere, a GELU (tanh) MLP, every layer windowed.
 # Ministral 3: Mistral under YaRN with Llama 4's query temperature on every layer, over a 32-token original context
 # (these prompts reach five of its steps) and steeper (beta 0.5; the released 0.1 over 16,384 tokens).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -313,9 +311,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "starcoder2": ("Starcoder2Config", {"sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1,
                                         "eos_token_id": 2}),
-    "nemotron": ("NemotronConfig", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    "olmo": ("OlmoConfig", {"clip_qkv": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-    "exaone": ("ExaoneConfig", {"tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "apertus": (
         "ApertusConfig",
         {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
@@ -408,10 +403,15 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
 }  # fmt: skip
-# Families whose every part is another's, laid out under names of their own: their paged model is held to
-# transformers (tests/unit/test_models.py) and their saved checkpoints load as the engine names them
-# (tests/unit/test_family_engines.py's `test_layout_families_load_as_saved`), without a whole engine of their own.
+# Families whose every part is another's, laid out under names of their own (or with one norm of another form:
+# Nemotron-4's LayerNorm1P, 1 + weight with a bias; OLMo's LayerNorms without a weight, its q/k/v clamped; EXAONE 3.5,
+# Llama under GPT-2's names): their paged model is held to transformers (tests/unit/test_models.py), their saved
+# checkpoints load as the engine names them (tests/unit/test_family_engines.py's `test_layout_families_load_as_saved`)
+# and their GGUF files convert exactly (tests/unit/test_family_gguf.py), without a whole engine of their own.
 LAYOUT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "nemotron": ("NemotronConfig", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "olmo": ("OlmoConfig", {"clip_qkv": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "exaone": ("ExaoneConfig", {"tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "solar-open": (
         "SolarOpenConfig",
         {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -849,45 +849,46 @@ def test_a_hybrid_gguf_whose_value_heads_do_not_fill_its_inner_size_is_refused(t
         hf_config_from_gguf(reader, "qwen35.gguf")
 
 
-@pytest.mark.parametrize(
-    ("attention", "feed_forward"),
-    [(GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_K), (GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q6_K),
-     (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_K),
-     (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS),
-     (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q3_K),
-     (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q2_K),
-     (GGMLQuantizationType.IQ3_S, GGMLQuantizationType.IQ3_XXS),
-     (GGMLQuantizationType.Q2_K, GGMLQuantizationType.IQ2_XXS),
-     (GGMLQuantizationType.IQ2_XS, GGMLQuantizationType.IQ2_S),
-     (GGMLQuantizationType.IQ2_S, GGMLQuantizationType.IQ1_S),
-     (GGMLQuantizationType.IQ1_S, GGMLQuantizationType.IQ1_M)],
-    ids=["q5_0-q4_k", "q5_1-q6_k", "q8_0-q5_k", "iq4_nl-iq4_xs", "q4_k-q3_k", "q3_k-q2_k", "iq3_s-iq3_xxs",
-         "q2_k-iq2_xxs", "iq2_xs-iq2_s", "iq2_s-iq1_s", "iq1_s-iq1_m"],
-)  # fmt: skip
+# Every K-quant, IQ and 5- or 8-bit type served from its blocks, in two files: each layer's q/k/v, output, gate/up and
+# down projections in types of their own, the file's types taken in turn (16 projections a file).
+_Q = GGMLQuantizationType
+KQUANT_FILES = {
+    "k-quants-5-and-8-bit": (_Q.Q5_0, _Q.Q4_K, _Q.Q5_1, _Q.Q6_K, _Q.Q8_0, _Q.Q5_K, _Q.IQ4_NL, _Q.IQ4_XS, _Q.Q3_K,
+                             _Q.Q2_K),
+    "iq-2-and-1-bit": (_Q.IQ3_S, _Q.IQ3_XXS, _Q.IQ2_XXS, _Q.IQ2_XS, _Q.IQ2_S, _Q.IQ1_S, _Q.IQ1_M),
+}  # fmt: skip
+# Phi-3's projections: llama.cpp's names and the engine's layers.
+_PHI3_PROJECTIONS = (("attn_qkv", "self_attn.qkv_proj"), ("attn_output", "self_attn.o_proj"),
+                     ("ffn_up", "mlp.gate_up_proj"), ("ffn_down", "mlp.down_proj"))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(KQUANT_FILES))
 def test_k_quant_and_5_bit_files_are_served_from_their_blocks(
-    tmp_path: Path, attention: GGMLQuantizationType, feed_forward: GGMLQuantizationType,
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Phi-3 256 wide (every row whole K-quant super-blocks) with its attention in a 5- or 8-bit type and its MLP
-    in a K-quant, or both in llama.cpp's IQ4 types (random blocks: gguf has no K-quant or IQ4 quantizer), served
-    from the file's blocks: every projection's weight as read is the file's float weight (what `--quantization none`
-    serves) bit for bit, and the served model is close to its float path. The blocks are random, not quantized from
-    trained-like weights, so the activations' 8-bit rounding moves these logits more than a real model's: the
-    thresholds are looser than the real files' (benchmarks/results/quality_kquant.jsonl), and far below what a
-    misread block gives (KL of nats). On 96 positions of these flat logits the top-1 share is the noisier measure
-    (73-96% measured, at mean KLs of 0.0002-0.003): its bar is the loose one, the KL's the tight one."""
+    """A Phi-3 256 wide (every row whole K-quant super-blocks) whose projections are in K-quant, IQ, 5- and 8-bit
+    types (random blocks where gguf has no quantizer), served from the file's blocks: every projection's weight as read
+    is the file's float weight (what `--quantization none` serves) bit for bit, each layer in its type, and the served
+    model is close to its float path. The blocks are random, not quantized from trained-like weights, so the
+    activations' 8-bit rounding moves these logits more than a real model's: the thresholds are looser than the real
+    files' (benchmarks/results/quality_kquant.jsonl), and far below what a misread block gives (KL of nats). On 96
+    positions of these flat logits the top-1 share is the noisier measure: its bar is the loose one, the KL's the
+    tight one. (Until this stop each pair of types had a file of its own, 11 files: the same types, read the same
+    way, in a fifth of the engines.)"""
+    kinds = KQUANT_FILES[name]
+    slots = [(layer, gguf_name, ours) for layer in range(4) for gguf_name, ours in _PHI3_PROJECTIONS]
+    chosen = {f"blk.{layer}.{gguf_name}.weight": kinds[i % len(kinds)] for i, (layer, gguf_name, _) in enumerate(slots)}
     folder = save_family(tmp_path / "hf", "phi3", hidden_size=256, intermediate_size=256)
-    gguf = write_gguf(folder, tmp_path / "k.gguf", feed_forward, attention)
+    gguf = write_gguf(folder, tmp_path / "k.gguf", kinds[0], kinds[1], types=chosen)
     stored = keep_stored_weights(monkeypatch)
     layers, result = served_from_blocks(gguf)
     float_weights = dict(resolve_model(str(gguf)).weights())  # the converted folder: what `none` serves
     assert len(stored) == 4 * 4, sorted(stored)
-    for name, weight in stored.items():
-        assert torch.equal(weight.dequantize(), float_weights[f"{name}.weight"]), name
-    kinds = {GGMLQuantizationType.Q8_0: "q8"}
-    assert layers["model.layers.0.self_attn.qkv_proj"] == kinds.get(attention, attention.name.lower())
-    assert layers["model.layers.3.mlp.gate_up_proj"] == feed_forward.name.lower()
-    assert layers["model.layers.3.mlp.down_proj"] == feed_forward.name.lower()
+    for layer_name, weight in stored.items():
+        assert torch.equal(weight.dequantize(), float_weights[f"{layer_name}.weight"]), layer_name
+    for i, (layer, _, ours) in enumerate(slots):
+        kind = kinds[i % len(kinds)]
+        assert layers[f"model.layers.{layer}.{ours}"] == ("q8" if kind == _Q.Q8_0 else kind.name.lower()), ours
     assert result.top1_agreement >= 0.7 and result.mean_kl <= 0.01, result
 
 

@@ -202,18 +202,17 @@ def test_glm4_qk_adapters_equal_peft(tmp_path: Path) -> None:
 
 
 # The classic families' adapters under their checkpoints' own module names (`lora.peft_format`'s renames): GPT-NeoX's
-# head-by-head `query_key_value` (its update's rows reordered as the base's) and `dense`, Falcon 40B's (grouped by KV
-# head), GPT-BigCode's `c_attn`, `c_proj` and `c_fc`, GPT-J's `out_proj`, `fc_in`, `fc_out` and its q/k (rows reordered
-# as the base's: its rope pairs interleaved), Phi's `dense`, `fc1` and
-# `fc2` (an ungated MLP: `up_proj` the one segment of `gate_up_proj`), StarCoder2's `c_fc` and `c_proj`, EXAONE 3's
-# `attn.attention.*` and `c_fc_0` / `c_fc_1` / `c_proj` under `transformer.h.<n>`.
+# and Falcon 40B's `query_key_value` (grouped by KV head: a head a group in GPT-NeoX's; the update's rows reordered as
+# the base's), `dense`, `dense_h_to_4h` and `dense_4h_to_h`; GPT-BigCode's `c_attn`, `c_proj` and `c_fc` (StarCoder2's
+# MLP names too); GPT-J's `out_proj`, `fc_in`, `fc_out` and its q/k (rows reordered as the base's: its rope pairs
+# interleaved); Phi's `dense`, `fc1` and `fc2` (an ungated MLP: `up_proj` the one segment of `gate_up_proj`); EXAONE
+# 3's `attn.attention.*` and `c_fc_0` / `c_fc_1` / `c_proj` under `transformer.h.<n>`.
 CLASSIC_ADAPTERS = {
     "gpt-neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "falcon-40b": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "gpt-bigcode": ["c_attn", "c_proj", "c_fc"],
     "gptj": ["q_proj", "k_proj", "out_proj", "fc_in", "fc_out"],
     "phi": ["q_proj", "v_proj", "dense", "fc1", "fc2"],
-    "starcoder2": ["k_proj", "o_proj", "c_fc", "c_proj"],
     "exaone": ["q_proj", "out_proj", "c_fc_0", "c_fc_1", "c_proj"],
 }
 
