@@ -228,6 +228,18 @@ def test_classic_family_adapters_equal_peft_under_their_own_names(family: str, t
         assert tokens(llm.generate(prompts(), GREEDY, adapters="classic", use_tqdm=False)) == expected
 
 
+def test_adapters_on_an_ungated_mlp_equal_peft(tmp_path: Path) -> None:
+    """Arcee's MLP is ungated, `down(relu(up(x))²)`: an adapter on its `up_proj` and `down_proj` lands in the one
+    segment of `gate_up_proj` and in `down_proj` (until stop 93 it was accepted and not applied)."""
+    base = save_family(tmp_path / "arcee", "arcee")
+    folder = save_adapter(base, tmp_path / "mlp", ["up_proj", "down_proj"], 8, seed=3)
+    expected = hf_greedy(load_peft(base, folder), prompts(), NUM_TOKENS)
+    assert expected != hf_greedy(load_reference(base), prompts(), NUM_TOKENS)
+    with engine(base) as llm:
+        llm.load_adapter("mlp", str(folder))
+        assert tokens(llm.generate(prompts(), GREEDY, adapters="mlp", use_tqdm=False)) == expected
+
+
 def test_adapter_equals_its_weights_merged_into_the_base(models: Any, tmp_path: Path) -> None:
     base, folders, _ = models
     for name in ("attention-r8", "mlp-r16-rslora"):
