@@ -1,9 +1,9 @@
 """The classic decoders' GGUF files as llama.cpp's converter writes them (`gpt2`, `starcoder` (GPT-BigCode), `gptneox`,
-`falcon`, `phi2`, `stablelm`,
-`starcoder2`, `nemotron`, `olmo`, `exaone`): their metadata as each family's own `config.json` keys
-(`classic_gguf_config`), so transformers loads the converted folder as the family it is, and the tensor names and
-forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's and Falcon's q/k/v rows, which
-their converters group as `cat(q, k, v)`, given back grouped by KV head with `kv_grouped_qkv_rows`)."""
+`falcon`, `phi2`, `stablelm`, `starcoder2`, `nemotron`, `olmo`, `exaone`): their metadata as each family's own
+`config.json` keys (`classic_gguf_config`), so transformers loads the converted folder as the family it is, and the
+tensor names and forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's and Falcon's
+q/k/v rows, which their converters group as `cat(q, k, v)`, given back grouped by KV head with
+`kv_grouped_qkv_rows`)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 CLASSIC_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
 # Each family's name for the LayerNorms' epsilon in its config (OLMo's is fixed: none).
 _EPSILON_KEYS = {"gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon", "gpt_neox": "layer_norm_eps",
-                 "falcon": "layer_norm_epsilon", "phi": "layer_norm_eps",
-                 "stablelm": "layer_norm_eps",
+                 "falcon": "layer_norm_epsilon", "phi": "layer_norm_eps", "stablelm": "layer_norm_eps",
                  "starcoder2": "norm_epsilon", "nemotron": "norm_eps"}  # fmt: skip
 # The MLP's activation, which llama.cpp fixes per architecture: GPT-NeoX's is the exact GELU its checkpoints were
 # trained with (Pythia's `gelu`; llama.cpp runs its tanh form), Phi-2's and StarCoder2's the tanh form.
@@ -96,25 +95,22 @@ CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weigh
 HEADWISE_NORMS = (".self_attn.q_layernorm.weight", ".self_attn.k_layernorm.weight")
 
 
-def classic_gguf_config(
-    reader: Any, arch: str, config: dict[str, Any], tensors: dict[str, Any], read: Any
-) -> dict[str, Any]:
+def classic_gguf_config(arch: str, config: dict[str, Any], tensors: dict[str, Any], read: Any) -> dict[str, Any]:
     """The keys of a classic family's `config.json` from its file (`config` the generic keys read so far, whose
     `rms_norm_eps` holds the LayerNorms' epsilon; `read(key, default)` a metadata value): the epsilon under the
     family's own name, its MLP's activation, its biases and blocks as the file's tensors show them (StableLM's
     parallel block where a layer has no norm before its MLP; GPT-NeoX's as its metadata says), GPT-NeoX's rope share
-    as `rotary_pct`,
-    Phi-2's MLP width from its tensors (its converter writes 4 x hidden whatever it is), OLMo's `clip_qkv`."""
+    as `rotary_pct`, Phi-2's, GPT-2's and Falcon's MLP width from their tensors (their converters write 4 x hidden
+    whatever it is), OLMo's `clip_qkv`."""
     model_type = CLASSIC_GGUF_ARCHITECTURES[arch][0]
     keys: dict[str, Any] = {}
     if model_type in _EPSILON_KEYS:
         keys[_EPSILON_KEYS[model_type]] = config.pop("rms_norm_eps")
     if model_type in _ACTIVATIONS:
         keys["hidden_act"] = _ACTIVATIONS[model_type]
-    parallel = "blk.0.ffn_norm.weight" not in tensors  # StableLM 2 12B's: one norm feeds both halves
-    if model_type == "gpt_neox":  # two norms either way: as its metadata says (llama.cpp's default, on)
-        parallel = bool(read(f"{arch}.use_parallel_residual", True))
-        keys.update(use_parallel_residual=parallel, attention_bias="blk.0.attn_qkv.bias" in tensors,
+    if model_type == "gpt_neox":  # two norms either way: parallel as its metadata says (llama.cpp's default, on)
+        keys.update(use_parallel_residual=bool(read(f"{arch}.use_parallel_residual", True)),
+                    attention_bias="blk.0.attn_qkv.bias" in tensors,
                     rotary_pct=config.pop("partial_rotary_factor", 1.0), rotary_emb_base=config["rope_theta"])
     elif model_type in ("gpt2", "gpt_bigcode"):  # their own keys; the MLP's width from its tensors (their
         # converters write 4 x hidden), GPT-BigCode's one KV head (llama.cpp reads no other)
@@ -128,7 +124,8 @@ def classic_gguf_config(
     elif model_type == "phi":
         keys["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[-1])
     elif model_type == "stablelm":
-        keys.update(use_parallel_residual=parallel, use_qkv_bias=config.pop("attention_bias"),
+        keys.update(use_parallel_residual="blk.0.ffn_norm.weight" not in tensors,  # (12B's: one norm feeds both)
+                    use_qkv_bias=config.pop("attention_bias"),
                     qk_layernorm="blk.0.attn_q_norm.weight" in tensors)
     elif model_type == "starcoder2":
         keys["use_bias"] = config.pop("attention_bias")
@@ -144,9 +141,8 @@ def classic_gguf_config(
 def _falcon_gguf_shape(config: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     """A `falcon` file's Falcon as its config says it: llama.cpp runs every file's block in parallel, its attention
     off a second norm where a layer has one (`attn_norm_2`: 40B's and 180B's new decoder architecture), else both
-    halves off the one (7B's
-    multi-query attention with one KV head; Falcon2 11B's new architecture with one norm); MLP width and biases
-    from its tensors (its converter writes 4 x hidden)."""
+    halves off the one (7B's multi-query attention with one KV head; Falcon2 11B's new architecture with one norm);
+    MLP width and biases from its tensors (its converter writes 4 x hidden)."""
     kv_heads = int(config["num_key_value_heads"])
     config.pop("head_dim")  # hidden / heads, and read-only in transformers' FalconConfig
     two_norms = "blk.0.attn_norm_2.weight" in tensors

@@ -568,7 +568,7 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     elif arch == "jamba":
         config.update(_jamba_config(reader, config, experts, tensors, spec))
     elif arch in CLASSIC_GGUF_ARCHITECTURES:
-        config.update(classic_gguf_config(reader, arch, config, tensors, functools.partial(read_field, reader)))
+        config.update(classic_gguf_config(arch, config, tensors, functools.partial(read_field, reader)))
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

@@ -26,7 +26,7 @@ _C_ATTN = re.compile(r".+\.attn\.c_attn\.(?:weight|bias)")
 _CONV1D = re.compile(r".+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 # The first GPT-2 checkpoints' names, without `transformer.`; their attention's causal-mask buffers.
 _BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.")
-_MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
+MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
 # StableLM 2's q/k LayerNorms, one module per head.
 _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<head>\d+)\.weight")
 
@@ -81,7 +81,7 @@ class GPTNeoXForCausalLM(CausalLM):
             grouped_qkv_rows, n_head=config.num_attention_heads, n_kv_head=config.num_key_value_heads
         )
         for name, tensor in self._joined_head_norms(weights):
-            if name.endswith(_MASK_BUFFERS):
+            if name.endswith(MASK_BUFFERS):
                 continue
             if name.startswith("embed_out."):
                 name = "lm_head." + name.removeprefix("embed_out.")

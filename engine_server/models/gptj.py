@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator
 
+from engine_server.models.gpt_neox import MASK_BUFFERS
 from engine_server.models.interleaved_rope import InterleavedRopeCausalLM
 from engine_server.parallel.layers import CheckpointTensor
 
@@ -19,8 +20,6 @@ _LLAMA_NAMES = (
     (".mlp.fc_in.", ".mlp.up_proj."),
     (".mlp.fc_out.", ".mlp.down_proj."),
 )
-# The first checkpoints' causal-mask buffers, which transformers does not read either.
-_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
 
 
 class GPTJForCausalLM(InterleavedRopeCausalLM):
@@ -39,7 +38,7 @@ class GPTJForCausalLM(InterleavedRopeCausalLM):
 
 def _llama_named(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
     for name, tensor in weights:
-        if name.endswith(_MASK_BUFFERS):
+        if name.endswith(MASK_BUFFERS):  # the first checkpoints' causal masks, which transformers reads neither
             continue
         for theirs, ours in _LLAMA_NAMES:
             name = name.replace(theirs, ours)
