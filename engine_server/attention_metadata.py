@@ -90,6 +90,9 @@ class AttentionMetadata:
     # Set by the runner for a step whose caller reads each sequence's last token's final hidden state alone (no
     # prompt logprobs, pooling or drafts): layers that write no K/V (Gemma 4's sharing ones) may skip the others.
     last_rows_only: bool = False
+    # DeepSeek Sparse Attention (`layers.sparse_indexer`): the positions the step's last layer with an indexer chose
+    # for each token (`[T, topk]`, -1 past its own), which GLM-5's layers without one reuse; None until one chose.
+    sparse_choice: torch.Tensor | None = None
 
     @classmethod
     def build(

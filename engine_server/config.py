@@ -82,6 +82,22 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5; `layers.sparse_indexer`): each query
+    attends over the `topk` earlier positions (its own included) that `heads` index heads of `head_dim` score
+    highest, and over all of them while it has no more. Rope turns each index key's and query's first
+    `qk_rope_head_dim` dims, their pairs interleaved with `rope_interleave` (GLM-5's) and in halves otherwise
+    (DeepSeek-V3.2's). The layers in `shared_layers` have no indexer of their own: they attend over the positions
+    the last layer before them with one chose (GLM-5's `indexer_types` "shared")."""
+
+    heads: int
+    head_dim: int
+    topk: int
+    rope_interleave: bool = False
+    shared_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class LinearAttention:
     """Gated DeltaNet's shape (Qwen3-Next, Qwen3.5; `layers.gated_deltanet`): the linear attention of `layers`,
     whose state per sequence is a short convolution's last `conv_kernel - 1` inputs over q, k and v
@@ -381,6 +397,9 @@ class ModelConfig:
     # `moe_group_score`), the chosen scores renormalised (`norm_topk_prob`) and scaled by `routed_scaling_factor`;
     # its shared experts have no gate (`shared_expert_gated` off).
     latent_attention: LatentAttention | None = None
+    # DeepSeek-V3.2 and GLM-5: latent attention over the positions an indexer picks (`SparseIndexer`); the cache's
+    # `head_dim` then also fits each token's index key beside its latent (`layers.sparse_indexer`).
+    sparse_indexer: SparseIndexer | None = None
     # Mistral 4 and Ministral 3: their queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's
     # attention temperature) on every layer, beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's
     # original context.

@@ -19,6 +19,7 @@ from engine_server.config import (
     ModelConfig,
     RopeScaling,
     ShortConvolution,
+    SparseIndexer,
     Yarn,
     nemotron_blocks,
 )
@@ -78,6 +79,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
+    # DeepSeek-V3.2 and GLM-5: that latent attention over the positions a lightning indexer picks (`_sparse_indexer`).
+    "deepseek_v32": "deepseek_v3",
+    "glm_moe_dsa": "deepseek_v3",
     "glm4_moe": "glm4_moe",
     # Upstage's Solar Open: GLM-4.5's experts on every layer under Llama's attention (rope over each whole head).
     "solar_open": "glm4_moe",
@@ -257,6 +261,10 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         rope_fields = {**rope_fields, **latent}
         mla: LatentAttention = latent["latent_attention"]
         head_dim, kv_heads = mla.kv_lora_rank + mla.qk_rope_head_dim, 1
+        indexer = _sparse_indexer(cfg, model_type, mla)
+        if indexer is not None:  # each cache row also holds the token's index key (`layers.sparse_indexer`)
+            rope_fields = {**rope_fields, "sparse_indexer": indexer}
+            head_dim = max(head_dim, mla.kv_lora_rank + indexer.head_dim)
     else:
         rope_fields = {**rope_fields, **_query_scale_fields(model_type, rope)}
     eos = cfg.get("eos_token_id")
@@ -437,12 +445,14 @@ def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[
 
 def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
-    transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else (GLM-4.7-Flash
-    and Sarvam with neither) the first one, as transformers defaults them."""
+    transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else as
+    transformers defaults them: the first one (GLM-4.7-Flash, Sarvam), three (DeepSeek-V3 and V3.2, GLM-5), none."""
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
-    default = 1 if cfg.get("model_type") in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla") else 0
+    model_type = cfg.get("model_type")
+    default = 1 if model_type in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla") else 0
+    default = 3 if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa") else default
     return tuple(range(int(cfg.get("first_k_dense_replace", default) or 0)))
 
 
@@ -466,6 +476,35 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         scale *= mscale * mscale
     fields: dict[str, Any] = {"latent_attention": mla, "attention_scale": scale}
     return {**fields, **_query_scale_fields(model_type, rope)}
+
+
+def _sparse_indexer(cfg: dict[str, Any], model_type: str, mla: LatentAttention) -> SparseIndexer | None:
+    """DeepSeek-V3.2's and GLM-5's lightning indexer (`SparseIndexer`), None for other latent-attention families.
+    GLM-5's layers of `indexer_types` "shared" reuse the last full layer's choice; without the list, transformers'
+    schedule from `index_topk_pattern` ("F"/"S" per layer) or `index_topk_freq` and `index_skip_topk_offset` (every
+    layer full by default). ValueError for a first layer that is shared, or an index head narrower than its rope."""
+    if model_type not in ("deepseek_v32", "glm_moe_dsa"):
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("indexer_types") if model_type == "glm_moe_dsa" else None
+    if kinds is None and model_type == "glm_moe_dsa":
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq, offset = max(int(cfg.get("index_topk_freq") or 1), 1), int(cfg.get("index_skip_topk_offset", 2))
+            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    shared = tuple(i for i, kind in enumerate(kinds or ()) if kind == "shared")
+    if 0 in shared:
+        raise ValueError(f"{model_type}: layer 0's indexer is shared, but no layer before it has one")
+    indexer = SparseIndexer(
+        heads=int(cfg.get("index_n_heads") or 64), head_dim=int(cfg.get("index_head_dim") or 128),
+        topk=int(cfg.get("index_topk") or 2048), rope_interleave=model_type == "glm_moe_dsa", shared_layers=shared,
+    )  # fmt: skip
+    if indexer.head_dim < mla.qk_rope_head_dim or indexer.topk < 1:
+        raise ValueError(f"{model_type}: index heads of {indexer.head_dim} dims (rope {mla.qk_rope_head_dim}) and "
+                         f"index_topk {indexer.topk}")  # fmt: skip
+    return indexer
 
 
 def _query_scale_fields(model_type: str, rope: dict[str, Any]) -> dict[str, Any]:

@@ -324,6 +324,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         # Llama 4's rope layers split each step's sequences at their chunks from host lists (a MoE model anyway).
         log.warning("a model attending within chunks (Llama 4) decodes eagerly: no CUDA graphs yet")
         return False
+    if loaded.model_config.sparse_indexer is not None:
+        # Its layers choose between dense and gathered attention, and walk each sequence, from host lists.
+        log.warning("a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet")
+        return False
     if loaded.model_config.num_experts:
         # Each expert's GEMM is sized by the tokens routed to it, which a recorded graph cannot follow.
         log.warning("a mixture-of-experts model decodes eagerly: its expert GEMMs are not recorded in CUDA graphs")

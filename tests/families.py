@@ -192,6 +192,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}},
     ),
+    # DeepSeek-V3.2: DeepSeek-V3's layout with a lightning indexer on every layer choosing 16 positions per query
+    # (the prompts reach 140), 8 index heads 16 wide; GLM-5: the same with the indexer's rope pairs interleaved and
+    # layer 2 reusing layer 1's choice.
+    "deepseek-v32": (
+        "DeepseekV32Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 16,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "glm-moe-dsa": (
+        "GlmMoeDsaConfig",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 16,
+         "index_topk_pattern": "FFSF", "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "minimax-m2": (
         "MiniMaxM2Config",
         {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
@@ -581,9 +600,10 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # A hybrid's recurrent layers (Qwen3-Next's, Qwen3.5's linear attention, LFM2's convolutions, Falcon-H1's Mamba-2
-    # beside attention) keep states, which the cache lays out by the config.
+    # beside attention) keep states, and DeepSeek-V3.2's and GLM-5's indexers their keys, which the cache lays out by
+    # the config.
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    hybrid = bool({"linear_attention", "conv", "mamba", "hybrid"} & set(kinds))
+    hybrid = bool({"linear_attention", "conv", "mamba", "hybrid", "indexed_attention"} & set(kinds))
     cache = DynamicCache(config=model.config) if hybrid else DynamicCache()
     steps: list[torch.Tensor] = []
     with torch.inference_mode():

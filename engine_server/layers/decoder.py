@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
             if config.mamba1 is not None and config.is_recurrent_layer(index)
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
-            else MultiLatentAttention(config, dtype, tp)
+            else MultiLatentAttention(config, dtype, tp, index)
             if config.latent_attention is not None
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index

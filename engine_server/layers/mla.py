@@ -18,16 +18,21 @@ are the ones every other family uses; the cache row is written as the key and ag
 quantizers swap), as in vLLM, which dequantizes it for the same absorption; an FP8 checkpoint's is read
 dequantized. DeepSeek-V3's interleaved rope pairs (`rope_interleave`) are first laid out as halves, which is what
 transformers' interleaved rotation computes. Tensor parallelism is refused: the heads are not split yet.
+
+DeepSeek-V3.2 and GLM-5 (`ModelConfig.sparse_indexer`) attend over the positions a lightning indexer picks
+(`layers.sparse_indexer`, which also says how the cache's rows hold its keys).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
+from engine_server.layers.sparse_indexer import LightningIndexer, attend_positions, select_positions
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from kernels.kernel_set import KernelOps
@@ -54,7 +59,7 @@ class LatentExpansion(nn.Module):
 class MultiLatentAttention(nn.Module):
     """One layer's latent attention (module doc); parameters named as DeepSeek's checkpoints name them."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE, index: int = 0) -> None:
         super().__init__()
         if tp.size > 1:
             raise ValueError("multi-head latent attention is not sharded yet: use tensor_parallel_size 1")
@@ -80,6 +85,13 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
         self.kv_b_proj = LatentExpansion(heads, self.nope_dim, self.value_dim, self.kv_lora_rank, dtype)
         self.o_proj = nn.Linear(heads * self.value_dim, hidden, bias=bias, dtype=dtype)
+        # Sparse attention (`layers.sparse_indexer`): the cache's row (`head_dim`), the positions each query may
+        # attend to, and this layer's indexer (None on a layer that reuses the last one's choice).
+        sparse = config.sparse_indexer
+        self.row, self.topk = config.head_dim, 0 if sparse is None else sparse.topk
+        self.indexer = (
+            LightningIndexer(config, dtype) if sparse is not None and index not in sparse.shared_layers else None
+        )
 
     def forward(
         self,
@@ -97,8 +109,10 @@ class MultiLatentAttention(nn.Module):
         if lora is not None:
             raise ValueError("LoRA adapters are not applied to multi-head latent attention")
         tokens, heads = hidden.shape[0], self.num_heads
+        q_resid = None
         if self.q_a_proj is not None and self.q_a_layernorm is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden), ops))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden), ops)
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
         q_nope, q_rope = q.view(tokens, heads, self.query_dim).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -113,11 +127,47 @@ class MultiLatentAttention(nn.Module):
             steps = torch.floor(positions.to(torch.float32) / self.query_scale_positions)
             q = q * (1 + self.query_scale_beta * torch.log(1 + steps)).to(q.dtype)[:, None, None]
         rows = torch.cat((latent.view(tokens, 1, self.kv_lora_rank), k_rope), dim=-1)
-        ops.write_kv_cache(rows, rows, kv_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, None)
+        if self.topk:
+            out = self._attend_sparse(positions, hidden, q_resid, q, rows, kv_cache, cos_sin_cache, meta, ops)
+        else:
+            ops.write_kv_cache(rows, rows, kv_cache, meta.slot_mapping)
+            out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, None)[..., : self.kv_lora_rank]
         # [heads, T, rank] @ [heads, rank, value]: each head's weighted latent expanded to its value
-        values = torch.bmm(out[..., : self.kv_lora_rank].transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2))
+        values = torch.bmm(out.transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2))
         return self.o_proj(values.transpose(0, 1).reshape(tokens, heads * self.value_dim))
+
+    def _attend_sparse(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        q_resid: torch.Tensor | None,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """Write this step's rows with their index keys, then attend over what the indexer picks (`[T, heads,
+        kv_lora_rank]`): through the paged kernels while every sequence is at most `topk` long, else over the rows
+        `layers.sparse_indexer` gathers (module doc there)."""
+        values = rows[..., : self.kv_lora_rank]
+        if self.indexer is not None:
+            values = torch.cat((values, self.indexer.keys(positions, hidden, cos_sin_cache, ops)[:, None]), dim=-1)
+        pad = self.row - rows.shape[-1], self.row - values.shape[-1]
+        ops.write_kv_cache(F.pad(rows, (0, pad[0])), F.pad(values, (0, pad[1])), kv_cache, meta.slot_mapping)
+        if meta.max_seq_len <= self.topk:
+            out = ops.paged_attention(F.pad(q, (0, pad[0])), kv_cache, meta, self.scale, 0, 0.0, None)
+            return out[..., : self.kv_lora_rank]
+        if self.indexer is not None:
+            assert q_resid is not None
+            queries, weights = self.indexer.queries(positions, hidden, q_resid, cos_sin_cache, ops)
+            meta.sparse_choice = select_positions(
+                queries, weights, positions, kv_cache, meta, self.kv_lora_rank, self.topk
+            )
+        if meta.sparse_choice is None:
+            raise RuntimeError("a layer sharing its indexer's choice ran before any layer with an indexer")
+        return attend_positions(q, kv_cache, meta, meta.sparse_choice, self.scale, self.kv_lora_rank)
 
     def _halves(self, x: torch.Tensor) -> torch.Tensor:
         """Rope dims in interleaved pairs `(x0, x1), (x2, x3), ...` laid out as halves `(x0, x2, ..., x1, x3, ...)`,

@@ -691,6 +691,38 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
+def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: Path) -> None:
+    """DeepSeek-V3.2's indexer (tests/families.py: 16 positions per query, prompts to 144 positions) keeps
+    transformers' tokens with prompts prefilled in 24-token chunks on a pool of 24 blocks (each chunk's queries
+    choosing among the index keys earlier chunks cached; sequences preempted and recomputed) and under n-gram drafts
+    verified several tokens to a row. Each cache row is the longer of the latent with its rope key (32 + 8) and the
+    latent with its index key (32 + 16), in e4m3 beside its scale in an FP8 cache, whose first tokens mostly agree;
+    int8 weights (the indexer's projections too) are batch-invariant and mostly agree."""
+    folder = save_family(tmp_path, "deepseek-v32", head_spread=1.0)  # a clear next token (families.save_family)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=24, kv_blocks=36) as llm:  # 36 of the helper's blocks hold 24 of these 48-dim rows
+        assert llm.core.runner.kv_caches[0].shape[2:] == (16, 1, 48)
+        assert tokens(llm, batch) == theirs
+        assert llm.core.scheduler.total_preemptions > 0
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:
+        assert tokens(llm, batch) == theirs
+    config = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                          cache=CacheConfig(memory_bytes=64 * 1024**2, dtype="fp8"))  # fmt: skip
+    with LLM(config=config) as llm:
+        assert {(c.shape[-1], c.dtype) for c in llm.core.runner.kv_caches} == {(48 + 4, torch.uint8)}
+        ours = tokens(llm, batch)
+    # e4m3 rows move this tiny model's first tokens as they move DeepSeek-V3's (6 of 8 here; the sparse path's
+    # reads of those rows are held to the float formula in tests/unit/test_sparse_indexer.py)
+    assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 5
+    with engine(folder, quantization="int8") as llm:
+        indexer = llm.core.runner.loaded.model.model.layers[0].self_attn.indexer
+        assert all(isinstance(linear, QuantizedLinear) for linear in (indexer.wq_b, indexer.wk, indexer.weights_proj))
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(a[0] == b[0] for a, b in zip(alone, theirs, strict=True)) >= 7
+
+
 @pytest.mark.parametrize(("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4), ("ernie4.5-moe", 3)])
 def test_bias_routed_families_split_over_two_ranks_and_on_int8(name: str, banks: int, tmp_path: Path) -> None:
     """GLM-4.5, MiniMax-M2 (sigmoid scores) and ERNIE 4.5 (softmax), each choosing its experts with a load-balancing

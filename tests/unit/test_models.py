@@ -1182,6 +1182,38 @@ def test_mimo_v2_flash_configs_read_as_transformers_builds_them() -> None:
     assert out["model.layers.48.self_attn.v_proj.weight"] is extra and len(out) == 1 + len(full)  # (+ full sinks)
 
 
+def test_sparse_attention_configs_read_as_transformers_builds_them() -> None:
+    """DeepSeek-V3.2's and GLM-5's default configs (their releases' shapes) read as transformers builds them: latent
+    attention whose cache row also holds a 128-wide index key (512 + 128 against 512 + 64), 2,048 positions per
+    query, rope over halves of the index key's first 64 dims for DeepSeek and over interleaved pairs for GLM, three
+    dense layers first; so does a config.json that states none of what transformers fills in. GLM-5's shared layers
+    follow `indexer_types`, else its `index_topk_pattern`, else `index_topk_freq` from `index_skip_topk_offset`; a
+    first layer without an indexer of its own is refused."""
+    for made, rope_interleave, heads in ((transformers.DeepseekV32Config(), False, 64),
+                                         (transformers.GlmMoeDsaConfig(), True, 32)):  # fmt: skip
+        raw = made.to_dict()
+        config = model_config_from_hf(raw)
+        indexer = config.sparse_indexer
+        assert indexer is not None and config.architecture == "deepseek_v3"
+        assert (indexer.heads, indexer.head_dim, indexer.topk, indexer.rope_interleave) == (heads, 128, 2048,
+                                                                                             rope_interleave)
+        assert indexer.shared_layers == () and (config.head_dim, config.num_key_value_heads) == (640, 1)
+        assert config.dense_layers == (0, 1, 2)
+        bare = {k: v for k, v in raw.items() if k not in ("mlp_layer_types", "first_k_dense_replace", "indexer_types",
+                                                           "layer_types")}  # fmt: skip
+        assert model_config_from_hf(bare) == config
+    glm = {**transformers.GlmMoeDsaConfig(num_hidden_layers=6).to_dict(), "indexer_types": None}
+    schedules: list[dict[str, Any]] = [
+        {"index_topk_pattern": "FFSFSS"}, {"index_topk_freq": 2}, {"index_topk_freq": 3, "index_skip_topk_offset": 1}
+    ]
+    for schedule in schedules:
+        kinds = transformers.GlmMoeDsaConfig(num_hidden_layers=6, **schedule).indexer_types
+        shared = model_config_from_hf({**glm, **schedule}).sparse_indexer
+        assert shared is not None and shared.shared_layers == tuple(i for i, k in enumerate(kinds) if k == "shared")
+    with pytest.raises(ValueError, match="layer 0's indexer is shared"):
+        model_config_from_hf({**glm, "indexer_types": ["shared"] + ["full"] * 5})
+
+
 def test_jamba_configs_read_their_layers_as_transformers_builds_them() -> None:
     """Jamba's default config (Jamba-v0.1's shape: 32 layers, attention on every 8th from the 5th, 16 experts on every
     other layer, Mamba-1 of 8,192 channels with a rank-256 time step) reads as transformers builds it; the same from

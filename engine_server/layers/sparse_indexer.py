@@ -1,0 +1,158 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer picks, for each query, the `topk` earlier
+positions (its own included) that latent attention (`layers.mla`) attends over.
+
+Each token has one index key, `head_dim` wide (`wk`, a LayerNorm with a bias, rope over its first
+`qk_rope_head_dim` dims); each query `heads` index queries (`wq_b` over the attention's normalised low-rank query)
+and a weight per index head (`weights_proj`). Position j's score for query t is `sum_h w[t, h] * relu(q[t, h] . k[j]
+/ sqrt(head_dim)) / sqrt(heads)`, in float32 as transformers computes it; the `topk` best of the positions up to
+t's own are attended, all of them while there are no more than `topk`.
+
+The index keys live in the layer's paged cache beside the latents, so prefix caching, preemption and the cache's
+size all hold them as they hold K/V: each row of the key half is `cat(latent, rope key)` and each row of the value
+half `cat(latent, index key)` (attention reads only the latent of a value), both zero-padded to the cache's row,
+the longer of the two (`ModelConfig.head_dim`). A step whose every sequence is at most `topk` long attends
+densely, through the paged kernels every family uses (what the indexer would pick is every position); otherwise
+the whole step attends here, sequence by sequence, over the chosen rows gathered from the cache (torch; queries in
+chunks whose gathered rows stay under `_CHUNK_BYTES`). A layer without an indexer of its own (GLM-5's "shared"
+ones) attends over the positions the last one before it chose, kept on the step's metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_server.attention_metadata import AttentionMetadata
+from engine_server.config import ModelConfig
+from engine_server.layers.norm import BiasedLayerNorm
+from kernels.kernel_set import KernelOps
+from kernels.reference import fp8_kv_values, is_fp8_kv_cache
+
+_CHUNK_BYTES = 1 << 26  # the most float32 bytes one chunk of queries gathers or scores at once
+_KEY_NORM_EPS = 1e-6  # DeepSeek's and transformers' `nn.LayerNorm(head_dim, eps=1e-6)`
+
+
+class LightningIndexer(nn.Module):
+    """One layer's indexer; parameters named as DeepSeek-V3.2's and GLM-5's checkpoints name them
+    (`self_attn.indexer.*`)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        spec, mla = config.sparse_indexer, config.latent_attention
+        assert spec is not None and mla is not None
+        if not mla.q_lora_rank:
+            raise ValueError("a sparse-attention indexer reads the low-rank query: q_lora_rank must be set")
+        self.heads, self.head_dim, self.rope_dim = spec.heads, spec.head_dim, mla.qk_rope_head_dim
+        self.interleaved = spec.rope_interleave
+        self.wq_b = nn.Linear(mla.q_lora_rank, self.heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.k_norm = BiasedLayerNorm(self.head_dim, _KEY_NORM_EPS, dtype)
+        self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False, dtype=dtype)
+
+    def keys(
+        self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin_cache: torch.Tensor, ops: KernelOps
+    ) -> torch.Tensor:
+        """hidden `[T, hidden]` -> each token's index key `[T, head_dim]`, turned by its position."""
+        keys = self.k_norm(self.wk(hidden), ops).view(-1, 1, self.head_dim)
+        return self._turned(positions, keys, cos_sin_cache, ops).view(-1, self.head_dim)
+
+    def queries(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index queries `[T, heads, head_dim]` turned by position, weights `[T, heads]` float32 with the
+        1/sqrt(heads) folded in) from hidden `[T, hidden]` and the attention's normalised low-rank query."""
+        queries = self.wq_b(q_resid).view(-1, self.heads, self.head_dim)
+        weights = self.weights_proj(hidden).float() * self.heads**-0.5
+        return self._turned(positions, queries, cos_sin_cache, ops), weights
+
+    def _turned(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, ops: KernelOps
+    ) -> torch.Tensor:
+        """x `[T, H, head_dim]` with rope on its first `rope_dim` dims (GLM-5's interleaved pairs laid out as halves
+        first, as transformers' interleaved rotation leaves them: scores are dot products, the same either way)."""
+        turned, kept = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        if self.interleaved:
+            turned = torch.cat((turned[..., 0::2], turned[..., 1::2]), dim=-1)
+        turned, _ = ops.rotary_embedding(positions, turned.contiguous(), turned[:, :1].contiguous(), cos_sin_cache)
+        return torch.cat((turned, kept), dim=-1)
+
+
+def select_positions(
+    queries: torch.Tensor,
+    weights: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    key_offset: int,
+    topk: int,
+) -> torch.Tensor:
+    """The positions each of the step's tokens attends over, `[T, topk]` int64, -1 past the positions it has: the
+    `topk` best by the indexer's score (module doc) among positions up to its own (`positions`), whose index keys are
+    the value half's dims `[key_offset, key_offset + head_dim)` (this step's already written)."""
+    tokens, heads, dim = queries.shape
+    chosen = torch.full((tokens, topk), -1, dtype=torch.int64, device=queries.device)
+    for seq, (start, count, length) in enumerate(_sequences(meta)):
+        keys = _rows(kv_cache[1], _slots(meta, seq, length), key_offset, dim)  # [L, D]
+        chunk = max(1, _CHUNK_BYTES // (4 * heads * length))
+        for first in range(start, start + count, chunk):
+            rows = slice(first, min(first + chunk, start + count))
+            scores = torch.relu(torch.matmul(queries[rows].float(), keys.T) * dim**-0.5)  # [c, H, L]
+            index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [c, L]
+            later = torch.arange(length, device=index.device)[None, :] > positions[rows, None]
+            index = index.masked_fill(later, float("-inf"))
+            best, picked = index.topk(min(topk, length), dim=-1)
+            chosen[rows, : picked.shape[1]] = picked.masked_fill(best == float("-inf"), -1)
+    return chosen
+
+
+def attend_positions(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, chosen: torch.Tensor, scale: float, width: int
+) -> torch.Tensor:
+    """Latent attention of q `[T, H, K]` over the key half's rows (their first K dims) at each token's `chosen`
+    positions (`select_positions`), weighting the value half's first `width` dims: `[T, H, width]`."""
+    tokens, heads, dim = q.shape
+    out = q.new_empty(tokens, heads, width)
+    for seq, (start, count, length) in enumerate(_sequences(meta)):
+        slots = _slots(meta, seq, length)
+        chunk = max(1, _CHUNK_BYTES // (4 * chosen.shape[1] * (dim + width)))
+        for first in range(start, start + count, chunk):
+            rows = slice(first, min(first + chunk, start + count))
+            picked = chosen[rows]  # [c, k]
+            where = slots.index_select(0, picked.clamp(min=0).flatten())
+            keys = _rows(kv_cache[0], where, 0, dim).view(*picked.shape, dim).to(q.dtype)
+            values = _rows(kv_cache[1], where, 0, width).view(*picked.shape, width).to(q.dtype)
+            scores = torch.bmm(q[rows], keys.transpose(1, 2)) * scale  # [c, H, k]
+            scores = scores.masked_fill((picked < 0)[:, None, :], float("-inf"))
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out[rows] = torch.bmm(weights, values)
+    return out
+
+
+def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
+    """Each sequence's (first token row, new tokens, length including them)."""
+    starts, start = [], 0
+    for count in meta.query_lens_cpu:
+        starts.append(start)
+        start += count
+    return list(zip(starts, meta.query_lens_cpu, meta.seq_lens_cpu, strict=True))
+
+
+def _slots(meta: AttentionMetadata, seq: int, length: int) -> torch.Tensor:
+    """The flat cache slots of sequence `seq`'s positions `[0, length)`, `[length]` int64."""
+    blocks = meta.block_tables[seq, : -(-length // meta.block_size)].to(torch.int64)
+    offsets = torch.arange(meta.block_size, device=blocks.device)
+    return (blocks[:, None] * meta.block_size + offsets[None, :]).flatten()[:length]
+
+
+def _rows(half: torch.Tensor, slots: torch.Tensor, offset: int, dim: int) -> torch.Tensor:
+    """Dims `[offset, offset + dim)` of one cache half's rows at `slots` (`[blocks, block_size, 1, row]`), float32
+    (an FP8 cache's rows decoded whole first: their scale is the row's)."""
+    flat = half.view(-1, half.shape[-1])
+    if is_fp8_kv_cache(half):
+        return fp8_kv_values(flat.index_select(0, slots))[:, offset : offset + dim]
+    return flat[:, offset : offset + dim].index_select(0, slots).float()
