@@ -637,7 +637,7 @@ _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
-    "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2",
+    "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm_moe_dsa": "glm-dsa",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
     "lfm2_moe": "lfm2moe", "granite": "granite", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
@@ -801,6 +801,12 @@ _GGUF_LATENT_LAYER = {
     "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
     "self_attn.kv_b_proj": "attn_kv_b",
 }  # fmt: skip
+# GLM-5 (`glm-dsa`): `deepseek2`'s layers with the sparse-attention indexer.
+_GGUF_LATENT_ARCHES = ("deepseek2", "glm-dsa")
+_GGUF_INDEXER_LAYER = {
+    "self_attn.indexer.k_norm": "indexer.k_norm", "self_attn.indexer.weights_proj": "indexer.proj",
+    "self_attn.indexer.wk": "indexer.attn_k", "self_attn.indexer.wq_b": "indexer.attn_q_b",
+}  # fmt: skip
 
 
 _RANDOM_BLOCK_KINDS = {  # GGMLQuantizationType values
@@ -834,7 +840,8 @@ def write_gguf(
     (`_prediction_layer_tensors`). `fuse_gate_up_exps`: each layer's gate and up banks written as one, as llama.cpp's
     converter does with `--fuse-gate-up-exps` (`_fused_gate_up_exps`). DeepSeek-V2/V3 are written as its `deepseek2`
     (`_deepseek2_metadata`), each layer's `kv_b_proj` split in two as its converter does now
-    (`_latent_expansion_halves`), or whole (`attn_kv_b`) as it did before, with `joined_kv_b`."""
+    (`_latent_expansion_halves`), or whole (`attn_kv_b`) as it did before, with `joined_kv_b`; GLM-5 as its
+    `glm-dsa`, those with the indexer's keys and tensors."""
     import json
 
     from gguf import GGUFWriter
@@ -967,7 +974,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
     else:
         writer.add_rope_freq_base(rope["rope_theta"])
-    if arch == "deepseek2":
+    if arch in _GGUF_LATENT_ARCHES:
         _deepseek2_metadata(writer, config, rope)
     elif arch == "granitehybrid":  # KV heads on the attention layers, 0 on the Mamba-2 ones; their ssm.* keys
         _granite_hybrid_metadata(writer, config, head_dim)
@@ -1316,12 +1323,19 @@ def _deepseek2_metadata(writer: Any, config: dict[str, Any], rope: dict[str, Any
         writer.add_expert_group_used_count(config["topk_group"])
     if rope.get("mscale_all_dim") is not None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    if config["model_type"] == "glm_moe_dsa":  # GLM-5's indexer (its converter's `GlmMoeDsaModel`)
+        arch = writer.arch
+        writer.add_indexer_head_count(config["index_n_heads"])
+        writer.add_indexer_key_length(config["index_head_dim"])
+        writer.add_indexer_top_k(config["index_topk"])
+        if config.get("indexer_types") is not None:  # (gguf 0.19 has no writer method for it: llama.cpp's key)
+            writer.add_array(f"{arch}.attention.indexer.types", [kind == "full" for kind in config["indexer_types"]])
 
 
 def _prediction_layers(config: dict[str, Any], arch: str) -> int:
     """How many multi-token-prediction layers llama.cpp's converter writes after the decoder layers: GLM-4.5's and
     GLM-4.7-Flash's (their checkpoints hold them; `_prediction_layer_tensors`), none for the other families here."""
-    return int(config.get("num_nextn_predict_layers") or 0) if arch in ("glm4moe", "deepseek2") else 0
+    return int(config.get("num_nextn_predict_layers") or 0) if arch in ("glm4moe", *_GGUF_LATENT_ARCHES) else 0
 
 
 def _prediction_layer_tensors(
@@ -1388,10 +1402,10 @@ def _write_tensors(
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
         layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
                             "post_mlp_layernorm": "post_ffw_norm"})  # fmt: skip
-    if arch in ("glm4moe", "deepseek2", "ernie4_5-moe"):  # DeepSeek-V3's shared experts
+    if arch in ("glm4moe", *_GGUF_LATENT_ARCHES, "ernie4_5-moe"):  # DeepSeek-V3's shared experts
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
-    if arch == "deepseek2":
-        layer_names.update(_GGUF_LATENT_LAYER)
+    if arch in _GGUF_LATENT_ARCHES:
+        layer_names.update({**_GGUF_LATENT_LAYER, **_GGUF_INDEXER_LAYER})
     if arch in ("lfm2", "lfm2moe"):
         layer_names = _GGUF_LFM2_LAYER
     if arch == "apertus":  # its norms' own names
@@ -1507,7 +1521,7 @@ def _write_tensors(
         tensors.update(_prediction_layer_tensors(tensors, config, arch))
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)
-    if arch == "deepseek2" and not joined_kv_b:
+    if arch in _GGUF_LATENT_ARCHES and not joined_kv_b:
         tensors = _latent_expansion_halves(tensors, config)
     if fuse_gate_up_exps:
         tensors = _fused_gate_up_exps(tensors)

@@ -176,7 +176,12 @@ _DEEPSEEK_LAYER_NAMES = {
     "attn_kv_b": "self_attn.kv_b_proj",
     **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
 }
-_DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")
+_DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "glm_moe_dsa")
+# GLM-5 (llama.cpp's `glm-dsa`): DeepSeek-V3's layer with DeepSeek Sparse Attention's indexer.
+_INDEXER_BARE = {f"indexer.{kind}.{part}": f"self_attn.indexer.{name}.{part}"
+                 for kind, name, part in (("k_norm", "k_norm", "weight"), ("k_norm", "k_norm", "bias"),
+                                          ("proj", "weights_proj", "weight"), ("attn_k", "wk", "weight"),
+                                          ("attn_q_b", "wq_b", "weight"))}  # fmt: skip
 # Seed-OSS: the norm before its MLP is `post_attention_norm`, as gpt-oss's.
 _SEED_OSS_LAYER_NAMES = {
     **{kind: name for kind, name in _LAYER_NAMES.items() if kind != "ffn_norm"},
@@ -271,6 +276,7 @@ _BARE_LAYER_NAMES = {
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
     **{model_type: {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"} for model_type in _DEEPSEEK_TYPES},
+    "glm_moe_dsa": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **_INDEXER_BARE},
     "ernie4_5_moe": {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
     "minimax_m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},  # (on its block)
     **{model_type: HYBRID_BARE_NAMES for model_type in TILED_VALUE_HEADS},

@@ -49,6 +49,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     # DeepSeek-V3's form (sigmoid routing); a file routed by softmax is DeepSeek-V2's (`_deepseek2_config`).
     "deepseek2": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "glm-dsa": ("glm_moe_dsa", "GlmMoeDsaForCausalLM"),  # GLM-5: deepseek2's layers with a sparse-attention indexer
     "seed_oss": ("seed_oss", "SeedOssForCausalLM"),
     "ernie4_5": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "ernie4_5-moe": ("ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
@@ -545,6 +546,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_minimax_m2_config(reader, experts, spec))
     elif arch == "deepseek2":
         config.update(_deepseek2_config(reader, config, experts, tensors, spec))
+    elif arch == "glm-dsa":
+        config.update(_glm_dsa_config(reader, config, experts, tensors, spec))
     elif arch == "mistral3":
         config.update(_mistral3_config(reader, config, spec))
     elif arch == "arcee":  # its MLP's activation, fixed by llama.cpp; YaRN (or none) as the file states
@@ -881,7 +884,13 @@ _YARN_LOG_MULTIPLIER = 0.1
 
 
 def _deepseek2_config(
-    reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+    reader: GGUFReader,
+    config: dict[str, Any],
+    experts: int,
+    tensors: dict[str, Any],
+    spec: str,
+    arch: str = "deepseek2",
+    gating_default: int = _GATING_SOFTMAX,
 ) -> dict[str, Any]:
     """The keys of a DeepSeek-V3 (`deepseek_v3`: sigmoid routing with the `exp_probs_b` bias) or DeepSeek-V2
     (`deepseek_v2`: softmax routing, groups' best scores) `config.json` from a `deepseek2` file, as llama.cpp reads it:
@@ -893,11 +902,11 @@ def _deepseek2_config(
       weights' scale and renormalisation);
     - YaRN with DeepSeek's attention scale (`rope.scaling.yarn_log_multiplier`, `mscale_all_dim` / 10);
     - its multi-token-prediction layers (`nextn_predict_layers`, GLM-4.7-Flash's), not read.
-    ValueError for a file without experts, with a router other than softmax or sigmoid, or sigmoid without its bias."""
-    arch = "deepseek2"
+    ValueError for a file without experts, with a router other than softmax or sigmoid, or sigmoid without its bias.
+    `arch`: the file's (`glm-dsa` reads these keys too), `gating_default` its router without the key."""
     required = functools.partial(_arch_field, reader, arch, spec)
     used = _experts_used(reader, arch, experts, spec)
-    gating = int(read_field(reader, f"{arch}.expert_gating_func", _GATING_SOFTMAX))
+    gating = int(read_field(reader, f"{arch}.expert_gating_func", gating_default))
     if gating not in (_GATING_SOFTMAX, _GATING_SIGMOID):
         raise ValueError(f"model {spec!r}: {arch}.expert_gating_func {gating} is not supported (1, softmax, and 2, "
                          "sigmoid, are)")  # fmt: skip
@@ -938,6 +947,40 @@ def _deepseek2_config(
         "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
         "n_group": groups,
         "topk_group": int(read_field(reader, f"{arch}.expert_group_used_count", 0) or 1),
+    }
+
+
+# GLM-5.2's indexers, which llama.cpp assumes for a `glm-dsa` file of a context of at least 2^20 positions that
+# names none: layers 0 and 1 and every fourth from 2 have their own, the others reuse the last one's choice.
+_GLM_5_2_CONTEXT = 1 << 20
+
+
+def _glm_dsa_config(
+    reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
+) -> dict[str, Any]:
+    """GLM-5's `config.json` keys (`glm_moe_dsa`) from a `glm-dsa` file, as llama.cpp reads it: `deepseek2`'s
+    (`_deepseek2_config`; its router sigmoid without `expert_gating_func`), the indexer's `attention.indexer.head_count`,
+    `key_length` and `top_k`, and which layers have their own indexer, `attention.indexer.types` (true: full), or
+    without it every layer (GLM-5.2's pattern from a context of 2^20 on)."""
+    arch = "glm-dsa"
+    fields = _deepseek2_config(reader, config, experts, tensors, spec, arch, gating_default=_GATING_SIGMOID)
+    required = functools.partial(_arch_field, reader, arch, spec)
+    layers = fields["num_hidden_layers"]
+    full = read_field(reader, f"{arch}.attention.indexer.types")
+    if full is None:
+        newer = int(config.get("max_position_embeddings") or 0) >= _GLM_5_2_CONTEXT
+        full = [not newer or i < 2 or (i - 2) % 4 == 0 for i in range(layers)]
+    elif len(full) < layers:
+        raise ValueError(f"model {spec!r}: {arch}.attention.indexer.types has {len(full)} entries for {layers} "
+                         "layers")  # fmt: skip
+    return {
+        **fields,
+        "model_type": "glm_moe_dsa",
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "index_n_heads": int(required("attention.indexer.head_count")),
+        "index_head_dim": int(required("attention.indexer.key_length")),
+        "index_topk": int(required("attention.indexer.top_k")),
+        "indexer_types": ["full" if kind else "shared" for kind in list(full)[:layers]],
     }
 
 
