@@ -959,9 +959,10 @@ def _glm_dsa_config(
     reader: GGUFReader, config: dict[str, Any], experts: int, tensors: dict[str, Any], spec: str
 ) -> dict[str, Any]:
     """GLM-5's `config.json` keys (`glm_moe_dsa`) from a `glm-dsa` file, as llama.cpp reads it: `deepseek2`'s
-    (`_deepseek2_config`; its router sigmoid without `expert_gating_func`), the indexer's `attention.indexer.head_count`,
-    `key_length` and `top_k`, and which layers have their own indexer, `attention.indexer.types` (true: full), or
-    without it every layer (GLM-5.2's pattern from a context of 2^20 on)."""
+    (`_deepseek2_config`; its router sigmoid without `expert_gating_func`), the indexer's
+    `attention.indexer.head_count`, `key_length` and `top_k`, and which layers have their own indexer,
+    `attention.indexer.types` (true: full), or without it every layer (GLM-5.2's pattern from a context of 2^20 on).
+    ValueError when that list is shorter than the layers."""
     arch = "glm-dsa"
     fields = _deepseek2_config(reader, config, experts, tensors, spec, arch, gating_default=_GATING_SIGMOID)
     required = functools.partial(_arch_field, reader, arch, spec)
