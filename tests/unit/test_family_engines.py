@@ -697,7 +697,8 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
     choosing among the index keys earlier chunks cached; sequences preempted and recomputed) and under n-gram drafts
     verified several tokens to a row. Each cache row is the longer of the latent with its rope key (32 + 8) and the
     latent with its index key (32 + 16), in e4m3 beside its scale in an FP8 cache, whose first tokens mostly agree;
-    int8 weights (the indexer's projections too) are batch-invariant and mostly agree."""
+    int8 weights (the indexer's projections as the attention's of their width) are batch-invariant and mostly
+    agree."""
     folder = save_family(tmp_path, "deepseek-v32", head_spread=1.0)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, chunk=24, kv_blocks=36) as llm:  # 36 of the helper's blocks hold 24 of these 48-dim rows
@@ -716,8 +717,10 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
     # reads of those rows are held to the float formula in tests/unit/test_sparse_indexer.py)
     assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 5
     with engine(folder, quantization="int8") as llm:
-        indexer = llm.core.runner.loaded.model.model.layers[0].self_attn.indexer
-        assert all(isinstance(linear, QuantizedLinear) for linear in (indexer.wq_b, indexer.wk, indexer.weights_proj))
+        attention = llm.core.runner.loaded.model.model.layers[0].self_attn
+        indexer = attention.indexer  # (wq_b reads the 48-wide low-rank query, float as q_b_proj is: not in 32s)
+        assert isinstance(indexer.wk, QuantizedLinear) and isinstance(indexer.weights_proj, QuantizedLinear)
+        assert type(indexer.wq_b) is type(attention.q_b_proj) and not isinstance(indexer.wq_b, QuantizedLinear)
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(a[0] == b[0] for a, b in zip(alone, theirs, strict=True)) >= 7
