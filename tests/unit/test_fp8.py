@@ -33,6 +33,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 LINEARS = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # DeepSeek's latent attention
+    "wq_b", "wk", "weights_proj",  # DeepSeek-V3.2's indexer
 )  # fmt: skip
 
 
@@ -457,24 +458,29 @@ def test_an_fp8_mixture_of_experts_is_served_as_stored(
 
 
 @pytest.mark.slow  # engines on a saved model
-def test_a_latent_attention_checkpoint_in_fp8(tmp_path: Path) -> None:
-    """DeepSeek-V3's block-wise FP8 checkpoint (tests/families.py's small one, every projection in e4m3): served in
-    FP8 as stored, but for `kv_b_proj`, which latent attention absorbs into its queries and outputs (layers.mla):
-    that one is read dequantized, its float weight exactly the stored values times their scales. By default the CPU
-    loads the whole checkpoint dequantized, greedy as the float model on those values is.
+@pytest.mark.parametrize("family", ["deepseek-v3", "deepseek-v32"])
+def test_a_latent_attention_checkpoint_in_fp8(tmp_path: Path, family: str) -> None:
+    """DeepSeek-V3's and V3.2's block-wise FP8 checkpoints (tests/families.py's small ones, every projection in e4m3,
+    as DeepSeek releases them: V3.2's indexer's too): served in FP8 as stored, but for `kv_b_proj`, which latent
+    attention absorbs into its queries and outputs (layers.mla): that one is read dequantized, its float weight
+    exactly the stored values times their scales. By default the CPU loads the whole checkpoint dequantized, greedy
+    as the float model on those values is.
 
     No closeness bound against that float model here: this random MoE flips experts at near-ties under any
     rounding (int8 at load: top-1 0.88, mean KL 0.4-1.2, max 38), so a bound loose enough for it would say
     nothing. The exact checks above it are what catch a wrong layout or scale."""
-    float_model = save_family(tmp_path / "float", "deepseek-v3", head_spread=1.0)
+    float_model = save_family(tmp_path / "float", family, head_spread=1.0)
     (tmp_path / "fp8").mkdir()
     _, folder, plain, dequantized = fp8_and_float_folders(float_model, tmp_path / "fp8", "blockwise")
     prefix = "model.layers.1.self_attn"
+    projections = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"]
+    if family == "deepseek-v32":
+        projections += ["indexer.wq_b", "indexer.wk", "indexer.weights_proj"]
     with engine(folder, "fp8") as llm:
         attention = llm.core.runner.model.get_submodule(prefix)
         assert torch.equal(attention.kv_b_proj.weight, dequantized[f"{prefix}.kv_b_proj.weight"])
-        for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
-            projection = getattr(attention, name)
+        for name in projections:
+            projection = attention.get_submodule(name)
             assert isinstance(projection, Fp8Linear) and projection.format == "fp8_block", name
             assert torch.equal(_dense_weight(projection), dequantized[f"{prefix}.{name}.weight"]), name
         assert all(r.choices[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
