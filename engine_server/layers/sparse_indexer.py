@@ -12,12 +12,15 @@ size all hold them as they hold K/V: each row of the key half is `cat(latent, ro
 half `cat(latent, index key)` (attention reads only the latent of a value), both zero-padded to the cache's row,
 the longer of the two (`ModelConfig.head_dim`). A step whose every sequence is at most `topk` long attends
 densely, through the paged kernels every family uses (what the indexer would pick is every position); otherwise
-the whole step attends here, sequence by sequence, over the chosen rows gathered from the cache (torch; queries in
-chunks whose gathered rows stay under `_CHUNK_BYTES`). A layer without an indexer of its own (GLM-5's "shared"
-ones) attends over the positions the last one before it chose, kept on the step's metadata.
+the whole step attends here over the chosen rows gathered from the cache (torch: decode rows of many sequences in
+one batch, a sequence's prefill chunk in one, each group's scores and gathered rows under `_CHUNK_BYTES`). A layer
+without an indexer of its own (GLM-5's "shared" ones) attends over the positions the last one before it chose, kept
+on the step's metadata.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -96,17 +99,13 @@ def select_positions(
     the value half's dims `[key_offset, key_offset + head_dim)` (this step's already written)."""
     tokens, heads, dim = queries.shape
     chosen = torch.full((tokens, topk), -1, dtype=torch.int64, device=queries.device)
-    for seq, (start, count, length) in enumerate(_sequences(meta)):
-        keys = _rows(kv_cache[1], _slots(meta, seq, length), key_offset, dim)  # [L, D]
-        chunk = max(1, _CHUNK_BYTES // (4 * heads * length))
-        for first in range(start, start + count, chunk):
-            rows = slice(first, min(first + chunk, start + count))
-            scores = torch.relu(torch.matmul(queries[rows].float(), keys.T) * dim**-0.5)  # [c, H, L]
-            index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [c, L]
-            later = torch.arange(length, device=index.device)[None, :] > positions[rows, None]
-            index = index.masked_fill(later, float("-inf"))
-            best, picked = index.topk(min(topk, length), dim=-1)
-            chosen[rows, : picked.shape[1]] = picked.masked_fill(best == float("-inf"), -1)
+    for rows, slots in _row_groups(meta, lambda width: 4 * width * (heads + dim)):
+        keys = _rows(kv_cache[1], slots.flatten(), key_offset, dim).view(*slots.shape, dim)  # [G, W, D]
+        scores = torch.relu(torch.matmul(queries[rows].float(), keys.transpose(1, 2)) * dim**-0.5)  # [R, H, W]
+        index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [R, W]
+        later = torch.arange(slots.shape[1], device=index.device)[None, :] > positions[rows, None]
+        best, picked = index.masked_fill(later, float("-inf")).topk(min(topk, slots.shape[1]), dim=-1)
+        chosen[rows, : picked.shape[1]] = picked.masked_fill(best == float("-inf"), -1)
     return chosen
 
 
@@ -117,36 +116,58 @@ def attend_positions(
     positions (`select_positions`), weighting the value half's first `width` dims: `[T, H, width]`."""
     tokens, heads, dim = q.shape
     out = q.new_empty(tokens, heads, width)
-    for seq, (start, count, length) in enumerate(_sequences(meta)):
-        slots = _slots(meta, seq, length)
-        chunk = max(1, _CHUNK_BYTES // (4 * chosen.shape[1] * (dim + width)))
-        for first in range(start, start + count, chunk):
-            rows = slice(first, min(first + chunk, start + count))
-            picked = chosen[rows]  # [c, k]
-            where = slots.index_select(0, picked.clamp(min=0).flatten())
-            keys = _rows(kv_cache[0], where, 0, dim).view(*picked.shape, dim).to(q.dtype)
-            values = _rows(kv_cache[1], where, 0, width).view(*picked.shape, width).to(q.dtype)
-            scores = torch.bmm(q[rows], keys.transpose(1, 2)) * scale  # [c, H, k]
-            scores = scores.masked_fill((picked < 0)[:, None, :], float("-inf"))
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[rows] = torch.bmm(weights, values)
+    for rows, slots in _row_groups(meta, lambda _: 4 * chosen.shape[1] * (dim + width)):
+        picked = chosen[rows]  # [R, k]
+        where = torch.gather(slots.expand(len(rows), -1), 1, picked.clamp(min=0)).flatten()
+        keys = _rows(kv_cache[0], where, 0, dim).view(*picked.shape, dim).to(q.dtype)
+        values = _rows(kv_cache[1], where, 0, width).view(*picked.shape, width).to(q.dtype)
+        scores = torch.bmm(q[rows], keys.transpose(1, 2)) * scale  # [R, H, k]
+        scores = scores.masked_fill((picked < 0)[:, None, :], float("-inf"))
+        out[rows] = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
     return out
 
 
-def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
-    """Each sequence's (first token row, new tokens, length including them)."""
-    starts, start = [], 0
-    for count in meta.query_lens_cpu:
-        starts.append(start)
-        start += count
-    return list(zip(starts, meta.query_lens_cpu, meta.seq_lens_cpu, strict=True))
+def _row_groups(
+    meta: AttentionMetadata, row_bytes: Callable[[int], int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's token rows in groups of at most `_CHUNK_BYTES` of work (`row_bytes(W)`: one row's, W positions
+    wide): (rows `[R]` int64, slots `[G, W]`), the flat cache slots of positions `[0, W)` of each row's sequence,
+    W its group's longest. Decode rows (one new token each) are grouped across sequences, G == R; a sequence's
+    several new tokens (a prefill chunk, a draft's verification) share its slots, G == 1. Slots past a sequence's
+    length are its table's padding: callers mask what lies past each row's position."""
+    device = meta.block_tables.device
+    first = 0
+    decode: list[tuple[int, int]] = []  # (sequence, its row) of the one-token sequences
+    for seq, (count, length) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        if count == 1:
+            decode.append((seq, first))
+        else:
+            rows = max(1, _CHUNK_BYTES // row_bytes(length))
+            for start in range(first, first + count, rows):
+                stop = min(start + rows, first + count)
+                yield torch.arange(start, stop, device=device), _slots(meta, [seq], length)
+        first += count
+    group: list[tuple[int, int]] = []
+    for item in [*decode, None]:
+        widest = max((meta.seq_lens_cpu[seq] for seq, _ in group), default=0)
+        if item is not None:
+            wider = max(widest, meta.seq_lens_cpu[item[0]])
+            if not group or (len(group) + 1) * row_bytes(wider) <= _CHUNK_BYTES:
+                group.append(item)
+                continue
+        if group:
+            rows_tensor = torch.tensor([row for _, row in group], dtype=torch.int64, device=device)
+            yield rows_tensor, _slots(meta, [seq for seq, _ in group], widest)
+        group = [item] if item is not None else []
 
 
-def _slots(meta: AttentionMetadata, seq: int, length: int) -> torch.Tensor:
-    """The flat cache slots of sequence `seq`'s positions `[0, length)`, `[length]` int64."""
-    blocks = meta.block_tables[seq, : -(-length // meta.block_size)].to(torch.int64)
+def _slots(meta: AttentionMetadata, sequences: list[int], width: int) -> torch.Tensor:
+    """The flat cache slots of positions `[0, width)` of each of `sequences`, `[len(sequences), width]` int64 (a
+    shorter sequence's past its length are its table's padding)."""
+    index = torch.tensor(sequences, dtype=torch.int64, device=meta.block_tables.device)
+    blocks = meta.block_tables.index_select(0, index)[:, : -(-width // meta.block_size)].to(torch.int64)
     offsets = torch.arange(meta.block_size, device=blocks.device)
-    return (blocks[:, None] * meta.block_size + offsets[None, :]).flatten()[:length]
+    return (blocks[:, :, None] * meta.block_size + offsets).flatten(1)[:, :width]
 
 
 def _rows(half: torch.Tensor, slots: torch.Tensor, offset: int, dim: int) -> torch.Tensor:

@@ -8,14 +8,19 @@ import pytest
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata
+from engine_server.layers import sparse_indexer
 from engine_server.layers.sparse_indexer import attend_positions, select_positions
 from kernels.reference import fp8_kv_rows, fp8_kv_values, write_kv_cache
 
 BLOCK, ROW, RANK, ROPE, INDEX_DIM, INDEX_HEADS, HEADS, TOPK = 4, 20, 12, 4, 8, 3, 2, 6
-QUERY_LENS, SEQ_LENS = [5, 1, 9], [23, 7, 9]  # a chunk after cached context, a decode row, a whole prompt
+SEQ_LENS = [23, 7, 9, 15]
+STEPS = {  # each sequence's new tokens
+    "mixed": [5, 1, 9, 1],  # a chunk after cached context, decode rows, a whole prompt
+    "decode": [1, 1, 1, 1],
+}
 
 
-def _step() -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+def _step(query_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """(metadata with scattered block tables, each new token's position, every position's slot per sequence)."""
     order = torch.randperm(32, generator=torch.Generator().manual_seed(1)).tolist()
     tables, used = [], 0
@@ -23,17 +28,27 @@ def _step() -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
         blocks = -(-length // BLOCK)
         tables.append(order[used : used + blocks])
         used += blocks
-    meta = AttentionMetadata.build(QUERY_LENS, SEQ_LENS, tables, BLOCK, "cpu")
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(QUERY_LENS, SEQ_LENS, strict=True)])
+    meta = AttentionMetadata.build(query_lens, SEQ_LENS, tables, BLOCK, "cpu")
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, SEQ_LENS, strict=True)])
     slots = torch.cat([torch.tensor(t).repeat_interleave(BLOCK) * BLOCK + torch.arange(len(t) * BLOCK) % BLOCK
                        for t in tables])  # fmt: skip
     return meta, positions, slots
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "a-row-a-group"])
+@pytest.mark.parametrize("step", sorted(STEPS))
 @pytest.mark.parametrize("cache_dtype", ["float", "fp8"])
-def test_the_chosen_positions_and_their_attention_follow_the_formula(cache_dtype: str) -> None:
+def test_the_chosen_positions_and_their_attention_follow_the_formula(
+    cache_dtype: str, step: str, grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each row's choice and attention as the formula gives them, whether the rows are grouped (decode rows of
+    several sequences in one batch, a sequence's new tokens in one) or, with room for one row's work alone, each row
+    a group of its own."""
+    if not grouped:
+        monkeypatch.setattr(sparse_indexer, "_CHUNK_BYTES", 1)
     torch.manual_seed(0)
-    meta, positions, slots = _step()
+    query_lens = STEPS[step]
+    meta, positions, slots = _step(query_lens)
     every = sum(-(-s // BLOCK) * BLOCK for s in SEQ_LENS)
     keys, values = torch.randn(every, 1, ROW), torch.randn(every, 1, ROW)
     fp8 = cache_dtype == "fp8"
@@ -41,7 +56,7 @@ def test_the_chosen_positions_and_their_attention_follow_the_formula(cache_dtype
     write_kv_cache(keys, values, cache, slots)
     if fp8:  # the formula reads what the cache holds
         keys, values = fp8_kv_values(fp8_kv_rows(keys)), fp8_kv_values(fp8_kv_rows(values))
-    tokens = sum(QUERY_LENS)
+    tokens = sum(query_lens)
     queries, weights = torch.randn(tokens, INDEX_HEADS, INDEX_DIM), torch.randn(tokens, INDEX_HEADS)
     q = torch.randn(tokens, HEADS, RANK + ROPE)
 
@@ -51,7 +66,7 @@ def test_the_chosen_positions_and_their_attention_follow_the_formula(cache_dtype
     # each sequence's first row of `keys`, whose rows are its positions' (its last block's padding too)
     starts = [sum(-(-s // BLOCK) * BLOCK for s in SEQ_LENS[:i]) for i in range(len(SEQ_LENS))]
     row = 0
-    for seq, (count, length) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
+    for seq, (count, length) in enumerate(zip(query_lens, SEQ_LENS, strict=True)):
         mine_k, mine_v = keys[starts[seq] : starts[seq] + length, 0], values[starts[seq] : starts[seq] + length, 0]
         for t in range(row, row + count):
             visible = int(positions[t]) + 1
