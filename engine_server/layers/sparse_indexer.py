@@ -31,7 +31,7 @@ from engine_server.layers.norm import BiasedLayerNorm
 from kernels.kernel_set import KernelOps
 from kernels.reference import fp8_kv_values, is_fp8_kv_cache
 
-_CHUNK_BYTES = 1 << 26  # the most float32 bytes one chunk of queries gathers or scores at once
+_CHUNK_BYTES = 1 << 26  # the most float32 bytes one group of rows scores or gathers at once (`_row_groups`)
 _KEY_NORM_EPS = 1e-6  # DeepSeek's and transformers' `nn.LayerNorm(head_dim, eps=1e-6)`
 
 
@@ -148,17 +148,24 @@ def _row_groups(
                 yield torch.arange(start, stop, device=device), _slots(meta, [seq], length)
         first += count
     group: list[tuple[int, int]] = []
-    for item in [*decode, None]:
-        widest = max((meta.seq_lens_cpu[seq] for seq, _ in group), default=0)
-        if item is not None:
-            wider = max(widest, meta.seq_lens_cpu[item[0]])
-            if not group or (len(group) + 1) * row_bytes(wider) <= _CHUNK_BYTES:
-                group.append(item)
-                continue
-        if group:
-            rows_tensor = torch.tensor([row for _, row in group], dtype=torch.int64, device=device)
-            yield rows_tensor, _slots(meta, [seq for seq, _ in group], widest)
-        group = [item] if item is not None else []
+    widest = 0
+    for seq, row in decode:
+        length = meta.seq_lens_cpu[seq]
+        if group and (len(group) + 1) * row_bytes(max(widest, length)) > _CHUNK_BYTES:
+            yield _decode_group(meta, group, widest)
+            group, widest = [], 0
+        group.append((seq, row))
+        widest = max(widest, length)
+    if group:
+        yield _decode_group(meta, group, widest)
+
+
+def _decode_group(
+    meta: AttentionMetadata, group: list[tuple[int, int]], width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_row_groups`' group of decode rows, `group` their (sequence, row) pairs: (rows, slots `[len(group), width]`)."""
+    rows = torch.tensor([row for _, row in group], dtype=torch.int64, device=meta.block_tables.device)
+    return rows, _slots(meta, [seq for seq, _ in group], width)
 
 
 def _slots(meta: AttentionMetadata, sequences: list[int], width: int) -> torch.Tensor:
