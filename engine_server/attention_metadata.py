@@ -18,7 +18,7 @@ Contract shared by the runner, the model and every attention kernel:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +93,9 @@ class AttentionMetadata:
     # DeepSeek Sparse Attention (`layers.sparse_indexer`): the positions the step's last layer with an indexer chose
     # for each token (`[T, topk]`, -1 past its own), which GLM-5's layers without one reuse; None until one chose.
     sparse_choice: torch.Tensor | None = None
+    # Its groups of token rows (`layers.sparse_indexer._row_groups`), built by the first layer that asks for them and
+    # read by the others: keyed by the work a row costs.
+    sparse_groups: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     @classmethod
     def build(

@@ -99,7 +99,7 @@ def select_positions(
     the value half's dims `[key_offset, key_offset + head_dim)` (this step's already written)."""
     tokens, heads, dim = queries.shape
     chosen = torch.full((tokens, topk), -1, dtype=torch.int64, device=queries.device)
-    for rows, slots in _row_groups(meta, lambda width: 4 * width * (heads + dim)):
+    for rows, slots in _row_groups(meta, 4 * (heads + dim)):
         keys = _rows(kv_cache[1], slots.flatten(), key_offset, dim).view(*slots.shape, dim)  # [G, W, D]
         scores = torch.relu(torch.matmul(queries[rows].float(), keys.transpose(1, 2)) * dim**-0.5)  # [R, H, W]
         index = torch.matmul(weights[rows].unsqueeze(1), scores).squeeze(1)  # [R, W]
@@ -116,7 +116,7 @@ def attend_positions(
     positions (`select_positions`), weighting the value half's first `width` dims: `[T, H, width]`."""
     tokens, heads, dim = q.shape
     out = q.new_empty(tokens, heads, width)
-    for rows, slots in _row_groups(meta, lambda _: 4 * chosen.shape[1] * (dim + width)):
+    for rows, slots in _row_groups(meta, 4 * (dim + width), chosen.shape[1]):
         picked = chosen[rows]  # [R, k]
         where = torch.gather(slots.expand(len(rows), -1), 1, picked.clamp(min=0)).flatten()
         keys = _rows(kv_cache[0], where, 0, dim).view(*picked.shape, dim).to(q.dtype)
@@ -128,13 +128,22 @@ def attend_positions(
 
 
 def _row_groups(
-    meta: AttentionMetadata, row_bytes: Callable[[int], int]
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The step's token rows in groups of at most `_CHUNK_BYTES` of work (`row_bytes(W)`: one row's, W positions
-    wide): (rows `[R]` int64, slots `[G, W]`), the flat cache slots of positions `[0, W)` of each row's sequence,
-    W its group's longest. Decode rows (one new token each) are grouped across sequences, G == R; a sequence's
-    several new tokens (a prefill chunk, a draft's verification) share its slots, G == 1. Slots past a sequence's
-    length are its table's padding: callers mask what lies past each row's position."""
+    meta: AttentionMetadata, position_bytes: int, positions: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's token rows in groups of at most `_CHUNK_BYTES` of work, a row's being `position_bytes` for each of
+    `positions` (0: of its group's W): (rows `[R]` int64, slots `[G, W]`), the flat cache slots of positions
+    `[0, W)` of each row's sequence, W its group's longest. Decode rows (one new token each) are grouped across
+    sequences, G == R; a sequence's several new tokens (a prefill chunk, a draft's verification) share its slots,
+    G == 1. Slots past a sequence's length are its table's padding: callers mask what lies past each row's
+    position. Built once per step and cost, for every layer (`AttentionMetadata.sparse_groups`)."""
+    key = (position_bytes, positions)
+    if key not in meta.sparse_groups:
+        meta.sparse_groups[key] = list(_grouped(meta, lambda width: position_bytes * (positions or width)))
+    return meta.sparse_groups[key]
+
+
+def _grouped(meta: AttentionMetadata, row_bytes: Callable[[int], int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """`_row_groups`' groups, one row's work `row_bytes(W)` for W positions."""
     device = meta.block_tables.device
     first = 0
     decode: list[tuple[int, int]] = []  # (sequence, its row) of the one-token sequences
