@@ -90,6 +90,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "exaone_moe": "glm4_moe",
     # Tencent's Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads).
     "hy_v3": "glm4_moe",
+    # rednote's dots.llm1: GLM-4.5's layout under Qwen3's attention (per-head q/k norms, rope over whole heads, o_proj
+    # biased with q/k/v), DeepSeek-V3's router renormalising only when `norm_topk_prob` says, no dense layer by default.
+    "dots1": "glm4_moe",
     # Sarvam's 30B (GLM-4.5's model, rope over whole heads, q/k norms on by default) and 105B (DeepSeek-V3's); their
     # released configs' own names read too (`num_experts`, `num_shared_experts`, `use_qkv_bias`, "deepseek_yarn").
     "sarvam_moe": "glm4_moe",
@@ -286,9 +289,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=_attention_bias(arch, cfg),
         attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm")
-        else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3") else None,
+        else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3", "dots1") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
-        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3")
+        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
         attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
@@ -1303,7 +1306,7 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 # The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
-_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe")
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1")
 
 
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
@@ -1313,10 +1316,10 @@ _WINDOWLESS = ("internlm3", "iquestcoder")
 def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     """Each layer's attention window, as transformers builds the model: where `layer_types` is given, its
     "sliding_attention" layers get `sliding_window`; otherwise Qwen's layers from `max_window_layers` on do when
-    `use_sliding_window` is set, Gemma 3's and Cohere 2's but every `sliding_window_pattern`-th (6, 4:
-    `_GLOBAL_EVERY`), and every layer of any other family does when `sliding_window` is set. () when no layer has a
-    window. ValueError for a window that is not a
-    positive integer or a layer type not known."""
+    `use_sliding_window` is set (dots.llm1's whether or not it is), Gemma 3's and Cohere 2's but every
+    `sliding_window_pattern`-th (6, 4: `_GLOBAL_EVERY`), and every layer of any other family does when
+    `sliding_window` is set. () when no layer has a window. ValueError for a window that is not a positive integer or
+    a layer type not known."""
     window = cfg.get("sliding_window")
     layers = int(cfg["num_hidden_layers"])
     if (model_type.startswith("qwen") or model_type == "smollm3") and not cfg.get("use_sliding_window"):
@@ -1338,7 +1341,7 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
             raise ValueError(f"layer_types must name one of sliding_attention, full_attention for each of the "
                              f"{layers} layers; got {types!r}")
         windowed = [kind == "sliding_attention" for kind in types]
-    elif model_type.startswith("qwen"):
+    elif model_type.startswith("qwen") or model_type == "dots1":  # (dots.llm1's whatever `use_sliding_window` says)
         first = int(cfg.get("max_window_layers", layers))
         windowed = [i >= first for i in range(layers)]
     elif model_type in _GLOBAL_EVERY:  # an earlier config: every `sliding_window_pattern`-th layer is global
@@ -1579,7 +1582,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             num_experts=experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("deepseek_v2", "dots1"))),
             shared_expert_intermediate_size=int(cfg["moe_intermediate_size"])
             * int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0),  # (K-EXAONE's name for it)
             shared_expert_gated=False,

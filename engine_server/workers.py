@@ -116,10 +116,6 @@ def start_tensor_parallel(
     model = source.config
     if model.encoder:
         raise ValueError(f"--tensor-parallel-size {size}: an encoder model runs on one device (it is small and pools)")
-    if model.latent_attention is not None:
-        raise ValueError(
-            f"--tensor-parallel-size {size}: multi-head latent attention ({model.architecture}) is not sharded yet"
-        )
     check_shardable(model.num_attention_heads, model.num_key_value_heads, model.mlp_widths, size)
     if model.recurrent is not None:
         model.recurrent.sharded(size)  # its heads (or channels) split too

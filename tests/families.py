@@ -447,6 +447,13 @@ LAYOUT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    "dots1": (
+        "Dots1Config",
+        {"head_dim": 16, "attention_bias": True, "sliding_window": WINDOW, "max_window_layers": 1,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32,
+         "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "exaone-moe": (
         "ExaoneMoeConfig",
         {"head_dim": 16, "sliding_window": WINDOW, "num_experts": 8, "num_experts_per_tok": 2,

@@ -17,7 +17,12 @@ are the ones every other family uses; the cache row is written as the key and ag
 `kv_b_proj` stays float under every quantization (`LatentExpansion`: not an `nn.Linear`, which is what the
 quantizers swap), as in vLLM, which dequantizes it for the same absorption; an FP8 checkpoint's is read
 dequantized. DeepSeek-V3's interleaved rope pairs (`rope_interleave`) are first laid out as halves, which is what
-transformers' interleaved rotation computes. Tensor parallelism is refused: the heads are not split yet.
+transformers' interleaved rotation computes.
+
+Under tensor parallelism a rank holds its block of the heads (`parallel.sharding.query_heads_of_rank`): their rows of
+`q_b_proj` (or `q_proj`) and of `kv_b_proj`, their columns of `o_proj`, whose partial sums it all-reduces. The
+latent is every head's, so `q_a_proj`, `kv_a_proj_with_mqa`, their norms and the indexer are whole on every rank,
+and so is the cache: each rank writes and reads the same rows (one KV head, replicated, as vLLM keeps it).
 
 DeepSeek-V3.2 and GLM-5 (`ModelConfig.sparse_indexer`) attend over the positions a lightning indexer picks
 (`layers.sparse_indexer`, which also says how the cache's rows hold its keys).
@@ -35,17 +40,31 @@ from engine_server.layers.norm import RMSNorm
 from engine_server.layers.sparse_indexer import LightningIndexer, attend_positions, select_positions
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, copy_kept_rows
+from engine_server.parallel.sharding import PartSlice, query_heads_of_rank
 from kernels.kernel_set import KernelOps
 
 
 class LatentExpansion(nn.Module):
     """`kv_b_proj`'s weight `[heads * (nope + value), kv_lora_rank]` as the checkpoint stores it, read by
-    `MultiLatentAttention` as each head's two halves (`key_half`, `value_half`) and never run as a linear layer."""
+    `MultiLatentAttention` as each head's two halves (`key_half`, `value_half`) and never run as a linear layer.
+    It holds the rows of `heads` (this rank's, of the checkpoint's `total_heads`), which `load_tensor` keeps."""
 
-    def __init__(self, heads: int, nope_dim: int, value_dim: int, kv_lora_rank: int, dtype: torch.dtype) -> None:
+    own_tensors = ("weight",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
+
+    def __init__(
+        self, heads: range, total_heads: int, nope_dim: int, value_dim: int, kv_lora_rank: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        self.heads, self.nope_dim, self.value_dim = heads, nope_dim, value_dim
-        self.weight = nn.Parameter(torch.empty(heads * (nope_dim + value_dim), kv_lora_rank, dtype=dtype))
+        self.heads, self.nope_dim, self.value_dim = len(heads), nope_dim, value_dim
+        per_head = nope_dim + value_dim
+        self.rows = PartSlice(total_heads * per_head, range(heads.start * per_head, heads.stop * per_head))
+        self.weight = nn.Parameter(torch.empty(len(heads) * per_head, kv_lora_rank, dtype=dtype))
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy the checkpoint's weight, whole or as exactly this rank's rows; ValueError on another shape."""
+        with torch.no_grad():
+            copy_kept_rows(self.weight.data, tensor, self.rows, kind)
 
     def key_half(self) -> torch.Tensor:
         """W_uk `[heads, nope, kv_lora_rank]`: the latent to each head's key part without positions (a view)."""
@@ -61,30 +80,31 @@ class MultiLatentAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE, index: int = 0) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError("multi-head latent attention is not sharded yet: use tensor_parallel_size 1")
         self.tp = tp
         mla = config.latent_attention
         assert mla is not None
-        self.num_heads = config.num_attention_heads
+        heads = query_heads_of_rank(config.num_attention_heads, tp.size, tp.rank)
+        self.num_heads = len(heads)
         self.nope_dim, self.rope_dim, self.value_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.query_dim = self.nope_dim + self.rope_dim  # each head's query and key as the checkpoint computes them
         self.kv_lora_rank = mla.kv_lora_rank
         self.interleaved = mla.rope_interleave
         self.scale = config.attention_scale or self.query_dim**-0.5
         self.query_scale_beta, self.query_scale_positions = config.query_scale_beta, config.query_scale_positions
-        hidden, heads, bias = config.hidden_size, self.num_heads, config.attention_bias
+        hidden, total, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
+        # this rank's heads' query rows (each head's nope and rope dims together)
+        queries = PartSlice(total * self.query_dim, range(heads.start * self.query_dim, heads.stop * self.query_dim))
         if mla.q_lora_rank:
             self.q_a_proj: nn.Module | None = nn.Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm: RMSNorm | None = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype)
-            self.q_b_proj: nn.Module = nn.Linear(mla.q_lora_rank, heads * self.query_dim, bias=False, dtype=dtype)
+            self.q_b_proj: nn.Module = ColumnParallelLinear(mla.q_lora_rank, [queries], bias=False, dtype=dtype)
         else:
             self.q_a_proj = self.q_a_layernorm = None
-            self.q_proj = nn.Linear(hidden, heads * self.query_dim, bias=False, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(hidden, [queries], bias=False, dtype=dtype)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
-        self.kv_b_proj = LatentExpansion(heads, self.nope_dim, self.value_dim, self.kv_lora_rank, dtype)
-        self.o_proj = nn.Linear(heads * self.value_dim, hidden, bias=bias, dtype=dtype)
+        self.kv_b_proj = LatentExpansion(heads, total, self.nope_dim, self.value_dim, self.kv_lora_rank, dtype)
+        self.o_proj = RowParallelLinear(total * self.value_dim, hidden, bias, tp, dtype)
         # Sparse attention (`layers.sparse_indexer`): the cache's row (`head_dim`), the positions each query may
         # attend to, and this layer's indexer (None on a layer that reuses the last one's choice).
         sparse = config.sparse_indexer
@@ -134,7 +154,7 @@ class MultiLatentAttention(nn.Module):
             out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, None)[..., : self.kv_lora_rank]
         # [heads, T, rank] @ [heads, rank, value]: each head's weighted latent expanded to its value
         values = torch.bmm(out.transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2))
-        return self.o_proj(values.transpose(0, 1).reshape(tokens, heads * self.value_dim))
+        return self.tp.all_reduce_sum(self.o_proj(values.transpose(0, 1).reshape(tokens, heads * self.value_dim)))
 
     def _attend_sparse(
         self,

@@ -88,6 +88,12 @@ def _copy(dest: torch.Tensor, source: torch.Tensor, what: str) -> None:
     dest.copy_(source)
 
 
+def copy_kept_rows(dest: torch.Tensor, tensor: CheckpointTensor, part: PartSlice, what: str) -> None:
+    """Copy into `dest` the rows `part` keeps of `tensor`, given whole (`part.full` rows) or as exactly those rows;
+    ValueError (naming `what`) on any other shape. A lazy tensor is read only there."""
+    _copy(dest, _kept(tensor, part.full, part.rows, 0, what), what)
+
+
 class _LocalLinear(nn.Linear):
     """An `nn.Linear` over this rank's `[out, in]` slice, built without initialising it (it is loaded next)."""
 
@@ -127,8 +133,7 @@ class ColumnParallelLinear(_LocalLinear):
         part = self.parts[index]
         what = f"part {index}"
         dest = _destination(self.weight, self.bias, tensor, what)
-        dest = dest.narrow(0, sum(self.output_sizes[:index]), self.output_sizes[index])
-        _copy(dest, _kept(tensor, part.full, part.rows, 0, what), what)
+        copy_kept_rows(dest.narrow(0, sum(self.output_sizes[:index]), self.output_sizes[index]), tensor, part, what)
 
     @classmethod
     def from_full_fused(

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
-from engine_server.layers.mla import LatentExpansion
+from engine_server.layers.mla import LatentExpansion, MultiLatentAttention
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from engine_server.loader import resolve_model
@@ -115,11 +115,11 @@ def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_FAMILIES))
 def test_layout_families_load_as_saved(name: str, tmp_path: Path) -> None:
-    """A family whose parts are all another's (Solar Open, CWM, FlexOlmo, Hy3, K-EXAONE; Nemotron-4, OLMo, EXAONE 3.5
-    with one norm of another form or GPT-2's names: tests.families' `LAYOUT_FAMILIES`), saved by transformers under
-    its checkpoints' own names, loads every tensor into the engine's
-    model: none unexpected, none missing (what their whole-engine runs caught; their paged models are held to
-    transformers in tests/unit/test_models.py)."""
+    """A family whose parts are all another's (Solar Open, CWM, FlexOlmo, Hy3, K-EXAONE, dots.llm1; Nemotron-4, OLMo,
+    EXAONE 3.5 with one norm of another form or GPT-2's names: tests.families' `LAYOUT_FAMILIES`), saved by
+    transformers under its checkpoints' own names, loads every tensor into the engine's model: none unexpected, none
+    missing (what their whole-engine runs caught; their paged models are held to transformers in
+    tests/unit/test_models.py)."""
     folder = save_family(tmp_path, name)
     source = resolve_model(str(folder))
     model = get_model_class(source.config.architecture)(source.config)
@@ -663,8 +663,7 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
     stack: the attention is not the stack's); fp8: the projections and experts in e4m3; `kv_b_proj`, absorbed into
     the queries and outputs, float under both. The cache holds one row per token and layer, the 32-dim latent and
     its 8 rope dims under one KV head; an FP8 cache holds those rows in e4m3 beside their scales. All mostly agree
-    with the float path's first tokens. Tensor parallelism is refused before any worker starts (the heads are not
-    split yet)."""
+    with the float path's first tokens. LoRA adapters are refused."""
     folder = save_family(tmp_path, "deepseek-v3", head_spread=1.0)  # a clear next token (families.save_family)
     theirs = reference_tokens(folder)
     # At least this many of the 8 first tokens agree: e4m3 moves this tiny model's latents more than 8-bit groups do
@@ -684,11 +683,34 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
             ours = tokens(llm, prompts())
         agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
         assert agree >= least, (quantization, cache, agree)
-    with pytest.raises(ValueError, match=r"multi-head latent attention \(deepseek_v3\) is not sharded yet"):
-        engine(folder, tensor_parallel_size=2)
     with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
     with pytest.raises(ValueError, match="LoRA adapters are not applied to multi-head latent attention"):
         LLM(config=with_lora)
+
+
+@pytest.mark.parametrize(
+    ("name", "changed"), [("deepseek-v3", {}), ("deepseek-v2", {"q_lora_rank": None}), ("glm-moe-dsa", {})]
+)
+def test_latent_attention_split_over_two_ranks_equals_transformers(
+    name: str, changed: dict[str, Any], tmp_path: Path
+) -> None:
+    """Two ranks, two of the four heads each: each rank its heads' rows of `q_b_proj` (DeepSeek-V3, GLM-5) or of
+    the one `q_proj` (DeepSeek-V2-Lite's form), of `kv_b_proj` and its columns of `o_proj`, the latent, its cache
+    and GLM-5's indexer whole on both (the indexer's choice among 140 positions the same on each, its third layer
+    reusing the second's): transformers' tokens. DeepSeek-V3 on int8 over the two ranks: each prompt's tokens the
+    same alone and batched, mostly transformers' first ones."""
+    folder = save_family(tmp_path, name, head_spread=1.0, **changed)  # a clear next token (families.save_family)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, tensor_parallel_size=2) as llm:
+        attention = llm.core.runner.loaded.model.model.layers[1].self_attn
+        assert isinstance(attention, MultiLatentAttention) and attention.num_heads == 2
+        assert tokens(llm, batch) == theirs
+    if name != "deepseek-v3":
+        return
+    with engine(folder, quantization="int8", tensor_parallel_size=2) as llm:
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
 
 
 def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: Path) -> None:

@@ -249,6 +249,16 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "num_shared_experts": 1, "router_scaling_factor": 2.5, "pad_token_id": 0,
          "initializer_range": 0.05},  # (its 0.006 leaves the experts' share too small to tell)
     ),
+    # dots.llm1: GLM-4.5's layout under Qwen3's attention (per-head q/k norms, rope over whole heads, q/k/v/o biases
+    # here, windows from its second layer on, shorter than the prompts, as `max_window_layers` puts them), a dense
+    # first layer, then top-2 of 8 experts in 2 groups (1 chosen) by sigmoid scores and a correction bias, not
+    # renormalised (its default), scaled, beside a shared one.
+    "dots1": (
+        transformers.Dots1Config,
+        {"head_dim": 16, "attention_bias": True, "sliding_window": 6, "max_window_layers": 1, "n_routed_experts": 8,
+         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "pad_token_id": 0},
+    ),
     # Granite SWA: Granite's multipliers (logits unscaled), windows on alternate layers (shorter than the prompts),
     # per-head attention sinks, no rope on the full-attention layers (base 0).
     "granite-swa": (
@@ -607,6 +617,7 @@ MODEL_CLASSES = {
     transformers.MiMoV2FlashConfig: transformers.MiMoV2FlashForCausalLM,
     transformers.Lfm3Config: transformers.Lfm3ForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
+    transformers.Dots1Config: transformers.Dots1ForCausalLM,
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
