@@ -422,6 +422,8 @@ class ModelConfig:
     shared_expert_scale: float = 1.0
     # Llama 4's router: the sigmoid of each chosen expert's logit scales that expert's input (not its output).
     moe_input_scaled: bool = False
+    # A.X K1: an RMSNorm over each sparse layer's MoE output (routed and shared experts: `mlp.post_mlp_layernorm`).
+    moe_output_norm: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
     # position p attends to positions (p - layer_windows[i], p] only; 0 (or no entry): to all of [0, p].
     layer_windows: tuple[int, ...] = ()

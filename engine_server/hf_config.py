@@ -79,6 +79,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "mistral4": "deepseek_v3",
     "deepseek_v2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
+    # SK Telecom's A.X K1: DeepSeek-V3's with an RMSNorm over each sparse layer's MoE output (`moe_output_norm`).
+    "axk1": "deepseek_v3",
     # DeepSeek-V3.2 and GLM-5: that latent attention over the positions a lightning indexer picks (`_sparse_indexer`).
     "deepseek_v32": "deepseek_v3",
     "glm_moe_dsa": "deepseek_v3",
@@ -448,15 +450,18 @@ def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[
 
 def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
-    transformers config), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else as
-    transformers defaults them: the first one (GLM-4.7-Flash, Sarvam), three (DeepSeek-V3 and V3.2, GLM-5), none."""
+    and A.X K1's transformers configs), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else
+    as transformers defaults them: the first one (GLM-4.7-Flash, Sarvam, A.X K1), three (DeepSeek-V3 and V3.2, GLM-5),
+    none. A.X K1's released config also makes dense every layer that `moe_layer_freq` does not divide."""
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
     model_type = cfg.get("model_type")
-    default = 1 if model_type in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla") else 0
+    default = 1 if model_type in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla", "axk1") else 0
     default = 3 if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa") else default
-    return tuple(range(int(cfg.get("first_k_dense_replace", default) or 0)))
+    first = int(cfg.get("first_k_dense_replace", default) or 0)
+    every = int(cfg.get("moe_layer_freq") or 1) if model_type == "axk1" else 1
+    return tuple(i for i in range(int(cfg["num_hidden_layers"])) if i < first or i % every)
 
 
 def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -1593,6 +1598,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_groups=groups if method != "greedy" else 1,
             moe_topk_groups=top_groups if method != "greedy" else 1,
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
+            moe_output_norm=model_type == "axk1",
             # (Hy3's `router_scaling_factor`)
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or cfg.get("router_scaling_factor") or 1.0),
         )

@@ -211,6 +211,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # A.X K1: DeepSeek-V3's layout, each sparse layer's MoE output RMS-normalised, dense and sparse layers alternating.
+    "axk1": (
+        "AXK1Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+         "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+         "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     "minimax-m2": (
         "MiniMaxM2Config",
         {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,

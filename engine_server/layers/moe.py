@@ -23,6 +23,7 @@ from torch import nn
 
 from engine_server.config import ModelConfig
 from engine_server.layers.mlp import GatedMLP, UngatedMLP, relu_squared
+from engine_server.layers.norm import RMSNorm
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import Activation, ParallelExperts
 from kernels.kernel_set import KernelOps
@@ -110,7 +111,8 @@ def sparsemixer_route(logits: torch.Tensor, jitter: float) -> tuple[torch.Tensor
 
 
 class SparseMoE(nn.Module):
-    """`sum_j w_j * expert_j(x)` over each token's chosen experts (+ the gated shared expert), all-reduced.
+    """`sum_j w_j * expert_j(x)` over each token's chosen experts (+ the gated shared expert), all-reduced (then
+    RMS-normalised by `post_mlp_layernorm` with `ModelConfig.moe_output_norm`, A.X K1's).
 
     Parameters are named as the Qwen-MoE checkpoints name them under `mlp.` (`gate` is the router; Mixtral's
     `block_sparse_moe.` names are mapped to these at load, `models.mixtral`)."""
@@ -152,6 +154,8 @@ class SparseMoE(nn.Module):
             self.shared_expert = UngatedMLP(hidden, shared, dtype, tp) if relu2 else GatedMLP(hidden, shared, dtype, tp)
         gated = shared and config.shared_expert_gated
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
+        # A.X K1: the whole output normalised, once summed over the ranks
+        self.post_mlp_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype) if config.moe_output_norm else None
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank."""
@@ -174,7 +178,8 @@ class SparseMoE(nn.Module):
             out = out + ops.sigmoid_mul(shared, self.shared_expert_gate(x).expand_as(shared).contiguous())
         elif self.shared_expert is not None:  # DeepSeek's shared experts: no gate
             out = out + self.shared_expert.partial(x, ops)
-        return self.tp.all_reduce_sum(out)
+        out = self.tp.all_reduce_sum(out)
+        return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out, ops)
 
     def _input_scaled_experts(self, x: torch.Tensor, ops: KernelOps, activation: Activation) -> torch.Tensor:
         """Llama 4's `sum_j expert_j(sigmoid(l_j) * x)` over the top-k logits `l_j` (transformers' `Llama4Router`):

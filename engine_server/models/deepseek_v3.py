@@ -7,11 +7,14 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable, Iterator
 
+import torch
+
 from engine_server.models.base import CausalLM, text_model_weights
 from engine_server.models.llama import MISTRAL3_TOWERS
 from engine_server.parallel.layers import CheckpointTensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_ROUTING_BIAS = ".mlp.gate.e_score_correction_bias"
 # What a multimodal checkpoint holds beside its DeepSeek-V3 text model, not read: Mistral 3's (Mistral Small 4's)
 # towers, and Kimi K2.5's vision tower and its projector (`mm_projector`).
 _TOWERS = (*MISTRAL3_TOWERS, "mm_projector.", "model.mm_projector.")
@@ -24,7 +27,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     ungated shared experts (checkpoint `mlp.shared_experts`, read as `mlp.shared_expert`). The multi-token-prediction
     layers some checkpoints carry after the last layer (`model.layers.61` of V3) are not used and not read. A
     multimodal Mistral 3 checkpoint's Mistral 4 text model, and Kimi K2.5's Kimi K2 one (`kimi_k25`), are read as a
-    text-only checkpoint's, their vision towers and projectors left out."""
+    text-only checkpoint's, their vision towers and projectors left out.
+
+    A.X K1 (`ModelConfig.moe_output_norm`): its checkpoints hold each layer's MoE output norm on the layer
+    (`post_mlp_layernorm`, read as `mlp.post_mlp_layernorm`; a dense layer's, which nothing applies, not read), and
+    its released ones no routing bias (`e_score_correction_bias`: zeros where absent, as transformers leaves it)."""
 
     checkpoint_renames: tuple[tuple[str, str], ...] = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 
@@ -37,7 +44,21 @@ class DeepseekV3ForCausalLM(CausalLM):
     def _decoder_layers(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
+        config = self.config
+        biased: set[int] = set()  # the sparse layers whose routing bias the checkpoint holds
         for name, tensor in text_model_weights(weights, _TOWERS):
             layer = _LAYER.match(name)
-            if layer is None or int(layer.group(1)) < self.config.num_hidden_layers:
-                yield name, tensor
+            index = -1 if layer is None else int(layer.group(1))
+            if index >= config.num_hidden_layers:
+                continue
+            if config.moe_output_norm and name.endswith("post_mlp_layernorm.weight"):
+                if not config.is_moe_layer(index):
+                    continue
+                name = f"model.layers.{index}.mlp.post_mlp_layernorm.weight"
+            if name.endswith(_ROUTING_BIAS):
+                biased.add(index)
+            yield name, tensor
+        if config.moe_output_norm:
+            for index in range(config.num_hidden_layers):
+                if config.is_moe_layer(index) and index not in biased:
+                    yield f"model.layers.{index}{_ROUTING_BIAS}", torch.zeros(config.num_experts)

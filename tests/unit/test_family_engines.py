@@ -688,8 +688,24 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
         LLM(config=with_lora)
 
 
+def test_an_axk1_checkpoint_in_its_released_layout_equals_transformers(tmp_path: Path) -> None:
+    """A.X K1's released checkpoints (as transformers reads them): no routing bias (zeros), and a
+    `post_mlp_layernorm` on a dense layer too, which nothing applies. Its MoE output norms (`post_mlp_layernorm` on
+    the layer, read as the MoE block's) are what the family's whole-engine test runs."""
+    from safetensors.torch import load_file
+
+    folder = save_family(tmp_path, "axk1", head_spread=1.0)  # a clear next token (families.save_family)
+    tensors = {name: tensor for name, tensor in load_file(folder / "model.safetensors").items()
+               if not name.endswith("e_score_correction_bias")}  # fmt: skip
+    tensors["model.layers.0.post_mlp_layernorm.weight"] = torch.randn(tensors["model.norm.weight"].shape)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with engine(folder) as llm:
+        assert tokens(llm, prompts()) == reference_tokens(folder)
+
+
 @pytest.mark.parametrize(
-    ("name", "changed"), [("deepseek-v3", {}), ("deepseek-v2", {"q_lora_rank": None}), ("glm-moe-dsa", {})]
+    ("name", "changed"),
+    [("deepseek-v3", {}), ("deepseek-v2", {"q_lora_rank": None}), ("glm-moe-dsa", {}), ("axk1", {})],
 )
 def test_latent_attention_split_over_two_ranks_equals_transformers(
     name: str, changed: dict[str, Any], tmp_path: Path
@@ -697,8 +713,8 @@ def test_latent_attention_split_over_two_ranks_equals_transformers(
     """Two ranks, two of the four heads each: each rank its heads' rows of `q_b_proj` (DeepSeek-V3, GLM-5) or of
     the one `q_proj` (DeepSeek-V2-Lite's form), of `kv_b_proj` and its columns of `o_proj`, the latent, its cache
     and GLM-5's indexer whole on both (the indexer's choice among 140 positions the same on each, its third layer
-    reusing the second's): transformers' tokens. DeepSeek-V3 on int8 over the two ranks: each prompt's tokens the
-    same alone and batched, mostly transformers' first ones."""
+    reusing the second's; A.X K1's MoE output norm after the ranks' sums): transformers' tokens. DeepSeek-V3 on int8
+    over the two ranks: each prompt's tokens the same alone and batched, mostly transformers' first ones."""
     folder = save_family(tmp_path, name, head_spread=1.0, **changed)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
