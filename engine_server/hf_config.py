@@ -69,6 +69,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": "olmo2",
     "olmo3": "olmo2",
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
+    "exaone4_5": "olmo2",  # EXAONE 4.5: EXAONE 4.0's text model beside a vision tower (`_exaone4_5_text`)
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "kimi_k25": "deepseek_v3",  # Kimi K2.5 / K2.6: Kimi K2's text model beside a vision tower (`_kimi_k25_text`)
@@ -167,8 +168,11 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "bert":
         return _encoder_config(cfg, name)
     _refuse_unbuilt(model_type, cfg)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3"):  # multimodal: its text model
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5"):  # multimodal: its text
         cfg = _text_config(cfg)
+    if model_type == "exaone4_5":
+        cfg = _exaone4_5_text(cfg)
+        model_type = cfg["model_type"]
     if model_type == "mistral3":  # read as its text model's own family
         model_type = _mistral3_text_type(cfg)
     if model_type == "kimi_k25":
@@ -522,6 +526,15 @@ def _query_scale_fields(model_type: str, rope: dict[str, Any]) -> dict[str, Any]
     if not beta:
         return {}
     return {"query_scale_beta": beta, "query_scale_positions": int(rope["original_max_position_embeddings"])}
+
+
+def _exaone4_5_text(text: dict[str, Any]) -> dict[str, Any]:
+    """EXAONE 4.5's text model: its `text_config`, EXAONE 4.0's (`exaone4`, or `exaone4_5_text` as its first release
+    named it, which transformers reads as `exaone4`); ValueError for another."""
+    model_type = text.get("model_type")
+    if model_type not in ("exaone4", "exaone4_5_text"):
+        raise ValueError(f"exaone4_5 text_config model_type {model_type!r} is not supported (exaone4 is)")
+    return {**text, "model_type": "exaone4"}
 
 
 def _mistral3_text_type(text: dict[str, Any]) -> str:

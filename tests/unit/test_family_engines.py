@@ -418,6 +418,35 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str,
         assert tokens(llm, batch) == theirs
 
 
+def test_an_exaone4_5_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """EXAONE 4.5 is released as `Exaone4_5_ForConditionalGeneration`: a `text_config` of EXAONE 4.0 (its windowed
+    layers and NoPE global ones here; `exaone4_5_text`, its first release's name for it, read as `exaone4`), the text
+    model's weights under `model.language_model.`, a vision tower (`model.visual.`) beside them, which is not read.
+    Its text output equals transformers' own multimodal model's on text prompts."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [0], "window_size": 28}  # fmt: skip
+    text = {**_SHAPE, **FAMILIES["exaone4"][1], "model_type": "exaone4"}
+    config = transformers.Exaone4_5_Config(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.Exaone4_5_ForConditionalGeneration(config).eval()
+    draw_language_model(model)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["text_config"]["model_type"] = "exaone4_5_text"  # (its first release's name)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    batch = prompts()[:4]
+    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    with engine(tmp_path) as llm:
+        config = llm.core.model_config
+        assert (config.architecture, bool(config.layer_windows), bool(config.nope_layers)) == ("olmo2", True, True)
+        assert tokens(llm, batch) == theirs
+
+
 def test_a_kimi_k25_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     """Kimi K2.5 is released as `Kimi_K25ForConditionalGeneration`: a `text_config` of Kimi K2's DeepSeek-V3 layout
     (its own LM head: the text model's tie is read, not the wrapper's), the text model's weights under `language_model.`
