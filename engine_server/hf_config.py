@@ -504,7 +504,8 @@ def _sparse_indexer(cfg: dict[str, Any], model_type: str, mla: LatentAttention) 
         if pattern is not None:
             kinds = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
         else:
-            freq, offset = max(int(cfg.get("index_topk_freq") or 1), 1), int(cfg.get("index_skip_topk_offset", 2))
+            offset = cfg.get("index_skip_topk_offset")  # (0 is an offset: only None takes transformers' default)
+            freq, offset = max(int(cfg.get("index_topk_freq") or 1), 1), 2 if offset is None else int(offset)
             kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
     shared = tuple(i for i, kind in enumerate(kinds or ()) if kind == "shared")
     if 0 in shared:
