@@ -653,6 +653,7 @@ _GGUF_ARCHITECTURES = {
     "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4", "llama4_text": "llama4", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "glm4": "glm4",
+    "dots1": "dots1",
     "minimax_m2": "minimax-m2", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm_moe_dsa": "glm-dsa",
     "glm4_moe_lite": "deepseek2", "seed_oss": "seed_oss", "ernie4_5": "ernie4_5", "ernie4_5_moe": "ernie4_5-moe",
     "exaone4": "exaone4", "cohere": "command-r", "cohere2": "cohere2", "olmo2": "olmo2", "lfm2": "lfm2",
@@ -1067,6 +1068,11 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
         writer.add_logit_scale(config["logits_scaling"])
+    if arch == "dots1":  # DeepSeek-V3's experts as its converter describes them (its router's sigmoid: llama.cpp's)
+        writer.add_expert_shared_count(config["n_shared_experts"])
+        writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
     if arch == "glm4moe":  # DeepSeek-V3's experts, as its converter describes them
         writer.add_expert_shared_count(config["n_shared_experts"])
         writer.add_leading_dense_block_count(config["first_k_dense_replace"])
@@ -1418,7 +1424,7 @@ def _write_tensors(
     if arch == "glm4":  # Gemma's four norms under its own names: `ffn_norm` is the one before the MLP
         layer_names.update({"post_self_attn_layernorm": "post_attention_norm", "post_attention_layernorm": "ffn_norm",
                             "post_mlp_layernorm": "post_ffw_norm"})  # fmt: skip
-    if arch in ("glm4moe", *_GGUF_LATENT_ARCHES, "ernie4_5-moe"):  # DeepSeek-V3's shared experts
+    if arch in ("glm4moe", *_GGUF_LATENT_ARCHES, "ernie4_5-moe", "dots1"):  # DeepSeek-V3's shared experts
         layer_names.update({f"mlp.shared_experts.{part}_proj": f"ffn_{part}_shexp" for part in ("gate", "up", "down")})
     if arch in _GGUF_LATENT_ARCHES:
         layer_names.update({**_GGUF_LATENT_LAYER, **_GGUF_INDEXER_LAYER})

@@ -159,10 +159,11 @@ _GPT_OSS_LAYER_NAMES = {
     "ffn_gate_inp": "mlp.router",
 }
 # GLM-4.5: the norm before its MLP is `post_attention_norm`; its shared experts are DeepSeek-V3's, `shared_experts`.
+_DEEPSEEK_SHARED_EXPERTS = {f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")}
 _GLM4_MOE_LAYER_NAMES = {
     **{kind: name for kind, name in _LAYER_NAMES.items() if kind != "ffn_norm"},
     "post_attention_norm": "post_attention_layernorm",
-    **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
+    **_DEEPSEEK_SHARED_EXPERTS,
 }
 # DeepSeek-V2/V3 (llama.cpp's `deepseek2`): latent attention's projections and norms, DeepSeek's shared experts. A
 # newer converter splits `kv_b_proj` into `attn_k_b` and `attn_v_b` (`LatentExpansionParts` joins them again).
@@ -174,7 +175,7 @@ _DEEPSEEK_LAYER_NAMES = {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
-    **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
+    **_DEEPSEEK_SHARED_EXPERTS,
 }
 _DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2", "glm_moe_dsa")
 # GLM-5 (llama.cpp's `glm-dsa`): DeepSeek-V3's layer with DeepSeek Sparse Attention's indexer.
@@ -193,10 +194,9 @@ _EXAONE4_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# ERNIE 4.5's experts: DeepSeek's shared experts' names, its routing bias on `moe_statics`.
-_ERNIE_MOE_LAYER_NAMES = {
-    **_LAYER_NAMES, **{f"ffn_{part}_shexp": f"mlp.shared_experts.{part}_proj" for part in ("gate", "up", "down")},
-}
+# ERNIE 4.5's experts (its routing bias on `moe_statics`) and dots.llm1's (Qwen3's names, its norm before the MLP
+# `ffn_norm`): DeepSeek's shared experts' names.
+_SHARED_EXPERTS_LAYER_NAMES = {**_LAYER_NAMES, **_DEEPSEEK_SHARED_EXPERTS}
 _SPLIT_EXPANSION = re.compile(r"blk\.(\d+)\.attn_([kv])_b\.weight")
 # GLM-4: Gemma's four norms under its checkpoint's names (`models.glm4` reads them as Gemma's), its `ffn_up` the fused
 # gate_up_proj.
@@ -275,6 +275,7 @@ _BARE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_BARE,
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
+    "dots1": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
     **{model_type: {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"} for model_type in _DEEPSEEK_TYPES},
     "glm_moe_dsa": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", **_INDEXER_BARE},
     "ernie4_5_moe": {"exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias"},
@@ -302,9 +303,10 @@ _ARCHITECTURE_LAYER_NAMES = {
     "llama4_text": _LLAMA4_LAYER_NAMES,
     "gpt_oss": _GPT_OSS_LAYER_NAMES,
     "glm4_moe": _GLM4_MOE_LAYER_NAMES,
+    "dots1": _SHARED_EXPERTS_LAYER_NAMES,
     "glm4": _GLM4_LAYER_NAMES,
     **{model_type: _DEEPSEEK_LAYER_NAMES for model_type in _DEEPSEEK_TYPES},
-    "ernie4_5_moe": _ERNIE_MOE_LAYER_NAMES,
+    "ernie4_5_moe": _SHARED_EXPERTS_LAYER_NAMES,
     "seed_oss": _SEED_OSS_LAYER_NAMES,
     "exaone4": _EXAONE4_LAYER_NAMES,
     "olmo2": _EXAONE4_LAYER_NAMES,

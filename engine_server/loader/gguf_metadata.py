@@ -1,6 +1,6 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
-their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe, minimax-m2, deepseek2 (DeepSeek-V2 / V3,
-Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, olmo2, command-r / cohere2, the Gated
+their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe / dots1, minimax-m2, deepseek2 (DeepSeek-V2 /
+V3, Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, olmo2, command-r / cohere2, the Gated
 DeltaNet hybrids qwen35 / qwen35moe / qwen3next and the classic decoders (`gguf_classic`) `<arch>.*` keys)."""
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "hunyuan-dense": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "dots1": ("dots1", "Dots1ForCausalLM"),  # dots.llm1: GLM-4.5's experts under Qwen3's attention
     "glm4": ("glm4", "Glm4ForCausalLM"),
     "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     # DeepSeek-V3's form (sigmoid routing); a file routed by softmax is DeepSeek-V2's (`_deepseek2_config`).
@@ -520,7 +521,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     if rope_dims is not None and int(rope_dims) != head_dim:
         config["partial_rotary_factor"] = int(rope_dims) / head_dim
     window = read_field(reader, f"{arch}.attention.sliding_window")
-    if window and arch != "llama4":  # llama4: its chunks' size, fixed (`_llama4_config`)
+    # llama4: its chunks' size, fixed (`_llama4_config`); dots1: llama.cpp windows none of its layers
+    if window and arch not in ("llama4", "dots1"):
         config["sliding_window"] = int(window)
     if "rope_factors_long.weight" in tensors:
         config.update(_long_rope_config(reader, arch, tensors, spec))
@@ -540,6 +542,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_gpt_oss_config(reader, config, experts, spec))
     elif arch == "glm4moe":
         config.update(_glm4_moe_config(reader, config, experts, tensors, spec))
+    elif arch == "dots1":
+        config.update(_dots1_config(reader, experts, spec))
     elif arch == "glm4":  # rope over `rope.dimension_count` dims, stated when whole too (the config's default: half)
         config["partial_rotary_factor"] = config.get("partial_rotary_factor", 1.0)
     elif arch == "minimax-m2":
@@ -693,6 +697,18 @@ def _glm4_moe_config(
         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
         "partial_rotary_factor": config.get("partial_rotary_factor", 1.0),
     }
+
+
+def _dots1_config(reader: GGUFReader, experts: int, spec: str) -> dict[str, Any]:
+    """The keys of a dots.llm1 `config.json` (transformers' `Dots1Config`) from a `dots1` file: DeepSeek-V3's experts
+    from the `expert_*` keys (sigmoid scores with the routing bias `exp_probs_b`, the file's `expert_weights_scale`,
+    renormalised where `expert_weights_norm` says) after `leading_dense_block_count` dense layers, in one group (as
+    llama.cpp routes them), no window on any layer (llama.cpp's `dots1` runs none). ValueError for a file without
+    experts or with a router other than sigmoid."""
+    arch = "dots1"
+    used = _sigmoid_routed_experts(reader, arch, experts, spec)
+    return {**_deepseek_experts(reader, arch, experts, used, spec), "n_group": 1, "topk_group": 1,
+            "sliding_window": None}
 
 
 def _deepseek_experts(reader: GGUFReader, arch: str, experts: int, used: int, spec: str) -> dict[str, Any]:

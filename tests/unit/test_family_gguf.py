@@ -624,6 +624,11 @@ PLAIN_GGUF: dict[str, dict[str, Any]] = {
     "hunyuan-dense": {}, "apertus": {},
     "olmo2": {"bos_token_id": 1, "eos_token_id": 2},
     "ernie4.5-moe": {"intermediate_size": 64, "moe_intermediate_size": 32, "moe_num_shared_experts": 1},
+    # dots.llm1 as released (one group of experts) and as llama.cpp's `dots1` runs it: no windows, no q/k/v biases. Its
+    # experts' weights unscaled: this random model's sigmoid scores, not renormalised, times 2.5 move its next layers
+    # as GLM-4.5's do (measured from the blocks: 79.2% / 0.083; scaled by 1, 97.9% / 0.0036).
+    "dots1": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "sliding_window": None,
+              "attention_bias": False},
     # The classic decoders: GPT-NeoX's q/k/v grouped as cat(q, k, v) by its converter, Phi-2's every head its own K/V
     # (its converter writes so; rope over 6 of 16 dims, a share the file's dimension count gives back exactly; its MLP
     # 4 x hidden wide, the width its converter writes and llama.cpp requires),
@@ -645,7 +650,8 @@ PLAIN_GGUF: dict[str, dict[str, Any]] = {
 def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Path, family: str) -> None:
     """A Seed-OSS file (q/k/v biases, none on o_proj), an ERNIE 4.5 one (q/k rows as the checkpoint holds them, rope
     pairs interleaved), an ERNIE 4.5 MoE one (experts after a dense layer, a shared expert, the routing bias as
-    `exp_probs_b` `[1, experts]`), an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for its
+    `exp_probs_b` `[1, experts]`), a dots.llm1 one (DeepSeek-V3's experts and their routing bias after a dense layer,
+    Qwen3's q/k norms), an EXAONE 4 one (norms after the attention and the MLP, a flag per layer for its
     windows, the global layers without rope), Cohere's (LayerNorms, `logit_scale`, rope pairs interleaved; Cohere
     2's every 4th layer global), an OLMo 2 one (its q/k norms over the whole projection), a Ministral 3 one (YaRN, its
     query temperature), an Arcee one (an ungated relu² MLP, YaRN), a Hunyuan one (q/k norms after rope, the
@@ -661,7 +667,7 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
                "gpt-bigcode")
     mlp = "up_proj" if family in ungated else "gate_up_proj"  # their ungated MLPs
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers[f"model.layers.0.mlp.{mlp}"] == "q4"
-    if family == "ernie4.5-moe":
+    if family in ("ernie4.5-moe", "dots1"):
         assert layers["model.layers.1.mlp.shared_expert.gate_up_proj"] == "q4", layers
         assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q4_32"] * 3, layers
     # OLMo 2's post-norm model parts at near-ties: 94.8% / 0.0008 measured (its KL the others' size); OLMo's
