@@ -1068,11 +1068,12 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
         writer.add_logit_scale(config["logits_scaling"])
-    if arch == "dots1":  # DeepSeek-V3's experts as its converter describes them (its router's sigmoid: llama.cpp's)
+    if arch == "dots1":  # DeepSeek-V3's experts, as its converter describes them
         writer.add_expert_shared_count(config["n_shared_experts"])
         writer.add_leading_dense_block_count(config["first_k_dense_replace"])
         writer.add_expert_weights_scale(config["routed_scaling_factor"])
         writer.add_expert_weights_norm(config["norm_topk_prob"])
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if arch == "glm4moe":  # DeepSeek-V3's experts, as its converter describes them
         writer.add_expert_shared_count(config["n_shared_experts"])
         writer.add_leading_dense_block_count(config["first_k_dense_replace"])
