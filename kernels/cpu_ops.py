@@ -439,9 +439,12 @@ def clear_stale_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, oth
 
 
 def _build_tag() -> str:
-    """A short hash of this CPU's model and instruction-set flags (the build is `-march=native`) and of every
-    file in `kernels/cpu` (torch's own rebuild check hashes the sources, not the headers they include)."""
+    """A short hash of this CPU's model and instruction-set flags (the build is `-march=native`), of every file in
+    `kernels/cpu` (torch's own rebuild check hashes the sources, not the headers they include) and of that folder's
+    path: two checkouts of the same sources build apart, since a build names its sources by path and another
+    checkout's load would rewrite it and rebuild everything (~90 s on 2 cores), each time the other loads."""
     digest = hashlib.sha256(platform.machine().encode())
+    digest.update(str(_SOURCE_DIR.resolve()).encode())
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         digest.update("".join(line for line in lines if line.startswith(("model name", "flags")))[:4096].encode())
