@@ -41,7 +41,7 @@ from engine_server.layers.sparse_indexer import LightningIndexer, attend_positio
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, copy_kept_rows
-from engine_server.parallel.sharding import PartSlice, query_heads_of_rank
+from engine_server.parallel.sharding import heads_rows, query_heads_of_rank
 from kernels.kernel_set import KernelOps
 
 
@@ -57,9 +57,8 @@ class LatentExpansion(nn.Module):
     ) -> None:
         super().__init__()
         self.heads, self.nope_dim, self.value_dim = len(heads), nope_dim, value_dim
-        per_head = nope_dim + value_dim
-        self.rows = PartSlice(total_heads * per_head, range(heads.start * per_head, heads.stop * per_head))
-        self.weight = nn.Parameter(torch.empty(len(heads) * per_head, kv_lora_rank, dtype=dtype))
+        self.rows = heads_rows(heads, total_heads, nope_dim + value_dim)
+        self.weight = nn.Parameter(torch.empty(len(self.rows.rows), kv_lora_rank, dtype=dtype))
 
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
         """Copy the checkpoint's weight, whole or as exactly this rank's rows; ValueError on another shape."""
@@ -92,8 +91,7 @@ class MultiLatentAttention(nn.Module):
         self.scale = config.attention_scale or self.query_dim**-0.5
         self.query_scale_beta, self.query_scale_positions = config.query_scale_beta, config.query_scale_positions
         hidden, total, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
-        # this rank's heads' query rows (each head's nope and rope dims together)
-        queries = PartSlice(total * self.query_dim, range(heads.start * self.query_dim, heads.stop * self.query_dim))
+        queries = heads_rows(heads, total, self.query_dim)  # each head's nope and rope dims together
         if mla.q_lora_rank:
             self.q_a_proj: nn.Module | None = nn.Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm: RMSNorm | None = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype)

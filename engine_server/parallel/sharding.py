@@ -76,6 +76,11 @@ def kv_heads_of_rank(num_kv_heads: int, size: int, rank: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
+def heads_rows(heads: range, total_heads: int, per_head: int) -> PartSlice:
+    """The rows of `heads` in a part laid out head by head, `per_head` rows each, `total_heads` heads in all."""
+    return PartSlice(total_heads * per_head, range(heads.start * per_head, heads.stop * per_head))
+
+
 def query_heads_of_rank(num_attention_heads: int, size: int, rank: int) -> range:
     check_rank(rank, size)
     per_rank = heads_per_rank(num_attention_heads, size)
@@ -96,10 +101,8 @@ def qkv_slices(
         )
     q_heads = query_heads_of_rank(num_attention_heads, size, rank)
     kv_heads = kv_heads_of_rank(num_kv_heads, size, rank)
-    q = PartSlice(num_attention_heads * head_dim, range(q_heads.start * head_dim, q_heads.stop * head_dim))
-    kv_rows = range(kv_heads.start * head_dim, kv_heads.stop * head_dim)
-    kv = PartSlice(num_kv_heads * head_dim, kv_rows)
-    return q, kv, kv
+    kv = heads_rows(kv_heads, num_kv_heads, head_dim)
+    return heads_rows(q_heads, num_attention_heads, head_dim), kv, kv
 
 
 def gate_up_slices(intermediate_size: int, size: int, rank: int) -> tuple[PartSlice, PartSlice]:
