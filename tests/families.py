@@ -16,6 +16,7 @@ import math
 import re
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -631,6 +632,68 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
             step_input, positions = steps[-1][:, None], positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
     return torch.stack(steps, dim=1).tolist()
+
+
+def hf_greedy_checked(model: Any, prompt: list[int], num_tokens: int, candidate: list[int] | None) -> list[int]:
+    """`hf_greedy`'s tokens for `prompt` alone, found in one forward pass when `candidate` (an engine's) is them: a
+    token is transformers' greedy choice if it is the argmax of the logits after the prompt and the tokens before
+    it, so one pass over the prompt and the candidate checks every position at once, as speculative decoding
+    verifies a draft. Where one disagrees (or no candidate is given), transformers decodes the prompt step by step,
+    so the tokens returned are transformers' whatever the candidate. A single pass differs from step-by-step
+    decoding only in float summation order (~1e-6), except in models whose pass depends on how many tokens it
+    holds (`_stepwise_only`), which always decode step by step."""
+    if candidate is not None and len(candidate) == num_tokens and not _stepwise_only(model):
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([prompt + candidate[:-1]])).logits[0, len(prompt) - 1 :]
+        if logits.argmax(-1).tolist() == candidate:
+            return list(candidate)
+    return hf_greedy(model, [prompt], num_tokens)[0]
+
+
+def _stepwise_only(model: Any) -> bool:
+    """Whether one forward pass over a sequence computes other logits than transformers' step-by-step decoding of it:
+    LongRoPE and dynamic NTK pick their rope factors by the length of what a pass holds (the prompt's when it is
+    prefilled, so generate's tokens past a limit keep the factors their prompt chose), and DeepSeek-V3.2's indexer
+    chooses its keys otherwise in a pass of many tokens (measured on tests/families.py's `deepseek-v32`)."""
+    config = model.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    layouts = [rope, *(value for value in rope.values() if isinstance(value, dict))]  # or one a kind of layer
+    kinds = {layout.get("rope_type", layout.get("type")) for layout in layouts}
+    return bool(kinds & {"longrope", "dynamic"}) or config.model_type == "deepseek_v32"
+
+
+@dataclass(eq=False)
+class GreedyReference:
+    """transformers' greedy tokens for each of `prompts`, decoded alone (LongRoPE picks its factors by the longest
+    sequence of a batch, so a batch would not give each prompt what it gets alone), `num_tokens` each: the engine
+    tests' oracle. Computed once, on first use, from the candidate given then (`hf_greedy_checked`): the same tokens
+    whatever that candidate, in one forward pass a prompt when it is right."""
+
+    model: Any
+    prompts: list[list[int]]
+    num_tokens: int
+    _tokens: dict[int, list[int]] = field(default_factory=dict)  # by prompt, as computed
+
+    def of(self, candidate: list[list[int]] | None = None) -> list[list[int]]:
+        """transformers' tokens for the first `len(candidate)` prompts (all without one), each checked against its
+        candidate's if not computed yet."""
+        given: list[list[int] | None] = list(candidate) if candidate is not None else [None] * len(self.prompts)
+        for index, tokens in enumerate(given):
+            if index not in self._tokens:
+                self._tokens[index] = hf_greedy_checked(self.model, self.prompts[index], self.num_tokens, tokens)
+        return [self._tokens[index] for index in range(len(given))]
+
+    def first_tokens(self) -> list[int]:
+        """transformers' first greedy token for each prompt: the argmax after the prompt, one forward pass each
+        (what decoding computes first), for a quantized engine's tokens to mostly agree with."""
+        firsts = []
+        for index, prompt in enumerate(self.prompts):
+            if index in self._tokens:
+                firsts.append(self._tokens[index][0])
+                continue
+            with torch.inference_mode():
+                firsts.append(int(self.model(input_ids=torch.tensor([prompt])).logits[0, -1].argmax()))
+        return firsts
 
 
 # llama.cpp's tensor names (gguf-py's TENSOR_NAMES) for the checkpoint names of the families written to GGUF here,

@@ -51,5 +51,5 @@ def test_the_openai_sdk_completes_as_transformers_greedy(
     sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused")
     reply = sdk.completions.create(model=info.model_id, prompt=batch, max_tokens=NUM_TOKENS, temperature=0.0)
     texts = [choice.text for choice in sorted(reply.choices, key=lambda choice: choice.index)]
-    assert texts == [tokenizer.decode(tokens) for tokens in theirs]
+    assert texts == [tokenizer.decode(tokens) for tokens in theirs.of()]
     assert reply.usage is not None and reply.usage.completion_tokens == NUM_TOKENS * len(batch)

@@ -16,7 +16,7 @@ from engine_server import LLM, ChatPrompt, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine_server.loader import resolve_model
 from engine_server.tokenizer.chat import ChatMessage
-from tests.families import float_checkpoint, hf_greedy
+from tests.families import GreedyReference, float_checkpoint
 
 pytestmark = pytest.mark.slow  # the embedded model, and transformers' on the same weights
 
@@ -44,11 +44,11 @@ def hf_model() -> Any:
 def test_greedy_matches_transformers_token_for_token(float_reference: Any, hf_model: Any) -> None:
     # The session engine's greedy continuations of the chat prompts, 64 tokens each (tests/conftest.py: computed
     # once for this file and the quality measurements).
+    # transformers' own, each prompt decoded alone (`GreedyReference`: one forward pass a prompt checks ours).
     (prompts, continuations), _ = float_reference
-    theirs_batched = hf_greedy(hf_model, prompts, NUM_TOKENS)
-    assert hf_greedy(hf_model, prompts[:1], NUM_TOKENS) == theirs_batched[:1]  # padding changed nothing
+    theirs_alone = GreedyReference(hf_model, prompts, NUM_TOKENS).of(continuations)
     mismatches = []
-    for prompt, ours, theirs in zip(CHAT_PROMPTS, continuations, theirs_batched, strict=True):
+    for prompt, ours, theirs in zip(CHAT_PROMPTS, continuations, theirs_alone, strict=True):
         if ours != theirs:
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
             mismatches.append(f"{prompt!r}: first difference at token {first}")

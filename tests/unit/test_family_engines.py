@@ -32,8 +32,8 @@ from tests.families import (
     LAYOUT_FAMILIES,
     VOCAB_SIZE,
     WINDOW,
+    GreedyReference,
     assert_dummy_equals_transformers,
-    hf_greedy,
     load_reference,
     save_family,
 )
@@ -66,11 +66,10 @@ def engine(
     return LLM(config=config, **overrides)
 
 
-def reference_tokens(folder: Path) -> list[list[int]]:
-    """transformers' greedy tokens for each of `prompts()`, decoded alone (LongRoPE picks its factors by the
-    longest sequence of a batch, so a batch would not give each prompt what it gets alone)."""
-    model = load_reference(folder)
-    return [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in prompts()]
+def reference_tokens(folder: Path) -> GreedyReference:
+    """transformers' greedy tokens for each of `prompts()` on `folder`'s model, each decoded alone
+    (`GreedyReference`: `.of(ours)`)."""
+    return GreedyReference(load_reference(folder), prompts(), NUM_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -81,28 +80,28 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.fixture(scope="module")
-def gpt_oss_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def gpt_oss_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GreedyReference]:
     """gpt-oss (tests/families.py), with transformers' greedy tokens for `prompts()`."""
     folder = save_family(tmp_path_factory.mktemp("gpt-oss-paths"), "gpt-oss")
     return folder, reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
-def window_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def window_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GreedyReference]:
     """Mistral with a 20-position sliding window on every layer, with transformers' greedy tokens."""
     folder = save_family(tmp_path_factory.mktemp("mistral-window-paths"), "mistral-window")
     return folder, reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
-def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def gemma3_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GreedyReference]:
     """Gemma 3 (tests/families.py), with transformers' greedy tokens for `prompts()`."""
     folder = save_family(tmp_path_factory.mktemp("gemma3-paths"), "gemma3")
     return folder, reference_tokens(folder)
 
 
 @pytest.fixture(scope="module")
-def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GreedyReference]:
     """Qwen2-MoE (experts, a gated shared expert and q/k/v biases all split under tensor parallelism), with
     transformers' greedy tokens for `prompts()`."""
     folder = save_family(tmp_path_factory.mktemp("qwen2-moe-tp"), "qwen2-moe")
@@ -130,24 +129,28 @@ def test_greedy_equals_transformers_alone_batched_and_from_the_prefix_cache(fami
     name, folder, theirs = family
     batch = prompts()
     with engine(folder) as llm:
-        assert tokens(llm, batch[:1]) == theirs[:1], name  # alone; its blocks stay in the cache
+        alone = tokens(llm, batch[:1])
+        assert alone == theirs.of(alone), name  # its blocks stay in the cache
         results = llm.generate(batch, GREEDY, use_tqdm=False)
-    assert [result.choices[0].token_ids for result in results] == theirs, name
+    ours = [result.choices[0].token_ids for result in results]
+    assert ours == theirs.of(ours), name
     assert results[-1].usage.cached_prompt_tokens >= SHARED_PREFIX, name
 
 
-def test_tensor_parallel_moe_equals_one_rank(moe_folder: tuple[Path, list[list[int]]]) -> None:
+def test_tensor_parallel_moe_equals_one_rank(moe_folder: tuple[Path, GreedyReference]) -> None:
     folder, theirs = moe_folder
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
 
 
-def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[Path, list[list[int]]]) -> None:
+def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[Path, GreedyReference]) -> None:
     """A KV pool of 24 blocks for eight sequences: sequences preempted and recomputed (the experts' routing of
     every recomputed token again) keep transformers' tokens."""
     folder, theirs = moe_folder
     with engine(folder, kv_blocks=24) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions > 0
 
 
@@ -170,40 +173,45 @@ def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tm
     split by rows like the vocabulary's, its Conv1D weights read transposed."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(folder), name
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours), name
 
 
-def test_speculative_decoding_on_moe_keeps_greedy_output(moe_folder: tuple[Path, list[list[int]]]) -> None:
+def test_speculative_decoding_on_moe_keeps_greedy_output(moe_folder: tuple[Path, GreedyReference]) -> None:
     folder, theirs = moe_folder
     speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     with engine(folder, speculative_config=speculative) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
 
 
 def test_a_sliding_window_holds_when_prompts_are_prefilled_in_chunks(
-    window_folder: tuple[Path, list[list[int]]],
+    window_folder: tuple[Path, GreedyReference],
 ) -> None:
     """Chunks of 24 tokens: a chunk's first tokens reach back into the previous chunk's keys, and only within
     the window."""
     folder, theirs = window_folder
     with engine(folder, chunk=24) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
 
 
-def test_a_sliding_window_holds_under_speculation_and_preemption(window_folder: tuple[Path, list[list[int]]]) -> None:
+def test_a_sliding_window_holds_under_speculation_and_preemption(window_folder: tuple[Path, GreedyReference]) -> None:
     """n-gram drafts verified as several tokens of one row each (their window reaches back into the cache), then a
     KV pool of 24 blocks for eight sequences: sequences preempted and recomputed keep transformers' tokens."""
     folder, theirs = window_folder
     speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     with engine(folder, speculative_config=speculative) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
     with engine(folder, kv_blocks=24) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions > 0
 
 
 def test_a_pure_window_model_gives_back_the_blocks_outside_its_window(
-    window_folder: tuple[Path, list[list[int]]],
+    window_folder: tuple[Path, GreedyReference],
 ) -> None:
     """Three 30-token prompts decoding 150 tokens each on an 18-block pool: each sequence would need 12 blocks by its
     end (36 in all), but holds at most the 4 its window of 20 spans (with a margin) plus a new one, so none is
@@ -213,11 +221,12 @@ def test_a_pure_window_model_gives_back_the_blocks_outside_its_window(
     batch = [prompt[:30] for prompt in prompts()[:3] if len(prompt) >= 30]
     long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
     model = load_reference(folder)
-    theirs = [hf_greedy(model, [prompt], 150)[0] for prompt in batch]
+    theirs = GreedyReference(model, batch, 150)
     with engine(folder, kv_blocks=18) as llm:
         assert llm.core.scheduler.kv_cache.window == WINDOW
         results = llm.generate(batch, long, use_tqdm=False)
-        assert [result.choices[0].token_ids for result in results] == theirs
+        ours = [result.choices[0].token_ids for result in results]
+        assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions == 0
     with engine(folder, quantization="int8") as llm:
         alone = [llm.generate([prompt], long, use_tqdm=False)[0].choices[0].token_ids for prompt in batch]
@@ -227,7 +236,7 @@ def test_a_pure_window_model_gives_back_the_blocks_outside_its_window(
         assert llm.core.scheduler.total_preemptions == 0
 
 
-def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder: tuple[Path, list[list[int]]]) -> None:
+def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder: tuple[Path, GreedyReference]) -> None:
     """int8 weights: every decode step on the C++ decode stack and every prompt token through the by-token
     attention kernel, each with the window. A prompt's tokens are the same alone, batched, prefilled in chunks and
     after a prefix-cache hit, bit for bit; and the window is what the model attends over (the engine's float
@@ -242,22 +251,24 @@ def test_a_sliding_window_on_the_quantized_path_is_batch_invariant(window_folder
         assert tokens(llm, batch) == alone  # batched, and the last prompt from the cache
     with engine(folder, quantization="int8", chunk=24) as llm:
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
 
 
 def test_gemma3_under_tensor_parallelism_and_chunked_prefill_equals_transformers(
-    gemma3_folder: tuple[Path, list[list[int]]],
+    gemma3_folder: tuple[Path, GreedyReference],
 ) -> None:
     """Two ranks (q/k norms and the four sandwich norms replicated, GeGLU split), then one rank prefilling in
     24-token chunks (the windowed layers reach back into the previous chunk, the global one over all of it)."""
     folder, theirs = gemma3_folder
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
     with engine(folder, chunk=24) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
 
 
-def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Path, list[list[int]]]) -> None:
+def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Path, GreedyReference]) -> None:
     """int8 weights on the layers (the C++ decode stack does not take Gemma's blocks): each prompt's tokens are
     the same alone and batched, and mostly agree with the float path's first tokens."""
     folder, theirs = gemma3_folder
@@ -266,7 +277,7 @@ def test_gemma3_on_the_quantized_path_is_batch_invariant(gemma3_folder: tuple[Pa
         assert llm.core.runner.loaded.model.model.decode_stack is None
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
 
 
 def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
@@ -279,9 +290,11 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
     folder = save_family(tmp_path, "gemma4", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
     with engine(folder, chunk=16, kv_blocks=24) as llm:
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions > 0
         caches = llm.core.runner.kv_caches
         assert caches[4] is caches[2] and caches[5] is caches[3] and len({id(c) for c in caches}) == 4
@@ -291,7 +304,7 @@ def test_gemma4_split_chunked_preempted_and_quantized(tmp_path: Path) -> None:
         assert decoder.decode_stack is None and isinstance(decoder.embed_tokens_per_layer, QuantizedEmbedding)
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
 
 
 def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
@@ -302,9 +315,11 @@ def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
     folder = save_family(tmp_path, "gemma4-moe", head_spread=0.5)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
     with engine(folder, chunk=16) as llm:
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
         experts = model.model.layers[0].experts
@@ -312,7 +327,7 @@ def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
         assert isinstance(model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
         ours = tokens(llm, batch)
         assert [tokens(llm, [prompt])[0] for prompt in batch] == ours
-    assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 6
+    assert sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True)) >= 6
 
 
 def test_a_dummy_gemma4_equals_transformers_holding_its_weights() -> None:
@@ -344,10 +359,11 @@ def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) ->
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
-    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "gemma4"
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
 
 
 def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
@@ -369,10 +385,11 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) ->
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
-    theirs = [hf_greedy(model.language_model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    theirs = GreedyReference(model.language_model, batch, NUM_TOKENS)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "llama4"
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
 
 
 # Mistral Small 4's text model (`mistral4`): DeepSeek-V3's latent attention with Llama 4's query temperature (over a
@@ -410,12 +427,13 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str,
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
-    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
     with engine(tmp_path) as llm:
         config = llm.core.model_config
         assert config.architecture == ("llama" if text_model == "ministral3" else "deepseek_v3")
         assert config.query_scale_beta == 0.5
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
 
 
 def test_an_exaone4_5_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
@@ -440,11 +458,12 @@ def test_an_exaone4_5_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     saved["text_config"]["model_type"] = "exaone4_5_text"  # (its first release's name)
     (tmp_path / "config.json").write_text(json.dumps(saved))
     batch = prompts()[:4]
-    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
     with engine(tmp_path) as llm:
         config = llm.core.model_config
         assert (config.architecture, bool(config.layer_windows), bool(config.nope_layers)) == ("olmo2", True, True)
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
 
 
 def test_a_kimi_k25_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
@@ -468,7 +487,7 @@ def test_a_kimi_k25_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     model = transformers.Kimi_K25ForConditionalGeneration(config).eval()
     draw_language_model(model)
     batch = prompts()[:4]
-    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
     released = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
                 ("model.vision_tower.", "vision_tower.encoder."), ("model.mm_projector.", "mm_projector."))  # fmt: skip
     for layout, renames in (("released", released), ("transformers", ())):
@@ -485,11 +504,12 @@ def test_a_kimi_k25_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
         with engine(folder) as llm:
             assert llm.core.model_config.architecture == "deepseek_v3"
             assert not llm.core.model_config.tie_word_embeddings
-            assert tokens(llm, batch) == theirs, layout
+            ours = tokens(llm, batch)
+            assert ours == theirs.of(ours), layout
 
 
 def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
-    moe_folder: tuple[Path, list[list[int]]],
+    moe_folder: tuple[Path, GreedyReference],
 ) -> None:
     """int8 weights: every bank of experts quantized and run in one C++ call per layer, the shared expert's
     projections quantized, the router and the shared expert's gate float but multiplied row by row. Each prompt's
@@ -506,10 +526,10 @@ def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
         assert tokens(llm, batch) == alone
     with engine(folder, quantization="int8", chunk=24) as llm:
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
 
 
-def test_a_json_schema_constrains_a_mixture_of_experts(moe_folder: tuple[Path, list[list[int]]]) -> None:
+def test_a_json_schema_constrains_a_mixture_of_experts(moe_folder: tuple[Path, GreedyReference]) -> None:
     """The grammar's mask applies to the MoE's logits as to any model's: every output parses and validates."""
     import json
 
@@ -528,19 +548,21 @@ def test_a_json_schema_constrains_a_mixture_of_experts(moe_folder: tuple[Path, l
 
 
 def test_gpt_oss_under_tensor_parallelism_and_chunked_prefill_equals_transformers(
-    gpt_oss_folder: tuple[Path, list[list[int]]],
+    gpt_oss_folder: tuple[Path, GreedyReference],
 ) -> None:
     """Two ranks (each with its heads' sinks, its slices of every expert and its gate/up biases; the down biases
     added once), then one rank prefilling in 24-token chunks (the windowed layers reach back into the previous
     chunk)."""
     folder, theirs = gpt_oss_folder
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
     with engine(folder, chunk=24) as llm:
-        assert tokens(llm, prompts()) == theirs
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
 
 
-def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[int]]]) -> None:
+def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, GreedyReference]) -> None:
     """int8: the attention's projections quantized, every bank of experts in the C++ expert kernel (with its biases
     and the clamped SwiGLU), the biased router float but multiplied row by row, no decode stack (sinks); each
     prompt's tokens are the same alone, batched and prefilled in chunks, bit for bit. fp8: every expert in e4m3
@@ -569,7 +591,7 @@ def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, list[list[i
         if quantization == "int8":
             with engine(folder, quantization="int8", chunk=24) as llm:
                 assert tokens(llm, batch) == ours
-        agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
+        agree = sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True))
         assert agree >= 6, (quantization, agree)
 
 
@@ -604,7 +626,8 @@ def test_gpt_oss_mxfp4_experts_load_as_their_values(tmp_path: Path) -> None:
     holding the same experts dequantized."""
     folder, reference_folder = mxfp4_gpt_oss(tmp_path)
     with engine(folder) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(reference_folder)
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(reference_folder).of(ours)
 
 
 def test_gpt_oss_mxfp4_experts_are_served_as_stored_on_the_cpu(
@@ -634,7 +657,7 @@ def test_gpt_oss_mxfp4_experts_are_served_as_stored_on_the_cpu(
         assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0) for bank in banks)
         ours = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == ours
-    agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
+    agree = sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True))
     assert agree >= 6, agree
     monkeypatch.setattr(gpt_oss, "dequantize_mxfp4", dequantize)
     with engine(folder, quantization="int8", tensor_parallel_size=2) as llm:
@@ -655,8 +678,10 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
     )  # fmt: skip
     with LLM(config=config) as llm:
         assert llm.core.runner.loaded.model.config.max_position_embeddings == 256  # 64 x 4, as vLLM derives it
-        assert tokens(llm, prompts()) == theirs
-        assert tokens(llm, prompts()[:1]) != reference_tokens(plain)[:1]
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
+        first = tokens(llm, prompts()[:1])
+        assert first != reference_tokens(plain).of(first)
     for bad, message in (("[1]", "must be a JSON object"), ("{", "not JSON")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(model=str(plain), hf_overrides=bad)
@@ -684,7 +709,7 @@ def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp
         assert banks == {"llama4": 2, "hunyuan-moe": 4, "phimoe": 4, "cohere2-moe": 3, "mimo-v2-flash": 3}.get(name, 0)
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 6
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
 
 
 def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None:
@@ -710,7 +735,7 @@ def test_deepseek_v3_on_int8_and_fp8_and_what_it_refuses(tmp_path: Path) -> None
             rows = (32 + 8 + 4, torch.uint8) if cache == "fp8" else (32 + 8, torch.float32)
             assert all((c.shape[2:], c.dtype) == ((16, 1, rows[0]), rows[1]) for c in llm.core.runner.kv_caches)
             ours = tokens(llm, prompts())
-        agree = sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True))
+        agree = sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True))
         assert agree >= least, (quantization, cache, agree)
     with_lora = EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig())
     with pytest.raises(ValueError, match="LoRA adapters are not applied to multi-head latent attention"):
@@ -729,7 +754,8 @@ def test_an_axk1_checkpoint_in_its_released_layout_equals_transformers(tmp_path:
     tensors["model.layers.0.post_mlp_layernorm.weight"] = torch.randn(tensors["model.norm.weight"].shape)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with engine(folder) as llm:
-        assert tokens(llm, prompts()) == reference_tokens(folder)
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)
 
 
 @pytest.mark.parametrize(
@@ -749,13 +775,14 @@ def test_latent_attention_split_over_two_ranks_equals_transformers(
     with engine(folder, tensor_parallel_size=2) as llm:
         attention = llm.core.runner.loaded.model.model.layers[1].self_attn
         assert isinstance(attention, MultiLatentAttention) and attention.num_heads == 2
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
     if name != "deepseek-v3":
         return
     with engine(folder, quantization="int8", tensor_parallel_size=2) as llm:
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 7
 
 
 def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: Path) -> None:
@@ -770,11 +797,13 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, chunk=24, kv_blocks=36) as llm:  # 36 of the helper's blocks hold 24 of these 48-dim rows
         assert llm.core.runner.kv_caches[0].shape[2:] == (16, 1, 48)
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions > 0
     speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
     with engine(folder, speculative_config=speculative) as llm:
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
     config = EngineConfig(model=str(folder), device="cpu", quantization="none",
                           cache=CacheConfig(memory_bytes=64 * 1024**2, dtype="fp8"))  # fmt: skip
     with LLM(config=config) as llm:
@@ -782,7 +811,7 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
         ours = tokens(llm, batch)
     # e4m3 rows move this tiny model's first tokens as they move DeepSeek-V3's (6 of 8 here; the sparse path's
     # reads of those rows are held to the float formula in tests/unit/test_sparse_indexer.py)
-    assert sum(a[0] == b[0] for a, b in zip(ours, theirs, strict=True)) >= 5
+    assert sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True)) >= 5
     with engine(folder, quantization="int8") as llm:
         attention = llm.core.runner.loaded.model.model.layers[0].self_attn
         indexer = attention.indexer  # (wq_b reads the 48-wide low-rank query, float as q_b_proj is: not in 32s)
@@ -790,7 +819,7 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
         assert type(indexer.wq_b) is type(attention.q_b_proj) and not isinstance(indexer.wq_b, QuantizedLinear)
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(a[0] == b[0] for a, b in zip(alone, theirs, strict=True)) >= 7
+    assert sum(a[0] == b for a, b in zip(alone, theirs.first_tokens(), strict=True)) >= 7
 
 
 @pytest.mark.parametrize(("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4), ("ernie4.5-moe", 3)])
@@ -804,13 +833,14 @@ def test_bias_routed_families_split_over_two_ranks_and_on_int8(name: str, banks:
     folder = save_family(tmp_path, name, head_spread=1.0)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
     with engine(folder, quantization="int8") as llm:
         model = llm.core.runner.loaded.model
         assert sum(isinstance(module, QuantizedExperts) for module in model.modules()) == banks
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 7
 
 
 def test_olmoe_on_int8_over_two_ranks_is_batch_invariant_and_close(tmp_path: Path) -> None:
@@ -823,7 +853,7 @@ def test_olmoe_on_int8_over_two_ranks_is_batch_invariant_and_close(tmp_path: Pat
         assert llm.core.runner.loaded.model.model.decode_stack is None
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
-    assert sum(ours[0] == reference[0] for ours, reference in zip(alone, theirs, strict=True)) >= 7
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 7
 
 
 def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
 from engine_server.loader.gguf_metadata import GgufFile, hf_config_from_gguf
 from engine_server.loader.gguf_quant import stored_matrices
 from engine_server.quantization import StoredBank, stored_weights
-from tests.families import float_checkpoint, save_family, write_gguf
+from tests.families import GreedyReference, float_checkpoint, save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
 from tests.unit.test_quantization import recorded_tensor
 
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow  # engines, conversions and transformers' models o
 QUALITY_PROMPTS = ("The capital of France is", "Write a haiku about rain.", "def fibonacci(n):", "1, 2, 3, 4,")
 
 
-def converted_reference_tokens(source: Any) -> list[list[int]]:
+def converted_reference_tokens(source: Any) -> GreedyReference:
     """transformers' greedy tokens (`reference_tokens`) on a GGUF file's model as ladle reads its weights."""
     with float_checkpoint(source) as folder:
         return reference_tokens(folder)
@@ -81,7 +81,8 @@ def test_the_converted_phi3_gguf_is_exact_on_the_float_path(phi3_gguf: Path, tmp
     config = source.config
     assert (config.architecture, config.rotary_dim, config.head_dim) == ("phi3", 12, 16)
     with engine(phi3_gguf) as llm:
-        assert tokens(llm, prompts()) == converted_reference_tokens(source)
+        ours = tokens(llm, prompts())
+        assert ours == converted_reference_tokens(source).of(ours)
 
 
 def assert_tensors_come_back(
@@ -135,7 +136,7 @@ def served_from_blocks_reading(gguf: Path, monkeypatch: pytest.MonkeyPatch) -> t
 
 
 def served_from_blocks(
-    gguf: Path, tensor_parallel_size: int = 1, expected: list[list[int]] | None = None
+    gguf: Path, tensor_parallel_size: int = 1, expected: GreedyReference | None = None
 ) -> tuple[dict[str, str], Any]:
     """`gguf` served from its own blocks (`auto`) against its float path (`none`): each quantized projection's
     format by name (a bank of experts' as `experts_<format>`, with rank 0's rows of each expert), and `ladle bench
@@ -145,12 +146,13 @@ def served_from_blocks(
     return served_candidate(gguf, float_reference(gguf, expected), tensor_parallel_size)
 
 
-def float_reference(gguf: Path, expected: list[list[int]] | None = None) -> tuple[Any, Any]:
+def float_reference(gguf: Path, expected: GreedyReference | None = None) -> tuple[Any, Any]:
     """`gguf`'s float path (`none`) on QUALITY_PROMPTS: (its greedy sequences, their log-probabilities), what
     `served_candidate` compares against; with `expected`, its greedy tokens on `prompts()` checked first."""
     reference = make_llm(str(gguf), "none")
     if expected is not None:
-        assert tokens(reference, prompts()) == expected
+        ours = tokens(reference, prompts())
+        assert ours == expected.of(ours)
     sequences = greedy_sequences(reference, QUALITY_PROMPTS, NUM_TOKENS)
     log_probs = reference_log_probs(reference, sequences)
     reference.close()
@@ -205,7 +207,8 @@ def test_the_converted_gemma3_gguf_is_exact_on_the_float_path(gemma3_gguf: Path)
     norms = [name for name in original if name.endswith("norm.weight")]
     assert len(norms) == 1 + 6 * 6 and all(torch.equal(converted[n] + 1, original[n] + 1) for n in norms)
     with engine(gemma3_gguf) as llm:
-        assert tokens(llm, prompts()) == converted_reference_tokens(source)
+        ours = tokens(llm, prompts())
+        assert ours == converted_reference_tokens(source).of(ours)
 
 
 def test_gemma3_served_from_its_blocks_holds_the_quality_thresholds(gemma3_gguf: Path) -> None:
@@ -266,7 +269,8 @@ def test_a_moe_gguf_is_exact_on_the_float_path_and_holds_the_thresholds_from_its
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
     assert_tensors_come_back(original, converted, ("embed_tokens.weight", ".gate.weight", "shared_expert_gate.weight"))
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == converted_reference_tokens(source), family
+        ours = tokens(llm, prompts())
+        assert ours == converted_reference_tokens(source).of(ours), family
     layers, result = served_from_blocks(gguf)
     banks = [fmt for fmt in layers.values() if fmt.startswith("experts_")]
     assert banks == [f"experts_q4_{source.config.moe_intermediate_size}"] * 4, layers
@@ -376,7 +380,7 @@ LLAMA4_GGUF: dict[str, Any] = {
 }  # fmt: skip
 
 
-def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor], GreedyReference]:
     """`gguf`, written from the checkpoint in `folder`, converted: its config is the saved model's, and written out
     for transformers every tensor comes back under its checkpoint name (`assert_tensors_come_back`). Returns those
     tensors and transformers' greedy tokens on them (`reference_tokens`)."""
@@ -406,7 +410,7 @@ def exact_then_served(tmp_path: Path, family: str, **overrides: Any) -> tuple[Pa
 
 def written_and_converted(
     tmp_path: Path, family: str, feed_forward: GGMLQuantizationType = GGMLQuantizationType.Q4_0, **overrides: Any
-) -> tuple[Path, list[list[int]]]:
+) -> tuple[Path, GreedyReference]:
     """`exact_then_served`'s file (its MLP in `feed_forward`'s type), converted and checked against the saved model
     (`converted_as_saved`), and transformers' greedy tokens on the engine tests' `prompts()`, which its float path
     must give."""
@@ -772,7 +776,8 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_is_exact_on_the_float_path_and_served
     gate = torch.from_numpy(dequantize(bank.data, bank.tensor_type))  # [E, I, H], the MXFP4 values
     assert torch.equal(converted["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2], gate.transpose(1, 2))
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == expected
+        ours = tokens(llm, prompts())
+        assert ours == expected.of(ours)
     layers, result = served_from_blocks(gguf)
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.3.self_attn.o_proj"] == "q8"
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_mxfp4_96"] * 4, layers
@@ -959,7 +964,8 @@ def test_a_hybrid_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
         **dict.fromkeys(norms, lambda ours, theirs: torch.equal(ours + 1, theirs + 1)),  # as applied, 1 + w
     })  # fmt: skip
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == converted_reference_tokens(source), family
+        ours = tokens(llm, prompts())
+        assert ours == converted_reference_tokens(source).of(ours), family
 
     stored = keep_stored_weights(monkeypatch)
     layers, result, read = served_from_blocks_reading(gguf, monkeypatch)
@@ -1051,7 +1057,8 @@ def test_a_gemma4_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
     original, converted = load_file(gguf.parent / "hf" / "model.safetensors"), dict(source.weights())
     assert_tensors_come_back(original, converted, ("model.embed_tokens.weight", "router.proj.weight"))
     with engine(gguf) as llm:
-        assert tokens(llm, prompts()) == converted_reference_tokens(source), family
+        ours = tokens(llm, prompts())
+        assert ours == converted_reference_tokens(source).of(ours), family
     stored = keep_stored_weights(monkeypatch)
     layers, result, read = served_from_blocks_reading(gguf, monkeypatch)
     assert read and not [name for name in read if ".experts." in name], read  # no bank dequantized

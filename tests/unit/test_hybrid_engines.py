@@ -33,6 +33,7 @@ from tests.families import (
     HYBRIDS,
     LINEAR_ATTENTION,
     VOCAB_SIZE,
+    GreedyReference,
     assert_dummy_equals_transformers,
     hf_greedy,
     load_reference,
@@ -82,9 +83,9 @@ def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
     return [result.choices[0].token_ids for result in llm.generate(batch, GREEDY, use_tqdm=False)]
 
 
-def reference_tokens(model: Any) -> list[list[int]]:
-    """transformers' greedy tokens for each of `prompts()`, decoded alone."""
-    return [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in prompts()]
+def reference_tokens(model: Any) -> GreedyReference:
+    """transformers' greedy tokens for each of `prompts()`, decoded alone (`GreedyReference`: `.of(ours)`)."""
+    return GreedyReference(model, prompts(), NUM_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(HYBRIDS))
@@ -118,29 +119,35 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
             assert [isinstance(layer.self_attn, recurrent) for layer in layers] == [
                 config.is_recurrent_layer(i) for i in range(len(layers))
             ] and sum(config.is_recurrent_layer(i) for i in range(len(layers))) in (2, 3)
-        assert tokens(llm, batch[:1]) == theirs[:1], name
+        alone = tokens(llm, batch[:1])
+        assert alone == theirs.of(alone), name
         snapshots = llm.core.scheduler.snapshots
         assert snapshots is not None and len(snapshots) == 1 and snapshots.count == MAX_SEQS
         results = llm.generate(batch, GREEDY, use_tqdm=False)
-        assert [result.choices[0].token_ids for result in results] == theirs, name
+        ours = [result.choices[0].token_ids for result in results]
+        assert ours == theirs.of(ours), name
         cached = [result.usage.cached_prompt_tokens for result in results]
         assert cached == [SHARED_PREFIX, 0, 0, 0, 0, 0, 0, SHARED_PREFIX], name
     with engine(folder) as llm:  # in one step: the first saves its states after the step, the last cannot use them
         results = llm.generate([batch[0], batch[-1]], GREEDY, use_tqdm=False)
-        assert [result.choices[0].token_ids for result in results] == [theirs[0], theirs[-1]], name
+        assert [result.choices[0].token_ids for result in results] == [theirs.of()[0], theirs.of()[-1]], name
         assert [result.usage.cached_prompt_tokens for result in results] == [0, 0], name
         slots = llm.core.scheduler.state_slots
         assert slots is not None and slots.num_free == MAX_SEQS
     with engine(folder, chunk=16) as llm:
-        assert tokens(llm, batch) == theirs, name
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours), name
     with engine(folder, kv_blocks=24) as llm:
-        assert tokens(llm, batch) == theirs, name
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours), name
         assert llm.core.scheduler.total_preemptions > 0
     with engine(folder, snapshots=0) as llm:
         assert not llm.core.scheduler.kv_cache.enable_prefix_caching and llm.core.scheduler.snapshots is None
-        assert tokens(llm, batch[:1]) == theirs[:1], name
+        alone = tokens(llm, batch[:1])
+        assert alone == theirs.of(alone), name
         results = llm.generate(batch, GREEDY, use_tqdm=False)
-        assert [result.choices[0].token_ids for result in results] == theirs, name
+        ours = [result.choices[0].token_ids for result in results]
+        assert ours == theirs.of(ours), name
         assert all(result.usage.cached_prompt_tokens == 0 for result in results)
 
 
@@ -156,8 +163,8 @@ def test_a_prefix_shared_past_no_snapshot_is_saved_where_the_prompts_part(tmp_pa
     model = load_reference(folder)
     with engine(folder) as llm:
         results = [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in batch]
-        assert [result.choices[0].token_ids for result in results] == [hf_greedy(model, [p], NUM_TOKENS)[0]
-                                                                       for p in batch]  # fmt: skip
+        ours = [result.choices[0].token_ids for result in results]
+        assert ours == GreedyReference(model, batch, NUM_TOKENS).of(ours)
         assert [result.usage.cached_prompt_tokens for result in results] == [0, 0, 32]
         snapshots = llm.core.scheduler.snapshots
         assert snapshots is not None and len(snapshots) == 4  # 64 twice (their own), 32, and 64 of the third
@@ -172,9 +179,11 @@ def test_tensor_parallel_hybrids_equal_transformers(hybrid: tuple[str, Path, Any
     the rest of the step."""
     name, folder, theirs = hybrid
     with engine(folder, tensor_parallel_size=2) as llm:
-        assert tokens(llm, prompts()[:1]) == theirs[:1], name
+        alone = tokens(llm, prompts()[:1])
+        assert alone == theirs.of(alone), name
         results = llm.generate(prompts(), GREEDY, use_tqdm=False)
-        assert [result.choices[0].token_ids for result in results] == theirs, name
+        ours = [result.choices[0].token_ids for result in results]
+        assert ours == theirs.of(ours), name
         assert results[-1].usage.cached_prompt_tokens == SHARED_PREFIX, name
 
 
@@ -220,7 +229,7 @@ def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> N
         assert read(llm, batch) == alone
     with engine(folder, quantization="int8", snapshots=0) as llm:  # from their first token: as from a snapshot
         assert read(llm, batch) == alone
-    agree = sum(ours[0][0] == reference[0] for ours, reference in zip(alone, theirs, strict=True))
+    agree = sum(ours[0][0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True))
     assert agree >= 6
 
 
@@ -233,8 +242,10 @@ def test_a_bamba_checkpoint_is_served_as_granite_4s_layout(tmp_path: Path) -> No
     with engine(folder) as llm:
         layers = llm.core.runner.loaded.model.model.layers
         assert [isinstance(layer.self_attn, Mamba2Mixer) for layer in layers] == [True, True, False, True]
-        assert tokens(llm, prompts()[:1]) == theirs[:1]
-        assert tokens(llm, prompts()) == theirs
+        alone = tokens(llm, prompts()[:1])
+        assert alone == theirs.of(alone)
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)
 
 
 def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
@@ -255,10 +266,11 @@ def test_a_multimodal_qwen35_checkpoint_serves_its_text_model(tmp_path: Path) ->
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
-    theirs = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in batch]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "qwen3_next"
-        assert tokens(llm, batch) == theirs
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
 
 
 def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
