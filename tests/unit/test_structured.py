@@ -122,6 +122,28 @@ def test_a_second_submit_is_served_from_the_cache() -> None:
         service.close()
 
 
+def test_the_vocabulary_is_read_by_the_first_compile_once() -> None:
+    """Given a function that builds the tokenizer's info (`GrammarCompiler.for_tokenizer`'s), the service calls it
+    at neither start nor close but once, from the first compile, however many compile at once after it."""
+    builds: list[xgr.TokenizerInfo] = []
+
+    def build() -> xgr.TokenizerInfo:
+        builds.append(tiny_info())
+        return builds[-1]
+
+    service = GrammarCompiler(build, GrammarCompilerConfig(timeout_s=GENEROUS_S, num_workers=2))
+    try:
+        assert builds == []
+        futures = [service.submit(Constraint.regex(spec)) for spec in ("(yes|no)", "y(es)?", "no")]
+        assert all(future.result().grammar is not None for future in futures)
+        assert len(builds) == 1
+    finally:
+        service.close()
+    unused = GrammarCompiler(build)
+    unused.close()
+    assert len(builds) == 1
+
+
 def test_the_cache_keeps_the_most_recently_used() -> None:
     service = GrammarCompiler(tiny_info(), GrammarCompilerConfig(cache_size=2))
     try:
