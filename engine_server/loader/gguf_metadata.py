@@ -9,6 +9,7 @@ import functools
 import math
 import struct
 import sys
+from collections.abc import Container
 from typing import Any
 
 import numpy as np
@@ -186,6 +187,36 @@ class GgufFile(GGUFReader):
         values = pages[cursor : cursor + size * count].view(dtype)
         parts += [values[i : i + 1] for i in range(count)]
         return 12 + size * count, parts, list(range(2, 2 + count)), [GGUFValueType.ARRAY, item_type]
+
+
+# The fields gguf's reader adds ahead of a file's own metadata (its header's counts), which no metadata reader returns.
+_HEADER_FIELDS = frozenset({"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"})
+
+
+def transformers_metadata(
+    reader: GGUFReader, string_arrays: Container[str] = ()
+) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+    """What transformers' own GGUF reader (`transformers.integrations.gguf.read_gguf_metadata`, transformers 5)
+    returns for `reader`'s file, from the fields already parsed: each metadata key's value (an array of strings as
+    its length unless named in `string_arrays`, a vocabulary or merge table then decoded) and the tensors' names.
+    None where that reader would refuse the file (an array of arrays; no `general.architecture`), or where the parsed
+    fields do not say what it would return (an empty array's item type), for the caller to let it read the file.
+    transformers walks the file's strings in Python: 0.45 s of a 1.1 s conversion of a 49,152-token
+    vocabulary."""
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in _HEADER_FIELDS:
+            continue
+        kinds = field.types
+        if kinds[0] == GGUFValueType.ARRAY and (len(kinds) == 1 or kinds[1] == GGUFValueType.ARRAY):
+            return None
+        if kinds[0] == GGUFValueType.ARRAY and kinds[-1] == GGUFValueType.STRING and key not in string_arrays:
+            metadata[key] = len(field.data)
+        else:
+            metadata[key] = field.contents()
+    if "general.architecture" not in metadata:
+        return None
+    return metadata, tuple(tensor.name for tensor in reader.tensors)
 
 
 def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:

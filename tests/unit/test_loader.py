@@ -26,7 +26,7 @@ from engine_server.loader import (
     write_float_checkpoint,
 )
 from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, INIT_STD, random_tensor
-from engine_server.loader.gguf_metadata import GgufFile, llama3_rope_factors
+from engine_server.loader.gguf_metadata import GgufFile, llama3_rope_factors, transformers_metadata
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
 from engine_server.tokenizer.loading import load_tokenizer
@@ -577,3 +577,34 @@ def test_gguf_file_reads_every_field_and_tensor_as_ggufs_reader() -> None:
     assert [(t.name, t.tensor_type, t.data.shape, t.data_offset, t.n_bytes) for t in ours.tensors] == described
     assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
     assert not ours.tensors[0].data.flags.writeable  # the file's pages, read-only
+
+
+def test_transformers_reads_its_metadata_from_the_parsed_fields_as_from_the_file(tmp_path: Path) -> None:
+    """transformers 5's own GGUF reader, answered from `GgufFile`'s fields during a conversion
+    (`transformers_metadata`): every key of the embedded model's file with the same value of the same type, its
+    vocabulary and merges decoded when asked for and counted otherwise, and the tensors' names; a file holding an
+    array of arrays or an empty array is left to transformers' reader (None)."""
+    reader_module = pytest.importorskip("transformers.integrations.gguf.reader")
+    path = default_gguf_path()
+    for arrays in ((), ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")):
+        ours = transformers_metadata(GgufFile(path), arrays)
+        theirs = reader_module.read_gguf_metadata(str(path), arrays)
+        assert ours == theirs
+        assert ours is not None and [type(v) for v in ours[0].values()] == [type(v) for v in theirs[0].values()]
+    assert isinstance(theirs[0]["tokenizer.ggml.tokens"], list) and len(theirs[0]["tokenizer.ggml.tokens"]) == 49152
+    from gguf import GGUFValueType, GGUFWriter
+
+    for name, value in (("nested", [[1, 2], [3]]), ("empty", [7])):
+        odd = tmp_path / f"{name}.gguf"
+        writer = GGUFWriter(str(odd), "llama")
+        writer.add_array("t.odd", value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        if name == "empty":  # gguf's writer writes none: a one-item array's count set to 0, its item cut (as above)
+            raw = bytearray(odd.read_bytes())
+            count = raw.index(b"t.odd") + len(b"t.odd") + 8
+            raw[count : count + 12] = bytes(8)
+            odd.write_bytes(bytes(raw))
+            assert GgufFile(odd).fields["t.odd"].types == [GGUFValueType.ARRAY]
+        assert transformers_metadata(GgufFile(odd)) is None, name
