@@ -34,6 +34,7 @@ from tests.families import (
     WINDOW,
     GreedyReference,
     assert_dummy_equals_transformers,
+    hf_greedy,
     load_reference,
     save_family,
 )
@@ -123,6 +124,20 @@ def test_layout_families_load_as_saved(name: str, tmp_path: Path) -> None:
     source = resolve_model(str(folder))
     model = get_model_class(source.config.architecture)(source.config)
     model.load_weights(source.weights())
+
+
+def test_the_reference_is_transformers_greedy_decoding_whatever_the_candidate(tmp_path: Path) -> None:
+    """The oracle itself (`GreedyReference`, checked in one forward pass): given transformers' own step-by-step tokens
+    it returns them; given a candidate wrong at one token (mid-sequence, and the first), it still returns
+    transformers' tokens, so a wrong engine cannot pass; the first tokens alone are the step-by-step ones too."""
+    model = load_reference(save_family(tmp_path, "qwen3-moe"))
+    truth = [hf_greedy(model, [prompt], NUM_TOKENS)[0] for prompt in prompts()]
+    assert GreedyReference(model, prompts(), NUM_TOKENS).of(truth) == truth
+    wrong = [list(tokens) for tokens in truth]
+    wrong[2][10] = (wrong[2][10] + 1) % VOCAB_SIZE
+    wrong[5][0] = (wrong[5][0] + 7) % VOCAB_SIZE
+    assert GreedyReference(model, prompts(), NUM_TOKENS).of(wrong) == truth
+    assert GreedyReference(model, prompts(), NUM_TOKENS).first_tokens() == [tokens[0] for tokens in truth]
 
 
 def test_greedy_equals_transformers_alone_batched_and_from_the_prefix_cache(family: tuple[str, Path, Any]) -> None:
