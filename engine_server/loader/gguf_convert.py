@@ -861,8 +861,8 @@ def _gguf_parsed_fast(path: Path, parsed: GgufFile | None = None) -> Iterator[No
                     return read
             return own(file, string_arrays)
 
-        swaps += [(transformers_reader, "read_gguf_metadata", metadata), (transformers_gguf, "read_gguf_metadata",
-                                                                         metadata)]  # fmt: skip
+        swaps.append((transformers_reader, "read_gguf_metadata", metadata))
+        swaps.append((transformers_gguf, "read_gguf_metadata", metadata))  # the name its config reader imports
     with _READER_SWAP:
         originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
         for module, name, replacement in swaps:

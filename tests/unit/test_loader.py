@@ -527,6 +527,15 @@ def assert_fields_equal(ours: GGUFReader, theirs: GGUFReader) -> None:
         assert mine.contents() == field.contents(), key
 
 
+def emptied(path: Path, key: str) -> None:
+    """The one-item array of a 4-byte number at metadata `key` in the file at `path` made empty, as older writers
+    wrote one (gguf's writer writes none): its count set to 0, its item cut."""
+    raw = bytearray(path.read_bytes())
+    count = raw.index(key.encode()) + len(key) + 8  # past the value type and the item type
+    raw[count : count + 12] = bytes(8)  # the count 0, and no item
+    path.write_bytes(bytes(raw))
+
+
 def test_gguf_file_reads_arrays_of_every_kind_as_ggufs_reader(tmp_path: Path) -> None:
     """Arrays cut in one pass (`GgufFile._array_parts`): of strings (an empty one and non-ASCII ones too), of each
     number type and of bools, and an empty array; an array of arrays is left to gguf's reader. Each reads as gguf's
@@ -559,10 +568,7 @@ def test_gguf_file_reads_arrays_of_every_kind_as_ggufs_reader(tmp_path: Path) ->
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    raw = bytearray(empty.read_bytes())
-    count = raw.index(b"t.empty") + len(b"t.empty") + 8  # past the value type and the item type
-    raw[count : count + 12] = bytes(8)  # the count 0, and no item
-    empty.write_bytes(bytes(raw))
+    emptied(empty, "t.empty")
     ours, theirs = GgufFile(empty), GGUFReader(empty)
     assert_fields_equal(ours, theirs)
     assert ours.fields["t.empty"].contents() == []
@@ -601,10 +607,7 @@ def test_transformers_reads_its_metadata_from_the_parsed_fields_as_from_the_file
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.close()
-        if name == "empty":  # gguf's writer writes none: a one-item array's count set to 0, its item cut (as above)
-            raw = bytearray(odd.read_bytes())
-            count = raw.index(b"t.odd") + len(b"t.odd") + 8
-            raw[count : count + 12] = bytes(8)
-            odd.write_bytes(bytes(raw))
+        if name == "empty":  # gguf's writer writes none
+            emptied(odd, "t.odd")
             assert GgufFile(odd).fields["t.odd"].types == [GGUFValueType.ARRAY]
         assert transformers_metadata(GgufFile(odd)) is None, name
