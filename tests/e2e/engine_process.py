@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ladle.client import EngineClient
+from tests.e2e.launcher import Process, launch
 
 STARTUP_TIMEOUT_S = 240.0
 KV_CACHE_MIB = 512  # the embedded model's 8192-token context needs ~380 MiB; the default 2 GiB is wasteful here
@@ -18,7 +19,7 @@ KV_CACHE_MIB = 512  # the embedded model's 8192-token context needs ~380 MiB; th
 
 @dataclass
 class EngineProcess:
-    process: subprocess.Popen[str]
+    process: Process  # a subprocess.Popen, or the test launcher's like of one
     address: str
     log_path: Path
 
@@ -29,7 +30,7 @@ class EngineProcess:
         return stop_process(self.process, timeout)
 
 
-def stop_process(process: subprocess.Popen[str], timeout: float) -> int:
+def stop_process(process: Process, timeout: float) -> int:
     """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; its exit status."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -54,7 +55,7 @@ def start_engine(
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     log_file = log_path.open("w")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env)
+    process = launch(command, stdout=subprocess.PIPE, stderr=log_file, env=env)
     log_file.close()
     assert process.stdout is not None
     line = process.stdout.readline()  # printed as soon as the port is bound, before the model loads

@@ -16,13 +16,14 @@ from typing import Any
 import httpx
 
 from tests.e2e.engine_process import EngineProcess, stop_process
+from tests.e2e.launcher import Process, launch
 
 STARTUP_TIMEOUT_S = 240.0
 
 
 @dataclass
 class GatewayProcess:
-    process: subprocess.Popen[str]
+    process: Process  # a subprocess.Popen, or the test launcher's like of one
     url: str  # http://127.0.0.1:PORT (no /v1)
     log_path: Path
 
@@ -75,8 +76,7 @@ def _start(
     if "--data-dir" not in command:  # never the user's own ~/.local/share/ladle
         command = [*command, "--data-dir", str(log_path.parent / "data")]
     log_file = log_path.open("w")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True, env=_env(),
-                               start_new_session=new_session)
+    process = launch(command, stdout=subprocess.PIPE, stderr=log_file, env=_env(), start_new_session=new_session)
     log_file.close()
     assert process.stdout is not None
     while True:
