@@ -77,10 +77,13 @@ class QualityResult:
     mean_common_prefix: float | None
 
 
-def make_llm(model: str, quantization: str, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> LLM:
-    """`model` with `quantization` and a KV cache of `kv_cache_dtype`, split over `tensor_parallel_size` processes
-    (close it: it owns its workers)."""
-    cache = CacheConfig(memory_bytes=CACHE_BYTES, dtype=kv_cache_dtype)  # type: ignore[arg-type]
+def make_llm(
+    model: str, quantization: str, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+    cache_bytes: int = CACHE_BYTES,
+) -> LLM:
+    """`model` with `quantization` and a KV cache of `kv_cache_dtype` in `cache_bytes`, split over
+    `tensor_parallel_size` processes (close it: it owns its workers)."""
+    cache = CacheConfig(memory_bytes=cache_bytes, dtype=kv_cache_dtype)  # type: ignore[arg-type]
     config = EngineConfig(model=model, device="cpu", quantization=quantization,  # type: ignore[arg-type]
                           cache=cache, tensor_parallel_size=tensor_parallel_size)  # fmt: skip
     return LLM(config=config)

@@ -167,15 +167,33 @@ def num_kv_blocks(
     return int(blocks)
 
 
+def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
+    """ValueError, before any weight is read or KV cache allocated, where `config` asks `source`'s model for what
+    it is not served with."""
+    model = source.config
+    if config.speculative is not None and model.recurrent is not None:
+        # Verifying drafts would advance the states past tokens that are then rejected.
+        raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
+                         "LFM2, Granite 4.0, Nemotron-H)")
+    if config.lora is None:
+        return
+    if model.encoder:
+        raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
+    if model.latent_attention is not None:
+        raise ValueError("LoRA adapters are not applied to multi-head latent attention (DeepSeek-V3) yet")
+    if model.block_pattern:
+        raise ValueError("LoRA adapters are not applied to Nemotron-H (its ungated MLPs, its paired blocks) yet")
+    if model.falcon_h1 is not None:
+        raise ValueError("LoRA adapters are not applied to Falcon-H1 (its multipliers are folded into the weights "
+                         "an adapter would add to) yet")  # fmt: skip
+
+
 def load_model(
     source: ModelSource, config: EngineConfig, max_model_len: int, tp: TensorParallel = SINGLE
 ) -> LoadedModel:
     """`source` loaded on `config`'s device for sequences of up to `max_model_len` tokens (module docstring);
     under tensor parallelism, `tp`'s shards of it (every rank of the group calls this together)."""
-    if config.speculative is not None and source.config.recurrent is not None:
-        # Verifying drafts would advance the states past tokens that are then rejected.
-        raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
-                         "LFM2, Granite 4.0, Nemotron-H)")
+    _refuse_unserved(source, config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     # Builds the C++ kernels now (first start on this machine only), not on the first request.
@@ -223,15 +241,6 @@ def load_model(
     )  # fmt: skip
     loaded = replace(loaded, draft=_load_draft(config, loaded))
     if config.lora is not None:
-        if source.config.encoder:
-            raise ValueError("LoRA adapters are served on decoder models; this model is an encoder")
-        if source.config.latent_attention is not None:
-            raise ValueError("LoRA adapters are not applied to multi-head latent attention (DeepSeek-V3) yet")
-        if source.config.block_pattern:
-            raise ValueError("LoRA adapters are not applied to Nemotron-H (its ungated MLPs, its paired blocks) yet")
-        if source.config.falcon_h1 is not None:
-            raise ValueError("LoRA adapters are not applied to Falcon-H1 (its multipliers are folded into the weights "
-                             "an adapter would add to) yet")  # fmt: skip
         slots = LoraSlots(source.config, config.lora.max_loras, config.lora.max_lora_rank, dtype, device)
         in_stack = isinstance(model, CausalLM) and register_lora(model.model, slots)  # steps with adapters run in it
         log.info(

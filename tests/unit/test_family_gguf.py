@@ -43,6 +43,9 @@ from tests.unit.test_quantization import recorded_tensor
 pytestmark = pytest.mark.slow  # engines, conversions and transformers' models of their own
 
 QUALITY_PROMPTS = ("The capital of France is", "Write a haiku about rain.", "def fibonacci(n):", "1, 2, 3, 4,")
+# The float and served engines' KV cache, as the engine tests' (`engine`): the 4-layer models' prompts take a few
+# blocks, and zeroing the quality benchmark's 512 MiB for each of them was ~0.3 s of CPU per engine.
+CACHE_BYTES = 64 * 1024**2
 
 
 def converted_reference_tokens(source: Any) -> GreedyReference:
@@ -149,7 +152,7 @@ def served_from_blocks(
 def float_reference(gguf: Path, expected: GreedyReference | None = None) -> tuple[Any, Any]:
     """`gguf`'s float path (`none`) on QUALITY_PROMPTS: (its greedy sequences, their log-probabilities), what
     `served_candidate` compares against; with `expected`, its greedy tokens on `prompts()` checked first."""
-    reference = make_llm(str(gguf), "none")
+    reference = make_llm(str(gguf), "none", cache_bytes=CACHE_BYTES)
     if expected is not None:
         ours = tokens(reference, prompts())
         assert ours == expected.of(ours)
@@ -164,7 +167,7 @@ def served_candidate(
 ) -> tuple[dict[str, str], Any]:
     """`served_from_blocks` against a `float_reference` computed once (for a file served at several sizes)."""
     sequences, log_probs = reference
-    candidate = make_llm(str(gguf), "auto", tensor_parallel_size)
+    candidate = make_llm(str(gguf), "auto", tensor_parallel_size, cache_bytes=CACHE_BYTES)
     model = candidate.core.runner.model
     layers = {
         name: m.format if isinstance(m, QuantizedLinear) else f"experts_{m.format}_{m.intermediate}"
