@@ -876,7 +876,7 @@ def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> No
     a chunk the KV block size does not divide is served only as far as the first chunk, and refused past it before
     anything loads."""
     folder = save_family(tmp_path, "llama4", attention_chunk_size=40)
-    past = EngineConfig(model=str(folder), device="cpu", quantization="none")
+    past = EngineConfig(model=str(folder), device="cpu", quantization="none", cache=CacheConfig(memory_bytes=64 << 20))
     with pytest.raises(ValueError, match=r"chunks of 40 positions, which the KV block size 16 does not divide"):
         LLM(config=past)
     within = dataclasses.replace(past, scheduler=SchedulerConfig(max_model_len=40))
