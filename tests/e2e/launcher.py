@@ -1,20 +1,22 @@
 """A fork server for the end-to-end tests' `ladle` processes: the imports paid once per pytest worker, not per start.
 
 A `ladle engine` spends ~3.5 s of CPU importing torch, transformers, xgrammar and grpc before it reads its first
-flag, a gateway ~1.2 s, and the end-to-end folders start a few hundred of them. `launch(command, ...)` runs
-`python -m ladle_cli ...` as a child of a launcher process (one per pytest worker, started on first use) that has
-imported those modules once: the launcher forks, and the child runs the command's `__main__` with its arguments,
-environment, working directory, standard streams and session, as the interpreter would have (`runpy`, as
-`python -m` does). The test gets a `subprocess.Popen`-like handle: a real pid to signal, an exit status (-N when
-killed by signal N) and the pipe it asked for.
+flag, a gateway ~1 s, and the end-to-end folders start ~80 engines and ~100 gateways. `launch(command, ...)` runs
+`python -m ladle_cli ...` as a child of a launcher process (one per pytest worker, subcommand and environment,
+started on first use) that has imported those modules once: the launcher forks, and the child runs the command's
+`__main__` with its arguments, environment, working directory, standard streams and session, as the interpreter
+would have (`runpy`, as `python -m` does). The test gets a `subprocess.Popen`-like handle: a real pid to signal,
+an exit status (-N when killed by signal N) and the pipe it asked for.
 
 What a fork shares with its launcher, and why it does not change what the tests see:
 - Modules ran their import-time code under the launcher's environment, so a launcher serves only commands with its
   environment: one differing in anything but `LADLE_*`, `PYTEST_*`, `NO_PROXY` (read by no module at import) and
   `OMP_NUM_THREADS` goes to a launcher started in it. OpenMP reads `OMP_NUM_THREADS` when torch loads it, so the
   launchers start without it and a child applies its own with `torch.set_num_threads`, as torch itself would.
-- The launcher never starts a thread, a grpc channel, an event loop or a model: a fork of it is as clean as
-  torch's DataLoader workers, which fork after `import torch` too. `random` reseeds itself in a forked child.
+- The launcher starts no thread of its own, no grpc channel, event loop or model (importing torch leaves one idle
+  native thread, as in torch's DataLoader workers, which fork after `import torch` too); `random` reseeds itself in
+  a forked child, and the imported objects are frozen out of the garbage collector's walks (`gc.freeze`), so a
+  child does not copy every shared page when it collects.
 Commands other than `ladle engine`, `gateway` and `serve`, and any with `LADLE_TEST_LAUNCHER=0`, start as plain
 processes; the engines `ladle serve` and `ladle batch` start are plain processes too (test_serve.py,
 test_batch_cli.py), so the real start-up path stays tested, and test_launcher.py holds both to the same results.
