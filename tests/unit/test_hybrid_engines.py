@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_server import LLM, SamplingParams
+from engine_server import LLM, SamplingParams, model_loading
 from engine_server.attention_metadata import kv_cache_bytes_per_block, recurrent_state_bytes
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
 from engine_server.hf_config import model_config_from_hf
@@ -28,6 +28,7 @@ from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.short_conv import ShortConv
+from engine_server.loader.source import ModelSource
 from tests.families import (
     _SHAPE,
     HYBRIDS,
@@ -306,7 +307,11 @@ def test_lora_adapters_on_a_hybrid_equal_peft(tmp_path: Path) -> None:
         assert tokens(llm, batch) == plain
 
 
-def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> None:
+def never(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("reached past the refusal")
+
+
+def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_family(tmp_path, "qwen3.5")
     with pytest.raises(ValueError, match=r"linear attention's 2 key and 4 value heads must both be divisible by the "
                                          r"tensor-parallel size \(4\)"):  # fmt: skip
@@ -326,6 +331,12 @@ def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path) -> N
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=4)))  # snapshots set aside too
     with pytest.raises(ValueError, match="state_snapshots must be >= 0, got -1"):
         LLM(config=replace(short, cache=replace(short.cache, state_snapshots=-1)))
+    # What no engine serves is refused before a weight is read or a KV cache (2 GiB by default) is allocated.
+    monkeypatch.setattr(model_loading, "allocate_kv_cache", never)
+    monkeypatch.setattr(ModelSource, "weights", never)
+    monkeypatch.setattr(ModelSource, "lazy_weights", never)
+    with pytest.raises(ValueError, match="speculative decoding is not served on models with recurrent layers"):
+        engine(folder, speculative_config=speculative)
     nemotron = save_family(tmp_path / "nemotron", "nemotron-h")  # its MLPs take no adapter: none is taken at all
     with pytest.raises(ValueError, match=r"LoRA adapters are not applied to Nemotron-H \(its ungated MLPs"):
         LLM(config=EngineConfig(model=str(nemotron), device="cpu", quantization="none", lora=LoraConfig()))
