@@ -73,7 +73,7 @@ class LaunchedProcess:
         return line.split(" ", 1)[1].strip()
 
     def poll(self) -> int | None:
-        return self.wait(0) if self._exited(0) else None
+        return self.wait() if self._exited(0) else None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
@@ -141,11 +141,12 @@ class _Launcher:
     ) -> LaunchedProcess:
         opened: list[int] = []  # fds of ours to close once the launcher has its copies
         pipe: IO[str] | None = None
-        out = _fd(stdout, 1, opened)
         if stdout == subprocess.PIPE:
             read, out = os.pipe()
             opened.append(out)
             pipe = open(read, encoding="utf-8")  # noqa: SIM115 (the handle's, as Popen's stdout; UTF-8 as text=True here)
+        else:
+            out = _fd(stdout, 1, opened)
         err = out if stderr == subprocess.STDOUT else _fd(stderr, 2, opened)
         request = json.dumps({"args": list(args[3:]), "env": env, "cwd": os.getcwd(),
                               "new_session": start_new_session}).encode()
