@@ -50,6 +50,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "phimoe": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    # JetBrains' Mellum: Qwen3-MoE's attention and experts, windows and a rope base per layer type (`layer_types`,
+    # `rope_parameters`), dense or sparse MLPs as `mlp_layer_types` says; its multi-token-prediction layer not read.
+    "mellum": "qwen3_moe",
     "olmoe": "olmoe",
     "flex_olmo": "olmoe",  # FlexOlmo: OLMoE's experts and q/k norms under OLMo 2's post-norm block
     "gpt_oss": "gpt_oss",
@@ -1686,6 +1689,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     layers = int(cfg["num_hidden_layers"])
     step = int(cfg.get("decoder_sparse_step") or 1)
     only_mlp = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    if cfg.get("model_type") == "mellum":  # its own per-layer MLP kinds (all sparse where unset)
+        only_mlp, step = _mlp_kind_layers(cfg, "dense"), 1
     return dict(
         num_experts=experts,
         num_experts_per_tok=top_k,
@@ -1697,6 +1702,18 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         else 0,
         dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
     )
+
+
+def _mlp_kind_layers(cfg: dict[str, Any], kind: str) -> set[int]:
+    """The layers `mlp_layer_types` says are `kind` ("dense" or "sparse"; none where the config has no list).
+    ValueError for a list of another length or with another kind."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        return set()
+    layers = int(cfg["num_hidden_layers"])
+    if len(kinds) != layers or set(kinds) - {"dense", "sparse"}:
+        raise ValueError(f"mlp_layer_types must name dense or sparse for each of the {layers} layers; got {kinds!r}")
+    return {i for i, each in enumerate(kinds) if each == kind}
 
 
 def _hunyuan_experts(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -470,6 +470,12 @@ LAYOUT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "num_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0,
          "bos_token_id": 1, "eos_token_id": 2},
     ),
+    "mellum": (
+        "MellumConfig",
+        {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2,
+         "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "num_mtp_layers": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "cwm": (
         "CwmConfig",
         {"head_dim": 16, "sliding_window": WINDOW, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,

@@ -115,12 +115,20 @@ def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_FAMILIES))
 def test_layout_families_load_as_saved(name: str, tmp_path: Path) -> None:
-    """A family whose parts are all another's (Solar Open, CWM, FlexOlmo, Hy3, K-EXAONE, dots.llm1; Nemotron-4, OLMo,
-    EXAONE 3.5 with one norm of another form or GPT-2's names: tests.families' `LAYOUT_FAMILIES`), saved by
-    transformers under its checkpoints' own names, loads every tensor into the engine's model: none unexpected, none
-    missing (what their whole-engine runs caught; their paged models are held to transformers in
-    tests/unit/test_models.py)."""
+    """A family whose parts are all another's (Solar Open, CWM, FlexOlmo, Hy3, K-EXAONE, dots.llm1, Mellum;
+    Nemotron-4, OLMo, EXAONE 3.5 with one norm of another form or GPT-2's names: tests.families' `LAYOUT_FAMILIES`),
+    saved by transformers under its checkpoints' own names, loads every tensor into the engine's model: none
+    unexpected, none missing (what their whole-engine runs caught; their paged models are held to transformers in
+    tests/unit/test_models.py). Mellum's file also holds a multi-token-prediction layer (`mtp.`, as its released
+    checkpoints do, which transformers does not build), not read."""
     folder = save_family(tmp_path, name)
+    if name == "mellum":
+        from safetensors.torch import load_file
+
+        state = load_file(folder / "model.safetensors")
+        hidden = state["model.embed_tokens.weight"].shape[1]
+        mtp = {"mtp.layers.0.eh_proj.weight": torch.zeros(hidden, 2 * hidden), "mtp.layers.0.enorm.weight": torch.ones(hidden)}
+        save_file({**state, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
     source = resolve_model(str(folder))
     model = get_model_class(source.config.architecture)(source.config)
     model.load_weights(source.weights())

@@ -410,6 +410,17 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True,
          "mlp_only_layers": [0]},
     ),
+    # Mellum: Qwen3-MoE's attention and experts over three layers, windowed (shorter than the prompts), full and
+    # windowed again, each kind with its own rope base; a dense first MLP, then top-3 of 8 experts renormalised.
+    "mellum": (
+        transformers.MellumConfig,
+        {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+         "mlp_layer_types": ["dense", "sparse", "sparse"], "num_experts": 8, "num_experts_per_tok": 3,
+         "moe_intermediate_size": 32, "pad_token_id": 0},
+    ),
     "qwen2-moe": (
         transformers.Qwen2MoeConfig,
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -592,6 +603,7 @@ MODEL_CLASSES = {
     transformers.Phi3Config: transformers.Phi3ForCausalLM,
     transformers.MixtralConfig: transformers.MixtralForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
+    transformers.MellumConfig: transformers.MellumForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
@@ -912,6 +924,15 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
     mixtral = model_config_from_hf(transformers.MixtralConfig(**SMALL, num_local_experts=4).to_dict())
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.moe_intermediate_size) == (4, 2, 96)
     assert mixtral.norm_topk_prob and mixtral.mlp_widths == {"moe_intermediate_size": 96}
+    # Mellum: every layer sparse where its config names no MLP kinds (as transformers fills them in), else as named;
+    # a list of the wrong length or with another kind is refused.
+    mellum = {**SMALL, "model_type": "mellum", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    assert [model_config_from_hf(mellum).is_moe_layer(i) for i in range(2)] == [True, True]
+    named = model_config_from_hf({**mellum, "mlp_layer_types": ["sparse", "dense"]})
+    assert [named.is_moe_layer(i) for i in range(2)] == [True, False]
+    for kinds in (["sparse"], ["sparse", "moe"]):
+        with pytest.raises(ValueError, match="mlp_layer_types must name dense or sparse for each of the 2 layers"):
+            model_config_from_hf({**mellum, "mlp_layer_types": kinds})
 
 
 @pytest.mark.parametrize(
