@@ -16,13 +16,13 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "bert",
+    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
-    "apertus", "afmoe", "falcon_h1", "gpt_neox",
+    "apertus", "afmoe", "falcon_h1", "gpt_neox", "nanochat",
 )  # fmt: skip
 
 
@@ -436,6 +436,8 @@ class ModelConfig:
     # logits likewise with `final_logit_softcap` (0: no cap).
     norm_offset: float = 0.0
     embedding_multiplier: float = 1.0
+    # NanoChat: the embeddings RMS-normalised (no weight) before the first layer.
+    embedding_norm: bool = False
     # The dense MLP's activation: gated, `down(act(gate(x)) * up(x))` with SiLU or GELU (tanh); or ungated
     # `down(act(up(x)))` (`layers.mlp.UngatedMLP`) with Nemotron-H's, Arcee's and Jais 2's relu² ("relu2") or
     # Apertus's xIELU, whose four scalars each layer's checkpoint holds ("xielu"), or where `gated_mlp` is off (the

@@ -105,6 +105,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "sarvam_mla": "deepseek_v3",
     "glm4": "glm4",
     "minimax_m2": "minimax_m2",
+    # Karpathy's NanoChat: Llama's block with RMSNorms without weights (the embeddings' too), q/k norms after a rope
+    # turned the other way, an ungated relu² MLP and soft-capped logits (`models.nanochat`, `_nanochat_fields`).
+    "nanochat": "nanochat",
     "arcee": "llama",  # Arcee AFM: Llama's block with an ungated relu² MLP (`_ungated_mlp_fields`)
     # Arcee's Trinity (AFMoE): gated attention with q/k norms, rope on its windowed layers alone, sandwich norms,
     # DeepSeek-V3's sigmoid routing in one group beside shared experts (`_afmoe_fields`).
@@ -153,7 +156,7 @@ _NOT_YET: dict[str, str] = {
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan",
-    "apertus", "afmoe",
+    "apertus", "afmoe", "nanochat",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -304,7 +307,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
         attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
-        qk_norm_after_rope=arch == "hunyuan",
+        qk_norm_after_rope=arch in ("hunyuan", "nanochat"),
         post_norms=arch == "olmo2" or model_type == "flex_olmo",
         clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" or model_type == "olmo" else 0.0,
         rope_scaling=scaling,
@@ -321,6 +324,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_jais2_fields(model_type, cfg),
         **_minicpm3_fields(model_type, cfg),
         **_afmoe_fields(arch, cfg),
+        **_nanochat_fields(arch, cfg),
         **_ungated_mlp_fields(model_type, cfg),
         **_experts_from_hf_config(arch, cfg),
         **rope_fields,
@@ -996,12 +1000,14 @@ def _uniform(cfg: dict[str, Any], key: str, default: int) -> int:
 
 
 # The families whose MLP is ungated, `down(act(up(x)))`: their activations, the default first.
-_UNGATED_ACTIVATIONS = {"arcee": ("relu2",), "apertus": ("xielu", "relu2"), "jais2": ("relu2",)}
+_UNGATED_ACTIVATIONS = {
+    "arcee": ("relu2",), "apertus": ("xielu", "relu2"), "jais2": ("relu2",), "nanochat": ("relu2",),
+}  # fmt: skip
 
 
 def _ungated_mlp_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The activation of Arcee AFM's and Jais 2's MLP (relu²) and of Apertus's (xIELU, or relu² as transformers builds
-    it too), ungated; {} for the other families. ValueError for another activation."""
+    """The activation of Arcee AFM's, Jais 2's and NanoChat's MLP (relu²) and of Apertus's (xIELU, or relu² as
+    transformers builds it too), ungated; {} for the other families. ValueError for another activation."""
     supported = _UNGATED_ACTIVATIONS.get(model_type)
     if supported is None:
         return {}
@@ -1158,6 +1164,15 @@ def _afmoe_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("mup_enabled"):
         fields["embedding_multiplier"] = float(cfg["hidden_size"]) ** 0.5
     return fields
+
+
+def _nanochat_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+    """NanoChat's embedding norm and its logits' soft cap (`final_logit_softcapping`, 15 by default as transformers
+    fills it in; None: no cap); {} for the other families."""
+    if arch != "nanochat":
+        return {}
+    cap = cfg.get("final_logit_softcapping", 15.0)
+    return {"embedding_norm": True, "final_logit_softcap": float(cap or 0.0)}
 
 
 def _afmoe_experts(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -168,6 +168,15 @@ def unpermute_rope_rows(weight: RopeRowsT, n_head: int, rotary_dim: int | None =
     return weight[order if isinstance(weight, np.ndarray) else torch.from_numpy(order)]
 
 
+def swapped_rope_halves(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """A q/k projection's rows (weight, bias or a LoRA update's B) with each head's two halves swapped. NanoChat turns
+    each pair (x[i], x[i + half]) by minus its angle (its `rotate_half` is `(x2, -x1)`); the same pair swapped, as
+    (x[i + half], x[i]), turned by plus its angle is that result swapped. The same order on q and k leaves each
+    score unchanged, so `rotary_embedding` serves it on these rows."""
+    head_dim = weight.shape[0] // n_head
+    return weight.reshape(n_head, 2, head_dim // 2, *weight.shape[1:]).flip(1).reshape(weight.shape)
+
+
 def grouped_qkv_rows(weight: torch.Tensor, n_head: int, n_kv_head: int | None = None) -> torch.Tensor:
     """Fused q/k/v rows grouped by KV head (weight, bias or a LoRA update's B): each of the `n_kv_head` groups its
     `n_head / n_kv_head` queries, then its key, then its value (Falcon's `query_key_value`; GPT-NeoX's, one query a

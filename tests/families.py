@@ -120,6 +120,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "original_max_position_embeddings": 32, "rope_scaling": PHI3_LONGROPE},
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # NanoChat: weightless RMSNorms (the embeddings' too), q/k norms after its reversed rope, relu², capped logits.
+    "nanochat": ("NanoChatConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phimoe": (
         "PhimoeConfig",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "attention_bias": True, "lm_head_bias": True,

@@ -303,6 +303,11 @@ class DecoderModel(nn.Module):
         if self.scales_embeddings:
             multiplier = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(dtype)
             self.register_buffer("embedding_multiplier", multiplier, persistent=False)
+        # NanoChat: the embeddings RMS-normalised without a weight (a buffer of ones, as `ops.rms_norm` takes one).
+        self.norm_eps = config.rms_norm_eps
+        self.embedding_norm = config.embedding_norm
+        if self.embedding_norm:
+            self.register_buffer("embedding_norm_weight", torch.ones(config.hidden_size, dtype=dtype), persistent=False)
         block = self.layer_class or (
             SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
             else ParallelDecoderLayer if config.parallel_block else DecoderLayer
@@ -375,6 +380,8 @@ class DecoderModel(nn.Module):
             hidden = hidden + self.embed_positions(positions)
         if self.scales_embeddings:
             hidden = hidden * self.get_buffer("embedding_multiplier")
+        if self.embedding_norm:
+            hidden = ops.rms_norm(hidden, self.get_buffer("embedding_norm_weight"), self.norm_eps)
         stack = self.decode_stack
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.

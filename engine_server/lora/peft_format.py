@@ -22,7 +22,7 @@ import torch
 from engine_server.config import ModelConfig
 from engine_server.errors import ValidationError
 from engine_server.lora.targets import MLP_PROJECTIONS, Target, module_targets
-from kernels.reference import grouped_qkv_rows, unpermute_rope_rows
+from kernels.reference import grouped_qkv_rows, swapped_rope_halves, unpermute_rope_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -49,6 +49,7 @@ _REFUSED_SETTINGS = {
 # head by head, as `cat(q, k, v)`).
 _MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
     "llama4": (("feed_forward.", "mlp."),),
+    "nanochat": (("mlp.fc1", "mlp.up_proj"), ("mlp.fc2", "mlp.down_proj")),
     "gpt_neox": (
         ("attention.query_key_value", "self_attn.qkv_proj"), ("attention.dense", "self_attn.o_proj"),
         ("self_attention.query_key_value", "self_attn.qkv_proj"), ("self_attention.dense", "self_attn.o_proj"),
@@ -165,7 +166,9 @@ def _piece(
         b = grouped_qkv_rows(b, config.num_attention_heads, config.num_key_value_heads)
     elif config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
         b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer), config.rotary_dim)
-    elif config.architecture in _INTERLEAVED_ROPE_ROWS and module == "self_attn.qkv_proj":
+    elif config.architecture == "nanochat" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        b = swapped_rope_halves(b, b.shape[0] // config.head_dim)  # as `models.nanochat` reads its rows
+    elif config.architecture in (*_INTERLEAVED_ROPE_ROWS, "nanochat") and module == "self_attn.qkv_proj":
         raise _invalid(f"{where}: a fused q/k/v adapter on {config.architecture}, whose q/k rows are reordered at "
                        "load, is not served; adapters on q_proj, k_proj and v_proj are")  # fmt: skip
     return LoraPiece(layer, target, a.contiguous(), b.contiguous())

@@ -127,7 +127,8 @@ def test_layout_families_load_as_saved(name: str, tmp_path: Path) -> None:
 
         state = load_file(folder / "model.safetensors")
         hidden = state["model.embed_tokens.weight"].shape[1]
-        mtp = {"mtp.layers.0.eh_proj.weight": torch.zeros(hidden, 2 * hidden), "mtp.layers.0.enorm.weight": torch.ones(hidden)}
+        mtp = {"mtp.layers.0.eh_proj.weight": torch.zeros(hidden, 2 * hidden),
+               "mtp.layers.0.enorm.weight": torch.ones(hidden)}
         save_file({**state, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
     source = resolve_model(str(folder))
     model = get_model_class(source.config.architecture)(source.config)
@@ -713,13 +714,14 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     "name",
     ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe", "jais2",
-     "cohere2-moe", "mimo-v2-flash", "gpt-neox", "gpt-bigcode"],
+     "cohere2-moe", "mimo-v2-flash", "gpt-neox", "gpt-bigcode", "nanochat"],
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
     pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers,
     OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries, Hunyuan's q/k norms after
-    rope, Apertus's xIELU MLP, PhiMoE's LayerNorms and router nor the GPT-NeoX lineage's GELU MLPs and LayerNorms;
+    rope (NanoChat's too), Apertus's xIELU MLP, PhiMoE's LayerNorms and router nor the GPT-NeoX lineage's GELU MLPs
+    and LayerNorms;
     Llama 4's, Hunyuan's and PhiMoE's experts quantized too): each prompt's tokens are
     the same alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name)

@@ -201,6 +201,22 @@ def test_glm4_qk_adapters_equal_peft(tmp_path: Path) -> None:
     assert [got[:4], got[4:]] == [expected[None], expected["qk-r4"]]
 
 
+def test_nanochat_adapters_equal_peft(tmp_path: Path) -> None:
+    """NanoChat (tests/families.py): each head's q/k rows are read with their halves swapped (its rope turns the
+    other way), and an adapter's q/k updates with them; its MLP's `fc1` / `fc2` are the ungated MLP's up and down.
+    An adapter on q, k, fc1 and fc2 equals PEFT token for token in one batch with the base model, which equals
+    transformers."""
+    base = save_family(tmp_path / "nanochat", "nanochat")
+    folder = save_adapter(base, tmp_path / "adapter", ["q_proj", "k_proj", "fc1", "fc2"], 8, seed=5)
+    expected = {name: hf_greedy(model, prompts(), NUM_TOKENS)
+                for name, model in ((None, load_reference(base)), ("qk-mlp", load_peft(base, folder)))}  # fmt: skip
+    assert expected["qk-mlp"] != expected[None]
+    with engine(base) as llm:
+        llm.load_adapter("qk-mlp", str(folder))
+        got = tokens(llm.generate(prompts() * 2, GREEDY, adapters=[None] * 4 + ["qk-mlp"] * 4, use_tqdm=False))
+    assert [got[:4], got[4:]] == [expected[None], expected["qk-mlp"]]
+
+
 # The classic families' adapters under their checkpoints' own module names (`lora.peft_format`'s renames): GPT-NeoX's
 # and Falcon 40B's `query_key_value` (grouped by KV head: a head a group in GPT-NeoX's; the update's rows reordered as
 # the base's), `dense`, `dense_h_to_4h` and `dense_4h_to_h`; GPT-BigCode's `c_attn`, `c_proj` and `c_fc` (StarCoder2's

@@ -421,6 +421,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "mlp_layer_types": ["dense", "sparse", "sparse"], "num_experts": 8, "num_experts_per_tok": 3,
          "moe_intermediate_size": 32, "pad_token_id": 0},
     ),
+    # NanoChat: RMSNorms without weights (one over the embeddings too), q/k norms after a rope turned the other way,
+    # an ungated relu² MLP, q/k/v/o biases here, logits soft-capped at 2 (these small ones reach it).
+    "nanochat": (
+        transformers.NanoChatConfig,
+        {"attention_bias": True, "final_logit_softcapping": 2.0, "pad_token_id": 0},
+    ),
     "qwen2-moe": (
         transformers.Qwen2MoeConfig,
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -604,6 +610,7 @@ MODEL_CLASSES = {
     transformers.MixtralConfig: transformers.MixtralForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.MellumConfig: transformers.MellumForCausalLM,
+    transformers.NanoChatConfig: transformers.NanoChatForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
