@@ -217,26 +217,32 @@ def sampling_params(message: types_pb2.SamplingParams, defaults: GenerationDefau
 # -- outbound --------------------------------------------------------------------------------------------
 
 
-def generate_response(result: GenerationResult, model: str) -> engine_pb2.GenerateResponse:
+def generate_response(
+    result: GenerationResult, model: str, prompt_token_ids: bool = False
+) -> engine_pb2.GenerateResponse:
+    """The whole result; with `prompt_token_ids` (SamplingParams.return_prompt_token_ids), the prompt's ids too."""
     return engine_pb2.GenerateResponse(
         request_id=result.request_id,
         choices=[choice_message(c) for c in result.choices],
         usage=usage_message(result.usage),
         prompt_logprobs=prompt_logprobs_message(result.prompt_logprobs),
         model=model,
+        prompt_token_ids=result.prompt_token_ids if prompt_token_ids else (),
     )
 
 
 def stream_response(
     request_id: str, deltas: Sequence[Choice], model: str, usage_so_far: Usage, last: bool = False,
-    prompt_logprobs: PromptLogprobs | None = None,
+    prompt_logprobs: PromptLogprobs | None = None, prompt_token_ids: Sequence[int] = (),
 ) -> engine_pb2.StreamResponse:
     """One stream message: `usage_so_far` (the request's usage up to this message) on every one, and as `usage`
-    too on the `last`; the request's `prompt_logprobs` on the message that first has them."""
+    too on the `last`; the request's `prompt_logprobs` on the message that first has them, and `prompt_token_ids`
+    (the servicer gives them to the first message alone) as they are."""
     so_far = usage_message(usage_so_far)
     response = engine_pb2.StreamResponse(request_id=request_id, choices=[delta_message(d) for d in deltas],
                                          model=model, usage_so_far=so_far,
-                                         prompt_logprobs=prompt_logprobs_message(prompt_logprobs))  # fmt: skip
+                                         prompt_logprobs=prompt_logprobs_message(prompt_logprobs),
+                                         prompt_token_ids=prompt_token_ids)  # fmt: skip
     if last:
         response.usage.CopyFrom(so_far)
     return response

@@ -103,7 +103,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Generate"):
                     result = await _run_to_end(engine, generation, _deadline(context))
                     record_generation(span, generation.request_id, result)
-                    return convert.generate_response(result, engine.info.model_id)
+                    return convert.generate_response(result, engine.info.model_id,
+                                                     request.sampling.return_prompt_token_ids)
         except Exception as exc:
             await _fail(context, exc)
 
@@ -119,15 +120,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 with structlog.contextvars.bound_contextvars(request_id=generation.request_id, rpc="Stream"):
                     # aclosing: a cancelled call closes the generator at once, which aborts the request in the core.
                     prompt_logprobs_sent = False
+                    ids_sent = not request.sampling.return_prompt_token_ids  # on the first message alone
                     async with contextlib.aclosing(engine.generate(generation, _deadline(context))) as updates:
                         async for update in updates:
                             if update.finished:
                                 record_generation(span, generation.request_id, update.result)
                             prompt_logprobs = None if prompt_logprobs_sent else update.result.prompt_logprobs
                             prompt_logprobs_sent = prompt_logprobs_sent or prompt_logprobs is not None
+                            prompt_ids = () if ids_sent else update.result.prompt_token_ids
+                            ids_sent = True
                             yield convert.stream_response(generation.request_id, update.deltas, model,
                                                           update.result.usage, last=update.finished,
-                                                          prompt_logprobs=prompt_logprobs)
+                                                          prompt_logprobs=prompt_logprobs,
+                                                          prompt_token_ids=prompt_ids)
         except Exception as exc:
             await _fail(context, exc)
 
@@ -341,7 +346,9 @@ class _BatchRun:
                     self.tracing.item(item.item_id, self.batch_id) as span:
                 result = await _run_to_end(engine, generation, self._deadline, wait=True)
                 record_generation(span, generation.request_id, result)
-            response.result.CopyFrom(convert.generate_response(result, model))
+            response.result.CopyFrom(
+                convert.generate_response(result, model, item.request.sampling.return_prompt_token_ids)
+            )
 
 
 async def _run_to_end(

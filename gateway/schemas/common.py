@@ -91,6 +91,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     # vLLM's: each prompt token's log-probability and the k best alternatives, in vLLM's layout.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: the prompt's token ids and each choice's generated ones beside the text (`prompt_token_ids`,
+    # `token_ids`; streamed, the prompt's on the first chunk and each chunk's new ones).
+    return_token_ids: bool | None = None
     # Structured outputs: OpenAI, vLLM (current and the older guided_* names) and SGLang spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

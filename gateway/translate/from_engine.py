@@ -75,6 +75,10 @@ def chat_completion(
     whole = response("chat.completion", response_id, model, choices, usage([reply.usage]))
     if body.prompt_logprobs is not None:
         whole["prompt_logprobs"] = vllm_prompt_logprobs(reply)
+    if body.return_token_ids:  # vLLM's: the prompt's ids on the response, each choice's own on it
+        whole["prompt_token_ids"] = list(reply.prompt_token_ids)
+        for choice, engine_choice in zip(choices, reply.choices, strict=True):
+            choice["token_ids"] = list(engine_choice.token_ids)
     return whole
 
 
@@ -115,6 +119,8 @@ def text_completion(
             choice = completion_choice(c, p * body.n + c.index, want_logprobs, echo)
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(reply)
+            if body.return_token_ids:  # vLLM's: each choice its prompt's ids and its own
+                choice["prompt_token_ids"], choice["token_ids"] = list(reply.prompt_token_ids), list(c.token_ids)
             choices.append(choice)
     return response("text_completion", response_id, model, choices, usage(r.usage for r in replies))
 

@@ -66,6 +66,7 @@ def sampling(
             setattr(params, name, value)
     if body.prompt_logprobs is not None:
         params.prompt_logprobs = body.prompt_logprobs
+    params.return_prompt_token_ids = bool(body.return_token_ids)
     if body.seed is not None:
         params.seed = body.seed % ENGINE_SEEDS  # OpenAI's seeds are int64, negative ones too
     for key, bias in (body.logit_bias or {}).items():
