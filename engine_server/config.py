@@ -16,7 +16,7 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "bert",
+    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -102,7 +102,9 @@ class LinearAttention:
     """Gated DeltaNet's shape (Qwen3-Next, Qwen3.5; `layers.gated_deltanet`): the linear attention of `layers`,
     whose state per sequence is a short convolution's last `conv_kernel - 1` inputs over q, k and v
     (`conv_dim` channels) and one `key_head_dim x value_head_dim` matrix per value head, in place of a KV cache.
-    Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads."""
+    Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads. OLMo Hybrid's: the write
+    strength doubled (`beta_scale` 2: its `allow_neg_eigval`) and the gated norm's epsilon its own (`norm_eps`; 0:
+    the model's `rms_norm_eps`)."""
 
     num_key_heads: int
     num_value_heads: int
@@ -110,6 +112,8 @@ class LinearAttention:
     value_head_dim: int
     conv_kernel: int
     layers: tuple[int, ...]
+    beta_scale: float = 1.0
+    norm_eps: float = 0.0
 
     @property
     def key_dim(self) -> int:

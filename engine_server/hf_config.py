@@ -71,6 +71,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "falcon_h1": "falcon_h1",
     "olmo2": "olmo2",
     "olmo3": "olmo2",
+    # AI2's OLMo Hybrid: Gated DeltaNet layers (its own projections, the write strength doubled) in pre-norm blocks
+    # between OLMo 3's post-norm attention layers (`_hybrid_fields`, `models.olmo_hybrid`).
+    "olmo_hybrid": "olmo_hybrid",
     "exaone4": "olmo2",  # EXAONE 4.0: OLMo 2's post-norm block with per-head q/k norms, NoPE on its global layers
     "exaone4_5": "olmo2",  # EXAONE 4.5: EXAONE 4.0's text model beside a vision tower (`_exaone4_5_text`)
     "deepseek_v3": "deepseek_v3",
@@ -156,7 +159,7 @@ _NOT_YET: dict[str, str] = {
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan",
-    "apertus", "afmoe", "nanochat",
+    "apertus", "afmoe", "nanochat", "olmo_hybrid",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -234,7 +237,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's,
     # K-EXAONE's and Hy3's, in GLM-4.5's layout, all of it)
     halved = arch in ("glm4", "glm4_moe") and model_type not in _WHOLE_ROPE_GLM4_MOE
-    default_partial = 0.25 if hybrid else 0.5 if halved else 1.0
+    default_partial = 0.25 if arch == "qwen3_next" else 0.5 if halved else 1.0
     partial = float(
         cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
         or default_partial
@@ -306,9 +309,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
         attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
-        qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2") and model_type != "exaone4",
+        qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
         qk_norm_after_rope=arch in ("hunyuan", "nanochat"),
-        post_norms=arch == "olmo2" or model_type == "flex_olmo",
+        post_norms=arch in ("olmo2", "olmo_hybrid") or model_type == "flex_olmo",
         clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" or model_type == "olmo" else 0.0,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
@@ -582,7 +585,10 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-Next's and Qwen3.5's `ModelConfig` fields ({} for the other families): the linear-attention layers
     (`layer_types`, or every layer but each `full_attention_interval`-th, 4), their shape, zero-centred norms
-    (`norm_offset` 1) and the attention's output gate."""
+    (`norm_offset` 1) and the attention's output gate. OLMo Hybrid's (`_olmo_hybrid_fields`): its linear-attention
+    layers alone."""
+    if arch == "olmo_hybrid":
+        return _olmo_hybrid_fields(cfg)
     if arch != "qwen3_next":
         return {}
     layers = int(cfg["num_hidden_layers"])
@@ -609,6 +615,42 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if len(linear.layers) == layers:
         raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+def _olmo_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMo Hybrid's linear-attention layers (`layer_types`, or every layer but each fourth, the last attention if
+    none is, as transformers fills them in), of `linear_num_key_heads` key and as many value heads (the attention's
+    head count by default; its Gated DeltaNet repeats no key head), `linear_key_head_dim` (0.75 * hidden / heads)
+    and `linear_value_head_dim` (twice that), their write strength doubled where `linear_allow_neg_eigval` (the
+    default) and their gated norm's epsilon 1e-5 (FLA's). ValueError for what it does not build."""
+    layers, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+        if "full_attention" not in types:
+            types[-1] = "full_attention"
+    if len(types) != layers or set(types) != {"linear_attention", "full_attention"}:
+        raise ValueError(f"olmo_hybrid layer_types must name linear_attention or full_attention for each of the "
+                         f"{layers} layers, both kinds; got {types!r}")  # fmt: skip
+    key_heads = int(cfg.get("linear_num_key_heads") or heads)
+    value_heads = int(cfg.get("linear_num_value_heads") or heads)
+    key_dim = int(cfg.get("linear_key_head_dim") or int(0.75 * int(cfg["hidden_size"]) / key_heads))
+    if key_heads != value_heads:
+        raise ValueError(f"olmo_hybrid with {value_heads} linear value heads over {key_heads} key heads is not "
+                         "supported (transformers' layer repeats no key head)")  # fmt: skip
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"olmo_hybrid: hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
+    linear = LinearAttention(
+        num_key_heads=key_heads,
+        num_value_heads=value_heads,
+        key_head_dim=key_dim,
+        value_head_dim=int(cfg.get("linear_value_head_dim") or 2 * key_dim),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+        layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        beta_scale=2.0 if cfg.get("linear_allow_neg_eigval", True) else 1.0,
+        norm_eps=1e-5,
+    )
+    return {"linear_attention": linear}
 
 
 # The families of Mamba-2 layers between attention layers (`_mamba2_fields`): Granite 4.0's hybrids and Bamba, read as
@@ -1272,7 +1314,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
     it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
     on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
-    models' "nope", or none); () for the other families."""
+    models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; () for the other families."""
     if model_type == "nemotron_h":  # its attention turns no rope
         return tuple(range(int(cfg["num_hidden_layers"])))
     if model_type in _MAMBA2_HYBRIDS:
@@ -1285,6 +1327,10 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         return tuple(i for i, base in enumerate(cfg.get("layer_rope_theta") or ()) if not base)
     if model_type == "jamba":  # its attention turns no rope
         return tuple(range(int(cfg["num_hidden_layers"])))
+    if model_type == "olmo_hybrid":  # no rope where its rope base is null (its released checkpoints')
+        rope = cfg.get("rope_parameters")
+        nope = isinstance(rope, dict) and "rope_theta" in rope and rope["rope_theta"] is None
+        return tuple(range(int(cfg["num_hidden_layers"]))) if nope else ()
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
     if model_type in ("cohere2", "cohere2_moe"):  # rope on its windowed layers only: with no window, on none

@@ -147,6 +147,7 @@ def gated_delta_net(
     slots: Sequence[int],
     query_lens: Sequence[int],
     fresh: Sequence[bool],
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     """A Gated DeltaNet layer's core over one step, from its input projection's parts to what its output projection
     takes: mixed `[T, C]` (q, k, v of `key_heads`, `key_heads` and Hv heads side by side), z `[T, Hv * Dv]`, a and b
@@ -154,7 +155,8 @@ def gated_delta_net(
     and eps. Sequence i's `query_lens[i]` tokens follow each other in that order; its state is row `slots[i]` of
     `states` (`[slots, (K - 1) * C + Hv * Dk * Dv]` float32: the convolution's last inputs `[K - 1, C]`, then the
     matrices `[Hv, Dk, Dv]`), zeroed first where `fresh[i]`, advanced in place. Returns `[T, Hv * Dv]` in mixed's
-    dtype: each head's rule output, normalised and gated by `silu(z)`."""
+    dtype: each head's rule output, normalised and gated by `silu(z)`. The write strength is `beta_scale * sigmoid(b)`
+    (OLMo Hybrid's `allow_neg_eigval`: 2, so beta in (0, 2) and the state's eigenvalues may turn negative)."""
     tokens, channels = mixed.shape
     value_heads = a.shape[1]
     dv = z.shape[1] // value_heads
@@ -169,7 +171,7 @@ def gated_delta_net(
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     core = gated_delta_rule(
         q.reshape(tokens, key_heads, dk), k.reshape(tokens, key_heads, dk), v.reshape(tokens, value_heads, dv),
-        g, b.sigmoid().float(), matrices, slots, query_lens, fresh,
+        g, b.sigmoid().float() * beta_scale, matrices, slots, query_lens, fresh,
     )  # fmt: skip
     normed = gated_norm(core.to(mixed.dtype), z.reshape(tokens, value_heads, dv), norm_weight, eps)
     return normed.reshape(tokens, value_heads * dv)

@@ -425,6 +425,13 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
         {"attn_layer_period": 4, "attn_layer_offset": 3, "num_experts": 4, "num_experts_per_tok": 2,
          "mamba_d_state": 8, "mamba_dt_rank": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # OLMo Hybrid: Gated DeltaNet (4 heads, keys 16 wide, values 32, the write strength doubled) in pre-norm blocks on
+    # the first three layers, OLMo 3's post-norm attention on the last, no rope (its released checkpoints' null base).
+    "olmo-hybrid": (
+        "OlmoHybridConfig",
+        {"linear_key_head_dim": 16, "linear_value_head_dim": 32, "rope_parameters": {"rope_type": "default",
+         "rope_theta": None}, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "falcon-h1": (
         "FalconH1Config",
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,

@@ -312,8 +312,12 @@ class DecoderModel(nn.Module):
             SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
             else ParallelDecoderLayer if config.parallel_block else DecoderLayer
         )  # fmt: skip
+        # OLMo Hybrid: post-norm blocks around its attention, pre-norm ones around its linear attention.
         self.layers = nn.ModuleList(
-            block(config, dtype, o_proj_bias, tp, index) for index in range(config.num_hidden_layers)
+            (DecoderLayer if config.post_norms and config.is_linear_layer(index) else block)(
+                config, dtype, o_proj_bias, tp, index
+            )
+            for index in range(config.num_hidden_layers)
         )
         norm = norm_class(config)
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)

@@ -123,8 +123,8 @@ def _row_parts(
 class GatedDeltaNet(nn.Module):
     """One linear-attention layer: `in_proj` (rows `cat(q, k, v, z, b, a)`), then the kernel set's `gated_delta_net`
     (the convolution over q/k/v, the gated delta rule with decay `g = -exp(A_log) * softplus(a + dt_bias)` and write
-    strength `beta = sigmoid(b)`, the gated norm by `z`), then `out_proj`. Same call as `PagedSelfAttention`, with
-    this layer's state tensor in place of its KV cache (and no rope).
+    strength `beta = LinearAttention.beta_scale * sigmoid(b)`, the gated norm by `z`), then `out_proj`. Same call as
+    `PagedSelfAttention`, with this layer's state tensor in place of its KV cache (and no rope).
 
     Under tensor parallelism a rank holds its block of the key heads and of the value heads (`LinearAttention.
     sharded`: each value head beside the key head it reads), their rows of every input projection and channels of the
@@ -158,7 +158,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = DepthwiseConv(kept, whole.conv_kernel, dtype)
         self.dt_bias = nn.Parameter(torch.ones(shape.num_value_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(shape.num_value_heads, dtype=dtype), requires_grad=False)
-        self.norm = GatedRMSNorm(shape.value_head_dim, config.rms_norm_eps, dtype)
+        self.norm = GatedRMSNorm(shape.value_head_dim, whole.norm_eps or config.rms_norm_eps, dtype)
         self.out_proj: nn.Module = RowParallelLinear(whole.value_dim, config.hidden_size, False, tp, dtype)
 
     own_tensors = ("A_log", "dt_bias")  # loaded by `load_tensor` (`CausalLM.load_weights`)
@@ -189,7 +189,7 @@ class GatedDeltaNet(nn.Module):
             meta, state, "linear attention",
             lambda slots, fresh: ops.gated_delta_net(
                 mixed, z, a, b, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
-                self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh,
+                self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh, self.shape.beta_scale,
             ),
         )  # fmt: skip
         result: torch.Tensor = self.tp.all_reduce_sum(self.out_proj(core))

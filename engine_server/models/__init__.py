@@ -32,6 +32,7 @@ from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.nanochat import NanoChatForCausalLM
 from engine_server.models.nemotron_h import NemotronHForCausalLM
 from engine_server.models.olmo2 import Olmo2ForCausalLM
+from engine_server.models.olmo_hybrid import OlmoHybridForCausalLM
 from engine_server.models.olmoe import OlmoeForCausalLM
 from engine_server.models.phi3 import Phi3ForCausalLM
 from engine_server.models.qwen2 import Qwen2ForCausalLM
@@ -52,7 +53,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
-    "jamba", "gpt_neox", "gptj", "nanochat");
+    "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -86,6 +87,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "hunyuan": HunYuanForCausalLM,
         "apertus": ApertusForCausalLM,
         "nanochat": NanoChatForCausalLM,
+        "olmo_hybrid": OlmoHybridForCausalLM,
         "afmoe": AfmoeForCausalLM,
         "falcon_h1": FalconH1ForCausalLM,
         "jamba": JambaForCausalLM,

@@ -5,7 +5,8 @@
 //      channels in blocks (the state's inputs advance: causal_conv.h);
 //   2. the gated delta rule, each (sequence, value head) a task whose Dk x Dv state matrix stays in cache while its
 //      tokens pass in order: with q and k L2-normalised (eps 1e-6 inside the root), q scaled by Dk^-0.5, the decay
-//      g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = sigmoid(b),
+//      g = -exp(A_log) softplus(a + dt_bias) and the write strength beta = beta_scale sigmoid(b) (OLMo Hybrid's
+//      allow_neg_eigval: 2, so beta in (0, 2); else 1),
 //        S *= exp(g);  recalled = k S;  S += k^T (beta (v - recalled));  o = q S
 //      where the reference takes a prefill chunk in the chunked (WY) form;
 //   3. the gated RMSNorm of each head's output, times SiLU(z).
@@ -109,7 +110,8 @@ namespace ladle_cpu {
 at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& a, const at::Tensor& b,
                            const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
                            const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
-                           const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh) {
+                           const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh,
+                           double beta_scale) {
   const int64_t tokens = mixed.size(0), channels = mixed.size(1), value_heads = a.size(1);
   LADLE_CHECK(value_heads > 0 && key_heads > 0 && value_heads % key_heads == 0 && z.size(1) % value_heads == 0,
               "%lld value heads over %lld key heads", static_cast<long long>(value_heads),
@@ -152,6 +154,7 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
   const float* dt_ptr = dt_bias.data_ptr<float>();
   const int64_t group = value_heads / key_heads, k_offset = key_heads * dk, v_offset = 2 * key_heads * dk;
   const float scale = 1.f / std::sqrt(static_cast<float>(dk));
+  const float fbeta_scale = static_cast<float>(beta_scale);
   at::parallel_for(0, rows * value_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qn(dk), kn(dk), recalled(dv), delta(dv);
     for (int64_t task = begin; task < end; ++task) {
@@ -169,7 +172,7 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
           kn[i] = kt[i] * k_inv;
         }
         const float decay = std::exp(-rate * softplus(a_ptr[t * a.stride(0) + head] + dt_ptr[head]));
-        const float beta = 1.f / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
+        const float beta = fbeta_scale / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
         float* o = core_ptr + t * value_heads * dv + head * dv;
         if (dv % kLanes == 0 && dv / kLanes <= kMaxVectors) {
           with_count<kMaxVectors>(dv / kLanes, [&](auto vectors) {
@@ -230,7 +233,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "gated_delta_net(Tensor mixed, Tensor z, Tensor a, Tensor b, Tensor conv_weight, Tensor a_log, "
       "Tensor dt_bias, Tensor norm_weight, float eps, int key_heads, Tensor(a!) states, Tensor slots, "
-      "Tensor query_lens, Tensor fresh) -> Tensor");
+      "Tensor query_lens, Tensor fresh, float beta_scale=1.0) -> Tensor");
   m.def("sigmoid_mul(Tensor x, Tensor gate) -> Tensor");
   m.impl("gated_delta_net", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::gated_delta_net));
   m.impl("sigmoid_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::sigmoid_mul));

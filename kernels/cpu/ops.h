@@ -57,7 +57,8 @@ void lora_expand(const at::Tensor& out, const at::Tensor& y, const at::Tensor& b
 at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& a, const at::Tensor& b,
                            const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
                            const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
-                           const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh);
+                           const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh,
+                           double beta_scale);
 at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate);
 at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& dt, const at::Tensor& conv_weight,
                         const std::optional<at::Tensor>& conv_bias, const at::Tensor& a_log, const at::Tensor& dt_bias,

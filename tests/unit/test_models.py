@@ -427,6 +427,20 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         transformers.NanoChatConfig,
         {"attention_bias": True, "final_logit_softcapping": 2.0, "pad_token_id": 0},
     ),
+    # OLMo Hybrid: Gated DeltaNet in pre-norm blocks (4 heads, keys 16 wide, values 32, the write strength doubled,
+    # the gated norm's epsilon 1e-5) around OLMo 3's post-norm attention (q/k norms over the whole projection), with
+    # no rope (its released checkpoints' null base) or with it.
+    "olmo-hybrid": (
+        transformers.OlmoHybridConfig,
+        {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+         "linear_value_head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": None},
+         "pad_token_id": 0, "eos_token_id": 2},
+    ),
+    "olmo-hybrid-rope": (
+        transformers.OlmoHybridConfig,
+        {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+         "linear_key_head_dim": 16, "linear_value_head_dim": 32, "pad_token_id": 0, "eos_token_id": 2},
+    ),
     "qwen2-moe": (
         transformers.Qwen2MoeConfig,
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -611,6 +625,7 @@ MODEL_CLASSES = {
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.MellumConfig: transformers.MellumForCausalLM,
     transformers.NanoChatConfig: transformers.NanoChatForCausalLM,
+    transformers.OlmoHybridConfig: transformers.OlmoHybridForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,

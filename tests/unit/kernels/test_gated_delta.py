@@ -33,9 +33,9 @@ def inputs(tokens: int, dk: int = 16, dv: int = 8, seed: int = 0) -> tuple[torch
 class Layer:
     """A layer's random weights and a step's inputs (`in_proj`'s output split as the layer splits it)."""
 
-    def __init__(self, tokens: int, dk: int, dv: int, seed: int = 0) -> None:
+    def __init__(self, tokens: int, dk: int, dv: int, seed: int = 0, beta_scale: float = 1.0) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.dk, self.dv = dk, dv
+        self.dk, self.dv, self.beta_scale = dk, dv, beta_scale
         self.channels = 2 * KEY_HEADS * dk + VALUE_HEADS * dv
         self.state_size = (TAPS - 1) * self.channels + VALUE_HEADS * dk * dv
         width = self.channels + VALUE_HEADS * dv + 2 * VALUE_HEADS
@@ -58,7 +58,7 @@ class Layer:
         out: torch.Tensor = op(
             *picked, self.conv_weight, self.a_log, self.dt_bias, self.norm_weight, 1e-6, KEY_HEADS, states,
             [slot for slot, _, _ in chunks], [span.stop - span.start for span in spans],
-            [fresh for _, _, fresh in chunks],
+            [fresh for _, _, fresh in chunks], self.beta_scale,
         )  # fmt: skip
         return out
 
@@ -125,6 +125,23 @@ def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int) -> N
     cpu_before = ours_states.clone()
     layer.run(cpu.gated_delta_net, chunks, ours_states)
     assert torch.equal(ours_states[:3], cpu_before[:3]) and torch.equal(ours_states[4:], cpu_before[4:])
+
+
+@needs_kernels
+def test_a_doubled_write_strength_matches_the_reference() -> None:
+    """OLMo Hybrid's `allow_neg_eigval`: beta = 2 sigmoid(b), in (0, 2). The kernel equals the reference's chunked
+    and one-token forms with it, and it changes the outputs and states."""
+    layer = Layer(40, 16, 8, seed=6, beta_scale=2.0)
+    chunks = [(0, slice(0, 30), True), (1, slice(30, 31), False), (2, slice(31, 40), False)]
+    before = layer.states()
+    ours_states, theirs_states, plain_states = before.clone(), before.clone(), before.clone()
+    ours = layer.run(cpu.gated_delta_net, chunks, ours_states)
+    torch.testing.assert_close(ours, layer.run(reference.gated_delta_net, chunks, theirs_states), atol=1e-4,
+                               rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(ours_states, theirs_states, atol=1e-5, rtol=1e-5)
+    layer.beta_scale = 1.0
+    plain = layer.run(cpu.gated_delta_net, chunks, plain_states)
+    assert not torch.allclose(plain, ours, atol=1e-3) and not torch.allclose(plain_states, ours_states, atol=1e-3)
 
 
 @needs_kernels
