@@ -451,6 +451,11 @@ class ModelConfig:
     sandwich_norms: bool = False
     attention_scale: float = 0.0
     local_rope_theta: float = 0.0
+    # Laguna: the windowed layers' rope turns this share of each head (0: `partial_rotary_factor`, as the others').
+    local_partial_rotary_factor: float = 0.0
+    # Laguna: each head's attention output times softplus of its own gate projection (`g_proj`), one value per head
+    # ("head") or per dim of it ("element"); "": none.
+    attention_softplus_gate: Literal["", "head", "element"] = ""
     rope_linear_factor: float = 1.0
     attention_softcap: float = 0.0
     final_logit_softcap: float = 0.0
@@ -583,6 +588,13 @@ class ModelConfig:
         if self.latent_attention is not None:
             return self.latent_attention.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def local_rotary_dim(self) -> int:
+        """`rotary_dim` of the windowed layers that read the local rope table (`local_rope_theta`)."""
+        if not self.local_partial_rotary_factor:
+            return self.rotary_dim
+        return int(self.head_dim * self.local_partial_rotary_factor)
 
     def attention_window(self, index: int) -> int:
         """How many positions, its own included, a token of layer `index` attends to (`layer_windows`); 0: all."""

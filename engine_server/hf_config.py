@@ -102,6 +102,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # rednote's dots.llm1: GLM-4.5's layout under Qwen3's attention (per-head q/k norms, rope over whole heads, o_proj
     # biased with q/k/v), DeepSeek-V3's router renormalising only when `norm_topk_prob` says, no dense layer by default.
     "dots1": "glm4_moe",
+    # Poolside's Laguna: GLM-4.5's layout (DeepSeek-V3's sigmoid router in one group beside a shared expert, a dense
+    # first layer) under attention with per-head q/k norms, windows and a rope base and share per layer type, and each
+    # head's output gated by a softplus (`_laguna_fields`).
+    "laguna": "glm4_moe",
     # Sarvam's 30B (GLM-4.5's model, rope over whole heads, q/k norms on by default) and 105B (DeepSeek-V3's); their
     # released configs' own names read too (`num_experts`, `num_shared_experts`, `use_qkv_bias`, "deepseek_yarn").
     "sarvam_moe": "glm4_moe",
@@ -243,7 +247,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         or default_partial
     )  # fmt: skip
     local_partial = local_rope.get("partial_rotary_factor")
-    if local_partial is not None and float(local_partial) != partial:
+    if model_type == "laguna" and local_rope:  # its windowed layers' share is their own (whole heads by default)
+        local_partial = float(local_partial or 1.0)
+    elif local_partial is not None and float(local_partial) != partial:
         raise ValueError(f"sliding_attention partial_rotary_factor {local_partial} differs from the full layers' "
                          f"{partial} (not supported)")  # fmt: skip
     max_positions = int(cfg.get("max_position_embeddings", 2048))
@@ -268,9 +274,13 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
             f"unsupported rope type {rope_type!r} (default, dynamic, linear, llama3, longrope and yarn are)"
         )
     local_theta = float(local_rope.get("rope_theta") or rope_theta)
-    if local_rope and (local_theta != rope_theta or scaling is not None or rope_fields):
-        # The windowed layers' own rope: a base of its own and no scaling (`DecoderModel`'s local table).
+    own_share = float(local_partial) if local_partial is not None and float(local_partial) != partial else 0.0
+    if local_rope and (local_theta != rope_theta or scaling is not None or rope_fields or own_share):
+        # The windowed layers' own rope: a base (and with Laguna a share of each head) of its own and no scaling
+        # (`DecoderModel`'s local table).
         rope_fields = {**rope_fields, "local_rope_theta": local_theta}
+        if own_share:
+            rope_fields["local_partial_rotary_factor"] = own_share
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -306,7 +316,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm")
         else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3", "dots1") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
-        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1")
+        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
         attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
@@ -328,6 +338,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_minicpm3_fields(model_type, cfg),
         **_afmoe_fields(arch, cfg),
         **_nanochat_fields(arch, cfg),
+        **_laguna_fields(model_type, cfg),
         **_ungated_mlp_fields(model_type, cfg),
         **_experts_from_hf_config(arch, cfg),
         **rope_fields,
@@ -1217,6 +1228,25 @@ def _nanochat_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"embedding_norm": True, "final_logit_softcap": float(cap or 0.0)}
 
 
+def _laguna_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Laguna's softplus gate on each head's output (`gating`: true or "per-head", one value a head; "per-element",
+    one a dim); {} for the other families. ValueError for what transformers' Laguna builds and this engine does not:
+    a head count that differs between layers, router logits soft-capped, router weights on the experts' input."""
+    if model_type != "laguna":
+        return {}
+    heads = cfg.get("num_attention_heads_per_layer") or []
+    if len(set(heads) | {int(cfg["num_attention_heads"])}) > 1:
+        raise ValueError(f"laguna with num_attention_heads_per_layer {heads} (a head count per layer) is not supported")
+    if float(cfg.get("moe_router_logit_softcapping") or 0.0) or cfg.get("moe_apply_router_weight_on_input"):
+        raise ValueError("laguna with moe_router_logit_softcapping or moe_apply_router_weight_on_input is not "
+                         "supported")
+    gating = cfg.get("gating", True)
+    if gating not in (True, False, "per-head", "per-element"):
+        raise ValueError(f"laguna gating {gating!r} is not supported (true, false, per-head or per-element)")
+    # (as transformers builds it, false gates each element too)
+    return {"attention_softplus_gate": "head" if gating in (True, "per-head") else "element"}
+
+
 def _afmoe_experts(cfg: dict[str, Any]) -> dict[str, Any]:
     """AFMoE's experts (after its first `num_dense_layers` dense layers): DeepSeek-V3's sigmoid scores with a
     load-balancing bias (`expert_bias`) for the choice, in one group, the chosen scores renormalised and times
@@ -1389,7 +1419,7 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 # The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
-_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1")
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna")
 
 
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
@@ -1666,7 +1696,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("deepseek_v2", "dots1"))),
-            shared_expert_intermediate_size=int(cfg["moe_intermediate_size"])
+            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]) if model_type == "laguna"
+            else int(cfg["moe_intermediate_size"])
             * int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0),  # (K-EXAONE's name for it)
             shared_expert_gated=False,
             dense_layers=_dense_layers(cfg),
@@ -1678,7 +1709,8 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
             moe_output_norm=model_type == "axk1",
             # (Hy3's `router_scaling_factor`)
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or cfg.get("router_scaling_factor") or 1.0),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or cfg.get("router_scaling_factor")
+                                        or cfg.get("moe_routed_scaling_factor") or 1.0),  # (Laguna's name)
         )
     if arch == "ernie4_5_moe":
         return _ernie4_5_moe_fields(cfg, experts, top_k)

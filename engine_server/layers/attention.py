@@ -6,6 +6,7 @@ over them alone (its KV cache holds only those heads) and all-reduces the output
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
@@ -39,7 +40,9 @@ class PagedSelfAttention(nn.Module):
     (`ModelConfig.qk_unit_norm`), its NoPE layers' queries scaled by their position's attention temperature
     (`ModelConfig.nope_temperature_scale`), and its rope layers attending within chunks (`ModelConfig.attention_chunk`:
     `AttentionMetadata.chunked`). StableLM 2 12B: each head of q and k LayerNorm'd with a weight of its own
-    (`ModelConfig.qk_layer_norm`, `layers.norm.HeadLayerNorm`).
+    (`ModelConfig.qk_layer_norm`, `layers.norm.HeadLayerNorm`). Laguna: each head's output times the softplus of its
+    own `g_proj` row (`ModelConfig.attention_softplus_gate`: one value a head, or one a dim), its windowed layers'
+    rope over a share of each head of their own (`ModelConfig.local_rotary_dim`).
 
     Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
     rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
@@ -68,7 +71,11 @@ class PagedSelfAttention(nn.Module):
         self.head_dim = config.layer_head_dim(index)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.rotary_dim = self.head_dim if config.gemma4 is not None else config.rotary_dim
+        # Laguna's windowed layers read the local table, which turns a share of each head of its own.
+        local = bool(config.local_rope_theta) and window > 0
+        self.rotary_dim = (
+            self.head_dim if config.gemma4 is not None else config.local_rotary_dim if local else config.rotary_dim
+        )
         self.scale = config.attention_scale or self.head_dim**-0.5
         self.softcap = config.attention_softcap
         self.shares_kv = config.kv_source(index) != index
@@ -127,6 +134,14 @@ class PagedSelfAttention(nn.Module):
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
+        # Laguna: `g_proj` gives each of this rank's heads one gate value, or one per dim of the head.
+        self.softplus_gate = config.attention_softplus_gate
+        self.g_proj: nn.Module | None = None
+        if self.softplus_gate:
+            per = 1 if self.softplus_gate == "head" else self.head_dim
+            gated = query_heads_of_rank(config.num_attention_heads, tp.size, tp.rank)
+            gate_rows = PartSlice(config.num_attention_heads * per, range(gated.start * per, gated.stop * per))
+            self.g_proj = ColumnParallelLinear(config.hidden_size, [gate_rows], False, dtype)
 
     own_tensors = ("sinks",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
 
@@ -205,6 +220,12 @@ class PagedSelfAttention(nn.Module):
         out = out.reshape(tokens, self.q_size)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
+        if self.g_proj is not None:  # Laguna's: softplus in float32, as transformers computes it
+            scale = F.softplus(self.g_proj(hidden).float()).to(out.dtype)
+            per = 1 if self.softplus_gate == "head" else self.head_dim
+            out = (out.view(tokens, self.num_heads, self.head_dim) * scale.view(tokens, self.num_heads, per)).reshape(
+                tokens, self.q_size
+            )
         return self._project(out, ops, lora)
 
     def _attend_shared(

@@ -82,6 +82,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     first = attentions[0]
     if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
         return None
+    if any(attention.g_proj is not None for attention in attentions):  # Laguna's softplus gate on each head
+        return None
     if first.sinks is not None or not all(attention.rope and not attention.qk_unit_norm for attention in attentions):
         return None
     if any(attention.temperature for attention in attentions):  # Ministral 3's query scale by position

@@ -347,8 +347,8 @@ class DecoderModel(nn.Module):
             self.local_rope and config.attention_window(i) > 0 for i in range(config.num_hidden_layers)
         ]
         if self.local_rope:
-            local = build_cos_sin_cache(config.rotary_dim, config.max_position_embeddings, config.local_rope_theta,
-                                        None, dtype)  # fmt: skip
+            local = build_cos_sin_cache(config.local_rotary_dim, config.max_position_embeddings,
+                                        config.local_rope_theta, None, dtype)  # fmt: skip
             self.register_buffer("local_cos_sin_cache", local, persistent=False)
         # The second forward path: `layers.decode_stack.build_decode_stack(self)`, set once the weights are final
         # (quantization.quantize_model sets it only with ops whose attention takes every token as a decode row of

@@ -27,6 +27,7 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     checkpoint_renames = (
         *DeepseekV3ForCausalLM.checkpoint_renames,
         (".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+        (".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),  # Laguna's files' place
         (".mlp.router.gate.", ".mlp.gate."),
         (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
         (".mlp.shared_mlp.", ".mlp.shared_expert."),

@@ -40,6 +40,9 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+# A Laguna config's experts (what the refusals below need to read the rest).
+LAGUNA = {"model_type": "laguna", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 48}  # fmt: skip
 LINEAR_ATTENTION = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
     "layer_types": ["linear_attention", "full_attention"],
@@ -441,6 +444,22 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
          "linear_key_head_dim": 16, "linear_value_head_dim": 32, "pad_token_id": 0, "eos_token_id": 2},
     ),
+    # Laguna: windowed (shorter than the prompts) and full layers, each kind with its rope base and share (the full
+    # ones turn half of each head, its default), per-head q/k norms, each head's output times softplus of its own gate;
+    # a dense first layer, then top-2 of 8 experts by sigmoid scores and a correction bias, renormalised, scaled,
+    # beside a shared expert of its own width. Then a gate per element of each head.
+    "laguna": (
+        transformers.LagunaConfig,
+        {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+         "moe_routed_scaling_factor": 2.5, "pad_token_id": 0},
+    ),
+    "laguna-per-element": (
+        transformers.LagunaConfig,
+        {"head_dim": 16, "gating": "per-element", "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "pad_token_id": 0},
+    ),
     "qwen2-moe": (
         transformers.Qwen2MoeConfig,
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -626,6 +645,7 @@ MODEL_CLASSES = {
     transformers.MellumConfig: transformers.MellumForCausalLM,
     transformers.NanoChatConfig: transformers.NanoChatForCausalLM,
     transformers.OlmoHybridConfig: transformers.OlmoHybridForCausalLM,
+    transformers.LagunaConfig: transformers.LagunaForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
@@ -1021,9 +1041,15 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
           "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "full_attention rope"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
         ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
+        ({**LAGUNA, "num_attention_heads_per_layer": [4, 8]}, r"laguna with num_attention_heads_per_layer \[4, 8\]"),
+        ({**LAGUNA, "moe_router_logit_softcapping": 30.0}, "laguna with moe_router_logit_softcapping"),
+        ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
+        ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
+        ({"model_type": "olmo_hybrid", "linear_num_key_heads": 2}, "olmo_hybrid with 4 linear value heads over 2"),
     ],
 )
 def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
+    """Each refused by name, before any weight is read."""
     with pytest.raises(ValueError, match=message):
         model_config_from_hf({**SMALL, **config})
 
