@@ -52,10 +52,11 @@ class StreamHeader:
 
 async def chat_chunks(
     messages: AsyncIterator[engine_pb2.StreamResponse], header: StreamHeader, want_logprobs: bool,
-    timer: RequestTimer, first_call_only: bool = False, want_token_ids: bool = False,
+    timer: RequestTimer, first_call_only: bool = False, want_token_ids: bool = False, as_ids: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
     """Each choice's role, content, tool call and finish chunks; with `first_call_only`
-    (`from_engine.one_call`), only each choice's first tool call; with `want_token_ids`, the token ids."""
+    (`from_engine.one_call`), only each choice's first tool call; with `want_token_ids`, the token ids; `as_ids`:
+    the logprobs' tokens by id (`from_engine.token_label`)."""
     started: set[int] = set()
     used = types_pb2.Usage()
     prompt_ids: list[int] | None = None  # the first chunk's, once the first message has them
@@ -70,7 +71,7 @@ async def chat_chunks(
                 if delta.index not in started:
                     started.add(delta.index)
                     choices.append(from_engine.role_delta(delta.index))
-                made = from_engine.chat_deltas(delta, want_logprobs, first_call_only)
+                made = from_engine.chat_deltas(delta, want_logprobs, first_call_only, as_ids)
                 if delta.finish_reason:
                     made.append(from_engine.finish_delta(delta, delta.index, chat=True))
                 if want_token_ids and delta.token_ids:
@@ -90,12 +91,13 @@ async def chat_chunks(
 async def completion_chunks(
     messages: AsyncIterator[tuple[int, engine_pb2.StreamResponse]], header: StreamHeader, n: int,
     want_logprobs: bool, echo: Callable[[int, engine_pb2.StreamResponse], from_engine.Echo] | None,
-    timer: RequestTimer, prompt_only: bool = False, want_token_ids: bool = False,
+    timer: RequestTimer, prompt_only: bool = False, want_token_ids: bool = False, as_ids: bool = False,
 ) -> AsyncIterator[dict[str, Any]]:
     """`messages` are (prompt position, engine message) pairs; choice i of prompt p has index p * n + i. `echo`
     (None: no echo) gives what prompt p echoes, from its engine stream's first message (its prompt logprobs).
     `prompt_only` (max_tokens 0): the echo and the finish alone; the engine's token is neither sent nor counted.
-    `want_token_ids`: each choice's first chunk has its prompt's ids, its chunks the new generated ones."""
+    `want_token_ids`: each choice's first chunk has its prompt's ids, its chunks the new generated ones. `as_ids`: the
+    logprobs' tokens by id (the echo's are `echo`'s)."""
     offsets: dict[int, int] = {}
     echoes: dict[int, from_engine.Echo] = {}
     used: dict[int, types_pb2.Usage] = {}  # per prompt (each its own engine stream)
@@ -122,7 +124,7 @@ async def completion_chunks(
                 offset = offsets.setdefault(index, 0)
                 new_ids = list(delta.token_ids) if want_token_ids and not prompt_only else []
                 if (from_engine.has_content(delta) or new_ids) and not prompt_only:
-                    choices.append(from_engine.completion_delta(delta, index, want_logprobs, offset))
+                    choices.append(from_engine.completion_delta(delta, index, want_logprobs, offset, as_ids))
                     offsets[index] = offset + len(delta.text)
                     if new_ids:
                         choices[-1]["token_ids"] = new_ids

@@ -63,8 +63,15 @@ async def create_batch_chat_completion(
     responses = await calls.batch_rpc(pool, requests, "messages")
     usage = [r.usage for r in responses]
     timer.finish(usage)
-    choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs, from_engine.one_call(body))
+    as_ids = bool(body.return_tokens_as_token_ids)
+    choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs, from_engine.one_call(body), as_ids)
                for i, r in enumerate(responses)]  # fmt: skip
+    for choice, reply in zip(choices, responses, strict=True):  # each conversation its prompt's, on its choice
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = from_engine.vllm_prompt_logprobs(reply)
+        if body.return_token_ids:
+            choice["prompt_token_ids"] = list(reply.prompt_token_ids)
+            choice["token_ids"] = list(reply.choices[0].token_ids)
     return FiniteJSONResponse(
         from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage(usage))
     )

@@ -41,7 +41,8 @@ async def create_completion(
         header = StreamHeader(f"cmpl-{rid}", "text_completion", model, body.include_usage, int(time.time()))
         echo = from_engine.stream_echo(body, prompts)
         chunks = completion_chunks(calls.merge(streams), header, body.n, want_logprobs, echo, timer,
-                                   prompt_only=body.max_tokens == 0, want_token_ids=bool(body.return_token_ids))
+                                   prompt_only=body.max_tokens == 0, want_token_ids=bool(body.return_token_ids),
+                                   as_ids=bool(body.return_tokens_as_token_ids))
         return sse.response(chunks)
     responses = await calls.generate_all(pool, requests)
     used = [r.usage for r in responses]

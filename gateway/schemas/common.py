@@ -94,6 +94,9 @@ class SamplingFields(BaseModel):
     # vLLM's: the prompt's token ids and each choice's generated ones beside the text (`prompt_token_ids`,
     # `token_ids`; streamed, the prompt's on the first chunk and each chunk's new ones).
     return_token_ids: bool | None = None
+    # vLLM's: each logprobs entry's token (and its alternatives') as "token_id:<id>", for tokens whose text is not
+    # JSON-safe (part of a character); offsets into the text stay those of the tokens' own text.
+    return_tokens_as_token_ids: bool | None = None
     # Structured outputs: OpenAI, vLLM (current and the older guided_* names) and SGLang spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

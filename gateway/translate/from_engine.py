@@ -71,7 +71,8 @@ def chat_completion(
     body: ChatFields, reply: engine_pb2.GenerateResponse, response_id: str, model: str
 ) -> dict[str, Any]:
     """The whole `chat.completion` for one conversation's engine reply (the route and batch lines share it)."""
-    choices = [chat_choice(c, c.index, body.logprobs, one_call(body)) for c in reply.choices]
+    as_ids = bool(body.return_tokens_as_token_ids)
+    choices = [chat_choice(c, c.index, body.logprobs, one_call(body), as_ids) for c in reply.choices]
     whole = response("chat.completion", response_id, model, choices, usage([reply.usage]))
     if body.prompt_logprobs is not None:
         whole["prompt_logprobs"] = vllm_prompt_logprobs(reply)
@@ -116,7 +117,8 @@ def text_completion(
     for p, reply in enumerate(replies):
         echo = echoed(body, prompts[p], reply.prompt_logprobs if reply.HasField("prompt_logprobs") else None)
         for c in reply.choices:
-            choice = completion_choice(c, p * body.n + c.index, want_logprobs, echo)
+            choice = completion_choice(c, p * body.n + c.index, want_logprobs, echo,
+                                       bool(body.return_tokens_as_token_ids))
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(reply)
             if body.return_token_ids:  # vLLM's: each choice its prompt's ids and its own
@@ -151,7 +153,7 @@ class Echo:
 def echoed(body: CompletionRequest, prompt: str | list[int], found: types_pb2.PromptLogprobs | None) -> Echo:
     """What `body` echoes of `prompt`, given the engine's `found` prompt logprobs (asked for whenever echo needs
     them: with logprobs, or for a token-id prompt, whose text they carry). A text prompt is echoed as it was sent;
-    offsets run over its tokens' texts."""
+    offsets run over its tokens' texts (named by id in the lists with `return_tokens_as_token_ids`)."""
     if not body.echo:
         return Echo()
     if found is None:
@@ -164,10 +166,12 @@ def echoed(body: CompletionRequest, prompt: str | list[int], found: types_pb2.Pr
     for token in texts:
         offsets.append(offset)
         offset += len(token)
+    as_ids = bool(body.return_tokens_as_token_ids)
+    first = f"token_id:{found.first_token_id}" if as_ids else found.first_token
     return Echo(text, {
-        "tokens": texts,
+        "tokens": [first, *(token_label(lp, as_ids) for lp in found.tokens)],
         "token_logprobs": [None, *(lp.logprob for lp in found.tokens)],
-        "top_logprobs": [None, *({t.token: t.logprob for t in lp.top_logprobs} for lp in found.tokens)],
+        "top_logprobs": [None, *({token_label(t, as_ids): t.logprob for t in lp.top_logprobs} for lp in found.tokens)],
         "text_offset": offsets,
     })
 
@@ -194,15 +198,22 @@ def tool_calls(calls: Sequence[types_pb2.ToolCall]) -> list[dict[str, Any]] | No
     ]
 
 
-def chat_logprobs(logprobs: Sequence[types_pb2.TokenLogprob]) -> dict[str, Any]:
+def token_label(token: types_pb2.TokenLogprob | types_pb2.TopLogprob, as_ids: bool) -> str:
+    """A logprobs entry's token: its text, or with vLLM's `return_tokens_as_token_ids` "token_id:<id>"."""
+    return f"token_id:{token.token_id}" if as_ids else token.token
+
+
+def chat_logprobs(logprobs: Sequence[types_pb2.TokenLogprob], as_ids: bool = False) -> dict[str, Any]:
+    """OpenAI's chat logprobs; `as_ids`: each token named by its id (`token_label`), its bytes still its text's."""
     return {
         "content": [
             {
-                "token": lp.token,
+                "token": token_label(lp, as_ids),
                 "logprob": lp.logprob,
                 "bytes": list(lp.token_bytes),
                 "top_logprobs": [
-                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)} for t in lp.top_logprobs
+                    {"token": token_label(t, as_ids), "logprob": t.logprob, "bytes": list(t.token_bytes)}
+                    for t in lp.top_logprobs
                 ],
             }
             for lp in logprobs
@@ -212,10 +223,10 @@ def chat_logprobs(logprobs: Sequence[types_pb2.TokenLogprob]) -> dict[str, Any]:
 
 
 def chat_choice(
-    choice: types_pb2.Choice, index: int, want_logprobs: bool, first_call_only: bool = False
+    choice: types_pb2.Choice, index: int, want_logprobs: bool, first_call_only: bool = False, as_ids: bool = False
 ) -> dict[str, Any]:
     """One finished choice as an OpenAI chat choice at position `index`; with `first_call_only` (`one_call`), its
-    first tool call alone."""
+    first tool call alone; `as_ids`: its logprobs' tokens by id (`token_label`)."""
     calls = tool_calls(choice.tool_calls[:1] if first_call_only else choice.tool_calls)
     answered = choice.text or not (calls or choice.reasoning_content)
     message: dict[str, Any] = {"role": "assistant", "content": choice.text if answered else None}
@@ -226,7 +237,7 @@ def chat_choice(
     return {
         "index": index,
         "message": message,
-        "logprobs": chat_logprobs(choice.logprobs) if want_logprobs else None,
+        "logprobs": chat_logprobs(choice.logprobs, as_ids) if want_logprobs else None,
         "finish_reason": finish_reason(choice.finish_reason),
         "stop_reason": matched_stop(choice.matched_stop),
     }
@@ -234,7 +245,7 @@ def chat_choice(
 
 
 def chat_deltas(
-    delta: types_pb2.ChoiceDelta, want_logprobs: bool, first_call_only: bool = False
+    delta: types_pb2.ChoiceDelta, want_logprobs: bool, first_call_only: bool = False, as_ids: bool = False
 ) -> list[dict[str, Any]]:
     """The new content of one choice's stream delta as OpenAI chat chunk choices, one per chunk: the reasoning and
     content (with their logprobs), then each tool call delta on its own, as OpenAI streams calls (clients read
@@ -245,7 +256,7 @@ def chat_deltas(
         body["reasoning_content"] = body["reasoning"] = delta.reasoning_content
     if delta.text:
         body["content"] = delta.text
-    logprobs = chat_logprobs(delta.logprobs) if want_logprobs and delta.logprobs else None
+    logprobs = chat_logprobs(delta.logprobs, as_ids) if want_logprobs and delta.logprobs else None
     bodies = [body] if body or logprobs else []
     bodies += [{"tool_calls": [_tool_call_delta(t)]} for t in delta.tool_calls if not first_call_only or t.index == 0]
     return [
@@ -290,16 +301,19 @@ def role_delta(index: int) -> dict[str, Any]:
 # -- completions ---------------------------------------------------------------------------------------------
 
 
-def completion_logprobs(logprobs: Sequence[types_pb2.TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """The legacy completions layout: parallel lists, offsets into the choice's text."""
+def completion_logprobs(
+    logprobs: Sequence[types_pb2.TokenLogprob], text_offset: int, as_ids: bool = False
+) -> dict[str, Any]:
+    """The legacy completions layout: parallel lists, offsets into the choice's text (its tokens' own text, whatever
+    names them: `as_ids`, `token_label`)."""
     offsets = []
     for lp in logprobs:
         offsets.append(text_offset)
         text_offset += len(lp.token)
     return {
-        "tokens": [lp.token for lp in logprobs],
+        "tokens": [token_label(lp, as_ids) for lp in logprobs],
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+        "top_logprobs": [{token_label(t, as_ids): t.logprob for t in lp.top_logprobs} for lp in logprobs],
         "text_offset": offsets,
     }
 
@@ -318,12 +332,13 @@ def stream_echo(
 
 
 def completion_choice(
-    choice: types_pb2.Choice, index: int, want_logprobs: bool, echo: Echo = Echo()
+    choice: types_pb2.Choice, index: int, want_logprobs: bool, echo: Echo = Echo(), as_ids: bool = False
 ) -> dict[str, Any]:
+    logprobs = completion_logprobs(choice.logprobs, len(echo.text), as_ids)
     return {
         "index": index,
         "text": echo.text + choice.text,
-        "logprobs": _with_echo(echo, completion_logprobs(choice.logprobs, len(echo.text))) if want_logprobs else None,
+        "logprobs": _with_echo(echo, logprobs) if want_logprobs else None,
         "finish_reason": finish_reason(choice.finish_reason),
         "stop_reason": matched_stop(choice.matched_stop),
     }
@@ -338,11 +353,11 @@ def _with_echo(echo: Echo, logprobs: dict[str, Any]) -> dict[str, Any]:
 
 
 def completion_delta(
-    delta: types_pb2.ChoiceDelta, index: int, want_logprobs: bool, text_offset: int
+    delta: types_pb2.ChoiceDelta, index: int, want_logprobs: bool, text_offset: int, as_ids: bool = False
 ) -> dict[str, Any]:
     return {
         "index": index,
         "text": delta.text,
-        "logprobs": completion_logprobs(delta.logprobs, text_offset) if want_logprobs else None,
+        "logprobs": completion_logprobs(delta.logprobs, text_offset, as_ids) if want_logprobs else None,
         "finish_reason": None,
     }

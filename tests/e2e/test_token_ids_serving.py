@@ -6,6 +6,7 @@ carry the same ids as the whole one, and the ids sent back as a completions prom
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeAlias
 
 import httpx
@@ -64,6 +65,24 @@ def test_chat_returns_the_prompts_and_each_choices_ids(openai_client: openai.Ope
     assert streamed == generated[0]
 
 
+def test_the_batched_chat_route_puts_each_conversations_ids_on_its_choice(gateway_http: httpx.Client, model_id: str,
+                                                                         stub: Stub) -> None:
+    """`/v1/chat/completions/batch`: one choice per conversation, each with its prompt's ids, its generated ones (those
+    of the same conversation sent alone) and, asked for, its prompt's log-probabilities."""
+    questions = [QUESTION, "What is two plus two?"]
+    body = {"model": model_id, "messages": [[{"role": "user", "content": q}] for q in questions], "max_tokens": 6,
+            "temperature": 0, "prompt_logprobs": 0, **IDS}
+    reply = gateway_http.post("/v1/chat/completions/batch", json=body)
+    assert reply.status_code == 200, reply.text
+    for question, choice in zip(questions, reply.json()["choices"], strict=True):
+        ids = tokenized(stub, engine_pb2.TokenizeRequest(input=chat_input(question)))
+        assert choice["prompt_token_ids"] == ids and len(choice["prompt_logprobs"]) == len(ids)
+        alone = gateway_http.post("/v1/chat/completions", json={
+            "model": model_id, "messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0,
+            **IDS}).json()["choices"][0]
+        assert choice["token_ids"] == alone["token_ids"] and choice["message"]["content"] == alone["message"]["content"]
+
+
 def test_completions_return_ids_whole_streamed_and_as_a_prompt(gateway_http: httpx.Client, model_id: str,
                                                                stub: Stub) -> None:
     ids = tokenized(stub, engine_pb2.TokenizeRequest(input=text_input(PROMPT)))
@@ -85,9 +104,36 @@ def test_completions_return_ids_whole_streamed_and_as_a_prompt(gateway_http: htt
     assert nothing["choices"][0]["prompt_token_ids"] == ids and nothing["choices"][0]["token_ids"] == []
 
 
-def _sse(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
-    import json
+def test_logprobs_name_their_tokens_by_id_when_asked(gateway_http: httpx.Client, model_id: str, stub: Stub) -> None:
+    """vLLM's `return_tokens_as_token_ids`: each logprobs entry's token and its alternatives as "token_id:<id>" (the
+    chat's content, whole and streamed; the completions' lists, the echoed prompt's too), the numbers and the text
+    offsets as without it."""
+    chat = {"model": model_id, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, **IDS}
+    plain = gateway_http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    named = gateway_http.post("/v1/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
+    choice = named["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{i}" for i in choice["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in entries for t in e["top_logprobs"])
+    assert [e["logprob"] for e in entries] == [e["logprob"] for e in plain["logprobs"]["content"]]
+    with gateway_http.stream("POST", "/v1/chat/completions",
+                             json={**chat, "stream": True, "return_tokens_as_token_ids": True}) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
+    streamed = [e["token"] for ev in events for c in ev["choices"] for e in (c.get("logprobs") or {}).get("content", [])]
+    assert streamed == [e["token"] for e in entries]
 
+    ids = tokenized(stub, engine_pb2.TokenizeRequest(input=text_input(PROMPT)))
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    as_text = gateway_http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    as_ids = gateway_http.post("/v1/completions", json={**body, **IDS, "return_tokens_as_token_ids": True}).json()
+    logprobs = as_ids["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{i}" for i in ids + as_ids["choices"][0]["token_ids"]]
+    assert logprobs["text_offset"] == as_text["text_offset"]
+    assert all(next(iter(top)).startswith("token_id:") for top in logprobs["top_logprobs"][1:])
+
+
+def _sse(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
     with client.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         lines = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
