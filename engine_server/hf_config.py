@@ -1357,9 +1357,11 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         return tuple(i for i, base in enumerate(cfg.get("layer_rope_theta") or ()) if not base)
     if model_type == "jamba":  # its attention turns no rope
         return tuple(range(int(cfg["num_hidden_layers"])))
-    if model_type == "olmo_hybrid":  # no rope where its rope base is null (its released checkpoints')
+    if model_type == "olmo_hybrid":  # no rope where its rope base is null (its released checkpoints'), in
+        # `rope_parameters` or, without them, at the top as transformers reads it into them; else rope (10,000)
         rope = cfg.get("rope_parameters")
-        nope = isinstance(rope, dict) and "rope_theta" in rope and rope["rope_theta"] is None
+        base = rope if isinstance(rope, dict) else cfg
+        nope = "rope_theta" in base and base["rope_theta"] is None
         return tuple(range(int(cfg["num_hidden_layers"]))) if nope else ()
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")

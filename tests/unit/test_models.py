@@ -1054,6 +1054,22 @@ def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message:
         model_config_from_hf({**SMALL, **config})
 
 
+def test_olmo_hybrid_configs_turn_no_rope_where_transformers_turns_none() -> None:
+    """A null rope base, in `rope_parameters` or at the top of a config.json (its released checkpoints'), is NoPE on
+    every layer; none given, or null `rope_parameters`, is rope at 10,000, as transformers fills it in."""
+    base = {**SMALL, "model_type": "olmo_hybrid", "layer_types": ["linear_attention", "full_attention"], "pad_token_id": 0,
+            "eos_token_id": 2}
+    for null in ({"rope_theta": None}, {"rope_parameters": {"rope_type": "default", "rope_theta": None}}):
+        config = model_config_from_hf({**base, **null})
+        assert config.nope_layers == (0, 1), null
+        built = transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig.from_dict({**base, **null}))
+        assert built.model.rotary_emb is None
+    for rope in ({}, {"rope_parameters": None}):
+        config = model_config_from_hf({**base, **rope})
+        assert config.nope_layers == () and config.rope_theta == 10000.0
+        assert transformers.OlmoHybridConfig.from_dict({**base, **rope}).rope_parameters["rope_theta"] == 10000.0
+
+
 def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> None:
     factors = {"short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
     new = transformers.Phi3Config(
