@@ -476,6 +476,8 @@ class ModelConfig:
     # values narrower than the keys (`value_head_dim` < `head_dim`: v_proj's rows and o_proj's columns padded to
     # `head_dim` with zeros at load, so the cache keeps one row width) and scaled by `value_scale` (folded into v_proj).
     layer_kv_head_counts: tuple[int, ...] = ()
+    # Laguna: a query head count per layer (`num_attention_heads_per_layer`; the KV heads the same on every layer).
+    layer_q_head_counts: tuple[int, ...] = ()
     value_head_dim: int = 0
     value_scale: float = 1.0
     # LFM3: the full-attention layers' "proportional" rope: of each head's `head_dim / 2` rotation angles only the
@@ -505,6 +507,11 @@ class ModelConfig:
         if self.layer_kv_head_counts:
             return self.layer_kv_head_counts[index]
         return self.num_key_value_heads
+
+    def layer_q_heads(self, index: int) -> int:
+        """Layer `index`'s query heads: `num_attention_heads`, or where the layers' counts differ its entry of
+        `layer_q_head_counts`."""
+        return self.layer_q_head_counts[index] if self.layer_q_head_counts else self.num_attention_heads
 
     def kv_source(self, index: int) -> int:
         """The layer whose K/V layer `index` attends over: itself, unless it shares an earlier one's (Gemma 4)."""

@@ -1229,14 +1229,18 @@ def _nanochat_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _laguna_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Laguna's softplus gate on each head's output (`gating`: true or "per-head", one value a head; "per-element",
-    one a dim); {} for the other families. ValueError for what transformers' Laguna builds and this engine does not:
-    a head count that differs between layers, router logits soft-capped, router weights on the experts' input."""
+    """Laguna's softplus gate on each head's output (`gating`: true or "per-head", one value a head; "per-element" or
+    false, one a dim) and its query heads per layer (`num_attention_heads_per_layer`, each a multiple of the KV
+    heads); {} for the other families. ValueError for a head list that does not fit, and for what transformers'
+    Laguna builds and this engine does not: router logits soft-capped, router weights on the experts' input."""
     if model_type != "laguna":
         return {}
-    heads = cfg.get("num_attention_heads_per_layer") or []
-    if len(set(heads) | {int(cfg["num_attention_heads"])}) > 1:
-        raise ValueError(f"laguna with num_attention_heads_per_layer {heads} (a head count per layer) is not supported")
+    layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    heads = [int(n) for n in cfg.get("num_attention_heads_per_layer") or ()]
+    if heads and (len(heads) != layers or any(n < 1 or n % kv_heads for n in heads)):
+        raise ValueError(f"laguna num_attention_heads_per_layer {heads} must give each of the {layers} layers a "
+                         f"multiple of its {kv_heads} KV heads")  # fmt: skip
+    per_layer = tuple(heads) if len(set(heads) | {int(cfg["num_attention_heads"])}) > 1 else ()
     if float(cfg.get("moe_router_logit_softcapping") or 0.0) or cfg.get("moe_apply_router_weight_on_input"):
         raise ValueError("laguna with moe_router_logit_softcapping or moe_apply_router_weight_on_input is not "
                          "supported")
@@ -1244,7 +1248,8 @@ def _laguna_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if gating not in (True, False, "per-head", "per-element"):
         raise ValueError(f"laguna gating {gating!r} is not supported (true, false, per-head or per-element)")
     # (as transformers builds it, false gates each element too)
-    return {"attention_softplus_gate": "head" if gating in (True, "per-head") else "element"}
+    gate = "head" if gating in (True, "per-head") else "element"
+    return {"attention_softplus_gate": gate, "layer_q_head_counts": per_layer}
 
 
 def _afmoe_experts(cfg: dict[str, Any]) -> dict[str, Any]:

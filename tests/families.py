@@ -121,13 +121,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # Laguna: windowed and full layers in turn (each kind its rope base, the full ones' rope over half of each head),
-    # per-head q/k norms, each head's output times softplus of its gate; a dense first layer, then top-2 of 8 experts
-    # by sigmoid scores and a correction bias, renormalised, scaled, beside a shared expert.
+    # 4, 8, 4 and 2 query heads over 2 KV heads, per-head q/k norms, each head's output times softplus of its gate; a
+    # dense first layer, then top-2 of 8 experts by sigmoid scores and a correction bias, renormalised, scaled, beside
+    # a shared expert.
     "laguna": (
         "LagunaConfig",
         {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"] * 2,
-         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-         "moe_routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+         "num_attention_heads_per_layer": [4, 8, 4, 2], "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "moe_routed_scaling_factor": 2.5,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
     # NanoChat: weightless RMSNorms (the embeddings' too), q/k norms after its reversed rope, relu², capped logits.
     "nanochat": ("NanoChatConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),

@@ -66,7 +66,8 @@ class PagedSelfAttention(nn.Module):
         self.rope = rope
         self.chunk = config.attention_chunk if rope else 0  # Llama 4: its NoPE layers attend to every position
         kv_heads = config.layer_kv_heads(index)
-        self.num_heads = heads_per_rank(config.num_attention_heads, tp.size)
+        q_heads = config.layer_q_heads(index)  # (Laguna's differ between layers)
+        self.num_heads = heads_per_rank(q_heads, tp.size)
         self.num_kv_heads = kv_heads_per_rank(kv_heads, tp.size)
         self.head_dim = config.layer_head_dim(index)
         self.q_size = self.num_heads * self.head_dim
@@ -81,7 +82,7 @@ class PagedSelfAttention(nn.Module):
         self.shares_kv = config.kv_source(index) != index
         layout = config.gemma4
         self.keys_as_values = layout is not None and layout.keys_as_values and config.is_global_layer(index)
-        parts: tuple[PartSlice, ...] = qkv_slices(config.num_attention_heads, kv_heads, self.head_dim, tp.size,
+        parts: tuple[PartSlice, ...] = qkv_slices(q_heads, kv_heads, self.head_dim, tp.size,
                                                   tp.rank)  # fmt: skip
         parts = parts[: config.qkv_parts(index)]  # the queries alone, or the queries and keys, or all three
         self.output_gate = config.attention_output_gate
@@ -90,7 +91,7 @@ class PagedSelfAttention(nn.Module):
             parts = (PartSlice(2 * q_part.full, range(2 * q_part.rows.start, 2 * q_part.rows.stop)), *parts[1:])
         self.q_width = len(parts[0].rows)
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
-        full_q = config.num_attention_heads * self.head_dim
+        full_q = q_heads * self.head_dim
         self.o_proj: nn.Module = RowParallelLinear(full_q, config.hidden_size, o_proj_bias, tp, dtype)
         # Qwen3 normalises each head of q and k (over head_dim) before rope; OLMoE all of q and all of k at once,
         # which a rank holding some of the heads does with the other ranks' squares summed in (`ShardedRMSNorm`).
@@ -104,7 +105,7 @@ class PagedSelfAttention(nn.Module):
             replicas = kv_head_replicas(kv_heads, tp.size)
             self.k_norm = ShardedRMSNorm(k_part.full, k_part.rows, replicas, config.rms_norm_eps, dtype, tp)
         elif config.qk_layer_norm:  # StableLM 2's: a LayerNorm of each head's own, this rank's heads
-            heads, eps = config.num_attention_heads, config.rms_norm_eps
+            heads, eps = q_heads, config.rms_norm_eps
             kept_q = list(query_heads_of_rank(heads, tp.size, tp.rank))
             kept_k = list(kv_heads_of_rank(kv_heads, tp.size, tp.rank))
             self.q_norm = HeadLayerNorm(heads, kept_q, self.head_dim, eps, dtype)
@@ -139,8 +140,8 @@ class PagedSelfAttention(nn.Module):
         self.g_proj: nn.Module | None = None
         if self.softplus_gate:
             per = 1 if self.softplus_gate == "head" else self.head_dim
-            gated = query_heads_of_rank(config.num_attention_heads, tp.size, tp.rank)
-            gate_rows = PartSlice(config.num_attention_heads * per, range(gated.start * per, gated.stop * per))
+            gated = query_heads_of_rank(q_heads, tp.size, tp.rank)
+            gate_rows = PartSlice(q_heads * per, range(gated.start * per, gated.stop * per))
             self.g_proj = ColumnParallelLinear(config.hidden_size, [gate_rows], False, dtype)
 
     own_tensors = ("sinks",)  # loaded by `load_tensor` (`CausalLM.load_weights`)

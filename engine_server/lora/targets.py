@@ -55,7 +55,7 @@ class ProjectionShape:
 def _query_rows(config: ModelConfig, layer: int) -> tuple[int, int]:
     """(q_proj's rows, the attention output's width) in `layer`: the same, or with an output gate (Qwen3-Next,
     Qwen3.5) each head's query rows and then its gate's, twice the rows."""
-    width = config.num_attention_heads * config.layer_head_dim(layer)
+    width = config.layer_q_heads(layer) * config.layer_head_dim(layer)
     return (2 * width if config.attention_output_gate else width), width
 
 

@@ -120,7 +120,8 @@ def test_logprobs_name_their_tokens_by_id_when_asked(gateway_http: httpx.Client,
     with gateway_http.stream("POST", "/v1/chat/completions",
                              json={**chat, "stream": True, "return_tokens_as_token_ids": True}) as reply:
         events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: {")]
-    streamed = [e["token"] for ev in events for c in ev["choices"] for e in (c.get("logprobs") or {}).get("content", [])]
+    streamed = [e["token"] for ev in events for c in ev["choices"]
+                for e in (c.get("logprobs") or {}).get("content", [])]  # fmt: skip
     assert streamed == [e["token"] for e in entries]
 
     ids = tokenized(stub, engine_pb2.TokenizeRequest(input=text_input(PROMPT)))

@@ -445,12 +445,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "linear_key_head_dim": 16, "linear_value_head_dim": 32, "pad_token_id": 0, "eos_token_id": 2},
     ),
     # Laguna: windowed (shorter than the prompts) and full layers, each kind with its rope base and share (the full
-    # ones turn half of each head, its default), per-head q/k norms, each head's output times softplus of its own gate;
+    # ones turn half of each head, its default), 4, 8 and 2 query heads over 2 KV heads, per-head q/k norms, each
+    # head's output times softplus of its own gate;
     # a dense first layer, then top-2 of 8 experts by sigmoid scores and a correction bias, renormalised, scaled,
     # beside a shared expert of its own width. Then a gate per element of each head.
     "laguna": (
         transformers.LagunaConfig,
-        {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6,
+        {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6, "num_attention_heads_per_layer": [4, 8, 2],
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_experts": 8,
          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
          "moe_routed_scaling_factor": 2.5, "pad_token_id": 0},
@@ -1041,7 +1042,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
           "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "full_attention rope"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
         ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
-        ({**LAGUNA, "num_attention_heads_per_layer": [4, 8]}, r"laguna with num_attention_heads_per_layer \[4, 8\]"),
+        ({**LAGUNA, "num_attention_heads_per_layer": [4, 6]}, r"laguna num_attention_heads_per_layer \[4, 6\] must"),
+        ({**LAGUNA, "num_attention_heads_per_layer": [4]}, r"laguna num_attention_heads_per_layer \[4\] must"),
         ({**LAGUNA, "moe_router_logit_softcapping": 30.0}, "laguna with moe_router_logit_softcapping"),
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
         ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
@@ -1057,8 +1059,8 @@ def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message:
 def test_olmo_hybrid_configs_turn_no_rope_where_transformers_turns_none() -> None:
     """A null rope base, in `rope_parameters` or at the top of a config.json (its released checkpoints'), is NoPE on
     every layer; none given, or null `rope_parameters`, is rope at 10,000, as transformers fills it in."""
-    base = {**SMALL, "model_type": "olmo_hybrid", "layer_types": ["linear_attention", "full_attention"], "pad_token_id": 0,
-            "eos_token_id": 2}
+    base = {**SMALL, "model_type": "olmo_hybrid", "layer_types": ["linear_attention", "full_attention"],
+            "pad_token_id": 0, "eos_token_id": 2}
     for null in ({"rope_theta": None}, {"rope_parameters": {"rope_type": "default", "rope_theta": None}}):
         config = model_config_from_hf({**base, **null})
         assert config.nope_layers == (0, 1), null
