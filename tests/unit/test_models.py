@@ -1042,7 +1042,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
           "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "full_attention rope"),
         ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer; got 0"),
         ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["chunked_attention"] * 2}, "layer_types"),
-        ({**LAGUNA, "num_attention_heads_per_layer": [4, 6]}, r"laguna num_attention_heads_per_layer \[4, 6\] must"),
+        ({**LAGUNA, "num_attention_heads_per_layer": [4, 5]}, r"laguna num_attention_heads_per_layer \[4, 5\] must"),
         ({**LAGUNA, "num_attention_heads_per_layer": [4]}, r"laguna num_attention_heads_per_layer \[4\] must"),
         ({**LAGUNA, "moe_router_logit_softcapping": 30.0}, "laguna with moe_router_logit_softcapping"),
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
