@@ -217,6 +217,20 @@ def test_nanochat_adapters_equal_peft(tmp_path: Path) -> None:
     assert [got[:4], got[4:]] == [expected[None], expected["qk-mlp"]]
 
 
+def test_laguna_adapters_on_layers_of_different_head_counts_equal_peft(tmp_path: Path) -> None:
+    """Laguna (tests/families.py: 4, 8, 4 and 2 query heads): an adapter on every attention projection, q_proj's and
+    o_proj's widths each layer's own, equals PEFT token for token in one batch with the base model."""
+    base = save_family(tmp_path / "laguna", "laguna")
+    folder = save_adapter(base, tmp_path / "adapter", ATTENTION, 8, seed=6)
+    expected = {name: hf_greedy(model, prompts(), NUM_TOKENS)
+                for name, model in ((None, load_reference(base)), ("attention", load_peft(base, folder)))}  # fmt: skip
+    assert expected["attention"] != expected[None]
+    with engine(base) as llm:
+        llm.load_adapter("attention", str(folder))
+        got = tokens(llm.generate(prompts() * 2, GREEDY, adapters=[None] * 4 + ["attention"] * 4, use_tqdm=False))
+    assert [got[:4], got[4:]] == [expected[None], expected["attention"]]
+
+
 # The classic families' adapters under their checkpoints' own module names (`lora.peft_format`'s renames): GPT-NeoX's
 # and Falcon 40B's `query_key_value` (grouped by KV head: a head a group in GPT-NeoX's; the update's rows reordered as
 # the base's), `dense`, `dense_h_to_4h` and `dense_4h_to_h`; GPT-BigCode's `c_attn`, `c_proj` and `c_fc` (StarCoder2's
