@@ -79,8 +79,8 @@ async def chat_chunks(
                     made[0]["token_ids"] = list(delta.token_ids)
                 for choice in [*choices, *made]:
                     chunk = header.chunk([choice])
-                    if prompt_ids is not None:
-                        chunk["prompt_token_ids"], prompt_ids = prompt_ids, []
+                    if prompt_ids is not None:  # the first chunk's alone
+                        chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
                     yield chunk
     finally:
         timer.finish([used])

@@ -133,7 +133,7 @@ def _temporary_folders(config: pytest.Config) -> set[Path]:
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
     """Record the folders a module-scoped fixture makes with `tmp_path_factory.mktemp` while it sets up (and those a
     session-scoped one makes, set up inside it, as that one's). A function-scoped fixture's setup runs inside no
-    wider fixture's, so it is not watched: listing the folder twice for each of them was ~1% of the suite's CPU."""
+    wider fixture's, so it is not watched: listing the folder twice for each of them was ~2% of the suite's CPU."""
     if fixturedef.scope == "function":
         return (yield)
     before = _temporary_folders(request.config)
