@@ -201,34 +201,25 @@ def test_glm4_qk_adapters_equal_peft(tmp_path: Path) -> None:
     assert [got[:4], got[4:]] == [expected[None], expected["qk-r4"]]
 
 
-def test_nanochat_adapters_equal_peft(tmp_path: Path) -> None:
-    """NanoChat (tests/families.py): each head's q/k rows are read with their halves swapped (its rope turns the
-    other way), and an adapter's q/k updates with them; its MLP's `fc1` / `fc2` are the ungated MLP's up and down.
-    An adapter on q, k, fc1 and fc2 equals PEFT token for token in one batch with the base model, which equals
-    transformers."""
-    base = save_family(tmp_path / "nanochat", "nanochat")
-    folder = save_adapter(base, tmp_path / "adapter", ["q_proj", "k_proj", "fc1", "fc2"], 8, seed=5)
-    expected = {name: hf_greedy(model, prompts(), NUM_TOKENS)
-                for name, model in ((None, load_reference(base)), ("qk-mlp", load_peft(base, folder)))}  # fmt: skip
-    assert expected["qk-mlp"] != expected[None]
-    with engine(base) as llm:
-        llm.load_adapter("qk-mlp", str(folder))
-        got = tokens(llm.generate(prompts() * 2, GREEDY, adapters=[None] * 4 + ["qk-mlp"] * 4, use_tqdm=False))
-    assert [got[:4], got[4:]] == [expected[None], expected["qk-mlp"]]
+# Families whose adapters land in rows laid out their own way: NanoChat's q/k rows read with their halves swapped (its
+# rope turns the other way: an adapter's q/k updates likewise), its MLP's `fc1` / `fc2` the ungated MLP's up and down;
+# Laguna's layers of 4, 8, 4 and 2 query heads (q_proj's and o_proj's widths each layer's own).
+OWN_ROWS_ADAPTERS = {"nanochat": ["q_proj", "k_proj", "fc1", "fc2"], "laguna": ATTENTION}
 
 
-def test_laguna_adapters_on_layers_of_different_head_counts_equal_peft(tmp_path: Path) -> None:
-    """Laguna (tests/families.py: 4, 8, 4 and 2 query heads): an adapter on every attention projection, q_proj's and
-    o_proj's widths each layer's own, equals PEFT token for token in one batch with the base model."""
-    base = save_family(tmp_path / "laguna", "laguna")
-    folder = save_adapter(base, tmp_path / "adapter", ATTENTION, 8, seed=6)
+@pytest.mark.parametrize("family", sorted(OWN_ROWS_ADAPTERS))
+def test_adapters_on_rows_laid_out_their_own_way_equal_peft(family: str, tmp_path: Path) -> None:
+    """An adapter on `OWN_ROWS_ADAPTERS`' modules (tests/families.py's models) equals PEFT token for token in one batch
+    with the base model, which equals transformers."""
+    base = save_family(tmp_path / family, family)
+    folder = save_adapter(base, tmp_path / "adapter", OWN_ROWS_ADAPTERS[family], 8, seed=5)
     expected = {name: hf_greedy(model, prompts(), NUM_TOKENS)
-                for name, model in ((None, load_reference(base)), ("attention", load_peft(base, folder)))}  # fmt: skip
-    assert expected["attention"] != expected[None]
+                for name, model in ((None, load_reference(base)), ("adapter", load_peft(base, folder)))}  # fmt: skip
+    assert expected["adapter"] != expected[None]
     with engine(base) as llm:
-        llm.load_adapter("attention", str(folder))
-        got = tokens(llm.generate(prompts() * 2, GREEDY, adapters=[None] * 4 + ["attention"] * 4, use_tqdm=False))
-    assert [got[:4], got[4:]] == [expected[None], expected["attention"]]
+        llm.load_adapter("adapter", str(folder))
+        got = tokens(llm.generate(prompts() * 2, GREEDY, adapters=[None] * 4 + ["adapter"] * 4, use_tqdm=False))
+    assert [got[:4], got[4:]] == [expected[None], expected["adapter"]]
 
 
 # The classic families' adapters under their checkpoints' own module names (`lora.peft_format`'s renames): GPT-NeoX's
