@@ -135,11 +135,11 @@ class PagedSelfAttention(nn.Module):
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
-        # Laguna: `g_proj` gives each of this rank's heads one gate value, or one per dim of the head.
-        self.softplus_gate = config.attention_softplus_gate
+        # Laguna: `g_proj` gives each of this rank's heads one gate value, or one per dim of the head (`gate_width`).
+        self.gate_width = 1 if config.attention_softplus_gate == "head" else self.head_dim
         self.g_proj: nn.Module | None = None
-        if self.softplus_gate:
-            per = 1 if self.softplus_gate == "head" else self.head_dim
+        if config.attention_softplus_gate:
+            per = self.gate_width
             gated = query_heads_of_rank(q_heads, tp.size, tp.rank)
             gate_rows = PartSlice(q_heads * per, range(gated.start * per, gated.stop * per))
             self.g_proj = ColumnParallelLinear(config.hidden_size, [gate_rows], False, dtype)
@@ -222,11 +222,8 @@ class PagedSelfAttention(nn.Module):
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
         if self.g_proj is not None:  # Laguna's: softplus in float32, as transformers computes it
-            scale = F.softplus(self.g_proj(hidden).float()).to(out.dtype)
-            per = 1 if self.softplus_gate == "head" else self.head_dim
-            out = (out.view(tokens, self.num_heads, self.head_dim) * scale.view(tokens, self.num_heads, per)).reshape(
-                tokens, self.q_size
-            )
+            scale = F.softplus(self.g_proj(hidden).float()).to(out.dtype).view(tokens, self.num_heads, self.gate_width)
+            out = (out.view(tokens, self.num_heads, self.head_dim) * scale).reshape(tokens, self.q_size)
         return self._project(out, ops, lora)
 
     def _attend_shared(

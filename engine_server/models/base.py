@@ -341,19 +341,38 @@ def joined_queries(
     layer, its `part` group `q_proj` for the query and any other name for the gate) yielded as that layer's one
     `q_proj.weight`, `join(query, gate)`, once both are read (AFMoE's and LFM3's gated attention); every other tensor
     as it comes. ValueError for a layer with one of them alone."""
+    return joined_parts(
+        weights, pattern, ("query", "gate"), "q_proj.weight", lambda parts: join(parts["query"], parts["gate"]),
+        key=lambda part: "query" if part == "q_proj" else "gate",
+        what="a query or its gate projection without the other",
+    )  # fmt: skip
+
+
+def joined_parts(
+    weights: Iterable[tuple[str, CheckpointTensor]],
+    pattern: re.Pattern[str],
+    parts: tuple[str, ...],
+    joined: str,
+    join: Callable[[dict[str, CheckpointTensor]], CheckpointTensor],
+    key: Callable[[str], str] = str,
+    what: str = "some of a layer's parts without the others",
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """`weights` with the tensors `pattern` matches (its `layer` group the layer, its `part` group which part, named
+    `key(part)`, one of `parts`) yielded per layer as `<layer>.<joined>`, `join(that layer's parts by name)`, once
+    all of `parts` are read; every other tensor as it comes. ValueError saying `what` for a layer with some alone."""
     held: dict[str, dict[str, CheckpointTensor]] = {}
     for name, tensor in weights:
         match = pattern.fullmatch(name)
         if match is None:
             yield name, tensor
             continue
-        parts = held.setdefault(match["layer"], {})
-        parts["query" if match["part"] == "q_proj" else "gate"] = tensor
-        if len(parts) == 2:
+        found = held.setdefault(match["layer"], {})
+        found[key(match["part"])] = tensor
+        if len(found) == len(parts):
             del held[match["layer"]]
-            yield f"{match['layer']}.q_proj.weight", join(parts["query"], parts["gate"])
+            yield f"{match['layer']}.{joined}", join(found)
     if held:
-        raise ValueError(f"checkpoint holds a query or its gate projection without the other: {sorted(held)}")
+        raise ValueError(f"checkpoint holds {what}: {sorted(held)}")
 
 
 def reordered_tensor(

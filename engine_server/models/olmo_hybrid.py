@@ -4,11 +4,11 @@ post-norm attention layers (q/k norms over the whole projection; no rope in its 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 
 import torch
 
-from engine_server.models.base import CausalLM
+from engine_server.models.base import CausalLM, joined_parts
 from engine_server.parallel.layers import CheckpointTensor, read_whole
 
 # A linear layer's convolution of q, k or v, as its checkpoints store them (transformers joins them at load).
@@ -41,22 +41,9 @@ class OlmoHybridForCausalLM(CausalLM):
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
         """Each linear layer's q, k and v convolutions as its one `conv1d` (their channels in that order)."""
-        return super().checkpoint_weights(_joined_convolutions(weights), replaced)
-
-
-def _joined_convolutions(weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
-    """`weights` with each layer's `q_conv1d`, `k_conv1d` and `v_conv1d` weights yielded as its `conv1d.weight`
-    once all three are read; ValueError for a layer with some of them only."""
-    held: dict[str, dict[str, CheckpointTensor]] = {}
-    for name, tensor in weights:
-        match = _CONV_PART.fullmatch(name)
-        if match is None:
-            yield name, tensor
-            continue
-        parts = held.setdefault(match["layer"], {})
-        parts[match["part"]] = tensor
-        if len(parts) == 3:
-            del held[match["layer"]]
-            yield f"{match['layer']}.conv1d.weight", torch.cat([read_whole(parts[p]) for p in "qkv"])
-    if held:
-        raise ValueError(f"checkpoint holds some of a layer's q/k/v convolutions without the others: {sorted(held)}")
+        joined = joined_parts(
+            weights, _CONV_PART, ("q", "k", "v"), "conv1d.weight",
+            lambda parts: torch.cat([read_whole(parts[p]) for p in "qkv"]),
+            what="some of a layer's q/k/v convolutions without the others",
+        )  # fmt: skip
+        return super().checkpoint_weights(joined, replaced)
