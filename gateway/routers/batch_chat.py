@@ -67,11 +67,8 @@ async def create_batch_chat_completion(
     choices = [from_engine.chat_choice(r.choices[0], i, body.logprobs, from_engine.one_call(body), as_ids)
                for i, r in enumerate(responses)]  # fmt: skip
     for choice, reply in zip(choices, responses, strict=True):  # each conversation its prompt's, on its choice
-        if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = from_engine.vllm_prompt_logprobs(reply)
-        if body.return_token_ids:
-            choice["prompt_token_ids"] = list(reply.prompt_token_ids)
-            choice["token_ids"] = list(reply.choices[0].token_ids)
+        choice.update(from_engine.prompt_extras(body, reply))
+        choice.update(from_engine.generated_ids(body, reply.choices[0]))
     return FiniteJSONResponse(
         from_engine.response("chat.completion", f"chatcmpl-{rid}", model, choices, from_engine.usage(usage))
     )

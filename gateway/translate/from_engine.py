@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.schemas.chat import ChatFields
+from gateway.schemas.common import SamplingFields
 from gateway.schemas.completions import CompletionRequest
 from ladle.v1 import engine_pb2, types_pb2
 
@@ -74,13 +75,26 @@ def chat_completion(
     as_ids = bool(body.return_tokens_as_token_ids)
     choices = [chat_choice(c, c.index, body.logprobs, one_call(body), as_ids) for c in reply.choices]
     whole = response("chat.completion", response_id, model, choices, usage([reply.usage]))
-    if body.prompt_logprobs is not None:
-        whole["prompt_logprobs"] = vllm_prompt_logprobs(reply)
-    if body.return_token_ids:  # vLLM's: the prompt's ids on the response, each choice's own on it
-        whole["prompt_token_ids"] = list(reply.prompt_token_ids)
-        for choice, engine_choice in zip(choices, reply.choices, strict=True):
-            choice["token_ids"] = list(engine_choice.token_ids)
+    whole.update(prompt_extras(body, reply))  # the prompt's on the response, each choice's own ids on it
+    for choice, engine_choice in zip(choices, reply.choices, strict=True):
+        choice.update(generated_ids(body, engine_choice))
     return whole
+
+
+def prompt_extras(body: SamplingFields, reply: engine_pb2.GenerateResponse) -> dict[str, Any]:
+    """vLLM's fields of a prompt that `body` asks for: `prompt_logprobs` (`vllm_prompt_logprobs`) and, with
+    `return_token_ids`, `prompt_token_ids`."""
+    extras: dict[str, Any] = {}
+    if body.prompt_logprobs is not None:
+        extras["prompt_logprobs"] = vllm_prompt_logprobs(reply)
+    if body.return_token_ids:
+        extras["prompt_token_ids"] = list(reply.prompt_token_ids)
+    return extras
+
+
+def generated_ids(body: SamplingFields, choice: types_pb2.Choice) -> dict[str, Any]:
+    """With vLLM's `return_token_ids`, a choice's generated ids (`token_ids`); else nothing."""
+    return {"token_ids": list(choice.token_ids)} if body.return_token_ids else {}
 
 
 def prompt_only(reply: engine_pb2.GenerateResponse) -> engine_pb2.GenerateResponse:
@@ -119,11 +133,7 @@ def text_completion(
         for c in reply.choices:
             choice = completion_choice(c, p * body.n + c.index, want_logprobs, echo,
                                        bool(body.return_tokens_as_token_ids))
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(reply)
-            if body.return_token_ids:  # vLLM's: each choice its prompt's ids and its own
-                choice["prompt_token_ids"], choice["token_ids"] = list(reply.prompt_token_ids), list(c.token_ids)
-            choices.append(choice)
+            choices.append({**choice, **prompt_extras(body, reply), **generated_ids(body, c)})  # each its prompt's
     return response("text_completion", response_id, model, choices, usage(r.usage for r in replies))
 
 
