@@ -8,9 +8,12 @@ kernel.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +156,48 @@ def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: p
     keep = request.session.testsfailed > failed_before or request.config.getini("tmp_path_retention_policy") == "all"
     for folder in [] if keep else folders:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- Tokenizers ------------------------------------------------------------------------------------------------
+# An offline engine's start on a small test model was two-thirds its tokenizer: the Rust parse of the 49,152-token
+# tokenizer.json (~0.13 s) and transformers' own read of it (~0.05 s), the same files again for each of the
+# hundreds of engines that the test processes build (~7% of the suite's CPU). In a test process, engines on
+# tokenizer files of the same content (and the same chat template) share one tokenizer object. That is safe here
+# and not in the product: each test drives its offline engines on its own thread, one call at a time, and
+# transformers sets the Rust tokenizer's truncation and padding anew on each call; a served engine calls its
+# tokenizer from a thread of its own, and two in one process could interleave those settings. The served path
+# (`ladle serve`, the e2e tests' engine processes) and `load_tokenizer` itself are unchanged.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges")
+
+
+def _tokenizer_files_key(path: Path) -> tuple[Any, ...]:
+    """The content of what a tokenizer load reads in `path`: its tokenizer files' digests and the model type
+    (AutoTokenizer's choice of class where tokenizer_config.json names none)."""
+    files = sorted(
+        (entry.name, hashlib.blake2b(entry.read_bytes(), digest_size=16).digest())
+        for entry in path.iterdir()
+        if entry.is_file() and entry.name.startswith(TOKENIZER_FILE_PREFIXES)
+    )
+    config = path / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    return (tuple(files), model_type)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where the collected tests imported the offline engine, give its engines shared tokenizers (above)."""
+    llm_module = sys.modules.get("engine_server.llm")
+    if llm_module is None:
+        return
+    load = llm_module.load_tokenizer
+    loaded: dict[tuple[Any, ...], Any] = {}
+
+    def shared_tokenizer(path: Path, chat_template: str | None = None) -> Any:
+        key = (_tokenizer_files_key(Path(path)), chat_template)
+        if key not in loaded:
+            loaded[key] = load(path, chat_template)
+        return loaded[key]
+
+    llm_module.load_tokenizer = shared_tokenizer
 
 
 @pytest.fixture(scope="session")
