@@ -58,6 +58,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gpt_oss": "gpt_oss",
     "smollm3": "smollm3",
     "granite": "granite",
+    # HyperCLOVA X SEED (Naver): Granite's multipliers (its logits multiplied by `logits_scaling`, not divided) and
+    # a norm after each sub-layer's output too, Gemma 2's sandwich (`_granite_fields`, `models.granite`)
+    "hyperclovax": "granite",
     # Granite 3.0's mixtures of experts, with a shared MLP (granitemoeshared), and Granite 4.0: Mamba-2 layers and
     # attention ones (no rope in the H models), each with experts beside a shared MLP or the shared MLP alone.
     "granitemoe": "granitemoe",
@@ -148,6 +151,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "qwen3_5_moe": "qwen3_next",
     "gemma": "gemma",
     "gemma2": "gemma2",
+    "vaultgemma": "gemma2",  # VaultGemma: Gemma 2 without the norms after the attention and the MLP (`models.gemma2`)
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",
@@ -331,7 +335,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         layer_windows=_layer_windows(model_type, cfg),
         nope_layers=_nope_layers(model_type, cfg),
         **_llama4_fields(arch, cfg),
-        **_granite_fields(arch, cfg),
+        **_granite_fields(arch, model_type, cfg),
         **_cohere_fields(arch, cfg),
         **_phimoe_fields(model_type, cfg),
         **_jais2_fields(model_type, cfg),
@@ -1299,14 +1303,26 @@ def _jais2_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"layer_norm": True, "layer_norm_bias": True, "mlp_bias": bool(cfg.get("mlp_bias", True))}
 
 
-def _granite_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
+def _granite_fields(arch: Architecture, model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Granite's multipliers as `ModelConfig` fields (Granite's and Granite MoE's; {} for the other families);
     ValueError for a Granite whose MLP has biases (`mlp_bias`), which no Granite release sets and this engine does
-    not build."""
+    not build. HyperCLOVA X SEED's (`hyperclovax`): its logits times `logits_scaling` (`logit_scale`), its scores
+    scaled by head_dim ** -0.5 where `attention_multiplier` is null, its sandwich norms where `use_post_norm` (its
+    default) is on."""
     if arch not in ("granite", "granitemoe"):
         return {}
     if cfg.get("mlp_bias"):
-        raise ValueError("granite with mlp_bias is not supported")
+        raise ValueError(f"{model_type} with mlp_bias is not supported")
+    if model_type == "hyperclovax":
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+        scale = cfg.get("attention_multiplier")
+        return {
+            "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "attention_scale": float(head_dim**-0.5 if scale is None else scale),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "logit_scale": float(cfg.get("logits_scaling", 1.0)),
+            "sandwich_norms": bool(cfg.get("use_post_norm", True)),
+        }
     return {
         "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
         "attention_scale": float(cfg.get("attention_multiplier", 1.0)),
@@ -1467,7 +1483,8 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     elif model_type in _GLOBAL_EVERY:  # an earlier config: every `sliding_window_pattern`-th layer is global
         pattern = int(cfg.get("sliding_window_pattern") or _GLOBAL_EVERY[model_type])
         windowed = [(i + 1) % pattern != 0 for i in range(layers)]
-    elif model_type in ("gemma2", "gpt_oss"):  # an earlier config: the even layers are local, the odd ones global
+    elif model_type in ("gemma2", "vaultgemma", "gpt_oss"):  # an earlier config: the even layers are local, the odd
+        # ones global
         windowed = [i % 2 == 0 for i in range(layers)]
     elif model_type in ("exaone4", "exaone_moe"):  # its pattern: "LLLG" (local, local, local, global, repeated) or
         # every n-th global
@@ -1488,14 +1505,14 @@ def _exaone4_windowed(pattern: str | int, layers: int) -> list[bool]:
 
 
 def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`) or Gemma 3 text (`gemma3_text`) `config.json` sets
-    apart, with `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters`
+    """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`; VaultGemma's, `vaultgemma`, without its sandwich
+    norms) or Gemma 3 text (`gemma3_text`) `config.json` sets apart, with `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters`
     (per layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
     what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3 without a
     sliding window, a rope type other than default (and linear on Gemma 3's global layers), another activation. Gemma
     (1) is the pre-norm block of Llama with Gemma's norms, embeddings and GeGLU: no sandwich norms, no soft-caps, no
     windows, queries scaled by the head dim."""
-    gemma3, gemma1 = model_type == "gemma3_text", model_type == "gemma"
+    gemma3, gemma1, vault = model_type == "gemma3_text", model_type == "gemma", model_type == "vaultgemma"
     if gemma3:
         for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):
             if cfg.get(field_name) is not None:
@@ -1532,7 +1549,7 @@ def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "norm_offset": 1.0,
         "embedding_multiplier": hidden**0.5,
         "hidden_act": "gelu_tanh",
-        "sandwich_norms": not gemma1,
+        "sandwich_norms": not (gemma1 or vault),
         "attention_scale": float(head_dim if gemma1 else cfg.get("query_pre_attn_scalar") or 256) ** -0.5,
     }
     if gemma3:

@@ -195,6 +195,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
          "final_logit_softcapping": 3.0},
     ),
+    # VaultGemma: Gemma 2's windows and soft-caps in a pre-norm block.
+    "vaultgemma": (
+        "VaultGemmaConfig",
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": WINDOW, "attn_logit_softcapping": 1.0,
+         "final_logit_softcapping": 3.0},
+    ),
+    # HyperCLOVA X SEED: Granite's multipliers (the logits multiplied) with a norm after each sub-layer's output.
+    "hyperclovax": (
+        "HyperCLOVAXConfig",
+        {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 1.5, "attention_multiplier": None,
+         "pad_token_id": 0},
+    ),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "pad_token_id": 0}),
     "deepseek-v3": (
         "DeepseekV3Config",

@@ -129,8 +129,9 @@ class DecoderLayer(nn.Module):
 
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 and 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
-    before its residual add. Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual
-    stream)`, adds them, and returns its MLP's normalised output beside the stream it adds to."""
+    before its residual add (and then scaled by `residual_multiplier`: HyperCLOVA X SEED's). Same interface as
+    `DecoderLayer`: it takes the previous layer's `(output, residual stream)`, adds them, and returns its MLP's
+    normalised (and scaled) output beside the stream it adds to."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
@@ -153,8 +154,11 @@ class SandwichDecoderLayer(DecoderLayer):
         layer_lora = None if lora is None else lora.layer(self.index)
         attended, residual = self.attend(positions, hidden, residual, kv_cache, cos_sin_cache, meta, ops, layer_lora)
         normed = self.post_attention_layernorm(attended, ops)
+        if self.residual_multiplier != 1.0:
+            normed = normed * self.residual_multiplier
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(normed, residual, ops)
-        return self.post_feedforward_layernorm(self.feed_forward(hidden, ops, layer_lora), ops), residual
+        out = self.post_feedforward_layernorm(self.feed_forward(hidden, ops, layer_lora), ops)
+        return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
 
 class PostNormDecoderLayer(DecoderLayer):

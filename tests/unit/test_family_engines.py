@@ -714,11 +714,12 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     "name",
     ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe", "jais2",
-     "cohere2-moe", "mimo-v2-flash", "gpt-neox", "gpt-bigcode", "nanochat"],
+     "cohere2-moe", "mimo-v2-flash", "gpt-neox", "gpt-bigcode", "nanochat", "hyperclovax"],
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs
-    pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers,
+    pre-norm blocks, so it runs neither SmolLM3's, Cohere 2's or Llama 4's NoPE layers, Granite's multipliers
+    (HyperCLOVA X's sandwich too),
     OLMo 2's post-norm blocks, Cohere's parallel ones, Ministral 3's scaled queries, Hunyuan's q/k norms after
     rope (NanoChat's too), Apertus's xIELU MLP, PhiMoE's LayerNorms and router nor the GPT-NeoX lineage's GELU MLPs
     and LayerNorms;

@@ -82,6 +82,18 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
          "logits_scaling": 8.0},
     ),
+    # HyperCLOVA X SEED: Granite's multipliers, its logits multiplied by `logits_scaling`, a norm after each
+    # sub-layer's output (use_post_norm, its default) scaled before its residual add; scores by head_dim ** -0.5
+    # where attention_multiplier is null. Without the post norms: Granite's block with the logits multiplied.
+    "hyperclovax": (
+        transformers.HyperCLOVAXConfig,
+        {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "logits_scaling": 2.5, "attention_multiplier": None},
+    ),
+    "hyperclovax-pre-norm": (
+        transformers.HyperCLOVAXConfig,
+        {"use_post_norm": False, "embedding_multiplier": 3.0, "attention_multiplier": 0.1, "residual_multiplier": 0.5,
+         "logits_scaling": 2.5},
+    ),
     # DeepSeek-V3: latent attention (a rank-32 query, a rank-24 latent, 12 nope + 8 interleaved rope dims per key,
     # 10 per value) under YaRN with mscale; one dense layer, then 8 experts in 4 groups (2 chosen) of which 3 per
     # token, sigmoid scores with a correction bias, scaled by 2.5, and a shared expert.
@@ -623,6 +635,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "attn_logit_softcapping": 0.05,
          "final_logit_softcapping": 3.0},
     ),
+    # VaultGemma: Gemma 2's attention, soft-caps and windows in a pre-norm block (no norms after the sub-layers).
+    "vaultgemma": (
+        transformers.VaultGemmaConfig,
+        {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "attn_logit_softcapping": 0.05,
+         "final_logit_softcapping": 3.0},
+    ),
 }  # fmt: skip
 MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
@@ -653,6 +671,8 @@ MODEL_CLASSES = {
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
+    transformers.HyperCLOVAXConfig: transformers.HyperCLOVAXForCausalLM,
+    transformers.VaultGemmaConfig: transformers.VaultGemmaForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
     transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
