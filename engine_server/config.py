@@ -71,7 +71,8 @@ class LatentAttention:
     """Multi-head latent attention's shape (DeepSeek-V2/V3; `layers.mla`): queries through a rank-`q_lora_rank`
     projection (0: one `q_proj`), keys and values from a `kv_lora_rank` latent; each head's key is
     `qk_nope_head_dim` dims without positions and `qk_rope_head_dim` turned by rope (shared by every head), its
-    value `v_head_dim`; `rope_interleave`: the rope dims come in interleaved pairs (DeepSeek-V3's layout)."""
+    value `v_head_dim`; `rope_interleave`: the rope dims come in interleaved pairs (DeepSeek-V3's layout). Without
+    `rope` (Kimi Linear's NoPE layers) the "rope" dims turn by nothing: the same shared key dims, unrotated."""
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -79,6 +80,7 @@ class LatentAttention:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool = True
+    rope: bool = True
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ class LinearAttention:
     (`conv_dim` channels) and one `key_head_dim x value_head_dim` matrix per value head, in place of a KV cache.
     Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads. OLMo Hybrid's: the write
     strength doubled (`beta_scale` 2: its `allow_neg_eigval`) and the gated norm's epsilon its own (`norm_eps`; 0:
-    the model's `rms_norm_eps`)."""
+    the model's `rms_norm_eps`). Kimi Delta Attention's (`kimi_delta`, Kimi Linear's; `layers.kimi_delta`): a key head
+    per value head, a decay per key channel, low-rank decay and output-gate projections, the norm gated by sigmoid."""
 
     num_key_heads: int
     num_value_heads: int
@@ -114,6 +117,7 @@ class LinearAttention:
     layers: tuple[int, ...]
     beta_scale: float = 1.0
     norm_eps: float = 0.0
+    kimi_delta: bool = False
 
     @property
     def key_dim(self) -> int:

@@ -82,6 +82,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "kimi_k25": "deepseek_v3",  # Kimi K2.5 / K2.6: Kimi K2's text model beside a vision tower (`_kimi_k25_text`)
+    # Kimi Linear: DeepSeek-V3's latent attention without rope on one layer in four, Kimi Delta Attention on the rest
+    # (`_kimi_linear_config`, `_kimi_linear_fields`)
+    "kimi_linear": "deepseek_v3",
     "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
     # MiniCPM3: that attention (rope over halves, not interleaved pairs) over dense MLPs, with muP's scales
     # (`_minicpm3_fields`).
@@ -195,6 +198,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "kimi_k25":
         cfg = _kimi_k25_text(cfg)
         model_type = cfg["model_type"]
+    if model_type == "kimi_linear":
+        cfg = _kimi_linear_config(cfg)
     if model_type == "lfm3":
         cfg = _lfm3_config(cfg)
     if model_type in ("lfm2", "lfm2_moe", "lfm3"):
@@ -505,6 +510,7 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         # (MiniCPM3's default: a head's share of the hidden size)
         v_head_dim=int(cfg.get("v_head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])),
         rope_interleave=bool(cfg.get("rope_interleave", model_type != "minicpm3")),
+        rope=model_type != "kimi_linear",
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
@@ -604,6 +610,8 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     layers alone."""
     if arch == "olmo_hybrid":
         return _olmo_hybrid_fields(cfg)
+    if cfg.get("model_type") == "kimi_linear":
+        return _kimi_linear_fields(cfg)
     if arch != "qwen3_next":
         return {}
     layers = int(cfg["num_hidden_layers"])
@@ -630,6 +638,66 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if len(linear.layers) == layers:
         raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+def _kimi_linear_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Kimi Linear `config.json` under the keys the rest reads: its own names for the experts' settings (Moonshot's,
+    which transformers' config keeps: `num_experts_per_token`, `moe_renormalize`, `num_expert_group`), its layer
+    kinds from `layer_types` or the released files' `linear_attn_config` (`kda_layers` and `full_attn_layers`,
+    counted from 1), else as transformers fills them in (full attention on every fourth layer from the fifth), and
+    the first `first_k_dense_replace` (1) layers dense where `mlp_layer_types` is absent. ValueError for a router or
+    an attention it does not build: scores other than sigmoid, latent attention with rope (`mla_use_nope` off)."""
+    layers = int(cfg["num_hidden_layers"])
+    linear = cfg.get("linear_attn_config") or {}
+    types = cfg.get("layer_types")
+    if types is None and "kda_layers" in linear and "full_attn_layers" in linear:
+        kinds: dict[int, str] = {int(i) - 1: "linear_attention" for i in linear["kda_layers"]}
+        kinds.update({int(i) - 1: "full_attention" for i in linear["full_attn_layers"]})
+        types = [kinds.get(i, "") for i in range(layers)]
+    elif types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(layers)]
+    if (cfg.get("moe_router_activation_func") or "sigmoid") != "sigmoid":
+        raise ValueError(f"kimi_linear routing by {cfg['moe_router_activation_func']} scores is not supported")
+    if cfg.get("mla_use_nope") is False:
+        raise ValueError("kimi_linear with rope on its latent attention (mla_use_nope false) is not supported")
+    first_dense = int(cfg.get("first_k_dense_replace", 1) or 0)
+    renamed = {
+        "num_experts_per_tok": cfg.get("num_experts_per_tok") or cfg.get("num_experts_per_token"),
+        "norm_topk_prob": cfg.get("norm_topk_prob", cfg.get("moe_renormalize", True)),
+        "n_group": cfg.get("n_group") or cfg.get("num_expert_group") or 1,
+        "n_shared_experts": cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0,
+        "linear_num_heads": linear.get("num_heads") or cfg.get("linear_num_heads") or 32,
+        "linear_head_dim": linear.get("head_dim") or cfg.get("linear_head_dim") or 128,
+        "linear_conv_kernel_dim": linear.get("short_conv_kernel_size") or cfg.get("linear_conv_kernel_dim") or 4,
+        "mlp_layer_types": cfg.get("mlp_layer_types")
+        or ["dense" if i < first_dense else "sparse" for i in range(layers)],
+        "rope_interleave": False,
+    }
+    return {**cfg, "layer_types": types, **renamed}
+
+
+def _kimi_linear_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi Linear's Kimi Delta Attention layers (`LinearAttention.kimi_delta`: as many key as value heads, both
+    `linear_head_dim` wide) on the layers `layer_types` calls linear_attention (`_kimi_linear_config`). ValueError
+    for a list of other kinds or the wrong length, or without either kind."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg["layer_types"]
+    if len(types) != layers or set(types) != {"linear_attention", "full_attention"}:
+        raise ValueError(f"kimi_linear layer_types must name linear_attention or full_attention for each of the "
+                         f"{layers} layers, both kinds; got {types!r}")  # fmt: skip
+    heads, head_dim = int(cfg["linear_num_heads"]), int(cfg["linear_head_dim"])
+    linear = LinearAttention(
+        num_key_heads=heads,
+        num_value_heads=heads,
+        key_head_dim=head_dim,
+        value_head_dim=head_dim,
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+        layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
+        kimi_delta=True,
+    )
+    if linear.conv_kernel < 2:
+        raise ValueError(f"kimi_linear with a {linear.conv_kernel}-tap convolution is not supported")
+    return {"linear_attention": linear}
 
 
 def _olmo_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1506,12 +1574,13 @@ def _exaone4_windowed(pattern: str | int, layers: int) -> list[bool]:
 
 def _gemma_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields a Gemma (`gemma`), Gemma 2 (`gemma2`; VaultGemma's, `vaultgemma`, without its sandwich
-    norms) or Gemma 3 text (`gemma3_text`) `config.json` sets apart, with `rope_theta` (Gemma 3: the global layers' base), from either layout: transformers 5's `rope_parameters`
-    (per layer type for Gemma 3), or the earlier `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for
-    what is not implemented: logit soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3 without a
-    sliding window, a rope type other than default (and linear on Gemma 3's global layers), another activation. Gemma
-    (1) is the pre-norm block of Llama with Gemma's norms, embeddings and GeGLU: no sandwich norms, no soft-caps, no
-    windows, queries scaled by the head dim."""
+    norms) or Gemma 3 text (`gemma3_text`) `config.json` sets apart, with `rope_theta` (Gemma 3: the global layers'
+    base), from either layout: transformers 5's `rope_parameters` (per layer type for Gemma 3), or the earlier
+    `rope_theta`, `rope_local_base_freq` and `rope_scaling`. ValueError for what is not implemented: logit
+    soft-capping on Gemma 3 (it sets none), bidirectional attention, a Gemma 3 without a sliding window, a rope type
+    other than default (and linear on Gemma 3's global layers), another activation. Gemma (1) is the pre-norm block
+    of Llama with Gemma's norms, embeddings and GeGLU: no sandwich norms, no soft-caps, no windows, queries scaled by
+    the head dim."""
     gemma3, gemma1, vault = model_type == "gemma3_text", model_type == "gemma", model_type == "vaultgemma"
     if gemma3:
         for field_name in ("final_logit_softcapping", "attn_logit_softcapping"):

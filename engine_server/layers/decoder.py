@@ -12,6 +12,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
+from engine_server.layers.kimi_delta import KimiDeltaAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
@@ -44,10 +45,16 @@ class DecoderLayer(nn.Module):
         # `linear_attn`: `models.qwen3_next` reads it under this name), LFM2's short convolution (`conv`:
         # `models.lfm2`), Mamba-2 (`mamba`: `models.granitemoe`) or Mamba-1 (`mamba`: `models.jamba`).
         self.self_attn: (
-            PagedSelfAttention | MultiLatentAttention | GatedDeltaNet | ShortConv | Mamba2Mixer | Mamba1Mixer
+            PagedSelfAttention
+            | MultiLatentAttention
+            | GatedDeltaNet
+            | KimiDeltaAttention
+            | ShortConv
+            | Mamba2Mixer
+            | Mamba1Mixer
         ) = (
-            GatedDeltaNet(config, dtype, tp)
-            if config.is_linear_layer(index)
+            (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
+            if config.is_linear_layer(index) and config.linear_attention is not None
             else Mamba2Mixer(config, dtype, tp)
             if config.mamba2 is not None and config.is_recurrent_layer(index)
             else Mamba1Mixer(config, dtype, tp)

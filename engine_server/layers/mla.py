@@ -88,6 +88,7 @@ class MultiLatentAttention(nn.Module):
         self.query_dim = self.nope_dim + self.rope_dim  # each head's query and key as the checkpoint computes them
         self.kv_lora_rank = mla.kv_lora_rank
         self.interleaved = mla.rope_interleave
+        self.rope = mla.rope
         self.scale = config.attention_scale or self.query_dim**-0.5
         self.query_scale_beta, self.query_scale_positions = config.query_scale_beta, config.query_scale_positions
         hidden, total, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
@@ -136,8 +137,10 @@ class MultiLatentAttention(nn.Module):
         q_nope, q_rope = q.view(tokens, heads, self.query_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent, ops)
-        q_rope, k_rope = self._halves(q_rope), self._halves(k_rope.reshape(tokens, 1, self.rope_dim))
-        q_rope, k_rope = ops.rotary_embedding(positions, q_rope.contiguous(), k_rope.contiguous(), cos_sin_cache)
+        k_rope = k_rope.reshape(tokens, 1, self.rope_dim)
+        if self.rope:  # (Kimi Linear's layers turn nothing: its shared key dims go in as they are)
+            q_rope, k_rope = self._halves(q_rope), self._halves(k_rope)
+            q_rope, k_rope = ops.rotary_embedding(positions, q_rope.contiguous(), k_rope.contiguous(), cos_sin_cache)
         # [heads, T, nope] @ [heads, nope, rank]: each head's query in the latent's space
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.key_half()).transpose(0, 1)
         q = torch.cat((q_latent, q_rope), dim=-1)

@@ -130,6 +130,25 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         }),
         bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:moonlight-16b-a3b",
     ),
+    # Kimi-Linear-48B-A3B's shapes (Moonshot's config.json, read as a folder's would be): 27 layers, Kimi Delta
+    # Attention (32 heads of 128) on all but layers 4, 8, ..., 24 and 27 (counted from 1), latent attention without
+    # rope on those (a 512 latent, 128 + 64 key dims, 128 value dims per head, one q_proj); one dense layer, then
+    # 256 experts of 1,024, 8 active, beside a shared one.
+    "kimi-linear-48b-a3b": replace(
+        model_config_from_hf({
+            "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+            "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "q_lora_rank": None,
+            "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "mla_use_nope": True, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+            "moe_intermediate_size": 1024, "first_k_dense_replace": 1, "routed_scaling_factor": 2.446,
+            "moe_renormalize": True, "num_expert_group": 1, "topk_group": 1, "moe_router_activation_func": "sigmoid",
+            "linear_attn_config": {"head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+                                   "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+                                   "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]},
+            "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        }),
+        bos_token_id=_BOS, eos_token_ids=(_EOS,), name="dummy:kimi-linear-48b-a3b",
+    ),
     # gpt-oss-20b's shapes (its config.json, read as a folder's would be): 24 layers alternating a 128-position
     # window and full attention, sinks, YaRN x32, 32 experts of 2,880 with biases, 4 active (3.6B of 21B active).
     "gpt-oss-20b": replace(

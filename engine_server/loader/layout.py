@@ -25,6 +25,11 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
+        if cfg.is_linear_layer(i) and cfg.linear_attention is not None and cfg.linear_attention.kimi_delta:
+            shapes.update(_kimi_delta_shapes(p + "self_attn.", cfg))
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes.update(_mlp_block_shapes(p, cfg, i))
+            continue
         if cfg.latent_attention is not None:
             shapes.update(_latent_attention_shapes(p + "self_attn.", cfg))
             shapes[p + "post_attention_layernorm.weight"] = (h,)
@@ -156,6 +161,28 @@ def _linear_attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[i
         prefix + "A_log": (heads,),
         prefix + "norm.weight": (linear.value_head_dim,),
         prefix + "out_proj.weight": (h, linear.value_dim),
+    }
+
+
+def _kimi_delta_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Kimi Delta Attention layer's tensors under `prefix` (Kimi Linear's; `layers.kimi_delta`)."""
+    linear, h = cfg.linear_attention, cfg.hidden_size
+    assert linear is not None
+    rank = linear.key_head_dim
+    return {
+        prefix + "q_proj.weight": (linear.key_dim, h),
+        prefix + "k_proj.weight": (linear.key_dim, h),
+        prefix + "v_proj.weight": (linear.value_dim, h),
+        prefix + "conv1d.weight": (linear.conv_dim, 1, linear.conv_kernel),
+        prefix + "b_proj.weight": (linear.num_value_heads, h),
+        prefix + "f_a_proj.weight": (rank, h),
+        prefix + "f_b_proj.weight": (linear.key_dim, rank),
+        prefix + "dt_bias": (linear.key_dim,),
+        prefix + "A_log": (linear.num_value_heads,),
+        prefix + "g_a_proj.weight": (rank, h),
+        prefix + "g_b_proj.weight": (linear.value_dim, rank),
+        prefix + "o_norm.weight": (linear.value_head_dim,),
+        prefix + "o_proj.weight": (h, linear.value_dim),
     }
 
 

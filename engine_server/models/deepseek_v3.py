@@ -9,15 +9,30 @@ from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
-from engine_server.models.base import CausalLM, text_model_weights
+from engine_server.config import ModelConfig
+from engine_server.models.base import CausalLM, joined_parts, text_model_weights
 from engine_server.models.llama import MISTRAL3_TOWERS
-from engine_server.parallel.layers import CheckpointTensor
+from engine_server.parallel.group import SINGLE, TensorParallel
+from engine_server.parallel.layers import CheckpointTensor, read_whole
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROUTING_BIAS = ".mlp.gate.e_score_correction_bias"
 # What a multimodal checkpoint holds beside its DeepSeek-V3 text model, not read: Mistral 3's (Mistral Small 4's)
 # towers, and Kimi K2.5's vision tower and its projector (`mm_projector`).
 _TOWERS = (*MISTRAL3_TOWERS, "mm_projector.", "model.mm_projector.")
+_SHARED_EXPERTS = (".mlp.shared_experts.", ".mlp.shared_expert.")
+# Kimi Linear's checkpoints: its experts and router under `block_sparse_moe` with Mixtral's w1 (gate), w3 (up) and
+# w2 (down); its decay's projections and parameters on the layer or (transformers') on a `forget_gate` of it.
+_KIMI_LINEAR_RENAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+    _SHARED_EXPERTS,
+    (".self_attn.forget_gate.", ".self_attn."),
+)
+# A Kimi Delta Attention layer's convolution of q, k or v, as its checkpoints store them (one convolution here).
+_KDA_CONV_PART = re.compile(r"(?P<layer>.+\.self_attn)\.(?P<part>[qkv])_conv1d\.weight")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -31,15 +46,33 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     A.X K1 (`ModelConfig.moe_output_norm`): its checkpoints hold each layer's MoE output norm on the layer
     (`post_mlp_layernorm`, read as `mlp.post_mlp_layernorm`; a dense layer's, which nothing applies, not read), and
-    its released ones no routing bias (`e_score_correction_bias`: zeros where absent, as transformers leaves it)."""
+    its released ones no routing bias (`e_score_correction_bias`: zeros where absent, as transformers leaves it).
 
-    checkpoint_renames: tuple[tuple[str, str], ...] = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
+    Kimi Linear (`kimi_linear`): its latent attention without rope, and Kimi Delta Attention on the layers
+    `ModelConfig.linear_attention` names (`layers.kimi_delta`, under its own names; the q, k and v convolutions its
+    files hold apart read as one), its experts under Mixtral's names in `block_sparse_moe`."""
+
+    checkpoint_renames: tuple[tuple[str, str], ...] = (_SHARED_EXPERTS,)
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, dtype, tp)
+        self.kimi_linear = config.linear_attention is not None and config.linear_attention.kimi_delta
+        if self.kimi_linear:
+            self.checkpoint_renames = _KIMI_LINEAR_RENAMES
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """The text model's weights without the layers past `num_hidden_layers` (the prediction layers)."""
-        return super().checkpoint_weights(self._decoder_layers(weights), replaced)
+        """The text model's weights without the layers past `num_hidden_layers` (the prediction layers); Kimi
+        Linear's q, k and v convolutions of a layer as its one `conv1d`."""
+        layers = self._decoder_layers(weights)
+        if self.kimi_linear:
+            layers = joined_parts(
+                layers, _KDA_CONV_PART, ("q", "k", "v"), "conv1d.weight",
+                lambda parts: torch.cat([read_whole(parts[p]) for p in "qkv"]),
+                what="some of a layer's q/k/v convolutions without the others",
+            )  # fmt: skip
+        return super().checkpoint_weights(layers, replaced)
 
     def _decoder_layers(
         self, weights: Iterable[tuple[str, CheckpointTensor]]

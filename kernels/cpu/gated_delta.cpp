@@ -9,7 +9,9 @@
 //      allow_neg_eigval: 2, so beta in (0, 2); else 1),
 //        S *= exp(g);  recalled = k S;  S += k^T (beta (v - recalled));  o = q S
 //      where the reference takes a prefill chunk in the chunked (WY) form;
-//   3. the gated RMSNorm of each head's output, times SiLU(z).
+//   3. the gated RMSNorm of each head's output, times SiLU(z) (sigmoid(z) with sigmoid_gate: Kimi Linear's).
+// Kimi Delta Attention (Kimi Linear's linear layers) decays each key channel at its own rate: a and dt_bias hold
+// Dk values per head, and S's row i is scaled by its own exp(g[i]).
 // Every value of a token is computed by code that depends only on its index within its row (vector lanes, then a
 // scalar tail, by channel or dim) and on its sequence's earlier tokens, in one fixed order (built with
 // -ffp-contract=off): a sequence's output is the same alone, batched, or prefilled in chunks of any size, bit for
@@ -44,18 +46,18 @@ inline float inverse_norm(const float* x, int64_t n) {
 
 constexpr int64_t kMaxVectors = 16;  // value dims up to 256 take the vector path (its sums kept in registers)
 
-// One token of the rule against one head's state s [Dk, Dv] (Dv = NV * 16): S *= decay; recalled = k S;
-// S += k^T (beta (v - recalled)); o = q S. The recalled values and the output stay in registers across the rows of S.
+// One token of the rule against one head's state s [Dk, Dv] (Dv = NV * 16): S *= decay (row i by decay[i]);
+// recalled = k S; S += k^T (beta (v - recalled)); o = q S. The recalled values and the output stay in registers
+// across the rows of S.
 // Each element's products and sums are those of `rule_step_scalar`, in the same order: the same bits.
 template <int64_t NV>
-void rule_step(float* s, const float* qn, const float* kn, const float* v, float decay, float beta, int64_t dk,
+void rule_step(float* s, const float* qn, const float* kn, const float* v, const float* decay, float beta, int64_t dk,
                float* o) {
   vec16 acc[NV];
   for (int64_t n = 0; n < NV; ++n) acc[n] = vec16{};
-  const vec16 d = splat(decay);
   for (int64_t i = 0; i < dk; ++i) {  // decay the state and recall k's value, in one pass
     float* row = s + i * NV * kLanes;
-    const vec16 ki = splat(kn[i]);
+    const vec16 ki = splat(kn[i]), d = splat(decay[i]);
     for (int64_t n = 0; n < NV; ++n) {
       const vec16 x = load(row + n * kLanes) * d;
       store(row + n * kLanes, x);
@@ -80,14 +82,14 @@ void rule_step(float* s, const float* qn, const float* kn, const float* v, float
 }
 
 // `rule_step` for any Dv, element by element (`recalled` and `delta`: Dv floats of scratch).
-void rule_step_scalar(float* s, const float* qn, const float* kn, const float* v, float decay, float beta, int64_t dk,
-                      int64_t dv, float* recalled, float* delta, float* o) {
+void rule_step_scalar(float* s, const float* qn, const float* kn, const float* v, const float* decay, float beta,
+                      int64_t dk, int64_t dv, float* recalled, float* delta, float* o) {
   std::fill(recalled, recalled + dv, 0.f);
   for (int64_t i = 0; i < dk; ++i) {
     float* row = s + i * dv;
     const float ki = kn[i];
     for (int64_t j = 0; j < dv; ++j) {
-      row[j] *= decay;
+      row[j] *= decay[i];
       recalled[j] += row[j] * ki;
     }
   }
@@ -111,8 +113,8 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
                            const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
                            const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
                            const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh,
-                           double beta_scale) {
-  const int64_t tokens = mixed.size(0), channels = mixed.size(1), value_heads = a.size(1);
+                           double beta_scale, bool sigmoid_gate) {
+  const int64_t tokens = mixed.size(0), channels = mixed.size(1), value_heads = b.size(1);
   LADLE_CHECK(value_heads > 0 && key_heads > 0 && value_heads % key_heads == 0 && z.size(1) % value_heads == 0,
               "%lld value heads over %lld key heads", static_cast<long long>(value_heads),
               static_cast<long long>(key_heads));
@@ -123,13 +125,15 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
               static_cast<long long>(key_heads), static_cast<long long>(value_heads), static_cast<long long>(dv));
   check_rows(mixed, tokens, channels, "mixed");
   check_rows(z, tokens, value_heads * dv, "z");
-  check_rows(a, tokens, value_heads, "a");
+  // One decay per head, or (Kimi Delta Attention) one per key channel of each head.
+  const int64_t decays = a.size(1) == value_heads ? 1 : dk;
+  check_rows(a, tokens, value_heads * decays, "a");
   check_rows(b, tokens, value_heads, "b");
   const int64_t kernel = conv_weight.size(0) == channels ? conv_weight.numel() / channels : 0;
   LADLE_CHECK(kernel >= 2, "conv_weight must be [channels, 1, K] with K >= 2");
   check_vector(conv_weight, channels * kernel, "conv_weight");
   check_vector(a_log, value_heads, "A_log");
-  check_vector(dt_bias, value_heads, "dt_bias");
+  check_vector(dt_bias, value_heads * decays, "dt_bias");
   check_vector(norm_weight, dv, "norm_weight");
   const int64_t history = kernel - 1, matrix = dk * dv;
   LADLE_CHECK(states.dim() == 2 && states.size(1) == history * channels + value_heads * matrix &&
@@ -156,7 +160,7 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
   const float scale = 1.f / std::sqrt(static_cast<float>(dk));
   const float fbeta_scale = static_cast<float>(beta_scale);
   at::parallel_for(0, rows * value_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qn(dk), kn(dk), recalled(dv), delta(dv);
+    std::vector<float> qn(dk), kn(dk), recalled(dv), delta(dv), decay(dk);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / value_heads, head = task % value_heads, key_head = head / group;
       float* s = state_ptr + slot_ptr[row] * slot_stride + history * channels + head * matrix;
@@ -171,15 +175,18 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
           qn[i] = qt[i] * q_inv * scale;
           kn[i] = kt[i] * k_inv;
         }
-        const float decay = std::exp(-rate * softplus(a_ptr[t * a.stride(0) + head] + dt_ptr[head]));
+        const float* at = a_ptr + t * a.stride(0) + head * decays;
+        const float* dt = dt_ptr + head * decays;
+        for (int64_t i = 0; i < decays; ++i) decay[i] = std::exp(-rate * softplus(at[i] + dt[i]));
+        if (decays == 1) std::fill(decay.begin() + 1, decay.end(), decay[0]);
         const float beta = fbeta_scale / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
         float* o = core_ptr + t * value_heads * dv + head * dv;
         if (dv % kLanes == 0 && dv / kLanes <= kMaxVectors) {
           with_count<kMaxVectors>(dv / kLanes, [&](auto vectors) {
-            rule_step<decltype(vectors)::value>(s, qn.data(), kn.data(), vt, decay, beta, dk, o);
+            rule_step<decltype(vectors)::value>(s, qn.data(), kn.data(), vt, decay.data(), beta, dk, o);
           });
         } else {
-          rule_step_scalar(s, qn.data(), kn.data(), vt, decay, beta, dk, dv, recalled.data(), delta.data(), o);
+          rule_step_scalar(s, qn.data(), kn.data(), vt, decay.data(), beta, dk, dv, recalled.data(), delta.data(), o);
         }
       }
     }
@@ -198,6 +205,12 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
       float* o = out_ptr + task * dv;
       const float inv = 1.f / std::sqrt(sum_of_squares(x, dv) / static_cast<float>(dv) + feps);
       int64_t j = 0;
+      if (sigmoid_gate) {
+        for (; j < dv_vector; j += kLanes)
+          store(o + j, load(nw + j) * (load(x + j) * inv) * (1.f / (1.f + exp_lanes(-load(gate + j)))));
+        for (; j < dv; ++j) o[j] = nw[j] * (x[j] * inv) * (1.f / (1.f + std::exp(-gate[j])));
+        continue;
+      }
       for (; j < dv_vector; j += kLanes)
         store(o + j, load(nw + j) * (load(x + j) * inv) * silu_lanes(load(gate + j)));
       for (; j < dv; ++j) o[j] = nw[j] * (x[j] * inv) * silu(gate[j]);
@@ -233,7 +246,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "gated_delta_net(Tensor mixed, Tensor z, Tensor a, Tensor b, Tensor conv_weight, Tensor a_log, "
       "Tensor dt_bias, Tensor norm_weight, float eps, int key_heads, Tensor(a!) states, Tensor slots, "
-      "Tensor query_lens, Tensor fresh, float beta_scale=1.0) -> Tensor");
+      "Tensor query_lens, Tensor fresh, float beta_scale=1.0, bool sigmoid_gate=False) -> Tensor");
   m.def("sigmoid_mul(Tensor x, Tensor gate) -> Tensor");
   m.impl("gated_delta_net", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::gated_delta_net));
   m.impl("sigmoid_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::sigmoid_mul));

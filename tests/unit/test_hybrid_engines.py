@@ -25,8 +25,10 @@ from engine_server.config import CacheConfig, EngineConfig, LoraConfig, Schedule
 from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
+from engine_server.layers.kimi_delta import KimiDeltaAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
+from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.layers.short_conv import ShortConv
 from engine_server.loader.source import ModelSource
 from tests.families import (
@@ -111,7 +113,7 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
     with engine(folder) as llm:
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
-        recurrent = GatedDeltaNet | ShortConv | Mamba2Mixer | Mamba1Mixer
+        recurrent = GatedDeltaNet | KimiDeltaAttention | ShortConv | Mamba2Mixer | Mamba1Mixer
         if name == "falcon-h1":  # attention beside Mamba-2 in every layer
             assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
                        for layer in layers)  # fmt: skip
@@ -233,6 +235,22 @@ def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> N
         assert read(llm, batch) == alone
     agree = sum(ours[0][0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True))
     assert agree >= 6
+
+
+def test_kimi_linear_on_int8_quantizes_its_delta_attention_and_agrees_with_the_float_path(tmp_path: Path) -> None:
+    """int8 weights on every projection of Kimi Linear's delta-attention layers (q/k/v, the write strength, both
+    low-rank pairs, the output) beside its latent attention's and experts': the first tokens mostly agree with the
+    float path's. (Not batch-invariant, as DeepSeek-V3's int8 path is not: the latent expansion stays a float
+    batched product.)"""
+    folder = save_family(tmp_path, "kimi-linear", head_spread=0.5)
+    theirs = reference_tokens(load_reference(folder))
+    with engine(folder, quantization="int8") as llm:
+        attention = llm.core.runner.loaded.model.model.layers[0].self_attn
+        assert isinstance(attention, KimiDeltaAttention)
+        names = ("qkv_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
+        assert all(isinstance(getattr(attention, name), QuantizedLinear) for name in names)
+        ours = [ids[0] for ids in tokens(llm, prompts())]
+    assert sum(a == b for a, b in zip(ours, theirs.first_tokens(), strict=True)) >= 6
 
 
 def test_a_bamba_checkpoint_is_served_as_granite_4s_layout(tmp_path: Path) -> None:

@@ -85,6 +85,21 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
             qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
         )  # fmt: skip
     linear = cfg.linear_attention
+    if linear is not None and linear.kimi_delta:  # Kimi Linear: latent attention beside Kimi Delta Attention
+        assert mla is not None
+        return transformers.KimiLinearConfig(
+            **{k: v for k, v in shape.items() if k != "head_dim"},
+            layer_types=["linear_attention" if cfg.is_linear_layer(i) else "full_attention"
+                         for i in range(cfg.num_hidden_layers)],
+            mlp_layer_types=["dense" if i in cfg.dense_layers else "sparse" for i in range(cfg.num_hidden_layers)],
+            num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            n_shared_experts=cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size,
+            n_group=cfg.moe_groups, topk_group=cfg.moe_topk_groups, q_lora_rank=mla.q_lora_rank or None,
+            kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, linear_num_heads=linear.num_value_heads,
+            linear_head_dim=linear.key_head_dim, linear_conv_kernel_dim=linear.conv_kernel,
+        )  # fmt: skip
     if linear is not None:  # Qwen3.5: its linear-attention layers' shape, its text model (dense or experts)
         model_type = "qwen3_5_moe_text" if cfg.num_experts else "qwen3_5_text"
         shape["layer_types"] = [
@@ -104,10 +119,14 @@ def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
 def state_shapes(model: torch.nn.Module, tied: bool) -> dict[str, tuple[int, ...]]:
     """The model's parameter shapes as a checkpoint stores them: transformers 5 holds a mixture of experts' experts
     as 3-D tensors, which it saves one per expert and projection (`experts.<e>.gate_proj.weight`), but gpt-oss's
-    as they are (its checkpoints' own banks)."""
+    as they are (its checkpoints' own banks). Kimi Linear's decay parameters as the engine names them: on the layer,
+    not a `forget_gate` of it, `A_log` a value per head."""
     shapes: dict[str, tuple[int, ...]] = {}
     banked = type(model).__name__.startswith("GptOss")
     for name, tensor in model.state_dict().items():
+        name = name.replace(".forget_gate.", ".")
+        if name.endswith("self_attn.A_log"):
+            tensor = tensor.reshape(-1)
         bank, _, projection = name.rpartition(".")
         if bank.endswith(".experts") and projection in ("gate_up_proj", "down_proj") and not banked:
             experts, rows, columns = tensor.shape
@@ -306,6 +325,14 @@ def test_dummy_preset_configs() -> None:
     assert (moonlight.head_dim, moonlight.num_key_value_heads, moonlight.rotary_dim) == (576, 1, 64)
     # Its cache: one latent row per token and layer (512 + 64 rope dims), 5.3x less than 16 heads' keys and values
     assert kv_cache_bytes_per_block(moonlight, 16, torch.bfloat16) == 27 * 16 * 2 * 576 * 2
+    kimi = DUMMY_PRESETS["kimi-linear-48b-a3b"]  # its layout too: Kimi Delta Attention beside latent attention
+    shapes = parameter_shapes(kimi)
+    params = sum(math.prod(shape) for shape in shapes.values())
+    experts = sum(math.prod(shape) for name, shape in shapes.items() if ".experts." in name)
+    # The model card's "48B" total and "A3B" active, rounded: 49.1B, and 2.7B active without the embeddings and head.
+    assert params == 49_122_681_728 and round((params - experts * (1 - 8 / 256)) / 1e9, 1) == 3.5
+    assert kimi.linear_attention is not None and len(kimi.linear_attention.layers) == 20
+    assert kv_cache_bytes_per_block(kimi, 16, torch.bfloat16) == 7 * 16 * 2 * 576 * 2  # the 7 latent layers alone
     gpt_oss = DUMMY_PRESETS["gpt-oss-20b"]  # its layout too
     params = sum(math.prod(shape) for shape in parameter_shapes(gpt_oss).values())
     assert params == 20_914_757_184  # gpt-oss-20b's (the model card's "21B")

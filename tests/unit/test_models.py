@@ -456,6 +456,19 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
          "linear_key_head_dim": 16, "linear_value_head_dim": 32, "pad_token_id": 0, "eos_token_id": 2},
     ),
+    # Kimi Linear: Kimi Delta Attention (4 heads of 16: a decay per key channel through a rank-16 projection, the
+    # output gate likewise, the norm gated by sigmoid) around a latent-attention layer without rope; a dense first
+    # MLP, then DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, 3 per token, a bias, scaled by 2.5) beside a
+    # shared expert.
+    "kimi-linear": (
+        transformers.KimiLinearConfig,
+        {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+         "mlp_layer_types": ["dense", "sparse", "sparse"], "num_key_value_heads": 4, "kv_lora_rank": 24,
+         "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "num_local_experts": 8,
+         "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "routed_scaling_factor": 2.5, "linear_num_heads": 4, "linear_head_dim": 16, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Laguna: windowed (shorter than the prompts) and full layers, each kind with its rope base and share (the full
     # ones turn half of each head, its default), 4, 8 and 2 query heads over 2 KV heads, per-head q/k norms, each
     # head's output times softplus of its own gate;
@@ -665,6 +678,7 @@ MODEL_CLASSES = {
     transformers.NanoChatConfig: transformers.NanoChatForCausalLM,
     transformers.OlmoHybridConfig: transformers.OlmoHybridForCausalLM,
     transformers.LagunaConfig: transformers.LagunaForCausalLM,
+    transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
@@ -1090,6 +1104,38 @@ def test_olmo_hybrid_configs_turn_no_rope_where_transformers_turns_none() -> Non
         config = model_config_from_hf({**base, **rope})
         assert config.nope_layers == () and config.rope_theta == 10000.0
         assert transformers.OlmoHybridConfig.from_dict({**base, **rope}).rope_parameters["rope_theta"] == 10000.0
+
+
+def test_kimi_linear_configs_read_as_released_and_as_transformers_writes_them() -> None:
+    """Moonshot's released config.json (its layer kinds in `linear_attn_config`, counted from 1; its own names for
+    the experts' settings) reads as transformers builds the same model; without layer kinds, full attention on every
+    fourth layer from the fifth. Refused by name: latent attention with rope, softmax routing, a single kind."""
+    released = {
+        **SMALL, "model_type": "kimi_linear", "num_hidden_layers": 6, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8, "v_head_dim": 10, "q_lora_rank": None, "num_experts": 8, "num_experts_per_token": 2,
+        "num_expert_group": 4, "topk_group": 2, "moe_renormalize": True, "num_shared_experts": 1,
+        "moe_intermediate_size": 32, "routed_scaling_factor": 2.5, "first_k_dense_replace": 2, "mla_use_nope": True,
+        "moe_router_activation_func": "sigmoid",
+        "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                               "kda_layers": [1, 2, 3, 5, 6], "full_attn_layers": [4]},
+    }  # fmt: skip
+    ours = model_config_from_hf(released)
+    theirs = transformers.KimiLinearConfig.from_dict(released)
+    assert theirs.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
+    linear = ours.linear_attention
+    assert linear is not None and linear.kimi_delta and linear.layers == (0, 1, 2, 4, 5)
+    assert (linear.num_key_heads, linear.num_value_heads, linear.key_head_dim, linear.conv_kernel) == (4, 4, 16, 4)
+    assert [ours.is_moe_layer(i) for i in range(6)] == [kind == "sparse" for kind in theirs.mlp_layer_types]
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_groups, ours.moe_topk_groups) == (8, 2, 4, 2)
+    assert ours.latent_attention is not None and not ours.latent_attention.rope and ours.norm_topk_prob
+    assert ours.shared_expert_intermediate_size == 32 and ours.routed_scaling_factor == 2.5
+    plain = {key: value for key, value in released.items() if key != "linear_attn_config"}
+    assert model_config_from_hf({**plain, "num_hidden_layers": 9}).linear_attention.layers == (0, 1, 2, 3, 5, 6, 7)
+    for change, message in (({"mla_use_nope": False}, "rope on its latent attention"),
+                            ({"moe_router_activation_func": "softmax"}, "routing by softmax"),
+                            ({"num_hidden_layers": 4}, "both kinds")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model_config_from_hf({**plain, **change})
 
 
 def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> None:

@@ -1,6 +1,7 @@
-"""Gated DeltaNet's ops (`kernels.gated_delta`, Qwen3-Next and Qwen3.5): the reference against transformers' own
-functions, the C++ layer core and output gate against the reference, and what makes the CPU path batch-invariant: a
-sequence's output is the same bits alone, batched and prefilled in chunks of any size."""
+"""Gated DeltaNet's ops (`kernels.gated_delta`, Qwen3-Next and Qwen3.5; Kimi Delta Attention's decay per key channel
+and sigmoid gate, Kimi Linear's): the reference against transformers' own functions, the C++ layer core and output
+gate against the reference, and what makes the CPU path batch-invariant: a sequence's output is the same bits alone,
+batched and prefilled in chunks of any size."""
 
 from __future__ import annotations
 
@@ -33,19 +34,24 @@ def inputs(tokens: int, dk: int = 16, dv: int = 8, seed: int = 0) -> tuple[torch
 class Layer:
     """A layer's random weights and a step's inputs (`in_proj`'s output split as the layer splits it)."""
 
-    def __init__(self, tokens: int, dk: int, dv: int, seed: int = 0, beta_scale: float = 1.0) -> None:
+    def __init__(
+        self, tokens: int, dk: int, dv: int, seed: int = 0, beta_scale: float = 1.0, kimi: bool = False
+    ) -> None:
+        """`kimi`: Kimi Delta Attention's a decay per key channel (a and dt_bias Dk values per head) and its norm
+        gated by sigmoid."""
         gen = torch.Generator().manual_seed(seed)
-        self.dk, self.dv, self.beta_scale = dk, dv, beta_scale
+        self.dk, self.dv, self.beta_scale, self.kimi = dk, dv, beta_scale, kimi
         self.channels = 2 * KEY_HEADS * dk + VALUE_HEADS * dv
         self.state_size = (TAPS - 1) * self.channels + VALUE_HEADS * dk * dv
-        width = self.channels + VALUE_HEADS * dv + 2 * VALUE_HEADS
+        decays = VALUE_HEADS * (dk if kimi else 1)
+        width = self.channels + VALUE_HEADS * dv + VALUE_HEADS + decays
         projected = torch.randn(tokens, width, generator=gen)  # the rows stay strided, as the layer's split leaves them
         self.mixed, self.z, self.b, self.a = projected.split(
-            [self.channels, VALUE_HEADS * dv, VALUE_HEADS, VALUE_HEADS], dim=-1
+            [self.channels, VALUE_HEADS * dv, VALUE_HEADS, decays], dim=-1
         )
         self.conv_weight = torch.randn(self.channels, 1, TAPS, generator=gen) * 0.5
         self.a_log = torch.rand(VALUE_HEADS, generator=gen).log()
-        self.dt_bias = torch.randn(VALUE_HEADS, generator=gen)
+        self.dt_bias = torch.randn(decays, generator=gen)
         self.norm_weight = 1 + 0.1 * torch.randn(dv, generator=gen)
 
     def states(self, slots: int = 6, seed: int = 1) -> torch.Tensor:
@@ -58,7 +64,7 @@ class Layer:
         out: torch.Tensor = op(
             *picked, self.conv_weight, self.a_log, self.dt_bias, self.norm_weight, 1e-6, KEY_HEADS, states,
             [slot for slot, _, _ in chunks], [span.stop - span.start for span in spans],
-            [fresh for _, _, fresh in chunks], self.beta_scale,
+            [fresh for _, _, fresh in chunks], self.beta_scale, self.kimi,
         )  # fmt: skip
         return out
 
@@ -93,6 +99,37 @@ def test_the_reference_forms_equal_transformers_functions() -> None:
         assert torch.equal(step[0], recurrent[0, t])  # the same products and sums, in the same order
 
 
+def test_the_reference_forms_with_a_decay_per_key_channel_equal_transformers_kimi_functions() -> None:
+    """Kimi Delta Attention's rule: the chunked form over 40 tokens (two whole chunks of 16 and a partial one, split
+    anywhere) and the one-token form give transformers' `chunk_kimi_delta_attention` /
+    `recurrent_kimi_delta_attention` outputs and states, g a log decay per key channel of each head."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as hf
+
+    q, k, v, _, beta = inputs(40, dv=16)
+    q, k = (t.repeat_interleave(VALUE_HEADS // KEY_HEADS, dim=1) for t in (q, k))
+    g = -2 * torch.rand(40, VALUE_HEADS, 16, generator=torch.Generator().manual_seed(3))
+    theirs, their_state = hf.chunk_kimi_delta_attention(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=None, output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    qn, kn = prepare_qk(q, k, VALUE_HEADS)
+    zero = torch.zeros(VALUE_HEADS, 16, 16)
+    out, state = gated_delta_chunk(qn, kn, v, g, beta, zero)
+    torch.testing.assert_close(out, theirs[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, their_state[0], atol=1e-5, rtol=1e-5)
+    first, carried = gated_delta_chunk(qn[:21], kn[:21], v[:21], g[:21], beta[:21], zero)
+    rest, _ = gated_delta_chunk(qn[21:], kn[21:], v[21:], g[21:], beta[21:], carried)
+    torch.testing.assert_close(torch.cat((first, rest)), theirs[0], atol=1e-5, rtol=1e-5)
+    recurrent, _ = hf.recurrent_kimi_delta_attention(
+        q[None, :5], k[None, :5], v[None, :5], g=g[None, :5], beta=beta[None, :5], initial_state=None,
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    state = zero[None]
+    for t in range(5):
+        step, state = gated_delta_step(qn[t : t + 1], kn[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state)
+        torch.testing.assert_close(step[0], recurrent[0, t], atol=1e-6, rtol=1e-6)
+
+
 def test_the_convolution_is_a_causal_conv1d_carrying_its_state() -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, 24, generator=gen)
@@ -107,12 +144,14 @@ def test_the_convolution_is_a_causal_conv1d_carrying_its_state() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dk", "dv"), [(16, 8), (9, 5), (32, 64), (128, 128)])
-def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int) -> None:
+@pytest.mark.parametrize(("dk", "dv", "kimi"), [(16, 8, False), (9, 5, False), (32, 64, False), (128, 128, False),
+                                                (16, 16, True), (9, 5, True)])  # fmt: skip
+def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int, kimi: bool) -> None:
     """A fresh prompt, a continued prompt of two tokens (shorter than the convolution's history), another of 44 and
     one-token rows (one fresh), against the reference's chunked and one-token forms; both advance the states in
-    place alike and leave a slot no sequence holds as it was. (9, 5): channels and value dims with scalar tails."""
-    layer = Layer(82, dk, dv, seed=2)
+    place alike and leave a slot no sequence holds as it was. (9, 5): channels and value dims with scalar tails.
+    `kimi`: Kimi Delta Attention's decay per key channel and sigmoid gate."""
+    layer = Layer(82, dk, dv, seed=2, kimi=kimi)
     before = layer.states()
     chunks = [(4, slice(0, 30), True), (1, slice(30, 31), False), (0, slice(31, 75), False),
               (5, slice(75, 76), True), (2, slice(76, 77), False), (3, slice(77, 79), False)]  # fmt: skip
@@ -145,9 +184,9 @@ def test_a_doubled_write_strength_matches_the_reference() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dk", "dv"), [(16, 8), (9, 5)])
-def test_the_kernel_gives_a_sequence_the_same_bits_alone_batched_and_chunked(dk: int, dv: int) -> None:
-    layer = Layer(64, dk, dv, seed=4)
+@pytest.mark.parametrize(("dk", "dv", "kimi"), [(16, 8, False), (9, 5, False), (16, 16, True)])
+def test_the_kernel_gives_a_sequence_the_same_bits_alone_batched_and_chunked(dk: int, dv: int, kimi: bool) -> None:
+    layer = Layer(64, dk, dv, seed=4, kimi=kimi)
     alone_states = layer.states()
     alone = layer.run(cpu.gated_delta_net, [(2, slice(0, 40), True)], alone_states)
     batched_states = layer.states()
