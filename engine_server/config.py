@@ -424,6 +424,9 @@ class ModelConfig:
     moe_group_score: Literal["top2", "max"] = "top2"
     routed_scaling_factor: float = 1.0
     moe_renorm_epsilon: float = 1e-20  # added to the chosen scores' sum that renormalises them (LFM2-MoE: 1e-6)
+    # The grouped router's choice by logit plus bias rather than by sigmoid score plus bias (Kolibri-1's); the
+    # weights are the chosen experts' sigmoid scores either way.
+    moe_choice_on_logits: bool = False
     shared_expert_gated: bool = True
     # The shared experts' output times this (Cohere2-MoE's "average": routed and shared halves, the routed half
     # through `routed_scaling_factor`), folded into their down projection at load (`models.cohere`).

@@ -103,6 +103,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # LG's K-EXAONE: GLM-4.5's layout under EXAONE 4's attention (per-head q/k norms, windows on 3 layers in 4, no rope
     # on the global ones), a pre-norm block.
     "exaone_moe": "glm4_moe",
+    # Kolibri-1 (Aleph Alpha): K-EXAONE's attention (per-head q/k norms, windows, NoPE on the full layers) in GLM-4's
+    # sandwich, experts beside a shared one chosen by their logits plus a bias (`moe_choice_on_logits`)
+    "kolibri1": "glm4_moe",
     # Tencent's Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads).
     "hy_v3": "glm4_moe",
     # rednote's dots.llm1: GLM-4.5's layout under Qwen3's attention (per-head q/k norms, rope over whole heads, o_proj
@@ -325,7 +328,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm")
         else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3", "dots1") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
-        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna")
+        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna", "kolibri1")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
         attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
@@ -353,7 +356,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **rope_fields,
         **gemma,
         **hybrid,
-        **_glm4_fields(arch),
+        **_glm4_fields(arch, model_type),
         **_lfm2_fields(arch, cfg),
         **_lfm3_fields(model_type, rotated_angles),
         **_mamba2_fields(model_type, cfg),
@@ -452,10 +455,10 @@ def _rotary_fraction(cfg: dict[str, Any]) -> float:
     return int(cfg["rotary_dim"]) / head_dim
 
 
-def _glm4_fields(arch: Architecture) -> dict[str, Any]:
+def _glm4_fields(arch: Architecture, model_type: str) -> dict[str, Any]:
     """GLM-4's `ModelConfig` fields ({} for the other families): Gemma's four norms around the attention and the MLP,
-    under its own names (`models.glm4`), with plain weights."""
-    return {"sandwich_norms": True} if arch == "glm4" else {}
+    under its own names (`models.glm4`, `models.glm4_moe` for Kolibri-1's), with plain weights."""
+    return {"sandwich_norms": True} if arch == "glm4" or model_type == "kolibri1" else {}
 
 
 def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
@@ -1439,7 +1442,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in _MAMBA2_HYBRIDS:
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
-    if model_type in ("exaone4", "exaone_moe"):
+    if model_type in ("exaone4", "exaone_moe", "kolibri1"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
     if model_type in _GRANITE_SWA_TYPES:  # its layers of rope base 0
@@ -1497,7 +1500,7 @@ def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The families whose configs written before `layer_types` make every `sliding_window_pattern`-th layer global, and
 # that pattern's default (Command R7B's released config.json has the pattern and no `layer_types`).
-_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4, "cohere2_moe": 4}
+_GLOBAL_EVERY = {"gemma3_text": 6, "cohere2": 4, "cohere2_moe": 4, "kolibri1": 5}
 
 
 def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
@@ -1510,7 +1513,7 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 # The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
-_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna")
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna", "kolibri1")
 
 
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
@@ -1788,8 +1791,9 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             num_experts=experts,
             num_experts_per_tok=top_k,
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("deepseek_v2", "dots1"))),
-            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]) if model_type == "laguna"
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("deepseek_v2", "dots1", "kolibri1"))),
+            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"])
+            if model_type in ("laguna", "kolibri1")
             else int(cfg["moe_intermediate_size"])
             * int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0),  # (K-EXAONE's name for it)
             shared_expert_gated=False,
@@ -1801,6 +1805,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_topk_groups=top_groups if method != "greedy" else 1,
             moe_group_score="max" if model_type == "deepseek_v2" else "top2",
             moe_output_norm=model_type == "axk1",
+            moe_choice_on_logits=model_type == "kolibri1",
             # (Hy3's `router_scaling_factor`)
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or cfg.get("router_scaling_factor")
                                         or cfg.get("moe_routed_scaling_factor") or 1.0),  # (Laguna's name)

@@ -131,6 +131,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "moe_routed_scaling_factor": 2.5,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # Kolibri-1: per-head q/k norms, three windowed layers and a full one without rope, GLM-4's sandwich norms, top-2
+    # of 8 experts chosen by logit plus bias (their sigmoid scores renormalised) beside a shared expert on every layer.
+    "kolibri1": (
+        "Kolibri1Config",
+        {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # NanoChat: weightless RMSNorms (the embeddings' too), q/k norms after its reversed rope, relu², capped logits.
     "nanochat": ("NanoChatConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phimoe": (

@@ -37,7 +37,8 @@ class GroupedTopkRouter(nn.Module):
     scored by the sum of its two best, or by its best with `group_max`: DeepSeek-V2); the chosen experts' weights
     are their scores (without the bias), renormalised to sum to 1 with `renormalize` (their sum plus `epsilon`), times
     `scaling` (transformers' `DeepseekV3TopkRouter`, `Mistral4TopkRouter`, `DeepseekV2TopkRouter`; LFM2-MoE's, whose
-    epsilon is 1e-6, not 1e-20).
+    epsilon is 1e-6, not 1e-20). With `choice_on_logits` (Kolibri-1's) the bias is added to the logits, not the
+    scores, for the choice.
 
     `rowwise` (set on the quantized CPU path, `quantized_experts.replace_routers`): the logits and sigmoid scores
     through the C++ kernels whose bits depend on a row alone (`rowwise_linear`, `sigmoid_mul`), so that a token's
@@ -47,6 +48,7 @@ class GroupedTopkRouter(nn.Module):
     def __init__(
         self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
         sigmoid: bool = True, score_bias: bool = True, group_max: bool = False, epsilon: float = 1e-20,
+        choice_on_logits: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)  # float32, as trained
@@ -55,7 +57,7 @@ class GroupedTopkRouter(nn.Module):
         )
         self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
         self.renormalize, self.scaling, self.sigmoid, self.group_max = renormalize, scaling, sigmoid, group_max
-        self.epsilon = epsilon
+        self.epsilon, self.choice_on_logits = epsilon, choice_on_logits
         self.rowwise = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +70,8 @@ class GroupedTopkRouter(nn.Module):
             logits = F.linear(x.float(), self.weight.float())
             scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
         bias = self.e_score_correction_bias
-        biased = scores if bias is None else scores + bias.float()
+        chooser = logits if self.choice_on_logits else scores
+        biased = chooser if bias is None else chooser + bias.float()
         tokens, experts = biased.shape
         grouped = biased.view(tokens, self.groups, -1)
         group_scores = grouped.max(dim=-1).values if self.group_max else grouped.topk(2, dim=-1)[0].sum(dim=-1)
@@ -131,7 +134,7 @@ class SparseMoE(nn.Module):
                 hidden, experts, self.top_k, config.moe_groups, config.moe_topk_groups, config.norm_topk_prob,
                 config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
                 score_bias=config.router_score_bias, group_max=config.moe_group_score == "max",
-                epsilon=config.moe_renorm_epsilon,
+                epsilon=config.moe_renorm_epsilon, choice_on_logits=config.moe_choice_on_logits,
             )
             if config.grouped_router
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)

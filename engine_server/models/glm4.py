@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from engine_server.models.interleaved_rope import InterleavedRopeCausalLM
 
+# GLM-4's norms as Gemma's sandwich names them (in this order: the first frees the name the second takes).
+GLM4_SANDWICH_RENAMES = (
+    (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+    (".post_self_attn_layernorm.", ".post_attention_layernorm."),
+    (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
+)
+
 
 class Glm4ForCausalLM(InterleavedRopeCausalLM):
     """GLM-4 (`glm4`): each block `h += post_self_attn(attn(input(h))); h += post_mlp(mlp(post_attention(h)))`, the
@@ -13,8 +20,4 @@ class Glm4ForCausalLM(InterleavedRopeCausalLM):
     `post_mlp_layernorm` the one after it). Rope turns interleaved pairs of each head's first `rotary_dim` dims,
     read as halves at load (`InterleavedRopeCausalLM`)."""
 
-    checkpoint_renames = (
-        (".post_attention_layernorm.", ".pre_feedforward_layernorm."),
-        (".post_self_attn_layernorm.", ".post_attention_layernorm."),
-        (".post_mlp_layernorm.", ".post_feedforward_layernorm."),
-    )
+    checkpoint_renames = GLM4_SANDWICH_RENAMES

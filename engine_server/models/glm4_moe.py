@@ -5,9 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+import torch
+
+from engine_server.config import ModelConfig
 from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine_server.models.glm4 import GLM4_SANDWICH_RENAMES
 from engine_server.models.mimo_v2_flash import mimo_weights
+from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor
+
+
+# Kolibri-1's files' names for the norms after its attention and MLP, and for its routing bias.
+_KOLIBRI_RENAMES = (
+    (".post_attn_norm.", ".post_attention_layernorm."),
+    (".post_ffn_norm.", ".post_feedforward_layernorm."),
+    (".moe.router.expert_bias", ".mlp.gate.e_score_correction_bias"),
+)
 
 
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
@@ -17,7 +30,8 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     DeepSeek-V3's (`layers.moe.GroupedTopkRouter`: sigmoid scores with a load-balancing bias, `routed_scaling_factor`,
     ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
     (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
-    Open, K-EXAONE (`exaone_moe`) and Hy3 (`hy_v3`) come in this layout: their quirks are `ModelConfig`'s; so does
+    Open, K-EXAONE (`exaone_moe`), Hy3 (`hy_v3`) and Kolibri-1 (`kolibri1`: GLM-4's sandwich norms, its experts chosen
+    by logit plus bias) come in this layout: their quirks are `ModelConfig`'s; so does
     MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys' width as they load
     (`models.mimo_v2_flash`) and whose multi-token-prediction layers (`model.mtp.`) are not read."""
 
@@ -33,6 +47,13 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
         (".mlp.shared_mlp.", ".mlp.shared_expert."),
         (".self_attn.attention_sink_bias", ".self_attn.sinks"),  # MiMo-V2-Flash's released name for its sinks
     )
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
+        """Kolibri-1 (`ModelConfig.sandwich_norms`): its norms around the attention and the MLP under GLM-4's names
+        (transformers') or its files' (`post_attn_norm`, `post_ffn_norm`), its files' routing bias on `moe.router`."""
+        super().__init__(config, dtype, tp)
+        if config.sandwich_norms:
+            self.checkpoint_renames = (*type(self).checkpoint_renames, *GLM4_SANDWICH_RENAMES, *_KOLIBRI_RENAMES)
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()

@@ -849,11 +849,11 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
 
 
 @pytest.mark.parametrize(
-    ("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4), ("ernie4.5-moe", 3), ("laguna", 3)]
+    ("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4), ("ernie4.5-moe", 3), ("laguna", 3), ("kolibri1", 4)]
 )
 def test_bias_routed_families_split_over_two_ranks_and_on_int8(name: str, banks: int, tmp_path: Path) -> None:
-    """GLM-4.5, MiniMax-M2, Laguna (sigmoid scores) and ERNIE 4.5 (softmax), each choosing its experts with a
-    load-balancing bias: two ranks keep transformers' tokens (each rank its heads' q/k/v rows, GLM-4.5's biases and
+    """GLM-4.5, MiniMax-M2, Laguna, Kolibri-1 (sigmoid scores; Kolibri-1's bias on the logits) and ERNIE 4.5
+    (softmax), each choosing its experts with a load-balancing bias: two ranks keep transformers' tokens (each rank its heads' q/k/v rows, GLM-4.5's biases and
     per-head q/k norms, MiniMax-M2's q/k norms over every head summing their squares over the ranks, ERNIE's
     interleaved rope rows reordered before the split, Laguna's gate rows of its heads; its rows of every expert).
     int8 quantizes the projections and every sparse layer's bank (the first layer is dense but in MiniMax-M2; the

@@ -456,6 +456,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
          "linear_key_head_dim": 16, "linear_value_head_dim": 32, "pad_token_id": 0, "eos_token_id": 2},
     ),
+    # Kolibri-1: per-head q/k norms, a 6-position window on four layers in five (the fifth full attention without
+    # rope), GLM-4's sandwich norms, 8 experts (3 per token) chosen by logit plus bias, their sigmoid scores
+    # renormalised, beside a shared expert.
+    "kolibri1": (
+        transformers.Kolibri1Config,
+        {"num_hidden_layers": 5, "head_dim": 16, "sliding_window": 6, "num_experts": 8, "num_experts_per_tok": 3,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
+         "pad_token_id": 0},
+    ),
     # Kimi Linear: Kimi Delta Attention (4 heads of 16: a decay per key channel through a rank-16 projection, the
     # output gate likewise, the norm gated by sigmoid) around a latent-attention layer without rope; a dense first
     # MLP, then DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, 3 per token, a bias, scaled by 2.5) beside a
@@ -679,6 +688,7 @@ MODEL_CLASSES = {
     transformers.OlmoHybridConfig: transformers.OlmoHybridForCausalLM,
     transformers.LagunaConfig: transformers.LagunaForCausalLM,
     transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
+    transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
