@@ -14,7 +14,6 @@ from engine_server.models.mimo_v2_flash import mimo_weights
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor
 
-
 # Kolibri-1's files' names for the norms after its attention and MLP, and for its routing bias.
 _KOLIBRI_RENAMES = (
     (".post_attn_norm.", ".post_attention_layernorm."),

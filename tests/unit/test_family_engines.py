@@ -853,12 +853,12 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
 )
 def test_bias_routed_families_split_over_two_ranks_and_on_int8(name: str, banks: int, tmp_path: Path) -> None:
     """GLM-4.5, MiniMax-M2, Laguna, Kolibri-1 (sigmoid scores; Kolibri-1's bias on the logits) and ERNIE 4.5
-    (softmax), each choosing its experts with a load-balancing bias: two ranks keep transformers' tokens (each rank its heads' q/k/v rows, GLM-4.5's biases and
-    per-head q/k norms, MiniMax-M2's q/k norms over every head summing their squares over the ranks, ERNIE's
-    interleaved rope rows reordered before the split, Laguna's gate rows of its heads; its rows of every expert).
-    int8 quantizes the projections and every sparse layer's bank (the first layer is dense but in MiniMax-M2; the
-    router float, routed row by row); each prompt's tokens are
-    the same alone and batched, and mostly agree with the float path's."""
+    (softmax), each choosing its experts with a load-balancing bias: two ranks keep transformers' tokens (each rank
+    its heads' q/k/v rows, GLM-4.5's biases and per-head q/k norms, MiniMax-M2's q/k norms over every head summing
+    their squares over the ranks, ERNIE's interleaved rope rows reordered before the split, Laguna's gate rows of its
+    heads; its rows of every expert). int8 quantizes the projections and every sparse layer's bank (the first layer
+    is dense but in MiniMax-M2 and Kolibri-1; the router float, routed row by row); each prompt's tokens are the same
+    alone and batched, and mostly agree with the float path's."""
     folder = save_family(tmp_path, name, head_spread=1.0)  # a clear next token (families.save_family)
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, tensor_parallel_size=2) as llm:
