@@ -106,6 +106,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Kolibri-1 (Aleph Alpha): K-EXAONE's attention (per-head q/k norms, windows, NoPE on the full layers) in GLM-4's
     # sandwich, experts beside a shared one chosen by their logits plus a bias (`moe_choice_on_logits`)
     "kolibri1": "glm4_moe",
+    # Flint (RecursiveSI): Qwen3-MoE's attention with gpt-oss's sinks, windows and NoPE on the full layers; experts by
+    # sigmoid score (no bias) beside an ungated shared one, the first layers dense (`_flint_config`)
+    "flint": "glm4_moe",
     # Tencent's Hy3: GLM-4.5's layout under Apertus's attention (per-head q/k norms, rope over whole heads).
     "hy_v3": "glm4_moe",
     # rednote's dots.llm1: GLM-4.5's layout under Qwen3's attention (per-head q/k norms, rope over whole heads, o_proj
@@ -203,6 +206,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         model_type = cfg["model_type"]
     if model_type == "kimi_linear":
         cfg = _kimi_linear_config(cfg)
+    if model_type == "flint":
+        cfg = _flint_config(cfg)
     if model_type == "lfm3":
         cfg = _lfm3_config(cfg)
     if model_type in ("lfm2", "lfm2_moe", "lfm3"):
@@ -328,9 +333,9 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm")
         else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3", "dots1") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
-        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna", "kolibri1")
+        or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna", "kolibri1", "flint")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
-        attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash"),
+        attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash", "flint"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
         qk_norm_after_rope=arch in ("hunyuan", "nanochat"),
         post_norms=arch in ("olmo2", "olmo_hybrid") or model_type == "flex_olmo",
@@ -641,6 +646,19 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if len(linear.layers) == layers:
         raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+def _flint_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Flint `config.json` as transformers fills it in: full attention on the first two layers, every fourth from
+    the second and the last (windowed elsewhere) where `layer_types` is absent; its dense layers (`mlp_only_layers`,
+    the first two by default) as `mlp_layer_types`."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention" for i in range(layers)
+    ]
+    dense = {int(i) for i in (cfg["mlp_only_layers"] if cfg.get("mlp_only_layers") is not None else (0, 1))}
+    kinds = ["dense" if i in dense else "sparse" for i in range(layers)]
+    return {**cfg, "layer_types": types, "mlp_layer_types": kinds}
 
 
 def _kimi_linear_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1442,7 +1460,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in _MAMBA2_HYBRIDS:
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
-    if model_type in ("exaone4", "exaone_moe", "kolibri1"):
+    if model_type in ("exaone4", "exaone_moe", "kolibri1", "flint"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
     if model_type in _GRANITE_SWA_TYPES:  # its layers of rope base 0
@@ -1513,7 +1531,7 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 # The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
-_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna", "kolibri1")
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna", "kolibri1", "flint")
 
 
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).
@@ -1781,7 +1799,10 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         softmax = model_type in ("mistral4", "deepseek_v2")  # softmax scores, no load-balancing bias
         scoring = cfg.get("scoring_func", "softmax" if softmax else "sigmoid")
         method = cfg.get("topk_method") or ("group_limited_greedy" if softmax else "noaux_tc")
-        served = (("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy"), ("softmax", "greedy"))
+        if model_type == "flint":  # the top-k of its sigmoid scores, no bias
+            method = "greedy"
+        served = (("sigmoid", "noaux_tc"), ("softmax", "group_limited_greedy"), ("softmax", "greedy"),
+                  ("sigmoid", "greedy"))  # fmt: skip
         if (scoring, method) not in served:
             raise ValueError(f"{model_type} routing by {scoring} scores with {method} is not supported")
         groups, top_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
@@ -1793,7 +1814,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", model_type not in ("deepseek_v2", "dots1", "kolibri1"))),
             shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"])
-            if model_type in ("laguna", "kolibri1")
+            if model_type in ("laguna", "kolibri1", "flint")
             else int(cfg["moe_intermediate_size"])
             * int(cfg.get("n_shared_experts") or cfg.get("num_shared_experts") or 0),  # (K-EXAONE's name for it)
             shared_expert_gated=False,

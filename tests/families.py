@@ -140,6 +140,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # Flint: per-head q/k norms, a sink per head, full attention without rope on the first two layers and the last
+    # (its default pattern), a window with rope on the third; dense first two MLPs (its default), then top-2 of 8
+    # experts by sigmoid score beside an ungated shared expert.
+    "flint": (
+        "FlintConfig",
+        {"head_dim": 16, "sliding_window": WINDOW, "num_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # NanoChat: weightless RMSNorms (the embeddings' too), q/k norms after its reversed rope, relu², capped logits.
     "nanochat": ("NanoChatConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "phimoe": (

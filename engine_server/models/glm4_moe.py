@@ -29,9 +29,9 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     DeepSeek-V3's (`layers.moe.GroupedTopkRouter`: sigmoid scores with a load-balancing bias, `routed_scaling_factor`,
     ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
     (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
-    Open, K-EXAONE (`exaone_moe`), Hy3 (`hy_v3`) and Kolibri-1 (`kolibri1`: GLM-4's sandwich norms, its experts chosen
-    by logit plus bias) come in this layout: their quirks are `ModelConfig`'s; so does
-    MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys' width as they load
+    Open, K-EXAONE (`exaone_moe`), Hy3 (`hy_v3`), Kolibri-1 (`kolibri1`: GLM-4's sandwich norms, its experts chosen
+    by logit plus bias) and Flint (`flint`: sinks, its experts by sigmoid score without a bias) come in this layout:
+    their quirks are `ModelConfig`'s; so does MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys' width as they load
     (`models.mimo_v2_flash`) and whose multi-token-prediction layers (`model.mtp.`) are not read."""
 
     ignored_prefixes = ("mtp.", "model.mtp.")
@@ -45,6 +45,7 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
         (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
         (".mlp.shared_mlp.", ".mlp.shared_expert."),
         (".self_attn.attention_sink_bias", ".self_attn.sinks"),  # MiMo-V2-Flash's released name for its sinks
+        (".self_attn.softmax_offset", ".self_attn.sinks"),  # Flint's
     )
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:

@@ -465,6 +465,16 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "norm_topk_prob": True,
          "pad_token_id": 0},
     ),
+    # Flint: per-head q/k norms and a learned sink per head, a 6-position window with rope on the middle two layers,
+    # full attention without rope on the first and last; a dense first MLP (its default: two), then top-3 of 8
+    # experts by sigmoid score (no bias), renormalised, beside an ungated shared expert.
+    "flint": (
+        transformers.FlintConfig,
+        {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 6,
+         "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+         "mlp_only_layers": [0], "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "pad_token_id": 0},
+    ),
     # Kimi Linear: Kimi Delta Attention (4 heads of 16: a decay per key channel through a rank-16 projection, the
     # output gate likewise, the norm gated by sigmoid) around a latent-attention layer without rope; a dense first
     # MLP, then DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, 3 per token, a bias, scaled by 2.5) beside a
@@ -689,6 +699,7 @@ MODEL_CLASSES = {
     transformers.LagunaConfig: transformers.LagunaForCausalLM,
     transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
+    transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
@@ -1114,6 +1125,19 @@ def test_olmo_hybrid_configs_turn_no_rope_where_transformers_turns_none() -> Non
         config = model_config_from_hf({**base, **rope})
         assert config.nope_layers == () and config.rope_theta == 10000.0
         assert transformers.OlmoHybridConfig.from_dict({**base, **rope}).rope_parameters["rope_theta"] == 10000.0
+
+
+def test_flint_configs_without_layer_kinds_read_as_transformers_fills_them_in() -> None:
+    """Flint's windows (full attention without rope on the first two layers, every fourth from the second and the
+    last) and dense layers (the first two) where its config names none; its experts chosen by sigmoid score with no
+    bias, beside an ungated shared expert."""
+    base = {**SMALL, "model_type": "flint", "num_hidden_layers": 10, "sliding_window": 8, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+    ours, theirs = model_config_from_hf(base), transformers.FlintConfig(**base)
+    assert [ours.attention_window(i) == 0 for i in range(10)] == [k == "full_attention" for k in theirs.layer_types]
+    assert ours.nope_layers == (0, 1, 5, 9) and ours.attention_sinks and ours.qk_norm
+    assert [ours.is_moe_layer(i) for i in range(10)] == [i not in theirs.mlp_only_layers for i in range(10)]
+    assert not ours.router_score_bias and not ours.shared_expert_gated and ours.shared_expert_intermediate_size == 48
 
 
 def test_kimi_linear_configs_read_as_released_and_as_transformers_writes_them() -> None:
