@@ -31,8 +31,8 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
     Open, K-EXAONE (`exaone_moe`), Hy3 (`hy_v3`), Kolibri-1 (`kolibri1`: GLM-4's sandwich norms, its experts chosen
     by logit plus bias) and Flint (`flint`: sinks, its experts by sigmoid score without a bias) come in this layout:
-    their quirks are `ModelConfig`'s; so does MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys' width as they load
-    (`models.mimo_v2_flash`) and whose multi-token-prediction layers (`model.mtp.`) are not read."""
+    their quirks are `ModelConfig`'s; so does MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys'
+    width as they load (`models.mimo_v2_flash`) and whose multi-token-prediction layers (`model.mtp.`) are not read."""
 
     ignored_prefixes = ("mtp.", "model.mtp.")
     # K-EXAONE's checkpoints hold the router's load-balancing bias on the block (`mlp.e_score_correction_bias`);
