@@ -397,6 +397,9 @@ class ModelConfig:
     layer_norm_bias: bool = False
     lm_head_bias: bool = False
     mlp_bias: bool = False
+    # Apertus 1.5: an LM head of the vocabulary's first `output_vocab_size` rows alone (its text tokens; 0: every
+    # row), the logits of the others -inf, so the logits keep the vocabulary's width.
+    output_vocab_size: int = 0
     # DeepSeek-V3 (and Kimi K2, Mistral 4): multi-head latent attention (`head_dim` is then the cache's, a latent
     # and its rope key, under one KV head: `layers.mla`), and its router (`grouped_router`,
     # `layers.moe.GroupedTopkRouter`): sigmoid scores (`moe_scoring`; Mistral 4's softmax), a learned bias added to

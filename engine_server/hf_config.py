@@ -136,6 +136,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # full attention with its own rope base, values narrower than keys (`_mimo_v2_flash_config`, `_mimo_fields`).
     "mimo_v2_flash": "glm4_moe",
     "apertus": "apertus",  # Apertus: Qwen3's per-head q/k norms, an ungated MLP with xIELU learned per layer
+    # Apertus 1.5: Apertus's text model over a vocabulary with image and audio codes, its LM head pruned to the text
+    # rows (`output_vocab_size`); the multimodal checkpoint's text model (`text_config`), its tokenizers' towers unread
+    "apertus1p5_text": "apertus",
+    "apertus1p5": "apertus",
     # Hunyuan (0.5B-7B dense; Hunyuan-A13B): Llama's block with per-head q/k norms after rope, rope's base stretched
     # by NTK's alpha; the MoE's experts (Mixtral's routing) beside an ungated shared MLP.
     "hunyuan_v1_dense": "hunyuan",
@@ -194,8 +198,11 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "bert":
         return _encoder_config(cfg, name)
     _refuse_unbuilt(model_type, cfg)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5"):  # multimodal: its text
-        cfg = _text_config(cfg)
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5", "apertus1p5"):
+        cfg = _text_config(cfg)  # multimodal: its text model
+    if cfg.get("model_type") == "apertus1p5_text":  # Apertus's, its head pruned (`_output_vocab_size`)
+        cfg, model_type = {**cfg, "model_type": "apertus"}, "apertus"
+        _refuse_unbuilt(model_type, cfg)
     if model_type == "exaone4_5":
         cfg = _exaone4_5_text(cfg)
         model_type = cfg["model_type"]
@@ -355,6 +362,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_minicpm3_fields(model_type, cfg),
         **_afmoe_fields(arch, cfg),
         **_nanochat_fields(arch, cfg),
+        output_vocab_size=_output_vocab_size(cfg),
         **_laguna_fields(model_type, cfg),
         **_ungated_mlp_fields(model_type, cfg),
         **_experts_from_hf_config(arch, cfg),
@@ -566,6 +574,19 @@ def _query_scale_fields(model_type: str, rope: dict[str, Any]) -> dict[str, Any]
     if not beta:
         return {}
     return {"query_scale_beta": beta, "query_scale_positions": int(rope["original_max_position_embeddings"])}
+
+
+def _output_vocab_size(cfg: dict[str, Any]) -> int:
+    """Apertus 1.5's LM head rows, `output_vocab_size` (0: the whole vocabulary, as without it); ValueError for one
+    outside 1..vocab_size or beside tied embeddings (its released checkpoints tie none)."""
+    rows, vocab = cfg.get("output_vocab_size"), int(cfg["vocab_size"])
+    if rows is None or int(rows) == vocab:
+        return 0
+    if not 1 <= int(rows) <= vocab:
+        raise ValueError(f"output_vocab_size {rows} must be in [1, vocab_size {vocab}]")
+    if cfg.get("tie_word_embeddings"):
+        raise ValueError("an LM head pruned to output_vocab_size with tied embeddings is not supported")
+    return int(rows)
 
 
 def _exaone4_5_text(text: dict[str, Any]) -> dict[str, Any]:

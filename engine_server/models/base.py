@@ -117,12 +117,13 @@ class CausalLM(nn.Module):
         self.ops: KernelOps | None = None
         self.model = self.decoder_class(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
         embedding = self.model.embed_tokens
-        self.vocab_shard = embedding.shard
+        head_rows = config.output_vocab_size or config.vocab_size
         self.lm_head: nn.Module = (
             ParallelLMHead.tied_to(embedding)
             if config.tie_word_embeddings
-            else ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, bias=config.lm_head_bias)
+            else ParallelLMHead(head_rows, config.hidden_size, tp, dtype, bias=config.lm_head_bias)
         )
+        self.vocab_shard = embedding.shard if config.tie_word_embeddings else self.lm_head.shard
 
     def forward(
         self,
@@ -162,7 +163,11 @@ class CausalLM(nn.Module):
         cap = self.config.final_logit_softcap
         if cap > 0:  # Gemma 2: logits soft-capped to cap * tanh(logits / cap), in the weights' dtype
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        logits = logits.float()
+        unheaded = self.config.vocab_size - logits.shape[-1]
+        if unheaded > 0:  # Apertus 1.5's pruned head: the tokens past its rows are never sampled
+            logits = torch.cat((logits, logits.new_full((logits.shape[0], unheaded), float("-inf"))), dim=-1)
+        return logits
 
     def checkpoint_name(self, name: str) -> str:
         """A checkpoint tensor's name as this model's modules name it (`checkpoint_renames` applied)."""

@@ -390,6 +390,43 @@ def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) ->
         assert ours == theirs.of(ours)
 
 
+def test_a_multimodal_apertus15_checkpoint_serves_its_text_model_through_its_pruned_head(tmp_path: Path) -> None:
+    """Apertus 1.5's checkpoints are `Apertus1p5ForConditionalGeneration`: a `text_config` over a vocabulary with
+    image and audio codes, the text model under `model.language_model.`, an LM head of the first `output_vocab_size`
+    rows alone, and image and audio tokenizers beside them, which are not read. Its text output equals transformers'
+    own multimodal model's on text prompts; the tokens past the head's rows have -inf logits."""
+    import transformers
+
+    from tests.families import _SHAPE
+
+    text = {**_SHAPE, "head_dim": 16, "output_vocab_size": 48000, "tie_word_embeddings": False}
+    vision = {"codebook_size": 64, "embed_dim": 32, "latent_channels": 32, "base_channels": 32,
+              "channel_multiplier": [1, 1], "num_res_blocks": 1, "attn_resolutions": [], "resolution": 16}
+    audio = {"model_type": "wavtokenizer_encoder", "codebook_size": 64, "codebook_dim": 16, "hidden_size": 16,
+             "num_filters": 4, "upsampling_ratios": [2, 2], "num_lstm_layers": 1}  # fmt: skip
+    config = transformers.Apertus1p5Config(
+        text_config=text, vision_config=vision, audio_config=audio, image_token_offset=49000, audio_token_offset=49064
+    )
+    torch.manual_seed(0)
+    model = transformers.Apertus1p5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1 and ("language_model" in name or name == "lm_head.weight"):
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    with engine(tmp_path) as llm:
+        assert llm.core.model_config.output_vocab_size == 48000
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        runner = llm.core.runner.loaded.model
+        logits = runner.compute_logits(torch.randn(2, _SHAPE["hidden_size"]))
+        assert logits.shape == (2, _SHAPE["vocab_size"]) and torch.isinf(logits[:, 48000:]).all()
+        assert torch.isfinite(logits[:, :48000]).all()
+
+
 def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     """The released Llama 4 checkpoints are `Llama4ForConditionalGeneration`: a `text_config`, the text model's
     weights under `language_model.`, a vision model and its projector beside them, which are not read. Its text

@@ -177,6 +177,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
     ),
+    # Apertus 1.5's text model: Apertus's, its LM head pruned to the vocabulary's first 96 rows (the logits of the
+    # other 32 -inf: transformers' narrower logits are compared padded so, `hf_logits`).
+    "apertus1p5": (
+        transformers.Apertus1p5TextConfig,
+        {"head_dim": 16, "output_vocab_size": 96, "tie_word_embeddings": False, "pad_token_id": 0},
+    ),
     "ministral": (
         transformers.MinistralConfig,
         {"head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
@@ -686,6 +692,7 @@ MODEL_CLASSES = {
     transformers.HeliumConfig: transformers.HeliumForCausalLM,
     transformers.PhimoeConfig: transformers.PhimoeForCausalLM,
     transformers.ApertusConfig: transformers.ApertusForCausalLM,
+    transformers.Apertus1p5TextConfig: transformers.Apertus1p5TextForCausalLM,
     transformers.HunYuanDenseV1Config: transformers.HunYuanDenseV1ForCausalLM,
     transformers.HunYuanMoEV1Config: transformers.HunYuanMoEV1ForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
@@ -837,8 +844,14 @@ class PagedRunner:
 
 
 def hf_logits(hf: transformers.PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits `[T, vocab]`; a head pruned to fewer rows than the vocabulary (Apertus 1.5's) padded with
+    -inf for the others, as the engine gives them."""
     with torch.inference_mode():
-        return hf(torch.tensor([tokens])).logits[0].float()
+        logits = hf(torch.tensor([tokens])).logits[0].float()
+    missing = hf.config.vocab_size - logits.shape[-1]
+    if not missing:
+        return logits
+    return torch.cat((logits, logits.new_full((logits.shape[0], missing), float("-inf"))), dim=-1)
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
