@@ -158,6 +158,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # ungated relu² MLP or relu² experts), read as pre-norm layers of a mixer and the MLP after it (`nemotron_blocks`).
     "nemotron_h": "nemotron_h",
     "qwen3_next": "qwen3_next",
+    # Lara Mini (Translated): Qwen3.5's Gated DeltaNet between Qwen3's attention layers (windowed with rope, or full
+    # without), plain norms, no output gate; softmax-routed experts beside an ungated shared one
+    "lara_mini": "qwen3_next",
     "qwen3_5_text": "qwen3_next",
     "qwen3_5_moe_text": "qwen3_next",
     "qwen3_5": "qwen3_next",
@@ -265,7 +268,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     # Qwen3-Next's rope turns a quarter of each head by default, GLM-4's and GLM-4.5's half (Solar Open's,
     # K-EXAONE's and Hy3's, in GLM-4.5's layout, all of it)
     halved = arch in ("glm4", "glm4_moe") and model_type not in _WHOLE_ROPE_GLM4_MOE
-    default_partial = 0.25 if arch == "qwen3_next" else 0.5 if halved else 1.0
+    default_partial = 0.25 if arch == "qwen3_next" and model_type != "lara_mini" else 0.5 if halved else 1.0
     partial = float(
         cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or _rotary_fraction(cfg)
         or default_partial
@@ -643,14 +646,15 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
         return _kimi_linear_fields(cfg)
     if arch != "qwen3_next":
         return {}
-    layers = int(cfg["num_hidden_layers"])
-    types = cfg.get("layer_types")
+    layers, lara = int(cfg["num_hidden_layers"]), cfg.get("model_type") == "lara_mini"
+    types = _lara_mini_layer_types(cfg) if lara else cfg.get("layer_types")
     if types is None:
         interval = int(cfg.get("full_attention_interval") or 4)
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name linear_attention or full_attention for each of the {layers} "
-                         f"layers; got {types!r}")  # fmt: skip
+    kinds = {"linear_attention", "full_attention", *(("sliding_attention",) if lara else ())}
+    if len(types) != layers or set(types) - kinds:
+        raise ValueError(f"layer_types must name {', '.join(sorted(kinds))} for each of the {layers} layers; got "
+                         f"{types!r}")  # fmt: skip
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{cfg.get('model_type')}: hidden_act {cfg['hidden_act']!r} is not supported (silu is)")
     linear = LinearAttention(
@@ -666,7 +670,21 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
                          f"heads with a {linear.conv_kernel}-tap convolution is not supported")  # fmt: skip
     if len(linear.layers) == layers:
         raise ValueError("a model of linear-attention layers only (no full_attention layer) is not supported")
+    if lara:  # plain norms, no output gate
+        return {"linear_attention": linear}
     return {"linear_attention": linear, "attention_output_gate": True, "norm_offset": 1.0}
+
+
+# Lara Mini's released layer pattern, repeated (transformers' default where a config has no `layer_types`).
+_LARA_MINI_PATTERN = (
+    "linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention",
+)  # fmt: skip
+
+
+def _lara_mini_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """Lara Mini's `layer_types`, or its released pattern repeated over its layers."""
+    layers = int(cfg["num_hidden_layers"])
+    return list(cfg.get("layer_types") or [_LARA_MINI_PATTERN[i % 5] for i in range(layers)])
 
 
 def _flint_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1481,6 +1499,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if model_type in _MAMBA2_HYBRIDS:
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))
+    if model_type == "lara_mini":  # its full-attention layers turn no rope, its windowed ones do
+        return tuple(i for i, kind in enumerate(_lara_mini_layer_types(cfg)) if kind == "full_attention")
     if model_type in ("exaone4", "exaone_moe", "kolibri1", "flint"):
         windows = _layer_windows(model_type, cfg)
         return tuple(i for i, window in enumerate(windows) if not window)
@@ -1579,6 +1599,8 @@ def _layer_windows(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer; got {window!r}")
     types = _afmoe_layer_types(cfg) if model_type == "afmoe" else cfg.get("layer_types")
+    if model_type == "lara_mini":  # (its linear layers attend to nothing: no window)
+        types = ["full_attention" if kind == "linear_attention" else kind for kind in _lara_mini_layer_types(cfg)]
     if types is not None and model_type == "lfm3":  # its convolution layers attend to nothing: no window
         types = ["full_attention" if kind == "conv" else kind for kind in types]
     if types is not None:
@@ -1933,6 +1955,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
         if arch in ("qwen2_moe", "qwen3_next")
         else 0,
+        shared_expert_gated=cfg.get("model_type") != "lara_mini",  # (Lara Mini's is added whole)
         dense_layers=tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step != 0),
     )
 

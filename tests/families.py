@@ -137,7 +137,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "Kolibri1Config",
         {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
          "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "pad_token_id": 0, "bos_token_id": 1,
+         "shared_expert_intermediate_size": 96, "norm_topk_prob": True, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
     # Flint: per-head q/k norms, a sink per head, full attention without rope on the first two layers and the last
@@ -472,6 +472,15 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
         "OlmoHybridConfig",
         {"linear_key_head_dim": 16, "linear_value_head_dim": 32, "rope_parameters": {"rope_type": "default",
          "rope_theta": None}, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # Lara Mini: Gated DeltaNet on the first and third layers, Qwen3's attention windowed with rope on the second and
+    # full without rope on the fourth; top-2 of 8 experts (softmax) beside an ungated shared expert on every layer.
+    "lara-mini": (
+        "LaraMiniConfig",
+        {**LINEAR_ATTENTION, "sliding_window": WINDOW,
+         "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+         "bos_token_id": 1, "eos_token_id": 2},
     ),
     # Kimi Linear: Kimi Delta Attention (4 heads of 32, a decay per key channel) on the first, second and fourth
     # layers, latent attention without rope on the third; a dense first MLP, then top-2 of 8 experts in 4 groups

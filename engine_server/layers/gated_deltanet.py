@@ -82,6 +82,20 @@ def split_qkv(name: str, tensor: CheckpointTensor, shape: LinearAttention) -> li
                       [shape.key_dim, shape.key_dim, shape.value_dim], groups=1)  # fmt: skip
 
 
+def split_fused_in_proj(
+    name: str, tensor: CheckpointTensor, shape: LinearAttention
+) -> list[tuple[str, CheckpointTensor]]:
+    """Lara Mini's fused `in_proj` weight (rows q, k, v, z, b, a in turn, not grouped by head) as the parts
+    `GatedDeltaNet.in_proj` loads (`in_proj_q`, ..., `in_proj_a`); unread parts of an unread tensor. ValueError when
+    the rows do not add up."""
+    sizes = [shape.key_dim, shape.key_dim, shape.value_dim, shape.value_dim, shape.num_value_heads,
+             shape.num_value_heads]  # fmt: skip
+    if tensor.dim() != 2 or tensor.shape[0] != sum(sizes):
+        raise ValueError(f"weight {name!r} of shape {tuple(tensor.shape)}: expected {sum(sizes)} rows")
+    return _row_parts(name.removesuffix("in_proj.weight") + "in_proj_{}.weight", tensor, ("q", "k", "v", "z", "b", "a"),
+                      sizes, groups=1)  # fmt: skip
+
+
 def split_grouped_projections(
     name: str, tensor: CheckpointTensor, shape: LinearAttention
 ) -> list[tuple[str, CheckpointTensor]]:

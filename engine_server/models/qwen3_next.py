@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator
 
-from engine_server.layers.gated_deltanet import split_grouped_projections, split_qkv
+from engine_server.layers.gated_deltanet import split_fused_in_proj, split_grouped_projections, split_qkv
 from engine_server.models.base import CausalLM, text_model_weights
 from engine_server.parallel.layers import CheckpointTensor
 
@@ -22,9 +22,11 @@ class Qwen3NextForCausalLM(CausalLM):
     model is served (`model.language_model.` read as `model.`); its vision tower and every checkpoint's
     multi-token-prediction layers are not read. Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` are split into
     Qwen3.5's projections as they load, and `in_proj_qkv` into its q, k and v rows (parts that tensor parallelism
-    splits by heads)."""
+    splits by heads). Lara Mini (`lara_mini`): Qwen3's attention (no output gate, plain norms; windowed layers with
+    rope, full ones without) between such layers, whose one fused `in_proj` is split into all six parts and whose
+    gated norm its files call `out_norm`."""
 
-    checkpoint_renames = ((".linear_attn.", ".self_attn."),)
+    checkpoint_renames = ((".linear_attn.out_norm.", ".self_attn.norm."), (".linear_attn.", ".self_attn."))
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
@@ -41,5 +43,7 @@ class Qwen3NextForCausalLM(CausalLM):
                 yield from split_grouped_projections(name, tensor, shape)
             elif shape is not None and name.endswith("in_proj_qkv.weight"):
                 yield from split_qkv(name, tensor, shape)
+            elif shape is not None and name.endswith(".linear_attn.in_proj.weight"):  # Lara Mini's, all six parts
+                yield from split_fused_in_proj(name, tensor, shape)
             else:
                 yield name, tensor

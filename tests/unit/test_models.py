@@ -481,6 +481,17 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "mlp_only_layers": [0], "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32,
          "shared_expert_intermediate_size": 48, "pad_token_id": 0},
     ),
+    # Lara Mini: Gated DeltaNet (2 key heads, 4 value heads) on the first and third layers, Qwen3's attention with a
+    # 6-position window and rope on the second, full without rope on the fourth; plain norms, no output gate; top-3 of
+    # 8 experts (softmax, renormalised) beside an ungated shared expert.
+    "lara-mini": (
+        transformers.LaraMiniConfig,
+        {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 6,
+         "layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+         "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+         "pad_token_id": 0},
+    ),
     # Kimi Linear: Kimi Delta Attention (4 heads of 16: a decay per key channel through a rank-16 projection, the
     # output gate likewise, the norm gated by sigmoid) around a latent-attention layer without rope; a dense first
     # MLP, then DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, 3 per token, a bias, scaled by 2.5) beside a
@@ -707,6 +718,7 @@ MODEL_CLASSES = {
     transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
+    transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
