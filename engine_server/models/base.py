@@ -380,6 +380,19 @@ def joined_parts(
         raise ValueError(f"checkpoint holds {what}: {sorted(held)}")
 
 
+def joined_convolutions(
+    weights: Iterable[tuple[str, CheckpointTensor]], pattern: re.Pattern[str]
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """`weights` with each linear-attention layer's q, k and v convolutions (`pattern`'s `layer` and `part` groups,
+    as OLMo Hybrid's and Kimi Linear's files hold them apart) as its one `<layer>.conv1d.weight`, their channels in
+    that order (`joined_parts`)."""
+    return joined_parts(
+        weights, pattern, ("q", "k", "v"), "conv1d.weight",
+        lambda parts: torch.cat([read_whole(parts[p]) for p in "qkv"]),
+        what="some of a layer's q/k/v convolutions without the others",
+    )  # fmt: skip
+
+
 def reordered_tensor(
     tensor: CheckpointTensor,
     reorder: Callable[[torch.Tensor], torch.Tensor],

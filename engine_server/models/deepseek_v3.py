@@ -10,10 +10,10 @@ from collections.abc import Collection, Iterable, Iterator
 import torch
 
 from engine_server.config import ModelConfig
-from engine_server.models.base import CausalLM, joined_parts, text_model_weights
+from engine_server.models.base import CausalLM, joined_convolutions, text_model_weights
 from engine_server.models.llama import MISTRAL3_TOWERS
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import CheckpointTensor, read_whole
+from engine_server.parallel.layers import CheckpointTensor
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROUTING_BIAS = ".mlp.gate.e_score_correction_bias"
@@ -67,11 +67,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         Linear's q, k and v convolutions of a layer as its one `conv1d`."""
         layers = self._decoder_layers(weights)
         if self.kimi_linear:
-            layers = joined_parts(
-                layers, _KDA_CONV_PART, ("q", "k", "v"), "conv1d.weight",
-                lambda parts: torch.cat([read_whole(parts[p]) for p in "qkv"]),
-                what="some of a layer's q/k/v convolutions without the others",
-            )  # fmt: skip
+            layers = joined_convolutions(layers, _KDA_CONV_PART)
         return super().checkpoint_weights(layers, replaced)
 
     def _decoder_layers(

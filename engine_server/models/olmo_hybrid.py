@@ -6,10 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable
 
-import torch
-
-from engine_server.models.base import CausalLM, joined_parts
-from engine_server.parallel.layers import CheckpointTensor, read_whole
+from engine_server.models.base import CausalLM, joined_convolutions
+from engine_server.parallel.layers import CheckpointTensor
 
 # A linear layer's convolution of q, k or v, as its checkpoints store them (transformers joins them at load).
 _CONV_PART = re.compile(r"(?P<layer>.+\.linear_attn)\.(?P<part>[qkv])_conv1d\.weight")
@@ -41,9 +39,4 @@ class OlmoHybridForCausalLM(CausalLM):
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
         """Each linear layer's q, k and v convolutions as its one `conv1d` (their channels in that order)."""
-        joined = joined_parts(
-            weights, _CONV_PART, ("q", "k", "v"), "conv1d.weight",
-            lambda parts: torch.cat([read_whole(parts[p]) for p in "qkv"]),
-            what="some of a layer's q/k/v convolutions without the others",
-        )  # fmt: skip
-        return super().checkpoint_weights(joined, replaced)
+        return super().checkpoint_weights(joined_convolutions(weights, _CONV_PART), replaced)

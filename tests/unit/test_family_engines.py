@@ -397,7 +397,7 @@ def test_a_multimodal_apertus15_checkpoint_serves_its_text_model_through_its_pru
     own multimodal model's on text prompts; the tokens past the head's rows have -inf logits."""
     import transformers
 
-    from tests.families import _SHAPE
+    from tests.families import _SHAPE, draw_language_model
 
     text = {**_SHAPE, "head_dim": 16, "output_vocab_size": 48000, "tie_word_embeddings": False}
     vision = {"codebook_size": 64, "embed_dim": 32, "latent_channels": 32, "base_channels": 32,
@@ -409,10 +409,9 @@ def test_a_multimodal_apertus15_checkpoint_serves_its_text_model_through_its_pru
     )
     torch.manual_seed(0)
     model = transformers.Apertus1p5ForConditionalGeneration(config).eval()
+    draw_language_model(model)
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() > 1 and ("language_model" in name or name == "lm_head.weight"):
-                parameter.normal_(0.0, 0.08)
+        model.lm_head.weight.normal_(0.0, 0.08)  # (its head is beside the language model)
     model.save_pretrained(tmp_path)
     copy_tokenizer(tmp_path)
     batch = prompts()[:4]
