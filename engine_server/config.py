@@ -493,6 +493,9 @@ class ModelConfig:
     # LFM3: the full-attention layers' "proportional" rope: of each head's `head_dim / 2` rotation angles only the
     # first `rope_rotated_angles` turn (the others' frequencies 0), over the whole head (0: the plain table).
     rope_rotated_angles: int = 0
+    # Cohere Compass: Cohere's block with rope over halves (its checkpoints' q/k rows as they are), where Command's
+    # turns interleaved pairs (`models.cohere` reorders their rows at load).
+    rope_halves: bool = False
     # Nemotron-H: its checkpoint's blocks, one character each as its `hybrid_override_pattern` writes them ("M"
     # Mamba-2, "*" attention, "-" MLP, "E" Nemotron 3's experts), which `nemotron_blocks` pairs into this config's
     # layers; the layers without an MLP (a mixer not followed by one) are `mlp_free_layers`.

@@ -150,6 +150,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "cohere": "cohere",  # Command R / R+: the attention and the MLP in parallel off one LayerNorm
     "cohere2": "cohere",  # Command R7B, Command A: that block, 3:1 windowed layers and global ones without rope
     "cohere2_moe": "cohere",  # Command A+: Command A's block and layers over experts (`_cohere2_moe_config`)
+    # Cohere Compass (North): Command A's block with rope over halves, a rope (or none) per layer type; a multimodal
+    # checkpoint's text model (its vision tower not read)
+    "cohere_compass_text": "cohere",
+    "cohere_compass": "cohere",
     "lfm2": "lfm2",  # LFM2: gated short convolutions (a state per sequence) between grouped-query attention layers
     "lfm2_moe": "lfm2",  # LFM2-MoE: those layers, experts after its first dense ones (DeepSeek-V3's router, one group)
     # LFM3: LFM2's layers in Gemma's sandwich, windowed attention layers too, each head's output gated (`_lfm3_fields`)
@@ -201,8 +205,11 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "bert":
         return _encoder_config(cfg, name)
     _refuse_unbuilt(model_type, cfg)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5", "apertus1p5"):
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5", "apertus1p5",
+                      "cohere_compass"):  # fmt: skip
         cfg = _text_config(cfg)  # multimodal: its text model
+    if model_type == "cohere_compass":  # read as its text model's family
+        model_type = "cohere_compass_text"
     if cfg.get("model_type") == "apertus1p5_text":  # Apertus's, its head pruned (`_output_vocab_size`)
         cfg, model_type = {**cfg, "model_type": "apertus"}, "apertus"
         _refuse_unbuilt(model_type, cfg)
@@ -1211,7 +1218,9 @@ def _cohere_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("use_qk_norm"):
         raise ValueError("cohere with use_qk_norm (per-head q/k LayerNorms) is not supported")
     layer_norm = cfg.get("model_type") != "cohere2_moe" or cfg.get("rms_norm_eps") is None
-    return {"layer_norm": layer_norm, "parallel_block": True, "logit_scale": float(cfg.get("logit_scale", 1.0))}
+    scale = cfg.get("logit_scale")  # (Cohere Compass's null: none)
+    return {"layer_norm": layer_norm, "parallel_block": True, "logit_scale": float(1.0 if scale is None else scale),
+            "rope_halves": cfg.get("model_type") == "cohere_compass_text"}
 
 
 # Cohere2-MoE's routers (`expert_selection_fn`) and its ways of adding the shared experts' output
@@ -1516,6 +1525,9 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
         return tuple(range(int(cfg["num_hidden_layers"]))) if nope else ()
     if model_type == "afmoe":  # rope on its windowed layers alone
         return tuple(i for i, kind in enumerate(_afmoe_layer_types(cfg)) if kind == "full_attention")
+    if model_type == "cohere_compass_text":  # no rope on the layers of a type whose rope parameters are null
+        by_type = cfg.get("rope_parameters") or {}
+        return tuple(i for i, kind in enumerate(cfg.get("layer_types") or ()) if by_type.get(kind, {}) is None)
     if model_type in ("cohere2", "cohere2_moe"):  # rope on its windowed layers only: with no window, on none
         windows = _layer_windows(model_type, cfg) or (0,) * int(cfg["num_hidden_layers"])
         # Cohere2-MoE's dense layers turn rope too when its prefix pattern is 1 (each of them global)

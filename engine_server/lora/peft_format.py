@@ -164,7 +164,8 @@ def _piece(
     if path_in_model.endswith(("attention.query_key_value", "attn.c_attn")):  # grouped by KV head: GPT-NeoX's,
         # Falcon's, GPT-BigCode's (GPT-2's Conv1D adapters are refused: `fan_in_fan_out`)
         b = grouped_qkv_rows(b, config.num_attention_heads, config.num_key_value_heads)
-    elif config.architecture in _INTERLEAVED_ROPE_ROWS and module in ("self_attn.q_proj", "self_attn.k_proj"):
+    elif (config.architecture in _INTERLEAVED_ROPE_ROWS and not config.rope_halves
+          and module in ("self_attn.q_proj", "self_attn.k_proj")):  # (Cohere Compass's rows already are halves)
         b = unpermute_rope_rows(b, b.shape[0] // config.layer_head_dim(layer), config.rotary_dim)
     elif config.architecture == "nanochat" and module in ("self_attn.q_proj", "self_attn.k_proj"):
         b = swapped_rope_halves(b, b.shape[0] // config.head_dim)  # as `models.nanochat` reads its rows

@@ -426,6 +426,38 @@ def test_a_multimodal_apertus15_checkpoint_serves_its_text_model_through_its_pru
         assert torch.isfinite(logits[:, :48000]).all()
 
 
+def test_a_multimodal_cohere_compass_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """Cohere Compass (North) checkpoints are `CohereCompassForConditionalGeneration`: a `text_config` (Command A's
+    block with rope over halves on its windowed layers, none on its full one), the text model under
+    `model.language_model.` and a vision tower beside it, which is not read. Its text output equals transformers' own
+    multimodal model's on text prompts."""
+    import transformers
+
+    from tests.families import _SHAPE, WINDOW, draw_language_model
+
+    text = {**_SHAPE, "head_dim": 16, "sliding_window": WINDOW, "logit_scale": 0.5,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "eos_token_id": 2,
+            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                                "full_attention": None}}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "num_position_embeddings": 64, "deepstack_visual_indexes": []}  # fmt: skip
+    config = transformers.CohereCompassConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.CohereCompassForConditionalGeneration(config).eval()
+    draw_language_model(model)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.08)  # (its head is beside the language model)
+    model.save_pretrained(tmp_path)
+    copy_tokenizer(tmp_path)
+    batch = prompts()[:4]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    with engine(tmp_path) as llm:
+        config_read = llm.core.model_config
+        assert config_read.rope_halves and config_read.nope_layers == (3,) and config_read.logit_scale == 0.5
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+
+
 def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
     """The released Llama 4 checkpoints are `Llama4ForConditionalGeneration`: a `text_config`, the text model's
     weights under `language_model.`, a vision model and its projector beside them, which are not read. Its text

@@ -492,6 +492,15 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
          "pad_token_id": 0},
     ),
+    # Cohere Compass (North): Command A's parallel block under LayerNorms, rope over halves on its windowed layers
+    # (base 50,000; 6 positions) and none on the full one (its null rope parameters), the logits scaled.
+    "cohere-compass": (
+        transformers.CohereCompassTextConfig,
+        {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6, "logit_scale": 0.5,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                             "full_attention": None}, "pad_token_id": 0},
+    ),
     # Kimi Linear: Kimi Delta Attention (4 heads of 16: a decay per key channel through a rank-16 projection, the
     # output gate likewise, the norm gated by sigmoid) around a latent-attention layer without rope; a dense first
     # MLP, then DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, 3 per token, a bias, scaled by 2.5) beside a
@@ -719,6 +728,7 @@ MODEL_CLASSES = {
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
+    transformers.CohereCompassTextConfig: transformers.CohereCompassForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
