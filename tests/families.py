@@ -593,14 +593,16 @@ ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router
            "mixer.gate.weight", "mlp.router.gate.weight")  # fmt: skip
 
 
-def draw_language_model(model: Any) -> None:
-    """A multimodal model's language model (its parameters under `language_model`) drawn as `save_family` draws a
-    text model's: routers wide, other matrices at 0.08; the vision side left at transformers' init."""
+def draw_language_model(model: Any, head: bool = False) -> None:
+    """A multimodal model's language model (its parameters under `language_model`, and with `head` its `lm_head`
+    beside it) drawn as `save_family` draws a text model's: routers wide, other matrices at 0.08; the vision side
+    left at transformers' init."""
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "language_model" in name and name.endswith(ROUTERS):
+            drawn = "language_model" in name or (head and name == "lm_head.weight")
+            if drawn and name.endswith(ROUTERS):
                 parameter.normal_(0.0, 0.3)
-            elif parameter.dim() > 1 and "language_model" in name:
+            elif parameter.dim() > 1 and drawn:
                 parameter.normal_(0.0, 0.08)
 
 

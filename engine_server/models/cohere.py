@@ -32,10 +32,7 @@ class CohereForCausalLM(InterleavedRopeCausalLM):
     ) -> Iterable[tuple[str, CheckpointTensor]]:
         """The shared experts' down projection scaled (where `shared_expert_scale` is not 1); q/k rows in halves
         (Cohere Compass's already are); a multimodal checkpoint's text model."""
-        weights = self._shared_scaled(text_model_weights(weights, _VISION))
-        if self.config.rope_halves:  # past `InterleavedRopeCausalLM`'s reorder
-            return super(InterleavedRopeCausalLM, self).checkpoint_weights(weights, replaced)
-        return super().checkpoint_weights(weights, replaced)
+        return super().checkpoint_weights(self._shared_scaled(text_model_weights(weights, _VISION)), replaced)
 
     def _shared_scaled(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
         scale = self.config.shared_expert_scale

@@ -23,7 +23,10 @@ class InterleavedRopeCausalLM(CausalLM):
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
-        """Each head's turned q/k rows in halves order."""
+        """Each head's turned q/k rows in halves order (as they are where `ModelConfig.rope_halves` says the
+        checkpoint already holds them so: Cohere Compass's)."""
+        if self.config.rope_halves:
+            return super().checkpoint_weights(weights, replaced)
         return super().checkpoint_weights(self._halves(weights), replaced)
 
     def _halves(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:

@@ -73,6 +73,15 @@ def reference_tokens(folder: Path) -> GreedyReference:
     return GreedyReference(load_reference(folder), prompts(), NUM_TOKENS)
 
 
+def saved_multimodal(model: Any, folder: Path, reference: Any = None) -> tuple[list[list[int]], GreedyReference]:
+    """A multimodal `model` saved to `folder` with the embedded tokenizer: the first four `prompts()` and the greedy
+    tokens of `reference` (the model itself by default) for them."""
+    model.save_pretrained(folder)
+    copy_tokenizer(folder)
+    batch = prompts()[:4]
+    return batch, GreedyReference(model if reference is None else reference, batch, NUM_TOKENS)
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Any]:
     """(name, saved folder, transformers' greedy tokens for `prompts()`)."""
@@ -380,10 +389,7 @@ def test_a_multimodal_gemma4_checkpoint_serves_its_text_model(tmp_path: Path) ->
         for name, parameter in model.named_parameters():
             if parameter.dim() > 1 and "language_model" in name:
                 parameter.normal_(0.0, 0.08)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    batch, theirs = saved_multimodal(model, tmp_path)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "gemma4"
         ours = tokens(llm, batch)
@@ -409,13 +415,8 @@ def test_a_multimodal_apertus15_checkpoint_serves_its_text_model_through_its_pru
     )
     torch.manual_seed(0)
     model = transformers.Apertus1p5ForConditionalGeneration(config).eval()
-    draw_language_model(model)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.08)  # (its head is beside the language model)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    draw_language_model(model, head=True)  # (its head is beside the language model)
+    batch, theirs = saved_multimodal(model, tmp_path)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.output_vocab_size == 48000
         ours = tokens(llm, batch)
@@ -444,13 +445,8 @@ def test_a_multimodal_cohere_compass_checkpoint_serves_its_text_model(tmp_path: 
     config = transformers.CohereCompassConfig(text_config=text, vision_config=vision)
     torch.manual_seed(0)
     model = transformers.CohereCompassForConditionalGeneration(config).eval()
-    draw_language_model(model)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.08)  # (its head is beside the language model)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    draw_language_model(model, head=True)  # (its head is beside the language model)
+    batch, theirs = saved_multimodal(model, tmp_path)
     with engine(tmp_path) as llm:
         config_read = llm.core.model_config
         assert config_read.rope_halves and config_read.nope_layers == (3,) and config_read.logit_scale == 0.5
@@ -474,10 +470,7 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(tmp_path: Path) ->
     torch.manual_seed(0)
     model = transformers.Llama4ForConditionalGeneration(config).eval()
     draw_language_model(model)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model.language_model, batch, NUM_TOKENS)
+    batch, theirs = saved_multimodal(model, tmp_path, reference=model.language_model)
     with engine(tmp_path) as llm:
         assert llm.core.model_config.architecture == "llama4"
         ours = tokens(llm, batch)
@@ -516,10 +509,7 @@ def test_a_multimodal_mistral3_checkpoint_serves_its_text_model(text_model: str,
     torch.manual_seed(0)
     model = transformers.Mistral3ForConditionalGeneration(config).eval()
     draw_language_model(model)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer(tmp_path)
-    batch = prompts()[:4]
-    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    batch, theirs = saved_multimodal(model, tmp_path)
     with engine(tmp_path) as llm:
         config = llm.core.model_config
         assert config.architecture == ("llama" if text_model == "ministral3" else "deepseek_v3")
