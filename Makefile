@@ -31,11 +31,11 @@ $(NGINX): $(STAMP)
 		(apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null)
 	touch $(NGINX)
 
-# The C++ CPU kernels (kernels/cpu), built for this CPU into torch's extensions folder, so the first engine or test
+# The C++ CPU kernels (ladle_kernels/cpu), built for this CPU into torch's extensions folder, so the first engine or test
 # does not build them (~90 s of CPU); the engine builds them itself if they are missing or their sources changed.
 # Where they cannot be built (no compiler) this says so and the engine runs the torch reference ops.
-$(KERNELS): $(STAMP) $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
-	$(PY) -c "from kernels.cpu_ops import cpu_ops; print('cpu kernels:', 'built' if cpu_ops() else 'unavailable')"
+$(KERNELS): $(STAMP) $(wildcard ladle_kernels/cpu/*.cpp ladle_kernels/cpu/*.h)
+	$(PY) -c "from ladle_kernels.cpu_ops import cpu_ops; print('cpu kernels:', 'built' if cpu_ops() else 'unavailable')"
 	touch $(KERNELS)
 
 $(BUF):
@@ -85,7 +85,7 @@ lint: setup
 	if git rev-parse --verify -q main >/dev/null; then $(BUF) breaking --against '.git#branch=main'; \
 		else echo "buf breaking: no local main branch to compare with"; fi
 	$(PY) -m ruff check .
-	$(PY) -m mypy engine_server kernels gateway benchmarks clients/ladle clients/generate_stubs.py ladle_cli \
+	$(PY) -m mypy engine_server ladle_kernels gateway benchmarks clients/ladle clients/generate_stubs.py ladle_cli \
 		docs/hooks/grpc_reference.py
 
 proto: setup

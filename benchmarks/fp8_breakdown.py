@@ -30,7 +30,7 @@ import engine_server.layers.fp8_linear as fp8_linear
 import engine_server.quantization as quantization
 from benchmarks.common import cpu_model_name, git_commit
 from benchmarks.quality import QUALITY_PROMPTS, compare, make_llm, reference_of
-from kernels import reference
+from ladle_kernels import reference
 
 RowRounding = Callable[[torch.Tensor], torch.Tensor]
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -11,7 +11,7 @@ Per model (default `dummy:qwen2.5-0.5b` and `dummy:smollm2-135m`):
   KV cache it reads at the GPU's measured copy bandwidth, over the measured time.
 
 `--quantization none,int8` runs each model twice, its weights as they are (bf16 on CUDA) and as int8 weight-only
-groups (`kernels.int8_linear`); transformers runs once, with the first.
+groups (`ladle_kernels.int8_linear`); transformers runs once, with the first.
 
 One JSON object per run (`--out`): device, torch / triton versions, commit, command, and per model and scheme
 `model`, `quantization`, `output_tok_per_s` {ladle, transformers}, `ratio_vs_hf`, `roofline_fraction`,

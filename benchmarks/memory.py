@@ -49,7 +49,7 @@ def measure_ladle(model: str, kv_cache_mib: int, requests: int) -> dict[str, Any
     import engine_server.llm as llm_module
     from engine_server import SamplingParams
     from engine_server.config import CacheConfig, EngineConfig
-    from kernels.cpu_ops import cpu_ops
+    from ladle_kernels.cpu_ops import cpu_ops
 
     cpu_ops()  # the kernels' library: part of the runtime, as torch is
     stages = {"runtime": resident_mib()}

@@ -26,7 +26,7 @@ from benchmarks.common import cpu_model_name, git_commit, report_result, utc_tim
 from engine_server.layers.lowbit_weight import E2M1_DOUBLED, LowBitWeight
 from engine_server.layers.quantized_experts import QuantizedExperts, expert_weights
 from engine_server.layers.quantized_linear import QuantizedWeight
-from kernels import cpu_ops
+from ladle_kernels import cpu_ops
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 32, 2880, 2880, 4
 SWIGLU = (1.702, 7.0)

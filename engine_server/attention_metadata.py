@@ -6,7 +6,7 @@ Contract shared by the runner, the model and every attention kernel:
   at positions `[seq_lens[i] - query_lens[i], seq_lens[i])`; its earlier tokens are already in the cache.
 - The KV cache is one tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 = K,
   1 = V); an FP8 cache (`--kv-cache-dtype fp8`) is uint8 `[..., head_dim + 4]`, each row a token's key or value of
-  one KV head in e4m3 followed by its float32 scale (`kernels.reference.fp8_kv_rows`). Token p of sequence i
+  one KV head in e4m3 followed by its float32 scale (`ladle_kernels.reference.fp8_kv_rows`). Token p of sequence i
   lives in slot `block_tables[i][p // block_size] * block_size + p % block_size`.
 - Each layer writes the K/V of all T new tokens before computing attention, so a sequence may read blocks that
   another sequence of the same step writes (shared prefix blocks).
@@ -28,8 +28,8 @@ import torch
 from engine_server.config import KVCacheDType, ModelConfig
 from engine_server.parallel.sharding import kv_heads_per_rank
 from engine_server.transfer import padded_rows, to_device
-from kernels.attention_inputs import PrefillSpan, ReferencePlan
-from kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES
+from ladle_kernels.attention_inputs import PrefillSpan, ReferencePlan
+from ladle_kernels.reference import FP8_KV_DTYPE, FP8_KV_SCALE_BYTES
 
 if TYPE_CHECKING:
     from engine_server.core.scheduler_output import StateCopies

@@ -176,7 +176,7 @@ class Mamba2:
     wide), x (`num_heads` heads `head_dim` wide), B and C (`groups` groups `state_dim` wide; each group serves
     `num_heads / groups` consecutive heads) and a time step per head; a depthwise causal convolution of
     `conv_kernel` taps (with a bias where `conv_bias`) and SiLU over x, B and C. Its state per sequence is the
-    convolution's last `conv_kernel - 1` inputs and one `head_dim x state_dim` matrix per head (`kernels.mamba2`).
+    convolution's last `conv_kernel - 1` inputs and one `head_dim x state_dim` matrix per head (`ladle_kernels.mamba2`).
 
     `gated_norm`: the scan's gated output `y * silu(z)` is RMS-normalised over each group's heads (with a weight);
     False (Falcon-H1 without `mamba_rms_norm`): taken as it is. `beside_attention` (Falcon-H1): each of `layers` runs
@@ -224,7 +224,7 @@ class Mamba1:
     `x_proj` gives the time step's low-rank input (`dt_rank` wide), B and C (`state_dim` each), each RMS-normalised
     where `inner_norms` (Jamba's); `dt_proj` (with a bias) lifts the time step to every channel. Its state per
     sequence is the convolution's last `conv_kernel - 1` inputs and a `state_dim`-wide row per channel
-    (`kernels.mamba1`)."""
+    (`ladle_kernels.mamba1`)."""
 
     inner: int
     state_dim: int
@@ -348,7 +348,7 @@ class ModelConfig:
     # `intermediate_size` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). 0 experts: a dense model. gpt-oss:
     # the router and the experts' projections have biases (`expert_biases`), and with `swiglu_limit` > 0 the experts'
     # activation is its clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], then
-    # `gate * sigmoid(swiglu_alpha * gate) * (up + 1)` (`kernels.reference.clamped_swiglu`).
+    # `gate * sigmoid(swiglu_alpha * gate) * (up + 1)` (`ladle_kernels.reference.clamped_swiglu`).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -674,7 +674,7 @@ def nemotron_blocks(pattern: str) -> tuple[tuple[int, int | None], ...]:
 
 
 # What the KV cache stores: "auto" the model's own dtype; "fp8" each token's key and value per KV head in e4m3 with
-# a float32 scale (`kernels.reference.fp8_kv_rows`), about half a 16-bit cache's bytes (a quarter of float32's).
+# a float32 scale (`ladle_kernels.reference.fp8_kv_rows`), about half a 16-bit cache's bytes (a quarter of float32's).
 KVCacheDType = Literal["auto", "fp8"]
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDType)
 

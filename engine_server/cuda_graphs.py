@@ -11,8 +11,8 @@ CUDA graph replays them all with one launch. A graph replays fixed kernels on fi
   request owns; their own outputs are garbage and are never returned.
 - Everything the captured kernels read from the host (number of sequences, max_query_len == 1, shapes) is fixed
   per bucket; all per-step values (tokens, positions, slots, seq_lens, block tables) are read on the device.
-  `kernels.paged_attention` and `kernels.kv_cache` satisfy this, so their launches replay correctly. A kernel
-  that sized its launch from `max_seq_len` or the host lists would not: the graph keeps their capture values.
+  `ladle_kernels.paged_attention` and `ladle_kernels.kv_cache` satisfy this, so their launches replay correctly. A
+  kernel that sized its launch from `max_seq_len` or the host lists would not: the graph keeps their capture values.
 
 - With LoRA adapters (engine_server.lora) every bucket is recorded with the adapters' kernels in it, reading each
   row's slot from a static buffer (-1: none, the padding rows' value): a step mixing adapters replays as any

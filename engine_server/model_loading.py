@@ -65,7 +65,7 @@ from engine_server.quantization import (
     stored_weights,
 )
 from engine_server.speculative.draft_model import DraftModel
-from kernels.kernel_set import REFERENCE_OPS
+from ladle_kernels.kernel_set import REFERENCE_OPS
 
 log = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@
   (`loader.fp8_checkpoint`: per channel, per tensor, or per block of 128 x 128), any other model's float weights
   quantized per output channel at load; activations are rounded to e4m3 per token on the fly (an expert's
   SiLU-and-mul rows per token and expert). On CUDA (compute capability 8.9+: e4m3 tensor cores) the weights stay
-  e4m3 and `kernels.fp8_linear` / `kernels.fused_moe.fp8_fused_moe` multiply them; on the CPU they are
+  e4m3 and `ladle_kernels.fp8_linear` / `ladle_kernels.fused_moe.fp8_fused_moe` multiply them; on the CPU they are
   dequantized once to float and the rows are rounded to e4m3 before each product: the same arithmetic, for
   loading and measuring FP8 models without a GPU (neither faster nor smaller than float). Under tensor
   parallelism each rank quantizes its slice of the float weights per channel, an FP8 checkpoint's included
@@ -32,8 +32,8 @@ against transformers. The quantized kernels multiply 8-bit activations (quantize
 by the 4/8-bit weights in exact integer dot products for any number of rows, so a row's result does not depend
 on its batch, bit for bit; they stream ~5x fewer weight bytes per decode step than float32 and run ~1.3-2x the
 float32 GEMMs' multiply-adds per second at prefill and batch sizes (`vpmaddubsw`, 32 per instruction).
-Quantized layers run on the CPU kernels (`kernels/cpu/quant_matmul.cpp`); on CUDA `int8` runs on the Triton
-kernel `kernels.int8_linear` (the weight dequantized to the model's dtype in registers, x kept as it is) and
+Quantized layers run on the CPU kernels (`ladle_kernels/cpu/quant_matmul.cpp`); on CUDA `int8` runs on the Triton
+kernel `ladle_kernels.int8_linear` (the weight dequantized to the model's dtype in registers, x kept as it is) and
 `gguf` is refused at start-up, as it is for a model that is not a GGUF file. `auto` stays `none` on CUDA.
 The LM head of a model with tied embeddings is quantized (from the embedding's stored blocks under `gguf`). Under
 `gguf` on one rank the embedding lookup reads the file's blocks too (`QuantizedEmbedding`: the rows a step looks up,
@@ -115,7 +115,7 @@ from engine_server.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from kernels.reference import QUANT_GROUP
+from ladle_kernels.reference import QUANT_GROUP
 
 Scheme = Literal["none", "gguf", "int8", "fp8"]
 # Gemma 4's per-layer input table (`layers.gemma4`): on the CPU quantized (its blocks under gguf, 8-bit groups of 32
@@ -208,7 +208,7 @@ def _fp8_refusal(device: torch.device, kernels: bool) -> str | None:
         return f"FP8 weights are served on CUDA or the CPU, not {device.type}"
     if not kernels:
         return "needs triton on CUDA, which could not be imported here"
-    from kernels.fp8_linear import FP8_MIN_CAPABILITY  # triton: imported only where it runs
+    from ladle_kernels.fp8_linear import FP8_MIN_CAPABILITY  # triton: imported only where it runs
 
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_MIN_CAPABILITY:
@@ -345,7 +345,7 @@ def quantize_model(
     the caller has it already (computed here otherwise); under `int8`, `stored_mxfp4_banks`' (the banks it names
     were never loaded as float); on the CPU it is emptied once its weights are packed.
 
-    On the CPU the model also gets `kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
+    On the CPU the model also gets `ladle_kernels.cpu_ops.batch_invariant_cpu_ops` (every token's attention on the
     decode kernel), so that with the integer kernels a token's result does not depend on its batch or on the
     prefix cache, bit for bit (docs/models.md, Quantized weights)."""
     if scheme == "none":
@@ -395,7 +395,7 @@ def quantize_model(
     )  # fmt: skip
     model.model.decode_stack = build_decode_stack(model.model)
     if on_cpu:
-        from kernels.cpu_ops import batch_invariant_cpu_ops  # the kernels are built: quantized layers need them
+        from ladle_kernels.cpu_ops import batch_invariant_cpu_ops  # the kernels are built: quantized layers need them
 
         model.ops = batch_invariant_cpu_ops()
     return {**formats, "decode_stack": int(model.model.decode_stack is not None)}
@@ -540,7 +540,7 @@ def _stored_experts(stored: dict[str, StoredMatrix], name: str, bank: ParallelEx
     return StoredBank(gate, up, down, rows)
 
 
-# The types the experts' kernels take (kernels/cpu/moe.cpp): those of the dense quantized layers.
+# The types the experts' kernels take (ladle_kernels/cpu/moe.cpp): those of the dense quantized layers.
 _EXPERT_KINDS = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0,
     GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,

@@ -5,12 +5,12 @@ weight bytes).
 For each weight shape `[N, K]` (Llama 3.1 8B's fused qkv, o, gate_up and down projections) and each row count M it
 times, in microseconds per call, each replayed from a CUDA graph as a decode step runs it (`do_bench_cudagraph`):
 - `bf16`: `F.linear` on the bf16 weight;
-- `quantize`: the per-token e4m3 quantization of x (`kernels.fp8_linear.fp8_quantize_per_token`);
+- `quantize`: the per-token e4m3 quantization of x (`ladle_kernels.fp8_linear.fp8_quantize_per_token`);
 - `scaled_mm`: `torch._scaled_mm` on the quantized x and the e4m3 weight (rowwise scales);
 - `fp8_auto`: `fp8_linear` as the engine calls it (the quantization, then `torch._scaled_mm` where available);
 - `fp8_triton`: `fp8_linear` through the Triton GEMM instead;
 - `fp8_few_rows` (up to 16 rows): `fp8_linear` through the few-rows kernel, which rounds x itself (the engine's
-  choice up to `kernels.fp8_linear.FEW_ROWS` rows); up to 4 rows, `few_rows_tiles` times it over other tiles
+  choice up to `ladle_kernels.fp8_linear.FEW_ROWS` rows); up to 4 rows, `few_rows_tiles` times it over other tiles
   (BLOCK_N, BLOCK_K, num_warps), to choose its defaults from; from 8 rows, `gemm_tiles_us` times the Triton GEMM
   over other tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): whether it can beat `torch._scaled_mm`.
 Each time also gives the weight bytes' bandwidth (bytes / time), to read against the copy bandwidth measured first.
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import git_commit
-from kernels import reference
-from kernels.fp8_linear import _scaled_mm, fp8_linear, fp8_quantize_per_token, scaled_mm_available
+from ladle_kernels import reference
+from ladle_kernels.fp8_linear import _scaled_mm, fp8_linear, fp8_quantize_per_token, scaled_mm_available
 
 # Llama 3.1 8B: hidden 4096, 32 query and 8 KV heads of 128, intermediate 14336.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 grep -qx '/.gpu_model/' .git/info/exclude 2>/dev/null || echo '/.gpu_model/' >> .git/info/exclude
 
-# What engine_server, kernels, benchmarks and the tests import beyond the GPU image's packages (see the device
+# What engine_server, ladle_kernels, benchmarks and the tests import beyond the GPU image's packages (see the device
 # tool's KINDS.md): pinned to what the project's CPU environment uses where the version matters. grpcio itself is
 # the image's: its 7 MB wheel would take the first call's carry (with the model's first half) over 64 MiB.
 WHEELS=(gguf structlog "grpcio-health-checking==1.85.1" "grpcio-reflection==1.85.1"

@@ -20,7 +20,7 @@
 #   profile:MODEL  scripts/gpu_profile.py: host phases, decode vs mixed steps         -> $OUT/profile.log
 #                  (PROFILE_ARGS adds its arguments, e.g. "--kernels --tensor-parallel-size 2": the NCCL share)
 #   old-quick:MODEL, old-profile:MODEL   the same for an older tree in .gpu_old (an A/B on one machine: carry
-#                  it, made here with `git archive REV engine_server kernels benchmarks clients scripts | tar -x
+#                  it, made here with `git archive REV engine_server ladle_kernels benchmarks clients scripts | tar -x
 #                  -C .gpu_old`, and name REV in OLD_COMMIT)        -> $OUT/gpu_old.jsonl, profile_old.log
 #
 # A session, in three device calls back to back (the first two within the machine's warm window; LADLE_COMMIT

@@ -24,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from benchmarks.common import cpu_model_name, git_commit, report_result, utc_timestamp  # noqa: E402
 from engine_server.layers.lowbit_weight import decode_blocks, pack_lowbit  # noqa: E402
-from kernels import cpu_ops  # noqa: E402
+from ladle_kernels import cpu_ops  # noqa: E402
 from tests.lowbit_blocks import KINDS, block_elements, random_blocks  # noqa: E402
 
 PREFILL_ROWS = 64

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.common import write_gpt2_tokenizer
 from engine_server.hf_classic import falcon_kv_heads
-from kernels.reference import grouped_qkv_rows
+from ladle_kernels.reference import grouped_qkv_rows
 from tests.unit.pooling.embedding_models import copy_tokenizer
 
 VOCAB_SIZE = 49152

@@ -24,7 +24,7 @@ from engine_server.parallel.sharding import (
     qkv_slices,
     query_heads_of_rank,
 )
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class PagedSelfAttention(nn.Module):
@@ -34,8 +34,8 @@ class PagedSelfAttention(nn.Module):
     soft-capped with `ModelConfig.attention_softcap` (Gemma 2); without `rope` (SmolLM3's NoPE layers) q and k are
     not turned by their positions. With `ModelConfig.attention_sinks` (gpt-oss) each query head has a learned sink
     logit (`sinks`, float32 whatever the model's dtype, this rank's heads), one more term of its softmax's
-    denominator (`kernels.reference.paged_attention`). With `ModelConfig.attention_output_gate` (Qwen3-Next, Qwen3.5)
-    q_proj gives each head its query and then as many gate values, and the attention's output is multiplied by
+    denominator (`ladle_kernels.reference.paged_attention`). With `ModelConfig.attention_output_gate` (Qwen3-Next,
+    Qwen3.5) q_proj gives each head its query and then as many gate values, and the attention's output is multiplied by
     their sigmoid before `o_proj`. Llama 4: each head of q and k RMS-normalised without a weight on its rope layers
     (`ModelConfig.qk_unit_norm`), its NoPE layers' queries scaled by their position's attention temperature
     (`ModelConfig.nope_temperature_scale`), and its rope layers attending within chunks (`ModelConfig.attention_chunk`:

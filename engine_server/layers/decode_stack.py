@@ -1,10 +1,10 @@
-"""The C++ decode stack (`kernels/cpu/decoder.cpp`): a quantized model's steps in one call on the CPU.
+"""The C++ decode stack (`ladle_kernels/cpu/decoder.cpp`): a quantized model's steps in one call on the CPU.
 
 A step from Python is ~10 op calls per layer, each with a few microseconds of interpreter and dispatcher
 overhead; for SmolLM2-135M with 4-bit weights that was a third of a single-stream token. `DecodeStack` runs the
 same kernels in the same order from C++, so `DecoderModel.forward` hands it every step and gets the layers' result
 bit for bit (tests/unit/test_decode_stack.py). The quantized CPU path's attention takes every token as a decode row
-of its own (`kernels.cpu_ops.paged_attention_by_token`), so a step with prompt tokens is one of decode rows too:
+of its own (`ladle_kernels.cpu_ops.paged_attention_by_token`), so a step with prompt tokens is one of decode rows too:
 each prompt token with its sequence's block table and its position + 1 as length (`AttentionMetadata.token_rows`).
 Qwen3's and OLMoE's q/k norms (and OLMoE's clamp) and mixtures of experts (Mixtral, Qwen2-MoE with its shared expert,
 Qwen3-MoE, OLMoE) over quantized experts (any of `QuantizedExperts`' formats, K-quants included) run in it too: their
@@ -29,7 +29,7 @@ from engine_server.layers.quantized_experts import QuantizedExperts, RowwiseLine
 from engine_server.layers.quantized_linear import QuantizedLinear
 from engine_server.lora.slots import LoraSlots
 from engine_server.lora.targets import PROJECTIONS
-from kernels.cpu_ops import HEAD_DIMS, cpu_ops
+from ladle_kernels.cpu_ops import HEAD_DIMS, cpu_ops
 
 # A mixture of experts as the stack takes it: its quantized experts, its router, its shared expert's projections.
 MoeParts = tuple[QuantizedExperts, RowwiseLinear, list[QuantizedLinear] | None]

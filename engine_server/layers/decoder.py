@@ -25,8 +25,8 @@ from engine_server.lora.targets import PROJECTIONS
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
-from kernels.kernel_set import KernelOps
-from kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache, build_yarn_cos_sin_cache
+from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.reference import build_cos_sin_cache, build_longrope_cos_sin_cache, build_yarn_cos_sin_cache
 
 
 class DecoderLayer(nn.Module):

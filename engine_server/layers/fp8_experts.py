@@ -6,10 +6,10 @@ channel, or per block of an FP8 checkpoint's `weight_block_size` (the layouts of
 expert). A float bank is quantized per channel at load (`quantize_fp8_experts`); an FP8 checkpoint's experts are
 taken as stored (`engine_server.quantization.stored_fp8_weights`).
 
-`Fp8Experts` takes a `ParallelExperts`' place and computes what `kernels.reference.fp8_fused_moe` says: x rounded
+`Fp8Experts` takes a `ParallelExperts`' place and computes what `ladle_kernels.reference.fp8_fused_moe` says: x rounded
 to e4m3 per token before gate/up, the activation's rows rounded per (token, expert) pair before down; a bank with
 biases (gpt-oss) keeps them in its float dtype, added to each product.
-- On CUDA the banks stay e4m3 (one byte per weight) and `kernels.fused_moe.fp8_fused_moe` runs them.
+- On CUDA the banks stay e4m3 (one byte per weight) and `ladle_kernels.fused_moe.fp8_fused_moe` runs them.
 - On the CPU, which has no e4m3 arithmetic, each bank is dequantized once to a float bank of the model's dtype
   (the e4m3 values times their scales, exactly) and the rows are rounded in torch before each product, as
   `Fp8Linear` does: the same arithmetic up to the order of the float32 sums, so FP8 mixtures of experts load and
@@ -28,7 +28,7 @@ from torch import nn
 from engine_server.layers.fp8_linear import Fp8Weight, fp8_rounded_rows, gpu_takes, quantize_fp8
 from engine_server.layers.quantized_experts import swap_experts
 from engine_server.parallel.layers import Activation, ParallelExperts, grouped_experts
-from kernels.reference import fp8_quantize_per_channel
+from ladle_kernels.reference import fp8_quantize_per_channel
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Fp8Experts(nn.Module):
         or gpt-oss's clamped SwiGLU)."""
         b13, b2 = self.b13, self.b2
         if self.w13_scale is not None and self.w2_scale is not None:
-            from kernels.fused_moe import fp8_fused_moe  # Triton: imported only where there is a GPU
+            from ladle_kernels.fused_moe import fp8_fused_moe  # Triton: imported only where there is a GPU
 
             return fp8_fused_moe(
                 x, self.w13, self.w13_scale, self.w2, self.w2_scale, weights, experts, self.block, b13, b2, activation

@@ -2,10 +2,10 @@
 
 `Fp8Weight` is a weight `[N, K]` as e4m3 values and their scales, one per output channel (`quantize_fp8` of a
 float weight, or a `compressed-tensors` checkpoint's) or one per block (a block-wise checkpoint's 128 x 128).
-`Fp8Linear` multiplies by it as `kernels.reference.fp8_linear` says: x rounded to e4m3 per token (each row's
+`Fp8Linear` multiplies by it as `ladle_kernels.reference.fp8_linear` says: x rounded to e4m3 per token (each row's
 largest magnitude to 448), times the weight's e4m3 values, float32 sums, both scales applied to the sum.
 
-- On CUDA the weight stays e4m3 (one byte per weight) and `kernels.fp8_linear` runs the GEMM (`torch._scaled_mm`
+- On CUDA the weight stays e4m3 (one byte per weight) and `ladle_kernels.fp8_linear` runs the GEMM (`torch._scaled_mm`
   or the Triton kernel).
 - On the CPU, which has no e4m3 arithmetic, the weight is dequantized once, at construction, to a float `nn.Linear`
   of the model's dtype holding exactly the e4m3 values times their scales (MKL-packed afterwards like every float
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine_server.layers.quantized_linear import swap_linears
-from kernels.reference import (
+from ladle_kernels.reference import (
     FP8_GPU_BLOCK_COLUMNS,
     fp8_dequantize,
     fp8_quantize_per_channel,
@@ -94,16 +94,16 @@ def concat_fp8_rows(weights: list[Fp8Weight]) -> Fp8Weight:
 
 
 def fp8_rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """x `[M, K]` rounded to e4m3 per row (`kernels.reference.fp8_quantize_per_token`) and back, in x's dtype: what
-    the CPU multiplies where the GPU multiplies e4m3 rows and applies their scales after the sums."""
+    """x `[M, K]` rounded to e4m3 per row (`ladle_kernels.reference.fp8_quantize_per_token`) and back, in x's dtype:
+    what the CPU multiplies where the GPU multiplies e4m3 rows and applies their scales after the sums."""
     xq, x_scale = fp8_quantize_per_token(x)
     return (xq.float() * x_scale).to(x.dtype)
 
 
 class Fp8Linear(nn.Module):
     """`F.linear(x, W, bias)` with W an `Fp8Weight` and x rounded to e4m3 per token (any leading dims of x), as
-    `kernels.reference.fp8_linear`. On CUDA `qs` and `scales` are the weight's (module doc); on the CPU `dense` holds
-    its dequantized values in `dtype` and `qs` / `scales` are None."""
+    `ladle_kernels.reference.fp8_linear`. On CUDA `qs` and `scales` are the weight's (module doc); on the CPU `dense`
+    holds its dequantized values in `dtype` and `qs` / `scales` are None."""
 
     qs: torch.Tensor | None
     scales: torch.Tensor | None
@@ -117,7 +117,7 @@ class Fp8Linear(nn.Module):
         self.block = weight.block
         self.dense: nn.Linear | None = None
         if weight.qs.is_cuda:
-            from kernels.fp8_linear import scaled_mm_available  # triton: imported only where it runs
+            from ladle_kernels.fp8_linear import scaled_mm_available  # triton: imported only where it runs
 
             scaled_mm_available(weight.qs.device)  # probed now, at load: never inside a graph capture
             qs: torch.Tensor | None = weight.qs.contiguous()
@@ -136,7 +136,7 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.dense is None:
             assert self.qs is not None and self.scales is not None
-            from kernels.fp8_linear import fp8_linear
+            from ladle_kernels.fp8_linear import fp8_linear
 
             out = fp8_linear(rows, self.qs, self.scales, self.bias, self.block)
         else:

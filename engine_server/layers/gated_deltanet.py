@@ -2,7 +2,7 @@
 
 Where an attention layer keeps every token's K/V in the paged cache, this layer keeps, per running sequence, one
 fixed-size state (`ModelConfig.linear_attention`): the short convolution's last inputs and a matrix per value head
-(`kernels.gated_delta`). The states of all sequences live in one float32 tensor per layer, `[slots, state_size]`,
+(`ladle_kernels.gated_delta`). The states of all sequences live in one float32 tensor per layer, `[slots, state_size]`,
 row `AttentionMetadata.state_slots[i]` being sequence i's (the scheduler gives each running request a slot,
 `engine_server.core.state_slots`); a sequence whose chunk starts at position 0 starts from zeros. Between the input
 and output projections the kernel set's `gated_delta_net` runs the step (on the CPU one C++ call). Rows after the
@@ -28,11 +28,11 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class GatedRMSNorm(nn.Module):
-    """The gated norm's weight `[Dv]` and eps (`kernels.gated_delta.gated_norm`: `weight * rms_norm(x) * silu(z)`
+    """The gated norm's weight `[Dv]` and eps (`ladle_kernels.gated_delta.gated_norm`: `weight * rms_norm(x) * silu(z)`
     over each value head), which the kernel set's `gated_delta_net` applies; not offset like the model's norms."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:

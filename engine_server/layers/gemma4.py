@@ -18,9 +18,9 @@ from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ParallelExperts, VocabParallelEmbedding
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
-from kernels import reference
-from kernels.kernel_set import KernelOps
-from kernels.reference import build_cos_sin_cache
+from ladle_kernels import reference
+from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.reference import build_cos_sin_cache
 
 
 class Gemma4Router(nn.Module):

@@ -15,7 +15,7 @@ from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.step_interrupt import StepInterrupt
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class HybridHeadDecoderLayer(DecoderLayer):

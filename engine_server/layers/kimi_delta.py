@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): the linear attention of Kimi Linear's hybrid layers, over a state per sequence.
 
-Gated DeltaNet's rule and state (`layers.gated_deltanet`, `kernels.gated_delta`) with Kimi's own parts: a key head
+Gated DeltaNet's rule and state (`layers.gated_deltanet`, `ladle_kernels.gated_delta`) with Kimi's own parts: a key head
 per value head; q, k and v from projections of their own (read as one `qkv_proj`, the convolution's channels in
 that order); a decay per key channel, `g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)`, whose projection
 goes through the rank of one head; the output gate likewise low-rank (`g_b(g_a(x))`), and the norm gated by its
@@ -19,7 +19,7 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class KimiDeltaAttention(nn.Module):

@@ -31,7 +31,7 @@ reference values bit for bit and the kernels multiply the very weights llama.cpp
   `u` the codes of `IQ2_CODEBOOK`, `supers` [N, K/256, 1] float16 (d) and `groups` [N, K/32, 2] uint8 (each half's
   4-bit scale s): element = (d * (0.5 + s) * 0.25) * IQ2_CODEBOOK[u], in float32; `iq1_m` likewise (IQ1_S's grid
   and codebook, a delta per run of 8, 3-bit s): element = (d * (2s + 1)) * (CODEBOOKS["iq1_s"][u] / 8).
-`pack_lowbit` lays one out in the kernels' blocks of 8 output features (kernels/cpu/lowbit_tiles.h): Q2_K's values
+`pack_lowbit` lays one out in the kernels' blocks of 8 output features (ladle_kernels/cpu/lowbit_tiles.h): Q2_K's values
 in a 2-bit plane of their own, the others' in a nibble plane with their high bits after it.
 """
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.reference import QUANT_GROUP
+from ladle_kernels.reference import QUANT_GROUP
 
 SUPER_BLOCK = 256
 # Each kind's high bits a value (over the nibble) and whether its scales are per super-block (K-quants).
@@ -68,7 +68,8 @@ CODEBOOKS = {kind: (*v, *[0] * (8 - len(v)), *[-x for x in v], *[0] * (8 - len(v
 # value 8 (g + delta).
 CODEBOOKS["iq1_s"] = (-7, 1, 9, -9, -1, 7, *[0] * 10)
 GRID_KINDS = frozenset(CODEBOOKS)
-# IQ2_XS's and IQ2_S's magnitudes and codebook (kernels/cpu/lowbit_tiles.h's kIQ2Values): scaled per half of a group.
+# IQ2_XS's and IQ2_S's magnitudes and codebook (ladle_kernels/cpu/lowbit_tiles.h's kIQ2Values): scaled per half of a
+# group.
 HALF_GRID_KINDS = frozenset({"iq2_xs", "iq2_s", "iq1_m"})
 IQ2_CODEBOOK = CODEBOOKS["iq2_xxs"]
 # Twice each e2m1 code's value: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negative (code 8 is -0).
@@ -199,7 +200,7 @@ def pad_lowbit(weight: LowBitWeight, rows: int) -> LowBitWeight:
 def pack_lowbit(
     weight: LowBitWeight, planes: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed, scales, mins) in kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
+    """(packed, scales, mins) in ladle_kernels/cpu/lowbit_tiles.h's layout, for `torch.ops.ladle_cpu.packed_linear`:
     packed `[N/8, K/32, 1, 128 + 32 * high bits]` uint8; for `q5_*` scales and mins `[N/8, K/32, 8]` float16; for
     the K-quants scales `[N/8, K/256, 16]` float16 (8 features' d, then their dmin) and mins `[N/8, K/32, 16]` (8
     features' sc, then their m; Q6_K, Q3_K: the halves' int8 scales); Q5_0's mins empty (the kernel takes -16 *
@@ -228,7 +229,7 @@ def pack_lowbit(
 
 def _planes(values: torch.Tensor, bits: int) -> torch.Tensor:
     """The torch reference of the C++ `lowbit_planes`: values `[N, K]` (N a multiple of 8) with `bits` high bits over
-    each nibble -> `[N/8, K/32, 1, 128 + 32 * bits]` uint8 (kernels/cpu/lowbit_tiles.h's layout)."""
+    each nibble -> `[N/8, K/32, 1, 128 + 32 * bits]` uint8 (ladle_kernels/cpu/lowbit_tiles.h's layout)."""
     blocks, groups = values.shape[0] // 8, values.shape[1] // QUANT_GROUP
     # [block, feature j, group, half, chunk c, byte i]: element 32g + 16 half + 4c + i of feature j.
     u = values.reshape(blocks, 8, groups, 2, 4, 4)

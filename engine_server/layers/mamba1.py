@@ -2,8 +2,8 @@
 
 `in_proj` gives each token x and its gate z; a depthwise causal convolution with SiLU runs over x; `x_proj` gives
 the time step's low-rank input, B and C (each RMS-normalised in Jamba), `dt_proj` lifts the time step to every
-channel; the scan (`kernels.mamba1`) with `A = -exp(A_log)` per channel and state entry, `dt = softplus(dt)` and the
-skip `D x`, then `y * silu(z)` and `out_proj`. Its state per running sequence (the convolution's last inputs and a
+channel; the scan (`ladle_kernels.mamba1`) with `A = -exp(A_log)` per channel and state entry, `dt = softplus(dt)` and
+the skip `D x`, then `y * silu(z)` and `out_proj`. Its state per running sequence (the convolution's last inputs and a
 row per channel) lives in one float32 tensor per layer `[slots, state_size]`, as Mamba-2's does (`layers.mamba2`:
 the same slots, prefix snapshots and copies).
 """
@@ -23,9 +23,9 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
-from kernels.causal_conv import convolve
-from kernels.kernel_set import KernelOps
-from kernels.mamba1 import selective_scan
+from ladle_kernels.causal_conv import convolve
+from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.mamba1 import selective_scan
 
 
 class ChannelRows(nn.Module):

@@ -2,7 +2,7 @@
 state per sequence.
 
 `in_proj` gives each token its gate z, x, B, C and a time step per head (`ModelConfig.mamba2`); a depthwise causal
-convolution with SiLU runs over x, B and C, the scan over x (`kernels.mamba2`), then `rms_norm(y * silu(z))` over
+convolution with SiLU runs over x, B and C, the scan over x (`ladle_kernels.mamba2`), then `rms_norm(y * silu(z))` over
 each group's heads (or, as Falcon-H1 may, `y * silu(z)` alone) and `out_proj`. Where an attention layer keeps every
 token's K/V in the paged cache, this layer keeps, per running sequence, the convolution's last inputs and one matrix
 per head, in one float32 tensor per layer `[slots, state_size]` as Gated DeltaNet's states are
@@ -22,7 +22,7 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class HeadSlice(nn.Module):

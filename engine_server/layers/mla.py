@@ -42,7 +42,7 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, copy_kept_rows
 from engine_server.parallel.sharding import heads_rows, query_heads_of_rank
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class LatentExpansion(nn.Module):

@@ -12,8 +12,8 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine_server.parallel.sharding import even_slice, gate_up_slices
-from kernels import reference
-from kernels.kernel_set import KernelOps
+from ladle_kernels import reference
+from ladle_kernels.kernel_set import KernelOps
 
 
 class GatedMLP(nn.Module):

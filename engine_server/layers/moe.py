@@ -4,8 +4,8 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss share it (`ModelConfig` says wh
 logits are the hidden state times its `[num_experts, hidden]` weight (plus a bias: gpt-oss), softmaxed in float32,
 the top `num_experts_per_tok` kept (and renormalised to sum to 1 with `norm_topk_prob`, as Mixtral always does:
 the softmax of the top-k logits that gpt-oss takes); each chosen expert is a SwiGLU MLP (gpt-oss: with biases and
-its clamped SwiGLU, `kernels.reference.clamped_swiglu`; Nemotron-H's ungated, `down(relu(up(x))²)`, as is its shared
-expert) whose output is scaled by its weight. Qwen2-MoE adds a shared
+its clamped SwiGLU, `ladle_kernels.reference.clamped_swiglu`; Nemotron-H's ungated, `down(relu(up(x))²)`, as is its
+shared expert) whose output is scaled by its weight. Qwen2-MoE adds a shared
 expert every token goes through, scaled by `sigmoid(x @ shared_expert_gate)`. Llama 4's router (`ModelConfig.
 moe_input_scaled`) takes the top-k logits and scales each chosen expert's input by the sigmoid of its logit; its
 shared expert has no gate. PhiMoE's router is its sparsemixer (`sparsemixer_route`). Under tensor parallelism every
@@ -26,8 +26,8 @@ from engine_server.layers.mlp import GatedMLP, UngatedMLP, relu_squared
 from engine_server.layers.norm import RMSNorm
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import Activation, ParallelExperts
-from kernels.kernel_set import KernelOps
-from kernels.reference import clamped_swiglu
+from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.reference import clamped_swiglu
 
 
 class GroupedTopkRouter(nn.Module):

@@ -13,11 +13,11 @@ from torch import nn
 from engine_server.config import ModelConfig
 from engine_server.parallel.group import TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, read_whole
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class RMSNorm(nn.Module):
-    """`weight * x / rms(x)` over the last dim (statistic in float32, as in `kernels.reference.rms_norm`)."""
+    """`weight * x / rms(x)` over the last dim (statistic in float32, as in `ladle_kernels.reference.rms_norm`)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -41,8 +41,8 @@ class ShardedRMSNorm(RMSNorm):
     MiniMax-M2's q/k norms, over all of q or all of k at once): each rank holds `kept`, its heads' columns of the
     `full`-wide projection and of the weight, and the mean square is the sum of every rank's squares (all-reduced)
     over `full`. A rank among `replicas` holding the same heads (KV heads replicated past their count) adds its
-    share of their squares, so that each head counts once. Computed as `kernels.reference.rms_norm` computes it; at
-    one rank it is that norm, but for the order of the float sums."""
+    share of their squares, so that each head counts once. Computed as `ladle_kernels.reference.rms_norm` computes it;
+    at one rank it is that norm, but for the order of the float sums."""
 
     own_tensors = ("weight",)  # the checkpoint's whole weight, kept's columns of it (`load_tensor`)
 

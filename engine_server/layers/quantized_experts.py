@@ -5,7 +5,7 @@ blocks, `quantization.stored_weights`: Q4_0, Q4_1, Q8_0, and Q5_0, Q5_1, Q4_K, Q
 `int8` (each expert's float weights as 8-bit groups of 32): every expert's gate and up rows as one packed weight,
 its down rows as another (each in its own format), stacked over the experts, and the whole block
 (the experts grouped by token, gate/up, SiLU, down, the weighted sum) in one C++ call,
-`torch.ops.ladle_cpu.moe_packed` (`kernels/cpu/moe.cpp`; contract: `kernels.reference.quantized_moe`). Each
+`torch.ops.ladle_cpu.moe_packed` (`ladle_kernels/cpu/moe.cpp`; contract: `ladle_kernels.reference.quantized_moe`). Each
 expert's products are `QuantizedLinear`'s on the same blocks, so a token's result does not depend on the tokens
 beside it. Under tensor parallelism a rank holds every expert's slice of the intermediate rows, as
 `ParallelExperts` does.
@@ -35,13 +35,13 @@ from engine_server.layers.quantized_linear import (
     weight_format,
 )
 from engine_server.parallel.layers import ParallelExperts
-from kernels.reference import QUANT_GROUP
+from ladle_kernels.reference import QUANT_GROUP
 
 # A mixture of experts' router and its shared expert's one-output gate: their logits stay float.
 ROUTER_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate", ".router.proj")  # the last: Gemma 4's
 
 
-# The formats of the experts' kernels (kernels/cpu/moe.cpp): those of `packed_linear`, one per weight.
+# The formats of the experts' kernels (ladle_kernels/cpu/moe.cpp): those of `packed_linear`, one per weight.
 ExpertWeight = Q4Weight | Q8Weight | LowBitWeight
 
 

@@ -3,8 +3,8 @@
 A decode step on the CPU streams every weight once per token, so its time is the weights' bytes over the memory
 bandwidth: float32 SmolLM2-135M streams ~540 MB per token, its GGUF Q4_1 form ~96 MB (scales kept in float16, as
 GGUF stores them: float32 ones would add 16 MB). `QuantizedLinear`
-keeps a weight in one of two packed forms and multiplies with the C++ kernels of `kernels/cpu/quant_matmul.cpp`
-(contracts: `kernels.reference.q4_linear` / `q8_linear`), which quantize the activations to 8 bits per group of
+keeps a weight in one of two packed forms and multiplies with the C++ kernels of `ladle_kernels/cpu/quant_matmul.cpp`
+(contracts: `ladle_kernels.reference.q4_linear` / `q8_linear`), which quantize the activations to 8 bits per group of
 32 on the fly, as llama.cpp does, so each group's dot product is an exact integer one, for any number of rows:
 a row's result does not depend on the rows beside it. On the CPU the weight is repacked once, at construction,
 into the kernels' blocks of 8 output features (`torch.ops.ladle_cpu.pack_q4` / `pack_q8`).
@@ -12,7 +12,7 @@ into the kernels' blocks of 8 output features (`torch.ops.ladle_cpu.pack_q4` / `
 - `Q4Weight`: element = scale * q + min, q in 0..15 (GGUF Q4_1; Q4_0 is min = -8 * scale).
 - `Q8Weight`: element = scale * q, q in -127..127 (GGUF Q8_0, and `quantize_q8` of any float weight).
 - `LowBitWeight` (`layers.lowbit_weight`): GGUF's Q5_0 / Q5_1 and llama.cpp's K-quants Q4_K / Q5_K / Q6_K, packed
-  into the kernels' layout of `kernels/cpu/lowbit_tiles.h`.
+  into the kernels' layout of `ladle_kernels/cpu/lowbit_tiles.h`.
 All are row-major over the output features, so a fused projection (q/k/v, gate/up) is its shards' rows
 concatenated (`concat_rows`); shards a file stores in different formats stay apart (`StackedWeight`), each
 multiplied in its own and the products concatenated.
@@ -34,12 +34,12 @@ from engine_server.layers.lowbit_weight import (
     unpack_lowbit_rows,
     unpack_nibbles,
 )
-from kernels.reference import QUANT_GROUP, unpack_q4
+from ladle_kernels.reference import QUANT_GROUP, unpack_q4
 
 
 @dataclass(frozen=True)
 class Q4Weight:
-    """A 4-bit weight `[N, K]`: `qs` `[N, K/2]` uint8 (`kernels.reference.unpack_q4` order), `scales` and `mins`
+    """A 4-bit weight `[N, K]`: `qs` `[N, K/2]` uint8 (`ladle_kernels.reference.unpack_q4` order), `scales` and `mins`
     `[N, K/32]` float16."""
 
     qs: torch.Tensor
@@ -178,9 +178,9 @@ def _pad_one(weight: Q4Weight | Q8Weight | LowBitWeight, rows: int) -> Q4Weight 
 
 
 def pack_for_cpu(weight: Q4Weight | Q8Weight | LowBitWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`weight` in the CPU kernels' blocks (`kernels/cpu/quant_matmul.cpp`, `lowbit_tiles.h`): (packed, scales,
+    """`weight` in the CPU kernels' blocks (`ladle_kernels/cpu/quant_matmul.cpp`, `lowbit_tiles.h`): (packed, scales,
     mins) for `torch.ops.ladle_cpu.packed_linear`. Raises RuntimeError where the CPU kernels cannot be built."""
-    from kernels.cpu_ops import cpu_ops  # builds (or loads) the extension that registers the ops
+    from ladle_kernels.cpu_ops import cpu_ops  # builds (or loads) the extension that registers the ops
 
     if cpu_ops() is None:
         raise RuntimeError("quantized weights on the CPU need the C++ CPU kernels, which could not be built here")
@@ -224,7 +224,7 @@ class QuantizedLinear(nn.Module):
     once here; needs the CPU kernels), and `parts` each shard's of a `StackedWeight` (x quantized once, each
     shard's product written into its columns: `packed_linear_parts`).
     On CUDA (a `Q8Weight` only, x in the model's dtype) they hold the weight as given and the Triton kernel
-    `kernels.int8_linear` dequantizes W to x's dtype, keeping x as it is.
+    `ladle_kernels.int8_linear` dequantizes W to x's dtype, keeping x as it is.
     """
 
     qs: torch.Tensor
@@ -254,7 +254,7 @@ class QuantizedLinear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         if self.qs.is_cuda:
-            from kernels.int8_linear import int8_linear  # triton: imported only where it runs
+            from ladle_kernels.int8_linear import int8_linear  # triton: imported only where it runs
 
             out = int8_linear(rows, self.qs, self.scales)
         elif len(self.parts) == 1:

@@ -3,9 +3,9 @@
 `in_proj` gives each token B, C and x (each `hidden` wide); the layer returns `out_proj(C * conv(B * x))`, conv a
 depthwise causal convolution of a few taps (`ModelConfig.short_convolution`). Where an attention layer keeps every
 token's K/V in the paged cache, this layer keeps, per running sequence, the last `taps - 1` values of `B * x`
-(`kernels.causal_conv.short_convolution`), in one float32 tensor per layer `[slots, state_size]` as Gated DeltaNet's
-states are (`layers.gated_deltanet`: the same slots, prefix snapshots and copies, and the same reasons a step with
-it is never stopped half way and speculative decoding does not serve it).
+(`ladle_kernels.causal_conv.short_convolution`), in one float32 tensor per layer `[slots, state_size]` as Gated
+DeltaNet's states are (`layers.gated_deltanet`: the same slots, prefix snapshots and copies, and the same reasons a step
+with it is never stopped half way and speculative decoding does not serve it).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine_server.parallel.sharding import PartSlice
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class ShortConv(nn.Module):

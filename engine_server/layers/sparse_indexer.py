@@ -28,8 +28,8 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.norm import BiasedLayerNorm
-from kernels.kernel_set import KernelOps
-from kernels.reference import fp8_kv_values, is_fp8_kv_cache
+from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.reference import fp8_kv_values, is_fp8_kv_cache
 
 _CHUNK_BYTES = 1 << 26  # the most float32 bytes one group of rows scores or gathers at once (`_row_groups`)
 _KEY_NORM_EPS = 1e-6  # DeepSeek's and transformers' `nn.LayerNorm(head_dim, eps=1e-6)`

@@ -31,7 +31,7 @@ from engine_server.layers.fp8_linear import Fp8Weight
 from engine_server.loader.int_checkpoint import is_integer_quantization
 from engine_server.loader.lazy_tensor import LazyTensor, whole
 from engine_server.loader.weight_files import tensor_files
-from kernels.reference import FP8_DTYPE
+from ladle_kernels.reference import FP8_DTYPE
 
 # What multiplies `<layer>.weight`: one of these next to it.
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")

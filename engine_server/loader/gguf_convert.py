@@ -51,7 +51,7 @@ from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, 
 from engine_server.loader.gguf_metadata import GgufFile, gguf_pooling, hf_config_from_gguf, transformers_metadata
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
 from engine_server.pooling.params import write_sentence_transformers_pooling
-from kernels.reference import unpermute_rope_rows
+from ladle_kernels.reference import unpermute_rope_rows
 
 # Bump when the converted layout changes so stale cache entries are not reused.
 # 3: the tensor index (TENSOR_INDEX); 4: Gemma 2 and 3; 5: the Gated DeltaNet hybrids; 6: Gemma 4; 7: no float copy

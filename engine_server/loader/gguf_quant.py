@@ -36,7 +36,7 @@ from engine_server.loader.gguf_convert import (
     rotated_projection,
 )
 from engine_server.loader.gguf_hybrid import HybridShape, stored_parts
-from kernels.reference import unpermute_rope_rows
+from ladle_kernels.reference import unpermute_rope_rows
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 from engine_server.config import ModelConfig
 from engine_server.errors import ValidationError
 from engine_server.lora.targets import MLP_PROJECTIONS, Target, module_targets
-from kernels.reference import grouped_qkv_rows, swapped_rope_halves, unpermute_rope_rows
+from ladle_kernels.reference import grouped_qkv_rows, swapped_rope_halves, unpermute_rope_rows
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")

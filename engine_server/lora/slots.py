@@ -19,7 +19,7 @@ import torch
 from engine_server.config import ModelConfig
 from engine_server.lora.peft_format import LoraAdapter
 from engine_server.lora.targets import MLP_PROJECTIONS, PROJECTIONS, ProjectionShape, projection_shapes
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 
 class LoraSlots:

@@ -28,7 +28,7 @@ from engine_server.parallel.layers import (
     read_whole,
 )
 from engine_server.step_interrupt import StepInterrupt
-from kernels.kernel_set import KernelOps
+from ladle_kernels.kernel_set import KernelOps
 
 # Checkpoint projections that live as row slices of one fused parameter: (fused name, checkpoint name, shard), the
 # shards of each fused layer in their order in it (its `ColumnParallelLinear.parts`).

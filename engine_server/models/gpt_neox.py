@@ -12,9 +12,9 @@ import torch
 
 from engine_server.models.base import CausalLM, reordered_tensor
 from engine_server.parallel.layers import CheckpointTensor, read_whole
-from kernels.reference import grouped_qkv_rows
+from ladle_kernels.reference import grouped_qkv_rows
 
-# GPT-NeoX's and Falcon's q/k/v in one projection, grouped by KV head (`kernels.reference.grouped_qkv_rows`).
+# GPT-NeoX's and Falcon's q/k/v in one projection, grouped by KV head (`ladle_kernels.reference.grouped_qkv_rows`).
 _GROUPED_QKV = re.compile(
     r"(?:gpt_neox\.layers|transformer\.h)\.(?P<layer>\d+)\.(?:attention|self_attention)\.query_key_value\."
     r"(?P<kind>weight|bias)"

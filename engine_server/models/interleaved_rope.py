@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable, Iterator
 
 from engine_server.models.base import CausalLM, reordered_tensor
 from engine_server.parallel.layers import CheckpointTensor
-from kernels.reference import unpermute_rope_rows
+from ladle_kernels.reference import unpermute_rope_rows
 
 _QUERY_KEY = re.compile(r".+\.self_attn\.[qk]_proj\.(?:weight|bias)")
 

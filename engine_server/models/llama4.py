@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable, Iterator
 
 from engine_server.models.base import CausalLM, reordered_tensor, text_model_weights
 from engine_server.parallel.layers import CheckpointTensor
-from kernels.reference import unpermute_rope_rows
+from ladle_kernels.reference import unpermute_rope_rows
 
 _SKIPPED_PREFIXES = ("vision_model.", "multi_modal_projector.")  # its vision tower and projection, not read
 # The experts as Llama 4 checkpoints store them: `gate_up_proj` `[E, H, 2I]` (the gate's columns first), `down_proj`

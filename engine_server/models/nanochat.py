@@ -12,7 +12,7 @@ import torch
 
 from engine_server.models.base import CausalLM, reordered_tensor
 from engine_server.parallel.layers import CheckpointTensor
-from kernels.reference import swapped_rope_halves
+from ladle_kernels.reference import swapped_rope_halves
 
 _QUERY_KEY = re.compile(r".+\.self_attn\.[qk]_proj\.(?:weight|bias)")
 
@@ -20,8 +20,8 @@ _QUERY_KEY = re.compile(r".+\.self_attn\.[qk]_proj\.(?:weight|bias)")
 class NanoChatForCausalLM(CausalLM):
     """NanoChat: its quirks are `ModelConfig`'s (`embedding_norm`, `qk_norm_after_rope`, `hidden_act` relu²,
     `final_logit_softcap`) and three at load. Its MLP's `fc1` / `fc2` read as the ungated MLP's `up_proj` /
-    `down_proj`. Each head's q/k rows come with their halves swapped (`kernels.reference.swapped_rope_halves`: its rope
-    turns each pair by minus its angle, the shared rotary by plus; LoRA updates likewise, `lora.peft_format`). Its
+    `down_proj`. Each head's q/k rows come with their halves swapped (`ladle_kernels.reference.swapped_rope_halves`: its
+    rope turns each pair by minus its angle, the shared rotary by plus; LoRA updates likewise, `lora.peft_format`). Its
     norms have no weight: the checkpoint holds none, and each norm reads ones."""
 
     checkpoint_renames = ((".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj."))

@@ -294,9 +294,10 @@ class ParallelExperts(nn.Module):
         gate/up, one for down), and adds its weighted output into theirs, experts in ascending order (as transformers
         sums them). `activation` maps the gate/up product `[M, 2I]` to `[M, I]` (the backend's `silu_and_mul`, or
         gpt-oss's clamped SwiGLU; ungated, the up product `[M, I]` to `[M, I]`). On CUDA the Triton fused-MoE kernel
-        runs gated experts instead (`kernels.fused_moe`: the same sums, each token's choices added in choice order)."""
+        runs gated experts instead (`ladle_kernels.fused_moe`: the same sums, each token's choices added in choice
+        order)."""
         if x.is_cuda and self.gated:
-            from kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
+            from ladle_kernels.fused_moe import fused_moe  # Triton: imported only where there is a GPU
 
             return fused_moe(x, self.w13, self.w2, weights, experts, self.b13, self.b2, activation)
         b13, b2 = self.b13, self.b2

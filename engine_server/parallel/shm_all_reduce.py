@@ -24,7 +24,7 @@ every rank's CPU went to spinning). A rank that dies while the others wait leave
 watchers end every process then (engine_server.workers).
 Tensors larger than a slot, or of another dtype, go through gloo.
 
-The C++ decode stack (kernels/cpu/decoder.cpp) runs the same steps between its layers, on the same buffers and
+The C++ decode stack (ladle_kernels/cpu/decoder.cpp) runs the same steps between its layers, on the same buffers and
 the same call count (`counters[0]`, shared with it), so a quantized model's steps keep to one C++ call under
 tensor parallelism too; it adds its calls, bytes and nanoseconds to `counters[1:]`.
 """
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The C++ decode stack's wait (kernels/cpu/decoder.cpp) uses the same two values.
+# The C++ decode stack's wait (ladle_kernels/cpu/decoder.cpp) uses the same two values.
 SPIN_BEFORE_NAPPING_S = 50e-6
 NAP_S = 50e-6
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import reference
+from ladle_kernels import reference
 
 _NEG_INF = float("-inf")
 
@@ -36,7 +36,7 @@ def apply_presence_frequency_(
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set disallowed tokens to -inf. `bitmask` is [B, ceil(V/32)] int32; bit i of word j is token 32*j+i
     (xgrammar's layout), 1 = allowed. CUDA tensors take the Triton kernel (one pass, without the [B, W, 32]
-    temporaries of the torch version); the others `kernels.reference.apply_token_bitmask_`."""
+    temporaries of the torch version); the others `ladle_kernels.reference.apply_token_bitmask_`."""
     kernel = _triton_bitmask() if logits.is_cuda else None
     (kernel or reference.apply_token_bitmask_)(logits, bitmask)
 
@@ -45,7 +45,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 def _triton_bitmask() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
     """The Triton bitmask launcher, or None where triton does not import (it ships for Linux only)."""
     try:
-        from kernels.bitmask import apply_token_bitmask_
+        from ladle_kernels.bitmask import apply_token_bitmask_
     except ImportError:
         return None
     return apply_token_bitmask_

@@ -7,7 +7,7 @@ races its tokens with, for token id v,
     u(key, v)    = 0.5 + (2 s + 1) * 2**-24, s = the top 23 bits of mix64(key + GOLDEN * v), signed
                                                                on the device, for every token (`SeededNoise`)
 
-with SplitMix64's mix64 and GOLDEN (`kernels.reference`), all mod 2**64: u takes 2**23 equally likely values,
+with SplitMix64's mix64 and GOLDEN (`ladle_kernels.reference`), all mod 2**64: u takes 2**23 equally likely values,
 odd multiples of 2**-24, never 0 nor 1, so E = -log(u) is a positive Exp(1) variate (the race's noise) at the
 resolution of torch's own float32 exponential_. Nothing in it depends on the rest of the batch, on the step or on
 what the row drew before: a seeded request samples the same tokens alone or in any batch, and again when a
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kernels import reference
-from kernels.reference import SPLITMIX_GOLDEN, SPLITMIX_MIX_1, SPLITMIX_MIX_2
+from ladle_kernels import reference
+from ladle_kernels.reference import SPLITMIX_GOLDEN, SPLITMIX_MIX_1, SPLITMIX_MIX_2
 
 _MASK64 = (1 << 64) - 1
 
@@ -80,7 +80,7 @@ def _device_kernel(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], t
     if device_type == "cuda":
         return _triton_seeded_log_uniforms()
     if device_type == "cpu":
-        from kernels.cpu_ops import cpu_seeded_log_uniforms
+        from ladle_kernels.cpu_ops import cpu_seeded_log_uniforms
 
         return cpu_seeded_log_uniforms()
     return None
@@ -90,7 +90,7 @@ def _device_kernel(device_type: str) -> Callable[[torch.Tensor, torch.Tensor], t
 def _triton_seeded_log_uniforms() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The Triton launcher, or None where triton does not import (it ships for Linux only)."""
     try:
-        from kernels.seeded_noise import seeded_log_uniforms
+        from ladle_kernels.seeded_noise import seeded_log_uniforms
     except ImportError:
         return None
     return seeded_log_uniforms

@@ -19,7 +19,7 @@ from benchmarks.quality import QUALITY_PROMPTS, compare, reference_of
 from engine_server import LLM
 from engine_server.config import CacheConfig, EngineConfig
 from engine_server.layers.fp8_experts import Fp8Experts
-from kernels.reference import FP8_DTYPE
+from ladle_kernels.reference import FP8_DTYPE
 from tests.families import save_family
 
 pytestmark = [

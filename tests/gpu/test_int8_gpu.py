@@ -15,7 +15,7 @@ from torch import nn
 from engine_server import LLM
 from engine_server.config import EngineConfig
 from engine_server.layers.quantized_linear import QuantizedLinear, quantize_q8
-from kernels.reference import QUANT_GROUP
+from ladle_kernels.reference import QUANT_GROUP
 from tests.gpu.test_decode_graphs_gpu import GREEDY_AGREEMENT, GREEDY_WITH_LOGPROBS, MODEL, PROMPTS, _chat, _divergence
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

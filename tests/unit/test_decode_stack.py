@@ -22,7 +22,7 @@ from engine_server.lora.peft_format import LoraAdapter, LoraPiece
 from engine_server.lora.targets import MLP_PROJECTIONS, module_targets
 from engine_server.model_loading import load_model
 from engine_server.model_runner import ModelRunner
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 from tests.lowbit_blocks import random_blocks
 from tests.unit.kernels.test_quant_moe import random_bank
 from tests.unit.runner_factories import (

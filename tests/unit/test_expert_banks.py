@@ -9,7 +9,7 @@ import torch
 from engine_server.layers.quantized_experts import ExpertWeights, QuantizedExperts, quantize_experts
 from engine_server.parallel.group import SINGLE
 from engine_server.parallel.layers import ParallelExperts
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 
 pytestmark = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 

@@ -24,7 +24,7 @@ from engine_server.loader import ModelSource, resolve_model
 from engine_server.loader.fp8_checkpoint import Fp8Checkpoint, fp8_checkpoint
 from engine_server.parallel.layers import ParallelExperts
 from engine_server.quantization import resolve_quantization
-from kernels import reference
+from ladle_kernels import reference
 from tests.families import hf_greedy, load_reference, save_family
 from tests.unit.runner_factories import TINY_LLAMA
 

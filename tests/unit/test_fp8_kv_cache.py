@@ -21,9 +21,9 @@ from engine_server.config import CacheConfig, EngineConfig
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.loader import resolve_model
 from engine_server.tokenizer.chat import ChatMessage
-from kernels import cpu_ops as cpu
-from kernels import reference
 from ladle_cli.main import kv_cache_dtype
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import reference
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 CACHE = 256 * 1024**2

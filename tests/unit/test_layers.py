@@ -2,7 +2,7 @@
 gateway never import each other, and no modules import each other in a circle.
 
 The layers, bottom up (ARCHITECTURE.md):
-  0 kernels                 tensors and plain values; their own input types (kernels.attention_inputs)
+  0 ladle_kernels           tensors and plain values; their own input types (ladle_kernels.attention_inputs)
   1 ladle.v1                the generated gRPC stubs
   2 ladle, ladle.client, ladle.log    the typed client over the stubs, and logging setup (all of clients/)
   3 engine_server           the engine, serving the stubs' service
@@ -15,6 +15,7 @@ Every import counts, those under `if TYPE_CHECKING:` and inside functions too: a
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {  # import name -> folder
-    "kernels": ROOT / "kernels",
+    "ladle_kernels": ROOT / "ladle_kernels",
     "engine_server": ROOT / "engine_server",
     "gateway": ROOT / "gateway",
     "ladle": ROOT / "clients" / "ladle",
@@ -35,7 +36,7 @@ NEVER_EACH_OTHER = ("engine_server", "gateway")
 def layer(module: str) -> int:
     """The layer of a module of this tree (module docstring)."""
     top = module.split(".")[0]
-    if top == "kernels":
+    if top == "ladle_kernels":
         return 0
     if module == "ladle.v1" or module.startswith("ladle.v1."):
         return 1
@@ -160,6 +161,16 @@ def test_no_modules_import_each_other_in_a_circle() -> None:
     assert circles(import_graph(PACKAGES)) == []
 
 
+def test_no_installed_distribution_but_ladle_provides_a_top_level_package_of_ours() -> None:
+    """Two distributions with one top-level import name overwrite each other's files and import whichever comes
+    first on sys.path (this is why the kernels are `ladle_kernels`: transformers 5.25 requires Hugging Face's
+    `kernels`). Every installed distribution is checked against the import names of this tree."""
+    providers = importlib.metadata.packages_distributions()
+    foreign = {name: sorted(set(providers[name]) - {"ladle"}) for name in PACKAGES if name in providers}
+    assert {name: dists for name, dists in foreign.items() if dists} == {}
+    assert "ladle_kernels" in foreign  # the project itself is installed (editable), so the check saw its names
+
+
 def _tree(tmp_path: Path, files: Mapping[str, str]) -> dict[str, Path]:
     for name, text in files.items():
         path = tmp_path / name
@@ -171,16 +182,19 @@ def _tree(tmp_path: Path, files: Mapping[str, str]) -> dict[str, Path]:
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("from engine_server.attention import Meta\n", ["kernels.ops:1 -> engine_server.attention"]),
-        ("if TYPE_CHECKING:\n    from engine_server import attention\n", ["kernels.ops:2 -> engine_server.attention"]),
-        ("def f():\n    import gateway.app\n", ["kernels.ops:2 -> gateway.app"]),
-        ("from kernels import ref\n", []),
+        ("from engine_server.attention import Meta\n", ["ladle_kernels.ops:1 -> engine_server.attention"]),
+        (
+            "if TYPE_CHECKING:\n    from engine_server import attention\n",
+            ["ladle_kernels.ops:2 -> engine_server.attention"],
+        ),
+        ("def f():\n    import gateway.app\n", ["ladle_kernels.ops:2 -> gateway.app"]),
+        ("from ladle_kernels import ref\n", []),
     ],
 )
 def test_a_back_import_is_caught(tmp_path: Path, source: str, expected: list[str]) -> None:
     packages = _tree(tmp_path, {
-        "kernels/__init__.py": "", "kernels/ref.py": "", "kernels/ops.py": source,
-        "engine_server/__init__.py": "", "engine_server/attention.py": "from kernels import ops\n",
+        "ladle_kernels/__init__.py": "", "ladle_kernels/ref.py": "", "ladle_kernels/ops.py": source,
+        "engine_server/__init__.py": "", "engine_server/attention.py": "from ladle_kernels import ops\n",
         "gateway/__init__.py": "", "gateway/app.py": "",
     })  # fmt: skip
     assert back_imports(import_graph(packages)) == expected

@@ -23,7 +23,7 @@ from engine_server.loader.gguf_convert import TENSOR_INDEX
 from engine_server.loader.gguf_quant import read_quantized_weights, stored_matrices
 from engine_server.loader.lazy_tensor import LazyTensor
 from engine_server.quantization import resolve_quantization
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 from tests.lowbit_blocks import KINDS as LOW_BIT_KINDS
 from tests.lowbit_blocks import random_blocks
 from tests.unit.runner_factories import TINY_LLAMA

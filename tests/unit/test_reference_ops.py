@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import RopeScaling, Yarn
 from engine_server.hf_config import model_config_from_hf
-from kernels import reference
+from ladle_kernels import reference
 
 
 def naive_attention(

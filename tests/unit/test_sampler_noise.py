@@ -15,7 +15,7 @@ import torch
 
 from engine_server.sampling import Sampler, SamplingMetadata, SamplingRow, noise
 from engine_server.sampling_params import SamplingParams
-from kernels.reference import SPLITMIX_GOLDEN, SPLITMIX_MIX_1, SPLITMIX_MIX_2
+from ladle_kernels.reference import SPLITMIX_GOLDEN, SPLITMIX_MIX_1, SPLITMIX_MIX_2
 
 MASK64 = (1 << 64) - 1
 Z_1E4 = 3.719  # the standard normal's 1e-4 upper quantile

@@ -10,7 +10,7 @@ import torch
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.layers import sparse_indexer
 from engine_server.layers.sparse_indexer import attend_positions, select_positions
-from kernels.reference import fp8_kv_rows, fp8_kv_values, write_kv_cache
+from ladle_kernels.reference import fp8_kv_rows, fp8_kv_values, write_kv_cache
 
 BLOCK, ROW, RANK, ROPE, INDEX_DIM, INDEX_HEADS, HEADS, TOPK = 4, 20, 12, 4, 8, 3, 2, 6
 SEQ_LENS = [23, 7, 9, 15]

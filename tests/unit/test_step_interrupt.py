@@ -21,7 +21,7 @@ from engine_server.model_runner import LaunchedStep
 from engine_server.sampling_params import SamplingParams
 from engine_server.server.engine_loop import EngineLoop, RequestStream
 from engine_server.step_interrupt import StepInterrupt
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 from tests.unit.factories import VOCAB, make_request, make_scheduler
 from tests.unit.runner_factories import MAX_MODEL_LEN, tiny_engine_config, tiny_source
 

@@ -13,7 +13,7 @@ from engine_server.layers.lowbit_weight import LowBitWeight, decode_blocks
 from engine_server.layers.quantized_experts import QuantizedExperts
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear, concat_rows, quantize_q8
 from engine_server.layers.weight_arena import HUGE_PAGE_BYTES, gather_packed_weights, huge_page_buffer
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 from tests.lowbit_blocks import random_blocks
 from tests.unit.kernels.test_quant_moe import random_bank
 from tests.unit.runner_factories import TINY_LLAMA

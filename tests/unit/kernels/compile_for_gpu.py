@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata
-from kernels import (
+from ladle_kernels import (
     activation,
     bitmask,
     fp8_linear,

@@ -1,4 +1,4 @@
-"""The Triton `silu_and_mul` against `kernels.reference.silu_and_mul`: odd widths, several blocks, dtypes."""
+"""The Triton `silu_and_mul` against `ladle_kernels.reference.silu_and_mul`: odd widths, several blocks, dtypes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import reference
-from kernels.activation import silu_and_mul
+from ladle_kernels import reference
+from ladle_kernels.activation import silu_and_mul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {

@@ -1,12 +1,12 @@
-"""The Triton grammar bitmask against `kernels.reference.apply_token_bitmask_` (xgrammar's int32 layout)."""
+"""The Triton grammar bitmask against `ladle_kernels.reference.apply_token_bitmask_` (xgrammar's int32 layout)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
-from kernels.bitmask import apply_token_bitmask_
+from ladle_kernels import reference
+from ladle_kernels.bitmask import apply_token_bitmask_
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,4 +1,4 @@
-"""The CPU kernel set: the C++ decode attention against `kernels.reference.paged_attention`, its input checks,
+"""The CPU kernel set: the C++ decode attention against `ladle_kernels.reference.paged_attention`, its input checks,
 and the engine's dispatch to it."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.layers.kernel_choice import select_ops
-from kernels import cpu_ops as cpu
-from kernels import reference
-from kernels.kernel_set import REFERENCE_OPS, KernelOps
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import reference
+from ladle_kernels.kernel_set import REFERENCE_OPS, KernelOps
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # q, cache, block tables, lengths

@@ -1,5 +1,5 @@
-"""FP8 experts (`kernels.fused_moe.fp8_fused_moe`, `engine_server.layers.fp8_experts`) against
-`kernels.reference.fp8_fused_moe`: per channel and per block (DeepSeek's 128 x 128, partial blocks, blocks the K
+"""FP8 experts (`ladle_kernels.fused_moe.fp8_fused_moe`, `engine_server.layers.fp8_experts`) against
+`ladle_kernels.reference.fp8_fused_moe`: per channel and per block (DeepSeek's 128 x 128, partial blocks, blocks the K
 tiles must not straddle), one decode row to every expert busy, unused experts, dtypes; the CPU layer (dequantized
 banks, rows rounded in torch) against the same reference; the argument checks.
 
@@ -20,8 +20,8 @@ import torch
 from engine_server.layers.fp8_experts import Fp8Bank, Fp8Experts, Fp8ExpertWeights, quantize_fp8_experts
 from engine_server.parallel.group import SINGLE
 from engine_server.parallel.layers import ParallelExperts
-from kernels import reference
-from kernels.fused_moe import fp8_fused_moe
+from ladle_kernels import reference
+from ladle_kernels.fused_moe import fp8_fused_moe
 
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
     torch.float32: dict(atol=1e-4, rtol=1e-5),

@@ -1,6 +1,6 @@
-"""The FP8 GEMM (`kernels.fp8_linear`) against `kernels.reference.fp8_linear`: the per-token quantization bit for
-bit, then the product per channel and per block (partial blocks, bias), decode and prefill row counts, ragged N and
-K, dtypes, strided x, the argument checks, and on an sm_89+ GPU `torch._scaled_mm` against the same reference.
+"""The FP8 GEMM (`ladle_kernels.fp8_linear`) against `ladle_kernels.reference.fp8_linear`: the per-token quantization
+bit for bit, then the product per channel and per block (partial blocks, bias), decode and prefill row counts, ragged N
+and K, dtypes, strided x, the argument checks, and on an sm_89+ GPU `torch._scaled_mm` against the same reference.
 
 Tolerances: the kernel and the reference multiply the same e4m3 operands with float32 sums, so they differ only by
 the order of those sums (float32: ~1e-6 relative of the row's magnitude) and then by one rounding to x's dtype
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import reference
-from kernels.fp8_linear import fp8_linear, fp8_quantize_per_token, scaled_mm_available
+from ladle_kernels import reference
+from ladle_kernels.fp8_linear import fp8_linear, fp8_quantize_per_token, scaled_mm_available
 
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -122,7 +122,7 @@ def test_the_few_rows_kernel_matches_the_reference(
 
 def test_few_rows_take_the_few_rows_kernel(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to FEW_ROWS rows (strided ones too) go to the few-rows kernel; more to the quantization and a GEMM."""
-    from kernels import fp8_linear as module
+    from ladle_kernels import fp8_linear as module
 
     taken: list[int] = []
     few_rows = module._few_rows

@@ -1,4 +1,4 @@
-"""The Triton fused-MoE kernel against `kernels.reference.fused_moe` and the engine's own grouped experts
+"""The Triton fused-MoE kernel against `ladle_kernels.reference.fused_moe` and the engine's own grouped experts
 (`ParallelExperts`, the CPU path): token and expert counts from one decode row to every expert busy, ragged
 hidden and intermediate sizes, unused experts, dtypes, and the pair alignment it runs on."""
 
@@ -12,8 +12,8 @@ import torch
 
 from engine_server.parallel.group import SINGLE
 from engine_server.parallel.layers import ParallelExperts
-from kernels import reference
-from kernels.fused_moe import align_pairs, fused_moe
+from ladle_kernels import reference
+from ladle_kernels.fused_moe import align_pairs, fused_moe
 
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

@@ -1,7 +1,7 @@
-"""Gated DeltaNet's ops (`kernels.gated_delta`, Qwen3-Next and Qwen3.5; Kimi Delta Attention's decay per key channel
-and sigmoid gate, Kimi Linear's): the reference against transformers' own functions, the C++ layer core and output
-gate against the reference, and what makes the CPU path batch-invariant: a sequence's output is the same bits alone,
-batched and prefilled in chunks of any size."""
+"""Gated DeltaNet's ops (`ladle_kernels.gated_delta`, Qwen3-Next and Qwen3.5; Kimi Delta Attention's decay per key
+channel and sigmoid gate, Kimi Linear's): the reference against transformers' own functions, the C++ layer core and
+output gate against the reference, and what makes the CPU path batch-invariant: a sequence's output is the same bits
+alone, batched and prefilled in chunks of any size."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops as cpu
-from kernels import reference
-from kernels.causal_conv import causal_conv1d
-from kernels.gated_delta import gated_delta_chunk, gated_delta_step, prepare_qk
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import reference
+from ladle_kernels.causal_conv import causal_conv1d
+from ladle_kernels.gated_delta import gated_delta_chunk, gated_delta_step, prepare_qk
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 KEY_HEADS, VALUE_HEADS = 2, 4

@@ -1,4 +1,4 @@
-"""The Triton weight-only int8 linear against `kernels.reference.int8_linear`: decode and prefill row counts,
+"""The Triton weight-only int8 linear against `ladle_kernels.reference.int8_linear`: decode and prefill row counts,
 ragged N and K, split-K, dtypes, and the argument checks."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine_server.layers.quantized_linear import quantize_q8
-from kernels import reference
-from kernels.int8_linear import int8_linear
+from ladle_kernels import reference
+from ladle_kernels.int8_linear import int8_linear
 
 TOLERANCES: dict[torch.dtype, dict[str, Any]] = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),

@@ -1,4 +1,4 @@
-"""The Triton KV-cache write against `kernels.reference.write_kv_cache`: scattered slots, casts, dtypes."""
+"""The Triton KV-cache write against `ladle_kernels.reference.write_kv_cache`: scattered slots, casts, dtypes."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import reference
-from kernels._e4m3 import e4m3_bits, e4m3_value
-from kernels.kv_cache import write_kv_cache
+from ladle_kernels import reference
+from ladle_kernels._e4m3 import e4m3_bits, e4m3_value
+from ladle_kernels.kv_cache import write_kv_cache
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NUM_BLOCKS, BLOCK_SIZE = 5, 16

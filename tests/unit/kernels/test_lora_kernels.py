@@ -1,5 +1,5 @@
 """The LoRA shrink and expand kernels (C++ on the CPU, Triton on CUDA or through its interpreter) against
-`kernels.reference.lora_shrink` / `lora_expand`: one to 65 rows, K and N off the vector width, ranks of 8 and 24,
+`ladle_kernels.reference.lora_shrink` / `lora_expand`: one to 65 rows, K and N off the vector width, ranks of 8 and 24,
 one and four slots (one with no rows), rows without an adapter, int32 and int64 slots, out and y column slices of
 wider tensors; the C++ results' independence from their batch and from the tile each element falls in, bit for bit;
 rows without an adapter left untouched."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import cpu_ops as cpu
-from kernels import lora, reference
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import lora, reference
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 TRITON_TOLERANCES: dict[torch.dtype, dict[str, Any]] = {

@@ -1,6 +1,6 @@
 """GGUF's 5-bit blocks, llama.cpp's K-quants and MXFP4 on the CPU (`engine_server/layers/lowbit_weight.py`,
-`kernels/cpu/lowbit_tiles.h`): their decoding bit for bit against the gguf package's reference dequantizer, the
-kernels against `kernels.reference.lowbit_linear`, a row alone against the same row in a batch (bit for bit), the
+`ladle_kernels/cpu/lowbit_tiles.h`): their decoding bit for bit against the gguf package's reference dequantizer, the
+kernels against `ladle_kernels.reference.lowbit_linear`, a row alone against the same row in a batch (bit for bit), the
 shards of a fused projection kept in their own formats, and slices on block boundaries."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from engine_server.layers.quantized_linear import (
     pad_rows,
     quantize_q8,
 )
-from kernels import cpu_ops as cpu
-from kernels import reference
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import reference
 from tests.lowbit_blocks import KINDS, block_elements, gguf_dequantize, random_blocks
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")

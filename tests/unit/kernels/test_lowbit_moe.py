@@ -1,8 +1,8 @@
 """Banks of experts in GGUF's 5-bit types, llama.cpp's K-quants (Q5_0, Q5_1, Q2_K .. Q6_K), IQ4 and MXFP4 through
-the quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp` over lowbit_tiles.h):
+the quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `ladle_kernels/cpu/moe.cpp` over lowbit_tiles.h):
 each expert's product bit for bit the dense layers' (`QuantizedLinear` on the same blocks), a token's result alone
 and in any batch (AMX tiles or not), its input checks, and a GGUF bank's slices under tensor parallelism
-(`quantization._stored_experts`) on whole K-quant super-blocks. Their match with `kernels.reference.quantized_moe`
+(`quantization._stored_experts`) on whole K-quant super-blocks. Their match with `ladle_kernels.reference.quantized_moe`
 is among test_quant_moe.py's cases."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from engine_server.loader.gguf_quant import StoredMatrix
 from engine_server.parallel.group import TensorParallel
 from engine_server.parallel.layers import ParallelExperts
 from engine_server.quantization import _stored_experts
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 from tests.lowbit_blocks import KINDS, random_blocks
 from tests.unit.kernels.test_quant_moe import (
     assert_same_bits_without_amx,

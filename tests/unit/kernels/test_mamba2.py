@@ -1,4 +1,4 @@
-"""Mamba-2's ops (`kernels.mamba2`, Granite 4.0's hybrids): the chunked scan and the one-token step against
+"""Mamba-2's ops (`ladle_kernels.mamba2`, Granite 4.0's hybrids): the chunked scan and the one-token step against
 transformers' own functions, carrying a state across calls; the layer core's sequences the same alone, batched and
 prefilled in chunks of any size."""
 
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as theirs
 
-from kernels import cpu_ops as cpu
-from kernels.mamba2 import CHUNK, gated_group_norm, ssd_chunk, ssd_step
-from kernels.mamba2 import mamba2_mixer as reference_mixer
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels.mamba2 import CHUNK, gated_group_norm, ssd_chunk, ssd_step
+from ladle_kernels.mamba2 import mamba2_mixer as reference_mixer
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 HEADS, HEAD_DIM, STATE, GROUPS, TAPS = 4, 8, 16, 2, 4
@@ -121,8 +121,8 @@ def test_a_sequence_is_the_same_alone_batched_and_in_chunks() -> None:
 
 @needs_kernels
 def test_the_cpu_kernel_equals_the_reference_and_is_batch_invariant() -> None:
-    """The C++ core (`kernels/cpu/mamba2.cpp`) equals the reference on a step of a prefill, a decode row and another
-    prefill; a sequence's output is the same bits alone, batched and prefilled in chunks of any size (the
+    """The C++ core (`ladle_kernels/cpu/mamba2.cpp`) equals the reference on a step of a prefill, a decode row and
+    another prefill; a sequence's output is the same bits alone, batched and prefilled in chunks of any size (the
     reference's chunked form is not); a convolution without a bias is served too, and without a norm weight the
     output is the gate's alone (for groups split over ranks)."""
     layer = MixerInputs()

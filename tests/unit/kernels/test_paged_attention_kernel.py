@@ -1,4 +1,4 @@
-"""The Triton paged attention against `kernels.reference.paged_attention` on mixed batches.
+"""The Triton paged attention against `ladle_kernels.reference.paged_attention` on mixed batches.
 
 Batches mix decodes, fresh prefills and prefill chunks after cached context of various lengths, none a
 multiple of the block size; block tables come from a shuffled pool and every unused slot of the cache holds
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine_server.attention_metadata import AttentionMetadata
-from kernels import reference
-from kernels.paged_attention import paged_attention
+from ladle_kernels import reference
+from ladle_kernels.paged_attention import paged_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Both sides accumulate in float32 and round once; the kernel also rounds the probabilities to the input dtype

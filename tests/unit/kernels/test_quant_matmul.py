@@ -1,4 +1,4 @@
-"""The quantized linear kernels (`kernels/cpu/quant_matmul.cpp`) against `kernels.reference.q4_linear` /
+"""The quantized linear kernels (`ladle_kernels/cpu/quant_matmul.cpp`) against `ladle_kernels.reference.q4_linear` /
 `q8_linear`, their input checks, and the reference against a float matmul of the dequantized weight."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_server.layers.quantized_linear import Q4Weight, Q8Weight, QuantizedLinear, quantize_q8
-from kernels import cpu_ops as cpu
-from kernels import reference
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import reference
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
 # Integer dot products are exact on both sides; what differs is float32 summation order over K/32 groups.

@@ -1,7 +1,7 @@
-"""The quantized kernels' portable loops (`kernels/cpu/quant_matmul.cpp` and `lowbit_tiles.h` without AVX2: ARM,
+"""The quantized kernels' portable loops (`ladle_kernels/cpu/quant_matmul.cpp` and `lowbit_tiles.h` without AVX2: ARM,
 older x86) and their AVX2 ones (x86 without AVX-512: Zen 2/3, Intel's desktop parts), which the engine's own build
 does not take on an AVX-512 machine such as CI's: quant_matmul.cpp alone, built for baseline x86-64 and for Haswell
-in a child process (its ops would clash with the engine's build in this one), against `kernels.reference`."""
+in a child process (its ops would clash with the engine's build in this one), against `ladle_kernels.reference`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parents[3] / "kernels" / "cpu" / "quant_matmul.cpp"
+SOURCE = Path(__file__).resolve().parents[3] / "ladle_kernels" / "cpu" / "quant_matmul.cpp"
 
 CHILD = textwrap.dedent(
     """
@@ -26,8 +26,8 @@ CHILD = textwrap.dedent(
 
     from engine_server.layers.lowbit_weight import decode_blocks, pack_lowbit
     from engine_server.layers.quantized_linear import Q4Weight, Q8Weight
-    from kernels import reference
-    from kernels.cpu_ops import _ninja_on_path
+    from ladle_kernels import reference
+    from ladle_kernels.cpu_ops import _ninja_on_path
     from tests.lowbit_blocks import KINDS, block_elements, random_blocks
 
     with _ninja_on_path():

@@ -1,5 +1,5 @@
-"""The quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `kernels/cpu/moe.cpp`) against
-`kernels.reference.quantized_moe`, a token's result alone and in any batch, its input checks; the router product
+"""The quantized mixture-of-experts op (`torch.ops.ladle_cpu.moe_packed`, `ladle_kernels/cpu/moe.cpp`) against
+`ladle_kernels.reference.quantized_moe`, a token's result alone and in any batch, its input checks; the router product
 (`rowwise_linear`) against a float matmul, row by row whatever the batch, and the grouped router routed so; and
 `QuantizedExperts` / `quantize_experts` against the float `ParallelExperts` they replace. Banks in the 5-bit and
 K-quant types: test_lowbit_moe.py."""
@@ -25,8 +25,8 @@ from engine_server.layers.quantized_experts import (
 from engine_server.layers.quantized_linear import QuantizedWeight, pack_for_cpu
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ParallelExperts
-from kernels import cpu_ops as cpu
-from kernels import reference
+from ladle_kernels import cpu_ops as cpu
+from ladle_kernels import reference
 from tests.lowbit_blocks import random_blocks
 from tests.unit.kernels.test_quant_matmul import random_q4, random_q8
 

@@ -1,4 +1,4 @@
-"""The Triton RMSNorm against `kernels.reference.rms_norm`: odd widths, strided rows, residual, dtypes."""
+"""The Triton RMSNorm against `ladle_kernels.reference.rms_norm`: odd widths, strided rows, residual, dtypes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import reference
-from kernels.rms_norm import rms_norm
+from ladle_kernels import reference
+from ladle_kernels.rms_norm import rms_norm
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The kernel rounds where the reference does, so results agree to about one ulp of the output dtype (the

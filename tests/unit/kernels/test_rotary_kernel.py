@@ -1,4 +1,4 @@
-"""The Triton rotary embedding against `kernels.reference.rotary_embedding`: head dims, GQA, caches, dtypes."""
+"""The Triton rotary embedding against `ladle_kernels.reference.rotary_embedding`: head dims, GQA, caches, dtypes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine_server.config import RopeScaling
-from kernels import reference
-from kernels.rotary import rotary_embedding
+from ladle_kernels import reference
+from ladle_kernels.rotary import rotary_embedding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The reference rounds after each product; the kernel once at the end: a couple of ulps apart at most.

@@ -1,12 +1,13 @@
-"""The Triton counter-based noise against `kernels.reference.seeded_log_uniforms` (SplitMix64 in int64 torch ops)."""
+"""The Triton counter-based noise against `ladle_kernels.reference.seeded_log_uniforms` (SplitMix64 in int64 torch
+ops)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import reference
-from kernels.seeded_noise import seeded_log_uniforms
+from ladle_kernels import reference
+from ladle_kernels.seeded_noise import seeded_log_uniforms
 
 # Keys over the whole int64 range (every uint64 bit pattern, the sign bit included).
 EDGE_KEYS = [0, 1, -1, 2**63 - 1, -(2**63), 0x5DEECE66D, -0x61C8864680B583EB]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_server.cuda_graphs import EagerCapture
-from kernels.triton_ops import TRITON_OPS
+from ladle_kernels.triton_ops import TRITON_OPS
 from tests.unit.runner_factories import greedy_request, make_lockstep, tiny_engine_config, tiny_runner
 
 

@@ -19,9 +19,9 @@ from engine_server.config import ModelConfig
 from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.models import get_model_class
-from kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary, seeded_noise
-from kernels.kernel_set import REFERENCE_OPS, KernelOps
-from kernels.triton_ops import TRITON_OPS
+from ladle_kernels import activation, bitmask, kv_cache, paged_attention, reference, rms_norm, rotary, seeded_noise
+from ladle_kernels.kernel_set import REFERENCE_OPS, KernelOps
+from ladle_kernels.triton_ops import TRITON_OPS
 
 HAS_CUDA = torch.cuda.is_available()
 KERNELS = [

@@ -30,7 +30,7 @@ from engine_server.models import CausalLM
 from engine_server.quantization import resolve_quantization
 from engine_server.sampling_params import SamplingParams
 from engine_server.tokenizer.chat import ChatMessage
-from kernels import cpu_ops as cpu
+from ladle_kernels import cpu_ops as cpu
 from tests.unit.speculative.test_embedded_model import COPYING, NGRAM
 from tests.unit.test_quantization import MAX_MEAN_KL, MIN_TOP1_AGREEMENT
 
