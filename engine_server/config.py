@@ -72,7 +72,9 @@ class LatentAttention:
     projection (0: one `q_proj`), keys and values from a `kv_lora_rank` latent; each head's key is
     `qk_nope_head_dim` dims without positions and `qk_rope_head_dim` turned by rope (shared by every head), its
     value `v_head_dim`; `rope_interleave`: the rope dims come in interleaved pairs (DeepSeek-V3's layout). Without
-    `rope` (Kimi Linear's NoPE layers) the "rope" dims turn by nothing: the same shared key dims, unrotated."""
+    `rope` (Kimi Linear's NoPE layers) the "rope" dims turn by nothing: the same shared key dims, unrotated. With
+    `head_gate` (Ling 3's) each head's output is multiplied by the sigmoid of its own `g_proj` value of the layer's
+    input before `o_proj`."""
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -81,6 +83,7 @@ class LatentAttention:
     v_head_dim: int
     rope_interleave: bool = True
     rope: bool = True
+    head_gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,9 @@ class LinearAttention:
     Each of `num_key_heads` key heads serves `num_value_heads / num_key_heads` value heads. OLMo Hybrid's: the write
     strength doubled (`beta_scale` 2: its `allow_neg_eigval`) and the gated norm's epsilon its own (`norm_eps`; 0:
     the model's `rms_norm_eps`). Kimi Delta Attention's (`kimi_delta`, Kimi Linear's; `layers.kimi_delta`): a key head
-    per value head, a decay per key channel, low-rank decay and output-gate projections, the norm gated by sigmoid."""
+    per value head, a decay per key channel, low-rank decay and output-gate projections, the norm gated by sigmoid.
+    Ling 3's: those projections whole (`full_rank_gates`) and the decay bounded below by `decay_bound` (its safe
+    gate, negative; 0: Kimi's unbounded softplus form)."""
 
     num_key_heads: int
     num_value_heads: int
@@ -118,6 +123,8 @@ class LinearAttention:
     beta_scale: float = 1.0
     norm_eps: float = 0.0
     kimi_delta: bool = False
+    full_rank_gates: bool = False
+    decay_bound: float = 0.0
 
     @property
     def key_dim(self) -> int:

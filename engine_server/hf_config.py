@@ -85,6 +85,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Kimi Linear: DeepSeek-V3's latent attention without rope on one layer in four, Kimi Delta Attention on the rest
     # (`_kimi_linear_config`, `_kimi_linear_fields`)
     "kimi_linear": "deepseek_v3",
+    # Ling 3 (inclusionAI's Ling-3.0): Kimi Delta Attention with whole decay and gate projections and a bounded decay
+    # on five layers in six, DeepSeek-V3's latent attention with a gate per head on the sixth, its experts
+    # (`_bailing_hybrid_config`)
+    "bailing_hybrid": "deepseek_v3",
     "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
     # MiniCPM3: that attention (rope over halves, not interleaved pairs) over dense MLPs, with muP's scales
     # (`_minicpm3_fields`).
@@ -123,6 +127,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "sarvam_moe": "glm4_moe",
     "sarvam_mla": "deepseek_v3",
     "glm4": "glm4",
+    # GLM-4-9B (its transformers port, `glm`): GLM-4's attention and fused MLP in a plain pre-norm block
+    "glm": "glm4",
     "minimax_m2": "minimax_m2",
     # Karpathy's NanoChat: Llama's block with RMSNorms without weights (the embeddings' too), q/k norms after a rope
     # turned the other way, an ungated relu² MLP and soft-capped logits (`models.nanochat`, `_nanochat_fields`).
@@ -223,6 +229,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         model_type = cfg["model_type"]
     if model_type == "kimi_linear":
         cfg = _kimi_linear_config(cfg)
+    if model_type == "bailing_hybrid":
+        cfg = _bailing_hybrid_config(cfg)
     if model_type == "flint":
         cfg = _flint_config(cfg)
     if model_type == "lfm3":
@@ -480,8 +488,10 @@ def _rotary_fraction(cfg: dict[str, Any]) -> float:
 
 def _glm4_fields(arch: Architecture, model_type: str) -> dict[str, Any]:
     """GLM-4's `ModelConfig` fields ({} for the other families): Gemma's four norms around the attention and the MLP,
-    under its own names (`models.glm4`, `models.glm4_moe` for Kolibri-1's), with plain weights."""
-    return {"sandwich_norms": True} if arch == "glm4" or model_type == "kolibri1" else {}
+    under its own names (`models.glm4`, `models.glm4_moe` for Kolibri-1's), with plain weights; GLM-4-9B's (`glm`)
+    block is a plain pre-norm one."""
+    sandwich = (arch == "glm4" and model_type != "glm") or model_type == "kolibri1"
+    return {"sandwich_norms": True} if sandwich else {}
 
 
 def _ernie4_5_moe_fields(cfg: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
@@ -537,6 +547,7 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         v_head_dim=int(cfg.get("v_head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])),
         rope_interleave=bool(cfg.get("rope_interleave", model_type != "minicpm3")),
         rope=model_type != "kimi_linear",
+        head_gate=model_type == "bailing_hybrid",
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
@@ -649,7 +660,7 @@ def _hybrid_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:
     layers alone."""
     if arch == "olmo_hybrid":
         return _olmo_hybrid_fields(cfg)
-    if cfg.get("model_type") == "kimi_linear":
+    if cfg.get("model_type") in ("kimi_linear", "bailing_hybrid"):
         return _kimi_linear_fields(cfg)
     if arch != "qwen3_next":
         return {}
@@ -745,12 +756,13 @@ def _kimi_linear_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _kimi_linear_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Kimi Linear's Kimi Delta Attention layers (`LinearAttention.kimi_delta`: as many key as value heads, both
-    `linear_head_dim` wide) on the layers `layer_types` calls linear_attention (`_kimi_linear_config`). ValueError
-    for a list of other kinds or the wrong length, or without either kind."""
-    layers = int(cfg["num_hidden_layers"])
+    `linear_head_dim` wide) on the layers `layer_types` calls linear_attention (`_kimi_linear_config`); Ling 3's
+    with whole decay and gate projections and, with `kda_safe_gate`, its decay bounded by `kda_lower_bound`
+    (`_bailing_hybrid_config`). ValueError for a list of other kinds or the wrong length, or without either kind."""
+    layers, model_type = int(cfg["num_hidden_layers"]), cfg["model_type"]
     types = cfg["layer_types"]
     if len(types) != layers or set(types) != {"linear_attention", "full_attention"}:
-        raise ValueError(f"kimi_linear layer_types must name linear_attention or full_attention for each of the "
+        raise ValueError(f"{model_type} layer_types must name linear_attention or full_attention for each of the "
                          f"{layers} layers, both kinds; got {types!r}")  # fmt: skip
     heads, head_dim = int(cfg["linear_num_heads"]), int(cfg["linear_head_dim"])
     linear = LinearAttention(
@@ -761,10 +773,52 @@ def _kimi_linear_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         conv_kernel=int(cfg["linear_conv_kernel_dim"]),
         layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
         kimi_delta=True,
+        full_rank_gates=model_type == "bailing_hybrid",
+        decay_bound=float(cfg["kda_lower_bound"]) if model_type == "bailing_hybrid" and cfg["kda_safe_gate"] else 0.0,
     )
     if linear.conv_kernel < 2:
-        raise ValueError(f"kimi_linear with a {linear.conv_kernel}-tap convolution is not supported")
+        raise ValueError(f"{model_type} with a {linear.conv_kernel}-tap convolution is not supported")
+    if linear.decay_bound > 0:
+        raise ValueError(f"{model_type} kda_lower_bound {linear.decay_bound} must be negative (a log decay)")
     return {"linear_attention": linear}
+
+
+def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Ling 3 (`bailing_hybrid`) `config.json` under the keys the rest reads, with transformers' defaults where a
+    key is absent: its own names for the experts' settings (`num_experts`, `num_experts_per_token`,
+    `num_shared_experts` (1), `num_expert_group` (8), `topk_group` (4), `moe_renormalize`), `model_max_length`, its
+    layer kinds (`layer_types`, else full attention on the last layer of each `layer_group_size` (6)), the first
+    `first_k_dense_replace` (2) layers dense where `mlp_layer_types` is absent, and Kimi Delta Attention of
+    `num_attention_heads` heads of the original `head_dim` (transformers keeps it as `linear_head_dim` and sets
+    `head_dim` to the rope dims when it saves), a `short_conv_kernel_size`-tap convolution, the safe gate's
+    `kda_lower_bound` (-5) unless `kda_safe_gate` is false. ValueError for scores other than sigmoid."""
+    layers = int(cfg["num_hidden_layers"])
+    group = int(cfg.get("layer_group_size") or 6)
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(layers)
+    ]
+    if (cfg.get("score_function") or "sigmoid") != "sigmoid":
+        raise ValueError(f"bailing_hybrid routing by {cfg['score_function']} scores is not supported")
+    first_dense = int(cfg.get("first_k_dense_replace", 2) or 0)
+    renamed = {
+        "num_experts": cfg.get("num_experts") or cfg.get("num_local_experts") or 512,
+        "num_experts_per_tok": cfg.get("num_experts_per_tok") or cfg.get("num_experts_per_token") or 8,
+        "norm_topk_prob": cfg.get("norm_topk_prob", cfg.get("moe_renormalize", True)),
+        "n_group": cfg.get("n_group") or cfg.get("num_expert_group") or 8,
+        "topk_group": cfg.get("topk_group") or 4,
+        "n_shared_experts": cfg.get("n_shared_experts") or cfg.get("num_shared_experts", 1) or 0,
+        "routed_scaling_factor": cfg.get("routed_scaling_factor") or 2.5,
+        "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 262144,
+        "linear_num_heads": cfg.get("linear_num_heads") or cfg["num_attention_heads"],
+        "linear_head_dim": cfg.get("linear_head_dim") or cfg.get("head_dim") or 128,
+        "linear_conv_kernel_dim": cfg.get("linear_conv_kernel_dim") or cfg.get("short_conv_kernel_size") or 4,
+        "rope_theta": cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 6_000_000.0,
+        "kda_safe_gate": cfg.get("kda_safe_gate", True),
+        "kda_lower_bound": cfg.get("kda_lower_bound", -5.0),
+        "mlp_layer_types": cfg.get("mlp_layer_types")
+        or ["dense" if i < first_dense else "sparse" for i in range(layers)],
+    }
+    return {**cfg, "layer_types": types, **renamed}
 
 
 def _olmo_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:

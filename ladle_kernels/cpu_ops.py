@@ -280,18 +280,19 @@ def gated_delta_net(
     fresh: Sequence[bool],
     beta_scale: float = 1.0,
     sigmoid_gate: bool = False,
+    decay_bound: float = 0.0,
 ) -> torch.Tensor:
     """`reference.gated_delta_net`'s contract on the C++ kernel (float32 rows; anything else on the reference)."""
     inputs = (mixed, z, a, b, conv_weight, a_log, dt_bias, norm_weight, states)
     if not all(t.dtype == torch.float32 for t in inputs) or not all(_rows(t) for t in (mixed, z, a, b, states)):
         return reference.gated_delta_net(
             mixed, z, a, b, conv_weight, a_log, dt_bias, norm_weight, eps, key_heads, states, slots, query_lens, fresh,
-            beta_scale, sigmoid_gate,
+            beta_scale, sigmoid_gate, decay_bound,
         )
     out: torch.Tensor = torch.ops.ladle_cpu.gated_delta_net(
         mixed, z, a, b, conv_weight.contiguous(), a_log.contiguous(), dt_bias.contiguous(), norm_weight.contiguous(),
         eps, key_heads, states, torch.tensor(slots, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
-        torch.tensor(fresh, dtype=torch.bool), beta_scale, sigmoid_gate,
+        torch.tensor(fresh, dtype=torch.bool), beta_scale, sigmoid_gate, decay_bound,
     )  # fmt: skip
     return out
 

@@ -194,6 +194,7 @@ def gated_delta_net(
     fresh: Sequence[bool],
     beta_scale: float = 1.0,
     sigmoid_gate: bool = False,
+    decay_bound: float = 0.0,
 ) -> torch.Tensor:
     """A Gated DeltaNet layer's core over one step, from its input projection's parts to what its output projection
     takes: mixed `[T, C]` (q, k, v of `key_heads`, `key_heads` and Hv heads side by side), z `[T, Hv * Dv]`, a and b
@@ -206,7 +207,8 @@ def gated_delta_net(
 
     Kimi Delta Attention (Kimi Linear's linear layers): a and dt_bias `[T, Hv * Dk]` and `[Hv * Dk]`, a decay per key
     channel (`g = -exp(A_log[head]) * softplus(a + dt_bias)`, each head's Dk values), and with `sigmoid_gate` the
-    norm gated by `sigmoid(z)`."""
+    norm gated by `sigmoid(z)`. A nonzero `decay_bound` (Ling 3's safe gate, negative) bounds the decay instead:
+    `g = decay_bound * sigmoid(exp(A_log[head]) * (a + dt_bias))`, within (decay_bound, 0)."""
     tokens, channels = mixed.shape
     value_heads = b.shape[1]
     dv = z.shape[1] // value_heads
@@ -218,10 +220,11 @@ def gated_delta_net(
     matrices = states[:, conv_size:].view(-1, value_heads, dk, dv)
     convolved = convolve(mixed, weight, conv_states, slots, query_lens, fresh, silu=True)
     q, k, v = convolved.split([key_heads * dk, key_heads * dk, value_heads * dv], dim=-1)
-    if a.shape[1] == value_heads:
-        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    else:  # a decay per key channel
-        g = -a_log.float().exp()[:, None] * F.softplus(a.float() + dt_bias).view(tokens, value_heads, dk)
+    per_channel = a.shape[1] != value_heads  # a decay per key channel
+    rate = a_log.float().exp()[:, None] if per_channel else a_log.float().exp()
+    shifted = a.float() + dt_bias
+    shifted = shifted.view(tokens, value_heads, dk) if per_channel else shifted
+    g = decay_bound * torch.sigmoid(rate * shifted) if decay_bound else -rate * F.softplus(shifted)
     core = gated_delta_rule(
         q.reshape(tokens, key_heads, dk), k.reshape(tokens, key_heads, dk), v.reshape(tokens, value_heads, dv),
         g, b.sigmoid().float() * beta_scale, matrices, slots, query_lens, fresh,

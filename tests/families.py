@@ -493,6 +493,17 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "linear_num_heads": 4,
          "linear_head_dim": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # Ling 3: Kimi Delta Attention (4 heads of 32) with whole decay and gate projections and its bounded decay on the
+    # first, second and fourth layers, latent attention with a gate per head on the third; a dense first MLP, then
+    # top-2 of 8 experts in 4 groups (2 chosen) by sigmoid scores and a bias, scaled by 2.5, beside a shared expert.
+    "ling-3": (
+        "BailingHybridConfig",
+        {"layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+         "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "num_key_value_heads": 4, "head_dim": 32,
+         "kv_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 16, "num_experts": 8,
+         "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "falcon-h1": (
         "FalconH1Config",
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
@@ -511,6 +522,7 @@ LAYOUT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron": ("NemotronConfig", {"head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "olmo": ("OlmoConfig", {"clip_qkv": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "exaone": ("ExaoneConfig", {"tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "glm": ("GlmConfig", {"head_dim": 24, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "solar-open": (
         "SolarOpenConfig",
         {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -5,6 +5,9 @@ per value head; q, k and v from projections of their own (read as one `qkv_proj`
 that order); a decay per key channel, `g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)`, whose projection
 goes through the rank of one head; the output gate likewise low-rank (`g_b(g_a(x))`), and the norm gated by its
 sigmoid rather than its SiLU. The kernel set's `gated_delta_net` runs the step, as for Gated DeltaNet.
+
+Ling 3's (`LinearAttention.full_rank_gates`, `decay_bound`): whole `f_proj` and `g_proj` projections, and its safe
+gate, `g = lower_bound * sigmoid(exp(A_log[head]) * (f_proj(x) + dt_bias))`, a decay bounded below.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ from ladle_kernels.kernel_set import KernelOps
 
 class KimiDeltaAttention(nn.Module):
     """One KDA layer under its checkpoints' names: `q_proj`, `k_proj`, `v_proj` (as `qkv_proj`), `conv1d`, `b_proj`
-    (the write strength), `f_a_proj` / `f_b_proj`, `A_log` and `dt_bias` (the decay), `g_a_proj` / `g_b_proj` (the
-    output gate), `o_norm` and `o_proj`. Same call as `PagedSelfAttention`, with this layer's state tensor in place
-    of its KV cache (and no rope).
+    (the write strength), `f_a_proj` / `f_b_proj` (Ling 3's: `f_proj`), `A_log` and `dt_bias` (the decay),
+    `g_a_proj` / `g_b_proj` (Ling 3's: `g_proj`; the output gate), `o_norm` and `o_proj`. Same call as
+    `PagedSelfAttention`, with this layer's state tensor in place of its KV cache (and no rope).
 
     Under tensor parallelism a rank holds its block of the heads: their rows of q, k, v, b and of the second
     low-rank projections, channels of the convolution, `A_log` and `dt_bias`, its states of them, and the matching
@@ -54,10 +57,15 @@ class KimiDeltaAttention(nn.Module):
         ]
         self.conv1d = DepthwiseConv(kept, whole.conv_kernel, dtype)
         self.b_proj = ColumnParallelLinear(hidden, [PartSlice(whole.num_value_heads, heads)], False, dtype)
-        self.f_a_proj = nn.Linear(hidden, rank, bias=False, dtype=dtype)
-        self.f_b_proj = ColumnParallelLinear(rank, [PartSlice(whole.key_dim, keys)], False, dtype)
-        self.g_a_proj = nn.Linear(hidden, rank, bias=False, dtype=dtype)
-        self.g_b_proj = ColumnParallelLinear(rank, [PartSlice(whole.value_dim, values)], False, dtype)
+        self.decay_bound, self.full_rank = whole.decay_bound, whole.full_rank_gates
+        if self.full_rank:
+            self.f_proj: nn.Module = ColumnParallelLinear(hidden, [PartSlice(whole.key_dim, keys)], False, dtype)
+            self.g_proj: nn.Module = ColumnParallelLinear(hidden, [PartSlice(whole.value_dim, values)], False, dtype)
+        else:
+            self.f_a_proj: nn.Module = nn.Linear(hidden, rank, bias=False, dtype=dtype)
+            self.f_b_proj: nn.Module = ColumnParallelLinear(rank, [PartSlice(whole.key_dim, keys)], False, dtype)
+            self.g_a_proj: nn.Module = nn.Linear(hidden, rank, bias=False, dtype=dtype)
+            self.g_b_proj: nn.Module = ColumnParallelLinear(rank, [PartSlice(whole.value_dim, values)], False, dtype)
         self.A_log = nn.Parameter(torch.zeros(shape.num_value_heads, dtype=dtype), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.zeros(shape.key_dim, dtype=dtype), requires_grad=False)
         self.o_norm = GatedRMSNorm(shape.value_head_dim, whole.norm_eps or config.rms_norm_eps, dtype)
@@ -90,12 +98,16 @@ class KimiDeltaAttention(nn.Module):
         `meta.state_slots[i]`) by its chunk. `positions`, `cos_sin_cache` and `lora` are not read (adapters target
         no linear-attention layer: `lora.targets`)."""
         mixed, b = self.qkv_proj(hidden), self.b_proj(hidden)
-        decay, gate = self.f_b_proj(self.f_a_proj(hidden)), self.g_b_proj(self.g_a_proj(hidden))
+        if self.full_rank:
+            decay, gate = self.f_proj(hidden), self.g_proj(hidden)
+        else:
+            decay, gate = self.f_b_proj(self.f_a_proj(hidden)), self.g_b_proj(self.g_a_proj(hidden))
         core = advance_states(
             meta, state, "Kimi delta attention",
             lambda slots, fresh: ops.gated_delta_net(
                 mixed, gate, decay, b, self.conv1d.weight, self.A_log, self.dt_bias, self.o_norm.weight,
                 self.o_norm.eps, self.shape.num_key_heads, state, slots, meta.query_lens_cpu, fresh, 1.0, True,
+                self.decay_bound,
             ),
         )  # fmt: skip
         result: torch.Tensor = self.tp.all_reduce_sum(self.o_proj(core))

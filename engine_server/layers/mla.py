@@ -4,7 +4,8 @@ The queries come from a low-rank projection (`q_a_proj`, its norm, `q_b_proj`; o
 values from one compressed latent per token (`kv_a_proj_with_mqa`: `kv_lora_rank` latent dims and one rope key of
 `qk_rope_head_dim` shared by every head), normalised and expanded per head by `kv_b_proj` into a key part without
 positions (`qk_nope_head_dim`) and a value (`v_head_dim`). Each head's key is its nope part beside the shared rope
-key; only the rope dims turn by position.
+key; only the rope dims turn by position. Ling 3 gates each head's output by the sigmoid of its own `g_proj` value
+(`LatentAttention.head_gate`).
 
 The cache holds each token's normalised latent and its turned rope key, `kv_lora_rank + qk_rope_head_dim` values
 (576 for V3) under one KV head, not every head's expanded key and value: `kv_b_proj` is absorbed instead (the
@@ -41,7 +42,7 @@ from engine_server.layers.sparse_indexer import LightningIndexer, attend_positio
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, copy_kept_rows
-from engine_server.parallel.sharding import heads_rows, query_heads_of_rank
+from engine_server.parallel.sharding import PartSlice, heads_rows, query_heads_of_rank
 from ladle_kernels.kernel_set import KernelOps
 
 
@@ -104,6 +105,10 @@ class MultiLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
         self.kv_b_proj = LatentExpansion(heads, total, self.nope_dim, self.value_dim, self.kv_lora_rank, dtype)
         self.o_proj = RowParallelLinear(total * self.value_dim, hidden, bias, tp, dtype)
+        # Ling 3: a gate per head (`LatentAttention.head_gate`), this rank's heads
+        self.g_proj: nn.Module | None = None
+        if mla.head_gate:
+            self.g_proj = ColumnParallelLinear(hidden, [PartSlice(total, heads)], bias=False, dtype=dtype)
         # Sparse attention (`layers.sparse_indexer`): the cache's row (`head_dim`), the positions each query may
         # attend to, and this layer's indexer (None on a layer that reuses the last one's choice).
         sparse = config.sparse_indexer
@@ -154,8 +159,10 @@ class MultiLatentAttention(nn.Module):
             ops.write_kv_cache(rows, rows, kv_cache, meta.slot_mapping)
             out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, None)[..., : self.kv_lora_rank]
         # [heads, T, rank] @ [heads, rank, value]: each head's weighted latent expanded to its value
-        values = torch.bmm(out.transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2))
-        return self.tp.all_reduce_sum(self.o_proj(values.transpose(0, 1).reshape(tokens, heads * self.value_dim)))
+        values = torch.bmm(out.transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2)).transpose(0, 1)
+        if self.g_proj is not None:
+            values = values * torch.sigmoid(self.g_proj(hidden))[..., None]
+        return self.tp.all_reduce_sum(self.o_proj(values.reshape(tokens, heads * self.value_dim)))
 
     def _attend_sparse(
         self,

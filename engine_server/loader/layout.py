@@ -165,22 +165,29 @@ def _linear_attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[i
 
 
 def _kimi_delta_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """A Kimi Delta Attention layer's tensors under `prefix` (Kimi Linear's; `layers.kimi_delta`)."""
+    """A Kimi Delta Attention layer's tensors under `prefix` (Kimi Linear's, Ling 3's; `layers.kimi_delta`)."""
     linear, h = cfg.linear_attention, cfg.hidden_size
     assert linear is not None
     rank = linear.key_head_dim
+    gates: dict[str, tuple[int, ...]] = (
+        {prefix + "f_proj.weight": (linear.key_dim, h), prefix + "g_proj.weight": (linear.value_dim, h)}
+        if linear.full_rank_gates
+        else {
+            prefix + "f_a_proj.weight": (rank, h),
+            prefix + "f_b_proj.weight": (linear.key_dim, rank),
+            prefix + "g_a_proj.weight": (rank, h),
+            prefix + "g_b_proj.weight": (linear.value_dim, rank),
+        }
+    )
     return {
         prefix + "q_proj.weight": (linear.key_dim, h),
         prefix + "k_proj.weight": (linear.key_dim, h),
         prefix + "v_proj.weight": (linear.value_dim, h),
         prefix + "conv1d.weight": (linear.conv_dim, 1, linear.conv_kernel),
         prefix + "b_proj.weight": (linear.num_value_heads, h),
-        prefix + "f_a_proj.weight": (rank, h),
-        prefix + "f_b_proj.weight": (linear.key_dim, rank),
+        **gates,
         prefix + "dt_bias": (linear.key_dim,),
         prefix + "A_log": (linear.num_value_heads,),
-        prefix + "g_a_proj.weight": (rank, h),
-        prefix + "g_b_proj.weight": (linear.value_dim, rank),
         prefix + "o_norm.weight": (linear.value_head_dim,),
         prefix + "o_proj.weight": (h, linear.value_dim),
     }
@@ -202,6 +209,8 @@ def _latent_attention_shapes(prefix: str, cfg: ModelConfig) -> dict[str, tuple[i
     shapes[prefix + "kv_a_layernorm.weight"] = (mla.kv_lora_rank,)
     shapes[prefix + "kv_b_proj.weight"] = (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
     shapes[prefix + "o_proj.weight"] = (h, heads * mla.v_head_dim)
+    if mla.head_gate:
+        shapes[prefix + "g_proj.weight"] = (heads, h)
     return shapes
 
 

@@ -31,8 +31,20 @@ _KIMI_LINEAR_RENAMES = (
     _SHARED_EXPERTS,
     (".self_attn.forget_gate.", ".self_attn."),
 )
-# A Kimi Delta Attention layer's convolution of q, k or v, as its checkpoints store them (one convolution here).
-_KDA_CONV_PART = re.compile(r"(?P<layer>.+\.self_attn)\.(?P<part>[qkv])_conv1d\.weight")
+# Ling 3's released checkpoints (transformers' conversion, reversed): `word_embeddings`, each layer's `attention`
+# with its output projection `dense`, the routing bias `expert_bias`; transformers' own files hold the decay's
+# projection and parameters on a `forget_gate` of the attention.
+_BAILING_HYBRID_RENAMES = (
+    ("model.word_embeddings.", "model.embed_tokens."),
+    (".attention.", ".self_attn."),
+    (".self_attn.dense.", ".self_attn.o_proj."),
+    (".mlp.gate.expert_bias", _ROUTING_BIAS),
+    (".self_attn.forget_gate.", ".self_attn."),
+    _SHARED_EXPERTS,
+)
+# A Kimi Delta Attention layer's convolution of q, k or v, as its checkpoints store them (one convolution here;
+# Ling 3's released files and transformers' hold the layer as its `attention`).
+_KDA_CONV_PART = re.compile(r"(?P<layer>.+\.(?:self_attn|attention))\.(?P<part>[qkv])_conv1d\.weight")
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -50,7 +62,9 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     Kimi Linear (`kimi_linear`): its latent attention without rope, and Kimi Delta Attention on the layers
     `ModelConfig.linear_attention` names (`layers.kimi_delta`, under its own names; the q, k and v convolutions its
-    files hold apart read as one), its experts under Mixtral's names in `block_sparse_moe`."""
+    files hold apart read as one), its experts under Mixtral's names in `block_sparse_moe`. Ling 3 (`bailing_hybrid`):
+    the same layers with a gate per head on the latent attention, read from transformers' files or its released
+    ones (`_BAILING_HYBRID_RENAMES`; the q, k and v convolutions joined likewise)."""
 
     checkpoint_renames: tuple[tuple[str, str], ...] = (_SHARED_EXPERTS,)
 
@@ -58,7 +72,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         super().__init__(config, dtype, tp)
         self.kimi_linear = config.linear_attention is not None and config.linear_attention.kimi_delta
         if self.kimi_linear:
-            self.checkpoint_renames = _KIMI_LINEAR_RENAMES
+            assert config.linear_attention is not None
+            ling = config.linear_attention.full_rank_gates
+            self.checkpoint_renames = _BAILING_HYBRID_RENAMES if ling else _KIMI_LINEAR_RENAMES
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()

@@ -11,7 +11,8 @@
 //      where the reference takes a prefill chunk in the chunked (WY) form;
 //   3. the gated RMSNorm of each head's output, times SiLU(z) (sigmoid(z) with sigmoid_gate: Kimi Linear's).
 // Kimi Delta Attention (Kimi Linear's linear layers) decays each key channel at its own rate: a and dt_bias hold
-// Dk values per head, and S's row i is scaled by its own exp(g[i]).
+// Dk values per head, and S's row i is scaled by its own exp(g[i]). With a decay_bound (Ling 3's safe gate, < 0)
+// g = decay_bound sigmoid(exp(A_log) (a + dt_bias)) instead: within (decay_bound, 0) whatever a is.
 // Every value of a token is computed by code that depends only on its index within its row (vector lanes, then a
 // scalar tail, by channel or dim) and on its sequence's earlier tokens, in one fixed order (built with
 // -ffp-contract=off): a sequence's output is the same alone, batched, or prefilled in chunks of any size, bit for
@@ -113,7 +114,7 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
                            const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
                            const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
                            const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh,
-                           double beta_scale, bool sigmoid_gate) {
+                           double beta_scale, bool sigmoid_gate, double decay_bound) {
   const int64_t tokens = mixed.size(0), channels = mixed.size(1), value_heads = b.size(1);
   LADLE_CHECK(value_heads > 0 && key_heads > 0 && value_heads % key_heads == 0 && z.size(1) % value_heads == 0,
               "%lld value heads over %lld key heads", static_cast<long long>(value_heads),
@@ -159,6 +160,7 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
   const int64_t group = value_heads / key_heads, k_offset = key_heads * dk, v_offset = 2 * key_heads * dk;
   const float scale = 1.f / std::sqrt(static_cast<float>(dk));
   const float fbeta_scale = static_cast<float>(beta_scale);
+  const float bound = static_cast<float>(decay_bound);
   at::parallel_for(0, rows * value_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qn(dk), kn(dk), recalled(dv), delta(dv), decay(dk);
     for (int64_t task = begin; task < end; ++task) {
@@ -177,7 +179,11 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
         }
         const float* at = a_ptr + t * a.stride(0) + head * decays;
         const float* dt = dt_ptr + head * decays;
-        for (int64_t i = 0; i < decays; ++i) decay[i] = std::exp(-rate * softplus(at[i] + dt[i]));
+        if (bound != 0.f) {
+          for (int64_t i = 0; i < decays; ++i) decay[i] = std::exp(bound / (1.f + std::exp(-(rate * (at[i] + dt[i])))));
+        } else {
+          for (int64_t i = 0; i < decays; ++i) decay[i] = std::exp(-rate * softplus(at[i] + dt[i]));
+        }
         if (decays == 1) std::fill(decay.begin() + 1, decay.end(), decay[0]);
         const float beta = fbeta_scale / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
         float* o = core_ptr + t * value_heads * dv + head * dv;
@@ -246,7 +252,8 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "gated_delta_net(Tensor mixed, Tensor z, Tensor a, Tensor b, Tensor conv_weight, Tensor a_log, "
       "Tensor dt_bias, Tensor norm_weight, float eps, int key_heads, Tensor(a!) states, Tensor slots, "
-      "Tensor query_lens, Tensor fresh, float beta_scale=1.0, bool sigmoid_gate=False) -> Tensor");
+      "Tensor query_lens, Tensor fresh, float beta_scale=1.0, bool sigmoid_gate=False, float decay_bound=0.0) -> "
+      "Tensor");
   m.def("sigmoid_mul(Tensor x, Tensor gate) -> Tensor");
   m.impl("gated_delta_net", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::gated_delta_net));
   m.impl("sigmoid_mul", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::sigmoid_mul));

@@ -58,7 +58,7 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
                            const at::Tensor& conv_weight, const at::Tensor& a_log, const at::Tensor& dt_bias,
                            const at::Tensor& norm_weight, double eps, int64_t key_heads, const at::Tensor& states,
                            const at::Tensor& slots, const at::Tensor& query_lens, const at::Tensor& fresh,
-                           double beta_scale, bool sigmoid_gate);
+                           double beta_scale, bool sigmoid_gate, double decay_bound);
 at::Tensor sigmoid_mul(const at::Tensor& x, const at::Tensor& gate);
 at::Tensor mamba2_mixer(const at::Tensor& xbc, const at::Tensor& z, const at::Tensor& dt, const at::Tensor& conv_weight,
                         const std::optional<at::Tensor>& conv_bias, const at::Tensor& a_log, const at::Tensor& dt_bias,

@@ -124,7 +124,7 @@ def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_FAMILIES))
 def test_layout_families_load_as_saved(name: str, tmp_path: Path) -> None:
-    """A family whose parts are all another's (Solar Open, CWM, FlexOlmo, Hy3, K-EXAONE, dots.llm1, Mellum;
+    """A family whose parts are all another's (Solar Open, CWM, FlexOlmo, Hy3, K-EXAONE, dots.llm1, Mellum, GLM-4-9B;
     Nemotron-4, OLMo, EXAONE 3.5 with one norm of another form or GPT-2's names: tests.families' `LAYOUT_FAMILIES`),
     saved by transformers under its checkpoints' own names, loads every tensor into the engine's model: none
     unexpected, none missing (what their whole-engine runs caught; their paged models are held to transformers in

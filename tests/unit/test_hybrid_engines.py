@@ -238,18 +238,27 @@ def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> N
     assert agree >= 6
 
 
-def test_kimi_linear_on_int8_quantizes_its_delta_attention_and_agrees_with_the_float_path(tmp_path: Path) -> None:
-    """int8 weights on every projection of Kimi Linear's delta-attention layers (q/k/v, the write strength, both
-    low-rank pairs, the output) beside its latent attention's and experts': the first tokens mostly agree with the
-    float path's. (Not batch-invariant, as DeepSeek-V3's int8 path is not: the latent expansion stays a float
-    batched product.)"""
-    folder = save_family(tmp_path, "kimi-linear", head_spread=0.5)
+@pytest.mark.parametrize(
+    ("family", "gates"),
+    [("kimi-linear", ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")), ("ling-3", ("f_proj", "g_proj"))],
+)
+def test_kimi_delta_attention_on_int8_quantizes_every_projection_and_agrees_with_the_float_path(
+    tmp_path: Path, family: str, gates: tuple[str, ...]
+) -> None:
+    """int8 weights on every projection of Kimi Linear's and Ling 3's delta-attention layers (q/k/v, the write
+    strength, the decay's and the gate's, the output; Ling 3's latent attention's head gate too) beside their latent
+    attention's and experts': the first tokens mostly agree with the float path's. (Not batch-invariant, as
+    DeepSeek-V3's int8 path is not: the latent expansion stays a float batched product.)"""
+    folder = save_family(tmp_path, family, head_spread=0.5)
     theirs = reference_tokens(load_reference(folder))
     with engine(folder, quantization="int8") as llm:
-        attention = llm.core.runner.loaded.model.model.layers[0].self_attn
+        layers = llm.core.runner.loaded.model.model.layers
+        attention = layers[0].self_attn
         assert isinstance(attention, KimiDeltaAttention)
-        names = ("qkv_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "o_proj")
+        names = ("qkv_proj", "b_proj", *gates, "o_proj")
         assert all(isinstance(getattr(attention, name), QuantizedLinear) for name in names)
+        latent = layers[2].self_attn
+        assert (family == "ling-3") == isinstance(getattr(latent, "g_proj", None), QuantizedLinear)
         ours = [ids[0] for ids in tokens(llm, prompts())]
     assert sum(a == b for a, b in zip(ours, theirs.first_tokens(), strict=True)) >= 6
 

@@ -198,6 +198,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # GLM-4: sandwich norms under its own names, fused gate/up, q/k/v biases, rope over the first half of each head
     # with its pairs interleaved (head dim 24: 12 turned, 12 not).
     "glm4": (transformers.Glm4Config, {"head_dim": 24, "pad_token_id": 0}),
+    # GLM-4-9B (`glm`): GLM-4's attention (q/k/v biases, rope over half of each head in interleaved pairs) and fused
+    # MLP in a pre-norm block
+    "glm": (transformers.GlmConfig, {"head_dim": 24, "pad_token_id": 0}),
     # Seed-OSS: q/k/v biases, o_proj's apart (here on, as `attention_out_bias` allows); ERNIE 4.5: interleaved rope
     # over each whole head.
     "seed-oss": (transformers.SeedOssConfig, {"head_dim": 24, "attention_out_bias": True, "pad_token_id": 0}),
@@ -514,6 +517,18 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "routed_scaling_factor": 2.5, "linear_num_heads": 4, "linear_head_dim": 16, "pad_token_id": 0,
          "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # Ling 3: Kimi Delta Attention (4 heads of 16) with whole decay and gate projections and the safe gate's bounded
+    # decay, around a latent-attention layer whose heads' outputs are gated each by a sigmoid; a dense first MLP,
+    # then DeepSeek-V3's router (8 experts in 4 groups, 2 chosen, 3 per token, a bias, scaled by 2.5) beside a shared
+    # expert.
+    "ling-3": (
+        transformers.BailingHybridConfig,
+        {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+         "mlp_layer_types": ["dense", "sparse", "sparse"], "num_key_value_heads": 4, "head_dim": 16, "kv_lora_rank": 24,
+         "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "num_experts": 8, "num_experts_per_tok": 3,
+         "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Laguna: windowed (shorter than the prompts) and full layers, each kind with its rope base and share (the full
     # ones turn half of each head, its default), 4, 8 and 2 query heads over 2 KV heads, per-head q/k norms, each
     # head's output times softplus of its own gate;
@@ -725,6 +740,7 @@ MODEL_CLASSES = {
     transformers.OlmoHybridConfig: transformers.OlmoHybridForCausalLM,
     transformers.LagunaConfig: transformers.LagunaForCausalLM,
     transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
+    transformers.BailingHybridConfig: transformers.BailingHybridForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
@@ -760,6 +776,7 @@ MODEL_CLASSES = {
     transformers.SarvamMoEConfig: transformers.Glm4MoeForCausalLM,
     transformers.SarvamMLAConfig: transformers.DeepseekV3ForCausalLM,
     transformers.Glm4Config: transformers.Glm4ForCausalLM,
+    transformers.GlmConfig: transformers.GlmForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Ernie4_5Config: transformers.Ernie4_5ForCausalLM,
     transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
@@ -1205,6 +1222,42 @@ def test_kimi_linear_configs_read_as_released_and_as_transformers_writes_them() 
                             ({"num_hidden_layers": 4}, "both kinds")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             model_config_from_hf({**plain, **change})
+
+
+def test_ling_3_configs_read_as_released_and_as_transformers_writes_them() -> None:
+    """A Ling 3 config.json as released (its layer kinds from `layer_group_size`, `head_dim` the delta attention's,
+    its own names for the experts' settings and its context) and as transformers writes it back (`layer_types`,
+    `head_dim` the rope dims, the delta attention's as `linear_head_dim`) read alike, as transformers builds the
+    model; transformers' defaults where keys are absent (8 groups, 4 chosen; two dense layers; the safe gate at -5).
+    Without the safe gate: Kimi's unbounded decay. Refused by name: softmax scores, a bound above zero."""
+    released = {
+        **SMALL, "model_type": "bailing_hybrid", "num_hidden_layers": 7, "head_dim": 16, "kv_lora_rank": 24,
+        "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "q_lora_rank": None, "num_experts": 16,
+        "num_experts_per_token": 2, "moe_renormalize": True, "num_shared_experts": 1, "moe_intermediate_size": 32,
+        "routed_scaling_factor": 2.5, "layer_group_size": 3, "model_max_length": 4096, "rope_theta": 600000.0,
+        "score_function": "sigmoid",
+    }  # fmt: skip
+    del released["max_position_embeddings"]  # (its name for it is `model_max_length`)
+    theirs = transformers.BailingHybridConfig.from_dict(released)
+    for raw in (released, theirs.to_dict()):
+        ours = model_config_from_hf(raw)
+        linear = ours.linear_attention
+        assert linear is not None and linear.kimi_delta and linear.full_rank_gates and linear.decay_bound == -5.0
+        assert linear.layers == tuple(i for i, kind in enumerate(theirs.layer_types) if kind == "linear_attention")
+        assert linear.layers == (0, 1, 3, 4, 6)
+        assert (linear.num_value_heads, linear.key_head_dim, linear.conv_kernel) == (4, theirs.linear_head_dim, 4)
+        assert [ours.is_moe_layer(i) for i in range(7)] == [kind == "sparse" for kind in theirs.mlp_layer_types]
+        assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_groups, ours.moe_topk_groups) == (16, 2, 8, 4)
+        assert ours.latent_attention is not None and ours.latent_attention.head_gate and ours.latent_attention.rope
+        assert ours.max_position_embeddings == theirs.max_position_embeddings == 4096 and ours.rope_theta == 600000.0
+        assert ours.shared_expert_intermediate_size == 32 and ours.routed_scaling_factor == 2.5
+    assert theirs.linear_head_dim == 16 and theirs.head_dim == 8  # transformers' own rewrite, read through
+    unbounded = model_config_from_hf({**released, "kda_safe_gate": False}).linear_attention
+    assert unbounded is not None and unbounded.decay_bound == 0.0
+    for change, message in (({"score_function": "softmax"}, "routing by softmax"),
+                            ({"kda_lower_bound": 2.0}, "must be negative")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model_config_from_hf({**released, **change})
 
 
 def test_phi3_configs_read_partial_rotary_and_longrope_in_either_layout() -> None:

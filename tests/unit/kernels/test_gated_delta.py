@@ -35,12 +35,14 @@ class Layer:
     """A layer's random weights and a step's inputs (`in_proj`'s output split as the layer splits it)."""
 
     def __init__(
-        self, tokens: int, dk: int, dv: int, seed: int = 0, beta_scale: float = 1.0, kimi: bool = False
+        self, tokens: int, dk: int, dv: int, seed: int = 0, beta_scale: float = 1.0, kimi: bool = False,
+        decay_bound: float = 0.0,
     ) -> None:
         """`kimi`: Kimi Delta Attention's a decay per key channel (a and dt_bias Dk values per head) and its norm
-        gated by sigmoid."""
+        gated by sigmoid; `decay_bound`: Ling 3's safe gate (its decay bounded below)."""
         gen = torch.Generator().manual_seed(seed)
         self.dk, self.dv, self.beta_scale, self.kimi = dk, dv, beta_scale, kimi
+        self.decay_bound = decay_bound
         self.channels = 2 * KEY_HEADS * dk + VALUE_HEADS * dv
         self.state_size = (TAPS - 1) * self.channels + VALUE_HEADS * dk * dv
         decays = VALUE_HEADS * (dk if kimi else 1)
@@ -64,7 +66,7 @@ class Layer:
         out: torch.Tensor = op(
             *picked, self.conv_weight, self.a_log, self.dt_bias, self.norm_weight, 1e-6, KEY_HEADS, states,
             [slot for slot, _, _ in chunks], [span.stop - span.start for span in spans],
-            [fresh for _, _, fresh in chunks], self.beta_scale, self.kimi,
+            [fresh for _, _, fresh in chunks], self.beta_scale, self.kimi, self.decay_bound,
         )  # fmt: skip
         return out
 
@@ -144,14 +146,16 @@ def test_the_convolution_is_a_causal_conv1d_carrying_its_state() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dk", "dv", "kimi"), [(16, 8, False), (9, 5, False), (32, 64, False), (128, 128, False),
-                                                (16, 16, True), (9, 5, True)])  # fmt: skip
-def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int, kimi: bool) -> None:
+@pytest.mark.parametrize(("dk", "dv", "kimi", "bound"), [
+    (16, 8, False, 0.0), (9, 5, False, 0.0), (32, 64, False, 0.0), (128, 128, False, 0.0), (16, 16, True, 0.0),
+    (9, 5, True, 0.0), (16, 16, True, -5.0), (9, 5, True, -5.0),
+])  # fmt: skip
+def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int, kimi: bool, bound: float) -> None:
     """A fresh prompt, a continued prompt of two tokens (shorter than the convolution's history), another of 44 and
     one-token rows (one fresh), against the reference's chunked and one-token forms; both advance the states in
     place alike and leave a slot no sequence holds as it was. (9, 5): channels and value dims with scalar tails.
-    `kimi`: Kimi Delta Attention's decay per key channel and sigmoid gate."""
-    layer = Layer(82, dk, dv, seed=2, kimi=kimi)
+    `kimi`: Kimi Delta Attention's decay per key channel and sigmoid gate; `bound`: Ling 3's bounded decay."""
+    layer = Layer(82, dk, dv, seed=2, kimi=kimi, decay_bound=bound)
     before = layer.states()
     chunks = [(4, slice(0, 30), True), (1, slice(30, 31), False), (0, slice(31, 75), False),
               (5, slice(75, 76), True), (2, slice(76, 77), False), (3, slice(77, 79), False)]  # fmt: skip
@@ -184,9 +188,12 @@ def test_a_doubled_write_strength_matches_the_reference() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dk", "dv", "kimi"), [(16, 8, False), (9, 5, False), (16, 16, True)])
-def test_the_kernel_gives_a_sequence_the_same_bits_alone_batched_and_chunked(dk: int, dv: int, kimi: bool) -> None:
-    layer = Layer(64, dk, dv, seed=4, kimi=kimi)
+@pytest.mark.parametrize(("dk", "dv", "kimi", "bound"), [(16, 8, False, 0.0), (9, 5, False, 0.0), (16, 16, True, 0.0),
+                                                         (16, 16, True, -5.0)])  # fmt: skip
+def test_the_kernel_gives_a_sequence_the_same_bits_alone_batched_and_chunked(
+    dk: int, dv: int, kimi: bool, bound: float
+) -> None:
+    layer = Layer(64, dk, dv, seed=4, kimi=kimi, decay_bound=bound)
     alone_states = layer.states()
     alone = layer.run(cpu.gated_delta_net, [(2, slice(0, 40), True)], alone_states)
     batched_states = layer.states()
@@ -231,3 +238,35 @@ def test_the_output_gate_matches_the_reference_and_each_row_alone(n: int) -> Non
     torch.testing.assert_close(out, reference.sigmoid_mul(x, gate), atol=1e-6, rtol=1e-6)
     for row in range(9):
         assert torch.equal(cpu.sigmoid_mul(x[row : row + 1], gate[row : row + 1])[0], out[row])
+
+
+def test_a_bounded_decay_is_ling_3s_safe_gate() -> None:
+    """With a `decay_bound` the reference's decay is transformers' `BailingHybridForgetGate` (Ling 3's safe gate:
+    `lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`): a layer run with it equals the same layer run through the
+    rule on the gate's own g, and differs from Kimi's unbounded decay."""
+    from transformers import BailingHybridConfig
+    from transformers.models.bailing_hybrid.modeling_bailing_hybrid import BailingHybridForgetGate
+
+    dk = 16
+    layer = Layer(30, dk, dk, seed=8, kimi=True, decay_bound=-5.0)
+    config = BailingHybridConfig(hidden_size=VALUE_HEADS * dk, num_attention_heads=VALUE_HEADS, head_dim=dk,
+                                 kda_lower_bound=-5.0)  # fmt: skip
+    gate = BailingHybridForgetGate(config)
+    with torch.no_grad():  # f_proj the identity, so the gate reads `a` itself
+        gate.f_proj.weight.copy_(torch.eye(VALUE_HEADS * dk))
+        gate.A_log.copy_(layer.a_log)
+        gate.dt_bias.copy_(layer.dt_bias)
+        g = gate(layer.a[None].contiguous())[0]  # [T, heads, dk]
+    chunks = [(0, slice(0, 30), True)]
+    bounded = layer.run(reference.gated_delta_net, chunks, layer.states())
+    expected_g = -5.0 * torch.sigmoid(layer.a_log.exp()[:, None] * (layer.a + layer.dt_bias).view(30, VALUE_HEADS, dk))
+    torch.testing.assert_close(g, expected_g, atol=1e-6, rtol=1e-6)
+    assert bool((g > -5.0).all()) and bool((g < 0).all())
+    # the same layer with a = the softplus form's inverse of g gives the same core: the bound is what the op applies
+    layer.decay_bound = 0.0
+    unbounded = layer.run(reference.gated_delta_net, chunks, layer.states())
+    assert not torch.allclose(bounded, unbounded, atol=1e-3)
+    rate = layer.a_log.exp()[:, None]
+    layer.a = (torch.expm1(-g / rate).log().reshape(30, -1) - layer.dt_bias).contiguous()  # softplus^-1(-g / rate)
+    torch.testing.assert_close(layer.run(reference.gated_delta_net, chunks, layer.states()), bounded, atol=1e-4,
+                               rtol=1e-4)  # fmt: skip
