@@ -757,8 +757,8 @@ def _kimi_linear_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _kimi_linear_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Kimi Linear's Kimi Delta Attention layers (`LinearAttention.kimi_delta`: as many key as value heads, both
     `linear_head_dim` wide) on the layers `layer_types` calls linear_attention (`_kimi_linear_config`); Ling 3's
-    with whole decay and gate projections and, with `kda_safe_gate`, its decay bounded by `kda_lower_bound`
-    (`_bailing_hybrid_config`). ValueError for a list of other kinds or the wrong length, or without either kind."""
+    with whole decay and gate projections and its decay bounded by `kda_decay_bound` (`_bailing_hybrid_config`).
+    ValueError for a list of other kinds or the wrong length, or without either kind."""
     layers, model_type = int(cfg["num_hidden_layers"]), cfg["model_type"]
     types = cfg["layer_types"]
     if len(types) != layers or set(types) != {"linear_attention", "full_attention"}:
@@ -774,12 +774,10 @@ def _kimi_linear_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         layers=tuple(i for i, kind in enumerate(types) if kind == "linear_attention"),
         kimi_delta=True,
         full_rank_gates=model_type == "bailing_hybrid",
-        decay_bound=float(cfg["kda_lower_bound"]) if model_type == "bailing_hybrid" and cfg["kda_safe_gate"] else 0.0,
+        decay_bound=float(cfg.get("kda_decay_bound", 0.0)),
     )
     if linear.conv_kernel < 2:
         raise ValueError(f"{model_type} with a {linear.conv_kernel}-tap convolution is not supported")
-    if linear.decay_bound > 0:
-        raise ValueError(f"{model_type} kda_lower_bound {linear.decay_bound} must be negative (a log decay)")
     return {"linear_attention": linear}
 
 
@@ -791,7 +789,8 @@ def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
     `first_k_dense_replace` (2) layers dense where `mlp_layer_types` is absent, and Kimi Delta Attention of
     `num_attention_heads` heads of the original `head_dim` (transformers keeps it as `linear_head_dim` and sets
     `head_dim` to the rope dims when it saves), a `short_conv_kernel_size`-tap convolution, the safe gate's
-    `kda_lower_bound` (-5) unless `kda_safe_gate` is false. ValueError for scores other than sigmoid."""
+    `kda_lower_bound` (-5) unless `kda_safe_gate` is false (as `kda_decay_bound`). ValueError for scores other than
+    sigmoid, or a safe gate's bound not below zero."""
     layers = int(cfg["num_hidden_layers"])
     group = int(cfg.get("layer_group_size") or 6)
     types = cfg.get("layer_types") or [
@@ -800,21 +799,24 @@ def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if (cfg.get("score_function") or "sigmoid") != "sigmoid":
         raise ValueError(f"bailing_hybrid routing by {cfg['score_function']} scores is not supported")
     first_dense = int(cfg.get("first_k_dense_replace", 2) or 0)
+    bound = float(cfg.get("kda_lower_bound", -5.0))
+    safe_gate = cfg.get("kda_safe_gate", True)
+    if safe_gate and bound >= 0:  # (0 would be no decay at all, not Kimi's unbounded form)
+        raise ValueError(f"bailing_hybrid kda_lower_bound {bound} must be negative (a log decay)")
     renamed = {
         "num_experts": cfg.get("num_experts") or cfg.get("num_local_experts") or 512,
         "num_experts_per_tok": cfg.get("num_experts_per_tok") or cfg.get("num_experts_per_token") or 8,
         "norm_topk_prob": cfg.get("norm_topk_prob", cfg.get("moe_renormalize", True)),
         "n_group": cfg.get("n_group") or cfg.get("num_expert_group") or 8,
         "topk_group": cfg.get("topk_group") or 4,
-        "n_shared_experts": cfg.get("n_shared_experts") or cfg.get("num_shared_experts", 1) or 0,
+        "n_shared_experts": cfg.get("n_shared_experts", cfg.get("num_shared_experts", 1)) or 0,  # (0: none)
         "routed_scaling_factor": cfg.get("routed_scaling_factor") or 2.5,
         "max_position_embeddings": cfg.get("max_position_embeddings") or cfg.get("model_max_length") or 262144,
         "linear_num_heads": cfg.get("linear_num_heads") or cfg["num_attention_heads"],
         "linear_head_dim": cfg.get("linear_head_dim") or cfg.get("head_dim") or 128,
         "linear_conv_kernel_dim": cfg.get("linear_conv_kernel_dim") or cfg.get("short_conv_kernel_size") or 4,
         "rope_theta": cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 6_000_000.0,
-        "kda_safe_gate": cfg.get("kda_safe_gate", True),
-        "kda_lower_bound": cfg.get("kda_lower_bound", -5.0),
+        "kda_decay_bound": bound if safe_gate else 0.0,  # `LinearAttention.decay_bound` (0: Kimi's softplus form)
         "mlp_layer_types": cfg.get("mlp_layer_types")
         or ["dense" if i < first_dense else "sparse" for i in range(layers)],
     }
