@@ -74,7 +74,9 @@ class LatentAttention:
     value `v_head_dim`; `rope_interleave`: the rope dims come in interleaved pairs (DeepSeek-V3's layout). Without
     `rope` (Kimi Linear's NoPE layers) the "rope" dims turn by nothing: the same shared key dims, unrotated. With
     `head_gate` (Ling 3's) each head's output is multiplied by the sigmoid of its own `g_proj` value of the layer's
-    input before `o_proj`."""
+    input before `o_proj`; with `value_gate` (HY-V4's) each value dim of each head's output by the sigmoid of its own
+    `gate_proj` value (`heads * v_head_dim` of them). `latent_norm_eps`: the epsilon of the q and kv latents' norms
+    (0: the model's `rms_norm_eps`; HY-V4's are transformers' default 1e-6 whatever its own)."""
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -84,6 +86,8 @@ class LatentAttention:
     rope_interleave: bool = True
     rope: bool = True
     head_gate: bool = False
+    value_gate: bool = False
+    latent_norm_eps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -91,15 +95,31 @@ class SparseIndexer:
     """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5; `layers.sparse_indexer`): each query
     attends over the `topk` earlier positions (its own included) that `heads` index heads of `head_dim` score
     highest, and over all of them while it has no more. Rope turns each index key's and query's first
-    `qk_rope_head_dim` dims, their pairs interleaved with `rope_interleave` (GLM-5's) and in halves otherwise
-    (DeepSeek-V3.2's). The layers in `shared_layers` have no indexer of their own: they attend over the positions
-    the last layer before them with one chose (GLM-5's `indexer_types` "shared")."""
+    `qk_rope_head_dim` dims (with `rope_last`, HY-V4's, its last), their pairs interleaved with `rope_interleave`
+    (GLM-5's) and in halves otherwise (DeepSeek-V3.2's). The layers in `shared_layers` have no indexer of their own:
+    they attend over the positions the last layer before them with one chose (GLM-5's and HY-V4's `indexer_types`
+    "shared"). `key_norm_eps`: the index key's LayerNorm epsilon (HY-V4's is its `rms_norm_eps`)."""
 
     heads: int
     head_dim: int
     topk: int
     rope_interleave: bool = False
     shared_layers: tuple[int, ...] = ()
+    rope_last: bool = False
+    key_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class HyperConnections:
+    """Hyper-connections (HY-V4's independent form; `layers.hyper_connections`): the residual stream is `streams`
+    copies of the hidden state (the embedding's, at first). Before each attention and each MLP a learned map of the
+    RMS-normalised streams gives per token `streams` weights `pre` (`sigmoid(.) + eps`), which sum the streams into
+    the block's input, and `streams` weights `post` (`post_scale * sigmoid(.) + eps`), by which the block's output
+    is added to each stream. The model's last map (`hc_head`) sums the streams into the final norm's input."""
+
+    streams: int
+    post_scale: float = 2.0
+    eps: float = 1e-6
 
 
 @dataclass(frozen=True)
@@ -355,7 +375,8 @@ class ModelConfig:
     # `intermediate_size` (Qwen's `mlp_only_layers` and `decoder_sparse_step`). 0 experts: a dense model. gpt-oss:
     # the router and the experts' projections have biases (`expert_biases`), and with `swiglu_limit` > 0 the experts'
     # activation is its clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], then
-    # `gate * sigmoid(swiglu_alpha * gate) * (up + 1)` (`ladle_kernels.reference.clamped_swiglu`).
+    # `gate * sigmoid(swiglu_alpha * gate) * (up + swiglu_up_offset)` (`ladle_kernels.reference.clamped_swiglu`;
+    # gpt-oss's offset 1, HY-V4's 0: its experts' plain SwiGLU, clamped).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -365,6 +386,7 @@ class ModelConfig:
     expert_biases: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    swiglu_up_offset: float = 1.0
     # gpt-oss: a learned sink logit per query head, one more term of each attention softmax's denominator.
     attention_sinks: bool = False
     # SmolLM3 and Llama 4: the layers whose attention uses no rope at all (NoPE; `no_rope_layers` holds 0 for them).
@@ -418,6 +440,8 @@ class ModelConfig:
     # DeepSeek-V3.2 and GLM-5: latent attention over the positions an indexer picks (`SparseIndexer`); the cache's
     # `head_dim` then also fits each token's index key beside its latent (`layers.sparse_indexer`).
     sparse_indexer: SparseIndexer | None = None
+    # HY-V4: several residual streams mixed around each block (`HyperConnections`; None: one plain residual).
+    hyper_connections: HyperConnections | None = None
     # Mistral 4 and Ministral 3: their queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's
     # attention temperature) on every layer, beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's
     # original context.

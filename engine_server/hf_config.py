@@ -11,6 +11,7 @@ from engine_server.config import (
     Architecture,
     FalconH1Scales,
     Gemma4Layout,
+    HyperConnections,
     LatentAttention,
     LinearAttention,
     LongRope,
@@ -89,6 +90,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # on five layers in six, DeepSeek-V3's latent attention with a gate per head on the sixth, its experts
     # (`_bailing_hybrid_config`)
     "bailing_hybrid": "deepseek_v3",
+    # Tencent's HY-V4: DeepSeek-V3.2's indexed latent attention with a sigmoid gate per value dim and a sink per head,
+    # layers sharing an indexer's choice, experts with a clamped SwiGLU, four residual streams (`_hy_v4_config`)
+    "hy_v4": "deepseek_v3",
     "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
     # MiniCPM3: that attention (rope over halves, not interleaved pairs) over dense MLPs, with muP's scales
     # (`_minicpm3_fields`).
@@ -231,6 +235,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _kimi_linear_config(cfg)
     if model_type == "bailing_hybrid":
         cfg = _bailing_hybrid_config(cfg)
+    if model_type == "hy_v4":
+        cfg = _hy_v4_config(cfg)
     if model_type == "flint":
         cfg = _flint_config(cfg)
     if model_type == "lfm3":
@@ -360,7 +366,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna", "kolibri1", "flint")
                                     or bool(cfg.get("use_qk_norm", model_type == "sarvam_moe")))),
-        attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash", "flint"),
+        attention_sinks=arch == "gpt_oss" or model_type in (*_GRANITE_SWA_TYPES, "mimo_v2_flash", "flint", "hy_v4"),
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
         qk_norm_after_rope=arch in ("hunyuan", "nanochat"),
         post_norms=arch in ("olmo2", "olmo_hybrid") or model_type == "flex_olmo",
@@ -394,9 +400,27 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_falcon_h1_fields(model_type, cfg),
         **_jamba_fields(model_type, cfg),
         **_mimo_fields(model_type, cfg),
+        **_hy_v4_fields(model_type, cfg),
         **classic_fields(model_type, cfg),
         **nemotron,
     )
+
+def _hy_v4_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """HY-V4's residual streams (`HyperConnections`: `hc_mult`, `hc_magnitude`, `hc_eps`) and its experts' SwiGLU,
+    clamped at `swiglu_limit` where that is positive (gpt-oss's form with alpha 1 and no offset on the up half); {}
+    for other families."""
+    if model_type != "hy_v4":
+        return {}
+    streams = HyperConnections(
+        streams=int(cfg.get("hc_mult") or 4), post_scale=float(cfg.get("hc_magnitude", 2.0)),
+        eps=float(cfg.get("hc_eps", 1e-6)),
+    )  # fmt: skip
+    if streams.streams < 1:
+        raise ValueError(f"hy_v4 hc_mult {streams.streams} must be at least 1")
+    limit = float(cfg["swiglu_limit"])
+    clamp = {"swiglu_limit": limit, "swiglu_alpha": 1.0, "swiglu_up_offset": 0.0} if limit > 0 else {}
+    return {"hyper_connections": streams, **clamp}
+
 
 def _encoder_config(cfg: dict[str, Any], name: str) -> ModelConfig:
     """A BERT `config.json`: absolute positions (no rope), LayerNorm, a GELU MLP."""
@@ -548,6 +572,8 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         rope_interleave=bool(cfg.get("rope_interleave", model_type != "minicpm3")),
         rope=model_type != "kimi_linear",
         head_gate=model_type == "bailing_hybrid",
+        value_gate=model_type == "hy_v4",
+        latent_norm_eps=1e-6 if model_type == "hy_v4" else 0.0,
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
@@ -563,10 +589,10 @@ def _sparse_indexer(cfg: dict[str, Any], model_type: str, mla: LatentAttention) 
     GLM-5's layers of `indexer_types` "shared" reuse the last full layer's choice; without the list, transformers'
     schedule from `index_topk_pattern` ("F"/"S" per layer) or `index_topk_freq` and `index_skip_topk_offset` (every
     layer full by default). ValueError for a first layer that is shared, or an index head narrower than its rope."""
-    if model_type not in ("deepseek_v32", "glm_moe_dsa"):
+    if model_type not in ("deepseek_v32", "glm_moe_dsa", "hy_v4"):
         return None
     layers = int(cfg["num_hidden_layers"])
-    kinds = cfg.get("indexer_types") if model_type == "glm_moe_dsa" else None
+    kinds = cfg.get("indexer_types") if model_type in ("glm_moe_dsa", "hy_v4") else None
     if kinds is None and model_type == "glm_moe_dsa":
         pattern = cfg.get("index_topk_pattern")
         if pattern is not None:
@@ -581,6 +607,9 @@ def _sparse_indexer(cfg: dict[str, Any], model_type: str, mla: LatentAttention) 
     indexer = SparseIndexer(
         heads=int(cfg.get("index_n_heads") or 64), head_dim=int(cfg.get("index_head_dim") or 128),
         topk=int(cfg.get("index_topk") or 2048), rope_interleave=model_type == "glm_moe_dsa", shared_layers=shared,
+        rope_last=model_type == "hy_v4",
+        # (DeepSeek's and transformers' `nn.LayerNorm(head_dim, eps=1e-6)`; HY-V4's the model's epsilon)
+        key_norm_eps=float(cfg.get("rms_norm_eps") or 1e-5) if model_type == "hy_v4" else 1e-6,
     )  # fmt: skip
     if indexer.head_dim < mla.qk_rope_head_dim or indexer.topk < 1:
         raise ValueError(f"{model_type}: index heads of {indexer.head_dim} dims (rope {mla.qk_rope_head_dim}) and "
@@ -821,6 +850,27 @@ def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
         or ["dense" if i < first_dense else "sparse" for i in range(layers)],
     }
     return {**cfg, "layer_types": types, **renamed}
+
+
+def _hy_v4_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An HY-V4 (`hy_v4`) `config.json` with transformers' defaults where a key is absent: one shared expert, the
+    routed scale 2.827, the first layer dense (`mlp_layer_types`), an indexer of its own on layer 0 and every fourth
+    from layer 1 (`indexer_types`, the others "shared"), rope over halves, the experts' SwiGLU clamp 10 (0 or less:
+    none). ValueError for layer kinds other than indexed attention."""
+    layers = int(cfg["num_hidden_layers"])
+    kinds = set(cfg.get("layer_types") or ["indexed_attention"])
+    if kinds != {"indexed_attention"}:
+        raise ValueError(f"hy_v4 layer_types {sorted(kinds)} are not supported (indexed_attention is)")
+    return {
+        **cfg,
+        "n_shared_experts": cfg.get("n_shared_experts", 1),
+        "routed_scaling_factor": cfg.get("routed_scaling_factor") or 2.827,
+        "mlp_layer_types": cfg.get("mlp_layer_types") or ["dense" if i < 1 else "sparse" for i in range(layers)],
+        "indexer_types": cfg.get("indexer_types")
+        or ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)],
+        "rope_interleave": bool(cfg.get("rope_interleave", False)),
+        "swiglu_limit": float(cfg.get("swiglu_limit", 10.0)),
+    }
 
 
 def _olmo_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:

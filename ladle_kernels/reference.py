@@ -208,13 +208,14 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
-def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float, up_offset: float = 1.0) -> torch.Tensor:
     """gpt-oss's experts' activation of x `[..., 2d]` (gate, then up): the gate clamped to at most `limit`, the up
-    to [-limit, limit], then `gate * sigmoid(alpha * gate) * (up + 1)` (transformers' `GptOssExperts`)."""
+    to [-limit, limit], then `gate * sigmoid(alpha * gate) * (up + up_offset)` (transformers' `GptOssExperts`, offset
+    1; HY-V4's experts: alpha 1 and offset 0, a plain SwiGLU clamped)."""
     gate, up = x.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return gate * torch.sigmoid(gate * alpha) * (up + up_offset)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -534,7 +535,7 @@ QuantizedProduct = Callable[[int, torch.Tensor], torch.Tensor]
 def quantized_moe(
     x: torch.Tensor, gate_up: QuantizedProduct, down: QuantizedProduct, weights: torch.Tensor, experts: torch.Tensor,
     gelu: bool = False, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-    swiglu: tuple[float, float] | None = None, relu2: bool = False,
+    swiglu: tuple[float, float, float] | None = None, relu2: bool = False,
 ) -> torch.Tensor:
     """The CPU's quantized mixture of experts (`torch.ops.ladle_cpu.moe_packed`): x `[T, H]` float32, each token's
     routing `weights` and `experts` `[T, k]` -> `[T, H]` float32, `sum_j weights[t, j] * down(e, silu_and_mul(
@@ -544,7 +545,7 @@ def quantized_moe(
     / `q8_linear` of its weights, or `lowbit_linear` of a 5-bit or K-quant weight's values (Q5_0, Q5_1, Q4_K, Q5_K,
     Q6_K; gate/up and down each in its own), so x and the hidden activations are quantized per group of 32 as the
     kernel does. gpt-oss's experts: `b13` `[E, 2I]` and `b2` `[E, H]` added to expert e's gate/up and down products,
-    and with `swiglu` (alpha, limit) the activation is `clamped_swiglu`. With `relu2` (Nemotron-H's ungated experts)
+    and with `swiglu` (alpha, limit, up_offset) the activation is `clamped_swiglu`. With `relu2` (Nemotron-H's ungated experts)
     `gate_up(e, rows)` is the up product alone, `[M, I]`, and the activation `relu(up)²`."""
     out = torch.zeros_like(x, dtype=torch.float32)
     for token in range(x.shape[0]):

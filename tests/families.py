@@ -255,6 +255,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # HY-V4: DeepSeek-V3.2's indexed latent attention (16 positions, rope on the index heads' last dims, layers 2
+    # and 3 reusing layer 1's choice), a sigmoid gate per value dim and a sink per head, the experts' SwiGLU clamped
+    # at 1 (their products reach ~2), four residual streams. 16 index heads: with 8, a position whose every head's
+    # relu was 0 scored exactly 0 often enough that such ties fell at the 16th place, which transformers and we break
+    # otherwise (one prompt in eight moved, alone or batched by turns).
+    "hy-v4": (
+        "HYV4Config",
+        {"q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+         "index_n_heads": 16, "index_head_dim": 16, "index_topk": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "swiglu_limit": 1.0,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # A.X K1: DeepSeek-V3's layout, each sparse layer's MoE output RMS-normalised, dense and sparse layers alternating.
     "axk1": (
         "AXK1Config",
@@ -605,6 +617,11 @@ ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router
            "mixer.gate.weight", "mlp.router.gate.weight")  # fmt: skip
 
 
+# HY-V4's hyper-connection maps' matrices and scales (`layers.hyper_connections`): at transformers' init (scales
+# 0.01) each block's stream weights barely vary from token to token; drawn wider, they do.
+HYPER_CONNECTION_MAPS = ("_hc.fn", "_hc.scale", "hc_head.hc_fn", "hc_head.hc_scale")
+
+
 def draw_language_model(model: Any, head: bool = False) -> None:
     """A multimodal model's language model (its parameters under `language_model`, and with `head` its `lm_head`
     beside it) drawn as `save_family` draws a text model's: routers wide, other matrices at 0.08; the vision side
@@ -643,6 +660,8 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
                 parameter.normal_(0.0, 0.3 * width)  # but not one-hot
             elif name.endswith("self_attn.sinks"):  # sink logits of the scores' size: each takes a share
                 parameter.normal_(0.0, 1.0)
+            elif name.endswith(HYPER_CONNECTION_MAPS):
+                parameter.normal_(0.0, 0.1 * width) if parameter.dim() > 1 else parameter.uniform_(0.5, 1.5)
             elif parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08 * width)
             elif "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):  # Gemma 4's
@@ -744,12 +763,13 @@ def _stepwise_only(model: Any) -> bool:
     """Whether one forward pass over a sequence computes other logits than transformers' step-by-step decoding of it:
     LongRoPE and dynamic NTK pick their rope factors by the length of what a pass holds (the prompt's when it is
     prefilled, so generate's tokens past a limit keep the factors their prompt chose), and DeepSeek-V3.2's indexer
-    chooses its keys otherwise in a pass of many tokens (measured on tests/families.py's `deepseek-v32`)."""
+    chooses its keys otherwise in a pass of many tokens (measured on tests/families.py's `deepseek-v32`; HY-V4's
+    likewise, on `hy-v4`'s 120-token prompt)."""
     config = model.config.get_text_config()
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     layouts = [rope, *(value for value in rope.values() if isinstance(value, dict))]  # or one a kind of layer
     kinds = {layout.get("rope_type", layout.get("type")) for layout in layouts}
-    return bool(kinds & {"longrope", "dynamic"}) or config.model_type == "deepseek_v32"
+    return bool(kinds & {"longrope", "dynamic"}) or config.model_type in ("deepseek_v32", "hy_v4")
 
 
 @dataclass(eq=False)

@@ -377,6 +377,18 @@ class DecoderModel(nn.Module):
         long_table_start = self.get_buffer("cos_sin_cache").shape[0] // 2
         return positions + long.to(positions.dtype) * long_table_start
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """The tokens' embeddings `[T, hidden]`, with learned positions added, scaled or normalised as the family
+        does."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(positions)
+        if self.scales_embeddings:
+            hidden = hidden * self.get_buffer("embedding_multiplier")
+        if self.embedding_norm:
+            hidden = ops.rms_norm(hidden, self.get_buffer("embedding_norm_weight"), self.norm_eps)
+        return hidden
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -390,13 +402,7 @@ class DecoderModel(nn.Module):
         """With `interrupt`, raises `StepInterrupted` after the first layer that ends with it set (the layers
         before wrote their K/V; engine_server.step_interrupt). `lora`: the step's LoRA adapters (run in the
         decode stack when it holds their slots, `decode_stack_lora`; else the step runs the layers)."""
-        hidden = self.embed_tokens(input_ids)
-        if self.embed_positions is not None:
-            hidden = hidden + self.embed_positions(positions)
-        if self.scales_embeddings:
-            hidden = hidden * self.get_buffer("embedding_multiplier")
-        if self.embedding_norm:
-            hidden = ops.rms_norm(hidden, self.get_buffer("embedding_norm_weight"), self.norm_eps)
+        hidden = self.embed(input_ids, positions, ops)
         stack = self.decode_stack
         if stack is not None and (lora is None or lora.weights is self.decode_stack_lora):
             # Prompt tokens go in as decode rows of their own (`token_rows`), as the layers' attention takes them.

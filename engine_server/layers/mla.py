@@ -5,7 +5,8 @@ values from one compressed latent per token (`kv_a_proj_with_mqa`: `kv_lora_rank
 `qk_rope_head_dim` shared by every head), normalised and expanded per head by `kv_b_proj` into a key part without
 positions (`qk_nope_head_dim`) and a value (`v_head_dim`). Each head's key is its nope part beside the shared rope
 key; only the rope dims turn by position. Ling 3 gates each head's output by the sigmoid of its own `g_proj` value
-(`LatentAttention.head_gate`).
+(`LatentAttention.head_gate`); HY-V4 each value dim of it by its own `gate_proj` value (`value_gate`), and gives
+each head a learned sink logit (`ModelConfig.attention_sinks`, as gpt-oss's), one more term of its softmax.
 
 The cache holds each token's normalised latent and its turned rope key, `kv_lora_rank + qk_rope_head_dim` values
 (576 for V3) under one KV head, not every head's expanded key and value: `kv_b_proj` is absorbed instead (the
@@ -41,7 +42,13 @@ from engine_server.layers.norm import RMSNorm
 from engine_server.layers.sparse_indexer import LightningIndexer, attend_positions, select_positions
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, copy_kept_rows
+from engine_server.parallel.layers import (
+    CheckpointTensor,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_kept_rows,
+    read_whole,
+)
 from engine_server.parallel.sharding import PartSlice, heads_rows, query_heads_of_rank
 from ladle_kernels.kernel_set import KernelOps
 
@@ -94,21 +101,30 @@ class MultiLatentAttention(nn.Module):
         self.query_scale_beta, self.query_scale_positions = config.query_scale_beta, config.query_scale_positions
         hidden, total, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
         queries = heads_rows(heads, total, self.query_dim)  # each head's nope and rope dims together
+        latent_eps = mla.latent_norm_eps or config.rms_norm_eps
         if mla.q_lora_rank:
             self.q_a_proj: nn.Module | None = nn.Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype)
-            self.q_a_layernorm: RMSNorm | None = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype)
+            self.q_a_layernorm: RMSNorm | None = RMSNorm(mla.q_lora_rank, latent_eps, dtype)
             self.q_b_proj: nn.Module = ColumnParallelLinear(mla.q_lora_rank, [queries], bias=False, dtype=dtype)
         else:
             self.q_a_proj = self.q_a_layernorm = None
             self.q_proj = ColumnParallelLinear(hidden, [queries], bias=False, dtype=dtype)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, latent_eps, dtype)
         self.kv_b_proj = LatentExpansion(heads, total, self.nope_dim, self.value_dim, self.kv_lora_rank, dtype)
         self.o_proj = RowParallelLinear(total * self.value_dim, hidden, bias, tp, dtype)
-        # Ling 3: a gate per head (`LatentAttention.head_gate`), this rank's heads
+        # Ling 3: a gate per head (`LatentAttention.head_gate`), this rank's heads; HY-V4: one per value dim of each
+        # head (`value_gate`, its `gate_proj`), their rows
         self.g_proj: nn.Module | None = None
         if mla.head_gate:
             self.g_proj = ColumnParallelLinear(hidden, [PartSlice(total, heads)], bias=False, dtype=dtype)
+        self.gate_proj: nn.Module | None = None
+        if mla.value_gate:
+            self.gate_proj = ColumnParallelLinear(
+                hidden, [heads_rows(heads, total, self.value_dim)], bias=False, dtype=dtype
+            )
+        # HY-V4 (`ModelConfig.attention_sinks`): a learned sink logit per head (float32), this rank's heads
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
         # Sparse attention (`layers.sparse_indexer`): the cache's row (`head_dim`), the positions each query may
         # attend to, and this layer's indexer (None on a layer that reuses the last one's choice).
         sparse = config.sparse_indexer
@@ -116,6 +132,19 @@ class MultiLatentAttention(nn.Module):
         self.indexer = (
             LightningIndexer(config, dtype) if sparse is not None and index not in sparse.shared_layers else None
         )
+
+    own_tensors = ("sinks",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
+
+    def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
+        """Copy a checkpoint's `sinks` (`[num_attention_heads]`, any float dtype), keeping this rank's heads."""
+        if self.sinks is None:
+            raise ValueError("this model's attention has no sinks")
+        whole, heads = read_whole(tensor), self.num_heads * self.tp.size
+        if whole.shape != (heads,):
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({heads},)")
+        kept = query_heads_of_rank(heads, self.tp.size, self.tp.rank)
+        with torch.no_grad():
+            self.sinks.copy_(whole[kept.start : kept.stop].float())
 
     def forward(
         self,
@@ -157,11 +186,13 @@ class MultiLatentAttention(nn.Module):
             out = self._attend_sparse(positions, hidden, q_resid, q, rows, kv_cache, cos_sin_cache, meta, ops)
         else:
             ops.write_kv_cache(rows, rows, kv_cache, meta.slot_mapping)
-            out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, None)[..., : self.kv_lora_rank]
+            out = ops.paged_attention(q, kv_cache, meta, self.scale, 0, 0.0, self.sinks)[..., : self.kv_lora_rank]
         # [heads, T, rank] @ [heads, rank, value]: each head's weighted latent expanded to its value
         values = torch.bmm(out.transpose(0, 1), self.kv_b_proj.value_half().transpose(1, 2)).transpose(0, 1)
         if self.g_proj is not None:
             values = values * torch.sigmoid(self.g_proj(hidden))[..., None]
+        if self.gate_proj is not None:
+            values = values * torch.sigmoid(self.gate_proj(hidden)).view(tokens, heads, self.value_dim)
         return self.tp.all_reduce_sum(self.o_proj(values.reshape(tokens, heads * self.value_dim)))
 
     def _attend_sparse(
@@ -185,7 +216,7 @@ class MultiLatentAttention(nn.Module):
         pad = self.row - rows.shape[-1], self.row - values.shape[-1]
         ops.write_kv_cache(F.pad(rows, (0, pad[0])), F.pad(values, (0, pad[1])), kv_cache, meta.slot_mapping)
         if meta.max_seq_len <= self.topk:
-            out = ops.paged_attention(F.pad(q, (0, pad[0])), kv_cache, meta, self.scale, 0, 0.0, None)
+            out = ops.paged_attention(F.pad(q, (0, pad[0])), kv_cache, meta, self.scale, 0, 0.0, self.sinks)
             return out[..., : self.kv_lora_rank]
         if self.indexer is not None:
             assert q_resid is not None
@@ -195,7 +226,7 @@ class MultiLatentAttention(nn.Module):
             )
         if meta.sparse_choice is None:
             raise RuntimeError("a layer sharing its indexer's choice ran before any layer with an indexer")
-        return attend_positions(q, kv_cache, meta, meta.sparse_choice, self.scale, self.kv_lora_rank)
+        return attend_positions(q, kv_cache, meta, meta.sparse_choice, self.scale, self.kv_lora_rank, self.sinks)
 
     def _halves(self, x: torch.Tensor) -> torch.Tensor:
         """Rope dims in interleaved pairs `(x0, x1), (x2, x3), ...` laid out as halves `(x0, x2, ..., x1, x3, ...)`,

@@ -141,7 +141,9 @@ class SparseMoE(nn.Module):
         )  # fmt: skip
         # gpt-oss's clamped SwiGLU (plain torch ops on every backend), Nemotron-H's relu² (ungated), else the kernel
         # set's SiLU-and-mul.
-        swiglu = (config.swiglu_alpha, config.swiglu_limit) if config.swiglu_limit > 0 else None
+        swiglu = (
+            (config.swiglu_alpha, config.swiglu_limit, config.swiglu_up_offset) if config.swiglu_limit > 0 else None
+        )
         relu2 = config.hidden_act == "relu2"
         self.experts = ParallelExperts(
             experts, hidden, config.moe_intermediate_size, tp, dtype, biases=config.expert_biases, swiglu=swiglu,
@@ -149,7 +151,8 @@ class SparseMoE(nn.Module):
         )  # fmt: skip
         self.activation: Activation | None = (
             relu_squared if relu2
-            else None if swiglu is None else functools.partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1])
+            else None if swiglu is None
+            else functools.partial(clamped_swiglu, alpha=swiglu[0], limit=swiglu[1], up_offset=swiglu[2])
         )  # fmt: skip
         shared = config.shared_expert_intermediate_size
         self.shared_expert: GatedMLP | UngatedMLP | None = None

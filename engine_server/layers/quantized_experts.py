@@ -110,12 +110,12 @@ class QuantizedExperts(nn.Module):
     """`ParallelExperts`' forward over quantized experts (CPU, float32; needs the C++ kernels).
 
     Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`). With
-    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), with `swiglu` (alpha, limit) gpt-oss's clamped
+    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), with `swiglu` (alpha, limit, up_offset) gpt-oss's clamped
     SwiGLU, with `relu2` relu² of ungated experts (Nemotron-H's: `gate_up` holds each expert's up rows alone), else
     SiLU; each in the kernel, as are the weights' biases."""
 
     def __init__(
-        self, weights: ExpertWeights, gelu: bool = False, swiglu: tuple[float, float] | None = None, relu2: bool = False
+        self, weights: ExpertWeights, gelu: bool = False, swiglu: tuple[float, float, float] | None = None, relu2: bool = False
     ) -> None:
         super().__init__()
         self.gelu = gelu
@@ -145,11 +145,11 @@ class QuantizedExperts(nn.Module):
         """x `[T, H]`, each token's routing `weights` and chosen `experts` `[T, k]` -> `[T, H]` (this rank's partial
         sum under tensor parallelism). The activation is the bank's (`gelu`, `swiglu`), in the kernel (`activation`
         is not used)."""
-        alpha, limit = self.swiglu or (0.0, 0.0)
+        alpha, limit, up_offset = self.swiglu or (0.0, 0.0, 1.0)
         out: torch.Tensor = torch.ops.ladle_cpu.moe_packed(
             x.contiguous(), experts.contiguous(), weights.float().contiguous(),
             self.w13, self.w13_scales, self.w13_mins, self.w2, self.w2_scales, self.w2_mins, self.intermediate,
-            self.gelu, self.b13, self.b2, alpha, limit, self.relu2,
+            self.gelu, self.b13, self.b2, alpha, limit, self.relu2, up_offset,
         )  # fmt: skip
         return out
 

@@ -2,7 +2,7 @@
 positions (its own included) that latent attention (`layers.mla`) attends over.
 
 Each token has one index key, `head_dim` wide (`wk`, a LayerNorm with a bias, rope over its first
-`qk_rope_head_dim` dims); each query `heads` index queries (`wq_b` over the attention's normalised low-rank query)
+`qk_rope_head_dim` dims, HY-V4's over its last); each query `heads` index queries (`wq_b` over the attention's normalised low-rank query)
 and a weight per index head (`weights_proj`). Position j's score for query t is `sum_h w[t, h] * relu(q[t, h] . k[j]
 / sqrt(head_dim)) / sqrt(heads)`, in float32 as transformers computes it; the `topk` best of the positions up to
 t's own are attended, all of them while there are no more than `topk`.
@@ -32,7 +32,6 @@ from ladle_kernels.kernel_set import KernelOps
 from ladle_kernels.reference import fp8_kv_values, is_fp8_kv_cache
 
 _CHUNK_BYTES = 1 << 26  # the most float32 bytes one group of rows scores or gathers at once (`_row_groups`)
-_KEY_NORM_EPS = 1e-6  # DeepSeek's and transformers' `nn.LayerNorm(head_dim, eps=1e-6)`
 
 
 class LightningIndexer(nn.Module):
@@ -46,10 +45,10 @@ class LightningIndexer(nn.Module):
         if not mla.q_lora_rank:
             raise ValueError("a sparse-attention indexer reads the low-rank query: q_lora_rank must be set")
         self.heads, self.head_dim, self.rope_dim = spec.heads, spec.head_dim, mla.qk_rope_head_dim
-        self.interleaved = spec.rope_interleave
+        self.interleaved, self.rope_last = spec.rope_interleave, spec.rope_last
         self.wq_b = nn.Linear(mla.q_lora_rank, self.heads * self.head_dim, bias=False, dtype=dtype)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False, dtype=dtype)
-        self.k_norm = BiasedLayerNorm(self.head_dim, _KEY_NORM_EPS, dtype)
+        self.k_norm = BiasedLayerNorm(self.head_dim, spec.key_norm_eps, dtype)
         self.weights_proj = nn.Linear(config.hidden_size, self.heads, bias=False, dtype=dtype)
 
     def keys(
@@ -76,13 +75,18 @@ class LightningIndexer(nn.Module):
     def _turned(
         self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, ops: KernelOps
     ) -> torch.Tensor:
-        """x `[T, H, head_dim]` with rope on its first `rope_dim` dims (GLM-5's interleaved pairs laid out as halves
-        first, as transformers' interleaved rotation leaves them: scores are dot products, the same either way)."""
-        turned, kept = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        """x `[T, H, head_dim]` with rope on its first `rope_dim` dims, or its last (`rope_last`, HY-V4's; GLM-5's
+        interleaved pairs laid out as halves first, as transformers' interleaved rotation leaves them: scores are dot
+        products, the same either way)."""
+        kept_dims = self.head_dim - self.rope_dim
+        if self.rope_last:
+            kept, turned = x.split([kept_dims, self.rope_dim], dim=-1)
+        else:
+            turned, kept = x.split([self.rope_dim, kept_dims], dim=-1)
         if self.interleaved:
             turned = torch.cat((turned[..., 0::2], turned[..., 1::2]), dim=-1)
         turned, _ = ops.rotary_embedding(positions, turned.contiguous(), turned[:, :1].contiguous(), cos_sin_cache)
-        return torch.cat((turned, kept), dim=-1)
+        return torch.cat((kept, turned) if self.rope_last else (turned, kept), dim=-1)
 
 
 def select_positions(
@@ -110,10 +114,12 @@ def select_positions(
 
 
 def attend_positions(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, chosen: torch.Tensor, scale: float, width: int
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, chosen: torch.Tensor, scale: float, width: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Latent attention of q `[T, H, K]` over the key half's rows (their first K dims) at each token's `chosen`
-    positions (`select_positions`), weighting the value half's first `width` dims: `[T, H, width]`."""
+    positions (`select_positions`), weighting the value half's first `width` dims: `[T, H, width]`. With `sinks`
+    (`[H]` float32, HY-V4's) each head's softmax has one more logit, its sink, which weights no value."""
     tokens, heads, dim = q.shape
     out = q.new_empty(tokens, heads, width)
     for rows, slots in _row_groups(meta, 4 * (dim + width), chosen.shape[1]):
@@ -123,7 +129,12 @@ def attend_positions(
         values = _rows(kv_cache[1], where, 0, width).view(*picked.shape, width).to(q.dtype)
         scores = torch.bmm(q[rows], keys.transpose(1, 2)) * scale  # [R, H, k]
         scores = scores.masked_fill((picked < 0)[:, None, :], float("-inf"))
-        out[rows] = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+        if sinks is None:
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        else:
+            sink = sinks.to(scores.dtype)[None, :, None].expand(len(rows), -1, 1)
+            weights = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        out[rows] = torch.bmm(weights.to(q.dtype), values)
     return out
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.decoder import DecoderModel
+from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, derived, whole
@@ -105,7 +106,8 @@ class CausalLM(nn.Module):
 
     # Checkpoint name fragments a family spells its own way, and ours: `(theirs, ours)`, replaced in every name.
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
-    # The decoder stack: a family's own (Gemma 4's) or the shared one.
+    # The decoder stack: a family's own (Gemma 4's) or the shared one (over residual streams where the config has
+    # hyper-connections: `layers.hyper_connections`).
     decoder_class: type[DecoderModel] = DecoderModel
     # Checkpoint tensors a family's checkpoints carry that serving does not read (Nemotron 3's `mtp.` layers).
     ignored_prefixes: tuple[str, ...] = ()
@@ -115,7 +117,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.ops: KernelOps | None = None
-        self.model = self.decoder_class(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
+        decoder = HyperConnectedDecoderModel if config.hyper_connections is not None else self.decoder_class
+        self.model = decoder(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
         embedding = self.model.embed_tokens
         head_rows = config.output_vocab_size or config.vocab_size
         self.lm_head: nn.Module = (

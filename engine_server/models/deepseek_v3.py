@@ -42,6 +42,18 @@ _BAILING_HYBRID_RENAMES = (
     (".self_attn.forget_gate.", ".self_attn."),
     _SHARED_EXPERTS,
 )
+# HY-V4's released checkpoints (transformers' conversion, reversed): each block's hyper-connection map under
+# `hc_pre.hc_attn_layer` / `hc_pre.hc_mlp_layer` with `hc_`-prefixed parameters, the last one's as
+# `hc_pre.hc_head.hc_head_*`, the attention's sinks `learnable_sink_param`, its value gate (and the shared expert's
+# gate projection) `linear_gate`.
+_HY_V4_RENAMES = (
+    (".hc_pre.hc_attn_layer.hc_", ".attn_hc."),
+    (".hc_pre.hc_mlp_layer.hc_", ".ffn_hc."),
+    (".hc_pre.hc_head.hc_head_", ".hc_head.hc_"),
+    (".self_attn.learnable_sink_param", ".self_attn.sinks"),
+    (".linear_gate.", ".gate_proj."),
+    _SHARED_EXPERTS,
+)
 # A Kimi Delta Attention layer's convolution of q, k or v, as its checkpoints store them (one convolution here;
 # Ling 3's released files and transformers' hold the layer as its `attention`).
 _KDA_CONV_PART = re.compile(r"(?P<layer>.+\.(?:self_attn|attention))\.(?P<part>[qkv])_conv1d\.weight")
@@ -64,9 +76,15 @@ class DeepseekV3ForCausalLM(CausalLM):
     `ModelConfig.linear_attention` names (`layers.kimi_delta`, under its own names; the q, k and v convolutions its
     files hold apart read as one), its experts under Mixtral's names in `block_sparse_moe`. Ling 3 (`bailing_hybrid`):
     the same layers with a gate per head on the latent attention, read from transformers' files or its released
-    ones (`_BAILING_HYBRID_RENAMES`; the q, k and v convolutions joined likewise)."""
+    ones (`_BAILING_HYBRID_RENAMES`; the q, k and v convolutions joined likewise).
+
+    HY-V4 (`hy_v4`): DeepSeek-V3.2's indexed latent attention with a sigmoid gate per value dim and a sink per head,
+    clamped SwiGLU experts, over four residual streams (`layers.hyper_connections`, the decoder `CausalLM` picks for
+    `ModelConfig.hyper_connections`), read from transformers' files or its released ones (`_HY_V4_RENAMES`); its
+    multi-token-prediction layers (`model.mtp_layers`) are not read."""
 
     checkpoint_renames: tuple[tuple[str, str], ...] = (_SHARED_EXPERTS,)
+    ignored_prefixes = ("model.mtp_layers.",)  # HY-V4's multi-token-prediction layers, not used
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)
@@ -75,6 +93,8 @@ class DeepseekV3ForCausalLM(CausalLM):
             assert config.linear_attention is not None
             ling = config.linear_attention.full_rank_gates
             self.checkpoint_renames = _BAILING_HYBRID_RENAMES if ling else _KIMI_LINEAR_RENAMES
+        if config.hyper_connections is not None:
+            self.checkpoint_renames = _HY_V4_RENAMES
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()

@@ -228,8 +228,8 @@ class ParallelExperts(nn.Module):
     output on a rank is its partial sum of the block's (the caller all-reduces). With `biases` (gpt-oss) each
     projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
     others hold zeros, so the all-reduced sum adds it once). `gated_silu` says whether the caller's activation is
-    SiLU-and-mul, or GELU's (Gemma 4's experts), `swiglu` (alpha, limit) when it is gpt-oss's clamped SwiGLU: the
-    quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`). Without `gated` (Nemotron-H's
+    SiLU-and-mul, or GELU's (Gemma 4's experts), `swiglu` (alpha, limit, up_offset) when it is a clamped SwiGLU
+    (gpt-oss's, HY-V4's): the quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`). Without `gated` (Nemotron-H's
     experts, `down(relu(up(x))²)`) `w13[e]` is `up_e` alone, `[I_r, H]`, and the caller's activation relu²."""
 
     def __init__(
@@ -241,7 +241,7 @@ class ParallelExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
         biases: bool = False,
         gated_silu: bool = True,
-        swiglu: tuple[float, float] | None = None,
+        swiglu: tuple[float, float, float] | None = None,
         gated: bool = True,
     ) -> None:
         super().__init__()

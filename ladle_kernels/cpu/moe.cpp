@@ -433,7 +433,7 @@ constexpr int64_t kPairsPerChunk = 4096;
 // any (`b13` [E, 2I], `b2` [E, H]).
 struct ExpertActivation {
   bool gelu;
-  double swiglu_alpha, swiglu_limit;
+  double swiglu_alpha, swiglu_limit, swiglu_up_offset;
   const float* b13;
   const float* b2;
   bool relu2;
@@ -477,7 +477,8 @@ void run_tokens(const at::Tensor& x, const int64_t* chosen, const float* weights
   if (act.b13 != nullptr) add_expert_bias(hidden_rows.data_ptr<float>(), start, act.b13, 2 * intermediate);
   const QuantizedRows activated = quantize_rows(
       act.relu2              ? hidden_rows.relu_().square_()
-      : act.swiglu_limit > 0 ? ladle_cpu::clamped_swiglu(hidden_rows, act.swiglu_alpha, act.swiglu_limit)
+      : act.swiglu_limit > 0 ? ladle_cpu::clamped_swiglu(hidden_rows, act.swiglu_alpha, act.swiglu_limit,
+                                                         act.swiglu_up_offset)
       : act.gelu             ? ladle_cpu::gelu_tanh_and_mul(hidden_rows)
                              : ladle_cpu::silu_and_mul(hidden_rows));
   at::Tensor expert_out = at::empty({pairs, hidden}, x.options());
@@ -509,7 +510,8 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
                       const at::Tensor& w13, const at::Tensor& w13_scales, const at::Tensor& w13_mins,
                       const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
                       int64_t intermediate, bool gelu, const std::optional<at::Tensor>& b13,
-                      const std::optional<at::Tensor>& b2, double swiglu_alpha, double swiglu_limit, bool relu2) {
+                      const std::optional<at::Tensor>& b2, double swiglu_alpha, double swiglu_limit, bool relu2,
+                      double swiglu_up_offset) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous [T, H] float32 tensor");
   const int64_t tokens = x.size(0), hidden = x.size(1);
@@ -533,7 +535,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
                                        (*bias)->is_contiguous()),
                 "%s must be a contiguous [E, %lld] float32 tensor", what, static_cast<long long>(width));
   }
-  const ExpertActivation act{gelu, swiglu_alpha, swiglu_limit, b13 ? b13->data_ptr<float>() : nullptr,
+  const ExpertActivation act{gelu, swiglu_alpha, swiglu_limit, swiglu_up_offset, b13 ? b13->data_ptr<float>() : nullptr,
                              b2 ? b2->data_ptr<float>() : nullptr, relu2};
   const int64_t* chosen = experts.data_ptr<int64_t>();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -588,7 +590,8 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def(
       "moe_packed(Tensor x, Tensor experts, Tensor weights, Tensor w13, Tensor w13_scales, Tensor w13_mins, "
       "Tensor w2, Tensor w2_scales, Tensor w2_mins, int intermediate, bool gelu=False, Tensor? b13=None, "
-      "Tensor? b2=None, float swiglu_alpha=0., float swiglu_limit=0., bool relu2=False) -> Tensor");
+      "Tensor? b2=None, float swiglu_alpha=0., float swiglu_limit=0., bool relu2=False, "
+      "float swiglu_up_offset=1.) -> Tensor");
   m.def("rowwise_linear(Tensor x, Tensor w) -> Tensor");
   m.impl("moe_packed", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::moe_packed));
   m.impl("rowwise_linear", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rowwise_linear));

@@ -29,7 +29,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
                                                     const at::Tensor& k, const at::Tensor& cos_sin_cache);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
-at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit);
+at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit, double up_offset);
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
                     const at::Tensor& slot_mapping);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -50,7 +50,7 @@ at::Tensor moe_packed(const at::Tensor& x, const at::Tensor& experts, const at::
                       const at::Tensor& w2, const at::Tensor& w2_scales, const at::Tensor& w2_mins,
                       int64_t intermediate, bool gelu = false, const std::optional<at::Tensor>& b13 = std::nullopt,
                       const std::optional<at::Tensor>& b2 = std::nullopt, double swiglu_alpha = 0.,
-                      double swiglu_limit = 0., bool relu2 = false);
+                      double swiglu_limit = 0., bool relu2 = false, double swiglu_up_offset = 1.);
 at::Tensor rowwise_linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots);
 void lora_expand(const at::Tensor& out, const at::Tensor& y, const at::Tensor& b, const at::Tensor& slots);

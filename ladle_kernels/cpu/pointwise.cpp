@@ -209,22 +209,22 @@ at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
 }
 
 // gpt-oss's experts' activation: the gate clamped to at most `limit`, the up to [-limit, limit], then
-// gate * sigmoid(alpha * gate) * (up + 1), the sigmoid written 1 / (1 + exp(-alpha * gate)) (torch's sigmoid to
-// float32 rounding).
-at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit) {
+// gate * sigmoid(alpha * gate) * (up + up_offset), the sigmoid written 1 / (1 + exp(-alpha * gate)) (torch's sigmoid
+// to float32 rounding); gpt-oss's offset is 1, HY-V4's 0 (its plain SwiGLU, clamped).
+at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit, double up_offset) {
   TORCH_CHECK(limit > 0, "limit must be positive");
-  const float a = static_cast<float>(alpha), l = static_cast<float>(limit);
+  const float a = static_cast<float>(alpha), l = static_cast<float>(limit), o = static_cast<float>(up_offset);
   return gated_and_mul(
       x,
-      [a, l](vec16 g, vec16 u) {
+      [a, l, o](vec16 g, vec16 u) {
         g = g > l ? splat(l) : g;
         u = u > l ? splat(l) : (u < -l ? splat(-l) : u);
-        return g / (1.f + exp_lanes(-a * g)) * (u + 1.f);
+        return g / (1.f + exp_lanes(-a * g)) * (u + o);
       },
-      [a, l](float g, float u) {
+      [a, l, o](float g, float u) {
         g = std::min(g, l);
         u = std::clamp(u, -l, l);
-        return g / (1.f + std::exp(-a * g)) * (u + 1.f);
+        return g / (1.f + std::exp(-a * g)) * (u + o);
       });
 }
 
@@ -236,7 +236,7 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
   m.def("rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
-  m.def("clamped_swiglu(Tensor x, float alpha, float limit) -> Tensor");
+  m.def("clamped_swiglu(Tensor x, float alpha, float limit, float up_offset=1.) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::add_rms_norm));
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::rotary_embedding));

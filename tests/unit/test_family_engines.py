@@ -906,6 +906,35 @@ def test_sparse_attention_chunked_preempted_speculated_and_quantized(tmp_path: P
     assert sum(a[0] == b for a, b in zip(alone, theirs.first_tokens(), strict=True)) >= 7
 
 
+def test_hy_v4_chunked_preempted_split_and_on_int8(tmp_path: Path) -> None:
+    """HY-V4 (tests/families.py: four residual streams, 16 positions per query from its indexer, a sink per head)
+    keeps transformers' tokens with prompts prefilled in 24-token chunks on a pool of 24 blocks (sequences preempted
+    and recomputed), and over two ranks (each its two heads' value-gate rows and sinks, the streams' maps whole on
+    both). On int8 weights its experts run the C++ kernel with the clamped SwiGLU without the up offset (changed to
+    gpt-oss's offset, the tokens move): each prompt's tokens the same alone and batched, mostly transformers' first
+    ones."""
+    folder = save_family(tmp_path, "hy-v4", head_spread=1.0)  # a clear next token (families.save_family)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=24, kv_blocks=36) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, tensor_parallel_size=2) as llm:
+        attention = llm.core.runner.loaded.model.model.layers[1].self_attn
+        assert isinstance(attention, MultiLatentAttention) and attention.sinks is not None
+        assert attention.sinks.shape == (2,)
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    with engine(folder, quantization="int8") as llm:
+        experts = llm.core.runner.loaded.model.model.layers[1].mlp.experts
+        assert isinstance(experts, QuantizedExperts) and experts.swiglu == (1.0, 1.0, 0.0)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+        experts.swiglu = (1.0, 1.0, 1.0)
+        assert [tokens(llm, [prompt])[0] for prompt in batch] != alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 7
+
+
 @pytest.mark.parametrize(
     ("name", "banks"), [("glm4-moe", 3), ("minimax-m2", 4), ("ernie4.5-moe", 3), ("laguna", 3), ("kolibri1", 4)]
 )

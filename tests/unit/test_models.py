@@ -19,7 +19,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import ShardedRMSNorm
 from engine_server.models import CausalLM, get_model_class
 from engine_server.parallel.group import TensorParallel
-from tests.families import unclamped_time_step
+from tests.families import HYPER_CONNECTION_MAPS, unclamped_time_step
 
 BLOCK_SIZE = 4
 VOCAB = 128
@@ -529,6 +529,20 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # HY-V4: DeepSeek-V3.2's latent attention over the 6 positions its indexer picks (rope on the index heads' last
+    # dims; 8 index heads: with 4, a position whose every head's relu is 0 was often among the 6 best, a tie at 0
+    # that transformers and we break otherwise), layer 1 reusing layer 0's choice, each value dim of each head gated
+    # by a sigmoid, a sink per head; a dense first MLP, then DeepSeek-V3's router (8 experts, 2 per token, a bias,
+    # scaled by 2.5) with the experts' SwiGLU clamped at 0.03 (its products at init are ~0.05) beside an unclamped
+    # shared expert; four residual streams around every block.
+    "hy-v4": (
+        transformers.HYV4Config,
+        {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
+         "indexer_types": ["full", "shared", "full"], "q_lora_rank": 48, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+         "qk_rope_head_dim": 8, "v_head_dim": 10, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 6,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "routed_scaling_factor": 2.5, "swiglu_limit": 0.03, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Laguna: windowed (shorter than the prompts) and full layers, each kind with its rope base and share (the full
     # ones turn half of each head, its default), 4, 8 and 2 query heads over 2 KV heads, per-head q/k norms, each
     # head's output times softplus of its own gate;
@@ -741,6 +755,7 @@ MODEL_CLASSES = {
     transformers.LagunaConfig: transformers.LagunaForCausalLM,
     transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
     transformers.BailingHybridConfig: transformers.BailingHybridForCausalLM,
+    transformers.HYV4Config: transformers.HYV4ForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
@@ -830,6 +845,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
                 param.add_(torch.randn_like(param) * 0.5)
+            elif name.endswith(HYPER_CONNECTION_MAPS):  # HY-V4's: weights that vary from token to token
+                param.normal_(0.0, 0.1) if param.dim() > 1 else param.uniform_(0.5, 1.5)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.uniform_(-0.3, 0.3)

@@ -422,6 +422,9 @@ def test_clamped_swiglu_matches_the_reference(d: int) -> None:
     assert (ours - reference.clamped_swiglu(x, 1.702, 70.0)).abs().max() > 1.0  # the clamp bites
     with pytest.raises(RuntimeError, match="limit must be positive"):
         torch.ops.ladle_cpu.clamped_swiglu(x, 1.702, 0.0)
+    plain = torch.ops.ladle_cpu.clamped_swiglu(x, 1.0, 7.0, 0.0)  # HY-V4's: no offset on the up half
+    torch.testing.assert_close(plain, reference.clamped_swiglu(x, 1.0, 7.0, 0.0), atol=5e-6, rtol=1e-5)
+    assert (plain - reference.clamped_swiglu(x, 1.0, 7.0)).abs().max() > 1.0
 
 
 def test_pointwise_ops_fall_back_to_the_reference_where_the_kernels_do_not_apply() -> None:

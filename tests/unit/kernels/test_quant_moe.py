@@ -69,7 +69,7 @@ def product(weight: QuantizedWeight) -> reference.QuantizedProduct:
 
 def reference_moe(
     bank: ExpertWeights, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gelu: bool = False,
-    swiglu: tuple[float, float] | None = None, relu2: bool = False,
+    swiglu: tuple[float, float, float] | None = None, relu2: bool = False,
 ) -> torch.Tensor:
     gate_up, down = [product(w) for w in bank.gate_up], [product(w) for w in bank.down]
     return reference.quantized_moe(
@@ -159,17 +159,33 @@ def test_gpt_oss_experts_match_the_reference_and_not_the_plain_ones(gate_up: str
     gen = torch.Generator().manual_seed(43)
     plain = random_bank(5, 96, 64, gate_up, down, gen)
     bank = replace(plain, b13=torch.randn(5, 128, generator=gen), b2=torch.randn(5, 96, generator=gen))
-    layer = QuantizedExperts(bank, swiglu=(1.702, 2.0))
+    layer = QuantizedExperts(bank, swiglu=(1.702, 2.0, 1.0))
     x = torch.randn(19, 96, generator=gen) * 0.3
     weights, chosen = routing(19, 5, 2, gen)
     together = layer(x, weights, chosen)
-    expected = reference_moe(bank, x, weights, chosen, swiglu=(1.702, 2.0))
+    expected = reference_moe(bank, x, weights, chosen, swiglu=(1.702, 2.0, 1.0))
     torch.testing.assert_close(together, expected, atol=2e-4, rtol=1e-4)
-    for other in (reference_moe(plain, x, weights, chosen, swiglu=(1.702, 2.0)), reference_moe(bank, x, weights,
+    for other in (reference_moe(plain, x, weights, chosen, swiglu=(1.702, 2.0, 1.0)), reference_moe(bank, x, weights,
                                                                                                  chosen)):
         assert (together - other).abs().max() > 1e-2
     for t in (0, 7, 18):
         assert torch.equal(layer(x[t : t + 1], weights[t : t + 1], chosen[t : t + 1])[0], together[t]), t
+
+
+def test_hy_v4_experts_take_the_clamped_swiglu_without_the_up_offset() -> None:
+    """HY-V4's experts (`swiglu` alpha 1, offset 0: `silu(min(gate, limit)) * clamp(up, +-limit)`) equal the
+    reference to float32 rounding, and differ from gpt-oss's form (offset 1) and from the unclamped SiLU."""
+    gen = torch.Generator().manual_seed(44)
+    bank = random_bank(5, 96, 64, "q8", "q8", gen)
+    layer = QuantizedExperts(bank, swiglu=(1.0, 0.5, 0.0))
+    x = torch.randn(11, 96, generator=gen)
+    weights, chosen = routing(11, 5, 2, gen)
+    together = layer(x, weights, chosen)
+    torch.testing.assert_close(together, reference_moe(bank, x, weights, chosen, swiglu=(1.0, 0.5, 0.0)), atol=2e-4,
+                               rtol=1e-4)  # fmt: skip
+    for other in (reference_moe(bank, x, weights, chosen, swiglu=(1.0, 0.5, 1.0)), reference_moe(bank, x, weights,
+                                                                                                 chosen)):
+        assert (together - other).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize(("up", "down"), [("q8", "q8"), ("q4", "q4"), ("q4_k", "q6_k")])
