@@ -29,7 +29,7 @@ from engine_server.layers.quantized_linear import QuantizedWeight
 from ladle_kernels import cpu_ops
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 32, 2880, 2880, 4
-SWIGLU = (1.702, 7.0)
+SWIGLU = (1.702, 7.0, 1.0)
 
 
 def _weight_pair(rows: int, columns: int, gen: torch.Generator) -> tuple[LowBitWeight, LowBitWeight]:

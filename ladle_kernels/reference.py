@@ -545,8 +545,8 @@ def quantized_moe(
     / `q8_linear` of its weights, or `lowbit_linear` of a 5-bit or K-quant weight's values (Q5_0, Q5_1, Q4_K, Q5_K,
     Q6_K; gate/up and down each in its own), so x and the hidden activations are quantized per group of 32 as the
     kernel does. gpt-oss's experts: `b13` `[E, 2I]` and `b2` `[E, H]` added to expert e's gate/up and down products,
-    and with `swiglu` (alpha, limit, up_offset) the activation is `clamped_swiglu`. With `relu2` (Nemotron-H's ungated experts)
-    `gate_up(e, rows)` is the up product alone, `[M, I]`, and the activation `relu(up)²`."""
+    and with `swiglu` (alpha, limit, up_offset) the activation is `clamped_swiglu`. With `relu2` (Nemotron-H's ungated
+    experts) `gate_up(e, rows)` is the up product alone, `[M, I]`, and the activation `relu(up)²`."""
     out = torch.zeros_like(x, dtype=torch.float32)
     for token in range(x.shape[0]):
         for choice in torch.argsort(experts[token], stable=True).tolist():

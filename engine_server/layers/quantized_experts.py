@@ -110,12 +110,16 @@ class QuantizedExperts(nn.Module):
     """`ParallelExperts`' forward over quantized experts (CPU, float32; needs the C++ kernels).
 
     Every expert of the bank must hold gate/up in one format and down in one format (`ExpertWeights.format`). With
-    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), with `swiglu` (alpha, limit, up_offset) gpt-oss's clamped
-    SwiGLU, with `relu2` relu² of ungated experts (Nemotron-H's: `gate_up` holds each expert's up rows alone), else
-    SiLU; each in the kernel, as are the weights' biases."""
+    `gelu` the experts' activation is GELU's tanh form (Gemma 4's), with `swiglu` (alpha, limit, up_offset) a clamped
+    SwiGLU (gpt-oss's, HY-V4's), with `relu2` relu² of ungated experts (Nemotron-H's: `gate_up` holds each expert's up
+    rows alone), else SiLU; each in the kernel, as are the weights' biases."""
 
     def __init__(
-        self, weights: ExpertWeights, gelu: bool = False, swiglu: tuple[float, float, float] | None = None, relu2: bool = False
+        self,
+        weights: ExpertWeights,
+        gelu: bool = False,
+        swiglu: tuple[float, float, float] | None = None,
+        relu2: bool = False,
     ) -> None:
         super().__init__()
         self.gelu = gelu

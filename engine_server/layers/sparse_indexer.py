@@ -2,10 +2,10 @@
 positions (its own included) that latent attention (`layers.mla`) attends over.
 
 Each token has one index key, `head_dim` wide (`wk`, a LayerNorm with a bias, rope over its first
-`qk_rope_head_dim` dims, HY-V4's over its last); each query `heads` index queries (`wq_b` over the attention's normalised low-rank query)
-and a weight per index head (`weights_proj`). Position j's score for query t is `sum_h w[t, h] * relu(q[t, h] . k[j]
-/ sqrt(head_dim)) / sqrt(heads)`, in float32 as transformers computes it; the `topk` best of the positions up to
-t's own are attended, all of them while there are no more than `topk`.
+`qk_rope_head_dim` dims, HY-V4's over its last); each query `heads` index queries (`wq_b` over the attention's
+normalised low-rank query) and a weight per index head (`weights_proj`). Position j's score for query t is
+`sum_h w[t, h] * relu(q[t, h] . k[j] / sqrt(head_dim)) / sqrt(heads)`, in float32 as transformers computes it; the
+`topk` best of the positions up to t's own are attended, all of them while there are no more than `topk`.
 
 The index keys live in the layer's paged cache beside the latents, so prefix caching, preemption and the cache's
 size all hold them as they hold K/V: each row of the key half is `cat(latent, rope key)` and each row of the value

@@ -84,7 +84,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     multi-token-prediction layers (`model.mtp_layers`) are not read."""
 
     checkpoint_renames: tuple[tuple[str, str], ...] = (_SHARED_EXPERTS,)
-    ignored_prefixes = ("model.mtp_layers.",)  # HY-V4's multi-token-prediction layers, not used
+    ignored_prefixes: tuple[str, ...] = ("model.mtp_layers.",)  # HY-V4's multi-token-prediction layers, not used
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)

@@ -229,8 +229,9 @@ class ParallelExperts(nn.Module):
     projection adds its bias: `b13[e]` (this rank's gate then up rows) and `b2[e]`, which only rank 0 holds (the
     others hold zeros, so the all-reduced sum adds it once). `gated_silu` says whether the caller's activation is
     SiLU-and-mul, or GELU's (Gemma 4's experts), `swiglu` (alpha, limit, up_offset) when it is a clamped SwiGLU
-    (gpt-oss's, HY-V4's): the quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`). Without `gated` (Nemotron-H's
-    experts, `down(relu(up(x))²)`) `w13[e]` is `up_e` alone, `[I_r, H]`, and the caller's activation relu²."""
+    (gpt-oss's, HY-V4's): the quantized expert kernel is told which (`layers.quantized_experts.QuantizedExperts`).
+    Without `gated` (Nemotron-H's experts, `down(relu(up(x))²)`) `w13[e]` is `up_e` alone, `[I_r, H]`, and the
+    caller's activation relu²."""
 
     def __init__(
         self,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import transformers
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from engine_server.config import LongRope
+from engine_server.config import HyperConnections, LongRope
 from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import ShardedRMSNorm
@@ -1239,6 +1239,36 @@ def test_kimi_linear_configs_read_as_released_and_as_transformers_writes_them() 
                             ({"num_hidden_layers": 4}, "both kinds")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             model_config_from_hf({**plain, **change})
+
+
+def test_hy_v4_configs_read_as_transformers_fills_them_in() -> None:
+    """An HY-V4 config.json without its layer lists, shared experts, routed scale or clamp reads as transformers
+    builds the model from it (the first layer dense, an indexer on layer 0 and every fourth from layer 1, one shared
+    expert, 2.827, the clamp at 10 without the up offset, four streams), and as transformers writes it back; a clamp
+    of 0 is none. Refused by name: a layer kind other than indexed attention."""
+    released = {
+        **SMALL, "model_type": "hy_v4", "num_hidden_layers": 7, "q_lora_rank": 48, "kv_lora_rank": 24,
+        "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "index_n_heads": 4, "index_head_dim": 16,
+        "index_topk": 8,
+    }  # fmt: skip
+    theirs = transformers.HYV4Config.from_dict(released)
+    for raw in (released, theirs.to_dict()):
+        ours = model_config_from_hf(raw)
+        assert [ours.is_moe_layer(i) for i in range(7)] == [kind == "sparse" for kind in theirs.mlp_layer_types]
+        indexer = ours.sparse_indexer
+        assert indexer is not None and indexer.rope_last and not indexer.rope_interleave
+        assert indexer.shared_layers == tuple(i for i, kind in enumerate(theirs.indexer_types) if kind == "shared")
+        assert indexer.shared_layers == (2, 3, 4, 6) and indexer.key_norm_eps == theirs.rms_norm_eps
+        assert ours.shared_expert_intermediate_size == 32 and ours.routed_scaling_factor == 2.827
+        assert (ours.swiglu_limit, ours.swiglu_alpha, ours.swiglu_up_offset) == (10.0, 1.0, 0.0)
+        assert ours.hyper_connections == HyperConnections(streams=4, post_scale=2.0, eps=1e-6)
+        mla = ours.latent_attention
+        assert mla is not None and mla.value_gate and not mla.rope_interleave and mla.latent_norm_eps == 1e-6
+        assert ours.attention_sinks and not ours.tie_word_embeddings
+    assert model_config_from_hf({**released, "swiglu_limit": 0}).swiglu_limit == 0.0
+    with pytest.raises(ValueError, match="hy_v4 layer_types"):
+        model_config_from_hf({**released, "layer_types": ["full_attention"] * 7})
 
 
 def test_ling_3_configs_read_as_released_and_as_transformers_writes_them() -> None:
