@@ -661,7 +661,7 @@ def test_gpt_oss_on_int8_and_fp8_weights(gpt_oss_folder: tuple[Path, GreedyRefer
             assert len(banks) == 4 and all(type(bank) is bank_type for bank in banks), quantization
             assert model.model.decode_stack is None
             if quantization == "int8":
-                assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0) for bank in banks)
+                assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0, 1.0) for bank in banks)
                 table = model.model.embed_tokens  # untied: its own 8-bit rows, quantized from the float table
                 assert isinstance(table, QuantizedEmbedding) and table.format == "q8" and table.packed is None
                 routers = [m for name, m in model.named_modules() if name.endswith(".mlp.gate")]
@@ -736,7 +736,7 @@ def test_gpt_oss_mxfp4_experts_are_served_as_stored_on_the_cpu(
         assert loaded.quantization == "int8"
         banks = [m for m in loaded.model.modules() if isinstance(m, ParallelExperts | QuantizedExperts)]
         assert len(banks) == 4 and all(isinstance(b, QuantizedExperts) and b.format == "mxfp4" for b in banks)
-        assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0) for bank in banks)
+        assert all(bank.b13 is not None and bank.swiglu == (1.702, 1.0, 1.0) for bank in banks)
         ours = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == ours
     agree = sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True))
