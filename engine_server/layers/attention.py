@@ -27,6 +27,19 @@ from engine_server.parallel.sharding import (
 from ladle_kernels.kernel_set import KernelOps
 
 
+def load_head_sinks(sinks: torch.Tensor | None, tensor: CheckpointTensor, tp: TensorParallel) -> None:
+    """Copy a checkpoint's sink logits (`[num_attention_heads]`, any float dtype) into `sinks`, this rank's heads'
+    (float32); ValueError where the attention has none (`sinks` None) or the shape is not every head's."""
+    if sinks is None:
+        raise ValueError("this model's attention has no sinks")
+    whole, heads = read_whole(tensor), sinks.shape[0] * tp.size
+    if whole.shape != (heads,):
+        raise ValueError(f"has shape {tuple(whole.shape)}, expected ({heads},)")
+    kept = query_heads_of_rank(heads, tp.size, tp.rank)
+    with torch.no_grad():
+        sinks.copy_(whole[kept.start : kept.stop].float())
+
+
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention; `qkv_proj` rows are `cat(q_proj, k_proj, v_proj)` (weights and biases), of this
     rank's heads under tensor parallelism (`num_heads` and `num_kv_heads` count this rank's). `window`: the layer's
@@ -148,14 +161,7 @@ class PagedSelfAttention(nn.Module):
 
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
         """Copy a checkpoint's `sinks` (`[num_attention_heads]`, any float dtype), keeping this rank's heads."""
-        if self.sinks is None:
-            raise ValueError("this model's attention has no sinks")
-        whole, heads = read_whole(tensor), self.num_heads * self.tp.size
-        if whole.shape != (heads,):
-            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({heads},)")
-        kept = query_heads_of_rank(heads, self.tp.size, self.tp.rank)
-        with torch.no_grad():
-            self.sinks.copy_(whole[kept.start : kept.stop].float())
+        load_head_sinks(self.sinks, tensor, self.tp)
 
     def forward(
         self,

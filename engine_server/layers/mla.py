@@ -38,17 +38,12 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
+from engine_server.layers.attention import load_head_sinks
 from engine_server.layers.norm import RMSNorm
 from engine_server.layers.sparse_indexer import LightningIndexer, attend_positions, select_positions
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
-from engine_server.parallel.layers import (
-    CheckpointTensor,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_kept_rows,
-    read_whole,
-)
+from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, copy_kept_rows
 from engine_server.parallel.sharding import PartSlice, heads_rows, query_heads_of_rank
 from ladle_kernels.kernel_set import KernelOps
 
@@ -137,14 +132,7 @@ class MultiLatentAttention(nn.Module):
 
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
         """Copy a checkpoint's `sinks` (`[num_attention_heads]`, any float dtype), keeping this rank's heads."""
-        if self.sinks is None:
-            raise ValueError("this model's attention has no sinks")
-        whole, heads = read_whole(tensor), self.num_heads * self.tp.size
-        if whole.shape != (heads,):
-            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({heads},)")
-        kept = query_heads_of_rank(heads, self.tp.size, self.tp.rank)
-        with torch.no_grad():
-            self.sinks.copy_(whole[kept.start : kept.stop].float())
+        load_head_sinks(self.sinks, tensor, self.tp)
 
     def forward(
         self,
