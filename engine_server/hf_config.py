@@ -93,6 +93,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Tencent's HY-V4: DeepSeek-V3.2's indexed latent attention with a sigmoid gate per value dim and a sink per head,
     # layers sharing an indexer's choice, experts with a clamped SwiGLU, four residual streams (`_hy_v4_config`)
     "hy_v4": "deepseek_v3",
+    "hy_v4_vl": "deepseek_v3",  # Hy4: HY-V4's text model beside a vision tower
     "youtu": "deepseek_v3",  # Tencent's Youtu-LLM: DeepSeek-V3's latent attention over dense Llama MLPs
     # MiniCPM3: that attention (rope over halves, not interleaved pairs) over dense MLPs, with muP's scales
     # (`_minicpm3_fields`).
@@ -216,7 +217,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         return _encoder_config(cfg, name)
     _refuse_unbuilt(model_type, cfg)
     if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5", "apertus1p5",
-                      "cohere_compass"):  # fmt: skip
+                      "cohere_compass", "hy_v4_vl"):  # fmt: skip
         cfg = _text_config(cfg)  # multimodal: its text model
     if model_type == "cohere_compass":  # read as its text model's family
         model_type = "cohere_compass_text"
@@ -235,8 +236,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _kimi_linear_config(cfg)
     if model_type == "bailing_hybrid":
         cfg = _bailing_hybrid_config(cfg)
-    if model_type == "hy_v4":
-        cfg = _hy_v4_config(cfg)
+    if model_type in ("hy_v4", "hy_v4_vl"):
+        cfg, model_type = _hy_v4_config(cfg, vision=model_type == "hy_v4_vl"), "hy_v4"
     if model_type == "flint":
         cfg = _flint_config(cfg)
     if model_type == "lfm3":
@@ -573,7 +574,7 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         rope=model_type != "kimi_linear",
         head_gate=model_type == "bailing_hybrid",
         value_gate=model_type == "hy_v4",
-        latent_norm_eps=1e-6 if model_type == "hy_v4" else 0.0,
+        latent_norm_eps=float(cfg["hy_latent_norm_eps"]) if model_type == "hy_v4" else 0.0,
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
@@ -606,8 +607,8 @@ def _sparse_indexer(cfg: dict[str, Any], model_type: str, mla: LatentAttention) 
         raise ValueError(f"{model_type}: layer 0's indexer is shared, but no layer before it has one")
     indexer = SparseIndexer(
         heads=int(cfg.get("index_n_heads") or 64), head_dim=int(cfg.get("index_head_dim") or 128),
-        topk=int(cfg.get("index_topk") or 2048), rope_interleave=model_type == "glm_moe_dsa", shared_layers=shared,
-        rope_last=model_type == "hy_v4",
+        topk=int(cfg.get("index_topk") or 2048), shared_layers=shared, rope_last=model_type == "hy_v4",
+        rope_interleave=model_type == "glm_moe_dsa" or (model_type == "hy_v4" and bool(cfg["rope_interleave"])),
         # (DeepSeek's and transformers' `nn.LayerNorm(head_dim, eps=1e-6)`; HY-V4's the model's epsilon)
         key_norm_eps=float(cfg.get("rms_norm_eps") or 1e-5) if model_type == "hy_v4" else 1e-6,
     )  # fmt: skip
@@ -852,23 +853,28 @@ def _bailing_hybrid_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "layer_types": types, **renamed}
 
 
-def _hy_v4_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """An HY-V4 (`hy_v4`) `config.json` with transformers' defaults where a key is absent: one shared expert, the
-    routed scale 2.827, the first layer dense (`mlp_layer_types`), an indexer of its own on layer 0 and every fourth
-    from layer 1 (`indexer_types`, the others "shared"), rope over halves, the experts' SwiGLU clamp 10 (0 or less:
-    none). ValueError for layer kinds other than indexed attention."""
+def _hy_v4_config(cfg: dict[str, Any], vision: bool) -> dict[str, Any]:
+    """An HY-V4 (`hy_v4`) `config.json`, or Hy4's text model (`vision`: its `text_config`, read as `hy_v4`), with
+    transformers' defaults where a key is absent: one shared expert, the routed scale 2.827, the first layer dense
+    (`mlp_layer_types`), an indexer of its own on layer 0 and every fourth from layer 1 (`indexer_types`, the others
+    "shared"), the experts' SwiGLU clamp 10 (0 or less: none). HY-V4 turns its attention's and indexer's rope dims
+    as halves and normalises its latents at 1e-6; Hy4 turns them as interleaved pairs (its M-RoPE turns a text token's
+    three position components, all one position, as plain rope does) and normalises its latents at `rms_norm_eps`
+    (`hy_latent_norm_eps`). ValueError for layer kinds other than indexed attention."""
     layers = int(cfg["num_hidden_layers"])
     kinds = set(cfg.get("layer_types") or ["indexed_attention"])
     if kinds != {"indexed_attention"}:
         raise ValueError(f"hy_v4 layer_types {sorted(kinds)} are not supported (indexed_attention is)")
     return {
         **cfg,
+        "model_type": "hy_v4",
+        "rope_interleave": bool(cfg.get("rope_interleave", vision)),
+        "hy_latent_norm_eps": float(cfg.get("rms_norm_eps") or 1e-5) if vision else 1e-6,
         "n_shared_experts": cfg.get("n_shared_experts", 1),
         "routed_scaling_factor": cfg.get("routed_scaling_factor") or 2.827,
         "mlp_layer_types": cfg.get("mlp_layer_types") or ["dense" if i < 1 else "sparse" for i in range(layers)],
         "indexer_types": cfg.get("indexer_types")
         or ["full" if i == 0 or (i - 1) % 4 == 0 else "shared" for i in range(layers)],
-        "rope_interleave": bool(cfg.get("rope_interleave", False)),
         "swiglu_limit": float(cfg.get("swiglu_limit", 10.0)),
     }
 

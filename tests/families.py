@@ -631,6 +631,8 @@ def draw_language_model(model: Any, head: bool = False) -> None:
             drawn = "language_model" in name or (head and name == "lm_head.weight")
             if drawn and name.endswith(ROUTERS):
                 parameter.normal_(0.0, 0.3)
+            elif drawn and name.endswith(HYPER_CONNECTION_MAPS):
+                parameter.normal_(0.0, 0.1) if parameter.dim() > 1 else parameter.uniform_(0.5, 1.5)
             elif parameter.dim() > 1 and drawn:
                 parameter.normal_(0.0, 0.08)
 
@@ -769,7 +771,7 @@ def _stepwise_only(model: Any) -> bool:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     layouts = [rope, *(value for value in rope.values() if isinstance(value, dict))]  # or one a kind of layer
     kinds = {layout.get("rope_type", layout.get("type")) for layout in layouts}
-    return bool(kinds & {"longrope", "dynamic"}) or config.model_type in ("deepseek_v32", "hy_v4")
+    return bool(kinds & {"longrope", "dynamic"}) or config.model_type in ("deepseek_v32", "hy_v4", "hy_v4_vl_text")
 
 
 @dataclass(eq=False)

@@ -18,8 +18,9 @@ from engine_server.parallel.layers import CheckpointTensor
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _ROUTING_BIAS = ".mlp.gate.e_score_correction_bias"
 # What a multimodal checkpoint holds beside its DeepSeek-V3 text model, not read: Mistral 3's (Mistral Small 4's)
-# towers, and Kimi K2.5's vision tower and its projector (`mm_projector`).
-_TOWERS = (*MISTRAL3_TOWERS, "mm_projector.", "model.mm_projector.")
+# towers, Kimi K2.5's vision tower and its projector (`mm_projector`), and Hy4's vision tower with its patch merger
+# (released as `vit.`).
+_TOWERS = (*MISTRAL3_TOWERS, "mm_projector.", "model.mm_projector.", "vit.")
 _SHARED_EXPERTS = (".mlp.shared_experts.", ".mlp.shared_expert.")
 # Kimi Linear's checkpoints: its experts and router under `block_sparse_moe` with Mixtral's w1 (gate), w3 (up) and
 # w2 (down); its decay's projections and parameters on the layer or (transformers') on a `forget_gate` of it.
@@ -42,16 +43,18 @@ _BAILING_HYBRID_RENAMES = (
     (".self_attn.forget_gate.", ".self_attn."),
     _SHARED_EXPERTS,
 )
-# HY-V4's released checkpoints (transformers' conversion, reversed): each block's hyper-connection map under
-# `hc_pre.hc_attn_layer` / `hc_pre.hc_mlp_layer` with `hc_`-prefixed parameters, the last one's as
-# `hc_pre.hc_head.hc_head_*`, the attention's sinks `learnable_sink_param`, its value gate (and the shared expert's
-# gate projection) `linear_gate`.
+# HY-V4's released checkpoints, read as transformers' conversion reads them (its renames, in its order): each
+# block's hyper-connection map under `hc_pre.hc_attn_layer` / `hc_pre.hc_mlp_layer` with `hc_`-prefixed parameters,
+# the last one's `hc_head_*` (beside an `hc_pre.` before or after `hc_head.`: transformers writes Hy4's the other way
+# round), the attention's sinks `learnable_sink_param`, its value gate (and the shared expert's gate projection)
+# `linear_gate`.
 _HY_V4_RENAMES = (
-    (".hc_pre.hc_attn_layer.hc_", ".attn_hc."),
-    (".hc_pre.hc_mlp_layer.hc_", ".ffn_hc."),
-    (".hc_pre.hc_head.hc_head_", ".hc_head.hc_"),
+    (".hc_pre.hc_", ".hc_"),
     (".self_attn.learnable_sink_param", ".self_attn.sinks"),
     (".linear_gate.", ".gate_proj."),
+    (".hc_attn_layer.hc_", ".attn_hc."),
+    (".hc_mlp_layer.hc_", ".ffn_hc."),
+    (".hc_head.hc_head_", ".hc_head.hc_"),
     _SHARED_EXPERTS,
 )
 # A Kimi Delta Attention layer's convolution of q, k or v, as its checkpoints store them (one convolution here;

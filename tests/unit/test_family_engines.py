@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
@@ -588,6 +588,42 @@ def test_a_kimi_k25_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
             assert not llm.core.model_config.tie_word_embeddings
             ours = tokens(llm, batch)
             assert ours == theirs.of(ours), layout
+
+
+def test_a_hy4_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """Hy4 is released as `HYV4VLForConditionalGeneration`: HY-V4's text model (its `text_config`, with M-RoPE, which
+    turns a text token as plain rope does) beside a vision tower (`vit.`, transformers' `model.vision_tower.`), which
+    is not read. Saved by transformers (its released names: the text model under `model.`, HY-V4's own renames) and
+    as transformers holds it (`model.language_model.`), its text output equals transformers' own multimodal model's
+    on text prompts."""
+    import transformers
+
+    from tests.families import _SHAPE, FAMILIES, draw_language_model
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "out_hidden_size": 64, "patch_size": 14}  # fmt: skip
+    text = {**_SHAPE, **FAMILIES["hy-v4"][1], "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 1, 1]}}  # fmt: skip
+    config = transformers.HYV4VLConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = transformers.HYV4VLForConditionalGeneration(config).eval()
+    draw_language_model(model, head=True)
+    batch = prompts()[:4]
+    theirs = GreedyReference(model, batch, NUM_TOKENS)
+    released = tmp_path / "released"
+    model.save_pretrained(released)
+    copy_tokenizer(released)
+    saved = set(load_file(next(released.glob("*.safetensors"))))
+    assert any(name.startswith("vit.") for name in saved) and "model.layers.1.hc_pre.hc_attn_layer.hc_fn" in saved
+    memory = tmp_path / "transformers"
+    config.save_pretrained(memory)
+    copy_tokenizer(memory)
+    save_file({name: tensor.clone() for name, tensor in model.state_dict().items()}, memory / "model.safetensors")
+    for folder in (released, memory):
+        with engine(folder) as llm:
+            assert llm.core.model_config.hyper_connections is not None
+            ours = tokens(llm, batch)
+            assert ours == theirs.of(ours), folder.name
 
 
 def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
