@@ -1245,7 +1245,8 @@ def test_hy_v4_configs_read_as_transformers_fills_them_in() -> None:
     """An HY-V4 config.json without its layer lists, shared experts, routed scale or clamp reads as transformers
     builds the model from it (the first layer dense, an indexer on layer 0 and every fourth from layer 1, one shared
     expert, 2.827, the clamp at 10 without the up offset, four streams), and as transformers writes it back; a clamp
-    of 0 is none. Refused by name: a layer kind other than indexed attention."""
+    of 0 is none. Hy4's (its text model beside a vision tower): rope over interleaved pairs, its latents normalised at
+    its own epsilon. Refused by name: a layer kind other than indexed attention."""
     released = {
         **SMALL, "model_type": "hy_v4", "num_hidden_layers": 7, "q_lora_rank": 48, "kv_lora_rank": 24,
         "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8,
@@ -1267,6 +1268,12 @@ def test_hy_v4_configs_read_as_transformers_fills_them_in() -> None:
         assert mla is not None and mla.value_gate and not mla.rope_interleave and mla.latent_norm_eps == 1e-6
         assert ours.attention_sinks and not ours.tie_word_embeddings
     assert model_config_from_hf({**released, "swiglu_limit": 0}).swiglu_limit == 0.0
+    text = {**released, "model_type": "hy_v4_vl_text",
+            "rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 1]}}  # fmt: skip
+    hy4 = model_config_from_hf(transformers.HYV4VLConfig(text_config=text).to_dict())  # Hy4: interleaved pairs
+    assert hy4.hyper_connections is not None and hy4.sparse_indexer is not None and hy4.latent_attention is not None
+    assert hy4.sparse_indexer.rope_interleave and hy4.latent_attention.rope_interleave
+    assert hy4.latent_attention.latent_norm_eps == 1e-5 and hy4.num_hidden_layers == 7
     with pytest.raises(ValueError, match="hy_v4 layer_types"):
         model_config_from_hf({**released, "layer_types": ["full_attention"] * 7})
 
