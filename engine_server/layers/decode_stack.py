@@ -22,6 +22,7 @@ from torch import nn
 
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.decoder import DecoderLayer, DecoderModel, DecodeStack
+from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
 from engine_server.layers.mlp import GatedMLP
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import RMSNorm
@@ -65,10 +66,10 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     `RowwiseLinear` router (`_moe_parts`), partial rotary or LongRoPE (Phi-3), Gemma's blocks (sandwich norms, GeGLU,
     soft-capping, Gemma 3's local rope), attention sinks (gpt-oss), layers without rope (SmolLM3) or with weightless
     q/k norms (Llama 4), queries scaled by position (Ministral 3), q/k norms after rope (Hunyuan), Llama 4's router,
-    PhiMoE's LayerNorms and router,
-    Granite's multiplied embeddings and residuals, weights not on the CPU or not float32, a head dim the attention
-    kernel is not built for, no C++ kernels, or tensor parallelism without the shared-memory all-reduce (which the
-    stack then runs between its layers, on the same buffers)."""
+    PhiMoE's LayerNorms and router, Granite's multiplied embeddings and residuals, hyper-connections (HY-V4), weights
+    not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
+    parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
+    buffers)."""
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:
@@ -76,6 +77,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     reduce = model.tp.shm_reduce
     if model.tp.size > 1 and reduce is None:
         return None
+    if isinstance(model, HyperConnectedDecoderModel):
+        return None  # residual streams (HY-V4): the stack keeps one residual
     if not all(isinstance(layer.self_attn, PagedSelfAttention) for layer in layers):
         return None  # latent attention (DeepSeek-V3)
     attentions = [cast(PagedSelfAttention, layer.self_attn) for layer in layers]
