@@ -110,6 +110,17 @@ def test_paged_attention_over_latent_rows(
     torch.testing.assert_close(paged_attention(q, cache, meta, 192**-0.5), expected, **TOLERANCES[torch.bfloat16])
 
 
+def test_paged_attention_over_latent_rows_with_sinks(device: torch.device) -> None:
+    """HY-V4's latent attention: a learned sink logit per query head (one more term of each softmax, weighting no
+    value) over the one KV head of latent rows, 16 heads in one program; without the sinks the outputs are far off."""
+    q, cache, meta = make_batch(MIXED, 16, 1, 576, torch.bfloat16, device)
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(5)).to(device) * 2
+    expected = reference.paged_attention(q, cache, meta, 192**-0.5, 0, 0.0, sinks)
+    ours = paged_attention(q, cache, meta, 192**-0.5, 0, 0.0, sinks)
+    torch.testing.assert_close(ours, expected, **TOLERANCES[torch.bfloat16])
+    assert (ours.float() - paged_attention(q, cache, meta, 192**-0.5).float()).abs().max() > 0.05
+
+
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_paged_attention_small_blocks(device: torch.device, block_size: int) -> None:
     """Key tiles span several cache blocks when blocks are smaller than a tile."""
