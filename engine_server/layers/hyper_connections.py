@@ -29,9 +29,15 @@ from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from ladle_kernels.kernel_set import KernelOps
 
 
-def _unit_rms(flat: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each row's `1 / sqrt(mean(x²) + eps)` `[T, 1]` (the norm's factor, not the normalised row)."""
-    return torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """A map's logits `[T, rows of fn]` of the float32 streams `[T, N * hidden]`: `fn` applied to each row
+    RMS-normalised (its `1 / sqrt(mean(x²) + eps)` factor applied after the product, as transformers does)."""
+    return F.linear(flat, fn.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
+def _joined(flat: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """`sum_n pre[n] * stream[n]` `[T, hidden]` of the float32 streams `[T, N * hidden]` and weights `[T, N]`."""
+    return (pre.unsqueeze(-1) * flat.view(flat.shape[0], pre.shape[1], -1)).sum(dim=1)
 
 
 class HyperMix(nn.Module):
@@ -48,13 +54,11 @@ class HyperMix(nn.Module):
         """streams `[T, N * hidden]` -> (post `[T, N]` float32, the block's input `[T, hidden]` in the streams'
         dtype)."""
         flat = streams.float()
-        mixes = F.linear(flat, self.fn.float()) * _unit_rms(flat, self.norm_eps)
-        pre_logits, post_logits = mixes.split(self.streams, dim=-1)
+        pre_logits, post_logits = _mixes(flat, self.fn, self.norm_eps).split(self.streams, dim=-1)
         pre_base, post_base = self.base.float().split(self.streams)
         pre = torch.sigmoid(pre_logits * self.scale[0] + pre_base) + self.eps
         post = self.post_scale * torch.sigmoid(post_logits * self.scale[1] + post_base) + self.eps
-        joined = (pre.unsqueeze(-1) * flat.view(flat.shape[0], self.streams, -1)).sum(dim=1)
-        return post, joined.to(streams.dtype)
+        return post, _joined(flat, pre).to(streams.dtype)
 
 
 def add_to_streams(streams: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -70,7 +74,7 @@ class HyperHead(nn.Module):
 
     def __init__(self, spec: HyperConnections, hidden: int, norm_eps: float) -> None:
         super().__init__()
-        self.streams, self.eps, self.norm_eps = spec.streams, spec.eps, norm_eps
+        self.eps, self.norm_eps = spec.eps, norm_eps
         self.hc_fn = nn.Parameter(torch.empty(spec.streams, spec.streams * hidden), requires_grad=False)
         self.hc_base = nn.Parameter(torch.empty(spec.streams), requires_grad=False)
         self.hc_scale = nn.Parameter(torch.empty(1), requires_grad=False)
@@ -78,9 +82,9 @@ class HyperHead(nn.Module):
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams `[T, N * hidden]` -> their weighted sum `[T, hidden]` in the streams' dtype."""
         flat = streams.float()
-        mixes = F.linear(flat, self.hc_fn.float()) * _unit_rms(flat, self.norm_eps)
+        mixes = _mixes(flat, self.hc_fn, self.norm_eps)
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * flat.view(flat.shape[0], self.streams, -1)).sum(dim=1).to(streams.dtype)
+        return _joined(flat, pre).to(streams.dtype)
 
 
 class HyperConnectedDecoderLayer(DecoderLayer):
