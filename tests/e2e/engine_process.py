@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from ladle.client import EngineClient
 from tests.e2e.launcher import Process, launch
 
@@ -39,6 +41,23 @@ def stop_process(process: Process, timeout: float) -> int:
     except subprocess.TimeoutExpired:
         process.kill()
         return process.wait()
+
+
+def exited(process: psutil.Process) -> bool:
+    """Whether a process has ended: gone, or dead and waiting to be reaped (an orphan's zombie lingers where the
+    container's PID 1 reaps slowly or never; it holds no port and runs nothing)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def still_running(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """The processes that have not ended after up to `timeout` seconds of polling."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in processes if not exited(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def start_engine(

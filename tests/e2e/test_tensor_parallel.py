@@ -33,7 +33,7 @@ from engine_server.frontend import Choice
 from engine_server.llm import LLM
 from ladle.client import EngineClient
 from ladle.v1 import engine_pb2, types_pb2
-from tests.e2e.engine_process import EngineProcess, start_engine
+from tests.e2e.engine_process import EngineProcess, start_engine, still_running
 from tests.e2e.gateway_process import start_serve
 from tests.tp_agreement import NUM_TOKENS, assert_agree, random_prompts
 
@@ -198,7 +198,7 @@ def test_kill_9_of_a_worker_takes_the_engine_down_cleanly(tp3_engine: EngineProc
     killed = time.monotonic()
     status = tp3_engine.process.wait(30)
     exited_after = time.monotonic() - killed
-    _, alive = psutil.wait_procs(children, timeout=EXIT_WITHIN_S)
+    alive = still_running(children, timeout=EXIT_WITHIN_S)
     for thread in threads:
         thread.join(30)
     assert status != 0 and exited_after < EXIT_WITHIN_S, (status, exited_after)
@@ -215,7 +215,7 @@ def test_kill_9_of_rank_0_makes_the_workers_leave(tp3_engine: EngineProcess) -> 
     threads, _ = _load(tp3_engine, 2)
     tp3_engine.process.send_signal(signal.SIGKILL)
     tp3_engine.process.wait(10)
-    _, alive = psutil.wait_procs(children, timeout=EXIT_WITHIN_S)
+    alive = still_running(children, timeout=EXIT_WITHIN_S)
     assert not alive, [p.pid for p in alive]
     for thread in threads:
         thread.join(30)
