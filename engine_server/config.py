@@ -16,7 +16,7 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "bert",
+    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -246,10 +246,12 @@ class Mamba2:
 
 @dataclass(frozen=True)
 class Mamba1:
-    """Mamba-1's shape (Jamba's Mamba layers; `layers.mamba1`) on `layers`: `in_proj` gives x and the gate z (`inner`
-    wide each); a depthwise causal convolution of `conv_kernel` taps (with a bias where `conv_bias`) and SiLU over x;
-    `x_proj` gives the time step's low-rank input (`dt_rank` wide), B and C (`state_dim` each), each RMS-normalised
-    where `inner_norms` (Jamba's); `dt_proj` (with a bias) lifts the time step to every channel. Its state per
+    """Mamba-1's shape (Jamba's, Mamba's and Falcon Mamba's layers; `layers.mamba1`) on `layers`: `in_proj` gives x and
+    the gate z (`inner` wide each); a depthwise causal convolution of `conv_kernel` taps (with a bias where
+    `conv_bias`) and SiLU over x; `x_proj` gives the time step's low-rank input (`dt_rank` wide), B and C
+    (`state_dim` each), each RMS-normalised at `inner_norm_eps` where `inner_norms` says: with a weight ("weighted",
+    Jamba's), without one ("weightless", Falcon Mamba's) or not ("none", Mamba's); `dt_proj` (with a bias) lifts the
+    time step to every channel. Its state per
     sequence is the convolution's last `conv_kernel - 1` inputs and a `state_dim`-wide row per channel
     (`ladle_kernels.mamba1`)."""
 
@@ -259,7 +261,8 @@ class Mamba1:
     dt_rank: int
     conv_bias: bool
     layers: tuple[int, ...]
-    inner_norms: bool = True
+    inner_norms: Literal["weighted", "weightless", "none"] = "weighted"
+    inner_norm_eps: float = 1e-6
 
     @property
     def state_size(self) -> int:

@@ -2,7 +2,8 @@
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first) and EXAONE
 (3.0, 3.5). Each is read as a Llama config (`classic_config`: their own key names given Llama's, what their
-transformers class fills in where a file leaves it out) plus the fields of their blocks (`classic_fields`)."""
+transformers class fills in where a file leaves it out) plus the fields of their blocks (`classic_fields`). Any
+family's reader takes a float of a config.json through `json_float`."""
 
 from __future__ import annotations
 
@@ -73,6 +74,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo": {"rms_norm_eps": 1e-5},  # its LayerNorm's epsilon is fixed
     "stablelm": {"attention_out_bias": False},  # o_proj never has a bias
 }
+
+
+def json_float(value: Any) -> float:
+    """A float of a config.json: a number, or transformers 5's tag for one JSON cannot spell (`{"__float__":
+    "Infinity"}`, also "-Infinity" and "NaN")."""
+    return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
 def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from engine_server.config import (
     Yarn,
     nemotron_blocks,
 )
-from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields
+from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
+from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -190,6 +191,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "llama4": "llama4",
     "bert": "bert",
     **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
+    **MAMBA_ARCHITECTURES,  # Mamba, Falcon Mamba, Mamba-2: state space models alone (`hf_mamba`)
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
@@ -253,6 +255,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "mimo_v2_flash":
         cfg = _mimo_v2_flash_config(cfg)
     cfg = classic_config(model_type, cfg)
+    cfg = mamba_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -403,6 +406,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_mimo_fields(model_type, cfg),
         **_hy_v4_fields(model_type, cfg),
         **classic_fields(model_type, cfg),
+        **mamba_fields(model_type, cfg),
         **nemotron,
     )
 
@@ -969,7 +973,7 @@ def _mamba2_shape(model_type: str, cfg: dict[str, Any], layers: tuple[int, ...],
     its projections, a time step clamped to a range, an activation other than SiLU."""
     if cfg.get("mamba_proj_bias"):
         raise ValueError(f"{model_type} with mamba_proj_bias is not supported")
-    limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or (0.0, math.inf)]
+    limit = [json_float(bound) for bound in cfg.get("time_step_limit") or (0.0, math.inf)]
     if limit != [0.0, math.inf]:
         raise ValueError(f"{model_type} with time_step_limit {limit} is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -1087,6 +1091,7 @@ def _jamba_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank),
             conv_bias=bool(cfg.get("mamba_conv_bias", True)),
             layers=mamba,
+            inner_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         )
     }
 
@@ -1149,7 +1154,7 @@ def _nemotron_h_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     for key in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias", "sliding_window"):
         if cfg.get(key):
             raise ValueError(f"nemotron_h with {key} is not supported")
-    limit = [_json_float(bound) for bound in cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0, math.inf)]
+    limit = [json_float(bound) for bound in cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0, math.inf)]
     if limit != [0.0, math.inf]:
         raise ValueError(f"nemotron_h with time_step_limit {limit} is not supported")
     activations = (cfg.get("mlp_hidden_act") or "relu2", cfg.get("mamba_hidden_act") or "silu")
@@ -1209,12 +1214,6 @@ def _nemotron_h_experts(
         "moe_topk_groups": top_groups,
         "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
     }
-
-
-def _json_float(value: Any) -> float:
-    """A float of a config.json: a number, or transformers 5's tag for one JSON cannot spell (`{"__float__":
-    "Infinity"}`, also "-Infinity" and "NaN")."""
-    return float(value["__float__"]) if isinstance(value, dict) else float(value)
 
 
 def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -1660,12 +1659,14 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 def _dense_width(arch: Architecture, cfg: dict[str, Any]) -> int:
     """A dense MLP's intermediate width: `intermediate_size`; Llama 4's `intermediate_size_mlp` (its
     `intermediate_size` is the experts'); a Granite 4.0 without experts, its shared MLP's; a Qwen3.5 mixture of
-    experts', which has no dense layer and no `intermediate_size`, its experts' width."""
+    experts', which has no dense layer and no `intermediate_size`, its experts' width; a model without MLPs (state
+    space models, `hf_mamba`), its 0."""
     if arch == "llama4":
         return int(cfg["intermediate_size_mlp"])
     if arch == "granitemoe" and not cfg.get("num_local_experts"):
         return int(cfg["shared_intermediate_size"])
-    return int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"])
+    width = cfg.get("intermediate_size")
+    return int(width if width is not None else cfg["moe_intermediate_size"])
 
 
 def _llama4_fields(arch: Architecture, cfg: dict[str, Any]) -> dict[str, Any]:

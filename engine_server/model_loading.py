@@ -120,6 +120,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+# The blocks of a model that keeps no K/V (they hold no memory, only the scheduler's count of each sequence's tokens
+# and its prefix hashes): every seat's longest sequence's, up to this many (16M tokens in flight).
+MAX_STATE_ONLY_BLOCKS = 1 << 20
 # A hybrid's prefix snapshots (`core.state_snapshots`) take at most this share of the cache memory left beside its
 # running requests' states, unless `CacheConfig.state_snapshots` says how many.
 SNAPSHOT_MEMORY_SHARE = 1 / 8
@@ -148,12 +151,20 @@ def num_kv_blocks(
 ) -> int:
     """Blocks that fit in the configured KV memory (per rank, of its KV heads, under tensor parallelism), beside the
     recurrent layers' states of `max_num_seqs` requests and of the prefix snapshots (`state_snapshot_rows`) where the
-    model has such layers; at least enough for one sequence of max_model_len tokens."""
+    model has such layers; at least enough for one sequence of max_model_len tokens. A model of recurrent layers only
+    (Mamba alone) keeps no K/V: its blocks cost nothing, so it gets enough for every seat's longest sequence
+    (`MAX_STATE_ONLY_BLOCKS` at most) once its states fit."""
     block_size = config.cache.block_size
     per_block = kv_cache_bytes_per_block(model_config, block_size, dtype, tp_size, config.cache.dtype)
     needed_for_one = -(-max_model_len // block_size) + 1
     rows = config.scheduler.max_num_seqs + state_snapshot_rows(model_config, config, tp_size)
     states = recurrent_state_bytes(model_config, rows, tp_size)
+    if per_block == 0:
+        if states > config.cache.memory_bytes:
+            raise ValueError(f"KV cache memory {config.cache.memory_bytes} B does not hold the {states} B of {rows} "
+                             f"recurrent states ({config.scheduler.max_num_seqs} requests' and the prefix snapshots': "
+                             "fewer with a lower --max-num-seqs)")  # fmt: skip
+        return max(needed_for_one, min(config.scheduler.max_num_seqs * needed_for_one, MAX_STATE_ONLY_BLOCKS))
     blocks = max(config.cache.memory_bytes - states, 0) // per_block
     if blocks < needed_for_one:
         held = (

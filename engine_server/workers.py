@@ -116,8 +116,9 @@ def start_tensor_parallel(
     model = source.config
     if model.encoder:
         raise ValueError(f"--tensor-parallel-size {size}: an encoder model runs on one device (it is small and pools)")
-    for q_heads in sorted({model.layer_q_heads(i) for i in range(model.num_hidden_layers)}):  # (Laguna's per layer)
-        check_shardable(q_heads, model.num_key_value_heads, model.mlp_widths, size)
+    attending = [i for i in range(model.num_hidden_layers) if not model.is_recurrent_layer(i)]
+    query_heads = sorted({model.layer_q_heads(i) for i in attending})  # (Laguna's differ by layer)
+    check_shardable(query_heads, model.num_key_value_heads, model.mlp_widths, size)
     if model.recurrent is not None:
         model.recurrent.sharded(size)  # its heads (or channels) split too
     device = resolve_device(config.device)

@@ -516,6 +516,19 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
          "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # State space models alone, three layers of mixers: Falcon Mamba's Mamba-1 (128 channels, an 8-wide state, a
+    # time step of rank 32, it, B and C RMS-normalised without a weight); Mamba-2 (8 heads 16 wide in 2 groups, a
+    # 16-wide state, its output normalised per group).
+    "falcon-mamba": (
+        "FalconMambaConfig",
+        {"num_hidden_layers": 3, "state_size": 8, "time_step_rank": 32, "mixer_rms_eps": 1e-5, "pad_token_id": 0,
+         "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "mamba2": (
+        "Mamba2Config",
+        {"num_hidden_layers": 3, "num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 16,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "falcon-h1": (
         "FalconH1Config",
         {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 2,
@@ -581,6 +594,9 @@ LAYOUT_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # LFM2's mixtures of experts (their GGUF files' tests; their engines' are tests.unit.test_models').
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     **FAMILIES, **LAYOUT_FAMILIES, **HYBRIDS, "llama": ("LlamaConfig", {}),
+    # Mamba: Falcon Mamba's layers without the norms inside the mixer, its embeddings tied to the LM head (as the
+    # mamba-*-hf releases).
+    "mamba": ("MambaConfig", {**HYBRIDS["falcon-mamba"][1], "tie_word_embeddings": True}),
     "qwen3.5-moe": ("Qwen3_5MoeTextConfig", {**LINEAR_ATTENTION, "num_experts": 8, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64}),
     # Granite 4.0 H's dense form (Granite-4.0-H-Micro's: the shared MLP alone), Granite 3.x (Llama's block with its
@@ -720,7 +736,8 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     """Plain greedy decoding with transformers' KV cache, every prompt in one batch: argmax of each step's logits,
     nothing else. The prompts are left-padded, masked out and given their own positions (0 at each prompt's first
     token), so each row computes what it would alone; only float32 summation order can differ from a batch of one,
-    by ~1e-6 relative, which moves an argmax only at an exact near-tie."""
+    by ~1e-6 relative, which moves an argmax only at an exact near-tie. The cache goes in as `cache`, transformers
+    5's name: its Mamba models ignore the older `past_key_values` and would run each step from an empty state."""
     from transformers import DynamicCache
 
     width = max(map(len, prompts))
@@ -733,12 +750,16 @@ def hf_greedy(model: Any, prompts: list[list[int]], num_tokens: int) -> list[lis
     kinds = getattr(model.config.get_text_config(), "layer_types", None) or ()
     hybrid = bool({"linear_attention", "conv", "mamba", "hybrid", "indexed_attention"} & set(kinds))
     cache = DynamicCache(config=model.config) if hybrid else DynamicCache()
+    # State space models alone read a mask as one value per token of the step (the padding's zeroed), so their
+    # generate passes none after the prompt: the whole history's would be broadcast over the one new token.
+    unmasked = model.config.model_type in ("mamba", "falcon_mamba", "mamba2")
     steps: list[torch.Tensor] = []
     with torch.inference_mode():
         for _ in range(num_tokens):
             logits = model(
-                input_ids=step_input, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            ).logits[:, -1]
+                input_ids=step_input, attention_mask=None if unmasked and steps else mask, position_ids=positions,
+                cache=cache, use_cache=True,
+            ).logits[:, -1]  # fmt: skip
             steps.append(logits.argmax(-1))
             step_input, positions = steps[-1][:, None], positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)

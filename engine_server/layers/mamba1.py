@@ -1,11 +1,11 @@
-"""Mamba-1: the selective state space mixer of Jamba's Mamba layers, over a state per sequence.
+"""Mamba-1: the selective state space mixer of Jamba's, Mamba's and Falcon Mamba's layers, over a state per sequence.
 
 `in_proj` gives each token x and its gate z; a depthwise causal convolution with SiLU runs over x; `x_proj` gives
-the time step's low-rank input, B and C (each RMS-normalised in Jamba), `dt_proj` lifts the time step to every
-channel; the scan (`ladle_kernels.mamba1`) with `A = -exp(A_log)` per channel and state entry, `dt = softplus(dt)` and
-the skip `D x`, then `y * silu(z)` and `out_proj`. Its state per running sequence (the convolution's last inputs and a
-row per channel) lives in one float32 tensor per layer `[slots, state_size]`, as Mamba-2's does (`layers.mamba2`:
-the same slots, prefix snapshots and copies).
+the time step's low-rank input, B and C (each RMS-normalised in Jamba, without a weight in Falcon Mamba), `dt_proj`
+lifts the time step to every channel; the scan (`ladle_kernels.mamba1`) with `A = -exp(A_log)` per channel and state
+entry, `dt = softplus(dt)` and the skip `D x`, then `y * silu(z)` and `out_proj`. Its state per running sequence (the
+convolution's last inputs and a row per channel) lives in one float32 tensor per layer `[slots, state_size]`, as
+Mamba-2's does (`layers.mamba2`: the same slots, prefix snapshots and copies).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
 from engine_server.layers.gated_deltanet import DepthwiseConv, advance_states
 from engine_server.layers.mamba2 import HeadSlice
-from engine_server.layers.norm import RMSNorm
+from engine_server.layers.norm import RMSNorm, WeightlessRMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
@@ -73,11 +73,12 @@ class Mamba1Mixer(nn.Module):
         self.dt_proj: nn.Module = ColumnParallelLinear(whole.dt_rank, [PartSlice(whole.inner, channels)], True, dtype)
         self.A_log = ChannelRows(channels, whole.state_dim, dtype)
         self.D = HeadSlice(channels, 1.0, dtype)
-        self.inner_norms = whole.inner_norms
-        if whole.inner_norms:
-            self.dt_layernorm = RMSNorm(whole.dt_rank, config.rms_norm_eps, dtype)
-            self.b_layernorm = RMSNorm(whole.state_dim, config.rms_norm_eps, dtype)
-            self.c_layernorm = RMSNorm(whole.state_dim, config.rms_norm_eps, dtype)
+        self.inner_norms = whole.inner_norms != "none"
+        if self.inner_norms:
+            norm = WeightlessRMSNorm if whole.inner_norms == "weightless" else RMSNorm
+            self.dt_layernorm = norm(whole.dt_rank, whole.inner_norm_eps, dtype)
+            self.b_layernorm = norm(whole.state_dim, whole.inner_norm_eps, dtype)
+            self.c_layernorm = norm(whole.state_dim, whole.inner_norm_eps, dtype)
         self.out_proj: nn.Module = RowParallelLinear(whole.inner, config.hidden_size, False, tp, dtype)
 
     def forward(

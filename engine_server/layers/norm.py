@@ -36,6 +36,16 @@ class RMSNorm(nn.Module):
         return out, new_residual
 
 
+class WeightlessRMSNorm(RMSNorm):
+    """`x / rms(x)`: RMSNorm without a weight (Falcon Mamba's on its time step, B and C). Its `weight` is a buffer of
+    ones (what `ops.rms_norm` multiplies by), not a parameter: nothing is loaded."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("weight", torch.ones(size, dtype=dtype), persistent=False)
+        self.eps = eps
+
+
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a whole projection whose heads are split over the tensor-parallel ranks (OLMoE's, OLMo 2's and
     MiniMax-M2's q/k norms, over all of q or all of k at once): each rank holds `kept`, its heads' columns of the

@@ -35,11 +35,17 @@ class NemotronHForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)
-        self.block_places: dict[int, tuple[int, bool]] = {}  # block -> (layer, whether it is the layer's mixer)
+        self.block_places = self.blocks_in_layers(config)
+
+    @staticmethod
+    def blocks_in_layers(config: ModelConfig) -> dict[int, tuple[int, bool]]:
+        """Each checkpoint block's layer, and whether it is that layer's mixer (else its MLP)."""
+        places: dict[int, tuple[int, bool]] = {}
         for layer, (mixer, mlp) in enumerate(nemotron_blocks(config.block_pattern)):
-            self.block_places[mixer] = (layer, True)
+            places[mixer] = (layer, True)
             if mlp is not None:
-                self.block_places[mlp] = (layer, False)
+                places[mlp] = (layer, False)
+        return places
 
     def checkpoint_name(self, name: str) -> str:
         """A block's tensor under its layer's name: its norm as the input norm (a mixer's) or the post-attention one

@@ -8,6 +8,7 @@ weight (`q`, `k`, `v`, `gate`, `up`), in the order the unsharded layers lay the 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -112,11 +113,13 @@ def gate_up_slices(intermediate_size: int, size: int, rank: int) -> tuple[PartSl
 
 
 def check_shardable(
-    num_attention_heads: int, num_kv_heads: int, mlp_widths: dict[str, int], size: int
+    query_heads: Collection[int], num_kv_heads: int, mlp_widths: dict[str, int], size: int
 ) -> None:
-    """ValueError (naming the numbers) unless a model of these sizes splits over `size` ranks: its heads, and the
+    """ValueError (naming the numbers) unless a model of these sizes splits over `size` ranks: its attention layers'
+    query heads (each count its layers have beside `num_kv_heads`; none in a model of states alone), and the
     intermediate width of each kind of MLP it has (`ModelConfig.mlp_widths`: dense, experts, shared expert)."""
-    qkv_slices(num_attention_heads, num_kv_heads, 1, size, 0)
+    for num_attention_heads in query_heads:
+        qkv_slices(num_attention_heads, num_kv_heads, 1, size, 0)
     for name, width in mlp_widths.items():
         split_evenly(width, size, name)
 

@@ -1,7 +1,7 @@
 """Each newer family served from a folder transformers saved (the mixtures of experts Qwen3-MoE, Qwen2-MoE and
 Mixtral, Gemma 4, Gemma 3 and Gemma 2 with their sliding windows and soft-caps, windowed Mistral, Phi-3 with partial
-rotary and LongRoPE): `ladle engine --model FOLDER --quantization none` behind `ladle gateway`, through the official
-openai SDK, greedy as transformers decodes."""
+rotary and LongRoPE, Mamba with no attention at all): `ladle engine --model FOLDER --quantization none` behind
+`ladle gateway`, through the official openai SDK, greedy as transformers decodes."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.unit.test_family_engines import NUM_TOKENS, prompts, reference_tokens
 FAMILY_ARCHITECTURES = {
     "qwen3-moe": "qwen3_moe", "qwen2-moe": "qwen2_moe", "mixtral": "mixtral", "gemma3": "gemma3", "gemma2": "gemma2",
     "mistral-window": "llama", "phi3-longrope": "phi3", "olmoe": "olmoe", "gemma4": "gemma4", "llama4": "llama4",
+    "mamba": "mamba",
 }  # fmt: skip
 
 

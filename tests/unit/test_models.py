@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import pytest
@@ -15,6 +15,7 @@ import transformers
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from engine_server.config import HyperConnections, LongRope
 from engine_server.hf_config import model_config_from_hf
+from engine_server.hf_mamba import MAX_POSITIONS
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import ShardedRMSNorm
 from engine_server.models import CausalLM, get_model_class
@@ -314,6 +315,18 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         transformers.JambaConfig,
         {"attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2,
          "mamba_d_state": 8, "mamba_dt_rank": 8, "num_hidden_layers": 4, "pad_token_id": 0},
+    ),
+    # State space models alone (every layer a mixer, no attention, no MLP): Mamba's Mamba-1 (128 channels, an 8-wide
+    # state), Falcon Mamba's with its time step, B and C RMS-normalised without a weight, Mamba-2 (8 heads 16 wide in 2
+    # groups, a 16-wide state, its output normalised per group).
+    "mamba": (transformers.MambaConfig, {"state_size": 8, "time_step_rank": 8, "pad_token_id": 0}),
+    "falcon-mamba": (
+        transformers.FalconMambaConfig,
+        {"state_size": 8, "time_step_rank": 8, "mixer_rms_eps": 1e-5, "pad_token_id": 0},
+    ),
+    "mamba2": (
+        transformers.Mamba2Config,
+        {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "chunk_size": 16, "pad_token_id": 0},
     ),
     # Cohere2-MoE (Command A+): Command A's parallel block and windows (rope on windowed layers, and on its dense
     # first layer, global), over top-2 of 4 experts (softmax over the top-2 logits) beside a shared expert, the two
@@ -784,6 +797,9 @@ MODEL_CLASSES = {
     transformers.GraniteMoeSWAConfig: transformers.GraniteMoeSWAForCausalLM,
     transformers.Cohere2MoeConfig: transformers.Cohere2MoeForCausalLM,
     transformers.JambaConfig: transformers.JambaForCausalLM,
+    transformers.MambaConfig: transformers.MambaForCausalLM,
+    transformers.FalconMambaConfig: transformers.FalconMambaForCausalLM,
+    transformers.Mamba2Config: transformers.Mamba2ForCausalLM,
     transformers.MiMoV2FlashConfig: transformers.MiMoV2FlashForCausalLM,
     transformers.Lfm3Config: transformers.Lfm3ForCausalLM,
     transformers.HYV3Config: transformers.HYV3ForCausalLM,
@@ -1571,6 +1587,45 @@ def test_jamba_configs_read_their_layers_as_transformers_builds_them() -> None:
                              ({"layers_block_type": ["mamba"] * 32}, "Mamba layers only")):  # fmt: skip
         with pytest.raises(ValueError, match=refusal):
             model_config_from_hf({**raw, **changed})
+
+
+def test_state_space_configs_read_as_transformers_builds_them_and_refuse_what_is_not_built() -> None:
+    """Mamba's default config (mamba-130m's shape: 24 layers of 1,536 channels, a rank-48 time step, 16-wide states,
+    embeddings tied), Falcon Mamba's (its time step, B and C normalised without a weight at `mixer_rms_eps`) and
+    Mamba-2's (Mamba-Codestral's shape: 128 heads 64 wide in 8 groups of 128-wide states): every layer a mixer, none
+    attending or with an MLP, no K/V; no position limit of their own (`MAX_POSITIONS`, or the config's). Mamba's
+    inner width is its `intermediate_size` where given, its time step's rank hidden / 16 where "auto". Refused by
+    name: biases on the projections, another activation, a clamped time step, Mamba-2 heads not `expand` times the
+    stream wide."""
+    mamba = model_config_from_hf(transformers.MambaConfig(hidden_size=768, num_hidden_layers=24).to_dict())
+    assert mamba.architecture == "mamba" and mamba.mamba1 is not None and mamba.mamba2 is None
+    shape = mamba.mamba1
+    assert (shape.inner, shape.dt_rank, shape.state_dim, shape.conv_kernel, shape.conv_bias) == (1536, 48, 16, 4, True)
+    assert shape.inner_norms == "none" and shape.layers == tuple(range(24)) == mamba.mlp_free_layers
+    assert mamba.attention_layers == 0 and mamba.tie_word_embeddings and mamba.rms_norm_eps == 1e-5
+    assert mamba.max_position_embeddings == MAX_POSITIONS and mamba.mlp_widths == {}
+    raw = {**transformers.MambaConfig(hidden_size=64, num_hidden_layers=2).to_dict(), "intermediate_size": 96}
+    assert model_config_from_hf({**raw, "max_position_embeddings": 4096}).max_position_embeddings == 4096
+    assert model_config_from_hf(raw).mamba1 == replace(shape, inner=96, dt_rank=4, layers=(0, 1))
+    falcon = model_config_from_hf(transformers.FalconMambaConfig(hidden_size=64, mixer_rms_eps=1e-5).to_dict())
+    assert falcon.mamba1 is not None
+    assert (falcon.mamba1.inner_norms, falcon.mamba1.inner_norm_eps) == ("weightless", 1e-5)
+    codestral = transformers.Mamba2Config(num_hidden_layers=64).to_dict()
+    mamba2 = model_config_from_hf(codestral)
+    assert mamba2.architecture == "mamba" and mamba2.mamba2 is not None and mamba2.mamba1 is None
+    heads = mamba2.mamba2
+    assert (heads.num_heads, heads.head_dim, heads.groups, heads.state_dim, heads.gated_norm) == (128, 64, 8, 128, True)
+    assert heads.layers == tuple(range(64)) and mamba2.attention_layers == 0
+    for limit in ([0.0, math.inf], [0.0, {"__float__": "Infinity"}]):  # as transformers 5 writes infinity
+        assert model_config_from_hf({**codestral, "time_step_limit": limit}) == mamba2
+    for config, refusal in (
+        ({**raw, "use_bias": True}, "mamba with use_bias"),
+        ({**raw, "hidden_act": "gelu"}, "mamba hidden_act 'gelu' is not supported"),
+        ({**codestral, "time_step_limit": [0.001, 0.1]}, r"mamba2 with time_step_limit \[0.001, 0.1\]"),
+        ({**codestral, "num_heads": 64}, "mamba2 of 64 heads 64 wide is not expand"),
+    ):
+        with pytest.raises(ValueError, match=refusal):
+            model_config_from_hf(config)
 
 
 def test_falcon_h1_configs_read_their_layers_and_multipliers_and_refuse_what_is_not_built() -> None:
