@@ -24,7 +24,8 @@
   tensor's scalar tail; these kernels' depend on its index within its row alone, so a sequence's output does not
   depend on its batch or its chunking (bit for bit). Mamba-2's core (`ladle_kernels/cpu/mamba2.cpp`, Granite 4.0's
   hybrids) likewise: the convolution with its bias, every token's scan step against its head's state, the gated
-  norm over each group.
+  norm over each group; and Mamba-1's scan (`ladle_kernels/cpu/mamba1.cpp`: Jamba, Mamba, Falcon Mamba), every
+  token's step against its channels' rows, gated.
 - LoRA's shrink and expand over rows of many adapters (`ladle_kernels/cpu/lora.cpp`): the rows grouped by slot in the
   kernel and each slot's rows one small GEMM against its weight, where the reference syncs and gathers per slot;
   each output element summed by fused multiply-adds in one fixed order, so a row's result does not depend on its
@@ -79,6 +80,7 @@ _SOURCES = (
     "lora.cpp",
     "gated_delta.cpp",
     "mamba2.cpp",
+    "mamba1.cpp",
 )
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 HEAD_DIMS = (16, 32, 64, 128, 256, 512, 576)  # the head dims the kernel is instantiated for
@@ -333,6 +335,31 @@ def mamba2_mixer(
     return out
 
 
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    z: torch.Tensor,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """`reference.mamba1_scan`'s contract on the C++ kernel (float32 rows; anything else on the reference)."""
+    if not all(t.dtype == torch.float32 for t in (x, dt, a, b, c, d, z, states)) or not all(
+        _rows(t) for t in (x, dt, b, c, z, states)
+    ):
+        return reference.mamba1_scan(x, dt, a, b, c, d, z, states, slots, query_lens, fresh)
+    out: torch.Tensor = torch.ops.ladle_cpu.mamba1_scan(
+        x, dt, a.contiguous(), b, c, d.contiguous(), z, states, torch.tensor(slots, dtype=torch.int64),
+        torch.tensor(query_lens, dtype=torch.int64), torch.tensor(fresh, dtype=torch.bool),
+    )  # fmt: skip
+    return out
+
+
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """`reference.sigmoid_mul`'s contract; one pass per row for float32 `[rows, n]` inputs of one shape."""
     if not (_rows(x) and _rows(gate) and x.shape == gate.shape):
@@ -372,6 +399,7 @@ def cpu_ops() -> KernelOps | None:
         gated_delta_net=gated_delta_net,
         sigmoid_mul=sigmoid_mul,
         mamba2_mixer=mamba2_mixer,
+        mamba1_scan=mamba1_scan,
     )
 
 

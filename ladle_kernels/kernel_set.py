@@ -42,6 +42,8 @@ class KernelOps:
     short_convolution: Callable[..., torch.Tensor] = reference.short_convolution
     # Granite 4.0's hybrids: a Mamba-2 layer's core over a step's sequences (`mamba2.mamba2_mixer`).
     mamba2_mixer: Callable[..., torch.Tensor] = reference.mamba2_mixer
+    # Jamba, Mamba and Falcon Mamba: a Mamba-1 layer's scan over a step's sequences, gated (`mamba1.mamba1_scan`).
+    mamba1_scan: Callable[..., torch.Tensor] = reference.mamba1_scan
 
 
 REFERENCE_OPS = KernelOps(

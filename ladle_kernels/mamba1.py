@@ -9,7 +9,8 @@ entry) and the token's `B_t`, `C_t` (`[N]`, shared by every channel):
     h[e] = exp(dt_t[e] A[e]) * h[e] + dt_t[e] x_t[e] B_t;   y_t[e] = h[e] . C_t + D[e] x_t[e]
 
 `selective_scan` runs a step's sequences through it: each prefill chunk token by token (`scan_chunk`), the one-token
-rows together (`scan_rows`); both leave the same state to float rounding.
+rows together (`scan_rows`); both leave the same state to float rounding. `mamba1_scan`, the kernel sets' op (the C++
+one: `ladle_kernels/cpu/mamba1.cpp`), adds the skip `D x` and the gate `silu(z)`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ladle_kernels.causal_conv import advance_sequences
 
@@ -81,3 +83,25 @@ def selective_scan(
         out, states, slots, query_lens, fresh,
         lambda span, state: scan_chunk(x[span], dt[span], a, b[span], c[span], state), rows,
     )  # fmt: skip
+
+
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    z: torch.Tensor,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """A Mamba-1 layer's scan over one step, gated: x, dt (after softplus) and the gate z `[T, E]`, A `[E, N]`, B and
+    C `[T, N]`, D `[E]`; sequence i's `query_lens[i]` tokens follow each other in that order and its rows are row
+    `slots[i]` of `states` (`[slots, E * N]` float32, the channels' rows one after another; zeroed first where
+    `fresh[i]`, advanced in place). Returns `(scan + D x) * silu(z)`, `[T, E]` in x's dtype."""
+    rows = states.view(states.shape[0], x.shape[1], a.shape[1])
+    y = selective_scan(x, dt, a, b, c, rows, slots, query_lens, fresh) + d.float() * x.float()
+    return (y * F.silu(z.float())).to(x.dtype)

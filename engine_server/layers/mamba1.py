@@ -25,7 +25,6 @@ from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear
 from engine_server.parallel.sharding import PartSlice
 from ladle_kernels.causal_conv import convolve
 from ladle_kernels.kernel_set import KernelOps
-from ladle_kernels.mamba1 import selective_scan
 
 
 class ChannelRows(nn.Module):
@@ -107,7 +106,7 @@ class Mamba1Mixer(nn.Module):
         taps = self.conv1d.weight.shape[-1]
         conv_size = (taps - 1) * self.inner
         conv_states = state[:, :conv_size].view(-1, taps - 1, self.inner)
-        rows = state[:, conv_size:].view(-1, self.inner, self.sizes[1])
+        rows = state[:, conv_size:]
         lens = meta.query_lens_cpu
         convolved = convolve(x, self.conv1d.weight.reshape(self.inner, taps), conv_states, slots, lens, fresh, False)
         bias = self.conv1d.bias
@@ -117,6 +116,4 @@ class Mamba1Mixer(nn.Module):
             step, b, c = self.dt_layernorm(step, ops), self.b_layernorm(b, ops), self.c_layernorm(c, ops)
         dt = F.softplus(self.dt_proj(step).float())
         a = -self.A_log.weight.float().exp()
-        y = selective_scan(convolved, dt, a, b, c, rows, slots, lens, fresh)
-        y = y + self.D.weight.float() * convolved.float()
-        return (y * F.silu(z.float())).to(x.dtype)
+        return ops.mamba1_scan(convolved, dt, a, b, c, self.D.weight, z, rows, slots, lens, fresh).to(x.dtype)
