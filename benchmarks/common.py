@@ -88,13 +88,16 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine_server.loader import resolve_model
+    from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, STATE_SPACE_HF_CONFIGS
 
     source = resolve_model(model)
     cfg = source.config
     if cfg.linear_attention is not None:
         return _hybrid_hf_model(source, device, dtype)
     if cfg.gemma4 is not None:
-        return _gemma4_hf_model(source, device, dtype)
+        return _preset_hf_model(source, device, dtype, GEMMA4_HF_CONFIGS)
+    if cfg.architecture == "mamba":
+        return _preset_hf_model(source, device, dtype, STATE_SPACE_HF_CONFIGS)
     hf_config = AutoConfig.for_model(
         cfg.architecture,
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -125,16 +128,15 @@ def _folder_hf_model(source: Any, device: str, dtype: Any) -> Any:
         return loaded.to(device).eval()
 
 
-def _gemma4_hf_model(source: Any, device: str, dtype: Any) -> Any:
-    """transformers' Gemma 4: a folder's own, or a `dummy:` preset's weights in the `Gemma4TextConfig` the preset was
-    made from (`loader.dummy.GEMMA4_HF_CONFIGS`)."""
+def _preset_hf_model(source: Any, device: str, dtype: Any, configs: dict[str, dict[str, object]]) -> Any:
+    """transformers' model of a family whose presets are its own config's arguments (Gemma 4's, the state space
+    models'): a folder's own, or a `dummy:` preset's weights in the config the preset was made from (`configs`, by
+    preset name: `loader.dummy.GEMMA4_HF_CONFIGS`, `loader.dummy.STATE_SPACE_HF_CONFIGS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine_server.loader.dummy import GEMMA4_HF_CONFIGS
 
     if not source.random_weights:
         return _folder_hf_model(source, device, dtype)
-    arguments = dict(GEMMA4_HF_CONFIGS[source.config.name.removeprefix("dummy:")])
+    arguments = dict(configs[source.config.name.removeprefix("dummy:")])
     hf_config = AutoConfig.for_model(str(arguments.pop("model_type")), **arguments)
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(dict(source.weights()), strict=False)

@@ -24,8 +24,8 @@
   tensor's scalar tail; these kernels' depend on its index within its row alone, so a sequence's output does not
   depend on its batch or its chunking (bit for bit). Mamba-2's core (`ladle_kernels/cpu/mamba2.cpp`, Granite 4.0's
   hybrids) likewise: the convolution with its bias, every token's scan step against its head's state, the gated
-  norm over each group; and Mamba-1's scan (`ladle_kernels/cpu/mamba1.cpp`: Jamba, Mamba, Falcon Mamba), every
-  token's step against its channels' rows, gated.
+  norm over each group; and Mamba-1's convolution and scan (`ladle_kernels/cpu/mamba1.cpp`: Jamba, Mamba, Falcon
+  Mamba), every token's step against its channels' rows, gated.
 - LoRA's shrink and expand over rows of many adapters (`ladle_kernels/cpu/lora.cpp`): the rows grouped by slot in the
   kernel and each slot's rows one small GEMM against its weight, where the reference syncs and gathers per slot;
   each output element summed by fused multiply-adds in one fixed order, so a row's result does not depend on its
@@ -335,6 +335,27 @@ def mamba2_mixer(
     return out
 
 
+def mamba1_conv(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """`reference.mamba1_conv`'s contract on the C++ kernel (float32 rows; anything else on the reference)."""
+    weights = (conv_weight,) if conv_bias is None else (conv_weight, conv_bias)
+    if not all(t.dtype == torch.float32 for t in (x, states, *weights)) or not (_rows(x) and _rows(states)):
+        return reference.mamba1_conv(x, conv_weight, conv_bias, states, slots, query_lens, fresh)
+    out: torch.Tensor = torch.ops.ladle_cpu.mamba1_conv(
+        x, conv_weight.contiguous(), None if conv_bias is None else conv_bias.contiguous(), states,
+        torch.tensor(slots, dtype=torch.int64), torch.tensor(query_lens, dtype=torch.int64),
+        torch.tensor(fresh, dtype=torch.bool),
+    )  # fmt: skip
+    return out
+
+
 def mamba1_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -399,6 +420,7 @@ def cpu_ops() -> KernelOps | None:
         gated_delta_net=gated_delta_net,
         sigmoid_mul=sigmoid_mul,
         mamba2_mixer=mamba2_mixer,
+        mamba1_conv=mamba1_conv,
         mamba1_scan=mamba1_scan,
     )
 

@@ -23,7 +23,6 @@ from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear, read_whole
 from engine_server.parallel.sharding import PartSlice
-from ladle_kernels.causal_conv import convolve
 from ladle_kernels.kernel_set import KernelOps
 
 
@@ -103,14 +102,9 @@ class Mamba1Mixer(nn.Module):
         meta: AttentionMetadata, ops: KernelOps,
     ) -> torch.Tensor:  # fmt: skip
         """The convolution, the projections of the time step, B and C, and the scan, gated: `[T, inner]`."""
-        taps = self.conv1d.weight.shape[-1]
-        conv_size = (taps - 1) * self.inner
-        conv_states = state[:, :conv_size].view(-1, taps - 1, self.inner)
-        rows = state[:, conv_size:]
+        rows = state[:, (self.conv1d.weight.shape[-1] - 1) * self.inner :]
         lens = meta.query_lens_cpu
-        convolved = convolve(x, self.conv1d.weight.reshape(self.inner, taps), conv_states, slots, lens, fresh, False)
-        bias = self.conv1d.bias
-        convolved = F.silu(convolved if bias is None else convolved + bias)
+        convolved = ops.mamba1_conv(x, self.conv1d.weight, self.conv1d.bias, state, slots, lens, fresh)
         step, b, c = self.tp.all_reduce_sum(self.x_proj(convolved)).split(self.sizes, dim=-1)
         if self.inner_norms:
             step, b, c = self.dt_layernorm(step, ops), self.b_layernorm(b, ops), self.c_layernorm(c, ops)

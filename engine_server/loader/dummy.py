@@ -46,6 +46,26 @@ GEMMA4_HF_CONFIGS: dict[str, dict[str, object]] = {
         "vocab_size_per_layer_input": 49152, "max_position_embeddings": 32768,
     },
 }  # fmt: skip
+# The state space models alone (`hf_mamba`) as transformers' config arguments (the peer is built from them): a
+# test's Mamba and Mamba-2 (`mamba-tiny`, `mamba2-tiny`), mamba-130m's and mamba2-130m's shapes (the CPU benchmark's,
+# over this tokenizer's vocabulary), Falcon Mamba 7B's and Mamba-Codestral 7B's (the GPU's: 64 layers 4,096 wide,
+# their own vocabularies).
+STATE_SPACE_HF_CONFIGS: dict[str, dict[str, object]] = {
+    "mamba-tiny": {"model_type": "mamba", "vocab_size": 49152, "hidden_size": 64, "num_hidden_layers": 3,
+                   "state_size": 8, "time_step_rank": 32, "tie_word_embeddings": True},
+    "mamba2-tiny": {"model_type": "mamba2", "vocab_size": 49152, "hidden_size": 64, "num_hidden_layers": 3,
+                    "num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 2, "tie_word_embeddings": True},
+    "mamba-130m": {"model_type": "mamba", "vocab_size": 49152, "hidden_size": 768, "num_hidden_layers": 24,
+                   "state_size": 16, "tie_word_embeddings": True},
+    "mamba2-130m": {"model_type": "mamba2", "vocab_size": 49152, "hidden_size": 768, "num_hidden_layers": 24,
+                    "num_heads": 24, "head_dim": 64, "state_size": 128, "n_groups": 1, "tie_word_embeddings": True},
+    "falcon-mamba-7b": {"model_type": "falcon_mamba", "vocab_size": 65024, "hidden_size": 4096,
+                        "num_hidden_layers": 64, "state_size": 16, "time_step_rank": 256, "mixer_rms_eps": 1e-6,
+                        "tie_word_embeddings": False},
+    "mamba-codestral-7b": {"model_type": "mamba2", "vocab_size": 32768, "hidden_size": 4096, "num_hidden_layers": 64,
+                           "num_heads": 128, "head_dim": 64, "state_size": 128, "n_groups": 8,
+                           "tie_word_embeddings": False},
+}  # fmt: skip
 
 DUMMY_PRESETS: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
@@ -221,7 +241,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     **{
         preset: replace(model_config_from_hf(hf), bos_token_id=_BOS, eos_token_ids=(_EOS,),
                         name=f"dummy:{preset}")
-        for preset, hf in GEMMA4_HF_CONFIGS.items()
+        for preset, hf in (GEMMA4_HF_CONFIGS | STATE_SPACE_HF_CONFIGS).items()
     },
 }  # fmt: skip
 

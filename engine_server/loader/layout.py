@@ -19,6 +19,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """
     if cfg.gemma4 is not None:
         return _gemma4_shapes(cfg)
+    if cfg.architecture == "mamba":
+        return _state_space_shapes(cfg)
     h, d = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
@@ -63,6 +65,42 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         shapes.update(_mlp_block_shapes(p, cfg, i))
     shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _state_space_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Mamba's, Falcon Mamba's and Mamba-2's parameters as their checkpoints name them (`models.mamba`): the
+    embeddings, each layer's norm and mixer (Mamba-1's `x_proj` and `dt_proj` with A per channel and entry, or
+    Mamba-2's A, `dt_bias` and D per head and its gated norm), the final norm, an untied LM head."""
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"backbone.embeddings.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_hidden_layers):
+        p, m = f"backbone.layers.{i}.", f"backbone.layers.{i}.mixer."
+        shapes[p + "norm.weight"] = (h,)
+        if cfg.mamba1 is not None:
+            one = cfg.mamba1
+            inner, kernel, bias = one.inner, one.conv_kernel, one.conv_bias
+            shapes.update({
+                m + "A_log": (inner, one.state_dim), m + "D": (inner,), m + "in_proj.weight": (2 * inner, h),
+                m + "x_proj.weight": (one.dt_rank + 2 * one.state_dim, inner),
+                m + "dt_proj.weight": (inner, one.dt_rank), m + "dt_proj.bias": (inner,),
+            })  # fmt: skip
+            channels = inner
+        else:
+            two = cfg.mamba2
+            assert two is not None
+            inner, kernel, bias, channels = two.inner, two.conv_kernel, two.conv_bias, two.conv_dim
+            shapes.update({
+                m + "dt_bias": (two.num_heads,), m + "A_log": (two.num_heads,), m + "D": (two.num_heads,),
+                m + "in_proj.weight": (inner + channels + two.num_heads, h), m + "norm.weight": (inner,),
+            })  # fmt: skip
+        shapes[m + "conv1d.weight"] = (channels, 1, kernel)
+        if bias:
+            shapes[m + "conv1d.bias"] = (channels,)
+        shapes[m + "out_proj.weight"] = (h, inner)
+    shapes["backbone.norm_f.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes

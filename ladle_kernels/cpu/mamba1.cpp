@@ -1,6 +1,6 @@
 // Mamba-1's selective scan (the mixer of Jamba's, Mamba's and Falcon Mamba's layers) over one step's sequences on the
 // CPU: the contract of ladle_kernels/mamba1.py's mamba1_scan, between the layer's convolution and projections and its
-// output projection. Each (sequence, block of channels) is a task whose N-wide rows stay in cache while its tokens
+// output projection; and its convolution before them (mamba1_conv: causal_conv.h's, with its bias, then SiLU). Each (sequence, block of channels) is a task whose N-wide rows stay in cache while its tokens
 // pass in order; per channel e of a token, with its time step dt[e] (after softplus) and A[e] = -exp(A_log[e]) [N]:
 //   h[e] = exp(dt[e] A[e]) h[e] + (dt[e] x[e]) B;  y[e] = (h[e] . C + D[e] x[e]) * silu(z[e])
 // as the reference runs a prefill chunk token by token too (its decays are per channel and entry: no chunked form).
@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "causal_conv.h"
 #include "ops.h"
@@ -26,9 +27,9 @@ namespace {
 
 using namespace ladle_cpu;
 
-// Channels a task takes: enough rows to keep a core busy between tokens, few enough that a decode step's rows spread
-// over every core.
-constexpr int64_t kChannelBlock = 32;
+// Channels a scan task takes: enough rows to keep a core busy between tokens, few enough that a decode step's rows
+// spread over every core (their rows, 64 x N floats, stay in L1).
+constexpr int64_t kScanBlock = 64;
 
 // One token over channels [begin, end): their rows of h [E, N] advance by it, y[e] gets its gated output.
 void scan_token(float* h, const float* a, const float* x, const float* dt, const float* z, const float* b,
@@ -75,7 +76,7 @@ at::Tensor mamba1_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tens
                   states.stride(1) == 1,
               "states must be float32 [slots, %lld] with a contiguous last dim", static_cast<long long>(channels * n));
   const StepSequences step = step_sequences(slots, query_lens, fresh, states, tokens);
-  const int64_t rows = step.rows(), blocks = (channels + kChannelBlock - 1) / kChannelBlock;
+  const int64_t rows = step.rows(), blocks = (channels + kScanBlock - 1) / kScanBlock;
   at::Tensor out = at::empty({tokens, channels}, x.options());
   float* out_ptr = out.data_ptr<float>();
   float* state_ptr = states.data_ptr<float>();
@@ -85,8 +86,8 @@ at::Tensor mamba1_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tens
   const float* d_ptr = d.data_ptr<float>();
   at::parallel_for(0, rows * blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t task = first; task < last; ++task) {
-      const int64_t row = task / blocks, begin = task % blocks * kChannelBlock;
-      const int64_t end = std::min(channels, begin + kChannelBlock);
+      const int64_t row = task / blocks, begin = task % blocks * kScanBlock;
+      const int64_t end = std::min(channels, begin + kScanBlock);
       float* h = state_ptr + step.slot[row] * slot_stride;
       if (step.fresh[row]) std::fill(h + begin * n, h + end * n, 0.f);
       for (int64_t t = step.starts[row]; t < step.starts[row + 1]; ++t) {
@@ -98,6 +99,23 @@ at::Tensor mamba1_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tens
   return out;
 }
 
+at::Tensor mamba1_conv(const at::Tensor& x, const at::Tensor& conv_weight, const std::optional<at::Tensor>& conv_bias,
+                       const at::Tensor& states, const at::Tensor& slots, const at::Tensor& query_lens,
+                       const at::Tensor& fresh) {
+  const int64_t tokens = x.size(0), channels = x.size(1);
+  check_rows(x, tokens, channels, "x");
+  const int64_t kernel = conv_weight.size(0) == channels ? conv_weight.numel() / channels : 0;
+  LADLE_CHECK(kernel >= 2, "conv_weight must be [channels, 1, K] with K >= 2");
+  check_vector(conv_weight, channels * kernel, "conv_weight");
+  if (conv_bias.has_value()) check_vector(*conv_bias, channels, "conv_bias");
+  LADLE_CHECK(states.dim() == 2 && states.size(1) >= (kernel - 1) * channels && states.scalar_type() == at::kFloat &&
+                  states.stride(1) == 1,
+              "states must be float32 [slots, %lld+]", static_cast<long long>((kernel - 1) * channels));
+  const StepSequences step = step_sequences(slots, query_lens, fresh, states, tokens);
+  return convolve_step(x, conv_weight, conv_bias.has_value() ? conv_bias->data_ptr<float>() : nullptr, kernel, states,
+                       step);
+}
+
 }  // namespace ladle_cpu
 
 TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
@@ -105,4 +123,8 @@ TORCH_LIBRARY_FRAGMENT(ladle_cpu, m) {
       "mamba1_scan(Tensor x, Tensor dt, Tensor a, Tensor b, Tensor c, Tensor d, Tensor z, Tensor(a!) states, "
       "Tensor slots, Tensor query_lens, Tensor fresh) -> Tensor");
   m.impl("mamba1_scan", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::mamba1_scan));
+  m.def(
+      "mamba1_conv(Tensor x, Tensor conv_weight, Tensor? conv_bias, Tensor(a!) states, Tensor slots, "
+      "Tensor query_lens, Tensor fresh) -> Tensor");
+  m.impl("mamba1_conv", c10::DispatchKey::CPU, TORCH_FN(ladle_cpu::mamba1_conv));
 }

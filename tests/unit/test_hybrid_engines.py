@@ -309,6 +309,14 @@ def test_a_dummy_hybrid_equals_transformers_holding_its_weights() -> None:
     assert_dummy_equals_transformers("qwen3.5-tiny", [prompt[:40] for prompt in prompts()[:3]])
 
 
+@pytest.mark.parametrize("preset", ["mamba-tiny", "mamba2-tiny"])
+def test_a_dummy_state_space_model_equals_transformers_holding_its_weights(preset: str) -> None:
+    """`dummy:mamba-tiny` and `dummy:mamba2-tiny`: seeded random weights in Mamba's and Mamba-2's checkpoint layout,
+    served by the engine, and the same weights in transformers' models of the preset's config (the benchmarks'
+    peer)."""
+    assert_dummy_equals_transformers(preset, [prompt[:40] for prompt in prompts()[:3]])
+
+
 def test_lora_adapters_on_a_hybrid_equal_peft(tmp_path: Path) -> None:
     """PEFT's adapter on every attention and MLP projection of a Qwen3.5 (q_proj's query and gate rows alike; the
     linear layers have none of q/k/v/o), beside the base model in one batch, equals PEFT's greedy output; an adapter

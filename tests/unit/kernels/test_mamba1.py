@@ -1,6 +1,6 @@
 """Mamba-1's selective scan (Jamba's, Mamba's and Falcon Mamba's mixer): the reference against transformers' own slow
-scan, and the C++ kernel (`ladle_kernels/cpu/mamba1.cpp`) against the reference, the same bits for a sequence alone,
-batched and prefilled in chunks of any size."""
+scan, and the C++ kernels (`ladle_kernels/cpu/mamba1.cpp`: the scan and the convolution before it) against the
+reference, the same bits for a sequence alone, batched and prefilled in chunks of any size."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle_kernels import cpu_ops as cpu
+from ladle_kernels.mamba1 import mamba1_conv as reference_conv
 from ladle_kernels.mamba1 import mamba1_scan as reference_scan
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
@@ -85,3 +86,36 @@ def test_the_cpu_kernel_equals_the_reference_and_is_batch_invariant(state: int) 
     # Fresh clears only its own rows: a slot left with another's state gives the same bits.
     assert torch.equal(inputs.run(cpu.mamba1_scan, spans[:1], [1], [True], states=torch.randn(4, CHANNELS * state)),
                        alone)  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_cpu_convolution_equals_the_reference_and_is_batch_invariant(bias: bool) -> None:
+    """The C++ convolution (4 taps over 40 channels, with and without a bias, then SiLU) equals the reference on a
+    step of a prefill, a decode row and another prefill, each history read from and left in the first values of its
+    slot's row (the scan's rows after them untouched); a sequence's output is the same bits alone, batched and in
+    chunks."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(TOKENS, 2 * CHANNELS, generator=gen)[:, :CHANNELS]  # strided rows, as split from in_proj
+    weight = torch.randn(CHANNELS, 1, 4, generator=gen) * 0.5
+    conv_bias = torch.randn(CHANNELS, generator=gen) if bias else None
+    spans, slots = [slice(0, 70), slice(70, 71), slice(71, TOKENS)], [2, 0, 3]
+
+    def run(op: Any, spans: list[slice], slots: list[int], fresh: list[bool], states: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = op(torch.cat([x[span] for span in spans]), weight, conv_bias, states, slots,
+                               [span.stop - span.start for span in spans], fresh)  # fmt: skip
+        return out
+
+    theirs, ours = torch.rand(4, 3 * CHANNELS + 5), torch.zeros(4, 3 * CHANNELS + 5)
+    ours.copy_(theirs)
+    expected = run(reference_conv, spans, slots, [False, True, False], theirs)
+    got = run(cpu.mamba1_conv, spans, slots, [False, True, False], ours)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours[:, 3 * CHANNELS :], theirs[:, 3 * CHANNELS :])
+    batched = run(cpu.mamba1_conv, spans, slots, [True] * 3, torch.rand(4, 3 * CHANNELS))
+    alone = run(cpu.mamba1_conv, spans[:1], [1], [True], torch.rand(4, 3 * CHANNELS))
+    shared = torch.zeros(4, 3 * CHANNELS)
+    steps = [run(cpu.mamba1_conv, [span], [1], [span.start == 0], shared)
+             for span in (slice(0, 30), slice(30, 31), slice(31, 70))]  # fmt: skip
+    assert torch.equal(batched[:70], alone) and torch.equal(torch.cat(steps), alone)
