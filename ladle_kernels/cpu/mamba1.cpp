@@ -32,22 +32,23 @@ using namespace ladle_cpu;
 constexpr int64_t kScanBlock = 64;
 
 // One token over channels [begin, end): their rows of h [E, N] advance by it, y[e] gets its gated output.
+// Its rows in 8-lane vectors (one AVX2 register each: 16-lane ones spill there), then the tail in order.
 void scan_token(float* h, const float* a, const float* x, const float* dt, const float* z, const float* b,
                 const float* c, const float* d, int64_t begin, int64_t end, int64_t n, float* y) {
-  const int64_t vector_end = n - n % kLanes;
+  const int64_t vector_end = n - n % kLanes8;
   for (int64_t e = begin; e < end; ++e) {
     float* row = h + e * n;
     const float* decay_rate = a + e * n;
     const float step = dt[e], pushed = step * x[e];
-    const vec16 step_v = splat(step), pushed_v = splat(pushed);
-    vec16 acc = {};
+    const vec8 step_v = vec8{} + step, pushed_v = vec8{} + pushed;
+    vec8 acc = {};
     int64_t j = 0;
-    for (; j < vector_end; j += kLanes) {
-      const vec16 next = load(row + j) * exp_lanes(step_v * load(decay_rate + j)) + pushed_v * load(b + j);
-      store(row + j, next);
-      acc = acc + next * load(c + j);
+    for (; j < vector_end; j += kLanes8) {
+      const vec8 next = load8(row + j) * exp_lanes8(step_v * load8(decay_rate + j)) + pushed_v * load8(b + j);
+      store8(row + j, next);
+      acc = acc + next * load8(c + j);
     }
-    float sum = hsum(acc);
+    float sum = hsum8(acc);
     for (; j < n; ++j) {
       row[j] = row[j] * std::exp(step * decay_rate[j]) + pushed * b[j];
       sum += row[j] * c[j];

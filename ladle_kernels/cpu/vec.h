@@ -80,30 +80,37 @@ inline float sum_of_squares(const float* x, int64_t n) {
 
 // exp(x) lane-wise, Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
 // 2^n put into the exponent bits. Relative error ~1e-7. Below -87.3 (where float's normal range ends) the
-// result is 0; above 88.7 it is clamped to e^88.7 (~3.4e38).
+// result is 0; above 88.7 it is clamped to e^88.7 (~3.4e38). `V` is a float vector, `IV` the int32 one of its
+// lanes: every lane's bits are the same whatever the width.
 // Always inlined: out of line, its vector argument and result go through memory.
-__attribute__((always_inline)) inline vec16 exp_lanes(vec16 x) {
-  const vec16 lo = splat(-87.3f), hi = splat(88.7f);
-  const ivec16 underflow = x < lo;
+template <typename V, typename IV>
+__attribute__((always_inline)) inline V exp_of_lanes(V x) {
+  const V lo = V{} + -87.3f, hi = V{} + 88.7f;
+  const IV underflow = x < lo;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  vec16 n = x * 1.44269504088896341f + 0.5f;
+  V n = x * 1.44269504088896341f + 0.5f;
   // floor(n) for n in (-126, 129): truncate towards zero, then step down where that rounded up.
-  vec16 t = __builtin_convertvector(__builtin_convertvector(n, ivec16), vec16);
+  V t = __builtin_convertvector(__builtin_convertvector(n, IV), V);
   n = t > n ? t - 1.f : t;
-  const vec16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  vec16 p = splat(1.9875691500e-4f);
+  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.f;
-  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-  vec16 scale;
+  const IV bits = (__builtin_convertvector(n, IV) + 127) << 23;
+  V scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  const vec16 result = p * scale;
-  return underflow ? splat(0.f) : result;
+  const V result = p * scale;
+  return underflow ? V{} : result;
 }
+
+__attribute__((always_inline)) inline vec16 exp_lanes(vec16 x) { return exp_of_lanes<vec16, ivec16>(x); }
+
+// exp_lanes over 8 lanes (one AVX2 register: loops that keep vectors live across iterations).
+__attribute__((always_inline)) inline vec8 exp_lanes8(vec8 x) { return exp_of_lanes<vec8, ivec8>(x); }
 
 }  // namespace ladle_cpu
