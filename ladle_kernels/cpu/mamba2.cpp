@@ -37,20 +37,20 @@ using namespace ladle_cpu;
 // 16 lanes of products, their tree (hsum), then the tail in order, for any N.
 void scan_step(float* s, const float* x, const float* b, const float* c, float dt, float decay, float d, int64_t p,
                int64_t n, float* y) {
-  const int64_t vector_end = n - n % kLanes;
-  const vec16 dv = splat(decay);
+  const int64_t vector_end = n - n % kLanes8;
+  const vec8 dv = vec8{} + decay;
   for (int64_t i = 0; i < p; ++i) {
     float* row = s + i * n;
     const float w = dt * x[i];
-    const vec16 wv = splat(w);
-    vec16 acc = {};
+    const vec8 wv = vec8{} + w;
+    vec8 acc = {};
     int64_t j = 0;
-    for (; j < vector_end; j += kLanes) {
-      const vec16 next = load(row + j) * dv + wv * load(b + j);
-      store(row + j, next);
-      acc = acc + next * load(c + j);
+    for (; j < vector_end; j += kLanes8) {
+      const vec8 next = load8(row + j) * dv + wv * load8(b + j);
+      store8(row + j, next);
+      acc = acc + next * load8(c + j);
     }
-    float sum = hsum(acc);
+    float sum = hsum8(acc);
     for (; j < n; ++j) {
       row[j] = row[j] * decay + w * b[j];
       sum += row[j] * c[j];
