@@ -67,11 +67,12 @@ def mamba_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     layers = tuple(range(int(cfg["num_hidden_layers"])))
     hidden = int(cfg["hidden_size"])
-    conv = {"conv_kernel": int(cfg.get("conv_kernel") or 4), "conv_bias": bool(cfg.get("use_conv_bias", True))}
+    kernel, conv_bias = int(cfg.get("conv_kernel") or 4), bool(cfg.get("use_conv_bias", True))
     if model_type == "mamba2":
         mixer: dict[str, Mamba1 | Mamba2] = {"mamba2": Mamba2(
             num_heads=int(cfg["mamba_num_heads"]), head_dim=int(cfg["mamba_head_dim"]),
-            state_dim=int(cfg.get("state_size") or 128), groups=int(cfg.get("n_groups") or 8), layers=layers, **conv,
+            state_dim=int(cfg.get("state_size") or 128), groups=int(cfg.get("n_groups") or 8), conv_kernel=kernel,
+            conv_bias=conv_bias, layers=layers,
         )}  # fmt: skip
     else:
         rank = cfg.get("time_step_rank") or "auto"
@@ -80,6 +81,6 @@ def mamba_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             inner=int(cfg["mamba_inner"]), state_dim=int(cfg.get("state_size") or 16),
             dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank), layers=layers,
             inner_norms="weightless" if falcon else "none",
-            inner_norm_eps=float(cfg.get("mixer_rms_eps") or 1e-6), **conv,
+            inner_norm_eps=float(cfg.get("mixer_rms_eps") or 1e-6), conv_kernel=kernel, conv_bias=conv_bias,
         )}  # fmt: skip
     return {**mixer, "mlp_free_layers": layers}

@@ -13,7 +13,7 @@ class MambaForCausalLM(NemotronHForCausalLM):
     layer, each a mixer: its norm read as the input norm, `mixer.` as `self_attn.`, `A_log`, `D` and Mamba-2's
     `dt_bias` as the mixer's per-channel or per-head tensors."""
 
-    ignored_prefixes = ()
+    ignored_prefixes: tuple[str, ...] = ()
 
     @staticmethod
     def blocks_in_layers(config: ModelConfig) -> dict[int, tuple[int, bool]]:

@@ -31,7 +31,7 @@ class NemotronHForCausalLM(CausalLM):
     mixture of ungated relu² experts beside a shared expert, routed as DeepSeek-V3 (`mixer.gate`); its
     multi-token-prediction layers (`mtp.`) are not read, as transformers reads none."""
 
-    ignored_prefixes = ("mtp.",)
+    ignored_prefixes: tuple[str, ...] = ("mtp.",)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, dtype, tp)
