@@ -45,41 +45,54 @@ inline float inverse_norm(const float* x, int64_t n) {
   return 1.f / std::sqrt(sum + 1e-6f);
 }
 
-constexpr int64_t kMaxVectors = 16;  // value dims up to 256 take the vector path (its sums kept in registers)
+// 8-lane vectors of sums one stripe of `rule_step` keeps in registers (more spill on AVX2).
+constexpr int64_t kStripeVectors = 4;
 
-// One token of the rule against one head's state s [Dk, Dv] (Dv = NV * 16): S *= decay (row i by decay[i]);
-// recalled = k S; S += k^T (beta (v - recalled)); o = q S. The recalled values and the output stay in registers
-// across the rows of S.
-// Each element's products and sums are those of `rule_step_scalar`, in the same order: the same bits.
+// One stripe of `rule_step`: the columns [column, column + NV * 8) of the state.
 template <int64_t NV>
-void rule_step(float* s, const float* qn, const float* kn, const float* v, const float* decay, float beta, int64_t dk,
-               float* o) {
-  vec16 acc[NV];
-  for (int64_t n = 0; n < NV; ++n) acc[n] = vec16{};
-  for (int64_t i = 0; i < dk; ++i) {  // decay the state and recall k's value, in one pass
-    float* row = s + i * NV * kLanes;
-    const vec16 ki = splat(kn[i]), d = splat(decay[i]);
+void rule_stripe(float* s, const float* qn, const float* kn, const float* v, const float* decay, vec8 beta_v,
+                 int64_t dk, int64_t dv, int64_t column, float* o) {
+  vec8 acc[NV];
+  for (int64_t n = 0; n < NV; ++n) acc[n] = vec8{};
+  for (int64_t i = 0; i < dk; ++i) {  // decay the stripe and recall k's value, in one pass
+    float* row = s + i * dv + column;
+    const vec8 ki = vec8{} + kn[i], d = vec8{} + decay[i];
     for (int64_t n = 0; n < NV; ++n) {
-      const vec16 x = load(row + n * kLanes) * d;
-      store(row + n * kLanes, x);
+      const vec8 x = load8(row + n * kLanes8) * d;
+      store8(row + n * kLanes8, x);
       acc[n] = acc[n] + x * ki;
     }
   }
-  vec16 delta[NV];
+  vec8 delta[NV];
   for (int64_t n = 0; n < NV; ++n) {
-    delta[n] = (load(v + n * kLanes) - acc[n]) * splat(beta);
-    acc[n] = vec16{};
+    delta[n] = (load8(v + column + n * kLanes8) - acc[n]) * beta_v;
+    acc[n] = vec8{};
   }
   for (int64_t i = 0; i < dk; ++i) {  // write the correction and read q's output, in one pass
-    float* row = s + i * NV * kLanes;
-    const vec16 ki = splat(kn[i]), qi = splat(qn[i]);
+    float* row = s + i * dv + column;
+    const vec8 ki = vec8{} + kn[i], qi = vec8{} + qn[i];
     for (int64_t n = 0; n < NV; ++n) {
-      const vec16 x = load(row + n * kLanes) + ki * delta[n];
-      store(row + n * kLanes, x);
+      const vec8 x = load8(row + n * kLanes8) + ki * delta[n];
+      store8(row + n * kLanes8, x);
       acc[n] = acc[n] + x * qi;
     }
   }
-  for (int64_t n = 0; n < NV; ++n) store(o + n * kLanes, acc[n]);
+  for (int64_t n = 0; n < NV; ++n) store8(o + column + n * kLanes8, acc[n]);
+}
+
+// One token of the rule against one head's state s [Dk, Dv] (Dv a multiple of 8): S *= decay (row i by decay[i]);
+// recalled = k S; S += k^T (beta (v - recalled)); o = q S. A column's recalled value depends on that column alone,
+// so the state goes a stripe of columns at a time (`rule_stripe`), its recalled values and output in registers
+// across the rows of S. Each element's products and sums are those of `rule_step_scalar`, in the same order: the
+// same bits.
+void rule_step(float* s, const float* qn, const float* kn, const float* v, const float* decay, float beta, int64_t dk,
+               int64_t dv, float* o) {
+  const vec8 beta_v = vec8{} + beta;
+  for (int64_t column = 0; column < dv; column += kStripeVectors * kLanes8) {
+    with_count<kStripeVectors>(std::min(kStripeVectors, (dv - column) / kLanes8), [&](auto vectors) {
+      rule_stripe<decltype(vectors)::value>(s, qn, kn, v, decay, beta_v, dk, dv, column, o);
+    });
+  }
 }
 
 // `rule_step` for any Dv, element by element (`recalled` and `delta`: Dv floats of scratch).
@@ -187,10 +200,8 @@ at::Tensor gated_delta_net(const at::Tensor& mixed, const at::Tensor& z, const a
         if (decays == 1) std::fill(decay.begin() + 1, decay.end(), decay[0]);
         const float beta = fbeta_scale / (1.f + std::exp(-b_ptr[t * b.stride(0) + head]));
         float* o = core_ptr + t * value_heads * dv + head * dv;
-        if (dv % kLanes == 0 && dv / kLanes <= kMaxVectors) {
-          with_count<kMaxVectors>(dv / kLanes, [&](auto vectors) {
-            rule_step<decltype(vectors)::value>(s, qn.data(), kn.data(), vt, decay.data(), beta, dk, o);
-          });
+        if (dv % kLanes8 == 0) {
+          rule_step(s, qn.data(), kn.data(), vt, decay.data(), beta, dk, dv, o);
         } else {
           rule_step_scalar(s, qn.data(), kn.data(), vt, decay.data(), beta, dk, dv, recalled.data(), delta.data(), o);
         }

@@ -148,12 +148,13 @@ def test_the_convolution_is_a_causal_conv1d_carrying_its_state() -> None:
 @needs_kernels
 @pytest.mark.parametrize(("dk", "dv", "kimi", "bound"), [
     (16, 8, False, 0.0), (9, 5, False, 0.0), (32, 64, False, 0.0), (128, 128, False, 0.0), (16, 16, True, 0.0),
-    (9, 5, True, 0.0), (16, 16, True, -5.0), (9, 5, True, -5.0),
+    (9, 5, True, 0.0), (16, 16, True, -5.0), (9, 5, True, -5.0), (16, 40, False, 0.0),
 ])  # fmt: skip
 def test_the_kernel_matches_the_reference_on_a_mixed_step(dk: int, dv: int, kimi: bool, bound: float) -> None:
     """A fresh prompt, a continued prompt of two tokens (shorter than the convolution's history), another of 44 and
     one-token rows (one fresh), against the reference's chunked and one-token forms; both advance the states in
-    place alike and leave a slot no sequence holds as it was. (9, 5): channels and value dims with scalar tails.
+    place alike and leave a slot no sequence holds as it was. (9, 5): channels and value dims with scalar tails;
+    (16, 40): value heads of a whole stripe of columns (32) and a part of one.
     `kimi`: Kimi Delta Attention's decay per key channel and sigmoid gate; `bound`: Ling 3's bounded decay."""
     layer = Layer(82, dk, dv, seed=2, kimi=kimi, decay_bound=bound)
     before = layer.states()
@@ -189,7 +190,7 @@ def test_a_doubled_write_strength_matches_the_reference() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize(("dk", "dv", "kimi", "bound"), [(16, 8, False, 0.0), (9, 5, False, 0.0), (16, 16, True, 0.0),
-                                                         (16, 16, True, -5.0)])  # fmt: skip
+                                                         (16, 16, True, -5.0), (16, 40, False, 0.0)])  # fmt: skip
 def test_the_kernel_gives_a_sequence_the_same_bits_alone_batched_and_chunked(
     dk: int, dv: int, kimi: bool, bound: float
 ) -> None:
