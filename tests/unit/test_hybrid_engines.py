@@ -348,6 +348,31 @@ def never(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("reached past the refusal")
 
 
+def test_a_model_of_states_alone_gets_its_blocks_free_once_its_states_fit() -> None:
+    """A Mamba keeps no K/V: every seat's longest sequence gets its blocks (at most `MAX_STATE_ONLY_BLOCKS`), whatever
+    the memory beyond its states; memory that does not hold the seats' and snapshots' states is refused, saying so."""
+    config = model_config_from_hf({**transformers_mamba_config(), "max_position_embeddings": 4096})
+    assert kv_cache_bytes_per_block(config, 16, torch.float32) == 0
+    states = recurrent_state_bytes(config, 2 * MAX_SEQS)  # the seats' and as many snapshots'
+    scheduler = SchedulerConfig(max_num_seqs=MAX_SEQS)
+    engine_config = EngineConfig(model="unused", cache=CacheConfig(memory_bytes=states, state_snapshots=MAX_SEQS),
+                                 scheduler=scheduler)  # fmt: skip
+    assert model_loading.num_kv_blocks(config, engine_config, torch.float32, 4096) == MAX_SEQS * (4096 // 16 + 1)
+    long = model_loading.num_kv_blocks(config, engine_config, torch.float32, 1 << 24)
+    assert long == (1 << 24) // 16 + 1 > model_loading.MAX_STATE_ONLY_BLOCKS  # one sequence's, past the cap
+    short = replace(engine_config, cache=replace(engine_config.cache, memory_bytes=states - 1))
+    with pytest.raises(ValueError, match=f"does not hold the {states} B of {2 * MAX_SEQS} recurrent states"):
+        model_loading.num_kv_blocks(config, short, torch.float32, 4096)
+
+
+def transformers_mamba_config() -> dict[str, Any]:
+    """The `config.json` of `tests.families`' Falcon Mamba as transformers writes it."""
+    import transformers
+
+    class_name, quirks = HYBRIDS["falcon-mamba"]
+    return dict(getattr(transformers, class_name)(**{**_SHAPE, **quirks}).to_dict())
+
+
 def test_what_these_models_cannot_do_yet_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = save_family(tmp_path, "qwen3.5")
     with pytest.raises(ValueError, match=r"linear attention's 2 key and 4 value heads must both be divisible by the "
