@@ -24,7 +24,8 @@ def mamba_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     attention head 2 wide that no layer reads (the rope table it sizes stays small), no MLP, the norms' epsilon from
     `layer_norm_epsilon`, `MAX_POSITIONS` where no `max_position_embeddings` is given; the mixer's width kept as
     `mamba_inner` (Mamba-1's `intermediate_size`, else `expand * hidden_size`, as transformers reads it), Mamba-2's
-    `num_heads` and `head_dim` as `mamba_num_heads` and `mamba_head_dim` (`mamba_fields`). ValueError for what the
+    `num_heads` and `head_dim` as `mamba_num_heads` and `mamba_head_dim` (`mamba_fields`); embeddings tied where the
+    config does not say (Mamba's and Falcon Mamba's default: the mamba-*-hf files leave it out). ValueError for what the
     layers do not build: biases on the mixer's projections (`use_bias`), another activation than SiLU, Mamba-2's time
     step clamped to a range, or an inner width other than its heads' (transformers refuses that too)."""
     if model_type not in MAMBA_ARCHITECTURES:
@@ -54,6 +55,7 @@ def mamba_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "rms_norm_eps": float(cfg.get("layer_norm_epsilon") or 1e-5),
         "max_position_embeddings": int(cfg.get("max_position_embeddings") or MAX_POSITIONS),
         "rope_theta": 10000.0,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", model_type != "mamba2")),
     }
 
 

@@ -1605,6 +1605,9 @@ def test_state_space_configs_read_as_transformers_builds_them_and_refuse_what_is
     assert mamba.attention_layers == 0 and mamba.tie_word_embeddings and mamba.rms_norm_eps == 1e-5
     assert mamba.max_position_embeddings == MAX_POSITIONS and mamba.mlp_widths == {}
     raw = {**transformers.MambaConfig(hidden_size=64, num_hidden_layers=2).to_dict(), "intermediate_size": 96}
+    untold = {key: value for key, value in raw.items() if key != "tie_word_embeddings"}  # as mamba-130m-hf's file
+    assert model_config_from_hf(untold).tie_word_embeddings
+    assert not model_config_from_hf({**untold, "model_type": "mamba2", "num_heads": 2}).tie_word_embeddings
     assert model_config_from_hf({**raw, "max_position_embeddings": 4096}).max_position_embeddings == 4096
     assert model_config_from_hf(raw).mamba1 == replace(shape, inner=96, dt_rank=4, layers=(0, 1))
     falcon = model_config_from_hf(transformers.FalconMambaConfig(hidden_size=64, mixer_rms_eps=1e-5).to_dict())
