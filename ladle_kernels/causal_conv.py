@@ -110,3 +110,23 @@ def short_convolution(
     taps = conv_weight.shape[-1]
     conv_states = states.view(-1, taps - 1, channels)
     return convolve(bx, conv_weight.reshape(channels, taps), conv_states, slots, query_lens, fresh, silu=False)
+
+
+def biased_convolution(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """The Mamba layers' convolution over one step (Mamba-1's, the kernel sets' `mamba1_conv`; Mamba-2's over x, B and
+    C): x `[T, C]`, the weight `[C, 1, K]` and bias `[C]` (or None); sequence i's `query_lens[i]` tokens follow each
+    other in that order, its last `K - 1` inputs the first `(K - 1) * C` values of row `slots[i]` of `states`
+    (`[slots, >= (K - 1) * C]` float32; zeroed first where `fresh[i]`, advanced in place). Returns
+    `silu(conv(x) + bias)`, `[T, C]` in x's dtype (the bias after the taps' sum)."""
+    channels, taps = x.shape[1], conv_weight.shape[-1]
+    history = states[:, : (taps - 1) * channels].view(-1, taps - 1, channels)
+    convolved = convolve(x, conv_weight.reshape(channels, taps), history, slots, query_lens, fresh, silu=False)
+    return F.silu(convolved if conv_bias is None else convolved + conv_bias)

@@ -43,7 +43,7 @@ class KernelOps:
     # Granite 4.0's hybrids: a Mamba-2 layer's core over a step's sequences (`mamba2.mamba2_mixer`).
     mamba2_mixer: Callable[..., torch.Tensor] = reference.mamba2_mixer
     # Jamba, Mamba and Falcon Mamba: a Mamba-1 layer's convolution and its scan, gated, over a step's sequences
-    # (`mamba1.mamba1_conv`, `mamba1.mamba1_scan`).
+    # (`causal_conv.biased_convolution`, `mamba1.mamba1_scan`).
     mamba1_conv: Callable[..., torch.Tensor] = reference.mamba1_conv
     mamba1_scan: Callable[..., torch.Tensor] = reference.mamba1_scan
 

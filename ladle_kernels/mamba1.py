@@ -10,8 +10,8 @@ entry) and the token's `B_t`, `C_t` (`[N]`, shared by every channel):
 
 `selective_scan` runs a step's sequences through it: each prefill chunk token by token (`scan_chunk`), the one-token
 rows together (`scan_rows`); both leave the same state to float rounding. `mamba1_scan`, the kernel sets' op (the C++
-one: `ladle_kernels/cpu/mamba1.cpp`), adds the skip `D x` and the gate `silu(z)`; `mamba1_conv`, another, is the
-convolution before it, with its bias and SiLU.
+one: `ladle_kernels/cpu/mamba1.cpp`), adds the skip `D x` and the gate `silu(z)`; the convolution before it, with
+its bias and SiLU, is `causal_conv.biased_convolution` (the kernel sets' `mamba1_conv`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ladle_kernels.causal_conv import advance_sequences, convolve
+from ladle_kernels.causal_conv import advance_sequences
 
 
 def scan_rows(
@@ -107,21 +107,3 @@ def mamba1_scan(
     y = selective_scan(x, dt, a, b, c, rows, slots, query_lens, fresh) + d.float() * x.float()
     return (y * F.silu(z.float())).to(x.dtype)
 
-
-def mamba1_conv(
-    x: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    states: torch.Tensor,
-    slots: Sequence[int],
-    query_lens: Sequence[int],
-    fresh: Sequence[bool],
-) -> torch.Tensor:
-    """A Mamba-1 layer's convolution over one step: x `[T, E]`, the weight `[E, 1, K]` and bias `[E]` (or None);
-    sequence i's tokens as in `mamba1_scan`, its last `K - 1` inputs the first `(K - 1) * E` values of row `slots[i]`
-    of `states` (`[slots, >= (K - 1) * E]` float32; zeroed first where `fresh[i]`, advanced in place). Returns
-    `silu(conv(x) + bias)`, `[T, E]` in x's dtype (the bias after the taps' sum)."""
-    channels, taps = x.shape[1], conv_weight.shape[-1]
-    history = states[:, : (taps - 1) * channels].view(-1, taps - 1, channels)
-    convolved = convolve(x, conv_weight.reshape(channels, taps), history, slots, query_lens, fresh, False)
-    return F.silu(convolved if conv_bias is None else convolved + conv_bias)

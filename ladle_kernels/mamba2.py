@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ladle_kernels.causal_conv import advance_sequences, convolve
+from ladle_kernels.causal_conv import advance_sequences, biased_convolution
 
 CHUNK = 64  # tokens one masked product covers
 
@@ -140,12 +140,8 @@ def mamba2_mixer(
     inner = z.shape[1]
     head_dim = inner // heads
     state_dim = (channels - inner) // (2 * groups)
-    taps = conv_weight.shape[-1]
-    conv_size = (taps - 1) * channels
-    conv_states = states[:, :conv_size].view(-1, taps - 1, channels)
-    matrices = states[:, conv_size:].view(-1, heads, head_dim, state_dim)
-    convolved = convolve(xbc, conv_weight.reshape(channels, taps), conv_states, slots, query_lens, fresh, silu=False)
-    convolved = F.silu(convolved if conv_bias is None else convolved + conv_bias)  # the bias after the taps' sum
+    matrices = states[:, (conv_weight.shape[-1] - 1) * channels :].view(-1, heads, head_dim, state_dim)
+    convolved = biased_convolution(xbc, conv_weight, conv_bias, states, slots, query_lens, fresh)
     x, b, c = convolved.split([inner, groups * state_dim, groups * state_dim], dim=-1)
     per_group = heads // groups
     b = b.reshape(tokens, groups, state_dim).repeat_interleave(per_group, dim=1)

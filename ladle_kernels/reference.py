@@ -16,16 +16,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ladle_kernels.causal_conv import biased_convolution
 from ladle_kernels.causal_conv import (
     short_convolution as short_convolution,  # the kernel sets' op of LFM2's convolution
 )
 from ladle_kernels.gated_delta import gated_delta_net as gated_delta_net  # the kernel sets' op of Gated DeltaNet
-from ladle_kernels.mamba1 import mamba1_conv as mamba1_conv  # the kernel sets' ops of Mamba-1
 from ladle_kernels.mamba1 import mamba1_scan as mamba1_scan
 from ladle_kernels.mamba2 import mamba2_mixer as mamba2_mixer  # the kernel sets' op of Mamba-2
 
 if TYPE_CHECKING:
     from ladle_kernels.attention_inputs import AttentionInputs, RopeScalingParams, YarnParams
+
+# The kernel sets' op of Mamba-1's convolution (beside `mamba1_scan`): the Mamba layers' biased one.
+mamba1_conv = biased_convolution
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

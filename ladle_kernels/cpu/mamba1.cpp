@@ -1,7 +1,8 @@
 // Mamba-1's selective scan (the mixer of Jamba's, Mamba's and Falcon Mamba's layers) over one step's sequences on the
 // CPU: the contract of ladle_kernels/mamba1.py's mamba1_scan, between the layer's convolution and projections and its
-// output projection; and its convolution before them (mamba1_conv: causal_conv.h's, with its bias, then SiLU). Each (sequence, block of channels) is a task whose N-wide rows stay in cache while its tokens
-// pass in order; per channel e of a token, with its time step dt[e] (after softplus) and A[e] = -exp(A_log[e]) [N]:
+// output projection; and its convolution before them (mamba1_conv: causal_conv.h's, with its bias, then SiLU, the
+// contract of ladle_kernels/causal_conv.py's biased_convolution). Each (sequence, block of channels) is a scan task
+// whose N-wide rows stay in cache while its tokens pass in order; per channel e of a token, with its time step dt[e] (after softplus) and A[e] = -exp(A_log[e]) [N]:
 //   h[e] = exp(dt[e] A[e]) h[e] + (dt[e] x[e]) B;  y[e] = (h[e] . C + D[e] x[e]) * silu(z[e])
 // as the reference runs a prefill chunk token by token too (its decays are per channel and entry: no chunked form).
 // Every value of a token is computed by code that depends only on its index within its row (vector lanes, then a

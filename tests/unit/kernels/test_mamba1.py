@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle_kernels import cpu_ops as cpu
-from ladle_kernels.mamba1 import mamba1_conv as reference_conv
+from ladle_kernels.causal_conv import biased_convolution as reference_conv
 from ladle_kernels.mamba1 import mamba1_scan as reference_scan
 
 needs_kernels = pytest.mark.skipif(cpu.cpu_ops() is None, reason="the C++ CPU kernels cannot be built here")
