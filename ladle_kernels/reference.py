@@ -9,7 +9,7 @@ metadata contract are described in `engine_server.attention_metadata`. `apply_to
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar, overload
 
 import numpy as np
@@ -27,8 +27,18 @@ from ladle_kernels.mamba2 import mamba2_mixer as mamba2_mixer  # the kernel sets
 if TYPE_CHECKING:
     from ladle_kernels.attention_inputs import AttentionInputs, RopeScalingParams, YarnParams
 
-# The kernel sets' op of Mamba-1's convolution (beside `mamba1_scan`): the Mamba layers' biased one.
-mamba1_conv = biased_convolution
+
+def mamba1_conv(
+    x: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    states: torch.Tensor,
+    slots: Sequence[int],
+    query_lens: Sequence[int],
+    fresh: Sequence[bool],
+) -> torch.Tensor:
+    """The kernel sets' op of Mamba-1's convolution (beside `mamba1_scan`): `causal_conv.biased_convolution`."""
+    return biased_convolution(x, conv_weight, conv_bias, states, slots, query_lens, fresh)
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
