@@ -64,7 +64,8 @@ def mamba_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     families): every layer a Mamba-1 (`mamba1`: `mamba_inner` channels, a time-step rank of `time_step_rank`,
     "auto" being hidden / 16 rounded up; Falcon Mamba's time step, B and C RMS-normalised without a weight at
     `mixer_rms_eps`) or a Mamba-2 mixer (`mamba2`: `num_heads` heads `head_dim` wide, `n_groups` groups of
-    `state_size`, its output RMS-normalised per group with a weight) and none an MLP."""
+    `state_size`, its output RMS-normalised per group with a weight) and none an MLP. (Mamba's mixer has no norms:
+    its `inner_norm_eps` is `Mamba1`'s default, whatever the config says.)"""
     if model_type not in MAMBA_ARCHITECTURES:
         return {}
     layers = tuple(range(int(cfg["num_hidden_layers"])))
@@ -83,6 +84,7 @@ def mamba_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             inner=int(cfg["mamba_inner"]), state_dim=int(cfg.get("state_size") or 16),
             dt_rank=math.ceil(hidden / 16) if rank == "auto" else int(rank), layers=layers,
             inner_norms="weightless" if falcon else "none",
-            inner_norm_eps=float(cfg.get("mixer_rms_eps") or 1e-6), conv_kernel=kernel, conv_bias=conv_bias,
+            inner_norm_eps=float(cfg.get("mixer_rms_eps") or 1e-6) if falcon else Mamba1.inner_norm_eps,
+            conv_kernel=kernel, conv_bias=conv_bias,
         )}  # fmt: skip
     return {**mixer, "mlp_free_layers": layers}

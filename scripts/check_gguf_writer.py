@@ -49,7 +49,7 @@ def families() -> dict[str, dict[str, Any]]:
         MOE_GGUF,
         PLAIN_GGUF,
     )
-    from tests.unit.test_recurrent_gguf import GRANITE_GGUF, NEMOTRON_3_GGUF, NEMOTRON_H_GGUF
+    from tests.unit.test_recurrent_gguf import GRANITE_GGUF, NEMOTRON_3_GGUF, NEMOTRON_H_GGUF, STATE_SPACE_GGUF
 
     gemma3 = {"num_hidden_layers": 6, "query_pre_attn_scalar": 16,
               "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}  # fmt: skip
@@ -68,6 +68,9 @@ def families() -> dict[str, dict[str, Any]]:
     # llama.cpp (0.3.36) turns GLM-5's index keys and queries with a Hadamard rotation built for its released index
     # heads, 128 wide with rope over 64 dims (narrower ones fail its graph's shape checks).
     glm_5 = {**DEEPSEEK_GGUF["glm-moe-dsa"], "index_head_dim": 128, "qk_rope_head_dim": 64}
+    # llama.cpp normalises Falcon Mamba's time step, B and C at the layers' epsilon (the file holds no other);
+    # transformers at `mixer_rms_eps`: the check's model has both at 1e-5.
+    falcon_mamba = {**STATE_SPACE_GGUF["falcon-mamba"], "mixer_rms_eps": 1e-5}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
@@ -75,7 +78,7 @@ def families() -> dict[str, dict[str, Any]]:
             "glm-moe-dsa": glm_5,
             **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
             **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF, "falcon-h1": {},
-            "jamba": {}}
+            "jamba": {}, **STATE_SPACE_GGUF, "falcon-mamba": falcon_mamba}
 
 
 def check(

@@ -858,7 +858,10 @@ _GGUF_ARCHITECTURES = {
     "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
     "gpt2": "gpt2", "gpt_bigcode": "starcoder", "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2",
     "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
+    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2",
 }  # fmt: skip
+# The state space models' architectures: no attention, their own keys (`_state_space_metadata`).
+_GGUF_STATE_SPACE = ("mamba", "mamba2")
 # The classic families' llama.cpp architectures, whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their
 # checkpoints' names as Llama's, which `_GGUF_LAYER` and `_GGUF_GLOBAL` then name as llama.cpp does.
 _GGUF_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
@@ -1069,6 +1072,12 @@ def write_gguf(
                   "num_key_value_heads": 1 if config.get("multi_query") else config["n_head"]}  # fmt: skip
     if arch == "nemotron_h" and "moe" in config["layers_block_type"]:  # Nemotron 3's: its converter's other name
         arch = "nemotron_h_moe"
+    if arch in _GGUF_STATE_SPACE:  # no attention heads, no rope
+        writer = GGUFWriter(str(path), arch)
+        _state_space_metadata(writer, config, arch)
+        write_gpt2_tokenizer(writer, folder)
+        _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types)
+        return path
     gemma = arch.startswith("gemma")
     rope = config.get("rope_parameters") or {"rope_theta": 10000.0}  # (Nemotron-H turns none)
     if gemma and "full_attention" in rope:
@@ -1405,6 +1414,51 @@ def _llama_cpp_classic(
     return name, tensor
 
 
+def _state_space_metadata(writer: Any, config: dict[str, Any], arch: str) -> None:
+    """Mamba's, Falcon Mamba's and Mamba-2's keys as llama.cpp's converter writes them (`mamba`, `mamba2`): no
+    attention heads and no MLP (0 for both), the context 2^20 (\"arbitrary\", in its words), the mixer's shape as
+    `ssm.*` (Mamba-2's heads as its time-step rank), the norms' epsilon as RMSNorm's, and for `mamba` whether the time
+    step, B and C are RMS-normalised (Falcon Mamba's)."""
+    hidden, mamba2 = config["hidden_size"], arch == "mamba2"
+    writer.add_context_length(2**20)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_ssm_conv_kernel(config["conv_kernel"])
+    writer.add_ssm_inner_size(config["num_heads"] * config["head_dim"] if mamba2 else config["intermediate_size"])
+    writer.add_ssm_state_size(config["state_size"])
+    writer.add_ssm_time_step_rank(config["num_heads"] if mamba2 else config["time_step_rank"])
+    writer.add_layer_norm_rms_eps(config["layer_norm_epsilon"])
+    if mamba2:
+        writer.add_ssm_group_count(config["n_groups"])
+    else:
+        writer.add_ssm_dt_b_c_rms(config["model_type"] == "falcon_mamba")
+
+
+def _llama_cpp_state_space(
+    name: str, tensor: torch.Tensor, config: dict[str, Any], attention: Any
+) -> dict[str, tuple[np.ndarray, Any]]:
+    """One of Mamba's, Falcon Mamba's or Mamba-2's checkpoint tensors as llama.cpp's converter writes it, by GGUF
+    name with its type: the embeddings, final norm and LM head as every family's, a layer's norm `attn_norm`, its
+    mixer's tensors as Jamba's Mamba-1 (`_llama_cpp_jamba_mixer`) or Granite 4.0's Mamba-2 (`_llama_cpp_granite`)
+    are, the projections in `attention`'s type."""
+    globals_ = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}  # fmt: skip
+    array = tensor.float().numpy()
+    if name in globals_:
+        return {globals_[name]: (array, None)}
+    layer, _, rest = name.removeprefix("backbone.layers.").partition(".")
+    if rest == "norm.weight":
+        return {f"blk.{layer}.attn_norm.weight": (array, None)}
+    mamba = f"model.layers.{layer}.{rest.replace('mixer.', 'mamba.', 1)}"
+    if config["model_type"] == "mamba2":
+        return _llama_cpp_granite(mamba, array, {"mamba_n_groups": config["n_groups"]}, None, attention)
+    mixer = _llama_cpp_jamba_mixer(mamba, tensor, attention)
+    assert mixer is not None, name
+    return mixer
+
+
 def _llama_cpp_jamba_mixer(name: str, tensor: torch.Tensor, attention: Any) -> dict[str, tuple[np.ndarray, Any]] | None:
     """One of Jamba's Mamba-1 tensors (`model.layers.N.mamba.<rest>`) as llama.cpp's converter writes it: its
     projections in `attention`'s type, the convolution squeezed, `A_log` as `-exp(A_log)`, the rest F32; None for any
@@ -1607,7 +1661,7 @@ def _write_tensors(
     from safetensors.torch import load_file
 
     gemma, gemma4 = arch.startswith("gemma"), arch == "gemma4"
-    heads = config["num_attention_heads"]
+    heads = config.get("num_attention_heads")
     layer_names = {**(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER), **_GGUF_MOE_LAYER}
     if gemma4:
         layer_names.update(_GGUF_GEMMA4_LAYER)
@@ -1644,6 +1698,9 @@ def _write_tensors(
                 continue
         if arch == "falcon-h1":
             name, tensor = _llama_cpp_falcon_h1(name, tensor, config)
+        if arch in _GGUF_STATE_SPACE:
+            tensors.update(_llama_cpp_state_space(name, tensor, config, attention))
+            continue
         if arch == "jamba":
             if (jamba := _llama_cpp_jamba_mixer(name, tensor, attention)) is not None:
                 tensors.update(jamba)

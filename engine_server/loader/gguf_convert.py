@@ -49,6 +49,11 @@ from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
 from engine_server.loader.gguf_metadata import GgufFile, gguf_pooling, hf_config_from_gguf, transformers_metadata
+from engine_server.loader.gguf_state_space import (
+    STATE_SPACE_BARE_NAMES,
+    STATE_SPACE_GLOBAL_NAMES,
+    STATE_SPACE_LAYER_NAMES,
+)
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor
 from engine_server.pooling.params import write_sentence_transformers_pooling
 from ladle_kernels.reference import unpermute_rope_rows
@@ -64,10 +69,12 @@ SHARD_BYTES = 2 * 1024**3  # bounds peak memory while a float checkpoint is writ
 _FLATTENED_GATE = ".shared_expert_gate.weight"  # Qwen2-MoE's [1, H] shared-expert gate, stored as [H]
 _SQUEEZED_CONVOLUTION = ".linear_attn.conv1d.weight"  # a hybrid's [channels, 1, kernel], stored as [channels, kernel]
 _LFM2_CONVOLUTION = ".conv.conv.weight"  # LFM2's [channels, 1, taps], stored as [channels, taps] (`_restore`)
-# Granite 4.0's, Nemotron-H's and Falcon-H1's Mamba-2 tensors (`mamba.`, `mixer.`) that llama.cpp stores reshaped
-# (`_restore`): the convolution squeezed, `A_log` as `-exp(A_log)` and `D` each `[heads, 1]`, the gated norm's weight
-# `[groups, inner / groups]`.
-_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1", "jamba")
+# Granite 4.0's, Nemotron-H's, Falcon-H1's and Mamba-2's Mamba-2 tensors (`mamba.`, `mixer.`) that llama.cpp stores
+# reshaped (`_restore`): the convolution squeezed, `A_log` as `-exp(A_log)` and `D` each `[heads, 1]`, the gated
+# norm's weight `[groups, inner / groups]`; Jamba's, Mamba's and Falcon Mamba's Mamba-1 tensors, the convolution
+# squeezed and `A_log` as `-exp(A_log)`, `[inner, N]` (`_MAMBA1_TYPES`).
+_MAMBA1_TYPES = ("jamba", "mamba", "falcon_mamba")
+_MAMBA_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1", "mamba2", *_MAMBA1_TYPES)
 _MAMBA_CONVOLUTION = (".mamba.conv1d.weight", ".mixer.conv1d.weight")
 _MAMBA_A_LOG = (".mamba.A_log", ".mixer.A_log")
 _MAMBA_FLATTENED = (*_MAMBA_A_LOG, ".mamba.D", ".mixer.D", ".mamba.norm.weight", ".mixer.norm.weight")
@@ -268,7 +275,10 @@ _JAMBA_LAYER_NAMES = {
 }  # fmt: skip
 _JAMBA_BARE = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"}
 # Where a family's checkpoints hold their layers other than under `model.layers.`.
-_LAYERS_PREFIX = {"nemotron_h": "backbone.layers.", **CLASSIC_LAYERS_PREFIX}
+_LAYERS_PREFIX = {
+    "nemotron_h": "backbone.layers.", **CLASSIC_LAYERS_PREFIX,
+    **{model_type: "backbone.layers." for model_type in STATE_SPACE_LAYER_NAMES},
+}  # fmt: skip
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
@@ -287,6 +297,7 @@ _BARE_LAYER_NAMES = {
     "nemotron_h": _NEMOTRON_H_BARE,
     "falcon_h1": {**_MAMBA_BARE, "ffn_norm": "pre_ff_layernorm.weight"},  # (its converter writes no `.weight`)
     "jamba": _JAMBA_BARE,
+    **STATE_SPACE_BARE_NAMES,
 }
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 # Hunyuan: its q/k norms' own names (applied after rope).
@@ -318,6 +329,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "nemotron_h": _NEMOTRON_H_LAYER_NAMES,
     "falcon_h1": _FALCON_H1_LAYER_NAMES,
     "jamba": _JAMBA_LAYER_NAMES,
+    **STATE_SPACE_LAYER_NAMES,
     "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
     **CLASSIC_LAYER_NAMES,
     "apertus": {**_LAYER_NAMES, "attn_norm": "attention_layernorm", "ffn_norm": "feedforward_layernorm"},
@@ -378,6 +390,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _FALCON_H1_GLOBAL[gguf_name]
     if gguf_name in CLASSIC_GLOBAL_NAMES.get(architecture, {}):
         return CLASSIC_GLOBAL_NAMES[architecture][gguf_name]
+    if gguf_name in STATE_SPACE_GLOBAL_NAMES.get(architecture, {}):
+        return STATE_SPACE_GLOBAL_NAMES[architecture][gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
@@ -710,7 +724,7 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
     if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_CONVOLUTION):
         return lambda array: array.reshape(array.shape[0], 1, array.shape[-1])
-    if model_type == "jamba" and name.endswith(_MAMBA_A_LOG):  # Mamba-1's: stored as -exp(A_log), [inner, N]
+    if model_type in _MAMBA1_TYPES and name.endswith(_MAMBA_A_LOG):  # Mamba-1's: stored as -exp(A_log), [inner, N]
         return lambda array: np.log(-np.asarray(array, dtype=np.float32))
     if model_type in _MAMBA_TYPES and name.endswith(_MAMBA_A_LOG):  # stored as -exp(A_log)
         return lambda array: np.log(-np.asarray(array, dtype=np.float32)).reshape(-1)

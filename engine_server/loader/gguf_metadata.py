@@ -1,7 +1,9 @@
 """GGUF metadata → a Hugging Face `config.json` dict (llama, Mixtral as llama with experts, llama4, qwen2 / qwen3 and
 their MoE forms, phi3, gemma2 / gemma3 / gemma4, gpt-oss, glm4 / glm4moe / dots1, minimax-m2, deepseek2 (DeepSeek-V2 /
 V3, Kimi K2, GLM-4.7-Flash), seed_oss, ernie4_5 / ernie4_5-moe, exaone4, olmo2, command-r / cohere2, the Gated
-DeltaNet hybrids qwen35 / qwen35moe / qwen3next and the classic decoders (`gguf_classic`) `<arch>.*` keys)."""
+DeltaNet hybrids qwen35 / qwen35moe / qwen3next, the recurrent hybrids (lfm2, granitehybrid, nemotron_h, falcon-h1,
+jamba), the classic decoders (`gguf_classic`) and the state space models mamba / mamba2 (`gguf_state_space`)
+`<arch>.*` keys)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from engine_server.loader.gguf_classic import CLASSIC_GGUF_ARCHITECTURES, CLASSIC_LAYER_NORMED, classic_gguf_config
+from engine_server.loader.gguf_state_space import STATE_SPACE_GGUF_ARCHITECTURES, state_space_gguf_config
 from engine_server.pooling.params import PoolingMethod
 
 # GGUF `general.architecture` → (HF model_type, HF architectures entry).
@@ -76,6 +79,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "jamba": ("jamba", "JambaForCausalLM"),
     # GPT-NeoX, Phi-2, StableLM, StarCoder2, Nemotron-4, OLMo, EXAONE 3 (`gguf_classic`).
     **CLASSIC_GGUF_ARCHITECTURES,
+    # Mamba (Falcon Mamba's too) and Mamba-2, without attention (`gguf_state_space`).
+    **STATE_SPACE_GGUF_ARCHITECTURES,
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -515,8 +520,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     if "token_embd.weight" not in tensors:
         raise ValueError(f"model {spec!r}: GGUF file has no token_embd.weight tensor")
     hidden = int(required("embedding_length"))
-    heads = int(required("attention.head_count"))
-    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    heads = int(required("attention.head_count"))  # (0 in a state space model's file: no attention)
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // heads if heads else 0))
     rope_theta = _short_float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
     eos = int(read_field(reader, "tokenizer.ggml.eos_token_id", 2))
     eot = read_field(reader, "tokenizer.ggml.eot_token_id")
@@ -607,6 +612,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(_jamba_config(reader, config, experts, tensors, spec))
     elif arch in CLASSIC_GGUF_ARCHITECTURES:
         config.update(classic_gguf_config(arch, config, tensors, functools.partial(read_field, reader)))
+    elif arch in STATE_SPACE_GGUF_ARCHITECTURES:
+        return state_space_gguf_config(arch, config, tensors, functools.partial(read_field, reader), spec)
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

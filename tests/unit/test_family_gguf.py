@@ -392,12 +392,15 @@ def converted_as_saved(folder: Path, gguf: Path) -> tuple[dict[str, torch.Tensor
     # A file holds the rope base in float32 (Hunyuan's, stretched by NTK's alpha, is no float32 in its config).
     assert np.float32(source.config.rope_theta) == np.float32(saved.rope_theta)
     assert source.config == replace(saved, name=source.config.name, rope_theta=source.config.rope_theta)
-    # Nemotron-4's LayerNorm1P weights, stored as 1 + w: w comes back rounded at 1 + w's precision.
-    shifted = {"norm.weight": lambda ours, theirs: torch.allclose(ours, theirs, rtol=0, atol=1e-6)}
+    # Nemotron-4's LayerNorm1P weights, stored as 1 + w: w comes back rounded at 1 + w's precision. Mamba's A_log,
+    # stored as -exp(A_log) in float32, comes back within that rounding (~1e-7 of exp(A_log), a unit in A_log's last
+    # place).
+    own: dict[str, Any] = {"A_log": lambda ours, theirs: torch.allclose(ours, theirs, rtol=2**-23, atol=1e-6)}
+    if source.config.norm_offset and source.config.layer_norm:
+        own["norm.weight"] = lambda ours, theirs: torch.allclose(ours, theirs, rtol=0, atol=1e-6)
     with float_checkpoint(source) as checkpoint:
         converted = load_file(checkpoint / "model.safetensors")
-        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",),
-                                 shifted if source.config.norm_offset and source.config.layer_norm else None)
+        assert_tensors_come_back(load_file(folder / "model.safetensors"), converted, ("embed_tokens.weight",), own)
         return converted, reference_tokens(checkpoint)
 
 

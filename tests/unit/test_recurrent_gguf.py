@@ -20,7 +20,9 @@ from gguf import GGMLQuantizationType
 
 from engine_server.config import FalconH1Scales
 from engine_server.hf_config import model_config_from_hf
+from engine_server.hf_mamba import MAX_POSITIONS
 from engine_server.loader import resolve_model
+from engine_server.loader.gguf_metadata import hf_config_from_gguf
 from tests.families import save_family, write_gguf
 from tests.unit.test_family_engines import reference_tokens
 from tests.unit.test_family_gguf import (
@@ -28,6 +30,7 @@ from tests.unit.test_family_gguf import (
     exact_then_served,
     float_reference,
     keep_stored_weights,
+    metadata_gguf,
     served_candidate,
     served_from_blocks,
     written_and_converted,
@@ -208,3 +211,65 @@ def test_a_jamba_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_
     assert layers["model.layers.0.self_attn.in_proj"] == layers["model.layers.0.self_attn.x_proj"] == "q8", layers
     assert [fmt for fmt in layers.values() if fmt.startswith("experts_")] == ["experts_q8_96"] * 2, layers
     assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.01, result
+
+
+# The state space models' files: llama.cpp's converter writes a context of 2^20 for them, read as none stated (the
+# saved model states none either, as the released ones); Falcon Mamba's mixer norms at its releases' epsilon, which
+# its file does not hold (`gguf_state_space`).
+STATE_SPACE_GGUF: dict[str, dict[str, Any]] = {
+    "mamba": {"max_position_embeddings": None},
+    "falcon-mamba": {"max_position_embeddings": None, "mixer_rms_eps": 1e-6},
+    "mamba2": {"max_position_embeddings": None},
+}
+
+
+@pytest.mark.parametrize("family", sorted(STATE_SPACE_GGUF))
+def test_a_state_space_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """A `mamba` file (Mamba's, its embeddings tied: no `output`; Falcon Mamba's with `ssm.dt_b_c_rms`) and a `mamba2`
+    one as llama.cpp's converter writes them (no attention heads, no MLP, the mixer's shape as `ssm.*`; Mamba-1's
+    tensors as Jamba's, Mamba-2's as Granite 4.0's: `ssm_a` `-exp(A_log)`, the convolution squeezed, Mamba-2's `A`
+    and `D` `[heads, 1]` and its gated norm's weight by group): converted, each config is the saved model's, every
+    tensor comes back under the checkpoint's `backbone.` name and the float path equals transformers token for token;
+    served from its blocks (the mixers' in_proj, x_proj and out_proj in Q8_0), each holds the mean KL threshold, and
+    Falcon Mamba's over two ranks too (a block of its channels each). Mamba-2's top-1 agreement is held to 90%: this
+    random model's near-ties flip on 8-bit noise (94.8% / 0.0004 measured, Mamba's 100% / 0.000002, Falcon Mamba's
+    97.9% / 0.00005)."""
+    overrides = STATE_SPACE_GGUF[family]
+    if family == "falcon-mamba":
+        gguf, layers, result, split, _ = served_whole_and_split(tmp_path, monkeypatch, family, **overrides)
+        assert split.top1_agreement >= 0.95 and split.mean_kl <= 0.01, split
+    else:
+        gguf, expected = written_and_converted(tmp_path, family, GGMLQuantizationType.Q8_0, **overrides)
+        layers, result = served_from_blocks(gguf, expected=expected)
+    mixer = ("in_proj", "out_proj") if family == "mamba2" else ("in_proj", "x_proj", "out_proj")
+    assert layers == {f"model.layers.{layer}.self_attn.{name}": "q8" for layer in range(3) for name in mixer}, layers
+    assert result.top1_agreement >= (0.9 if family == "mamba2" else 0.95) and result.mean_kl <= 0.01, result
+    config = resolve_model(str(gguf)).config
+    assert config.max_position_embeddings == MAX_POSITIONS and config.tie_word_embeddings == (family == "mamba")
+
+
+def test_state_space_gguf_metadata_is_read_as_each_family_and_its_refusals_named(tmp_path: Path) -> None:
+    """A `mamba` file is Mamba's, or Falcon Mamba's where `ssm.dt_b_c_rms` is set (its mixer norms at 1e-6, its
+    releases'); a context other than the converter's 2^20 is kept; biases on the mixer's input projection are refused
+    by name, as in a checkpoint, and so is a `mamba2` file whose heads do not divide its inner width."""
+    keys = {"block_count": 2, "context_length": 2**20, "embedding_length": 32, "feed_forward_length": 0,
+            "head_count": 0, "layer_norm_rms_eps": 1e-5, "ssm_conv_kernel": 4, "ssm_inner_size": 64,
+            "ssm_state_size": 16, "ssm_time_step_rank": 2}  # fmt: skip
+    mamba = hf_config_from_gguf(metadata_gguf(tmp_path / "mamba.gguf", "mamba", keys), "mamba.gguf")
+    assert (mamba["model_type"], mamba["intermediate_size"], mamba["time_step_rank"]) == ("mamba", 64, 2)
+    assert mamba["max_position_embeddings"] == MAX_POSITIONS and "num_attention_heads" not in mamba
+    falcon = hf_config_from_gguf(metadata_gguf(tmp_path / "falcon.gguf", "mamba", {
+        **keys, "ssm_dt_b_c_rms": True, "context_length": 8192}), "falcon.gguf")  # fmt: skip
+    assert (falcon["model_type"], falcon["mixer_rms_eps"], falcon["max_position_embeddings"]) == ("falcon_mamba",
+                                                                                                   1e-6, 8192)
+    biased = metadata_gguf(tmp_path / "biased.gguf", "mamba", keys, {"blk.0.ssm_in.bias": (128,)})
+    with pytest.raises(ValueError, match="use_bias"):
+        model_config_from_hf(hf_config_from_gguf(biased, "biased.gguf"))
+    uneven = metadata_gguf(tmp_path / "uneven.gguf", "mamba2", {**keys, "ssm_time_step_rank": 3, "ssm_group_count": 1})
+    with pytest.raises(ValueError, match="3 heads over an inner size of 64"):
+        hf_config_from_gguf(uneven, "uneven.gguf")
+    mamba2 = hf_config_from_gguf(metadata_gguf(tmp_path / "mamba2.gguf", "mamba2", {**keys, "ssm_group_count": 1}),
+                                 "mamba2.gguf")  # fmt: skip
+    assert model_config_from_hf(mamba2).mamba2 is not None and (mamba2["num_heads"], mamba2["head_dim"]) == (2, 32)
