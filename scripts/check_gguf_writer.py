@@ -70,7 +70,9 @@ def families() -> dict[str, dict[str, Any]]:
     glm_5 = {**DEEPSEEK_GGUF["glm-moe-dsa"], "index_head_dim": 128, "qk_rope_head_dim": 64}
     # llama.cpp normalises Falcon Mamba's time step, B and C at the layers' epsilon (the file holds no other);
     # transformers at `mixer_rms_eps`: the check's model has both at 1e-5.
-    falcon_mamba = {**STATE_SPACE_GGUF["falcon-mamba"], "mixer_rms_eps": 1e-5}
+    # Its Mamba-1 layers take only the released models' expansion of 2 (the tests' model widens 64 channels to 96).
+    falcon_mamba = {**STATE_SPACE_GGUF["falcon-mamba"], "mixer_rms_eps": 1e-5, "intermediate_size": 128}
+    mamba = {**STATE_SPACE_GGUF["mamba"], "intermediate_size": 128}
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
@@ -78,7 +80,7 @@ def families() -> dict[str, dict[str, Any]]:
             "glm-moe-dsa": glm_5,
             **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
             **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF, "falcon-h1": {},
-            "jamba": {}, **STATE_SPACE_GGUF, "falcon-mamba": falcon_mamba}
+            "jamba": {}, **STATE_SPACE_GGUF, "mamba": mamba, "falcon-mamba": falcon_mamba}
 
 
 def check(
