@@ -25,6 +25,7 @@ from engine_server.config import (
     nemotron_blocks,
 )
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
+from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
@@ -192,6 +193,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "bert": "bert",
     **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
     **MAMBA_ARCHITECTURES,  # Mamba, Falcon Mamba, Mamba-2: state space models alone (`hf_mamba`)
+    **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
@@ -256,6 +258,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         cfg = _mimo_v2_flash_config(cfg)
     cfg = classic_config(model_type, cfg)
     cfg = mamba_config(model_type, cfg)
+    cfg = dbrx_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -374,7 +377,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
         qk_norm_after_rope=arch in ("hunyuan", "nanochat"),
         post_norms=arch in ("olmo2", "olmo_hybrid") or model_type == "flex_olmo",
-        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch == "olmoe" or model_type == "olmo" else 0.0,
+        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch in ("olmoe", "dbrx") or model_type == "olmo" else 0.0,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
         bos_token_id=cfg.get("bos_token_id"),
@@ -407,6 +410,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_hy_v4_fields(model_type, cfg),
         **classic_fields(model_type, cfg),
         **mamba_fields(model_type, cfg),
+        **dbrx_fields(model_type),
         **nemotron,
     )
 
@@ -1930,7 +1934,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
     SwiGLU."""
     if arch not in (
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe",
-        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere", "jamba",
+        "minimax_m2", "ernie4_5_moe", "lfm2", "granitemoe", "hunyuan", "afmoe", "cohere", "jamba", "dbrx",
     ):  # fmt: skip
         return {}
     if arch == "hunyuan":
@@ -2059,7 +2063,7 @@ def _experts_from_hf_config(arch: Architecture, cfg: dict[str, Any]) -> dict[str
             if cfg.get("model_type") != "granitemoe" else 0,
             shared_expert_gated=False,
         )
-    if arch in ("mixtral", "olmoe"):
+    if arch in ("mixtral", "olmoe", "dbrx"):  # (DBRX's renormalisation as `hf_dbrx.dbrx_config` reads it)
         return dict(
             num_experts=experts,
             num_experts_per_tok=top_k,

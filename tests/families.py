@@ -47,6 +47,13 @@ PHI3_LONGROPE = {
     "short_factor": [1.0 + 0.25 * i for i in range(PHI3_ROTARY_PAIRS)],
     "long_factor": [3.0 + 2.0 * i for i in range(PHI3_ROTARY_PAIRS)],
 }  # fmt: skip
+# DBRX's config under its own names (transformers' `hidden_size` alias alone leaves the experts 2,048 wide).
+DBRX: dict[str, Any] = {
+    "d_model": 64, "n_heads": 4, "n_layers": 4, "max_seq_len": 1024,
+    "attn_config": {"kv_n_heads": 2, "clip_qkv": 1.0, "rope_theta": 500_000.0},
+    "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0},
+}  # fmt: skip
 # Sliding windows: 20 positions, more than a 16-token block and less than two, so a window starts mid-block and
 # spans blocks; the tests' prompts are shorter and longer than that.
 WINDOW = 20
@@ -169,6 +176,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "OlmoeConfig",
         {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "clip_qkv": 1.5},
     ),
+    # DBRX: top-2 of 4 experts (each layer's stored as one tensor a projection), bias-free LayerNorms, q/k/v in one
+    # projection clamped to 1.0, 500,000 as the rope base in both places a config states it (transformers 5 builds
+    # the rope from `rope_parameters` and needs `attn_config`'s too; ladle reads `attn_config`'s, the released one).
+    "dbrx": ("DbrxConfig", DBRX),
     "qwen2-moe": (
         "Qwen2MoeConfig",
         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -630,7 +641,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router.proj.weight",
            "feed_forward.router.weight", "feed_forward.gate.weight", "block_sparse_moe.router.weight",
-           "mixer.gate.weight", "mlp.router.gate.weight")  # fmt: skip
+           "mixer.gate.weight", "mlp.router.gate.weight", "ffn.router.layer.weight")  # fmt: skip
 
 
 # HY-V4's hyper-connection maps' matrices and scales (`layers.hyper_connections`): at transformers' init (scales

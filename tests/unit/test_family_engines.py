@@ -190,7 +190,7 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
 @pytest.mark.parametrize(
     "name",
     ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe", "jais2", "mimo-v2-flash", "gpt-neox",
-     "stablelm-12b", "falcon-40b", "gpt2"],
+     "stablelm-12b", "falcon-40b", "gpt2", "dbrx"],
 )
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
@@ -203,7 +203,9 @@ def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tm
     windowed layers' two KV heads a rank each, its full layers' one on both, each rank's padded values and sinks;
     StableLM 2 12B's per-head q/k LayerNorms, each rank its heads' weights; Falcon 40B's q/k/v grouped by KV head
     (GPT-NeoX's, a head a group, likewise), a group a rank, its two-norm parallel block; GPT-2's learned positions
-    split by rows like the vocabulary's, its Conv1D weights read transposed."""
+    split by rows like the vocabulary's, its Conv1D weights read transposed; DBRX's clamped `Wqkv` split by part,
+    each expert's rows of its layer's one tensor a projection read unread-until-narrowed (`models.dbrx`), `w2`'s
+    transposed."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         ours = tokens(llm, prompts())
@@ -645,6 +647,26 @@ def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
     with engine(folder, quantization="int8", chunk=24) as llm:
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+
+
+def test_dbrx_on_int8_is_batch_invariant(tmp_path: Path) -> None:
+    """DBRX on int8 weights: each layer's experts, split from their one tensor a projection, quantized into a bank
+    (its LayerNorms keep it off the C++ decode stack: the layers run in Python), the router row by row. Each prompt's
+    tokens are the same alone, batched and prefilled in chunks, and mostly agree with the float path's first ones."""
+    folder = save_family(tmp_path, "dbrx")
+    batch = prompts()
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        banks = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+        routers = [m for name, m in model.named_modules() if name.endswith(ROUTER_SUFFIXES)]
+        assert len(banks) == 4 and len(routers) == 4 and all(isinstance(r, RowwiseLinear) for r in routers)
+        assert model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    with engine(folder, quantization="int8", chunk=24) as llm:
+        assert tokens(llm, batch) == alone
+    first = reference_tokens(folder).first_tokens()
+    assert sum(ours[0] == token for ours, token in zip(alone, first, strict=True)) >= 6
 
 
 def test_a_json_schema_constrains_a_mixture_of_experts(moe_folder: tuple[Path, GreedyReference]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -20,7 +21,7 @@ from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import ShardedRMSNorm
 from engine_server.models import CausalLM, get_model_class
 from engine_server.parallel.group import TensorParallel
-from tests.families import HYPER_CONNECTION_MAPS, unclamped_time_step
+from tests.families import DBRX, HYPER_CONNECTION_MAPS, unclamped_time_step
 
 BLOCK_SIZE = 4
 VOCAB = 128
@@ -63,6 +64,7 @@ FALCON_H1 = {
     "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.7], "ssm_out_multiplier": 0.6, "mlp_multipliers": [0.9, 0.6],
     "initializer_range": 0.1, "pad_token_id": 0,
 }  # fmt: skip
+DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
@@ -586,6 +588,11 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
     ),
+    # DBRX: top-2 of 4 renormalised (and not: `moe_normalize_expert_weights` null), each layer's experts one tensor a
+    # projection, bias-free LayerNorms, q/k/v in one projection clamped to 0.8 (a third of them here).
+    "dbrx": (transformers.DbrxConfig, DBRX_SMALL),
+    "dbrx-unnormalised": (transformers.DbrxConfig, {
+        **DBRX_SMALL, "ffn_config": {**DBRX_SMALL["ffn_config"], "moe_normalize_expert_weights": None}}),
     # OLMoE: top-2 of 4 unnormalised, q/k norms over the whole projection, q/k/v clamped.
     "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 1.0}),
     # Hybrids of Gated DeltaNet and gated attention (the first layer linear, the second full): Qwen3.5's dense model
@@ -775,6 +782,7 @@ MODEL_CLASSES = {
     transformers.CohereCompassTextConfig: transformers.CohereCompassForCausalLM,
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
+    transformers.DbrxConfig: transformers.DbrxForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
@@ -856,7 +864,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "sinks",
                                 "router.proj.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
-                                "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight")):
+                                "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight",
+                                "ffn.router.layer.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
@@ -1074,6 +1083,44 @@ def test_a_mixture_of_experts_missing_an_expert_projection_is_refused() -> None:
     bad = {**state, "model.layers.1.block_sparse_moe.experts.3.w2.weight": torch.zeros(3, 3)}
     with pytest.raises(ValueError, match=r"experts.3.down_proj.weight.*expert 3 down"):
         get_model_class(config.architecture)(config).load_weights(bad.items())
+
+
+# DBRX Instruct's config.json as released (its nested parts as Databricks wrote them).
+DBRX_INSTRUCT = {
+    "model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 6144, "n_heads": 48, "n_layers": 40,
+    "max_seq_len": 32768, "vocab_size": 100352, "emb_pdrop": 0.0, "resid_pdrop": 0.0, "tie_word_embeddings": False,
+    "attn_config": {"clip_qkv": 8, "kv_n_heads": 8, "model_type": "", "rope_theta": 500000},
+    "ffn_config": {"ffn_hidden_size": 10752, "model_type": "", "moe_jitter_eps": 0.01, "moe_loss_weight": 0.05,
+                   "moe_num_experts": 16, "moe_top_k": 4},
+    "eos_token_id": 100257, "pad_token_id": 100277, "initializer_range": 0.02, "output_router_logits": False,
+}  # fmt: skip
+
+
+def test_dbrx_instruct_config_reads_as_released() -> None:
+    """DBRX Instruct's released config: its shape from DBRX's own names and nested parts, 16 experts 10,752 wide of
+    which the top 4 are renormalised (`moe_normalize_expert_weights` absent: 1), q/k/v clamped to 8, LayerNorms,
+    `attn_config`'s rope base (500,000) over the default `rope_parameters` that transformers 5 writes back beside it;
+    what the layers do not build is refused by name."""
+    config = model_config_from_hf(DBRX_INSTRUCT)
+    shape = (config.architecture, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+             config.head_dim, config.num_hidden_layers, config.max_position_embeddings)  # fmt: skip
+    assert shape == ("dbrx", 6144, 48, 8, 128, 40, 32768)
+    experts = (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.norm_topk_prob)
+    assert experts == (16, 4, 10752, True)
+    assert (config.clip_qkv, config.layer_norm, config.rms_norm_eps, config.rope_theta) == (8.0, True, 1e-5, 500000.0)
+    assert (config.tie_word_embeddings, config.attention_bias, config.eos_token_ids) == (False, False, (100257,))
+    resaved = {**DBRX_INSTRUCT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    assert model_config_from_hf(resaved).rope_theta == 500000.0
+    ffn = DBRX_INSTRUCT["ffn_config"]
+    unnormalised = {**DBRX_INSTRUCT, "ffn_config": {**ffn, "moe_normalize_expert_weights": None}}
+    assert not model_config_from_hf(unnormalised).norm_topk_prob
+    for bad, message in (
+        ({"ffn_config": {**ffn, "ffn_act_fn": {"name": "gelu"}}}, "dbrx ffn_act_fn {'name': 'gelu'} is not supported"),
+        ({"ffn_config": {**ffn, "moe_normalize_expert_weights": 2}}, "dbrx moe_normalize_expert_weights 2 is not"),
+        ({"tie_word_embeddings": True}, "dbrx with tie_word_embeddings is not supported"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_config_from_hf({**DBRX_INSTRUCT, **bad})
 
 
 def test_olmoe_config_and_its_whole_projection_norms_split_by_rank() -> None:
