@@ -80,7 +80,7 @@ def families() -> dict[str, dict[str, Any]]:
             "glm-moe-dsa": glm_5,
             **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
             **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF, "falcon-h1": {},
-            "jamba": {}, **STATE_SPACE_GGUF, "mamba": mamba, "falcon-mamba": falcon_mamba}
+            "jamba": {}, **STATE_SPACE_GGUF, "mamba": mamba, "falcon-mamba": falcon_mamba, "dbrx": {}}
 
 
 def check(

@@ -53,6 +53,7 @@ DBRX: dict[str, Any] = {
     "attn_config": {"kv_n_heads": 2, "clip_qkv": 1.0, "rope_theta": 500_000.0},
     "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
     "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0},
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
 # Sliding windows: 20 positions, more than a 16-token block and less than two, so a window starts mid-block and
 # spans blocks; the tests' prompts are shorter and longer than that.
@@ -869,7 +870,7 @@ _GGUF_ARCHITECTURES = {
     "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
     "gpt2": "gpt2", "gpt_bigcode": "starcoder", "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2",
     "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
-    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2",
+    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2", "dbrx": "dbrx",
 }  # fmt: skip
 # The state space models' architectures: no attention, their own keys (`_state_space_metadata`).
 _GGUF_STATE_SPACE = ("mamba", "mamba2")
@@ -1083,9 +1084,12 @@ def write_gguf(
                   "num_key_value_heads": 1 if config.get("multi_query") else config["n_head"]}  # fmt: skip
     if arch == "nemotron_h" and "moe" in config["layers_block_type"]:  # Nemotron 3's: its converter's other name
         arch = "nemotron_h_moe"
-    if arch in _GGUF_STATE_SPACE:  # no attention heads, no rope
+    if arch in (*_GGUF_STATE_SPACE, "dbrx"):  # no attention heads, no rope; DBRX's nested config
         writer = GGUFWriter(str(path), arch)
-        _state_space_metadata(writer, config, arch)
+        if arch == "dbrx":
+            _dbrx_metadata(writer, config)
+        else:
+            _state_space_metadata(writer, config, arch)
         write_gpt2_tokenizer(writer, folder)
         _write_tensors(writer, folder, config, arch, feed_forward, attention, output, types)
         return path
@@ -1447,6 +1451,57 @@ def _state_space_metadata(writer: Any, config: dict[str, Any], arch: str) -> Non
         writer.add_ssm_dt_b_c_rms(config["model_type"] == "falcon_mamba")
 
 
+def _dbrx_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """DBRX's keys as llama.cpp's converter writes them (`dbrx`): its shape from its own names and nested parts, the
+    experts' width as `feed_forward_length`, `clip_qkv` as `attention.clamp_kqv`, the LayerNorms' fixed 1e-5; no head
+    width, rope dimensions or window."""
+    attention, ffn = config["attn_config"], config["ffn_config"]
+    writer.add_block_count(config["n_layers"])
+    writer.add_context_length(config["max_seq_len"])
+    writer.add_embedding_length(config["d_model"])
+    writer.add_feed_forward_length(ffn["ffn_hidden_size"])
+    writer.add_head_count(config["n_heads"])
+    writer.add_head_count_kv(attention["kv_n_heads"])
+    writer.add_rope_freq_base(attention["rope_theta"])
+    writer.add_clamp_kqv(attention["clip_qkv"])
+    writer.add_expert_count(ffn["moe_num_experts"])
+    writer.add_expert_used_count(ffn["moe_top_k"])
+    writer.add_layer_norm_eps(1e-5)
+
+
+# DBRX's checkpoint names and llama.cpp's: its `norm_2` (before the experts) is `attn_output_norm`.
+_GGUF_DBRX_GLOBAL = {"transformer.wte.weight": "token_embd.weight", "transformer.norm_f.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}  # fmt: skip
+_GGUF_DBRX_LAYER = {
+    "norm_attn_norm.norm_1": "attn_norm", "norm_attn_norm.attn.Wqkv": "attn_qkv",
+    "norm_attn_norm.attn.out_proj": "attn_output", "norm_attn_norm.norm_2": "attn_output_norm",
+    "ffn.router.layer": "ffn_gate_inp",
+}  # fmt: skip
+_GGUF_DBRX_EXPERTS = {"w1": "ffn_gate_exps", "v1": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def _llama_cpp_dbrx(
+    name: str, tensor: torch.Tensor, config: dict[str, Any], feed_forward: Any, attention: Any, output: Any
+) -> dict[str, tuple[np.ndarray, Any]]:
+    """One of DBRX's checkpoint tensors as llama.cpp's converter writes it, by GGUF name with its type: each
+    projection's experts (`ffn.experts.mlp.w1`, `v1`, `w2`, `[experts * width, hidden]`) viewed as `[experts, width,
+    hidden]`, `w2`'s then as `[experts, hidden, width]`, in `feed_forward`'s type; q/k/v (one tensor, as stored: no
+    rows permuted) and the output projection in `attention`'s, the LM head in `output`'s; norms, embeddings and the
+    router F32."""
+    array = tensor.float().numpy()
+    if name in _GGUF_DBRX_GLOBAL:
+        return {_GGUF_DBRX_GLOBAL[name]: (array, output if name == "lm_head.weight" else None)}
+    layer, _, rest = name.removeprefix("transformer.blocks.").partition(".")
+    stem, _, param = rest.rpartition(".")
+    if stem == "ffn.experts.mlp":
+        ffn = config["ffn_config"]
+        bank = array.reshape(ffn["moe_num_experts"], ffn["ffn_hidden_size"], -1)
+        bank = bank.transpose(0, 2, 1) if param == "w2" else bank
+        return {f"blk.{layer}.{_GGUF_DBRX_EXPERTS[param]}.weight": (np.ascontiguousarray(bank), feed_forward)}
+    kind = _GGUF_DBRX_LAYER[stem]
+    return {f"blk.{layer}.{kind}.{param}": (array, attention if kind in ("attn_qkv", "attn_output") else None)}
+
+
 def _llama_cpp_state_space(
     name: str, tensor: torch.Tensor, config: dict[str, Any], attention: Any
 ) -> dict[str, tuple[np.ndarray, Any]]:
@@ -1712,6 +1767,9 @@ def _write_tensors(
         if arch in _GGUF_STATE_SPACE:
             tensors.update(_llama_cpp_state_space(name, tensor, config, attention))
             continue
+        if arch == "dbrx":
+            tensors.update(_llama_cpp_dbrx(name, tensor, config, feed_forward, attention, output))
+            continue
         if arch == "jamba":
             if (jamba := _llama_cpp_jamba_mixer(name, tensor, attention)) is not None:
                 tensors.update(jamba)
@@ -1804,7 +1862,8 @@ def _write_tensors(
             tensors[gguf_name] = (array, attention if projection else None)
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
-    if not arch.startswith("nemotron_h"):  # (whose config states no layer count: its blocks are its pattern's)
+    if not arch.startswith("nemotron_h") and arch != "dbrx":  # (whose configs state no layer count: Nemotron-H's
+        # blocks are its pattern's; DBRX's is `n_layers`)
         tensors.update(_prediction_layer_tensors(tensors, config, arch))
     for gguf_name, stored_type in (types or {}).items():
         tensors[gguf_name] = (tensors[gguf_name][0], stored_type)

@@ -45,6 +45,12 @@ from engine_server.loader.gguf_classic import (
     headwise_norms,
     kv_grouped_qkv_rows,
 )
+from engine_server.loader.gguf_dbrx import (
+    DBRX_GLOBAL_NAMES,
+    DBRX_LAYER_NAMES,
+    DBRX_LAYERS_PREFIX,
+    dbrx_checkpoint_banks,
+)
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
@@ -277,7 +283,7 @@ _JAMBA_BARE = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D"}
 # Where a family's checkpoints hold their layers other than under `model.layers.`.
 _LAYERS_PREFIX = {
     "nemotron_h": "backbone.layers.", **CLASSIC_LAYERS_PREFIX,
-    **{model_type: "backbone.layers." for model_type in STATE_SPACE_LAYER_NAMES},
+    **{model_type: "backbone.layers." for model_type in STATE_SPACE_LAYER_NAMES}, **DBRX_LAYERS_PREFIX,
 }  # fmt: skip
 # Per architecture (HF model_type), a layer's tensors llama.cpp names apart from the checkpoint's
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
@@ -299,6 +305,8 @@ _BARE_LAYER_NAMES = {
     "jamba": _JAMBA_BARE,
     **STATE_SPACE_BARE_NAMES,
 }
+# Families whose checkpoints name the embeddings, the final norm and the LM head their own way.
+_OWN_GLOBAL_NAMES = {**STATE_SPACE_GLOBAL_NAMES, **DBRX_GLOBAL_NAMES}
 _LAYER_PARAMETER = re.compile(r"blk\.(\d+)\.(.+)")
 # Hunyuan: its q/k norms' own names (applied after rope).
 _HUNYUAN_LAYER_NAMES = {
@@ -330,6 +338,7 @@ _ARCHITECTURE_LAYER_NAMES = {
     "falcon_h1": _FALCON_H1_LAYER_NAMES,
     "jamba": _JAMBA_LAYER_NAMES,
     **STATE_SPACE_LAYER_NAMES,
+    **DBRX_LAYER_NAMES,
     "hunyuan_v1_dense": _HUNYUAN_LAYER_NAMES,
     **CLASSIC_LAYER_NAMES,
     "apertus": {**_LAYER_NAMES, "attn_norm": "attention_layernorm", "ffn_norm": "feedforward_layernorm"},
@@ -390,8 +399,8 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _FALCON_H1_GLOBAL[gguf_name]
     if gguf_name in CLASSIC_GLOBAL_NAMES.get(architecture, {}):
         return CLASSIC_GLOBAL_NAMES[architecture][gguf_name]
-    if gguf_name in STATE_SPACE_GLOBAL_NAMES.get(architecture, {}):
-        return STATE_SPACE_GLOBAL_NAMES[architecture][gguf_name]
+    if gguf_name in _OWN_GLOBAL_NAMES.get(architecture, {}):
+        return _OWN_GLOBAL_NAMES[architecture][gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
@@ -428,10 +437,10 @@ def prediction_layer_tensor(gguf_name: str, config: dict[str, Any]) -> bool:
     """Whether `gguf_name` is a tensor of a multi-token-prediction layer, which a file of `config` (its converted
     config.json) holds after its decoder layers (`blk.<n>` for n from `num_hidden_layers` on, as many as
     `num_nextn_predict_layers`: GLM-4.5's, with their `nextn.*` tensors): never read, as the checkpoint's are not."""
+    if not config.get("num_nextn_predict_layers"):  # (DBRX's config names its layer count `n_layers`)
+        return False
     match = _LAYER_PARAMETER.fullmatch(gguf_name)
-    return match is not None and int(match.group(1)) >= int(config["num_hidden_layers"]) and bool(
-        config.get("num_nextn_predict_layers")
-    )
+    return match is not None and int(match.group(1)) >= int(config["num_hidden_layers"])
 
 
 def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) -> list[ExpertSlice] | None:
@@ -503,8 +512,12 @@ def transformers_banks(
       `[E, I, H]` and its bias `[E, H]`;
     - Granite MoE and Granite 4.0 (`_granite_checkpoint`): `block_sparse_moe.input_linear` `[E, 2I, H]` (each
       expert's gate rows, then its up rows) and `output_linear` `[E, H, I]`; the shared MLP's gate and up rows joined
-      into `shared_mlp.input_linear`, its down projection `shared_mlp.output_linear`."""
+      into `shared_mlp.input_linear`, its down projection `shared_mlp.output_linear`;
+    - DBRX (`gguf_dbrx.dbrx_checkpoint_banks`): `ffn.experts.mlp.w1`, `v1`, `w2`, `[E * I, H]` each."""
     model_type = config["model_type"]
+    if model_type == "dbrx":  # (`gguf_dbrx.dbrx_checkpoint_banks`)
+        yield from dbrx_checkpoint_banks(weights, int(config["ffn_config"]["moe_num_experts"]))
+        return
     if model_type in _GRANITE_TYPES[1:]:
         yield from _granite_checkpoint(weights, int(config.get("num_local_experts") or 0))
         return
@@ -909,7 +922,7 @@ def save_gguf_tokenizer(
                 )
     except Exception as exc:  # transformers raises many types for a missing or odd vocabulary
         raise ValueError(f"model {spec!r}: cannot build a tokenizer from the GGUF metadata: {exc}") from exc
-    tokenizer.model_max_length = config["max_position_embeddings"]
+    tokenizer.model_max_length = config.get("max_position_embeddings") or config["max_seq_len"]  # (DBRX's name)
     tokenizer.save_pretrained(str(folder))
 
 

@@ -20,6 +20,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from engine_server.loader.gguf_classic import CLASSIC_GGUF_ARCHITECTURES, CLASSIC_LAYER_NORMED, classic_gguf_config
+from engine_server.loader.gguf_dbrx import DBRX_GGUF_ARCHITECTURES, dbrx_gguf_config
 from engine_server.loader.gguf_state_space import STATE_SPACE_GGUF_ARCHITECTURES, state_space_gguf_config
 from engine_server.pooling.params import PoolingMethod
 
@@ -81,6 +82,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     **CLASSIC_GGUF_ARCHITECTURES,
     # Mamba (Falcon Mamba's too) and Mamba-2, without attention (`gguf_state_space`).
     **STATE_SPACE_GGUF_ARCHITECTURES,
+    # DBRX: its nested config (`gguf_dbrx`), LayerNorms, q/k/v in one tensor clamped to `attention.clamp_kqv`.
+    **DBRX_GGUF_ARCHITECTURES,
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -88,7 +91,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 _NO_CONTEXT_STATED = 2**20
 _HYBRID_CONTEXT = 131072
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), not RMSNorms.
-_LAYER_NORMED = ("command-r", "cohere2", *CLASSIC_LAYER_NORMED)
+_LAYER_NORMED = ("command-r", "cohere2", "dbrx", *CLASSIC_LAYER_NORMED)
 # Cohere 2 as llama.cpp reads a `cohere2` file: every 4th layer global (its windows' pattern is fixed there).
 _COHERE2_GLOBAL_EVERY = 4
 # The hybrids of Gated DeltaNet linear attention and full attention (`gguf_convert` says how their tensors are laid).
@@ -614,6 +617,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(classic_gguf_config(arch, config, tensors, functools.partial(read_field, reader)))
     elif arch in STATE_SPACE_GGUF_ARCHITECTURES:
         return state_space_gguf_config(arch, config, tensors, functools.partial(read_field, reader), spec)
+    elif arch in DBRX_GGUF_ARCHITECTURES:
+        return dbrx_gguf_config(config, experts, functools.partial(read_field, reader), spec)
     elif arch in _LAYER_NORMED:
         config.update(_cohere_config(reader, arch, config, tensors))
     elif arch in ("ernie4_5", "ernie4_5-moe"):

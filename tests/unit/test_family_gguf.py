@@ -480,6 +480,41 @@ def test_a_minimax_m2_gguf_is_exact_on_the_float_path_and_served_from_its_blocks
     assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.01, result
 
 
+def test_a_dbrx_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(tmp_path: Path) -> None:
+    """A DBRX file as llama.cpp's converter writes it (`dbrx`: q/k/v in one `attn_qkv` as stored, `norm_2` as
+    `attn_output_norm`, the clamp as `attention.clamp_kqv`, each projection's experts in one 3-D tensor, `w2`'s
+    transposed): converted, the config is the saved model's (DBRX's nested one) and written out for transformers
+    every tensor comes back under its checkpoint name (the experts as its one tensor a projection), and the float
+    path equals transformers token for token. Served from its blocks, q/k/v, the output projection and every bank
+    of experts are the file's blocks (the router float), and it holds `ladle bench quality`'s thresholds (98.96% /
+    0.00014 measured)."""
+    _, layers, result = exact_then_served(tmp_path, "dbrx")
+    assert layers == {f"model.layers.{i}.{name}": fmt for i in range(4) for name, fmt in (
+        ("self_attn.qkv_proj", "q8"), ("self_attn.o_proj", "q8"), ("mlp.experts", "experts_q4_32"))}, layers
+    assert result.top1_agreement >= 0.95 and result.mean_kl <= 0.01, result
+
+
+def test_a_dbrx_gguf_in_a_form_it_is_not_is_refused(tmp_path: Path) -> None:
+    """A `dbrx` file without experts, with tied embeddings (no `output`), or with another LayerNorm epsilon than
+    DBRX's 1e-5 describes no DBRX: each is refused by name."""
+    keys = {"block_count": 2, "context_length": 64, "embedding_length": 32, "feed_forward_length": 16,
+            "head_count": 2, "head_count_kv": 1, "layer_norm_eps": 1e-5, "expert_count": 4, "expert_used_count": 2,
+            "clamp_kqv": 8.0}  # fmt: skip
+    output = {"output.weight": (64, 32)}
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "dbrx.gguf", "dbrx", keys, output), "dbrx.gguf")
+    assert (config["d_model"], config["n_layers"], config["attn_config"]["clip_qkv"]) == (32, 2, 8.0)
+    assert config["ffn_config"] == {"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2,
+                                    "moe_normalize_expert_weights": 1.0}  # fmt: skip
+    for name, changed, tensors, refusal in (
+        ("dense", {"expert_count": 0, "expert_used_count": 0}, output, "of 0 experts"),
+        ("tied", {}, {}, "without an output tensor"),
+        ("eps", {"layer_norm_eps": 1e-6}, output, "LayerNorm epsilon 1e-06"),
+    ):
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", "dbrx", {**keys, **changed}, tensors)
+        with pytest.raises(ValueError, match=refusal):
+            hf_config_from_gguf(reader, f"{name}.gguf")
+
+
 # GLM-4.5 as llama.cpp reads a `glm4moe` file: one group of experts (it reads no group counts for the architecture;
 # the released models have one group).
 GLM4_MOE_GGUF: dict[str, Any] = {"n_group": 1, "topk_group": 1}
