@@ -26,6 +26,7 @@ from engine_server.config import (
 )
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
 from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
+from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
@@ -194,6 +195,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
     **MAMBA_ARCHITECTURES,  # Mamba, Falcon Mamba, Mamba-2: state space models alone (`hf_mamba`)
     **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
+    **GLM4_MOE_KIN,  # Param2, MiniCPM5-MoE: GLM-4.5's layout, their configs read first (`hf_glm4_moe_kin`)
 }
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
@@ -259,6 +261,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = classic_config(model_type, cfg)
     cfg = mamba_config(model_type, cfg)
     cfg = dbrx_config(model_type, cfg)
+    cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
         # dense width is its experts', as a file of it states: the config's own is unused)
@@ -411,6 +414,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **classic_fields(model_type, cfg),
         **mamba_fields(model_type, cfg),
         **dbrx_fields(model_type),
+        **glm4_moe_kin_fields(model_type),
         **nemotron,
     )
 
@@ -865,10 +869,11 @@ def _hy_v4_config(cfg: dict[str, Any], vision: bool) -> dict[str, Any]:
     """An HY-V4 (`hy_v4`) `config.json`, or Hy4's text model (`vision`: its `text_config`, read as `hy_v4`), with
     transformers' defaults where a key is absent: one shared expert, the routed scale 2.827, the first layer dense
     (`mlp_layer_types`), an indexer of its own on layer 0 and every fourth from layer 1 (`indexer_types`, the others
-    "shared"), the experts' SwiGLU clamp 10 (0 or less: none). HY-V4 turns its attention's and indexer's rope dims
-    as halves and normalises its latents at 1e-6; Hy4 turns them as interleaved pairs (its M-RoPE turns a text token's
-    three position components, all one position, as plain rope does) and normalises its latents at `rms_norm_eps`
-    (`hy_latent_norm_eps`). ValueError for layer kinds other than indexed attention."""
+    "shared"), the experts' SwiGLU clamp 10 (0 or less: none). Both turn their attention's and indexer's rope dims
+    as interleaved pairs (as transformers 5.25 does; 5.24 turned HY-V4's as halves: a config's `rope_interleave`
+    false still says so); HY-V4 normalises its latents at 1e-6, Hy4 (whose M-RoPE turns a text token's three position
+    components, all one position, as plain rope does) at `rms_norm_eps` (`hy_latent_norm_eps`). ValueError for layer
+    kinds other than indexed attention."""
     layers = int(cfg["num_hidden_layers"])
     kinds = set(cfg.get("layer_types") or ["indexed_attention"])
     if kinds != {"indexed_attention"}:
@@ -876,7 +881,7 @@ def _hy_v4_config(cfg: dict[str, Any], vision: bool) -> dict[str, Any]:
     return {
         **cfg,
         "model_type": "hy_v4",
-        "rope_interleave": bool(cfg.get("rope_interleave", vision)),
+        "rope_interleave": bool(cfg.get("rope_interleave", True)),
         "hy_latent_norm_eps": float(cfg.get("rms_norm_eps") or 1e-5) if vision else 1e-6,
         "n_shared_experts": cfg.get("n_shared_experts", 1),
         "routed_scaling_factor": cfg.get("routed_scaling_factor") or 2.827,
@@ -1701,7 +1706,8 @@ def _afmoe_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 # The families in GLM-4.5's layout (`glm4_moe`) whose rope turns each whole head (GLM-4.5's: half).
-_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna", "kolibri1", "flint")
+_WHOLE_ROPE_GLM4_MOE = ("solar_open", "exaone_moe", "hy_v3", "sarvam_moe", "dots1", "laguna", "kolibri1", "flint",
+                        "param2moe", "minicpm5_moe")
 
 
 # Families transformers builds as Llama, which reads no `sliding_window` (their configs may still carry one).

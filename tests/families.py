@@ -177,6 +177,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "OlmoeConfig",
         {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "clip_qkv": 1.5},
     ),
+    # Sarvam 30B and Param2: GLM-4.5's model saved under the Ling models' names (`query_key_value`, `dense`,
+    # `query_layernorm`, `word_embeddings`), as their checkpoints hold it.
+    "sarvam-moe": (
+        "SarvamMoEConfig",
+        {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "num_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    "param2moe": (
+        "Param2MoeConfig",
+        {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # MiniCPM5-MoE: a dense first layer, then top-2 of 8 experts by sigmoid score and a routing bias beside a shared
+    # expert (DeepSeek-V3's router), under Llama's attention with each query dim's output gated by a sigmoid.
+    "minicpm5-moe": (
+        "MiniCPM5MoeConfig",
+        {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # DBRX: top-2 of 4 experts (each layer's stored as one tensor a projection), bias-free LayerNorms, q/k/v in one
     # projection clamped to 1.0, 500,000 as the rope base in both places a config states it (transformers 5 builds
     # the rope from `rope_parameters` and needs `attn_config`'s too; ladle reads `attn_config`'s, the released one).

@@ -22,6 +22,19 @@ _KOLIBRI_RENAMES = (
 )
 
 
+# Sarvam 30B's and Param2's checkpoints, in the names of the Ling (Bailing) models they came from: the embeddings as
+# `word_embeddings`, q/k/v in one `query_key_value` (rows `cat(q, k, v)`, read as a fused `qkv_proj`), the per-head
+# q/k norms and output projection under `attention`, the routing bias on the router as `expert_bias`.
+_BAILING_RENAMES = (
+    ("model.word_embeddings.", "model.embed_tokens."),
+    (".attention.query_key_value.", ".self_attn.qkv_proj."),
+    (".attention.dense.", ".self_attn.o_proj."),
+    (".attention.query_layernorm.", ".self_attn.q_norm."),
+    (".attention.key_layernorm.", ".self_attn.k_norm."),
+    (".mlp.gate.expert_bias", ".mlp.gate.e_score_correction_bias"),
+)
+
+
 class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.5 (`glm4_moe`): each layer's attention is the standard grouped-query attention with q/k/v biases
     (`attention_bias`), rope over the first half of each head (`partial_rotary_factor` 0.5) and, where
@@ -30,7 +43,9 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
     ungated shared experts, checkpoint `mlp.shared_experts`). Its multi-token-prediction layer after the last one
     (`model.layers.46` of GLM-4.5) is not used and not read, as DeepSeek-V3's; nor are K-EXAONE's (`mtp.`). Solar
     Open, K-EXAONE (`exaone_moe`), Hy3 (`hy_v3`), Kolibri-1 (`kolibri1`: GLM-4's sandwich norms, its experts chosen
-    by logit plus bias) and Flint (`flint`: sinks, its experts by sigmoid score without a bias) come in this layout:
+    by logit plus bias), Flint (`flint`: sinks, its experts by sigmoid score without a bias), Sarvam 30B
+    (`sarvam_moe`) and Param2 (`param2moe`; both under the Ling models' names, `_BAILING_RENAMES`) and MiniCPM5-MoE
+    (`minicpm5_moe`: its `q_gate_proj` read as a gated `q_proj`) come in this layout:
     their quirks are `ModelConfig`'s; so does MiMo-V2-Flash (`mimo_v2_flash`), whose values are padded to the keys'
     width as they load (`models.mimo_v2_flash`) and whose multi-token-prediction layers (`model.mtp.`) are not read."""
 
@@ -46,6 +61,8 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
         (".mlp.shared_mlp.", ".mlp.shared_expert."),
         (".self_attn.attention_sink_bias", ".self_attn.sinks"),  # MiMo-V2-Flash's released name for its sinks
         (".self_attn.softmax_offset", ".self_attn.sinks"),  # Flint's
+        (".self_attn.q_gate_proj.", ".self_attn.q_proj."),  # MiniCPM5-MoE's queries and gates, head by head
+        *_BAILING_RENAMES,
     )
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE) -> None:

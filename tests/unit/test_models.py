@@ -371,6 +371,18 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "num_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0, "initializer_range": 0.05},
     ),
+    # Param2: GLM-4.5's model, rope over whole heads, q/k norms, two shared experts (its defaults); the first layer
+    # dense. MiniCPM5-MoE: its experts under Llama's attention with a sigmoid gate on each query dim's output.
+    "param2moe": (
+        transformers.Param2MoeConfig,
+        {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "pad_token_id": 0, "initializer_range": 0.05},
+    ),
+    "minicpm5-moe": (
+        transformers.MiniCPM5MoeConfig,
+        {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.05},
+    ),
     "sarvam-mla": (
         transformers.SarvamMLAConfig,
         {"num_key_value_heads": 4, "kv_lora_rank": 24, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
@@ -783,6 +795,8 @@ MODEL_CLASSES = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.DbrxConfig: transformers.DbrxForCausalLM,
+    transformers.Param2MoeConfig: transformers.Glm4MoeForCausalLM,
+    transformers.MiniCPM5MoeConfig: transformers.MiniCPM5MoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
@@ -1272,6 +1286,33 @@ def test_flint_configs_without_layer_kinds_read_as_transformers_fills_them_in() 
     assert not ours.router_score_bias and not ours.shared_expert_gated and ours.shared_expert_intermediate_size == 48
 
 
+@pytest.mark.parametrize(
+    "released",
+    [
+        {"model_type": "param2moe", "num_experts": 8, "num_shared_experts": 1, "use_qkv_bias": True},
+        {"model_type": "param2moe", "n_routed_experts": 8},
+        {"model_type": "minicpm5_moe", "n_routed_experts": 8},
+    ],
+)
+def test_param2_and_minicpm5_configs_read_as_transformers_fills_them_in(released: dict[str, Any]) -> None:
+    """Param2's and MiniCPM5-MoE's configs with only their shape stated (Param2's in its original names) read as
+    transformers builds them: Param2's tied embeddings, q/k norms, two shared experts, scaling 2.5 and base 500,000,
+    MiniCPM5's one shared expert, scaling 3.66 and base 5,000,000 and its output gate, each a dense first layer and
+    rope over whole heads. MiniCPM5-MoE without its gated attention is refused by name."""
+    shape = {**SMALL, "head_dim": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **released}
+    config_class = transformers.Param2MoeConfig if released["model_type"] == "param2moe" else \
+        transformers.MiniCPM5MoeConfig  # fmt: skip
+    ours, theirs = model_config_from_hf(shape), model_config_from_hf(config_class.from_dict(shape).to_dict())
+    assert ours == theirs
+    param2 = released["model_type"] == "param2moe"
+    assert (ours.tie_word_embeddings, ours.qk_norm, ours.attention_output_gate) == (param2, param2, not param2)
+    assert ours.rope_theta == (500_000.0 if param2 else 5_000_000.0) and ours.rotary_dim == 16
+    assert ours.routed_scaling_factor == (2.5 if param2 else 3.66) and ours.dense_layers == (0,)
+    if not param2:
+        with pytest.raises(ValueError, match="minicpm5_moe with use_gated_attention false is not supported"):
+            model_config_from_hf({**shape, "use_gated_attention": False})
+
+
 def test_kimi_linear_configs_read_as_released_and_as_transformers_writes_them() -> None:
     """Moonshot's released config.json (its layer kinds in `linear_attn_config`, counted from 1; its own names for
     the experts' settings) reads as transformers builds the same model; without layer kinds, full attention on every
@@ -1307,9 +1348,10 @@ def test_kimi_linear_configs_read_as_released_and_as_transformers_writes_them() 
 def test_hy_v4_configs_read_as_transformers_fills_them_in() -> None:
     """An HY-V4 config.json without its layer lists, shared experts, routed scale or clamp reads as transformers
     builds the model from it (the first layer dense, an indexer on layer 0 and every fourth from layer 1, one shared
-    expert, 2.827, the clamp at 10 without the up offset, four streams), and as transformers writes it back; a clamp
-    of 0 is none. Hy4's (its text model beside a vision tower): rope over interleaved pairs, its latents normalised at
-    its own epsilon. Refused by name: a layer kind other than indexed attention."""
+    expert, 2.827, the clamp at 10 without the up offset, four streams, rope over interleaved pairs), and as
+    transformers writes it back; a clamp of 0 is none; `rope_interleave` false turns halves. Hy4's (its text model
+    beside a vision tower): rope over interleaved pairs too, its latents normalised at its own epsilon. Refused by
+    name: a layer kind other than indexed attention."""
     released = {
         **SMALL, "model_type": "hy_v4", "num_hidden_layers": 7, "q_lora_rank": 48, "kv_lora_rank": 24,
         "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8,
@@ -1321,16 +1363,18 @@ def test_hy_v4_configs_read_as_transformers_fills_them_in() -> None:
         ours = model_config_from_hf(raw)
         assert [ours.is_moe_layer(i) for i in range(7)] == [kind == "sparse" for kind in theirs.mlp_layer_types]
         indexer = ours.sparse_indexer
-        assert indexer is not None and indexer.rope_last and not indexer.rope_interleave
+        assert indexer is not None and indexer.rope_last and indexer.rope_interleave
         assert indexer.shared_layers == tuple(i for i, kind in enumerate(theirs.indexer_types) if kind == "shared")
         assert indexer.shared_layers == (2, 3, 4, 6) and indexer.key_norm_eps == theirs.rms_norm_eps
         assert ours.shared_expert_intermediate_size == 32 and ours.routed_scaling_factor == 2.827
         assert (ours.swiglu_limit, ours.swiglu_alpha, ours.swiglu_up_offset) == (10.0, 1.0, 0.0)
         assert ours.hyper_connections == HyperConnections(streams=4, post_scale=2.0, eps=1e-6)
         mla = ours.latent_attention
-        assert mla is not None and mla.value_gate and not mla.rope_interleave and mla.latent_norm_eps == 1e-6
+        assert mla is not None and mla.value_gate and mla.rope_interleave and mla.latent_norm_eps == 1e-6
         assert ours.attention_sinks and not ours.tie_word_embeddings
     assert model_config_from_hf({**released, "swiglu_limit": 0}).swiglu_limit == 0.0
+    halves = model_config_from_hf({**released, "rope_interleave": False})
+    assert halves.latent_attention is not None and not halves.latent_attention.rope_interleave
     text = {**released, "model_type": "hy_v4_vl_text",
             "rope_parameters": {"rope_theta": 1e4, "mrope_section": [2, 1, 1]}}  # fmt: skip
     hy4 = model_config_from_hf(transformers.HYV4VLConfig(text_config=text).to_dict())  # Hy4: interleaved pairs
