@@ -489,8 +489,8 @@ class ModelConfig:
     # The dense MLP's activation: gated, `down(act(gate(x)) * up(x))` with SiLU or GELU (tanh); or ungated
     # `down(act(up(x)))` (`layers.mlp.UngatedMLP`) with Nemotron-H's, Arcee's and Jais 2's relu² ("relu2") or
     # Apertus's xIELU, whose four scalars each layer's checkpoint holds ("xielu"), or where `gated_mlp` is off (the
-    # GPT-NeoX lineage: StarCoder2's and Phi's GELU (tanh), GPT-NeoX's exact GELU, "gelu").
-    hidden_act: Literal["silu", "gelu_tanh", "gelu", "relu2", "xielu"] = "silu"
+    # GPT-NeoX lineage: StarCoder2's and Phi's GELU (tanh), GPT-NeoX's exact GELU, "gelu"; OPT's ReLU, "relu").
+    hidden_act: Literal["silu", "gelu_tanh", "gelu", "relu2", "relu", "xielu"] = "silu"
     gated_mlp: bool = True
     sandwich_norms: bool = False
     attention_scale: float = 0.0

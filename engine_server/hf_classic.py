@@ -1,9 +1,9 @@
 """The classic decoders' `config.json`: GPT-2, GPT-BigCode (StarCoder, SantaCoder, WizardCoder), GPT-NeoX (Pythia,
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
-(StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first) and EXAONE
-(3.0, 3.5). Each is read as a Llama config (`classic_config`: their own key names given Llama's, what their
-transformers class fills in where a file leaves it out) plus the fields of their blocks (`classic_fields`). Any
-family's reader takes a float of a config.json through `json_float`."""
+(StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
+(3.0, 3.5) and OPT (125M to 66B). Each is read as a Llama config (`classic_config`: their own key names given
+Llama's, what their transformers class fills in where a file leaves it out) plus the fields of their blocks
+(`classic_fields`). Any family's reader takes a float of a config.json through `json_float`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     "nemotron": "gpt_neox",
     "olmo": "llama",
     "exaone": "llama",
+    "opt": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
 _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
@@ -41,6 +42,7 @@ _ACTIVATIONS = {
     "stablelm": {"silu": "silu"},
     "olmo": {"silu": "silu"},
     "exaone": {"silu": "silu"},
+    "opt": {"relu": "relu"},
 }
 # Keys a family's config names its own way, and Llama's name for each.
 _RENAMED_KEYS = {
@@ -57,6 +59,7 @@ _RENAMED_KEYS = {
     "stablelm": {"use_qkv_bias": "attention_bias"},
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
+    "opt": {"ffn_dim": "intermediate_size", "activation_function": "hidden_act", "enable_bias": "attention_bias"},
 }  # fmt: skip
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
@@ -73,6 +76,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "starcoder2": {"attention_bias": True, "tie_word_embeddings": True},
     "olmo": {"rms_norm_eps": 1e-5},  # its LayerNorm's epsilon is fixed
     "stablelm": {"attention_out_bias": False},  # o_proj never has a bias
+    # OPT's LayerNorms take torch's default epsilon (its config names none)
+    "opt": {"attention_bias": True, "tie_word_embeddings": True, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
 }
 
 
@@ -87,7 +92,7 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     for any other `model_type`): Falcon's, GPT-2's and GPT-BigCode's KV heads and MLP widths as transformers builds
     them, GPT-J's rope share from its `rotary_dim`. ValueError for what this engine does not build: Phi's q/k
     LayerNorms (`qk_layernorm`, which no release sets), Falcon-RW's alibi, GPT-2's scores scaled by layer
-    (`scale_attn_by_inverse_layer_idx`) and cross-attention."""
+    (`scale_attn_by_inverse_layer_idx`) and cross-attention, OPT-350M's form (`_refuse_unbuilt_opt`)."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return cfg
     if model_type == "phi" and cfg.get("qk_layernorm"):
@@ -97,13 +102,15 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     for key in _UNBUILT.get(model_type, ()):
         if cfg.get(key):
             raise ValueError(f"{model_type} with {key} is not supported")
+    if model_type == "opt":
+        _refuse_unbuilt_opt(cfg)
     renamed = dict(cfg)
     for theirs, ours in _RENAMED_KEYS.get(model_type, {}).items():  # the family's own key over any under Llama's name
         if theirs in renamed:
             renamed[ours] = renamed.pop(theirs)
     if model_type == "olmo":
         renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
-    if model_type in ("gpt_neox", "gptj"):  # every head its own K/V (a stray `num_key_value_heads` is not read)
+    if model_type in ("gpt_neox", "gptj", "opt"):  # every head its own K/V (a stray `num_key_value_heads` is not read)
         renamed["num_key_value_heads"] = renamed["num_attention_heads"]
     if model_type == "falcon":
         renamed.update(_falcon_shape(renamed))
@@ -126,6 +133,20 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return renamed
 
 
+def _refuse_unbuilt_opt(cfg: dict[str, Any]) -> None:
+    """ValueError for the OPT forms this engine does not build: OPT-350M's post-norm block (`do_layer_norm_before`
+    false) and its embeddings narrower than the model (`word_embed_proj_dim`, projected in and out), a model without
+    its final norm (`_remove_final_layer_norm`) or LayerNorms without a weight and bias
+    (`layer_norm_elementwise_affine` false)."""
+    if not cfg.get("do_layer_norm_before", True):
+        raise ValueError("opt with do_layer_norm_before false (OPT-350M's post-norm block) is not supported")
+    hidden, width = cfg.get("hidden_size"), cfg.get("word_embed_proj_dim")
+    if width is not None and width != hidden:
+        raise ValueError(f"opt with word_embed_proj_dim {width} other than hidden_size {hidden} is not supported")
+    if cfg.get("_remove_final_layer_norm") or not cfg.get("layer_norm_elementwise_affine", True):
+        raise ValueError("opt without its final LayerNorm, or with LayerNorms without weights, is not supported")
+
+
 def falcon_kv_heads(cfg: dict[str, Any]) -> int:
     """Falcon's KV heads as transformers builds them from its `config.json` (`cfg`): `num_kv_heads` under its new
     decoder architecture (40B, 180B, Falcon2), one with `multi_query` (7B), else every head its own."""
@@ -145,8 +166,8 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields of a classic family's blocks (`cfg` as `classic_config` gives it; {} for the other
     families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
     and their activation, GPT-NeoX's, Falcon's, GPT-J's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's
-    q/k LayerNorms per head, GPT-2's and GPT-BigCode's learned positions (GPT-2's Conv1D weights), GPT-J's and Phi's
-    LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
+    q/k LayerNorms per head, GPT-2's, GPT-BigCode's and OPT's learned positions (GPT-2's Conv1D weights), GPT-J's and
+    Phi's LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return {}
     activations = _ACTIVATIONS[model_type]
@@ -178,6 +199,8 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields.update(parallel_block=parallel, qk_layer_norm=head_norms)
     elif model_type == "starcoder2":
         fields.update(mlp_bias=bool(cfg.get("attention_bias")))  # its `use_bias`, on every projection
+    elif model_type == "opt":  # learned positions; its `enable_bias` on every projection
+        fields.update(mlp_bias=bool(cfg.get("attention_bias")), absolute_positions=True)
     else:  # nemotron: LayerNorm1P, `(1 + weight)`, folded into the weight at load
         fields.update(mlp_bias=bool(cfg.get("mlp_bias")), norm_offset=1.0)
     return fields

@@ -189,6 +189,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # OPT (125M to 66B's form): learned positions, biased LayerNorms and projections, a ReLU MLP, tied embeddings.
+    "opt": ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0, "bos_token_id": 1,
+                          "eos_token_id": 2}),
     # MiniCPM5-MoE: a dense first layer, then top-2 of 8 experts by sigmoid score and a routing bias beside a shared
     # expert (DeepSeek-V3's router), under Llama's attention with each query dim's output gated by a sigmoid.
     "minicpm5-moe": (

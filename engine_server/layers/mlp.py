@@ -1,6 +1,6 @@
 """Feed-forward blocks: gated (SwiGLU, or Gemma's GELU-tanh GeGLU) with the gate and up projections fused into one
 matmul, or ungated: Nemotron-H's, Arcee's and Jais 2's relu², Apertus's xIELU (learned per layer), the GPT-NeoX
-lineage's GELU."""
+lineage's GELU, OPT's ReLU."""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class XIELU(nn.Module):
 class UngatedMLP(nn.Module):
     """`down(act(up(x)))`, no gate: act `relu(x)²` (Nemotron-H's, Arcee's and Jais 2's, transformers' `relu2`), xIELU
     (Apertus's, `XIELU`, whose scalars load as `act_fn.*`), GELU's tanh approximation ("gelu_tanh": StarCoder2's,
-    Phi's) or exact GELU ("gelu": GPT-NeoX's); with `bias`, up and down have biases (Jais 2's, the GPT-NeoX
-    lineage's; down's added on rank 0 alone under tensor parallelism).
+    Phi's), exact GELU ("gelu": GPT-NeoX's) or ReLU ("relu": OPT's); with `bias`, up and down have biases (Jais 2's,
+    the GPT-NeoX lineage's; down's added on rank 0 alone under tensor parallelism).
 
     Under tensor parallelism a rank holds a block of up's rows and the matching columns of down, whose partial sums
     it all-reduces, as `GatedMLP` does (the activation is elementwise: every rank holds xIELU's scalars whole)."""
@@ -127,4 +127,6 @@ class UngatedMLP(nn.Module):
             return activated
         if self.activation == "relu2":
             return relu_squared(up)
+        if self.activation == "relu":
+            return torch.relu(up)
         return F.gelu(up, approximate="tanh" if self.activation == "gelu_tanh" else "none")

@@ -1,6 +1,6 @@
 """The GPT-NeoX lineage (GPT-2, GPT-BigCode, GPT-NeoX and Pythia, Falcon, Phi-1/1.5/2, StableLM, StarCoder2,
-Nemotron-4): LayerNorms with biases, biased projections, rope over a leading share of each head (or learned positions),
-GELU (or relu²) MLPs without a gate, parallel blocks."""
+Nemotron-4, OPT): LayerNorms with biases, biased projections, rope over a leading share of each head (or learned
+positions), GELU (relu², ReLU) MLPs without a gate, parallel blocks."""
 
 from __future__ import annotations
 
@@ -27,13 +27,16 @@ _CONV1D = re.compile(r".+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.
 # The first GPT-2 checkpoints' names, without `transformer.`; their attention's causal-mask buffers.
 _BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.")
 MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
+# OPT's learned positions: row `p + 2` is position p's (its `OPTLearnedPositionalEmbedding` offset).
+_OPT_POSITIONS = "model.decoder.embed_positions.weight"
+_OPT_POSITION_OFFSET = 2
 # StableLM 2's q/k LayerNorms, one module per head.
 _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<head>\d+)\.weight")
 
 
 class GPTNeoXForCausalLM(CausalLM):
     """The GPT-NeoX lineage (`model_type` gpt2, gpt_bigcode, gpt_neox, falcon, phi, stablelm, starcoder2,
-    nemotron): their quirks are `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`:
+    nemotron, opt): their quirks are `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`:
     `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`,
     `lm_head_bias`, `absolute_positions`); their checkpoints' names are read as Llama's (`checkpoint_renames`),
     GPT-NeoX's, Falcon's and GPT-BigCode's fused q/k/v rows (grouped by KV head) as `cat(q, k, v)`, GPT-2's Conv1D
@@ -67,6 +70,15 @@ class GPTNeoXForCausalLM(CausalLM):
         (".mlp.fc2.", ".mlp.down_proj."),
         (".mlp.c_fc.", ".mlp.up_proj."),  # StarCoder2's
         (".mlp.c_proj.", ".mlp.down_proj."),
+        ("model.decoder.embed_tokens.", "model.embed_tokens."),  # OPT's
+        ("model.decoder.embed_positions.", "model.embed_positions."),
+        ("model.decoder.final_layer_norm.", "model.norm."),
+        ("model.decoder.layers.", "model.layers."),
+        (".self_attn_layer_norm.", ".input_layernorm."),
+        (".final_layer_norm.", ".post_attention_layernorm."),
+        (".self_attn.out_proj.", ".self_attn.o_proj."),
+        (".fc1.", ".mlp.up_proj."),
+        (".fc2.", ".mlp.down_proj."),
     )
 
     def checkpoint_weights(
@@ -74,8 +86,9 @@ class GPTNeoXForCausalLM(CausalLM):
     ) -> Iterable[tuple[str, CheckpointTensor]]:
         """GPT-NeoX's and Falcon's `query_key_value` as `qkv_proj` rows `cat(q, k, v)` (GPT-BigCode's `c_attn` too);
         GPT-2's Conv1D weights transposed; StableLM 2's q/k norms joined per layer; the earliest GPT-NeoX and GPT-2
-        checkpoints' causal-mask buffers, bare names (GPT-2's without `transformer.`) and `embed_out` (GPT-NeoX's LM
-        head's old name) as transformers reads them."""
+        checkpoints' causal-mask buffers, bare names (GPT-2's without `transformer.`, OPT's without `model.`) and
+        `embed_out` (GPT-NeoX's LM head's old name) as transformers reads them; OPT's learned positions from position
+        0's row on (`_OPT_POSITION_OFFSET` rows before it)."""
         config = self.config
         grouped = functools.partial(
             grouped_qkv_rows, n_head=config.num_attention_heads, n_kv_head=config.num_key_value_heads
@@ -87,6 +100,10 @@ class GPTNeoXForCausalLM(CausalLM):
                 name = "lm_head." + name.removeprefix("embed_out.")
             if config.absolute_positions and name.startswith(_BARE_GPT2):
                 name = "transformer." + name
+            if name.startswith("decoder."):  # OPT's first checkpoints, without `model.`
+                name = "model." + name
+            if name == _OPT_POSITIONS:  # its rows from position 0 on (the first two are never looked up)
+                tensor = tensor.narrow(0, _OPT_POSITION_OFFSET, tensor.shape[0] - _OPT_POSITION_OFFSET)
             if config.transposed_weights and _CONV1D.fullmatch(name):
                 tensor = reordered_tensor(tensor, lambda whole: whole.t().contiguous(), transposed=True)
             if _C_ATTN.fullmatch(name) and not config.transposed_weights:  # GPT-BigCode's, grouped by KV head

@@ -190,7 +190,7 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
 @pytest.mark.parametrize(
     "name",
     ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe", "jais2", "mimo-v2-flash", "gpt-neox",
-     "stablelm-12b", "falcon-40b", "gpt2", "dbrx"],
+     "stablelm-12b", "falcon-40b", "gpt2", "dbrx", "opt"],
 )
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
@@ -205,7 +205,7 @@ def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tm
     (GPT-NeoX's, a head a group, likewise), a group a rank, its two-norm parallel block; GPT-2's learned positions
     split by rows like the vocabulary's, its Conv1D weights read transposed; DBRX's clamped `Wqkv` split by part,
     each expert's rows of its layer's one tensor a projection read unread-until-narrowed (`models.dbrx`), `w2`'s
-    transposed."""
+    transposed; OPT's offset positions split by rows, its biased ReLU MLP's down bias added once."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         ours = tokens(llm, prompts())
@@ -647,6 +647,23 @@ def test_a_mixture_of_experts_on_the_quantized_path_is_batch_invariant(
     with engine(folder, quantization="int8", chunk=24) as llm:
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+
+
+def test_opt_on_int8_is_batch_invariant(tmp_path: Path) -> None:
+    """OPT on int8 weights: its projections quantized (its LayerNorms keep it off the C++ decode stack), its biases
+    float; each prompt's tokens the same alone, batched and prefilled in chunks, and mostly the float path's first
+    ones."""
+    folder = save_family(tmp_path, "opt", head_spread=0.5)
+    batch = prompts()
+    with engine(folder, quantization="int8") as llm:
+        model = llm.core.runner.loaded.model
+        assert isinstance(model.model.layers[0].mlp.up_proj, QuantizedLinear) and model.model.decode_stack is None
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    with engine(folder, quantization="int8", chunk=24) as llm:
+        assert tokens(llm, batch) == alone
+    first = reference_tokens(folder).first_tokens()
+    assert sum(ours[0] == token for ours, token in zip(alone, first, strict=True)) >= 6
 
 
 def test_dbrx_on_int8_is_batch_invariant(tmp_path: Path) -> None:

@@ -600,6 +600,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}},
     ),
+    # OPT: learned positions (its rows offset by 2), LayerNorms and projections with biases, a ReLU MLP, tied
+    # embeddings; and without biases (`enable_bias` false).
+    "opt": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 64}),
+    "opt-unbiased": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 64, "enable_bias": False}),
     # DBRX: top-2 of 4 renormalised (and not: `moe_normalize_expert_weights` null), each layer's experts one tensor a
     # projection, bias-free LayerNorms, q/k/v in one projection clamped to 0.8 (a third of them here).
     "dbrx": (transformers.DbrxConfig, DBRX_SMALL),
@@ -795,6 +799,7 @@ MODEL_CLASSES = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.DbrxConfig: transformers.DbrxForCausalLM,
+    transformers.OPTConfig: transformers.OPTForCausalLM,
     transformers.Param2MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.MiniCPM5MoeConfig: transformers.MiniCPM5MoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
@@ -1108,6 +1113,27 @@ DBRX_INSTRUCT = {
                    "moe_num_experts": 16, "moe_top_k": 4},
     "eos_token_id": 100257, "pad_token_id": 100277, "initializer_range": 0.02, "output_router_logits": False,
 }  # fmt: skip
+
+
+def test_opt_reads_its_first_checkpoints_names_and_refuses_opt_350ms_form() -> None:
+    """An OPT checkpoint under its first names (`decoder.*`, without `model.`, as facebook/opt-* were saved) loads as
+    the same model; OPT-350M's post-norm block and narrower embeddings (projected in and out), a model without its
+    final norm and LayerNorms without weights are refused by name."""
+    hf, ours = build_pair("opt")
+    config = model_config_from_hf(hf.config.to_dict())
+    first = get_model_class(config.architecture)(config)
+    first.load_weights((name.removeprefix("model."), tensor) for name, tensor in hf.state_dict().items())
+    for theirs, mine in zip(first.state_dict().values(), ours.state_dict().values(), strict=True):
+        assert torch.equal(theirs, mine)
+    base = hf.config.to_dict()
+    for bad, message in (
+        ({"do_layer_norm_before": False}, "opt with do_layer_norm_before false"),
+        ({"word_embed_proj_dim": 32}, "opt with word_embed_proj_dim 32 other than hidden_size 64"),
+        ({"_remove_final_layer_norm": True}, "opt without its final LayerNorm"),
+        ({"layer_norm_elementwise_affine": False}, "opt without its final LayerNorm, or with LayerNorms without"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_config_from_hf({**base, **bad})
 
 
 def test_dbrx_instruct_config_reads_as_released() -> None:
