@@ -1,9 +1,10 @@
 """The classic decoders' `config.json`: GPT-2, GPT-BigCode (StarCoder, SantaCoder, WizardCoder), GPT-NeoX (Pythia,
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
-(3.0, 3.5) and OPT (125M to 66B). Each is read as a Llama config (`classic_config`: their own key names given
-Llama's, what their transformers class fills in where a file leaves it out) plus the fields of their blocks
-(`classic_fields`). Any family's reader takes a float of a config.json through `json_float`."""
+(3.0, 3.5), OPT (125M to 66B) and GPT-Neo (125M to 2.7B, the TinyStories models). Each is read as a Llama config
+(`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves it
+out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json through
+`json_float`."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     "olmo": "llama",
     "exaone": "llama",
     "opt": "gpt_neox",
+    "gpt_neo": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
 _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
@@ -43,6 +45,7 @@ _ACTIVATIONS = {
     "olmo": {"silu": "silu"},
     "exaone": {"silu": "silu"},
     "opt": {"relu": "relu"},
+    "gpt_neo": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
 }
 # Keys a family's config names its own way, and Llama's name for each.
 _RENAMED_KEYS = {
@@ -60,6 +63,8 @@ _RENAMED_KEYS = {
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
     "opt": {"ffn_dim": "intermediate_size", "activation_function": "hidden_act", "enable_bias": "attention_bias"},
+    "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
@@ -78,6 +83,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "stablelm": {"attention_out_bias": False},  # o_proj never has a bias
     # OPT's LayerNorms take torch's default epsilon (its config names none)
     "opt": {"attention_bias": True, "tie_word_embeddings": True, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    # GPT-Neo: q/k/v without biases, its `out_proj` with one
+    "gpt_neo": {"attention_bias": False, "attention_out_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 2048},
 }
 
 
@@ -110,8 +118,10 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             renamed[ours] = renamed.pop(theirs)
     if model_type == "olmo":
         renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
-    if model_type in ("gpt_neox", "gptj", "opt"):  # every head its own K/V (a stray `num_key_value_heads` is not read)
-        renamed["num_key_value_heads"] = renamed["num_attention_heads"]
+    if model_type in ("gpt_neox", "gptj", "opt", "gpt_neo"):  # every head its own K/V (a stray `num_key_value_heads`
+        renamed["num_key_value_heads"] = renamed["num_attention_heads"]  # is not read)
+    if model_type == "gpt_neo":
+        renamed.update(_gpt_neo_layers(renamed))
     if model_type == "falcon":
         renamed.update(_falcon_shape(renamed))
     if model_type == "gptj":  # rope over `rotary_dim` of each head (its base fixed), the MLP 4 x hidden unless given
@@ -147,6 +157,29 @@ def _refuse_unbuilt_opt(cfg: dict[str, Any]) -> None:
         raise ValueError("opt without its final LayerNorm, or with LayerNorms without weights, is not supported")
 
 
+# GPT-Neo's default layers: global and local in turn, over 24 layers (`GPTNeoConfig.attention_types`).
+_GPT_NEO_ATTENTION_TYPES: list[tuple[list[str], int]] = [(["global", "local"], 12)]
+_GPT_NEO_WINDOW = 256
+
+
+def _gpt_neo_layers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-Neo's layers as Llama's keys: each layer's kind (`attention_layers`, else its `attention_types` expanded,
+    `[[kinds, repeats], ...]`) as `layer_types` ("local" a window of `window_size` positions, itself and those before
+    it, "global" every position), the window as `sliding_window`, the MLP 4 x hidden unless given. ValueError for
+    another kind, or a count of kinds other than the layers'."""
+    types = cfg.get("attention_types") or _GPT_NEO_ATTENTION_TYPES
+    kinds = cfg.get("attention_layers") or [kind for pattern, repeats in types for kind in pattern * repeats]
+    layers = int(cfg["num_hidden_layers"])
+    if set(kinds) - {"global", "local"} or len(kinds) != layers:
+        raise ValueError(f"gpt_neo attention_layers must name global or local for each of the {layers} layers; got "
+                         f"{kinds!r}")  # fmt: skip
+    return {
+        "layer_types": ["sliding_attention" if kind == "local" else "full_attention" for kind in kinds],
+        "sliding_window": int(cfg.get("window_size") or _GPT_NEO_WINDOW),
+        "intermediate_size": int(cfg.get("intermediate_size") or 4 * int(cfg["hidden_size"])),
+    }
+
+
 def falcon_kv_heads(cfg: dict[str, Any]) -> int:
     """Falcon's KV heads as transformers builds them from its `config.json` (`cfg`): `num_kv_heads` under its new
     decoder architecture (40B, 180B, Falcon2), one with `multi_query` (7B), else every head its own."""
@@ -166,8 +199,9 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields of a classic family's blocks (`cfg` as `classic_config` gives it; {} for the other
     families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
     and their activation, GPT-NeoX's, Falcon's, GPT-J's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's
-    q/k LayerNorms per head, GPT-2's, GPT-BigCode's and OPT's learned positions (GPT-2's Conv1D weights), GPT-J's and
-    Phi's LM head bias. ValueError for an activation the family's modeling file would not run as ours does."""
+    q/k LayerNorms per head, GPT-2's, GPT-BigCode's, OPT's and GPT-Neo's learned positions (GPT-2's Conv1D weights),
+    GPT-Neo's unscaled scores, GPT-J's and Phi's LM head bias. ValueError for an activation the family's modeling
+    file would not run as ours does."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return {}
     activations = _ACTIVATIONS[model_type]
@@ -201,6 +235,8 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields.update(mlp_bias=bool(cfg.get("attention_bias")))  # its `use_bias`, on every projection
     elif model_type == "opt":  # learned positions; its `enable_bias` on every projection
         fields.update(mlp_bias=bool(cfg.get("attention_bias")), absolute_positions=True)
+    elif model_type == "gpt_neo":  # learned positions; unscaled scores (its modeling file's)
+        fields.update(mlp_bias=True, absolute_positions=True, attention_scale=1.0)
     else:  # nemotron: LayerNorm1P, `(1 + weight)`, folded into the weight at load
         fields.update(mlp_bias=bool(cfg.get("mlp_bias")), norm_offset=1.0)
     return fields

@@ -371,7 +371,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=_attention_bias(arch, cfg),
-        attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm")
+        attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm", "gpt_neo")
         else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3", "dots1") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna", "kolibri1", "flint")

@@ -192,6 +192,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # OPT (125M to 66B's form): learned positions, biased LayerNorms and projections, a ReLU MLP, tied embeddings.
     "opt": ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 64, "pad_token_id": 0, "bos_token_id": 1,
                           "eos_token_id": 2}),
+    # GPT-Neo (125M to 2.7B's form, the TinyStories models'): learned positions, global and local layers in turn (a
+    # 20-position window), unscaled scores, a GELU (tanh) MLP, tied embeddings.
+    "gpt-neo": ("GPTNeoConfig", {"attention_types": [[["global", "local"], 2]], "window_size": WINDOW,
+                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # MiniCPM5-MoE: a dense first layer, then top-2 of 8 experts by sigmoid score and a routing bias beside a shared
     # expert (DeepSeek-V3's router), under Llama's attention with each query dim's output gated by a sigmoid.
     "minicpm5-moe": (

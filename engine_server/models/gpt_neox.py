@@ -1,6 +1,6 @@
 """The GPT-NeoX lineage (GPT-2, GPT-BigCode, GPT-NeoX and Pythia, Falcon, Phi-1/1.5/2, StableLM, StarCoder2,
-Nemotron-4, OPT): LayerNorms with biases, biased projections, rope over a leading share of each head (or learned
-positions), GELU (relu², ReLU) MLPs without a gate, parallel blocks."""
+Nemotron-4, OPT, GPT-Neo): LayerNorms with biases, biased projections, rope over a leading share of each head (or
+learned positions), GELU (relu², ReLU) MLPs without a gate, parallel blocks."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\
 
 class GPTNeoXForCausalLM(CausalLM):
     """The GPT-NeoX lineage (`model_type` gpt2, gpt_bigcode, gpt_neox, falcon, phi, stablelm, starcoder2,
-    nemotron, opt): their quirks are `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`:
+    nemotron, opt, gpt_neo): their quirks are `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`:
     `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`,
     `lm_head_bias`, `absolute_positions`); their checkpoints' names are read as Llama's (`checkpoint_renames`),
     GPT-NeoX's, Falcon's and GPT-BigCode's fused q/k/v rows (grouped by KV head) as `cat(q, k, v)`, GPT-2's Conv1D
@@ -79,6 +79,8 @@ class GPTNeoXForCausalLM(CausalLM):
         (".self_attn.out_proj.", ".self_attn.o_proj."),
         (".fc1.", ".mlp.up_proj."),
         (".fc2.", ".mlp.down_proj."),
+        (".attn.attention.out_proj.", ".self_attn.o_proj."),  # GPT-Neo's
+        (".attn.attention.", ".self_attn."),
     )
 
     def checkpoint_weights(

@@ -604,6 +604,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # embeddings; and without biases (`enable_bias` false).
     "opt": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 64}),
     "opt-unbiased": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 64, "enable_bias": False}),
+    # GPT-Neo: learned positions, global and local (a 6-position window) layers in turn, unscaled scores, q/k/v
+    # without biases and out_proj with one, a GELU (tanh) MLP with biases, tied embeddings.
+    "gpt-neo": (transformers.GPTNeoConfig, {"attention_types": [[["global", "local"], 1]], "window_size": 6}),
     # DBRX: top-2 of 4 renormalised (and not: `moe_normalize_expert_weights` null), each layer's experts one tensor a
     # projection, bias-free LayerNorms, q/k/v in one projection clamped to 0.8 (a third of them here).
     "dbrx": (transformers.DbrxConfig, DBRX_SMALL),
@@ -800,6 +803,7 @@ MODEL_CLASSES = {
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.DbrxConfig: transformers.DbrxForCausalLM,
     transformers.OPTConfig: transformers.OPTForCausalLM,
+    transformers.GPTNeoConfig: transformers.GPTNeoForCausalLM,
     transformers.Param2MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.MiniCPM5MoeConfig: transformers.MiniCPM5MoeForCausalLM,
     transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
@@ -1134,6 +1138,27 @@ def test_opt_reads_its_first_checkpoints_names_and_refuses_opt_350ms_form() -> N
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             model_config_from_hf({**base, **bad})
+
+
+def test_gpt_neo_125m_config_reads_as_released() -> None:
+    """GPT-Neo 125M's released config (its layers' kinds as `attention_types` alone, no MLP width): global and local
+    layers in turn, a 256-position window on the local ones, the MLP 4 x hidden, unscaled scores, biases on out_proj
+    and the MLP only, learned positions, tied embeddings; another kind, or too few, refused by name."""
+    released = {
+        "model_type": "gpt_neo", "architectures": ["GPTNeoForCausalLM"], "hidden_size": 768, "num_layers": 12,
+        "num_heads": 12, "attention_types": [[["global", "local"], 6]], "window_size": 256,
+        "max_position_embeddings": 2048, "vocab_size": 50257, "activation_function": "gelu_new",
+        "intermediate_size": None, "layer_norm_epsilon": 1e-5, "bos_token_id": 50256, "eos_token_id": 50256,
+    }  # fmt: skip
+    config = model_config_from_hf(released)
+    assert [config.attention_window(i) for i in range(12)] == [0, 256] * 6
+    assert (config.intermediate_size, config.attention_scale, config.attention_bias, config.o_proj_bias) == (
+        3072, 1.0, False, True)  # fmt: skip
+    assert config.absolute_positions and config.tie_word_embeddings and config.mlp_bias and not config.gated_mlp
+    assert config.hidden_act == "gelu_tanh" and config.max_position_embeddings == 2048
+    for bad in ([[["global", "sparse"], 6]], [[["global", "local"], 5]]):
+        with pytest.raises(ValueError, match="gpt_neo attention_layers must name global or local for each of the 12"):
+            model_config_from_hf({**released, "attention_types": bad})
 
 
 def test_dbrx_instruct_config_reads_as_released() -> None:
