@@ -1,10 +1,11 @@
 """The classic decoders' `config.json`: GPT-2, GPT-BigCode (StarCoder, SantaCoder, WizardCoder), GPT-NeoX (Pythia,
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
-(3.0, 3.5), OPT (125M to 66B) and GPT-Neo (125M to 2.7B, the TinyStories models). Each is read as a Llama config
-(`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves it
-out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json through
-`json_float`."""
+(3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models) and CodeGen (350M to 16B). Each is
+read as a Llama config
+(`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves
+it out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json
+through `json_float`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     "gpt2": "gpt_neox",
     "gpt_bigcode": "gpt_neox",
     "gptj": "gptj",
+    "codegen": "gptj",  # CodeGen: GPT-J's block, q/k/v in one projection laid out by its 4 training shards
     "gpt_neox": "gpt_neox",
     "falcon": "gpt_neox",
     "phi": "gpt_neox",
@@ -38,6 +40,7 @@ _ACTIVATIONS = {
     "gpt2": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "gpt_bigcode": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "gptj": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
+    "codegen": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "phi": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "nemotron": {"relu2": "relu2"},
@@ -53,7 +56,7 @@ _RENAMED_KEYS = {
     **{gpt2: {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
               "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
               "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"}
-       for gpt2 in ("gpt2", "gpt_bigcode", "gptj")},
+       for gpt2 in ("gpt2", "gpt_bigcode", "gptj", "codegen")},
     "falcon": {"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
                "layer_norm_epsilon": "rms_norm_eps", "ffn_hidden_size": "intermediate_size", "bias": "attention_bias",
                "activation": "hidden_act"},
@@ -66,6 +69,8 @@ _RENAMED_KEYS = {
     "gpt_neo": {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                 "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
+# The families whose every head has its own K/V.
+_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo")
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
     "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
@@ -76,7 +81,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
-    "gptj": {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0},
+    **{gptj: {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "rope_theta": 10000.0}
+       for gptj in ("gptj", "codegen")},
     "phi": {"attention_bias": True},  # q/k/v and `dense` always have biases
     "starcoder2": {"attention_bias": True, "tie_word_embeddings": True},
     "olmo": {"rms_norm_eps": 1e-5},  # its LayerNorm's epsilon is fixed
@@ -118,13 +124,14 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             renamed[ours] = renamed.pop(theirs)
     if model_type == "olmo":
         renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
-    if model_type in ("gpt_neox", "gptj", "opt", "gpt_neo"):  # every head its own K/V (a stray `num_key_value_heads`
-        renamed["num_key_value_heads"] = renamed["num_attention_heads"]  # is not read)
+    if model_type in _OWN_KV_HEADS:  # every head its own K/V (a stray `num_key_value_heads` is not read)
+        renamed["num_key_value_heads"] = renamed["num_attention_heads"]
     if model_type == "gpt_neo":
         renamed.update(_gpt_neo_layers(renamed))
     if model_type == "falcon":
         renamed.update(_falcon_shape(renamed))
-    if model_type == "gptj":  # rope over `rotary_dim` of each head (its base fixed), the MLP 4 x hidden unless given
+    if model_type in ("gptj", "codegen"):  # rope over `rotary_dim` of each head (its base fixed), the MLP 4 x hidden
+        # unless given
         hidden, heads = int(renamed["hidden_size"]), int(renamed["num_attention_heads"])
         renamed["partial_rotary_factor"] = int(renamed.get("rotary_dim") or hidden // heads) / (hidden // heads)
         renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * hidden)
@@ -216,7 +223,7 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         unscaled = not cfg.get("scale_attn_weights", True)
         fields.update(mlp_bias=True, absolute_positions=True, transposed_weights=model_type == "gpt2",
                       **({"attention_scale": 1.0} if unscaled else {}))
-    elif model_type == "gptj":
+    elif model_type in ("gptj", "codegen"):
         fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
     elif model_type == "gpt_neox":
         parallel = bool(cfg.get("use_parallel_residual", True))

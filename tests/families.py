@@ -422,6 +422,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt-neox": ("GPTNeoXConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt2": ("GPT2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gptj": ("GPTJConfig", {"rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # CodeGen: GPT-J's block, q/k/v in one projection laid out by its 4 training shards (2 of the 8 heads each).
+    "codegen": ("CodeGenConfig", {"num_attention_heads": 8, "rotary_dim": 4, "pad_token_id": 0, "bos_token_id": 1,
+                                  "eos_token_id": 2}),
     "gpt-bigcode": ("GPTBigCodeConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "falcon-7b": ("FalconConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "falcon-40b": ("FalconConfig", {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True,

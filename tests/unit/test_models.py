@@ -740,6 +740,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # GPT-J: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, rope over the first 8 of each
     # head's 16 dims with its pairs interleaved, an LM head bias, q/k/v/o without biases.
     "gptj": (transformers.GPTJConfig, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8}),
+    # CodeGen: GPT-J's block with q/k/v in one projection laid out by its 4 training shards (2 heads a shard here).
+    "codegen": (transformers.CodeGenConfig, {"n_embd": 64, "n_layer": 2, "n_head": 8, "num_attention_heads": 8,
+                                             "n_positions": 256, "rotary_dim": 4}),
     # Phi-2: one LayerNorm feeding the attention and a GELU (tanh) MLP in parallel, biases everywhere (the LM head
     # too), rope over 0.4 of each head (6 of these 16 dims).
     "phi": (transformers.PhiConfig, {"partial_rotary_factor": 0.4}),
@@ -803,6 +806,7 @@ MODEL_CLASSES = {
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.DbrxConfig: transformers.DbrxForCausalLM,
     transformers.OPTConfig: transformers.OPTForCausalLM,
+    transformers.CodeGenConfig: transformers.CodeGenForCausalLM,
     transformers.GPTNeoConfig: transformers.GPTNeoForCausalLM,
     transformers.Param2MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.MiniCPM5MoeConfig: transformers.MiniCPM5MoeForCausalLM,
