@@ -16,7 +16,7 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "bert",
+    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -331,6 +331,26 @@ class Gemma4Layout:
 
 
 @dataclass(frozen=True)
+class AltUp:
+    """What Gemma 3n's text model (`layers.gemma3n`) adds to Gemma 4's layers (`Gemma4Layout`, without the per-layer
+    output scale): the residual is `streams` copies of the hidden state (AltUp, arXiv 2301.13310), made from the
+    embeddings by projections of their own, each scaled to the embeddings' magnitude; each layer predicts every stream
+    as a mix of all of them (`prediction_coefs` of a router's `tanh` over the `active` one), runs its block on the
+    active prediction, corrects every stream by the block's innovation (`correction_coefs`), and adds its per-layer
+    input (gated from the active corrected stream, times `correct_output_scale` with `correct_scale`) to the others;
+    the model's output is the mean of the streams (the others projected back, at the first's magnitude). Beside the
+    attention, a low-rank residual of `laurel_rank` (LAuReL) joins its output halfway (`/ sqrt(2)`). The MLP of a
+    layer i with `sparsity[i]` > 0 keeps only the gate values above their mean plus `norm.ppf(sparsity[i])` times their
+    standard deviation (shifted down by that cutoff) before its GELU."""
+
+    streams: int
+    active: int
+    correct_scale: bool
+    laurel_rank: int
+    sparsity: tuple[float, ...]
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a transformer, independent of where its weights come from: a decoder (Llama, Qwen2, Qwen3), or
     an encoder (BERT: `encoder` set), which attends both ways, has no KV cache to keep and only pools.
@@ -537,6 +557,8 @@ class ModelConfig:
     mlp_free_layers: tuple[int, ...] = ()
     # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
     gemma4: Gemma4Layout | None = None
+    # Gemma 3n: AltUp's streams, LAuReL and the sparse MLPs over Gemma 4's layers (`AltUp`).
+    altup: AltUp | None = None
 
     def is_global_layer(self, index: int) -> bool:
         """Whether layer `index` is one of Gemma 4's full-attention layers, which have a head shape of their own."""

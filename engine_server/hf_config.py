@@ -26,6 +26,7 @@ from engine_server.config import (
 )
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
 from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
+from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 
@@ -189,6 +190,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",
+    # Gemma 3n (E2B, E4B): Gemma 4's layers under AltUp's streams, LAuReL and sparse MLPs (`hf_gemma3n`); a
+    # multimodal `gemma3n` checkpoint's text model.
+    "gemma3n_text": "gemma3n",
+    "gemma3n": "gemma3n",
     "llama4_text": "llama4",
     "llama4": "llama4",
     "bert": "bert",
@@ -203,8 +208,8 @@ _NOT_YET: dict[str, str] = {
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
-    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "minimax_m2", "lfm2", "hunyuan",
-    "apertus", "afmoe", "nanochat", "olmo_hybrid",
+    "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "gemma3n", "minimax_m2", "lfm2",
+    "hunyuan", "apertus", "afmoe", "nanochat", "olmo_hybrid",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -222,9 +227,11 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "bert":
         return _encoder_config(cfg, name)
     _refuse_unbuilt(model_type, cfg)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "llama4", "mistral3", "exaone4_5", "apertus1p5",
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "gemma3n", "llama4", "mistral3", "exaone4_5", "apertus1p5",
                       "cohere_compass", "hy_v4_vl"):  # fmt: skip
         cfg = _text_config(cfg)  # multimodal: its text model
+    if model_type in ("gemma3n", "gemma3n_text"):
+        cfg = gemma3n_config(cfg)
     if model_type == "cohere_compass":  # read as its text model's family
         model_type = "cohere_compass_text"
     if cfg.get("model_type") == "apertus1p5_text":  # Apertus's, its head pruned (`_output_vocab_size`)
@@ -271,8 +278,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
                "head_dim": cfg.get("head_dim") or cfg.get("attention_head_dim"), "intermediate_size": width}
     arch = _HF_ARCHITECTURES[model_type]
     gemma = _gemma_fields(model_type, cfg) if arch in ("gemma", "gemma2", "gemma3") else {}
-    if arch == "gemma4":
-        gemma = _gemma4_fields(cfg)
+    if arch in ("gemma4", "gemma3n"):
+        gemma = _gemma4_fields(cfg) | (gemma3n_fields(cfg) if arch == "gemma3n" else {})
     rope = {} if gemma else cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     local_rope: dict[str, Any] = {}
     if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5's rope per layer type (OLMo 3)

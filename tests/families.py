@@ -235,6 +235,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
          "final_logit_softcapping": 30.0},
     ),
+    # Gemma 3n: AltUp's four streams, LAuReL, the first two layers' MLPs sparse, windows on four layers in six, the
+    # last two attending over the third's and fourth's K/V, per-layer inputs 16 wide, logits soft-capped.
+    "gemma3n": (
+        "Gemma3nTextConfig",
+        {"num_hidden_layers": 6, "head_dim": 16, "sliding_window": WINDOW, "num_kv_shared_layers": 2,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+         "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE - 1000, "laurel_rank": 8,
+         "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0], "final_logit_softcapping": 30.0,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Gemma 4's mixture of experts (26B A4B's block): top-2 of 4 GELU experts beside each layer's dense MLP, no
     # per-layer inputs or shared K/V.
     "gemma4-moe": (
@@ -668,6 +678,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+# Vectors besides the norms' drawn around their init: biases, Gemma 4's router scales (1 at init), Gemma 3n's AltUp
+# output scale (0 at init: its per-layer inputs would add nothing).
+PERTURBED_SCALES = ("bias", "router.scale", "per_expert_scale", "correct_output_scale")
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router.proj.weight",
            "feed_forward.router.weight", "feed_forward.gate.weight", "block_sparse_moe.router.weight",
@@ -723,8 +736,8 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
                 parameter.normal_(0.0, 0.1 * width) if parameter.dim() > 1 else parameter.uniform_(0.5, 1.5)
             elif parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08 * width)
-            elif "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):  # Gemma 4's
-                parameter.add_(torch.randn_like(parameter) * 0.1)  # router's scales too (1 at init)
+            elif "norm" in name or name.endswith(PERTURBED_SCALES):
+                parameter.add_(torch.randn_like(parameter) * 0.1)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
                 parameter.add_(torch.randn_like(parameter) * 0.5)
         for name, buffer in model.named_buffers():  # DeepSeek-V3's load-balancing bias, of the scores' size

@@ -15,6 +15,7 @@ from engine_server.models.falcon_h1 import FalconH1ForCausalLM
 from engine_server.models.gemma import GemmaForCausalLM
 from engine_server.models.gemma2 import Gemma2ForCausalLM
 from engine_server.models.gemma3 import Gemma3ForCausalLM
+from engine_server.models.gemma3n import Gemma3nForCausalLM
 from engine_server.models.gemma4 import Gemma4ForCausalLM
 from engine_server.models.glm4 import Glm4ForCausalLM
 from engine_server.models.glm4_moe import Glm4MoeForCausalLM
@@ -55,7 +56,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2", "gemma3", "smollm3", "granite",
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
-    "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx");
+    "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -97,6 +98,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "gpt_neox": GPTNeoXForCausalLM,
         "gptj": GPTJForCausalLM,
         "dbrx": DbrxForCausalLM,
+        "gemma3n": Gemma3nForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

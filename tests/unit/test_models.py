@@ -64,6 +64,12 @@ FALCON_H1 = {
     "ssm_multipliers": [0.35, 0.25, 0.35, 0.5, 0.7], "ssm_out_multiplier": 0.6, "mlp_multipliers": [0.9, 0.6],
     "initializer_range": 0.1, "pad_token_id": 0,
 }  # fmt: skip
+GEMMA3N: dict[str, Any] = {
+    "num_hidden_layers": 6, "head_dim": 16, "sliding_window": 6, "num_kv_shared_layers": 2,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 100, "laurel_rank": 8,
+    "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0], "final_logit_softcapping": 5.0,
+}  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
@@ -702,6 +708,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
          "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 5.0},
     ),
+    # Gemma 3n: AltUp's four streams, LAuReL of rank 8, the first two layers' MLPs sparse (5% of their gates kept),
+    # windows on four layers in six, the last two attending over the third's and fourth's K/V, per-layer inputs 16
+    # wide from a table shorter than the vocabulary, logits soft-capped.
+    "gemma3n": (transformers.Gemma3nTextConfig, GEMMA3N),
     # Gemma 4's mixture of experts: top-2 of 4 GELU experts beside each layer's dense MLP, its own router.
     "gemma4-moe": (
         transformers.Gemma4TextConfig,
@@ -855,6 +865,7 @@ MODEL_CLASSES = {
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
+    transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
     transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
     transformers.Lfm2Config: transformers.Lfm2ForCausalLM,
     transformers.Lfm2MoeConfig: transformers.Lfm2MoeForCausalLM,
@@ -887,12 +898,13 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
     unclamped_time_step(hf)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0; perturb them so they are tested
         for name, param in hf.named_parameters():
-            if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale")):
+            if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale", "correct_output_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "sinks",
                                 "router.proj.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
                                 "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight",
-                                "ffn.router.layer.weight")):
+                                "ffn.router.layer.weight", "altup.modality_router.weight",
+                                "altup.prediction_coefs.weight", "altup.correction_coefs.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
@@ -1163,6 +1175,45 @@ def test_gpt_neo_125m_config_reads_as_released() -> None:
     for bad in ([[["global", "sparse"], 6]], [[["global", "local"], 5]]):
         with pytest.raises(ValueError, match="gpt_neo attention_layers must name global or local for each of the 12"):
             model_config_from_hf({**released, "attention_types": bad})
+
+
+def test_gemma3n_configs_and_its_multimodal_checkpoint_read_as_transformers_builds_them() -> None:
+    """A multimodal Gemma 3n config with its text model at transformers' defaults (E4B's shape): 35 layers, every
+    fifth full and the others windowed over 512 positions, the last 15 over the last earlier layer of their kind's
+    K/V (transformers' `kv_sharing_modes`), the first ten MLPs sparse at 0.95, per-layer inputs 256 wide from
+    262,144 rows, rope bases 1,000,000 and 10,000, logits capped at 30, tied embeddings. Its checkpoint's text model
+    (`model.language_model.`) loads as the text model's own weights, its towers and embedders not read. Refused by
+    name: MLP widths that differ between layers, another active stream than the first."""
+    text = transformers.Gemma3nTextConfig()
+    config = model_config_from_hf(transformers.Gemma3nConfig(text_config=text.to_dict()).to_dict())
+    assert (config.architecture, config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        "gemma3n", 35, 2048, 16384)  # fmt: skip
+    assert config.altup is not None and config.altup.sparsity == (0.95,) * 10 + (0.0,) * 25
+    assert (config.altup.streams, config.altup.laurel_rank, config.altup.correct_scale) == (4, 64, True)
+    assert config.gemma4 is not None and (config.gemma4.per_layer_input_size, config.gemma4.per_layer_vocab_size) == (
+        256, 262_144)  # fmt: skip
+    modes = text.kv_sharing_modes
+    producers = {text.layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    assert [config.kv_source(i) for i in range(35)] == [
+        producers[text.layer_types[i]] if mode == "reuse" else i for i, mode in enumerate(modes)]  # fmt: skip
+    assert [config.attention_window(i) for i in range(35)] == [
+        512 if kind == "sliding_attention" else 0 for kind in text.layer_types]  # fmt: skip
+    assert (config.rope_theta, config.local_rope_theta, config.final_logit_softcap) == (1e6, 1e4, 30.0)
+    assert config.tie_word_embeddings and config.attention_scale == 1.0
+    hf, ours = build_pair("gemma3n")
+    towers = {"model.vision_tower.timm_model.conv_stem.weight": torch.zeros(2), "model.embed_vision.embedding.weight":
+              torch.zeros(2), "model.audio_tower.subsample.weight": torch.zeros(2),
+              "model.embed_audio.embedding.weight": torch.zeros(2)}  # fmt: skip
+    multimodal = {name.replace("model.", "model.language_model.", 1): t for name, t in hf.state_dict().items()}
+    loaded = get_model_class("gemma3n")(ours.config)
+    loaded.load_weights({**multimodal, **towers}.items())
+    for (name, theirs), mine in zip(loaded.state_dict().items(), ours.state_dict().values(), strict=True):
+        assert torch.equal(theirs, mine), name
+    base = text.to_dict()
+    for bad, message in (({"intermediate_size": [16384] * 34 + [8192]}, "gemma3n intermediate_size"),
+                         ({"altup_active_idx": 1}, "gemma3n altup_active_idx 1 is not supported")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_config_from_hf({**base, **bad})
 
 
 def test_dbrx_instruct_config_reads_as_released() -> None:
