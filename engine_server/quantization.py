@@ -503,6 +503,8 @@ def _stored_weight(stored: dict[str, StoredMatrix], name: str, linear: nn.Linear
         fused = next((f for f, _, _ in FUSED_SHARDS if name.endswith(f".{f}")), None)
         prefix = name.removesuffix(fused) if fused else ""
         parts = [prefix + part for f, part, _ in FUSED_SHARDS if f == fused] if fused else [name]
+        if isinstance(linear, ColumnParallelLinear) and len(linear.parts) < len(parts):
+            parts = parts[: len(linear.parts)]  # its leading parts alone (a Gemma K/V-sharing layer's queries)
     matrices = [matrix for part in parts if (matrix := stored.get(f"{part}.weight")) is not None]
     if len(matrices) != len(parts):
         return None

@@ -42,6 +42,7 @@ def families() -> dict[str, dict[str, Any]]:
     """Each family the GGUF tests write, with their overrides (`save_family`'s)."""
     from tests.unit.test_family_gguf import (
         DEEPSEEK_GGUF,
+        GEMMA3N_GGUF,
         GLM4_MOE_GGUF,
         GPT_OSS_GGUF,
         HYBRID_GGUF,
@@ -73,6 +74,13 @@ def families() -> dict[str, dict[str, Any]]:
     # Its Mamba-1 layers take only the released models' expansion of 2 (the tests' model widens 64 channels to 96).
     falcon_mamba = {**STATE_SPACE_GGUF["falcon-mamba"], "mixer_rms_eps": 1e-5, "intermediate_size": 128}
     mamba = {**STATE_SPACE_GGUF["mamba"], "intermediate_size": 128}
+    # llama.cpp (0.3.36) reads a `gemma3n` file with the released models' structure whatever its keys say: every
+    # fifth layer full, the first ten MLPs sparse at 0.95, K/V of their own on the first 20 layers (E2B's 30 layers),
+    # per-layer inputs 256 wide, LAuReL of rank 64.
+    gemma3n = {**GEMMA3N_GGUF, "num_hidden_layers": 30, "num_kv_shared_layers": 10, "hidden_size_per_layer_input": 256,
+               "laurel_rank": 64,
+               "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 6,
+               "activation_sparsity_pattern": [0.95] * 10 + [0.0] * 20}  # fmt: skip
     return {"phi3-longrope": {}, "gemma3": gemma3, **MOE_GGUF, "llama4": LLAMA4_GGUF, **HYBRID_GGUF, "gemma4": {},
             "gemma4-moe": {}, "gpt-oss": {**GPT_OSS_GGUF, "rope_parameters": gpt_oss_rope}, "glm4": {},
             "glm4-moe": GLM4_MOE_GGUF, "minimax-m2": {}, "deepseek-v3": DEEPSEEK_GGUF["deepseek-v3"],
@@ -80,7 +88,8 @@ def families() -> dict[str, dict[str, Any]]:
             "glm-moe-dsa": glm_5,
             **PLAIN_GGUF, "exaone4": exaone4, "lfm2": {}, "lfm2-moe": {},
             **GRANITE_GGUF, "nemotron-h": NEMOTRON_H_GGUF, "nemotron-h-moe": NEMOTRON_3_GGUF, "falcon-h1": {},
-            "jamba": {}, **STATE_SPACE_GGUF, "mamba": mamba, "falcon-mamba": falcon_mamba, "dbrx": {}}
+            "jamba": {}, **STATE_SPACE_GGUF, "mamba": mamba, "falcon-mamba": falcon_mamba, "dbrx": {},
+            "gemma3n": gemma3n}
 
 
 def check(
@@ -100,6 +109,8 @@ def check(
                       joined_kv_b=joined_kv_b)  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if family == "gemma3n":
+        _as_llama_cpp_computes(model)
     # F32 caches (llama.cpp's default is F16): a sparse-attention model's choice of positions (GLM-5's) flips at
     # near-ties under half precision; every other family reads the same tokens either way.
     llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_threads=2, logits_all=True, verbose=False,
@@ -132,9 +143,32 @@ def check(
         differences.append(round(float((read - reference).abs().max()), 5))
     llama.close()
     return {"family": family, "overrides": overrides, "fuse_gate_up_exps": fuse_gate_up_exps,
+            "reference": "transformers, computing as llama.cpp does (_as_llama_cpp_computes)" if family == "gemma3n"
+            else "transformers",
             "joined_kv_b": joined_kv_b, "prompts": len(PROMPTS), "equal": equal,
             "common_prefix": prefixes, "logit_gap_where_they_part": gaps, "max_logit_difference": differences,
             "llama_cpp_python": llama_cpp.__version__, "transformers": transformers.__version__}  # fmt: skip
+
+
+def _as_llama_cpp_computes(model: Any) -> None:
+    """`model` (a Gemma 3n) computing what llama.cpp (0.3.36) computes where its formulas differ from transformers':
+    the sparse MLPs' cutoff from the gates' std over `n - 1` (transformers': over `n`), and GELU from its float16
+    table (the input rounded to float16, the output too). Neither is the file's layout, and this random model's
+    streams turn them into logits ~4 apart; with both, llama.cpp and transformers part by ~1e-3 (measured)."""
+    import torch
+
+    def cutoff(self: Any, inputs: torch.Tensor) -> torch.Tensor:
+        quantile = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(self.activation_sparsity)).to(inputs.dtype)
+        std = inputs.std(dim=-1, keepdim=True, unbiased=True)
+        return torch.relu(inputs - (inputs.mean(dim=-1, keepdim=True) + std * quantile))
+
+    class HalfTableGelu(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+
+    for layer in model.model.layers:
+        layer.mlp._gaussian_topk = cutoff.__get__(layer.mlp)
+        layer.mlp.act_fn = layer.act_fn = HalfTableGelu()
 
 
 def main(argv: list[str] | None = None) -> int:

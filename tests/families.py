@@ -752,8 +752,27 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
             head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))
     unclamped_time_step(model)
     model.save_pretrained(folder)
+    if class_name == "Gemma3nTextConfig":
+        with_shared_key_values(folder, config)
     copy_tokenizer(folder)
     return folder
+
+
+def with_shared_key_values(folder: Path, config: Any) -> None:
+    """A saved Gemma 3n's checkpoint as the released ones hold it: K/V projections and a key norm for the layers that
+    attend over an earlier layer's K/V too (drawn as `save_family` draws the others), which transformers builds none
+    of and does not read."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(path)
+    rows, hidden = config.num_key_value_heads * config.head_dim, config.hidden_size
+    for layer in range(config.num_hidden_layers - config.num_kv_shared_layers, config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        state |= {f"{prefix}k_proj.weight": torch.randn(rows, hidden) * 0.08,
+                  f"{prefix}v_proj.weight": torch.randn(rows, hidden) * 0.08,
+                  f"{prefix}k_norm.weight": 1.0 + torch.randn(config.head_dim) * 0.1}  # fmt: skip
+    save_file(state, path, metadata={"format": "pt"})
 
 
 def unclamped_time_step(model: Any) -> None:
@@ -912,7 +931,7 @@ _GGUF_ARCHITECTURES = {
     "hunyuan_v1_dense": "hunyuan-dense", "apertus": "apertus", "falcon_h1": "falcon-h1", "jamba": "jamba",
     "gpt2": "gpt2", "gpt_bigcode": "starcoder", "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2",
     "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
-    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2", "dbrx": "dbrx",
+    "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2", "dbrx": "dbrx", "gemma3n_text": "gemma3n",
 }  # fmt: skip
 # The state space models' architectures: no attention, their own keys (`_state_space_metadata`).
 _GGUF_STATE_SPACE = ("mamba", "mamba2")
@@ -1019,6 +1038,46 @@ _GGUF_GEMMA4_GLOBAL = {
     "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
     "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
 }  # fmt: skip
+
+
+# Gemma 3n's AltUp and LAuReL tensors as llama.cpp's converter names them (a layer's, after `blk.N.`), and its
+# stacked projections of the streams (`altup_projections.{i}`, `altup_unembed_projections.{i}`: one tensor each).
+_GGUF_GEMMA3N_LAYER = {
+    "altup.correction_coefs": "altup_correct_coef", "altup.prediction_coefs": "altup_predict_coef",
+    "altup.modality_router": "altup_router", "altup.router_norm": "altup_router_norm", "laurel.linear_left": "laurel_l",
+    "laurel.linear_right": "laurel_r", "laurel.post_laurel_norm": "laurel_post_norm",
+}  # fmt: skip
+_GGUF_GEMMA3N_STACKED = {"model.altup_projections": "altup_proj.weight",
+                         "model.altup_unembed_projections": "altup_unembd_proj.weight"}  # fmt: skip
+
+
+def _gemma3n_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """Gemma 3n's keys as llama.cpp's converter writes them (`gemma3n`): Gemma 3's (one head shape, the full layers'
+    rope base, the window, the final soft-cap) with each layer's MLP width, AltUp's streams and active one, the
+    per-layer inputs' width, the shared K/V layers, each layer's sparsity as the normal quantile its cutoff takes
+    (-inf where none) and the window pattern."""
+    layers, types = config["num_hidden_layers"], config["layer_types"]
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config["rope_parameters"]["full_attention"]["rope_theta"])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_altup_active_idx(config["altup_active_idx"])
+    writer.add_altup_num_inputs(config["altup_num_inputs"])
+    writer.add_embedding_length_per_layer_input(config["hidden_size_per_layer_input"])
+    writer.add_shared_kv_layers(config["num_kv_shared_layers"])
+    normal = torch.distributions.Normal(0.0, 1.0)
+    writer.add_activation_sparsity_scale(
+        [float(normal.icdf(torch.tensor(p, dtype=torch.float32))) for p in config["activation_sparsity_pattern"]]
+    )
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in types])
 
 
 def _gemma4_metadata(writer: Any, config: dict[str, Any]) -> None:
@@ -1144,6 +1203,8 @@ def write_gguf(
     writer = GGUFWriter(str(path), arch)
     if arch == "gemma4":
         _gemma4_metadata(writer, config)
+    elif arch == "gemma3n":
+        _gemma3n_metadata(writer, config)
     elif arch.startswith("nemotron_h"):
         _nemotron_h_metadata(writer, config, head_dim)
     else:
@@ -1768,11 +1829,12 @@ def _write_tensors(
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
-    gemma, gemma4 = arch.startswith("gemma"), arch == "gemma4"
+    gemma, gemma4 = arch.startswith("gemma"), arch in ("gemma4", "gemma3n")  # (Gemma 3n's: Gemma 4's names, plain w)
     heads = config.get("num_attention_heads")
     layer_names = {**(_GGUF_GEMMA_LAYER if gemma else _GGUF_LAYER), **_GGUF_MOE_LAYER}
     if gemma4:
-        layer_names.update(_GGUF_GEMMA4_LAYER)
+        layer_names.update({**_GGUF_GEMMA4_LAYER, **_GGUF_GEMMA3N_LAYER})
+    stream_projections: dict[str, dict[int, np.ndarray]] = {}  # Gemma 3n's, by GGUF name
     hybrid = arch in _GGUF_HYBRIDS
     if hybrid or arch in ("gpt-oss", "glm4moe", "seed_oss", "exaone4", "olmo2"):
         layer_names["post_attention_layernorm"] = "post_attention_norm"
@@ -1857,6 +1919,13 @@ def _write_tensors(
         if arch == "gpt-oss" and (stem.endswith(".mlp.experts") or param == "sinks"):
             tensors.update(_gpt_oss_tensors(bare[0], param, array, feed_forward))
             continue
+        if stem.rpartition(".")[0] in _GGUF_GEMMA3N_STACKED:  # one of a stack: `model.altup_projections.<i>`
+            owner, _, index = stem.rpartition(".")
+            stream_projections.setdefault(_GGUF_GEMMA3N_STACKED[owner], {})[int(index)] = array
+            continue
+        if gemma4 and name.endswith(".altup.correct_output_scale"):  # its converter's name for it: `.weight` added
+            tensors[f"blk.{bare[0]}.altup_correct_scale.weight"] = (array, None)
+            continue
         if gemma4 and (name in _GGUF_GEMMA4_GLOBAL or bare[2] in _GGUF_GEMMA4_BARE):
             gguf_name = _GGUF_GEMMA4_GLOBAL.get(name) or f"blk.{bare[0]}.{_GGUF_GEMMA4_BARE[bare[2]]}"
             banked = gguf_name.endswith("_exps.weight")  # the experts' banks in `feed_forward`'s type
@@ -1904,6 +1973,8 @@ def _write_tensors(
             tensors[gguf_name] = (array, attention if projection else None)
     for gguf_name, by_expert in banks.items():
         tensors[gguf_name] = (np.stack([by_expert[e] for e in range(len(by_expert))]), feed_forward)
+    for gguf_name, by_index in stream_projections.items():  # F32, as the AltUp and LAuReL tensors
+        tensors[gguf_name] = (np.stack([by_index[i] for i in range(len(by_index))]), None)
     if not arch.startswith("nemotron_h") and arch != "dbrx":  # (whose configs state no layer count: Nemotron-H's
         # blocks are its pattern's; DBRX's is `n_layers`)
         tensors.update(_prediction_layer_tensors(tensors, config, arch))

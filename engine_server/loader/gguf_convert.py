@@ -51,6 +51,7 @@ from engine_server.loader.gguf_dbrx import (
     DBRX_LAYERS_PREFIX,
     dbrx_checkpoint_banks,
 )
+from engine_server.loader.gguf_gemma3n import GEMMA3N_BARE_NAMES, GEMMA3N_LAYER_NAMES, GEMMA3N_STACKS
 from engine_server.loader.gguf_hybrid import BARE_NAMES as HYBRID_BARE_NAMES
 from engine_server.loader.gguf_hybrid import LAYER_NAMES as HYBRID_LAYER_NAMES
 from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, CheckpointForm, HybridShape
@@ -289,6 +290,7 @@ _LAYERS_PREFIX = {
 # `<module>.weight` / `.bias`: the rest of their GGUF name after `blk.N.` -> the checkpoint's after `model.layers.N.`.
 _BARE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_BARE,
+    "gemma3n_text": GEMMA3N_BARE_NAMES,
     "gpt_oss": {"attn_sinks.weight": "self_attn.sinks"},
     "glm4_moe": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # the router's load-balancing bias
     "dots1": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
@@ -314,6 +316,7 @@ _HUNYUAN_LAYER_NAMES = {
 }  # fmt: skip
 _ARCHITECTURE_LAYER_NAMES = {
     "gemma4_text": _GEMMA4_LAYER_NAMES,
+    "gemma3n_text": {**_GEMMA4_LAYER_NAMES, **GEMMA3N_LAYER_NAMES},
     "phi3": {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"},
     "mixtral": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
     "minimax_m2": {**_LAYER_NAMES, "ffn_gate_inp": "block_sparse_moe.gate"},
@@ -403,7 +406,7 @@ def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
         return _OWN_GLOBAL_NAMES[architecture][gguf_name]
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    if architecture == "gemma4_text" and gguf_name in _GEMMA4_GLOBAL:
+    if architecture in ("gemma4_text", "gemma3n_text") and gguf_name in _GEMMA4_GLOBAL:
         return _GEMMA4_GLOBAL[gguf_name]
     bare_names = _BARE_LAYER_NAMES.get(architecture, {})
     layers = _LAYERS_PREFIX.get(architecture, "model.layers.")
@@ -446,8 +449,11 @@ def prediction_layer_tensor(gguf_name: str, config: dict[str, Any]) -> bool:
 def hf_expert_slices(gguf_name: str, shape: tuple[int, ...], architecture: str) -> list[ExpertSlice] | None:
     """Each expert's projections in a GGUF expert tensor (`blk.N.ffn_gate_exps.weight`, a fused
     `ffn_gate_up_exps`, ...; gpt-oss's `.bias` too, `[experts, rows]`) of `shape` (`[experts, rows, ...]`) in a file
-    of `architecture` (as `hf_tensor_name`), by expert and then by row; None when `gguf_name` is not one. ValueError
-    for a fused bank whose rows do not split in halves."""
+    of `architecture` (as `hf_tensor_name`), by expert and then by row; None when `gguf_name` is not one. Gemma 3n's
+    stacked projections of its streams (`GEMMA3N_STACKS`) come as slices too, one a projection. ValueError for a
+    fused bank whose rows do not split in halves."""
+    if architecture == "gemma3n_text" and gguf_name in GEMMA3N_STACKS:  # Gemma 3n's streams' projections
+        return [ExpertSlice(GEMMA3N_STACKS[gguf_name].format(i), i, slice(None)) for i in range(int(shape[0]))]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _EXPERT_BANKS:
         return None

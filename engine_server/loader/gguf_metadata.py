@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 
 from engine_server.loader.gguf_classic import CLASSIC_GGUF_ARCHITECTURES, CLASSIC_LAYER_NORMED, classic_gguf_config
 from engine_server.loader.gguf_dbrx import DBRX_GGUF_ARCHITECTURES, dbrx_gguf_config
+from engine_server.loader.gguf_gemma3n import GEMMA3N_GGUF_ARCHITECTURES, gemma3n_gguf_config
 from engine_server.loader.gguf_state_space import STATE_SPACE_GGUF_ARCHITECTURES, state_space_gguf_config
 from engine_server.pooling.params import PoolingMethod
 
@@ -84,6 +85,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     **STATE_SPACE_GGUF_ARCHITECTURES,
     # DBRX: its nested config (`gguf_dbrx`), LayerNorms, q/k/v in one tensor clamped to `attention.clamp_kqv`.
     **DBRX_GGUF_ARCHITECTURES,
+    # Gemma 3n: Gemma 4's layers under AltUp's streams, LAuReL, sparse MLPs (`gguf_gemma3n`).
+    **GEMMA3N_GGUF_ARCHITECTURES,
 }
 # llama.cpp's converter writes this context length for a Mamba-2 hybrid without rope (no limit of its own); such a
 # Granite 4.0 or Nemotron-H file is read with the released models' 128K context (Granite 4.0's, Nemotron Nano 2's:
@@ -617,6 +620,8 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         config.update(classic_gguf_config(arch, config, tensors, functools.partial(read_field, reader)))
     elif arch in STATE_SPACE_GGUF_ARCHITECTURES:
         return state_space_gguf_config(arch, config, tensors, functools.partial(read_field, reader), spec)
+    elif arch in GEMMA3N_GGUF_ARCHITECTURES:
+        return gemma3n_gguf_config(config, tensors, functools.partial(read_field, reader), spec)
     elif arch in DBRX_GGUF_ARCHITECTURES:
         return dbrx_gguf_config(config, experts, functools.partial(read_field, reader), spec)
     elif arch in _LAYER_NORMED:

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 import engine_server.loader.source as source_module
 from benchmarks.quality import compare, greedy_sequences, make_llm, reference_log_probs
 from engine_server import model_loading
+from engine_server.config import AltUp
 from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.gated_deltanet import split_grouped_projections
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, ExpertWeights, QuantizedExperts, RowwiseLinear
@@ -36,7 +37,7 @@ from engine_server.loader.gguf_hybrid import TILED_VALUE_HEADS, HybridShape
 from engine_server.loader.gguf_metadata import GgufFile, hf_config_from_gguf
 from engine_server.loader.gguf_quant import stored_matrices
 from engine_server.quantization import StoredBank, stored_weights
-from tests.families import GreedyReference, float_checkpoint, save_family, write_gguf
+from tests.families import VOCAB_SIZE, GreedyReference, float_checkpoint, save_family, write_gguf
 from tests.unit.test_family_engines import NUM_TOKENS, engine, prompts, reference_tokens, tokens
 from tests.unit.test_quantization import recorded_tensor
 
@@ -1070,6 +1071,50 @@ def test_a_hybrid_gguf_split_over_two_ranks_reads_each_ranks_heads_from_the_bloc
 # and (26B A4B's block) the router's scales and the experts' fused banks. Per-layer inputs 32 wide, so every matrix
 # is whole blocks of 32; the per-layer input table in Q8_0, as llama.cpp's quantizer leaves it.
 GEMMA4_GGUF: dict[str, dict[str, Any]] = {"gemma4": {"hidden_size_per_layer_input": 32}, "gemma4-moe": {}}
+# Gemma 3n's per-layer inputs 32 wide (Q8_0's blocks), from a table as long as the vocabulary (llama.cpp's converter
+# pads a shorter one with zero rows, which its file then holds: the checkpoint reads row 0 for those ids).
+GEMMA3N_GGUF: dict[str, Any] = {"hidden_size_per_layer_input": 32, "vocab_size_per_layer_input": VOCAB_SIZE}
+
+
+def test_a_gemma3n_gguf_is_exact_on_the_float_path_and_served_from_its_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Gemma 3n file as llama.cpp's converter writes it (`gemma3n`: Gemma 4's names for the per-layer inputs and
+    norms, plain w; AltUp's and LAuReL's tensors as `altup_*` and `laurel_*`, the streams' projections stacked
+    `[3, hidden, hidden]`; each layer's MLP width, the window pattern, the shared K/V layers and each MLP's sparsity
+    as a normal quantile): converted, the config is the saved model's and every tensor comes back under the name
+    transformers saved it with, and the float path equals transformers token for token. Served from its blocks (its
+    projections in Q8_0), each projection's weight is the converted one bit for bit and it stays close to the float
+    path: mean KL within `ladle bench quality`'s 0.01, top-1 within 0.9 (measured 94.8% / 0.008: this random
+    model's near-ties flip on 8-bit noise; at Q4_0 MLPs 86.5% / 0.010)."""
+    gguf, expected = written_and_converted(tmp_path, "gemma3n", GGMLQuantizationType.Q8_0, **GEMMA3N_GGUF)
+    stored = keep_stored_weights(monkeypatch)
+    layers, result = served_from_blocks(gguf, expected=expected)
+    assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers["model.layers.5.mlp.down_proj"] == "q8"
+    assert layers["model.layers.5.per_layer_projection"] == "q8" and "model.layers.5.self_attn.qkv_proj" in layers
+    float_weights = dict(resolve_model(str(gguf)).weights())
+    for name, weight in stored.items():
+        if not name.endswith(("qkv_proj", "gate_up_proj")) and name != "model.embed_tokens_per_layer":
+            assert torch.equal(weight.dequantize(), float_weights[f"{name}.weight"]), name
+    assert result.top1_agreement >= 0.9 and result.mean_kl <= 0.01, result
+
+
+def test_a_gemma3n_gguf_without_its_optional_keys_reads_as_llama_cpp_fixes_them(tmp_path: Path) -> None:
+    """A `gemma3n` file without the window pattern, the shared K/V layers or the sparsity quantiles is read as
+    llama.cpp reads one (every fifth layer full, K/V of their own on the first 20 layers, the first ten MLPs sparse
+    at 0.95); one whose MLP widths differ between layers is refused by name."""
+    keys = {"block_count": 30, "context_length": 64, "embedding_length": 32, "feed_forward_length": [64] * 30,
+            "head_count": 2, "head_count_kv": 1, "layer_norm_rms_eps": 1e-6, "key_length": 16, "value_length": 16,
+            "sliding_window": 8, "embedding_length_per_layer_input": 8}  # fmt: skip
+    tensors = {"per_layer_token_embd.weight": (64, 240), "blk.0.laurel_l.weight": (4, 32)}
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "e2b.gguf", "gemma3n", keys, tensors), "e2b.gguf")
+    assert config["layer_types"] == (["sliding_attention"] * 4 + ["full_attention"]) * 6
+    assert config["num_kv_shared_layers"] == 10 and config["laurel_rank"] == 4
+    assert config["activation_sparsity_pattern"] == [0.95] * 10 + [0.0] * 20
+    assert model_config_from_hf(config).altup == AltUp(4, 0, True, 4, (0.95,) * 10 + (0.0,) * 20)
+    uneven = {**keys, "feed_forward_length": [64] * 29 + [128]}
+    with pytest.raises(ValueError, match=r"MLP widths \[64, 128\] differ between layers"):
+        hf_config_from_gguf(metadata_gguf(tmp_path / "uneven.gguf", "gemma3n", uneven, tensors), "uneven.gguf")
 
 
 @pytest.fixture(scope="module", params=list(GEMMA4_GGUF))
