@@ -88,14 +88,14 @@ def hf_model(model: str, device: str, dtype: Any) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine_server.loader import resolve_model
-    from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, STATE_SPACE_HF_CONFIGS
+    from engine_server.loader.dummy import GEMMA3N_HF_CONFIGS, GEMMA4_HF_CONFIGS, STATE_SPACE_HF_CONFIGS
 
     source = resolve_model(model)
     cfg = source.config
     if cfg.linear_attention is not None:
         return _hybrid_hf_model(source, device, dtype)
     if cfg.gemma4 is not None:
-        return _preset_hf_model(source, device, dtype, GEMMA4_HF_CONFIGS)
+        return _preset_hf_model(source, device, dtype, GEMMA3N_HF_CONFIGS if cfg.altup else GEMMA4_HF_CONFIGS)
     if cfg.architecture == "mamba":
         return _preset_hf_model(source, device, dtype, STATE_SPACE_HF_CONFIGS)
     hf_config = AutoConfig.for_model(
@@ -129,9 +129,9 @@ def _folder_hf_model(source: Any, device: str, dtype: Any) -> Any:
 
 
 def _preset_hf_model(source: Any, device: str, dtype: Any, configs: dict[str, dict[str, object]]) -> Any:
-    """transformers' model of a family whose presets are its own config's arguments (Gemma 4's, the state space
-    models'): a folder's own, or a `dummy:` preset's weights in the config the preset was made from (`configs`, by
-    preset name: `loader.dummy.GEMMA4_HF_CONFIGS`, `loader.dummy.STATE_SPACE_HF_CONFIGS`)."""
+    """transformers' model of a family whose presets are its own config's arguments (Gemma 4's, Gemma 3n's, the state
+    space models'): a folder's own, or a `dummy:` preset's weights in the config the preset was made from (`configs`,
+    by preset name: `loader.dummy.GEMMA4_HF_CONFIGS`, `GEMMA3N_HF_CONFIGS`, `STATE_SPACE_HF_CONFIGS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not source.random_weights:

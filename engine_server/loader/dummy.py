@@ -46,6 +46,31 @@ GEMMA4_HF_CONFIGS: dict[str, dict[str, object]] = {
         "vocab_size_per_layer_input": 49152, "max_position_embeddings": 32768,
     },
 }  # fmt: skip
+# Gemma 3n's presets as transformers' `Gemma3nTextConfig` arguments: a test's (`gemma3n-tiny`: 10 layers 256 wide,
+# AltUp's four streams, the first two MLPs sparse, the last three layers over earlier ones' K/V) and the released
+# E2B's and E4B's text models (`gemma-3n-e2b`, `gemma-3n-e4b`: 30 and 35 layers 2,048 wide, 262,400 tokens, the
+# per-layer table 262,144 rows of 256 per layer).
+_GEMMA3N_FEATURES: dict[str, object] = {
+    "model_type": "gemma3n_text", "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+    "sliding_window": 512, "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+    "hidden_size_per_layer_input": 256, "laurel_rank": 64, "altup_num_inputs": 4, "tie_word_embeddings": True,
+}  # fmt: skip
+GEMMA3N_HF_CONFIGS: dict[str, dict[str, object]] = {
+    "gemma3n-tiny": {
+        **_GEMMA3N_FEATURES, "vocab_size": 49152, "vocab_size_per_layer_input": 49152, "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 10, "num_attention_heads": 4, "head_dim": 64,
+        "num_kv_shared_layers": 3, "hidden_size_per_layer_input": 64, "laurel_rank": 16,
+        "activation_sparsity_pattern": [0.95, 0.95] + [0.0] * 8, "max_position_embeddings": 8192,
+    },
+    "gemma-3n-e2b": {
+        **_GEMMA3N_FEATURES, "vocab_size": 262_400, "vocab_size_per_layer_input": 262_144, "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 30, "num_kv_shared_layers": 10,
+    },
+    "gemma-3n-e4b": {
+        **_GEMMA3N_FEATURES, "vocab_size": 262_400, "vocab_size_per_layer_input": 262_144, "hidden_size": 2048,
+        "intermediate_size": 16_384, "num_hidden_layers": 35, "num_kv_shared_layers": 15,
+    },
+}  # fmt: skip
 # The state space models alone (`hf_mamba`) as transformers' config arguments (the peer is built from them): a
 # test's Mamba and Mamba-2 (`mamba-tiny`, `mamba2-tiny`), mamba-130m's and mamba2-130m's shapes (the CPU benchmark's,
 # over this tokenizer's vocabulary), Falcon Mamba 7B's and Mamba-Codestral 7B's (the GPU's: 64 layers 4,096 wide,
@@ -241,7 +266,7 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
     **{
         preset: replace(model_config_from_hf(hf), bos_token_id=_BOS, eos_token_ids=(_EOS,),
                         name=f"dummy:{preset}")
-        for preset, hf in (GEMMA4_HF_CONFIGS | STATE_SPACE_HF_CONFIGS).items()
+        for preset, hf in (GEMMA4_HF_CONFIGS | GEMMA3N_HF_CONFIGS | STATE_SPACE_HF_CONFIGS).items()
     },
 }  # fmt: skip
 

@@ -110,7 +110,8 @@ def _gemma4_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Gemma 4's parameters (`layers.gemma4`): each layer's attention of its own head shape (no k/v projections or
     key norm on a layer that attends over another's K/V, no v_proj where values are the keys' projection), its
     sandwich norms, MLP of its width, `layer_scalar`, per-layer input projections and experts; the per-layer input
-    table and projection; tied embeddings."""
+    table and projection; tied embeddings. Gemma 3n's (`ModelConfig.altup`): each layer's AltUp and LAuReL in place
+    of `layer_scalar`, and the streams' projections."""
     layout = cfg.gemma4
     assert layout is not None
     h, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -129,7 +130,10 @@ def _gemma4_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for norm in ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             shapes[f"{p}{norm}.weight"] = (h,)
         shapes.update(_mlp_shapes(p + "mlp.", h, cfg.layer_intermediate_size(i)))
-        shapes[p + "layer_scalar"] = (1,)
+        if cfg.altup is None:
+            shapes[p + "layer_scalar"] = (1,)
+        else:
+            shapes.update(_altup_layer_shapes(p, h, cfg.altup.streams, cfg.altup.laurel_rank))
         if layout.per_layer_input_size:
             shapes[p + "per_layer_input_gate.weight"] = (layout.per_layer_input_size, h)
             shapes[p + "per_layer_projection.weight"] = (h, layout.per_layer_input_size)
@@ -149,10 +153,23 @@ def _gemma4_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["model.embed_tokens_per_layer.weight"] = (layout.per_layer_vocab_size, packed)
         shapes["model.per_layer_model_projection.weight"] = (packed, h)
         shapes["model.per_layer_projection_norm.weight"] = (layout.per_layer_input_size,)
+    if cfg.altup is not None:
+        for stack in ("altup_projections", "altup_unembed_projections"):
+            shapes.update({f"model.{stack}.{i}.weight": (h, h) for i in range(cfg.altup.streams - 1)})
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     return shapes
+
+
+def _altup_layer_shapes(p: str, h: int, streams: int, rank: int) -> dict[str, tuple[int, ...]]:
+    """A Gemma 3n layer's AltUp and LAuReL parameters (`layers.gemma3n`)."""
+    return {
+        p + "altup.correct_output_scale": (h,), p + "altup.correction_coefs.weight": (streams, streams),
+        p + "altup.prediction_coefs.weight": (streams * streams, streams), p + "altup.modality_router.weight": (
+            streams, h), p + "altup.router_norm.weight": (h,), p + "laurel.linear_left.weight": (rank, h),
+        p + "laurel.linear_right.weight": (h, rank), p + "laurel.post_laurel_norm.weight": (h,),
+    }  # fmt: skip
 
 
 def _mlp_block_shapes(p: str, cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:

@@ -25,6 +25,7 @@ from engine_server.layers.mla import LatentExpansion, MultiLatentAttention
 from engine_server.layers.quantized_experts import ROUTER_SUFFIXES, QuantizedExperts, RowwiseLinear
 from engine_server.layers.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from engine_server.loader import resolve_model
+from engine_server.loader.dummy import dummy_config
 from engine_server.models import get_model_class
 from engine_server.parallel.layers import ParallelExperts
 from tests.families import (
@@ -388,6 +389,19 @@ def test_gemma4_experts_split_and_chunked_and_on_int8(tmp_path: Path) -> None:
         ours = tokens(llm, batch)
         assert [tokens(llm, [prompt])[0] for prompt in batch] == ours
     assert sum(a[0] == b for a, b in zip(ours, theirs.first_tokens(), strict=True)) >= 6
+
+
+def test_a_dummy_gemma3n_equals_transformers_holding_its_weights() -> None:
+    """`dummy:gemma3n-tiny`: seeded random weights in Gemma 3n's checkpoint layout (AltUp's and LAuReL's per layer,
+    the streams' projections, no K/V projections on the sharing layers), served by the engine, and the same weights
+    in transformers' Gemma 3n (`benchmarks.common.hf_model`). The presets of the released E2B's and E4B's shapes
+    read as transformers builds them."""
+    assert_dummy_equals_transformers("gemma3n-tiny", [prompt[:40] for prompt in prompts()[:3]], atol=3e-4)
+    for preset, layers, shared in (("gemma-3n-e2b", 30, 10), ("gemma-3n-e4b", 35, 15)):
+        config = dummy_config(preset, f"dummy:{preset}")
+        assert config.altup is not None and config.gemma4 is not None and config.num_hidden_layers == layers
+        assert sum(config.kv_source(i) != i for i in range(layers)) == shared
+        assert config.altup.sparsity == (0.95,) * 10 + (0.0,) * (layers - 10)
 
 
 def test_a_dummy_gemma4_equals_transformers_holding_its_weights() -> None:

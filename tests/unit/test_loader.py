@@ -25,7 +25,13 @@ from engine_server.loader import (
     resolve_model,
     write_float_checkpoint,
 )
-from engine_server.loader.dummy import GEMMA4_HF_CONFIGS, INIT_STD, STATE_SPACE_HF_CONFIGS, random_tensor
+from engine_server.loader.dummy import (
+    GEMMA3N_HF_CONFIGS,
+    GEMMA4_HF_CONFIGS,
+    INIT_STD,
+    STATE_SPACE_HF_CONFIGS,
+    random_tensor,
+)
 from engine_server.loader.gguf_metadata import GgufFile, llama3_rope_factors, transformers_metadata
 from engine_server.loader.layout import parameter_shapes
 from engine_server.loader.lazy_tensor import LazyTensor
@@ -56,11 +62,12 @@ def gguf_reference() -> Iterator[torch.nn.Module]:
 
 
 def hf_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
-    """The transformers config of `cfg`'s shape, to check our parameter layout against transformers'. A Gemma 4
-    preset's, or a state space model's, is the config it was parsed from (`loader.dummy.GEMMA4_HF_CONFIGS`,
-    `loader.dummy.STATE_SPACE_HF_CONFIGS`)."""
+    """The transformers config of `cfg`'s shape, to check our parameter layout against transformers'. A Gemma 4 or
+    Gemma 3n preset's, or a state space model's, is the config it was parsed from (`loader.dummy.GEMMA4_HF_CONFIGS`,
+    `GEMMA3N_HF_CONFIGS`, `STATE_SPACE_HF_CONFIGS`)."""
     if cfg.gemma4 is not None or cfg.architecture == "mamba":
-        presets = GEMMA4_HF_CONFIGS if cfg.gemma4 is not None else STATE_SPACE_HF_CONFIGS
+        presets = STATE_SPACE_HF_CONFIGS if cfg.gemma4 is None else GEMMA3N_HF_CONFIGS if cfg.altup else \
+            GEMMA4_HF_CONFIGS  # fmt: skip
         arguments = dict(presets[cfg.name.removeprefix("dummy:")])
         return transformers.AutoConfig.for_model(str(arguments.pop("model_type")), **arguments)
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
