@@ -75,8 +75,11 @@ class LatentAttention:
     `rope` (Kimi Linear's NoPE layers) the "rope" dims turn by nothing: the same shared key dims, unrotated. With
     `head_gate` (Ling 3's) each head's output is multiplied by the sigmoid of its own `g_proj` value of the layer's
     input before `o_proj`; with `value_gate` (HY-V4's) each value dim of each head's output by the sigmoid of its own
-    `gate_proj` value (`heads * v_head_dim` of them). `latent_norm_eps`: the epsilon of the q and kv latents' norms
-    (0: the model's `rms_norm_eps`; HY-V4's are transformers' default 1e-6 whatever its own)."""
+    `gate_proj` value (`heads * v_head_dim` of them). With `query_latent_pair` (A.X K2's) the queries and that gate
+    come from the query latent beside its norm (`q_b_proj` and `gate_proj` read `cat(norm(q_a(x)), q_a(x))`, its
+    checkpoints' one `q_gate_proj`) rather than from the norm alone and the layer's input. `latent_norm_eps`: the
+    epsilon of the q and kv latents' norms (0: the model's `rms_norm_eps`; HY-V4's are transformers' default 1e-6
+    whatever its own)."""
 
     q_lora_rank: int
     kv_lora_rank: int
@@ -88,6 +91,7 @@ class LatentAttention:
     head_gate: bool = False
     value_gate: bool = False
     latent_norm_eps: float = 0.0
+    query_latent_pair: bool = False
 
 
 @dataclass(frozen=True)
@@ -559,6 +563,9 @@ class ModelConfig:
     gemma4: Gemma4Layout | None = None
     # Gemma 3n: AltUp's streams, LAuReL and the sparse MLPs over Gemma 4's layers (`AltUp`).
     altup: AltUp | None = None
+    # A.X K2: each layer's input norm, and a sparse layer's norm before its MLP, gated by the sigmoid of a rank
+    # `gated_norm_rank` MLP of its output (`layers.norm.GatedRMSNorm`; 0: plain norms).
+    gated_norm_rank: int = 0
 
     def is_global_layer(self, index: int) -> bool:
         """Whether layer `index` is one of Gemma 4's full-attention layers, which have a head shape of their own."""

@@ -107,6 +107,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "glm4_moe_lite": "deepseek_v3",  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
     # SK Telecom's A.X K1: DeepSeek-V3's with an RMSNorm over each sparse layer's MoE output (`moe_output_norm`).
     "axk1": "deepseek_v3",
+    # SK Telecom's A.X K2: DeepSeek-V3.2's indexed latent attention, its queries and a sigmoid gate per value dim
+    # from the query latent beside its norm, gated norms (`_axk2_fields`); its routing over all experts by default.
+    "axk2": "deepseek_v3",
     # DeepSeek-V3.2 and GLM-5: that latent attention over the positions a lightning indexer picks (`_sparse_indexer`).
     "deepseek_v32": "deepseek_v3",
     "glm_moe_dsa": "deepseek_v3",
@@ -401,6 +404,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **_phimoe_fields(model_type, cfg),
         **_jais2_fields(model_type, cfg),
         **_minicpm3_fields(model_type, cfg),
+        gated_norm_rank=int(cfg.get("gated_norm_rank") or 16) if model_type == "axk2" else 0,
         **_afmoe_fields(arch, cfg),
         **_nanochat_fields(arch, cfg),
         output_vocab_size=_output_vocab_size(cfg),
@@ -566,15 +570,15 @@ def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
     """A DeepSeek-V3-style model's layers with a dense MLP: those `mlp_layer_types` calls "dense" (GLM-4.7-Flash's
     and A.X K1's transformers configs), else the first `first_k_dense_replace` (its checkpoints' and DeepSeek's), else
     as transformers defaults them: the first one (GLM-4.7-Flash, Sarvam, A.X K1), three (DeepSeek-V3 and V3.2, GLM-5),
-    none. A.X K1's released config also makes dense every layer that `moe_layer_freq` does not divide."""
+    none. A.X K1's and K2's released configs also make dense every layer that `moe_layer_freq` does not divide."""
     kinds = cfg.get("mlp_layer_types")
     if kinds:
         return tuple(i for i, kind in enumerate(kinds) if kind == "dense")
     model_type = cfg.get("model_type")
-    default = 1 if model_type in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla", "axk1") else 0
+    default = 1 if model_type in ("glm4_moe_lite", "sarvam_moe", "sarvam_mla", "axk1", "axk2") else 0
     default = 3 if model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa") else default
     first = int(cfg.get("first_k_dense_replace", default) or 0)
-    every = int(cfg.get("moe_layer_freq") or 1) if model_type == "axk1" else 1
+    every = int(cfg.get("moe_layer_freq") or 1) if model_type in ("axk1", "axk2") else 1
     return tuple(i for i in range(int(cfg["num_hidden_layers"])) if i < first or i % every)
 
 
@@ -592,9 +596,12 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         rope_interleave=bool(cfg.get("rope_interleave", model_type != "minicpm3")),
         rope=model_type != "kimi_linear",
         head_gate=model_type == "bailing_hybrid",
-        value_gate=model_type == "hy_v4",
+        value_gate=model_type in ("hy_v4", "axk2"),
         latent_norm_eps=float(cfg["hy_latent_norm_eps"]) if model_type == "hy_v4" else 0.0,
+        query_latent_pair=model_type == "axk2",
     )
+    if model_type == "axk2" and not mla.q_lora_rank:
+        raise ValueError("axk2 needs a positive q_lora_rank (its queries and gate read the query latent)")
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     all_dims = float(rope.get("mscale_all_dim") or 0.0)
     if (rope.get("rope_type") or rope.get("type") or "default") != "default" and all_dims and float(rope["factor"]) > 1:
@@ -609,7 +616,7 @@ def _sparse_indexer(cfg: dict[str, Any], model_type: str, mla: LatentAttention) 
     GLM-5's layers of `indexer_types` "shared" reuse the last full layer's choice; without the list, transformers'
     schedule from `index_topk_pattern` ("F"/"S" per layer) or `index_topk_freq` and `index_skip_topk_offset` (every
     layer full by default). ValueError for a first layer that is shared, or an index head narrower than its rope."""
-    if model_type not in ("deepseek_v32", "glm_moe_dsa", "hy_v4"):
+    if model_type not in ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"):
         return None
     layers = int(cfg["num_hidden_layers"])
     kinds = cfg.get("indexer_types") if model_type in ("glm_moe_dsa", "hy_v4") else None

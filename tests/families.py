@@ -315,6 +315,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "swiglu_limit": 1.0,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # A.X K2: DeepSeek-V3.2's indexed latent attention (16 positions a query), its queries and a sigmoid gate per
+    # value dim from the query latent beside its norm, gated input norms (and before each sparse layer's experts),
+    # the first layer dense, routing over all 8 experts.
+    "axk2": (
+        "AXK2Config",
+        {"num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 16,
+         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+         "routed_scaling_factor": 2.5, "gated_norm_rank": 8, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # A.X K1: DeepSeek-V3's layout, each sparse layer's MoE output RMS-normalised, dense and sparse layers alternating.
     "axk1": (
         "AXK1Config",

@@ -18,7 +18,7 @@ from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP
 from engine_server.layers.moe import SparseMoE
-from engine_server.layers.norm import RMSNorm, norm_class
+from engine_server.layers.norm import GatedRMSNorm, RMSNorm, norm_class
 from engine_server.layers.short_conv import ShortConv
 from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
 from engine_server.lora.targets import PROJECTIONS
@@ -80,6 +80,11 @@ class DecoderLayer(nn.Module):
         norm = norm_class(config)
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.gated_norm_rank:  # A.X K2: the input norm gated, and a sparse layer's norm before its MLP
+            rank = config.gated_norm_rank
+            self.input_layernorm = GatedRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, rank)
+            if config.is_moe_layer(index):
+                self.post_attention_layernorm = GatedRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, rank)
         if self.mlp is None:
             del self.post_attention_layernorm  # nothing to normalise for: the checkpoint has no such norm
 

@@ -6,7 +6,8 @@ values from one compressed latent per token (`kv_a_proj_with_mqa`: `kv_lora_rank
 positions (`qk_nope_head_dim`) and a value (`v_head_dim`). Each head's key is its nope part beside the shared rope
 key; only the rope dims turn by position. Ling 3 gates each head's output by the sigmoid of its own `g_proj` value
 (`LatentAttention.head_gate`); HY-V4 each value dim of it by its own `gate_proj` value (`value_gate`), and gives
-each head a learned sink logit (`ModelConfig.attention_sinks`, as gpt-oss's), one more term of its softmax.
+each head a learned sink logit (`ModelConfig.attention_sinks`, as gpt-oss's), one more term of its softmax. A.X K2
+computes its queries and that gate from the query latent beside its norm (`query_latent_pair`).
 
 The cache holds each token's normalised latent and its turned rope key, `kv_lora_rank + qk_rope_head_dim` values
 (576 for V3) under one KV head, not every head's expanded key and value: `kv_b_proj` is absorbed instead (the
@@ -97,10 +98,13 @@ class MultiLatentAttention(nn.Module):
         hidden, total, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
         queries = heads_rows(heads, total, self.query_dim)  # each head's nope and rope dims together
         latent_eps = mla.latent_norm_eps or config.rms_norm_eps
+        # A.X K2: the queries (and their gate) read the query latent beside its norm (`query_latent_pair`)
+        self.latent_pair = mla.query_latent_pair
+        query_input = 2 * mla.q_lora_rank if self.latent_pair else mla.q_lora_rank
         if mla.q_lora_rank:
             self.q_a_proj: nn.Module | None = nn.Linear(hidden, mla.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm: RMSNorm | None = RMSNorm(mla.q_lora_rank, latent_eps, dtype)
-            self.q_b_proj: nn.Module = ColumnParallelLinear(mla.q_lora_rank, [queries], bias=False, dtype=dtype)
+            self.q_b_proj: nn.Module = ColumnParallelLinear(query_input, [queries], bias=False, dtype=dtype)
         else:
             self.q_a_proj = self.q_a_layernorm = None
             self.q_proj = ColumnParallelLinear(hidden, [queries], bias=False, dtype=dtype)
@@ -116,7 +120,8 @@ class MultiLatentAttention(nn.Module):
         self.gate_proj: nn.Module | None = None
         if mla.value_gate:
             self.gate_proj = ColumnParallelLinear(
-                hidden, [heads_rows(heads, total, self.value_dim)], bias=False, dtype=dtype
+                query_input if self.latent_pair else hidden, [heads_rows(heads, total, self.value_dim)], bias=False,
+                dtype=dtype,
             )
         # HY-V4 (`ModelConfig.attention_sinks`): a learned sink logit per head (float32), this rank's heads
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
@@ -151,9 +156,13 @@ class MultiLatentAttention(nn.Module):
             raise ValueError("LoRA adapters are not applied to multi-head latent attention")
         tokens, heads = hidden.shape[0], self.num_heads
         q_resid = None
+        gate_input = hidden
         if self.q_a_proj is not None and self.q_a_layernorm is not None:
-            q_resid = self.q_a_layernorm(self.q_a_proj(hidden), ops)
-            q = self.q_b_proj(q_resid)
+            compressed = self.q_a_proj(hidden)
+            q_resid = self.q_a_layernorm(compressed, ops)
+            query_input = torch.cat((q_resid, compressed), dim=-1) if self.latent_pair else q_resid
+            gate_input = query_input if self.latent_pair else hidden
+            q = self.q_b_proj(query_input)
         else:
             q = self.q_proj(hidden)
         q_nope, q_rope = q.view(tokens, heads, self.query_dim).split([self.nope_dim, self.rope_dim], dim=-1)
@@ -180,7 +189,8 @@ class MultiLatentAttention(nn.Module):
         if self.g_proj is not None:
             values = values * torch.sigmoid(self.g_proj(hidden))[..., None]
         if self.gate_proj is not None:
-            values = values * torch.sigmoid(self.gate_proj(hidden)).view(tokens, heads, self.value_dim)
+            gate = torch.sigmoid(self.gate_proj(gate_input).float()).to(values.dtype)
+            values = values * gate.view(tokens, heads, self.value_dim)
         return self.tp.all_reduce_sum(self.o_proj(values.reshape(tokens, heads * self.value_dim)))
 
     def _attend_sparse(

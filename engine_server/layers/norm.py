@@ -36,6 +36,30 @@ class RMSNorm(nn.Module):
         return out, new_residual
 
 
+class GatedRMSNorm(RMSNorm):
+    """A.X K2's norm: `y * sigmoid(up(silu(down(y))))`, `y` the RMSNorm of its input, `down` to `rank` dims (its
+    checkpoints' `norm.weight`, `mlp.fc1`, `mlp.fc2`; the sigmoid in float32, as transformers' `AXK2GatedRMSNorm`)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, rank: int) -> None:
+        super().__init__(size, eps, dtype)
+        self.gate_down = nn.Linear(size, rank, bias=False, dtype=dtype)
+        self.gate_up = nn.Linear(rank, size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        return self._gated(super().forward(x, ops))
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(gated norm(x + residual), x + residual)`."""
+        out, new_residual = super().add_and_norm(x, residual, ops)
+        return self._gated(out), new_residual
+
+    def _gated(self, y: torch.Tensor) -> torch.Tensor:
+        gate = torch.sigmoid(self.gate_up(F.silu(self.gate_down(y))).float())
+        return (y * gate).to(y.dtype)
+
+
 class WeightlessRMSNorm(RMSNorm):
     """`x / rms(x)`: RMSNorm without a weight (Falcon Mamba's on its time step, B and C). Its `weight` is a buffer of
     ones (what `ops.rms_norm` multiplies by), not a parameter: nothing is loaded."""

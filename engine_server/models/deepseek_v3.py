@@ -4,13 +4,14 @@ first layers dense."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
 from engine_server.config import ModelConfig
-from engine_server.models.base import CausalLM, joined_convolutions, text_model_weights
+from engine_server.models.base import CausalLM, joined_convolutions, reordered_tensor, text_model_weights
 from engine_server.models.llama import MISTRAL3_TOWERS
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor
@@ -57,9 +58,25 @@ _HY_V4_RENAMES = (
     (".hc_head.hc_head_", ".hc_head.hc_"),
     _SHARED_EXPERTS,
 )
+# A.X K2's checkpoints: each gated norm's RMSNorm weight under `norm.`, its gate's projections down to its rank and
+# back up as its released files name them (`W_down`, `W_up`) or transformers does (`mlp.fc1`, `mlp.fc2`;
+# `layers.norm.GatedRMSNorm`); its queries and their gate in one projection, released as `q_b_proj` and named
+# `q_gate_proj` by transformers (`_query_and_gate`).
+_AXK2_RENAMES = tuple(
+    (f".{norm}.{theirs}", f".{norm}.{ours}")
+    for norm in ("input_layernorm", "post_attention_layernorm")
+    for theirs, ours in (("norm.", ""), ("W_down.", "gate_down."), ("W_up.", "gate_up."), ("mlp.fc1.", "gate_down."),
+                         ("mlp.fc2.", "gate_up."))
+)
+_QUERY_GATE = re.compile(r"(?P<attention>model\.layers\.\d+\.self_attn)\.(?:q_gate_proj|q_b_proj)\.weight")
 # A Kimi Delta Attention layer's convolution of q, k or v, as its checkpoints store them (one convolution here;
 # Ling 3's released files and transformers' hold the layer as its `attention`).
 _KDA_CONV_PART = re.compile(r"(?P<layer>.+\.(?:self_attn|attention))\.(?P<part>[qkv])_conv1d\.weight")
+
+
+def _head_rows(weight: torch.Tensor, heads: int, start: int, width: int) -> torch.Tensor:
+    """Rows `start:start + width` of each of `heads` equal blocks of `weight`'s rows, head by head."""
+    return weight.view(heads, -1, weight.shape[1])[:, start : start + width].reshape(-1, weight.shape[1]).contiguous()
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -98,6 +115,8 @@ class DeepseekV3ForCausalLM(CausalLM):
             self.checkpoint_renames = _BAILING_HYBRID_RENAMES if ling else _KIMI_LINEAR_RENAMES
         if config.hyper_connections is not None:
             self.checkpoint_renames = _HY_V4_RENAMES
+        if config.gated_norm_rank:
+            self.checkpoint_renames = (*self.checkpoint_renames, *_AXK2_RENAMES)
 
     def checkpoint_weights(
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
@@ -107,7 +126,28 @@ class DeepseekV3ForCausalLM(CausalLM):
         layers = self._decoder_layers(weights)
         if self.kimi_linear:
             layers = joined_convolutions(layers, _KDA_CONV_PART)
+        mla = self.config.latent_attention
+        if mla is not None and mla.query_latent_pair:
+            layers = self._query_and_gate(layers, mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim)
         return super().checkpoint_weights(layers, replaced)
+
+    def _query_and_gate(
+        self, weights: Iterable[tuple[str, CheckpointTensor]], query_dim: int, value_dim: int
+    ) -> Iterator[tuple[str, CheckpointTensor]]:
+        """A.X K2's joint query and gate projection (`q_gate_proj`, released as `q_b_proj`: each head's query rows,
+        then its gate's) as `q_b_proj` (the query rows of every head) and `gate_proj` (the gate rows), unread while it
+        is."""
+        heads = self.config.num_attention_heads
+        for name, tensor in weights:
+            match = _QUERY_GATE.fullmatch(name)
+            if match is None:
+                yield name, tensor
+                continue
+            columns = int(tensor.shape[1])
+            for part, start, width in (("q_b_proj", 0, query_dim), ("gate_proj", query_dim, value_dim)):
+                rows = functools.partial(_head_rows, heads=heads, start=start, width=width)
+                split = reordered_tensor(tensor, rows, shape=(heads * width, columns))
+                yield f"{match['attention']}.{part}.weight", split
 
     def _decoder_layers(
         self, weights: Iterable[tuple[str, CheckpointTensor]]

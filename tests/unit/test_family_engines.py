@@ -191,7 +191,7 @@ def test_a_mixture_of_experts_keeps_its_tokens_when_preempted(moe_folder: tuple[
 @pytest.mark.parametrize(
     "name",
     ["phi3-longrope", "gemma2", "llama4", "glm4", "cohere2", "exaone4", "phimoe", "jais2", "mimo-v2-flash", "gpt-neox",
-     "stablelm-12b", "falcon-40b", "gpt2", "dbrx", "opt", "codegen"],
+     "stablelm-12b", "falcon-40b", "gpt2", "dbrx", "opt", "codegen", "axk2"],
 )
 def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tmp_path: Path) -> None:
     """Two ranks: Phi-3's fused q/k/v and gate/up split by part, its partial rotary and LongRoPE on each rank's
@@ -207,7 +207,8 @@ def test_tensor_parallel_phi3_gemma2_and_llama4_equal_transformers(name: str, tm
     split by rows like the vocabulary's, its Conv1D weights read transposed; DBRX's clamped `Wqkv` split by part,
     each expert's rows of its layer's one tensor a projection read unread-until-narrowed (`models.dbrx`), `w2`'s
     transposed; OPT's offset positions split by rows, its biased ReLU MLP's down bias added once; CodeGen's q/k/v,
-    read apart from its shard-laid projection unread until narrowed, each rank its heads' (and its LM head's bias)."""
+    read apart from its shard-laid projection unread until narrowed, each rank its heads' (and its LM head's bias);
+    A.X K2's queries and value gates, split from their joint projection, each rank its heads' rows of both."""
     folder = save_family(tmp_path, name)
     with engine(folder, tensor_parallel_size=2) as llm:
         ours = tokens(llm, prompts())

@@ -70,6 +70,13 @@ GEMMA3N: dict[str, Any] = {
     "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 100, "laurel_rank": 8,
     "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0], "final_logit_softcapping": 5.0,
 }  # fmt: skip
+AXK2_SMALL: dict[str, Any] = {
+    "num_hidden_layers": 2, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 6,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "gated_norm_rank": 8, "mlp_layer_types": ["dense", "sparse"], "pad_token_id": 0,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
@@ -568,6 +575,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # by a sigmoid, a sink per head; a dense first MLP, then DeepSeek-V3's router (8 experts, 2 per token, a bias,
     # scaled by 2.5) with the experts' SwiGLU clamped at 0.03 (its products at init are ~0.05) beside an unclamped
     # shared expert; four residual streams around every block.
+    # A.X K2: DeepSeek-V3.2's indexed latent attention (6 positions a query), its queries and a sigmoid gate per value
+    # dim from the query latent beside its norm (one `q_gate_proj`), the input norms (and the sparse layer's norm
+    # before its experts) gated by a rank-8 MLP; routing over all 8 experts.
+    "axk2": (transformers.AXK2Config, AXK2_SMALL),
     "hy-v4": (
         transformers.HYV4Config,
         {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
@@ -815,6 +826,7 @@ MODEL_CLASSES = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.OlmoeConfig: transformers.OlmoeForCausalLM,
     transformers.DbrxConfig: transformers.DbrxForCausalLM,
+    transformers.AXK2Config: transformers.AXK2ForCausalLM,
     transformers.OPTConfig: transformers.OPTForCausalLM,
     transformers.CodeGenConfig: transformers.CodeGenForCausalLM,
     transformers.GPTNeoConfig: transformers.GPTNeoForCausalLM,
@@ -1214,6 +1226,27 @@ def test_gemma3n_configs_and_its_multimodal_checkpoint_read_as_transformers_buil
                          ({"altup_active_idx": 1}, "gemma3n altup_active_idx 1 is not supported")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(message)):
             model_config_from_hf({**base, **bad})
+
+
+def test_axk2_configs_read_as_transformers_fills_them_in() -> None:
+    """An A.X K2 config with its MLP layers in the legacy keys (`first_k_dense_replace`, `moe_layer_freq`) and no
+    expert groups (A.X K2 Light's) reads as transformers builds the model: the dense layers it derives, every layer
+    indexed (DeepSeek-V3.2's indexer), one group of experts, the gate's rank, the queries from the latent pair; a
+    grouped router where `n_group` is set; no query latent refused by name."""
+    released = {**SMALL, **AXK2_SMALL, "model_type": "axk2", "num_hidden_layers": 6, "first_k_dense_replace": 2,
+                "moe_layer_freq": 2}  # fmt: skip
+    del released["mlp_layer_types"]
+    theirs = transformers.AXK2Config.from_dict(released)
+    for raw in (released, theirs.to_dict()):
+        ours = model_config_from_hf(raw)
+        assert [ours.is_moe_layer(i) for i in range(6)] == [kind == "sparse" for kind in theirs.mlp_layer_types]
+        assert ours.sparse_indexer is not None and ours.sparse_indexer.shared_layers == ()
+        assert ours.latent_attention is not None and ours.latent_attention.query_latent_pair
+        assert ours.latent_attention.value_gate and ours.gated_norm_rank == 8 and ours.moe_groups == 1
+    grouped = model_config_from_hf({**released, "n_group": 4, "topk_group": 2})
+    assert (grouped.moe_groups, grouped.moe_topk_groups) == (4, 2)
+    with pytest.raises(ValueError, match="axk2 needs a positive q_lora_rank"):
+        model_config_from_hf({**released, "q_lora_rank": 0})
 
 
 def test_dbrx_instruct_config_reads_as_released() -> None:
