@@ -75,7 +75,7 @@ class Gemma3nDecoderLayer(Gemma4DecoderLayer):
     of the active prediction `h`), correct them by its output, and add the per-layer input gated from the active
     corrected stream (times `correct_output_scale`) to every other stream. No per-layer output scale. Its MLP, where
     `AltUp.sparsity` gives it one, keeps only the gate values above `mean + norm.ppf(sparsity) * std` (population
-    std, over the whole width: one rank only)."""
+    std, over the whole width: all-reduced over the ranks' blocks of it under tensor parallelism)."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
@@ -89,8 +89,7 @@ class Gemma3nDecoderLayer(Gemma4DecoderLayer):
         self.laurel = Laurel(hidden, altup.laurel_rank, eps, dtype)
         self.correct_scale = altup.correct_scale
         sparsity = altup.sparsity[index]
-        if sparsity > 0 and tp.size > 1:
-            raise ValueError("gemma3n's sparse MLPs take their gates' statistics over the whole width: one rank only")
+        self.tp, self.width = tp, config.layer_intermediate_size(index)
         # The cutoff's multiple of the gates' std: the standard normal's quantile (in float32, as transformers).
         self.std_multiple = (
             float(torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(sparsity, dtype=torch.float32)))
@@ -132,10 +131,20 @@ class Gemma3nDecoderLayer(Gemma4DecoderLayer):
         mlp = self.mlp
         assert isinstance(mlp, GatedMLP)
         gate, up = mlp.gate_up_proj(hidden).chunk(2, dim=-1)
-        cutoff = gate.mean(dim=-1, keepdim=True) + gate.std(dim=-1, keepdim=True, unbiased=False) * self.std_multiple
-        activated = F.gelu(torch.relu(gate - cutoff), approximate="tanh") * up
-        result: torch.Tensor = mlp.down_proj(activated)
+        mean, std = self._gate_statistics(gate)
+        activated = F.gelu(torch.relu(gate - (mean + std * self.std_multiple)), approximate="tanh") * up
+        result: torch.Tensor = self.tp.all_reduce_sum(mlp.down_proj(activated))
         return result
+
+    def _gate_statistics(self, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's mean and population std over the MLP's whole width: torch's at one rank; under tensor
+        parallelism (each rank its block of the gates) from the ranks' all-reduced sums and sums of squares."""
+        if self.tp.size == 1:
+            return gate.mean(dim=-1, keepdim=True), gate.std(dim=-1, keepdim=True, unbiased=False)
+        sums = self.tp.all_reduce_sum(torch.cat((gate.sum(dim=-1, keepdim=True),
+                                                 gate.square().sum(dim=-1, keepdim=True)), dim=-1))  # fmt: skip
+        mean, mean_square = (sums / self.width).split(1, dim=-1)
+        return mean, (mean_square - mean.square()).clamp(min=0.0).sqrt()
 
 
 class Gemma3nDecoderModel(Gemma4DecoderModel):
