@@ -193,6 +193,10 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "gemma3_text": "gemma3",
     "gemma4_text": "gemma4",
     "gemma4": "gemma4",
+    # Gemma 4 Unified (Gemma 4 12B): Gemma 4's text model without per-layer inputs or experts, its text tokens causal;
+    # a multimodal `gemma4_unified` checkpoint's text model.
+    "gemma4_unified_text": "gemma4",
+    "gemma4_unified": "gemma4",
     # Gemma 3n (E2B, E4B): Gemma 4's layers under AltUp's streams, LAuReL and sparse MLPs (`hf_gemma3n`); a
     # multimodal `gemma3n` checkpoint's text model.
     "gemma3n_text": "gemma3n",
@@ -230,8 +234,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     if model_type == "bert":
         return _encoder_config(cfg, name)
     _refuse_unbuilt(model_type, cfg)
-    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "gemma3n", "llama4", "mistral3", "exaone4_5", "apertus1p5",
-                      "cohere_compass", "hy_v4_vl"):  # fmt: skip
+    if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_unified", "gemma3n", "llama4", "mistral3",
+                      "exaone4_5", "apertus1p5", "cohere_compass", "hy_v4_vl"):  # fmt: skip
         cfg = _text_config(cfg)  # multimodal: its text model
     if model_type in ("gemma3n", "gemma3n_text"):
         cfg = gemma3n_config(cfg)
@@ -1856,8 +1860,10 @@ def _gemma4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"gemma4_text: top_k_experts {chosen} must be in 1..num_experts ({experts})")
     if cfg.get("enable_moe_block") and not experts:
         raise ValueError("gemma4_text with enable_moe_block needs num_experts")
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError("gemma4_text with use_bidirectional_attention is not supported")
+    # (Gemma 4 Unified's "vision": its image tokens attend both ways, its text tokens causally, as served here)
+    if cfg.get("use_bidirectional_attention") not in (None, False, "vision"):
+        raise ValueError(f"gemma4_text with use_bidirectional_attention {cfg['use_bidirectional_attention']!r} is not "
+                         "supported")  # fmt: skip
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"gemma4_text hidden_activation {activation!r} is not supported (gelu_pytorch_tanh is)")

@@ -235,6 +235,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "use_double_wide_mlp": True, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB_SIZE,
          "final_logit_softcapping": 30.0},
     ),
+    # Gemma 4 Unified (Gemma 4 12B's text model): Gemma 4's layers without per-layer inputs or experts, the
+    # full-attention ones 32 wide with proportional rope.
+    "gemma4-unified": (
+        "Gemma4UnifiedTextConfig",
+        {"head_dim": 16, "sliding_window": WINDOW,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+         "per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 32}}, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # Gemma 3n: AltUp's four streams, LAuReL, the first two layers' MLPs sparse, windows on four layers in six, the
     # last two attending over the third's and fourth's K/V, per-layer inputs 16 wide, logits soft-capped.
     "gemma3n": (

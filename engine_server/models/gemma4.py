@@ -11,7 +11,8 @@ from engine_server.parallel.layers import CheckpointTensor
 
 # What a multimodal checkpoint holds beside its text model, not read: the vision and audio towers and their
 # projections into the text model's embeddings.
-_SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.",
+                     "model.vision_embedder.")  # (Gemma 4 Unified's released name for its vision embedder)
 
 
 class Gemma4ForCausalLM(CausalLM):

@@ -719,6 +719,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
          "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "final_logit_softcapping": 5.0},
     ),
+    # Gemma 4 Unified (Gemma 4 12B's text model): Gemma 4's layers without per-layer inputs or experts, full-attention
+    # ones 32 wide, text tokens causal ("vision" bidirectional attention).
+    "gemma4-unified": (
+        transformers.Gemma4UnifiedTextConfig,
+        {"head_dim": 16, "sliding_window": 6, "num_hidden_layers": 4,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+         "per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 32}}},
+    ),
     # Gemma 3n: AltUp's four streams, LAuReL of rank 8, the first two layers' MLPs sparse (5% of their gates kept),
     # windows on four layers in six, the last two attending over the third's and fourth's K/V, per-layer inputs 16
     # wide from a table shorter than the vocabulary, logits soft-capped.
@@ -877,6 +885,7 @@ MODEL_CLASSES = {
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
     transformers.Qwen3_5MoeTextConfig: transformers.Qwen3_5MoeForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
+    transformers.Gemma4UnifiedTextConfig: transformers.Gemma4UnifiedForCausalLM,
     transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
     transformers.Llama4TextConfig: transformers.Llama4ForCausalLM,
     transformers.Lfm2Config: transformers.Lfm2ForCausalLM,
@@ -1187,6 +1196,21 @@ def test_gpt_neo_125m_config_reads_as_released() -> None:
     for bad in ([[["global", "sparse"], 6]], [[["global", "local"], 5]]):
         with pytest.raises(ValueError, match="gpt_neo attention_layers must name global or local for each of the 12"):
             model_config_from_hf({**released, "attention_types": bad})
+
+
+def test_gemma4_unified_configs_read_as_transformers_builds_them() -> None:
+    """Gemma 4 Unified's multimodal config at transformers' defaults (Gemma 4 12B's text model): 30 layers 2,304 wide,
+    every sixth full with heads 512 wide, the others windowed over 1,024 positions, no per-layer inputs, experts or
+    shared K/V, its image tokens' bidirectional attention ("vision") leaving text causal; "all" refused by name."""
+    config = model_config_from_hf(transformers.Gemma4UnifiedConfig().to_dict())
+    assert (config.architecture, config.num_hidden_layers, config.hidden_size) == ("gemma4", 30, 2304)
+    assert config.gemma4 is not None and config.gemma4.per_layer_input_size == 0 and config.gemma4.experts == 0
+    assert [config.layer_head_dim(i) for i in range(6)] == [256] * 5 + [512]
+    assert [config.attention_window(i) for i in range(6)] == [1024] * 5 + [0]
+    assert all(config.kv_source(i) == i for i in range(30)) and config.tie_word_embeddings
+    text = transformers.Gemma4UnifiedTextConfig().to_dict()
+    with pytest.raises(ValueError, match="use_bidirectional_attention 'all' is not supported"):
+        model_config_from_hf({**text, "use_bidirectional_attention": "all"})
 
 
 def test_gemma3n_configs_and_its_multimodal_checkpoint_read_as_transformers_builds_them() -> None:
