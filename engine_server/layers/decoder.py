@@ -3,6 +3,7 @@ norms), final norm."""
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -78,13 +79,11 @@ class DecoderLayer(nn.Module):
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
         )
         norm = norm_class(config)
-        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
-        if config.gated_norm_rank:  # A.X K2: the input norm gated, and a sparse layer's norm before its MLP
-            rank = config.gated_norm_rank
-            self.input_layernorm = GatedRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, rank)
-            if config.is_moe_layer(index):
-                self.post_attention_layernorm = GatedRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, rank)
+        # A.X K2 (`gated_norm_rank`): the input norm gated, and a sparse layer's norm before its MLP
+        gated = functools.partial(GatedRMSNorm, rank=config.gated_norm_rank) if config.gated_norm_rank else norm
+        self.input_layernorm = gated(config.hidden_size, config.rms_norm_eps, dtype)
+        mlp_norm = gated if config.is_moe_layer(index) else norm
+        self.post_attention_layernorm = mlp_norm(config.hidden_size, config.rms_norm_eps, dtype)
         if self.mlp is None:
             del self.post_attention_layernorm  # nothing to normalise for: the checkpoint has no such norm
 

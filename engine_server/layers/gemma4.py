@@ -132,7 +132,9 @@ class Gemma4DecoderModel(DecoderModel):
         sharing = [i for i in range(config.num_hidden_layers) if config.kv_source(i) != i]
         self.first_sharing_layer = sharing[0] if sharing else config.num_hidden_layers
         self.per_layer_width = layout.per_layer_input_size
-        self.per_layer_rows, self.vocab_size = layout.per_layer_vocab_size, config.vocab_size
+        # Gemma 3n's table is shorter than its vocabulary: the ids past it read row 0 (None: every id has a row)
+        self.per_layer_id_limit = layout.per_layer_vocab_size if layout.per_layer_vocab_size < config.vocab_size \
+            else None  # fmt: skip
         if self.per_layer_width:
             packed = config.num_hidden_layers * self.per_layer_width
             self.embed_tokens_per_layer = VocabParallelEmbedding(layout.per_layer_vocab_size, packed, tp, dtype)
@@ -147,8 +149,8 @@ class Gemma4DecoderModel(DecoderModel):
         sqrt(width)) / sqrt(2)`, `e` its scaled embedding, `table` the `embed_tokens_per_layer` rows (row 0 for an id
         past them: Gemma 3n's table is shorter than its vocabulary)."""
         tokens, layers = input_ids.shape[0], len(self.layers)
-        if self.per_layer_rows < self.vocab_size:
-            input_ids = torch.where(input_ids < self.per_layer_rows, input_ids, 0)
+        if self.per_layer_id_limit is not None:
+            input_ids = torch.where(input_ids < self.per_layer_id_limit, input_ids, 0)
         looked_up = self.embed_tokens_per_layer(input_ids) * self.get_buffer("per_layer_table_scale")
         projected = self.per_layer_model_projection(embeddings) * self.hidden_size**-0.5
         projected = self.per_layer_projection_norm(projected.reshape(tokens, layers, self.per_layer_width), ops)

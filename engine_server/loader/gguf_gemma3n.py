@@ -44,7 +44,7 @@ def gemma3n_gguf_config(
     LAuReL's rank (its tensors' width), the per-layer inputs (the width from the file, the table its tensor's rows),
     the shared K/V layers and each MLP's sparsity (the normal CDF of the file's quantile: none for -inf), where a key
     is absent llama.cpp's fixed values. `read(key, default)` reads a metadata value. ValueError for MLP widths that
-    differ between layers, or a file without an output norm's per-layer inputs."""
+    differ between layers, or a file without per-layer inputs."""
 
     def field(key: str, default: Any = None) -> Any:
         return read(f"gemma3n.{key}", default)

@@ -27,14 +27,14 @@ class Gemma3nForCausalLM(Gemma4ForCausalLM):
         self, weights: Iterable[tuple[str, CheckpointTensor]], replaced: Collection[str] = frozenset()
     ) -> Iterable[tuple[str, CheckpointTensor]]:
         """The text model's weights, the K/V-sharing layers' own K/V tensors left out."""
-        return super().checkpoint_weights(self.without_shared_key_values(weights), replaced)
+        return self.without_shared_key_values(super().checkpoint_weights(weights, replaced))
 
     def without_shared_key_values(
         self, weights: Iterable[tuple[str, CheckpointTensor]]
     ) -> Iterator[tuple[str, CheckpointTensor]]:
-        """`weights` (a multimodal checkpoint's under `model.language_model.` too) without the K/V projections and key
-        norms of the layers that attend over another's K/V."""
+        """`weights` (the text model's, by its own names) without the K/V projections and key norms of the layers
+        that attend over another's K/V."""
         for name, tensor in weights:
-            match = _KEY_VALUE.fullmatch(name.replace("model.language_model.", "model.", 1))
+            match = _KEY_VALUE.fullmatch(name)
             if match is None or self.config.kv_source(int(match[1])) == int(match[1]):
                 yield name, tensor
