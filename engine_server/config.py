@@ -16,7 +16,8 @@ Architecture = Literal[
     "llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gemma", "gemma2",
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
-    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "bert",
+    "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
+    "deepseek_v4", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -114,6 +115,43 @@ class SparseIndexer:
 
 
 @dataclass(frozen=True)
+class CompressedAttention:
+    """DeepSeek-V4's attention (`layers.compressed_attention`): one shared key-value head of `head_dim` (keys are
+    values), rope over its last `rope_dim` dims in interleaved pairs, each query attending over the last `window`
+    positions (its own included) plus, on a compressing layer, compressed entries of earlier positions, and a sink
+    per head. Layer i compresses every `rates[i]` positions into one entry (0: a sliding-window layer alone): by a
+    gated softmax pooling of each window (HCA, `rates[i]` of `hca_rate`) or of two overlapping windows with a
+    lightning indexer choosing `index_topk` of the entries per query (CSA, of `index_heads` heads `index_head_dim`
+    wide). The compressing layers' rope (queries, keys and entries) has base `compress_rope_theta` (and YaRN's
+    `compress_yarn`), the sliding ones' the model's `rope_theta`. The heads' outputs go through `o_groups` grouped
+    projections to `o_lora_rank` each, then one to the hidden size. `hash_layers` route their experts by the token's
+    id (`tid2eid`) instead of by score."""
+
+    kinds: tuple[Literal["sliding", "csa", "hca"], ...]
+    rates: tuple[int, ...]
+    window: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_rope_theta: float
+    compress_yarn: Yarn | None = None
+    hash_layers: tuple[int, ...] = ()
+
+    def cache_row(self, index: int, head_dim: int) -> int:
+        """Layer `index`'s cache row width (each half; `layers.compressed_attention.CacheFields`)."""
+        kind = self.kinds[index]
+        if kind == "sliding":
+            return head_dim
+        if kind == "hca":
+            return 2 * head_dim
+        return max(4 * head_dim, 2 * head_dim + 5 * self.index_head_dim)
+
+
+@dataclass(frozen=True)
 class HyperConnections:
     """Hyper-connections (HY-V4's independent form; `layers.hyper_connections`): the residual stream is `streams`
     copies of the hidden state (the embedding's, at first). Before each attention and each MLP a learned map of the
@@ -124,6 +162,10 @@ class HyperConnections:
     streams: int
     post_scale: float = 2.0
     eps: float = 1e-6
+    # DeepSeek-V4's manifold-constrained form (mHC; > 0): each map also gives an N x N matrix `comb`, the softmax of
+    # its logits plus `eps` made doubly stochastic by this many Sinkhorn-Knopp rounds, which mixes the streams before
+    # the block's output is added (`streams' = comb^T streams + post * out`), `post` without `eps`.
+    sinkhorn_iters: int = 0
 
 
 @dataclass(frozen=True)
@@ -469,6 +511,10 @@ class ModelConfig:
     sparse_indexer: SparseIndexer | None = None
     # HY-V4: several residual streams mixed around each block (`HyperConnections`; None: one plain residual).
     hyper_connections: HyperConnections | None = None
+    # DeepSeek-V4: its sliding and compressed attention (`CompressedAttention`; `head_dim` its heads' width, the
+    # cache's rows per layer `CompressedAttention.cache_row`), over mHC streams and experts routed by
+    # sqrt(softplus) scores (`moe_scoring` "sqrtsoftplus"), the first layers' by token id.
+    compressed_attention: CompressedAttention | None = None
     # Mistral 4 and Ministral 3: their queries scaled by `1 + beta * ln(1 + floor(position / positions))` (Llama 4's
     # attention temperature) on every layer, beta `query_scale_beta` (0: none) and `query_scale_positions` its rope's
     # original context.
@@ -477,7 +523,7 @@ class ModelConfig:
     grouped_router: bool = False
     # PhiMoE's sparsemixer ("sparsemixer", `layers.moe.sparsemixer_route`): the top-2 logits, each weighted by the
     # softmax over the logits within `2 * router_jitter` of it (relatively), the first's taken out for the second.
-    moe_scoring: Literal["softmax", "sigmoid", "sparsemixer"] = "softmax"
+    moe_scoring: Literal["softmax", "sigmoid", "sparsemixer", "sqrtsoftplus"] = "softmax"
     router_jitter: float = 0.0
     router_score_bias: bool = False
     moe_groups: int = 1
@@ -572,7 +618,9 @@ class ModelConfig:
         return self.gemma4 is not None and self.attention_window(index) == 0
 
     def layer_head_dim(self, index: int) -> int:
-        """Layer `index`'s head dim: `head_dim`, or a Gemma 4 full-attention layer's own."""
+        """Layer `index`'s head dim: `head_dim`, a Gemma 4 full-attention layer's own, or DeepSeek-V4's cache row."""
+        if self.compressed_attention is not None:
+            return self.compressed_attention.cache_row(index, self.head_dim)
         return self.gemma4.global_head_dim if self.gemma4 is not None and self.is_global_layer(index) else self.head_dim
 
     def layer_kv_heads(self, index: int) -> int:
@@ -699,6 +747,10 @@ class ModelConfig:
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
         return self.num_experts > 0 and index not in self.dense_layers
+
+    def is_hash_routed(self, index: int) -> bool:
+        """Whether layer `index`'s experts are chosen by token id (DeepSeek-V4's `CompressedAttention.hash_layers`)."""
+        return self.compressed_attention is not None and index in self.compressed_attention.hash_layers
 
     def has_mlp(self, index: int) -> bool:
         """Whether layer `index` has an MLP after its token mixer (all but Nemotron-H's `mlp_free_layers`)."""

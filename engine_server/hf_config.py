@@ -26,6 +26,7 @@ from engine_server.config import (
 )
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
 from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
+from engine_server.hf_deepseek_v4 import DEEPSEEK_V4_ARCHITECTURES, deepseek_v4_model_config
 from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
@@ -206,6 +207,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "bert": "bert",
     **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
     **MAMBA_ARCHITECTURES,  # Mamba, Falcon Mamba, Mamba-2: state space models alone (`hf_mamba`)
+    **DEEPSEEK_V4_ARCHITECTURES,  # DeepSeek-V4: compressed attention, mHC streams, hash routing (`hf_deepseek_v4`)
     **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
     **GLM4_MOE_KIN,  # Param2, MiniCPM5-MoE: GLM-4.5's layout, their configs read first (`hf_glm4_moe_kin`)
 }
@@ -233,6 +235,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         )
     if model_type == "bert":
         return _encoder_config(cfg, name)
+    if model_type in DEEPSEEK_V4_ARCHITECTURES:  # its own attention, streams and routing (`hf_deepseek_v4`)
+        return deepseek_v4_model_config(cfg, name, lambda rope: _yarn(cfg, rope))
     _refuse_unbuilt(model_type, cfg)
     if model_type in ("qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_unified", "gemma3n", "llama4", "mistral3",
                       "exaone4_5", "apertus1p5", "cohere_compass", "hy_v4_vl"):  # fmt: skip

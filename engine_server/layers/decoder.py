@@ -12,6 +12,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, Yarn
 from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.compressed_attention import CompressedAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.kimi_delta import KimiDeltaAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
@@ -53,6 +54,7 @@ class DecoderLayer(nn.Module):
             | ShortConv
             | Mamba2Mixer
             | Mamba1Mixer
+            | CompressedAttention
         ) = (
             (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
             if config.is_linear_layer(index) and config.linear_attention is not None
@@ -64,6 +66,8 @@ class DecoderLayer(nn.Module):
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp, index)
             if config.latent_attention is not None
+            else CompressedAttention(config, dtype, index)
+            if config.compressed_attention is not None
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index
             )
@@ -72,7 +76,7 @@ class DecoderLayer(nn.Module):
         self.mlp: GatedMLP | SparseMoE | UngatedMLP | None = (
             None
             if not config.has_mlp(index)
-            else SparseMoE(config, dtype, tp)
+            else SparseMoE(config, dtype, tp, hashed=config.is_hash_routed(index))
             if config.is_moe_layer(index)
             else UngatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act, config.mlp_bias)
             if config.ungated_mlp
@@ -110,11 +114,16 @@ class DecoderLayer(nn.Module):
         out = self.feed_forward(hidden, ops, layer_lora)
         return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
-    def feed_forward(self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
-        """The MLP (a gated one with the step's adapters; experts take none: engine_server.lora.peft_format)."""
+    def feed_forward(
+        self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The MLP (a gated one with the step's adapters; experts take none: engine_server.lora.peft_format), experts
+        routed by the tokens' ids `token_ids` where the config says so (DeepSeek-V4's first layers)."""
         assert self.mlp is not None, "a layer without an MLP feeds nothing forward"
         if lora is not None and isinstance(self.mlp, GatedMLP | UngatedMLP):
             return self.mlp(hidden, ops, lora)
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(hidden, ops, token_ids)
         return self.mlp(hidden, ops)
 
     def attend(

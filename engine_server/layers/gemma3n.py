@@ -124,10 +124,12 @@ class Gemma3nDecoderLayer(Gemma4DecoderLayer):
         added = self.post_per_layer_input_norm(self.per_layer_projection(gated), ops)
         return torch.cat((corrected[:1], corrected[1:] + added))
 
-    def feed_forward(self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
+    def feed_forward(
+        self, hidden: torch.Tensor, ops: KernelOps, lora: LayerLora | None, token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The MLP; a sparse one's gates cut to those above the cutoff before its GELU."""
         if self.std_multiple is None:
-            return super().feed_forward(hidden, ops, lora)
+            return super().feed_forward(hidden, ops, lora, token_ids)
         mlp = self.mlp
         assert isinstance(mlp, GatedMLP)
         gate, up = mlp.gate_up_proj(hidden).chunk(2, dim=-1)

@@ -27,6 +27,7 @@ from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.step_interrupt import StepInterrupt, StepInterrupted
 from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.reference import build_cos_sin_cache, build_yarn_cos_sin_cache
 
 
 def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -41,31 +42,55 @@ def _joined(flat: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 class HyperMix(nn.Module):
-    """One block's map (module doc); parameters named as HY-V4's checkpoints name them (`attn_hc.*`, `ffn_hc.*`)."""
+    """One block's map (module doc); parameters named as HY-V4's and DeepSeek-V4's checkpoints name them
+    (`attn_hc.*`, `ffn_hc.*`). With `HyperConnections.sinkhorn_iters` (DeepSeek-V4's mHC) `fn` has `N * N` more
+    rows, the logits of `comb`, and `scale` a third entry, theirs."""
 
     def __init__(self, spec: HyperConnections, hidden: int, norm_eps: float) -> None:
         super().__init__()
         self.streams, self.post_scale, self.eps, self.norm_eps = spec.streams, spec.post_scale, spec.eps, norm_eps
-        self.fn = nn.Parameter(torch.empty(2 * spec.streams, spec.streams * hidden), requires_grad=False)
-        self.base = nn.Parameter(torch.empty(2 * spec.streams), requires_grad=False)
-        self.scale = nn.Parameter(torch.empty(2), requires_grad=False)
+        self.sinkhorn_iters = spec.sinkhorn_iters
+        rows = (2 + spec.streams) * spec.streams if self.sinkhorn_iters else 2 * spec.streams
+        self.fn = nn.Parameter(torch.empty(rows, spec.streams * hidden), requires_grad=False)
+        self.base = nn.Parameter(torch.empty(rows), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(3 if self.sinkhorn_iters else 2), requires_grad=False)
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams `[T, N * hidden]` -> (post `[T, N]` float32, the block's input `[T, hidden]` in the streams'
-        dtype)."""
-        flat = streams.float()
-        pre_logits, post_logits = _mixes(flat, self.fn, self.norm_eps).split(self.streams, dim=-1)
-        pre_base, post_base = self.base.float().split(self.streams)
-        pre = torch.sigmoid(pre_logits * self.scale[0] + pre_base) + self.eps
-        post = self.post_scale * torch.sigmoid(post_logits * self.scale[1] + post_base) + self.eps
-        return post, _joined(flat, pre).to(streams.dtype)
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """streams `[T, N * hidden]` -> (post `[T, N]` float32, comb `[T, N, N]` float32 or None without mHC, the
+        block's input `[T, hidden]` in the streams' dtype)."""
+        flat, count = streams.float(), self.streams
+        logits = _mixes(flat, self.fn, self.norm_eps)
+        base = self.base.float()
+        pre = torch.sigmoid(logits[:, :count] * self.scale[0] + base[:count]) + self.eps
+        post = self.post_scale * torch.sigmoid(logits[:, count : 2 * count] * self.scale[1] + base[count : 2 * count])
+        if not self.sinkhorn_iters:
+            return post + self.eps, None, _joined(flat, pre).to(streams.dtype)
+        comb = logits[:, 2 * count :].view(-1, count, count) * self.scale[2] + base[2 * count :].view(count, count)
+        comb = _sinkhorn(torch.softmax(comb, dim=-1) + self.eps, self.sinkhorn_iters, self.eps)
+        return post, comb, _joined(flat, pre).to(streams.dtype)
 
 
-def add_to_streams(streams: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`comb` `[T, N, N]` (positive) made near doubly stochastic as transformers' `DeepseekV4HyperConnection` does:
+    its columns normalised, then `iters - 1` times its rows and its columns (each sum plus `eps`)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+def add_to_streams(
+    streams: torch.Tensor, post: torch.Tensor, out: torch.Tensor, comb: torch.Tensor | None = None
+) -> torch.Tensor:
     """`streams[n] + post[n] * out` for each stream n, in float32: streams `[T, N * hidden]`, post `[T, N]`, a block's
-    output `[T, hidden]` -> `[T, N * hidden]` in the streams' dtype."""
+    output `[T, hidden]` -> `[T, N * hidden]` in the streams' dtype. With `comb` `[T, N, N]` (mHC) the streams are
+    mixed first: `sum_j comb[j, n] * streams[j] + post[n] * out`."""
     tokens, count = post.shape
-    added = post.unsqueeze(-1) * out.float().unsqueeze(1) + streams.float().view(tokens, count, -1)
+    before = streams.float().view(tokens, count, -1)
+    if comb is not None:
+        before = torch.matmul(comb.transpose(1, 2), before)
+    added = post.unsqueeze(-1) * out.float().unsqueeze(1) + before
     return added.view(tokens, -1).to(streams.dtype)
 
 
@@ -122,18 +147,21 @@ class HyperConnectedDecoderLayer(DecoderLayer):
         meta: AttentionMetadata,
         ops: KernelOps,
         lora: LoraBatch | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """streams `[T, N * hidden]` -> the streams after this layer's attention and MLP were added to them."""
+        """streams `[T, N * hidden]` -> the streams after this layer's attention and MLP were added to them;
+        `token_ids` `[T]`: the tokens' ids (DeepSeek-V4's hash-routed experts read them)."""
         layer_lora = None if lora is None else lora.layer(self.index)
-        post, joined = self.attn_hc(streams)
+        post, comb, joined = self.attn_hc(streams)
         normed = self.input_layernorm(joined, ops)
         streams = add_to_streams(
-            streams, post, self.self_attn(positions, normed, kv_cache, cos_sin_cache, meta, ops, layer_lora)
+            streams, post, self.self_attn(positions, normed, kv_cache, cos_sin_cache, meta, ops, layer_lora), comb
         )
-        post, joined = self.ffn_hc(streams)
+        post, comb, joined = self.ffn_hc(streams)
         return add_to_streams(
-            streams, post, self.feed_forward(self.post_attention_layernorm(joined, ops), ops, layer_lora)
-        )
+            streams, post, self.feed_forward(self.post_attention_layernorm(joined, ops), ops, layer_lora, token_ids),
+            comb,
+        )  # fmt: skip
 
 
 class HyperConnectedDecoderModel(DecoderModel):
@@ -151,6 +179,20 @@ class HyperConnectedDecoderModel(DecoderModel):
         assert spec is not None
         self.streams = spec.streams
         self.hc_head = HyperHead(spec, config.hidden_size, config.rms_norm_eps)
+        # DeepSeek-V4: its compressing layers' rope, of a base (and YaRN) of their own
+        layout = config.compressed_attention
+        self.compress_rope_layers = [
+            layout is not None and layout.kinds[i] != "sliding" for i in range(config.num_hidden_layers)
+        ]
+        if layout is not None:
+            table = (
+                build_cos_sin_cache(config.rotary_dim, config.max_position_embeddings, layout.compress_rope_theta,
+                                    None, dtype)
+                if layout.compress_yarn is None
+                else build_yarn_cos_sin_cache(config.rotary_dim, config.max_position_embeddings,
+                                              layout.compress_rope_theta, layout.compress_yarn, dtype)
+            )  # fmt: skip
+            self.register_buffer("compress_cos_sin_cache", table, persistent=False)
 
     def forward(
         self,
@@ -165,10 +207,11 @@ class HyperConnectedDecoderModel(DecoderModel):
         """As `DecoderModel.forward`, over the streams."""
         streams = self.embed(input_ids, positions, ops).repeat(1, self.streams)
         cos_sin = self.get_buffer("cos_sin_cache")
+        compress = self.get_buffer("compress_cos_sin_cache") if any(self.compress_rope_layers) else cos_sin
         rope_rows = self.rope_rows(positions, meta)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, compresses in zip(self.layers, kv_caches, self.compress_rope_layers, strict=True):
             streams = cast(HyperConnectedDecoderLayer, layer).streams_forward(
-                rope_rows, streams, kv_cache, cos_sin, meta, ops, lora
+                rope_rows, streams, kv_cache, compress if compresses else cos_sin, meta, ops, lora, input_ids
             )
             if interrupt is not None and interrupt.is_set():
                 raise StepInterrupted

@@ -30,10 +30,13 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
         activation: str = "silu",
+        limit: float = 0.0,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.activation = activation  # "silu" (SwiGLU, on the kernel set's op) or "gelu_tanh" (Gemma's GeGLU)
+        # DeepSeek-V4's shared experts: SwiGLU with the gate clamped to at most `limit` and up to [-limit, limit]
+        self.limit = limit
         parts = gate_up_slices(intermediate_size, tp.size, tp.rank)
         self.gate_up_proj: nn.Module = ColumnParallelLinear(hidden_size, parts, False, dtype)
         self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
@@ -47,7 +50,11 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             gate_up = lora.add("gate_up_proj", x, gate_up, ops)
-        gated = ops.silu_and_mul(gate_up) if self.activation == "silu" else reference.gelu_tanh_and_mul(gate_up)
+        gated = (
+            reference.clamped_swiglu(gate_up, 1.0, self.limit, 0.0) if self.limit > 0
+            else ops.silu_and_mul(gate_up) if self.activation == "silu"
+            else reference.gelu_tanh_and_mul(gate_up)
+        )  # fmt: skip
         result: torch.Tensor = self.down_proj(gated)
         if lora is not None:
             result = lora.add("down_proj", gated, result, ops)

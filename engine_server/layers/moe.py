@@ -48,7 +48,7 @@ class GroupedTopkRouter(nn.Module):
     def __init__(
         self, hidden: int, experts: int, top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
         sigmoid: bool = True, score_bias: bool = True, group_max: bool = False, epsilon: float = 1e-20,
-        choice_on_logits: bool = False,
+        choice_on_logits: bool = False, sqrt_softplus: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)  # float32, as trained
@@ -57,18 +57,25 @@ class GroupedTopkRouter(nn.Module):
         )
         self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
         self.renormalize, self.scaling, self.sigmoid, self.group_max = renormalize, scaling, sigmoid, group_max
-        self.epsilon, self.choice_on_logits = epsilon, choice_on_logits
+        self.epsilon, self.choice_on_logits, self.sqrt_softplus = epsilon, choice_on_logits, sqrt_softplus
         self.rowwise = False
+
+    def scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, H]` -> (logits, scores) `[T, E]` float32: each expert's `sigmoid`, softmax or (DeepSeek-V4's)
+        `sqrt(softplus)` of its logit."""
+        if self.rowwise:
+            logits = torch.ops.ladle_cpu.rowwise_linear(x.float().contiguous(), self.weight.float().contiguous())
+            if self.sigmoid and not self.sqrt_softplus:
+                return logits, torch.ops.ladle_cpu.sigmoid_mul(torch.ones_like(logits), logits)
+        else:
+            logits = F.linear(x.float(), self.weight.float())
+        if self.sqrt_softplus:
+            return logits, F.softplus(logits).sqrt()
+        return logits, torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, H]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
-        if self.rowwise:
-            logits = torch.ops.ladle_cpu.rowwise_linear(x.float().contiguous(), self.weight.float().contiguous())
-            scores = (torch.ops.ladle_cpu.sigmoid_mul(torch.ones_like(logits), logits) if self.sigmoid
-                      else torch.softmax(logits, dim=-1))  # fmt: skip
-        else:
-            logits = F.linear(x.float(), self.weight.float())
-            scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        logits, scores = self.scores(x)
         bias = self.e_score_correction_bias
         chooser = logits if self.choice_on_logits else scores
         biased = chooser if bias is None else chooser + bias.float()
@@ -84,6 +91,24 @@ class GroupedTopkRouter(nn.Module):
         weights = scores.gather(1, chosen)
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + self.epsilon)
+        return (weights * self.scaling).to(x.dtype), chosen
+
+
+class HashRouter(GroupedTopkRouter):
+    """DeepSeek-V4's first layers' router: each token's experts fixed by its id (`tid2eid` `[vocab, k]`, from the
+    checkpoint), weighted by their scores as `GroupedTopkRouter` weighs its choice (transformers'
+    `DeepseekV4HashRouter`). It has no score bias."""
+
+    def __init__(self, hidden: int, experts: int, top_k: int, vocab: int, scaling: float, sqrt_softplus: bool) -> None:
+        super().__init__(hidden, experts, top_k, 1, 1, True, scaling, score_bias=False, sqrt_softplus=sqrt_softplus)
+        self.tid2eid = nn.Parameter(torch.zeros(vocab, top_k, dtype=torch.int64), requires_grad=False)
+
+    def route_tokens(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[T, H]` and the tokens' ids `[T]` -> (weights `[T, k]` in x's dtype, expert ids `[T, k]`)."""
+        _, scores = self.scores(x)
+        chosen = self.tid2eid.index_select(0, token_ids)
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + self.epsilon)
         return (weights * self.scaling).to(x.dtype), chosen
 
 
@@ -120,7 +145,10 @@ class SparseMoE(nn.Module):
     Parameters are named as the Qwen-MoE checkpoints name them under `mlp.` (`gate` is the router; Mixtral's
     `block_sparse_moe.` names are mapped to these at load, `models.mixtral`)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE, hashed: bool = False
+    ) -> None:
+        """`hashed`: DeepSeek-V4's routing by token id (`HashRouter`; `forward` then takes the tokens' ids)."""
         super().__init__()
         self.tp = tp
         self.top_k = config.num_experts_per_tok
@@ -135,8 +163,12 @@ class SparseMoE(nn.Module):
                 config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
                 score_bias=config.router_score_bias, group_max=config.moe_group_score == "max",
                 epsilon=config.moe_renorm_epsilon, choice_on_logits=config.moe_choice_on_logits,
+                sqrt_softplus=config.moe_scoring == "sqrtsoftplus",
             )
-            if config.grouped_router
+            if config.grouped_router and not hashed
+            else HashRouter(hidden, experts, self.top_k, config.vocab_size, config.routed_scaling_factor,
+                            config.moe_scoring == "sqrtsoftplus")
+            if hashed
             else nn.Linear(hidden, experts, bias=config.expert_biases, dtype=dtype)
         )  # fmt: skip
         # gpt-oss's clamped SwiGLU (plain torch ops on every backend), Nemotron-H's relu² (ungated), else the kernel
@@ -157,19 +189,28 @@ class SparseMoE(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert: GatedMLP | UngatedMLP | None = None
         if shared:
-            self.shared_expert = UngatedMLP(hidden, shared, dtype, tp) if relu2 else GatedMLP(hidden, shared, dtype, tp)
+            # (DeepSeek-V4's shared experts clamped as its routed ones: `swiglu_limit` with no up offset)
+            limit = config.swiglu_limit if config.compressed_attention is not None else 0.0
+            self.shared_expert = (
+                UngatedMLP(hidden, shared, dtype, tp) if relu2 else GatedMLP(hidden, shared, dtype, tp, limit=limit)
+            )
         gated = shared and config.shared_expert_gated
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
         # A.X K1: the whole output normalised, once summed over the ranks
         self.post_mlp_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype) if config.moe_output_norm else None
 
-    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        """x `[T, hidden]` -> `[T, hidden]`, the same on every rank."""
+    def forward(self, x: torch.Tensor, ops: KernelOps, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, hidden]` -> `[T, hidden]`, the same on every rank; `token_ids` `[T]`: the tokens' ids, which a
+        `HashRouter` routes by (ValueError without them there)."""
         activation = self.activation or ops.silu_and_mul
         if self.input_scaled:
             out = self._input_scaled_experts(x, ops, activation)
         else:
-            if isinstance(self.gate, GroupedTopkRouter):
+            if isinstance(self.gate, HashRouter):
+                if token_ids is None:
+                    raise ValueError("a hash-routed mixture of experts routes by token id: pass token_ids")
+                weights, experts = self.gate.route_tokens(x, token_ids)
+            elif isinstance(self.gate, GroupedTopkRouter):
                 weights, experts = self.gate.route(x)
             elif self.sparsemixer:
                 weights, experts = sparsemixer_route(self.gate(x), self.router_jitter)

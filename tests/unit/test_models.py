@@ -77,6 +77,19 @@ AXK2_SMALL: dict[str, Any] = {
     "routed_scaling_factor": 2.5, "gated_norm_rank": 8, "mlp_layer_types": ["dense", "sparse"], "pad_token_id": 0,
     "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
+# DeepSeek-V4: an HCA layer (entries of 8 positions), two CSA ones (of 4, the indexer keeping 2 a query) and a sliding
+# one, each attending over a window of 6 (shorter than the prompts); the first layer's experts chosen by token id,
+# the rest by sqrt(softplus) scores plus a bias; experts and the shared one clamped at 0.03 (their products at init
+# are ~0.05); two mHC streams.
+DEEPSEEK_V4: dict[str, Any] = {
+    "num_hidden_layers": 4, "head_dim": 16, "partial_rotary_factor": 0.5, "q_lora_rank": 24, "sliding_window": 6,
+    "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                    "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 2,
+    "index_head_dim": 16, "index_topk": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "hc_mult": 2, "swiglu_limit": 0.03, "pad_token_id": 0,
+}  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
@@ -579,6 +592,7 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # dim from the query latent beside its norm (one `q_gate_proj`), the input norms (and the sparse layer's norm
     # before its experts) gated by a rank-8 MLP; routing over all 8 experts.
     "axk2": (transformers.AXK2Config, AXK2_SMALL),
+    "deepseek-v4": (transformers.DeepseekV4Config, DEEPSEEK_V4),
     "hy-v4": (
         transformers.HYV4Config,
         {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
@@ -827,6 +841,7 @@ MODEL_CLASSES = {
     transformers.KimiLinearConfig: transformers.KimiLinearForCausalLM,
     transformers.BailingHybridConfig: transformers.BailingHybridForCausalLM,
     transformers.HYV4Config: transformers.HYV4ForCausalLM,
+    transformers.DeepseekV4Config: transformers.DeepseekV4ForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
@@ -928,6 +943,8 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                                 "altup.prediction_coefs.weight", "altup.correction_coefs.weight")):
                 # routers far from uniform (no near-ties between experts); sinks of the scores' size
                 param.normal_(0.0, 1.0)
+            elif name.endswith("position_bias"):  # DeepSeek-V4's compressors' (zeros at init)
+                param.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
                 param.add_(torch.randn_like(param) * 0.5)
             elif name.endswith(HYPER_CONNECTION_MAPS):  # HY-V4's: weights that vary from token to token
@@ -935,6 +952,9 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.uniform_(-0.3, 0.3)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's experts by token id (zeros at init): distinct, drawn
+                rows = [torch.randperm(hf_config.n_routed_experts)[: buffer.shape[1]] for _ in range(buffer.shape[0])]
+                buffer.copy_(torch.stack(rows))
             elif name.endswith("layer_scalar"):  # Gemma 4's scale of each layer's output (1 at init)
                 buffer.uniform_(0.5, 1.5)
             elif name.endswith("act_fn.beta"):  # xIELU's slope at 0 (0.5 at init)
