@@ -324,6 +324,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "swiglu_limit": 1.0,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # DeepSeek-V4: windows of 16 positions; HCA entries of 16 positions (layer 0), CSA ones of 4 with the indexer
+    # keeping 8 a query (16 index heads, as HY-V4's, against exact-0 ties) on layers 1 and 3, a sliding layer 2; the
+    # first layer's experts by token id, the rest by sqrt(softplus) scores and a bias, their SwiGLU (and the shared
+    # expert's) clamped at 1; two mHC streams.
+    "deepseek-v4": (
+        "DeepseekV4Config",
+        {"head_dim": 16, "partial_rotary_factor": 0.5, "q_lora_rank": 24, "sliding_window": 16,
+         "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                         "compressed_sparse_attention"],
+         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+         "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "o_groups": 2, "o_lora_rank": 16,
+         "index_n_heads": 16, "index_head_dim": 16, "index_topk": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "hc_mult": 2, "swiglu_limit": 1.0, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # A.X K2: DeepSeek-V3.2's indexed latent attention (16 positions a query), its queries and a sigmoid gate per
     # value dim from the query latent beside its norm, gated input norms (and before each sparse layer's experts),
     # the first layer dense, routing over all 8 experts.
@@ -767,6 +782,9 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
                 buffer.uniform_(0.5, 1.5)
             elif name.endswith("act_fn.beta"):  # xIELU's slope at 0 (0.5 at init)
                 buffer.uniform_(0.3, 0.7)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's experts by token id (zeros at init): distinct, drawn
+                experts = config.n_routed_experts
+                buffer.copy_(torch.stack([torch.randperm(experts)[: buffer.shape[1]] for _ in range(buffer.shape[0])]))
         if head_spread:
             head = model.get_output_embeddings().weight
             head.mul_(torch.exp(torch.randn(head.shape[0], 1) * head_spread))

@@ -186,19 +186,20 @@ class Compressor(Pooling):
 
 
 class GroupedLinear(nn.Module):
-    """`o_a_proj`: `groups` projections, group g's `[rank, in / groups]` rows `weight[g rank : (g + 1) rank]` applied
-    to its slice of the input (transformers' `DeepseekV4GroupedLinear`); not an `nn.Linear`, so it stays float."""
+    """`o_a_proj`: `groups` projections, group g's `[rank, in / groups]` (rows `g rank : (g + 1) rank` of the
+    checkpoint's one `weight`: `models.deepseek_v4` splits it) applied to its slice of the input (transformers'
+    `DeepseekV4GroupedLinear`). Each is an `nn.Linear` of its own (`parts.<g>`), so quantization takes it as any
+    other projection (and its int8 product is the same whatever the batch, which a float `bmm`'s is not)."""
 
     def __init__(self, in_features: int, groups: int, rank: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(groups * rank, in_features // groups, dtype=dtype), requires_grad=False)
+        self.parts = nn.ModuleList(nn.Linear(in_features // groups, rank, bias=False, dtype=dtype)
+                                   for _ in range(groups))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in]` -> `[T, groups * rank]`."""
-        grouped = x.view(x.shape[0], self.groups, -1).transpose(0, 1)  # [G, T, in / G]
-        weight = self.weight.view(self.groups, -1, self.weight.shape[1]).transpose(1, 2)  # [G, in / G, rank]
-        return torch.bmm(grouped, weight).transpose(0, 1).reshape(x.shape[0], -1)
+        slices = x.chunk(len(self.parts), dim=-1)
+        return torch.cat([part(piece) for part, piece in zip(self.parts, slices, strict=True)], dim=-1)
 
 
 class CompressedAttention(nn.Module):

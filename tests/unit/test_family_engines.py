@@ -1103,3 +1103,25 @@ def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> No
     with LLM(config=within) as llm:
         assert tokens(llm, [list(range(10, 20))])[0]
 
+
+
+def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+    """DeepSeek-V4 (tests/families.py: HCA, CSA and sliding layers, hash-routed first experts, mHC streams) keeps
+    transformers' tokens prefilled in 16-token chunks (windows closing in one chunk pool rows another wrote) and
+    preempted from a small pool (a recomputed sequence rewrites its rows and entries). On int8 weights each
+    prompt's tokens are the same alone and batched, and mostly agree with the float path's first tokens. Tensor
+    parallelism, LoRA and an FP8 cache are refused saying so."""
+    folder = save_family(tmp_path, "deepseek-v4", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=48) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, quantization="int8") as llm:
+        layer = llm.core.runner.loaded.model.model.layers[1]
+        assert isinstance(layer.self_attn.q_a_proj, QuantizedLinear)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        engine(folder, tensor_parallel_size=2)
