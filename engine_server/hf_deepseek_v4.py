@@ -60,7 +60,8 @@ def deepseek_v4_model_config(cfg: dict[str, Any], name: str, yarn: Callable[[dic
     rope_dim = int(head_dim * float(partial))
     main_theta, compress_theta, compress_yarn = _ropes(cfg, yarn)
     experts, shared = int(cfg.get("n_routed_experts", 256)), int(cfg.get("n_shared_experts", 1))
-    width = int(cfg.get("moe_intermediate_size", 2048))
+    # (transformers reads `intermediate_size` as another name of `moe_intermediate_size`, and before it)
+    width = int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 2048)
     eos = cfg.get("eos_token_id", 1)
     layout = CompressedAttention(
         kinds=kinds,
@@ -131,8 +132,10 @@ def _ropes(cfg: dict[str, Any], yarn: Callable[[dict[str, Any]], Yarn]) -> tuple
     nested = isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict)
     main = rope["main"] if nested else {}
     compress = rope["compress"] if nested else {k: v for k, v in rope.items() if k not in ("main", "compress")}
-    main_theta = float(main.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    compress_theta = float(compress.get("rope_theta") or cfg.get("compress_rope_theta") or 160000.0)
+    main_theta = float(main.get("rope_theta") or cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    # (a flat dict's own base is the main rope's: transformers turns the compressing layers by `compress_rope_theta`)
+    compress_theta = float((compress.get("rope_theta") if nested else None) or cfg.get("compress_rope_theta")
+                           or 160000.0)  # fmt: skip
     if (main.get("rope_type") or "default") != "default":
         raise ValueError(f"deepseek_v4 main rope type {main['rope_type']!r} is not supported (default is)")
     kind = compress.get("rope_type") or compress.get("type") or "default"

@@ -186,6 +186,14 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
         # Verifying drafts would advance the states past tokens that are then rejected.
         raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
                          "LFM2, Granite 4.0, Nemotron-H, Jamba, Mamba)")
+    if model.compressed_attention is not None:
+        # Its attention reads and writes its rows (keys, raw compressor rows, entries) in torch, in the model's dtype.
+        if config.cache.dtype == "fp8":
+            raise ValueError("--kv-cache-dtype fp8 is not served on DeepSeek-V4's compressed attention yet")
+        if config.tensor_parallel_size > 1:
+            raise ValueError("DeepSeek-V4 is not served under tensor parallelism yet")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to DeepSeek-V4's compressed attention yet")
     if config.lora is None:
         return
     if model.encoder:
@@ -347,6 +355,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
     if loaded.model_config.sparse_indexer is not None:
         # Its layers choose between dense and gathered attention, and walk each sequence, from host lists.
         log.warning("a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet")
+        return False
+    if loaded.model_config.compressed_attention is not None:
+        # Its layers walk each sequence, and pool the windows a step closes, from host lists.
+        log.warning("a model with compressed attention (DeepSeek-V4) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.num_experts:
         # Each expert's GEMM is sized by the tokens routed to it, which a recorded graph cannot follow.

@@ -1125,3 +1125,8 @@ def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
     with pytest.raises(ValueError, match="tensor parallelism"):
         engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="fp8 is not served on DeepSeek-V4"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none",
+                                cache=CacheConfig(memory_bytes=1 << 24, dtype="fp8")))  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to DeepSeek-V4"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import re
@@ -593,6 +594,12 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # before its experts) gated by a rank-8 MLP; routing over all 8 experts.
     "axk2": (transformers.AXK2Config, AXK2_SMALL),
     "deepseek-v4": (transformers.DeepseekV4Config, DEEPSEEK_V4),
+    # Its released rope: YaRN (factor 4 over 16 positions) on the compressing layers alone, their attention factor 1.
+    "deepseek-v4-yarn": (
+        transformers.DeepseekV4Config,
+        {**DEEPSEEK_V4, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                            "beta_fast": 32.0, "beta_slow": 1.0}},
+    ),
     "hy-v4": (
         transformers.HYV4Config,
         {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
@@ -2129,3 +2136,92 @@ def test_the_first_gpt2_checkpoints_bare_names_and_mask_buffers_load() -> None:
     first.load_weights(bare.items())
     tokens = random_tokens(9, 3)
     torch.testing.assert_close(PagedRunner(first).step([(0, tokens)]), hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_deepseek_v4_configs_read_as_transformers_fills_them_in() -> None:
+    """A DeepSeek-V4 config in the released keys (per-layer `compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`,
+    the compressing layers' YaRN as a flat `rope_scaling`, `compress_rope_theta`) and as transformers writes it back
+    read the same: its layer kinds and rates, hash layers, rope share and both ropes as transformers builds them
+    (YaRN's attention factor 1); without layer kinds, V4-Pro's default schedule. Refused by name: another
+    activation, another rope type, heads that do not split into `o_groups`."""
+    released = {
+        **SMALL, "model_type": "deepseek_v4", "num_hidden_layers": 5, "head_dim": 16, "qk_rope_head_dim": 8,
+        "q_lora_rank": 24, "compress_ratios": [0, 4, 128, 4, 0], "num_hash_layers": 2, "compress_rope_theta": 40000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "beta_slow": 1},
+        "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hc_mult": 3,
+        "hc_sinkhorn_iters": 7, "routed_scaling_factor": 2.5,
+    }  # fmt: skip
+    theirs = transformers.DeepseekV4Config.from_dict(copy.deepcopy(released))  # (it adds keys to `rope_scaling`)
+    kinds = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+             "heavily_compressed_attention": "hca"}  # fmt: skip
+    assert theirs.rope_parameters["compress"]["rope_type"] == "yarn"
+    for raw in (released, theirs.to_dict()):
+        ours = model_config_from_hf(raw)
+        layout = ours.compressed_attention
+        assert layout is not None and layout.kinds == tuple(kinds[kind] for kind in theirs.layer_types)
+        assert layout.rates == (0, 4, 128, 4, 0) and layout.rope_dim == theirs.qk_rope_head_dim == 8
+        assert layout.hash_layers == tuple(i for i, kind in enumerate(theirs.mlp_layer_types) if kind == "hash_moe")
+        assert layout.hash_layers == (0, 1) and all(ours.is_moe_layer(i) for i in range(5))
+        assert ours.rope_theta == 10000.0 and layout.compress_rope_theta == 40000.0
+        yarn = layout.compress_yarn
+        assert yarn is not None and (yarn.factor, yarn.original_max_position_embeddings) == (16.0, 64)
+        assert yarn.attention_factor == theirs.rope_parameters["compress"]["attention_factor"] == 1.0
+        assert ours.hyper_connections == HyperConnections(streams=3, eps=1e-6, sinkhorn_iters=7)
+        assert (ours.moe_scoring, ours.swiglu_limit, ours.swiglu_up_offset) == ("sqrtsoftplus", 10.0, 0.0)
+        # (`intermediate_size`, 96, is transformers' other name of `moe_intermediate_size`, and wins)
+        assert ours.moe_intermediate_size == ours.shared_expert_intermediate_size == theirs.moe_intermediate_size == 96
+        assert not ours.shared_expert_gated
+        assert [ours.layer_head_dim(i) for i in range(5)] == [16, 112, 32, 112, 16]  # each layer's cache rows
+    plain = {key: value for key, value in released.items() if key != "compress_ratios"}
+    pro = model_config_from_hf(plain).compressed_attention
+    assert pro is not None
+    pro_layers = transformers.DeepseekV4Config.from_dict(copy.deepcopy(plain)).layer_types
+    assert pro.kinds == tuple(kinds[kind] for kind in pro_layers)
+    for change, message in (({"hidden_act": "gelu"}, "hidden_act"), ({"rope_scaling": {"type": "linear"}}, "linear"),
+                            ({"o_groups": 3}, "o_groups")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model_config_from_hf({**released, **change})
+
+
+def test_deepseek_v4_reads_deepseeks_released_names() -> None:
+    """A DeepSeek-V4 checkpoint under DeepSeek's released names (no `model.` prefix; `embed`, `head`, `attn` and
+    `ffn` blocks, `wq_a` ... `wo_b`, `hc_*_fn`, `ape`, per-expert `w1` / `w2` / `w3`, the indexer's compressor under
+    `indexer.compressor`) and its prediction layers (`mtp.`) loads into the model transformers' names load."""
+    hf, ours = build_pair("deepseek-v4")
+    layers = ours.config.num_hidden_layers
+    released = {}
+    for name, tensor in hf.state_dict().items():
+        for theirs, deepseeks in ((".self_attn.compressor.indexer.scorer.weights_proj.", ".attn.indexer.weights_proj."),
+                                  (".self_attn.compressor.indexer.q_b_proj.", ".attn.indexer.wq_b."),
+                                  (".compressor.indexer.", ".indexer.compressor."), (".self_attn.", ".attn."),
+                                  (".mlp.", ".ffn."), (".input_layernorm.", ".attn_norm."),
+                                  (".post_attention_layernorm.", ".ffn_norm."), (".attn_hc.", ".hc_attn_"),
+                                  (".ffn_hc.", ".hc_ffn_"), (".sinks", ".attn_sink"), (".kv_norm.", ".norm."),
+                                  (".position_bias", ".ape"), (".q_a_proj.", ".wq_a."), (".q_b_proj.", ".wq_b."),
+                                  (".kv_proj.", ".wkv."), (".gate_proj.", ".wgate."), (".o_a_proj.", ".wo_a."),
+                                  (".o_b_proj.", ".wo_b."), (".q_a_norm.", ".q_norm."),
+                                  (".gate.e_score_correction_bias", ".gate.bias"),
+                                  ("model.hc_head.hc_", "hc_head_"), ("model.embed_tokens.", "embed."),
+                                  ("lm_head.", "head."), ("model.", "")):  # fmt: skip
+            name = name.replace(theirs, deepseeks)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stem = name.rpartition(".")[0]
+            for expert, weight in enumerate(tensor):
+                if name.endswith("gate_up_proj"):
+                    gate, up = weight.chunk(2)
+                    released |= {f"{stem}.{expert}.w1.weight": gate, f"{stem}.{expert}.w3.weight": up}
+                else:
+                    released[f"{stem}.{expert}.w2.weight"] = weight
+            continue
+        released[name.replace("shared_experts.wgate.", "shared_experts.w1.").replace(
+            "shared_experts.up_proj.", "shared_experts.w3.").replace("shared_experts.down_proj.", "shared_experts.w2.")
+        ] = tensor  # fmt: skip
+    assert "layers.1.attn.indexer.compressor.wkv.weight" in released and "hc_head_fn" in released
+    released[f"mtp.0.layers.{layers}.attn.wq_a.weight"] = torch.zeros(1)
+    again = get_model_class("deepseek_v4")(ours.config)
+    again.load_weights(released.items())
+    tokens = random_tokens(21, 4)
+    torch.testing.assert_close(PagedRunner(again.eval()).step([(0, tokens)]), hf_logits(hf, tokens), atol=1e-4,
+                               rtol=1e-4)  # fmt: skip
