@@ -1108,7 +1108,9 @@ def test_llama4_chunks_must_be_whole_blocks_past_the_first(tmp_path: Path) -> No
 def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_path: Path) -> None:
     """DeepSeek-V4 (tests/families.py: HCA, CSA and sliding layers, hash-routed first experts, mHC streams) keeps
     transformers' tokens prefilled in 16-token chunks (windows closing in one chunk pool rows another wrote) and
-    preempted from a small pool (a recomputed sequence rewrites its rows and entries). On int8 weights each
+    preempted from a small pool (a recomputed sequence rewrites its rows and entries), and under n-gram speculation
+    (a rejected draft token's rows, and the entry of a window it closed, are written again by the token that
+    replaces it). On int8 weights each
     prompt's tokens are the same alone and batched, and mostly agree with the float path's first tokens. Tensor
     parallelism, LoRA and an FP8 cache are refused saying so."""
     folder = save_family(tmp_path, "deepseek-v4", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
@@ -1117,6 +1119,12 @@ def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_
         ours = tokens(llm, batch)
         assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions > 0
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:  # rejected drafts' rows and entries written again
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        stats = llm.core.speculator.stats  # type: ignore[union-attr]
+        assert stats.proposed_tokens > stats.accepted_tokens > 0  # drafts kept, and some rejected
     with engine(folder, quantization="int8") as llm:
         layer = llm.core.runner.loaded.model.model.layers[1]
         assert isinstance(layer.self_attn.q_a_proj, QuantizedLinear)
