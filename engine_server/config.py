@@ -17,7 +17,7 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "bert",
+    "deepseek_v4", "longcat_flash", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -540,6 +540,11 @@ class ModelConfig:
     shared_expert_scale: float = 1.0
     # Llama 4's router: the sigmoid of each chosen expert's logit scales that expert's input (not its output).
     moe_input_scaled: bool = False
+    # LongCat-Flash: every layer's MLP dense, and a mixture of experts beside each pair of layers (read off the first
+    # one's normalised MLP input, added to the second one's output: `models.longcat_flash`); its router also picks
+    # among `zero_experts` more that pass their input through (their weight times it).
+    shortcut_experts: bool = False
+    zero_experts: int = 0
     # A.X K1: an RMSNorm over each sparse layer's MoE output (routed and shared experts: `mlp.post_mlp_layernorm`).
     moe_output_norm: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
@@ -701,7 +706,7 @@ class ModelConfig:
         with_mlp = [i for i in range(self.num_hidden_layers) if self.has_mlp(i)]
         moe_layers = sum(self.is_moe_layer(i) for i in with_mlp)
         widths = {"intermediate_size": self.intermediate_size} if moe_layers < len(with_mlp) else {}
-        if moe_layers:
+        if moe_layers or self.shortcut_experts:
             widths["moe_intermediate_size"] = self.moe_intermediate_size
             if self.shared_expert_intermediate_size:
                 widths["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
@@ -745,8 +750,9 @@ class ModelConfig:
         return not self.absolute_positions and index not in self.nope_layers
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one."""
-        return self.num_experts > 0 and index not in self.dense_layers
+        """Whether layer `index`'s MLP is a mixture of experts (`layers.moe.SparseMoE`) rather than a dense one (none
+        of LongCat-Flash's: its experts run beside its layers, `shortcut_experts`)."""
+        return self.num_experts > 0 and index not in self.dense_layers and not self.shortcut_experts
 
     def is_hash_routed(self, index: int) -> bool:
         """Whether layer `index`'s experts are chosen by token id (DeepSeek-V4's `CompressedAttention.hash_layers`)."""

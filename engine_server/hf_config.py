@@ -29,6 +29,7 @@ from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
 from engine_server.hf_deepseek_v4 import DEEPSEEK_V4_ARCHITECTURES, deepseek_v4_model_config
 from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
+from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, longcat_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
@@ -207,6 +208,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "bert": "bert",
     **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
     **MAMBA_ARCHITECTURES,  # Mamba, Falcon Mamba, Mamba-2: state space models alone (`hf_mamba`)
+    **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
     **DEEPSEEK_V4_ARCHITECTURES,  # DeepSeek-V4: compressed attention, mHC streams, hash routing (`hf_deepseek_v4`)
     **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
     **GLM4_MOE_KIN,  # Param2, MiniCPM5-MoE: GLM-4.5's layout, their configs read first (`hf_glm4_moe_kin`)
@@ -279,6 +281,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = classic_config(model_type, cfg)
     cfg = mamba_config(model_type, cfg)
     cfg = dbrx_config(model_type, cfg)
+    cfg = longcat_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
@@ -360,7 +363,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    if arch == "deepseek_v3":  # latent attention: the cache holds one row per token, its latent and rope key
+    if arch in ("deepseek_v3", "longcat_flash"):  # latent attention: a cache row per token, its latent and rope key
         latent = _latent_attention_fields(cfg, rope, model_type)
         rope_fields = {**rope_fields, **latent}
         mla: LatentAttention = latent["latent_attention"]
@@ -433,6 +436,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **classic_fields(model_type, cfg),
         **mamba_fields(model_type, cfg),
         **dbrx_fields(model_type),
+        **longcat_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,
     )
@@ -605,7 +609,9 @@ def _latent_attention_fields(cfg: dict[str, Any], rope: dict[str, Any], model_ty
         rope=model_type != "kimi_linear",
         head_gate=model_type == "bailing_hybrid",
         value_gate=model_type in ("hy_v4", "axk2"),
-        latent_norm_eps=float(cfg["hy_latent_norm_eps"]) if model_type == "hy_v4" else 0.0,
+        # (HY-V4's own; LongCat-Flash's latent norms at transformers' default, not its `rms_norm_eps`)
+        latent_norm_eps=(float(cfg["hy_latent_norm_eps"]) if model_type == "hy_v4"
+                         else 1e-6 if model_type == "longcat_flash" else 0.0),
         query_latent_pair=model_type == "axk2",
     )
     if model_type == "axk2" and not mla.q_lora_rank:

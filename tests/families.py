@@ -324,6 +324,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "swiglu_limit": 1.0,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # LongCat-Flash: two layers of two latent-attention blocks with dense MLPs, each layer's experts (8 of 32 wide and
+    # 4 zero-computation ones, 3 a token by softmax score plus a bias, scaled by 2.5) beside its blocks.
+    "longcat-flash": (
+        "LongcatFlashConfig",
+        {"num_key_value_heads": 4, "expert_ffn_hidden_size": 32, "n_routed_experts": 8, "zero_expert_num": 4,
+         "moe_topk": 3, "routed_scaling_factor": 2.5, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+         "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     # DeepSeek-V4: windows of 16 positions; HCA entries of 16 positions (layer 0), CSA ones of 4 with the indexer
     # keeping 8 a query (16 index heads, as HY-V4's, against exact-0 ties) on layers 1 and 3, a sliding layer 2; the
     # first layer's experts by token id, the rest by sqrt(softplus) scores and a bias, their SwiGLU (and the shared
@@ -718,8 +727,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 PERTURBED_SCALES = ("bias", "router.scale", "per_expert_scale", "correct_output_scale")
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router.proj.weight",
-           "feed_forward.router.weight", "feed_forward.gate.weight", "block_sparse_moe.router.weight",
-           "mixer.gate.weight", "mlp.router.gate.weight", "ffn.router.layer.weight")  # fmt: skip
+           "router.classifier.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
+           "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight",
+           "ffn.router.layer.weight")  # fmt: skip
 
 
 # HY-V4's hyper-connection maps' matrices and scales (`layers.hyper_connections`): at transformers' init (scales

@@ -157,10 +157,12 @@ class SparseMoE(nn.Module):
         self.sparsemixer = config.moe_scoring == "sparsemixer" and not config.grouped_router
         self.router_jitter = config.router_jitter
         hidden, experts = config.hidden_size, config.num_experts
+        # LongCat-Flash: the router also picks among experts that pass their input through (after the real ones)
+        self.zero_experts, self.real_experts = config.zero_experts, config.num_experts
         self.gate: nn.Module = (
             GroupedTopkRouter(
-                hidden, experts, self.top_k, config.moe_groups, config.moe_topk_groups, config.norm_topk_prob,
-                config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
+                hidden, experts + self.zero_experts, self.top_k, config.moe_groups, config.moe_topk_groups,
+                config.norm_topk_prob, config.routed_scaling_factor, sigmoid=config.moe_scoring == "sigmoid",
                 score_bias=config.router_score_bias, group_max=config.moe_group_score == "max",
                 epsilon=config.moe_renorm_epsilon, choice_on_logits=config.moe_choice_on_logits,
                 sqrt_softplus=config.moe_scoring == "sqrtsoftplus",
@@ -203,6 +205,7 @@ class SparseMoE(nn.Module):
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank; `token_ids` `[T]`: the tokens' ids, which a
         `HashRouter` routes by (ValueError without them there)."""
         activation = self.activation or ops.silu_and_mul
+        passed: torch.Tensor | None = None  # LongCat-Flash's zero-computation experts' share of each input
         if self.input_scaled:
             out = self._input_scaled_experts(x, ops, activation)
         else:
@@ -216,6 +219,8 @@ class SparseMoE(nn.Module):
                 weights, experts = sparsemixer_route(self.gate(x), self.router_jitter)
             else:
                 weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+            if self.zero_experts:
+                weights, experts, passed = self._zero_experts(weights, experts)
             out = self.experts(x, weights, experts, activation)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             # The gate scales this rank's partial sum: summed over the ranks, it scales the whole. Through the kernel
@@ -226,7 +231,22 @@ class SparseMoE(nn.Module):
         elif self.shared_expert is not None:  # DeepSeek's shared experts: no gate
             out = out + self.shared_expert.partial(x, ops)
         out = self.tp.all_reduce_sum(out)
+        if passed is not None:  # (whole on every rank: added once the experts' partial sums are)
+            out = out + (x * passed).to(out.dtype)
         return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out, ops)
+
+    def _zero_experts(
+        self, weights: torch.Tensor, experts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LongCat-Flash's choice of zero-computation experts (ids past the real ones) taken out of `weights` and
+        `experts` `[T, k]`: (the weights with theirs 0, the ids with theirs spread over the real experts, whose
+        product then weighs nothing, as transformers spreads them; each token's summed weight of them `[T, 1]`, the
+        share of its input they pass through)."""
+        real = self.real_experts
+        passing = experts >= real
+        passed = weights.masked_fill(~passing, 0.0).sum(dim=-1, keepdim=True)
+        spread = (experts - real) * real // self.zero_experts
+        return weights.masked_fill(passing, 0.0), torch.where(passing, spread, experts), passed
 
     def _input_scaled_experts(self, x: torch.Tensor, ops: KernelOps, activation: Activation) -> torch.Tensor:
         """Llama 4's `sum_j expert_j(sigmoid(l_j) * x)` over the top-k logits `l_j` (transformers' `Llama4Router`):

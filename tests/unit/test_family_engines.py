@@ -1138,3 +1138,26 @@ def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_
                                 cache=CacheConfig(memory_bytes=1 << 24, dtype="fp8")))  # fmt: skip
     with pytest.raises(ValueError, match="LoRA adapters are not applied to DeepSeek-V4"):
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
+
+
+def test_longcat_flash_split_chunked_and_on_int8(tmp_path: Path) -> None:
+    """LongCat-Flash (tests/families.py: latent-attention blocks in pairs beside each pair's experts, four of its
+    router's twelve choices zero-computation ones) keeps transformers' tokens prefilled in 16-token chunks and
+    preempted, and over two ranks (each its heads of every block and its rows of every expert; the zero experts'
+    share of each input added once, after the ranks' sum). On int8 each prompt's tokens are the same alone and
+    batched."""
+    folder = save_family(tmp_path, "longcat-flash", head_spread=0.5)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, tensor_parallel_size=2) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    with engine(folder, quantization="int8") as llm:
+        experts = llm.core.runner.loaded.model.model.layers[0].shortcut.experts
+        assert isinstance(experts, QuantizedExperts)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6

@@ -593,6 +593,16 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # dim from the query latent beside its norm (one `q_gate_proj`), the input norms (and the sparse layer's norm
     # before its experts) gated by a rank-8 MLP; routing over all 8 experts.
     "axk2": (transformers.AXK2Config, AXK2_SMALL),
+    # LongCat-Flash: two layers of two latent-attention blocks with dense MLPs (48 wide), each layer's experts
+    # (8 of 32 and 4 zero-computation ones, 3 a token by softmax score plus a bias, scaled by 2.5) beside them; the
+    # LoRA scales of its latents.
+    "longcat-flash": (
+        transformers.LongcatFlashConfig,
+        {"num_layers": 2, "ffn_hidden_size": 48, "expert_ffn_hidden_size": 32, "n_routed_experts": 8,
+         "zero_expert_num": 4, "moe_topk": 3, "routed_scaling_factor": 2.5, "q_lora_rank": 48, "kv_lora_rank": 24,
+         "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "head_dim": 8, "rms_norm_eps": 1e-5,
+         "num_key_value_heads": 4, "pad_token_id": 0},
+    ),
     "deepseek-v4": (transformers.DeepseekV4Config, DEEPSEEK_V4),
     # Its released rope: YaRN (factor 4 over 16 positions) on the compressing layers alone, their attention factor 1.
     "deepseek-v4-yarn": (
@@ -849,6 +859,7 @@ MODEL_CLASSES = {
     transformers.BailingHybridConfig: transformers.BailingHybridForCausalLM,
     transformers.HYV4Config: transformers.HYV4ForCausalLM,
     transformers.DeepseekV4Config: transformers.DeepseekV4ForCausalLM,
+    transformers.LongcatFlashConfig: transformers.LongcatFlashForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
@@ -944,6 +955,7 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale", "correct_output_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "sinks",
+                                "mlp.router.classifier.weight",
                                 "router.proj.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
                                 "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight",
                                 "ffn.router.layer.weight", "altup.modality_router.weight",
@@ -2225,3 +2237,38 @@ def test_deepseek_v4_reads_deepseeks_released_names() -> None:
     tokens = random_tokens(21, 4)
     torch.testing.assert_close(PagedRunner(again.eval()).step([(0, tokens)]), hf_logits(hf, tokens), atol=1e-4,
                                rtol=1e-4)  # fmt: skip
+
+
+def test_longcat_flash_configs_read_as_released_and_as_transformers_writes_them() -> None:
+    """A LongCat-Flash config in its released keys (`num_layers`, `ffn_hidden_size`, `expert_ffn_hidden_size`,
+    `moe_topk`, `zero_expert_num`, the flags of its latents' LoRA scales) and as transformers writes it back reads as
+    transformers builds the model: a layer a block (twice `num_layers`), every MLP dense, the experts beside each
+    pair, zero experts, the latents' norms at 1e-6. Refused by name: zero experts other than the identity, latents
+    without their scales, a biased router."""
+    released = {
+        **SMALL, "model_type": "longcat_flash", "num_layers": 3, "num_key_value_heads": 4, "ffn_hidden_size": 48,
+        "expert_ffn_hidden_size": 32, "n_routed_experts": 8, "zero_expert_num": 4, "zero_expert_type": "identity",
+        "moe_topk": 3, "routed_scaling_factor": 6.0, "q_lora_rank": 48, "kv_lora_rank": 24, "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8, "v_head_dim": 10, "mla_scale_q_lora": True, "mla_scale_kv_lora": True,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000000.0,
+    }  # fmt: skip
+    # (its configs count `num_layers` and name the widths their own way; transformers' other names win)
+    del released["num_hidden_layers"], released["intermediate_size"]
+    theirs = transformers.LongcatFlashConfig.from_dict(copy.deepcopy(released))
+    assert model_config_from_hf({**released, "num_hidden_layers": 4}).num_hidden_layers == 4
+    assert model_config_from_hf({**released, "intermediate_size": 96}).intermediate_size == 96
+    for raw in (released, theirs.to_dict()):
+        ours = model_config_from_hf(raw)
+        assert ours.num_hidden_layers == theirs.num_hidden_layers == 6 and ours.shortcut_experts
+        assert not any(ours.is_moe_layer(i) for i in range(6)) and ours.intermediate_size == 48
+        assert (ours.num_experts, ours.zero_experts, ours.num_experts_per_tok) == (8, 4, theirs.moe_topk)
+        assert ours.moe_intermediate_size == 32 and not ours.norm_topk_prob and ours.routed_scaling_factor == 6.0
+        assert ours.mlp_widths == {"intermediate_size": 48, "moe_intermediate_size": 32}
+        mla = ours.latent_attention
+        assert mla is not None and mla.rope_interleave and mla.latent_norm_eps == 1e-6 and ours.rms_norm_eps == 1e-5
+        assert ours.rope_theta == 10000000.0
+    for change, message in (({"zero_expert_type": "zero"}, "zero_expert_type"),
+                            ({"mla_scale_q_lora": False}, "mla_scale_q_lora"),
+                            ({"router_bias": True}, "router_bias")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model_config_from_hf({**released, **change})
