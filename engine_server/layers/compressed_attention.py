@@ -361,13 +361,16 @@ class CompressedAttention(nn.Module):
     def _chosen(
         self, index_queries: tuple[torch.Tensor, torch.Tensor], index_entries: torch.Tensor, seen: torch.Tensor
     ) -> torch.Tensor:
-        """The entries each query attends (`[R, N]` bool): the indexer's `topk` best of those it may see (`seen`)."""
+        """The entries each query attends (`[R, N]` bool): the indexer's `topk` best of those it may see (`seen`),
+        equal scores taken earliest first (a stable sort: relu's exact zeros tie often on few index heads, and
+        `torch.topk` breaks ties by how many rows it is given, so a prompt's token and its decode step would choose
+        otherwise)."""
         assert self.compressor is not None and self.compressor.indexer is not None
         indexer = self.compressor.indexer
         queries, weights = index_queries
         scores = torch.relu(torch.matmul(queries.float(), index_entries.float().t())) * indexer.dim**-0.5
         index = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~seen, float("-inf"))  # [R, N]
-        picked = index.topk(min(indexer.topk, index.shape[1]), dim=-1).indices
+        picked = torch.sort(index, dim=-1, descending=True, stable=True).indices[:, : indexer.topk]
         chosen = torch.zeros_like(seen).scatter_(1, picked, True)
         return chosen & seen
 

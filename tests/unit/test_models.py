@@ -78,8 +78,10 @@ AXK2_SMALL: dict[str, Any] = {
     "routed_scaling_factor": 2.5, "gated_norm_rank": 8, "mlp_layer_types": ["dense", "sparse"], "pad_token_id": 0,
     "bos_token_id": 1, "eos_token_id": 2,
 }  # fmt: skip
-# DeepSeek-V4: an HCA layer (entries of 8 positions), two CSA ones (of 4, the indexer keeping 2 a query) and a sliding
-# one, each attending over a window of 6 (shorter than the prompts); the first layer's experts chosen by token id,
+# DeepSeek-V4: an HCA layer (entries of 8 positions), two CSA ones (of 4, the indexer keeping 2 a query: 16 index
+# heads, so that no two entries tie at an exact 0, which we break earliest first and transformers' `topk` by its
+# vector's length) and a sliding one, each attending over a window of 6 (shorter than the prompts); the first layer's
+# experts chosen by token id,
 # the rest by sqrt(softplus) scores plus a bias; experts and the shared one clamped at 0.03 (their products at init
 # are ~0.05); two mHC streams.
 DEEPSEEK_V4: dict[str, Any] = {
@@ -87,7 +89,7 @@ DEEPSEEK_V4: dict[str, Any] = {
     "layer_types": ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
                     "compressed_sparse_attention"],
     "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 2,
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"], "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 16,
     "index_head_dim": 16, "index_topk": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "hc_mult": 2, "swiglu_limit": 0.03, "pad_token_id": 0,
 }  # fmt: skip
