@@ -17,7 +17,7 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -324,7 +324,55 @@ class Mamba1:
 
 
 # The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.
-RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1
+@dataclass(frozen=True)
+class Lightning:
+    """MiniMax-01's lightning attention (`layers.lightning_attention`) on `layers`: linear attention of `heads` heads
+    of `head_dim` over SiLU'd q, k and v, each head's state a `head_dim x head_dim` matrix decayed by a fixed rate per
+    token (`slopes`). Its state per sequence is those matrices, in float32. `total_layers` and `total_heads` (the
+    model's, whatever a rank holds) fix the rates; `first_head`: the first of this rank's heads."""
+
+    heads: int
+    head_dim: int
+    layers: tuple[int, ...]
+    total_layers: int
+    block_size: int = 256
+    total_heads: int = 0
+    first_head: int = 0
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer."""
+        return self.heads * self.head_dim * self.head_dim
+
+    def sharded(self, size: int, rank: int = 0) -> Lightning:
+        """Rank `rank`'s share under tensor parallelism over `size` ranks: a block of the heads; ValueError unless
+        `size` divides them."""
+        if self.heads % size:
+            raise ValueError(f"lightning attention's {self.heads} heads must be divisible by the tensor-parallel size "
+                             f"({size})")  # fmt: skip
+        per_rank = self.heads // size
+        return replace(self, heads=per_rank, total_heads=self.total_heads or self.heads, first_head=rank * per_rank)
+
+    def slopes(self, layer: int) -> list[float]:
+        """Each of this share's heads' decay rate on `layer` (transformers' `MiniMaxLightningAttention`): head h's
+        `(2^(-8 / H))^(h + 1)` times `1 - layer / (L - 1 + 1e-5) + 1e-5`."""
+        heads = self.total_heads or self.heads
+        base = 1 / (2 ** (8 / heads))
+        factor = 1 - layer / (self.total_layers - 1 + 1e-5) + 1e-5
+        return [base ** (h + 1) * factor for h in range(self.first_head, self.first_head + self.heads)]
+
+
+@dataclass(frozen=True)
+class NormedResiduals:
+    """MiniMax-01's block: each sublayer adds to its *normalised* input, both scaled: `n = norm(x); x' = alpha n +
+    beta f(n)` with the full-attention, lightning-attention and MLP sublayers' own (alpha, beta)."""
+
+    full: tuple[float, float] = (1.0, 1.0)
+    linear: tuple[float, float] = (1.0, 1.0)
+    mlp: tuple[float, float] = (1.0, 1.0)
+
+
+RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning
 
 
 @dataclass(frozen=True)
@@ -591,6 +639,10 @@ class ModelConfig:
     falcon_h1: FalconH1Scales | None = None
     # Jamba: `mamba1.layers` run Mamba-1 (a state per sequence, no KV cache).
     mamba1: Mamba1 | None = None
+    # MiniMax-01: `lightning.layers` run lightning attention (a state per sequence, no KV cache), in blocks whose
+    # residuals are their normalised inputs (`normed_residuals`).
+    lightning: Lightning | None = None
+    normed_residuals: NormedResiduals | None = None
     # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and
     # values narrower than the keys (`value_head_dim` < `head_dim`: v_proj's rows and o_proj's columns padded to
     # `head_dim` with zeros at load, so the cache keeps one row width) and scaled by `value_scale` (folded into v_proj).
@@ -668,8 +720,9 @@ class ModelConfig:
     def recurrent(self) -> RecurrentShape | None:
         """The shape of the layers that keep a fixed-size state per running sequence: Gated DeltaNet's
         (`linear_attention`), LFM2's short convolution's (`short_convolution`), Mamba-2's (`mamba2`; Falcon-H1's
-        beside attention, with a KV cache as well) or Mamba-1's (`mamba1`); None for a model without such layers."""
-        return self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1
+        beside attention, with a KV cache as well), Mamba-1's (`mamba1`) or lightning attention's (`lightning`);
+        None for a model without such layers."""
+        return self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1 or self.lightning
 
     def is_recurrent_layer(self, index: int) -> bool:
         """Whether layer `index` keeps a state per sequence (`recurrent`) in place of a KV cache (not Falcon-H1's,

@@ -31,6 +31,7 @@ from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
 from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, longcat_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
+from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -208,6 +209,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     "bert": "bert",
     **CLASSIC_ARCHITECTURES,  # GPT-NeoX, Phi, StableLM, StarCoder2, Nemotron, OLMo, EXAONE 3 (`hf_classic`)
     **MAMBA_ARCHITECTURES,  # Mamba, Falcon Mamba, Mamba-2: state space models alone (`hf_mamba`)
+    # MiniMax-01 (Text-01, M1): lightning attention between softmax attention layers, Mixtral's experts, its blocks'
+    # residuals normalised and scaled (`hf_minimax`)
+    **MINIMAX_ARCHITECTURES,
     **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
     **DEEPSEEK_V4_ARCHITECTURES,  # DeepSeek-V4: compressed attention, mHC streams, hash routing (`hf_deepseek_v4`)
     **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
@@ -282,6 +286,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = mamba_config(model_type, cfg)
     cfg = dbrx_config(model_type, cfg)
     cfg = longcat_config(model_type, cfg)
+    cfg = minimax_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
@@ -437,6 +442,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **mamba_fields(model_type, cfg),
         **dbrx_fields(model_type),
         **longcat_fields(model_type, cfg),
+        **minimax_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,
     )

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
-from engine_server.config import LongRope, ModelConfig, Yarn
+from engine_server.config import LongRope, ModelConfig, NormedResiduals, Yarn
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.compressed_attention import CompressedAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.kimi_delta import KimiDeltaAttention
+from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
@@ -43,6 +44,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.residual_multiplier = config.residual_multiplier
+        self.normed_residuals = config.normed_residuals
         # The token mixer: attention, or on a hybrid's recurrent layers Gated DeltaNet (whose checkpoints call it
         # `linear_attn`: `models.qwen3_next` reads it under this name), LFM2's short convolution (`conv`:
         # `models.lfm2`), Mamba-2 (`mamba`: `models.granitemoe`) or Mamba-1 (`mamba`: `models.jamba`).
@@ -55,6 +57,7 @@ class DecoderLayer(nn.Module):
             | Mamba2Mixer
             | Mamba1Mixer
             | CompressedAttention
+            | LightningAttention
         ) = (
             (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
             if config.is_linear_layer(index) and config.linear_attention is not None
@@ -62,6 +65,8 @@ class DecoderLayer(nn.Module):
             if config.mamba2 is not None and config.is_recurrent_layer(index)
             else Mamba1Mixer(config, dtype, tp)
             if config.mamba1 is not None and config.is_recurrent_layer(index)
+            else LightningAttention(config, dtype, tp, index)
+            if config.lightning is not None and config.is_recurrent_layer(index)
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp, index)
@@ -211,6 +216,40 @@ class PostNormDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(self.feed_forward(stream, ops, layer_lora), ops), stream
 
 
+class NormedResidualDecoderLayer(DecoderLayer):
+    """MiniMax-01's block (`ModelConfig.normed_residuals`): `n = norm(x); y = a n + b mixer(n); m = norm2(y);
+    x' = a' m + b' mlp(m)`, each sublayer's residual its normalised input, scaled (the attention's (a, b) its kind's:
+    full or lightning). Returned as the pair `(b' mlp(m), a' m)`, whose sum the next norm takes."""
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LoraBatch | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        scales = self.scales
+        layer_lora = None if lora is None else lora.layer(self.index)
+        if residual is None:
+            normed = self.input_layernorm(hidden, ops)
+        else:
+            normed, _ = self.input_layernorm.add_and_norm(hidden, residual, ops)
+        mixed = self.self_attn(positions, normed, kv_cache, cos_sin_cache, meta, ops, layer_lora)
+        alpha, beta = scales.linear if isinstance(self.self_attn, LightningAttention) else scales.full
+        normed = self.post_attention_layernorm(normed * alpha + mixed * beta, ops)
+        alpha, beta = scales.mlp
+        return self.feed_forward(normed, ops, layer_lora) * beta, normed * alpha
+
+    @property
+    def scales(self) -> NormedResiduals:
+        assert self.normed_residuals is not None
+        return self.normed_residuals
+
+
 class ParallelDecoderLayer(DecoderLayer):
     """Cohere's, Phi's and StableLM 2 12B's block: `h += attn(norm(h)) + mlp(norm(h))`, the attention and the MLP both
     reading the one input norm; GPT-NeoX's (`ModelConfig.parallel_mlp_norm`) `h += attn(ln1(h)) + mlp(ln2(h))`, the
@@ -333,7 +372,8 @@ class DecoderModel(nn.Module):
         if self.embedding_norm:
             self.register_buffer("embedding_norm_weight", torch.ones(config.hidden_size, dtype=dtype), persistent=False)
         block = self.layer_class or (
-            SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
+            NormedResidualDecoderLayer if config.normed_residuals is not None
+            else SandwichDecoderLayer if config.sandwich_norms else PostNormDecoderLayer if config.post_norms
             else ParallelDecoderLayer if config.parallel_block else DecoderLayer
         )  # fmt: skip
         # OLMo Hybrid: post-norm blocks around its attention, pre-norm ones around its linear attention.

@@ -32,6 +32,7 @@ from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.llama4 import Llama4ForCausalLM
 from engine_server.models.longcat_flash import LongcatFlashForCausalLM
 from engine_server.models.mamba import MambaForCausalLM
+from engine_server.models.minimax import MiniMaxForCausalLM
 from engine_server.models.minimax_m2 import MiniMaxM2ForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.nanochat import NanoChatForCausalLM
@@ -59,7 +60,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash");
+    "longcat_flash", "minimax");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -104,6 +105,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "gemma3n": Gemma3nForCausalLM,
         "deepseek_v4": DeepseekV4ForCausalLM,
         "longcat_flash": LongcatFlashForCausalLM,
+        "minimax": MiniMaxForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

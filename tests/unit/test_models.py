@@ -605,6 +605,16 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "head_dim": 8, "rms_norm_eps": 1e-5,
          "num_key_value_heads": 4, "pad_token_id": 0},
     ),
+    # MiniMax-01: lightning attention (blocks of 4 tokens: prompts cross several) on layers 0 and 2, softmax attention
+    # on 1 and 3, each block's residuals its normalised inputs scaled by (alpha, beta) of its own kind; top-2 of 4
+    # experts.
+    "minimax": (
+        transformers.MiniMaxConfig,
+        {"num_hidden_layers": 4, "head_dim": 16, "block_size": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "layer_types": ["linear_attention", "full_attention"] * 2, "full_attn_alpha_factor": 1.7,
+         "full_attn_beta_factor": 0.8, "linear_attn_alpha_factor": 1.3, "linear_attn_beta_factor": 1.1,
+         "mlp_alpha_factor": 1.5, "mlp_beta_factor": 0.9, "pad_token_id": 0},
+    ),
     "deepseek-v4": (transformers.DeepseekV4Config, DEEPSEEK_V4),
     # Its released rope: YaRN (factor 4 over 16 positions) on the compressing layers alone, their attention factor 1.
     "deepseek-v4-yarn": (
@@ -862,6 +872,7 @@ MODEL_CLASSES = {
     transformers.HYV4Config: transformers.HYV4ForCausalLM,
     transformers.DeepseekV4Config: transformers.DeepseekV4ForCausalLM,
     transformers.LongcatFlashConfig: transformers.LongcatFlashForCausalLM,
+    transformers.MiniMaxConfig: transformers.MiniMaxForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
