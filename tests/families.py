@@ -553,6 +553,15 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "shared_expert_intermediate_size": 64, "mlp_only_layers": [0]},
     ),
     "lfm2": ("Lfm2Config", {"layer_types": ["conv"] * 3 + ["full_attention"], "pad_token_id": 0}),
+    # MiniMax-01: lightning attention (four heads of 16, blocks of 16 tokens) on three layers, softmax attention on the
+    # last; its blocks' residuals normalised and scaled (MiniMax-Text-01's alphas); top-2 of 4 experts.
+    "minimax": (
+        "MiniMaxConfig",
+        {"head_dim": 16, "block_size": 16, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+         "num_local_experts": 4, "num_experts_per_tok": 2, "full_attn_alpha_factor": 3.56,
+         "linear_attn_alpha_factor": 3.56, "mlp_alpha_factor": 3.56, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2},
+    ),
     "granite4-h": ("GraniteMoeHybridConfig", GRANITE4_H),
     "nemotron-h": (
         "NemotronHConfig",

@@ -1,13 +1,14 @@
 """MiniMax-01's lightning attention: linear attention with a fixed decay per head, over a state per sequence.
 
-`qkv_proj` (`qkv_heads`) gives each head its q, k and v (a head's three rows together), SiLU'd; head h keeps a `d x d` matrix `S`
-that decays by `lambda_h = exp(-slope_h)` a token (`config.Lightning.slopes`): `S_t = lambda S_{t-1} + k_t^T v_t`,
-`o_t = q_t S_t`. The heads' outputs are RMS-normalised together (`norm`, over every head: under tensor parallelism
-the squares are summed over the ranks), times `sigmoid(output_gate(x))`, then `out_proj`. A chunk of tokens is
-computed in blocks of `block_size` as transformers computes its prefill (each block's queries against the state
-before it, decayed, plus the block's own decayed products); a decode step is the same formula for a block of one.
-The state lives in the layer's float32 state rows as every recurrent layer's does (`layers.gated_deltanet`'s
-`advance_states`: the same slots, prefix snapshots and copies).
+`qkv_proj` (`qkv_heads`) gives each head its q, k and v (a head's three rows together), SiLU'd; head h keeps a
+`d x d` matrix `S` that decays by `lambda_h = exp(-slope_h)` a token (`config.Lightning.slopes`):
+`S_t = lambda S_{t-1} + k_t^T v_t`, `o_t = q_t S_t`. The heads' outputs are RMS-normalised together (`norm`, over
+every head: under tensor parallelism the squares are summed over the ranks), times `sigmoid(output_gate(x))`, then
+`out_proj`. On CUDA a chunk of tokens is computed in blocks of `block_size` as transformers computes its prefill
+(each block's queries against the state before it, decayed, plus the block's own decayed products:
+`lightning_chunk`); on the CPU token by token (`lightning_recurrence`), so that a token's bits do not depend on where
+its chunk starts. The state lives in the layer's float32 state rows as every recurrent layer's does
+(`layers.gated_deltanet`'s `advance_states`: the same slots, prefix snapshots and copies).
 """
 
 from __future__ import annotations
@@ -29,11 +30,26 @@ from ladle_kernels.kernel_set import KernelOps
 _NORM_EPS = 1e-6  # the heads' norm's (transformers' `MiniMaxRMSNorm` default), whatever the model's `rms_norm_eps`
 
 
+def lightning_recurrence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, slopes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lightning_chunk`'s result token by token: `S = lambda S + k^T v; o = q S`, each token's arithmetic the same
+    wherever a chunk starts or ends (what the CPU path runs: a prompt's tokens then do not depend on how the scheduler
+    cut it, nor on its batch)."""
+    decay = torch.exp(-slopes.to(q.dtype))[:, None, None]
+    outputs = [q.new_empty(q.shape[0], 0, v.shape[-1])]
+    for t in range(q.shape[1]):
+        state = decay * state + torch.matmul(k[:, t, :, None], v[:, t, None, :])
+        outputs.append(torch.matmul(q[:, t, None, :], state))
+    return torch.cat(outputs, dim=1), state
+
+
 def lightning_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, slopes: torch.Tensor, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's chunk: q, k, v `[H, n, d]`, its state `[H, d, d]` before them and the heads' rates `[H]` ->
-    (outputs `[H, n, d]`, the state after them), in blocks of `block` tokens (module doc), in q's dtype."""
+    (outputs `[H, n, d]`, the state after them), in blocks of `block` tokens (module doc), in q's dtype: what the GPU
+    path runs (a block's products in a few matrix products; their float sums then depend on where blocks start)."""
     rates = slopes.to(q.dtype)[:, None, None]
     outputs = []
     for start in range(0, q.shape[1], block):
@@ -109,8 +125,11 @@ class LightningAttention(nn.Module):
             rows = qkv[first : first + count].transpose(0, 1)  # [H, n, 3, d]
             before = state[slot].view(self.heads, self.head_dim, self.head_dim)
             before = torch.zeros_like(before) if starts else before
-            outputs, after = lightning_chunk(rows[:, :, 0], rows[:, :, 1], rows[:, :, 2], before.to(qkv.dtype),
-                                             rates, self.block)  # fmt: skip
+            q, k, v = rows[:, :, 0], rows[:, :, 1], rows[:, :, 2]
+            outputs, after = (
+                lightning_chunk(q, k, v, before.to(qkv.dtype), rates, self.block) if qkv.is_cuda
+                else lightning_recurrence(q, k, v, before.to(qkv.dtype), rates)
+            )  # fmt: skip
             state[slot] = after.float().reshape(-1)
             out[first : first + count] = outputs.transpose(0, 1)
             first += count

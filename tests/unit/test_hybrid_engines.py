@@ -26,6 +26,7 @@ from engine_server.hf_config import model_config_from_hf
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.kimi_delta import KimiDeltaAttention
+from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.quantized_linear import QuantizedLinear
@@ -113,7 +114,7 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
     with engine(folder) as llm:
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
-        recurrent = GatedDeltaNet | KimiDeltaAttention | ShortConv | Mamba2Mixer | Mamba1Mixer
+        recurrent = GatedDeltaNet | KimiDeltaAttention | ShortConv | Mamba2Mixer | Mamba1Mixer | LightningAttention
         if name == "falcon-h1":  # attention beside Mamba-2 in every layer
             assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
                        for layer in layers)  # fmt: skip
@@ -209,7 +210,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 @pytest.mark.parametrize(
     "family",
     ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba", "lfm3", "olmo-hybrid",
-     "lara-mini", "falcon-mamba", "mamba2"],
+     "lara-mini", "falcon-mamba", "mamba2", "minimax"],
 )
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every
