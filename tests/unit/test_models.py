@@ -15,7 +15,7 @@ import torch.distributed as dist
 import transformers
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from engine_server.config import HyperConnections, LongRope
+from engine_server.config import HyperConnections, LongRope, NormedResiduals
 from engine_server.hf_config import model_config_from_hf
 from engine_server.hf_mamba import MAX_POSITIONS
 from engine_server.layers.attention import PagedSelfAttention
@@ -2283,5 +2283,34 @@ def test_longcat_flash_configs_read_as_released_and_as_transformers_writes_them(
     for change, message in (({"zero_expert_type": "zero"}, "zero_expert_type"),
                             ({"mla_scale_q_lora": False}, "mla_scale_q_lora"),
                             ({"router_bias": True}, "router_bias")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            model_config_from_hf({**released, **change})
+
+
+def test_minimax_configs_read_as_released_and_as_transformers_writes_them() -> None:
+    """A MiniMax-01 config in its released keys (`attn_type_list` with 1 for softmax attention, `layernorm_*_alpha` /
+    `_beta`, `postnorm`, `rotary_dim` over half of each head) and transformers' (`layer_types`, `*_alpha_factor`)
+    read alike: the lightning layers, the blocks' scales, Mixtral's experts. Refused by name: `postnorm` false, a
+    sliding window, another activation."""
+    released = {
+        **SMALL, "model_type": "minimax", "num_hidden_layers": 4, "head_dim": 16, "rotary_dim": 8,
+        "attn_type_list": [0, 0, 0, 1], "layernorm_full_attention_alpha": 3.5, "layernorm_full_attention_beta": 1.0,
+        "layernorm_linear_attention_alpha": 3.5, "layernorm_linear_attention_beta": 1.0, "layernorm_mlp_alpha": 3.5,
+        "layernorm_mlp_beta": 1.0, "postnorm": True, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "block_size": 256,
+    }  # fmt: skip
+    ours = model_config_from_hf(released)
+    lightning, scales = ours.lightning, ours.normed_residuals
+    assert lightning is not None and lightning.layers == (0, 1, 2) and lightning.heads == 4
+    assert scales is not None and scales.full == scales.linear == scales.mlp == (3.5, 1.0)
+    assert ours.rotary_dim == 8 and (ours.num_experts, ours.num_experts_per_tok) == (4, 2) and ours.norm_topk_prob
+    named = {**SMALL, "num_hidden_layers": 4, "head_dim": 16, "full_attn_alpha_factor": 2.0, "mlp_beta_factor": 0.5,
+             "layer_types": ["linear_attention", "full_attention"] * 2, "num_local_experts": 4}  # fmt: skip
+    theirs = transformers.MiniMaxConfig(**named).to_dict()
+    ours = model_config_from_hf(theirs)
+    assert ours.lightning is not None and ours.lightning.layers == (0, 2)
+    assert ours.normed_residuals == NormedResiduals(full=(2.0, 1.0), mlp=(1.0, 0.5))
+    for change, message in (({"postnorm": False}, "postnorm"), ({"sliding_window": 64}, "sliding_window"),
+                            ({"hidden_act": "gelu"}, "hidden_act")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             model_config_from_hf({**released, **change})
