@@ -185,7 +185,7 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
     if config.speculative is not None and model.recurrent is not None:
         # Verifying drafts would advance the states past tokens that are then rejected.
         raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
-                         "LFM2, Granite 4.0, Nemotron-H, Jamba, Mamba)")
+                         "LFM2, Granite 4.0, Nemotron-H, Jamba, Mamba, MiniMax-01)")
     if model.compressed_attention is not None:
         # Its attention reads and writes its rows (keys, raw compressor rows, entries) in torch, in the model's dtype.
         if config.cache.dtype == "fp8":
@@ -346,7 +346,7 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
     if loaded.model_config.recurrent is not None:
         # Its layers pick each row's state slot and chunk form from host lists every step.
         log.warning("a model with recurrent layers (Qwen3-Next, Qwen3.5, LFM2, Granite 4.0, Nemotron-H, Jamba, "
-                    "Mamba) decodes eagerly: no CUDA graphs yet")
+                    "Mamba, MiniMax-01) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.attention_chunk and loaded.max_model_len > loaded.model_config.attention_chunk:
         # Llama 4's rope layers split each step's sequences at their chunks from host lists (a MoE model anyway).
