@@ -17,7 +17,7 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "minimax", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -666,6 +666,13 @@ class ModelConfig:
     gemma4: Gemma4Layout | None = None
     # Gemma 3n: AltUp's streams, LAuReL and the sparse MLPs over Gemma 4's layers (`AltUp`).
     altup: AltUp | None = None
+    # BitNet b1.58: an RMSNorm before o_proj (`attn_sub_norm`) and before down_proj (`ffn_sub_norm`), its gated MLP's
+    # activation relu² (`hidden_act` "relu2" gated: `models.bitnet`); with `ternary_projections` (its checkpoints'
+    # `quantization_config` "bitnet": how they store them, "packed", "scaled" or "online") every projection's weight
+    # is ternary times a scale, and its input rounded to int8 per token (by its largest magnitude) before it, as
+    # BitNet's `BitLinear` computes it; "": float projections.
+    sub_norms: bool = False
+    ternary_projections: Literal["", "packed", "scaled", "online"] = ""
     # A.X K2: each layer's input norm, and a sparse layer's norm before its MLP, gated by the sigmoid of a rank
     # `gated_norm_rank` MLP of its output (`layers.norm.GatedRMSNorm`; 0: plain norms).
     gated_norm_rank: int = 0
@@ -767,8 +774,9 @@ class ModelConfig:
 
     @property
     def ungated_mlp(self) -> bool:
-        """Whether the dense MLP is `down(act(up(x)))` (`layers.mlp.UngatedMLP`): relu², xIELU, or `gated_mlp` off."""
-        return not self.gated_mlp or self.hidden_act in ("relu2", "xielu")
+        """Whether the dense MLP is `down(act(up(x)))` (`layers.mlp.UngatedMLP`): relu², xIELU, or `gated_mlp` off
+        (BitNet's relu² is gated: `sub_norms`)."""
+        return not self.gated_mlp or (self.hidden_act in ("relu2", "xielu") and not self.sub_norms)
 
     @property
     def rotary_dim(self) -> int:

@@ -24,6 +24,7 @@ from engine_server.config import (
     Yarn,
     nemotron_blocks,
 )
+from engine_server.hf_bitnet import BITNET_ARCHITECTURES, bitnet_config, bitnet_fields
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
 from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
 from engine_server.hf_deepseek_v4 import DEEPSEEK_V4_ARCHITECTURES, deepseek_v4_model_config
@@ -212,6 +213,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # MiniMax-01 (Text-01, M1): lightning attention between softmax attention layers, Mixtral's experts, its blocks'
     # residuals normalised and scaled (`hf_minimax`)
     **MINIMAX_ARCHITECTURES,
+    # BitNet b1.58: Llama with norms before o_proj and down_proj, gated relu², ternary projections (`hf_bitnet`)
+    **BITNET_ARCHITECTURES,
     **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
     **DEEPSEEK_V4_ARCHITECTURES,  # DeepSeek-V4: compressed attention, mHC streams, hash routing (`hf_deepseek_v4`)
     **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
@@ -287,6 +290,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = dbrx_config(model_type, cfg)
     cfg = longcat_config(model_type, cfg)
     cfg = minimax_config(model_type, cfg)
+    cfg = bitnet_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
     if nemotron:  # its blocks paired into layers: the rest reads the pairs' count (without MLP blocks, its
@@ -443,6 +447,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **dbrx_fields(model_type),
         **longcat_fields(model_type, cfg),
         **minimax_fields(model_type, cfg),
+        **bitnet_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,
     )

@@ -324,6 +324,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "moe_intermediate_size": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "swiglu_limit": 1.0,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # BitNet b1.58 with float projections: Llama with norms before o_proj and down_proj, a gated relu² MLP (its ternary
+    # checkpoints: tests/unit/test_bitnet.py).
+    "bitnet": ("BitNetConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # LongCat-Flash: two layers of two latent-attention blocks with dense MLPs, each layer's experts (8 of 32 wide and
     # 4 zero-computation ones, 3 a token by softmax score plus a bias, scaled by 2.5) beside its blocks.
     "longcat-flash": (

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
+from engine_server.layers.mlp import int8_rows
 from engine_server.layers.norm import HeadLayerNorm, RMSNorm, ShardedRMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -106,6 +107,10 @@ class PagedSelfAttention(nn.Module):
         self.qkv_proj: nn.Module = ColumnParallelLinear(config.hidden_size, parts, config.attention_bias, dtype)
         full_q = q_heads * self.head_dim
         self.o_proj: nn.Module = RowParallelLinear(full_q, config.hidden_size, o_proj_bias, tp, dtype)
+        # BitNet: the heads' outputs RMS-normalised before o_proj (one rank), each projection's input rounded to int8
+        # per token with its ternary weights (`layers.mlp.int8_rows`)
+        self.attn_sub_norm = RMSNorm(full_q, config.rms_norm_eps, dtype) if config.sub_norms else None
+        self.int8_inputs = bool(config.ternary_projections)
         # Qwen3 normalises each head of q and k (over head_dim) before rope; OLMoE all of q and all of k at once,
         # which a rank holding some of the heads does with the other ranks' squares summed in (`ShardedRMSNorm`).
         self.qk_norm_whole = config.qk_norm_whole
@@ -177,7 +182,7 @@ class PagedSelfAttention(nn.Module):
         `positions` are the tokens' rows of `cos_sin_cache` (`DecoderModel.rope_rows`). `lora`: the step's LoRA
         adapters, added to the q/k/v and output projections."""
         tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(int8_rows(hidden) if self.int8_inputs else hidden)
         if lora is not None:
             qkv = lora.add("qkv_proj", hidden, qkv, ops)
         if self.shares_kv:
@@ -262,7 +267,9 @@ class PagedSelfAttention(nn.Module):
         return self.get_buffer("temperatures")[steps].to(dtype)[:, None, None]
 
     def _project(self, out: torch.Tensor, ops: KernelOps, lora: LayerLora | None) -> torch.Tensor:
-        projected = self.o_proj(out)
+        if self.attn_sub_norm is not None:  # BitNet's norm of the heads' outputs, before o_proj
+            out = self.attn_sub_norm(out, ops)
+        projected = self.o_proj(int8_rows(out) if self.int8_inputs else out)
         if lora is not None:
             projected = lora.add("o_proj", out, projected, ops)
         return self.tp.all_reduce_sum(projected)

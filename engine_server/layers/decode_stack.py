@@ -89,6 +89,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if first.sinks is not None or not all(attention.rope and not attention.qk_unit_norm for attention in attentions):
         return None
+    if any(attention.attn_sub_norm is not None for attention in attentions):  # BitNet's norm before o_proj
+        return None
     if any(attention.temperature for attention in attentions):  # Ministral 3's query scale by position
         return None
     if first.qk_norm_after_rope:  # Hunyuan's q/k norms, which the stack runs before rope

@@ -85,7 +85,9 @@ class DecoderLayer(nn.Module):
             if config.is_moe_layer(index)
             else UngatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act, config.mlp_bias)
             if config.ungated_mlp
-            else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act)
+            else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act,
+                          sub_norm_eps=config.rms_norm_eps if config.sub_norms else 0.0,
+                          int8_inputs=bool(config.ternary_projections))
         )
         norm = norm_class(config)
         # A.X K2 (`gated_norm_rank`): the input norm gated, and a sparse layer's norm before its MLP

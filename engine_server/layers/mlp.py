@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -31,10 +32,17 @@ class GatedMLP(nn.Module):
         tp: TensorParallel = SINGLE,
         activation: str = "silu",
         limit: float = 0.0,
+        sub_norm_eps: float = 0.0,
+        int8_inputs: bool = False,
     ) -> None:
+        """`sub_norm_eps` > 0: BitNet's RMSNorm before down_proj (`ffn_sub_norm`, one rank); `int8_inputs`: each
+        projection's input rounded to int8 per token first (`int8_rows`)."""
         super().__init__()
         self.tp = tp
-        self.activation = activation  # "silu" (SwiGLU, on the kernel set's op) or "gelu_tanh" (Gemma's GeGLU)
+        # "silu" (SwiGLU, on the kernel set's op), "gelu_tanh" (Gemma's GeGLU) or "relu2" (BitNet's gated relu²)
+        self.activation = activation
+        self.int8_inputs = int8_inputs
+        self.ffn_sub_norm = RMSNorm(intermediate_size, sub_norm_eps, dtype) if sub_norm_eps else None
         # DeepSeek-V4's shared experts: SwiGLU with the gate clamped to at most `limit` and up to [-limit, limit]
         self.limit = limit
         parts = gate_up_slices(intermediate_size, tp.size, tp.rank)
@@ -47,18 +55,34 @@ class GatedMLP(nn.Module):
 
     def partial(self, x: torch.Tensor, ops: KernelOps, lora: LayerLora | None = None) -> torch.Tensor:
         """This rank's partial sum of the output (the whole output at size 1), before the all-reduce."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj(int8_rows(x) if self.int8_inputs else x)
         if lora is not None:
             gate_up = lora.add("gate_up_proj", x, gate_up, ops)
         gated = (
             reference.clamped_swiglu(gate_up, 1.0, self.limit, 0.0) if self.limit > 0
             else ops.silu_and_mul(gate_up) if self.activation == "silu"
+            else _relu2_and_mul(gate_up) if self.activation == "relu2"
             else reference.gelu_tanh_and_mul(gate_up)
         )  # fmt: skip
-        result: torch.Tensor = self.down_proj(gated)
+        if self.ffn_sub_norm is not None:
+            gated = self.ffn_sub_norm(gated, ops)
+        result: torch.Tensor = self.down_proj(int8_rows(gated) if self.int8_inputs else gated)
         if lora is not None:
             result = lora.add("down_proj", gated, result, ops)
         return result
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row of x rounded to int8 by its largest magnitude and back, `round(x * 127 / m).clamp(-128, 127) * m /
+    127` (m at least 1e-5), in x's dtype: BitNet's per-token activation quantization (transformers' `BitLinear`)."""
+    scale = 127 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    return (x * scale).round().clamp(-128, 127) / scale
+
+
+def _relu2_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`relu(x[..., :d])² * x[..., d:]` (BitNet's gated MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.relu(gate).square() * up
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:

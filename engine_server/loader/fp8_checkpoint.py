@@ -121,6 +121,10 @@ def fp8_checkpoint(config: Mapping[str, Any]) -> Fp8Checkpoint | None:
         if config.get("model_type") != "gpt_oss":
             raise ValueError("quantization_config: mxfp4 is read for gpt-oss's experts only")
         return None
+    if method == "bitnet":  # BitNet's ternary projections: read by its model class as it loads (models.bitnet)
+        if config.get("model_type") != "bitnet":
+            raise ValueError("quantization_config: bitnet is read for BitNet models only")
+        return None
     if method == "fp8":
         if quantization.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config: FP8 format {quantization['fmt']!r}; only e4m3 is read")
@@ -129,8 +133,8 @@ def fp8_checkpoint(config: Mapping[str, Any]) -> Fp8Checkpoint | None:
         return Fp8Checkpoint("fp8", _pair(block) if block else None, static)
     if method == "compressed-tensors":
         return _compressed_tensors(quantization)
-    raise ValueError(f"quantization_config: quant_method {method!r} is not read (fp8, gptq, awq and compressed-tensors "
-                     "are)")
+    raise ValueError(f"quantization_config: quant_method {method!r} is not read (fp8, gptq, awq, compressed-tensors, "
+                     "and gpt-oss's mxfp4 and BitNet's bitnet are)")
 
 
 def _compressed_tensors(quantization: Mapping[str, Any]) -> Fp8Checkpoint:

@@ -7,6 +7,7 @@ from engine_server.models.afmoe import AfmoeForCausalLM
 from engine_server.models.apertus import ApertusForCausalLM
 from engine_server.models.base import CausalLM
 from engine_server.models.bert import BertEncoder
+from engine_server.models.bitnet import BitNetForCausalLM
 from engine_server.models.cohere import CohereForCausalLM
 from engine_server.models.dbrx import DbrxForCausalLM
 from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -60,7 +61,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax");
+    "longcat_flash", "minimax", "bitnet");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -106,6 +107,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "deepseek_v4": DeepseekV4ForCausalLM,
         "longcat_flash": LongcatFlashForCausalLM,
         "minimax": MiniMaxForCausalLM,
+        "bitnet": BitNetForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

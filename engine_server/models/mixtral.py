@@ -12,7 +12,7 @@ class MixtralForCausalLM(CausalLM):
     name them so too (transformers 5 calls its router `mlp.router`); its quirks are `ModelConfig`'s (biased
     LayerNorms, q/k/v/o and LM head biases, `moe_scoring` "sparsemixer")."""
 
-    checkpoint_renames = (
+    checkpoint_renames: tuple[tuple[str, str], ...] = (
         (".block_sparse_moe.", ".mlp."),
         (".mlp.router.", ".mlp.gate."),
         (".w1.", ".gate_proj."),

@@ -615,6 +615,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
          "full_attn_beta_factor": 0.8, "linear_attn_alpha_factor": 1.3, "linear_attn_beta_factor": 1.1,
          "mlp_alpha_factor": 1.5, "mlp_beta_factor": 0.9, "pad_token_id": 0},
     ),
+    # BitNet b1.58 with float projections (no quantization_config): Llama with norms before o_proj and down_proj, a
+    # gated relu² MLP (its ternary forms: tests/unit/test_bitnet.py).
+    "bitnet": (transformers.BitNetConfig, {"pad_token_id": 0}),
     "deepseek-v4": (transformers.DeepseekV4Config, DEEPSEEK_V4),
     # Its released rope: YaRN (factor 4 over 16 positions) on the compressing layers alone, their attention factor 1.
     "deepseek-v4-yarn": (
@@ -873,6 +876,7 @@ MODEL_CLASSES = {
     transformers.DeepseekV4Config: transformers.DeepseekV4ForCausalLM,
     transformers.LongcatFlashConfig: transformers.LongcatFlashForCausalLM,
     transformers.MiniMaxConfig: transformers.MiniMaxForCausalLM,
+    transformers.BitNetConfig: transformers.BitNetForCausalLM,
     transformers.Kolibri1Config: transformers.Kolibri1ForCausalLM,
     transformers.FlintConfig: transformers.FlintForCausalLM,
     transformers.LaraMiniConfig: transformers.LaraMiniForCausalLM,
