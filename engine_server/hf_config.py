@@ -223,6 +223,15 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
+    "qwen4_exp_text": "its QSA indexed attention, hashed n-gram per-layer embeddings and low-rank hyper-connections "
+    "are not implemented yet (Qwen3.5's Gated DeltaNet is served)",
+    "qwen4_exp": "its text model's QSA indexed attention, hashed n-gram per-layer embeddings and low-rank "
+    "hyper-connections are not implemented yet",
+    "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
+    "zamba2": "its shared attention blocks with per-use LoRA are not implemented yet",
+    "recurrent_gemma": "its RG-LRU recurrent blocks are not implemented yet",
+    "bloom": "ALiBi position biases are not implemented yet",
+    "mpt": "ALiBi position biases are not implemented yet",
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (

@@ -1468,6 +1468,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
         ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
         ({"model_type": "olmo_hybrid", "linear_num_key_heads": 2}, "olmo_hybrid with 4 linear value heads over 2"),
+        ({"model_type": "bloom"}, r"unsupported model_type 'bloom' \(ALiBi position biases are not implemented"),
+        ({"model_type": "qwen4_exp_text"}, r"QSA indexed attention, hashed n-gram per-layer embeddings"),
     ],
 )
 def test_unserved_models_are_refused_saying_why(config: dict[str, Any], message: str) -> None:
