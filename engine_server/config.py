@@ -362,6 +362,10 @@ class Lightning:
         return [base ** (h + 1) * factor for h in range(self.first_head, self.first_head + self.heads)]
 
 
+# How a BitNet checkpoint stores its ternary projections (`ModelConfig.ternary_projections`, `models.bitnet`).
+TernaryForm = Literal["packed", "scaled", "online"]
+
+
 @dataclass(frozen=True)
 class NormedResiduals:
     """MiniMax-01's block: each sublayer adds to its *normalised* input, both scaled: `n = norm(x); x' = alpha n +
@@ -672,7 +676,7 @@ class ModelConfig:
     # is ternary times a scale, and its input rounded to int8 per token (by its largest magnitude) before it, as
     # BitNet's `BitLinear` computes it; "": float projections.
     sub_norms: bool = False
-    ternary_projections: Literal["", "packed", "scaled", "online"] = ""
+    ternary_projections: TernaryForm | Literal[""] = ""
     # A.X K2: each layer's input norm, and a sparse layer's norm before its MLP, gated by the sigmoid of a rank
     # `gated_norm_rank` MLP of its output (`layers.norm.GatedRMSNorm`; 0: plain norms).
     gated_norm_rank: int = 0

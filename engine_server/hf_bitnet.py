@@ -4,14 +4,14 @@ ones, the inputs of every projection rounded to int8 per token either way)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from engine_server.config import Architecture
+from engine_server.config import Architecture, TernaryForm
 
 BITNET_ARCHITECTURES: dict[str, Architecture] = {"bitnet": "bitnet"}
 
 
-def bitnet_form(cfg: dict[str, Any]) -> Literal["packed", "scaled", "online"] | None:
+def bitnet_form(cfg: dict[str, Any]) -> TernaryForm | None:
     """How a BitNet checkpoint stores its projections (`models.bitnet`), None for float weights served as they are
     (no `quantization_config`); ValueError for another quantization, or BitNet's with an RMSNorm in each layer
     (`use_rms_norm`)."""

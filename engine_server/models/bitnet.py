@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterable, Iterator
-from typing import Literal
 
 import torch
 
-from engine_server.config import ModelConfig
+from engine_server.config import ModelConfig, TernaryForm
 from engine_server.loader.lazy_tensor import whole
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -18,7 +17,6 @@ from engine_server.parallel.layers import CheckpointTensor
 
 # The projections BitNet's quantization replaces (every linear layer but the LM head).
 _PROJECTION = re.compile(r"model\.layers\.\d+\.(?:self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)")
-TernaryForm = Literal["packed", "scaled", "online"]
 
 
 def unpack_ternary(packed: torch.Tensor) -> torch.Tensor:
