@@ -303,7 +303,7 @@ def kv_cache_bytes_per_block(
     for index in _cache_layers(config):
         storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
         itemsize = torch.empty((), dtype=storage).element_size()
-        total += 2 * block_size * kv_heads_per_rank(config.layer_kv_heads(index), tp_size) * row * itemsize
+        total += 2 * block_size * kv_heads_per_rank(config.layer_cache_heads(index), tp_size) * row * itemsize
     return total
 
 
@@ -362,7 +362,7 @@ def allocate_kv_cache(
             caches.append(caches[config.kv_source(index)])
         else:
             storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
-            kv_heads = kv_heads_per_rank(config.layer_kv_heads(index), tp_size)
+            kv_heads = kv_heads_per_rank(config.layer_cache_heads(index), tp_size)
             caches.append(torch.zeros(2, num_blocks, block_size, kv_heads, row, dtype=storage, device=device))
     for _ in config.state_beside_attention:
         assert recurrent is not None

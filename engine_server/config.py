@@ -17,7 +17,7 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -112,6 +112,28 @@ class SparseIndexer:
     shared_layers: tuple[int, ...] = ()
     rope_last: bool = False
     key_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class BlockSparse:
+    """MiniMax-M3's block-sparse attention (`layers.block_sparse_attention`) on `layers`: a lightning indexer of
+    `index_heads` heads `index_head_dim` wide scores each earlier key of a query (q/k norms, rope), max-pools the
+    scores over blocks of `block_size` positions and keeps the `topk_blocks` best blocks, the `local_blocks` ending at
+    the query's own always among them; index head i picks the blocks of the query heads of its share
+    (`num_attention_heads / index_heads` each). Each token's index key is one more head of the layer's cache rows
+    (`ModelConfig.layer_cache_heads`)."""
+
+    layers: tuple[int, ...]
+    index_heads: int
+    index_head_dim: int
+    block_size: int
+    topk_blocks: int
+    local_blocks: int
+
+    @property
+    def dense_positions(self) -> int:
+        """The positions below which a query attends to every earlier key (its indexer keeps every block)."""
+        return self.topk_blocks * self.block_size
 
 
 @dataclass(frozen=True)
@@ -597,6 +619,11 @@ class ModelConfig:
     # among `zero_experts` more that pass their input through (their weight times it).
     shortcut_experts: bool = False
     zero_experts: int = 0
+    # MiniMax-M3 (and DeepSeek-V4's shared experts): the dense MLPs and shared experts run the experts' clamped
+    # SwiGLU (`swiglu_limit`, `swiglu_alpha`, `swiglu_up_offset`) too.
+    clamped_mlps: bool = False
+    # MiniMax-M3: block-sparse attention on some layers (`BlockSparse`; None: dense attention everywhere).
+    block_sparse: BlockSparse | None = None
     # A.X K1: an RMSNorm over each sparse layer's MoE output (routed and shared experts: `mlp.post_mlp_layernorm`).
     moe_output_norm: bool = False
     # Sliding-window attention (Mistral, Mixtral, Phi-3, Qwen's `use_sliding_window`, Gemma 2/3): layer i's token at
@@ -699,6 +726,12 @@ class ModelConfig:
         if self.layer_kv_head_counts:
             return self.layer_kv_head_counts[index]
         return self.num_key_value_heads
+
+    def layer_cache_heads(self, index: int) -> int:
+        """Layer `index`'s heads in the paged cache: its KV heads, and on a MiniMax-M3 block-sparse layer one more,
+        whose key half holds each token's index key (`BlockSparse`)."""
+        sparse = self.block_sparse is not None and index in self.block_sparse.layers
+        return self.layer_kv_heads(index) + int(sparse)
 
     def layer_q_heads(self, index: int) -> int:
         """Layer `index`'s query heads: `num_attention_heads`, or where the layers' counts differ its entry of

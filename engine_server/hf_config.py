@@ -33,6 +33,7 @@ from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm
 from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, longcat_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
+from engine_server.hf_minimax_m3 import MINIMAX_M3_ARCHITECTURES, minimax_m3_config, minimax_m3_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -213,6 +214,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # MiniMax-01 (Text-01, M1): lightning attention between softmax attention layers, Mixtral's experts, its blocks'
     # residuals normalised and scaled (`hf_minimax`)
     **MINIMAX_ARCHITECTURES,
+    # MiniMax-M3: Gemma-normed grouped-query attention, block-sparse on some layers, over clamped-SwiGLU experts
+    # beside a shared one or dense MLPs (`hf_minimax_m3`); a multimodal checkpoint's text model
+    **MINIMAX_M3_ARCHITECTURES,
     # BitNet b1.58: Llama with norms before o_proj and down_proj, gated relu², ternary projections (`hf_bitnet`)
     **BITNET_ARCHITECTURES,
     **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
@@ -236,7 +240,7 @@ _NOT_YET: dict[str, str] = {
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "gemma3n", "minimax_m2", "lfm2",
-    "hunyuan", "apertus", "afmoe", "nanochat", "olmo_hybrid",
+    "hunyuan", "apertus", "afmoe", "nanochat", "olmo_hybrid", "minimax_m3",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -299,6 +303,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = dbrx_config(model_type, cfg)
     cfg = longcat_config(model_type, cfg)
     cfg = minimax_config(model_type, cfg)
+    cfg = minimax_m3_config(model_type, cfg)
     cfg = bitnet_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
@@ -456,6 +461,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **dbrx_fields(model_type),
         **longcat_fields(model_type, cfg),
         **minimax_fields(model_type, cfg),
+        **minimax_m3_fields(model_type, cfg),
         **bitnet_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,

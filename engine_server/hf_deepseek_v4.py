@@ -117,6 +117,7 @@ def deepseek_v4_model_config(cfg: dict[str, Any], name: str, yarn: Callable[[dic
         swiglu_limit=limit if limit > 0 else 0.0,
         swiglu_alpha=1.0,
         swiglu_up_offset=0.0,
+        clamped_mlps=True,  # its shared experts clamped as its routed ones
         hyper_connections=streams,
         compressed_attention=layout,
     )

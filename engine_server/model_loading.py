@@ -194,6 +194,12 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError("DeepSeek-V4 is not served under tensor parallelism yet")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to DeepSeek-V4's compressed attention yet")
+    if model.block_sparse is not None:
+        # Its sparse layers' cache rows hold an index head beside the KV heads, which a rank's share would split.
+        if config.tensor_parallel_size > 1:
+            raise ValueError("MiniMax-M3's block-sparse attention is not served under tensor parallelism yet")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to MiniMax-M3's block-sparse attention yet")
     if config.lora is None:
         return
     if model.encoder:
@@ -355,6 +361,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
     if loaded.model_config.sparse_indexer is not None:
         # Its layers choose between dense and gathered attention, and walk each sequence, from host lists.
         log.warning("a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet")
+        return False
+    if loaded.model_config.block_sparse is not None:
+        # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.
+        log.warning("a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.compressed_attention is not None:
         # Its layers walk each sequence, and pool the windows a step closes, from host lists.

@@ -371,6 +371,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # MiniMax-M3: full attention on layer 0, block-sparse on the rest (2 index heads, blocks of 4 positions, 4 kept a
+    # query, its own among them: prompts past 16 tokens attend sparsely), rope over half of each head; a dense first
+    # MLP, then top-2 of 8 experts by sigmoid scores and a bias beside a shared expert, every MLP's SwiGLU clamped at 1.
+    "minimax-m3": (
+        "MiniMaxM3VLTextConfig",
+        {"head_dim": 16, "partial_rotary_factor": 0.5,
+         "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * 3, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+         "index_n_heads": 2, "index_head_dim": 16, "index_block_size": 4, "index_topk_blocks": 4,
+         "index_local_blocks": 1, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "dense_intermediate_size": 96, "shared_intermediate_size": 32, "routed_scaling_factor": 2.5,
+         "swiglu_limit": 1.0, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     "minimax-m2": (
         "MiniMaxM2Config",
         {"head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,

@@ -187,6 +187,25 @@ class PagedSelfAttention(nn.Module):
             qkv = lora.add("qkv_proj", hidden, qkv, ops)
         if self.shares_kv:
             return self._attend_shared(positions, qkv, kv_cache, cos_sin_cache, meta, ops, lora)
+        q, k, v, gate = self.queries_keys_values(positions, qkv, cos_sin_cache, ops)
+        ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        attend = meta.chunked(self.chunk) if self.chunk else meta
+        out = ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)
+        out = out.reshape(tokens, self.q_size)
+        if gate is not None:
+            out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
+        if self.g_proj is not None:  # Laguna's: softplus in float32, as transformers computes it
+            scale = F.softplus(self.g_proj(hidden).float()).to(out.dtype).view(tokens, self.num_heads, self.gate_width)
+            out = (out.view(tokens, self.num_heads, self.head_dim) * scale).reshape(tokens, self.q_size)
+        return self._project(out, ops, lora)
+
+    def queries_keys_values(
+        self, positions: torch.Tensor, qkv: torch.Tensor, cos_sin_cache: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's queries `[T, heads, head_dim]`, keys and values `[T, kv_heads, head_dim]` (normed, clipped,
+        scaled, turned by position as the family does) and the output gate (None without one) from `qkv_proj`'s
+        output `[T, q_width + 2 * kv_size]`."""
+        tokens = qkv.shape[0]
         if self.keys_as_values:
             q, k = qkv.split([self.q_width, self.kv_size], dim=-1)
             v = k
@@ -226,16 +245,7 @@ class PagedSelfAttention(nn.Module):
         if self.qk_norm_after_rope and self.q_norm is not None and self.k_norm is not None:  # Hunyuan's, per head
             q = self.q_norm(q, ops)
             k = self.k_norm(k, ops)
-        ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        attend = meta.chunked(self.chunk) if self.chunk else meta
-        out = ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)
-        out = out.reshape(tokens, self.q_size)
-        if gate is not None:
-            out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
-        if self.g_proj is not None:  # Laguna's: softplus in float32, as transformers computes it
-            scale = F.softplus(self.g_proj(hidden).float()).to(out.dtype).view(tokens, self.num_heads, self.gate_width)
-            out = (out.view(tokens, self.num_heads, self.head_dim) * scale).reshape(tokens, self.q_size)
-        return self._project(out, ops, lora)
+        return q, k, v, gate
 
     def _attend_shared(
         self,

@@ -53,7 +53,7 @@ def _moe_parts(mlp: SparseMoE) -> MoeParts | None:
     if not isinstance(shared, GatedMLP):
         return None
     parts = [shared.gate_up_proj, shared.down_proj]
-    if shared.activation != "silu" or not isinstance(shared_gate, RowwiseLinear):
+    if shared.activation != "silu" or shared.limit or not isinstance(shared_gate, RowwiseLinear):
         return None
     if not all(isinstance(part, QuantizedLinear) for part in parts):
         return None
@@ -79,8 +79,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
         return None
     if isinstance(model, HyperConnectedDecoderModel):
         return None  # residual streams (HY-V4): the stack keeps one residual
-    if not all(isinstance(layer.self_attn, PagedSelfAttention) for layer in layers):
-        return None  # latent attention (DeepSeek-V3)
+    if not all(type(layer.self_attn) is PagedSelfAttention for layer in layers):
+        return None  # latent attention (DeepSeek-V3), MiniMax-M3's block-sparse attention
     attentions = [cast(PagedSelfAttention, layer.self_attn) for layer in layers]
     first = attentions[0]
     if first.head_dim not in HEAD_DIMS or first.rotary_dim != first.head_dim or model.long_rope_after is not None:
@@ -114,7 +114,7 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
             moe = _moe_parts(mlp)
             if moe is None:
                 return None
-        elif isinstance(mlp, GatedMLP) and mlp.activation == "silu":
+        elif isinstance(mlp, GatedMLP) and mlp.activation == "silu" and not mlp.limit:
             parts += [mlp.gate_up_proj, mlp.down_proj]
         else:
             return None

@@ -12,6 +12,7 @@ from torch import nn
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import LongRope, ModelConfig, NormedResiduals, Yarn
 from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.block_sparse_attention import BlockSparseAttention
 from engine_server.layers.compressed_attention import CompressedAttention
 from engine_server.layers.gated_deltanet import GatedDeltaNet
 from engine_server.layers.kimi_delta import KimiDeltaAttention
@@ -19,7 +20,7 @@ from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.mla import MultiLatentAttention
-from engine_server.layers.mlp import GatedMLP, UngatedMLP
+from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import GatedRMSNorm, RMSNorm, norm_class
 from engine_server.layers.short_conv import ShortConv
@@ -73,6 +74,8 @@ class DecoderLayer(nn.Module):
             if config.latent_attention is not None
             else CompressedAttention(config, dtype, index)
             if config.compressed_attention is not None
+            else BlockSparseAttention(config, dtype, index)
+            if config.block_sparse is not None and index in config.block_sparse.layers
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index
             )
@@ -87,7 +90,7 @@ class DecoderLayer(nn.Module):
             if config.ungated_mlp
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act,
                           sub_norm_eps=config.rms_norm_eps if config.sub_norms else 0.0,
-                          int8_inputs=bool(config.ternary_projections))
+                          int8_inputs=bool(config.ternary_projections), **clamped_swiglu_args(config))
         )
         norm = norm_class(config)
         # A.X K2 (`gated_norm_rank`): the input norm gated, and a sparse layer's norm before its MLP

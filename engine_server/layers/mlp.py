@@ -4,10 +4,13 @@ lineage's GELU, OPT's ReLU."""
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_server.config import ModelConfig
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -34,8 +37,11 @@ class GatedMLP(nn.Module):
         limit: float = 0.0,
         sub_norm_eps: float = 0.0,
         int8_inputs: bool = False,
+        alpha: float = 1.0,
+        up_offset: float = 0.0,
     ) -> None:
-        """`sub_norm_eps` > 0: BitNet's RMSNorm before down_proj (`ffn_sub_norm`, one rank); `int8_inputs`: each
+        """`limit` > 0: gpt-oss's clamped SwiGLU (`reference.clamped_swiglu` with `alpha` and `up_offset`);
+        `sub_norm_eps` > 0: BitNet's RMSNorm before down_proj (`ffn_sub_norm`, one rank); `int8_inputs`: each
         projection's input rounded to int8 per token first (`int8_rows`)."""
         super().__init__()
         self.tp = tp
@@ -43,8 +49,9 @@ class GatedMLP(nn.Module):
         self.activation = activation
         self.int8_inputs = int8_inputs
         self.ffn_sub_norm = RMSNorm(intermediate_size, sub_norm_eps, dtype) if sub_norm_eps else None
-        # DeepSeek-V4's shared experts: SwiGLU with the gate clamped to at most `limit` and up to [-limit, limit]
-        self.limit = limit
+        # DeepSeek-V4's shared experts (alpha 1, no offset) and MiniMax-M3's MLPs: the gate clamped to at most
+        # `limit`, the up to [-limit, limit], then `gate * sigmoid(alpha * gate) * (up + up_offset)`
+        self.limit, self.alpha, self.up_offset = limit, alpha, up_offset
         parts = gate_up_slices(intermediate_size, tp.size, tp.rank)
         self.gate_up_proj: nn.Module = ColumnParallelLinear(hidden_size, parts, False, dtype)
         self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
@@ -59,7 +66,7 @@ class GatedMLP(nn.Module):
         if lora is not None:
             gate_up = lora.add("gate_up_proj", x, gate_up, ops)
         gated = (
-            reference.clamped_swiglu(gate_up, 1.0, self.limit, 0.0) if self.limit > 0
+            reference.clamped_swiglu(gate_up, self.alpha, self.limit, self.up_offset) if self.limit > 0
             else ops.silu_and_mul(gate_up) if self.activation == "silu"
             else _relu2_and_mul(gate_up) if self.activation == "relu2"
             else reference.gelu_tanh_and_mul(gate_up)
@@ -70,6 +77,22 @@ class GatedMLP(nn.Module):
         if lora is not None:
             result = lora.add("down_proj", gated, result, ops)
         return result
+
+
+class ClampedSwigluArgs(TypedDict, total=False):
+    """`GatedMLP`'s clamped SwiGLU arguments (none: a plain SwiGLU)."""
+
+    limit: float
+    alpha: float
+    up_offset: float
+
+
+def clamped_swiglu_args(config: ModelConfig) -> ClampedSwigluArgs:
+    """`GatedMLP`'s clamped SwiGLU arguments for a dense MLP or shared expert of `config`: the experts' (`limit`,
+    `alpha`, `up_offset`) where `ModelConfig.clamped_mlps` says they share it, else none (a plain SwiGLU)."""
+    if not config.clamped_mlps:
+        return {}
+    return {"limit": config.swiglu_limit, "alpha": config.swiglu_alpha, "up_offset": config.swiglu_up_offset}
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_server.config import ModelConfig
-from engine_server.layers.mlp import GatedMLP, UngatedMLP, relu_squared
+from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args, relu_squared
 from engine_server.layers.norm import RMSNorm
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import Activation, ParallelExperts
@@ -191,10 +191,9 @@ class SparseMoE(nn.Module):
         shared = config.shared_expert_intermediate_size
         self.shared_expert: GatedMLP | UngatedMLP | None = None
         if shared:
-            # (DeepSeek-V4's shared experts clamped as its routed ones: `swiglu_limit` with no up offset)
-            limit = config.swiglu_limit if config.compressed_attention is not None else 0.0
             self.shared_expert = (
-                UngatedMLP(hidden, shared, dtype, tp) if relu2 else GatedMLP(hidden, shared, dtype, tp, limit=limit)
+                UngatedMLP(hidden, shared, dtype, tp) if relu2 else GatedMLP(hidden, shared, dtype, tp,
+                                                                             **clamped_swiglu_args(config))
             )
         gated = shared and config.shared_expert_gated
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None

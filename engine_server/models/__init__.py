@@ -35,6 +35,7 @@ from engine_server.models.longcat_flash import LongcatFlashForCausalLM
 from engine_server.models.mamba import MambaForCausalLM
 from engine_server.models.minimax import MiniMaxForCausalLM
 from engine_server.models.minimax_m2 import MiniMaxM2ForCausalLM
+from engine_server.models.minimax_m3 import MiniMaxM3ForCausalLM
 from engine_server.models.mixtral import MixtralForCausalLM
 from engine_server.models.nanochat import NanoChatForCausalLM
 from engine_server.models.nemotron_h import NemotronHForCausalLM
@@ -61,7 +62,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax", "bitnet");
+    "longcat_flash", "minimax", "bitnet", "minimax_m3");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -108,6 +109,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "longcat_flash": LongcatFlashForCausalLM,
         "minimax": MiniMaxForCausalLM,
         "bitnet": BitNetForCausalLM,
+        "minimax_m3": MiniMaxM3ForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -1161,3 +1161,99 @@ def test_longcat_flash_split_chunked_and_on_int8(tmp_path: Path) -> None:
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+
+
+def test_minimax_m3_chunked_preempted_speculated_quantized_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+    """MiniMax-M3 (tests/families.py: block-sparse layers keeping 4 blocks of 4 positions a query) keeps
+    transformers' tokens prefilled in 16-token chunks (a chunk's queries choosing among blocks an earlier chunk wrote)
+    and preempted from a small pool (a recomputed sequence rewrites its index keys), and under n-gram speculation (a
+    rejected draft's index key written again by the token that replaces it). On int8 weights, and over an FP8 cache
+    (its index keys e4m3 too), each prompt's tokens are the same alone and batched and mostly agree with the float
+    path's first tokens. Tensor parallelism and LoRA are refused saying so."""
+    folder = save_family(tmp_path, "minimax-m3", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        stats = llm.core.speculator.stats  # type: ignore[union-attr]
+        assert stats.proposed_tokens > stats.accepted_tokens > 0  # drafts kept, and some rejected
+    fp8_cache = EngineConfig(model=str(folder), device="cpu", quantization="none",
+                             cache=CacheConfig(memory_bytes=1 << 24, dtype="fp8"))  # fmt: skip
+    for quantized in (engine(folder, quantization="int8"), LLM(config=fp8_cache)):
+        with quantized as llm:
+            alone = [tokens(llm, [prompt])[0] for prompt in batch]
+            assert tokens(llm, batch) == alone
+        assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    with pytest.raises(ValueError, match="MiniMax-M3's block-sparse attention is not served under tensor"):
+        engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to MiniMax-M3"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
+
+
+# transformers' names of MiniMax-M3's parts and the released checkpoint's, in the order they are replaced.
+_RELEASED_MINIMAX_M3 = (
+    (".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"),
+    (".mlp.gate.", ".block_sparse_moe.gate."),
+    (".mlp.shared_experts.", ".block_sparse_moe.shared_experts."),
+    (".self_attn.indexer.", ".self_attn.index_"),
+)
+
+
+def _released_minimax_m3(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One tensor of transformers' MiniMax-M3 file under the released checkpoint's names (transformers' conversion,
+    reversed): the multimodal text model's prefix, experts one by one as `w1` / `w3` / `w2` under `block_sparse_moe`,
+    gate and up apart, the indexer's parts on the attention."""
+    name = name.replace("model.", "language_model.model.", 1) if name.startswith("model.") else f"language_model.{name}"
+    for theirs, released in _RELEASED_MINIMAX_M3:
+        name = name.replace(theirs, released)
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        bank = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts")
+        pieces = {}
+        for expert, rows in enumerate(tensor):
+            gate, up = rows.chunk(2)
+            pieces |= {f"{bank}.{expert}.w1.weight": gate, f"{bank}.{expert}.w3.weight": up}
+        return pieces
+    if name.endswith(".mlp.experts.down_proj"):
+        bank = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts")
+        return {f"{bank}.{expert}.w2.weight": rows for expert, rows in enumerate(tensor)}
+    if name.endswith("gate_up_proj.weight"):
+        gate, up = tensor.chunk(2)
+        return {name.replace("gate_up_proj", "gate_proj"): gate, name.replace("gate_up_proj", "up_proj"): up}
+    return {name: tensor}
+
+
+def test_a_minimax_m3_checkpoint_in_its_released_layout_serves_its_text_model(tmp_path: Path) -> None:
+    """A multimodal MiniMax-M3 checkpoint as released: `minimax_m3_vl` with its text model's config under
+    `text_config` in the released keys (`sparse_attention_config`, `moe_layer_freq`, `rotary_dim`, `swigluoai`), its
+    tensors under the released names (`_released_minimax_m3`), a vision tower, projector and multi-token-prediction
+    module beside them (not read): transformers' greedy tokens of the text model."""
+    folder = save_family(tmp_path, "minimax-m3", head_spread=0.5)
+    theirs = reference_tokens(folder)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        state |= _released_minimax_m3(name, tensor)
+    state |= {"vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight": torch.zeros(8, 8),
+              "multi_modal_projector.linear_1.weight": torch.zeros(8, 8),
+              "language_model.model.mtp.layers.0.eh_proj.weight": torch.zeros(8, 8)}  # fmt: skip
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    text = json.loads((folder / "config.json").read_text())
+    released = {key: value for key, value in text.items()
+                if not key.startswith("index_") and key not in ("layer_types", "mlp_layer_types", "rope_parameters")}
+    released |= {
+        "hidden_act": "swigluoai", "rotary_dim": 8, "rope_theta": text["rope_parameters"]["rope_theta"],
+        "sparse_attention_config": {"sparse_attention_freq": [0, 1, 1, 1], "sparse_num_index_heads": 2,
+                                    "sparse_index_dim": 16, "sparse_block_size": 4, "sparse_topk_blocks": 4,
+                                    "sparse_local_block": 1},
+        "moe_layer_freq": [0, 1, 1, 1],
+    }  # fmt: skip
+    config = {"model_type": "minimax_m3_vl", "text_config": released, "vision_config": {"hidden_size": 8}}
+    (folder / "config.json").write_text(json.dumps(config))
+    with engine(folder) as llm:
+        assert llm.core.model_config.architecture == "minimax_m3"
+        ours = tokens(llm, prompts())
+        assert ours == theirs.of(ours)

@@ -93,6 +93,17 @@ DEEPSEEK_V4: dict[str, Any] = {
     "index_head_dim": 16, "index_topk": 2, "n_routed_experts": 8, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "hc_mult": 2, "swiglu_limit": 0.03, "pad_token_id": 0,
 }  # fmt: skip
+# MiniMax-M3: a dense layer of full attention, then two sparse layers over experts; the indexer (2 heads, each over
+# two query heads) pools blocks of 2 positions and keeps 2 a query (its own the local one), so prompts past 4 tokens
+# attend sparsely; rope over half of each head; every MLP clamped at 0.03 (their products at init are ~0.05).
+MINIMAX_M3: dict[str, Any] = {
+    "num_hidden_layers": 3, "head_dim": 16, "partial_rotary_factor": 0.5,
+    "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+    "mlp_layer_types": ["dense", "sparse", "sparse"], "index_n_heads": 2, "index_head_dim": 16,
+    "index_block_size": 2, "index_topk_blocks": 2, "index_local_blocks": 1, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "intermediate_size": 32, "dense_intermediate_size": 48, "shared_intermediate_size": 24,
+    "routed_scaling_factor": 2.5, "swiglu_limit": 0.03, "pad_token_id": 0,
+}  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
@@ -618,6 +629,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # BitNet b1.58 with float projections (no quantization_config): Llama with norms before o_proj and down_proj, a
     # gated relu² MLP (its ternary forms: tests/unit/test_bitnet.py).
     "bitnet": (transformers.BitNetConfig, {"pad_token_id": 0}),
+    "minimax-m3": (transformers.MiniMaxM3VLTextConfig, MINIMAX_M3),
+    # Two local blocks of 3 positions and 3 kept a query, an index head over every query head, rope over whole heads.
+    "minimax-m3-local": (
+        transformers.MiniMaxM3VLTextConfig,
+        {**MINIMAX_M3, "index_n_heads": 1, "index_block_size": 3, "index_topk_blocks": 3, "index_local_blocks": 2,
+         "partial_rotary_factor": 1.0, "index_head_dim": 16},
+    ),
     "deepseek-v4": (transformers.DeepseekV4Config, DEEPSEEK_V4),
     # Its released rope: YaRN (factor 4 over 16 positions) on the compressing layers alone, their attention factor 1.
     "deepseek-v4-yarn": (
@@ -930,6 +948,7 @@ MODEL_CLASSES = {
     transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
     transformers.Ernie4_5_MoeConfig: transformers.Ernie4_5_MoeForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
+    transformers.MiniMaxM3VLTextConfig: transformers.MiniMaxM3VLForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,

@@ -1,0 +1,159 @@
+"""MiniMax-M3's block-sparse attention: grouped-query attention whose queries each attend over the blocks of earlier
+keys a lightning indexer keeps (`config.BlockSparse`).
+
+The indexer has `index_heads` query heads and one key head, `index_head_dim` wide (`q_proj`, `k_proj`, each head
+RMS-normalised, then turned by rope as the attention's heads are). Query t's score of key j <= t is their dot
+product in float32; each block of `block_size` positions scores its best key's, the `local_blocks` blocks ending at
+t's own score +inf, and the `topk_blocks` best blocks are kept: the keys of those up to t's position are what t's
+query heads of that index head attend over (index head i serves heads `[i * g, (i + 1) * g)`, g =
+`num_attention_heads / index_heads`). This is transformers' `MiniMaxM3VLIndexer` with its block mask, computed the
+same way.
+
+Each token's index key is one more head of the layer's cache rows, after its KV heads, in the key half (zero-padded
+to `head_dim`; the value half's row is zeros), so prefix caching, preemption and swapping keep it as they keep K/V.
+A step whose every sequence is at most `BlockSparse.dense_positions` long attends densely through the kernel set's
+paged attention (the indexer would keep every block), with one more group of all-zero queries for the index head,
+whose output is dropped; otherwise the step attends here in torch, sequence by sequence, its queries in chunks whose
+scores stay under `_CHUNK_BYTES`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_server.attention_metadata import AttentionMetadata
+from engine_server.config import BlockSparse, ModelConfig
+from engine_server.layers.attention import PagedSelfAttention
+from engine_server.layers.norm import RMSNorm
+from engine_server.lora.slots import LayerLora
+from ladle_kernels.kernel_set import KernelOps
+from ladle_kernels.reference import fp8_kv_values, is_fp8_kv_cache
+
+_CHUNK_BYTES = 1 << 26  # the most float32 bytes one chunk of a sequence's queries scores at once
+
+
+class BlockIndexer(nn.Module):
+    """One layer's indexer; parameters named as MiniMax-M3's checkpoints name them (`self_attn.indexer.*`)."""
+
+    def __init__(self, config: ModelConfig, spec: BlockSparse, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.rotary_dim = spec.index_heads, spec.index_head_dim, config.rotary_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, cos_sin_cache: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden `[T, hidden]` -> (index queries `[T, heads, head_dim]`, index keys `[T, head_dim]`), normed and
+        turned by their positions over their first `rotary_dim` dims."""
+        queries = self.q_norm(self.q_proj(hidden).view(-1, self.heads, self.head_dim), ops)
+        keys = self.k_norm(self.k_proj(hidden).view(-1, 1, self.head_dim), ops)
+        dim = self.rotary_dim
+        turned_q, turned_k = ops.rotary_embedding(
+            positions, queries[..., :dim].contiguous(), keys[..., :dim].contiguous(), cos_sin_cache
+        )
+        queries = torch.cat((turned_q, queries[..., dim:]), dim=-1)
+        keys = torch.cat((turned_k, keys[..., dim:]), dim=-1)
+        return queries, keys.view(-1, self.head_dim)
+
+
+class BlockSparseAttention(PagedSelfAttention):
+    """A MiniMax-M3 sparse layer: `PagedSelfAttention` (Gemma's q/k norms, partial rope; one rank) over the blocks
+    its `indexer` keeps (module docstring)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int) -> None:
+        super().__init__(config, dtype, index=index)
+        spec = config.block_sparse
+        assert spec is not None and index in spec.layers
+        self.spec = spec
+        self.indexer = BlockIndexer(config, spec, dtype)
+        self.group = self.num_heads // self.num_kv_heads  # query heads per KV head
+        self.index_group = self.num_heads // spec.index_heads  # query heads per index head
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+        lora: LayerLora | None = None,
+    ) -> torch.Tensor:
+        """hidden `[T, hidden]` -> `[T, hidden]`; writes this step's K/V and index keys into `kv_cache` (`[2, blocks,
+        block_size, kv_heads + 1, row]`) before attending. No LoRA adapters (refused at load)."""
+        tokens = hidden.shape[0]
+        q, k, v, _ = self.queries_keys_values(positions, self.qkv_proj(hidden), cos_sin_cache, ops)
+        index_q, index_k = self.indexer(positions, hidden, cos_sin_cache, ops)
+        index_row = F.pad(index_k, (0, self.head_dim - self.spec.index_head_dim)).to(k.dtype).unsqueeze(1)
+        keys = torch.cat((k, index_row), dim=1)
+        values = torch.cat((v, torch.zeros_like(index_row)), dim=1)
+        ops.write_kv_cache(keys, values, kv_cache, meta.slot_mapping)
+        if meta.max_seq_len <= self.spec.dense_positions:  # every block kept: the kernels' attention
+            padded = torch.cat((q, q.new_zeros(tokens, self.group, self.head_dim)), dim=1)
+            out = ops.paged_attention(padded, kv_cache, meta, self.scale, 0, 0.0, None)[:, : self.num_heads]
+        else:
+            out = self._attend_blocks(q, index_q, kv_cache, meta)
+        return self._project(out.reshape(tokens, self.q_size), ops, lora)
+
+    def _attend_blocks(
+        self, q: torch.Tensor, index_q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Each token's attention `[T, heads, head_dim]` over the blocks its indexer keeps, sequence by sequence,
+        reading each sequence's keys, values and index keys from the cache."""
+        out = torch.empty_like(q)
+        cache_block = kv_cache.shape[2]
+        start = 0
+        for row, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+            blocks = meta.block_tables[row, : -(-seq_len // cache_block)].long()
+            rows = kv_cache[:, blocks]
+            if is_fp8_kv_cache(kv_cache):
+                rows = fp8_kv_values(rows, q.dtype)
+            rows = rows.reshape(2, -1, rows.shape[-2], rows.shape[-1])[:, :seq_len]
+            keys, values = rows[0, :, : self.num_kv_heads], rows[1, :, : self.num_kv_heads]
+            index_keys = rows[0, :, self.num_kv_heads, : self.spec.index_head_dim]
+            step = max(1, _CHUNK_BYTES // (4 * seq_len * self.num_heads))
+            for begin in range(0, query_len, step):
+                end = min(begin + step, query_len)
+                chunk = slice(start + begin, start + end)
+                positions = torch.arange(seq_len - query_len + begin, seq_len - query_len + end, device=q.device)
+                kept = self._kept_keys(index_q[chunk], index_keys, positions)
+                out[chunk] = self._attend(q[chunk], keys, values, kept)
+            start += query_len
+        return out
+
+    def _kept_keys(self, index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`[index_heads, Q, L]` bool: the keys each of Q queries (index queries `[Q, index_heads, dim]` at
+        `positions`) attends over, of a sequence of L index keys `[L, dim]`, as transformers' indexer chooses them."""
+        size, length = self.spec.block_size, index_keys.shape[0]
+        scores = torch.matmul(index_q.transpose(0, 1).float(), index_keys.float().transpose(0, 1))
+        future = torch.arange(length, device=scores.device)[None, None, :] > positions[None, :, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        count = -(-length // size)
+        scores = F.pad(scores, (0, count * size - length), value=float("-inf"))
+        block_scores = scores.view(*scores.shape[:2], count, size).amax(dim=-1)  # [index_heads, Q, blocks]
+        own = positions // size
+        for back in range(self.spec.local_blocks):  # the local blocks always win
+            local = (own - back).clamp(min=0)[None, :, None].expand(block_scores.shape[0], -1, 1)
+            block_scores.scatter_(-1, local, float("inf"))
+        best, chosen = block_scores.topk(min(self.spec.topk_blocks, count), dim=-1)
+        chosen = chosen.masked_fill(best == float("-inf"), count)  # a block past every key: kept nowhere
+        kept = torch.zeros(*block_scores.shape[:2], count + 1, dtype=torch.bool, device=scores.device)
+        kept.scatter_(-1, chosen, True)
+        return kept[..., :count].repeat_interleave(size, dim=-1)[..., :length] & ~future
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor
+    ) -> torch.Tensor:
+        """q `[Q, heads, D]` over keys and values `[L, kv_heads, D]`, each head over its index head's `kept` keys
+        (`[index_heads, Q, L]`): `[Q, heads, D]`, the softmax in float32 (transformers' eager attention)."""
+        keys = keys.transpose(0, 1).repeat_interleave(self.group, dim=0)  # [heads, L, D]
+        values = values.transpose(0, 1).repeat_interleave(self.group, dim=0)
+        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * self.scale  # [heads, Q, L]
+        scores = scores.masked_fill(~kept.repeat_interleave(self.index_group, dim=0), float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        return torch.matmul(weights, values).transpose(0, 1)
