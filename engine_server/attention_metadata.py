@@ -348,11 +348,12 @@ def allocate_kv_cache(
     state_slots: int = 0,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
-    and row, the layer's own head shape), of one rank's KV heads in a tensor-parallel group of `tp_size`
-    (`parallel.sharding.kv_heads_per_rank`); a recurrent layer's is its float32 states, `[state_slots,
-    state_size]` (of this rank's heads); a layer that attends over another's K/V (`ModelConfig.kv_source`) gets that
-    layer's very tensor. After the layers' tensors come the states of the layers that keep one beside their K/V
-    (`ModelConfig.state_beside_attention`: Falcon-H1's), one per such layer in its order."""
+    and row, the layer's own head shape and its heads in the cache, `ModelConfig.layer_cache_heads`), of one rank's
+    KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`); a recurrent layer's
+    is its float32 states, `[state_slots, state_size]` (of this rank's heads); a layer that attends over another's
+    K/V (`ModelConfig.kv_source`) gets that layer's very tensor. After the layers' tensors come the states of the
+    layers that keep one beside their K/V (`ModelConfig.state_beside_attention`: Falcon-H1's), one per such layer in
+    its order."""
     recurrent = None if config.recurrent is None else config.recurrent.sharded(tp_size)
     caches: list[torch.Tensor] = []
     for index in range(config.num_hidden_layers):
