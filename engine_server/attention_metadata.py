@@ -303,13 +303,20 @@ def kv_cache_bytes_per_block(
     for index in _cache_layers(config):
         storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
         itemsize = torch.empty((), dtype=storage).element_size()
-        total += 2 * block_size * kv_heads_per_rank(config.layer_cache_heads(index), tp_size) * row * itemsize
+        total += 2 * block_size * cache_heads_per_rank(config, index, tp_size) * row * itemsize
     return total
 
 
 def _cache_layers(config: ModelConfig) -> list[int]:
     """The layers that keep K/V of their own in the paged cache (not recurrent ones, not sharing another's)."""
     return [i for i in range(config.num_hidden_layers) if not config.is_recurrent_layer(i) and config.kv_source(i) == i]
+
+
+def cache_heads_per_rank(config: ModelConfig, index: int, tp_size: int) -> int:
+    """The heads of layer `index`'s cache rows on one rank of a tensor-parallel group of `tp_size`: its share of the
+    layer's KV heads (`parallel.sharding.kv_heads_per_rank`) and the heads every rank keeps beside them
+    (`ModelConfig.layer_index_heads`: MiniMax-M3's index keys)."""
+    return kv_heads_per_rank(config.layer_kv_heads(index), tp_size) + config.layer_index_heads(index)
 
 
 def recurrent_state_bytes(config: ModelConfig, slots: int, tp_size: int = 1) -> int:
@@ -348,7 +355,7 @@ def allocate_kv_cache(
     state_slots: int = 0,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, `[2, num_blocks, block_size, num_kv_heads, row]` (`kv_cache_layout`'s dtype
-    and row, the layer's own head shape and its heads in the cache, `ModelConfig.layer_cache_heads`), of one rank's
+    and row, the layer's own head shape and its heads in the cache, `cache_heads_per_rank`), of one rank's
     KV heads in a tensor-parallel group of `tp_size` (`parallel.sharding.kv_heads_per_rank`); a recurrent layer's
     is its float32 states, `[state_slots, state_size]` (of this rank's heads); a layer that attends over another's
     K/V (`ModelConfig.kv_source`) gets that layer's very tensor. After the layers' tensors come the states of the
@@ -363,7 +370,7 @@ def allocate_kv_cache(
             caches.append(caches[config.kv_source(index)])
         else:
             storage, row = kv_cache_layout(config, dtype, cache_dtype, config.layer_head_dim(index))
-            kv_heads = kv_heads_per_rank(config.layer_cache_heads(index), tp_size)
+            kv_heads = cache_heads_per_rank(config, index, tp_size)
             caches.append(torch.zeros(2, num_blocks, block_size, kv_heads, row, dtype=storage, device=device))
     for _ in config.state_beside_attention:
         assert recurrent is not None

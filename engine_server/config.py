@@ -121,7 +121,7 @@ class BlockSparse:
     scores over blocks of `block_size` positions and keeps the `topk_blocks` best blocks, the `local_blocks` ending at
     the query's own always among them; index head i picks the blocks of the query heads of its share
     (`num_attention_heads / index_heads` each). Each token's index key is one more head of the layer's cache rows
-    (`ModelConfig.layer_cache_heads`)."""
+    on every rank (`ModelConfig.layer_index_heads`)."""
 
     layers: tuple[int, ...]
     index_heads: int
@@ -727,11 +727,10 @@ class ModelConfig:
             return self.layer_kv_head_counts[index]
         return self.num_key_value_heads
 
-    def layer_cache_heads(self, index: int) -> int:
-        """Layer `index`'s heads in the paged cache: its KV heads, and on a MiniMax-M3 block-sparse layer one more,
-        whose key half holds each token's index key (`BlockSparse`)."""
-        sparse = self.block_sparse is not None and index in self.block_sparse.layers
-        return self.layer_kv_heads(index) + int(sparse)
+    def layer_index_heads(self, index: int) -> int:
+        """The heads layer `index` keeps in the paged cache beside its KV heads, on every rank: 1 on a MiniMax-M3
+        block-sparse layer, whose key half holds each token's index key (`BlockSparse`), else 0."""
+        return int(self.block_sparse is not None and index in self.block_sparse.layers)
 
     def layer_q_heads(self, index: int) -> int:
         """Layer `index`'s query heads: `num_attention_heads`, or where the layers' counts differ its entry of

@@ -195,9 +195,10 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to DeepSeek-V4's compressed attention yet")
     if model.block_sparse is not None:
-        # Its sparse layers' cache rows hold an index head beside the KV heads, which a rank's share would split.
-        if config.tensor_parallel_size > 1:
-            raise ValueError("MiniMax-M3's block-sparse attention is not served under tensor parallelism yet")
+        # Each rank's query heads read the blocks their index heads choose: the ranks split those too.
+        index_heads, size = model.block_sparse.index_heads, config.tensor_parallel_size
+        if index_heads % size:
+            raise ValueError(f"MiniMax-M3's {index_heads} index heads do not split over {size} tensor-parallel ranks")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to MiniMax-M3's block-sparse attention yet")
     if config.lora is None:

@@ -28,6 +28,9 @@ from engine_server.config import BlockSparse, ModelConfig
 from engine_server.layers.attention import PagedSelfAttention
 from engine_server.layers.norm import RMSNorm
 from engine_server.lora.slots import LayerLora
+from engine_server.parallel.group import TensorParallel
+from engine_server.parallel.layers import ColumnParallelLinear
+from engine_server.parallel.sharding import PartSlice, heads_per_rank, query_heads_of_rank
 from ladle_kernels.kernel_set import KernelOps
 from ladle_kernels.reference import fp8_kv_values, is_fp8_kv_cache
 
@@ -35,12 +38,17 @@ _CHUNK_BYTES = 1 << 26  # the most float32 bytes one chunk of a sequence's queri
 
 
 class BlockIndexer(nn.Module):
-    """One layer's indexer; parameters named as MiniMax-M3's checkpoints name them (`self_attn.indexer.*`)."""
+    """One layer's indexer; parameters named as MiniMax-M3's checkpoints name them (`self_attn.indexer.*`). Under
+    tensor parallelism a rank holds the query heads of its share of the index heads (those its query heads read)
+    and the whole key projection."""
 
-    def __init__(self, config: ModelConfig, spec: BlockSparse, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, spec: BlockSparse, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.rotary_dim = spec.index_heads, spec.index_head_dim, config.rotary_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=False, dtype=dtype)
+        self.heads = heads_per_rank(spec.index_heads, tp.size)
+        self.head_dim, self.rotary_dim = spec.index_head_dim, config.rotary_dim
+        kept = query_heads_of_rank(spec.index_heads, tp.size, tp.rank)
+        rows = PartSlice(spec.index_heads * self.head_dim, range(kept.start * self.head_dim, kept.stop * self.head_dim))
+        self.q_proj: nn.Module = ColumnParallelLinear(config.hidden_size, [rows], False, dtype)
         self.k_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -62,17 +70,18 @@ class BlockIndexer(nn.Module):
 
 
 class BlockSparseAttention(PagedSelfAttention):
-    """A MiniMax-M3 sparse layer: `PagedSelfAttention` (Gemma's q/k norms, partial rope; one rank) over the blocks
-    its `indexer` keeps (module docstring)."""
+    """A MiniMax-M3 sparse layer: `PagedSelfAttention` (Gemma's q/k norms, partial rope) over the blocks its
+    `indexer` keeps (module docstring). Under tensor parallelism a rank attends with its query heads over its KV
+    heads, their blocks chosen by its index heads, each rank's cache holding every token's index key."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, index: int) -> None:
-        super().__init__(config, dtype, index=index)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, index: int) -> None:
+        super().__init__(config, dtype, tp=tp, index=index)
         spec = config.block_sparse
         assert spec is not None and index in spec.layers
         self.spec = spec
-        self.indexer = BlockIndexer(config, spec, dtype)
+        self.indexer = BlockIndexer(config, spec, dtype, tp)
         self.group = self.num_heads // self.num_kv_heads  # query heads per KV head
-        self.index_group = self.num_heads // spec.index_heads  # query heads per index head
+        self.index_group = self.num_heads // self.indexer.heads  # query heads per index head
 
     def forward(
         self,

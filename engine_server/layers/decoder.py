@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
             if config.latent_attention is not None
             else CompressedAttention(config, dtype, index)
             if config.compressed_attention is not None
-            else BlockSparseAttention(config, dtype, index)
+            else BlockSparseAttention(config, dtype, tp, index)
             if config.block_sparse is not None and index in config.block_sparse.layers
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index

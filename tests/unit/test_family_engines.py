@@ -1163,13 +1163,14 @@ def test_longcat_flash_split_chunked_and_on_int8(tmp_path: Path) -> None:
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
 
 
-def test_minimax_m3_chunked_preempted_speculated_quantized_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+def test_minimax_m3_chunked_preempted_speculated_quantized_split_and_refusing_what_it_lacks(tmp_path: Path) -> None:
     """MiniMax-M3 (tests/families.py: block-sparse layers keeping 4 blocks of 4 positions a query) keeps
     transformers' tokens prefilled in 16-token chunks (a chunk's queries choosing among blocks an earlier chunk wrote)
     and preempted from a small pool (a recomputed sequence rewrites its index keys), and under n-gram speculation (a
     rejected draft's index key written again by the token that replaces it). On int8 weights, and over an FP8 cache
     (its index keys e4m3 too), each prompt's tokens are the same alone and batched and mostly agree with the float
-    path's first tokens. Tensor parallelism and LoRA are refused saying so."""
+    path's first tokens. Over two ranks (each its query heads, its KV head and its index head, every token's index
+    key in both caches) too; four ranks, which would split its two index heads, and LoRA are refused saying so."""
     folder = save_family(tmp_path, "minimax-m3", head_spread=0.5)  # a clear head: no near-ties for int8 to flip
     theirs, batch = reference_tokens(folder), prompts()
     with engine(folder, chunk=16, kv_blocks=24) as llm:
@@ -1184,13 +1185,16 @@ def test_minimax_m3_chunked_preempted_speculated_quantized_and_refusing_what_it_
         assert stats.proposed_tokens > stats.accepted_tokens > 0  # drafts kept, and some rejected
     fp8_cache = EngineConfig(model=str(folder), device="cpu", quantization="none",
                              cache=CacheConfig(memory_bytes=1 << 24, dtype="fp8"))  # fmt: skip
-    for quantized in (engine(folder, quantization="int8"), LLM(config=fp8_cache)):
-        with quantized as llm:
+    for quantized in (lambda: engine(folder, quantization="int8"), lambda: LLM(config=fp8_cache)):
+        with quantized() as llm:
             alone = [tokens(llm, [prompt])[0] for prompt in batch]
             assert tokens(llm, batch) == alone
         assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
-    with pytest.raises(ValueError, match="MiniMax-M3's block-sparse attention is not served under tensor"):
-        engine(folder, tensor_parallel_size=2)
+    with engine(folder, tensor_parallel_size=2) as llm:  # a rank's query heads, KV head and index head
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    with pytest.raises(ValueError, match="MiniMax-M3's 2 index heads do not split over 4 tensor-parallel ranks"):
+        engine(folder, tensor_parallel_size=4)
     with pytest.raises(ValueError, match="LoRA adapters are not applied to MiniMax-M3"):
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
 
