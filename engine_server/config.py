@@ -17,13 +17,13 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
 _O_PROJ_BIAS_FAMILIES: tuple[Architecture, ...] = (
     "llama", "qwen3", "qwen3_moe", "olmoe", "gpt_oss", "smollm3", "granite", "llama4", "granitemoe", "hunyuan",
-    "apertus", "afmoe", "falcon_h1", "gpt_neox", "nanochat",
+    "apertus", "afmoe", "falcon_h1", "gpt_neox", "nanochat", "beam",
 )  # fmt: skip
 
 
@@ -619,6 +619,15 @@ class ModelConfig:
     # among `zero_experts` more that pass their input through (their weight times it).
     shortcut_experts: bool = False
     zero_experts: int = 0
+    # Beam: its blocks' outputs added to the residual stream scaled by depth (`depth_scaled_residuals`: the k-th add,
+    # the attention's k = 2(i + 1) and the MLP's 2(i + 1) + 1 on layer i, is `out / sqrt(k) + stream * sqrt((k - 1) /
+    # k)`); each head's output times the sigmoid of its own `g_proj` rows (a value a dim) plus a bias a head
+    # (`attention_sigmoid_gate`); on its NoPE layers each query times `(1 + (p + 1) / nope_query_positions) **
+    # nope_query_power` (scalable softmax; 0: none).
+    depth_scaled_residuals: bool = False
+    attention_sigmoid_gate: bool = False
+    nope_query_power: float = 0.0
+    nope_query_positions: int = 2048
     # MiniMax-M3 (and DeepSeek-V4's shared experts): the dense MLPs and shared experts run the experts' clamped
     # SwiGLU (`swiglu_limit`, `swiglu_alpha`, `swiglu_up_offset`) too.
     clamped_mlps: bool = False

@@ -371,6 +371,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # Beam: windowed layers (20 positions) with rope between full ones without (their queries scaled by position),
+    # gated heads, q/k/v/o biases, depth-scaled sandwich blocks; a dense first MLP, then top-2 of 8 experts within the
+    # best 2 of 4 groups; logits capped at 30.
+    "beam": (
+        "BeamConfig",
+        {"head_dim": 16, "sliding_window": WINDOW, "attention_bias": True,
+         "layer_types": ["sliding_attention", "full_attention"] * 2, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+         "num_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+         "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # MiniMax-M3: full attention on layer 0, block-sparse on the rest (2 index heads, blocks of 4 positions, 4 kept a
     # query, its own among them: prompts past 16 tokens attend sparsely), rope over half of each head; a dense first
     # MLP, then top-2 of 8 experts by sigmoid scores and a bias beside a shared expert, every MLP's SwiGLU clamped at 1.

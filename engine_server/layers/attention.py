@@ -56,7 +56,9 @@ class PagedSelfAttention(nn.Module):
     `AttentionMetadata.chunked`). StableLM 2 12B: each head of q and k LayerNorm'd with a weight of its own
     (`ModelConfig.qk_layer_norm`, `layers.norm.HeadLayerNorm`). Laguna: each head's output times the softplus of its
     own `g_proj` row (`ModelConfig.attention_softplus_gate`: one value a head, or one a dim), its windowed layers'
-    rope over a share of each head of their own (`ModelConfig.local_rotary_dim`).
+    rope over a share of each head of their own (`ModelConfig.local_rotary_dim`). Beam: each head's output times the
+    sigmoid of its own biased `g_proj` rows (`ModelConfig.attention_sigmoid_gate`), its NoPE layers' queries scaled
+    by position (`ModelConfig.nope_query_power`).
 
     Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
     rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
@@ -150,17 +152,24 @@ class PagedSelfAttention(nn.Module):
         if self.temperature:  # one table, so a position's scale never depends on the batch
             steps = torch.arange(config.max_position_embeddings // self.temperature_floor + 2, dtype=torch.float32)
             self.register_buffer("temperatures", torch.log1p(steps) * scale + 1.0, persistent=False)
+        elif config.nope_query_power > 0 and not rope:  # Beam's: `(1 + (p + 1) / positions) ** power`, a row each
+            self.temperature, self.temperature_floor, self.temperature_offset = True, 1, 0
+            steps = torch.arange(config.max_position_embeddings + 2, dtype=torch.float32)
+            scales = torch.exp(config.nope_query_power * torch.log1p((steps + 1) / config.nope_query_positions))
+            self.register_buffer("temperatures", scales, persistent=False)
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
-        # Laguna: `g_proj` gives each of this rank's heads one gate value, or one per dim of the head (`gate_width`).
+        # Laguna: `g_proj` gives each of this rank's heads one gate value, or one per dim of the head (`gate_width`),
+        # through softplus; Beam: one per dim, with a bias, through a sigmoid (`sigmoid_gate`).
         self.gate_width = 1 if config.attention_softplus_gate == "head" else self.head_dim
+        self.sigmoid_gate = config.attention_sigmoid_gate
         self.g_proj: nn.Module | None = None
-        if config.attention_softplus_gate:
+        if config.attention_softplus_gate or self.sigmoid_gate:
             per = self.gate_width
             gated = query_heads_of_rank(q_heads, tp.size, tp.rank)
             gate_rows = PartSlice(q_heads * per, range(gated.start * per, gated.stop * per))
-            self.g_proj = ColumnParallelLinear(config.hidden_size, [gate_rows], False, dtype)
+            self.g_proj = ColumnParallelLinear(config.hidden_size, [gate_rows], self.sigmoid_gate, dtype)
 
     own_tensors = ("sinks",)  # loaded by `load_tensor` (`CausalLM.load_weights`)
 
@@ -194,7 +203,9 @@ class PagedSelfAttention(nn.Module):
         out = out.reshape(tokens, self.q_size)
         if gate is not None:
             out = ops.sigmoid_mul(out, gate.reshape(tokens, self.q_size))
-        if self.g_proj is not None:  # Laguna's: softplus in float32, as transformers computes it
+        if self.g_proj is not None and self.sigmoid_gate:  # Beam's
+            out = ops.sigmoid_mul(out, self.g_proj(hidden))
+        elif self.g_proj is not None:  # Laguna's: softplus in float32, as transformers computes it
             scale = F.softplus(self.g_proj(hidden).float()).to(out.dtype).view(tokens, self.num_heads, self.gate_width)
             out = (out.view(tokens, self.num_heads, self.head_dim) * scale).reshape(tokens, self.q_size)
         return self._project(out, ops, lora)

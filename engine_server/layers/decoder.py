@@ -4,6 +4,7 @@ norms), final norm."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Protocol
 
 import torch
@@ -159,9 +160,10 @@ class DecoderLayer(nn.Module):
 
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 and 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
-    before its residual add (and then scaled by `residual_multiplier`: HyperCLOVA X SEED's). Same interface as
-    `DecoderLayer`: it takes the previous layer's `(output, residual stream)`, adds them, and returns its MLP's
-    normalised (and scaled) output beside the stream it adds to."""
+    before its residual add (and then scaled by `residual_multiplier`: HyperCLOVA X SEED's; with
+    `ModelConfig.depth_scaled_residuals`, Beam's, each add `out / sqrt(k) + h * sqrt((k - 1) / k)`, k its count).
+    Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual stream)`, adds them, and
+    returns its MLP's normalised (and scaled) output beside the stream it adds to."""
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool, tp: TensorParallel = SINGLE, index: int = 0
@@ -169,6 +171,13 @@ class SandwichDecoderLayer(DecoderLayer):
         super().__init__(config, dtype, o_proj_bias, tp, index)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Beam's depth-scaled residual adds: (output, stream) scales of the attention's and of the MLP's
+        def scales(k: int) -> tuple[float, float]:
+            return 1 / math.sqrt(k), math.sqrt((k - 1) / k)
+
+        self.depth_scales: tuple[tuple[float, float], tuple[float, float]] | None = (
+            (scales(2 * index + 2), scales(2 * index + 3)) if config.depth_scaled_residuals else None
+        )
 
     def forward(
         self,
@@ -186,8 +195,14 @@ class SandwichDecoderLayer(DecoderLayer):
         normed = self.post_attention_layernorm(attended, ops)
         if self.residual_multiplier != 1.0:
             normed = normed * self.residual_multiplier
+        if self.depth_scales is not None:
+            (out_scale, stream_scale), _ = self.depth_scales
+            normed, residual = normed * out_scale, residual * stream_scale
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(normed, residual, ops)
         out = self.post_feedforward_layernorm(self.feed_forward(hidden, ops, layer_lora), ops)
+        if self.depth_scales is not None:  # the next layer's input norm adds the pair
+            _, (out_scale, stream_scale) = self.depth_scales
+            return out * out_scale, residual * stream_scale
         return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
 

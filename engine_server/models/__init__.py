@@ -6,6 +6,7 @@ from engine_server.attention_metadata import allocate_kv_cache, kv_cache_bytes_p
 from engine_server.models.afmoe import AfmoeForCausalLM
 from engine_server.models.apertus import ApertusForCausalLM
 from engine_server.models.base import CausalLM
+from engine_server.models.beam import BeamForCausalLM
 from engine_server.models.bert import BertEncoder
 from engine_server.models.bitnet import BitNetForCausalLM
 from engine_server.models.cohere import CohereForCausalLM
@@ -62,7 +63,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax", "bitnet", "minimax_m3");
+    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -110,6 +111,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "minimax": MiniMaxForCausalLM,
         "bitnet": BitNetForCausalLM,
         "minimax_m3": MiniMaxM3ForCausalLM,
+        "beam": BeamForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

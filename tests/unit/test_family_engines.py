@@ -1261,3 +1261,23 @@ def test_a_minimax_m3_checkpoint_in_its_released_layout_serves_its_text_model(tm
         assert llm.core.model_config.architecture == "minimax_m3"
         ours = tokens(llm, prompts())
         assert ours == theirs.of(ours)
+
+
+def test_beam_split_chunked_and_on_int8(tmp_path: Path) -> None:
+    """Beam (tests/families.py: gated heads, windowed rope layers and NoPE full ones, depth-scaled sandwich blocks,
+    grouped routing) keeps transformers' tokens prefilled in 16-token chunks and preempted, and over two ranks (each
+    its heads' gates and their biases, its rows of every expert). On int8 each prompt's tokens are the same alone and
+    batched and mostly agree with the float path's first tokens."""
+    folder = save_family(tmp_path, "beam", head_spread=0.5)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, tensor_parallel_size=2) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    with engine(folder, quantization="int8") as llm:
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6

@@ -104,6 +104,16 @@ MINIMAX_M3: dict[str, Any] = {
     "num_experts_per_tok": 2, "intermediate_size": 32, "dense_intermediate_size": 48, "shared_intermediate_size": 24,
     "routed_scaling_factor": 2.5, "swiglu_limit": 0.03, "pad_token_id": 0,
 }  # fmt: skip
+# Beam: windowed layers (6 positions, shorter than the prompts) with rope and full ones without, q/k/v/o biases, a
+# dense first MLP, then top-2 of 8 experts chosen within the best 2 of 4 groups; logits capped at 0.5 (at their
+# size: 30 would leave them as they are).
+BEAM: dict[str, Any] = {
+    "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 6, "attention_bias": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "mlp_layer_types": ["dense"] + ["sparse"] * 3,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}, "full_attention": None},
+    "num_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+    "routed_scaling_factor": 2.5, "final_logit_softcapping": 0.5, "pad_token_id": 0,
+}  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
@@ -629,6 +639,7 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # BitNet b1.58 with float projections (no quantization_config): Llama with norms before o_proj and down_proj, a
     # gated relu² MLP (its ternary forms: tests/unit/test_bitnet.py).
     "bitnet": (transformers.BitNetConfig, {"pad_token_id": 0}),
+    "beam": (transformers.BeamConfig, BEAM),
     "minimax-m3": (transformers.MiniMaxM3VLTextConfig, MINIMAX_M3),
     # Two local blocks of 3 positions and 3 kept a query, an index head over every query head, rope over whole heads.
     "minimax-m3-local": (
@@ -949,6 +960,7 @@ MODEL_CLASSES = {
     transformers.Ernie4_5_MoeConfig: transformers.Ernie4_5_MoeForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.MiniMaxM3VLTextConfig: transformers.MiniMaxM3VLForCausalLM,
+    transformers.BeamConfig: transformers.BeamForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
@@ -2310,6 +2322,22 @@ def test_longcat_flash_configs_read_as_released_and_as_transformers_writes_them(
                             ({"router_bias": True}, "router_bias")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             model_config_from_hf({**released, **change})
+
+
+def test_beam_scales_its_nope_queries_as_transformers_does() -> None:
+    """Beam's full (NoPE) layers scale each query by `(1 + (p + 1) / 2048) ** 0.1` (transformers'
+    `compute_attention_scaling`: too close to 1 at the other tests' positions for them to see), read from one table
+    at positions to 128k; its windowed layers' queries are not scaled."""
+    from transformers.models.beam.modeling_beam import compute_attention_scaling
+
+    config = model_config_from_hf(transformers.BeamConfig(**{**SMALL, **BEAM, "max_position_embeddings": 1 << 17})
+                                  .to_dict())  # fmt: skip
+    assert config.nope_layers == (1, 3)
+    full = PagedSelfAttention(config, torch.float32, window=0, rope=False, index=1)
+    positions = torch.arange(0, 1 << 17, 997)
+    theirs = compute_attention_scaling(positions[None])[0, 0, :, 0]
+    torch.testing.assert_close(full._temperature(positions, torch.float32)[:, 0, 0], theirs, rtol=1e-6, atol=0)
+    assert not PagedSelfAttention(config, torch.float32, window=6, rope=True, index=0).temperature
 
 
 def test_minimax_configs_read_as_released_and_as_transformers_writes_them() -> None:
