@@ -17,7 +17,7 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -628,6 +628,14 @@ class ModelConfig:
     attention_sigmoid_gate: bool = False
     nope_query_power: float = 0.0
     nope_query_positions: int = 2048
+    # Ergo: each residual add gated by a learned vector w of its own (`residual_gates`: `g = sigmoid(w)`, `out * g + h *
+    # sqrt(1 + g) * exp(-softplus(w) / 2)`, the layer's `attention_residual_gate` and `feedforward_residual_gate`);
+    # each chosen expert's output RMS-normalised with that expert's own weight before its routing weight scales it,
+    # the shared expert's with a norm of its own (`expert_output_norms`); the full-attention layers' scores times
+    # `full_attention_scale`.
+    residual_gates: bool = False
+    expert_output_norms: bool = False
+    full_attention_scale: float = 1.0
     # MiniMax-M3 (and DeepSeek-V4's shared experts): the dense MLPs and shared experts run the experts' clamped
     # SwiGLU (`swiglu_limit`, `swiglu_alpha`, `swiglu_up_offset`) too.
     clamped_mlps: bool = False

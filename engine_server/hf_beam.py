@@ -39,12 +39,6 @@ def beam_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "sliding_window": cfg.get("sliding_window", 512)}  # fmt: skip
 
 
-def beam_nope_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
-    """The layers of `beam_config`'s dict without rope: those whose kind's `rope_parameters` is null."""
-    rope = cfg["rope_parameters"]
-    return tuple(i for i, kind in enumerate(cfg["layer_types"]) if rope.get(kind) is None)
-
-
 def beam_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Beam's `ModelConfig` fields from `beam_config`'s dict ({} for other families): its blocks, gate, query scale,
     logits' cap and experts. ValueError for experts that do not split into its groups."""

@@ -24,11 +24,12 @@ from engine_server.config import (
     Yarn,
     nemotron_blocks,
 )
-from engine_server.hf_beam import BEAM_ARCHITECTURES, beam_config, beam_fields, beam_nope_layers
+from engine_server.hf_beam import BEAM_ARCHITECTURES, beam_config, beam_fields
 from engine_server.hf_bitnet import BITNET_ARCHITECTURES, bitnet_config, bitnet_fields
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
 from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
 from engine_server.hf_deepseek_v4 import DEEPSEEK_V4_ARCHITECTURES, deepseek_v4_model_config
+from engine_server.hf_ergo import ERGO_ARCHITECTURES, ergo_config, ergo_fields
 from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
 from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, longcat_fields
@@ -221,6 +222,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Beam: sandwich norms with depth-scaled residual adds, gated heads, windowed rope layers and NoPE full ones whose
     # queries scale by position, DeepSeek-V3's grouped routing (`hf_beam`)
     **BEAM_ARCHITECTURES,
+    # Ergo: sandwich norms with gated residual adds, windowed rope layers and NoPE full ones, relu² experts each
+    # normalised beside a normalised shared one (`hf_ergo`)
+    **ERGO_ARCHITECTURES,
     # BitNet b1.58: Llama with norms before o_proj and down_proj, gated relu², ternary projections (`hf_bitnet`)
     **BITNET_ARCHITECTURES,
     **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
@@ -245,7 +249,7 @@ _NOT_YET: dict[str, str] = {
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "qwen3", "qwen3_moe", "gemma3", "olmoe", "olmo2", "qwen3_next", "gemma4", "gemma3n", "minimax_m2", "lfm2",
     "hunyuan", "apertus", "afmoe", "nanochat", "olmo_hybrid", "minimax_m3",
-    "beam",
+    "beam", "ergo",
 )  # fmt: skip
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
@@ -310,6 +314,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = minimax_config(model_type, cfg)
     cfg = minimax_m3_config(model_type, cfg)
     cfg = beam_config(model_type, cfg)
+    cfg = ergo_config(model_type, cfg)
     cfg = bitnet_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
@@ -469,6 +474,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **minimax_fields(model_type, cfg),
         **minimax_m3_fields(model_type, cfg),
         **beam_fields(model_type, cfg),
+        **ergo_fields(model_type, cfg),
         **bitnet_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,
@@ -1686,8 +1692,9 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; () for the other families."""
     if model_type == "nemotron_h":  # its attention turns no rope
         return tuple(range(int(cfg["num_hidden_layers"])))
-    if model_type == "beam":  # the kinds of layer its rope parameters leave null
-        return beam_nope_layers(cfg)
+    if model_type in ("beam", "ergo"):  # the kinds of layer their rope parameters leave null
+        rope = cfg["rope_parameters"]
+        return tuple(i for i, kind in enumerate(cfg["layer_types"]) if rope.get(kind) is None)
     if model_type in _MAMBA2_HYBRIDS:
         rope = cfg.get("position_embedding_type") == "rope"
         return () if rope else tuple(range(int(cfg["num_hidden_layers"])))

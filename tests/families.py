@@ -381,6 +381,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "num_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
          "routed_scaling_factor": 2.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
     ),
+    # Ergo: windowed layers (20 positions) with rope over interleaved pairs between full ones without (scores times
+    # 1.5), gated residual adds; a dense relu² first MLP, then top-2 of 8 relu² experts each normalised, beside a
+    # normalised shared one.
+    "ergo": (
+        "ErgoConfig",
+        {"global_attention_every_n_layers": 2, "sliding_window": WINDOW, "first_dense_intermediate_size": 96,
+         "moe_intermediate_size": 32, "shared_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+         "global_attention_scale": 1.5, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default",
+         "rope_theta": 10000.0}, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # MiniMax-M3: full attention on layer 0, block-sparse on the rest (2 index heads, blocks of 4 positions, 4 kept a
     # query, its own among them: prompts past 16 tokens attend sparsely), rope over half of each head; a dense first
     # MLP, then top-2 of 8 experts by sigmoid scores and a bias beside a shared expert, every MLP's SwiGLU clamped at 1.

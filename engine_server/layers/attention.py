@@ -58,7 +58,8 @@ class PagedSelfAttention(nn.Module):
     own `g_proj` row (`ModelConfig.attention_softplus_gate`: one value a head, or one a dim), its windowed layers'
     rope over a share of each head of their own (`ModelConfig.local_rotary_dim`). Beam: each head's output times the
     sigmoid of its own biased `g_proj` rows (`ModelConfig.attention_sigmoid_gate`), its NoPE layers' queries scaled
-    by position (`ModelConfig.nope_query_power`).
+    by position (`ModelConfig.nope_query_power`). Ergo: its full layers' scores times
+    `ModelConfig.full_attention_scale`.
 
     Gemma 4 (`ModelConfig.gemma4`, layer `index`): the layer's own head shape (`layer_head_dim`, `layer_kv_heads`),
     rope over the whole head (its table zero past the angles that turn), each head's values RMS-normalised without a
@@ -94,6 +95,8 @@ class PagedSelfAttention(nn.Module):
             self.head_dim if config.gemma4 is not None else config.local_rotary_dim if local else config.rotary_dim
         )
         self.scale = config.attention_scale or self.head_dim**-0.5
+        if not window:  # (Ergo's full layers scale their scores)
+            self.scale *= config.full_attention_scale
         self.softcap = config.attention_softcap
         self.shares_kv = config.kv_source(index) != index
         layout = config.gemma4

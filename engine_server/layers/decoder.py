@@ -8,6 +8,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
@@ -158,10 +159,27 @@ class DecoderLayer(nn.Module):
         return self.self_attn(positions, hidden, kv_cache, cos_sin_cache, meta, ops, lora), residual
 
 
+class ResidualGate(nn.Module):
+    """Ergo's gated residual add of an output to the stream h: `out * g + h * sqrt(1 + g) * exp(-softplus(w) / 2)`,
+    `g = sigmoid(w)`, w a learned vector (float32, as trained; the scales in float32)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, out: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the output's share, the stream's), whose sum is the add."""
+        weight = self.weight.float()
+        gate = torch.sigmoid(weight)
+        kept = torch.sqrt(1.0 + gate) * torch.exp(-0.5 * F.softplus(weight))
+        return (out * gate).to(out.dtype), (stream * kept).to(stream.dtype)
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2 and 3's block: `h += post_attn(attn(input(h))); h += post_ff(mlp(pre_ff(h)))`, each output normalised
     before its residual add (and then scaled by `residual_multiplier`: HyperCLOVA X SEED's; with
-    `ModelConfig.depth_scaled_residuals`, Beam's, each add `out / sqrt(k) + h * sqrt((k - 1) / k)`, k its count).
+    `ModelConfig.depth_scaled_residuals`, Beam's, each add `out / sqrt(k) + h * sqrt((k - 1) / k)`, k its count; with
+    `ModelConfig.residual_gates`, Ergo's, each add gated by a `ResidualGate` of its own).
     Same interface as `DecoderLayer`: it takes the previous layer's `(output, residual stream)`, adds them, and
     returns its MLP's normalised (and scaled) output beside the stream it adds to."""
 
@@ -178,6 +196,9 @@ class SandwichDecoderLayer(DecoderLayer):
         self.depth_scales: tuple[tuple[float, float], tuple[float, float]] | None = (
             (scales(2 * index + 2), scales(2 * index + 3)) if config.depth_scaled_residuals else None
         )
+        # Ergo's gated residual adds: the attention's and the MLP's own
+        self.attention_residual_gate = ResidualGate(config.hidden_size) if config.residual_gates else None
+        self.feedforward_residual_gate = ResidualGate(config.hidden_size) if config.residual_gates else None
 
     def forward(
         self,
@@ -198,11 +219,15 @@ class SandwichDecoderLayer(DecoderLayer):
         if self.depth_scales is not None:
             (out_scale, stream_scale), _ = self.depth_scales
             normed, residual = normed * out_scale, residual * stream_scale
+        if self.attention_residual_gate is not None:
+            normed, residual = self.attention_residual_gate(normed, residual)
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(normed, residual, ops)
         out = self.post_feedforward_layernorm(self.feed_forward(hidden, ops, layer_lora), ops)
         if self.depth_scales is not None:  # the next layer's input norm adds the pair
             _, (out_scale, stream_scale) = self.depth_scales
             return out * out_scale, residual * stream_scale
+        if self.feedforward_residual_gate is not None:
+            return self.feedforward_residual_gate(out, residual)
         return (out * self.residual_multiplier if self.residual_multiplier != 1.0 else out), residual
 
 

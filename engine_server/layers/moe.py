@@ -140,7 +140,8 @@ def sparsemixer_route(logits: torch.Tensor, jitter: float) -> tuple[torch.Tensor
 
 class SparseMoE(nn.Module):
     """`sum_j w_j * expert_j(x)` over each token's chosen experts (+ the gated shared expert), all-reduced (then
-    RMS-normalised by `post_mlp_layernorm` with `ModelConfig.moe_output_norm`, A.X K1's).
+    RMS-normalised by `post_mlp_layernorm` with `ModelConfig.moe_output_norm`, A.X K1's; each expert's output
+    normalised before its weight with `ModelConfig.expert_output_norms`, Ergo's: `_normed_experts`).
 
     Parameters are named as the Qwen-MoE checkpoints name them under `mlp.` (`gate` is the router; Mixtral's
     `block_sparse_moe.` names are mapped to these at load, `models.mixtral`)."""
@@ -199,11 +200,21 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
         # A.X K1: the whole output normalised, once summed over the ranks
         self.post_mlp_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype) if config.moe_output_norm else None
+        # Ergo: each chosen expert's output normalised with that expert's weight (float32, as trained), the shared
+        # expert's with a norm of its own
+        self.norm_eps = config.rms_norm_eps
+        self.expert_norms: nn.Parameter | None = None
+        self.shared_expert_norm: RMSNorm | None = None
+        if config.expert_output_norms:
+            self.expert_norms = nn.Parameter(torch.ones(experts, hidden), requires_grad=False)
+            self.shared_expert_norm = RMSNorm(hidden, config.rms_norm_eps, dtype) if shared else None
 
     def forward(self, x: torch.Tensor, ops: KernelOps, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x `[T, hidden]` -> `[T, hidden]`, the same on every rank; `token_ids` `[T]`: the tokens' ids, which a
         `HashRouter` routes by (ValueError without them there)."""
         activation = self.activation or ops.silu_and_mul
+        if self.expert_norms is not None:
+            return self._normed_experts(x, ops, activation)
         passed: torch.Tensor | None = None  # LongCat-Flash's zero-computation experts' share of each input
         if self.input_scaled:
             out = self._input_scaled_experts(x, ops, activation)
@@ -233,6 +244,27 @@ class SparseMoE(nn.Module):
         if passed is not None:  # (whole on every rank: added once the experts' partial sums are)
             out = out + (x * passed).to(out.dtype)
         return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out, ops)
+
+    def _normed_experts(self, x: torch.Tensor, ops: KernelOps, activation: Activation) -> torch.Tensor:
+        """Ergo's: `sum_j w_j * norm_j(expert_j(x)) + norm(shared(x))`, each (token, chosen expert) pair a row of its
+        own run with weight 1, its output summed over the ranks before its expert's RMSNorm (in float32, rounded to
+        x's dtype), the routing weights rounded to x's dtype too (transformers' `ErgoExperts`); whole on every
+        rank."""
+        assert isinstance(self.gate, GroupedTopkRouter), "Ergo's router is DeepSeek-V3's in one group"
+        weights, experts = self.gate.route(x)
+        tokens, k = experts.shape
+        rows = x.repeat_interleave(k, dim=0)  # token t's k rows together, in the order of its experts
+        ones = torch.ones(tokens * k, 1, dtype=x.dtype, device=x.device)
+        routed = self.tp.all_reduce_sum(self.experts(rows, ones, experts.reshape(tokens * k, 1), activation))
+        assert self.expert_norms is not None
+        scales = self.expert_norms.float().index_select(0, experts.reshape(-1))
+        normed = (F.rms_norm(routed.float(), (routed.shape[-1],), eps=self.norm_eps) * scales).to(x.dtype)
+        weighted = normed.view(tokens, k, -1).float() * weights.to(x.dtype).float().unsqueeze(-1)
+        out = weighted.sum(dim=1).to(x.dtype)
+        if self.shared_expert is not None:
+            shared = self.tp.all_reduce_sum(self.shared_expert.partial(x, ops))
+            out = out + (shared if self.shared_expert_norm is None else self.shared_expert_norm(shared, ops))
+        return out
 
     def _zero_experts(
         self, weights: torch.Tensor, experts: torch.Tensor

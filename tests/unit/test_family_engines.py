@@ -1281,3 +1281,25 @@ def test_beam_split_chunked_and_on_int8(tmp_path: Path) -> None:
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+
+
+def test_ergo_split_chunked_and_on_int8(tmp_path: Path) -> None:
+    """Ergo (tests/families.py: gated residual adds, windowed rope layers over interleaved pairs and NoPE full ones,
+    relu² experts each normalised) keeps transformers' tokens prefilled in 16-token chunks and preempted, and over
+    two ranks (each route's output summed over the ranks before its expert's norm, the shared expert's before its
+    own). On int8 each prompt's tokens are the same alone and batched and mostly agree with the float path's first
+    tokens."""
+    folder = save_family(tmp_path, "ergo", head_spread=0.5)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, tensor_parallel_size=2) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+    with engine(folder, quantization="int8") as llm:
+        assert isinstance(llm.core.runner.loaded.model.model.layers[1].mlp.experts, QuantizedExperts)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6

@@ -114,6 +114,15 @@ BEAM: dict[str, Any] = {
     "num_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
     "routed_scaling_factor": 2.5, "final_logit_softcapping": 0.5, "pad_token_id": 0,
 }  # fmt: skip
+# Ergo: windowed layers (6 positions) with rope over interleaved pairs between full ones without (their scores times
+# 1.7); a dense relu² first MLP, then top-2 of 8 relu² experts, each normalised with a weight of its own, beside a
+# normalised shared one; gated residual adds.
+ERGO: dict[str, Any] = {
+    "num_hidden_layers": 4, "global_attention_every_n_layers": 2, "sliding_window": 6, "num_dense_blocks": 1,
+    "first_dense_intermediate_size": 96, "moe_intermediate_size": 32, "shared_intermediate_size": 48,
+    "num_experts": 8, "num_experts_per_tok": 2, "global_attention_scale": 1.7, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "pad_token_id": 0,
+}  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
@@ -639,6 +648,7 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # BitNet b1.58 with float projections (no quantization_config): Llama with norms before o_proj and down_proj, a
     # gated relu² MLP (its ternary forms: tests/unit/test_bitnet.py).
     "bitnet": (transformers.BitNetConfig, {"pad_token_id": 0}),
+    "ergo": (transformers.ErgoConfig, ERGO),
     "beam": (transformers.BeamConfig, BEAM),
     "minimax-m3": (transformers.MiniMaxM3VLTextConfig, MINIMAX_M3),
     # Two local blocks of 3 positions and 3 kept a query, an index head over every query head, rope over whole heads.
@@ -961,6 +971,7 @@ MODEL_CLASSES = {
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.MiniMaxM3VLTextConfig: transformers.MiniMaxM3VLForCausalLM,
     transformers.BeamConfig: transformers.BeamForCausalLM,
+    transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
     transformers.Qwen3NextConfig: transformers.Qwen3NextForCausalLM,
@@ -1003,6 +1014,7 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
             if "norm" in name or name.endswith(("bias", "router.scale", "per_expert_scale", "correct_output_scale")):
                 param.add_(torch.randn_like(param) * 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "sinks",
+                                "mlp.gate.linear.weight", "residual_gate.weight",
                                 "mlp.router.classifier.weight",
                                 "router.proj.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
                                 "block_sparse_moe.router.weight", "mixer.gate.weight", "mlp.router.gate.weight",
