@@ -14,7 +14,8 @@ to `head_dim`; the value half's row is zeros), so prefix caching, preemption and
 A step whose every sequence is at most `BlockSparse.dense_positions` long attends densely through the kernel set's
 paged attention (the indexer would keep every block), with one more group of all-zero queries for the index head,
 whose output is dropped; otherwise the step attends here in torch, sequence by sequence, its queries in chunks whose
-scores stay under `_CHUNK_BYTES`.
+scores stay under `_CHUNK_BYTES`: the index scores read every index key, the attention gathers the kept positions'
+keys and values alone from the cache (at most `topk_blocks * block_size` a head).
 """
 
 from __future__ import annotations
@@ -112,32 +113,38 @@ class BlockSparseAttention(PagedSelfAttention):
     def _attend_blocks(
         self, q: torch.Tensor, index_q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Each token's attention `[T, heads, head_dim]` over the blocks its indexer keeps, sequence by sequence,
-        reading each sequence's keys, values and index keys from the cache."""
+        """Each token's attention `[T, heads, head_dim]` over the blocks its indexer keeps, sequence by sequence: the
+        index scores read every index key of the sequence from the cache, the attention only the keys and values
+        of the kept positions (at most `topk_blocks * block_size` a head)."""
         out = torch.empty_like(q)
         cache_block = kv_cache.shape[2]
+        kept_keys = min(self.spec.topk_blocks, 1 + (max(meta.seq_lens_cpu) - 1) // self.spec.block_size)
+        kept_keys *= self.spec.block_size
         start = 0
         for row, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
-            blocks = meta.block_tables[row, : -(-seq_len // cache_block)].long()
-            rows = kv_cache[:, blocks]
+            table = meta.block_tables[row, : -(-seq_len // cache_block)].long()
+            index_rows = kv_cache[0, table, :, self.num_kv_heads]  # [blocks, block_size, row]: the index head's
             if is_fp8_kv_cache(kv_cache):
-                rows = fp8_kv_values(rows, q.dtype)
-            rows = rows.reshape(2, -1, rows.shape[-2], rows.shape[-1])[:, :seq_len]
-            keys, values = rows[0, :, : self.num_kv_heads], rows[1, :, : self.num_kv_heads]
-            index_keys = rows[0, :, self.num_kv_heads, : self.spec.index_head_dim]
-            step = max(1, _CHUNK_BYTES // (4 * seq_len * self.num_heads))
+                index_rows = fp8_kv_values(index_rows, q.dtype)
+            index_keys = index_rows.reshape(-1, index_rows.shape[-1])[:seq_len, : self.spec.index_head_dim]
+            per_query = 4 * (self.indexer.heads * seq_len + 2 * self.num_heads * kept_keys * self.head_dim)
+            step = max(1, _CHUNK_BYTES // per_query)
             for begin in range(0, query_len, step):
                 end = min(begin + step, query_len)
                 chunk = slice(start + begin, start + end)
                 positions = torch.arange(seq_len - query_len + begin, seq_len - query_len + end, device=q.device)
-                kept = self._kept_keys(index_q[chunk], index_keys, positions)
-                out[chunk] = self._attend(q[chunk], keys, values, kept)
+                kept = self._kept_positions(index_q[chunk], index_keys, positions)
+                out[chunk] = self._attend(q[chunk], kv_cache, table, kept)
             start += query_len
         return out
 
-    def _kept_keys(self, index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`[index_heads, Q, L]` bool: the keys each of Q queries (index queries `[Q, index_heads, dim]` at
-        `positions`) attends over, of a sequence of L index keys `[L, dim]`, as transformers' indexer chooses them."""
+    def _kept_positions(
+        self, index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """`[index_heads, Q, k * block_size]`: the positions each of Q queries (index queries `[Q, index_heads, dim]`
+        at `positions`) attends over, of a sequence of L index keys `[L, dim]`, block by chosen block as
+        transformers' indexer chooses them (k of them, at most `topk_blocks`); -1 where a block is not kept or a
+        position is past the query's own."""
         size, length = self.spec.block_size, index_keys.shape[0]
         scores = torch.matmul(index_q.transpose(0, 1).float(), index_keys.float().transpose(0, 1))
         future = torch.arange(length, device=scores.device)[None, None, :] > positions[None, :, None]
@@ -150,19 +157,28 @@ class BlockSparseAttention(PagedSelfAttention):
             local = (own - back).clamp(min=0)[None, :, None].expand(block_scores.shape[0], -1, 1)
             block_scores.scatter_(-1, local, float("inf"))
         best, chosen = block_scores.topk(min(self.spec.topk_blocks, count), dim=-1)
-        chosen = chosen.masked_fill(best == float("-inf"), count)  # a block past every key: kept nowhere
-        kept = torch.zeros(*block_scores.shape[:2], count + 1, dtype=torch.bool, device=scores.device)
-        kept.scatter_(-1, chosen, True)
-        return kept[..., :count].repeat_interleave(size, dim=-1)[..., :length] & ~future
+        kept = chosen[..., None] * size + torch.arange(size, device=chosen.device)  # [index_heads, Q, k, size]
+        # a block past every key is kept nowhere; nor is a position past the query's own
+        valid = (best != float("-inf"))[..., None] & (kept <= positions[None, :, None, None])
+        return kept.masked_fill(~valid, -1).flatten(-2)
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor
+        self, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, kept: torch.Tensor
     ) -> torch.Tensor:
-        """q `[Q, heads, D]` over keys and values `[L, kv_heads, D]`, each head over its index head's `kept` keys
-        (`[index_heads, Q, L]`): `[Q, heads, D]`, the softmax in float32 (transformers' eager attention)."""
-        keys = keys.transpose(0, 1).repeat_interleave(self.group, dim=0)  # [heads, L, D]
-        values = values.transpose(0, 1).repeat_interleave(self.group, dim=0)
-        scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * self.scale  # [heads, Q, L]
-        scores = scores.masked_fill(~kept.repeat_interleave(self.index_group, dim=0), float("-inf"))
+        """q `[Q, heads, D]` over its sequence's keys and values (its block `table` of `kv_cache`), each head over the
+        positions its index head keeps (`kept`, `[index_heads, Q, S]`, -1 for none), those rows alone gathered:
+        `[Q, heads, D]`, the softmax in float32 (transformers' eager attention)."""
+        heads = torch.arange(self.num_heads, device=q.device)
+        positions = kept.index_select(0, heads // self.index_group)  # [heads, Q, S]
+        picked = positions.clamp(min=0)
+        block = kv_cache.shape[2]
+        slots = table[picked // block] * block + picked % block
+        kv_heads = (heads // self.group)[:, None, None].expand_as(slots)
+        flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+        chosen_keys, chosen_values = flat[0, slots, kv_heads], flat[1, slots, kv_heads]  # [heads, Q, S, row]
+        if is_fp8_kv_cache(kv_cache):
+            chosen_keys, chosen_values = fp8_kv_values(chosen_keys, q.dtype), fp8_kv_values(chosen_values, q.dtype)
+        scores = torch.matmul(q.transpose(0, 1).unsqueeze(2), chosen_keys.transpose(-1, -2)).squeeze(2) * self.scale
+        scores = scores.masked_fill(positions < 0, float("-inf"))  # [heads, Q, S]
         weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        return torch.matmul(weights, values).transpose(0, 1)
+        return torch.matmul(weights.unsqueeze(2), chosen_values).squeeze(2).transpose(0, 1)
