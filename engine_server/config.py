@@ -17,7 +17,7 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -384,6 +384,33 @@ class Lightning:
         return [base ** (h + 1) * factor for h in range(self.first_head, self.first_head + self.heads)]
 
 
+@dataclass(frozen=True)
+class RGLRU:
+    """RecurrentGemma's (Griffin's) recurrent blocks (`layers.rg_lru`) on `layers`: `linear_x` and `linear_y` give
+    `width` channels each, a depthwise causal convolution of `conv_width` taps (with a bias) runs over x, then the
+    RG-LRU: per block of `width / heads` channels, an input gate and a recurrence gate (block-diagonal projections),
+    `a = exp(-8 * gate_a * softplus(recurrent_param))`, `h = a h + sqrt(1 - a²) (x * gate_x)` (at position 0: `h = x *
+    gate_x`), its output times `gelu_tanh(y)` then `linear_out`. Its state per sequence: the convolution's last
+    `conv_width - 1` inputs and `h`, float32."""
+
+    width: int
+    heads: int
+    conv_width: int
+    layers: tuple[int, ...]
+
+    @property
+    def state_size(self) -> int:
+        """Float32 values one sequence's state holds in one layer: the convolution's inputs, then `h`."""
+        return self.width * self.conv_width
+
+    def sharded(self, size: int) -> RGLRU:
+        """One rank's share under tensor parallelism over `size` ranks: a block of the gates' blocks (and their
+        channels); ValueError unless `size` divides them."""
+        if self.heads % size:
+            raise ValueError(f"RG-LRU's {self.heads} blocks must be divisible by the tensor-parallel size ({size})")
+        return replace(self, width=self.width // size, heads=self.heads // size)
+
+
 # How a BitNet checkpoint stores its ternary projections (`ModelConfig.ternary_projections`, `models.bitnet`).
 TernaryForm = Literal["packed", "scaled", "online"]
 
@@ -398,7 +425,7 @@ class NormedResiduals:
     mlp: tuple[float, float] = (1.0, 1.0)
 
 
-RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning
+RecurrentShape = LinearAttention | ShortConvolution | Mamba2 | Mamba1 | Lightning | RGLRU
 
 
 @dataclass(frozen=True)
@@ -691,6 +718,8 @@ class ModelConfig:
     # residuals are their normalised inputs (`normed_residuals`).
     lightning: Lightning | None = None
     normed_residuals: NormedResiduals | None = None
+    # RecurrentGemma: `rg_lru.layers` run Griffin's recurrent block (a state per sequence, no KV cache).
+    rg_lru: RGLRU | None = None
     # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and
     # values narrower than the keys (`value_head_dim` < `head_dim`: v_proj's rows and o_proj's columns padded to
     # `head_dim` with zeros at load, so the cache keeps one row width) and scaled by `value_scale` (folded into v_proj).
@@ -780,9 +809,10 @@ class ModelConfig:
     def recurrent(self) -> RecurrentShape | None:
         """The shape of the layers that keep a fixed-size state per running sequence: Gated DeltaNet's
         (`linear_attention`), LFM2's short convolution's (`short_convolution`), Mamba-2's (`mamba2`; Falcon-H1's
-        beside attention, with a KV cache as well), Mamba-1's (`mamba1`) or lightning attention's (`lightning`);
-        None for a model without such layers."""
-        return self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1 or self.lightning
+        beside attention, with a KV cache as well), Mamba-1's (`mamba1`), lightning attention's (`lightning`) or the
+        RG-LRU's (`rg_lru`); None for a model without such layers."""
+        return (self.linear_attention or self.short_convolution or self.mamba2 or self.mamba1 or self.lightning
+                or self.rg_lru)
 
     def is_recurrent_layer(self, index: int) -> bool:
         """Whether layer `index` keeps a state per sequence (`recurrent`) in place of a KV cache (not Falcon-H1's,

@@ -36,6 +36,11 @@ from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, long
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
 from engine_server.hf_minimax_m3 import MINIMAX_M3_ARCHITECTURES, minimax_m3_config, minimax_m3_fields
+from engine_server.hf_recurrent_gemma import (
+    RECURRENT_GEMMA_ARCHITECTURES,
+    recurrent_gemma_config,
+    recurrent_gemma_fields,
+)
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -225,6 +230,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Ergo: sandwich norms with gated residual adds, windowed rope layers and NoPE full ones, relu² experts each
     # normalised beside a normalised shared one (`hf_ergo`)
     **ERGO_ARCHITECTURES,
+    # RecurrentGemma (Griffin): Griffin's recurrent blocks between local multi-query attention layers, Gemma's norms,
+    # embedding scale and GeGLU (`hf_recurrent_gemma`)
+    **RECURRENT_GEMMA_ARCHITECTURES,
     # BitNet b1.58: Llama with norms before o_proj and down_proj, gated relu², ternary projections (`hf_bitnet`)
     **BITNET_ARCHITECTURES,
     **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
@@ -241,7 +249,6 @@ _NOT_YET: dict[str, str] = {
     "hyper-connections are not implemented yet",
     "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
     "zamba2": "its shared attention blocks with per-use LoRA are not implemented yet",
-    "recurrent_gemma": "its RG-LRU recurrent blocks are not implemented yet",
     "bloom": "ALiBi position biases are not implemented yet",
     "mpt": "ALiBi position biases are not implemented yet",
 }
@@ -315,6 +322,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = minimax_m3_config(model_type, cfg)
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
+    cfg = recurrent_gemma_config(model_type, cfg)
     cfg = bitnet_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
@@ -426,7 +434,8 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=_attention_bias(arch, cfg),
-        attention_out_bias=bool(cfg.get("attention_out_bias")) if model_type in ("seed_oss", "stablelm", "gpt_neo")
+        attention_out_bias=bool(cfg.get("attention_out_bias"))
+        if model_type in ("seed_oss", "stablelm", "gpt_neo", "recurrent_gemma")
         else bool(cfg.get("attention_bias")) if model_type in ("phimoe", "hy_v3", "dots1") else None,
         qk_norm=arch in _QK_NORM_FAMILIES
         or (arch == "glm4_moe" and (model_type in ("exaone_moe", "hy_v3", "dots1", "laguna", "kolibri1", "flint")
@@ -475,6 +484,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **minimax_m3_fields(model_type, cfg),
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
+        **recurrent_gemma_fields(model_type, cfg),
         **bitnet_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,

@@ -597,6 +597,14 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
          "linear_attn_alpha_factor": 3.56, "mlp_alpha_factor": 3.56, "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # RecurrentGemma: Griffin's recurrent blocks (RG-LRU gates in 4 blocks, 4-tap convolutions) on layers 0, 1 and 3,
+    # local multi-query attention within 20 positions on layer 2; its MLPs half of `intermediate_size` (64: int8's
+    # groups of 32 split it).
+    "recurrent-gemma": (
+        "RecurrentGemmaConfig",
+        {"num_key_value_heads": 1, "attention_window_size": WINDOW, "intermediate_size": 128, "pad_token_id": 0,
+         "bos_token_id": 2, "eos_token_id": 1},
+    ),
     "granite4-h": ("GraniteMoeHybridConfig", GRANITE4_H),
     "nemotron-h": (
         "NemotronHConfig",

@@ -25,6 +25,7 @@ from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args
 from engine_server.layers.moe import SparseMoE
 from engine_server.layers.norm import GatedRMSNorm, RMSNorm, norm_class
+from engine_server.layers.rg_lru import RecurrentBlock
 from engine_server.layers.short_conv import ShortConv
 from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
 from engine_server.lora.targets import PROJECTIONS
@@ -61,6 +62,7 @@ class DecoderLayer(nn.Module):
             | Mamba1Mixer
             | CompressedAttention
             | LightningAttention
+            | RecurrentBlock
         ) = (
             (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
             if config.is_linear_layer(index) and config.linear_attention is not None
@@ -70,6 +72,8 @@ class DecoderLayer(nn.Module):
             if config.mamba1 is not None and config.is_recurrent_layer(index)
             else LightningAttention(config, dtype, tp, index)
             if config.lightning is not None and config.is_recurrent_layer(index)
+            else RecurrentBlock(config, dtype, tp)
+            if config.rg_lru is not None and config.is_recurrent_layer(index)
             else ShortConv(config, dtype, tp)
             if config.is_recurrent_layer(index)
             else MultiLatentAttention(config, dtype, tp, index)
@@ -92,7 +96,8 @@ class DecoderLayer(nn.Module):
             if config.ungated_mlp
             else GatedMLP(config.hidden_size, width, dtype, tp, config.hidden_act,
                           sub_norm_eps=config.rms_norm_eps if config.sub_norms else 0.0,
-                          int8_inputs=bool(config.ternary_projections), **clamped_swiglu_args(config))
+                          int8_inputs=bool(config.ternary_projections), bias=config.mlp_bias,
+                          **clamped_swiglu_args(config))
         )
         norm = norm_class(config)
         # A.X K2 (`gated_norm_rank`): the input norm gated, and a sparse layer's norm before its MLP

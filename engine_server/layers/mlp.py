@@ -39,10 +39,12 @@ class GatedMLP(nn.Module):
         int8_inputs: bool = False,
         alpha: float = 1.0,
         up_offset: float = 0.0,
+        bias: bool = False,
     ) -> None:
         """`limit` > 0: gpt-oss's clamped SwiGLU (`reference.clamped_swiglu` with `alpha` and `up_offset`);
         `sub_norm_eps` > 0: BitNet's RMSNorm before down_proj (`ffn_sub_norm`, one rank); `int8_inputs`: each
-        projection's input rounded to int8 per token first (`int8_rows`)."""
+        projection's input rounded to int8 per token first (`int8_rows`); `bias`: every projection has one
+        (RecurrentGemma's)."""
         super().__init__()
         self.tp = tp
         # "silu" (SwiGLU, on the kernel set's op), "gelu_tanh" (Gemma's GeGLU) or "relu2" (BitNet's gated relu²)
@@ -53,8 +55,8 @@ class GatedMLP(nn.Module):
         # `limit`, the up to [-limit, limit], then `gate * sigmoid(alpha * gate) * (up + up_offset)`
         self.limit, self.alpha, self.up_offset = limit, alpha, up_offset
         parts = gate_up_slices(intermediate_size, tp.size, tp.rank)
-        self.gate_up_proj: nn.Module = ColumnParallelLinear(hidden_size, parts, False, dtype)
-        self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, False, tp, dtype)
+        self.gate_up_proj: nn.Module = ColumnParallelLinear(hidden_size, parts, bias, dtype)
+        self.down_proj: nn.Module = RowParallelLinear(intermediate_size, hidden_size, bias, tp, dtype)
 
     def forward(self, x: torch.Tensor, ops: KernelOps, lora: LayerLora | None = None) -> torch.Tensor:
         """`lora`: the step's LoRA adapters, added to the gate/up and down projections."""

@@ -34,6 +34,7 @@ from engine_server.layers.quantized_linear import (
     quantize_q8,
     weight_format,
 )
+from engine_server.layers.rg_lru import BlockGates
 from engine_server.parallel.layers import ParallelExperts
 from ladle_kernels.reference import QUANT_GROUP
 
@@ -239,8 +240,8 @@ def swap_experts(model: nn.Module, layer_for: Callable[[str, ParallelExperts], n
 def replace_routers(model: nn.Module) -> int:
     """Swap every float router of `model` (`ROUTER_SUFFIXES`' `nn.Linear`s; gpt-oss's with a bias) for a
     `RowwiseLinear` of the same weight and bias, and route each `GroupedTopkRouter` (DeepSeek-V3's, GLM-4.5's) row
-    by row too (its `rowwise`); returns how many routers."""
-    grouped = [module for module in model.modules() if isinstance(module, GroupedTopkRouter)]
+    by row too (its `rowwise`), as RecurrentGemma's RG-LRU gates (`layers.rg_lru.BlockGates`); returns how many."""
+    grouped = [module for module in model.modules() if isinstance(module, GroupedTopkRouter | BlockGates)]
     for router in grouped:
         router.rowwise = True
     targets = [

@@ -50,6 +50,7 @@ from engine_server.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine_server.models.qwen3 import Qwen3ForCausalLM
 from engine_server.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine_server.models.qwen3_next import Qwen3NextForCausalLM
+from engine_server.models.recurrent_gemma import RecurrentGemmaForCausalLM
 from engine_server.models.smollm3 import SmolLM3ForCausalLM
 
 __all__ = ["BertEncoder", "CausalLM", "StepModel", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
@@ -64,7 +65,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo");
+    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -114,6 +115,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "minimax_m3": MiniMaxM3ForCausalLM,
         "beam": BeamForCausalLM,
         "ergo": ErgoForCausalLM,
+        "recurrent_gemma": RecurrentGemmaForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -30,6 +30,7 @@ from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
 from engine_server.layers.quantized_linear import QuantizedLinear
+from engine_server.layers.rg_lru import RecurrentBlock
 from engine_server.layers.short_conv import ShortConv
 from engine_server.loader.source import ModelSource
 from tests.families import (
@@ -114,7 +115,8 @@ def test_greedy_equals_transformers_alone_batched_in_chunks_preempted_and_from_t
     with engine(folder) as llm:
         assert llm.core.scheduler.kv_cache.enable_prefix_caching
         layers = llm.core.runner.loaded.model.model.layers
-        recurrent = GatedDeltaNet | KimiDeltaAttention | ShortConv | Mamba2Mixer | Mamba1Mixer | LightningAttention
+        recurrent = (GatedDeltaNet | KimiDeltaAttention | ShortConv | Mamba2Mixer | Mamba1Mixer | LightningAttention
+                     | RecurrentBlock)
         if name == "falcon-h1":  # attention beside Mamba-2 in every layer
             assert all(isinstance(layer.self_attn, PagedSelfAttention) and isinstance(layer.mamba, Mamba2Mixer)
                        for layer in layers)  # fmt: skip
@@ -210,7 +212,7 @@ def test_the_quality_benchmarks_reading_of_sequences_equals_transformers_logits(
 @pytest.mark.parametrize(
     "family",
     ["qwen3-next", "lfm2", "granite4-h", "nemotron-h", "nemotron-h-moe", "falcon-h1", "jamba", "lfm3", "olmo-hybrid",
-     "lara-mini", "falcon-mamba", "mamba2", "minimax"],
+     "lara-mini", "falcon-mamba", "mamba2", "minimax", "recurrent-gemma"],
 )
 def test_the_quantized_path_is_batch_invariant(tmp_path: Path, family: str) -> None:
     """int8 weights (the experts in the C++ expert kernel, the linear layers' core in the C++ kernel, every

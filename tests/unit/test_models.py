@@ -649,6 +649,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # gated relu² MLP (its ternary forms: tests/unit/test_bitnet.py).
     "bitnet": (transformers.BitNetConfig, {"pad_token_id": 0}),
     "ergo": (transformers.ErgoConfig, ERGO),
+    # RecurrentGemma: two recurrent blocks (4-tap convolutions, RG-LRU gates in 4 blocks) then local multi-query
+    # attention (6 positions, shorter than the prompts), then one more recurrent block; 80 wide (sqrt(80) rounds to
+    # bfloat16 as its embedding scale); logits capped at 2 (at their size: 30 would leave them as they are).
+    "recurrent-gemma": (
+        transformers.RecurrentGemmaConfig,
+        {"num_hidden_layers": 4, "hidden_size": 80, "num_key_value_heads": 1, "attention_window_size": 6,
+         "logits_soft_cap": 2.0, "pad_token_id": 0},
+    ),
     "beam": (transformers.BeamConfig, BEAM),
     "minimax-m3": (transformers.MiniMaxM3VLTextConfig, MINIMAX_M3),
     # Two local blocks of 3 positions and 3 kept a query, an index head over every query head, rope over whole heads.
@@ -971,6 +979,7 @@ MODEL_CLASSES = {
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.MiniMaxM3VLTextConfig: transformers.MiniMaxM3VLForCausalLM,
     transformers.BeamConfig: transformers.BeamForCausalLM,
+    transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Qwen3_5TextConfig: transformers.Qwen3_5ForCausalLM,
