@@ -519,8 +519,10 @@ class ModelConfig:
     attention_out_bias: bool | None = None  # Seed-OSS: o_proj's bias, set apart from q/k/v's (None: `o_proj_bias`)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rope.
     qk_norm_after_rope: bool = False  # Hunyuan: those norms after rope (which mixes the weighted dims' pairs)
-    # StableLM 2 (12B): a LayerNorm without a bias over each head of q and k before rope, a weight per head.
+    # StableLM 2 (12B): a LayerNorm without a bias over each head of q and k before rope, a weight per head;
+    # Persimmon's with a bias (`qk_layer_norm_bias`), one weight and bias for every head.
     qk_layer_norm: bool = False
+    qk_layer_norm_bias: bool = False
     # OLMoE: the q/k norms span the whole projection (all heads at once), and q, k and v are clamped to
     # [-clip_qkv, clip_qkv] after them (0: not clamped).
     qk_norm_whole: bool = False

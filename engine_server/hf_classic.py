@@ -1,7 +1,8 @@
 """The classic decoders' `config.json`: GPT-2, GPT-BigCode (StarCoder, SantaCoder, WizardCoder), GPT-NeoX (Pythia,
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
-(3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models) and CodeGen (350M to 16B). Each is
+(3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models), CodeGen (350M to 16B) and
+Persimmon (8B). Each is
 read as a Llama config
 (`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves
 it out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json
@@ -30,9 +31,12 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     "exaone": "llama",
     "opt": "gpt_neox",
     "gpt_neo": "gpt_neox",
+    # Persimmon (Adept's 8B, Fuyu's text model): GPT-NeoX's fused q/k/v and LayerNorms, a q/k LayerNorm with a bias
+    # shared by every head, an ungated relu² MLP, a sequential block
+    "persimmon": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
-_PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+_PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "persimmon": 0.5}
 # Their MLP's activation: transformers' names and ours (`ModelConfig.hidden_act`), the default first.
 _ACTIVATIONS = {
     "gpt_neox": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
@@ -44,6 +48,7 @@ _ACTIVATIONS = {
     "phi": {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"},
     "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "nemotron": {"relu2": "relu2"},
+    "persimmon": {"relu2": "relu2"},
     "stablelm": {"silu": "silu"},
     "olmo": {"silu": "silu"},
     "exaone": {"silu": "silu"},
@@ -62,6 +67,7 @@ _RENAMED_KEYS = {
                "activation": "hidden_act"},
     "starcoder2": {"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
     "nemotron": {"norm_eps": "rms_norm_eps"},
+    "persimmon": {"layer_norm_eps": "rms_norm_eps"},
     "stablelm": {"use_qkv_bias": "attention_bias"},
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
@@ -70,7 +76,7 @@ _RENAMED_KEYS = {
                 "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
 # The families whose every head has its own K/V.
-_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo")
+_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon")
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
     "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
@@ -78,6 +84,7 @@ _UNBUILT = {
 # What their transformers classes fill in where a config leaves it out (and their modeling files fix).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"attention_bias": True, "rope_theta": 10000.0},
+    "persimmon": {"attention_bias": True, "rms_norm_eps": 1e-5, "qk_layernorm": True},
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
@@ -235,6 +242,9 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields.update(mlp_bias=bool(cfg.get("attention_bias")), parallel_block=parallel, parallel_mlp_norm=two_norms)
     elif model_type == "phi":
         fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
+    elif model_type == "persimmon":  # its q/k LayerNorm one for every head, with a bias (`HeadLayerNorm.shared`)
+        head_norms = bool(cfg.get("qk_layernorm"))
+        fields.update(mlp_bias=True, qk_layer_norm=head_norms, qk_layer_norm_bias=head_norms)
     elif model_type == "stablelm":
         parallel, head_norms = bool(cfg.get("use_parallel_residual")), bool(cfg.get("qk_layernorm"))
         fields.update(parallel_block=parallel, qk_layer_norm=head_norms)

@@ -131,8 +131,9 @@ class PagedSelfAttention(nn.Module):
             heads, eps = q_heads, config.rms_norm_eps
             kept_q = list(query_heads_of_rank(heads, tp.size, tp.rank))
             kept_k = list(kv_heads_of_rank(kv_heads, tp.size, tp.rank))
-            self.q_norm = HeadLayerNorm(heads, kept_q, self.head_dim, eps, dtype)
-            self.k_norm = HeadLayerNorm(kv_heads, kept_k, self.head_dim, eps, dtype)
+            bias = config.qk_layer_norm_bias  # (Persimmon's)
+            self.q_norm = HeadLayerNorm(heads, kept_q, self.head_dim, eps, dtype, bias)
+            self.k_norm = HeadLayerNorm(kv_heads, kept_k, self.head_dim, eps, dtype, bias)
         elif config.qk_norm:
             q_width, k_width = (self.q_size, self.kv_size) if self.qk_norm_whole else (self.head_dim, self.head_dim)
             self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype)

@@ -156,25 +156,36 @@ class HeadLayerNorm(LayerNorm):
     """StableLM 2's q/k norm: a LayerNorm without a bias over each head of `[T, heads, head_dim]`, each head with a
     weight of its own (`weight` `[heads, head_dim]`, this rank's heads: `kept` of the checkpoint's `total`), in the
     input's dtype as its `nn.LayerNorm`s compute it. The checkpoint's per-head weights come joined into one `[total,
-    head_dim]` tensor (`models.gpt_neox`), of which `load_tensor` keeps `kept`'s rows."""
+    head_dim]` tensor (`models.gpt_neox`), of which `load_tensor` keeps `kept`'s rows. With `bias` (Persimmon's), a
+    bias too, and a checkpoint's one `[head_dim]` weight (and bias) is every head's."""
 
-    own_tensors = ("weight",)
+    own_tensors = ("weight", "bias")
 
-    def __init__(self, total: int, kept: list[int], head_dim: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, total: int, kept: list[int], head_dim: int, eps: float, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         nn.Module.__init__(self)
         self.weight = nn.Parameter(torch.ones(len(kept), head_dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(len(kept), head_dim, dtype=dtype)) if bias else None
         self.total, self.kept, self.eps = total, kept, eps
 
     def load_tensor(self, kind: str, tensor: CheckpointTensor) -> None:
-        """Copy this rank's heads' rows of the whole `[total, head_dim]` weight."""
+        """Copy this rank's heads' rows of the whole `[total, head_dim]` weight (or bias), or a `[head_dim]` one
+        shared by every head."""
+        dest = self.weight if kind == "weight" else self.bias
+        if dest is None:
+            raise ValueError("this q/k LayerNorm has no bias")
         whole = read_whole(tensor)
-        if whole.shape != (self.total, self.weight.shape[1]):
-            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({self.total}, {self.weight.shape[1]})")
+        if whole.shape == (dest.shape[1],):
+            whole = whole.expand(self.total, -1)
+        if whole.shape != (self.total, dest.shape[1]):
+            raise ValueError(f"has shape {tuple(whole.shape)}, expected ({self.total}, {dest.shape[1]})")
         with torch.no_grad():
-            self.weight.copy_(whole[self.kept])
+            dest.copy_(whole[self.kept])
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), None, None, self.eps) * self.weight
+        normed = F.layer_norm(x, (x.shape[-1],), None, None, self.eps) * self.weight
+        return normed if self.bias is None else normed + self.bias
 
 
 def norm_class(config: ModelConfig) -> Callable[[int, float, torch.dtype], RMSNorm]:

@@ -16,7 +16,8 @@ from ladle_kernels.reference import grouped_qkv_rows
 
 # GPT-NeoX's and Falcon's q/k/v in one projection, grouped by KV head (`ladle_kernels.reference.grouped_qkv_rows`).
 _GROUPED_QKV = re.compile(
-    r"(?:gpt_neox\.layers|transformer\.h)\.(?P<layer>\d+)\.(?:attention|self_attention)\.query_key_value\."
+    r"(?:gpt_neox\.layers|transformer\.h|model\.layers)\.(?P<layer>\d+)\.(?:attention|self_attention|self_attn)"
+    r"\.query_key_value\."
     r"(?P<kind>weight|bias)"
 )
 # GPT-2's and GPT-BigCode's q/k/v in one projection (`c_attn`): GPT-2's `cat(q, k, v)` of a Conv1D (`[in, out]`),
@@ -36,12 +37,12 @@ _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\
 
 class GPTNeoXForCausalLM(CausalLM):
     """The GPT-NeoX lineage (`model_type` gpt2, gpt_bigcode, gpt_neox, falcon, phi, stablelm, starcoder2,
-    nemotron, opt, gpt_neo): their quirks are `ModelConfig` fields the shared layers read (`hf_classic.classic_fields`:
-    `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`, `qk_layer_norm`, `norm_offset`,
-    `lm_head_bias`, `absolute_positions`); their checkpoints' names are read as Llama's (`checkpoint_renames`),
-    GPT-NeoX's, Falcon's and GPT-BigCode's fused q/k/v rows (grouped by KV head) as `cat(q, k, v)`, GPT-2's Conv1D
-    weights transposed and StableLM 2's per-head q/k LayerNorms as one `[heads, head_dim]` weight each
-    (`checkpoint_weights`)."""
+    nemotron, opt, gpt_neo, persimmon): their quirks are `ModelConfig` fields the shared layers read
+    (`hf_classic.classic_fields`: `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`,
+    `qk_layer_norm`, `norm_offset`, `lm_head_bias`, `absolute_positions`); their checkpoints' names are read as
+    Llama's (`checkpoint_renames`), GPT-NeoX's, Falcon's, Persimmon's and GPT-BigCode's fused q/k/v rows (grouped by
+    KV head) as `cat(q, k, v)`, GPT-2's Conv1D weights transposed and StableLM 2's per-head q/k LayerNorms as one
+    `[heads, head_dim]` weight each (`checkpoint_weights`)."""
 
     checkpoint_renames = (
         ("gpt_neox.embed_in.", "model.embed_tokens."),
@@ -61,6 +62,8 @@ class GPTNeoXForCausalLM(CausalLM):
         (".ln_attn.", ".input_layernorm."),  # Falcon 40B's and 180B's two norms
         (".ln_mlp.", ".post_attention_layernorm."),
         ("model.final_layernorm.", "model.norm."),  # Phi's
+        (".self_attn.q_layernorm.", ".self_attn.q_norm."),  # Persimmon's, one for every head
+        (".self_attn.k_layernorm.", ".self_attn.k_norm."),
         (".attention.query_key_value.", ".self_attn.qkv_proj."),  # a GGUF file's blocks, rows as `cat(q, k, v)`
         (".attention.dense.", ".self_attn.o_proj."),
         (".self_attn.dense.", ".self_attn.o_proj."),  # Phi's

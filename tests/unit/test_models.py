@@ -657,6 +657,9 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
         {"num_hidden_layers": 4, "hidden_size": 80, "num_key_value_heads": 1, "attention_window_size": 6,
          "logits_soft_cap": 2.0, "pad_token_id": 0},
     ),
+    # Persimmon: GPT-NeoX's q/k/v in one projection (grouped by head), one q/k LayerNorm with a bias for every head,
+    # rope over half of each head, an ungated relu² MLP with biases, a sequential block.
+    "persimmon": (transformers.PersimmonConfig, {"pad_token_id": 0}),
     "beam": (transformers.BeamConfig, BEAM),
     "minimax-m3": (transformers.MiniMaxM3VLTextConfig, MINIMAX_M3),
     # Two local blocks of 3 positions and 3 kept a query, an index head over every query head, rope over whole heads.
@@ -979,6 +982,7 @@ MODEL_CLASSES = {
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.MiniMaxM3VLTextConfig: transformers.MiniMaxM3VLForCausalLM,
     transformers.BeamConfig: transformers.BeamForCausalLM,
+    transformers.PersimmonConfig: transformers.PersimmonForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1490,8 +1494,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
-        ({"model_type": "persimmon"},
-         r"'persimmon' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
+        ({"model_type": "jetmoe"},
+         r"'jetmoe' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
         ({"model_type": "falcon", "alibi": True}, r"falcon with alibi \(Falcon-RW's positions\) is not supported"),
         ({"model_type": "phi", "qk_layernorm": True}, "phi with qk_layernorm is not supported"),
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True},
