@@ -478,6 +478,20 @@ class Gemma4Layout:
 
 
 @dataclass(frozen=True)
+class Gemma4Assistant:
+    """A Gemma 4 assistant (`speculative.gemma4_assistant`): a small Gemma 4 text model that drafts for its Gemma 4
+    target from the target's own K/V (each of its layers attends over the target's last unshared layer of its kind)
+    and the target's last hidden state: its input `pre_projection(cat(target_embedding(token), hidden))` (the hidden
+    `backbone_hidden_size` wide), its next hidden `post_projection(out)`. With `centroids` > 0 its logits are its
+    tied embedding's dot products with the tokens of the `centroid_top_k` best of `centroids` clusters alone (its
+    `token_ordering` lists each cluster's tokens); else every token's."""
+
+    backbone_hidden_size: int
+    centroids: int = 0
+    centroid_top_k: int = 0
+
+
+@dataclass(frozen=True)
 class AltUp:
     """What Gemma 3n's text model (`layers.gemma3n`) adds to Gemma 4's layers (`Gemma4Layout`, without the per-layer
     output scale): the residual is `streams` copies of the hidden state (AltUp, arXiv 2301.13310), made from the
@@ -743,6 +757,9 @@ class ModelConfig:
     mlp_free_layers: tuple[int, ...] = ()
     # Gemma 4: its layers' departures from Gemma 3's (per-layer head shapes, shared K/V, per-layer inputs).
     gemma4: Gemma4Layout | None = None
+    # A Gemma 4 assistant (`Gemma4Assistant`): a drafter for a Gemma 4 target, not a model served alone; its layers
+    # attend over the target's K/V (`Gemma4Layout.kv_sources` all -1).
+    assistant: Gemma4Assistant | None = None
     # Gemma 3n: AltUp's streams, LAuReL and the sparse MLPs over Gemma 4's layers (`AltUp`).
     altup: AltUp | None = None
     # BitNet b1.58: an RMSNorm before o_proj (`attn_sub_norm`) and before down_proj (`ffn_sub_norm`), its gated MLP's

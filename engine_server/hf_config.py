@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -10,6 +11,7 @@ from engine_server.config import (
     NEMOTRON_BLOCKS,
     Architecture,
     FalconH1Scales,
+    Gemma4Assistant,
     Gemma4Layout,
     HyperConnections,
     LatentAttention,
@@ -240,6 +242,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     **DBRX_ARCHITECTURES,  # DBRX: Mixtral's shape with LayerNorms and clamped q/k/v, its config nested (`hf_dbrx`)
     **GLM4_MOE_KIN,  # Param2, MiniCPM5-MoE: GLM-4.5's layout, their configs read first (`hf_glm4_moe_kin`)
 }
+# Gemma 4's assistants: drafters for a Gemma 4 target (speculative decoding), read by `_gemma4_assistant_config`.
+_ASSISTANTS = ("gemma4_assistant",)
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
@@ -266,13 +270,15 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     """The `ModelConfig` of a Hugging Face `config.json` dict (transformers 4.x or 5.x layout), named `name`;
     ValueError naming what is not served."""
     model_type = cfg.get("model_type", "llama")
-    if model_type not in _HF_ARCHITECTURES:
+    if model_type not in _HF_ARCHITECTURES and model_type not in _ASSISTANTS:
         why = _NOT_YET.get(model_type, "no family of this engine implements it")
         raise ValueError(
             f"unsupported model_type {model_type!r} ({why}); supported: {', '.join(sorted(_HF_ARCHITECTURES))}"
         )
     if model_type == "bert":
         return _encoder_config(cfg, name)
+    if model_type in _ASSISTANTS:  # a drafter for a Gemma 4 target (`speculative.gemma4_assistant`)
+        return _gemma4_assistant_config(cfg, name)
     if model_type in DEEPSEEK_V4_ARCHITECTURES:  # its own attention, streams and routing (`hf_deepseek_v4`)
         return deepseek_v4_model_config(cfg, name, lambda rope: _yarn(cfg, rope))
     _refuse_unbuilt(model_type, cfg)
@@ -489,6 +495,32 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **glm4_moe_kin_fields(model_type),
         **nemotron,
     )
+
+def _gemma4_assistant_config(cfg: dict[str, Any], name: str) -> ModelConfig:
+    """A Gemma 4 assistant's config: its text model's (a `gemma4_text` config whose every layer shares K/V, read as
+    one whose layers attend over the target's: `Gemma4Layout.kv_sources` all -1; its windows one key wider), its
+    embeddings tied, and its drafting shape (`Gemma4Assistant`). ValueError for a text model that is not Gemma 4's."""
+    text = dict(cfg.get("text_config") or {})
+    if text.get("model_type", "gemma4_text") != "gemma4_text":
+        raise ValueError(f"a Gemma 4 assistant's text model must be gemma4_text, not {text.get('model_type')!r}")
+    layers = int(text.get("num_hidden_layers", 0))
+    config = model_config_from_hf({**text, "model_type": "gemma4_text", "num_kv_shared_layers": 0}, name)
+    assert config.gemma4 is not None
+    ordered = bool(cfg.get("use_ordered_embeddings", False))
+    shape = Gemma4Assistant(
+        backbone_hidden_size=int(cfg.get("backbone_hidden_size", 1536)),
+        centroids=int(cfg.get("num_centroids", 2048)) if ordered else 0,
+        centroid_top_k=int(cfg.get("centroid_intermediate_top_k", 32)) if ordered else 0,
+    )
+    if shape.centroids and config.vocab_size % shape.centroids:
+        raise ValueError(f"a Gemma 4 assistant's {config.vocab_size} tokens must split into {shape.centroids} "
+                         "clusters")  # fmt: skip
+    layout = dataclasses.replace(config.gemma4, kv_sources=(-1,) * layers)
+    # Its windowed layers' one query sees the last `sliding_window + 1` of the target's keys (transformers' two-sided
+    # window over the shared K/V, flipped), one more than a causal window's.
+    windows = tuple(window + 1 if window else 0 for window in config.layer_windows)
+    return dataclasses.replace(config, gemma4=layout, assistant=shape, tie_word_embeddings=True, layer_windows=windows)
+
 
 def _hy_v4_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """HY-V4's residual streams (`HyperConnections`: `hc_mult`, `hc_magnitude`, `hc_eps`) and its experts' SwiGLU,

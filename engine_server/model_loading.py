@@ -65,6 +65,7 @@ from engine_server.quantization import (
     stored_weights,
 )
 from engine_server.speculative.draft_model import DraftModel
+from engine_server.speculative.gemma4_assistant import Gemma4AssistantDraft, assistant_source
 from ladle_kernels.kernel_set import REFERENCE_OPS
 
 log = structlog.get_logger(__name__)
@@ -90,7 +91,7 @@ class LoadedModel:
     num_blocks: int
     kv_caches: list[torch.Tensor]
     max_graph_batch: int
-    draft: DraftModel | None = None
+    draft: DraftModel | Gemma4AssistantDraft | None = None
     decode_graphs: DecodeGraphs | None = None
     tp: TensorParallel = SINGLE
     lora_slots: LoraSlots | None = None  # the LoRA adapters' slots (engine_server.lora), when the engine serves them
@@ -182,6 +183,10 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
     """ValueError, before any weight is read or KV cache allocated, where `config` asks `source`'s model for what
     it is not served with."""
     model = source.config
+    if model.assistant is not None:
+        raise ValueError(f"model {source.name!r} is a Gemma 4 assistant, which drafts for its Gemma 4 target: "
+                         "serve the target with it as the draft model (--speculative-config '{\"method\": "
+                         "\"draft_model\", \"model\": ...}')")  # fmt: skip
     if config.speculative is not None and model.recurrent is not None:
         # Verifying drafts would advance the states past tokens that are then rejected.
         raise ValueError("speculative decoding is not served on models with recurrent layers (Qwen3-Next, Qwen3.5, "
@@ -318,13 +323,26 @@ def _quantize(
         log.info("quantized weights", quantization=quantization, layers=layers)
 
 
-def _load_draft(config: EngineConfig, target: LoadedModel) -> DraftModel | None:
-    """Speculative decoding's draft model, over the target's KV blocks, when `config` names one. Under tensor
-    parallelism only rank 0 holds it, whole (a small model: vLLM's `draft_tensor_parallel_size` 1): it proposes
-    before the step's forward, which the workers then run with rank 0."""
+def _load_draft(config: EngineConfig, target: LoadedModel) -> DraftModel | Gemma4AssistantDraft | None:
+    """Speculative decoding's draft model, over the target's KV blocks, when `config` names one (a Gemma 4 assistant
+    over the target's own K/V and hidden states: `speculative.gemma4_assistant`). Under tensor parallelism only rank
+    0 holds it, whole (a small model: vLLM's `draft_tensor_parallel_size` 1): it proposes before the step's forward,
+    which the workers then run with rank 0."""
     spec = config.speculative
     if spec is None or spec.method != "draft_model" or spec.model is None or not target.tp.is_driver:
         return None
+    assistant = assistant_source(spec.model)
+    if assistant is not None:
+        if target.tp.size > 1:  # it reads the target's K/V, of which rank 0 holds its heads alone
+            raise ValueError("a Gemma 4 assistant drafts over one rank's K/V: not under tensor parallelism yet")
+        if not isinstance(target.model, CausalLM):
+            raise ValueError("a Gemma 4 assistant drafts for a decoder, not an encoder")
+        drafter = Gemma4AssistantDraft(
+            assistant, target.model, target.kv_caches, (target.num_blocks + 1) * target.block_size,
+            target.block_size, target.dtype, target.device,
+        )  # fmt: skip
+        log.info("gemma 4 assistant loaded", model=drafter.name)
+        return drafter
     draft = DraftModel(
         resolve_model(spec.model, config.cache_path(), seed=config.seed),
         target_vocab_size=target.model_config.vocab_size,

@@ -553,7 +553,7 @@ class ModelRunner:
         positions = to_device(host_positions, self.device)
         hidden = self._run_model(input_ids, positions, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
-            self.draft.follow(input_ids, positions, meta)
+            self.draft.follow(input_ids, positions, meta, hidden)
         return hidden, None
 
     def _forward_eager(
@@ -599,7 +599,7 @@ class ModelRunner:
             lora = self._lora_batch(self._adapter_slots([item.request for item in scheduled]), query_lens)
         hidden = self._run_model(input_ids, position_ids, meta, interrupt, sent=self.fan_out is not None, lora=lora)
         if self.draft is not None:
-            self.draft.follow(input_ids, position_ids, meta)
+            self.draft.follow(input_ids, position_ids, meta, hidden)
         return hidden, last_rows
 
     def _run_model(

@@ -88,8 +88,11 @@ class DraftModel:
         return [tuple(d) for d in drafts]
 
     @torch.inference_mode()
-    def follow(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Run the target's step (its input tokens, positions and layout) through the draft, for its K/V."""
+    def follow(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, hidden: torch.Tensor
+    ) -> None:
+        """Run the target's step (its input tokens, positions and layout) through the draft, for its K/V (the
+        target's final hidden states `hidden` are not read: a Gemma 4 assistant's are)."""
         self.model(input_ids.clamp(max=self.vocab_size - 1), positions, self.kv_caches, meta)
 
     def _ids(self, values: list[int]) -> torch.Tensor:

@@ -1303,3 +1303,85 @@ def test_ergo_split_chunked_and_on_int8(tmp_path: Path) -> None:
         alone = [tokens(llm, [prompt])[0] for prompt in batch]
         assert tokens(llm, batch) == alone
     assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+
+
+def _saved_gemma4_assistant(folder: Path, clusters: int) -> Path:
+    """A random Gemma 4 assistant for tests/families.py's Gemma 4 (64 wide; its windowed layers' K/V 2 heads of 16,
+    its full ones' 1 of 32): 32 wide, a windowed layer and a full one, its embeddings ordered in `clusters` clusters
+    (a random permutation of the vocabulary; 0: not ordered), weights drawn as `families.save_family` draws them."""
+    import transformers
+
+    text = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=WINDOW,
+        num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0, use_double_wide_mlp=False, max_position_embeddings=1024,
+    )  # fmt: skip
+    config = transformers.Gemma4AssistantConfig(
+        text_config=text.to_dict(), backbone_hidden_size=64, use_ordered_embeddings=clusters > 0,
+        num_centroids=clusters or 2048, centroid_intermediate_top_k=4,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = transformers.Gemma4AssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(0.0, 0.08)
+            elif "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+        if model.masked_embedding is not None:
+            model.masked_embedding.token_ordering.copy_(torch.randperm(VOCAB_SIZE))
+    model.save_pretrained(folder)
+    return folder
+
+
+def _transformers_drafts(target: Any, assistant: Any, prompt: list[int], count: int) -> list[int]:
+    """transformers' first round of drafts after `prompt` (`SinglePositionMultiTokenCandidateGenerator.get_candidates`
+    after the target's prefill): the target's greedy token, then `count` drafts from its hidden state and K/V."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = target(ids, output_hidden_states=True, return_shared_kv_states=True)
+        token = out.logits[:, -1:].argmax(-1)
+        hidden, position = out.hidden_states[-1][:, -1:], torch.tensor([[len(prompt)]])
+        drafts = []
+        for _ in range(count):
+            embedded = torch.cat([target.get_input_embeddings()(token), hidden], dim=-1)
+            step = assistant(inputs_embeds=embedded, attention_mask=torch.ones(1, len(prompt) + 1, dtype=torch.long),
+                             position_ids=position, shared_kv_states=out.shared_kv_states, use_cache=False)  # fmt: skip
+            token, hidden = step.logits.argmax(-1), step.last_hidden_state
+            drafts.append(int(token))
+    return drafts
+
+
+@pytest.mark.parametrize("clusters", [0, 64])
+def test_a_gemma4_assistant_drafts_as_transformers_does_and_the_target_keeps_its_tokens(
+    clusters: int, tmp_path: Path
+) -> None:
+    """A Gemma 4 assistant as the draft model (`speculative.gemma4_assistant`: over the target's K/V of its last
+    unshared windowed and full layers and its final hidden state), its embeddings ordered in clusters or not: its
+    first drafts after a prompt are transformers' (`SinglePositionMultiTokenCandidateGenerator`), the target's tokens
+    are transformers' greedy ones alone and batched, and it is refused as a model served alone."""
+    import transformers
+
+    folder = save_family(tmp_path / "target", "gemma4", head_spread=0.5)
+    helper = _saved_gemma4_assistant(tmp_path / "assistant", clusters)
+    theirs, batch = reference_tokens(folder), prompts()
+    spec = {"method": "draft_model", "model": str(helper), "num_speculative_tokens": 3}
+    with engine(folder, speculative_config=spec) as llm:
+        drafter = llm.core.runner.draft
+        proposed: list[tuple[int, ...]] = []
+        propose = drafter.propose  # type: ignore[union-attr]
+        drafter.propose = lambda items: proposed.extend(drafts := propose(items)) or drafts  # type: ignore[union-attr]
+        alone = tokens(llm, batch[:1])
+        assert alone == theirs.of(alone)
+        first = proposed[0]
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        stats = llm.core.speculator.stats  # type: ignore[union-attr]
+        assert stats.proposed_tokens > 0
+    target = load_reference(folder)
+    assistant = transformers.Gemma4AssistantForCausalLM.from_pretrained(helper).eval()
+    assert list(first) == _transformers_drafts(target, assistant, batch[0], 3)
+    with pytest.raises(ValueError, match="is a Gemma 4 assistant"):
+        copy_tokenizer(helper)
+        engine(helper)
