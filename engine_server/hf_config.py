@@ -243,7 +243,7 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     **GLM4_MOE_KIN,  # Param2, MiniCPM5-MoE: GLM-4.5's layout, their configs read first (`hf_glm4_moe_kin`)
 }
 # Gemma 4's assistants: drafters for a Gemma 4 target (speculative decoding), read by `_gemma4_assistant_config`.
-_ASSISTANTS = ("gemma4_assistant",)
+_ASSISTANTS = ("gemma4_assistant", "gemma4_unified_assistant")
 # Families people ask for that this engine does not serve yet, and what it lacks for them: the refusal says so.
 _NOT_YET: dict[str, str] = {
     "gemma3": "the multimodal Gemma 3's vision tower is not implemented; its text model (gemma3_text) is served",
@@ -500,15 +500,17 @@ def _gemma4_assistant_config(cfg: dict[str, Any], name: str) -> ModelConfig:
     """A Gemma 4 assistant's config: its text model's (a `gemma4_text` config whose every layer shares K/V, read as
     one whose layers attend over the target's: `Gemma4Layout.kv_sources` all -1; its windows one key wider), its
     embeddings tied, and its drafting shape (`Gemma4Assistant`). ValueError for a text model that is not Gemma 4's."""
+    unified = cfg.get("model_type") == "gemma4_unified_assistant"  # (Gemma 4 12B's)
     text = dict(cfg.get("text_config") or {})
-    if text.get("model_type", "gemma4_text") != "gemma4_text":
-        raise ValueError(f"a Gemma 4 assistant's text model must be gemma4_text, not {text.get('model_type')!r}")
+    text_type = text.get("model_type") or ("gemma4_unified_text" if unified else "gemma4_text")
+    if text_type not in ("gemma4_text", "gemma4_unified_text"):
+        raise ValueError(f"a Gemma 4 assistant's text model must be Gemma 4's, not {text_type!r}")
     layers = int(text.get("num_hidden_layers", 0))
-    config = model_config_from_hf({**text, "model_type": "gemma4_text", "num_kv_shared_layers": 0}, name)
+    config = model_config_from_hf({**text, "model_type": text_type, "num_kv_shared_layers": 0}, name)
     assert config.gemma4 is not None
     ordered = bool(cfg.get("use_ordered_embeddings", False))
     shape = Gemma4Assistant(
-        backbone_hidden_size=int(cfg.get("backbone_hidden_size", 1536)),
+        backbone_hidden_size=int(cfg.get("backbone_hidden_size", 3840 if unified else 1536)),
         centroids=int(cfg.get("num_centroids", 2048)) if ordered else 0,
         centroid_top_k=int(cfg.get("centroid_intermediate_top_k", 32)) if ordered else 0,
     )

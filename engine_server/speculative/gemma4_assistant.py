@@ -36,7 +36,7 @@ from engine_server.parallel.layers import CheckpointTensor, read_whole
 from engine_server.transfer import host_tensor, to_device
 
 # The `model_type`s of Gemma 4's assistants (`hf_config` reads them).
-_ASSISTANT_TYPES = ("gemma4_assistant",)
+_ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 
 
 class ClusterOrder(nn.Module):

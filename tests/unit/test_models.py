@@ -15,7 +15,7 @@ import torch.distributed as dist
 import transformers
 
 from engine_server.attention_metadata import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from engine_server.config import HyperConnections, LongRope, NormedResiduals
+from engine_server.config import Gemma4Assistant, HyperConnections, LongRope, NormedResiduals
 from engine_server.hf_config import model_config_from_hf
 from engine_server.hf_mamba import MAX_POSITIONS
 from engine_server.layers.attention import PagedSelfAttention
@@ -2347,6 +2347,28 @@ def test_longcat_flash_configs_read_as_released_and_as_transformers_writes_them(
                             ({"router_bias": True}, "router_bias")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             model_config_from_hf({**released, **change})
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_gemma4_assistant_configs_read_as_drafters_over_their_targets_k_v(unified: bool) -> None:
+    """A Gemma 4 assistant's config (Gemma 4 12B's `gemma4_unified_assistant` too) reads as its text model's, every
+    layer attending over the target's K/V (`kv_sources` -1: queries alone), its windows one key wider, its drafting
+    shape from the assistant's keys (transformers' defaults where absent); its text model must be Gemma 4's."""
+    text_class = transformers.Gemma4UnifiedTextConfig if unified else transformers.Gemma4TextConfig
+    assistant_class = transformers.Gemma4UnifiedAssistantConfig if unified else transformers.Gemma4AssistantConfig
+    text = text_class(**{**SMALL, "head_dim": 16, "sliding_window": 6, "num_hidden_layers": 2,
+                         "layer_types": ["sliding_attention", "full_attention"]},
+                      **({} if unified else {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                             "use_double_wide_mlp": False}))  # fmt: skip
+    released = assistant_class(text_config=text.to_dict(), use_ordered_embeddings=True, num_centroids=8).to_dict()
+    del released["backbone_hidden_size"]
+    config = model_config_from_hf(released)
+    assert config.architecture == "gemma4" and config.gemma4 is not None and config.gemma4.kv_sources == (-1, -1)
+    assert config.layer_windows == (7, 0) and config.tie_word_embeddings
+    assert config.assistant == Gemma4Assistant(backbone_hidden_size=3840 if unified else 1536, centroids=8,
+                                               centroid_top_k=32)  # fmt: skip
+    with pytest.raises(ValueError, match="text model must be Gemma 4's, not 'llama'"):
+        model_config_from_hf({**released, "text_config": {**released["text_config"], "model_type": "llama"}})
 
 
 def test_beam_scales_its_nope_queries_as_transformers_does() -> None:
