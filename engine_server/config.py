@@ -17,7 +17,8 @@ Architecture = Literal[
     "gemma3", "smollm3", "granite", "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4",
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
-    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "bert",
+    "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
+    "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -679,6 +680,11 @@ class ModelConfig:
     residual_gates: bool = False
     expert_output_norms: bool = False
     full_attention_scale: float = 1.0
+    # JetMoE: each layer's attention a mixture of attention experts (`layers.mixture_of_attention`: `num_experts` of
+    # them, `num_experts_per_tok` a token, each giving a query per KV head and an output projection) as its MLP is
+    # of MLP experts, and a bias added to each mixture's output (`moe_output_bias`).
+    mixture_of_attention: bool = False
+    moe_output_bias: bool = False
     # MiniMax-M3 (and DeepSeek-V4's shared experts): the dense MLPs and shared experts run the experts' clamped
     # SwiGLU (`swiglu_limit`, `swiglu_alpha`, `swiglu_up_offset`) too.
     clamped_mlps: bool = False

@@ -34,6 +34,7 @@ from engine_server.hf_deepseek_v4 import DEEPSEEK_V4_ARCHITECTURES, deepseek_v4_
 from engine_server.hf_ergo import ERGO_ARCHITECTURES, ergo_config, ergo_fields
 from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
+from engine_server.hf_jetmoe import JETMOE_ARCHITECTURES, jetmoe_config, jetmoe_fields
 from engine_server.hf_longcat import LONGCAT_ARCHITECTURES, longcat_config, longcat_fields
 from engine_server.hf_mamba import MAMBA_ARCHITECTURES, mamba_config, mamba_fields
 from engine_server.hf_minimax import MINIMAX_ARCHITECTURES, minimax_config, minimax_fields
@@ -235,6 +236,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # RecurrentGemma (Griffin): Griffin's recurrent blocks between local multi-query attention layers, Gemma's norms,
     # embedding scale and GeGLU (`hf_recurrent_gemma`)
     **RECURRENT_GEMMA_ARCHITECTURES,
+    # JetMoE: mixtures of attention experts and of MLP experts (`hf_jetmoe`)
+    **JETMOE_ARCHITECTURES,
     # BitNet b1.58: Llama with norms before o_proj and down_proj, gated relu², ternary projections (`hf_bitnet`)
     **BITNET_ARCHITECTURES,
     **LONGCAT_ARCHITECTURES,  # LongCat-Flash: latent attention blocks in pairs beside shortcut experts (`hf_longcat`)
@@ -329,6 +332,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
     cfg = recurrent_gemma_config(model_type, cfg)
+    cfg = jetmoe_config(model_type, cfg)
     cfg = bitnet_config(model_type, cfg)
     cfg = glm4_moe_kin_config(model_type, cfg)
     nemotron = _nemotron_h_fields(cfg) if model_type == "nemotron_h" else {}
@@ -491,6 +495,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
         **recurrent_gemma_fields(model_type, cfg),
+        **jetmoe_fields(model_type, cfg),
         **bitnet_fields(model_type, cfg),
         **glm4_moe_kin_fields(model_type),
         **nemotron,

@@ -199,6 +199,11 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError("DeepSeek-V4 is not served under tensor parallelism yet")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to DeepSeek-V4's compressed attention yet")
+    if model.mixture_of_attention:  # its experts' query heads are not split over ranks yet
+        if config.tensor_parallel_size > 1:
+            raise ValueError("JetMoE's mixture of attention is not served under tensor parallelism yet")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to JetMoE's mixture of attention yet")
     if model.block_sparse is not None:
         # Each rank's query heads read the blocks their index heads choose: the ranks split those too.
         index_heads, size = model.block_sparse.index_heads, config.tensor_parallel_size

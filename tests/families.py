@@ -371,6 +371,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
          "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "pad_token_id": 0, "bos_token_id": 1,
          "eos_token_id": 2},
     ),
+    # JetMoE: top-2 of 8 attention experts (each a query per KV head: 2 KV heads of 16) and of 8 MLP experts 32 wide,
+    # each mixture's output biased.
+    "jetmoe": (
+        "JetMoeConfig",
+        {"kv_channels": 16, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+         "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    ),
     # Beam: windowed layers (20 positions) with rope between full ones without (their queries scaled by position),
     # gated heads, q/k/v/o biases, depth-scaled sandwich blocks; a dense first MLP, then top-2 of 8 experts within the
     # best 2 of 4 groups; logits capped at 30.

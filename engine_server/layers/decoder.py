@@ -21,6 +21,7 @@ from engine_server.layers.kimi_delta import KimiDeltaAttention
 from engine_server.layers.lightning_attention import LightningAttention
 from engine_server.layers.mamba1 import Mamba1Mixer
 from engine_server.layers.mamba2 import Mamba2Mixer
+from engine_server.layers.mixture_of_attention import MixtureOfAttention
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args
 from engine_server.layers.moe import SparseMoE
@@ -63,6 +64,7 @@ class DecoderLayer(nn.Module):
             | CompressedAttention
             | LightningAttention
             | RecurrentBlock
+            | MixtureOfAttention
         ) = (
             (KimiDeltaAttention if config.linear_attention.kimi_delta else GatedDeltaNet)(config, dtype, tp)
             if config.is_linear_layer(index) and config.linear_attention is not None
@@ -82,6 +84,8 @@ class DecoderLayer(nn.Module):
             if config.compressed_attention is not None
             else BlockSparseAttention(config, dtype, tp, index)
             if config.block_sparse is not None and index in config.block_sparse.layers
+            else MixtureOfAttention(config, dtype)
+            if config.mixture_of_attention
             else PagedSelfAttention(
                 config, dtype, o_proj_bias, tp, config.attention_window(index), config.uses_rope(index), index
             )

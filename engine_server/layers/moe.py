@@ -200,6 +200,10 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, dtype=dtype) if gated else None
         # A.X K1: the whole output normalised, once summed over the ranks
         self.post_mlp_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype) if config.moe_output_norm else None
+        # JetMoE: a bias added to the experts' summed output (on every rank, after their sum)
+        self.output_bias = (
+            nn.Parameter(torch.zeros(hidden, dtype=dtype), requires_grad=False) if config.moe_output_bias else None
+        )
         # Ergo: each chosen expert's output normalised with that expert's weight (float32, as trained), the shared
         # expert's with a norm of its own
         self.norm_eps = config.rms_norm_eps
@@ -241,6 +245,8 @@ class SparseMoE(nn.Module):
         elif self.shared_expert is not None:  # DeepSeek's shared experts: no gate
             out = out + self.shared_expert.partial(x, ops)
         out = self.tp.all_reduce_sum(out)
+        if self.output_bias is not None:
+            out = out + self.output_bias
         if passed is not None:  # (whole on every rank: added once the experts' partial sums are)
             out = out + (x * passed).to(out.dtype)
         return out if self.post_mlp_layernorm is None else self.post_mlp_layernorm(out, ops)

@@ -30,6 +30,7 @@ from engine_server.models.granite import GraniteForCausalLM
 from engine_server.models.granitemoe import GraniteMoeForCausalLM
 from engine_server.models.hunyuan import HunYuanForCausalLM
 from engine_server.models.jamba import JambaForCausalLM
+from engine_server.models.jetmoe import JetMoeForCausalLM
 from engine_server.models.lfm2 import Lfm2ForCausalLM
 from engine_server.models.llama import LlamaForCausalLM
 from engine_server.models.llama4 import Llama4ForCausalLM
@@ -65,7 +66,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma");
+    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -116,6 +117,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "beam": BeamForCausalLM,
         "ergo": ErgoForCausalLM,
         "recurrent_gemma": RecurrentGemmaForCausalLM,
+        "jetmoe": JetMoeForCausalLM,
     }
     if architecture not in classes:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(classes)}")

@@ -1385,3 +1385,25 @@ def test_a_gemma4_assistant_drafts_as_transformers_does_and_the_target_keeps_its
     with pytest.raises(ValueError, match="is a Gemma 4 assistant"):
         copy_tokenizer(helper)
         engine(helper)
+
+
+def test_jetmoe_chunked_preempted_on_int8_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+    """JetMoE (tests/families.py: mixtures of attention and MLP experts) keeps transformers' tokens prefilled in
+    16-token chunks and preempted. On int8 (each attention expert's projections quantized like any linear layer)
+    each prompt's tokens are the same alone and batched and mostly agree with the float path's first tokens. Tensor
+    parallelism and LoRA are refused saying so."""
+    folder = save_family(tmp_path, "jetmoe", head_spread=0.5)
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    with engine(folder, quantization="int8") as llm:
+        assert isinstance(llm.core.runner.loaded.model.model.layers[0].self_attn.q_experts[0], QuantizedLinear)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    with pytest.raises(ValueError, match="JetMoE's mixture of attention is not served under tensor parallelism"):
+        engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to JetMoE"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))

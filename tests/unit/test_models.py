@@ -660,6 +660,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # Persimmon: GPT-NeoX's q/k/v in one projection (grouped by head), one q/k LayerNorm with a bias for every head,
     # rope over half of each head, an ungated relu² MLP with biases, a sequential block.
     "persimmon": (transformers.PersimmonConfig, {"pad_token_id": 0}),
+    # JetMoE: top-2 of 4 attention experts (each a query per KV head, 2 KV heads of 16) and of 4 MLP experts, each
+    # mixture's output biased.
+    "jetmoe": (
+        transformers.JetMoeConfig,
+        {"num_key_value_heads": 2, "kv_channels": 16, "intermediate_size": 32, "num_local_experts": 4,
+         "num_experts_per_tok": 2, "tie_word_embeddings": False, "pad_token_id": 0},
+    ),
     "beam": (transformers.BeamConfig, BEAM),
     "minimax-m3": (transformers.MiniMaxM3VLTextConfig, MINIMAX_M3),
     # Two local blocks of 3 positions and 3 kept a query, an index head over every query head, rope over whole heads.
@@ -982,6 +989,7 @@ MODEL_CLASSES = {
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
     transformers.MiniMaxM3VLTextConfig: transformers.MiniMaxM3VLForCausalLM,
     transformers.BeamConfig: transformers.BeamForCausalLM,
+    transformers.JetMoeConfig: transformers.JetMoeForCausalLM,
     transformers.PersimmonConfig: transformers.PersimmonForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
@@ -1494,8 +1502,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
-        ({"model_type": "jetmoe"},
-         r"'jetmoe' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
+        ({"model_type": "xglm"},
+         r"'xglm' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
         ({"model_type": "falcon", "alibi": True}, r"falcon with alibi \(Falcon-RW's positions\) is not supported"),
         ({"model_type": "phi", "qk_layernorm": True}, "phi with qk_layernorm is not supported"),
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True},
