@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from engine_server import LLM, SamplingParams
 from engine_server.config import CacheConfig, EngineConfig, LoraConfig, SchedulerConfig
@@ -1140,6 +1142,29 @@ def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
 
 
+def chunked_split_and_int8(
+    folder: Path, quantized: Callable[[Any], nn.Module], split: bool = True
+) -> None:
+    """A family's engine runs against transformers' greedy tokens (`reference_tokens`): prefilled in 16-token chunks
+    on a pool of 24 blocks (preempted), over two ranks where `split`, and on int8 (`quantized(model)`, the module the
+    family quantizes its own way, a `QuantizedLinear` or `QuantizedExperts`) each prompt's tokens the same alone and
+    batched, 6+ of 8 first tokens the float path's."""
+    theirs, batch = reference_tokens(folder), prompts()
+    with engine(folder, chunk=16, kv_blocks=24) as llm:
+        ours = tokens(llm, batch)
+        assert ours == theirs.of(ours)
+        assert llm.core.scheduler.total_preemptions > 0
+    if split:
+        with engine(folder, tensor_parallel_size=2) as llm:
+            ours = tokens(llm, batch)
+            assert ours == theirs.of(ours)
+    with engine(folder, quantization="int8") as llm:
+        assert isinstance(quantized(llm.core.runner.loaded.model), QuantizedLinear | QuantizedExperts)
+        alone = [tokens(llm, [prompt])[0] for prompt in batch]
+        assert tokens(llm, batch) == alone
+    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+
+
 def test_longcat_flash_split_chunked_and_on_int8(tmp_path: Path) -> None:
     """LongCat-Flash (tests/families.py: latent-attention blocks in pairs beside each pair's experts, four of its
     router's twelve choices zero-computation ones) keeps transformers' tokens prefilled in 16-token chunks and
@@ -1147,20 +1172,7 @@ def test_longcat_flash_split_chunked_and_on_int8(tmp_path: Path) -> None:
     share of each input added once, after the ranks' sum). On int8 each prompt's tokens are the same alone and
     batched."""
     folder = save_family(tmp_path, "longcat-flash", head_spread=0.5)
-    theirs, batch = reference_tokens(folder), prompts()
-    with engine(folder, chunk=16, kv_blocks=24) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-        assert llm.core.scheduler.total_preemptions > 0
-    with engine(folder, tensor_parallel_size=2) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-    with engine(folder, quantization="int8") as llm:
-        experts = llm.core.runner.loaded.model.model.layers[0].shortcut.experts
-        assert isinstance(experts, QuantizedExperts)
-        alone = [tokens(llm, [prompt])[0] for prompt in batch]
-        assert tokens(llm, batch) == alone
-    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].shortcut.experts)
 
 
 def test_minimax_m3_chunked_preempted_speculated_quantized_split_and_refusing_what_it_lacks(tmp_path: Path) -> None:
@@ -1269,18 +1281,7 @@ def test_beam_split_chunked_and_on_int8(tmp_path: Path) -> None:
     its heads' gates and their biases, its rows of every expert). On int8 each prompt's tokens are the same alone and
     batched and mostly agree with the float path's first tokens."""
     folder = save_family(tmp_path, "beam", head_spread=0.5)
-    theirs, batch = reference_tokens(folder), prompts()
-    with engine(folder, chunk=16, kv_blocks=24) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-        assert llm.core.scheduler.total_preemptions > 0
-    with engine(folder, tensor_parallel_size=2) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-    with engine(folder, quantization="int8") as llm:
-        alone = [tokens(llm, [prompt])[0] for prompt in batch]
-        assert tokens(llm, batch) == alone
-    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    chunked_split_and_int8(folder, lambda model: model.model.layers[1].mlp.experts)
 
 
 def test_ergo_split_chunked_and_on_int8(tmp_path: Path) -> None:
@@ -1290,19 +1291,7 @@ def test_ergo_split_chunked_and_on_int8(tmp_path: Path) -> None:
     own). On int8 each prompt's tokens are the same alone and batched and mostly agree with the float path's first
     tokens."""
     folder = save_family(tmp_path, "ergo", head_spread=0.5)
-    theirs, batch = reference_tokens(folder), prompts()
-    with engine(folder, chunk=16, kv_blocks=24) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-        assert llm.core.scheduler.total_preemptions > 0
-    with engine(folder, tensor_parallel_size=2) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-    with engine(folder, quantization="int8") as llm:
-        assert isinstance(llm.core.runner.loaded.model.model.layers[1].mlp.experts, QuantizedExperts)
-        alone = [tokens(llm, [prompt])[0] for prompt in batch]
-        assert tokens(llm, batch) == alone
-    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    chunked_split_and_int8(folder, lambda model: model.model.layers[1].mlp.experts)
 
 
 def _saved_gemma4_assistant(folder: Path, clusters: int) -> Path:
@@ -1369,9 +1358,16 @@ def test_a_gemma4_assistant_drafts_as_transformers_does_and_the_target_keeps_its
     spec = {"method": "draft_model", "model": str(helper), "num_speculative_tokens": 3}
     with engine(folder, speculative_config=spec) as llm:
         drafter = llm.core.runner.draft
+        assert drafter is not None
         proposed: list[tuple[int, ...]] = []
-        propose = drafter.propose  # type: ignore[union-attr]
-        drafter.propose = lambda items: proposed.extend(drafts := propose(items)) or drafts  # type: ignore[union-attr]
+        propose = drafter.propose
+
+        def recorded(items: Any) -> list[tuple[int, ...]]:
+            drafts = propose(items)
+            proposed.extend(drafts)
+            return drafts
+
+        drafter.propose = recorded  # type: ignore[method-assign]
         alone = tokens(llm, batch[:1])
         assert alone == theirs.of(alone)
         first = proposed[0]
@@ -1393,16 +1389,7 @@ def test_jetmoe_chunked_preempted_on_int8_and_refusing_what_it_lacks(tmp_path: P
     each prompt's tokens are the same alone and batched and mostly agree with the float path's first tokens. Tensor
     parallelism and LoRA are refused saying so."""
     folder = save_family(tmp_path, "jetmoe", head_spread=0.5)
-    theirs, batch = reference_tokens(folder), prompts()
-    with engine(folder, chunk=16, kv_blocks=24) as llm:
-        ours = tokens(llm, batch)
-        assert ours == theirs.of(ours)
-        assert llm.core.scheduler.total_preemptions > 0
-    with engine(folder, quantization="int8") as llm:
-        assert isinstance(llm.core.runner.loaded.model.model.layers[0].self_attn.q_experts[0], QuantizedLinear)
-        alone = [tokens(llm, [prompt])[0] for prompt in batch]
-        assert tokens(llm, batch) == alone
-    assert sum(ours[0] == first for ours, first in zip(alone, theirs.first_tokens(), strict=True)) >= 6
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].self_attn.q_experts[0], split=False)
     with pytest.raises(ValueError, match="JetMoE's mixture of attention is not served under tensor parallelism"):
         engine(folder, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="LoRA adapters are not applied to JetMoE"):
