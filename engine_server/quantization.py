@@ -230,6 +230,7 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
         return {}, frozenset()
     parts: dict[str, dict[str, str]] = {}  # module -> shard ("" for a whole layer) -> checkpoint weight name
     expert_parts: dict[str, dict[tuple[int, str], str]] = {}  # bank -> (expert, part) -> checkpoint weight name
+    modules = dict(model.named_modules())
     for name, ours in _as_loaded(model, source.path, frozenset(source.fp8.fp8_weights(source.path))):
         checkpoint_name = model.checkpoint_name(ours)
         expert = expert_weight(checkpoint_name)
@@ -238,11 +239,10 @@ def stored_fp8_weights(model: CausalLM, source: ModelSource) -> tuple[dict[str, 
             continue
         module = checkpoint_name.removesuffix(".weight")
         target, shard = module, ""
-        for fused, part, shard_name in FUSED_SHARDS:
-            if module.endswith(f".{part}"):
+        for fused, part, shard_name in FUSED_SHARDS:  # a shard of a fused layer the model has (as `load_weights`)
+            if module.endswith(f".{part}") and module.removesuffix(part) + fused in modules:
                 target, shard = module.removesuffix(part) + fused, shard_name
         parts.setdefault(target, {})[shard] = name
-    modules = dict(model.named_modules())
     chosen: dict[str, list[str]] = {}
     for target, shards in parts.items():
         expected = [s for f, _, s in FUSED_SHARDS if target.endswith(f".{f}")] if "" not in shards else [""]

@@ -588,3 +588,26 @@ def test_an_fp8_mimo_v2_flash_checkpoint_pads_its_values_after_dequantizing_them
         padded = torch.cat([o_proj, zeros], dim=-1).reshape(-1, heads * width)
         expected = reference.fp8_dequantize(*reference.fp8_quantize_per_channel(padded))
         assert torch.equal(_dense_weight(attention.o_proj), expected)
+
+
+@pytest.mark.slow  # engines on a saved model
+def test_a_minimax_m3_checkpoint_in_fp8(tmp_path: Path) -> None:
+    """MiniMax-M3's block-wise FP8 checkpoint (tests/families.py's small one, its attention's and its indexer's
+    projections in e4m3 as a released FP8 checkpoint stores them): served in FP8 as stored, the indexer's query and
+    key projections too (their dense weights exactly the stored values times their scales); by default the CPU loads
+    it dequantized, greedy as the float model on those values is."""
+    float_model = save_family(tmp_path / "float", "minimax-m3", head_spread=1.0)
+    (tmp_path / "fp8").mkdir()
+    _, folder, plain, dequantized = fp8_and_float_folders(float_model, tmp_path / "fp8", "blockwise")
+    prefix = "model.layers.1.self_attn"
+    with engine(folder, "fp8") as llm:
+        attention = llm.core.runner.model.get_submodule(prefix)
+        for name in ("indexer.q_proj", "indexer.k_proj", "o_proj"):
+            projection = attention.get_submodule(name)
+            assert isinstance(projection, Fp8Linear), name
+            assert torch.equal(_dense_weight(projection), dequantized[f"{prefix}.{name}.weight"]), name
+        assert all(r.choices[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with engine(plain, "none") as float_llm:
+        float_greedy = [r.choices[0].token_ids for r in float_llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with engine(folder, "auto") as llm:
+        assert [r.choices[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == float_greedy
