@@ -1349,7 +1349,8 @@ def test_a_gemma4_assistant_drafts_as_transformers_does_and_the_target_keeps_its
     """A Gemma 4 assistant as the draft model (`speculative.gemma4_assistant`: over the target's K/V of its last
     unshared windowed and full layers and its final hidden state), its embeddings ordered in clusters or not: its
     first drafts after a prompt are transformers' (`SinglePositionMultiTokenCandidateGenerator`), the target's tokens
-    are transformers' greedy ones alone and batched, and it is refused as a model served alone."""
+    are transformers' greedy ones alone and batched (and on int8 its own without drafts), and it is refused as a model
+    served alone."""
     import transformers
 
     folder = save_family(tmp_path / "target", "gemma4", head_spread=0.5)
@@ -1378,6 +1379,10 @@ def test_a_gemma4_assistant_drafts_as_transformers_does_and_the_target_keeps_its
     target = load_reference(folder)
     assistant = transformers.Gemma4AssistantForCausalLM.from_pretrained(helper).eval()
     assert list(first) == _transformers_drafts(target, assistant, batch[0], 3)
+    with engine(folder, quantization="int8") as llm:  # the quantized target: drafting changes none of its tokens
+        plain = tokens(llm, batch)
+    with engine(folder, quantization="int8", speculative_config=spec) as llm:
+        assert tokens(llm, batch) == plain
     with pytest.raises(ValueError, match="is a Gemma 4 assistant"):
         copy_tokenizer(helper)
         engine(helper)
