@@ -608,6 +608,8 @@ class ModelConfig:
     # transposed, `[in, out]` (its Conv1D: `transposed_weights`).
     absolute_positions: bool = False
     transposed_weights: bool = False
+    # XGLM: those positions sinusoidal (fairseq's table, computed at load as `embed_positions`: `models.gpt_neox`).
+    sinusoidal_positions: bool = False
     # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`). Jais 2: biased
     # LayerNorms and biases on its ungated MLP's projections (`mlp_bias`).
     layer_norm_bias: bool = False

@@ -1,8 +1,8 @@
 """The classic decoders' `config.json`: GPT-2, GPT-BigCode (StarCoder, SantaCoder, WizardCoder), GPT-NeoX (Pythia,
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
-(3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models), CodeGen (350M to 16B) and
-Persimmon (8B). Each is
+(3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models), CodeGen (350M to 16B),
+Persimmon (8B), XGLM (564M to 7.5B) and BioGPT. Each is
 read as a Llama config
 (`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves
 it out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json
@@ -10,6 +10,7 @@ through `json_float`."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from engine_server.config import Architecture
@@ -34,6 +35,10 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     # Persimmon (Adept's 8B, Fuyu's text model): GPT-NeoX's fused q/k/v and LayerNorms, a q/k LayerNorm with a bias
     # shared by every head, an ungated relu² MLP, a sequential block
     "persimmon": "gpt_neox",
+    # XGLM (564M to 7.5B) and BioGPT: OPT's block (its names) with the token embeddings scaled by sqrt(hidden);
+    # XGLM's positions sinusoidal (its table computed at load), BioGPT's learned
+    "xglm": "gpt_neox",
+    "biogpt": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
 _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "persimmon": 0.5}
@@ -49,6 +54,8 @@ _ACTIVATIONS = {
     "starcoder2": {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"},
     "nemotron": {"relu2": "relu2"},
     "persimmon": {"relu2": "relu2"},
+    "xglm": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
+    "biogpt": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "stablelm": {"silu": "silu"},
     "olmo": {"silu": "silu"},
     "exaone": {"silu": "silu"},
@@ -68,6 +75,8 @@ _RENAMED_KEYS = {
     "starcoder2": {"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
     "nemotron": {"norm_eps": "rms_norm_eps"},
     "persimmon": {"layer_norm_eps": "rms_norm_eps"},
+    "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",
+             "ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
     "stablelm": {"use_qkv_bias": "attention_bias"},
     "exaone": {"num_layers": "num_hidden_layers", "layer_norm_epsilon": "rms_norm_eps",
                "activation_function": "hidden_act"},
@@ -76,7 +85,7 @@ _RENAMED_KEYS = {
                 "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
 # The families whose every head has its own K/V.
-_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon")
+_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt")
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
     "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
@@ -85,6 +94,10 @@ _UNBUILT = {
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_neox": {"attention_bias": True, "rope_theta": 10000.0},
     "persimmon": {"attention_bias": True, "rms_norm_eps": 1e-5, "qk_layernorm": True},
+    # their LayerNorms take torch's default epsilon (BioGPT's whatever its `layer_norm_eps` says)
+    "xglm": {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+             "max_position_embeddings": 2048},
+    "biogpt": {"attention_bias": True, "tie_word_embeddings": True, "max_position_embeddings": 1024},
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
@@ -129,8 +142,8 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     for theirs, ours in _RENAMED_KEYS.get(model_type, {}).items():  # the family's own key over any under Llama's name
         if theirs in renamed:
             renamed[ours] = renamed.pop(theirs)
-    if model_type == "olmo":
-        renamed["rms_norm_eps"] = _DEFAULTS["olmo"]["rms_norm_eps"]
+    if model_type in ("olmo", "biogpt"):  # a LayerNorm epsilon their modeling files fix
+        renamed["rms_norm_eps"] = 1e-5
     if model_type in _OWN_KV_HEADS:  # every head its own K/V (a stray `num_key_value_heads` is not read)
         renamed["num_key_value_heads"] = renamed["num_attention_heads"]
     if model_type == "gpt_neo":
@@ -242,6 +255,10 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields.update(mlp_bias=bool(cfg.get("attention_bias")), parallel_block=parallel, parallel_mlp_norm=two_norms)
     elif model_type == "phi":
         fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
+    elif model_type in ("xglm", "biogpt"):  # OPT's block, the token embeddings (alone) times sqrt(hidden)
+        scale = math.sqrt(int(cfg["hidden_size"])) if cfg.get("scale_embedding", True) else 1.0
+        fields.update(mlp_bias=True, absolute_positions=True, embedding_multiplier=scale,
+                      sinusoidal_positions=model_type == "xglm")
     elif model_type == "persimmon":  # its q/k LayerNorm one for every head, with a bias (`HeadLayerNorm.shared`)
         head_norms = bool(cfg.get("qk_layernorm"))
         fields.update(mlp_bias=True, qk_layer_norm=head_norms, qk_layer_norm_bias=head_norms)

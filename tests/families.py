@@ -519,6 +519,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Persimmon: GPT-NeoX's fused q/k/v, one q/k LayerNorm with a bias for every head, rope over half of each head,
     # an ungated relu² MLP.
     "persimmon": ("PersimmonConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # XGLM and BioGPT: OPT's block, token embeddings times sqrt(hidden); XGLM's positions sinusoidal, BioGPT's learned.
+    "xglm": ("XGLMConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    "biogpt": ("BioGptConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
     "gpt2": ("GPT2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gptj": ("GPTJConfig", {"rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # CodeGen: GPT-J's block, q/k/v in one projection laid out by its 4 training shards (2 of the 8 heads each).

@@ -488,10 +488,10 @@ class DecoderModel(nn.Module):
         """The tokens' embeddings `[T, hidden]`, with learned positions added, scaled or normalised as the family
         does."""
         hidden = self.embed_tokens(input_ids)
+        if self.scales_embeddings:  # (the tokens' alone: XGLM's and BioGPT's positions are not scaled)
+            hidden = hidden * self.get_buffer("embedding_multiplier")
         if self.embed_positions is not None:
             hidden = hidden + self.embed_positions(positions)
-        if self.scales_embeddings:
-            hidden = hidden * self.get_buffer("embedding_multiplier")
         if self.embedding_norm:
             hidden = ops.rms_norm(hidden, self.get_buffer("embedding_norm_weight"), self.norm_eps)
         return hidden

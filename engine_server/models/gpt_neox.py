@@ -5,6 +5,7 @@ learned positions), GELU (relu², ReLU) MLPs without a gate, parallel blocks."""
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Collection, Iterable, Iterator
 
@@ -29,7 +30,7 @@ _CONV1D = re.compile(r".+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.
 _BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.")
 MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
 # OPT's learned positions: row `p + 2` is position p's (its `OPTLearnedPositionalEmbedding` offset).
-_OPT_POSITIONS = "model.decoder.embed_positions.weight"
+_OPT_POSITIONS = ("model.decoder.embed_positions.weight", "biogpt.embed_positions.weight")  # (BioGPT's too)
 _OPT_POSITION_OFFSET = 2
 # StableLM 2's q/k LayerNorms, one module per head.
 _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<head>\d+)\.weight")
@@ -84,6 +85,9 @@ class GPTNeoXForCausalLM(CausalLM):
         (".fc2.", ".mlp.down_proj."),
         (".attn.attention.out_proj.", ".self_attn.o_proj."),  # GPT-Neo's
         (".attn.attention.", ".self_attn."),
+        ("biogpt.", "model."),  # BioGPT's, its LM head `output_projection`
+        ("model.layer_norm.", "model.norm."),  # XGLM's and BioGPT's final norm
+        ("output_projection.", "lm_head."),
     )
 
     def checkpoint_weights(
@@ -98,6 +102,9 @@ class GPTNeoXForCausalLM(CausalLM):
         grouped = functools.partial(
             grouped_qkv_rows, n_head=config.num_attention_heads, n_kv_head=config.num_key_value_heads
         )
+        if config.sinusoidal_positions:  # XGLM's: not in its checkpoints (a buffer), computed here
+            table = sinusoidal_positions(config.max_position_embeddings, config.hidden_size)
+            yield "model.embed_positions.weight", table
         for name, tensor in self._joined_head_norms(weights):
             if name.endswith(MASK_BUFFERS):
                 continue
@@ -107,7 +114,7 @@ class GPTNeoXForCausalLM(CausalLM):
                 name = "transformer." + name
             if name.startswith("decoder."):  # OPT's first checkpoints, without `model.`
                 name = "model." + name
-            if name == _OPT_POSITIONS:  # its rows from position 0 on (the first two are never looked up)
+            if name in _OPT_POSITIONS:  # its rows from position 0 on (the first two are never looked up)
                 tensor = tensor.narrow(0, _OPT_POSITION_OFFSET, tensor.shape[0] - _OPT_POSITION_OFFSET)
             if config.transposed_weights and _CONV1D.fullmatch(name):
                 tensor = reordered_tensor(tensor, lambda whole: whole.t().contiguous(), transposed=True)
@@ -140,3 +147,17 @@ class GPTNeoXForCausalLM(CausalLM):
                 yield key, torch.stack([heads[head] for head in range(len(heads))])
         if held:
             raise ValueError(f"checkpoint holds some heads' q/k LayerNorms alone: {sorted(held)}")
+
+
+def sinusoidal_positions(positions: int, width: int) -> torch.Tensor:
+    """fairseq's sinusoidal position table as XGLM computes it (`XGLMSinusoidalPositionalEmbedding`), the rows of
+    positions 0 to `positions - 1` (its table's from its offset 2 on): `[sin(p f_i), cos(p f_i)]`, `f_i = 10000 ^
+    (-i / (width / 2 - 1))`, position p at row p + 2 of its table (a zero column last for an odd width)."""
+    half = width // 2
+    rate = math.log(10000) / (half - 1)
+    frequencies = torch.exp(torch.arange(half, dtype=torch.int64).float() * -rate)
+    angles = torch.arange(positions + _OPT_POSITION_OFFSET, dtype=torch.int64).float()[:, None] * frequencies[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if width % 2:
+        table = torch.cat([table, torch.zeros(table.shape[0], 1)], dim=1)
+    return table[_OPT_POSITION_OFFSET:].contiguous()

@@ -891,7 +891,8 @@ def test_hf_overrides_give_a_model_yarn_as_its_config_would(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     "name",
     ["smollm3", "granite", "olmo2", "cohere2", "llama4", "ministral3", "hunyuan-moe", "apertus", "phimoe", "jais2",
-     "cohere2-moe", "mimo-v2-flash", "gpt-neox", "gpt-bigcode", "nanochat", "hyperclovax", "persimmon"],
+     "cohere2-moe", "mimo-v2-flash", "gpt-neox", "gpt-bigcode", "nanochat", "hyperclovax", "persimmon", "xglm",
+     "biogpt"],
 )
 def test_newer_families_on_the_quantized_path_are_batch_invariant(name: str, tmp_path: Path) -> None:
     """int8 weights on the layers (the C++ decode stack turns every layer's q and k, scales no residual and runs

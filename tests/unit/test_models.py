@@ -660,6 +660,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # Persimmon: GPT-NeoX's q/k/v in one projection (grouped by head), one q/k LayerNorm with a bias for every head,
     # rope over half of each head, an ungated relu² MLP with biases, a sequential block.
     "persimmon": (transformers.PersimmonConfig, {"pad_token_id": 0}),
+    # XGLM and BioGPT: OPT's block, the token embeddings times sqrt(hidden); XGLM's positions sinusoidal, BioGPT's
+    # learned (offset by 2).
+    "xglm": (transformers.XGLMConfig, {"d_model": 64, "num_layers": 2, "attention_heads": 4, "ffn_dim": 96}),
+    "biogpt": (transformers.BioGptConfig, {}),
     # JetMoE: top-2 of 4 attention experts (each a query per KV head, 2 KV heads of 16) and of 4 MLP experts, each
     # mixture's output biased.
     "jetmoe": (
@@ -991,6 +995,8 @@ MODEL_CLASSES = {
     transformers.BeamConfig: transformers.BeamForCausalLM,
     transformers.JetMoeConfig: transformers.JetMoeForCausalLM,
     transformers.PersimmonConfig: transformers.PersimmonForCausalLM,
+    transformers.XGLMConfig: transformers.XGLMForCausalLM,
+    transformers.BioGptConfig: transformers.BioGptForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1502,8 +1508,8 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({"model_type": "olmo3", "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"],
           "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}}},
          "sliding_attention rope type 'yarn' is not supported"),
-        ({"model_type": "xglm"},
-         r"'xglm' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
+        ({"model_type": "ctrl"},
+         r"'ctrl' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
         ({"model_type": "falcon", "alibi": True}, r"falcon with alibi \(Falcon-RW's positions\) is not supported"),
         ({"model_type": "phi", "qk_layernorm": True}, "phi with qk_layernorm is not supported"),
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True},
