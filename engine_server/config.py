@@ -608,6 +608,10 @@ class ModelConfig:
     # transposed, `[in, out]` (its Conv1D: `transposed_weights`).
     absolute_positions: bool = False
     transposed_weights: bool = False
+    # BLOOM: attention without rope, every score biased linearly by distance (ALiBi: `layers.alibi`; "": none), and
+    # the embeddings LayerNorm'd (with a bias) before the first layer (`embedding_layer_norm`).
+    alibi: Literal["", "bloom"] = ""
+    embedding_layer_norm: bool = False
     # XGLM: those positions sinusoidal (fairseq's table, computed at load as `embed_positions`: `models.gpt_neox`).
     sinusoidal_positions: bool = False
     # PhiMoE: its LayerNorms have a bias (`layer_norm_bias`), its LM head too (`lm_head_bias`). Jais 2: biased

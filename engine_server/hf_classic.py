@@ -2,7 +2,7 @@
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
 (3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models), CodeGen (350M to 16B),
-Persimmon (8B), XGLM (564M to 7.5B) and BioGPT. Each is
+Persimmon (8B), XGLM (564M to 7.5B), BioGPT and BLOOM (560M to 176B). Each is
 read as a Llama config
 (`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves
 it out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json
@@ -39,6 +39,9 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     # XGLM's positions sinusoidal (its table computed at load), BioGPT's learned
     "xglm": "gpt_neox",
     "biogpt": "gpt_neox",
+    # BLOOM (560M to 176B, BLOOMZ): GPT-NeoX's fused q/k/v and biased LayerNorms, no rope but ALiBi, its embeddings
+    # LayerNorm'd, a tanh-GELU MLP
+    "bloom": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
 _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "persimmon": 0.5}
@@ -55,6 +58,7 @@ _ACTIVATIONS = {
     "nemotron": {"relu2": "relu2"},
     "persimmon": {"relu2": "relu2"},
     "xglm": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
+    "bloom": {"bloom_gelu": "gelu_tanh"},  # (its config names none: its `BloomGelu`, GELU's tanh form)
     "biogpt": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "stablelm": {"silu": "silu"},
     "olmo": {"silu": "silu"},
@@ -75,6 +79,8 @@ _RENAMED_KEYS = {
     "starcoder2": {"norm_epsilon": "rms_norm_eps", "use_bias": "attention_bias"},
     "nemotron": {"norm_eps": "rms_norm_eps"},
     "persimmon": {"layer_norm_eps": "rms_norm_eps"},
+    "bloom": {"n_embed": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+              "layer_norm_epsilon": "rms_norm_eps"},
     "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",
              "ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
     "stablelm": {"use_qkv_bias": "attention_bias"},
@@ -85,10 +91,11 @@ _RENAMED_KEYS = {
                 "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
 # The families whose every head has its own K/V.
-_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt")
+_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt", "bloom")
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
     "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
+    "bloom": ("apply_residual_connection_post_layernorm",),
 }  # fmt: skip
 # What their transformers classes fill in where a config leaves it out (and their modeling files fix).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -98,6 +105,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "xglm": {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
              "max_position_embeddings": 2048},
     "biogpt": {"attention_bias": True, "tie_word_embeddings": True, "max_position_embeddings": 1024},
+    # BLOOM has no position limit of its own (ALiBi): its training context, 2,048, unless `--hf-overrides` says
+    "bloom": {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 2048},
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
@@ -156,6 +166,8 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         renamed["partial_rotary_factor"] = int(renamed.get("rotary_dim") or hidden // heads) / (hidden // heads)
         renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * hidden)
         renamed["rope_theta"] = 10000.0
+    if model_type == "bloom":  # its MLP 4 x hidden
+        renamed["intermediate_size"] = 4 * int(renamed["hidden_size"])
     if model_type in ("gpt2", "gpt_bigcode"):  # the MLP 4 x hidden unless given; GPT-BigCode's one KV head
         multi_query = model_type == "gpt_bigcode" and renamed.get("multi_query", True)
         renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * int(renamed["hidden_size"]))
@@ -255,6 +267,8 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields.update(mlp_bias=bool(cfg.get("attention_bias")), parallel_block=parallel, parallel_mlp_norm=two_norms)
     elif model_type == "phi":
         fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
+    elif model_type == "bloom":
+        fields.update(mlp_bias=True, alibi="bloom", embedding_layer_norm=True)
     elif model_type in ("xglm", "biogpt"):  # OPT's block, the token embeddings (alone) times sqrt(hidden)
         scale = math.sqrt(int(cfg["hidden_size"])) if cfg.get("scale_embedding", True) else 1.0
         fields.update(mlp_bias=True, absolute_positions=True, embedding_multiplier=scale,

@@ -256,8 +256,7 @@ _NOT_YET: dict[str, str] = {
     "hyper-connections are not implemented yet",
     "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
     "zamba2": "its shared attention blocks with per-use LoRA are not implemented yet",
-    "bloom": "ALiBi position biases are not implemented yet",
-    "mpt": "ALiBi position biases are not implemented yet",
+    "mpt": "its ALiBi (MPT's slopes, its clipped q/k/v) is not implemented yet (BLOOM's is)",
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
@@ -1739,7 +1738,7 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
     on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
     models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; () for the other families."""
-    if model_type == "nemotron_h":  # its attention turns no rope
+    if model_type in ("nemotron_h", "bloom"):  # their attention turns no rope (BLOOM's: ALiBi)
         return tuple(range(int(cfg["num_hidden_layers"])))
     if model_type in ("beam", "ergo"):  # the kinds of layer their rope parameters leave null
         rope = cfg["rope_parameters"]

@@ -386,6 +386,10 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         # Its layers choose between dense and gathered attention, and walk each sequence, from host lists.
         log.warning("a model with sparse attention (DeepSeek-V3.2, GLM-5) decodes eagerly: no CUDA graphs yet")
         return False
+    if loaded.model_config.alibi:
+        # Its attention runs in torch sequence by sequence (`layers.alibi`), from host lists.
+        log.warning("a model with ALiBi (BLOOM) decodes eagerly: no CUDA graphs yet")
+        return False
     if loaded.model_config.block_sparse is not None:
         # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.
         log.warning("a model with block-sparse attention (MiniMax-M3) decodes eagerly: no CUDA graphs yet")

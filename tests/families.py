@@ -521,6 +521,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "persimmon": ("PersimmonConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # XGLM and BioGPT: OPT's block, token embeddings times sqrt(hidden); XGLM's positions sinusoidal, BioGPT's learned.
     "xglm": ("XGLMConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    # BLOOM: ALiBi (no rope), its embeddings LayerNorm'd, GPT-NeoX's fused q/k/v, a tanh-GELU MLP.
+    "bloom": ("BloomConfig", {"n_head": 4, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}),
     "biogpt": ("BioGptConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
     "gpt2": ("GPT2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gptj": ("GPTJConfig", {"rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),

@@ -25,7 +25,7 @@ from engine_server.layers.mixture_of_attention import MixtureOfAttention
 from engine_server.layers.mla import MultiLatentAttention
 from engine_server.layers.mlp import GatedMLP, UngatedMLP, clamped_swiglu_args
 from engine_server.layers.moe import SparseMoE
-from engine_server.layers.norm import GatedRMSNorm, RMSNorm, norm_class
+from engine_server.layers.norm import BiasedLayerNorm, GatedRMSNorm, RMSNorm, norm_class
 from engine_server.layers.rg_lru import RecurrentBlock
 from engine_server.layers.short_conv import ShortConv
 from engine_server.lora.slots import LayerLora, LoraBatch, LoraSlots
@@ -420,6 +420,9 @@ class DecoderModel(nn.Module):
         if self.scales_embeddings:
             multiplier = torch.tensor(config.embedding_multiplier, dtype=torch.float32).to(dtype)
             self.register_buffer("embedding_multiplier", multiplier, persistent=False)
+        # BLOOM: the embeddings LayerNorm'd with a weight and a bias (`word_embeddings_layernorm`).
+        self.embed_layernorm = BiasedLayerNorm(config.hidden_size, config.rms_norm_eps, dtype) \
+            if config.embedding_layer_norm else None  # fmt: skip
         # NanoChat: the embeddings RMS-normalised without a weight (a buffer of ones, as `ops.rms_norm` takes one).
         self.norm_eps = config.rms_norm_eps
         self.embedding_norm = config.embedding_norm
@@ -494,6 +497,8 @@ class DecoderModel(nn.Module):
             hidden = hidden + self.embed_positions(positions)
         if self.embedding_norm:
             hidden = ops.rms_norm(hidden, self.get_buffer("embedding_norm_weight"), self.norm_eps)
+        if self.embed_layernorm is not None:
+            hidden = self.embed_layernorm(hidden, ops)
         return hidden
 
     def forward(

@@ -28,6 +28,7 @@ _C_ATTN = re.compile(r".+\.attn\.c_attn\.(?:weight|bias)")
 _CONV1D = re.compile(r".+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 # The first GPT-2 checkpoints' names, without `transformer.`; their attention's causal-mask buffers.
 _BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.")
+_BARE_BLOOM = ("h.", "word_embeddings.", "word_embeddings_layernorm.", "ln_f.")
 MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
 # OPT's learned positions: row `p + 2` is position p's (its `OPTLearnedPositionalEmbedding` offset).
 _OPT_POSITIONS = ("model.decoder.embed_positions.weight", "biogpt.embed_positions.weight")  # (BioGPT's too)
@@ -49,6 +50,7 @@ class GPTNeoXForCausalLM(CausalLM):
         ("gpt_neox.embed_in.", "model.embed_tokens."),
         ("gpt_neox.layers.", "model.layers."),
         ("gpt_neox.final_layer_norm.", "model.norm."),
+        ("transformer.word_embeddings_layernorm.", "model.embed_layernorm."),  # BLOOM's
         ("transformer.word_embeddings.", "model.embed_tokens."),  # Falcon's
         ("transformer.h.", "model.layers."),
         ("transformer.ln_f.", "model.norm."),
@@ -111,6 +113,8 @@ class GPTNeoXForCausalLM(CausalLM):
             if name.startswith("embed_out."):
                 name = "lm_head." + name.removeprefix("embed_out.")
             if config.absolute_positions and name.startswith(_BARE_GPT2):
+                name = "transformer." + name
+            if config.alibi and name.startswith(_BARE_BLOOM):  # BLOOM's checkpoints without `transformer.`
                 name = "transformer." + name
             if name.startswith("decoder."):  # OPT's first checkpoints, without `model.`
                 name = "model." + name

@@ -1144,14 +1144,14 @@ def test_deepseek_v4_chunked_preempted_quantized_and_refusing_what_it_lacks(tmp_
 
 
 def chunked_split_and_int8(
-    folder: Path, quantized: Callable[[Any], nn.Module], split: bool = True
+    folder: Path, quantized: Callable[[Any], nn.Module], split: bool = True, kv_blocks: int = 24
 ) -> None:
     """A family's engine runs against transformers' greedy tokens (`reference_tokens`): prefilled in 16-token chunks
-    on a pool of 24 blocks (preempted), over two ranks where `split`, and on int8 (`quantized(model)`, the module the
-    family quantizes its own way, a `QuantizedLinear` or `QuantizedExperts`) each prompt's tokens the same alone and
-    batched, 6+ of 8 first tokens the float path's."""
+    on a small pool (`engine`'s `kv_blocks`: preempted), over two ranks where `split`, and on int8
+    (`quantized(model)`, the module the family quantizes its own way, a `QuantizedLinear` or `QuantizedExperts`) each
+    prompt's tokens the same alone and batched, 6+ of 8 first tokens the float path's."""
     theirs, batch = reference_tokens(folder), prompts()
-    with engine(folder, chunk=16, kv_blocks=24) as llm:
+    with engine(folder, chunk=16, kv_blocks=kv_blocks) as llm:
         ours = tokens(llm, batch)
         assert ours == theirs.of(ours)
         assert llm.core.scheduler.total_preemptions > 0
@@ -1400,3 +1400,23 @@ def test_jetmoe_chunked_preempted_on_int8_and_refusing_what_it_lacks(tmp_path: P
         engine(folder, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="LoRA adapters are not applied to JetMoE"):
         LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
+
+
+def test_bloom_split_chunked_and_on_int8(tmp_path: Path) -> None:
+    """BLOOM (tests/families.py: ALiBi, attended in torch sequence by sequence) keeps transformers' tokens prefilled
+    in 16-token chunks (a chunk's distances from its cached context) and preempted, and over two ranks (each its
+    heads' slopes). On int8 each prompt's tokens are the same alone and batched."""
+    folder = save_family(tmp_path, "bloom", head_spread=0.5)
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=48)  # (4 KV heads)
+
+
+def test_a_bloom_checkpoint_without_its_prefix_equals_transformers(tmp_path: Path) -> None:
+    """BLOOM's first checkpoints (bigscience's) name their tensors without `transformer.`: read as transformers reads
+    them."""
+    folder = save_family(tmp_path, "bloom", head_spread=0.5)
+    saved = load_file(folder / "model.safetensors")
+    state = {name.removeprefix("transformer."): tensor for name, tensor in saved.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with engine(folder) as llm:
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)

@@ -664,6 +664,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # learned (offset by 2).
     "xglm": (transformers.XGLMConfig, {"d_model": 64, "num_layers": 2, "attention_heads": 4, "ffn_dim": 96}),
     "biogpt": (transformers.BioGptConfig, {}),
+    # BLOOM: ALiBi, its embeddings LayerNorm'd, GPT-NeoX's fused q/k/v; with 5 heads a power of two's slopes and one
+    # more.
+    "bloom": (transformers.BloomConfig, {"n_head": 4, "pad_token_id": 3}),
+    "bloom-5": (transformers.BloomConfig, {"hidden_size": 80, "n_head": 5, "pad_token_id": 3}),
     # JetMoE: top-2 of 4 attention experts (each a query per KV head, 2 KV heads of 16) and of 4 MLP experts, each
     # mixture's output biased.
     "jetmoe": (
@@ -997,6 +1001,7 @@ MODEL_CLASSES = {
     transformers.PersimmonConfig: transformers.PersimmonForCausalLM,
     transformers.XGLMConfig: transformers.XGLMForCausalLM,
     transformers.BioGptConfig: transformers.BioGptForCausalLM,
+    transformers.BloomConfig: transformers.BloomForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1538,7 +1543,9 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
         ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
         ({"model_type": "olmo_hybrid", "linear_num_key_heads": 2}, "olmo_hybrid with 4 linear value heads over 2"),
-        ({"model_type": "bloom"}, r"unsupported model_type 'bloom' \(ALiBi position biases are not implemented"),
+        ({"model_type": "mpt"}, r"unsupported model_type 'mpt' \(its ALiBi \(MPT's slopes"),
+        ({"model_type": "bloom", "apply_residual_connection_post_layernorm": True},
+         "bloom with apply_residual_connection_post_layernorm is not supported"),
         ({"model_type": "qwen4_exp_text"}, r"QSA indexed attention, hashed n-gram per-layer embeddings"),
     ],
 )
