@@ -608,9 +608,11 @@ class ModelConfig:
     # transposed, `[in, out]` (its Conv1D: `transposed_weights`).
     absolute_positions: bool = False
     transposed_weights: bool = False
-    # BLOOM: attention without rope, every score biased linearly by distance (ALiBi: `layers.alibi`; "": none), and
-    # the embeddings LayerNorm'd (with a bias) before the first layer (`embedding_layer_norm`).
-    alibi: Literal["", "bloom"] = ""
+    # BLOOM, MPT, Falcon-RW: attention without rope, every score biased linearly by distance (ALiBi: `layers.alibi`;
+    # "": none), the slopes BLOOM's, MPT's (from `alibi_bias_max`) or Falcon-RW's (BLOOM's in bfloat16, scaled with
+    # the scores). BLOOM: the embeddings LayerNorm'd (with a bias) before the first layer (`embedding_layer_norm`).
+    alibi: Literal["", "bloom", "mpt", "falcon"] = ""
+    alibi_bias_max: float = 8.0
     embedding_layer_norm: bool = False
     # XGLM: those positions sinusoidal (fairseq's table, computed at load as `embed_positions`: `models.gpt_neox`).
     sinusoidal_positions: bool = False

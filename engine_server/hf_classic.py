@@ -2,8 +2,8 @@
 Dolly, RedPajama-INCITE), Falcon (7B, 40B, 180B, Falcon2 11B), Phi (Phi-1, 1.5, 2), StableLM
 (StableLM 2, StableLM-3B-4E1T, Stable Code), StarCoder2, Nemotron (Nemotron-4, Minitron), OLMo (the first), EXAONE
 (3.0, 3.5), OPT (125M to 66B), GPT-Neo (125M to 2.7B, the TinyStories models), CodeGen (350M to 16B),
-Persimmon (8B), XGLM (564M to 7.5B), BioGPT and BLOOM (560M to 176B). Each is
-read as a Llama config
+Persimmon (8B), XGLM (564M to 7.5B), BioGPT, BLOOM (560M to 176B) and MPT (7B, 30B). Each is read as a Llama
+config
 (`classic_config`: their own key names given Llama's, what their transformers class fills in where a file leaves
 it out) plus the fields of their blocks (`classic_fields`). Any family's reader takes a float of a config.json
 through `json_float`."""
@@ -42,6 +42,9 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     # BLOOM (560M to 176B, BLOOMZ): GPT-NeoX's fused q/k/v and biased LayerNorms, no rope but ALiBi, its embeddings
     # LayerNorm'd, a tanh-GELU MLP
     "bloom": "gpt_neox",
+    # MPT (MosaicML's 7B and 30B, their chat, instruct and StoryWriter models): q/k/v in one projection `cat(q, k,
+    # v)`, no biases anywhere (its LayerNorms' neither), ALiBi with its own slopes, a GELU MLP, a sequential block
+    "mpt": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
 _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "persimmon": 0.5}
@@ -60,6 +63,7 @@ _ACTIVATIONS = {
     "xglm": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "bloom": {"bloom_gelu": "gelu_tanh"},  # (its config names none: its `BloomGelu`, GELU's tanh form)
     "biogpt": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
+    "mpt": {"gelu": "gelu"},  # (its config names none: exact GELU)
     "stablelm": {"silu": "silu"},
     "olmo": {"silu": "silu"},
     "exaone": {"silu": "silu"},
@@ -81,6 +85,8 @@ _RENAMED_KEYS = {
     "persimmon": {"layer_norm_eps": "rms_norm_eps"},
     "bloom": {"n_embed": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
               "layer_norm_epsilon": "rms_norm_eps"},
+    "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+            "max_seq_len": "max_position_embeddings", "layer_norm_epsilon": "rms_norm_eps"},
     "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",
              "ffn_dim": "intermediate_size", "activation_function": "hidden_act"},
     "stablelm": {"use_qkv_bias": "attention_bias"},
@@ -91,7 +97,7 @@ _RENAMED_KEYS = {
                 "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
 # The families whose every head has its own K/V.
-_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt", "bloom")
+_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt", "bloom", "mpt")
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
     "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
@@ -108,6 +114,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     # BLOOM has no position limit of its own (ALiBi): its training context, 2,048, unless `--hf-overrides` says
     "bloom": {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 2048},
+    "mpt": {"attention_bias": False, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 2048},
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
@@ -135,19 +143,20 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """`cfg` with a classic family's own keys given Llama's names and its class's defaults filled in (the same dict
     for any other `model_type`): Falcon's, GPT-2's and GPT-BigCode's KV heads and MLP widths as transformers builds
     them, GPT-J's rope share from its `rotary_dim`. ValueError for what this engine does not build: Phi's q/k
-    LayerNorms (`qk_layernorm`, which no release sets), Falcon-RW's alibi, GPT-2's scores scaled by layer
-    (`scale_attn_by_inverse_layer_idx`) and cross-attention, OPT-350M's form (`_refuse_unbuilt_opt`)."""
+    LayerNorms (`qk_layernorm`, which no release sets), GPT-2's scores scaled by layer
+    (`scale_attn_by_inverse_layer_idx`) and cross-attention, OPT-350M's form (`_refuse_unbuilt_opt`), MPT's forms
+    no release takes (`_refuse_unbuilt_mpt`)."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return cfg
     if model_type == "phi" and cfg.get("qk_layernorm"):
         raise ValueError("phi with qk_layernorm is not supported")
-    if model_type == "falcon" and cfg.get("alibi"):
-        raise ValueError("falcon with alibi (Falcon-RW's positions) is not supported; its rope models are")
     for key in _UNBUILT.get(model_type, ()):
         if cfg.get(key):
             raise ValueError(f"{model_type} with {key} is not supported")
     if model_type == "opt":
         _refuse_unbuilt_opt(cfg)
+    if model_type == "mpt":
+        _refuse_unbuilt_mpt(cfg)
     renamed = dict(cfg)
     for theirs, ours in _RENAMED_KEYS.get(model_type, {}).items():  # the family's own key over any under Llama's name
         if theirs in renamed:
@@ -168,6 +177,10 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         renamed["rope_theta"] = 10000.0
     if model_type == "bloom":  # its MLP 4 x hidden
         renamed["intermediate_size"] = 4 * int(renamed["hidden_size"])
+    if model_type == "mpt":  # its MLP `expansion_ratio` x hidden (4; MosaicML's code reads it, transformers fixes
+        # 4); its q/k/v clamped by `attn_config`
+        renamed["intermediate_size"] = int(renamed.get("expansion_ratio") or 4) * int(renamed["hidden_size"])
+        renamed["clip_qkv"] = (renamed.get("attn_config") or {}).get("clip_qkv")
     if model_type in ("gpt2", "gpt_bigcode"):  # the MLP 4 x hidden unless given; GPT-BigCode's one KV head
         multi_query = model_type == "gpt_bigcode" and renamed.get("multi_query", True)
         renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * int(renamed["hidden_size"]))
@@ -194,6 +207,46 @@ def _refuse_unbuilt_opt(cfg: dict[str, Any]) -> None:
         raise ValueError(f"opt with word_embed_proj_dim {width} other than hidden_size {hidden} is not supported")
     if cfg.get("_remove_final_layer_norm") or not cfg.get("layer_norm_elementwise_affine", True):
         raise ValueError("opt without its final LayerNorm, or with LayerNorms without weights, is not supported")
+
+
+# MPT's attention as its released configs set it (`attn_config`; MosaicML's llm-foundry builds others).
+_MPT_ATTENTION = {"alibi": True, "qk_ln": False, "prefix_lm": False, "rope": False}
+
+
+def _refuse_unbuilt_mpt(cfg: dict[str, Any]) -> None:
+    """ValueError for the MPT forms this engine does not build (no released MPT takes them; transformers' MPT
+    builds none either): attention other than multi-head ALiBi (`attn_config`: learned positions, rope, q/k
+    LayerNorms, a prefix LM, grouped or multi-query K/V), biases (`no_bias` false), another norm or MLP."""
+    attention = cfg.get("attn_config") or {}
+    for key, released in _MPT_ATTENTION.items():
+        if bool(attention.get(key, released)) != released:
+            raise ValueError(f"mpt with attn_config {key} {attention[key]!r} is not supported")
+    if attention.get("attn_type", "multihead_attention") != "multihead_attention":
+        raise ValueError(f"mpt with attn_type {attention['attn_type']!r} is not supported (multihead_attention)")
+    if not cfg.get("no_bias", True):
+        raise ValueError("mpt with no_bias false (biased projections and LayerNorms) is not supported")
+    norm = cfg.get("norm_type", "low_precision_layernorm")
+    if norm not in ("low_precision_layernorm", "layernorm"):
+        raise ValueError(f"mpt with norm_type {norm!r} is not supported (low_precision_layernorm, layernorm)")
+    mlp = (cfg.get("ffn_config") or {}).get("ffn_type", "mptmlp")
+    if mlp != "mptmlp":
+        raise ValueError(f"mpt with ffn_type {mlp!r} is not supported (mptmlp)")
+
+
+def _mpt_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MPT's attention and logits as `ModelConfig` fields (`attn_config`'s `alibi_bias_max` and `softmax_scale`;
+    `logit_scale`, a number or "inv_sqrt_d_model"), as MosaicML's code reads them (transformers'
+    MPT fixes the bias maximum at 8, its default, and ignores `logit_scale`)."""
+    attention = cfg.get("attn_config") or {}
+    fields: dict[str, Any] = {"alibi": "mpt", "alibi_bias_max": json_float(attention.get("alibi_bias_max") or 8)}
+    if attention.get("softmax_scale"):
+        fields["attention_scale"] = json_float(attention["softmax_scale"])
+    scale = cfg.get("logit_scale")
+    if scale == "inv_sqrt_d_model":
+        fields["logit_scale"] = 1 / math.sqrt(int(cfg["hidden_size"]))
+    elif scale is not None:
+        fields["logit_scale"] = json_float(scale)
+    return fields
 
 
 # GPT-Neo's default layers: global and local in turn, over 24 layers (`GPTNeoConfig.attention_types`).
@@ -239,8 +292,8 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
     and their activation, GPT-NeoX's, Falcon's, GPT-J's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's
     q/k LayerNorms per head, GPT-2's, GPT-BigCode's, OPT's and GPT-Neo's learned positions (GPT-2's Conv1D weights),
-    GPT-Neo's unscaled scores, GPT-J's and Phi's LM head bias. ValueError for an activation the family's modeling
-    file would not run as ours does."""
+    GPT-Neo's unscaled scores, GPT-J's and Phi's LM head bias, BLOOM's, MPT's and Falcon-RW's ALiBi. ValueError for
+    an activation the family's modeling file would not run as ours does."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return {}
     activations = _ACTIVATIONS[model_type]
@@ -265,6 +318,10 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         two_norms = new and int(cfg.get("num_ln_in_parallel_attn") or 2) == 2
         parallel = new or bool(cfg.get("parallel_attn", True))
         fields.update(mlp_bias=bool(cfg.get("attention_bias")), parallel_block=parallel, parallel_mlp_norm=two_norms)
+        if cfg.get("alibi"):  # Falcon-RW's positions
+            fields.update(alibi="falcon")
+    elif model_type == "mpt":  # LayerNorms without biases, no bias anywhere
+        fields.update(layer_norm_bias=False, **_mpt_fields(cfg))
     elif model_type == "phi":
         fields.update(mlp_bias=True, parallel_block=True, lm_head_bias=True)
     elif model_type == "bloom":

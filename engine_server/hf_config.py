@@ -256,7 +256,6 @@ _NOT_YET: dict[str, str] = {
     "hyper-connections are not implemented yet",
     "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
     "zamba2": "its shared attention blocks with per-use LoRA are not implemented yet",
-    "mpt": "its ALiBi (MPT's slopes, its clipped q/k/v) is not implemented yet (BLOOM's is)",
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
@@ -264,6 +263,8 @@ _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
     "hunyuan", "apertus", "afmoe", "nanochat", "olmo_hybrid", "minimax_m3",
     "beam", "ergo",
 )  # fmt: skip
+# The classic families whose q/k/v a config may clamp (`clip_qkv`; OLMoE's and DBRX's are their architectures').
+_CLIPS_QKV = ("olmo", "mpt")
 # Hugging Face activation names of an encoder's MLP, by whether they are the tanh approximation of GELU.
 ENCODER_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
@@ -453,7 +454,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         qk_norm_whole=arch in ("olmoe", "olmo2", "minimax_m2", "olmo_hybrid") and model_type != "exaone4",
         qk_norm_after_rope=arch in ("hunyuan", "nanochat"),
         post_norms=arch in ("olmo2", "olmo_hybrid") or model_type == "flex_olmo",
-        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch in ("olmoe", "dbrx") or model_type == "olmo" else 0.0,
+        clip_qkv=float(cfg.get("clip_qkv") or 0.0) if arch in ("olmoe", "dbrx") or model_type in _CLIPS_QKV else 0.0,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
         bos_token_id=cfg.get("bos_token_id"),
@@ -1737,9 +1738,10 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     `no_rope_layer_interval`-th layer (4), as transformers builds them; EXAONE 4's global (unwindowed) layers when
     it has windows at all; Cohere 2's unwindowed layers (all of them without a window, as transformers turns rope
     on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
-    models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; () for the other families."""
-    if model_type in ("nemotron_h", "bloom"):  # their attention turns no rope (BLOOM's: ALiBi)
-        return tuple(range(int(cfg["num_hidden_layers"])))
+    models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; every layer of Nemotron-H and
+    of the ALiBi models (BLOOM, MPT, Falcon-RW); () for the other families."""
+    if model_type in ("nemotron_h", "bloom", "mpt") or (model_type == "falcon" and cfg.get("alibi")):
+        return tuple(range(int(cfg["num_hidden_layers"])))  # their attention turns no rope (BLOOM's, MPT's: ALiBi)
     if model_type in ("beam", "ergo"):  # the kinds of layer their rope parameters leave null
         rope = cfg["rope_parameters"]
         return tuple(i for i, kind in enumerate(cfg["layer_types"]) if rope.get(kind) is None)

@@ -388,7 +388,7 @@ def _captures_decode_graphs(loaded: LoadedModel, config: EngineConfig) -> bool:
         return False
     if loaded.model_config.alibi:
         # Its attention runs in torch sequence by sequence (`layers.alibi`), from host lists.
-        log.warning("a model with ALiBi (BLOOM) decodes eagerly: no CUDA graphs yet")
+        log.warning("a model with ALiBi (BLOOM, MPT, Falcon-RW) decodes eagerly: no CUDA graphs yet")
         return False
     if loaded.model_config.block_sparse is not None:
         # Its sparse layers choose between the kernels' attention and their own, which walks each sequence.

@@ -524,6 +524,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # BLOOM: ALiBi (no rope), its embeddings LayerNorm'd, GPT-NeoX's fused q/k/v, a tanh-GELU MLP.
     "bloom": ("BloomConfig", {"n_head": 4, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}),
     "biogpt": ("BioGptConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    # MPT: ALiBi with its own slopes (6 heads: interleaved), q/k/v in one projection clamped, no biases.
+    "mpt": ("MptConfig", {"hidden_size": 96, "num_attention_heads": 6, "attn_config": {"clip_qkv": 0.3},
+                          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Falcon-RW: Falcon's sequential block with biases and ALiBi (16 heads: slopes bfloat16 rounds, as its code does).
+    "falcon-rw": ("FalconConfig", {"num_attention_heads": 16, "alibi": True, "bias": True, "multi_query": False,
+                                   "parallel_attn": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gpt2": ("GPT2Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "gptj": ("GPTJConfig", {"rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # CodeGen: GPT-J's block, q/k/v in one projection laid out by its 4 training shards (2 of the 8 heads each).

@@ -1,5 +1,7 @@
-"""ALiBi (BLOOM's): attention without rope whose every score gets a linear bias by distance, `slope_h * (j - p)` for
-the query at position p and the key at j (head h's slope; transformers adds `slope_h * j`, the same softmax).
+"""ALiBi (BLOOM's, MPT's, Falcon-RW's): attention without rope whose every score gets a linear bias by distance,
+`slope_h * (j - p)` for the query at position p and the key at j (head h's slope; transformers adds `slope_h * j`,
+the same softmax). Falcon-RW's bias is its modeling code's: `slope_h * j` in bfloat16 (the slope rounded to it too),
+then scaled with the scores.
 
 The attention runs here in torch over the paged cache, sequence by sequence (no kernel of the kernel sets takes a
 bias yet): each sequence's keys and values gathered from its blocks, the scores in the model's dtype, the bias and
@@ -29,11 +31,35 @@ def bloom_slopes(heads: int) -> torch.Tensor:
     return slopes
 
 
+def mpt_slopes(heads: int, bias_max: float) -> torch.Tensor:
+    """Each of `heads` heads' slope, float32, as MPT builds them (transformers' `build_mpt_alibi_tensor`):
+    `2^(-i * bias_max / n)` for i = 1..n, n the smallest power of two >= heads; for other head counts the odd
+    i's slopes first, then the even i's, the first `heads` of them."""
+    closest = 2 ** math.ceil(math.log2(heads))
+    exponents = torch.arange(1, closest + 1, dtype=torch.int64).float() * (bias_max / closest)
+    slopes = 1.0 / torch.pow(2, exponents)
+    if closest != heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:heads]
+    return slopes
+
+
+def alibi_slopes(kind: str, heads: int, bias_max: float) -> torch.Tensor:
+    """The slopes of a model's `heads` heads, float32 (`ModelConfig.alibi`: "mpt" from `bias_max`; "bloom" and
+    "falcon" BLOOM's, which `alibi_attention` rounds to bfloat16 for Falcon)."""
+    return mpt_slopes(heads, bias_max) if kind == "mpt" else bloom_slopes(heads)
+
+
 def alibi_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, slopes: torch.Tensor
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    slopes: torch.Tensor,
+    falcon: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q `[T, H, D]` over the paged cache `[2, blocks, block_size, Hkv, row]` (this step's K/V
-    written already), each score `scale * q . k + slopes[h] * (j - p)` (`slopes` `[H]` float32): `[T, H, D]`."""
+    written already), each score `scale * q . k + slopes[h] * (j - p)` (`slopes` `[H]` float32): `[T, H, D]`.
+    `falcon`: each score `scale * (q . k + bf16(slopes[h] * j))` instead (Falcon-RW's bias: slopes bfloat16)."""
     out = torch.empty_like(q)
     block, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // kv_heads
@@ -50,7 +76,11 @@ def alibi_attention(
         queries_at = keys_at[seq_len - query_len :]
         distance = (keys_at[None, :] - queries_at[:, None]).float()  # [Q, S]
         scores = torch.matmul(queries, keys.transpose(1, 2)) * scale
-        scores = scores.float() + slopes[:, None, None] * distance
+        if falcon:  # the product in bfloat16, as its modeling code computes it, then scaled with the scores
+            bias = (slopes.bfloat16()[:, None] * keys_at[None, :]).float()[:, None, :] * scale
+        else:
+            bias = slopes[:, None, None] * distance
+        scores = scores.float() + bias
         scores = scores.masked_fill(distance > 0, float("-inf"))
         weights = torch.softmax(scores, dim=-1).to(q.dtype)
         out[start : start + query_len] = torch.matmul(weights, values).transpose(0, 1)

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine_server.attention_metadata import AttentionMetadata
 from engine_server.config import ModelConfig
-from engine_server.layers.alibi import alibi_attention, bloom_slopes
+from engine_server.layers.alibi import alibi_attention, alibi_slopes
 from engine_server.layers.mlp import int8_rows
 from engine_server.layers.norm import HeadLayerNorm, RMSNorm, ShardedRMSNorm
 from engine_server.lora.slots import LayerLora
@@ -165,11 +165,12 @@ class PagedSelfAttention(nn.Module):
         self.norm_eps = config.rms_norm_eps
         self.clip_qkv = config.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False) if config.attention_sinks else None
-        # BLOOM's ALiBi: this rank's heads' slopes (`layers.alibi`)
-        self.alibi = bool(config.alibi)
+        # BLOOM's, MPT's and Falcon-RW's ALiBi: this rank's heads' slopes (`layers.alibi`)
+        self.alibi, self.falcon_alibi = bool(config.alibi), config.alibi == "falcon"
         if self.alibi:
             kept = query_heads_of_rank(q_heads, tp.size, tp.rank)
-            self.register_buffer("alibi_slopes", bloom_slopes(q_heads)[kept.start : kept.stop], persistent=False)
+            slopes = alibi_slopes(config.alibi, q_heads, config.alibi_bias_max)
+            self.register_buffer("alibi_slopes", slopes[kept.start : kept.stop], persistent=False)
         # Laguna: `g_proj` gives each of this rank's heads one gate value, or one per dim of the head (`gate_width`),
         # through softplus; Beam: one per dim, with a bias, through a sigmoid (`sigmoid_gate`).
         self.gate_width = 1 if config.attention_softplus_gate == "head" else self.head_dim
@@ -210,7 +211,8 @@ class PagedSelfAttention(nn.Module):
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         attend = meta.chunked(self.chunk) if self.chunk else meta
         out = (
-            alibi_attention(q, kv_cache, meta, self.scale, self.get_buffer("alibi_slopes")) if self.alibi
+            alibi_attention(q, kv_cache, meta, self.scale, self.get_buffer("alibi_slopes"), self.falcon_alibi)
+            if self.alibi
             else ops.paged_attention(q, kv_cache, attend, self.scale, self.window, self.softcap, self.sinks)
         )  # fmt: skip
         out = out.reshape(tokens, self.q_size)

@@ -1,6 +1,7 @@
 """The GPT-NeoX lineage (GPT-2, GPT-BigCode, GPT-NeoX and Pythia, Falcon, Phi-1/1.5/2, StableLM, StarCoder2,
-Nemotron-4, OPT, GPT-Neo): LayerNorms with biases, biased projections, rope over a leading share of each head (or
-learned positions), GELU (relu², ReLU) MLPs without a gate, parallel blocks."""
+Nemotron-4, OPT, GPT-Neo, Persimmon, XGLM, BioGPT, BLOOM, MPT): LayerNorms with biases, biased projections, rope
+over a leading share of each head (or learned positions, or ALiBi), GELU (relu², ReLU) MLPs without a gate, parallel
+blocks."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ _HEAD_NORM = re.compile(r"(?P<attention>.+\.self_attn)\.(?P<part>q|k)_layernorm\
 
 class GPTNeoXForCausalLM(CausalLM):
     """The GPT-NeoX lineage (`model_type` gpt2, gpt_bigcode, gpt_neox, falcon, phi, stablelm, starcoder2,
-    nemotron, opt, gpt_neo, persimmon): their quirks are `ModelConfig` fields the shared layers read
-    (`hf_classic.classic_fields`: `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`,
-    `qk_layer_norm`, `norm_offset`, `lm_head_bias`, `absolute_positions`); their checkpoints' names are read as
+    nemotron, opt, gpt_neo, persimmon, xglm, biogpt, bloom, mpt): their quirks are `ModelConfig` fields the shared
+    layers read (`hf_classic.classic_fields`: `layer_norm_bias`, `gated_mlp`, `parallel_block`, `parallel_mlp_norm`,
+    `qk_layer_norm`, `norm_offset`, `lm_head_bias`, `absolute_positions`, `alibi`); their checkpoints' names are read as
     Llama's (`checkpoint_renames`), GPT-NeoX's, Falcon's, Persimmon's and GPT-BigCode's fused q/k/v rows (grouped by
     KV head) as `cat(q, k, v)`, GPT-2's Conv1D weights transposed and StableLM 2's per-head q/k LayerNorms as one
     `[heads, head_dim]` weight each (`checkpoint_weights`)."""
@@ -90,6 +91,14 @@ class GPTNeoXForCausalLM(CausalLM):
         ("biogpt.", "model."),  # BioGPT's, its LM head `output_projection`
         ("model.layer_norm.", "model.norm."),  # XGLM's and BioGPT's final norm
         ("output_projection.", "lm_head."),
+        ("transformer.blocks.", "model.layers."),  # MPT's
+        ("transformer.norm_f.", "model.norm."),
+        (".norm_1.", ".input_layernorm."),
+        (".norm_2.", ".post_attention_layernorm."),
+        (".attn.Wqkv.", ".self_attn.qkv_proj."),
+        (".attn.out_proj.", ".self_attn.o_proj."),
+        (".ffn.up_proj.", ".mlp.up_proj."),
+        (".ffn.down_proj.", ".mlp.down_proj."),
     )
 
     def checkpoint_weights(

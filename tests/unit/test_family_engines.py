@@ -1410,6 +1410,15 @@ def test_bloom_split_chunked_and_on_int8(tmp_path: Path) -> None:
     chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=48)  # (4 KV heads)
 
 
+@pytest.mark.parametrize(("name", "kv_blocks"), [("mpt", 72), ("falcon-rw", 48)])  # (24 blocks of 6 or 16 heads)
+def test_mpt_and_falcon_rw_split_chunked_and_on_int8(tmp_path: Path, name: str, kv_blocks: int) -> None:
+    """MPT and Falcon-RW (tests/families.py: ALiBi with MPT's slopes; BLOOM's in bfloat16 scaled with the scores)
+    keep transformers' tokens prefilled in 16-token chunks and preempted, and over two ranks (each its heads'
+    slopes). On int8 each prompt's tokens are the same alone and batched."""
+    folder = save_family(tmp_path, name, head_spread=0.5)
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=kv_blocks)
+
+
 def test_a_bloom_checkpoint_without_its_prefix_equals_transformers(tmp_path: Path) -> None:
     """BLOOM's first checkpoints (bigscience's) name their tensors without `transformer.`: read as transformers reads
     them."""

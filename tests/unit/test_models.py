@@ -668,6 +668,11 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # more.
     "bloom": (transformers.BloomConfig, {"n_head": 4, "pad_token_id": 3}),
     "bloom-5": (transformers.BloomConfig, {"hidden_size": 80, "n_head": 5, "pad_token_id": 3}),
+    # MPT: its ALiBi slopes, q/k/v in one projection clamped, no biases; with 6 heads its slopes of 8 interleaved,
+    # the scores scaled by its softmax_scale.
+    "mpt": (transformers.MptConfig, {"max_seq_len": 256, "attn_config": {"clip_qkv": 0.15}}),
+    "mpt-6": (transformers.MptConfig, {"hidden_size": 96, "num_attention_heads": 6, "max_seq_len": 256,
+                                       "attn_config": {"softmax_scale": 0.2}}),
     # JetMoE: top-2 of 4 attention experts (each a query per KV head, 2 KV heads of 16) and of 4 MLP experts, each
     # mixture's output biased.
     "jetmoe": (
@@ -865,10 +870,13 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "gpt-neox-sequential": (transformers.GPTNeoXConfig, {"use_parallel_residual": False, "hidden_act": "gelu_new"}),
     # Falcon 7B: multi-query attention (one KV head), the attention and an exact-GELU MLP in parallel off one
     # LayerNorm; Falcon 40B / 180B: two KV heads (grouped q/k/v), the parallel block off two (`ln_attn`, `ln_mlp`),
-    # biases here; Falcon-RW's form without alibi: every head its own K/V, the block one after the other.
+    # biases here; Falcon-RW's form without alibi: every head its own K/V, the block one after the other; Falcon-RW
+    # (alibi, its biases; 16 heads: slopes that bfloat16 rounds).
     "falcon-7b": (transformers.FalconConfig, {}),
     "falcon-40b": (transformers.FalconConfig, {"new_decoder_architecture": True, "num_kv_heads": 2, "bias": True}),
     "falcon-sequential": (transformers.FalconConfig, {"multi_query": False, "parallel_attn": False}),
+    "falcon-rw": (transformers.FalconConfig, {"hidden_size": 128, "num_attention_heads": 16, "alibi": True,
+                                              "bias": True, "multi_query": False, "parallel_attn": False}),
     # GPT-2: learned positions, no rope, Conv1D weights ([in, out]) with q/k/v in one; GPT-BigCode (StarCoder): one
     # KV head (`multi_query`), plain weights; its multi-head form's q/k/v grouped head by head.
     "gpt2": (transformers.GPT2Config, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
@@ -1002,6 +1010,7 @@ MODEL_CLASSES = {
     transformers.XGLMConfig: transformers.XGLMForCausalLM,
     transformers.BioGptConfig: transformers.BioGptForCausalLM,
     transformers.BloomConfig: transformers.BloomForCausalLM,
+    transformers.MptConfig: transformers.MptForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1207,6 +1216,16 @@ def test_greedy_generation_matches_hf_generate(pair: tuple[transformers.PreTrain
                 pad_token_id=0,
             )
         assert ours_out == ids[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["bloom-5", "mpt-6", "falcon-rw"])
+def test_alibi_biases_match_transformers_far_into_a_sequence(family: str) -> None:
+    """ALiBi's biases grow with distance: over 240 tokens the logits still equal transformers' (MPT's interleaved
+    slopes; Falcon-RW's bias rounded to bfloat16 as its modeling code rounds it, which moves logits ~3e-3 there)."""
+    hf, ours = build_pair(family)
+    tokens = random_tokens(240, 3)
+    got = PagedRunner(ours, num_blocks=128).step([(0, tokens)])
+    torch.testing.assert_close(got, hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
 
 
 def test_registry_and_cache_size() -> None:
@@ -1431,6 +1450,47 @@ def test_dbrx_instruct_config_reads_as_released() -> None:
             model_config_from_hf({**DBRX_INSTRUCT, **bad})
 
 
+# MPT-7B's released config (mosaicml/mpt-7b; MPT-30B's differs in its shape and `max_seq_len` alone).
+MPT_7B: dict[str, Any] = {
+    "architectures": ["MPTForCausalLM"], "model_type": "mpt", "d_model": 4096, "n_heads": 32, "n_layers": 32,
+    "expansion_ratio": 4, "max_seq_len": 2048, "vocab_size": 50432, "resid_pdrop": 0.0, "emb_pdrop": 0.0,
+    "learned_pos_emb": True, "logit_scale": None, "no_bias": True, "norm_type": "low_precision_layernorm",
+    "embedding_fraction": 1.0, "use_cache": False, "torch_dtype": "bfloat16",
+    "attn_config": {"alibi": True, "alibi_bias_max": 8, "attn_impl": "torch", "attn_pdrop": 0.0,
+                    "attn_type": "multihead_attention", "attn_uses_sequence_id": False, "clip_qkv": None,
+                    "prefix_lm": False, "qk_ln": False, "softmax_scale": None},
+}  # fmt: skip
+# Falcon-RW-1B's (tiiuae/falcon-rw-1b).
+FALCON_RW_1B: dict[str, Any] = {
+    "model_type": "falcon", "alibi": True, "apply_residual_connection_post_layernorm": False, "bias": True,
+    "hidden_size": 2048, "layer_norm_epsilon": 1e-05, "multi_query": False, "new_decoder_architecture": False,
+    "num_attention_heads": 32, "num_hidden_layers": 24, "parallel_attn": False, "vocab_size": 50304,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def test_mpt_and_falcon_rw_configs_read_as_released() -> None:
+    """MPT-7B's config: its own names, an MLP 4 x 4,096, no biases, ALiBi with MPT's slopes over every layer (no
+    rope), tied embeddings; a `logit_scale` and `alibi_bias_max` read as MosaicML's code reads them. Falcon-RW-1B's:
+    every head its own K/V, the sequential block, biases, ALiBi with BLOOM's slopes (Falcon's form)."""
+    config = model_config_from_hf(MPT_7B)
+    shape = (config.architecture, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+             config.intermediate_size, config.num_hidden_layers, config.max_position_embeddings)  # fmt: skip
+    assert shape == ("gpt_neox", 4096, 32, 32, 16384, 32, 2048)
+    assert (config.alibi, config.alibi_bias_max, config.clip_qkv, config.nope_layers) == ("mpt", 8.0, 0.0,
+                                                                                          tuple(range(32)))
+    assert (config.layer_norm, config.layer_norm_bias, config.attention_bias, config.mlp_bias) == (True, False,
+                                                                                                   False, False)
+    assert (config.tie_word_embeddings, config.hidden_act, config.logit_scale) == (True, "gelu", 1.0)
+    scaled = {**MPT_7B, "logit_scale": "inv_sqrt_d_model", "attn_config": {"alibi_bias_max": 16, "clip_qkv": 6}}
+    config = model_config_from_hf(scaled)
+    assert (config.logit_scale, config.alibi_bias_max, config.clip_qkv) == (1 / 64, 16.0, 6.0)
+    config = model_config_from_hf(FALCON_RW_1B)
+    shape = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.parallel_block)
+    assert shape == (32, 32, 8192, False)
+    assert (config.alibi, config.nope_layers, config.attention_bias) == ("falcon", tuple(range(24)), True)
+
+
 def test_olmoe_config_and_its_whole_projection_norms_split_by_rank() -> None:
     shape = {**SMALL, "intermediate_size": 32}
     olmoe = transformers.OlmoeConfig(**shape, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0).to_dict()
@@ -1515,7 +1575,6 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
          "sliding_attention rope type 'yarn' is not supported"),
         ({"model_type": "ctrl"},
          r"'ctrl' \(no family of this engine implements it\); supported: ([a-z0-9_]+, )*llama, "),
-        ({"model_type": "falcon", "alibi": True}, r"falcon with alibi \(Falcon-RW's positions\) is not supported"),
         ({"model_type": "phi", "qk_layernorm": True}, "phi with qk_layernorm is not supported"),
         ({"model_type": "gpt2", "scale_attn_by_inverse_layer_idx": True},
          "gpt2 with scale_attn_by_inverse_layer_idx is not supported"),
@@ -1543,7 +1602,11 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
         ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
         ({"model_type": "olmo_hybrid", "linear_num_key_heads": 2}, "olmo_hybrid with 4 linear value heads over 2"),
-        ({"model_type": "mpt"}, r"unsupported model_type 'mpt' \(its ALiBi \(MPT's slopes"),
+        ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, "mpt with attn_config qk_ln True is not supported"),
+        ({"model_type": "mpt", "attn_config": {"alibi": False}}, "mpt with attn_config alibi False is not supported"),
+        ({"model_type": "mpt", "attn_config": {"attn_type": "grouped_query_attention"}},
+         "mpt with attn_type 'grouped_query_attention' is not supported"),
+        ({"model_type": "mpt", "no_bias": False}, "mpt with no_bias false"),
         ({"model_type": "bloom", "apply_residual_connection_post_layernorm": True},
          "bloom with apply_residual_connection_post_layernorm is not supported"),
         ({"model_type": "qwen4_exp_text"}, r"QSA indexed attention, hashed n-gram per-layer embeddings"),
