@@ -84,7 +84,7 @@ _RENAMED_KEYS = {
     "nemotron": {"norm_eps": "rms_norm_eps"},
     "persimmon": {"layer_norm_eps": "rms_norm_eps"},
     "bloom": {"n_embed": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-              "layer_norm_epsilon": "rms_norm_eps"},
+              "layer_norm_epsilon": "rms_norm_eps", "seq_length": "max_position_embeddings"},
     "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
             "max_seq_len": "max_position_embeddings", "layer_norm_epsilon": "rms_norm_eps"},
     "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",

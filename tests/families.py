@@ -1027,7 +1027,8 @@ class GreedyReference:
 # and its architecture names (Gemma's norms after attention and around the MLP have names of their own).
 _GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
                 "model.embed_positions": "position_embd",
-                "model.embedding_norm": "token_embd_norm"}  # LFM2's final norm  # fmt: skip
+                "model.embedding_norm": "token_embd_norm",  # LFM2's final norm
+                "model.embed_layernorm": "token_embd_norm"}  # BLOOM's embeddings' LayerNorm  # fmt: skip
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -1053,12 +1054,16 @@ _GGUF_ARCHITECTURES = {
     "gpt2": "gpt2", "gpt_bigcode": "starcoder", "gpt_neox": "gptneox", "falcon": "falcon", "phi": "phi2",
     "stablelm": "stablelm", "starcoder2": "starcoder2", "nemotron": "nemotron", "olmo": "olmo", "exaone": "exaone",
     "mamba": "mamba", "falcon_mamba": "mamba", "mamba2": "mamba2", "dbrx": "dbrx", "gemma3n_text": "gemma3n",
+    "bloom": "bloom", "mpt": "mpt",
 }  # fmt: skip
 # The state space models' architectures: no attention, their own keys (`_state_space_metadata`).
 _GGUF_STATE_SPACE = ("mamba", "mamba2")
 # The classic families' llama.cpp architectures, whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their
 # checkpoints' names as Llama's, which `_GGUF_LAYER` and `_GGUF_GLOBAL` then name as llama.cpp does.
-_GGUF_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+_GGUF_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo",
+                      "bloom", "mpt")  # fmt: skip
+# The ALiBi families' files: no rope keys, no window (their converters write none).
+_GGUF_ALIBI = ("bloom", "mpt")
 _GGUF_CLASSIC = (*_GGUF_LAYER_NORMED, "exaone")
 _CLASSIC_AS_LLAMA = (
     ("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
@@ -1074,6 +1079,11 @@ _CLASSIC_AS_LLAMA = (
     ("transformer.h.", "model.layers."), (".attn.attention.out_proj.", ".self_attn.o_proj."),
     (".attn.attention.", ".self_attn."), (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
     (".mlp.c_fc_0.", ".mlp.gate_proj."), (".mlp.c_fc_1.", ".mlp.up_proj."),
+    ("transformer.word_embeddings_layernorm.", "model.embed_layernorm."),  # BLOOM's
+    ("transformer.blocks.", "model.layers."), ("transformer.norm_f.", "model.norm."),  # MPT's
+    (".norm_1.", ".input_layernorm."), (".norm_2.", ".post_attention_layernorm."),
+    (".attn.Wqkv.", ".self_attn.qkv_proj."), (".attn.out_proj.", ".self_attn.o_proj."),
+    (".ffn.up_proj.", ".mlp.up_proj."), (".ffn.down_proj.", ".mlp.down_proj."),
 )  # fmt: skip
 _GGUF_GRANITES = ("granite", "granitemoe", "granitehybrid")
 # LFM2's checkpoint names, llama.cpp's for them (its convolution's `shortconv.*`; its final norm `token_embd_norm`).
@@ -1304,6 +1314,14 @@ def write_gguf(
                   "num_hidden_layers": config["n_layer"], "max_position_embeddings": config["n_positions"],
                   "intermediate_size": config.get("n_inner") or 4 * hidden,
                   "num_key_value_heads": 1 if config.get("multi_query") else config["n_head"]}  # fmt: skip
+    if arch == "bloom":  # its converter's context: `seq_length`, else the hidden size
+        hidden = config["hidden_size"]
+        config = {**config, "num_attention_heads": config["n_head"], "num_hidden_layers": config["n_layer"],
+                  "max_position_embeddings": config.get("seq_length", hidden), "intermediate_size": 4 * hidden}
+    if arch == "mpt":  # its config's own names as Llama's
+        config = {**config, "hidden_size": config["d_model"], "num_attention_heads": config["n_heads"],
+                  "num_hidden_layers": config["n_layers"], "max_position_embeddings": config["max_seq_len"],
+                  "intermediate_size": 4 * config["d_model"]}  # fmt: skip
     if arch == "nemotron_h" and "moe" in config["layers_block_type"]:  # Nemotron 3's: its converter's other name
         arch = "nemotron_h_moe"
     if arch in (*_GGUF_STATE_SPACE, "dbrx"):  # no attention heads, no rope; DBRX's nested config
@@ -1414,7 +1432,7 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
         writer.add_feed_forward_length(config["intermediate_size"])
         writer.add_leading_dense_block_count(config["num_dense_layers"])
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
-    elif arch in ("phi2", "falcon", "gpt2", "starcoder"):  # their converters', whatever the MLP's width
+    elif arch in ("phi2", "falcon", "gpt2", "starcoder", *_GGUF_ALIBI):  # their converters', whatever the MLP's width
         writer.add_feed_forward_length(4 * hidden)
     elif "intermediate_size" in config:  # Qwen3.5-MoE's has none (every layer's MLP is its experts)
         writer.add_feed_forward_length(config["intermediate_size"])
@@ -1429,8 +1447,14 @@ def _common_metadata(writer: Any, config: dict[str, Any], arch: str, rope: dict[
             writer.add_parallel_residual(bool(config.get("use_parallel_residual", arch == "gptneox")))
         if arch == "olmo" and config.get("clip_qkv") is not None:
             writer.add_clamp_kqv(config["clip_qkv"])
+        if arch == "mpt":
+            _mpt_metadata(writer, config["attn_config"])
     else:
         writer.add_layer_norm_rms_eps(config["norm_eps"] if arch.startswith("lfm2") else config["rms_norm_eps"])
+    if arch in _GGUF_ALIBI:  # no rope; BLOOM's KV heads, every head's (MPT's converter writes none)
+        if arch == "bloom":
+            writer.add_head_count_kv(heads)
+        return
     if rope.get("rope_type") == "dynamic" and rope.get("alpha"):  # Hunyuan's: NTK's alpha applied to the base
         writer.add_rope_freq_base(rope["rope_theta"] * rope["alpha"] ** (head_dim / (head_dim - 2)))
     else:
@@ -1639,18 +1663,26 @@ def _llama_cpp_classic(
     name: str, tensor: torch.Tensor, config: dict[str, Any], arch: str
 ) -> tuple[str, torch.Tensor]:
     """A classic family's checkpoint tensor under Llama's name (`_CLASSIC_AS_LLAMA`), as llama.cpp's converter writes
-    it: GPT-NeoX's head-by-head and Falcon's KV-grouped q/k/v rows as `cat(q, k, v)`, Nemotron-4's LayerNorm1P
-    weights as 1 + w."""
+    it: GPT-NeoX's and BLOOM's head-by-head and Falcon's KV-grouped q/k/v rows as `cat(q, k, v)`, Nemotron-4's
+    LayerNorm1P weights as 1 + w."""
     for theirs, ours in _CLASSIC_AS_LLAMA:
         name = name.replace(theirs, ours)
     if arch == "gpt2" and name.endswith(_GPT2_CONV1D):  # its converter's transposed Conv1D weights
         tensor = tensor.t().contiguous()
-    if arch in ("gptneox", "falcon") and ".self_attn.qkv_proj." in name:  # grouped by KV head: Falcon's groups
+    if arch in ("gptneox", "falcon", "bloom") and ".self_attn.qkv_proj." in name:  # grouped by KV head: Falcon's
         heads = config["num_attention_heads"]
         tensor = grouped_qkv_rows(tensor, heads, falcon_kv_heads(config) if arch == "falcon" else heads)
     if arch == "nemotron" and name.endswith("norm.weight"):
         tensor = tensor + 1.0
     return name, tensor
+
+
+def _mpt_metadata(writer: Any, attention: dict[str, Any]) -> None:
+    """MPT's attention keys as llama.cpp's converter writes them: `clip_qkv` as `clamp_kqv` where set, the ALiBi
+    bias maximum (0 without ALiBi)."""
+    if attention.get("clip_qkv") is not None:
+        writer.add_clamp_kqv(attention["clip_qkv"])
+    writer.add_max_alibi_bias(float(attention.get("alibi_bias_max", 8)) if attention.get("alibi", True) else 0.0)
 
 
 def _state_space_metadata(writer: Any, config: dict[str, Any], arch: str) -> None:

@@ -1,8 +1,8 @@
 """The classic decoders' GGUF files as llama.cpp's converter writes them (`gpt2`, `starcoder` (GPT-BigCode), `gptneox`,
-`falcon`, `phi2`, `stablelm`, `starcoder2`, `nemotron`, `olmo`, `exaone`): their metadata as each family's own
-`config.json` keys (`classic_gguf_config`), so transformers loads the converted folder as the family it is, and the
-tensor names and forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's and Falcon's
-q/k/v rows, which their converters group as `cat(q, k, v)`, given back grouped by KV head with
+`falcon`, `phi2`, `stablelm`, `starcoder2`, `nemotron`, `olmo`, `exaone`, `bloom`, `mpt`): their metadata as each
+family's own `config.json` keys (`classic_gguf_config`), so transformers loads the converted folder as the family it
+is, and the tensor names and forms llama.cpp gives them (`CLASSIC_LAYER_NAMES`, `CLASSIC_GLOBAL_NAMES`; GPT-NeoX's,
+Falcon's and BLOOM's q/k/v rows, which their converters group as `cat(q, k, v)`, given back grouped by KV head with
 `kv_grouped_qkv_rows`)."""
 
 from __future__ import annotations
@@ -23,13 +23,17 @@ CLASSIC_GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "nemotron": ("nemotron", "NemotronForCausalLM"),
     "olmo": ("olmo", "OlmoForCausalLM"),
     "exaone": ("exaone", "ExaoneForCausalLM"),
+    "bloom": ("bloom", "BloomForCausalLM"),
+    "mpt": ("mpt", "MptForCausalLM"),
 }
 # Those whose norms are LayerNorms, their epsilon `attention.layer_norm_epsilon` (OLMo's weightless ones too).
-CLASSIC_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo")
+CLASSIC_LAYER_NORMED = ("gpt2", "starcoder", "gptneox", "falcon", "phi2", "stablelm", "starcoder2", "nemotron", "olmo",
+                        "bloom", "mpt")  # fmt: skip
 # Each family's name for the LayerNorms' epsilon in its config (OLMo's is fixed: none).
 _EPSILON_KEYS = {"gpt2": "layer_norm_epsilon", "gpt_bigcode": "layer_norm_epsilon", "gpt_neox": "layer_norm_eps",
                  "falcon": "layer_norm_epsilon", "phi": "layer_norm_eps", "stablelm": "layer_norm_eps",
-                 "starcoder2": "norm_epsilon", "nemotron": "norm_eps"}  # fmt: skip
+                 "starcoder2": "norm_epsilon", "nemotron": "norm_eps", "bloom": "layer_norm_epsilon",
+                 "mpt": "layer_norm_epsilon"}  # fmt: skip
 # The MLP's activation, which llama.cpp fixes per architecture: GPT-NeoX's is the exact GELU its checkpoints were
 # trained with (Pythia's `gelu`; llama.cpp runs its tanh form), Phi-2's and StarCoder2's the tanh form.
 _ACTIVATIONS = {"gpt_neox": "gelu", "falcon": "gelu", "phi": "gelu_new", "starcoder2": "gelu_pytorch_tanh",
@@ -65,6 +69,15 @@ CLASSIC_LAYER_NAMES: dict[str, dict[str, str]] = {
     "starcoder2": {**_LAYER, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     "nemotron": _LAYER,
     "olmo": _LAYER,
+    "bloom": {
+        "attn_norm": "input_layernorm", "attn_qkv": "self_attention.query_key_value",
+        "attn_output": "self_attention.dense", "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.dense_h_to_4h",
+        "ffn_down": "mlp.dense_4h_to_h",
+    },
+    "mpt": {
+        "attn_norm": "norm_1", "attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_norm": "norm_2",
+        "ffn_up": "ffn.up_proj", "ffn_down": "ffn.down_proj",
+    },
     "exaone": {
         "attn_norm": "ln_1", "ffn_norm": "ln_2", "attn_q": "attn.attention.q_proj", "attn_k": "attn.attention.k_proj",
         "attn_v": "attn.attention.v_proj", "attn_output": "attn.attention.out_proj", "ffn_gate": "mlp.c_fc_0",
@@ -85,9 +98,17 @@ CLASSIC_GLOBAL_NAMES: dict[str, dict[str, str]] = {
         "token_embd.weight": "transformer.word_embeddings.weight", "output_norm.weight": "transformer.ln_f.weight",
         "output_norm.bias": "transformer.ln_f.bias",
     },
+    "bloom": {
+        "token_embd.weight": "transformer.word_embeddings.weight",
+        "token_embd_norm.weight": "transformer.word_embeddings_layernorm.weight",
+        "token_embd_norm.bias": "transformer.word_embeddings_layernorm.bias",
+        "output_norm.weight": "transformer.ln_f.weight", "output_norm.bias": "transformer.ln_f.bias",
+    },
+    "mpt": {"token_embd.weight": "transformer.wte.weight", "output_norm.weight": "transformer.norm_f.weight"},
 }  # fmt: skip
 CLASSIC_LAYERS_PREFIX = {"gpt_neox": "gpt_neox.layers.", "exaone": "transformer.h.", "falcon": "transformer.h.",
-                         "gpt2": "transformer.h.", "gpt_bigcode": "transformer.h."}  # fmt: skip
+                         "gpt2": "transformer.h.", "gpt_bigcode": "transformer.h.", "bloom": "transformer.h.",
+                         "mpt": "transformer.blocks."}  # fmt: skip
 # GPT-2's Conv1D weights, `[in, out]` in its checkpoints and `[out, in]` in its files (its converter transposes them).
 CONV1D_WEIGHTS = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 # StableLM 2's per-head q/k LayerNorms, one `[heads, head_dim]` tensor each in the file, one tensor a head in its
@@ -101,7 +122,7 @@ def classic_gguf_config(arch: str, config: dict[str, Any], tensors: dict[str, An
     family's own name, its MLP's activation, its biases and blocks as the file's tensors show them (StableLM's
     parallel block where a layer has no norm before its MLP; GPT-NeoX's as its metadata says), GPT-NeoX's rope share
     as `rotary_pct`, Phi-2's, GPT-2's and Falcon's MLP width from their tensors (their converters write 4 x hidden
-    whatever it is), OLMo's `clip_qkv`."""
+    whatever it is), OLMo's `clip_qkv`, BLOOM's and MPT's blocks (`_alibi_gguf_keys`)."""
     model_type = CLASSIC_GGUF_ARCHITECTURES[arch][0]
     keys: dict[str, Any] = {}
     if model_type in _EPSILON_KEYS:
@@ -134,8 +155,40 @@ def classic_gguf_config(arch: str, config: dict[str, Any], tensors: dict[str, An
     elif model_type == "olmo":
         config.pop("rms_norm_eps")
         clip = read(f"{arch}.attention.clamp_kqv", None)
-        keys["clip_qkv"] = None if clip is None else float(clip)
+        keys["clip_qkv"] = None if clip is None else short_float(clip)
+    elif model_type in ("bloom", "mpt"):
+        keys.update(_alibi_gguf_keys(model_type, config, tensors, read))
     return keys
+
+
+def _alibi_gguf_keys(model_type: str, config: dict[str, Any], tensors: dict[str, Any], read: Any) -> dict[str, Any]:
+    """BLOOM's and MPT's `config.json` keys from their files: their MLP's activation is their own (no `hidden_act`);
+    BLOOM's biases as its q/k/v's show them; MPT's context as `max_seq_len`, its MLP's width from its tensors (its
+    converter writes 4 x hidden), its `attn_config` (`attention.max_alibi_bias`, 0 without ALiBi, an integer in its
+    config; `attention.clamp_kqv`; grouped K/V where its KV heads are fewer, q/k LayerNorms where the file has them)
+    and `no_bias` as its tensors show them, so that what this engine does not build is refused by name
+    (`hf_classic`)."""
+    config.pop("hidden_act")
+    if model_type == "bloom":
+        return {"attention_bias": "blk.0.attn_qkv.bias" in tensors}
+    heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+    clip, bias_max = read("mpt.attention.clamp_kqv", None), short_float(read("mpt.attention.max_alibi_bias", 0.0))
+    grouped = int(config["num_key_value_heads"]) != heads
+    attention = {
+        "alibi": bias_max > 0, "alibi_bias_max": int(bias_max) if bias_max.is_integer() else bias_max,
+        "clip_qkv": None if clip is None else short_float(clip), "qk_ln": "blk.0.attn_q_norm.weight" in tensors,
+        "attn_type": "grouped_query_attention" if grouped else "multihead_attention",
+    }  # fmt: skip
+    return {
+        "max_seq_len": config.pop("max_position_embeddings"), "attn_config": attention,
+        "expansion_ratio": int(tensors["blk.0.ffn_up.weight"].shape[-1]) // hidden,
+        "no_bias": not any(name.endswith(".bias") for name in tensors),
+    }
+
+
+def short_float(value: float) -> float:
+    """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); keep the shortest decimal."""
+    return float(str(np.float32(value)))
 
 
 def _falcon_gguf_shape(config: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:

@@ -755,7 +755,8 @@ def _restore(name: str, config: dict[str, Any]) -> Callable[[np.ndarray], np.nda
         return lambda array: unpermute_rope_rows(array, heads)
     if _conv1d(name, model_type):  # GPT-2's, `[in, out]` in its checkpoints
         return lambda array: np.ascontiguousarray(np.asarray(array).T)
-    if model_type in ("gpt_neox", "falcon") and name.endswith(("query_key_value.weight", "query_key_value.bias")):
+    if model_type in ("gpt_neox", "falcon", "bloom") and name.endswith(("query_key_value.weight",
+                                                                         "query_key_value.bias")):
         heads = config["num_attention_heads"]  # their converters' cat(q, k, v), grouped by KV head again
         kv_heads = falcon_kv_heads(config) if model_type == "falcon" else heads
         return lambda array: kv_grouped_qkv_rows(array, heads, kv_heads)

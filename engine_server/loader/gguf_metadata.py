@@ -19,7 +19,12 @@ import numpy.typing as npt
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from engine_server.loader.gguf_classic import CLASSIC_GGUF_ARCHITECTURES, CLASSIC_LAYER_NORMED, classic_gguf_config
+from engine_server.loader.gguf_classic import (
+    CLASSIC_GGUF_ARCHITECTURES,
+    CLASSIC_LAYER_NORMED,
+    classic_gguf_config,
+    short_float,
+)
 from engine_server.loader.gguf_dbrx import DBRX_GGUF_ARCHITECTURES, dbrx_gguf_config
 from engine_server.loader.gguf_gemma3n import GEMMA3N_GGUF_ARCHITECTURES, gemma3n_gguf_config
 from engine_server.loader.gguf_state_space import STATE_SPACE_GGUF_ARCHITECTURES, state_space_gguf_config
@@ -307,10 +312,10 @@ def _granite_config(
     required = functools.partial(_arch_field, reader, arch, spec)
     head_dim = int(config["head_dim"])
     keys: dict[str, Any] = {
-        "embedding_multiplier": _short_float(read_field(reader, f"{arch}.embedding_scale", 1.0)),
-        "residual_multiplier": _short_float(read_field(reader, f"{arch}.residual_scale", 1.0)),
-        "attention_multiplier": _short_float(read_field(reader, f"{arch}.attention.scale", 0.0)) or head_dim**-0.5,
-        "logits_scaling": _short_float(read_field(reader, f"{arch}.logit_scale", 1.0)),
+        "embedding_multiplier": short_float(read_field(reader, f"{arch}.embedding_scale", 1.0)),
+        "residual_multiplier": short_float(read_field(reader, f"{arch}.residual_scale", 1.0)),
+        "attention_multiplier": short_float(read_field(reader, f"{arch}.attention.scale", 0.0)) or head_dim**-0.5,
+        "logits_scaling": short_float(read_field(reader, f"{arch}.logit_scale", 1.0)),
     }
     shared = int(read_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0)
     if experts:
@@ -492,15 +497,10 @@ def _nemotron_h_experts(reader: GGUFReader, arch: str, experts: int, spec: str) 
         "moe_intermediate_size": int(required("expert_feed_forward_length")),
         "moe_shared_expert_intermediate_size": int(required("expert_shared_feed_forward_length")),
         "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", True)),
-        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+        "routed_scaling_factor": short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0)),
         "n_group": groups,
         "topk_group": int(used_groups or 1),
     }
-
-
-def _short_float(value: float) -> float:
-    """GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); keep the shortest decimal."""
-    return float(str(np.float32(value)))
 
 
 def gguf_architecture(reader: GGUFReader, spec: str) -> str:
@@ -528,7 +528,7 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
     hidden = int(required("embedding_length"))
     heads = int(required("attention.head_count"))  # (0 in a state space model's file: no attention)
     head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // heads if heads else 0))
-    rope_theta = _short_float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_theta = short_float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
     eos = int(read_field(reader, "tokenizer.ggml.eos_token_id", 2))
     eot = read_field(reader, "tokenizer.ggml.eot_token_id")
     config: dict[str, Any] = {
@@ -547,7 +547,7 @@ def hf_config_from_gguf(reader: GGUFReader, spec: str) -> dict[str, Any]:
         "num_key_value_heads": max(_per_layer(read_field(reader, f"{arch}.attention.head_count_kv", heads))),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _short_float(required(
+        "rms_norm_eps": short_float(required(
             "attention.layer_norm_epsilon" if arch in _LAYER_NORMED else "attention.layer_norm_rms_epsilon")),
         "rope_theta": rope_theta,
         "max_position_embeddings": int(required("context_length")),
@@ -770,7 +770,7 @@ def _deepseek_experts(reader: GGUFReader, arch: str, experts: int, used: int, sp
         "moe_intermediate_size": int(_arch_field(reader, arch, spec, "expert_feed_forward_length")),
         "n_shared_experts": int(read_field(reader, f"{arch}.expert_shared_count", 0) or 0),
         "first_k_dense_replace": int(read_field(reader, f"{arch}.leading_dense_block_count", 0) or 0),
-        "routed_scaling_factor": _short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        "routed_scaling_factor": short_float(read_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
         "norm_topk_prob": bool(read_field(reader, f"{arch}.expert_weights_norm", False)),
     }
 
@@ -809,7 +809,7 @@ def _cohere_config(reader: GGUFReader, arch: str, config: dict[str, Any], tensor
     is read), and Cohere 2's windows (every 4th layer global, as llama.cpp fixes them)."""
     keys: dict[str, Any] = {
         "layer_norm_eps": config.pop("rms_norm_eps"),
-        "logit_scale": _short_float(read_field(reader, f"{arch}.logit_scale", 1.0)),
+        "logit_scale": short_float(read_field(reader, f"{arch}.logit_scale", 1.0)),
         "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
     }
     if arch == "cohere2" and config.get("sliding_window"):
@@ -894,9 +894,9 @@ def _yarn_rope(reader: GGUFReader, arch: str, config: dict[str, Any], spec: str,
     scaling = read_field(reader, f"{arch}.rope.scaling.type")
     if scaling == "yarn":
         required = functools.partial(_arch_field, reader, arch, spec)
-        betas = {name: _short_float(value) for name in ("beta_fast", "beta_slow")
+        betas = {name: short_float(value) for name in ("beta_fast", "beta_slow")
                  if (value := read_field(reader, f"{arch}.rope.scaling.yarn_{name}")) is not None}  # fmt: skip
-        rope.update(rope_type="yarn", factor=_short_float(required("rope.scaling.factor")), **betas, **extra,
+        rope.update(rope_type="yarn", factor=short_float(required("rope.scaling.factor")), **betas, **extra,
                     original_max_position_embeddings=int(required("rope.scaling.original_context_length")))
     elif scaling not in (None, "none"):
         raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (yarn is)")
@@ -931,9 +931,9 @@ def _mistral3_config(reader: GGUFReader, config: dict[str, Any], spec: str) -> d
     none) over the rope's original context."""
     arch = "mistral3"
     log_multiplier = read_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier")
-    all_dims = 1.0 if log_multiplier is None else _short_float(log_multiplier)
+    all_dims = 1.0 if log_multiplier is None else short_float(log_multiplier)
     rope = _yarn_rope(reader, arch, config, spec, mscale=1.0, mscale_all_dim=all_dims)
-    beta = _short_float(read_field(reader, f"{arch}.attention.temperature_scale", 0.0) or 0.0)
+    beta = short_float(read_field(reader, f"{arch}.attention.temperature_scale", 0.0) or 0.0)
     if beta:
         original = _arch_field(reader, arch, spec, "rope.scaling.original_context_length")
         rope.update(llama_4_scaling_beta=beta, original_max_position_embeddings=int(original))
@@ -990,7 +990,7 @@ def _deepseek2_config(
     if log_multiplier is None:  # no DeepSeek scale: llama.cpp turns YaRN's without its attention factor
         rope = _yarn_rope(reader, arch, config, spec, attention_factor=1.0)
     else:
-        all_dims = _short_float(float(np.float32(log_multiplier) / np.float32(_YARN_LOG_MULTIPLIER)))
+        all_dims = short_float(float(np.float32(log_multiplier) / np.float32(_YARN_LOG_MULTIPLIER)))
         rope = _yarn_rope(reader, arch, config, spec, mscale=all_dims, mscale_all_dim=all_dims)
     return {
         "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
@@ -1152,12 +1152,12 @@ def _gemma_config(reader: GGUFReader, arch: str, config: dict[str, Any], spec: s
         keys["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             cap = read_field(reader, f"{arch}.{key}")
-            keys[key] = None if cap is None else _short_float(cap)
+            keys[key] = None if cap is None else short_float(cap)
         return keys
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = read_field(reader, f"{arch}.rope.scaling.type")
     if scaling == "linear":
-        full = {"rope_type": "linear", "factor": _short_float(read_field(reader, f"{arch}.rope.scaling.factor")),
+        full = {"rope_type": "linear", "factor": short_float(read_field(reader, f"{arch}.rope.scaling.factor")),
                 "rope_theta": theta}  # fmt: skip
     elif scaling not in (None, "none"):
         raise ValueError(f"model {spec!r}: {arch} rope scaling {scaling!r} is not supported (linear is)")
@@ -1200,8 +1200,8 @@ def _gemma4_config(reader: GGUFReader, spec: str) -> dict[str, Any]:
     keys_as_values = bool(owners) and all(f"blk.{i}.attn_v.weight" not in tensors for i in owners)
     per_layer_width = int(read_field(reader, f"{arch}.embedding_length_per_layer_input", 0) or 0)
     full_rope = {"rope_type": "proportional", "partial_rotary_factor": 2 * angles / global_head_dim,
-                 "rope_theta": _short_float(read_field(reader, f"{arch}.rope.freq_base", 1e6))}  # fmt: skip
-    local_rope = {"rope_type": "default", "rope_theta": _short_float(read_field(reader, f"{arch}.rope.freq_base_swa",
+                 "rope_theta": short_float(read_field(reader, f"{arch}.rope.freq_base", 1e6))}  # fmt: skip
+    local_rope = {"rope_type": "default", "rope_theta": short_float(read_field(reader, f"{arch}.rope.freq_base_swa",
                                                                                1e4))}  # fmt: skip
     softcap = read_field(reader, f"{arch}.final_logit_softcapping")
     config: dict[str, Any] = {
@@ -1221,10 +1221,10 @@ def _gemma4_config(reader: GGUFReader, spec: str) -> dict[str, Any]:
         "layer_types": ["sliding_attention" if windowed else "full_attention" for windowed in pattern],
         "sliding_window": int(required("attention.sliding_window")),
         "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": _short_float(required("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": short_float(required("attention.layer_norm_rms_epsilon")),
         "rope_parameters": {"full_attention": full_rope, "sliding_attention": local_rope},
         "max_position_embeddings": int(required("context_length")),
-        "final_logit_softcapping": None if softcap is None else _short_float(softcap),
+        "final_logit_softcapping": None if softcap is None else short_float(softcap),
         "hidden_size_per_layer_input": per_layer_width,
         "vocab_size_per_layer_input": int(tensors["per_layer_token_embd.weight"].shape[-1]) if per_layer_width else 0,
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -1249,7 +1249,7 @@ def _long_rope_config(reader: GGUFReader, arch: str, tensors: dict[str, Any], sp
 
     def factors(name: str) -> list[float]:
         tensor = tensors[name]
-        return [_short_float(x) for x in np.asarray(dequantize(tensor.data, tensor.tensor_type)).ravel()]
+        return [short_float(x) for x in np.asarray(dequantize(tensor.data, tensor.tensor_type)).ravel()]
 
     scaling: dict[str, Any] = {
         "rope_type": "longrope",
@@ -1259,7 +1259,7 @@ def _long_rope_config(reader: GGUFReader, arch: str, tensors: dict[str, Any], sp
     }
     attention = read_field(reader, f"{arch}.rope.scaling.attn_factor")
     if attention is not None:
-        scaling["attention_factor"] = _short_float(attention)
+        scaling["attention_factor"] = short_float(attention)
     return {"rope_scaling": scaling, "original_max_position_embeddings": int(original)}
 
 
@@ -1288,7 +1288,7 @@ def llama3_scaling_from_factors(
         if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-3):
             return {
                 "rope_type": "llama3",
-                "factor": _short_float(factor),
+                "factor": short_float(factor),
                 "low_freq_factor": low,
                 "high_freq_factor": high,
                 "original_max_position_embeddings": original,

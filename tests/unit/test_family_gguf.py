@@ -10,6 +10,7 @@ Converted, each float path equals transformers on the converted folder token for
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -690,6 +691,10 @@ PLAIN_GGUF: dict[str, dict[str, Any]] = {
     # GPT-2 (its Conv1D weights transposed by its converter) and GPT-BigCode (one KV head: llama.cpp's `starcoder`
     # reads no other), their learned positions as `position_embd`, the MLP 4 x hidden as their converters write it.
     "gpt2": {"intermediate_size": 256}, "gpt-bigcode": {"intermediate_size": 256},
+    # BLOOM (q/k/v as cat(q, k, v) by its converter, its embeddings' LayerNorm as `token_embd_norm`; the context its
+    # converter writes, `seq_length`) and MPT (q/k/v clamped as `clamp_kqv`, its ALiBi maximum as
+    # `max_alibi_bias`; 4 heads: llama.cpp's slopes are MPT's for a power of two), their ALiBi with no rope keys.
+    "bloom": {"seq_length": 1024}, "mpt": {"hidden_size": 64, "num_attention_heads": 4},
 }  # fmt: skip
 
 
@@ -711,7 +716,7 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     quality`'s thresholds."""
     _, layers, result = exact_then_served(tmp_path, family, **PLAIN_GGUF[family])
     ungated = ("arcee", "apertus", "gpt-neox", "phi", "starcoder2", "nemotron", "falcon-7b", "falcon-40b", "gpt2",
-               "gpt-bigcode")
+               "gpt-bigcode", "bloom", "mpt")
     mlp = "up_proj" if family in ungated else "gate_up_proj"  # their ungated MLPs
     assert layers["model.layers.0.self_attn.qkv_proj"] == "q8" and layers[f"model.layers.0.mlp.{mlp}"] == "q4"
     if family in ("ernie4.5-moe", "dots1"):
@@ -721,6 +726,28 @@ def test_newer_family_ggufs_are_exact_and_served_from_their_blocks(tmp_path: Pat
     # weightless LayerNorms likewise, 92.7% / 0.0007.
     top1 = 0.9 if family in ("olmo2", "olmo") else 0.95
     assert result.top1_agreement >= top1 and result.mean_kl <= 0.01, result
+
+
+def test_mpt_ggufs_in_forms_this_engine_does_not_build_are_refused_by_name(tmp_path: Path) -> None:
+    """An `mpt` file reads as MPT's config (its ALiBi maximum and clamp from metadata, its MLP's width from its
+    tensors); one without ALiBi (`max_alibi_bias` 0: learned positions), with q/k LayerNorms, with fewer KV heads or
+    with biases is refused by name when its config is read."""
+    keys = {"block_count": 2, "context_length": 64, "embedding_length": 32, "feed_forward_length": 128,
+            "head_count": 4, "layer_norm_eps": 1e-5, "max_alibi_bias": 8.0, "clamp_kqv": 6.0}  # fmt: skip
+    shapes = {"blk.0.ffn_up.weight": (96, 32)}
+    config = hf_config_from_gguf(metadata_gguf(tmp_path / "mpt.gguf", "mpt", keys, shapes), "mpt.gguf")
+    served = model_config_from_hf(config)
+    assert (served.alibi, served.alibi_bias_max, served.clip_qkv, served.intermediate_size) == ("mpt", 8.0, 6.0, 96)
+    assert (served.max_position_embeddings, served.tie_word_embeddings) == (64, True)
+    for name, changed, tensors, refusal in (
+        ("learned", {"max_alibi_bias": 0.0}, {}, "mpt with attn_config alibi False"),
+        ("qk-ln", {}, {"blk.0.attn_q_norm.weight": (32,)}, "mpt with attn_config qk_ln True"),
+        ("grouped", {"head_count_kv": 2}, {}, "mpt with attn_type 'grouped_query_attention'"),
+        ("biased", {}, {"blk.0.attn_qkv.bias": (96,)}, "mpt with no_bias false"),
+    ):
+        reader = metadata_gguf(tmp_path / f"{name}.gguf", "mpt", {**keys, **changed}, {**shapes, **tensors})
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            model_config_from_hf(hf_config_from_gguf(reader, f"{name}.gguf"))
 
 
 def test_an_apertus_gguf_reads_its_xielu_scalars_per_layer_and_refuses_them_missing_or_miscounted(

@@ -532,7 +532,7 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> None:
 def test_bad_specs_raise_value_error_naming_the_spec(tmp_path: Path, cache_dir: Path) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("hi")
-    write_gguf(tmp_path / "bloom.gguf", "bloom", {"token_embd.weight": np.zeros((8, 4), np.float32)})
+    write_gguf(tmp_path / "rwkv.gguf", "rwkv6", {"token_embd.weight": np.zeros((8, 4), np.float32)})
     write_gguf(tmp_path / "bare.gguf", "llama", {"token_embd.weight": np.zeros((8, 4), np.float32)})
     cases = {
         "dummy:gpt-9": "unknown dummy preset",
@@ -540,7 +540,7 @@ def test_bad_specs_raise_value_error_naming_the_spec(tmp_path: Path, cache_dir: 
         str(tmp_path / "nowhere"): "no such file or folder",
         str(tmp_path / "notes.txt"): "not a folder or a .gguf file",
         str(tmp_path / "empty"): "lacks config.json",
-        str(tmp_path / "bloom.gguf"): "unsupported GGUF architecture 'bloom'",
+        str(tmp_path / "rwkv.gguf"): "unsupported GGUF architecture 'rwkv6'",
     }
     for spec, message in cases.items():
         with pytest.raises(ValueError, match=message) as info:
