@@ -18,7 +18,7 @@ Architecture = Literal[
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
     "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
-    "bert",
+    "dory", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -344,6 +344,36 @@ class Mamba1:
         if self.inner % size:
             raise ValueError(f"Mamba's {self.inner} channels must be divisible by the tensor-parallel size ({size})")
         return replace(self, inner=self.inner // size)
+
+
+@dataclass(frozen=True)
+class LoopedNGpt:
+    """Dory's (NVIDIA's looped nGPT): every hidden state on the unit sphere, each block's update an interpolation
+    towards its normalised output, and a middle section of `recurrent_layers` checkpoint layers run `loops` times
+    after the first `input_layers`, each pass from its previous one's output plus the input section's. The model's
+    layers are those passes unrolled (`ModelConfig.num_hidden_layers` counts each pass's, each a KV cache of its
+    own); `layer_of(index)` is the checkpoint layer an unrolled layer runs. Its learned scales are stored as
+    `s` and read as `s * scale / initializer_range` (`initializer_range`, `alpha_init`: its config's)."""
+
+    input_layers: int
+    recurrent_layers: int
+    loops: int
+    initializer_range: float
+    alpha_init: float
+
+    def layer_of(self, index: int) -> int:
+        """The checkpoint layer that unrolled layer `index` runs."""
+        past = index - self.input_layers
+        if past < 0:
+            return index
+        if past < self.recurrent_layers * self.loops:
+            return self.input_layers + past % self.recurrent_layers
+        return index - self.recurrent_layers * (self.loops - 1)
+
+    def loop_start(self, index: int) -> bool:
+        """Whether unrolled layer `index` begins a pass of the recurrent section."""
+        past = index - self.input_layers
+        return 0 <= past < self.recurrent_layers * self.loops and past % self.recurrent_layers == 0
 
 
 # The shapes of the layers that keep a fixed-size state per running sequence in place of a KV cache.
@@ -748,6 +778,8 @@ class ModelConfig:
     # residuals are their normalised inputs (`normed_residuals`).
     lightning: Lightning | None = None
     normed_residuals: NormedResiduals | None = None
+    # Dory: nGPT blocks on the unit sphere, a recurrent middle section run several times (`models.dory`).
+    looped_ngpt: LoopedNGpt | None = None
     # RecurrentGemma: `rg_lru.layers` run Griffin's recurrent block (a state per sequence, no KV cache).
     rg_lru: RGLRU | None = None
     # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and

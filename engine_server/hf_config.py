@@ -31,6 +31,7 @@ from engine_server.hf_bitnet import BITNET_ARCHITECTURES, bitnet_config, bitnet_
 from engine_server.hf_classic import CLASSIC_ARCHITECTURES, classic_config, classic_fields, json_float
 from engine_server.hf_dbrx import DBRX_ARCHITECTURES, dbrx_config, dbrx_fields
 from engine_server.hf_deepseek_v4 import DEEPSEEK_V4_ARCHITECTURES, deepseek_v4_model_config
+from engine_server.hf_dory import DORY_ARCHITECTURES, dory_config, dory_fields
 from engine_server.hf_ergo import ERGO_ARCHITECTURES, ergo_config, ergo_fields
 from engine_server.hf_gemma3n import gemma3n_config, gemma3n_fields
 from engine_server.hf_glm4_moe_kin import GLM4_MOE_KIN, glm4_moe_kin_config, glm4_moe_kin_fields
@@ -233,6 +234,8 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     # Ergo: sandwich norms with gated residual adds, windowed rope layers and NoPE full ones, relu² experts each
     # normalised beside a normalised shared one (`hf_ergo`)
     **ERGO_ARCHITECTURES,
+    # Dory: nGPT blocks on the unit sphere, a middle section of its layers run several times (`hf_dory`)
+    **DORY_ARCHITECTURES,
     # RecurrentGemma (Griffin): Griffin's recurrent blocks between local multi-query attention layers, Gemma's norms,
     # embedding scale and GeGLU (`hf_recurrent_gemma`)
     **RECURRENT_GEMMA_ARCHITECTURES,
@@ -331,6 +334,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = minimax_m3_config(model_type, cfg)
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
+    cfg = dory_config(model_type, cfg)
     cfg = recurrent_gemma_config(model_type, cfg)
     cfg = jetmoe_config(model_type, cfg)
     cfg = bitnet_config(model_type, cfg)
@@ -494,6 +498,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **minimax_m3_fields(model_type, cfg),
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
+        **dory_fields(model_type, cfg),
         **recurrent_gemma_fields(model_type, cfg),
         **jetmoe_fields(model_type, cfg),
         **bitnet_fields(model_type, cfg),

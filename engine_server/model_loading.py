@@ -211,6 +211,11 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError(f"MiniMax-M3's {index_heads} index heads do not split over {size} tensor-parallel ranks")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to MiniMax-M3's block-sparse attention yet")
+    if model.looped_ngpt is not None:  # its norms span every head and the MLP's width; its blocks are its own
+        if config.tensor_parallel_size > 1:
+            raise ValueError("Dory is not served under tensor parallelism yet")
+        if config.lora is not None:
+            raise ValueError("LoRA adapters are not applied to Dory's nGPT blocks yet")
     if config.lora is None:
         return
     if model.encoder:

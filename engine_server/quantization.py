@@ -352,7 +352,7 @@ def quantize_model(
         return {}
     if scheme == "fp8":
         return _quantize_fp8(model, {} if stored is None else stored)
-    on_cpu = model.model.norm.weight.device.type == "cpu"
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
     if scheme == "gguf":
         weights: MutableMapping[str, StoredWeight] = stored_weights(model, source) if stored is None else stored
         tied = "model.embed_tokens" in weights and weights["model.embed_tokens"] is weights.get("lm_head")

@@ -524,6 +524,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # BLOOM: ALiBi (no rope), its embeddings LayerNorm'd, GPT-NeoX's fused q/k/v, a tanh-GELU MLP.
     "bloom": ("BloomConfig", {"n_head": 4, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}),
     "biogpt": ("BioGptConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    # Dory: a looped nGPT (unit hidden states, interpolated residuals), one input layer, two recurrent ones run
+    # three times, one output layer; windowed layers (6 positions) with a rope base of their own.
+    "dory": ("DoryConfig", {"head_dim": 16, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 3,
+                            "sliding_window": 6, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # MPT: ALiBi with its own slopes (6 heads: interleaved), q/k/v in one projection clamped, no biases.
     "mpt": ("MptConfig", {"hidden_size": 96, "num_attention_heads": 6, "attn_config": {"clip_qkv": 0.3},
                           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
@@ -798,6 +802,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # Vectors besides the norms' drawn around their init: biases, Gemma 4's router scales (1 at init), Gemma 3n's AltUp
 # output scale (0 at init: its per-layer inputs would add nothing).
 PERTURBED_SCALES = ("bias", "router.scale", "per_expert_scale", "correct_output_scale")
+# Dory's learned per-channel scales (nGPT's), constants at init.
+NGPT_SCALES = ("sqk", "s_gate", "lambda_1", "lambda_2", "suv_gate", "suv_up")
 # Router weights' names (Llama 4's `feed_forward.router`), drawn apart from the other matrices.
 ROUTERS = ("mlp.gate.weight", "mlp.gate.wg.weight", "mlp.router.weight", "router.proj.weight",
            "router.classifier.weight", "feed_forward.router.weight", "feed_forward.gate.weight",
@@ -854,6 +860,10 @@ def save_family(folder: Path, family: str, seed: int = 0, head_spread: float = 0
                 parameter.normal_(0.0, 0.1 * width) if parameter.dim() > 1 else parameter.uniform_(0.5, 1.5)
             elif parameter.dim() > 1:
                 parameter.normal_(0.0, 0.08 * width)
+            elif name.endswith(NGPT_SCALES):  # Dory's learned scales, constants at init: one per channel each
+                parameter.mul_(torch.empty_like(parameter).uniform_(0.5, 1.5))
+            elif name.endswith("lm_head.logit_scale"):  # Dory's: logits of a trained model's size (its unit states'
+                parameter.uniform_(0.5, 1.5)  # are ~0.1 times 1 / initializer_range)
             elif "norm" in name or name.endswith(PERTURBED_SCALES):
                 parameter.add_(torch.randn_like(parameter) * 0.1)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer

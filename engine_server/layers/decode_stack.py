@@ -70,6 +70,8 @@ def build_decode_stack(model: DecoderModel) -> DecodeStack | None:
     not on the CPU or not float32, a head dim the attention kernel is not built for, no C++ kernels, or tensor
     parallelism without the shared-memory all-reduce (which the stack then runs between its layers, on the same
     buffers)."""
+    if not model.stackable:
+        return None
     layers = [cast(DecoderLayer, layer) for layer in model.layers]
     weight = model.norm.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or not layers or cpu_ops() is None:

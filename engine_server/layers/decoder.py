@@ -402,6 +402,8 @@ class DecoderModel(nn.Module):
 
     # A family's own block (Gemma 4's), else the one the config's norms pick.
     layer_class: type[DecoderLayer] | None = None
+    # Whether the C++ decode stack (`layers.decode_stack`) may run its layers (Dory's are its own).
+    stackable = True
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype, o_proj_bias: bool = False, tp: TensorParallel = SINGLE

@@ -13,6 +13,7 @@ from engine_server.models.cohere import CohereForCausalLM
 from engine_server.models.dbrx import DbrxForCausalLM
 from engine_server.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine_server.models.deepseek_v4 import DeepseekV4ForCausalLM
+from engine_server.models.dory import DoryForCausalLM
 from engine_server.models.ergo import ErgoForCausalLM
 from engine_server.models.ernie4_5 import Ernie4_5ForCausalLM, Ernie4_5MoeForCausalLM
 from engine_server.models.falcon_h1 import FalconH1ForCausalLM
@@ -66,7 +67,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe");
+    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe", "dory");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -116,6 +117,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "minimax_m3": MiniMaxM3ForCausalLM,
         "beam": BeamForCausalLM,
         "ergo": ErgoForCausalLM,
+        "dory": DoryForCausalLM,
         "recurrent_gemma": RecurrentGemmaForCausalLM,
         "jetmoe": JetMoeForCausalLM,
     }

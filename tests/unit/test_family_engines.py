@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1426,6 +1427,39 @@ def test_a_bloom_checkpoint_without_its_prefix_equals_transformers(tmp_path: Pat
     saved = load_file(folder / "model.safetensors")
     state = {name.removeprefix("transformer."): tensor for name, tensor in saved.items()}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with engine(folder) as llm:
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)
+
+
+def test_dory_chunked_preempted_on_int8_and_refusing_what_it_lacks(tmp_path: Path) -> None:
+    """Dory (tests/families.py: its recurrent section's three passes each a KV cache of its own) keeps transformers'
+    tokens prefilled in 16-token chunks and preempted; on int8 each prompt's tokens are the same alone and batched.
+    Tensor parallelism and LoRA adapters are refused by name."""
+    folder = save_family(tmp_path, "dory", head_spread=0.5)
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.gate_up_proj, split=False, kv_blocks=48)
+    with pytest.raises(ValueError, match="Dory is not served under tensor parallelism yet"):
+        engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="LoRA adapters are not applied to Dory's nGPT blocks"):
+        LLM(config=EngineConfig(model=str(folder), device="cpu", quantization="none", lora=LoraConfig()))
+
+
+def test_a_dory_checkpoint_in_its_released_layout_equals_transformers(tmp_path: Path) -> None:
+    """Dory's released checkpoints hold each layer as a pair of blocks (`backbone.layers.{2i}.mixer.` the attention,
+    `backbone.layers.{2i+1}.mixer.` the MLP, their rates `attn_alpha` and `mlp_alpha`; the gate `g_proj`), as
+    transformers' `LayerPairCollapse` reads them: read so, the engine keeps transformers' tokens."""
+    folder = save_family(tmp_path, "dory", head_spread=0.5)
+    paired = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        layer = re.fullmatch(r"backbone\.layers\.(\d+)\.(self_attn|mlp|lambda_1|lambda_2)(.*)", name)
+        if layer is not None:
+            index, part, rest = int(layer[1]), layer[2], layer[3]
+            block = 2 * index + (part in ("mlp", "lambda_2"))
+            module = {"lambda_1": "attn_alpha", "lambda_2": "mlp_alpha"}.get(part, "mixer")
+            name = f"backbone.layers.{block}.{module}{rest}"
+        paired[name] = tensor
+    assert "backbone.layers.1.mixer.up_proj.weight" in paired and "backbone.layers.0.mixer.g_proj.weight" in paired
+    save_file(paired, folder / "model.safetensors", metadata={"format": "pt"})
     with engine(folder) as llm:
         ours = tokens(llm, prompts())
         assert ours == reference_tokens(folder).of(ours)

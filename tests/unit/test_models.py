@@ -124,6 +124,8 @@ ERGO: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}, "pad_token_id": 0,
 }  # fmt: skip
 DBRX_SMALL = {**DBRX, "n_layers": 2, "max_seq_len": 256, "attn_config": {**DBRX["attn_config"], "clip_qkv": 0.8}}
+# Dory's learned per-channel scales (nGPT's), constants at init.
+NGPT_SCALES = ("sqk", "s_gate", "lambda_1", "lambda_2", "suv_gate", "suv_up", "logit_scale")
 MAX_SEQUENCES = 8  # the recurrent states' slots (`PagedRunner`: sequence i's is slot i)
 FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
@@ -671,6 +673,14 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # MPT: its ALiBi slopes, q/k/v in one projection clamped, no biases; with 6 heads its slopes of 8 interleaved,
     # the scores scaled by its softmax_scale.
     "mpt": (transformers.MptConfig, {"max_seq_len": 256, "attn_config": {"clip_qkv": 0.15}}),
+    # Dory: a looped nGPT, one input layer, two recurrent ones run three times, one output layer; windowed layers
+    # (4 positions) with a rope base of their own between full ones; q/k/v and MLP biases.
+    "dory": (transformers.DoryConfig, {
+        "head_dim": 16, "num_hidden_layers": 4, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 3,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                             "full_attention"],
+        "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False,
+    }),
     "mpt-6": (transformers.MptConfig, {"hidden_size": 96, "num_attention_heads": 6, "max_seq_len": 256,
                                        "attn_config": {"softmax_scale": 0.2}}),
     # JetMoE: top-2 of 4 attention experts (each a query per KV head, 2 KV heads of 16) and of 4 MLP experts, each
@@ -1011,6 +1021,7 @@ MODEL_CLASSES = {
     transformers.BioGptConfig: transformers.BioGptForCausalLM,
     transformers.BloomConfig: transformers.BloomForCausalLM,
     transformers.MptConfig: transformers.MptForCausalLM,
+    transformers.DoryConfig: transformers.DoryForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1067,6 +1078,12 @@ def build_pair(family: str) -> tuple[transformers.PreTrainedModel, CausalLM]:
                 param.normal_(0.0, 1.0)
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, one value per layer
                 param.add_(torch.randn_like(param) * 0.5)
+            elif name.endswith(NGPT_SCALES):  # Dory's learned scales (constants at init): one per channel each,
+                # of either sign (its rates' absolute values are taken)
+                signs = torch.where(torch.rand_like(param) < 0.3, -1.0, 1.0)
+                param.mul_(torch.empty_like(param).uniform_(0.5, 1.5) * signs)
+                if name.endswith("logit_scale"):  # logits of a trained model's size (unit states give ~0.05)
+                    param.mul_(50.0)
             elif name.endswith(HYPER_CONNECTION_MAPS):  # HY-V4's: weights that vary from token to token
                 param.normal_(0.0, 0.1) if param.dim() > 1 else param.uniform_(0.5, 1.5)
         for name, buffer in hf.named_buffers():  # DeepSeek-V3's load-balancing bias, of the sigmoid scores' size
@@ -1489,6 +1506,31 @@ def test_mpt_and_falcon_rw_configs_read_as_released() -> None:
     shape = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.parallel_block)
     assert shape == (32, 32, 8192, False)
     assert (config.alibi, config.nope_layers, config.attention_bias) == ("falcon", tuple(range(24)), True)
+
+
+def test_dory_configs_read_as_transformers_writes_them() -> None:
+    """Dory 1.0 4B's config as transformers writes it (each layer counted twice, `layer_types` naming an "mlp" block
+    after each): 36 layers, 8 in, 20 run twice, 8 out, unrolled to 56 (each pass its own KV cache) with every
+    fourth checkpoint layer full and the rest windowed (1,024 positions, a rope base of 10,000 beside the full
+    layers' 10,000,000). Sections that do not add up, no pass, or its `last_loop` cache mode are refused by name."""
+    written = transformers.DoryConfig().to_dict()
+    assert written["num_hidden_layers"] == 72 and written["layer_types"][1] == "mlp"
+    config = model_config_from_hf(written)
+    loops = config.looped_ngpt
+    assert loops is not None and (loops.input_layers, loops.recurrent_layers, loops.loops) == (8, 20, 2)
+    assert (config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (56, 256, 4)
+    assert [loops.layer_of(i) for i in (0, 8, 27, 28, 47, 48, 55)] == [0, 8, 27, 8, 27, 28, 35]
+    assert [loops.loop_start(i) for i in (7, 8, 27, 28, 48)] == [False, True, False, True, False]
+    full = [i for i in range(56) if config.attention_window(i) == 0]
+    assert full == [i for i in range(56) if (loops.layer_of(i) + 1) % 4 == 0]
+    assert config.attention_window(0) == 1024 and (config.rope_theta, config.local_rope_theta) == (1e7, 1e4)
+    for changed, message in (
+        ({"n_input_layers": 10}, "dory n_input_layers 5 + n_recurrent_layers 20 + n_output_layers 8 must equal"),
+        ({"n_recurrent_loops": 0}, "dory n_recurrent_loops must be at least 1"),
+        ({"recurrent_kv_cache_mode": "last_loop"}, "dory recurrent_kv_cache_mode 'last_loop' is not supported"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_config_from_hf({**written, **changed})
 
 
 def test_olmoe_config_and_its_whole_projection_norms_split_by_rank() -> None:
