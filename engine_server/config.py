@@ -18,7 +18,7 @@ Architecture = Literal[
     "minimax_m2", "ernie4_5", "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus",
     "afmoe", "falcon_h1", "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n",
     "deepseek_v4", "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe",
-    "dory", "bert",
+    "dory", "zamba2", "bert",
 ]  # fmt: skip
 
 # Families whose attention has a bias on o_proj too when `attention_bias` is set (as transformers builds them).
@@ -344,6 +344,26 @@ class Mamba1:
         if self.inner % size:
             raise ValueError(f"Mamba's {self.inner} channels must be divisible by the tensor-parallel size ({size})")
         return replace(self, inner=self.inner // size)
+
+
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Zamba2's shared transformer blocks: before the Mamba-2 of each of `hybrid_layers` (checkpoint layers) runs one
+    of `blocks` attention + MLP blocks (the k-th such use block `k % blocks`), over `cat(h, e)` (`e` the token's
+    embedding), with low-rank adapters of its own use (`adapter_rank`: on the MLP's gate/up always, on q, k and v
+    where `attention_adapters`) and a linear map of its own; its output joins the Mamba-2's input. The model's
+    layers are those uses and the Mamba-2 layers unrolled (`layers`: each a checkpoint layer and whether it is the
+    block's use, the block's first), a use a layer of K/V, a Mamba-2 one of states."""
+
+    hybrid_layers: tuple[int, ...]
+    blocks: int
+    adapter_rank: int
+    attention_adapters: bool
+
+    def layers(self, checkpoint_layers: int) -> list[tuple[int, bool]]:
+        """The unrolled layers of a model of `checkpoint_layers`: `(checkpoint layer, is a shared block's use)`."""
+        return [(layer, use) for layer in range(checkpoint_layers)
+                for use in ((True, False) if layer in self.hybrid_layers else (False,))]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -780,6 +800,9 @@ class ModelConfig:
     normed_residuals: NormedResiduals | None = None
     # Dory: nGPT blocks on the unit sphere, a recurrent middle section run several times (`models.dory`).
     looped_ngpt: LoopedNGpt | None = None
+    # Zamba2: shared attention + MLP blocks before some Mamba-2 layers, each use with adapters of its own
+    # (`models.zamba2`).
+    shared_blocks: SharedBlocks | None = None
     # RecurrentGemma: `rg_lru.layers` run Griffin's recurrent block (a state per sequence, no KV cache).
     rg_lru: RGLRU | None = None
     # MiMo-V2-Flash: a KV head count per layer (its windowed layers have twice its full ones'; `layer_kv_heads`), and

@@ -45,6 +45,7 @@ from engine_server.hf_recurrent_gemma import (
     recurrent_gemma_config,
     recurrent_gemma_fields,
 )
+from engine_server.hf_zamba2 import ZAMBA2_ARCHITECTURES, zamba2_config, zamba2_fields
 
 # Each served `model_type` and the family (`ModelConfig.architecture`) that serves it.
 _HF_ARCHITECTURES: dict[str, Architecture] = {
@@ -236,6 +237,9 @@ _HF_ARCHITECTURES: dict[str, Architecture] = {
     **ERGO_ARCHITECTURES,
     # Dory: nGPT blocks on the unit sphere, a middle section of its layers run several times (`hf_dory`)
     **DORY_ARCHITECTURES,
+    # Zamba2: Mamba-2 layers, shared attention + MLP blocks over the state and the embeddings before some, each use
+    # with adapters of its own (`hf_zamba2`)
+    **ZAMBA2_ARCHITECTURES,
     # RecurrentGemma (Griffin): Griffin's recurrent blocks between local multi-query attention layers, Gemma's norms,
     # embedding scale and GeGLU (`hf_recurrent_gemma`)
     **RECURRENT_GEMMA_ARCHITECTURES,
@@ -258,7 +262,7 @@ _NOT_YET: dict[str, str] = {
     "qwen4_exp": "its text model's QSA indexed attention, hashed n-gram per-layer embeddings and low-rank "
     "hyper-connections are not implemented yet",
     "kolibri1_1": "its pooled indexed attention over shared K/V is not implemented yet (Kolibri-1 is served)",
-    "zamba2": "its shared attention blocks with per-use LoRA are not implemented yet",
+    "zamba": "its shared attention block is not implemented yet (Zamba2's are)",
 }
 # Families whose attention RMS-normalises q and k (each head, or OLMoE's and OLMo 2's whole projection) before rope.
 _QK_NORM_FAMILIES: tuple[Architecture, ...] = (
@@ -335,6 +339,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
     cfg = beam_config(model_type, cfg)
     cfg = ergo_config(model_type, cfg)
     cfg = dory_config(model_type, cfg)
+    cfg = zamba2_config(model_type, cfg)
     cfg = recurrent_gemma_config(model_type, cfg)
     cfg = jetmoe_config(model_type, cfg)
     cfg = bitnet_config(model_type, cfg)
@@ -499,6 +504,7 @@ def model_config_from_hf(cfg: dict[str, Any], name: str = "model") -> ModelConfi
         **beam_fields(model_type, cfg),
         **ergo_fields(model_type, cfg),
         **dory_fields(model_type, cfg),
+        **zamba2_fields(model_type, cfg),
         **recurrent_gemma_fields(model_type, cfg),
         **jetmoe_fields(model_type, cfg),
         **bitnet_fields(model_type, cfg),
@@ -1745,7 +1751,8 @@ def _nope_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     on windowed layers alone); every layer of a Granite 4.0 whose `position_embedding_type` is not "rope" (its H
     models' "nope", or none); every layer of an OLMo Hybrid whose rope base is null; every layer of Nemotron-H and
     of the ALiBi models (BLOOM, MPT, Falcon-RW); () for the other families."""
-    if model_type in ("nemotron_h", "bloom", "mpt") or (model_type == "falcon" and cfg.get("alibi")):
+    no_mem_rope = model_type == "zamba2" and not cfg.get("use_mem_rope")  # (Zamba2's shared blocks' rope is optional)
+    if model_type in ("nemotron_h", "bloom", "mpt") or (model_type == "falcon" and cfg.get("alibi")) or no_mem_rope:
         return tuple(range(int(cfg["num_hidden_layers"])))  # their attention turns no rope (BLOOM's, MPT's: ALiBi)
     if model_type in ("beam", "ergo"):  # the kinds of layer their rope parameters leave null
         rope = cfg["rope_parameters"]

@@ -606,6 +606,15 @@ LINEAR_ATTENTION: dict[str, Any] = {
     "layer_types": ["linear_attention"] * 3 + ["full_attention"], "head_dim": 16, "pad_token_id": 0,
 }  # fmt: skip
 HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Zamba2: Mamba-2 layers (4 heads, 2 groups), before three of them one of two shared attention + MLP blocks over
+    # cat(h, embeddings), each use with adapters of its own, rope; its embeddings tied, as released (transformers
+    # shares the blocks only then).
+    "zamba2": ("Zamba2Config", {"layers_block_type": ["mamba", "hybrid", "hybrid", "mamba", "hybrid"],
+                                "num_hidden_layers": 5, "num_mem_blocks": 2, "use_shared_attention_adapter": True,
+                                "adapter_rank": 8, "use_mem_rope": True, "num_key_value_heads": 4,
+                                "n_mamba_heads": 4, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 8,
+                                "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
+                                "eos_token_id": 2}),
     "qwen3.5": ("Qwen3_5TextConfig", LINEAR_ATTENTION),
     "qwen3-next": (
         "Qwen3NextConfig",
@@ -907,13 +916,16 @@ def with_shared_key_values(folder: Path, config: Any) -> None:
 
 
 def unclamped_time_step(model: Any) -> None:
-    """transformers' Nemotron-H clamps Mamba-2's time step at `time_step_min` (which also sets the time steps' random
-    init) in its chunked form alone, the prefill's: its one-token form, vLLM, llama.cpp and ladle clamp none (the
-    config's `time_step_limit`, (0, inf)). With `time_step_min` 0 once `model` is built (in its config, so a reload
-    keeps it, and in its mixers), transformers runs one form; other models are left as they are."""
-    if getattr(model.config, "model_type", None) != "nemotron_h":
+    """transformers' Nemotron-H and Zamba2 clamp Mamba-2's time step at `time_step_min` (which also sets the time
+    steps' random init) in its chunked form alone, the prefill's: its one-token form, vLLM, llama.cpp and ladle clamp
+    none (Nemotron-H's config's `time_step_limit`, (0, inf)). With `time_step_min` 0 once `model` is built (in its
+    config, so a reload keeps it, and in its mixers), transformers runs one form; other models are left as they are.
+    (Zamba2's config keeps its own, whose log its init takes: `load_reference` unclamps its mixers again.)"""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in ("nemotron_h", "zamba2"):
         return
-    model.config.time_step_min = 0.0
+    if model_type == "nemotron_h":
+        model.config.time_step_min = 0.0
     for module in model.modules():
         if hasattr(module, "time_step_limit"):
             module.time_step_limit = (0.0, math.inf)
@@ -923,7 +935,9 @@ def load_reference(folder: Path) -> Any:
     """transformers' model on `folder`, float32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    unclamped_time_step(model)
+    return model
 
 
 @contextlib.contextmanager

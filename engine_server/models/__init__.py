@@ -54,6 +54,7 @@ from engine_server.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine_server.models.qwen3_next import Qwen3NextForCausalLM
 from engine_server.models.recurrent_gemma import RecurrentGemmaForCausalLM
 from engine_server.models.smollm3 import SmolLM3ForCausalLM
+from engine_server.models.zamba2 import Zamba2ForCausalLM
 
 __all__ = ["BertEncoder", "CausalLM", "StepModel", "allocate_kv_cache", "get_model_class", "kv_cache_bytes_per_block"]
 
@@ -67,7 +68,8 @@ def get_model_class(architecture: str) -> type[CausalLM]:
     "olmo2", "deepseek_v3", "qwen3_next", "gemma4", "llama4", "glm4_moe", "glm4", "minimax_m2", "ernie4_5",
     "ernie4_5_moe", "cohere", "lfm2", "granitemoe", "nemotron_h", "hunyuan", "apertus", "afmoe", "falcon_h1",
     "jamba", "gpt_neox", "gptj", "nanochat", "olmo_hybrid", "mamba", "dbrx", "gemma3n", "deepseek_v4",
-    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe", "dory");
+    "longcat_flash", "minimax", "bitnet", "minimax_m3", "beam", "ergo", "recurrent_gemma", "jetmoe", "dory",
+    "zamba2");
     ValueError for anything else (an encoder, "bert", is a `BertEncoder`)."""
     classes: dict[str, type[CausalLM]] = {
         "llama": LlamaForCausalLM,
@@ -118,6 +120,7 @@ def get_model_class(architecture: str) -> type[CausalLM]:
         "beam": BeamForCausalLM,
         "ergo": ErgoForCausalLM,
         "dory": DoryForCausalLM,
+        "zamba2": Zamba2ForCausalLM,
         "recurrent_gemma": RecurrentGemmaForCausalLM,
         "jetmoe": JetMoeForCausalLM,
     }

@@ -673,6 +673,26 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # MPT: its ALiBi slopes, q/k/v in one projection clamped, no biases; with 6 heads its slopes of 8 interleaved,
     # the scores scaled by its softmax_scale.
     "mpt": (transformers.MptConfig, {"max_seq_len": 256, "attn_config": {"clip_qkv": 0.15}}),
+    # Zamba2: Mamba-2 layers, before three of them one of two shared attention + MLP blocks over cat(h, embeddings)
+    # (heads twice hidden / heads wide), each use with adapters of its own on q/k/v and gate/up, rope; and one shared
+    # block without attention adapters or rope. Weights drawn 0.08 wide (not 0.02): scores far from uniform, so each
+    # part of the block moves the logits.
+    "zamba2": (transformers.Zamba2Config, {
+        "layers_block_type": ["mamba", "hybrid", "hybrid", "mamba", "hybrid"], "num_hidden_layers": 5,
+        "num_mem_blocks": 2, "use_shared_attention_adapter": True, "adapter_rank": 8, "use_mem_rope": True,
+        "num_key_value_heads": 4, "n_mamba_heads": 4, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 8,
+        "initializer_range": 0.08,
+    }),
+    # Untied embeddings: transformers then unties the blocks too, a block for each use.
+    "zamba2-untied": (transformers.Zamba2Config, {
+        "layers_block_type": ["hybrid", "mamba", "hybrid", "hybrid"], "num_hidden_layers": 4, "num_mem_blocks": 2,
+        "use_shared_attention_adapter": True, "adapter_rank": 8, "num_key_value_heads": 4, "n_mamba_heads": 4,
+        "mamba_d_state": 16, "chunk_size": 8, "initializer_range": 0.08, "tie_word_embeddings": False,
+    }),
+    "zamba2-plain": (transformers.Zamba2Config, {
+        "layers_block_type": ["hybrid", "mamba", "hybrid"], "num_hidden_layers": 3, "adapter_rank": 8,
+        "n_mamba_heads": 4, "mamba_d_state": 16, "chunk_size": 8, "initializer_range": 0.08,
+    }),
     # Dory: a looped nGPT, one input layer, two recurrent ones run three times, one output layer; windowed layers
     # (4 positions) with a rope base of their own between full ones; q/k/v and MLP biases.
     "dory": (transformers.DoryConfig, {
@@ -1022,6 +1042,7 @@ MODEL_CLASSES = {
     transformers.BloomConfig: transformers.BloomForCausalLM,
     transformers.MptConfig: transformers.MptForCausalLM,
     transformers.DoryConfig: transformers.DoryForCausalLM,
+    transformers.Zamba2Config: transformers.Zamba2ForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
     transformers.ErgoConfig: transformers.ErgoForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
@@ -1533,6 +1554,35 @@ def test_dory_configs_read_as_transformers_writes_them() -> None:
             model_config_from_hf({**written, **changed})
 
 
+def test_zamba2_configs_read_as_transformers_writes_them() -> None:
+    """Zamba2 2.7B's shape as transformers writes its config: 54 layers, 9 of them hybrid (a shared block's use
+    before their Mamba-2), unrolled to 63 (each use a layer of K/V, heads 2 * 2,560 / 32 wide; each Mamba-2 layer
+    one of states, 8 heads of 640), its one block shared by them all; its legacy and transformers 5 layer names read
+    alike.
+    Biases, and attention adapters over fewer KV heads, are refused by name."""
+    written = transformers.Zamba2Config(tie_word_embeddings=True).to_dict()
+    config = model_config_from_hf(written)
+    shared, mamba = config.shared_blocks, config.mamba2
+    assert shared is not None and mamba is not None
+    assert (config.num_hidden_layers, config.head_dim, shared.blocks, len(shared.hybrid_layers)) == (63, 160, 1, 9)
+    assert (mamba.num_heads, mamba.head_dim, mamba.state_dim, mamba.groups) == (8, 640, 64, 1)
+    unrolled = shared.layers(54)
+    assert unrolled[5:8] == [(5, False), (6, True), (6, False)]  # (layer 6 its first hybrid one)
+    assert [config.is_recurrent_layer(i) for i in range(63)] == [not use for _, use in unrolled]
+    assert config.nope_layers == tuple(range(63))  # (`use_mem_rope` off)
+    legacy = {**written, "layers_block_type": ["mamba" if kind == "linear_attention" else kind
+                                               for kind in written["layers_block_type"]]}  # fmt: skip
+    assert model_config_from_hf(legacy) == config
+    for changed, message in (
+        ({"add_bias_linear": True}, "zamba2 with add_bias_linear is not supported"),
+        ({"use_shared_attention_adapter": True, "num_key_value_heads": 8},
+         "zamba2 with use_shared_attention_adapter and 8 KV heads for 32 heads is not supported"),
+        ({"layers_block_type": ["mamba", "moe"], "num_hidden_layers": 2}, "zamba2 layers_block_type must name"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model_config_from_hf({**written, **changed})
+
+
 def test_olmoe_config_and_its_whole_projection_norms_split_by_rank() -> None:
     shape = {**SMALL, "intermediate_size": 32}
     olmoe = transformers.OlmoeConfig(**shape, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0).to_dict()
@@ -1644,6 +1694,7 @@ def test_moe_configs_say_which_layers_are_sparse_and_what_splits_under_tp() -> N
         ({**LAGUNA, "gating": "per-group"}, "laguna gating 'per-group' is not supported"),
         ({"model_type": "olmo_hybrid", "layer_types": ["linear_attention"] * 2}, "olmo_hybrid layer_types must name"),
         ({"model_type": "olmo_hybrid", "linear_num_key_heads": 2}, "olmo_hybrid with 4 linear value heads over 2"),
+        ({"model_type": "zamba"}, r"unsupported model_type 'zamba' \(its shared attention block is not implemented"),
         ({"model_type": "mpt", "attn_config": {"qk_ln": True}}, "mpt with attn_config qk_ln True is not supported"),
         ({"model_type": "mpt", "attn_config": {"alibi": False}}, "mpt with attn_config alibi False is not supported"),
         ({"model_type": "mpt", "attn_config": {"attn_type": "grouped_query_attention"}},
