@@ -211,11 +211,8 @@ def _refuse_unserved(source: ModelSource, config: EngineConfig) -> None:
             raise ValueError(f"MiniMax-M3's {index_heads} index heads do not split over {size} tensor-parallel ranks")
         if config.lora is not None:
             raise ValueError("LoRA adapters are not applied to MiniMax-M3's block-sparse attention yet")
-    if model.shared_blocks is not None:  # its shared blocks' adapters and heads are not split over ranks yet
-        if config.tensor_parallel_size > 1:
-            raise ValueError("Zamba2 is not served under tensor parallelism yet")
-        if config.lora is not None:
-            raise ValueError("LoRA adapters are not applied to Zamba2's shared blocks yet")
+    if model.shared_blocks is not None and config.lora is not None:  # (its blocks have adapters of their own)
+        raise ValueError("LoRA adapters are not applied to Zamba2's shared blocks yet")
     if model.looped_ngpt is not None:  # its norms span every head and the MLP's width; its blocks are its own
         if config.tensor_parallel_size > 1:
             raise ValueError("Dory is not served under tensor parallelism yet")

@@ -25,7 +25,7 @@ from engine_server.lora.slots import LoraBatch
 from engine_server.models.base import CausalLM
 from engine_server.parallel.group import SINGLE, TensorParallel
 from engine_server.parallel.layers import CheckpointTensor, ColumnParallelLinear, RowParallelLinear
-from engine_server.parallel.sharding import PartSlice
+from engine_server.parallel.sharding import PartSlice, gate_up_slices, qkv_slices
 from engine_server.step_interrupt import StepInterrupt
 from ladle_kernels.kernel_set import KernelOps
 
@@ -37,51 +37,74 @@ _ADAPTER = re.compile(r"(?P<proj>self_attn\.linear_[qkv]_adapter_list|feed_forwa
 _ADAPTER_NAMES = {"self_attn.linear_q_adapter_list": "q_adapter", "self_attn.linear_k_adapter_list": "k_adapter",
                   "self_attn.linear_v_adapter_list": "v_adapter",
                   "feed_forward.gate_up_proj_adapter_list": "gate_up_adapter"}  # fmt: skip
+# The MLP adapter's two projections as `GateUpAdapter` names them.
+_GATE_UP_ADAPTER = {"0.weight": "down.weight", "1.weight": "gate_up_proj.weight"}
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
-def _whole(width: int) -> PartSlice:
-    return PartSlice(width, range(width))
-
-
 class LowRank(nn.Sequential):
-    """An adapter `up(down(x))` of rank `rank` (its checkpoint's `0.weight`, `1.weight`)."""
+    """An adapter `up(down(x))` of rank `rank` (its checkpoint's `0.weight`, `1.weight`): `down` whole on every
+    rank, `up` this rank's rows of the projection it adds to (`parts`)."""
 
-    def __init__(self, width: int, rank: int, out: int, dtype: torch.dtype) -> None:
-        super().__init__(nn.Linear(width, rank, bias=False, dtype=dtype), nn.Linear(rank, out, bias=False, dtype=dtype))
+    def __init__(self, width: int, rank: int, parts: list[PartSlice], dtype: torch.dtype) -> None:
+        down = nn.Linear(width, rank, bias=False, dtype=dtype)
+        super().__init__(down, ColumnParallelLinear(rank, parts, False, dtype))
+
+
+class GateUpAdapter(nn.Module):
+    """The MLP's adapter, `gate_up_proj(down(x))` (its checkpoint's `0.weight` and `1.weight`): `gate_up_proj` this
+    rank's rows of the gate and of the up projection, loaded as a fused gate/up."""
+
+    def __init__(self, width: int, rank: int, parts: list[PartSlice], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.down = nn.Linear(width, rank, bias=False, dtype=dtype)
+        self.gate_up_proj = ColumnParallelLinear(rank, parts, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.gate_up_proj(self.down(x))
+        return out
 
 
 class SharedUse(nn.Module):
-    """One use of a shared block (a hybrid layer's): its adapters and its linear map of the block's output."""
+    """One use of a shared block (a hybrid layer's): its adapters (this rank's rows of what they add to) and its
+    linear map of the block's output (whole on every rank)."""
 
-    def __init__(self, config: ModelConfig, blocks: SharedBlocks, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, blocks: SharedBlocks, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         width, rank = 2 * config.hidden_size, blocks.adapter_rank
-        self.q_adapter = LowRank(width, rank, config.num_attention_heads * config.head_dim, dtype) \
-            if blocks.attention_adapters else None  # fmt: skip
-        kv_width = config.num_key_value_heads * config.head_dim
-        self.k_adapter = LowRank(width, rank, kv_width, dtype) if blocks.attention_adapters else None
-        self.v_adapter = LowRank(width, rank, kv_width, dtype) if blocks.attention_adapters else None
-        self.gate_up_adapter = LowRank(config.hidden_size, rank, 2 * config.intermediate_size, dtype)
+        q, k, v = qkv_slices(config.num_attention_heads, config.num_key_value_heads, config.head_dim, tp.size, tp.rank)
+        adapters = blocks.attention_adapters
+        self.q_adapter = LowRank(width, rank, [q], dtype) if adapters else None
+        self.k_adapter = LowRank(width, rank, [k], dtype) if adapters else None
+        self.v_adapter = LowRank(width, rank, [v], dtype) if adapters else None
+        gate_up = list(gate_up_slices(config.intermediate_size, tp.size, tp.rank))
+        self.gate_up_adapter = GateUpAdapter(config.hidden_size, rank, gate_up, dtype)
         self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False, dtype=dtype)
 
 
 class SharedBlock(nn.Module):
     """A shared attention + MLP block: `mlp(norm(attn(norm(cat(h, e)))))`, no residual; each use's adapters added
-    to its projections (`SharedUse`)."""
+    to its projections (`SharedUse`). Under tensor parallelism a rank holds its heads (their rows of q, k and v,
+    their columns of `o_proj`) and a block of the MLP's width, and all-reduces both outputs."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        width, heads, kv_heads = 2 * config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.heads, self.kv_heads = config.head_dim, heads, kv_heads
-        self.sizes = [heads * config.head_dim, kv_heads * config.head_dim, kv_heads * config.head_dim]
+        self.tp = tp
+        width = 2 * config.hidden_size
+        parts = qkv_slices(config.num_attention_heads, config.num_key_value_heads, config.head_dim, tp.size, tp.rank)
+        self.head_dim, self.sizes = config.head_dim, [len(part.rows) for part in parts]
+        self.heads, self.kv_heads = self.sizes[0] // config.head_dim, self.sizes[1] // config.head_dim
         self.input_layernorm = RMSNorm(width, config.rms_norm_eps, dtype)
-        self.qkv_proj = ColumnParallelLinear(width, [_whole(size) for size in self.sizes], False, dtype)
-        self.o_proj = RowParallelLinear(self.sizes[0], config.hidden_size, False, SINGLE, dtype)
+        self.qkv_proj = ColumnParallelLinear(width, list(parts), False, dtype)
+        heads_width = config.num_attention_heads * config.head_dim
+        self.o_proj = RowParallelLinear(heads_width, config.hidden_size, False, tp, dtype)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         intermediate = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [_whole(intermediate)] * 2, False, dtype)
-        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, False, SINGLE, dtype)
+        gate_up = list(gate_up_slices(intermediate, tp.size, tp.rank))
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, gate_up, False, dtype)
+        self.down_proj = RowParallelLinear(intermediate, config.hidden_size, False, tp, dtype)
         self.act = _ACTIVATIONS[config.hidden_act]
         self.rope = config.uses_rope(0)
         self.scale = (config.head_dim / 2) ** -0.5
@@ -110,19 +133,20 @@ class SharedBlock(nn.Module):
             q, k = ops.rotary_embedding(positions, q, k, cos_sin_cache)
         ops.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         attended = ops.paged_attention(q.contiguous(), kv_cache, meta, self.scale, 0, 0.0, None)
-        y = self.pre_ff_layernorm(self.o_proj(attended.reshape(tokens, self.sizes[0])), ops)
+        y = self.tp.all_reduce_sum(self.o_proj(attended.reshape(tokens, self.sizes[0])))
+        y = self.pre_ff_layernorm(y, ops)
         gate, up = (self.gate_up_proj(y) + use.gate_up_adapter(y)).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+        out: torch.Tensor = self.tp.all_reduce_sum(self.down_proj(self.act(gate) * up))
         return out
 
 
 class Zamba2MambaLayer(nn.Module):
     """A Mamba-2 layer: `h + mamba(norm(h + t))`, `t` the shared block's output before it (0 where none)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mamba = Mamba2Mixer(config, dtype)
+        self.mamba = Mamba2Mixer(config, dtype, tp)
 
 
 class Zamba2DecoderModel(DecoderModel):
@@ -142,9 +166,9 @@ class Zamba2DecoderModel(DecoderModel):
         self.unrolled = shared.layers(checkpoint_layers)
         self.use_of = {layer: use for use, layer in enumerate(shared.hybrid_layers)}
         self.block_count = shared.blocks
-        self.layers = nn.ModuleList(Zamba2MambaLayer(config, dtype) for _ in range(checkpoint_layers))
-        self.blocks = nn.ModuleList(SharedBlock(config, dtype) for _ in range(shared.blocks))
-        self.uses = nn.ModuleList(SharedUse(config, shared, dtype) for _ in shared.hybrid_layers)
+        self.layers = nn.ModuleList(Zamba2MambaLayer(config, dtype, tp) for _ in range(checkpoint_layers))
+        self.blocks = nn.ModuleList(SharedBlock(config, dtype, tp) for _ in range(shared.blocks))
+        self.uses = nn.ModuleList(SharedUse(config, shared, dtype, tp) for _ in shared.hybrid_layers)
 
     def forward(
         self,
@@ -180,7 +204,7 @@ class Zamba2ForCausalLM(CausalLM):
     linear map and adapters (`uses.<k>`: the shared block's adapter lists are indexed by use), and the shared block
     they run (`blocks.<k % blocks>`: a checkpoint may hold it under each use's layer or, as transformers saves it,
     under the first's; untied, each use's own, whose adapters for the other uses are not read); Mamba-2's `A_log`,
-    `dt_bias` and `D` are `HeadSlice`s. One rank only."""
+    `dt_bias` and `D` are `HeadSlice`s."""
 
     decoder_class = Zamba2DecoderModel
     checkpoint_renames = (
@@ -221,6 +245,8 @@ class Zamba2ForCausalLM(CausalLM):
                 # a block holds adapters for each use of it; untied (each use a block), a use reads its own block's
                 use = int(adapter["use"])
                 if use % shared.blocks == use_of[layer] % shared.blocks:
-                    yield f"model.uses.{use}.{_ADAPTER_NAMES[adapter['proj']]}.{adapter['rest']}", tensor
+                    kind, part = _ADAPTER_NAMES[adapter["proj"]], adapter["rest"]
+                    part = _GATE_UP_ADAPTER.get(part, part) if kind == "gate_up_adapter" else part
+                    yield f"model.uses.{use}.{kind}.{part}", tensor
             else:
                 yield f"model.blocks.{use_of[layer] % shared.blocks}.{rest}", tensor

@@ -189,12 +189,8 @@ def test_tensor_parallel_hybrids_equal_transformers(hybrid: tuple[str, Path, Any
     Qwen3-Next its experts' share; LFM2's half of the convolution's channels; Granite 4.0 H's half of the Mamba-2
     heads, both reading the one group's B and C, its gated norm's statistic summed over the ranks. Each step's state
     slots and copies (the first prompt's snapshot saved, then restored for it and the last) reach the worker with
-    the rest of the step. Zamba2 is refused by name."""
+    the rest of the step. Zamba2's shared blocks: each rank its heads (and their adapters' rows) and half the MLP."""
     name, folder, theirs = hybrid
-    if name == "zamba2":  # its shared blocks' heads and adapters are not split over ranks yet
-        with pytest.raises(ValueError, match="Zamba2 is not served under tensor parallelism yet"):
-            engine(folder, tensor_parallel_size=2)
-        return
     with engine(folder, tensor_parallel_size=2) as llm:
         alone = tokens(llm, prompts()[:1])
         assert alone == theirs.of(alone), name
