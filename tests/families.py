@@ -607,11 +607,11 @@ LINEAR_ATTENTION: dict[str, Any] = {
 }  # fmt: skip
 HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
     # Zamba2: Mamba-2 layers (4 heads, 2 groups), before three of them one of two shared attention + MLP blocks over
-    # cat(h, embeddings), each use with adapters of its own, rope; its embeddings tied, as released (transformers
-    # shares the blocks only then).
+    # cat(h, embeddings), each use with adapters of its own (rank 32: int8 takes their projections, as the released
+    # rank 128), rope; its embeddings tied, as released (transformers shares the blocks only then).
     "zamba2": ("Zamba2Config", {"layers_block_type": ["mamba", "hybrid", "hybrid", "mamba", "hybrid"],
                                 "num_hidden_layers": 5, "num_mem_blocks": 2, "use_shared_attention_adapter": True,
-                                "adapter_rank": 8, "use_mem_rope": True, "num_key_value_heads": 4,
+                                "adapter_rank": 32, "use_mem_rope": True, "num_key_value_heads": 4,
                                 "n_mamba_heads": 4, "mamba_d_state": 16, "mamba_ngroups": 2, "chunk_size": 8,
                                 "tie_word_embeddings": True, "pad_token_id": 0, "bos_token_id": 1,
                                 "eos_token_id": 2}),

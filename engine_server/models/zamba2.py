@@ -136,7 +136,8 @@ class SharedBlock(nn.Module):
         y = self.tp.all_reduce_sum(self.o_proj(attended.reshape(tokens, self.sizes[0])))
         y = self.pre_ff_layernorm(y, ops)
         gate, up = (self.gate_up_proj(y) + use.gate_up_adapter(y)).chunk(2, dim=-1)
-        out: torch.Tensor = self.tp.all_reduce_sum(self.down_proj(self.act(gate) * up))
+        # (its activation over a contiguous copy: torch's erf over a strided view rounds by the batch's shape)
+        out: torch.Tensor = self.tp.all_reduce_sum(self.down_proj(self.act(gate.contiguous()) * up))
         return out
 
 
