@@ -1434,10 +1434,14 @@ def test_a_bloom_checkpoint_without_its_prefix_equals_transformers(tmp_path: Pat
 
 def test_dory_chunked_preempted_on_int8_and_refusing_what_it_lacks(tmp_path: Path) -> None:
     """Dory (tests/families.py: its recurrent section's three passes each a KV cache of its own) keeps transformers'
-    tokens prefilled in 16-token chunks and preempted; on int8 each prompt's tokens are the same alone and batched.
-    Tensor parallelism and LoRA adapters are refused by name."""
+    tokens prefilled in 16-token chunks and preempted, and under n-gram speculation; on int8 each prompt's tokens are
+    the same alone and batched. Tensor parallelism and LoRA adapters are refused by name."""
     folder = save_family(tmp_path, "dory", head_spread=0.5)
     chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.gate_up_proj, split=False, kv_blocks=48)
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:  # drafts verified through every pass's cache
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)
     with pytest.raises(ValueError, match="Dory is not served under tensor parallelism yet"):
         engine(folder, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="LoRA adapters are not applied to Dory's nGPT blocks"):
