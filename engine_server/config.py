@@ -658,6 +658,10 @@ class ModelConfig:
     # transposed, `[in, out]` (its Conv1D: `transposed_weights`).
     absolute_positions: bool = False
     transposed_weights: bool = False
+    # GPT-1, OPT-350M: post-LN blocks, each norm after its residual add, no final norm (`layers.post_layer_norm`);
+    # OPT-350M's embeddings `embedding_size` wide (0: the model's), projected in and out.
+    post_layer_norm: bool = False
+    embedding_size: int = 0
     # BLOOM, MPT, Falcon-RW: attention without rope, every score biased linearly by distance (ALiBi: `layers.alibi`;
     # "": none), the slopes BLOOM's, MPT's (from `alibi_bias_max`) or Falcon-RW's (BLOOM's in bfloat16, scaled with
     # the scores). BLOOM: the embeddings LayerNorm'd (with a bias) before the first layer (`embedding_layer_norm`).

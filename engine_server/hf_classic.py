@@ -45,6 +45,8 @@ CLASSIC_ARCHITECTURES: dict[str, Architecture] = {
     # MPT (MosaicML's 7B and 30B, their chat, instruct and StoryWriter models): q/k/v in one projection `cat(q, k,
     # v)`, no biases anywhere (its LayerNorms' neither), ALiBi with its own slopes, a GELU MLP, a sequential block
     "mpt": "gpt_neox",
+    # GPT-1 (OpenAI's first GPT): post-LN blocks, learned positions, GPT-2's Conv1D weights, no final norm
+    "openai-gpt": "gpt_neox",
 }
 # The share of each head rope turns where a config does not say (their transformers classes' defaults).
 _PARTIAL_ROTARY = {"gpt_neox": 0.25, "phi": 0.5, "stablelm": 0.25, "nemotron": 0.5, "persimmon": 0.5}
@@ -64,6 +66,7 @@ _ACTIVATIONS = {
     "bloom": {"bloom_gelu": "gelu_tanh"},  # (its config names none: its `BloomGelu`, GELU's tanh form)
     "biogpt": {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"},
     "mpt": {"gelu": "gelu"},  # (its config names none: exact GELU)
+    "openai-gpt": {"gelu": "gelu_tanh", "relu": "relu"},  # (its "gelu" is transformers' `gelu_new`)
     "stablelm": {"silu": "silu"},
     "olmo": {"silu": "silu"},
     "exaone": {"silu": "silu"},
@@ -85,6 +88,8 @@ _RENAMED_KEYS = {
     "persimmon": {"layer_norm_eps": "rms_norm_eps"},
     "bloom": {"n_embed": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
               "layer_norm_epsilon": "rms_norm_eps", "seq_length": "max_position_embeddings"},
+    "openai-gpt": {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                   "n_positions": "max_position_embeddings", "layer_norm_epsilon": "rms_norm_eps", "afn": "hidden_act"},
     "mpt": {"d_model": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
             "max_seq_len": "max_position_embeddings", "layer_norm_epsilon": "rms_norm_eps"},
     "xglm": {"d_model": "hidden_size", "num_layers": "num_hidden_layers", "attention_heads": "num_attention_heads",
@@ -97,7 +102,8 @@ _RENAMED_KEYS = {
                 "layer_norm_epsilon": "rms_norm_eps", "activation_function": "hidden_act"},
 }  # fmt: skip
 # The families whose every head has its own K/V.
-_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt", "bloom", "mpt")
+_OWN_KV_HEADS = ("gpt_neox", "gptj", "codegen", "opt", "gpt_neo", "persimmon", "xglm", "biogpt", "bloom", "mpt",
+                 "openai-gpt")
 # What a family's config may set that this engine does not build.
 _UNBUILT = {
     "gpt2": ("scale_attn_by_inverse_layer_idx", "add_cross_attention"), "gpt_bigcode": ("add_cross_attention",),
@@ -116,6 +122,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "max_position_embeddings": 2048},
     "mpt": {"attention_bias": False, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
             "max_position_embeddings": 2048},
+    "openai-gpt": {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+                   "max_position_embeddings": 512},
     **{gpt2: {"attention_bias": True, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 1024} for gpt2 in ("gpt2", "gpt_bigcode")},
     "falcon": {"rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 10000.0},
@@ -175,7 +183,7 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         renamed["partial_rotary_factor"] = int(renamed.get("rotary_dim") or hidden // heads) / (hidden // heads)
         renamed["intermediate_size"] = int(renamed.get("intermediate_size") or 4 * hidden)
         renamed["rope_theta"] = 10000.0
-    if model_type == "bloom":  # its MLP 4 x hidden
+    if model_type in ("bloom", "openai-gpt"):  # their MLP 4 x hidden
         renamed["intermediate_size"] = 4 * int(renamed["hidden_size"])
     if model_type == "mpt":  # its MLP `expansion_ratio` x hidden (4; MosaicML's code reads it, transformers fixes
         # 4); its q/k/v clamped by `attn_config`
@@ -196,15 +204,9 @@ def classic_config(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refuse_unbuilt_opt(cfg: dict[str, Any]) -> None:
-    """ValueError for the OPT forms this engine does not build: OPT-350M's post-norm block (`do_layer_norm_before`
-    false) and its embeddings narrower than the model (`word_embed_proj_dim`, projected in and out), a model without
-    its final norm (`_remove_final_layer_norm`) or LayerNorms without a weight and bias
-    (`layer_norm_elementwise_affine` false)."""
-    if not cfg.get("do_layer_norm_before", True):
-        raise ValueError("opt with do_layer_norm_before false (OPT-350M's post-norm block) is not supported")
-    hidden, width = cfg.get("hidden_size"), cfg.get("word_embed_proj_dim")
-    if width is not None and width != hidden:
-        raise ValueError(f"opt with word_embed_proj_dim {width} other than hidden_size {hidden} is not supported")
+    """ValueError for the OPT forms this engine does not build: a pre-LN model without its final norm
+    (`_remove_final_layer_norm`) or LayerNorms without a weight and bias (`layer_norm_elementwise_affine` false).
+    (OPT-350M's post-LN blocks and narrower embeddings are built: `classic_fields`.)"""
     if cfg.get("_remove_final_layer_norm") or not cfg.get("layer_norm_elementwise_affine", True):
         raise ValueError("opt without its final LayerNorm, or with LayerNorms without weights, is not supported")
 
@@ -291,9 +293,10 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The `ModelConfig` fields of a classic family's blocks (`cfg` as `classic_config` gives it; {} for the other
     families): their LayerNorms (with biases; Nemotron's applying 1 + weight; OLMo's without a weight), ungated MLPs
     and their activation, GPT-NeoX's, Falcon's, GPT-J's, Phi's and StableLM 2 12B's parallel blocks, StableLM 2's
-    q/k LayerNorms per head, GPT-2's, GPT-BigCode's, OPT's and GPT-Neo's learned positions (GPT-2's Conv1D weights),
-    GPT-Neo's unscaled scores, GPT-J's and Phi's LM head bias, BLOOM's, MPT's and Falcon-RW's ALiBi. ValueError for
-    an activation the family's modeling file would not run as ours does."""
+    q/k LayerNorms per head, GPT-2's, GPT-BigCode's, OPT's, GPT-Neo's and GPT-1's learned positions (GPT-2's and
+    GPT-1's Conv1D weights), GPT-1's and OPT-350M's post-LN blocks (OPT-350M's narrower embeddings), GPT-Neo's
+    unscaled scores, GPT-J's and Phi's LM head bias, BLOOM's, MPT's and Falcon-RW's ALiBi. ValueError for an
+    activation the family's modeling file would not run as ours does."""
     if model_type not in CLASSIC_ARCHITECTURES:
         return {}
     activations = _ACTIVATIONS[model_type]
@@ -338,8 +341,14 @@ def classic_fields(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
         fields.update(parallel_block=parallel, qk_layer_norm=head_norms)
     elif model_type == "starcoder2":
         fields.update(mlp_bias=bool(cfg.get("attention_bias")))  # its `use_bias`, on every projection
-    elif model_type == "opt":  # learned positions; its `enable_bias` on every projection
-        fields.update(mlp_bias=bool(cfg.get("attention_bias")), absolute_positions=True)
+    elif model_type == "opt":  # learned positions; its `enable_bias` on every projection; OPT-350M's post-LN blocks
+        # and narrower embeddings
+        width = int(cfg.get("word_embed_proj_dim") or cfg["hidden_size"])
+        fields.update(mlp_bias=bool(cfg.get("attention_bias")), absolute_positions=True,
+                      post_layer_norm=not cfg.get("do_layer_norm_before", True),
+                      embedding_size=0 if width == int(cfg["hidden_size"]) else width)  # fmt: skip
+    elif model_type == "openai-gpt":  # learned positions, Conv1D weights, post-LN blocks
+        fields.update(mlp_bias=True, absolute_positions=True, transposed_weights=True, post_layer_norm=True)
     elif model_type == "gpt_neo":  # learned positions; unscaled scores (its modeling file's)
         fields.update(mlp_bias=True, absolute_positions=True, attention_scale=1.0)
     else:  # nemotron: LayerNorm1P, `(1 + weight)`, folded into the weight at load

@@ -524,6 +524,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # BLOOM: ALiBi (no rope), its embeddings LayerNorm'd, GPT-NeoX's fused q/k/v, a tanh-GELU MLP.
     "bloom": ("BloomConfig", {"n_head": 4, "pad_token_id": 3, "bos_token_id": 1, "eos_token_id": 2}),
     "biogpt": ("BioGptConfig", {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    # OPT-350M's form (post-LN blocks, no final norm, embeddings 32 wide projected in and out) and GPT-1 (post-LN
+    # blocks, learned positions, Conv1D weights).
+    "opt-350m": ("OPTConfig", {"ffn_dim": 96, "word_embed_proj_dim": 32, "do_layer_norm_before": False,
+                               "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
+    "openai-gpt": ("OpenAIGPTConfig", {"n_embd": 64, "n_layer": 4, "n_head": 4, "n_positions": 1024}),
     # Dory: a looped nGPT (unit hidden states, interpolated residuals), one input layer, two recurrent ones run
     # three times, one output layer; windowed layers (6 positions) with a rope base of their own.
     "dory": ("DoryConfig", {"head_dim": 16, "n_input_layers": 1, "n_output_layers": 1, "n_recurrent_loops": 3,

@@ -15,6 +15,7 @@ from engine_server.layers.decoder import DecoderModel
 from engine_server.layers.hyper_connections import HyperConnectedDecoderModel
 from engine_server.layers.kernel_choice import select_ops
 from engine_server.layers.norm import RMSNorm
+from engine_server.layers.post_layer_norm import PostLayerNormDecoderModel
 from engine_server.loader.lazy_tensor import ComputedSlice, LazyTensor, derived, whole
 from engine_server.lora.slots import LoraBatch
 from engine_server.parallel.group import SINGLE, TensorParallel
@@ -117,14 +118,19 @@ class CausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.ops: KernelOps | None = None
-        decoder = HyperConnectedDecoderModel if config.hyper_connections is not None else self.decoder_class
+        decoder = (
+            HyperConnectedDecoderModel if config.hyper_connections is not None
+            else PostLayerNormDecoderModel if config.post_layer_norm
+            else self.decoder_class
+        )  # fmt: skip
         self.model = decoder(config, dtype, o_proj_bias=config.o_proj_bias, tp=tp)
         embedding = self.model.embed_tokens
         head_rows = config.output_vocab_size or config.vocab_size
         self.lm_head: nn.Module = (
             ParallelLMHead.tied_to(embedding)
             if config.tie_word_embeddings
-            else ParallelLMHead(head_rows, config.hidden_size, tp, dtype, bias=config.lm_head_bias)
+            else ParallelLMHead(head_rows, config.embedding_size or config.hidden_size, tp, dtype,
+                                bias=config.lm_head_bias)  # (OPT-350M's head as wide as its embeddings)
         )
         self.vocab_shard = embedding.shard if config.tie_word_embeddings else self.lm_head.shard
 

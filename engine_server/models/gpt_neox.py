@@ -28,7 +28,7 @@ _C_ATTN = re.compile(r".+\.attn\.c_attn\.(?:weight|bias)")
 # GPT-2's Conv1D weights, `[in, out]`: each read transposed.
 _CONV1D = re.compile(r".+\.(?:attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight")
 # The first GPT-2 checkpoints' names, without `transformer.`; their attention's causal-mask buffers.
-_BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.")
+_BARE_GPT2 = ("h.", "wte.", "wpe.", "ln_f.", "tokens_embed.", "positions_embed.")  # (GPT-1's last two)
 _BARE_BLOOM = ("h.", "word_embeddings.", "word_embeddings_layernorm.", "ln_f.")
 MASK_BUFFERS = (".attention.bias", ".attention.masked_bias", ".attn.bias", ".attn.masked_bias")
 # OPT's learned positions: row `p + 2` is position p's (its `OPTLearnedPositionalEmbedding` offset).
@@ -57,6 +57,10 @@ class GPTNeoXForCausalLM(CausalLM):
         ("transformer.ln_f.", "model.norm."),
         ("transformer.wte.", "model.embed_tokens."),  # GPT-2's and GPT-BigCode's
         ("transformer.wpe.", "model.embed_positions."),
+        ("transformer.tokens_embed.", "model.embed_tokens."),  # GPT-1's
+        ("transformer.positions_embed.", "model.embed_positions."),
+        ("model.decoder.project_in.", "model.project_in."),  # OPT-350M's
+        ("model.decoder.project_out.", "model.project_out."),
         (".ln_1.", ".input_layernorm."),
         (".ln_2.", ".post_attention_layernorm."),
         (".attn.c_attn.", ".self_attn.qkv_proj."),

@@ -1420,6 +1420,28 @@ def test_mpt_and_falcon_rw_split_chunked_and_on_int8(tmp_path: Path, name: str, 
     chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=kv_blocks)
 
 
+@pytest.mark.parametrize("name", ["opt-350m", "openai-gpt"])
+def test_post_layer_norm_models_split_chunked_and_on_int8(tmp_path: Path, name: str) -> None:
+    """OPT-350M's form and GPT-1 (tests/families.py: post-LN blocks, no final norm; OPT-350M's embeddings projected in
+    and out) keep transformers' tokens prefilled in 16-token chunks and preempted, and over two ranks; on int8 each
+    prompt's tokens are the same alone and batched."""
+    folder = save_family(tmp_path, name, head_spread=0.5)
+    chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=48)  # (4 KV heads)
+
+
+def test_a_gpt1_checkpoint_without_its_prefix_equals_transformers(tmp_path: Path) -> None:
+    """GPT-1's released checkpoint (openai-community/openai-gpt) names its tensors without `transformer.`
+    (`tokens_embed`, `positions_embed`, `h.N.`): read as transformers reads them."""
+    folder = save_family(tmp_path, "openai-gpt", head_spread=0.5)
+    saved = load_file(folder / "model.safetensors")
+    state = {name.removeprefix("transformer."): tensor for name, tensor in saved.items()}
+    assert "tokens_embed.weight" in state and "h.0.attn.c_attn.weight" in state
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with engine(folder) as llm:
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)
+
+
 def test_a_bloom_checkpoint_without_its_prefix_equals_transformers(tmp_path: Path) -> None:
     """BLOOM's first checkpoints (bigscience's) name their tensors without `transformer.`: read as transformers reads
     them."""

@@ -766,6 +766,10 @@ FAMILIES: dict[str, tuple[type[Any], dict[str, Any]]] = {
     # OPT: learned positions (its rows offset by 2), LayerNorms and projections with biases, a ReLU MLP, tied
     # embeddings; and without biases (`enable_bias` false).
     "opt": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 64}),
+    # OPT-350M's form: post-LN blocks, no final norm, embeddings 32 wide projected in and out (its LM head tied to
+    # them); GPT-1: post-LN blocks, learned positions, Conv1D weights.
+    "opt-350m": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 32, "do_layer_norm_before": False}),
+    "openai-gpt": (transformers.OpenAIGPTConfig, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
     "opt-unbiased": (transformers.OPTConfig, {"ffn_dim": 96, "word_embed_proj_dim": 64, "enable_bias": False}),
     # GPT-Neo: learned positions, global and local (a 6-position window) layers in turn, unscaled scores, q/k/v
     # without biases and out_proj with one, a GELU (tanh) MLP with biases, tied embeddings.
@@ -1041,6 +1045,7 @@ MODEL_CLASSES = {
     transformers.BioGptConfig: transformers.BioGptForCausalLM,
     transformers.BloomConfig: transformers.BloomForCausalLM,
     transformers.MptConfig: transformers.MptForCausalLM,
+    transformers.OpenAIGPTConfig: transformers.OpenAIGPTLMHeadModel,
     transformers.DoryConfig: transformers.DoryForCausalLM,
     transformers.Zamba2Config: transformers.Zamba2ForCausalLM,
     transformers.RecurrentGemmaConfig: transformers.RecurrentGemmaForCausalLM,
@@ -1344,10 +1349,9 @@ DBRX_INSTRUCT = {
 }  # fmt: skip
 
 
-def test_opt_reads_its_first_checkpoints_names_and_refuses_opt_350ms_form() -> None:
+def test_opt_reads_its_first_checkpoints_names_and_refuses_what_it_does_not_build() -> None:
     """An OPT checkpoint under its first names (`decoder.*`, without `model.`, as facebook/opt-* were saved) loads as
-    the same model; OPT-350M's post-norm block and narrower embeddings (projected in and out), a model without its
-    final norm and LayerNorms without weights are refused by name."""
+    the same model; a pre-LN model without its final norm and LayerNorms without weights are refused by name."""
     hf, ours = build_pair("opt")
     config = model_config_from_hf(hf.config.to_dict())
     first = get_model_class(config.architecture)(config)
@@ -1356,13 +1360,33 @@ def test_opt_reads_its_first_checkpoints_names_and_refuses_opt_350ms_form() -> N
         assert torch.equal(theirs, mine)
     base = hf.config.to_dict()
     for bad, message in (
-        ({"do_layer_norm_before": False}, "opt with do_layer_norm_before false"),
-        ({"word_embed_proj_dim": 32}, "opt with word_embed_proj_dim 32 other than hidden_size 64"),
         ({"_remove_final_layer_norm": True}, "opt without its final LayerNorm"),
         ({"layer_norm_elementwise_affine": False}, "opt without its final LayerNorm, or with LayerNorms without"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             model_config_from_hf({**base, **bad})
+
+
+def test_opt_350m_and_gpt1_configs_read_as_released() -> None:
+    """OPT-350M's released config: post-LN blocks (`do_layer_norm_before` false), embeddings 512 wide projected in
+    and out of its 1,024; GPT-1's (openai-community/openai-gpt): post-LN blocks, 512 learned positions, its "gelu"
+    transformers' tanh form, an MLP 4 x 768, Conv1D weights."""
+    opt_350m = {"model_type": "opt", "activation_function": "relu", "do_layer_norm_before": False, "ffn_dim": 4096,
+                "hidden_size": 1024, "max_position_embeddings": 2048, "num_attention_heads": 16,
+                "num_hidden_layers": 24, "vocab_size": 50272, "word_embed_proj_dim": 512, "pad_token_id": 1,
+                "bos_token_id": 2, "eos_token_id": 2}  # fmt: skip
+    config = model_config_from_hf(opt_350m)
+    assert (config.post_layer_norm, config.embedding_size, config.hidden_size, config.intermediate_size) == (
+        True, 512, 1024, 4096)
+    assert (config.absolute_positions, config.tie_word_embeddings, config.hidden_act) == (True, True, "relu")
+    gpt1 = {"model_type": "openai-gpt", "afn": "gelu", "layer_norm_epsilon": 1e-05, "n_ctx": 512, "n_embd": 768,
+            "n_head": 12, "n_layer": 12, "n_positions": 512, "n_special": 0, "vocab_size": 40478}  # fmt: skip
+    config = model_config_from_hf(gpt1)
+    shape = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers,
+             config.intermediate_size, config.max_position_embeddings)  # fmt: skip
+    assert shape == (768, 12, 12, 12, 3072, 512)
+    assert (config.post_layer_norm, config.transposed_weights, config.hidden_act, config.embedding_size) == (
+        True, True, "gelu_tanh", 0)
 
 
 def test_gpt_neo_125m_config_reads_as_released() -> None:
