@@ -1414,10 +1414,14 @@ def test_bloom_split_chunked_and_on_int8(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("name", "kv_blocks"), [("mpt", 72), ("falcon-rw", 48)])  # (24 blocks of 6 or 16 heads)
 def test_mpt_and_falcon_rw_split_chunked_and_on_int8(tmp_path: Path, name: str, kv_blocks: int) -> None:
     """MPT and Falcon-RW (tests/families.py: ALiBi with MPT's slopes; BLOOM's in bfloat16 scaled with the scores)
-    keep transformers' tokens prefilled in 16-token chunks and preempted, and over two ranks (each its heads'
-    slopes). On int8 each prompt's tokens are the same alone and batched."""
+    keep transformers' tokens prefilled in 16-token chunks and preempted, over two ranks (each its heads' slopes) and
+    under n-gram speculation. On int8 each prompt's tokens are the same alone and batched."""
     folder = save_family(tmp_path, name, head_spread=0.5)
     chunked_split_and_int8(folder, lambda model: model.model.layers[0].mlp.up_proj, kv_blocks=kv_blocks)
+    speculative = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": False}
+    with engine(folder, speculative_config=speculative) as llm:  # drafts verified as rows of several queries
+        ours = tokens(llm, prompts())
+        assert ours == reference_tokens(folder).of(ours)
 
 
 @pytest.mark.parametrize("name", ["opt-350m", "openai-gpt"])
